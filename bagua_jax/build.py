@@ -1,0 +1,18 @@
+"""What the installed native library was built with."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bagua_jax._native import library
+
+
+def build_info() -> dict[str, Any]:
+    """Report what the native library contains.
+
+    Returns a dict with ``cpu`` (always True), ``cuda`` and ``cuda_architectures``
+    (the CUDA kernels and the GPU architectures they were compiled for), ``nccl`` and
+    ``mpi`` (the communication engines), ``jaxlib`` (the jaxlib whose FFI headers it
+    was built against) and ``xla_ffi_api`` (the XLA FFI API version of those headers).
+    """
+    return dict(library.build_info())

@@ -1,0 +1,169 @@
+"""The native collectives (MPI or NCCL) behind the communicator protocol."""
+
+from __future__ import annotations
+
+import base64
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bagua_jax import native_collectives as nc
+from bagua_jax.communicator import REDUCE_OPS, ReduceOp
+from bagua_jax.engines import engine
+
+DEFAULT_TIMEOUT_SECONDS = float(os.environ.get("BAGUA_COMM_TIMEOUT", "300"))
+
+
+class NativeCommunicator:
+    """Collectives through Bagua's native engines, one device per process.
+
+    CPU arrays go through the MPI engine (start the processes with ``mpiexec`` or
+    ``bagua-launch --mpi``), GPU arrays through NCCL. Every method lowers to an XLA
+    FFI custom call ordered by an effect token, so it may be used inside
+    ``jax.jit`` and keeps program order on every rank. A collective that does not
+    complete within ``timeout`` seconds (a dead peer, a rank that skipped it) raises
+    an error naming the communicator, the operation and the rank.
+    """
+
+    def __init__(self, handle: int, engine_kind: str):
+        self._engine = engine(engine_kind)
+        self._handle = handle
+        self._kind = engine_kind
+        self._size = self._engine.size(handle)
+        self._rank = self._engine.rank(handle)
+
+    @classmethod
+    def mpi_world(cls, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> NativeCommunicator:
+        """All ranks of the MPI job (``MPI_COMM_WORLD``), for CPU arrays."""
+        return cls(engine("mpi").world("world", float(timeout)), "mpi")
+
+    @classmethod
+    def nccl_world(cls, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> NativeCommunicator:
+        """All processes of ``jax.distributed`` over NCCL, for GPU arrays.
+
+        Rank 0 creates the NCCL unique id and shares it through ``jax.distributed``'s
+        key-value store; call ``jax.distributed.initialize`` first.
+        """
+        from jax._src.distributed import global_state
+
+        if global_state.client is None:
+            raise RuntimeError("call jax.distributed.initialize() before NativeCommunicator.nccl_world()")
+        nccl = engine("nccl")
+        rank, size = jax.process_index(), jax.process_count()
+        key = "bagua/nccl/world"
+        if rank == 0:
+            unique_id = nccl.unique_id()
+            global_state.client.key_value_set(key, base64.b64encode(unique_id).decode())
+        else:
+            unique_id = base64.b64decode(global_state.client.blocking_key_value_get(key, int(timeout * 1000)))
+        return cls(nccl.create(unique_id, rank, size, "world", float(timeout)), "nccl")
+
+    @classmethod
+    def world(cls, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> NativeCommunicator:
+        """The world communicator for this process's device: NCCL on a GPU, MPI on the CPU."""
+        if jax.devices()[0].platform == "gpu":
+            return cls.nccl_world(timeout)
+        return cls.mpi_world(timeout)
+
+    def split(self, color: int, key: int, name: str) -> NativeCommunicator:
+        """The ranks with the same ``color``, ordered by ``key`` (e.g. one per node for the
+        intra-node group of a hierarchical algorithm). Every rank must call it."""
+        return NativeCommunicator(self._engine.split(self._handle, int(color), int(key), name), self._kind)
+
+    def close(self) -> None:
+        """Release the communicator (it is freed once no call uses it)."""
+        self._engine.destroy(self._handle)
+
+    @property
+    def size(self) -> int:
+        """The number of ranks."""
+        return self._size
+
+    def rank(self) -> jax.Array:
+        """This rank's index as an int32 scalar."""
+        return jnp.int32(self._rank)
+
+    def _op(self, op: ReduceOp) -> int:
+        if op not in REDUCE_OPS:
+            raise ValueError(f"unknown reduction {op!r}; use one of {REDUCE_OPS}")
+        return nc.REDUCE_OP_CODES[op]
+
+    def _root(self, root: int) -> int:
+        if not 0 <= int(root) < self._size:
+            raise ValueError(f"root {root} is not a rank of this {self._size}-rank communicator")
+        return int(root)
+
+    def _rows(self, x: jax.Array, what: str) -> jax.Array:
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[0] != self._size:
+            raise ValueError(f"{what} needs x of shape [size={self._size}, ...], got {list(x.shape)}")
+        return x
+
+    def allreduce(self, x: jax.Array, op: ReduceOp = "sum") -> jax.Array:
+        """Reduce ``x`` over all ranks; every rank gets the result."""
+        x = jnp.asarray(x)
+        return nc.allreduce_p.bind(x.ravel(), comm=self._handle, op=self._op(op)).reshape(x.shape)
+
+    def reduce(self, x: jax.Array, root: int, op: ReduceOp = "sum") -> jax.Array:
+        """Reduce ``x`` over all ranks onto ``root``; other ranks get zeros."""
+        x = jnp.asarray(x)
+        flat = nc.reduce_p.bind(x.ravel(), comm=self._handle, op=self._op(op), root=self._root(root))
+        return flat.reshape(x.shape)
+
+    def broadcast(self, x: jax.Array, root: int) -> jax.Array:
+        """Every rank gets ``root``'s ``x``."""
+        x = jnp.asarray(x)
+        return nc.broadcast_p.bind(x.ravel(), comm=self._handle, root=self._root(root)).reshape(x.shape)
+
+    def reduce_scatter(self, x: jax.Array, op: ReduceOp = "sum") -> jax.Array:
+        """``x`` is ``[size, *s]``; rank r gets row r reduced over ranks."""
+        x = self._rows(x, "reduce_scatter")
+        flat = nc.reduce_scatter_p.bind(x.ravel(), comm=self._handle, op=self._op(op), size=self._size)
+        return flat.reshape(x.shape[1:])
+
+    def allgather(self, x: jax.Array) -> jax.Array:
+        """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""
+        x = jnp.asarray(x)
+        return nc.allgather_p.bind(x.ravel(), comm=self._handle, size=self._size).reshape(self._size, *x.shape)
+
+    def gather(self, x: jax.Array, root: int) -> jax.Array:
+        """``root`` gets ``[size, *x.shape]``; other ranks get zeros."""
+        x = jnp.asarray(x)
+        flat = nc.gather_p.bind(x.ravel(), comm=self._handle, root=self._root(root), size=self._size)
+        return flat.reshape(self._size, *x.shape)
+
+    def scatter(self, x: jax.Array, root: int) -> jax.Array:
+        """``x`` is ``[size, *s]`` (read on ``root``); rank r gets ``root``'s row r."""
+        x = self._rows(x, "scatter")
+        flat = nc.scatter_p.bind(x.ravel(), comm=self._handle, root=self._root(root), size=self._size)
+        return flat.reshape(x.shape[1:])
+
+    def alltoall(self, x: jax.Array) -> jax.Array:
+        """``x`` is ``[size, *s]``; row j goes to rank j, row j of the result came from rank j."""
+        x = self._rows(x, "alltoall")
+        return nc.alltoall_p.bind(x.ravel(), comm=self._handle).reshape(x.shape)
+
+    def alltoall_v(self, x: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, out_size: int) -> jax.Array:
+        """Variable all-to-all of 1-D ``x`` with run-time int32 counts (see the protocol)."""
+        x = jnp.asarray(x)
+        if x.ndim != 1:
+            raise ValueError(f"alltoall_v needs a 1-D x, got shape {list(x.shape)}")
+        counts = [jnp.asarray(c, jnp.int32).reshape(-1) for c in (send_counts, recv_counts)]
+        for c in counts:
+            if c.size != self._size:
+                raise ValueError(f"alltoall_v counts need {self._size} entries, got {c.size}")
+        return nc.alltoall_v_p.bind(x, *counts, comm=self._handle, out_size=int(out_size))
+
+    def send_recv(self, x: jax.Array, peers: jax.Array) -> jax.Array:
+        """Send ``x`` to each rank in ``peers`` (run-time int32) and receive one ``x`` from each."""
+        x = jnp.asarray(x)
+        peers = jnp.asarray(peers, jnp.int32).reshape(-1)
+        flat = nc.send_recv_p.bind(x.ravel(), peers, comm=self._handle)
+        return flat.reshape(peers.shape[0], *x.shape)
+
+    def barrier(self, x: jax.Array) -> jax.Array:
+        """Return ``x`` once every rank has reached this point."""
+        nc.barrier_p.bind(comm=self._handle)
+        return x

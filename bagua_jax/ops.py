@@ -1,0 +1,262 @@
+"""Bagua's native kernels as JAX operations.
+
+Each function is one XLA FFI custom call on the CPU or CUDA platform. They work
+under ``jax.jit``, under ``jax.vmap`` (compressions map per example; elementwise
+helpers broadcast) and inside ``jax.shard_map`` (a call sees the local shard).
+Compression flattens its input; the compressed buffer layout is documented in
+``xla_ffi/layout.h`` and sized by :func:`compressed_size`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bagua_jax._native import library
+
+Format = Literal["minmax_uint8", "sign"]
+_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+_TARGET_PREFIX = {"minmax_uint8": "bagua_minmax", "sign": "bagua_sign"}
+
+
+def compressed_size(n: int, k: int, format: Format = "minmax_uint8") -> int:
+    """Return the size in bytes of ``n`` elements compressed into ``k`` chunks.
+
+    ``format`` is ``"minmax_uint8"`` (one byte per element plus a 16-byte header per
+    chunk) or ``"sign"`` (one bit per element plus a 16-byte header per chunk); each
+    chunk's slot is padded to a multiple of 16 bytes.
+    """
+    return int(library.compressed_bytes(format, int(n), int(k)))
+
+
+def _float_array(name: str, x: jax.typing.ArrayLike) -> jax.Array:
+    x = jnp.asarray(x)
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
+    return x
+
+
+def _chunk_count(k: int) -> np.int64:
+    if int(k) != k or k < 1:
+        raise ValueError(f"the chunk count k must be a positive integer, got {k}")
+    return np.int64(k)
+
+
+def _compressed_array(c: jax.typing.ArrayLike, expected: int) -> jax.Array:
+    c = jnp.asarray(c)
+    if c.dtype != jnp.uint8 or c.ndim != 1:
+        raise TypeError(f"a compressed buffer is a 1-D uint8 array, got {c.dtype}{list(c.shape)}")
+    if c.size != expected:
+        raise ValueError(f"the compressed buffer has {c.size} bytes, expected {expected}")
+    return c
+
+
+def _output_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
+    dtype = jnp.dtype(dtype)
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"the output dtype must be float32, float16 or bfloat16, got {dtype}")
+    return dtype
+
+
+def _compress(format: Format, x: jax.typing.ArrayLike, k: int) -> jax.Array:
+    x = _float_array("x", x)
+    k = _chunk_count(k)
+    out = jax.ShapeDtypeStruct((compressed_size(x.size, k, format),), jnp.uint8)
+    return jax.ffi.ffi_call(_TARGET_PREFIX[format] + "_compress", out, vmap_method="sequential")(
+        x.reshape(-1), k=k
+    )
+
+
+def _compress_ef(
+    format: Format, x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int
+) -> tuple[jax.Array, jax.Array]:
+    x = _float_array("x", x)
+    residual = jnp.asarray(residual)
+    if residual.dtype != jnp.float32 or residual.size != x.size:
+        raise ValueError(
+            f"the error-feedback residual must be float32 with {x.size} elements, "
+            f"got {residual.dtype}{list(residual.shape)}"
+        )
+    k = _chunk_count(k)
+    outs = (
+        jax.ShapeDtypeStruct((compressed_size(x.size, k, format),), jnp.uint8),
+        jax.ShapeDtypeStruct((x.size,), jnp.float32),
+    )
+    compressed, new_residual = jax.ffi.ffi_call(
+        _TARGET_PREFIX[format] + "_compress_ef",
+        outs,
+        vmap_method="sequential",
+        input_output_aliases={1: 1},
+    )(x.reshape(-1), residual.reshape(-1), k=k)
+    return compressed, new_residual.reshape(residual.shape)
+
+
+def _decompress(
+    format: Format, compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike
+) -> jax.Array:
+    k = _chunk_count(k)
+    compressed = _compressed_array(compressed, compressed_size(n, k, format))
+    out = jax.ShapeDtypeStruct((int(n),), _output_dtype(dtype))
+    return jax.ffi.ffi_call(_TARGET_PREFIX[format] + "_decompress", out, vmap_method="sequential")(
+        compressed, k=k
+    )
+
+
+def _decompress_reduce(
+    format: Format,
+    compressed: jax.typing.ArrayLike,
+    m: int,
+    k: int,
+    average: bool,
+    dtype: jax.typing.DTypeLike,
+) -> jax.Array:
+    k = _chunk_count(k)
+    compressed = _compressed_array(compressed, int(k) * compressed_size(m, 1, format))
+    out = jax.ShapeDtypeStruct((int(m),), _output_dtype(dtype))
+    return jax.ffi.ffi_call(
+        _TARGET_PREFIX[format] + "_decompress_reduce", out, vmap_method="sequential"
+    )(compressed, k=k, average=bool(average))
+
+
+def minmax_uint8_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
+    """Compress ``x`` (flattened) into ``k`` chunks of 8-bit min-max codes.
+
+    Each chunk stores its float32 minimum and maximum and one code per element,
+    ``q = rint((x - lo) * 255 / (hi - lo))``; decoding errs by at most
+    ``(hi - lo) / 510`` plus float32 rounding. Returns a 1-D uint8 array of
+    ``compressed_size(x.size, k)`` bytes.
+    """
+    return _compress("minmax_uint8", x, k)
+
+
+def minmax_uint8_compress_ef(
+    x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """Compress ``x + residual`` into ``k`` chunks and return the new residual.
+
+    The residual is float32 with ``x``'s size; the new residual is
+    ``(x + residual) - decompress(compressed)``, so the error of one step is fed
+    into the next (error feedback). Returns ``(compressed, new_residual)``.
+    """
+    return _compress_ef("minmax_uint8", x, residual, k)
+
+
+def minmax_uint8_decompress(
+    compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike = jnp.float32
+) -> jax.Array:
+    """Decode ``n`` elements compressed into ``k`` chunks, as a 1-D array of ``dtype``."""
+    return _decompress("minmax_uint8", compressed, n, k, dtype)
+
+
+def minmax_uint8_decompress_reduce(
+    compressed: jax.typing.ArrayLike,
+    m: int,
+    k: int,
+    *,
+    average: bool = True,
+    dtype: jax.typing.DTypeLike = jnp.float32,
+) -> jax.Array:
+    """Decode ``k`` single-chunk buffers of ``m`` elements and sum or average them.
+
+    ``compressed`` is the ``k`` buffers laid end to end, as an all-to-all of chunks
+    delivers them; the reduction runs in float32 in buffer order and the result has
+    ``m`` elements of ``dtype``.
+    """
+    return _decompress_reduce("minmax_uint8", compressed, m, k, average, dtype)
+
+
+def sign_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
+    """Compress ``x`` (flattened) into ``k`` chunks of signs, one bit per element.
+
+    Each chunk stores ``scale = mean(|x|)`` and the bits ``x >= 0`` packed eight to a
+    byte, least significant bit first; decoding gives ``+scale`` or ``-scale``.
+    """
+    return _compress("sign", x, k)
+
+
+def sign_compress_ef(
+    x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """1-bit compress ``x + residual`` and return ``(compressed, new_residual)``.
+
+    With ``y = x + residual``, the new residual is ``y - decompress(compressed)``
+    using the chunk's own scale, so ``decompress + new_residual == y`` up to one
+    float32 rounding.
+    """
+    return _compress_ef("sign", x, residual, k)
+
+
+def sign_decompress(
+    compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike = jnp.float32
+) -> jax.Array:
+    """Decode ``n`` sign-compressed elements in ``k`` chunks, as a 1-D array of ``dtype``."""
+    return _decompress("sign", compressed, n, k, dtype)
+
+
+def sign_decompress_reduce(
+    compressed: jax.typing.ArrayLike,
+    m: int,
+    k: int,
+    *,
+    average: bool = True,
+    dtype: jax.typing.DTypeLike = jnp.float32,
+) -> jax.Array:
+    """Decode ``k`` sign-compressed single-chunk buffers of ``m`` elements and reduce them."""
+    return _decompress_reduce("sign", compressed, m, k, average, dtype)
+
+
+def _elementwise(target: str, operands: tuple[jax.typing.ArrayLike, ...], **attrs) -> jax.Array:
+    arrays = [_float_array("operand", a) for a in operands]
+    first = arrays[0]
+    for a in arrays[1:]:
+        if a.dtype != first.dtype or a.shape != first.shape:
+            raise ValueError(
+                f"operands must share dtype and shape, got {first.dtype}{list(first.shape)} "
+                f"and {a.dtype}{list(a.shape)}"
+            )
+    out = jax.ShapeDtypeStruct(first.shape, first.dtype)
+    return jax.ffi.ffi_call(target, out, vmap_method="broadcast_all")(*arrays, **attrs)
+
+
+def average2(a: jax.typing.ArrayLike, b: jax.typing.ArrayLike) -> jax.Array:
+    """Return ``(a + b) / 2`` computed in float32, in the inputs' dtype."""
+    return _elementwise("bagua_average2", (a, b))
+
+
+def axpy(x: jax.typing.ArrayLike, y: jax.typing.ArrayLike, a: float) -> jax.Array:
+    """Return ``x + a * y`` computed in float32, in the inputs' dtype."""
+    return _elementwise("bagua_axpy", (x, y), a=np.float32(a))
+
+
+def async_average(
+    x: jax.typing.ArrayLike,
+    reduced: jax.typing.ArrayLike,
+    snapshot: jax.typing.ArrayLike,
+    ranks: int,
+) -> jax.Array:
+    """Return ``x + (reduced / ranks - snapshot)``: the asynchronous model-average update.
+
+    ``reduced`` is the sum over ``ranks`` of the snapshots taken when the round
+    began, so local progress made during the round is kept.
+    """
+    if int(ranks) != ranks or ranks < 1:
+        raise ValueError(f"ranks must be a positive integer, got {ranks}")
+    return _elementwise("bagua_async_average", (x, reduced, snapshot), ranks=np.int64(ranks))
+
+
+def lowprec_decentralized_diff(
+    x: jax.typing.ArrayLike,
+    w: jax.typing.ArrayLike,
+    left: jax.typing.ArrayLike,
+    right: jax.typing.ArrayLike,
+) -> jax.Array:
+    """Return ``x + left / 3 + right / 3 - (5 / 3) * w``, computed in float32.
+
+    This is the difference each rank compresses and sends to both ring neighbours in
+    low-precision decentralized SGD (``w``: its last communicated weights; ``left``
+    and ``right``: its copies of the neighbours' weights).
+    """
+    return _elementwise("bagua_lowprec_decentralized_diff", (x, w, left, right))

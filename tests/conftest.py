@@ -1,0 +1,25 @@
+import os
+import secrets
+
+import numpy as np
+import pytest
+
+# Four simulated CPU devices for the shard_map tests; must be set before jax loads.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
+
+
+def pytest_report_header(config):
+    return f"random data seed: BAGUA_TEST_SEED={SEED}"
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """Fresh random data each run, reproducible with the seed in the report header."""
+    return np.random.default_rng([SEED, abs(hash(request.node.nodeid)) % (2**32)])
+
+
+def random_values(rng: np.random.Generator, n: int) -> np.ndarray:
+    """Gradient-like float32 data with a random overall scale."""
+    return (rng.standard_normal(n) * 10.0 ** rng.uniform(-3, 3)).astype(np.float32)

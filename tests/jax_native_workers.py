@@ -1,0 +1,65 @@
+"""Rank bodies for test_native_communicator_jax.py (run under mpiexec)."""
+
+import os
+
+import numpy as np
+
+OPS = ("sum", "avg", "min", "max")
+
+
+def rank_data(rank: int, seed: int, shape=(3, 5)) -> np.ndarray:
+    return np.random.default_rng([seed, rank]).standard_normal(shape).astype(np.float32)
+
+
+def every_primitive(seed: int) -> dict:
+    """Run each collective once inside one jitted step; return the local results."""
+    import jax
+    import jax.numpy as jnp
+
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    comm = NativeCommunicator.mpi_world(timeout=60)
+    rank, size = int(comm.rank()), comm.size
+    x = jnp.asarray(rank_data(rank, seed))
+    rows = jnp.asarray(rank_data(rank, seed, (size, 4)))
+    # Rank r sends r+1 elements to every rank, so rank r receives j+1 from rank j.
+    send_counts = jnp.full(size, rank + 1, jnp.int32)
+    recv_counts = jnp.arange(1, size + 1, dtype=jnp.int32)
+    flat = jnp.arange(size * (rank + 1), dtype=jnp.float32) + 100 * rank
+    peers = jnp.array([(rank + 1) % size, (rank - 1) % size], jnp.int32)
+
+    @jax.jit
+    def step(x, rows, flat, send_counts, recv_counts, peers):
+        out = {f"allreduce_{op}": comm.allreduce(x, op) for op in OPS}
+        out["reduce_sum"] = comm.reduce(x, root=1, op="sum")
+        out["broadcast"] = comm.broadcast(x, root=size - 1)
+        out["reduce_scatter_sum"] = comm.reduce_scatter(rows, "sum")
+        out["allgather"] = comm.allgather(x)
+        out["gather"] = comm.gather(x, root=0)
+        out["scatter"] = comm.scatter(rows, root=1)
+        out["alltoall"] = comm.alltoall(rows)
+        out["alltoall_v"] = comm.alltoall_v(flat, send_counts, recv_counts, out_size=size * size + 3)
+        out["send_recv"] = comm.send_recv(x, peers)
+        out["barrier"] = comm.barrier(x)
+        out["int_allreduce"] = comm.allreduce(jnp.arange(4, dtype=jnp.int32) * (rank + 1))
+        out["bf16_allreduce"] = comm.allreduce(x.astype(jnp.bfloat16), "max")
+        return out
+
+    result = step(x, rows, flat, send_counts, recv_counts, peers)
+    return {"rank": rank, "size": size, **{k: np.asarray(v) for k, v in result.items()}}
+
+
+def dies_or_waits(rank_to_die: int) -> str:
+    """One rank exits abruptly; the others enter an allreduce and must get an error."""
+    import jax.numpy as jnp
+
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    comm = NativeCommunicator.mpi_world(timeout=3)
+    if int(comm.rank()) == rank_to_die:
+        os._exit(17)
+    try:
+        comm.allreduce(jnp.ones(1000)).block_until_ready()
+    except Exception as error:  # what a user sees
+        return f"{type(error).__name__}: {error}"
+    return "no error"

@@ -1,0 +1,141 @@
+"""Run a test function in N processes and collect what each rank returns.
+
+``run_ranks("module:function", n)`` starts n Python processes (or one
+``mpiexec -n n`` job), each calling ``function(*args)`` from this tests folder
+with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (under
+mpiexec the rank comes from the MPI launcher). The values returned are pickled
+back. If a rank fails or the job outlives its timeout, every process is killed
+and the test fails with each rank's output.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+TESTS = Path(__file__).resolve().parent
+
+
+@dataclass
+class RankResult:
+    rank: int
+    returncode: int | None  # None: killed at the timeout
+    output: str
+    value: Any = None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def mpiexec() -> str:
+    """The mpiexec beside this interpreter (the mpich wheel's), else the one on PATH."""
+    beside = Path(sys.executable).parent / "mpiexec"
+    found = str(beside) if beside.exists() else shutil.which("mpiexec")
+    if not found:
+        raise RuntimeError("no mpiexec found; pip install mpich")
+    return found
+
+
+def run_ranks(
+    target: str,
+    nprocs: int,
+    *args: Any,
+    launcher: Literal["python", "mpiexec"] = "python",
+    timeout: float = 120.0,
+    env: dict[str, str] | None = None,
+    check: bool = True,
+) -> list[RankResult]:
+    """Run ``target`` on ``nprocs`` ranks; with ``check``, fail unless all succeed and return values."""
+    workdir = Path(tempfile.mkdtemp(prefix="bagua-ranks-"))
+    (workdir / "args.pkl").write_bytes(pickle.dumps(args))
+    base_env = {
+        **os.environ,
+        **(env or {}),
+        "WORLD_SIZE": str(nprocs),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        "BAGUA_TEST_WORKDIR": str(workdir),
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONUNBUFFERED": "1",
+    }
+    command = [sys.executable, "-m", "rank_main", target]
+    logs = [open(workdir / f"rank{r}.log", "w+") for r in range(nprocs)]
+    try:
+        if launcher == "mpiexec":
+            # Survivors of a dead rank must keep running to report their own error.
+            procs = [
+                subprocess.Popen(
+                    [mpiexec(), "-disable-auto-cleanup", "-n", str(nprocs), *command],
+                    env=base_env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True,
+                )
+            ]
+        else:
+            procs = [
+                subprocess.Popen(
+                    command, env={**base_env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True,
+                )
+                for r in range(nprocs)
+            ]
+        codes = _wait_all(procs, timeout, stop_on_failure=check)
+        results = _collect(workdir, nprocs, codes, logs, launcher)
+    finally:
+        for log in logs:
+            log.close()
+    if check:
+        failed = [r for r in results if r.returncode != 0]
+        if failed:
+            report = "\n".join(
+                f"--- rank {r.rank}: {'timed out' if r.returncode is None else f'exit {r.returncode}'} ---\n{r.output[-4000:]}"
+                for r in results
+            )
+            raise AssertionError(f"{target} failed on {len(failed)} of {nprocs} ranks\n{report}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    return results
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout: float, stop_on_failure: bool) -> list[int | None]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        codes = [p.poll() for p in procs]
+        if all(c is not None for c in codes):
+            return codes
+        if stop_on_failure and any(c not in (None, 0) for c in codes):
+            break
+        time.sleep(0.05)
+    codes = [p.poll() for p in procs]
+    for p, c in zip(procs, codes):
+        if c is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    return codes
+
+
+def _collect(workdir: Path, nprocs: int, codes: list[int | None], logs, launcher: str) -> list[RankResult]:
+    results = []
+    for r in range(nprocs):
+        value_file = workdir / f"result{r}.pkl"
+        value = pickle.loads(value_file.read_bytes()) if value_file.exists() else None
+        if launcher == "mpiexec":
+            # One job: its exit code is the job's, each rank's own success is its result file.
+            code = codes[0] if not value_file.exists() else 0
+            log = logs[0]
+        else:
+            code, log = codes[r], logs[r]
+        log.flush()
+        log.seek(0)
+        results.append(RankResult(r, code, log.read(), value))
+    return results

@@ -1,0 +1,170 @@
+"""NumPy reference of the kernels' numerics (SPEC section 2), written from the spec.
+
+This module is the definition the native kernels are tested against; it shares no
+code with them. Every float32 step is a separate NumPy float32 operation, so the
+rounding matches a kernel that rounds each step on its own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+HEADER_BYTES = 16
+SLOT_ALIGNMENT = 16
+F32 = np.float32
+
+
+def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
+    c = -(-n // k) if n else 0
+    return [(min(i * c, n), min((i + 1) * c, n)) for i in range(k)]
+
+
+def _slot(header: np.ndarray, payload: np.ndarray) -> np.ndarray:
+    padded = -(-payload.size // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+    body = np.zeros(padded, np.uint8)
+    body[: payload.size] = payload
+    return np.concatenate([header.astype(F32).view(np.uint8), body])
+
+
+def compressed_size(n: int, k: int, format: str) -> int:
+    per_element = (lambda m: m) if format == "minmax_uint8" else (lambda m: -(-m // 8))
+    return sum(
+        HEADER_BYTES + -(-per_element(e - b) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        for b, e in chunk_bounds(n, k)
+    )
+
+
+def _with_residual(x: np.ndarray, residual: np.ndarray | None) -> np.ndarray:
+    y = np.asarray(x).astype(F32).reshape(-1)
+    return y if residual is None else (y + residual.astype(F32).reshape(-1)).astype(F32)
+
+
+# ---- MinMaxUInt8 ---------------------------------------------------------------
+
+
+def minmax_bounds(seg: np.ndarray) -> tuple[np.float32, np.float32]:
+    if seg.size == 0:
+        return F32(0), F32(0)
+    lo, hi = F32(np.min(seg)), F32(np.max(seg))
+    if np.isnan(lo) or np.isnan(hi):
+        return F32(np.nan), F32(np.nan)
+    return lo, hi
+
+
+def minmax_encode(seg: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        scale = F32(255) / F32(hi - lo)
+        v = (seg - lo).astype(F32) * scale
+    v = np.where(v > 0, v, F32(0))  # also maps NaN to 0
+    v = np.where(v < 255, v, F32(255))
+    return np.rint(v).astype(np.uint8)
+
+
+def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
+    with np.errstate(all="ignore"):
+        step = F32(hi - lo) / F32(255)
+        return (lo + (q.astype(F32) * step).astype(F32)).astype(F32)
+
+
+def minmax_compress(
+    x: np.ndarray, k: int, residual: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return (compressed bytes, new residual y - decode) for y = x (+ residual)."""
+    y = _with_residual(x, residual)
+    slots, new_residual = [], np.empty_like(y)
+    for b, e in chunk_bounds(y.size, k):
+        seg = y[b:e]
+        lo, hi = minmax_bounds(seg)
+        q = minmax_encode(seg, lo, hi)
+        with np.errstate(all="ignore"):
+            new_residual[b:e] = seg - minmax_decode(q, lo, hi)
+        slots.append(_slot(np.array([lo, hi, 0, 0], F32), q))
+    return np.concatenate(slots), new_residual
+
+
+def _slots(buffer: np.ndarray, n: int, k: int, format: str):
+    offset = 0
+    for b, e in chunk_bounds(n, k):
+        header = buffer[offset : offset + 8].view(F32)
+        payload = (e - b) if format == "minmax_uint8" else -(-(e - b) // 8)
+        yield b, e, header, buffer[offset + HEADER_BYTES : offset + HEADER_BYTES + payload]
+        offset += HEADER_BYTES + -(-payload // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+
+
+def minmax_decompress(buffer: np.ndarray, n: int, k: int) -> np.ndarray:
+    out = np.empty(n, F32)
+    for b, e, header, codes in _slots(buffer, n, k, "minmax_uint8"):
+        out[b:e] = minmax_decode(codes, header[0], header[1])
+    return out
+
+
+# ---- 1-bit sign ----------------------------------------------------------------
+
+
+def sign_scale(seg: np.ndarray) -> np.float32:
+    return F32(np.mean(np.abs(seg.astype(np.float64)))) if seg.size else F32(0)
+
+
+def sign_compress(
+    x: np.ndarray, k: int, residual: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return (compressed bytes, new residual) for y = x (+ residual)."""
+    y = _with_residual(x, residual)
+    slots, new_residual = [], np.empty_like(y)
+    for b, e in chunk_bounds(y.size, k):
+        seg = y[b:e]
+        scale = sign_scale(seg)
+        bits = seg >= 0
+        new_residual[b:e] = seg - np.where(bits, scale, -scale)
+        slots.append(_slot(np.array([scale, 0, 0, 0], F32), np.packbits(bits, bitorder="little")))
+    return np.concatenate(slots), new_residual
+
+
+def sign_decompress(buffer: np.ndarray, n: int, k: int) -> np.ndarray:
+    out = np.empty(n, F32)
+    for b, e, header, packed in _slots(buffer, n, k, "sign"):
+        bits = np.unpackbits(packed, bitorder="little")[: e - b].astype(bool)
+        out[b:e] = np.where(bits, header[0], -header[0])
+    return out
+
+
+def decompress_reduce(buffers: np.ndarray, m: int, k: int, format: str, average: bool) -> np.ndarray:
+    """Sum (or average) in float32, in order, the k single-chunk buffers of m elements."""
+    decode = minmax_decompress if format == "minmax_uint8" else sign_decompress
+    size = compressed_size(m, 1, format)
+    acc = np.zeros(m, F32)
+    for j in range(k):
+        acc = (acc + decode(buffers[j * size : (j + 1) * size], m, 1)).astype(F32)
+    return (acc / F32(k)).astype(F32) if average else acc
+
+
+def chunk_scales(buffer: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The per-chunk float32 scales stored in a sign-compressed buffer."""
+    return np.array([header[0] for _, _, header, _ in _slots(buffer, n, k, "sign")], F32)
+
+
+def chunk_bits(buffer: np.ndarray, n: int, k: int) -> np.ndarray:
+    """The sign bits (payload bytes) of a sign-compressed buffer, chunk by chunk."""
+    return np.concatenate([p for _, _, _, p in _slots(buffer, n, k, "sign")] or [np.zeros(0, np.uint8)])
+
+
+# ---- Elementwise helpers -------------------------------------------------------
+
+
+def average2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return ((a.astype(F32) + b.astype(F32)).astype(F32) * F32(0.5)).astype(F32)
+
+
+def axpy(x: np.ndarray, y: np.ndarray, a: float) -> np.ndarray:
+    return (x.astype(F32) + (F32(a) * y.astype(F32)).astype(F32)).astype(F32)
+
+
+def async_average(x: np.ndarray, reduced: np.ndarray, snapshot: np.ndarray, ranks: int) -> np.ndarray:
+    delta = ((reduced.astype(F32) / F32(ranks)).astype(F32) - snapshot.astype(F32)).astype(F32)
+    return (x.astype(F32) + delta).astype(F32)
+
+
+def lowprec_decentralized_diff(x: np.ndarray, w: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
+    acc = (x.astype(F32) + (left.astype(F32) / F32(3)).astype(F32)).astype(F32)
+    acc = (acc + (right.astype(F32) / F32(3)).astype(F32)).astype(F32)
+    return (acc - (F32(F32(5) / F32(3)) * w.astype(F32)).astype(F32)).astype(F32)

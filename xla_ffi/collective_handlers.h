@@ -1,0 +1,236 @@
+// XLA FFI handlers for the collectives, one template for every engine: the
+// communicator comes from the registry by the `comm` attribute, the device
+// (Cpu or Cuda, see ffi_handlers.h) from the context. Each handler takes and
+// returns an XLA token, which bagua_jax threads through an ordered effect so
+// that every rank issues its collectives in program order.
+#pragma once
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "communicator.h"
+#include "communicator_registry.h"
+#include "ffi_handlers.h"
+
+namespace bagua::collective_handlers {
+
+namespace ffi = xla::ffi;
+using ffi_handlers::HandlerTable;
+
+inline void* stream_of(Cpu) { return nullptr; }
+inline void* stream_of(Cuda device) { return device.stream; }
+
+inline bool comm_type(ffi::DataType t, CommType* out) {
+  switch (t) {
+    case ffi::DataType::F32: *out = CommType::kF32; return true;
+    case ffi::DataType::F16: *out = CommType::kF16; return true;
+    case ffi::DataType::BF16: *out = CommType::kBF16; return true;
+    case ffi::DataType::F64: *out = CommType::kF64; return true;
+    case ffi::DataType::U8: *out = CommType::kU8; return true;
+    case ffi::DataType::S32: *out = CommType::kI32; return true;
+    case ffi::DataType::S64: *out = CommType::kI64; return true;
+    default: return false;
+  }
+}
+
+// What every collective handler needs before it can call the engine.
+struct Call {
+  std::shared_ptr<Communicator> comm;
+  CommType type;
+};
+
+inline ffi::Error prepare(const char* op, int64_t handle, const ffi::AnyBuffer& x,
+                          const ffi::AnyBuffer& y, Call* call) {
+  call->comm = CommunicatorRegistry::instance().get(handle);
+  if (!call->comm) return ffi::Error::InvalidArgument(std::string("bagua ") + op + ": " + unknown_handle_message(handle));
+  if (!comm_type(x.element_type(), &call->type))
+    return ffi::Error::InvalidArgument(std::string("bagua ") + op +
+                                       ": unsupported element type (use float32/16, bfloat16, float64, uint8, int32 or int64)");
+  if (x.element_type() != y.element_type())
+    return ffi::Error::InvalidArgument(std::string("bagua ") + op + ": input and output dtypes differ");
+  return ffi::Error::Success();
+}
+
+inline ffi::Error to_error(const Status& s) {
+  if (s.ok()) return ffi::Error::Success();
+  return s.internal ? ffi::Error::Internal("bagua " + s.message) : ffi::Error::InvalidArgument("bagua " + s.message);
+}
+
+inline ffi::Error size_error(const char* op, const std::string& what) {
+  return ffi::Error::InvalidArgument(std::string("bagua ") + op + ": " + what);
+}
+
+inline ReduceOp reduce_op(int64_t op) { return static_cast<ReduceOp>(op); }
+
+template <typename Exec>
+ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                     int64_t handle, int64_t op, Exec exec) {
+  Call c;
+  if (auto e = prepare("allreduce", handle, x, *y, &c); e.failure()) return e;
+  return to_error(c.comm->allreduce(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
+                                    reduce_op(op), stream_of(exec)));
+}
+
+// Ranks other than the root get zeros.
+template <typename Exec>
+ffi::Error Reduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                  int64_t handle, int64_t op, int64_t root, Exec exec) {
+  Call c;
+  if (auto e = prepare("reduce", handle, x, *y, &c); e.failure()) return e;
+  if (c.comm->rank() != root)
+    if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok()) return to_error(s);
+  return to_error(c.comm->reduce(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
+                                 reduce_op(op), static_cast<int>(root), stream_of(exec)));
+}
+
+template <typename Exec>
+ffi::Error Broadcast(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                     int64_t handle, int64_t root, Exec exec) {
+  Call c;
+  if (auto e = prepare("broadcast", handle, x, *y, &c); e.failure()) return e;
+  if (Status s = device_copy(exec, y->untyped_data(), x.untyped_data(), x.size_bytes()); !s.ok())
+    return to_error(s);
+  return to_error(c.comm->broadcast(y->untyped_data(), y->element_count(), c.type, static_cast<int>(root),
+                                    stream_of(exec)));
+}
+
+template <typename Exec>
+ffi::Error ReduceScatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                         int64_t handle, int64_t op, Exec exec) {
+  Call c;
+  if (auto e = prepare("reduce_scatter", handle, x, *y, &c); e.failure()) return e;
+  if (x.element_count() != y->element_count() * c.comm->size())
+    return size_error("reduce_scatter", "the input must hold one output-sized block per rank");
+  return to_error(c.comm->reduce_scatter(x.untyped_data(), y->untyped_data(), y->element_count(), c.type,
+                                         reduce_op(op), stream_of(exec)));
+}
+
+template <typename Exec>
+ffi::Error AllGather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                     int64_t handle, Exec exec) {
+  Call c;
+  if (auto e = prepare("allgather", handle, x, *y, &c); e.failure()) return e;
+  if (y->element_count() != x.element_count() * c.comm->size())
+    return size_error("allgather", "the output must hold one input-sized block per rank");
+  return to_error(c.comm->allgather(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
+                                    stream_of(exec)));
+}
+
+// Ranks other than the root get zeros.
+template <typename Exec>
+ffi::Error Gather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                  int64_t handle, int64_t root, Exec exec) {
+  Call c;
+  if (auto e = prepare("gather", handle, x, *y, &c); e.failure()) return e;
+  if (y->element_count() != x.element_count() * c.comm->size())
+    return size_error("gather", "the output must hold one input-sized block per rank");
+  if (c.comm->rank() != root)
+    if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok()) return to_error(s);
+  return to_error(c.comm->gather(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
+                                 static_cast<int>(root), stream_of(exec)));
+}
+
+template <typename Exec>
+ffi::Error Scatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                   int64_t handle, int64_t root, Exec exec) {
+  Call c;
+  if (auto e = prepare("scatter", handle, x, *y, &c); e.failure()) return e;
+  if (x.element_count() != y->element_count() * c.comm->size())
+    return size_error("scatter", "the input must hold one output-sized block per rank");
+  return to_error(c.comm->scatter(x.untyped_data(), y->untyped_data(), y->element_count(), c.type,
+                                  static_cast<int>(root), stream_of(exec)));
+}
+
+template <typename Exec>
+ffi::Error AllToAll(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                    int64_t handle, Exec exec) {
+  Call c;
+  if (auto e = prepare("alltoall", handle, x, *y, &c); e.failure()) return e;
+  if (x.element_count() != y->element_count() || x.element_count() % c.comm->size() != 0)
+    return size_error("alltoall", "input and output must hold one equal block per rank");
+  return to_error(c.comm->alltoall(x.untyped_data(), y->untyped_data(), x.element_count() / c.comm->size(),
+                                   c.type, stream_of(exec)));
+}
+
+// The counts are run-time int32 arrays of one entry per rank (JAX's default
+// integer width); the output is zero beyond the received elements.
+template <typename Exec>
+ffi::Error AllToAllV(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
+                     ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t handle,
+                     Exec exec) {
+  Call c;
+  if (auto e = prepare("alltoall_v", handle, x, *y, &c); e.failure()) return e;
+  const int n = c.comm->size();
+  if (send_counts.element_count() != static_cast<size_t>(n) || recv_counts.element_count() != static_cast<size_t>(n))
+    return size_error("alltoall_v", "send and receive counts need one entry per rank");
+  std::vector<int32_t> sc32(n), rc32(n);
+  if (Status s = copy_to_host(exec, sc32.data(), send_counts.typed_data(), n * 4); !s.ok()) return to_error(s);
+  if (Status s = copy_to_host(exec, rc32.data(), recv_counts.typed_data(), n * 4); !s.ok()) return to_error(s);
+  const std::vector<int64_t> sc(sc32.begin(), sc32.end()), rc(rc32.begin(), rc32.end());
+  int64_t sent = 0, received = 0;
+  for (int j = 0; j < n; ++j) sent += sc[j], received += rc[j];
+  if (sent > static_cast<int64_t>(x.element_count()) || received > static_cast<int64_t>(y->element_count()))
+    return size_error("alltoall_v", "the counts exceed the input or output size");
+  if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok()) return to_error(s);
+  return to_error(c.comm->alltoall_v(x.untyped_data(), sc.data(), y->untyped_data(), rc.data(), c.type,
+                                     stream_of(exec)));
+}
+
+template <typename Exec>
+ffi::Error SendRecv(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peers, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                    ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
+  Call c;
+  if (auto e = prepare("send_recv", handle, x, *y, &c); e.failure()) return e;
+  const int p = static_cast<int>(peers.element_count());
+  if (y->element_count() != x.element_count() * p)
+    return size_error("send_recv", "the output must hold one input-sized block per peer");
+  std::vector<int32_t> host_peers(p);
+  if (Status s = copy_to_host(exec, host_peers.data(), peers.typed_data(), p * 4); !s.ok()) return to_error(s);
+  return to_error(c.comm->send_recv(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
+                                    host_peers.data(), p, stream_of(exec)));
+}
+
+template <typename Exec>
+ffi::Error Barrier(ffi::Token, ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
+  auto comm = CommunicatorRegistry::instance().get(handle);
+  if (!comm) return ffi::Error::InvalidArgument("bagua barrier: " + unknown_handle_message(handle));
+  return to_error(comm->barrier(stream_of(exec)));
+}
+
+// Every collective FFI target for one device, by target name.
+template <typename Exec>
+HandlerTable handlers() {
+  using ffi::AnyBuffer;
+  using ffi::Ffi;
+  using ffi::Result;
+  using ffi::Token;
+#define BAGUA_UNARY_BIND Ffi::Bind().Arg<AnyBuffer>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")
+  XLA_FFI_DEFINE_HANDLER(allreduce, AllReduce<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("op").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(reduce, Reduce<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("op").Attr<int64_t>("root").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(broadcast, Broadcast<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("root").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(reduce_scatter, ReduceScatter<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("op").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(allgather, AllGather<Exec>, BAGUA_UNARY_BIND.Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(gather, Gather<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("root").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(scatter, Scatter<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("root").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(alltoall, AllToAll<Exec>, BAGUA_UNARY_BIND.Ctx<Exec>());
+#undef BAGUA_UNARY_BIND
+  XLA_FFI_DEFINE_HANDLER(alltoall_v, AllToAllV<Exec>,
+                         Ffi::Bind().Arg<AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
+                             .Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(send_recv, SendRecv<Exec>,
+                         Ffi::Bind().Arg<AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Arg<Token>().Ret<AnyBuffer>()
+                             .Ret<Token>().Attr<int64_t>("comm").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(barrier, Barrier<Exec>,
+                         Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm").Ctx<Exec>());
+  return {
+      {"bagua_allreduce", allreduce},   {"bagua_reduce", reduce},
+      {"bagua_broadcast", broadcast},   {"bagua_reduce_scatter", reduce_scatter},
+      {"bagua_allgather", allgather},   {"bagua_gather", gather},
+      {"bagua_scatter", scatter},       {"bagua_alltoall", alltoall},
+      {"bagua_alltoall_v", alltoall_v}, {"bagua_send_recv", send_recv},
+      {"bagua_barrier", barrier},
+  };
+}
+
+}  // namespace bagua::collective_handlers

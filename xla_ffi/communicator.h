@@ -1,0 +1,108 @@
+// One interface for the collective engines (MPI for host buffers, NCCL for
+// device buffers). The FFI handlers and the DLPack bindings call it; a
+// registry (communicator_registry.h) maps integer handles to instances.
+//
+// Every call either completes, or fails with a Status naming the communicator,
+// the operation and the rank, within the communicator's timeout: a dead peer or
+// a collective that never completes never hangs the caller.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "dtypes.h"
+#include "kernels.h"
+
+namespace bagua {
+
+enum class ReduceOp { kSum, kAvg, kMin, kMax };
+
+// Element types a collective may carry (beyond the kernels' float types, the
+// compressed uint8 buffers and integer counters).
+enum class CommType { kF32, kF16, kBF16, kF64, kU8, kI32, kI64 };
+
+inline int64_t comm_type_bytes(CommType type) {
+  switch (type) {
+    case CommType::kF16:
+    case CommType::kBF16:
+      return 2;
+    case CommType::kF32:
+    case CommType::kI32:
+      return 4;
+    case CommType::kF64:
+    case CommType::kI64:
+      return 8;
+    case CommType::kU8:
+      return 1;
+  }
+  return 0;
+}
+
+inline const char* reduce_op_name(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kAvg:
+      return "avg";
+    case ReduceOp::kMin:
+      return "min";
+    case ReduceOp::kMax:
+      return "max";
+  }
+  return "?";
+}
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // A short name used in error messages, e.g. "world" or "intra-node".
+  virtual const std::string& name() const = 0;
+
+  // `stream` is the CUDA stream for device engines and ignored by host ones.
+  // Buffer sizes are element counts of `type`; `count` is per rank where the
+  // operation moves one block per rank.
+  virtual Status allreduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+                           void* stream) = 0;
+  virtual Status reduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+                        int root, void* stream) = 0;
+  virtual Status broadcast(void* buffer, int64_t count, CommType type, int root, void* stream) = 0;
+  // send holds size() blocks of `count`; rank r receives block r reduced.
+  virtual Status reduce_scatter(const void* send, void* recv, int64_t count, CommType type,
+                                ReduceOp op, void* stream) = 0;
+  // recv holds size() blocks of `count`, block j from rank j.
+  virtual Status allgather(const void* send, void* recv, int64_t count, CommType type,
+                           void* stream) = 0;
+  virtual Status gather(const void* send, void* recv, int64_t count, CommType type, int root,
+                        void* stream) = 0;
+  virtual Status scatter(const void* send, void* recv, int64_t count, CommType type, int root,
+                         void* stream) = 0;
+  // send and recv hold size() blocks of `count`: block j goes to / comes from rank j.
+  virtual Status alltoall(const void* send, void* recv, int64_t count, CommType type,
+                          void* stream) = 0;
+  // Blocks of varying length, packed contiguously in rank order. The counts
+  // are host arrays of size() elements.
+  virtual Status alltoall_v(const void* send, const int64_t* send_counts, void* recv,
+                            const int64_t* recv_counts, CommType type, void* stream) = 0;
+  // Sends `send` to each of the `num_peers` ranks in `peers` and receives one
+  // block of `count` from each into recv (block i from peers[i]), as one group.
+  // Peers must be symmetric: if r lists q, q lists r the same number of times.
+  virtual Status send_recv(const void* send, void* recv, int64_t count, CommType type,
+                           const int32_t* peers, int num_peers, void* stream) = 0;
+  virtual Status barrier(void* stream) = 0;
+};
+
+// Memory moves the collective handlers need around the engine calls, for the
+// device an engine serves: plain memcpy/memset for host engines, stream-ordered
+// copies for device engines. copy_to_host returns only when the bytes are on
+// the host (a small synchronous read of run-time peers or counts).
+Status device_copy(Cpu, void* dst, const void* src, int64_t bytes);
+Status device_zero(Cpu, void* dst, int64_t bytes);
+Status copy_to_host(Cpu, void* dst, const void* src, int64_t bytes);
+Status device_copy(Cuda, void* dst, const void* src, int64_t bytes);
+Status device_zero(Cuda, void* dst, int64_t bytes);
+Status copy_to_host(Cuda, void* dst, const void* src, int64_t bytes);
+
+}  // namespace bagua

@@ -1,0 +1,59 @@
+// Helpers for the nanobind DLPack entry points: dtype mapping, buffer views,
+// and the rule that bagua never writes into a JAX array.
+#pragma once
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <string>
+
+#include "ops.h"
+
+namespace bagua {
+
+namespace nb = nanobind;
+
+using Input = nb::ndarray<nb::ro, nb::c_contig>;
+using Output = nb::ndarray<nb::c_contig>;
+
+inline DType dtype_of(nb::dlpack::dtype t) {
+  if (t == nb::dtype<float>()) return DType::kF32;
+  if (t == nb::dtype<uint8_t>()) return DType::kU8;
+  if (t.bits == 16 && t.lanes == 1 && t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float))
+    return DType::kF16;
+  if (t.bits == 16 && t.lanes == 1 && t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat))
+    return DType::kBF16;
+  return DType::kUnsupported;
+}
+
+template <typename Array>
+TensorRef ref(const Array& a) {
+  return {const_cast<void*>(static_cast<const void*>(a.data())), dtype_of(a.dtype()),
+          static_cast<int64_t>(a.size())};
+}
+
+inline TensorRef none() { return {nullptr, DType::kF32, 0}; }
+
+// A buffer the library writes into. JAX arrays are immutable and their DLPack
+// export is not marked read-only, so they are refused by type.
+inline Output writable(nb::handle obj, const char* name) {
+  const std::string module = nb::cast<std::string>(nb::getattr(obj.type(), "__module__", nb::str("")));
+  if (module.rfind("jax", 0) == 0)
+    throw nb::type_error((std::string(name) + " is a JAX array; JAX arrays are immutable and bagua never writes into one").c_str());
+  Output out;
+  if (!nb::try_cast(obj, out))
+    throw nb::type_error((std::string(name) + " must be a writable, C-contiguous array with DLPack support").c_str());
+  return out;
+}
+
+struct Placement {
+  int type;
+  int id;
+};
+
+template <typename Array>
+Placement placement(const Array& a) {
+  return {a.device_type(), a.device_id()};
+}
+
+}  // namespace bagua

@@ -1,0 +1,117 @@
+// Floating-point element types the kernels accept, and their conversions to
+// and from float32. One definition serves the CPU and the CUDA code.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define BAGUA_HD __host__ __device__ __forceinline__
+#else
+#define BAGUA_HD inline
+#endif
+
+namespace bagua {
+
+enum class DType { kF32, kF16, kBF16, kU8, kUnsupported };
+
+inline const char* dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kF32:
+      return "float32";
+    case DType::kF16:
+      return "float16";
+    case DType::kBF16:
+      return "bfloat16";
+    case DType::kU8:
+      return "uint8";
+    default:
+      return "an unsupported dtype";
+  }
+}
+
+// IEEE binary16, stored as raw bits.
+struct Half {
+  uint16_t bits;
+};
+
+// bfloat16 (the upper half of a float32), stored as raw bits.
+struct BFloat16 {
+  uint16_t bits;
+};
+
+BAGUA_HD uint32_t float_bits(float f) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  return u;
+#endif
+}
+
+BAGUA_HD float bits_float(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+#endif
+}
+
+BAGUA_HD float to_float(float x) { return x; }
+BAGUA_HD float to_float(BFloat16 x) { return bits_float(uint32_t{x.bits} << 16); }
+
+BAGUA_HD float to_float(Half x) {
+  const uint32_t sign = uint32_t{x.bits & 0x8000u} << 16;
+  const uint32_t exponent = (x.bits >> 10) & 0x1fu;
+  uint32_t mantissa = x.bits & 0x3ffu;
+  if (exponent == 0x1f) return bits_float(sign | 0x7f800000u | (mantissa << 13));
+  if (exponent != 0) return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
+  if (mantissa == 0) return bits_float(sign);
+  // Subnormal half: mantissa * 2^-24 is exact in float32.
+  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
+  return sign ? -magnitude : magnitude;
+}
+
+template <typename T>
+BAGUA_HD T from_float(float f);
+
+template <>
+BAGUA_HD float from_float<float>(float f) {
+  return f;
+}
+
+// Round to nearest even; NaN stays NaN (quiet).
+template <>
+BAGUA_HD BFloat16 from_float<BFloat16>(float f) {
+  const uint32_t u = float_bits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return BFloat16{static_cast<uint16_t>((u >> 16) | 0x40u)};
+  const uint32_t rounded = u + 0x7fffu + ((u >> 16) & 1u);
+  return BFloat16{static_cast<uint16_t>(rounded >> 16)};
+}
+
+// Round to nearest even, overflow to infinity, gradual underflow.
+template <>
+BAGUA_HD Half from_float<Half>(float f) {
+  const uint32_t u = float_bits(f);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  const uint32_t magnitude = u & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return Half{static_cast<uint16_t>(sign | 0x7e00u)};
+  if (magnitude >= 0x477ff000u) return Half{static_cast<uint16_t>(sign | 0x7c00u)};  // >= 65520
+  if (magnitude < 0x38800000u) {
+    // Result is subnormal or zero: round |f| / 2^-24 to an integer, ties to even.
+    // Adding 2^-1 * 2^23 style magic would need FMA care; scale exactly instead.
+    const float scaled = bits_float(magnitude) * 16777216.0f;  // exact: power of two
+    uint32_t integer = static_cast<uint32_t>(scaled);
+    const float remainder = scaled - static_cast<float>(integer);
+    if (remainder > 0.5f || (remainder == 0.5f && (integer & 1u))) ++integer;
+    return Half{static_cast<uint16_t>(sign | integer)};
+  }
+  const uint32_t rebased = magnitude - (112u << 23);
+  const uint32_t rounded = rebased + 0xfffu + ((rebased >> 13) & 1u);
+  return Half{static_cast<uint16_t>(sign | (rounded >> 13))};
+}
+
+}  // namespace bagua

@@ -1,0 +1,333 @@
+// CPU implementations of the kernels: OpenMP across blocks of elements, and
+// inner loops over fixed-width lanes so the compiler vectorizes them without
+// reassociating float arithmetic.
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#include "kernels.h"
+#include "layout.h"
+#include "numerics.h"
+
+namespace bagua::kernels {
+namespace {
+
+constexpr int64_t kBlock = int64_t{1} << 16;  // elements per parallel task; a multiple of 8
+constexpr int64_t kParallelThreshold = int64_t{1} << 15;
+constexpr int kLanes = 16;
+
+template <typename F>
+void parallel_for(int64_t tasks, int64_t work, F&& f) {
+#pragma omp parallel for schedule(static) if (work >= kParallelThreshold && tasks > 1)
+  for (int64_t t = 0; t < tasks; ++t) f(t);
+}
+
+// The tasks of a chunked tensor: each chunk is cut into the same number of
+// blocks, so task t is block t % per_chunk of chunk t / per_chunk.
+struct ChunkBlocks {
+  Chunking chunking;
+  int64_t per_chunk;
+
+  explicit ChunkBlocks(Chunking c)
+      : chunking(c), per_chunk(std::max<int64_t>(1, ceil_div(c.chunk_elements(), kBlock))) {}
+
+  int64_t tasks() const { return chunking.k * per_chunk; }
+  int64_t chunk(int64_t t) const { return t / per_chunk; }
+  int64_t begin(int64_t t) const {
+    const int64_t c = chunk(t);
+    return std::min(chunking.begin(c) + (t % per_chunk) * kBlock, chunking.begin(c + 1));
+  }
+  int64_t end(int64_t t) const {
+    const int64_t c = chunk(t);
+    return std::min(begin(t) + kBlock, chunking.begin(c + 1));
+  }
+};
+
+const float* header(const uint8_t* buffer, const Chunking& chunking, int64_t i) {
+  return reinterpret_cast<const float*>(buffer + chunking.slot_offset(i));
+}
+
+// The value a compressor encodes: x, or x + residual with error feedback.
+template <typename T>
+struct Source {
+  const T* x;
+  const float* residual;
+  float operator()(int64_t i) const {
+    const float v = to_float(x[i]);
+    return residual ? math::add_rn(v, residual[i]) : v;
+  }
+};
+
+struct Range {
+  float lo, hi;
+};
+
+template <typename T>
+Range min_max(const Source<T>& src, int64_t begin, int64_t end) {
+  float lo[kLanes], hi[kLanes];
+  bool nan[kLanes];
+  std::fill(lo, lo + kLanes, std::numeric_limits<float>::infinity());
+  std::fill(hi, hi + kLanes, -std::numeric_limits<float>::infinity());
+  std::fill(nan, nan + kLanes, false);
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const float v = src(i + l);
+      lo[l] = v < lo[l] ? v : lo[l];
+      hi[l] = v > hi[l] ? v : hi[l];
+      nan[l] |= v != v;
+    }
+  }
+  for (; i < end; ++i) {
+    const float v = src(i);
+    lo[0] = v < lo[0] ? v : lo[0];
+    hi[0] = v > hi[0] ? v : hi[0];
+    nan[0] |= v != v;
+  }
+  Range r{lo[0], hi[0]};
+  bool any_nan = nan[0];
+  for (int l = 1; l < kLanes; ++l) {
+    r.lo = std::min(r.lo, lo[l]);
+    r.hi = std::max(r.hi, hi[l]);
+    any_nan |= nan[l];
+  }
+  if (any_nan) r.lo = r.hi = std::numeric_limits<float>::quiet_NaN();
+  return r;
+}
+
+template <typename T>
+float abs_sum(const Source<T>& src, int64_t begin, int64_t end) {
+  float acc[kLanes] = {};
+  int64_t i = begin;
+  for (; i + kLanes <= end; i += kLanes)
+    for (int l = 0; l < kLanes; ++l) acc[l] += std::fabs(src(i + l));
+  for (; i < end; ++i) acc[0] += std::fabs(src(i));
+  double total = 0;
+  for (int l = 0; l < kLanes; ++l) total += acc[l];
+  return static_cast<float>(total);
+}
+
+// Writes a chunk's 16-byte header and zeroes the slot's padding, so equal inputs
+// always give equal bytes on the wire.
+void write_header(uint8_t* out, const Chunking& chunking, int64_t c, float a, float b) {
+  uint8_t* slot = out + chunking.slot_offset(c);
+  const float header[4] = {a, b, 0.0f, 0.0f};
+  std::memcpy(slot, header, sizeof header);
+  const int64_t used = kHeaderBytes + payload_bytes(chunking.format, chunking.length(c));
+  std::memset(slot + used, 0, chunking.slot_offset(c + 1) - chunking.slot_offset(c) - used);
+}
+
+}  // namespace
+
+template <typename T>
+Status minmax_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k,
+                       uint8_t* out, float* residual_out) {
+  const Chunking chunking{Format::kMinMaxUInt8, n, k};
+  const ChunkBlocks blocks(chunking);
+  const Source<T> src{x, residual_in};
+  std::vector<Range> partial(blocks.tasks());
+  parallel_for(blocks.tasks(), n, [&](int64_t t) { partial[t] = min_max(src, blocks.begin(t), blocks.end(t)); });
+  for (int64_t c = 0; c < k; ++c) {
+    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+    for (int64_t b = 0; b < blocks.per_chunk; ++b) {
+      lo = math::nan_min(lo, partial[c * blocks.per_chunk + b].lo);
+      hi = math::nan_max(hi, partial[c * blocks.per_chunk + b].hi);
+    }
+    if (chunking.length(c) == 0) lo = hi = 0.0f;
+    write_header(out, chunking, c, lo, hi);
+  }
+  parallel_for(blocks.tasks(), n, [&](int64_t t) {
+    const int64_t c = blocks.chunk(t);
+    const float* h = header(out, chunking, c);
+    const float lo = h[0], scale = math::minmax_scale(h[0], h[1]), step = math::minmax_step(h[0], h[1]);
+    uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes;
+    const int64_t first = chunking.begin(c), end = blocks.end(t);
+    for (int64_t i = blocks.begin(t); i < end; ++i) {
+      const float v = src(i);
+      const uint8_t q = math::minmax_encode(v, lo, scale);
+      codes[i - first] = q;
+      if (residual_out) residual_out[i] = math::sub_rn(v, math::minmax_decode(q, lo, step));
+    }
+  });
+  return {};
+}
+
+template <typename T>
+Status sign_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
+                     float* residual_out) {
+  const Chunking chunking{Format::kSign, n, k};
+  const ChunkBlocks blocks(chunking);
+  const Source<T> src{x, residual_in};
+  std::vector<float> partial(blocks.tasks());
+  parallel_for(blocks.tasks(), n, [&](int64_t t) { partial[t] = abs_sum(src, blocks.begin(t), blocks.end(t)); });
+  for (int64_t c = 0; c < k; ++c) {
+    double sum = 0;
+    for (int64_t b = 0; b < blocks.per_chunk; ++b) sum += partial[c * blocks.per_chunk + b];
+    const int64_t len = chunking.length(c);
+    write_header(out, chunking, c, len > 0 ? static_cast<float>(sum / static_cast<double>(len)) : 0.0f, 0.0f);
+  }
+  parallel_for(blocks.tasks(), n, [&](int64_t t) {
+    const int64_t c = blocks.chunk(t);
+    const float scale = header(out, chunking, c)[0];
+    uint8_t* bits = out + chunking.slot_offset(c) + kHeaderBytes;
+    const int64_t first = chunking.begin(c), end = blocks.end(t);
+    for (int64_t i = blocks.begin(t); i < end; i += 8) {
+      uint8_t byte = 0;
+      for (int64_t j = 0; j < 8 && i + j < end; ++j) {
+        const float v = src(i + j);
+        const bool bit = math::sign_bit(v);
+        byte |= static_cast<uint8_t>(bit) << j;
+        if (residual_out) residual_out[i + j] = math::sub_rn(v, math::sign_decode(bit, scale));
+      }
+      bits[(i - first) / 8] = byte;
+    }
+  });
+  return {};
+}
+
+namespace {
+
+// Decodes elements [begin, end) of chunk c of a MinMaxUInt8 buffer; `emit`
+// receives (element index, decoded float).
+template <typename Emit>
+void minmax_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, int64_t begin,
+                         int64_t end, Emit&& emit) {
+  const float* h = header(in, chunking, c);
+  const float lo = h[0], step = math::minmax_step(h[0], h[1]);
+  const uint8_t* codes = in + chunking.slot_offset(c) + kHeaderBytes;
+  const int64_t first = chunking.begin(c);
+  for (int64_t i = begin; i < end; ++i) emit(i, math::minmax_decode(codes[i - first], lo, step));
+}
+
+template <typename Emit>
+void sign_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, int64_t begin,
+                       int64_t end, Emit&& emit) {
+  const float scale = header(in, chunking, c)[0];
+  const uint8_t* bits = in + chunking.slot_offset(c) + kHeaderBytes;
+  const int64_t first = chunking.begin(c);
+  for (int64_t i = begin; i < end; ++i) {
+    const int64_t j = i - first;
+    emit(i, math::sign_decode((bits[j >> 3] >> (j & 7)) & 1, scale));
+  }
+}
+
+template <typename T, typename Decode>
+Status decompress(const uint8_t* in, const Chunking& chunking, T* out, Decode&& decode) {
+  const ChunkBlocks blocks(chunking);
+  parallel_for(blocks.tasks(), chunking.n, [&](int64_t t) {
+    decode(in, chunking, blocks.chunk(t), blocks.begin(t), blocks.end(t),
+           [&](int64_t i, float v) { out[i] = from_float<T>(v); });
+  });
+  return {};
+}
+
+// The k inputs are single-chunk buffers of m elements each, laid end to end:
+// exactly the layout of m*k elements in k chunks, so chunk j's element i is
+// element j*m + i of that tensor.
+template <typename T, typename Decode>
+Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k, bool average,
+                         T* out, Decode&& decode) {
+  const Chunking chunking{format, m * k, k};
+  constexpr int64_t kTile = 4096;
+  const int64_t tiles = ceil_div(m, kTile);
+  parallel_for(tiles, m * k, [&](int64_t t) {
+    const int64_t begin = t * kTile, end = std::min(begin + kTile, m);
+    float acc[kTile] = {};
+    for (int64_t j = 0; j < k; ++j) {
+      decode(in, chunking, j, j * m + begin, j * m + end,
+             [&](int64_t i, float v) { acc[i - j * m - begin] = math::add_rn(acc[i - j * m - begin], v); });
+    }
+    const float ranks = static_cast<float>(k);
+    for (int64_t i = begin; i < end; ++i) {
+      const float v = acc[i - begin];
+      out[i] = from_float<T>(average ? math::div_rn(v, ranks) : v);
+    }
+  });
+  return {};
+}
+
+template <typename T, typename F>
+Status elementwise(int64_t n, T* out, F&& f) {
+  parallel_for(ceil_div(n, kBlock), n, [&](int64_t t) {
+    const int64_t end = std::min((t + 1) * kBlock, n);
+    for (int64_t i = t * kBlock; i < end; ++i) out[i] = from_float<T>(f(i));
+  });
+  return {};
+}
+
+}  // namespace
+
+template <typename T>
+Status minmax_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
+  return decompress(in, Chunking{Format::kMinMaxUInt8, n, k}, out,
+                    [](auto&&... a) { minmax_decode_range(a...); });
+}
+
+template <typename T>
+Status sign_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
+  return decompress(in, Chunking{Format::kSign, n, k}, out, [](auto&&... a) { sign_decode_range(a...); });
+}
+
+template <typename T>
+Status minmax_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average, T* out) {
+  return decompress_reduce(in, Format::kMinMaxUInt8, m, k, average, out,
+                           [](auto&&... a) { minmax_decode_range(a...); });
+}
+
+template <typename T>
+Status sign_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average, T* out) {
+  return decompress_reduce(in, Format::kSign, m, k, average, out,
+                           [](auto&&... a) { sign_decode_range(a...); });
+}
+
+template <typename T>
+Status average2(Cpu, const T* a, const T* b, int64_t n, T* out) {
+  return elementwise(n, out, [&](int64_t i) {
+    return math::average2(to_float(a[i]), to_float(b[i]));
+  });
+}
+
+template <typename T>
+Status axpy(Cpu, const T* x, float a, const T* y, int64_t n, T* out) {
+  return elementwise(n, out, [&](int64_t i) {
+    return math::axpy(to_float(x[i]), a, to_float(y[i]));
+  });
+}
+
+template <typename T>
+Status async_average(Cpu, const T* x, const T* reduced, const T* snapshot, float ranks, int64_t n,
+                     T* out) {
+  return elementwise(n, out, [&](int64_t i) {
+    return math::async_average(to_float(x[i]), to_float(reduced[i]), ranks,
+                               to_float(snapshot[i]));
+  });
+}
+
+template <typename T>
+Status lowprec_decentralized_diff(Cpu, const T* x, const T* w, const T* left, const T* right,
+                                  int64_t n, T* out) {
+  return elementwise(n, out, [&](int64_t i) {
+    return math::lowprec_decentralized_diff(to_float(x[i]), to_float(w[i]),
+                                            to_float(left[i]),
+                                            to_float(right[i]));
+  });
+}
+
+#define BAGUA_INSTANTIATE(T)                                                                     \
+  template Status minmax_compress(Cpu, const T*, const float*, int64_t, int64_t, uint8_t*, float*); \
+  template Status sign_compress(Cpu, const T*, const float*, int64_t, int64_t, uint8_t*, float*);   \
+  template Status minmax_decompress(Cpu, const uint8_t*, int64_t, int64_t, T*);                  \
+  template Status sign_decompress(Cpu, const uint8_t*, int64_t, int64_t, T*);                    \
+  template Status minmax_decompress_reduce(Cpu, const uint8_t*, int64_t, int64_t, bool, T*);     \
+  template Status sign_decompress_reduce(Cpu, const uint8_t*, int64_t, int64_t, bool, T*);       \
+  template Status average2(Cpu, const T*, const T*, int64_t, T*);                                \
+  template Status axpy(Cpu, const T*, float, const T*, int64_t, T*);                             \
+  template Status async_average(Cpu, const T*, const T*, const T*, float, int64_t, T*);           \
+  template Status lowprec_decentralized_diff(Cpu, const T*, const T*, const T*, const T*, int64_t, T*);
+
+BAGUA_INSTANTIATE(float)
+BAGUA_INSTANTIATE(Half)
+BAGUA_INSTANTIATE(BFloat16)
+
+}  // namespace bagua::kernels

@@ -1,0 +1,355 @@
+#include "mpi_communicator.h"
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstdio>
+#include <chrono>
+#include <mutex>
+#include <stdexcept>
+#include <thread>
+#include <vector>
+
+#include "numerics.h"
+
+namespace bagua {
+namespace {
+
+std::atomic<bool> any_broken{false};
+bool initialized_here = false;
+std::mutex serialize;  // taken around MPI calls when MPI lacks MPI_THREAD_MULTIPLE
+bool thread_multiple = false;
+
+// MPI has no 16-bit float types: they travel as 2-byte opaque elements with
+// user-defined reductions computed in float32.
+MPI_Datatype half_type, bfloat16_type;
+MPI_Op half_ops[3], bfloat16_ops[3];  // sum, min, max
+
+template <typename T, int kOp>
+void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const float x = to_float(a[i]), y = to_float(b[i]);
+    const float r = kOp == 0 ? x + y : kOp == 1 ? (x < y ? x : y) : (x > y ? x : y);
+    b[i] = from_float<T>(r);
+  }
+}
+
+void ensure_initialized() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int ready = 0;
+    MPI_Initialized(&ready);
+    int provided = MPI_THREAD_SINGLE;
+    if (!ready) {
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      initialized_here = true;
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    thread_multiple = provided == MPI_THREAD_MULTIPLE;
+    MPI_Type_contiguous(2, MPI_BYTE, &half_type);
+    MPI_Type_commit(&half_type);
+    MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type);
+    MPI_Type_commit(&bfloat16_type);
+    MPI_Op_create(&reduce16<Half, 0>, 1, &half_ops[0]);
+    MPI_Op_create(&reduce16<Half, 1>, 1, &half_ops[1]);
+    MPI_Op_create(&reduce16<Half, 2>, 1, &half_ops[2]);
+    MPI_Op_create(&reduce16<BFloat16, 0>, 1, &bfloat16_ops[0]);
+    MPI_Op_create(&reduce16<BFloat16, 1>, 1, &bfloat16_ops[1]);
+    MPI_Op_create(&reduce16<BFloat16, 2>, 1, &bfloat16_ops[2]);
+  });
+}
+
+MPI_Datatype mpi_type(CommType t) {
+  switch (t) {
+    case CommType::kF32:
+      return MPI_FLOAT;
+    case CommType::kF64:
+      return MPI_DOUBLE;
+    case CommType::kF16:
+      return half_type;
+    case CommType::kBF16:
+      return bfloat16_type;
+    case CommType::kU8:
+      return MPI_UINT8_T;
+    case CommType::kI32:
+      return MPI_INT32_T;
+    case CommType::kI64:
+      return MPI_INT64_T;
+  }
+  return MPI_DATATYPE_NULL;
+}
+
+// Averages are sums divided by the rank count afterwards.
+MPI_Op mpi_op(CommType t, ReduceOp op) {
+  const int index = op == ReduceOp::kMin ? 1 : op == ReduceOp::kMax ? 2 : 0;
+  if (t == CommType::kF16) return half_ops[index];
+  if (t == CommType::kBF16) return bfloat16_ops[index];
+  return index == 1 ? MPI_MIN : index == 2 ? MPI_MAX : MPI_SUM;
+}
+
+template <typename T>
+void divide(void* data, int64_t count, int ranks) {
+  T* p = static_cast<T*>(data);
+  for (int64_t i = 0; i < count; ++i) p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
+}
+
+void divide_in_place(void* data, int64_t count, CommType t, int ranks) {
+  switch (t) {
+    case CommType::kF32:
+      divide<float>(data, count, ranks);
+      break;
+    case CommType::kF16:
+      divide<Half>(data, count, ranks);
+      break;
+    case CommType::kBF16:
+      divide<BFloat16>(data, count, ranks);
+      break;
+    case CommType::kF64: {
+      double* p = static_cast<double*>(data);
+      for (int64_t i = 0; i < count; ++i) p[i] /= ranks;
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+bool is_float(CommType t) {
+  return t == CommType::kF32 || t == CommType::kF16 || t == CommType::kBF16 || t == CommType::kF64;
+}
+
+std::string mpi_error(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return std::string(text, length);
+}
+
+class MpiCommunicator final : public Communicator {
+ public:
+  MpiCommunicator(MPI_Comm comm, std::string name, double timeout_seconds)
+      : comm_(comm), name_(std::move(name)), timeout_(timeout_seconds) {
+    MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    MPI_Comm_rank(comm_, &rank_);
+    MPI_Comm_size(comm_, &size_);
+  }
+
+  ~MpiCommunicator() override {
+    // Freeing a communicator with a collective still pending would block.
+    if (!broken_) MPI_Comm_free(&comm_);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  const std::string& name() const override { return name_; }
+  MPI_Comm comm() const { return comm_; }
+  double timeout() const { return timeout_; }
+
+  Status allreduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+                   void*) override {
+    if (op == ReduceOp::kAvg && !is_float(type)) return fail("allreduce", "avg needs a float type");
+    Status s = run("allreduce", [&](MPI_Request* r) {
+      return MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send, recv, count, mpi_type(type),
+                              mpi_op(type, op), comm_, r);
+    });
+    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
+    return s;
+  }
+
+  Status reduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op, int root,
+                void*) override {
+    if (op == ReduceOp::kAvg && !is_float(type)) return fail("reduce", "avg needs a float type");
+    if (Status s = check_root("reduce", root); !s.ok()) return s;
+    const bool in_place = send == recv && rank_ == root;
+    Status s = run("reduce", [&](MPI_Request* r) {
+      return MPI_Ireduce_c(in_place ? MPI_IN_PLACE : send, recv, count, mpi_type(type),
+                           mpi_op(type, op), root, comm_, r);
+    });
+    if (s.ok() && op == ReduceOp::kAvg && rank_ == root) divide_in_place(recv, count, type, size_);
+    return s;
+  }
+
+  Status broadcast(void* buffer, int64_t count, CommType type, int root, void*) override {
+    if (Status s = check_root("broadcast", root); !s.ok()) return s;
+    return run("broadcast", [&](MPI_Request* r) {
+      return MPI_Ibcast_c(buffer, count, mpi_type(type), root, comm_, r);
+    });
+  }
+
+  Status reduce_scatter(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+                        void*) override {
+    if (op == ReduceOp::kAvg && !is_float(type)) return fail("reduce_scatter", "avg needs a float type");
+    Status s = run("reduce_scatter", [&](MPI_Request* r) {
+      return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type), mpi_op(type, op), comm_, r);
+    });
+    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
+    return s;
+  }
+
+  Status allgather(const void* send, void* recv, int64_t count, CommType type, void*) override {
+    return run("allgather", [&](MPI_Request* r) {
+      return MPI_Iallgather_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_, r);
+    });
+  }
+
+  Status gather(const void* send, void* recv, int64_t count, CommType type, int root, void*) override {
+    if (Status s = check_root("gather", root); !s.ok()) return s;
+    return run("gather", [&](MPI_Request* r) {
+      return MPI_Igather_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_, r);
+    });
+  }
+
+  Status scatter(const void* send, void* recv, int64_t count, CommType type, int root, void*) override {
+    if (Status s = check_root("scatter", root); !s.ok()) return s;
+    return run("scatter", [&](MPI_Request* r) {
+      return MPI_Iscatter_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_, r);
+    });
+  }
+
+  Status alltoall(const void* send, void* recv, int64_t count, CommType type, void*) override {
+    return run("alltoall", [&](MPI_Request* r) {
+      return MPI_Ialltoall_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_, r);
+    });
+  }
+
+  Status alltoall_v(const void* send, const int64_t* send_counts, void* recv,
+                    const int64_t* recv_counts, CommType type, void*) override {
+    std::vector<MPI_Count> sc(size_), rc(size_);
+    std::vector<MPI_Aint> sd(size_), rd(size_);
+    MPI_Aint send_offset = 0, recv_offset = 0;
+    for (int j = 0; j < size_; ++j) {
+      if (send_counts[j] < 0 || recv_counts[j] < 0) return fail("alltoall_v", "counts must be non-negative");
+      sc[j] = send_counts[j];
+      sd[j] = send_offset;
+      send_offset += send_counts[j];
+      rc[j] = recv_counts[j];
+      rd[j] = recv_offset;
+      recv_offset += recv_counts[j];
+    }
+    return run("alltoall_v", [&](MPI_Request* r) {
+      return MPI_Ialltoallv_c(send, sc.data(), sd.data(), mpi_type(type), recv, rc.data(), rd.data(),
+                              mpi_type(type), comm_, r);
+    });
+  }
+
+  Status send_recv(const void* send, void* recv, int64_t count, CommType type, const int32_t* peers,
+                   int num_peers, void*) override {
+    for (int i = 0; i < num_peers; ++i)
+      if (peers[i] < 0 || peers[i] >= size_ || peers[i] == rank_)
+        return fail("send_recv", "peer " + std::to_string(peers[i]) + " is not another rank of " +
+                                     std::to_string(size_));
+    std::vector<MPI_Request> requests(2 * num_peers, MPI_REQUEST_NULL);
+    const int64_t bytes = count * comm_type_bytes(type);
+    return run_many("send_recv", requests, [&](MPI_Request* r) {
+      // The i-th exchange with a given peer uses tag i on both sides, so
+      // repeated peers (a ring of two ranks) pair up in order.
+      for (int i = 0; i < num_peers; ++i) {
+        int tag = 0;
+        for (int j = 0; j < i; ++j) tag += peers[j] == peers[i];
+        int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type), peers[i], tag,
+                             comm_, &r[2 * i]);
+        if (rc != MPI_SUCCESS) return rc;
+        rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag, comm_, &r[2 * i + 1]);
+        if (rc != MPI_SUCCESS) return rc;
+      }
+      return MPI_SUCCESS;
+    });
+  }
+
+  Status barrier(void*) override {
+    return run("barrier", [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
+  }
+
+ private:
+  Status fail(const char* op, const std::string& what) const {
+    return Status{"MPI " + std::string(op) + " on communicator '" + name_ + "' (rank " +
+                      std::to_string(rank_) + " of " + std::to_string(size_) + "): " + what,
+                  true};
+  }
+
+  Status check_root(const char* op, int root) const {
+    if (root < 0 || root >= size_)
+      return Status{"MPI " + std::string(op) + ": root " + std::to_string(root) + " is not a rank of " +
+                    std::to_string(size_)};
+    return {};
+  }
+
+  template <typename Start>
+  Status run(const char* op, Start&& start) {
+    std::vector<MPI_Request> requests(1, MPI_REQUEST_NULL);
+    return run_many(op, requests, start);
+  }
+
+  // Starts the non-blocking calls, then polls them until done or the deadline.
+  template <typename Start>
+  Status run_many(const char* op, std::vector<MPI_Request>& requests, Start&& start) {
+    if (broken_) return fail(op, "the communicator is unusable after an earlier failure");
+    std::unique_lock<std::mutex> lock(serialize, std::defer_lock);
+    if (!thread_multiple) lock.lock();
+    int rc = start(requests.data());
+    if (rc != MPI_SUCCESS) return fail(op, mpi_error(rc));
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_);
+    for (int polls = 0;; ++polls) {
+      int done = 0;
+      rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+      if (rc != MPI_SUCCESS) {
+        mark_broken();
+        return fail(op, mpi_error(rc));
+      }
+      if (done) return {};
+      if (std::chrono::steady_clock::now() > deadline) {
+        mark_broken();
+        char seconds[32];
+        std::snprintf(seconds, sizeof seconds, "%g", timeout_);
+        return fail(op, std::string("did not complete within ") + seconds +
+                            " s; a peer may have died or not entered the same collective");
+      }
+      if (polls > 1000) {
+        if (lock.owns_lock()) lock.unlock();
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
+        if (!thread_multiple) lock.lock();
+      }
+    }
+  }
+
+  void mark_broken() {
+    broken_ = true;
+    any_broken = true;
+  }
+
+  MPI_Comm comm_;
+  std::string name_;
+  double timeout_;
+  int rank_ = 0, size_ = 1;
+  bool broken_ = false;
+};
+
+}  // namespace
+
+std::shared_ptr<Communicator> mpi_world(const std::string& name, double timeout_seconds) {
+  ensure_initialized();
+  MPI_Comm comm;
+  MPI_Comm_dup(MPI_COMM_WORLD, &comm);
+  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds);
+}
+
+std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key, const std::string& name) {
+  auto* mpi_parent = dynamic_cast<MpiCommunicator*>(&parent);
+  if (!mpi_parent) throw std::invalid_argument("mpi_split needs an MPI communicator as parent");
+  MPI_Comm comm;
+  const int rc = MPI_Comm_split(mpi_parent->comm(), color, key, &comm);
+  if (rc != MPI_SUCCESS) throw std::runtime_error("MPI_Comm_split failed: " + mpi_error(rc));
+  return std::make_shared<MpiCommunicator>(comm, name, mpi_parent->timeout());
+}
+
+void mpi_finalize() {
+  int ready = 0, finalized = 0;
+  MPI_Initialized(&ready);
+  MPI_Finalized(&finalized);
+  if (ready && !finalized && initialized_here && !any_broken) MPI_Finalize();
+}
+
+}  // namespace bagua

@@ -1,0 +1,41 @@
+// The Python extension `_bagua_mpi`: the MPI engine's communicators, its FFI
+// collectives for the CPU platform, and the same collectives on DLPack tensors.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/string.h>
+
+#include "collective_handlers.h"
+#include "comm_bindings.h"
+#include "mpi_communicator.h"
+
+namespace nb = nanobind;
+
+NB_MODULE(_bagua_mpi, m) {
+  using namespace bagua;
+  m.doc() = "Bagua's MPI engine: collectives on host buffers.";
+
+  m.def("registrations", [] {
+    nb::dict targets;
+    for (const auto& [name, handler] : collective_handlers::handlers<Cpu>())
+      targets[name] = nb::capsule(reinterpret_cast<void*>(handler));
+    nb::dict platforms;
+    platforms["cpu"] = targets;
+    return platforms;
+  }, "FFI handler capsules by platform, then by target name.");
+
+  m.def("world", [](const std::string& name, double timeout_seconds) {
+    return CommunicatorRegistry::instance().add(mpi_world(name, timeout_seconds));
+  }, nb::arg("name"), nb::arg("timeout_seconds"),
+     "A communicator over MPI_COMM_WORLD (initializes MPI); returns its handle.");
+
+  m.def("split", [](int64_t parent, int color, int key, const std::string& name) {
+    return CommunicatorRegistry::instance().add(mpi_split(*comm_bindings::lookup(parent), color, key, name));
+  }, nb::arg("parent"), nb::arg("color"), nb::arg("key"), nb::arg("name"),
+     "Split a communicator: ranks with the same color form one, ordered by key.");
+
+  m.def("finalize", [] {
+    CommunicatorRegistry::instance().clear();
+    mpi_finalize();
+  }, "Destroy every communicator and finalize MPI (called at exit).");
+
+  comm_bindings::bind(m, nb::device::cpu::value);
+}
