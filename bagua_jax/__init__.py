@@ -1,12 +1,16 @@
 """Bagua for JAX: communication-efficient data-parallel training.
 
 ``bagua_jax.ops`` holds the native compression kernels and elementwise helpers as
-JAX operations (usable under ``jit``, ``vmap`` and ``shard_map``).
+JAX operations (usable under ``jit``, ``vmap`` and ``shard_map``). Communicators
+implement one protocol (:class:`Communicator`) two ways: :class:`LaxCommunicator`
+(JAX's collectives on a mesh axis, inside ``shard_map``) and
+:class:`NativeCommunicator` (the native MPI/NCCL engines, one device per process).
 """
 
 from bagua_jax import ops
 from bagua_jax.build import build_info
 from bagua_jax.communicator import Communicator, ReduceOp
 from bagua_jax.lax_communicator import LaxCommunicator
+from bagua_jax.native_communicator import NativeCommunicator
 
-__all__ = ["Communicator", "LaxCommunicator", "ReduceOp", "build_info", "ops"]
+__all__ = ["Communicator", "LaxCommunicator", "NativeCommunicator", "ReduceOp", "build_info", "ops"]

@@ -21,13 +21,14 @@ all-gather producing ``n * B``; ``scatter`` and ``alltoall`` one all-to-all of
 ``B``; ``alltoall_v`` an all-to-all of ``n * B`` (every block padded to the whole
 input, since XLA needs static shapes); ``send_recv`` an all-gather producing
 ``n * B`` (for a peer pattern known when tracing, ``lax.ppermute`` is the cheap
-alternative); ``barrier`` an all-reduce of one int32.
+alternative); ``barrier`` an all-reduce of two float32 plus one elementwise select per leaf.
 
-Reductions keep the input dtype (a bfloat16 sum is accumulated by XLA in
-bfloat16, like the native MPI engine that rounds after every pairwise step).
-``"avg"`` is the sum divided by ``size`` in the input dtype and needs a floating
-dtype. Every rank computes its result from the same collective output in the
-same way, so results that every rank receives are bit-identical across ranks.
+Reductions run in the input dtype, as XLA's collectives do (no float32 accumulation for
+bfloat16/float16; the native MPI engine likewise rounds after every pairwise step). ``"avg"`` is
+the sum divided by ``size`` in the input dtype and needs a floating dtype. XLA's all-reduce hands
+every rank the same bits (in one process, and over gloo's ring across processes; both are tested)
+and every rank post-processes them identically, so results that every rank receives are
+bit-identical across ranks.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ for _kind in (
 
 
 # Primitive parameters that only shape the result; they are not FFI attributes.
-_SHAPE_ONLY = ("size", "out_size")
+_SHAPE_ONLY = ("size", "out_size", "shape", "dtype")
 
 
 def _lowering(target: str) -> Callable:
@@ -103,4 +103,6 @@ scatter_p = _collective("scatter", _per_rank)
 alltoall_p = _collective("alltoall", _same)
 alltoall_v_p = _collective("alltoall_v", lambda x, sc, rc, *, out_size, **_: core.ShapedArray((out_size,), x.dtype))
 send_recv_p = _collective("send_recv", _per_peer)
+send_p = _collective("send", None)
+recv_p = _collective("recv", lambda peer, *, shape, dtype, **_: core.ShapedArray(shape, dtype))
 barrier_p = _collective("barrier", None)

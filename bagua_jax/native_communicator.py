@@ -7,7 +7,6 @@ import os
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from bagua_jax import native_collectives as nc
 from bagua_jax.communicator import REDUCE_OPS, ReduceOp
@@ -162,6 +161,19 @@ class NativeCommunicator:
         peers = jnp.asarray(peers, jnp.int32).reshape(-1)
         flat = nc.send_recv_p.bind(x.ravel(), peers, comm=self._handle)
         return flat.reshape(peers.shape[0], *x.shape)
+
+    def send(self, x: jax.Array, peer: jax.Array | int) -> None:
+        """Send ``x`` to rank ``peer`` (chosen at run time); it must meet a matching ``recv``.
+
+        Point-to-point calls are ordered with the collectives, so two ranks that send and
+        receive in opposite orders still meet.
+        """
+        nc.send_p.bind(jnp.asarray(x), jnp.asarray(peer, jnp.int32).reshape(1), comm=self._handle)
+
+    def recv(self, shape: tuple[int, ...], dtype: jnp.dtype, peer: jax.Array | int) -> jax.Array:
+        """Receive an array of ``shape`` and ``dtype`` sent by rank ``peer``."""
+        peer = jnp.asarray(peer, jnp.int32).reshape(1)
+        return nc.recv_p.bind(peer, comm=self._handle, shape=tuple(shape), dtype=jnp.dtype(dtype))
 
     def barrier(self, x: jax.Array) -> jax.Array:
         """Return ``x`` once every rank has reached this point."""

@@ -12,7 +12,8 @@ Each collective also has an ``<name>_async`` variant that issues it and returns 
 :class:`Work` handle at once; ``wait()`` returns the result. Collectives are
 issued in call order on every rank (sync and async alike), so PyTorch can overlap
 communication with the backward pass as long as every rank issues the same
-sequence.
+sequence. As with ``torch.distributed``, do not modify an asynchronous
+collective's input before its ``wait()`` returns.
 
 :class:`ProcessGroupCommunicator` runs over a ``torch.distributed`` process group
 (gloo on CPU, nccl on GPU); :class:`NativeCommunicator` runs over Bagua's native
@@ -407,7 +408,9 @@ class _CommunicatorBase:
 # torch.distributed
 # =====================================================================================
 
-_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+
+def _torch_op(op: str) -> Any:
+    return {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
 
 
 class _TorchWork:
@@ -429,7 +432,7 @@ class _TorchWork:
         if not self._done:
             timeout = timedelta(seconds=self._comm.timeout)
             for work in self._works:
-                self._comm._guard(self._op, lambda work=work: work.wait(timeout))
+                self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
             if self._finish is not None:
                 self._result = self._finish(self._result)
             self._done = True
@@ -472,7 +475,9 @@ class ProcessGroupCommunicator(_CommunicatorBase):
         if self._rank < 0:
             raise ValueError("this process is not a member of the given process group")
         self._size = dist.get_world_size(group)
-        self._name = name if name is not None else ("world" if group is None else f"group-{id(group):x}")
+        if name is None:
+            name = "world" if group is None else f"group {getattr(group, 'group_name', '') or id(group)}"
+        self._name = name
         self._kind = f"torch.distributed {self._backend}"
         self.timeout = _timeout_seconds(timeout)
         # None: unknown, found out on the first reduce_scatter.
@@ -498,11 +503,16 @@ class ProcessGroupCommunicator(_CommunicatorBase):
     def _global(self, rank: int) -> int:
         return rank if self._group is None else dist.get_global_rank(self._group, rank)
 
-    def _guard(self, op: str, call: Callable[[], Any]) -> Any:
+    def _guard(self, op: str, call: Callable[[], Any], waiting: bool = False) -> Any:
         try:
             return call()
         except RuntimeError as error:  # DistBackendError, gloo and timeout errors
-            raise CommunicationError(f"{self._where(op)} failed: {error}") from error
+            note = (
+                f" (waited at most {self.timeout:g} s; a peer may have died or not entered the same collective)"
+                if waiting
+                else ""
+            )
+            raise CommunicationError(f"{self._where(op)} failed{note}: {error}") from error
 
     def _issue(self, op: str, call: Callable[[], Any], result: torch.Tensor | None, finish=None) -> _TorchWork:
         work = self._guard(op, call)
@@ -512,7 +522,7 @@ class ProcessGroupCommunicator(_CommunicatorBase):
     def _sum_op(self, op: str):
         if op == "avg":
             return dist.ReduceOp.AVG if self._native_avg else dist.ReduceOp.SUM
-        return _TORCH_OPS[op]
+        return _torch_op(op)
 
     def _average(self, op: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
         if op == "avg" and not self._native_avg:
@@ -739,7 +749,9 @@ class NativeCommunicator(_CommunicatorBase):
     synchronization). Each collective completes or raises
     :class:`CommunicationError` within ``timeout`` seconds, the message naming the
     communicator, the operation and the rank; after such an error the communicator
-    is unusable.
+    is unusable. NCCL enqueues without waiting for the device, so a CUDA collective
+    that fails after being enqueued (its watchdog aborts the communicator at the
+    timeout) is reported by the next call on the communicator.
     """
 
     def __init__(self, handle: int, engine: str, timeout: float, name: str, device: torch.device | None = None):
@@ -756,7 +768,6 @@ class NativeCommunicator(_CommunicatorBase):
         self.timeout = float(timeout)
         self._device_type = _ENGINE_DEVICES[engine]
         self._device = device if device is not None else torch.device(self._device_type)
-        self._store: Any = None
         self._issue_lock = threading.Lock()
         self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"bagua-{name}")
         self._stream: Any = None  # the CUDA side stream, made on first use
@@ -801,11 +812,13 @@ class NativeCommunicator(_CommunicatorBase):
         cuda = cls._cuda_device(device)
         key = f"bagua/nccl/{name}/{next(_store_sequence)}"
         unique_id = cls._share_unique_id(store, key, rank == 0, nccl, seconds)
-        with torch.cuda.device(cuda):
-            handle = nccl.create(unique_id, rank, size, name, seconds)
-        comm = cls(handle, "nccl", seconds, name, cuda)
-        comm._store = store
-        return comm
+        try:
+            handle = nccl.create(unique_id, rank, size, name, seconds, cuda.index)
+        except RuntimeError as error:
+            raise CommunicationError(
+                f"NCCL create of communicator '{name}' (rank {rank} of {size}): {str(error).removeprefix('bagua ')}"
+            ) from error
+        return cls(handle, "nccl", seconds, name, cuda)
 
     @staticmethod
     def _cuda_device(device: torch.device | int | None) -> torch.device:
@@ -834,37 +847,26 @@ class NativeCommunicator(_CommunicatorBase):
         return bytes(store.get(key))
 
     def split(self, color: int, key: int, name: str | None = None) -> NativeCommunicator:
-        """The ranks with the same ``color`` (>= 0), ordered by ``key`` then rank.
+        """The ranks with the same ``color`` (>= 0), ordered by ``key`` (ties by rank).
 
         Every rank of this communicator must call it, in the same order as its
-        collectives. The MPI engine splits natively; NCCL communicators made with
-        :meth:`from_store` exchange colors with an allgather and share one unique id
-        per color through the store.
+        collectives (it runs on the worker thread behind any queued collective). The
+        child has this communicator's engine, device and timeout; ``name`` defaults
+        to ``"<parent name>/<color>"``.
         """
         color, key = int(color), int(key)
         if color < 0:
             raise ValueError(f"split: color must be non-negative, got {color}")
         name = name if name is not None else f"{self._name}/{color}"
-        if hasattr(self._module, "split"):
-            handle = self._run_ordered(lambda: self._module.split(self._handle, color, key, name))
-            return NativeCommunicator(handle, self._engine_kind, self.timeout, name, self._device)
-        if self._store is None:
-            raise RuntimeError(
-                f"split: the {self._kind} engine cannot split communicator '{self._name}' natively and "
-                "it was not made from a store"
-            )
-        table = self.allgather(torch.tensor([color, key], dtype=torch.int64, device=self._device)).tolist()
-        members = sorted((k, r) for r, (c, k) in enumerate(table) if c == color)
-        ranks = [r for _, r in members]
-        store_key = f"bagua/nccl/{self._name}/split/{next(_store_sequence)}/{color}"
-        unique_id = self._share_unique_id(
-            self._store, store_key, ranks[0] == self._rank, self._module, self.timeout
-        )
-        with torch.cuda.device(self._device):
-            handle = self._module.create(unique_id, ranks.index(self._rank), len(ranks), name, self.timeout)
-        comm = NativeCommunicator(handle, self._engine_kind, self.timeout, name, self._device)
-        comm._store = self._store
-        return comm
+
+        def split() -> int:
+            try:
+                return self._module.split(self._handle, color, key, name)
+            except RuntimeError as error:
+                raise CommunicationError(f"{self._where('split')}: {error}") from error
+
+        handle = self._run_ordered(split)
+        return NativeCommunicator(handle, self._engine_kind, self.timeout, name, self._device)
 
     def close(self) -> None:
         """Wait for queued collectives, stop the worker thread and release the engine handle."""

@@ -63,3 +63,30 @@ def dies_or_waits(rank_to_die: int) -> str:
     except Exception as error:  # what a user sees
         return f"{type(error).__name__}: {error}"
     return "no error"
+
+
+def opposite_orders(n: int) -> np.ndarray:
+    """Rank 0 sends then receives; rank 1 receives then sends, in one jitted step.
+
+    The messages are large (beyond MPI's eager limit), so a send only completes once
+    matched: if either rank's two calls were reordered, both would wait forever.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    comm = NativeCommunicator.mpi_world(timeout=30)
+    rank = int(comm.rank())
+    mine = jnp.full(n, rank + 1.0, jnp.float32)
+
+    @jax.jit
+    def step(x):
+        if rank == 0:
+            comm.send(x, 1)
+            return comm.recv((n,), jnp.float32, 1)
+        received = comm.recv((n,), jnp.float32, 0)
+        comm.send(x * 10, 0)
+        return received
+
+    return np.asarray(step(mine))

@@ -10,10 +10,7 @@ side effects and the test can reuse the input generators below.
 from __future__ import annotations
 
 import os
-import sys
 import time
-import traceback
-from pathlib import Path
 
 import jax
 import ml_dtypes
@@ -21,8 +18,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the checkout's bagua_jax
-from bagua_jax import LaxCommunicator  # noqa: E402
+from bagua_jax import LaxCommunicator
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 

@@ -68,7 +68,8 @@ def run_ranks(
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "BAGUA_TEST_WORKDIR": str(workdir),
-        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        # The ranks import this checkout's packages and the test modules, whatever the cwd.
+        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
         "PYTHONUNBUFFERED": "1",
     }
     command = [sys.executable, "-m", "rank_main", target]

@@ -76,6 +76,7 @@ def test_every_primitive_matches_numpy(run):
     for res in values:
         rank = res["rank"]
         assert (res["comm_rank"], res["comm_size"]) == (rank, size)
+        assert res["protocol"] is True
         for suffix in ("", "/async"):
             get = lambda key: res[key + suffix]  # noqa: E731
             for op in OPS:
@@ -204,3 +205,49 @@ def test_a_dead_or_stalled_peer_raises_within_the_timeout(engine, mode):
     assert survivor.value["elapsed"] < timeout + 10, survivor.value
     if engine == "mpi":
         assert f"did not complete within {timeout:g}" in message, message
+
+
+# --- in-process checks (no peers needed) -------------------------------------------
+
+
+def test_default_timeout_reads_the_environment(monkeypatch):
+    from bagua_torch.communicator import DEFAULT_TIMEOUT_SECONDS, default_timeout
+
+    monkeypatch.delenv("BAGUA_COMM_TIMEOUT", raising=False)
+    assert default_timeout() == DEFAULT_TIMEOUT_SECONDS == 300
+    monkeypatch.setenv("BAGUA_COMM_TIMEOUT", "7.5")
+    assert default_timeout() == 7.5
+    for bad in ("soon", "0", "-3"):
+        monkeypatch.setenv("BAGUA_COMM_TIMEOUT", bad)
+        with pytest.raises(ValueError, match="BAGUA_COMM_TIMEOUT"):
+            default_timeout()
+
+
+def test_process_group_communicator_needs_torch_distributed():
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("torch.distributed is initialized in this process")
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        bagua_torch.ProcessGroupCommunicator()
+
+
+def test_the_nccl_unique_id_travels_through_a_torch_store():
+    """Rank 0 puts the id in the store, the others read it; a missing leader times out."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from multiprocess import free_port
+
+    from bagua_torch.communicator import CommunicationError, NativeCommunicator
+
+    port = free_port()
+    master = dist.TCPStore("127.0.0.1", port, 2, True, timedelta(seconds=10), wait_for_workers=False)
+    client = dist.TCPStore("127.0.0.1", port, 2, False, timedelta(seconds=10))
+    fake_nccl = SimpleNamespace(unique_id=lambda: b"\x00id\xff" * 32)
+    sent = NativeCommunicator._share_unique_id(master, "bagua/test/id", True, fake_nccl, 5.0)
+    received = NativeCommunicator._share_unique_id(client, "bagua/test/id", False, fake_nccl, 5.0)
+    assert sent == received == b"\x00id\xff" * 32
+    with pytest.raises(CommunicationError, match="did not arrive within 0.5"):
+        NativeCommunicator._share_unique_id(client, "bagua/test/nobody", False, fake_nccl, 0.5)

@@ -192,6 +192,9 @@ def every_primitive(engine: str, seed: int) -> dict:
     out["sub/reduce"] = _numpy(sub.reduce(x, sub.size - 1))
     if sub.size > 1:
         out["sub/send_recv"] = _numpy(sub.send_recv(x, [(sub.rank + 1) % sub.size]))
+    from bagua_torch import Communicator, Work
+
+    out["protocol"] = isinstance(comm, Communicator) and isinstance(comm.barrier_async(), Work)
     out["errors"] = _errors(comm)
     comm.barrier()
     return out

@@ -191,6 +191,33 @@ ffi::Error SendRecv(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peers, ffi::Token, f
                                     host_peers.data(), p, stream_of(exec)));
 }
 
+// The peer is a run-time int32 operand, so it may change every step.
+template <typename Exec>
+ffi::Error read_peer(const char* op, const ffi::Buffer<ffi::S32>& peer, int32_t* out, Exec exec) {
+  if (peer.element_count() != 1) return size_error(op, "the peer must be one int32");
+  return to_error(copy_to_host(exec, out, peer.typed_data(), 4));
+}
+
+template <typename Exec>
+ffi::Error Send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peer, ffi::Token, ffi::Result<ffi::Token>, int64_t handle,
+                Exec exec) {
+  Call c;
+  if (auto e = prepare("send", handle, x, x, &c); e.failure()) return e;
+  int32_t to = 0;
+  if (auto e = read_peer("send", peer, &to, exec); e.failure()) return e;
+  return to_error(c.comm->send(x.untyped_data(), x.element_count(), c.type, to, stream_of(exec)));
+}
+
+template <typename Exec>
+ffi::Error Recv(ffi::Buffer<ffi::S32> peer, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
+                int64_t handle, Exec exec) {
+  Call c;
+  if (auto e = prepare("recv", handle, *y, *y, &c); e.failure()) return e;
+  int32_t from = 0;
+  if (auto e = read_peer("recv", peer, &from, exec); e.failure()) return e;
+  return to_error(c.comm->recv(y->untyped_data(), y->element_count(), c.type, from, stream_of(exec)));
+}
+
 template <typename Exec>
 ffi::Error Barrier(ffi::Token, ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
   auto comm = CommunicatorRegistry::instance().get(handle);
@@ -221,6 +248,12 @@ HandlerTable handlers() {
   XLA_FFI_DEFINE_HANDLER(send_recv, SendRecv<Exec>,
                          Ffi::Bind().Arg<AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Arg<Token>().Ret<AnyBuffer>()
                              .Ret<Token>().Attr<int64_t>("comm").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(send, Send<Exec>,
+                         Ffi::Bind().Arg<AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Arg<Token>().Ret<Token>()
+                             .Attr<int64_t>("comm").Ctx<Exec>());
+  XLA_FFI_DEFINE_HANDLER(recv, Recv<Exec>,
+                         Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>()
+                             .Attr<int64_t>("comm").Ctx<Exec>());
   XLA_FFI_DEFINE_HANDLER(barrier, Barrier<Exec>,
                          Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm").Ctx<Exec>());
   return {
@@ -229,6 +262,7 @@ HandlerTable handlers() {
       {"bagua_allgather", allgather},   {"bagua_gather", gather},
       {"bagua_scatter", scatter},       {"bagua_alltoall", alltoall},
       {"bagua_alltoall_v", alltoall_v}, {"bagua_send_recv", send_recv},
+      {"bagua_send", send},             {"bagua_recv", recv},
       {"bagua_barrier", barrier},
   };
 }

@@ -91,6 +91,11 @@ class Communicator {
   // Peers must be symmetric: if r lists q, q lists r the same number of times.
   virtual Status send_recv(const void* send, void* recv, int64_t count, CommType type,
                            const int32_t* peers, int num_peers, void* stream) = 0;
+  // Point-to-point: blocking on the host engine until matched (or timed out),
+  // enqueued on the stream for device engines. A send must meet a recv of the
+  // same count on the peer, in the same order.
+  virtual Status send(const void* buffer, int64_t count, CommType type, int peer, void* stream) = 0;
+  virtual Status recv(void* buffer, int64_t count, CommType type, int peer, void* stream) = 0;
   virtual Status barrier(void* stream) = 0;
 };
 

@@ -259,6 +259,20 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
+  Status send(const void* buffer, int64_t count, CommType type, int peer, void*) override {
+    if (Status s = check_peer("send", peer); !s.ok()) return s;
+    return run("send", [&](MPI_Request* r) {
+      return MPI_Isend_c(buffer, count, mpi_type(type), peer, kPointToPointTag, comm_, r);
+    });
+  }
+
+  Status recv(void* buffer, int64_t count, CommType type, int peer, void*) override {
+    if (Status s = check_peer("recv", peer); !s.ok()) return s;
+    return run("recv", [&](MPI_Request* r) {
+      return MPI_Irecv_c(buffer, count, mpi_type(type), peer, kPointToPointTag, comm_, r);
+    });
+  }
+
   Status barrier(void*) override {
     return run("barrier", [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
   }
@@ -268,6 +282,16 @@ class MpiCommunicator final : public Communicator {
     return Status{"MPI " + std::string(op) + " on communicator '" + name_ + "' (rank " +
                       std::to_string(rank_) + " of " + std::to_string(size_) + "): " + what,
                   true};
+  }
+
+  // Tags below this are send_recv's per-peer sequence numbers.
+  static constexpr int kPointToPointTag = 1 << 20;
+
+  Status check_peer(const char* op, int peer) const {
+    if (peer < 0 || peer >= size_ || peer == rank_)
+      return Status{"MPI " + std::string(op) + ": peer " + std::to_string(peer) + " is not another rank of " +
+                    std::to_string(size_)};
+    return {};
   }
 
   Status check_root(const char* op, int root) const {

@@ -134,8 +134,10 @@ class NcclCommunicator final : public Communicator {
     ncclCommUserRank(comm_, &rank_);
     ncclCommCount(comm_, &size_);
     // Every rank contributes this zero to the barrier's sum, so it stays zero.
+    // It is set before any barrier can run, on whatever stream that is.
     cudaError_t e = cudaMalloc(&barrier_, sizeof(float));
     if (e == cudaSuccess) e = cudaMemset(barrier_, 0, sizeof(float));
+    if (e == cudaSuccess) e = cudaStreamSynchronize(nullptr);
     if (e != cudaSuccess) {
       ncclCommAbort(comm_);
       cudaFree(barrier_);
@@ -271,7 +273,8 @@ class NcclCommunicator final : public Communicator {
             r = ncclSend(static_cast<const char*>(send) + send_offset * element, send_counts[j], nccl_type(type), j,
                          comm_, s);
           if (r == ncclSuccess && recv_counts[j] > 0)
-            r = ncclRecv(static_cast<char*>(recv) + recv_offset * element, recv_counts[j], nccl_type(type), j, comm_, s);
+            r = ncclRecv(static_cast<char*>(recv) + recv_offset * element, recv_counts[j], nccl_type(type), j,
+                         comm_, s);
           send_offset += send_counts[j];
           recv_offset += recv_counts[j];
         }
@@ -301,6 +304,20 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  Status send(const void* buffer, int64_t count, CommType type, int peer, void* stream) override {
+    if (Status s = check_rank("send", "peer", peer); !s.ok()) return s;
+    return enqueue("send", count, stream, [&](cudaStream_t s) {
+      return ncclSend(buffer, count, nccl_type(type), peer, comm_, s);
+    });
+  }
+
+  Status recv(void* buffer, int64_t count, CommType type, int peer, void* stream) override {
+    if (Status s = check_rank("recv", "peer", peer); !s.ok()) return s;
+    return enqueue("recv", count, stream, [&](cudaStream_t s) {
+      return ncclRecv(buffer, count, nccl_type(type), peer, comm_, s);
+    });
+  }
+
   // Ordered on the stream like the collectives: work enqueued after it starts
   // once every rank has enqueued and reached it; the host does not wait.
   Status barrier(void* stream) override {
@@ -311,7 +328,8 @@ class NcclCommunicator final : public Communicator {
 
   // ncclCommSplit on this communicator; throws on failure.
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) {
-    if (color < 0) throw std::invalid_argument(invalid("split", "the color must be >= 0, got " + std::to_string(color)).message);
+    if (color < 0)
+      throw std::invalid_argument(invalid("split", "the color must be >= 0, got " + std::to_string(color)).message);
     DeviceGuard guard(device_);
     std::lock_guard<std::mutex> lock(mutex_);
     if (!comm_) throw std::runtime_error(unusable("split").message);
@@ -331,8 +349,11 @@ class NcclCommunicator final : public Communicator {
       const std::string what = r == ncclInProgress ? "did not complete within " + seconds(timeout_) +
                                                          "; did every rank of the parent call it?"
                                                    : describe(r, ready ? ready : comm_);
-      if (ready) ncclCommAbort(ready);
-      throw std::runtime_error(abort_locked("split", what).message);
+      const Status failure = abort_locked("split", what);
+      // Aborting the parent ends the split's background work; a child it got
+      // to create is aborted as well.
+      if (ncclComm_t created = __atomic_load_n(&child, __ATOMIC_ACQUIRE)) ncclCommAbort(created);
+      throw std::runtime_error(failure.message);
     }
     return std::make_shared<NcclCommunicator>(ready, device_, name, timeout_);
   }
