@@ -1,0 +1,391 @@
+"""Asynchronous model averaging: local steps, with the weights averaged in the background.
+
+During the first ``warmup_steps`` steps the gradients are allreduce-averaged as in
+:mod:`~bagua_jax.algorithms.gradient_allreduce`, so every rank starts from the same model.
+After warm-up every rank steps on its own gradients, and a background thread averages the
+weights with all ranks without ever making the training loop wait (SPEC section 3): it takes
+a snapshot ``s`` of this rank's weights, allreduce-sums the snapshots on a communicator of
+its own, and the training loop then applies ``x += sum / n - s`` between two steps, which
+moves ``x`` by exactly the correction that would have turned ``s`` into the average, so the
+local progress made while the round was on the wire is kept.
+
+The work is split in two because a round runs outside the compiled step:
+
+- :func:`async_model_average` (and :meth:`AsyncModelAverage.transformation`) is the part
+  inside the jitted step: gradient allreduce during warm-up, the identity afterwards.
+- :class:`AsyncModelAverager` (from :meth:`AsyncModelAverage.averager`) is the part between
+  steps: ``params = averager.apply(params)`` after every step, ``abort()`` and ``resume()``.
+
+A typical loop, one process per rank under ``mpiexec``::
+
+    algo = AsyncModelAverage(sync_interval_ms=100, warmup_steps=50)
+    tx = algo.transformation(optax.sgd(0.1), Communicators(NativeCommunicator.mpi_world()))
+    averager = algo.averager(params, NativeCommunicator.mpi_world())  # a second, dedicated one
+    for batch in data:
+        params, opt_state = train_step(params, opt_state, batch)  # jitted, uses tx
+        params = averager.apply(params)
+    averager.abort()  # on every rank, before the process exits
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from bagua_jax import native_collectives as nc
+from bagua_jax import ops
+from bagua_jax.algorithms.base import Communicators, check_float_params
+from bagua_jax.algorithms.gradient_allreduce import (
+    check_bucket_bytes,
+    check_communicators,
+    gradient_allreduce,
+)
+from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
+from bagua_jax.native_communicator import NativeCommunicator
+
+# The dtypes the fused update kernel (ops.async_average) takes.
+_AVERAGED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+
+
+class AsyncModelAverageState(NamedTuple):
+    """State of :func:`async_model_average`: ``step`` counts update calls (an int32 scalar)."""
+
+    step: jax.Array
+
+
+def async_model_average(
+    comms: Communicators, *, warmup_steps: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> optax.GradientTransformationExtraArgs:
+    """The in-step part of asynchronous model averaging, to chain *before* the optimizer.
+
+    While ``step < warmup_steps`` the gradients are allreduce-averaged over ``comms.world`` in
+    buckets of at most ``bucket_bytes`` (exactly :func:`gradient_allreduce`: ``2 (n-1)/n`` of
+    the gradient bytes per rank, the fp32 allreduce baseline); afterwards they pass through
+    untouched and nothing is communicated inside the step (the weights are averaged by
+    :class:`AsyncModelAverager` between steps). With ``warmup_steps=0`` no collective is even
+    compiled into the step. Choose it through :class:`AsyncModelAverage`, when stragglers or
+    a slow network make every synchronous collective costly.
+    """
+    name = "async_model_average"
+    comms = check_communicators(comms, name)
+    warmup_steps = _check_warmup_steps(warmup_steps)
+    allreduce = gradient_allreduce(comms, average=True, bucket_bytes=check_bucket_bytes(bucket_bytes, name))
+
+    def init_fn(params: Any) -> AsyncModelAverageState:
+        check_float_params(params)
+        return AsyncModelAverageState(step=jnp.zeros([], jnp.int32))
+
+    def update_fn(
+        updates: Any, state: AsyncModelAverageState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, AsyncModelAverageState]:
+        del params, extra_args
+        if warmup_steps > 0:
+            # Every rank holds the same step, so all take the same branch, and after warm-up the
+            # allreduce is not executed at all (not computed and discarded). Under shard_map the
+            # allreduced gradients are typed invariant over the mesh and the local ones varying;
+            # cond needs one type, so the allreduced ones are cast (types only, values untouched).
+            updates = lax.cond(
+                state.step < warmup_steps,
+                lambda u: jax.tree.map(_varying_like, allreduce.update(u, optax.EmptyState())[0], u),
+                lambda u: u,
+                updates,
+            )
+        return updates, AsyncModelAverageState(step=optax.safe_int32_increment(state.step))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class AsyncModelAverager:
+    """The background averaging rounds of :class:`AsyncModelAverage`, driven between steps.
+
+    Call :meth:`apply` once after every training step (``steps_done`` steps have already run,
+    e.g. after restoring a checkpoint). After ``warmup_steps`` steps a thread starts that runs
+    rounds, each at least ``sync_interval_ms`` after the previous one finished. A round: the
+    next :meth:`apply` hands the thread a copy of the weights ``s`` (a device copy, so donated
+    buffers are safe); the thread allreduces a stop flag (4 bytes, MAX) so that all ranks agree
+    whether round k happens, then allreduce-sums ``s`` in float32 buckets on host memory; the
+    next :meth:`apply` after that returns ``x + sum / n - s``. Per round that is one fp32
+    allreduce of the model (the bytes of one fp32 gradient allreduce, for bfloat16 or float16
+    weights twice their size) plus the flag, and nothing inside the training step.
+
+    ``comm`` must be a :class:`~bagua_jax.NativeCommunicator` over the MPI engine used by
+    nothing else (e.g. a second ``NativeCommunicator.mpi_world()``, which duplicates
+    ``MPI_COMM_WORLD``): MPI needs the collectives of one communicator in the same order on
+    every rank, and the thread's calls interleave with the training step's differently on each
+    rank. The thread calls the engine's DLPack binding on NumPy buffers directly, not jitted
+    collectives: those calls release the GIL and wait on MPI alone, whereas a jitted native
+    collective takes JAX's ordered-effect token, which JAX threads through every computation
+    with native collectives in the process, the training step included, so a slow round would
+    hold up the next step. ``comm``'s timeout bounds each wait of the thread: ranks that stop
+    calling :meth:`apply` for longer (a long evaluation) make the others' rounds fail, and
+    their next :meth:`apply` raises the error.
+
+    Rounds need every rank: a rank's thread enters round k only once that rank's loop has
+    called :meth:`apply` (or :meth:`abort`), so call :meth:`abort` on every rank before exiting
+    and call :meth:`abort`/:meth:`resume` the same number of times on every rank.
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        comm: NativeCommunicator,
+        *,
+        sync_interval_ms: float = 500,
+        warmup_steps: int = 0,
+        steps_done: int = 0,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> None:
+        name = "AsyncModelAverager"
+        check_float_params(params)
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            if jnp.asarray(leaf).dtype not in _AVERAGED_DTYPES:
+                raise TypeError(
+                    f"{name}: parameter {jax.tree_util.keystr(path)} has dtype {jnp.asarray(leaf).dtype}; "
+                    "asynchronous averaging takes float32, float16 or bfloat16 parameters"
+                )
+        if not isinstance(comm, NativeCommunicator):
+            raise TypeError(
+                f"{name}: comm must be a NativeCommunicator over MPI (e.g. a second "
+                f"NativeCommunicator.mpi_world()), got {type(comm).__name__}"
+            )
+        # The thread communicates host buffers, which only the MPI engine takes.
+        if comm._kind != "mpi":
+            raise ValueError(f"{name}: the averaging rounds need an MPI communicator (host memory), got {comm._kind}")
+        self._interval = _check_sync_interval(sync_interval_ms) / 1000.0
+        self._warmup_steps = _check_warmup_steps(warmup_steps)
+        if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or steps_done < 0:
+            raise ValueError(f"{name}: steps_done must be a non-negative int, got {steps_done!r}")
+        self._engine, self._handle, self._size = comm._engine, comm._handle, comm.size
+
+        # Buckets in float32 whatever the parameter dtypes: that is what the host buffers hold.
+        as_f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32), params)
+        plan = plan_buckets(as_f32, check_bucket_bytes(bucket_bytes, name))
+        # Jitted outputs are fresh buffers, so the snapshot outlives params donated to the next step.
+        self._take_snapshot = jax.jit(plan.flatten)
+
+        def correct(params: Any, sums: list[jax.Array], snapshot: list[jax.Array]) -> Any:
+            new = [ops.async_average(x, r, s, self._size) for x, r, s in zip(plan.flatten(params), sums, snapshot)]
+            return jax.tree.map(lambda y, x: y.astype(x.dtype), plan.unflatten(new), params)
+
+        self._correct = jax.jit(correct)
+        # Compile both now, with the argument kinds of a round (sums arrive as NumPy arrays):
+        # compiling inside the first apply() calls would stall the training loop.
+        host_sums = [np.zeros(bucket.size, np.float32) for bucket in plan.buckets]
+        jax.block_until_ready(self._correct(params, host_sums, self._take_snapshot(params)))
+
+        self._cv = threading.Condition()
+        # Shared with the thread, guarded by _cv.
+        self._want_snapshot = False
+        self._snapshot: list[jax.Array] | None = None
+        self._result: tuple[list[np.ndarray], list[jax.Array]] | None = None  # (sums, snapshot)
+        self._stop = False
+        self._error: BaseException | None = None
+        self._rounds = 0
+        # Used by the calling thread only.
+        self._steps = int(steps_done)
+        self._aborted = False
+        self._thread: threading.Thread | None = None
+        self._maybe_start()
+
+    @property
+    def rounds(self) -> int:
+        """The number of averaging rounds completed so far (equal on all ranks once stopped)."""
+        with self._cv:
+            return self._rounds
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is alive (it ends on :meth:`abort`, on any rank's)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def apply(self, params: Any) -> Any:
+        """Call after every training step: ``params`` corrected by the last finished round, if any.
+
+        If a round has finished since the last call, returns ``params + sum / n - s`` (fused in
+        one kernel, computed in float32, in the parameters' dtypes); otherwise ``params``
+        unchanged. Never waits for communication: it at most dispatches the correction and, when
+        the thread asks for one, a device copy of the weights for the next round. Raises the
+        thread's error if a round failed.
+        """
+        with self._cv:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise RuntimeError("asynchronous model averaging failed in its background thread") from error
+            result = self._result
+        if result is not None:
+            params = self._correct(params, *result)
+        with self._cv:
+            # The next snapshot is taken only after this round's correction is in params; a
+            # snapshot from before it would have the correction counted twice.
+            if result is not None:
+                self._result = None
+            if self._want_snapshot and self._snapshot is None:
+                self._snapshot = self._take_snapshot(params)
+            self._cv.notify_all()
+        self._steps += 1
+        self._maybe_start()
+        return params
+
+    def abort(self) -> None:
+        """Stop the rounds on every rank and wait for this rank's thread to end.
+
+        The stop request travels with the next round's flag allreduce, so every rank's thread
+        stops before the same round, even when the ranks call ``abort`` at different times (or
+        only one rank does: the others' threads stop too, and their ``abort`` just joins). A
+        round already finished but not applied is still applied by the next :meth:`apply`.
+        Before warm-up ends it keeps the thread from starting. Safe to call twice.
+        """
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._aborted = True
+        with self._cv:
+            if self._error is not None:
+                error, self._error = self._error, None
+                raise RuntimeError("asynchronous model averaging failed in its background thread") from error
+
+    def resume(self) -> None:
+        """Restart the rounds after :meth:`abort` (at once, or when warm-up ends); every rank must call it."""
+        if not self._aborted:
+            raise RuntimeError("resume() restarts averaging stopped by abort(); call abort() first")
+        self._aborted = False
+        with self._cv:
+            self._stop = False
+        self._maybe_start()
+
+    def _maybe_start(self) -> None:
+        if self._thread is None and not self._aborted and self._steps >= self._warmup_steps:
+            self._thread = threading.Thread(target=self._run, name="bagua-async-model-average", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        flag, agreed = np.zeros(1, np.int32), np.zeros(1, np.int32)
+        next_round = time.monotonic()
+        try:
+            while True:
+                with self._cv:
+                    self._wait_for_round(next_round)
+                    flag[0] = self._stop
+                    snapshot, self._snapshot, self._want_snapshot = self._snapshot, None, False
+                # Every rank's thread reaches this allreduce once per round whatever its loop
+                # does, so all agree to stop before the same round and none is left waiting.
+                self._engine.allreduce(self._handle, flag, agreed, nc.REDUCE_OP_CODES["max"])
+                if agreed[0]:
+                    return
+                sums = []
+                for bucket in snapshot:
+                    send = np.asarray(bucket)
+                    sums.append(np.empty_like(send))
+                    self._engine.allreduce(self._handle, send, sums[-1], nc.REDUCE_OP_CODES["sum"])
+                with self._cv:
+                    self._result = (sums, snapshot)
+                    self._rounds += 1
+                next_round = time.monotonic() + self._interval
+        except Exception as error:  # noqa: BLE001 - handed to the training loop, which raises it
+            with self._cv:
+                self._error = error
+
+    def _wait_for_round(self, not_before: float) -> None:
+        """With ``_cv`` held: return once a stop is requested, or once the last result is applied,
+        ``not_before`` has passed and :meth:`apply` has handed over a snapshot."""
+        while not self._stop:
+            if self._result is not None:
+                self._cv.wait()
+                continue
+            remaining = not_before - time.monotonic()
+            if remaining > 0:
+                self._cv.wait(remaining)
+                continue
+            if self._snapshot is not None:
+                return
+            self._want_snapshot = True
+            self._cv.wait()
+
+
+@dataclass(frozen=True)
+class AsyncModelAverage:
+    """Asynchronous model averaging (SPEC section 3): gradient allreduce for ``warmup_steps``
+    steps, then local steps while a background thread averages the weights every
+    ``sync_interval_ms`` without blocking training.
+
+    :meth:`transformation` is the in-step part (:func:`async_model_average` chained before the
+    optimizer: the fp32 gradient allreduce during warm-up, nothing after); :meth:`averager`
+    makes the between-steps part (:class:`AsyncModelAverager`: one fp32 allreduce of the
+    weights per round, on its own connection). Choose it when ranks run at uneven speeds or
+    the network is slow enough that any per-step synchronization stalls training, and slightly
+    diverging replicas are acceptable.
+    """
+
+    sync_interval_ms: float = 500
+    warmup_steps: int = 0
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        _check_sync_interval(self.sync_interval_ms)
+        _check_warmup_steps(self.warmup_steps)
+        check_bucket_bytes(self.bucket_bytes, "AsyncModelAverage")
+
+    def transformation(
+        self, optimizer: optax.GradientTransformation, comms: Communicators
+    ) -> optax.GradientTransformationExtraArgs:
+        """``optax.chain(async_model_average(comms, ...), optimizer)``: warm-up allreduce, then local steps."""
+        return optax.chain(
+            async_model_average(comms, warmup_steps=self.warmup_steps, bucket_bytes=self.bucket_bytes), optimizer
+        )
+
+    def averager(self, params: Any, comm: NativeCommunicator, *, steps_done: int = 0) -> AsyncModelAverager:
+        """The background rounds for weights shaped like ``params`` over the dedicated MPI ``comm``."""
+        return AsyncModelAverager(
+            params,
+            comm,
+            sync_interval_ms=self.sync_interval_ms,
+            warmup_steps=self.warmup_steps,
+            steps_done=steps_done,
+            bucket_bytes=self.bucket_bytes,
+        )
+
+
+def _mesh_axes_varied(x: jax.Array) -> frozenset[str]:
+    # jax >= 0.10 exposes the mesh axes a value varies over as ``manual_axis_type.varying``,
+    # earlier releases as ``vma``; outside shard_map the set is empty.
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
+
+
+def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
+    """``x`` typed as varying over every mesh axis ``like`` varies over."""
+    missing = tuple(sorted(_mesh_axes_varied(like) - _mesh_axes_varied(x)))
+    if not missing:
+        return x
+    cast = getattr(lax, "pcast", None)
+    return cast(x, missing, to="varying") if cast else lax.pvary(x, missing)
+
+
+def _check_sync_interval(sync_interval_ms: Any) -> float:
+    number = not isinstance(sync_interval_ms, bool) and isinstance(
+        sync_interval_ms, (int, float, np.integer, np.floating)
+    )
+    if not number or not np.isfinite(sync_interval_ms) or sync_interval_ms < 0:
+        raise ValueError(
+            f"sync_interval_ms must be a finite number of milliseconds >= 0 (0: rounds back to back), "
+            f"got {sync_interval_ms!r}"
+        )
+    return float(sync_interval_ms)
+
+
+def _check_warmup_steps(warmup_steps: Any) -> int:
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
+        raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
+    return int(warmup_steps)

@@ -1,0 +1,240 @@
+"""Decentralized SGD: average the weights with every rank or with one peer, then step locally.
+
+Every ``communication_interval`` steps, before the optimizer's update is applied, each rank
+replaces its weights by an average: over all ranks (``peer_selection_mode="all"``) or over a
+pair of ranks (``"shift_one"``, a perfect matching that changes every communication round).
+The optimizer's update, computed from this rank's own gradient at its pre-average weights, is
+then applied to the average: ``x_{t+1} = avg(x_t) - lr * g(x_t)`` for SGD (SPEC section 3).
+
+In optax terms the transform goes after the user's optimizer and needs ``params``: it turns
+the optimizer's ``updates`` into ``(avg(params) - params) + updates``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+
+from bagua_jax import ops
+from bagua_jax.algorithms.base import Communicators, check_float_params
+from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
+from bagua_jax.communicator import Communicator
+from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
+
+PeerSelectionMode = Literal["all", "shift_one"]
+PEER_SELECTION_MODES: tuple[PeerSelectionMode, ...] = ("all", "shift_one")
+
+
+class DecentralizedState(NamedTuple):
+    """State of :func:`decentralized`: ``step`` counts update calls (an int32 scalar)."""
+
+    step: jax.Array
+
+
+def shift_one_peer(rank: jax.Array, round_index: jax.Array, size: int) -> jax.Array:
+    """The rank that ``rank`` averages with in communication round ``round_index`` (``shift_one``).
+
+    For an even ``size`` (``h = size / 2``): ranks below ``h`` take ``(round_index + rank) % h + h``,
+    the others ``(rank - h - round_index) mod h``, so every rank is paired with exactly one other
+    rank, and over ``h`` rounds a rank meets every rank of the other half. ``rank`` and
+    ``round_index`` may be traced int32
+    arrays, so one compiled step serves every round. Nothing is communicated; a ``size`` that is
+    odd or below 2 raises.
+    """
+    if size < 2:
+        raise ValueError(f"shift_one needs at least 2 ranks to pair, got {size}")
+    _check_even(size)
+    half = size // 2
+    # Reducing the round first keeps the sum far from int32 overflow on long runs.
+    shift = jnp.asarray(round_index, jnp.int32) % half
+    rank = jnp.asarray(rank, jnp.int32)
+    return jnp.where(rank < half, (shift + rank) % half + half, (rank - half - shift) % half)
+
+
+def decentralized_average(
+    params: Any,
+    comms: Communicators,
+    round_index: jax.Array,
+    *,
+    peer_selection_mode: PeerSelectionMode = "all",
+    hierarchical: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> Any:
+    """This rank's averaged weights for communication round ``round_index`` (a pytree like ``params``).
+
+    ``"all"`` allreduce-averages the weights (every rank gets the same bits); ``"shift_one"``
+    exchanges them with :func:`shift_one_peer` through ``send_recv`` and averages the pair in
+    float32 (both ranks of a pair get the same bits). Hierarchical (``hierarchical=True`` and
+    ``comms`` has ``intra`` and ``inter``): the weights are averaged inside the node first and
+    only then exchanged across nodes; otherwise all ranks of ``comms.world`` take part. Per rank
+    and bucket of ``B`` bytes this sends, in ``"all"``, an allreduce of ``B`` (the bytes of an
+    fp32 gradient allreduce), in ``"shift_one"`` ``B`` to one peer (``n / (2(n-1))`` of a ring
+    allreduce with the native engines; with :class:`~bagua_jax.LaxCommunicator` ``send_recv``
+    is an allgather, ``n - 1`` times ``B``). Hierarchical: an intra-node allreduce of ``B``
+    plus the same exchange across nodes of ``B / k`` per rank (``k`` ranks per node), i.e. one
+    ``B`` per node in total. Choose it to average models explicitly, e.g. at the end of
+    decentralized training, or to build a custom schedule.
+    """
+    _check_mode(peer_selection_mode)
+    across_nodes = hierarchical and comms.hierarchical
+    group: Communicator = comms.inter if across_nodes else comms.world
+    n = group.size
+    if peer_selection_mode == "shift_one":
+        _check_even(n, across_nodes)
+        peer = shift_one_peer(group.rank(), round_index, n).reshape(1) if n > 1 else None
+
+    def exchange(bucket: jax.Array, comm: Communicator) -> jax.Array:
+        if n == 1:  # one rank (or one node) in the group: nothing to exchange
+            return bucket
+        if peer_selection_mode == "all":
+            return comm.allreduce(bucket, "avg")
+        return ops.average2(bucket, comm.send_recv(bucket, peer)[0])
+
+    if not across_nodes:
+        plan = plan_buckets(params, bucket_bytes)
+        return plan.unflatten([exchange(b, group) for b in plan.flatten(params)])
+    # The node average is reduce-scattered, each local rank exchanges its 1/k slice with the
+    # ranks of the same local index on other nodes, and an allgather reassembles the node's
+    # result. Bagua reduces to a leader, which exchanges everything and broadcasts: the same
+    # numbers, but here the inter-node traffic is split over the node's ranks.
+    plan = plan_buckets(params, bucket_bytes, pad_to=comms.intra.size)
+    return plan.unflatten([hierarchical_exchange(exchange, b, comms.intra, comms.inter) for b in plan.flatten(params)])
+
+
+def decentralized(
+    comms: Communicators,
+    *,
+    peer_selection_mode: PeerSelectionMode = "all",
+    communication_interval: int = 1,
+    hierarchical: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> optax.GradientTransformationExtraArgs:
+    """Decentralized SGD as an optax transform to chain *after* the optimizer, with ``params``.
+
+    On steps ``t`` with ``t % communication_interval == 0`` it returns
+    ``(avg(params) - params) + updates``, where ``avg`` is :func:`decentralized_average` for
+    communication round ``t // communication_interval`` (so ``shift_one`` gets a new peer every
+    round, whatever the interval); on other steps it returns ``updates`` unchanged. Weights are
+    communicated, not gradients: per communication step, ``"all"`` sends as much as an fp32
+    gradient allreduce, ``"shift_one"`` the weights once to one peer (about half of a ring
+    allreduce for many ranks with the native engines, but an allgather with
+    :class:`~bagua_jax.LaxCommunicator`); averaged over steps, divide by the interval.
+    Hierarchical communication falls back to ``comms.world`` when ``comms`` has no
+    ``intra``/``inter``. Choose it when allreduce latency dominates (many ranks, slow network)
+    and exact agreement of the replicas at every step is not required.
+    """
+    if not isinstance(comms, Communicators):
+        raise TypeError(f"decentralized: comms must be a Communicators, got {type(comms).__name__}")
+    _check_mode(peer_selection_mode)
+    _check_interval(communication_interval)
+    _check_bucket_bytes(bucket_bytes)
+
+    def init_fn(params: Any) -> DecentralizedState:
+        check_float_params(params)
+        return DecentralizedState(step=jnp.zeros([], jnp.int32))
+
+    def update_fn(
+        updates: Any, state: DecentralizedState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, DecentralizedState]:
+        del extra_args
+        if params is None:
+            raise ValueError(
+                "decentralized communicates weights: call update(updates, state, params) with the "
+                "weights the updates will be applied to"
+            )
+
+        def averaging_delta(params: Any) -> Any:
+            averaged = decentralized_average(
+                params,
+                comms,
+                state.step // communication_interval,
+                peer_selection_mode=peer_selection_mode,
+                hierarchical=hierarchical,
+                bucket_bytes=bucket_bytes,
+            )
+            return jax.tree.map(lambda a, p: a - p, averaged, params)
+
+        def no_delta(params: Any) -> Any:
+            return jax.tree.map(jnp.zeros_like, params)
+
+        # Every rank holds the same step, so all take the same branch: on off steps the
+        # collectives are skipped, not computed and discarded.
+        delta = lax.cond(state.step % communication_interval == 0, averaging_delta, no_delta, params)
+        # Why a difference and not the average itself: optax applies updates additively, so the
+        # new weights are params + ((avg - params) + updates), rounded twice in float. They equal
+        # avg + updates only up to a few ulps, and with "all" the replicas' weights may differ in
+        # the last bits after the step even though the averages they were built from are
+        # bit-identical across ranks.
+        new_updates = jax.tree.map(lambda d, u: (d + u).astype(u.dtype), delta, updates)
+        return new_updates, DecentralizedState(step=optax.safe_int32_increment(state.step))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+@dataclass(frozen=True)
+class Decentralized:
+    """Decentralized SGD (SPEC section 3): ``optax.chain(optimizer, decentralized(...))``.
+
+    Every ``communication_interval`` steps the weights are averaged with all ranks
+    (``peer_selection_mode="all"``: the bytes of an fp32 allreduce, but of the weights) or with
+    one peer that changes every round (``"shift_one"``: the weights sent once, about half of a
+    ring allreduce for many ranks; even rank counts only), then the optimizer's step from this
+    rank's own gradient is applied. ``hierarchical`` averages inside each node first and
+    exchanges across nodes only. Choose it on high-latency networks, where not waiting for a
+    global allreduce every step pays for slightly noisier replicas; see :func:`decentralized`.
+    """
+
+    peer_selection_mode: PeerSelectionMode = "all"
+    communication_interval: int = 1
+    hierarchical: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        _check_mode(self.peer_selection_mode)
+        _check_interval(self.communication_interval)
+        _check_bucket_bytes(self.bucket_bytes)
+
+    def transformation(
+        self, optimizer: optax.GradientTransformation, comms: Communicators
+    ) -> optax.GradientTransformationExtraArgs:
+        """The user's optimizer followed by the weight averaging (needs ``params`` in ``update``)."""
+        return optax.chain(
+            optimizer,
+            decentralized(
+                comms,
+                peer_selection_mode=self.peer_selection_mode,
+                communication_interval=self.communication_interval,
+                hierarchical=self.hierarchical,
+                bucket_bytes=self.bucket_bytes,
+            ),
+        )
+
+
+def _check_mode(mode: Any) -> None:
+    if mode not in PEER_SELECTION_MODES:
+        raise ValueError(f"peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {mode!r}")
+
+
+def _check_interval(interval: Any) -> None:
+    if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)) or interval < 1:
+        raise ValueError(f"communication_interval must be a positive int, got {interval!r}")
+
+
+def _check_bucket_bytes(bucket_bytes: Any) -> None:
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
+
+
+def _check_even(size: int, across_nodes: bool = False) -> None:
+    if size % 2 and size != 1:
+        group = "nodes (the inter-node group of a hierarchical run)" if across_nodes else "ranks"
+        raise ValueError(
+            f"peer_selection_mode='shift_one' pairs {group} two by two and needs an even number of "
+            f"them, got {size}; use peer_selection_mode='all' or an even count"
+        )

@@ -1,0 +1,169 @@
+"""1-bit Adam: QAdam's scheme with the momentum averaged through 1-bit signs and error feedback.
+
+Beyond the original Bagua; DeepSpeed's 1-bit Adam (Tang et al., 2021) is the reference.
+The warm-up is QAdam's: ``warmup_steps`` steps of plain Adam on gradients averaged in
+full precision, bit-identical to ``optax.adam``. After it the second moment is frozen
+and each rank's momentum ``m = b1 * m + (1 - b1) * g_local`` is averaged with
+:func:`bagua_jax.compressed_allreduce.sign_allreduce`, per bucket padded to a multiple
+of the rank count: the worker adds its residual, compresses the bucket into one chunk
+per rank (each element ``+-mean|chunk|``) and keeps the compression error as its new
+residual; after the all-to-all each rank averages the ``n`` decoded chunks of its slot,
+adds its server residual, compresses that chunk again and keeps that error; an
+allgather hands everyone every reduced chunk. The update is QAdam's,
+``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` (DeepSpeed omits the bias corrections; they
+are kept here so that 1-bit Adam and QAdam differ only in the momentum exchange).
+
+Residuals start at zero and only the compressed phase writes them, so they are zero
+when compression starts, as in DeepSpeed; they are not reset afterwards. Because each
+error is fed into the next compression, what the exchange loses is carried forward,
+not dropped: summed over steps, the averaged momentum differs from the exact average
+of the local momenta only by the current residuals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from bagua_jax.algorithms.base import Communicators
+from bagua_jax.algorithms.gradient_allreduce import check_communicators, two_levels
+from bagua_jax.algorithms.qadam import Levels, adam_with_averaged_momentum, forbid_optimizer, momentum_plan, check_adam_config
+from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
+from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
+from bagua_jax.compressed_allreduce import sign_allreduce
+
+
+class OneBitAdamState(NamedTuple):
+    """1-bit Adam's state: ``adam`` and ``schedule`` as in :class:`~bagua_jax.algorithms.qadam.QAdamState`, plus
+    per bucket the float32 error-feedback residuals, zeros until compression starts. ``worker_residuals[i]`` has
+    bucket i's padded size, or ``1/intra.size`` of it when hierarchical (this rank's node slice);
+    ``server_residuals[i]`` has ``1/n`` of the bucket's size (this rank's reduced chunk)."""
+
+    adam: optax.ScaleByAdamState
+    schedule: optax.OptState
+    worker_residuals: tuple[jax.Array, ...]
+    server_residuals: tuple[jax.Array, ...]
+
+
+def onebit_adam(
+    comms: Communicators,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    warmup_steps: int = 100,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    hierarchical: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> optax.GradientTransformationExtraArgs:
+    """1-bit Adam as one optax transform: local gradients in, parameter updates out (it is the optimizer itself).
+
+    For the first ``warmup_steps`` steps each bucket of gradients is allreduced in full precision (1x an fp32
+    allreduce) and the update is exactly ``optax.adam(learning_rate, b1, b2, eps)`` on the averaged gradients.
+    After that ``v`` is frozen and each rank's momentum is averaged with 1-bit signs and error feedback on both the
+    worker and the server side: per bucket one all-to-all of the sign-compressed bucket and one allgather of one
+    sign-compressed chunk, ``2 (n-1)/n`` of a thirty-second of the fp32 bytes plus a 16-byte header per chunk, i.e.
+    ~1/32 of an fp32 allreduce. With ``hierarchical=True`` and both ``comms.intra`` and ``comms.inter`` set, the
+    momentum is averaged in full precision inside the node and only this rank's ``1/intra.size`` slice is
+    exchanged in signs between nodes; otherwise it falls back to the flat exchange over ``world``. The state holds
+    float32 residuals sized from the communicators, so ``init`` must see their sizes (call it inside the per-rank
+    step, or give ``LaxCommunicator`` its ``size``). Every rank ends each step with the same momentum bits. Choose
+    it over QAdam when bandwidth is scarcer still and the model tolerates a noisier momentum (the residuals carry
+    each step's error into the next, so none is lost); keep the warm-up long enough for ``v`` to settle.
+    """
+    name = "onebit_adam"
+    comms = check_communicators(comms, name)
+    check_adam_config(name, warmup_steps, b1, b2, eps, hierarchical, bucket_bytes)
+
+    def init_extra(momentum: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        plan = momentum_plan(momentum, comms, bucket_bytes, name)
+        levels = two_levels(comms, hierarchical, name)
+        # The worker compresses what this rank sends between nodes: the whole bucket, or its node slice.
+        share = levels[0].size if levels else 1
+        workers = tuple(jnp.zeros(b.size // share, jnp.float32) for b in plan.buckets)
+        servers = tuple(jnp.zeros(b.size // comms.world.size, jnp.float32) for b in plan.buckets)
+        return workers, servers
+
+    def exchange(buckets: list[jax.Array], extra: tuple, levels: Levels) -> tuple[list[jax.Array], tuple]:
+        workers, servers = extra
+        if [b.size for b in buckets] != [w.size * (levels[0].size if levels else 1) for w in workers]:
+            raise ValueError(
+                f"{name}: the state's residuals were sized for other parameters or another communicator layout"
+            )
+        averaged, new_workers, new_servers = [], [], []
+        for bucket, worker, server in zip(buckets, workers, servers):
+            if levels is None:
+                result, worker, server = sign_allreduce(bucket, comms.world, worker, server)
+            else:
+                intra, inter = levels
+                residuals: list[tuple[jax.Array, jax.Array]] = []
+
+                def between_nodes(mine: jax.Array, comm: Any, worker: jax.Array = worker, server: jax.Array = server) -> jax.Array:
+                    out, *new = sign_allreduce(mine, comm, worker, server)
+                    residuals.append(tuple(new))
+                    return out
+
+                result = hierarchical_exchange(between_nodes, bucket, intra, inter)
+                worker, server = residuals[0]
+            averaged.append(result)
+            new_workers.append(worker)
+            new_servers.append(server)
+        return averaged, (tuple(new_workers), tuple(new_servers))
+
+    return adam_with_averaged_momentum(
+        comms,
+        learning_rate,
+        name=name,
+        warmup_steps=warmup_steps,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        hierarchical=hierarchical,
+        bucket_bytes=bucket_bytes,
+        init_extra=init_extra,
+        exchange=exchange,
+        make_state=OneBitAdamState,
+    )
+
+
+@dataclass(frozen=True)
+class OneBitAdam:
+    """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`onebit_adam`: Adam with full-precision
+    gradient averaging for ``warmup_steps`` steps (1x an fp32 allreduce per step), then frozen ``v`` and 1-bit
+    momentum averaging with error feedback on both sides (~1/32 of an fp32 allreduce; with ``hierarchical`` only
+    between nodes). It replaces the optimizer, so :meth:`transformation` takes ``optimizer=None``. Choose it for
+    Adam training on the slowest links, where even QAdam's 8-bit momentum is too many bytes.
+    """
+
+    learning_rate: optax.ScalarOrSchedule
+    warmup_steps: int = 100
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    hierarchical: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        check_adam_config(
+            "OneBitAdam", self.warmup_steps, self.b1, self.b2, self.eps, self.hierarchical, self.bucket_bytes
+        )
+
+    def transformation(
+        self, optimizer: optax.GradientTransformation | None, comms: Communicators
+    ) -> optax.GradientTransformationExtraArgs:
+        """:func:`onebit_adam` with this configuration; ``optimizer`` must be None (1-bit Adam is the optimizer)."""
+        forbid_optimizer(optimizer, "OneBitAdam")
+        return onebit_adam(
+            comms,
+            self.learning_rate,
+            warmup_steps=self.warmup_steps,
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            hierarchical=self.hierarchical,
+            bucket_bytes=self.bucket_bytes,
+        )

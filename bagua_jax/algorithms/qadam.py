@@ -1,0 +1,285 @@
+"""QAdam: Adam whose momentum, not its gradients, is averaged with 8-bit codes after a warm-up.
+
+The first ``warmup_steps`` steps are plain Adam on gradients averaged in full precision
+(:func:`~bagua_jax.algorithms.gradient_allreduce.gradient_allreduce`), computed with
+optax's own ``scale_by_adam`` and ``scale_by_learning_rate``, so they are bit-identical
+to ``optax.adam`` fed the averaged gradients. From then on the second moment ``v`` is
+frozen: each rank folds its local gradient into the momentum,
+``m = b1 * m + (1 - b1) * g_local``, the momentum is averaged over all ranks through the
+ByteGrad pipeline (:func:`bagua_jax.compressed_allreduce.minmax_allreduce`, per bucket
+padded to a multiple of the rank count), the average becomes every rank's ``m``, and the
+step is ``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc_i = 1 - b_i**t`` from the
+running step count ``t``. That is optax's formula shape, and it equals the SPEC's
+``p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` in exact arithmetic (divide the
+numerator and denominator by ``sqrt(bc2)``); in float32 it differs by a rounding.
+
+The phase is chosen at run time from the step counter in the state with ``lax.cond``,
+which executes one branch only: every rank holds the same counter, so every rank issues
+the same collectives in the same order. The machinery here is shared with 1-bit Adam
+(:mod:`bagua_jax.algorithms.onebit_adam`), which differs only in how the momentum is
+averaged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from bagua_jax.algorithms.base import Communicators, check_float_params
+from bagua_jax.algorithms.gradient_allreduce import (
+    check_bucket_bytes,
+    check_communicators,
+    check_flags,
+    check_float_grads,
+    gradient_allreduce,
+    two_levels,
+)
+from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
+from bagua_jax.communicator import Communicator
+from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
+from bagua_jax.compressed_allreduce import minmax_allreduce
+
+_COMPRESSIBLE = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
+
+Levels = tuple[Communicator, Communicator] | None
+"""``(intra, inter)`` for a two-level exchange, or None for a flat one over ``world``."""
+
+MomentumExchange = Callable[[list[jax.Array], tuple, Levels], tuple[list[jax.Array], tuple]]
+"""Averages the momentum buckets over all ranks: ``(buckets, extra_state, levels) -> (averaged, extra_state)``."""
+
+
+class QAdamState(NamedTuple):
+    """QAdam's state: ``adam`` is optax's ``ScaleByAdamState`` (``count``: int32 steps taken, which also selects
+    the phase; ``mu``: the momentum, identical on every rank; ``nu``: the second moment, frozen after the warm-up)
+    and ``schedule`` the state of ``optax.scale_by_learning_rate`` (``EmptyState`` for a constant rate)."""
+
+    adam: optax.ScaleByAdamState
+    schedule: optax.OptState
+
+
+def check_adam_config(
+    name: str, warmup_steps: Any, b1: Any, b2: Any, eps: Any, hierarchical: Any, bucket_bytes: Any
+) -> None:
+    """Raise a clear error for a bad QAdam or 1-bit Adam configuration (shared by both)."""
+    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or not (
+        1 <= warmup_steps < np.iinfo(np.int32).max
+    ):
+        raise ValueError(
+            f"{name}: warmup_steps must be an int >= 1 (the frozen second moment comes from the Adam steps of the "
+            f"warm-up), got {warmup_steps!r}"
+        )
+    for key, beta in (("b1", b1), ("b2", b2)):
+        if isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating)) or not 0.0 <= beta < 1.0:
+            raise ValueError(f"{name}: {key} must be a float in [0, 1), got {beta!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not eps > 0.0:
+        # After the warm-up the frozen v may hold exact zeros (parameters whose gradients were always zero).
+        raise ValueError(f"{name}: eps must be a float > 0 (the frozen second moment may hold zeros), got {eps!r}")
+    check_flags(name, hierarchical=hierarchical)
+    check_bucket_bytes(bucket_bytes, name)
+
+
+def momentum_plan(tree: Any, comms: Communicators, bucket_bytes: int, name: str) -> BucketPlan:
+    """The bucket plan of the momentum: ``tree``'s leaves in buckets padded to a multiple of the world size, so that
+    both the flat exchange (one chunk per rank) and the two-level one (``intra.size x inter.size`` chunks) split
+    them evenly. Raises a TypeError for a dtype the compression kernels cannot take."""
+    plan = plan_buckets(tree, bucket_bytes, pad_to=comms.world.size)
+    for i, dtype in enumerate(plan.dtypes):
+        if dtype not in _COMPRESSIBLE:
+            raise TypeError(f"{name}: leaf {i} has dtype {dtype}; momentum compression takes float32, float16 and bfloat16")
+    return plan
+
+
+def _varying_axes(x: Any) -> frozenset[str]:
+    # Inside shard_map JAX types each value with the mesh axes it varies over: jax >= 0.10 exposes them as
+    # ``manual_axis_type.varying``, earlier releases as ``vma``; outside shard_map the set is empty.
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
+
+
+def _varying_over(tree: Any, axes: frozenset[str]) -> Any:
+    """``tree`` with every leaf typed as varying over ``axes`` (a type-level cast; the values are untouched)."""
+    cast = getattr(jax.lax, "pcast", None)
+
+    def widen(leaf: Any) -> Any:
+        missing = tuple(sorted(axes - _varying_axes(leaf)))
+        if not missing:
+            return leaf
+        return cast(leaf, missing, to="varying") if cast else jax.lax.pvary(leaf, missing)
+
+    return jax.tree.map(widen, tree)
+
+
+def adam_with_averaged_momentum(
+    comms: Communicators,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    name: str,
+    warmup_steps: int,
+    b1: float,
+    b2: float,
+    eps: float,
+    hierarchical: bool,
+    bucket_bytes: int,
+    init_extra: Callable[[Any], tuple],
+    exchange: MomentumExchange,
+    make_state: Callable[..., Any],
+) -> optax.GradientTransformationExtraArgs:
+    """The engine of QAdam and 1-bit Adam: warm-up Adam on averaged gradients, then Adam with frozen ``v`` and a
+    momentum averaged by ``exchange``. The state is ``make_state(adam, schedule, *extra)`` where ``extra`` starts
+    as ``init_extra(momentum)`` (a zero momentum tree, for sizing) and is threaded through ``exchange``; the warm-up
+    leaves it untouched."""
+    comms = check_communicators(comms, name)
+    check_adam_config(name, warmup_steps, b1, b2, eps, hierarchical, bucket_bytes)
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+    schedule = optax.scale_by_learning_rate(learning_rate)
+    allreduce = gradient_allreduce(comms, average=True, hierarchical=hierarchical, bucket_bytes=bucket_bytes)
+
+    def init_fn(params: Any) -> Any:
+        check_float_params(params)
+        adam_state = adam.init(params)
+        return make_state(adam_state, schedule.init(params), *init_extra(adam_state.mu))
+
+    def warmup(grads: Any, adam_state: optax.ScaleByAdamState, extra: tuple) -> tuple[Any, Any, tuple]:
+        averaged, _ = allreduce.update(grads, optax.EmptyState())
+        direction, adam_state = adam.update(averaged, adam_state)
+        return direction, adam_state, extra
+
+    def compressed(grads: Any, adam_state: optax.ScaleByAdamState, extra: tuple) -> tuple[Any, Any, tuple]:
+        count = optax.safe_increment(adam_state.count)
+        local = optax.tree.update_moment(grads, adam_state.mu, b1, 1)
+        plan = momentum_plan(adam_state.mu, comms, bucket_bytes, name)
+        averaged, extra = exchange(plan.flatten(local), extra, two_levels(comms, hierarchical, name))
+        mu = plan.unflatten(averaged)
+        # optax's bias correction and formula shape (see the module docstring), with v frozen.
+        mu_hat = optax.tree.bias_correction(mu, b1, count)
+        nu_hat = optax.tree.bias_correction(adam_state.nu, b2, count)
+        direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        return direction, optax.ScaleByAdamState(count=count, mu=mu, nu=adam_state.nu), extra
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        del params, extra_args
+        check_float_grads(updates, name)
+        adam_state, schedule_state, *extra = state
+        # lax.cond needs both branches to return the same types, and under shard_map that includes the mesh axes
+        # a value varies over: a momentum averaged by a collective is invariant in one branch and mixed with this
+        # rank's state in the other. Type every output as varying over every axis an input varies over.
+        axes = frozenset().union(*map(_varying_axes, jax.tree.leaves((updates, state))))
+        # Only the taken branch runs, and so communicates; all ranks share the counter, so all take the same one.
+        direction, adam_state, extra = jax.lax.cond(
+            adam_state.count < warmup_steps,
+            lambda *args: _varying_over(warmup(*args), axes),
+            lambda *args: _varying_over(compressed(*args), axes),
+            updates,
+            adam_state,
+            tuple(extra),
+        )
+        updates, schedule_state = schedule.update(direction, schedule_state)
+        return updates, make_state(adam_state, schedule_state, *extra)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def qadam(
+    comms: Communicators,
+    learning_rate: optax.ScalarOrSchedule,
+    *,
+    warmup_steps: int = 100,
+    b1: float = 0.9,
+    b2: float = 0.999,
+    eps: float = 1e-8,
+    hierarchical: bool = True,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+) -> optax.GradientTransformationExtraArgs:
+    """QAdam as one optax transform: local gradients in, parameter updates out (it is the optimizer itself).
+
+    For the first ``warmup_steps`` steps each bucket of gradients is allreduced in full precision (1x an fp32
+    allreduce) and the update is exactly ``optax.adam(learning_rate, b1, b2, eps)`` on the averaged gradients.
+    After that ``v`` is frozen and each rank's updated momentum goes through the ByteGrad pipeline instead: per
+    bucket one all-to-all of the 8-bit-compressed bucket and one allgather of one compressed chunk, ``2 (n-1)/n``
+    of a quarter of the fp32 bytes plus a 16-byte header per chunk, i.e. ~1/4 of an fp32 allreduce. With
+    ``hierarchical=True`` and both ``comms.intra`` and ``comms.inter`` set, the momentum is averaged in full
+    precision inside the node (both warm-up and after) and only this rank's ``1/intra.size`` slice is exchanged
+    compressed between nodes; otherwise it falls back to the flat exchange over ``world``. Every rank ends each
+    step with the same momentum bits, so the replicas stay identical. Choose it over ByteGrad + Adam when training
+    with Adam on bandwidth-bound links: compressing the momentum, a smoothed quantity, loses less than compressing
+    raw gradients, provided the warm-up is long enough for ``v`` to settle.
+    """
+
+    def exchange(buckets: list[jax.Array], extra: tuple, levels: Levels) -> tuple[list[jax.Array], tuple]:
+        if levels is None:
+            return [minmax_allreduce(bucket, comms.world)[0] for bucket in buckets], extra
+        intra, inter = levels
+        return [
+            hierarchical_exchange(lambda mine, comm: minmax_allreduce(mine, comm)[0], bucket, intra, inter)
+            for bucket in buckets
+        ], extra
+
+    return adam_with_averaged_momentum(
+        comms,
+        learning_rate,
+        name="qadam",
+        warmup_steps=warmup_steps,
+        b1=b1,
+        b2=b2,
+        eps=eps,
+        hierarchical=hierarchical,
+        bucket_bytes=bucket_bytes,
+        init_extra=lambda momentum: (),
+        exchange=exchange,
+        make_state=QAdamState,
+    )
+
+
+def forbid_optimizer(optimizer: Any, algorithm: str) -> None:
+    """Raise a ValueError when an optimizer is passed to an algorithm that is an optimizer itself."""
+    if optimizer is not None:
+        raise ValueError(
+            f"{algorithm} is an optimizer itself: call transformation(None, comms) and give the learning rate, "
+            f"betas and eps to {algorithm}(...) instead of passing {type(optimizer).__name__}"
+        )
+
+
+@dataclass(frozen=True)
+class QAdam:
+    """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`qadam`: Adam with full-precision gradient
+    averaging for ``warmup_steps`` steps (1x an fp32 allreduce per step), then frozen ``v`` and 8-bit compressed
+    momentum averaging (~1/4 of an fp32 allreduce; with ``hierarchical`` only between nodes). It replaces the
+    optimizer, so :meth:`transformation` takes ``optimizer=None``. Choose it for Adam training whose gradient
+    exchange is bandwidth-bound.
+    """
+
+    learning_rate: optax.ScalarOrSchedule
+    warmup_steps: int = 100
+    b1: float = 0.9
+    b2: float = 0.999
+    eps: float = 1e-8
+    hierarchical: bool = True
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        check_adam_config(
+            "QAdam", self.warmup_steps, self.b1, self.b2, self.eps, self.hierarchical, self.bucket_bytes
+        )
+
+    def transformation(
+        self, optimizer: optax.GradientTransformation | None, comms: Communicators
+    ) -> optax.GradientTransformationExtraArgs:
+        """:func:`qadam` with this configuration; ``optimizer`` must be None (QAdam is the optimizer)."""
+        forbid_optimizer(optimizer, "QAdam")
+        return qadam(
+            comms,
+            self.learning_rate,
+            warmup_steps=self.warmup_steps,
+            b1=self.b1,
+            b2=self.b2,
+            eps=self.eps,
+            hierarchical=self.hierarchical,
+            bucket_bytes=self.bucket_bytes,
+        )

@@ -1,0 +1,230 @@
+"""Rank bodies for test_async_model_average.py (run under mpiexec, one process per rank).
+
+The data generators are plain NumPy so that the tests' references rebuild exactly the
+batches each rank trained on.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+DIM = 8
+BATCH = 32
+LR = 0.1
+
+
+def optimum(seed: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s own least-squares optimum ``[w*, b*]``: a shared part plus a rank offset,
+    so that ranks training alone drift apart."""
+    shared = np.random.default_rng([seed, 999]).standard_normal(DIM + 1)
+    offset = np.random.default_rng([seed, 1000 + rank]).standard_normal(DIM + 1)
+    return (shared + 0.5 * offset).astype(np.float32)
+
+
+def batch(seed: int, rank: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s fresh minibatch for ``step``: ``y = x w* + b* + noise``."""
+    rng = np.random.default_rng([seed, rank, step])
+    theta = optimum(seed, rank)
+    x = rng.standard_normal((BATCH, DIM)).astype(np.float32)
+    y = (x @ theta[:DIM] + theta[DIM] + 0.01 * rng.standard_normal(BATCH)).astype(np.float32)
+    return x, y
+
+
+def _setup(sync_interval_ms: float, warmup_steps: int):
+    """The world communicator, the algorithm, its jitted train step and zero parameters."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from bagua_jax.algorithms.async_model_average import AsyncModelAverage
+    from bagua_jax.algorithms.base import Communicators
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    world = NativeCommunicator.mpi_world(timeout=60)
+    algo = AsyncModelAverage(sync_interval_ms=sync_interval_ms, warmup_steps=warmup_steps)
+    tx = algo.transformation(optax.sgd(LR), Communicators(world))
+
+    def loss(params, x, y):
+        return 0.5 * jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+    @jax.jit
+    def step(params, opt_state, x, y):
+        grads = jax.grad(loss)(params, x, y)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = {"w": jnp.zeros(DIM, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    return world, algo, step, params, tx.init(params)
+
+
+def _flat(params) -> np.ndarray:
+    return np.concatenate([np.asarray(params["w"]), np.asarray(params["b"]).reshape(1)])
+
+
+def train(seed: int, steps: int, warmup_steps: int, sync_interval_ms: float, sleep_s: float) -> dict:
+    """Train the linear model with SGD and AsyncModelAverage; return the weights after every step,
+    whether the thread ran after each step, and the rounds completed."""
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    world, algo, step, params, opt_state = _setup(sync_interval_ms, warmup_steps)
+    rank = int(world.rank())
+    averager = algo.averager(params, NativeCommunicator.mpi_world(timeout=60))
+    history, running = [], []
+    for t in range(steps):
+        x, y = batch(seed, rank, t)
+        params, opt_state = step(params, opt_state, x, y)
+        params = averager.apply(params)
+        history.append(_flat(params))
+        running.append(averager.running)
+        time.sleep(sleep_s)
+    averager.abort()
+    return {"rank": rank, "history": np.stack(history), "running": running, "rounds": averager.rounds,
+            "joined": not averager.running}
+
+
+def rank_params(seed: int, rank: int, tag: int) -> dict:
+    """Random parameters of two dtypes (a float32 matrix, a bfloat16 vector) for the update-rule test."""
+    import ml_dtypes
+
+    rng = np.random.default_rng([seed, rank, tag])
+    return {
+        "w": rng.standard_normal((5, 3)).astype(np.float32),
+        "b": rng.standard_normal(7).astype(ml_dtypes.bfloat16),
+    }
+
+
+def one_round(seed: int) -> dict:
+    """Force exactly one round with the snapshot ``p0``, then apply it to ``p1``; a later call,
+    with no round finished, must return its input unchanged."""
+    import jax
+    import jax.numpy as jnp
+
+    from bagua_jax.algorithms.async_model_average import AsyncModelAverage
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    comm = NativeCommunicator.mpi_world(timeout=60)
+    rank = int(comm.rank())
+    p0, p1, p2 = (jax.tree.map(jnp.asarray, rank_params(seed, rank, tag)) for tag in range(3))
+    # A minute between rounds: round 0 starts at once, round 1 never within this test. The
+    # warm-up is over already (as after restoring a checkpoint), so the thread starts at once.
+    algo = AsyncModelAverage(sync_interval_ms=60_000, warmup_steps=3)
+    averager = algo.averager(p0, comm, steps_done=3)
+    started = averager.running
+    deadline = time.monotonic() + 30
+    corrected_from, out = None, None
+    while averager.rounds < 1 and time.monotonic() < deadline:
+        out = averager.apply(p0)  # hands p0 over as the snapshot when the thread asks
+        if out is not p0:  # the round finished between the check and the call
+            corrected_from = 0
+            break
+        time.sleep(0.001)
+    if corrected_from is None:
+        corrected_from, out = 1, averager.apply(p1)
+    start = time.monotonic()
+    unchanged = averager.apply(p2) is p2
+    idle_apply_s = time.monotonic() - start
+    averager.abort()
+    return {
+        "rank": rank,
+        "started": started,
+        "corrected_from": corrected_from,
+        "out": jax.tree.map(np.asarray, out),
+        "unchanged": unchanged,
+        "idle_apply_s": idle_apply_s,
+        "rounds": averager.rounds,
+        "joined": not averager.running,
+    }
+
+
+def abort_resume(seed: int) -> dict:
+    """Abort at staggered times on every rank, resume, abort on rank 0 only, resume and abort at once."""
+    import jax
+    import jax.numpy as jnp
+
+    from bagua_jax.algorithms.async_model_average import AsyncModelAverage
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    comm = NativeCommunicator.mpi_world(timeout=60)
+    rank = int(comm.rank())
+    params = jax.tree.map(jnp.asarray, rank_params(seed, rank, 0))
+    drift = jax.jit(lambda p: jax.tree.map(lambda x: x + 0.01 * (rank + 1), p))
+    averager = AsyncModelAverage(sync_interval_ms=1).averager(params, comm)
+
+    def steps(n: int):
+        nonlocal params
+        for _ in range(n):
+            params = averager.apply(drift(params))
+            time.sleep(0.001)
+
+    out = {"rank": rank}
+    steps(100)
+    time.sleep(0.05 * rank)  # the ranks ask to stop at different times
+    averager.abort()
+    out["a"] = (averager.rounds, averager.running)
+    steps(20)  # no rounds while aborted
+    out["a_after_steps"] = averager.rounds
+
+    averager.resume()
+    steps(100)
+    if rank == 0:
+        averager.abort()
+        out["stopped_by_peer"] = None
+    else:
+        # Rank 0's abort must stop this rank's thread too, while this loop keeps stepping.
+        deadline = time.monotonic() + 20
+        while averager.running and time.monotonic() < deadline:
+            steps(1)
+        out["stopped_by_peer"] = not averager.running
+        averager.abort()
+    out["b"] = (averager.rounds, averager.running)
+
+    averager.resume()
+    averager.abort()  # possibly before the first round's flag: must not hang either
+    out["c"] = (averager.rounds, averager.running)
+    return out
+
+
+def never_waits(stall_s: float) -> dict:
+    """Rank 1 stops calling apply() for ``stall_s`` seconds, which keeps rank 0's round in flight;
+    rank 0 keeps stepping and times every apply()."""
+    import jax
+    import jax.numpy as jnp
+
+    from bagua_jax.algorithms.async_model_average import AsyncModelAverage
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    world = NativeCommunicator.mpi_world(timeout=60)
+    rank = int(world.rank())
+    params = {"w": jnp.full((512, 512), float(rank), jnp.float32)}
+    local_step = jax.jit(lambda p: jax.tree.map(lambda x: x * 0.999 + 0.001, p))
+    averager = AsyncModelAverage(sync_interval_ms=1).averager(params, NativeCommunicator.mpi_world(timeout=60))
+    # Get rounds going (and the correction compiled) before measuring.
+    deadline = time.monotonic() + 30
+    while averager.rounds < 3 and time.monotonic() < deadline:
+        params = averager.apply(local_step(params))
+        time.sleep(0.001)
+    world.barrier(jnp.zeros(())).block_until_ready()
+
+    out = {"rank": rank, "rounds_before": averager.rounds}
+    if rank == 1:
+        time.sleep(stall_s)
+    else:
+        durations = []
+        start = time.monotonic()
+        while time.monotonic() - start < 0.8 * stall_s:
+            params = local_step(params)
+            t0 = time.perf_counter()
+            params = averager.apply(params)
+            jax.block_until_ready(params)
+            durations.append(time.perf_counter() - t0)
+            time.sleep(0.001)
+        out["apply_s"] = np.array(durations)
+        out["loop_s"] = time.monotonic() - start
+    out["rounds_during"] = averager.rounds - out["rounds_before"]
+    for _ in range(5):
+        params = averager.apply(local_step(params))
+    averager.abort()
+    out["rounds"] = averager.rounds
+    return out

@@ -1,0 +1,285 @@
+"""AsyncModelAverage against plain NumPy references.
+
+The in-step part (gradient allreduce during warm-up, local steps after) runs on 2 and 4
+simulated devices under ``shard_map`` with :class:`LaxCommunicator`. The background rounds
+need real processes: they run on 2 and 4 MPI ranks (``async_workers.py``), where a training
+loop calls ``averager.apply`` between jitted steps of a linear regression.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from async_workers import BATCH, DIM, LR, batch, optimum, rank_params
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from multiprocess import run_ranks
+from reference import async_average as async_average_reference
+
+import bagua_jax
+from bagua_jax import LaxCommunicator
+from bagua_jax.algorithms.async_model_average import (
+    AsyncModelAverage,
+    AsyncModelAverager,
+    AsyncModelAverageState,
+    async_model_average,
+)
+from bagua_jax.algorithms.base import Communicators
+
+NS = (2, 4)
+F32_EPS = float(np.finfo(np.float32).eps)
+needs_mpi = pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
+
+
+# ---- NumPy references -----------------------------------------------------------------
+
+
+def numpy_grad(theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Gradient of ``0.5 * mean((x w + b - y)^2)`` with respect to ``[w, b]``."""
+    residual = x @ theta[:DIM] + theta[DIM] - y
+    return np.concatenate([x.T @ residual / BATCH, [residual.mean()]]).astype(np.float32)
+
+
+def numpy_sgd(seed: int, n: int, steps: int, averaged_steps: int) -> np.ndarray:
+    """All n ranks' weights after each step: gradients averaged for the first ``averaged_steps``
+    steps (synchronous allreduce SGD), local SGD afterwards. Shape ``[steps, n, DIM + 1]``."""
+    theta = np.zeros((n, DIM + 1), np.float32)
+    history = []
+    for t in range(steps):
+        grads = np.stack([numpy_grad(theta[r], *batch(seed, r, t)) for r in range(n)])
+        if t < averaged_steps:
+            grads[:] = grads.mean(0)
+        theta = (theta - np.float32(LR) * grads).astype(np.float32)
+        history.append(theta.copy())
+    return np.stack(history)
+
+
+def global_loss(theta: np.ndarray, seed: int, n: int) -> float:
+    """Expected loss over all ranks' data (x standard normal): half the mean squared distance
+    to the ranks' optima, noise left out."""
+    return float(np.mean([0.5 * np.sum((theta - optimum(seed, r)) ** 2) for r in range(n)]))
+
+
+def new_seed() -> int:
+    return int(np.random.default_rng().integers(2**31))
+
+
+# ---- the in-step transform on simulated devices -------------------------------------------
+
+
+def run_transform(n: int, grads: np.ndarray, warmup_steps: int, state=None, params=None):
+    """Apply ``async_model_average`` + SGD on n simulated ranks for ``len(grads)`` steps of
+    precomputed per-rank gradients ``grads[t, r]``; return (params after each step, final state)."""
+    mesh = Mesh(np.array(jax.devices()[:n]), ("ranks",))
+    tx = AsyncModelAverage(warmup_steps=warmup_steps).transformation(
+        optax.sgd(LR), Communicators(LaxCommunicator("ranks", n))
+    )
+    if params is None:
+        params = np.zeros((n, grads.shape[-1]), np.float32)
+    if state is None:
+        state = jax.tree.map(lambda x: np.stack([np.asarray(x)] * n), tx.init(jnp.zeros(grads.shape[-1])))
+
+    def body(params, state, g):
+        params, state, g = jax.tree.map(lambda x: x[0], (params, state, g))
+        updates, state = tx.update(g, state, params)
+        return jax.tree.map(lambda x: x[None], (optax.apply_updates(params, updates), state))
+
+    step = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P("ranks"), out_specs=P("ranks")))
+    history = []
+    for g in grads:
+        params, state = step(params, state, g)
+        history.append(np.asarray(params))
+    return np.stack(history), state
+
+
+@pytest.mark.parametrize("n", NS)
+def test_transform_allreduces_during_warmup_then_steps_locally(n, rng):
+    steps, warmup = 6, 3
+    grads = rng.standard_normal((steps, n, 37)).astype(np.float32)
+    got, state = run_transform(n, grads, warmup)
+    theta = np.zeros((n, 37), np.float32)
+    for t in range(steps):
+        g = np.broadcast_to(grads[t].mean(0), grads[t].shape) if t < warmup else grads[t]
+        theta = (theta - np.float32(LR) * g).astype(np.float32)
+        # psum may add the n gradients in another order than NumPy: a few float32 roundings of
+        # the gradients' magnitude, times the learning rate, accumulated over the steps.
+        np.testing.assert_allclose(got[t], theta, rtol=0, atol=(t + 1) * n * F32_EPS * LR * np.abs(grads).max())
+    for t in range(warmup):  # one allreduce result on every rank: the replicas agree bit for bit
+        assert all(got[t, r].tobytes() == got[t, 0].tobytes() for r in range(n))
+    assert not np.allclose(got[-1, 0], got[-1, 1])  # local steps after warm-up
+    ours = state[0]  # the chain's state: (ours, sgd's)
+    assert isinstance(ours, AsyncModelAverageState)
+    np.testing.assert_array_equal(np.asarray(ours.step), np.full(n, steps, np.int32))
+
+
+def test_transform_state_restores_from_a_numpy_checkpoint(rng):
+    n, steps, warmup = 2, 6, 3
+    grads = rng.standard_normal((steps, n, 11)).astype(np.float32)
+    uninterrupted, _ = run_transform(n, grads, warmup)
+    first, state = run_transform(n, grads[:2], warmup)
+    # The checkpoint crosses warm-up's end after the restore: the step counter must survive.
+    leaves, treedef = jax.tree.flatten(state)
+    checkpoint = [np.array(leaf) for leaf in leaves]
+    restored = jax.tree.unflatten(treedef, checkpoint)
+    rest, _ = run_transform(n, grads[2:], warmup, state=restored, params=first[-1])
+    np.testing.assert_array_equal(np.concatenate([first, rest]), uninterrupted)
+
+
+def test_no_warmup_compiles_no_collective():
+    tx = async_model_average(Communicators(LaxCommunicator("ranks", 2)), warmup_steps=0)
+    g = {"w": jnp.ones(3)}
+    # Outside shard_map a traced collective would fail: with no warm-up none is traced.
+    updates, state = jax.jit(tx.update)(g, tx.init(g))
+    np.testing.assert_array_equal(updates["w"], np.ones(3))
+    assert int(state.step) == 1
+
+
+# ---- configuration errors ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sync_interval_ms": -1}, "sync_interval_ms"),
+        ({"sync_interval_ms": float("nan")}, "sync_interval_ms"),
+        ({"sync_interval_ms": "500"}, "sync_interval_ms"),
+        ({"sync_interval_ms": True}, "sync_interval_ms"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"warmup_steps": 2.5}, "warmup_steps"),
+        ({"bucket_bytes": 0}, "bucket_bytes"),
+    ],
+)
+def test_bad_configuration_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        AsyncModelAverage(**kwargs)
+
+
+def test_bad_arguments_are_rejected():
+    comms = Communicators(LaxCommunicator("ranks", 2))
+    with pytest.raises(TypeError, match="Communicators"):
+        AsyncModelAverage().transformation(optax.sgd(0.1), LaxCommunicator("ranks", 2))
+    with pytest.raises(TypeError, match="floating-point"):
+        AsyncModelAverage().transformation(optax.sgd(0.1), comms).init({"steps": jnp.zeros(3, jnp.int32)})
+    with pytest.raises(TypeError, match="floating-point"):
+        AsyncModelAverager({"steps": jnp.zeros(3, jnp.int32)}, None)
+    with pytest.raises(TypeError, match="NativeCommunicator"):
+        AsyncModelAverage().averager({"w": jnp.zeros(3)}, LaxCommunicator("ranks", 2))
+
+
+# ---- background rounds on MPI ranks ---------------------------------------------------------
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", NS)
+def test_warmup_equals_synchronous_allreduce_sgd(n):
+    seed, steps = new_seed(), 8
+    results = [r.value for r in run_ranks("async_workers:train", n, seed, steps, steps, 1, 0.0, launcher="mpiexec")]
+    expected = numpy_sgd(seed, n, steps, averaged_steps=steps)
+    for res in results:
+        # float32 rounding of JAX's gradient and of MPI's sum versus NumPy's, over a few steps.
+        np.testing.assert_allclose(res["history"], expected[:, res["rank"]], rtol=1e-5, atol=1e-5)
+        assert res["history"].tobytes() == results[0]["history"].tobytes()  # bit-identical replicas
+        # No thread during warm-up; it starts once warmup_steps steps are done, before any round.
+        assert res["running"][:-1] == [False] * (steps - 1)
+        assert res["rounds"] == 0 and res["joined"]
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", NS)
+def test_background_averaging_keeps_replicas_together_and_trains(n):
+    seed, steps, warmup = new_seed(), 200, 5
+    results = run_ranks("async_workers:train", n, seed, steps, warmup, 2, 0.002, launcher="mpiexec", timeout=120)
+    results = sorted((r.value for r in results), key=lambda v: v["rank"])
+    got = np.stack([res["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
+    local = numpy_sgd(seed, n, steps, averaged_steps=warmup)
+    np.testing.assert_allclose(got[:warmup], local[:warmup], rtol=1e-5, atol=1e-5)
+    rounds = {res["rounds"] for res in results}
+    assert len(rounds) == 1 and rounds.pop() >= 3, [res["rounds"] for res in results]
+    assert all(res["joined"] for res in results)
+
+    def spread(thetas: np.ndarray) -> float:  # mean distance of the ranks from their mean
+        return float(np.mean(np.linalg.norm(thetas - thetas.mean(0), axis=-1)))
+
+    # Ranks step at uneven speeds here (2 cores for n processes): once the first rank finishes
+    # and aborts, the others' last steps are local. Judge the steps that every rank took with
+    # its averaging thread running.
+    last = min(max(t for t, running in enumerate(res["running"]) if running) for res in results)
+    assert last >= warmup + 50, [sum(res["running"]) for res in results]
+    # Alone, each rank converges to its own optimum; averaging keeps the replicas together.
+    averaged_spread = np.mean([spread(got[t]) for t in range(warmup, last + 1)])
+    local_spread = np.mean([spread(local[t]) for t in range(warmup, last + 1)])
+    assert averaged_spread < 0.5 * local_spread, (averaged_spread, local_spread)
+    # The loss over all ranks' data goes down for every rank, to near the best consensus, and well
+    # below where each rank alone gets (its own optimum; 7-35% of the initial excess loss here,
+    # versus 0-4% with averaging).
+    initial = global_loss(np.zeros(DIM + 1), seed, n)
+    best = global_loss(np.mean([optimum(seed, r) for r in range(n)], 0), seed, n)
+    excess = [(global_loss(theta, seed, n) - best) / (initial - best) for theta in got[last]]
+    excess_alone = [(global_loss(theta, seed, n) - best) / (initial - best) for theta in local[last]]
+    assert max(excess) < min(0.1, 0.5 * np.mean(excess_alone)), (excess, excess_alone)
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", NS)
+def test_one_round_applies_sum_over_n_minus_snapshot(n):
+    seed = new_seed()
+    results = sorted((r.value for r in run_ranks("async_workers:one_round", n, seed, launcher="mpiexec")),
+                     key=lambda v: v["rank"])
+    snapshots = [rank_params(seed, r, 0) for r in range(n)]
+    for res in results:
+        assert res["started"]  # steps_done covered warm-up: the thread started at once
+        assert res["rounds"] == 1 and res["joined"]
+        assert res["unchanged"] and res["idle_apply_s"] < 0.5  # no round finished: input returned as is
+        x = rank_params(seed, res["rank"], res["corrected_from"])
+        for key in ("w", "b"):
+            sums = np.sum([s[key].astype(np.float64) for s in snapshots], 0)
+            expected = async_average_reference(x[key], sums.astype(np.float32), snapshots[res["rank"]][key], n)
+            got = res["out"][key]
+            assert got.dtype == x[key].dtype
+            if n == 2 and key == "w":
+                # The sum of two floats does not depend on the order: the kernel's math, exactly.
+                np.testing.assert_array_equal(got, expected)
+            else:
+                # MPI may add 4 snapshots in another order (float32 roundings of the sum's terms,
+                # divided by n); bfloat16 results are the float32 value rounded once more.
+                bound = n * F32_EPS * np.abs(np.stack([s[key].astype(np.float32) for s in snapshots])).max()
+                if x[key].dtype == ml_dtypes.bfloat16:
+                    bound = bound + 2.0**-8 * np.abs(expected.astype(np.float32))
+                np.testing.assert_array_less(np.abs(got.astype(np.float32) - expected), bound + 1e-30)
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", NS)
+def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(n):
+    results = [r.value for r in run_ranks("async_workers:abort_resume", n, new_seed(), launcher="mpiexec", timeout=120)]
+    for phase in ("a", "b", "c"):
+        assert len({res[phase] for res in results}) == 1, [res[phase] for res in results]
+        assert results[0][phase][1] is False  # the thread was joined
+    rounds_a, rounds_b, rounds_c = (results[0][phase][0] for phase in ("a", "b", "c"))
+    assert rounds_a >= 1 and rounds_b > rounds_a and rounds_c >= rounds_b
+    for res in results:
+        assert res["a_after_steps"] == rounds_a  # no rounds while aborted
+        if res["rank"] != 0:
+            assert res["stopped_by_peer"]  # rank 0's abort alone stopped this rank's thread
+
+
+@needs_mpi
+def test_training_never_waits_for_a_round_in_flight():
+    stall = 1.5
+    results = sorted((r.value for r in run_ranks("async_workers:never_waits", 2, stall, launcher="mpiexec")),
+                     key=lambda v: v["rank"])
+    busy = results[0]
+    # Rank 1 made no progress for the whole window, so rank 0's round could not finish: at most
+    # the round already past its flag when the stall began completes.
+    assert busy["rounds_during"] <= 1
+    # Meanwhile rank 0 kept stepping at its own pace (about 1 ms per step): every apply()
+    # returned without waiting. 50 ms is far above an apply's cost (tens of microseconds) and
+    # far below the stall, so a blocked apply would show.
+    assert len(busy["apply_s"]) >= 100, len(busy["apply_s"])
+    assert busy["apply_s"].max() < 0.05, busy["apply_s"].max()
+    assert busy["loop_s"] < 0.8 * stall + 0.1
+    assert results[0]["rounds"] == results[1]["rounds"]
