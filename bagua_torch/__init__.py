@@ -2,6 +2,14 @@
 
 ``bagua_torch.ops`` holds the compression kernels and elementwise helpers for CPU
 and CUDA tensors. Importing this package never imports jax.
+
+Training data-parallel::
+
+    bagua_torch.init_process_group()            # RANK, WORLD_SIZE, ... from the launcher
+    model = bagua_torch.with_bagua(model, [optimizer], "bytegrad")
+    # or: model = bagua_torch.DistributedDataParallel(model, algorithm=ByteGradAlgorithm())
+
+The algorithms are in :mod:`bagua_torch.algorithms`.
 """
 
 from bagua_torch import ops
@@ -13,9 +21,28 @@ from bagua_torch.communicator import (
     Work,
 )
 from bagua_torch.ops import build_info
+from bagua_torch import algorithms
+from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
+from bagua_torch.distributed import BaguaModule, DistributedDataParallel, with_bagua
+from bagua_torch.process_group import (
+    BaguaProcessGroup,
+    get_process_group,
+    init_process_group,
+    is_initialized,
+)
 
 __all__ = [
+    "BaguaModule",
+    "BaguaProcessGroup",
+    "Bucket",
     "CommunicationError",
+    "DEFAULT_BUCKET_BYTES",
+    "DistributedDataParallel",
+    "algorithms",
+    "get_process_group",
+    "init_process_group",
+    "is_initialized",
+    "with_bagua",
     "Communicator",
     "NativeCommunicator",
     "ProcessGroupCommunicator",

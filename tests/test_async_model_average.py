@@ -64,8 +64,9 @@ def global_loss(theta: np.ndarray, seed: int, n: int) -> float:
     return float(np.mean([0.5 * np.sum((theta - optimum(seed, r)) ** 2) for r in range(n)]))
 
 
-def new_seed() -> int:
-    return int(np.random.default_rng().integers(2**31))
+def new_seed(rng: np.random.Generator) -> int:
+    """A seed for the ranks' data, drawn from the test's reproducible generator."""
+    return int(rng.integers(2**31))
 
 
 # ---- the in-step transform on simulated devices -------------------------------------------
@@ -175,8 +176,8 @@ def test_bad_arguments_are_rejected():
 
 @needs_mpi
 @pytest.mark.parametrize("n", NS)
-def test_warmup_equals_synchronous_allreduce_sgd(n):
-    seed, steps = new_seed(), 8
+def test_warmup_equals_synchronous_allreduce_sgd(n, rng):
+    seed, steps = new_seed(rng), 8
     results = [r.value for r in run_ranks("async_workers:train", n, seed, steps, steps, 1, 0.0, launcher="mpiexec")]
     expected = numpy_sgd(seed, n, steps, averaged_steps=steps)
     for res in results:
@@ -190,8 +191,8 @@ def test_warmup_equals_synchronous_allreduce_sgd(n):
 
 @needs_mpi
 @pytest.mark.parametrize("n", NS)
-def test_background_averaging_keeps_replicas_together_and_trains(n):
-    seed, steps, warmup = new_seed(), 200, 5
+def test_background_averaging_keeps_replicas_together_and_trains(n, rng):
+    seed, steps, warmup = new_seed(rng), 200, 5
     results = run_ranks("async_workers:train", n, seed, steps, warmup, 2, 0.002, launcher="mpiexec", timeout=120)
     results = sorted((r.value for r in results), key=lambda v: v["rank"])
     got = np.stack([res["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
@@ -213,20 +214,21 @@ def test_background_averaging_keeps_replicas_together_and_trains(n):
     averaged_spread = np.mean([spread(got[t]) for t in range(warmup, last + 1)])
     local_spread = np.mean([spread(local[t]) for t in range(warmup, last + 1)])
     assert averaged_spread < 0.5 * local_spread, (averaged_spread, local_spread)
-    # The loss over all ranks' data goes down for every rank, to near the best consensus, and well
-    # below where each rank alone gets (its own optimum; 7-35% of the initial excess loss here,
-    # versus 0-4% with averaging).
+    # The loss over all ranks' data goes down for every rank, well below where the ranks get
+    # alone (towards their own optima). Measured as the fraction of the initial loss above the
+    # best consensus: typically 0-5% with averaging versus 7-35% alone; under heavy load rounds
+    # are rarer and up to about 10% versus 30% or more, hence the factor 2 margin.
     initial = global_loss(np.zeros(DIM + 1), seed, n)
     best = global_loss(np.mean([optimum(seed, r) for r in range(n)], 0), seed, n)
     excess = [(global_loss(theta, seed, n) - best) / (initial - best) for theta in got[last]]
     excess_alone = [(global_loss(theta, seed, n) - best) / (initial - best) for theta in local[last]]
-    assert max(excess) < min(0.1, 0.5 * np.mean(excess_alone)), (excess, excess_alone)
+    assert max(excess) < 0.5 * np.mean(excess_alone), (excess, excess_alone)
 
 
 @needs_mpi
 @pytest.mark.parametrize("n", NS)
-def test_one_round_applies_sum_over_n_minus_snapshot(n):
-    seed = new_seed()
+def test_one_round_applies_sum_over_n_minus_snapshot(n, rng):
+    seed = new_seed(rng)
     results = sorted((r.value for r in run_ranks("async_workers:one_round", n, seed, launcher="mpiexec")),
                      key=lambda v: v["rank"])
     snapshots = [rank_params(seed, r, 0) for r in range(n)]
@@ -254,8 +256,8 @@ def test_one_round_applies_sum_over_n_minus_snapshot(n):
 
 @needs_mpi
 @pytest.mark.parametrize("n", NS)
-def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(n):
-    results = [r.value for r in run_ranks("async_workers:abort_resume", n, new_seed(), launcher="mpiexec", timeout=120)]
+def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(n, rng):
+    results = [r.value for r in run_ranks("async_workers:abort_resume", n, new_seed(rng), launcher="mpiexec", timeout=120)]
     for phase in ("a", "b", "c"):
         assert len({res[phase] for res in results}) == 1, [res[phase] for res in results]
         assert results[0][phase][1] is False  # the thread was joined
@@ -276,10 +278,11 @@ def test_training_never_waits_for_a_round_in_flight():
     # Rank 1 made no progress for the whole window, so rank 0's round could not finish: at most
     # the round already past its flag when the stall began completes.
     assert busy["rounds_during"] <= 1
-    # Meanwhile rank 0 kept stepping at its own pace (about 1 ms per step): every apply()
-    # returned without waiting. 50 ms is far above an apply's cost (tens of microseconds) and
-    # far below the stall, so a blocked apply would show.
-    assert len(busy["apply_s"]) >= 100, len(busy["apply_s"])
-    assert busy["apply_s"].max() < 0.05, busy["apply_s"].max()
-    assert busy["loop_s"] < 0.8 * stall + 0.1
+    # Meanwhile rank 0 kept stepping at its own pace (about 1 ms per step when the machine is
+    # idle): every apply() returned without waiting. An apply costs tens of microseconds; 0.25 s
+    # leaves room for a busy machine's scheduling and is still far below the 1.5 s stall, so a
+    # blocked apply would show.
+    assert len(busy["apply_s"]) >= 50, len(busy["apply_s"])
+    assert busy["apply_s"].max() < 0.25, busy["apply_s"].max()
+    assert busy["loop_s"] < 0.8 * stall + 0.3
     assert results[0]["rounds"] == results[1]["rounds"]

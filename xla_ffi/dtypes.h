@@ -63,16 +63,18 @@ BAGUA_HD float bits_float(uint32_t u) {
 BAGUA_HD float to_float(float x) { return x; }
 BAGUA_HD float to_float(BFloat16 x) { return bits_float(uint32_t{x.bits} << 16); }
 
+// Branch-free, so conversion loops vectorize. Normals rebias the exponent in
+// integer arithmetic; subnormals are mantissa * 2^-24 from an exact integer
+// conversion (never a float subnormal, which XLA's threads flush to zero);
+// infinity and NaN get the float's all-ones exponent.
 BAGUA_HD float to_float(Half x) {
-  const uint32_t sign = uint32_t{x.bits & 0x8000u} << 16;
-  const uint32_t exponent = (x.bits >> 10) & 0x1fu;
-  uint32_t mantissa = x.bits & 0x3ffu;
-  if (exponent == 0x1f) return bits_float(sign | 0x7f800000u | (mantissa << 13));
-  if (exponent != 0) return bits_float(sign | ((exponent + 112) << 23) | (mantissa << 13));
-  if (mantissa == 0) return bits_float(sign);
-  // Subnormal half: mantissa * 2^-24 is exact in float32.
-  const float magnitude = static_cast<float>(mantissa) * 5.9604644775390625e-08f;
-  return sign ? -magnitude : magnitude;
+  const uint32_t exponent = x.bits & 0x7c00u;
+  const uint32_t mantissa = x.bits & 0x3ffu;
+  const uint32_t normal = ((uint32_t{x.bits & 0x7fffu} << 13) + (112u << 23));
+  const uint32_t special = (mantissa << 13) | 0x7f800000u;
+  const uint32_t subnormal = float_bits(static_cast<float>(mantissa) * 5.9604644775390625e-08f);  // 2^-24
+  const uint32_t magnitude = exponent == 0x7c00u ? special : exponent == 0 ? subnormal : normal;
+  return bits_float(magnitude | (uint32_t{x.bits & 0x8000u} << 16));
 }
 
 template <typename T>

@@ -64,6 +64,4 @@ BAGUA_DECLARE_KERNELS(Cpu)
 BAGUA_DECLARE_KERNELS(Cuda)
 }  // namespace kernels
 
-#undef BAGUA_DECLARE_KERNELS
-
 }  // namespace bagua

@@ -1,6 +1,10 @@
 // CPU implementations of the kernels: OpenMP across blocks of elements, and
 // inner loops over fixed-width lanes so the compiler vectorizes them without
 // reassociating float arithmetic.
+//
+// This file is compiled once per instruction set (BAGUA_CPU_ISA names the
+// namespace: generic, avx2, avx512; see CMakeLists.txt), and
+// kernels_cpu_dispatch.cc picks the best one the processor supports at run time.
 #include <algorithm>
 #include <cstring>
 #include <limits>
@@ -10,12 +14,15 @@
 #include "layout.h"
 #include "numerics.h"
 
-namespace bagua::kernels {
+#ifndef BAGUA_CPU_ISA
+#error "kernels_cpu.cc is compiled once per instruction set with BAGUA_CPU_ISA set; see CMakeLists.txt"
+#endif
+
+namespace bagua::kernels::BAGUA_CPU_ISA {
 namespace {
 
 constexpr int64_t kBlock = int64_t{1} << 16;  // elements per parallel task; a multiple of 8
 constexpr int64_t kParallelThreshold = int64_t{1} << 15;
-constexpr int kLanes = 16;
 
 template <typename F>
 void parallel_for(int64_t tasks, int64_t work, F&& f) {
@@ -48,14 +55,54 @@ const float* header(const uint8_t* buffer, const Chunking& chunking, int64_t i) 
   return reinterpret_cast<const float*>(buffer + chunking.slot_offset(i));
 }
 
-// The value a compressor encodes: x, or x + residual with error feedback.
-template <typename T>
+// Eight float32 lanes as GCC/Clang vectors: the reductions are written lane-wise
+// so they vectorize without reassociating float arithmetic, and the loads widen
+// eight elements at once (dtypes.h's scalar conversions, vector by vector).
+using f32x8 = float __attribute__((vector_size(32)));
+using i32x8 = int32_t __attribute__((vector_size(32)));
+using u32x8 = uint32_t __attribute__((vector_size(32)));
+using u16x8 = uint16_t __attribute__((vector_size(16)));
+
+f32x8 widen(const float* p) {
+  f32x8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+u32x8 widen_bits(const void* p) {
+  u16x8 h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, u32x8);
+}
+
+f32x8 widen(const BFloat16* p) { return reinterpret_cast<f32x8>(widen_bits(p) << 16); }
+
+// The vector form of to_float(Half) in dtypes.h.
+f32x8 widen(const Half* p) {
+  const u32x8 h = widen_bits(p);
+  const u32x8 exponent = h & 0x7c00u, mantissa = h & 0x3ffu;
+  const u32x8 normal = ((h & 0x7fffu) << 13) + (112u << 23);
+  const u32x8 special = (mantissa << 13) | 0x7f800000u;
+  const f32x8 scaled = __builtin_convertvector(reinterpret_cast<i32x8>(mantissa), f32x8) * 5.9604644775390625e-08f;
+  const u32x8 subnormal = reinterpret_cast<u32x8>(scaled);
+  const u32x8 magnitude = exponent == 0x7c00u ? special : (exponent == 0u ? subnormal : normal);
+  return reinterpret_cast<f32x8>(magnitude | ((h & 0x8000u) << 16));
+}
+
+// The value a compressor encodes: x, or x + residual with error feedback. The
+// choice is a template parameter so the hot loops carry no branch.
+template <typename T, bool kFeedback>
 struct Source {
   const T* x;
   const float* residual;
   float operator()(int64_t i) const {
     const float v = to_float(x[i]);
-    return residual ? math::add_rn(v, residual[i]) : v;
+    if constexpr (kFeedback) return math::add_rn(v, residual[i]);
+    return v;
+  }
+  f32x8 load8(int64_t i) const {
+    if constexpr (kFeedback) return widen(x + i) + widen(residual + i);
+    return widen(x + i);
   }
 };
 
@@ -63,48 +110,46 @@ struct Range {
   float lo, hi;
 };
 
-template <typename T>
-Range min_max(const Source<T>& src, int64_t begin, int64_t end) {
-  float lo[kLanes], hi[kLanes];
-  bool nan[kLanes];
-  std::fill(lo, lo + kLanes, std::numeric_limits<float>::infinity());
-  std::fill(hi, hi + kLanes, -std::numeric_limits<float>::infinity());
-  std::fill(nan, nan + kLanes, false);
+template <typename Src>
+Range min_max(const Src& src, int64_t begin, int64_t end) {
+  const float inf = std::numeric_limits<float>::infinity();
+  f32x8 lo = {inf, inf, inf, inf, inf, inf, inf, inf}, hi = -lo;
+  i32x8 nan = {};
   int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const float v = src(i + l);
-      lo[l] = v < lo[l] ? v : lo[l];
-      hi[l] = v > hi[l] ? v : hi[l];
-      nan[l] |= v != v;
-    }
+  for (; i + 8 <= end; i += 8) {
+    const f32x8 v = src.load8(i);
+    lo = v < lo ? v : lo;
+    hi = v > hi ? v : hi;
+    nan |= v != v;
+  }
+  Range r{inf, -inf};
+  bool any_nan = false;
+  for (int l = 0; l < 8; ++l) {
+    r.lo = std::min(r.lo, lo[l]);
+    r.hi = std::max(r.hi, hi[l]);
+    any_nan |= nan[l] != 0;
   }
   for (; i < end; ++i) {
     const float v = src(i);
-    lo[0] = v < lo[0] ? v : lo[0];
-    hi[0] = v > hi[0] ? v : hi[0];
-    nan[0] |= v != v;
-  }
-  Range r{lo[0], hi[0]};
-  bool any_nan = nan[0];
-  for (int l = 1; l < kLanes; ++l) {
-    r.lo = std::min(r.lo, lo[l]);
-    r.hi = std::max(r.hi, hi[l]);
-    any_nan |= nan[l];
+    r.lo = std::min(r.lo, v);
+    r.hi = std::max(r.hi, v);
+    any_nan |= v != v;
   }
   if (any_nan) r.lo = r.hi = std::numeric_limits<float>::quiet_NaN();
   return r;
 }
 
-template <typename T>
-float abs_sum(const Source<T>& src, int64_t begin, int64_t end) {
-  float acc[kLanes] = {};
+template <typename Src>
+float abs_sum(const Src& src, int64_t begin, int64_t end) {
+  f32x8 acc = {};
   int64_t i = begin;
-  for (; i + kLanes <= end; i += kLanes)
-    for (int l = 0; l < kLanes; ++l) acc[l] += std::fabs(src(i + l));
-  for (; i < end; ++i) acc[0] += std::fabs(src(i));
+  for (; i + 8 <= end; i += 8) {
+    const f32x8 v = src.load8(i);
+    acc += v < 0 ? -v : v;
+  }
   double total = 0;
-  for (int l = 0; l < kLanes; ++l) total += acc[l];
+  for (int l = 0; l < 8; ++l) total += acc[l];
+  for (; i < end; ++i) total += std::fabs(src(i));
   return static_cast<float>(total);
 }
 
@@ -118,14 +163,12 @@ void write_header(uint8_t* out, const Chunking& chunking, int64_t c, float a, fl
   std::memset(slot + used, 0, chunking.slot_offset(c + 1) - chunking.slot_offset(c) - used);
 }
 
-}  // namespace
-
-template <typename T>
-Status minmax_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k,
-                       uint8_t* out, float* residual_out) {
+template <typename T, bool kFeedback>
+void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
+                          float* residual_out) {
   const Chunking chunking{Format::kMinMaxUInt8, n, k};
   const ChunkBlocks blocks(chunking);
-  const Source<T> src{x, residual_in};
+  const Source<T, kFeedback> src{x, residual_in};
   std::vector<Range> partial(blocks.tasks());
   parallel_for(blocks.tasks(), n, [&](int64_t t) { partial[t] = min_max(src, blocks.begin(t), blocks.end(t)); });
   for (int64_t c = 0; c < k; ++c) {
@@ -141,24 +184,25 @@ Status minmax_compress(Cpu, const T* x, const float* residual_in, int64_t n, int
     const int64_t c = blocks.chunk(t);
     const float* h = header(out, chunking, c);
     const float lo = h[0], scale = math::minmax_scale(h[0], h[1]), step = math::minmax_step(h[0], h[1]);
-    uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes;
-    const int64_t first = chunking.begin(c), end = blocks.end(t);
-    for (int64_t i = blocks.begin(t); i < end; ++i) {
+    const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
+    uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes - first;
+    for (int64_t i = begin; i < end; ++i) {
       const float v = src(i);
       const uint8_t q = math::minmax_encode(v, lo, scale);
-      codes[i - first] = q;
-      if (residual_out) residual_out[i] = math::sub_rn(v, math::minmax_decode(q, lo, step));
+      codes[i] = q;
+      if constexpr (kFeedback) residual_out[i] = math::sub_rn(v, math::minmax_decode(q, lo, step));
     }
   });
-  return {};
 }
 
-template <typename T>
-Status sign_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
-                     float* residual_out) {
+// Bits are packed a byte (8 elements) at a time; every block but a chunk's last
+// starts and ends on a byte boundary of its chunk.
+template <typename T, bool kFeedback>
+void sign_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
+                        float* residual_out) {
   const Chunking chunking{Format::kSign, n, k};
   const ChunkBlocks blocks(chunking);
-  const Source<T> src{x, residual_in};
+  const Source<T, kFeedback> src{x, residual_in};
   std::vector<float> partial(blocks.tasks());
   parallel_for(blocks.tasks(), n, [&](int64_t t) { partial[t] = abs_sum(src, blocks.begin(t), blocks.end(t)); });
   for (int64_t c = 0; c < k; ++c) {
@@ -171,18 +215,46 @@ Status sign_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64
     const int64_t c = blocks.chunk(t);
     const float scale = header(out, chunking, c)[0];
     uint8_t* bits = out + chunking.slot_offset(c) + kHeaderBytes;
-    const int64_t first = chunking.begin(c), end = blocks.end(t);
-    for (int64_t i = blocks.begin(t); i < end; i += 8) {
+    const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
+    auto encode = [&](int64_t i) {
+      const float v = src(i);
+      const bool bit = math::sign_bit(v);
+      if constexpr (kFeedback) residual_out[i] = math::sub_rn(v, math::sign_decode(bit, scale));
+      return static_cast<uint8_t>(bit);
+    };
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
       uint8_t byte = 0;
-      for (int64_t j = 0; j < 8 && i + j < end; ++j) {
-        const float v = src(i + j);
-        const bool bit = math::sign_bit(v);
-        byte |= static_cast<uint8_t>(bit) << j;
-        if (residual_out) residual_out[i + j] = math::sub_rn(v, math::sign_decode(bit, scale));
-      }
+      for (int j = 0; j < 8; ++j) byte |= encode(i + j) << j;
+      bits[(i - first) / 8] = byte;
+    }
+    if (i < end) {
+      uint8_t byte = 0;
+      for (int j = 0; i + j < end; ++j) byte |= encode(i + j) << j;
       bits[(i - first) / 8] = byte;
     }
   });
+}
+
+}  // namespace
+
+template <typename T>
+Status minmax_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k,
+                       uint8_t* out, float* residual_out) {
+  if (residual_in)
+    minmax_compress_impl<T, true>(x, residual_in, n, k, out, residual_out);
+  else
+    minmax_compress_impl<T, false>(x, nullptr, n, k, out, nullptr);
+  return {};
+}
+
+template <typename T>
+Status sign_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
+                     float* residual_out) {
+  if (residual_in)
+    sign_compress_impl<T, true>(x, residual_in, n, k, out, residual_out);
+  else
+    sign_compress_impl<T, false>(x, nullptr, n, k, out, nullptr);
   return {};
 }
 
@@ -206,10 +278,13 @@ void sign_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, i
   const float scale = header(in, chunking, c)[0];
   const uint8_t* bits = in + chunking.slot_offset(c) + kHeaderBytes;
   const int64_t first = chunking.begin(c);
-  for (int64_t i = begin; i < end; ++i) {
-    const int64_t j = i - first;
-    emit(i, math::sign_decode((bits[j >> 3] >> (j & 7)) & 1, scale));
+  int64_t i = begin;
+  for (; i < end && (i - first) % 8; ++i) emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
+  for (; i + 8 <= end; i += 8) {
+    const uint8_t byte = bits[(i - first) >> 3];
+    for (int j = 0; j < 8; ++j) emit(i + j, math::sign_decode((byte >> j) & 1, scale));
   }
+  for (; i < end; ++i) emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
 }
 
 template <typename T, typename Decode>
@@ -239,10 +314,10 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
              [&](int64_t i, float v) { acc[i - j * m - begin] = math::add_rn(acc[i - j * m - begin], v); });
     }
     const float ranks = static_cast<float>(k);
-    for (int64_t i = begin; i < end; ++i) {
-      const float v = acc[i - begin];
-      out[i] = from_float<T>(average ? math::div_rn(v, ranks) : v);
-    }
+    if (average)
+      for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(math::div_rn(acc[i - begin], ranks));
+    else
+      for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(acc[i - begin]);
   });
   return {};
 }
@@ -330,4 +405,4 @@ BAGUA_INSTANTIATE(float)
 BAGUA_INSTANTIATE(Half)
 BAGUA_INSTANTIATE(BFloat16)
 
-}  // namespace bagua::kernels
+}  // namespace bagua::kernels::BAGUA_CPU_ISA

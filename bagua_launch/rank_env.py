@@ -1,0 +1,208 @@
+"""One rank of an MPI-started job: set the launcher's rank variables from MPI's, run the script.
+
+``bagua-launch --mpi`` starts ``mpiexec -n N python rank_env.py [--module|--no-python] -- target
+args...``; it can also be used directly, e.g. ``srun python -m bagua_launch.rank_env train.py``.
+This wrapper (standard library only, runnable as a file) reads the rank from the environment of
+the MPI launcher (MPICH/Hydra ``PMI_RANK``, Open MPI ``OMPI_COMM_WORLD_RANK``, PMIx, Slurm
+``SLURM_PROCID``), sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
+``NODE_RANK`` (``NODE_RANK = RANK // LOCAL_WORLD_SIZE``: ranks placed on nodes in blocks, as
+``mpiexec -ppn`` does; Slurm's ``SLURM_NODEID`` where given), keeps ``MASTER_ADDR`` and
+``MASTER_PORT`` as the launcher set them (default ``127.0.0.1:29500``), and then
+
+* runs the script as its child process, in a process group of its own, and forwards
+  SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to it (exactly once, however the
+  wrapper got them: to itself or to its process group); the child gets SIGKILL if the
+  wrapper dies;
+* prints every line of the child's output as ``[rank N] line`` (stdout and stderr kept apart);
+* exits with the child's exit code (128 + N if it died of signal N), after writing it to
+  ``$BAGUA_LAUNCH_STATUS_DIR/rank<N>.json`` when the launcher asked for it (that is how
+  ``bagua-launch`` learns which rank failed first, and the process groups to kill).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+STATUS_DIR_VARIABLE = "BAGUA_LAUNCH_STATUS_DIR"
+NPROC_VARIABLE = "BAGUA_LAUNCH_NPROC_PER_NODE"
+
+# (rank, size, local rank, local size, node rank) variables of each MPI launcher, in order of preference.
+_SOURCES = (
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),  # MPICH Hydra, Intel MPI
+    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", None),
+    ("PMIX_RANK", None, None, None, None),
+    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, "SLURM_NODEID"),
+)
+_FORWARDED = tuple(
+    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)
+)
+
+
+def mpi_rank_environment(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
+    """RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK from an MPI launcher's variables."""
+    for rank_var, size_var, local_var, local_size_var, node_var in _SOURCES:
+        if rank_var in environ:
+            break
+    else:
+        raise RuntimeError(
+            "no MPI rank in the environment (PMI_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID): "
+            "run this under mpiexec"
+        )
+
+    def get(name: str | None) -> int | None:
+        return int(environ[name]) if name and environ.get(name, "").strip() else None
+
+    rank = get(rank_var)
+    size = get(size_var) or int(environ.get("WORLD_SIZE") or 0) or rank + 1
+    local_size = get(local_size_var) or get(NPROC_VARIABLE) or size
+    local_rank = get(local_var)
+    if local_rank is None:
+        local_rank = rank % local_size
+    node_rank = get(node_var)
+    if node_rank is None:
+        node_rank = rank // local_size
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(size),
+        "LOCAL_WORLD_SIZE": str(local_size),
+        "NODE_RANK": str(node_rank),
+        "MASTER_ADDR": environ.get("MASTER_ADDR", "127.0.0.1"),
+        "MASTER_PORT": environ.get("MASTER_PORT", "29500"),
+    }
+
+
+def _parse(argv: list[str]) -> tuple[str, list[str]]:
+    mode, i = "script", 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg in ("-m", "--module"):
+            mode = "module"
+        elif arg == "--no-python":
+            mode = "program"
+        elif arg == "--":
+            i += 1
+            break
+        else:
+            break
+        i += 1
+    if i >= len(argv):
+        raise SystemExit("usage: python -m bagua_launch.rank_env [--module | --no-python] [--] target [args ...]")
+    target, args = argv[i], argv[i + 1:]
+    if mode == "program":
+        return mode, [target, *args]
+    if mode == "module":
+        return mode, [sys.executable, "-m", target, *args]
+    return mode, [sys.executable, target, *args]
+
+
+def _die_with_parent():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return preexec
+
+
+def _pump(pipe, out, prefix: bytes) -> None:
+    buffer = getattr(out, "buffer", out)
+    try:
+        for line in iter(pipe.readline, b""):
+            if not line.endswith(b"\n"):
+                line += b"\n"
+            try:
+                buffer.write(prefix + line)
+                buffer.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass
+    finally:
+        pipe.close()
+
+
+def _write_json(path: str, value: dict) -> None:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    _, command = _parse(sys.argv[1:] if argv is None else argv)
+    try:
+        variables = mpi_rank_environment()
+    except (RuntimeError, ValueError) as e:
+        sys.stderr.write(f"bagua_launch.rank_env: {e}\n")
+        return 2
+    rank = variables["RANK"]
+    env = dict(os.environ) | variables
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    env.pop(STATUS_DIR_VARIABLE, None)
+    status_dir = os.environ.get(STATUS_DIR_VARIABLE)
+    prefix = f"[rank {rank}] ".encode()
+
+    child: subprocess.Popen | None = None
+    pending: list[int] = []
+
+    def forward(signum, frame):
+        if child is None:  # not started yet: forwarded once it is
+            pending.append(signum)
+            return
+        try:
+            os.killpg(child.pid, signum)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    for sig in _FORWARDED:
+        signal.signal(sig, forward)
+    try:
+        child = subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            process_group=0, preexec_fn=_die_with_parent(),
+        )
+    except OSError as e:
+        sys.stderr.buffer.write(prefix + f"cannot start {command[0]!r}: {e}\n".encode())
+        sys.stderr.flush()
+        code = 127
+    else:
+        for sig in pending:
+            forward(sig, None)
+        if status_dir:
+            try:  # the launcher's folder exists on its own node only
+                _write_json(os.path.join(status_dir, f"rank{rank}.pid"), {"pid": os.getpid(), "child": child.pid})
+            except OSError:
+                status_dir = None
+        readers = [
+            threading.Thread(target=_pump, args=(child.stdout, sys.stdout, prefix), daemon=True),
+            threading.Thread(target=_pump, args=(child.stderr, sys.stderr, prefix), daemon=True),
+        ]
+        for t in readers:
+            t.start()
+        code = child.wait()
+        for t in readers:
+            t.join(timeout=2.0)
+    if status_dir:
+        try:
+            _write_json(os.path.join(status_dir, f"rank{rank}.json"), {"code": code, "time": time.time()})
+        except OSError:
+            pass
+    return 128 - code if code < 0 else code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

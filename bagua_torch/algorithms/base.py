@@ -1,0 +1,368 @@
+"""The interface between the data-parallel wrapper and the algorithms.
+
+Two objects per algorithm:
+
+* an :class:`Algorithm` is a small configuration object the user creates
+  (``ByteGradAlgorithm(hierarchical=False)``) or names (``"bytegrad"``). It has a
+  ``name`` and one method, :meth:`Algorithm.reify`, which builds
+* an :class:`AlgorithmImpl` for one wrapped model, given an
+  :class:`AlgorithmContext`: the model, its optimizers, the communicators and the
+  model's buckets. The impl holds the algorithm's state (residuals, neighbour copies,
+  step counters) and is driven by the wrapper (:class:`bagua_torch.BaguaModule`)
+  through a few hooks.
+
+What the wrapper does, per training iteration, and which hook it calls:
+
+1. ``forward`` (training mode, grad enabled): the wrapper finishes any gradient
+   reduction still pending from the last iteration, reads
+   :attr:`AlgorithmImpl.need_gradient_hooks` (and the ``no_sync()`` flag) to decide
+   whether this iteration's backward reduces gradients, broadcasts buffers if asked,
+   then calls :meth:`AlgorithmImpl.before_forward`.
+2. backward: if gradient hooks are on, each parameter's gradient is copied into its
+   bucket's flat buffer (:attr:`Bucket.grad`) as soon as autograd has accumulated it.
+   When every gradient of bucket ``k`` has arrived *and* buckets ``0..k-1`` have been
+   launched, the wrapper calls :meth:`AlgorithmImpl.reduce_bucket` for bucket ``k``;
+   so every rank launches the buckets in the same fixed order (0, 1, 2, ...), while
+   the backward pass goes on. At the end of the backward pass, buckets with gradients
+   that never arrived (parameters unused in this iteration on this rank) are launched
+   with zeros in place of the missing gradients, so every rank issues the same
+   collectives.
+3. sync point: at the end of backward (``sync_point="backward"``, the default, as in
+   DDP) or just before the optimizer step (``sync_point="step"``), the wrapper waits on
+   each bucket's work in order and writes the results into the parameters' ``.grad``.
+4. ``optimizer.step()``: in a step pre-hook the wrapper calls
+   :meth:`AlgorithmImpl.before_step`, the optimizer runs, then in a step post-hook
+   :meth:`AlgorithmImpl.after_step`.
+
+Gradient-communicating algorithms (GradientAllReduce, ByteGrad; QAdam and 1-bit Adam
+after their warm-up, which average momentum instead) implement ``reduce_bucket``.
+Weight-communicating algorithms (Decentralized, LowPrecisionDecentralized,
+AsyncModelAverage after its warm-up) set ``need_gradient_hooks = False`` and work in
+``before_forward`` / ``before_step`` / ``after_step`` on the parameters, using
+:meth:`Bucket.flatten_params` and :meth:`Bucket.unflatten_to_params`.
+
+Rules every implementation must keep:
+
+* Every rank must issue the same collectives in the same order. Decide anything that
+  changes the communication pattern (warm-up over, communication interval, peer
+  choice) from values that are identical on every rank, such as a step counter the
+  impl keeps itself.
+* Collectives issued from :meth:`reduce_bucket` (directly, or on the impl's worker
+  thread via :meth:`AlgorithmImpl.run_async`) must all be issued in launch order;
+  collectives issued from the other hooks run on the training thread after every
+  bucket's work has been waited on, so they cannot interleave with them.
+* ``state_dict()`` must return everything needed to resume identically (tensors are
+  copied by the caller's ``torch.save``; return clones, not live buffers, if the
+  impl mutates them in place), and ``load_state_dict()`` must validate it and raise a
+  clear ``ValueError`` on mismatch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
+from bagua_torch.communicator import Communicator, Work
+
+__all__ = [
+    "Algorithm",
+    "AlgorithmContext",
+    "AlgorithmImpl",
+    "Bucket",
+    "Communicators",
+    "DEFAULT_BUCKET_BYTES",
+    "DoneWork",
+    "check_flags",
+]
+
+
+class Communicators(NamedTuple):
+    """The communicators of a run: everyone, and for hierarchical algorithms the two levels.
+
+    ``intra`` groups the ranks of one node (the fast links), ``inter`` the ranks with the
+    same local index across nodes (the slow links); world rank ``r`` is local rank
+    ``r % intra.size`` of node ``r // intra.size``. Both are None on a flat topology (one
+    node, or one rank per node), and hierarchical algorithms then communicate over
+    ``world`` alone. This mirrors :class:`bagua_jax.algorithms.base.Communicators`.
+    """
+
+    world: Communicator
+    intra: Communicator | None = None
+    inter: Communicator | None = None
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether both levels are set."""
+        return self.intra is not None and self.inter is not None
+
+    def levels(self, hierarchical: bool, algorithm: str = "algorithm") -> tuple[Communicator, Communicator] | None:
+        """``(intra, inter)`` if ``hierarchical`` is asked for and both levels exist, else None (flat over world).
+
+        Raises a ValueError if the two levels do not tile ``world``.
+        """
+        if not (hierarchical and self.hierarchical):
+            return None
+        assert self.intra is not None and self.inter is not None
+        if self.intra.size * self.inter.size != self.world.size:
+            raise ValueError(
+                f"{algorithm}: intra ({self.intra.size} ranks) x inter ({self.inter.size} ranks) must equal world "
+                f"({self.world.size} ranks)"
+            )
+        return self.intra, self.inter
+
+
+@dataclass(frozen=True)
+class AlgorithmContext:
+    """What an algorithm sees of the wrapped model (see :meth:`Algorithm.reify`).
+
+    * ``module``: the user's model (not the wrapper);
+    * ``optimizers``: the optimizers given to the wrapper (possibly empty), in order;
+    * ``communicators``: world (and intra/inter for hierarchical topologies);
+    * ``buckets``: the buckets in launch order, padded to a multiple of ``world.size``;
+    * ``named_parameters``: the trainable parameters (``requires_grad``), in
+      registration order, with their names in ``module``;
+    * ``device``: the device of the parameters;
+    * ``bucket_bytes``: the bucket size the buckets were built with.
+    """
+
+    module: torch.nn.Module
+    optimizers: tuple[torch.optim.Optimizer, ...]
+    communicators: Communicators
+    buckets: tuple[Bucket, ...]
+    named_parameters: tuple[tuple[str, torch.nn.Parameter], ...]
+    device: torch.device
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    @property
+    def world(self) -> Communicator:
+        """The communicator of all ranks."""
+        return self.communicators.world
+
+
+class Algorithm:
+    """A data-parallel algorithm's configuration; subclasses set :attr:`name` and implement :meth:`reify`.
+
+    Subclasses are usually frozen dataclasses whose fields are the algorithm's options
+    (validated in ``__post_init__``, raising TypeError/ValueError with the algorithm's
+    name). The same object may be used to wrap several models; all state lives in the
+    :class:`AlgorithmImpl` that :meth:`reify` returns.
+    """
+
+    name: ClassVar[str] = ""
+    """The registry name, e.g. ``"bytegrad"`` (see :func:`bagua_torch.algorithms.get_algorithm`)."""
+
+    def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
+        """Build this algorithm's implementation for one wrapped model.
+
+        Called once, collectively (on every rank, in the same order), after the
+        parameters have been broadcast from rank 0 and the buckets built. May
+        communicate (e.g. to create peer groups) and should raise a clear error for a
+        configuration the model or topology cannot run (odd world size with
+        ``shift_one``, parameters of a dtype the algorithm cannot compress, ...).
+        """
+        raise NotImplementedError(f"{type(self).__name__} must implement reify()")
+
+
+class DoneWork:
+    """A :class:`~bagua_torch.Work` that is already complete and returns ``result``."""
+
+    def __init__(self, result: torch.Tensor | None = None):
+        self._result = result
+
+    def wait(self) -> torch.Tensor | None:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
+
+
+class _ThreadWork:
+    """The handle of a function running on an impl's worker thread (see :meth:`AlgorithmImpl.run_async`)."""
+
+    def __init__(self, future: concurrent.futures.Future, done: Any = None, device: torch.device | None = None):
+        self._future, self._done, self._device = future, done, device
+
+    def wait(self) -> Any:
+        result = self._future.result()  # re-raises the function's exception
+        if self._done is not None:
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(self._done)
+            if isinstance(result, torch.Tensor) and result.is_cuda:
+                result.record_stream(stream)  # allocated on the side stream, used on this one
+        return result
+
+    def is_completed(self) -> bool:
+        if not self._future.done():
+            return False
+        if self._done is None or self._future.exception() is not None:
+            return True
+        return bool(self._done.query())
+
+
+class AlgorithmImpl:
+    """An algorithm running on one wrapped model; the wrapper calls its hooks (see the module docstring).
+
+    Subclasses call ``super().__init__(context)`` and override what they need; every hook
+    has a do-nothing default except :meth:`reduce_bucket`.
+    """
+
+    need_gradient_hooks: bool = True
+    """Whether the wrapper reduces gradients through :meth:`reduce_bucket` in the next backward pass.
+
+    Read at each ``forward`` in training mode (so it may change between iterations, e.g.
+    when a warm-up ends, as long as it changes identically on every rank). When False the
+    wrapper installs no work in the backward pass and ``.grad`` stays this rank's local
+    gradient.
+    """
+
+    def __init__(self, context: AlgorithmContext):
+        self.context = context
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stream: Any = None
+        self._executor_lock = threading.Lock()
+
+    # --- conveniences ---------------------------------------------------------------
+
+    @property
+    def communicators(self) -> Communicators:
+        """The run's communicators (``self.context.communicators``)."""
+        return self.context.communicators
+
+    @property
+    def world(self) -> Communicator:
+        """The communicator of all ranks."""
+        return self.context.communicators.world
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The buckets, in launch order."""
+        return self.context.buckets
+
+    def run_async(self, fn: Callable[[], Any]) -> Work:
+        """Run ``fn()`` on this impl's worker thread (one thread, jobs in submission order); return its handle.
+
+        For multi-stage pipelines (compress, all-to-all, reduce, allgather, ...) that must
+        not block the backward pass: ``fn`` may call blocking collectives and kernels, and
+        ``wait()`` returns what ``fn`` returned (re-raising its exception). All jobs of one
+        impl run one after another in submission order, so collectives issued from them
+        keep the launch order. For CUDA parameters ``fn`` runs on a side stream that first
+        waits for the submitting thread's current stream, and ``wait()`` makes the waiting
+        thread's current stream wait for it (no host synchronization).
+        """
+        with self._executor_lock:
+            if self._executor is None:
+                name = type(self).__name__
+                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"bagua-{name}")
+        device = self.context.device
+        if device.type != "cuda":
+            return _ThreadWork(self._executor.submit(fn))
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        stream = self._stream
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        done = torch.cuda.Event()
+
+        def job() -> Any:
+            with torch.cuda.device(device), torch.cuda.stream(stream):
+                stream.wait_event(ready)
+                result = fn()
+                done.record(stream)
+                return result
+
+        return _ThreadWork(self._executor.submit(job), done, device)
+
+    # --- hooks ------------------------------------------------------------------------
+
+    def reduce_bucket(self, bucket: Bucket) -> Work:
+        """Start reducing ``bucket.grad`` (this rank's gradients, padded) over the ranks; return a handle.
+
+        Called from the autograd thread during the backward pass, once per bucket per
+        iteration, in bucket order (see the module docstring). Must not block on
+        communication: return an asynchronous handle (a communicator's ``*_async``
+        result, :meth:`run_async`, or :class:`DoneWork`). Its ``wait()`` (called at the
+        sync point, buckets in order) returns either a 1-D tensor of ``bucket.size`` (or
+        ``bucket.numel``) elements, which the wrapper copies into the parameters'
+        ``.grad``, or None if the impl has dealt with the result itself (e.g. QAdam
+        writing averaged momentum into its optimizer's state).
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} sets need_gradient_hooks but does not implement reduce_bucket()"
+        )
+
+    def before_forward(self, module: torch.nn.Module) -> None:
+        """Called at the start of each ``forward`` in training mode with grad enabled (after pending gradient
+        reductions are finished and buffers are broadcast). ``module`` is the user's model. Weight-communicating
+        algorithms may start an asynchronous exchange of the weights here (they do not change until the step)."""
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called in ``optimizer.step()``'s pre-hook, for each wrapped optimizer, after all gradient reductions
+        have been waited on and written into ``.grad``. Runs on the training thread."""
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called in ``optimizer.step()``'s post-hook, for each wrapped optimizer. Runs on the training thread."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """The algorithm's state (tensors, lists of tensors, ints, floats, strings), to resume identically.
+
+        Saved by the wrapper's ``state_dict()`` (through ``get_extra_state``), after any
+        pending gradient reduction has finished.
+        """
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned (on a freshly wrapped model of the same shape and world
+        size); raise a ValueError naming what does not match."""
+        if state:
+            raise ValueError(f"{type(self).__name__} has no state, but the checkpoint holds {sorted(state)}")
+
+    def close(self) -> None:
+        """Release threads and other resources (the wrapper's ``close()`` calls it). Idempotent."""
+        with self._executor_lock:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_flags(algorithm: str, **flags: Any) -> None:
+    """Raise a TypeError unless every keyword argument is a bool (catches e.g. ``average="sum"``)."""
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{algorithm}: {key} must be a bool, got {value!r}")
+
+
+def check_dtypes(buckets: Sequence[Bucket], allowed: Sequence[torch.dtype], algorithm: str, what: str) -> None:
+    """Raise a TypeError naming the first parameter whose dtype is not in ``allowed``."""
+    for bucket in buckets:
+        if bucket.dtype not in allowed:
+            names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
+            raise TypeError(
+                f"{algorithm}: parameter {bucket.names[0]} has dtype {bucket.dtype}; {what} {names} only"
+            )
+
+
+def check_tensor_list(
+    state: dict[str, Any], key: str, expected: Sequence[int], algorithm: str, dtype: torch.dtype = torch.float32
+) -> list[torch.Tensor]:
+    """Validate ``state[key]``: a list of 1-D ``dtype`` tensors of the ``expected`` sizes; return it."""
+    if key not in state:
+        raise ValueError(f"{algorithm}: the checkpoint has no '{key}' (holds {sorted(state)})")
+    tensors = state[key]
+    if not isinstance(tensors, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in tensors):
+        raise ValueError(f"{algorithm}: '{key}' must be a list of tensors")
+    got = [int(t.numel()) for t in tensors]
+    if got != list(expected) or any(t.dtype != dtype for t in tensors):
+        raise ValueError(
+            f"{algorithm}: the checkpoint's '{key}' has sizes {got} ({[str(t.dtype) for t in tensors]}) but this "
+            f"model needs {list(expected)} ({dtype}); was it saved from another model, bucket size or world size?"
+        )
+    return list(tensors)

@@ -1,0 +1,303 @@
+"""Starting a Bagua job: ``bagua_torch.init_process_group()``.
+
+Reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` and Bagua's
+launcher set them; under ``mpiexec`` the rank and size may come from ``PMI_RANK`` /
+``PMI_SIZE`` and the node size from ``MPI_LOCALNRANKS``) or takes them as arguments,
+initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) and builds the
+communicators the algorithms use:
+
+* ``world``: all ranks. The native communicator when available: the MPI engine for CPU
+  tensors when the job was started by ``mpiexec`` and bagua was built with MPI, the
+  NCCL engine for CUDA tensors when built with NCCL; otherwise a
+  :class:`~bagua_torch.ProcessGroupCommunicator` over a process group of its own (so
+  Bagua's collectives never interleave with the user's on the default group).
+* ``intra`` / ``inter`` for hierarchical algorithms, when the job spans several nodes
+  with several ranks each (``1 < LOCAL_WORLD_SIZE < WORLD_SIZE``). Ranks are laid out
+  node by node: world rank ``r`` is local rank ``r % LOCAL_WORLD_SIZE`` of node
+  ``r // LOCAL_WORLD_SIZE``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bagua_torch.algorithms.base import Communicators
+from bagua_torch.communicator import (
+    Communicator,
+    NativeCommunicator,
+    ProcessGroupCommunicator,
+    _timeout_seconds,
+    default_timeout,
+)
+
+_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_RANK")
+
+
+@dataclass
+class BaguaProcessGroup:
+    """The communicators of a job and where this process sits in it (see the module docstring).
+
+    ``native`` tells whether ``communicators.world`` is a :class:`~bagua_torch.NativeCommunicator`;
+    ``backend`` is the ``torch.distributed`` backend (None if ``torch.distributed`` was not
+    initialized, which happens only for a native MPI job without ``MASTER_ADDR``).
+    """
+
+    communicators: Communicators
+    rank: int
+    size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+    backend: str | None
+    native: bool
+    store: Any = None
+
+    @property
+    def world(self) -> Communicator:
+        return self.communicators.world
+
+    @property
+    def node_rank(self) -> int:
+        return self.rank // self.local_size
+
+    @property
+    def num_nodes(self) -> int:
+        return self.size // self.local_size
+
+    def close(self) -> None:
+        """Release native communicators (torch.distributed itself is left alone)."""
+        seen = set()
+        for comm in self.communicators:
+            if isinstance(comm, NativeCommunicator) and id(comm) not in seen:
+                seen.add(id(comm))
+                comm.close()
+
+
+_default: BaguaProcessGroup | None = None
+
+
+def _env_int(name: str, value: Any, *fallbacks: str) -> int | None:
+    if value is not None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"init_process_group: {name} must be an int, got {value!r}")
+        return value
+    for key in fallbacks:
+        text = os.environ.get(key)
+        if text is not None and text.strip():
+            try:
+                return int(text)
+            except ValueError:
+                raise ValueError(f"init_process_group: environment variable {key}={text!r} is not an integer") from None
+    return None
+
+
+def _launched_by_mpi() -> bool:
+    return any(os.environ.get(key) for key in _MPI_ENV)
+
+
+def init_process_group(
+    backend: str | None = None,
+    *,
+    rank: int | None = None,
+    world_size: int | None = None,
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    timeout: float | timedelta | None = None,
+    native: bool | None = None,
+) -> BaguaProcessGroup:
+    """Initialize the job (every process calls it once, before wrapping models) and return its communicators.
+
+    * ``backend``: ``"gloo"`` or ``"nccl"`` for ``torch.distributed``; default nccl when CUDA
+      is available, else gloo. With nccl the current CUDA device becomes ``local_rank``.
+    * ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``master_addr``,
+      ``master_port``: default to the environment variables of the same names in upper case
+      (``local_world_size`` defaults to ``MPI_LOCALNRANKS`` or, failing that, ``world_size``:
+      one node).
+    * ``timeout``: seconds (or a ``timedelta``) after which a collective that does not
+      complete raises instead of hanging; default ``BAGUA_COMM_TIMEOUT`` or 300.
+    * ``native``: None uses the native engine when available (MPI under ``mpiexec`` for
+      CPU, NCCL for GPU), True requires it, False never uses it.
+
+    If ``torch.distributed`` is already initialized it is reused (its rank and size must
+    match). The result is also kept as the default for :func:`bagua_torch.with_bagua`
+    (see :func:`get_process_group`).
+    """
+    global _default
+    if _default is not None:
+        raise RuntimeError("bagua_torch.init_process_group() was already called in this process")
+    if backend is not None and backend not in ("gloo", "nccl"):
+        raise ValueError(f"init_process_group: backend must be 'gloo', 'nccl' or None, got {backend!r}")
+    if native is not None and not isinstance(native, bool):
+        raise TypeError(f"init_process_group: native must be None or a bool, got {native!r}")
+    seconds = _timeout_seconds(timeout) if timeout is not None else default_timeout()
+
+    rank = _env_int("rank", rank, "RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
+    world_size = _env_int("world_size", world_size, "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+    if rank is None or world_size is None:
+        raise ValueError(
+            "init_process_group: the rank and world size are unknown; set RANK and WORLD_SIZE (a launcher such as "
+            "torchrun does) or pass rank= and world_size="
+        )
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"init_process_group: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    local_world_size = _env_int("local_world_size", local_world_size, "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS")
+    local_world_size = world_size if local_world_size is None else local_world_size
+    if local_world_size < 1 or world_size % local_world_size:
+        raise ValueError(
+            f"init_process_group: local_world_size={local_world_size} must divide world_size={world_size} "
+            "(the same number of ranks on every node)"
+        )
+    local_rank = _env_int("local_rank", local_rank, "LOCAL_RANK")
+    expected_local = rank % local_world_size
+    if local_rank is None:
+        local_rank = expected_local
+    elif local_rank != expected_local:
+        raise ValueError(
+            f"init_process_group: local_rank={local_rank} does not fit rank={rank} with local_world_size="
+            f"{local_world_size}; ranks must be laid out node by node (local rank = rank % local_world_size)"
+        )
+
+    use_cuda = backend == "nccl" if backend is not None else torch.cuda.is_available()
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    if use_cuda:
+        if not torch.cuda.is_available():
+            raise RuntimeError("init_process_group: backend 'nccl' needs CUDA, and torch sees no GPU")
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+
+    from bagua_torch.ops import build_info
+
+    info = build_info()
+    engine = "nccl" if use_cuda else "mpi"
+    engine_ready = bool(info.get(engine)) and (use_cuda or _launched_by_mpi())
+    if native and not engine_ready:
+        raise RuntimeError(
+            f"init_process_group(native=True): the native {engine.upper()} engine is not usable here "
+            + ("(bagua was built without it)" if not info.get(engine) else "(start the job with mpiexec)")
+        )
+    use_native = engine_ready if native is None else native
+
+    master_addr = master_addr if master_addr is not None else os.environ.get("MASTER_ADDR")
+    master_port = _env_int("master_port", master_port, "MASTER_PORT")
+    store = None
+    if dist.is_available() and dist.is_initialized():
+        if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
+            raise ValueError(
+                f"init_process_group: torch.distributed is already initialized as rank {dist.get_rank()} of "
+                f"{dist.get_world_size()}, not rank {rank} of {world_size}"
+            )
+        backend = str(dist.get_backend())
+    elif master_addr is None or master_port is None:
+        if not (use_native and engine == "mpi"):
+            raise ValueError(
+                "init_process_group: MASTER_ADDR and MASTER_PORT are not set; set them (a launcher such as torchrun "
+                "does) or pass master_addr= and master_port="
+            )
+        backend = None  # a pure MPI job: the native engine alone
+    else:
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=rank == 0, timeout=timedelta(seconds=max(seconds, 30))
+        )
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(seconds, 30))
+        )
+
+    num_nodes = world_size // local_world_size
+    two_levels = local_world_size > 1 and num_nodes > 1
+    if use_native:
+        if engine == "mpi":
+            world: Communicator = NativeCommunicator.mpi_world(timeout=seconds, name="bagua")
+            if (world.rank, world.size) != (rank, world_size):
+                raise RuntimeError(
+                    f"init_process_group: MPI says this is rank {world.rank} of {world.size}, but the job is "
+                    f"configured as rank {rank} of {world_size}"
+                )
+        else:
+            if store is None:
+                raise RuntimeError("init_process_group: the NCCL engine needs this call to initialize torch.distributed")
+            world = NativeCommunicator.from_store(
+                dist.PrefixStore("bagua", store), rank, world_size, timeout=seconds, name="bagua", device=device
+            )
+        intra = inter = None
+        if two_levels:
+            node, local = rank // local_world_size, rank % local_world_size
+            intra = world.split(node, local, name=f"bagua/intra{node}")
+            inter = world.split(local, node, name=f"bagua/inter{local}")
+    else:
+        group = dist.new_group(backend=backend, timeout=timedelta(seconds=max(seconds, 30)))
+        world = ProcessGroupCommunicator(group, timeout=seconds, name="bagua")
+        intra = inter = None
+        if two_levels:
+            nodes = [list(range(n * local_world_size, (n + 1) * local_world_size)) for n in range(num_nodes)]
+            locals_ = [list(range(l, world_size, local_world_size)) for l in range(local_world_size)]
+            intra_group, _ = dist.new_subgroups_by_enumeration(nodes, backend=backend)
+            inter_group, _ = dist.new_subgroups_by_enumeration(locals_, backend=backend)
+            intra = ProcessGroupCommunicator(intra_group, timeout=seconds, name=f"bagua/intra{rank // local_world_size}")
+            inter = ProcessGroupCommunicator(inter_group, timeout=seconds, name=f"bagua/inter{rank % local_world_size}")
+
+    _default = BaguaProcessGroup(
+        communicators=Communicators(world, intra, inter),
+        rank=rank,
+        size=world_size,
+        local_rank=local_rank,
+        local_size=local_world_size,
+        device=device,
+        backend=backend,
+        native=use_native,
+        store=store,
+    )
+    return _default
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` has been called in this process."""
+    return _default is not None
+
+
+def get_process_group() -> BaguaProcessGroup:
+    """The job's communicators from :func:`init_process_group` (a RuntimeError if it has not been called)."""
+    if _default is None:
+        raise RuntimeError("call bagua_torch.init_process_group() first")
+    return _default
+
+
+def communicators_from(process_group: Any) -> Communicators:
+    """Turn what a user may pass as ``process_group`` into :class:`Communicators`.
+
+    Accepts None (the default from :func:`init_process_group`; failing that, when only
+    ``torch.distributed`` is initialized, a new process group of all ranks, created
+    collectively), a :class:`BaguaProcessGroup`, a :class:`Communicators`, a single
+    communicator (flat), or a ``torch.distributed`` process group.
+    """
+    if process_group is None:
+        if _default is not None:
+            return _default.communicators
+        if dist.is_available() and dist.is_initialized():
+            return Communicators(ProcessGroupCommunicator(dist.new_group(), name="bagua"))
+        raise RuntimeError(
+            "no process group: call bagua_torch.init_process_group() (or torch.distributed.init_process_group()) "
+            "before wrapping a model, or pass process_group="
+        )
+    if isinstance(process_group, BaguaProcessGroup):
+        return process_group.communicators
+    if isinstance(process_group, Communicators):
+        return process_group
+    if isinstance(process_group, dist.ProcessGroup):
+        return Communicators(ProcessGroupCommunicator(process_group))
+    if isinstance(process_group, Communicator):
+        return Communicators(process_group)
+    raise TypeError(
+        "process_group must be None, a bagua_torch BaguaProcessGroup, Communicators or Communicator, or a "
+        f"torch.distributed ProcessGroup; got {type(process_group).__name__}"
+    )

@@ -1,0 +1,343 @@
+"""bagua-launch (the ``bagua_launch`` package): rank variables, output prefixes, failures, signals.
+
+Every test starts the launcher as its own process (``python -m bagua_launch``, the console
+script for ``--help``) on tiny scripts written to a temporary folder, plus one real
+``jax.distributed`` job and one ``torch.distributed`` gloo job with two ranks each.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
+LINE = re.compile(r"^\[rank (\d+)\] (.*)$")
+
+ENV_SCRIPT = """
+import json, os, sys
+print("ENV " + json.dumps({k: os.environ.get(k) for k in %r}))
+print("ARGS " + json.dumps(sys.argv[1:]))
+for i in range(3):
+    print(f"out {i}")
+    print(f"err {i}", file=sys.stderr)
+""" % (VARIABLES,)
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in VARIABLES and k != "XLA_FLAGS"}
+    # The launcher and its MPI wrapper import this checkout, installed or not.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return env | extra
+
+
+def launch(*args: str, cwd: Path | None = None, timeout: float = 60, env: dict | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "bagua_launch", *args], cwd=cwd, env=env or _env(),
+        capture_output=True, text=True, timeout=timeout,
+    )
+
+
+def write(tmp_path: Path, name: str, source: str) -> Path:
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+def by_rank(text: str) -> dict[int, list[str]]:
+    """Every line must carry a rank prefix; the lines of each rank, prefixes removed."""
+    lines: dict[int, list[str]] = {}
+    for line in text.splitlines():
+        match = LINE.match(line)
+        assert match, f"line without a rank prefix: {line!r}\n{text}"
+        lines.setdefault(int(match.group(1)), []).append(match.group(2))
+    return lines
+
+
+def reported_env(stdout: str) -> dict[int, dict[str, str]]:
+    envs = {}
+    for rank, lines in by_rank(stdout).items():
+        [env_line] = [l for l in lines if l.startswith("ENV ")]
+        envs[rank] = json.loads(env_line[4:])
+        assert envs[rank]["RANK"] == str(rank), "the prefix names another rank than RANK"
+    return envs
+
+
+def mpiexec_available() -> bool:
+    return (Path(sys.executable).parent / "mpiexec").exists() or shutil.which("mpiexec") is not None
+
+
+needs_mpi = pytest.mark.skipif(not mpiexec_available(), reason="no mpiexec")
+
+
+@pytest.mark.parametrize(
+    "nproc, options, first_rank, world, node",
+    [
+        (2, [], 0, 2, 0),
+        (3, ["--master-port", "29777"], 0, 3, 0),
+        # Node 1 of two: only its own ranks run here (nothing needs node 0 to exist).
+        (2, ["--nnodes", "2", "--node-rank", "1", "--master-addr", "10.1.2.3", "--master-port", "29611"], 2, 4, 1),
+        (3, ["--nnodes", "3", "--node_rank", "2", "--master_addr", "localhost"], 6, 9, 2),
+    ],
+)
+def test_rank_variables(tmp_path, nproc, options, first_rank, world, node):
+    script = write(tmp_path, "env.py", ENV_SCRIPT)
+    result = launch("--nproc-per-node", str(nproc), *options, str(script), "--nnodes", "7", "-x", "a b")
+    assert result.returncode == 0, result.stderr
+    envs = reported_env(result.stdout)
+    assert sorted(envs) == list(range(first_rank, first_rank + nproc))
+    addr = options[options.index("--master-addr") + 1] if "--master-addr" in options else (
+        options[options.index("--master_addr") + 1] if "--master_addr" in options else "127.0.0.1"
+    )
+    port = options[options.index("--master-port") + 1] if "--master-port" in options else None
+    for rank, env in envs.items():
+        assert env["RANK"] == str(rank)
+        assert env["LOCAL_RANK"] == str(rank - first_rank)
+        assert env["WORLD_SIZE"] == str(world)
+        assert env["LOCAL_WORLD_SIZE"] == str(nproc)
+        assert env["NODE_RANK"] == str(node)
+        assert env["MASTER_ADDR"] == addr
+        if port is not None:
+            assert env["MASTER_PORT"] == port
+        elif world > nproc:
+            assert env["MASTER_PORT"] == "29500", "every node must agree on the default port"
+    assert len({env["MASTER_PORT"] for env in envs.values()}) == 1
+    assert 0 < int(envs[first_rank]["MASTER_PORT"]) < 65536
+    # The script's own arguments pass through untouched, launcher-like options included.
+    args = {json.dumps(["--nnodes", "7", "-x", "a b"])}
+    assert {l[5:] for lines in by_rank(result.stdout).values() for l in lines if l.startswith("ARGS ")} == args
+
+
+def test_output_lines_prefixed_stdout_and_stderr_apart(tmp_path):
+    script = write(tmp_path, "env.py", ENV_SCRIPT)
+    result = launch("--nproc-per-node", "3", str(script))
+    assert result.returncode == 0, result.stderr
+    out, err = by_rank(result.stdout), by_rank(result.stderr)
+    assert sorted(out) == sorted(err) == [0, 1, 2]
+    for rank in range(3):
+        assert [l for l in out[rank] if l.startswith("out ")] == ["out 0", "out 1", "out 2"]
+        assert err[rank] == ["err 0", "err 1", "err 2"]
+    assert result.stderr.count("bagua-launch") == 0, "a successful job prints nothing of the launcher's own"
+
+
+def test_module_form_and_python_m(tmp_path):
+    write(tmp_path, "envmod.py", ENV_SCRIPT)
+    result = launch("--nproc-per-node", "2", "-m", "envmod", "--flag", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    envs = reported_env(result.stdout)
+    assert sorted(envs) == [0, 1] and {e["WORLD_SIZE"] for e in envs.values()} == {"2"}
+
+
+def test_console_script_help():
+    candidates = [Path(sys.executable).parent / "bagua-launch", shutil.which("bagua-launch")]
+    found = next((str(c) for c in candidates if c and Path(c).exists()), None)
+    if found is None:
+        pytest.skip("bagua-launch console script not installed (pip install -e .)")
+    result = subprocess.run([found, "--help"], capture_output=True, text=True, timeout=30, env=_env())
+    assert result.returncode == 0, result.stderr
+    for option in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--mpi", "-m"):
+        assert option in result.stdout
+
+
+def test_usage_errors():
+    result = launch("--nnodes", "2", "--nproc-per-node", "1", "x.py")
+    assert result.returncode == 2 and "--master-addr is required" in result.stderr
+    result = launch("--nnodes", "2", "--node-rank", "2", "--master-addr", "h", "x.py")
+    assert result.returncode == 2 and "--node-rank" in result.stderr
+
+
+FAIL_SCRIPT = """
+import os, sys, time
+rank = int(os.environ["RANK"])
+print(f"rank {rank} started", flush=True)
+if rank == 1:
+    time.sleep(0.5)
+    raise RuntimeError("distinctive failure zebra-42")
+time.sleep(60)
+print("should have been stopped")
+"""
+
+
+@pytest.mark.parametrize("mpi", [False, pytest.param(True, marks=needs_mpi)], ids=["local", "mpi"])
+def test_failing_rank_stops_the_job(tmp_path, mpi):
+    script = write(tmp_path, "fail.py", FAIL_SCRIPT)
+    start = time.monotonic()
+    result = launch("--nproc-per-node", "3", "--grace", "5", *(["--mpi"] if mpi else []), str(script))
+    elapsed = time.monotonic() - start
+    assert elapsed < 20, f"the other ranks were not stopped ({elapsed:.1f} s)"
+    assert result.returncode == 1, result.stderr
+    assert "should have been stopped" not in result.stdout
+    # Live output keeps its prefixes; the summary comes last and repeats the failing rank's error.
+    assert "[rank 1] RuntimeError: distinctive failure zebra-42" in result.stderr
+    summary = result.stderr[result.stderr.index("bagua-launch: rank 1 failed"):]
+    assert "exit code 1" in summary.splitlines()[0]
+    assert "last lines of rank 1" in summary
+    assert "RuntimeError: distinctive failure zebra-42" in summary
+    assert re.search(r"ranks? 0, 2: killed by SIGTERM \(stopped by the launcher\)", summary), summary
+    assert summary.rstrip().endswith("=" * 20)
+
+
+def test_exit_code_and_signal_death_reported(tmp_path):
+    script = write(tmp_path, "die.py", """
+        import os, signal, time
+        if os.environ["RANK"] == "0":
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(60)
+    """)
+    result = launch("--nproc-per-node", "2", "--grace", "5", str(script))
+    assert result.returncode == 128 + signal.SIGKILL
+    assert "rank 0 failed (killed by SIGKILL)" in result.stderr
+
+
+def test_timeout(tmp_path):
+    script = write(tmp_path, "sleep.py", "import time; print('sleeping', flush=True); time.sleep(60)\n")
+    start = time.monotonic()
+    result = launch("--nproc-per-node", "2", "--timeout", "1", "--grace", "5", str(script))
+    assert time.monotonic() - start < 15
+    assert result.returncode == 124
+    assert "timed out after 1 s" in result.stderr
+
+
+SIGNAL_SCRIPT = """
+import os, signal, sys, time
+from pathlib import Path
+folder, rank = Path(sys.argv[1]), os.environ["RANK"]
+
+def on_signal(signum, frame):
+    with open(folder / f"got{rank}", "a") as f:
+        f.write(f"{signum}\\n")
+    sys.exit(0)
+
+signal.signal(signal.SIGTERM, on_signal)
+signal.signal(signal.SIGINT, on_signal)
+(folder / f"ready{rank}").write_text("")
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize(
+    "sig, mpi",
+    [
+        (signal.SIGTERM, False),
+        (signal.SIGINT, False),
+        pytest.param(signal.SIGTERM, True, marks=needs_mpi),
+    ],
+    ids=["SIGTERM", "SIGINT", "SIGTERM-mpi"],
+)
+def test_signals_are_forwarded(tmp_path, sig, mpi):
+    nproc = 3
+    script = write(tmp_path, "wait.py", SIGNAL_SCRIPT)
+    with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(nproc), "--grace", "5",
+             *(["--mpi"] if mpi else []), str(script), str(tmp_path)],
+            env=_env(), stdout=out, stderr=err,
+        )
+        try:
+            deadline = time.monotonic() + 30
+            while not all((tmp_path / f"ready{r}").exists() for r in range(nproc)):
+                assert launcher.poll() is None, (tmp_path / "err").read_text()
+                assert time.monotonic() < deadline, "the ranks did not start"
+                time.sleep(0.05)
+            start = time.monotonic()
+            launcher.send_signal(sig)
+            code = launcher.wait(timeout=20)
+            assert time.monotonic() - start < 5, "the launcher did not stop promptly"
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()
+                launcher.wait()
+    assert code == 128 + sig
+    for r in range(nproc):
+        # Every rank got the signal, exactly once.
+        assert (tmp_path / f"got{r}").read_text() == f"{int(sig)}\n"
+    assert f"stopped by {sig.name}" in (tmp_path / "err").read_text()
+
+
+@needs_mpi
+@pytest.mark.parametrize("nproc", [2])
+def test_mpi_rank_variables(tmp_path, nproc):
+    script = write(tmp_path, "env.py", ENV_SCRIPT + "print('PMI ' + os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '?')))\n")
+    result = launch("--nproc-per-node", str(nproc), "--master-port", "29613", "--mpi", str(script), "x")
+    assert result.returncode == 0, result.stderr
+    envs = reported_env(result.stdout)
+    assert sorted(envs) == list(range(nproc))
+    lines = by_rank(result.stdout)
+    for rank, env in envs.items():
+        assert env == {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29613",
+        }
+        assert f"PMI {rank}" in lines[rank], "RANK must come from the MPI launcher"
+    assert by_rank(result.stderr)[0] == ["err 0", "err 1", "err 2"]
+
+
+JAX_SCRIPT = """
+import os
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+jax.config.update("jax_cpu_collectives_implementation", "gloo")
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+jax.distributed.initialize(
+    coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+    num_processes=world, process_id=rank, initialization_timeout=60,
+)
+assert jax.process_count() == world and jax.device_count() == world, jax.devices()
+mesh = Mesh(np.array(jax.devices()), ("p",))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("p")), np.array([rank + 1.0], np.float32))
+total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "p"), mesh=mesh, in_specs=P("p"), out_specs=P()))(x)
+print(f"PSUM {float(np.asarray(total.addressable_shards[0].data)[0])}", flush=True)
+jax.distributed.shutdown()
+"""
+
+TORCH_SCRIPT = """
+import os
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", init_method="env://")
+assert dist.get_rank() == int(os.environ["RANK"]) and dist.get_world_size() == int(os.environ["WORLD_SIZE"])
+t = torch.tensor([float(dist.get_rank() + 1)])
+dist.all_reduce(t)
+print(f"ALLREDUCE {t.item()}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _framework_job(tmp_path, name: str, source: str, marker: str) -> dict[int, float]:
+    script = write(tmp_path, name, source)
+    env = _env(JAX_PLATFORMS="cpu")  # XLA_FLAGS unset: one CPU device per process
+    result = launch("--nproc-per-node", "2", "--grace", "5", "--timeout", "120", str(script), env=env, timeout=150)
+    assert result.returncode == 0, result.stdout + result.stderr
+    values = {}
+    for rank, lines in by_rank(result.stdout).items():
+        [line] = [l for l in lines if l.startswith(marker)]
+        values[rank] = float(line.split()[1])
+    return values
+
+
+def test_jax_distributed_job(tmp_path):
+    pytest.importorskip("jax")
+    assert _framework_job(tmp_path, "jax_job.py", JAX_SCRIPT, "PSUM") == {0: 3.0, 1: 3.0}
+
+
+def test_torch_distributed_gloo_job(tmp_path):
+    pytest.importorskip("torch")
+    assert _framework_job(tmp_path, "torch_job.py", TORCH_SCRIPT, "ALLREDUCE") == {0: 3.0, 1: 3.0}
+
+
+def test_launcher_imports_no_framework():
+    code = "import sys, bagua_launch, bagua_launch.rank_env; assert 'jax' not in sys.modules and 'torch' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=30)

@@ -1,0 +1,414 @@
+"""Rank bodies for test_torch_bridge.py: the PyTorch bridge (with_bagua, DistributedDataParallel).
+
+One job per configuration runs several scenarios and returns a dict per scenario; the
+test process checks them (and computes the single-process references). Models and
+data are deterministic functions of a seed, so the test process can rebuild them.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+STEPS = 4
+BATCH = 6
+SMALL_BUCKET = 1500  # bytes: the MLP below gets 3 buckets (see test_bucket_layout)
+
+
+# ----------------------------------------------------------------------------- shared with the test
+
+
+def make_mlp(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
+    ).to(dtype)
+
+
+def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
+
+
+def batch(seed: int, step: int, rank: int, rows: int = BATCH) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank ``rank``'s batch at ``step``: inputs ``[rows, 10]`` and targets ``[rows, 3]`` on very different scales."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
+    x = torch.randn(rows, 10, generator=g) * (1 + rank)
+    y = torch.randn(rows, 3, generator=g) * 10 ** (rank % 3 - 1)
+    return x, y
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return nn.functional.mse_loss(model(x), y)
+
+
+def params_of(model: nn.Module) -> dict[str, np.ndarray]:
+    return {name: p.detach().float().cpu().numpy().copy() for name, p in model.named_parameters()}
+
+
+# ----------------------------------------------------------------------------- setup
+
+
+def setup(**kwargs):
+    torch.set_num_threads(1)  # deterministic kernels, same as the test process's reference
+    import bagua_torch
+
+    return bagua_torch.init_process_group(timeout=60, **kwargs)
+
+
+def _train(model, optimizer, seed: int, steps: range, rank: int) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = batch(seed, step, rank)
+        optimizer.zero_grad()
+        loss = loss_fn(model, x, y)
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 (reported to the test)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def ddp_equivalence(seed: int, rank: int) -> dict:
+    """GradientAllReduce (with_bagua, both sync points, our DDP wrapper) against torch's DDP, same data and seed."""
+    import torch.distributed as dist
+
+    import bagua_torch
+    from bagua_torch.algorithms import GradientAllReduceAlgorithm
+
+    out = {}
+    reference = make_mlp(seed)
+    ddp = nn.parallel.DistributedDataParallel(reference)
+    opt = make_optimizer(reference)
+    _train(ddp, opt, seed, range(STEPS), rank)
+    out["torch_ddp"] = params_of(reference)
+    variants = {
+        "with_bagua": lambda m, o: bagua_torch.with_bagua(m, [o], GradientAllReduceAlgorithm(),
+                                                          bucket_bytes=SMALL_BUCKET),
+        "with_bagua_step": lambda m, o: bagua_torch.with_bagua(m, o, "gradient_allreduce",
+                                                               bucket_bytes=SMALL_BUCKET, sync_point="step"),
+        "bagua_ddp": lambda m, o: bagua_torch.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKET / 2**20),
+        "bagua_ddp_default_bucket": lambda m, o: bagua_torch.DistributedDataParallel(m),
+        "hierarchical": lambda m, o: bagua_torch.with_bagua(
+            m, [o], GradientAllReduceAlgorithm(hierarchical=True), bucket_bytes=SMALL_BUCKET),
+        "sum": lambda m, o: bagua_torch.with_bagua(
+            m, [o], GradientAllReduceAlgorithm(average=False), bucket_bytes=SMALL_BUCKET),
+    }
+    for name, wrap in variants.items():
+        model = make_mlp(seed + 1000 * (rank + 1))  # different on every rank: the wrap broadcasts rank 0's
+        if rank == 0:
+            model.load_state_dict(make_mlp(seed).state_dict())
+        opt = make_optimizer(model)
+        wrapped = wrap(model, opt)
+        out[f"{name}/buckets"] = len(wrapped.buckets)
+        out[f"{name}/losses"] = _train(wrapped, opt, seed, range(STEPS), rank)
+        out[name] = params_of(model)
+        wrapped.close()
+    out["communicator"] = type(bagua_torch.get_process_group().world).__name__
+    out["hierarchical_levels"] = bagua_torch.get_process_group().communicators.hierarchical
+    out["rank"], out["size"] = rank, dist.get_world_size()
+    return out
+
+
+def bytegrad_run(seed: int, rank: int, options: dict) -> dict:
+    """ByteGrad training for STEPS steps; returns the final parameters and the bucket layout."""
+    import bagua_torch
+    from bagua_torch.algorithms import ByteGradAlgorithm
+
+    model = make_mlp(seed)
+    opt = make_optimizer(model)
+    wrapped = bagua_torch.with_bagua(model, [opt], ByteGradAlgorithm(**options), bucket_bytes=SMALL_BUCKET)
+    losses = _train(wrapped, opt, seed, range(STEPS), rank)
+    layout = [(list(b.names), b.size) for b in wrapped.buckets]
+    levels = wrapped.algorithm_impl.levels
+    wrapped.close()
+    return {"params": params_of(model), "layout": layout, "losses": losses, "levels": levels is not None}
+
+
+def overlap(rank: int) -> dict:
+    """Several large layers, one per bucket: when does each bucket launch, relative to the backward pass?"""
+    import bagua_torch
+
+    torch.manual_seed(0)
+    layers = [nn.Linear(512, 512) for _ in range(6)]
+    model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    bucket_bytes = 512 * 512 * 4 + 512 * 4  # exactly one layer per bucket
+    wrapped = bagua_torch.with_bagua(model, [opt], "gradient_allreduce", bucket_bytes=bucket_bytes)
+    first_layer_grad = []
+    # Fires when the first layer's weight gradient is accumulated: near the very end of the backward pass.
+    layers[0].weight.register_post_accumulate_grad_hook(lambda p: first_layer_grad.append(time.perf_counter()))
+    results = []
+    for step in range(3):
+        x = torch.randn(256, 512, generator=torch.Generator().manual_seed(step * 10 + rank))
+        wrapped.events = []
+        first_layer_grad.clear()
+        opt.zero_grad()
+        start = time.perf_counter()
+        wrapped(x).square().mean().backward()
+        end = time.perf_counter()
+        opt.step()
+        results.append({"events": wrapped.events, "first_layer_grad": first_layer_grad[0], "start": start,
+                        "end": end})
+    buckets = [list(b.names) for b in wrapped.buckets]
+    wrapped.close()
+
+    # Registration order differs from use order: bucket 1 (layer "a") is ready before bucket 0 (layer "b").
+    class Swapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(1)
+            self.a = nn.Linear(8, 8)
+            self.b = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.a(torch.tanh(self.b(x)))
+
+    swapped = Swapped()
+    sopt = torch.optim.SGD(swapped.parameters(), lr=0.1)
+    sw = bagua_torch.with_bagua(swapped, [sopt], "gradient_allreduce", bucket_bytes=8 * 8 * 4 + 8 * 4)
+    sw.events = []
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    sw(x).sum().backward()
+    grads = {name: p.grad.numpy().copy() for name, p in swapped.named_parameters()}
+    local = copy.deepcopy(swapped)  # for the expected average: this rank's own gradient
+    for p in local.parameters():
+        p.grad = None
+    local(x).sum().backward()
+    sw_events = sw.events
+    swapped_buckets = [list(b.names) for b in sw.buckets]
+    sw.close()
+    return {"steps": results, "buckets": buckets, "swapped_events": sw_events, "swapped_buckets": swapped_buckets,
+            "swapped_grads": grads, "swapped_local": {n: p.grad.numpy().copy() for n, p in local.named_parameters()}}
+
+
+def no_sync(seed: int, rank: int) -> dict:
+    """Two micro-batches (the first under no_sync) against one step on the concatenated batch."""
+    import bagua_torch
+
+    out = {}
+    for sync_point in ("backward", "step"):
+        accumulated, whole = make_mlp(seed), make_mlp(seed)
+        opt_a, opt_w = make_optimizer(accumulated), make_optimizer(whole)
+        wa = bagua_torch.with_bagua(accumulated, [opt_a], "gradient_allreduce", bucket_bytes=SMALL_BUCKET,
+                                    sync_point=sync_point)
+        ww = bagua_torch.with_bagua(whole, [opt_w], "gradient_allreduce", bucket_bytes=SMALL_BUCKET)
+        launches_inside = []
+        for step in range(2):
+            x, y = batch(seed, step, rank, rows=2 * BATCH)
+            opt_a.zero_grad()
+            wa.events = []
+            with wa.no_sync():
+                (loss_fn(wa, x[:BATCH], y[:BATCH]) / 2).backward()
+            launches_inside.append(sum(kind == "launch" for kind, _, _ in wa.events))
+            (loss_fn(wa, x[BATCH:], y[BATCH:]) / 2).backward()
+            opt_a.step()
+            opt_w.zero_grad()
+            loss_fn(ww, x, y).backward()
+            opt_w.step()
+        out[sync_point] = {"accumulated": params_of(accumulated), "whole": params_of(whole),
+                           "launches_inside_no_sync": launches_inside}
+        wa.close()
+        ww.close()
+    return out
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(3)
+        self.always = nn.Linear(6, 6)
+        self.rank0_only = nn.Linear(6, 6)
+        self.never = nn.Linear(6, 6)
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x, use_branch: bool):
+        h = torch.tanh(self.always(x))
+        if use_branch:
+            h = h + torch.tanh(self.rank0_only(h))
+        return self.head(h)
+
+
+def unused_parameters(rank: int, size: int) -> dict:
+    """A branch used on rank 0 only and a layer used nowhere: no hang, zeros stand in for missing gradients."""
+    import torch.distributed as dist
+
+    import bagua_torch
+
+    out = {}
+    for sync_point in ("backward", "step"):
+        model = _Branchy()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        wrapped = bagua_torch.with_bagua(model, [opt], "gradient_allreduce", bucket_bytes=200,
+                                         sync_point=sync_point)
+        grads, expected = [], []
+        for step in range(2):
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+            local = copy.deepcopy(model)
+            local.zero_grad(set_to_none=True)
+            local(x, rank == 0).sum().backward()
+            flat = torch.cat([
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in local.parameters()
+            ])
+            dist.all_reduce(flat)  # the expected average, on torch's default group
+            expected.append((flat / size).numpy())
+            opt.zero_grad()
+            wrapped(x, use_branch=rank == 0).sum().backward()
+            wrapped.wait_gradients()
+            grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().copy())
+            opt.step()
+        out[sync_point] = {"grads": grads, "expected": expected, "params": params_of(model),
+                           "never_grad_is_zero": bool(torch.all(model.never.weight.grad == 0))}
+        wrapped.close()
+    return out
+
+
+def checkpoint(seed: int, rank: int) -> dict:
+    """ByteGrad with error feedback: save after 3 steps, continue 3; a fresh model loaded from the checkpoint
+    continues identically; one that gets the weights but not the algorithm state does not."""
+    import bagua_torch
+    from bagua_torch.algorithms import ByteGradAlgorithm
+
+    algorithm = ByteGradAlgorithm(hierarchical=False, error_feedback=True)
+    model = make_mlp(seed)
+    opt = make_optimizer(model)
+    wrapped = bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET)
+    _train(wrapped, opt, seed, range(3), rank)
+    buffer = io.BytesIO()
+    torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    residual_norm = float(sum(r.norm() for r in wrapped.algorithm_impl.residuals))
+    _train(wrapped, opt, seed, range(3, 6), rank)
+    continued = params_of(model)
+    keys = sorted(wrapped.state_dict())
+    wrapped.close()
+
+    def resume(with_state: bool) -> dict:
+        fresh = make_mlp(seed + 77)
+        fresh_opt = make_optimizer(fresh)
+        w = bagua_torch.with_bagua(fresh, [fresh_opt], algorithm, bucket_bytes=SMALL_BUCKET)
+        buffer.seek(0)
+        saved = torch.load(buffer, weights_only=False)
+        if with_state:
+            w.load_state_dict(saved["model"])
+        else:
+            fresh.load_state_dict({k.removeprefix("module."): v for k, v in saved["model"].items()
+                                   if k.startswith("module.")})
+        fresh_opt.load_state_dict(saved["optimizer"])
+        _train(w, fresh_opt, seed, range(3, 6), rank)
+        w.close()
+        return params_of(fresh)
+
+    resumed = resume(True)
+    without_state = resume(False)
+
+    # A checkpoint of one algorithm cannot be loaded into another.
+    other = make_mlp(seed)
+    wo = bagua_torch.with_bagua(other, [make_optimizer(other)], "gradient_allreduce", bucket_bytes=SMALL_BUCKET)
+    buffer.seek(0)
+    saved = torch.load(buffer, weights_only=False)
+    wrong_algorithm = _error(lambda: wo.load_state_dict(saved["model"]))
+    wo.close()
+    return {"continued": continued, "resumed": resumed, "without_state": without_state, "keys": keys,
+            "residual_norm": residual_norm, "wrong_algorithm": wrong_algorithm}
+
+
+def errors(rank: int) -> dict:
+    """Wrong inputs, each refused with a clear message on every rank (and nothing left hanging)."""
+    import bagua_torch
+    from bagua_torch.algorithms import ByteGradAlgorithm
+
+    found = {}
+    model = make_mlp(0)
+    opt = make_optimizer(model)
+    found["not_module"] = _error(lambda: bagua_torch.with_bagua("model", [opt], "bytegrad"))
+    found["unknown_algorithm"] = _error(lambda: bagua_torch.with_bagua(model, [opt], "bytegrade"))
+    found["bad_bucket"] = _error(lambda: bagua_torch.with_bagua(model, [opt], bucket_bytes=0))
+    found["bad_sync_point"] = _error(lambda: bagua_torch.with_bagua(model, [opt], sync_point="later"))
+    found["step_without_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], sync_point="step"))
+    found["not_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, ["sgd"]))
+    found["ddp_dim"] = _error(lambda: bagua_torch.DistributedDataParallel(model, dim=1))
+    found["ddp_device"] = _error(lambda: bagua_torch.DistributedDataParallel(model, device_ids=[0]))
+    # Below, each call communicates; every rank makes the same calls.
+    double = make_mlp(0, torch.float64)
+    found["bytegrad_float64"] = _error(lambda: bagua_torch.with_bagua(double, [], "bytegrad"))
+    different = make_mlp(0) if rank == 0 else nn.Sequential(nn.Linear(10, 31), nn.Tanh(), nn.Linear(31, 3))
+    found["different_models"] = _error(lambda: bagua_torch.with_bagua(different, []))
+    found["different_algorithms"] = _error(
+        lambda: bagua_torch.with_bagua(model, [], ByteGradAlgorithm(hierarchical=rank == 0)))
+    wrapped = bagua_torch.with_bagua(model, [opt], sync_point="step")
+    found["wrap_twice"] = _error(lambda: bagua_torch.with_bagua(wrapped, [opt]))
+    x, y = batch(0, 0, rank)
+    loss_fn(wrapped, x, y).backward()
+
+    def second_backward():
+        loss_fn(wrapped.module, x, y).backward()
+
+    found["second_backward"] = _error(second_backward)
+    wrapped.wait_gradients()
+    opt.step()
+    found["after_errors_still_works"] = _train(wrapped, opt, 0, range(2), rank)
+    wrapped.close()
+    return found
+
+
+# ----------------------------------------------------------------------------- jobs
+
+
+def job(seed: int, scenarios: list[str], local_world_size: int | None = None) -> dict:
+    """Every scenario in ``scenarios`` on this rank. Started by the python launcher, init_process_group uses gloo;
+    under mpiexec it picks the native MPI communicator. ``local_world_size`` lays the ranks out as nodes of that
+    many ranks (the harness sets LOCAL_RANK = RANK, so the local rank is passed too)."""
+    kwargs = {}
+    if local_world_size:
+        rank = int(os.environ["RANK"])
+        kwargs = {"local_world_size": local_world_size, "local_rank": rank % local_world_size}
+    group = setup(**kwargs)
+    return _scenarios(seed, scenarios, group)
+
+
+def _scenarios(seed: int, scenarios: list[str], group) -> dict:
+    rank, size = group.rank, group.size
+    out = {"rank": rank, "size": size, "native": group.native, "world": type(group.world).__name__}
+    timings = {}
+    for name in scenarios:
+        start = time.perf_counter()
+        if name == "ddp":
+            out[name] = ddp_equivalence(seed, rank)
+        elif name.startswith("bytegrad"):
+            # "bytegrad:hierarchical=0,error_feedback=1,average=1"
+            options = {}
+            if ":" in name:
+                for item in name.split(":", 1)[1].split(","):
+                    key, value = item.split("=")
+                    options[key] = bool(int(value))
+            out[name] = bytegrad_run(seed, rank, options)
+        elif name == "overlap":
+            out[name] = overlap(rank)
+        elif name == "no_sync":
+            out[name] = no_sync(seed, rank)
+        elif name == "unused":
+            out[name] = unused_parameters(rank, size)
+        elif name == "checkpoint":
+            out[name] = checkpoint(seed, rank)
+        elif name == "errors":
+            out[name] = errors(rank)
+        else:
+            raise ValueError(name)
+        timings[name] = time.perf_counter() - start
+    out["timings"] = timings
+    return out
