@@ -27,7 +27,7 @@ import pytest
 import reference as ref
 import torch
 from multiprocess import run_ranks
-from torch_bridge_workers import BATCH, SMALL_BUCKET, STEPS, batch, loss_fn, make_mlp, make_optimizer
+from torch_bridge_workers import SMALL_BUCKET, STEPS, batch, loss_fn, make_bn, make_mlp, make_optimizer
 
 import bagua_torch
 from bagua_torch import algorithms
@@ -235,6 +235,25 @@ def test_gradient_allreduce_matches_torch_ddp(name):
         for variant in ("torch_ddp", "with_bagua", "with_bagua_step", "bagua_ddp", "hierarchical", "sum"):
             assert_params_equal(v["ddp"][variant], first[variant], f"rank {v['rank']} {variant}")
         assert v["ddp"]["with_bagua/losses"] != first["with_bagua/losses"] or v["rank"] == 0  # different data
+
+
+@pytest.mark.parametrize("name", jobs_with("ddp"))
+def test_parameters_and_buffers_are_broadcast_from_rank_0(name):
+    """A BatchNorm model whose weights, frozen scale and running mean differ per rank before wrapping: after the
+    wrap every rank holds rank 0's; training with buffers broadcast at each forward matches torch's DDP (exactly
+    on two ranks, to the summation-order bound of test_gradient_allreduce_matches_torch_ddp on four)."""
+    seed, values = job(name)
+    n = len(values)
+    initial = {k: t.detach().float().numpy() for k, t in make_bn(seed).state_dict().items()}
+    for v in values:
+        assert_params_equal(v["ddp"]["bn/after_wrap"], initial, f"rank {v['rank']} after wrap")
+        assert_params_equal(v["ddp"]["bn/bagua_ddp"], values[0]["ddp"]["bn/bagua_ddp"], f"rank {v['rank']}")
+    got, want = values[0]["ddp"]["bn/bagua_ddp"], values[0]["ddp"]["bn/torch_ddp"]
+    if n == 2:
+        assert_params_equal(got, want, "vs torch DDP")
+    else:
+        scale = max(float(np.abs(w).max()) for w in want.values())
+        assert max_diff(got, want) <= 1e-6 * scale
 
 
 def test_jobs_use_the_intended_communicators():

@@ -31,6 +31,18 @@ def make_mlp(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     ).to(dtype)
 
 
+def make_bn(seed: int) -> nn.Module:
+    """A model with buffers (BatchNorm running statistics) and a frozen parameter (the BatchNorm scale)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(10, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 3))
+    model[1].weight.requires_grad_(False)
+    return model
+
+
+def state_of(model: nn.Module) -> dict[str, np.ndarray]:
+    return {name: t.detach().float().cpu().numpy().copy() for name, t in model.state_dict().items()}
+
+
 def make_optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3)
 
@@ -119,6 +131,25 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
         out[f"{name}/losses"] = _train(wrapped, opt, seed, range(STEPS), rank)
         out[name] = params_of(model)
         wrapped.close()
+
+    # Buffers and a frozen parameter: broadcast from rank 0 on wrap (and buffers at every forward, as torch's DDP).
+    reference = make_bn(seed)
+    ddp = nn.parallel.DistributedDataParallel(reference)
+    opt = make_optimizer(reference)
+    _train(ddp, opt, seed, range(STEPS), rank)
+    out["bn/torch_ddp"] = state_of(reference)
+    model = make_bn(seed)
+    if rank != 0:
+        with torch.no_grad():
+            model[1].running_mean.add_(rank)
+            model[1].weight.mul_(rank + 2)
+            model[0].weight.add_(rank)
+    opt = make_optimizer(model)
+    wrapped = bagua_torch.DistributedDataParallel(model)
+    out["bn/after_wrap"] = state_of(model)
+    _train(wrapped, opt, seed, range(STEPS), rank)
+    out["bn/bagua_ddp"] = state_of(model)
+    wrapped.close()
     out["communicator"] = type(bagua_torch.get_process_group().world).__name__
     out["hierarchical_levels"] = bagua_torch.get_process_group().communicators.hierarchical
     out["rank"], out["size"] = rank, dist.get_world_size()
@@ -302,7 +333,7 @@ def checkpoint(seed: int, rank: int) -> dict:
         fresh_opt = make_optimizer(fresh)
         w = bagua_torch.with_bagua(fresh, [fresh_opt], algorithm, bucket_bytes=SMALL_BUCKET)
         buffer.seek(0)
-        saved = torch.load(buffer, weights_only=False)
+        saved = torch.load(buffer)  # the safe (weights_only) loader reads the algorithm state too
         if with_state:
             w.load_state_dict(saved["model"])
         else:
