@@ -312,7 +312,7 @@ def _signal_name(signum: int) -> str:
 
 def _describe(code: int | None) -> str:
     if code is None:
-        return "no exit status"
+        return "gone without an exit status"
     if code < 0:
         return f"killed by {_signal_name(-code)}"
     return f"exit code {code}"
@@ -379,18 +379,18 @@ class Launcher:
         self.config = config
         self.out = output or _Output()
         self.children: list[_Child] = []
-        self.tails: dict[object, collections.deque] = collections.defaultdict(
-            lambda: collections.deque(maxlen=max(config.tail_lines, 1))
-        )
+        self.tails: dict[object, collections.deque] = {}  # rank (or "mpiexec") -> its last lines
         self.events: queue.Queue[_Child] = queue.Queue()
         self.stop_reason: str | None = None  # "failure", "signal", "timeout"
         self.stopped_at: float | None = None
         self.kill_at: float | None = None
         self.killed = False
         self.signal_received: int | None = None
-        self.failure: tuple[int | None, int] | None = None  # (rank or None for mpiexec itself, return code)
+        self.failure: tuple[int, int | None] | None = None  # (first failing rank, its return code)
         self.status_dir: Path | None = None
-        self.statuses: dict[int, dict] = {}
+        self.statuses: dict[int, dict] = {}  # MPI: rank -> {"code": return code or None, "time": when}
+        self.pids: dict[int, dict[str, int]] = {}  # MPI: rank -> its wrapper's pid and its script's group
+        self.lost: list[int] = []  # MPI: ranks killed together, none known to be first
 
     # ------------------------------------------------------------------ start
 
@@ -416,6 +416,8 @@ class Launcher:
         c = self.config
         base = self._base_env()
         for local_rank in range(c.nproc_per_node):
+            if self.stop_reason is not None:  # a signal arrived while starting
+                break
             env = base | rank_environment(
                 local_rank=local_rank, nproc_per_node=c.nproc_per_node, nnodes=c.nnodes,
                 node_rank=c.node_rank, master_addr=c.master_addr, master_port=c.master_port,
@@ -466,7 +468,10 @@ class Launcher:
                     match = _PREFIX_RE.match(line)
                     key = int(match.group(1)) if match else child.label
                 self.out.write(which, line)
-                self.tails[key].append(line.decode(errors="replace").rstrip("\r\n"))
+                tail = self.tails.get(key)
+                if tail is None:  # setdefault: atomic, the stdout and stderr readers may race here
+                    tail = self.tails.setdefault(key, collections.deque(maxlen=max(self.config.tail_lines, 1)))
+                tail.append(line.decode(errors="replace").rstrip("\r\n"))
         except (OSError, ValueError):
             pass
         finally:
@@ -542,14 +547,17 @@ class Launcher:
         """MPI: {rank: {"pid": wrapper pid, "child": the script's process group}} of this node's ranks."""
         if self.status_dir is None:
             return {}
-        found = {}
-        for path in self.status_dir.glob("rank*.pid"):
-            try:
-                info = json.loads(path.read_text())
-                found[int(path.stem[4:])] = {"pid": int(info["pid"]), "child": int(info["child"])}
-            except (OSError, ValueError, KeyError, TypeError):
-                pass
-        return found
+        world = self.config.nnodes * self.config.nproc_per_node
+        if len(self.pids) < world:
+            for path in self.status_dir.glob("rank*.pid"):
+                try:
+                    rank = int(path.stem[4:])
+                    if rank not in self.pids:
+                        info = json.loads(path.read_text())
+                        self.pids[rank] = {"pid": int(info["pid"]), "child": int(info["child"])}
+                except (OSError, ValueError, KeyError, TypeError):
+                    pass
+        return self.pids
 
     def _running_wrappers(self) -> list[int] | None:
         """The pids of the wrappers still running, or None unless every rank is known here."""
@@ -587,14 +595,37 @@ class Launcher:
             except (OSError, ValueError):
                 continue
 
+    def _check_wrappers(self) -> None:
+        """MPI: a wrapper of this node gone without writing its exit status (killed) is a failure too.
+
+        Hydra then kills the other ranks at once; when several are found gone together, which
+        one went first is unknown (``_mpi_failure`` says so).
+        """
+        now = time.time()
+        for rank, info in self._pid_files().items():
+            if rank in self.statuses:
+                continue
+            try:
+                os.kill(info["pid"], 0)
+                continue
+            except PermissionError:
+                continue
+            except ProcessLookupError:
+                pass
+            self._poll_statuses()  # it writes its status just before it exits
+            self.statuses.setdefault(rank, {"code": None, "time": now})
+
     def _mpi_failure(self) -> tuple[int, int] | None:
         bad = [
-            (s["time"], r, s["code"]) for r, s in self.statuses.items()
-            if s.get("code") and (self.stopped_at is None or s["time"] <= self.stopped_at)
+            (s["time"], r, s.get("code")) for r, s in self.statuses.items()
+            if s.get("code") != 0 and (self.stopped_at is None or s["time"] <= self.stopped_at)
         ]
         if not bad:
             return None
-        _, rank, code = min(bad)
+        first, rank, code = min(bad, key=lambda b: (b[0], b[1]))
+        if code is None and sum(1 for b in bad if b[0] == first) > 1:
+            self.lost = sorted(b[1] for b in bad if b[0] == first)
+            return None
         return rank, code
 
     def _watch(self) -> None:
@@ -614,9 +645,12 @@ class Launcher:
                     self._begin_stop("failure")
             if self.status_dir is not None:
                 self._poll_statuses()
+                self._check_wrappers()
                 if self.stop_reason is None and (failed := self._mpi_failure()) is not None:
                     self.failure = failed
                     self._begin_stop("failure")
+                elif self.stop_reason is None and self.lost:
+                    self._begin_stop("lost")
             now = time.monotonic()
             if self.config.timeout is not None and self.stop_reason is None and now - start > self.config.timeout:
                 self._begin_stop("timeout")
@@ -662,11 +696,15 @@ class Launcher:
         if self.stop_reason == "failure" and self.failure is not None:
             rank, code = self.failure
             self._summary(f"rank {rank} failed ({_describe(code)})", rank)
-            return _exit_status(code) or 1
+            return (code is not None and _exit_status(code)) or 1
         if self.signal_received is not None:
             name = _signal_name(self.signal_received)
             self._summary(f"stopped by {name}", None)
             return 128 + self.signal_received
+        if self.stop_reason == "lost":
+            ranks = _ranges(self.lost)
+            self._summary(f"ranks {ranks} were killed together (first unknown)", "mpiexec")
+            return 1
         if self.stop_reason == "timeout":
             self._summary(f"timed out after {self.config.timeout:g} s", None)
             return _TIMEOUT_EXIT
@@ -677,7 +715,7 @@ class Launcher:
             if failed is not None:
                 self.failure = failed
                 self._summary(f"rank {failed[0]} failed ({_describe(failed[1])})", failed[0])
-                return _exit_status(failed[1]) or 1
+                return (failed[1] is not None and _exit_status(failed[1])) or 1
             self._summary(f"mpiexec failed ({_describe(mpiexec.returncode)})", "mpiexec")
             return _exit_status(mpiexec.returncode) or 1
         return 0

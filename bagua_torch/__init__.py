@@ -12,7 +12,8 @@ Training data-parallel::
 The algorithms are in :mod:`bagua_torch.algorithms`.
 """
 
-from bagua_torch import ops
+from bagua_torch import algorithms, ops
+from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.communicator import (
     CommunicationError,
     Communicator,
@@ -20,10 +21,8 @@ from bagua_torch.communicator import (
     ProcessGroupCommunicator,
     Work,
 )
-from bagua_torch.ops import build_info
-from bagua_torch import algorithms
-from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.distributed import BaguaModule, DistributedDataParallel, with_bagua
+from bagua_torch.ops import build_info
 from bagua_torch.process_group import (
     BaguaProcessGroup,
     get_process_group,
@@ -32,21 +31,21 @@ from bagua_torch.process_group import (
 )
 
 __all__ = [
+    "DEFAULT_BUCKET_BYTES",
     "BaguaModule",
     "BaguaProcessGroup",
     "Bucket",
     "CommunicationError",
-    "DEFAULT_BUCKET_BYTES",
-    "DistributedDataParallel",
-    "algorithms",
-    "get_process_group",
-    "init_process_group",
-    "is_initialized",
-    "with_bagua",
     "Communicator",
+    "DistributedDataParallel",
     "NativeCommunicator",
     "ProcessGroupCommunicator",
     "Work",
+    "algorithms",
     "build_info",
+    "get_process_group",
+    "init_process_group",
+    "is_initialized",
     "ops",
+    "with_bagua",
 ]

@@ -149,9 +149,6 @@ class BaguaModule(nn.Module):
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         for name, p in module.named_parameters():
-            if not (p.dtype.is_floating_point or p.dtype.is_complex) and p.requires_grad:
-                raise TypeError(f"parameter {name} has dtype {p.dtype}; data-parallel training needs floating-point "
-                                "parameters")
             if p.is_sparse:
                 raise TypeError(f"parameter {name} is sparse; sparse parameters are not supported")
         for name, p in named:
@@ -189,6 +186,7 @@ class BaguaModule(nn.Module):
         _broadcast(world, [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()])
 
         self.buckets: tuple[Bucket, ...] = tuple(make_buckets(named, bucket_bytes, pad_to=world.size))
+        self._grad_views = [bucket.views(bucket.grad) for bucket in self.buckets]  # per parameter, in each bucket
         self._slot: dict[int, tuple[int, int]] = {
             id(p): (bucket.index, i) for bucket in self.buckets for i, p in enumerate(bucket.params)
         }
@@ -296,7 +294,7 @@ class BaguaModule(nn.Module):
                 raise RuntimeError(f"parameter {bucket.names[i]} has a sparse gradient; sparse gradients are not "
                                    "supported")
             with torch.no_grad():
-                bucket.views(bucket.grad)[i].copy_(grad)
+                self._grad_views[k][i].copy_(grad)
             self._ready[k][i] = True
             self._missing[k] -= 1
             if self._missing[k] == 0:
@@ -329,8 +327,7 @@ class BaguaModule(nn.Module):
         """Zeros for the gradients that never arrived, then launch every remaining bucket (in order)."""
         for k in range(self._next_launch, len(self.buckets)):
             if self._missing[k]:
-                bucket = self.buckets[k]
-                views = bucket.views(bucket.grad)
+                views = self._grad_views[k]
                 with torch.no_grad():
                     for i, ready in enumerate(self._ready[k]):
                         if not ready:

@@ -166,6 +166,8 @@ def init_process_group(
             f"{local_world_size}; ranks must be laid out node by node (local rank = rank % local_world_size)"
         )
 
+    if backend is None and dist.is_available() and dist.is_initialized():
+        backend = str(dist.get_backend())  # reuse the user's torch.distributed as it is
     use_cuda = backend == "nccl" if backend is not None else torch.cuda.is_available()
     backend = backend or ("nccl" if use_cuda else "gloo")
     if use_cuda:
@@ -213,6 +215,14 @@ def init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(seconds, 30))
         )
 
+    if use_native and engine == "nccl" and store is None:
+        if native:
+            raise RuntimeError(
+                "init_process_group(native=True): torch.distributed was initialized elsewhere, so there is no store "
+                "to share the NCCL id through; let init_process_group initialize torch.distributed"
+            )
+        use_native = False  # fall back to the torch.distributed nccl group
+
     num_nodes = world_size // local_world_size
     two_levels = local_world_size > 1 and num_nodes > 1
     if use_native:
@@ -224,8 +234,6 @@ def init_process_group(
                     f"configured as rank {rank} of {world_size}"
                 )
         else:
-            if store is None:
-                raise RuntimeError("init_process_group: the NCCL engine needs this call to initialize torch.distributed")
             world = NativeCommunicator.from_store(
                 dist.PrefixStore("bagua", store), rank, world_size, timeout=seconds, name="bagua", device=device
             )

@@ -45,9 +45,11 @@ include those costs, as an algorithm using them pays them.
 
 How each measurement is taken
 -----------------------------
-At the smallest size of every primitive the results are first checked, on every rank,
-against the exact expected values (small integers in float32, so sums are exact). One
-untimed call (for JAX the one that compiles) and one timed estimate call come first;
+The first call at every size (for JAX the one that compiles) is untimed, and its result
+is checked on every rank against the exact expected values (small integers in float32,
+so the sums are exact): every element up to 64Ki elements, beyond that 64Ki evenly
+strided ones, 64Ki random ones and the last 64. A wrong result fails that primitive for
+the engine (its larger sizes are skipped). One timed estimate call comes next;
 the estimate, the largest over the ranks, sets the number of timed calls so that they
 take about ``--target-seconds`` (0.3 s by default), at least 3 and at most 1000, the
 same count on every rank. The calls run in at most 10 batches: the ranks meet in a
@@ -131,8 +133,9 @@ import tempfile
 import threading
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -201,8 +204,12 @@ def element_count(primitive: str, nbytes: int, n: int) -> int:
 
 
 def rank_data(rank: int, count: int) -> np.ndarray:
-    """Rank ``rank``'s values: small integers, so float32 sums over a few ranks are exact."""
-    return (np.arange(count, dtype=np.int64) % 1021 + 1024 * rank).astype(np.float32)
+    """Rank ``rank``'s values ``i % 1021 + 1024 * rank``: small integers, so float32 sums are exact."""
+    return _value(rank, np.arange(count, dtype=np.int64)).astype(np.float32)
+
+
+def _value(rank: Any, index: np.ndarray) -> np.ndarray:
+    return index % 1021 + 1024 * np.asarray(rank, np.int64)
 
 
 def local_input(primitive: str, rank: int, n: int, count: int) -> np.ndarray:
@@ -216,22 +223,56 @@ def local_input(primitive: str, rank: int, n: int, count: int) -> np.ndarray:
     return rank_data(rank, count)
 
 
-def expected_output(primitive: str, rank: int, n: int, count: int) -> np.ndarray:
-    """What rank ``rank`` must receive (computed from every rank's ``local_input``)."""
-    inputs = [local_input(primitive, j, n, count) for j in range(n)]
+def expected(primitive: str, rank: int, n: int, count: int, flat: np.ndarray) -> tuple[tuple[int, ...], np.ndarray]:
+    """The shape of rank ``rank``'s result and its values at the flat indices ``flat``.
+
+    Computed from the closed form of every rank's ``local_input``, so checking a large
+    message needs neither the other ranks' inputs nor a full-size expected array.
+    """
+    m, all_ranks = count // n, 1024 * n * (n - 1) // 2  # sum over j of 1024 * j
     if primitive == "allreduce":
-        return np.sum(inputs, axis=0, dtype=np.float32)
-    if primitive == "allgather":
-        return np.stack(inputs)
-    if primitive == "reduce_scatter":
-        return np.sum([x[rank] for x in inputs], axis=0, dtype=np.float32)
-    if primitive == "alltoall":
-        return np.stack([x[rank] for x in inputs])
+        return (count,), n * (flat % 1021) + all_ranks
     if primitive == "broadcast":
-        return inputs[ROOT]
+        return (count,), _value(ROOT, flat)
+    if primitive == "allgather":
+        j, i = np.divmod(flat, m)
+        return (n, m), _value(j, i)
+    if primitive == "reduce_scatter":
+        return (m,), n * ((rank * m + flat) % 1021) + all_ranks
+    if primitive == "alltoall":
+        j, i = np.divmod(flat, m)
+        return (n, m), _value(j, rank * m + i)
     if primitive == "send_recv":
-        return np.stack([inputs[p] for p in ring_peers(rank, n)])
+        peers = np.asarray(ring_peers(rank, n), np.int64)
+        k = count // len(peers)
+        row, i = np.divmod(flat, k)
+        return (len(peers), k), _value(peers[row], i)
     raise ValueError(primitive)
+
+
+CHECKED_ELEMENTS = 1 << 16
+
+
+def wrong_elements(primitive: str, rank: int, n: int, count: int, got: np.ndarray) -> int:
+    """How many checked elements of ``got`` differ from the expected result (-1: wrong shape).
+
+    Every element is checked up to ``CHECKED_ELEMENTS`` elements; beyond, that many
+    evenly strided ones (so any wrong stretch longer than the stride is seen), as many
+    random ones and the last 64.
+    """
+    shape, _ = expected(primitive, rank, n, count, np.zeros(1, np.int64))
+    if tuple(got.shape) != shape:
+        return -1
+    total = int(np.prod(shape))
+    if total <= CHECKED_ELEMENTS:
+        flat = np.arange(total, dtype=np.int64)
+    else:
+        rng = np.random.default_rng([rank, total])
+        flat = np.unique(np.concatenate([
+            np.arange(0, total, total // CHECKED_ELEMENTS, dtype=np.int64),
+            rng.integers(0, total, CHECKED_ELEMENTS), np.arange(total - 64, total, dtype=np.int64)]))
+    _, want = expected(primitive, rank, n, count, flat)
+    return int(np.count_nonzero(got.reshape(-1)[flat] != want.astype(np.float32)))
 
 
 # --------------------------------------------------------------------------- engines (workers)
@@ -481,21 +522,20 @@ def _coordinator() -> str:
 
 # --------------------------------------------------------------------------- measuring (workers)
 
-def measure(engine: Engine, primitive: str, nbytes: int, check: bool, target: float) -> dict[str, Any]:
+def measure(engine: Engine, primitive: str, nbytes: int, target: float) -> dict[str, Any]:
     """Time ``primitive`` on an S = ``nbytes`` message on every rank; the same collectives on all."""
     n, rank = engine.size, engine.rank
     count = element_count(primitive, nbytes, n)
     peers = ring_peers(rank, n) if primitive == "send_recv" else None
     run = engine.prepare(primitive, local_input(primitive, rank, n, count), peers)
-    first = run()  # compiles (JAX), allocates; checked at the smallest size
-    if check:
-        got = engine.to_numpy(first)
-        want = expected_output(primitive, rank, n, count)
-        ok = got.shape == want.shape and np.array_equal(got, want)
-        bad = engine.allmax([0.0 if ok else float(rank + 1)])[0]
-        if bad:
-            raise AssertionError(f"{primitive}: rank {int(bad) - 1} (at least) got wrong results")
+    first = run()  # compiles (JAX), allocates; its result is checked
+    wrong = wrong_elements(primitive, rank, n, count, engine.to_numpy(first))
     del first
+    per_rank = engine.allmax([float(wrong) if j == rank else -2.0 for j in range(n)])
+    bad = {j: int(v) for j, v in enumerate(per_rank) if v != 0}
+    if bad:
+        raise AssertionError(f"{primitive} {format_size(nbytes)}: wrong results on rank " + ", ".join(
+            f"{j} ({'wrong shape' if v == -1 else f'{v} checked elements'})" for j, v in bad.items()))
     for _ in range(WARMUP_CALLS - 1):
         run()
     engine.barrier()
@@ -527,45 +567,46 @@ def _seconds(t: float) -> str:
 
 
 def run_worker(args: argparse.Namespace) -> None:
-    """One rank of one engine: measure every primitive and size; rank 0 appends JSON lines."""
+    """One rank of one engine: measure every primitive and size, appending JSON lines to the
+    result file (rank 0 its measurements, every rank its errors); does not return."""
     if args.device == "cpu" and not args.fresh_pages:
         retain_freed_memory()
     engine = make_engine(args.worker, args.device, args.ranks, args.comm_timeout)
     if engine.size != args.ranks:
         raise RuntimeError(f"{engine.name}: {engine.size} ranks, expected {args.ranks}")
-    results = open(args.result_file, "a") if engine.rank == 0 else None
+    lead = engine.rank == 0
+    with open(args.result_file, "a") as results:  # O_APPEND: the ranks' lines do not mix
 
-    def record(entry: dict[str, Any]) -> None:
-        if results is not None:
-            results.write(json.dumps(entry) + "\n")
-            results.flush()
+        def record(entry: dict[str, Any], every_rank: bool = False) -> None:
+            if lead or every_rank:
+                results.write(json.dumps(entry) + "\n")
+                results.flush()
 
-    record({"kind": "info", "engine": engine.name, "ranks": engine.size, "pid": os.getpid(), **engine.info()})
-    primitives = [p for p in args.primitives if p != "send_recv" or engine.size > 1]
-    total, done = len(primitives) * len(args.sizes), 0
-    for primitive in primitives:
-        for i, nbytes in enumerate(args.sizes):
-            try:
-                m = measure(engine, primitive, nbytes, check=i == 0, target=args.target_seconds)
-            except Exception as error:  # noqa: BLE001 - reported, then the next primitive
-                traceback.print_exc()
-                last = [line for line in traceback.format_exception_only(error)[-1].splitlines() if line.strip()]
-                record({"kind": "error", "engine": engine.name, "primitive": primitive, "size": nbytes,
-                        "rank": engine.rank, "error": last[-1][:500] if last else type(error).__name__,
-                        "detail": "".join(traceback.format_exception_only(error))[-2000:]})
-                done += len(args.sizes) - i
-                break
-            done += 1
-            record({"kind": "measurement", **m})
-            if engine.rank == 0:
-                print(f"[{done:3d}/{total}] {engine.name:<12} {primitive:<14} {format_size(nbytes):>8}  "
-                      f"algbw {m['algbw']:8.3f} GB/s  busbw {m['busbw']:8.3f} GB/s  "
-                      f"(median {_seconds(m['median_s'])} of {m['calls']}; fastest rank "
-                      f"{_seconds(m['min_rank_median_s'])})", flush=True)
-    record({"kind": "info", "engine": engine.name, **engine.info()})  # what became known while running
-    engine.barrier()
-    if results is not None:
-        results.close()
+        record({"kind": "info", "engine": engine.name, "ranks": engine.size, "pid": os.getpid(), **engine.info()})
+        primitives = [p for p in args.primitives if p != "send_recv" or engine.size > 1]
+        total, done = len(primitives) * len(args.sizes), 0
+        for primitive in primitives:
+            for i, nbytes in enumerate(args.sizes):
+                try:
+                    m = measure(engine, primitive, nbytes, target=args.target_seconds)
+                except Exception as error:  # noqa: BLE001 - reported, then the next primitive
+                    traceback.print_exc()
+                    text = "".join(traceback.format_exception_only(error))
+                    last = [line for line in text.splitlines() if line.strip()]
+                    record({"kind": "error", "engine": engine.name, "primitive": primitive, "size": nbytes,
+                            "rank": engine.rank, "error": last[-1][:500] if last else type(error).__name__,
+                            "detail": text[-2000:]}, every_rank=True)
+                    done += len(args.sizes) - i
+                    break
+                done += 1
+                record({"kind": "measurement", **m})
+                if lead:
+                    print(f"[{done:3d}/{total}] {engine.name:<12} {primitive:<14} {format_size(nbytes):>8}  "
+                          f"algbw {m['algbw']:8.3f} GB/s  busbw {m['busbw']:8.3f} GB/s  "
+                          f"(median {_seconds(m['median_s'])} of {m['calls']}; fastest rank "
+                          f"{_seconds(m['min_rank_median_s'])})", flush=True)
+        record({"kind": "info", "engine": engine.name, **engine.info()})  # what became known while running
+        engine.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown (jax.distributed shutdown, MPI finalize): every rank is done.
@@ -714,7 +755,15 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
     for r in records:
         if r["kind"] == "info":
             info |= {k: v for k, v in r.items() if k not in ("kind", "engine")}
-    errors = [r for r in records if r["kind"] == "error"]
+    errors: list[dict[str, Any]] = []  # one per failure, with the ranks that reported it
+    for r in records:
+        if r["kind"] == "error":
+            key = (r["primitive"], r["size"], r["error"])
+            same = [e for e in errors if (e["primitive"], e["size"], e["error"]) == key]
+            if same:
+                same[0]["ranks"].append(r["rank"])
+            else:
+                errors.append({**r, "ranks": [r["rank"]]})
     outcome: dict[str, Any] = {"engine": engine, "description": ENGINE_DESCRIPTIONS[args.device][engine],
                                "command": shlex.join(command), "returncodes": codes,
                                "seconds": round(seconds, 1), "info": info, "errors": errors}
@@ -723,7 +772,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
         outcome["error"] = f"timed out after {args.timeout:g} s; last output: {last_error_line(output.tail)}"
     elif any(codes) or errors:
         outcome["status"] = "failed"
-        outcome["error"] = errors[0]["error"] if errors else last_error_line(output.tail)
+        outcome["error"] = last_error_line(output.tail) if any(codes) else errors[0]["error"]
     else:
         outcome["status"] = "ok"
     return {"outcome": outcome, "measurements": [r for r in records if r["kind"] == "measurement"]}
@@ -764,23 +813,47 @@ def _ratio(v: float | None) -> str:
     return "—" if v is None else f"{v:.2f}"
 
 
+def active_pairs(engines: Sequence[str]) -> list[tuple[str, str]]:
+    """The (native, baseline) pairs whose engines both ran."""
+    return [(a, b) for a, b in PAIRS if a in engines and b in engines]
+
+
+def _died(outcome: dict[str, Any]) -> bool:
+    """Whether the engine's processes timed out or exited with an error (not just a primitive failing)."""
+    return outcome["status"] == "timed out" or any(outcome["returncodes"])
+
+
 def build_rows(primitives: Sequence[str], sizes: Sequence[int], engines: Sequence[str],
-               measurements: Sequence[dict[str, Any]], status: dict[str, str]) -> list[dict[str, Any]]:
-    """Per primitive and size: every engine's algbw, busbw and time, and the native ratios."""
+               measurements: Sequence[dict[str, Any]], outcomes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per primitive and size: every engine's algbw, busbw and time, and the native ratios.
+
+    A size an engine did not measure is "failed" when the engine timed out or died, or
+    when it reported an error for that primitive at that size or a smaller one.
+    """
     table = {(m["engine"], m["primitive"], m["size"]): m for m in measurements}
+    failed_from: dict[tuple[str, str], int] = {}
+    for engine, o in outcomes.items():
+        for e in o["errors"]:
+            key = (engine, e["primitive"])
+            failed_from[key] = min(failed_from.get(key, e["size"]), e["size"])
+    died = {e for e, o in outcomes.items() if _died(o)}
     rows = []
     for primitive in primitives:
         for size in sizes:
             row: dict[str, Any] = {"primitive": primitive, "size": size, "engines": {}, "ratios": {}}
             for engine in engines:
                 m = table.get((engine, primitive, size))
-                row["engines"][engine] = (
-                    {"algbw": m["algbw"], "busbw": m["busbw"], "median_s": m["median_s"], "bytes": m["bytes"]}
-                    if m else {"status": "failed" if status.get(engine, "ok") != "ok" else "not run"})
-            for native, baseline in PAIRS:
+                if m:
+                    row["engines"][engine] = {"algbw": m["algbw"], "busbw": m["busbw"], "median_s": m["median_s"],
+                                              "bytes": m["bytes"]}
+                elif engine in died or size >= failed_from.get((engine, primitive), math.inf):
+                    row["engines"][engine] = {"status": "failed"}
+                else:
+                    row["engines"][engine] = {"status": "not run"}
+            for native, baseline in active_pairs(engines):
                 a, b = table.get((native, primitive, size)), table.get((baseline, primitive, size))
                 row["ratios"][f"{native}/{baseline}"] = b["median_s"] / a["median_s"] if a and b else None
-            if any("algbw" in e for e in row["engines"].values()):
+            if any("algbw" in e or e["status"] == "failed" for e in row["engines"].values()):
                 rows.append(row)
     return rows
 
@@ -793,13 +866,13 @@ def _cells(row: dict[str, Any], engines: Sequence[str]) -> list[str]:
             cells += [_gbps(e["algbw"]), _gbps(e["busbw"])]
         else:
             cells += [e["status"], ""] if e["status"] == "failed" else ["—", "—"]
-    cells += [_ratio(row["ratios"].get(f"{a}/{b}")) for a, b in PAIRS]
+    cells += [_ratio(row["ratios"].get(f"{a}/{b}")) for a, b in active_pairs(engines)]
     return cells
 
 
 def markdown_table(primitive: str, rows: Sequence[dict[str, Any]], engines: Sequence[str]) -> list[str]:
     head = ["size"] + [f"{e} {kind}" for e in engines for kind in ("algbw", "busbw")]
-    head += [f"{a}/{b}" for a, b in PAIRS]
+    head += [f"{a}/{b}" for a, b in active_pairs(engines)]
     lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
     for row in rows:
         if row["primitive"] == primitive:
@@ -815,16 +888,19 @@ def print_tables(primitives: Sequence[str], rows: Sequence[dict[str, Any]], engi
             continue
         print(f"\n{primitive}: GB/s (busbw = algbw x {FACTOR_TEXT[primitive]} = {bus_factor(primitive, n):.2f}); "
               "ratios: baseline time / native time")
-        print(f"{'':>9}" + "".join(f"{e:>18}" for e in engines) + "".join(f"{a + '/':>14}" for a, _ in PAIRS))
-        print(f"{'size':>9}" + f"{'algbw':>9}{'busbw':>9}" * len(engines) + "".join(f"{b:>14}" for _, b in PAIRS))
+        pairs = active_pairs(engines)
+        print(f"{'':>9}" + "".join(f"{e:>18}" for e in engines) + "".join(f"{a + '/':>14}" for a, _ in pairs))
+        print(f"{'size':>9}" + f"{'algbw':>9}{'busbw':>9}" * len(engines) + "".join(f"{b:>14}" for _, b in pairs))
         for row in mine:
             cells = _cells(row, engines)
             k = 2 * len(engines)
             print(f"{format_size(row['size']):>9}" + "".join(f"{c:>9}" for c in cells[:k])
                   + "".join(f"{c:>14}" for c in cells[k:]))
     for engine, o in outcomes.items():
-        if o["status"] != "ok":
+        if _died(o):
             print(f"\n{engine}: {o['status']}: {o['error']}")
+        for e in o["errors"]:
+            print(f"\n{engine}: {e['primitive']} failed at {format_size(e['size'])}: {e['error']}")
 
 
 def device_info(device: str, outcomes: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -851,7 +927,8 @@ def versions() -> dict[str, Any]:
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             out[package] = importlib.metadata.version(package)
     with contextlib.suppress(Exception):
-        text = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30).stdout
+        text = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30,
+                              check=False).stdout
         found = re.search(r"Version:\s*(\S+)", text)
         out["mpich (hydra)"] = found.group(1) if found else text.strip().splitlines()[0]
     with contextlib.suppress(Exception):
@@ -881,13 +958,13 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict
         f"- date: {meta['date']}",
         f"- device: {meta['device']['name']}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if k != "bagua_build"),
-        f"- ranks: {n}, one process each on this machine; float32 messages of "
-        f"{format_size(sizes[0])} to {format_size(sizes[-1])}",
-        f"- timing: {MIN_CALLS} to {MAX_CALLS} calls (~{meta['target_seconds']:g} s) in at most {MAX_BATCHES} "
-        "batches, each after a barrier; median time per call over the batches, the largest over the ranks",
+        (f"- ranks: {n}, one process each on this machine; float32 messages of "
+         f"{format_size(sizes[0])} to {format_size(sizes[-1])}"),
+        (f"- timing: {MIN_CALLS} to {MAX_CALLS} calls (~{meta['target_seconds']:g} s) in at most {MAX_BATCHES} "
+         "batches, each after a barrier; median time per call over the batches, the largest over the ranks"),
         f"- host memory: {meta['host_memory']}; OMP_NUM_THREADS={meta['omp_num_threads']} per rank",
-        f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, "
-        f"after: {meta['load_average_after']}",
+        (f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, "
+         f"after: {meta['load_average_after']}"),
         f"- total time: {meta['seconds']:.0f} s",
         "",
         "Engines:",
@@ -896,7 +973,11 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict
     for engine, o in outcomes.items():
         extra = ", ".join(f"{k} {v}" for k, v in o["info"].items() if k not in ("pid", "ranks"))
         md.append(f"- `{engine}`: {o['description']}; {o['status']} in {o['seconds']:.0f} s"
-                  + (f" ({extra})" if extra else "") + (f"; error: `{o['error']}`" if o["status"] != "ok" else ""))
+                  + (f" ({extra})" if extra else "")
+                  + (f"; error: `{o['error']}`" if _died(o) else ""))
+        md += [f"  - failed: {e['primitive']} at {format_size(e['size'])} "
+               f"(reported by rank {', '.join(map(str, sorted(e['ranks'])))}): `{e['error']}`"
+               for e in o["errors"]]
     md += [
         "",
         "algbw = S / t and busbw = algbw x factor, as nccl-tests defines them: S is the buffer for allreduce,",
@@ -1025,8 +1106,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     meta["seconds"] = time.perf_counter() - start
     meta["load_average_after"] = _load_average()
     meta["device"] = device_info(args.device, outcomes)
-    status = {e: o["status"] for e, o in outcomes.items()}
-    rows = build_rows(args.primitives, args.sizes, args.engines, measurements, status)
+    rows = build_rows(args.primitives, args.sizes, args.engines, measurements, outcomes)
     print_tables(args.primitives, rows, args.engines, args.ranks, outcomes)
     stem = (f"collectives-gpu-{args.ranks}rank{'s' if args.ranks > 1 else ''}" if args.device == "gpu"
             else f"collectives-cpu-{args.ranks}rank{'s' if args.ranks > 1 else ''}") + ("-quick" if args.quick else "")

@@ -341,3 +341,29 @@ def test_torch_distributed_gloo_job(tmp_path):
 def test_launcher_imports_no_framework():
     code = "import sys, bagua_launch, bagua_launch.rank_env; assert 'jax' not in sys.modules and 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=30)
+
+
+@pytest.mark.parametrize(
+    "variables, expected",
+    [
+        ({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}, (5, 1, 8, 4, 1)),
+        (
+            {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
+             "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+            (2, 0, 4, 2, 1),
+        ),
+        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3", "SLURM_NODEID": "1",
+          "BAGUA_LAUNCH_NPROC_PER_NODE": "4"}, (7, 3, 8, 4, 1)),
+        ({"PMI_RANK": "3", "PMI_SIZE": "6", "BAGUA_LAUNCH_NPROC_PER_NODE": "2"}, (3, 1, 6, 2, 1)),
+    ],
+    ids=["hydra", "openmpi", "slurm", "no-local-variables"],
+)
+def test_rank_env_reads_mpi_launchers(variables, expected):
+    from bagua_launch.rank_env import mpi_rank_environment
+
+    env = mpi_rank_environment(variables | {"MASTER_ADDR": "h", "MASTER_PORT": "1234"})
+    assert env == dict(zip(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"), map(str, expected))) | {
+        "MASTER_ADDR": "h", "MASTER_PORT": "1234",
+    }
+    with pytest.raises(RuntimeError, match="no MPI rank"):
+        mpi_rank_environment({})

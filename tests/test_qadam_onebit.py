@@ -11,9 +11,12 @@ Exact comparisons run in a child process with ``--xla_cpu_max_isa=SSE4_2``. On a
 FMA, XLA contracts ``a * b + c`` (optax's moment updates) into one fused multiply-add
 where its fusion decisions allow, and those differ from one compiled program to another:
 ``optax.adam`` jitted alone and the same arithmetic inside the algorithm's ``lax.cond``
-then differ in the last bit of some elements. Without FMA instructions every program
-rounds each operation on its own, as NumPy does, and the comparisons are bit for bit.
-One test checks that with the default flags the difference is only that rounding.
+then differ in the last bit of some elements, and a momentum off by a bit may move an
+8-bit code. Without FMA instructions the warm-up is ``optax.adam`` bit for bit, and the
+momentum, second moment and compressions match NumPy's one rounding per operation bit for
+bit; only the parameters are compared within a few ulps, because XLA's fused code for the
+step direction may round differently from NumPy there (see ``arithmetic_tolerance``). One
+test checks that with the default flags the difference is only rounding.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ BUCKET_BYTES = 200
 # and b (12) share a bucket; c (160) would overflow it and opens the next. Each is padded to a multiple of n.
 BUCKETS = (("a", "b"), ("c",))
 ALGORITHMS = {"qadam": QAdam, "onebit": OneBitAdam}
+SCHEDULE = optax.exponential_decay(LR, transition_steps=1, decay_rate=0.5)
 
 
 # ----------------------------------------------------------------------------- data
@@ -203,11 +207,11 @@ def communicators(n: int, two_level: bool) -> tuple[Mesh, Communicators, object]
 
 
 @functools.cache
-def stepper(algorithm: str, n: int, two_level: bool = False, hierarchical: bool = True):
+def stepper(algorithm: str, n: int, two_level: bool = False, hierarchical: bool = True, schedule: bool = False):
     """``(tx, step)``: the algorithm's transform and one jitted shard_map step over all ranks."""
     mesh, comms, axes = communicators(n, two_level)
     tx = ALGORITHMS[algorithm](
-        LR, warmup_steps=WARMUP, hierarchical=hierarchical, bucket_bytes=BUCKET_BYTES
+        SCHEDULE if schedule else LR, warmup_steps=WARMUP, hierarchical=hierarchical, bucket_bytes=BUCKET_BYTES
     ).transformation(None, comms)
 
     def step(params, state, grads):
@@ -224,9 +228,11 @@ def replicate(tree, n: int):
 
 
 @functools.cache
-def run(algorithm: str, n: int, seed: int, two_level: bool = False, hierarchical: bool = True) -> list:
+def run(
+    algorithm: str, n: int, seed: int, two_level: bool = False, hierarchical: bool = True, schedule: bool = False
+) -> list:
     """``[(params, state)]`` as NumPy trees with a leading rank axis, after 0, 1, ..., STEPS steps."""
-    tx, step = stepper(algorithm, n, two_level, hierarchical)
+    tx, step = stepper(algorithm, n, two_level, hierarchical, schedule)
     params, grads = make_data(seed, n)
     carry = (replicate(params, n), replicate(tx.init(params), n))
     history = [numpy_tree(carry)]
@@ -236,10 +242,10 @@ def run(algorithm: str, n: int, seed: int, two_level: bool = False, hierarchical
     return history
 
 
-def adam_history(seed: int, n: int, two_level: bool) -> list:
+def adam_history(seed: int, n: int, two_level: bool, schedule: bool = False) -> list:
     """``optax.adam`` jitted on its own, fed the NumPy averages of the gradients: ``[(params, state)]`` per step."""
     params, grads = make_data(seed, n)
-    adam = optax.adam(LR, b1=B1, b2=B2, eps=EPS)
+    adam = optax.adam(SCHEDULE if schedule else LR, b1=B1, b2=B2, eps=EPS)
     update = jax.jit(adam.update)
     carry = (jax.tree.map(jnp.asarray, params), adam.init(params))
     history = []
@@ -277,12 +283,15 @@ def exact_worker(seed: int) -> dict:
         "flat": run("qadam", 2, seed, False, False),
         "adam": {(n, two): adam_history(seed, n, two) for n, two in LAYOUTS},
         "restored": {a: restored_run(a, 2, seed) for a in ALGORITHMS},
+        "schedule": run("qadam", 2, seed, False, True, True),
+        "adam_schedule": adam_history(seed, 2, False, True),
     }
 
 
 @pytest.fixture(scope="module")
 def seed() -> int:
-    from conftest import SEED  # imported here so that the MPI ranks, which import this module, keep one device
+    # Imported here, not at the top, so that the MPI ranks, which import this module, keep one device.
+    from conftest import SEED
 
     return SEED
 
@@ -502,6 +511,23 @@ def test_onebit_error_is_carried_not_lost(exact, seed, n):
         np.testing.assert_allclose(d[used], -(workers + servers)[used], rtol=0, atol=slack)
 
 
+def test_a_learning_rate_schedule_is_optax_adams_in_the_warmup_and_applies_after_it(exact):
+    history = exact["schedule"]
+    for t, (expected_params, expected_state) in enumerate(exact["adam_schedule"], start=1):
+        assert_bitwise(jax.tree.map(lambda x: x[0], history[t][0]), expected_params)
+        assert_bitwise(jax.tree.map(lambda x: x[0], history[t][1].schedule), expected_state[1])
+    assert [int(state.schedule.count[0]) for _, state in history] == list(range(STEPS + 1))
+    # The gradients do not depend on the parameters, so both runs take the same directions: step t of this one is
+    # the constant-rate step scaled by the schedule at t - 1, up to the roundings of the parameters.
+    constant = exact["runs"]["qadam", 2, False]
+    for t in range(1, STEPS + 1):
+        for k in SHAPES:
+            moved = history[t][0][k][0].astype(np.float64) - history[t - 1][0][k][0]
+            expected = (constant[t][0][k][0].astype(np.float64) - constant[t - 1][0][k][0]) * 0.5 ** (t - 1)
+            slack = 4 * np.spacing(np.abs(history[t][0][k][0])) + 4 * np.spacing(np.abs(constant[t][0][k][0]))
+            np.testing.assert_allclose(moved, expected, rtol=1e-5, atol=float(slack.max()))
+
+
 def test_hierarchical_falls_back_to_the_flat_exchange_without_two_levels(exact):
     assert_bitwise(exact["flat"], exact["runs"]["qadam", 2, False])
 
@@ -539,13 +565,13 @@ def test_an_optimizer_is_refused(seed):
 @pytest.mark.parametrize(
     "kwargs,error,match",
     [
-        (dict(warmup_steps=0), ValueError, "warmup_steps must be an int >= 1"),
-        (dict(warmup_steps=2.5), ValueError, "warmup_steps"),
-        (dict(b1=1.0), ValueError, r"b1 must be a float in \[0, 1\)"),
-        (dict(b2=-0.1), ValueError, "b2"),
-        (dict(eps=0.0), ValueError, "eps must be a float > 0"),
-        (dict(hierarchical="yes"), TypeError, "hierarchical must be a bool"),
-        (dict(bucket_bytes=0), ValueError, "bucket_bytes must be a positive int"),
+        ({"warmup_steps": 0}, ValueError, "warmup_steps must be an int >= 1"),
+        ({"warmup_steps": 2.5}, ValueError, "warmup_steps"),
+        ({"b1": 1.0}, ValueError, r"b1 must be a float in \[0, 1\)"),
+        ({"b2": -0.1}, ValueError, "b2"),
+        ({"eps": 0.0}, ValueError, "eps must be a float > 0"),
+        ({"hierarchical": "yes"}, TypeError, "hierarchical must be a bool"),
+        ({"bucket_bytes": 0}, ValueError, "bucket_bytes must be a positive int"),
     ],
 )
 @pytest.mark.parametrize("factory", [qadam, onebit_adam, QAdam, OneBitAdam], ids=lambda f: f.__name__)

@@ -118,6 +118,8 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
         "bagua_ddp_default_bucket": lambda m, o: bagua_torch.DistributedDataParallel(m),
         "hierarchical": lambda m, o: bagua_torch.with_bagua(
             m, [o], GradientAllReduceAlgorithm(hierarchical=True), bucket_bytes=SMALL_BUCKET),
+        "torch_group": lambda m, o: bagua_torch.with_bagua(
+            m, [o], bucket_bytes=SMALL_BUCKET, process_group=dist.group.WORLD),
         "sum": lambda m, o: bagua_torch.with_bagua(
             m, [o], GradientAllReduceAlgorithm(average=False), bucket_bytes=SMALL_BUCKET),
     }
@@ -157,13 +159,17 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
 
 
 def bytegrad_run(seed: int, rank: int, options: dict) -> dict:
-    """ByteGrad training for STEPS steps; returns the final parameters and the bucket layout."""
+    """ByteGrad training for STEPS steps (``step=True``: sync_point="step"); returns the final parameters and the
+    bucket layout."""
     import bagua_torch
     from bagua_torch.algorithms import ByteGradAlgorithm
 
+    options = dict(options)
+    sync_point = "step" if options.pop("step", False) else "backward"
     model = make_mlp(seed)
     opt = make_optimizer(model)
-    wrapped = bagua_torch.with_bagua(model, [opt], ByteGradAlgorithm(**options), bucket_bytes=SMALL_BUCKET)
+    wrapped = bagua_torch.with_bagua(model, [opt], ByteGradAlgorithm(**options), bucket_bytes=SMALL_BUCKET,
+                                     sync_point=sync_point)
     losses = _train(wrapped, opt, seed, range(STEPS), rank)
     layout = [(list(b.names), b.size) for b in wrapped.buckets]
     levels = wrapped.algorithm_impl.levels

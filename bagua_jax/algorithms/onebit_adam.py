@@ -2,7 +2,7 @@
 
 Beyond the original Bagua; DeepSpeed's 1-bit Adam (Tang et al., 2021) is the reference.
 The warm-up is QAdam's: ``warmup_steps`` steps of plain Adam on gradients averaged in
-full precision, bit-identical to ``optax.adam``. After it the second moment is frozen
+full precision, with ``optax.adam``'s own operations. After it the second moment is frozen
 and each rank's momentum ``m = b1 * m + (1 - b1) * g_local`` is averaged with
 :func:`bagua_jax.compressed_allreduce.sign_allreduce`, per bucket padded to a multiple
 of the rank count: the worker adds its residual, compresses the bucket into one chunk
@@ -30,8 +30,14 @@ import jax.numpy as jnp
 import optax
 
 from bagua_jax.algorithms.base import Communicators
-from bagua_jax.algorithms.gradient_allreduce import check_communicators, two_levels
-from bagua_jax.algorithms.qadam import Levels, adam_with_averaged_momentum, forbid_optimizer, momentum_plan, check_adam_config
+from bagua_jax.algorithms.gradient_allreduce import two_levels
+from bagua_jax.algorithms.qadam import (
+    Levels,
+    adam_with_averaged_momentum,
+    check_adam_config,
+    forbid_optimizer,
+    momentum_plan,
+)
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
 from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
 from bagua_jax.compressed_allreduce import sign_allreduce
@@ -63,7 +69,8 @@ def onebit_adam(
     """1-bit Adam as one optax transform: local gradients in, parameter updates out (it is the optimizer itself).
 
     For the first ``warmup_steps`` steps each bucket of gradients is allreduced in full precision (1x an fp32
-    allreduce) and the update is exactly ``optax.adam(learning_rate, b1, b2, eps)`` on the averaged gradients.
+    allreduce) and the update is ``optax.adam(learning_rate, b1, b2, eps)``'s on the averaged gradients (its very
+    operations, as in :func:`~bagua_jax.algorithms.qadam.qadam`).
     After that ``v`` is frozen and each rank's momentum is averaged with 1-bit signs and error feedback on both the
     worker and the server side: per bucket one all-to-all of the sign-compressed bucket and one allgather of one
     sign-compressed chunk, ``2 (n-1)/n`` of a thirty-second of the fp32 bytes plus a 16-byte header per chunk, i.e.
@@ -75,9 +82,7 @@ def onebit_adam(
     it over QAdam when bandwidth is scarcer still and the model tolerates a noisier momentum (the residuals carry
     each step's error into the next, so none is lost); keep the warm-up long enough for ``v`` to settle.
     """
-    name = "onebit_adam"
-    comms = check_communicators(comms, name)
-    check_adam_config(name, warmup_steps, b1, b2, eps, hierarchical, bucket_bytes)
+    name = "onebit_adam"  # the engine validates comms and the configuration before these closures ever run
 
     def init_extra(momentum: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         plan = momentum_plan(momentum, comms, bucket_bytes, name)
@@ -100,15 +105,17 @@ def onebit_adam(
                 result, worker, server = sign_allreduce(bucket, comms.world, worker, server)
             else:
                 intra, inter = levels
-                residuals: list[tuple[jax.Array, jax.Array]] = []
+                fed: list[tuple[jax.Array, jax.Array]] = []
 
-                def between_nodes(mine: jax.Array, comm: Any, worker: jax.Array = worker, server: jax.Array = server) -> jax.Array:
+                def between_nodes(
+                    mine: jax.Array, comm: Any, worker: jax.Array = worker, server: jax.Array = server, fed: list = fed
+                ) -> jax.Array:
                     out, *new = sign_allreduce(mine, comm, worker, server)
-                    residuals.append(tuple(new))
+                    fed.append(tuple(new))
                     return out
 
                 result = hierarchical_exchange(between_nodes, bucket, intra, inter)
-                worker, server = residuals[0]
+                worker, server = fed[0]
             averaged.append(result)
             new_workers.append(worker)
             new_servers.append(server)

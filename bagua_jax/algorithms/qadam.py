@@ -2,8 +2,11 @@
 
 The first ``warmup_steps`` steps are plain Adam on gradients averaged in full precision
 (:func:`~bagua_jax.algorithms.gradient_allreduce.gradient_allreduce`), computed with
-optax's own ``scale_by_adam`` and ``scale_by_learning_rate``, so they are bit-identical
-to ``optax.adam`` fed the averaged gradients. From then on the second moment ``v`` is
+optax's own ``scale_by_adam`` and ``scale_by_learning_rate``: the very operations of
+``optax.adam`` fed the averaged gradients, so the results are bit-identical wherever XLA
+compiles them alike (on a CPU with FMA, XLA may fuse a multiply-add in one program and not
+in another, a last-bit difference; without FMA they are identical, as the tests check).
+From then on the second moment ``v`` is
 frozen: each rank folds its local gradient into the momentum,
 ``m = b1 * m + (1 - b1) * g_local``, the momentum is averaged over all ranks through the
 ByteGrad pipeline (:func:`bagua_jax.compressed_allreduce.minmax_allreduce`, per bucket
@@ -200,7 +203,8 @@ def qadam(
     """QAdam as one optax transform: local gradients in, parameter updates out (it is the optimizer itself).
 
     For the first ``warmup_steps`` steps each bucket of gradients is allreduced in full precision (1x an fp32
-    allreduce) and the update is exactly ``optax.adam(learning_rate, b1, b2, eps)`` on the averaged gradients.
+    allreduce) and the update is ``optax.adam(learning_rate, b1, b2, eps)``'s on the averaged gradients (its very
+    operations; see the module docstring for XLA's fused multiply-adds).
     After that ``v`` is frozen and each rank's updated momentum goes through the ByteGrad pipeline instead: per
     bucket one all-to-all of the 8-bit-compressed bucket and one allgather of one compressed chunk, ``2 (n-1)/n``
     of a quarter of the fp32 bytes plus a 16-byte header per chunk, i.e. ~1/4 of an fp32 allreduce. With

@@ -122,10 +122,10 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BUILTIN_ALGORITHMS",
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
-    "BUILTIN_ALGORITHMS",
     "Bucket",
     "ByteGradAlgorithm",
     "Communicators",

@@ -71,12 +71,12 @@ from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.communicator import Communicator, Work
 
 __all__ = [
+    "DEFAULT_BUCKET_BYTES",
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
     "Bucket",
     "Communicators",
-    "DEFAULT_BUCKET_BYTES",
     "DoneWork",
     "check_flags",
 ]

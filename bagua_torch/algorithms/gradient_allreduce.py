@@ -25,8 +25,7 @@ from bagua_torch.algorithms.base import (
     check_dtypes,
     check_flags,
 )
-from bagua_torch.communicator import Work
-from bagua_torch.communicator import SUPPORTED_DTYPES
+from bagua_torch.communicator import SUPPORTED_DTYPES, Work
 
 _FLOATS = tuple(d for d in SUPPORTED_DTYPES if d.is_floating_point)
 
