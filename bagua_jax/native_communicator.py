@@ -80,6 +80,21 @@ class NativeCommunicator:
         """The number of ranks."""
         return self._size
 
+    @property
+    def handle(self) -> int:
+        """The engine's integer handle for this communicator."""
+        return self._handle
+
+    @property
+    def engine(self):
+        """The engine module (``_bagua_mpi`` or ``_bagua_nccl``), for calls outside ``jit``."""
+        return self._engine
+
+    @property
+    def kind(self) -> str:
+        """``"mpi"`` (host buffers) or ``"nccl"`` (device buffers)."""
+        return self._kind
+
     def rank(self) -> jax.Array:
         """This rank's index as an int32 scalar."""
         return jnp.int32(self._rank)

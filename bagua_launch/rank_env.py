@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         child = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
             process_group=0, preexec_fn=_die_with_parent(),
+            # MPI_Init in the script talks to the MPI launcher over this inherited socket.
+            pass_fds=tuple(int(env[k]) for k in ("PMI_FD",) if env.get(k, "").isdigit()),
         )
     except OSError as e:
         sys.stderr.buffer.write(prefix + f"cannot start {command[0]!r}: {e}\n".encode())

@@ -58,13 +58,14 @@ run the batch's calls back to back, each waited for (``block_until_ready`` for J
 ``torch.cuda.synchronize`` for CUDA torch), timed with ``time.perf_counter``. A rank's
 time is the median over its batches of the time per call; rank 0 reports the largest
 over the ranks (and records the smallest), gathered through the engine itself. Large
-messages get one call per batch, so each call starts from a barrier; small ones
-run like nccl-tests' loops, back to back. Timing every small call from a barrier
-instead would mostly measure how fast each engine leaves that barrier: a rank that
-waits in the MPI engine more than 1000 polls polls only every 100 us (about 170 us
-here), so after a rooted or uneven collective the rank that arrived first at the next
-barrier leaves it hundreds of microseconds late (a 4 KiB broadcast then took ~0.8 ms
-instead of ~35 us back to back).
+messages get one call per batch, timed from the barrier. Smaller ones run like
+nccl-tests' loops, back to back, after one untimed call that absorbs how unevenly the
+ranks left the barrier: timing small calls from a barrier would mostly measure that.
+A rank that waits in the MPI engine for more than 1000 polls then polls only every
+100 us (about 170 us on this VM), so after a rooted or uneven collective the rank that
+reached the next barrier first left it several such intervals late (a 4 KiB native
+broadcast timed per call from a barrier took ~0.8 ms on the non-root rank, ~35 us back
+to back).
 
 On CPU every worker first asks glibc to keep freed memory for reuse (as
 benchmarks/kernels.py does, see ``retain_freed_memory``) so that every engine reuses
@@ -548,6 +549,8 @@ def measure(engine: Engine, primitive: str, nbytes: int, target: float) -> dict[
     times = []
     for _ in range(batches):
         engine.barrier()
+        if per_batch > 1:
+            run()  # untimed: absorbs how unevenly the ranks left the barrier
         start = time.perf_counter()
         for _ in range(per_batch):
             run()

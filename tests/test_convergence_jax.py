@@ -3,7 +3,9 @@
 Four simulated devices, 300 steps of a 128-example global batch (32 per rank); the
 single-device baseline trains on the same global batches. The margin (5 accuracy
 points) is what communication relaxation may cost on this task: in practice the
-algorithms land within about 2 points of the baseline.
+algorithms land within about 2 points of the baseline. AsyncModelAverage averages on
+a background thread over the native engine, so it is trained across processes in
+test_examples.py instead.
 """
 
 import jax
@@ -18,6 +20,8 @@ from bagua_jax.algorithms.bytegrad import ByteGrad
 from bagua_jax.algorithms.decentralized import Decentralized
 from bagua_jax.algorithms.gradient_allreduce import GradientAllReduce
 from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralized
+from bagua_jax.algorithms.onebit_adam import OneBitAdam
+from bagua_jax.algorithms.qadam import QAdam
 from bagua_jax.trainer import DataParallel
 
 STEPS, BATCH, LR, MARGIN = 300, 128, 3e-3, 0.05
@@ -64,6 +68,8 @@ ALGORITHMS = {
     "decentralized_all": (Decentralized(), optax.adam(LR)),
     "decentralized_shift_one": (Decentralized(peer_selection_mode="shift_one"), optax.adam(LR)),
     "low_precision_decentralized": (LowPrecisionDecentralized(), optax.adam(LR)),
+    "qadam": (QAdam(LR, warmup_steps=50), None),
+    "onebit_adam": (OneBitAdam(LR, warmup_steps=50), None),
 }
 
 

@@ -42,12 +42,14 @@ from jax import lax
 
 from bagua_jax import native_collectives as nc
 from bagua_jax import ops
-from bagua_jax.algorithms.base import Communicators, check_float_params
-from bagua_jax.algorithms.gradient_allreduce import (
+from bagua_jax.algorithms.base import (
+    Communicators,
     check_bucket_bytes,
     check_communicators,
-    gradient_allreduce,
+    check_float_params,
+    varying_like,
 )
+from bagua_jax.algorithms.gradient_allreduce import gradient_allreduce
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
 from bagua_jax.native_communicator import NativeCommunicator
 
@@ -94,7 +96,7 @@ def async_model_average(
             # cond needs one type, so the allreduced ones are cast (types only, values untouched).
             updates = lax.cond(
                 state.step < warmup_steps,
-                lambda u: jax.tree.map(_varying_like, allreduce.update(u, optax.EmptyState())[0], u),
+                lambda u: varying_like(allreduce.update(u, optax.EmptyState())[0], u),
                 lambda u: u,
                 updates,
             )
@@ -157,13 +159,13 @@ class AsyncModelAverager:
                 f"NativeCommunicator.mpi_world()), got {type(comm).__name__}"
             )
         # The thread communicates host buffers, which only the MPI engine takes.
-        if comm._kind != "mpi":
-            raise ValueError(f"{name}: the averaging rounds need an MPI communicator (host memory), got {comm._kind}")
+        if comm.kind != "mpi":
+            raise ValueError(f"{name}: the averaging rounds need an MPI communicator (host memory), got {comm.kind}")
         self._interval = _check_sync_interval(sync_interval_ms) / 1000.0
         self._warmup_steps = _check_warmup_steps(warmup_steps)
         if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or steps_done < 0:
             raise ValueError(f"{name}: steps_done must be a non-negative int, got {steps_done!r}")
-        self._engine, self._handle, self._size = comm._engine, comm._handle, comm.size
+        self._engine, self._handle, self._size = comm.engine, comm.handle, comm.size
 
         # Buckets in float32 whatever the parameter dtypes: that is what the host buffers hold.
         as_f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32), params)
@@ -354,23 +356,6 @@ class AsyncModelAverage:
             steps_done=steps_done,
             bucket_bytes=self.bucket_bytes,
         )
-
-
-def _mesh_axes_varied(x: jax.Array) -> frozenset[str]:
-    # jax >= 0.10 exposes the mesh axes a value varies over as ``manual_axis_type.varying``,
-    # earlier releases as ``vma``; outside shard_map the set is empty.
-    aval = jax.typeof(x)
-    kind = getattr(aval, "manual_axis_type", None)
-    return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
-
-
-def _varying_like(x: jax.Array, like: jax.Array) -> jax.Array:
-    """``x`` typed as varying over every mesh axis ``like`` varies over."""
-    missing = tuple(sorted(_mesh_axes_varied(like) - _mesh_axes_varied(x)))
-    if not missing:
-        return x
-    cast = getattr(lax, "pcast", None)
-    return cast(x, missing, to="varying") if cast else lax.pvary(x, missing)
 
 
 def _check_sync_interval(sync_interval_ms: Any) -> float:

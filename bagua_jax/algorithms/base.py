@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from bagua_jax.communicator import Communicator
@@ -42,9 +43,10 @@ class Algorithm(Protocol):
     """A data-parallel training algorithm (see the module docstring)."""
 
     def transformation(
-        self, optimizer: optax.GradientTransformation, comms: Communicators
+        self, optimizer: optax.GradientTransformation | None, comms: Communicators
     ) -> optax.GradientTransformationExtraArgs:
-        """The per-rank update: local gradients and ``params`` in, parameter updates out."""
+        """The per-rank update: local gradients and ``params`` in, parameter updates out.
+        ``optimizer`` is None for algorithms that are optimizers themselves (QAdam, OneBitAdam)."""
 
 
 def check_float_params(params: Any) -> None:
@@ -55,3 +57,92 @@ def check_float_params(params: Any) -> None:
                 f"parameter {jax.tree_util.keystr(path)} has dtype {jnp.asarray(leaf).dtype}; "
                 "data-parallel algorithms train floating-point parameters only"
             )
+
+
+def check_communicators(comms: Any, algorithm: str) -> Communicators:
+    """Return ``comms`` if it is a :class:`Communicators`, else raise a TypeError that says how to build one."""
+    if not isinstance(comms, Communicators):
+        raise TypeError(
+            f"{algorithm}: comms must be a bagua_jax.algorithms.base.Communicators, got {type(comms).__name__}; "
+            "wrap a single communicator as Communicators(world=comm)"
+        )
+    return comms
+
+
+def check_bucket_bytes(bucket_bytes: Any, algorithm: str) -> int:
+    """Return ``bucket_bytes`` as an int if it is a positive integer, else raise a ValueError."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise ValueError(f"{algorithm}: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    return bucket_bytes
+
+
+def check_flags(algorithm: str, **flags: Any) -> None:
+    """Raise a TypeError unless every keyword argument is a bool (catches e.g. ``average="sum"``)."""
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{algorithm}: {key} must be a bool, got {value!r}")
+
+
+def check_float_grads(grads: Any, algorithm: str) -> None:
+    """Raise a TypeError naming the first non-floating gradient leaf (integer gradients cannot be averaged)."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
+        if not jnp.issubdtype(leaf.dtype, jnp.floating):
+            raise TypeError(
+                f"{algorithm}: gradient {jax.tree_util.keystr(path)} has dtype {leaf.dtype}; "
+                "gradients must be floating point"
+            )
+
+
+def two_levels(comms: Communicators, hierarchical: bool, algorithm: str) -> tuple[Communicator, Communicator] | None:
+    """``(intra, inter)`` when ``hierarchical`` is asked for and both levels are set, else None (flat over ``world``).
+
+    Called while tracing, where every size is known; raises a ValueError if the two levels do not tile ``world``.
+    """
+    if not (hierarchical and comms.hierarchical):
+        return None
+    intra, inter = comms.intra, comms.inter
+    if intra.size * inter.size != comms.world.size:
+        raise ValueError(
+            f"{algorithm}: intra ({intra.size} ranks) x inter ({inter.size} ranks) must equal world "
+            f"({comms.world.size} ranks)"
+        )
+    return intra, inter
+
+
+def check_interval(interval: Any) -> int:
+    """Return ``interval`` if it is a positive int, else raise a ValueError."""
+    if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)) or interval < 1:
+        raise ValueError(f"communication_interval must be a positive int, got {interval!r}")
+    return int(interval)
+
+
+def _varying_axes(x: Any) -> frozenset[str]:
+    # Inside shard_map JAX types each value with the mesh axes it varies over: jax >= 0.10
+    # exposes them as ``manual_axis_type.varying``, earlier releases as ``vma``; outside
+    # shard_map the set is empty.
+    aval = jax.typeof(x)
+    kind = getattr(aval, "manual_axis_type", None)
+    return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
+
+
+def varying_over(tree: Any, axes: frozenset[str]) -> Any:
+    """``tree`` with every leaf typed as varying over ``axes`` (a cast of the type, not the values).
+
+    The branches of a ``lax.cond`` inside ``shard_map`` must return the same types; a branch
+    that communicates returns values varying over the mesh axes, one that does not may not.
+    """
+    cast = getattr(jax.lax, "pcast", None)
+
+    def widen(leaf: Any) -> Any:
+        missing = tuple(sorted(axes - _varying_axes(leaf)))
+        if not missing:
+            return leaf
+        return cast(leaf, missing, to="varying") if cast else jax.lax.pvary(leaf, missing)
+
+    return jax.tree.map(widen, tree)
+
+
+def varying_like(tree: Any, like: Any) -> Any:
+    """``tree`` typed as varying over every mesh axis any leaf of ``like`` varies over."""
+    axes = frozenset().union(*(_varying_axes(leaf) for leaf in jax.tree.leaves(like)))
+    return varying_over(tree, axes)

@@ -24,12 +24,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bagua_jax.algorithms.base import Communicators, check_float_params
-from bagua_jax.algorithms.gradient_allreduce import (
+from bagua_jax.algorithms.base import (
+    Communicators,
     check_bucket_bytes,
     check_communicators,
     check_flags,
     check_float_grads,
+    check_float_params,
     two_levels,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets

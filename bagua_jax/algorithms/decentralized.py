@@ -17,12 +17,11 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
 from bagua_jax import ops
-from bagua_jax.algorithms.base import Communicators, check_float_params
+from bagua_jax.algorithms.base import Communicators, check_bucket_bytes, check_float_params, check_interval
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
 from bagua_jax.communicator import Communicator
 from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
@@ -132,8 +131,8 @@ def decentralized(
     if not isinstance(comms, Communicators):
         raise TypeError(f"decentralized: comms must be a Communicators, got {type(comms).__name__}")
     _check_mode(peer_selection_mode)
-    _check_interval(communication_interval)
-    _check_bucket_bytes(bucket_bytes)
+    check_interval(communication_interval)
+    check_bucket_bytes(bucket_bytes, "decentralized")
 
     def init_fn(params: Any) -> DecentralizedState:
         check_float_params(params)
@@ -197,8 +196,8 @@ class Decentralized:
 
     def __post_init__(self) -> None:
         _check_mode(self.peer_selection_mode)
-        _check_interval(self.communication_interval)
-        _check_bucket_bytes(self.bucket_bytes)
+        check_interval(self.communication_interval)
+        check_bucket_bytes(self.bucket_bytes, "Decentralized")
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators
@@ -219,16 +218,6 @@ class Decentralized:
 def _check_mode(mode: Any) -> None:
     if mode not in PEER_SELECTION_MODES:
         raise ValueError(f"peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {mode!r}")
-
-
-def _check_interval(interval: Any) -> None:
-    if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)) or interval < 1:
-        raise ValueError(f"communication_interval must be a positive int, got {interval!r}")
-
-
-def _check_bucket_bytes(bucket_bytes: Any) -> None:
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, (int, np.integer)) or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
 
 
 def _check_even(size: int, across_nodes: bool = False) -> None:

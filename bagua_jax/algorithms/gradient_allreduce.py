@@ -22,63 +22,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import optax
 
-from bagua_jax.algorithms.base import Communicators, check_float_params
+from bagua_jax.algorithms.base import (
+    Communicators,
+    check_bucket_bytes,
+    check_communicators,
+    check_flags,
+    check_float_grads,
+    check_float_params,
+    two_levels,
+)
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
-from bagua_jax.communicator import Communicator
-
-
-def check_communicators(comms: Any, algorithm: str) -> Communicators:
-    """Return ``comms`` if it is a :class:`Communicators`, else raise a TypeError that says how to build one."""
-    if not isinstance(comms, Communicators):
-        raise TypeError(
-            f"{algorithm}: comms must be a bagua_jax.algorithms.base.Communicators, got {type(comms).__name__}; "
-            "wrap a single communicator as Communicators(world=comm)"
-        )
-    return comms
-
-
-def check_bucket_bytes(bucket_bytes: Any, algorithm: str) -> int:
-    """Return ``bucket_bytes`` as an int if it is a positive integer, else raise a ValueError."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"{algorithm}: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    return bucket_bytes
-
-
-def check_flags(algorithm: str, **flags: Any) -> None:
-    """Raise a TypeError unless every keyword argument is a bool (catches e.g. ``average="sum"``)."""
-    for key, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{algorithm}: {key} must be a bool, got {value!r}")
-
-
-def check_float_grads(grads: Any, algorithm: str) -> None:
-    """Raise a TypeError naming the first non-floating gradient leaf (integer gradients cannot be averaged)."""
-    for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
-        if not jnp.issubdtype(leaf.dtype, jnp.floating):
-            raise TypeError(
-                f"{algorithm}: gradient {jax.tree_util.keystr(path)} has dtype {leaf.dtype}; "
-                "gradients must be floating point"
-            )
-
-
-def two_levels(comms: Communicators, hierarchical: bool, algorithm: str) -> tuple[Communicator, Communicator] | None:
-    """``(intra, inter)`` when ``hierarchical`` is asked for and both levels are set, else None (flat over ``world``).
-
-    Called while tracing, where every size is known; raises a ValueError if the two levels do not tile ``world``.
-    """
-    if not (hierarchical and comms.hierarchical):
-        return None
-    intra, inter = comms.intra, comms.inter
-    if intra.size * inter.size != comms.world.size:
-        raise ValueError(
-            f"{algorithm}: intra ({intra.size} ranks) x inter ({inter.size} ranks) must equal world "
-            f"({comms.world.size} ranks)"
-        )
-    return intra, inter
 
 
 def gradient_allreduce(

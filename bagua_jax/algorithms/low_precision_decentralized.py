@@ -20,8 +20,7 @@ import optax
 from jax import lax
 
 from bagua_jax import ops
-from bagua_jax.algorithms.base import Communicators, check_float_params
-from bagua_jax.algorithms.decentralized import _check_bucket_bytes, _check_interval
+from bagua_jax.algorithms.base import Communicators, check_bucket_bytes, check_float_params, check_interval
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import Communicator
 
@@ -71,8 +70,8 @@ def low_precision_decentralized(
     """
     if not isinstance(comms, Communicators):
         raise TypeError(f"low_precision_decentralized: comms must be a Communicators, got {type(comms).__name__}")
-    _check_interval(communication_interval)
-    _check_bucket_bytes(bucket_bytes)
+    check_interval(communication_interval)
+    check_bucket_bytes(bucket_bytes, "low_precision_decentralized")
     use_hierarchy = hierarchical and comms.hierarchical
 
     def init_fn(params: Any) -> LowPrecisionDecentralizedState:
@@ -204,8 +203,8 @@ class LowPrecisionDecentralized:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        _check_interval(self.communication_interval)
-        _check_bucket_bytes(self.bucket_bytes)
+        check_interval(self.communication_interval)
+        check_bucket_bytes(self.bucket_bytes, "LowPrecisionDecentralized")
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators

@@ -29,8 +29,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bagua_jax.algorithms.base import Communicators
-from bagua_jax.algorithms.gradient_allreduce import two_levels
+from bagua_jax.algorithms.base import Communicators, two_levels
 from bagua_jax.algorithms.qadam import (
     Levels,
     adam_with_averaged_momentum,

@@ -34,15 +34,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bagua_jax.algorithms.base import Communicators, check_float_params
-from bagua_jax.algorithms.gradient_allreduce import (
+from bagua_jax.algorithms.base import (
+    Communicators,
     check_bucket_bytes,
     check_communicators,
     check_flags,
     check_float_grads,
-    gradient_allreduce,
+    check_float_params,
     two_levels,
+    varying_like,
 )
+from bagua_jax.algorithms.gradient_allreduce import gradient_allreduce
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import Communicator
 from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
@@ -96,27 +98,6 @@ def momentum_plan(tree: Any, comms: Communicators, bucket_bytes: int, name: str)
         if dtype not in _COMPRESSIBLE:
             raise TypeError(f"{name}: leaf {i} has dtype {dtype}; momentum compression takes float32, float16 and bfloat16")
     return plan
-
-
-def _varying_axes(x: Any) -> frozenset[str]:
-    # Inside shard_map JAX types each value with the mesh axes it varies over: jax >= 0.10 exposes them as
-    # ``manual_axis_type.varying``, earlier releases as ``vma``; outside shard_map the set is empty.
-    aval = jax.typeof(x)
-    kind = getattr(aval, "manual_axis_type", None)
-    return frozenset(kind.varying if kind is not None else getattr(aval, "vma", ()))
-
-
-def _varying_over(tree: Any, axes: frozenset[str]) -> Any:
-    """``tree`` with every leaf typed as varying over ``axes`` (a type-level cast; the values are untouched)."""
-    cast = getattr(jax.lax, "pcast", None)
-
-    def widen(leaf: Any) -> Any:
-        missing = tuple(sorted(axes - _varying_axes(leaf)))
-        if not missing:
-            return leaf
-        return cast(leaf, missing, to="varying") if cast else jax.lax.pvary(leaf, missing)
-
-    return jax.tree.map(widen, tree)
 
 
 def adam_with_averaged_momentum(
@@ -173,12 +154,12 @@ def adam_with_averaged_momentum(
         # lax.cond needs both branches to return the same types, and under shard_map that includes the mesh axes
         # a value varies over: a momentum averaged by a collective is invariant in one branch and mixed with this
         # rank's state in the other. Type every output as varying over every axis an input varies over.
-        axes = frozenset().union(*map(_varying_axes, jax.tree.leaves((updates, state))))
+        inputs = (updates, state)
         # Only the taken branch runs, and so communicates; all ranks share the counter, so all take the same one.
         direction, adam_state, extra = jax.lax.cond(
             adam_state.count < warmup_steps,
-            lambda *args: _varying_over(warmup(*args), axes),
-            lambda *args: _varying_over(compressed(*args), axes),
+            lambda *args: varying_like(warmup(*args), inputs),
+            lambda *args: varying_like(compressed(*args), inputs),
             updates,
             adam_state,
             tuple(extra),

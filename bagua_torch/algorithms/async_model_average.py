@@ -1,0 +1,335 @@
+"""AsyncModelAverage: local steps, with the weights averaged in the background.
+
+During the first ``warmup_steps`` steps the gradients are allreduce-averaged exactly as
+by :mod:`~bagua_torch.algorithms.gradient_allreduce`, so every rank starts from the same
+model. After warm-up every rank steps on its own gradients (``need_gradient_hooks`` is
+False: nothing is communicated in the backward pass), and a background thread averages
+the weights with all ranks without ever making the training loop wait (SPEC section 3).
+A round:
+
+1. after an optimizer step, the training thread hands the thread a copy ``s`` of the
+   weights (one float32 flat tensor per bucket), when the thread asks for one;
+2. the thread allreduces a stop flag (one int32, MAX), so that every rank agrees whether
+   this round happens (see :meth:`AsyncModelAverageImpl.abort`), then allreduce-sums
+   ``s`` bucket by bucket, on a communicator of its own;
+3. after a later optimizer step (the first one after the round finished), the training
+   thread applies ``x += sum / n - s`` (:func:`bagua_torch.ops.async_average`, in
+   float32, rounded once to the parameters' dtype), which moves ``x`` by exactly the
+   correction that would have turned ``s`` into the average: the local progress made
+   while the round was on the wire is kept.
+
+The next round starts no sooner than ``sync_interval_ms`` after the previous one finished
+and only once its correction has been applied (a snapshot taken before the correction
+would count it twice). This is the design of
+:class:`bagua_jax.algorithms.async_model_average.AsyncModelAverager`, with the same
+update kernel; in PyTorch it is driven by the wrapper's step hooks, so the optimizers must
+be given to the wrapper::
+
+    model = bagua_torch.with_bagua(model, [optimizer], AsyncModelAverageAlgorithm(sync_interval_ms=100,
+                                                                                  warmup_steps=50))
+    for x, y in data:
+        optimizer.zero_grad(); loss_fn(model(x), y).backward(); optimizer.step()
+    model.algorithm_impl.abort()  # on every rank, before the process exits (close() does it too)
+
+The rounds run on a dedicated communicator created collectively when the model is wrapped:
+a new ``torch.distributed`` process group of the world's ranks when ``world`` is a
+:class:`~bagua_torch.ProcessGroupCommunicator`, or ``world.split(...)`` (a duplicate of
+the same ranks) when it is a :class:`~bagua_torch.NativeCommunicator`. Its collectives thus
+never interleave with the wrapper's, whose order on each rank differs from the thread's.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+
+from bagua_torch import ops
+from bagua_torch.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    Bucket,
+    check_dtypes,
+)
+from bagua_torch.communicator import Communicator, NativeCommunicator, ProcessGroupCommunicator, Work
+
+AVERAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""The parameter dtypes the update kernel (:func:`bagua_torch.ops.async_average`) takes."""
+
+
+def _check_sync_interval(value: Any) -> float:
+    number = not isinstance(value, bool) and isinstance(value, (int, float))
+    if not number or not float(value) >= 0 or value == float("inf"):
+        raise ValueError(
+            f"async: sync_interval_ms must be a finite number of milliseconds >= 0 (0: rounds back to back), "
+            f"got {value!r}"
+        )
+    return float(value)
+
+
+def _check_warmup_steps(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"async: warmup_steps must be a non-negative int, got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class AsyncModelAverageAlgorithm(Algorithm):
+    """Gradient allreduce for ``warmup_steps`` steps, then local steps while a background thread averages
+    the weights with all ranks every ``sync_interval_ms`` milliseconds (see the module docstring).
+
+    Per round: one float32 allreduce of the model (for float16/bfloat16 weights twice their
+    bytes) plus a 4-byte flag, none of it inside the training step. Choose it when ranks run
+    at uneven speeds or the network is slow enough that any per-step synchronization stalls
+    training, and slightly diverging replicas are acceptable. Parameters must be float32,
+    float16 or bfloat16, and the optimizers must be passed to the wrapper (the rounds are
+    applied in their step hooks). Stop the rounds with ``model.algorithm_impl.abort()`` (or
+    ``model.close()``) on every rank; ``resume()`` restarts them.
+    """
+
+    sync_interval_ms: float = 500
+    warmup_steps: int = 0
+
+    name: ClassVar[str] = "async"
+
+    def __post_init__(self) -> None:
+        _check_sync_interval(self.sync_interval_ms)
+        _check_warmup_steps(self.warmup_steps)
+
+    def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
+        return AsyncModelAverageImpl(context, self)
+
+
+def _dedicated_communicator(world: Communicator) -> Communicator:
+    """A communicator of the same ranks as ``world`` that nothing else uses (collective over ``world``)."""
+    if isinstance(world, NativeCommunicator):
+        return world.split(0, world.rank, name=f"{world.name}/async")
+    if isinstance(world, ProcessGroupCommunicator):
+        group = world.group
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        # A group of only some of the job's ranks is created by its members alone (they are the ones
+        # wrapping the model); a group of all ranks the usual way, by every rank.
+        local = ranks is not None and len(ranks) < dist.get_world_size()
+        seconds = max(world.timeout, 30.0)
+        new = dist.new_group(ranks=ranks, timeout=timedelta(seconds=seconds), backend=world.backend,
+                             use_local_synchronization=local)
+        return ProcessGroupCommunicator(new, timeout=world.timeout, name=f"{world.name}/async")
+    raise TypeError(
+        "async: the averaging rounds need a communicator of their own, made from a ProcessGroupCommunicator or a "
+        f"NativeCommunicator world; got {type(world).__name__}"
+    )
+
+
+class AsyncModelAverageImpl(AlgorithmImpl):
+    """AsyncModelAverage on one wrapped model; its state is ``{"steps": int}`` (optimizer steps done).
+
+    Public beyond the hooks: :meth:`abort`, :meth:`resume`, :attr:`rounds` (rounds completed),
+    :attr:`running` (whether the thread is alive), :attr:`steps`, :attr:`comm` (the rounds'
+    communicator).
+    """
+
+    def __init__(self, context: AlgorithmContext, config: AsyncModelAverageAlgorithm):
+        super().__init__(context)
+        name = config.name
+        check_dtypes(context.buckets, AVERAGED_DTYPES, name, "asynchronous averaging takes")
+        if not context.optimizers:
+            raise ValueError(
+                f"{name}: pass the optimizers to the wrapper (with_bagua(model, [optimizer], 'async')); the weights "
+                "are averaged in their step hooks"
+            )
+        self.config = config
+        self._interval = config.sync_interval_ms / 1000.0
+        self._warmup_steps = config.warmup_steps
+        self._ticker = context.optimizers[-1]  # a step ends when the last wrapped optimizer has stepped
+        self.comm = _dedicated_communicator(self.world)
+        self._size = self.world.size
+
+        self._cv = threading.Condition()
+        # Shared with the thread, guarded by _cv.
+        self._want_snapshot = False
+        self._snapshot: list[torch.Tensor] | None = None
+        self._result: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (sums, snapshot)
+        self._stop = False
+        self._error: BaseException | None = None
+        self._rounds = 0
+        # Used by the training thread only.
+        self._steps = 0
+        self._aborted = False
+        self._thread: threading.Thread | None = None
+        self._maybe_start()
+
+    # --- what the wrapper reads ---------------------------------------------------------
+
+    @property
+    def need_gradient_hooks(self) -> bool:  # type: ignore[override]
+        """Gradient allreduce while in warm-up (same step counter on every rank), local gradients after."""
+        return self._steps < self._warmup_steps
+
+    def reduce_bucket(self, bucket: Bucket) -> Work:
+        return self.world.allreduce_async(bucket.grad, "avg")
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is self._ticker:
+            self._tick()
+
+    # --- public -----------------------------------------------------------------------
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps done (counted at the last wrapped optimizer's step)."""
+        return self._steps
+
+    @property
+    def rounds(self) -> int:
+        """The averaging rounds completed so far (equal on all ranks once the thread has stopped)."""
+        with self._cv:
+            return self._rounds
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is alive (it ends on :meth:`abort`, on any rank's)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def abort(self) -> None:
+        """Stop the rounds on every rank and wait for this rank's thread to end.
+
+        The stop request travels with the next round's flag allreduce, so every rank's thread
+        stops before the same round, even when the ranks call ``abort`` at different times (or
+        only one rank does: the others' threads stop too, and their ``abort`` just joins). A
+        round already finished but not yet applied is applied after the next step. Before
+        warm-up ends it keeps the thread from starting. Safe to call twice. Raises the
+        thread's error if a round failed.
+        """
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._aborted = True
+        self._raise_error()
+
+    def resume(self) -> None:
+        """Restart the rounds after :meth:`abort` (at once, or when warm-up ends); every rank must call it."""
+        if not self._aborted:
+            raise RuntimeError("async: resume() restarts averaging stopped by abort(); call abort() first")
+        self._aborted = False
+        with self._cv:
+            self._stop = False
+        self._maybe_start()
+
+    # --- the training thread's side -----------------------------------------------------
+
+    def _raise_error(self) -> None:
+        with self._cv:
+            error, self._error = self._error, None
+        if error is not None:
+            raise RuntimeError("async: model averaging failed in its background thread") from error
+
+    def _flat_params(self) -> list[torch.Tensor]:
+        """The weights as float32 flat tensors, one per bucket (fresh copies)."""
+        return [bucket.flatten_params().to(torch.float32) for bucket in self.buckets]
+
+    def _tick(self) -> None:
+        """After every step: apply a finished round, hand over a snapshot if asked; never waits."""
+        self._raise_error()
+        with self._cv:
+            result = self._result
+        if result is not None:
+            sums, snapshot = result
+            for bucket, total, s in zip(self.buckets, sums, snapshot):
+                x = bucket.flatten_params().to(torch.float32)
+                bucket.unflatten_to_params(ops.async_average(x, total, s, self._size))
+        with self._cv:
+            if result is not None:
+                self._result = None
+            if self._want_snapshot and self._snapshot is None:
+                snapshot = self._flat_params()
+                if snapshot and snapshot[0].is_cuda:  # the thread waits for the copies (not this thread)
+                    event = torch.cuda.Event()
+                    event.record(torch.cuda.current_stream(snapshot[0].device))
+                    snapshot = (snapshot, event)  # type: ignore[assignment]
+                self._snapshot = snapshot
+            self._cv.notify_all()
+        self._steps += 1
+        self._maybe_start()
+
+    def _maybe_start(self) -> None:
+        if self._thread is None and not self._aborted and self._steps >= self._warmup_steps:
+            self._thread = threading.Thread(target=self._run, name="bagua-async-model-average", daemon=True)
+            self._thread.start()
+
+    # --- the thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        device = self.context.device
+        flag = torch.zeros(1, dtype=torch.int32, device=device)
+        next_round = time.monotonic()
+        try:
+            if device.type == "cuda":
+                torch.cuda.set_device(device)
+            while True:
+                with self._cv:
+                    self._wait_for_round(next_round)
+                    stop = self._stop
+                    snapshot, self._snapshot, self._want_snapshot = self._snapshot, None, False
+                flag.fill_(int(stop))
+                # Every rank's thread reaches this allreduce once per round whatever its loop does,
+                # so all agree to stop before the same round and none is left waiting.
+                if int(self.comm.allreduce(flag, "max").item()):
+                    return
+                if isinstance(snapshot, tuple):
+                    snapshot, event = snapshot
+                    event.synchronize()
+                sums = [self.comm.allreduce(s, "sum") for s in snapshot]
+                if device.type == "cuda":
+                    torch.cuda.current_stream(device).synchronize()  # sums complete before they are handed over
+                with self._cv:
+                    self._result = (sums, snapshot)
+                    self._rounds += 1
+                next_round = time.monotonic() + self._interval
+        except Exception as error:  # noqa: BLE001 - handed to the training loop, which raises it
+            with self._cv:
+                self._error = error
+
+    def _wait_for_round(self, not_before: float) -> None:
+        """With ``_cv`` held: return once a stop is requested, or once the last result is applied,
+        ``not_before`` has passed and the training thread has handed over a snapshot."""
+        while not self._stop:
+            if self._result is not None:
+                self._cv.wait()
+                continue
+            remaining = not_before - time.monotonic()
+            if remaining > 0:
+                self._cv.wait(remaining)
+                continue
+            if self._snapshot is not None:
+                return
+            self._want_snapshot = True
+            self._cv.wait()
+
+    # --- checkpoints and lifetime ---------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self._steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        steps = state.get("steps") if isinstance(state, dict) else None
+        if not isinstance(state, dict) or set(state) != {"steps"} or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"async: the checkpoint must hold {{'steps': int >= 0}}, got {state!r}")
+        self._steps = steps
+        self._maybe_start()
+
+    def close(self) -> None:
+        try:
+            self.abort()
+        finally:
+            if isinstance(self.comm, NativeCommunicator):
+                self.comm.close()
+            super().close()

@@ -1,0 +1,819 @@
+"""Synthetic data-parallel training throughput of Bagua's algorithms next to the plain baselines.
+
+What is measured
+----------------
+In the style of Horovod's and Bagua's synthetic benchmarks: a model trains on one fixed
+batch of random "images" (``--image-size`` square, 3 channels) and random labels per
+rank, so the data pipeline costs nothing and every second goes to compute and
+communication. Two models, the same architecture and the same initial weights
+(NumPy, seed 0) in both frameworks:
+
+    mlp   (default) flattened image -> ``--layers`` dense layers of ``--width`` with ReLU
+          -> 10 classes; about 6.3 M parameters (25 MB of fp32 gradient) by default, so
+          the gradient is large relative to the compute and communication matters.
+    cnn   a small conv net: conv3x3(3->32) relu maxpool2, conv3x3(32->64) relu maxpool2,
+          dense(->``--width``/8) relu, dense(->10).
+
+Each algorithm runs in its own job of ``--nproc`` processes, one CPU device (or GPU)
+per process: ``--warmup-iters`` untimed iterations, then ``--iters`` timed ones, each of
+``--batches-per-iter`` training steps of ``--batch-size`` images per process. Every rank
+times every iteration (waiting on the results: ``block_until_ready`` in JAX) and the
+script reports, per algorithm, images/s per device (the mean over ranks, then the mean
+over iterations with a 95% interval ``1.96 * std / sqrt(iters)``) and in total
+(per device x processes), and each algorithm's speed relative to
+
+* the baseline a user would otherwise write, measured in the same run: PyTorch's
+  ``torch.nn.parallel.DistributedDataParallel`` (gloo) for ``--framework torch``, and a
+  plain ``jax.shard_map`` step with ``jax.lax.pmean`` on the gradients over all
+  processes' devices (``jax.distributed`` with gloo CPU collectives) for ``--framework jax``;
+* Bagua's own ``gradient_allreduce`` (plain fp32 allreduce) measured in the same run.
+
+How the jobs run
+----------------
+The script launches itself: for each algorithm it starts
+``bagua-launch --nproc-per-node N [--mpi] benchmarks/synthetic.py --worker ...`` and
+collects the ranks' timings from files.
+
+* JAX, Bagua algorithms: ``bagua-launch --mpi`` (mpiexec); ``DataParallel`` with the
+  native MPI communicator (``NativeCommunicator.world()``), one CPU device per process.
+  ``async`` also runs its background averager (``algorithm.averager``) over a second MPI
+  communicator; its steps do not wait for the averaging, so it measures local steps.
+  QAdam and OneBitAdam are optimizers themselves (Adam with ``--lr``); the others use
+  SGD with momentum 0.9. The warm-up phases of QAdam and OneBitAdam (full-precision
+  steps) end within the benchmark's warm-up iterations, so the timed steps are the
+  compressed ones.
+* JAX baseline ``pmean``: plain ``bagua-launch`` (no MPI); ``jax.distributed.initialize``
+  at the launcher's ``MASTER_ADDR:MASTER_PORT`` with ``jax_cpu_collectives_implementation
+  = "gloo"``, a 1-D mesh over ``jax.devices()`` and a ``shard_map`` step.
+* torch: plain ``bagua-launch``, gloo. Bagua algorithms by name through
+  ``bagua_torch.with_bagua(model, [optimizer], name)`` after
+  ``bagua_torch.init_process_group("gloo")``; names the registry does not have in this
+  installation (``bagua_torch.algorithms.available_algorithms()``) are skipped with a note.
+
+Every process gets ``JAX_PLATFORMS=cpu`` (with ``--device cpu``, the default) and an
+``XLA_FLAGS`` without ``--xla_force_host_platform_device_count``, so each has exactly one
+device. torch uses ``--threads`` intra-op threads per process (default: cores / processes,
+at least 1). With more processes than cores the machine is oversubscribed; the results
+say so.
+
+How to run
+----------
+    python benchmarks/synthetic.py --framework jax --algorithm all --nproc 2
+    python benchmarks/synthetic.py --framework torch --algorithm bytegrad --nproc 4 --model cnn
+    python benchmarks/synthetic.py --framework torch --algorithm all --nproc 2 --plot
+
+It shows a progress bar while the jobs run, prints each algorithm's result and a final
+table, and writes ``synthetic-<framework>-<N>proc[-<model>].json`` and ``.md`` (device,
+versions, date, exact command, settings) to ``--out`` (default ``benchmarks/results/``),
+plus a ``.png`` bar chart with ``--plot`` (needs matplotlib). Each job's output is kept in
+``<out>/logs/`` only when it fails (``--keep-logs`` keeps all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FRAMEWORKS = ("jax", "torch")
+MODELS = ("mlp", "cnn")
+BASELINES = {"jax": "pmean", "torch": "ddp"}
+BASELINE_LABELS = {"pmean": "jax.lax.pmean (shard_map)", "ddp": "torch DDP"}
+REFERENCE = "gradient_allreduce"
+# Every algorithm name of Bagua, in the order of the table (the baseline comes first).
+ALGORITHM_NAMES = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
+                   "async", "qadam", "onebit_adam")
+ADAM_ALGORITHMS = ("qadam", "onebit_adam")
+NUM_CLASSES = 10
+CHANNELS = 3
+HERE = Path(__file__).resolve()
+
+
+# --------------------------------------------------------------------------- models
+
+def init_params(model: str, image_size: int, width: int, layers: int, seed: int = 0) -> list[np.ndarray]:
+    """The initial weights as a flat list of float32 arrays (the same in both frameworks).
+
+    Dense weights are ``[in, out]`` (torch's Linear takes the transpose); conv weights are
+    ``[out, in, kh, kw]`` (OIHW, torch's layout). He-uniform weights, zero biases.
+    """
+    rng = np.random.default_rng(seed)
+
+    def uniform(shape: tuple[int, ...], fan_in: int) -> np.ndarray:
+        bound = math.sqrt(6.0 / fan_in)
+        return rng.uniform(-bound, bound, shape).astype(np.float32)
+
+    params: list[np.ndarray] = []
+    if model == "mlp":
+        sizes = [CHANNELS * image_size * image_size] + [width] * layers + [NUM_CLASSES]
+        for fan_in, fan_out in zip(sizes[:-1], sizes[1:]):
+            params += [uniform((fan_in, fan_out), fan_in), np.zeros(fan_out, np.float32)]
+        return params
+    if image_size % 4:
+        raise ValueError(f"--model cnn needs an image size divisible by 4, got {image_size}")
+    hidden = max(16, width // 8)
+    flat = 64 * (image_size // 4) ** 2
+    params += [uniform((32, CHANNELS, 3, 3), CHANNELS * 9), np.zeros(32, np.float32)]
+    params += [uniform((64, 32, 3, 3), 32 * 9), np.zeros(64, np.float32)]
+    params += [uniform((flat, hidden), flat), np.zeros(hidden, np.float32)]
+    params += [uniform((hidden, NUM_CLASSES), hidden), np.zeros(NUM_CLASSES, np.float32)]
+    return params
+
+
+def random_batch(batch_size: int, image_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
+    """One rank's fixed batch: NCHW float32 images and int labels."""
+    rng = np.random.default_rng(1000 + rank)
+    x = rng.standard_normal((batch_size, CHANNELS, image_size, image_size), dtype=np.float32)
+    y = rng.integers(0, NUM_CLASSES, batch_size).astype(np.int32)
+    return x, y
+
+
+def jax_model(model: str):
+    """``loss_fn(params, batch)`` of the model in JAX (params: the list of init_params)."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    from jax import lax
+
+    def conv(x, w, b):
+        y = lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"))
+        return y + b[None, :, None, None]
+
+    def pool(x):
+        return lax.reduce_window(x, -jnp.inf, lax.max, (1, 1, 2, 2), (1, 1, 2, 2), "VALID")
+
+    def logits(params, x):
+        if model == "cnn":
+            x = pool(jax.nn.relu(conv(x, params[0], params[1])))
+            x = pool(jax.nn.relu(conv(x, params[2], params[3])))
+            dense = params[4:]
+        else:
+            dense = params
+        x = x.reshape(x.shape[0], -1)
+        for i in range(0, len(dense) - 2, 2):
+            x = jax.nn.relu(x @ dense[i] + dense[i + 1])
+        return x @ dense[-2] + dense[-1]
+
+    def loss_fn(params, batch):
+        x, y = batch
+        return optax.softmax_cross_entropy_with_integer_labels(logits(params, x), y).mean()
+
+    return loss_fn
+
+
+def torch_model(model: str, params: Sequence[np.ndarray]):
+    """The model as a ``torch.nn.Module`` holding ``params``."""
+    import torch
+    from torch import nn
+
+    if model == "cnn":
+        hidden, flat = params[4].shape[1], params[4].shape[0]
+        net = nn.Sequential(
+            nn.Conv2d(CHANNELS, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Flatten(), nn.Linear(flat, hidden), nn.ReLU(), nn.Linear(hidden, NUM_CLASSES),
+        )
+        layers = [net[0], net[3], net[7], net[9]]
+    else:
+        mods: list[nn.Module] = [nn.Flatten()]
+        for i in range(0, len(params), 2):
+            fan_in, fan_out = params[i].shape
+            mods.append(nn.Linear(fan_in, fan_out))
+            if i + 2 < len(params):
+                mods.append(nn.ReLU())
+        net = nn.Sequential(*mods)
+        layers = [m for m in net if isinstance(m, nn.Linear)]
+    with torch.no_grad():
+        for layer, (w, b) in zip(layers, zip(params[0::2], params[1::2]), strict=True):
+            weight = torch.from_numpy(w if w.ndim == 4 else w.T.copy())
+            layer.weight.copy_(weight)
+            layer.bias.copy_(torch.from_numpy(b))
+    return net
+
+
+# --------------------------------------------------------------------------- workers
+
+def _env_int(name: str, default: int) -> int:
+    return int(os.environ.get(name, default))
+
+
+def _rate_line(rank: int, i: int, total: int, rate: float) -> None:
+    if rank == 0:
+        print(f"iter {i + 1}/{total}: {rate:.1f} img/s per device (rank 0)", flush=True)
+
+
+def worker_jax(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of a JAX job; returns its timings."""
+    import jax
+
+    rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    if args.algorithm == BASELINES["jax"]:
+        if size > 1:
+            if jax.config.jax_platforms in (None, "", "cpu"):
+                jax.config.update("jax_cpu_collectives_implementation", "gloo")
+            jax.distributed.initialize(
+                coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                num_processes=size, process_id=rank,
+            )
+        step, state, batch, finish = _jax_pmean_setup(args, rank, size)
+    else:
+        step, state, batch, finish = _jax_bagua_setup(args, rank, size)
+
+    def run(n: int, state):
+        for _ in range(n):
+            state = step(state, batch)
+        jax.block_until_ready(state)
+        return state
+
+    return _time_loop(args, rank, size, run, state, finish)
+
+
+def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int):
+    """The baseline: a shard_map step with lax.pmean over every process's device."""
+    import jax
+    import numpy as np
+    import optax
+    from jax import lax
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    loss_fn = jax_model(args.model)
+    tx = optax.sgd(args.lr, momentum=0.9)
+    devices = jax.devices()
+    if len(devices) != size or jax.local_device_count() != 1:
+        raise RuntimeError(f"expected one device per process, got {len(devices)} devices over {size} processes "
+                           f"({jax.local_device_count()} local)")
+    mesh = Mesh(np.array(devices), ("d",))
+    replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
+
+    def per_device(params, opt_state, batch):
+        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+        grads = lax.pmean(grads, "d")
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "d")
+
+    sharded = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("d")),
+                                    out_specs=(P(), P(), P())), donate_argnums=(0, 1))
+
+    def replicate(leaf):
+        leaf = np.asarray(leaf)
+        return jax.make_array_from_callback(leaf.shape, replicated, lambda index: leaf[index])
+
+    params = [replicate(p) for p in init_params(args.model, args.image_size, args.width, args.layers)]
+    opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
+    x, y = random_batch(args.batch_size, args.image_size, rank)
+    batch = (jax.make_array_from_process_local_data(split, x), jax.make_array_from_process_local_data(split, y))
+
+    def step(state, batch):
+        params, opt_state, loss = sharded(state[0], state[1], batch)
+        return params, opt_state, loss
+
+    return step, (params, opt_state, None), batch, (lambda state: None)
+
+
+def _jax_bagua_setup(args: argparse.Namespace, rank: int, size: int):
+    """A Bagua algorithm: DataParallel over the native (MPI) communicator."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    from bagua_jax import NativeCommunicator
+    from bagua_jax.algorithms import AsyncModelAverage, make_algorithm
+    from bagua_jax.trainer import DataParallel
+
+    comm = NativeCommunicator.world(timeout=args.comm_timeout)
+    if comm.size != size:
+        raise RuntimeError(f"the MPI world has {comm.size} ranks, the launcher says {size}")
+    options: dict[str, Any] = {}
+    if args.algorithm in ADAM_ALGORITHMS:
+        options["warmup_steps"] = _algorithm_warmup_steps(args)
+    algorithm = make_algorithm(args.algorithm, learning_rate=args.lr, **options)
+    optimizer = None if args.algorithm in ADAM_ALGORITHMS else optax.sgd(args.lr, momentum=0.9)
+    trainer = DataParallel(jax_model(args.model), optimizer, algorithm, communicator=comm)
+    state = trainer.init(init_params(args.model, args.image_size, args.width, args.layers))
+    averager = None
+    if isinstance(algorithm, AsyncModelAverage):
+        averager = algorithm.averager(state.params, NativeCommunicator.mpi_world(timeout=args.comm_timeout))
+    x, y = random_batch(args.batch_size, args.image_size, rank)
+    batch = (jnp.asarray(x), jnp.asarray(y))
+
+    def step(state, batch):
+        state, _ = trainer.step(state, batch)
+        if averager is not None:
+            state = state._replace(params=averager.apply(state.params))
+        return state
+
+    def finish(state):
+        if averager is not None:
+            averager.abort()
+        comm.barrier(jnp.zeros((), jnp.float32))
+
+    return step, state, batch, finish
+
+
+def _algorithm_warmup_steps(args: argparse.Namespace) -> int:
+    """Full-precision warm-up steps of QAdam / OneBitAdam: over before the timed iterations."""
+    return max(1, args.warmup_iters * args.batches_per_iter // 2)
+
+
+def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
+    """One rank of a torch job; returns its timings."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    torch.set_num_threads(args.threads)
+    rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    torch.manual_seed(0)
+    net = torch_model(args.model, init_params(args.model, args.image_size, args.width, args.layers))
+    if args.algorithm == BASELINES["torch"]:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.comm_timeout))
+        optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+        model = torch.nn.parallel.DistributedDataParallel(net)
+    else:
+        import bagua_torch
+        from bagua_torch.algorithms import get_algorithm
+
+        bagua_torch.init_process_group("gloo", timeout=args.comm_timeout)
+        # The torch QAdam / OneBitAdam are not written yet; when they are, their optimizer
+        # arguments may need wiring here (Bagua's take the optimizer they come with).
+        algorithm = get_algorithm(args.algorithm)
+        optimizer = (torch.optim.Adam(net.parameters(), lr=args.lr) if args.algorithm in ADAM_ALGORITHMS
+                     else torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9))
+        model = bagua_torch.with_bagua(net, [optimizer], algorithm)
+    x, y = random_batch(args.batch_size, args.image_size, rank)
+    x, y = torch.from_numpy(x), torch.from_numpy(y).long()
+
+    def run(n: int, state):
+        for _ in range(n):
+            optimizer.zero_grad(set_to_none=True)
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+        return state
+
+    def finish(state):
+        if hasattr(model, "close"):
+            model.close()
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+
+    return _time_loop(args, rank, size, run, None, finish)
+
+
+def _time_loop(args, rank: int, size: int, run, state, finish) -> dict[str, Any]:
+    """Warm-up iterations, then timed ones; images/s per iteration on this rank."""
+    start = time.perf_counter()
+    for _ in range(args.warmup_iters):
+        state = run(args.batches_per_iter, state)
+    warmup_s = time.perf_counter() - start
+    if rank == 0:
+        print(f"warm-up done in {warmup_s:.1f} s", flush=True)
+    rates = []
+    for i in range(args.iters):
+        t0 = time.perf_counter()
+        state = run(args.batches_per_iter, state)
+        rates.append(args.batch_size * args.batches_per_iter / (time.perf_counter() - t0))
+        _rate_line(rank, i, args.iters, rates[-1])
+    finish(state)
+    return {"rank": rank, "size": size, "algorithm": args.algorithm, "rates": rates, "warmup_s": warmup_s}
+
+
+def worker_main(args: argparse.Namespace) -> None:
+    result = worker_jax(args) if args.framework == "jax" else worker_torch(args)
+    rank = result["rank"]
+    path = Path(f"{args.result}.rank{rank}")
+    path.write_text(json.dumps(result) + "\n")
+    if rank == 0:
+        print(json.dumps({k: result[k] for k in ("algorithm", "size", "rates")}), flush=True)
+
+
+# --------------------------------------------------------------------------- the parent
+
+class ProgressBar:
+    """A one-line text progress bar (a line per update when not on a terminal)."""
+
+    def __init__(self, total: float, width: int = 30) -> None:
+        self.total, self.width, self.start = total, width, time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._last = ""
+
+    def show(self, done: float, label: str, *, force: bool = False) -> None:
+        frac = min(1.0, done / self.total) if self.total else 1.0
+        filled = int(round(frac * self.width))
+        elapsed = time.perf_counter() - self.start
+        line = (f"[{'#' * filled}{'-' * (self.width - filled)}] {done:4.1f}/{self.total:g} jobs "
+                f"{_clock(elapsed)}  {label}")
+        if self.tty:
+            sys.stderr.write("\r" + line[:150].ljust(len(self._last)))
+            sys.stderr.flush()
+            self._last = line[:150]
+        elif force:
+            print(line, file=sys.stderr, flush=True)
+
+    def clear(self) -> None:
+        if self.tty and self._last:
+            sys.stderr.write("\r" + " " * len(self._last) + "\r")
+            sys.stderr.flush()
+            self._last = ""
+
+
+def _clock(seconds: float) -> str:
+    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
+
+
+def child_environment(args: argparse.Namespace) -> dict[str, str]:
+    """Each rank's environment: one device per process, JAX on the CPU (with --device cpu)."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith("--xla_force_host_platform_device_count")]
+    if flags:
+        env["XLA_FLAGS"] = " ".join(flags)
+    else:
+        env.pop("XLA_FLAGS", None)
+    if args.device == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent.parent), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def worker_command(args: argparse.Namespace, algorithm: str, result: Path) -> list[str]:
+    launch = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(args.nproc),
+              "--timeout", str(args.job_timeout), "--grace", "5"]
+    if args.framework == "jax" and algorithm != BASELINES["jax"]:
+        launch.append("--mpi")
+    return launch + [
+        str(HERE), "--worker", "--framework", args.framework, "--algorithm", algorithm, "--result", str(result),
+        "--model", args.model, "--batch-size", str(args.batch_size), "--width", str(args.width),
+        "--layers", str(args.layers), "--image-size", str(args.image_size), "--lr", str(args.lr),
+        "--warmup-iters", str(args.warmup_iters), "--iters", str(args.iters),
+        "--batches-per-iter", str(args.batches_per_iter), "--threads", str(args.threads),
+        "--comm-timeout", str(args.comm_timeout), "--device", args.device,
+    ]
+
+
+def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: ProgressBar, done: int) -> dict[str, Any]:
+    """Launch one algorithm's job, follow its progress; its row of results."""
+    result = tmp / f"{algorithm}.json"
+    log = tmp / f"{algorithm}.log"
+    cmd = worker_command(args, algorithm, result)
+    start = time.perf_counter()
+    iter_re = re.compile(rb"^\[rank 0\] iter (\d+)/", re.M)
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env=child_environment(args), cwd=HERE.parent.parent)
+        while proc.poll() is None:
+            time.sleep(0.5)
+            text = log.read_bytes()
+            iters = [int(m) for m in iter_re.findall(text)]
+            phase = f"{iters[-1]}/{args.iters} iters" if iters else (
+                "timing" if b"warm-up done" in text else "starting / warm-up")
+            bar.show(done + (iters[-1] / (args.iters + 1) if iters else 0.0), f"{algorithm}: {phase}")
+            if time.perf_counter() - start > args.job_timeout + 30:
+                proc.kill()
+                proc.wait()
+    wall = time.perf_counter() - start
+    row: dict[str, Any] = {"algorithm": algorithm, "wall_s": round(wall, 1), "command": shlex.join(cmd)}
+    ranks = []
+    for r in range(args.nproc):
+        path = Path(f"{result}.rank{r}")
+        if path.exists():
+            ranks.append(json.loads(path.read_text()))
+    if proc.returncode != 0 or len(ranks) != args.nproc:
+        row["status"] = "failed"
+        tail = log.read_text(errors="replace").splitlines()[-args.tail_lines:]
+        row["error"] = f"exit code {proc.returncode}; " + " | ".join(line.strip() for line in tail[-3:])
+        row["log_tail"] = tail
+        keep = args.out / "logs"
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, keep / f"synthetic-{args.framework}-{args.nproc}proc-{algorithm}.log")
+        return row
+    if args.keep_logs:
+        keep = args.out / "logs"
+        keep.mkdir(parents=True, exist_ok=True)
+        shutil.copy(log, keep / f"synthetic-{args.framework}-{args.nproc}proc-{algorithm}.log")
+    per_iter = np.mean(np.array([r["rates"] for r in ranks]), axis=0)  # mean over ranks, per iteration
+    mean = float(np.mean(per_iter))
+    ci = 1.96 * float(np.std(per_iter, ddof=1)) / math.sqrt(len(per_iter)) if len(per_iter) > 1 else float("nan")
+    row.update({
+        "status": "ok",
+        "per_device": mean, "per_device_ci95": ci,
+        "total": mean * args.nproc, "total_ci95": ci * args.nproc,
+        "per_iteration_per_device": [float(v) for v in per_iter],
+        "per_rank_mean": [float(np.mean(r["rates"])) for r in ranks],
+        "warmup_s": max(r["warmup_s"] for r in ranks),
+    })
+    return row
+
+
+def _pm(value: float | None, ci: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.1f} ± {ci:.1f}" if ci is not None and not math.isnan(ci) else f"{value:.1f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}x"
+
+
+def add_ratios(rows: list[dict[str, Any]], framework: str) -> None:
+    speeds = {r["algorithm"]: r.get("total") for r in rows if r.get("status") == "ok"}
+    base, ref = speeds.get(BASELINES[framework]), speeds.get(REFERENCE)
+    for r in rows:
+        total = r.get("total") if r.get("status") == "ok" else None
+        r["vs_baseline"] = total / base if total and base else None
+        r["vs_gradient_allreduce"] = total / ref if total and ref else None
+
+
+def table_lines(rows: Sequence[dict[str, Any]], framework: str) -> list[str]:
+    base = BASELINE_LABELS[BASELINES[framework]]
+    lines = [f"| algorithm | img/s per device | img/s total | vs {base} | vs gradient_allreduce |",
+             "|---|---:|---:|---:|---:|"]
+    for r in rows:
+        name = r["algorithm"] + (f" (baseline: {base})" if r["algorithm"] == BASELINES[framework] else "")
+        if r.get("status") != "ok":
+            lines.append(f"| {name} | {r.get('status')} | — | — | — |")
+            continue
+        lines.append(f"| {name} | {_pm(r['per_device'], r['per_device_ci95'])} | "
+                     f"{_pm(r['total'], r['total_ci95'])} | {_ratio(r['vs_baseline'])} | "
+                     f"{_ratio(r['vs_gradient_allreduce'])} |")
+    return lines
+
+
+def print_table(rows: Sequence[dict[str, Any]], framework: str, nproc: int) -> None:
+    base = BASELINES[framework]
+    print(f"\n{'algorithm':<30}{'img/s/device':>18}{'img/s total':>20}{'vs ' + base:>10}{'vs allreduce':>14}")
+    for r in rows:
+        if r.get("status") != "ok":
+            print(f"{r['algorithm']:<30}{r.get('status', '?'):>18}")
+            continue
+        print(f"{r['algorithm']:<30}{_pm(r['per_device'], r['per_device_ci95']):>18}"
+              f"{_pm(r['total'], r['total_ci95']):>20}{_ratio(r['vs_baseline']):>10}"
+              f"{_ratio(r['vs_gradient_allreduce']):>14}")
+    print(f"({nproc} processes; ± is the 95% interval over the timed iterations)")
+
+
+def device_info(device: str) -> dict[str, Any]:
+    model = "unknown CPU"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    info = {"kind": device, "name": f"{model}, {cores} cores", "model": model, "cores": cores}
+    if device == "gpu":
+        info["name"] = "GPU (one per process) on " + info["name"]
+    return info
+
+
+def versions(framework: str) -> dict[str, Any]:
+    from importlib import metadata
+
+    info: dict[str, Any] = {"python": sys.version.split()[0], "numpy": np.__version__}
+    for package in (("jax", "jaxlib", "optax") if framework == "jax" else ("torch",)):
+        try:
+            info[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            info[package] = "not installed"
+    mpiexec = shutil.which("mpiexec")
+    if framework == "jax" and mpiexec:
+        try:
+            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20).stdout
+            info["mpiexec"] = " ".join(out.split())[:80]
+        except (OSError, subprocess.SubprocessError):
+            pass
+    return info
+
+
+def _load_average() -> list[float]:
+    try:
+        return [round(v, 2) for v in os.getloadavg()]
+    except (OSError, AttributeError):
+        return [0.0]
+
+
+def parameter_count(args: argparse.Namespace) -> int:
+    return int(sum(p.size for p in init_params(args.model, args.image_size, args.width, args.layers)))
+
+
+def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[Path]:
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = f"synthetic-{args.framework}-{args.nproc}proc" + ("" if args.model == "mlp" else f"-{args.model}")
+    base = BASELINE_LABELS[BASELINES[args.framework]]
+    s = meta["settings"]
+    md = [
+        f"# Bagua synthetic benchmark: {args.framework}, {args.nproc} processes, {args.model}",
+        "",
+        f"- command: `{meta['command']}`",
+        f"- date: {meta['date']}",
+        f"- device: {meta['device']['kind']}, {meta['device']['name']}; one device per process",
+        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        (f"- model: {args.model} ({meta['parameters']:,} parameters, {meta['parameters'] * 4 / 1e6:.1f} MB fp32 "
+         f"gradient); batch {s['batch_size']} per process of {s['image_size']}x{s['image_size']}x3 random images"),
+        (f"- {s['warmup_iters']} warm-up iterations, then {s['iters']} timed iterations of "
+         f"{s['batches_per_iter']} steps; torch threads per process: {s['threads']}"),
+        (f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, "
+         f"after: {meta['load_average_after']}; total time {meta['total_s']:.0f} s"),
+    ]
+    if meta["oversubscribed"]:
+        md.append(f"- **oversubscribed**: {args.nproc} processes on {meta['device']['cores']} cores, so the "
+                  "processes share cores and these figures measure contention as much as communication")
+    md += ["", "img/s per device is the mean over ranks and then over the timed iterations, ± the 95% interval",
+           "(1.96 std / sqrt(iterations)); total = per device x processes. Ratios are total img/s over the",
+           f"baseline's ({base}) and over Bagua's gradient_allreduce, both measured in this run.",
+           "`async` steps do not wait for its background weight averaging, so it measures local steps.", "",
+           *table_lines(rows, args.framework), ""]
+    notes = meta.get("notes", [])
+    failed = [r for r in rows if r.get("status") == "failed"]
+    if notes or failed:
+        md += ["## Notes", ""] + [f"- {n}" for n in notes]
+        md += [f"- {r['algorithm']} failed: {r.get('error', '')}" for r in failed]
+        md.append("")
+    paths = [args.out / f"{stem}.md", args.out / f"{stem}.json"]
+    paths[0].write_text("\n".join(md))
+    paths[1].write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    if args.plot:
+        png = plot(args, rows, args.out / f"{stem}.png", meta)
+        if png:
+            paths.append(png)
+    return paths
+
+
+def plot(args: argparse.Namespace, rows: Sequence[dict[str, Any]], path: Path, meta: dict[str, Any]) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: --plot needs matplotlib (pip install matplotlib); no chart written", file=sys.stderr)
+        return None
+    ok = [r for r in rows if r.get("status") == "ok"]
+    if not ok:
+        return None
+    names = [r["algorithm"] for r in ok]
+    colors = ["tab:gray" if n == BASELINES[args.framework] else "tab:blue" if n == REFERENCE else "tab:orange"
+              for n in names]
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(ok) + 2), 4.5))
+    bars = ax.bar(names, [r["total"] for r in ok], yerr=[r["total_ci95"] for r in ok], capsize=4, color=colors)
+    for bar, r in zip(bars, ok):
+        if r.get("vs_baseline"):
+            ax.annotate(f"{r['vs_baseline']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                        ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+    ax.set_ylabel("images/s, all processes (95% interval)")
+    over = " (oversubscribed)" if meta["oversubscribed"] else ""
+    ax.set_title(f"{args.framework}, {args.model}, {args.nproc} processes on {meta['device']['cores']} "
+                 f"{meta['device']['kind']} cores{over}\nratios vs {BASELINE_LABELS[BASELINES[args.framework]]}",
+                 fontsize=10)
+    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def select_algorithms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
+    """The jobs to run (the baseline and gradient_allreduce first) and notes on skipped names."""
+    base = BASELINES[args.framework]
+    wanted = [base, *ALGORITHM_NAMES] if args.algorithm == ["all"] else list(args.algorithm)
+    if args.framework == "jax":
+        from bagua_jax.algorithms import ALGORITHMS as available_jax
+
+        available = [*available_jax]
+    else:
+        from bagua_torch.algorithms import available_algorithms
+
+        available = available_algorithms()
+    jobs, notes = [], []
+    for name in dict.fromkeys(wanted):
+        if name == base or name in available:
+            jobs.append(name)
+        elif name in ALGORITHM_NAMES:
+            notes.append(f"{name}: not available in this installation's {args.framework} registry; skipped")
+        else:
+            raise SystemExit(f"unknown algorithm {name!r} for --framework {args.framework}; "
+                             f"choose from {', '.join([base, *available])} or all")
+    return jobs, notes
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--framework", choices=FRAMEWORKS, default="jax", help="jax (default) or torch")
+    parser.add_argument("--algorithm", nargs="+", default=["all"], metavar="NAME",
+                        help="algorithm names, the baseline (pmean for jax, ddp for torch) or 'all' (default)")
+    parser.add_argument("--nproc", type=int, default=2, help="processes, one device each (default 2)")
+    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
+                        help="cpu (default; sets JAX_PLATFORMS=cpu) or gpu")
+    parser.add_argument("--model", choices=MODELS, default="mlp", help="mlp (default, large gradient) or cnn")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per process per step (default 32)")
+    parser.add_argument("--width", type=int, default=1024,
+                        help="mlp hidden width; the cnn's dense layer is width/8 (default 1024)")
+    parser.add_argument("--layers", type=int, default=4, help="mlp hidden layers (default 4)")
+    parser.add_argument("--image-size", type=int, default=32, help="square image side (default 32)")
+    parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
+    parser.add_argument("--warmup-iters", type=int, default=2, help="untimed iterations (default 2)")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
+    parser.add_argument("--batches-per-iter", type=int, default=5, help="steps per iteration (default 5)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch intra-op threads per process (default: cores / processes, at least 1)")
+    parser.add_argument("--job-timeout", type=float, default=300, help="seconds per algorithm's job (default 300)")
+    parser.add_argument("--comm-timeout", type=float, default=120, help="collective timeout in seconds")
+    parser.add_argument("--out", type=Path, default=HERE.parent / "results",
+                        help="results directory (default benchmarks/results)")
+    parser.add_argument("--plot", action="store_true", help="also write a PNG bar chart (needs matplotlib)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep every job's output under <out>/logs")
+    parser.add_argument("--tail-lines", type=int, default=20, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    for name in ("nproc", "batch_size", "width", "layers", "image_size", "iters", "batches_per_iter"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.warmup_iters < 1:
+        parser.error("--warmup-iters must be at least 1 (the first iteration compiles)")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if args.threads is None:
+        args.threads = max(1, cores // args.nproc)
+    if args.worker:
+        args.algorithm = args.algorithm[0]
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
+    args = parse_args(argv)
+    if args.worker:
+        worker_main(args)
+        return None
+    argv_used = sys.argv[1:] if argv is None else list(argv)
+    jobs, notes = select_algorithms(args)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    device = device_info(args.device)
+    meta: dict[str, Any] = {
+        "command": shlex.join(["python", os.path.relpath(HERE, Path.cwd()) if HERE.is_relative_to(Path.cwd())
+                               else str(HERE), *argv_used]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "device": device,
+        "versions": versions(args.framework),
+        "framework": args.framework,
+        "nproc": args.nproc,
+        "baseline": BASELINES[args.framework],
+        "oversubscribed": args.device == "cpu" and args.nproc > device["cores"],
+        "parameters": parameter_count(args),
+        "settings": {k: getattr(args, k) for k in ("model", "batch_size", "width", "layers", "image_size", "lr",
+                                                   "warmup_iters", "iters", "batches_per_iter", "threads")},
+        "notes": notes,
+        "load_average_before": _load_average(),
+    }
+    if meta["oversubscribed"]:
+        print(f"note: {args.nproc} processes on {device['cores']} cores: oversubscribed", file=sys.stderr)
+    print(f"{args.framework}: {args.nproc} processes on {device['name']}; model {args.model} "
+          f"({meta['parameters']:,} parameters), batch {args.batch_size} per process; "
+          f"jobs: {' '.join(jobs)}", flush=True)
+    rows: list[dict[str, Any]] = []
+    bar = ProgressBar(len(jobs))
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bagua-synthetic-") as tmp:
+        for i, name in enumerate(jobs):
+            bar.show(i, f"{name}: starting", force=True)
+            row = run_job(args, name, Path(tmp), bar, i)
+            rows.append(row)
+            bar.clear()
+            if row["status"] == "ok":
+                print(f"{name:<30} {_pm(row['per_device'], row['per_device_ci95']):>16} img/s per device, "
+                      f"{_pm(row['total'], row['total_ci95']):>18} img/s total  ({row['wall_s']:.0f} s)", flush=True)
+            else:
+                print(f"{name:<30} FAILED ({row['wall_s']:.0f} s): {row['error']}", flush=True)
+        bar.show(len(jobs), "done", force=True)
+        bar.clear()
+    meta["total_s"] = round(time.perf_counter() - start, 1)
+    meta["load_average_after"] = _load_average()
+    add_ratios(rows, args.framework)
+    print_table(rows, args.framework, args.nproc)
+    for path in write_results(args, meta, rows):
+        print(f"wrote {path}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()

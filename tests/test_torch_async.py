@@ -1,0 +1,259 @@
+"""AsyncModelAverageAlgorithm ("async") through the PyTorch wrapper, against NumPy references.
+
+Jobs of real processes (torch_async_workers.py; several scenarios per job): gloo on 2 and
+4 ranks (the rounds on a new process group), and the native MPI communicator under
+``mpiexec`` on 2 ranks (the rounds on ``world.split``). The task is the linear regression
+of ``async_workers.py`` where each rank has its own optimum, so that ranks training alone
+drift apart. The tests check:
+
+* warm-up: gradient allreduce, bit-identical to GradientAllReduce in the same job and
+  equal to a NumPy simulation of synchronous SGD; no thread before warm-up ends;
+* after warm-up: the ranks' weights stay close (spread far below local SGD's) and the
+  loss over all ranks' data goes down;
+* the update rule ``x + sum / n - s`` exactly (NumPy reference kernel) for one forced round;
+* abort/resume: every rank stops at the same round (also when only rank 0 aborts), no hang;
+* a step never waits for a round in flight;
+* checkpoints (the step counter) and configuration errors.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from async_workers import BATCH, DIM, LR, batch, optimum, rank_params
+from multiprocess import run_ranks
+from reference import async_average as async_average_reference
+
+import bagua_torch
+from bagua_torch.algorithms import AsyncModelAverageAlgorithm, algorithm_class, get_algorithm
+
+F32_EPS = float(np.finfo(np.float32).eps)
+
+JOBS = {
+    "gloo-2": {"n": 2, "launcher": "python",
+               "scenarios": ["warmup", "train", "one_round", "abort_resume", "never_waits", "checkpoint", "errors"]},
+    "gloo-4": {"n": 4, "launcher": "python", "scenarios": ["warmup", "train", "one_round", "abort_resume"]},
+    "mpi-2": {"n": 2, "launcher": "mpiexec", "scenarios": ["warmup", "one_round", "abort_resume"]},
+}
+_cache: dict[str, tuple[int, list[dict]]] = {}
+
+
+def _has_mpi() -> bool:
+    beside = (Path(sys.executable).parent / "mpiexec").exists()
+    return bool(bagua_torch.build_info().get("mpi")) and (beside or shutil.which("mpiexec") is not None)
+
+
+def job(name: str) -> tuple[int, list[dict]]:
+    """Run the job once per test session; (seed, per-rank values sorted by rank)."""
+    if name not in _cache:
+        spec = JOBS[name]
+        if spec["launcher"] == "mpiexec" and not _has_mpi():
+            pytest.skip("built without the MPI engine, or no mpiexec")
+        seed = int(np.random.default_rng().integers(2**20))
+        results = run_ranks("torch_async_workers:job", spec["n"], seed, spec["scenarios"], launcher=spec["launcher"],
+                            timeout=240)
+        _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
+    return _cache[name]
+
+
+def jobs_with(scenario: str) -> list[str]:
+    return [name for name, spec in JOBS.items() if scenario in spec["scenarios"]]
+
+
+# ---- NumPy references ----------------------------------------------------------------------
+
+
+def numpy_grad(theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Gradient of ``0.5 * mean((x w + b - y)^2)`` with respect to ``[w, b]``."""
+    residual = x @ theta[:DIM] + theta[DIM] - y
+    return np.concatenate([x.T @ residual / BATCH, [residual.mean()]]).astype(np.float32)
+
+
+def numpy_sgd(seed: int, n: int, steps: int, averaged_steps: int) -> np.ndarray:
+    """All ranks' weights after each step (``[steps, n, DIM + 1]``): gradients averaged for the first
+    ``averaged_steps`` steps (synchronous allreduce SGD), local SGD afterwards."""
+    theta = np.zeros((n, DIM + 1), np.float32)
+    history = []
+    for t in range(steps):
+        grads = np.stack([numpy_grad(theta[r], *batch(seed, r, t)) for r in range(n)])
+        if t < averaged_steps:
+            grads[:] = grads.mean(0)
+        theta = (theta - np.float32(LR) * grads).astype(np.float32)
+        history.append(theta.copy())
+    return np.stack(history)
+
+
+def global_loss(theta: np.ndarray, seed: int, n: int) -> float:
+    """Expected loss over all ranks' data: half the mean squared distance to the ranks' optima."""
+    return float(np.mean([0.5 * np.sum((theta - optimum(seed, r)) ** 2) for r in range(n)]))
+
+
+# ---- single process ----------------------------------------------------------------------------
+
+
+def test_registry_name_and_defaults():
+    assert algorithm_class("async") is AsyncModelAverageAlgorithm
+    assert AsyncModelAverageAlgorithm.name == "async"
+    assert get_algorithm("async") == AsyncModelAverageAlgorithm(sync_interval_ms=500, warmup_steps=0)
+    assert get_algorithm("async", warmup_steps=3).warmup_steps == 3
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sync_interval_ms": -1}, "sync_interval_ms must be a finite number"),
+        ({"sync_interval_ms": float("nan")}, "sync_interval_ms must be a finite number"),
+        ({"sync_interval_ms": float("inf")}, "sync_interval_ms must be a finite number"),
+        ({"sync_interval_ms": True}, "sync_interval_ms must be a finite number"),
+        ({"sync_interval_ms": "10"}, "sync_interval_ms must be a finite number"),
+        ({"warmup_steps": -1}, "warmup_steps must be a non-negative int"),
+        ({"warmup_steps": 1.5}, "warmup_steps must be a non-negative int"),
+        ({"warmup_steps": True}, "warmup_steps must be a non-negative int"),
+    ],
+)
+def test_bad_configuration_is_rejected(kwargs, message):
+    with pytest.raises(ValueError, match=f"async: {message}"):
+        AsyncModelAverageAlgorithm(**kwargs)
+
+
+# ---- multi-process -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", jobs_with("warmup"))
+def test_warmup_equals_synchronous_allreduce_sgd(name):
+    seed, results = job(name)
+    n, steps = len(results), 6
+    expected = numpy_sgd(seed, n, steps, averaged_steps=steps)
+    for res in results:
+        got = res["warmup"]
+        # The same collective on the same gradients as GradientAllReduce: bit-identical.
+        assert got["history"].tobytes() == got["allreduce"].tobytes()
+        # float32 rounding of torch's gradient and of the allreduce's sum versus NumPy's, over a few steps.
+        np.testing.assert_allclose(got["history"], expected[:, res["rank"]], rtol=1e-5, atol=1e-6)
+        assert got["history"].tobytes() == results[0]["warmup"]["history"].tobytes()  # identical replicas
+        assert got["hooks"] == [True] * steps
+        # No thread during warm-up; it starts once warmup_steps steps are done, before any round.
+        assert got["running"][:-1] == [False] * (steps - 1)
+        assert got["rounds"] == 0 and got["joined"] and got["steps"] == steps
+        assert got["comm"] == ("NativeCommunicator" if res["native"] else "ProcessGroupCommunicator")
+    if name.startswith("mpi"):
+        assert all(res["native"] for res in results)
+
+
+@pytest.mark.parametrize("name", jobs_with("train"))
+def test_background_averaging_keeps_replicas_together_and_trains(name):
+    seed, results = job(name)
+    n, warmup = len(results), 5
+    got = np.stack([res["train"]["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
+    steps = got.shape[0]
+    local = numpy_sgd(seed, n, steps, averaged_steps=warmup)
+    np.testing.assert_allclose(got[:warmup], local[:warmup], rtol=1e-5, atol=1e-6)
+    for res in results:
+        assert res["train"]["hooks"] == [True] * warmup + [False] * (steps - warmup)
+        assert res["train"]["joined"]
+    rounds = {res["train"]["rounds"] for res in results}
+    assert len(rounds) == 1 and rounds.pop() >= 3, [res["train"]["rounds"] for res in results]
+
+    def spread(thetas: np.ndarray) -> float:  # mean distance of the ranks from their mean
+        return float(np.mean(np.linalg.norm(thetas - thetas.mean(0), axis=-1)))
+
+    # Once the first rank finishes and aborts, the others' last steps are local: judge the steps that
+    # every rank took with its averaging thread running.
+    last = min(max(t for t, running in enumerate(res["train"]["running"]) if running) for res in results)
+    assert last >= warmup + 50, [sum(res["train"]["running"]) for res in results]
+    averaged_spread = np.mean([spread(got[t]) for t in range(warmup, last + 1)])
+    local_spread = np.mean([spread(local[t]) for t in range(warmup, last + 1)])
+    assert averaged_spread < 0.5 * local_spread, (averaged_spread, local_spread)
+    # The loss over all ranks' data goes down, well below where the ranks get alone (same margin and
+    # measure as the JAX version's test: the fraction of the initial loss above the best consensus).
+    initial = global_loss(np.zeros(DIM + 1), seed, n)
+    best = global_loss(np.mean([optimum(seed, r) for r in range(n)], 0), seed, n)
+    excess = [(global_loss(theta, seed, n) - best) / (initial - best) for theta in got[last]]
+    excess_alone = [(global_loss(theta, seed, n) - best) / (initial - best) for theta in local[last]]
+    assert max(excess) < 0.5 * np.mean(excess_alone), (excess, excess_alone)
+
+
+@pytest.mark.parametrize("name", jobs_with("one_round"))
+def test_one_round_applies_sum_over_n_minus_snapshot(name):
+    seed, results = job(name)
+    n = len(results)
+    snapshots = [rank_params(seed, r, 0) for r in range(n)]
+    for res in results:
+        got_round = res["one_round"]
+        assert got_round["started"]  # warmup_steps=0: the thread runs from the wrap, no gradient hooks
+        assert got_round["rounds"] == 1 and got_round["joined"]
+        assert got_round["unchanged"] and got_round["idle_step_s"] < 0.5  # no round finished: weights untouched
+        x = rank_params(seed, res["rank"], got_round["corrected_from"])
+        for key, dtype in (("w", "torch.float32"), ("b", "torch.bfloat16")):
+            got, got_dtype = got_round["out"][key]
+            assert got_dtype == dtype
+            sums = np.sum([s[key].astype(np.float64) for s in snapshots], 0)
+            expected = async_average_reference(x[key], sums.astype(np.float32), snapshots[res["rank"]][key], n)
+            expected = expected.astype(x[key].dtype).astype(np.float32)  # rounded once to the parameter's dtype
+            if n == 2:
+                # The sum of two floats does not depend on the order: the kernel's math exactly.
+                np.testing.assert_array_equal(got, expected)
+            else:
+                # The allreduce may add 4 snapshots in another order (float32 roundings of the sum's terms,
+                # divided by n); bfloat16 results are the float32 value rounded once more.
+                bound = n * F32_EPS * np.abs(np.stack([s[key].astype(np.float32) for s in snapshots])).max()
+                if x[key].dtype == ml_dtypes.bfloat16:
+                    bound = bound + 2.0**-8 * np.abs(expected)
+                np.testing.assert_array_less(np.abs(got - expected), bound + 1e-30)
+
+
+@pytest.mark.parametrize("name", jobs_with("abort_resume"))
+def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(name):
+    _, results = job(name)
+    phases = [res["abort_resume"] for res in results]
+    for phase in ("a", "b", "c", "closed"):
+        assert len({p[phase] for p in phases}) == 1, [p[phase] for p in phases]
+        assert phases[0][phase][1] is False  # the thread was joined
+    rounds_a, rounds_b, rounds_c, rounds_closed = (phases[0][phase][0] for phase in ("a", "b", "c", "closed"))
+    assert rounds_a >= 1 and rounds_b > rounds_a and rounds_closed >= rounds_c >= rounds_b
+    for res, p in zip(results, phases):
+        assert p["a_after_steps"] == rounds_a  # no rounds while aborted
+        assert "RuntimeError: async: resume() restarts averaging stopped by abort()" in p["resume_twice"]
+        if res["rank"] != 0:
+            assert p["stopped_by_peer"]  # rank 0's abort alone stopped this rank's thread
+
+
+def test_a_step_never_waits_for_a_round_in_flight():
+    _, results = job("gloo-2")
+    busy = results[0]["never_waits"]
+    # Rank 1 made no progress for the whole window, so rank 0's round could not finish: at most the
+    # round already past its flag when the stall began completes.
+    assert busy["rounds_during"] <= 1
+    # Meanwhile rank 0 kept stepping: every opt.step() returned without waiting. One costs well under
+    # a millisecond; 0.25 s leaves room for a busy machine and is still far below the 1.5 s stall.
+    assert len(busy["step_s"]) >= 50, len(busy["step_s"])
+    assert busy["step_s"].max() < 0.25, busy["step_s"].max()
+    assert busy["loop_s"] < 0.8 * 1.5 + 0.3
+    assert results[0]["never_waits"]["rounds"] == results[1]["never_waits"]["rounds"]
+
+
+def test_checkpoint_restores_the_step_counter():
+    _, results = job("gloo-2")
+    for res in results:
+        got = res["checkpoint"]
+        assert got["saved_state"] == {"steps": 3}
+        assert got["hooks"] == [True, True, False]  # two more warm-up steps after the restore, then local
+        assert got["running"] == [False, False, True]
+        np.testing.assert_array_equal(got["resumed"], got["straight"])
+        for message in got["bad_state"]:
+            assert message.startswith("ValueError: async: the checkpoint must hold {'steps': int >= 0}"), message
+
+
+def test_configuration_errors():
+    _, results = job("gloo-2")
+    for res in results:
+        got = res["errors"]
+        assert got["no_optimizer"].startswith("ValueError: async: pass the optimizers to the wrapper"), got
+        assert got["float64"] == ("TypeError: async: parameter b has dtype torch.float64; asynchronous averaging "
+                                  "takes float32, float16, bfloat16 only"), got
+        assert got["resume_running"].startswith("RuntimeError: async: resume() restarts averaging"), got

@@ -1,0 +1,335 @@
+"""Rank bodies for test_torch_async.py: AsyncModelAverageAlgorithm through the PyTorch wrapper.
+
+One job per configuration (gloo on 2 and 4 ranks, the native MPI communicator under
+mpiexec) runs several scenarios and returns a dict per scenario. The task is the linear
+regression of ``async_workers.py`` (plain NumPy data, each rank with its own optimum, so
+ranks training alone drift apart), so the test process rebuilds every batch.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from async_workers import DIM, LR, batch, rank_params
+from torch import nn
+
+
+class Linear(nn.Module):
+    """``x w + b`` from zeros: the linear model of async_workers.py."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(DIM))
+        self.b = nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.w + self.b
+
+
+class TwoDtypes(nn.Module):
+    """A float32 matrix and a bfloat16 vector (two buckets), for the update rule."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.zeros(5, 3))
+        self.b = nn.Parameter(torch.zeros(7, dtype=torch.bfloat16))
+
+
+def flat(model: Linear) -> np.ndarray:
+    return np.concatenate([model.w.detach().numpy(), model.b.detach().numpy().reshape(1)]).copy()
+
+
+def wrap(model: nn.Module, optimizer, algorithm, group):
+    import bagua_torch
+
+    return bagua_torch.with_bagua(model, [optimizer], algorithm, process_group=group)
+
+
+def step(wrapped, optimizer, x: np.ndarray, y: np.ndarray) -> float:
+    optimizer.zero_grad()
+    residual = wrapped(torch.from_numpy(x)) - torch.from_numpy(y)
+    loss = 0.5 * (residual**2).mean()
+    loss.backward()
+    optimizer.step()
+    return float(loss)
+
+
+def set_params(model: nn.Module, values: dict) -> None:
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(np.asarray(values[name]).astype(np.float32)).to(p.dtype))
+
+
+def params_np(model: nn.Module) -> dict:
+    return {name: p.detach().float().numpy().copy() for name, p in model.named_parameters()}
+
+
+def _error(call) -> str:
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 (reported to the test)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
+# ----------------------------------------------------------------------------- scenarios
+
+
+def train(seed: int, rank: int, group, steps: int, warmup_steps: int, sync_interval_ms: float, sleep_s: float,
+          compare_allreduce: bool = False) -> dict:
+    """SGD with AsyncModelAverage: weights after every step, whether the thread ran after each step, rounds."""
+    from bagua_torch.algorithms import AsyncModelAverageAlgorithm
+
+    out = {}
+    if compare_allreduce:  # the same steps with GradientAllReduce, in the same job
+        model = Linear()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        wrapped = wrap(model, opt, "gradient_allreduce", group)
+        history = []
+        for t in range(steps):
+            step(wrapped, opt, *batch(seed, rank, t))
+            history.append(flat(model))
+        wrapped.close()
+        out["allreduce"] = np.stack(history)
+    model = Linear()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    algo = AsyncModelAverageAlgorithm(sync_interval_ms=sync_interval_ms, warmup_steps=warmup_steps)
+    wrapped = wrap(model, opt, algo, group)
+    impl = wrapped.algorithm_impl
+    history, running, hooks = [], [], []
+    for t in range(steps):
+        hooks.append(impl.need_gradient_hooks)
+        step(wrapped, opt, *batch(seed, rank, t))
+        history.append(flat(model))
+        running.append(impl.running)
+        time.sleep(sleep_s)
+    impl.abort()
+    out.update(history=np.stack(history), running=running, hooks=hooks, rounds=impl.rounds,
+               joined=not impl.running, steps=impl.steps, comm=type(impl.comm).__name__)
+    wrapped.close()
+    return out
+
+
+def one_round(seed: int, rank: int, group) -> dict:
+    """Force exactly one round with the snapshot ``p0``, apply it to ``p1``; a later step, with no round
+    finished, must leave the weights ``p2`` unchanged. Steps are ``opt.step()`` with no gradients (the
+    optimizer skips the parameters; the wrapper's step hooks run)."""
+    from bagua_torch.algorithms import AsyncModelAverageAlgorithm
+
+    p0, p1, p2 = (rank_params(seed, rank, tag) for tag in range(3))
+    model = TwoDtypes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    # A minute between rounds: round 0 starts at once, round 1 never within this test.
+    wrapped = wrap(model, opt, AsyncModelAverageAlgorithm(sync_interval_ms=60_000), group)
+    impl = wrapped.algorithm_impl
+    started = impl.running and not impl.need_gradient_hooks
+    set_params(model, p0)
+    deadline = time.monotonic() + 30
+    corrected_from = None
+    while impl.rounds < 1 and time.monotonic() < deadline:
+        opt.step()  # hands p0 over as the snapshot when the thread asks
+        if any(not np.array_equal(v, np.asarray(p0[k]).astype(np.float32)) for k, v in params_np(model).items()):
+            corrected_from = 0  # the round finished between the check and the step
+            break
+        time.sleep(0.001)
+    if corrected_from is None:
+        corrected_from = 1
+        set_params(model, p1)
+        opt.step()
+    out_params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    set_params(model, p2)
+    start = time.monotonic()
+    opt.step()
+    idle_step_s = time.monotonic() - start
+    unchanged = all(np.array_equal(v, np.asarray(p2[k]).astype(np.float32)) for k, v in params_np(model).items())
+    impl.abort()
+    result = {
+        "started": started,
+        "corrected_from": corrected_from,
+        "out": {k: (v.float().numpy(), str(v.dtype)) for k, v in out_params.items()},
+        "unchanged": unchanged,
+        "idle_step_s": idle_step_s,
+        "rounds": impl.rounds,
+        "joined": not impl.running,
+    }
+    wrapped.close()
+    return result
+
+
+def abort_resume(seed: int, rank: int, group) -> dict:
+    """Abort at staggered times on every rank, resume, abort on rank 0 only, resume and abort at once."""
+    from bagua_torch.algorithms import AsyncModelAverageAlgorithm
+
+    model = TwoDtypes()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    wrapped = wrap(model, opt, AsyncModelAverageAlgorithm(sync_interval_ms=1), group)
+    impl = wrapped.algorithm_impl
+    set_params(model, rank_params(seed, rank, 0))
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(0.01 * (rank + 1))  # local progress
+            opt.step()
+            time.sleep(0.001)
+
+    out = {}
+    steps(100)
+    time.sleep(0.05 * rank)  # the ranks ask to stop at different times
+    impl.abort()
+    out["a"] = (impl.rounds, impl.running)
+    steps(20)  # no rounds while aborted
+    out["a_after_steps"] = impl.rounds
+    out["resume_twice"] = _error(lambda: (impl.resume(), impl.resume()))
+
+    steps(100)
+    if rank == 0:
+        impl.abort()
+        out["stopped_by_peer"] = None
+    else:
+        # Rank 0's abort must stop this rank's thread too, while this loop keeps stepping.
+        deadline = time.monotonic() + 20
+        while impl.running and time.monotonic() < deadline:
+            steps(1)
+        out["stopped_by_peer"] = not impl.running
+        impl.abort()
+    out["b"] = (impl.rounds, impl.running)
+
+    impl.resume()
+    impl.abort()  # possibly before the first round's flag: must not hang either
+    out["c"] = (impl.rounds, impl.running)
+    impl.resume()
+    wrapped.close()  # close() aborts too
+    out["closed"] = (impl.rounds, impl.running)
+    return out
+
+
+def never_waits(rank: int, group, stall_s: float) -> dict:
+    """Rank 1 stops stepping for ``stall_s`` seconds, which keeps rank 0's round in flight; rank 0 keeps
+    stepping and times every ``opt.step()`` (where rounds are applied)."""
+    from bagua_torch.algorithms import AsyncModelAverageAlgorithm
+
+    model = nn.Linear(256, 256)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    wrapped = wrap(model, opt, AsyncModelAverageAlgorithm(sync_interval_ms=1), group)
+    impl = wrapped.algorithm_impl
+    deadline = time.monotonic() + 30
+    while impl.rounds < 3 and time.monotonic() < deadline:  # get rounds going first
+        opt.step()
+        time.sleep(0.001)
+    group.world.barrier()
+
+    out = {"rounds_before": impl.rounds}
+    if rank == 1:
+        time.sleep(stall_s)
+    else:
+        durations = []
+        start = time.monotonic()
+        while time.monotonic() - start < 0.8 * stall_s:
+            t0 = time.perf_counter()
+            opt.step()
+            durations.append(time.perf_counter() - t0)
+            time.sleep(0.001)
+        out["step_s"] = np.array(durations)
+        out["loop_s"] = time.monotonic() - start
+    out["rounds_during"] = impl.rounds - out["rounds_before"]
+    for _ in range(5):
+        opt.step()
+    impl.abort()
+    out["rounds"] = impl.rounds
+    wrapped.close()
+    return out
+
+
+def checkpoint(seed: int, rank: int, group) -> dict:
+    """Warm-up of 5 steps interrupted after 3: the restored step counter keeps the gradient allreduce for
+    exactly 2 more steps, and the weights equal an uninterrupted run's."""
+    from bagua_torch.algorithms import AsyncModelAverageAlgorithm
+
+    algo = AsyncModelAverageAlgorithm(sync_interval_ms=1, warmup_steps=5)
+
+    def fresh():
+        model = Linear()
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        return model, opt, wrap(model, opt, algo, group)
+
+    model, opt, wrapped = fresh()
+    for t in range(5):
+        step(wrapped, opt, *batch(seed, rank, t))
+    straight = flat(model)
+    wrapped.close()
+
+    model, opt, wrapped = fresh()
+    for t in range(3):
+        step(wrapped, opt, *batch(seed, rank, t))
+    saved = wrapped.state_dict()
+    wrapped.close()
+    model, opt, wrapped = fresh()
+    wrapped.load_state_dict(saved)
+    set_params(model, {"w": saved["module.w"], "b": saved["module.b"]})
+    impl = wrapped.algorithm_impl
+    out = {"saved_state": saved["_extra_state"]["algorithm_state"], "hooks": [], "running": []}
+    for t in range(3, 5):
+        out["hooks"].append(impl.need_gradient_hooks)
+        out["running"].append(impl.running)
+        step(wrapped, opt, *batch(seed, rank, t))
+    out["hooks"].append(impl.need_gradient_hooks)
+    out["running"].append(impl.running)
+    out["resumed"], out["straight"] = flat(model), straight
+    out["bad_state"] = [_error(lambda s=s: impl.load_state_dict(s)) for s in ({"steps": -1}, {"steps": 1, "x": 2}, {})]
+    wrapped.close()
+    return out
+
+
+def errors(rank: int, group) -> dict:
+    import bagua_torch
+    from bagua_torch.algorithms import AsyncModelAverageAlgorithm
+
+    out = {}
+    model = Linear()
+    out["no_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], "async", process_group=group))
+    model64 = Linear().double()
+    opt = torch.optim.SGD(model64.parameters(), lr=LR)
+    out["float64"] = _error(lambda: wrap(model64, opt, "async", group))
+    model = Linear()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    wrapped = wrap(model, opt, AsyncModelAverageAlgorithm(warmup_steps=2), group)
+    out["resume_running"] = _error(wrapped.algorithm_impl.resume)
+    wrapped.close()
+    wrapped.close()  # idempotent
+    return out
+
+
+# ----------------------------------------------------------------------------- the job
+
+
+def job(seed: int, scenarios: list[str]) -> dict:
+    torch.set_num_threads(1)
+    import bagua_torch
+
+    group = bagua_torch.init_process_group(timeout=60)
+    rank, size = group.rank, group.size
+    out = {"rank": rank, "size": size, "native": group.native, "timings": {}}
+    for name in scenarios:
+        start = time.perf_counter()
+        if name == "warmup":
+            out[name] = train(seed, rank, group, 6, 6, 1, 0.0, compare_allreduce=True)
+        elif name == "train":
+            out[name] = train(seed, rank, group, 200, 5, 2, 0.002)
+        elif name == "one_round":
+            out[name] = one_round(seed, rank, group)
+        elif name == "abort_resume":
+            out[name] = abort_resume(seed, rank, group)
+        elif name == "never_waits":
+            out[name] = never_waits(rank, group, 1.5)
+        elif name == "checkpoint":
+            out[name] = checkpoint(seed, rank, group)
+        elif name == "errors":
+            out[name] = errors(rank, group)
+        else:
+            raise ValueError(name)
+        out["timings"][name] = time.perf_counter() - start
+    return out
