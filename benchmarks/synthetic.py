@@ -350,11 +350,17 @@ def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
         from bagua_torch.algorithms import get_algorithm
 
         bagua_torch.init_process_group("gloo", timeout=args.comm_timeout)
-        # The torch QAdam / OneBitAdam are not written yet; when they are, their optimizer
-        # arguments may need wiring here (Bagua's take the optimizer they come with).
-        algorithm = get_algorithm(args.algorithm)
-        optimizer = (torch.optim.Adam(net.parameters(), lr=args.lr) if args.algorithm in ADAM_ALGORITHMS
-                     else torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9))
+        if args.algorithm in ADAM_ALGORITHMS:
+            # QAdam and OneBitAdam come with their own optimizer (Adam with averaged momentum).
+            if args.algorithm == "qadam":
+                from bagua_torch.algorithms.q_adam import QAdamOptimizer as opt_cls
+            else:
+                from bagua_torch.algorithms.onebit_adam import OneBitAdamOptimizer as opt_cls
+            optimizer = opt_cls(net.parameters(), lr=args.lr, warmup_steps=_algorithm_warmup_steps(args))
+            algorithm = get_algorithm(args.algorithm, optimizer=optimizer)
+        else:
+            optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+            algorithm = get_algorithm(args.algorithm)
         model = bagua_torch.with_bagua(net, [optimizer], algorithm)
     x, y = random_batch(args.batch_size, args.image_size, rank)
     x, y = torch.from_numpy(x), torch.from_numpy(y).long()

@@ -30,7 +30,11 @@ from multiprocess import run_ranks
 from reference import async_average as async_average_reference
 
 import bagua_torch
-from bagua_torch.algorithms import AsyncModelAverageAlgorithm, algorithm_class, get_algorithm
+from bagua_torch.algorithms import (
+    AsyncModelAverageAlgorithm,
+    algorithm_class,
+    get_algorithm,
+)
 
 F32_EPS = float(np.finfo(np.float32).eps)
 

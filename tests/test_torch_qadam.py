@@ -31,7 +31,15 @@ import pytest
 import torch
 from multiprocess import run_ranks
 from torch_bridge_workers import batch, loss_fn, make_mlp
-from torch_qadam_workers import BETAS, EPS, LR, RUN_STEPS, RUN_WARMUP, STEPS, WARMUP_STEPS
+from torch_qadam_workers import (
+    BETAS,
+    EPS,
+    LR,
+    RUN_STEPS,
+    RUN_WARMUP,
+    STEPS,
+    WARMUP_STEPS,
+)
 
 import bagua_torch
 from bagua_torch import ops

@@ -16,7 +16,17 @@ import time
 
 import torch
 from torch import nn
-from torch_bridge_workers import SMALL_BUCKET, STEPS, _error, batch, loss_fn, make_mlp, make_optimizer, params_of, setup
+from torch_bridge_workers import (
+    SMALL_BUCKET,
+    STEPS,
+    _error,
+    batch,
+    loss_fn,
+    make_mlp,
+    make_optimizer,
+    params_of,
+    setup,
+)
 
 
 def parse(scenario: str) -> tuple[str, dict]:
@@ -37,7 +47,10 @@ def parse(scenario: str) -> tuple[str, dict]:
 
 
 def make_algorithm(kind: str, options: dict):
-    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithm
+    from bagua_torch.algorithms.decentralized import (
+        DecentralizedAlgorithm,
+        LowPrecisionDecentralizedAlgorithm,
+    )
 
     return DecentralizedAlgorithm(**options) if kind == "dec" else LowPrecisionDecentralizedAlgorithm(**options)
 
@@ -107,7 +120,10 @@ def checkpoint(seed: int, rank: int) -> dict:
     """Save after 3 steps, continue 3; a fresh wrapped model loaded from the checkpoint continues identically, one
     that gets the weights but not the algorithm state does not."""
     import bagua_torch
-    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm, LowPrecisionDecentralizedAlgorithm
+    from bagua_torch.algorithms.decentralized import (
+        DecentralizedAlgorithm,
+        LowPrecisionDecentralizedAlgorithm,
+    )
 
     out = {}
     for label, algorithm in (("dec", DecentralizedAlgorithm("shift_one", communication_interval=2)),
@@ -123,7 +139,7 @@ def checkpoint(seed: int, rank: int) -> dict:
         continued = params_of(model)
         wrapped.close()
 
-        def resume(with_state: bool) -> dict:
+        def resume(with_state: bool, algorithm=algorithm, buffer=buffer) -> dict:
             fresh = make_mlp(seed + 77)
             fresh_opt = make_optimizer(fresh)
             w = bagua_torch.with_bagua(fresh, [fresh_opt], algorithm, bucket_bytes=SMALL_BUCKET)

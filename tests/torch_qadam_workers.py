@@ -13,7 +13,14 @@ import time
 
 import torch
 from torch import nn
-from torch_bridge_workers import SMALL_BUCKET, batch, loss_fn, make_mlp, params_of, setup
+from torch_bridge_workers import (
+    SMALL_BUCKET,
+    batch,
+    loss_fn,
+    make_mlp,
+    params_of,
+    setup,
+)
 
 LR = 0.01
 BETAS = (0.9, 0.999)
@@ -29,7 +36,10 @@ def _classes(algo: str):
         from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
         return QAdamOptimizer, QAdamAlgorithm
-    from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
+    from bagua_torch.algorithms.onebit_adam import (
+        OneBitAdamAlgorithm,
+        OneBitAdamOptimizer,
+    )
 
     return OneBitAdamOptimizer, OneBitAdamAlgorithm
 
@@ -151,31 +161,36 @@ def checkpoint(seed: int, rank: int) -> dict:
             keys = sorted(wrapped.state_dict())
             wrapped.close()
 
-            def resume(with_state: bool) -> dict:
-                fresh = make_mlp(seed + 77)
-                w, fresh_opt = _wrap(algo, fresh, warmup_steps)
-                buffer.seek(0)
-                saved = torch.load(buffer)  # the safe (weights_only) loader
-                if with_state:
-                    w.load_state_dict(saved["model"])
-                else:
-                    fresh.load_state_dict({k.removeprefix("module."): v for k, v in saved["model"].items()
-                                           if k.startswith("module.")})
-                fresh_opt.load_state_dict(saved["optimizer"])
-                step_id = fresh_opt.step_id
-                _train(w, fresh_opt, seed, range(save_at, total), rank)
-                w.close()
-                return {"params": params_of(fresh), "step_id": step_id}
-
-            out[f"{algo}@{save_at}"] = {"continued": continued, "resumed": resume(True),
-                                        "without_state": resume(False), "keys": keys}
+            out[f"{algo}@{save_at}"] = {"continued": continued, "keys": keys,
+                                        **{key: _resume(seed, rank, algo, warmup_steps, buffer, range(save_at, total),
+                                                        with_state=key == "resumed")
+                                           for key in ("resumed", "without_state")}}
     return out
+
+
+def _resume(seed: int, rank: int, algo: str, warmup_steps: int, buffer: io.BytesIO, steps: range,
+            with_state: bool) -> dict:
+    """A fresh model and optimizer loaded from the checkpoint in ``buffer`` (``with_state=False``: the weights and
+    the optimizer only, not the algorithm state), trained on ``steps``."""
+    fresh = make_mlp(seed + 77)
+    w, fresh_opt = _wrap(algo, fresh, warmup_steps)
+    buffer.seek(0)
+    saved = torch.load(buffer)  # the safe (weights_only) loader
+    if with_state:
+        w.load_state_dict(saved["model"])
+    else:
+        fresh.load_state_dict({k.removeprefix("module."): v for k, v in saved["model"].items()
+                               if k.startswith("module.")})
+    fresh_opt.load_state_dict(saved["optimizer"])
+    step_id = fresh_opt.step_id
+    _train(w, fresh_opt, seed, steps, rank)
+    w.close()
+    return {"params": params_of(fresh), "step_id": step_id}
 
 
 def errors(rank: int) -> dict:
     """Configurations refused when the model is wrapped (every rank makes the same calls)."""
     import bagua_torch
-    from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm
     from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
     found = {}
@@ -193,7 +208,7 @@ def errors(rank: int) -> dict:
     found["by_name_without_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [opt], "qadam"))
 
     # A 1-bit Adam checkpoint whose residuals do not fit this model.
-    wrapped, oopt = _wrap("onebit_adam", make_mlp(0), 1)
+    wrapped, _ = _wrap("onebit_adam", make_mlp(0), 1)
     state = wrapped.state_dict()
     state["_extra_state"]["algorithm_state"]["server_residuals"][0] = torch.zeros(3)
     found["bad_residuals"] = _error(lambda: wrapped.load_state_dict(state))

@@ -57,7 +57,12 @@ from bagua_torch.algorithms.base import (
     Bucket,
     check_dtypes,
 )
-from bagua_torch.communicator import Communicator, NativeCommunicator, ProcessGroupCommunicator, Work
+from bagua_torch.communicator import (
+    Communicator,
+    NativeCommunicator,
+    ProcessGroupCommunicator,
+    Work,
+)
 
 AVERAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The parameter dtypes the update kernel (:func:`bagua_torch.ops.async_average`) takes."""
@@ -321,7 +326,8 @@ class AsyncModelAverageImpl(AlgorithmImpl):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         steps = state.get("steps") if isinstance(state, dict) else None
-        if not isinstance(state, dict) or set(state) != {"steps"} or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        valid = isinstance(state, dict) and set(state) == {"steps"}
+        if not valid or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"async: the checkpoint must hold {{'steps': int >= 0}}, got {state!r}")
         self._steps = steps
         self._maybe_start()

@@ -35,7 +35,11 @@ from typing import Any, ClassVar
 import torch
 
 from bagua_torch.algorithms.base import AlgorithmContext, Bucket, check_tensor_list
-from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamImpl, _AdamWithAveragedMomentum
+from bagua_torch.algorithms.q_adam import (
+    QAdamAlgorithm,
+    QAdamImpl,
+    _AdamWithAveragedMomentum,
+)
 from bagua_torch.communicator import Communicator
 from bagua_torch.compressed_allreduce import hierarchical as hierarchical_exchange
 from bagua_torch.compressed_allreduce import sign_allreduce
