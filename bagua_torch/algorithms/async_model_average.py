@@ -36,6 +36,12 @@ a new ``torch.distributed`` process group of the world's ranks when ``world`` is
 :class:`~bagua_torch.ProcessGroupCommunicator`, or ``world.split(...)`` (a duplicate of
 the same ranks) when it is a :class:`~bagua_torch.NativeCommunicator`. Its collectives thus
 never interleave with the wrapper's, whose order on each rank differs from the thread's.
+
+Rounds need every rank: a rank's thread enters round ``k`` only once that rank's loop has
+stepped (or aborted), and the communicator's timeout bounds each wait of the thread, so
+ranks that stop stepping for longer (a long evaluation) make the others' rounds fail, and
+their next step raises the error. Call ``abort()``/``resume()`` the same number of times on
+every rank.
 """
 
 from __future__ import annotations
