@@ -501,19 +501,24 @@ def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: ProgressBa
         path = Path(f"{result}.rank{r}")
         if path.exists():
             ranks.append(json.loads(path.read_text()))
-    if proc.returncode != 0 or len(ranks) != args.nproc:
+    if proc.returncode != 0 and len(ranks) == args.nproc:
+        # Every rank wrote its timings, then the job failed on the way out (seen: a crash in
+        # the MPI engine's shutdown); the measurement stands, the failure is reported with it.
+        tail = log.read_text(errors="replace").splitlines()
+        signal_line = next((line for line in tail if "EXIT STRING" in line), "")
+        row["exit_note"] = (f"the job exited with code {proc.returncode} after every rank had written its "
+                            f"timings{': ' + signal_line.split(':', 1)[1].strip() if signal_line else ''}")
+        _keep_log(args, log, algorithm)
+    if proc.returncode != 0 and len(ranks) != args.nproc:
         row["status"] = "failed"
         tail = log.read_text(errors="replace").splitlines()[-args.tail_lines:]
         row["error"] = f"exit code {proc.returncode}; " + " | ".join(line.strip() for line in tail[-3:])
         row["log_tail"] = tail
-        keep = args.out / "logs"
-        keep.mkdir(parents=True, exist_ok=True)
-        shutil.copy(log, keep / f"synthetic-{args.framework}-{args.nproc}proc-{algorithm}.log")
+        row["retry"] = b"EADDRINUSE" in log.read_bytes() or b"address already in use" in log.read_bytes()
+        _keep_log(args, log, algorithm)
         return row
     if args.keep_logs:
-        keep = args.out / "logs"
-        keep.mkdir(parents=True, exist_ok=True)
-        shutil.copy(log, keep / f"synthetic-{args.framework}-{args.nproc}proc-{algorithm}.log")
+        _keep_log(args, log, algorithm)
     per_iter = np.mean(np.array([r["rates"] for r in ranks]), axis=0)  # mean over ranks, per iteration
     mean = float(np.mean(per_iter))
     ci = 1.96 * float(np.std(per_iter, ddof=1)) / math.sqrt(len(per_iter)) if len(per_iter) > 1 else float("nan")
@@ -526,6 +531,16 @@ def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: ProgressBa
         "warmup_s": max(r["warmup_s"] for r in ranks),
     })
     return row
+
+
+def _keep_log(args: argparse.Namespace, log: Path, algorithm: str) -> None:
+    keep = args.out / "logs"
+    keep.mkdir(parents=True, exist_ok=True)
+    shutil.copy(log, keep / f"synthetic-{args.framework}-{args.nproc}proc{_model_suffix(args)}-{algorithm}.log")
+
+
+def _model_suffix(args: argparse.Namespace) -> str:
+    return "" if args.model == "mlp" else f"-{args.model}"
 
 
 def _pm(value: float | None, ci: float | None) -> str:
@@ -623,7 +638,7 @@ def parameter_count(args: argparse.Namespace) -> int:
 
 def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[Path]:
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"synthetic-{args.framework}-{args.nproc}proc" + ("" if args.model == "mlp" else f"-{args.model}")
+    stem = f"synthetic-{args.framework}-{args.nproc}proc" + _model_suffix(args)
     base = BASELINE_LABELS[BASELINES[args.framework]]
     s = meta["settings"]
     md = [
@@ -640,6 +655,10 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
         (f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, "
          f"after: {meta['load_average_after']}; total time {meta['total_s']:.0f} s"),
     ]
+    if meta["load_average_before"][0] >= meta["device"]["cores"] or meta["load_average_after"][0] >= meta["device"]["cores"]:
+        md.append(f"- **busy machine**: the load average was at or above the core count ({meta['device']['cores']}) "
+                  "during the run (other work on the machine), so the timings are noisy and ratios between "
+                  "rows measured at different moments are uncertain beyond the intervals shown")
     if meta["oversubscribed"]:
         md.append(f"- **oversubscribed**: {args.nproc} processes on {meta['device']['cores']} cores, so the "
                   "processes share cores and these figures measure contention as much as communication")
@@ -650,9 +669,12 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
            *table_lines(rows, args.framework), ""]
     notes = meta.get("notes", [])
     failed = [r for r in rows if r.get("status") == "failed"]
-    if notes or failed:
+    if notes or failed or any(r.get("exit_note") or r.get("retried_after") for r in rows):
         md += ["## Notes", ""] + [f"- {n}" for n in notes]
         md += [f"- {r['algorithm']} failed: {r.get('error', '')}" for r in failed]
+        md += [f"- {r['algorithm']}: {r['exit_note']}" for r in rows if r.get("exit_note")]
+        md += [f"- {r['algorithm']}: retried once after EADDRINUSE (port race with another program)"
+               for r in rows if r.get("retried_after")]
         md.append("")
     paths = [args.out / f"{stem}.md", args.out / f"{stem}.json"]
     paths[0].write_text("\n".join(md))
@@ -803,11 +825,22 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
         for i, name in enumerate(jobs):
             bar.show(i, f"{name}: starting", force=True)
             row = run_job(args, name, Path(tmp), bar, i)
+            if row["status"] == "failed" and row.pop("retry", False):
+                # The launcher's free port was taken by another program before the job bound
+                # it (a race outside this job); try once more on a new port.
+                print(f"{name}: port taken by another program (EADDRINUSE); retrying", file=sys.stderr)
+                for leftover in Path(tmp).glob(f"{name}.json.rank*"):
+                    leftover.unlink()
+                row = run_job(args, name, Path(tmp), bar, i)
+                row["retried_after"] = "EADDRINUSE"
+            row.pop("retry", None)
             rows.append(row)
             bar.clear()
             if row["status"] == "ok":
                 print(f"{name:<30} {_pm(row['per_device'], row['per_device_ci95']):>16} img/s per device, "
                       f"{_pm(row['total'], row['total_ci95']):>18} img/s total  ({row['wall_s']:.0f} s)", flush=True)
+                if row.get("exit_note"):
+                    print(f"  note: {row['exit_note']}", flush=True)
             else:
                 print(f"{name:<30} FAILED ({row['wall_s']:.0f} s): {row['error']}", flush=True)
         bar.show(len(jobs), "done", force=True)

@@ -89,6 +89,21 @@ f32x8 widen(const Half* p) {
   return reinterpret_cast<f32x8>(magnitude | ((h & 0x8000u) << 16));
 }
 
+f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
+
+// Bit j of a sign byte is lane j (least significant bit first, SPEC section 2).
+constexpr i32x8 kLaneBits = {1, 2, 4, 8, 16, 32, 64, 128};
+
+uint8_t pack_bits(i32x8 set) {
+  const i32x8 b = set & kLaneBits;
+  return static_cast<uint8_t>(b[0] | b[1] | b[2] | b[3] | b[4] | b[5] | b[6] | b[7]);
+}
+
+i32x8 unpack_bits(uint8_t byte) {
+  const int32_t v = byte;
+  return (i32x8{v, v, v, v, v, v, v, v} & kLaneBits) != 0;
+}
+
 // The value a compressor encodes: x, or x + residual with error feedback. The
 // choice is a template parameter so the hot loops carry no branch.
 template <typename T, bool kFeedback>
@@ -223,10 +238,15 @@ void sign_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t
       return static_cast<uint8_t>(bit);
     };
     int64_t i = begin;
+    const f32x8 up = splat(scale), down = splat(-scale);
     for (; i + 8 <= end; i += 8) {
-      uint8_t byte = 0;
-      for (int j = 0; j < 8; ++j) byte |= encode(i + j) << j;
-      bits[(i - first) / 8] = byte;
+      const f32x8 v = src.load8(i);
+      const i32x8 positive = v >= 0.0f;  // all ones where the bit is set
+      bits[(i - first) / 8] = pack_bits(positive);
+      if constexpr (kFeedback) {
+        const f32x8 residual = v - (positive ? up : down);
+        std::memcpy(residual_out + i, &residual, sizeof residual);
+      }
     }
     if (i < end) {
       uint8_t byte = 0;
@@ -280,9 +300,10 @@ void sign_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, i
   const int64_t first = chunking.begin(c);
   int64_t i = begin;
   for (; i < end && (i - first) % 8; ++i) emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
+  const f32x8 up = splat(scale), down = splat(-scale);
   for (; i + 8 <= end; i += 8) {
-    const uint8_t byte = bits[(i - first) >> 3];
-    for (int j = 0; j < 8; ++j) emit(i + j, math::sign_decode((byte >> j) & 1, scale));
+    const f32x8 values = unpack_bits(bits[(i - first) >> 3]) ? up : down;
+    for (int j = 0; j < 8; ++j) emit(i + j, values[j]);
   }
   for (; i < end; ++i) emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
 }

@@ -1,0 +1,383 @@
+"""Network trade-off study: time per step of every algorithm over shaped links (issue 7).
+
+For each rank count (``--ranks``, default 2 and 4) and each per-rank link rate
+(``--rates``, default unshaped (>= 10 Gbit/s), 1 Gbit/s, 300 Mbit/s, 100 Mbit/s) the
+study builds the emulated network of :mod:`network_harness` (one namespace per rank,
+veth pairs to a bridge, ``tbf`` shaping on both ends of every pair), then runs, one job
+at a time, the synthetic benchmark's worker (``benchmarks/synthetic.py --worker``) on
+its communication-heavy ``mlp`` model in every rank's namespace, for the baseline
+(PyTorch DDP over gloo) and every Bagua algorithm of ``bagua_torch`` (gloo; ``decentralized``
+is the registry default, peer mode ``"all"``, and ``decentralized_shift_one`` the
+``"shift_one"`` mode, registered by ``benchmarks/network_worker.py``), plus the
+JAX baseline (``jax.distributed`` + gloo, ``lax.pmean`` in a ``shard_map`` step).
+
+Not covered here (and said so in the results): the ``bagua_jax`` algorithms. The
+synthetic worker runs them on the native MPI engine, whose ranks ``mpiexec`` (hydra)
+starts; hydra cannot place ranks in network namespaces without a remote-shell shim,
+so they are left to a follow-up (a worker that runs ``DataParallel(mesh=...)`` over
+``jax.distributed`` + gloo would also work across namespaces). No latency is added
+when the kernel lacks ``sch_netem`` (the harness says so); bandwidth only.
+
+Each job: ``--warmup-iters`` untimed iterations, then ``--iters`` timed ones of
+``--batches-per-iter`` steps. The time per step of an iteration is the mean over the
+ranks; the table reports the median over iterations. QAdam's and OneBitAdam's
+full-precision warm-up ends inside the untimed iterations. ``async`` runs local steps
+while a background thread averages the weights: its time per step is not waiting for
+the network, so its figure is not comparable with the synchronous ones (marked).
+
+Results go to ``benchmarks/results/network-study.json`` (written after every job, so
+an interrupted study keeps what it measured), ``.md`` and ``.png``.
+
+    python benchmarks/network_study.py                                 # the whole grid
+    python benchmarks/network_study.py --ranks 4 --rates 100mbit 1gbit
+    python benchmarks/network_study.py --replot                        # md + png from the json
+    python benchmarks/network_harness.py --cleanup                     # leftovers of a killed run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import network_harness as nh  # noqa: E402
+
+SYNTHETIC = HERE / "network_worker.py"  # synthetic.py's worker + decentralized_shift_one
+TORCH_JOBS = ["ddp", "gradient_allreduce", "bytegrad", "decentralized", "decentralized_shift_one",
+              "low_precision_decentralized", "qadam", "onebit_adam", "async"]
+JAX_JOBS = ["pmean"]  # needs the harness's per-namespace /etc/hosts (gloo advertises gethostname()'s address)
+BASELINE = {"torch": "ddp", "jax": "pmean"}
+DEFAULT_RATES = ["none", "1gbit", "300mbit", "100mbit"]
+
+
+def job_list(args) -> list[tuple[str, str]]:
+    jobs = [("torch", a) for a in args.algorithms if a in TORCH_JOBS]
+    if args.jax:
+        jobs += [("jax", a) for a in JAX_JOBS]
+    return jobs
+
+
+def worker_argv(args, framework: str, algorithm: str, result: Path) -> list[str]:
+    return [sys.executable, str(SYNTHETIC), "--worker", "--framework", framework, "--algorithm", algorithm,
+            "--result", str(result), "--model", "mlp", "--batch-size", str(args.batch_size),
+            "--width", str(args.width), "--layers", str(args.layers), "--image-size", str(args.image_size),
+            "--lr", str(args.lr), "--warmup-iters", str(args.warmup_iters), "--iters", str(args.iters),
+            "--batches-per-iter", str(args.batches_per_iter), "--threads", "1",
+            "--comm-timeout", str(args.comm_timeout), "--device", "cpu"]
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("XLA_FLAGS", None)
+    env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+def run_job(args, net: nh.Network, framework: str, algorithm: str, port: int, tmp: Path) -> dict[str, Any]:
+    result = tmp / f"{framework}-{algorithm}-{net.ranks}-{port}.json"
+    log = tmp / f"{result.stem}.log"
+    start = time.perf_counter()
+    with open(log, "w") as out:
+        codes = net.run_all(worker_argv(args, framework, algorithm, result), port, args.job_timeout,
+                            base_env=child_env(), stdout=out)
+    wall = time.perf_counter() - start
+    row: dict[str, Any] = {"framework": framework, "algorithm": algorithm, "ranks": net.ranks,
+                           "rate_bits": net.rate, "rate": nh.rate_label(net.rate), "wall_s": round(wall, 1),
+                           "exit_codes": codes}
+    per_rank = []
+    for r in range(net.ranks):
+        path = Path(f"{result}.rank{r}")
+        if path.exists():
+            per_rank.append(json.loads(path.read_text()))
+    if any(c != 0 for c in codes) or len(per_rank) != net.ranks:
+        row["status"] = "timeout" if any(c is None for c in codes) else "failed"
+        tail = log.read_text(errors="replace").strip().splitlines()[-args.tail_lines:]
+        row["log_tail"] = tail
+        return row
+    # seconds per step of each timed iteration, mean over ranks
+    steps = [statistics.fmean(args.batch_size / rr["rates"][i] for rr in per_rank)
+             for i in range(len(per_rank[0]["rates"]))]
+    row.update(status="ok", step_s=statistics.median(steps), step_s_mean=statistics.fmean(steps),
+               step_s_min=min(steps), step_s_max=max(steps), step_s_all=steps,
+               warmup_s=max(rr["warmup_s"] for rr in per_rank))
+    return row
+
+
+def parameter_count(args) -> int:
+    dims = [3 * args.image_size ** 2] + [args.width] * args.layers + [10]
+    return sum(a * b + b for a, b in zip(dims, dims[1:]))
+
+
+def wire_estimate(args, ranks: int, rate: int | None) -> float | None:
+    """Seconds a ring allreduce of the fp32 gradient needs on one link (2 (n-1)/n x bytes each way)."""
+    if rate is None:
+        return None
+    return 2 * (ranks - 1) / ranks * parameter_count(args) * 4 * 8 / rate
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    index = {(r["ranks"], r["rate"], r["framework"], r["algorithm"]): r for r in rows if r.get("status") == "ok"}
+    for r in rows:
+        if r.get("status") != "ok":
+            continue
+        base = index.get((r["ranks"], r["rate"], r["framework"], BASELINE[r["framework"]]))
+        ref = index.get((r["ranks"], r["rate"], "torch", "gradient_allreduce"))
+        r["speedup_vs_baseline"] = base["step_s"] / r["step_s"] if base else None
+        r["speedup_vs_allreduce"] = ref["step_s"] / r["step_s"] if ref and r["framework"] == "torch" else None
+
+
+def _rate_order(label: str) -> float:
+    return float("inf") if label == "unshaped" else nh.parse_rate(label.replace(" ", "").replace("/s", ""))
+
+
+def table_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
+    lines = []
+    for ranks in sorted({r["ranks"] for r in rows}):
+        rates = sorted({r["rate"] for r in rows if r["ranks"] == ranks}, key=_rate_order, reverse=True)
+        lines += [f"### {ranks} ranks", "",
+                  "Time per step in ms (median of the timed iterations); in brackets the speed-up over the "
+                  "framework's baseline (torch DDP, resp. jax lax.pmean) at the same bandwidth; "
+                  "`x.xx ar` the speed-up over Bagua's fp32 gradient_allreduce.", ""]
+        lines.append("| algorithm | " + " | ".join(rates) + " |")
+        lines.append("|---|" + "---|" * len(rates))
+        names = []
+        for r in rows:
+            if r["ranks"] == ranks and (r["framework"], r["algorithm"]) not in names:
+                names.append((r["framework"], r["algorithm"]))
+        for fw, alg in names:
+            cells = []
+            for rate in rates:
+                r = next((x for x in rows if x["ranks"] == ranks and x["rate"] == rate and x["framework"] == fw
+                          and x["algorithm"] == alg), None)
+                if r is None:
+                    cells.append("")
+                elif r["status"] != "ok":
+                    cells.append(r["status"])
+                else:
+                    cell = f"{r['step_s'] * 1e3:.0f} ({r['speedup_vs_baseline']:.2f}x)" if r.get(
+                        "speedup_vs_baseline") else f"{r['step_s'] * 1e3:.0f}"
+                    if r.get("speedup_vs_allreduce") and alg not in ("gradient_allreduce", "ddp"):
+                        cell += f", {r['speedup_vs_allreduce']:.2f} ar"
+                    cells.append(cell)
+            label = {"ddp": "torch DDP (baseline)", "pmean": "jax lax.pmean (baseline)"}.get(alg, f"bagua_torch {alg}")
+            if alg == "async":
+                label += " (local steps, not comparable)"
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        est = [wire_estimate(argparse.Namespace(**meta["settings"]), ranks, nh.parse_rate(
+            rate.replace(" ", "").replace("/s", "")) if rate != "unshaped" else None) for rate in rates]
+        lines.append("| *fp32 ring-allreduce wire time (estimate)* | " + " | ".join(
+            "" if e is None else f"*{e * 1e3:.0f}*" for e in est) + " |")
+        lines.append("")
+    return lines
+
+
+def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final: bool) -> list[Path]:
+    add_ratios(rows)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / f"{args.name}.json"]
+    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    if not final:
+        return paths
+    md = [f"# Network trade-off study ({meta['date']})", "",
+          f"Command: `{meta['command']}`", "",
+          f"Machine: {meta['machine']}; {meta['cores']} CPU cores, no GPU; torch {meta['versions'].get('torch')}, "
+          f"jax {meta['versions'].get('jax')}. Each rank is a process in its own network namespace "
+          "(benchmarks/network_harness.py): veth pair to a bridge in a separate namespace, token-bucket (tbf) "
+          "shaping of each rank's link in both directions at the given rate; 'unshaped' is the bare veth "
+          "(well above 10 Gbit/s).", "",
+          f"Model: synthetic benchmark's mlp, {meta['parameters']:,} parameters "
+          f"({meta['parameters'] * 4 / 1e6:.1f} MB of fp32 gradient), batch {meta['settings']['batch_size']} "
+          f"per rank, 1 torch thread per rank; {meta['settings']['warmup_iters']} untimed + "
+          f"{meta['settings']['iters']} timed iterations of {meta['settings']['batches_per_iter']} steps.", ""]
+    md += [f"- {n}" for n in meta["notes"]] + [""]
+    md += table_lines(meta, rows)
+    failed = [r for r in rows if r.get("status") != "ok"]
+    if failed:
+        md += ["### Failed jobs", ""]
+        for r in failed:
+            md.append(f"- {r['framework']} {r['algorithm']}, {r['ranks']} ranks, {r['rate']}: {r['status']}: "
+                      + " / ".join(r.get("log_tail", [])[-3:]).replace("|", "\\|"))
+        md.append("")
+    if meta.get("closing"):
+        md += ["### Closing note", "", meta["closing"], ""]
+    paths.append(out / f"{args.name}.md")
+    paths[-1].write_text("\n".join(md))
+    png = plot(args, meta, rows, out / f"{args.name}.png")
+    if png:
+        paths.append(png)
+    return paths
+
+
+def plot(args, meta, rows, path: Path) -> Path | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is missing; no plot", file=sys.stderr)
+        return None
+    ok = [r for r in rows if r.get("status") == "ok"]
+    rank_counts = sorted({r["ranks"] for r in ok})
+    if not ok:
+        return None
+    fig, axes = plt.subplots(2, len(rank_counts), figsize=(6 * len(rank_counts), 8), squeeze=False)
+    for col, ranks in enumerate(rank_counts):
+        mine = [r for r in ok if r["ranks"] == ranks]
+        rates = sorted({r["rate"] for r in mine}, key=_rate_order, reverse=True)
+        xs = list(range(len(rates)))
+        names = list(dict.fromkeys((r["framework"], r["algorithm"]) for r in mine))
+        for fw, alg in names:
+            pts = [(xs[rates.index(r["rate"])], r) for r in mine if (r["framework"], r["algorithm"]) == (fw, alg)]
+            pts.sort(key=lambda p: p[0])
+            label = alg if fw == "torch" else f"jax {alg}"
+            style = "--" if alg in BASELINE.values() else ("-." if alg == "async" else "-")
+            axes[0][col].plot([p[0] for p in pts], [p[1]["step_s"] * 1e3 for p in pts], style, marker="o",
+                              label=label)
+            axes[1][col].plot([p[0] for p in pts], [p[1].get("speedup_vs_baseline") or float("nan") for p in pts],
+                              style, marker="o", label=label)
+        for row, ylabel in ((0, "time per step (ms, log)"), (1, "speed-up over baseline (DDP / pmean)")):
+            ax = axes[row][col]
+            ax.set_xticks(xs, rates)
+            ax.set_xlabel("per-rank link bandwidth")
+            ax.set_ylabel(ylabel)
+            ax.grid(alpha=0.3)
+        axes[0][col].set_yscale("log")
+        axes[1][col].axhline(1.0, color="grey", lw=0.8)
+        axes[0][col].set_title(f"{ranks} ranks, {meta['parameters'] / 1e6:.1f} M-parameter MLP, CPU + gloo")
+        axes[0][col].legend(fontsize=7)
+    fig.suptitle("Bagua algorithms over shaped links (tbf, network namespaces)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for mod in ("torch", "jax", "numpy"):
+        try:
+            out[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            out[mod] = None
+    return out
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
+    p.add_argument("--rates", nargs="+", default=DEFAULT_RATES, help="per-rank link rates; 'none' = unshaped")
+    p.add_argument("--algorithms", nargs="+", default=TORCH_JOBS, help="torch jobs (ddp is the baseline)")
+    p.add_argument("--no-jax", dest="jax", action="store_false", help="skip the jax lax.pmean baseline")
+    p.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per link (needs netem)")
+    p.add_argument("--width", type=int, default=512)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--warmup-iters", type=int, default=2)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--batches-per-iter", type=int, default=2)
+    p.add_argument("--job-timeout", type=float, default=150)
+    p.add_argument("--comm-timeout", type=float, default=90)
+    p.add_argument("--study-timeout", type=float, default=3600, help="stop starting jobs after this many seconds")
+    p.add_argument("--tail-lines", type=int, default=8)
+    p.add_argument("--out", type=Path, default=HERE / "results")
+    p.add_argument("--name", default="network-study")
+    p.add_argument("--append", action="store_true", help="add to the rows of an existing json (same settings)")
+    p.add_argument("--replot", action="store_true", help="only rewrite md + png from the json")
+    p.add_argument("--closing", default=None, help="text of the closing note (or @file)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    json_path = args.out / f"{args.name}.json"
+    closing = None
+    if args.closing:
+        closing = Path(args.closing[1:]).read_text() if args.closing.startswith("@") else args.closing
+    if args.replot:
+        data = json.loads(json_path.read_text())
+        if closing:
+            data["meta"]["closing"] = closing
+        for path in write_results(args, data["meta"], data["rows"], final=True):
+            print(f"wrote {path}")
+        return 0
+    nh.require_root()
+    probe = nh.probe()
+    notes = []
+    if not probe.get("netem"):
+        notes.append("The kernel has no sch_netem: no latency is added; links are shaped by bandwidth (tbf) only.")
+    notes.append("bagua_jax algorithms not measured: the synthetic worker runs them on the native MPI engine, "
+                 "whose hydra launcher cannot start ranks inside network namespaces.")
+    cores = len(os.sched_getaffinity(0))
+    if max(args.ranks) > cores:
+        notes.append(f"{max(args.ranks)} ranks on {cores} cores: the CPU is oversubscribed (compute and "
+                     "compression of the ranks take turns).")
+    meta: dict[str, Any] = {
+        "command": shlex.join(["python", "benchmarks/network_study.py", *(sys.argv[1:] if argv is None else argv)]),
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(), "cores": cores, "versions": versions(),
+        "kernel": platform.release(), "probe": probe, "parameters": parameter_count(args),
+        "settings": {k: getattr(args, k) for k in ("width", "layers", "image_size", "batch_size", "lr",
+                                                   "warmup_iters", "iters", "batches_per_iter")},
+        "delay_ms": args.delay_ms, "notes": notes,
+    }
+    if closing:
+        meta["closing"] = closing
+    rows: list[dict[str, Any]] = []
+    if args.append and json_path.exists():
+        old = json.loads(json_path.read_text())
+        rows = old["rows"]
+        meta["notes"] = list(dict.fromkeys(old["meta"]["notes"] + notes))
+        meta["closing"] = closing or old["meta"].get("closing")
+    jobs = job_list(args)
+    print(f"{len(jobs)} jobs x {len(args.rates)} rates x {len(args.ranks)} rank counts; model "
+          f"{meta['parameters']:,} parameters", flush=True)
+    port = 29500
+    start = time.monotonic()
+    try:
+        with tempfile.TemporaryDirectory(prefix="bagua-netstudy-") as tmp:
+            for ranks in args.ranks:
+                for rate in args.rates:
+                    if time.monotonic() - start > args.study_timeout:
+                        print("study timeout reached; stopping", flush=True)
+                        break
+                    with nh.Network(ranks, rate, args.delay_ms) as net:
+                        for fw, alg in jobs:
+                            port += 1
+                            row = run_job(args, net, fw, alg, port, Path(tmp))
+                            rows = [r for r in rows if not (r["ranks"] == ranks and r["rate"] == row["rate"]
+                                                            and r["framework"] == fw and r["algorithm"] == alg)]
+                            rows.append(row)
+                            msg = (f"{row['step_s'] * 1e3:8.1f} ms/step" if row["status"] == "ok"
+                                   else f"{row['status']}: {' / '.join(row.get('log_tail', [])[-2:])}")
+                            print(f"{ranks} ranks {row['rate']:>12} {fw:>5} {alg:<28} {msg} ({row['wall_s']:.0f} s)",
+                                  flush=True)
+                            write_results(args, meta, rows, final=False)
+    except KeyboardInterrupt:
+        print("interrupted; writing what was measured", file=sys.stderr)
+    meta["total_s"] = round(time.monotonic() - start, 1)
+    for path in write_results(args, meta, rows, final=True):
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
