@@ -251,13 +251,14 @@ def plot(args, meta, rows, path: Path) -> Path | None:
                               label=label)
             axes[1][col].plot([p[0] for p in pts], [p[1].get("speedup_vs_baseline") or float("nan") for p in pts],
                               style, marker="o", label=label)
-        for row, ylabel in ((0, "time per step (ms, log)"), (1, "speed-up over baseline (DDP / pmean)")):
+        for row, ylabel in ((0, "time per step (ms, log)"), (1, "speed-up over baseline (DDP / pmean, log)")):
             ax = axes[row][col]
             ax.set_xticks(xs, rates)
             ax.set_xlabel("per-rank link bandwidth")
             ax.set_ylabel(ylabel)
             ax.grid(alpha=0.3)
         axes[0][col].set_yscale("log")
+        axes[1][col].set_yscale("log")
         axes[1][col].axhline(1.0, color="grey", lw=0.8)
         axes[0][col].set_title(f"{ranks} ranks, {meta['parameters'] / 1e6:.1f} M-parameter MLP, CPU + gloo")
         axes[0][col].legend(fontsize=7)
@@ -347,6 +348,7 @@ def main(argv=None) -> int:
         rows = old["rows"]
         meta["notes"] = list(dict.fromkeys(old["meta"]["notes"] + notes))
         meta["closing"] = closing or old["meta"].get("closing")
+        meta["command"] = old["meta"]["command"] + "`, then `" + meta["command"]
     jobs = job_list(args)
     print(f"{len(jobs)} jobs x {len(args.rates)} rates x {len(args.ranks)} rank counts; model "
           f"{meta['parameters']:,} parameters", flush=True)
