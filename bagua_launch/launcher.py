@@ -27,7 +27,8 @@ What the launcher does while the job runs:
   only, and the launcher forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to every rank's
   group, waits up to ``--grace`` seconds, kills what is left with SIGKILL and exits
   with 128 + the signal number. A second such signal kills the ranks at once.
-  SIGUSR1 and SIGUSR2 are forwarded and the job goes on. If the launcher itself is
+  SIGUSR1 and SIGUSR2 are forwarded and the job goes on (under ``--mpi`` the ranks
+  ignore SIGUSR1, which Hydra uses itself). If the launcher itself is
   killed, its ranks get SIGKILL (Linux).
 * When a rank exits non-zero (or is killed by a signal), the launcher sends SIGTERM to
   the others, SIGKILL after ``--grace`` seconds, and exits with that rank's exit code

@@ -10,8 +10,10 @@ the MPI launcher (MPICH/Hydra ``PMI_RANK``, Open MPI ``OMPI_COMM_WORLD_RANK``, P
 ``MASTER_PORT`` as the launcher set them (default ``127.0.0.1:29500``), and then
 
 * runs the script as its child process, in a process group of its own, and forwards
-  SIGINT, SIGTERM, SIGHUP, SIGQUIT, SIGUSR1 and SIGUSR2 to it (exactly once, however the
-  wrapper got them: to itself or to its process group); the child gets SIGKILL if the
+  SIGINT, SIGTERM, SIGHUP, SIGQUIT and SIGUSR2 to it (exactly once, however the
+  wrapper got them: to itself or to its process group); SIGUSR1 is ignored, because Hydra
+  (with ``-disable-auto-cleanup``) sends it to report that another rank has exited, and the
+  rank must keep running to finish or report its own error; the child gets SIGKILL if the
   wrapper dies;
 * prints every line of the child's output as ``[rank N] line`` (stdout and stderr kept apart);
 * exits with the child's exit code (128 + N if it died of signal N), after writing it to
@@ -41,7 +43,7 @@ _SOURCES = (
     ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, "SLURM_NODEID"),
 )
 _FORWARDED = tuple(
-    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2") if hasattr(signal, n)
+    getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR2") if hasattr(signal, n)
 )
 
 
@@ -170,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for sig in _FORWARDED:
         signal.signal(sig, forward)
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         child = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
