@@ -201,7 +201,26 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
     const float lo = h[0], scale = math::minmax_scale(h[0], h[1]), step = math::minmax_step(h[0], h[1]);
     const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
     uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes - first;
-    for (int64_t i = begin; i < end; ++i) {
+    // math::minmax_encode and minmax_decode, eight lanes at a time (the byte stores
+    // could alias the input, so the compiler would not vectorize the scalar loop).
+    const f32x8 lo8 = splat(lo), scale8 = splat(scale), step8 = splat(step), zero = splat(0.0f),
+                top = splat(255.0f), magic = splat(8388608.0f);
+    int64_t i = begin;
+    for (; i + 8 <= end; i += 8) {
+      const f32x8 v = src.load8(i);
+      f32x8 t = (v - lo8) * scale8;
+      t = t > zero ? t : zero;
+      t = t < top ? t : top;
+      const i32x8 q = __builtin_convertvector((t + magic) - magic, i32x8);
+      uint8_t bytes[8];
+      for (int j = 0; j < 8; ++j) bytes[j] = static_cast<uint8_t>(q[j]);
+      std::memcpy(codes + i, bytes, sizeof bytes);
+      if constexpr (kFeedback) {
+        const f32x8 residual = v - (lo8 + __builtin_convertvector(q, f32x8) * step8);
+        std::memcpy(residual_out + i, &residual, sizeof residual);
+      }
+    }
+    for (; i < end; ++i) {
       const float v = src(i);
       const uint8_t q = math::minmax_encode(v, lo, scale);
       codes[i] = q;
