@@ -332,4 +332,6 @@ def job(seed: int, scenarios: list[str]) -> dict:
         else:
             raise ValueError(name)
         out["timings"][name] = time.perf_counter() - start
+    # Rank 0 hosts the store: no rank may exit while another still sets up a group through it.
+    torch.distributed.barrier()
     return out
