@@ -31,10 +31,9 @@ import optax
 
 from bagua_jax.algorithms.base import Communicators, two_levels
 from bagua_jax.algorithms.qadam import (
+    AdamWithAveragedMomentum,
     Levels,
     adam_with_averaged_momentum,
-    check_adam_config,
-    forbid_optimizer,
     momentum_plan,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
@@ -137,7 +136,7 @@ def onebit_adam(
 
 
 @dataclass(frozen=True)
-class OneBitAdam:
+class OneBitAdam(AdamWithAveragedMomentum):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`onebit_adam`: Adam with full-precision
     gradient averaging for ``warmup_steps`` steps (1x an fp32 allreduce per step), then frozen ``v`` and 1-bit
     momentum averaging with error feedback on both sides (~1/32 of an fp32 allreduce; with ``hierarchical`` only
@@ -145,31 +144,4 @@ class OneBitAdam:
     Adam training on the slowest links, where even QAdam's 8-bit momentum is too many bytes.
     """
 
-    learning_rate: optax.ScalarOrSchedule
-    warmup_steps: int = 100
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    hierarchical: bool = True
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
-    def __post_init__(self) -> None:
-        check_adam_config(
-            "OneBitAdam", self.warmup_steps, self.b1, self.b2, self.eps, self.hierarchical, self.bucket_bytes
-        )
-
-    def transformation(
-        self, optimizer: optax.GradientTransformation | None, comms: Communicators
-    ) -> optax.GradientTransformationExtraArgs:
-        """:func:`onebit_adam` with this configuration; ``optimizer`` must be None (1-bit Adam is the optimizer)."""
-        forbid_optimizer(optimizer, "OneBitAdam")
-        return onebit_adam(
-            comms,
-            self.learning_rate,
-            warmup_steps=self.warmup_steps,
-            b1=self.b1,
-            b2=self.b2,
-            eps=self.eps,
-            hierarchical=self.hierarchical,
-            bucket_bytes=self.bucket_bytes,
-        )
+    _transform = staticmethod(onebit_adam)

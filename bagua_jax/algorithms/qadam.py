@@ -232,12 +232,10 @@ def forbid_optimizer(optimizer: Any, algorithm: str) -> None:
 
 
 @dataclass(frozen=True)
-class QAdam:
-    """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`qadam`: Adam with full-precision gradient
-    averaging for ``warmup_steps`` steps (1x an fp32 allreduce per step), then frozen ``v`` and 8-bit compressed
-    momentum averaging (~1/4 of an fp32 allreduce; with ``hierarchical`` only between nodes). It replaces the
-    optimizer, so :meth:`transformation` takes ``optimizer=None``. Choose it for Adam training whose gradient
-    exchange is bandwidth-bound.
+class AdamWithAveragedMomentum:
+    """The configuration QAdam and OneBitAdam share; each names its transform in ``_transform``.
+
+    Both replace the optimizer, so :meth:`transformation` takes ``optimizer=None``.
     """
 
     learning_rate: optax.ScalarOrSchedule
@@ -250,15 +248,15 @@ class QAdam:
 
     def __post_init__(self) -> None:
         check_adam_config(
-            "QAdam", self.warmup_steps, self.b1, self.b2, self.eps, self.hierarchical, self.bucket_bytes
+            type(self).__name__, self.warmup_steps, self.b1, self.b2, self.eps, self.hierarchical, self.bucket_bytes
         )
 
     def transformation(
         self, optimizer: optax.GradientTransformation | None, comms: Communicators
     ) -> optax.GradientTransformationExtraArgs:
-        """:func:`qadam` with this configuration; ``optimizer`` must be None (QAdam is the optimizer)."""
-        forbid_optimizer(optimizer, "QAdam")
-        return qadam(
+        """This algorithm's transform with this configuration; ``optimizer`` must be None (it is the optimizer)."""
+        forbid_optimizer(optimizer, type(self).__name__)
+        return type(self)._transform(
             comms,
             self.learning_rate,
             warmup_steps=self.warmup_steps,
@@ -268,3 +266,15 @@ class QAdam:
             hierarchical=self.hierarchical,
             bucket_bytes=self.bucket_bytes,
         )
+
+
+@dataclass(frozen=True)
+class QAdam(AdamWithAveragedMomentum):
+    """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`qadam`: Adam with full-precision gradient
+    averaging for ``warmup_steps`` steps (1x an fp32 allreduce per step), then frozen ``v`` and 8-bit compressed
+    momentum averaging (~1/4 of an fp32 allreduce; with ``hierarchical`` only between nodes). It replaces the
+    optimizer, so :meth:`transformation` takes ``optimizer=None``. Choose it for Adam training whose gradient
+    exchange is bandwidth-bound.
+    """
+
+    _transform = staticmethod(qadam)
