@@ -96,12 +96,14 @@ It prints a progress line per measurement, then one table per primitive, and wri
 recording the device, the versions, the date and the command line.
 
 Sizes are powers of 4 from ``--min-size`` (4 KiB) to ``--max-size``. On CPU the default
-maximum is 64 MiB: on the 2-core machine this was written on a run of all four engines
-up to 64 MiB takes about 3 minutes with 2 ranks and 5 with 4 (4 ranks oversubscribe the
-2 cores); 256 MiB adds about as much again per engine (roughly a second per call with 4
-ranks, plus about 1.5 GB of buffers per rank), which would take a 4-rank run past 8
-minutes. Pass ``--max-size 256M`` (and a larger ``--timeout``) on a bigger machine. On
-GPU the default maximum is 256 MiB.
+maximum is 64 MiB, to keep a full run well under 8 minutes on the shared 2-core VM
+(AMD EPYC, 23 GiB) this was written on: the default run of all four engines took 78 s
+with 2 ranks and 107 s with 4 on a quiet machine, about 2.5 minutes with 4 ranks while
+other jobs ran. 256 MiB costs far more: with 4 ranks (which oversubscribe the 2 cores)
+its calls take up to 1.8 s, and the 256 MiB sizes alone took 5.5 minutes while other
+jobs ran, with the buffers of all ranks and engines then taking several GiB of host
+memory. Pass ``--max-size 256M`` (and a larger ``--timeout`` where needed) on a bigger
+machine. On GPU the default maximum is 256 MiB.
 
 The GPU mode (``--device gpu``) measures one rank: the NCCL engine through
 ``NativeCommunicator.nccl_world`` after a one-process ``jax.distributed.initialize``
