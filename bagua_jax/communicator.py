@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Literal, Protocol, runtime_checkable
 
 import jax
+import numpy as np
 
 ReduceOp = Literal["sum", "avg", "min", "max"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "avg", "min", "max")
@@ -68,5 +69,31 @@ class Communicator(Protocol):
         ``[len(peers), *x.shape]`` where row i came from ``peers[i]``. Peers must be symmetric:
         if rank r lists q, rank q lists r as often."""
 
+    def send_recv_scheduled(self, x: jax.Array, schedule: np.ndarray, round_index: jax.Array) -> jax.Array:
+        """``send_recv`` with peers from a table known when tracing: ``schedule`` is an int table
+        ``[rounds, size, k]`` whose row ``[t, r]`` lists rank r's k peers in round t (every column
+        ``[t, :, j]`` a permutation of the ranks, every round symmetric as in ``send_recv``), and
+        the run-time ``round_index`` (taken modulo ``rounds``) picks the round. Returns
+        ``[k, *x.shape]``, row j from peer ``schedule[t, r, j]``. Unlike ``send_recv`` this lets
+        JAX's collectives send ``k B`` (one ``ppermute`` per column) instead of gathering."""
+
     def barrier(self, x: jax.Array) -> jax.Array:
         """Return ``x`` once every rank has reached this point (orders the barrier with ``x``)."""
+
+
+def check_schedule(schedule: np.ndarray, size: int) -> np.ndarray:
+    """``schedule`` as an int32 ``[rounds, size, k]`` table, checked as ``send_recv_scheduled``
+    requires (each column a permutation of the ranks, each round symmetric); raises otherwise."""
+    table = np.asarray(schedule)
+    if table.ndim != 3 or table.shape[1] != size or 0 in table.shape or not np.issubdtype(table.dtype, np.integer):
+        raise ValueError(f"a schedule is an int table [rounds, {size}, peers], got {table.dtype}{list(table.shape)}")
+    ranks = np.arange(size)
+    for t, round_peers in enumerate(table):
+        for j in range(table.shape[2]):
+            if not np.array_equal(np.sort(round_peers[:, j]), ranks):
+                raise ValueError(f"schedule round {t}, column {j} is not a permutation of the ranks: {round_peers[:, j]}")
+        links = np.zeros((size, size), np.int64)
+        np.add.at(links, (np.repeat(ranks, table.shape[2]), round_peers.ravel()), 1)
+        if not np.array_equal(links, links.T):
+            raise ValueError(f"schedule round {t} is not symmetric: a rank lists a peer that does not list it back")
+    return table.astype(np.int32)

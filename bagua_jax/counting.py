@@ -14,6 +14,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bagua_jax.communicator import Communicator, ReduceOp
 
@@ -134,6 +135,11 @@ class CountingCommunicator:
         """Point-to-point exchange: records ``x``'s bytes once per entry of ``peers``, then delegates."""
         self._record("send_recv", int(jnp.shape(peers)[0]) * _nbytes(x))
         return self._inner.send_recv(x, peers)
+
+    def send_recv_scheduled(self, x: jax.Array, schedule: np.ndarray, round_index: jax.Array) -> jax.Array:
+        """Scheduled point-to-point exchange: records ``x``'s bytes once per peer column, then delegates."""
+        self._record("send_recv", int(np.shape(schedule)[2]) * _nbytes(x))
+        return self._inner.send_recv_scheduled(x, schedule, round_index)
 
     def barrier(self, x: jax.Array) -> jax.Array:
         """Barrier: records the call with zero bytes (it carries no payload), then delegates."""

@@ -20,8 +20,7 @@ Costs (per rank, ``n = size``, ``B`` = bytes of ``x``): ``allreduce``/``reduce``
 all-gather producing ``n * B``; ``scatter`` and ``alltoall`` one all-to-all of
 ``B``; ``alltoall_v`` an all-to-all of ``n * B`` (every block padded to the whole
 input, since XLA needs static shapes); ``send_recv`` an all-gather producing
-``n * B`` (for a peer pattern known when tracing, ``lax.ppermute`` is the cheap
-alternative); ``barrier`` an all-reduce of two float32 plus one elementwise select per leaf.
+``n * B``; ``send_recv_scheduled`` one ``ppermute`` of ``B`` per peer; ``barrier`` an all-reduce of two float32 plus one elementwise select per leaf.
 
 Reductions run in the input dtype, as XLA's collectives do (no float32 accumulation for
 bfloat16/float16; the native MPI engine likewise rounds after every pairwise step). ``"avg"`` is
@@ -41,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bagua_jax.communicator import REDUCE_OPS, ReduceOp
+from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
 
 AxisName = str | tuple[str, ...]
 
@@ -293,6 +292,24 @@ class LaxCommunicator:
         rows = gathered[jnp.clip(peers, 0, n - 1).astype(jnp.int32)]
         mask = valid.reshape(valid.shape + (1,) * x.ndim)
         return jnp.where(mask, rows, jnp.zeros((), x.dtype))
+
+    def send_recv_scheduled(self, x: jax.Array, schedule: np.ndarray, round_index: jax.Array) -> jax.Array:
+        """``send_recv`` with peers from the static table ``schedule[round_index % rounds]``: one
+        ``lax.ppermute`` per peer column, the round picked with ``lax.switch`` (every rank takes
+        the same branch). See :meth:`Communicator.send_recv_scheduled`."""
+        x = jnp.asarray(x)
+        table = check_schedule(schedule, self._checked_size("send_recv_scheduled"))
+
+        def round_branch(round_peers: np.ndarray) -> Callable[[jax.Array], jax.Array]:
+            # Column j: rank r receives from round_peers[r, j], so that rank sends to r.
+            perms = [[(int(src), dst) for dst, src in enumerate(column)] for column in round_peers.T]
+            return lambda v: jnp.stack([lax.ppermute(v, self._axis_name, perm) for perm in perms])
+
+        rounds = table.shape[0]
+        if rounds == 1:
+            return round_branch(table[0])(x)
+        which = jnp.asarray(round_index, jnp.int32) % rounds
+        return lax.switch(which, [round_branch(t) for t in table], x)
 
     def barrier(self, x: jax.Array) -> jax.Array:
         """Return ``x`` (an array or a pytree of arrays) unchanged, bit for bit, once every rank has

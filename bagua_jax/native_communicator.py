@@ -7,9 +7,10 @@ import os
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from bagua_jax import native_collectives as nc
-from bagua_jax.communicator import REDUCE_OPS, ReduceOp
+from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
 from bagua_jax.engines import engine
 
 DEFAULT_TIMEOUT_SECONDS = float(os.environ.get("BAGUA_COMM_TIMEOUT", "300"))
@@ -176,6 +177,12 @@ class NativeCommunicator:
         peers = jnp.asarray(peers, jnp.int32).reshape(-1)
         flat = nc.send_recv_p.bind(x.ravel(), peers, comm=self._handle)
         return flat.reshape(peers.shape[0], *x.shape)
+
+    def send_recv_scheduled(self, x: jax.Array, schedule: np.ndarray, round_index: jax.Array) -> jax.Array:
+        """``send_recv`` with this rank's peers of round ``round_index % rounds`` of the static table
+        ``schedule`` (see :meth:`Communicator.send_recv_scheduled`)."""
+        table = jnp.asarray(check_schedule(schedule, self.size))
+        return self.send_recv(x, table[jnp.asarray(round_index, jnp.int32) % table.shape[0], self._rank])
 
     def send(self, x: jax.Array, peer: jax.Array | int) -> None:
         """Send ``x`` to rank ``peer`` (chosen at run time); it must meet a matching ``recv``.

@@ -1,29 +1,34 @@
-"""Network trade-off study: time per step of every algorithm over shaped links (issue 7).
+"""Network trade-off study: time per step and loss of every algorithm over shaped links (issue 7).
 
 For each rank count (``--ranks``, default 2 and 4) and each per-rank link rate
-(``--rates``, default unshaped (>= 10 Gbit/s), 1 Gbit/s, 300 Mbit/s, 100 Mbit/s) the
-study builds the emulated network of :mod:`network_harness` (one namespace per rank,
-veth pairs to a bridge, ``tbf`` shaping on both ends of every pair), then runs, one job
-at a time, the synthetic benchmark's worker (``benchmarks/synthetic.py --worker``) on
-its communication-heavy ``mlp`` model in every rank's namespace, for the baseline
-(PyTorch DDP over gloo) and every Bagua algorithm of ``bagua_torch`` (gloo; ``decentralized``
-is the registry default, peer mode ``"all"``, and ``decentralized_shift_one`` the
-``"shift_one"`` mode, registered by ``benchmarks/network_worker.py``), plus the
-JAX baseline (``jax.distributed`` + gloo, ``lax.pmean`` in a ``shard_map`` step).
+(``--rates``, default unshaped (well above 10 Gbit/s), 10 Gbit/s, 1 Gbit/s, 300 Mbit/s,
+100 Mbit/s) the study builds the emulated network of :mod:`network_harness` (one
+namespace per rank, veth pairs to a bridge, ``tbf`` shaping on both ends of every pair),
+then runs, one job at a time, the synthetic benchmark's worker
+(``benchmarks/synthetic.py --worker``) on its communication-heavy ``mlp`` model in every
+rank's namespace:
 
-Not covered here (and said so in the results): the ``bagua_jax`` algorithms. The
-synthetic worker runs them on the native MPI engine, whose ranks ``mpiexec`` (hydra)
-starts; hydra cannot place ranks in network namespaces without a remote-shell shim,
-so they are left to a follow-up (a worker that runs ``DataParallel(mesh=...)`` over
-``jax.distributed`` + gloo would also work across namespaces). No latency is added
-when the kernel lacks ``sch_netem`` (the harness says so); bandwidth only.
+* torch: the baseline (PyTorch DDP over gloo) and every ``bagua_torch`` algorithm (gloo);
+* JAX: the baseline (a ``shard_map`` step with ``lax.pmean``) and every ``bagua_jax``
+  algorithm in ``DataParallel(mesh=...)``, all over ``jax.distributed`` with gloo CPU
+  collectives (``--jax-comm gloo``). JAX's ``async`` is left out: its background averager
+  runs on the native MPI engine, whose launcher (hydra) cannot start ranks inside network
+  namespaces.
+
+``decentralized`` is the registry default (peer mode ``"all"``), ``decentralized_shift_one``
+the ``"shift_one"`` mode. No latency is added when the kernel lacks ``sch_netem`` (the
+harness says so); bandwidth only.
 
 Each job: ``--warmup-iters`` untimed iterations, then ``--iters`` timed ones of
-``--batches-per-iter`` steps. The time per step of an iteration is the mean over the
-ranks; the table reports the median over iterations. QAdam's and OneBitAdam's
-full-precision warm-up ends inside the untimed iterations. ``async`` runs local steps
-while a background thread averages the weights: its time per step is not waiting for
-the network, so its figure is not comparable with the synchronous ones (marked).
+``--batches-per-iter`` steps; the time per step of an iteration is the mean over the ranks,
+the table reports the median over iterations. QAdam's and OneBitAdam's full-precision
+warm-up ends inside the untimed iterations. ``async`` runs local steps while a background
+thread averages the weights: its time per step does not wait for the network, so its
+figure is not comparable with the synchronous ones (marked). Then, in the same job and the
+same network, the worker trains a small MLP on scikit-learn's digits with the same
+algorithm for ``--convergence-steps`` steps (global batch 128); the table's loss is the
+training loss over the last 10 of them, averaged over the ranks: what each algorithm's
+compression or decentralization costs in progress per step.
 
 Results go to ``benchmarks/results/network-study.json`` (written after every job, so
 an interrupted study keeps what it measured), ``.md`` and ``.png``.
@@ -53,29 +58,30 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import network_harness as nh  # noqa: E402
+import synthetic  # noqa: E402
 
-SYNTHETIC = HERE / "network_worker.py"  # synthetic.py's worker + decentralized_shift_one
-TORCH_JOBS = ["ddp", "gradient_allreduce", "bytegrad", "decentralized", "decentralized_shift_one",
+ALGORITHMS = ["gradient_allreduce", "bytegrad", "decentralized", "decentralized_shift_one",
               "low_precision_decentralized", "qadam", "onebit_adam", "async"]
-JAX_JOBS = ["pmean"]  # needs the harness's per-namespace /etc/hosts (gloo advertises gethostname()'s address)
 BASELINE = {"torch": "ddp", "jax": "pmean"}
-DEFAULT_RATES = ["none", "1gbit", "300mbit", "100mbit"]
+# JAX's async averages over the native MPI engine, which cannot start ranks in namespaces.
+SKIPPED = {"jax": ("async",), "torch": ()}
+FRAMEWORKS = ("torch", "jax")
+DEFAULT_RATES = ["none", "10gbit", "1gbit", "300mbit", "100mbit"]
 
 
 def job_list(args) -> list[tuple[str, str]]:
-    jobs = [("torch", a) for a in args.algorithms if a in TORCH_JOBS]
-    if args.jax:
-        jobs += [("jax", a) for a in JAX_JOBS]
-    return jobs
+    return [(fw, alg) for fw in args.frameworks for alg in [BASELINE[fw], *args.algorithms]
+            if alg not in SKIPPED[fw]]
 
 
 def worker_argv(args, framework: str, algorithm: str, result: Path) -> list[str]:
-    return [sys.executable, str(SYNTHETIC), "--worker", "--framework", framework, "--algorithm", algorithm,
+    return [sys.executable, synthetic.__file__, "--worker", "--framework", framework, "--algorithm", algorithm,
             "--result", str(result), "--model", "mlp", "--batch-size", str(args.batch_size),
             "--width", str(args.width), "--layers", str(args.layers), "--image-size", str(args.image_size),
             "--lr", str(args.lr), "--warmup-iters", str(args.warmup_iters), "--iters", str(args.iters),
             "--batches-per-iter", str(args.batches_per_iter), "--threads", "1",
-            "--comm-timeout", str(args.comm_timeout), "--device", "cpu"]
+            "--comm-timeout", str(args.comm_timeout), "--device", "cpu", "--jax-comm", "gloo",
+            "--convergence-steps", str(args.convergence_steps)]
 
 
 def child_env() -> dict[str, str]:
@@ -114,6 +120,8 @@ def run_job(args, net: nh.Network, framework: str, algorithm: str, port: int, tm
     row.update(status="ok", step_s=statistics.median(steps), step_s_mean=statistics.fmean(steps),
                step_s_min=min(steps), step_s_max=max(steps), step_s_all=steps,
                warmup_s=max(rr["warmup_s"] for rr in per_rank))
+    if args.convergence_steps:
+        row["digits_loss"] = synthetic.digits_loss(per_rank)
     return row
 
 
@@ -135,53 +143,65 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         if r.get("status") != "ok":
             continue
         base = index.get((r["ranks"], r["rate"], r["framework"], BASELINE[r["framework"]]))
-        ref = index.get((r["ranks"], r["rate"], "torch", "gradient_allreduce"))
+        ref = index.get((r["ranks"], r["rate"], r["framework"], "gradient_allreduce"))
         r["speedup_vs_baseline"] = base["step_s"] / r["step_s"] if base else None
-        r["speedup_vs_allreduce"] = ref["step_s"] / r["step_s"] if ref and r["framework"] == "torch" else None
+        r["speedup_vs_allreduce"] = ref["step_s"] / r["step_s"] if ref else None
 
 
 def _rate_order(label: str) -> float:
     return float("inf") if label == "unshaped" else nh.parse_rate(label.replace(" ", "").replace("/s", ""))
 
 
+def _label(fw: str, alg: str) -> str:
+    label = {"ddp": "torch DDP (baseline)", "pmean": "jax lax.pmean (baseline)"}.get(alg, f"bagua_{fw} {alg}")
+    return label + (" (local steps, not comparable)" if alg == "async" else "")
+
+
+def _time_cell(r: dict[str, Any]) -> str:
+    cell = f"{r['step_s'] * 1e3:.0f}"
+    if r.get("speedup_vs_baseline"):
+        cell += f" ({r['speedup_vs_baseline']:.2f}x)"
+    if r.get("speedup_vs_allreduce") and r["algorithm"] not in ("gradient_allreduce", *BASELINE.values()):
+        cell += f", {r['speedup_vs_allreduce']:.2f} ar"
+    return cell
+
+
+def _grid(rows: list[dict[str, Any]], ranks: int, rates: list[str], cell) -> list[str]:
+    """One table row per (framework, algorithm) in first-seen order, one column per rate."""
+    lines = ["| algorithm | " + " | ".join(rates) + " |", "|---|" + "---|" * len(rates)]
+    names = list(dict.fromkeys((r["framework"], r["algorithm"]) for r in rows if r["ranks"] == ranks))
+    for fw, alg in names:
+        cells = []
+        for rate in rates:
+            r = next((x for x in rows if x["ranks"] == ranks and x["rate"] == rate and x["framework"] == fw
+                      and x["algorithm"] == alg), None)
+            cells.append("" if r is None else (cell(r) if r["status"] == "ok" else r["status"]))
+        lines.append(f"| {_label(fw, alg)} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def table_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     lines = []
+    steps = meta["settings"].get("convergence_steps")
     for ranks in sorted({r["ranks"] for r in rows}):
         rates = sorted({r["rate"] for r in rows if r["ranks"] == ranks}, key=_rate_order, reverse=True)
-        lines += [f"### {ranks} ranks", "",
+        lines += [f"### {ranks} ranks: time per step", "",
                   "Time per step in ms (median of the timed iterations); in brackets the speed-up over the "
                   "framework's baseline (torch DDP, resp. jax lax.pmean) at the same bandwidth; "
-                  "`x.xx ar` the speed-up over Bagua's fp32 gradient_allreduce.", ""]
-        lines.append("| algorithm | " + " | ".join(rates) + " |")
-        lines.append("|---|" + "---|" * len(rates))
-        names = []
-        for r in rows:
-            if r["ranks"] == ranks and (r["framework"], r["algorithm"]) not in names:
-                names.append((r["framework"], r["algorithm"]))
-        for fw, alg in names:
-            cells = []
-            for rate in rates:
-                r = next((x for x in rows if x["ranks"] == ranks and x["rate"] == rate and x["framework"] == fw
-                          and x["algorithm"] == alg), None)
-                if r is None:
-                    cells.append("")
-                elif r["status"] != "ok":
-                    cells.append(r["status"])
-                else:
-                    cell = f"{r['step_s'] * 1e3:.0f} ({r['speedup_vs_baseline']:.2f}x)" if r.get(
-                        "speedup_vs_baseline") else f"{r['step_s'] * 1e3:.0f}"
-                    if r.get("speedup_vs_allreduce") and alg not in ("gradient_allreduce", "ddp"):
-                        cell += f", {r['speedup_vs_allreduce']:.2f} ar"
-                    cells.append(cell)
-            label = {"ddp": "torch DDP (baseline)", "pmean": "jax lax.pmean (baseline)"}.get(alg, f"bagua_torch {alg}")
-            if alg == "async":
-                label += " (local steps, not comparable)"
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+                  "`x.xx ar` the speed-up over the same framework's Bagua fp32 gradient_allreduce.", ""]
+        lines += _grid(rows, ranks, rates, _time_cell)
         est = [wire_estimate(argparse.Namespace(**meta["settings"]), ranks, nh.parse_rate(
             rate.replace(" ", "").replace("/s", "")) if rate != "unshaped" else None) for rate in rates]
         lines.append("| *fp32 ring-allreduce wire time (estimate)* | " + " | ".join(
             "" if e is None else f"*{e * 1e3:.0f}*" for e in est) + " |")
         lines.append("")
+        if steps:
+            lines += [f"### {ranks} ranks: digits loss after {steps} steps", "",
+                      "Training loss of the digits MLP over the last 10 of its steps, averaged over the ranks "
+                      "(same job, same network). The synchronous algorithms compute the same numbers at every "
+                      "bandwidth; async's depends on how many averaging rounds the link allows.", ""]
+            lines += _grid(rows, ranks, rates, lambda r: f"{r['digits_loss']:.3f}" if "digits_loss" in r else "")
+            lines.append("")
     return lines
 
 
@@ -233,35 +253,28 @@ def plot(args, meta, rows, path: Path) -> Path | None:
         print("note: matplotlib is missing; no plot", file=sys.stderr)
         return None
     ok = [r for r in rows if r.get("status") == "ok"]
-    rank_counts = sorted({r["ranks"] for r in ok})
     if not ok:
         return None
-    fig, axes = plt.subplots(2, len(rank_counts), figsize=(6 * len(rank_counts), 8), squeeze=False)
-    for col, ranks in enumerate(rank_counts):
-        mine = [r for r in ok if r["ranks"] == ranks]
-        rates = sorted({r["rate"] for r in mine}, key=_rate_order, reverse=True)
-        xs = list(range(len(rates)))
-        names = list(dict.fromkeys((r["framework"], r["algorithm"]) for r in mine))
-        for fw, alg in names:
-            pts = [(xs[rates.index(r["rate"])], r) for r in mine if (r["framework"], r["algorithm"]) == (fw, alg)]
-            pts.sort(key=lambda p: p[0])
-            label = alg if fw == "torch" else f"jax {alg}"
-            style = "--" if alg in BASELINE.values() else ("-." if alg == "async" else "-")
-            axes[0][col].plot([p[0] for p in pts], [p[1]["step_s"] * 1e3 for p in pts], style, marker="o",
-                              label=label)
-            axes[1][col].plot([p[0] for p in pts], [p[1].get("speedup_vs_baseline") or float("nan") for p in pts],
-                              style, marker="o", label=label)
-        for row, ylabel in ((0, "time per step (ms, log)"), (1, "speed-up over baseline (DDP / pmean, log)")):
+    rank_counts = sorted({r["ranks"] for r in ok})
+    frameworks = [fw for fw in FRAMEWORKS if any(r["framework"] == fw for r in ok)]
+    fig, axes = plt.subplots(len(frameworks), len(rank_counts), figsize=(6 * len(rank_counts), 4.5 * len(frameworks)),
+                             squeeze=False)
+    for row, fw in enumerate(frameworks):
+        for col, ranks in enumerate(rank_counts):
             ax = axes[row][col]
-            ax.set_xticks(xs, rates)
+            mine = [r for r in ok if r["ranks"] == ranks and r["framework"] == fw]
+            rates = sorted({r["rate"] for r in ok if r["ranks"] == ranks}, key=_rate_order, reverse=True)
+            for alg in dict.fromkeys(r["algorithm"] for r in mine):
+                pts = sorted((rates.index(r["rate"]), r["step_s"] * 1e3) for r in mine if r["algorithm"] == alg)
+                style = "--" if alg in BASELINE.values() else ("-." if alg == "async" else "-")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=alg)
+            ax.set_xticks(range(len(rates)), rates)
             ax.set_xlabel("per-rank link bandwidth")
-            ax.set_ylabel(ylabel)
+            ax.set_ylabel("time per step (ms, log)")
+            ax.set_yscale("log")
             ax.grid(alpha=0.3)
-        axes[0][col].set_yscale("log")
-        axes[1][col].set_yscale("log")
-        axes[1][col].axhline(1.0, color="grey", lw=0.8)
-        axes[0][col].set_title(f"{ranks} ranks, {meta['parameters'] / 1e6:.1f} M-parameter MLP, CPU + gloo")
-        axes[0][col].legend(fontsize=7)
+            ax.set_title(f"{fw}, {ranks} ranks, {meta['parameters'] / 1e6:.1f} M-parameter MLP, CPU + gloo")
+            ax.legend(fontsize=7)
     fig.suptitle("Bagua algorithms over shaped links (tbf, network namespaces)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -284,8 +297,11 @@ def parse_args(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--ranks", type=int, nargs="+", default=[2, 4])
     p.add_argument("--rates", nargs="+", default=DEFAULT_RATES, help="per-rank link rates; 'none' = unshaped")
-    p.add_argument("--algorithms", nargs="+", default=TORCH_JOBS, help="torch jobs (ddp is the baseline)")
-    p.add_argument("--no-jax", dest="jax", action="store_false", help="skip the jax lax.pmean baseline")
+    p.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS, metavar="NAME",
+                   help="Bagua algorithms (each framework's baseline always runs)")
+    p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
+    p.add_argument("--convergence-steps", type=int, default=200,
+                   help="digits training steps after the timing, per job (0: off)")
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per link (needs netem)")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
@@ -325,8 +341,10 @@ def main(argv=None) -> int:
     notes = []
     if not probe.get("netem"):
         notes.append("The kernel has no sch_netem: no latency is added; links are shaped by bandwidth (tbf) only.")
-    notes.append("bagua_jax algorithms not measured: the synthetic worker runs them on the native MPI engine, "
-                 "whose hydra launcher cannot start ranks inside network namespaces.")
+    if "jax" in args.frameworks and "async" in args.algorithms:
+        notes.append("bagua_jax async not measured: its background averager runs on the native MPI engine, "
+                     "whose launcher (hydra) cannot start ranks inside network namespaces. The other bagua_jax "
+                     "algorithms run in DataParallel(mesh=...) over jax.distributed + gloo.")
     cores = len(os.sched_getaffinity(0))
     if max(args.ranks) > cores:
         notes.append(f"{max(args.ranks)} ranks on {cores} cores: the CPU is oversubscribed (compute and "
@@ -337,7 +355,8 @@ def main(argv=None) -> int:
         "machine": platform.processor() or platform.machine(), "cores": cores, "versions": versions(),
         "kernel": platform.release(), "probe": probe, "parameters": parameter_count(args),
         "settings": {k: getattr(args, k) for k in ("width", "layers", "image_size", "batch_size", "lr",
-                                                   "warmup_iters", "iters", "batches_per_iter")},
+                                                   "warmup_iters", "iters", "batches_per_iter",
+                                                   "convergence_steps")},
         "delay_ms": args.delay_ms, "notes": notes,
     }
     if closing:

@@ -24,7 +24,7 @@ over iterations with a 95% interval ``1.96 * std / sqrt(iters)``) and in total
 
 * the baseline a user would otherwise write, measured in the same run: PyTorch's
   ``torch.nn.parallel.DistributedDataParallel`` (gloo) for ``--framework torch``, and a
-  plain ``jax.shard_map`` step with ``jax.lax.pmean`` on the gradients over all
+  plain ``jax.shard_map`` step differentiating the ``jax.lax.pmean`` of the loss over all
   processes' devices (``jax.distributed`` with gloo CPU collectives) for ``--framework jax``;
 * Bagua's own ``gradient_allreduce`` (plain fp32 allreduce) measured in the same run.
 
@@ -72,6 +72,7 @@ plus a ``.png`` bar chart with ``--plot`` (needs matplotlib). Each job's output 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import math
@@ -79,12 +80,11 @@ import os
 import re
 import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -99,6 +99,8 @@ REFERENCE = "gradient_allreduce"
 ALGORITHM_NAMES = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
                    "async", "qadam", "onebit_adam")
 ADAM_ALGORITHMS = ("qadam", "onebit_adam")
+# Job names for registry algorithms with non-default options, in both frameworks.
+VARIANTS = {"decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one"})}
 NUM_CLASSES = 10
 CHANNELS = 3
 HERE = Path(__file__).resolve()
@@ -217,43 +219,64 @@ def _rate_line(rank: int, i: int, total: int, rate: float) -> None:
         print(f"iter {i + 1}/{total}: {rate:.1f} img/s per device (rank 0)", flush=True)
 
 
+@dataclasses.dataclass
+class RankJob:
+    """One rank's training loop pieces: ``state, loss = step(state, place(x, y))``, then ``finish(state)``."""
+
+    step: Callable[[Any, Any], tuple[Any, Any]]
+    place: Callable[[np.ndarray, np.ndarray], Any]
+    state: Any
+    finish: Callable[[Any], None]
+
+
+def algorithm_spec(name: str) -> tuple[str, dict[str, Any]]:
+    """The registry name and options behind a job name (``decentralized_shift_one`` is ``decentralized``
+    with ``peer_selection_mode="shift_one"``; the registry's default is ``"all"``)."""
+    return VARIANTS.get(name, (name, {}))
+
+
 def worker_jax(args: argparse.Namespace) -> dict[str, Any]:
-    """One rank of a JAX job; returns its timings."""
+    """One rank of a JAX job; returns its timings (and digits losses with --convergence-steps)."""
     import jax
 
     rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
-    if args.algorithm == BASELINES["jax"]:
-        if size > 1:
-            if jax.config.jax_platforms in (None, "", "cpu"):
-                jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax.distributed.initialize(
-                coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                num_processes=size, process_id=rank,
-            )
-        step, state, batch, finish = _jax_pmean_setup(args, rank, size)
-    else:
-        step, state, batch, finish = _jax_bagua_setup(args, rank, size)
+    on_mesh = args.algorithm == BASELINES["jax"] or args.jax_comm == "gloo"
+    if on_mesh and size > 1:
+        if jax.config.jax_platforms in (None, "", "cpu"):
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(
+            coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+            num_processes=size, process_id=rank,
+        )
+    setup = _jax_pmean_setup if args.algorithm == BASELINES["jax"] else _jax_bagua_setup
+    params = init_params(args.model, args.image_size, args.width, args.layers)
+    job = setup(args, rank, size, jax_model(args.model), params, args.lr, _algorithm_warmup_steps(args))
+    batch = job.place(*random_batch(args.batch_size, args.image_size, rank))
 
     def run(n: int, state):
         for _ in range(n):
-            state = step(state, batch)
+            state, _ = job.step(state, batch)
         jax.block_until_ready(state)
         return state
 
-    return _time_loop(args, rank, size, run, state, finish)
+    result, state = _time_loop(args, rank, size, run, job.state)
+    if args.convergence_steps:
+        result["digits_losses"] = _digits_losses(args, rank, size, lambda lr, warmup: setup(
+            args, rank, size, jax_model("mlp"), digits_params(args.digits_hidden), lr, warmup))
+    job.finish(state)
+    return result
 
 
-def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int):
+def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int, loss_fn, params, lr: float,
+                     warmup_steps: int) -> RankJob:
     """The baseline: a shard_map step with lax.pmean over every process's device."""
     import jax
-    import numpy as np
     import optax
     from jax import lax
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    loss_fn = jax_model(args.model)
-    tx = optax.sgd(args.lr, momentum=0.9)
+    tx = optax.sgd(lr, momentum=0.9)
     devices = jax.devices()
     if len(devices) != size or jax.local_device_count() != 1:
         raise RuntimeError(f"expected one device per process, got {len(devices)} devices over {size} processes "
@@ -262,10 +285,12 @@ def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int):
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
 
     def per_device(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-        grads = lax.pmean(grads, "d")
+        # Differentiating the mean loss: the parameters are replicated (invariant over "d"), so
+        # AD already all-reduces their gradient; a pmean of a per-device loss's gradient would
+        # get that sum and reduce it again (twice the traffic, n times the gradient).
+        loss, grads = jax.value_and_grad(lambda p: lax.pmean(loss_fn(p, batch), "d"))(params)
         updates, opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, lax.pmean(loss, "d")
+        return optax.apply_updates(params, updates), opt_state, loss
 
     sharded = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("d")),
                                     out_specs=(P(), P(), P())), donate_argnums=(0, 1))
@@ -274,56 +299,67 @@ def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int):
         leaf = np.asarray(leaf)
         return jax.make_array_from_callback(leaf.shape, replicated, lambda index: leaf[index])
 
-    params = [replicate(p) for p in init_params(args.model, args.image_size, args.width, args.layers)]
+    params = [replicate(p) for p in params]
     opt_state = jax.jit(tx.init, out_shardings=replicated)(params)
-    x, y = random_batch(args.batch_size, args.image_size, rank)
-    batch = (jax.make_array_from_process_local_data(split, x), jax.make_array_from_process_local_data(split, y))
+
+    def place(x, y):
+        return jax.make_array_from_process_local_data(split, x), jax.make_array_from_process_local_data(split, y)
 
     def step(state, batch):
         params, opt_state, loss = sharded(state[0], state[1], batch)
-        return params, opt_state, loss
+        return (params, opt_state), loss
 
-    return step, (params, opt_state, None), batch, (lambda state: None)
+    return RankJob(step, place, (params, opt_state), lambda state: None)
 
 
-def _jax_bagua_setup(args: argparse.Namespace, rank: int, size: int):
-    """A Bagua algorithm: DataParallel over the native (MPI) communicator."""
+def _jax_bagua_setup(args: argparse.Namespace, rank: int, size: int, loss_fn, params, lr: float,
+                     warmup_steps: int) -> RankJob:
+    """A Bagua algorithm: DataParallel over the native (MPI) communicator, or over a mesh of every
+    process's device (JAX's collectives over gloo) with ``--jax-comm gloo``."""
     import jax
     import jax.numpy as jnp
     import optax
+    from jax.sharding import Mesh
 
     from bagua_jax import NativeCommunicator
     from bagua_jax.algorithms import AsyncModelAverage, make_algorithm
     from bagua_jax.trainer import DataParallel
 
+    name, options = algorithm_spec(args.algorithm)
+    if name in ADAM_ALGORITHMS:
+        options["warmup_steps"] = warmup_steps
+    algorithm = make_algorithm(name, learning_rate=lr, **options)
+    optimizer = None if name in ADAM_ALGORITHMS else optax.sgd(lr, momentum=0.9)
+    if args.jax_comm == "gloo":
+        if isinstance(algorithm, AsyncModelAverage):
+            raise SystemExit("async averages in a background thread over the native engine; use --jax-comm mpi")
+        trainer = DataParallel(loss_fn, optimizer, algorithm, mesh=Mesh(np.array(jax.devices()), ("d",)))
+
+        def place(x, y):
+            return trainer.shard_batch((x, y))
+
+        return RankJob(trainer.step, place, trainer.init(params), lambda state: None)
     comm = NativeCommunicator.world(timeout=args.comm_timeout)
     if comm.size != size:
         raise RuntimeError(f"the MPI world has {comm.size} ranks, the launcher says {size}")
-    options: dict[str, Any] = {}
-    if args.algorithm in ADAM_ALGORITHMS:
-        options["warmup_steps"] = _algorithm_warmup_steps(args)
-    algorithm = make_algorithm(args.algorithm, learning_rate=args.lr, **options)
-    optimizer = None if args.algorithm in ADAM_ALGORITHMS else optax.sgd(args.lr, momentum=0.9)
-    trainer = DataParallel(jax_model(args.model), optimizer, algorithm, communicator=comm)
-    state = trainer.init(init_params(args.model, args.image_size, args.width, args.layers))
+    trainer = DataParallel(loss_fn, optimizer, algorithm, communicator=comm)
+    state = trainer.init(params)
     averager = None
     if isinstance(algorithm, AsyncModelAverage):
         averager = algorithm.averager(state.params, NativeCommunicator.mpi_world(timeout=args.comm_timeout))
-    x, y = random_batch(args.batch_size, args.image_size, rank)
-    batch = (jnp.asarray(x), jnp.asarray(y))
 
     def step(state, batch):
-        state, _ = trainer.step(state, batch)
+        state, loss = trainer.step(state, batch)
         if averager is not None:
             state = state._replace(params=averager.apply(state.params))
-        return state
+        return state, loss
 
     def finish(state):
         if averager is not None:
             averager.abort()
         comm.barrier(jnp.zeros((), jnp.float32))
 
-    return step, state, batch, finish
+    return RankJob(step, lambda x, y: (jnp.asarray(x), jnp.asarray(y)), state, finish)
 
 
 def _algorithm_warmup_steps(args: argparse.Namespace) -> int:
@@ -332,58 +368,114 @@ def _algorithm_warmup_steps(args: argparse.Namespace) -> int:
 
 
 def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
-    """One rank of a torch job; returns its timings."""
+    """One rank of a torch job; returns its timings (and digits losses with --convergence-steps)."""
     import torch
     import torch.distributed as dist
-    import torch.nn.functional as F
 
     torch.set_num_threads(args.threads)
     rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     torch.manual_seed(0)
-    net = torch_model(args.model, init_params(args.model, args.image_size, args.width, args.layers))
     if args.algorithm == BASELINES["torch"]:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.comm_timeout))
-        optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
+    else:
+        import bagua_torch
+
+        bagua_torch.init_process_group("gloo", timeout=args.comm_timeout)
+    params = init_params(args.model, args.image_size, args.width, args.layers)
+    job = _torch_setup(args, torch_model(args.model, params), args.lr, _algorithm_warmup_steps(args))
+    batch = job.place(*random_batch(args.batch_size, args.image_size, rank))
+
+    def run(n: int, state):
+        for _ in range(n):
+            state, _ = job.step(state, batch)
+        return state
+
+    result, state = _time_loop(args, rank, size, run, job.state)
+    if args.convergence_steps:
+        result["digits_losses"] = _digits_losses(args, rank, size, lambda lr, warmup: _torch_setup(
+            args, torch_model("mlp", digits_params(args.digits_hidden)), lr, warmup))
+    job.finish(state)
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    return result
+
+
+def _torch_setup(args: argparse.Namespace, net, lr: float, warmup_steps: int) -> RankJob:
+    """DDP (the baseline) or a Bagua algorithm around ``net``, in an initialized process group."""
+    import torch
+    import torch.nn.functional as F
+
+    if args.algorithm == BASELINES["torch"]:
+        optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
         model = torch.nn.parallel.DistributedDataParallel(net)
     else:
         import bagua_torch
         from bagua_torch.algorithms import get_algorithm
 
-        bagua_torch.init_process_group("gloo", timeout=args.comm_timeout)
-        if args.algorithm in ADAM_ALGORITHMS:
+        name, options = algorithm_spec(args.algorithm)
+        if name in ADAM_ALGORITHMS:
             # QAdam and OneBitAdam come with their own optimizer (Adam with averaged momentum).
-            if args.algorithm == "qadam":
+            if name == "qadam":
                 from bagua_torch.algorithms.q_adam import QAdamOptimizer as opt_cls
             else:
                 from bagua_torch.algorithms.onebit_adam import OneBitAdamOptimizer as opt_cls
-            optimizer = opt_cls(net.parameters(), lr=args.lr, warmup_steps=_algorithm_warmup_steps(args))
-            algorithm = get_algorithm(args.algorithm, optimizer=optimizer)
+            optimizer = opt_cls(net.parameters(), lr=lr, warmup_steps=warmup_steps)
+            options["optimizer"] = optimizer
         else:
-            optimizer = torch.optim.SGD(net.parameters(), lr=args.lr, momentum=0.9)
-            algorithm = get_algorithm(args.algorithm)
-        model = bagua_torch.with_bagua(net, [optimizer], algorithm)
-    x, y = random_batch(args.batch_size, args.image_size, rank)
-    x, y = torch.from_numpy(x), torch.from_numpy(y).long()
+            optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+        model = bagua_torch.with_bagua(net, [optimizer], get_algorithm(name, **options))
 
-    def run(n: int, state):
-        for _ in range(n):
-            optimizer.zero_grad(set_to_none=True)
-            F.cross_entropy(model(x), y).backward()
-            optimizer.step()
-        return state
+    def step(state, batch):
+        optimizer.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(model(batch[0]), batch[1])
+        loss.backward()
+        optimizer.step()
+        return state, loss.detach()
 
     def finish(state):
         if hasattr(model, "close"):
             model.close()
-        if dist.is_initialized():
-            dist.barrier()
-            dist.destroy_process_group()
 
-    return _time_loop(args, rank, size, run, None, finish)
+    return RankJob(step, lambda x, y: (torch.from_numpy(x), torch.from_numpy(y).long()), None, finish)
 
 
-def _time_loop(args, rank: int, size: int, run, state, finish) -> dict[str, Any]:
-    """Warm-up iterations, then timed ones; images/s per iteration on this rank."""
+def digits_params(hidden: int, seed: int = 0) -> list[np.ndarray]:
+    """The digits MLP's initial weights (64 pixels -> ``hidden`` -> 10), in init_params' format."""
+    rng = np.random.default_rng(seed)
+    params = []
+    for fan_in, fan_out in ((64, hidden), (hidden, NUM_CLASSES)):
+        bound = math.sqrt(6.0 / fan_in)
+        params += [rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32), np.zeros(fan_out, np.float32)]
+    return params
+
+
+def _digits_losses(args: argparse.Namespace, rank: int, size: int, setup: Callable[[float, int], RankJob]) -> list[float]:
+    """Train a fresh digits MLP with the same algorithm for --convergence-steps steps; this rank's
+    loss on its part of every global batch (the same global batches on every rank)."""
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    # Standardized pixels: with raw [0, 1] pixels, a few coordinates keep a near-zero second
+    # moment, and OneBitAdam (frozen variance, sign-compressed momentum) diverges after warm-up.
+    x = digits.data.astype(np.float32)
+    x, y = (x - x.mean(0)) / (x.std(0) + 1e-6), digits.target.astype(np.int32)
+    name = algorithm_spec(args.algorithm)[0]
+    lr = args.digits_adam_lr if name in ADAM_ALGORITHMS else args.digits_lr
+    job = setup(lr, max(1, args.convergence_steps // 10))
+    per_rank = args.digits_batch // size
+    rng = np.random.default_rng(7)
+    state, losses = job.state, []
+    for _ in range(args.convergence_steps):
+        index = rng.choice(len(x), per_rank * size, replace=False)[rank * per_rank:(rank + 1) * per_rank]
+        state, loss = job.step(state, job.place(x[index], y[index]))
+        losses.append(float(loss))
+    job.finish(state)
+    return losses
+
+
+def _time_loop(args, rank: int, size: int, run, state) -> tuple[dict[str, Any], Any]:
+    """Warm-up iterations, then timed ones; images/s per iteration on this rank, and the state."""
     start = time.perf_counter()
     for _ in range(args.warmup_iters):
         state = run(args.batches_per_iter, state)
@@ -396,8 +488,7 @@ def _time_loop(args, rank: int, size: int, run, state, finish) -> dict[str, Any]
         state = run(args.batches_per_iter, state)
         rates.append(args.batch_size * args.batches_per_iter / (time.perf_counter() - t0))
         _rate_line(rank, i, args.iters, rates[-1])
-    finish(state)
-    return {"rank": rank, "size": size, "algorithm": args.algorithm, "rates": rates, "warmup_s": warmup_s}
+    return {"rank": rank, "size": size, "algorithm": args.algorithm, "rates": rates, "warmup_s": warmup_s}, state
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -462,7 +553,7 @@ def child_environment(args: argparse.Namespace) -> dict[str, str]:
 def worker_command(args: argparse.Namespace, algorithm: str, result: Path) -> list[str]:
     launch = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(args.nproc),
               "--timeout", str(args.job_timeout), "--grace", "5"]
-    if args.framework == "jax" and algorithm != BASELINES["jax"]:
+    if args.framework == "jax" and algorithm != BASELINES["jax"] and args.jax_comm == "mpi":
         launch.append("--mpi")
     return launch + [
         str(HERE), "--worker", "--framework", args.framework, "--algorithm", algorithm, "--result", str(result),
@@ -470,7 +561,10 @@ def worker_command(args: argparse.Namespace, algorithm: str, result: Path) -> li
         "--layers", str(args.layers), "--image-size", str(args.image_size), "--lr", str(args.lr),
         "--warmup-iters", str(args.warmup_iters), "--iters", str(args.iters),
         "--batches-per-iter", str(args.batches_per_iter), "--threads", str(args.threads),
-        "--comm-timeout", str(args.comm_timeout), "--device", args.device,
+        "--comm-timeout", str(args.comm_timeout), "--device", args.device, "--jax-comm", args.jax_comm,
+        "--convergence-steps", str(args.convergence_steps), "--digits-batch", str(args.digits_batch),
+        "--digits-hidden", str(args.digits_hidden), "--digits-lr", str(args.digits_lr),
+        "--digits-adam-lr", str(args.digits_adam_lr),
     ]
 
 
@@ -530,7 +624,15 @@ def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: ProgressBa
         "per_rank_mean": [float(np.mean(r["rates"])) for r in ranks],
         "warmup_s": max(r["warmup_s"] for r in ranks),
     })
+    if args.convergence_steps:
+        row["digits_loss"] = digits_loss(ranks)
     return row
+
+
+def digits_loss(ranks: Sequence[dict[str, Any]], last: int = 10) -> float:
+    """The digits training loss after --convergence-steps steps: each rank's mean over its last
+    ``last`` steps (smoothing the batch-to-batch noise), averaged over the ranks."""
+    return float(np.mean([np.mean(r["digits_losses"][-last:]) for r in ranks]))
 
 
 def _keep_log(args: argparse.Namespace, log: Path, algorithm: str) -> None:
@@ -733,7 +835,7 @@ def select_algorithms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         available = available_algorithms()
     jobs, notes = [], []
     for name in dict.fromkeys(wanted):
-        if name == base or name in available:
+        if name == base or algorithm_spec(name)[0] in available:
             jobs.append(name)
         elif name in ALGORITHM_NAMES:
             notes.append(f"{name}: not available in this installation's {args.framework} registry; skipped")
@@ -764,6 +866,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--batches-per-iter", type=int, default=5, help="steps per iteration (default 5)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch intra-op threads per process (default: cores / processes, at least 1)")
+    parser.add_argument("--jax-comm", choices=("mpi", "gloo"), default="mpi",
+                        help="how JAX Bagua algorithms communicate: the native MPI engine under mpiexec "
+                             "(default), or JAX's collectives on a mesh over jax.distributed + gloo")
+    parser.add_argument("--convergence-steps", type=int, default=0,
+                        help="after timing, train a digits MLP this many steps with the same algorithm and "
+                             "record its losses (default 0: off; needs scikit-learn)")
+    parser.add_argument("--digits-batch", type=int, default=128, help="digits global batch (default 128)")
+    parser.add_argument("--digits-hidden", type=int, default=64, help="digits MLP hidden width (default 64)")
+    parser.add_argument("--digits-lr", type=float, default=0.05, help="digits SGD learning rate (default 0.05)")
+    parser.add_argument("--digits-adam-lr", type=float, default=0.005,
+                        help="digits learning rate of QAdam and OneBitAdam (default 0.005)")
     parser.add_argument("--job-timeout", type=float, default=300, help="seconds per algorithm's job (default 300)")
     parser.add_argument("--comm-timeout", type=float, default=120, help="collective timeout in seconds")
     parser.add_argument("--out", type=Path, default=HERE.parent / "results",
@@ -777,6 +890,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     for name in ("nproc", "batch_size", "width", "layers", "image_size", "iters", "batches_per_iter"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.convergence_steps < 0 or args.digits_batch % args.nproc:
+        parser.error(f"--convergence-steps must be >= 0 and --digits-batch a multiple of --nproc ({args.nproc})")
     if args.warmup_iters < 1:
         parser.error("--warmup-iters must be at least 1 (the first iteration compiles)")
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

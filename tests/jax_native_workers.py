@@ -3,6 +3,7 @@
 import os
 
 import numpy as np
+from jax_workers import pairing_schedule
 
 OPS = ("sum", "avg", "min", "max")
 
@@ -40,6 +41,7 @@ def every_primitive(seed: int) -> dict:
         out["alltoall"] = comm.alltoall(rows)
         out["alltoall_v"] = comm.alltoall_v(flat, send_counts, recv_counts, out_size=size * size + 3)
         out["send_recv"] = comm.send_recv(x, peers)
+        out["send_recv_scheduled"] = comm.send_recv_scheduled(x, pairing_schedule(size), seed)
         out["barrier"] = comm.barrier(x)
         out["int_allreduce"] = comm.allreduce(jnp.arange(4, dtype=jnp.int32) * (rank + 1))
         out["bf16_allreduce"] = comm.allreduce(x.astype(jnp.bfloat16), "max")

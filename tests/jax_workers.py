@@ -63,6 +63,12 @@ def ring_peers(rank: int, world: int) -> np.ndarray:
     return np.array([(rank - 1) % world, (rank + 1) % world], np.int32)
 
 
+def pairing_schedule(world: int) -> np.ndarray:
+    """Two rounds of one peer each (rank ^ 1, then the rank half a world away), for ``send_recv_scheduled``."""
+    ranks = np.arange(world)
+    return np.stack([ranks ^ 1, (ranks + world // 2) % world])[..., None]
+
+
 def collectives(seed: int, root: int) -> dict[str, np.ndarray]:
     """Run every LaxCommunicator method once across the processes; return this rank's results."""
     rank, world = initialize()
@@ -93,6 +99,7 @@ def collectives(seed: int, root: int) -> dict[str, np.ndarray]:
             "alltoall": comm.alltoall(i),
             "alltoall_v": comm.alltoall_v(v, d["send"], d["recv"], 2 * v.size),
             "send_recv": comm.send_recv(v, d["peers"]),
+            "send_recv_scheduled": comm.send_recv_scheduled(v, pairing_schedule(world), seed),
             "barrier": comm.barrier(v),
             "rank": comm.rank(),
         }

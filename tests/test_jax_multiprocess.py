@@ -25,7 +25,7 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from jax_workers import alltoall_v_counts, rank_inputs, ring_peers
+from jax_workers import alltoall_v_counts, pairing_schedule, rank_inputs, ring_peers
 from multiprocess import RankResult, run_ranks
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -83,6 +83,7 @@ def test_collectives_across_processes(world):
         np.testing.assert_array_equal(res["alltoall"], i[:, rank])
         np.testing.assert_array_equal(res["alltoall_v"], alltoall_v_expected(v, counts, rank, 2 * v.shape[1]))
         np.testing.assert_array_equal(res["send_recv"], v[ring_peers(rank, world)])
+        np.testing.assert_array_equal(res["send_recv_scheduled"], v[pairing_schedule(world)[seed % 2, rank]])
         assert res["barrier"].tobytes() == v[rank].tobytes()
     # Bit-identical on every rank wherever every rank receives the same value.
     same = [k for k in results[0].value if k.startswith(("allreduce", "broadcast", "allgather"))]

@@ -17,7 +17,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from bagua_jax import Communicator, LaxCommunicator
-from bagua_jax.communicator import REDUCE_OPS
+from bagua_jax.communicator import REDUCE_OPS, check_schedule
 
 NS = (2, 4)
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -307,6 +307,43 @@ def test_send_recv(rng, n):
     out = np.asarray(ring_mapped(xs, bad))
     np.testing.assert_array_equal(out[:, 0], 0)
     np.testing.assert_array_equal(out[:, 1], np.broadcast_to(xs[0], (n, 5)))
+
+
+@pytest.mark.parametrize("n", NS)
+def test_send_recv_scheduled(rng, n):
+    """A run-time round index picks a pairing of a static table; rows come from the listed peers,
+    and the compiled program holds point-to-point permutes, not an all-gather."""
+    xs = data(rng, (n, 5), np.float32)
+    comm = LaxCommunicator("r", n)
+    ranks = np.arange(n)
+    pairings = np.stack([ranks ^ 1, (ranks + n // 2) % n])[..., None]  # two rounds, one peer each
+    ring = np.stack([(ranks - 1) % n, (ranks + 1) % n], axis=-1)[None]  # one round, two peers
+    body = jax.shard_map(
+        lambda x, t: (comm.send_recv_scheduled(x[0], pairings, t[0])[None], comm.send_recv_scheduled(x[0], ring, 0)[None]),
+        mesh=mesh_of(n), in_specs=P("r"), out_specs=P("r"),
+    )
+    mapped = jax.jit(body)
+    for t in range(5):
+        paired, ringed = map(np.asarray, mapped(xs, np.full(n, t, np.int32)))
+        for r in range(n):
+            np.testing.assert_array_equal(paired[r, 0], xs[pairings[t % 2, r, 0]])
+            np.testing.assert_array_equal(ringed[r], xs[ring[0, r]])
+    hlo = mapped.lower(xs, np.zeros(n, np.int32)).as_text()
+    assert "collective_permute" in hlo and "all_gather" not in hlo
+
+
+def test_send_recv_scheduled_rejects_bad_tables():
+    comm = LaxCommunicator("r", 2)
+    call = lambda table: jax.eval_shape(  # noqa: E731
+        jax.shard_map(lambda x: comm.send_recv_scheduled(x, table, 0), mesh=mesh_of(2), in_specs=P("r"), out_specs=P("r")),
+        jnp.zeros((2, 3)),
+    )
+    with pytest.raises(ValueError, match=r"int table \[rounds, 2, peers\]"):
+        call(np.zeros((2, 1), np.int32))
+    with pytest.raises(ValueError, match="not a permutation"):
+        call(np.zeros((1, 2, 1), np.int32))
+    with pytest.raises(ValueError, match="not symmetric"):  # a 3-cycle: 0 lists 1, but 1 lists 2
+        check_schedule(np.array([[[1], [2], [0]]]), 3)
 
 
 @pytest.mark.parametrize("n", NS)

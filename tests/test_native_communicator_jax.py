@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 from jax_native_workers import rank_data
+from jax_workers import pairing_schedule
 from multiprocess import run_ranks
 
 import bagua_jax
@@ -37,6 +38,7 @@ def test_every_primitive_matches_numpy(size):
         )
         np.testing.assert_array_equal(res["alltoall_v"], expected_v)
         np.testing.assert_array_equal(res["send_recv"], xs[[(rank + 1) % size, (rank - 1) % size]])
+        np.testing.assert_array_equal(res["send_recv_scheduled"], xs[pairing_schedule(size)[seed % 2, rank]])
         np.testing.assert_array_equal(res["barrier"], xs[rank])
         np.testing.assert_array_equal(res["int_allreduce"], np.arange(4) * sum(range(1, size + 1)))
     # Every rank holds the same bits wherever every rank receives the same value.

@@ -17,6 +17,7 @@ from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -68,14 +69,13 @@ def decentralized_average(
     """This rank's averaged weights for communication round ``round_index`` (a pytree like ``params``).
 
     ``"all"`` allreduce-averages the weights (every rank gets the same bits); ``"shift_one"``
-    exchanges them with :func:`shift_one_peer` through ``send_recv`` and averages the pair in
+    exchanges them with :func:`shift_one_peer` through ``send_recv_scheduled`` and averages the pair in
     float32 (both ranks of a pair get the same bits). Hierarchical (``hierarchical=True`` and
     ``comms`` has ``intra`` and ``inter``): the weights are averaged inside the node first and
     only then exchanged across nodes; otherwise all ranks of ``comms.world`` take part. Per rank
     and bucket of ``B`` bytes this sends, in ``"all"``, an allreduce of ``B`` (the bytes of an
     fp32 gradient allreduce), in ``"shift_one"`` ``B`` to one peer (``n / (2(n-1))`` of a ring
-    allreduce with the native engines; with :class:`~bagua_jax.LaxCommunicator` ``send_recv``
-    is an allgather, ``n - 1`` times ``B``). Hierarchical: an intra-node allreduce of ``B``
+    allreduce). Hierarchical: an intra-node allreduce of ``B``
     plus the same exchange across nodes of ``B / k`` per rank (``k`` ranks per node), i.e. one
     ``B`` per node in total. Choose it to average models explicitly, e.g. at the end of
     decentralized training, or to build a custom schedule.
@@ -84,16 +84,19 @@ def decentralized_average(
     across_nodes = hierarchical and comms.hierarchical
     group: Communicator = comms.inter if across_nodes else comms.world
     n = group.size
-    if peer_selection_mode == "shift_one":
+    if peer_selection_mode == "shift_one" and n > 1:
         _check_even(n, across_nodes)
-        peer = shift_one_peer(group.rank(), round_index, n).reshape(1) if n > 1 else None
+        # Every pairing of the n/2 rounds a shift_one cycle has, as a static table, so that JAX's
+        # collectives can send to the one peer instead of gathering from everyone.
+        with jax.ensure_compile_time_eval():
+            schedule = np.stack([np.asarray(shift_one_peer(np.arange(n), t, n)) for t in range(n // 2)])[..., None]
 
     def exchange(bucket: jax.Array, comm: Communicator) -> jax.Array:
         if n == 1:  # one rank (or one node) in the group: nothing to exchange
             return bucket
         if peer_selection_mode == "all":
             return comm.allreduce(bucket, "avg")
-        return ops.average2(bucket, comm.send_recv(bucket, peer)[0])
+        return ops.average2(bucket, comm.send_recv_scheduled(bucket, schedule, round_index)[0])
 
     if not across_nodes:
         plan = plan_buckets(params, bucket_bytes)
@@ -122,8 +125,7 @@ def decentralized(
     round, whatever the interval); on other steps it returns ``updates`` unchanged. Weights are
     communicated, not gradients: per communication step, ``"all"`` sends as much as an fp32
     gradient allreduce, ``"shift_one"`` the weights once to one peer (about half of a ring
-    allreduce for many ranks with the native engines, but an allgather with
-    :class:`~bagua_jax.LaxCommunicator`); averaged over steps, divide by the interval.
+    allreduce for many ranks); averaged over steps, divide by the interval.
     Hierarchical communication falls back to ``comms.world`` when ``comms`` has no
     ``intra``/``inter``. Choose it when allreduce latency dominates (many ranks, slow network)
     and exact agreement of the replicas at every step is not required.

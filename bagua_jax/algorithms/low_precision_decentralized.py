@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -60,8 +61,7 @@ def low_precision_decentralized(
     codes of each bucket (``B / 4`` plus a 16-byte header, for ``B`` fp32 bytes) to its two
     neighbours: ``B / 2``, i.e. ``n / (4(n-1))`` of a ring allreduce of ``B`` (a quarter for
     ``n = 2``, where both neighbours are one rank and it is sent once). With
-    :class:`~bagua_jax.LaxCommunicator`, ``send_recv`` is an allgather of the codes (``(n-1) B
-    / 4``). Hierarchical (``hierarchical=True`` and ``comms`` has ``intra`` and ``inter``):
+    :class:`~bagua_jax.LaxCommunicator` the same, as one ``ppermute`` per neighbour. Hierarchical (``hierarchical=True`` and ``comms`` has ``intra`` and ``inter``):
     the local step's weights are first averaged inside the node at full precision (the bytes of
     an intra-node allreduce), then each of the node's ``k`` ranks runs the ring across nodes on
     its ``1/k`` slice of every bucket (one MinMaxUInt8 chunk per slice), so a node sends ``B /
@@ -135,17 +135,17 @@ def _float32_buckets(plan: BucketPlan, tree: Any) -> Buckets:
 def _ring_exchange(x: Buckets, copies: Copies, ring: Communicator) -> tuple[Buckets, Copies]:
     """One ring round on every bucket (``ring.size >= 2``): the new ``x`` and ``(w, L, R)``."""
     n = ring.size
-    rank = ring.rank()
-    left_peer, right_peer = (rank - 1) % n, (rank + 1) % n
+    ranks = np.arange(n)
     # With two ranks both neighbours are the same rank, and every rank sends the same Q(z) to
     # both, so one message serves as both the left and the right one: half the bytes.
-    peers = left_peer.reshape(1) if n == 2 else jnp.stack([left_peer, right_peer])
+    neighbours = [(ranks - 1) % n] if n == 2 else [(ranks - 1) % n, (ranks + 1) % n]
+    schedule = np.stack(neighbours, axis=-1)[None]
     new_x, new_left, new_right = [], [], []
     for xb, wb, lb, rb in zip(x, *copies):
         m = xb.size
         packed = ops.minmax_uint8_compress(ops.lowprec_decentralized_diff(xb, wb, lb, rb), 1)
         # Row i came from peers[i]; the last row is the right neighbour's (row 0 when n == 2).
-        received = ring.send_recv(packed, peers)
+        received = ring.send_recv_scheduled(packed, schedule, 0)
         from_left = ops.minmax_uint8_decompress(received[0], m, 1)
         from_right = ops.minmax_uint8_decompress(received[-1], m, 1) if n > 2 else from_left
         new_x.append(wb + ops.minmax_uint8_decompress(packed, m, 1))
