@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "kernels.h"
@@ -103,6 +104,27 @@ i32x8 unpack_bits(uint8_t byte) {
   const int32_t v = byte;
   return (i32x8{v, v, v, v, v, v, v, v} & kLaneBits) != 0;
 }
+
+// Where decoders put their values: one element, or eight at once (whole bytes
+// of sign bits). Eight float32 lanes go out as one vector store; stored lane by
+// lane, GCC did not merge them.
+template <typename T>
+void store(T* p, float v) {
+  *p = from_float<T>(v);
+}
+
+template <typename T>
+void store(T* p, f32x8 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    std::memcpy(p, &v, sizeof v);
+  } else {
+    for (int j = 0; j < 8; ++j) p[j] = from_float<T>(v[j]);
+  }
+}
+
+void accumulate(float* p, float v) { *p = math::add_rn(*p, v); }
+
+void accumulate(float* p, f32x8 v) { store(p, widen(p) + v); }  // add_rn lane by lane
 
 // The value a compressor encodes: x, or x + residual with error feedback. The
 // choice is a template parameter so the hot loops carry no branch.
@@ -311,6 +333,8 @@ void minmax_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c,
   for (int64_t i = begin; i < end; ++i) emit(i, math::minmax_decode(codes[i - first], lo, step));
 }
 
+// The same for a Sign buffer, except that each whole byte of bits reaches
+// `emit` as (index of its first element, f32x8 of its eight decoded values).
 template <typename Emit>
 void sign_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, int64_t begin,
                        int64_t end, Emit&& emit) {
@@ -322,7 +346,7 @@ void sign_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, i
   const f32x8 up = splat(scale), down = splat(-scale);
   for (; i + 8 <= end; i += 8) {
     const f32x8 values = unpack_bits(bits[(i - first) >> 3]) ? up : down;
-    for (int j = 0; j < 8; ++j) emit(i + j, values[j]);
+    emit(i, values);
   }
   for (; i < end; ++i) emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
 }
@@ -332,7 +356,7 @@ Status decompress(const uint8_t* in, const Chunking& chunking, T* out, Decode&& 
   const ChunkBlocks blocks(chunking);
   parallel_for(blocks.tasks(), chunking.n, [&](int64_t t) {
     decode(in, chunking, blocks.chunk(t), blocks.begin(t), blocks.end(t),
-           [&](int64_t i, float v) { out[i] = from_float<T>(v); });
+           [&](int64_t i, auto v) { store(out + i, v); });
   });
   return {};
 }
@@ -351,7 +375,7 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
     float acc[kTile] = {};
     for (int64_t j = 0; j < k; ++j) {
       decode(in, chunking, j, j * m + begin, j * m + end,
-             [&](int64_t i, float v) { acc[i - j * m - begin] = math::add_rn(acc[i - j * m - begin], v); });
+             [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
     }
     const float ranks = static_cast<float>(k);
     if (average)
