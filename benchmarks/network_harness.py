@@ -47,11 +47,13 @@ import argparse
 import atexit
 import os
 import re
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -339,6 +341,41 @@ class Network:
         self.kill(procs)
         return finished
 
+    def run_mpi(self, argv: Sequence[str], timeout: float, base_env: dict[str, str] | None = None,
+                stdout: Any = None) -> list[int | None]:
+        """Run the script ``argv[1:]`` (``argv[0]`` is the Python) as one MPI job with a rank per namespace.
+
+        ``bagua-launch --mpi`` runs in rank 0's namespace; its mpiexec (hydra) starts a proxy
+        per "host" (a rank's address) through this module's ``--ssh``, which enters the
+        namespace that owns the address. MPI's traffic is kept on the shaped links: no shared
+        memory between the ranks (``MPIR_CVAR_NOLOCAL``; the namespaces share one kernel and
+        hostname) and UCX over TCP on ``eth0`` only. Returns the job's exit code once per rank
+        (``None``: killed at the timeout).
+        """
+        addrs = [self.addr(i) for i in range(self.ranks)]
+        env = self.env(0, 0, base_env)
+        for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
+            env.pop(key)  # rank_env sets them from MPI's
+        env.update(BAGUA_NETNS_HOSTS=",".join(f"{a}={self.ns(i)}" for i, a in enumerate(addrs)),
+                   MPIR_CVAR_NOLOCAL="1", UCX_TLS="tcp,self", UCX_NET_DEVICES=RANK_IF)
+        with tempfile.TemporaryDirectory(prefix=f"{PREFIX}ssh-") as tmp:
+            shim = os.path.join(tmp, "netns-ssh")
+            with open(shim, "w") as f:
+                f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(os.path.abspath(__file__))} "
+                        '--ssh "$@"\n')
+            os.chmod(shim, 0o755)
+            hydra = f"-launcher ssh -launcher-exec {shim} -localhost {addrs[0]} -hosts {','.join(addrs)} -ppn 1"
+            proc = self.popen(0, [argv[0], "-m", "bagua_launch", "--nnodes", str(self.ranks), "--nproc-per-node", "1",
+                                  "--master-addr", self.master_addr,
+                                  "--mpi", "--mpi-args", hydra, *argv[1:]], env, stdout=stdout,
+                              stderr=subprocess.STDOUT if stdout is not None else None)
+            try:
+                code: int | None = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                code = None
+            self.kill([proc])
+        return [code] * self.ranks
+
     def kill(self, procs: Sequence[subprocess.Popen] | None = None) -> None:
         procs = list(self.procs if procs is None else procs)
         for p in procs:
@@ -403,8 +440,18 @@ class Network:
             net.teardown()
 
 
+def ssh_into_namespace(args: Sequence[str]) -> None:
+    """Hydra's remote shell for :meth:`Network.run_mpi`: ``[options] HOST COMMAND...`` runs COMMAND
+    (joined, through ``sh -c`` as ssh would) in the namespace that owns address HOST."""
+    hosts = dict(item.split("=", 1) for item in os.environ["BAGUA_NETNS_HOSTS"].split(","))
+    at = next(i for i, a in enumerate(args) if a in hosts)
+    os.execvp("ip", ["ip", "netns", "exec", hosts[args[at]], "sh", "-c", " ".join(args[at + 1:])])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--ssh"]:
+        ssh_into_namespace(argv[1:])
     command: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
