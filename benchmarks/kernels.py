@@ -24,7 +24,8 @@ kernel is charged the same byte count, so every ratio is a ratio of times; ratio
 (``time.perf_counter``) of several calls after three untimed warm-up calls (the first
 compiles), waiting on ``block_until_ready`` for JAX and ``torch.cuda.synchronize`` for
 CUDA torch. The implementations of one kernel are timed in interleaved rounds (one
-call of each per round), so load from elsewhere on the machine hits them alike. When
+call of each per round, in a random order each round), so load from elsewhere on the
+machine and the cache state left by the previous call hit them alike. When
 ``--repeats`` is not given, the number of rounds adapts to the size: at least 3, more
 until the calls took a second per implementation, at most 100. The JSON results also
 record the median minor page faults per call and the load average before and after.
@@ -72,6 +73,7 @@ import ctypes
 import datetime
 import json
 import os
+import random
 import shlex
 import statistics
 import sys
@@ -452,8 +454,9 @@ def time_round_robin(calls: Sequence[tuple[Callable, tuple, Callable[[Any], None
                      repeats: int | None, max_repeats: int) -> list[Timing]:
     """Time ``fn(*args)`` of every ``(fn, args, sync)`` in rounds, one call of each per round.
 
-    Interleaving the implementations exposes them alike to anything else the machine
-    is doing. ``WARMUP_CALLS`` untimed calls of each come first: the first compiles and
+    Interleaving the implementations, in a fresh random order each round, exposes them
+    alike to anything else the machine is doing and to what the previous call left in
+    the cache. ``WARMUP_CALLS`` untimed calls of each come first: the first compiles and
     the next let the allocators settle (the first calls of a size still fault in fresh
     pages). With ``repeats`` None, rounds continue until at least ``MIN_REPEATS`` ran
     and the calls took ``TARGET_SECONDS`` per implementation in all, or ``max_repeats``
@@ -465,9 +468,13 @@ def time_round_robin(calls: Sequence[tuple[Callable, tuple, Callable[[Any], None
             sync(out)
             del out
     timings = [Timing() for _ in calls]
+    # A fixed order would let one implementation always read inputs that the one before it
+    # just pulled into the cache (and another always start cold), which decides the ratio
+    # wherever the data fits in the last-level cache; a fresh order every round spreads both.
+    order = random.Random(0)
     rounds, spent = 0, 0.0
     while True:
-        for (fn, args, sync), timing in zip(calls, timings, strict=True):
+        for (fn, args, sync), timing in order.sample(list(zip(calls, timings, strict=True)), len(calls)):
             faults_before = _minor_page_faults()
             start = time.perf_counter()
             out = fn(*args)
