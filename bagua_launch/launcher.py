@@ -23,6 +23,9 @@ What the launcher does while the job runs:
 * Every line a rank writes is printed as ``[rank N] line``, stdout to stdout and
   stderr to stderr. Ranks get ``PYTHONUNBUFFERED=1`` (unless set) so lines arrive
   promptly, and stdin is ``/dev/null``.
+* Ranks get ``OMP_NUM_THREADS`` = this node's cores / ``nproc_per_node`` (at least 1)
+  unless it is set, so the ranks' OpenMP pools (native kernels, torch) share the cores
+  instead of each taking all of them.
 * Each rank runs in its own process group: Ctrl-C in a terminal reaches the launcher
   only, and the launcher forwards SIGINT, SIGTERM, SIGHUP and SIGQUIT to every rank's
   group, waits up to ``--grace`` seconds, kills what is left with SIGKILL and exits
@@ -133,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Start the processes of a distributed JAX or PyTorch job on this node, one per rank.\n"
             "Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR and\n"
-            "MASTER_PORT (the variables torchrun sets); its output lines are printed as '[rank N] ...'.\n"
+            "MASTER_PORT (the variables torchrun sets), and OMP_NUM_THREADS = cores / nproc-per-node\n"
+            "unless set; its output lines are printed as '[rank N] ...'.\n"
             "If a rank fails the others are stopped, and the launcher exits with that rank's exit code\n"
             "after a summary of its last lines. SIGINT/SIGTERM are forwarded to every rank."
         ),
@@ -400,6 +404,9 @@ class Launcher:
         for name in RANK_VARIABLES:
             env.pop(name, None)
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # Each rank's OpenMP pool (the native kernels, torch) would otherwise take every core,
+        # oversubscribing the node nproc-per-node times over; the user's setting wins.
+        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // self.config.nproc_per_node)))
         env["MASTER_ADDR"] = self.config.master_addr
         env["MASTER_PORT"] = str(self.config.master_port)
         return env

@@ -118,6 +118,16 @@ def test_rank_variables(tmp_path, nproc, options, first_rank, world, node):
     assert {l[5:] for lines in by_rank(result.stdout).values() for l in lines if l.startswith("ARGS ")} == args
 
 
+@pytest.mark.parametrize("given", [None, "3"])
+def test_openmp_threads_share_the_cores_unless_set(tmp_path, given):
+    script = write(tmp_path, "omp.py", "import os\nprint('OMP', os.environ.get('OMP_NUM_THREADS'))\n")
+    env = {k: v for k, v in _env().items() if k != "OMP_NUM_THREADS"} | ({"OMP_NUM_THREADS": given} if given else {})
+    result = launch("--nproc-per-node", "2", str(script), env=env)
+    assert result.returncode == 0, result.stderr
+    expected = given or str(max(1, len(os.sched_getaffinity(0)) // 2))
+    assert {lines[0] for lines in by_rank(result.stdout).values()} == {f"OMP {expected}"}
+
+
 def test_output_lines_prefixed_stdout_and_stderr_apart(tmp_path):
     script = write(tmp_path, "env.py", ENV_SCRIPT)
     result = launch("--nproc-per-node", "3", str(script))
