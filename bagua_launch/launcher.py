@@ -411,10 +411,11 @@ class Launcher:
         env["MASTER_PORT"] = str(self.config.master_port)
         return env
 
-    def _spawn(self, label: str, rank: int | None, command: list[str], env: dict[str, str], death_signal: int) -> _Child:
+    def _spawn(self, label: str, rank: int | None, command: list[str], env: dict[str, str], death_signal: int,
+               ignore_sigpipe: bool = False) -> _Child:
         proc = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            process_group=0, preexec_fn=_die_with_parent(death_signal),
+            process_group=0, preexec_fn=_die_with_parent(death_signal), restore_signals=not ignore_sigpipe,
         )
         child = _Child(label, rank, proc)
         self.children.append(child)
@@ -452,7 +453,10 @@ class Launcher:
             c.mpiexec, *cleanup, *c.mpi_args, "-n", str(c.nnodes * c.nproc_per_node),
             sys.executable, os.path.abspath(rank_env.__file__), *wrapper_flags, "--", *target,
         ]
-        self._spawn("mpiexec", None, command, env, signal.SIGTERM)
+        # Hydra may still write to the connection of a proxy whose rank has just finished; with
+        # SIGPIPE ignored (inherited from this Python) that is an EPIPE it handles, not a kill
+        # that turns a finished job into a failure (seen with remote proxies).
+        self._spawn("mpiexec", None, command, env, signal.SIGTERM, ignore_sigpipe=True)
 
     def _start_readers(self) -> None:
         for child in self.children:
