@@ -227,7 +227,9 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{args.name}.json"]
-    paths[0].write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    # One line per row: each carries a 200-point loss curve.
+    paths[0].write_text('{"meta": ' + json.dumps(meta, indent=1) + ',\n "rows": [\n'
+                        + ",\n".join("  " + json.dumps(r) for r in rows) + "\n ]\n}\n")
     if not final:
         return paths
     md = [f"# Network trade-off study ({meta['date']})", "",
@@ -295,7 +297,8 @@ def plot(args, meta, rows, path: Path) -> Path | None:
             ax.set_ylabel("time per step (ms, log)")
             ax.set_yscale("log")
             ax.grid(alpha=0.3)
-            ax.set_title(f"{fw}, {ranks} ranks, {meta['parameters'] / 1e6:.1f} M-parameter MLP, CPU + gloo")
+            engine = "gloo" if fw == "torch" or meta.get("jax_comm") == "gloo" else "MPI (pmean: gloo)"
+            ax.set_title(f"{fw}, {ranks} ranks, {meta['parameters'] / 1e6:.1f} M-parameter MLP, CPU, {engine}")
             ax.legend(fontsize=7)
     fig.suptitle("Bagua algorithms over shaped links (tbf, network namespaces)")
     fig.tight_layout()
@@ -384,7 +387,7 @@ def main(argv=None) -> int:
         "settings": {k: getattr(args, k) for k in ("width", "layers", "image_size", "batch_size", "lr",
                                                    "warmup_iters", "iters", "batches_per_iter",
                                                    "convergence_steps")},
-        "delay_ms": args.delay_ms, "notes": notes,
+        "delay_ms": args.delay_ms, "jax_comm": args.jax_comm, "notes": notes,
     }
     if closing:
         meta["closing"] = closing
