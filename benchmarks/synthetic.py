@@ -36,6 +36,8 @@ collects the ranks' timings from files.
 
 * JAX, Bagua algorithms: ``bagua-launch --mpi`` (mpiexec); ``DataParallel`` with the
   native MPI communicator (``NativeCommunicator.world()``), one CPU device per process.
+  With ``--jax-comm gloo``: plain ``bagua-launch`` and ``DataParallel(mesh=...)`` over every
+  process's device (``jax.distributed`` + gloo, JAX's own collectives); no ``async`` there.
   ``async`` also runs its background averager (``algorithm.averager``) over a second MPI
   communicator; its steps do not wait for the averaging, so it measures local steps.
   QAdam and OneBitAdam are optimizers themselves (Adam with ``--lr``); the others use
@@ -49,6 +51,12 @@ collects the ranks' timings from files.
   ``bagua_torch.with_bagua(model, [optimizer], name)`` after
   ``bagua_torch.init_process_group("gloo")``; names the registry does not have in this
   installation (``bagua_torch.algorithms.available_algorithms()``) are skipped with a note.
+
+``decentralized_shift_one`` names ``decentralized`` with ``peer_selection_mode="shift_one"``
+(the registry's default is ``"all"``) in both frameworks. With ``--convergence-steps N`` every
+job then trains a digits MLP (scikit-learn's, standardized pixels) with the same algorithm for
+N steps and records each rank's loss per step; the results report the training loss over the
+last 10 steps (``digits_loss``), which ``benchmarks/network_study.py`` tables next to speed.
 
 Every process gets ``JAX_PLATFORMS=cpu`` (with ``--device cpu``, the default) and an
 ``XLA_FLAGS`` without ``--xla_force_host_platform_device_count``, so each has exactly one
