@@ -1,5 +1,6 @@
 import os
 import secrets
+import zlib
 
 import numpy as np
 import pytest
@@ -17,7 +18,8 @@ def pytest_report_header(config):
 @pytest.fixture
 def rng(request) -> np.random.Generator:
     """Fresh random data each run, reproducible with the seed in the report header."""
-    return np.random.default_rng([SEED, abs(hash(request.node.nodeid)) % (2**32)])
+    # crc32, not hash(): str hashes change with every interpreter (PYTHONHASHSEED).
+    return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
 
 
 def random_values(rng: np.random.Generator, n: int) -> np.ndarray:
