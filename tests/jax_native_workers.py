@@ -51,8 +51,31 @@ def every_primitive(seed: int) -> dict:
     return {"rank": rank, "size": size, **{k: np.asarray(v) for k, v in result.items()}}
 
 
-def dies_or_waits(rank_to_die: int) -> str:
-    """One rank exits abruptly; the others enter an allreduce and must get an error."""
+def large_allreduces(seed: int, count: int) -> dict:
+    """Allreduces of ``count`` elements: float32 with every op (jitted), float16, bfloat16 and
+    int32 sums, and a float32 sum in place through the engine's DLPack binding."""
+    import jax
+    import jax.numpy as jnp
+    import ml_dtypes
+
+    from bagua_jax.native_collectives import REDUCE_OP_CODES
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    comm = NativeCommunicator.mpi_world(timeout=60)
+    rank = int(comm.rank())
+    x = rank_data(rank, seed, (count,))
+    out = {f"float32_{op}": np.asarray(jax.jit(lambda v, op=op: comm.allreduce(v, op))(x)) for op in OPS}
+    for dtype in (np.float16, ml_dtypes.bfloat16):
+        out[f"{np.dtype(dtype).name}_sum"] = np.asarray(comm.allreduce(jnp.asarray(x.astype(dtype))))
+    out["int32_sum"] = np.asarray(comm.allreduce(jnp.asarray((x * 1000).astype(np.int32))))
+    in_place = x.copy()
+    comm.engine.allreduce(comm.handle, in_place, in_place, REDUCE_OP_CODES["sum"])
+    out["float32_sum_in_place"] = in_place
+    return {"rank": rank, **out}
+
+
+def dies_or_waits(rank_to_die: int, count: int = 1000) -> str:
+    """One rank exits abruptly; the others enter an allreduce of ``count`` floats and must get an error."""
     import jax.numpy as jnp
 
     from bagua_jax.native_communicator import NativeCommunicator
@@ -61,7 +84,7 @@ def dies_or_waits(rank_to_die: int) -> str:
     if int(comm.rank()) == rank_to_die:
         os._exit(17)
     try:
-        comm.allreduce(jnp.ones(1000)).block_until_ready()
+        comm.allreduce(jnp.ones(count)).block_until_ready()
     except Exception as error:  # what a user sees
         return f"{type(error).__name__}: {error}"
     return "no error"

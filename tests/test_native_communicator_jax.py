@@ -1,5 +1,6 @@
 """The JAX NativeCommunicator over the MPI engine, on 2 and 4 processes."""
 
+import ml_dtypes
 import numpy as np
 import pytest
 from jax_native_workers import rank_data
@@ -48,8 +49,60 @@ def test_every_primitive_matches_numpy(size):
             assert first.tobytes() == other.value[key].tobytes(), key
 
 
-def test_a_dead_peer_raises_on_the_survivors_within_the_timeout():
-    results = run_ranks("jax_native_workers:dies_or_waits", 2, 1, launcher="mpiexec", timeout=60, check=False)
+# MPICH with MPIR_CVAR_NOLOCAL=1 treats every process as its own node: the engine's ring
+# allreduce (between nodes, from 1 MiB) runs on this one machine.
+BETWEEN_NODES = {"MPIR_CVAR_NOLOCAL": "1"}
+RING_MIN_BYTES = 1 << 20
+
+
+def ring_sum(xs: np.ndarray) -> np.ndarray:
+    """The ring's float32 sum, bit for bit: chunk c (``np.array_split``'s c-th) starts at rank c
+    and gains rank c+1's, c+2's, ... values in turn."""
+    size = len(xs)
+    bounds = np.cumsum([0] + [len(c) for c in np.array_split(xs[0], size)])
+    out = np.empty_like(xs[0])
+    for c in range(size):
+        part = slice(bounds[c], bounds[c + 1])
+        acc = xs[c, part].copy()
+        for j in range(1, size):
+            acc = acc + xs[(c + j) % size, part]
+        out[part] = acc
+    return out
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+@pytest.mark.parametrize("between_nodes", [True, False], ids=["between-nodes", "one-node"])
+def test_large_allreduces_match_numpy(size, between_nodes):
+    seed = int(np.random.default_rng().integers(2**31))
+    count = RING_MIN_BYTES // 4 + 2 * size + 1  # above the ring's threshold, chunks of unequal length
+    results = run_ranks("jax_native_workers:large_allreduces", size, seed, count, launcher="mpiexec", timeout=180,
+                        env=BETWEEN_NODES if between_nodes else None)
+    xs = np.stack([rank_data(r, seed, (count,)) for r in range(size)])
+    close = dict(rtol=1e-6, atol=1e-6 * float(np.abs(xs).max()) * size)
+    for res in (r.value for r in results):
+        if between_nodes:  # the ring's order of additions, exactly
+            np.testing.assert_array_equal(res["float32_sum"], ring_sum(xs))
+            np.testing.assert_array_equal(res["float32_avg"], ring_sum(xs) / np.float32(size))
+        np.testing.assert_allclose(res["float32_sum"], xs.sum(0), **close)
+        np.testing.assert_allclose(res["float32_avg"], xs.mean(0), **close)
+        np.testing.assert_array_equal(res["float32_min"], xs.min(0))
+        np.testing.assert_array_equal(res["float32_max"], xs.max(0))
+        np.testing.assert_array_equal(res["float32_sum_in_place"], res["float32_sum"])
+        np.testing.assert_array_equal(res["int32_sum"], (xs * 1000).astype(np.int32).sum(0))
+        for dtype, rtol in (("float16", 4e-3), ("bfloat16", 3e-2)):
+            exact = xs.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).astype(np.float64).sum(0)
+            np.testing.assert_allclose(res[f"{dtype}_sum"].astype(np.float64), exact, rtol=rtol,
+                                       atol=rtol * size * float(np.abs(xs).max()))
+    for key in results[0].value:
+        if key != "rank":
+            assert all(r.value[key].tobytes() == results[0].value[key].tobytes() for r in results), key
+
+
+@pytest.mark.parametrize("count, env", [(1000, None), (RING_MIN_BYTES // 4 * 2, BETWEEN_NODES)],
+                         ids=["mpi-allreduce", "ring-allreduce"])
+def test_a_dead_peer_raises_on_the_survivors_within_the_timeout(count, env):
+    results = run_ranks("jax_native_workers:dies_or_waits", 2, 1, count, launcher="mpiexec", timeout=60, check=False,
+                        env=env)
     survivor = results[0]
     assert survivor.value is not None, survivor.output
     assert "allreduce" in survivor.value and "'world'" in survivor.value and "rank 0 of 2" in survivor.value

@@ -1,6 +1,7 @@
 // The MPI engine: collectives on host buffers over MPI (the `mpich` wheel is
 // the usual MPI). Non-blocking MPI calls are polled against a deadline, so a
-// dead peer turns into an error instead of a hang.
+// dead peer turns into an error instead of a hang. Allreduces of 1 MiB or more
+// between nodes run the engine's own ring; everything else is MPI's.
 #pragma once
 
 #include <memory>
