@@ -371,7 +371,8 @@ def main(argv=None) -> int:
         notes.append("The kernel has no sch_netem: no latency is added; links are shaped by bandwidth (tbf) only.")
     if "jax" in args.frameworks:
         notes.append("bagua_jax algorithms: DataParallel over the native MPI engine (mpiexec in rank 0's namespace "
-                     "starts the other ranks through the harness; TCP over the shaped links, no shared memory, UCX eager protocol for every size)."
+                     "starts the other ranks through the harness; TCP over the shaped links, no shared memory, "
+                     "UCX's eager protocol for every size)."
                      if args.jax_comm == "mpi" else
                      "bagua_jax algorithms: DataParallel(mesh=...) over jax.distributed + gloo (JAX's collectives); "
                      "async is left out, its background averager needs the native engine.")
