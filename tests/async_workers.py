@@ -23,19 +23,6 @@ def optimum(seed: int, rank: int) -> np.ndarray:
     return (shared + 0.5 * offset).astype(np.float32)
 
 
-def excess_loss(thetas: np.ndarray, seed: int, n: int) -> np.ndarray:
-    """The loss over all ranks' data of each ``[..., DIM + 1]`` weight vector, as the fraction of the
-    initial loss (zero weights) above the best consensus (the mean of the optima). With x standard
-    normal the expected loss is half the mean squared distance to the ranks' optima (noise left out)."""
-    optima = np.stack([optimum(seed, r) for r in range(n)]).astype(np.float64)
-
-    def loss(theta: np.ndarray) -> np.ndarray:
-        return 0.5 * np.mean(np.sum((theta[..., None, :] - optima) ** 2, -1), -1)
-
-    best = loss(optima.mean(0))
-    return (loss(np.asarray(thetas, np.float64)) - best) / (loss(np.zeros(DIM + 1)) - best)
-
-
 def batch(seed: int, rank: int, step: int) -> tuple[np.ndarray, np.ndarray]:
     """Rank ``rank``'s fresh minibatch for ``step``: ``y = x w* + b* + noise``."""
     rng = np.random.default_rng([seed, rank, step])
