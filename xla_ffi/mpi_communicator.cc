@@ -133,7 +133,7 @@ std::string mpi_error(int code) {
 // Whether the ranks of `comm` span more than one node (MPI's view: shared memory).
 bool spans_nodes(MPI_Comm comm, int size) {
   MPI_Comm node;
-  MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node);
+  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS) return false;
   int node_size = size;
   MPI_Comm_size(node, &node_size);
   MPI_Comm_free(&node);
