@@ -22,6 +22,12 @@ bool initialized_here = false;
 std::mutex serialize;  // taken around MPI calls when MPI lacks MPI_THREAD_MULTIPLE
 bool thread_multiple = false;
 
+std::unique_lock<std::mutex> lock_mpi() {
+  std::unique_lock<std::mutex> lock(serialize, std::defer_lock);
+  if (!thread_multiple) lock.lock();
+  return lock;
+}
+
 // MPI has no 16-bit float types: they travel as 2-byte opaque elements with
 // user-defined reductions computed in float32.
 MPI_Datatype half_type, bfloat16_type;
@@ -311,7 +317,6 @@ class MpiCommunicator final : public Communicator {
   // and doubling) measured about 25% slower on bandwidth-limited TCP links. Each chunk is
   // reduced in the same rank order for every rank, so all ranks get the same bits.
   Status ring_allreduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op) {
-    if (broken_) return fail("allreduce", "the communicator is unusable after an earlier failure");
     const int64_t element = comm_type_bytes(type);
     char* out = static_cast<char*>(recv);
     if (send != recv) std::memcpy(out, send, count * element);
@@ -321,6 +326,7 @@ class MpiCommunicator final : public Communicator {
     std::vector<char> incoming(length(0) * element);
     const int next = wrap(rank_ + 1), prev = wrap(rank_ - 1);
     const auto until = deadline();
+    std::vector<MPI_Request> requests(2, MPI_REQUEST_NULL);
     for (int step = 0; step < 2 * (size_ - 1); ++step) {
       // Reducing: pass on the partial sum of chunk rank - step, add prev's to chunk rank - step - 1.
       // Gathering: pass on the finished chunk rank - s + 1, take finished chunk rank - s.
@@ -328,7 +334,6 @@ class MpiCommunicator final : public Communicator {
       const int s = reducing ? step : step - (size_ - 1);
       const int outgoing = wrap(rank_ - s + (reducing ? 0 : 1)), arriving = wrap(outgoing - 1);
       char* target = out + first(arriving) * element;
-      std::vector<MPI_Request> requests(2, MPI_REQUEST_NULL);
       Status status = run_until("allreduce", requests, until, [&](MPI_Request* r) {
         int rc = MPI_Irecv_c(reducing ? incoming.data() : target, length(arriving), mpi_type(type), prev,
                              kRingTag, comm_, &r[0]);
@@ -338,8 +343,7 @@ class MpiCommunicator final : public Communicator {
       });
       if (!status.ok()) return status;
       if (reducing) {
-        std::unique_lock<std::mutex> lock(serialize, std::defer_lock);
-        if (!thread_multiple) lock.lock();
+        const auto lock = lock_mpi();
         const int rc = MPI_Reduce_local_c(incoming.data(), target, length(arriving), mpi_type(type),
                                           mpi_op(type, op));
         if (rc != MPI_SUCCESS) return fail("allreduce", mpi_error(rc));
@@ -383,8 +387,7 @@ class MpiCommunicator final : public Communicator {
   Status run_until(const char* op, std::vector<MPI_Request>& requests, std::chrono::steady_clock::time_point until,
                    Start&& start) {
     if (broken_) return fail(op, "the communicator is unusable after an earlier failure");
-    std::unique_lock<std::mutex> lock(serialize, std::defer_lock);
-    if (!thread_multiple) lock.lock();
+    auto lock = lock_mpi();
     int rc = start(requests.data());
     if (rc != MPI_SUCCESS) return fail(op, mpi_error(rc));
     for (int polls = 0;; ++polls) {
