@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import base64
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bagua_common.comm_timeout import timeout_seconds
 from bagua_jax import native_collectives as nc
 from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
 from bagua_jax.engines import engine
-
-DEFAULT_TIMEOUT_SECONDS = float(os.environ.get("BAGUA_COMM_TIMEOUT", "300"))
 
 
 class NativeCommunicator:
@@ -35,12 +33,12 @@ class NativeCommunicator:
         self._rank = self._engine.rank(handle)
 
     @classmethod
-    def mpi_world(cls, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> NativeCommunicator:
+    def mpi_world(cls, timeout: float | None = None) -> NativeCommunicator:
         """All ranks of the MPI job (``MPI_COMM_WORLD``), for CPU arrays."""
-        return cls(engine("mpi").world("world", float(timeout)), "mpi")
+        return cls(engine("mpi").world("world", timeout_seconds(timeout)), "mpi")
 
     @classmethod
-    def nccl_world(cls, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> NativeCommunicator:
+    def nccl_world(cls, timeout: float | None = None) -> NativeCommunicator:
         """All processes of ``jax.distributed`` over NCCL, for GPU arrays.
 
         Rank 0 creates the NCCL unique id and shares it through ``jax.distributed``'s
@@ -51,6 +49,7 @@ class NativeCommunicator:
         if global_state.client is None:
             raise RuntimeError("call jax.distributed.initialize() before NativeCommunicator.nccl_world()")
         nccl = engine("nccl")
+        timeout = timeout_seconds(timeout)
         rank, size = jax.process_index(), jax.process_count()
         key = "bagua/nccl/world"
         if rank == 0:
@@ -58,10 +57,10 @@ class NativeCommunicator:
             global_state.client.key_value_set(key, base64.b64encode(unique_id).decode())
         else:
             unique_id = base64.b64decode(global_state.client.blocking_key_value_get(key, int(timeout * 1000)))
-        return cls(nccl.create(unique_id, rank, size, "world", float(timeout)), "nccl")
+        return cls(nccl.create(unique_id, rank, size, "world", timeout), "nccl")
 
     @classmethod
-    def world(cls, timeout: float = DEFAULT_TIMEOUT_SECONDS) -> NativeCommunicator:
+    def world(cls, timeout: float | None = None) -> NativeCommunicator:
         """The world communicator for this process's device: NCCL on a GPU, MPI on the CPU."""
         if jax.devices()[0].platform == "gpu":
             return cls.nccl_world(timeout)

@@ -30,7 +30,6 @@ import concurrent.futures
 import functools
 import importlib
 import itertools
-import os
 import threading
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -39,6 +38,8 @@ from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
+
+from bagua_common.comm_timeout import timeout_seconds
 
 ReduceOp = Literal["sum", "avg", "min", "max"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "avg", "min", "max")
@@ -54,38 +55,6 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.int64,
 )
 """The element types every communicator carries (the native engines' set)."""
-
-DEFAULT_TIMEOUT_SECONDS = 300.0
-
-
-def default_timeout() -> float:
-    """Return the default collective timeout in seconds: ``BAGUA_COMM_TIMEOUT`` if set, else 300.
-
-    The environment variable is read on each call, so a test or launcher may set it
-    before creating a communicator; it must hold a positive number of seconds.
-    """
-    text = os.environ.get("BAGUA_COMM_TIMEOUT")
-    if text is None or not text.strip():
-        return DEFAULT_TIMEOUT_SECONDS
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"BAGUA_COMM_TIMEOUT must be a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise ValueError(f"BAGUA_COMM_TIMEOUT must be positive, got {text!r}")
-    return value
-
-
-def _timeout_seconds(timeout: float | timedelta | None) -> float:
-    if timeout is None:
-        return default_timeout()
-    if isinstance(timeout, timedelta):
-        timeout = timeout.total_seconds()
-    timeout = float(timeout)
-    if not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds, got {timeout}")
-    return timeout
-
 
 class CommunicationError(RuntimeError):
     """A collective failed or did not complete within the communicator's timeout.
@@ -448,7 +417,7 @@ class ProcessGroupCommunicator(_CommunicatorBase):
     ``group`` is a process group (default: the world group of an initialized
     ``torch.distributed``); gloo communicates CPU tensors, nccl CUDA tensors. The
     asynchronous variants use ``async_op=True`` and return at once. ``wait()`` waits
-    at most ``timeout`` seconds (default :func:`default_timeout`) and turns any failure
+    at most ``timeout`` seconds (default ``BAGUA_COMM_TIMEOUT`` or 300) and turns any failure
     (a dead peer, a timeout) into :class:`CommunicationError` naming the
     communicator, the operation and the rank; the process group's own timeout
     (``init_process_group(timeout=...)``) bounds the operation as well. Emulations:
@@ -479,7 +448,7 @@ class ProcessGroupCommunicator(_CommunicatorBase):
             name = "world" if group is None else f"group {getattr(group, 'group_name', '') or id(group)}"
         self._name = name
         self._kind = f"torch.distributed {self._backend}"
-        self.timeout = _timeout_seconds(timeout)
+        self.timeout = timeout_seconds(timeout)
         # None: unknown, found out on the first reduce_scatter.
         self._has_reduce_scatter: bool | None = None
         self._native_avg = self._backend == "nccl"
@@ -780,9 +749,9 @@ class NativeCommunicator(_CommunicatorBase):
         """All ranks of the MPI job (a duplicate of ``MPI_COMM_WORLD``), for CPU tensors.
 
         Start the processes with ``mpiexec``; MPI is initialized on first use and
-        finalized at exit. ``timeout`` defaults to :func:`default_timeout`.
+        finalized at exit. ``timeout`` defaults to ``BAGUA_COMM_TIMEOUT`` or 300 seconds.
         """
-        seconds = _timeout_seconds(timeout)
+        seconds = timeout_seconds(timeout)
         handle = _engine("mpi").world(name, seconds)
         return cls(handle, "mpi", seconds, name)
 
@@ -807,7 +776,7 @@ class NativeCommunicator(_CommunicatorBase):
         rank, size = int(rank), int(size)
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in [0, {size})")
-        seconds = _timeout_seconds(timeout)
+        seconds = timeout_seconds(timeout)
         nccl = _engine("nccl")
         cuda = cls._cuda_device(device)
         key = f"bagua/nccl/{name}/{next(_store_sequence)}"

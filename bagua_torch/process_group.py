@@ -28,13 +28,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bagua_common.comm_timeout import timeout_seconds
 from bagua_torch.algorithms.base import Communicators
 from bagua_torch.communicator import (
     Communicator,
     NativeCommunicator,
     ProcessGroupCommunicator,
-    _timeout_seconds,
-    default_timeout,
 )
 
 _MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_RANK")
@@ -138,7 +137,7 @@ def init_process_group(
         raise ValueError(f"init_process_group: backend must be 'gloo', 'nccl' or None, got {backend!r}")
     if native is not None and not isinstance(native, bool):
         raise TypeError(f"init_process_group: native must be None or a bool, got {native!r}")
-    seconds = _timeout_seconds(timeout) if timeout is not None else default_timeout()
+    seconds = timeout_seconds(timeout)
 
     rank = _env_int("rank", rank, "RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
     world_size = _env_int("world_size", world_size, "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")

@@ -211,13 +211,13 @@ def test_a_dead_or_stalled_peer_raises_within_the_timeout(engine, mode):
 
 
 def test_default_timeout_reads_the_environment(monkeypatch):
-    from bagua_torch.communicator import DEFAULT_TIMEOUT_SECONDS, default_timeout
+    from bagua_common.comm_timeout import DEFAULT_TIMEOUT_SECONDS, default_timeout
 
     monkeypatch.delenv("BAGUA_COMM_TIMEOUT", raising=False)
     assert default_timeout() == DEFAULT_TIMEOUT_SECONDS == 300
     monkeypatch.setenv("BAGUA_COMM_TIMEOUT", "7.5")
     assert default_timeout() == 7.5
-    for bad in ("soon", "0", "-3"):
+    for bad in ("soon", "0", "-3", "inf", "nan"):
         monkeypatch.setenv("BAGUA_COMM_TIMEOUT", bad)
         with pytest.raises(ValueError, match="BAGUA_COMM_TIMEOUT"):
             default_timeout()
