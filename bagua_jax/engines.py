@@ -6,13 +6,13 @@ that the kernels never need libmpi or libnccl to import.
 
 from __future__ import annotations
 
-import atexit
 import functools
 import importlib
 from types import ModuleType
 
 import jax
 
+from bagua_common.engine_exit import finalize_at_exit
 from bagua_jax.build import build_info
 
 _MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
@@ -32,5 +32,5 @@ def engine(kind: str) -> ModuleType:
     for platform, targets in module.registrations().items():
         for name, capsule in targets.items():
             jax.ffi.register_ffi_target(name, capsule, platform=platform)
-    atexit.register(module.finalize)
+    finalize_at_exit(module)
     return module

@@ -25,7 +25,6 @@ timeout (default ``BAGUA_COMM_TIMEOUT`` or 300 seconds) instead of hanging.
 
 from __future__ import annotations
 
-import atexit
 import concurrent.futures
 import functools
 import importlib
@@ -40,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm_timeout import timeout_seconds
+from bagua_common.engine_exit import finalize_at_exit
 
 ReduceOp = Literal["sum", "avg", "min", "max"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "avg", "min", "max")
@@ -676,7 +676,7 @@ def _engine(kind: str) -> ModuleType:
             + ("install mpich and rebuild" if kind == "mpi" else "install NCCL and rebuild with CUDA")
         )
     module = importlib.import_module(_ENGINE_MODULES[kind])
-    atexit.register(module.finalize)
+    finalize_at_exit(module)
     return module
 
 
