@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 from bagua_jax.algorithms.base import Algorithm, Communicators, check_float_params
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
+from bagua_jax.signature import check_ranks_agree
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -67,6 +68,8 @@ class DataParallel:
             raise ValueError("give exactly one of mesh= (JAX collectives) or communicator= (native engine)")
         self._loss_fn = loss_fn
         self._mesh = mesh
+        self._algorithm = algorithm
+        self._communicator = communicator
         if mesh is not None:
             if not 1 <= len(mesh.axis_names) <= 2:
                 raise ValueError(f"the mesh needs 1 axis (flat) or 2 axes (inter, intra), got {mesh.axis_names}")
@@ -113,8 +116,13 @@ class DataParallel:
         return jax.tree.map(stack, tree)
 
     def init(self, params: Any) -> TrainState:
-        """The initial state: every rank starts from ``params`` (pass the same on every process)."""
+        """The initial state: every rank starts from ``params`` (pass the same on every process).
+
+        First checks that every rank trains the same tree of shapes and dtypes with the same
+        algorithm configuration, and raises a ``ValueError`` naming each difference if not.
+        """
         check_float_params(params)
+        check_ranks_agree(params, self._algorithm, self._communicator)
         if self._mesh is None:
             params = jax.tree.map(jnp.asarray, params)
             return TrainState(params, self._init(params), jnp.int32(0))
