@@ -47,15 +47,21 @@ import contextlib
 import threading
 import time
 import warnings
-import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import torch
 from torch import nn
 
+from bagua_common.signature import JobSignature, algorithm_config, check_same_job
 from bagua_torch.algorithms import get_algorithm
-from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Communicators
+from bagua_torch.algorithms.base import (
+    Algorithm,
+    AlgorithmContext,
+    AlgorithmImpl,
+    Communicators,
+)
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from bagua_torch.communicator import Communicator, Work
 from bagua_torch.process_group import communicators_from
@@ -82,13 +88,6 @@ def _broadcast(comm: Communicator, tensors: Sequence[torch.Tensor], root: int = 
             part = received[offset : offset + flat.numel()].clone()
             t.copy_(part.view(t.dtype).view(t.shape))
             offset += flat.numel()
-
-
-def _signature(items: Iterable[str]) -> int:
-    crc = 0
-    for item in items:
-        crc = zlib.crc32(item.encode(), crc)
-    return crc
 
 
 class BaguaModule(nn.Module):
@@ -162,26 +161,15 @@ class BaguaModule(nn.Module):
         self.device = devices.pop() if devices else torch.device("cpu")
         self._check_optimizers(named)
 
-        # Same model, algorithm and bucket size everywhere? (mismatches would hang or corrupt silently)
-        description = [f"{n}:{tuple(p.shape)}:{p.dtype}:{p.requires_grad}" for n, p in module.named_parameters()]
-        description += [f"buffer {n}:{tuple(b.shape)}:{b.dtype}" for n, b in module.named_buffers()]
-        config = [repr(algorithm), f"bucket_bytes={bucket_bytes}", f"sync_point={sync_point}"]
-        mine = torch.tensor(
-            [len(description), _signature(description), _signature(config)], dtype=torch.int64, device=self.device
-        )
-        everyone = world.allgather(mine).cpu()
-        for r in range(world.size):
-            row = everyone[r].tolist()
-            if row[:2] != everyone[0][:2].tolist():
-                raise ValueError(
-                    f"rank {r} wraps a different model than rank 0 (parameter/buffer names, shapes or dtypes differ: "
-                    f"{row[0]} vs {int(everyone[0][0])} tensors); every rank must wrap the same model"
-                )
-            if row[2] != int(everyone[0][2]):
-                raise ValueError(
-                    f"rank {r} wraps the model with a different algorithm, bucket size or sync point than rank 0; "
-                    f"this rank uses {config}"
-                )
+        # Same model, algorithm and settings everywhere? (mismatches would hang or corrupt silently)
+        leaves = [(n if p.requires_grad else f"{n} (frozen)", p.shape, p.dtype) for n, p in module.named_parameters()]
+        leaves += [(f"buffer {n}", b.shape, b.dtype) for n, b in module.named_buffers()]
+        config = algorithm_config(algorithm, bucket_bytes=bucket_bytes, sync_point=sync_point)
+
+        def allgather(x: np.ndarray) -> np.ndarray:
+            return world.allgather(torch.from_numpy(x).to(self.device)).cpu().numpy()
+
+        check_same_job(JobSignature.of(leaves, config), allgather)
 
         _broadcast(world, [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()])
 

@@ -1,8 +1,8 @@
 """Rank functions for tests/test_cross_rank_check_jax.py (run by multiprocess.run_ranks).
 
-Each rank builds a :class:`bagua_jax.DataParallel` trainer from the case's per-rank model
-and algorithm and calls ``init``, which compares the ranks before the first step. A rank
-returns ``"ok"`` and its first step's loss, or the text of the error ``init`` raised.
+For each case every rank builds a :class:`bagua_jax.trainer.DataParallel` trainer from its
+own model and algorithm (differing on rank 1 as the case says) and calls ``init``, which
+compares the ranks before the first step.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import optax
 from jax.sharding import Mesh
 
 from bagua_jax.algorithms import ByteGrad, GradientAllReduce
+from bagua_jax.distributed import initialize
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.trainer import DataParallel
 
@@ -64,25 +65,37 @@ def loss_fn(params, batch):
     return jnp.mean(out**2)
 
 
-def check(case: str, mode: str) -> str:
-    """Build this rank's trainer for ``case`` in ``mode`` ("native" or "mesh"), init it, take one step."""
+CASES = (
+    "same",
+    "shape",
+    "dtype",
+    "extra_leaf",
+    "algorithm",
+    "field",
+    "custom_same",
+    "custom_field",
+)
+
+
+def check_cases(mode: str) -> dict[str, str]:
+    """Every case in turn on this rank, in ``mode`` ("native": the MPI engine, or "mesh":
+    ``jax.distributed``): ``"ok <first loss>"`` or the text of the error ``init`` raised."""
     if mode == "native":
         comm = NativeCommunicator.mpi_world(timeout=60)
         rank = int(comm.rank())
         kwargs = {"communicator": comm}
     else:
-        from bagua_jax.distributed import initialize
-
-        initialize()
+        initialize(timeout=60)
         rank = jax.process_index()
         kwargs = {"mesh": Mesh(np.array(jax.devices()), ("r",))}
-    dp = DataParallel(loss_fn, optax.sgd(0.1), algorithm(rank, case), **kwargs)
-    try:
-        state = dp.init(model(rank, case))
-    except ValueError as error:
-        return str(error)
-    batch = np.ones(
-        (dp.size if mode == "mesh" and jax.process_count() == 1 else 1, 3), np.float32
-    )
-    _, loss = dp.step(state, batch)
-    return f"ok {float(loss)}"
+    results = {}
+    for case in CASES:
+        dp = DataParallel(loss_fn, optax.sgd(0.1), algorithm(rank, case), **kwargs)
+        try:
+            state = dp.init(model(rank, case))
+        except ValueError as error:
+            results[case] = str(error)
+            continue
+        _, loss = dp.step(state, np.full((1, 3), rank + 1.0, np.float32))
+        results[case] = f"ok {float(loss)}"
+    return results

@@ -364,6 +364,20 @@ def checkpoint(seed: int, rank: int) -> dict:
             "residual_norm": residual_norm, "wrong_algorithm": wrong_algorithm}
 
 
+def wrapped_allreduce():
+    """A custom algorithm (not a dataclass) delegating to GradientAllReduce."""
+    from bagua_torch.algorithms import Algorithm, GradientAllReduceAlgorithm
+
+    class WrappedAllReduce(Algorithm):
+        def __init__(self) -> None:
+            self.inner = GradientAllReduceAlgorithm()
+
+        def reify(self, context):
+            return self.inner.reify(context)
+
+    return WrappedAllReduce()
+
+
 def errors(rank: int) -> dict:
     """Wrong inputs, each refused with a clear message on every rank (and nothing left hanging)."""
     import bagua_torch
@@ -387,6 +401,8 @@ def errors(rank: int) -> dict:
     found["different_models"] = _error(lambda: bagua_torch.with_bagua(different, []))
     found["different_algorithms"] = _error(
         lambda: bagua_torch.with_bagua(model, [], ByteGradAlgorithm(hierarchical=rank == 0)))
+    # A custom algorithm that is not a dataclass: its repr differs per process, its signature does not.
+    found["custom_algorithm"] = _error(lambda: bagua_torch.with_bagua(model, [], wrapped_allreduce()).close())
     wrapped = bagua_torch.with_bagua(model, [opt], sync_point="step")
     found["wrap_twice"] = _error(lambda: bagua_torch.with_bagua(wrapped, [opt]))
     x, y = batch(0, 0, rank)
