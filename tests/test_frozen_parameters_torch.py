@@ -1,0 +1,23 @@
+"""Frozen parameters (``requires_grad=False``) stay exactly unchanged under every torch algorithm.
+
+Two gloo ranks; each algorithm wraps an MLP whose first layer is frozen and trains six steps on
+different data per rank (QAdam and 1-bit Adam past a two-step warm-up, async with averaging
+rounds running). The frozen layer must not move at all on any rank; the others must.
+"""
+
+from __future__ import annotations
+
+from multiprocess import run_ranks
+
+
+def test_frozen_parameters_never_move():
+    results = run_ranks("torch_frozen_workers:frozen_first_layer", 2, 3, timeout=240)
+    assert len(results[0].value) >= 7, results[0].value  # every built-in algorithm ran
+    for result in results:
+        for name, moved in result.value.items():
+            assert moved["frozen"] == 0, (
+                f"rank {result.rank}, {name}: frozen layer moved {moved['frozen']:.3g}"
+            )
+            assert moved["trained"] > 0, (
+                f"rank {result.rank}, {name}: the trained layers did not move"
+            )
