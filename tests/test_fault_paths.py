@@ -50,11 +50,12 @@ def _env() -> dict[str, str]:
 
 
 def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has exited; its parent just has not reaped it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def run_job(commands: list[list[str]], workdir: Path, rank_env: bool = False):
