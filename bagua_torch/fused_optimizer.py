@@ -58,6 +58,7 @@ class _Chunk:
     offsets: list[int]
     flat: torch.nn.Parameter
     flat_grad: torch.Tensor
+    grad_views: list[torch.Tensor]
     member_state: dict[torch.Tensor, dict[str, Any]] = field(default_factory=dict)
     fused: bool = True
 
@@ -137,13 +138,18 @@ class FusedOptimizer(torch.optim.Optimizer):
         place. As in torch, a gradient that is ``None`` stays ``None`` either way.
         """
         for chunk in self._chunks:
-            for i, p in enumerate(chunk.params):
-                if set_to_none:
+            if set_to_none:
+                for p in chunk.params:
                     p.grad = None
-                elif p.grad is not None:  # torch leaves a missing gradient missing
-                    view = chunk.view(chunk.flat_grad, i)
-                    view.zero_()
+                continue
+            present = [(p, view) for p, view in zip(chunk.params, chunk.grad_views) if p.grad is not None]
+            for p, view in present:
+                if p.grad is not view:
                     p.grad = view
+            if len(present) == len(chunk.params):
+                chunk.flat_grad.zero_()
+            elif present:  # torch leaves a missing gradient missing
+                torch._foreach_zero_([view for _, view in present])
 
     def state_dict(self) -> dict[str, Any]:
         """The state in the unfused optimizer's per-parameter layout (loadable by either)."""
@@ -187,23 +193,28 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     def _gather_gradients(self, chunk: _Chunk) -> bool:
         """Make every member's gradient a view of the chunk's flat gradient; False if one is None."""
+        stale = []
         complete = True
-        for i, p in enumerate(chunk.params):
+        for p, view in zip(chunk.params, chunk.grad_views):
             grad = p.grad
+            if grad is view:
+                continue
             if grad is None:
                 complete = False
-                continue
-            if grad.is_sparse:
+            elif grad.is_sparse:
                 raise ValueError(
                     f"fuse_optimizer: a parameter of shape {tuple(p.shape)} has a sparse gradient; "
                     "sparse gradients cannot be fused (use the optimizer unfused)"
                 )
-            view = chunk.view(chunk.flat_grad, i)
-            if grad.data_ptr() != view.data_ptr() or grad.stride() != view.stride():
-                view.copy_(grad)
+            else:
+                stale.append((p, view, grad))
+        if stale:
+            views = [view for _, view, _ in stale]
+            torch._foreach_copy_(views, [grad for _, _, grad in stale])
+            for p, view, _ in stale:
                 p.grad = view
-                self._stats["gradient_copies"] += 1
-                self._stats["bytes_copied"] += grad.numel() * grad.element_size()
+            self._stats["gradient_copies"] += len(stale)
+            self._stats["bytes_copied"] += sum(view.nbytes for view in views)
         if not complete and not self._warned_unused:
             warnings.warn(
                 "fuse_optimizer: some parameters have no gradient this step; their chunk steps "
@@ -419,7 +430,8 @@ def _lay_out(groups: Iterable[dict[str, Any]]) -> list[_Chunk]:
                 total += p.numel()
             flat = torch.nn.Parameter(torch.empty(total, dtype=dtype, device=device))
             flat_grad = torch.zeros_like(flat.data)
-            chunk = _Chunk(g, params, offsets, flat, flat_grad)
+            chunk = _Chunk(g, params, offsets, flat, flat_grad, [])
+            chunk.grad_views = [chunk.view(flat_grad, i) for i in range(len(params))]
             with torch.no_grad():
                 for i, p in enumerate(params):
                     view = chunk.view(flat.data, i)
@@ -427,8 +439,8 @@ def _lay_out(groups: Iterable[dict[str, Any]]) -> list[_Chunk]:
                     grad = p.grad
                     p.data = view
                     if grad is not None:
-                        chunk.view(flat_grad, i).copy_(grad)
-                    p.grad = chunk.view(flat_grad, i) if grad is not None else None
+                        chunk.grad_views[i].copy_(grad)
+                        p.grad = chunk.grad_views[i]
             flat.grad = flat_grad
             chunks.append(chunk)
     return chunks
