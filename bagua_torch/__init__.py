@@ -22,6 +22,7 @@ from bagua_torch.communicator import (
     Work,
 )
 from bagua_torch.distributed import BaguaModule, DistributedDataParallel, with_bagua
+from bagua_torch.fused_optimizer import FusedOptimizer, fuse_optimizer
 from bagua_torch.ops import build_info
 from bagua_torch.process_group import (
     BaguaProcessGroup,
@@ -38,11 +39,13 @@ __all__ = [
     "CommunicationError",
     "Communicator",
     "DistributedDataParallel",
+    "FusedOptimizer",
     "NativeCommunicator",
     "ProcessGroupCommunicator",
     "Work",
     "algorithms",
     "build_info",
+    "fuse_optimizer",
     "get_process_group",
     "init_process_group",
     "is_initialized",
