@@ -41,9 +41,9 @@ class TrainState(NamedTuple):
     """Parameters, the algorithm's optimizer state, the step count and the model's own state.
 
     ``model_state`` holds a model's non-trainable collections (e.g. flax's ``batch_stats``),
-    or None. In mesh mode the parameters (and an averaged ``model_state``) carry no device
-    axis when the algorithm keeps every replica identical; otherwise, and for the optimizer
-    state, each leaf has a leading axis with one row per rank.
+    or None. In mesh mode the step count, and the parameters (and an averaged
+    ``model_state``) when the algorithm keeps every replica identical, carry no device axis;
+    otherwise, and for the optimizer state, each leaf has a leading axis with one row per rank.
     """
 
     params: Any
@@ -191,7 +191,7 @@ class DataParallel:
                 self._steps[key] = jax.jit(self._rank_step)
             else:
                 shared_model_state = has_model_state and self._average_model_state and self._replicated
-                layout = (not self._replicated, True, True, has_model_state and not shared_model_state)
+                layout = (not self._replicated, True, False, has_model_state and not shared_model_state)
                 out = (*layout, True, True)
                 self._steps[key] = jax.jit(self._sharded(self._rank_step, layout, out))
         return self._steps[key]
@@ -232,7 +232,7 @@ class DataParallel:
             opt_state, step = self._init(params), jnp.int32(0)
         else:
             stacked = self._per_rank(params)
-            opt_state, step = self._init(stacked), self._per_rank(np.int32(0))
+            opt_state, step = self._init(stacked), self._replicate(np.int32(0))
             params = self._replicate(params) if self._replicated else stacked
             if model_state is not None:
                 shared = self._average_model_state and self._replicated
