@@ -130,7 +130,7 @@ def powersgd(comms: Communicators | Communicator, config: PowerSGDConfig = Power
         approximations = [p @ q.T for p, q in zip(ps, qs)]
         out = list(leaves)
         for (i, _, _), approximation in zip(layout.compressed, approximations):
-            out[i] = approximation
+            out[i] = approximation.reshape(leaves[i].shape)
         for i, g in zip(layout.plain, plain):
             out[i] = g
         residuals = tuple(m - a for m, a in zip(matrices, approximations)) if config.error_feedback else ()
