@@ -12,7 +12,7 @@ rank-``r`` product ``P Q^T``, found with one step of power iteration per trainin
 
 ``Q`` is kept from step to step (warm start) and starts from the same seeded random matrix on
 every rank, so every rank computes the same ``P Q^T``. Gradients that would gain too little
-(vectors, small or thin matrices: ``n m < min_compression_rate (n + m) r``) are averaged
+(vectors, small or thin matrices: ``n m <= min_compression_rate (n + m) r``) are averaged
 uncompressed, riding in the same allreduce as the ``P`` factors. During the first
 ``start_iter`` steps every gradient is averaged exactly.
 
@@ -77,7 +77,9 @@ class PowerSGDConfig:
             return None
         n, m = view
         rank = min(self.rank, n, m)
-        if n * m < self.min_compression_rate * (n + m) * rank:
+        # torch's PowerSGD hook draws the same line: compress when the factors are smaller by more
+        # than ``min_compression_rate``.
+        if not self.min_compression_rate * (n + m) * rank < n * m:
             return None
         return rank
 
