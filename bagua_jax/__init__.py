@@ -7,10 +7,21 @@ implement one protocol (:class:`Communicator`) two ways: :class:`LaxCommunicator
 :class:`NativeCommunicator` (the native MPI/NCCL engines, one device per process).
 """
 
-from bagua_jax import ops
+from bagua_jax import algorithms, ops
 from bagua_jax.build import build_info
 from bagua_jax.communicator import Communicator, ReduceOp
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
+from bagua_jax.trainer import DataParallel, TrainState
 
-__all__ = ["Communicator", "LaxCommunicator", "NativeCommunicator", "ReduceOp", "build_info", "ops"]
+__all__ = [
+    "Communicator",
+    "DataParallel",
+    "LaxCommunicator",
+    "NativeCommunicator",
+    "ReduceOp",
+    "TrainState",
+    "algorithms",
+    "build_info",
+    "ops",
+]

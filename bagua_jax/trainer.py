@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -34,15 +35,22 @@ from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import check_ranks_agree
 
-LossFn = Callable[[Any, Any], jax.Array]
+LossFn = Callable[..., Any]
 
 
 class TrainState(NamedTuple):
-    """Parameters, the algorithm's optimizer state and the step count (per rank in mesh mode)."""
+    """Parameters, the algorithm's optimizer state, the step count and the model's own state.
+
+    ``model_state`` holds a model's non-trainable collections (e.g. flax's ``batch_stats``),
+    or None. In mesh mode the step count, and the parameters (and an averaged
+    ``model_state``) when the algorithm keeps every replica identical, carry no device axis;
+    otherwise, and for the optimizer state, each leaf has a leading axis with one row per rank.
+    """
 
     params: Any
     opt_state: Any
     step: jax.Array
+    model_state: Any = None
 
 
 class DataParallel:
@@ -53,6 +61,20 @@ class DataParallel:
     optimizers themselves, QAdam and OneBitAdam). Give exactly one of ``mesh``
     (mesh mode; the batch's leading axis is split across all devices) or
     ``communicator`` (native mode; each process passes its own batch).
+
+    What a flax or equinox train step needs is accepted as it is:
+
+    * ``has_aux=True``: ``loss_fn`` returns ``(loss, aux)``, and :meth:`step` returns
+      ``state, (loss, aux)`` with ``aux`` averaged over the ranks in mesh mode;
+    * model state (``init(params, model_state=...)``, or a flax ``TrainState`` with a
+      ``batch_stats`` field): ``loss_fn(params, batch, model_state=...)`` returns
+      ``(loss, new_model_state)`` (``(loss, (new_model_state, aux))`` with ``has_aux``);
+      the new state is averaged across ranks (``average_model_state=True``, e.g. BatchNorm
+      statistics) or kept per rank;
+    * randomness: ``step(state, batch, rng)`` passes ``loss_fn`` a key of its own on every
+      rank (``rng`` folded with the rank index), e.g. for dropout;
+    * a flax ``TrainState`` in :meth:`init` comes back from :meth:`init` and :meth:`step` as
+      the same class, its ``params``, ``opt_state``, ``step`` (and ``batch_stats``) replaced.
     """
 
     def __init__(
@@ -63,10 +85,17 @@ class DataParallel:
         *,
         mesh: Mesh | None = None,
         communicator: NativeCommunicator | None = None,
+        has_aux: bool = False,
+        average_model_state: bool = True,
     ):
         if (mesh is None) == (communicator is None):
             raise ValueError("give exactly one of mesh= (JAX collectives) or communicator= (native engine)")
+        for name, flag in (("has_aux", has_aux), ("average_model_state", average_model_state)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"DataParallel: {name} must be a bool, got {flag!r}")
         self._loss_fn = loss_fn
+        self._has_aux = has_aux
+        self._average_model_state = average_model_state
         self._mesh = mesh
         self._algorithm = algorithm
         self._communicator = communicator
@@ -82,27 +111,93 @@ class DataParallel:
             self._ranks = P(axes)
         else:
             comms = Communicators(world=communicator)
+        self._world = comms.world
         self.size = comms.world.size
+        self._replicated = getattr(algorithm, "replicas_identical", False)
         self._tx = algorithm.transformation(optimizer, comms)
-        self._step = jax.jit(self._sharded(self._rank_step, 3) if mesh is not None else self._rank_step)
-        self._init = jax.jit(self._sharded(self._tx.init, 1) if mesh is not None else self._tx.init)
+        self._steps: dict[tuple[bool, bool], Callable] = {}
+        self._init = jax.jit(self._sharded(self._tx.init, (True,)) if mesh is not None else self._tx.init)
 
-    def _rank_step(self, params: Any, opt_state: Any, step: jax.Array, batch: Any):
-        loss, grads = jax.value_and_grad(self._loss_fn)(params, batch)
+    def _rank_step(self, params: Any, opt_state: Any, step: jax.Array, model_state: Any, batch: Any, rng: Any):
+        extras = {}
+        if model_state is not None:
+            extras["model_state"] = model_state
+        if rng is not None:
+            extras["rng"] = jax.random.fold_in(rng, self._world.rank())
+        returns_aux = self._has_aux or model_state is not None
+        value, grads = jax.value_and_grad(self._loss_fn, has_aux=returns_aux)(params, batch, **extras)
+        loss, aux = value if returns_aux else (value, None)
+        if model_state is not None:
+            model_state, aux = aux if self._has_aux else (aux, None)
+            if self._average_model_state:
+                model_state = self._average(model_state)
         updates, opt_state = self._tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), opt_state, step + 1, loss
+        return optax.apply_updates(params, updates), opt_state, step + 1, model_state, loss, aux
 
-    def _sharded(self, fn: Callable, stacked: int) -> Callable:
-        """``fn`` on each rank: its first ``stacked`` arguments carry one row per rank
-        (rows stacked across the mesh, like the results); the rest (the batch) are split
-        along their leading axis."""
+    def _average(self, tree: Any) -> Any:
+        """The mean of ``tree``'s floating leaves over all ranks, in one allreduce."""
+        floats = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
+        if not floats:
+            return tree
+        flat, unravel = ravel_pytree(floats)
+        averaged = iter(unravel(self._world.allreduce(flat.astype(jnp.float32), "avg").astype(flat.dtype)))
+        return jax.tree.map(
+            lambda leaf: next(averaged) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf, tree
+        )
+
+    def _sharded(self, fn: Callable, per_rank_args: tuple[bool, ...], per_rank_out: Any = None) -> Callable:
+        """``fn`` on each rank under ``shard_map``.
+
+        ``per_rank_args[i]`` tells whether argument ``i`` carries one row per rank (stacked
+        across the mesh) or one copy for all (replicated); the arguments after those (the
+        batch, the key) are split along their leading axis or replicated. ``per_rank_out``
+        does the same for the results (a tuple of bools, or None for all per rank).
+        """
+        stacked = len(per_rank_args)
+        out_rows = per_rank_out
 
         def per_rank(*args):
-            rows = jax.tree.map(lambda a: a[0], args[:stacked])
+            rows = [jax.tree.map(lambda a: a[0], a) if s else a for a, s in zip(args[:stacked], per_rank_args)]
             out = fn(*rows, *args[stacked:])
-            return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+            if out_rows is None:
+                return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
+            return tuple(
+                jax.tree.map(lambda a: jnp.asarray(a)[None], o) if s else o for o, s in zip(out, out_rows)
+            )
 
-        return jax.shard_map(per_rank, mesh=self._mesh, in_specs=self._ranks, out_specs=self._ranks)
+        def spec(per_rank_flag: bool) -> P:
+            return self._ranks if per_rank_flag else P()
+
+        in_specs = tuple(spec(s) for s in per_rank_args)
+        out_specs = self._ranks if out_rows is None else tuple(spec(s) for s in out_rows)
+        replicated_out = out_rows is not None and not all(out_rows)
+
+        def sharded(*args):
+            extra = tuple(self._ranks if i == 0 else P() for i in range(len(args) - stacked))
+            # Replicated results (identical parameters) are each rank's own copy: the algorithm
+            # keeps them bit-identical, which JAX's replication check cannot see through the
+            # custom calls and all-to-alls.
+            return jax.shard_map(
+                per_rank,
+                mesh=self._mesh,
+                in_specs=in_specs + extra,
+                out_specs=out_specs,
+                check_vma=not replicated_out,
+            )(*args)
+
+        return sharded
+
+    def _step_fn(self, has_model_state: bool, has_rng: bool) -> Callable:
+        key = (has_model_state, has_rng)
+        if key not in self._steps:
+            if self._mesh is None:
+                self._steps[key] = jax.jit(self._rank_step)
+            else:
+                shared_model_state = has_model_state and self._average_model_state and self._replicated
+                layout = (not self._replicated, True, False, has_model_state and not shared_model_state)
+                out = (*layout, True, True)
+                self._steps[key] = jax.jit(self._sharded(self._rank_step, layout, out))
+        return self._steps[key]
 
     def _per_rank(self, tree: Any) -> Any:
         """Stack a copy of each leaf per rank, sharded one row per device."""
@@ -115,19 +210,40 @@ class DataParallel:
 
         return jax.tree.map(stack, tree)
 
-    def init(self, params: Any) -> TrainState:
+    def _replicate(self, tree: Any) -> Any:
+        """One copy of each leaf on every device."""
+        sharding = NamedSharding(self._mesh, P())
+        return jax.tree.map(
+            lambda leaf: jax.make_array_from_callback(np.shape(leaf), sharding, lambda index: np.asarray(leaf)[index]),
+            tree,
+        )
+
+    def init(self, params: Any, *, model_state: Any = None) -> Any:
         """The initial state: every rank starts from ``params`` (pass the same on every process).
 
-        First checks that every rank trains the same tree of shapes and dtypes with the same
-        algorithm configuration, and raises a ``ValueError`` naming each difference if not.
+        ``params`` may also be a flax ``TrainState``: the same class comes back, its
+        ``opt_state`` replaced by the algorithm's state (its ``batch_stats``, if it has that
+        field, is the model state). Otherwise a :class:`TrainState` is returned. First checks
+        that every rank trains the same tree of shapes and dtypes with the same algorithm
+        configuration, and raises a ``ValueError`` naming each difference if not.
         """
+        user_state = params if _is_flax_state(params) else None
+        if user_state is not None:
+            params, model_state = user_state.params, getattr(user_state, "batch_stats", None)
         check_float_params(params)
         check_ranks_agree(params, self._algorithm, self._communicator)
         if self._mesh is None:
             params = jax.tree.map(jnp.asarray, params)
-            return TrainState(params, self._init(params), jnp.int32(0))
-        params = self._per_rank(params)
-        return TrainState(params, self._init(params), self._per_rank(np.int32(0)))
+            model_state = jax.tree.map(jnp.asarray, model_state)
+            opt_state, step = self._init(params), jnp.int32(0)
+        else:
+            stacked = self._per_rank(params)
+            opt_state, step = self._init(stacked), self._replicate(np.int32(0))
+            params = self._replicate(params) if self._replicated else stacked
+            if model_state is not None:
+                shared = self._average_model_state and self._replicated
+                model_state = self._replicate(model_state) if shared else self._per_rank(model_state)
+        return _pack(user_state, TrainState(params, opt_state, step, model_state))
 
     def shard_batch(self, batch: Any) -> Any:
         """Place a global batch (mesh mode): its leading axis is split evenly across the ranks.
@@ -149,9 +265,46 @@ class DataParallel:
 
         return jax.tree.map(place, batch)
 
-    def step(self, state: TrainState, batch: Any) -> tuple[TrainState, jax.Array]:
-        """One training step on every rank; returns the new state and the ranks' mean loss."""
+    def step(self, state: Any, batch: Any, rng: jax.Array | None = None) -> tuple[Any, Any]:
+        """One training step on every rank; returns the new state and the ranks' mean loss.
+
+        With ``has_aux=True`` the second result is ``(loss, aux)``. ``rng`` (the same key on
+        every rank) gives ``loss_fn`` a per-rank key; ``state`` is what :meth:`init` returned.
+        """
+        user_state = state if _is_flax_state(state) else None
+        own = _unpack(state)
         if self._mesh is not None:
             batch = self.shard_batch(batch)
-        params, opt_state, step, loss = self._step(state.params, state.opt_state, state.step, batch)
-        return TrainState(params, opt_state, step), jnp.mean(loss)
+        step_fn = self._step_fn(own.model_state is not None, rng is not None)
+        params, opt_state, step, model_state, loss, aux = step_fn(
+            own.params, own.opt_state, own.step, own.model_state, batch, rng
+        )
+        new_state = _pack(user_state, TrainState(params, opt_state, step, model_state))
+        if self._mesh is not None:
+            loss = jnp.mean(loss)
+            aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
+        return new_state, ((loss, aux) if self._has_aux else loss)
+
+
+def _is_flax_state(state: Any) -> bool:
+    """A flax ``TrainState`` (or look-alike): ``params``, ``opt_state``, ``step`` and ``replace``."""
+    return not isinstance(state, TrainState) and all(
+        hasattr(state, name) for name in ("params", "opt_state", "step", "replace", "apply_gradients")
+    )
+
+
+def _unpack(state: Any) -> TrainState:
+    if isinstance(state, TrainState):
+        return state
+    if _is_flax_state(state):
+        return TrainState(state.params, state.opt_state, state.step, getattr(state, "batch_stats", None))
+    raise TypeError(f"DataParallel.step: state must be what init() returned, got {type(state).__name__}")
+
+
+def _pack(user_state: Any, state: TrainState) -> Any:
+    if user_state is None:
+        return state
+    fields = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
+    if hasattr(user_state, "batch_stats"):
+        fields["batch_stats"] = state.model_state
+    return user_state.replace(**fields)

@@ -86,7 +86,16 @@ def test_algorithm_converges_like_one_device(data, baseline, name, mesh_shape):
     for batch in digits.batches(x, y, BATCH, STEPS):
         state, loss = trainer.step(state, batch)
         losses.append(float(loss))
-    # Every rank's own model is evaluated: decentralized replicas may differ slightly.
-    per_rank = [accuracy(jax.tree.map(lambda p: p[r], state.params), x_test, y_test) for r in range(4)]
+    if getattr(algorithm, "replicas_identical", False):
+        # One copy without a device axis; every device's buffer of it must hold the same bits.
+        shapes = jax.tree.map(np.shape, digits.init_mlp())
+        assert jax.tree.map(np.shape, state.params) == shapes
+        for leaf in jax.tree.leaves(state.params):
+            copies = [np.asarray(shard.data) for shard in leaf.addressable_shards]
+            assert len(copies) == 4 and all(np.array_equal(c, copies[0]) for c in copies)
+        per_rank = [accuracy(state.params, x_test, y_test)]
+    else:
+        # Every rank's own model is evaluated: decentralized replicas may differ slightly.
+        per_rank = [accuracy(jax.tree.map(lambda p: p[r], state.params), x_test, y_test) for r in range(4)]
     assert min(per_rank) >= baseline - MARGIN, (per_rank, baseline)
     assert np.mean(losses[-20:]) < 0.5 * np.mean(losses[:20])

@@ -16,6 +16,7 @@ from bagua_jax.algorithms.decentralized import Decentralized, decentralized
 from bagua_jax.algorithms.gradient_allreduce import GradientAllReduce, gradient_allreduce
 from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralized, low_precision_decentralized
 from bagua_jax.algorithms.onebit_adam import OneBitAdam, onebit_adam
+from bagua_jax.algorithms.powersgd import PowerSGD, powersgd
 from bagua_jax.algorithms.qadam import QAdam, qadam
 
 ALGORITHMS: dict[str, type] = {
@@ -26,6 +27,7 @@ ALGORITHMS: dict[str, type] = {
     "async": AsyncModelAverage,
     "qadam": QAdam,
     "onebit_adam": OneBitAdam,
+    "powersgd": PowerSGD,
 }
 
 # Options a name alone does not say: the optimizer-replacing algorithms need their learning rate.
@@ -58,6 +60,7 @@ __all__ = [
     "GradientAllReduce",
     "LowPrecisionDecentralized",
     "OneBitAdam",
+    "PowerSGD",
     "QAdam",
     "async_model_average",
     "bytegrad",
@@ -66,5 +69,6 @@ __all__ = [
     "low_precision_decentralized",
     "make_algorithm",
     "onebit_adam",
+    "powersgd",
     "qadam",
 ]

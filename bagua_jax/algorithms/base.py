@@ -60,13 +60,18 @@ def check_float_params(params: Any) -> None:
 
 
 def check_communicators(comms: Any, algorithm: str) -> Communicators:
-    """Return ``comms`` if it is a :class:`Communicators`, else raise a TypeError that says how to build one."""
-    if not isinstance(comms, Communicators):
-        raise TypeError(
-            f"{algorithm}: comms must be a bagua_jax.algorithms.base.Communicators, got {type(comms).__name__}; "
-            "wrap a single communicator as Communicators(world=comm)"
-        )
-    return comms
+    """``comms`` as :class:`Communicators`: a single communicator becomes ``Communicators(world=comms)``.
+
+    Anything else raises a TypeError that says what is expected.
+    """
+    if isinstance(comms, Communicators):
+        return comms
+    if all(callable(getattr(comms, name, None)) for name in ("allreduce", "allgather", "rank")):
+        return Communicators(world=comms)
+    raise TypeError(
+        f"{algorithm}: comms must be a communicator (e.g. bagua_jax.NativeCommunicator.world()) or a "
+        f"bagua_jax.algorithms.base.Communicators, got {type(comms).__name__}"
+    )
 
 
 def check_bucket_bytes(bucket_bytes: Any, algorithm: str) -> int:

@@ -163,6 +163,9 @@ class ByteGrad:
     gradient communication is bandwidth-bound, in particular between nodes.
     """
 
+    replicas_identical = True
+    """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
+
     hierarchical: bool = True
     average: bool = True
     error_feedback: bool = False

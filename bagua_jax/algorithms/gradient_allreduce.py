@@ -95,6 +95,9 @@ class GradientAllReduce:
     gradient communication dominates the step time.
     """
 
+    replicas_identical = True
+    """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
+
     hierarchical: bool = False
     average: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES

@@ -238,6 +238,9 @@ class AdamWithAveragedMomentum:
     Both replace the optimizer, so :meth:`transformation` takes ``optimizer=None``.
     """
 
+    replicas_identical = True
+    """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
+
     learning_rate: optax.ScalarOrSchedule
     warmup_steps: int = 100
     b1: float = 0.9

@@ -18,6 +18,7 @@ name                            module                                          
 ``async``                       ``bagua_torch.algorithms.async_model_average``   ``AsyncModelAverageAlgorithm``
 ``qadam``                       ``bagua_torch.algorithms.q_adam``                ``QAdamAlgorithm``
 ``onebit_adam``                 ``bagua_torch.algorithms.onebit_adam``           ``OneBitAdamAlgorithm``
+``powersgd``                    ``bagua_torch.algorithms.powersgd``              ``PowerSGDAlgorithm``
 =============================== ================================================ =====================================
 
 The interface an algorithm implements is in :mod:`bagua_torch.algorithms.base`.
@@ -47,6 +48,7 @@ BUILTIN_ALGORITHMS: dict[str, tuple[str, str]] = {
     "async": ("bagua_torch.algorithms.async_model_average", "AsyncModelAverageAlgorithm"),
     "qadam": ("bagua_torch.algorithms.q_adam", "QAdamAlgorithm"),
     "onebit_adam": ("bagua_torch.algorithms.onebit_adam", "OneBitAdamAlgorithm"),
+    "powersgd": ("bagua_torch.algorithms.powersgd", "PowerSGDAlgorithm"),
 }
 """Registry name -> (module, class name) of the built-in algorithms, imported lazily."""
 

@@ -1,0 +1,132 @@
+"""Rank bodies for test_powersgd_torch.py: PowerSGD under with_bagua, and torch's own PowerSGD hook."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import numpy as np
+import torch
+from torch import nn
+
+STEPS, BATCH = 8, 8
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    """A conv layer (8 x 3 x 3 x 3, compressed as 8 x 27), two linear layers and their biases."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Tanh(), nn.Linear(8 * 4 * 4, 24), nn.Tanh(), nn.Linear(24, 10)
+    )
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(BATCH, 3, 6, 6, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
+
+
+def loss_of(model: nn.Module, step: int, rank: int) -> torch.Tensor:
+    x, y = batch(step, rank)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def bagua_gradients(config: dict, bucket_bytes: int) -> dict:
+    """Each step: this rank's local gradients (at the shared parameters) and the gradients PowerSGD applied."""
+    import bagua_torch
+    from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
+
+    torch.set_num_threads(1)
+    bagua_torch.init_process_group(timeout=60)
+    rank = int(os.environ["RANK"])
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    wrapped = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config), bucket_bytes=bucket_bytes)
+    impl = wrapped.algorithm_impl
+    names = [name for name, _ in model.named_parameters()]
+    initial_qs = {}
+    k = 0
+    for bucket, layout in zip(wrapped.buckets, impl.layout):
+        for i, _, _ in layout:
+            initial_qs[bucket.names[i]] = impl.qs[k].numpy().copy()
+            k += 1
+    local, applied = [], []
+    for step in range(STEPS):
+        grads = torch.autograd.grad(loss_of(model, step, rank), list(model.parameters()))
+        local.append([g.numpy().copy() for g in grads])
+        optimizer.zero_grad()
+        loss_of(wrapped, step, rank).backward()
+        applied.append([p.grad.numpy().copy() for p in model.parameters()])
+        optimizer.step()
+    wrapped.close()
+    return {"names": names, "initial_qs": initial_qs, "local": local, "applied": applied,
+            "params": [p.detach().numpy().copy() for p in model.parameters()]}
+
+
+def losses(kind: str, config: dict, steps: int) -> list[float]:
+    """The loss curve of PowerSGD under with_bagua (``kind="bagua"``) or DDP's hook (``"ddp"``), same data."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    import bagua_torch
+    from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
+
+    torch.set_num_threads(1)
+    bagua_torch.init_process_group(timeout=60)
+    rank = int(os.environ["RANK"])
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    if kind == "bagua":
+        trained = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config))
+    else:
+        trained = nn.parallel.DistributedDataParallel(model)
+        state = powerSGD_hook.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=config["rank"],
+            start_powerSGD_iter=max(config["start_iter"], 2),  # the hook's smallest allowed value
+            min_compression_rate=config["min_compression_rate"],
+            use_error_feedback=config["error_feedback"],
+            warm_start=config["warm_start"],
+        )
+        trained.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    curve = []
+    for step in range(steps):
+        optimizer.zero_grad()
+        loss = loss_of(trained, step % 16, rank)
+        loss.backward()
+        optimizer.step()
+        curve.append(float(loss))
+    dist.barrier()
+    return curve
+
+
+def resume(config: dict) -> dict:
+    """Train 3 steps, checkpoint, train 3 more; a fresh wrap loaded from the checkpoint must repeat them."""
+    import bagua_torch
+    from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
+
+    torch.set_num_threads(1)
+    bagua_torch.init_process_group(timeout=60)
+    rank = int(os.environ["RANK"])
+
+    def run(wrapped, optimizer, steps) -> list[list[float]]:
+        for step in steps:
+            optimizer.zero_grad()
+            loss_of(wrapped, step, rank).backward()
+            optimizer.step()
+        return [p.detach().reshape(-1).tolist() for p in wrapped.module.parameters()]
+
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    wrapped = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config))
+    run(wrapped, optimizer, range(3))
+    checkpoint = copy.deepcopy({"model": wrapped.state_dict(), "optimizer": optimizer.state_dict()})
+    continued = run(wrapped, optimizer, range(3, 6))
+    wrapped.close()
+    model = make_model(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    wrapped = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config))
+    wrapped.load_state_dict(checkpoint["model"])
+    optimizer.load_state_dict(checkpoint["optimizer"])
+    resumed = run(wrapped, optimizer, range(3, 6))
+    wrapped.close()
+    return {"continued": continued, "resumed": resumed}
