@@ -69,7 +69,10 @@ def final(model: nn.Module, task: str) -> dict:
     """The held-out loss and the parameters (NumPy) of a trained model."""
     with torch.no_grad():
         loss = float(loss_of(model, TASKS[task][2]()))
-    return {"loss": loss, "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()}}
+    return {
+        "loss": loss,
+        "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
+    }
 
 
 def adam_reference(task: str) -> dict:
@@ -88,7 +91,10 @@ def job(variants: list[tuple[str, str]]) -> dict:
     """Train each (task, algorithm) variant on this rank; the held-out loss and parameters per variant."""
     torch.set_num_threads(1)
     import bagua_torch
-    from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
+    from bagua_torch.algorithms.onebit_adam import (
+        OneBitAdamAlgorithm,
+        OneBitAdamOptimizer,
+    )
     from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
     algorithms = {

@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bagua_common.frozen_variance import VARIANCE_FLOOR
 from bagua_jax.algorithms.base import (
     Communicators,
     check_bucket_bytes,
@@ -87,6 +88,23 @@ def check_adam_config(
         raise ValueError(f"{name}: eps must be a float > 0 (the frozen second moment may hold zeros), got {eps!r}")
     check_flags(name, hierarchical=hierarchical)
     check_bucket_bytes(bucket_bytes, name)
+
+
+def variance_floors(nu: Any) -> Any:
+    """Per leaf of the frozen second moment, the floor under it (see
+    :mod:`bagua_common.frozen_variance`): ``VARIANCE_FLOOR`` times the leaf's mean, or the whole
+    model's mean where the leaf's is zero; computed in float32, a scalar of the leaf's dtype."""
+    leaves, structure = jax.tree.flatten(nu)
+    means = [jnp.mean(v, dtype=jnp.float32) for v in leaves]
+    total = max(sum(v.size for v in leaves), 1)
+    overall = sum(mean * v.size for mean, v in zip(means, leaves)) / total
+    return jax.tree.unflatten(
+        structure,
+        [
+            (VARIANCE_FLOOR * jnp.where(mean > 0, mean, overall)).astype(v.dtype)
+            for mean, v in zip(means, leaves)
+        ],
+    )
 
 
 def momentum_plan(tree: Any, comms: Communicators, bucket_bytes: int, name: str) -> BucketPlan:
@@ -143,7 +161,9 @@ def adam_with_averaged_momentum(
         mu = plan.unflatten(averaged)
         # optax's bias correction and formula shape (see the module docstring), with v frozen.
         mu_hat = optax.tree.bias_correction(mu, b1, count)
-        nu_hat = optax.tree.bias_correction(adam_state.nu, b2, count)
+        # The frozen v, floored where it is (near) zero: see bagua_common.frozen_variance.
+        floored = jax.tree.map(jnp.maximum, adam_state.nu, variance_floors(adam_state.nu))
+        nu_hat = optax.tree.bias_correction(floored, b2, count)
         direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         return direction, optax.ScaleByAdamState(count=count, mu=mu, nu=adam_state.nu), extra
 
