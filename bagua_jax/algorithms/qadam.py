@@ -15,6 +15,10 @@ step is ``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc_i = 1 - b_i**t`` f
 running step count ``t``. That is optax's formula shape, and it equals the SPEC's
 ``p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` in exact arithmetic (divide the
 numerator and denominator by ``sqrt(bc2)``); in float32 it differs by a rounding.
+In both, ``v`` is the frozen second moment floored per leaf,
+``max(v, VARIANCE_FLOOR * mean(v))`` (:mod:`bagua_common.frozen_variance`): a coordinate
+whose ``v`` froze at zero (a dead unit, an embedding row unseen in the warm-up) but whose
+averaged momentum is not zero would otherwise step by ``m / eps`` and diverge.
 
 The phase is chosen at run time from the step counter in the state with ``lax.cond``,
 which executes one branch only: every rank holds the same counter, so every rank issues
@@ -214,7 +218,9 @@ def qadam(
     compressed between nodes; otherwise it falls back to the flat exchange over ``world``. Every rank ends each
     step with the same momentum bits, so the replicas stay identical. Choose it over ByteGrad + Adam when training
     with Adam on bandwidth-bound links: compressing the momentum, a smoothed quantity, loses less than compressing
-    raw gradients, provided the warm-up is long enough for ``v`` to settle.
+    raw gradients, provided the warm-up is long enough for ``v`` to settle. After the warm-up the frozen ``v`` is
+    floored at 1% of its leaf's mean (:mod:`bagua_common.frozen_variance`), so coordinates whose ``v`` froze at
+    zero (dead units, embedding rows unseen in the warm-up) take bounded steps.
     """
 
     def exchange(buckets: list[jax.Array], extra: tuple, levels: Levels) -> tuple[list[jax.Array], tuple]:

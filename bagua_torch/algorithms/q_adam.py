@@ -30,7 +30,11 @@ of steps taken so far, identical on every rank, decides the phase):
   (:func:`bagua_torch.compressed_allreduce.minmax_allreduce`; hierarchical: full precision
   inside the node, compressed between nodes) and written back: every rank ends with the
   same momentum bits. The optimizer then applies ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``
-  with torch Adam's operations and the frozen ``v``.
+  with torch Adam's operations and the frozen ``v`` floored per parameter,
+  ``v = exp_avg_sq.clamp(min=VARIANCE_FLOOR * exp_avg_sq.mean())``
+  (:mod:`bagua_common.frozen_variance`): a coordinate whose ``v`` froze at zero (a dead
+  unit, an embedding row unseen in the warm-up) but whose averaged momentum is not zero
+  would otherwise step by ``m / eps`` and diverge.
 
 Each front end matches its own framework's Adam: this one ``torch.optim.Adam``'s
 arithmetic, :mod:`bagua_jax.algorithms.qadam` ``optax.adam``'s (whose formula shape,
