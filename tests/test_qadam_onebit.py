@@ -65,6 +65,11 @@ def make_data(seed: int, n: int) -> tuple[dict, list[dict]]:
     grads = [
         {k: (rng.standard_normal((n, *s)) * scales[k]).astype(F32) for k, s in SHAPES.items()} for _ in range(STEPS)
     ]
+    # Coordinates whose v freezes at zero and whose momentum then moves (bagua_common.frozen_variance):
+    # a row of "a" (floored at 1% of a's mean v) and all of "b" (its mean is 0: the model's is used).
+    for g in grads[:WARMUP]:
+        g["a"][:, 0] = 0.0
+        g["b"][:] = 0.0
     return params, grads
 
 
