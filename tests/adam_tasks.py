@@ -23,6 +23,7 @@ import digits
 import numpy as np
 
 STEPS, WARMUP_STEPS, BATCH, LR = 200, 50, 64, 3e-3
+LOSS_MARGIN, GROWTH = 0.1, 2.0
 CHANNELS, DEAD_FILTERS = (8, 16), 2
 VOCAB, WARMUP_VOCAB, LATE_VOCAB, SEQ, WIDTH, CLASSES = 96, 40, 80, 8, 32, 4
 
@@ -98,3 +99,20 @@ def transformer_batches(seed: int = 0) -> Iterator[dict[str, np.ndarray]]:
 def transformer_eval() -> dict[str, np.ndarray]:
     """512 fresh sequences of the late vocabulary, for the final loss."""
     return _sequences(np.random.default_rng(99), 512, LATE_VOCAB)
+
+
+def assert_trains_like_adam(
+    label: str, params: dict, loss: float, adam_params: dict, adam_loss: float
+) -> None:
+    """The acceptance check of both front ends' tests: the held-out ``loss`` is within ``LOSS_MARGIN``
+    of Adam's, every parameter is finite, and no parameter's largest magnitude exceeds ``GROWTH``
+    times Adam's (the divergence of issue 12 grew embeddings ~10^4-fold)."""
+    growth = 0.0
+    for name, value in params.items():
+        value = np.asarray(value)
+        assert np.all(np.isfinite(value)), (label, name)
+        ratio = float(np.max(np.abs(value)) / np.max(np.abs(np.asarray(adam_params[name]))))
+        assert ratio <= GROWTH, (label, name, ratio)
+        growth = max(growth, ratio)
+    print(f"{label}: held-out loss {loss:.4f}, adam {adam_loss:.4f}, largest growth {growth:.2f}")
+    assert loss <= adam_loss + LOSS_MARGIN, (label, loss, adam_loss)

@@ -4,9 +4,8 @@ The tasks (tests/adam_tasks.py) leave many coordinates with an exactly zero seco
 when the warm-up ends: dead filters, and embedding rows first seen after it. Four simulated
 devices on a flat mesh train ``STEPS`` steps with a ``WARMUP_STEPS``-step warm-up; the
 reference is ``optax.adam`` on the same global batches (the average of the ranks'
-gradients). Asserted: the held-out loss of rank 0's model is within ``LOSS_MARGIN`` of
-Adam's, every parameter is finite, and every leaf's largest magnitude is at most
-``GROWTH`` times Adam's (the divergence of issue 12 grew embeddings ~10^4-fold).
+gradients). Asserted on rank 0's model: ``adam_tasks.assert_trains_like_adam`` (held-out loss within
+0.1 of Adam's, every parameter finite and at most twice Adam's largest magnitude).
 """
 
 import adam_tasks
@@ -21,8 +20,6 @@ from jax.sharding import Mesh
 from bagua_jax.algorithms.onebit_adam import OneBitAdam
 from bagua_jax.algorithms.qadam import QAdam
 from bagua_jax.trainer import DataParallel
-
-LOSS_MARGIN, GROWTH = 0.1, 2.0
 
 
 def cnn_logits(params, x):
@@ -106,9 +103,6 @@ def test_trains_like_adam(task, algorithm):
     params = jax.tree.map(lambda p: np.asarray(p[0]), state.params)
     reference = adam_reference(task)
     final = float(loss(params, evaluation()))
-    print(f"{task} {algorithm}: held-out loss {final:.4f}, adam {reference['loss']:.4f}")
-    for name, value in params.items():
-        assert np.all(np.isfinite(value)), name
-        bound = GROWTH * np.max(np.abs(np.asarray(reference["params"][name])))
-        assert np.max(np.abs(value)) <= bound, (name, np.max(np.abs(value)), bound)
-    assert final <= reference["loss"] + LOSS_MARGIN, (final, reference["loss"])
+    adam_tasks.assert_trains_like_adam(
+        f"{task} {algorithm}", params, final, reference["params"], reference["loss"]
+    )
