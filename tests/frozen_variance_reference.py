@@ -16,7 +16,7 @@ VARIANCE_FLOOR = np.float32(0.01)
 
 def variance_floors(
     second_moments: dict[str, np.ndarray],
-    mean: Callable[[np.ndarray], float] = lambda v: float(np.mean(v, dtype=np.float64)),
+    mean: Callable[[np.ndarray], float] = lambda v: float(np.sum(v, dtype=np.float64) / max(v.size, 1)),
 ) -> dict[str, np.float32]:
     """Per tensor name, the float32 floor under its frozen second moment. ``mean`` computes a
     tensor's mean (a test that compares bits passes its framework's float32 summation)."""

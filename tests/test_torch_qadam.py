@@ -294,7 +294,7 @@ def simulate(seed: int, n: int, algo: str, boundary: dict, layout, local: int | 
                     offset += numel
             floors = variance_floors(
                 {k: v.numpy() for k, v in exp_avg_sq.items()},
-                mean=lambda v: torch.from_numpy(v).mean(dtype=torch.float32).item(),
+                mean=lambda v: (torch.from_numpy(v).sum(dtype=torch.float32) / v.size).item(),
             )
             with torch.no_grad():
                 for k, p in model.named_parameters():

@@ -99,7 +99,7 @@ def variance_floors(nu: Any) -> Any:
     :mod:`bagua_common.frozen_variance`): ``VARIANCE_FLOOR`` times the leaf's mean, or the whole
     model's mean where the leaf's is zero; computed in float32, a scalar of the leaf's dtype."""
     leaves, structure = jax.tree.flatten(nu)
-    means = [jnp.mean(v, dtype=jnp.float32) for v in leaves]
+    means = [jnp.sum(v, dtype=jnp.float32) / max(v.size, 1) for v in leaves]  # 0 for an empty leaf
     total = max(sum(v.size for v in leaves), 1)
     overall = sum(mean * v.size for mean, v in zip(means, leaves)) / total
     return jax.tree.unflatten(

@@ -200,7 +200,11 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
         ``exp_avg_sq``, or of the whole model's where its own is zero (float32 scalars on the
         parameter's device, so that no step waits on the device)."""
         params = [p for group in self.param_groups for p in group["params"]]
-        means = {p: self._state(p)["exp_avg_sq"].mean(dtype=torch.float32) for p in params}
+        # sum / numel, not mean(): an empty parameter's mean would be NaN.
+        means = {
+            p: self._state(p)["exp_avg_sq"].sum(dtype=torch.float32) / max(p.numel(), 1)
+            for p in params
+        }
         total = max(sum(p.numel() for p in params), 1)
         device = params[0].device
         overall = sum((means[p] * p.numel()).to(device) for p in params) / total
