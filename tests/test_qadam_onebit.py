@@ -31,6 +31,7 @@ import numpy as np
 import optax
 import pytest
 import reference as ref
+from frozen_variance_reference import variance_floors
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from multiprocess import run_ranks
@@ -64,6 +65,11 @@ def make_data(seed: int, n: int) -> tuple[dict, list[dict]]:
     grads = [
         {k: (rng.standard_normal((n, *s)) * scales[k]).astype(F32) for k, s in SHAPES.items()} for _ in range(STEPS)
     ]
+    # Coordinates whose v freezes at zero and whose momentum then moves (bagua_common.frozen_variance):
+    # a row of "a" (floored at 1% of a's mean v) and all of "b" (its mean is 0: the model's is used).
+    for g in grads[:WARMUP]:
+        g["a"][:, 0] = 0.0
+        g["b"][:] = 0.0
     return params, grads
 
 
@@ -178,8 +184,11 @@ class Simulation:
         # optax divides by the scalar bias corrections; XLA's algebraic simplifier turns a division by a broadcast
         # scalar into a multiplication by its float32 reciprocal, so that is the arithmetic to replay.
         inv1, inv2 = F32(1) / bias_correction(B1, self.t), F32(1) / bias_correction(B2, self.t)
+        # After the warm-up the frozen v is floored (bagua_common.frozen_variance); the warm-up never floors.
+        floors = variance_floors(self.v) if self.t > WARMUP else {k: F32(0) for k in self.v}
         for k in self.p:
-            direction = (self.m[k] * inv1) / (np.sqrt(self.v[k] * inv2) + F32(EPS))
+            v = np.maximum(self.v[k], floors[k])
+            direction = (self.m[k] * inv1) / (np.sqrt(v * inv2) + F32(EPS))
             self.p[k] = self.p[k] + F32(-LR) * direction
 
 

@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from frozen_variance_reference import variance_floors
 from multiprocess import run_ranks
 from torch_bridge_workers import batch, loss_fn, make_mlp
 from torch_qadam_workers import (
@@ -291,11 +292,16 @@ def simulate(seed: int, n: int, algo: str, boundary: dict, layout, local: int | 
                     numel = shapes[k].numel()
                     exp_avg[k] = results[0][offset : offset + numel].view(shapes[k]).clone()
                     offset += numel
+            floors = variance_floors(
+                {k: v.numpy() for k, v in exp_avg_sq.items()},
+                mean=lambda v: (torch.from_numpy(v).sum(dtype=torch.float32) / v.size).item(),
+            )
             with torch.no_grad():
                 for k, p in model.named_parameters():
                     step_of[k] += 1
                     bc1, bc2 = 1 - beta1 ** step_of[k], 1 - beta2 ** step_of[k]
-                    denom = (exp_avg_sq[k].sqrt() / bc2**0.5).add_(EPS)
+                    variance = exp_avg_sq[k].clamp(min=float(floors[k]))  # the frozen v's floor
+                    denom = (variance.sqrt() / bc2**0.5).add_(EPS)
                     p.addcdiv_(exp_avg[k], denom, value=-(LR / bc1))
         params = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
         state = {k: (step_of[k], exp_avg[k].numpy(), exp_avg_sq[k].numpy()) for k in names}

@@ -11,7 +11,11 @@ residual; after the all-to-all each rank averages the ``n`` decoded chunks of it
 adds its server residual, compresses that chunk again and keeps that error; an
 allgather hands everyone every reduced chunk. The update is QAdam's,
 ``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` (DeepSpeed omits the bias corrections; they
-are kept here so that 1-bit Adam and QAdam differ only in the momentum exchange).
+are kept here so that 1-bit Adam and QAdam differ only in the momentum exchange), with
+QAdam's floor under the frozen ``v`` (:mod:`bagua_common.frozen_variance`). Sign
+compression cannot send a zero, so a coordinate whose momentum is zero receives
+``+-scale``; DeepSpeed asks the user for a momentum mask of such coordinates, the floor
+makes them take bounded steps (which the error feedback then cancels) without one.
 
 Residuals start at zero and only the compressed phase writes them, so they are zero
 when compression starts, as in DeepSpeed; they are not reset afterwards. Because each

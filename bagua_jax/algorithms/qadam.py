@@ -15,6 +15,10 @@ step is ``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc_i = 1 - b_i**t`` f
 running step count ``t``. That is optax's formula shape, and it equals the SPEC's
 ``p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` in exact arithmetic (divide the
 numerator and denominator by ``sqrt(bc2)``); in float32 it differs by a rounding.
+In both, ``v`` is the frozen second moment floored per leaf,
+``max(v, VARIANCE_FLOOR * mean(v))`` (:mod:`bagua_common.frozen_variance`): a coordinate
+whose ``v`` froze at zero (a dead unit, an embedding row unseen in the warm-up) but whose
+averaged momentum is not zero would otherwise step by ``m / eps`` and diverge.
 
 The phase is chosen at run time from the step counter in the state with ``lax.cond``,
 which executes one branch only: every rank holds the same counter, so every rank issues
@@ -34,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bagua_common.frozen_variance import VARIANCE_FLOOR
 from bagua_jax.algorithms.base import (
     Communicators,
     check_bucket_bytes,
@@ -87,6 +92,23 @@ def check_adam_config(
         raise ValueError(f"{name}: eps must be a float > 0 (the frozen second moment may hold zeros), got {eps!r}")
     check_flags(name, hierarchical=hierarchical)
     check_bucket_bytes(bucket_bytes, name)
+
+
+def variance_floors(nu: Any) -> Any:
+    """Per leaf of the frozen second moment, the floor under it (see
+    :mod:`bagua_common.frozen_variance`): ``VARIANCE_FLOOR`` times the leaf's mean, or the whole
+    model's mean where the leaf's is zero; computed in float32, a scalar of the leaf's dtype."""
+    leaves, structure = jax.tree.flatten(nu)
+    means = [jnp.sum(v, dtype=jnp.float32) / max(v.size, 1) for v in leaves]  # 0 for an empty leaf
+    total = max(sum(v.size for v in leaves), 1)
+    overall = sum(mean * v.size for mean, v in zip(means, leaves)) / total
+    return jax.tree.unflatten(
+        structure,
+        [
+            (VARIANCE_FLOOR * jnp.where(mean > 0, mean, overall)).astype(v.dtype)
+            for mean, v in zip(means, leaves)
+        ],
+    )
 
 
 def momentum_plan(tree: Any, comms: Communicators, bucket_bytes: int, name: str) -> BucketPlan:
@@ -143,7 +165,9 @@ def adam_with_averaged_momentum(
         mu = plan.unflatten(averaged)
         # optax's bias correction and formula shape (see the module docstring), with v frozen.
         mu_hat = optax.tree.bias_correction(mu, b1, count)
-        nu_hat = optax.tree.bias_correction(adam_state.nu, b2, count)
+        # The frozen v, floored where it is (near) zero: see bagua_common.frozen_variance.
+        floored = jax.tree.map(jnp.maximum, adam_state.nu, variance_floors(adam_state.nu))
+        nu_hat = optax.tree.bias_correction(floored, b2, count)
         direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         return direction, optax.ScaleByAdamState(count=count, mu=mu, nu=adam_state.nu), extra
 
@@ -194,7 +218,9 @@ def qadam(
     compressed between nodes; otherwise it falls back to the flat exchange over ``world``. Every rank ends each
     step with the same momentum bits, so the replicas stay identical. Choose it over ByteGrad + Adam when training
     with Adam on bandwidth-bound links: compressing the momentum, a smoothed quantity, loses less than compressing
-    raw gradients, provided the warm-up is long enough for ``v`` to settle.
+    raw gradients, provided the warm-up is long enough for ``v`` to settle. After the warm-up the frozen ``v`` is
+    floored at 1% of its leaf's mean (:mod:`bagua_common.frozen_variance`), so coordinates whose ``v`` froze at
+    zero (dead units, embedding rows unseen in the warm-up) take bounded steps.
     """
 
     def exchange(buckets: list[jax.Array], extra: tuple, levels: Levels) -> tuple[list[jax.Array], tuple]:

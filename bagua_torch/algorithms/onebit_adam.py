@@ -17,8 +17,11 @@ worker adds its residual, compresses the bucket into one chunk per rank (each el
 all-to-all each rank averages the ``n`` decoded chunks of its slot, adds its server
 residual, compresses that chunk again and keeps that error; an allgather hands everyone
 every reduced chunk. The update is QAdam's, ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``
-with torch Adam's operations (DeepSpeed omits the bias corrections; they are kept so that
-1-bit Adam and QAdam differ only in the momentum exchange).
+with torch Adam's operations and QAdam's floor under the frozen ``v``
+(:mod:`bagua_common.frozen_variance`; DeepSpeed omits the bias corrections; they are kept so
+that 1-bit Adam and QAdam differ only in the momentum exchange). Sign compression cannot send
+a zero; DeepSpeed asks the user for a momentum mask of always-zero coordinates, the floor
+makes them take bounded steps without one.
 
 Residuals (float32, per bucket: the worker's has the bucket's padded size, or
 ``1/intra.size`` of it when hierarchical, the server's ``1/n`` of it) start at zero and

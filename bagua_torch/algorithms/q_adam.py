@@ -30,7 +30,11 @@ of steps taken so far, identical on every rank, decides the phase):
   (:func:`bagua_torch.compressed_allreduce.minmax_allreduce`; hierarchical: full precision
   inside the node, compressed between nodes) and written back: every rank ends with the
   same momentum bits. The optimizer then applies ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``
-  with torch Adam's operations and the frozen ``v``.
+  with torch Adam's operations and the frozen ``v`` floored per parameter,
+  ``v = exp_avg_sq.clamp(min=VARIANCE_FLOOR * exp_avg_sq.mean())``
+  (:mod:`bagua_common.frozen_variance`): a coordinate whose ``v`` froze at zero (a dead
+  unit, an embedding row unseen in the warm-up) but whose averaged momentum is not zero
+  would otherwise step by ``m / eps`` and diverge.
 
 Each front end matches its own framework's Adam: this one ``torch.optim.Adam``'s
 arithmetic, :mod:`bagua_jax.algorithms.qadam` ``optax.adam``'s (whose formula shape,
@@ -51,6 +55,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from bagua_common.frozen_variance import VARIANCE_FLOOR
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -159,6 +164,7 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
                 f"before each step; wrap the model with bagua_torch.with_bagua(model, [optimizer], "
                 f"{self._algorithm_name}(optimizer)) and step this optimizer after each backward pass"
             )
+        floors = None if warmup else self._variance_floors()
         for group in self.param_groups:
             beta1, beta2 = group["betas"]
             lr, eps = group["lr"], group["eps"]
@@ -180,11 +186,32 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
                 bias_correction2 = 1 - beta2**step
                 step_size = lr / bias_correction1
                 bias_correction2_sqrt = bias_correction2**0.5
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
+                # After the warm-up the frozen v is floored (bagua_common.frozen_variance).
+                variance = exp_avg_sq if warmup else exp_avg_sq.clamp(min=floors[p])
+                denom = (variance.sqrt() / bias_correction2_sqrt).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-step_size)
         self.step_id += 1
         self._momentum_ready = False
         return loss
+
+    def _variance_floors(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Per parameter, the floor under its frozen second moment (see
+        :mod:`bagua_common.frozen_variance`): ``VARIANCE_FLOOR`` times the mean of its
+        ``exp_avg_sq``, or of the whole model's where its own is zero (float32 scalars on the
+        parameter's device, so that no step waits on the device)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        # sum / numel, not mean(): an empty parameter's mean would be NaN.
+        means = {
+            p: self._state(p)["exp_avg_sq"].sum(dtype=torch.float32) / max(p.numel(), 1)
+            for p in params
+        }
+        total = max(sum(p.numel() for p in params), 1)
+        device = params[0].device
+        overall = sum((means[p] * p.numel()).to(device) for p in params) / total
+        return {
+            p: VARIANCE_FLOOR * torch.where(mean > 0, mean, overall.to(mean.device))
+            for p, mean in means.items()
+        }
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict (per parameter ``step``, ``exp_avg``, ``exp_avg_sq``) plus ``step_id``

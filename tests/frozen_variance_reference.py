@@ -1,0 +1,26 @@
+"""NumPy reference of the floor under QAdam's and 1-bit Adam's frozen second moment.
+
+The rule is ``bagua_common.frozen_variance``'s, written here independently of both front ends:
+per tensor, ``VARIANCE_FLOOR`` times the tensor's mean second moment, or the whole model's mean
+where the tensor's is zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+VARIANCE_FLOOR = np.float32(0.01)
+
+
+def variance_floors(
+    second_moments: dict[str, np.ndarray],
+    mean: Callable[[np.ndarray], float] = lambda v: float(np.sum(v, dtype=np.float64) / max(v.size, 1)),
+) -> dict[str, np.float32]:
+    """Per tensor name, the float32 floor under its frozen second moment. ``mean`` computes a
+    tensor's mean (a test that compares bits passes its framework's float32 summation)."""
+    means = {k: np.float32(mean(v)) for k, v in second_moments.items()}
+    total = max(sum(v.size for v in second_moments.values()), 1)
+    overall = np.float32(sum(float(means[k]) * v.size for k, v in second_moments.items()) / total)
+    return {k: VARIANCE_FLOOR * (m if m > 0 else overall) for k, m in means.items()}
