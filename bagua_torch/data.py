@@ -4,7 +4,8 @@
 indices; :class:`BalancedBatchSampler` yields this rank's batches for
 ``DataLoader(batch_sampler=...)``. Both plan with :class:`bagua_common.balanced_plan.BalancedPlan`,
 so every rank gets the same number of samples and steps, a fresh sample set each epoch, and
-samples of similar cost at each step. Do not wrap them in another sharding sampler (for example
+samples of similar cost at each step. :class:`CachedDataset` (framework-neutral, re-exported
+here) works under ``DataLoader`` workers with fork and spawn. Do not wrap them in another sharding sampler (for example
 ``accelerate``'s): they already shard.
 """
 
@@ -17,10 +18,13 @@ import torch.distributed
 from torch.utils.data import Sampler
 
 from bagua_common.balanced_plan import BalancedPlan, EpochPlan
+from bagua_common.cached_dataset import CachedDataset, CacheLoader
 from bagua_torch import process_group
 
 __all__ = [
     "BalancedBatchSampler",
+    "CacheLoader",
+    "CachedDataset",
     "LoadBalancingDistributedSampler",
 ]
 
