@@ -4,9 +4,9 @@
 indices; :class:`BalancedBatchSampler` yields this rank's batches for
 ``DataLoader(batch_sampler=...)``. Both plan with :class:`bagua_common.balanced_plan.BalancedPlan`,
 so every rank gets the same number of samples and steps, a fresh sample set each epoch, and
-samples of similar cost at each step. :class:`CachedDataset` (framework-neutral, re-exported
-here) works under ``DataLoader`` workers with fork and spawn. Do not wrap them in another sharding sampler (for example
-``accelerate``'s): they already shard.
+samples of similar cost at each step. Do not wrap them in another sharding sampler (for
+example ``accelerate``'s): they already shard. :class:`CachedDataset` (framework-neutral,
+re-exported here) works under ``DataLoader`` workers with fork and spawn.
 """
 
 from __future__ import annotations

@@ -28,3 +28,20 @@ def reads(log_path: str) -> int:
         return 0
     with open(log_path) as log:
         return sum(1 for _ in log)
+
+
+def epoch_reads(dataset, log_path: str, num_workers: int, context: str) -> list[int]:
+    """Run two DataLoader epochs over ``dataset``; return the dataset reads of each."""
+    from torch.utils.data import DataLoader
+
+    loader = DataLoader(
+        dataset, batch_size=8, shuffle=True, num_workers=num_workers,
+        multiprocessing_context=context, persistent_workers=False, timeout=120,
+    )  # fmt: skip
+    counts = []
+    for _ in range(2):
+        before = reads(log_path)
+        total = sum(len(batch) for batch in loader)
+        assert total == len(dataset)
+        counts.append(reads(log_path) - before)
+    return counts

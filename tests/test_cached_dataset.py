@@ -193,20 +193,25 @@ def test_stores_pickle_as_configuration(tmp_path, fake_server):
     assert len(pickle.dumps(memory)) < 200
 
 
+def run_python(script: str, **env: str) -> str:
+    env = os.environ | {"PYTHONPATH": os.getcwd()} | env
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    ).stdout
+
+
 def test_memory_store_warns_in_another_process():
     script = (
         "import os, pickle, sys, warnings; from bagua_common.cache_stores import MemoryStore;"
         "s = MemoryStore(1 << 20); s._owner = -1; warnings.simplefilter('error');"
         "\ntry:\n s.get(b'k')\nexcept RuntimeWarning as e: print(e)"
     )
-    out = subprocess.run(  # noqa: PLW1510
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ | {"PYTHONPATH": os.getcwd()},
-    )
-    assert "per process" in out.stdout
+    assert "per process" in run_python(script)
 
 
 def test_private_directory_rules(tmp_path):
@@ -246,12 +251,5 @@ def test_shard_of_is_stable_across_processes_and_spreads_keys():
         "from bagua_common.cache_stores import shard_of;"
         "print([shard_of(f'bg1:x:{i}'.encode(), 3) for i in range(1000)])"
     )
-    out = subprocess.run(  # noqa: PLW1510
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=os.environ | {"PYTHONPATH": os.getcwd(), "PYTHONHASHSEED": "123"},
-    )
-    assert eval(out.stdout) == here
+    assert eval(run_python(script, PYTHONHASHSEED="123")) == here
     assert min(np.bincount(here)) > 250
