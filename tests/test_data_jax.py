@@ -87,3 +87,23 @@ def test_bad_input_raises():
         next(
             balanced_batches(plan, 0, samples.__getitem__, lengths=short, pad_to=PAD_TO)
         )
+
+
+def test_cached_dataset_feeds_the_iterator(tmp_path):
+    from bagua_common.cache_stores import LmdbStore
+    from bagua_common.cached_dataset import CachedDataset
+
+    sizes, samples = make_samples(40)
+    cached = CachedDataset(
+        samples, LmdbStore(str(tmp_path / "c"), capacity_bytes=1 << 24), name="j"
+    )
+    plan = BalancedPlan(sizes, world_size=2, batch_size=4)
+    for epoch in range(2):
+        direct = list(balanced_batches(plan, epoch, samples.__getitem__, pad_to=PAD_TO))
+        through_cache = list(
+            balanced_batches(plan, epoch, cached.__getitem__, pad_to=PAD_TO)
+        )
+        for (a, ma), (b, mb) in zip(direct, through_cache):
+            np.testing.assert_array_equal(a, b)
+            np.testing.assert_array_equal(ma, mb)
+    assert cached.stats()["misses"] == 40 and cached.stats()["hits"] == 40
