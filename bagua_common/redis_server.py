@@ -77,15 +77,19 @@ class RedisServer:
             "--daemonize", "no", "--protected-mode", "yes", "--dir", self.directory,
             "--loglevel", "warning",
         ]  # fmt: skip
-        self.process = subprocess.Popen(
-            command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 (runs before threads)
-        )  # fmt: skip
+        log_path = os.path.join(self.directory, "redis.log")
+        with open(
+            log_path, "wb"
+        ) as log:  # a file, not a pipe nobody drains while training
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 (before threads)
+            )  # fmt: skip
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.process.poll() is not None:
-                error = self.process.stderr.read().decode(errors="replace")
+                with open(log_path, "rb") as log:
+                    error = log.read().decode(errors="replace")
                 self.stop()
                 raise RuntimeError(f"redis-server exited at start: {error.strip()}")
             try:
@@ -109,7 +113,6 @@ class RedisServer:
                 except subprocess.TimeoutExpired:
                     self.process.kill()
                     self.process.wait(timeout_s)
-            self.process.stderr.close()
             self.process = None
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)

@@ -5,7 +5,7 @@ samplers interleaved, ratios reported (balanced / DistributedSampler, lower is b
 
 1. model: the epoch's sum over steps of the largest per-rank cost, cost = length or length^2;
 2. replay: each virtual rank's batch really runs forward+backward in this process (one thread,
-   the fastest of two timings), the step time is the largest of the ranks' measured times (only
+   the fastest of three timings; the two samplers' steps interleaved), the step time is the largest of the ranks' measured times (only
    the synchrony is modelled), for a token-wise feed-forward layer on the rank's packed tokens
    (cost linear in length), per-sequence attention (quadratic) and a transformer encoder layer;
 3. real: two processes (gloo), each step ends with an all-reduce; epoch wall time.
@@ -30,7 +30,7 @@ from torch.utils.data import DistributedSampler
 from bagua_torch.data import BalancedBatchSampler
 
 D_MODEL = 128
-TIMINGS_PER_BATCH = 2  # the fastest of these is the batch's compute (the box is shared)
+TIMINGS_PER_BATCH = 3  # the fastest of these is the batch's compute (the box is shared)
 
 
 def skewed_lengths(n: int, seed: int = 0) -> np.ndarray:
@@ -77,25 +77,27 @@ class Attention(nn.Module):
         )
 
 
-def models() -> dict[str, nn.Module]:
+def models() -> dict[str, tuple[nn.Module, bool]]:
+    """Each model and whether it is token-wise (so a rank's samples run packed, as one)."""
+    feed_forward = nn.Sequential(
+        nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL)
+    )
+    attention = nn.Sequential(nn.Linear(D_MODEL, D_MODEL), Attention())
+    layer = nn.TransformerEncoderLayer(D_MODEL, 4, 4 * D_MODEL, dropout=0.0)
     return {
-        "linear (feed-forward)": nn.Sequential(
-            nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL)
-        ),
-        "quadratic (attention)": nn.Sequential(
-            nn.Linear(D_MODEL, D_MODEL), Attention()
-        ),
-        "transformer layer": nn.TransformerEncoderLayer(
-            D_MODEL, 4, 4 * D_MODEL, dropout=0.0
-        ),
+        "linear (feed-forward)": (feed_forward, True),
+        "quadratic (attention)": (attention, False),
+        "transformer layer": (layer, False),
     }
 
 
-def run_batch(model: nn.Module, lengths: np.ndarray, indices: list[int]) -> None:
-    """Forward and backward of each sample of a batch at its own length (no padding)."""
-    for i in indices:
-        x = torch.randn(int(lengths[i]), D_MODEL)
-        model(x).square().mean().backward()
+def run_batch(
+    model: nn.Module, lengths: np.ndarray, indices: list[int], packed: bool
+) -> None:
+    """Forward and backward of a batch: packed tokens, or each sample at its own length."""
+    sizes = [int(lengths[i]) for i in indices]
+    for size in [sum(sizes)] if packed else sizes:
+        model(torch.randn(size, D_MODEL)).square().mean().backward()
 
 
 def modelled(lengths, ranks, batch, epoch, power) -> float:
@@ -109,19 +111,29 @@ def modelled(lengths, ranks, batch, epoch, power) -> float:
     return total(balanced_batches(lengths, ranks, batch, epoch)) / dist_total
 
 
-def replayed(model, packed, lengths, batches) -> float:
-    total = 0.0
-    for step in range(len(batches[0])):
-        times = []
-        for rank_batches in batches:
-            fastest = float("inf")
-            for _ in range(TIMINGS_PER_BATCH):
-                start = time.perf_counter()
-                run_batch(model, lengths, rank_batches[step], packed)
-                fastest = min(fastest, time.perf_counter() - start)
-            times.append(fastest)
-        total += max(times)
-    return total
+def step_seconds(model, packed, lengths, rank_batches) -> float:
+    """The largest over ranks of the fastest of TIMINGS_PER_BATCH runs of each rank's batch."""
+    times = []
+    for batch in rank_batches:
+        fastest = float("inf")
+        for _ in range(TIMINGS_PER_BATCH):
+            start = time.perf_counter()
+            run_batch(model, lengths, batch, packed)
+            fastest = min(fastest, time.perf_counter() - start)
+        times.append(fastest)
+    return max(times)
+
+
+def replayed(model, packed, lengths, plain, balanced) -> tuple[float, float]:
+    """Epoch seconds of both samplers, their steps interleaved so load spikes hit both alike."""
+    totals = [0.0, 0.0]
+    for step in range(max(len(plain[0]), len(balanced[0]))):
+        for which, batches in enumerate((plain, balanced)):
+            if step < len(batches[0]):
+                totals[which] += step_seconds(
+                    model, packed, lengths, [b[step] for b in batches]
+                )
+    return totals[0], totals[1]
 
 
 def real_worker(
@@ -177,16 +189,9 @@ def main() -> None:
     for name, (model, packed) in models().items():
         ratios, dist_times = [], []
         for repeat in range(args.repeats):
-            d = replayed(
-                model,
-                lengths,
-                distributed_batches(len(lengths), args.ranks, args.batch, repeat),
-            )
-            b = replayed(
-                model,
-                lengths,
-                balanced_batches(lengths, args.ranks, args.batch, repeat),
-            )
+            plain = distributed_batches(len(lengths), args.ranks, args.batch, repeat)
+            balanced = balanced_batches(lengths, args.ranks, args.batch, repeat)
+            d, b = replayed(model, packed, lengths, plain, balanced)
             ratios.append(b / d)
             dist_times.append(d)
         print(f"   {name:22s} DistributedSampler {statistics.median(dist_times):6.2f} s/epoch, "
