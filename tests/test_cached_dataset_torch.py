@@ -8,6 +8,9 @@ from bagua_common.cache_stores import LmdbStore
 from bagua_torch.data import CachedDataset
 
 
+@pytest.mark.filterwarnings(
+    "ignore:os.fork:RuntimeWarning"
+)  # JAX, if another test loaded it
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_lmdb_cache_shared_by_dataloader_workers(tmp_path, context):
     log = str(tmp_path / "reads")
