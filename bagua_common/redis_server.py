@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import time
@@ -19,6 +20,8 @@ from bagua_common.cache_stores import checked_capacity, connect_redis
 from bagua_common.child_process import die_with_parent
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
+DIRECTORY_PREFIX = "bagua-redis-"
+STALE_AFTER_S = 60.0
 INSTALL_HINT = (
     "install it with 'apt-get install redis-server' or set BAGUA_REDIS_SERVER"
 )
@@ -69,7 +72,8 @@ class RedisServer:
         """Start the server and wait (bounded) until it answers PING."""
         import redis
 
-        self.directory = tempfile.mkdtemp(prefix="bagua-redis-")  # mode 0700
+        remove_stale_directories()
+        self.directory = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX)  # mode 0700
         command = [
             self.binary, "--port", "0", "--unixsocket", self.socket_path,
             "--unixsocketperm", "700", "--maxmemory", str(self.capacity_bytes),
@@ -123,3 +127,30 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def remove_stale_directories() -> None:
+    """Remove directories that servers of SIGKILLed launchers left in the temporary directory.
+
+    A directory counts as stale when it is this user's, older than ``STALE_AFTER_S`` and its
+    socket is missing or refuses connections (its server is gone).
+    """
+    root = tempfile.gettempdir()
+    for entry in os.scandir(root):
+        if not entry.name.startswith(DIRECTORY_PREFIX) or not entry.is_dir(
+            follow_symlinks=False
+        ):
+            continue
+        info = entry.stat(follow_symlinks=False)
+        if info.st_uid != os.getuid() or time.time() - info.st_mtime < STALE_AFTER_S:
+            continue
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.path.join(entry.path, "redis.sock"))
+        except (FileNotFoundError, ConnectionRefusedError):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            pass  # unsure: leave it
+        finally:
+            probe.close()
