@@ -107,3 +107,18 @@ def test_cached_dataset_feeds_the_iterator(tmp_path):
             np.testing.assert_array_equal(a, b)
             np.testing.assert_array_equal(ma, mb)
     assert cached.stats()["misses"] == 40 and cached.stats()["hits"] == 40
+
+
+def test_start_step_resumes_mid_epoch():
+    sizes, samples = make_samples()
+    plan = BalancedPlan(sizes, world_size=2, token_budget=512)
+    full = list(balanced_batches(plan, 5, samples.__getitem__, rank=1, pad_to=PAD_TO))
+    resumed = list(
+        balanced_batches(
+            plan, 5, samples.__getitem__, rank=1, pad_to=PAD_TO, start_step=3
+        )
+    )
+    assert len(resumed) == len(full) - 3
+    for (a, ma), (b, mb) in zip(full[3:], resumed):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(ma, mb)
