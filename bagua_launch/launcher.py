@@ -752,9 +752,13 @@ class Launcher:
             except (ValueError, OSError):  # not the main thread
                 pass
         try:
-            try:
-                if self.config.cache_server == "redis":
+            if self.config.cache_server == "redis":
+                try:
                     self.cache_server = RedisServer(self.config.cache_capacity).start()
+                except (OSError, RuntimeError) as e:  # TimeoutError is an OSError
+                    self.out.message(f"{_NAME}: cannot start the cache server: {e}\n")
+                    return 1
+            try:
                 self._start_mpi() if self.config.mpi else self._start_local()
             except OSError as e:
                 self.out.message(f"{_NAME}: cannot start {self.config.command[0]!r}: {e}\n")
