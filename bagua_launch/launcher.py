@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import ctypes
 import json
 import os
 import queue
@@ -62,6 +61,10 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from bagua_common.cache_stores import ENV_CACHE_URL, parse_capacity
+from bagua_common.child_process import die_with_parent
+from bagua_common.redis_server import RedisServer, find_redis_server
 
 __all__ = ["DEFAULT_MULTINODE_PORT", "RANK_VARIABLES", "Launcher", "build_parser", "main", "rank_environment"]
 
@@ -197,6 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
     mpi.add_argument(
         "--mpi-args", default="", metavar="'ARGS'", help="extra mpiexec arguments, e.g. '-hosts a,b -ppn 2'"
     )
+    cache = parser.add_argument_group("dataset cache")
+    cache.add_argument(
+        "--cache-server", choices=["redis"], default=None,
+        help="start one redis-server per node for bagua's CachedDataset, on a private unix socket "
+        f"(no TCP); ranks find it in {ENV_CACHE_URL}; it stops when the ranks exit",
+    )
+    cache.add_argument(
+        "--cache-capacity", type=parse_capacity, default=None, metavar="SIZE",
+        help="the cache server's memory, e.g. 8G (default: a quarter of this node's RAM)",
+    )
     control = parser.add_argument_group("control")
     control.add_argument(
         "--grace", type=_seconds, default=10.0, metavar="SECONDS",
@@ -228,6 +241,8 @@ class Config:
     grace: float
     timeout: float | None
     tail_lines: int
+    cache_server: str | None = None
+    cache_capacity: int | None = None
 
 
 def parse_args(argv: list[str] | None) -> Config:
@@ -255,6 +270,15 @@ def parse_args(argv: list[str] | None) -> Config:
         mpiexec = ns.mpiexec or _find_mpiexec()
         if mpiexec is None:
             parser.error("--mpi: no mpiexec found beside this Python or on PATH (give one with --mpiexec)")
+    if ns.cache_server is not None:
+        if ns.mpi:
+            parser.error("--cache-server starts a server beside the ranks of this node: not with --mpi")
+        try:
+            find_redis_server()
+        except FileNotFoundError as e:
+            parser.error(f"--cache-server redis: {e}")
+    elif ns.cache_capacity is not None:
+        parser.error("--cache-capacity needs --cache-server")
     try:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as e:
@@ -264,6 +288,7 @@ def parse_args(argv: list[str] | None) -> Config:
         master_addr=master_addr, master_port=master_port, command=command, mode=mode,
         mpi=ns.mpi, mpiexec=mpiexec, mpi_args=mpi_args,
         grace=ns.grace, timeout=ns.timeout, tail_lines=ns.tail_lines,
+        cache_server=ns.cache_server, cache_capacity=ns.cache_capacity,
     )
 
 
@@ -288,24 +313,6 @@ def _is_hydra(mpiexec: str) -> bool:
 
 
 # --------------------------------------------------------------------------- processes
-
-
-def _die_with_parent(sig: int):
-    """A ``preexec_fn`` making the child get ``sig`` when the launcher dies (Linux), else None."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, sig, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:  # the launcher died before prctl took effect
-            os.kill(os.getpid(), sig)
-
-    return preexec
 
 
 def _signal_name(signum: int) -> str:
@@ -396,6 +403,7 @@ class Launcher:
         self.statuses: dict[int, dict] = {}  # MPI: rank -> {"code": return code or None, "time": when}
         self.pids: dict[int, dict[str, int]] = {}  # MPI: rank -> its wrapper's pid and its script's group
         self.lost: list[int] = []  # MPI: ranks killed together, none known to be first
+        self.cache_server: RedisServer | None = None  # --cache-server: started in run(), stopped after
 
     # ------------------------------------------------------------------ start
 
@@ -409,13 +417,15 @@ class Launcher:
         env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // self.config.nproc_per_node)))
         env["MASTER_ADDR"] = self.config.master_addr
         env["MASTER_PORT"] = str(self.config.master_port)
+        if self.cache_server is not None:
+            env[ENV_CACHE_URL] = self.cache_server.url
         return env
 
     def _spawn(self, label: str, rank: int | None, command: list[str], env: dict[str, str], death_signal: int,
                ignore_sigpipe: bool = False) -> _Child:
         proc = subprocess.Popen(
             command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            process_group=0, preexec_fn=_die_with_parent(death_signal), restore_signals=not ignore_sigpipe,
+            process_group=0, preexec_fn=die_with_parent(death_signal), restore_signals=not ignore_sigpipe,
         )
         child = _Child(label, rank, proc)
         self.children.append(child)
@@ -742,6 +752,12 @@ class Launcher:
             except (ValueError, OSError):  # not the main thread
                 pass
         try:
+            if self.config.cache_server == "redis":
+                try:
+                    self.cache_server = RedisServer(self.config.cache_capacity).start()
+                except (OSError, RuntimeError) as e:  # TimeoutError is an OSError
+                    self.out.message(f"{_NAME}: cannot start the cache server: {e}\n")
+                    return 1
             try:
                 self._start_mpi() if self.config.mpi else self._start_local()
             except OSError as e:
@@ -764,6 +780,8 @@ class Launcher:
                 signal.signal(sig, handler)
             if self.status_dir is not None:
                 shutil.rmtree(self.status_dir, ignore_errors=True)
+            if self.cache_server is not None:
+                self.cache_server.stop()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,7 +23,6 @@ the MPI launcher (MPICH/Hydra ``PMI_RANK``, Open MPI ``OMPI_COMM_WORLD_RANK``, P
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import signal
@@ -31,6 +30,8 @@ import subprocess
 import sys
 import threading
 import time
+
+from bagua_common.child_process import die_with_parent
 
 STATUS_DIR_VARIABLE = "BAGUA_LAUNCH_STATUS_DIR"
 NPROC_VARIABLE = "BAGUA_LAUNCH_NPROC_PER_NODE"
@@ -105,23 +106,6 @@ def _parse(argv: list[str]) -> tuple[str, list[str]]:
     return mode, [sys.executable, target, *args]
 
 
-def _die_with_parent():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    parent = os.getpid()
-
-    def preexec() -> None:
-        prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return preexec
-
-
 def _pump(pipe, out, prefix: bytes) -> None:
     buffer = getattr(out, "buffer", out)
     try:
@@ -176,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         child = subprocess.Popen(
             command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            process_group=0, preexec_fn=_die_with_parent(),
+            process_group=0, preexec_fn=die_with_parent(signal.SIGKILL),
             # MPI_Init in the script talks to the MPI launcher over this inherited socket.
             pass_fds=tuple(int(env[k]) for k in ("PMI_FD",) if env.get(k, "").isdigit()),
         )

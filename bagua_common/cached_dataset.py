@@ -1,0 +1,186 @@
+"""A dataset wrapper that serves samples from a cache after their first read.
+
+:class:`CacheLoader` is Bagua's ``get(key, load_fn)``: return the cached value, or load,
+write it through and return it. :class:`CachedDataset` applies it to ``dataset[index]`` and
+works anywhere an object with ``__getitem__`` and ``__len__`` does (a torch ``DataLoader``
+with fork or spawn workers, a JAX input pipeline). Values are pickles, so the store must be one
+only this job can write to (the defaults are: a private 0700 directory, a 0700 unix socket).
+A store that fails never yields wrong data: the sample is read from the dataset instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import operator
+import pickle
+import warnings
+from collections.abc import Callable, Hashable, Sized
+from typing import Any, Protocol
+
+from bagua_common.cache_stores import Store, store_from_environment
+
+KEY_PREFIX = b"bg1:"
+_FORMAT_PICKLE = b"\x01"
+_ON_ERROR = ("warn", "raise")
+
+
+class MapDataset(Sized, Protocol):
+    def __getitem__(self, index: int) -> Any: ...
+
+
+class CacheLoader:
+    """Returns cached values by key, loading and writing through on a miss.
+
+    Keys are scoped by ``name`` (required, non-empty) and ``version``: change the version and
+    no value from an earlier version is served. When the store is full new values are not
+    admitted (nothing is evicted). A store error warns once per process, is counted in
+    :meth:`stats`, and the value is loaded instead; ``on_error="raise"`` raises it instead.
+    A value that does not decode counts as a miss and is overwritten.
+    """
+
+    def __init__(
+        self,
+        store: Store | None,
+        name: str,
+        version: str = "",
+        *,
+        on_error: str = "warn",
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name must be a non-empty string, got {name!r}")
+        if not isinstance(version, str):
+            raise TypeError(f"version must be a string, got {version!r}")
+        if on_error not in _ON_ERROR:
+            raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
+        self.store = store_from_environment() if store is None else store
+        self.name, self.version, self.on_error = name, version, on_error
+        self._prefix = KEY_PREFIX + self._scope(name.encode(), version.encode()) + b":"
+        self._reset_counters()
+
+    def _scope(self, name: bytes, version: bytes) -> bytes:
+        digest = hashlib.blake2b(
+            version, digest_size=4, person=b"bagua-cache"
+        ).hexdigest()
+        return name + b":" + digest.encode()
+
+    def _reset_counters(self) -> None:
+        self._stats = dict.fromkeys(
+            ("hits", "misses", "puts", "rejected", "errors", "bytes"), 0
+        )
+        self._warned: set[str] = set()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state.pop("_stats"), state.pop("_warned")
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset_counters()
+
+    def key(self, key: Hashable) -> bytes:
+        """Return the store key for ``key``: prefix, name, version digest, then ``str(key)``."""
+        return self._prefix + str(key).encode()
+
+    def stats(self) -> dict[str, int]:
+        """Return this process's counts: hits, misses, puts, rejected, errors, bytes (read)."""
+        return dict(self._stats)
+
+    def get(self, key: Hashable, load_fn: Callable[[Hashable], Any]) -> Any:
+        """Return the value for ``key`` from the store, or ``load_fn(key)`` written through."""
+        store_key = self.key(key)
+        raw = self._call("get", self.store.get, store_key)
+        if raw is not None:
+            value = self._decoded(raw, key)
+            if value is not _MISSING:
+                self._stats["hits"] += 1
+                self._stats["bytes"] += len(raw)
+                return value
+        self._stats["misses"] += 1
+        value = load_fn(key)
+        admitted = self._call("put", self.store.put, store_key, _encoded(value))
+        if admitted is True:
+            self._stats["puts"] += 1
+        elif admitted is False:
+            self._stats["rejected"] += 1
+        return value
+
+    def _call(self, what: str, method: Callable[..., Any], *args: Any) -> Any:
+        try:
+            return method(*args)
+        except Exception as e:
+            if self.on_error == "raise":
+                raise
+            self._stats["errors"] += 1
+            self._warn_once(
+                "store",
+                f"cache store {what} failed ({type(e).__name__}: {e}); reading the dataset "
+                "instead (further errors are counted in stats()['errors'])",
+            )
+            return None
+
+    def _decoded(self, raw: bytes, key: Hashable) -> Any:
+        try:
+            if raw[:1] != _FORMAT_PICKLE:
+                raise ValueError(f"unknown format tag {raw[:1]!r}")
+            return pickle.loads(raw[1:])
+        except Exception as e:
+            if self.on_error == "raise":
+                raise ValueError(
+                    f"cached value for {key!r} does not decode: {e}"
+                ) from e
+            self._warn_once(
+                "decode", f"cached value for {key!r} does not decode ({e}); reloading"
+            )
+            return _MISSING
+
+    def _warn_once(self, kind: str, message: str) -> None:
+        if kind not in self._warned:
+            self._warned.add(kind)
+            warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+_MISSING = object()
+
+
+def _encoded(value: Any) -> bytes:
+    return _FORMAT_PICKLE + pickle.dumps(value, protocol=5)
+
+
+class CachedDataset:
+    """``dataset`` with each sample cached after its first read (see :class:`CacheLoader`).
+
+    ``store`` defaults to :func:`~bagua_common.cache_stores.store_from_environment`. The key
+    scope also covers the dataset's length and type, so a changed dataset misses. ``transform``
+    runs after the cache on every read: cache deterministic decoding, augment in ``transform``.
+    """
+
+    def __init__(
+        self,
+        dataset: MapDataset,
+        store: Store | None = None,
+        *,
+        name: str,
+        version: str = "",
+        transform: Callable[[Any], Any] | None = None,
+        on_error: str = "warn",
+    ) -> None:
+        self.dataset = dataset
+        self.transform = transform
+        scope = f"{version}|{len(dataset)}|{type(dataset).__module__}.{type(dataset).__qualname__}"
+        self.loader = CacheLoader(store, name, scope, on_error=on_error)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        i = operator.index(index)
+        n = len(self.dataset)
+        if not -n <= i < n:
+            raise IndexError(f"index {index} out of range for {n} samples")
+        value = self.loader.get(i % n, self.dataset.__getitem__)
+        return value if self.transform is None else self.transform(value)
+
+    def stats(self) -> dict[str, int]:
+        """Return this process's cache counts (see :meth:`CacheLoader.stats`)."""
+        return self.loader.stats()

@@ -1,0 +1,156 @@
+"""A private Redis server for the cache: a child process on a 0700 unix socket, no TCP.
+
+``bagua-launch --cache-server redis`` starts one per node and passes its address to the ranks
+in ``BAGUA_CACHE_URL``. The server listens on no TCP port, keeps nothing on disk, refuses
+writes when full (``noeviction``) and dies with its parent. Only this user can reach the
+socket, which is what makes it safe for the cache to unpickle what it reads.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+
+from bagua_common.cache_stores import checked_capacity, connect_redis
+from bagua_common.child_process import die_with_parent
+
+ENV_BINARY = "BAGUA_REDIS_SERVER"
+DIRECTORY_PREFIX = "bagua-redis-"
+STALE_AFTER_S = 60.0
+INSTALL_HINT = (
+    "install it with 'apt-get install redis-server' or set BAGUA_REDIS_SERVER"
+)
+
+
+def find_redis_server() -> str:
+    """Return the ``redis-server`` binary: ``$BAGUA_REDIS_SERVER``, else the one on PATH."""
+    binary = os.environ.get(ENV_BINARY) or shutil.which("redis-server")
+    if binary is None or not os.access(binary, os.X_OK):
+        raise FileNotFoundError(f"no redis-server binary found ({INSTALL_HINT})")
+    return binary
+
+
+class RedisServer:
+    """One ``redis-server`` child holding at most ``capacity_bytes`` (default a quarter of RAM).
+
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. ``url`` is the
+    ``unix://`` address clients connect to; ``pid`` the server's process id.
+    """
+
+    def __init__(
+        self, capacity_bytes: int | None = None, *, start_timeout_s: float = 30.0
+    ) -> None:
+        self.capacity_bytes = checked_capacity(capacity_bytes)
+        self.binary = find_redis_server()
+        self.start_timeout_s = start_timeout_s
+        self.directory: str | None = None
+        self.process: subprocess.Popen | None = None
+
+    @property
+    def socket_path(self) -> str:
+        """The unix socket's path (valid once started)."""
+        if self.directory is None:
+            raise RuntimeError("the Redis server is not started")
+        return os.path.join(self.directory, "redis.sock")
+
+    @property
+    def url(self) -> str:
+        """The ``unix://`` address of the server."""
+        return "unix://" + self.socket_path
+
+    @property
+    def pid(self) -> int | None:
+        """The server's process id, None when not running."""
+        return None if self.process is None else self.process.pid
+
+    def start(self) -> RedisServer:
+        """Start the server and wait (bounded) until it answers PING."""
+        import redis
+
+        remove_stale_directories()
+        self.directory = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX)  # mode 0700
+        command = [
+            self.binary, "--port", "0", "--unixsocket", self.socket_path,
+            "--unixsocketperm", "700", "--maxmemory", str(self.capacity_bytes),
+            "--maxmemory-policy", "noeviction", "--save", "", "--appendonly", "no",
+            "--daemonize", "no", "--protected-mode", "yes", "--dir", self.directory,
+            "--loglevel", "warning",
+        ]  # fmt: skip
+        log_path = os.path.join(self.directory, "redis.log")
+        with open(
+            log_path, "wb"
+        ) as log:  # a file, not a pipe nobody drains while training
+            self.process = subprocess.Popen(
+                command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 (before threads)
+            )  # fmt: skip
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                with open(log_path, "rb") as log:
+                    error = log.read().decode(errors="replace")
+                self.stop()
+                raise RuntimeError(f"redis-server exited at start: {error.strip()}")
+            try:
+                connect_redis(self.url, None, 1.0).ping()
+                return self
+            except redis.exceptions.ConnectionError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise TimeoutError(
+                        f"redis-server did not answer within {self.start_timeout_s} s"
+                    ) from None
+                time.sleep(0.05)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the server (SIGTERM, then SIGKILL after ``timeout_s``) and remove its directory."""
+        if self.process is not None:
+            if self.process.poll() is None:
+                self.process.terminate()
+                try:
+                    self.process.wait(timeout_s)
+                except subprocess.TimeoutExpired:
+                    self.process.kill()
+                    self.process.wait(timeout_s)
+            self.process = None
+        if self.directory is not None:
+            shutil.rmtree(self.directory, ignore_errors=True)
+            self.directory = None
+
+    def __enter__(self) -> RedisServer:  # noqa: PYI034
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def remove_stale_directories() -> None:
+    """Remove directories that servers of SIGKILLed launchers left in the temporary directory.
+
+    A directory counts as stale when it is this user's, older than ``STALE_AFTER_S`` and its
+    socket is missing or refuses connections (its server is gone).
+    """
+    root = tempfile.gettempdir()
+    for entry in os.scandir(root):
+        if not entry.name.startswith(DIRECTORY_PREFIX) or not entry.is_dir(
+            follow_symlinks=False
+        ):
+            continue
+        info = entry.stat(follow_symlinks=False)
+        if info.st_uid != os.getuid() or time.time() - info.st_mtime < STALE_AFTER_S:
+            continue
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        probe.settimeout(1.0)
+        try:
+            probe.connect(os.path.join(entry.path, "redis.sock"))
+        except (FileNotFoundError, ConnectionRefusedError):
+            shutil.rmtree(entry.path, ignore_errors=True)
+        except OSError:
+            pass  # unsure: leave it
+        finally:
+            probe.close()

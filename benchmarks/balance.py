@@ -1,0 +1,219 @@
+"""Synchronous step time with the balanced sampler against torch's DistributedSampler.
+
+Sample lengths are skewed (log-normal, 16..512 tokens). Three parts, each repeated with the two
+samplers interleaved, ratios reported (balanced / DistributedSampler, lower is better):
+
+1. model: the epoch's sum over steps of the largest per-rank cost, cost = length or length^2;
+2. replay: each virtual rank's batch really runs forward+backward in this process (one thread,
+   the fastest of three timings; the two samplers' steps interleaved), the step time is the largest of the ranks' measured times (only
+   the synchrony is modelled), for a token-wise feed-forward layer on the rank's packed tokens
+   (cost linear in length), per-sequence attention (quadratic) and a transformer encoder layer;
+3. real: two processes (gloo), each step ends with an all-reduce; epoch wall time.
+
+    python benchmarks/balance.py [--ranks 4] [--samples 256] [--batch 4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils.data import DistributedSampler
+
+from bagua_torch.data import BalancedBatchSampler
+
+D_MODEL = 128
+TIMINGS_PER_BATCH = 3  # the fastest of these is the batch's compute (the box is shared)
+
+
+def skewed_lengths(n: int, seed: int = 0) -> np.ndarray:
+    return np.clip(np.random.default_rng(seed).lognormal(4.3, 0.8, n), 16, 512).astype(
+        int
+    )
+
+
+def distributed_batches(
+    n: int, ranks: int, batch: int, epoch: int
+) -> list[list[list[int]]]:
+    """batches[rank][step] as DistributedSampler plus consecutive batching gives them."""
+    out = []
+    for rank in range(ranks):
+        sampler = DistributedSampler(range(n), num_replicas=ranks, rank=rank, seed=1)
+        sampler.set_epoch(epoch)
+        indices = list(sampler)
+        out.append([indices[i : i + batch] for i in range(0, len(indices), batch)])
+    return out
+
+
+def balanced_batches(
+    lengths, ranks: int, batch: int, epoch: int
+) -> list[list[list[int]]]:
+    out = []
+    for rank in range(ranks):
+        sampler = BalancedBatchSampler(
+            lengths, batch_size=batch, num_replicas=ranks, rank=rank
+        )
+        sampler.set_epoch(epoch)
+        out.append(list(sampler))
+    return out
+
+
+class Attention(nn.Module):
+    """Self-attention only: cost grows with length squared."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = x.view(x.shape[0], 4, -1).transpose(0, 1)
+        return (
+            nn.functional.scaled_dot_product_attention(q, q, q)
+            .transpose(0, 1)
+            .reshape(x.shape)
+        )
+
+
+def models() -> dict[str, tuple[nn.Module, bool]]:
+    """Each model and whether it is token-wise (so a rank's samples run packed, as one)."""
+    feed_forward = nn.Sequential(
+        nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL)
+    )
+    attention = nn.Sequential(nn.Linear(D_MODEL, D_MODEL), Attention())
+    layer = nn.TransformerEncoderLayer(D_MODEL, 4, 4 * D_MODEL, dropout=0.0)
+    return {
+        "linear (feed-forward)": (feed_forward, True),
+        "quadratic (attention)": (attention, False),
+        "transformer layer": (layer, False),
+    }
+
+
+def run_batch(
+    model: nn.Module, lengths: np.ndarray, indices: list[int], packed: bool
+) -> None:
+    """Forward and backward of a batch: packed tokens, or each sample at its own length."""
+    sizes = [int(lengths[i]) for i in indices]
+    for size in [sum(sizes)] if packed else sizes:
+        model(torch.randn(size, D_MODEL)).square().mean().backward()
+
+
+def modelled(lengths, ranks, batch, epoch, power) -> float:
+    def total(batches):
+        cost = lengths.astype(float) ** power
+        return sum(
+            max(cost[b[s]].sum() for b in batches) for s in range(len(batches[0]))
+        )
+
+    dist_total = total(distributed_batches(len(lengths), ranks, batch, epoch))
+    return total(balanced_batches(lengths, ranks, batch, epoch)) / dist_total
+
+
+def step_seconds(model, packed, lengths, rank_batches) -> float:
+    """The largest over ranks of the fastest of TIMINGS_PER_BATCH runs of each rank's batch."""
+    times = []
+    for batch in rank_batches:
+        fastest = float("inf")
+        for _ in range(TIMINGS_PER_BATCH):
+            start = time.perf_counter()
+            run_batch(model, lengths, batch, packed)
+            fastest = min(fastest, time.perf_counter() - start)
+        times.append(fastest)
+    return max(times)
+
+
+def replayed(model, packed, lengths, plain, balanced) -> tuple[float, float]:
+    """Epoch seconds of both samplers, their steps interleaved so load spikes hit both alike."""
+    totals = [0.0, 0.0]
+    for step in range(max(len(plain[0]), len(balanced[0]))):
+        for which, batches in enumerate((plain, balanced)):
+            if step < len(batches[0]):
+                totals[which] += step_seconds(
+                    model, packed, lengths, [b[step] for b in batches]
+                )
+    return totals[0], totals[1]
+
+
+def real_worker(
+    rank: int, world: int, port: int, lengths, batch: int, repeats: int, queue
+) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(D_MODEL, 4, 4 * D_MODEL, dropout=0.0)
+    token = torch.zeros(1)
+    for repeat in range(repeats):
+        for name, make in (("dist", distributed_batches), ("balanced", None)):
+            if make is None:
+                mine = balanced_batches(lengths, world, batch, repeat)[rank]
+            else:
+                mine = make(len(lengths), world, batch, repeat)[rank]
+            dist.barrier()
+            start = time.perf_counter()
+            for step in mine:
+                run_batch(model, lengths, step, packed=False)
+                dist.all_reduce(token)
+            if rank == 0:
+                queue.put((name, time.perf_counter() - start))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    lengths = skewed_lengths(args.samples)
+    print(f"{args.samples} samples, lengths {lengths.min()}..{lengths.max()} "
+          f"(median {int(np.median(lengths))}), {args.ranks} ranks, batch {args.batch}")  # fmt: skip
+
+    print("\n1. modelled cost, sum over steps of the max over ranks (20 epochs)")
+    for power, name in ((1, "linear"), (2, "quadratic")):
+        ratios = [
+            modelled(lengths, args.ranks, args.batch, e, power) for e in range(20)
+        ]
+        print(
+            f"   {name:10s} balanced/DistributedSampler = {statistics.median(ratios):.3f}x"
+        )
+
+    print(
+        f"\n2. replayed compute, {args.ranks} virtual ranks, 1 thread ({args.repeats} repeats)"
+    )
+    torch.manual_seed(0)
+    for name, (model, packed) in models().items():
+        ratios, dist_times = [], []
+        for repeat in range(args.repeats):
+            plain = distributed_batches(len(lengths), args.ranks, args.batch, repeat)
+            balanced = balanced_batches(lengths, args.ranks, args.batch, repeat)
+            d, b = replayed(model, packed, lengths, plain, balanced)
+            ratios.append(b / d)
+            dist_times.append(d)
+        print(f"   {name:22s} DistributedSampler {statistics.median(dist_times):6.2f} s/epoch, "
+              f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x "
+              f"(repeats {', '.join(f'{r:.3f}' for r in ratios)})")  # fmt: skip
+
+    print(
+        f"\n3. real run, 2 processes (gloo), transformer layer ({args.repeats} repeats)"
+    )
+    queue = mp.get_context("spawn").SimpleQueue()
+    port = 29400 + os.getpid() % 500
+    mp.spawn(
+        real_worker, args=(2, port, lengths, args.batch, args.repeats, queue), nprocs=2
+    )
+    times: dict[str, list[float]] = {"dist": [], "balanced": []}
+    while not queue.empty():
+        name, seconds = queue.get()
+        times[name].append(seconds)
+    ratios = [b / d for b, d in zip(times["balanced"], times["dist"])]
+    print(f"   DistributedSampler {statistics.median(times['dist']):.2f} s/epoch, "
+          f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,255 @@
+"""The cached dataset over each store: hits, misses, versions, corruption, failures, capacity."""
+
+import os
+import pickle
+import stat
+import subprocess
+import sys
+import warnings
+
+import fakeredis
+import numpy as np
+import pytest
+from cache_datasets import CountingDataset, reads
+
+from bagua_common import cache_stores
+from bagua_common.cache_stores import (
+    LmdbStore,
+    MemoryStore,
+    RedisStore,
+    parse_capacity,
+    private_directory,
+    shard_of,
+)
+from bagua_common.cached_dataset import CachedDataset, CacheLoader
+
+
+@pytest.fixture
+def fake_server(monkeypatch):
+    server = fakeredis.FakeServer()
+    monkeypatch.setattr(
+        cache_stores,
+        "connect_redis",
+        lambda url, pw, t: fakeredis.FakeRedis(server=server),
+    )
+    return server
+
+
+@pytest.fixture(params=["memory", "lmdb", "redis"])
+def store(request, tmp_path):
+    if request.param == "memory":
+        return MemoryStore(capacity_bytes=1 << 20)
+    if request.param == "lmdb":
+        return LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24)
+    request.getfixturevalue("fake_server")
+    return RedisStore(["redis://a", "redis://b"])
+
+
+def expected(index):
+    return np.random.default_rng(index).standard_normal(64).astype(np.float32)
+
+
+def test_second_pass_hits_and_returns_the_same_samples(store, tmp_path):
+    log = str(tmp_path / "reads")
+    data = CachedDataset(CountingDataset(20, log), store, name="counting")
+    for _ in range(2):
+        for i in range(20):
+            np.testing.assert_array_equal(data[i], expected(i))
+    assert reads(log) == 20
+    stats = data.stats()
+    assert (stats["hits"], stats["misses"], stats["puts"], stats["errors"]) == (
+        20,
+        20,
+        20,
+        0,
+    )
+    assert stats["bytes"] >= 20 * 64 * 4
+    np.testing.assert_array_equal(data[-1], expected(19))
+    with pytest.raises(IndexError):
+        data[20]
+    with pytest.raises(TypeError):
+        data[1.0]
+
+
+def test_version_name_and_dataset_change_invalidate(tmp_path):
+    store = LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24)
+    log = str(tmp_path / "reads")
+    CachedDataset(CountingDataset(5, log), store, name="a")[0]
+    CachedDataset(CountingDataset(5, log), store, name="a")[0]
+    assert reads(log) == 1
+    CachedDataset(CountingDataset(5, log), store, name="a", version="2")[0]
+    CachedDataset(CountingDataset(5, log), store, name="b")[0]
+    CachedDataset(CountingDataset(6, log), store, name="a")[0]
+    assert reads(log) == 4
+    with pytest.raises(ValueError, match="name must be a non-empty string"):
+        CachedDataset(CountingDataset(5, log), store, name="")
+    with pytest.raises(ValueError, match="on_error"):
+        CachedDataset(CountingDataset(5, log), store, name="a", on_error="ignore")
+
+
+def test_transform_runs_after_the_cache(tmp_path):
+    store = MemoryStore(1 << 20)
+    data = CachedDataset(
+        CountingDataset(3, str(tmp_path / "r")),
+        store,
+        name="t",
+        transform=lambda x: x * 2,
+    )
+    np.testing.assert_array_equal(data[1], 2 * expected(1))
+    np.testing.assert_array_equal(data[1], 2 * expected(1))
+    assert data.stats()["hits"] == 1
+
+
+def test_corrupt_value_is_a_miss_warned_once_and_overwritten(tmp_path):
+    store = MemoryStore(1 << 20)
+    data = CachedDataset(CountingDataset(3, str(tmp_path / "r")), store, name="c")
+    for i in range(3):
+        store.put(data.loader.key(i), b"\x01garbage")
+    with pytest.warns(RuntimeWarning, match="does not decode") as caught:
+        values = [data[i] for i in range(3)]
+    assert len(caught) == 1
+    for i, v in enumerate(values):
+        np.testing.assert_array_equal(v, expected(i))
+    np.testing.assert_array_equal(data[2], expected(2))
+    assert data.stats()["misses"] == 3 and data.stats()["hits"] == 1
+    strict = CachedDataset(
+        CountingDataset(3, str(tmp_path / "r")), store, name="d", on_error="raise"
+    )
+    store.put(strict.loader.key(0), b"\x02other")
+    with pytest.raises(ValueError, match="does not decode"):
+        strict[0]
+
+
+def test_store_that_dies_mid_epoch_falls_back_to_the_dataset(fake_server, tmp_path):
+    data = CachedDataset(
+        CountingDataset(10, str(tmp_path / "r")), RedisStore("redis://x"), name="d"
+    )
+    for i in range(5):
+        data[i]
+    fake_server.connected = False
+    with pytest.warns(RuntimeWarning, match="cache store get failed") as caught:
+        values = [data[i] for i in range(10)]
+    assert len(caught) == 1
+    for i, v in enumerate(values):
+        np.testing.assert_array_equal(v, expected(i))
+    assert data.stats()["errors"] >= 10
+    strict = CachedDataset(
+        CountingDataset(10, str(tmp_path / "r")),
+        data.loader.store,
+        name="d",
+        on_error="raise",
+    )
+    with pytest.raises(Exception, match="onnect"):
+        strict[0]
+
+
+def test_unreachable_redis_raises_naming_the_url():
+    with pytest.raises(ConnectionError, match="unix:///nonexistent/redis.sock"):
+        RedisStore("unix:///nonexistent/redis.sock", timeout_s=1.0)
+
+
+@pytest.mark.parametrize("kind", ["memory", "lmdb"])
+def test_full_store_stops_admitting_and_keeps_what_it_has(kind, tmp_path):
+    sample_bytes = 64 * 4 + 200
+    if kind == "memory":
+        store = MemoryStore(capacity_bytes=10 * sample_bytes)
+    else:
+        store = LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=64 * 1024)
+    log = str(tmp_path / "reads")
+    data = CachedDataset(CountingDataset(400, log, size=64), store, name="full")
+    for i in range(400):
+        data[i]
+    stats = data.stats()
+    assert (
+        stats["rejected"] > 0
+        and stats["puts"] > 0
+        and stats["puts"] + stats["rejected"] == 400
+    )
+    before = reads(log)
+    for i in range(400):
+        np.testing.assert_array_equal(data[i], expected(i))
+    # Fill, then stop writing: everything admitted is still served.
+    assert reads(log) - before == 400 - stats["puts"]
+
+
+def test_cache_loader_get_spelling():
+    loader = CacheLoader(MemoryStore(1 << 20), "bagua-style")
+    calls = []
+    load = lambda k: calls.append(k) or f"value of {k}"
+    assert (
+        loader.get("x", load) == "value of x" and loader.get("x", load) == "value of x"
+    )
+    assert calls == ["x"]
+
+
+def test_stores_pickle_as_configuration(tmp_path, fake_server):
+    lmdb_store = LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24)
+    lmdb_store.put(b"k", b"v")
+    assert pickle.loads(pickle.dumps(lmdb_store)).get(b"k") == b"v"
+    redis_store = RedisStore("redis://x")
+    assert set(pickle.loads(pickle.dumps(redis_store)).__dict__) >= {"urls", "password"}
+    memory = MemoryStore(1 << 20)
+    memory.put(b"k", b"v")
+    assert len(pickle.dumps(memory)) < 200
+
+
+def run_python(script: str, **env: str) -> str:
+    env = os.environ | {"PYTHONPATH": os.getcwd()} | env
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        check=True,
+    ).stdout
+
+
+def test_memory_store_warns_in_another_process():
+    script = (
+        "import os, pickle, sys, warnings; from bagua_common.cache_stores import MemoryStore;"
+        "s = MemoryStore(1 << 20); s._owner = -1; warnings.simplefilter('error');"
+        "\ntry:\n s.get(b'k')\nexcept RuntimeWarning as e: print(e)"
+    )
+    assert "per process" in run_python(script)
+
+
+def test_private_directory_rules(tmp_path):
+    made = private_directory(None)
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
+    os.rmdir(made)
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    with pytest.raises(ValueError, match="not be writable by others"):
+        private_directory(str(open_dir))
+
+
+def test_default_lmdb_directory_is_removed_with_its_store():
+    store = LmdbStore(capacity_bytes=1 << 20)
+    path = store.path
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
+    del store
+    assert not os.path.exists(path)
+
+
+def test_capacity_parsing_and_validation():
+    assert parse_capacity("8M") == 8 << 20 and parse_capacity("1GiB") == 1 << 30
+    assert parse_capacity("4096") == 4096
+    for bad in ["lots", "0", "-1G", "1000000T"]:
+        with pytest.raises(ValueError, match="capacity"):
+            parse_capacity(bad)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert MemoryStore().capacity_bytes > 0
+
+
+def test_shard_of_is_stable_across_processes_and_spreads_keys():
+    keys = [f"bg1:x:{i}".encode() for i in range(1000)]
+    here = [shard_of(k, 3) for k in keys]
+    script = (
+        "from bagua_common.cache_stores import shard_of;"
+        "print([shard_of(f'bg1:x:{i}'.encode(), 3) for i in range(1000)])"
+    )
+    assert eval(run_python(script, PYTHONHASHSEED="123")) == here
+    assert min(np.bincount(here)) > 250
