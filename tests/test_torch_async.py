@@ -8,8 +8,9 @@ drift apart. The tests check:
 
 * warm-up: gradient allreduce, bit-identical to GradientAllReduce in the same job and
   equal to a NumPy simulation of synchronous SGD; no thread before warm-up ends;
-* after warm-up: the ranks' weights stay close (spread far below local SGD's) and the
-  loss over all ranks' data goes down;
+* after warm-up: every step is a local SGD step, or one that applies a round: each rank's
+  snapshot moved to the mean of all ranks' snapshots, on the rounds that ran whatever their
+  timing; the loss over all ranks' data goes down;
 * the update rule ``x + sum / n - s`` exactly (NumPy reference kernel) for one forced round;
 * abort/resume: every rank stops at the same round (also when only rank 0 aborts), no hang;
 * a step never waits for a round in flight;
@@ -136,8 +137,8 @@ def test_background_averaging_keeps_replicas_together_and_trains(name):
         assert res["train"]["hooks"] == [True] * warmup + [False] * (steps - warmup)
         assert res["train"]["joined"]
     rounds = {res["train"]["rounds"] for res in results}
-    assert len(rounds) == 1 and rounds.pop() >= 3, [res["train"]["rounds"] for res in results]
-    check_averaged_training(got, [res["train"]["running"] for res in results], seed, warmup)
+    assert len(rounds) == 1, [res["train"]["rounds"] for res in results]
+    check_averaged_training(got, seed, warmup, rounds.pop())
 
 
 @pytest.mark.parametrize("name", jobs_with("one_round"))
