@@ -104,10 +104,10 @@ def _common_point(candidates: list[np.ndarray]) -> np.ndarray | None:
 def check_averaged_training(got: np.ndarray, seed: int, warmup: int, rounds: int) -> None:
     """Assert that the rounds that ran averaged the ranks' weights exactly (:func:`replay_rounds`),
     and that they trained: the averages' loss over all ranks' data goes down to a small fraction of
-    the initial one, where the last steps' weights of every rank stay."""
+    the first round's. (How far the ranks drift between rounds depends on how many rounds the
+    machine's load let through, so it is not judged.)"""
     assert rounds >= 3, rounds
     averages = np.stack(replay_rounds(got, seed, warmup, rounds))
     n = got.shape[1]
     excess = excess_loss(averages, seed, n)
     assert excess[-1] < 0.5 * excess[0] and excess[-1] < 0.1, excess
-    assert excess_loss(got[-1], seed, n).max() < 0.5, excess_loss(got[-1], seed, n)
