@@ -1,7 +1,7 @@
 """QAdam and 1-bit Adam through the PyTorch bridge (bagua_torch.algorithms.q_adam / onebit_adam).
 
 Multi-process jobs (one per configuration, several scenarios each; see
-torch_qadam_workers.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
+qadam_onebit_workers_torch.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
 nodes x 2 (so ``hierarchical=True`` really uses two levels), and under ``mpiexec``
 through the native MPI communicator (2 x 2). The tests check:
 
@@ -29,9 +29,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gradient_allreduce_bytegrad_workers_torch import batch, loss_fn, make_mlp
 from multiprocess import run_ranks
-from torch_bridge_workers import batch, loss_fn, make_mlp
-from torch_qadam_workers import (
+from qadam_onebit_workers_torch import (
     BETAS,
     EPS,
     LR,
@@ -73,7 +73,7 @@ def job(name: str) -> tuple[int, list[dict]]:
         if spec["launcher"] == "mpiexec" and not _has_mpi():
             pytest.skip("built without the MPI engine, or no mpiexec")
         seed = int(np.random.default_rng().integers(2**20))
-        results = run_ranks("torch_qadam_workers:job", spec["n"], seed, spec["scenarios"], spec["local"],
+        results = run_ranks("qadam_onebit_workers_torch:job", spec["n"], seed, spec["scenarios"], spec["local"],
                             launcher=spec["launcher"], timeout=240)
         _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
     return _cache[name]

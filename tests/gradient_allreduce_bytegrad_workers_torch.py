@@ -1,4 +1,4 @@
-"""Rank bodies for test_torch_bridge.py: the PyTorch bridge (with_bagua, DistributedDataParallel).
+"""Rank bodies for test_gradient_allreduce_bytegrad_torch.py: the PyTorch bridge (with_bagua, DistributedDataParallel).
 
 One job per configuration runs several scenarios and returns a dict per scenario; the
 test process checks them (and computes the single-process references). Models and

@@ -1,8 +1,8 @@
-"""Rank bodies for test_torch_async.py: AsyncModelAverageAlgorithm through the PyTorch wrapper.
+"""Rank bodies for test_async_model_average_torch.py: AsyncModelAverageAlgorithm through the PyTorch wrapper.
 
 One job per configuration (gloo on 2 and 4 ranks, the native MPI communicator under
 mpiexec) runs several scenarios and returns a dict per scenario. The task is the linear
-regression of ``async_workers.py`` (plain NumPy data, each rank with its own optimum, so
+regression of ``async_model_average_reference.py`` (plain NumPy data, each rank with its own optimum, so
 ranks training alone drift apart), so the test process rebuilds every batch.
 """
 
@@ -12,12 +12,12 @@ import time
 
 import numpy as np
 import torch
-from async_workers import DIM, LR, batch, rank_params
+from async_model_average_reference import DIM, LR, batch, rank_params
 from torch import nn
 
 
 class Linear(nn.Module):
-    """``x w + b`` from zeros: the linear model of async_workers.py."""
+    """``x w + b`` from zeros: the linear model of async_model_average_reference.py."""
 
     def __init__(self):
         super().__init__()

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from communicators_workers_torch import EXTRA_DTYPES, OPS, rank_data
 from multiprocess import run_ranks
-from torch_workers import EXTRA_DTYPES, OPS, rank_data
 
 import bagua_torch
 
@@ -51,7 +51,7 @@ def run(request):
     _skip(engine)
     seed = int(np.random.default_rng().integers(2**31))
     results = run_ranks(
-        "torch_workers:every_primitive", size, engine, seed, launcher=ENGINES[engine]["launcher"], timeout=150
+        "communicators_workers_torch:every_primitive", size, engine, seed, launcher=ENGINES[engine]["launcher"], timeout=150
     )
     values = sorted((r.value for r in results), key=lambda v: v["rank"])
     return engine, size, seed, values
@@ -194,7 +194,7 @@ def test_a_dead_or_stalled_peer_raises_within_the_timeout(engine, mode):
     _skip(engine)
     timeout = 2.0
     results = run_ranks(
-        "torch_workers:dead_or_stalled_peer", 2, engine, mode, timeout,
+        "communicators_workers_torch:dead_or_stalled_peer", 2, engine, mode, timeout,
         launcher=ENGINES[engine]["launcher"], timeout=90, check=False,
     )
     survivor = results[0]

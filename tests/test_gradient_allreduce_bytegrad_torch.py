@@ -1,7 +1,7 @@
 """The PyTorch bridge: init_process_group, with_bagua, DistributedDataParallel, GradientAllReduce, ByteGrad.
 
 Multi-process jobs (one per configuration, several scenarios each; see
-torch_bridge_workers.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
+gradient_allreduce_bytegrad_workers_torch.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
 nodes x 2 (``local_world_size=2``, so hierarchical algorithms really use two levels), and
 under ``mpiexec`` through the native MPI communicator. The tests below check:
 
@@ -9,7 +9,7 @@ under ``mpiexec`` through the native MPI communicator. The tests below check:
   same data, SGD with momentum and weight decay, several steps), and bit-identical
   parameters across ranks;
 * ByteGrad against a single-process simulation of all ranks (plain torch for the
-  gradients and the optimizer, the NumPy kernel reference ``reference.py`` for the
+  gradients and the optimizer, the NumPy kernel reference ``kernels_reference.py`` for the
   compression pipeline), exactly;
 * overlap (buckets launch during the backward pass, in order), ``no_sync``, unused
   parameters, checkpoints of the algorithm state, and error messages.
@@ -22,12 +22,20 @@ import shutil
 import sys
 from pathlib import Path
 
+import kernels_reference as ref
 import numpy as np
 import pytest
-import reference as ref
 import torch
+from gradient_allreduce_bytegrad_workers_torch import (
+    SMALL_BUCKET,
+    STEPS,
+    batch,
+    loss_fn,
+    make_bn,
+    make_mlp,
+    make_optimizer,
+)
 from multiprocess import run_ranks
-from torch_bridge_workers import SMALL_BUCKET, STEPS, batch, loss_fn, make_bn, make_mlp, make_optimizer
 
 import bagua_torch
 from bagua_torch import algorithms
@@ -63,7 +71,7 @@ def job(name: str) -> tuple[int, list[dict]]:
         if spec["launcher"] == "mpiexec" and not _has_mpi():
             pytest.skip("built without the MPI engine, or no mpiexec")
         seed = int(np.random.default_rng().integers(2**20))
-        results = run_ranks("torch_bridge_workers:job", spec["n"], seed, spec["scenarios"], spec["local"],
+        results = run_ranks("gradient_allreduce_bytegrad_workers_torch:job", spec["n"], seed, spec["scenarios"], spec["local"],
                             launcher=spec["launcher"], timeout=240)
         _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
     return _cache[name]

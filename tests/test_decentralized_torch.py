@@ -1,12 +1,12 @@
 """Decentralized and LowPrecisionDecentralized on PyTorch (bagua_torch.algorithms.decentralized).
 
 Multi-process jobs (one per configuration, several scenarios each; see
-torch_decentralized_workers.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as
+decentralized_workers_torch.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as
 2 nodes x 2 (``local_world_size=2``, so hierarchical runs really use two levels), and under
 ``mpiexec`` through the native MPI communicator (4 ranks, 2 nodes x 2). Every rank trains
-the MLP of torch_bridge_workers.py with momentum SGD on its own data; the test process
+the MLP of gradient_allreduce_bytegrad_workers_torch.py with momentum SGD on its own data; the test process
 simulates all ranks in one process (plain torch for the gradients and the optimizer, NumPy
-for the averaging, tests/reference.py for the compression kernels) and compares:
+for the averaging, tests/kernels_reference.py for the compression kernels) and compares:
 
 * the weights each optimizer step starts from and ends with, at every step, exactly,
   except for the flat ``"all"`` average of 4 ranks (the order in which the allreduce adds
@@ -24,12 +24,12 @@ import shutil
 import sys
 from pathlib import Path
 
+import kernels_reference as ref
 import numpy as np
 import pytest
-import reference as ref
 import torch
-from multiprocess import run_ranks
-from torch_bridge_workers import (
+from decentralized_workers_torch import parse
+from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
     batch,
@@ -37,7 +37,7 @@ from torch_bridge_workers import (
     make_mlp,
     make_optimizer,
 )
-from torch_decentralized_workers import parse
+from multiprocess import run_ranks
 
 import bagua_torch
 from bagua_torch import algorithms
@@ -77,7 +77,7 @@ def job(name: str) -> tuple[int, list[dict]]:
         if spec["launcher"] == "mpiexec" and not _has_mpi():
             pytest.skip("built without the MPI engine, or no mpiexec")
         seed = int(np.random.default_rng().integers(2**20))
-        results = run_ranks("torch_decentralized_workers:job", spec["n"], seed, spec["scenarios"], spec["local"],
+        results = run_ranks("decentralized_workers_torch:job", spec["n"], seed, spec["scenarios"], spec["local"],
                             launcher=spec["launcher"], timeout=240)
         _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
     return _cache[name]

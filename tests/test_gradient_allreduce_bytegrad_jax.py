@@ -5,7 +5,7 @@ conftest.py forces four simulated CPU devices. Each algorithm runs inside
 mesh; hierarchical: a 2x2 ``("inter", "intra")`` mesh, world rank ``2 * inter +
 intra``); every per-rank input and output carries a leading rank axis, so ``out[r]`` is
 rank r's value. The references simulate every rank in one process with NumPy and the
-kernel references of ``tests/reference.py`` only. Gradients are precomputed fresh
+kernel references of ``tests/kernels_reference.py`` only. Gradients are precomputed fresh
 random arrays per step and rank (a different scale per rank), so the algorithms'
 numerics can be compared exactly where they are deterministic.
 """
@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
-import reference as ref
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from multiprocess import run_ranks
@@ -26,7 +26,10 @@ import bagua_jax
 from bagua_jax import LaxCommunicator
 from bagua_jax.algorithms.base import Communicators
 from bagua_jax.algorithms.bytegrad import ByteGrad, ByteGradState, bytegrad
-from bagua_jax.algorithms.gradient_allreduce import GradientAllReduce, gradient_allreduce
+from bagua_jax.algorithms.gradient_allreduce import (
+    GradientAllReduce,
+    gradient_allreduce,
+)
 from bagua_jax.counting import CountingCommunicator
 
 F32 = np.float32
@@ -561,7 +564,7 @@ def native_worker(seed: int, steps: int, lr: float) -> dict:
 def test_both_algorithms_on_two_mpi_processes_match_numpy(rng):
     seed, steps, lr, n = int(rng.integers(2**31)), 3, 0.1, 2
     results = run_ranks(
-        "test_gradient_allreduce_bytegrad:native_worker",
+        "test_gradient_allreduce_bytegrad_jax:native_worker",
         n,
         seed,
         steps,

@@ -1,8 +1,8 @@
-"""Rank bodies for test_torch_qadam.py: QAdam and 1-bit Adam through the PyTorch bridge.
+"""Rank bodies for test_qadam_onebit_torch.py: QAdam and 1-bit Adam through the PyTorch bridge.
 
 One job per configuration runs several scenarios and returns a dict per scenario; the
 test process checks them against single-process references. Models and data come from
-torch_bridge_workers (deterministic functions of a seed).
+gradient_allreduce_bytegrad_workers_torch (deterministic functions of a seed).
 """
 
 from __future__ import annotations
@@ -12,8 +12,7 @@ import os
 import time
 
 import torch
-from torch import nn
-from torch_bridge_workers import (
+from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     batch,
     loss_fn,
@@ -21,6 +20,7 @@ from torch_bridge_workers import (
     params_of,
     setup,
 )
+from torch import nn
 
 LR = 0.01
 BETAS = (0.9, 0.999)

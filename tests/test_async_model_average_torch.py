@@ -1,9 +1,9 @@
 """AsyncModelAverageAlgorithm ("async") through the PyTorch wrapper, against NumPy references.
 
-Jobs of real processes (torch_async_workers.py; several scenarios per job): gloo on 2 and
+Jobs of real processes (async_model_average_workers_torch.py; several scenarios per job): gloo on 2 and
 4 ranks (the rounds on a new process group), and the native MPI communicator under
 ``mpiexec`` on 2 ranks (the rounds on ``world.split``). The task is the linear regression
-of ``async_workers.py`` where each rank has its own optimum, so that ranks training alone
+of ``async_model_average_reference.py`` where each rank has its own optimum, so that ranks training alone
 drift apart. The tests check:
 
 * warm-up: gradient allreduce, bit-identical to GradientAllReduce in the same job and
@@ -26,10 +26,13 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 import pytest
-from async_reference import check_averaged_training, numpy_sgd
-from async_workers import rank_params
+from async_model_average_reference import (
+    check_averaged_training,
+    numpy_sgd,
+    rank_params,
+)
+from kernels_reference import async_average as async_average_reference
 from multiprocess import run_ranks
-from reference import async_average as async_average_reference
 
 import bagua_torch
 from bagua_torch.algorithms import (
@@ -61,7 +64,7 @@ def job(name: str) -> tuple[int, list[dict]]:
         if spec["launcher"] == "mpiexec" and not _has_mpi():
             pytest.skip("built without the MPI engine, or no mpiexec")
         seed = int(np.random.default_rng().integers(2**20))
-        results = run_ranks("torch_async_workers:job", spec["n"], seed, spec["scenarios"], launcher=spec["launcher"],
+        results = run_ranks("async_model_average_workers_torch:job", spec["n"], seed, spec["scenarios"], launcher=spec["launcher"],
                             timeout=240)
         _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
     return _cache[name]

@@ -1,12 +1,44 @@
 """NumPy references for the asynchronous model averaging tests (JAX and torch): synchronous
-and local SGD on the linear regression of ``async_workers.py``, and the replay of the
+and local SGD on a linear regression whose data are plain NumPy (each rank with its own optimum,
+so that ranks training alone drift apart), and the replay of the
 background averaging rounds that ran (judged on what each step did, not on how many rounds
 the machine's load let through)."""
 
 from __future__ import annotations
 
 import numpy as np
-from async_workers import BATCH, DIM, LR, batch, optimum
+
+DIM = 8
+BATCH = 32
+LR = 0.1
+
+
+def optimum(seed: int, rank: int) -> np.ndarray:
+    """Rank ``rank``'s own least-squares optimum ``[w*, b*]``: a shared part plus a rank offset,
+    so that ranks training alone drift apart."""
+    shared = np.random.default_rng([seed, 999]).standard_normal(DIM + 1)
+    offset = np.random.default_rng([seed, 1000 + rank]).standard_normal(DIM + 1)
+    return (shared + 0.5 * offset).astype(np.float32)
+
+
+def batch(seed: int, rank: int, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Rank ``rank``'s fresh minibatch for ``step``: ``y = x w* + b* + noise``."""
+    rng = np.random.default_rng([seed, rank, step])
+    theta = optimum(seed, rank)
+    x = rng.standard_normal((BATCH, DIM)).astype(np.float32)
+    y = (x @ theta[:DIM] + theta[DIM] + 0.01 * rng.standard_normal(BATCH)).astype(np.float32)
+    return x, y
+
+
+def rank_params(seed: int, rank: int, tag: int) -> dict:
+    """Random parameters of two dtypes (a float32 matrix, a bfloat16 vector) for the update-rule test."""
+    import ml_dtypes
+
+    rng = np.random.default_rng([seed, rank, tag])
+    return {
+        "w": rng.standard_normal((5, 3)).astype(np.float32),
+        "b": rng.standard_normal(7).astype(ml_dtypes.bfloat16),
+    }
 
 
 def numpy_grad(theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:

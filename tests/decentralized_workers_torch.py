@@ -1,8 +1,8 @@
-"""Rank bodies for test_torch_decentralized.py: Decentralized and LowPrecisionDecentralized on PyTorch.
+"""Rank bodies for test_decentralized_torch.py: Decentralized and LowPrecisionDecentralized on PyTorch.
 
 One job per configuration runs several scenarios and returns a dict per scenario; the test
 process checks them against single-process simulations of all ranks. The model, data and
-optimizer are those of torch_bridge_workers.py (deterministic functions of a seed).
+optimizer are those of gradient_allreduce_bytegrad_workers_torch.py (deterministic functions of a seed).
 
 Scenario names: ``dec:<options>`` and ``lowprec:<options>`` with options ``mode=all|shift_one``,
 ``interval=<int>``, ``hier=0|1``; ``peers``, ``checkpoint``, ``errors``.
@@ -15,8 +15,7 @@ import os
 import time
 
 import torch
-from torch import nn
-from torch_bridge_workers import (
+from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
     _error,
@@ -27,6 +26,7 @@ from torch_bridge_workers import (
     params_of,
     setup,
 )
+from torch import nn
 
 
 def parse(scenario: str) -> tuple[str, dict]:
