@@ -12,8 +12,12 @@ import time
 
 import numpy as np
 import torch
-from async_model_average_reference import DIM, LR, batch, rank_params
 from torch import nn
+
+from async_model_average_reference import DIM, LR, batch, rank_params
+from scenarios import Registry, Scenario
+
+scenario = Registry()
 
 
 class Linear(nn.Module):
@@ -77,6 +81,7 @@ def _error(call) -> str:
 # ----------------------------------------------------------------------------- scenarios
 
 
+@scenario
 def train(seed: int, rank: int, group, steps: int, warmup_steps: int, sync_interval_ms: float, sleep_s: float,
           compare_allreduce: bool = False) -> dict:
     """SGD with AsyncModelAverage: weights after every step, whether the thread ran after each step, rounds."""
@@ -112,6 +117,7 @@ def train(seed: int, rank: int, group, steps: int, warmup_steps: int, sync_inter
     return out
 
 
+@scenario
 def one_round(seed: int, rank: int, group) -> dict:
     """Force exactly one round with the snapshot ``p0``, apply it to ``p1``; a later step, with no round
     finished, must leave the weights ``p2`` unchanged. Steps are ``opt.step()`` with no gradients (the
@@ -158,6 +164,7 @@ def one_round(seed: int, rank: int, group) -> dict:
     return result
 
 
+@scenario
 def abort_resume(seed: int, rank: int, group) -> dict:
     """Abort at staggered times on every rank, resume, abort on rank 0 only, resume and abort at once."""
     from bagua_torch.algorithms import AsyncModelAverageAlgorithm
@@ -207,6 +214,7 @@ def abort_resume(seed: int, rank: int, group) -> dict:
     return out
 
 
+@scenario
 def never_waits(rank: int, group, stall_s: float) -> dict:
     """Rank 1 stops stepping for ``stall_s`` seconds, which keeps rank 0's round in flight; rank 0 keeps
     stepping and times every ``opt.step()`` (where rounds are applied)."""
@@ -244,6 +252,7 @@ def never_waits(rank: int, group, stall_s: float) -> dict:
     return out
 
 
+@scenario
 def checkpoint(seed: int, rank: int, group) -> dict:
     """Warm-up of 5 steps interrupted after 3: the restored step counter keeps the gradient allreduce for
     exactly 2 more steps, and the weights equal an uninterrupted run's."""
@@ -284,6 +293,7 @@ def checkpoint(seed: int, rank: int, group) -> dict:
     return out
 
 
+@scenario
 def errors(rank: int, group) -> dict:
     import bagua_torch
     from bagua_torch.algorithms import AsyncModelAverageAlgorithm
@@ -306,32 +316,14 @@ def errors(rank: int, group) -> dict:
 # ----------------------------------------------------------------------------- the job
 
 
-def job(seed: int, scenarios: list[str]) -> dict:
+def job(seed: int, scenarios: list[Scenario], local_world_size: None = None) -> dict:
+    """``scenarios`` on this rank, in one process group (gloo, or the native MPI communicator under mpiexec)."""
     torch.set_num_threads(1)
     import bagua_torch
 
     group = bagua_torch.init_process_group(timeout=60)
-    rank, size = group.rank, group.size
-    out = {"rank": rank, "size": size, "native": group.native, "timings": {}}
-    for name in scenarios:
-        start = time.perf_counter()
-        if name == "warmup":
-            out[name] = train(seed, rank, group, 6, 6, 1, 0.0, compare_allreduce=True)
-        elif name == "train":
-            out[name] = train(seed, rank, group, 200, 5, 2, 0.002)
-        elif name == "one_round":
-            out[name] = one_round(seed, rank, group)
-        elif name == "abort_resume":
-            out[name] = abort_resume(seed, rank, group)
-        elif name == "never_waits":
-            out[name] = never_waits(rank, group, 1.5)
-        elif name == "checkpoint":
-            out[name] = checkpoint(seed, rank, group)
-        elif name == "errors":
-            out[name] = errors(rank, group)
-        else:
-            raise ValueError(name)
-        out["timings"][name] = time.perf_counter() - start
+    out = {"rank": group.rank, "size": group.size, "native": group.native}
+    out.update(scenario.run(scenarios, seed=seed, rank=group.rank, group=group))
     # Rank 0 hosts the store: no rank may exit while another still sets up a group through it.
     torch.distributed.barrier()
     return out
