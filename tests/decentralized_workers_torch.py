@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import io
 import os
-import time
 
 import torch
+from torch import nn
+
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
@@ -26,33 +27,9 @@ from gradient_allreduce_bytegrad_workers_torch import (
     params_of,
     setup,
 )
-from torch import nn
+from scenarios import Registry, Scenario
 
-
-def parse(scenario: str) -> tuple[str, dict]:
-    """``"dec:mode=shift_one,interval=2,hier=0"`` -> ``("dec", {"peer_selection_mode": "shift_one", ...})``."""
-    kind, _, rest = scenario.partition(":")
-    options: dict = {}
-    for item in filter(None, rest.split(",")):
-        key, value = item.split("=")
-        if key == "mode":
-            options["peer_selection_mode"] = value
-        elif key == "interval":
-            options["communication_interval"] = int(value)
-        elif key == "hier":
-            options["hierarchical"] = bool(int(value))
-        else:
-            raise ValueError(item)
-    return kind, options
-
-
-def make_algorithm(kind: str, options: dict):
-    from bagua_torch.algorithms.decentralized import (
-        DecentralizedAlgorithm,
-        LowPrecisionDecentralizedAlgorithm,
-    )
-
-    return DecentralizedAlgorithm(**options) if kind == "dec" else LowPrecisionDecentralizedAlgorithm(**options)
+scenario = Registry()
 
 
 def _copies(impl) -> dict:
@@ -61,17 +38,32 @@ def _copies(impl) -> dict:
     return {key: [t.numpy().copy() for t in getattr(impl, key)] for key in ("weights", "left", "right")}
 
 
-def train_run(seed: int, rank: int, scenario: str) -> dict:
+@scenario
+def decentralized(seed: int, rank: int, **options) -> dict:
+    """:func:`train_run` with ``DecentralizedAlgorithm(**options)``."""
+    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
+
+    return train_run(seed, rank, DecentralizedAlgorithm(**options))
+
+
+@scenario
+def low_precision_decentralized(seed: int, rank: int, **options) -> dict:
+    """:func:`train_run` with ``LowPrecisionDecentralizedAlgorithm(**options)``."""
+    from bagua_torch.algorithms.decentralized import LowPrecisionDecentralizedAlgorithm
+
+    return train_run(seed, rank, LowPrecisionDecentralizedAlgorithm(**options))
+
+
+def train_run(seed: int, rank: int, algorithm) -> dict:
     """STEPS steps of momentum SGD; the weights the optimizer starts from at each step (after a Decentralized
     average) and after it, the final weights, the bucket layout and the algorithm's copies."""
     import bagua_torch
 
-    kind, options = parse(scenario)
     model = make_mlp(seed + 1000 * (rank + 1))  # different on every rank: the wrap broadcasts rank 0's
     if rank == 0:
         model.load_state_dict(make_mlp(seed).state_dict())
     opt = make_optimizer(model)
-    wrapped = bagua_torch.with_bagua(model, [opt], make_algorithm(kind, options), bucket_bytes=SMALL_BUCKET)
+    wrapped = bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET)
     before = []  # registered after the wrapper's pre-hook, so it sees the averaged weights
     opt.register_step_pre_hook(lambda o, a, k: before.append(params_of(model)))
     after = []
@@ -89,6 +81,7 @@ def train_run(seed: int, rank: int, scenario: str) -> dict:
     return out
 
 
+@scenario
 def peers(rank: int, size: int) -> dict:
     """Which rank does shift_one pair this rank with? Weights set to the rank's index before each step, lr 0:
     after the step they are ``(rank + peer) / 2`` (exact), or ``rank`` on steps that do not communicate."""
@@ -116,6 +109,7 @@ def peers(rank: int, size: int) -> dict:
     return out
 
 
+@scenario
 def checkpoint(seed: int, rank: int) -> dict:
     """Save after 3 steps, continue 3; a fresh wrapped model loaded from the checkpoint continues identically, one
     that gets the weights but not the algorithm state does not."""
@@ -168,9 +162,11 @@ def _steps(wrapped, opt, seed: int, steps: range, rank: int) -> None:
         opt.step()
 
 
+@scenario
 def errors(rank: int) -> dict:
     """Configurations refused with a clear message on every rank (each call communicates only on wrap)."""
     import bagua_torch
+    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
 
     found = {}
     model = make_mlp(0)
@@ -182,7 +178,7 @@ def errors(rank: int) -> dict:
     # float64 is fine for full-precision averaging, in both modes (shift_one averages in torch, not the kernel).
     for mode in ("all", "shift_one"):
         wrapped = bagua_torch.with_bagua(double, [opt := make_optimizer(double)],
-                                         make_algorithm("dec", {"peer_selection_mode": mode}))
+                                         DecentralizedAlgorithm(peer_selection_mode=mode))
         for step in range(2):
             x, y = batch(0, step, rank)
             opt.zero_grad()
@@ -200,30 +196,15 @@ def errors(rank: int) -> dict:
     return found
 
 
-def job(seed: int, scenarios: list[str], local_world_size: int | None = None) -> dict:
-    """Every scenario on this rank (gloo under the python launcher, the native MPI communicator under mpiexec);
+def job(seed: int, scenarios: list[Scenario], local_world_size: int | None = None) -> dict:
+    """``scenarios`` on this rank (gloo under the python launcher, the native MPI communicator under mpiexec);
     ``local_world_size`` lays the ranks out as nodes of that many ranks."""
     kwargs = {}
     if local_world_size:
         rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")))
         kwargs = {"local_world_size": local_world_size, "local_rank": rank % local_world_size}
     group = setup(**kwargs)
-    rank, size = group.rank, group.size
-    out = {"rank": rank, "size": size, "native": group.native, "world": type(group.world).__name__,
+    out = {"rank": group.rank, "size": group.size, "native": group.native, "world": type(group.world).__name__,
            "hierarchical": group.communicators.hierarchical}
-    timings = {}
-    for name in scenarios:
-        start = time.perf_counter()
-        if name.startswith(("dec", "lowprec")):
-            out[name] = train_run(seed, rank, name)
-        elif name == "peers":
-            out[name] = peers(rank, size)
-        elif name == "checkpoint":
-            out[name] = checkpoint(seed, rank)
-        elif name == "errors":
-            out[name] = errors(rank)
-        else:
-            raise ValueError(name)
-        timings[name] = time.perf_counter() - start
-    out["timings"] = timings
+    out.update(scenario.run(scenarios, seed=seed, rank=group.rank, size=group.size))
     return out

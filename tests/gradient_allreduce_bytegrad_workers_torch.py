@@ -16,6 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
+from scenarios import Registry, Scenario
+
+scenario = Registry()
+
 STEPS = 4
 BATCH = 6
 SMALL_BUCKET = 1500  # bytes: the MLP below gets 3 buckets (see test_bucket_layout)
@@ -96,11 +100,11 @@ def _error(call) -> str:
 # ----------------------------------------------------------------------------- scenarios
 
 
+@scenario
 def ddp_equivalence(seed: int, rank: int) -> dict:
     """GradientAllReduce (with_bagua, both sync points, our DDP wrapper) against torch's DDP, same data and seed."""
-    import torch.distributed as dist
-
     import bagua_torch
+    import torch.distributed as dist
     from bagua_torch.algorithms import GradientAllReduceAlgorithm
 
     out = {}
@@ -158,14 +162,13 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
     return out
 
 
-def bytegrad_run(seed: int, rank: int, options: dict) -> dict:
-    """ByteGrad training for STEPS steps (``step=True``: sync_point="step"); returns the final parameters and the
-    bucket layout."""
+@scenario
+def bytegrad(seed: int, rank: int, sync_point: str = "backward", **options) -> dict:
+    """ByteGrad(**options) training for STEPS steps, waiting at ``sync_point``; returns the final parameters and
+    the bucket layout."""
     import bagua_torch
     from bagua_torch.algorithms import ByteGradAlgorithm
 
-    options = dict(options)
-    sync_point = "step" if options.pop("step", False) else "backward"
     model = make_mlp(seed)
     opt = make_optimizer(model)
     wrapped = bagua_torch.with_bagua(model, [opt], ByteGradAlgorithm(**options), bucket_bytes=SMALL_BUCKET,
@@ -177,6 +180,7 @@ def bytegrad_run(seed: int, rank: int, options: dict) -> dict:
     return {"params": params_of(model), "layout": layout, "losses": losses, "levels": levels is not None}
 
 
+@scenario
 def overlap(rank: int) -> dict:
     """Several large layers, one per bucket: when does each bucket launch, relative to the backward pass?"""
     import bagua_torch
@@ -234,6 +238,7 @@ def overlap(rank: int) -> dict:
             "swapped_grads": grads, "swapped_local": {n: p.grad.numpy().copy() for n, p in local.named_parameters()}}
 
 
+@scenario
 def no_sync(seed: int, rank: int) -> dict:
     """Two micro-batches (the first under no_sync) against one step on the concatenated batch."""
     import bagua_torch
@@ -281,11 +286,11 @@ class _Branchy(nn.Module):
         return self.head(h)
 
 
+@scenario
 def unused_parameters(rank: int, size: int) -> dict:
     """A branch used on rank 0 only and a layer used nowhere: no hang, zeros stand in for missing gradients."""
-    import torch.distributed as dist
-
     import bagua_torch
+    import torch.distributed as dist
 
     out = {}
     for sync_point in ("backward", "step"):
@@ -315,6 +320,7 @@ def unused_parameters(rank: int, size: int) -> dict:
     return out
 
 
+@scenario
 def checkpoint(seed: int, rank: int) -> dict:
     """ByteGrad with error feedback: save after 3 steps, continue 3; a fresh model loaded from the checkpoint
     continues identically; one that gets the weights but not the algorithm state does not."""
@@ -364,6 +370,7 @@ def checkpoint(seed: int, rank: int) -> dict:
             "residual_norm": residual_norm, "wrong_algorithm": wrong_algorithm}
 
 
+@scenario
 def errors(rank: int) -> dict:
     """Wrong inputs, each refused with a clear message on every rank (and nothing left hanging)."""
     import bagua_torch
@@ -406,46 +413,15 @@ def errors(rank: int) -> dict:
 # ----------------------------------------------------------------------------- jobs
 
 
-def job(seed: int, scenarios: list[str], local_world_size: int | None = None) -> dict:
-    """Every scenario in ``scenarios`` on this rank. Started by the python launcher, init_process_group uses gloo;
-    under mpiexec it picks the native MPI communicator. ``local_world_size`` lays the ranks out as nodes of that
-    many ranks (the harness sets LOCAL_RANK = RANK, so the local rank is passed too)."""
+def job(seed: int, scenarios: list[Scenario], local_world_size: int | None = None) -> dict:
+    """``scenarios`` on this rank. Started by the python launcher, init_process_group uses gloo; under mpiexec it
+    picks the native MPI communicator. ``local_world_size`` lays the ranks out as nodes of that many ranks (the
+    harness sets LOCAL_RANK = RANK, so the local rank is passed too)."""
     kwargs = {}
     if local_world_size:
         rank = int(os.environ["RANK"])
         kwargs = {"local_world_size": local_world_size, "local_rank": rank % local_world_size}
     group = setup(**kwargs)
-    return _scenarios(seed, scenarios, group)
-
-
-def _scenarios(seed: int, scenarios: list[str], group) -> dict:
-    rank, size = group.rank, group.size
-    out = {"rank": rank, "size": size, "native": group.native, "world": type(group.world).__name__}
-    timings = {}
-    for name in scenarios:
-        start = time.perf_counter()
-        if name == "ddp":
-            out[name] = ddp_equivalence(seed, rank)
-        elif name.startswith("bytegrad"):
-            # "bytegrad:hierarchical=0,error_feedback=1,average=1"
-            options = {}
-            if ":" in name:
-                for item in name.split(":", 1)[1].split(","):
-                    key, value = item.split("=")
-                    options[key] = bool(int(value))
-            out[name] = bytegrad_run(seed, rank, options)
-        elif name == "overlap":
-            out[name] = overlap(rank)
-        elif name == "no_sync":
-            out[name] = no_sync(seed, rank)
-        elif name == "unused":
-            out[name] = unused_parameters(rank, size)
-        elif name == "checkpoint":
-            out[name] = checkpoint(seed, rank)
-        elif name == "errors":
-            out[name] = errors(rank)
-        else:
-            raise ValueError(name)
-        timings[name] = time.perf_counter() - start
-    out["timings"] = timings
+    out = {"rank": group.rank, "size": group.size, "native": group.native, "world": type(group.world).__name__}
+    out.update(scenario.run(scenarios, seed=seed, rank=group.rank, size=group.size))
     return out

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import io
 import os
-import time
 
 import torch
+from torch import nn
+
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     batch,
@@ -20,7 +21,9 @@ from gradient_allreduce_bytegrad_workers_torch import (
     params_of,
     setup,
 )
-from torch import nn
+from scenarios import Registry, Scenario
+
+scenario = Registry()
 
 LR = 0.01
 BETAS = (0.9, 0.999)
@@ -88,6 +91,7 @@ def _error(call) -> str:
 # ----------------------------------------------------------------------------- scenarios
 
 
+@scenario
 def warmup(seed: int, rank: int, hierarchical: bool) -> dict:
     """Inside the warm-up, QAdam and 1-bit Adam (built by name) against GradientAllReduce (same hierarchy) +
     torch.optim.Adam(foreach=False): the very same averaged gradients, so the results must agree bit for bit."""
@@ -117,6 +121,7 @@ def warmup(seed: int, rank: int, hierarchical: bool) -> dict:
     return out
 
 
+@scenario
 def run(seed: int, rank: int, algo: str, hierarchical: bool) -> dict:
     """RUN_WARMUP warm-up steps then compressed ones: the state at the warm-up boundary, the final state, and what
     the test needs to simulate the compressed steps (bucket layout, residual sizes)."""
@@ -143,6 +148,7 @@ def run(seed: int, rank: int, algo: str, hierarchical: bool) -> dict:
     return out
 
 
+@scenario
 def checkpoint(seed: int, rank: int) -> dict:
     """Save inside the warm-up (step 2 of 3) and after it (step 4), continue to step 7; a fresh model and optimizer
     loaded from the checkpoint continue identically. For 1-bit Adam, loading the weights and the optimizer but not
@@ -188,6 +194,7 @@ def _resume(seed: int, rank: int, algo: str, warmup_steps: int, buffer: io.Bytes
     return {"params": params_of(fresh), "step_id": step_id}
 
 
+@scenario
 def errors(rank: int) -> dict:
     """Configurations refused when the model is wrapped (every rank makes the same calls)."""
     import bagua_torch
@@ -229,30 +236,13 @@ def errors(rank: int) -> dict:
 # ----------------------------------------------------------------------------- jobs
 
 
-def job(seed: int, scenarios: list[str], local_world_size: int | None = None) -> dict:
-    """Every scenario on this rank: "warmup:hier=0|1", "run:qadam|onebit_adam:hier=0|1", "checkpoint", "errors"."""
+def job(seed: int, scenarios: list[Scenario], local_world_size: int | None = None) -> dict:
+    """``scenarios`` on this rank; ``local_world_size`` lays the ranks out as nodes of that many ranks."""
     kwargs = {}
     if local_world_size:
         rank = int(os.environ["RANK"])
         kwargs = {"local_world_size": local_world_size, "local_rank": rank % local_world_size}
     group = setup(**kwargs)
-    rank, size = group.rank, group.size
-    out = {"rank": rank, "size": size, "world": type(group.world).__name__}
-    timings = {}
-    for name in scenarios:
-        start = time.perf_counter()
-        kind, *rest = name.split(":")
-        hierarchical = rest[-1] == "hier=1" if rest else True
-        if kind == "warmup":
-            out[name] = warmup(seed, rank, hierarchical)
-        elif kind == "run":
-            out[name] = run(seed, rank, rest[0], hierarchical)
-        elif kind == "checkpoint":
-            out[name] = checkpoint(seed, rank)
-        elif kind == "errors":
-            out[name] = errors(rank)
-        else:
-            raise ValueError(name)
-        timings[name] = time.perf_counter() - start
-    out["timings"] = timings
+    out = {"rank": group.rank, "size": group.size, "world": type(group.world).__name__}
+    out.update(scenario.run(scenarios, seed=seed, rank=group.rank))
     return out

@@ -111,8 +111,7 @@ class JobTable:
             self._results[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
         return self._results[name]
 
-    def cases(self, scenario: str | Scenario) -> list[tuple[str, Scenario]]:
-        """Every (job name, scenario) pair whose scenario is ``scenario`` or is called so."""
+    def _pairs(self, scenario: str | Scenario) -> list[tuple[str, Scenario]]:
         return [
             (name, s)
             for name, job in self.jobs.items()
@@ -120,6 +119,13 @@ class JobTable:
             if s == scenario or s.name == scenario
         ]
 
+    def cases(self, scenario: str | Scenario) -> list[Any]:
+        """For ``pytest.mark.parametrize("name,scenario", ...)``: every (job name, scenario) pair
+        whose scenario is ``scenario`` or is called so, with the test id ``name-label``."""
+        import pytest
+
+        return [pytest.param(name, s, id=f"{name}-{s.label}") for name, s in self._pairs(scenario)]
+
     def jobs_with(self, scenario: str | Scenario) -> list[str]:
         """The jobs that run ``scenario`` (or a scenario called so)."""
-        return list(dict.fromkeys(name for name, _ in self.cases(scenario)))
+        return list(dict.fromkeys(name for name, _ in self._pairs(scenario)))
