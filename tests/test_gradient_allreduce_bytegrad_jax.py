@@ -12,17 +12,12 @@ numerics can be compared exactly where they are deterministic.
 
 from __future__ import annotations
 
+import bagua_jax
 import jax
 import jax.numpy as jnp
-import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
-from multiprocess import run_ranks
-
-import bagua_jax
 from bagua_jax import LaxCommunicator
 from bagua_jax.algorithms.base import Communicators
 from bagua_jax.algorithms.bytegrad import ByteGrad, ByteGradState, bytegrad
@@ -31,6 +26,12 @@ from bagua_jax.algorithms.gradient_allreduce import (
     gradient_allreduce,
 )
 from bagua_jax.counting import CountingCommunicator
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import kernels_reference as ref
+from algorithms_reference import bytegrad_bucket, node_average_slices
+from multiprocess import run_ranks
 
 F32 = np.float32
 EPS = float(np.finfo(np.float32).eps)
@@ -92,37 +93,6 @@ def np_unflatten(buckets: list[np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def np_minmax_allreduce(xs: list[np.ndarray], residuals: list | None, average: bool):
-    """The ByteGrad pipeline among ``len(xs)`` ranks holding ``xs``: returns (the result every rank decodes, the new
-    residuals or None). Compress into k chunks, all-to-all the slots, decode-reduce, recompress one chunk, gather."""
-    k = len(xs)
-    m = xs[0].size // k
-    compressed = [ref.minmax_compress(x, k, None if residuals is None else residuals[r]) for r, x in enumerate(xs)]
-    slot = compressed[0][0].size // k
-    reduced_chunks = []
-    for r in range(k):
-        received = np.concatenate([packed[r * slot : (r + 1) * slot] for packed, _ in compressed])
-        mine = ref.decompress_reduce(received, m, k, "minmax_uint8", average)
-        reduced_chunks.append(ref.minmax_compress(mine, 1)[0])
-    result = ref.minmax_decompress(np.concatenate(reduced_chunks), k * m, k)
-    return result, None if residuals is None else [res for _, res in compressed]
-
-
-def np_intra_slices(buckets: list[np.ndarray], a: int, b: int) -> list[list[np.ndarray]]:
-    """``[i][j]``: slice j of node i's bucket averaged in float32 over its ``a`` ranks (world rank ``i*a + j``)."""
-    s = buckets[0].size // a
-    out = []
-    for i in range(b):
-        row = []
-        for j in range(a):
-            acc = np.zeros(s, F32)
-            for jj in range(a):
-                acc = (acc + buckets[i * a + jj][j * s : (j + 1) * s]).astype(F32)
-            row.append((acc / F32(a)).astype(F32))
-        out.append(row)
-    return out
-
-
 def np_bytegrad(grads: list[dict], residuals: list | None, *, hierarchical: bool, average: bool):
     """One ByteGrad step of all ranks. ``grads[r]`` is rank r's gradient dict, ``residuals[r][bucket]`` its
     error-feedback residuals (None: no error feedback). Returns (per-rank results, new residuals)."""
@@ -133,21 +103,8 @@ def np_bytegrad(grads: list[dict], residuals: list | None, *, hierarchical: bool
     for idx in range(len(BUCKETS)):
         buckets = [per_rank[r][idx] for r in range(n)]
         res = None if residuals is None else [residuals[r][idx] for r in range(n)]
-        if not hierarchical:
-            out, res = np_minmax_allreduce(buckets, res, average)
-            outs = [out] * n
-        else:
-            a, b = 2, n // 2
-            slices = np_intra_slices(buckets, a, b)
-            pieces, fed = [], [None] * n
-            for j in range(a):
-                group_res = None if res is None else [res[i * a + j] for i in range(b)]
-                piece, group_res = np_minmax_allreduce([slices[i][j] for i in range(b)], group_res, average)
-                pieces.append(piece if average else (piece * F32(a)).astype(F32))
-                for i in range(b):
-                    fed[i * a + j] = None if group_res is None else group_res[i]
-            outs = [np.concatenate(pieces)] * n
-            res = None if residuals is None else fed
+        out, res = bytegrad_bucket(buckets, res, local=2 if hierarchical else None, average=average)
+        outs = [out] * n
         for r in range(n):
             results[r].append(outs[r])
             if new_res is not None:
@@ -371,7 +328,7 @@ def test_bytegrad_matches_numpy_pipeline_exactly(rng, n, hierarchical, error_fee
                 buckets = [b[idx] for b in per_rank]
                 truth = np.stack(buckets).astype(np.float64).mean(0)
                 if hierarchical:
-                    slices = np_intra_slices(buckets, 2, n // 2)
+                    slices = node_average_slices(buckets, 2)
                     bound = np.concatenate([bytegrad_error_bound([row[j] for row in slices]) for j in range(2)])
                     bound += 4 * EPS * np.abs(truth).max()  # the float32 intra-node average
                 else:

@@ -27,7 +27,7 @@ from bagua_torch import algorithms
 from bagua_torch.algorithms import ByteGradAlgorithm, GradientAllReduceAlgorithm
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, make_buckets
 
-import kernels_reference as ref
+from algorithms_reference import bytegrad_bucket
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
@@ -273,45 +273,6 @@ def test_jobs_use_the_intended_communicators():
 # ============================================================================ ByteGrad vs a single-process simulation
 
 
-def np_minmax_allreduce(xs: list[np.ndarray], residuals: list[np.ndarray] | None, average: bool):
-    """The ByteGrad pipeline among len(xs) ranks, with the NumPy kernel reference: the result every rank decodes
-    and the new residuals (None without error feedback)."""
-    k = len(xs)
-    m = xs[0].size // k
-    compressed = [ref.minmax_compress(x, k, None if residuals is None else residuals[r]) for r, x in enumerate(xs)]
-    slot = compressed[0][0].size // k
-    chunks = []
-    for r in range(k):
-        received = np.concatenate([packed[r * slot : (r + 1) * slot] for packed, _ in compressed])
-        mine = ref.decompress_reduce(received, m, k, "minmax_uint8", average)
-        chunks.append(ref.minmax_compress(mine, 1)[0])
-    result = ref.minmax_decompress(np.concatenate(chunks), k * m, k)
-    return result, None if residuals is None else [res for _, res in compressed]
-
-
-def np_bytegrad_bucket(buckets: list[np.ndarray], residuals, *, local: int | None, average: bool):
-    """One bucket of ByteGrad over all ranks: flat, or hierarchical with ``local`` ranks per node."""
-    n = len(buckets)
-    if local is None:
-        return np_minmax_allreduce(buckets, residuals, average)
-    a, b = local, n // local
-    s = buckets[0].size // a
-    pieces, fed = [], [None] * n
-    for j in range(a):  # local rank j of each node: its slice, averaged over the node, exchanged between nodes
-        slices = []
-        for i in range(b):
-            acc = np.zeros(s, F32)
-            for jj in range(a):
-                acc = (acc + buckets[i * a + jj][j * s : (j + 1) * s]).astype(F32)
-            slices.append((acc / F32(a)).astype(F32))
-        group = None if residuals is None else [residuals[i * a + j] for i in range(b)]
-        piece, group = np_minmax_allreduce(slices, group, average)
-        pieces.append(piece if average else (piece * F32(a)).astype(F32))
-        for i in range(b):
-            fed[i * a + j] = None if group is None else group[i]
-    return np.concatenate(pieces), (None if residuals is None else fed)
-
-
 def bytegrad_reference(seed: int, n: int, layout, *, local: int | None, error_feedback: bool, average: bool):
     """All n ranks in one process: plain torch gradients and SGD, the NumPy reference pipeline in between."""
     threads = torch.get_num_threads()
@@ -335,7 +296,7 @@ def bytegrad_reference(seed: int, n: int, layout, *, local: int | None, error_fe
                 for r in range(n):
                     flat = np.concatenate([grads[r][name] for name in names])
                     flats.append(np.concatenate([flat, np.zeros(size - flat.size, F32)]))
-                result, new = np_bytegrad_bucket(
+                result, new = bytegrad_bucket(
                     flats, [residuals[r][idx] for r in range(n)] if error_feedback else None, local=local,
                     average=average)
                 if error_feedback:
