@@ -66,3 +66,19 @@ def node_average_slices(buckets: list[np.ndarray], local: int) -> list[list[np.n
             row.append((acc / F32(local)).astype(F32))
         out.append(row)
     return out
+
+
+def low_precision_ring_round(xs, ws, lefts, rights):
+    """One LowPrecisionDecentralized round among the ``len(xs)`` ranks of a ring, on float32 arrays:
+    rank r's local weights ``xs[r]``, its copies ``ws[r]`` of its own weights and ``lefts[r]``,
+    ``rights[r]`` of its neighbours'. Each rank sends its 8-bit compressed difference; returns the
+    new (weights = copies of its own, left copies, right copies) per rank."""
+    n, m = len(xs), xs[0].size
+    decoded = [
+        ref.minmax_decompress(ref.minmax_compress(ref.lowprec_decentralized_diff(x, w, left, right), 1)[0], m, 1)
+        for x, w, left, right in zip(xs, ws, lefts, rights)
+    ]
+    new_w = [(ws[r] + decoded[r]).astype(F32) for r in range(n)]
+    new_left = [(lefts[r] + decoded[(r - 1) % n]).astype(F32) for r in range(n)]
+    new_right = [(rights[r] + decoded[(r + 1) % n]).astype(F32) for r in range(n)]
+    return new_w, new_left, new_right

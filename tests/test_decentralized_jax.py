@@ -19,17 +19,12 @@ from __future__ import annotations
 
 import pickle
 
+import bagua_jax
 import jax
 import jax.numpy as jnp
-import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-from multiprocess import run_ranks
-
-import bagua_jax
 from bagua_jax import ops
 from bagua_jax.algorithms.base import Communicators
 from bagua_jax.algorithms.decentralized import (
@@ -43,6 +38,12 @@ from bagua_jax.algorithms.low_precision_decentralized import (
     low_precision_decentralized,
 )
 from bagua_jax.lax_communicator import LaxCommunicator
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import kernels_reference as ref
+from algorithms_reference import low_precision_ring_round
+from multiprocess import run_ranks
 
 F32 = np.float32
 LR = 0.1
@@ -199,17 +200,12 @@ def reference_low_precision(
         for i in range(len(buckets)):
             length = flat[0][i].size // slices
             own = [slice((r % slices) * length, (r % slices + 1) * length) for r in range(n)]
-            decoded = []
-            for r in range(n):
-                z = ref.lowprec_decentralized_diff(
-                    flat[r][i][own[r]], w[r][i][own[r]], left[r][i][own[r]], right[r][i][own[r]]
-                )
-                packed, _ = ref.minmax_compress(z, 1)
-                decoded.append(ref.minmax_decompress(packed, z.size, 1))
-            for r in range(n):
-                left[r][i][own[r]] = left[r][i][own[r]] + decoded[(r - stride) % n]
-                right[r][i][own[r]] = right[r][i][own[r]] + decoded[(r + stride) % n]
-                w[r][i][own[r]] = w[r][i][own[r]] + decoded[r]
+            for j in range(slices):  # local rank j of every node: a ring over the nodes on slice j
+                ring = list(range(j, n, stride))
+                new = low_precision_ring_round(*([c[r][i][own[r]] for r in ring] for c in (flat, w, left, right)))
+                for copies, values in zip((w, left, right), new):
+                    for r, value in zip(ring, values):
+                        copies[r][i][own[r]] = value
             for r in range(n):  # the node's weights: every local rank's slice
                 for j in range(slices):
                     owner = r - r % slices + j

@@ -34,6 +34,7 @@ from bagua_torch.algorithms.decentralized import (
 from bagua_torch.bucketing import make_buckets
 
 import kernels_reference as ref
+from algorithms_reference import low_precision_ring_round
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
@@ -160,17 +161,6 @@ def decentralized_reference(seed: int, n: int, mode: str, interval: int, local: 
     return before, after
 
 
-def ring_round(xs, ws, ls, rs):
-    """One LowPrecisionDecentralized round among len(xs) ranks on float32 arrays: new x (= new w), L, R."""
-    n, m = len(xs), xs[0].size
-    decoded = [ref.minmax_decompress(ref.minmax_compress(ref.lowprec_decentralized_diff(x, w, lft, rgt), 1)[0], m, 1)
-               for x, w, lft, rgt in zip(xs, ws, ls, rs)]
-    new_x = [(ws[r] + decoded[r]).astype(F32) for r in range(n)]
-    new_l = [(ls[r] + decoded[(r - 1) % n]).astype(F32) for r in range(n)]
-    new_r = [(rs[r] + decoded[(r + 1) % n]).astype(F32) for r in range(n)]
-    return new_x, new_l, new_r
-
-
 def pad_rows(x: np.ndarray, k: int) -> np.ndarray:
     return np.concatenate([x, np.zeros(-x.size % k, F32)]).reshape(k, -1)
 
@@ -195,7 +185,7 @@ def lowprec_reference(seed: int, n: int, interval: int, layout, local: int | Non
             for b, (names, numel, _) in enumerate(layout):
                 xs = [flats(params[r], names) for r in range(n)]
                 if local is None:
-                    new = ring_round(xs, *([copies[c][r][b] for r in range(n)] for c in range(3)))
+                    new = low_precision_ring_round(xs, *([copies[c][r][b] for r in range(n)] for c in range(3)))
                     for c in range(3):
                         for r in range(n):
                             copies[c][r][b] = new[c][r]
@@ -209,7 +199,7 @@ def lowprec_reference(seed: int, n: int, interval: int, layout, local: int | Non
                         for j in range(k):
                             members = [i * k + j for i in range(nodes)]
                             own = [[pad_rows(copies[c][r][b], k)[j] for r in members] for c in range(3)]
-                            new = ring_round([node_rows[i][j] for i in range(nodes)], *own)
+                            new = low_precision_ring_round([node_rows[i][j] for i in range(nodes)], *own)
                             for c in range(3):
                                 for i, r in enumerate(members):
                                     full = pad_rows(copies[c][r][b], k)
