@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from async_model_average_reference import DIM, LR, batch, rank_params
-from scenarios import Registry, Scenario
+from scenarios import Registry, Scenario, raised
 
 scenario = Registry()
 
@@ -68,14 +68,6 @@ def set_params(model: nn.Module, values: dict) -> None:
 
 def params_np(model: nn.Module) -> dict:
     return {name: p.detach().float().numpy().copy() for name, p in model.named_parameters()}
-
-
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 (reported to the test)
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -190,7 +182,7 @@ def abort_resume(seed: int, rank: int, group) -> dict:
     out["a"] = (impl.rounds, impl.running)
     steps(20)  # no rounds while aborted
     out["a_after_steps"] = impl.rounds
-    out["resume_twice"] = _error(lambda: (impl.resume(), impl.resume()))
+    out["resume_twice"] = raised(lambda: (impl.resume(), impl.resume()))
 
     steps(100)
     if rank == 0:
@@ -288,7 +280,7 @@ def checkpoint(seed: int, rank: int, group) -> dict:
     out["hooks"].append(impl.need_gradient_hooks)
     out["running"].append(impl.running)
     out["resumed"], out["straight"] = flat(model), straight
-    out["bad_state"] = [_error(lambda s=s: impl.load_state_dict(s)) for s in ({"steps": -1}, {"steps": 1, "x": 2}, {})]
+    out["bad_state"] = [raised(lambda s=s: impl.load_state_dict(s)) for s in ({"steps": -1}, {"steps": 1, "x": 2}, {})]
     wrapped.close()
     return out
 
@@ -300,14 +292,14 @@ def errors(rank: int, group) -> dict:
 
     out = {}
     model = Linear()
-    out["no_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], "async", process_group=group))
+    out["no_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], "async", process_group=group))
     model64 = Linear().double()
     opt = torch.optim.SGD(model64.parameters(), lr=LR)
-    out["float64"] = _error(lambda: wrap(model64, opt, "async", group))
+    out["float64"] = raised(lambda: wrap(model64, opt, "async", group))
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     wrapped = wrap(model, opt, AsyncModelAverageAlgorithm(warmup_steps=2), group)
-    out["resume_running"] = _error(wrapped.algorithm_impl.resume)
+    out["resume_running"] = raised(wrapped.algorithm_impl.resume)
     wrapped.close()
     wrapped.close()  # idempotent
     return out

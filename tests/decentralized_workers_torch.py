@@ -19,7 +19,6 @@ from torch import nn
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
-    _error,
     batch,
     loss_fn,
     make_mlp,
@@ -27,7 +26,7 @@ from gradient_allreduce_bytegrad_workers_torch import (
     params_of,
     setup,
 )
-from scenarios import Registry, Scenario
+from scenarios import Registry, Scenario, raised
 
 scenario = Registry()
 
@@ -170,10 +169,10 @@ def errors(rank: int) -> dict:
 
     found = {}
     model = make_mlp(0)
-    found["dec_no_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], "decentralized"))
-    found["lowprec_no_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], "low_precision_decentralized"))
+    found["dec_no_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], "decentralized"))
+    found["lowprec_no_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], "low_precision_decentralized"))
     double = make_mlp(0, torch.float64)
-    found["lowprec_float64"] = _error(
+    found["lowprec_float64"] = raised(
         lambda: bagua_torch.with_bagua(double, [make_optimizer(double)], "low_precision_decentralized"))
     # float64 is fine for full-precision averaging, in both modes (shift_one averages in torch, not the kernel).
     for mode in ("all", "shift_one"):
@@ -191,7 +190,7 @@ def errors(rank: int) -> dict:
                                      bucket_bytes=SMALL_BUCKET)
     state = wrapped.algorithm_impl.state_dict()
     state["left"] = state["left"][:-1]
-    found["lowprec_bad_state"] = _error(lambda: wrapped.algorithm_impl.load_state_dict(state))
+    found["lowprec_bad_state"] = raised(lambda: wrapped.algorithm_impl.load_state_dict(state))
     wrapped.close()
     return found
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from scenarios import Registry, Scenario
+from scenarios import Registry, Scenario, raised
 
 scenario = Registry()
 
@@ -87,14 +87,6 @@ def _train(model, optimizer, seed: int, steps: range, rank: int) -> list[float]:
         optimizer.step()
         losses.append(float(loss))
     return losses
-
-
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 (reported to the test)
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -364,7 +356,7 @@ def checkpoint(seed: int, rank: int) -> dict:
     wo = bagua_torch.with_bagua(other, [make_optimizer(other)], "gradient_allreduce", bucket_bytes=SMALL_BUCKET)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)
-    wrong_algorithm = _error(lambda: wo.load_state_dict(saved["model"]))
+    wrong_algorithm = raised(lambda: wo.load_state_dict(saved["model"]))
     wo.close()
     return {"continued": continued, "resumed": resumed, "without_state": without_state, "keys": keys,
             "residual_norm": residual_norm, "wrong_algorithm": wrong_algorithm}
@@ -379,30 +371,30 @@ def errors(rank: int) -> dict:
     found = {}
     model = make_mlp(0)
     opt = make_optimizer(model)
-    found["not_module"] = _error(lambda: bagua_torch.with_bagua("model", [opt], "bytegrad"))
-    found["unknown_algorithm"] = _error(lambda: bagua_torch.with_bagua(model, [opt], "bytegrade"))
-    found["bad_bucket"] = _error(lambda: bagua_torch.with_bagua(model, [opt], bucket_bytes=0))
-    found["bad_sync_point"] = _error(lambda: bagua_torch.with_bagua(model, [opt], sync_point="later"))
-    found["step_without_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], sync_point="step"))
-    found["not_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, ["sgd"]))
-    found["ddp_dim"] = _error(lambda: bagua_torch.DistributedDataParallel(model, dim=1))
-    found["ddp_device"] = _error(lambda: bagua_torch.DistributedDataParallel(model, device_ids=[0]))
+    found["not_module"] = raised(lambda: bagua_torch.with_bagua("model", [opt], "bytegrad"))
+    found["unknown_algorithm"] = raised(lambda: bagua_torch.with_bagua(model, [opt], "bytegrade"))
+    found["bad_bucket"] = raised(lambda: bagua_torch.with_bagua(model, [opt], bucket_bytes=0))
+    found["bad_sync_point"] = raised(lambda: bagua_torch.with_bagua(model, [opt], sync_point="later"))
+    found["step_without_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], sync_point="step"))
+    found["not_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, ["sgd"]))
+    found["ddp_dim"] = raised(lambda: bagua_torch.DistributedDataParallel(model, dim=1))
+    found["ddp_device"] = raised(lambda: bagua_torch.DistributedDataParallel(model, device_ids=[0]))
     # Below, each call communicates; every rank makes the same calls.
     double = make_mlp(0, torch.float64)
-    found["bytegrad_float64"] = _error(lambda: bagua_torch.with_bagua(double, [], "bytegrad"))
+    found["bytegrad_float64"] = raised(lambda: bagua_torch.with_bagua(double, [], "bytegrad"))
     different = make_mlp(0) if rank == 0 else nn.Sequential(nn.Linear(10, 31), nn.Tanh(), nn.Linear(31, 3))
-    found["different_models"] = _error(lambda: bagua_torch.with_bagua(different, []))
-    found["different_algorithms"] = _error(
+    found["different_models"] = raised(lambda: bagua_torch.with_bagua(different, []))
+    found["different_algorithms"] = raised(
         lambda: bagua_torch.with_bagua(model, [], ByteGradAlgorithm(hierarchical=rank == 0)))
     wrapped = bagua_torch.with_bagua(model, [opt], sync_point="step")
-    found["wrap_twice"] = _error(lambda: bagua_torch.with_bagua(wrapped, [opt]))
+    found["wrap_twice"] = raised(lambda: bagua_torch.with_bagua(wrapped, [opt]))
     x, y = batch(0, 0, rank)
     loss_fn(wrapped, x, y).backward()
 
     def second_backward():
         loss_fn(wrapped.module, x, y).backward()
 
-    found["second_backward"] = _error(second_backward)
+    found["second_backward"] = raised(second_backward)
     wrapped.wait_gradients()
     opt.step()
     found["after_errors_still_works"] = _train(wrapped, opt, 0, range(2), rank)

@@ -21,7 +21,7 @@ from gradient_allreduce_bytegrad_workers_torch import (
     params_of,
     setup,
 )
-from scenarios import Registry, Scenario
+from scenarios import Registry, Scenario, raised
 
 scenario = Registry()
 
@@ -78,14 +78,6 @@ def opt_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
         s = opt.state[p]
         out[name] = (float(s["step"]), s["exp_avg"].numpy().copy(), s["exp_avg_sq"].numpy().copy())
     return out
-
-
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 (reported to the test)
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 # ----------------------------------------------------------------------------- scenarios
@@ -203,22 +195,22 @@ def errors(rank: int) -> dict:
     found = {}
     model = make_mlp(0)
     opt = QAdamOptimizer(model.parameters(), warmup_steps=1)
-    found["optimizer_not_wrapped"] = _error(lambda: bagua_torch.with_bagua(model, [], QAdamAlgorithm(opt)))
+    found["optimizer_not_wrapped"] = raised(lambda: bagua_torch.with_bagua(model, [], QAdamAlgorithm(opt)))
     other = QAdamOptimizer(make_mlp(0).parameters())
-    found["optimizer_of_other_model"] = _error(lambda: bagua_torch.with_bagua(model, [other], QAdamAlgorithm(other)))
+    found["optimizer_of_other_model"] = raised(lambda: bagua_torch.with_bagua(model, [other], QAdamAlgorithm(other)))
     partial = QAdamOptimizer(list(model.parameters())[:2])
-    found["optimizer_with_some_parameters"] = _error(
+    found["optimizer_with_some_parameters"] = raised(
         lambda: bagua_torch.with_bagua(model, [partial], QAdamAlgorithm(partial)))
     double = make_mlp(0, torch.float64)
     dopt = QAdamOptimizer(double.parameters())
-    found["float64"] = _error(lambda: bagua_torch.with_bagua(double, [dopt], QAdamAlgorithm(dopt)))
-    found["by_name_without_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [opt], "qadam"))
+    found["float64"] = raised(lambda: bagua_torch.with_bagua(double, [dopt], QAdamAlgorithm(dopt)))
+    found["by_name_without_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [opt], "qadam"))
 
     # A 1-bit Adam checkpoint whose residuals do not fit this model.
     wrapped, _ = _wrap("onebit_adam", make_mlp(0), 1)
     state = wrapped.state_dict()
     state["_extra_state"]["algorithm_state"]["server_residuals"][0] = torch.zeros(3)
-    found["bad_residuals"] = _error(lambda: wrapped.load_state_dict(state))
+    found["bad_residuals"] = raised(lambda: wrapped.load_state_dict(state))
     wrapped.close()
 
     # After the warm-up, stepping outside the wrapper (hooks removed by close()) is refused.
@@ -229,7 +221,7 @@ def errors(rank: int) -> dict:
     x, y = batch(0, 9, rank)
     opt.zero_grad()
     loss_fn(model, x, y).backward()
-    found["step_without_algorithm"] = _error(opt.step)
+    found["step_without_algorithm"] = raised(opt.step)
     return found
 
 

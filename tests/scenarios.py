@@ -67,6 +67,15 @@ class Registry:
         return out
 
 
+def raised(call: Callable[[], Any]) -> str:
+    """What ``call()`` raised, as ``"Type: message"`` for a test to check, or ``"no error"``."""
+    try:
+        call()
+    except Exception as error:  # noqa: BLE001 (reported to the test)
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 @dataclass(frozen=True)
 class Job:
     """One multi-process run: ``ranks`` processes started by ``launcher``, running ``scenarios``;
