@@ -136,9 +136,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import _common
+import numpy as np
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
@@ -314,6 +313,7 @@ class NativeJaxEngine(Engine):
         super().__init__(device, ranks, timeout)
         import jax
         import jax.numpy as jnp
+
         from bagua_jax.native_communicator import NativeCommunicator
 
         if device == "gpu":
@@ -362,9 +362,10 @@ class LaxEngine(Engine):
     def __init__(self, device: str, ranks: int, timeout: float) -> None:
         super().__init__(device, ranks, timeout)
         import jax
-        from bagua_jax import LaxCommunicator
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
+
+        from bagua_jax import LaxCommunicator
 
         if ranks > 1:
             rank = int(os.environ["RANK"])
@@ -436,6 +437,7 @@ class TorchEngine(Engine):
 
         import torch
         import torch.distributed as dist
+
         from bagua_torch import NativeCommunicator, ProcessGroupCommunicator
 
         warnings.filterwarnings("ignore", category=FutureWarning)  # reduce_scatter_tensor's deprecation

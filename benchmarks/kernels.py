@@ -87,12 +87,12 @@ except ImportError:  # not on Windows; page faults are then reported as 0
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to torch too
 
+import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
-from bagua_jax import ops as bagua_ops
 
-import _common
+from bagua_jax import ops as bagua_ops
 
 MIB = 1 << 20
 GB = 1e9

@@ -96,9 +96,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 import _common
+import numpy as np
 
 FRAMEWORKS = ("jax", "torch")
 MODELS = ("mlp", "cnn")
@@ -329,10 +328,11 @@ def _jax_bagua_setup(args: argparse.Namespace, rank: int, size: int, loss_fn, pa
     import jax
     import jax.numpy as jnp
     import optax
+    from jax.sharding import Mesh
+
     from bagua_jax import NativeCommunicator
     from bagua_jax.algorithms import AsyncModelAverage, make_algorithm
     from bagua_jax.trainer import DataParallel
-    from jax.sharding import Mesh
 
     name, options = algorithm_spec(args.algorithm)
     if name in ADAM_ALGORITHMS:

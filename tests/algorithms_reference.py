@@ -8,9 +8,8 @@ algorithm.
 
 from __future__ import annotations
 
-import numpy as np
-
 import kernels_reference as ref
+import numpy as np
 
 F32 = np.float32
 

@@ -12,10 +12,9 @@ import time
 
 import numpy as np
 import torch
-from torch import nn
-
 from async_model_average_reference import DIM, LR, batch, rank_params
 from scenarios import Registry, Scenario, raised
+from torch import nn
 
 scenario = Registry()
 

@@ -173,6 +173,7 @@ def every_primitive(engine: str, seed: int) -> dict:
     x = data["x"]
     if engine == "gloo":
         import torch.distributed as dist
+
         from bagua_torch import ProcessGroupCommunicator
 
         groups = [dist.new_group([r for r in range(size) if r % 2 == p]) for p in (0, 1)]

@@ -11,11 +11,10 @@ from __future__ import annotations
 import os
 import time
 
+import digits
 import numpy as np
 import torch
 from torch import nn
-
-import digits
 
 STEPS, BATCH, LR = 300, 128, 3e-3
 WARMUP = 50  # QAdam, 1-bit Adam and async: steps of full-precision gradient allreduce first

@@ -14,8 +14,6 @@ import io
 import os
 
 import torch
-from torch import nn
-
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
@@ -27,6 +25,7 @@ from gradient_allreduce_bytegrad_workers_torch import (
     setup,
 )
 from scenarios import Registry, Scenario, raised
+from torch import nn
 
 scenario = Registry()
 

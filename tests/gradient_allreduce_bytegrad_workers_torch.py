@@ -14,9 +14,8 @@ import time
 
 import numpy as np
 import torch
-from torch import nn
-
 from scenarios import Registry, Scenario, raised
+from torch import nn
 
 scenario = Registry()
 
@@ -95,8 +94,9 @@ def _train(model, optimizer, seed: int, steps: range, rank: int) -> list[float]:
 @scenario
 def ddp_equivalence(seed: int, rank: int) -> dict:
     """GradientAllReduce (with_bagua, both sync points, our DDP wrapper) against torch's DDP, same data and seed."""
-    import bagua_torch
     import torch.distributed as dist
+
+    import bagua_torch
     from bagua_torch.algorithms import GradientAllReduceAlgorithm
 
     out = {}
@@ -281,8 +281,9 @@ class _Branchy(nn.Module):
 @scenario
 def unused_parameters(rank: int, size: int) -> dict:
     """A branch used on rank 0 only and a layer used nowhere: no hang, zeros stand in for missing gradients."""
-    import bagua_torch
     import torch.distributed as dist
+
+    import bagua_torch
 
     out = {}
     for sync_point in ("backward", "step"):

@@ -11,12 +11,9 @@ options as Python values (pickled to the ranks); its result is keyed by :attr:`S
 from __future__ import annotations
 
 import inspect
-import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 
@@ -90,8 +87,9 @@ class Job:
 def has_mpi(build_info: dict[str, Any]) -> bool:
     """Whether jobs under mpiexec can run: the native engine was built with MPI (``build_info``
     of the front end) and an mpiexec is beside this interpreter or on PATH."""
-    beside = (Path(sys.executable).parent / "mpiexec").exists()
-    return bool(build_info.get("mpi")) and (beside or shutil.which("mpiexec") is not None)
+    from multiprocess import has_mpiexec
+
+    return bool(build_info.get("mpi")) and has_mpiexec()
 
 
 class JobTable:
@@ -107,7 +105,6 @@ class JobTable:
         the test when the job needs MPI and there is none."""
         import numpy as np
         import pytest
-
         from multiprocess import run_ranks
 
         if name not in self._results:

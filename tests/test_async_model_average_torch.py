@@ -19,16 +19,9 @@ drift apart. The tests check:
 
 from __future__ import annotations
 
-import bagua_torch
 import ml_dtypes
 import numpy as np
 import pytest
-from bagua_torch.algorithms import (
-    AsyncModelAverageAlgorithm,
-    algorithm_class,
-    get_algorithm,
-)
-
 from async_model_average_reference import (
     check_averaged_training,
     numpy_sgd,
@@ -36,6 +29,13 @@ from async_model_average_reference import (
 )
 from kernels_reference import async_average as async_average_reference
 from scenarios import Job, JobTable, Scenario, has_mpi
+
+import bagua_torch
+from bagua_torch.algorithms import (
+    AsyncModelAverageAlgorithm,
+    algorithm_class,
+    get_algorithm,
+)
 
 F32_EPS = float(np.finfo(np.float32).eps)
 

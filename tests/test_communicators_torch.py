@@ -8,28 +8,20 @@ the tests below check different aspects of that one run.
 
 from __future__ import annotations
 
-import shutil
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 from communicators_workers_torch import EXTRA_DTYPES, OPS, rank_data
 from multiprocess import run_ranks
+from scenarios import has_mpi
 
 import bagua_torch
-
-
-def _has_mpiexec() -> bool:
-    return (Path(sys.executable).parent / "mpiexec").exists() or shutil.which("mpiexec") is not None
-
 
 ENGINES = {
     "gloo": {"launcher": "python", "skip": None},
     "mpi": {
         "launcher": "mpiexec",
         "skip": None
-        if bagua_torch.build_info().get("mpi") and _has_mpiexec()
+        if has_mpi(bagua_torch.build_info())
         else "built without the MPI engine, or no mpiexec",
     },
 }

@@ -19,12 +19,18 @@ from __future__ import annotations
 
 import pickle
 
-import bagua_jax
 import jax
 import jax.numpy as jnp
+import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
+from algorithms_reference import low_precision_ring_round
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+from multiprocess import run_ranks
+
+import bagua_jax
 from bagua_jax import ops
 from bagua_jax.algorithms.base import Communicators
 from bagua_jax.algorithms.decentralized import (
@@ -38,12 +44,6 @@ from bagua_jax.algorithms.low_precision_decentralized import (
     low_precision_decentralized,
 )
 from bagua_jax.lax_communicator import LaxCommunicator
-from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
-
-import kernels_reference as ref
-from algorithms_reference import low_precision_ring_round
-from multiprocess import run_ranks
 
 F32 = np.float32
 LR = 0.1

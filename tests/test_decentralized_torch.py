@@ -20,20 +20,10 @@ for the averaging, tests/kernels_reference.py for the compression kernels) and c
 
 from __future__ import annotations
 
-import bagua_torch
+import kernels_reference as ref
 import numpy as np
 import pytest
 import torch
-from bagua_torch import algorithms
-from bagua_torch.algorithms.base import AlgorithmContext, Communicators
-from bagua_torch.algorithms.decentralized import (
-    DecentralizedAlgorithm,
-    LowPrecisionDecentralizedAlgorithm,
-    shift_one_peer,
-)
-from bagua_torch.bucketing import make_buckets
-
-import kernels_reference as ref
 from algorithms_reference import low_precision_ring_round
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
@@ -44,6 +34,16 @@ from gradient_allreduce_bytegrad_workers_torch import (
     make_optimizer,
 )
 from scenarios import Job, JobTable, Scenario, has_mpi
+
+import bagua_torch
+from bagua_torch import algorithms
+from bagua_torch.algorithms.base import AlgorithmContext, Communicators
+from bagua_torch.algorithms.decentralized import (
+    DecentralizedAlgorithm,
+    LowPrecisionDecentralizedAlgorithm,
+    shift_one_peer,
+)
+from bagua_torch.bucketing import make_buckets
 
 F32 = np.float32
 

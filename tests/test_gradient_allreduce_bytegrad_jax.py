@@ -12,12 +12,18 @@ numerics can be compared exactly where they are deterministic.
 
 from __future__ import annotations
 
-import bagua_jax
 import jax
 import jax.numpy as jnp
+import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
+from algorithms_reference import bytegrad_bucket, node_average_slices
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+from multiprocess import run_ranks
+
+import bagua_jax
 from bagua_jax import LaxCommunicator
 from bagua_jax.algorithms.base import Communicators
 from bagua_jax.algorithms.bytegrad import ByteGrad, ByteGradState, bytegrad
@@ -26,12 +32,6 @@ from bagua_jax.algorithms.gradient_allreduce import (
     gradient_allreduce,
 )
 from bagua_jax.counting import CountingCommunicator
-from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
-
-import kernels_reference as ref
-from algorithms_reference import bytegrad_bucket, node_average_slices
-from multiprocess import run_ranks
 
 F32 = np.float32
 EPS = float(np.finfo(np.float32).eps)

@@ -19,14 +19,9 @@ from __future__ import annotations
 
 import copy
 
-import bagua_torch
 import numpy as np
 import pytest
 import torch
-from bagua_torch import algorithms
-from bagua_torch.algorithms import ByteGradAlgorithm, GradientAllReduceAlgorithm
-from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, make_buckets
-
 from algorithms_reference import bytegrad_bucket
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
@@ -38,6 +33,11 @@ from gradient_allreduce_bytegrad_workers_torch import (
     make_optimizer,
 )
 from scenarios import Job, JobTable, Scenario, has_mpi
+
+import bagua_torch
+from bagua_torch import algorithms
+from bagua_torch.algorithms import ByteGradAlgorithm, GradientAllReduceAlgorithm
+from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, make_buckets
 
 F32 = np.float32
 

@@ -22,15 +22,9 @@ through the native MPI communicator (2 x 2). The tests check:
 
 from __future__ import annotations
 
-import bagua_torch
 import numpy as np
 import pytest
 import torch
-from bagua_torch import ops
-from bagua_torch.algorithms import algorithm_class, get_algorithm
-from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
-from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
-
 from gradient_allreduce_bytegrad_workers_torch import batch, loss_fn, make_mlp
 from qadam_onebit_workers_torch import (
     BETAS,
@@ -42,6 +36,12 @@ from qadam_onebit_workers_torch import (
     WARMUP_STEPS,
 )
 from scenarios import Job, JobTable, Scenario, has_mpi
+
+import bagua_torch
+from bagua_torch import ops
+from bagua_torch.algorithms import algorithm_class, get_algorithm
+from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
+from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
 
 def warmup(hierarchical: bool) -> Scenario:
