@@ -68,7 +68,7 @@ broadcast timed per call from a barrier took ~0.8 ms on the non-root rank, ~35 u
 to back).
 
 On CPU every worker first asks glibc to keep freed memory for reuse (as
-benchmarks/kernels.py does, see ``retain_freed_memory``) so that every engine reuses
+benchmarks/kernels.py does, see ``_common.retain_freed_memory``) so that every engine reuses
 its output buffers instead of faulting in fresh pages for each call; ``--fresh-pages``
 keeps glibc's default. ``OMP_NUM_THREADS`` is set to the cores per rank (at least 1,
 as torchrun does) unless already set: with every rank's torch using all the cores,
@@ -118,9 +118,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import ctypes
-import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -128,7 +125,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -140,6 +136,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _common
 import numpy as np
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -575,7 +572,7 @@ def run_worker(args: argparse.Namespace) -> None:
     """One rank of one engine: measure every primitive and size, appending JSON lines to the
     result file (rank 0 its measurements, every rank its errors); does not return."""
     if args.device == "cpu" and not args.fresh_pages:
-        retain_freed_memory()
+        _common.retain_freed_memory()
     engine = make_engine(args.worker, args.device, args.ranks, args.comm_timeout)
     if engine.size != args.ranks:
         raise RuntimeError(f"{engine.name}: {engine.size} ranks, expected {args.ranks}")
@@ -618,28 +615,7 @@ def run_worker(args: argparse.Namespace) -> None:
     os._exit(0)
 
 
-def retain_freed_memory() -> bool:
-    """Ask glibc to keep freed memory mapped for reuse; False where that is not possible.
-
-    The same settings as benchmarks/kernels.py's ``retain_freed_memory``: one arena, no
-    ``mmap`` for large blocks and no trimming, so a freed output buffer is reused by the
-    next call of the same size instead of every call faulting in and zeroing fresh pages.
-    Called before JAX or torch start their threads.
-    """
-    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    settings = ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, -1))
-    return all(libc.mallopt(param, value) == 1 for param, value in settings)
-
-
 # --------------------------------------------------------------------------- launching
-
-def _cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
 
 def intra_op_threads(ranks: int) -> int:
     """OpenMP threads per rank: the cores shared out among the ranks, at least one (as torchrun does).
@@ -648,22 +624,7 @@ def intra_op_threads(ranks: int) -> int:
     so with every rank using all the cores they starve the other ranks' communication
     threads: on 2 cores and 2 ranks gloo's 256 KiB allreduce took ~15 ms instead of ~0.5 ms.
     """
-    return max(1, _cores() // max(1, ranks))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def mpiexec() -> str:
-    """The mpiexec beside this interpreter (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise RuntimeError("no mpiexec found; pip install mpich")
-    return found
+    return max(1, _common.cores() // max(1, ranks))
 
 
 class Output:
@@ -708,7 +669,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
               "--target-seconds", str(args.target_seconds), "--comm-timeout", str(args.comm_timeout),
               "--result-file", str(result_file)] + (["--fresh-pages"] if args.fresh_pages else [])
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "BAGUA_COMM_TIMEOUT": str(args.comm_timeout),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks)}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_common.free_port()), "WORLD_SIZE": str(args.ranks)}
     env.setdefault("OMP_NUM_THREADS", str(intra_op_threads(args.ranks)))
     if args.device == "cpu":
         env |= {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per process
@@ -718,7 +679,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
     procs: list[subprocess.Popen] = []
     try:
         if engine.startswith("native") and args.device == "cpu":
-            command = [mpiexec(), "-n", str(args.ranks), *worker]
+            command = [_common.mpiexec(), "-n", str(args.ranks), *worker]
             procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
                                           stderr=write_fd, start_new_session=True))
         else:
@@ -909,67 +870,27 @@ def print_tables(primitives: Sequence[str], rows: Sequence[dict[str, Any]], engi
 
 
 def device_info(device: str, outcomes: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """The machine the run measured: the CPU model and cores, and the GPU on a GPU run."""
-    model = "unknown CPU"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    cores = _cores()
-    info = {"kind": device, "cpu_model": model, "cores": cores, "name": f"{model}, {cores} cores"}
-    if device == "gpu":
-        names = [o["info"].get("device_name") for o in outcomes.values() if o["info"].get("device_name")]
-        info["gpu"] = names[0] if names else "unknown GPU"
-        info["name"] = f"{info['gpu']} (host: {model}, {cores} cores)"
-    return info
-
-
-def versions() -> dict[str, Any]:
-    """Versions of what the workers import, read without importing them here."""
-    out: dict[str, Any] = {"python": sys.version.split()[0]}
-    for package in ("jax", "jaxlib", "torch", "numpy"):
-        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
-            out[package] = importlib.metadata.version(package)
-    with contextlib.suppress(Exception):
-        text = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30,
-                              check=False).stdout
-        found = re.search(r"Version:\s*(\S+)", text)
-        out["mpich (hydra)"] = found.group(1) if found else text.strip().splitlines()[0]
-    with contextlib.suppress(Exception):
-        import _bagua_ffi  # the native library alone; does not start JAX or torch
-
-        out["bagua_build"] = _bagua_ffi.build_info()
-    return out
-
-
-def _load_average() -> list[float]:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (OSError, AttributeError):
-        return [0.0]
+    """The machine the run measured, with the GPU the workers reported on a GPU run."""
+    if device != "gpu":
+        return _common.device_info(device)
+    names = [o["info"].get("device_name") for o in outcomes.values() if o["info"].get("device_name")]
+    return _common.device_info(device, names[0] if names else "unknown GPU")
 
 
 def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict[str, dict[str, Any]],
                   rows: Sequence[dict[str, Any]], measurements: Sequence[dict[str, Any]]) -> tuple[Path, Path]:
     """Write ``<stem>.md`` and ``<stem>.json`` to ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     n, engines = meta["ranks"], meta["engines"]
     sizes = meta["sizes"]
     md = [
         f"# Bagua collectives: {meta['device']['kind'].upper()}, {n} rank{'s' if n > 1 else ''}",
         "",
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- device: {meta['device']['name']}",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if k != "bagua_build"),
+        *_common.header_lines(meta),
         (f"- ranks: {n}, one process each on this machine; float32 messages of "
          f"{format_size(sizes[0])} to {format_size(sizes[-1])}"),
         (f"- timing: {MIN_CALLS} to {MAX_CALLS} calls (~{meta['target_seconds']:g} s) in at most {MAX_BATCHES} "
          "batches, each after a barrier; median time per call over the batches, the largest over the ranks"),
         f"- host memory: {meta['host_memory']}; OMP_NUM_THREADS={meta['omp_num_threads']} per rank",
-        (f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, "
-         f"after: {meta['load_average_after']}"),
         f"- total time: {meta['seconds']:.0f} s",
         "",
         "Engines:",
@@ -998,11 +919,8 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict
             md += ["", f"## {primitive} (busbw factor {FACTOR_TEXT[primitive]} = {bus_factor(primitive, n):.2f})",
                    "", *markdown_table(primitive, rows, engines)]
     md.append("")
-    md_path, json_path = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
-    md_path.write_text("\n".join(md))
     payload = {**meta, "engine_outcomes": outcomes, "rows": list(rows), "measurements": list(measurements)}
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    return md_path, json_path
+    return _common.write_results(out_dir, stem, md, payload)
 
 
 # --------------------------------------------------------------------------- command line
@@ -1072,23 +990,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         run_worker(args)  # does not return
     argv_used = sys.argv[1:] if argv is None else list(argv)
     start = time.perf_counter()
-    meta: dict[str, Any] = {
-        "command": shlex.join([Path(sys.executable).name, sys.argv[0], *argv_used]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "versions": versions(),
-        "ranks": args.ranks,
-        "sizes": args.sizes,
-        "engines": args.engines,
-        "primitives": args.primitives,
-        "target_seconds": args.target_seconds,
-        "calls": {"warmup": WARMUP_CALLS, "min": MIN_CALLS, "max": MAX_CALLS, "max_batches": MAX_BATCHES},
-        "omp_num_threads": os.environ.get("OMP_NUM_THREADS", str(intra_op_threads(args.ranks))),
-        "engine_timeout_s": args.timeout,
-        "comm_timeout_s": args.comm_timeout,
-        "host_memory": ("allocator default" if args.device == "gpu" or args.fresh_pages
-                        else "freed blocks retained for reuse (mallopt)"),
-        "load_average_before": _load_average(),
-    }
+    # The device is filled in once the workers have reported it (the GPU's name).
+    meta = _common.run_meta(
+        argv_used,
+        {},
+        ("jax", "jaxlib", "torch", "numpy"),
+        ranks=args.ranks,
+        sizes=args.sizes,
+        engines=args.engines,
+        primitives=args.primitives,
+        target_seconds=args.target_seconds,
+        calls={"warmup": WARMUP_CALLS, "min": MIN_CALLS, "max": MAX_CALLS, "max_batches": MAX_BATCHES},
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS", str(intra_op_threads(args.ranks))),
+        engine_timeout_s=args.timeout,
+        comm_timeout_s=args.comm_timeout,
+        host_memory=("allocator default" if args.device == "gpu" or args.fresh_pages
+                     else "freed blocks retained for reuse (mallopt)"),
+    )
     if meta["load_average_before"][0] > 0.5:
         print(f"warning: the 1-minute load average is {meta['load_average_before'][0]:.1f}; "
               "other work on this machine will disturb the timings", file=sys.stderr)
@@ -1109,7 +1027,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     meta["seconds"] = time.perf_counter() - start
-    meta["load_average_after"] = _load_average()
+    _common.finish_meta(meta)
     meta["device"] = device_info(args.device, outcomes)
     rows = build_rows(args.primitives, args.sizes, args.engines, measurements, outcomes)
     print_tables(args.primitives, rows, args.engines, args.ranks, outcomes)

@@ -69,12 +69,8 @@ Pass ``--sizes 1 4 16 64 256 1024`` on a larger machine to include it.
 from __future__ import annotations
 
 import argparse
-import ctypes
-import datetime
-import json
 import os
 import random
-import shlex
 import statistics
 import sys
 import time
@@ -91,6 +87,7 @@ except ImportError:  # not on Windows; page faults are then reported as 0
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to torch too
 
+import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -508,23 +505,6 @@ class Measurement:
         return self.bytes / self.median_s / GB
 
 
-class Progress:
-    """Prints one line per finished measurement, numbered out of the total."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.start = total, 0, time.perf_counter()
-
-    def report(self, m: Measurement) -> None:
-        self.done += 1
-        elapsed = time.perf_counter() - self.start
-        print(
-            f"[{self.done:3d}/{self.total}] {elapsed:6.0f}s  {m.size_mib:g} MiB  {m.kernel:<24} "
-            f"{m.impl:<12} {m.gbps:8.2f} GB/s  (median {m.median_s * 1e3:.3f} ms of {m.repeats}, "
-            f"{m.page_faults:g} page faults)",
-            flush=True,
-        )
-
-
 def check_jax_copy_is_real(copy: Callable, x: jax.Array) -> None:
     """Fail unless the jitted copy returns a buffer other than its input."""
     out = copy(x)
@@ -535,7 +515,7 @@ def check_jax_copy_is_real(copy: Callable, x: jax.Array) -> None:
 
 def measure_size(impls: Sequence[Implementation], size_mib: float, n: int, k: int,
                  rng: np.random.Generator, repeats: int | None, max_repeats: int,
-                 progress: Progress) -> list[Measurement]:
+                 progress: _common.Progress) -> list[Measurement]:
     """Time every kernel, and the copies, of every implementation at one size.
 
     Implementations of one framework share the inputs (the native kernels and jnp use
@@ -565,7 +545,10 @@ def measure_size(impls: Sequence[Implementation], size_mib: float, n: int, k: in
         for impl, timing in zip(members, timings, strict=True):
             m = Measurement(size_mib, n, kernel, impl.name, nbytes, statistics.median(timing.times),
                             len(timing.times), statistics.median(timing.faults))
-            progress.report(m)
+            progress.line(
+                f"{m.size_mib:g} MiB  {m.kernel:<24} {m.impl:<12} {m.gbps:8.2f} GB/s  "
+                f"(median {m.median_s * 1e3:.3f} ms of {m.repeats}, {m.page_faults:g} page faults)"
+            )
             results.append(m)
     return results
 
@@ -694,79 +677,15 @@ def print_ratios(rows: Sequence[dict[str, Any]], measurements: Sequence[Measurem
                 print(f"{r['kernel']:<26}{r['native_gbps']:9.2f}" + "".join(f"{c:>8}" for c in cells))
 
 
-def retain_freed_memory() -> bool:
-    """Ask glibc to keep freed memory mapped for reuse; False where that is not possible.
-
-    By default glibc serves large blocks with ``mmap`` and unmaps them on ``free``, so
-    every call's output lands on fresh pages that the kernel must fault in and zero
-    (tens of ms for 256 MiB), a cost that swamps the kernels being compared. With one
-    arena (threads' own arenas fall back to ``mmap`` for large blocks whatever the
-    settings), ``mmap`` off and trimming off, freed blocks stay in the heap and the next
-    call of the same size reuses them, as a GPU caching allocator would. Call it before
-    JAX starts its threads.
-    """
-    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    settings = ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, -1))  # -1: never trim
-    return all(libc.mallopt(param, value) == 1 for param, value in settings)
-
-
-def device_info(device: str) -> dict[str, Any]:
-    """A description of the device the run measured."""
-    if device == "gpu":
-        return {"kind": "gpu", "name": jax.devices("gpu")[0].device_kind}
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"kind": "cpu", "name": f"{model}, {cores} cores", "model": model, "cores": cores}
-
-
-def _load_average() -> list[float]:
-    """The 1, 5 and 15 minute load averages ([0.0] where unknown)."""
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (OSError, AttributeError):
-        return [0.0]
-
-
-def versions(frameworks: Sequence[str]) -> dict[str, Any]:
-    info: dict[str, Any] = {"python": sys.version.split()[0], "jax": jax.__version__,
-                            "numpy": np.__version__}
-    if "torch" in frameworks:
-        import torch
-
-        info["torch"] = torch.__version__
-        info["torch_threads"] = torch.get_num_threads()
-    build_info = getattr(sys.modules.get("bagua_jax"), "build_info", None)
-    if build_info is not None:
-        info["bagua_build"] = build_info()
-    return info
-
-
 def write_results(out_dir: Path, stem: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]],
                   measurements: Sequence[Measurement], verdict: dict[str, Any]) -> tuple[Path, Path]:
     """Write ``<stem>.md`` and ``<stem>.json`` to ``out_dir``."""
-    out_dir.mkdir(parents=True, exist_ok=True)
     md = [
         f"# Bagua kernel throughput: {meta['device']['name']}",
         "",
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- device: {meta['device']['kind']}, {meta['device']['name']}",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if k != "bagua_build"),
+        *_common.header_lines(meta),
         f"- chunks k = {meta['k']}; async_average ranks = k; axpy a = {AXPY_A}",
         f"- timed calls per measurement: {meta['repeats']}; host memory: {meta['host_memory']}",
-        (f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, "
-         f"after: {meta['load_average_after']}"),
         "",
         "Throughput is the native kernel's logical bytes read + written per second (GB/s = 1e9 B/s);",
         "every implementation of a kernel is charged the same bytes, so ratios are time ratios and",
@@ -780,12 +699,9 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], rows: Sequence
     md += ["", "## Ratios", "", *ratio_table(rows), "", "## Throughput (GB/s) of every implementation",
            "", "`native_torch` is the same native kernels called through `bagua_torch.ops`.", "",
            *throughput_table(measurements), ""]
-    md_path, json_path = out_dir / f"{stem}.md", out_dir / f"{stem}.json"
-    md_path.write_text("\n".join(md))
     payload = {**meta, "criteria": verdict, "ratios": list(rows),
                "measurements": [{**asdict(m), "gbps": m.gbps} for m in measurements]}
-    json_path.write_text(json.dumps(payload, indent=2) + "\n")
-    return md_path, json_path
+    return _common.write_results(out_dir, stem, md, payload)
 
 
 # --------------------------------------------------------------------------- command line
@@ -845,21 +761,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the ratios, write the results; return the criteria verdict."""
     args = parse_args(argv)
     argv_used = sys.argv[1:] if argv is None else list(argv)
-    retained = args.device != "gpu" and not args.fresh_pages and retain_freed_memory()
+    retained = args.device != "gpu" and not args.fresh_pages and _common.retain_freed_memory()
     resolve_defaults(args)
     retained = retained and args.device == "cpu"
-    meta = {
-        "command": shlex.join([Path(sys.executable).name, sys.argv[0], *argv_used]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": device_info(args.device),
-        "versions": versions(args.frameworks),
-        "k": args.k,
-        "sizes_mib": args.sizes,
-        "frameworks": args.frameworks,
-        "repeats": args.repeats if args.repeats is not None else "adaptive",
-        "host_memory": "freed blocks retained for reuse (mallopt)" if retained else "allocator default",
-        "load_average_before": _load_average(),
-    }
+    gpu = jax.devices("gpu")[0].device_kind if args.device == "gpu" else None
+    packages = ["jax", "jaxlib", "numpy", *(["torch"] if "torch" in args.frameworks else [])]
+    meta = _common.run_meta(
+        argv_used,
+        _common.device_info(args.device, gpu),
+        packages,
+        k=args.k,
+        sizes_mib=args.sizes,
+        frameworks=args.frameworks,
+        repeats=args.repeats if args.repeats is not None else "adaptive",
+        host_memory="freed blocks retained for reuse (mallopt)" if retained else "allocator default",
+    )
+    if "torch" in args.frameworks:
+        import torch
+
+        meta["versions"]["torch_threads"] = torch.get_num_threads()
     if meta["load_average_before"][0] >= 1.0:
         print(f"warning: the 1-minute load average is {meta['load_average_before'][0]:.1f}; "
               "other work on this machine will disturb the timings", file=sys.stderr)
@@ -873,7 +793,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     impls = implementations(args.frameworks, counts[0], args.k, args.device)
     per_size = len(KERNELS) * len(impls) + sum(i.copy is not None for i in impls)
-    progress = Progress(per_size * len(counts))
+    progress = _common.Progress(per_size * len(counts))
     max_repeats = QUICK_MAX_REPEATS if args.quick else MAX_REPEATS
     measurements: list[Measurement] = []
     for size, n in zip(args.sizes, counts, strict=True):
@@ -881,7 +801,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         measurements += measure_size(impls, size, n, args.k, rng, args.repeats, max_repeats, progress)
         del impls
 
-    meta["load_average_after"] = _load_average()
+    _common.finish_meta(meta)
     rows = ratio_rows(measurements)
     verdict = criteria(args.device, rows)
     print_ratios(rows, measurements)

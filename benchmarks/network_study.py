@@ -44,11 +44,9 @@ an interrupted study keeps what it measured), ``.md`` and ``.png``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import platform
-import shlex
 import statistics
 import sys
 import tempfile
@@ -59,6 +57,7 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+import _common  # noqa: E402
 import network_harness as nh  # noqa: E402
 import synthetic  # noqa: E402
 
@@ -234,6 +233,8 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
         return paths
     md = [f"# Network trade-off study ({meta['date']})", "",
           f"Command: `{meta['command']}`", "",
+          f"Load average (1, 5, 15 min) before: {meta['load_average_before']}, "
+          f"after: {meta['load_average_after']}.", "",
           f"Machine: {meta['machine']}; {meta['cores']} CPU cores, no GPU; torch {meta['versions'].get('torch')}, "
           f"jax {meta['versions'].get('jax')}. Each rank is a process in its own network namespace "
           "(benchmarks/network_harness.py): veth pair to a bridge in a separate namespace, token-bucket (tbf) "
@@ -307,16 +308,6 @@ def plot(args, meta, rows, path: Path) -> Path | None:
     return path
 
 
-def versions() -> dict[str, str]:
-    out = {}
-    for mod in ("torch", "jax", "numpy"):
-        try:
-            out[mod] = __import__(mod).__version__
-        except Exception:  # noqa: BLE001
-            out[mod] = None
-    return out
-
-
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -376,20 +367,21 @@ def main(argv=None) -> int:
                      if args.jax_comm == "mpi" else
                      "bagua_jax algorithms: DataParallel(mesh=...) over jax.distributed + gloo (JAX's collectives); "
                      "async is left out, its background averager needs the native engine.")
-    cores = len(os.sched_getaffinity(0))
+    cores = _common.cores()
     if max(args.ranks) > cores:
         notes.append(f"{max(args.ranks)} ranks on {cores} cores: the CPU is oversubscribed (compute and "
                      "compression of the ranks take turns).")
-    meta: dict[str, Any] = {
-        "command": shlex.join(["python", "benchmarks/network_study.py", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(), "cores": cores, "versions": versions(),
+    meta = _common.run_meta(
+        sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), ("torch", "jax", "numpy")
+    )
+    meta.update({
+        "machine": platform.processor() or platform.machine(), "cores": cores,
         "kernel": platform.release(), "probe": probe, "parameters": parameter_count(args),
         "settings": {k: getattr(args, k) for k in ("width", "layers", "image_size", "batch_size", "lr",
                                                    "warmup_iters", "iters", "batches_per_iter",
                                                    "convergence_steps")},
         "delay_ms": args.delay_ms, "jax_comm": args.jax_comm, "notes": notes,
-    }
+    })
     if closing:
         meta["closing"] = closing
     rows: list[dict[str, Any]] = []
@@ -426,6 +418,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted; writing what was measured", file=sys.stderr)
     meta["total_s"] = round(time.monotonic() - start, 1)
+    _common.finish_meta(meta)
     for path in write_results(args, meta, rows, final=True):
         print(f"wrote {path}")
     return 0

@@ -96,6 +96,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import _common
 import numpy as np
 
 FRAMEWORKS = ("jax", "torch")
@@ -427,7 +428,9 @@ def _torch_setup(args: argparse.Namespace, net, lr: float, warmup_steps: int) ->
             if name == "qadam":
                 from bagua_torch.algorithms.q_adam import QAdamOptimizer as opt_cls
             else:
-                from bagua_torch.algorithms.onebit_adam import OneBitAdamOptimizer as opt_cls
+                from bagua_torch.algorithms.onebit_adam import (
+                    OneBitAdamOptimizer as opt_cls,
+                )
             optimizer = opt_cls(net.parameters(), lr=lr, warmup_steps=warmup_steps)
             options["optimizer"] = optimizer
         else:
@@ -510,38 +513,6 @@ def worker_main(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- the parent
 
-class ProgressBar:
-    """A one-line text progress bar (a line per update when not on a terminal)."""
-
-    def __init__(self, total: float, width: int = 30) -> None:
-        self.total, self.width, self.start = total, width, time.perf_counter()
-        self.tty = sys.stderr.isatty()
-        self._last = ""
-
-    def show(self, done: float, label: str, *, force: bool = False) -> None:
-        frac = min(1.0, done / self.total) if self.total else 1.0
-        filled = int(round(frac * self.width))
-        elapsed = time.perf_counter() - self.start
-        line = (f"[{'#' * filled}{'-' * (self.width - filled)}] {done:4.1f}/{self.total:g} jobs "
-                f"{_clock(elapsed)}  {label}")
-        if self.tty:
-            sys.stderr.write("\r" + line[:150].ljust(len(self._last)))
-            sys.stderr.flush()
-            self._last = line[:150]
-        elif force:
-            print(line, file=sys.stderr, flush=True)
-
-    def clear(self) -> None:
-        if self.tty and self._last:
-            sys.stderr.write("\r" + " " * len(self._last) + "\r")
-            sys.stderr.flush()
-            self._last = ""
-
-
-def _clock(seconds: float) -> str:
-    return f"{int(seconds // 60)}:{int(seconds % 60):02d}"
-
-
 def child_environment(args: argparse.Namespace) -> dict[str, str]:
     """Each rank's environment: one device per process, JAX on the CPU (with --device cpu)."""
     env = dict(os.environ)
@@ -576,7 +547,7 @@ def worker_command(args: argparse.Namespace, algorithm: str, result: Path) -> li
     ]
 
 
-def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: ProgressBar, done: int) -> dict[str, Any]:
+def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: _common.Progress, done: int) -> dict[str, Any]:
     """Launch one algorithm's job, follow its progress; its row of results."""
     result = tmp / f"{algorithm}.json"
     log = tmp / f"{algorithm}.log"
@@ -700,70 +671,23 @@ def print_table(rows: Sequence[dict[str, Any]], framework: str, nproc: int) -> N
     print(f"({nproc} processes; ± is the 95% interval over the timed iterations)")
 
 
-def device_info(device: str) -> dict[str, Any]:
-    model = "unknown CPU"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    info = {"kind": device, "name": f"{model}, {cores} cores", "model": model, "cores": cores}
-    if device == "gpu":
-        info["name"] = "GPU (one per process) on " + info["name"]
-    return info
-
-
-def versions(framework: str) -> dict[str, Any]:
-    from importlib import metadata
-
-    info: dict[str, Any] = {"python": sys.version.split()[0], "numpy": np.__version__}
-    for package in (("jax", "jaxlib", "optax") if framework == "jax" else ("torch",)):
-        try:
-            info[package] = metadata.version(package)
-        except metadata.PackageNotFoundError:
-            info[package] = "not installed"
-    mpiexec = shutil.which("mpiexec")
-    if framework == "jax" and mpiexec:
-        try:
-            out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20).stdout
-            info["mpiexec"] = " ".join(out.split())[:80]
-        except (OSError, subprocess.SubprocessError):
-            pass
-    return info
-
-
-def _load_average() -> list[float]:
-    try:
-        return [round(v, 2) for v in os.getloadavg()]
-    except (OSError, AttributeError):
-        return [0.0]
-
-
 def parameter_count(args: argparse.Namespace) -> int:
     return int(sum(p.size for p in init_params(args.model, args.image_size, args.width, args.layers)))
 
 
 def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[Path]:
-    args.out.mkdir(parents=True, exist_ok=True)
     stem = f"synthetic-{args.framework}-{args.nproc}proc" + _model_suffix(args)
     base = BASELINE_LABELS[BASELINES[args.framework]]
     s = meta["settings"]
     md = [
         f"# Bagua synthetic benchmark: {args.framework}, {args.nproc} processes, {args.model}",
         "",
-        f"- command: `{meta['command']}`",
-        f"- date: {meta['date']}",
-        f"- device: {meta['device']['kind']}, {meta['device']['name']}; one device per process",
-        "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items()),
+        *_common.header_lines(meta),
         (f"- model: {args.model} ({meta['parameters']:,} parameters, {meta['parameters'] * 4 / 1e6:.1f} MB fp32 "
          f"gradient); batch {s['batch_size']} per process of {s['image_size']}x{s['image_size']}x3 random images"),
         (f"- {s['warmup_iters']} warm-up iterations, then {s['iters']} timed iterations of "
          f"{s['batches_per_iter']} steps; torch threads per process: {s['threads']}"),
-        (f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, "
-         f"after: {meta['load_average_after']}; total time {meta['total_s']:.0f} s"),
+        f"- total time {meta['total_s']:.0f} s",
     ]
     if meta["load_average_before"][0] >= meta["device"]["cores"] or meta["load_average_after"][0] >= meta["device"]["cores"]:
         md.append(f"- **busy machine**: the load average was at or above the core count ({meta['device']['cores']}) "
@@ -786,9 +710,7 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
         md += [f"- {r['algorithm']}: retried once after EADDRINUSE (port race with another program)"
                for r in rows if r.get("retried_after")]
         md.append("")
-    paths = [args.out / f"{stem}.md", args.out / f"{stem}.json"]
-    paths[0].write_text("\n".join(md))
-    paths[1].write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    paths = list(_common.write_results(args.out, stem, md, {**meta, "results": rows}))
     if args.plot:
         png = plot(args, rows, args.out / f"{stem}.png", meta)
         if png:
@@ -919,30 +841,28 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
     jobs, notes = select_algorithms(args)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    device = device_info(args.device)
-    meta: dict[str, Any] = {
-        "command": shlex.join(["python", os.path.relpath(HERE, Path.cwd()) if HERE.is_relative_to(Path.cwd())
-                               else str(HERE), *argv_used]),
-        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "device": device,
-        "versions": versions(args.framework),
-        "framework": args.framework,
-        "nproc": args.nproc,
-        "baseline": BASELINES[args.framework],
-        "oversubscribed": args.device == "cpu" and args.nproc > device["cores"],
-        "parameters": parameter_count(args),
-        "settings": {k: getattr(args, k) for k in ("model", "batch_size", "width", "layers", "image_size", "lr",
-                                                   "warmup_iters", "iters", "batches_per_iter", "threads")},
-        "notes": notes,
-        "load_average_before": _load_average(),
-    }
+    device = _common.device_info(args.device, "GPU (one per process)" if args.device == "gpu" else None)
+    packages = ("numpy", "jax", "jaxlib", "optax") if args.framework == "jax" else ("numpy", "torch")
+    meta = _common.run_meta(
+        argv_used,
+        device,
+        packages,
+        framework=args.framework,
+        nproc=args.nproc,
+        baseline=BASELINES[args.framework],
+        oversubscribed=args.device == "cpu" and args.nproc > device["cores"],
+        parameters=parameter_count(args),
+        settings={k: getattr(args, k) for k in ("model", "batch_size", "width", "layers", "image_size", "lr",
+                                                "warmup_iters", "iters", "batches_per_iter", "threads")},
+        notes=notes,
+    )
     if meta["oversubscribed"]:
         print(f"note: {args.nproc} processes on {device['cores']} cores: oversubscribed", file=sys.stderr)
     print(f"{args.framework}: {args.nproc} processes on {device['name']}; model {args.model} "
           f"({meta['parameters']:,} parameters), batch {args.batch_size} per process; "
           f"jobs: {' '.join(jobs)}", flush=True)
     rows: list[dict[str, Any]] = []
-    bar = ProgressBar(len(jobs))
+    bar = _common.Progress(len(jobs))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bagua-synthetic-") as tmp:
         for i, name in enumerate(jobs):
@@ -969,7 +889,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
         bar.show(len(jobs), "done", force=True)
         bar.clear()
     meta["total_s"] = round(time.perf_counter() - start, 1)
-    meta["load_average_after"] = _load_average()
+    _common.finish_meta(meta)
     add_ratios(rows, args.framework)
     print_table(rows, args.framework, args.nproc)
     for path in write_results(args, meta, rows):

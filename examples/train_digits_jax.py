@@ -18,30 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from sklearn.datasets import load_digits
+from digits_data import add_arguments, init_mlp, load, rank_batches
 
 from bagua_jax import NativeCommunicator
 from bagua_jax.algorithms import ALGORITHMS, AsyncModelAverage, make_algorithm
 from bagua_jax.trainer import DataParallel
-
-
-def load(seed: int = 0):
-    data = load_digits()
-    x = data.data.astype(np.float32)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], data.target[order].astype(np.int32)
-    return x[:1400], y[:1400], x[1400:], y[1400:]
-
-
-def init_mlp(hidden: int, seed: int = 0):
-    rng = np.random.default_rng(seed)
-    return {
-        "w1": (rng.standard_normal((64, hidden)) / 8).astype(np.float32),
-        "b1": np.zeros(hidden, np.float32),
-        "w2": (rng.standard_normal((hidden, 10)) / np.sqrt(hidden)).astype(np.float32),
-        "b2": np.zeros(10, np.float32),
-    }
 
 
 def logits(params, x):
@@ -54,12 +35,7 @@ def loss_fn(params, batch):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--algorithm", choices=sorted(ALGORITHMS), default="gradient_allreduce")
-    parser.add_argument("--steps", type=int, default=400)
-    parser.add_argument("--batch", type=int, default=128, help="global batch size")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--log-every", type=int, default=50)
+    add_arguments(parser, sorted(ALGORITHMS))
     args = parser.parse_args()
 
     comm = NativeCommunicator.world(timeout=120)
@@ -77,13 +53,10 @@ def main() -> None:
         else None
     )
 
-    rng = np.random.default_rng(1)  # the same global batches on every rank
-    per_rank = args.batch // size
     if rank == 0:
         print(f"{args.algorithm}: {size} ranks, {args.steps} steps, global batch {args.batch}", flush=True)
     start = last = time.perf_counter()
-    for step in range(1, args.steps + 1):
-        index = rng.choice(len(x), args.batch, replace=False)[rank * per_rank : (rank + 1) * per_rank]
+    for step, index in enumerate(rank_batches(x, args.batch, args.steps, rank, size), 1):
         state, loss = trainer.step(state, {"x": x[index], "y": y[index]})
         if averager is not None:
             state = state._replace(params=averager.apply(state.params))

@@ -49,6 +49,15 @@ def mpiexec() -> str:
     return found
 
 
+def has_mpiexec() -> bool:
+    """Whether :func:`mpiexec` finds one."""
+    try:
+        mpiexec()
+    except RuntimeError:
+        return False
+    return True
+
+
 def run_ranks(
     target: str,
     nprocs: int,

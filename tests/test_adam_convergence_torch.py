@@ -2,7 +2,7 @@
 
 The torch counterpart of test_adam_convergence_jax.py, on the same tasks (tests/adam_tasks.py):
 many coordinates have an exactly zero second moment when the warm-up ends. One job of 2 gloo
-processes (torch_adam_convergence_workers.py) trains every variant; the reference is
+processes (adam_convergence_workers_torch.py) trains every variant; the reference is
 single-process ``torch.optim.Adam`` on the same global batches. Asserted on rank 0's model, as in
 the JAX test: ``adam_tasks.assert_trains_like_adam``.
 """
@@ -12,8 +12,8 @@ from __future__ import annotations
 import adam_tasks
 import pytest
 import torch
+from adam_convergence_workers_torch import TASKS, adam_reference
 from multiprocess import run_ranks
-from torch_adam_convergence_workers import TASKS, adam_reference
 
 ALGORITHMS = ("qadam", "onebit_adam")
 VARIANTS = [(task, algorithm) for task in TASKS for algorithm in ALGORITHMS]
@@ -23,7 +23,7 @@ _cache: dict[str, dict] = {}
 def trained(task: str, algorithm: str) -> dict:
     """Rank 0's result for a variant; all variants run in one 2-rank job, once per session."""
     if "job" not in _cache:
-        results = run_ranks("torch_adam_convergence_workers:job", 2, VARIANTS, timeout=300)
+        results = run_ranks("adam_convergence_workers_torch:job", 2, VARIANTS, timeout=300)
         _cache["job"] = next(r.value for r in results if r.rank == 0)
     return _cache["job"][f"{task}/{algorithm}"]
 

@@ -8,6 +8,7 @@ a background thread over the native engine, so it is trained across processes in
 test_examples.py instead.
 """
 
+import digits
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +16,6 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-import digits
 from bagua_jax.algorithms.bytegrad import ByteGrad
 from bagua_jax.algorithms.decentralized import Decentralized
 from bagua_jax.algorithms.gradient_allreduce import GradientAllReduce

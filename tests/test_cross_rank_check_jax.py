@@ -1,7 +1,7 @@
 """The JAX trainer's cross-rank check: ranks with different models or algorithms get one clear
 error before the first step, for the native communicator (MPI) and ``jax.distributed``.
 
-Two ranks run every case of ``tests/cross_rank_check_workers.py`` in one job; rank 1 differs
+Two ranks run every case of ``tests/cross_rank_check_workers_jax.py`` in one job; rank 1 differs
 as the case says. Both ranks must raise the same ``ValueError`` naming the difference and
 the ranks, and ranks that agree (including a custom algorithm that is not a dataclass) train.
 """
@@ -42,7 +42,7 @@ MODES = {
 @pytest.mark.parametrize("mode", MODES)
 def test_ranks_that_differ_get_one_clear_error(mode):
     results = run_ranks(
-        "cross_rank_check_workers:check_cases", 2, mode, timeout=180, **MODES[mode]
+        "cross_rank_check_workers_jax:check_cases", 2, mode, timeout=180, **MODES[mode]
     )
     first, second = results[0].value, results[1].value
     for case, lines in EXPECTED.items():

@@ -11,7 +11,7 @@ from multiprocess import run_ranks
 
 
 def test_frozen_parameters_never_move():
-    results = run_ranks("torch_frozen_workers:frozen_first_layer", 2, 3, timeout=240)
+    results = run_ranks("frozen_parameters_workers_torch:frozen_first_layer", 2, 3, timeout=240)
     assert len(results[0].value) >= 7, results[0].value  # every built-in algorithm ran
     for result in results:
         for name, moved in result.value.items():

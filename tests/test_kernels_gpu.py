@@ -1,11 +1,10 @@
 """The CUDA kernels against the NumPy reference and the CPU kernels (needs a GPU)."""
 
+import kernels_reference as ref
 import ml_dtypes
 import numpy as np
 import pytest
 from conftest import random_values
-
-import reference as ref
 
 jax = pytest.importorskip("jax")
 from bagua_jax import build_info, ops  # noqa: E402

@@ -2,12 +2,12 @@
 
 import jax
 import jax.numpy as jnp
+import kernels_reference as ref
 import ml_dtypes
 import numpy as np
 import pytest
 from conftest import random_values
 
-import reference as ref
 from bagua_jax import ops
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -154,7 +154,8 @@ def test_vmap_compresses_each_row(rng):
 
 
 def test_shard_map_sees_the_local_shard(rng):
-    from jax.sharding import Mesh, PartitionSpec as P
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
 
     devices = np.array(jax.devices()[:4])
     mesh = Mesh(devices, ("ranks",))

@@ -3,13 +3,13 @@
 import subprocess
 import sys
 
+import kernels_reference as ref
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 from conftest import random_values
 
-import reference as ref
 from bagua_torch import ops
 
 TORCH_DTYPES = {torch.float32: np.float32, torch.float16: np.float16, torch.bfloat16: ml_dtypes.bfloat16}
@@ -117,9 +117,8 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def test_jax_arrays_are_never_written_through_dlpack():
-    import jax.numpy as jnp
-
     import _bagua_ffi
+    import jax.numpy as jnp
 
     x = jnp.zeros(8, jnp.float32)
     with pytest.raises(TypeError, match="JAX arrays are immutable"):

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 import pytest
+from multiprocess import has_mpiexec
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -73,11 +74,7 @@ def reported_env(stdout: str) -> dict[int, dict[str, str]]:
     return envs
 
 
-def mpiexec_available() -> bool:
-    return (Path(sys.executable).parent / "mpiexec").exists() or shutil.which("mpiexec") is not None
-
-
-needs_mpi = pytest.mark.skipif(not mpiexec_available(), reason="no mpiexec")
+needs_mpi = pytest.mark.skipif(not has_mpiexec(), reason="no mpiexec")
 
 
 @pytest.mark.parametrize(

@@ -3,9 +3,9 @@
 import ml_dtypes
 import numpy as np
 import pytest
-from jax_native_workers import rank_data
-from jax_workers import pairing_schedule
+from lax_communicator_workers_jax import pairing_schedule
 from multiprocess import run_ranks
+from native_communicator_workers_jax import rank_data
 
 import bagua_jax
 
@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built
 @pytest.mark.parametrize("size", [2, 4])
 def test_every_primitive_matches_numpy(size):
     seed = int(np.random.default_rng().integers(2**31))
-    results = run_ranks("jax_native_workers:every_primitive", size, seed, launcher="mpiexec", timeout=180)
+    results = run_ranks("native_communicator_workers_jax:every_primitive", size, seed, launcher="mpiexec", timeout=180)
     xs = np.stack([rank_data(r, seed) for r in range(size)])
     rows = np.stack([rank_data(r, seed, (size, 4)) for r in range(size)])
     # Sums may be added in any order by MPI: allow float32 rounding relative to the operands.
@@ -75,7 +75,7 @@ def ring_sum(xs: np.ndarray) -> np.ndarray:
 def test_large_allreduces_match_numpy(size, between_nodes):
     seed = int(np.random.default_rng().integers(2**31))
     count = RING_MIN_BYTES // 4 + 2 * size + 1  # above the ring's threshold, chunks of unequal length
-    results = run_ranks("jax_native_workers:large_allreduces", size, seed, count, launcher="mpiexec", timeout=180,
+    results = run_ranks("native_communicator_workers_jax:large_allreduces", size, seed, count, launcher="mpiexec", timeout=180,
                         env=BETWEEN_NODES if between_nodes else None)
     xs = np.stack([rank_data(r, seed, (count,)) for r in range(size)])
     close = dict(rtol=1e-6, atol=1e-6 * float(np.abs(xs).max()) * size)
@@ -101,7 +101,7 @@ def test_large_allreduces_match_numpy(size, between_nodes):
 @pytest.mark.parametrize("count, env", [(1000, None), (RING_MIN_BYTES // 4 * 2, BETWEEN_NODES)],
                          ids=["mpi-allreduce", "ring-allreduce"])
 def test_a_dead_peer_raises_on_the_survivors_within_the_timeout(count, env):
-    results = run_ranks("jax_native_workers:dies_or_waits", 2, 1, count, launcher="mpiexec", timeout=60, check=False,
+    results = run_ranks("native_communicator_workers_jax:dies_or_waits", 2, 1, count, launcher="mpiexec", timeout=60, check=False,
                         env=env)
     survivor = results[0]
     assert survivor.value is not None, survivor.output
@@ -111,6 +111,6 @@ def test_a_dead_peer_raises_on_the_survivors_within_the_timeout(count, env):
 
 def test_opposite_send_recv_orders_do_not_deadlock():
     n = 1 << 20
-    results = run_ranks("jax_native_workers:opposite_orders", 2, n, launcher="mpiexec", timeout=120)
+    results = run_ranks("native_communicator_workers_jax:opposite_orders", 2, n, launcher="mpiexec", timeout=120)
     np.testing.assert_array_equal(results[0].value, np.full(n, 20.0, np.float32))
     np.testing.assert_array_equal(results[1].value, np.full(n, 1.0, np.float32))

@@ -6,6 +6,7 @@ stays below 1e-4 of the gradients' scale, while a wrong step (a missing residual
 unorthogonalized P, a sum instead of a mean) is off by order one.
 """
 
+import digits
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,13 +14,12 @@ import optax
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from powersgd_reference import PowerSGDReference
 
-import digits
 from bagua_common.powersgd import PowerSGDConfig
 from bagua_jax import DataParallel, LaxCommunicator
 from bagua_jax.algorithms import PowerSGD, make_algorithm
 from bagua_jax.algorithms.powersgd import powersgd
-from powersgd_reference import PowerSGDReference
 
 RANKS = 4
 SHAPES = {"b": (10,), "conv": (8, 3, 3, 3), "thin": (2, 40), "w1": (32, 24), "w2": (24, 10)}

@@ -21,7 +21,7 @@ CONFIG = {"rank": 2, "start_iter": 2, "min_compression_rate": 2.0, "error_feedba
 
 @pytest.mark.parametrize("bucket_bytes", [10 << 20, 2048], ids=["one_bucket", "small_buckets"])
 def test_matches_the_numpy_reference_and_replicas_agree(bucket_bytes):
-    ranks = run_ranks("powersgd_workers:bagua_gradients", 2, CONFIG, bucket_bytes, timeout=180)
+    ranks = run_ranks("powersgd_workers_torch:bagua_gradients", 2, CONFIG, bucket_bytes, timeout=180)
     values = [r.value for r in ranks]
     names = values[0]["names"]
     shapes = [a.shape for a in values[0]["local"][0]]
@@ -38,14 +38,14 @@ def test_matches_the_numpy_reference_and_replicas_agree(bucket_bytes):
 
 
 def test_resume_from_a_checkpoint_is_bit_identical():
-    for value in (r.value for r in run_ranks("powersgd_workers:resume", 2, CONFIG, timeout=180)):
+    for value in (r.value for r in run_ranks("powersgd_workers_torch:resume", 2, CONFIG, timeout=180)):
         assert value["continued"] == value["resumed"]
 
 
 def test_trains_like_torch_powersgd_hook():
     steps = 60
-    ours = run_ranks("powersgd_workers:losses", 2, "bagua", CONFIG, steps, timeout=180)[0].value
-    theirs = run_ranks("powersgd_workers:losses", 2, "ddp", CONFIG, steps, timeout=180)[0].value
+    ours = run_ranks("powersgd_workers_torch:losses", 2, "bagua", CONFIG, steps, timeout=180)[0].value
+    theirs = run_ranks("powersgd_workers_torch:losses", 2, "ddp", CONFIG, steps, timeout=180)[0].value
     np.testing.assert_allclose(ours[:2], theirs[:2], rtol=1e-6)  # exact allreduce while warming up
     late_ours, late_theirs = np.mean(ours[-16:]), np.mean(theirs[-16:])
     assert abs(late_ours - late_theirs) <= 0.05 * late_theirs, (late_ours, late_theirs)

@@ -2,7 +2,7 @@
 
 Every rank's gradients are precomputed random arrays, so the reference needs no model:
 ``Simulation`` replays the SPEC's steps for all n ranks in NumPy float32, one operation
-per rounding, with the compression steps from ``tests/reference.py``. The JAX side runs
+per rounding, with the compression steps from ``tests/kernels_reference.py``. The JAX side runs
 the algorithms inside ``jax.jit(jax.shard_map(...))`` on 2 and 4 simulated devices (and a
 2x2 mesh for the hierarchical variants), and on 2 MPI processes with the native
 communicator.
@@ -27,10 +27,10 @@ import pickle
 
 import jax
 import jax.numpy as jnp
+import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
-import reference as ref
 from frozen_variance_reference import variance_floors
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -307,7 +307,7 @@ def seed() -> int:
 
 @pytest.fixture(scope="module")
 def exact(seed) -> dict:
-    [result] = run_ranks("test_qadam_onebit:exact_worker", 1, seed, env={"XLA_FLAGS": EXACT_XLA_FLAGS}, timeout=300)
+    [result] = run_ranks("test_qadam_onebit_jax:exact_worker", 1, seed, env={"XLA_FLAGS": EXACT_XLA_FLAGS}, timeout=300)
     return result.value
 
 
@@ -636,7 +636,7 @@ def mpi_worker(seed: int) -> dict:
 @pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
 def test_two_mpi_processes_match_the_numpy_simulation(seed):
     results = run_ranks(
-        "test_qadam_onebit:mpi_worker", 2, seed, launcher="mpiexec", timeout=180, env={"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2"}
+        "test_qadam_onebit_jax:mpi_worker", 2, seed, launcher="mpiexec", timeout=180, env={"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2"}
     )
     for algorithm in ALGORITHMS:
         sim = simulate(algorithm, 2, seed)

@@ -1,7 +1,7 @@
 """The PyTorch bridge: init_process_group, with_bagua, DistributedDataParallel, GradientAllReduce, ByteGrad.
 
 Multi-process jobs (one per configuration, several scenarios each; see
-torch_bridge_workers.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
+gradient_allreduce_bytegrad_workers_torch.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
 nodes x 2 (``local_world_size=2``, so hierarchical algorithms really use two levels), and
 under ``mpiexec`` through the native MPI communicator. The tests below check:
 
@@ -9,7 +9,7 @@ under ``mpiexec`` through the native MPI communicator. The tests below check:
   same data, SGD with momentum and weight decay, several steps), and bit-identical
   parameters across ranks;
 * ByteGrad against a single-process simulation of all ranks (plain torch for the
-  gradients and the optimizer, the NumPy kernel reference ``reference.py`` for the
+  gradients and the optimizer, the NumPy kernel reference ``kernels_reference.py`` for the
   compression pipeline), exactly;
 * overlap (buckets launch during the backward pass, in order), ``no_sync``, unused
   parameters, checkpoints of the algorithm state, and error messages.
@@ -18,16 +18,21 @@ under ``mpiexec`` through the native MPI communicator. The tests below check:
 from __future__ import annotations
 
 import copy
-import shutil
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-import reference as ref
 import torch
-from multiprocess import run_ranks
-from torch_bridge_workers import SMALL_BUCKET, STEPS, batch, loss_fn, make_bn, make_mlp, make_optimizer
+from algorithms_reference import bytegrad_bucket
+from gradient_allreduce_bytegrad_workers_torch import (
+    SMALL_BUCKET,
+    STEPS,
+    batch,
+    loss_fn,
+    make_bn,
+    make_mlp,
+    make_optimizer,
+)
+from scenarios import Job, JobTable, Scenario, has_mpi
 
 import bagua_torch
 from bagua_torch import algorithms
@@ -37,40 +42,28 @@ from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, make_buckets
 F32 = np.float32
 
 
-def _has_mpi() -> bool:
-    beside = (Path(sys.executable).parent / "mpiexec").exists()
-    return bool(bagua_torch.build_info().get("mpi")) and (beside or shutil.which("mpiexec") is not None)
+def bytegrad(**options) -> Scenario:
+    return Scenario("bytegrad", options)
 
 
-GLOO2 = ["ddp", "bytegrad", "bytegrad:hierarchical=0,error_feedback=1,average=0", "bytegrad:error_feedback=1,step=1",
-         "overlap", "no_sync", "unused",
-         "checkpoint", "errors"]
-GLOO4 = ["ddp", "bytegrad", "bytegrad:error_feedback=1", "bytegrad:average=0",
-         "bytegrad:hierarchical=0,error_feedback=1", "unused"]
-MPI4 = ["ddp", "bytegrad:error_feedback=1", "bytegrad:hierarchical=0", "unused"]
-JOBS = {
-    "gloo-2ranks": {"n": 2, "launcher": "python", "scenarios": GLOO2, "local": None},
-    "gloo-4ranks-2nodes": {"n": 4, "launcher": "python", "scenarios": GLOO4, "local": 2},
-    "mpi-4ranks-2nodes": {"n": 4, "launcher": "mpiexec", "scenarios": MPI4, "local": 2},
-}
-_cache: dict[str, tuple[int, list[dict]]] = {}
-
-
-def job(name: str) -> tuple[int, list[dict]]:
-    """Run the job once per test session; returns (seed, per-rank values sorted by rank)."""
-    if name not in _cache:
-        spec = JOBS[name]
-        if spec["launcher"] == "mpiexec" and not _has_mpi():
-            pytest.skip("built without the MPI engine, or no mpiexec")
-        seed = int(np.random.default_rng().integers(2**20))
-        results = run_ranks("torch_bridge_workers:job", spec["n"], seed, spec["scenarios"], spec["local"],
-                            launcher=spec["launcher"], timeout=240)
-        _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
-    return _cache[name]
-
-
-def jobs_with(scenario: str) -> list[str]:
-    return [name for name, spec in JOBS.items() if any(s.split(":")[0] == scenario for s in spec["scenarios"])]
+DDP, OVERLAP, NO_SYNC, UNUSED = (
+    Scenario("ddp_equivalence"), Scenario("overlap"), Scenario("no_sync"),
+    Scenario("unused_parameters"),
+)
+CHECKPOINT, ERRORS = Scenario("checkpoint"), Scenario("errors")
+FLAT, EF, SUM = {"hierarchical": False}, {"error_feedback": True}, {"average": False}
+JOBS = JobTable(
+    "gradient_allreduce_bytegrad_workers_torch:job",
+    {
+        "gloo-2ranks": Job(2, "python", (DDP, bytegrad(), bytegrad(**FLAT, **EF, **SUM),
+                                         bytegrad(**EF, sync_point="step"), OVERLAP, NO_SYNC, UNUSED, CHECKPOINT,
+                                         ERRORS)),
+        "gloo-4ranks-2nodes": Job(4, "python", (DDP, bytegrad(), bytegrad(**EF), bytegrad(**SUM),
+                                                bytegrad(**FLAT, **EF), UNUSED), 2),
+        "mpi-4ranks-2nodes": Job(4, "mpiexec", (DDP, bytegrad(**EF), bytegrad(**FLAT), UNUSED), 2),
+    },
+    mpi=has_mpi(bagua_torch.build_info()),
+)
 
 
 def assert_params_equal(a: dict, b: dict, msg: str = "") -> None:
@@ -202,7 +195,7 @@ def test_init_process_group_argument_errors(monkeypatch):
 # ============================================================================ GradientAllReduce vs torch DDP
 
 
-@pytest.mark.parametrize("name", jobs_with("ddp"))
+@pytest.mark.parametrize("name", JOBS.jobs_with(DDP))
 def test_gradient_allreduce_matches_torch_ddp(name):
     """Same seed, same data, several SGD steps: GradientAllReduce (every front door) against torch's DDP.
 
@@ -215,19 +208,19 @@ def test_gradient_allreduce_matches_torch_ddp(name):
     the parameters' change over the run (~1e-2). The hierarchical variant (node means, then the mean of those)
     is a different but equally exact-in-real-arithmetic summation, held to the same bound.
     """
-    _, values = job(name)
+    _, values = JOBS.run(name)
     n = len(values)
-    ddp = values[0]["ddp"]["torch_ddp"]
+    ddp = values[0][DDP.label]["torch_ddp"]
     scale = max(float(np.abs(v).max()) for v in ddp.values())
     for variant in ("with_bagua", "with_bagua_step", "bagua_ddp", "bagua_ddp_default_bucket", "hierarchical",
                     "torch_group"):
-        got = values[0]["ddp"][variant]
+        got = values[0][DDP.label][variant]
         if n == 2 and variant != "hierarchical":
             assert_params_equal(got, ddp, f"{variant} vs torch DDP")
         else:
             assert max_diff(got, ddp) <= 1e-6 * scale, (variant, max_diff(got, ddp))
     # Front doors with the same buckets give the same bits; so does waiting in the optimizer step.
-    first = values[0]["ddp"]
+    first = values[0][DDP.label]
     assert_params_equal(first["with_bagua_step"], first["with_bagua"])
     assert_params_equal(first["bagua_ddp"], first["with_bagua"])
     assert first["with_bagua/buckets"] == 3 and first["bagua_ddp_default_bucket/buckets"] == 1
@@ -236,26 +229,26 @@ def test_gradient_allreduce_matches_torch_ddp(name):
     for v in values:
         for variant in ("torch_ddp", "with_bagua", "with_bagua_step", "bagua_ddp", "hierarchical", "torch_group",
                         "sum"):
-            assert_params_equal(v["ddp"][variant], first[variant], f"rank {v['rank']} {variant}")
-        assert v["ddp"]["with_bagua/losses"] != first["with_bagua/losses"] or v["rank"] == 0  # different data
+            assert_params_equal(v[DDP.label][variant], first[variant], f"rank {v['rank']} {variant}")
+        assert v[DDP.label]["with_bagua/losses"] != first["with_bagua/losses"] or v["rank"] == 0  # different data
 
 
-@pytest.mark.parametrize("name", jobs_with("ddp"))
+@pytest.mark.parametrize("name", JOBS.jobs_with(DDP))
 def test_parameters_and_buffers_are_broadcast_from_rank_0(name):
     """A BatchNorm model whose weights, frozen scale and running mean differ per rank before wrapping: after the
     wrap every rank holds rank 0's. Training with buffers broadcast at each forward (our DDP wrapper's default, as
     torch's) matches torch's DDP rank by rank: exactly on two ranks, to the summation-order bound of
     test_gradient_allreduce_matches_torch_ddp on four. Parameters agree across ranks; the running statistics
     do not (each rank's last forward updates them from its own batch after the broadcast, in both wrappers)."""
-    seed, values = job(name)
+    seed, values = JOBS.run(name)
     n = len(values)
     initial = {k: t.detach().float().numpy() for k, t in make_bn(seed).state_dict().items()}
     params = [k for k in initial if "running" not in k and "num_batches" not in k]
     for v in values:
-        assert_params_equal(v["ddp"]["bn/after_wrap"], initial, f"rank {v['rank']} after wrap")
-        got, want = v["ddp"]["bn/bagua_ddp"], v["ddp"]["bn/torch_ddp"]
+        assert_params_equal(v[DDP.label]["bn/after_wrap"], initial, f"rank {v['rank']} after wrap")
+        got, want = v[DDP.label]["bn/bagua_ddp"], v[DDP.label]["bn/torch_ddp"]
         for k in params:
-            np.testing.assert_array_equal(got[k], values[0]["ddp"]["bn/bagua_ddp"][k], err_msg=k)
+            np.testing.assert_array_equal(got[k], values[0][DDP.label]["bn/bagua_ddp"][k], err_msg=k)
         if n == 2:
             assert_params_equal(got, want, f"rank {v['rank']} vs torch DDP")
         else:
@@ -265,58 +258,19 @@ def test_parameters_and_buffers_are_broadcast_from_rank_0(name):
 
 def test_jobs_use_the_intended_communicators():
     for name in ("gloo-2ranks", "gloo-4ranks-2nodes"):
-        _, values = job(name)
+        _, values = JOBS.run(name)
         assert all(v["world"] == "ProcessGroupCommunicator" and not v["native"] for v in values)
-    _, values = job("gloo-4ranks-2nodes")
-    assert all(v["ddp"]["hierarchical_levels"] for v in values)
-    _, values = job("gloo-2ranks")
-    assert not any(v["ddp"]["hierarchical_levels"] for v in values)
-    if _has_mpi():
-        _, values = job("mpi-4ranks-2nodes")
+    _, values = JOBS.run("gloo-4ranks-2nodes")
+    assert all(v[DDP.label]["hierarchical_levels"] for v in values)
+    _, values = JOBS.run("gloo-2ranks")
+    assert not any(v[DDP.label]["hierarchical_levels"] for v in values)
+    if JOBS.mpi:
+        _, values = JOBS.run("mpi-4ranks-2nodes")
         assert all(v["world"] == "NativeCommunicator" and v["native"] for v in values)
-        assert all(v["ddp"]["hierarchical_levels"] for v in values)
+        assert all(v[DDP.label]["hierarchical_levels"] for v in values)
 
 
 # ============================================================================ ByteGrad vs a single-process simulation
-
-
-def np_minmax_allreduce(xs: list[np.ndarray], residuals: list[np.ndarray] | None, average: bool):
-    """The ByteGrad pipeline among len(xs) ranks, with the NumPy kernel reference: the result every rank decodes
-    and the new residuals (None without error feedback)."""
-    k = len(xs)
-    m = xs[0].size // k
-    compressed = [ref.minmax_compress(x, k, None if residuals is None else residuals[r]) for r, x in enumerate(xs)]
-    slot = compressed[0][0].size // k
-    chunks = []
-    for r in range(k):
-        received = np.concatenate([packed[r * slot : (r + 1) * slot] for packed, _ in compressed])
-        mine = ref.decompress_reduce(received, m, k, "minmax_uint8", average)
-        chunks.append(ref.minmax_compress(mine, 1)[0])
-    result = ref.minmax_decompress(np.concatenate(chunks), k * m, k)
-    return result, None if residuals is None else [res for _, res in compressed]
-
-
-def np_bytegrad_bucket(buckets: list[np.ndarray], residuals, *, local: int | None, average: bool):
-    """One bucket of ByteGrad over all ranks: flat, or hierarchical with ``local`` ranks per node."""
-    n = len(buckets)
-    if local is None:
-        return np_minmax_allreduce(buckets, residuals, average)
-    a, b = local, n // local
-    s = buckets[0].size // a
-    pieces, fed = [], [None] * n
-    for j in range(a):  # local rank j of each node: its slice, averaged over the node, exchanged between nodes
-        slices = []
-        for i in range(b):
-            acc = np.zeros(s, F32)
-            for jj in range(a):
-                acc = (acc + buckets[i * a + jj][j * s : (j + 1) * s]).astype(F32)
-            slices.append((acc / F32(a)).astype(F32))
-        group = None if residuals is None else [residuals[i * a + j] for i in range(b)]
-        piece, group = np_minmax_allreduce(slices, group, average)
-        pieces.append(piece if average else (piece * F32(a)).astype(F32))
-        for i in range(b):
-            fed[i * a + j] = None if group is None else group[i]
-    return np.concatenate(pieces), (None if residuals is None else fed)
 
 
 def bytegrad_reference(seed: int, n: int, layout, *, local: int | None, error_feedback: bool, average: bool):
@@ -342,7 +296,7 @@ def bytegrad_reference(seed: int, n: int, layout, *, local: int | None, error_fe
                 for r in range(n):
                     flat = np.concatenate([grads[r][name] for name in names])
                     flats.append(np.concatenate([flat, np.zeros(size - flat.size, F32)]))
-                result, new = np_bytegrad_bucket(
+                result, new = bytegrad_bucket(
                     flats, [residuals[r][idx] for r in range(n)] if error_feedback else None, local=local,
                     average=average)
                 if error_feedback:
@@ -359,21 +313,14 @@ def bytegrad_reference(seed: int, n: int, layout, *, local: int | None, error_fe
         torch.set_num_threads(threads)
 
 
-BYTEGRAD_CASES = [(job_name, s) for job_name in JOBS for s in JOBS[job_name]["scenarios"] if s.startswith("bytegrad")]
-
-
-@pytest.mark.parametrize("name,scenario", BYTEGRAD_CASES, ids=[f"{j}-{s}" for j, s in BYTEGRAD_CASES])
+@pytest.mark.parametrize("name,scenario", JOBS.cases("bytegrad"))
 def test_bytegrad_matches_single_process_simulation_exactly(name, scenario):
-    seed, values = job(name)
+    seed, values = JOBS.run(name)
     n = len(values)
-    options = {"hierarchical": True, "average": True, "error_feedback": False}
-    if ":" in scenario:
-        for item in scenario.split(":")[1].split(","):
-            key, value = item.split("=")
-            options[key] = bool(int(value))
-    options.pop("step", None)  # where the wrapper waits does not change the result
-    local = JOBS[name]["local"] if options["hierarchical"] else None
-    got = values[0][scenario]
+    options = {"hierarchical": True, "average": True, "error_feedback": False, **scenario.options}
+    options.pop("sync_point", None)  # where the wrapper waits does not change the result
+    local = JOBS.jobs[name].local_world_size if options["hierarchical"] else None
+    got = values[0][scenario.label]
     assert got["levels"] == (local is not None)
     layout = got["layout"]
     assert [names for names, _ in layout] == [["4.bias", "4.weight", "2.bias"], ["2.weight"], ["0.bias", "0.weight"]]
@@ -381,10 +328,10 @@ def test_bytegrad_matches_single_process_simulation_exactly(name, scenario):
     expected = bytegrad_reference(seed, n, layout, local=local, error_feedback=options["error_feedback"],
                                   average=options["average"])
     for v in values:
-        assert_params_equal(v[scenario]["params"], expected, f"rank {v['rank']} vs the simulation")
+        assert_params_equal(v[scenario.label]["params"], expected, f"rank {v['rank']} vs the simulation")
     # Compression changed something (against exact averaging) but training is close to it.
-    if options["average"] and name in jobs_with("ddp"):
-        exact = values[0]["ddp"]["with_bagua"]
+    if options["average"] and name in JOBS.jobs_with(DDP):
+        exact = values[0][DDP.label]["with_bagua"]
         assert 0 < max_diff(got["params"], exact) < 1e-2
 
 
@@ -392,7 +339,7 @@ def test_bytegrad_matches_single_process_simulation_exactly(name, scenario):
 
 
 def test_buckets_launch_during_backward_in_fixed_order():
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     for v in values:
         o = v["overlap"]
         assert o["buckets"][0] == ["10.bias", "10.weight"] and o["buckets"][-1] == ["0.bias", "0.weight"]
@@ -414,7 +361,7 @@ def test_buckets_launch_during_backward_in_fixed_order():
 
 
 def test_a_bucket_ready_early_waits_for_the_ones_before_it():
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     for v in values:
         o = v["overlap"]
         assert o["swapped_buckets"] == [["b.bias", "b.weight"], ["a.bias", "a.weight"]]
@@ -439,7 +386,7 @@ def test_no_sync_accumulation_equals_one_step_on_the_concatenated_batch(sync_poi
     Each gradient differs by a few ulps; 1e-6 absolute on parameters of scale ~0.3 is far above that and far
     below the parameters' movement over the two steps (~1e-2).
     """
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     for v in values:
         r = v["no_sync"][sync_point]
         assert r["launches_inside_no_sync"] == [0, 0]
@@ -447,7 +394,7 @@ def test_no_sync_accumulation_equals_one_step_on_the_concatenated_batch(sync_poi
         assert_params_equal(r["accumulated"], values[0]["no_sync"][sync_point]["accumulated"])
 
 
-@pytest.mark.parametrize("name", jobs_with("unused"))
+@pytest.mark.parametrize("name", JOBS.jobs_with(UNUSED))
 def test_unused_parameters_do_not_hang_and_count_as_zeros(name):
     """A branch used on rank 0 only and a layer never used: every rank still issues every bucket's collective.
 
@@ -455,24 +402,24 @@ def test_unused_parameters_do_not_hang_and_count_as_zeros(name):
     where missing). Two ranks: exact. Four: the allreduce may add the four addends in another order, so a few
     ulps (1e-6 relative to the largest gradient).
     """
-    _, values = job(name)
+    _, values = JOBS.run(name)
     n = len(values)
     for v in values:
-        for sync_point, r in v["unused"].items():
+        for sync_point, r in v[UNUSED.label].items():
             for step, (got, want) in enumerate(zip(r["grads"], r["expected"])):
                 if n == 2:
                     np.testing.assert_array_equal(got, want, err_msg=f"{sync_point} step {step}")
                 else:
                     np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * float(np.abs(want).max()))
             assert r["never_grad_is_zero"]
-            assert_params_equal(r["params"], values[0]["unused"][sync_point]["params"], f"rank {v['rank']}")
+            assert_params_equal(r["params"], values[0][UNUSED.label][sync_point]["params"], f"rank {v['rank']}")
 
 
 # ============================================================================ checkpoints
 
 
 def test_checkpoint_of_the_algorithm_state_resumes_identically():
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     for v in values:
         c = v["checkpoint"]
         assert "_extra_state" in c["keys"] and all(k.startswith("module.") for k in c["keys"] if k != "_extra_state")
@@ -488,7 +435,7 @@ def test_checkpoint_of_the_algorithm_state_resumes_identically():
 
 
 def test_wrong_inputs_give_clear_errors_on_every_rank():
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     expected = {
         "not_module": "TypeError: the model must be a torch.nn.Module, got str",
         "unknown_algorithm": "ValueError: algorithm 'bytegrade' is unknown; available:",

@@ -2,7 +2,7 @@
 
 The in-step part (gradient allreduce during warm-up, local steps after) runs on 2 and 4
 simulated devices under ``shard_map`` with :class:`LaxCommunicator`. The background rounds
-need real processes: they run on 2 and 4 MPI ranks (``async_workers.py``), where a training
+need real processes: they run on 2 and 4 MPI ranks (``async_model_average_workers_jax.py``), where a training
 loop calls ``averager.apply`` between jitted steps of a linear regression.
 """
 
@@ -14,12 +14,16 @@ import ml_dtypes
 import numpy as np
 import optax
 import pytest
-from async_reference import check_averaged_training, numpy_sgd
-from async_workers import LR, rank_params
+from async_model_average_reference import (
+    LR,
+    check_averaged_training,
+    numpy_sgd,
+    rank_params,
+)
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
+from kernels_reference import async_average as async_average_reference
 from multiprocess import run_ranks
-from reference import async_average as async_average_reference
 
 import bagua_jax
 from bagua_jax import LaxCommunicator
@@ -153,7 +157,7 @@ def test_bad_arguments_are_rejected():
 @pytest.mark.parametrize("n", NS)
 def test_warmup_equals_synchronous_allreduce_sgd(n, rng):
     seed, steps = new_seed(rng), 8
-    results = [r.value for r in run_ranks("async_workers:train", n, seed, steps, steps, 1, 0.0, launcher="mpiexec")]
+    results = [r.value for r in run_ranks("async_model_average_workers_jax:train", n, seed, steps, steps, 1, 0.0, launcher="mpiexec")]
     expected = numpy_sgd(seed, n, steps, averaged_steps=steps)
     for res in results:
         # float32 rounding of JAX's gradient and of MPI's sum versus NumPy's, over a few steps.
@@ -168,21 +172,21 @@ def test_warmup_equals_synchronous_allreduce_sgd(n, rng):
 @pytest.mark.parametrize("n", NS)
 def test_background_averaging_keeps_replicas_together_and_trains(n, rng):
     seed, steps, warmup = new_seed(rng), 200, 5
-    results = run_ranks("async_workers:train", n, seed, steps, warmup, 2, 0.002, launcher="mpiexec", timeout=120)
+    results = run_ranks("async_model_average_workers_jax:train", n, seed, steps, warmup, 2, 0.002, launcher="mpiexec", timeout=120)
     results = sorted((r.value for r in results), key=lambda v: v["rank"])
     got = np.stack([res["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
     np.testing.assert_allclose(got[:warmup], numpy_sgd(seed, n, warmup, warmup), rtol=1e-5, atol=1e-5)
     rounds = {res["rounds"] for res in results}
-    assert len(rounds) == 1 and rounds.pop() >= 3, [res["rounds"] for res in results]
+    assert len(rounds) == 1, [res["rounds"] for res in results]
     assert all(res["joined"] for res in results)
-    check_averaged_training(got, [res["running"] for res in results], seed, warmup)
+    check_averaged_training(got, seed, warmup, rounds.pop())
 
 
 @needs_mpi
 @pytest.mark.parametrize("n", NS)
 def test_one_round_applies_sum_over_n_minus_snapshot(n, rng):
     seed = new_seed(rng)
-    results = sorted((r.value for r in run_ranks("async_workers:one_round", n, seed, launcher="mpiexec")),
+    results = sorted((r.value for r in run_ranks("async_model_average_workers_jax:one_round", n, seed, launcher="mpiexec")),
                      key=lambda v: v["rank"])
     snapshots = [rank_params(seed, r, 0) for r in range(n)]
     for res in results:
@@ -211,7 +215,7 @@ def test_one_round_applies_sum_over_n_minus_snapshot(n, rng):
 @needs_mpi
 @pytest.mark.parametrize("n", NS)
 def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(n, rng):
-    results = [r.value for r in run_ranks("async_workers:abort_resume", n, new_seed(rng), launcher="mpiexec", timeout=120)]
+    results = [r.value for r in run_ranks("async_model_average_workers_jax:abort_resume", n, new_seed(rng), launcher="mpiexec", timeout=120)]
     for phase in ("a", "b", "c"):
         assert len({res[phase] for res in results}) == 1, [res[phase] for res in results]
         assert results[0][phase][1] is False  # the thread was joined
@@ -226,7 +230,7 @@ def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(n, rng):
 @needs_mpi
 def test_training_never_waits_for_a_round_in_flight():
     stall = 1.5
-    results = sorted((r.value for r in run_ranks("async_workers:never_waits", 2, stall, launcher="mpiexec")),
+    results = sorted((r.value for r in run_ranks("async_model_average_workers_jax:never_waits", 2, stall, launcher="mpiexec")),
                      key=lambda v: v["rank"])
     busy = results[0]
     # Rank 1 made no progress for the whole window, so rank 0's round could not finish: at most

@@ -1,4 +1,4 @@
-"""Rank functions for tests/test_jax_multiprocess.py (run by multiprocess.run_ranks).
+"""Rank functions for tests/test_lax_communicator_processes_jax.py (run by multiprocess.run_ranks).
 
 Each process is one JAX process with one CPU device; ``jax.distributed`` joins
 them, and XLA's gloo CPU collectives carry the data between processes. The test

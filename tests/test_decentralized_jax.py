@@ -5,7 +5,7 @@ every rank draws a fresh batch, the test computes that rank's gradient in NumPy 
 the JAX run holds and feeds it to one jitted per-rank step (``jax.shard_map`` over simulated
 devices, or one process per rank with the native MPI communicator). The references below
 simulate every rank in one process from the SPEC's definition (section 3), computing their own
-gradients from their own weights, with only ``tests/reference.py`` for the kernels' numerics.
+gradients from their own weights, with only ``tests/kernels_reference.py`` for the kernels' numerics.
 Float32 operations are written in the order the optax composition performs them (the
 optimizer's ``-g``, then the transform's ``(avg - x) + u`` or ``x_new - x``, then
 ``x + update``), so wherever the averaging itself is deterministic the comparison is exact.
@@ -21,10 +21,11 @@ import pickle
 
 import jax
 import jax.numpy as jnp
+import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
-import reference as ref
+from algorithms_reference import low_precision_ring_round
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multiprocess import run_ranks
@@ -199,17 +200,12 @@ def reference_low_precision(
         for i in range(len(buckets)):
             length = flat[0][i].size // slices
             own = [slice((r % slices) * length, (r % slices + 1) * length) for r in range(n)]
-            decoded = []
-            for r in range(n):
-                z = ref.lowprec_decentralized_diff(
-                    flat[r][i][own[r]], w[r][i][own[r]], left[r][i][own[r]], right[r][i][own[r]]
-                )
-                packed, _ = ref.minmax_compress(z, 1)
-                decoded.append(ref.minmax_decompress(packed, z.size, 1))
-            for r in range(n):
-                left[r][i][own[r]] = left[r][i][own[r]] + decoded[(r - stride) % n]
-                right[r][i][own[r]] = right[r][i][own[r]] + decoded[(r + stride) % n]
-                w[r][i][own[r]] = w[r][i][own[r]] + decoded[r]
+            for j in range(slices):  # local rank j of every node: a ring over the nodes on slice j
+                ring = list(range(j, n, stride))
+                new = low_precision_ring_round(*([c[r][i][own[r]] for r in ring] for c in (flat, w, left, right)))
+                for copies, values in zip((w, left, right), new):
+                    for r, value in zip(ring, values):
+                        copies[r][i][own[r]] = value
             for r in range(n):  # the node's weights: every local rank's slice
                 for j in range(slices):
                     owner = r - r % slices + j
@@ -468,7 +464,7 @@ def test_configuration_errors():
 def test_low_precision_matches_reference(n, rng):
     seed = int(rng.integers(2**31))
     got, run = run_history(LowPrecisionDecentralized(), n, 5, seed)
-    # Compression, decoding and the diff kernel are bit-exact to tests/reference.py on the CPU,
+    # Compression, decoding and the diff kernel are bit-exact to tests/kernels_reference.py on the CPU,
     # and the rest is float32 arithmetic in the same order: exact.
     assert_histories(got, reference_low_precision(n, 5, seed), exact=False, atol=ONE_CODE)
     assert run.step._cache_size() == 1
@@ -621,7 +617,7 @@ def native_worker(seed: int, steps: int) -> dict[str, list[dict[str, np.ndarray]
 def test_two_processes_with_the_native_mpi_communicator(rng):
     seed = int(rng.integers(2**31))
     steps = 5
-    results = run_ranks("test_decentralized:native_worker", 2, seed, steps, launcher="mpiexec", timeout=180)
+    results = run_ranks("test_decentralized_jax:native_worker", 2, seed, steps, launcher="mpiexec", timeout=180)
     expected = {
         "all": reference_decentralized(2, steps, seed, "all"),
         "shift_one_interval_2": reference_decentralized(2, steps, seed, "shift_one", interval=2),

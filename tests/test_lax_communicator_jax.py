@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from jax_workers import pairing_schedule
+from lax_communicator_workers_jax import pairing_schedule
 
 from bagua_jax import Communicator, LaxCommunicator
 from bagua_jax.communicator import REDUCE_OPS, check_schedule

@@ -1,7 +1,7 @@
 """QAdam and 1-bit Adam through the PyTorch bridge (bagua_torch.algorithms.q_adam / onebit_adam).
 
 Multi-process jobs (one per configuration, several scenarios each; see
-torch_qadam_workers.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
+qadam_onebit_workers_torch.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
 nodes x 2 (so ``hierarchical=True`` really uses two levels), and under ``mpiexec``
 through the native MPI communicator (2 x 2). The tests check:
 
@@ -22,17 +22,12 @@ through the native MPI communicator (2 x 2). The tests check:
 
 from __future__ import annotations
 
-import shutil
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
 from frozen_variance_reference import variance_floors
-from multiprocess import run_ranks
-from torch_bridge_workers import batch, loss_fn, make_mlp
-from torch_qadam_workers import (
+from gradient_allreduce_bytegrad_workers_torch import batch, loss_fn, make_mlp
+from qadam_onebit_workers_torch import (
     BETAS,
     EPS,
     LR,
@@ -41,6 +36,7 @@ from torch_qadam_workers import (
     STEPS,
     WARMUP_STEPS,
 )
+from scenarios import Job, JobTable, Scenario, has_mpi
 
 import bagua_torch
 from bagua_torch import ops
@@ -49,39 +45,25 @@ from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOp
 from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
 
 
-def _has_mpi() -> bool:
-    beside = (Path(sys.executable).parent / "mpiexec").exists()
-    return bool(bagua_torch.build_info().get("mpi")) and (beside or shutil.which("mpiexec") is not None)
+def warmup(hierarchical: bool) -> Scenario:
+    return Scenario("warmup", {"hierarchical": hierarchical})
 
 
-JOBS = {
-    "gloo-2ranks": {"n": 2, "launcher": "python", "local": None,
-                    "scenarios": ["warmup:hier=1", "run:qadam:hier=1", "run:onebit_adam:hier=1", "checkpoint",
-                                  "errors"]},
-    "gloo-4ranks-2nodes": {"n": 4, "launcher": "python", "local": 2,
-                           "scenarios": ["warmup:hier=1", "run:qadam:hier=1", "run:onebit_adam:hier=1",
-                                         "run:qadam:hier=0", "run:onebit_adam:hier=0"]},
-    "mpi-4ranks-2nodes": {"n": 4, "launcher": "mpiexec", "local": 2,
-                          "scenarios": ["warmup:hier=0", "run:qadam:hier=1", "run:onebit_adam:hier=0"]},
-}
-_cache: dict[str, tuple[int, list[dict]]] = {}
+def run(algo: str, hierarchical: bool) -> Scenario:
+    return Scenario("run", {"algo": algo, "hierarchical": hierarchical})
 
 
-def job(name: str) -> tuple[int, list[dict]]:
-    """Run the job once per test session; returns (seed, per-rank values sorted by rank)."""
-    if name not in _cache:
-        spec = JOBS[name]
-        if spec["launcher"] == "mpiexec" and not _has_mpi():
-            pytest.skip("built without the MPI engine, or no mpiexec")
-        seed = int(np.random.default_rng().integers(2**20))
-        results = run_ranks("torch_qadam_workers:job", spec["n"], seed, spec["scenarios"], spec["local"],
-                            launcher=spec["launcher"], timeout=240)
-        _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
-    return _cache[name]
-
-
-def cases(kind: str) -> list[tuple[str, str]]:
-    return [(name, s) for name, spec in JOBS.items() for s in spec["scenarios"] if s.split(":")[0] == kind]
+JOBS = JobTable(
+    "qadam_onebit_workers_torch:job",
+    {
+        "gloo-2ranks": Job(2, "python", (warmup(True), run("qadam", True), run("onebit_adam", True),
+                                         Scenario("checkpoint"), Scenario("errors"))),
+        "gloo-4ranks-2nodes": Job(4, "python", (warmup(True), run("qadam", True), run("onebit_adam", True),
+                                                run("qadam", False), run("onebit_adam", False)), 2),
+        "mpi-4ranks-2nodes": Job(4, "mpiexec", (warmup(False), run("qadam", True), run("onebit_adam", False)), 2),
+    },
+    mpi=has_mpi(bagua_torch.build_info()),
+)
 
 
 def assert_tree_equal(a, b, msg: str = "") -> None:
@@ -188,19 +170,19 @@ def test_optimizer_warmup_alone_is_torch_adam_bit_for_bit():
 # ============================================================================ warm-up
 
 
-@pytest.mark.parametrize("name,scenario", cases("warmup"))
+@pytest.mark.parametrize("name,scenario", JOBS.cases("warmup"))
 def test_warmup_is_adam_on_averaged_gradients_bit_for_bit(name, scenario):
-    seed, values = job(name)
+    seed, values = JOBS.run(name)
     n = len(values)
     for v in values:
-        got = v[scenario]
+        got = v[scenario.label]
         adam = got["adam"]
         for algo in ("qadam", "onebit_adam"):
             assert got[algo]["hooks"] == [True] * STEPS  # gradients averaged in every warm-up backward
             assert got[algo]["step_id"] == STEPS <= WARMUP_STEPS
             assert_tree_equal(got[algo]["params"], adam["params"], f"rank {v['rank']} {algo} params")
             assert_tree_equal(got[algo]["state"], adam["state"], f"rank {v['rank']} {algo} state")
-        assert_tree_equal(adam["params"], values[0][scenario]["adam"]["params"])
+        assert_tree_equal(adam["params"], values[0][scenario.label]["adam"]["params"])
     if n == 2:
         # And against one process: Adam on (g0 + g1) / 2, the gradients computed by plain torch.
         with _Threads():
@@ -216,7 +198,7 @@ def test_warmup_is_adam_on_averaged_gradients_bit_for_bit(name, scenario):
                     p.grad = (g0 + g1).div_(2)
                 opt.step()
         expected = {k: p.detach().numpy() for k, p in model.named_parameters()}
-        assert_tree_equal(values[0][scenario]["qadam"]["params"], expected, "vs single-process Adam")
+        assert_tree_equal(values[0][scenario.label]["qadam"]["params"], expected, "vs single-process Adam")
 
 
 # ============================================================================ after the warm-up: simulation
@@ -308,19 +290,19 @@ def simulate(seed: int, n: int, algo: str, boundary: dict, layout, local: int | 
     return params, state, residuals
 
 
-@pytest.mark.parametrize("name,scenario", cases("run"))
+@pytest.mark.parametrize("name,scenario", JOBS.cases("run"))
 def test_after_warmup_matches_single_process_simulation_exactly(name, scenario):
-    seed, values = job(name)
+    seed, values = JOBS.run(name)
     n = len(values)
-    _, algo, hier = scenario.split(":")
-    local = JOBS[name]["local"] if hier == "hier=1" else None
-    first = values[0][scenario]
+    algo, hierarchical = scenario.options["algo"], scenario.options["hierarchical"]
+    local = JOBS.jobs[name].local_world_size if hierarchical else None
+    first = values[0][scenario.label]
     assert first["levels"] == (local is not None)
     assert first["hooks"] == [True] * RUN_WARMUP + [False] * (RUN_STEPS - RUN_WARMUP)
     for v in values:  # replicas identical at the boundary and at the end
-        assert_tree_equal(v[scenario]["boundary"], first["boundary"], f"rank {v['rank']} boundary")
-        assert_tree_equal(v[scenario]["params"], first["params"], f"rank {v['rank']} params")
-        assert_tree_equal(v[scenario]["state"], first["state"], f"rank {v['rank']} state")
+        assert_tree_equal(v[scenario.label]["boundary"], first["boundary"], f"rank {v['rank']} boundary")
+        assert_tree_equal(v[scenario.label]["params"], first["params"], f"rank {v['rank']} params")
+        assert_tree_equal(v[scenario.label]["state"], first["state"], f"rank {v['rank']} state")
     layout = first["layout"]
     params, state, residuals = simulate(seed, n, algo, first["boundary"], layout, local,
                                         range(RUN_WARMUP, RUN_STEPS))
@@ -332,7 +314,7 @@ def test_after_warmup_matches_single_process_simulation_exactly(name, scenario):
         assert not np.array_equal(m, first["boundary"]["state"][k][1])
     if algo == "onebit_adam":
         for v in values:
-            got = v[scenario]["algorithm_state"]
+            got = v[scenario.label]["algorithm_state"]
             workers, servers = residuals[v["rank"]]
             assert_tree_equal(got["worker_residuals"], [w.numpy() for w in workers], "worker residuals")
             assert_tree_equal(got["server_residuals"], [s.numpy() for s in servers], "server residuals")
@@ -345,7 +327,7 @@ def test_after_warmup_matches_single_process_simulation_exactly(name, scenario):
 
 
 def test_checkpoint_across_the_warmup_boundary_continues_identically():
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     for v in values:
         for key, got in v["checkpoint"].items():
             algo, save_at = key.split("@")
@@ -362,7 +344,7 @@ def test_checkpoint_across_the_warmup_boundary_continues_identically():
 
 
 def test_wrap_time_errors():
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     for v in values:
         e = v["errors"]
         assert e["optimizer_not_wrapped"].startswith("ValueError: qadam: its optimizer is not among the optimizers")
@@ -377,5 +359,5 @@ def test_wrap_time_errors():
 
 
 def test_native_mpi_communicator_used():
-    _, values = job("mpi-4ranks-2nodes")
+    _, values = JOBS.run("mpi-4ranks-2nodes")
     assert all(v["world"] == "NativeCommunicator" for v in values)

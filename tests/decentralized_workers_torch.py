@@ -1,8 +1,8 @@
-"""Rank bodies for test_torch_decentralized.py: Decentralized and LowPrecisionDecentralized on PyTorch.
+"""Rank bodies for test_decentralized_torch.py: Decentralized and LowPrecisionDecentralized on PyTorch.
 
 One job per configuration runs several scenarios and returns a dict per scenario; the test
 process checks them against single-process simulations of all ranks. The model, data and
-optimizer are those of torch_bridge_workers.py (deterministic functions of a seed).
+optimizer are those of gradient_allreduce_bytegrad_workers_torch.py (deterministic functions of a seed).
 
 Scenario names: ``dec:<options>`` and ``lowprec:<options>`` with options ``mode=all|shift_one``,
 ``interval=<int>``, ``hier=0|1``; ``peers``, ``checkpoint``, ``errors``.
@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import io
 import os
-import time
 
 import torch
-from torch import nn
-from torch_bridge_workers import (
+from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
-    _error,
     batch,
     loss_fn,
     make_mlp,
@@ -27,32 +24,10 @@ from torch_bridge_workers import (
     params_of,
     setup,
 )
+from scenarios import Registry, Scenario, raised
+from torch import nn
 
-
-def parse(scenario: str) -> tuple[str, dict]:
-    """``"dec:mode=shift_one,interval=2,hier=0"`` -> ``("dec", {"peer_selection_mode": "shift_one", ...})``."""
-    kind, _, rest = scenario.partition(":")
-    options: dict = {}
-    for item in filter(None, rest.split(",")):
-        key, value = item.split("=")
-        if key == "mode":
-            options["peer_selection_mode"] = value
-        elif key == "interval":
-            options["communication_interval"] = int(value)
-        elif key == "hier":
-            options["hierarchical"] = bool(int(value))
-        else:
-            raise ValueError(item)
-    return kind, options
-
-
-def make_algorithm(kind: str, options: dict):
-    from bagua_torch.algorithms.decentralized import (
-        DecentralizedAlgorithm,
-        LowPrecisionDecentralizedAlgorithm,
-    )
-
-    return DecentralizedAlgorithm(**options) if kind == "dec" else LowPrecisionDecentralizedAlgorithm(**options)
+scenario = Registry()
 
 
 def _copies(impl) -> dict:
@@ -61,17 +36,32 @@ def _copies(impl) -> dict:
     return {key: [t.numpy().copy() for t in getattr(impl, key)] for key in ("weights", "left", "right")}
 
 
-def train_run(seed: int, rank: int, scenario: str) -> dict:
+@scenario
+def decentralized(seed: int, rank: int, **options) -> dict:
+    """:func:`train_run` with ``DecentralizedAlgorithm(**options)``."""
+    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
+
+    return train_run(seed, rank, DecentralizedAlgorithm(**options))
+
+
+@scenario
+def low_precision_decentralized(seed: int, rank: int, **options) -> dict:
+    """:func:`train_run` with ``LowPrecisionDecentralizedAlgorithm(**options)``."""
+    from bagua_torch.algorithms.decentralized import LowPrecisionDecentralizedAlgorithm
+
+    return train_run(seed, rank, LowPrecisionDecentralizedAlgorithm(**options))
+
+
+def train_run(seed: int, rank: int, algorithm) -> dict:
     """STEPS steps of momentum SGD; the weights the optimizer starts from at each step (after a Decentralized
     average) and after it, the final weights, the bucket layout and the algorithm's copies."""
     import bagua_torch
 
-    kind, options = parse(scenario)
     model = make_mlp(seed + 1000 * (rank + 1))  # different on every rank: the wrap broadcasts rank 0's
     if rank == 0:
         model.load_state_dict(make_mlp(seed).state_dict())
     opt = make_optimizer(model)
-    wrapped = bagua_torch.with_bagua(model, [opt], make_algorithm(kind, options), bucket_bytes=SMALL_BUCKET)
+    wrapped = bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET)
     before = []  # registered after the wrapper's pre-hook, so it sees the averaged weights
     opt.register_step_pre_hook(lambda o, a, k: before.append(params_of(model)))
     after = []
@@ -89,6 +79,7 @@ def train_run(seed: int, rank: int, scenario: str) -> dict:
     return out
 
 
+@scenario
 def peers(rank: int, size: int) -> dict:
     """Which rank does shift_one pair this rank with? Weights set to the rank's index before each step, lr 0:
     after the step they are ``(rank + peer) / 2`` (exact), or ``rank`` on steps that do not communicate."""
@@ -116,6 +107,7 @@ def peers(rank: int, size: int) -> dict:
     return out
 
 
+@scenario
 def checkpoint(seed: int, rank: int) -> dict:
     """Save after 3 steps, continue 3; a fresh wrapped model loaded from the checkpoint continues identically, one
     that gets the weights but not the algorithm state does not."""
@@ -168,21 +160,23 @@ def _steps(wrapped, opt, seed: int, steps: range, rank: int) -> None:
         opt.step()
 
 
+@scenario
 def errors(rank: int) -> dict:
     """Configurations refused with a clear message on every rank (each call communicates only on wrap)."""
     import bagua_torch
+    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
 
     found = {}
     model = make_mlp(0)
-    found["dec_no_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], "decentralized"))
-    found["lowprec_no_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], "low_precision_decentralized"))
+    found["dec_no_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], "decentralized"))
+    found["lowprec_no_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], "low_precision_decentralized"))
     double = make_mlp(0, torch.float64)
-    found["lowprec_float64"] = _error(
+    found["lowprec_float64"] = raised(
         lambda: bagua_torch.with_bagua(double, [make_optimizer(double)], "low_precision_decentralized"))
     # float64 is fine for full-precision averaging, in both modes (shift_one averages in torch, not the kernel).
     for mode in ("all", "shift_one"):
         wrapped = bagua_torch.with_bagua(double, [opt := make_optimizer(double)],
-                                         make_algorithm("dec", {"peer_selection_mode": mode}))
+                                         DecentralizedAlgorithm(peer_selection_mode=mode))
         for step in range(2):
             x, y = batch(0, step, rank)
             opt.zero_grad()
@@ -195,35 +189,20 @@ def errors(rank: int) -> dict:
                                      bucket_bytes=SMALL_BUCKET)
     state = wrapped.algorithm_impl.state_dict()
     state["left"] = state["left"][:-1]
-    found["lowprec_bad_state"] = _error(lambda: wrapped.algorithm_impl.load_state_dict(state))
+    found["lowprec_bad_state"] = raised(lambda: wrapped.algorithm_impl.load_state_dict(state))
     wrapped.close()
     return found
 
 
-def job(seed: int, scenarios: list[str], local_world_size: int | None = None) -> dict:
-    """Every scenario on this rank (gloo under the python launcher, the native MPI communicator under mpiexec);
+def job(seed: int, scenarios: list[Scenario], local_world_size: int | None = None) -> dict:
+    """``scenarios`` on this rank (gloo under the python launcher, the native MPI communicator under mpiexec);
     ``local_world_size`` lays the ranks out as nodes of that many ranks."""
     kwargs = {}
     if local_world_size:
         rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")))
         kwargs = {"local_world_size": local_world_size, "local_rank": rank % local_world_size}
     group = setup(**kwargs)
-    rank, size = group.rank, group.size
-    out = {"rank": rank, "size": size, "native": group.native, "world": type(group.world).__name__,
+    out = {"rank": group.rank, "size": group.size, "native": group.native, "world": type(group.world).__name__,
            "hierarchical": group.communicators.hierarchical}
-    timings = {}
-    for name in scenarios:
-        start = time.perf_counter()
-        if name.startswith(("dec", "lowprec")):
-            out[name] = train_run(seed, rank, name)
-        elif name == "peers":
-            out[name] = peers(rank, size)
-        elif name == "checkpoint":
-            out[name] = checkpoint(seed, rank)
-        elif name == "errors":
-            out[name] = errors(rank)
-        else:
-            raise ValueError(name)
-        timings[name] = time.perf_counter() - start
-    out["timings"] = timings
+    out.update(scenario.run(scenarios, seed=seed, rank=group.rank, size=group.size))
     return out

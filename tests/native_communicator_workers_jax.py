@@ -3,7 +3,7 @@
 import os
 
 import numpy as np
-from jax_workers import pairing_schedule
+from lax_communicator_workers_jax import pairing_schedule
 
 OPS = ("sum", "avg", "min", "max")
 

@@ -1,19 +1,17 @@
-"""Rank bodies for test_torch_qadam.py: QAdam and 1-bit Adam through the PyTorch bridge.
+"""Rank bodies for test_qadam_onebit_torch.py: QAdam and 1-bit Adam through the PyTorch bridge.
 
 One job per configuration runs several scenarios and returns a dict per scenario; the
 test process checks them against single-process references. Models and data come from
-torch_bridge_workers (deterministic functions of a seed).
+gradient_allreduce_bytegrad_workers_torch (deterministic functions of a seed).
 """
 
 from __future__ import annotations
 
 import io
 import os
-import time
 
 import torch
-from torch import nn
-from torch_bridge_workers import (
+from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     batch,
     loss_fn,
@@ -21,6 +19,10 @@ from torch_bridge_workers import (
     params_of,
     setup,
 )
+from scenarios import Registry, Scenario, raised
+from torch import nn
+
+scenario = Registry()
 
 LR = 0.01
 BETAS = (0.9, 0.999)
@@ -77,17 +79,10 @@ def opt_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict:
     return out
 
 
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 (reported to the test)
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 # ----------------------------------------------------------------------------- scenarios
 
 
+@scenario
 def warmup(seed: int, rank: int, hierarchical: bool) -> dict:
     """Inside the warm-up, QAdam and 1-bit Adam (built by name) against GradientAllReduce (same hierarchy) +
     torch.optim.Adam(foreach=False): the very same averaged gradients, so the results must agree bit for bit."""
@@ -117,6 +112,7 @@ def warmup(seed: int, rank: int, hierarchical: bool) -> dict:
     return out
 
 
+@scenario
 def run(seed: int, rank: int, algo: str, hierarchical: bool) -> dict:
     """RUN_WARMUP warm-up steps then compressed ones: the state at the warm-up boundary, the final state, and what
     the test needs to simulate the compressed steps (bucket layout, residual sizes)."""
@@ -143,6 +139,7 @@ def run(seed: int, rank: int, algo: str, hierarchical: bool) -> dict:
     return out
 
 
+@scenario
 def checkpoint(seed: int, rank: int) -> dict:
     """Save inside the warm-up (step 2 of 3) and after it (step 4), continue to step 7; a fresh model and optimizer
     loaded from the checkpoint continue identically. For 1-bit Adam, loading the weights and the optimizer but not
@@ -188,6 +185,7 @@ def _resume(seed: int, rank: int, algo: str, warmup_steps: int, buffer: io.Bytes
     return {"params": params_of(fresh), "step_id": step_id}
 
 
+@scenario
 def errors(rank: int) -> dict:
     """Configurations refused when the model is wrapped (every rank makes the same calls)."""
     import bagua_torch
@@ -196,22 +194,22 @@ def errors(rank: int) -> dict:
     found = {}
     model = make_mlp(0)
     opt = QAdamOptimizer(model.parameters(), warmup_steps=1)
-    found["optimizer_not_wrapped"] = _error(lambda: bagua_torch.with_bagua(model, [], QAdamAlgorithm(opt)))
+    found["optimizer_not_wrapped"] = raised(lambda: bagua_torch.with_bagua(model, [], QAdamAlgorithm(opt)))
     other = QAdamOptimizer(make_mlp(0).parameters())
-    found["optimizer_of_other_model"] = _error(lambda: bagua_torch.with_bagua(model, [other], QAdamAlgorithm(other)))
+    found["optimizer_of_other_model"] = raised(lambda: bagua_torch.with_bagua(model, [other], QAdamAlgorithm(other)))
     partial = QAdamOptimizer(list(model.parameters())[:2])
-    found["optimizer_with_some_parameters"] = _error(
+    found["optimizer_with_some_parameters"] = raised(
         lambda: bagua_torch.with_bagua(model, [partial], QAdamAlgorithm(partial)))
     double = make_mlp(0, torch.float64)
     dopt = QAdamOptimizer(double.parameters())
-    found["float64"] = _error(lambda: bagua_torch.with_bagua(double, [dopt], QAdamAlgorithm(dopt)))
-    found["by_name_without_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [opt], "qadam"))
+    found["float64"] = raised(lambda: bagua_torch.with_bagua(double, [dopt], QAdamAlgorithm(dopt)))
+    found["by_name_without_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [opt], "qadam"))
 
     # A 1-bit Adam checkpoint whose residuals do not fit this model.
     wrapped, _ = _wrap("onebit_adam", make_mlp(0), 1)
     state = wrapped.state_dict()
     state["_extra_state"]["algorithm_state"]["server_residuals"][0] = torch.zeros(3)
-    found["bad_residuals"] = _error(lambda: wrapped.load_state_dict(state))
+    found["bad_residuals"] = raised(lambda: wrapped.load_state_dict(state))
     wrapped.close()
 
     # After the warm-up, stepping outside the wrapper (hooks removed by close()) is refused.
@@ -222,37 +220,20 @@ def errors(rank: int) -> dict:
     x, y = batch(0, 9, rank)
     opt.zero_grad()
     loss_fn(model, x, y).backward()
-    found["step_without_algorithm"] = _error(opt.step)
+    found["step_without_algorithm"] = raised(opt.step)
     return found
 
 
 # ----------------------------------------------------------------------------- jobs
 
 
-def job(seed: int, scenarios: list[str], local_world_size: int | None = None) -> dict:
-    """Every scenario on this rank: "warmup:hier=0|1", "run:qadam|onebit_adam:hier=0|1", "checkpoint", "errors"."""
+def job(seed: int, scenarios: list[Scenario], local_world_size: int | None = None) -> dict:
+    """``scenarios`` on this rank; ``local_world_size`` lays the ranks out as nodes of that many ranks."""
     kwargs = {}
     if local_world_size:
         rank = int(os.environ["RANK"])
         kwargs = {"local_world_size": local_world_size, "local_rank": rank % local_world_size}
     group = setup(**kwargs)
-    rank, size = group.rank, group.size
-    out = {"rank": rank, "size": size, "world": type(group.world).__name__}
-    timings = {}
-    for name in scenarios:
-        start = time.perf_counter()
-        kind, *rest = name.split(":")
-        hierarchical = rest[-1] == "hier=1" if rest else True
-        if kind == "warmup":
-            out[name] = warmup(seed, rank, hierarchical)
-        elif kind == "run":
-            out[name] = run(seed, rank, rest[0], hierarchical)
-        elif kind == "checkpoint":
-            out[name] = checkpoint(seed, rank)
-        elif kind == "errors":
-            out[name] = errors(rank)
-        else:
-            raise ValueError(name)
-        timings[name] = time.perf_counter() - start
-    out["timings"] = timings
+    out = {"rank": group.rank, "size": group.size, "world": type(group.world).__name__}
+    out.update(scenario.run(scenarios, seed=seed, rank=group.rank))
     return out

@@ -1,12 +1,12 @@
 """Decentralized and LowPrecisionDecentralized on PyTorch (bagua_torch.algorithms.decentralized).
 
 Multi-process jobs (one per configuration, several scenarios each; see
-torch_decentralized_workers.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as
+decentralized_workers_torch.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as
 2 nodes x 2 (``local_world_size=2``, so hierarchical runs really use two levels), and under
 ``mpiexec`` through the native MPI communicator (4 ranks, 2 nodes x 2). Every rank trains
-the MLP of torch_bridge_workers.py with momentum SGD on its own data; the test process
+the MLP of gradient_allreduce_bytegrad_workers_torch.py with momentum SGD on its own data; the test process
 simulates all ranks in one process (plain torch for the gradients and the optimizer, NumPy
-for the averaging, tests/reference.py for the compression kernels) and compares:
+for the averaging, tests/kernels_reference.py for the compression kernels) and compares:
 
 * the weights each optimizer step starts from and ends with, at every step, exactly,
   except for the flat ``"all"`` average of 4 ranks (the order in which the allreduce adds
@@ -20,16 +20,12 @@ for the averaging, tests/reference.py for the compression kernels) and compares:
 
 from __future__ import annotations
 
-import shutil
-import sys
-from pathlib import Path
-
+import kernels_reference as ref
 import numpy as np
 import pytest
-import reference as ref
 import torch
-from multiprocess import run_ranks
-from torch_bridge_workers import (
+from algorithms_reference import low_precision_ring_round
+from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     STEPS,
     batch,
@@ -37,7 +33,7 @@ from torch_bridge_workers import (
     make_mlp,
     make_optimizer,
 )
-from torch_decentralized_workers import parse
+from scenarios import Job, JobTable, Scenario, has_mpi
 
 import bagua_torch
 from bagua_torch import algorithms
@@ -52,39 +48,29 @@ from bagua_torch.bucketing import make_buckets
 F32 = np.float32
 
 
-def _has_mpi() -> bool:
-    beside = (Path(sys.executable).parent / "mpiexec").exists()
-    return bool(bagua_torch.build_info().get("mpi")) and (beside or shutil.which("mpiexec") is not None)
+def dec(**options) -> Scenario:
+    return Scenario("decentralized", options)
 
 
-GLOO2 = ["dec:mode=all", "dec:mode=shift_one", "dec:mode=all,interval=2", "lowprec", "lowprec:interval=2",
-         "peers", "checkpoint", "errors"]
-GLOO4 = ["dec:mode=all", "dec:mode=all,hier=0", "dec:mode=shift_one", "dec:mode=shift_one,hier=0",
-         "dec:mode=shift_one,hier=0,interval=2", "lowprec", "lowprec:hier=0", "lowprec:hier=0,interval=2", "peers"]
-MPI4 = ["dec:mode=all", "dec:mode=shift_one,hier=0", "lowprec", "lowprec:hier=0"]
-JOBS = {
-    "gloo-2ranks": {"n": 2, "launcher": "python", "scenarios": GLOO2, "local": None},
-    "gloo-4ranks-2nodes": {"n": 4, "launcher": "python", "scenarios": GLOO4, "local": 2},
-    "mpi-4ranks-2nodes": {"n": 4, "launcher": "mpiexec", "scenarios": MPI4, "local": 2},
-}
-_cache: dict[str, tuple[int, list[dict]]] = {}
+def lowprec(**options) -> Scenario:
+    return Scenario("low_precision_decentralized", options)
 
 
-def job(name: str) -> tuple[int, list[dict]]:
-    """Run the job once per test session; returns (seed, per-rank values sorted by rank)."""
-    if name not in _cache:
-        spec = JOBS[name]
-        if spec["launcher"] == "mpiexec" and not _has_mpi():
-            pytest.skip("built without the MPI engine, or no mpiexec")
-        seed = int(np.random.default_rng().integers(2**20))
-        results = run_ranks("torch_decentralized_workers:job", spec["n"], seed, spec["scenarios"], spec["local"],
-                            launcher=spec["launcher"], timeout=240)
-        _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
-    return _cache[name]
-
-
-def cases(prefix: str) -> list[tuple[str, str]]:
-    return [(j, s) for j, spec in JOBS.items() for s in spec["scenarios"] if s.split(":")[0] == prefix]
+ALL, SHIFT_ONE = {"peer_selection_mode": "all"}, {"peer_selection_mode": "shift_one"}
+FLAT, EVERY_2 = {"hierarchical": False}, {"communication_interval": 2}
+PEERS, CHECKPOINT, ERRORS = Scenario("peers"), Scenario("checkpoint"), Scenario("errors")
+JOBS = JobTable(
+    "decentralized_workers_torch:job",
+    {
+        "gloo-2ranks": Job(2, "python", (dec(**ALL), dec(**SHIFT_ONE), dec(**ALL, **EVERY_2), lowprec(),
+                                         lowprec(**EVERY_2), PEERS, CHECKPOINT, ERRORS)),
+        "gloo-4ranks-2nodes": Job(4, "python", (dec(**ALL), dec(**ALL, **FLAT), dec(**SHIFT_ONE),
+                                                dec(**SHIFT_ONE, **FLAT), dec(**SHIFT_ONE, **FLAT, **EVERY_2),
+                                                lowprec(), lowprec(**FLAT), lowprec(**FLAT, **EVERY_2), PEERS), 2),
+        "mpi-4ranks-2nodes": Job(4, "mpiexec", (dec(**ALL), dec(**SHIFT_ONE, **FLAT), lowprec(), lowprec(**FLAT)), 2),
+    },
+    mpi=has_mpi(bagua_torch.build_info()),
+)
 
 
 def assert_params_equal(a: dict, b: dict, msg: str = "") -> None:
@@ -175,17 +161,6 @@ def decentralized_reference(seed: int, n: int, mode: str, interval: int, local: 
     return before, after
 
 
-def ring_round(xs, ws, ls, rs):
-    """One LowPrecisionDecentralized round among len(xs) ranks on float32 arrays: new x (= new w), L, R."""
-    n, m = len(xs), xs[0].size
-    decoded = [ref.minmax_decompress(ref.minmax_compress(ref.lowprec_decentralized_diff(x, w, lft, rgt), 1)[0], m, 1)
-               for x, w, lft, rgt in zip(xs, ws, ls, rs)]
-    new_x = [(ws[r] + decoded[r]).astype(F32) for r in range(n)]
-    new_l = [(ls[r] + decoded[(r - 1) % n]).astype(F32) for r in range(n)]
-    new_r = [(rs[r] + decoded[(r + 1) % n]).astype(F32) for r in range(n)]
-    return new_x, new_l, new_r
-
-
 def pad_rows(x: np.ndarray, k: int) -> np.ndarray:
     return np.concatenate([x, np.zeros(-x.size % k, F32)]).reshape(k, -1)
 
@@ -210,7 +185,7 @@ def lowprec_reference(seed: int, n: int, interval: int, layout, local: int | Non
             for b, (names, numel, _) in enumerate(layout):
                 xs = [flats(params[r], names) for r in range(n)]
                 if local is None:
-                    new = ring_round(xs, *([copies[c][r][b] for r in range(n)] for c in range(3)))
+                    new = low_precision_ring_round(xs, *([copies[c][r][b] for r in range(n)] for c in range(3)))
                     for c in range(3):
                         for r in range(n):
                             copies[c][r][b] = new[c][r]
@@ -224,7 +199,7 @@ def lowprec_reference(seed: int, n: int, interval: int, layout, local: int | Non
                         for j in range(k):
                             members = [i * k + j for i in range(nodes)]
                             own = [[pad_rows(copies[c][r][b], k)[j] for r in members] for c in range(3)]
-                            new = ring_round([node_rows[i][j] for i in range(nodes)], *own)
+                            new = low_precision_ring_round([node_rows[i][j] for i in range(nodes)], *own)
                             for c in range(3):
                                 for i, r in enumerate(members):
                                     full = pad_rows(copies[c][r][b], k)
@@ -356,7 +331,7 @@ def test_reify_errors_and_state_validation():
 # ============================================================================ multi-process
 
 
-@pytest.mark.parametrize("name,scenario", cases("dec"), ids=[f"{j}-{s}" for j, s in cases("dec")])
+@pytest.mark.parametrize("name,scenario", JOBS.cases("decentralized"))
 def test_decentralized_matches_simulation(name, scenario):
     """Every step's weights, before the optimizer's update (after averaging) and after it, on every rank.
 
@@ -366,21 +341,21 @@ def test_decentralized_matches_simulation(name, scenario):
     1e-6 of the parameters' scale, which is itself far below their change over the run (~1e-2). Hierarchical
     2x2 "all" averages pairs only, ((a + b) / 2 + (c + d) / 2) / 2: exact.
     """
-    seed, values = job(name)
+    seed, values = JOBS.run(name)
     n = len(values)
-    _, options = parse(scenario)
+    options = scenario.options
     mode = options.get("peer_selection_mode", "all")
     interval = options.get("communication_interval", 1)
-    local = JOBS[name]["local"] if options.get("hierarchical", True) else None
-    assert all(v[scenario]["levels"] == (local is not None) for v in values)
-    assert all(v[scenario]["step"] == STEPS for v in values)
+    local = JOBS.jobs[name].local_world_size if options.get("hierarchical", True) else None
+    assert all(v[scenario.label]["levels"] == (local is not None) for v in values)
+    assert all(v[scenario.label]["step"] == STEPS for v in values)
     before, after = decentralized_reference(seed, n, mode, interval, local)
     exact = not (mode == "all" and local is None and n > 2)
     scale = max(float(np.abs(p).max()) for p in after[0][-1].values())
     for v in values:
         r = v["rank"]
         for step in range(STEPS):
-            for got, want in ((v[scenario]["before"][step], before[r][step]), (v[scenario]["after"][step],
+            for got, want in ((v[scenario.label]["before"][step], before[r][step]), (v[scenario.label]["after"][step],
                                                                                after[r][step])):
                 if exact:
                     assert_params_equal(got, want, f"rank {r} step {step}")
@@ -388,32 +363,32 @@ def test_decentralized_matches_simulation(name, scenario):
                     assert max_diff(got, want) <= 1e-6 * scale, (r, step, max_diff(got, want))
     # "all": the averaged weights are bit-identical on every rank at communicating steps, and differ otherwise.
     for step in range(STEPS):
-        same = all(max_diff(v[scenario]["before"][step], values[0][scenario]["before"][step]) == 0 for v in values)
+        same = all(max_diff(v[scenario.label]["before"][step], values[0][scenario.label]["before"][step]) == 0 for v in values)
         if mode == "all":
             assert same == (step % interval == 0), step
         elif step % interval:
             assert not same
     # Communication changed something: the ranks did not just train alone.
     alone = decentralized_reference(seed, n, mode, STEPS + 1, local)[1]
-    assert max_diff(values[-1][scenario]["params"], alone[-1][-1]) > 1e-5
+    assert max_diff(values[-1][scenario.label]["params"], alone[-1][-1]) > 1e-5
 
 
-@pytest.mark.parametrize("name,scenario", cases("lowprec"), ids=[f"{j}-{s}" for j, s in cases("lowprec")])
+@pytest.mark.parametrize("name,scenario", JOBS.cases("low_precision_decentralized"))
 def test_low_precision_decentralized_matches_simulation_exactly(name, scenario):
-    seed, values = job(name)
+    seed, values = JOBS.run(name)
     n = len(values)
-    _, options = parse(scenario)
+    options = scenario.options
     interval = options.get("communication_interval", 1)
-    local = JOBS[name]["local"] if options.get("hierarchical", True) else None
-    layout = values[0][scenario]["layout"]
+    local = JOBS.jobs[name].local_world_size if options.get("hierarchical", True) else None
+    layout = values[0][scenario.label]["layout"]
     assert [names for names, _, _ in layout] == [["4.bias", "4.weight", "2.bias"], ["2.weight"], ["0.bias", "0.weight"]]
-    assert all(v[scenario]["levels"] == (local is not None) for v in values)
+    assert all(v[scenario.label]["levels"] == (local is not None) for v in values)
     after, copies = lowprec_reference(seed, n, interval, layout, local)
     for v in values:
         r = v["rank"]
         for step in range(STEPS):
-            assert_params_equal(v[scenario]["after"][step], after[r][step], f"rank {r} step {step}")
-        got = v[scenario]["copies"]
+            assert_params_equal(v[scenario.label]["after"][step], after[r][step], f"rank {r} step {step}")
+        got = v[scenario.label]["copies"]
         for c, key in enumerate(("weights", "left", "right")):
             for b in range(len(layout)):
                 np.testing.assert_array_equal(got[key][b], copies[c][r][b], err_msg=f"rank {r} {key} bucket {b}")
@@ -424,21 +399,21 @@ def test_low_precision_decentralized_matches_simulation_exactly(name, scenario):
     for v in values:
         r = v["rank"]
         node, j = divmod(r, k)
-        left = values[((node - 1) % ring) * k + j][scenario]["copies"]["weights"]
-        right = values[((node + 1) % ring) * k + j][scenario]["copies"]["weights"]
+        left = values[((node - 1) % ring) * k + j][scenario.label]["copies"]["weights"]
+        right = values[((node + 1) % ring) * k + j][scenario.label]["copies"]["weights"]
         for b, (_, numel, _) in enumerate(layout):
             part = slice(None) if local is None else slice(j * (-(-numel // k)), (j + 1) * (-(-numel // k)))
-            np.testing.assert_array_equal(v[scenario]["copies"]["left"][b][part], left[b][part])
-            np.testing.assert_array_equal(v[scenario]["copies"]["right"][b][part], right[b][part])
+            np.testing.assert_array_equal(v[scenario.label]["copies"]["left"][b][part], left[b][part])
+            np.testing.assert_array_equal(v[scenario.label]["copies"]["right"][b][part], right[b][part])
         if local is None and (STEPS - 1) % interval == 0:  # flat, last step communicated: w is the weights
-            flat = [np.concatenate([v[scenario]["params"][nm].reshape(-1) for nm in names]) for names, _, _ in layout]
+            flat = [np.concatenate([v[scenario.label]["params"][nm].reshape(-1) for nm in names]) for names, _, _ in layout]
             for b in range(len(layout)):
-                np.testing.assert_array_equal(v[scenario]["copies"]["weights"][b], flat[b])
+                np.testing.assert_array_equal(v[scenario.label]["copies"]["weights"][b], flat[b])
 
 
-@pytest.mark.parametrize("name", [j for j, spec in JOBS.items() if "peers" in spec["scenarios"]])
+@pytest.mark.parametrize("name", JOBS.jobs_with(PEERS))
 def test_shift_one_pairs_ranks_by_the_formula_over_several_rounds(name):
-    _, values = job(name)
+    _, values = JOBS.run(name)
     n = len(values)
     for interval in (1, 2):
         for v in values:
@@ -456,7 +431,7 @@ def test_shift_one_pairs_ranks_by_the_formula_over_several_rounds(name):
 
 
 def test_checkpoint_continues_identically():
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     for v in values:
         for label in ("dec", "lowprec"):
             c = v["checkpoint"][label]
@@ -467,7 +442,7 @@ def test_checkpoint_continues_identically():
 
 
 def test_configuration_errors_on_a_real_job():
-    _, values = job("gloo-2ranks")
+    _, values = JOBS.run("gloo-2ranks")
     for v in values:
         e = v["errors"]
         assert e["dec_no_optimizer"].startswith("ValueError: decentralized communicates weights")
@@ -480,9 +455,9 @@ def test_configuration_errors_on_a_real_job():
 
 
 def test_jobs_use_the_intended_communicators():
-    _, values = job("gloo-4ranks-2nodes")
+    _, values = JOBS.run("gloo-4ranks-2nodes")
     assert all(v["hierarchical"] and v["world"] == "ProcessGroupCommunicator" for v in values)
-    if _has_mpi():
-        _, values = job("mpi-4ranks-2nodes")
+    if JOBS.mpi:
+        _, values = JOBS.run("mpi-4ranks-2nodes")
         assert all(v["hierarchical"] and v["native"] and v["world"] == "NativeCommunicator" for v in values)
 

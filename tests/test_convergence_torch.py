@@ -2,7 +2,7 @@
 torch and JAX front ends compress the same input to the same bytes.
 
 Convergence: one job of 4 gloo processes (2 nodes x 2 ranks, so hierarchical algorithms use
-both levels; see torch_convergence_workers.py) trains a fresh 64-32-10 MLP per algorithm
+both levels; see convergence_workers_torch.py) trains a fresh 64-32-10 MLP per algorithm
 variant for 300 steps of a 128-example global batch (32 per rank). The single-process
 baseline is ``torch.optim.Adam`` (lr 3e-3) on the same global batches from the same
 initialization. The margin (5 accuracy points) is the JAX convergence test's: what
@@ -20,9 +20,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from convergence_workers_torch import LR, MLP, VARIANTS, accuracy, global_batches
 from multiprocess import run_ranks
 from torch import nn
-from torch_convergence_workers import LR, MLP, VARIANTS, accuracy, global_batches
 
 from bagua_torch import ops as torch_ops
 from bagua_torch.algorithms import BUILTIN_ALGORITHMS, available_algorithms
@@ -44,7 +44,7 @@ def job() -> list[dict]:
     """All runnable variants in one 4-process job, run once per session; per-rank values sorted by rank."""
     if "job" not in _cache:
         variants = [name for name, (algorithm, _) in VARIANTS.items() if _missing(algorithm) is None]
-        results = run_ranks("torch_convergence_workers:job", NRANKS, variants, timeout=300)
+        results = run_ranks("convergence_workers_torch:job", NRANKS, variants, timeout=300)
         _cache["job"] = sorted((r.value for r in results), key=lambda v: v["rank"])
     return _cache["job"]
 

@@ -1,6 +1,6 @@
-"""Rank bodies for test_async_model_average.py (run under mpiexec, one process per rank).
+"""Rank bodies for test_async_model_average_jax.py (run under mpiexec, one process per rank).
 
-The data generators are plain NumPy so that the tests' references rebuild exactly the
+The data are ``async_model_average_reference.py``'s, so that the tests rebuild exactly the
 batches each rank trained on.
 """
 
@@ -9,27 +9,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-
-DIM = 8
-BATCH = 32
-LR = 0.1
-
-
-def optimum(seed: int, rank: int) -> np.ndarray:
-    """Rank ``rank``'s own least-squares optimum ``[w*, b*]``: a shared part plus a rank offset,
-    so that ranks training alone drift apart."""
-    shared = np.random.default_rng([seed, 999]).standard_normal(DIM + 1)
-    offset = np.random.default_rng([seed, 1000 + rank]).standard_normal(DIM + 1)
-    return (shared + 0.5 * offset).astype(np.float32)
-
-
-def batch(seed: int, rank: int, step: int) -> tuple[np.ndarray, np.ndarray]:
-    """Rank ``rank``'s fresh minibatch for ``step``: ``y = x w* + b* + noise``."""
-    rng = np.random.default_rng([seed, rank, step])
-    theta = optimum(seed, rank)
-    x = rng.standard_normal((BATCH, DIM)).astype(np.float32)
-    y = (x @ theta[:DIM] + theta[DIM] + 0.01 * rng.standard_normal(BATCH)).astype(np.float32)
-    return x, y
+from async_model_average_reference import DIM, LR, batch, rank_params
 
 
 def _setup(sync_interval_ms: float, warmup_steps: int):
@@ -82,17 +62,6 @@ def train(seed: int, steps: int, warmup_steps: int, sync_interval_ms: float, sle
     averager.abort()
     return {"rank": rank, "history": np.stack(history), "running": running, "rounds": averager.rounds,
             "joined": not averager.running}
-
-
-def rank_params(seed: int, rank: int, tag: int) -> dict:
-    """Random parameters of two dtypes (a float32 matrix, a bfloat16 vector) for the update-rule test."""
-    import ml_dtypes
-
-    rng = np.random.default_rng([seed, rank, tag])
-    return {
-        "w": rng.standard_normal((5, 3)).astype(np.float32),
-        "b": rng.standard_normal(7).astype(ml_dtypes.bfloat16),
-    }
 
 
 def one_round(seed: int) -> dict:

@@ -5,7 +5,7 @@ conftest.py forces four simulated CPU devices. Each algorithm runs inside
 mesh; hierarchical: a 2x2 ``("inter", "intra")`` mesh, world rank ``2 * inter +
 intra``); every per-rank input and output carries a leading rank axis, so ``out[r]`` is
 rank r's value. The references simulate every rank in one process with NumPy and the
-kernel references of ``tests/reference.py`` only. Gradients are precomputed fresh
+kernel references of ``tests/kernels_reference.py`` only. Gradients are precomputed fresh
 random arrays per step and rank (a different scale per rank), so the algorithms'
 numerics can be compared exactly where they are deterministic.
 """
@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
-import reference as ref
+from algorithms_reference import bytegrad_bucket, node_average_slices
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from multiprocess import run_ranks
@@ -26,7 +27,10 @@ import bagua_jax
 from bagua_jax import LaxCommunicator
 from bagua_jax.algorithms.base import Communicators
 from bagua_jax.algorithms.bytegrad import ByteGrad, ByteGradState, bytegrad
-from bagua_jax.algorithms.gradient_allreduce import GradientAllReduce, gradient_allreduce
+from bagua_jax.algorithms.gradient_allreduce import (
+    GradientAllReduce,
+    gradient_allreduce,
+)
 from bagua_jax.counting import CountingCommunicator
 
 F32 = np.float32
@@ -89,37 +93,6 @@ def np_unflatten(buckets: list[np.ndarray]) -> dict[str, np.ndarray]:
     return out
 
 
-def np_minmax_allreduce(xs: list[np.ndarray], residuals: list | None, average: bool):
-    """The ByteGrad pipeline among ``len(xs)`` ranks holding ``xs``: returns (the result every rank decodes, the new
-    residuals or None). Compress into k chunks, all-to-all the slots, decode-reduce, recompress one chunk, gather."""
-    k = len(xs)
-    m = xs[0].size // k
-    compressed = [ref.minmax_compress(x, k, None if residuals is None else residuals[r]) for r, x in enumerate(xs)]
-    slot = compressed[0][0].size // k
-    reduced_chunks = []
-    for r in range(k):
-        received = np.concatenate([packed[r * slot : (r + 1) * slot] for packed, _ in compressed])
-        mine = ref.decompress_reduce(received, m, k, "minmax_uint8", average)
-        reduced_chunks.append(ref.minmax_compress(mine, 1)[0])
-    result = ref.minmax_decompress(np.concatenate(reduced_chunks), k * m, k)
-    return result, None if residuals is None else [res for _, res in compressed]
-
-
-def np_intra_slices(buckets: list[np.ndarray], a: int, b: int) -> list[list[np.ndarray]]:
-    """``[i][j]``: slice j of node i's bucket averaged in float32 over its ``a`` ranks (world rank ``i*a + j``)."""
-    s = buckets[0].size // a
-    out = []
-    for i in range(b):
-        row = []
-        for j in range(a):
-            acc = np.zeros(s, F32)
-            for jj in range(a):
-                acc = (acc + buckets[i * a + jj][j * s : (j + 1) * s]).astype(F32)
-            row.append((acc / F32(a)).astype(F32))
-        out.append(row)
-    return out
-
-
 def np_bytegrad(grads: list[dict], residuals: list | None, *, hierarchical: bool, average: bool):
     """One ByteGrad step of all ranks. ``grads[r]`` is rank r's gradient dict, ``residuals[r][bucket]`` its
     error-feedback residuals (None: no error feedback). Returns (per-rank results, new residuals)."""
@@ -130,21 +103,8 @@ def np_bytegrad(grads: list[dict], residuals: list | None, *, hierarchical: bool
     for idx in range(len(BUCKETS)):
         buckets = [per_rank[r][idx] for r in range(n)]
         res = None if residuals is None else [residuals[r][idx] for r in range(n)]
-        if not hierarchical:
-            out, res = np_minmax_allreduce(buckets, res, average)
-            outs = [out] * n
-        else:
-            a, b = 2, n // 2
-            slices = np_intra_slices(buckets, a, b)
-            pieces, fed = [], [None] * n
-            for j in range(a):
-                group_res = None if res is None else [res[i * a + j] for i in range(b)]
-                piece, group_res = np_minmax_allreduce([slices[i][j] for i in range(b)], group_res, average)
-                pieces.append(piece if average else (piece * F32(a)).astype(F32))
-                for i in range(b):
-                    fed[i * a + j] = None if group_res is None else group_res[i]
-            outs = [np.concatenate(pieces)] * n
-            res = None if residuals is None else fed
+        out, res = bytegrad_bucket(buckets, res, local=2 if hierarchical else None, average=average)
+        outs = [out] * n
         for r in range(n):
             results[r].append(outs[r])
             if new_res is not None:
@@ -368,7 +328,7 @@ def test_bytegrad_matches_numpy_pipeline_exactly(rng, n, hierarchical, error_fee
                 buckets = [b[idx] for b in per_rank]
                 truth = np.stack(buckets).astype(np.float64).mean(0)
                 if hierarchical:
-                    slices = np_intra_slices(buckets, 2, n // 2)
+                    slices = node_average_slices(buckets, 2)
                     bound = np.concatenate([bytegrad_error_bound([row[j] for row in slices]) for j in range(2)])
                     bound += 4 * EPS * np.abs(truth).max()  # the float32 intra-node average
                 else:
@@ -561,7 +521,7 @@ def native_worker(seed: int, steps: int, lr: float) -> dict:
 def test_both_algorithms_on_two_mpi_processes_match_numpy(rng):
     seed, steps, lr, n = int(rng.integers(2**31)), 3, 0.1, 2
     results = run_ranks(
-        "test_gradient_allreduce_bytegrad:native_worker",
+        "test_gradient_allreduce_bytegrad_jax:native_worker",
         n,
         seed,
         steps,

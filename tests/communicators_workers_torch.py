@@ -1,4 +1,4 @@
-"""Rank bodies for test_torch_communicators.py.
+"""Rank bodies for test_communicators_torch.py.
 
 ``engine`` is "gloo" (a ProcessGroupCommunicator over torch.distributed, started
 with the python launcher) or "mpi" (the NativeCommunicator over the MPI engine,

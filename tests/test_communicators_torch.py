@@ -8,28 +8,20 @@ the tests below check different aspects of that one run.
 
 from __future__ import annotations
 
-import shutil
-import sys
-from pathlib import Path
-
 import numpy as np
 import pytest
+from communicators_workers_torch import EXTRA_DTYPES, OPS, rank_data
 from multiprocess import run_ranks
-from torch_workers import EXTRA_DTYPES, OPS, rank_data
+from scenarios import has_mpi
 
 import bagua_torch
-
-
-def _has_mpiexec() -> bool:
-    return (Path(sys.executable).parent / "mpiexec").exists() or shutil.which("mpiexec") is not None
-
 
 ENGINES = {
     "gloo": {"launcher": "python", "skip": None},
     "mpi": {
         "launcher": "mpiexec",
         "skip": None
-        if bagua_torch.build_info().get("mpi") and _has_mpiexec()
+        if has_mpi(bagua_torch.build_info())
         else "built without the MPI engine, or no mpiexec",
     },
 }
@@ -51,7 +43,7 @@ def run(request):
     _skip(engine)
     seed = int(np.random.default_rng().integers(2**31))
     results = run_ranks(
-        "torch_workers:every_primitive", size, engine, seed, launcher=ENGINES[engine]["launcher"], timeout=150
+        "communicators_workers_torch:every_primitive", size, engine, seed, launcher=ENGINES[engine]["launcher"], timeout=150
     )
     values = sorted((r.value for r in results), key=lambda v: v["rank"])
     return engine, size, seed, values
@@ -194,7 +186,7 @@ def test_a_dead_or_stalled_peer_raises_within_the_timeout(engine, mode):
     _skip(engine)
     timeout = 2.0
     results = run_ranks(
-        "torch_workers:dead_or_stalled_peer", 2, engine, mode, timeout,
+        "communicators_workers_torch:dead_or_stalled_peer", 2, engine, mode, timeout,
         launcher=ENGINES[engine]["launcher"], timeout=90, check=False,
     )
     survivor = results[0]

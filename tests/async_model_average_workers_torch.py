@@ -1,8 +1,8 @@
-"""Rank bodies for test_torch_async.py: AsyncModelAverageAlgorithm through the PyTorch wrapper.
+"""Rank bodies for test_async_model_average_torch.py: AsyncModelAverageAlgorithm through the PyTorch wrapper.
 
 One job per configuration (gloo on 2 and 4 ranks, the native MPI communicator under
 mpiexec) runs several scenarios and returns a dict per scenario. The task is the linear
-regression of ``async_workers.py`` (plain NumPy data, each rank with its own optimum, so
+regression of ``async_model_average_reference.py`` (plain NumPy data, each rank with its own optimum, so
 ranks training alone drift apart), so the test process rebuilds every batch.
 """
 
@@ -12,12 +12,15 @@ import time
 
 import numpy as np
 import torch
-from async_workers import DIM, LR, batch, rank_params
+from async_model_average_reference import DIM, LR, batch, rank_params
+from scenarios import Registry, Scenario, raised
 from torch import nn
+
+scenario = Registry()
 
 
 class Linear(nn.Module):
-    """``x w + b`` from zeros: the linear model of async_workers.py."""
+    """``x w + b`` from zeros: the linear model of async_model_average_reference.py."""
 
     def __init__(self):
         super().__init__()
@@ -66,17 +69,10 @@ def params_np(model: nn.Module) -> dict:
     return {name: p.detach().float().numpy().copy() for name, p in model.named_parameters()}
 
 
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 (reported to the test)
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 # ----------------------------------------------------------------------------- scenarios
 
 
+@scenario
 def train(seed: int, rank: int, group, steps: int, warmup_steps: int, sync_interval_ms: float, sleep_s: float,
           compare_allreduce: bool = False) -> dict:
     """SGD with AsyncModelAverage: weights after every step, whether the thread ran after each step, rounds."""
@@ -112,6 +108,7 @@ def train(seed: int, rank: int, group, steps: int, warmup_steps: int, sync_inter
     return out
 
 
+@scenario
 def one_round(seed: int, rank: int, group) -> dict:
     """Force exactly one round with the snapshot ``p0``, apply it to ``p1``; a later step, with no round
     finished, must leave the weights ``p2`` unchanged. Steps are ``opt.step()`` with no gradients (the
@@ -158,6 +155,7 @@ def one_round(seed: int, rank: int, group) -> dict:
     return result
 
 
+@scenario
 def abort_resume(seed: int, rank: int, group) -> dict:
     """Abort at staggered times on every rank, resume, abort on rank 0 only, resume and abort at once."""
     from bagua_torch.algorithms import AsyncModelAverageAlgorithm
@@ -183,7 +181,7 @@ def abort_resume(seed: int, rank: int, group) -> dict:
     out["a"] = (impl.rounds, impl.running)
     steps(20)  # no rounds while aborted
     out["a_after_steps"] = impl.rounds
-    out["resume_twice"] = _error(lambda: (impl.resume(), impl.resume()))
+    out["resume_twice"] = raised(lambda: (impl.resume(), impl.resume()))
 
     steps(100)
     if rank == 0:
@@ -207,6 +205,7 @@ def abort_resume(seed: int, rank: int, group) -> dict:
     return out
 
 
+@scenario
 def never_waits(rank: int, group, stall_s: float) -> dict:
     """Rank 1 stops stepping for ``stall_s`` seconds, which keeps rank 0's round in flight; rank 0 keeps
     stepping and times every ``opt.step()`` (where rounds are applied)."""
@@ -244,6 +243,7 @@ def never_waits(rank: int, group, stall_s: float) -> dict:
     return out
 
 
+@scenario
 def checkpoint(seed: int, rank: int, group) -> dict:
     """Warm-up of 5 steps interrupted after 3: the restored step counter keeps the gradient allreduce for
     exactly 2 more steps, and the weights equal an uninterrupted run's."""
@@ -279,25 +279,26 @@ def checkpoint(seed: int, rank: int, group) -> dict:
     out["hooks"].append(impl.need_gradient_hooks)
     out["running"].append(impl.running)
     out["resumed"], out["straight"] = flat(model), straight
-    out["bad_state"] = [_error(lambda s=s: impl.load_state_dict(s)) for s in ({"steps": -1}, {"steps": 1, "x": 2}, {})]
+    out["bad_state"] = [raised(lambda s=s: impl.load_state_dict(s)) for s in ({"steps": -1}, {"steps": 1, "x": 2}, {})]
     wrapped.close()
     return out
 
 
+@scenario
 def errors(rank: int, group) -> dict:
     import bagua_torch
     from bagua_torch.algorithms import AsyncModelAverageAlgorithm
 
     out = {}
     model = Linear()
-    out["no_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], "async", process_group=group))
+    out["no_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], "async", process_group=group))
     model64 = Linear().double()
     opt = torch.optim.SGD(model64.parameters(), lr=LR)
-    out["float64"] = _error(lambda: wrap(model64, opt, "async", group))
+    out["float64"] = raised(lambda: wrap(model64, opt, "async", group))
     model = Linear()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     wrapped = wrap(model, opt, AsyncModelAverageAlgorithm(warmup_steps=2), group)
-    out["resume_running"] = _error(wrapped.algorithm_impl.resume)
+    out["resume_running"] = raised(wrapped.algorithm_impl.resume)
     wrapped.close()
     wrapped.close()  # idempotent
     return out
@@ -306,32 +307,14 @@ def errors(rank: int, group) -> dict:
 # ----------------------------------------------------------------------------- the job
 
 
-def job(seed: int, scenarios: list[str]) -> dict:
+def job(seed: int, scenarios: list[Scenario], local_world_size: None = None) -> dict:
+    """``scenarios`` on this rank, in one process group (gloo, or the native MPI communicator under mpiexec)."""
     torch.set_num_threads(1)
     import bagua_torch
 
     group = bagua_torch.init_process_group(timeout=60)
-    rank, size = group.rank, group.size
-    out = {"rank": rank, "size": size, "native": group.native, "timings": {}}
-    for name in scenarios:
-        start = time.perf_counter()
-        if name == "warmup":
-            out[name] = train(seed, rank, group, 6, 6, 1, 0.0, compare_allreduce=True)
-        elif name == "train":
-            out[name] = train(seed, rank, group, 200, 5, 2, 0.002)
-        elif name == "one_round":
-            out[name] = one_round(seed, rank, group)
-        elif name == "abort_resume":
-            out[name] = abort_resume(seed, rank, group)
-        elif name == "never_waits":
-            out[name] = never_waits(rank, group, 1.5)
-        elif name == "checkpoint":
-            out[name] = checkpoint(seed, rank, group)
-        elif name == "errors":
-            out[name] = errors(rank, group)
-        else:
-            raise ValueError(name)
-        out["timings"][name] = time.perf_counter() - start
+    out = {"rank": group.rank, "size": group.size, "native": group.native}
+    out.update(scenario.run(scenarios, seed=seed, rank=group.rank, group=group))
     # Rank 0 hosts the store: no rank may exit while another still sets up a group through it.
     torch.distributed.barrier()
     return out

@@ -1,4 +1,4 @@
-"""Rank bodies for test_torch_bridge.py: the PyTorch bridge (with_bagua, DistributedDataParallel).
+"""Rank bodies for test_gradient_allreduce_bytegrad_torch.py: the PyTorch bridge (with_bagua, DistributedDataParallel).
 
 One job per configuration runs several scenarios and returns a dict per scenario; the
 test process checks them (and computes the single-process references). Models and
@@ -14,7 +14,10 @@ import time
 
 import numpy as np
 import torch
+from scenarios import Registry, Scenario, raised
 from torch import nn
+
+scenario = Registry()
 
 STEPS = 4
 BATCH = 6
@@ -85,17 +88,10 @@ def _train(model, optimizer, seed: int, steps: range, rank: int) -> list[float]:
     return losses
 
 
-def _error(call) -> str:
-    try:
-        call()
-    except Exception as error:  # noqa: BLE001 (reported to the test)
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 # ----------------------------------------------------------------------------- scenarios
 
 
+@scenario
 def ddp_equivalence(seed: int, rank: int) -> dict:
     """GradientAllReduce (with_bagua, both sync points, our DDP wrapper) against torch's DDP, same data and seed."""
     import torch.distributed as dist
@@ -158,14 +154,13 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
     return out
 
 
-def bytegrad_run(seed: int, rank: int, options: dict) -> dict:
-    """ByteGrad training for STEPS steps (``step=True``: sync_point="step"); returns the final parameters and the
-    bucket layout."""
+@scenario
+def bytegrad(seed: int, rank: int, sync_point: str = "backward", **options) -> dict:
+    """ByteGrad(**options) training for STEPS steps, waiting at ``sync_point``; returns the final parameters and
+    the bucket layout."""
     import bagua_torch
     from bagua_torch.algorithms import ByteGradAlgorithm
 
-    options = dict(options)
-    sync_point = "step" if options.pop("step", False) else "backward"
     model = make_mlp(seed)
     opt = make_optimizer(model)
     wrapped = bagua_torch.with_bagua(model, [opt], ByteGradAlgorithm(**options), bucket_bytes=SMALL_BUCKET,
@@ -177,6 +172,7 @@ def bytegrad_run(seed: int, rank: int, options: dict) -> dict:
     return {"params": params_of(model), "layout": layout, "losses": losses, "levels": levels is not None}
 
 
+@scenario
 def overlap(rank: int) -> dict:
     """Several large layers, one per bucket: when does each bucket launch, relative to the backward pass?"""
     import bagua_torch
@@ -234,6 +230,7 @@ def overlap(rank: int) -> dict:
             "swapped_grads": grads, "swapped_local": {n: p.grad.numpy().copy() for n, p in local.named_parameters()}}
 
 
+@scenario
 def no_sync(seed: int, rank: int) -> dict:
     """Two micro-batches (the first under no_sync) against one step on the concatenated batch."""
     import bagua_torch
@@ -281,6 +278,7 @@ class _Branchy(nn.Module):
         return self.head(h)
 
 
+@scenario
 def unused_parameters(rank: int, size: int) -> dict:
     """A branch used on rank 0 only and a layer used nowhere: no hang, zeros stand in for missing gradients."""
     import torch.distributed as dist
@@ -315,6 +313,7 @@ def unused_parameters(rank: int, size: int) -> dict:
     return out
 
 
+@scenario
 def checkpoint(seed: int, rank: int) -> dict:
     """ByteGrad with error feedback: save after 3 steps, continue 3; a fresh model loaded from the checkpoint
     continues identically; one that gets the weights but not the algorithm state does not."""
@@ -358,7 +357,7 @@ def checkpoint(seed: int, rank: int) -> dict:
     wo = bagua_torch.with_bagua(other, [make_optimizer(other)], "gradient_allreduce", bucket_bytes=SMALL_BUCKET)
     buffer.seek(0)
     saved = torch.load(buffer, weights_only=False)
-    wrong_algorithm = _error(lambda: wo.load_state_dict(saved["model"]))
+    wrong_algorithm = raised(lambda: wo.load_state_dict(saved["model"]))
     wo.close()
     return {"continued": continued, "resumed": resumed, "without_state": without_state, "keys": keys,
             "residual_norm": residual_norm, "wrong_algorithm": wrong_algorithm}
@@ -378,6 +377,7 @@ def wrapped_allreduce():
     return WrappedAllReduce()
 
 
+@scenario
 def errors(rank: int) -> dict:
     """Wrong inputs, each refused with a clear message on every rank (and nothing left hanging)."""
     import bagua_torch
@@ -386,32 +386,32 @@ def errors(rank: int) -> dict:
     found = {}
     model = make_mlp(0)
     opt = make_optimizer(model)
-    found["not_module"] = _error(lambda: bagua_torch.with_bagua("model", [opt], "bytegrad"))
-    found["unknown_algorithm"] = _error(lambda: bagua_torch.with_bagua(model, [opt], "bytegrade"))
-    found["bad_bucket"] = _error(lambda: bagua_torch.with_bagua(model, [opt], bucket_bytes=0))
-    found["bad_sync_point"] = _error(lambda: bagua_torch.with_bagua(model, [opt], sync_point="later"))
-    found["step_without_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, [], sync_point="step"))
-    found["not_optimizer"] = _error(lambda: bagua_torch.with_bagua(model, ["sgd"]))
-    found["ddp_dim"] = _error(lambda: bagua_torch.DistributedDataParallel(model, dim=1))
-    found["ddp_device"] = _error(lambda: bagua_torch.DistributedDataParallel(model, device_ids=[0]))
+    found["not_module"] = raised(lambda: bagua_torch.with_bagua("model", [opt], "bytegrad"))
+    found["unknown_algorithm"] = raised(lambda: bagua_torch.with_bagua(model, [opt], "bytegrade"))
+    found["bad_bucket"] = raised(lambda: bagua_torch.with_bagua(model, [opt], bucket_bytes=0))
+    found["bad_sync_point"] = raised(lambda: bagua_torch.with_bagua(model, [opt], sync_point="later"))
+    found["step_without_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], sync_point="step"))
+    found["not_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, ["sgd"]))
+    found["ddp_dim"] = raised(lambda: bagua_torch.DistributedDataParallel(model, dim=1))
+    found["ddp_device"] = raised(lambda: bagua_torch.DistributedDataParallel(model, device_ids=[0]))
     # Below, each call communicates; every rank makes the same calls.
     double = make_mlp(0, torch.float64)
-    found["bytegrad_float64"] = _error(lambda: bagua_torch.with_bagua(double, [], "bytegrad"))
+    found["bytegrad_float64"] = raised(lambda: bagua_torch.with_bagua(double, [], "bytegrad"))
     different = make_mlp(0) if rank == 0 else nn.Sequential(nn.Linear(10, 31), nn.Tanh(), nn.Linear(31, 3))
-    found["different_models"] = _error(lambda: bagua_torch.with_bagua(different, []))
-    found["different_algorithms"] = _error(
+    found["different_models"] = raised(lambda: bagua_torch.with_bagua(different, []))
+    found["different_algorithms"] = raised(
         lambda: bagua_torch.with_bagua(model, [], ByteGradAlgorithm(hierarchical=rank == 0)))
     # A custom algorithm that is not a dataclass: its repr differs per process, its signature does not.
-    found["custom_algorithm"] = _error(lambda: bagua_torch.with_bagua(model, [], wrapped_allreduce()).close())
+    found["custom_algorithm"] = raised(lambda: bagua_torch.with_bagua(model, [], wrapped_allreduce()).close())
     wrapped = bagua_torch.with_bagua(model, [opt], sync_point="step")
-    found["wrap_twice"] = _error(lambda: bagua_torch.with_bagua(wrapped, [opt]))
+    found["wrap_twice"] = raised(lambda: bagua_torch.with_bagua(wrapped, [opt]))
     x, y = batch(0, 0, rank)
     loss_fn(wrapped, x, y).backward()
 
     def second_backward():
         loss_fn(wrapped.module, x, y).backward()
 
-    found["second_backward"] = _error(second_backward)
+    found["second_backward"] = raised(second_backward)
     wrapped.wait_gradients()
     opt.step()
     found["after_errors_still_works"] = _train(wrapped, opt, 0, range(2), rank)
@@ -422,46 +422,15 @@ def errors(rank: int) -> dict:
 # ----------------------------------------------------------------------------- jobs
 
 
-def job(seed: int, scenarios: list[str], local_world_size: int | None = None) -> dict:
-    """Every scenario in ``scenarios`` on this rank. Started by the python launcher, init_process_group uses gloo;
-    under mpiexec it picks the native MPI communicator. ``local_world_size`` lays the ranks out as nodes of that
-    many ranks (the harness sets LOCAL_RANK = RANK, so the local rank is passed too)."""
+def job(seed: int, scenarios: list[Scenario], local_world_size: int | None = None) -> dict:
+    """``scenarios`` on this rank. Started by the python launcher, init_process_group uses gloo; under mpiexec it
+    picks the native MPI communicator. ``local_world_size`` lays the ranks out as nodes of that many ranks (the
+    harness sets LOCAL_RANK = RANK, so the local rank is passed too)."""
     kwargs = {}
     if local_world_size:
         rank = int(os.environ["RANK"])
         kwargs = {"local_world_size": local_world_size, "local_rank": rank % local_world_size}
     group = setup(**kwargs)
-    return _scenarios(seed, scenarios, group)
-
-
-def _scenarios(seed: int, scenarios: list[str], group) -> dict:
-    rank, size = group.rank, group.size
-    out = {"rank": rank, "size": size, "native": group.native, "world": type(group.world).__name__}
-    timings = {}
-    for name in scenarios:
-        start = time.perf_counter()
-        if name == "ddp":
-            out[name] = ddp_equivalence(seed, rank)
-        elif name.startswith("bytegrad"):
-            # "bytegrad:hierarchical=0,error_feedback=1,average=1"
-            options = {}
-            if ":" in name:
-                for item in name.split(":", 1)[1].split(","):
-                    key, value = item.split("=")
-                    options[key] = bool(int(value))
-            out[name] = bytegrad_run(seed, rank, options)
-        elif name == "overlap":
-            out[name] = overlap(rank)
-        elif name == "no_sync":
-            out[name] = no_sync(seed, rank)
-        elif name == "unused":
-            out[name] = unused_parameters(rank, size)
-        elif name == "checkpoint":
-            out[name] = checkpoint(seed, rank)
-        elif name == "errors":
-            out[name] = errors(rank)
-        else:
-            raise ValueError(name)
-        timings[name] = time.perf_counter() - start
-    out["timings"] = timings
+    out = {"rank": group.rank, "size": group.size, "native": group.native, "world": type(group.world).__name__}
+    out.update(scenario.run(scenarios, seed=seed, rank=group.rank, size=group.size))
     return out

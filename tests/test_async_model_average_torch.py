@@ -1,15 +1,16 @@
 """AsyncModelAverageAlgorithm ("async") through the PyTorch wrapper, against NumPy references.
 
-Jobs of real processes (torch_async_workers.py; several scenarios per job): gloo on 2 and
+Jobs of real processes (async_model_average_workers_torch.py; several scenarios per job): gloo on 2 and
 4 ranks (the rounds on a new process group), and the native MPI communicator under
 ``mpiexec`` on 2 ranks (the rounds on ``world.split``). The task is the linear regression
-of ``async_workers.py`` where each rank has its own optimum, so that ranks training alone
+of ``async_model_average_reference.py`` where each rank has its own optimum, so that ranks training alone
 drift apart. The tests check:
 
 * warm-up: gradient allreduce, bit-identical to GradientAllReduce in the same job and
   equal to a NumPy simulation of synchronous SGD; no thread before warm-up ends;
-* after warm-up: the ranks' weights stay close (spread far below local SGD's) and the
-  loss over all ranks' data goes down;
+* after warm-up: every step is a local SGD step, or one that applies a round: each rank's
+  snapshot moved to the mean of all ranks' snapshots, on the rounds that ran whatever their
+  timing; the loss over all ranks' data goes down;
 * the update rule ``x + sum / n - s`` exactly (NumPy reference kernel) for one forced round;
 * abort/resume: every rank stops at the same round (also when only rank 0 aborts), no hang;
 * a step never waits for a round in flight;
@@ -18,17 +19,16 @@ drift apart. The tests check:
 
 from __future__ import annotations
 
-import shutil
-import sys
-from pathlib import Path
-
 import ml_dtypes
 import numpy as np
 import pytest
-from async_reference import check_averaged_training, numpy_sgd
-from async_workers import rank_params
-from multiprocess import run_ranks
-from reference import async_average as async_average_reference
+from async_model_average_reference import (
+    check_averaged_training,
+    numpy_sgd,
+    rank_params,
+)
+from kernels_reference import async_average as async_average_reference
+from scenarios import Job, JobTable, Scenario, has_mpi
 
 import bagua_torch
 from bagua_torch.algorithms import (
@@ -39,35 +39,21 @@ from bagua_torch.algorithms import (
 
 F32_EPS = float(np.finfo(np.float32).eps)
 
-JOBS = {
-    "gloo-2": {"n": 2, "launcher": "python",
-               "scenarios": ["warmup", "train", "one_round", "abort_resume", "never_waits", "checkpoint", "errors"]},
-    "gloo-4": {"n": 4, "launcher": "python", "scenarios": ["warmup", "train", "one_round", "abort_resume"]},
-    "mpi-2": {"n": 2, "launcher": "mpiexec", "scenarios": ["warmup", "one_round", "abort_resume"]},
-}
-_cache: dict[str, tuple[int, list[dict]]] = {}
-
-
-def _has_mpi() -> bool:
-    beside = (Path(sys.executable).parent / "mpiexec").exists()
-    return bool(bagua_torch.build_info().get("mpi")) and (beside or shutil.which("mpiexec") is not None)
-
-
-def job(name: str) -> tuple[int, list[dict]]:
-    """Run the job once per test session; (seed, per-rank values sorted by rank)."""
-    if name not in _cache:
-        spec = JOBS[name]
-        if spec["launcher"] == "mpiexec" and not _has_mpi():
-            pytest.skip("built without the MPI engine, or no mpiexec")
-        seed = int(np.random.default_rng().integers(2**20))
-        results = run_ranks("torch_async_workers:job", spec["n"], seed, spec["scenarios"], launcher=spec["launcher"],
-                            timeout=240)
-        _cache[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
-    return _cache[name]
-
-
-def jobs_with(scenario: str) -> list[str]:
-    return [name for name, spec in JOBS.items() if scenario in spec["scenarios"]]
+WARMUP = Scenario("train", {"steps": 6, "warmup_steps": 6, "sync_interval_ms": 1, "sleep_s": 0.0,
+                            "compare_allreduce": True})
+TRAIN = Scenario("train", {"steps": 200, "warmup_steps": 5, "sync_interval_ms": 2, "sleep_s": 0.002})
+ONE_ROUND, ABORT_RESUME = Scenario("one_round"), Scenario("abort_resume")
+NEVER_WAITS = Scenario("never_waits", {"stall_s": 1.5})
+CHECKPOINT, ERRORS = Scenario("checkpoint"), Scenario("errors")
+JOBS = JobTable(
+    "async_model_average_workers_torch:job",
+    {
+        "gloo-2": Job(2, "python", (WARMUP, TRAIN, ONE_ROUND, ABORT_RESUME, NEVER_WAITS, CHECKPOINT, ERRORS)),
+        "gloo-4": Job(4, "python", (WARMUP, TRAIN, ONE_ROUND, ABORT_RESUME)),
+        "mpi-2": Job(2, "mpiexec", (WARMUP, ONE_ROUND, ABORT_RESUME)),
+    },
+    mpi=has_mpi(bagua_torch.build_info()),
+)
 
 
 # ---- NumPy references ----------------------------------------------------------------------
@@ -104,18 +90,18 @@ def test_bad_configuration_is_rejected(kwargs, message):
 # ---- multi-process -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", jobs_with("warmup"))
+@pytest.mark.parametrize("name", JOBS.jobs_with(WARMUP))
 def test_warmup_equals_synchronous_allreduce_sgd(name):
-    seed, results = job(name)
+    seed, results = JOBS.run(name)
     n, steps = len(results), 6
     expected = numpy_sgd(seed, n, steps, averaged_steps=steps)
     for res in results:
-        got = res["warmup"]
+        got = res[WARMUP.label]
         # The same collective on the same gradients as GradientAllReduce: bit-identical.
         assert got["history"].tobytes() == got["allreduce"].tobytes()
         # float32 rounding of torch's gradient and of the allreduce's sum versus NumPy's, over a few steps.
         np.testing.assert_allclose(got["history"], expected[:, res["rank"]], rtol=1e-5, atol=1e-6)
-        assert got["history"].tobytes() == results[0]["warmup"]["history"].tobytes()  # identical replicas
+        assert got["history"].tobytes() == results[0][WARMUP.label]["history"].tobytes()  # identical replicas
         assert got["hooks"] == [True] * steps
         # No thread during warm-up; it starts once warmup_steps steps are done, before any round.
         assert got["running"][:-1] == [False] * (steps - 1)
@@ -125,28 +111,28 @@ def test_warmup_equals_synchronous_allreduce_sgd(name):
         assert all(res["native"] for res in results)
 
 
-@pytest.mark.parametrize("name", jobs_with("train"))
+@pytest.mark.parametrize("name", JOBS.jobs_with(TRAIN))
 def test_background_averaging_keeps_replicas_together_and_trains(name):
-    seed, results = job(name)
+    seed, results = JOBS.run(name)
     n, warmup = len(results), 5
-    got = np.stack([res["train"]["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
+    got = np.stack([res[TRAIN.label]["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
     steps = got.shape[0]
     np.testing.assert_allclose(got[:warmup], numpy_sgd(seed, n, warmup, warmup), rtol=1e-5, atol=1e-6)
     for res in results:
-        assert res["train"]["hooks"] == [True] * warmup + [False] * (steps - warmup)
-        assert res["train"]["joined"]
-    rounds = {res["train"]["rounds"] for res in results}
-    assert len(rounds) == 1 and rounds.pop() >= 3, [res["train"]["rounds"] for res in results]
-    check_averaged_training(got, [res["train"]["running"] for res in results], seed, warmup)
+        assert res[TRAIN.label]["hooks"] == [True] * warmup + [False] * (steps - warmup)
+        assert res[TRAIN.label]["joined"]
+    rounds = {res[TRAIN.label]["rounds"] for res in results}
+    assert len(rounds) == 1, [res[TRAIN.label]["rounds"] for res in results]
+    check_averaged_training(got, seed, warmup, rounds.pop())
 
 
-@pytest.mark.parametrize("name", jobs_with("one_round"))
+@pytest.mark.parametrize("name", JOBS.jobs_with(ONE_ROUND))
 def test_one_round_applies_sum_over_n_minus_snapshot(name):
-    seed, results = job(name)
+    seed, results = JOBS.run(name)
     n = len(results)
     snapshots = [rank_params(seed, r, 0) for r in range(n)]
     for res in results:
-        got_round = res["one_round"]
+        got_round = res[ONE_ROUND.label]
         assert got_round["started"]  # warmup_steps=0: the thread runs from the wrap, no gradient hooks
         assert got_round["rounds"] == 1 and got_round["joined"]
         assert got_round["unchanged"] and got_round["idle_step_s"] < 0.5  # no round finished: weights untouched
@@ -169,10 +155,10 @@ def test_one_round_applies_sum_over_n_minus_snapshot(name):
                 np.testing.assert_array_less(np.abs(got - expected), bound + 1e-30)
 
 
-@pytest.mark.parametrize("name", jobs_with("abort_resume"))
+@pytest.mark.parametrize("name", JOBS.jobs_with(ABORT_RESUME))
 def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(name):
-    _, results = job(name)
-    phases = [res["abort_resume"] for res in results]
+    _, results = JOBS.run(name)
+    phases = [res[ABORT_RESUME.label] for res in results]
     for phase in ("a", "b", "c", "closed"):
         assert len({p[phase] for p in phases}) == 1, [p[phase] for p in phases]
         assert phases[0][phase][1] is False  # the thread was joined
@@ -186,8 +172,8 @@ def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(name):
 
 
 def test_a_step_never_waits_for_a_round_in_flight():
-    _, results = job("gloo-2")
-    busy = results[0]["never_waits"]
+    _, results = JOBS.run("gloo-2")
+    busy = results[0][NEVER_WAITS.label]
     # Rank 1 made no progress for the whole window, so rank 0's round could not finish: at most the
     # round already past its flag when the stall began completes.
     assert busy["rounds_during"] <= 1
@@ -196,13 +182,13 @@ def test_a_step_never_waits_for_a_round_in_flight():
     assert len(busy["step_s"]) >= 50, len(busy["step_s"])
     assert busy["step_s"].max() < 0.25, busy["step_s"].max()
     assert busy["loop_s"] < 0.8 * 1.5 + 0.3
-    assert results[0]["never_waits"]["rounds"] == results[1]["never_waits"]["rounds"]
+    assert results[0][NEVER_WAITS.label]["rounds"] == results[1][NEVER_WAITS.label]["rounds"]
 
 
 def test_checkpoint_restores_the_step_counter():
-    _, results = job("gloo-2")
+    _, results = JOBS.run("gloo-2")
     for res in results:
-        got = res["checkpoint"]
+        got = res[CHECKPOINT.label]
         assert got["saved_state"] == {"steps": 3}
         assert got["hooks"] == [True, True, False]  # two more warm-up steps after the restore, then local
         assert got["running"] == [False, False, True]
@@ -212,9 +198,9 @@ def test_checkpoint_restores_the_step_counter():
 
 
 def test_configuration_errors():
-    _, results = job("gloo-2")
+    _, results = JOBS.run("gloo-2")
     for res in results:
-        got = res["errors"]
+        got = res[ERRORS.label]
         assert got["no_optimizer"].startswith("ValueError: async: pass the optimizers to the wrapper"), got
         assert got["float64"] == ("TypeError: async: parameter b has dtype torch.float64; asynchronous averaging "
                                   "takes float32, float16, bfloat16 only"), got

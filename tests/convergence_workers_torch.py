@@ -1,4 +1,4 @@
-"""Rank bodies for test_torch_convergence.py: every PyTorch algorithm trains an MLP on digits.
+"""Rank bodies for test_convergence_torch.py: every PyTorch algorithm trains an MLP on digits.
 
 One job of 4 gloo processes laid out as 2 nodes x 2 ranks (so hierarchical algorithms use
 both levels) trains one fresh model per variant, one variant after the other. The data and

@@ -1,6 +1,6 @@
 """LaxCommunicator across real processes: jax.distributed with gloo CPU collectives.
 
-Each rank is one process with one CPU device (see tests/jax_workers.py). The
+Each rank is one process with one CPU device (see tests/lax_communicator_workers_jax.py). The
 dead-peer tests document what JAX 0.10.2 itself offers when a peer fails:
 
 * a peer that exits once the gloo connections exist: the survivors' next
@@ -25,7 +25,12 @@ import time
 import ml_dtypes
 import numpy as np
 import pytest
-from jax_workers import alltoall_v_counts, pairing_schedule, rank_inputs, ring_peers
+from lax_communicator_workers_jax import (
+    alltoall_v_counts,
+    pairing_schedule,
+    rank_inputs,
+    ring_peers,
+)
 from multiprocess import RankResult, run_ranks
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -58,7 +63,7 @@ def alltoall_v_expected(vs: np.ndarray, counts: np.ndarray, rank: int, out_size:
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_across_processes(world):
     seed, root = int(np.random.default_rng().integers(2**31)), world - 1
-    results = run_ranks("jax_workers:collectives", world, seed, root, timeout=120, env=RANK_ENV)
+    results = run_ranks("lax_communicator_workers_jax:collectives", world, seed, root, timeout=120, env=RANK_ENV)
     inputs = [rank_inputs(seed, r, world) for r in range(world)]
     f, b, i, v = (np.stack([d[k] for d in inputs]) for k in ("f32", "bf16", "i32", "v"))
     counts = alltoall_v_counts(seed, world, v.shape[1])
@@ -127,7 +132,7 @@ def test_a_dead_peer_fails_the_survivors_within_a_bound(case):
     world, victim, warmup, heartbeat, hang, flags, expected, bound = DEAD_PEER_CASES[case]
     start = time.monotonic()
     results = run_ranks(
-        "jax_workers:dead_peer", world, victim, warmup, heartbeat, hang,
+        "lax_communicator_workers_jax:dead_peer", world, victim, warmup, heartbeat, hang,
         timeout=bound, check=False, env={**RANK_ENV, "XLA_FLAGS": flags},
     )
     elapsed = time.monotonic() - start

@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import os
 
-import numpy as np
 import torch
 from torch import nn
 

@@ -1,6 +1,6 @@
 """Rank body for test_frozen_parameters_torch.py: frozen parameters under every algorithm.
 
-For each algorithm the MLP of torch_bridge_workers gets its first layer frozen
+For each algorithm the MLP of gradient_allreduce_bytegrad_workers_torch gets its first layer frozen
 (``requires_grad=False``), is wrapped, and trains a few steps on the rank's own data; the
 rank returns, per algorithm, how far the frozen and the trained parameters moved.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
-from torch_bridge_workers import (
+from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     batch,
     loss_fn,
