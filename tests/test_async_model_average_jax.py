@@ -140,8 +140,8 @@ def test_bad_configuration_is_rejected(kwargs, message):
 
 def test_bad_arguments_are_rejected():
     comms = Communicators(LaxCommunicator("ranks", 2))
-    with pytest.raises(TypeError, match="Communicators"):
-        AsyncModelAverage().transformation(optax.sgd(0.1), LaxCommunicator("ranks", 2))
+    with pytest.raises(TypeError, match="comms must be a communicator"):
+        AsyncModelAverage().transformation(optax.sgd(0.1), "ranks")
     with pytest.raises(TypeError, match="floating-point"):
         AsyncModelAverage().transformation(optax.sgd(0.1), comms).init({"steps": jnp.zeros(3, jnp.int32)})
     with pytest.raises(TypeError, match="floating-point"):

@@ -566,10 +566,10 @@ def test_both_algorithms_on_two_mpi_processes_match_numpy(rng):
 
 def test_configuration_errors_are_clear():
     comms = Communicators(world=LaxCommunicator("ranks", size=2))
-    with pytest.raises(TypeError, match="Communicators"):
-        gradient_allreduce(LaxCommunicator("ranks"))
-    with pytest.raises(TypeError, match="Communicators"):
-        ByteGrad().transformation(optax.sgd(0.1), LaxCommunicator("ranks"))
+    with pytest.raises(TypeError, match="comms must be a communicator"):
+        gradient_allreduce("ranks")
+    with pytest.raises(TypeError, match="comms must be a communicator"):
+        ByteGrad().transformation(optax.sgd(0.1), "ranks")
     for bad in (0, -5, 1.5, True):
         with pytest.raises(ValueError, match="bucket_bytes"):
             bytegrad(comms, bucket_bytes=bad)
@@ -615,3 +615,8 @@ def test_mismatched_levels_and_state_are_reported_when_tracing():
 
     with pytest.raises(ValueError, match="residuals of sizes"):
         jax.eval_shape(jax.shard_map(mismatched, mesh=mesh, in_specs=P(axes), out_specs=P(axes)), params)
+
+
+def test_a_single_communicator_stands_for_the_world():
+    tx = gradient_allreduce(LaxCommunicator("ranks", size=2))
+    assert tx.init({"w": jnp.zeros(3)}) == optax.EmptyState()

@@ -94,7 +94,7 @@ def test_registry_by_name_and_by_class():
     # Every built-in name maps to a module and class; the ones present import.
     assert set(algorithms.BUILTIN_ALGORITHMS) == {
         "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "async", "qadam",
-        "onebit_adam"}
+        "onebit_adam", "powersgd"}
     for name in algorithms.available_algorithms():
         assert issubclass(algorithms.algorithm_class(name), algorithms.Algorithm)
 

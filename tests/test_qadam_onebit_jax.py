@@ -597,8 +597,8 @@ def test_bad_inputs_are_refused(factory):
     comms = Communicators(LaxCommunicator("ranks", 2))
     with pytest.raises(TypeError, match="floating"):
         factory(comms, 1e-3).init({"w": jnp.zeros(3, jnp.int32)})
-    with pytest.raises(TypeError, match="Communicators"):
-        factory(LaxCommunicator("ranks", 2), 1e-3)
+    with pytest.raises(TypeError, match="comms must be a communicator"):
+        factory("ranks", 1e-3)
     # Two levels that do not tile the world are caught when the residuals are sized.
     tiled_wrong = Communicators(LaxCommunicator("ranks", 4), LaxCommunicator("intra", 2), LaxCommunicator("inter", 3))
     with pytest.raises(ValueError, match="must equal world"):

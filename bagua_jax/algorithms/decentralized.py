@@ -130,8 +130,7 @@ def decentralized(
     ``intra``/``inter``. Choose it when allreduce latency dominates (many ranks, slow network)
     and exact agreement of the replicas at every step is not required.
     """
-    if not isinstance(comms, Communicators):
-        raise TypeError(f"decentralized: comms must be a Communicators, got {type(comms).__name__}")
+    comms = check_communicators(comms, "decentralized")
     _check_mode(peer_selection_mode)
     check_interval(communication_interval)
     check_bucket_bytes(bucket_bytes, "decentralized")

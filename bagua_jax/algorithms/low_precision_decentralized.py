@@ -68,8 +68,7 @@ def low_precision_decentralized(
     2`` across nodes in all; otherwise the ring is ``comms.world``. Choose it on slow,
     high-latency networks where even decentralized full-precision exchange is too expensive.
     """
-    if not isinstance(comms, Communicators):
-        raise TypeError(f"low_precision_decentralized: comms must be a Communicators, got {type(comms).__name__}")
+    comms = check_communicators(comms, "low_precision_decentralized")
     check_interval(communication_interval)
     check_bucket_bytes(bucket_bytes, "low_precision_decentralized")
     use_hierarchy = hierarchical and comms.hierarchical
