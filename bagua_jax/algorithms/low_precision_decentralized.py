@@ -21,7 +21,13 @@ import optax
 from jax import lax
 
 from bagua_jax import ops
-from bagua_jax.algorithms.base import Communicators, check_bucket_bytes, check_float_params, check_interval
+from bagua_jax.algorithms.base import (
+    Communicators,
+    check_bucket_bytes,
+    check_communicators,
+    check_float_params,
+    check_interval,
+)
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import Communicator
 
