@@ -1,4 +1,4 @@
-"""QAdam and 1-bit Adam through the PyTorch bridge (bagua_torch.algorithms.q_adam / onebit_adam).
+"""QAdam and 1-bit Adam through the PyTorch bridge (bagua_torch.algorithms.qadam / onebit_adam).
 
 Multi-process jobs (one per configuration, several scenarios each; see
 torch_qadam_workers.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
@@ -45,7 +45,7 @@ import bagua_torch
 from bagua_torch import ops
 from bagua_torch.algorithms import algorithm_class, get_algorithm
 from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
-from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+from bagua_torch.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer
 
 
 def _has_mpi() -> bool:

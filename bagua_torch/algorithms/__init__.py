@@ -16,7 +16,7 @@ name                            module                                          
 ``decentralized``               ``bagua_torch.algorithms.decentralized``         ``DecentralizedAlgorithm``
 ``low_precision_decentralized`` ``bagua_torch.algorithms.decentralized``         ``LowPrecisionDecentralizedAlgorithm``
 ``async``                       ``bagua_torch.algorithms.async_model_average``   ``AsyncModelAverageAlgorithm``
-``qadam``                       ``bagua_torch.algorithms.q_adam``                ``QAdamAlgorithm``
+``qadam``                       ``bagua_torch.algorithms.qadam``                 ``QAdamAlgorithm``
 ``onebit_adam``                 ``bagua_torch.algorithms.onebit_adam``           ``OneBitAdamAlgorithm``
 =============================== ================================================ =====================================
 
@@ -45,7 +45,7 @@ BUILTIN_ALGORITHMS: dict[str, tuple[str, str]] = {
     "decentralized": ("bagua_torch.algorithms.decentralized", "DecentralizedAlgorithm"),
     "low_precision_decentralized": ("bagua_torch.algorithms.decentralized", "LowPrecisionDecentralizedAlgorithm"),
     "async": ("bagua_torch.algorithms.async_model_average", "AsyncModelAverageAlgorithm"),
-    "qadam": ("bagua_torch.algorithms.q_adam", "QAdamAlgorithm"),
+    "qadam": ("bagua_torch.algorithms.qadam", "QAdamAlgorithm"),
     "onebit_adam": ("bagua_torch.algorithms.onebit_adam", "OneBitAdamAlgorithm"),
 }
 """Registry name -> (module, class name) of the built-in algorithms, imported lazily."""
