@@ -378,6 +378,12 @@ class _CommunicatorBase:
 # =====================================================================================
 
 
+# torch 2.13 renamed the one-tensor collectives and deprecated the old names (a FutureWarning
+# on every call); the oldest torch supported has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _torch_op(op: str) -> Any:
     return {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
 
@@ -542,7 +548,7 @@ class ProcessGroupCommunicator(_CommunicatorBase):
     def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
         """Issue :meth:`reduce_scatter`; ``wait()`` returns its result.
 
-        Uses ``reduce_scatter_tensor`` where the backend has it, otherwise an allreduce
+        Uses ``reduce_scatter_single`` where the backend has it, otherwise an allreduce
         of the whole tensor followed by taking row ``rank`` (same result, ``size``
         times the traffic).
         """
@@ -552,7 +558,7 @@ class ProcessGroupCommunicator(_CommunicatorBase):
         if self._has_reduce_scatter is not False:
             out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
             try:
-                work = dist.reduce_scatter_tensor(
+                work = _reduce_scatter_single(
                     out.view(-1), x.view(-1), op=self._sum_op(op), group=self._group, async_op=True
                 )
                 self._has_reduce_scatter = True
@@ -582,7 +588,7 @@ class ProcessGroupCommunicator(_CommunicatorBase):
         out = torch.empty((self._size, *x.shape), dtype=x.dtype, device=x.device)
         return self._issue(
             "allgather",
-            lambda: dist.all_gather_into_tensor(out.view(-1), x.view(-1), group=self._group, async_op=True),
+            lambda: _all_gather_single(out.view(-1), x.view(-1), group=self._group, async_op=True),
             out,
         )
 

@@ -47,10 +47,8 @@ def parse(scenario: str) -> tuple[str, dict]:
 
 
 def make_algorithm(kind: str, options: dict):
-    from bagua_torch.algorithms.decentralized import (
-        DecentralizedAlgorithm,
-        LowPrecisionDecentralizedAlgorithm,
-    )
+    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
+    from bagua_torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 
     return DecentralizedAlgorithm(**options) if kind == "dec" else LowPrecisionDecentralizedAlgorithm(**options)
 
@@ -120,10 +118,8 @@ def checkpoint(seed: int, rank: int) -> dict:
     """Save after 3 steps, continue 3; a fresh wrapped model loaded from the checkpoint continues identically, one
     that gets the weights but not the algorithm state does not."""
     import bagua_torch
-    from bagua_torch.algorithms.decentralized import (
-        DecentralizedAlgorithm,
-        LowPrecisionDecentralizedAlgorithm,
-    )
+    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
+    from bagua_torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 
     out = {}
     for label, algorithm in (("dec", DecentralizedAlgorithm("shift_one", communication_interval=2)),

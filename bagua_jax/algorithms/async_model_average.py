@@ -40,6 +40,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from bagua_common.options import check_sync_interval_ms, check_warmup_steps
 from bagua_jax import native_collectives as nc
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
@@ -78,7 +79,7 @@ def async_model_average(
     """
     name = "async_model_average"
     comms = check_communicators(comms, name)
-    warmup_steps = _check_warmup_steps(warmup_steps)
+    warmup_steps = check_warmup_steps(warmup_steps, "async")
     allreduce = gradient_allreduce(comms, average=True, bucket_bytes=check_bucket_bytes(bucket_bytes, name))
 
     def init_fn(params: Any) -> AsyncModelAverageState:
@@ -161,8 +162,8 @@ class AsyncModelAverager:
         # The thread communicates host buffers, which only the MPI engine takes.
         if comm.kind != "mpi":
             raise ValueError(f"{name}: the averaging rounds need an MPI communicator (host memory), got {comm.kind}")
-        self._interval = _check_sync_interval(sync_interval_ms) / 1000.0
-        self._warmup_steps = _check_warmup_steps(warmup_steps)
+        self._interval = check_sync_interval_ms(sync_interval_ms, "async") / 1000.0
+        self._warmup_steps = check_warmup_steps(warmup_steps, "async")
         if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or steps_done < 0:
             raise ValueError(f"{name}: steps_done must be a non-negative int, got {steps_done!r}")
         self._engine, self._handle, self._size = comm.engine, comm.handle, comm.size
@@ -334,8 +335,8 @@ class AsyncModelAverage:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        _check_sync_interval(self.sync_interval_ms)
-        _check_warmup_steps(self.warmup_steps)
+        check_sync_interval_ms(self.sync_interval_ms, "async")
+        check_warmup_steps(self.warmup_steps, "async")
         check_bucket_bytes(self.bucket_bytes, "AsyncModelAverage")
 
     def transformation(
@@ -356,21 +357,3 @@ class AsyncModelAverage:
             steps_done=steps_done,
             bucket_bytes=self.bucket_bytes,
         )
-
-
-def _check_sync_interval(sync_interval_ms: Any) -> float:
-    number = not isinstance(sync_interval_ms, bool) and isinstance(
-        sync_interval_ms, (int, float, np.integer, np.floating)
-    )
-    if not number or not np.isfinite(sync_interval_ms) or sync_interval_ms < 0:
-        raise ValueError(
-            f"sync_interval_ms must be a finite number of milliseconds >= 0 (0: rounds back to back), "
-            f"got {sync_interval_ms!r}"
-        )
-    return float(sync_interval_ms)
-
-
-def _check_warmup_steps(warmup_steps: Any) -> int:
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
-    return int(warmup_steps)

@@ -55,6 +55,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from bagua_common.options import check_sync_interval_ms, check_warmup_steps
 from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,
@@ -72,22 +73,6 @@ from bagua_torch.communicator import (
 
 AVERAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The parameter dtypes the update kernel (:func:`bagua_torch.ops.async_average`) takes."""
-
-
-def _check_sync_interval(value: Any) -> float:
-    number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not number or not float(value) >= 0 or value == float("inf"):
-        raise ValueError(
-            f"async: sync_interval_ms must be a finite number of milliseconds >= 0 (0: rounds back to back), "
-            f"got {value!r}"
-        )
-    return float(value)
-
-
-def _check_warmup_steps(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"async: warmup_steps must be a non-negative int, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -110,8 +95,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
     name: ClassVar[str] = "async"
 
     def __post_init__(self) -> None:
-        _check_sync_interval(self.sync_interval_ms)
-        _check_warmup_steps(self.warmup_steps)
+        check_sync_interval_ms(self.sync_interval_ms, self.name)
+        check_warmup_steps(self.warmup_steps, self.name)
 
     def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
         return AsyncModelAverageImpl(context, self)

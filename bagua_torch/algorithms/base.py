@@ -67,6 +67,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from bagua_common.topology import check_two_levels
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.communicator import Communicator, Work
 
@@ -109,11 +110,7 @@ class Communicators(NamedTuple):
         if not (hierarchical and self.hierarchical):
             return None
         assert self.intra is not None and self.inter is not None
-        if self.intra.size * self.inter.size != self.world.size:
-            raise ValueError(
-                f"{algorithm}: intra ({self.intra.size} ranks) x inter ({self.inter.size} ranks) must equal world "
-                f"({self.world.size} ranks)"
-            )
+        check_two_levels(self.intra.size, self.inter.size, self.world.size, algorithm)
         return self.intra, self.inter
 
 
