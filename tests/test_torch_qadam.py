@@ -233,9 +233,9 @@ def _minmax_exchange(xs: list[torch.Tensor], ranks: list[int], residuals) -> lis
 def _sign_exchange(xs: list[torch.Tensor], ranks: list[int], residuals) -> list[torch.Tensor]:
     """compressed_allreduce.sign_allreduce simulated; ``residuals[r]`` = (worker, server) of world rank r."""
     n, m = len(xs), xs[0].numel() // len(xs)
-    rows = [ops.sign_compress_ef(x, residuals[r][0], n).view(n, -1) for x, r in zip(xs, ranks)]
+    rows = [ops.sign_compress_ef(x, residuals[r][0], n)[0].view(n, -1) for x, r in zip(xs, ranks)]
     mine = [ops.sign_decompress_reduce(torch.cat([rows[i][j] for i in range(n)]), m, n) for j in range(n)]
-    gathered = torch.cat([ops.sign_compress_ef(c, residuals[r][1], 1) for c, r in zip(mine, ranks)])
+    gathered = torch.cat([ops.sign_compress_ef(c, residuals[r][1], 1)[0] for c, r in zip(mine, ranks)])
     return [ops.sign_decompress(gathered, n * m, n, xs[0].dtype)] * n
 
 
