@@ -12,6 +12,7 @@ from bagua_torch.communicator.protocol import (
     SUPPORTED_DTYPES,
     CommunicationError,
     Communicator,
+    DoneWork,
     ReduceOp,
     Work,
 )
@@ -21,6 +22,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "CommunicationError",
     "Communicator",
+    "DoneWork",
     "NativeCommunicator",
     "ProcessGroupCommunicator",
     "ReduceOp",

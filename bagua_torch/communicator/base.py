@@ -15,19 +15,6 @@ from bagua_torch.communicator.protocol import (
 )
 
 
-class DoneWork:
-    """A collective with nothing to communicate (e.g. ``send_recv`` with no peers)."""
-
-    def __init__(self, result: torch.Tensor | None):
-        self._result = result
-
-    def wait(self) -> torch.Tensor | None:
-        return self._result
-
-    def is_completed(self) -> bool:
-        return True
-
-
 class CommunicatorBase:
     """Argument checks and the synchronous methods, shared by both implementations.
 

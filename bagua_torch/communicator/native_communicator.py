@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
 import functools
 import importlib
 import itertools
@@ -17,13 +16,15 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm_timeout import timeout_seconds
-from bagua_torch.communicator.base import CommunicatorBase, DoneWork
+from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
     OP_CODES,
     CommunicationError,
+    DoneWork,
     ReduceOp,
     Work,
 )
+from bagua_torch.ordered_worker import OrderedWorker
 
 _ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
 _ENGINE_DEVICES = {"mpi": "cpu", "nccl": "cuda"}
@@ -43,32 +44,6 @@ def _engine(kind: str) -> ModuleType:
     module = importlib.import_module(_ENGINE_MODULES[kind])
     atexit.register(module.finalize)
     return module
-
-
-class _NativeWork:
-    """A collective running on a communicator's worker thread."""
-
-    def __init__(
-        self,
-        future: concurrent.futures.Future,
-        result: torch.Tensor | None,
-        done_event: Any = None,
-        device: torch.device | None = None,
-    ):
-        self._future, self._result, self._event, self._device = future, result, done_event, device
-
-    def wait(self) -> torch.Tensor | None:
-        self._future.result()  # re-raises the worker's error
-        if self._event is not None:
-            torch.cuda.current_stream(self._device).wait_event(self._event)
-        return self._result
-
-    def is_completed(self) -> bool:
-        if not self._future.done():
-            return False
-        if self._future.exception() is not None or self._event is None:
-            return True
-        return self._event.query()
 
 
 class NativeCommunicator(CommunicatorBase):
@@ -103,8 +78,7 @@ class NativeCommunicator(CommunicatorBase):
         self._device_type = _ENGINE_DEVICES[engine]
         self._device = device if device is not None else torch.device(self._device_type)
         self._issue_lock = threading.Lock()
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"bagua-{name}")
-        self._stream: Any = None  # the CUDA side stream, made on first use
+        self._worker = OrderedWorker(name, self._device)
         self._closed = False
 
     # --- construction -------------------------------------------------------------
@@ -207,7 +181,7 @@ class NativeCommunicator(CommunicatorBase):
         if self._closed:
             return
         self._closed = True
-        self._executor.shutdown(wait=True)
+        self._worker.close()
         self._module.destroy(self._handle)
 
     def __enter__(self) -> NativeCommunicator:
@@ -242,8 +216,8 @@ class NativeCommunicator(CommunicatorBase):
         with self._issue_lock:
             if self._closed:
                 raise RuntimeError(f"communicator '{self._name}' is closed")
-            future = self._executor.submit(call)
-        return future.result()
+            work = self._worker.submit(lambda stream: call())
+        return work.wait()
 
     def _submit(
         self,
@@ -263,38 +237,17 @@ class NativeCommunicator(CommunicatorBase):
         with self._issue_lock:
             if self._closed:
                 raise RuntimeError(f"{where}: the communicator is closed")
-            if self._device_type != "cuda":
 
-                def run() -> None:
-                    try:
-                        call(0)
-                    except RuntimeError as error:
-                        raise translate(error) from error
-                    if finish is not None:
-                        finish()
+            def run(stream: int) -> torch.Tensor | None:
+                try:
+                    call(stream)
+                except RuntimeError as error:
+                    raise translate(error) from error
+                if finish is not None:
+                    finish()
+                return result
 
-                return _NativeWork(self._executor.submit(run), result)
-
-            # CUDA: the side stream waits for what the caller queued so far, then runs the collective.
-            if self._stream is None:
-                self._stream = torch.cuda.Stream(self._device)
-            stream, device = self._stream, self._device
-            stream.wait_stream(torch.cuda.current_stream(device))
-            for t in tensors:
-                t.record_stream(stream)
-            done = torch.cuda.Event()
-
-            def run_cuda() -> None:
-                with torch.cuda.device(device), torch.cuda.stream(stream):
-                    try:
-                        call(stream.cuda_stream)
-                    except RuntimeError as error:
-                        raise translate(error) from error
-                    if finish is not None:
-                        finish()
-                    done.record(stream)
-
-            return _NativeWork(self._executor.submit(run_cuda), result, done, device)
+            return self._worker.submit(run, tensors)
 
     def _empty(self, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)

@@ -10,8 +10,13 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm_timeout import timeout_seconds
-from bagua_torch.communicator.base import CommunicatorBase, DoneWork
-from bagua_torch.communicator.protocol import CommunicationError, ReduceOp, Work
+from bagua_torch.communicator.base import CommunicatorBase
+from bagua_torch.communicator.protocol import (
+    CommunicationError,
+    DoneWork,
+    ReduceOp,
+    Work,
+)
 
 # torch 2.13 renamed the one-tensor collectives and deprecated the old names (a FutureWarning
 # on every call); the oldest torch supported has only the old names.

@@ -154,3 +154,16 @@ class Communicator(Protocol):
 
     def barrier_async(self) -> Work:
         """Issue :meth:`barrier`; ``wait()`` returns ``None``."""
+
+
+class DoneWork:
+    """A :class:`Work` that is already complete and returns ``result`` (nothing to communicate)."""
+
+    def __init__(self, result: torch.Tensor | None = None):
+        self._result = result
+
+    def wait(self) -> torch.Tensor | None:
+        return self._result
+
+    def is_completed(self) -> bool:
+        return True
