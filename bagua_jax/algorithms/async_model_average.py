@@ -39,8 +39,8 @@ import optax
 from jax import lax
 
 from bagua_common.averaging_rounds import AveragingRounds
+from bagua_common.engines import REDUCE_OP_CODES
 from bagua_common.options import check_sync_interval_ms, check_warmup_steps
-from bagua_jax import native_collectives as nc
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
@@ -239,7 +239,7 @@ class AsyncModelAverager:
 
     def _agree_to_stop(self, stop: bool) -> bool:
         flag, agreed = np.array([int(stop)], np.int32), np.zeros(1, np.int32)
-        self._engine.allreduce(self._handle, flag, agreed, nc.REDUCE_OP_CODES["max"])
+        self._engine.allreduce(self._handle, flag, agreed, REDUCE_OP_CODES["max"])
         return bool(agreed[0])
 
     def _allreduce_sum(self, snapshot: list[jax.Array]) -> list[np.ndarray]:
@@ -247,7 +247,7 @@ class AsyncModelAverager:
         for bucket in snapshot:
             send = np.asarray(bucket)
             sums.append(np.empty_like(send))
-            self._engine.allreduce(self._handle, send, sums[-1], nc.REDUCE_OP_CODES["sum"])
+            self._engine.allreduce(self._handle, send, sums[-1], REDUCE_OP_CODES["sum"])
         return sums
 
 

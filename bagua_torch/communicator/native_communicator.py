@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
-import functools
-import importlib
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -16,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm_timeout import timeout_seconds
+from bagua_common.engines import REDUCE_OP_CODES, load_engine
 from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
-    OP_CODES,
     CommunicationError,
     DoneWork,
     ReduceOp,
@@ -26,24 +23,8 @@ from bagua_torch.communicator.protocol import (
 )
 from bagua_torch.ordered_worker import OrderedWorker
 
-_ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
 _ENGINE_DEVICES = {"mpi": "cpu", "nccl": "cuda"}
 _store_sequence = itertools.count()  # communicators created from a store, in call order
-
-
-@functools.cache
-def _engine(kind: str) -> ModuleType:
-    """Import the native engine module ``kind`` ("mpi" or "nccl") once, finalizing it at exit."""
-    import _bagua_ffi
-
-    if not _bagua_ffi.build_info().get(kind):
-        raise RuntimeError(
-            f"bagua was built without the {kind.upper()} engine (see bagua_torch.build_info()); "
-            + ("install mpich and rebuild" if kind == "mpi" else "install NCCL and rebuild with CUDA")
-        )
-    module = importlib.import_module(_ENGINE_MODULES[kind])
-    atexit.register(module.finalize)
-    return module
 
 
 class NativeCommunicator(CommunicatorBase):
@@ -65,9 +46,7 @@ class NativeCommunicator(CommunicatorBase):
 
     def __init__(self, handle: int, engine: str, timeout: float, name: str, device: torch.device | None = None):
         """Wrap an engine ``handle`` (use :meth:`mpi_world`, :meth:`from_store` or :meth:`split`)."""
-        if engine not in _ENGINE_MODULES:
-            raise ValueError(f"unknown engine {engine!r}; use 'mpi' or 'nccl'")
-        self._module = _engine(engine)
+        self._module = load_engine(engine)
         self._engine_kind = engine
         self._handle = int(handle)
         self._rank = int(self._module.rank(self._handle))
@@ -91,7 +70,7 @@ class NativeCommunicator(CommunicatorBase):
         finalized at exit. ``timeout`` defaults to ``BAGUA_COMM_TIMEOUT`` or 300 seconds.
         """
         seconds = timeout_seconds(timeout)
-        handle = _engine("mpi").world(name, seconds)
+        handle = load_engine("mpi").world(name, seconds)
         return cls(handle, "mpi", seconds, name)
 
     @classmethod
@@ -116,7 +95,7 @@ class NativeCommunicator(CommunicatorBase):
         if not 0 <= rank < size:
             raise ValueError(f"rank {rank} is not in [0, {size})")
         seconds = timeout_seconds(timeout)
-        nccl = _engine("nccl")
+        nccl = load_engine("nccl")
         cuda = cls._cuda_device(device)
         key = f"bagua/nccl/{name}/{next(_store_sequence)}"
         unique_id = cls._share_unique_id(store, key, rank == 0, nccl, seconds)
@@ -257,7 +236,7 @@ class NativeCommunicator(CommunicatorBase):
     def allreduce_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
         """Issue :meth:`allreduce`; ``wait()`` returns its result."""
         x = self._tensor("allreduce", x)
-        code = OP_CODES[self._reduce_op("allreduce", op, x)]
+        code = REDUCE_OP_CODES[self._reduce_op("allreduce", op, x)]
         out = self._empty(x.shape, x)
         m, h = self._module, self._handle
         return self._submit("allreduce", lambda s: m.allreduce(h, x, out, code, s), out, (x, out))
@@ -265,7 +244,7 @@ class NativeCommunicator(CommunicatorBase):
     def reduce_async(self, x: torch.Tensor, root: int, op: ReduceOp = "sum") -> Work:
         """Issue :meth:`reduce`; ``wait()`` returns its result."""
         x = self._tensor("reduce", x)
-        code = OP_CODES[self._reduce_op("reduce", op, x)]
+        code = REDUCE_OP_CODES[self._reduce_op("reduce", op, x)]
         root = self._root("reduce", root)
         out = self._empty(x.shape, x)
         m, h = self._module, self._handle
@@ -283,7 +262,7 @@ class NativeCommunicator(CommunicatorBase):
     def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
         """Issue :meth:`reduce_scatter`; ``wait()`` returns its result."""
         x = self._rows("reduce_scatter", self._tensor("reduce_scatter", x))
-        code = OP_CODES[self._reduce_op("reduce_scatter", op, x)]
+        code = REDUCE_OP_CODES[self._reduce_op("reduce_scatter", op, x)]
         out = self._empty(x.shape[1:], x)
         m, h = self._module, self._handle
         return self._submit("reduce_scatter", lambda s: m.reduce_scatter(h, x, out, code, s), out, (x, out))

@@ -32,7 +32,6 @@ import torch
 
 ReduceOp = Literal["sum", "avg", "min", "max"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "avg", "min", "max")
-OP_CODES = {"sum": 0, "avg": 1, "min": 2, "max": 3}
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
