@@ -17,26 +17,28 @@ PEER_SELECTION_MODES: tuple[PeerSelectionMode, ...] = ("all", "shift_one")
 def check_peer_selection_mode(mode: Any, algorithm: str) -> None:
     """Raise a ValueError naming ``mode`` unless it is one of :data:`PEER_SELECTION_MODES`."""
     if mode not in PEER_SELECTION_MODES:
-        raise ValueError(f"{algorithm}: peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {mode!r}")
+        raise ValueError(
+            f"{algorithm}: peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {mode!r}"
+        )
 
 
 def check_two_levels(intra_size: int, inter_size: int, world_size: int, algorithm: str) -> None:
-    """Raise a ValueError unless ``intra_size`` ranks per node times ``inter_size`` nodes is the world."""
+    """Raise a ValueError unless ``intra_size`` x ``inter_size`` ranks make the world."""
     if intra_size * inter_size != world_size:
         raise ValueError(
-            f"{algorithm}: intra ({intra_size} ranks) x inter ({inter_size} ranks) must equal world "
-            f"({world_size} ranks)"
+            f"{algorithm}: intra ({intra_size} ranks) x inter ({inter_size} ranks) "
+            f"must equal world ({world_size} ranks)"
         )
 
 
 def check_pairable(size: int, algorithm: str, across_nodes: bool = False) -> None:
-    """Raise a ValueError if ``shift_one`` cannot pair ``size`` ranks (or nodes): an odd count above 1."""
+    """Raise a ValueError if ``shift_one`` cannot pair ``size`` ranks (or nodes): odd and > 1."""
     if size % 2 and size != 1:
         group = "nodes (the inter-node group of a hierarchical run)" if across_nodes else "ranks"
         remedy = ", an even count, or hierarchical=False" if across_nodes else " or an even count"
         raise ValueError(
-            f"{algorithm}: peer_selection_mode='shift_one' pairs {group} two by two and needs an even "
-            f"number of them, got {size}; use peer_selection_mode='all'{remedy}"
+            f"{algorithm}: peer_selection_mode='shift_one' pairs {group} two by two "
+            f"and needs an even number of them, got {size}; use peer_selection_mode='all'{remedy}"
         )
 
 
@@ -54,7 +56,9 @@ def shift_one_schedule(size: int) -> np.ndarray:
     half = int(size) // 2
     shift = np.arange(half)[:, None]
     rank = np.arange(size)[None, :]
-    return np.where(rank < half, (shift + rank) % half + half, (rank - half - shift) % half).astype(np.int32)
+    return np.where(rank < half, (shift + rank) % half + half, (rank - half - shift) % half).astype(
+        np.int32
+    )
 
 
 def ring_neighbours(rank: int, size: int) -> tuple[int, int]:

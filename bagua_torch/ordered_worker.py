@@ -16,13 +16,18 @@ import torch
 
 
 class WorkerWork:
-    """The handle of one job (see :meth:`OrderedWorker.submit`); the :class:`~bagua_torch.communicator.Work` protocol."""
+    """The handle of one job of :meth:`OrderedWorker.submit` (a :class:`~bagua_torch.Work`)."""
 
-    def __init__(self, future: concurrent.futures.Future, done: Any = None, device: torch.device | None = None):
+    def __init__(
+        self,
+        future: concurrent.futures.Future,
+        done: Any = None,
+        device: torch.device | None = None,
+    ):
         self._future, self._done, self._device = future, done, device
 
     def wait(self) -> Any:
-        """The job's return value (re-raising its exception); on CUDA the caller's stream waits for the job."""
+        """The job's return value (or its exception); a CUDA caller's stream waits for the job."""
         result = self._future.result()
         if self._done is not None:
             stream = torch.cuda.current_stream(self._device)
@@ -84,7 +89,7 @@ class OrderedWorker:
             return WorkerWork(self._executor.submit(on_stream), done, device)
 
     def close(self) -> None:
-        """Wait for the queued jobs and stop the thread (idempotent; a later job starts a new one)."""
+        """Wait for the queued jobs and stop the thread (idempotent; a later job restarts it)."""
         with self._lock:
             executor, self._executor = self._executor, None
         if executor is not None:

@@ -33,7 +33,10 @@ print(json.dumps({"modules": names, "loaded": [m for m in sys.argv[2:] if m in s
 def test_package_loads_no_forbidden_framework(package):
     pytest.importorskip(package)
     forbidden = FORBIDDEN[package]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     run = subprocess.run(
         [sys.executable, "-c", PROBE, package, *forbidden],
         capture_output=True,
