@@ -19,8 +19,6 @@ from jax._src import core, dispatch, effects
 from jax._src.interpreters import mlir
 from jax.extend.core import Primitive
 
-REDUCE_OP_CODES = {"sum": 0, "avg": 1, "min": 2, "max": 3}
-
 
 class CollectiveEffect(effects.Effect):
     """Orders native collectives: every rank issues them in program order."""

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.comm_timeout import timeout_seconds
+from bagua_common.engines import REDUCE_OP_CODES
 from bagua_jax import native_collectives as nc
 from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
 from bagua_jax.engines import engine
@@ -102,7 +103,7 @@ class NativeCommunicator:
     def _op(self, op: ReduceOp) -> int:
         if op not in REDUCE_OPS:
             raise ValueError(f"unknown reduction {op!r}; use one of {REDUCE_OPS}")
-        return nc.REDUCE_OP_CODES[op]
+        return REDUCE_OP_CODES[op]
 
     def _root(self, root: int) -> int:
         if not 0 <= int(root) < self._size:

@@ -46,7 +46,7 @@ def minmax_allreduce(
     if residual is None:
         packed = ops.minmax_uint8_compress(bucket, n)
     else:
-        packed = ops.minmax_uint8_compress_ef(bucket, residual, n)
+        packed, _ = ops.minmax_uint8_compress_ef(bucket, residual, n)
     received = comm.alltoall(packed.view(n, -1))
     mine = ops.minmax_uint8_decompress_reduce(received.view(-1), m, n, average=average)
     gathered = comm.allgather(ops.minmax_uint8_compress(mine, 1))
@@ -69,10 +69,10 @@ def sign_allreduce(
     allgather. Both are updated in place.
     """
     n, m = comm.size, _chunk_elements(bucket, comm)
-    packed = ops.sign_compress_ef(bucket, worker_residual, n)
+    packed, _ = ops.sign_compress_ef(bucket, worker_residual, n)
     received = comm.alltoall(packed.view(n, -1))
     mine = ops.sign_decompress_reduce(received.view(-1), m, n, average=average)
-    gathered = comm.allgather(ops.sign_compress_ef(mine, server_residual, 1))
+    gathered = comm.allgather(ops.sign_compress_ef(mine, server_residual, 1)[0])
     return ops.sign_decompress(gathered.view(-1), n * m, n, bucket.dtype)
 
 

@@ -64,7 +64,7 @@ from bagua_torch.algorithms.base import (
 )
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from bagua_torch.communicator import Communicator, Work
-from bagua_torch.process_group import communicators_from
+from bagua_torch.job import communicators_from
 
 SyncPoint = Literal["backward", "step"]
 _EXTRA_STATE_FORMAT = 1

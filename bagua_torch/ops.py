@@ -69,7 +69,7 @@ def _compress(format: Format, x: torch.Tensor, k: int, out: torch.Tensor | None)
 
 def _compress_ef(
     format: Format, x: torch.Tensor, residual: torch.Tensor, k: int, out: torch.Tensor | None
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     flat = _float_tensor("x", x)
     if residual.dtype != torch.float32 or residual.numel() != flat.numel() or not residual.is_contiguous():
         raise ValueError(
@@ -78,7 +78,7 @@ def _compress_ef(
         )
     out = _output(out, compressed_size(flat.numel(), k, format), torch.uint8, flat.device)
     _bagua_ffi.compress_ef(format, flat, residual.view(-1), out, int(k), _stream(flat))
-    return out
+    return out, residual
 
 
 def _decompress(
@@ -112,10 +112,11 @@ def minmax_uint8_compress(x: torch.Tensor, k: int, *, out: torch.Tensor | None =
 
 def minmax_uint8_compress_ef(
     x: torch.Tensor, residual: torch.Tensor, k: int, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """Compress ``x + residual`` into ``k`` chunks; ``residual`` (float32) is updated in place.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress ``x + residual`` into ``k`` chunks; returns ``(compressed, residual)``.
 
-    Afterwards ``residual`` holds ``(x + residual) - decompress(compressed)``.
+    ``residual`` (float32) is updated in place to ``(x + residual) - decompress(compressed)``
+    and returned, as :func:`bagua_jax.ops.minmax_uint8_compress_ef` returns the new residual.
     """
     return _compress_ef("minmax_uint8", x, residual, k, out)
 
@@ -152,8 +153,12 @@ def sign_compress(x: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -
 
 def sign_compress_ef(
     x: torch.Tensor, residual: torch.Tensor, k: int, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
-    """1-bit compress ``x + residual``; ``residual`` (float32) is updated in place with the new error."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """1-bit compress ``x + residual``; returns ``(compressed, residual)``.
+
+    ``residual`` (float32) is updated in place with the new error and returned, as
+    :func:`bagua_jax.ops.sign_compress_ef` returns the new residual.
+    """
     return _compress_ef("sign", x, residual, k, out)
 
 

@@ -432,7 +432,6 @@ class TorchEngine(Engine):
 
     def __init__(self, name: str, device: str, ranks: int, timeout: float) -> None:
         super().__init__(device, ranks, timeout)
-        import warnings
         from datetime import timedelta
 
         import torch
@@ -440,7 +439,6 @@ class TorchEngine(Engine):
 
         from bagua_torch import NativeCommunicator, ProcessGroupCommunicator
 
-        warnings.filterwarnings("ignore", category=FutureWarning)  # reduce_scatter_tensor's deprecation
         self.name, self.torch = name, torch
         cuda = device == "gpu"
         if cuda:

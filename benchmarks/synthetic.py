@@ -426,7 +426,7 @@ def _torch_setup(args: argparse.Namespace, net, lr: float, warmup_steps: int) ->
         if name in ADAM_ALGORITHMS:
             # QAdam and OneBitAdam come with their own optimizer (Adam with averaged momentum).
             if name == "qadam":
-                from bagua_torch.algorithms.q_adam import QAdamOptimizer as opt_cls
+                from bagua_torch.algorithms.qadam import QAdamOptimizer as opt_cls
             else:
                 from bagua_torch.algorithms.onebit_adam import (
                     OneBitAdamOptimizer as opt_cls,

@@ -39,7 +39,7 @@ def optimizer_and_algorithm(name: str, model: nn.Module, lr: float):
     """Adam and the algorithm ``name``; QAdam and 1-bit Adam are optimizers themselves."""
     if name in ("qadam", "onebit_adam"):
         from bagua_torch.algorithms.onebit_adam import OneBitAdamOptimizer
-        from bagua_torch.algorithms.q_adam import QAdamOptimizer
+        from bagua_torch.algorithms.qadam import QAdamOptimizer
 
         optimizer_class = QAdamOptimizer if name == "qadam" else OneBitAdamOptimizer
         optimizer = optimizer_class(model.parameters(), lr=lr)

@@ -95,7 +95,7 @@ def job(variants: list[tuple[str, str]]) -> dict:
         OneBitAdamAlgorithm,
         OneBitAdamOptimizer,
     )
-    from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+    from bagua_torch.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer
 
     algorithms = {
         "qadam": (QAdamOptimizer, QAdamAlgorithm),

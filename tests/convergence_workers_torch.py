@@ -69,7 +69,7 @@ def variant(name: str, model: nn.Module):
     algorithm, options = VARIANTS[name]
     if algorithm in ("qadam", "onebit_adam"):
         if algorithm == "qadam":
-            from bagua_torch.algorithms.q_adam import QAdamOptimizer as Optimizer
+            from bagua_torch.algorithms.qadam import QAdamOptimizer as Optimizer
         else:
             from bagua_torch.algorithms.onebit_adam import (
                 OneBitAdamOptimizer as Optimizer,

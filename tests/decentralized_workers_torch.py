@@ -47,7 +47,7 @@ def decentralized(seed: int, rank: int, **options) -> dict:
 @scenario
 def low_precision_decentralized(seed: int, rank: int, **options) -> dict:
     """:func:`train_run` with ``LowPrecisionDecentralizedAlgorithm(**options)``."""
-    from bagua_torch.algorithms.decentralized import LowPrecisionDecentralizedAlgorithm
+    from bagua_torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 
     return train_run(seed, rank, LowPrecisionDecentralizedAlgorithm(**options))
 
@@ -112,10 +112,8 @@ def checkpoint(seed: int, rank: int) -> dict:
     """Save after 3 steps, continue 3; a fresh wrapped model loaded from the checkpoint continues identically, one
     that gets the weights but not the algorithm state does not."""
     import bagua_torch
-    from bagua_torch.algorithms.decentralized import (
-        DecentralizedAlgorithm,
-        LowPrecisionDecentralizedAlgorithm,
-    )
+    from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
+    from bagua_torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 
     out = {}
     for label, algorithm in (("dec", DecentralizedAlgorithm("shift_one", communication_interval=2)),

@@ -27,7 +27,7 @@ def _optimizer_and_algorithm(name: str, params: list[torch.nn.Parameter]):
 
     if name in ("qadam", "onebit_adam"):
         if name == "qadam":
-            from bagua_torch.algorithms.q_adam import QAdamOptimizer as Optimizer
+            from bagua_torch.algorithms.qadam import QAdamOptimizer as Optimizer
         else:
             from bagua_torch.algorithms.onebit_adam import (
                 OneBitAdamOptimizer as Optimizer,

@@ -35,7 +35,7 @@ RUN_STEPS = 6
 
 def _classes(algo: str):
     if algo == "qadam":
-        from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+        from bagua_torch.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer
 
         return QAdamOptimizer, QAdamAlgorithm
     from bagua_torch.algorithms.onebit_adam import (
@@ -189,7 +189,7 @@ def _resume(seed: int, rank: int, algo: str, warmup_steps: int, buffer: io.Bytes
 def errors(rank: int) -> dict:
     """Configurations refused when the model is wrapped (every rank makes the same calls)."""
     import bagua_torch
-    from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+    from bagua_torch.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer
 
     found = {}
     model = make_mlp(0)

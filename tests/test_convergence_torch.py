@@ -106,8 +106,7 @@ class _Torch:
     def compress(self, x, k, residual=None):
         if residual is None:
             return self.numpy(torch_ops.minmax_uint8_compress(self.array(x), k)), None
-        r = self.array(residual)
-        packed = torch_ops.minmax_uint8_compress_ef(self.array(x), r, k)  # r updated in place
+        packed, r = torch_ops.minmax_uint8_compress_ef(self.array(x), self.array(residual), k)
         return self.numpy(packed), self.numpy(r)
 
     def decompress_reduce(self, packed, m, k):

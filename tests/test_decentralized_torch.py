@@ -40,9 +40,9 @@ from bagua_torch import algorithms
 from bagua_torch.algorithms.base import AlgorithmContext, Communicators
 from bagua_torch.algorithms.decentralized import (
     DecentralizedAlgorithm,
-    LowPrecisionDecentralizedAlgorithm,
     shift_one_peer,
 )
+from bagua_torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 from bagua_torch.bucketing import make_buckets
 
 F32 = np.float32

@@ -39,8 +39,8 @@ def test_torch_and_jax_compress_to_identical_bytes(rng, dtype, k):
     pairs = [
         (ops.minmax_uint8_compress(from_numpy(x), k), jops.minmax_uint8_compress(x, k)),
         (ops.sign_compress(from_numpy(x), k), jops.sign_compress(x, k)),
-        (ops.minmax_uint8_compress_ef(from_numpy(x), torch.from_numpy(e.copy()), k), jops.minmax_uint8_compress_ef(x, e, k)[0]),
-        (ops.sign_compress_ef(from_numpy(x), torch.from_numpy(e.copy()), k), jops.sign_compress_ef(x, e, k)[0]),
+        (ops.minmax_uint8_compress_ef(from_numpy(x), torch.from_numpy(e.copy()), k)[0], jops.minmax_uint8_compress_ef(x, e, k)[0]),
+        (ops.sign_compress_ef(from_numpy(x), torch.from_numpy(e.copy()), k)[0], jops.sign_compress_ef(x, e, k)[0]),
     ]
     for from_torch, from_jax in pairs:
         np.testing.assert_array_equal(from_torch.numpy(), np.asarray(from_jax))
@@ -62,7 +62,8 @@ def test_error_feedback_updates_the_residual_in_place(rng):
     n, k = 10_007, 2
     x, e = random_values(rng, n), random_values(rng, n) * np.float32(0.01)
     residual = torch.from_numpy(e.copy())
-    compressed = ops.minmax_uint8_compress_ef(torch.from_numpy(x), residual, k)
+    compressed, returned = ops.minmax_uint8_compress_ef(torch.from_numpy(x), residual, k)
+    assert returned is residual
     expected, expected_residual = ref.minmax_compress(x, k, e)
     np.testing.assert_array_equal(compressed.numpy(), expected)
     np.testing.assert_array_equal(residual.numpy(), expected_residual)

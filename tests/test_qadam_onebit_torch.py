@@ -1,4 +1,4 @@
-"""QAdam and 1-bit Adam through the PyTorch bridge (bagua_torch.algorithms.q_adam / onebit_adam).
+"""QAdam and 1-bit Adam through the PyTorch bridge (bagua_torch.algorithms.qadam / onebit_adam).
 
 Multi-process jobs (one per configuration, several scenarios each; see
 qadam_onebit_workers_torch.py) run over gloo on 2 ranks, over gloo on 4 ranks laid out as 2
@@ -42,7 +42,7 @@ import bagua_torch
 from bagua_torch import ops
 from bagua_torch.algorithms import algorithm_class, get_algorithm
 from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
-from bagua_torch.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+from bagua_torch.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer
 
 
 def warmup(hierarchical: bool) -> Scenario:
@@ -216,9 +216,9 @@ def _minmax_exchange(xs: list[torch.Tensor], ranks: list[int], residuals) -> lis
 def _sign_exchange(xs: list[torch.Tensor], ranks: list[int], residuals) -> list[torch.Tensor]:
     """compressed_allreduce.sign_allreduce simulated; ``residuals[r]`` = (worker, server) of world rank r."""
     n, m = len(xs), xs[0].numel() // len(xs)
-    rows = [ops.sign_compress_ef(x, residuals[r][0], n).view(n, -1) for x, r in zip(xs, ranks)]
+    rows = [ops.sign_compress_ef(x, residuals[r][0], n)[0].view(n, -1) for x, r in zip(xs, ranks)]
     mine = [ops.sign_decompress_reduce(torch.cat([rows[i][j] for i in range(n)]), m, n) for j in range(n)]
-    gathered = torch.cat([ops.sign_compress_ef(c, residuals[r][1], 1) for c, r in zip(mine, ranks)])
+    gathered = torch.cat([ops.sign_compress_ef(c, residuals[r][1], 1)[0] for c, r in zip(mine, ranks)])
     return [ops.sign_decompress(gathered, n * m, n, xs[0].dtype)] * n
 
 

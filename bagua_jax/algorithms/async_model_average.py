@@ -29,8 +29,6 @@ A typical loop, one process per rank under ``mpiexec``::
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -40,7 +38,9 @@ import numpy as np
 import optax
 from jax import lax
 
-from bagua_jax import native_collectives as nc
+from bagua_common.averaging_rounds import AveragingRounds
+from bagua_common.engines import REDUCE_OP_CODES
+from bagua_common.options import check_sync_interval_ms, check_warmup_steps
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
@@ -78,7 +78,7 @@ def async_model_average(
     """
     name = "async_model_average"
     comms = check_communicators(comms, name)
-    warmup_steps = _check_warmup_steps(warmup_steps)
+    warmup_steps = check_warmup_steps(warmup_steps, "async")
     allreduce = gradient_allreduce(comms, average=True, bucket_bytes=check_bucket_bytes(bucket_bytes, name))
 
     def init_fn(params: Any) -> AsyncModelAverageState:
@@ -161,8 +161,8 @@ class AsyncModelAverager:
         # The thread communicates host buffers, which only the MPI engine takes.
         if comm.kind != "mpi":
             raise ValueError(f"{name}: the averaging rounds need an MPI communicator (host memory), got {comm.kind}")
-        self._interval = _check_sync_interval(sync_interval_ms) / 1000.0
-        self._warmup_steps = _check_warmup_steps(warmup_steps)
+        interval_s = check_sync_interval_ms(sync_interval_ms, "async") / 1000.0
+        warmup_steps = check_warmup_steps(warmup_steps, "async")
         if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or steps_done < 0:
             raise ValueError(f"{name}: steps_done must be a non-negative int, got {steps_done!r}")
         self._engine, self._handle, self._size = comm.engine, comm.handle, comm.size
@@ -183,30 +183,27 @@ class AsyncModelAverager:
         host_sums = [np.zeros(bucket.size, np.float32) for bucket in plan.buckets]
         jax.block_until_ready(self._correct(params, host_sums, self._take_snapshot(params)))
 
-        self._cv = threading.Condition()
-        # Shared with the thread, guarded by _cv.
-        self._want_snapshot = False
-        self._snapshot: list[jax.Array] | None = None
-        self._result: tuple[list[np.ndarray], list[jax.Array]] | None = None  # (sums, snapshot)
-        self._stop = False
-        self._error: BaseException | None = None
-        self._rounds = 0
-        # Used by the calling thread only.
-        self._steps = int(steps_done)
-        self._aborted = False
-        self._thread: threading.Thread | None = None
-        self._maybe_start()
+        self._params: Any = None  # the weights of the apply() call in progress
+        self._protocol = AveragingRounds(
+            "async",
+            interval_s,
+            warmup_steps,
+            int(steps_done),
+            take_snapshot=lambda: self._take_snapshot(self._params),
+            agree_to_stop=self._agree_to_stop,
+            allreduce_sum=self._allreduce_sum,
+            apply=self._apply_round,
+        )
 
     @property
     def rounds(self) -> int:
         """The number of averaging rounds completed so far (equal on all ranks once stopped)."""
-        with self._cv:
-            return self._rounds
+        return self._protocol.rounds
 
     @property
     def running(self) -> bool:
         """Whether the background thread is alive (it ends on :meth:`abort`, on any rank's)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._protocol.running
 
     def apply(self, params: Any) -> Any:
         """Call after every training step: ``params`` corrected by the last finished round, if any.
@@ -217,102 +214,41 @@ class AsyncModelAverager:
         the thread asks for one, a device copy of the weights for the next round. Raises the
         thread's error if a round failed.
         """
-        with self._cv:
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise RuntimeError("asynchronous model averaging failed in its background thread") from error
-            result = self._result
-        if result is not None:
-            params = self._correct(params, *result)
-        with self._cv:
-            # The next snapshot is taken only after this round's correction is in params; a
-            # snapshot from before it would have the correction counted twice.
-            if result is not None:
-                self._result = None
-            if self._want_snapshot and self._snapshot is None:
-                self._snapshot = self._take_snapshot(params)
-            self._cv.notify_all()
-        self._steps += 1
-        self._maybe_start()
-        return params
+        self._params = params
+        try:
+            self._protocol.after_step()
+            return self._params
+        finally:
+            self._params = None
 
     def abort(self) -> None:
         """Stop the rounds on every rank and wait for this rank's thread to end.
 
-        The stop request travels with the next round's flag allreduce, so every rank's thread
-        stops before the same round, even when the ranks call ``abort`` at different times (or
-        only one rank does: the others' threads stop too, and their ``abort`` just joins). A
-        round already finished but not applied is still applied by the next :meth:`apply`.
-        Before warm-up ends it keeps the thread from starting. Safe to call twice.
+        See :meth:`bagua_common.averaging_rounds.AveragingRounds.abort`: every rank's thread
+        stops before the same round; a round finished but not applied is still applied by the
+        next :meth:`apply`. Safe to call twice.
         """
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._aborted = True
-        with self._cv:
-            if self._error is not None:
-                error, self._error = self._error, None
-                raise RuntimeError("asynchronous model averaging failed in its background thread") from error
+        self._protocol.abort()
 
     def resume(self) -> None:
         """Restart the rounds after :meth:`abort` (at once, or when warm-up ends); every rank must call it."""
-        if not self._aborted:
-            raise RuntimeError("resume() restarts averaging stopped by abort(); call abort() first")
-        self._aborted = False
-        with self._cv:
-            self._stop = False
-        self._maybe_start()
+        self._protocol.resume()
 
-    def _maybe_start(self) -> None:
-        if self._thread is None and not self._aborted and self._steps >= self._warmup_steps:
-            self._thread = threading.Thread(target=self._run, name="bagua-async-model-average", daemon=True)
-            self._thread.start()
+    def _apply_round(self, sums: list[np.ndarray], snapshot: list[jax.Array]) -> None:
+        self._params = self._correct(self._params, sums, snapshot)
 
-    def _run(self) -> None:
-        flag, agreed = np.zeros(1, np.int32), np.zeros(1, np.int32)
-        next_round = time.monotonic()
-        try:
-            while True:
-                with self._cv:
-                    self._wait_for_round(next_round)
-                    flag[0] = self._stop
-                    snapshot, self._snapshot, self._want_snapshot = self._snapshot, None, False
-                # Every rank's thread reaches this allreduce once per round whatever its loop
-                # does, so all agree to stop before the same round and none is left waiting.
-                self._engine.allreduce(self._handle, flag, agreed, nc.REDUCE_OP_CODES["max"])
-                if agreed[0]:
-                    return
-                sums = []
-                for bucket in snapshot:
-                    send = np.asarray(bucket)
-                    sums.append(np.empty_like(send))
-                    self._engine.allreduce(self._handle, send, sums[-1], nc.REDUCE_OP_CODES["sum"])
-                with self._cv:
-                    self._result = (sums, snapshot)
-                    self._rounds += 1
-                next_round = time.monotonic() + self._interval
-        except Exception as error:  # noqa: BLE001 - handed to the training loop, which raises it
-            with self._cv:
-                self._error = error
+    def _agree_to_stop(self, stop: bool) -> bool:
+        flag, agreed = np.array([int(stop)], np.int32), np.zeros(1, np.int32)
+        self._engine.allreduce(self._handle, flag, agreed, REDUCE_OP_CODES["max"])
+        return bool(agreed[0])
 
-    def _wait_for_round(self, not_before: float) -> None:
-        """With ``_cv`` held: return once a stop is requested, or once the last result is applied,
-        ``not_before`` has passed and :meth:`apply` has handed over a snapshot."""
-        while not self._stop:
-            if self._result is not None:
-                self._cv.wait()
-                continue
-            remaining = not_before - time.monotonic()
-            if remaining > 0:
-                self._cv.wait(remaining)
-                continue
-            if self._snapshot is not None:
-                return
-            self._want_snapshot = True
-            self._cv.wait()
+    def _allreduce_sum(self, snapshot: list[jax.Array]) -> list[np.ndarray]:
+        sums = []
+        for bucket in snapshot:
+            send = np.asarray(bucket)
+            sums.append(np.empty_like(send))
+            self._engine.allreduce(self._handle, send, sums[-1], REDUCE_OP_CODES["sum"])
+        return sums
 
 
 @dataclass(frozen=True)
@@ -334,8 +270,8 @@ class AsyncModelAverage:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        _check_sync_interval(self.sync_interval_ms)
-        _check_warmup_steps(self.warmup_steps)
+        check_sync_interval_ms(self.sync_interval_ms, "async")
+        check_warmup_steps(self.warmup_steps, "async")
         check_bucket_bytes(self.bucket_bytes, "AsyncModelAverage")
 
     def transformation(
@@ -356,21 +292,3 @@ class AsyncModelAverage:
             steps_done=steps_done,
             bucket_bytes=self.bucket_bytes,
         )
-
-
-def _check_sync_interval(sync_interval_ms: Any) -> float:
-    number = not isinstance(sync_interval_ms, bool) and isinstance(
-        sync_interval_ms, (int, float, np.integer, np.floating)
-    )
-    if not number or not np.isfinite(sync_interval_ms) or sync_interval_ms < 0:
-        raise ValueError(
-            f"sync_interval_ms must be a finite number of milliseconds >= 0 (0: rounds back to back), "
-            f"got {sync_interval_ms!r}"
-        )
-    return float(sync_interval_ms)
-
-
-def _check_warmup_steps(warmup_steps: Any) -> int:
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or warmup_steps < 0:
-        raise ValueError(f"warmup_steps must be a non-negative int, got {warmup_steps!r}")
-    return int(warmup_steps)

@@ -16,9 +16,9 @@ from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
+from bagua_common.topology import check_two_levels
 from bagua_jax.communicator import Communicator
 
 
@@ -106,19 +106,8 @@ def two_levels(comms: Communicators, hierarchical: bool, algorithm: str) -> tupl
     if not (hierarchical and comms.hierarchical):
         return None
     intra, inter = comms.intra, comms.inter
-    if intra.size * inter.size != comms.world.size:
-        raise ValueError(
-            f"{algorithm}: intra ({intra.size} ranks) x inter ({inter.size} ranks) must equal world "
-            f"({comms.world.size} ranks)"
-        )
+    check_two_levels(intra.size, inter.size, comms.world.size, algorithm)
     return intra, inter
-
-
-def check_interval(interval: Any) -> int:
-    """Return ``interval`` if it is a positive int, else raise a ValueError."""
-    if isinstance(interval, bool) or not isinstance(interval, (int, np.integer)) or interval < 1:
-        raise ValueError(f"communication_interval must be a positive int, got {interval!r}")
-    return int(interval)
 
 
 def _varying_axes(x: Any) -> frozenset[str]:

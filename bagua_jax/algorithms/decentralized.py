@@ -13,28 +13,30 @@ the optimizer's ``updates`` into ``(avg(params) - params) + updates``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
+from bagua_common.options import check_communication_interval
+from bagua_common.topology import (
+    PeerSelectionMode,
+    check_pairable,
+    check_peer_selection_mode,
+    shift_one_schedule,
+)
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
     check_bucket_bytes,
     check_communicators,
     check_float_params,
-    check_interval,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
 from bagua_jax.communicator import Communicator
 from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
-
-PeerSelectionMode = Literal["all", "shift_one"]
-PEER_SELECTION_MODES: tuple[PeerSelectionMode, ...] = ("all", "shift_one")
 
 
 class DecentralizedState(NamedTuple):
@@ -46,21 +48,13 @@ class DecentralizedState(NamedTuple):
 def shift_one_peer(rank: jax.Array, round_index: jax.Array, size: int) -> jax.Array:
     """The rank that ``rank`` averages with in communication round ``round_index`` (``shift_one``).
 
-    For an even ``size`` (``h = size / 2``): ranks below ``h`` take ``(round_index + rank) % h + h``,
-    the others ``(rank - h - round_index) mod h``, so every rank is paired with exactly one other
-    rank, and over ``h`` rounds a rank meets every rank of the other half. ``rank`` and
-    ``round_index`` may be traced int32
-    arrays, so one compiled step serves every round. Nothing is communicated; a ``size`` that is
-    odd or below 2 raises.
+    A lookup in :func:`bagua_common.topology.shift_one_schedule` (every rank paired with exactly
+    one other, a new peer each round). ``rank`` and ``round_index`` may be traced int32 arrays,
+    so one compiled step serves every round. Nothing is communicated; a ``size`` that is odd or
+    below 2 raises.
     """
-    if size < 2:
-        raise ValueError(f"shift_one needs at least 2 ranks to pair, got {size}")
-    _check_even(size)
-    half = size // 2
-    # Reducing the round first keeps the sum far from int32 overflow on long runs.
-    shift = jnp.asarray(round_index, jnp.int32) % half
-    rank = jnp.asarray(rank, jnp.int32)
-    return jnp.where(rank < half, (shift + rank) % half + half, (rank - half - shift) % half)
+    schedule = jnp.asarray(shift_one_schedule(size))
+    return schedule[jnp.asarray(round_index, jnp.int32) % schedule.shape[0], jnp.asarray(rank, jnp.int32)]
 
 
 def decentralized_average(
@@ -86,16 +80,15 @@ def decentralized_average(
     ``B`` per node in total. Choose it to average models explicitly, e.g. at the end of
     decentralized training, or to build a custom schedule.
     """
-    _check_mode(peer_selection_mode)
+    check_peer_selection_mode(peer_selection_mode, "decentralized")
     across_nodes = hierarchical and comms.hierarchical
     group: Communicator = comms.inter if across_nodes else comms.world
     n = group.size
     if peer_selection_mode == "shift_one" and n > 1:
-        _check_even(n, across_nodes)
+        check_pairable(n, "decentralized", across_nodes)
         # Every pairing of the n/2 rounds a shift_one cycle has, as a static table, so that JAX's
         # collectives can send to the one peer instead of gathering from everyone.
-        with jax.ensure_compile_time_eval():
-            schedule = np.stack([np.asarray(shift_one_peer(np.arange(n), t, n)) for t in range(n // 2)])[..., None]
+        schedule = shift_one_schedule(n)[..., None]
 
     def exchange(bucket: jax.Array, comm: Communicator) -> jax.Array:
         if n == 1:  # one rank (or one node) in the group: nothing to exchange
@@ -137,8 +130,8 @@ def decentralized(
     and exact agreement of the replicas at every step is not required.
     """
     comms = check_communicators(comms, "decentralized")
-    _check_mode(peer_selection_mode)
-    check_interval(communication_interval)
+    check_peer_selection_mode(peer_selection_mode, "decentralized")
+    check_communication_interval(communication_interval, "decentralized")
     check_bucket_bytes(bucket_bytes, "decentralized")
 
     def init_fn(params: Any) -> DecentralizedState:
@@ -202,8 +195,8 @@ class Decentralized:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        _check_mode(self.peer_selection_mode)
-        check_interval(self.communication_interval)
+        check_peer_selection_mode(self.peer_selection_mode, "Decentralized")
+        check_communication_interval(self.communication_interval, "decentralized")
         check_bucket_bytes(self.bucket_bytes, "Decentralized")
 
     def transformation(
@@ -219,18 +212,4 @@ class Decentralized:
                 hierarchical=self.hierarchical,
                 bucket_bytes=self.bucket_bytes,
             ),
-        )
-
-
-def _check_mode(mode: Any) -> None:
-    if mode not in PEER_SELECTION_MODES:
-        raise ValueError(f"peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {mode!r}")
-
-
-def _check_even(size: int, across_nodes: bool = False) -> None:
-    if size % 2 and size != 1:
-        group = "nodes (the inter-node group of a hierarchical run)" if across_nodes else "ranks"
-        raise ValueError(
-            f"peer_selection_mode='shift_one' pairs {group} two by two and needs an even number of "
-            f"them, got {size}; use peer_selection_mode='all' or an even count"
         )

@@ -20,13 +20,13 @@ import numpy as np
 import optax
 from jax import lax
 
+from bagua_common.options import check_communication_interval
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
     check_bucket_bytes,
     check_communicators,
     check_float_params,
-    check_interval,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import Communicator
@@ -75,7 +75,7 @@ def low_precision_decentralized(
     high-latency networks where even decentralized full-precision exchange is too expensive.
     """
     comms = check_communicators(comms, "low_precision_decentralized")
-    check_interval(communication_interval)
+    check_communication_interval(communication_interval, "low_precision_decentralized")
     check_bucket_bytes(bucket_bytes, "low_precision_decentralized")
     use_hierarchy = hierarchical and comms.hierarchical
 
@@ -208,7 +208,7 @@ class LowPrecisionDecentralized:
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        check_interval(self.communication_interval)
+        check_communication_interval(self.communication_interval, "low_precision_decentralized")
         check_bucket_bytes(self.bucket_bytes, "LowPrecisionDecentralized")
 
     def transformation(

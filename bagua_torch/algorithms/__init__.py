@@ -8,18 +8,18 @@ By class: ``bagua_torch.algorithms.ByteGradAlgorithm(hierarchical=False)``. By n
 Built-in names and where their classes live (a module is imported on first use, so a
 name whose module is not in this installation is reported as unavailable):
 
-=============================== ================================================ =====================================
-name                            module                                           class
-=============================== ================================================ =====================================
-``gradient_allreduce``          ``bagua_torch.algorithms.gradient_allreduce``    ``GradientAllReduceAlgorithm``
-``bytegrad``                    ``bagua_torch.algorithms.bytegrad``              ``ByteGradAlgorithm``
-``decentralized``               ``bagua_torch.algorithms.decentralized``         ``DecentralizedAlgorithm``
-``low_precision_decentralized`` ``bagua_torch.algorithms.decentralized``         ``LowPrecisionDecentralizedAlgorithm``
-``async``                       ``bagua_torch.algorithms.async_model_average``   ``AsyncModelAverageAlgorithm``
-``qadam``                       ``bagua_torch.algorithms.q_adam``                ``QAdamAlgorithm``
-``onebit_adam``                 ``bagua_torch.algorithms.onebit_adam``           ``OneBitAdamAlgorithm``
-``powersgd``                    ``bagua_torch.algorithms.powersgd``              ``PowerSGDAlgorithm``
-=============================== ================================================ =====================================
+=============================== ====================================================== ======================================
+name                            module                                                 class
+=============================== ====================================================== ======================================
+``gradient_allreduce``          ``bagua_torch.algorithms.gradient_allreduce``          ``GradientAllReduceAlgorithm``
+``bytegrad``                    ``bagua_torch.algorithms.bytegrad``                    ``ByteGradAlgorithm``
+``decentralized``               ``bagua_torch.algorithms.decentralized``               ``DecentralizedAlgorithm``
+``low_precision_decentralized`` ``bagua_torch.algorithms.low_precision_decentralized`` ``LowPrecisionDecentralizedAlgorithm``
+``async``                       ``bagua_torch.algorithms.async_model_average``         ``AsyncModelAverageAlgorithm``
+``qadam``                       ``bagua_torch.algorithms.qadam``                       ``QAdamAlgorithm``
+``onebit_adam``                 ``bagua_torch.algorithms.onebit_adam``                 ``OneBitAdamAlgorithm``
+``powersgd``                    ``bagua_torch.algorithms.powersgd``                    ``PowerSGDAlgorithm``
+=============================== ====================================================== ======================================
 
 The interface an algorithm implements is in :mod:`bagua_torch.algorithms.base`.
 """
@@ -44,9 +44,12 @@ BUILTIN_ALGORITHMS: dict[str, tuple[str, str]] = {
     "gradient_allreduce": ("bagua_torch.algorithms.gradient_allreduce", "GradientAllReduceAlgorithm"),
     "bytegrad": ("bagua_torch.algorithms.bytegrad", "ByteGradAlgorithm"),
     "decentralized": ("bagua_torch.algorithms.decentralized", "DecentralizedAlgorithm"),
-    "low_precision_decentralized": ("bagua_torch.algorithms.decentralized", "LowPrecisionDecentralizedAlgorithm"),
+    "low_precision_decentralized": (
+        "bagua_torch.algorithms.low_precision_decentralized",
+        "LowPrecisionDecentralizedAlgorithm",
+    ),
     "async": ("bagua_torch.algorithms.async_model_average", "AsyncModelAverageAlgorithm"),
-    "qadam": ("bagua_torch.algorithms.q_adam", "QAdamAlgorithm"),
+    "qadam": ("bagua_torch.algorithms.qadam", "QAdamAlgorithm"),
     "onebit_adam": ("bagua_torch.algorithms.onebit_adam", "OneBitAdamAlgorithm"),
     "powersgd": ("bagua_torch.algorithms.powersgd", "PowerSGDAlgorithm"),
 }

@@ -46,8 +46,6 @@ every rank.
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, ClassVar
@@ -55,6 +53,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from bagua_common.averaging_rounds import AveragingRounds
+from bagua_common.options import check_sync_interval_ms, check_warmup_steps
 from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,
@@ -72,22 +72,6 @@ from bagua_torch.communicator import (
 
 AVERAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The parameter dtypes the update kernel (:func:`bagua_torch.ops.async_average`) takes."""
-
-
-def _check_sync_interval(value: Any) -> float:
-    number = not isinstance(value, bool) and isinstance(value, (int, float))
-    if not number or not float(value) >= 0 or value == float("inf"):
-        raise ValueError(
-            f"async: sync_interval_ms must be a finite number of milliseconds >= 0 (0: rounds back to back), "
-            f"got {value!r}"
-        )
-    return float(value)
-
-
-def _check_warmup_steps(value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"async: warmup_steps must be a non-negative int, got {value!r}")
-    return int(value)
 
 
 @dataclass(frozen=True)
@@ -110,8 +94,8 @@ class AsyncModelAverageAlgorithm(Algorithm):
     name: ClassVar[str] = "async"
 
     def __post_init__(self) -> None:
-        _check_sync_interval(self.sync_interval_ms)
-        _check_warmup_steps(self.warmup_steps)
+        check_sync_interval_ms(self.sync_interval_ms, self.name)
+        check_warmup_steps(self.warmup_steps, self.name)
 
     def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
         return AsyncModelAverageImpl(context, self)
@@ -155,188 +139,109 @@ class AsyncModelAverageImpl(AlgorithmImpl):
                 "are averaged in their step hooks"
             )
         self.config = config
-        self._interval = config.sync_interval_ms / 1000.0
-        self._warmup_steps = config.warmup_steps
         self._ticker = context.optimizers[-1]  # a step ends when the last wrapped optimizer has stepped
         self.comm = _dedicated_communicator(self.world)
         self._size = self.world.size
-
-        self._cv = threading.Condition()
-        # Shared with the thread, guarded by _cv.
-        self._want_snapshot = False
-        self._snapshot: list[torch.Tensor] | None = None
-        self._result: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None  # (sums, snapshot)
-        self._stop = False
-        self._error: BaseException | None = None
-        self._rounds = 0
-        # Used by the training thread only.
-        self._steps = 0
-        self._aborted = False
-        self._thread: threading.Thread | None = None
-        self._maybe_start()
+        self._protocol = AveragingRounds(
+            name,
+            config.sync_interval_ms / 1000.0,
+            config.warmup_steps,
+            0,
+            take_snapshot=self._take_snapshot,
+            agree_to_stop=self._agree_to_stop,
+            allreduce_sum=self._allreduce_sum,
+            apply=self._apply_round,
+        )
 
     # --- what the wrapper reads ---------------------------------------------------------
 
     @property
     def need_gradient_hooks(self) -> bool:  # type: ignore[override]
         """Gradient allreduce while in warm-up (same step counter on every rank), local gradients after."""
-        return self._steps < self._warmup_steps
+        return self._protocol.in_warmup
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
         return self.world.allreduce_async(bucket.grad, "avg")
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self._ticker:
-            self._tick()
+            self._protocol.after_step()
 
     # --- public -----------------------------------------------------------------------
 
     @property
     def steps(self) -> int:
         """Optimizer steps done (counted at the last wrapped optimizer's step)."""
-        return self._steps
+        return self._protocol.steps
 
     @property
     def rounds(self) -> int:
         """The averaging rounds completed so far (equal on all ranks once the thread has stopped)."""
-        with self._cv:
-            return self._rounds
+        return self._protocol.rounds
 
     @property
     def running(self) -> bool:
         """Whether the background thread is alive (it ends on :meth:`abort`, on any rank's)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._protocol.running
 
     def abort(self) -> None:
         """Stop the rounds on every rank and wait for this rank's thread to end.
 
-        The stop request travels with the next round's flag allreduce, so every rank's thread
-        stops before the same round, even when the ranks call ``abort`` at different times (or
-        only one rank does: the others' threads stop too, and their ``abort`` just joins). A
-        round already finished but not yet applied is applied after the next step. Before
-        warm-up ends it keeps the thread from starting. Safe to call twice. Raises the
-        thread's error if a round failed.
+        See :meth:`bagua_common.averaging_rounds.AveragingRounds.abort`: every rank's thread
+        stops before the same round; a round finished but not applied is applied after the
+        next step. Safe to call twice. Raises the thread's error if a round failed.
         """
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._aborted = True
-        self._raise_error()
+        self._protocol.abort()
 
     def resume(self) -> None:
         """Restart the rounds after :meth:`abort` (at once, or when warm-up ends); every rank must call it."""
-        if not self._aborted:
-            raise RuntimeError("async: resume() restarts averaging stopped by abort(); call abort() first")
-        self._aborted = False
-        with self._cv:
-            self._stop = False
-        self._maybe_start()
+        self._protocol.resume()
 
-    # --- the training thread's side -----------------------------------------------------
+    # --- the four parts of a round --------------------------------------------------------
 
-    def _raise_error(self) -> None:
-        with self._cv:
-            error, self._error = self._error, None
-        if error is not None:
-            raise RuntimeError("async: model averaging failed in its background thread") from error
+    def _take_snapshot(self) -> list[torch.Tensor] | tuple[list[torch.Tensor], torch.cuda.Event]:
+        """The weights as fresh float32 flat tensors, one per bucket (training thread)."""
+        snapshot = [bucket.flatten_params().to(torch.float32) for bucket in self.buckets]
+        if snapshot and snapshot[0].is_cuda:  # the thread waits for the copies (not this thread)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(snapshot[0].device))
+            return snapshot, event
+        return snapshot
 
-    def _flat_params(self) -> list[torch.Tensor]:
-        """The weights as float32 flat tensors, one per bucket (fresh copies)."""
-        return [bucket.flatten_params().to(torch.float32) for bucket in self.buckets]
+    def _apply_round(self, sums: list[torch.Tensor], snapshot: list[torch.Tensor]) -> None:
+        for bucket, total, s in zip(self.buckets, sums, snapshot):
+            x = bucket.flatten_params().to(torch.float32)
+            bucket.unflatten_to_params(ops.async_average(x, total, s, self._size))
 
-    def _tick(self) -> None:
-        """After every step: apply a finished round, hand over a snapshot if asked; never waits."""
-        self._raise_error()
-        with self._cv:
-            result = self._result
-        if result is not None:
-            sums, snapshot = result
-            for bucket, total, s in zip(self.buckets, sums, snapshot):
-                x = bucket.flatten_params().to(torch.float32)
-                bucket.unflatten_to_params(ops.async_average(x, total, s, self._size))
-        with self._cv:
-            if result is not None:
-                self._result = None
-            if self._want_snapshot and self._snapshot is None:
-                snapshot = self._flat_params()
-                if snapshot and snapshot[0].is_cuda:  # the thread waits for the copies (not this thread)
-                    event = torch.cuda.Event()
-                    event.record(torch.cuda.current_stream(snapshot[0].device))
-                    snapshot = (snapshot, event)  # type: ignore[assignment]
-                self._snapshot = snapshot
-            self._cv.notify_all()
-        self._steps += 1
-        self._maybe_start()
-
-    def _maybe_start(self) -> None:
-        if self._thread is None and not self._aborted and self._steps >= self._warmup_steps:
-            self._thread = threading.Thread(target=self._run, name="bagua-async-model-average", daemon=True)
-            self._thread.start()
-
-    # --- the thread -----------------------------------------------------------------------
-
-    def _run(self) -> None:
+    def _agree_to_stop(self, stop: bool) -> bool:
         device = self.context.device
-        flag = torch.zeros(1, dtype=torch.int32, device=device)
-        next_round = time.monotonic()
-        try:
-            if device.type == "cuda":
-                torch.cuda.set_device(device)
-            while True:
-                with self._cv:
-                    self._wait_for_round(next_round)
-                    stop = self._stop
-                    snapshot, self._snapshot, self._want_snapshot = self._snapshot, None, False
-                flag.fill_(int(stop))
-                # Every rank's thread reaches this allreduce once per round whatever its loop does,
-                # so all agree to stop before the same round and none is left waiting.
-                if int(self.comm.allreduce(flag, "max").item()):
-                    return
-                if isinstance(snapshot, tuple):
-                    snapshot, event = snapshot
-                    event.synchronize()
-                sums = [self.comm.allreduce(s, "sum") for s in snapshot]
-                if device.type == "cuda":
-                    torch.cuda.current_stream(device).synchronize()  # sums complete before they are handed over
-                with self._cv:
-                    self._result = (sums, snapshot)
-                    self._rounds += 1
-                next_round = time.monotonic() + self._interval
-        except Exception as error:  # noqa: BLE001 - handed to the training loop, which raises it
-            with self._cv:
-                self._error = error
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # the rounds' thread works on the model's device
+        flag = torch.full((1,), int(stop), dtype=torch.int32, device=device)
+        return bool(self.comm.allreduce(flag, "max").item())
 
-    def _wait_for_round(self, not_before: float) -> None:
-        """With ``_cv`` held: return once a stop is requested, or once the last result is applied,
-        ``not_before`` has passed and the training thread has handed over a snapshot."""
-        while not self._stop:
-            if self._result is not None:
-                self._cv.wait()
-                continue
-            remaining = not_before - time.monotonic()
-            if remaining > 0:
-                self._cv.wait(remaining)
-                continue
-            if self._snapshot is not None:
-                return
-            self._want_snapshot = True
-            self._cv.wait()
+    def _allreduce_sum(
+        self, snapshot: list[torch.Tensor] | tuple[list[torch.Tensor], torch.cuda.Event]
+    ) -> list[torch.Tensor]:
+        if isinstance(snapshot, tuple):
+            snapshot, event = snapshot
+            event.synchronize()
+        sums = [self.comm.allreduce(s, "sum") for s in snapshot]
+        if self.context.device.type == "cuda":
+            torch.cuda.current_stream(self.context.device).synchronize()  # sums complete before handed over
+        return sums
 
     # --- checkpoints and lifetime ---------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self._steps}
+        return {"steps": self._protocol.steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         steps = state.get("steps") if isinstance(state, dict) else None
         valid = isinstance(state, dict) and set(state) == {"steps"}
         if not valid or isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
             raise ValueError(f"async: the checkpoint must hold {{'steps': int >= 0}}, got {state!r}")
-        self._steps = steps
-        self._maybe_start()
+        self._protocol.restore_steps(steps)
 
     def close(self) -> None:
         try:

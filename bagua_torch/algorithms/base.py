@@ -59,16 +59,16 @@ Rules every implementation must keep:
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from bagua_common.topology import check_two_levels
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
-from bagua_torch.communicator import Communicator, Work
+from bagua_torch.communicator import Communicator, DoneWork, Work
+from bagua_torch.ordered_worker import OrderedWorker
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -109,11 +109,7 @@ class Communicators(NamedTuple):
         if not (hierarchical and self.hierarchical):
             return None
         assert self.intra is not None and self.inter is not None
-        if self.intra.size * self.inter.size != self.world.size:
-            raise ValueError(
-                f"{algorithm}: intra ({self.intra.size} ranks) x inter ({self.inter.size} ranks) must equal world "
-                f"({self.world.size} ranks)"
-            )
+        check_two_levels(self.intra.size, self.inter.size, self.world.size, algorithm)
         return self.intra, self.inter
 
 
@@ -169,42 +165,6 @@ class Algorithm:
         raise NotImplementedError(f"{type(self).__name__} must implement reify()")
 
 
-class DoneWork:
-    """A :class:`~bagua_torch.Work` that is already complete and returns ``result``."""
-
-    def __init__(self, result: torch.Tensor | None = None):
-        self._result = result
-
-    def wait(self) -> torch.Tensor | None:
-        return self._result
-
-    def is_completed(self) -> bool:
-        return True
-
-
-class _ThreadWork:
-    """The handle of a function running on an impl's worker thread (see :meth:`AlgorithmImpl.run_async`)."""
-
-    def __init__(self, future: concurrent.futures.Future, done: Any = None, device: torch.device | None = None):
-        self._future, self._done, self._device = future, done, device
-
-    def wait(self) -> Any:
-        result = self._future.result()  # re-raises the function's exception
-        if self._done is not None:
-            stream = torch.cuda.current_stream(self._device)
-            stream.wait_event(self._done)
-            if isinstance(result, torch.Tensor) and result.is_cuda:
-                result.record_stream(stream)  # allocated on the side stream, used on this one
-        return result
-
-    def is_completed(self) -> bool:
-        if not self._future.done():
-            return False
-        if self._done is None or self._future.exception() is not None:
-            return True
-        return bool(self._done.query())
-
-
 class AlgorithmImpl:
     """An algorithm running on one wrapped model; the wrapper calls its hooks (see the module docstring).
 
@@ -223,9 +183,7 @@ class AlgorithmImpl:
 
     def __init__(self, context: AlgorithmContext):
         self.context = context
-        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
-        self._stream: Any = None
-        self._executor_lock = threading.Lock()
+        self._worker = OrderedWorker(type(self).__name__, context.device)
 
     # --- conveniences ---------------------------------------------------------------
 
@@ -255,28 +213,7 @@ class AlgorithmImpl:
         waits for the submitting thread's current stream, and ``wait()`` makes the waiting
         thread's current stream wait for it (no host synchronization).
         """
-        with self._executor_lock:
-            if self._executor is None:
-                name = type(self).__name__
-                self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"bagua-{name}")
-        device = self.context.device
-        if device.type != "cuda":
-            return _ThreadWork(self._executor.submit(fn))
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(device)
-        stream = self._stream
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(device))
-        done = torch.cuda.Event()
-
-        def job() -> Any:
-            with torch.cuda.device(device), torch.cuda.stream(stream):
-                stream.wait_event(ready)
-                result = fn()
-                done.record(stream)
-                return result
-
-        return _ThreadWork(self._executor.submit(job), done, device)
+        return self._worker.submit(lambda stream: fn())
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -324,10 +261,7 @@ class AlgorithmImpl:
 
     def close(self) -> None:
         """Release threads and other resources (the wrapper's ``close()`` calls it). Idempotent."""
-        with self._executor_lock:
-            if self._executor is not None:
-                self._executor.shutdown(wait=True)
-                self._executor = None
+        self._worker.close()
 
 
 # ----------------------------------------------------------------------------- checks

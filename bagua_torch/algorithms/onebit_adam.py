@@ -2,7 +2,7 @@
 
 Beyond the original Bagua; DeepSpeed's 1-bit Adam (Tang et al., 2021) is the reference.
 The torch counterpart of :mod:`bagua_jax.algorithms.onebit_adam`, on the machinery of
-:mod:`bagua_torch.algorithms.q_adam`::
+:mod:`bagua_torch.algorithms.qadam`::
 
     opt = OneBitAdamOptimizer(model.parameters(), lr=1e-3, warmup_steps=100)
     model = bagua_torch.with_bagua(model, [opt], OneBitAdamAlgorithm(opt))
@@ -38,7 +38,7 @@ from typing import Any, ClassVar
 import torch
 
 from bagua_torch.algorithms.base import AlgorithmContext, Bucket, check_tensor_list
-from bagua_torch.algorithms.q_adam import (
+from bagua_torch.algorithms.qadam import (
     QAdamAlgorithm,
     QAdamImpl,
     _AdamWithAveragedMomentum,

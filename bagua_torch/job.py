@@ -2,8 +2,9 @@
 
 Reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` and Bagua's
-launcher set them; under ``mpiexec`` the rank and size may come from ``PMI_RANK`` /
-``PMI_SIZE`` and the node size from ``MPI_LOCALNRANKS``) or takes them as arguments,
+launcher set them; under ``mpiexec`` or ``srun`` the rank, size and node size may come
+from the MPI launcher's variables, read by :func:`bagua_launch.rank_env.mpi_rank_environment`)
+or takes them as arguments,
 initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) and builds the
 communicators the algorithms use:
 
@@ -29,14 +30,13 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm_timeout import timeout_seconds
+from bagua_launch.rank_env import mpi_rank_environment
 from bagua_torch.algorithms.base import Communicators
 from bagua_torch.communicator import (
     Communicator,
     NativeCommunicator,
     ProcessGroupCommunicator,
 )
-
-_MPI_ENV = ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MPI_LOCALNRANKS", "PMIX_RANK")
 
 
 @dataclass
@@ -82,23 +82,28 @@ class BaguaProcessGroup:
 _default: BaguaProcessGroup | None = None
 
 
-def _env_int(name: str, value: Any, *fallbacks: str) -> int | None:
+def _env_int(name: str, value: Any, key: str, mpi: dict[str, str]) -> int | None:
+    """``value`` if given, else the environment variable ``key``, else the MPI launcher's value of it."""
     if value is not None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"init_process_group: {name} must be an int, got {value!r}")
         return value
-    for key in fallbacks:
-        text = os.environ.get(key)
-        if text is not None and text.strip():
-            try:
-                return int(text)
-            except ValueError:
-                raise ValueError(f"init_process_group: environment variable {key}={text!r} is not an integer") from None
+    text = os.environ.get(key) or mpi.get(key)
+    if text is not None and text.strip():
+        try:
+            return int(text)
+        except ValueError:
+            raise ValueError(f"init_process_group: environment variable {key}={text!r} is not an integer") from None
     return None
 
 
-def _launched_by_mpi() -> bool:
-    return any(os.environ.get(key) for key in _MPI_ENV)
+def _mpi_environment() -> dict[str, str]:
+    """RANK, WORLD_SIZE and LOCAL_WORLD_SIZE from an MPI launcher's variables; empty outside one."""
+    try:
+        derived = mpi_rank_environment(os.environ)
+    except RuntimeError:  # not started by an MPI launcher
+        return {}
+    return {key: derived[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
 
 
 def init_process_group(
@@ -119,8 +124,8 @@ def init_process_group(
       is available, else gloo. With nccl the current CUDA device becomes ``local_rank``.
     * ``rank``, ``world_size``, ``local_rank``, ``local_world_size``, ``master_addr``,
       ``master_port``: default to the environment variables of the same names in upper case
-      (``local_world_size`` defaults to ``MPI_LOCALNRANKS`` or, failing that, ``world_size``:
-      one node).
+      (under an MPI launcher, its variables fill in ``rank``, ``world_size`` and
+      ``local_world_size``; ``local_world_size`` defaults to ``world_size``: one node).
     * ``timeout``: seconds (or a ``timedelta``) after which a collective that does not
       complete raises instead of hanging; default ``BAGUA_COMM_TIMEOUT`` or 300.
     * ``native``: None uses the native engine when available (MPI under ``mpiexec`` for
@@ -139,8 +144,9 @@ def init_process_group(
         raise TypeError(f"init_process_group: native must be None or a bool, got {native!r}")
     seconds = timeout_seconds(timeout)
 
-    rank = _env_int("rank", rank, "RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK")
-    world_size = _env_int("world_size", world_size, "WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+    mpi = _mpi_environment()
+    rank = _env_int("rank", rank, "RANK", mpi)
+    world_size = _env_int("world_size", world_size, "WORLD_SIZE", mpi)
     if rank is None or world_size is None:
         raise ValueError(
             "init_process_group: the rank and world size are unknown; set RANK and WORLD_SIZE (a launcher such as "
@@ -148,14 +154,14 @@ def init_process_group(
         )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"init_process_group: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    local_world_size = _env_int("local_world_size", local_world_size, "LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS")
+    local_world_size = _env_int("local_world_size", local_world_size, "LOCAL_WORLD_SIZE", mpi)
     local_world_size = world_size if local_world_size is None else local_world_size
     if local_world_size < 1 or world_size % local_world_size:
         raise ValueError(
             f"init_process_group: local_world_size={local_world_size} must divide world_size={world_size} "
             "(the same number of ranks on every node)"
         )
-    local_rank = _env_int("local_rank", local_rank, "LOCAL_RANK")
+    local_rank = _env_int("local_rank", local_rank, "LOCAL_RANK", {})
     expected_local = rank % local_world_size
     if local_rank is None:
         local_rank = expected_local
@@ -181,7 +187,7 @@ def init_process_group(
 
     info = build_info()
     engine = "nccl" if use_cuda else "mpi"
-    engine_ready = bool(info.get(engine)) and (use_cuda or _launched_by_mpi())
+    engine_ready = bool(info.get(engine)) and (use_cuda or bool(mpi))
     if native and not engine_ready:
         raise RuntimeError(
             f"init_process_group(native=True): the native {engine.upper()} engine is not usable here "
@@ -190,7 +196,7 @@ def init_process_group(
     use_native = engine_ready if native is None else native
 
     master_addr = master_addr if master_addr is not None else os.environ.get("MASTER_ADDR")
-    master_port = _env_int("master_port", master_port, "MASTER_PORT")
+    master_port = _env_int("master_port", master_port, "MASTER_PORT", {})
     store = None
     if dist.is_available() and dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):

@@ -1,0 +1,45 @@
+"""The native collective engines: loading one, and the reduction codes they take.
+
+The engines are separate extension modules (``_bagua_mpi``, ``_bagua_nccl``) so that the
+kernels never need libmpi or libnccl to import; both front ends load them here, so a
+missing engine is reported the same way from either.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from types import ModuleType
+
+from bagua_common.engine_exit import finalize_at_exit
+
+REDUCE_OP_CODES = {"sum": 0, "avg": 1, "min": 2, "max": 3}
+"""Reduction name -> the engines' ``ReduceOp`` code (the order of the native enum)."""
+
+ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
+"""Engine name -> its extension module."""
+
+
+@functools.cache
+def load_engine(kind: str) -> ModuleType:
+    """The engine module ``"mpi"`` or ``"nccl"``, imported once and finalized at exit.
+
+    Raises a ValueError for another name and a RuntimeError naming the fix when this build
+    of bagua has no such engine.
+    """
+    if kind not in ENGINE_MODULES:
+        raise ValueError(f"unknown engine {kind!r}; use 'mpi' or 'nccl'")
+    import _bagua_ffi
+
+    if not _bagua_ffi.build_info().get(kind):
+        raise RuntimeError(
+            f"bagua was built without the {kind.upper()} engine (see build_info()); "
+            + (
+                "install mpich and rebuild"
+                if kind == "mpi"
+                else "install NCCL and rebuild with CUDA"
+            )
+        )
+    module = importlib.import_module(ENGINE_MODULES[kind])
+    finalize_at_exit(module)
+    return module

@@ -1,0 +1,324 @@
+"""The communicator protocol over Bagua's native engines (MPI, NCCL) through DLPack."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from types import ModuleType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bagua_common.comm_timeout import timeout_seconds
+from bagua_common.engines import REDUCE_OP_CODES, load_engine
+from bagua_torch.communicator.base import CommunicatorBase
+from bagua_torch.communicator.protocol import (
+    CommunicationError,
+    DoneWork,
+    ReduceOp,
+    Work,
+)
+from bagua_torch.ordered_worker import OrderedWorker
+
+_ENGINE_DEVICES = {"mpi": "cpu", "nccl": "cuda"}
+_store_sequence = itertools.count()  # communicators created from a store, in call order
+
+
+class NativeCommunicator(CommunicatorBase):
+    """The communicator protocol over Bagua's native engines, through DLPack.
+
+    One communicator uses one engine: MPI for CPU tensors (:meth:`mpi_world`, under
+    ``mpiexec``) or NCCL for CUDA tensors (:meth:`from_store`). Collectives run on
+    one worker thread per communicator, so the asynchronous variants overlap with
+    the caller and every collective, sync or async, is issued in call order. CUDA
+    collectives run on a side stream that first waits for the caller's current
+    stream; ``wait()`` then orders the caller's current stream after them (no host
+    synchronization). Each collective completes or raises
+    :class:`CommunicationError` within ``timeout`` seconds, the message naming the
+    communicator, the operation and the rank; after such an error the communicator
+    is unusable. NCCL enqueues without waiting for the device, so a CUDA collective
+    that fails after being enqueued (its watchdog aborts the communicator at the
+    timeout) is reported by the next call on the communicator.
+    """
+
+    def __init__(self, handle: int, engine: str, timeout: float, name: str, device: torch.device | None = None):
+        """Wrap an engine ``handle`` (use :meth:`mpi_world`, :meth:`from_store` or :meth:`split`)."""
+        self._module = load_engine(engine)
+        self._engine_kind = engine
+        self._handle = int(handle)
+        self._rank = int(self._module.rank(self._handle))
+        self._size = int(self._module.size(self._handle))
+        self._name = name
+        self._kind = engine.upper()
+        self.timeout = float(timeout)
+        self._device_type = _ENGINE_DEVICES[engine]
+        self._device = device if device is not None else torch.device(self._device_type)
+        self._issue_lock = threading.Lock()
+        self._worker = OrderedWorker(name, self._device)
+        self._closed = False
+
+    # --- construction -------------------------------------------------------------
+
+    @classmethod
+    def mpi_world(cls, timeout: float | timedelta | None = None, name: str = "world") -> NativeCommunicator:
+        """All ranks of the MPI job (a duplicate of ``MPI_COMM_WORLD``), for CPU tensors.
+
+        Start the processes with ``mpiexec``; MPI is initialized on first use and
+        finalized at exit. ``timeout`` defaults to ``BAGUA_COMM_TIMEOUT`` or 300 seconds.
+        """
+        seconds = timeout_seconds(timeout)
+        handle = load_engine("mpi").world(name, seconds)
+        return cls(handle, "mpi", seconds, name)
+
+    @classmethod
+    def from_store(
+        cls,
+        store: dist.Store,
+        rank: int,
+        size: int,
+        timeout: float | timedelta | None = None,
+        name: str = "world",
+        device: torch.device | int | None = None,
+    ) -> NativeCommunicator:
+        """An NCCL communicator of ``size`` processes, for CUDA tensors on ``device``.
+
+        Rank 0 creates the NCCL unique id and puts it in ``store`` (a
+        ``torch.distributed`` Store, e.g. ``dist.TCPStore`` or the default group's);
+        the other ranks wait for it there. Every process must call it, in the same
+        order relative to other ``from_store`` calls on the same store. ``device``
+        defaults to the current CUDA device.
+        """
+        rank, size = int(rank), int(size)
+        if not 0 <= rank < size:
+            raise ValueError(f"rank {rank} is not in [0, {size})")
+        seconds = timeout_seconds(timeout)
+        nccl = load_engine("nccl")
+        cuda = cls._cuda_device(device)
+        key = f"bagua/nccl/{name}/{next(_store_sequence)}"
+        unique_id = cls._share_unique_id(store, key, rank == 0, nccl, seconds)
+        try:
+            handle = nccl.create(unique_id, rank, size, name, seconds, cuda.index)
+        except RuntimeError as error:
+            raise CommunicationError(
+                f"NCCL create of communicator '{name}' (rank {rank} of {size}): {str(error).removeprefix('bagua ')}"
+            ) from error
+        return cls(handle, "nccl", seconds, name, cuda)
+
+    @staticmethod
+    def _cuda_device(device: torch.device | int | None) -> torch.device:
+        if not torch.cuda.is_available():
+            raise RuntimeError("the NCCL engine needs a CUDA device, and torch sees none")
+        if device is None:
+            return torch.device("cuda", torch.cuda.current_device())
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+        if device.type != "cuda":
+            raise ValueError(f"the NCCL engine communicates CUDA tensors; device {device} is not a CUDA device")
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+    @staticmethod
+    def _share_unique_id(store: Any, key: str, leader: bool, nccl: ModuleType, timeout: float) -> bytes:
+        if leader:
+            unique_id = bytes(nccl.unique_id())
+            store.set(key, unique_id)
+            return unique_id
+        try:
+            store.wait([key], timedelta(seconds=timeout))
+        except Exception as error:
+            raise CommunicationError(
+                f"NCCL setup of communicator at store key '{key}': the unique id from the leader rank did "
+                f"not arrive within {timeout} s: {error}"
+            ) from error
+        return bytes(store.get(key))
+
+    def split(self, color: int, key: int, name: str | None = None) -> NativeCommunicator:
+        """The ranks with the same ``color`` (>= 0), ordered by ``key`` (ties by rank).
+
+        Every rank of this communicator must call it, in the same order as its
+        collectives (it runs on the worker thread behind any queued collective). The
+        child has this communicator's engine, device and timeout; ``name`` defaults
+        to ``"<parent name>/<color>"``.
+        """
+        color, key = int(color), int(key)
+        if color < 0:
+            raise ValueError(f"split: color must be non-negative, got {color}")
+        name = name if name is not None else f"{self._name}/{color}"
+
+        def split() -> int:
+            try:
+                return self._module.split(self._handle, color, key, name)
+            except RuntimeError as error:
+                raise CommunicationError(f"{self._where('split')}: {error}") from error
+
+        handle = self._run_ordered(split)
+        return NativeCommunicator(handle, self._engine_kind, self.timeout, name, self._device)
+
+    def close(self) -> None:
+        """Wait for queued collectives, stop the worker thread and release the engine handle."""
+        if self._closed:
+            return
+        self._closed = True
+        self._worker.close()
+        self._module.destroy(self._handle)
+
+    def __enter__(self) -> NativeCommunicator:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    @property
+    def engine(self) -> str:
+        """The engine, ``"mpi"`` or ``"nccl"``."""
+        return self._engine_kind
+
+    @property
+    def handle(self) -> int:
+        """The engine's integer handle of this communicator."""
+        return self._handle
+
+    # --- issuing ------------------------------------------------------------------
+
+    def _check_device(self, op: str, x: torch.Tensor) -> None:
+        if x.device.type != self._device_type:
+            raise ValueError(
+                f"{op}: communicator '{self._name}' uses the {self._kind} engine, which communicates "
+                f"{self._device_type.upper()} tensors; got a tensor on {x.device}"
+            )
+        if self._device_type == "cuda" and x.device != self._device:
+            raise ValueError(f"{op}: communicator '{self._name}' lives on {self._device}; got a tensor on {x.device}")
+
+    def _run_ordered(self, call: Callable[[], Any]) -> Any:
+        """Run ``call`` on the worker thread after every collective issued so far."""
+        with self._issue_lock:
+            if self._closed:
+                raise RuntimeError(f"communicator '{self._name}' is closed")
+            work = self._worker.submit(lambda stream: call())
+        return work.wait()
+
+    def _submit(
+        self,
+        op: str,
+        call: Callable[[int], None],
+        result: torch.Tensor | None,
+        tensors: Sequence[torch.Tensor] = (),
+        finish: Callable[[], None] | None = None,
+    ) -> Work:
+        """Queue ``call(stream)`` on the worker thread; ``finish`` runs there afterwards."""
+        where = self._where(op)
+
+        def translate(error: RuntimeError) -> CommunicationError:
+            text = str(error).removeprefix("bagua ")
+            return CommunicationError(text if f"'{self._name}'" in text else f"{where}: {text}")
+
+        with self._issue_lock:
+            if self._closed:
+                raise RuntimeError(f"{where}: the communicator is closed")
+
+            def run(stream: int) -> torch.Tensor | None:
+                try:
+                    call(stream)
+                except RuntimeError as error:
+                    raise translate(error) from error
+                if finish is not None:
+                    finish()
+                return result
+
+            return self._worker.submit(run, tensors)
+
+    def _empty(self, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)
+
+    # --- the collectives ----------------------------------------------------------
+
+    def allreduce_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`allreduce`; ``wait()`` returns its result."""
+        x = self._tensor("allreduce", x)
+        code = REDUCE_OP_CODES[self._reduce_op("allreduce", op, x)]
+        out = self._empty(x.shape, x)
+        m, h = self._module, self._handle
+        return self._submit("allreduce", lambda s: m.allreduce(h, x, out, code, s), out, (x, out))
+
+    def reduce_async(self, x: torch.Tensor, root: int, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`reduce`; ``wait()`` returns its result."""
+        x = self._tensor("reduce", x)
+        code = REDUCE_OP_CODES[self._reduce_op("reduce", op, x)]
+        root = self._root("reduce", root)
+        out = self._empty(x.shape, x)
+        m, h = self._module, self._handle
+        finish = out.zero_ if self._rank != root else None
+        return self._submit("reduce", lambda s: m.reduce(h, x, out, code, root, s), out, (x, out), finish)
+
+    def broadcast_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`broadcast`; ``wait()`` returns its result."""
+        x = self._tensor("broadcast", x)
+        root = self._root("broadcast", root)
+        out = x.clone()
+        m, h = self._module, self._handle
+        return self._submit("broadcast", lambda s: m.broadcast(h, out, root, s), out, (out,))
+
+    def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`reduce_scatter`; ``wait()`` returns its result."""
+        x = self._rows("reduce_scatter", self._tensor("reduce_scatter", x))
+        code = REDUCE_OP_CODES[self._reduce_op("reduce_scatter", op, x)]
+        out = self._empty(x.shape[1:], x)
+        m, h = self._module, self._handle
+        return self._submit("reduce_scatter", lambda s: m.reduce_scatter(h, x, out, code, s), out, (x, out))
+
+    def allgather_async(self, x: torch.Tensor) -> Work:
+        """Issue :meth:`allgather`; ``wait()`` returns its result."""
+        x = self._tensor("allgather", x)
+        out = self._empty((self._size, *x.shape), x)
+        m, h = self._module, self._handle
+        return self._submit("allgather", lambda s: m.allgather(h, x, out, s), out, (x, out))
+
+    def gather_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`gather`; ``wait()`` returns its result."""
+        x = self._tensor("gather", x)
+        root = self._root("gather", root)
+        out = self._empty((self._size, *x.shape), x)
+        m, h = self._module, self._handle
+        finish = out.zero_ if self._rank != root else None
+        return self._submit("gather", lambda s: m.gather(h, x, out, root, s), out, (x, out), finish)
+
+    def scatter_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`scatter`; ``wait()`` returns its result."""
+        x = self._rows("scatter", self._tensor("scatter", x))
+        root = self._root("scatter", root)
+        out = self._empty(x.shape[1:], x)
+        m, h = self._module, self._handle
+        return self._submit("scatter", lambda s: m.scatter(h, x, out, root, s), out, (x, out))
+
+    def alltoall_async(self, x: torch.Tensor) -> Work:
+        """Issue :meth:`alltoall`; ``wait()`` returns its result."""
+        x = self._rows("alltoall", self._tensor("alltoall", x))
+        out = self._empty(x.shape, x)
+        m, h = self._module, self._handle
+        return self._submit("alltoall", lambda s: m.alltoall(h, x, out, s), out, (x, out))
+
+    def alltoall_v_async(
+        self, x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], out_size: int
+    ) -> Work:
+        """Issue :meth:`alltoall_v`; ``wait()`` returns its result."""
+        x = self._tensor("alltoall_v", x)
+        send, recv, out_size = self._counts(x, send_counts, recv_counts, out_size)
+        out = torch.zeros(out_size, dtype=x.dtype, device=x.device)
+        m, h = self._module, self._handle
+        return self._submit("alltoall_v", lambda s: m.alltoall_v(h, x, send, out, recv, s), out, (x, out))
+
+    def send_recv_async(self, x: torch.Tensor, peers: Sequence[int]) -> Work:
+        """Issue :meth:`send_recv`; ``wait()`` returns its result."""
+        x = self._tensor("send_recv", x)
+        peers = self._peers(peers)
+        out = self._empty((len(peers), *x.shape), x)
+        if not peers:
+            return DoneWork(out)
+        m, h = self._module, self._handle
+        return self._submit("send_recv", lambda s: m.send_recv(h, x, out, peers, s), out, (x, out))
+
+    def barrier_async(self) -> Work:
+        """Issue :meth:`barrier`; ``wait()`` returns ``None``."""
+        m, h = self._module, self._handle
+        return self._submit("barrier", lambda s: m.barrier(h, s), None)

@@ -1,0 +1,302 @@
+"""The communicator protocol over a ``torch.distributed`` process group (gloo, nccl)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bagua_common.comm_timeout import timeout_seconds
+from bagua_torch.communicator.base import CommunicatorBase
+from bagua_torch.communicator.protocol import (
+    CommunicationError,
+    DoneWork,
+    ReduceOp,
+    Work,
+)
+
+# torch 2.13 renamed the one-tensor collectives and deprecated the old names (a FutureWarning
+# on every call); the oldest torch supported has only the old names.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _torch_op(op: str) -> Any:
+    return {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
+
+
+class _TorchWork:
+    """Wraps the ``torch.distributed`` work objects of one collective."""
+
+    def __init__(
+        self,
+        comm: ProcessGroupCommunicator,
+        op: str,
+        works: list[Any],
+        result: torch.Tensor | None,
+        finish: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None,
+    ):
+        self._comm, self._op, self._works = comm, op, works
+        self._result, self._finish = result, finish
+        self._done = False
+
+    def wait(self) -> torch.Tensor | None:
+        if not self._done:
+            timeout = timedelta(seconds=self._comm.timeout)
+            for work in self._works:
+                self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
+            if self._finish is not None:
+                self._result = self._finish(self._result)
+            self._done = True
+        return self._result
+
+    def is_completed(self) -> bool:
+        return self._done or all(work.is_completed() for work in self._works)
+
+
+class ProcessGroupCommunicator(CommunicatorBase):
+    """The communicator protocol over a ``torch.distributed`` process group.
+
+    ``group`` is a process group (default: the world group of an initialized
+    ``torch.distributed``); gloo communicates CPU tensors, nccl CUDA tensors. The
+    asynchronous variants use ``async_op=True`` and return at once. ``wait()`` waits
+    at most ``timeout`` seconds (default ``BAGUA_COMM_TIMEOUT`` or 300) and turns any failure
+    (a dead peer, a timeout) into :class:`CommunicationError` naming the
+    communicator, the operation and the rank; the process group's own timeout
+    (``init_process_group(timeout=...)``) bounds the operation as well. Emulations:
+    ``avg`` is a sum divided by the rank count on every backend but nccl (which has a
+    native average); ``reduce_scatter`` falls back to an allreduce followed by taking
+    this rank's row on backends without ``reduce_scatter_tensor`` (older gloo), which
+    moves ``size`` times the data; ``reduce`` and ``gather`` zero the result off the
+    root, and ``alltoall_v`` pads it with zeros, as the protocol requires.
+    """
+
+    def __init__(
+        self,
+        group: dist.ProcessGroup | None = None,
+        timeout: float | timedelta | None = None,
+        name: str | None = None,
+    ):
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(
+                "ProcessGroupCommunicator needs torch.distributed; call dist.init_process_group() first"
+            )
+        self._group = group
+        self._backend = str(dist.get_backend(group))
+        self._rank = dist.get_rank(group)
+        if self._rank < 0:
+            raise ValueError("this process is not a member of the given process group")
+        self._size = dist.get_world_size(group)
+        if name is None:
+            name = "world" if group is None else f"group {getattr(group, 'group_name', '') or id(group)}"
+        self._name = name
+        self._kind = f"torch.distributed {self._backend}"
+        self.timeout = timeout_seconds(timeout)
+        # None: unknown, found out on the first reduce_scatter.
+        self._has_reduce_scatter: bool | None = None
+        self._native_avg = self._backend == "nccl"
+
+    @property
+    def group(self) -> dist.ProcessGroup | None:
+        """The process group (``None`` for the default world group)."""
+        return self._group
+
+    @property
+    def backend(self) -> str:
+        """The process group's backend, e.g. ``"gloo"`` or ``"nccl"``."""
+        return self._backend
+
+    def _check_device(self, op: str, x: torch.Tensor) -> None:
+        if self._backend == "nccl" and not x.is_cuda:
+            raise ValueError(f"{op}: the nccl backend communicates CUDA tensors, got a {x.device} tensor")
+        if self._backend == "gloo" and x.device.type != "cpu":
+            raise ValueError(f"{op}: this communicator's gloo backend is used for CPU tensors, got {x.device}")
+
+    def _global(self, rank: int) -> int:
+        return rank if self._group is None else dist.get_global_rank(self._group, rank)
+
+    def _guard(self, op: str, call: Callable[[], Any], waiting: bool = False) -> Any:
+        try:
+            return call()
+        except RuntimeError as error:  # DistBackendError, gloo and timeout errors
+            note = (
+                f" (waited at most {self.timeout:g} s; a peer may have died or not entered the same collective)"
+                if waiting
+                else ""
+            )
+            raise CommunicationError(f"{self._where(op)} failed{note}: {error}") from error
+
+    def _issue(self, op: str, call: Callable[[], Any], result: torch.Tensor | None, finish=None) -> _TorchWork:
+        work = self._guard(op, call)
+        works = work if isinstance(work, list) else [work]
+        return _TorchWork(self, op, [w for w in works if w is not None], result, finish)
+
+    def _sum_op(self, op: str):
+        if op == "avg":
+            return dist.ReduceOp.AVG if self._native_avg else dist.ReduceOp.SUM
+        return _torch_op(op)
+
+    def _average(self, op: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        if op == "avg" and not self._native_avg:
+            return lambda t: t.div_(self._size)
+        return None
+
+    def allreduce_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`allreduce`; ``wait()`` returns its result."""
+        x = self._tensor("allreduce", x)
+        op = self._reduce_op("allreduce", op, x)
+        out = x.clone()
+        return self._issue(
+            "allreduce",
+            lambda: dist.all_reduce(out, op=self._sum_op(op), group=self._group, async_op=True),
+            out,
+            self._average(op),
+        )
+
+    def reduce_async(self, x: torch.Tensor, root: int, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`reduce`; ``wait()`` returns its result."""
+        x = self._tensor("reduce", x)
+        op = self._reduce_op("reduce", op, x)
+        root = self._root("reduce", root)
+        out = x.clone()
+        average = self._average(op)
+
+        def finish(t: torch.Tensor) -> torch.Tensor:
+            if self._rank != root:
+                return t.zero_()  # torch leaves partial sums off the root
+            return average(t) if average else t
+
+        return self._issue(
+            "reduce",
+            lambda: dist.reduce(out, self._global(root), op=self._sum_op(op), group=self._group, async_op=True),
+            out,
+            finish,
+        )
+
+    def broadcast_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`broadcast`; ``wait()`` returns its result."""
+        x = self._tensor("broadcast", x)
+        root = self._root("broadcast", root)
+        out = x.clone()
+        return self._issue(
+            "broadcast", lambda: dist.broadcast(out, self._global(root), group=self._group, async_op=True), out
+        )
+
+    def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`reduce_scatter`; ``wait()`` returns its result.
+
+        Uses ``reduce_scatter_single`` where the backend has it, otherwise an allreduce
+        of the whole tensor followed by taking row ``rank`` (same result, ``size``
+        times the traffic).
+        """
+        x = self._rows("reduce_scatter", self._tensor("reduce_scatter", x))
+        op = self._reduce_op("reduce_scatter", op, x)
+        average = self._average(op)
+        if self._has_reduce_scatter is not False:
+            out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+            try:
+                work = _reduce_scatter_single(
+                    out.view(-1), x.view(-1), op=self._sum_op(op), group=self._group, async_op=True
+                )
+                self._has_reduce_scatter = True
+                return _TorchWork(self, "reduce_scatter", [work], out, average)
+            except RuntimeError as error:
+                text = str(error).lower()
+                unsupported = "support" in text or "not implemented" in text
+                if self._has_reduce_scatter or not unsupported:
+                    raise CommunicationError(f"{self._where('reduce_scatter')} failed: {error}") from error
+                self._has_reduce_scatter = False  # every rank runs the same backend: all fall back
+        full = x.clone()
+
+        def finish(t: torch.Tensor) -> torch.Tensor:
+            row = t[self._rank].clone()
+            return average(row) if average else row
+
+        return self._issue(
+            "reduce_scatter",
+            lambda: dist.all_reduce(full, op=self._sum_op(op), group=self._group, async_op=True),
+            full,
+            finish,
+        )
+
+    def allgather_async(self, x: torch.Tensor) -> Work:
+        """Issue :meth:`allgather`; ``wait()`` returns its result."""
+        x = self._tensor("allgather", x)
+        out = torch.empty((self._size, *x.shape), dtype=x.dtype, device=x.device)
+        return self._issue(
+            "allgather",
+            lambda: _all_gather_single(out.view(-1), x.view(-1), group=self._group, async_op=True),
+            out,
+        )
+
+    def gather_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`gather`; ``wait()`` returns its result."""
+        x = self._tensor("gather", x)
+        root = self._root("gather", root)
+        out = torch.zeros((self._size, *x.shape), dtype=x.dtype, device=x.device)
+        rows = list(out.unbind(0)) if self._rank == root else None
+        return self._issue(
+            "gather",
+            lambda: dist.gather(x, rows, dst=self._global(root), group=self._group, async_op=True),
+            out,
+        )
+
+    def scatter_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`scatter`; ``wait()`` returns its result."""
+        x = self._rows("scatter", self._tensor("scatter", x))
+        root = self._root("scatter", root)
+        out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+        rows = list(x.unbind(0)) if self._rank == root else None
+        return self._issue(
+            "scatter",
+            lambda: dist.scatter(out, rows, src=self._global(root), group=self._group, async_op=True),
+            out,
+        )
+
+    def alltoall_async(self, x: torch.Tensor) -> Work:
+        """Issue :meth:`alltoall`; ``wait()`` returns its result."""
+        x = self._rows("alltoall", self._tensor("alltoall", x))
+        out = torch.empty_like(x)
+        return self._issue(
+            "alltoall",
+            lambda: dist.all_to_all_single(out, x, group=self._group, async_op=True),
+            out,
+        )
+
+    def alltoall_v_async(
+        self, x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], out_size: int
+    ) -> Work:
+        """Issue :meth:`alltoall_v`; ``wait()`` returns its result."""
+        x = self._tensor("alltoall_v", x)
+        send, recv, out_size = self._counts(x, send_counts, recv_counts, out_size)
+        out = torch.zeros(out_size, dtype=x.dtype, device=x.device)
+        return self._issue(
+            "alltoall_v",
+            lambda: dist.all_to_all_single(
+                out[: sum(recv)], x[: sum(send)], output_split_sizes=recv, input_split_sizes=send,
+                group=self._group, async_op=True,
+            ),
+            out,
+        )
+
+    def send_recv_async(self, x: torch.Tensor, peers: Sequence[int]) -> Work:
+        """Issue :meth:`send_recv` (one batch of point-to-point operations); ``wait()`` returns its result."""
+        x = self._tensor("send_recv", x)
+        peers = self._peers(peers)
+        out = torch.empty((len(peers), *x.shape), dtype=x.dtype, device=x.device)
+        if not peers:
+            return DoneWork(out)
+        ops = []
+        for i, peer in enumerate(peers):
+            # The i-th exchange with a given peer uses tag i on both sides (repeated peers pair in order).
+            tag = peers[:i].count(peer)
+            ops.append(dist.P2POp(dist.irecv, out[i], self._global(peer), self._group, tag))
+            ops.append(dist.P2POp(dist.isend, x, self._global(peer), self._group, tag))
+        return self._issue("send_recv", lambda: dist.batch_isend_irecv(ops), out)
+
+    def barrier_async(self) -> Work:
+        """Issue :meth:`barrier`; ``wait()`` returns ``None``."""
+        return self._issue("barrier", lambda: dist.barrier(group=self._group, async_op=True), None)

@@ -1,0 +1,96 @@
+"""One worker thread that runs jobs in submission order, on a side CUDA stream for CUDA devices.
+
+The native communicator issues its collectives through one, and each algorithm impl runs
+its multi-stage pipelines through another (:meth:`~bagua_torch.algorithms.AlgorithmImpl.run_async`):
+jobs of one worker never overlap, so the collectives they issue keep every rank's order.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+
+class WorkerWork:
+    """The handle of one job of :meth:`OrderedWorker.submit` (a :class:`~bagua_torch.Work`)."""
+
+    def __init__(
+        self,
+        future: concurrent.futures.Future,
+        done: Any = None,
+        device: torch.device | None = None,
+    ):
+        self._future, self._done, self._device = future, done, device
+
+    def wait(self) -> Any:
+        """The job's return value (or its exception); a CUDA caller's stream waits for the job."""
+        result = self._future.result()
+        if self._done is not None:
+            stream = torch.cuda.current_stream(self._device)
+            stream.wait_event(self._done)
+            if isinstance(result, torch.Tensor) and result.is_cuda:
+                result.record_stream(stream)  # made on the side stream, used on this one
+        return result
+
+    def is_completed(self) -> bool:
+        """Whether the job (and on CUDA its stream work) has finished."""
+        if not self._future.done():
+            return False
+        if self._done is None or self._future.exception() is not None:
+            return True
+        return bool(self._done.query())
+
+
+class OrderedWorker:
+    """Jobs run one after another on one thread, in submission order; ``name`` names the thread.
+
+    For a CUDA ``device`` a job runs on the worker's side stream, after everything the
+    submitting thread had queued on its current stream; the thread starts on first use.
+    """
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self._name, self._device = name, device
+        self._lock = threading.Lock()
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None
+        self._stream: Any = None
+
+    def submit(self, job: Callable[[int], Any], tensors: Sequence[torch.Tensor] = ()) -> WorkerWork:
+        """Queue ``job(stream)``: ``stream`` is the side stream's handle on CUDA, 0 otherwise.
+
+        ``tensors`` (CUDA) are used by the job on the side stream: their memory is kept until
+        the job's stream work is done.
+        """
+        with self._lock:
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"bagua-{self._name}"
+                )
+            if self._device.type != "cuda":
+                return WorkerWork(self._executor.submit(job, 0))
+            if self._stream is None:
+                self._stream = torch.cuda.Stream(self._device)
+            stream, device = self._stream, self._device
+            ready, done = torch.cuda.Event(), torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+            for t in tensors:
+                t.record_stream(stream)
+
+            def on_stream() -> Any:
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    result = job(stream.cuda_stream)
+                    done.record(stream)
+                    return result
+
+            return WorkerWork(self._executor.submit(on_stream), done, device)
+
+    def close(self) -> None:
+        """Wait for the queued jobs and stop the thread (idempotent; a later job restarts it)."""
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
