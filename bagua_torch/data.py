@@ -19,7 +19,7 @@ from torch.utils.data import Sampler
 
 from bagua_common.balanced_plan import BalancedPlan, EpochPlan
 from bagua_common.cached_dataset import CachedDataset, CacheLoader
-from bagua_torch import process_group
+from bagua_torch import job
 
 __all__ = [
     "BalancedBatchSampler",
@@ -31,8 +31,8 @@ __all__ = [
 
 def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
     if num_replicas is None or rank is None:
-        if process_group.is_initialized():
-            group = process_group.get_process_group()
+        if job.is_initialized():
+            group = job.get_process_group()
             size, mine = group.size, group.rank
         elif torch.distributed.is_available() and torch.distributed.is_initialized():
             size, mine = (
