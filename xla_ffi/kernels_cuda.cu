@@ -75,6 +75,17 @@ int grid_size(int64_t work_blocks, int64_t resident) {
   return static_cast<int>(std::clamp<int64_t>(work_blocks, 1, resident));
 }
 
+// Enqueues `kernel` on `stream` with kThreads threads per block. Without nvcc,
+// the tests' CPU execution shim (tests/cuda_shim) runs it on the host instead.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), int grid, cudaStream_t stream, Args&&... args) {
+#if defined(__CUDACC__)
+  kernel<<<grid, kThreads, 0, stream>>>(std::forward<Args>(args)...);
+#else
+  cuda_shim::launch(kernel, grid, kThreads, stream, std::forward<Args>(args)...);
+#endif
+}
+
 Status launch_status() {
   const cudaError_t error = cudaGetLastError();
   if (error == cudaSuccess) return {};
@@ -159,14 +170,23 @@ __device__ void load_slot(const T* p, int count, float* v) {
 
 // A plain vector store, in PTX because the compiler splits a C++ one when it
 // merges it with the scalar stores of the fallback path.
+// Host compilers (the tests' CPU shim) take the plain store.
 __device__ void store_vector(uint4* p, uint4 v) {
+#if defined(__CUDA_ARCH__)
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
                :
                : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
+#else
+  *p = v;
+#endif
 }
 __device__ void store_vector(uint2* p, uint2 v) {
+#if defined(__CUDA_ARCH__)
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" : : "l"(p), "r"(v.x), "r"(v.y) : "memory");
+#else
+  *p = v;
+#endif
 }
 
 template <int V, typename T>
@@ -643,14 +663,14 @@ Status compress(Cuda device, const Chunking& chunking, const Source<T>& src, uin
   const int64_t resident = std::min(resident_blocks(info, stats), resident_blocks(info, encode));
   const int64_t batch = chunks_per_batch(info, chunking, sizeof(T) + (src.residual ? 4 : 0));
   const int header_grid = grid_size(ceil_div(chunking.k, kThreads), resident);
-  init_kernel<Stats><<<header_grid, kThreads, 0, stream>>>(chunking, out);
+  launch(init_kernel<Stats>, header_grid, stream, chunking, out);
   for (int64_t first = 0; first < chunking.k; first += batch) {
     const Tiles tiles = make_tiles(chunking, first, std::min(batch, chunking.k - first), resident);
     const int tile_grid = grid_size(tiles.count(), resident);
-    stats<<<tile_grid, kThreads, 0, stream>>>(src, tiles, out);
-    encode<<<tile_grid, kThreads, 0, stream>>>(src, tiles, out, residual_out);
+    launch(stats, tile_grid, stream, src, tiles, out);
+    launch(encode, tile_grid, stream, src, tiles, out, residual_out);
   }
-  finalize_kernel<Stats><<<header_grid, kThreads, 0, stream>>>(chunking, out);
+  launch(finalize_kernel<Stats>, header_grid, stream, chunking, out);
   return launch_status();
 }
 
@@ -670,7 +690,7 @@ Status decompress(Cuda device, const Chunking& chunking, const uint8_t* in, T* o
   const auto decode = decode_kernel<Decoder, V, T>;
   const int64_t resident = resident_blocks(device_info(), decode);
   const Tiles tiles = make_tiles(chunking, 0, chunking.k, resident);
-  decode<<<grid_size(tiles.count(), resident), kThreads, 0, stream_of(device)>>>(in, tiles, out);
+  launch(decode, grid_size(tiles.count(), resident), stream_of(device), in, tiles, out);
   return launch_status();
 }
 
@@ -691,7 +711,7 @@ Status decompress_reduce(Cuda device, Format format, const uint8_t* in, int64_t 
   const auto reduce = decode_reduce_kernel<Decoder, T>;
   const int grid =
       grid_size(ceil_div(m, int64_t{kStep} * kWarps), resident_blocks(device_info(), reduce));
-  reduce<<<grid, kThreads, 0, stream_of(device)>>>(in, m, k, slot_bytes(format, m), average, out);
+  launch(reduce, grid, stream_of(device), in, m, k, slot_bytes(format, m), average, out);
   return launch_status();
 }
 
@@ -734,7 +754,7 @@ Status elementwise(Cuda device, int64_t n, T* out, F f, const In*... in) {
   const auto kernel = elementwise_kernel<T, N, F>;
   const int grid =
       grid_size(ceil_div(n, int64_t{kStep} * kWarps), resident_blocks(device_info(), kernel));
-  kernel<<<grid, kThreads, 0, stream_of(device)>>>(Inputs<T, N>{{in...}}, n, out, f);
+  launch(kernel, grid, stream_of(device), Inputs<T, N>{{in...}}, n, out, f);
   return launch_status();
 }
 
