@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda_geometry.h"
 #include "kernels.h"
 #include "layout.h"
 #include "numerics.h"
@@ -37,21 +38,14 @@
 namespace bagua::kernels {
 namespace {
 
-constexpr int kThreads = 256;  // threads per block; block_reduce relies on it
-constexpr int kWarps = kThreads / 32;
-constexpr int kPerLane = 8;             // elements a lane holds per step
-constexpr int kStep = 32 * kPerLane;    // elements a warp handles per step
+using namespace cuda_geometry;
+
 constexpr uint32_t kFullMask = 0xffffffffu;
 
 cudaStream_t stream_of(Cuda device) { return static_cast<cudaStream_t>(device.stream); }
 
 // The current device's SM count and L2 size. A failed query leaves its error
 // for launch_status to report.
-struct DeviceInfo {
-  int sms = 0;
-  int l2_bytes = 0;
-};
-
 DeviceInfo device_info() {
   DeviceInfo info;
   int device = 0;
@@ -69,10 +63,6 @@ int64_t resident_blocks(const DeviceInfo& info, Kernel kernel) {
   int per_sm = 0;
   cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, 0);
   return int64_t{std::max(info.sms, 1)} * std::max(per_sm, 1);
-}
-
-int grid_size(int64_t work_blocks, int64_t resident) {
-  return static_cast<int>(std::clamp<int64_t>(work_blocks, 1, resident));
 }
 
 // Enqueues `kernel` on `stream` with kThreads threads per block. Without nvcc,
@@ -249,31 +239,7 @@ struct Source {
   }
 };
 
-// ---- Tiles: (chunk, segment) pairs -----------------------------------------
-
-// Chunks [first_chunk, first_chunk + chunks) are each cut into per_chunk tiles
-// of tile_steps warp steps; tile t is segment t % per_chunk of chunk
-// first_chunk + t / per_chunk. A tile never spans two chunks, so a block
-// reduces it and updates one header.
-struct Tiles {
-  Chunking chunking;
-  int64_t first_chunk;
-  int64_t chunks;
-  int64_t per_chunk;
-  int64_t tile_steps;
-
-  BAGUA_HD int64_t count() const { return chunks * per_chunk; }
-};
-
-// At most one tile per resident block (tiles are equal, so a second round
-// would double the time), and at least one step per warp in a tile.
-Tiles make_tiles(const Chunking& chunking, int64_t first_chunk, int64_t chunks, int64_t resident) {
-  const int64_t steps = ceil_div(chunking.chunk_elements(), kStep);
-  const int64_t per_chunk =
-      std::max<int64_t>(1, std::min(resident / chunks, ceil_div(steps, kWarps)));
-  const int64_t tile_steps = std::max<int64_t>(1, ceil_div(steps, per_chunk));
-  return {chunking, first_chunk, chunks, per_chunk, tile_steps};
-}
+// ---- Tiles: (chunk, segment) pairs (see cuda_geometry.h) ---------------------
 
 struct Tile {
   int64_t first;    // global index of the chunk's first element
@@ -641,15 +607,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- Host drivers -----------------------------------------------------------
-
-// How many chunks a stats + encode batch covers: as many as fit in half the L2
-// cache, so that encode rereads them from it. A chunk that does not fit in the
-// cache gains nothing from batching; then one batch takes all chunks.
-int64_t chunks_per_batch(const DeviceInfo& info, const Chunking& chunking, int64_t element_bytes) {
-  const int64_t chunk_bytes = chunking.chunk_elements() * element_bytes;
-  if (chunk_bytes == 0 || 4 * chunk_bytes > 3 * int64_t{info.l2_bytes}) return chunking.k;
-  return std::clamp<int64_t>(info.l2_bytes / 2 / chunk_bytes, 1, chunking.k);
-}
 
 template <typename Encoder, int V, typename T>
 Status compress(Cuda device, const Chunking& chunking, const Source<T>& src, uint8_t* out,
