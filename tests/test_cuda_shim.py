@@ -4,7 +4,6 @@ import os
 import re
 import subprocess
 
-import pytest
 from cuda_shim_build import build_kernel_suite
 
 # Generous: the suite takes about a minute on an idle 2-core machine.
@@ -13,7 +12,12 @@ TIMEOUT_S = 900
 
 def _run(exe, *args, env=None):
     result = subprocess.run(
-        [str(exe), *args], capture_output=True, text=True, timeout=TIMEOUT_S, env=env
+        [str(exe), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
     )
     summary = re.search(r"(\d+) passed, (\d+) failed", result.stdout)
     assert result.returncode == 0 and summary, (
