@@ -87,3 +87,20 @@ def build_geometry_test(out_dir: Path) -> Path:
         check=True,
     )
     return exe
+
+
+def build_nccl_engine_test(out_dir: Path) -> Path:
+    """Compile xla_ffi/nccl_communicator.cc against the fake NCCL (tests/fake_nccl) and the
+    shim's host streams, with its test, under ThreadSanitizer."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    fake = ROOT / "tests" / "fake_nccl"
+    exe = out_dir / "nccl_engine_test"
+    sources = [
+        KERNELS / "nccl_communicator.cc",
+        fake / "fake_nccl.cc",
+        SHIM / "host_stream.cc",
+        fake / "engine_test.cc",
+    ]
+    command = ["g++", *_FLAGS, f"-I{fake}", "-fsanitize=thread", *map(str, sources)]
+    subprocess.run([*command, "-pthread", "-o", str(exe)], check=True)
+    return exe

@@ -31,7 +31,7 @@ def test_cuda_kernels_under_the_shim_match_the_cpu_kernels(tmp_path):
     exe = build_kernel_suite(tmp_path / "plain")
     passed, failed = _run(exe)
     # 3 dtypes x 9 sizes: compress + decompress, elementwise and decompress_reduce cases.
-    assert failed == 0 and passed >= 3000
+    assert failed == 0 and passed >= 2000
 
 
 def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(tmp_path):

@@ -100,6 +100,7 @@ enum cudaError_t {
   cudaSuccess = 0,
   cudaErrorInvalidValue = 1,
   cudaErrorInvalidConfiguration = 9,
+  cudaErrorNotReady = 600,
 };
 enum cudaDeviceAttr {
   cudaDevAttrMultiProcessorCount = 16,
@@ -107,6 +108,9 @@ enum cudaDeviceAttr {
 };
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
+struct CUevent_st;
+using cudaEvent_t = CUevent_st*;
+constexpr unsigned cudaEventDisableTiming = 2;
 
 namespace cuda_shim {
 
@@ -213,5 +217,42 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, i
 }
 inline cudaError_t cudaGetLastError() { return cuda_shim::take_error(); }
 inline const char* cudaGetErrorString(cudaError_t error) {
-  return error == cudaSuccess ? "no error" : "invalid launch configuration";
+  switch (error) {
+    case cudaSuccess: return "no error";
+    case cudaErrorNotReady: return "device not ready";
+    case cudaErrorInvalidConfiguration: return "invalid launch configuration";
+    default: return "invalid argument";
+  }
+}
+
+// Host streams and events (host_stream.cc): a stream counts the work enqueued
+// on it and the work completed; the test (or a fake library enqueuing on it)
+// decides when work completes. An event completes when the stream's completed
+// count reaches the enqueued count at its record.
+namespace cuda_shim {
+// The default stream stands for the null cudaStream_t.
+cudaStream_t resolve(cudaStream_t stream);
+// Enqueues one operation; it completes at once unless `hold`, or unless an
+// earlier one on the stream is still held (streams run in order).
+void enqueue(cudaStream_t stream, bool hold);
+// Completes everything enqueued on the stream so far.
+void release(cudaStream_t stream);
+int64_t pending_on(cudaStream_t stream);
+}  // namespace cuda_shim
+
+cudaError_t cudaStreamCreate(cudaStream_t* stream);
+cudaError_t cudaStreamDestroy(cudaStream_t stream);
+cudaError_t cudaStreamSynchronize(cudaStream_t stream);
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t* event, unsigned flags);
+cudaError_t cudaEventDestroy(cudaEvent_t event);
+cudaError_t cudaEventRecord(cudaEvent_t event, cudaStream_t stream);
+cudaError_t cudaEventQuery(cudaEvent_t event);
+cudaError_t cudaMalloc(void** p, std::size_t bytes);
+cudaError_t cudaFree(void* p);
+cudaError_t cudaMemset(void* p, int value, std::size_t bytes);
+cudaError_t cudaSetDevice(int device);
+cudaError_t cudaGetDeviceCount(int* count);
+template <typename T>
+cudaError_t cudaMalloc(T** p, std::size_t bytes) {
+  return cudaMalloc(reinterpret_cast<void**>(p), bytes);
 }
