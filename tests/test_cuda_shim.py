@@ -1,13 +1,25 @@
-"""The CUDA kernels executed on the CPU under tests/cuda_shim, against the CPU kernels."""
+"""The CUDA kernels executed on the CPU under tests/cuda_shim: against the CPU kernels built
+from the same tree (tests/cuda_shim/kernel_suite.cc), and against tests/reference.py."""
 
 import os
 import re
 import subprocess
 
+import ml_dtypes
+import numpy as np
+import pytest
+import reference as ref
 from cuda_shim_build import build_kernel_suite
 
-# Generous: the suite takes about a minute on an idle 2-core machine.
+# Generous: the suite takes about a minute of CPU time; CI machines may be loaded.
 TIMEOUT_S = 900
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+SIGN_SCALE_RTOL = 2e-6  # the GPU sums |x| in another order (SPEC section 2)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    return build_kernel_suite(tmp_path_factory.mktemp("cuda_shim"))
 
 
 def _run(exe, *args, env=None):
@@ -27,11 +39,58 @@ def _run(exe, *args, env=None):
     return passed, failed
 
 
-def test_cuda_kernels_under_the_shim_match_the_cpu_kernels(tmp_path):
-    exe = build_kernel_suite(tmp_path / "plain")
-    passed, failed = _run(exe)
+def test_cuda_kernels_under_the_shim_match_the_cpu_kernels(suite):
+    passed, failed = _run(suite)
     # 3 dtypes x 9 sizes: compress + decompress, elementwise and decompress_reduce cases.
     assert failed == 0 and passed >= 2000
+
+
+def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
+    subprocess.run([str(suite), "--dump", str(tmp_path)], check=True, timeout=TIMEOUT_S)
+    cases = (tmp_path / "cases.txt").read_text().split("\n")
+    cases = [line.split() for line in cases if line]
+    assert len(cases) == 54
+    for prefix, dtype_name, n, k, feedback in cases:
+        n, k, dtype = int(n), int(k), DTYPES[dtype_name]
+
+        def load(name, dtype=np.uint8, prefix=prefix):
+            return np.fromfile(tmp_path / f"{prefix}.{name}.bin", dtype)
+
+        x = load("x", dtype)
+        residual = load("residual", np.float32) if feedback == "1" else None
+        minmax, expected_residual = ref.minmax_compress(x, k, residual)
+        np.testing.assert_array_equal(load("minmax"), minmax, err_msg=prefix)
+        if residual is not None:
+            np.testing.assert_array_equal(
+                load("minmax_residual", np.float32), expected_residual, err_msg=prefix
+            )
+        np.testing.assert_array_equal(
+            load("minmax_decoded", dtype),
+            ref.minmax_decompress(minmax, n, k).astype(dtype),
+            err_msg=prefix,
+        )
+        signs = load("sign")
+        expected_signs, _ = ref.sign_compress(x, k, residual)
+        np.testing.assert_array_equal(
+            ref.chunk_bits(signs, n, k),
+            ref.chunk_bits(expected_signs, n, k),
+            err_msg=prefix,
+        )
+        np.testing.assert_allclose(
+            ref.chunk_scales(signs, n, k),
+            ref.chunk_scales(expected_signs, n, k),
+            rtol=SIGN_SCALE_RTOL,
+            err_msg=prefix,
+        )
+        decoded = ref.sign_decompress(signs, n, k)
+        np.testing.assert_array_equal(
+            load("sign_decoded", dtype), decoded.astype(dtype), err_msg=prefix
+        )
+        if residual is not None:
+            y = (x.astype(np.float32) + residual).astype(np.float32)
+            np.testing.assert_array_equal(
+                load("sign_residual", np.float32), (y - decoded).astype(np.float32)
+            )
 
 
 def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(tmp_path):

@@ -5,10 +5,14 @@
 //
 // Usage: kernel_suite [--quick]. Prints one line per failing case and a
 // summary "N passed, M failed"; exits non-zero on any failure.
+// kernel_suite --dump DIR instead writes the CUDA kernels' inputs and outputs
+// for a few cases to DIR (listed in DIR/cases.txt), which
+// tests/test_cuda_shim.py compares with tests/reference.py.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <functional>
 #include <random>
 #include <string>
@@ -327,9 +331,67 @@ void run_dtype(bool quick, int& shape_turn) {
   }
 }
 
+template <typename T>
+void write(const std::string& path, const Buffer<T>& b) {
+  std::ofstream(path, std::ios::binary)
+      .write(reinterpret_cast<const char*>(b.data()), sizeof(T) * b.size());
+}
+
+// One case of --dump: x (and residual) in, every compress and decompress
+// output of the CUDA kernels out, in files named `prefix`.*.bin.
+template <typename T>
+void dump_case(const std::string& dir, int64_t n, int64_t k, bool feedback, std::ofstream& list) {
+  const std::string prefix = std::string(dtype_name<T>()) + "_" + std::to_string(n) + "_" +
+                             std::to_string(k) + (feedback ? "_ef" : "");
+  std::mt19937 rng(static_cast<unsigned>(n * 13 + k));
+  Buffer<T> x(n, 0);
+  random_fill(x, rng);
+  Buffer<float> residual(feedback ? n : 0, 0);
+  for (int64_t i = 0; i < residual.size(); ++i)
+    residual[i] = std::normal_distribution<float>(0.0f, 0.5f)(rng);
+  write(dir + "/" + prefix + ".x.bin", x);
+  write(dir + "/" + prefix + ".residual.bin", residual);
+  for (const Format format : {Format::kMinMaxUInt8, Format::kSign}) {
+    const char* name = format == Format::kSign ? "sign" : "minmax";
+    Buffer<uint8_t> out(bagua::compressed_bytes(format, n, k), 0);
+    Buffer<float> res_out(feedback ? n : 0, 0);
+    Buffer<T> decoded(n, 0);
+    const float* r = feedback ? residual.data() : nullptr;
+    float* ro = feedback ? res_out.data() : nullptr;
+    const Cuda cuda{nullptr};
+    const Status s =
+        format == Format::kSign
+            ? gpu::sign_compress(cuda, x.data(), r, n, k, out.data(), ro)
+            : gpu::minmax_compress(cuda, x.data(), r, n, k, out.data(), ro);
+    const Status d = format == Format::kSign
+                         ? gpu::sign_decompress(cuda, out.data(), n, k, decoded.data())
+                         : gpu::minmax_decompress(cuda, out.data(), n, k, decoded.data());
+    if (!s.ok() || !d.ok()) report(prefix, s.message + d.message);
+    write(dir + "/" + prefix + "." + name + ".bin", out);
+    write(dir + "/" + prefix + "." + name + "_residual.bin", res_out);
+    write(dir + "/" + prefix + "." + name + "_decoded.bin", decoded);
+  }
+  list << prefix << " " << dtype_name<T>() << " " << n << " " << k << " " << feedback << "\n";
+}
+
+template <typename T>
+void dump_dtype(const std::string& dir, std::ofstream& list) {
+  for (const int64_t n : {257, 4099, 65549})
+    for (const int64_t k : {1, 3, 8})
+      for (const bool feedback : {false, true}) dump_case<T>(dir, n, k, feedback, list);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 2 && std::strcmp(argv[1], "--dump") == 0) {
+    cuda_shim::device() = kShapes[2].device;  // a small L2: several compress batches
+    std::ofstream list(std::string(argv[2]) + "/cases.txt");
+    dump_dtype<float>(argv[2], list);
+    dump_dtype<Half>(argv[2], list);
+    dump_dtype<BFloat16>(argv[2], list);
+    return g_failed == 0 ? 0 : 1;
+  }
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   int shape_turn = 0;
   run_dtype<float>(quick, shape_turn);
