@@ -29,9 +29,8 @@ _ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
 _FRAME = re.compile(
     r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
 )
-_USED = re.compile(
-    r"Used (\d+) registers(?:, used (\d+) barriers)?.*?(?:(\d+) bytes smem)?$"
-)
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
 
 
 def compile_usage(arch: str) -> str:
@@ -47,7 +46,7 @@ def compile_usage(arch: str) -> str:
 
 
 def parse(report: str) -> list[dict]:
-    """One row per kernel: name, arch, registers, barriers, smem, stack and spill bytes."""
+    """One row per kernel: name, arch, registers, smem, stack and spill bytes."""
     rows: list[dict] = []
     for line in report.splitlines():
         if m := _ENTRY.search(line):
@@ -58,8 +57,11 @@ def parse(report: str) -> list[dict]:
                 spill_st=int(m.group(2)),
                 spill_ld=int(m.group(3)),
             )
-        elif rows and "Used" in line and (m := _USED.search(line.strip())):
-            rows[-1].update(registers=int(m.group(1)), smem=int(m.group(3) or 0))
+        elif rows and (m := _USED.search(line)):
+            smem = _SMEM.search(line)
+            rows[-1].update(
+                registers=int(m.group(1)), smem=int(smem.group(1)) if smem else 0
+            )
     names = subprocess.run(
         ["c++filt"], input="\n".join(r["kernel"] for r in rows), check=True,
         capture_output=True, text=True,
