@@ -104,3 +104,14 @@ def build_nccl_engine_test(out_dir: Path) -> Path:
     command = ["g++", *_FLAGS, f"-I{fake}", "-fsanitize=thread", *map(str, sources)]
     subprocess.run([*command, "-pthread", "-o", str(exe)], check=True)
     return exe
+
+
+def build_shim_selftest(out_dir: Path) -> Path:
+    """Compile tests/cuda_shim/shim_selftest.cc: kernels that break the rules the shim checks."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    exe = out_dir / "shim_selftest"
+    sources = [SHIM / "shim_selftest.cc", SHIM / "scheduler.cc"]
+    subprocess.run(
+        ["g++", *_FLAGS, *map(str, sources), "-pthread", "-o", str(exe)], check=True
+    )
+    return exe

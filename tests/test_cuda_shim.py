@@ -9,7 +9,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import reference as ref
-from cuda_shim_build import build_kernel_suite
+from cuda_shim_build import build_kernel_suite, build_shim_selftest
 
 # Generous: the suite takes about a minute of CPU time; CI machines may be loaded.
 TIMEOUT_S = 900
@@ -101,3 +101,39 @@ def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(tmp_path):
     )
     passed, failed = _run(exe, "--quick", env=env)
     assert failed == 0 and passed >= 900
+
+
+@pytest.fixture(scope="module")
+def selftest(tmp_path_factory):
+    return build_shim_selftest(tmp_path_factory.mktemp("shim_selftest"))
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ("divergent_barrier", "divergent __syncthreads"),
+        ("partial_shuffle", "a shuffle waits for lanes of its mask that have exited"),
+        ("deadlock", "deadlock"),
+        ("misaligned_vector", "misaligned uint4 access"),
+    ],
+)
+def test_the_shim_reports_broken_cuda_rules(selftest, scenario, message):
+    result = subprocess.run(
+        [str(selftest), scenario],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_the_shim_runs_warps_atomics_and_unsigned_indices_as_a_gpu(selftest):
+    result = subprocess.run(
+        [str(selftest), "faithful"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
