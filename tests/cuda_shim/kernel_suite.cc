@@ -46,7 +46,8 @@ template <typename T>
 class Buffer {
  public:
   Buffer(int64_t count, int64_t offset) : count_(count), offset_(offset) {
-    raw_ = static_cast<T*>(std::malloc(sizeof(T) * (count + offset) + 1));
+    const std::size_t bytes = sizeof(T) * (count + offset);
+    raw_ = static_cast<T*>(std::malloc(bytes > 0 ? bytes : 1));  // malloc(0) may return null
   }
   ~Buffer() { std::free(raw_); }
   Buffer(const Buffer&) = delete;

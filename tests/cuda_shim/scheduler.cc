@@ -2,6 +2,7 @@
 // runs its block's threads as fibers from one synchronization point to the
 // next, checking that every barrier and shuffle is reached by the threads that
 // must reach it.
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
 #include <memory>
