@@ -159,8 +159,8 @@ __device__ void load_slot(const T* p, int count, float* v) {
 }
 
 // A plain vector store, in PTX because the compiler splits a C++ one when it
-// merges it with the scalar stores of the fallback path.
-// Host compilers (the tests' CPU shim) take the plain store.
+// merges it with the scalar stores of the fallback path. Host compilers (the
+// tests' CPU shim) take the C++ store.
 __device__ void store_vector(uint4* p, uint4 v) {
 #if defined(__CUDA_ARCH__)
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
