@@ -30,6 +30,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "cuda_geometry.h"
 #include "kernels.h"
 #include "layout.h"
 #include "numerics.h"
@@ -37,21 +38,14 @@
 namespace bagua::kernels {
 namespace {
 
-constexpr int kThreads = 256;  // threads per block; block_reduce relies on it
-constexpr int kWarps = kThreads / 32;
-constexpr int kPerLane = 8;             // elements a lane holds per step
-constexpr int kStep = 32 * kPerLane;    // elements a warp handles per step
+using namespace cuda_geometry;
+
 constexpr uint32_t kFullMask = 0xffffffffu;
 
 cudaStream_t stream_of(Cuda device) { return static_cast<cudaStream_t>(device.stream); }
 
 // The current device's SM count and L2 size. A failed query leaves its error
 // for launch_status to report.
-struct DeviceInfo {
-  int sms = 0;
-  int l2_bytes = 0;
-};
-
 DeviceInfo device_info() {
   DeviceInfo info;
   int device = 0;
@@ -71,8 +65,15 @@ int64_t resident_blocks(const DeviceInfo& info, Kernel kernel) {
   return int64_t{std::max(info.sms, 1)} * std::max(per_sm, 1);
 }
 
-int grid_size(int64_t work_blocks, int64_t resident) {
-  return static_cast<int>(std::clamp<int64_t>(work_blocks, 1, resident));
+// Enqueues `kernel` on `stream` with kThreads threads per block. Without nvcc,
+// the tests' CPU execution shim (tests/cuda_shim) runs it on the host instead.
+template <typename... Params, typename... Args>
+void launch(void (*kernel)(Params...), int grid, cudaStream_t stream, Args&&... args) {
+#if defined(__CUDACC__)
+  kernel<<<grid, kThreads, 0, stream>>>(std::forward<Args>(args)...);
+#else
+  cuda_shim::launch(kernel, grid, kThreads, stream, std::forward<Args>(args)...);
+#endif
 }
 
 Status launch_status() {
@@ -158,15 +159,24 @@ __device__ void load_slot(const T* p, int count, float* v) {
 }
 
 // A plain vector store, in PTX because the compiler splits a C++ one when it
-// merges it with the scalar stores of the fallback path.
+// merges it with the scalar stores of the fallback path. Host compilers (the
+// tests' CPU shim) take the C++ store.
 __device__ void store_vector(uint4* p, uint4 v) {
+#if defined(__CUDA_ARCH__)
   asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
                :
                : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
                : "memory");
+#else
+  *p = v;
+#endif
 }
 __device__ void store_vector(uint2* p, uint2 v) {
+#if defined(__CUDA_ARCH__)
   asm volatile("st.global.v2.b32 [%0], {%1, %2};" : : "l"(p), "r"(v.x), "r"(v.y) : "memory");
+#else
+  *p = v;
+#endif
 }
 
 template <int V, typename T>
@@ -229,31 +239,7 @@ struct Source {
   }
 };
 
-// ---- Tiles: (chunk, segment) pairs -----------------------------------------
-
-// Chunks [first_chunk, first_chunk + chunks) are each cut into per_chunk tiles
-// of tile_steps warp steps; tile t is segment t % per_chunk of chunk
-// first_chunk + t / per_chunk. A tile never spans two chunks, so a block
-// reduces it and updates one header.
-struct Tiles {
-  Chunking chunking;
-  int64_t first_chunk;
-  int64_t chunks;
-  int64_t per_chunk;
-  int64_t tile_steps;
-
-  BAGUA_HD int64_t count() const { return chunks * per_chunk; }
-};
-
-// At most one tile per resident block (tiles are equal, so a second round
-// would double the time), and at least one step per warp in a tile.
-Tiles make_tiles(const Chunking& chunking, int64_t first_chunk, int64_t chunks, int64_t resident) {
-  const int64_t steps = ceil_div(chunking.chunk_elements(), kStep);
-  const int64_t per_chunk =
-      std::max<int64_t>(1, std::min(resident / chunks, ceil_div(steps, kWarps)));
-  const int64_t tile_steps = std::max<int64_t>(1, ceil_div(steps, per_chunk));
-  return {chunking, first_chunk, chunks, per_chunk, tile_steps};
-}
+// ---- Tiles: (chunk, segment) pairs (see cuda_geometry.h) ---------------------
 
 struct Tile {
   int64_t first;    // global index of the chunk's first element
@@ -622,15 +608,6 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Host drivers -----------------------------------------------------------
 
-// How many chunks a stats + encode batch covers: as many as fit in half the L2
-// cache, so that encode rereads them from it. A chunk that does not fit in the
-// cache gains nothing from batching; then one batch takes all chunks.
-int64_t chunks_per_batch(const DeviceInfo& info, const Chunking& chunking, int64_t element_bytes) {
-  const int64_t chunk_bytes = chunking.chunk_elements() * element_bytes;
-  if (chunk_bytes == 0 || 4 * chunk_bytes > 3 * int64_t{info.l2_bytes}) return chunking.k;
-  return std::clamp<int64_t>(info.l2_bytes / 2 / chunk_bytes, 1, chunking.k);
-}
-
 template <typename Encoder, int V, typename T>
 Status compress(Cuda device, const Chunking& chunking, const Source<T>& src, uint8_t* out,
                 float* residual_out) {
@@ -643,14 +620,14 @@ Status compress(Cuda device, const Chunking& chunking, const Source<T>& src, uin
   const int64_t resident = std::min(resident_blocks(info, stats), resident_blocks(info, encode));
   const int64_t batch = chunks_per_batch(info, chunking, sizeof(T) + (src.residual ? 4 : 0));
   const int header_grid = grid_size(ceil_div(chunking.k, kThreads), resident);
-  init_kernel<Stats><<<header_grid, kThreads, 0, stream>>>(chunking, out);
+  launch(init_kernel<Stats>, header_grid, stream, chunking, out);
   for (int64_t first = 0; first < chunking.k; first += batch) {
     const Tiles tiles = make_tiles(chunking, first, std::min(batch, chunking.k - first), resident);
     const int tile_grid = grid_size(tiles.count(), resident);
-    stats<<<tile_grid, kThreads, 0, stream>>>(src, tiles, out);
-    encode<<<tile_grid, kThreads, 0, stream>>>(src, tiles, out, residual_out);
+    launch(stats, tile_grid, stream, src, tiles, out);
+    launch(encode, tile_grid, stream, src, tiles, out, residual_out);
   }
-  finalize_kernel<Stats><<<header_grid, kThreads, 0, stream>>>(chunking, out);
+  launch(finalize_kernel<Stats>, header_grid, stream, chunking, out);
   return launch_status();
 }
 
@@ -670,7 +647,7 @@ Status decompress(Cuda device, const Chunking& chunking, const uint8_t* in, T* o
   const auto decode = decode_kernel<Decoder, V, T>;
   const int64_t resident = resident_blocks(device_info(), decode);
   const Tiles tiles = make_tiles(chunking, 0, chunking.k, resident);
-  decode<<<grid_size(tiles.count(), resident), kThreads, 0, stream_of(device)>>>(in, tiles, out);
+  launch(decode, grid_size(tiles.count(), resident), stream_of(device), in, tiles, out);
   return launch_status();
 }
 
@@ -691,7 +668,7 @@ Status decompress_reduce(Cuda device, Format format, const uint8_t* in, int64_t 
   const auto reduce = decode_reduce_kernel<Decoder, T>;
   const int grid =
       grid_size(ceil_div(m, int64_t{kStep} * kWarps), resident_blocks(device_info(), reduce));
-  reduce<<<grid, kThreads, 0, stream_of(device)>>>(in, m, k, slot_bytes(format, m), average, out);
+  launch(reduce, grid, stream_of(device), in, m, k, slot_bytes(format, m), average, out);
   return launch_status();
 }
 
@@ -734,7 +711,7 @@ Status elementwise(Cuda device, int64_t n, T* out, F f, const In*... in) {
   const auto kernel = elementwise_kernel<T, N, F>;
   const int grid =
       grid_size(ceil_div(n, int64_t{kStep} * kWarps), resident_blocks(device_info(), kernel));
-  kernel<<<grid, kThreads, 0, stream_of(device)>>>(Inputs<T, N>{{in...}}, n, out, f);
+  launch(kernel, grid, stream_of(device), Inputs<T, N>{{in...}}, n, out, f);
   return launch_status();
 }
 

@@ -1,0 +1,139 @@
+"""The CUDA kernels executed on the CPU under tests/cuda_shim: against the CPU kernels built
+from the same tree (tests/cuda_shim/kernel_suite.cc), and against tests/reference.py."""
+
+import os
+import re
+import subprocess
+
+import ml_dtypes
+import numpy as np
+import pytest
+import reference as ref
+from cuda_shim_build import build_kernel_suite, build_shim_selftest
+
+# Generous: the suite takes about a minute of CPU time (ASan: a few); shared machines are slow.
+TIMEOUT_S = 1800
+DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
+SIGN_SCALE_RTOL = 2e-6  # the GPU sums |x| in another order (SPEC section 2)
+
+
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    return build_kernel_suite(tmp_path_factory.mktemp("cuda_shim"))
+
+
+def _run(exe, *args, env=None):
+    result = subprocess.run(
+        [str(exe), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+        env=env,
+    )
+    summary = re.search(r"(\d+) passed, (\d+) failed", result.stdout)
+    assert result.returncode == 0 and summary, (
+        result.stdout[-4000:] + result.stderr[-4000:]
+    )
+    passed, failed = map(int, summary.groups())
+    return passed, failed
+
+
+def test_cuda_kernels_under_the_shim_match_the_cpu_kernels(suite):
+    passed, failed = _run(suite)
+    # 3 dtypes x 9 sizes: compress + decompress, elementwise and decompress_reduce cases.
+    assert failed == 0 and passed >= 2000
+
+
+def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
+    subprocess.run([str(suite), "--dump", str(tmp_path)], check=True, timeout=TIMEOUT_S)
+    cases = (tmp_path / "cases.txt").read_text().split("\n")
+    cases = [line.split() for line in cases if line]
+    assert len(cases) == 54
+    for prefix, dtype_name, n, k, feedback in cases:
+        n, k, dtype = int(n), int(k), DTYPES[dtype_name]
+
+        def load(name, dtype=np.uint8, prefix=prefix):
+            return np.fromfile(tmp_path / f"{prefix}.{name}.bin", dtype)
+
+        x = load("x", dtype)
+        residual = load("residual", np.float32) if feedback == "1" else None
+        minmax, expected_residual = ref.minmax_compress(x, k, residual)
+        np.testing.assert_array_equal(load("minmax"), minmax, err_msg=prefix)
+        if residual is not None:
+            np.testing.assert_array_equal(
+                load("minmax_residual", np.float32), expected_residual, err_msg=prefix
+            )
+        np.testing.assert_array_equal(
+            load("minmax_decoded", dtype),
+            ref.minmax_decompress(minmax, n, k).astype(dtype),
+            err_msg=prefix,
+        )
+        signs = load("sign")
+        expected_signs, _ = ref.sign_compress(x, k, residual)
+        np.testing.assert_array_equal(
+            ref.chunk_bits(signs, n, k),
+            ref.chunk_bits(expected_signs, n, k),
+            err_msg=prefix,
+        )
+        np.testing.assert_allclose(
+            ref.chunk_scales(signs, n, k),
+            ref.chunk_scales(expected_signs, n, k),
+            rtol=SIGN_SCALE_RTOL,
+            err_msg=prefix,
+        )
+        decoded = ref.sign_decompress(signs, n, k)
+        np.testing.assert_array_equal(
+            load("sign_decoded", dtype), decoded.astype(dtype), err_msg=prefix
+        )
+        if residual is not None:
+            y = (x.astype(np.float32) + residual).astype(np.float32)
+            np.testing.assert_array_equal(
+                load("sign_residual", np.float32), (y - decoded).astype(np.float32)
+            )
+
+
+def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(tmp_path):
+    exe = build_kernel_suite(tmp_path / "asan", sanitize=True)
+    # Fibers switch stacks with swapcontext, which ASan follows but cannot check returns across.
+    env = dict(
+        os.environ, ASAN_OPTIONS="detect_stack_use_after_return=0:detect_leaks=1"
+    )
+    passed, failed = _run(exe, "--quick", env=env)
+    assert failed == 0 and passed >= 900
+
+
+@pytest.fixture(scope="module")
+def selftest(tmp_path_factory):
+    return build_shim_selftest(tmp_path_factory.mktemp("shim_selftest"))
+
+
+@pytest.mark.parametrize(
+    ("scenario", "message"),
+    [
+        ("divergent_barrier", "divergent __syncthreads"),
+        ("partial_shuffle", "a shuffle waits for lanes of its mask that have exited"),
+        ("deadlock", "deadlock"),
+        ("misaligned_vector", "misaligned uint4 access"),
+    ],
+)
+def test_the_shim_reports_broken_cuda_rules(selftest, scenario, message):
+    result = subprocess.run(
+        [str(selftest), scenario],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def test_the_shim_runs_warps_atomics_and_unsigned_indices_as_a_gpu(selftest):
+    result = subprocess.run(
+        [str(selftest), "faithful"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
