@@ -1,5 +1,5 @@
 """The CUDA kernels executed on the CPU under tests/cuda_shim: against the CPU kernels built
-from the same tree (tests/cuda_shim/kernel_suite.cc), and against tests/reference.py."""
+from the same tree (tests/cuda_shim/kernel_suite.cc), and against tests/kernels_reference.py."""
 
 import os
 import re
@@ -8,7 +8,7 @@ import subprocess
 import ml_dtypes
 import numpy as np
 import pytest
-import reference as ref
+import kernels_reference as ref
 from cuda_shim_build import build_kernel_suite, build_shim_selftest
 
 # Generous: the suite takes about a minute of CPU time (ASan: a few); shared machines are slow.
