@@ -5,10 +5,10 @@ import os
 import re
 import subprocess
 
+import kernels_reference as ref
 import ml_dtypes
 import numpy as np
 import pytest
-import kernels_reference as ref
 from cuda_shim_build import build_kernel_suite, build_shim_selftest
 
 # Generous: the suite takes about a minute of CPU time (ASan: a few); shared machines are slow.

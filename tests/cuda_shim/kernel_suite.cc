@@ -7,7 +7,7 @@
 // summary "N passed, M failed"; exits non-zero on any failure.
 // kernel_suite --dump DIR instead writes the CUDA kernels' inputs and outputs
 // for a few cases to DIR (listed in DIR/cases.txt), which
-// tests/test_cuda_shim.py compares with tests/reference.py.
+// tests/test_cuda_shim.py compares with tests/kernels_reference.py.
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
