@@ -133,9 +133,7 @@ class AveragingRounds:
     def resume(self) -> None:
         """Restart the rounds after :meth:`abort` (now, or when warm-up ends); on every rank."""
         if not self._aborted:
-            raise RuntimeError(
-                f"{self._name}: resume() restarts averaging stopped by abort(); call abort() first"
-            )
+            raise RuntimeError(f"{self._name}: resume() restarts averaging stopped by abort(); call abort() first")
         self._aborted = False
         with self._cv:
             self._stop = False
@@ -145,15 +143,11 @@ class AveragingRounds:
         with self._cv:
             error, self._error = self._error, None
         if error is not None:
-            raise RuntimeError(
-                f"{self._name}: model averaging failed in its background thread"
-            ) from error
+            raise RuntimeError(f"{self._name}: model averaging failed in its background thread") from error
 
     def _maybe_start(self) -> None:
         if self._thread is None and not self._aborted and not self.in_warmup:
-            self._thread = threading.Thread(
-                target=self._run, name="bagua-async-model-average", daemon=True
-            )
+            self._thread = threading.Thread(target=self._run, name="bagua-async-model-average", daemon=True)
             self._thread.start()
 
     def _run(self) -> None:

@@ -55,9 +55,7 @@ class EpochPlan:
 
     def step_costs(self) -> np.ndarray:
         """Return the ``(num_steps, world_size)`` summed cost of each rank's batch at each step."""
-        return np.array([self.costs[s].sum(axis=0) for s in self.steps]).reshape(
-            -1, self.world_size
-        )
+        return np.array([self.costs[s].sum(axis=0) for s in self.steps]).reshape(-1, self.world_size)
 
     def step_max_costs(self) -> np.ndarray:
         """Return the largest single-sample cost of each step over all ranks (for padding)."""
@@ -100,46 +98,31 @@ class BalancedPlan:
         if costs is not None:
             self._costs: np.ndarray | None = _validated_costs(costs)
             if num_samples is not None and num_samples != len(self._costs):
-                raise ValueError(
-                    f"num_samples={num_samples!r} but {len(self._costs)} costs given"
-                )
+                raise ValueError(f"num_samples={num_samples!r} but {len(self._costs)} costs given")
             num_samples = len(self._costs)
         else:
             self._costs = None
             if isinstance(num_samples, bool) or not isinstance(num_samples, int):
-                raise ValueError(
-                    f"num_samples must be an int with cost_fn, got {num_samples!r}"
-                )
+                raise ValueError(f"num_samples must be an int with cost_fn, got {num_samples!r}")
         self._cost_fn = cost_fn
         self.num_samples = _checked_int("num_samples", num_samples, 1)
         self.world_size = _checked_int("world_size", world_size, 1)
         if self.world_size > self.num_samples:
-            raise ValueError(
-                f"world_size={world_size!r} exceeds the {self.num_samples} samples"
-            )
+            raise ValueError(f"world_size={world_size!r} exceeds the {self.num_samples} samples")
         if (batch_size is None) == (token_budget is None):
             raise ValueError(
                 f"give exactly one of batch_size and token_budget, got batch_size={batch_size!r}, "
                 f"token_budget={token_budget!r}"
             )
-        self.batch_size = (
-            None if batch_size is None else _checked_int("batch_size", batch_size, 1)
-        )
+        self.batch_size = None if batch_size is None else _checked_int("batch_size", batch_size, 1)
         if token_budget is not None and not (
-            isinstance(token_budget, (int, float, np.number))
-            and 0 < token_budget < math.inf
+            isinstance(token_budget, (int, float, np.number)) and 0 < token_budget < math.inf
         ):
-            raise ValueError(
-                f"token_budget must be a positive finite number, got {token_budget!r}"
-            )
+            raise ValueError(f"token_budget must be a positive finite number, got {token_budget!r}")
         self.token_budget = None if token_budget is None else float(token_budget)
-        self.megabatch = (
-            None if megabatch is None else _checked_int("megabatch", megabatch, 1)
-        )
+        self.megabatch = None if megabatch is None else _checked_int("megabatch", megabatch, 1)
         if not (isinstance(jitter, (int, float)) and 0.0 <= jitter < math.inf):
-            raise ValueError(
-                f"jitter must be a non-negative finite number, got {jitter!r}"
-            )
+            raise ValueError(f"jitter must be a non-negative finite number, got {jitter!r}")
         self.jitter = float(jitter)
         self.seed = _checked_int("seed", seed, 0)
         self.shuffle = bool(shuffle)
@@ -149,9 +132,7 @@ class BalancedPlan:
     def costs(self) -> np.ndarray:
         """The per-sample costs (evaluated from ``cost_fn`` on first access)."""
         if self._costs is None:
-            self._costs = _validated_costs(
-                [self._cost_fn(i) for i in range(self.num_samples)]
-            )
+            self._costs = _validated_costs([self._cost_fn(i) for i in range(self.num_samples)])
             if self.token_budget is not None:
                 self._check_budget()
         return self._costs
@@ -160,8 +141,7 @@ class BalancedPlan:
         largest = int(np.argmax(self._costs))
         if self._costs[largest] > self.token_budget:
             raise ValueError(
-                f"sample {largest} costs {float(self._costs[largest])!r}, more than "
-                f"token_budget={self.token_budget!r}"
+                f"sample {largest} costs {float(self._costs[largest])!r}, more than token_budget={self.token_budget!r}"
             )
 
     def fingerprint(self) -> bytes:
@@ -192,9 +172,7 @@ class BalancedPlan:
         gathered = list(all_gather(mine))
         differing = [r for r, theirs in enumerate(gathered) if bytes(theirs) != mine]
         if differing:
-            raise ValueError(
-                f"ranks {differing} hold different sample costs or plan settings"
-            )
+            raise ValueError(f"ranks {differing} hold different sample costs or plan settings")
 
     def epoch(self, epoch: int) -> EpochPlan:
         """Return the plan of epoch ``epoch``: a pure function of (costs, seed, epoch, config)."""
@@ -209,11 +187,7 @@ class BalancedPlan:
         if self.megabatch is not None:
             groups = self._megabatch_sorted(groups, costs)
         steps = self._cut_steps(groups, costs)
-        if (
-            self.batch_size is not None
-            and self.drop_last
-            and len(steps[-1]) < self.batch_size
-        ):
+        if self.batch_size is not None and self.drop_last and len(steps[-1]) < self.batch_size:
             # The group order is random, so the short last step is a representative drop.
             dropped = np.concatenate([dropped, steps[-1].ravel()])
             steps = steps[:-1]
@@ -248,21 +222,12 @@ class BalancedPlan:
         chunks = []
         for start in range(0, len(groups), self.megabatch):
             chunk = groups[start : start + self.megabatch]
-            chunks.append(
-                chunk[
-                    np.argsort(
-                        group_cost[start : start + self.megabatch], kind="stable"
-                    )
-                ]
-            )
+            chunks.append(chunk[np.argsort(group_cost[start : start + self.megabatch], kind="stable")])
         return np.concatenate(chunks)
 
     def _cut_steps(self, groups: np.ndarray, costs: np.ndarray) -> list[np.ndarray]:
         if self.batch_size is not None:
-            return [
-                groups[i : i + self.batch_size]
-                for i in range(0, len(groups), self.batch_size)
-            ]
+            return [groups[i : i + self.batch_size] for i in range(0, len(groups), self.batch_size)]
         self._check_budget()
         group_max = costs[groups].max(axis=1)
         steps, start, largest = [], 0, 0.0
@@ -277,11 +242,7 @@ class BalancedPlan:
 
 
 def _checked_int(name: str, value: object, minimum: int) -> int:
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, (int, np.integer))
-        or value < minimum
-    ):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
     return int(value)
 
@@ -292,12 +253,8 @@ def _validated_costs(costs: Sequence[float] | np.ndarray) -> np.ndarray:
     except (TypeError, ValueError):
         raise ValueError(f"costs must be numbers, got {costs!r:.80}") from None
     if array.ndim != 1 or array.size == 0:
-        raise ValueError(
-            f"costs must be a non-empty 1-D sequence, got shape {array.shape}"
-        )
+        raise ValueError(f"costs must be a non-empty 1-D sequence, got shape {array.shape}")
     bad = np.flatnonzero(~np.isfinite(array) | (array < 0))
     if bad.size:
-        raise ValueError(
-            f"cost of sample {bad[0]} must be finite and >= 0, got {float(array[bad[0]])!r}"
-        )
+        raise ValueError(f"cost of sample {bad[0]} must be finite and >= 0, got {float(array[bad[0]])!r}")
     return array

@@ -50,9 +50,7 @@ def parse_capacity(text: str) -> int:
     try:
         value = float(body[:-1] if body[-1:] in units else body) * scale
     except ValueError:
-        raise ValueError(
-            f"capacity must look like 8G, 512M or a byte count, got {text!r}"
-        ) from None
+        raise ValueError(f"capacity must look like 8G, 512M or a byte count, got {text!r}") from None
     return checked_capacity(int(value))
 
 
@@ -62,13 +60,9 @@ def checked_capacity(capacity_bytes: int | None) -> int:
     if capacity_bytes is None:
         return int(ram * DEFAULT_RAM_FRACTION)
     if isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int):
-        raise TypeError(
-            f"capacity must be an int number of bytes, got {capacity_bytes!r}"
-        )
+        raise TypeError(f"capacity must be an int number of bytes, got {capacity_bytes!r}")
     if not 0 < capacity_bytes <= ram:
-        raise ValueError(
-            f"capacity must be in (0, {ram}] bytes (this machine's RAM), got {capacity_bytes}"
-        )
+        raise ValueError(f"capacity must be in (0, {ram}] bytes (this machine's RAM), got {capacity_bytes}")
     return capacity_bytes
 
 
@@ -83,9 +77,7 @@ def private_directory(path: str | None) -> str:
     os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.stat(path)
     if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(
-            f"cache directory {path!r} must belong to this user and not be writable by others"
-        )
+        raise ValueError(f"cache directory {path!r} must belong to this user and not be writable by others")
     return path
 
 
@@ -147,9 +139,7 @@ class LmdbStore:
     return False and nothing is evicted.
     """
 
-    def __init__(
-        self, path: str | None = None, capacity_bytes: int | None = None
-    ) -> None:
+    def __init__(self, path: str | None = None, capacity_bytes: int | None = None) -> None:
         import lmdb  # noqa: F401  (fail here, not in a worker, when it is missing)
 
         self.capacity_bytes = checked_capacity(capacity_bytes)
@@ -159,8 +149,7 @@ class LmdbStore:
         free = shutil.disk_usage(self.path).free
         if free < self.capacity_bytes:
             warnings.warn(
-                f"LMDB cache capacity {self.capacity_bytes} bytes exceeds the {free} bytes free "
-                f"under {self.path}",
+                f"LMDB cache capacity {self.capacity_bytes} bytes exceeds the {free} bytes free under {self.path}",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -230,9 +219,7 @@ def _remove_if_owner(path: str, owner: int) -> None:
 
 def shard_of(key: bytes, num_shards: int) -> int:
     """Return the shard that holds ``key``: a stable hash, the same in every process."""
-    return (
-        int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % num_shards
-    )
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") % num_shards
 
 
 def connect_redis(url: str, password: str | None, timeout_s: float) -> Any:
@@ -267,9 +254,7 @@ class RedisStore:
         if not self.urls or not all(isinstance(u, str) and u for u in self.urls):
             raise ValueError(f"urls must be non-empty strings, got {urls!r}")
         if not 0 < timeout_s < float("inf"):
-            raise ValueError(
-                f"timeout_s must be a positive finite number, got {timeout_s!r}"
-            )
+            raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
         self.password = password
         self.timeout_s = float(timeout_s)
         self._clients: list[Any] | None = None
@@ -279,9 +264,7 @@ class RedisStore:
             try:
                 client.ping()
             except Exception as e:
-                raise ConnectionError(
-                    f"cannot reach the Redis cache at {url}: {e}"
-                ) from e
+                raise ConnectionError(f"cannot reach the Redis cache at {url}: {e}") from e
 
     def __getstate__(self) -> dict[str, Any]:
         return {
@@ -295,9 +278,7 @@ class RedisStore:
 
     def _open(self) -> list[Any]:
         if self._pid != os.getpid():
-            self._clients = [
-                connect_redis(u, self.password, self.timeout_s) for u in self.urls
-            ]
+            self._clients = [connect_redis(u, self.password, self.timeout_s) for u in self.urls]
             self._pid = os.getpid()
         return self._clients
 

@@ -58,15 +58,11 @@ class CacheLoader:
         self._reset_counters()
 
     def _scope(self, name: bytes, version: bytes) -> bytes:
-        digest = hashlib.blake2b(
-            version, digest_size=4, person=b"bagua-cache"
-        ).hexdigest()
+        digest = hashlib.blake2b(version, digest_size=4, person=b"bagua-cache").hexdigest()
         return name + b":" + digest.encode()
 
     def _reset_counters(self) -> None:
-        self._stats = dict.fromkeys(
-            ("hits", "misses", "puts", "rejected", "errors", "bytes"), 0
-        )
+        self._stats = dict.fromkeys(("hits", "misses", "puts", "rejected", "errors", "bytes"), 0)
         self._warned: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -126,12 +122,8 @@ class CacheLoader:
             return pickle.loads(raw[1:])
         except Exception as e:
             if self.on_error == "raise":
-                raise ValueError(
-                    f"cached value for {key!r} does not decode: {e}"
-                ) from e
-            self._warn_once(
-                "decode", f"cached value for {key!r} does not decode ({e}); reloading"
-            )
+                raise ValueError(f"cached value for {key!r} does not decode: {e}") from e
+            self._warn_once("decode", f"cached value for {key!r} does not decode ({e}); reloading")
             return _MISSING
 
     def _warn_once(self, kind: str, message: str) -> None:

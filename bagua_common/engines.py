@@ -34,11 +34,7 @@ def load_engine(kind: str) -> ModuleType:
     if not _bagua_ffi.build_info().get(kind):
         raise RuntimeError(
             f"bagua was built without the {kind.upper()} engine (see build_info()); "
-            + (
-                "install mpich and rebuild"
-                if kind == "mpi"
-                else "install NCCL and rebuild with CUDA"
-            )
+            + ("install mpich and rebuild" if kind == "mpi" else "install NCCL and rebuild with CUDA")
         )
     module = importlib.import_module(ENGINE_MODULES[kind])
     finalize_at_exit(module)

@@ -18,9 +18,7 @@ _NUMBERS = (int, float, np.integer, np.floating)
 def check_communication_interval(interval: Any, algorithm: str) -> int:
     """``interval`` as an int if it is a positive integer, else a ValueError naming it."""
     if isinstance(interval, bool) or not isinstance(interval, _INTS) or interval < 1:
-        raise ValueError(
-            f"{algorithm}: communication_interval must be a positive int, got {interval!r}"
-        )
+        raise ValueError(f"{algorithm}: communication_interval must be a positive int, got {interval!r}")
     return int(interval)
 
 

@@ -22,9 +22,7 @@ from bagua_common.child_process import die_with_parent
 ENV_BINARY = "BAGUA_REDIS_SERVER"
 DIRECTORY_PREFIX = "bagua-redis-"
 STALE_AFTER_S = 60.0
-INSTALL_HINT = (
-    "install it with 'apt-get install redis-server' or set BAGUA_REDIS_SERVER"
-)
+INSTALL_HINT = "install it with 'apt-get install redis-server' or set BAGUA_REDIS_SERVER"
 
 
 def find_redis_server() -> str:
@@ -42,9 +40,7 @@ class RedisServer:
     ``unix://`` address clients connect to; ``pid`` the server's process id.
     """
 
-    def __init__(
-        self, capacity_bytes: int | None = None, *, start_timeout_s: float = 30.0
-    ) -> None:
+    def __init__(self, capacity_bytes: int | None = None, *, start_timeout_s: float = 30.0) -> None:
         self.capacity_bytes = checked_capacity(capacity_bytes)
         self.binary = find_redis_server()
         self.start_timeout_s = start_timeout_s
@@ -82,9 +78,7 @@ class RedisServer:
             "--loglevel", "warning",
         ]  # fmt: skip
         log_path = os.path.join(self.directory, "redis.log")
-        with open(
-            log_path, "wb"
-        ) as log:  # a file, not a pipe nobody drains while training
+        with open(log_path, "wb") as log:  # a file, not a pipe nobody drains while training
             self.process = subprocess.Popen(
                 command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 preexec_fn=die_with_parent(signal.SIGKILL),  # noqa: PLW1509 (before threads)
@@ -102,9 +96,7 @@ class RedisServer:
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline:
                     self.stop()
-                    raise TimeoutError(
-                        f"redis-server did not answer within {self.start_timeout_s} s"
-                    ) from None
+                    raise TimeoutError(f"redis-server did not answer within {self.start_timeout_s} s") from None
                 time.sleep(0.05)
 
     def stop(self, timeout_s: float = 10.0) -> None:
@@ -137,9 +129,7 @@ def remove_stale_directories() -> None:
     """
     root = tempfile.gettempdir()
     for entry in os.scandir(root):
-        if not entry.name.startswith(DIRECTORY_PREFIX) or not entry.is_dir(
-            follow_symlinks=False
-        ):
+        if not entry.name.startswith(DIRECTORY_PREFIX) or not entry.is_dir(follow_symlinks=False):
             continue
         info = entry.stat(follow_symlinks=False)
         if info.st_uid != os.getuid() or time.time() - info.st_mtime < STALE_AFTER_S:

@@ -19,9 +19,7 @@ from typing import Any
 import numpy as np
 
 Leaf = tuple[str, Sequence[int], str]  # (path, shape, dtype)
-AllGather = Callable[
-    [np.ndarray], np.ndarray
-]  # uint8 [n] on each rank -> uint8 [ranks, n]
+AllGather = Callable[[np.ndarray], np.ndarray]  # uint8 [n] on each rank -> uint8 [ranks, n]
 
 _DIGEST_BYTES = 32
 _LENGTH_BYTES = 8
@@ -51,9 +49,7 @@ def describe_value(value: Any) -> str:
         return f"array({array.dtype}{list(array.shape)}, sha256 {digest})"
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return _qualified_name(type(value)) + describe_value(_fields(value))
-    return _qualified_name(
-        value if isinstance(value, type) or callable(value) else type(value)
-    )
+    return _qualified_name(value if isinstance(value, type) or callable(value) else type(value))
 
 
 def _qualified_name(obj: Any) -> str:
@@ -75,9 +71,7 @@ def algorithm_config(algorithm: Any, **settings: Any) -> dict[str, str]:
     field (public attribute, for a class that is not a dataclass) and each setting's name.
     """
     config = {"algorithm": _qualified_name(type(algorithm))}
-    config.update(
-        {f"algorithm.{k}": describe_value(v) for k, v in _fields(algorithm).items()}
-    )
+    config.update({f"algorithm.{k}": describe_value(v) for k, v in _fields(algorithm).items()})
     config.update({k: describe_value(v) for k, v in settings.items()})
     return config
 
@@ -93,18 +87,13 @@ class JobSignature:
     def of(cls, leaves: Iterable[Leaf], config: Mapping[str, str]) -> JobSignature:
         """Build a signature from ``(path, shape, dtype)`` triples and a configuration mapping."""
         return cls(
-            tuple(
-                (str(p), tuple(int(d) for d in shape), str(dtype))
-                for p, shape, dtype in leaves
-            ),
+            tuple((str(p), tuple(int(d) for d in shape), str(dtype)) for p, shape, dtype in leaves),
             tuple((str(k), str(v)) for k, v in config.items()),
         )
 
     def encode(self) -> bytes:
         """The canonical JSON encoding of the signature (the same bytes on every rank)."""
-        return json.dumps(
-            {"leaves": self.leaves, "config": self.config}, separators=(",", ":")
-        ).encode()
+        return json.dumps({"leaves": self.leaves, "config": self.config}, separators=(",", ":")).encode()
 
     @classmethod
     def decode(cls, data: bytes) -> JobSignature:
@@ -136,15 +125,10 @@ def describe_differences(signatures: Sequence[JobSignature]) -> list[str]:
     is named with the ranks holding each variant; then each differing configuration field.
     """
     lines = []
-    leaf_maps = [
-        {path: (shape, dtype) for path, shape, dtype in s.leaves} for s in signatures
-    ]
+    leaf_maps = [{path: (shape, dtype) for path, shape, dtype in s.leaves} for s in signatures]
     paths = list(dict.fromkeys(path for s in signatures for path, _, _ in s.leaves))
     for path in paths:
-        values = [
-            f"{list(m[path][0])} {m[path][1]}" if path in m else "missing"
-            for m in leaf_maps
-        ]
+        values = [f"{list(m[path][0])} {m[path][1]}" if path in m else "missing" for m in leaf_maps]
         if len(set(values)) > 1:
             lines.append(f"tensor {path!r}: {_by_value(values)}")
     if not lines:
@@ -180,13 +164,9 @@ def check_same_job(signature: JobSignature, allgather: AllGather) -> None:
     longest = max(int.from_bytes(h[_DIGEST_BYTES:], "little") for h in headers)
     rows = _gather_bytes(allgather, encoded, longest)
     lengths = [int.from_bytes(h[_DIGEST_BYTES:], "little") for h in headers]
-    lengths_text = [
-        f"{n} bytes, sha256 {h[:8].hex()}" for n, h in zip(lengths, headers)
-    ]
+    lengths_text = [f"{n} bytes, sha256 {h[:8].hex()}" for n, h in zip(lengths, headers)]
     signatures = [JobSignature.decode(row[:n]) for row, n in zip(rows, lengths)]
-    lines = describe_differences(signatures) or [
-        "the encodings differ: " + _by_value(lengths_text)
-    ]
+    lines = describe_differences(signatures) or ["the encodings differ: " + _by_value(lengths_text)]
     shown = [f"  {line}" for line in lines[:_MAX_DIFFERENCES]]
     if len(lines) > _MAX_DIFFERENCES:
         shown.append(f"  ... and {len(lines) - _MAX_DIFFERENCES} more differences")

@@ -17,9 +17,7 @@ PEER_SELECTION_MODES: tuple[PeerSelectionMode, ...] = ("all", "shift_one")
 def check_peer_selection_mode(mode: Any, algorithm: str) -> None:
     """Raise a ValueError naming ``mode`` unless it is one of :data:`PEER_SELECTION_MODES`."""
     if mode not in PEER_SELECTION_MODES:
-        raise ValueError(
-            f"{algorithm}: peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {mode!r}"
-        )
+        raise ValueError(f"{algorithm}: peer_selection_mode must be one of {PEER_SELECTION_MODES}, got {mode!r}")
 
 
 def check_two_levels(intra_size: int, inter_size: int, world_size: int, algorithm: str) -> None:
@@ -56,9 +54,7 @@ def shift_one_schedule(size: int) -> np.ndarray:
     half = int(size) // 2
     shift = np.arange(half)[:, None]
     rank = np.arange(size)[None, :]
-    return np.where(rank < half, (shift + rank) % half + half, (rank - half - shift) % half).astype(
-        np.int32
-    )
+    return np.where(rank < half, (shift + rank) % half + half, (rank - half - shift) % half).astype(np.int32)
 
 
 def ring_neighbours(rank: int, size: int) -> tuple[int, int]:

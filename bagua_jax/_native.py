@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import _bagua_ffi
 import jax
 import jaxlib.version
-
-import _bagua_ffi
 
 _built_with = _bagua_ffi.build_info()["jaxlib"]
 if _built_with != jaxlib.version.__version__:

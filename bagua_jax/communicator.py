@@ -91,7 +91,9 @@ def check_schedule(schedule: np.ndarray, size: int) -> np.ndarray:
     for t, round_peers in enumerate(table):
         for j in range(table.shape[2]):
             if not np.array_equal(np.sort(round_peers[:, j]), ranks):
-                raise ValueError(f"schedule round {t}, column {j} is not a permutation of the ranks: {round_peers[:, j]}")
+                raise ValueError(
+                    f"schedule round {t}, column {j} is not a permutation of the ranks: {round_peers[:, j]}"
+                )
         links = np.zeros((size, size), np.int64)
         np.add.at(links, (np.repeat(ranks, table.shape[2]), round_peers.ravel()), 1)
         if not np.array_equal(links, links.T):

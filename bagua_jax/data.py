@@ -49,18 +49,12 @@ def balanced_batches(
         raise ValueError(f"rank must be None or an int in [0, {world}), got {rank!r}")
     sizes = np.asarray(plan.costs if lengths is None else lengths)
     if sizes.shape != (plan.num_samples,):
-        raise ValueError(
-            f"lengths must hold {plan.num_samples} entries, got shape {sizes.shape}"
-        )
+        raise ValueError(f"lengths must hold {plan.num_samples} entries, got shape {sizes.shape}")
     if sizes.max() > pads[-1]:
-        raise ValueError(
-            f"sample {int(sizes.argmax())} has length {sizes.max()}, over pad_to"
-        )
+        raise ValueError(f"sample {int(sizes.argmax())} has length {sizes.max()}, over pad_to")
     epoch_plan = plan.epoch(epoch)
     if isinstance(start_step, bool) or not 0 <= start_step <= epoch_plan.num_steps:
-        raise ValueError(
-            f"start_step must be in [0, {epoch_plan.num_steps}], got {start_step!r}"
-        )
+        raise ValueError(f"start_step must be in [0, {epoch_plan.num_steps}], got {start_step!r}")
     ranks = range(world) if rank is None else [rank]
     for groups in epoch_plan.steps[start_step:]:
         longest = sizes[groups].max()
@@ -81,9 +75,7 @@ def _padded(
     mask = np.zeros((rows, length), dtype=bool)
     for row, (index, sample) in enumerate(zip(indices, samples)):
         if len(sample) > length:
-            raise ValueError(
-                f"sample {int(index)} has length {len(sample)}, over its {length}"
-            )
+            raise ValueError(f"sample {int(index)} has length {len(sample)}, over its {length}")
         batch[row, : len(sample)] = sample
         mask[row, : len(sample)] = True
     return batch, mask

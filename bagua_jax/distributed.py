@@ -33,11 +33,7 @@ def _set_xla_flags(seconds: int) -> None:
     """Add the CPU collective timeouts to ``XLA_FLAGS``, keeping any the user set."""
     flags = os.environ.get("XLA_FLAGS", "")
     given = {word.split("=", 1)[0].lstrip("-") for word in flags.split()}
-    extra = [
-        f"--{name}={seconds}"
-        for name in _CPU_COLLECTIVE_TIMEOUT_FLAGS
-        if name not in given
-    ]
+    extra = [f"--{name}={seconds}" for name in _CPU_COLLECTIVE_TIMEOUT_FLAGS if name not in given]
     os.environ["XLA_FLAGS"] = " ".join([flags, *extra]).strip()
 
 
@@ -59,9 +55,7 @@ def initialize(
     seconds = math.ceil(timeout_seconds(timeout))
     if coordinator_address is None:
         coordinator_address = f"{_required('MASTER_ADDR')}:{_required('MASTER_PORT')}"
-    num_processes = (
-        int(_required("WORLD_SIZE")) if num_processes is None else num_processes
-    )
+    num_processes = int(_required("WORLD_SIZE")) if num_processes is None else num_processes
     process_id = int(_required("RANK")) if process_id is None else process_id
     _set_xla_flags(seconds)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

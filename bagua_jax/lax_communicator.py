@@ -103,11 +103,7 @@ class LaxCommunicator:
         return f"LaxCommunicator(axis_name={self._axis_name!r}, size={self._size!r})"
 
     def __eq__(self, other: object) -> bool:
-        return (
-            isinstance(other, LaxCommunicator)
-            and self._axis_name == other._axis_name
-            and self._size == other._size
-        )
+        return isinstance(other, LaxCommunicator) and self._axis_name == other._axis_name and self._size == other._size
 
     def __hash__(self) -> int:
         return hash((LaxCommunicator, self._axis_name, self._size))
@@ -230,9 +226,7 @@ class LaxCommunicator:
         _check_leading_equal("alltoall", x, n)
         return lax.all_to_all(x, self._axis_name, 0, 0, tiled=True)
 
-    def alltoall_v(
-        self, x: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, out_size: int
-    ) -> jax.Array:
+    def alltoall_v(self, x: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, out_size: int) -> jax.Array:
         """Variable all-to-all on 1-D ``x`` with counts known only at run time (semantics of
         :meth:`Communicator.alltoall_v`). XLA needs static shapes, so every one of the ``size``
         blocks sent is padded to the whole length of ``x``: the cost is an ``all_to_all`` of
@@ -351,9 +345,7 @@ def _check_root(method: str, root: Any, n: int) -> None:
 
 def _check_leading_equal(method: str, x: jax.Array, n: int) -> None:
     if x.ndim == 0 or x.shape[0] != n:
-        raise ValueError(
-            f"LaxCommunicator.{method}: x must be [size, ...] with size={n} rows, got shape {x.shape}"
-        )
+        raise ValueError(f"LaxCommunicator.{method}: x must be [size, ...] with size={n} rows, got shape {x.shape}")
 
 
 def _check_counts(name: str, counts: Any, n: int) -> jax.Array:

@@ -65,9 +65,7 @@ def _compress(format: Format, x: jax.typing.ArrayLike, k: int) -> jax.Array:
     x = _float_array("x", x)
     k = _chunk_count(k)
     out = jax.ShapeDtypeStruct((compressed_size(x.size, k, format),), jnp.uint8)
-    return jax.ffi.ffi_call(_TARGET_PREFIX[format] + "_compress", out, vmap_method="sequential")(
-        x.reshape(-1), k=k
-    )
+    return jax.ffi.ffi_call(_TARGET_PREFIX[format] + "_compress", out, vmap_method="sequential")(x.reshape(-1), k=k)
 
 
 def _compress_ef(
@@ -100,9 +98,7 @@ def _decompress(
     k = _chunk_count(k)
     compressed = _compressed_array(compressed, compressed_size(n, k, format))
     out = jax.ShapeDtypeStruct((int(n),), _output_dtype(dtype))
-    return jax.ffi.ffi_call(_TARGET_PREFIX[format] + "_decompress", out, vmap_method="sequential")(
-        compressed, k=k
-    )
+    return jax.ffi.ffi_call(_TARGET_PREFIX[format] + "_decompress", out, vmap_method="sequential")(compressed, k=k)
 
 
 def _decompress_reduce(
@@ -116,9 +112,9 @@ def _decompress_reduce(
     k = _chunk_count(k)
     compressed = _compressed_array(compressed, int(k) * compressed_size(m, 1, format))
     out = jax.ShapeDtypeStruct((int(m),), _output_dtype(dtype))
-    return jax.ffi.ffi_call(
-        _TARGET_PREFIX[format] + "_decompress_reduce", out, vmap_method="sequential"
-    )(compressed, k=k, average=bool(average))
+    return jax.ffi.ffi_call(_TARGET_PREFIX[format] + "_decompress_reduce", out, vmap_method="sequential")(
+        compressed, k=k, average=bool(average)
+    )
 
 
 def minmax_uint8_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
@@ -177,9 +173,7 @@ def sign_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
     return _compress("sign", x, k)
 
 
-def sign_compress_ef(
-    x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int
-) -> tuple[jax.Array, jax.Array]:
+def sign_compress_ef(x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int) -> tuple[jax.Array, jax.Array]:
     """1-bit compress ``x + residual`` and return ``(compressed, new_residual)``.
 
     With ``y = x + residual``, the new residual is ``y - decompress(compressed)``

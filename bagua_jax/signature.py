@@ -26,9 +26,7 @@ def job_signature(params: Any, algorithm: Any) -> JobSignature:
     return JobSignature.of(leaves, algorithm_config(algorithm))
 
 
-def check_ranks_agree(
-    params: Any, algorithm: Any, communicator: NativeCommunicator | None
-) -> None:
+def check_ranks_agree(params: Any, algorithm: Any, communicator: NativeCommunicator | None) -> None:
     """Raise a ``ValueError`` naming each difference unless all ranks train the same job.
 
     Over ``communicator`` (native mode) or, when it is None, between the processes of
@@ -41,6 +39,4 @@ def check_ranks_agree(
             lambda x: np.asarray(communicator.allgather(jax.numpy.asarray(x))),
         )
     elif jax.process_count() > 1:
-        check_same_job(
-            signature, lambda x: np.asarray(multihost_utils.process_allgather(x))
-        )
+        check_same_job(signature, lambda x: np.asarray(multihost_utils.process_allgather(x)))

@@ -141,9 +141,7 @@ class DataParallel:
             return tree
         flat, unravel = ravel_pytree(floats)
         averaged = iter(unravel(self._world.allreduce(flat.astype(jnp.float32), "avg").astype(flat.dtype)))
-        return jax.tree.map(
-            lambda leaf: next(averaged) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf, tree
-        )
+        return jax.tree.map(lambda leaf: next(averaged) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf, tree)
 
     def _sharded(self, fn: Callable, per_rank_args: tuple[bool, ...], per_rank_out: Any = None) -> Callable:
         """``fn`` on each rank under ``shard_map``.
@@ -161,9 +159,7 @@ class DataParallel:
             out = fn(*rows, *args[stacked:])
             if out_rows is None:
                 return jax.tree.map(lambda a: jnp.asarray(a)[None], out)
-            return tuple(
-                jax.tree.map(lambda a: jnp.asarray(a)[None], o) if s else o for o, s in zip(out, out_rows)
-            )
+            return tuple(jax.tree.map(lambda a: jnp.asarray(a)[None], o) if s else o for o, s in zip(out, out_rows))
 
         def spec(per_rank_flag: bool) -> P:
             return self._ranks if per_rank_flag else P()

@@ -162,39 +162,55 @@ def build_parser() -> argparse.ArgumentParser:
     )
     job = parser.add_argument_group("job")
     job.add_argument(
-        "--nproc-per-node", "--nproc_per_node", type=_positive_int, default=1, metavar="N",
+        "--nproc-per-node",
+        "--nproc_per_node",
+        type=_positive_int,
+        default=1,
+        metavar="N",
         help="processes (ranks) to start on this node (default: 1)",
     )
     job.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="nodes in the job (default: 1)")
     job.add_argument(
-        "--node-rank", "--node_rank", type=_non_negative_int, default=0, metavar="I",
+        "--node-rank",
+        "--node_rank",
+        type=_non_negative_int,
+        default=0,
+        metavar="I",
         help="this node's index, 0 .. nnodes-1 (default: 0)",
     )
     job.add_argument(
-        "--master-addr", "--master_addr", default=None, metavar="HOST",
+        "--master-addr",
+        "--master_addr",
+        default=None,
+        metavar="HOST",
         help="address of node 0, where rank 0 listens (default: 127.0.0.1; required with --nnodes > 1)",
     )
     job.add_argument(
-        "--master-port", "--master_port", type=_port, default=None, metavar="PORT",
+        "--master-port",
+        "--master_port",
+        type=_port,
+        default=None,
+        metavar="PORT",
         help=f"port on node 0 for rank 0's coordinator / TCP store (default: a free port of this "
         f"machine for a one-node job, {DEFAULT_MULTINODE_PORT} with --nnodes > 1)",
     )
     what = parser.add_argument_group("what to run")
     how = what.add_mutually_exclusive_group()
     how.add_argument("-m", "--module", action="store_true", help="run the target as 'python -m module'")
-    how.add_argument(
-        "--no-python", action="store_true", help="run the target as a program, not a Python script"
-    )
+    how.add_argument("--no-python", action="store_true", help="run the target as a program, not a Python script")
     what.add_argument("target", metavar="script.py", help="the script (or module, or program) each rank runs")
     what.add_argument("args", nargs=argparse.REMAINDER, metavar="args", help="arguments passed to the script")
     mpi = parser.add_argument_group("MPI")
     mpi.add_argument(
-        "--mpi", action="store_true",
+        "--mpi",
+        action="store_true",
         help="start the ranks as one 'mpiexec -n NNODES*NPROC' job (for the MPI engine); run the "
         "launcher once, on node 0, and place ranks on hosts with --mpi-args",
     )
     mpi.add_argument(
-        "--mpiexec", default=None, metavar="PATH",
+        "--mpiexec",
+        default=None,
+        metavar="PATH",
         help="the mpiexec to use (default: the one beside this Python, else the one on PATH)",
     )
     mpi.add_argument(
@@ -202,25 +218,39 @@ def build_parser() -> argparse.ArgumentParser:
     )
     cache = parser.add_argument_group("dataset cache")
     cache.add_argument(
-        "--cache-server", choices=["redis"], default=None,
+        "--cache-server",
+        choices=["redis"],
+        default=None,
         help="start one redis-server per node for bagua's CachedDataset, on a private unix socket "
         f"(no TCP); ranks find it in {ENV_CACHE_URL}; it stops when the ranks exit",
     )
     cache.add_argument(
-        "--cache-capacity", type=parse_capacity, default=None, metavar="SIZE",
+        "--cache-capacity",
+        type=parse_capacity,
+        default=None,
+        metavar="SIZE",
         help="the cache server's memory, e.g. 8G (default: a quarter of this node's RAM)",
     )
     control = parser.add_argument_group("control")
     control.add_argument(
-        "--grace", type=_seconds, default=10.0, metavar="SECONDS",
+        "--grace",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
         help="after SIGTERM (a rank failed, a signal, --timeout), seconds before SIGKILL (default: 10)",
     )
     control.add_argument(
-        "--timeout", type=_seconds, default=None, metavar="SECONDS",
+        "--timeout",
+        type=_seconds,
+        default=None,
+        metavar="SECONDS",
         help="stop the job after this many seconds and exit 124 (default: no limit)",
     )
     control.add_argument(
-        "--tail-lines", type=_non_negative_int, default=20, metavar="N",
+        "--tail-lines",
+        type=_non_negative_int,
+        default=20,
+        metavar="N",
         help="lines of the failing rank's output repeated in the final summary (default: 20)",
     )
     return parser
@@ -284,11 +314,21 @@ def parse_args(argv: list[str] | None) -> Config:
     except ValueError as e:
         parser.error(f"--mpi-args: {e}")
     return Config(
-        nproc_per_node=ns.nproc_per_node, nnodes=ns.nnodes, node_rank=ns.node_rank,
-        master_addr=master_addr, master_port=master_port, command=command, mode=mode,
-        mpi=ns.mpi, mpiexec=mpiexec, mpi_args=mpi_args,
-        grace=ns.grace, timeout=ns.timeout, tail_lines=ns.tail_lines,
-        cache_server=ns.cache_server, cache_capacity=ns.cache_capacity,
+        nproc_per_node=ns.nproc_per_node,
+        nnodes=ns.nnodes,
+        node_rank=ns.node_rank,
+        master_addr=master_addr,
+        master_port=master_port,
+        command=command,
+        mode=mode,
+        mpi=ns.mpi,
+        mpiexec=mpiexec,
+        mpi_args=mpi_args,
+        grace=ns.grace,
+        timeout=ns.timeout,
+        tail_lines=ns.tail_lines,
+        cache_server=ns.cache_server,
+        cache_capacity=ns.cache_capacity,
     )
 
 
@@ -421,11 +461,24 @@ class Launcher:
             env[ENV_CACHE_URL] = self.cache_server.url
         return env
 
-    def _spawn(self, label: str, rank: int | None, command: list[str], env: dict[str, str], death_signal: int,
-               ignore_sigpipe: bool = False) -> _Child:
+    def _spawn(
+        self,
+        label: str,
+        rank: int | None,
+        command: list[str],
+        env: dict[str, str],
+        death_signal: int,
+        ignore_sigpipe: bool = False,
+    ) -> _Child:
         proc = subprocess.Popen(
-            command, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            process_group=0, preexec_fn=die_with_parent(death_signal), restore_signals=not ignore_sigpipe,
+            command,
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            process_group=0,
+            preexec_fn=die_with_parent(death_signal),
+            restore_signals=not ignore_sigpipe,
         )
         child = _Child(label, rank, proc)
         self.children.append(child)
@@ -438,8 +491,12 @@ class Launcher:
             if self.stop_reason is not None:  # a signal arrived while starting
                 break
             env = base | rank_environment(
-                local_rank=local_rank, nproc_per_node=c.nproc_per_node, nnodes=c.nnodes,
-                node_rank=c.node_rank, master_addr=c.master_addr, master_port=c.master_port,
+                local_rank=local_rank,
+                nproc_per_node=c.nproc_per_node,
+                nnodes=c.nnodes,
+                node_rank=c.node_rank,
+                master_addr=c.master_addr,
+                master_port=c.master_port,
             )
             rank = int(env["RANK"])
             self._spawn(f"rank {rank}", rank, c.command, env, signal.SIGKILL)
@@ -458,10 +515,20 @@ class Launcher:
             target = target[1:]  # and "-m"
         # Hydra would SIGKILL every rank as soon as one dies of a signal, before the others could
         # report their exit status; the launcher stops the job itself (SIGTERM, --grace, SIGKILL).
-        cleanup = ["-disable-auto-cleanup"] if _is_hydra(c.mpiexec) and "-disable-auto-cleanup" not in c.mpi_args else []
+        cleanup = (
+            ["-disable-auto-cleanup"] if _is_hydra(c.mpiexec) and "-disable-auto-cleanup" not in c.mpi_args else []
+        )
         command = [
-            c.mpiexec, *cleanup, *c.mpi_args, "-n", str(c.nnodes * c.nproc_per_node),
-            sys.executable, os.path.abspath(rank_env.__file__), *wrapper_flags, "--", *target,
+            c.mpiexec,
+            *cleanup,
+            *c.mpi_args,
+            "-n",
+            str(c.nnodes * c.nproc_per_node),
+            sys.executable,
+            os.path.abspath(rank_env.__file__),
+            *wrapper_flags,
+            "--",
+            *target,
         ]
         # Hydra may still write to the connection of a proxy whose rank has just finished; with
         # SIGPIPE ignored (inherited from this Python) that is an EPIPE it handles, not a kill
@@ -639,7 +706,8 @@ class Launcher:
 
     def _mpi_failure(self) -> tuple[int, int] | None:
         bad = [
-            (s["time"], r, s.get("code")) for r, s in self.statuses.items()
+            (s["time"], r, s.get("code"))
+            for r, s in self.statuses.items()
             if s.get("code") != 0 and (self.stopped_at is None or s["time"] <= self.stopped_at)
         ]
         if not bad:
@@ -710,7 +778,7 @@ class Launcher:
         if tail_key is not None and self.config.tail_lines and self.tails.get(tail_key):
             name = f"rank {tail_key}" if isinstance(tail_key, int) else tail_key
             lines.append(f"-------------------- last lines of {name} --------------------")
-            lines.extend(list(self.tails[tail_key])[-self.config.tail_lines:])
+            lines.extend(list(self.tails[tail_key])[-self.config.tail_lines :])
         lines.append("=" * (len(lines[1])))
         self.out.message("\n".join(lines) + "\n")
 

@@ -98,7 +98,7 @@ def _parse(argv: list[str]) -> tuple[str, list[str]]:
         i += 1
     if i >= len(argv):
         raise SystemExit("usage: python -m bagua_launch.rank_env [--module | --no-python] [--] target [args ...]")
-    target, args = argv[i], argv[i + 1:]
+    target, args = argv[i], argv[i + 1 :]
     if mode == "program":
         return mode, [target, *args]
     if mode == "module":
@@ -159,8 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     try:
         child = subprocess.Popen(
-            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            process_group=0, preexec_fn=die_with_parent(signal.SIGKILL),
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            process_group=0,
+            preexec_fn=die_with_parent(signal.SIGKILL),
             # MPI_Init in the script talks to the MPI launcher over this inherited socket.
             pass_fds=tuple(int(env[k]) for k in ("PMI_FD",) if env.get(k, "").isdigit()),
         )

@@ -23,13 +23,13 @@ from bagua_torch.communicator import (
 )
 from bagua_torch.distributed import BaguaModule, DistributedDataParallel, with_bagua
 from bagua_torch.fused_optimizer import FusedOptimizer, fuse_optimizer
-from bagua_torch.ops import build_info
 from bagua_torch.job import (
     BaguaProcessGroup,
     get_process_group,
     init_process_group,
     is_initialized,
 )
+from bagua_torch.ops import build_info
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",

@@ -59,8 +59,10 @@ class Bucket:
         offsets, offset = [], 0
         for name, p in named_params:
             if p.dtype != self.dtype or p.device != self.device:
-                raise ValueError(f"bucket {index}: parameter {name} is {p.dtype} on {p.device}, the bucket holds "
-                                 f"{self.dtype} on {self.device}")
+                raise ValueError(
+                    f"bucket {index}: parameter {name} is {p.dtype} on {p.device}, the bucket holds "
+                    f"{self.dtype} on {self.device}"
+                )
             offsets.append(offset)
             offset += p.numel()
         self.offsets: tuple[int, ...] = tuple(offsets)
@@ -70,8 +72,10 @@ class Bucket:
         self.grad = torch.zeros(self.size, dtype=self.dtype, device=self.device)
 
     def __repr__(self) -> str:
-        return (f"Bucket(index={self.index}, params={list(self.names)}, dtype={self.dtype}, numel={self.numel}, "
-                f"size={self.size})")
+        return (
+            f"Bucket(index={self.index}, params={list(self.names)}, dtype={self.dtype}, numel={self.numel}, "
+            f"size={self.size})"
+        )
 
     @property
     def nbytes(self) -> int:
@@ -81,8 +85,10 @@ class Bucket:
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of a flat tensor of ``size`` (or ``numel``) elements shaped like each parameter, in bucket order."""
         if flat.dim() != 1 or flat.numel() < self.numel:
-            raise ValueError(f"bucket {self.index}: need a 1-D tensor of at least {self.numel} elements, "
-                             f"got shape {list(flat.shape)}")
+            raise ValueError(
+                f"bucket {self.index}: need a 1-D tensor of at least {self.numel} elements, "
+                f"got shape {list(flat.shape)}"
+            )
         return [flat[o : o + p.numel()].view(p.shape) for o, p in zip(self.offsets, self.params)]
 
     def _fill(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor | None]) -> torch.Tensor:
@@ -134,9 +140,7 @@ def make_buckets(
     for name, p in reversed(list(named_params)):
         nbytes = p.numel() * p.element_size()
         if current and (
-            current[0][1].dtype != p.dtype
-            or current[0][1].device != p.device
-            or current_bytes + nbytes > bucket_bytes
+            current[0][1].dtype != p.dtype or current[0][1].device != p.device or current_bytes + nbytes > bucket_bytes
         ):
             buckets.append(Bucket(len(buckets), current, pad_to))
             current, current_bytes = [], 0

@@ -40,22 +40,12 @@ def _replicas_and_rank(num_replicas: int | None, rank: int | None) -> tuple[int,
                 torch.distributed.get_rank(),
             )
         else:
-            raise ValueError(
-                "num_replicas and rank are needed when no process group is initialized"
-            )
+            raise ValueError("num_replicas and rank are needed when no process group is initialized")
         num_replicas = size if num_replicas is None else num_replicas
         rank = mine if rank is None else rank
-    if (
-        isinstance(num_replicas, bool)
-        or not isinstance(num_replicas, int)
-        or num_replicas < 1
-    ):
+    if isinstance(num_replicas, bool) or not isinstance(num_replicas, int) or num_replicas < 1:
         raise ValueError(f"num_replicas must be an int >= 1, got {num_replicas!r}")
-    if (
-        isinstance(rank, bool)
-        or not isinstance(rank, int)
-        or not 0 <= rank < num_replicas
-    ):
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < num_replicas:
         raise ValueError(f"rank must be an int in [0, {num_replicas}), got {rank!r}")
     return num_replicas, rank
 
@@ -122,9 +112,7 @@ class LoadBalancingDistributedSampler(_PlannedSampler, Sampler[int]):
     ) -> None:
         self.num_replicas, self.rank = _replicas_and_rank(num_replicas, rank)
         if costs is not None and len(costs) != len(dataset):
-            raise ValueError(
-                f"{len(costs)} costs given for a dataset of {len(dataset)} samples"
-            )
+            raise ValueError(f"{len(costs)} costs given for a dataset of {len(dataset)} samples")
         self.plan = BalancedPlan(
             costs,
             world_size=self.num_replicas,

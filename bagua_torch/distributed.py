@@ -152,12 +152,16 @@ class BaguaModule(nn.Module):
                 raise TypeError(f"parameter {name} is sparse; sparse parameters are not supported")
         for name, p in named:
             if not p.dtype.is_floating_point:
-                raise TypeError(f"parameter {name} has dtype {p.dtype}; data-parallel algorithms train real "
-                                "floating-point parameters only")
+                raise TypeError(
+                    f"parameter {name} has dtype {p.dtype}; data-parallel algorithms train real "
+                    "floating-point parameters only"
+                )
         devices = {p.device for _, p in module.named_parameters()} | {b.device for _, b in module.named_buffers()}
         if len(devices) > 1:
-            raise ValueError(f"the model's parameters and buffers are on several devices ({sorted(map(str, devices))}); "
-                             "each process must train a model on one device")
+            raise ValueError(
+                f"the model's parameters and buffers are on several devices ({sorted(map(str, devices))}); "
+                "each process must train a model on one device"
+            )
         self.device = devices.pop() if devices else torch.device("cpu")
         self._check_optimizers(named)
 
@@ -189,7 +193,9 @@ class BaguaModule(nn.Module):
         )
         impl = algorithm.reify(context)
         if not isinstance(impl, AlgorithmImpl):
-            raise TypeError(f"{type(algorithm).__name__}.reify() must return an AlgorithmImpl, got {type(impl).__name__}")
+            raise TypeError(
+                f"{type(algorithm).__name__}.reify() must return an AlgorithmImpl, got {type(impl).__name__}"
+            )
         self.algorithm_impl: AlgorithmImpl = impl
 
         # Iteration state, guarded by _lock (hooks may run on autograd's threads).
@@ -279,8 +285,9 @@ class BaguaModule(nn.Module):
             if grad is None:  # pragma: no cover (autograd always sets it before this hook)
                 return
             if grad.is_sparse:
-                raise RuntimeError(f"parameter {bucket.names[i]} has a sparse gradient; sparse gradients are not "
-                                   "supported")
+                raise RuntimeError(
+                    f"parameter {bucket.names[i]} has a sparse gradient; sparse gradients are not supported"
+                )
             with torch.no_grad():
                 self._grad_views[k][i].copy_(grad)
             self._ready[k][i] = True
@@ -306,8 +313,10 @@ class BaguaModule(nn.Module):
             self._record("launch", k)
             work = self.algorithm_impl.reduce_bucket(bucket)
             if work is None or not hasattr(work, "wait"):
-                raise TypeError(f"{type(self.algorithm_impl).__name__}.reduce_bucket() must return a Work, got "
-                                f"{type(work).__name__}")
+                raise TypeError(
+                    f"{type(self.algorithm_impl).__name__}.reduce_bucket() must return a Work, got "
+                    f"{type(work).__name__}"
+                )
             self._works[k] = work
             self._next_launch += 1
 
@@ -412,8 +421,10 @@ class BaguaModule(nn.Module):
         self._closed = True
 
     def extra_repr(self) -> str:
-        return (f"algorithm={self.algorithm!r}, buckets={len(self.buckets)}, bucket_bytes={self.bucket_bytes}, "
-                f"sync_point={self.sync_point!r}, world_size={self.communicators.world.size}")
+        return (
+            f"algorithm={self.algorithm!r}, buckets={len(self.buckets)}, bucket_bytes={self.bucket_bytes}, "
+            f"sync_point={self.sync_point!r}, world_size={self.communicators.world.size}"
+        )
 
 
 def with_bagua(
@@ -492,7 +503,10 @@ class DistributedDataParallel(BaguaModule):
         if dim != 0:
             raise ValueError(f"dim={dim}: this wrapper runs one device per process and does not scatter inputs")
         devices = {p.device for p in module.parameters()}
-        for what, ids in (("device_ids", device_ids), ("output_device", None if output_device is None else [output_device])):
+        for what, ids in (
+            ("device_ids", device_ids),
+            ("output_device", None if output_device is None else [output_device]),
+        ):
             if ids is None:
                 continue
             if len(ids) != 1:
@@ -500,8 +514,12 @@ class DistributedDataParallel(BaguaModule):
             wanted = torch.device("cuda", ids[0]) if isinstance(ids[0], int) else torch.device(ids[0])
             if devices and wanted not in devices:
                 raise ValueError(f"{what}={list(ids)} but the model is on {sorted(map(str, devices))}")
-        for key, value in (("find_unused_parameters", find_unused_parameters), ("check_reduction", check_reduction),
-                           ("gradient_as_bucket_view", gradient_as_bucket_view), ("static_graph", static_graph)):
+        for key, value in (
+            ("find_unused_parameters", find_unused_parameters),
+            ("check_reduction", check_reduction),
+            ("gradient_as_bucket_view", gradient_as_bucket_view),
+            ("static_graph", static_graph),
+        ):
             if not isinstance(value, bool):
                 raise TypeError(f"{key} must be a bool, got {value!r}")
         super().__init__(

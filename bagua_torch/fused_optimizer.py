@@ -161,8 +161,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 if member:
                     state[index[p]] = {k: v.clone() if torch.is_tensor(v) else v for k, v in member.items()}
         groups = [
-            {**_hyper_parameters(group), "params": [index[p] for p in group["params"]]}
-            for group in self.param_groups
+            {**_hyper_parameters(group), "params": [index[p] for p in group["params"]]} for group in self.param_groups
         ]
         return {"state": dict(sorted(state.items())), "param_groups": groups}
 

@@ -256,7 +256,9 @@ def init_process_group(
             locals_ = [list(range(l, world_size, local_world_size)) for l in range(local_world_size)]
             intra_group, _ = dist.new_subgroups_by_enumeration(nodes, backend=backend)
             inter_group, _ = dist.new_subgroups_by_enumeration(locals_, backend=backend)
-            intra = ProcessGroupCommunicator(intra_group, timeout=seconds, name=f"bagua/intra{rank // local_world_size}")
+            intra = ProcessGroupCommunicator(
+                intra_group, timeout=seconds, name=f"bagua/intra{rank // local_world_size}"
+            )
             inter = ProcessGroupCommunicator(inter_group, timeout=seconds, name=f"bagua/inter{rank % local_world_size}")
 
     _default = BaguaProcessGroup(

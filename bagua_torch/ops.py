@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-import torch
-
 import _bagua_ffi
+import torch
 
 Format = Literal["minmax_uint8", "sign"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -48,8 +47,7 @@ def _output(out: torch.Tensor | None, numel: int, dtype: torch.dtype, device: to
         raise TypeError(f"out must be a torch.Tensor, got {type(out).__name__}")
     if out.dtype != dtype or out.numel() != numel or not out.is_contiguous():
         raise ValueError(
-            f"out must be a contiguous {dtype} tensor of {numel} elements, got "
-            f"{out.dtype}{list(out.shape)}"
+            f"out must be a contiguous {dtype} tensor of {numel} elements, got {out.dtype}{list(out.shape)}"
         )
     return out
 

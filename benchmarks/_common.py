@@ -61,8 +61,7 @@ def versions(packages: Sequence[str]) -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             out[package] = "not installed"
     with contextlib.suppress(RuntimeError, OSError, subprocess.SubprocessError):
-        text = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30,
-                              check=False).stdout
+        text = subprocess.run([mpiexec(), "--version"], capture_output=True, text=True, timeout=30, check=False).stdout
         found = re.search(r"Version:\s*(\S+)", text)
         out["mpich (hydra)"] = found.group(1) if found else " ".join(text.split())[:80]
     with contextlib.suppress(ImportError):
@@ -107,8 +106,7 @@ def header_lines(meta: dict[str, Any]) -> list[str]:
         f"- date: {meta['date']}",
         f"- device: {meta['device']['kind']}, {meta['device']['name']}",
         "- versions: " + ", ".join(f"{k} {v}" for k, v in meta["versions"].items() if k != "bagua_build"),
-        (f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, "
-         f"after: {meta['load_average_after']}"),
+        (f"- load average (1, 5, 15 min) before: {meta['load_average_before']}, after: {meta['load_average_after']}"),
     ]
 
 

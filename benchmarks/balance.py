@@ -34,14 +34,10 @@ TIMINGS_PER_BATCH = 3  # the fastest of these is the batch's compute (the box is
 
 
 def skewed_lengths(n: int, seed: int = 0) -> np.ndarray:
-    return np.clip(np.random.default_rng(seed).lognormal(4.3, 0.8, n), 16, 512).astype(
-        int
-    )
+    return np.clip(np.random.default_rng(seed).lognormal(4.3, 0.8, n), 16, 512).astype(int)
 
 
-def distributed_batches(
-    n: int, ranks: int, batch: int, epoch: int
-) -> list[list[list[int]]]:
+def distributed_batches(n: int, ranks: int, batch: int, epoch: int) -> list[list[list[int]]]:
     """batches[rank][step] as DistributedSampler plus consecutive batching gives them."""
     out = []
     for rank in range(ranks):
@@ -52,14 +48,10 @@ def distributed_batches(
     return out
 
 
-def balanced_batches(
-    lengths, ranks: int, batch: int, epoch: int
-) -> list[list[list[int]]]:
+def balanced_batches(lengths, ranks: int, batch: int, epoch: int) -> list[list[list[int]]]:
     out = []
     for rank in range(ranks):
-        sampler = BalancedBatchSampler(
-            lengths, batch_size=batch, num_replicas=ranks, rank=rank
-        )
+        sampler = BalancedBatchSampler(lengths, batch_size=batch, num_replicas=ranks, rank=rank)
         sampler.set_epoch(epoch)
         out.append(list(sampler))
     return out
@@ -70,18 +62,12 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = x.view(x.shape[0], 4, -1).transpose(0, 1)
-        return (
-            nn.functional.scaled_dot_product_attention(q, q, q)
-            .transpose(0, 1)
-            .reshape(x.shape)
-        )
+        return nn.functional.scaled_dot_product_attention(q, q, q).transpose(0, 1).reshape(x.shape)
 
 
 def models() -> dict[str, tuple[nn.Module, bool]]:
     """Each model and whether it is token-wise (so a rank's samples run packed, as one)."""
-    feed_forward = nn.Sequential(
-        nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL)
-    )
+    feed_forward = nn.Sequential(nn.Linear(D_MODEL, 4 * D_MODEL), nn.GELU(), nn.Linear(4 * D_MODEL, D_MODEL))
     attention = nn.Sequential(nn.Linear(D_MODEL, D_MODEL), Attention())
     layer = nn.TransformerEncoderLayer(D_MODEL, 4, 4 * D_MODEL, dropout=0.0)
     return {
@@ -91,9 +77,7 @@ def models() -> dict[str, tuple[nn.Module, bool]]:
     }
 
 
-def run_batch(
-    model: nn.Module, lengths: np.ndarray, indices: list[int], packed: bool
-) -> None:
+def run_batch(model: nn.Module, lengths: np.ndarray, indices: list[int], packed: bool) -> None:
     """Forward and backward of a batch: packed tokens, or each sample at its own length."""
     sizes = [int(lengths[i]) for i in indices]
     for size in [sum(sizes)] if packed else sizes:
@@ -103,9 +87,7 @@ def run_batch(
 def modelled(lengths, ranks, batch, epoch, power) -> float:
     def total(batches):
         cost = lengths.astype(float) ** power
-        return sum(
-            max(cost[b[s]].sum() for b in batches) for s in range(len(batches[0]))
-        )
+        return sum(max(cost[b[s]].sum() for b in batches) for s in range(len(batches[0])))
 
     dist_total = total(distributed_batches(len(lengths), ranks, batch, epoch))
     return total(balanced_batches(lengths, ranks, batch, epoch)) / dist_total
@@ -130,15 +112,11 @@ def replayed(model, packed, lengths, plain, balanced) -> tuple[float, float]:
     for step in range(max(len(plain[0]), len(balanced[0]))):
         for which, batches in enumerate((plain, balanced)):
             if step < len(batches[0]):
-                totals[which] += step_seconds(
-                    model, packed, lengths, [b[step] for b in batches]
-                )
+                totals[which] += step_seconds(model, packed, lengths, [b[step] for b in batches])
     return totals[0], totals[1]
 
 
-def real_worker(
-    rank: int, world: int, port: int, lengths, batch: int, repeats: int, queue
-) -> None:
+def real_worker(rank: int, world: int, port: int, lengths, batch: int, repeats: int, queue) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -175,16 +153,10 @@ def main() -> None:
 
     print("\n1. modelled cost, sum over steps of the max over ranks (20 epochs)")
     for power, name in ((1, "linear"), (2, "quadratic")):
-        ratios = [
-            modelled(lengths, args.ranks, args.batch, e, power) for e in range(20)
-        ]
-        print(
-            f"   {name:10s} balanced/DistributedSampler = {statistics.median(ratios):.3f}x"
-        )
+        ratios = [modelled(lengths, args.ranks, args.batch, e, power) for e in range(20)]
+        print(f"   {name:10s} balanced/DistributedSampler = {statistics.median(ratios):.3f}x")
 
-    print(
-        f"\n2. replayed compute, {args.ranks} virtual ranks, 1 thread ({args.repeats} repeats)"
-    )
+    print(f"\n2. replayed compute, {args.ranks} virtual ranks, 1 thread ({args.repeats} repeats)")
     torch.manual_seed(0)
     for name, (model, packed) in models().items():
         ratios, dist_times = [], []
@@ -198,14 +170,10 @@ def main() -> None:
               f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x "
               f"(repeats {', '.join(f'{r:.3f}' for r in ratios)})")  # fmt: skip
 
-    print(
-        f"\n3. real run, 2 processes (gloo), transformer layer ({args.repeats} repeats)"
-    )
+    print(f"\n3. real run, 2 processes (gloo), transformer layer ({args.repeats} repeats)")
     queue = mp.get_context("spawn").SimpleQueue()
     port = 29400 + os.getpid() % 500
-    mp.spawn(
-        real_worker, args=(2, port, lengths, args.batch, args.repeats, queue), nprocs=2
-    )
+    mp.spawn(real_worker, args=(2, port, lengths, args.batch, args.repeats, queue), nprocs=2)
     times: dict[str, list[float]] = {"dist": [], "balanced": []}
     while not queue.empty():
         name, seconds = queue.get()

@@ -80,15 +80,9 @@ def main() -> None:
     }
     epoch2_hit_rates: dict[str, list[float]] = {"redis": []}
     for _ in range(args.repeats):
-        times["uncached"].append(
-            tuple(epoch_seconds(base, args.workers) for _ in range(2))
-        )
-        lmdb_data = CachedDataset(
-            base, LmdbStore(capacity_bytes=capacity), name="bench"
-        )
-        times["lmdb"].append(
-            tuple(epoch_seconds(lmdb_data, args.workers) for _ in range(2))
-        )
+        times["uncached"].append(tuple(epoch_seconds(base, args.workers) for _ in range(2)))
+        lmdb_data = CachedDataset(base, LmdbStore(capacity_bytes=capacity), name="bench")
+        times["lmdb"].append(tuple(epoch_seconds(lmdb_data, args.workers) for _ in range(2)))
         lmdb_data.loader.store.close()
         with RedisServer(capacity) as server:
             redis_data = CachedDataset(base, RedisStore(server.url), name="bench")
@@ -97,19 +91,12 @@ def main() -> None:
             second = epoch_seconds(redis_data, args.workers)
             hits, misses = redis_hits(server)
             times["redis"].append((first, second))
-            epoch2_hit_rates["redis"].append(
-                (hits - hits0) / (hits - hits0 + misses - misses0)
-            )
-    median = {
-        k: [statistics.median(t[e] for t in v) for e in range(2)]
-        for k, v in times.items()
-    }
+            epoch2_hit_rates["redis"].append((hits - hits0) / (hits - hits0 + misses - misses0))
+    median = {k: [statistics.median(t[e] for t in v) for e in range(2)] for k, v in times.items()}
     uncached = statistics.median(t for pair in times["uncached"] for t in pair)
     print(f"{args.samples} samples, ~{DECODE_SECONDS * 1e3:.0f} ms CPU decode ({rounds} FFT rounds),"
           f" {args.workers} workers, {args.repeats} interleaved repeats; median seconds")  # fmt: skip
-    print(
-        f"{'store':10s} {'epoch 1':>8s} {'epoch 2':>8s} {'epoch-2 speed-up':>17s} {'epoch-1 overhead':>17s}"
-    )
+    print(f"{'store':10s} {'epoch 1':>8s} {'epoch 2':>8s} {'epoch-2 speed-up':>17s} {'epoch-1 overhead':>17s}")
     for name, (first, second) in median.items():
         print(f"{name:10s} {first:8.3f} {second:8.3f} {uncached / second:16.1f}x "
               f"{100 * (first / median['uncached'][0] - 1):+16.0f}%")  # fmt: skip

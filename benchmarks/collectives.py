@@ -172,6 +172,7 @@ ROOT = 0
 
 # --------------------------------------------------------------------------- definitions
 
+
 def bus_factor(primitive: str, n: int) -> float:
     """busbw / algbw for ``primitive`` on ``n`` ranks (nccl-tests' definitions)."""
     if primitive == "allreduce":
@@ -181,8 +182,14 @@ def bus_factor(primitive: str, n: int) -> float:
     return 1.0  # broadcast, send_recv
 
 
-FACTOR_TEXT = {"allreduce": "2(n-1)/n", "allgather": "(n-1)/n", "reduce_scatter": "(n-1)/n",
-               "alltoall": "(n-1)/n", "broadcast": "1", "send_recv": "1"}
+FACTOR_TEXT = {
+    "allreduce": "2(n-1)/n",
+    "allgather": "(n-1)/n",
+    "reduce_scatter": "(n-1)/n",
+    "alltoall": "(n-1)/n",
+    "broadcast": "1",
+    "send_recv": "1",
+}
 
 
 def ring_peers(rank: int, n: int) -> list[int] | None:
@@ -268,14 +275,21 @@ def wrong_elements(primitive: str, rank: int, n: int, count: int, got: np.ndarra
         flat = np.arange(total, dtype=np.int64)
     else:
         rng = np.random.default_rng([rank, total])
-        flat = np.unique(np.concatenate([
-            np.arange(0, total, total // CHECKED_ELEMENTS, dtype=np.int64),
-            rng.integers(0, total, CHECKED_ELEMENTS), np.arange(total - 64, total, dtype=np.int64)]))
+        flat = np.unique(
+            np.concatenate(
+                [
+                    np.arange(0, total, total // CHECKED_ELEMENTS, dtype=np.int64),
+                    rng.integers(0, total, CHECKED_ELEMENTS),
+                    np.arange(total - 64, total, dtype=np.int64),
+                ]
+            )
+        )
     _, want = expected(primitive, rank, n, count, flat)
     return int(np.count_nonzero(got.reshape(-1)[flat] != want.astype(np.float32)))
 
 
 # --------------------------------------------------------------------------- engines (workers)
+
 
 class Engine:
     """One rank's communicator of one engine; ``prepare`` gives a call that runs and waits."""
@@ -318,8 +332,9 @@ class NativeJaxEngine(Engine):
 
         if device == "gpu":
             _require_jax_gpu(jax)
-            jax.distributed.initialize(coordinator_address=_coordinator(), num_processes=1, process_id=0,
-                                       initialization_timeout=60)
+            jax.distributed.initialize(
+                coordinator_address=_coordinator(), num_processes=1, process_id=0, initialization_timeout=60
+            )
             self.comm = NativeCommunicator.nccl_world(timeout)
         else:
             self.comm = NativeCommunicator.mpi_world(timeout)
@@ -370,12 +385,18 @@ class LaxEngine(Engine):
         if ranks > 1:
             rank = int(os.environ["RANK"])
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
-            jax.distributed.initialize(coordinator_address=_coordinator(), num_processes=ranks, process_id=rank,
-                                       initialization_timeout=60, heartbeat_timeout_seconds=int(timeout))
+            jax.distributed.initialize(
+                coordinator_address=_coordinator(),
+                num_processes=ranks,
+                process_id=rank,
+                initialization_timeout=60,
+                heartbeat_timeout_seconds=int(timeout),
+            )
             devices = jax.devices()
             if jax.local_device_count() != 1 or len(devices) != ranks:
-                raise RuntimeError(f"expected one device per process, got {devices} "
-                                   f"(XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})")
+                raise RuntimeError(
+                    f"expected one device per process, got {devices} (XLA_FLAGS={os.environ.get('XLA_FLAGS')!r})"
+                )
         else:
             if device == "gpu":
                 _require_jax_gpu(jax)
@@ -397,12 +418,12 @@ class LaxEngine(Engine):
 
     def _step(self, fn: Callable[..., Any], nargs: int) -> Callable[..., Any]:
         """``fn`` on each process's block, as a jitted shard_map over the ranks' axis."""
+
         def body(*blocks):
             return fn(*(b[0] for b in blocks))[None]
 
         P = self.P
-        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=(P("r"),) * nargs,
-                                               out_specs=P("r")))
+        return self.jax.jit(self.jax.shard_map(body, mesh=self.mesh, in_specs=(P("r"),) * nargs, out_specs=P("r")))
 
     def _global(self, local: np.ndarray) -> Any:
         return self.jax.make_array_from_process_local_data(self.sharding, local[None])
@@ -423,8 +444,10 @@ class LaxEngine(Engine):
 
     def info(self):
         d = self.jax.local_devices()[0]
-        return {"device_name": getattr(d, "device_kind", str(d)),
-                "collectives": "gloo" if self.device == "cpu" and self.size > 1 else "xla"}
+        return {
+            "device_name": getattr(d, "device_kind", str(d)),
+            "collectives": "gloo" if self.device == "cpu" and self.size > 1 else "xla",
+        }
 
 
 class TorchEngine(Engine):
@@ -449,14 +472,20 @@ class TorchEngine(Engine):
         self.sync: Callable[[], None] = torch.cuda.synchronize if cuda else (lambda: None)
         if name == "native-torch":
             if cuda:
-                store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1, True,
-                                      timedelta(seconds=timeout))
+                store = dist.TCPStore(
+                    os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), 1, True, timedelta(seconds=timeout)
+                )
                 self.comm = NativeCommunicator.from_store(store, 0, 1, timeout=timeout, device=self.torch_device)
             else:
                 self.comm = NativeCommunicator.mpi_world(timeout=timeout)
         else:
-            dist.init_process_group("nccl" if cuda else "gloo", rank=int(os.environ["RANK"]), world_size=ranks,
-                                    init_method=f"tcp://{_coordinator()}", timeout=timedelta(seconds=timeout))
+            dist.init_process_group(
+                "nccl" if cuda else "gloo",
+                rank=int(os.environ["RANK"]),
+                world_size=ranks,
+                init_method=f"tcp://{_coordinator()}",
+                timeout=timedelta(seconds=timeout),
+            )
             self.comm = ProcessGroupCommunicator(timeout=timeout)
         self.rank, self.size = self.comm.rank, self.comm.size
 
@@ -520,6 +549,7 @@ def _coordinator() -> str:
 
 # --------------------------------------------------------------------------- measuring (workers)
 
+
 def measure(engine: Engine, primitive: str, nbytes: int, target: float) -> dict[str, Any]:
     """Time ``primitive`` on an S = ``nbytes`` message on every rank; the same collectives on all."""
     n, rank = engine.size, engine.rank
@@ -532,8 +562,10 @@ def measure(engine: Engine, primitive: str, nbytes: int, target: float) -> dict[
     per_rank = engine.allmax([float(wrong) if j == rank else -2.0 for j in range(n)])
     bad = {j: int(v) for j, v in enumerate(per_rank) if v != 0}
     if bad:
-        raise AssertionError(f"{primitive} {format_size(nbytes)}: wrong results on rank " + ", ".join(
-            f"{j} ({'wrong shape' if v == -1 else f'{v} checked elements'})" for j, v in bad.items()))
+        raise AssertionError(
+            f"{primitive} {format_size(nbytes)}: wrong results on rank "
+            + ", ".join(f"{j} ({'wrong shape' if v == -1 else f'{v} checked elements'})" for j, v in bad.items())
+        )
     for _ in range(WARMUP_CALLS - 1):
         run()
     engine.barrier()
@@ -556,9 +588,17 @@ def measure(engine: Engine, primitive: str, nbytes: int, target: float) -> dict[
     high, neg_low = (float(v) for v in engine.allmax([median, -median]))
     s = 4 * count
     return {
-        "engine": engine.name, "primitive": primitive, "size": nbytes, "bytes": s, "ranks": n,
-        "median_s": high, "min_rank_median_s": -neg_low, "calls": batches * per_batch, "batches": batches,
-        "algbw": s / high / GB, "busbw": s / high / GB * bus_factor(primitive, n),
+        "engine": engine.name,
+        "primitive": primitive,
+        "size": nbytes,
+        "bytes": s,
+        "ranks": n,
+        "median_s": high,
+        "min_rank_median_s": -neg_low,
+        "calls": batches * per_batch,
+        "batches": batches,
+        "algbw": s / high / GB,
+        "busbw": s / high / GB * bus_factor(primitive, n),
     }
 
 
@@ -593,18 +633,30 @@ def run_worker(args: argparse.Namespace) -> None:
                     traceback.print_exc()
                     text = "".join(traceback.format_exception_only(error))
                     last = [line for line in text.splitlines() if line.strip()]
-                    record({"kind": "error", "engine": engine.name, "primitive": primitive, "size": nbytes,
-                            "rank": engine.rank, "error": last[-1][:500] if last else type(error).__name__,
-                            "detail": text[-2000:]}, every_rank=True)
+                    record(
+                        {
+                            "kind": "error",
+                            "engine": engine.name,
+                            "primitive": primitive,
+                            "size": nbytes,
+                            "rank": engine.rank,
+                            "error": last[-1][:500] if last else type(error).__name__,
+                            "detail": text[-2000:],
+                        },
+                        every_rank=True,
+                    )
                     done += len(args.sizes) - i
                     break
                 done += 1
                 record({"kind": "measurement", **m})
                 if lead:
-                    print(f"[{done:3d}/{total}] {engine.name:<12} {primitive:<14} {format_size(nbytes):>8}  "
-                          f"algbw {m['algbw']:8.3f} GB/s  busbw {m['busbw']:8.3f} GB/s  "
-                          f"(median {_seconds(m['median_s'])} of {m['calls']}; fastest rank "
-                          f"{_seconds(m['min_rank_median_s'])})", flush=True)
+                    print(
+                        f"[{done:3d}/{total}] {engine.name:<12} {primitive:<14} {format_size(nbytes):>8}  "
+                        f"algbw {m['algbw']:8.3f} GB/s  busbw {m['busbw']:8.3f} GB/s  "
+                        f"(median {_seconds(m['median_s'])} of {m['calls']}; fastest rank "
+                        f"{_seconds(m['min_rank_median_s'])})",
+                        flush=True,
+                    )
         record({"kind": "info", "engine": engine.name, **engine.info()})  # what became known while running
         engine.barrier()
     sys.stdout.flush()
@@ -614,6 +666,7 @@ def run_worker(args: argparse.Namespace) -> None:
 
 
 # --------------------------------------------------------------------------- launching
+
 
 def intra_op_threads(ranks: int) -> int:
     """OpenMP threads per rank: the cores shared out among the ranks, at least one (as torchrun does).
@@ -662,12 +715,34 @@ def last_error_line(lines: Sequence[str]) -> str:
 def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: float) -> dict[str, Any]:
     """Run one engine's group of processes under the time limit; return its outcome and records."""
     result_file = workdir / f"{engine}.jsonl"
-    worker = [sys.executable, str(Path(__file__).resolve()), "--worker", engine, "--device", args.device,
-              "--ranks", str(args.ranks), "--sizes", *map(str, args.sizes), "--primitives", *args.primitives,
-              "--target-seconds", str(args.target_seconds), "--comm-timeout", str(args.comm_timeout),
-              "--result-file", str(result_file)] + (["--fresh-pages"] if args.fresh_pages else [])
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "BAGUA_COMM_TIMEOUT": str(args.comm_timeout),
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_common.free_port()), "WORLD_SIZE": str(args.ranks)}
+    worker = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        engine,
+        "--device",
+        args.device,
+        "--ranks",
+        str(args.ranks),
+        "--sizes",
+        *map(str, args.sizes),
+        "--primitives",
+        *args.primitives,
+        "--target-seconds",
+        str(args.target_seconds),
+        "--comm-timeout",
+        str(args.comm_timeout),
+        "--result-file",
+        str(result_file),
+    ] + (["--fresh-pages"] if args.fresh_pages else [])
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "BAGUA_COMM_TIMEOUT": str(args.comm_timeout),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_common.free_port()),
+        "WORLD_SIZE": str(args.ranks),
+    }
     env.setdefault("OMP_NUM_THREADS", str(intra_op_threads(args.ranks)))
     if args.device == "cpu":
         env |= {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per process
@@ -678,14 +753,24 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
     try:
         if engine.startswith("native") and args.device == "cpu":
             command = [_common.mpiexec(), "-n", str(args.ranks), *worker]
-            procs.append(subprocess.Popen(command, env=env, stdin=subprocess.DEVNULL, stdout=write_fd,
-                                          stderr=write_fd, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    command, env=env, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, start_new_session=True
+                )
+            )
         else:
             command = worker
             for r in range(args.ranks):
-                procs.append(subprocess.Popen(worker, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                                              stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd,
-                                              start_new_session=True))
+                procs.append(
+                    subprocess.Popen(
+                        worker,
+                        env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        stdin=subprocess.DEVNULL,
+                        stdout=write_fd,
+                        stderr=write_fd,
+                        start_new_session=True,
+                    )
+                )
     finally:
         os.close(write_fd)
     output = Output(read_fd, start)
@@ -728,9 +813,15 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
                 same[0]["ranks"].append(r["rank"])
             else:
                 errors.append({**r, "ranks": [r["rank"]]})
-    outcome: dict[str, Any] = {"engine": engine, "description": ENGINE_DESCRIPTIONS[args.device][engine],
-                               "command": shlex.join(command), "returncodes": codes,
-                               "seconds": round(seconds, 1), "info": info, "errors": errors}
+    outcome: dict[str, Any] = {
+        "engine": engine,
+        "description": ENGINE_DESCRIPTIONS[args.device][engine],
+        "command": shlex.join(command),
+        "returncodes": codes,
+        "seconds": round(seconds, 1),
+        "info": info,
+        "errors": errors,
+    }
     if timed_out:
         outcome["status"] = "timed out"
         outcome["error"] = f"timed out after {args.timeout:g} s; last output: {last_error_line(output.tail)}"
@@ -743,6 +834,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
 
 
 # --------------------------------------------------------------------------- reporting
+
 
 def format_size(nbytes: int) -> str:
     for unit, scale in (("GiB", GIB), ("MiB", MIB), ("KiB", KIB)):
@@ -787,8 +879,13 @@ def _died(outcome: dict[str, Any]) -> bool:
     return outcome["status"] == "timed out" or any(outcome["returncodes"])
 
 
-def build_rows(primitives: Sequence[str], sizes: Sequence[int], engines: Sequence[str],
-               measurements: Sequence[dict[str, Any]], outcomes: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+def build_rows(
+    primitives: Sequence[str],
+    sizes: Sequence[int],
+    engines: Sequence[str],
+    measurements: Sequence[dict[str, Any]],
+    outcomes: dict[str, dict[str, Any]],
+) -> list[dict[str, Any]]:
     """Per primitive and size: every engine's algbw, busbw and time, and the native ratios.
 
     A size an engine did not measure is "failed" when the engine timed out or died, or
@@ -808,8 +905,12 @@ def build_rows(primitives: Sequence[str], sizes: Sequence[int], engines: Sequenc
             for engine in engines:
                 m = table.get((engine, primitive, size))
                 if m:
-                    row["engines"][engine] = {"algbw": m["algbw"], "busbw": m["busbw"], "median_s": m["median_s"],
-                                              "bytes": m["bytes"]}
+                    row["engines"][engine] = {
+                        "algbw": m["algbw"],
+                        "busbw": m["busbw"],
+                        "median_s": m["median_s"],
+                        "bytes": m["bytes"],
+                    }
                 elif engine in died or size >= failed_from.get((engine, primitive), math.inf):
                     row["engines"][engine] = {"status": "failed"}
                 else:
@@ -844,22 +945,32 @@ def markdown_table(primitive: str, rows: Sequence[dict[str, Any]], engines: Sequ
     return lines
 
 
-def print_tables(primitives: Sequence[str], rows: Sequence[dict[str, Any]], engines: Sequence[str],
-                 n: int, outcomes: dict[str, dict[str, Any]]) -> None:
+def print_tables(
+    primitives: Sequence[str],
+    rows: Sequence[dict[str, Any]],
+    engines: Sequence[str],
+    n: int,
+    outcomes: dict[str, dict[str, Any]],
+) -> None:
     for primitive in primitives:
         mine = [r for r in rows if r["primitive"] == primitive]
         if not mine:
             continue
-        print(f"\n{primitive}: GB/s (busbw = algbw x {FACTOR_TEXT[primitive]} = {bus_factor(primitive, n):.2f}); "
-              "ratios: baseline time / native time")
+        print(
+            f"\n{primitive}: GB/s (busbw = algbw x {FACTOR_TEXT[primitive]} = {bus_factor(primitive, n):.2f}); "
+            "ratios: baseline time / native time"
+        )
         pairs = active_pairs(engines)
         print(f"{'':>9}" + "".join(f"{e:>18}" for e in engines) + "".join(f"{a + '/':>14}" for a, _ in pairs))
         print(f"{'size':>9}" + f"{'algbw':>9}{'busbw':>9}" * len(engines) + "".join(f"{b:>14}" for _, b in pairs))
         for row in mine:
             cells = _cells(row, engines)
             k = 2 * len(engines)
-            print(f"{format_size(row['size']):>9}" + "".join(f"{c:>9}" for c in cells[:k])
-                  + "".join(f"{c:>14}" for c in cells[k:]))
+            print(
+                f"{format_size(row['size']):>9}"
+                + "".join(f"{c:>9}" for c in cells[:k])
+                + "".join(f"{c:>14}" for c in cells[k:])
+            )
     for engine, o in outcomes.items():
         if _died(o):
             print(f"\n{engine}: {o['status']}: {o['error']}")
@@ -875,8 +986,14 @@ def device_info(device: str, outcomes: dict[str, dict[str, Any]]) -> dict[str, A
     return _common.device_info(device, names[0] if names else "unknown GPU")
 
 
-def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict[str, dict[str, Any]],
-                  rows: Sequence[dict[str, Any]], measurements: Sequence[dict[str, Any]]) -> tuple[Path, Path]:
+def write_results(
+    out_dir: Path,
+    stem: str,
+    meta: dict[str, Any],
+    outcomes: dict[str, dict[str, Any]],
+    rows: Sequence[dict[str, Any]],
+    measurements: Sequence[dict[str, Any]],
+) -> tuple[Path, Path]:
     """Write ``<stem>.md`` and ``<stem>.json`` to ``out_dir``."""
     n, engines = meta["ranks"], meta["engines"]
     sizes = meta["sizes"]
@@ -884,10 +1001,14 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict
         f"# Bagua collectives: {meta['device']['kind'].upper()}, {n} rank{'s' if n > 1 else ''}",
         "",
         *_common.header_lines(meta),
-        (f"- ranks: {n}, one process each on this machine; float32 messages of "
-         f"{format_size(sizes[0])} to {format_size(sizes[-1])}"),
-        (f"- timing: {MIN_CALLS} to {MAX_CALLS} calls (~{meta['target_seconds']:g} s) in at most {MAX_BATCHES} "
-         "batches, each after a barrier; median time per call over the batches, the largest over the ranks"),
+        (
+            f"- ranks: {n}, one process each on this machine; float32 messages of "
+            f"{format_size(sizes[0])} to {format_size(sizes[-1])}"
+        ),
+        (
+            f"- timing: {MIN_CALLS} to {MAX_CALLS} calls (~{meta['target_seconds']:g} s) in at most {MAX_BATCHES} "
+            "batches, each after a barrier; median time per call over the batches, the largest over the ranks"
+        ),
         f"- host memory: {meta['host_memory']}; OMP_NUM_THREADS={meta['omp_num_threads']} per rank",
         f"- total time: {meta['seconds']:.0f} s",
         "",
@@ -896,12 +1017,16 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict
     ]
     for engine, o in outcomes.items():
         extra = ", ".join(f"{k} {v}" for k, v in o["info"].items() if k not in ("pid", "ranks"))
-        md.append(f"- `{engine}`: {o['description']}; {o['status']} in {o['seconds']:.0f} s"
-                  + (f" ({extra})" if extra else "")
-                  + (f"; error: `{o['error']}`" if _died(o) else ""))
-        md += [f"  - failed: {e['primitive']} at {format_size(e['size'])} "
-               f"(reported by rank {', '.join(map(str, sorted(e['ranks'])))}): `{e['error']}`"
-               for e in o["errors"]]
+        md.append(
+            f"- `{engine}`: {o['description']}; {o['status']} in {o['seconds']:.0f} s"
+            + (f" ({extra})" if extra else "")
+            + (f"; error: `{o['error']}`" if _died(o) else "")
+        )
+        md += [
+            f"  - failed: {e['primitive']} at {format_size(e['size'])} "
+            f"(reported by rank {', '.join(map(str, sorted(e['ranks'])))}): `{e['error']}`"
+            for e in o["errors"]
+        ]
     md += [
         "",
         "algbw = S / t and busbw = algbw x factor, as nccl-tests defines them: S is the buffer for allreduce,",
@@ -914,8 +1039,12 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict
     ]
     for primitive in meta["primitives"]:
         if any(r["primitive"] == primitive for r in rows):
-            md += ["", f"## {primitive} (busbw factor {FACTOR_TEXT[primitive]} = {bus_factor(primitive, n):.2f})",
-                   "", *markdown_table(primitive, rows, engines)]
+            md += [
+                "",
+                f"## {primitive} (busbw factor {FACTOR_TEXT[primitive]} = {bus_factor(primitive, n):.2f})",
+                "",
+                *markdown_table(primitive, rows, engines),
+            ]
     md.append("")
     payload = {**meta, "engine_outcomes": outcomes, "rows": list(rows), "measurements": list(measurements)}
     return _common.write_results(out_dir, stem, md, payload)
@@ -923,36 +1052,73 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], outcomes: dict
 
 # --------------------------------------------------------------------------- command line
 
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                        help="cpu (MPI, gloo; default) or gpu (NCCL, one rank)")
-    parser.add_argument("--ranks", type=int, default=None,
-                        help="processes per engine (default 2 on cpu; gpu runs one rank)")
-    parser.add_argument("--sizes", type=parse_size, nargs="+", default=None, metavar="SIZE",
-                        help="message sizes S (e.g. 4K 1M 64M); default: powers of 4 from --min-size "
-                             "to --max-size")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "gpu"), default="cpu", help="cpu (MPI, gloo; default) or gpu (NCCL, one rank)"
+    )
+    parser.add_argument(
+        "--ranks", type=int, default=None, help="processes per engine (default 2 on cpu; gpu runs one rank)"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=parse_size,
+        nargs="+",
+        default=None,
+        metavar="SIZE",
+        help="message sizes S (e.g. 4K 1M 64M); default: powers of 4 from --min-size to --max-size",
+    )
     parser.add_argument("--min-size", type=parse_size, default=MIN_SIZE, help="smallest size (default 4K)")
-    parser.add_argument("--max-size", type=parse_size, default=None,
-                        help="largest size (default 64M on cpu, 256M on gpu, 256K with --quick)")
-    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES),
-                        help="engines to run (default: all)")
-    parser.add_argument("--primitives", nargs="+", choices=PRIMITIVES, default=list(PRIMITIVES),
-                        help="primitives to measure (default: all)")
-    parser.add_argument("--target-seconds", type=float, default=None,
-                        help=f"timed calls per measurement take about this long (default {TARGET_SECONDS}, "
-                             f"{QUICK_TARGET_SECONDS} with --quick)")
-    parser.add_argument("--timeout", type=float, default=ENGINE_TIMEOUT_SECONDS,
-                        help=f"seconds per engine before its processes are killed (default {ENGINE_TIMEOUT_SECONDS:g})")
-    parser.add_argument("--comm-timeout", type=float, default=COMM_TIMEOUT_SECONDS,
-                        help=f"seconds per collective inside the communicators (default {COMM_TIMEOUT_SECONDS:g})")
+    parser.add_argument(
+        "--max-size",
+        type=parse_size,
+        default=None,
+        help="largest size (default 64M on cpu, 256M on gpu, 256K with --quick)",
+    )
+    parser.add_argument(
+        "--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="engines to run (default: all)"
+    )
+    parser.add_argument(
+        "--primitives",
+        nargs="+",
+        choices=PRIMITIVES,
+        default=list(PRIMITIVES),
+        help="primitives to measure (default: all)",
+    )
+    parser.add_argument(
+        "--target-seconds",
+        type=float,
+        default=None,
+        help=f"timed calls per measurement take about this long (default {TARGET_SECONDS}, "
+        f"{QUICK_TARGET_SECONDS} with --quick)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=ENGINE_TIMEOUT_SECONDS,
+        help=f"seconds per engine before its processes are killed (default {ENGINE_TIMEOUT_SECONDS:g})",
+    )
+    parser.add_argument(
+        "--comm-timeout",
+        type=float,
+        default=COMM_TIMEOUT_SECONDS,
+        help=f"seconds per collective inside the communicators (default {COMM_TIMEOUT_SECONDS:g})",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 KiB to 256 KiB, short measurements")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                        help="results directory (default benchmarks/results)")
-    parser.add_argument("--fresh-pages", action="store_true",
-                        help="on cpu, keep glibc's default of unmapping freed large blocks (see "
-                             "retain_freed_memory)")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results",
+        help="results directory (default benchmarks/results)",
+    )
+    parser.add_argument(
+        "--fresh-pages",
+        action="store_true",
+        help="on cpu, keep glibc's default of unmapping freed large blocks (see retain_freed_memory)",
+    )
     parser.add_argument("--worker", choices=ENGINES, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result-file", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -965,8 +1131,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.target_seconds is None:
         args.target_seconds = QUICK_TARGET_SECONDS if args.quick else TARGET_SECONDS
     if args.sizes is None:
-        high = args.max_size or (QUICK_MAX_SIZE if args.quick else
-                                 GPU_MAX_SIZE if args.device == "gpu" else CPU_MAX_SIZE)
+        high = args.max_size or (
+            QUICK_MAX_SIZE if args.quick else GPU_MAX_SIZE if args.device == "gpu" else CPU_MAX_SIZE
+        )
         args.sizes = default_sizes(args.min_size, high)
     if not args.sizes:
         parser.error("no sizes: --min-size is above --max-size")
@@ -1002,14 +1169,23 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         omp_num_threads=os.environ.get("OMP_NUM_THREADS", str(intra_op_threads(args.ranks))),
         engine_timeout_s=args.timeout,
         comm_timeout_s=args.comm_timeout,
-        host_memory=("allocator default" if args.device == "gpu" or args.fresh_pages
-                     else "freed blocks retained for reuse (mallopt)"),
+        host_memory=(
+            "allocator default"
+            if args.device == "gpu" or args.fresh_pages
+            else "freed blocks retained for reuse (mallopt)"
+        ),
     )
     if meta["load_average_before"][0] > 0.5:
-        print(f"warning: the 1-minute load average is {meta['load_average_before'][0]:.1f}; "
-              "other work on this machine will disturb the timings", file=sys.stderr)
-    print(f"{args.device}, {args.ranks} rank(s); engines: {' '.join(args.engines)}; sizes: "
-          f"{' '.join(format_size(s) for s in args.sizes)}", flush=True)
+        print(
+            f"warning: the 1-minute load average is {meta['load_average_before'][0]:.1f}; "
+            "other work on this machine will disturb the timings",
+            file=sys.stderr,
+        )
+    print(
+        f"{args.device}, {args.ranks} rank(s); engines: {' '.join(args.engines)}; sizes: "
+        f"{' '.join(format_size(s) for s in args.sizes)}",
+        flush=True,
+    )
     outcomes: dict[str, dict[str, Any]] = {}
     measurements: list[dict[str, Any]] = []
     workdir = Path(tempfile.mkdtemp(prefix="bagua-collectives-"))
@@ -1019,9 +1195,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             o = result["outcome"]
             outcomes[engine] = o
             measurements += result["measurements"]
-            print(f"{time.perf_counter() - start:6.0f}s  {engine}: {o['status']} in {o['seconds']:.0f} s, "
-                  f"{len(result['measurements'])} measurements" + (f"; {o['error']}" if o["status"] != "ok" else ""),
-                  flush=True)
+            print(
+                f"{time.perf_counter() - start:6.0f}s  {engine}: {o['status']} in {o['seconds']:.0f} s, "
+                f"{len(result['measurements'])} measurements" + (f"; {o['error']}" if o["status"] != "ok" else ""),
+                flush=True,
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     meta["seconds"] = time.perf_counter() - start
@@ -1029,8 +1207,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     meta["device"] = device_info(args.device, outcomes)
     rows = build_rows(args.primitives, args.sizes, args.engines, measurements, outcomes)
     print_tables(args.primitives, rows, args.engines, args.ranks, outcomes)
-    stem = (f"collectives-gpu-{args.ranks}rank{'s' if args.ranks > 1 else ''}" if args.device == "gpu"
-            else f"collectives-cpu-{args.ranks}rank{'s' if args.ranks > 1 else ''}") + ("-quick" if args.quick else "")
+    stem = (
+        f"collectives-gpu-{args.ranks}rank{'s' if args.ranks > 1 else ''}"
+        if args.device == "gpu"
+        else f"collectives-cpu-{args.ranks}rank{'s' if args.ranks > 1 else ''}"
+    ) + ("-quick" if args.quick else "")
     paths = write_results(args.out, stem, meta, outcomes, rows, measurements)
     print(f"\ntotal {meta['seconds']:.0f} s; wrote " + " and ".join(str(p) for p in paths))
     return outcomes

@@ -26,9 +26,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "xla_ffi" / "kernels_cuda.cu"
 
 _ENTRY = re.compile(r"Compiling entry function '(\S+)' for '(sm_\d+)'")
-_FRAME = re.compile(
-    r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
-)
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
@@ -59,9 +57,7 @@ def parse(report: str) -> list[dict]:
             )
         elif rows and (m := _USED.search(line)):
             smem = _SMEM.search(line)
-            rows[-1].update(
-                registers=int(m.group(1)), smem=int(smem.group(1)) if smem else 0
-            )
+            rows[-1].update(registers=int(m.group(1)), smem=int(smem.group(1)) if smem else 0)
     names = subprocess.run(
         ["c++filt"], input="\n".join(r["kernel"] for r in rows), check=True,
         capture_output=True, text=True,
@@ -74,18 +70,14 @@ def parse(report: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--archs", nargs="+", default=["80", "90"])
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "benchmarks/results/cuda-resources.md"
-    )
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cuda-resources.md")
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
         print("cuda_resources: nvcc not found")
         return 2
     rows = [row for arch in args.archs for row in parse(compile_usage(arch))]
     bad = [r for r in rows if r.get("stack") or r.get("spill_st") or r.get("spill_ld")]
-    version = subprocess.run(
-        ["nvcc", "--version"], check=True, capture_output=True, text=True
-    )
+    version = subprocess.run(["nvcc", "--version"], check=True, capture_output=True, text=True)
     command = f"python benchmarks/cuda_resources.py --archs {' '.join(args.archs)}"
     nvcc_version = version.stdout.strip().splitlines()[-1]
     lines = [
@@ -104,9 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows
     ]
     args.out.write_text("\n".join(lines) + "\n")
-    print(
-        f"wrote {args.out}: {len(rows)} kernels, {len(bad)} with spills or local memory"
-    )
+    print(f"wrote {args.out}: {len(rows)} kernels, {len(bad)} with spills or local memory")
     return 1 if bad else 0
 
 

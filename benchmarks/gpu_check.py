@@ -98,14 +98,10 @@ def versions() -> str:
         "    try: print(p, m.version(p))\n"
         "    except m.PackageNotFoundError: pass\n"
     )
-    packages = subprocess.run(
-        [PY, "-c", probe], check=False, capture_output=True, text=True
-    )
+    packages = subprocess.run([PY, "-c", probe], check=False, capture_output=True, text=True)
     lines = [f"python {platform.python_version()}", *packages.stdout.splitlines()]
     if shutil.which("nvcc"):
-        nvcc = subprocess.run(
-            ["nvcc", "--version"], check=False, capture_output=True, text=True
-        )
+        nvcc = subprocess.run(["nvcc", "--version"], check=False, capture_output=True, text=True)
         lines += nvcc.stdout.strip().splitlines()[-1:]
     return "\n".join(line for line in lines if line)
 
@@ -161,11 +157,7 @@ def write_report(path: Path, device: str, outcomes: list[dict]) -> None:
         "| step | status | seconds |",
         "|---|---|---|",
     ]
-    lines += [
-        f"| {o['name']} | {'ok' if o['status'] == 0 else o['status']} | "
-        f"{o['seconds']:.0f} |"
-        for o in outcomes
-    ]
+    lines += [f"| {o['name']} | {'ok' if o['status'] == 0 else o['status']} | {o['seconds']:.0f} |" for o in outcomes]
     for o in outcomes:
         lines += [
             "",
@@ -189,9 +181,7 @@ def main(argv: list[str] | None = None) -> int:
         default=list(STEPS),
         help="steps to run (default: all, in order)",
     )
-    parser.add_argument(
-        "--skip-build", action="store_true", help="use the installed build"
-    )
+    parser.add_argument("--skip-build", action="store_true", help="use the installed build")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per step")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     args = parser.parse_args(argv)

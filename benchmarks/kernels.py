@@ -116,6 +116,7 @@ WARMUP_CALLS, MIN_REPEATS, MAX_REPEATS, QUICK_MAX_REPEATS, TARGET_SECONDS = 3, 3
 
 # --------------------------------------------------------------------------- plain math
 
+
 def jnp_minmax_compress(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Chunked 8-bit min-max codes in plain jnp: ``(codes[k, c], lo[k, 1], hi[k, 1])``."""
     chunks = x.reshape(k, -1)
@@ -225,6 +226,7 @@ def torch_sign_decompress(compressed: tuple[Any, Any]) -> Any:
 
 
 # --------------------------------------------------------------------------- implementations
+
 
 class Implementation:
     """The seven kernels on one framework for ``n`` float32 elements in ``k`` chunks.
@@ -401,6 +403,7 @@ def implementations(frameworks: Sequence[str], n: int, k: int, device: str) -> l
 
 # --------------------------------------------------------------------------- measuring
 
+
 def logical_bytes(kernel: str, n: int, k: int) -> int:
     """Bytes the native kernel reads plus writes for ``n`` float32 elements in ``k`` chunks."""
     f32, m = 4 * n, n // k
@@ -447,8 +450,9 @@ class Timing:
     faults: list[int] = field(default_factory=list)
 
 
-def time_round_robin(calls: Sequence[tuple[Callable, tuple, Callable[[Any], None]]],
-                     repeats: int | None, max_repeats: int) -> list[Timing]:
+def time_round_robin(
+    calls: Sequence[tuple[Callable, tuple, Callable[[Any], None]]], repeats: int | None, max_repeats: int
+) -> list[Timing]:
     """Time ``fn(*args)`` of every ``(fn, args, sync)`` in rounds, one call of each per round.
 
     Interleaving the implementations, in a fresh random order each round, exposes them
@@ -513,9 +517,16 @@ def check_jax_copy_is_real(copy: Callable, x: jax.Array) -> None:
         raise RuntimeError("jax.jit(jnp.copy) returned its input buffer: the copy was elided")
 
 
-def measure_size(impls: Sequence[Implementation], size_mib: float, n: int, k: int,
-                 rng: np.random.Generator, repeats: int | None, max_repeats: int,
-                 progress: _common.Progress) -> list[Measurement]:
+def measure_size(
+    impls: Sequence[Implementation],
+    size_mib: float,
+    n: int,
+    k: int,
+    rng: np.random.Generator,
+    repeats: int | None,
+    max_repeats: int,
+    progress: _common.Progress,
+) -> list[Measurement]:
     """Time every kernel, and the copies, of every implementation at one size.
 
     Implementations of one framework share the inputs (the native kernels and jnp use
@@ -543,8 +554,16 @@ def measure_size(impls: Sequence[Implementation], size_mib: float, n: int, k: in
         timings = time_round_robin(calls, repeats, max_repeats)
         del calls
         for impl, timing in zip(members, timings, strict=True):
-            m = Measurement(size_mib, n, kernel, impl.name, nbytes, statistics.median(timing.times),
-                            len(timing.times), statistics.median(timing.faults))
+            m = Measurement(
+                size_mib,
+                n,
+                kernel,
+                impl.name,
+                nbytes,
+                statistics.median(timing.times),
+                len(timing.times),
+                statistics.median(timing.faults),
+            )
             progress.line(
                 f"{m.size_mib:g} MiB  {m.kernel:<24} {m.impl:<12} {m.gbps:8.2f} GB/s  "
                 f"(median {m.median_s * 1e3:.3f} ms of {m.repeats}, {m.page_faults:g} page faults)"
@@ -587,6 +606,7 @@ def verify(impls: Sequence[Implementation], n: int, k: int, rng: np.random.Gener
 
 # --------------------------------------------------------------------------- reporting
 
+
 def ratio_rows(measurements: Sequence[Measurement]) -> list[dict[str, Any]]:
     """Per size and kernel: native GB/s and native throughput over copy, jnp, torch and numpy."""
     table = {(m.size_mib, m.kernel, m.impl): m for m in measurements}
@@ -612,8 +632,7 @@ def ratio_rows(measurements: Sequence[Measurement]) -> list[dict[str, Any]]:
 def criteria(device: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """The issue's done-when checks on these results."""
     if device == "gpu":
-        checks = [r for r in rows if r["size_mib"] == 256
-                  and r["kernel"] in ("minmax_compress", "minmax_decompress")]
+        checks = [r for r in rows if r["size_mib"] == 256 and r["kernel"] in ("minmax_compress", "minmax_decompress")]
         failures = [
             f"{r['kernel']}: {_fmt(r['vs_copy'])}x copy, {_fmt(r['vs_jnp'])}x jnp"
             for r in checks
@@ -624,13 +643,13 @@ def criteria(device: str, rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     else:
         failures = [
             f"{r['size_mib']:g} MiB {r['kernel']} vs {b}: {r[f'vs_{b}']:.2f}x"
-            for r in rows for b in ("jnp", "numpy")
+            for r in rows
+            for b in ("jnp", "numpy")
             if r[f"vs_{b}"] is not None and r[f"vs_{b}"] <= 1
         ]
         statement = "the native kernels beat jitted jnp and NumPy for every kernel and size"
         measured = all(r["vs_jnp"] is not None and r["vs_numpy"] is not None for r in rows)
-    return {"statement": statement, "measured": measured, "met": measured and not failures,
-            "failures": failures}
+    return {"statement": statement, "measured": measured, "met": measured and not failures, "failures": failures}
 
 
 def _fmt(value: float | None, spec: str = ".2f") -> str:
@@ -653,11 +672,9 @@ def ratio_table(rows: Sequence[dict[str, Any]]) -> list[str]:
 
 def throughput_table(measurements: Sequence[Measurement]) -> list[str]:
     """Markdown lines of every implementation's GB/s, copies included."""
-    impls = [i for i in ("native", "native_torch", "jnp", "torch", "numpy")
-             if any(m.impl == i for m in measurements)]
+    impls = [i for i in ("native", "native_torch", "jnp", "torch", "numpy") if any(m.impl == i for m in measurements)]
     table = {(m.size_mib, m.kernel, m.impl): m.gbps for m in measurements}
-    lines = ["| size (MiB) | kernel | " + " | ".join(impls) + " |",
-             "|---:|---|" + "---:|" * len(impls)]
+    lines = ["| size (MiB) | kernel | " + " | ".join(impls) + " |", "|---:|---|" + "---:|" * len(impls)]
     for size in sorted({m.size_mib for m in measurements}):
         for kernel in (*KERNELS, "copy"):
             cells = [_fmt(table.get((size, kernel, i))) for i in impls]
@@ -667,8 +684,7 @@ def throughput_table(measurements: Sequence[Measurement]) -> list[str]:
 
 def print_ratios(rows: Sequence[dict[str, Any]], measurements: Sequence[Measurement]) -> None:
     for size in sorted({r["size_mib"] for r in rows}):
-        copies = ", ".join(f"{m.impl} {m.gbps:.2f}" for m in measurements
-                           if m.size_mib == size and m.kernel == "copy")
+        copies = ", ".join(f"{m.impl} {m.gbps:.2f}" for m in measurements if m.size_mib == size and m.kernel == "copy")
         print(f"\n{size:g} MiB float32 input; copy GB/s: {copies or 'not measured'} (reference: the best)")
         print(f"{'kernel':<26}{'GB/s':>9}{'/copy':>8}{'/jnp':>8}{'/torch':>8}{'/numpy':>8}")
         for r in rows:
@@ -677,8 +693,14 @@ def print_ratios(rows: Sequence[dict[str, Any]], measurements: Sequence[Measurem
                 print(f"{r['kernel']:<26}{r['native_gbps']:9.2f}" + "".join(f"{c:>8}" for c in cells))
 
 
-def write_results(out_dir: Path, stem: str, meta: dict[str, Any], rows: Sequence[dict[str, Any]],
-                  measurements: Sequence[Measurement], verdict: dict[str, Any]) -> tuple[Path, Path]:
+def write_results(
+    out_dir: Path,
+    stem: str,
+    meta: dict[str, Any],
+    rows: Sequence[dict[str, Any]],
+    measurements: Sequence[Measurement],
+    verdict: dict[str, Any],
+) -> tuple[Path, Path]:
     """Write ``<stem>.md`` and ``<stem>.json`` to ``out_dir``."""
     md = [
         f"# Bagua kernel throughput: {meta['device']['name']}",
@@ -696,36 +718,70 @@ def write_results(out_dir: Path, stem: str, meta: dict[str, Any], rows: Sequence
         + ("" if verdict["measured"] else " (not all the needed rows were measured)"),
     ]
     md += [f"- {f}" for f in verdict["failures"]]
-    md += ["", "## Ratios", "", *ratio_table(rows), "", "## Throughput (GB/s) of every implementation",
-           "", "`native_torch` is the same native kernels called through `bagua_torch.ops`.", "",
-           *throughput_table(measurements), ""]
-    payload = {**meta, "criteria": verdict, "ratios": list(rows),
-               "measurements": [{**asdict(m), "gbps": m.gbps} for m in measurements]}
+    md += [
+        "",
+        "## Ratios",
+        "",
+        *ratio_table(rows),
+        "",
+        "## Throughput (GB/s) of every implementation",
+        "",
+        "`native_torch` is the same native kernels called through `bagua_torch.ops`.",
+        "",
+        *throughput_table(measurements),
+        "",
+    ]
+    payload = {
+        **meta,
+        "criteria": verdict,
+        "ratios": list(rows),
+        "measurements": [{**asdict(m), "gbps": m.gbps} for m in measurements],
+    }
     return _common.write_results(out_dir, stem, md, payload)
 
 
 # --------------------------------------------------------------------------- command line
 
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--device", choices=("cpu", "gpu"), default=None,
-                        help="where to run (default: gpu if JAX sees one, else cpu)")
-    parser.add_argument("--sizes", type=float, nargs="+", default=None, metavar="MIB",
-                        help="float32 input sizes in MiB (default: 1 4 16 64 256 1024 on gpu, "
-                             "up to 256 on cpu)")
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: sizes 1 and 4 MiB, at most 5 timed calls each")
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--device", choices=("cpu", "gpu"), default=None, help="where to run (default: gpu if JAX sees one, else cpu)"
+    )
+    parser.add_argument(
+        "--sizes",
+        type=float,
+        nargs="+",
+        default=None,
+        metavar="MIB",
+        help="float32 input sizes in MiB (default: 1 4 16 64 256 1024 on gpu, up to 256 on cpu)",
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: sizes 1 and 4 MiB, at most 5 timed calls each")
     parser.add_argument("--k", type=int, default=8, help="chunk count (default 8)")
-    parser.add_argument("--repeats", type=int, default=None,
-                        help="timed calls per measurement (default: adaptive, 3 to 100)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results",
-                        help="results directory (default benchmarks/results)")
-    parser.add_argument("--frameworks", nargs="+", choices=FRAMEWORKS, default=list(FRAMEWORKS),
-                        help="baselines to run (default: jax torch numpy; numpy only on cpu)")
-    parser.add_argument("--fresh-pages", action="store_true",
-                        help="on cpu, keep glibc's default of unmapping freed large blocks, so "
-                             "every output is faulted in afresh (see retain_freed_memory)")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="timed calls per measurement (default: adaptive, 3 to 100)"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results",
+        help="results directory (default benchmarks/results)",
+    )
+    parser.add_argument(
+        "--frameworks",
+        nargs="+",
+        choices=FRAMEWORKS,
+        default=list(FRAMEWORKS),
+        help="baselines to run (default: jax torch numpy; numpy only on cpu)",
+    )
+    parser.add_argument(
+        "--fresh-pages",
+        action="store_true",
+        help="on cpu, keep glibc's default of unmapping freed large blocks, so "
+        "every output is faulted in afresh (see retain_freed_memory)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
     args = parser.parse_args(argv)
     if args.k < 1:
@@ -745,8 +801,7 @@ def resolve_defaults(args: argparse.Namespace) -> None:
         args.frameworks = [f for f in args.frameworks if f != "numpy"]
         print("note: NumPy runs on the CPU only; it is left out of a gpu run", file=sys.stderr)
     if args.sizes is None:
-        args.sizes = list(QUICK_SIZES_MIB if args.quick else
-                          GPU_SIZES_MIB if args.device == "gpu" else CPU_SIZES_MIB)
+        args.sizes = list(QUICK_SIZES_MIB if args.quick else GPU_SIZES_MIB if args.device == "gpu" else CPU_SIZES_MIB)
 
 
 def element_count(size_mib: float, k: int) -> int:
@@ -781,10 +836,16 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
         meta["versions"]["torch_threads"] = torch.get_num_threads()
     if meta["load_average_before"][0] >= 1.0:
-        print(f"warning: the 1-minute load average is {meta['load_average_before'][0]:.1f}; "
-              "other work on this machine will disturb the timings", file=sys.stderr)
-    print(f"device: {meta['device']['name']}; frameworks: {' '.join(args.frameworks)}; "
-          f"k = {args.k}; sizes (MiB): {' '.join(f'{s:g}' for s in args.sizes)}", flush=True)
+        print(
+            f"warning: the 1-minute load average is {meta['load_average_before'][0]:.1f}; "
+            "other work on this machine will disturb the timings",
+            file=sys.stderr,
+        )
+    print(
+        f"device: {meta['device']['name']}; frameworks: {' '.join(args.frameworks)}; "
+        f"k = {args.k}; sizes (MiB): {' '.join(f'{s:g}' for s in args.sizes)}",
+        flush=True,
+    )
     rng = np.random.default_rng(args.seed)
     counts = [element_count(s, args.k) for s in args.sizes]
 

@@ -99,18 +99,23 @@ def rate_label(bits: int | None) -> str:
 def _run(argv: Sequence[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
-        raise HarnessError(f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}")
+        raise HarnessError(
+            f"`{' '.join(argv)}` failed ({proc.returncode}): {proc.stderr.strip() or proc.stdout.strip()}"
+        )
     return proc
 
 
 def require_root() -> None:
     if os.geteuid() != 0:
-        sys.exit("network_harness: creating network namespaces, veth pairs and tc qdiscs needs root "
-                 "(CAP_NET_ADMIN). Run it as root (e.g. with sudo), or run the benchmarks without "
-                 "network emulation (benchmarks/synthetic.py).")
+        sys.exit(
+            "network_harness: creating network namespaces, veth pairs and tc qdiscs needs root "
+            "(CAP_NET_ADMIN). Run it as root (e.g. with sudo), or run the benchmarks without "
+            "network emulation (benchmarks/synthetic.py)."
+        )
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        sys.exit("network_harness: the `ip` and `tc` commands are missing; install iproute2 "
-                 "(apt-get install -y iproute2)")
+        sys.exit(
+            "network_harness: the `ip` and `tc` commands are missing; install iproute2 (apt-get install -y iproute2)"
+        )
 
 
 def list_namespaces() -> list[str]:
@@ -153,8 +158,11 @@ def _kill_namespace_processes(ns: str) -> None:
 
 def probe() -> dict[str, Any]:
     """What this machine supports: root, iproute2, namespaces, veth, bridge, tbf, netem (tried in a scratch namespace)."""
-    info: dict[str, Any] = {"root": os.geteuid() == 0, "ip": shutil.which("ip") is not None,
-                            "tc": shutil.which("tc") is not None}
+    info: dict[str, Any] = {
+        "root": os.geteuid() == 0,
+        "ip": shutil.which("ip") is not None,
+        "tc": shutil.which("tc") is not None,
+    }
     if not (info["root"] and info["ip"] and info["tc"]):
         return info
     ns = f"{PREFIX}r{MAX_RANKS + 1}"  # a harness name, so --cleanup would find it
@@ -162,14 +170,41 @@ def probe() -> dict[str, Any]:
         _run(["ip", "netns", "add", ns])
         info["netns"] = True
         info["bridge"] = _run(["ip", "-n", ns, "link", "add", "br0", "type", "bridge"], check=False).returncode == 0
-        info["veth"] = _run(["ip", "-n", ns, "link", "add", "a0", "type", "veth", "peer", "name", "b0"],
-                            check=False).returncode == 0
+        info["veth"] = (
+            _run(["ip", "-n", ns, "link", "add", "a0", "type", "veth", "peer", "name", "b0"], check=False).returncode
+            == 0
+        )
         if info["veth"]:
             _run(["ip", "-n", ns, "link", "set", "a0", "up"], check=False)
-            info["tbf"] = _run(["tc", "-n", ns, "qdisc", "add", "dev", "a0", "root", "tbf", "rate", "100mbit",
-                                "burst", "128kb", "latency", "100ms"], check=False).returncode == 0
-            info["netem"] = _run(["tc", "-n", ns, "qdisc", "add", "dev", "b0", "root", "netem", "delay", "1ms"],
-                                 check=False).returncode == 0
+            info["tbf"] = (
+                _run(
+                    [
+                        "tc",
+                        "-n",
+                        ns,
+                        "qdisc",
+                        "add",
+                        "dev",
+                        "a0",
+                        "root",
+                        "tbf",
+                        "rate",
+                        "100mbit",
+                        "burst",
+                        "128kb",
+                        "latency",
+                        "100ms",
+                    ],
+                    check=False,
+                ).returncode
+                == 0
+            )
+            info["netem"] = (
+                _run(
+                    ["tc", "-n", ns, "qdisc", "add", "dev", "b0", "root", "netem", "delay", "1ms"], check=False
+                ).returncode
+                == 0
+            )
     except HarnessError as error:
         info["netns"] = False
         info["error"] = str(error)
@@ -232,8 +267,10 @@ class Network:
         require_root()
         stale = [ns for ns in list_namespaces() if OUR_NS.match(ns)]
         if stale:
-            raise HarnessError(f"namespaces of an earlier run are still there ({', '.join(stale)}); "
-                               "remove them with: python benchmarks/network_harness.py --cleanup")
+            raise HarnessError(
+                f"namespaces of an earlier run are still there ({', '.join(stale)}); "
+                "remove them with: python benchmarks/network_harness.py --cleanup"
+            )
         _run(["ip", "netns", "add", BRIDGE_NS])
         self.created.append(BRIDGE_NS)
         br = ["ip", "-n", BRIDGE_NS]
@@ -254,9 +291,15 @@ class Network:
             self._write_hosts(i)
             self._shape(i)
         if self.verbose:
-            shaped = rate_label(self.rate) + (f", +{self.delay_ms:g} ms one-way" if self.delay_ms and self.netem else "")
-            print(f"[network] {self.ranks} ranks in namespaces {self.ns(0)}..{self.ns(self.ranks - 1)} on bridge "
-                  f"{BRIDGE_NS}/br0, {SUBNET}.0/24, per-rank link {shaped}", file=sys.stderr, flush=True)
+            shaped = rate_label(self.rate) + (
+                f", +{self.delay_ms:g} ms one-way" if self.delay_ms and self.netem else ""
+            )
+            print(
+                f"[network] {self.ranks} ranks in namespaces {self.ns(0)}..{self.ns(self.ranks - 1)} on bridge "
+                f"{BRIDGE_NS}/br0, {SUBNET}.0/24, per-rank link {shaped}",
+                file=sys.stderr,
+                flush=True,
+            )
         self._wait_link()
 
     def _write_hosts(self, i: int) -> None:
@@ -285,12 +328,16 @@ class Network:
             _run(["tc", "-n", BRIDGE_NS, "qdisc", "add", "dev", f"v{i}", "root", *tbf_args(self.rate)])
         if self.delay_ms > 0:
             parent = ["parent", "1:1"] if self.rate is not None else ["root"]
-            proc = _run(["tc", "-n", ns, "qdisc", "add", "dev", RANK_IF, *parent, "netem",
-                         "delay", f"{self.delay_ms}ms"], check=False)
+            proc = _run(
+                ["tc", "-n", ns, "qdisc", "add", "dev", RANK_IF, *parent, "netem", "delay", f"{self.delay_ms}ms"],
+                check=False,
+            )
             if proc.returncode != 0 and self.netem is None:
                 self.netem = False
-                note = (f"netem is not available in this kernel ({proc.stderr.strip()}); no latency added, "
-                        "bandwidth shaping only")
+                note = (
+                    f"netem is not available in this kernel ({proc.stderr.strip()}); no latency added, "
+                    "bandwidth shaping only"
+                )
                 self.notes.append(note)
                 print(f"[network] {note}", file=sys.stderr, flush=True)
             elif proc.returncode == 0:
@@ -300,8 +347,10 @@ class Network:
         """Bounded wait until every rank's eth0 is up (the bridge ports leave 'listening' at once without STP)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            states = [_run(["ip", "-n", self.ns(i), "-o", "link", "show", RANK_IF], check=False).stdout
-                      for i in range(self.ranks)]
+            states = [
+                _run(["ip", "-n", self.ns(i), "-o", "link", "show", RANK_IF], check=False).stdout
+                for i in range(self.ranks)
+            ]
             if all("state UP" in s or "LOWER_UP" in s for s in states):
                 return
             time.sleep(0.2)
@@ -309,26 +358,43 @@ class Network:
 
     def env(self, rank: int, port: int, base: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ if base is None else base)
-        env.update(RANK=str(rank), WORLD_SIZE=str(self.ranks), LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   NODE_RANK=str(rank), MASTER_ADDR=self.master_addr, MASTER_PORT=str(port),
-                   GLOO_SOCKET_IFNAME=RANK_IF, TP_SOCKET_IFNAME=RANK_IF)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(self.ranks),
+            LOCAL_RANK="0",
+            LOCAL_WORLD_SIZE="1",
+            NODE_RANK=str(rank),
+            MASTER_ADDR=self.master_addr,
+            MASTER_PORT=str(port),
+            GLOO_SOCKET_IFNAME=RANK_IF,
+            TP_SOCKET_IFNAME=RANK_IF,
+        )
         for key in ("PMI_RANK", "PMI_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"):
             env.pop(key, None)
         return env
 
     def popen(self, rank: int, argv: Sequence[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
         """Start ``argv`` inside rank ``rank``'s namespace, in its own process group (killed on teardown)."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.ns(rank), *argv], env=env,
-                                start_new_session=True, **kwargs)
+        proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns(rank), *argv], env=env, start_new_session=True, **kwargs
+        )
         self.procs.append(proc)
         return proc
 
-    def run_all(self, argv: Sequence[str], port: int, timeout: float, base_env: dict[str, str] | None = None,
-                stdout: Any = None) -> list[int | None]:
+    def run_all(
+        self, argv: Sequence[str], port: int, timeout: float, base_env: dict[str, str] | None = None, stdout: Any = None
+    ) -> list[int | None]:
         """Run ``argv`` once per rank; return the exit codes (None: killed at the timeout, or after a rank failed)."""
-        procs = [self.popen(i, argv, self.env(i, port, base_env), stdout=stdout,
-                            stderr=subprocess.STDOUT if stdout is not None else None)
-                 for i in range(self.ranks)]
+        procs = [
+            self.popen(
+                i,
+                argv,
+                self.env(i, port, base_env),
+                stdout=stdout,
+                stderr=subprocess.STDOUT if stdout is not None else None,
+            )
+            for i in range(self.ranks)
+        ]
         deadline = time.monotonic() + timeout
         codes: list[int | None] = [None] * len(procs)
         while time.monotonic() < deadline:
@@ -341,8 +407,9 @@ class Network:
         self.kill(procs)
         return finished
 
-    def run_mpi(self, argv: Sequence[str], timeout: float, base_env: dict[str, str] | None = None,
-                stdout: Any = None) -> list[int | None]:
+    def run_mpi(
+        self, argv: Sequence[str], timeout: float, base_env: dict[str, str] | None = None, stdout: Any = None
+    ) -> list[int | None]:
         """Run the script ``argv[1:]`` (``argv[0]`` is the Python) as one MPI job with a rank per namespace.
 
         ``bagua-launch --mpi`` runs in rank 0's namespace; its mpiexec (hydra) starts a proxy
@@ -360,19 +427,43 @@ class Network:
         env = self.env(0, 0, base_env)
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
             env.pop(key)  # rank_env sets them from MPI's
-        env.update(BAGUA_NETNS_HOSTS=",".join(f"{a}={self.ns(i)}" for i, a in enumerate(addrs)),
-                   MPIR_CVAR_NOLOCAL="1", UCX_TLS="tcp,self", UCX_NET_DEVICES=RANK_IF, UCX_RNDV_THRESH="inf")
+        env.update(
+            BAGUA_NETNS_HOSTS=",".join(f"{a}={self.ns(i)}" for i, a in enumerate(addrs)),
+            MPIR_CVAR_NOLOCAL="1",
+            UCX_TLS="tcp,self",
+            UCX_NET_DEVICES=RANK_IF,
+            UCX_RNDV_THRESH="inf",
+        )
         with tempfile.TemporaryDirectory(prefix=f"{PREFIX}ssh-") as tmp:
             shim = os.path.join(tmp, "netns-ssh")
             with open(shim, "w") as f:
-                f.write(f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(os.path.abspath(__file__))} "
-                        '--ssh "$@"\n')
+                f.write(
+                    f"#!/bin/sh\nexec {shlex.quote(sys.executable)} {shlex.quote(os.path.abspath(__file__))} "
+                    '--ssh "$@"\n'
+                )
             os.chmod(shim, 0o755)
             hydra = f"-launcher ssh -launcher-exec {shim} -localhost {addrs[0]} -hosts {','.join(addrs)} -ppn 1"
-            proc = self.popen(0, [argv[0], "-m", "bagua_launch", "--nnodes", str(self.ranks), "--nproc-per-node", "1",
-                                  "--master-addr", self.master_addr,
-                                  "--mpi", "--mpi-args", hydra, *argv[1:]], env, stdout=stdout,
-                              stderr=subprocess.STDOUT if stdout is not None else None)
+            proc = self.popen(
+                0,
+                [
+                    argv[0],
+                    "-m",
+                    "bagua_launch",
+                    "--nnodes",
+                    str(self.ranks),
+                    "--nproc-per-node",
+                    "1",
+                    "--master-addr",
+                    self.master_addr,
+                    "--mpi",
+                    "--mpi-args",
+                    hydra,
+                    *argv[1:],
+                ],
+                env,
+                stdout=stdout,
+                stderr=subprocess.STDOUT if stdout is not None else None,
+            )
             try:
                 code: int | None = proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -449,7 +540,7 @@ def ssh_into_namespace(args: Sequence[str]) -> None:
     (joined, through ``sh -c`` as ssh would) in the namespace that owns address HOST."""
     hosts = dict(item.split("=", 1) for item in os.environ["BAGUA_NETNS_HOSTS"].split(","))
     at = next(i for i, a in enumerate(args) if a in hosts)
-    os.execvp("ip", ["ip", "netns", "exec", hosts[args[at]], "sh", "-c", " ".join(args[at + 1:])])
+    os.execvp("ip", ["ip", "netns", "exec", hosts[args[at]], "sh", "-c", " ".join(args[at + 1 :])])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -459,9 +550,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
-        argv, command = argv[:cut], argv[cut + 1:]
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+        argv, command = argv[:cut], argv[cut + 1 :]
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__
+    )
     parser.add_argument("--check", action="store_true", help="report what this machine supports and exit")
     parser.add_argument("--cleanup", action="store_true", help="remove leftover bagua-br / bagua-r<N> namespaces")
     parser.add_argument("--ranks", type=int, default=2)

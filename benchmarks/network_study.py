@@ -61,8 +61,16 @@ import _common  # noqa: E402
 import network_harness as nh  # noqa: E402
 import synthetic  # noqa: E402
 
-ALGORITHMS = ["gradient_allreduce", "bytegrad", "decentralized", "decentralized_shift_one",
-              "low_precision_decentralized", "qadam", "onebit_adam", "async"]
+ALGORITHMS = [
+    "gradient_allreduce",
+    "bytegrad",
+    "decentralized",
+    "decentralized_shift_one",
+    "low_precision_decentralized",
+    "qadam",
+    "onebit_adam",
+    "async",
+]
 BASELINE = {"torch": "ddp", "jax": "pmean"}
 FRAMEWORKS = ("torch", "jax")
 # Slowest links first: the points the study is about are measured even if it is cut short.
@@ -72,25 +80,62 @@ DEFAULT_RATES = ["100mbit", "300mbit", "1gbit", "10gbit", "none"]
 def job_list(args) -> list[tuple[str, str]]:
     # JAX's async averages in a background thread over the native engine: not on a mesh.
     skipped = {"jax": ("async",) if args.jax_comm == "gloo" else (), "torch": ()}
-    return [(fw, alg) for fw in args.frameworks for alg in [BASELINE[fw], *args.algorithms]
-            if alg not in skipped[fw]]
+    return [(fw, alg) for fw in args.frameworks for alg in [BASELINE[fw], *args.algorithms] if alg not in skipped[fw]]
 
 
 def worker_argv(args, framework: str, algorithm: str, result: Path) -> list[str]:
-    return [sys.executable, synthetic.__file__, "--worker", "--framework", framework, "--algorithm", algorithm,
-            "--result", str(result), "--model", "mlp", "--batch-size", str(args.batch_size),
-            "--width", str(args.width), "--layers", str(args.layers), "--image-size", str(args.image_size),
-            "--lr", str(args.lr), "--warmup-iters", str(args.warmup_iters), "--iters", str(args.iters),
-            "--batches-per-iter", str(args.batches_per_iter), "--threads", "1",
-            "--comm-timeout", str(args.comm_timeout), "--device", "cpu", "--jax-comm", args.jax_comm,
-            "--convergence-steps", str(args.convergence_steps)]
+    return [
+        sys.executable,
+        synthetic.__file__,
+        "--worker",
+        "--framework",
+        framework,
+        "--algorithm",
+        algorithm,
+        "--result",
+        str(result),
+        "--model",
+        "mlp",
+        "--batch-size",
+        str(args.batch_size),
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--image-size",
+        str(args.image_size),
+        "--lr",
+        str(args.lr),
+        "--warmup-iters",
+        str(args.warmup_iters),
+        "--iters",
+        str(args.iters),
+        "--batches-per-iter",
+        str(args.batches_per_iter),
+        "--threads",
+        "1",
+        "--comm-timeout",
+        str(args.comm_timeout),
+        "--device",
+        "cpu",
+        "--jax-comm",
+        args.jax_comm,
+        "--convergence-steps",
+        str(args.convergence_steps),
+    ]
 
 
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("XLA_FLAGS", None)
-    env.update(JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
-               XLA_PYTHON_CLIENT_PREALLOCATE="false", PYTHONUNBUFFERED="1")
+    env.update(
+        JAX_PLATFORMS="cpu",
+        CUDA_VISIBLE_DEVICES="",
+        OMP_NUM_THREADS="1",
+        MKL_NUM_THREADS="1",
+        XLA_PYTHON_CLIENT_PREALLOCATE="false",
+        PYTHONUNBUFFERED="1",
+    )
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH", "")) if p)
     return env
 
@@ -106,15 +151,21 @@ def run_job(args, net: nh.Network, framework: str, algorithm: str, port: int, tm
         else:
             codes = net.run_all(argv, port, args.job_timeout, base_env=child_env(), stdout=out)
     wall = time.perf_counter() - start
-    row: dict[str, Any] = {"framework": framework, "algorithm": algorithm, "ranks": net.ranks,
-                           "rate_bits": net.rate, "rate": nh.rate_label(net.rate), "wall_s": round(wall, 1),
-                           "exit_codes": codes}
+    row: dict[str, Any] = {
+        "framework": framework,
+        "algorithm": algorithm,
+        "ranks": net.ranks,
+        "rate_bits": net.rate,
+        "rate": nh.rate_label(net.rate),
+        "wall_s": round(wall, 1),
+        "exit_codes": codes,
+    }
     per_rank = []
     for r in range(net.ranks):
         path = Path(f"{result}.rank{r}")
         if path.exists():
             per_rank.append(json.loads(path.read_text()))
-    tail = log.read_text(errors="replace").strip().splitlines()[-args.tail_lines:]
+    tail = log.read_text(errors="replace").strip().splitlines()[-args.tail_lines :]
     if len(per_rank) != net.ranks:
         row["status"] = "timeout" if any(c is None for c in codes) else "failed"
         row["log_tail"] = tail
@@ -124,21 +175,29 @@ def run_job(args, net: nh.Network, framework: str, algorithm: str, port: int, tm
         # "terminate called without an active exception" at exit); the measurement stands.
         row["exit_note"] = f"exit codes {codes} after every rank wrote its results: " + " / ".join(tail[-2:])
     # seconds per step of each timed iteration, mean over ranks
-    steps = [statistics.fmean(args.batch_size / rr["rates"][i] for rr in per_rank)
-             for i in range(len(per_rank[0]["rates"]))]
-    row.update(status="ok", step_s=statistics.median(steps), step_s_mean=statistics.fmean(steps),
-               step_s_min=min(steps), step_s_max=max(steps), step_s_all=steps,
-               warmup_s=max(rr["warmup_s"] for rr in per_rank))
+    steps = [
+        statistics.fmean(args.batch_size / rr["rates"][i] for rr in per_rank) for i in range(len(per_rank[0]["rates"]))
+    ]
+    row.update(
+        status="ok",
+        step_s=statistics.median(steps),
+        step_s_mean=statistics.fmean(steps),
+        step_s_min=min(steps),
+        step_s_max=max(steps),
+        step_s_all=steps,
+        warmup_s=max(rr["warmup_s"] for rr in per_rank),
+    )
     if args.convergence_steps:
         row["digits_loss"] = synthetic.digits_loss(per_rank)
         # The loss of every step, averaged over the ranks: the table reads it a quarter of the way in too.
-        row["digits_curve"] = [round(statistics.fmean(rr["digits_losses"][i] for rr in per_rank), 6)
-                               for i in range(args.convergence_steps)]
+        row["digits_curve"] = [
+            round(statistics.fmean(rr["digits_losses"][i] for rr in per_rank), 6) for i in range(args.convergence_steps)
+        ]
     return row
 
 
 def parameter_count(args) -> int:
-    dims = [3 * args.image_size ** 2] + [args.width] * args.layers + [10]
+    dims = [3 * args.image_size**2] + [args.width] * args.layers + [10]
     return sum(a * b + b for a, b in zip(dims, dims[1:]))
 
 
@@ -185,8 +244,14 @@ def _grid(rows: list[dict[str, Any]], ranks: int, rates: list[str], cell) -> lis
     for fw, alg in names:
         cells = []
         for rate in rates:
-            r = next((x for x in rows if x["ranks"] == ranks and x["rate"] == rate and x["framework"] == fw
-                      and x["algorithm"] == alg), None)
+            r = next(
+                (
+                    x
+                    for x in rows
+                    if x["ranks"] == ranks and x["rate"] == rate and x["framework"] == fw and x["algorithm"] == alg
+                ),
+                None,
+            )
             cells.append("" if r is None else (cell(r) if r["status"] == "ok" else r["status"]))
         lines.append(f"| {_label(fw, alg)} | " + " | ".join(cells) + " |")
     return lines
@@ -197,26 +262,50 @@ def table_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     steps = meta["settings"].get("convergence_steps")
     for ranks in sorted({r["ranks"] for r in rows}):
         rates = sorted({r["rate"] for r in rows if r["ranks"] == ranks}, key=_rate_order, reverse=True)
-        lines += [f"### {ranks} ranks: time per step", "",
-                  "Time per step in ms (median of the timed iterations); in brackets the speed-up over the "
-                  "framework's baseline (torch DDP, resp. jax lax.pmean) at the same bandwidth; "
-                  "`x.xx ar` the speed-up over the same framework's Bagua fp32 gradient_allreduce.", ""]
+        lines += [
+            f"### {ranks} ranks: time per step",
+            "",
+            "Time per step in ms (median of the timed iterations); in brackets the speed-up over the "
+            "framework's baseline (torch DDP, resp. jax lax.pmean) at the same bandwidth; "
+            "`x.xx ar` the speed-up over the same framework's Bagua fp32 gradient_allreduce.",
+            "",
+        ]
         lines += _grid(rows, ranks, rates, _time_cell)
-        est = [wire_estimate(argparse.Namespace(**meta["settings"]), ranks, nh.parse_rate(
-            rate.replace(" ", "").replace("/s", "")) if rate != "unshaped" else None) for rate in rates]
-        lines.append("| *fp32 ring-allreduce wire time (estimate)* | " + " | ".join(
-            "" if e is None else f"*{e * 1e3:.0f}*" for e in est) + " |")
+        est = [
+            wire_estimate(
+                argparse.Namespace(**meta["settings"]),
+                ranks,
+                nh.parse_rate(rate.replace(" ", "").replace("/s", "")) if rate != "unshaped" else None,
+            )
+            for rate in rates
+        ]
+        lines.append(
+            "| *fp32 ring-allreduce wire time (estimate)* | "
+            + " | ".join("" if e is None else f"*{e * 1e3:.0f}*" for e in est)
+            + " |"
+        )
         lines.append("")
         if steps:
             early = steps // 4
-            lines += [f"### {ranks} ranks: digits loss after {early} and {steps} steps", "",
-                      f"Training loss of the digits MLP (global batch 128), averaged over the ranks and over the "
-                      f"10 steps before step {early}, resp. {steps} (same job, same network). The synchronous "
-                      "algorithms compute the same numbers at every bandwidth; async's depends on how many "
-                      "averaging rounds the link allows.", ""]
-            lines += _grid(rows, ranks, rates, lambda r: (
-                f"{statistics.fmean(r['digits_curve'][early - 10:early]):.3f} / {r['digits_loss']:.4f}"
-                if "digits_curve" in r else ""))
+            lines += [
+                f"### {ranks} ranks: digits loss after {early} and {steps} steps",
+                "",
+                f"Training loss of the digits MLP (global batch 128), averaged over the ranks and over the "
+                f"10 steps before step {early}, resp. {steps} (same job, same network). The synchronous "
+                "algorithms compute the same numbers at every bandwidth; async's depends on how many "
+                "averaging rounds the link allows.",
+                "",
+            ]
+            lines += _grid(
+                rows,
+                ranks,
+                rates,
+                lambda r: (
+                    f"{statistics.fmean(r['digits_curve'][early - 10 : early]):.3f} / {r['digits_loss']:.4f}"
+                    if "digits_curve" in r
+                    else ""
+                ),
+            )
             lines.append("")
     return lines
 
@@ -227,37 +316,53 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{args.name}.json"]
     # One line per row: each carries a 200-point loss curve.
-    paths[0].write_text('{"meta": ' + json.dumps(meta, indent=1) + ',\n "rows": [\n'
-                        + ",\n".join("  " + json.dumps(r) for r in rows) + "\n ]\n}\n")
+    paths[0].write_text(
+        '{"meta": '
+        + json.dumps(meta, indent=1)
+        + ',\n "rows": [\n'
+        + ",\n".join("  " + json.dumps(r) for r in rows)
+        + "\n ]\n}\n"
+    )
     if not final:
         return paths
-    md = [f"# Network trade-off study ({meta['date']})", "",
-          f"Command: `{meta['command']}`", "",
-          f"Load average (1, 5, 15 min) before: {meta['load_average_before']}, "
-          f"after: {meta['load_average_after']}.", "",
-          f"Machine: {meta['machine']}; {meta['cores']} CPU cores, no GPU; torch {meta['versions'].get('torch')}, "
-          f"jax {meta['versions'].get('jax')}. Each rank is a process in its own network namespace "
-          "(benchmarks/network_harness.py): veth pair to a bridge in a separate namespace, token-bucket (tbf) "
-          "shaping of each rank's link in both directions at the given rate; 'unshaped' is the bare veth "
-          "(well above 10 Gbit/s).", "",
-          f"Model: synthetic benchmark's mlp, {meta['parameters']:,} parameters "
-          f"({meta['parameters'] * 4 / 1e6:.1f} MB of fp32 gradient), batch {meta['settings']['batch_size']} "
-          f"per rank, 1 torch thread per rank; {meta['settings']['warmup_iters']} untimed + "
-          f"{meta['settings']['iters']} timed iterations of {meta['settings']['batches_per_iter']} steps.", ""]
+    md = [
+        f"# Network trade-off study ({meta['date']})",
+        "",
+        f"Command: `{meta['command']}`",
+        "",
+        f"Load average (1, 5, 15 min) before: {meta['load_average_before']}, after: {meta['load_average_after']}.",
+        "",
+        f"Machine: {meta['machine']}; {meta['cores']} CPU cores, no GPU; torch {meta['versions'].get('torch')}, "
+        f"jax {meta['versions'].get('jax')}. Each rank is a process in its own network namespace "
+        "(benchmarks/network_harness.py): veth pair to a bridge in a separate namespace, token-bucket (tbf) "
+        "shaping of each rank's link in both directions at the given rate; 'unshaped' is the bare veth "
+        "(well above 10 Gbit/s).",
+        "",
+        f"Model: synthetic benchmark's mlp, {meta['parameters']:,} parameters "
+        f"({meta['parameters'] * 4 / 1e6:.1f} MB of fp32 gradient), batch {meta['settings']['batch_size']} "
+        f"per rank, 1 torch thread per rank; {meta['settings']['warmup_iters']} untimed + "
+        f"{meta['settings']['iters']} timed iterations of {meta['settings']['batches_per_iter']} steps.",
+        "",
+    ]
     md += [f"- {n}" for n in meta["notes"]] + [""]
     md += table_lines(meta, rows)
     failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         md += ["### Failed jobs", ""]
         for r in failed:
-            md.append(f"- {r['framework']} {r['algorithm']}, {r['ranks']} ranks, {r['rate']}: {r['status']}: "
-                      + " / ".join(r.get("log_tail", [])[-3:]).replace("|", "\\|"))
+            md.append(
+                f"- {r['framework']} {r['algorithm']}, {r['ranks']} ranks, {r['rate']}: {r['status']}: "
+                + " / ".join(r.get("log_tail", [])[-3:]).replace("|", "\\|")
+            )
         md.append("")
     noted = [r for r in rows if r.get("status") == "ok" and r.get("exit_note")]
     if noted:
         md += ["### Jobs that failed on the way out (their measurements stand)", ""]
-        md += [f"- {r['framework']} {r['algorithm']}, {r['ranks']} ranks, {r['rate']}: "
-               + r["exit_note"].replace("|", "\\|") for r in noted] + [""]
+        md += [
+            f"- {r['framework']} {r['algorithm']}, {r['ranks']} ranks, {r['rate']}: "
+            + r["exit_note"].replace("|", "\\|")
+            for r in noted
+        ] + [""]
     if meta.get("closing"):
         md += ["### Closing note", "", meta["closing"], ""]
     paths.append(out / f"{args.name}.md")
@@ -282,8 +387,9 @@ def plot(args, meta, rows, path: Path) -> Path | None:
         return None
     rank_counts = sorted({r["ranks"] for r in ok})
     frameworks = [fw for fw in FRAMEWORKS if any(r["framework"] == fw for r in ok)]
-    fig, axes = plt.subplots(len(frameworks), len(rank_counts), figsize=(6 * len(rank_counts), 4.5 * len(frameworks)),
-                             squeeze=False)
+    fig, axes = plt.subplots(
+        len(frameworks), len(rank_counts), figsize=(6 * len(rank_counts), 4.5 * len(frameworks)), squeeze=False
+    )
     for row, fw in enumerate(frameworks):
         for col, ranks in enumerate(rank_counts):
             ax = axes[row][col]
@@ -309,18 +415,30 @@ def plot(args, meta, rows, path: Path) -> Path | None:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--ranks", type=int, nargs="+", default=[4, 2])
     p.add_argument("--rates", nargs="+", default=DEFAULT_RATES, help="per-rank link rates; 'none' = unshaped")
-    p.add_argument("--algorithms", nargs="+", default=ALGORITHMS, choices=ALGORITHMS, metavar="NAME",
-                   help="Bagua algorithms (each framework's baseline always runs)")
+    p.add_argument(
+        "--algorithms",
+        nargs="+",
+        default=ALGORITHMS,
+        choices=ALGORITHMS,
+        metavar="NAME",
+        help="Bagua algorithms (each framework's baseline always runs)",
+    )
     p.add_argument("--frameworks", nargs="+", default=list(FRAMEWORKS), choices=FRAMEWORKS)
-    p.add_argument("--jax-comm", choices=("mpi", "gloo"), default="mpi",
-                   help="bagua_jax over the native MPI engine (default; mpiexec reaches the namespaces "
-                        "through the harness) or over JAX's collectives on a mesh (jax.distributed + gloo)")
-    p.add_argument("--convergence-steps", type=int, default=200,
-                   help="digits training steps after the timing, per job (0: off)")
+    p.add_argument(
+        "--jax-comm",
+        choices=("mpi", "gloo"),
+        default="mpi",
+        help="bagua_jax over the native MPI engine (default; mpiexec reaches the namespaces "
+        "through the harness) or over JAX's collectives on a mesh (jax.distributed + gloo)",
+    )
+    p.add_argument(
+        "--convergence-steps", type=int, default=200, help="digits training steps after the timing, per job (0: off)"
+    )
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per link (needs netem)")
     p.add_argument("--width", type=int, default=512)
     p.add_argument("--layers", type=int, default=2)
@@ -361,27 +479,49 @@ def main(argv=None) -> int:
     if not probe.get("netem"):
         notes.append("The kernel has no sch_netem: no latency is added; links are shaped by bandwidth (tbf) only.")
     if "jax" in args.frameworks:
-        notes.append("bagua_jax algorithms: DataParallel over the native MPI engine (mpiexec in rank 0's namespace "
-                     "starts the other ranks through the harness; TCP over the shaped links, no shared memory, "
-                     "UCX's eager protocol for every size)."
-                     if args.jax_comm == "mpi" else
-                     "bagua_jax algorithms: DataParallel(mesh=...) over jax.distributed + gloo (JAX's collectives); "
-                     "async is left out, its background averager needs the native engine.")
+        notes.append(
+            "bagua_jax algorithms: DataParallel over the native MPI engine (mpiexec in rank 0's namespace "
+            "starts the other ranks through the harness; TCP over the shaped links, no shared memory, "
+            "UCX's eager protocol for every size)."
+            if args.jax_comm == "mpi"
+            else "bagua_jax algorithms: DataParallel(mesh=...) over jax.distributed + gloo (JAX's collectives); "
+            "async is left out, its background averager needs the native engine."
+        )
     cores = _common.cores()
     if max(args.ranks) > cores:
-        notes.append(f"{max(args.ranks)} ranks on {cores} cores: the CPU is oversubscribed (compute and "
-                     "compression of the ranks take turns).")
+        notes.append(
+            f"{max(args.ranks)} ranks on {cores} cores: the CPU is oversubscribed (compute and "
+            "compression of the ranks take turns)."
+        )
     meta = _common.run_meta(
         sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), ("torch", "jax", "numpy")
     )
-    meta.update({
-        "machine": platform.processor() or platform.machine(), "cores": cores,
-        "kernel": platform.release(), "probe": probe, "parameters": parameter_count(args),
-        "settings": {k: getattr(args, k) for k in ("width", "layers", "image_size", "batch_size", "lr",
-                                                   "warmup_iters", "iters", "batches_per_iter",
-                                                   "convergence_steps")},
-        "delay_ms": args.delay_ms, "jax_comm": args.jax_comm, "notes": notes,
-    })
+    meta.update(
+        {
+            "machine": platform.processor() or platform.machine(),
+            "cores": cores,
+            "kernel": platform.release(),
+            "probe": probe,
+            "parameters": parameter_count(args),
+            "settings": {
+                k: getattr(args, k)
+                for k in (
+                    "width",
+                    "layers",
+                    "image_size",
+                    "batch_size",
+                    "lr",
+                    "warmup_iters",
+                    "iters",
+                    "batches_per_iter",
+                    "convergence_steps",
+                )
+            },
+            "delay_ms": args.delay_ms,
+            "jax_comm": args.jax_comm,
+            "notes": notes,
+        }
+    )
     if closing:
         meta["closing"] = closing
     rows: list[dict[str, Any]] = []
@@ -392,8 +532,11 @@ def main(argv=None) -> int:
         meta["closing"] = closing or old["meta"].get("closing")
         meta["command"] = old["meta"]["command"] + "`, then `" + meta["command"]
     jobs = job_list(args)
-    print(f"{len(jobs)} jobs x {len(args.rates)} rates x {len(args.ranks)} rank counts; model "
-          f"{meta['parameters']:,} parameters", flush=True)
+    print(
+        f"{len(jobs)} jobs x {len(args.rates)} rates x {len(args.ranks)} rank counts; model "
+        f"{meta['parameters']:,} parameters",
+        flush=True,
+    )
     port = 29500
     start = time.monotonic()
     try:
@@ -407,13 +550,26 @@ def main(argv=None) -> int:
                         for fw, alg in jobs:
                             port += 1
                             row = run_job(args, net, fw, alg, port, Path(tmp))
-                            rows = [r for r in rows if not (r["ranks"] == ranks and r["rate"] == row["rate"]
-                                                            and r["framework"] == fw and r["algorithm"] == alg)]
+                            rows = [
+                                r
+                                for r in rows
+                                if not (
+                                    r["ranks"] == ranks
+                                    and r["rate"] == row["rate"]
+                                    and r["framework"] == fw
+                                    and r["algorithm"] == alg
+                                )
+                            ]
                             rows.append(row)
-                            msg = (f"{row['step_s'] * 1e3:8.1f} ms/step" if row["status"] == "ok"
-                                   else f"{row['status']}: {' / '.join(row.get('log_tail', [])[-2:])}")
-                            print(f"{ranks} ranks {row['rate']:>12} {fw:>5} {alg:<28} {msg} ({row['wall_s']:.0f} s)",
-                                  flush=True)
+                            msg = (
+                                f"{row['step_s'] * 1e3:8.1f} ms/step"
+                                if row["status"] == "ok"
+                                else f"{row['status']}: {' / '.join(row.get('log_tail', [])[-2:])}"
+                            )
+                            print(
+                                f"{ranks} ranks {row['rate']:>12} {fw:>5} {alg:<28} {msg} ({row['wall_s']:.0f} s)",
+                                flush=True,
+                            )
                             write_results(args, meta, rows, final=False)
     except KeyboardInterrupt:
         print("interrupted; writing what was measured", file=sys.stderr)

@@ -197,9 +197,7 @@ def main() -> None:
             base = "python per tensor" if "python" in name else "torch for-loop"
             if name == "fused wrapper + fused":
                 base = "torch fused"
-            lines.append(
-                f"| {name} | {median[name] * 1e3:.3f} | {median[base] / median[name]:.2f}x vs {base} |"
-            )
+            lines.append(f"| {name} | {median[name] * 1e3:.3f} | {median[base] / median[name]:.2f}x vs {base} |")
         lines += ["", "| bar | measured | needed | met |", "|---|---:|---:|---|"]
         for fast, slow, needed in BARS:
             ratio = median[slow] / median[fast]

@@ -105,8 +105,15 @@ BASELINES = {"jax": "pmean", "torch": "ddp"}
 BASELINE_LABELS = {"pmean": "jax.lax.pmean (shard_map)", "ddp": "torch DDP"}
 REFERENCE = "gradient_allreduce"
 # Every algorithm name of Bagua, in the order of the table (the baseline comes first).
-ALGORITHM_NAMES = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized",
-                   "async", "qadam", "onebit_adam")
+ALGORITHM_NAMES = (
+    "gradient_allreduce",
+    "bytegrad",
+    "decentralized",
+    "low_precision_decentralized",
+    "async",
+    "qadam",
+    "onebit_adam",
+)
 ADAM_ALGORITHMS = ("qadam", "onebit_adam")
 # Job names for registry algorithms with non-default options, in both frameworks.
 VARIANTS = {"decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one"})}
@@ -116,6 +123,7 @@ HERE = Path(__file__).resolve()
 
 
 # --------------------------------------------------------------------------- models
+
 
 def init_params(model: str, image_size: int, width: int, layers: int, seed: int = 0) -> list[np.ndarray]:
     """The initial weights as a flat list of float32 arrays (the same in both frameworks).
@@ -195,9 +203,16 @@ def torch_model(model: str, params: Sequence[np.ndarray]):
     if model == "cnn":
         hidden, flat = params[4].shape[1], params[4].shape[0]
         net = nn.Sequential(
-            nn.Conv2d(CHANNELS, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(flat, hidden), nn.ReLU(), nn.Linear(hidden, NUM_CLASSES),
+            nn.Conv2d(CHANNELS, 32, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(32, 64, 3, padding=1),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(flat, hidden),
+            nn.ReLU(),
+            nn.Linear(hidden, NUM_CLASSES),
         )
         layers = [net[0], net[3], net[7], net[9]]
     else:
@@ -218,6 +233,7 @@ def torch_model(model: str, params: Sequence[np.ndarray]):
 
 
 # --------------------------------------------------------------------------- workers
+
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
@@ -255,7 +271,8 @@ def worker_jax(args: argparse.Namespace) -> dict[str, Any]:
             jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(
             coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            num_processes=size, process_id=rank,
+            num_processes=size,
+            process_id=rank,
         )
     setup = _jax_pmean_setup if args.algorithm == BASELINES["jax"] else _jax_bagua_setup
     params = init_params(args.model, args.image_size, args.width, args.layers)
@@ -270,14 +287,19 @@ def worker_jax(args: argparse.Namespace) -> dict[str, Any]:
 
     result, state = _time_loop(args, rank, size, run, job.state)
     if args.convergence_steps:
-        result["digits_losses"] = _digits_losses(args, rank, size, lambda lr, warmup: setup(
-            args, rank, size, jax_model("mlp"), digits_params(args.digits_hidden), lr, warmup))
+        result["digits_losses"] = _digits_losses(
+            args,
+            rank,
+            size,
+            lambda lr, warmup: setup(args, rank, size, jax_model("mlp"), digits_params(args.digits_hidden), lr, warmup),
+        )
     job.finish(state)
     return result
 
 
-def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int, loss_fn, params, lr: float,
-                     warmup_steps: int) -> RankJob:
+def _jax_pmean_setup(
+    args: argparse.Namespace, rank: int, size: int, loss_fn, params, lr: float, warmup_steps: int
+) -> RankJob:
     """The baseline: a shard_map step with lax.pmean over every process's device."""
     import jax
     import optax
@@ -288,8 +310,10 @@ def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int, loss_fn, pa
     tx = optax.sgd(lr, momentum=0.9)
     devices = jax.devices()
     if len(devices) != size or jax.local_device_count() != 1:
-        raise RuntimeError(f"expected one device per process, got {len(devices)} devices over {size} processes "
-                           f"({jax.local_device_count()} local)")
+        raise RuntimeError(
+            f"expected one device per process, got {len(devices)} devices over {size} processes "
+            f"({jax.local_device_count()} local)"
+        )
     mesh = Mesh(np.array(devices), ("d",))
     replicated, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
 
@@ -301,8 +325,10 @@ def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int, loss_fn, pa
         updates, opt_state = tx.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    sharded = jax.jit(jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("d")),
-                                    out_specs=(P(), P(), P())), donate_argnums=(0, 1))
+    sharded = jax.jit(
+        jax.shard_map(per_device, mesh=mesh, in_specs=(P(), P(), P("d")), out_specs=(P(), P(), P())),
+        donate_argnums=(0, 1),
+    )
 
     def replicate(leaf):
         leaf = np.asarray(leaf)
@@ -321,8 +347,9 @@ def _jax_pmean_setup(args: argparse.Namespace, rank: int, size: int, loss_fn, pa
     return RankJob(step, place, (params, opt_state), lambda state: None)
 
 
-def _jax_bagua_setup(args: argparse.Namespace, rank: int, size: int, loss_fn, params, lr: float,
-                     warmup_steps: int) -> RankJob:
+def _jax_bagua_setup(
+    args: argparse.Namespace, rank: int, size: int, loss_fn, params, lr: float, warmup_steps: int
+) -> RankJob:
     """A Bagua algorithm: DataParallel over the native (MPI) communicator, or over a mesh of every
     process's device (JAX's collectives over gloo) with ``--jax-comm gloo``."""
     import jax
@@ -401,8 +428,12 @@ def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
 
     result, state = _time_loop(args, rank, size, run, job.state)
     if args.convergence_steps:
-        result["digits_losses"] = _digits_losses(args, rank, size, lambda lr, warmup: _torch_setup(
-            args, torch_model("mlp", digits_params(args.digits_hidden)), lr, warmup))
+        result["digits_losses"] = _digits_losses(
+            args,
+            rank,
+            size,
+            lambda lr, warmup: _torch_setup(args, torch_model("mlp", digits_params(args.digits_hidden)), lr, warmup),
+        )
     job.finish(state)
     if dist.is_initialized():
         dist.barrier()
@@ -461,7 +492,9 @@ def digits_params(hidden: int, seed: int = 0) -> list[np.ndarray]:
     return params
 
 
-def _digits_losses(args: argparse.Namespace, rank: int, size: int, setup: Callable[[float, int], RankJob]) -> list[float]:
+def _digits_losses(
+    args: argparse.Namespace, rank: int, size: int, setup: Callable[[float, int], RankJob]
+) -> list[float]:
     """Train a fresh digits MLP with the same algorithm for --convergence-steps steps; this rank's
     loss on its part of every global batch (the same global batches on every rank)."""
     from sklearn.datasets import load_digits
@@ -478,7 +511,7 @@ def _digits_losses(args: argparse.Namespace, rank: int, size: int, setup: Callab
     rng = np.random.default_rng(7)
     state, losses = job.state, []
     for _ in range(args.convergence_steps):
-        index = rng.choice(len(x), per_rank * size, replace=False)[rank * per_rank:(rank + 1) * per_rank]
+        index = rng.choice(len(x), per_rank * size, replace=False)[rank * per_rank : (rank + 1) * per_rank]
         state, loss = job.step(state, job.place(x[index], y[index]))
         losses.append(float(loss))
     job.finish(state)
@@ -513,6 +546,7 @@ def worker_main(args: argparse.Namespace) -> None:
 
 # --------------------------------------------------------------------------- the parent
 
+
 def child_environment(args: argparse.Namespace) -> dict[str, str]:
     """Each rank's environment: one device per process, JAX on the CPU (with --device cpu)."""
     env = dict(os.environ)
@@ -530,20 +564,64 @@ def child_environment(args: argparse.Namespace) -> dict[str, str]:
 
 
 def worker_command(args: argparse.Namespace, algorithm: str, result: Path) -> list[str]:
-    launch = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(args.nproc),
-              "--timeout", str(args.job_timeout), "--grace", "5"]
+    launch = [
+        sys.executable,
+        "-m",
+        "bagua_launch",
+        "--nproc-per-node",
+        str(args.nproc),
+        "--timeout",
+        str(args.job_timeout),
+        "--grace",
+        "5",
+    ]
     if args.framework == "jax" and algorithm != BASELINES["jax"] and args.jax_comm == "mpi":
         launch.append("--mpi")
     return launch + [
-        str(HERE), "--worker", "--framework", args.framework, "--algorithm", algorithm, "--result", str(result),
-        "--model", args.model, "--batch-size", str(args.batch_size), "--width", str(args.width),
-        "--layers", str(args.layers), "--image-size", str(args.image_size), "--lr", str(args.lr),
-        "--warmup-iters", str(args.warmup_iters), "--iters", str(args.iters),
-        "--batches-per-iter", str(args.batches_per_iter), "--threads", str(args.threads),
-        "--comm-timeout", str(args.comm_timeout), "--device", args.device, "--jax-comm", args.jax_comm,
-        "--convergence-steps", str(args.convergence_steps), "--digits-batch", str(args.digits_batch),
-        "--digits-hidden", str(args.digits_hidden), "--digits-lr", str(args.digits_lr),
-        "--digits-adam-lr", str(args.digits_adam_lr),
+        str(HERE),
+        "--worker",
+        "--framework",
+        args.framework,
+        "--algorithm",
+        algorithm,
+        "--result",
+        str(result),
+        "--model",
+        args.model,
+        "--batch-size",
+        str(args.batch_size),
+        "--width",
+        str(args.width),
+        "--layers",
+        str(args.layers),
+        "--image-size",
+        str(args.image_size),
+        "--lr",
+        str(args.lr),
+        "--warmup-iters",
+        str(args.warmup_iters),
+        "--iters",
+        str(args.iters),
+        "--batches-per-iter",
+        str(args.batches_per_iter),
+        "--threads",
+        str(args.threads),
+        "--comm-timeout",
+        str(args.comm_timeout),
+        "--device",
+        args.device,
+        "--jax-comm",
+        args.jax_comm,
+        "--convergence-steps",
+        str(args.convergence_steps),
+        "--digits-batch",
+        str(args.digits_batch),
+        "--digits-hidden",
+        str(args.digits_hidden),
+        "--digits-lr",
+        str(args.digits_lr),
+        "--digits-adam-lr",
+        str(args.digits_adam_lr),
     ]
 
 
@@ -555,14 +633,23 @@ def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: _common.Pr
     start = time.perf_counter()
     iter_re = re.compile(rb"^\[rank 0\] iter (\d+)/", re.M)
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env=child_environment(args), cwd=HERE.parent.parent)
+        proc = subprocess.Popen(
+            cmd,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=child_environment(args),
+            cwd=HERE.parent.parent,
+        )
         while proc.poll() is None:
             time.sleep(0.5)
             text = log.read_bytes()
             iters = [int(m) for m in iter_re.findall(text)]
-            phase = f"{iters[-1]}/{args.iters} iters" if iters else (
-                "timing" if b"warm-up done" in text else "starting / warm-up")
+            phase = (
+                f"{iters[-1]}/{args.iters} iters"
+                if iters
+                else ("timing" if b"warm-up done" in text else "starting / warm-up")
+            )
             bar.show(done + (iters[-1] / (args.iters + 1) if iters else 0.0), f"{algorithm}: {phase}")
             if time.perf_counter() - start > args.job_timeout + 30:
                 proc.kill()
@@ -579,12 +666,14 @@ def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: _common.Pr
         # the MPI engine's shutdown); the measurement stands, the failure is reported with it.
         tail = log.read_text(errors="replace").splitlines()
         signal_line = next((line for line in tail if "EXIT STRING" in line), "")
-        row["exit_note"] = (f"the job exited with code {proc.returncode} after every rank had written its "
-                            f"timings{': ' + signal_line.split(':', 1)[1].strip() if signal_line else ''}")
+        row["exit_note"] = (
+            f"the job exited with code {proc.returncode} after every rank had written its "
+            f"timings{': ' + signal_line.split(':', 1)[1].strip() if signal_line else ''}"
+        )
         _keep_log(args, log, algorithm)
     if proc.returncode != 0 and len(ranks) != args.nproc:
         row["status"] = "failed"
-        tail = log.read_text(errors="replace").splitlines()[-args.tail_lines:]
+        tail = log.read_text(errors="replace").splitlines()[-args.tail_lines :]
         row["error"] = f"exit code {proc.returncode}; " + " | ".join(line.strip() for line in tail[-3:])
         row["log_tail"] = tail
         row["retry"] = b"EADDRINUSE" in log.read_bytes() or b"address already in use" in log.read_bytes()
@@ -595,14 +684,18 @@ def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: _common.Pr
     per_iter = np.mean(np.array([r["rates"] for r in ranks]), axis=0)  # mean over ranks, per iteration
     mean = float(np.mean(per_iter))
     ci = 1.96 * float(np.std(per_iter, ddof=1)) / math.sqrt(len(per_iter)) if len(per_iter) > 1 else float("nan")
-    row.update({
-        "status": "ok",
-        "per_device": mean, "per_device_ci95": ci,
-        "total": mean * args.nproc, "total_ci95": ci * args.nproc,
-        "per_iteration_per_device": [float(v) for v in per_iter],
-        "per_rank_mean": [float(np.mean(r["rates"])) for r in ranks],
-        "warmup_s": max(r["warmup_s"] for r in ranks),
-    })
+    row.update(
+        {
+            "status": "ok",
+            "per_device": mean,
+            "per_device_ci95": ci,
+            "total": mean * args.nproc,
+            "total_ci95": ci * args.nproc,
+            "per_iteration_per_device": [float(v) for v in per_iter],
+            "per_rank_mean": [float(np.mean(r["rates"])) for r in ranks],
+            "warmup_s": max(r["warmup_s"] for r in ranks),
+        }
+    )
     if args.convergence_steps:
         row["digits_loss"] = digits_loss(ranks)
     return row
@@ -645,16 +738,20 @@ def add_ratios(rows: list[dict[str, Any]], framework: str) -> None:
 
 def table_lines(rows: Sequence[dict[str, Any]], framework: str) -> list[str]:
     base = BASELINE_LABELS[BASELINES[framework]]
-    lines = [f"| algorithm | img/s per device | img/s total | vs {base} | vs gradient_allreduce |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"| algorithm | img/s per device | img/s total | vs {base} | vs gradient_allreduce |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         name = r["algorithm"] + (f" (baseline: {base})" if r["algorithm"] == BASELINES[framework] else "")
         if r.get("status") != "ok":
             lines.append(f"| {name} | {r.get('status')} | — | — | — |")
             continue
-        lines.append(f"| {name} | {_pm(r['per_device'], r['per_device_ci95'])} | "
-                     f"{_pm(r['total'], r['total_ci95'])} | {_ratio(r['vs_baseline'])} | "
-                     f"{_ratio(r['vs_gradient_allreduce'])} |")
+        lines.append(
+            f"| {name} | {_pm(r['per_device'], r['per_device_ci95'])} | "
+            f"{_pm(r['total'], r['total_ci95'])} | {_ratio(r['vs_baseline'])} | "
+            f"{_ratio(r['vs_gradient_allreduce'])} |"
+        )
     return lines
 
 
@@ -665,9 +762,11 @@ def print_table(rows: Sequence[dict[str, Any]], framework: str, nproc: int) -> N
         if r.get("status") != "ok":
             print(f"{r['algorithm']:<30}{r.get('status', '?'):>18}")
             continue
-        print(f"{r['algorithm']:<30}{_pm(r['per_device'], r['per_device_ci95']):>18}"
-              f"{_pm(r['total'], r['total_ci95']):>20}{_ratio(r['vs_baseline']):>10}"
-              f"{_ratio(r['vs_gradient_allreduce']):>14}")
+        print(
+            f"{r['algorithm']:<30}{_pm(r['per_device'], r['per_device_ci95']):>18}"
+            f"{_pm(r['total'], r['total_ci95']):>20}{_ratio(r['vs_baseline']):>10}"
+            f"{_ratio(r['vs_gradient_allreduce']):>14}"
+        )
     print(f"({nproc} processes; ± is the 95% interval over the timed iterations)")
 
 
@@ -683,32 +782,51 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
         f"# Bagua synthetic benchmark: {args.framework}, {args.nproc} processes, {args.model}",
         "",
         *_common.header_lines(meta),
-        (f"- model: {args.model} ({meta['parameters']:,} parameters, {meta['parameters'] * 4 / 1e6:.1f} MB fp32 "
-         f"gradient); batch {s['batch_size']} per process of {s['image_size']}x{s['image_size']}x3 random images"),
-        (f"- {s['warmup_iters']} warm-up iterations, then {s['iters']} timed iterations of "
-         f"{s['batches_per_iter']} steps; torch threads per process: {s['threads']}"),
+        (
+            f"- model: {args.model} ({meta['parameters']:,} parameters, {meta['parameters'] * 4 / 1e6:.1f} MB fp32 "
+            f"gradient); batch {s['batch_size']} per process of {s['image_size']}x{s['image_size']}x3 random images"
+        ),
+        (
+            f"- {s['warmup_iters']} warm-up iterations, then {s['iters']} timed iterations of "
+            f"{s['batches_per_iter']} steps; torch threads per process: {s['threads']}"
+        ),
         f"- total time {meta['total_s']:.0f} s",
     ]
-    if meta["load_average_before"][0] >= meta["device"]["cores"] or meta["load_average_after"][0] >= meta["device"]["cores"]:
-        md.append(f"- **busy machine**: the load average was at or above the core count ({meta['device']['cores']}) "
-                  "during the run (other work on the machine), so the timings are noisy and ratios between "
-                  "rows measured at different moments are uncertain beyond the intervals shown")
+    if (
+        meta["load_average_before"][0] >= meta["device"]["cores"]
+        or meta["load_average_after"][0] >= meta["device"]["cores"]
+    ):
+        md.append(
+            f"- **busy machine**: the load average was at or above the core count ({meta['device']['cores']}) "
+            "during the run (other work on the machine), so the timings are noisy and ratios between "
+            "rows measured at different moments are uncertain beyond the intervals shown"
+        )
     if meta["oversubscribed"]:
-        md.append(f"- **oversubscribed**: {args.nproc} processes on {meta['device']['cores']} cores, so the "
-                  "processes share cores and these figures measure contention as much as communication")
-    md += ["", "img/s per device is the mean over ranks and then over the timed iterations, ± the 95% interval",
-           "(1.96 std / sqrt(iterations)); total = per device x processes. Ratios are total img/s over the",
-           f"baseline's ({base}) and over Bagua's gradient_allreduce, both measured in this run.",
-           "`async` steps do not wait for its background weight averaging, so it measures local steps.", "",
-           *table_lines(rows, args.framework), ""]
+        md.append(
+            f"- **oversubscribed**: {args.nproc} processes on {meta['device']['cores']} cores, so the "
+            "processes share cores and these figures measure contention as much as communication"
+        )
+    md += [
+        "",
+        "img/s per device is the mean over ranks and then over the timed iterations, ± the 95% interval",
+        "(1.96 std / sqrt(iterations)); total = per device x processes. Ratios are total img/s over the",
+        f"baseline's ({base}) and over Bagua's gradient_allreduce, both measured in this run.",
+        "`async` steps do not wait for its background weight averaging, so it measures local steps.",
+        "",
+        *table_lines(rows, args.framework),
+        "",
+    ]
     notes = meta.get("notes", [])
     failed = [r for r in rows if r.get("status") == "failed"]
     if notes or failed or any(r.get("exit_note") or r.get("retried_after") for r in rows):
         md += ["## Notes", ""] + [f"- {n}" for n in notes]
         md += [f"- {r['algorithm']} failed: {r.get('error', '')}" for r in failed]
         md += [f"- {r['algorithm']}: {r['exit_note']}" for r in rows if r.get("exit_note")]
-        md += [f"- {r['algorithm']}: retried once after EADDRINUSE (port race with another program)"
-               for r in rows if r.get("retried_after")]
+        md += [
+            f"- {r['algorithm']}: retried once after EADDRINUSE (port race with another program)"
+            for r in rows
+            if r.get("retried_after")
+        ]
         md.append("")
     paths = list(_common.write_results(args.out, stem, md, {**meta, "results": rows}))
     if args.plot:
@@ -731,19 +849,29 @@ def plot(args: argparse.Namespace, rows: Sequence[dict[str, Any]], path: Path, m
     if not ok:
         return None
     names = [r["algorithm"] for r in ok]
-    colors = ["tab:gray" if n == BASELINES[args.framework] else "tab:blue" if n == REFERENCE else "tab:orange"
-              for n in names]
+    colors = [
+        "tab:gray" if n == BASELINES[args.framework] else "tab:blue" if n == REFERENCE else "tab:orange" for n in names
+    ]
     fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(ok) + 2), 4.5))
     bars = ax.bar(names, [r["total"] for r in ok], yerr=[r["total_ci95"] for r in ok], capsize=4, color=colors)
     for bar, r in zip(bars, ok):
         if r.get("vs_baseline"):
-            ax.annotate(f"{r['vs_baseline']:.2f}x", (bar.get_x() + bar.get_width() / 2, bar.get_height()),
-                        ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
+            ax.annotate(
+                f"{r['vs_baseline']:.2f}x",
+                (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+                ha="center",
+                va="bottom",
+                fontsize=8,
+                xytext=(0, 3),
+                textcoords="offset points",
+            )
     ax.set_ylabel("images/s, all processes (95% interval)")
     over = " (oversubscribed)" if meta["oversubscribed"] else ""
-    ax.set_title(f"{args.framework}, {args.model}, {args.nproc} processes on {meta['device']['cores']} "
-                 f"{meta['device']['kind']} cores{over}\nratios vs {BASELINE_LABELS[BASELINES[args.framework]]}",
-                 fontsize=10)
+    ax.set_title(
+        f"{args.framework}, {args.model}, {args.nproc} processes on {meta['device']['cores']} "
+        f"{meta['device']['kind']} cores{over}\nratios vs {BASELINE_LABELS[BASELINES[args.framework]]}",
+        fontsize=10,
+    )
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -770,47 +898,74 @@ def select_algorithms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         elif name in ALGORITHM_NAMES:
             notes.append(f"{name}: not available in this installation's {args.framework} registry; skipped")
         else:
-            raise SystemExit(f"unknown algorithm {name!r} for --framework {args.framework}; "
-                             f"choose from {', '.join([base, *available])} or all")
+            raise SystemExit(
+                f"unknown algorithm {name!r} for --framework {args.framework}; "
+                f"choose from {', '.join([base, *available])} or all"
+            )
     return jobs, notes
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--framework", choices=FRAMEWORKS, default="jax", help="jax (default) or torch")
-    parser.add_argument("--algorithm", nargs="+", default=["all"], metavar="NAME",
-                        help="algorithm names, the baseline (pmean for jax, ddp for torch) or 'all' (default)")
+    parser.add_argument(
+        "--algorithm",
+        nargs="+",
+        default=["all"],
+        metavar="NAME",
+        help="algorithm names, the baseline (pmean for jax, ddp for torch) or 'all' (default)",
+    )
     parser.add_argument("--nproc", type=int, default=2, help="processes, one device each (default 2)")
-    parser.add_argument("--device", choices=("cpu", "gpu"), default="cpu",
-                        help="cpu (default; sets JAX_PLATFORMS=cpu) or gpu")
+    parser.add_argument(
+        "--device", choices=("cpu", "gpu"), default="cpu", help="cpu (default; sets JAX_PLATFORMS=cpu) or gpu"
+    )
     parser.add_argument("--model", choices=MODELS, default="mlp", help="mlp (default, large gradient) or cnn")
     parser.add_argument("--batch-size", type=int, default=32, help="images per process per step (default 32)")
-    parser.add_argument("--width", type=int, default=1024,
-                        help="mlp hidden width; the cnn's dense layer is width/8 (default 1024)")
+    parser.add_argument(
+        "--width", type=int, default=1024, help="mlp hidden width; the cnn's dense layer is width/8 (default 1024)"
+    )
     parser.add_argument("--layers", type=int, default=4, help="mlp hidden layers (default 4)")
     parser.add_argument("--image-size", type=int, default=32, help="square image side (default 32)")
     parser.add_argument("--lr", type=float, default=0.01, help="learning rate (default 0.01)")
     parser.add_argument("--warmup-iters", type=int, default=2, help="untimed iterations (default 2)")
     parser.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     parser.add_argument("--batches-per-iter", type=int, default=5, help="steps per iteration (default 5)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch intra-op threads per process (default: cores / processes, at least 1)")
-    parser.add_argument("--jax-comm", choices=("mpi", "gloo"), default="mpi",
-                        help="how JAX Bagua algorithms communicate: the native MPI engine under mpiexec "
-                             "(default), or JAX's collectives on a mesh over jax.distributed + gloo")
-    parser.add_argument("--convergence-steps", type=int, default=0,
-                        help="after timing, train a digits MLP this many steps with the same algorithm and "
-                             "record its losses (default 0: off; needs scikit-learn)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch intra-op threads per process (default: cores / processes, at least 1)",
+    )
+    parser.add_argument(
+        "--jax-comm",
+        choices=("mpi", "gloo"),
+        default="mpi",
+        help="how JAX Bagua algorithms communicate: the native MPI engine under mpiexec "
+        "(default), or JAX's collectives on a mesh over jax.distributed + gloo",
+    )
+    parser.add_argument(
+        "--convergence-steps",
+        type=int,
+        default=0,
+        help="after timing, train a digits MLP this many steps with the same algorithm and "
+        "record its losses (default 0: off; needs scikit-learn)",
+    )
     parser.add_argument("--digits-batch", type=int, default=128, help="digits global batch (default 128)")
     parser.add_argument("--digits-hidden", type=int, default=64, help="digits MLP hidden width (default 64)")
     parser.add_argument("--digits-lr", type=float, default=0.05, help="digits SGD learning rate (default 0.05)")
-    parser.add_argument("--digits-adam-lr", type=float, default=0.005,
-                        help="digits learning rate of QAdam and OneBitAdam (default 0.005)")
+    parser.add_argument(
+        "--digits-adam-lr",
+        type=float,
+        default=0.005,
+        help="digits learning rate of QAdam and OneBitAdam (default 0.005)",
+    )
     parser.add_argument("--job-timeout", type=float, default=300, help="seconds per algorithm's job (default 300)")
     parser.add_argument("--comm-timeout", type=float, default=120, help="collective timeout in seconds")
-    parser.add_argument("--out", type=Path, default=HERE.parent / "results",
-                        help="results directory (default benchmarks/results)")
+    parser.add_argument(
+        "--out", type=Path, default=HERE.parent / "results", help="results directory (default benchmarks/results)"
+    )
     parser.add_argument("--plot", action="store_true", help="also write a PNG bar chart (needs matplotlib)")
     parser.add_argument("--keep-logs", action="store_true", help="keep every job's output under <out>/logs")
     parser.add_argument("--tail-lines", type=int, default=20, help=argparse.SUPPRESS)
@@ -852,15 +1007,31 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
         baseline=BASELINES[args.framework],
         oversubscribed=args.device == "cpu" and args.nproc > device["cores"],
         parameters=parameter_count(args),
-        settings={k: getattr(args, k) for k in ("model", "batch_size", "width", "layers", "image_size", "lr",
-                                                "warmup_iters", "iters", "batches_per_iter", "threads")},
+        settings={
+            k: getattr(args, k)
+            for k in (
+                "model",
+                "batch_size",
+                "width",
+                "layers",
+                "image_size",
+                "lr",
+                "warmup_iters",
+                "iters",
+                "batches_per_iter",
+                "threads",
+            )
+        },
         notes=notes,
     )
     if meta["oversubscribed"]:
         print(f"note: {args.nproc} processes on {device['cores']} cores: oversubscribed", file=sys.stderr)
-    print(f"{args.framework}: {args.nproc} processes on {device['name']}; model {args.model} "
-          f"({meta['parameters']:,} parameters), batch {args.batch_size} per process; "
-          f"jobs: {' '.join(jobs)}", flush=True)
+    print(
+        f"{args.framework}: {args.nproc} processes on {device['name']}; model {args.model} "
+        f"({meta['parameters']:,} parameters), batch {args.batch_size} per process; "
+        f"jobs: {' '.join(jobs)}",
+        flush=True,
+    )
     rows: list[dict[str, Any]] = []
     bar = _common.Progress(len(jobs))
     start = time.perf_counter()
@@ -880,8 +1051,11 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
             rows.append(row)
             bar.clear()
             if row["status"] == "ok":
-                print(f"{name:<30} {_pm(row['per_device'], row['per_device_ci95']):>16} img/s per device, "
-                      f"{_pm(row['total'], row['total_ci95']):>18} img/s total  ({row['wall_s']:.0f} s)", flush=True)
+                print(
+                    f"{name:<30} {_pm(row['per_device'], row['per_device_ci95']):>16} img/s per device, "
+                    f"{_pm(row['total'], row['total_ci95']):>18} img/s total  ({row['wall_s']:.0f} s)",
+                    flush=True,
+                )
                 if row.get("exit_note"):
                     print(f"  note: {row['exit_note']}", flush=True)
             else:

@@ -71,8 +71,11 @@ def main() -> None:
     accuracy = float(jnp.mean(jnp.argmax(logits(state.params, x_test), -1) == y_test))
     accuracies = np.asarray(comm.allgather(jnp.float32(accuracy)))
     if rank == 0:
-        print(f"done in {elapsed:.1f} s ({args.steps * args.batch / elapsed:.0f} examples/s); "
-              f"test accuracy per rank: {', '.join(f'{a:.3f}' for a in accuracies)}", flush=True)
+        print(
+            f"done in {elapsed:.1f} s ({args.steps * args.batch / elapsed:.0f} examples/s); "
+            f"test accuracy per rank: {', '.join(f'{a:.3f}' for a in accuracies)}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

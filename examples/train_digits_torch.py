@@ -82,8 +82,11 @@ def main() -> None:
         accuracy = (model(x_test).argmax(-1) == y_test).float().mean().reshape(1)
     accuracies = group.world.allgather(accuracy).numpy().ravel()
     if rank == 0:
-        print(f"done in {elapsed:.1f} s ({args.steps * args.batch / elapsed:.0f} examples/s); "
-              f"test accuracy per rank: {', '.join(f'{a:.3f}' for a in accuracies)}", flush=True)
+        print(
+            f"done in {elapsed:.1f} s ({args.steps * args.batch / elapsed:.0f} examples/s); "
+            f"test accuracy per rank: {', '.join(f'{a:.3f}' for a in accuracies)}",
+            flush=True,
+        )
     group.close()
 
 

@@ -101,9 +101,7 @@ def transformer_eval() -> dict[str, np.ndarray]:
     return _sequences(np.random.default_rng(99), 512, LATE_VOCAB)
 
 
-def assert_trains_like_adam(
-    label: str, params: dict, loss: float, adam_params: dict, adam_loss: float
-) -> None:
+def assert_trains_like_adam(label: str, params: dict, loss: float, adam_params: dict, adam_loss: float) -> None:
     """The acceptance check of both front ends' tests: the held-out ``loss`` is within ``LOSS_MARGIN``
     of Adam's, every parameter is finite, and no parameter's largest magnitude exceeds ``GROWTH``
     times Adam's (the divergence of issue 12 grew embeddings ~10^4-fold)."""

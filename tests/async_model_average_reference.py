@@ -116,8 +116,7 @@ def replay_rounds(got: np.ndarray, seed: int, warmup: int, rounds: int) -> list[
         candidates = [got[since[r] : at[r], r] + added[at[r], r] for r in range(n)]
         average = _common_point(candidates)
         assert average is not None, f"round {k + 1}: no snapshots with a common average at steps {at}"
-        snapshots = [c[np.abs(c - average).max(-1) <= TOLERANCE][0] - added[at[r], r]
-                     for r, c in enumerate(candidates)]
+        snapshots = [c[np.abs(c - average).max(-1) <= TOLERANCE][0] - added[at[r], r] for r, c in enumerate(candidates)]
         np.testing.assert_allclose(np.mean(snapshots, 0), average, atol=TOLERANCE)
         averages.append(average)
         since = [t + 1 for t in at]

@@ -60,8 +60,13 @@ def train(seed: int, steps: int, warmup_steps: int, sync_interval_ms: float, sle
         running.append(averager.running)
         time.sleep(sleep_s)
     averager.abort()
-    return {"rank": rank, "history": np.stack(history), "running": running, "rounds": averager.rounds,
-            "joined": not averager.running}
+    return {
+        "rank": rank,
+        "history": np.stack(history),
+        "running": running,
+        "rounds": averager.rounds,
+        "joined": not averager.running,
+    }
 
 
 def one_round(seed: int) -> dict:

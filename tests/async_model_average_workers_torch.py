@@ -73,8 +73,16 @@ def params_np(model: nn.Module) -> dict:
 
 
 @scenario
-def train(seed: int, rank: int, group, steps: int, warmup_steps: int, sync_interval_ms: float, sleep_s: float,
-          compare_allreduce: bool = False) -> dict:
+def train(
+    seed: int,
+    rank: int,
+    group,
+    steps: int,
+    warmup_steps: int,
+    sync_interval_ms: float,
+    sleep_s: float,
+    compare_allreduce: bool = False,
+) -> dict:
     """SGD with AsyncModelAverage: weights after every step, whether the thread ran after each step, rounds."""
     from bagua_torch.algorithms import AsyncModelAverageAlgorithm
 
@@ -102,8 +110,15 @@ def train(seed: int, rank: int, group, steps: int, warmup_steps: int, sync_inter
         running.append(impl.running)
         time.sleep(sleep_s)
     impl.abort()
-    out.update(history=np.stack(history), running=running, hooks=hooks, rounds=impl.rounds,
-               joined=not impl.running, steps=impl.steps, comm=type(impl.comm).__name__)
+    out.update(
+        history=np.stack(history),
+        running=running,
+        hooks=hooks,
+        rounds=impl.rounds,
+        joined=not impl.running,
+        steps=impl.steps,
+        comm=type(impl.comm).__name__,
+    )
     wrapped.close()
     return out
 

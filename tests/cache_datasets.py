@@ -17,9 +17,7 @@ class CountingDataset:
     def __getitem__(self, index: int) -> np.ndarray:
         with open(self.log_path, "a") as log:
             log.write(f"{os.getpid()} {index}\n")
-        return (
-            np.random.default_rng(index).standard_normal(self.size).astype(np.float32)
-        )
+        return np.random.default_rng(index).standard_normal(self.size).astype(np.float32)
 
 
 def reads(log_path: str) -> int:

@@ -27,9 +27,7 @@ class CustomAverage:
 
     def transformation(self, optimizer, comms):
         def update(grads, state, params=None, **extra):
-            grads = jax.tree.map(
-                lambda g: comms.world.allreduce(g * self.scale, "avg"), grads
-            )
+            grads = jax.tree.map(lambda g: comms.world.allreduce(g * self.scale, "avg"), grads)
             return optimizer.update(grads, state, params)
 
         return optax.GradientTransformationExtraArgs(optimizer.init, update)

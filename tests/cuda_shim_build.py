@@ -111,7 +111,5 @@ def build_shim_selftest(out_dir: Path) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     exe = out_dir / "shim_selftest"
     sources = [SHIM / "shim_selftest.cc", SHIM / "scheduler.cc"]
-    subprocess.run(
-        ["g++", *_FLAGS, *map(str, sources), "-pthread", "-o", str(exe)], check=True
-    )
+    subprocess.run(["g++", *_FLAGS, *map(str, sources), "-pthread", "-o", str(exe)], check=True)
     return exe

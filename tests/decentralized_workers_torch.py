@@ -72,9 +72,15 @@ def train_run(seed: int, rank: int, algorithm) -> dict:
         opt.step()
         after.append(params_of(model))
     impl = wrapped.algorithm_impl
-    out = {"params": params_of(model), "before": before, "after": after,
-           "layout": [(list(b.names), b.numel, b.size) for b in wrapped.buckets],
-           "levels": impl.levels is not None, "step": impl.step, "copies": _copies(impl)}
+    out = {
+        "params": params_of(model),
+        "before": before,
+        "after": after,
+        "layout": [(list(b.names), b.numel, b.size) for b in wrapped.buckets],
+        "levels": impl.levels is not None,
+        "step": impl.step,
+        "copies": _copies(impl),
+    }
     wrapped.close()
     return out
 
@@ -116,8 +122,10 @@ def checkpoint(seed: int, rank: int) -> dict:
     from bagua_torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 
     out = {}
-    for label, algorithm in (("dec", DecentralizedAlgorithm("shift_one", communication_interval=2)),
-                             ("lowprec", LowPrecisionDecentralizedAlgorithm())):
+    for label, algorithm in (
+        ("dec", DecentralizedAlgorithm("shift_one", communication_interval=2)),
+        ("lowprec", LowPrecisionDecentralizedAlgorithm()),
+    ):
         model = make_mlp(seed)
         opt = make_optimizer(model)
         wrapped = bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET)
@@ -138,15 +146,21 @@ def checkpoint(seed: int, rank: int) -> dict:
             if with_state:
                 w.load_state_dict(saved["model"])
             else:
-                fresh.load_state_dict({k.removeprefix("module."): v for k, v in saved["model"].items()
-                                       if k.startswith("module.")})
+                fresh.load_state_dict(
+                    {k.removeprefix("module."): v for k, v in saved["model"].items() if k.startswith("module.")}
+                )
             fresh_opt.load_state_dict(saved["optimizer"])
             _steps(w, fresh_opt, seed, range(3, 6), rank)
             w.close()
             return params_of(fresh)
 
-        out[label] = {"continued": continued, "resumed": resume(True), "without_state": resume(False),
-                      "saved_step": saved_state["step"], "saved_keys": sorted(saved_state)}
+        out[label] = {
+            "continued": continued,
+            "resumed": resume(True),
+            "without_state": resume(False),
+            "saved_step": saved_state["step"],
+            "saved_keys": sorted(saved_state),
+        }
     return out
 
 
@@ -170,11 +184,13 @@ def errors(rank: int) -> dict:
     found["lowprec_no_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], "low_precision_decentralized"))
     double = make_mlp(0, torch.float64)
     found["lowprec_float64"] = raised(
-        lambda: bagua_torch.with_bagua(double, [make_optimizer(double)], "low_precision_decentralized"))
+        lambda: bagua_torch.with_bagua(double, [make_optimizer(double)], "low_precision_decentralized")
+    )
     # float64 is fine for full-precision averaging, in both modes (shift_one averages in torch, not the kernel).
     for mode in ("all", "shift_one"):
-        wrapped = bagua_torch.with_bagua(double, [opt := make_optimizer(double)],
-                                         DecentralizedAlgorithm(peer_selection_mode=mode))
+        wrapped = bagua_torch.with_bagua(
+            double, [opt := make_optimizer(double)], DecentralizedAlgorithm(peer_selection_mode=mode)
+        )
         for step in range(2):
             x, y = batch(0, step, rank)
             opt.zero_grad()
@@ -183,8 +199,9 @@ def errors(rank: int) -> dict:
         found[f"dec_float64_{mode}"] = params_of(double)
         wrapped.close()
     # A checkpoint of another shape is refused by the algorithm itself.
-    wrapped = bagua_torch.with_bagua(model, [make_optimizer(model)], "low_precision_decentralized",
-                                     bucket_bytes=SMALL_BUCKET)
+    wrapped = bagua_torch.with_bagua(
+        model, [make_optimizer(model)], "low_precision_decentralized", bucket_bytes=SMALL_BUCKET
+    )
     state = wrapped.algorithm_impl.state_dict()
     state["left"] = state["left"][:-1]
     found["lowprec_bad_state"] = raised(lambda: wrapped.algorithm_impl.load_state_dict(state))
@@ -200,7 +217,12 @@ def job(seed: int, scenarios: list[Scenario], local_world_size: int | None = Non
         rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")))
         kwargs = {"local_world_size": local_world_size, "local_rank": rank % local_world_size}
     group = setup(**kwargs)
-    out = {"rank": group.rank, "size": group.size, "native": group.native, "world": type(group.world).__name__,
-           "hierarchical": group.communicators.hierarchical}
+    out = {
+        "rank": group.rank,
+        "size": group.size,
+        "native": group.native,
+        "world": type(group.world).__name__,
+        "hierarchical": group.communicators.hierarchical,
+    }
     out.update(scenario.run(scenarios, seed=seed, rank=group.rank, size=group.size))
     return out

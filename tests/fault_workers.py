@@ -58,18 +58,12 @@ def mesh_allreduce() -> tuple[int, Callable[[], object]]:
             out_specs=P("r"),
         )
     )
-    ones = jax.make_array_from_process_local_data(
-        NamedSharding(mesh, P("r")), np.ones((1, 4), np.float32)
-    )
-    return jax.process_index(), lambda: np.asarray(
-        sums(ones).addressable_shards[0].data
-    )
+    ones = jax.make_array_from_process_local_data(NamedSharding(mesh, P("r")), np.ones((1, 4), np.float32))
+    return jax.process_index(), lambda: np.asarray(sums(ones).addressable_shards[0].data)
 
 
 def main(setup: str, fault: str, workdir: Path) -> None:
-    rank, allreduce = (
-        mesh_allreduce() if setup == "jax-mesh" else mpi_allreduce(setup.split("-")[0])
-    )
+    rank, allreduce = mesh_allreduce() if setup == "jax-mesh" else mpi_allreduce(setup.split("-")[0])
     (workdir / f"pid{rank}").write_text(str(os.getpid()))
     allreduce()
     if rank == 1:

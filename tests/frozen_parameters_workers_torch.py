@@ -50,12 +50,8 @@ def frozen_first_layer(seed: int) -> dict[str, dict[str, float]]:
         model = make_mlp(seed)
         for p in model[0].parameters():
             p.requires_grad_(False)
-        optimizer, algorithm = _optimizer_and_algorithm(
-            name, [p for p in model.parameters() if p.requires_grad]
-        )
-        wrapped = bagua_torch.with_bagua(
-            model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET
-        )
+        optimizer, algorithm = _optimizer_and_algorithm(name, [p for p in model.parameters() if p.requires_grad])
+        wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET)
         before = params_of(model)  # after the wrap's broadcast from rank 0
         for step in range(STEPS):
             optimizer.zero_grad()

@@ -29,9 +29,7 @@ SMALL_BUCKET = 1500  # bytes: the MLP below gets 3 buckets (see test_bucket_layo
 
 def make_mlp(seed: int, dtype: torch.dtype = torch.float32) -> nn.Module:
     torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)
-    ).to(dtype)
+    return nn.Sequential(nn.Linear(10, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 3)).to(dtype)
 
 
 def make_bn(seed: int) -> nn.Module:
@@ -106,18 +104,23 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
     _train(ddp, opt, seed, range(STEPS), rank)
     out["torch_ddp"] = params_of(reference)
     variants = {
-        "with_bagua": lambda m, o: bagua_torch.with_bagua(m, [o], GradientAllReduceAlgorithm(),
-                                                          bucket_bytes=SMALL_BUCKET),
-        "with_bagua_step": lambda m, o: bagua_torch.with_bagua(m, o, "gradient_allreduce",
-                                                               bucket_bytes=SMALL_BUCKET, sync_point="step"),
+        "with_bagua": lambda m, o: bagua_torch.with_bagua(
+            m, [o], GradientAllReduceAlgorithm(), bucket_bytes=SMALL_BUCKET
+        ),
+        "with_bagua_step": lambda m, o: bagua_torch.with_bagua(
+            m, o, "gradient_allreduce", bucket_bytes=SMALL_BUCKET, sync_point="step"
+        ),
         "bagua_ddp": lambda m, o: bagua_torch.DistributedDataParallel(m, bucket_cap_mb=SMALL_BUCKET / 2**20),
         "bagua_ddp_default_bucket": lambda m, o: bagua_torch.DistributedDataParallel(m),
         "hierarchical": lambda m, o: bagua_torch.with_bagua(
-            m, [o], GradientAllReduceAlgorithm(hierarchical=True), bucket_bytes=SMALL_BUCKET),
+            m, [o], GradientAllReduceAlgorithm(hierarchical=True), bucket_bytes=SMALL_BUCKET
+        ),
         "torch_group": lambda m, o: bagua_torch.with_bagua(
-            m, [o], bucket_bytes=SMALL_BUCKET, process_group=dist.group.WORLD),
+            m, [o], bucket_bytes=SMALL_BUCKET, process_group=dist.group.WORLD
+        ),
         "sum": lambda m, o: bagua_torch.with_bagua(
-            m, [o], GradientAllReduceAlgorithm(average=False), bucket_bytes=SMALL_BUCKET),
+            m, [o], GradientAllReduceAlgorithm(average=False), bucket_bytes=SMALL_BUCKET
+        ),
     }
     for name, wrap in variants.items():
         model = make_mlp(seed + 1000 * (rank + 1))  # different on every rank: the wrap broadcasts rank 0's
@@ -163,8 +166,9 @@ def bytegrad(seed: int, rank: int, sync_point: str = "backward", **options) -> d
 
     model = make_mlp(seed)
     opt = make_optimizer(model)
-    wrapped = bagua_torch.with_bagua(model, [opt], ByteGradAlgorithm(**options), bucket_bytes=SMALL_BUCKET,
-                                     sync_point=sync_point)
+    wrapped = bagua_torch.with_bagua(
+        model, [opt], ByteGradAlgorithm(**options), bucket_bytes=SMALL_BUCKET, sync_point=sync_point
+    )
     losses = _train(wrapped, opt, seed, range(STEPS), rank)
     layout = [(list(b.names), b.size) for b in wrapped.buckets]
     levels = wrapped.algorithm_impl.levels
@@ -196,8 +200,7 @@ def overlap(rank: int) -> dict:
         wrapped(x).square().mean().backward()
         end = time.perf_counter()
         opt.step()
-        results.append({"events": wrapped.events, "first_layer_grad": first_layer_grad[0], "start": start,
-                        "end": end})
+        results.append({"events": wrapped.events, "first_layer_grad": first_layer_grad[0], "start": start, "end": end})
     buckets = [list(b.names) for b in wrapped.buckets]
     wrapped.close()
 
@@ -226,8 +229,14 @@ def overlap(rank: int) -> dict:
     sw_events = sw.events
     swapped_buckets = [list(b.names) for b in sw.buckets]
     sw.close()
-    return {"steps": results, "buckets": buckets, "swapped_events": sw_events, "swapped_buckets": swapped_buckets,
-            "swapped_grads": grads, "swapped_local": {n: p.grad.numpy().copy() for n, p in local.named_parameters()}}
+    return {
+        "steps": results,
+        "buckets": buckets,
+        "swapped_events": sw_events,
+        "swapped_buckets": swapped_buckets,
+        "swapped_grads": grads,
+        "swapped_local": {n: p.grad.numpy().copy() for n, p in local.named_parameters()},
+    }
 
 
 @scenario
@@ -239,8 +248,9 @@ def no_sync(seed: int, rank: int) -> dict:
     for sync_point in ("backward", "step"):
         accumulated, whole = make_mlp(seed), make_mlp(seed)
         opt_a, opt_w = make_optimizer(accumulated), make_optimizer(whole)
-        wa = bagua_torch.with_bagua(accumulated, [opt_a], "gradient_allreduce", bucket_bytes=SMALL_BUCKET,
-                                    sync_point=sync_point)
+        wa = bagua_torch.with_bagua(
+            accumulated, [opt_a], "gradient_allreduce", bucket_bytes=SMALL_BUCKET, sync_point=sync_point
+        )
         ww = bagua_torch.with_bagua(whole, [opt_w], "gradient_allreduce", bucket_bytes=SMALL_BUCKET)
         launches_inside = []
         for step in range(2):
@@ -255,8 +265,11 @@ def no_sync(seed: int, rank: int) -> dict:
             opt_w.zero_grad()
             loss_fn(ww, x, y).backward()
             opt_w.step()
-        out[sync_point] = {"accumulated": params_of(accumulated), "whole": params_of(whole),
-                           "launches_inside_no_sync": launches_inside}
+        out[sync_point] = {
+            "accumulated": params_of(accumulated),
+            "whole": params_of(whole),
+            "launches_inside_no_sync": launches_inside,
+        }
         wa.close()
         ww.close()
     return out
@@ -289,17 +302,16 @@ def unused_parameters(rank: int, size: int) -> dict:
     for sync_point in ("backward", "step"):
         model = _Branchy()
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        wrapped = bagua_torch.with_bagua(model, [opt], "gradient_allreduce", bucket_bytes=200,
-                                         sync_point=sync_point)
+        wrapped = bagua_torch.with_bagua(model, [opt], "gradient_allreduce", bucket_bytes=200, sync_point=sync_point)
         grads, expected = [], []
         for step in range(2):
             x = torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * step + rank))
             local = copy.deepcopy(model)
             local.zero_grad(set_to_none=True)
             local(x, rank == 0).sum().backward()
-            flat = torch.cat([
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in local.parameters()
-            ])
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in local.parameters()]
+            )
             dist.all_reduce(flat)  # the expected average, on torch's default group
             expected.append((flat / size).numpy())
             opt.zero_grad()
@@ -307,8 +319,12 @@ def unused_parameters(rank: int, size: int) -> dict:
             wrapped.wait_gradients()
             grads.append(torch.cat([p.grad.reshape(-1) for p in model.parameters()]).numpy().copy())
             opt.step()
-        out[sync_point] = {"grads": grads, "expected": expected, "params": params_of(model),
-                           "never_grad_is_zero": bool(torch.all(model.never.weight.grad == 0))}
+        out[sync_point] = {
+            "grads": grads,
+            "expected": expected,
+            "params": params_of(model),
+            "never_grad_is_zero": bool(torch.all(model.never.weight.grad == 0)),
+        }
         wrapped.close()
     return out
 
@@ -342,8 +358,9 @@ def checkpoint(seed: int, rank: int) -> dict:
         if with_state:
             w.load_state_dict(saved["model"])
         else:
-            fresh.load_state_dict({k.removeprefix("module."): v for k, v in saved["model"].items()
-                                   if k.startswith("module.")})
+            fresh.load_state_dict(
+                {k.removeprefix("module."): v for k, v in saved["model"].items() if k.startswith("module.")}
+            )
         fresh_opt.load_state_dict(saved["optimizer"])
         _train(w, fresh_opt, seed, range(3, 6), rank)
         w.close()
@@ -359,8 +376,14 @@ def checkpoint(seed: int, rank: int) -> dict:
     saved = torch.load(buffer, weights_only=False)
     wrong_algorithm = raised(lambda: wo.load_state_dict(saved["model"]))
     wo.close()
-    return {"continued": continued, "resumed": resumed, "without_state": without_state, "keys": keys,
-            "residual_norm": residual_norm, "wrong_algorithm": wrong_algorithm}
+    return {
+        "continued": continued,
+        "resumed": resumed,
+        "without_state": without_state,
+        "keys": keys,
+        "residual_norm": residual_norm,
+        "wrong_algorithm": wrong_algorithm,
+    }
 
 
 def wrapped_allreduce():
@@ -400,7 +423,8 @@ def errors(rank: int) -> dict:
     different = make_mlp(0) if rank == 0 else nn.Sequential(nn.Linear(10, 31), nn.Tanh(), nn.Linear(31, 3))
     found["different_models"] = raised(lambda: bagua_torch.with_bagua(different, []))
     found["different_algorithms"] = raised(
-        lambda: bagua_torch.with_bagua(model, [], ByteGradAlgorithm(hierarchical=rank == 0)))
+        lambda: bagua_torch.with_bagua(model, [], ByteGradAlgorithm(hierarchical=rank == 0))
+    )
     # A custom algorithm that is not a dataclass: its repr differs per process, its signature does not.
     found["custom_algorithm"] = raised(lambda: bagua_torch.with_bagua(model, [], wrapped_allreduce()).close())
     wrapped = bagua_torch.with_bagua(model, [opt], sync_point="step")

@@ -28,10 +28,7 @@ def _slot(header: np.ndarray, payload: np.ndarray) -> np.ndarray:
 
 def compressed_size(n: int, k: int, format: str) -> int:
     per_element = (lambda m: m) if format == "minmax_uint8" else (lambda m: -(-m // 8))
-    return sum(
-        HEADER_BYTES + -(-per_element(e - b) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-        for b, e in chunk_bounds(n, k)
-    )
+    return sum(HEADER_BYTES + -(-per_element(e - b) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT for b, e in chunk_bounds(n, k))
 
 
 def _with_residual(x: np.ndarray, residual: np.ndarray | None) -> np.ndarray:
@@ -66,9 +63,7 @@ def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
         return (lo + (q.astype(F32) * step).astype(F32)).astype(F32)
 
 
-def minmax_compress(
-    x: np.ndarray, k: int, residual: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+def minmax_compress(x: np.ndarray, k: int, residual: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Return (compressed bytes, new residual y - decode) for y = x (+ residual)."""
     y = _with_residual(x, residual)
     slots, new_residual = [], np.empty_like(y)
@@ -105,9 +100,7 @@ def sign_scale(seg: np.ndarray) -> np.float32:
     return F32(np.mean(np.abs(seg.astype(np.float64)))) if seg.size else F32(0)
 
 
-def sign_compress(
-    x: np.ndarray, k: int, residual: np.ndarray | None = None
-) -> tuple[np.ndarray, np.ndarray]:
+def sign_compress(x: np.ndarray, k: int, residual: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Return (compressed bytes, new residual) for y = x (+ residual)."""
     y = _with_residual(x, residual)
     slots, new_residual = [], np.empty_like(y)

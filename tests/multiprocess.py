@@ -89,14 +89,20 @@ def run_ranks(
             procs = [
                 subprocess.Popen(
                     [mpiexec(), "-disable-auto-cleanup", "-n", str(nprocs), *command],
-                    env=base_env, stdout=logs[0], stderr=subprocess.STDOUT, start_new_session=True,
+                    env=base_env,
+                    stdout=logs[0],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
             ]
         else:
             procs = [
                 subprocess.Popen(
-                    command, env={**base_env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                    stdout=logs[r], stderr=subprocess.STDOUT, start_new_session=True,
+                    command,
+                    env={**base_env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                    stdout=logs[r],
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                 )
                 for r in range(nprocs)
             ]

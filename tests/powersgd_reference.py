@@ -49,8 +49,10 @@ class PowerSGDReference:
             k = compressed_index
             compressed_index += 1
             view = matrix_view(shape)
-            matrices = [g[leaf].reshape(view) + (self.residuals[r][k] if self.config.error_feedback else 0)
-                        for r, g in enumerate(grads)]
+            matrices = [
+                g[leaf].reshape(view) + (self.residuals[r][k] if self.config.error_feedback else 0)
+                for r, g in enumerate(grads)
+            ]
             p = gram_schmidt(sum(m @ self.qs[k] for m in matrices))
             q = sum(m.T @ p for m in matrices) / self.ranks
             approximation = p @ q.T

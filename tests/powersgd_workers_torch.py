@@ -57,8 +57,13 @@ def bagua_gradients(config: dict, bucket_bytes: int) -> dict:
         applied.append([p.grad.numpy().copy() for p in model.parameters()])
         optimizer.step()
     wrapped.close()
-    return {"names": names, "initial_qs": initial_qs, "local": local, "applied": applied,
-            "params": [p.detach().numpy().copy() for p in model.parameters()]}
+    return {
+        "names": names,
+        "initial_qs": initial_qs,
+        "local": local,
+        "applied": applied,
+        "params": [p.detach().numpy().copy() for p in model.parameters()],
+    }
 
 
 def losses(kind: str, config: dict, steps: int) -> list[float]:

@@ -52,8 +52,11 @@ def _wrap(algo: str, model: nn.Module, warmup_steps: int, hierarchical: bool = T
 
     opt_cls, algo_cls = _classes(algo)
     opt = opt_cls(model.parameters(), lr=LR, warmup_steps=warmup_steps, betas=BETAS, eps=EPS)
-    algorithm = (get_algorithm(algo, optimizer=opt, hierarchical=hierarchical) if by_name
-                 else algo_cls(opt, hierarchical=hierarchical))
+    algorithm = (
+        get_algorithm(algo, optimizer=opt, hierarchical=hierarchical)
+        if by_name
+        else algo_cls(opt, hierarchical=hierarchical)
+    )
     return bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET), opt
 
 
@@ -92,8 +95,9 @@ def warmup(seed: int, rank: int, hierarchical: bool) -> dict:
     out = {}
     reference = make_mlp(seed)
     adam = torch.optim.Adam(reference.parameters(), lr=LR, betas=BETAS, eps=EPS, foreach=False)
-    wrapped = bagua_torch.with_bagua(reference, [adam], GradientAllReduceAlgorithm(hierarchical=hierarchical),
-                                     bucket_bytes=SMALL_BUCKET)
+    wrapped = bagua_torch.with_bagua(
+        reference, [adam], GradientAllReduceAlgorithm(hierarchical=hierarchical), bucket_bytes=SMALL_BUCKET
+    )
     grads = []
 
     def keep_grads(step):
@@ -106,8 +110,7 @@ def warmup(seed: int, rank: int, hierarchical: bool) -> dict:
         model = make_mlp(seed)
         w, opt = _wrap(algo, model, WARMUP_STEPS, hierarchical, by_name=True)
         hooks = _train(w, opt, seed, range(STEPS), rank)
-        out[algo] = {"params": params_of(model), "state": opt_state(model, opt), "hooks": hooks,
-                     "step_id": opt.step_id}
+        out[algo] = {"params": params_of(model), "state": opt_state(model, opt), "hooks": hooks, "step_id": opt.step_id}
         w.close()
     return out
 
@@ -158,15 +161,22 @@ def checkpoint(seed: int, rank: int) -> dict:
             keys = sorted(wrapped.state_dict())
             wrapped.close()
 
-            out[f"{algo}@{save_at}"] = {"continued": continued, "keys": keys,
-                                        **{key: _resume(seed, rank, algo, warmup_steps, buffer, range(save_at, total),
-                                                        with_state=key == "resumed")
-                                           for key in ("resumed", "without_state")}}
+            out[f"{algo}@{save_at}"] = {
+                "continued": continued,
+                "keys": keys,
+                **{
+                    key: _resume(
+                        seed, rank, algo, warmup_steps, buffer, range(save_at, total), with_state=key == "resumed"
+                    )
+                    for key in ("resumed", "without_state")
+                },
+            }
     return out
 
 
-def _resume(seed: int, rank: int, algo: str, warmup_steps: int, buffer: io.BytesIO, steps: range,
-            with_state: bool) -> dict:
+def _resume(
+    seed: int, rank: int, algo: str, warmup_steps: int, buffer: io.BytesIO, steps: range, with_state: bool
+) -> dict:
     """A fresh model and optimizer loaded from the checkpoint in ``buffer`` (``with_state=False``: the weights and
     the optimizer only, not the algorithm state), trained on ``steps``."""
     fresh = make_mlp(seed + 77)
@@ -176,8 +186,9 @@ def _resume(seed: int, rank: int, algo: str, warmup_steps: int, buffer: io.Bytes
     if with_state:
         w.load_state_dict(saved["model"])
     else:
-        fresh.load_state_dict({k.removeprefix("module."): v for k, v in saved["model"].items()
-                               if k.startswith("module.")})
+        fresh.load_state_dict(
+            {k.removeprefix("module."): v for k, v in saved["model"].items() if k.startswith("module.")}
+        )
     fresh_opt.load_state_dict(saved["optimizer"])
     step_id = fresh_opt.step_id
     _train(w, fresh_opt, seed, steps, rank)
@@ -199,7 +210,8 @@ def errors(rank: int) -> dict:
     found["optimizer_of_other_model"] = raised(lambda: bagua_torch.with_bagua(model, [other], QAdamAlgorithm(other)))
     partial = QAdamOptimizer(list(model.parameters())[:2])
     found["optimizer_with_some_parameters"] = raised(
-        lambda: bagua_torch.with_bagua(model, [partial], QAdamAlgorithm(partial)))
+        lambda: bagua_torch.with_bagua(model, [partial], QAdamAlgorithm(partial))
+    )
     double = make_mlp(0, torch.float64)
     dopt = QAdamOptimizer(double.parameters())
     found["float64"] = raised(lambda: bagua_torch.with_bagua(double, [dopt], QAdamAlgorithm(dopt)))

@@ -112,17 +112,21 @@ class JobTable:
             if job.launcher == "mpiexec" and not self.mpi:
                 pytest.skip("built without the MPI engine, or no mpiexec")
             seed = int(np.random.default_rng().integers(2**20))
-            results = run_ranks(self.worker, job.ranks, seed, list(job.scenarios), job.local_world_size,
-                                launcher=job.launcher, timeout=self.timeout)
+            results = run_ranks(
+                self.worker,
+                job.ranks,
+                seed,
+                list(job.scenarios),
+                job.local_world_size,
+                launcher=job.launcher,
+                timeout=self.timeout,
+            )
             self._results[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
         return self._results[name]
 
     def _pairs(self, scenario: str | Scenario) -> list[tuple[str, Scenario]]:
         return [
-            (name, s)
-            for name, job in self.jobs.items()
-            for s in job.scenarios
-            if s == scenario or s.name == scenario
+            (name, s) for name, job in self.jobs.items() for s in job.scenarios if s == scenario or s.name == scenario
         ]
 
     def cases(self, scenario: str | Scenario) -> list[Any]:

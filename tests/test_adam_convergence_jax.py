@@ -25,9 +25,7 @@ from bagua_jax.trainer import DataParallel
 def cnn_logits(params, x):
     def conv(h, w, b, stride):
         dims = ("NHWC", "HWIO", "NHWC")
-        return (
-            jax.lax.conv_general_dilated(h, w, (stride, stride), "SAME", dimension_numbers=dims) + b
-        )
+        return jax.lax.conv_general_dilated(h, w, (stride, stride), "SAME", dimension_numbers=dims) + b
 
     h = jax.nn.relu(conv(x, params["conv1"], params["conv1_b"], 1))
     h = jax.nn.relu(conv(h, params["conv2"], params["conv2_b"], 2))
@@ -94,15 +92,11 @@ def test_trains_like_adam(task, algorithm):
     _, init, batches, evaluation = TASKS[task]
     loss = task_loss(task)
     mesh = Mesh(np.array(jax.devices()[:4]), ("ranks",))
-    trainer = DataParallel(
-        loss, None, ALGORITHMS[algorithm](LR, warmup_steps=WARMUP_STEPS), mesh=mesh
-    )
+    trainer = DataParallel(loss, None, ALGORITHMS[algorithm](LR, warmup_steps=WARMUP_STEPS), mesh=mesh)
     state = trainer.init(init())
     for batch in batches():
         state, _ = trainer.step(state, batch)
     params = jax.tree.map(np.asarray, state.params)  # one copy: QAdam and 1-bit Adam keep replicas identical
     reference = adam_reference(task)
     final = float(loss(params, evaluation()))
-    adam_tasks.assert_trains_like_adam(
-        f"{task} {algorithm}", params, final, reference["params"], reference["loss"]
-    )
+    adam_tasks.assert_trains_like_adam(f"{task} {algorithm}", params, final, reference["params"], reference["loss"])

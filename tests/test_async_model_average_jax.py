@@ -157,7 +157,10 @@ def test_bad_arguments_are_rejected():
 @pytest.mark.parametrize("n", NS)
 def test_warmup_equals_synchronous_allreduce_sgd(n, rng):
     seed, steps = new_seed(rng), 8
-    results = [r.value for r in run_ranks("async_model_average_workers_jax:train", n, seed, steps, steps, 1, 0.0, launcher="mpiexec")]
+    results = [
+        r.value
+        for r in run_ranks("async_model_average_workers_jax:train", n, seed, steps, steps, 1, 0.0, launcher="mpiexec")
+    ]
     expected = numpy_sgd(seed, n, steps, averaged_steps=steps)
     for res in results:
         # float32 rounding of JAX's gradient and of MPI's sum versus NumPy's, over a few steps.
@@ -172,7 +175,9 @@ def test_warmup_equals_synchronous_allreduce_sgd(n, rng):
 @pytest.mark.parametrize("n", NS)
 def test_background_averaging_keeps_replicas_together_and_trains(n, rng):
     seed, steps, warmup = new_seed(rng), 200, 5
-    results = run_ranks("async_model_average_workers_jax:train", n, seed, steps, warmup, 2, 0.002, launcher="mpiexec", timeout=120)
+    results = run_ranks(
+        "async_model_average_workers_jax:train", n, seed, steps, warmup, 2, 0.002, launcher="mpiexec", timeout=120
+    )
     results = sorted((r.value for r in results), key=lambda v: v["rank"])
     got = np.stack([res["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
     np.testing.assert_allclose(got[:warmup], numpy_sgd(seed, n, warmup, warmup), rtol=1e-5, atol=1e-5)
@@ -186,8 +191,10 @@ def test_background_averaging_keeps_replicas_together_and_trains(n, rng):
 @pytest.mark.parametrize("n", NS)
 def test_one_round_applies_sum_over_n_minus_snapshot(n, rng):
     seed = new_seed(rng)
-    results = sorted((r.value for r in run_ranks("async_model_average_workers_jax:one_round", n, seed, launcher="mpiexec")),
-                     key=lambda v: v["rank"])
+    results = sorted(
+        (r.value for r in run_ranks("async_model_average_workers_jax:one_round", n, seed, launcher="mpiexec")),
+        key=lambda v: v["rank"],
+    )
     snapshots = [rank_params(seed, r, 0) for r in range(n)]
     for res in results:
         assert res["started"]  # steps_done covered warm-up: the thread started at once
@@ -215,7 +222,12 @@ def test_one_round_applies_sum_over_n_minus_snapshot(n, rng):
 @needs_mpi
 @pytest.mark.parametrize("n", NS)
 def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(n, rng):
-    results = [r.value for r in run_ranks("async_model_average_workers_jax:abort_resume", n, new_seed(rng), launcher="mpiexec", timeout=120)]
+    results = [
+        r.value
+        for r in run_ranks(
+            "async_model_average_workers_jax:abort_resume", n, new_seed(rng), launcher="mpiexec", timeout=120
+        )
+    ]
     for phase in ("a", "b", "c"):
         assert len({res[phase] for res in results}) == 1, [res[phase] for res in results]
         assert results[0][phase][1] is False  # the thread was joined
@@ -230,8 +242,10 @@ def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(n, rng):
 @needs_mpi
 def test_training_never_waits_for_a_round_in_flight():
     stall = 1.5
-    results = sorted((r.value for r in run_ranks("async_model_average_workers_jax:never_waits", 2, stall, launcher="mpiexec")),
-                     key=lambda v: v["rank"])
+    results = sorted(
+        (r.value for r in run_ranks("async_model_average_workers_jax:never_waits", 2, stall, launcher="mpiexec")),
+        key=lambda v: v["rank"],
+    )
     busy = results[0]
     # Rank 1 made no progress for the whole window, so rank 0's round could not finish: at most
     # the round already past its flag when the stall began completes.

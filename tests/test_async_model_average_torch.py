@@ -39,8 +39,9 @@ from bagua_torch.algorithms import (
 
 F32_EPS = float(np.finfo(np.float32).eps)
 
-WARMUP = Scenario("train", {"steps": 6, "warmup_steps": 6, "sync_interval_ms": 1, "sleep_s": 0.0,
-                            "compare_allreduce": True})
+WARMUP = Scenario(
+    "train", {"steps": 6, "warmup_steps": 6, "sync_interval_ms": 1, "sleep_s": 0.0, "compare_allreduce": True}
+)
 TRAIN = Scenario("train", {"steps": 200, "warmup_steps": 5, "sync_interval_ms": 2, "sleep_s": 0.002})
 ONE_ROUND, ABORT_RESUME = Scenario("one_round"), Scenario("abort_resume")
 NEVER_WAITS = Scenario("never_waits", {"stall_s": 1.5})
@@ -202,6 +203,8 @@ def test_configuration_errors():
     for res in results:
         got = res[ERRORS.label]
         assert got["no_optimizer"].startswith("ValueError: async: pass the optimizers to the wrapper"), got
-        assert got["float64"] == ("TypeError: async: parameter b has dtype torch.float64; asynchronous averaging "
-                                  "takes float32, float16, bfloat16 only"), got
+        assert got["float64"] == (
+            "TypeError: async: parameter b has dtype torch.float64; asynchronous averaging "
+            "takes float32, float16, bfloat16 only"
+        ), got
         assert got["resume_running"].startswith("RuntimeError: async: resume() restarts averaging"), got

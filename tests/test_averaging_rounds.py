@@ -34,9 +34,7 @@ class Group:
 
 
 class Rank:
-    def __init__(
-        self, rank: int, group: Group, weights: np.ndarray, warmup_steps: int = 0, fail=None
-    ):
+    def __init__(self, rank: int, group: Group, weights: np.ndarray, warmup_steps: int = 0, fail=None):
         self.rank, self.group, self.weights, self.fail = rank, group, weights.copy(), fail
         self.n = len(group.values)
         self.protocol = AveragingRounds(
@@ -107,9 +105,7 @@ def test_one_rank_aborting_stops_every_rank_at_the_same_round():
     stopper.join()
     assert len({r.protocol.rounds for r in ranks}) == 1
     abort_all(ranks[1:])
-    with pytest.raises(
-        RuntimeError, match=r"async: resume\(\) restarts averaging stopped by abort"
-    ):
+    with pytest.raises(RuntimeError, match=r"async: resume\(\) restarts averaging stopped by abort"):
         Rank(0, Group(1), np.zeros(1)).protocol.resume()
     for r in ranks:
         r.protocol.resume()
@@ -134,9 +130,7 @@ def test_a_failed_round_is_raised_at_the_next_step():
     failure = OSError("link down")
     rank = Rank(0, Group(1), np.zeros(1), fail=failure)
     deadline = time.monotonic() + DEADLINE_S
-    with pytest.raises(
-        RuntimeError, match="async: model averaging failed in its background thread"
-    ) as info:
+    with pytest.raises(RuntimeError, match="async: model averaging failed in its background thread") as info:
         while time.monotonic() < deadline:
             rank.protocol.after_step()
             time.sleep(0.001)

@@ -66,8 +66,7 @@ def test_rank_sets_change_between_epochs():
     plan = BalancedPlan(skewed_costs(2000), world_size=world_size, batch_size=8)
     first, second = plan.epoch(0), plan.epoch(1)
     overlaps = [
-        len(np.intersect1d(first.rank_indices(r), second.rank_indices(r)))
-        / len(first.rank_indices(r))
+        len(np.intersect1d(first.rank_indices(r), second.rank_indices(r))) / len(first.rank_indices(r))
         for r in range(world_size)
     ]
     # A fresh random assignment keeps about 1/world_size of a rank's samples.
@@ -92,9 +91,7 @@ def test_drop_last_drops_a_representative_remainder():
     assert abs(dropped.mean() - costs.mean()) < 3 * sigma
     kept = plan.epoch(0)
     seen = np.concatenate([kept.rank_indices(r) for r in range(4)])
-    np.testing.assert_array_equal(
-        np.sort(np.concatenate([seen, kept.dropped])), np.arange(103)
-    )
+    np.testing.assert_array_equal(np.sort(np.concatenate([seen, kept.dropped])), np.arange(103))
 
 
 def test_no_drop_pads_with_repeats_and_drop_last_cuts_short_step():

@@ -71,34 +71,24 @@ def test_server_is_private_and_listens_on_no_tcp_port():
         assert stat.S_IMODE(os.stat(server.socket_path).st_mode) == 0o700
         assert not socket_inodes(server.pid) & listening_tcp_inodes()
         client = redis.Redis.from_url(server.url)
-        assert client.config_get("maxmemory-policy") == {
-            "maxmemory-policy": "noeviction"
-        }
+        assert client.config_get("maxmemory-policy") == {"maxmemory-policy": "noeviction"}
         assert client.config_get("save") == {"save": ""}
         assert client.config_get("appendonly") == {"appendonly": "no"}
-        os.utime(
-            server.directory, (0, 0)
-        )  # old, but alive: another start leaves it alone
+        os.utime(server.directory, (0, 0))  # old, but alive: another start leaves it alone
         with RedisServer(1 << 24):
             assert client.ping() and os.path.exists(server.socket_path)
         pid = server.pid
-    assert gone(pid, 10) and not os.path.exists(
-        server.socket_path if server.directory else "/x"
-    )
+    assert gone(pid, 10) and not os.path.exists(server.socket_path if server.directory else "/x")
 
 
 def test_full_server_stops_admission_and_keeps_serving(tmp_path):
     with RedisServer(3 << 20) as server:
         log = str(tmp_path / "reads")
-        data = CachedDataset(
-            CountingDataset(300, log, size=4096), RedisStore(server.url), name="oom"
-        )
+        data = CachedDataset(CountingDataset(300, log, size=4096), RedisStore(server.url), name="oom")
         for i in range(300):
             data[i]
         stats = data.stats()
-        assert (
-            stats["rejected"] > 0 and 0 < stats["puts"] < 300 and stats["errors"] == 0
-        )
+        assert stats["rejected"] > 0 and 0 < stats["puts"] < 300 and stats["errors"] == 0
         before = reads(log)
         for i in range(300):
             np.testing.assert_array_equal(
@@ -143,18 +133,12 @@ def launch(tmp_path):
 
 def launch_job(tmp_path, mode: str) -> subprocess.Popen:
     script = tmp_path / "rank.py"
-    script.write_text(
-        textwrap.dedent(
-            RANK_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))
-        )
-    )
+    script.write_text(textwrap.dedent(RANK_SCRIPT.format(tests=str(ROOT / "tests"), tmp=str(tmp_path))))
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     env.pop("BAGUA_CACHE_URL", None)
     command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "1", "--cache-server",
                "redis", "--cache-capacity", "64M", str(script), mode]  # fmt: skip
-    return subprocess.Popen(
-        command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def server_line(proc: subprocess.Popen) -> tuple[int, str]:
@@ -171,9 +155,7 @@ def test_launcher_serves_the_cache_and_stops_the_server(launch):
     out, err = proc.communicate(timeout=300)
     assert proc.returncode == 0, err
     first, second = (int(x) for x in out.split("READS")[1].split())
-    assert (
-        first == 96 and second <= 0.01 * 96
-    )  # hit rate of epoch 2 >= 0.99 with 2 workers
+    assert first == 96 and second <= 0.01 * 96  # hit rate of epoch 2 >= 0.99 with 2 workers
     assert url.startswith("unix://")
     assert gone(pid, 10) and not os.path.exists(url.removeprefix("unix://"))
 

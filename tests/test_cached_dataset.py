@@ -112,18 +112,14 @@ def test_corrupt_value_is_a_miss_warned_once_and_overwritten(tmp_path):
         np.testing.assert_array_equal(v, expected(i))
     np.testing.assert_array_equal(data[2], expected(2))
     assert data.stats()["misses"] == 3 and data.stats()["hits"] == 1
-    strict = CachedDataset(
-        CountingDataset(3, str(tmp_path / "r")), store, name="d", on_error="raise"
-    )
+    strict = CachedDataset(CountingDataset(3, str(tmp_path / "r")), store, name="d", on_error="raise")
     store.put(strict.loader.key(0), b"\x02other")
     with pytest.raises(ValueError, match="does not decode"):
         strict[0]
 
 
 def test_store_that_dies_mid_epoch_falls_back_to_the_dataset(fake_server, tmp_path):
-    data = CachedDataset(
-        CountingDataset(10, str(tmp_path / "r")), RedisStore("redis://x"), name="d"
-    )
+    data = CachedDataset(CountingDataset(10, str(tmp_path / "r")), RedisStore("redis://x"), name="d")
     for i in range(5):
         data[i]
     fake_server.connected = False
@@ -160,11 +156,7 @@ def test_full_store_stops_admitting_and_keeps_what_it_has(kind, tmp_path):
     for i in range(400):
         data[i]
     stats = data.stats()
-    assert (
-        stats["rejected"] > 0
-        and stats["puts"] > 0
-        and stats["puts"] + stats["rejected"] == 400
-    )
+    assert stats["rejected"] > 0 and stats["puts"] > 0 and stats["puts"] + stats["rejected"] == 400
     before = reads(log)
     for i in range(400):
         np.testing.assert_array_equal(data[i], expected(i))
@@ -176,9 +168,7 @@ def test_cache_loader_get_spelling():
     loader = CacheLoader(MemoryStore(1 << 20), "bagua-style")
     calls = []
     load = lambda k: calls.append(k) or f"value of {k}"
-    assert (
-        loader.get("x", load) == "value of x" and loader.get("x", load) == "value of x"
-    )
+    assert loader.get("x", load) == "value of x" and loader.get("x", load) == "value of x"
     assert calls == ["x"]
 
 

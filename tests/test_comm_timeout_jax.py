@@ -62,9 +62,7 @@ def test_explicit_timeouts_are_checked_too(bad):
 def test_xla_flags_keep_the_users_and_add_the_timeout(monkeypatch):
     from bagua_jax.distributed import _set_xla_flags
 
-    monkeypatch.setenv(
-        "XLA_FLAGS", "--xla_cpu_collective_timeout_seconds=7 --xla_foo=1"
-    )
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_collective_timeout_seconds=7 --xla_foo=1")
     _set_xla_flags(30)
     flags = os.environ["XLA_FLAGS"].split()
     assert flags == [

@@ -20,9 +20,7 @@ ENGINES = {
     "gloo": {"launcher": "python", "skip": None},
     "mpi": {
         "launcher": "mpiexec",
-        "skip": None
-        if has_mpi(bagua_torch.build_info())
-        else "built without the MPI engine, or no mpiexec",
+        "skip": None if has_mpi(bagua_torch.build_info()) else "built without the MPI engine, or no mpiexec",
     },
 }
 CONFIGS = [(engine, size) for engine in ENGINES for size in (2, 4)]
@@ -43,7 +41,12 @@ def run(request):
     _skip(engine)
     seed = int(np.random.default_rng().integers(2**31))
     results = run_ranks(
-        "communicators_workers_torch:every_primitive", size, engine, seed, launcher=ENGINES[engine]["launcher"], timeout=150
+        "communicators_workers_torch:every_primitive",
+        size,
+        engine,
+        seed,
+        launcher=ENGINES[engine]["launcher"],
+        timeout=150,
     )
     values = sorted((r.value for r in results), key=lambda v: v["rank"])
     return engine, size, seed, values
@@ -83,7 +86,10 @@ def test_every_primitive_matches_numpy(run):
             _check(get("alltoall"), rows[:, rank])
             expected_v = np.zeros(size * size + 3, np.float32)
             expected_v[: size * (size + 1) // 2] = np.concatenate(
-                [np.arange(size * (j + 1), dtype=np.float32)[rank * (j + 1) : (rank + 1) * (j + 1)] + 100 * j for j in range(size)]
+                [
+                    np.arange(size * (j + 1), dtype=np.float32)[rank * (j + 1) : (rank + 1) * (j + 1)] + 100 * j
+                    for j in range(size)
+                ]
             )
             _check(get("alltoall_v"), expected_v)
             _check(get("send_recv"), sent[[(rank + 1) % size, (rank - 1) % size] * 2])
@@ -99,7 +105,13 @@ def test_every_dtype(run, dtype):
     for res in values:
         assert res[f"{dtype}/dtype"] == f"torch.{dtype}"
         if rtol:
-            _check(res[f"{dtype}/sum"], data.sum(0, dtype=np.float64).astype(np.float32) if dtype != "float64" else data.sum(0), "sum", data, rtol)
+            _check(
+                res[f"{dtype}/sum"],
+                data.sum(0, dtype=np.float64).astype(np.float32) if dtype != "float64" else data.sum(0),
+                "sum",
+                data,
+                rtol,
+            )
         else:
             np.testing.assert_array_equal(res[f"{dtype}/sum"], data.sum(0, dtype=data.dtype))
         np.testing.assert_array_equal(res[f"{dtype}/max"], data.max(0))
@@ -110,7 +122,11 @@ def test_every_dtype(run, dtype):
 
 def test_results_are_bit_identical_across_ranks(run):
     engine, size, seed, values = run
-    shared = [f"{name}{suffix}" for name in ("broadcast", "allgather", *[f"allreduce_{op}" for op in OPS]) for suffix in ("", "/async")]
+    shared = [
+        f"{name}{suffix}"
+        for name in ("broadcast", "allgather", *[f"allreduce_{op}" for op in OPS])
+        for suffix in ("", "/async")
+    ]
     shared += [f"{d}/{k}" for d in EXTRA_DTYPES for k in ("sum", "max", "min", "broadcast", "allgather")]
     shared += ["overlap/a", "overlap/b", "overlap/broadcast", "noncontiguous"]
     for key in shared:
@@ -186,8 +202,14 @@ def test_a_dead_or_stalled_peer_raises_within_the_timeout(engine, mode):
     _skip(engine)
     timeout = 2.0
     results = run_ranks(
-        "communicators_workers_torch:dead_or_stalled_peer", 2, engine, mode, timeout,
-        launcher=ENGINES[engine]["launcher"], timeout=90, check=False,
+        "communicators_workers_torch:dead_or_stalled_peer",
+        2,
+        engine,
+        mode,
+        timeout,
+        launcher=ENGINES[engine]["launcher"],
+        timeout=90,
+        check=False,
     )
     survivor = results[0]
     assert survivor.value is not None, survivor.output

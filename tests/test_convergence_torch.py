@@ -151,8 +151,9 @@ def bytegrad_step(kernels, buckets: list[np.ndarray], residuals: list[np.ndarray
     first = [kernels.compress(b, n, None if residuals is None else residuals[r]) for r, b in enumerate(buckets)]
     packed = [p for p, _ in first]
     chunk_bytes = packed[0].size // n
-    received = [np.concatenate([packed[src][r * chunk_bytes : (r + 1) * chunk_bytes] for src in range(n)])
-                for r in range(n)]
+    received = [
+        np.concatenate([packed[src][r * chunk_bytes : (r + 1) * chunk_bytes] for src in range(n)]) for r in range(n)
+    ]
     reduced = [kernels.decompress_reduce(received[r], m, n) for r in range(n)]
     second = [kernels.compress(reduced[r], 1)[0] for r in range(n)]
     gathered = np.concatenate(second)
@@ -173,8 +174,9 @@ def test_torch_and_jax_compress_a_bytegrad_step_to_identical_bytes(rng, dtype, e
     buckets = [(rng.standard_normal(size) * scale * (1 + r)).astype(dtype) for r in range(n)]
     buckets[1][:7] = 0  # a run of equal values, and a constant chunk
     buckets[2][size // n : 2 * size // n] = buckets[2][size // n]
-    residuals = ([(rng.standard_normal(size) * scale * 1e-2).astype(np.float32) for _ in range(n)]
-                 if error_feedback else None)
+    residuals = (
+        [(rng.standard_normal(size) * scale * 1e-2).astype(np.float32) for _ in range(n)] if error_feedback else None
+    )
     from_torch = bytegrad_step(_Torch(), buckets, residuals)
     from_jax = bytegrad_step(_Jax(), buckets, residuals)
     for r in range(n):
@@ -187,8 +189,13 @@ def test_torch_and_jax_compress_a_bytegrad_step_to_identical_bytes(rng, dtype, e
     assert from_torch["result"].dtype == from_jax["result"].dtype == np.dtype(dtype)
     assert from_torch["result"].tobytes() == from_jax["result"].tobytes()
     # And it is an average: within two quantization steps of the exact mean of what was compressed.
-    inputs = np.stack([b.astype(np.float32) + (0 if residuals is None else residuals[r])
-                       for r, b in enumerate(buckets)])
+    inputs = np.stack(
+        [b.astype(np.float32) + (0 if residuals is None else residuals[r]) for r, b in enumerate(buckets)]
+    )
     spread = inputs.max() - inputs.min()
-    np.testing.assert_allclose(from_torch["result"].astype(np.float32), inputs.mean(0), atol=spread / 255 * 1.01 + 1e-6,
-                               rtol=1e-2 if dtype == ml_dtypes.bfloat16 else 0)
+    np.testing.assert_allclose(
+        from_torch["result"].astype(np.float32),
+        inputs.mean(0),
+        atol=spread / 255 * 1.01 + 1e-6,
+        rtol=1e-2 if dtype == ml_dtypes.bfloat16 else 0,
+    )

@@ -32,9 +32,7 @@ def _run(exe, *args, env=None):
         env=env,
     )
     summary = re.search(r"(\d+) passed, (\d+) failed", result.stdout)
-    assert result.returncode == 0 and summary, (
-        result.stdout[-4000:] + result.stderr[-4000:]
-    )
+    assert result.returncode == 0 and summary, result.stdout[-4000:] + result.stderr[-4000:]
     passed, failed = map(int, summary.groups())
     return passed, failed
 
@@ -61,9 +59,7 @@ def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
         minmax, expected_residual = ref.minmax_compress(x, k, residual)
         np.testing.assert_array_equal(load("minmax"), minmax, err_msg=prefix)
         if residual is not None:
-            np.testing.assert_array_equal(
-                load("minmax_residual", np.float32), expected_residual, err_msg=prefix
-            )
+            np.testing.assert_array_equal(load("minmax_residual", np.float32), expected_residual, err_msg=prefix)
         np.testing.assert_array_equal(
             load("minmax_decoded", dtype),
             ref.minmax_decompress(minmax, n, k).astype(dtype),
@@ -83,22 +79,16 @@ def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
             err_msg=prefix,
         )
         decoded = ref.sign_decompress(signs, n, k)
-        np.testing.assert_array_equal(
-            load("sign_decoded", dtype), decoded.astype(dtype), err_msg=prefix
-        )
+        np.testing.assert_array_equal(load("sign_decoded", dtype), decoded.astype(dtype), err_msg=prefix)
         if residual is not None:
             y = (x.astype(np.float32) + residual).astype(np.float32)
-            np.testing.assert_array_equal(
-                load("sign_residual", np.float32), (y - decoded).astype(np.float32)
-            )
+            np.testing.assert_array_equal(load("sign_residual", np.float32), (y - decoded).astype(np.float32))
 
 
 def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(tmp_path):
     exe = build_kernel_suite(tmp_path / "asan", sanitize=True)
     # Fibers switch stacks with swapcontext, which ASan follows but cannot check returns across.
-    env = dict(
-        os.environ, ASAN_OPTIONS="detect_stack_use_after_return=0:detect_leaks=1"
-    )
+    env = dict(os.environ, ASAN_OPTIONS="detect_stack_use_after_return=0:detect_leaks=1")
     passed, failed = _run(exe, "--quick", env=env)
     assert failed == 0 and passed >= 900
 

@@ -17,9 +17,7 @@ def test_sampler_shards_the_dataset_and_reshuffles(drop_last):
     costs = lengths(103)
     dataset = list(range(103))
     samplers = [
-        LoadBalancingDistributedSampler(
-            dataset, lambda i: costs[i], num_replicas=4, rank=r, drop_last=drop_last
-        )
+        LoadBalancingDistributedSampler(dataset, lambda i: costs[i], num_replicas=4, rank=r, drop_last=drop_last)
         for r in range(4)
     ]
     first = [list(s) for s in samplers]
@@ -38,34 +36,26 @@ def test_sampler_shards_the_dataset_and_reshuffles(drop_last):
 
 def test_sampler_resumes_from_state_dict():
     dataset = list(range(50))
-    sampler = LoadBalancingDistributedSampler(
-        dataset, num_replicas=2, rank=1, costs=lengths(50)
-    )
+    sampler = LoadBalancingDistributedSampler(dataset, num_replicas=2, rank=1, costs=lengths(50))
     sampler.set_epoch(3)
     full = list(sampler)
     sampler.set_epoch(3)
     it = iter(sampler)
     head = [next(it) for _ in range(7)]
     state = sampler.state_dict()
-    resumed = LoadBalancingDistributedSampler(
-        dataset, num_replicas=2, rank=1, costs=lengths(50)
-    )
+    resumed = LoadBalancingDistributedSampler(dataset, num_replicas=2, rank=1, costs=lengths(50))
     resumed.load_state_dict(state)
     assert head + list(resumed) == full
     assert list(resumed) == full  # a finished epoch starts over
 
 
-@pytest.mark.parametrize(
-    "mode", [{"batch_size": 4, "drop_last": True}, {"token_budget": 600}]
-)
+@pytest.mark.parametrize("mode", [{"batch_size": 4, "drop_last": True}, {"token_budget": 600}])
 def test_batch_sampler_gives_every_rank_the_same_step_count(mode):
     costs = lengths(97)
     dataset = TensorDataset(torch.arange(97))
     counts, seen = [], []
     for rank in range(4):
-        sampler = BalancedBatchSampler(
-            costs, num_replicas=4, rank=rank, megabatch=16, **mode
-        )
+        sampler = BalancedBatchSampler(costs, num_replicas=4, rank=rank, megabatch=16, **mode)
         batches = [b[0].tolist() for b in DataLoader(dataset, batch_sampler=sampler)]
         counts.append(len(batches))
         assert len(batches) == len(sampler)
@@ -81,15 +71,11 @@ def test_batch_sampler_gives_every_rank_the_same_step_count(mode):
 
 def test_bad_rank_and_sizes_raise():
     with pytest.raises(ValueError, match="rank must be"):
-        LoadBalancingDistributedSampler(
-            range(4), num_replicas=2, rank=2, costs=[1, 2, 3, 4]
-        )
+        LoadBalancingDistributedSampler(range(4), num_replicas=2, rank=2, costs=[1, 2, 3, 4])
     with pytest.raises(ValueError, match="num_replicas and rank"):
         LoadBalancingDistributedSampler(range(4), costs=[1, 2, 3, 4])
     with pytest.raises(ValueError, match="3 costs"):
-        LoadBalancingDistributedSampler(
-            range(4), num_replicas=1, rank=0, costs=[1, 2, 3]
-        )
+        LoadBalancingDistributedSampler(range(4), num_replicas=1, rank=0, costs=[1, 2, 3])
     sampler = BalancedBatchSampler([1, 2], batch_size=1, num_replicas=1, rank=0)
     with pytest.raises(ValueError, match="epoch"):
         sampler.set_epoch(-2)

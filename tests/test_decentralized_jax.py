@@ -474,7 +474,9 @@ def test_low_precision_with_one_bucket_per_leaf_and_interval_2(rng):
     seed = int(rng.integers(2**31))
     alg = LowPrecisionDecentralized(communication_interval=2, bucket_bytes=SMALL_BUCKET_BYTES)
     got, _ = run_history(alg, 4, 6, seed)
-    assert_histories(got, reference_low_precision(4, 6, seed, interval=2, buckets=LEAF_BUCKETS), exact=False, atol=ONE_CODE)
+    assert_histories(
+        got, reference_low_precision(4, 6, seed, interval=2, buckets=LEAF_BUCKETS), exact=False, atol=ONE_CODE
+    )
 
 
 def test_low_precision_neighbour_copies_track_the_neighbours_weights(rng):

@@ -62,11 +62,36 @@ PEERS, CHECKPOINT, ERRORS = Scenario("peers"), Scenario("checkpoint"), Scenario(
 JOBS = JobTable(
     "decentralized_workers_torch:job",
     {
-        "gloo-2ranks": Job(2, "python", (dec(**ALL), dec(**SHIFT_ONE), dec(**ALL, **EVERY_2), lowprec(),
-                                         lowprec(**EVERY_2), PEERS, CHECKPOINT, ERRORS)),
-        "gloo-4ranks-2nodes": Job(4, "python", (dec(**ALL), dec(**ALL, **FLAT), dec(**SHIFT_ONE),
-                                                dec(**SHIFT_ONE, **FLAT), dec(**SHIFT_ONE, **FLAT, **EVERY_2),
-                                                lowprec(), lowprec(**FLAT), lowprec(**FLAT, **EVERY_2), PEERS), 2),
+        "gloo-2ranks": Job(
+            2,
+            "python",
+            (
+                dec(**ALL),
+                dec(**SHIFT_ONE),
+                dec(**ALL, **EVERY_2),
+                lowprec(),
+                lowprec(**EVERY_2),
+                PEERS,
+                CHECKPOINT,
+                ERRORS,
+            ),
+        ),
+        "gloo-4ranks-2nodes": Job(
+            4,
+            "python",
+            (
+                dec(**ALL),
+                dec(**ALL, **FLAT),
+                dec(**SHIFT_ONE),
+                dec(**SHIFT_ONE, **FLAT),
+                dec(**SHIFT_ONE, **FLAT, **EVERY_2),
+                lowprec(),
+                lowprec(**FLAT),
+                lowprec(**FLAT, **EVERY_2),
+                PEERS,
+            ),
+            2,
+        ),
         "mpi-4ranks-2nodes": Job(4, "mpiexec", (dec(**ALL), dec(**SHIFT_ONE, **FLAT), lowprec(), lowprec(**FLAT)), 2),
     },
     mpi=has_mpi(bagua_torch.build_info()),
@@ -150,8 +175,9 @@ def decentralized_reference(seed: int, n: int, mode: str, interval: int, local: 
         sim.backward(step)  # gradients at the pre-average weights
         if step % interval == 0:
             xs = [sim.params(r) for r in range(n)]
-            averaged = {key: decentralized_average([x[key] for x in xs], mode, step // interval, local)
-                        for key in xs[0]}
+            averaged = {
+                key: decentralized_average([x[key] for x in xs], mode, step // interval, local) for key in xs[0]
+            }
             for r in range(n):
                 sim.set_params(r, {key: averaged[key][r] for key in averaged})
         for r in range(n):
@@ -193,8 +219,9 @@ def lowprec_reference(seed: int, n: int, interval: int, layout, local: int | Non
                 else:
                     k, nodes = local, n // local
                     rows = [pad_rows(x, k) for x in xs]
-                    node_rows = [[np_mean([rows[i * k + jj][j] for jj in range(k)]) for j in range(k)]
-                                 for i in range(nodes)]
+                    node_rows = [
+                        [np_mean([rows[i * k + jj][j] for jj in range(k)]) for j in range(k)] for i in range(nodes)
+                    ]
                     if nodes > 1:
                         for j in range(k):
                             members = [i * k + j for i in range(nodes)]
@@ -234,11 +261,18 @@ class StubComm:
 def stub_context(world: int, intra: int | None = None, dtype=torch.float32, optimizer: bool = True):
     model = make_mlp(0, dtype)
     named = tuple(model.named_parameters())
-    comms = Communicators(StubComm(world), StubComm(intra) if intra else None,
-                          StubComm(world // intra) if intra else None)
-    return AlgorithmContext(module=model, optimizers=(make_optimizer(model),) if optimizer else (),
-                            communicators=comms, buckets=tuple(make_buckets(named, SMALL_BUCKET, pad_to=world)),
-                            named_parameters=named, device=torch.device("cpu"), bucket_bytes=SMALL_BUCKET)
+    comms = Communicators(
+        StubComm(world), StubComm(intra) if intra else None, StubComm(world // intra) if intra else None
+    )
+    return AlgorithmContext(
+        module=model,
+        optimizers=(make_optimizer(model),) if optimizer else (),
+        communicators=comms,
+        buckets=tuple(make_buckets(named, SMALL_BUCKET, pad_to=world)),
+        named_parameters=named,
+        device=torch.device("cpu"),
+        bucket_bytes=SMALL_BUCKET,
+    )
 
 
 def test_registry_names_and_defaults():
@@ -291,10 +325,12 @@ def test_odd_rank_counts_are_refused_for_shift_one():
     with pytest.raises(ValueError, match="pairs nodes .* got 3; use peer_selection_mode='all'"):
         DecentralizedAlgorithm("shift_one").reify(stub_context(6, intra=2))
     # Fine: "all" on 3 ranks, shift_one on 6 flat ranks or 3 nodes x 2... ranks, one rank (nothing to exchange).
-    for algorithm, context in ((DecentralizedAlgorithm("all"), stub_context(3)),
-                               (DecentralizedAlgorithm("shift_one", hierarchical=False), stub_context(6, intra=2)),
-                               (DecentralizedAlgorithm("shift_one"), stub_context(6, intra=3)),
-                               (DecentralizedAlgorithm("shift_one"), stub_context(1))):
+    for algorithm, context in (
+        (DecentralizedAlgorithm("all"), stub_context(3)),
+        (DecentralizedAlgorithm("shift_one", hierarchical=False), stub_context(6, intra=2)),
+        (DecentralizedAlgorithm("shift_one"), stub_context(6, intra=3)),
+        (DecentralizedAlgorithm("shift_one"), stub_context(1)),
+    ):
         impl = algorithm.reify(context)
         assert impl.need_gradient_hooks is False
 
@@ -355,15 +391,19 @@ def test_decentralized_matches_simulation(name, scenario):
     for v in values:
         r = v["rank"]
         for step in range(STEPS):
-            for got, want in ((v[scenario.label]["before"][step], before[r][step]), (v[scenario.label]["after"][step],
-                                                                               after[r][step])):
+            for got, want in (
+                (v[scenario.label]["before"][step], before[r][step]),
+                (v[scenario.label]["after"][step], after[r][step]),
+            ):
                 if exact:
                     assert_params_equal(got, want, f"rank {r} step {step}")
                 else:
                     assert max_diff(got, want) <= 1e-6 * scale, (r, step, max_diff(got, want))
     # "all": the averaged weights are bit-identical on every rank at communicating steps, and differ otherwise.
     for step in range(STEPS):
-        same = all(max_diff(v[scenario.label]["before"][step], values[0][scenario.label]["before"][step]) == 0 for v in values)
+        same = all(
+            max_diff(v[scenario.label]["before"][step], values[0][scenario.label]["before"][step]) == 0 for v in values
+        )
         if mode == "all":
             assert same == (step % interval == 0), step
         elif step % interval:
@@ -406,7 +446,9 @@ def test_low_precision_decentralized_matches_simulation_exactly(name, scenario):
             np.testing.assert_array_equal(v[scenario.label]["copies"]["left"][b][part], left[b][part])
             np.testing.assert_array_equal(v[scenario.label]["copies"]["right"][b][part], right[b][part])
         if local is None and (STEPS - 1) % interval == 0:  # flat, last step communicated: w is the weights
-            flat = [np.concatenate([v[scenario.label]["params"][nm].reshape(-1) for nm in names]) for names, _, _ in layout]
+            flat = [
+                np.concatenate([v[scenario.label]["params"][nm].reshape(-1) for nm in names]) for names, _, _ in layout
+            ]
             for b in range(len(layout)):
                 np.testing.assert_array_equal(v[scenario.label]["copies"]["weights"][b], flat[b])
 
@@ -447,8 +489,9 @@ def test_configuration_errors_on_a_real_job():
         e = v["errors"]
         assert e["dec_no_optimizer"].startswith("ValueError: decentralized communicates weights")
         assert e["lowprec_no_optimizer"].startswith("ValueError: low_precision_decentralized communicates weights")
-        assert e["lowprec_float64"].startswith("TypeError: low_precision_decentralized: parameter 4.bias has dtype "
-                                               "torch.float64")
+        assert e["lowprec_float64"].startswith(
+            "TypeError: low_precision_decentralized: parameter 4.bias has dtype torch.float64"
+        )
         assert "'left' has sizes [131, 1024]" in e["lowprec_bad_state"]
         for mode in ("all", "shift_one"):  # float64 is averaged in full precision too (2 steps ran)
             assert all(np.isfinite(p).all() for p in e[f"dec_float64_{mode}"].values())
@@ -460,4 +503,3 @@ def test_jobs_use_the_intended_communicators():
     if JOBS.mpi:
         _, values = JOBS.run("mpi-4ranks-2nodes")
         assert all(v["hierarchical"] and v["native"] and v["world"] == "NativeCommunicator" for v in values)
-

@@ -38,9 +38,7 @@ def _env() -> dict[str, str]:
         "XLA_FLAGS",
     )
     env = {k: v for k, v in os.environ.items() if k not in drop}
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p
-    )
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     env |= {
         "BAGUA_COMM_TIMEOUT": str(TIMEOUT),
         "PYTHONUNBUFFERED": "1",
@@ -101,9 +99,7 @@ def run_job(commands: list[list[str]], workdir: Path, rank_env: bool = False):
     all_gone = time.time() - float(fault_file.read_text())
     failed_gone = all_gone if failed_gone is None else failed_gone
     label = " ".join(Path(a).name for a in commands[0] if a != str(workdir))
-    print(
-        f"\n{label}: rank 1 gone {failed_gone:.1f} s, all gone {all_gone:.1f} s after fault"
-    )
+    print(f"\n{label}: rank 1 gone {failed_gone:.1f} s, all gone {all_gone:.1f} s after fault")
     return [p.returncode for p in procs], output, failed_gone, all_gone
 
 
@@ -145,15 +141,11 @@ def test_mpi_survivor_raises_within_the_timeout(tmp_path, front_end):
         f"{front_end}-mpi",
         "raise",
     ]
-    [code], output, failed_gone, all_gone = run_job(
-        [[*command, str(tmp_path)]], tmp_path
-    )
+    [code], output, failed_gone, all_gone = run_job([[*command, str(tmp_path)]], tmp_path)
     assert code != 0
     assert failed_gone < PROMPT, f"rank 1 lived {failed_gone:.1f} s after raising"
     assert f"did not complete within {TIMEOUT:g} s" in output, output
-    assert all_gone < TIMEOUT + PROMPT, (
-        f"rank 0 lived {all_gone:.1f} s after rank 1 raised"
-    )
+    assert all_gone < TIMEOUT + PROMPT, f"rank 0 lived {all_gone:.1f} s after rank 1 raised"
 
 
 @pytest.mark.parametrize("front_end", ["jax", "torch"])
@@ -188,13 +180,9 @@ MESH_FAULTS = {
 def test_mesh_fault_ends_every_process_under_plain_processes(tmp_path, fault):
     expected, bound = MESH_FAULTS[fault]
     command = [sys.executable, WORKER, "jax-mesh", fault, str(tmp_path)]
-    codes, output, failed_gone, all_gone = run_job(
-        [command, command], tmp_path, rank_env=True
-    )
+    codes, output, failed_gone, all_gone = run_job([command, command], tmp_path, rank_env=True)
     assert all(c not in (0, None) for c in codes), (codes, output)
-    assert all_gone < bound, (
-        f"processes lived {all_gone:.1f} s after the fault\n{output}"
-    )
+    assert all_gone < bound, f"processes lived {all_gone:.1f} s after the fault\n{output}"
     if expected:
         assert expected in output
     if fault == "hang":
@@ -205,13 +193,9 @@ def test_mesh_fault_ends_every_process_under_plain_processes(tmp_path, fault):
 
 @pytest.mark.parametrize("fault", ["raise", "kill"])
 def test_mesh_fault_under_the_launcher_names_rank_1(tmp_path, fault):
-    [code], output, failed_gone, all_gone = run_job(
-        [[*LAUNCH, WORKER, "jax-mesh", fault, str(tmp_path)]], tmp_path
-    )
+    [code], output, failed_gone, all_gone = run_job([[*LAUNCH, WORKER, "jax-mesh", fault, str(tmp_path)]], tmp_path)
     assert code == (1 if fault == "raise" else 128 + signal.SIGKILL), output
     assert failed_gone < PROMPT, f"rank 1 lived {failed_gone:.1f} s after the fault"
-    assert all_gone < PROMPT, (
-        f"the job lived {all_gone:.1f} s after the fault\n{output}"
-    )
+    assert all_gone < PROMPT, f"the job lived {all_gone:.1f} s after the fault\n{output}"
     summary = output[output.index("=" * 20) :]
     assert "rank 1 failed" in summary.splitlines()[0], summary

@@ -42,9 +42,7 @@ def init_params(rng: np.random.Generator) -> dict[str, np.ndarray]:
 
 def frozen_w1(optimizer: optax.GradientTransformation) -> optax.GradientTransformation:
     labels = {"w1": "frozen", "b1": "train", "w2": "train", "unused": "train"}
-    return optax.multi_transform(
-        {"train": optimizer, "frozen": optax.set_to_zero()}, labels
-    )
+    return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
 # Fails until the zero-anchored codec grid (SPEC section 2, issue 12 item 1) lands: today the
@@ -52,9 +50,7 @@ def frozen_w1(optimizer: optax.GradientTransformation) -> optax.GradientTransfor
 # weight difference z of a frozen weight (about 0) through it, so the decoded step moves the
 # weight; QAdam and OneBitAdam divide the decoded momentum of a zero-gradient coordinate by
 # its zero frozen variance. strict: an unexpected pass means the fix landed; drop the mark.
-NEEDS_ZERO_EXACT_CODEC = pytest.mark.xfail(
-    strict=True, reason="needs the zero-anchored 8-bit grid of issue 12 item 1"
-)
+NEEDS_ZERO_EXACT_CODEC = pytest.mark.xfail(strict=True, reason="needs the zero-anchored 8-bit grid of issue 12 item 1")
 
 # name -> (algorithm, optimizer, the leaf that must not move)
 ALGORITHMS = {
@@ -85,10 +81,7 @@ CODEC_BOUND = ("low_precision_decentralized", "qadam", "onebit_adam")
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["flat", "hierarchical"])
 @pytest.mark.parametrize(
     "name",
-    [
-        pytest.param(n, marks=NEEDS_ZERO_EXACT_CODEC) if n in CODEC_BOUND else n
-        for n in ALGORITHMS
-    ],
+    [pytest.param(n, marks=NEEDS_ZERO_EXACT_CODEC) if n in CODEC_BOUND else n for n in ALGORITHMS],
 )
 def test_frozen_parameter_never_moves(rng, name, mesh_shape):
     algorithm, optimizer, frozen = ALGORITHMS[name]

@@ -15,9 +15,5 @@ def test_frozen_parameters_never_move():
     assert len(results[0].value) >= 7, results[0].value  # every built-in algorithm ran
     for result in results:
         for name, moved in result.value.items():
-            assert moved["frozen"] == 0, (
-                f"rank {result.rank}, {name}: frozen layer moved {moved['frozen']:.3g}"
-            )
-            assert moved["trained"] > 0, (
-                f"rank {result.rank}, {name}: the trained layers did not move"
-            )
+            assert moved["frozen"] == 0, f"rank {result.rank}, {name}: frozen layer moved {moved['frozen']:.3g}"
+            assert moved["trained"] > 0, f"rank {result.rank}, {name}: the trained layers did not move"

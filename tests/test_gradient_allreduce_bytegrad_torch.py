@@ -47,7 +47,9 @@ def bytegrad(**options) -> Scenario:
 
 
 DDP, OVERLAP, NO_SYNC, UNUSED = (
-    Scenario("ddp_equivalence"), Scenario("overlap"), Scenario("no_sync"),
+    Scenario("ddp_equivalence"),
+    Scenario("overlap"),
+    Scenario("no_sync"),
     Scenario("unused_parameters"),
 )
 CHECKPOINT, ERRORS = Scenario("checkpoint"), Scenario("errors")
@@ -55,11 +57,24 @@ FLAT, EF, SUM = {"hierarchical": False}, {"error_feedback": True}, {"average": F
 JOBS = JobTable(
     "gradient_allreduce_bytegrad_workers_torch:job",
     {
-        "gloo-2ranks": Job(2, "python", (DDP, bytegrad(), bytegrad(**FLAT, **EF, **SUM),
-                                         bytegrad(**EF, sync_point="step"), OVERLAP, NO_SYNC, UNUSED, CHECKPOINT,
-                                         ERRORS)),
-        "gloo-4ranks-2nodes": Job(4, "python", (DDP, bytegrad(), bytegrad(**EF), bytegrad(**SUM),
-                                                bytegrad(**FLAT, **EF), UNUSED), 2),
+        "gloo-2ranks": Job(
+            2,
+            "python",
+            (
+                DDP,
+                bytegrad(),
+                bytegrad(**FLAT, **EF, **SUM),
+                bytegrad(**EF, sync_point="step"),
+                OVERLAP,
+                NO_SYNC,
+                UNUSED,
+                CHECKPOINT,
+                ERRORS,
+            ),
+        ),
+        "gloo-4ranks-2nodes": Job(
+            4, "python", (DDP, bytegrad(), bytegrad(**EF), bytegrad(**SUM), bytegrad(**FLAT, **EF), UNUSED), 2
+        ),
         "mpi-4ranks-2nodes": Job(4, "mpiexec", (DDP, bytegrad(**EF), bytegrad(**FLAT), UNUSED), 2),
     },
     mpi=has_mpi(bagua_torch.build_info()),
@@ -93,8 +108,15 @@ def test_registry_by_name_and_by_class():
     assert GradientAllReduceAlgorithm() == GradientAllReduceAlgorithm(hierarchical=False, average=True)
     # Every built-in name maps to a module and class; the ones present import.
     assert set(algorithms.BUILTIN_ALGORITHMS) == {
-        "gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "async", "qadam",
-        "onebit_adam", "powersgd"}
+        "gradient_allreduce",
+        "bytegrad",
+        "decentralized",
+        "low_precision_decentralized",
+        "async",
+        "qadam",
+        "onebit_adam",
+        "powersgd",
+    }
     for name in algorithms.available_algorithms():
         assert issubclass(algorithms.algorithm_class(name), algorithms.Algorithm)
 
@@ -145,8 +167,11 @@ def test_bucket_layout_is_reverse_registration_order_padded_to_world_size():
     assert len(make_buckets(named, DEFAULT_BUCKET_BYTES, pad_to=3)) == 1
     assert DEFAULT_BUCKET_BYTES == 10 * 2**20
     # A dtype change closes a bucket.
-    mixed = [("a", torch.nn.Parameter(torch.zeros(3))), ("b", torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))),
-             ("c", torch.nn.Parameter(torch.zeros(3, dtype=torch.float16)))]
+    mixed = [
+        ("a", torch.nn.Parameter(torch.zeros(3))),
+        ("b", torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))),
+        ("c", torch.nn.Parameter(torch.zeros(3, dtype=torch.float16))),
+    ]
     assert [list(b.names) for b in make_buckets(mixed, 1000)] == [["c", "b"], ["a"]]
     with pytest.raises(ValueError, match="bucket_bytes must be a positive int"):
         make_buckets(named, 0)
@@ -171,8 +196,17 @@ def test_bucket_flatten_and_unflatten_round_trip():
 
 
 def test_init_process_group_argument_errors(monkeypatch):
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "PMI_RANK", "PMI_SIZE", "MPI_LOCALNRANKS",
-                "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK"):
+    for key in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "LOCAL_WORLD_SIZE",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "MPI_LOCALNRANKS",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_RANK",
+    ):
         monkeypatch.delenv(key, raising=False)
     with pytest.raises(ValueError, match="set RANK and WORLD_SIZE"):
         bagua_torch.init_process_group()
@@ -212,8 +246,14 @@ def test_gradient_allreduce_matches_torch_ddp(name):
     n = len(values)
     ddp = values[0][DDP.label]["torch_ddp"]
     scale = max(float(np.abs(v).max()) for v in ddp.values())
-    for variant in ("with_bagua", "with_bagua_step", "bagua_ddp", "bagua_ddp_default_bucket", "hierarchical",
-                    "torch_group"):
+    for variant in (
+        "with_bagua",
+        "with_bagua_step",
+        "bagua_ddp",
+        "bagua_ddp_default_bucket",
+        "hierarchical",
+        "torch_group",
+    ):
         got = values[0][DDP.label][variant]
         if n == 2 and variant != "hierarchical":
             assert_params_equal(got, ddp, f"{variant} vs torch DDP")
@@ -227,8 +267,15 @@ def test_gradient_allreduce_matches_torch_ddp(name):
     # Summing instead of averaging trains differently.
     assert max_diff(first["sum"], first["with_bagua"]) > 1e-4
     for v in values:
-        for variant in ("torch_ddp", "with_bagua", "with_bagua_step", "bagua_ddp", "hierarchical", "torch_group",
-                        "sum"):
+        for variant in (
+            "torch_ddp",
+            "with_bagua",
+            "with_bagua_step",
+            "bagua_ddp",
+            "hierarchical",
+            "torch_group",
+            "sum",
+        ):
             assert_params_equal(v[DDP.label][variant], first[variant], f"rank {v['rank']} {variant}")
         assert v[DDP.label]["with_bagua/losses"] != first["with_bagua/losses"] or v["rank"] == 0  # different data
 
@@ -297,8 +344,11 @@ def bytegrad_reference(seed: int, n: int, layout, *, local: int | None, error_fe
                     flat = np.concatenate([grads[r][name] for name in names])
                     flats.append(np.concatenate([flat, np.zeros(size - flat.size, F32)]))
                 result, new = bytegrad_bucket(
-                    flats, [residuals[r][idx] for r in range(n)] if error_feedback else None, local=local,
-                    average=average)
+                    flats,
+                    [residuals[r][idx] for r in range(n)] if error_feedback else None,
+                    local=local,
+                    average=average,
+                )
                 if error_feedback:
                     for r in range(n):
                         residuals[r][idx] = new[r]
@@ -325,8 +375,9 @@ def test_bytegrad_matches_single_process_simulation_exactly(name, scenario):
     layout = got["layout"]
     assert [names for names, _ in layout] == [["4.bias", "4.weight", "2.bias"], ["2.weight"], ["0.bias", "0.weight"]]
     assert all(size % n == 0 for _, size in layout)
-    expected = bytegrad_reference(seed, n, layout, local=local, error_feedback=options["error_feedback"],
-                                  average=options["average"])
+    expected = bytegrad_reference(
+        seed, n, layout, local=local, error_feedback=options["error_feedback"], average=options["average"]
+    )
     for v in values:
         assert_params_equal(v[scenario.label]["params"], expected, f"rank {v['rank']} vs the simulation")
     # Compression changed something (against exact averaging) but training is close to it.
@@ -366,11 +417,20 @@ def test_a_bucket_ready_early_waits_for_the_ones_before_it():
         o = v["overlap"]
         assert o["swapped_buckets"] == [["b.bias", "b.weight"], ["a.bias", "a.weight"]]
         kinds = [(kind, i) for kind, i, _ in o["swapped_events"]]
-        assert kinds == [("ready", 1), ("ready", 0), ("launch", 0), ("launch", 1), ("backward_end", -1),
-                         ("done", 0), ("done", 1)]
+        assert kinds == [
+            ("ready", 1),
+            ("ready", 0),
+            ("launch", 0),
+            ("launch", 1),
+            ("backward_end", -1),
+            ("done", 0),
+            ("done", 1),
+        ]
     # And the gradients are the average of the ranks' own (two ranks: (a + b) / 2 is exact either way round).
-    expected = {k: (values[0]["overlap"]["swapped_local"][k] + values[1]["overlap"]["swapped_local"][k]) / F32(2)
-                for k in values[0]["overlap"]["swapped_local"]}
+    expected = {
+        k: (values[0]["overlap"]["swapped_local"][k] + values[1]["overlap"]["swapped_local"][k]) / F32(2)
+        for k in values[0]["overlap"]["swapped_local"]
+    }
     for v in values:
         assert_params_equal(v["overlap"]["swapped_grads"], expected)
 
@@ -427,8 +487,10 @@ def test_checkpoint_of_the_algorithm_state_resumes_identically():
         assert_params_equal(c["resumed"], c["continued"], "resumed from the checkpoint")
         # Restoring the weights and the optimizer but not the residuals does not continue identically.
         assert max_diff(c["without_state"], c["continued"]) > 0
-        assert "holds the state of algorithm 'bytegrad', but this model is wrapped with 'gradient_allreduce'" in \
-            c["wrong_algorithm"]
+        assert (
+            "holds the state of algorithm 'bytegrad', but this model is wrapped with 'gradient_allreduce'"
+            in c["wrong_algorithm"]
+        )
 
 
 # ============================================================================ errors
@@ -446,7 +508,7 @@ def test_wrong_inputs_give_clear_errors_on_every_rank():
         "ddp_dim": "ValueError: dim=1",
         "ddp_device": "ValueError: device_ids=[0] but the model is on ['cpu']",
         "bytegrad_float64": "TypeError: bytegrad: parameter 4.bias has dtype torch.float64; the 8-bit codes "
-                            "compress float32, float16, bfloat16 only",
+        "compress float32, float16, bfloat16 only",
         "different_models": [
             "ValueError: the ranks do not run the same job",
             "tensor '0.weight': [32, 10] torch.float32 on rank 0; [31, 10] torch.float32 on rank 1",
@@ -458,8 +520,7 @@ def test_wrong_inputs_give_clear_errors_on_every_rank():
         ],
         "custom_algorithm": "no error",
         "wrap_twice": "TypeError: the model is already wrapped",
-        "second_backward": "RuntimeError: a second backward pass before the gradients of the first were "
-                           "synchronized",
+        "second_backward": "RuntimeError: a second backward pass before the gradients of the first were synchronized",
     }
     for v in values:
         found = v["errors"]

@@ -54,9 +54,7 @@ def test_sign_roundtrip_matches_reference(rng, n, k, dtype):
     assert compressed.size == ref.compressed_size(n, k, "sign") == ops.compressed_size(n, k, "sign")
     np.testing.assert_array_equal(ref.chunk_bits(compressed, n, k), ref.chunk_bits(expected, n, k))
     # The scale's last bits depend on summation order (SPEC): compare closely, not exactly.
-    np.testing.assert_allclose(
-        ref.chunk_scales(compressed, n, k), ref.chunk_scales(expected, n, k), rtol=2e-6
-    )
+    np.testing.assert_allclose(ref.chunk_scales(compressed, n, k), ref.chunk_scales(expected, n, k), rtol=2e-6)
     decoded = np.asarray(ops.sign_decompress(compressed, n, k, dtype))
     np.testing.assert_array_equal(decoded, ref.sign_decompress(compressed, n, k).astype(dtype))
 
@@ -164,7 +162,9 @@ def test_shard_map_sees_the_local_shard(rng):
 
     @jax.jit
     def compress_shards(x):
-        return jax.shard_map(lambda s: ops.minmax_uint8_compress(s, 2), mesh=mesh, in_specs=P("ranks"), out_specs=P("ranks"))(x)
+        return jax.shard_map(
+            lambda s: ops.minmax_uint8_compress(s, 2), mesh=mesh, in_specs=P("ranks"), out_specs=P("ranks")
+        )(x)
 
     out = np.asarray(compress_shards(x)).reshape(len(devices), size)
     for r in range(len(devices)):

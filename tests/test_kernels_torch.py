@@ -39,7 +39,10 @@ def test_torch_and_jax_compress_to_identical_bytes(rng, dtype, k):
     pairs = [
         (ops.minmax_uint8_compress(from_numpy(x), k), jops.minmax_uint8_compress(x, k)),
         (ops.sign_compress(from_numpy(x), k), jops.sign_compress(x, k)),
-        (ops.minmax_uint8_compress_ef(from_numpy(x), torch.from_numpy(e.copy()), k)[0], jops.minmax_uint8_compress_ef(x, e, k)[0]),
+        (
+            ops.minmax_uint8_compress_ef(from_numpy(x), torch.from_numpy(e.copy()), k)[0],
+            jops.minmax_uint8_compress_ef(x, e, k)[0],
+        ),
         (ops.sign_compress_ef(from_numpy(x), torch.from_numpy(e.copy()), k)[0], jops.sign_compress_ef(x, e, k)[0]),
     ]
     for from_torch, from_jax in pairs:
@@ -131,9 +134,7 @@ def test_jax_arrays_are_never_written_through_dlpack():
     np.testing.assert_array_equal(out.numpy(), np.ones(8, np.float32))
 
 
-@pytest.mark.parametrize(
-    "package, forbidden", [("bagua_torch", "jax"), ("bagua_jax", "torch")]
-)
+@pytest.mark.parametrize("package, forbidden", [("bagua_torch", "jax"), ("bagua_jax", "torch")])
 def test_front_ends_do_not_import_each_other(package, forbidden):
     code = f"import sys, {package}; assert '{forbidden}' not in sys.modules, '{package} imported {forbidden}'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -44,8 +44,12 @@ def _env(**extra: str) -> dict[str, str]:
 
 def launch(*args: str, cwd: Path | None = None, timeout: float = 60, env: dict | None = None):
     return subprocess.run(
-        [sys.executable, "-m", "bagua_launch", *args], cwd=cwd, env=env or _env(),
-        capture_output=True, text=True, timeout=timeout,
+        [sys.executable, "-m", "bagua_launch", *args],
+        cwd=cwd,
+        env=env or _env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
     )
 
 
@@ -93,8 +97,10 @@ def test_rank_variables(tmp_path, nproc, options, first_rank, world, node):
     assert result.returncode == 0, result.stderr
     envs = reported_env(result.stdout)
     assert sorted(envs) == list(range(first_rank, first_rank + nproc))
-    addr = options[options.index("--master-addr") + 1] if "--master-addr" in options else (
-        options[options.index("--master_addr") + 1] if "--master_addr" in options else "127.0.0.1"
+    addr = (
+        options[options.index("--master-addr") + 1]
+        if "--master-addr" in options
+        else (options[options.index("--master_addr") + 1] if "--master_addr" in options else "127.0.0.1")
     )
     port = options[options.index("--master-port") + 1] if "--master-port" in options else None
     for rank, env in envs.items():
@@ -186,7 +192,7 @@ def test_failing_rank_stops_the_job(tmp_path, mpi):
     assert "should have been stopped" not in result.stdout
     # Live output keeps its prefixes; the summary comes last and repeats the failing rank's error.
     assert "[rank 1] RuntimeError: distinctive failure zebra-42" in result.stderr
-    summary = result.stderr[result.stderr.index("bagua-launch: rank 1 failed"):]
+    summary = result.stderr[result.stderr.index("bagua-launch: rank 1 failed") :]
     assert "exit code 1" in summary.splitlines()[0]
     assert "last lines of rank 1" in summary
     assert "RuntimeError: distinctive failure zebra-42" in summary
@@ -195,12 +201,16 @@ def test_failing_rank_stops_the_job(tmp_path, mpi):
 
 
 def test_exit_code_and_signal_death_reported(tmp_path):
-    script = write(tmp_path, "die.py", """
+    script = write(
+        tmp_path,
+        "die.py",
+        """
         import os, signal, time
         if os.environ["RANK"] == "0":
             os.kill(os.getpid(), signal.SIGKILL)
         time.sleep(60)
-    """)
+    """,
+    )
     result = launch("--nproc-per-node", "2", "--grace", "5", str(script))
     assert result.returncode == 128 + signal.SIGKILL
     assert "rank 0 failed (killed by SIGKILL)" in result.stderr
@@ -246,9 +256,21 @@ def test_signals_are_forwarded(tmp_path, sig, mpi):
     script = write(tmp_path, "wait.py", SIGNAL_SCRIPT)
     with open(tmp_path / "out", "w") as out, open(tmp_path / "err", "w") as err:
         launcher = subprocess.Popen(
-            [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(nproc), "--grace", "5",
-             *(["--mpi"] if mpi else []), str(script), str(tmp_path)],
-            env=_env(), stdout=out, stderr=err,
+            [
+                sys.executable,
+                "-m",
+                "bagua_launch",
+                "--nproc-per-node",
+                str(nproc),
+                "--grace",
+                "5",
+                *(["--mpi"] if mpi else []),
+                str(script),
+                str(tmp_path),
+            ],
+            env=_env(),
+            stdout=out,
+            stderr=err,
         )
         try:
             deadline = time.monotonic() + 30
@@ -274,7 +296,11 @@ def test_signals_are_forwarded(tmp_path, sig, mpi):
 @needs_mpi
 @pytest.mark.parametrize("nproc", [2])
 def test_mpi_rank_variables(tmp_path, nproc):
-    script = write(tmp_path, "env.py", ENV_SCRIPT + "print('PMI ' + os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '?')))\n")
+    script = write(
+        tmp_path,
+        "env.py",
+        ENV_SCRIPT + "print('PMI ' + os.environ.get('PMI_RANK', os.environ.get('OMPI_COMM_WORLD_RANK', '?')))\n",
+    )
     result = launch("--nproc-per-node", str(nproc), "--master-port", "29613", "--mpi", str(script), "x")
     assert result.returncode == 0, result.stderr
     envs = reported_env(result.stdout)
@@ -282,8 +308,13 @@ def test_mpi_rank_variables(tmp_path, nproc):
     lines = by_rank(result.stdout)
     for rank, env in envs.items():
         assert env == {
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
-            "NODE_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29613",
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "NODE_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": "29613",
         }
         assert f"PMI {rank}" in lines[rank], "RANK must come from the MPI launcher"
     assert by_rank(result.stderr)[0] == ["err 0", "err 1", "err 2"]
@@ -355,12 +386,24 @@ def test_launcher_imports_no_framework():
     [
         ({"PMI_RANK": "5", "PMI_SIZE": "8", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "4"}, (5, 1, 8, 4, 1)),
         (
-            {"OMPI_COMM_WORLD_RANK": "2", "OMPI_COMM_WORLD_SIZE": "4",
-             "OMPI_COMM_WORLD_LOCAL_RANK": "0", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"},
+            {
+                "OMPI_COMM_WORLD_RANK": "2",
+                "OMPI_COMM_WORLD_SIZE": "4",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            },
             (2, 0, 4, 2, 1),
         ),
-        ({"SLURM_PROCID": "7", "SLURM_NTASKS": "8", "SLURM_LOCALID": "3", "SLURM_NODEID": "1",
-          "BAGUA_LAUNCH_NPROC_PER_NODE": "4"}, (7, 3, 8, 4, 1)),
+        (
+            {
+                "SLURM_PROCID": "7",
+                "SLURM_NTASKS": "8",
+                "SLURM_LOCALID": "3",
+                "SLURM_NODEID": "1",
+                "BAGUA_LAUNCH_NPROC_PER_NODE": "4",
+            },
+            (7, 3, 8, 4, 1),
+        ),
         ({"PMI_RANK": "3", "PMI_SIZE": "6", "BAGUA_LAUNCH_NPROC_PER_NODE": "2"}, (3, 1, 6, 2, 1)),
     ],
     ids=["hydra", "openmpi", "slurm", "no-local-variables"],
@@ -369,8 +412,11 @@ def test_rank_env_reads_mpi_launchers(variables, expected):
     from bagua_launch.rank_env import mpi_rank_environment
 
     env = mpi_rank_environment(variables | {"MASTER_ADDR": "h", "MASTER_PORT": "1234"})
-    assert env == dict(zip(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"), map(str, expected))) | {
-        "MASTER_ADDR": "h", "MASTER_PORT": "1234",
+    assert env == dict(
+        zip(("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK"), map(str, expected))
+    ) | {
+        "MASTER_ADDR": "h",
+        "MASTER_PORT": "1234",
     }
     with pytest.raises(RuntimeError, match="no MPI rank"):
         mpi_rank_environment({})

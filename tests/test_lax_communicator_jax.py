@@ -320,8 +320,13 @@ def test_send_recv_scheduled(rng, n):
     pairings = pairing_schedule(n)  # two rounds, one peer each
     ring = np.stack([(ranks - 1) % n, (ranks + 1) % n], axis=-1)[None]  # one round, two peers
     body = jax.shard_map(
-        lambda x, t: (comm.send_recv_scheduled(x[0], pairings, t[0])[None], comm.send_recv_scheduled(x[0], ring, 0)[None]),
-        mesh=mesh_of(n), in_specs=P("r"), out_specs=P("r"),
+        lambda x, t: (
+            comm.send_recv_scheduled(x[0], pairings, t[0])[None],
+            comm.send_recv_scheduled(x[0], ring, 0)[None],
+        ),
+        mesh=mesh_of(n),
+        in_specs=P("r"),
+        out_specs=P("r"),
     )
     mapped = jax.jit(body)
     for t in range(5):
@@ -336,7 +341,9 @@ def test_send_recv_scheduled(rng, n):
 def test_send_recv_scheduled_rejects_bad_tables():
     comm = LaxCommunicator("r", 2)
     call = lambda table: jax.eval_shape(  # noqa: E731
-        jax.shard_map(lambda x: comm.send_recv_scheduled(x, table, 0), mesh=mesh_of(2), in_specs=P("r"), out_specs=P("r")),
+        jax.shard_map(
+            lambda x: comm.send_recv_scheduled(x, table, 0), mesh=mesh_of(2), in_specs=P("r"), out_specs=P("r")
+        ),
         jnp.zeros((2, 3)),
     )
     with pytest.raises(ValueError, match=r"int table \[rounds, 2, peers\]"):
@@ -383,9 +390,16 @@ def test_hierarchical_2x2(rng):
         # reduce to the node's local root, allreduce between the roots, broadcast inside the node
         rooted = intra.broadcast(inter.allreduce(intra.reduce(f, 0)), 0)
         return (
-            world.rank(), intra.rank(), inter.rank(), world.size + 0 * world.rank(),
-            two_level, world.allreduce(i), rooted, world.allgather(f),
-            inter.allreduce(intra.allreduce(f, "max"), "max"), world.allreduce(f, "max"),
+            world.rank(),
+            intra.rank(),
+            inter.rank(),
+            world.size + 0 * world.rank(),
+            two_level,
+            world.allreduce(i),
+            rooted,
+            world.allgather(f),
+            inter.allreduce(intra.allreduce(f, "max"), "max"),
+            world.allreduce(f, "max"),
         )
 
     (w_rank, intra_rank, inter_rank, w_size, two_level, full, rooted, gathered, hmax, fmax) = per_rank(

@@ -98,7 +98,9 @@ def test_collectives_across_processes(world):
 
 
 JAX_TERMINATED = "Terminating process because the JAX distributed service detected fatal errors"
-NAMES_THE_FAILURE = re.compile(r"Gloo .* failed|Connection (closed|reset) by peer|Timed out|DEADLINE_EXCEEDED|UNAVAILABLE")
+NAMES_THE_FAILURE = re.compile(
+    r"Gloo .* failed|Connection (closed|reset) by peer|Timed out|DEADLINE_EXCEEDED|UNAVAILABLE"
+)
 
 
 def outcome(result: RankResult) -> str:
@@ -132,8 +134,15 @@ def test_a_dead_peer_fails_the_survivors_within_a_bound(case):
     world, victim, warmup, heartbeat, hang, flags, expected, bound = DEAD_PEER_CASES[case]
     start = time.monotonic()
     results = run_ranks(
-        "lax_communicator_workers_jax:dead_peer", world, victim, warmup, heartbeat, hang,
-        timeout=bound, check=False, env={**RANK_ENV, "XLA_FLAGS": flags},
+        "lax_communicator_workers_jax:dead_peer",
+        world,
+        victim,
+        warmup,
+        heartbeat,
+        hang,
+        timeout=bound,
+        check=False,
+        env={**RANK_ENV, "XLA_FLAGS": flags},
     )
     elapsed = time.monotonic() - start
     survivors = [r for r in results if r.rank != victim]

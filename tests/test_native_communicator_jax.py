@@ -35,7 +35,10 @@ def test_every_primitive_matches_numpy(size):
         np.testing.assert_array_equal(res["alltoall"], rows[:, rank])
         expected_v = np.zeros(size * size + 3, np.float32)
         expected_v[: size * (size + 1) // 2] = np.concatenate(
-            [np.arange(size * (j + 1), dtype=np.float32)[rank * (j + 1) : (rank + 1) * (j + 1)] + 100 * j for j in range(size)]
+            [
+                np.arange(size * (j + 1), dtype=np.float32)[rank * (j + 1) : (rank + 1) * (j + 1)] + 100 * j
+                for j in range(size)
+            ]
         )
         np.testing.assert_array_equal(res["alltoall_v"], expected_v)
         np.testing.assert_array_equal(res["send_recv"], xs[[(rank + 1) % size, (rank - 1) % size]])
@@ -43,7 +46,15 @@ def test_every_primitive_matches_numpy(size):
         np.testing.assert_array_equal(res["barrier"], xs[rank])
         np.testing.assert_array_equal(res["int_allreduce"], np.arange(4) * sum(range(1, size + 1)))
     # Every rank holds the same bits wherever every rank receives the same value.
-    for key in ("allreduce_sum", "allreduce_avg", "allreduce_min", "allreduce_max", "allgather", "broadcast", "bf16_allreduce"):
+    for key in (
+        "allreduce_sum",
+        "allreduce_avg",
+        "allreduce_min",
+        "allreduce_max",
+        "allgather",
+        "broadcast",
+        "bf16_allreduce",
+    ):
         first = results[0].value[key]
         for other in results[1:]:
             assert first.tobytes() == other.value[key].tobytes(), key
@@ -75,8 +86,15 @@ def ring_sum(xs: np.ndarray) -> np.ndarray:
 def test_large_allreduces_match_numpy(size, between_nodes):
     seed = int(np.random.default_rng().integers(2**31))
     count = RING_MIN_BYTES // 4 + 2 * size + 1  # above the ring's threshold, chunks of unequal length
-    results = run_ranks("native_communicator_workers_jax:large_allreduces", size, seed, count, launcher="mpiexec", timeout=180,
-                        env=BETWEEN_NODES if between_nodes else None)
+    results = run_ranks(
+        "native_communicator_workers_jax:large_allreduces",
+        size,
+        seed,
+        count,
+        launcher="mpiexec",
+        timeout=180,
+        env=BETWEEN_NODES if between_nodes else None,
+    )
     xs = np.stack([rank_data(r, seed, (count,)) for r in range(size)])
     close = dict(rtol=1e-6, atol=1e-6 * float(np.abs(xs).max()) * size)
     for res in (r.value for r in results):
@@ -91,18 +109,28 @@ def test_large_allreduces_match_numpy(size, between_nodes):
         np.testing.assert_array_equal(res["int32_sum"], (xs * 1000).astype(np.int32).sum(0))
         for dtype, rtol in (("float16", 4e-3), ("bfloat16", 3e-2)):
             exact = xs.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.float16).astype(np.float64).sum(0)
-            np.testing.assert_allclose(res[f"{dtype}_sum"].astype(np.float64), exact, rtol=rtol,
-                                       atol=rtol * size * float(np.abs(xs).max()))
+            np.testing.assert_allclose(
+                res[f"{dtype}_sum"].astype(np.float64), exact, rtol=rtol, atol=rtol * size * float(np.abs(xs).max())
+            )
     for key in results[0].value:
         if key != "rank":
             assert all(r.value[key].tobytes() == results[0].value[key].tobytes() for r in results), key
 
 
-@pytest.mark.parametrize("count, env", [(1000, None), (RING_MIN_BYTES // 4 * 2, BETWEEN_NODES)],
-                         ids=["mpi-allreduce", "ring-allreduce"])
+@pytest.mark.parametrize(
+    "count, env", [(1000, None), (RING_MIN_BYTES // 4 * 2, BETWEEN_NODES)], ids=["mpi-allreduce", "ring-allreduce"]
+)
 def test_a_dead_peer_raises_on_the_survivors_within_the_timeout(count, env):
-    results = run_ranks("native_communicator_workers_jax:dies_or_waits", 2, 1, count, launcher="mpiexec", timeout=60, check=False,
-                        env=env)
+    results = run_ranks(
+        "native_communicator_workers_jax:dies_or_waits",
+        2,
+        1,
+        count,
+        launcher="mpiexec",
+        timeout=60,
+        check=False,
+        env=env,
+    )
     survivor = results[0]
     assert survivor.value is not None, survivor.output
     assert "allreduce" in survivor.value and "'world'" in survivor.value and "rank 0 of 2" in survivor.value

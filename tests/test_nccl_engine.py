@@ -359,7 +359,8 @@ def test_watchdog_aborts_a_collective_a_peer_never_joins(torch, nccl):
     failure = (
         r"NCCL allreduce on communicator 'world' \(rank 0 of 2\): (did not complete|could not be enqueued) within 10 s"
     )
-    assert re.search(r"NCCL barrier on communicator 'world' \(rank 0 of 2\): .*aborted.*" + failure,
-                     _value("ERROR", result.stdout))
+    assert re.search(
+        r"NCCL barrier on communicator 'world' \(rank 0 of 2\): .*aborted.*" + failure, _value("ERROR", result.stdout)
+    )
     assert re.search("bagua: " + failure, result.stderr)
     assert float(_value("FINALIZED", result.stdout)) < 60

@@ -18,8 +18,6 @@ def test_nccl_engine_host_logic_under_thread_sanitizer(tmp_path):
         env={"TSAN_OPTIONS": "halt_on_error=1"},
     )
     summary = re.search(r"(\d+) passed, (\d+) failed", result.stdout)
-    assert result.returncode == 0 and summary, (
-        result.stdout[-4000:] + result.stderr[-4000:]
-    )
+    assert result.returncode == 0 and summary, result.stdout[-4000:] + result.stderr[-4000:]
     assert "ThreadSanitizer" not in result.stderr, result.stderr[-4000:]
     assert int(summary.group(2)) == 0 and int(summary.group(1)) >= 30

@@ -46,9 +46,7 @@ def run_steps(config: PowerSGDConfig, grads_per_step):
 
 
 def random_grads(rng, steps: int):
-    return [
-        {k: rng.standard_normal((RANKS, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(steps)
-    ]
+    return [{k: rng.standard_normal((RANKS, *s)).astype(np.float32) for k, s in SHAPES.items()} for _ in range(steps)]
 
 
 @pytest.mark.parametrize("error_feedback", [True, False], ids=["error_feedback", "plain"])

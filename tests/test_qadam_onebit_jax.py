@@ -150,7 +150,9 @@ class Simulation:
         slot = ref.compressed_size(m, 1, fmt)
         out = []
         for j, r in enumerate(ranks):  # the all-to-all hands member j chunk j of every member
-            mine = ref.decompress_reduce(np.concatenate([c[j * slot : (j + 1) * slot] for c in packed]), m, k, fmt, True)
+            mine = ref.decompress_reduce(
+                np.concatenate([c[j * slot : (j + 1) * slot] for c in packed]), m, k, fmt, True
+            )
             if self.sign:
                 c, self.servers[r][bucket] = ref.sign_compress(mine, 1, self.servers[r][bucket])
                 out.append(ref.sign_decompress(c, m, 1))
@@ -163,13 +165,19 @@ class Simulation:
             return self.compressed_average(rows, list(range(self.n)), bucket)
         L = self.local
         # Intra-node reduce-scatter in full precision: rank (a, l) keeps slice l of its node's average ...
-        mine = [[sequential_mean([np.split(rows[a * L + q], L)[l] for q in range(L)]) for l in range(L)]
-                for a in range(self.nodes)]
+        mine = [
+            [sequential_mean([np.split(rows[a * L + q], L)[l] for q in range(L)]) for l in range(L)]
+            for a in range(self.nodes)
+        ]
         # ... the slices with the same l are exchanged compressed between nodes, then allgathered in the node.
-        return np.concatenate([
-            self.compressed_average([mine[a][l] for a in range(self.nodes)], [a * L + l for a in range(self.nodes)], bucket)
-            for l in range(L)
-        ])
+        return np.concatenate(
+            [
+                self.compressed_average(
+                    [mine[a][l] for a in range(self.nodes)], [a * L + l for a in range(self.nodes)], bucket
+                )
+                for l in range(L)
+            ]
+        )
 
     def step(self, grads: dict) -> None:
         if self.t < WARMUP:  # plain Adam on the averaged gradients, with optax's arithmetic
@@ -177,8 +185,9 @@ class Simulation:
             self.m = {k: F32(1 - B1) * g[k] + F32(B1) * self.m[k] for k in g}
             self.v = {k: F32(1 - B2) * (g[k] * g[k]) + F32(B2) * self.v[k] for k in g}
         else:  # frozen v; each rank's momentum is averaged through compression
-            local = [self.flatten({k: F32(1 - B1) * grads[k][r] + F32(B1) * self.m[k] for k in grads})
-                     for r in range(self.n)]
+            local = [
+                self.flatten({k: F32(1 - B1) * grads[k][r] + F32(B1) * self.m[k] for k in grads}) for r in range(self.n)
+            ]
             self.m = self.unflatten([self.average_bucket([x[i] for x in local], i) for i in range(len(BUCKETS))])
         self.t += 1
         # optax divides by the scalar bias corrections; XLA's algebraic simplifier turns a division by a broadcast
@@ -318,7 +327,9 @@ def assert_same_on_every_rank(tree) -> None:
 
 
 def assert_bitwise(actual, expected) -> None:
-    jax.tree.map(lambda a, e: np.testing.assert_array_equal(np.asarray(a), np.asarray(e), strict=True), actual, expected)
+    jax.tree.map(
+        lambda a, e: np.testing.assert_array_equal(np.asarray(a), np.asarray(e), strict=True), actual, expected
+    )
 
 
 # ---------------------------------------------------------------------------------- tests
@@ -405,8 +416,10 @@ def test_onebit_adam_matches_the_numpy_simulation(exact, seed, n, two_level):
             # it against that magnitude (it may be exactly 0 in one and an ulp of the scale in the other).
             magnitude = max(float(np.abs(sim[t].m[k]).max()) for k in keys)
             for r in range(n):
-                for got, want in ((state.worker_residuals[i][r], sim[t].workers[r][i]),
-                                  (state.server_residuals[i][r], sim[t].servers[r][i])):
+                for got, want in (
+                    (state.worker_residuals[i][r], sim[t].workers[r][i]),
+                    (state.server_residuals[i][r], sim[t].servers[r][i]),
+                ):
                     np.testing.assert_allclose(got, want, rtol=0, atol=1e-4 * (float(np.abs(want).max()) + magnitude))
     assert_bitwise(history[STEPS][1].adam.nu, history[WARMUP][1].adam.nu)
 
@@ -636,7 +649,12 @@ def mpi_worker(seed: int) -> dict:
 @pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
 def test_two_mpi_processes_match_the_numpy_simulation(seed):
     results = run_ranks(
-        "test_qadam_onebit_jax:mpi_worker", 2, seed, launcher="mpiexec", timeout=180, env={"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2"}
+        "test_qadam_onebit_jax:mpi_worker",
+        2,
+        seed,
+        launcher="mpiexec",
+        timeout=180,
+        env={"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2"},
     )
     for algorithm in ALGORITHMS:
         sim = simulate(algorithm, 2, seed)

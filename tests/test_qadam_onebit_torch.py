@@ -56,10 +56,23 @@ def run(algo: str, hierarchical: bool) -> Scenario:
 JOBS = JobTable(
     "qadam_onebit_workers_torch:job",
     {
-        "gloo-2ranks": Job(2, "python", (warmup(True), run("qadam", True), run("onebit_adam", True),
-                                         Scenario("checkpoint"), Scenario("errors"))),
-        "gloo-4ranks-2nodes": Job(4, "python", (warmup(True), run("qadam", True), run("onebit_adam", True),
-                                                run("qadam", False), run("onebit_adam", False)), 2),
+        "gloo-2ranks": Job(
+            2,
+            "python",
+            (warmup(True), run("qadam", True), run("onebit_adam", True), Scenario("checkpoint"), Scenario("errors")),
+        ),
+        "gloo-4ranks-2nodes": Job(
+            4,
+            "python",
+            (
+                warmup(True),
+                run("qadam", True),
+                run("onebit_adam", True),
+                run("qadam", False),
+                run("onebit_adam", False),
+            ),
+            2,
+        ),
         "mpi-4ranks-2nodes": Job(4, "mpiexec", (warmup(False), run("qadam", True), run("onebit_adam", False)), 2),
     },
     mpi=has_mpi(bagua_torch.build_info()),
@@ -111,13 +124,17 @@ def test_configuration_errors():
     adam = torch.optim.Adam(params)
     with pytest.raises(TypeError, match="qadam: the optimizer must be a bagua_torch QAdamOptimizer, got Adam"):
         QAdamAlgorithm(adam)
-    with pytest.raises(TypeError, match="onebit_adam: the optimizer must be a bagua_torch OneBitAdamOptimizer, got "
-                                        "QAdamOptimizer"):
+    with pytest.raises(
+        TypeError, match="onebit_adam: the optimizer must be a bagua_torch OneBitAdamOptimizer, got QAdamOptimizer"
+    ):
         OneBitAdamAlgorithm(QAdamOptimizer(params))
     with pytest.raises(TypeError, match="qadam: the optimizer must be a bagua_torch QAdamOptimizer, got OneBitAdam"):
         QAdamAlgorithm(OneBitAdamOptimizer(params))
-    with pytest.raises(TypeError, match=r"algorithm 'qadam': qadam needs its QAdamOptimizer: QAdamAlgorithm\(optimizer\) "
-                                        r"or get_algorithm\('qadam', optimizer=optimizer\)"):
+    with pytest.raises(
+        TypeError,
+        match=r"algorithm 'qadam': qadam needs its QAdamOptimizer: QAdamAlgorithm\(optimizer\) "
+        r"or get_algorithm\('qadam', optimizer=optimizer\)",
+    ):
         get_algorithm("qadam")
     with pytest.raises(TypeError, match="onebit_adam needs its OneBitAdamOptimizer"):
         OneBitAdamAlgorithm()
@@ -230,10 +247,17 @@ def _allreduce(xs: list[torch.Tensor], exchange, residuals, local: int | None) -
         return exchange(xs, list(range(n)), residuals)
     nodes = n // local
     # slices[node][l]: the node's average of row l (gloo: sum, then divided by the rank count).
-    slices = [[torch.stack([xs[node * local + r].view(local, -1)[l] for r in range(local)]).sum(0).div_(local)
-               for l in range(local)] for node in range(nodes)]
-    between = [exchange([slices[node][l] for node in range(nodes)], [node * local + l for node in range(nodes)],
-                        residuals) for l in range(local)]
+    slices = [
+        [
+            torch.stack([xs[node * local + r].view(local, -1)[l] for r in range(local)]).sum(0).div_(local)
+            for l in range(local)
+        ]
+        for node in range(nodes)
+    ]
+    between = [
+        exchange([slices[node][l] for node in range(nodes)], [node * local + l for node in range(nodes)], residuals)
+        for l in range(local)
+    ]
     return [torch.cat([between[l][node] for l in range(local)]) for node in range(nodes) for _ in range(local)]
 
 
@@ -253,8 +277,10 @@ def simulate(seed: int, n: int, algo: str, boundary: dict, layout, local: int | 
         exp_avg = {k: torch.from_numpy(boundary["state"][k][1].copy()) for k in names}
         exp_avg_sq = {k: torch.from_numpy(boundary["state"][k][2].copy()) for k in names}
         share = local or 1
-        residuals = [([torch.zeros(size // share) for _, size in layout], [torch.zeros(size // n) for _, size in layout])
-                     for _ in range(n)]
+        residuals = [
+            ([torch.zeros(size // share) for _, size in layout], [torch.zeros(size // n) for _, size in layout])
+            for _ in range(n)
+        ]
         exchange = _minmax_exchange if algo == "qadam" else _sign_exchange
         for step in steps:
             momenta = []
@@ -304,8 +330,7 @@ def test_after_warmup_matches_single_process_simulation_exactly(name, scenario):
         assert_tree_equal(v[scenario.label]["params"], first["params"], f"rank {v['rank']} params")
         assert_tree_equal(v[scenario.label]["state"], first["state"], f"rank {v['rank']} state")
     layout = first["layout"]
-    params, state, residuals = simulate(seed, n, algo, first["boundary"], layout, local,
-                                        range(RUN_WARMUP, RUN_STEPS))
+    params, state, residuals = simulate(seed, n, algo, first["boundary"], layout, local, range(RUN_WARMUP, RUN_STEPS))
     assert_tree_equal(first["params"], params, "params vs the simulation")
     assert_tree_equal(first["state"], state, "optimizer state vs the simulation")
     # v stayed frozen after the warm-up; the momentum moved.
@@ -336,8 +361,9 @@ def test_checkpoint_across_the_warmup_boundary_continues_identically():
             assert "_extra_state" in got["keys"]
             if algo == "onebit_adam" and save_at == "4":
                 # The residuals are the algorithm's state: without them the run diverges.
-                assert any(not np.array_equal(got["without_state"]["params"][k], got["continued"][k])
-                           for k in got["continued"])
+                assert any(
+                    not np.array_equal(got["without_state"]["params"][k], got["continued"][k]) for k in got["continued"]
+                )
             else:
                 # No residuals yet (or none at all): the weights and the optimizer are the whole state.
                 assert_tree_equal(got["without_state"]["params"], got["continued"], f"{key} without state")
@@ -348,14 +374,17 @@ def test_wrap_time_errors():
     for v in values:
         e = v["errors"]
         assert e["optimizer_not_wrapped"].startswith("ValueError: qadam: its optimizer is not among the optimizers")
-        assert "must hold exactly the wrapped model's trainable parameters (6 tensors; the optimizer holds 6, 0" in (
-            e["optimizer_of_other_model"])
+        assert (
+            "must hold exactly the wrapped model's trainable parameters (6 tensors; the optimizer holds 6, 0"
+            in (e["optimizer_of_other_model"])
+        )
         assert "the optimizer holds 2, 2 of them" in e["optimizer_with_some_parameters"]
         assert e["float64"].startswith("TypeError: qadam: parameter 4.bias has dtype torch.float64")
         assert "qadam needs its QAdamOptimizer" in e["by_name_without_optimizer"]
         assert e["bad_residuals"].startswith("ValueError: onebit_adam: the checkpoint's 'server_residuals' has sizes")
         assert e["step_without_algorithm"].startswith(
-            "RuntimeError: QAdamOptimizer: after its 1 warm-up steps the momentum must be averaged")
+            "RuntimeError: QAdamOptimizer: after its 1 warm-up steps the momentum must be averaged"
+        )
 
 
 def test_native_mpi_communicator_used():

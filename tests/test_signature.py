@@ -68,9 +68,7 @@ LEAVES = [("params/w", (3, 4), "float32"), ("params/b", (4,), "float32")]
 def test_custom_algorithm_description_is_stable_and_shows_fields():
     schedule = np.arange(6).reshape(2, 3)
     a, b = Custom(2, schedule), Custom(2, schedule.copy())
-    assert algorithm_config(a) == algorithm_config(
-        b
-    )  # repr(a) != repr(b): addresses differ
+    assert algorithm_config(a) == algorithm_config(b)  # repr(a) != repr(b): addresses differ
     config = algorithm_config(a, bucket_bytes=1024)
     assert config["algorithm"] == f"{__name__}.Custom"
     assert config["algorithm.peers"] == "2"
@@ -86,10 +84,7 @@ def test_dataclass_fields_enums_and_callables():
         "algorithm.lr": "0.2",
         "algorithm.hierarchical": "False",
     }
-    assert (
-        describe_value({"b": (1, 2.5), "a": [None, "x"]})
-        == "{'a': [None, 'x'], 'b': (1, 2.5)}"
-    )
+    assert describe_value({"b": (1, 2.5), "a": [None, "x"]}) == "{'a': [None, 'x'], 'b': (1, 2.5)}"
     assert describe_value(np.mean) == "numpy.mean"
     assert "0x" not in describe_value(object())
 
@@ -98,9 +93,7 @@ def test_encode_decode_round_trip_and_digest():
     sig = JobSignature.of(LEAVES, algorithm_config(Config()))
     assert JobSignature.decode(sig.encode()) == sig
     assert sig.digest() == JobSignature.of(LEAVES, algorithm_config(Config())).digest()
-    assert (
-        sig.digest() != JobSignature.of(LEAVES[:1], algorithm_config(Config())).digest()
-    )
+    assert sig.digest() != JobSignature.of(LEAVES[:1], algorithm_config(Config())).digest()
 
 
 def test_same_job_passes():
@@ -110,18 +103,13 @@ def test_same_job_passes():
 
 def test_differences_are_named_with_their_ranks():
     same = JobSignature.of(LEAVES, algorithm_config(Config()))
-    other_shape = JobSignature.of(
-        [("params/w", (4, 4), "float32"), LEAVES[1]], algorithm_config(Config())
-    )
+    other_shape = JobSignature.of([("params/w", (4, 4), "float32"), LEAVES[1]], algorithm_config(Config()))
     other_lr = JobSignature.of(LEAVES, algorithm_config(Config(lr=0.5)))
     errors = run_check([same, other_shape, same, other_lr])
     assert all(isinstance(e, ValueError) for e in errors)
     assert len({str(e) for e in errors}) == 1, "every rank raises the same error"
     text = str(errors[0])
-    assert (
-        "tensor 'params/w': [3, 4] float32 on ranks 0, 2, 3; [4, 4] float32 on rank 1"
-        in text
-    )
+    assert "tensor 'params/w': [3, 4] float32 on ranks 0, 2, 3; [4, 4] float32 on rank 1" in text
     assert "algorithm.lr: 0.1 on ranks 0, 1, 2; 0.5 on rank 3" in text
     assert "params/b" not in text and "hierarchical" not in text
 
@@ -134,9 +122,7 @@ def test_missing_tensors_other_algorithms_and_order():
     )
     text = str(run_check([base, extra])[0])
     assert "tensor 'params/extra': missing on rank 0; [2] bfloat16 on rank 1" in text
-    assert (
-        f"algorithm: {__name__}.Config on rank 0; {__name__}.Custom on rank 1" in text
-    )
+    assert f"algorithm: {__name__}.Config on rank 0; {__name__}.Custom on rank 1" in text
     assert "algorithm.peers: missing on rank 0; 1 on rank 1" in text
     swapped = JobSignature.of(LEAVES[::-1], algorithm_config(Config()))
     assert "the same tensors in a different order" in str(run_check([base, swapped])[1])
@@ -146,10 +132,7 @@ def test_dtype_difference():
     a = JobSignature.of(LEAVES, {})
     b = JobSignature.of([("params/w", (3, 4), "bfloat16"), LEAVES[1]], {})
     [error, _] = run_check([a, b])
-    assert (
-        "tensor 'params/w': [3, 4] float32 on rank 0; [3, 4] bfloat16 on rank 1"
-        in str(error)
-    )
+    assert "tensor 'params/w': [3, 4] float32 on rank 0; [3, 4] bfloat16 on rank 1" in str(error)
 
 
 def test_many_differences_are_counted():

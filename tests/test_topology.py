@@ -56,9 +56,7 @@ def test_shift_one_schedule_rejects_sizes_it_cannot_pair(size):
 def test_pairable_names_the_group_and_the_way_out():
     check_pairable(1, "decentralized")
     check_pairable(4, "decentralized", across_nodes=True)
-    with pytest.raises(
-        ValueError, match="decentralized: .* pairs ranks .* got 3; .* or an even count$"
-    ):
+    with pytest.raises(ValueError, match="decentralized: .* pairs ranks .* got 3; .* or an even count$"):
         check_pairable(3, "decentralized")
     with pytest.raises(ValueError, match="pairs nodes .* got 3; .* or hierarchical=False$"):
         check_pairable(3, "decentralized", across_nodes=True)
@@ -82,14 +80,10 @@ def test_ring_neighbours_and_two_levels():
     with pytest.raises(ValueError, match="rank 4 is not in 0..3"):
         ring_neighbours(4, 4)
     check_two_levels(2, 3, 6, "bytegrad")
-    with pytest.raises(
-        ValueError, match=r"bytegrad: intra \(2 ranks\) x inter \(2 ranks\) must equal world"
-    ):
+    with pytest.raises(ValueError, match=r"bytegrad: intra \(2 ranks\) x inter \(2 ranks\) must equal world"):
         check_two_levels(2, 2, 6, "bytegrad")
     check_peer_selection_mode("shift_one", "decentralized")
-    with pytest.raises(
-        ValueError, match="decentralized: peer_selection_mode must be one of .*'ring'"
-    ):
+    with pytest.raises(ValueError, match="decentralized: peer_selection_mode must be one of .*'ring'"):
         check_peer_selection_mode("ring", "decentralized")
 
 

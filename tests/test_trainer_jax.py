@@ -66,9 +66,7 @@ def test_model_state_aux_and_per_rank_keys_match_the_reference(average_model_sta
     state = dp.init(params, model_state=model_state)
     assert state.params["w"].shape == (3, 1)  # no device axis: the replicas are identical
     expected_params = params
-    expected_state = (
-        model_state if average_model_state else jax.tree.map(lambda a: jnp.stack([a] * RANKS), model_state)
-    )
+    expected_state = model_state if average_model_state else jax.tree.map(lambda a: jnp.stack([a] * RANKS), model_state)
     for step in range(3):
         batch = {
             "x": jnp.asarray(rng.standard_normal((16, 3)), jnp.float32),

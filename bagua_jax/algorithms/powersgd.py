@@ -92,7 +92,9 @@ def _split(flat: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:
     return out
 
 
-def powersgd(comms: Communicators | Communicator, config: PowerSGDConfig = PowerSGDConfig()) -> optax.GradientTransformationExtraArgs:
+def powersgd(
+    comms: Communicators | Communicator, config: PowerSGDConfig = PowerSGDConfig()
+) -> optax.GradientTransformationExtraArgs:
     """Average the gradients over ``comms.world`` through rank-``r`` approximations (PowerSGD).
 
     Returns the gradient transformation to chain before the user's optimizer; its state is a
@@ -111,7 +113,9 @@ def powersgd(comms: Communicators | Communicator, config: PowerSGDConfig = Power
         return PowerSGDState(jnp.int32(0), qs, residuals if config.error_feedback else ())
 
     def exact(leaves: list[jax.Array], state: PowerSGDState) -> tuple[list[jax.Array], PowerSGDState]:
-        averaged = _split(world.allreduce(_flat([g.astype(jnp.float32) for g in leaves]), "avg"), [g.shape for g in leaves])
+        averaged = _split(
+            world.allreduce(_flat([g.astype(jnp.float32) for g in leaves]), "avg"), [g.shape for g in leaves]
+        )
         return averaged, state
 
     def compressed(leaves: list[jax.Array], state: PowerSGDState) -> tuple[list[jax.Array], PowerSGDState]:
@@ -138,7 +142,9 @@ def powersgd(comms: Communicators | Communicator, config: PowerSGDConfig = Power
             qs = [_initial_q(config, k, q.shape[0], q.shape[1], state.step + 1) for k, q in enumerate(qs)]
         return out, PowerSGDState(state.step, tuple(qs), residuals)
 
-    def update_fn(updates: Any, state: PowerSGDState, params: Any = None, **extra_args: Any) -> tuple[Any, PowerSGDState]:
+    def update_fn(
+        updates: Any, state: PowerSGDState, params: Any = None, **extra_args: Any
+    ) -> tuple[Any, PowerSGDState]:
         del params, extra_args
         check_float_grads(updates, NAME)
         leaves, treedef = jax.tree.flatten(updates)

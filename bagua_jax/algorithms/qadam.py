@@ -77,8 +77,10 @@ def check_adam_config(
     name: str, warmup_steps: Any, b1: Any, b2: Any, eps: Any, hierarchical: Any, bucket_bytes: Any
 ) -> None:
     """Raise a clear error for a bad QAdam or 1-bit Adam configuration (shared by both)."""
-    if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, (int, np.integer)) or not (
-        1 <= warmup_steps < np.iinfo(np.int32).max
+    if (
+        isinstance(warmup_steps, bool)
+        or not isinstance(warmup_steps, (int, np.integer))
+        or not (1 <= warmup_steps < np.iinfo(np.int32).max)
     ):
         raise ValueError(
             f"{name}: warmup_steps must be an int >= 1 (the frozen second moment comes from the Adam steps of the "
@@ -104,10 +106,7 @@ def variance_floors(nu: Any) -> Any:
     overall = sum(mean * v.size for mean, v in zip(means, leaves)) / total
     return jax.tree.unflatten(
         structure,
-        [
-            (VARIANCE_FLOOR * jnp.where(mean > 0, mean, overall)).astype(v.dtype)
-            for mean, v in zip(means, leaves)
-        ],
+        [(VARIANCE_FLOOR * jnp.where(mean > 0, mean, overall)).astype(v.dtype) for mean, v in zip(means, leaves)],
     )
 
 
@@ -118,7 +117,9 @@ def momentum_plan(tree: Any, comms: Communicators, bucket_bytes: int, name: str)
     plan = plan_buckets(tree, bucket_bytes, pad_to=comms.world.size)
     for i, dtype in enumerate(plan.dtypes):
         if dtype not in _COMPRESSIBLE:
-            raise TypeError(f"{name}: leaf {i} has dtype {dtype}; momentum compression takes float32, float16 and bfloat16")
+            raise TypeError(
+                f"{name}: leaf {i} has dtype {dtype}; momentum compression takes float32, float16 and bfloat16"
+            )
     return plan
 
 

@@ -112,8 +112,9 @@ def _dedicated_communicator(world: Communicator) -> Communicator:
         # wrapping the model); a group of all ranks the usual way, by every rank.
         local = ranks is not None and len(ranks) < dist.get_world_size()
         seconds = max(world.timeout, 30.0)
-        new = dist.new_group(ranks=ranks, timeout=timedelta(seconds=seconds), backend=world.backend,
-                             use_local_synchronization=local)
+        new = dist.new_group(
+            ranks=ranks, timeout=timedelta(seconds=seconds), backend=world.backend, use_local_synchronization=local
+        )
         return ProcessGroupCommunicator(new, timeout=world.timeout, name=f"{world.name}/async")
     raise TypeError(
         "async: the averaging rounds need a communicator of their own, made from a ProcessGroupCommunicator or a "

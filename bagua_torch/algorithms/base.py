@@ -279,9 +279,7 @@ def check_dtypes(buckets: Sequence[Bucket], allowed: Sequence[torch.dtype], algo
     for bucket in buckets:
         if bucket.dtype not in allowed:
             names = ", ".join(str(d).removeprefix("torch.") for d in allowed)
-            raise TypeError(
-                f"{algorithm}: parameter {bucket.names[0]} has dtype {bucket.dtype}; {what} {names} only"
-            )
+            raise TypeError(f"{algorithm}: parameter {bucket.names[0]} has dtype {bucket.dtype}; {what} {names} only")
 
 
 def check_tensor_list(

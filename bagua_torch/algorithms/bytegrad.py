@@ -62,8 +62,7 @@ class ByteGradAlgorithm(Algorithm):
     name: ClassVar[str] = "bytegrad"
 
     def __post_init__(self) -> None:
-        check_flags(self.name, hierarchical=self.hierarchical, average=self.average,
-                    error_feedback=self.error_feedback)
+        check_flags(self.name, hierarchical=self.hierarchical, average=self.average, error_feedback=self.error_feedback)
 
     def reify(self, context: AlgorithmContext) -> ByteGradImpl:
         return ByteGradImpl(context, self)
@@ -81,8 +80,10 @@ class ByteGradImpl(AlgorithmImpl):
         share = self.levels[0].size if self.levels else 1
         for bucket in context.buckets:
             if bucket.size % self.world.size:
-                raise ValueError(f"{name}: bucket {bucket.index} has {bucket.size} elements, not a multiple of the "
-                                 f"world size {self.world.size}")
+                raise ValueError(
+                    f"{name}: bucket {bucket.index} has {bucket.size} elements, not a multiple of the "
+                    f"world size {self.world.size}"
+                )
         self.residual_sizes = [bucket.size // share for bucket in context.buckets]
         self.residuals: list[torch.Tensor] | None = (
             [torch.zeros(size, dtype=torch.float32, device=context.device) for size in self.residual_sizes]

@@ -169,7 +169,9 @@ class DecentralizedImpl(AlgorithmImpl):
                 averaged = self._exchange(flat, self.world, peer)
             else:
                 intra, inter = self.levels
-                averaged = hierarchical_exchange(lambda mine, comm: self._exchange(mine, comm, peer), flat, intra, inter)
+                averaged = hierarchical_exchange(
+                    lambda mine, comm: self._exchange(mine, comm, peer), flat, intra, inter
+                )
             bucket.unflatten_to_params(averaged)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:

@@ -84,8 +84,11 @@ class PowerSGDImpl(AlgorithmImpl):
         self.dtype = torch.float64 if any(b.dtype == torch.float64 for b in context.buckets) else torch.float32
         # Per bucket: (index in the bucket, (n, m), rank) of each compressed parameter; the rest go plain.
         self.layout = [
-            [(i, matrix_view(p.shape), config.compressed_rank(p.shape)) for i, p in enumerate(bucket.params)
-             if config.compressed_rank(p.shape) is not None]
+            [
+                (i, matrix_view(p.shape), config.compressed_rank(p.shape))
+                for i, p in enumerate(bucket.params)
+                if config.compressed_rank(p.shape) is not None
+            ]
             for bucket in context.buckets
         ]
         shapes = [(view, rank) for bucket in self.layout for _, view, rank in bucket]
@@ -99,7 +102,8 @@ class PowerSGDImpl(AlgorithmImpl):
         """The same random ``Q`` on every rank, seeded by the configuration (and the step, for cold starts)."""
         generator = torch.Generator().manual_seed(self.config.seed * 1_000_003 + step)
         return [
-            torch.randn(m, rank, generator=generator, dtype=self.dtype).to(self.context.device) for (_, m), rank in shapes
+            torch.randn(m, rank, generator=generator, dtype=self.dtype).to(self.context.device)
+            for (_, m), rank in shapes
         ]
 
     def _first_matrix(self, bucket_index: int) -> int:
@@ -144,11 +148,15 @@ class PowerSGDImpl(AlgorithmImpl):
         parts = [p.reshape(-1) for p in ps] + [v.reshape(-1).to(self.dtype) for v in plain]
         reduced = self.world.allreduce(torch.cat(parts), "sum").split([t.numel() for t in parts])
         ps = [orthogonalize(r.view_as(p).clone()) for r, p in zip(reduced, ps)]
-        for view, total in zip(plain, reduced[len(ps):]):
+        for view, total in zip(plain, reduced[len(ps) :]):
             view.copy_((total / n).view_as(view))
         qs = [m.T @ p for m, p in zip(matrices, ps)]
-        qs = [q.view_as(old) for q, old in zip(
-            self.world.allreduce(torch.cat([q.reshape(-1) for q in qs]), "avg").split([q.numel() for q in qs]), qs)]
+        qs = [
+            q.view_as(old)
+            for q, old in zip(
+                self.world.allreduce(torch.cat([q.reshape(-1) for q in qs]), "avg").split([q.numel() for q in qs]), qs
+            )
+        ]
         k = 0
         for bucket, layout in zip(self.buckets, self.layout):
             views = bucket.views(bucket.grad)

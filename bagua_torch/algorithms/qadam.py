@@ -201,17 +201,11 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
         parameter's device, so that no step waits on the device)."""
         params = [p for group in self.param_groups for p in group["params"]]
         # sum / numel, not mean(): an empty parameter's mean would be NaN.
-        means = {
-            p: self._state(p)["exp_avg_sq"].sum(dtype=torch.float32) / max(p.numel(), 1)
-            for p in params
-        }
+        means = {p: self._state(p)["exp_avg_sq"].sum(dtype=torch.float32) / max(p.numel(), 1) for p in params}
         total = max(sum(p.numel() for p in params), 1)
         device = params[0].device
         overall = sum((means[p] * p.numel()).to(device) for p in params) / total
-        return {
-            p: VARIANCE_FLOOR * torch.where(mean > 0, mean, overall.to(mean.device))
-            for p, mean in means.items()
-        }
+        return {p: VARIANCE_FLOOR * torch.where(mean > 0, mean, overall.to(mean.device)) for p, mean in means.items()}
 
     def state_dict(self) -> dict[str, Any]:
         """torch's optimizer state dict (per parameter ``step``, ``exp_avg``, ``exp_avg_sq``) plus ``step_id``
@@ -240,8 +234,11 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
         self._momentum_ready = False
 
     def __repr__(self) -> str:
-        return super().__repr__().replace(type(self).__name__ + " (", f"{type(self).__name__} (warmup_steps="
-                                          f"{self.warmup_steps},", 1)
+        return (
+            super()
+            .__repr__()
+            .replace(type(self).__name__ + " (", f"{type(self).__name__} (warmup_steps={self.warmup_steps},", 1)
+        )
 
 
 class QAdamOptimizer(_AdamWithAveragedMomentum):
@@ -267,9 +264,7 @@ def check_optimizer(optimizer: Any, cls: type, name: str, algorithm: str) -> Non
             f"(the optimizer is both the algorithm's Adam state and the one passed to with_bagua)"
         )
     if not isinstance(optimizer, cls):
-        raise TypeError(
-            f"{name}: the optimizer must be a bagua_torch {cls.__name__}, got {type(optimizer).__name__}"
-        )
+        raise TypeError(f"{name}: the optimizer must be a bagua_torch {cls.__name__}, got {type(optimizer).__name__}")
 
 
 @dataclass(frozen=True)
@@ -321,8 +316,10 @@ class QAdamImpl(AlgorithmImpl):
         self.levels = context.communicators.levels(config.hierarchical, name)
         for bucket in context.buckets:
             if bucket.size % self.world.size:
-                raise ValueError(f"{name}: bucket {bucket.index} has {bucket.size} elements, not a multiple of the "
-                                 f"world size {self.world.size}")
+                raise ValueError(
+                    f"{name}: bucket {bucket.index} has {bucket.size} elements, not a multiple of the "
+                    f"world size {self.world.size}"
+                )
 
     @property
     def need_gradient_hooks(self) -> bool:  # type: ignore[override]

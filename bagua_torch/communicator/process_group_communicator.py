@@ -81,9 +81,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         name: str | None = None,
     ):
         if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError(
-                "ProcessGroupCommunicator needs torch.distributed; call dist.init_process_group() first"
-            )
+            raise RuntimeError("ProcessGroupCommunicator needs torch.distributed; call dist.init_process_group() first")
         self._group = group
         self._backend = str(dist.get_backend(group))
         self._rank = dist.get_rank(group)
@@ -276,8 +274,12 @@ class ProcessGroupCommunicator(CommunicatorBase):
         return self._issue(
             "alltoall_v",
             lambda: dist.all_to_all_single(
-                out[: sum(recv)], x[: sum(send)], output_split_sizes=recv, input_split_sizes=send,
-                group=self._group, async_op=True,
+                out[: sum(recv)],
+                x[: sum(send)],
+                output_split_sizes=recv,
+                input_split_sizes=send,
+                group=self._group,
+                async_op=True,
             ),
             out,
         )

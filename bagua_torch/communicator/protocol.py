@@ -44,6 +44,7 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 )
 """The element types every communicator carries (the native engines' set)."""
 
+
 class CommunicationError(RuntimeError):
     """A collective failed or did not complete within the communicator's timeout.
 

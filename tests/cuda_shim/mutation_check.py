@@ -45,21 +45,15 @@ MUTATIONS = [
 ]
 
 
-def run_mutation(
-    work: Path, index: int, original: str, old: str, new: str, sanitize: bool
-):
+def run_mutation(work: Path, index: int, original: str, old: str, new: str, sanitize: bool):
     """Return (caught, how) for one mutation."""
     if original.count(old) != 1:
         return False, "mutation no longer applies (source changed)"
     source = work / f"mutant{index}" / "kernels_cuda.cu"
     source.parent.mkdir(parents=True)
     source.write_text(original.replace(old, new))
-    exe = build_kernel_suite(
-        source.parent / "build", sanitize=sanitize, kernels_cuda=source
-    )
-    result = subprocess.run(
-        [str(exe), "--quick"], check=False, capture_output=True, text=True, timeout=1800
-    )
+    exe = build_kernel_suite(source.parent / "build", sanitize=sanitize, kernels_cuda=source)
+    result = subprocess.run([str(exe), "--quick"], check=False, capture_output=True, text=True, timeout=1800)
     if result.returncode == 0:
         return False, "suite passed"
     lines = result.stdout.strip().splitlines() + result.stderr.strip().splitlines()
