@@ -277,8 +277,13 @@ class DataParallel:
         )
         new_state = _pack(user_state, TrainState(params, opt_state, step, model_state))
         if self._mesh is not None:
-            loss = jnp.mean(loss)
-            aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
+            # The mean over ranks is taken on the host: a second program with a cross-device
+            # reduction, dispatched while the step's collectives run, can deadlock XLA's CPU
+            # collectives (4 devices on 2 cores: a rendezvous that never completes).
+            loss = np.mean(jax.device_get(loss))
+            aux = jax.tree.map(
+                lambda a: np.mean(a, axis=0) if np.issubdtype(a.dtype, np.inexact) else a, jax.device_get(aux)
+            )
         return new_state, ((loss, aux) if self._has_aux else loss)
 
 
