@@ -276,10 +276,13 @@ class DataParallel:
             own.params, own.opt_state, own.step, own.model_state, batch, rng
         )
         new_state = _pack(user_state, TrainState(params, opt_state, step, model_state))
-        if self._mesh is not None:
-            # The mean over ranks is taken on the host: a second program with a cross-device
-            # reduction, dispatched while the step's collectives run, can deadlock XLA's CPU
-            # collectives (4 devices on 2 cores: a rendezvous that never completes).
+        if self._mesh is not None and jax.process_count() > 1:
+            loss = jnp.mean(loss)
+            aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
+        elif self._mesh is not None:
+            # In one process the mean over ranks is taken on the host: a second program with a
+            # cross-device reduction, dispatched while the step's collectives run, can deadlock
+            # XLA's CPU collectives (4 devices on 2 cores: a rendezvous that never completes).
             loss = np.mean(jax.device_get(loss))
             aux = jax.tree.map(
                 lambda a: np.mean(a, axis=0) if np.issubdtype(a.dtype, np.inexact) else a, jax.device_get(aux)

@@ -57,6 +57,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "async": ("async", {"sync_interval_ms": 5, "warmup_steps": WARMUP}),
     "qadam": ("qadam", {}),
     "onebit_adam": ("onebit_adam", {}),
+    "powersgd": ("powersgd", {}),
 }
 """Variant -> (registry name, options). Adam (lr 3e-3) for all but QAdam and 1-bit Adam, which bring their own
 optimizer (Adam during a warm-up of WARMUP steps)."""
