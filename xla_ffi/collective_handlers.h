@@ -1,6 +1,7 @@
 // XLA FFI handlers for the collectives, one template for every engine: the
 // communicator comes from the registry by the `comm` attribute, the device
-// (Cpu or Cuda, see ffi_handlers.h) from the context. Each handler takes and
+// (Cpu or Cuda, see handler_util.h) from the context. The DLPack twin is
+// collective_bindings.h. Each handler takes and
 // returns an XLA token, which bagua_jax threads through an ordered effect so
 // that every rank issues its collectives in program order.
 #pragma once
@@ -11,40 +12,29 @@
 
 #include "communicator.h"
 #include "communicator_registry.h"
-#include "ffi_handlers.h"
+#include "handler_util.h"
 
 namespace bagua::collective_handlers {
 
 namespace ffi = xla::ffi;
-using ffi_handlers::HandlerTable;
+using handler_util::dtype_of;
+using handler_util::HandlerTable;
 
 inline void* stream_of(Cpu) { return nullptr; }
 inline void* stream_of(Cuda device) { return device.stream; }
 
-inline bool comm_type(ffi::DataType t, CommType* out) {
-  switch (t) {
-    case ffi::DataType::F32: *out = CommType::kF32; return true;
-    case ffi::DataType::F16: *out = CommType::kF16; return true;
-    case ffi::DataType::BF16: *out = CommType::kBF16; return true;
-    case ffi::DataType::F64: *out = CommType::kF64; return true;
-    case ffi::DataType::U8: *out = CommType::kU8; return true;
-    case ffi::DataType::S32: *out = CommType::kI32; return true;
-    case ffi::DataType::S64: *out = CommType::kI64; return true;
-    default: return false;
-  }
-}
-
 // What every collective handler needs before it can call the engine.
 struct Call {
   std::shared_ptr<Communicator> comm;
-  CommType type;
+  DType type;
 };
 
 inline ffi::Error prepare(const char* op, int64_t handle, const ffi::AnyBuffer& x,
                           const ffi::AnyBuffer& y, Call* call) {
   call->comm = CommunicatorRegistry::instance().get(handle);
   if (!call->comm) return ffi::Error::InvalidArgument(std::string("bagua ") + op + ": " + unknown_handle_message(handle));
-  if (!comm_type(x.element_type(), &call->type))
+  call->type = dtype_of(x.element_type());
+  if (call->type == DType::kUnsupported)
     return ffi::Error::InvalidArgument(std::string("bagua ") + op +
                                        ": unsupported element type (use float32/16, bfloat16, float64, uint8, int32 or int64)");
   if (x.element_type() != y.element_type())
@@ -225,46 +215,36 @@ ffi::Error Barrier(ffi::Token, ffi::Result<ffi::Token>, int64_t handle, Exec exe
   return to_error(comm->barrier(stream_of(exec)));
 }
 
+// The collective FFI targets: X(name, implementation, binding without the
+// device). Each takes and returns an ordering token and names its communicator.
+#define BAGUA_COLLECTIVE_BIND Ffi::Bind().Arg<AnyBuffer>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")
+#define BAGUA_COLLECTIVE_TARGETS(X)                                                                     \
+  X(allreduce, AllReduce<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op"))                              \
+  X(reduce, Reduce<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op").Attr<int64_t>("root"))              \
+  X(broadcast, Broadcast<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                            \
+  X(reduce_scatter, ReduceScatter<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op"))                     \
+  X(allgather, AllGather<Exec>, BAGUA_COLLECTIVE_BIND)                                                  \
+  X(gather, Gather<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                                  \
+  X(scatter, Scatter<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                                \
+  X(alltoall, AllToAll<Exec>, BAGUA_COLLECTIVE_BIND)                                                    \
+  X(alltoall_v, AllToAllV<Exec>,                                                                        \
+    Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>() \
+        .Attr<int64_t>("comm"))                                                                         \
+  X(send_recv, SendRecv<Exec>,                                                                          \
+    Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>()               \
+        .Attr<int64_t>("comm"))                                                                         \
+  X(send, Send<Exec>, Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Token>().Ret<Token>().Attr<int64_t>("comm")) \
+  X(recv, Recv<Exec>, Ffi::Bind().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")) \
+  X(barrier, Barrier<Exec>, Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"))
+
 // Every collective FFI target for one device, by target name.
 template <typename Exec>
 HandlerTable handlers() {
   using ffi::AnyBuffer;
   using ffi::Ffi;
-  using ffi::Result;
   using ffi::Token;
-#define BAGUA_UNARY_BIND Ffi::Bind().Arg<AnyBuffer>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")
-  XLA_FFI_DEFINE_HANDLER(allreduce, AllReduce<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("op").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(reduce, Reduce<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("op").Attr<int64_t>("root").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(broadcast, Broadcast<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("root").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(reduce_scatter, ReduceScatter<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("op").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(allgather, AllGather<Exec>, BAGUA_UNARY_BIND.Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(gather, Gather<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("root").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(scatter, Scatter<Exec>, BAGUA_UNARY_BIND.Attr<int64_t>("root").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(alltoall, AllToAll<Exec>, BAGUA_UNARY_BIND.Ctx<Exec>());
-#undef BAGUA_UNARY_BIND
-  XLA_FFI_DEFINE_HANDLER(alltoall_v, AllToAllV<Exec>,
-                         Ffi::Bind().Arg<AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Arg<ffi::Buffer<ffi::S32>>()
-                             .Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(send_recv, SendRecv<Exec>,
-                         Ffi::Bind().Arg<AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Arg<Token>().Ret<AnyBuffer>()
-                             .Ret<Token>().Attr<int64_t>("comm").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(send, Send<Exec>,
-                         Ffi::Bind().Arg<AnyBuffer>().Arg<ffi::Buffer<ffi::S32>>().Arg<Token>().Ret<Token>()
-                             .Attr<int64_t>("comm").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(recv, Recv<Exec>,
-                         Ffi::Bind().Arg<ffi::Buffer<ffi::S32>>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>()
-                             .Attr<int64_t>("comm").Ctx<Exec>());
-  XLA_FFI_DEFINE_HANDLER(barrier, Barrier<Exec>,
-                         Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm").Ctx<Exec>());
-  return {
-      {"bagua_allreduce", allreduce},   {"bagua_reduce", reduce},
-      {"bagua_broadcast", broadcast},   {"bagua_reduce_scatter", reduce_scatter},
-      {"bagua_allgather", allgather},   {"bagua_gather", gather},
-      {"bagua_scatter", scatter},       {"bagua_alltoall", alltoall},
-      {"bagua_alltoall_v", alltoall_v}, {"bagua_send_recv", send_recv},
-      {"bagua_send", send},             {"bagua_recv", recv},
-      {"bagua_barrier", barrier},
-  };
+  using Int32s = ffi::Buffer<ffi::S32>;
+  BAGUA_HANDLER_TABLE(BAGUA_COLLECTIVE_TARGETS)
 }
 
 }  // namespace bagua::collective_handlers

@@ -17,27 +17,6 @@ namespace bagua {
 
 enum class ReduceOp { kSum, kAvg, kMin, kMax };
 
-// Element types a collective may carry (beyond the kernels' float types, the
-// compressed uint8 buffers and integer counters).
-enum class CommType { kF32, kF16, kBF16, kF64, kU8, kI32, kI64 };
-
-inline int64_t comm_type_bytes(CommType type) {
-  switch (type) {
-    case CommType::kF16:
-    case CommType::kBF16:
-      return 2;
-    case CommType::kF32:
-    case CommType::kI32:
-      return 4;
-    case CommType::kF64:
-    case CommType::kI64:
-      return 8;
-    case CommType::kU8:
-      return 1;
-  }
-  return 0;
-}
-
 inline const char* reduce_op_name(ReduceOp op) {
   switch (op) {
     case ReduceOp::kSum:
@@ -64,38 +43,38 @@ class Communicator {
   // `stream` is the CUDA stream for device engines and ignored by host ones.
   // Buffer sizes are element counts of `type`; `count` is per rank where the
   // operation moves one block per rank.
-  virtual Status allreduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+  virtual Status allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                            void* stream) = 0;
-  virtual Status reduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+  virtual Status reduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                         int root, void* stream) = 0;
-  virtual Status broadcast(void* buffer, int64_t count, CommType type, int root, void* stream) = 0;
+  virtual Status broadcast(void* buffer, int64_t count, DType type, int root, void* stream) = 0;
   // send holds size() blocks of `count`; rank r receives block r reduced.
-  virtual Status reduce_scatter(const void* send, void* recv, int64_t count, CommType type,
+  virtual Status reduce_scatter(const void* send, void* recv, int64_t count, DType type,
                                 ReduceOp op, void* stream) = 0;
   // recv holds size() blocks of `count`, block j from rank j.
-  virtual Status allgather(const void* send, void* recv, int64_t count, CommType type,
+  virtual Status allgather(const void* send, void* recv, int64_t count, DType type,
                            void* stream) = 0;
-  virtual Status gather(const void* send, void* recv, int64_t count, CommType type, int root,
+  virtual Status gather(const void* send, void* recv, int64_t count, DType type, int root,
                         void* stream) = 0;
-  virtual Status scatter(const void* send, void* recv, int64_t count, CommType type, int root,
+  virtual Status scatter(const void* send, void* recv, int64_t count, DType type, int root,
                          void* stream) = 0;
   // send and recv hold size() blocks of `count`: block j goes to / comes from rank j.
-  virtual Status alltoall(const void* send, void* recv, int64_t count, CommType type,
+  virtual Status alltoall(const void* send, void* recv, int64_t count, DType type,
                           void* stream) = 0;
   // Blocks of varying length, packed contiguously in rank order. The counts
   // are host arrays of size() elements.
   virtual Status alltoall_v(const void* send, const int64_t* send_counts, void* recv,
-                            const int64_t* recv_counts, CommType type, void* stream) = 0;
+                            const int64_t* recv_counts, DType type, void* stream) = 0;
   // Sends `send` to each of the `num_peers` ranks in `peers` and receives one
   // block of `count` from each into recv (block i from peers[i]), as one group.
   // Peers must be symmetric: if r lists q, q lists r the same number of times.
-  virtual Status send_recv(const void* send, void* recv, int64_t count, CommType type,
+  virtual Status send_recv(const void* send, void* recv, int64_t count, DType type,
                            const int32_t* peers, int num_peers, void* stream) = 0;
   // Point-to-point: blocking on the host engine until matched (or timed out),
   // enqueued on the stream for device engines. A send must meet a recv of the
   // same count on the peer, in the same order.
-  virtual Status send(const void* buffer, int64_t count, CommType type, int peer, void* stream) = 0;
-  virtual Status recv(void* buffer, int64_t count, CommType type, int peer, void* stream) = 0;
+  virtual Status send(const void* buffer, int64_t count, DType type, int peer, void* stream) = 0;
+  virtual Status recv(void* buffer, int64_t count, DType type, int peer, void* stream) = 0;
   virtual Status barrier(void* stream) = 0;
 };
 

@@ -1,5 +1,6 @@
-// Floating-point element types the kernels accept, and their conversions to
-// and from float32. One definition serves the CPU and the CUDA code.
+// The element types bagua knows (the kernels take the three float types and
+// uint8, the collectives all of them), and the 16-bit float types' conversions
+// to and from float32. One definition serves the CPU and the CUDA code.
 #pragma once
 
 #include <cstdint>
@@ -13,7 +14,9 @@
 
 namespace bagua {
 
-enum class DType { kF32, kF16, kBF16, kU8, kUnsupported };
+// Mapped once from XLA's element types (handler_util.h) and once from
+// DLPack's (binding_util.h); everything else speaks DType.
+enum class DType { kF32, kF16, kBF16, kF64, kU8, kI32, kI64, kUnsupported };
 
 inline const char* dtype_name(DType dtype) {
   switch (dtype) {
@@ -23,11 +26,42 @@ inline const char* dtype_name(DType dtype) {
       return "float16";
     case DType::kBF16:
       return "bfloat16";
+    case DType::kF64:
+      return "float64";
     case DType::kU8:
       return "uint8";
-    default:
-      return "an unsupported dtype";
+    case DType::kI32:
+      return "int32";
+    case DType::kI64:
+      return "int64";
+    case DType::kUnsupported:
+      break;
   }
+  return "an unsupported dtype";
+}
+
+inline int64_t dtype_bytes(DType dtype) {
+  switch (dtype) {
+    case DType::kU8:
+      return 1;
+    case DType::kF16:
+    case DType::kBF16:
+      return 2;
+    case DType::kF32:
+    case DType::kI32:
+      return 4;
+    case DType::kF64:
+    case DType::kI64:
+      return 8;
+    case DType::kUnsupported:
+      break;
+  }
+  return 0;
+}
+
+inline bool is_floating_point(DType dtype) {
+  return dtype == DType::kF32 || dtype == DType::kF16 || dtype == DType::kBF16 ||
+         dtype == DType::kF64;
 }
 
 // IEEE binary16, stored as raw bits.

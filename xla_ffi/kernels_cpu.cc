@@ -453,20 +453,6 @@ Status lowprec_decentralized_diff(Cpu, const T* x, const T* w, const T* left, co
   });
 }
 
-#define BAGUA_INSTANTIATE(T)                                                                     \
-  template Status minmax_compress(Cpu, const T*, const float*, int64_t, int64_t, uint8_t*, float*); \
-  template Status sign_compress(Cpu, const T*, const float*, int64_t, int64_t, uint8_t*, float*);   \
-  template Status minmax_decompress(Cpu, const uint8_t*, int64_t, int64_t, T*);                  \
-  template Status sign_decompress(Cpu, const uint8_t*, int64_t, int64_t, T*);                    \
-  template Status minmax_decompress_reduce(Cpu, const uint8_t*, int64_t, int64_t, bool, T*);     \
-  template Status sign_decompress_reduce(Cpu, const uint8_t*, int64_t, int64_t, bool, T*);       \
-  template Status average2(Cpu, const T*, const T*, int64_t, T*);                                \
-  template Status axpy(Cpu, const T*, float, const T*, int64_t, T*);                             \
-  template Status async_average(Cpu, const T*, const T*, const T*, float, int64_t, T*);           \
-  template Status lowprec_decentralized_diff(Cpu, const T*, const T*, const T*, const T*, int64_t, T*);
-
-BAGUA_INSTANTIATE(float)
-BAGUA_INSTANTIATE(Half)
-BAGUA_INSTANTIATE(BFloat16)
+BAGUA_INSTANTIATE_KERNELS(Cpu)
 
 }  // namespace bagua::kernels::BAGUA_CPU_ISA

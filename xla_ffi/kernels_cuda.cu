@@ -796,20 +796,6 @@ Status lowprec_decentralized_diff(Cuda device, const T* x, const T* w, const T* 
   return elementwise(device, n, out, LowprecDecentralizedDiff{}, x, w, left, right);
 }
 
-#define BAGUA_INSTANTIATE(T)                                                                         \
-  template Status minmax_compress(Cuda, const T*, const float*, int64_t, int64_t, uint8_t*, float*); \
-  template Status sign_compress(Cuda, const T*, const float*, int64_t, int64_t, uint8_t*, float*);   \
-  template Status minmax_decompress(Cuda, const uint8_t*, int64_t, int64_t, T*);                     \
-  template Status sign_decompress(Cuda, const uint8_t*, int64_t, int64_t, T*);                       \
-  template Status minmax_decompress_reduce(Cuda, const uint8_t*, int64_t, int64_t, bool, T*);        \
-  template Status sign_decompress_reduce(Cuda, const uint8_t*, int64_t, int64_t, bool, T*);          \
-  template Status average2(Cuda, const T*, const T*, int64_t, T*);                                   \
-  template Status axpy(Cuda, const T*, float, const T*, int64_t, T*);                                \
-  template Status async_average(Cuda, const T*, const T*, const T*, float, int64_t, T*);             \
-  template Status lowprec_decentralized_diff(Cuda, const T*, const T*, const T*, const T*, int64_t, T*);
-
-BAGUA_INSTANTIATE(float)
-BAGUA_INSTANTIATE(Half)
-BAGUA_INSTANTIATE(BFloat16)
+BAGUA_INSTANTIATE_KERNELS(Cuda)
 
 }  // namespace bagua::kernels

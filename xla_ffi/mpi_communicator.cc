@@ -70,31 +70,33 @@ void ensure_initialized() {
   });
 }
 
-MPI_Datatype mpi_type(CommType t) {
+MPI_Datatype mpi_type(DType t) {
   switch (t) {
-    case CommType::kF32:
+    case DType::kF32:
       return MPI_FLOAT;
-    case CommType::kF64:
+    case DType::kF64:
       return MPI_DOUBLE;
-    case CommType::kF16:
+    case DType::kF16:
       return half_type;
-    case CommType::kBF16:
+    case DType::kBF16:
       return bfloat16_type;
-    case CommType::kU8:
+    case DType::kU8:
       return MPI_UINT8_T;
-    case CommType::kI32:
+    case DType::kI32:
       return MPI_INT32_T;
-    case CommType::kI64:
+    case DType::kI64:
       return MPI_INT64_T;
+    case DType::kUnsupported:
+      break;
   }
   return MPI_DATATYPE_NULL;
 }
 
 // Averages are sums divided by the rank count afterwards.
-MPI_Op mpi_op(CommType t, ReduceOp op) {
+MPI_Op mpi_op(DType t, ReduceOp op) {
   const int index = op == ReduceOp::kMin ? 1 : op == ReduceOp::kMax ? 2 : 0;
-  if (t == CommType::kF16) return half_ops[index];
-  if (t == CommType::kBF16) return bfloat16_ops[index];
+  if (t == DType::kF16) return half_ops[index];
+  if (t == DType::kBF16) return bfloat16_ops[index];
   return index == 1 ? MPI_MIN : index == 2 ? MPI_MAX : MPI_SUM;
 }
 
@@ -104,18 +106,18 @@ void divide(void* data, int64_t count, int ranks) {
   for (int64_t i = 0; i < count; ++i) p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
 }
 
-void divide_in_place(void* data, int64_t count, CommType t, int ranks) {
+void divide_in_place(void* data, int64_t count, DType t, int ranks) {
   switch (t) {
-    case CommType::kF32:
+    case DType::kF32:
       divide<float>(data, count, ranks);
       break;
-    case CommType::kF16:
+    case DType::kF16:
       divide<Half>(data, count, ranks);
       break;
-    case CommType::kBF16:
+    case DType::kBF16:
       divide<BFloat16>(data, count, ranks);
       break;
-    case CommType::kF64: {
+    case DType::kF64: {
       double* p = static_cast<double*>(data);
       for (int64_t i = 0; i < count; ++i) p[i] /= ranks;
       break;
@@ -125,9 +127,6 @@ void divide_in_place(void* data, int64_t count, CommType t, int ranks) {
   }
 }
 
-bool is_float(CommType t) {
-  return t == CommType::kF32 || t == CommType::kF16 || t == CommType::kBF16 || t == CommType::kF64;
-}
 
 std::string mpi_error(int code) {
   char text[MPI_MAX_ERROR_STRING];
@@ -170,10 +169,10 @@ class MpiCommunicator final : public Communicator {
   MPI_Comm comm() const { return comm_; }
   double timeout() const { return timeout_; }
 
-  Status allreduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+  Status allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                    void*) override {
-    if (op == ReduceOp::kAvg && !is_float(type)) return fail("allreduce", "avg needs a float type");
-    Status s = spans_nodes_ && count * comm_type_bytes(type) >= kRingMinBytes
+    if (op == ReduceOp::kAvg && !is_floating_point(type)) return fail("allreduce", "avg needs a float type");
+    Status s = spans_nodes_ && count * dtype_bytes(type) >= kRingMinBytes
                    ? ring_allreduce(send, recv, count, type, op)
                    : run("allreduce", [&](MPI_Request* r) {
                        return MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send, recv, count,
@@ -183,9 +182,9 @@ class MpiCommunicator final : public Communicator {
     return s;
   }
 
-  Status reduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op, int root,
+  Status reduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op, int root,
                 void*) override {
-    if (op == ReduceOp::kAvg && !is_float(type)) return fail("reduce", "avg needs a float type");
+    if (op == ReduceOp::kAvg && !is_floating_point(type)) return fail("reduce", "avg needs a float type");
     if (Status s = check_root("reduce", root); !s.ok()) return s;
     const bool in_place = send == recv && rank_ == root;
     Status s = run("reduce", [&](MPI_Request* r) {
@@ -196,16 +195,16 @@ class MpiCommunicator final : public Communicator {
     return s;
   }
 
-  Status broadcast(void* buffer, int64_t count, CommType type, int root, void*) override {
+  Status broadcast(void* buffer, int64_t count, DType type, int root, void*) override {
     if (Status s = check_root("broadcast", root); !s.ok()) return s;
     return run("broadcast", [&](MPI_Request* r) {
       return MPI_Ibcast_c(buffer, count, mpi_type(type), root, comm_, r);
     });
   }
 
-  Status reduce_scatter(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+  Status reduce_scatter(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                         void*) override {
-    if (op == ReduceOp::kAvg && !is_float(type)) return fail("reduce_scatter", "avg needs a float type");
+    if (op == ReduceOp::kAvg && !is_floating_point(type)) return fail("reduce_scatter", "avg needs a float type");
     Status s = run("reduce_scatter", [&](MPI_Request* r) {
       return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type), mpi_op(type, op), comm_, r);
     });
@@ -213,34 +212,34 @@ class MpiCommunicator final : public Communicator {
     return s;
   }
 
-  Status allgather(const void* send, void* recv, int64_t count, CommType type, void*) override {
+  Status allgather(const void* send, void* recv, int64_t count, DType type, void*) override {
     return run("allgather", [&](MPI_Request* r) {
       return MPI_Iallgather_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_, r);
     });
   }
 
-  Status gather(const void* send, void* recv, int64_t count, CommType type, int root, void*) override {
+  Status gather(const void* send, void* recv, int64_t count, DType type, int root, void*) override {
     if (Status s = check_root("gather", root); !s.ok()) return s;
     return run("gather", [&](MPI_Request* r) {
       return MPI_Igather_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_, r);
     });
   }
 
-  Status scatter(const void* send, void* recv, int64_t count, CommType type, int root, void*) override {
+  Status scatter(const void* send, void* recv, int64_t count, DType type, int root, void*) override {
     if (Status s = check_root("scatter", root); !s.ok()) return s;
     return run("scatter", [&](MPI_Request* r) {
       return MPI_Iscatter_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_, r);
     });
   }
 
-  Status alltoall(const void* send, void* recv, int64_t count, CommType type, void*) override {
+  Status alltoall(const void* send, void* recv, int64_t count, DType type, void*) override {
     return run("alltoall", [&](MPI_Request* r) {
       return MPI_Ialltoall_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_, r);
     });
   }
 
   Status alltoall_v(const void* send, const int64_t* send_counts, void* recv,
-                    const int64_t* recv_counts, CommType type, void*) override {
+                    const int64_t* recv_counts, DType type, void*) override {
     std::vector<MPI_Count> sc(size_), rc(size_);
     std::vector<MPI_Aint> sd(size_), rd(size_);
     MPI_Aint send_offset = 0, recv_offset = 0;
@@ -259,14 +258,14 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  Status send_recv(const void* send, void* recv, int64_t count, CommType type, const int32_t* peers,
+  Status send_recv(const void* send, void* recv, int64_t count, DType type, const int32_t* peers,
                    int num_peers, void*) override {
     for (int i = 0; i < num_peers; ++i)
       if (peers[i] < 0 || peers[i] >= size_ || peers[i] == rank_)
         return fail("send_recv", "peer " + std::to_string(peers[i]) + " is not another rank of " +
                                      std::to_string(size_));
     std::vector<MPI_Request> requests(2 * num_peers, MPI_REQUEST_NULL);
-    const int64_t bytes = count * comm_type_bytes(type);
+    const int64_t bytes = count * dtype_bytes(type);
     return run_many("send_recv", requests, [&](MPI_Request* r) {
       // The i-th exchange with a given peer uses tag i on both sides, so
       // repeated peers (a ring of two ranks) pair up in order.
@@ -283,14 +282,14 @@ class MpiCommunicator final : public Communicator {
     });
   }
 
-  Status send(const void* buffer, int64_t count, CommType type, int peer, void*) override {
+  Status send(const void* buffer, int64_t count, DType type, int peer, void*) override {
     if (Status s = check_peer("send", peer); !s.ok()) return s;
     return run("send", [&](MPI_Request* r) {
       return MPI_Isend_c(buffer, count, mpi_type(type), peer, kPointToPointTag, comm_, r);
     });
   }
 
-  Status recv(void* buffer, int64_t count, CommType type, int peer, void*) override {
+  Status recv(void* buffer, int64_t count, DType type, int peer, void*) override {
     if (Status s = check_peer("recv", peer); !s.ok()) return s;
     return run("recv", [&](MPI_Request* r) {
       return MPI_Irecv_c(buffer, count, mpi_type(type), peer, kPointToPointTag, comm_, r);
@@ -316,8 +315,8 @@ class MpiCommunicator final : public Communicator {
   // buffer each. Between nodes MPI's own non-blocking allreduce (MPICH: recursive halving
   // and doubling) measured about 25% slower on bandwidth-limited TCP links. Each chunk is
   // reduced in the same rank order for every rank, so all ranks get the same bits.
-  Status ring_allreduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op) {
-    const int64_t element = comm_type_bytes(type);
+  Status ring_allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op) {
+    const int64_t element = dtype_bytes(type);
     char* out = static_cast<char*>(recv);
     if (send != recv) std::memcpy(out, send, count * element);
     auto first = [&](int chunk) { return count / size_ * chunk + std::min<int64_t>(chunk, count % size_); };

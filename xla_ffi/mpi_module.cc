@@ -4,7 +4,7 @@
 #include <nanobind/stl/string.h>
 
 #include "collective_handlers.h"
-#include "comm_bindings.h"
+#include "collective_bindings.h"
 #include "mpi_communicator.h"
 
 namespace nb = nanobind;
@@ -13,14 +13,7 @@ NB_MODULE(_bagua_mpi, m) {
   using namespace bagua;
   m.doc() = "Bagua's MPI engine: collectives on host buffers.";
 
-  m.def("registrations", [] {
-    nb::dict targets;
-    for (const auto& [name, handler] : collective_handlers::handlers<Cpu>())
-      targets[name] = nb::capsule(reinterpret_cast<void*>(handler));
-    nb::dict platforms;
-    platforms["cpu"] = targets;
-    return platforms;
-  }, "FFI handler capsules by platform, then by target name.");
+  bind_registrations(m, {{"cpu", collective_handlers::handlers<Cpu>()}});
 
   m.def("world", [](const std::string& name, double timeout_seconds) {
     return CommunicatorRegistry::instance().add(mpi_world(name, timeout_seconds));
@@ -28,7 +21,7 @@ NB_MODULE(_bagua_mpi, m) {
      "A communicator over MPI_COMM_WORLD (initializes MPI); returns its handle.");
 
   m.def("split", [](int64_t parent, int color, int key, const std::string& name) {
-    return CommunicatorRegistry::instance().add(mpi_split(*comm_bindings::lookup(parent), color, key, name));
+    return CommunicatorRegistry::instance().add(mpi_split(*collective_bindings::lookup(parent), color, key, name));
   }, nb::arg("parent"), nb::arg("color"), nb::arg("key"), nb::arg("name"),
      "Split a communicator: ranks with the same color form one, ordered by key.");
 
@@ -37,5 +30,5 @@ NB_MODULE(_bagua_mpi, m) {
     mpi_finalize();
   }, "Destroy every communicator and finalize MPI (called at exit).");
 
-  comm_bindings::bind(m, nb::device::cpu::value);
+  collective_bindings::bind(m, nb::device::cpu::value);
 }

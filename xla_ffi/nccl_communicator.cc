@@ -24,22 +24,24 @@ using Clock = std::chrono::steady_clock;
 // How often the watchdog looks at the enqueued operations and the async error.
 constexpr auto kWatchInterval = std::chrono::milliseconds(10);
 
-ncclDataType_t nccl_type(CommType t) {
+ncclDataType_t nccl_type(DType t) {
   switch (t) {
-    case CommType::kF32:
+    case DType::kF32:
       return ncclFloat32;
-    case CommType::kF16:
+    case DType::kF16:
       return ncclFloat16;
-    case CommType::kBF16:
+    case DType::kBF16:
       return ncclBfloat16;
-    case CommType::kF64:
+    case DType::kF64:
       return ncclFloat64;
-    case CommType::kU8:
+    case DType::kU8:
       return ncclUint8;
-    case CommType::kI32:
+    case DType::kI32:
       return ncclInt32;
-    case CommType::kI64:
+    case DType::kI64:
       return ncclInt64;
+    case DType::kUnsupported:
+      break;
   }
   return ncclFloat32;
 }
@@ -58,9 +60,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
-bool is_float(CommType t) {
-  return t == CommType::kF32 || t == CommType::kF16 || t == CommType::kBF16 || t == CommType::kF64;
-}
 
 std::string seconds(double s) {
   char text[32];
@@ -173,7 +172,7 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
   const std::string& name() const override { return name_; }
 
-  Status allreduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+  Status allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                    void* stream) override {
     if (Status s = check_reduction("allreduce", type, op); !s.ok()) return s;
     return enqueue("allreduce", count, stream, [&](cudaStream_t s) {
@@ -181,7 +180,7 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  Status reduce(const void* send, void* recv, int64_t count, CommType type, ReduceOp op, int root,
+  Status reduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op, int root,
                 void* stream) override {
     if (Status s = check_reduction("reduce", type, op); !s.ok()) return s;
     if (Status s = check_rank("reduce", "root", root); !s.ok()) return s;
@@ -190,14 +189,14 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  Status broadcast(void* buffer, int64_t count, CommType type, int root, void* stream) override {
+  Status broadcast(void* buffer, int64_t count, DType type, int root, void* stream) override {
     if (Status s = check_rank("broadcast", "root", root); !s.ok()) return s;
     return enqueue("broadcast", count, stream, [&](cudaStream_t s) {
       return ncclBroadcast(buffer, buffer, count, nccl_type(type), root, comm_, s);
     });
   }
 
-  Status reduce_scatter(const void* send, void* recv, int64_t count, CommType type, ReduceOp op,
+  Status reduce_scatter(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                         void* stream) override {
     if (Status s = check_reduction("reduce_scatter", type, op); !s.ok()) return s;
     return enqueue("reduce_scatter", count, stream, [&](cudaStream_t s) {
@@ -205,17 +204,17 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  Status allgather(const void* send, void* recv, int64_t count, CommType type, void* stream) override {
+  Status allgather(const void* send, void* recv, int64_t count, DType type, void* stream) override {
     return enqueue("allgather", count, stream, [&](cudaStream_t s) {
       return ncclAllGather(send, recv, count, nccl_type(type), comm_, s);
     });
   }
 
   // The root receives from every rank, itself included (NCCL copies to self).
-  Status gather(const void* send, void* recv, int64_t count, CommType type, int root,
+  Status gather(const void* send, void* recv, int64_t count, DType type, int root,
                 void* stream) override {
     if (Status s = check_rank("gather", "root", root); !s.ok()) return s;
-    const int64_t bytes = count * comm_type_bytes(type);
+    const int64_t bytes = count * dtype_bytes(type);
     return enqueue("gather", count, stream, [&](cudaStream_t s) {
       return grouped([&] {
         ncclResult_t r = ncclSend(send, count, nccl_type(type), root, comm_, s);
@@ -226,10 +225,10 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  Status scatter(const void* send, void* recv, int64_t count, CommType type, int root,
+  Status scatter(const void* send, void* recv, int64_t count, DType type, int root,
                  void* stream) override {
     if (Status s = check_rank("scatter", "root", root); !s.ok()) return s;
-    const int64_t bytes = count * comm_type_bytes(type);
+    const int64_t bytes = count * dtype_bytes(type);
     return enqueue("scatter", count, stream, [&](cudaStream_t s) {
       return grouped([&] {
         ncclResult_t r = ncclRecv(recv, count, nccl_type(type), root, comm_, s);
@@ -240,8 +239,8 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  Status alltoall(const void* send, void* recv, int64_t count, CommType type, void* stream) override {
-    const int64_t bytes = count * comm_type_bytes(type);
+  Status alltoall(const void* send, void* recv, int64_t count, DType type, void* stream) override {
+    const int64_t bytes = count * dtype_bytes(type);
     return enqueue("alltoall", count, stream, [&](cudaStream_t s) {
       return grouped([&] {
         ncclResult_t r = ncclSuccess;
@@ -257,13 +256,13 @@ class NcclCommunicator final : public Communicator {
 
   // Empty blocks are skipped on both sides of each pair (their counts agree).
   Status alltoall_v(const void* send, const int64_t* send_counts, void* recv,
-                    const int64_t* recv_counts, CommType type, void* stream) override {
+                    const int64_t* recv_counts, DType type, void* stream) override {
     int64_t total = 0;
     for (int j = 0; j < size_; ++j) {
       if (send_counts[j] < 0 || recv_counts[j] < 0) return invalid("alltoall_v", "counts must be non-negative");
       total += send_counts[j] + recv_counts[j];
     }
-    const int64_t element = comm_type_bytes(type);
+    const int64_t element = dtype_bytes(type);
     return enqueue("alltoall_v", total, stream, [&](cudaStream_t s) {
       return grouped([&] {
         ncclResult_t r = ncclSuccess;
@@ -286,11 +285,11 @@ class NcclCommunicator final : public Communicator {
   // Self-exchanges are allowed (NCCL copies to self). NCCL pairs the sends and
   // receives between two ranks in the order they are posted, so a peer listed
   // twice (a ring of two ranks) exchanges two blocks in order.
-  Status send_recv(const void* send, void* recv, int64_t count, CommType type, const int32_t* peers,
+  Status send_recv(const void* send, void* recv, int64_t count, DType type, const int32_t* peers,
                    int num_peers, void* stream) override {
     for (int i = 0; i < num_peers; ++i)
       if (Status s = check_rank("send_recv", "peer", peers[i]); !s.ok()) return s;
-    const int64_t bytes = count * comm_type_bytes(type);
+    const int64_t bytes = count * dtype_bytes(type);
     return enqueue("send_recv", count * num_peers, stream, [&](cudaStream_t s) {
       return grouped([&] {
         ncclResult_t r = ncclSuccess;
@@ -304,14 +303,14 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
-  Status send(const void* buffer, int64_t count, CommType type, int peer, void* stream) override {
+  Status send(const void* buffer, int64_t count, DType type, int peer, void* stream) override {
     if (Status s = check_rank("send", "peer", peer); !s.ok()) return s;
     return enqueue("send", count, stream, [&](cudaStream_t s) {
       return ncclSend(buffer, count, nccl_type(type), peer, comm_, s);
     });
   }
 
-  Status recv(void* buffer, int64_t count, CommType type, int peer, void* stream) override {
+  Status recv(void* buffer, int64_t count, DType type, int peer, void* stream) override {
     if (Status s = check_rank("recv", "peer", peer); !s.ok()) return s;
     return enqueue("recv", count, stream, [&](cudaStream_t s) {
       return ncclRecv(buffer, count, nccl_type(type), peer, comm_, s);
@@ -390,11 +389,11 @@ class NcclCommunicator final : public Communicator {
     return {};
   }
 
-  Status check_reduction(const char* op, CommType type, ReduceOp reduction) const {
+  Status check_reduction(const char* op, DType type, ReduceOp reduction) const {
     if (reduction != ReduceOp::kSum && reduction != ReduceOp::kAvg && reduction != ReduceOp::kMin &&
         reduction != ReduceOp::kMax)
       return invalid(op, "unknown reduction " + std::to_string(static_cast<int>(reduction)));
-    if (reduction == ReduceOp::kAvg && !is_float(type)) return invalid(op, "avg needs a float type");
+    if (reduction == ReduceOp::kAvg && !is_floating_point(type)) return invalid(op, "avg needs a float type");
     return {};
   }
 

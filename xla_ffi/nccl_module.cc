@@ -4,7 +4,7 @@
 #include <nanobind/stl/string.h>
 
 #include "collective_handlers.h"
-#include "comm_bindings.h"
+#include "collective_bindings.h"
 #include "nccl_communicator.h"
 
 namespace nb = nanobind;
@@ -13,14 +13,7 @@ NB_MODULE(_bagua_nccl, m) {
   using namespace bagua;
   m.doc() = "Bagua's NCCL engine: collectives on CUDA device buffers.";
 
-  m.def("registrations", [] {
-    nb::dict targets;
-    for (const auto& [name, handler] : collective_handlers::handlers<Cuda>())
-      targets[name] = nb::capsule(reinterpret_cast<void*>(handler));
-    nb::dict platforms;
-    platforms["CUDA"] = targets;
-    return platforms;
-  }, "FFI handler capsules by platform, then by target name.");
+  bind_registrations(m, {{"CUDA", collective_handlers::handlers<Cuda>()}});
 
   m.def("unique_id", [] {
     const std::string id = nccl_unique_id();
@@ -44,7 +37,7 @@ NB_MODULE(_bagua_nccl, m) {
      "(-1: the current one); returns its handle.");
 
   m.def("split", [](int64_t parent, int color, int key, const std::string& name) {
-    auto comm = comm_bindings::lookup(parent);
+    auto comm = collective_bindings::lookup(parent);
     std::shared_ptr<Communicator> child;
     {
       nb::gil_scoped_release release;
@@ -59,5 +52,5 @@ NB_MODULE(_bagua_nccl, m) {
     CommunicatorRegistry::instance().clear();
   }, "Destroy every communicator (called at exit).");
 
-  comm_bindings::bind(m, nb::device::cuda::value);
+  collective_bindings::bind(m, nb::device::cuda::value);
 }

@@ -1,6 +1,6 @@
 // The operations both front ends call: argument checks with messages a user
 // understands, then a dtype switch into the typed kernels. The XLA FFI handlers
-// (ffi_handlers.h) and the DLPack bindings (module.cc) are thin shells around
+// (kernel_handlers.h) and the DLPack bindings (kernel_bindings.h) are thin shells around
 // these functions.
 #pragma once
 
@@ -23,7 +23,10 @@ struct TensorRef {
 
 namespace detail {
 
-inline bool is_float(DType d) { return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16; }
+// The float types the kernels take (float64 is for collectives only).
+inline bool is_kernel_float(DType d) {
+  return d == DType::kF32 || d == DType::kF16 || d == DType::kBF16;
+}
 
 inline Status invalid(std::string what) { return Status{std::move(what)}; }
 
@@ -42,7 +45,7 @@ Status dispatch_float(DType dtype, F&& f) {
 }
 
 inline Status check_float(const char* name, TensorRef t) {
-  if (!is_float(t.dtype))
+  if (!is_kernel_float(t.dtype))
     return invalid(std::string(name) + " must be float32, float16 or bfloat16, got " +
                    dtype_name(t.dtype));
   return {};

@@ -18,7 +18,7 @@
 
 namespace {
 
-using bagua::CommType;
+using bagua::DType;
 using bagua::Communicator;
 using bagua::ReduceOp;
 using bagua::Status;
@@ -78,17 +78,17 @@ void collectives_map_types_and_complete() {
   cudaStream_t stream;
   cudaStreamCreate(&stream);
   const struct {
-    CommType type;
+    DType type;
     ReduceOp op;
     ncclDataType_t nccl_type;
     ncclRedOp_t nccl_op;
   } cases[] = {
-      {CommType::kBF16, ReduceOp::kAvg, ncclBfloat16, ncclAvg},
-      {CommType::kF16, ReduceOp::kMax, ncclFloat16, ncclMax},
-      {CommType::kF64, ReduceOp::kSum, ncclFloat64, ncclSum},
-      {CommType::kI64, ReduceOp::kMin, ncclInt64, ncclMin},
-      {CommType::kU8, ReduceOp::kSum, ncclUint8, ncclSum},
-      {CommType::kI32, ReduceOp::kMax, ncclInt32, ncclMax},
+      {DType::kBF16, ReduceOp::kAvg, ncclBfloat16, ncclAvg},
+      {DType::kF16, ReduceOp::kMax, ncclFloat16, ncclMax},
+      {DType::kF64, ReduceOp::kSum, ncclFloat64, ncclSum},
+      {DType::kI64, ReduceOp::kMin, ncclInt64, ncclMin},
+      {DType::kU8, ReduceOp::kSum, ncclUint8, ncclSum},
+      {DType::kI32, ReduceOp::kMax, ncclInt32, ncclMax},
   };
   for (const auto& c : cases) {
     const Status s = comm->allreduce(buffer, buffer, 3, c.type, c.op, stream);
@@ -97,10 +97,10 @@ void collectives_map_types_and_complete() {
            "allreduce maps type " + std::to_string(static_cast<int>(c.type)) + " and op " +
                bagua::reduce_op_name(c.op));
   }
-  const Status avg_int = comm->allreduce(buffer, buffer, 3, CommType::kI32, ReduceOp::kAvg, stream);
+  const Status avg_int = comm->allreduce(buffer, buffer, 3, DType::kI32, ReduceOp::kAvg, stream);
   expect(!avg_int.ok() && !avg_int.internal && contains(avg_int.message, "avg needs a float type"),
          "avg on integers is the caller's error: " + avg_int.message);
-  const Status root = comm->broadcast(buffer, 3, CommType::kF32, 1, stream);
+  const Status root = comm->broadcast(buffer, 3, DType::kF32, 1, stream);
   expect(!root.ok() && contains(root.message, "root 1 is not a rank of 1"),
          "a broadcast root outside the communicator is rejected: " + root.message);
   expect(comm->barrier(stream).ok() && cuda_shim::pending_on(stream) == 0,
@@ -124,7 +124,7 @@ void watchdog_timeout_aborts_and_every_later_call_fails() {
   cudaStreamCreate(&stream);
   float buffer[4] = {};
   const auto start = Clock::now();
-  expect(comm->allreduce(buffer, buffer, 4, CommType::kF32, ReduceOp::kSum, stream).ok(),
+  expect(comm->allreduce(buffer, buffer, 4, DType::kF32, ReduceOp::kSum, stream).ok(),
          "a collective is enqueued without waiting for it");
   const bool aborted = eventually([&] { return fake_nccl::state(fake).aborted; });
   const double elapsed = seconds_since(start);
@@ -133,10 +133,10 @@ void watchdog_timeout_aborts_and_every_later_call_fails() {
   expect(cuda_shim::pending_on(stream) == 0, "the abort releases the stream");
   const std::vector<std::pair<const char*, std::function<Status()>>> calls = {
       {"allreduce",
-       [&] { return comm->allreduce(buffer, buffer, 4, CommType::kF32, ReduceOp::kSum, stream); }},
-      {"broadcast", [&] { return comm->broadcast(buffer, 4, CommType::kF32, 0, stream); }},
+       [&] { return comm->allreduce(buffer, buffer, 4, DType::kF32, ReduceOp::kSum, stream); }},
+      {"broadcast", [&] { return comm->broadcast(buffer, 4, DType::kF32, 0, stream); }},
       {"barrier", [&] { return comm->barrier(stream); }},
-      {"send", [&] { return comm->send(buffer, 4, CommType::kF32, 0, stream); }},
+      {"send", [&] { return comm->send(buffer, 4, DType::kF32, 0, stream); }},
   };
   for (const auto& [name, call] : calls) {
     const Status s = call();
@@ -170,7 +170,7 @@ void callers_waiting_on_a_stuck_enqueue_all_fail() {
   for (int i = 0; i < kCallers; ++i)
     callers.emplace_back([&, i] {
       results[i] =
-          comm->allreduce(buffers[i], buffers[i], 4, CommType::kF32, ReduceOp::kSum, nullptr);
+          comm->allreduce(buffers[i], buffers[i], 4, DType::kF32, ReduceOp::kSum, nullptr);
     });
   for (std::thread& t : callers) t.join();
   const double elapsed = seconds_since(start);
@@ -195,7 +195,7 @@ void asynchronous_error_aborts() {
   const bool aborted = eventually([&] { return fake_nccl::state(fake).aborted; });
   expect(aborted && seconds_since(start) < 5.0, "an asynchronous error aborts the communicator");
   float buffer[2] = {};
-  const Status s = comm->allreduce(buffer, buffer, 2, CommType::kF32, ReduceOp::kSum, nullptr);
+  const Status s = comm->allreduce(buffer, buffer, 2, DType::kF32, ReduceOp::kSum, nullptr);
   expect(!s.ok() && contains(s.message, "asynchronous NCCL error") &&
              contains(s.message, "remote process exited"),
          "the next call reports the asynchronous error: " + s.message);
@@ -258,7 +258,7 @@ void split_hands_out_the_child_or_aborts_both() {
   auto child = bagua::nccl_split(*parent, 0, 1, "half");
   float buffer[2] = {};
   expect(child->rank() == 1 && child->size() == 2 && child->name() == "half" &&
-             child->allreduce(buffer, buffer, 2, CommType::kF32, ReduceOp::kSum, nullptr).ok(),
+             child->allreduce(buffer, buffer, 2, DType::kF32, ReduceOp::kSum, nullptr).ok(),
          "a split that completes hands out a working child");
   const std::string color =
       thrown<std::invalid_argument>([&] { bagua::nccl_split(*parent, -1, 0, "x"); });

@@ -1,12 +1,17 @@
-// Helpers for the nanobind DLPack entry points: dtype mapping, buffer views,
-// and the rule that bagua never writes into a JAX array.
+// What the nanobind binding files share (kernel_bindings.h,
+// collective_bindings.h, the *_module.cc files): DLPack's element types as
+// DType, buffer views, the rule that bagua never writes into a JAX array, and
+// the FFI handler capsules each module hands to JAX.
 #pragma once
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
 #include <string>
+#include <utility>
+#include <vector>
 
+#include "handler_util.h"
 #include "ops.h"
 
 namespace bagua {
@@ -18,7 +23,10 @@ using Output = nb::ndarray<nb::c_contig>;
 
 inline DType dtype_of(nb::dlpack::dtype t) {
   if (t == nb::dtype<float>()) return DType::kF32;
+  if (t == nb::dtype<double>()) return DType::kF64;
   if (t == nb::dtype<uint8_t>()) return DType::kU8;
+  if (t == nb::dtype<int32_t>()) return DType::kI32;
+  if (t == nb::dtype<int64_t>()) return DType::kI64;
   if (t.bits == 16 && t.lanes == 1 && t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float))
     return DType::kF16;
   if (t.bits == 16 && t.lanes == 1 && t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat))
@@ -54,6 +62,25 @@ struct Placement {
 template <typename Array>
 Placement placement(const Array& a) {
   return {a.device_type(), a.device_id()};
+}
+
+// Defines the module's `registrations()`: FFI handler capsules by platform
+// ("cpu", "CUDA"), then by target name, for bagua_jax to register.
+inline void bind_registrations(nb::module_& m,
+                               std::vector<std::pair<const char*, handler_util::HandlerTable>> platforms) {
+  m.def(
+      "registrations",
+      [platforms] {
+        nb::dict result;
+        for (const auto& [platform, table] : platforms) {
+          nb::dict capsules;
+          for (const auto& [target, handler] : table)
+            capsules[target] = nb::capsule(reinterpret_cast<void*>(handler));
+          result[platform] = capsules;
+        }
+        return result;
+      },
+      "FFI handler capsules by platform, then by target name.");
 }
 
 }  // namespace bagua

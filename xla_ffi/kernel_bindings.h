@@ -1,18 +1,18 @@
-// The Python extension `_bagua_ffi`: the FFI handler capsules for JAX, the same
-// operations on DLPack tensors for PyTorch (no libtorch at build time), and
-// what the build contains.
+// The kernels on DLPack tensors (for bagua_torch; no libtorch at build time):
+// check the device, refuse JAX outputs, hand the buffers to ops.h, turn its
+// Status into a Python exception. The XLA FFI twin is kernel_handlers.h.
+#pragma once
+
 #include <nanobind/stl/string.h>
 
 #include <initializer_list>
+#include <stdexcept>
+#include <string>
 
-#include "dlpack_util.h"
-#include "ffi_handlers.h"
+#include "binding_util.h"
 #include "ops.h"
 
-namespace nb = nanobind;
-
-namespace bagua {
-namespace {
+namespace bagua::kernel_bindings {
 
 // Runs `op` on the device holding every tensor: CPU, or CUDA on `stream`.
 template <typename Op>
@@ -42,59 +42,13 @@ void run(const char* name, std::initializer_list<Placement> tensors, uintptr_t s
   }
 }
 
-nb::dict handler_capsules(const ffi_handlers::HandlerTable& table) {
-  nb::dict d;
-  for (const auto& [name, handler] : table) d[name] = nb::capsule(reinterpret_cast<void*>(handler));
-  return d;
-}
-
-Format format_of(const std::string& name) {
+inline Format format_of(const std::string& name) {
   if (name == "minmax_uint8") return Format::kMinMaxUInt8;
   if (name == "sign") return Format::kSign;
   throw nb::value_error(("unknown compression format '" + name + "'; use 'minmax_uint8' or 'sign'").c_str());
 }
 
-}  // namespace
-}  // namespace bagua
-
-NB_MODULE(_bagua_ffi, m) {
-  using namespace bagua;
-  m.doc() = "Bagua's native kernels: XLA FFI handlers and DLPack entry points.";
-
-  m.def("registrations", [] {
-    nb::dict platforms;
-    platforms["cpu"] = handler_capsules(ffi_handlers::cpu_handlers());
-#ifdef BAGUA_WITH_CUDA
-    platforms["CUDA"] = handler_capsules(ffi_handlers::cuda_handlers());
-#endif
-    return platforms;
-  }, "FFI handler capsules by platform, then by target name.");
-
-  m.def("build_info", [] {
-    nb::dict info;
-    info["cpu"] = true;
-#ifdef BAGUA_WITH_CUDA
-    info["cuda"] = true;
-    info["cuda_architectures"] = BAGUA_CUDA_ARCHITECTURES;
-#else
-    info["cuda"] = false;
-    info["cuda_architectures"] = "";
-#endif
-#ifdef BAGUA_WITH_NCCL
-    info["nccl"] = true;
-#else
-    info["nccl"] = false;
-#endif
-#ifdef BAGUA_WITH_MPI
-    info["mpi"] = true;
-#else
-    info["mpi"] = false;
-#endif
-    info["jaxlib"] = BAGUA_BUILT_WITH_JAXLIB;
-    info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
-    return info;
-  }, "What this build of the native library contains.");
-
+inline void bind(nb::module_& m) {
   m.def("compressed_bytes",
         [](const std::string& format, int64_t n, int64_t k) {
           if (n < 0) throw nb::value_error(("the element count n must be >= 0, got " + std::to_string(n)).c_str());
@@ -187,3 +141,5 @@ NB_MODULE(_bagua_ffi, m) {
         },
         nb::arg("x"), nb::arg("w"), nb::arg("left"), nb::arg("right"), nb::arg("out"), nb::arg("stream") = 0);
 }
+
+}  // namespace bagua::kernel_bindings

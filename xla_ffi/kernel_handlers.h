@@ -1,0 +1,132 @@
+// XLA FFI handlers for the kernels (the targets bagua_jax calls): decode the
+// call frame, hand the buffers to ops.h, turn its Status into an ffi::Error.
+// One template serves every device; the DLPack twin is kernel_bindings.h.
+#pragma once
+
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "handler_util.h"
+#include "ops.h"
+
+namespace bagua::kernel_handlers {
+
+namespace ffi = xla::ffi;
+using handler_util::dtype_of;
+using handler_util::HandlerTable;
+
+inline TensorRef ref(const ffi::AnyBuffer& b) {
+  return {b.untyped_data(), dtype_of(b.element_type()), static_cast<int64_t>(b.element_count())};
+}
+
+template <typename F>
+ffi::Error run(const char* op, F&& f) {
+  try {
+    const Status s = f();
+    if (s.ok()) return ffi::Error::Success();
+    std::string message = std::string("bagua ") + op + ": " + s.message;
+    return s.internal ? ffi::Error::Internal(std::move(message))
+                      : ffi::Error::InvalidArgument(std::move(message));
+  } catch (const std::exception& e) {
+    return ffi::Error::Internal(std::string("bagua ") + op + ": " + e.what());
+  }
+}
+
+template <typename Exec, Format format>
+ffi::Error Compress(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t k, Exec exec) {
+  return run("compress", [&] {
+    const TensorRef none{nullptr, DType::kF32, 0};
+    return format == Format::kMinMaxUInt8 ? minmax_compress(exec, ref(x), none, ref(*out), none, k)
+                                          : sign_compress(exec, ref(x), none, ref(*out), none, k);
+  });
+}
+
+template <typename Exec, Format format>
+ffi::Error CompressWithFeedback(ffi::AnyBuffer x, ffi::AnyBuffer residual,
+                                ffi::Result<ffi::AnyBuffer> out,
+                                ffi::Result<ffi::AnyBuffer> new_residual, int64_t k, Exec exec) {
+  return run("compress with error feedback", [&] {
+    return format == Format::kMinMaxUInt8
+               ? minmax_compress(exec, ref(x), ref(residual), ref(*out), ref(*new_residual), k)
+               : sign_compress(exec, ref(x), ref(residual), ref(*out), ref(*new_residual), k);
+  });
+}
+
+template <typename Exec, Format format>
+ffi::Error Decompress(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t k, Exec exec) {
+  return run("decompress", [&] { return decompress(exec, format, ref(in), ref(*out), k); });
+}
+
+template <typename Exec, Format format>
+ffi::Error DecompressReduce(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, int64_t k,
+                            bool average, Exec exec) {
+  return run("decompress-reduce",
+             [&] { return decompress_reduce(exec, format, ref(in), ref(*out), k, average); });
+}
+
+template <typename Exec>
+ffi::Error Average2(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, Exec exec) {
+  return run("average", [&] { return average2(exec, ref(a), ref(b), ref(*out)); });
+}
+
+template <typename Exec>
+ffi::Error Axpy(ffi::AnyBuffer x, ffi::AnyBuffer y, ffi::Result<ffi::AnyBuffer> out,
+                float a, Exec exec) {
+  return run("axpy", [&] { return axpy(exec, ref(x), a, ref(y), ref(*out)); });
+}
+
+template <typename Exec>
+ffi::Error AsyncAverage(ffi::AnyBuffer x, ffi::AnyBuffer reduced, ffi::AnyBuffer snapshot,
+                        ffi::Result<ffi::AnyBuffer> out, int64_t ranks, Exec exec) {
+  return run("async model average update", [&] {
+    return async_average(exec, ref(x), ref(reduced), ref(snapshot), ranks, ref(*out));
+  });
+}
+
+template <typename Exec>
+ffi::Error LowPrecDecentralizedDiff(ffi::AnyBuffer x, ffi::AnyBuffer w,
+                                    ffi::AnyBuffer left, ffi::AnyBuffer right,
+                                    ffi::Result<ffi::AnyBuffer> out, Exec exec) {
+  return run("low-precision decentralized difference", [&] {
+    return lowprec_decentralized_diff(exec, ref(x), ref(w), ref(left), ref(right), ref(*out));
+  });
+}
+
+// The kernel FFI targets: X(name, implementation, binding without the device).
+#define BAGUA_KERNEL_TARGETS(X)                                                             \
+  X(minmax_compress, (Compress<Exec, kMinMax>),                                            \
+    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k"))                      \
+  X(sign_compress, (Compress<Exec, kSign>),                                                \
+    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k"))                      \
+  X(minmax_compress_ef, (CompressWithFeedback<Exec, kMinMax>),                             \
+    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k")) \
+  X(sign_compress_ef, (CompressWithFeedback<Exec, kSign>),                                 \
+    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k")) \
+  X(minmax_decompress, (Decompress<Exec, kMinMax>),                                        \
+    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k"))                      \
+  X(sign_decompress, (Decompress<Exec, kSign>),                                            \
+    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k"))                      \
+  X(minmax_decompress_reduce, (DecompressReduce<Exec, kMinMax>),                           \
+    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k").Attr<bool>("average")) \
+  X(sign_decompress_reduce, (DecompressReduce<Exec, kSign>),                               \
+    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k").Attr<bool>("average")) \
+  X(average2, Average2<Exec>, Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>()) \
+  X(axpy, Axpy<Exec>,                                                                      \
+    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<float>("a"))       \
+  X(async_average, AsyncAverage<Exec>,                                                     \
+    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("ranks")) \
+  X(lowprec_decentralized_diff, LowPrecDecentralizedDiff<Exec>,                            \
+    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>())
+
+// Every kernel FFI target for one device, by target name.
+template <typename Exec>
+HandlerTable handlers() {
+  using ffi::AnyBuffer;
+  using ffi::Ffi;
+  constexpr Format kMinMax = Format::kMinMaxUInt8;
+  constexpr Format kSign = Format::kSign;
+  BAGUA_HANDLER_TABLE(BAGUA_KERNEL_TARGETS)
+}
+
+}  // namespace bagua::kernel_handlers
