@@ -29,7 +29,8 @@ inline DType dtype_of(nb::dlpack::dtype t) {
   if (t == nb::dtype<int64_t>()) return DType::kI64;
   if (t.bits == 16 && t.lanes == 1 && t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float))
     return DType::kF16;
-  if (t.bits == 16 && t.lanes == 1 && t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat))
+  if (t.bits == 16 && t.lanes == 1 &&
+      t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat))
     return DType::kBF16;
   return DType::kUnsupported;
 }
@@ -45,12 +46,18 @@ inline TensorRef none() { return {nullptr, DType::kF32, 0}; }
 // A buffer the library writes into. JAX arrays are immutable and their DLPack
 // export is not marked read-only, so they are refused by type.
 inline Output writable(nb::handle obj, const char* name) {
-  const std::string module = nb::cast<std::string>(nb::getattr(obj.type(), "__module__", nb::str("")));
+  const std::string module =
+      nb::cast<std::string>(nb::getattr(obj.type(), "__module__", nb::str("")));
   if (module.rfind("jax", 0) == 0)
-    throw nb::type_error((std::string(name) + " is a JAX array; JAX arrays are immutable and bagua never writes into one").c_str());
+    throw nb::type_error(
+        (std::string(name) +
+         " is a JAX array; JAX arrays are immutable and bagua never writes into one")
+            .c_str());
   Output out;
   if (!nb::try_cast(obj, out))
-    throw nb::type_error((std::string(name) + " must be a writable, C-contiguous array with DLPack support").c_str());
+    throw nb::type_error(
+        (std::string(name) + " must be a writable, C-contiguous array with DLPack support")
+            .c_str());
   return out;
 }
 
@@ -66,8 +73,8 @@ Placement placement(const Array& a) {
 
 // Defines the module's `registrations()`: FFI handler capsules by platform
 // ("cpu", "CUDA"), then by target name, for bagua_jax to register.
-inline void bind_registrations(nb::module_& m,
-                               std::vector<std::pair<const char*, handler_util::HandlerTable>> platforms) {
+inline void bind_registrations(
+    nb::module_& m, std::vector<std::pair<const char*, handler_util::HandlerTable>> platforms) {
   m.def(
       "registrations",
       [platforms] {

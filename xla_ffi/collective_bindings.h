@@ -22,7 +22,8 @@ inline DType collective_dtype(nb::dlpack::dtype t) {
   const DType dtype = dtype_of(t);
   if (dtype == DType::kUnsupported)
     throw nb::type_error(
-        "unsupported dtype for a collective (use float32/16, bfloat16, float64, uint8, int32 or int64)");
+        "unsupported dtype for a collective (use float32/16, bfloat16, float64, uint8, int32 or "
+        "int64)");
   return dtype;
 }
 
@@ -40,7 +41,8 @@ inline void check(const Status& s) {
 
 inline void* stream(uintptr_t s) { return reinterpret_cast<void*>(s); }
 
-inline void on_device(const char* op, int device_type, std::initializer_list<int32_t> tensor_devices) {
+inline void on_device(const char* op, int device_type,
+                      std::initializer_list<int32_t> tensor_devices) {
   for (int32_t t : tensor_devices)
     if (t != device_type)
       throw nb::value_error((std::string(op) + ": this engine communicates " +
@@ -60,15 +62,16 @@ inline const char* block_per_rank_in_recv(size_t ranks, size_t sent, size_t rece
   return received == sent * ranks ? nullptr : "recv must hold one send-sized block per rank";
 }
 inline const char* equal_block_per_rank(size_t ranks, size_t sent, size_t received) {
-  return sent == received && sent % ranks == 0 ? nullptr : "send and recv must hold one equal block per rank";
+  return sent == received && sent % ranks == 0 ? nullptr
+                                               : "send and recv must hold one equal block per rank";
 }
 
 // Every collective from `send` into `recv`: refuses a JAX output, checks the
 // device, the dtypes, the handle and the sizes (`fits`), then runs
 // `call(communicator, recv, dtype)` without the GIL.
 template <typename Fits, typename Call>
-void collective(const char* op, int device_type, int64_t handle, const Input& send, nb::handle recv_obj, Fits&& fits,
-                Call&& call) {
+void collective(const char* op, int device_type, int64_t handle, const Input& send,
+                nb::handle recv_obj, Fits&& fits, Call&& call) {
   Output recv = writable(recv_obj, "recv");
   on_device(op, device_type, {send.device_type(), recv.device_type()});
   const DType t = collective_dtype(send.dtype());
@@ -92,20 +95,25 @@ inline void bind(nb::module_& m, int device_type) {
   m.def(
       "allreduce",
       [=](int64_t h, Input send, nb::handle recv_obj, int op, uintptr_t s) {
-        collective("allreduce", device_type, h, send, recv_obj, same_size, [&](Communicator& c, const Output& recv, DType t) {
-          return c.allreduce(send.data(), recv.data(), send.size(), t, static_cast<ReduceOp>(op), stream(s));
-        });
+        collective("allreduce", device_type, h, send, recv_obj, same_size,
+                   [&](Communicator& c, const Output& recv, DType t) {
+                     return c.allreduce(send.data(), recv.data(), send.size(), t,
+                                        static_cast<ReduceOp>(op), stream(s));
+                   });
       },
       nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("op"), nb::arg("stream") = 0);
 
   m.def(
       "reduce",
       [=](int64_t h, Input send, nb::handle recv_obj, int op, int root, uintptr_t s) {
-        collective("reduce", device_type, h, send, recv_obj, same_size, [&](Communicator& c, const Output& recv, DType t) {
-          return c.reduce(send.data(), recv.data(), send.size(), t, static_cast<ReduceOp>(op), root, stream(s));
-        });
+        collective("reduce", device_type, h, send, recv_obj, same_size,
+                   [&](Communicator& c, const Output& recv, DType t) {
+                     return c.reduce(send.data(), recv.data(), send.size(), t,
+                                     static_cast<ReduceOp>(op), root, stream(s));
+                   });
       },
-      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("op"), nb::arg("root"), nb::arg("stream") = 0);
+      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("op"), nb::arg("root"),
+      nb::arg("stream") = 0);
 
   m.def(
       "broadcast",
@@ -124,8 +132,8 @@ inline void bind(nb::module_& m, int device_type) {
       [=](int64_t h, Input send, nb::handle recv_obj, int op, uintptr_t s) {
         collective("reduce_scatter", device_type, h, send, recv_obj, block_per_rank_in_send,
                    [&](Communicator& c, const Output& recv, DType t) {
-                     return c.reduce_scatter(send.data(), recv.data(), recv.size(), t, static_cast<ReduceOp>(op),
-                                             stream(s));
+                     return c.reduce_scatter(send.data(), recv.data(), recv.size(), t,
+                                             static_cast<ReduceOp>(op), stream(s));
                    });
       },
       nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("op"), nb::arg("stream") = 0);
@@ -165,7 +173,8 @@ inline void bind(nb::module_& m, int device_type) {
       [=](int64_t h, Input send, nb::handle recv_obj, uintptr_t s) {
         collective("alltoall", device_type, h, send, recv_obj, equal_block_per_rank,
                    [&](Communicator& c, const Output& recv, DType t) {
-                     return c.alltoall(send.data(), recv.data(), send.size() / c.size(), t, stream(s));
+                     return c.alltoall(send.data(), recv.data(), send.size() / c.size(), t,
+                                       stream(s));
                    });
       },
       nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("stream") = 0);
@@ -175,29 +184,39 @@ inline void bind(nb::module_& m, int device_type) {
       [=](int64_t h, Input send, const std::vector<int64_t>& send_counts, nb::handle recv_obj,
           const std::vector<int64_t>& recv_counts, uintptr_t s) {
         auto counts_fit = [&](size_t ranks, size_t sent, size_t received) -> const char* {
-          if (send_counts.size() != ranks || recv_counts.size() != ranks) return "counts need one entry per rank";
-          const int64_t total_sent = std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
-          const int64_t total_received = std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
-          if (total_sent > static_cast<int64_t>(sent) || total_received > static_cast<int64_t>(received))
+          if (send_counts.size() != ranks || recv_counts.size() != ranks)
+            return "counts need one entry per rank";
+          const int64_t total_sent =
+              std::accumulate(send_counts.begin(), send_counts.end(), int64_t{0});
+          const int64_t total_received =
+              std::accumulate(recv_counts.begin(), recv_counts.end(), int64_t{0});
+          if (total_sent > static_cast<int64_t>(sent) ||
+              total_received > static_cast<int64_t>(received))
             return "the counts exceed the tensor sizes";
           return nullptr;
         };
-        collective("alltoall_v", device_type, h, send, recv_obj, counts_fit, [&](Communicator& c, const Output& recv, DType t) {
-          return c.alltoall_v(send.data(), send_counts.data(), recv.data(), recv_counts.data(), t, stream(s));
-        });
+        collective("alltoall_v", device_type, h, send, recv_obj, counts_fit,
+                   [&](Communicator& c, const Output& recv, DType t) {
+                     return c.alltoall_v(send.data(), send_counts.data(), recv.data(),
+                                         recv_counts.data(), t, stream(s));
+                   });
       },
-      nb::arg("handle"), nb::arg("send"), nb::arg("send_counts"), nb::arg("recv"), nb::arg("recv_counts"),
-      nb::arg("stream") = 0);
+      nb::arg("handle"), nb::arg("send"), nb::arg("send_counts"), nb::arg("recv"),
+      nb::arg("recv_counts"), nb::arg("stream") = 0);
 
   m.def(
       "send_recv",
-      [=](int64_t h, Input send, nb::handle recv_obj, const std::vector<int32_t>& peers, uintptr_t s) {
+      [=](int64_t h, Input send, nb::handle recv_obj, const std::vector<int32_t>& peers,
+          uintptr_t s) {
         auto block_per_peer = [&](size_t, size_t sent, size_t received) -> const char* {
-          return received == sent * peers.size() ? nullptr : "recv must hold one send-sized block per peer";
+          return received == sent * peers.size() ? nullptr
+                                                 : "recv must hold one send-sized block per peer";
         };
-        collective("send_recv", device_type, h, send, recv_obj, block_per_peer, [&](Communicator& c, const Output& recv, DType t) {
-          return c.send_recv(send.data(), recv.data(), send.size(), t, peers.data(), static_cast<int>(peers.size()), stream(s));
-        });
+        collective("send_recv", device_type, h, send, recv_obj, block_per_peer,
+                   [&](Communicator& c, const Output& recv, DType t) {
+                     return c.send_recv(send.data(), recv.data(), send.size(), t, peers.data(),
+                                        static_cast<int>(peers.size()), stream(s));
+                   });
       },
       nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("peers"), nb::arg("stream") = 0);
 

@@ -32,19 +32,24 @@ struct Call {
 inline ffi::Error prepare(const char* op, int64_t handle, const ffi::AnyBuffer& x,
                           const ffi::AnyBuffer& y, Call* call) {
   call->comm = CommunicatorRegistry::instance().get(handle);
-  if (!call->comm) return ffi::Error::InvalidArgument(std::string("bagua ") + op + ": " + unknown_handle_message(handle));
+  if (!call->comm)
+    return ffi::Error::InvalidArgument(std::string("bagua ") + op + ": " +
+                                       unknown_handle_message(handle));
   call->type = dtype_of(x.element_type());
   if (call->type == DType::kUnsupported)
-    return ffi::Error::InvalidArgument(std::string("bagua ") + op +
-                                       ": unsupported element type (use float32/16, bfloat16, float64, uint8, int32 or int64)");
+    return ffi::Error::InvalidArgument(
+        std::string("bagua ") + op +
+        ": unsupported element type (use float32/16, bfloat16, float64, uint8, int32 or int64)");
   if (x.element_type() != y.element_type())
-    return ffi::Error::InvalidArgument(std::string("bagua ") + op + ": input and output dtypes differ");
+    return ffi::Error::InvalidArgument(std::string("bagua ") + op +
+                                       ": input and output dtypes differ");
   return ffi::Error::Success();
 }
 
 inline ffi::Error to_error(const Status& s) {
   if (s.ok()) return ffi::Error::Success();
-  return s.internal ? ffi::Error::Internal("bagua " + s.message) : ffi::Error::InvalidArgument("bagua " + s.message);
+  return s.internal ? ffi::Error::Internal("bagua " + s.message)
+                    : ffi::Error::InvalidArgument("bagua " + s.message);
 }
 
 inline ffi::Error size_error(const char* op, const std::string& what) {
@@ -54,8 +59,8 @@ inline ffi::Error size_error(const char* op, const std::string& what) {
 inline ReduceOp reduce_op(int64_t op) { return static_cast<ReduceOp>(op); }
 
 template <typename Exec>
-ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                     int64_t handle, int64_t op, Exec exec) {
+ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::Result<ffi::Token>, int64_t handle, int64_t op, Exec exec) {
   Call c;
   if (auto e = prepare("allreduce", handle, x, *y, &c); e.failure()) return e;
   return to_error(c.comm->allreduce(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
@@ -64,41 +69,42 @@ ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y
 
 // Ranks other than the root get zeros.
 template <typename Exec>
-ffi::Error Reduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                  int64_t handle, int64_t op, int64_t root, Exec exec) {
+ffi::Error Reduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                  ffi::Result<ffi::Token>, int64_t handle, int64_t op, int64_t root, Exec exec) {
   Call c;
   if (auto e = prepare("reduce", handle, x, *y, &c); e.failure()) return e;
   if (c.comm->rank() != root)
-    if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok()) return to_error(s);
+    if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok())
+      return to_error(s);
   return to_error(c.comm->reduce(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
                                  reduce_op(op), static_cast<int>(root), stream_of(exec)));
 }
 
 template <typename Exec>
-ffi::Error Broadcast(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                     int64_t handle, int64_t root, Exec exec) {
+ffi::Error Broadcast(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::Result<ffi::Token>, int64_t handle, int64_t root, Exec exec) {
   Call c;
   if (auto e = prepare("broadcast", handle, x, *y, &c); e.failure()) return e;
   if (Status s = device_copy(exec, y->untyped_data(), x.untyped_data(), x.size_bytes()); !s.ok())
     return to_error(s);
-  return to_error(c.comm->broadcast(y->untyped_data(), y->element_count(), c.type, static_cast<int>(root),
-                                    stream_of(exec)));
+  return to_error(c.comm->broadcast(y->untyped_data(), y->element_count(), c.type,
+                                    static_cast<int>(root), stream_of(exec)));
 }
 
 template <typename Exec>
-ffi::Error ReduceScatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                         int64_t handle, int64_t op, Exec exec) {
+ffi::Error ReduceScatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                         ffi::Result<ffi::Token>, int64_t handle, int64_t op, Exec exec) {
   Call c;
   if (auto e = prepare("reduce_scatter", handle, x, *y, &c); e.failure()) return e;
   if (x.element_count() != y->element_count() * c.comm->size())
     return size_error("reduce_scatter", "the input must hold one output-sized block per rank");
-  return to_error(c.comm->reduce_scatter(x.untyped_data(), y->untyped_data(), y->element_count(), c.type,
-                                         reduce_op(op), stream_of(exec)));
+  return to_error(c.comm->reduce_scatter(x.untyped_data(), y->untyped_data(), y->element_count(),
+                                         c.type, reduce_op(op), stream_of(exec)));
 }
 
 template <typename Exec>
-ffi::Error AllGather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                     int64_t handle, Exec exec) {
+ffi::Error AllGather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
   Call c;
   if (auto e = prepare("allgather", handle, x, *y, &c); e.failure()) return e;
   if (y->element_count() != x.element_count() * c.comm->size())
@@ -109,21 +115,22 @@ ffi::Error AllGather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y
 
 // Ranks other than the root get zeros.
 template <typename Exec>
-ffi::Error Gather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                  int64_t handle, int64_t root, Exec exec) {
+ffi::Error Gather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                  ffi::Result<ffi::Token>, int64_t handle, int64_t root, Exec exec) {
   Call c;
   if (auto e = prepare("gather", handle, x, *y, &c); e.failure()) return e;
   if (y->element_count() != x.element_count() * c.comm->size())
     return size_error("gather", "the output must hold one input-sized block per rank");
   if (c.comm->rank() != root)
-    if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok()) return to_error(s);
+    if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok())
+      return to_error(s);
   return to_error(c.comm->gather(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
                                  static_cast<int>(root), stream_of(exec)));
 }
 
 template <typename Exec>
-ffi::Error Scatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                   int64_t handle, int64_t root, Exec exec) {
+ffi::Error Scatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                   ffi::Result<ffi::Token>, int64_t handle, int64_t root, Exec exec) {
   Call c;
   if (auto e = prepare("scatter", handle, x, *y, &c); e.failure()) return e;
   if (x.element_count() != y->element_count() * c.comm->size())
@@ -133,50 +140,56 @@ ffi::Error Scatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, 
 }
 
 template <typename Exec>
-ffi::Error AllToAll(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                    int64_t handle, Exec exec) {
+ffi::Error AllToAll(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                    ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
   Call c;
   if (auto e = prepare("alltoall", handle, x, *y, &c); e.failure()) return e;
   if (x.element_count() != y->element_count() || x.element_count() % c.comm->size() != 0)
     return size_error("alltoall", "input and output must hold one equal block per rank");
-  return to_error(c.comm->alltoall(x.untyped_data(), y->untyped_data(), x.element_count() / c.comm->size(),
-                                   c.type, stream_of(exec)));
+  return to_error(c.comm->alltoall(x.untyped_data(), y->untyped_data(),
+                                   x.element_count() / c.comm->size(), c.type, stream_of(exec)));
 }
 
 // The counts are run-time int32 arrays of one entry per rank (JAX's default
 // integer width); the output is zero beyond the received elements.
 template <typename Exec>
-ffi::Error AllToAllV(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_counts, ffi::Buffer<ffi::S32> recv_counts,
-                     ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t handle,
-                     Exec exec) {
+ffi::Error AllToAllV(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> send_counts,
+                     ffi::Buffer<ffi::S32> recv_counts, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                     ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
   Call c;
   if (auto e = prepare("alltoall_v", handle, x, *y, &c); e.failure()) return e;
   const int n = c.comm->size();
-  if (send_counts.element_count() != static_cast<size_t>(n) || recv_counts.element_count() != static_cast<size_t>(n))
+  if (send_counts.element_count() != static_cast<size_t>(n) ||
+      recv_counts.element_count() != static_cast<size_t>(n))
     return size_error("alltoall_v", "send and receive counts need one entry per rank");
   std::vector<int32_t> sc32(n), rc32(n);
-  if (Status s = copy_to_host(exec, sc32.data(), send_counts.typed_data(), n * 4); !s.ok()) return to_error(s);
-  if (Status s = copy_to_host(exec, rc32.data(), recv_counts.typed_data(), n * 4); !s.ok()) return to_error(s);
+  if (Status s = copy_to_host(exec, sc32.data(), send_counts.typed_data(), n * 4); !s.ok())
+    return to_error(s);
+  if (Status s = copy_to_host(exec, rc32.data(), recv_counts.typed_data(), n * 4); !s.ok())
+    return to_error(s);
   const std::vector<int64_t> sc(sc32.begin(), sc32.end()), rc(rc32.begin(), rc32.end());
   int64_t sent = 0, received = 0;
   for (int j = 0; j < n; ++j) sent += sc[j], received += rc[j];
-  if (sent > static_cast<int64_t>(x.element_count()) || received > static_cast<int64_t>(y->element_count()))
+  if (sent > static_cast<int64_t>(x.element_count()) ||
+      received > static_cast<int64_t>(y->element_count()))
     return size_error("alltoall_v", "the counts exceed the input or output size");
   if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok()) return to_error(s);
-  return to_error(c.comm->alltoall_v(x.untyped_data(), sc.data(), y->untyped_data(), rc.data(), c.type,
-                                     stream_of(exec)));
+  return to_error(c.comm->alltoall_v(x.untyped_data(), sc.data(), y->untyped_data(), rc.data(),
+                                     c.type, stream_of(exec)));
 }
 
 template <typename Exec>
-ffi::Error SendRecv(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peers, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
-                    ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
+ffi::Error SendRecv(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peers, ffi::Token,
+                    ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>, int64_t handle,
+                    Exec exec) {
   Call c;
   if (auto e = prepare("send_recv", handle, x, *y, &c); e.failure()) return e;
   const int p = static_cast<int>(peers.element_count());
   if (y->element_count() != x.element_count() * p)
     return size_error("send_recv", "the output must hold one input-sized block per peer");
   std::vector<int32_t> host_peers(p);
-  if (Status s = copy_to_host(exec, host_peers.data(), peers.typed_data(), p * 4); !s.ok()) return to_error(s);
+  if (Status s = copy_to_host(exec, host_peers.data(), peers.typed_data(), p * 4); !s.ok())
+    return to_error(s);
   return to_error(c.comm->send_recv(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
                                     host_peers.data(), p, stream_of(exec)));
 }
@@ -189,8 +202,8 @@ ffi::Error read_peer(const char* op, const ffi::Buffer<ffi::S32>& peer, int32_t*
 }
 
 template <typename Exec>
-ffi::Error Send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peer, ffi::Token, ffi::Result<ffi::Token>, int64_t handle,
-                Exec exec) {
+ffi::Error Send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peer, ffi::Token, ffi::Result<ffi::Token>,
+                int64_t handle, Exec exec) {
   Call c;
   if (auto e = prepare("send", handle, x, x, &c); e.failure()) return e;
   int32_t to = 0;
@@ -199,13 +212,14 @@ ffi::Error Send(ffi::AnyBuffer x, ffi::Buffer<ffi::S32> peer, ffi::Token, ffi::R
 }
 
 template <typename Exec>
-ffi::Error Recv(ffi::Buffer<ffi::S32> peer, ffi::Token, ffi::Result<ffi::AnyBuffer> y, ffi::Result<ffi::Token>,
-                int64_t handle, Exec exec) {
+ffi::Error Recv(ffi::Buffer<ffi::S32> peer, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
+                ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
   Call c;
   if (auto e = prepare("recv", handle, *y, *y, &c); e.failure()) return e;
   int32_t from = 0;
   if (auto e = read_peer("recv", peer, &from, exec); e.failure()) return e;
-  return to_error(c.comm->recv(y->untyped_data(), y->element_count(), c.type, from, stream_of(exec)));
+  return to_error(
+      c.comm->recv(y->untyped_data(), y->element_count(), c.type, from, stream_of(exec)));
 }
 
 template <typename Exec>
@@ -217,24 +231,38 @@ ffi::Error Barrier(ffi::Token, ffi::Result<ffi::Token>, int64_t handle, Exec exe
 
 // The collective FFI targets: X(name, implementation, binding without the
 // device). Each takes and returns an ordering token and names its communicator.
-#define BAGUA_COLLECTIVE_BIND Ffi::Bind().Arg<AnyBuffer>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")
-#define BAGUA_COLLECTIVE_TARGETS(X)                                                                     \
-  X(allreduce, AllReduce<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op"))                              \
-  X(reduce, Reduce<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op").Attr<int64_t>("root"))              \
-  X(broadcast, Broadcast<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                            \
-  X(reduce_scatter, ReduceScatter<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op"))                     \
-  X(allgather, AllGather<Exec>, BAGUA_COLLECTIVE_BIND)                                                  \
-  X(gather, Gather<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                                  \
-  X(scatter, Scatter<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                                \
-  X(alltoall, AllToAll<Exec>, BAGUA_COLLECTIVE_BIND)                                                    \
-  X(alltoall_v, AllToAllV<Exec>,                                                                        \
-    Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>() \
-        .Attr<int64_t>("comm"))                                                                         \
-  X(send_recv, SendRecv<Exec>,                                                                          \
-    Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>()               \
-        .Attr<int64_t>("comm"))                                                                         \
-  X(send, Send<Exec>, Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Token>().Ret<Token>().Attr<int64_t>("comm")) \
-  X(recv, Recv<Exec>, Ffi::Bind().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")) \
+#define BAGUA_COLLECTIVE_BIND \
+  Ffi::Bind().Arg<AnyBuffer>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")
+#define BAGUA_COLLECTIVE_TARGETS(X)                                                             \
+  X(allreduce, AllReduce<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op"))                      \
+  X(reduce, Reduce<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op").Attr<int64_t>("root"))      \
+  X(broadcast, Broadcast<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                    \
+  X(reduce_scatter, ReduceScatter<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op"))             \
+  X(allgather, AllGather<Exec>, BAGUA_COLLECTIVE_BIND)                                          \
+  X(gather, Gather<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                          \
+  X(scatter, Scatter<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                        \
+  X(alltoall, AllToAll<Exec>, BAGUA_COLLECTIVE_BIND)                                            \
+  X(alltoall_v, AllToAllV<Exec>,                                                                \
+    Ffi::Bind()                                                                                 \
+        .Arg<AnyBuffer>()                                                                       \
+        .Arg<Int32s>()                                                                          \
+        .Arg<Int32s>()                                                                          \
+        .Arg<Token>()                                                                           \
+        .Ret<AnyBuffer>()                                                                       \
+        .Ret<Token>()                                                                           \
+        .Attr<int64_t>("comm"))                                                                 \
+  X(send_recv, SendRecv<Exec>,                                                                  \
+    Ffi::Bind()                                                                                 \
+        .Arg<AnyBuffer>()                                                                       \
+        .Arg<Int32s>()                                                                          \
+        .Arg<Token>()                                                                           \
+        .Ret<AnyBuffer>()                                                                       \
+        .Ret<Token>()                                                                           \
+        .Attr<int64_t>("comm"))                                                                 \
+  X(send, Send<Exec>,                                                                           \
+    Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Token>().Ret<Token>().Attr<int64_t>("comm")) \
+  X(recv, Recv<Exec>,                                                                           \
+    Ffi::Bind().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")) \
   X(barrier, Barrier<Exec>, Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"))
 
 // Every collective FFI target for one device, by target name.

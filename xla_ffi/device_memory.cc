@@ -20,7 +20,8 @@ cudaStream_t stream_of(Cuda device) { return static_cast<cudaStream_t>(device.st
 
 Status device_copy(Cuda device, void* dst, const void* src, int64_t bytes) {
   if (dst == src || bytes == 0) return {};
-  return cuda_status("copy", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_of(device)));
+  return cuda_status("copy",
+                     cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, stream_of(device)));
 }
 
 Status device_zero(Cuda device, void* dst, int64_t bytes) {
@@ -34,8 +35,9 @@ Status device_zero(Cuda device, void* dst, int64_t bytes) {
 // there is ended by its communicator's watchdog, so the wait is bounded.
 Status copy_to_host(Cuda device, void* dst, const void* src, int64_t bytes) {
   if (bytes == 0) return {};
-  if (Status s = cuda_status("copy to host", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost,
-                                                              stream_of(device)));
+  if (Status s =
+          cuda_status("copy to host",
+                      cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, stream_of(device)));
       !s.ok())
     return s;
   return cuda_status("stream synchronize", cudaStreamSynchronize(stream_of(device)));

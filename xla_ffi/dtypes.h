@@ -106,7 +106,8 @@ BAGUA_HD float to_float(Half x) {
   const uint32_t mantissa = x.bits & 0x3ffu;
   const uint32_t normal = ((uint32_t{x.bits & 0x7fffu} << 13) + (112u << 23));
   const uint32_t special = (mantissa << 13) | 0x7f800000u;
-  const uint32_t subnormal = float_bits(static_cast<float>(mantissa) * 5.9604644775390625e-08f);  // 2^-24
+  const uint32_t subnormal =
+      float_bits(static_cast<float>(mantissa) * 5.9604644775390625e-08f);  // 2^-24
   const uint32_t magnitude = exponent == 0x7c00u ? special : exponent == 0 ? subnormal : normal;
   return bits_float(magnitude | (uint32_t{x.bits & 0x8000u} << 16));
 }

@@ -20,30 +20,34 @@ NB_MODULE(_bagua_ffi, m) {
 #endif
                         });
 
-  m.def("build_info", [] {
-    nb::dict info;
-    info["cpu"] = true;
+  m.def(
+      "build_info",
+      [] {
+        nb::dict info;
+        info["cpu"] = true;
 #ifdef BAGUA_WITH_CUDA
-    info["cuda"] = true;
-    info["cuda_architectures"] = BAGUA_CUDA_ARCHITECTURES;
+        info["cuda"] = true;
+        info["cuda_architectures"] = BAGUA_CUDA_ARCHITECTURES;
 #else
-    info["cuda"] = false;
-    info["cuda_architectures"] = "";
+        info["cuda"] = false;
+        info["cuda_architectures"] = "";
 #endif
 #ifdef BAGUA_WITH_NCCL
-    info["nccl"] = true;
+        info["nccl"] = true;
 #else
-    info["nccl"] = false;
+        info["nccl"] = false;
 #endif
 #ifdef BAGUA_WITH_MPI
-    info["mpi"] = true;
+        info["mpi"] = true;
 #else
-    info["mpi"] = false;
+        info["mpi"] = false;
 #endif
-    info["jaxlib"] = BAGUA_BUILT_WITH_JAXLIB;
-    info["xla_ffi_api"] = std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
-    return info;
-  }, "What this build of the native library contains.");
+        info["jaxlib"] = BAGUA_BUILT_WITH_JAXLIB;
+        info["xla_ffi_api"] =
+            std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
+        return info;
+      },
+      "What this build of the native library contains.");
 
   kernel_bindings::bind(m);
 }

@@ -37,8 +37,7 @@ template <typename Exec, Format format>
 ffi::Error Compress(ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t k, Exec exec) {
   return run("compress", [&] {
     const TensorRef none{nullptr, DType::kF32, 0};
-    return format == Format::kMinMaxUInt8 ? minmax_compress(exec, ref(x), none, ref(*out), none, k)
-                                          : sign_compress(exec, ref(x), none, ref(*out), none, k);
+    return compress(exec, format, ref(x), none, ref(*out), none, k);
   });
 }
 
@@ -47,9 +46,7 @@ ffi::Error CompressWithFeedback(ffi::AnyBuffer x, ffi::AnyBuffer residual,
                                 ffi::Result<ffi::AnyBuffer> out,
                                 ffi::Result<ffi::AnyBuffer> new_residual, int64_t k, Exec exec) {
   return run("compress with error feedback", [&] {
-    return format == Format::kMinMaxUInt8
-               ? minmax_compress(exec, ref(x), ref(residual), ref(*out), ref(*new_residual), k)
-               : sign_compress(exec, ref(x), ref(residual), ref(*out), ref(*new_residual), k);
+    return compress(exec, format, ref(x), ref(residual), ref(*out), ref(*new_residual), k);
   });
 }
 
@@ -66,13 +63,14 @@ ffi::Error DecompressReduce(ffi::AnyBuffer in, ffi::Result<ffi::AnyBuffer> out, 
 }
 
 template <typename Exec>
-ffi::Error Average2(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out, Exec exec) {
+ffi::Error Average2(ffi::AnyBuffer a, ffi::AnyBuffer b, ffi::Result<ffi::AnyBuffer> out,
+                    Exec exec) {
   return run("average", [&] { return average2(exec, ref(a), ref(b), ref(*out)); });
 }
 
 template <typename Exec>
-ffi::Error Axpy(ffi::AnyBuffer x, ffi::AnyBuffer y, ffi::Result<ffi::AnyBuffer> out,
-                float a, Exec exec) {
+ffi::Error Axpy(ffi::AnyBuffer x, ffi::AnyBuffer y, ffi::Result<ffi::AnyBuffer> out, float a,
+                Exec exec) {
   return run("axpy", [&] { return axpy(exec, ref(x), a, ref(y), ref(*out)); });
 }
 
@@ -85,44 +83,43 @@ ffi::Error AsyncAverage(ffi::AnyBuffer x, ffi::AnyBuffer reduced, ffi::AnyBuffer
 }
 
 template <typename Exec>
-ffi::Error LowPrecDecentralizedDiff(ffi::AnyBuffer x, ffi::AnyBuffer w,
-                                    ffi::AnyBuffer left, ffi::AnyBuffer right,
-                                    ffi::Result<ffi::AnyBuffer> out, Exec exec) {
+ffi::Error LowPrecDecentralizedDiff(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer left,
+                                    ffi::AnyBuffer right, ffi::Result<ffi::AnyBuffer> out,
+                                    Exec exec) {
   return run("low-precision decentralized difference", [&] {
     return lowprec_decentralized_diff(exec, ref(x), ref(w), ref(left), ref(right), ref(*out));
   });
 }
 
 // The kernel FFI targets: X(name, implementation, binding without the device).
-#define BAGUA_KERNEL_TARGETS(X)                                                             \
-  X(minmax_compress, (Compress<Exec, kMinMax>),                                            \
-    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k"))                      \
-  X(sign_compress, (Compress<Exec, kSign>),                                                \
-    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k"))                      \
-  X(minmax_compress_ef, (CompressWithFeedback<Exec, kMinMax>),                             \
-    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k")) \
-  X(sign_compress_ef, (CompressWithFeedback<Exec, kSign>),                                 \
-    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k")) \
-  X(minmax_decompress, (Decompress<Exec, kMinMax>),                                        \
-    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k"))                      \
-  X(sign_decompress, (Decompress<Exec, kSign>),                                            \
-    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k"))                      \
-  X(minmax_decompress_reduce, (DecompressReduce<Exec, kMinMax>),                           \
-    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k").Attr<bool>("average")) \
-  X(sign_decompress_reduce, (DecompressReduce<Exec, kSign>),                               \
-    Ffi::Bind().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("k").Attr<bool>("average")) \
-  X(average2, Average2<Exec>, Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>()) \
-  X(axpy, Axpy<Exec>,                                                                      \
-    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<float>("a"))       \
-  X(async_average, AsyncAverage<Exec>,                                                     \
-    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>().Attr<int64_t>("ranks")) \
-  X(lowprec_decentralized_diff, LowPrecDecentralizedDiff<Exec>,                            \
-    Ffi::Bind().Arg<AnyBuffer>().Arg<AnyBuffer>().Arg<AnyBuffer>().Arg<AnyBuffer>().Ret<AnyBuffer>())
+#define BAGUA_KERNEL_TARGETS(X)                                                                 \
+  X(minmax_compress, (Compress<Exec, kMinMax>),                                                 \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
+  X(sign_compress, (Compress<Exec, kSign>),                                                     \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
+  X(minmax_compress_ef, (CompressWithFeedback<Exec, kMinMax>),                                  \
+    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))     \
+  X(sign_compress_ef, (CompressWithFeedback<Exec, kSign>),                                      \
+    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))     \
+  X(minmax_decompress, (Decompress<Exec, kMinMax>),                                             \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
+  X(sign_decompress, (Decompress<Exec, kSign>),                                                 \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
+  X(minmax_decompress_reduce, (DecompressReduce<Exec, kMinMax>),                                \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))           \
+  X(sign_decompress_reduce, (DecompressReduce<Exec, kSign>),                                    \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))           \
+  X(average2, Average2<Exec>, Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>())            \
+  X(axpy, Axpy<Exec>, Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Attr<float>("a"))   \
+  X(async_average, AsyncAverage<Exec>,                                                          \
+    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("ranks")) \
+  X(lowprec_decentralized_diff, LowPrecDecentralizedDiff<Exec>,                                 \
+    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>())
 
 // Every kernel FFI target for one device, by target name.
 template <typename Exec>
 HandlerTable handlers() {
-  using ffi::AnyBuffer;
+  using Buffer = ffi::AnyBuffer;
   using ffi::Ffi;
   constexpr Format kMinMax = Format::kMinMaxUInt8;
   constexpr Format kSign = Format::kSign;

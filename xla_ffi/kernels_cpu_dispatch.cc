@@ -39,14 +39,14 @@ Isa best_isa() {
 }  // namespace
 
 #if defined(BAGUA_CPU_X86_ISAS)
-#define BAGUA_FORWARD(fn, ...)                                     \
-  switch (best_isa()) {                                            \
-    case Isa::kAvx512:                                             \
-      return avx512::fn(__VA_ARGS__);                              \
-    case Isa::kAvx2:                                               \
-      return avx2::fn(__VA_ARGS__);                                \
-    default:                                                       \
-      return generic::fn(__VA_ARGS__);                             \
+#define BAGUA_FORWARD(fn, ...)         \
+  switch (best_isa()) {                \
+    case Isa::kAvx512:                 \
+      return avx512::fn(__VA_ARGS__);  \
+    case Isa::kAvx2:                   \
+      return avx2::fn(__VA_ARGS__);    \
+    default:                           \
+      return generic::fn(__VA_ARGS__); \
   }
 #else
 #define BAGUA_FORWARD(fn, ...) return generic::fn(__VA_ARGS__);

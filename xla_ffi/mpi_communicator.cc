@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdio>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -103,7 +103,8 @@ MPI_Op mpi_op(DType t, ReduceOp op) {
 template <typename T>
 void divide(void* data, int64_t count, int ranks) {
   T* p = static_cast<T*>(data);
-  for (int64_t i = 0; i < count; ++i) p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
+  for (int64_t i = 0; i < count; ++i)
+    p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
 }
 
 void divide_in_place(void* data, int64_t count, DType t, int ranks) {
@@ -127,7 +128,6 @@ void divide_in_place(void* data, int64_t count, DType t, int ranks) {
   }
 }
 
-
 std::string mpi_error(int code) {
   char text[MPI_MAX_ERROR_STRING];
   int length = 0;
@@ -138,7 +138,8 @@ std::string mpi_error(int code) {
 // Whether the ranks of `comm` span more than one node (MPI's view: shared memory).
 bool spans_nodes(MPI_Comm comm, int size) {
   MPI_Comm node;
-  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS) return false;
+  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
+    return false;
   int node_size = size;
   MPI_Comm_size(node, &node_size);
   MPI_Comm_free(&node);
@@ -171,7 +172,8 @@ class MpiCommunicator final : public Communicator {
 
   Status allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                    void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type)) return fail("allreduce", "avg needs a float type");
+    if (op == ReduceOp::kAvg && !is_floating_point(type))
+      return fail("allreduce", "avg needs a float type");
     Status s = spans_nodes_ && count * dtype_bytes(type) >= kRingMinBytes
                    ? ring_allreduce(send, recv, count, type, op)
                    : run("allreduce", [&](MPI_Request* r) {
@@ -184,7 +186,8 @@ class MpiCommunicator final : public Communicator {
 
   Status reduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op, int root,
                 void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type)) return fail("reduce", "avg needs a float type");
+    if (op == ReduceOp::kAvg && !is_floating_point(type))
+      return fail("reduce", "avg needs a float type");
     if (Status s = check_root("reduce", root); !s.ok()) return s;
     const bool in_place = send == recv && rank_ == root;
     Status s = run("reduce", [&](MPI_Request* r) {
@@ -204,9 +207,11 @@ class MpiCommunicator final : public Communicator {
 
   Status reduce_scatter(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                         void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type)) return fail("reduce_scatter", "avg needs a float type");
+    if (op == ReduceOp::kAvg && !is_floating_point(type))
+      return fail("reduce_scatter", "avg needs a float type");
     Status s = run("reduce_scatter", [&](MPI_Request* r) {
-      return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type), mpi_op(type, op), comm_, r);
+      return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type), mpi_op(type, op), comm_,
+                                         r);
     });
     if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
     return s;
@@ -221,14 +226,17 @@ class MpiCommunicator final : public Communicator {
   Status gather(const void* send, void* recv, int64_t count, DType type, int root, void*) override {
     if (Status s = check_root("gather", root); !s.ok()) return s;
     return run("gather", [&](MPI_Request* r) {
-      return MPI_Igather_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_, r);
+      return MPI_Igather_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_,
+                           r);
     });
   }
 
-  Status scatter(const void* send, void* recv, int64_t count, DType type, int root, void*) override {
+  Status scatter(const void* send, void* recv, int64_t count, DType type, int root,
+                 void*) override {
     if (Status s = check_root("scatter", root); !s.ok()) return s;
     return run("scatter", [&](MPI_Request* r) {
-      return MPI_Iscatter_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_, r);
+      return MPI_Iscatter_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_,
+                            r);
     });
   }
 
@@ -244,7 +252,8 @@ class MpiCommunicator final : public Communicator {
     std::vector<MPI_Aint> sd(size_), rd(size_);
     MPI_Aint send_offset = 0, recv_offset = 0;
     for (int j = 0; j < size_; ++j) {
-      if (send_counts[j] < 0 || recv_counts[j] < 0) return fail("alltoall_v", "counts must be non-negative");
+      if (send_counts[j] < 0 || recv_counts[j] < 0)
+        return fail("alltoall_v", "counts must be non-negative");
       sc[j] = send_counts[j];
       sd[j] = send_offset;
       send_offset += send_counts[j];
@@ -253,8 +262,8 @@ class MpiCommunicator final : public Communicator {
       recv_offset += recv_counts[j];
     }
     return run("alltoall_v", [&](MPI_Request* r) {
-      return MPI_Ialltoallv_c(send, sc.data(), sd.data(), mpi_type(type), recv, rc.data(), rd.data(),
-                              mpi_type(type), comm_, r);
+      return MPI_Ialltoallv_c(send, sc.data(), sd.data(), mpi_type(type), recv, rc.data(),
+                              rd.data(), mpi_type(type), comm_, r);
     });
   }
 
@@ -272,8 +281,8 @@ class MpiCommunicator final : public Communicator {
       for (int i = 0; i < num_peers; ++i) {
         int tag = 0;
         for (int j = 0; j < i; ++j) tag += peers[j] == peers[i];
-        int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type), peers[i], tag,
-                             comm_, &r[2 * i]);
+        int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type), peers[i],
+                             tag, comm_, &r[2 * i]);
         if (rc != MPI_SUCCESS) return rc;
         rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag, comm_, &r[2 * i + 1]);
         if (rc != MPI_SUCCESS) return rc;
@@ -319,7 +328,9 @@ class MpiCommunicator final : public Communicator {
     const int64_t element = dtype_bytes(type);
     char* out = static_cast<char*>(recv);
     if (send != recv) std::memcpy(out, send, count * element);
-    auto first = [&](int chunk) { return count / size_ * chunk + std::min<int64_t>(chunk, count % size_); };
+    auto first = [&](int chunk) {
+      return count / size_ * chunk + std::min<int64_t>(chunk, count % size_);
+    };
     auto length = [&](int chunk) { return first(chunk + 1) - first(chunk); };
     auto wrap = [&](int chunk) { return ((chunk % size_) + size_) % size_; };
     std::vector<char> incoming(length(0) * element);
@@ -327,18 +338,18 @@ class MpiCommunicator final : public Communicator {
     const auto until = deadline();
     std::vector<MPI_Request> requests(2, MPI_REQUEST_NULL);
     for (int step = 0; step < 2 * (size_ - 1); ++step) {
-      // Reducing: pass on the partial sum of chunk rank - step, add prev's to chunk rank - step - 1.
-      // Gathering: pass on the finished chunk rank - s + 1, take finished chunk rank - s.
+      // Reducing: pass on the partial sum of chunk rank - step, add prev's to chunk rank - step
+      // - 1. Gathering: pass on the finished chunk rank - s + 1, take finished chunk rank - s.
       const bool reducing = step < size_ - 1;
       const int s = reducing ? step : step - (size_ - 1);
       const int outgoing = wrap(rank_ - s + (reducing ? 0 : 1)), arriving = wrap(outgoing - 1);
       char* target = out + first(arriving) * element;
       Status status = run_until("allreduce", requests, until, [&](MPI_Request* r) {
-        int rc = MPI_Irecv_c(reducing ? incoming.data() : target, length(arriving), mpi_type(type), prev,
-                             kRingTag, comm_, &r[0]);
+        int rc = MPI_Irecv_c(reducing ? incoming.data() : target, length(arriving), mpi_type(type),
+                             prev, kRingTag, comm_, &r[0]);
         if (rc != MPI_SUCCESS) return rc;
-        return MPI_Isend_c(out + first(outgoing) * element, length(outgoing), mpi_type(type), next, kRingTag,
-                           comm_, &r[1]);
+        return MPI_Isend_c(out + first(outgoing) * element, length(outgoing), mpi_type(type), next,
+                           kRingTag, comm_, &r[1]);
       });
       if (!status.ok()) return status;
       if (reducing) {
@@ -353,15 +364,15 @@ class MpiCommunicator final : public Communicator {
 
   Status check_peer(const char* op, int peer) const {
     if (peer < 0 || peer >= size_ || peer == rank_)
-      return Status{"MPI " + std::string(op) + ": peer " + std::to_string(peer) + " is not another rank of " +
-                    std::to_string(size_)};
+      return Status{"MPI " + std::string(op) + ": peer " + std::to_string(peer) +
+                    " is not another rank of " + std::to_string(size_)};
     return {};
   }
 
   Status check_root(const char* op, int root) const {
     if (root < 0 || root >= size_)
-      return Status{"MPI " + std::string(op) + ": root " + std::to_string(root) + " is not a rank of " +
-                    std::to_string(size_)};
+      return Status{"MPI " + std::string(op) + ": root " + std::to_string(root) +
+                    " is not a rank of " + std::to_string(size_)};
     return {};
   }
 
@@ -378,20 +389,22 @@ class MpiCommunicator final : public Communicator {
 
   std::chrono::steady_clock::time_point deadline() const {
     return std::chrono::steady_clock::now() +
-           std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(timeout_));
+           std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+               std::chrono::duration<double>(timeout_));
   }
 
   // Starts the non-blocking calls, then polls them until done or the deadline.
   template <typename Start>
-  Status run_until(const char* op, std::vector<MPI_Request>& requests, std::chrono::steady_clock::time_point until,
-                   Start&& start) {
+  Status run_until(const char* op, std::vector<MPI_Request>& requests,
+                   std::chrono::steady_clock::time_point until, Start&& start) {
     if (broken_) return fail(op, "the communicator is unusable after an earlier failure");
     auto lock = lock_mpi();
     int rc = start(requests.data());
     if (rc != MPI_SUCCESS) return fail(op, mpi_error(rc));
     for (int polls = 0;; ++polls) {
       int done = 0;
-      rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, MPI_STATUSES_IGNORE);
+      rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                       MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) {
         mark_broken();
         return fail(op, mpi_error(rc));
@@ -434,7 +447,8 @@ std::shared_ptr<Communicator> mpi_world(const std::string& name, double timeout_
   return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds);
 }
 
-std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key, const std::string& name) {
+std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key,
+                                        const std::string& name) {
   auto* mpi_parent = dynamic_cast<MpiCommunicator*>(&parent);
   if (!mpi_parent) throw std::invalid_argument("mpi_split needs an MPI communicator as parent");
   MPI_Comm comm;

@@ -3,8 +3,8 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 
-#include "collective_handlers.h"
 #include "collective_bindings.h"
+#include "collective_handlers.h"
 #include "mpi_communicator.h"
 
 namespace nb = nanobind;
@@ -15,20 +15,30 @@ NB_MODULE(_bagua_mpi, m) {
 
   bind_registrations(m, {{"cpu", collective_handlers::handlers<Cpu>()}});
 
-  m.def("world", [](const std::string& name, double timeout_seconds) {
-    return CommunicatorRegistry::instance().add(mpi_world(name, timeout_seconds));
-  }, nb::arg("name"), nb::arg("timeout_seconds"),
-     "A communicator over MPI_COMM_WORLD (initializes MPI); returns its handle.");
+  m.def(
+      "world",
+      [](const std::string& name, double timeout_seconds) {
+        return CommunicatorRegistry::instance().add(mpi_world(name, timeout_seconds));
+      },
+      nb::arg("name"), nb::arg("timeout_seconds"),
+      "A communicator over MPI_COMM_WORLD (initializes MPI); returns its handle.");
 
-  m.def("split", [](int64_t parent, int color, int key, const std::string& name) {
-    return CommunicatorRegistry::instance().add(mpi_split(*collective_bindings::lookup(parent), color, key, name));
-  }, nb::arg("parent"), nb::arg("color"), nb::arg("key"), nb::arg("name"),
-     "Split a communicator: ranks with the same color form one, ordered by key.");
+  m.def(
+      "split",
+      [](int64_t parent, int color, int key, const std::string& name) {
+        return CommunicatorRegistry::instance().add(
+            mpi_split(*collective_bindings::lookup(parent), color, key, name));
+      },
+      nb::arg("parent"), nb::arg("color"), nb::arg("key"), nb::arg("name"),
+      "Split a communicator: ranks with the same color form one, ordered by key.");
 
-  m.def("finalize", [] {
-    CommunicatorRegistry::instance().clear();
-    mpi_finalize();
-  }, "Destroy every communicator and finalize MPI (called at exit).");
+  m.def(
+      "finalize",
+      [] {
+        CommunicatorRegistry::instance().clear();
+        mpi_finalize();
+      },
+      "Destroy every communicator and finalize MPI (called at exit).");
 
   collective_bindings::bind(m, nb::device::cpu::value);
 }

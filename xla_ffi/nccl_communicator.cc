@@ -60,7 +60,6 @@ ncclRedOp_t nccl_op(ReduceOp op) {
   return ncclSum;
 }
 
-
 std::string seconds(double s) {
   char text[32];
   std::snprintf(text, sizeof text, "%g s", s);
@@ -140,7 +139,8 @@ class NcclCommunicator final : public Communicator {
     if (e != cudaSuccess) {
       ncclCommAbort(comm_);
       cudaFree(barrier_);
-      throw std::runtime_error(fail("create", std::string("CUDA: ") + cudaGetErrorString(e)).message);
+      throw std::runtime_error(
+          fail("create", std::string("CUDA: ") + cudaGetErrorString(e)).message);
     }
     watchdog_ = std::thread([this] { watch(); });
   }
@@ -233,7 +233,8 @@ class NcclCommunicator final : public Communicator {
       return grouped([&] {
         ncclResult_t r = ncclRecv(recv, count, nccl_type(type), root, comm_, s);
         for (int j = 0; rank_ == root && j < size_ && r == ncclSuccess; ++j)
-          r = ncclSend(static_cast<const char*>(send) + j * bytes, count, nccl_type(type), j, comm_, s);
+          r = ncclSend(static_cast<const char*>(send) + j * bytes, count, nccl_type(type), j, comm_,
+                       s);
         return r;
       });
     });
@@ -245,7 +246,8 @@ class NcclCommunicator final : public Communicator {
       return grouped([&] {
         ncclResult_t r = ncclSuccess;
         for (int j = 0; j < size_ && r == ncclSuccess; ++j) {
-          r = ncclSend(static_cast<const char*>(send) + j * bytes, count, nccl_type(type), j, comm_, s);
+          r = ncclSend(static_cast<const char*>(send) + j * bytes, count, nccl_type(type), j, comm_,
+                       s);
           if (r == ncclSuccess)
             r = ncclRecv(static_cast<char*>(recv) + j * bytes, count, nccl_type(type), j, comm_, s);
         }
@@ -259,7 +261,8 @@ class NcclCommunicator final : public Communicator {
                     const int64_t* recv_counts, DType type, void* stream) override {
     int64_t total = 0;
     for (int j = 0; j < size_; ++j) {
-      if (send_counts[j] < 0 || recv_counts[j] < 0) return invalid("alltoall_v", "counts must be non-negative");
+      if (send_counts[j] < 0 || recv_counts[j] < 0)
+        return invalid("alltoall_v", "counts must be non-negative");
       total += send_counts[j] + recv_counts[j];
     }
     const int64_t element = dtype_bytes(type);
@@ -269,11 +272,11 @@ class NcclCommunicator final : public Communicator {
         int64_t send_offset = 0, recv_offset = 0;
         for (int j = 0; j < size_ && r == ncclSuccess; ++j) {
           if (send_counts[j] > 0)
-            r = ncclSend(static_cast<const char*>(send) + send_offset * element, send_counts[j], nccl_type(type), j,
-                         comm_, s);
+            r = ncclSend(static_cast<const char*>(send) + send_offset * element, send_counts[j],
+                         nccl_type(type), j, comm_, s);
           if (r == ncclSuccess && recv_counts[j] > 0)
-            r = ncclRecv(static_cast<char*>(recv) + recv_offset * element, recv_counts[j], nccl_type(type), j,
-                         comm_, s);
+            r = ncclRecv(static_cast<char*>(recv) + recv_offset * element, recv_counts[j],
+                         nccl_type(type), j, comm_, s);
           send_offset += send_counts[j];
           recv_offset += recv_counts[j];
         }
@@ -296,7 +299,8 @@ class NcclCommunicator final : public Communicator {
         for (int i = 0; i < num_peers && r == ncclSuccess; ++i) {
           r = ncclSend(send, count, nccl_type(type), peers[i], comm_, s);
           if (r == ncclSuccess)
-            r = ncclRecv(static_cast<char*>(recv) + i * bytes, count, nccl_type(type), peers[i], comm_, s);
+            r = ncclRecv(static_cast<char*>(recv) + i * bytes, count, nccl_type(type), peers[i],
+                         comm_, s);
         }
         return r;
       });
@@ -328,7 +332,8 @@ class NcclCommunicator final : public Communicator {
   // ncclCommSplit on this communicator; throws on failure.
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) {
     if (color < 0)
-      throw std::invalid_argument(invalid("split", "the color must be >= 0, got " + std::to_string(color)).message);
+      throw std::invalid_argument(
+          invalid("split", "the color must be >= 0, got " + std::to_string(color)).message);
     DeviceGuard guard(device_);
     std::lock_guard<std::mutex> lock(mutex_);
     if (!comm_) throw std::runtime_error(unusable("split").message);
@@ -345,9 +350,10 @@ class NcclCommunicator final : public Communicator {
       r = ready ? wait_ready(ready, deadline) : ncclInternalError;
     }
     if (r != ncclSuccess) {
-      const std::string what = r == ncclInProgress ? "did not complete within " + seconds(timeout_) +
-                                                         "; did every rank of the parent call it?"
-                                                   : describe(r, ready ? ready : comm_);
+      const std::string what = r == ncclInProgress
+                                   ? "did not complete within " + seconds(timeout_) +
+                                         "; did every rank of the parent call it?"
+                                   : describe(r, ready ? ready : comm_);
       const Status failure = abort_locked("split", what);
       // Aborting the parent ends the split's background work; a child it got
       // to create is aborted as well.
@@ -368,8 +374,8 @@ class NcclCommunicator final : public Communicator {
   };
 
   Status fail(const char* op, const std::string& what) const {
-    return Status{"NCCL " + std::string(op) + " on communicator '" + name_ + "' (rank " + std::to_string(rank_) +
-                      " of " + std::to_string(size_) + "): " + what,
+    return Status{"NCCL " + std::string(op) + " on communicator '" + name_ + "' (rank " +
+                      std::to_string(rank_) + " of " + std::to_string(size_) + "): " + what,
                   true};
   }
 
@@ -385,7 +391,8 @@ class NcclCommunicator final : public Communicator {
 
   Status check_rank(const char* op, const char* role, int r) const {
     if (r < 0 || r >= size_)
-      return invalid(op, std::string(role) + " " + std::to_string(r) + " is not a rank of " + std::to_string(size_));
+      return invalid(op, std::string(role) + " " + std::to_string(r) + " is not a rank of " +
+                             std::to_string(size_));
     return {};
   }
 
@@ -393,7 +400,8 @@ class NcclCommunicator final : public Communicator {
     if (reduction != ReduceOp::kSum && reduction != ReduceOp::kAvg && reduction != ReduceOp::kMin &&
         reduction != ReduceOp::kMax)
       return invalid(op, "unknown reduction " + std::to_string(static_cast<int>(reduction)));
-    if (reduction == ReduceOp::kAvg && !is_floating_point(type)) return invalid(op, "avg needs a float type");
+    if (reduction == ReduceOp::kAvg && !is_floating_point(type))
+      return invalid(op, "avg needs a float type");
     return {};
   }
 
@@ -416,8 +424,9 @@ class NcclCommunicator final : public Communicator {
     if (e == cudaSuccess) e = cudaEventRecord(p.start, s);
     if (e != cudaSuccess) {
       recycle(p);
-      return fail(op, "cannot record an event on the stream (is it a stream of the communicator's device " +
-                          std::to_string(device_) + "?): " + cudaGetErrorString(e));
+      return fail(
+          op, "cannot record an event on the stream (is it a stream of the communicator's device " +
+                  std::to_string(device_) + "?): " + cudaGetErrorString(e));
     }
     ncclResult_t r = calls(s);
     // Until a non-blocking call is fully enqueued (it may be connecting to
@@ -425,14 +434,16 @@ class NcclCommunicator final : public Communicator {
     if (r == ncclInProgress) r = wait_ready(comm_, deadline_after(timeout_));
     if (r != ncclSuccess) {
       recycle(p);
-      return abort_locked(op, r == ncclInProgress ? "could not be enqueued within " + seconds(timeout_) +
-                                                        "; a peer may have died or not entered the same collective"
-                                                  : describe(r, comm_));
+      return abort_locked(op, r == ncclInProgress
+                                  ? "could not be enqueued within " + seconds(timeout_) +
+                                        "; a peer may have died or not entered the same collective"
+                                  : describe(r, comm_));
     }
     e = cudaEventRecord(p.end, s);
     if (e != cudaSuccess) {
       recycle(p);
-      return abort_locked(op, std::string("cannot watch the operation: CUDA: ") + cudaGetErrorString(e));
+      return abort_locked(
+          op, std::string("cannot watch the operation: CUDA: ") + cudaGetErrorString(e));
     }
     pending_.push_back(p);
     return {};
@@ -449,7 +460,8 @@ class NcclCommunicator final : public Communicator {
 
   void check_locked() {
     ncclResult_t state = ncclSuccess;
-    if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess && state != ncclInProgress) {
+    if (ncclCommGetAsyncError(comm_, &state) == ncclSuccess && state != ncclSuccess &&
+        state != ncclInProgress) {
       abort_locked(pending_.empty() ? "communication" : pending_.front().op,
                    "asynchronous NCCL error: " + describe(state, comm_));
       return;
@@ -471,8 +483,10 @@ class NcclCommunicator final : public Communicator {
         it->started_at = now;
       }
       if (it->started && now - it->started_at > std::chrono::duration<double>(timeout_)) {
-        abort_locked(it->op, "did not complete within " + seconds(timeout_) +
-                                 " of starting on the GPU; a peer may have died or not entered the same collective");
+        abort_locked(
+            it->op,
+            "did not complete within " + seconds(timeout_) +
+                " of starting on the GPU; a peer may have died or not entered the same collective");
         return;
       }
       ++it;
@@ -530,20 +544,22 @@ std::string nccl_unique_id() {
 std::shared_ptr<Communicator> nccl_create(const std::string& unique_id, int rank, int size,
                                           const std::string& name, double timeout_seconds,
                                           int device) {
-  const std::string where = "NCCL create of communicator '" + name + "' (rank " + std::to_string(rank) + " of " +
-                            std::to_string(size) + "): ";
+  const std::string where = "NCCL create of communicator '" + name + "' (rank " +
+                            std::to_string(rank) + " of " + std::to_string(size) + "): ";
   if (unique_id.size() != NCCL_UNIQUE_ID_BYTES)
-    throw std::invalid_argument(where + "the unique id must be the " + std::to_string(NCCL_UNIQUE_ID_BYTES) +
+    throw std::invalid_argument(where + "the unique id must be the " +
+                                std::to_string(NCCL_UNIQUE_ID_BYTES) +
                                 " bytes of unique_id(), got " + std::to_string(unique_id.size()));
-  if (size < 1 || rank < 0 || rank >= size) throw std::invalid_argument(where + "the rank is out of range");
+  if (size < 1 || rank < 0 || rank >= size)
+    throw std::invalid_argument(where + "the rank is out of range");
   if (!(timeout_seconds > 0)) throw std::invalid_argument(where + "the timeout must be positive");
   int devices = 0;
   if (const cudaError_t e = cudaGetDeviceCount(&devices); e != cudaSuccess)
     throw std::runtime_error(where + "no usable CUDA device: " + cudaGetErrorString(e));
   if (device < 0) cudaGetDevice(&device);
   if (device >= devices)
-    throw std::invalid_argument(where + "CUDA device " + std::to_string(device) + " does not exist (" +
-                                std::to_string(devices) + " visible)");
+    throw std::invalid_argument(where + "CUDA device " + std::to_string(device) +
+                                " does not exist (" + std::to_string(devices) + " visible)");
   DeviceGuard guard(device);
 
   ncclUniqueId id;
@@ -554,18 +570,21 @@ std::shared_ptr<Communicator> nccl_create(const std::string& unique_id, int rank
   config.blocking = 0;
   ncclComm_t comm = nullptr;
   ncclResult_t r = ncclCommInitRankConfig(&comm, size, id, rank, &config);
-  if (r == ncclSuccess || r == ncclInProgress) r = wait_ready(comm, deadline_after(timeout_seconds));
+  if (r == ncclSuccess || r == ncclInProgress)
+    r = wait_ready(comm, deadline_after(timeout_seconds));
   if (r != ncclSuccess) {
-    const std::string what = r == ncclInProgress ? "did not complete within " + seconds(timeout_seconds) +
-                                                       "; did every rank call it with the same unique id and size?"
-                                                 : describe(r, comm);
+    const std::string what = r == ncclInProgress
+                                 ? "did not complete within " + seconds(timeout_seconds) +
+                                       "; did every rank call it with the same unique id and size?"
+                                 : describe(r, comm);
     if (comm) ncclCommAbort(comm);
     throw std::runtime_error(where + what);
   }
   return std::make_shared<NcclCommunicator>(comm, device, name, timeout_seconds);
 }
 
-std::shared_ptr<Communicator> nccl_split(Communicator& parent, int color, int key, const std::string& name) {
+std::shared_ptr<Communicator> nccl_split(Communicator& parent, int color, int key,
+                                         const std::string& name) {
   auto* nccl_parent = dynamic_cast<NcclCommunicator*>(&parent);
   if (!nccl_parent) throw std::invalid_argument("nccl_split needs an NCCL communicator as parent");
   return nccl_parent->split(color, key, name);

@@ -40,7 +40,8 @@ Status dispatch_float(DType dtype, F&& f) {
     case DType::kBF16:
       return f(BFloat16{});
     default:
-      return invalid(std::string("expected float32, float16 or bfloat16, got ") + dtype_name(dtype));
+      return invalid(std::string("expected float32, float16 or bfloat16, got ") +
+                     dtype_name(dtype));
   }
 }
 
@@ -76,51 +77,44 @@ Status first_error(Checks... checks) {
   return result;
 }
 
-template <typename Exec, typename Kernel>
-Status compress(const Exec& exec, Format format, Kernel kernel, TensorRef x, TensorRef residual_in,
-                TensorRef out, TensorRef residual_out, int64_t k) {
+}  // namespace detail
+
+// With residual_in.data == nullptr, compress x; else compress x + residual_in
+// and write the new residual to residual_out.
+template <typename Exec>
+Status compress(const Exec& exec, Format format, TensorRef x, TensorRef residual_in, TensorRef out,
+                TensorRef residual_out, int64_t k) {
   const bool feedback = residual_in.data != nullptr;
-  Status s = first_error(check_chunks(k), check_float("x", x),
-                         check_bytes("the compressed output", out,
-                                     k >= 1 ? compressed_bytes(format, x.numel, k) : 0));
+  Status s =
+      detail::first_error(detail::check_chunks(k), detail::check_float("x", x),
+                          detail::check_bytes("the compressed output", out,
+                                              k >= 1 ? compressed_bytes(format, x.numel, k) : 0));
   if (!s.ok()) return s;
   if (feedback) {
     if (residual_in.dtype != DType::kF32 || residual_out.dtype != DType::kF32)
-      return invalid("error-feedback residuals must be float32");
-    s = first_error(check_numel("the residual", residual_in, x.numel),
-                    check_numel("the new residual", residual_out, x.numel));
+      return detail::invalid("error-feedback residuals must be float32");
+    s = detail::first_error(detail::check_numel("the residual", residual_in, x.numel),
+                            detail::check_numel("the new residual", residual_out, x.numel));
     if (!s.ok()) return s;
   }
-  return dispatch_float(x.dtype, [&](auto tag) {
+  return detail::dispatch_float(x.dtype, [&](auto tag) {
     using T = decltype(tag);
-    return kernel(exec, static_cast<const T*>(x.data), static_cast<const float*>(residual_in.data),
-                  x.numel, k, static_cast<uint8_t*>(out.data),
-                  feedback ? static_cast<float*>(residual_out.data) : nullptr);
+    auto* src = static_cast<const T*>(x.data);
+    auto* residual = static_cast<const float*>(residual_in.data);
+    auto* dst = static_cast<uint8_t*>(out.data);
+    auto* new_residual = feedback ? static_cast<float*>(residual_out.data) : nullptr;
+    return format == Format::kMinMaxUInt8
+               ? kernels::minmax_compress(exec, src, residual, x.numel, k, dst, new_residual)
+               : kernels::sign_compress(exec, src, residual, x.numel, k, dst, new_residual);
   });
-}
-
-}  // namespace detail
-
-template <typename Exec>
-Status minmax_compress(const Exec& exec, TensorRef x, TensorRef residual_in, TensorRef out,
-                       TensorRef residual_out, int64_t k) {
-  return detail::compress(exec, Format::kMinMaxUInt8, [](auto... args) { return kernels::minmax_compress(args...); }, x,
-                          residual_in, out, residual_out, k);
-}
-
-template <typename Exec>
-Status sign_compress(const Exec& exec, TensorRef x, TensorRef residual_in, TensorRef out,
-                     TensorRef residual_out, int64_t k) {
-  return detail::compress(exec, Format::kSign, [](auto... args) { return kernels::sign_compress(args...); }, x, residual_in,
-                          out, residual_out, k);
 }
 
 template <typename Exec>
 Status decompress(const Exec& exec, Format format, TensorRef in, TensorRef out, int64_t k) {
-  Status s = detail::first_error(
-      detail::check_chunks(k), detail::check_float("the output", out),
-      detail::check_bytes("the compressed input", in,
-                          k >= 1 ? compressed_bytes(format, out.numel, k) : 0));
+  Status s =
+      detail::first_error(detail::check_chunks(k), detail::check_float("the output", out),
+                          detail::check_bytes("the compressed input", in,
+                                              k >= 1 ? compressed_bytes(format, out.numel, k) : 0));
   if (!s.ok()) return s;
   return detail::dispatch_float(out.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -136,8 +130,7 @@ Status decompress_reduce(const Exec& exec, Format format, TensorRef in, TensorRe
                          bool average) {
   Status s = detail::first_error(
       detail::check_chunks(k), detail::check_float("the output", out),
-      detail::check_bytes("the compressed input", in,
-                          k * compressed_bytes(format, out.numel, 1)));
+      detail::check_bytes("the compressed input", in, k * compressed_bytes(format, out.numel, 1)));
   if (!s.ok()) return s;
   return detail::dispatch_float(out.dtype, [&](auto tag) {
     using T = decltype(tag);
@@ -175,14 +168,20 @@ Status elementwise(const Exec& exec, Kernel kernel, TensorRef out, Operands... o
 template <typename Exec>
 Status average2(const Exec& exec, TensorRef a, TensorRef b, TensorRef out) {
   return detail::elementwise(
-      exec, [&](auto* pa, auto* pb, int64_t n, auto* po) { return kernels::average2(exec, pa, pb, n, po); },
+      exec,
+      [&](auto* pa, auto* pb, int64_t n, auto* po) {
+        return kernels::average2(exec, pa, pb, n, po);
+      },
       out, a, b);
 }
 
 template <typename Exec>
 Status axpy(const Exec& exec, TensorRef x, float a, TensorRef y, TensorRef out) {
   return detail::elementwise(
-      exec, [&](auto* px, auto* py, int64_t n, auto* po) { return kernels::axpy(exec, px, a, py, n, po); },
+      exec,
+      [&](auto* px, auto* py, int64_t n, auto* po) {
+        return kernels::axpy(exec, px, a, py, n, po);
+      },
       out, x, y);
 }
 

@@ -18,8 +18,8 @@
 
 namespace {
 
-using bagua::DType;
 using bagua::Communicator;
+using bagua::DType;
 using bagua::ReduceOp;
 using bagua::Status;
 using Clock = std::chrono::steady_clock;
@@ -169,8 +169,7 @@ void callers_waiting_on_a_stuck_enqueue_all_fail() {
   const auto start = Clock::now();
   for (int i = 0; i < kCallers; ++i)
     callers.emplace_back([&, i] {
-      results[i] =
-          comm->allreduce(buffers[i], buffers[i], 4, DType::kF32, ReduceOp::kSum, nullptr);
+      results[i] = comm->allreduce(buffers[i], buffers[i], 4, DType::kF32, ReduceOp::kSum, nullptr);
     });
   for (std::thread& t : callers) t.join();
   const double elapsed = seconds_since(start);
@@ -217,8 +216,8 @@ void creation_waits_then_times_out() {
   expect(contains(error, "did not complete within 0.2 s") && elapsed >= 0.2 && elapsed < 5.0 &&
              fake_nccl::state(fake_nccl::comms().at(0)).aborted,
          "a creation that never finishes times out and aborts: " + error);
-  const std::string bad = thrown<std::invalid_argument>(
-      [] { bagua::nccl_create("short", 0, 1, "world", 1.0, 0); });
+  const std::string bad =
+      thrown<std::invalid_argument>([] { bagua::nccl_create("short", 0, 1, "world", 1.0, 0); });
   expect(contains(bad, "must be the 128 bytes"),
          "a unique id of the wrong size is rejected: " + bad);
   const std::string rank = thrown<std::invalid_argument>([] { create(1.0, 2, 2); });

@@ -79,12 +79,18 @@ using fake_nccl::g_script;
 
 const char* ncclGetErrorString(ncclResult_t result) {
   switch (result) {
-    case ncclSuccess: return "no error";
-    case ncclSystemError: return "unhandled system error";
-    case ncclInternalError: return "internal error";
-    case ncclRemoteError: return "remote process exited or there was a network error";
-    case ncclInProgress: return "NCCL operation in progress";
-    default: return "fake NCCL error";
+    case ncclSuccess:
+      return "no error";
+    case ncclSystemError:
+      return "unhandled system error";
+    case ncclInternalError:
+      return "internal error";
+    case ncclRemoteError:
+      return "remote process exited or there was a network error";
+    case ncclInProgress:
+      return "NCCL operation in progress";
+    default:
+      return "fake NCCL error";
   }
 }
 
@@ -169,8 +175,8 @@ ncclResult_t ncclAllReduce(const void*, void*, size_t count, ncclDataType_t type
                            ncclComm_t comm, cudaStream_t stream) {
   return fake_nccl::operation(comm, type, op, count, stream);
 }
-ncclResult_t ncclReduce(const void*, void*, size_t count, ncclDataType_t type, ncclRedOp_t op,
-                        int, ncclComm_t comm, cudaStream_t stream) {
+ncclResult_t ncclReduce(const void*, void*, size_t count, ncclDataType_t type, ncclRedOp_t op, int,
+                        ncclComm_t comm, cudaStream_t stream) {
   return fake_nccl::operation(comm, type, op, count, stream);
 }
 ncclResult_t ncclBroadcast(const void*, void*, size_t count, ncclDataType_t type, int,
@@ -181,8 +187,8 @@ ncclResult_t ncclReduceScatter(const void*, void*, size_t count, ncclDataType_t 
                                ncclRedOp_t op, ncclComm_t comm, cudaStream_t stream) {
   return fake_nccl::operation(comm, type, op, count, stream);
 }
-ncclResult_t ncclAllGather(const void*, void*, size_t count, ncclDataType_t type,
-                           ncclComm_t comm, cudaStream_t stream) {
+ncclResult_t ncclAllGather(const void*, void*, size_t count, ncclDataType_t type, ncclComm_t comm,
+                           cudaStream_t stream) {
   return fake_nccl::operation(comm, type, ncclSum, count, stream);
 }
 ncclResult_t ncclSend(const void*, size_t count, ncclDataType_t type, int, ncclComm_t comm,

@@ -9,7 +9,7 @@
 
 #include "cuda_runtime.h"
 
-#define NCCL_VERSION(X, Y, Z) ((X) * 10000 + (Y) * 100 + (Z))
+#define NCCL_VERSION(X, Y, Z) ((X)*10000 + (Y)*100 + (Z))
 #define NCCL_VERSION_CODE NCCL_VERSION(2, 21, 5)
 #define NCCL_UNIQUE_ID_BYTES 128
 
