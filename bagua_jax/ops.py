@@ -121,8 +121,8 @@ def minmax_uint8_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
     """Compress ``x`` (flattened) into ``k`` chunks of 8-bit min-max codes.
 
     Each chunk stores its float32 minimum and maximum and one code per element,
-    ``q = rint((x - lo) * 255 / (hi - lo))``; decoding errs by at most
-    ``(hi - lo) / 510`` plus float32 rounding. Returns a 1-D uint8 array of
+    on a 254-step grid through 0 (SPEC section 2), so exact zeros stay zero; decoding errs by at most
+    ``(hi - lo) / 508`` plus float32 rounding. Returns a 1-D uint8 array of
     ``compressed_size(x.size, k)`` bytes.
     """
     return _compress("minmax_uint8", x, k)

@@ -122,19 +122,30 @@ def jnp_minmax_compress(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax
     chunks = x.reshape(k, -1)
     lo = chunks.min(axis=1, keepdims=True)
     hi = chunks.max(axis=1, keepdims=True)
-    scale = jnp.where(hi > lo, 255.0 / (hi - lo), 0.0)
-    codes = jnp.clip(jnp.rint((chunks - lo) * scale), 0, 255).astype(jnp.uint8)
+    z, scale, base = jnp_minmax_grid(lo, hi)
+    codes = jnp.clip(jnp.rint((chunks - z) * scale) - base, 0, 255).astype(jnp.uint8)
     return codes, lo, hi
 
 
-def jnp_minmax_decompress(compressed: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+def jnp_minmax_grid(lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The SPEC's zero-anchored grid: anchor, scale and base code offset of each chunk."""
+    z = jnp.where((lo <= 0) & (hi >= 0), 0.0, lo)
+    scale = jnp.where(hi > lo, 254.0 / (hi - lo), 0.0)
+    return z, scale, jnp.rint((lo - z) * scale)
+
+
+def jnp_minmax_decode(compressed: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
     codes, lo, hi = compressed
-    return (lo + codes.astype(jnp.float32) * ((hi - lo) / 255.0)).reshape(-1)
+    z, _, base = jnp_minmax_grid(lo, hi)
+    return z + (codes.astype(jnp.float32) + base) * ((hi - lo) / 254.0)
+
+
+def jnp_minmax_decompress(compressed: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+    return jnp_minmax_decode(compressed).reshape(-1)
 
 
 def jnp_minmax_decompress_reduce(compressed: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-    codes, lo, hi = compressed
-    return (lo + codes.astype(jnp.float32) * ((hi - lo) / 255.0)).mean(axis=0)
+    return jnp_minmax_decode(compressed).mean(axis=0)
 
 
 def jnp_sign_compress(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
@@ -154,20 +165,30 @@ def np_minmax_compress(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, n
     chunks = x.reshape(k, -1)
     lo = chunks.min(axis=1, keepdims=True)
     hi = chunks.max(axis=1, keepdims=True)
-    with np.errstate(divide="ignore"):
-        scale = np.where(hi > lo, np.float32(255) / (hi - lo), np.float32(0))
-    codes = np.clip(np.rint((chunks - lo) * scale), 0, 255).astype(np.uint8)
+    z, scale, base = np_minmax_grid(lo, hi)
+    codes = np.clip(np.rint((chunks - z) * scale) - base, 0, 255).astype(np.uint8)
     return codes, lo, hi
 
 
-def np_minmax_decompress(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+def np_minmax_grid(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    z = np.where((lo <= 0) & (hi >= 0), np.float32(0), lo)
+    with np.errstate(divide="ignore"):
+        scale = np.where(hi > lo, np.float32(254) / (hi - lo), np.float32(0))
+    return z, scale, np.rint((lo - z) * scale)
+
+
+def np_minmax_decode(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
     codes, lo, hi = compressed
-    return (lo + codes.astype(np.float32) * ((hi - lo) / np.float32(255))).reshape(-1)
+    z, _, base = np_minmax_grid(lo, hi)
+    return z + (codes.astype(np.float32) + base) * ((hi - lo) / np.float32(254))
+
+
+def np_minmax_decompress(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
+    return np_minmax_decode(compressed).reshape(-1)
 
 
 def np_minmax_decompress_reduce(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-    codes, lo, hi = compressed
-    return (lo + codes.astype(np.float32) * ((hi - lo) / np.float32(255))).mean(axis=0)
+    return np_minmax_decode(compressed).mean(axis=0)
 
 
 def np_sign_compress(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -187,19 +208,31 @@ def torch_minmax_compress(x: Any, k: int) -> tuple[Any, Any, Any]:
 
     chunks = x.view(k, -1)
     lo, hi = torch.aminmax(chunks, dim=1, keepdim=True)
-    scale = torch.where(hi > lo, 255.0 / (hi - lo), 0.0)
-    codes = torch.round((chunks - lo) * scale).clamp_(0, 255).to(torch.uint8)
+    z, scale, base = torch_minmax_grid(lo, hi)
+    codes = (torch.round((chunks - z) * scale) - base).clamp_(0, 255).to(torch.uint8)
     return codes, lo, hi
 
 
-def torch_minmax_decompress(compressed: tuple[Any, Any, Any]) -> Any:
+def torch_minmax_grid(lo: Any, hi: Any) -> tuple[Any, Any, Any]:
+    import torch
+
+    z = torch.where((lo <= 0) & (hi >= 0), 0.0, lo)
+    scale = torch.where(hi > lo, 254.0 / (hi - lo), 0.0)
+    return z, scale, torch.round((lo - z) * scale)
+
+
+def torch_minmax_decode(compressed: tuple[Any, Any, Any]) -> Any:
     codes, lo, hi = compressed
-    return (lo + codes.float() * ((hi - lo) / 255.0)).view(-1)
+    z, _, base = torch_minmax_grid(lo, hi)
+    return z + (codes.float() + base) * ((hi - lo) / 254.0)
+
+
+def torch_minmax_decompress(compressed: tuple[Any, Any, Any]) -> Any:
+    return torch_minmax_decode(compressed).view(-1)
 
 
 def torch_minmax_decompress_reduce(compressed: tuple[Any, Any, Any]) -> Any:
-    codes, lo, hi = compressed
-    return (lo + codes.float() * ((hi - lo) / 255.0)).mean(dim=0)
+    return torch_minmax_decode(compressed).mean(dim=0)
 
 
 def _bit_shifts(device: Any) -> Any:
@@ -576,7 +609,7 @@ def verify(impls: Sequence[Implementation], n: int, k: int, rng: np.random.Gener
     """Check that every implementation computes what the native kernels compute."""
     host = [rng.standard_normal(n, dtype=np.float32) for _ in range(3)]
     chunks = host[0].reshape(k, -1)
-    code_step = float((chunks.max(axis=1) - chunks.min(axis=1)).max()) / 255
+    code_step = float((chunks.max(axis=1) - chunks.min(axis=1)).max()) / 254
     tolerance = {  # (rtol, atol); a min-max code may differ by one step
         "minmax round trip": (0, 1.01 * code_step),
         "minmax decompress_reduce": (0, 1.01 * code_step),

@@ -48,19 +48,29 @@ def minmax_bounds(seg: np.ndarray) -> tuple[np.float32, np.float32]:
     return lo, hi
 
 
-def minmax_encode(seg: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
+def minmax_grid(lo: np.float32, hi: np.float32) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+    """(z, scale, base, step): the zero-anchored grid of a chunk with bounds lo, hi."""
+    z = F32(0) if lo <= 0 <= hi else F32(lo)
     with np.errstate(all="ignore"):
-        scale = F32(255) / F32(hi - lo)
-        v = (seg - lo).astype(F32) * scale
-    v = np.where(v > 0, v, F32(0))  # also maps NaN to 0
-    v = np.where(v < 255, v, F32(255))
-    return np.rint(v).astype(np.uint8)
+        scale = F32(F32(254) / F32(hi - lo))
+        base = np.rint(F32(F32(lo - z) * scale))
+        step = F32(F32(hi - lo) / F32(254))
+    base = F32(0) if np.isnan(base) else F32(base)  # a constant chunk: 0 * inf
+    return z, scale, base, step
+
+
+def minmax_encode(seg: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
+    z, scale, base, _ = minmax_grid(lo, hi)
+    with np.errstate(all="ignore"):
+        v = (np.rint(((seg - z).astype(F32) * scale).astype(F32)) - base).astype(F32)
+    v = np.where(np.isnan(v), F32(0), v)  # a constant chunk (0 * inf) or a NaN chunk
+    return np.clip(v, 0, 255).astype(np.uint8)
 
 
 def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
+    z, _, base, step = minmax_grid(lo, hi)
     with np.errstate(all="ignore"):
-        step = F32(hi - lo) / F32(255)
-        return (lo + (q.astype(F32) * step).astype(F32)).astype(F32)
+        return (z + ((q.astype(F32) + base).astype(F32) * step).astype(F32)).astype(F32)
 
 
 def minmax_compress(x: np.ndarray, k: int, residual: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:

@@ -277,7 +277,7 @@ def run_history(alg, n: int, steps: int, seed: int, setup=None) -> tuple[list, R
 
 # A last-bit difference in the weights (XLA may fuse the optimizer's update differently from
 # NumPy's one rounding per operation) can move a value across an 8-bit rounding boundary,
-# which shifts that element by one quantization step, (hi - lo) / 255 of z: about 0.02 here.
+# which shifts that element by one quantization step, (hi - lo) / 254 of z: about 0.02 here.
 ONE_CODE = 0.02
 
 

@@ -114,15 +114,15 @@ def np_bytegrad(grads: list[dict], residuals: list | None, *, hierarchical: bool
 
 def bytegrad_error_bound(xs: list[np.ndarray]) -> np.ndarray:
     """Per-element bound on |pipeline result - float64 mean of ``xs``| for one group of k senders without error
-    feedback: each sender's chunk decodes within (hi-lo)/510 of it, so their average is within the mean e1 of those;
-    the averaged chunk (range at most its true range + 2 e1) is compressed again, adding (range)/510; plus float32
+    feedback: each sender's chunk decodes within (hi-lo)/508 of it, so their average is within the mean e1 of those;
+    the averaged chunk (range at most its true range + 2 e1) is compressed again, adding (range)/508; plus float32
     rounding of the decode and average steps, a few ulps of the largest magnitude."""
     k = len(xs)
     m = xs[0].size // k
     stacked = np.stack(xs).astype(np.float64).reshape(k, k, m)  # [sender, chunk, element]
-    e1 = (stacked.max(2) - stacked.min(2)).mean(0) / 510
+    e1 = (stacked.max(2) - stacked.min(2)).mean(0) / 508
     mean = stacked.mean(0)
-    e2 = (mean.max(1) - mean.min(1) + 2 * e1) / 510
+    e2 = (mean.max(1) - mean.min(1) + 2 * e1) / 508
     rounding = 16 * EPS * np.abs(stacked).max()
     return np.repeat(e1 + e2, m) + rounding
 

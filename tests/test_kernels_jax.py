@@ -33,15 +33,18 @@ def test_minmax_roundtrip_matches_reference(rng, n, k, dtype):
     assert decoded.dtype == np.dtype(dtype)
     np.testing.assert_array_equal(decoded, ref.minmax_decompress(expected, n, k).astype(dtype))
 
-    # The SPEC bound: (hi - lo) / 510 per element, plus float32 rounding.
-    decoded32 = np.asarray(ops.minmax_uint8_decompress(compressed, n, k))
-    for b, e in ref.chunk_bounds(n, k):
+    assert_within_minmax_bound(x, np.asarray(ops.minmax_uint8_decompress(compressed, n, k)), k)
+
+
+def assert_within_minmax_bound(x: np.ndarray, decoded: np.ndarray, k: int) -> None:
+    """The SPEC bound: (hi - lo) / 508 per element, plus float32 rounding."""
+    for b, e in ref.chunk_bounds(x.size, k):
         if b == e:
             continue
-        seg = x[b:e].astype(np.float32)
-        span = float(seg.max()) - float(seg.min())
-        bound = span / 510 + 4 * np.finfo(np.float32).eps * float(np.abs(seg).max())
-        assert np.max(np.abs(decoded32[b:e] - seg)) <= bound
+        seg = x[b:e].astype(np.float64)
+        span = seg.max() - seg.min()
+        bound = span / 508 + 2**-21 * (span + np.abs(seg)) + 2**-149
+        assert np.all(np.abs(decoded[b:e].astype(np.float64) - seg) <= bound)
 
 
 @pytest.mark.parametrize("n", SIZES)
@@ -98,6 +101,33 @@ def test_decompress_reduce_matches_reference(rng, format, average, k, dtype):
     out = np.asarray(reduce(buffers, m, k, average=average, dtype=dtype))
     expected = ref.decompress_reduce(buffers, m, k, format, average)
     np.testing.assert_array_equal(out, expected.astype(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_exact_zeros_decode_to_exact_zeros(rng, dtype):
+    # Every chunk's range holds 0, asymmetrically (where a grid from lo would miss 0).
+    x = (random_values(rng, 30_000) * np.float32(3) + np.float32(0.7)).astype(dtype)
+    x[rng.random(x.size) < 0.3] = 0
+    for k in (1, 3, 8):
+        compressed = np.asarray(ops.minmax_uint8_compress(x, k))
+        np.testing.assert_array_equal(compressed, ref.minmax_compress(x, k)[0])
+        decoded = np.asarray(ops.minmax_uint8_decompress(compressed, x.size, k))
+        assert np.all(decoded[x == 0] == 0)
+        assert_within_minmax_bound(x, decoded, k)
+        _, residual = ops.minmax_uint8_compress_ef(x, np.zeros(x.size, np.float32), k)
+        assert np.all(np.asarray(residual)[x == 0] == 0)
+
+
+def test_chunks_of_one_sign_use_a_grid_from_their_minimum(rng):
+    x = np.abs(random_values(rng, 9_000)) + np.float32(0.5)
+    for sign in (1, -1):
+        y = (x * np.float32(sign)).astype(np.float32)
+        compressed = np.asarray(ops.minmax_uint8_compress(y, 3))
+        np.testing.assert_array_equal(compressed, ref.minmax_compress(y, 3)[0])
+        decoded = np.asarray(ops.minmax_uint8_decompress(compressed, y.size, 3))
+        for b, e in ref.chunk_bounds(y.size, 3):
+            assert decoded[b:e].min() == y[b:e].min()  # code 0 decodes to lo exactly
+        assert_within_minmax_bound(y, decoded, 3)
 
 
 def test_constant_chunks_decode_exactly():

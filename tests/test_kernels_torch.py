@@ -61,6 +61,20 @@ def test_minmax_roundtrip_matches_reference(rng, dtype):
     np.testing.assert_array_equal(to_numpy(decoded), ref.minmax_decompress(expected, n, k).astype(TORCH_DTYPES[dtype]))
 
 
+@pytest.mark.parametrize("dtype", TORCH_DTYPES, ids=str)
+def test_exact_zeros_decode_to_exact_zeros(rng, dtype):
+    n, k = 40_000, 3
+    x = (random_values(rng, n) * np.float32(3) + np.float32(0.7)).astype(TORCH_DTYPES[dtype])
+    x[rng.random(n) < 0.3] = 0
+    compressed = ops.minmax_uint8_compress(from_numpy(x), k)
+    np.testing.assert_array_equal(compressed.numpy(), ref.minmax_compress(x, k)[0])
+    decoded = ops.minmax_uint8_decompress(compressed, n, k, dtype)
+    assert torch.all(decoded[torch.from_numpy(x.astype(np.float32) == 0)] == 0)
+    residual = torch.zeros(n)
+    ops.minmax_uint8_compress_ef(from_numpy(x), residual, k)
+    assert torch.all(residual[torch.from_numpy(x.astype(np.float32) == 0)] == 0)
+
+
 def test_error_feedback_updates_the_residual_in_place(rng):
     n, k = 10_007, 2
     x, e = random_values(rng, n), random_values(rng, n) * np.float32(0.01)

@@ -92,6 +92,18 @@ f32x8 widen(const Half* p) {
 
 f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
 
+// math::clamp_or_zero and math::round_half_even, lane by lane.
+f32x8 clamp_or_zero(f32x8 v, float low, float high) {
+  v = v == v ? v : splat(0.0f);
+  v = v > low ? v : splat(low);
+  return v < high ? v : splat(high);
+}
+
+f32x8 round_half_even(f32x8 v) {
+  const f32x8 magic = splat(12582912.0f);
+  return (v + magic) - magic;
+}
+
 // Bit j of a sign byte is lane j (least significant bit first, SPEC section 2).
 constexpr i32x8 kLaneBits = {1, 2, 4, 8, 16, 32, 64, 128};
 
@@ -220,33 +232,31 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
   parallel_for(blocks.tasks(), n, [&](int64_t t) {
     const int64_t c = blocks.chunk(t);
     const float* h = header(out, chunking, c);
-    const float lo = h[0], scale = math::minmax_scale(h[0], h[1]), step = math::minmax_step(h[0], h[1]);
+    const math::MinMaxGrid grid = math::minmax_grid(h[0], h[1]);
     const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
     uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes - first;
     // math::minmax_encode and minmax_decode, eight lanes at a time (the byte stores
     // could alias the input, so the compiler would not vectorize the scalar loop).
-    const f32x8 lo8 = splat(lo), scale8 = splat(scale), step8 = splat(step), zero = splat(0.0f),
-                top = splat(255.0f), magic = splat(8388608.0f);
+    const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base), step8 = splat(grid.step);
     int64_t i = begin;
     for (; i + 8 <= end; i += 8) {
       const f32x8 v = src.load8(i);
-      f32x8 t = (v - lo8) * scale8;
-      t = t > zero ? t : zero;
-      t = t < top ? t : top;
-      const i32x8 q = __builtin_convertvector((t + magic) - magic, i32x8);
+      const f32x8 q = clamp_or_zero(round_half_even(clamp_or_zero((v - z8) * scale8, -255.0f, 255.0f)) - base8,
+                                    0.0f, 255.0f);
+      const i32x8 codes8 = __builtin_convertvector(q, i32x8);
       uint8_t bytes[8];
-      for (int j = 0; j < 8; ++j) bytes[j] = static_cast<uint8_t>(q[j]);
+      for (int j = 0; j < 8; ++j) bytes[j] = static_cast<uint8_t>(codes8[j]);
       std::memcpy(codes + i, bytes, sizeof bytes);
       if constexpr (kFeedback) {
-        const f32x8 residual = v - (lo8 + __builtin_convertvector(q, f32x8) * step8);
+        const f32x8 residual = v - (z8 + (q + base8) * step8);
         std::memcpy(residual_out + i, &residual, sizeof residual);
       }
     }
     for (; i < end; ++i) {
       const float v = src(i);
-      const uint8_t q = math::minmax_encode(v, lo, scale);
+      const uint8_t q = math::minmax_encode(v, grid);
       codes[i] = q;
-      if constexpr (kFeedback) residual_out[i] = math::sub_rn(v, math::minmax_decode(q, lo, step));
+      if constexpr (kFeedback) residual_out[i] = math::sub_rn(v, math::minmax_decode(q, grid));
     }
   });
 }
@@ -327,10 +337,10 @@ template <typename Emit>
 void minmax_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, int64_t begin,
                          int64_t end, Emit&& emit) {
   const float* h = header(in, chunking, c);
-  const float lo = h[0], step = math::minmax_step(h[0], h[1]);
+  const math::MinMaxGrid grid = math::minmax_grid(h[0], h[1]);
   const uint8_t* codes = in + chunking.slot_offset(c) + kHeaderBytes;
   const int64_t first = chunking.begin(c);
-  for (int64_t i = begin; i < end; ++i) emit(i, math::minmax_decode(codes[i - first], lo, step));
+  for (int64_t i = begin; i < end; ++i) emit(i, math::minmax_decode(codes[i - first], grid));
 }
 
 // The same for a Sign buffer, except that each whole byte of bits reaches

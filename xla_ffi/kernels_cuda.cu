@@ -423,14 +423,12 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(Chunking chunking, u
 
 struct MinMaxEncoder {
   using Stats = MinMaxStats;
-  float lo, scale, step;
+  math::MinMaxGrid grid;
   uint8_t* codes;
 
   __device__ MinMaxEncoder(uint8_t* slot, int64_t length) {
     const float2 b = Stats::bounds(slot, length);
-    lo = b.x;
-    scale = math::minmax_scale(b.x, b.y);
-    step = math::minmax_step(b.x, b.y);
+    grid = math::minmax_grid(b.x, b.y);
     codes = slot + kHeaderBytes;
   }
 
@@ -443,9 +441,9 @@ struct MinMaxEncoder {
       uint32_t word = 0;
 #pragma unroll
       for (int u = 0; u < V; ++u) {
-        const uint8_t q = math::minmax_encode(v[j * V + u], lo, scale);
+        const uint8_t q = math::minmax_encode(v[j * V + u], grid);
         word |= uint32_t{q} << (8 * u);
-        residual[j * V + u] = math::sub_rn(v[j * V + u], math::minmax_decode(q, lo, step));
+        residual[j * V + u] = math::sub_rn(v[j * V + u], math::minmax_decode(q, grid));
       }
       store_bytes<V>(codes + s.at(j), s.count(j), word);
     }
@@ -488,13 +486,12 @@ struct SignEncoder {
 };
 
 struct MinMaxDecoder {
-  float lo, step;
+  math::MinMaxGrid grid;
   const uint8_t* codes;
 
   __device__ explicit MinMaxDecoder(const uint8_t* slot) {
     const float* h = reinterpret_cast<const float*>(slot);
-    lo = h[0];
-    step = math::minmax_step(h[0], h[1]);
+    grid = math::minmax_grid(h[0], h[1]);
     codes = slot + kHeaderBytes;
   }
 
@@ -505,7 +502,7 @@ struct MinMaxDecoder {
       const uint32_t word = load_bytes<V>(codes + s.at(j), s.count(j));
 #pragma unroll
       for (int u = 0; u < V; ++u)
-        v[j * V + u] = math::minmax_decode(static_cast<uint8_t>(word >> (8 * u)), lo, step);
+        v[j * V + u] = math::minmax_decode(static_cast<uint8_t>(word >> (8 * u)), grid);
     }
   }
 };

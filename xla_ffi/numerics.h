@@ -51,27 +51,51 @@ BAGUA_HD float nan_min(float a, float b) { return (b < a || b != b) ? b : a; }
 BAGUA_HD float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
 // ---- MinMaxUInt8 ---------------------------------------------------------
+//
+// SPEC section 2's zero-anchored grid: anchor z = 0 when lo <= 0 <= hi, else
+// z = lo; scale = 254 / (hi - lo); base = rint((lo - z) * scale) in [-254, 0];
+// q = clamp(rint((x - z) * scale) - base, 0, 255); decoding is
+// z + (q + base) * ((hi - lo) / 254). The grid passes through 0 whenever the
+// chunk's range holds 0, so an exact zero decodes to an exact zero.
 
-BAGUA_HD float minmax_scale(float lo, float hi) { return div_rn(255.0f, sub_rn(hi, lo)); }
-
-BAGUA_HD float minmax_step(float lo, float hi) { return div_rn(sub_rn(hi, lo), 255.0f); }
-
-// Round to nearest, ties to even, for 0 <= v < 2^23: adding and removing 2^23
+// Round to nearest, ties to even, for |v| < 2^22: adding and removing 1.5 * 2^23
 // leaves no fraction bits. Unlike rintf this vectorizes on every x86-64.
-BAGUA_HD float round_half_even(float v) { return sub_rn(add_rn(v, 8388608.0f), 8388608.0f); }
+BAGUA_HD float round_half_even(float v) { return sub_rn(add_rn(v, 12582912.0f), 12582912.0f); }
 
-// q = clamp(rint((x - lo) * scale), 0, 255). A NaN product (a constant chunk
-// has scale = inf and x - lo = 0) encodes as 0. Clamping before rounding gives
-// the same codes and keeps the rounding trick in range.
-BAGUA_HD uint8_t minmax_encode(float x, float lo, float scale) {
-  float v = mul_rn(sub_rn(x, lo), scale);
-  v = v > 0.0f ? v : 0.0f;
-  v = v < 255.0f ? v : 255.0f;
-  return static_cast<uint8_t>(static_cast<int>(round_half_even(v)));
+// v clamped to [low, high], with NaN mapped to 0 (0 must lie in [low, high]).
+// A NaN arises in a constant chunk: scale = inf and x - z = 0.
+BAGUA_HD float clamp_or_zero(float v, float low, float high) {
+  v = v == v ? v : 0.0f;
+  v = v > low ? v : low;
+  return v < high ? v : high;
 }
 
-BAGUA_HD float minmax_decode(uint8_t q, float lo, float step) {
-  return add_rn(lo, mul_rn(static_cast<float>(q), step));
+BAGUA_HD float minmax_anchor(float lo, float hi) { return (lo <= 0.0f && 0.0f <= hi) ? 0.0f : lo; }
+
+// The per-chunk constants of the grid, each computed once in float32.
+struct MinMaxGrid {
+  float z, scale, base, step;
+};
+
+BAGUA_HD MinMaxGrid minmax_grid(float lo, float hi) {
+  MinMaxGrid g;
+  g.z = minmax_anchor(lo, hi);
+  const float range = sub_rn(hi, lo);
+  g.scale = div_rn(254.0f, range);
+  g.base = round_half_even(clamp_or_zero(mul_rn(sub_rn(lo, g.z), g.scale), -254.0f, 0.0f));
+  g.step = div_rn(range, 254.0f);
+  return g;
+}
+
+// Clamping (x - z) * scale to [-255, 255] before rounding gives the same codes
+// (|(x - z) * scale| <= 254 up to rounding) and keeps the rounding trick in range.
+BAGUA_HD uint8_t minmax_encode(float x, const MinMaxGrid& g) {
+  const float t = round_half_even(clamp_or_zero(mul_rn(sub_rn(x, g.z), g.scale), -255.0f, 255.0f));
+  return static_cast<uint8_t>(static_cast<int>(clamp_or_zero(sub_rn(t, g.base), 0.0f, 255.0f)));
+}
+
+BAGUA_HD float minmax_decode(uint8_t q, const MinMaxGrid& g) {
+  return add_rn(g.z, mul_rn(add_rn(static_cast<float>(q), g.base), g.step));
 }
 
 // ---- 1-bit sign ----------------------------------------------------------

@@ -49,7 +49,7 @@ class ByteGradAlgorithm(Algorithm):
     """Average (or sum) the gradients over all ranks through 8-bit min-max compression.
 
     About 1/4 of an fp32 allreduce's bytes per rank per step (plus a 16-byte header per
-    chunk); the per-element error is at most ``(hi-lo)/510`` of each chunk, twice, plus
+    chunk); the per-element error is at most ``(hi-lo)/508`` of each chunk, twice, plus
     float32 rounding. ``error_feedback`` carries the first compression's error into the
     next step. Choose it when gradient allreduce is bandwidth-bound, in particular
     between nodes; parameters must be float32, float16 or bfloat16.
