@@ -38,3 +38,17 @@ def check_warmup_steps(value: Any, algorithm: str) -> int:
     if isinstance(value, bool) or not isinstance(value, _INTS) or value < 0:
         raise ValueError(f"{algorithm}: warmup_steps must be a non-negative int, got {value!r}")
     return int(value)
+
+
+def check_flags(algorithm: str, **flags: Any) -> None:
+    """Raise a TypeError unless every keyword argument is a bool (catches e.g. ``average="sum"``)."""
+    for key, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{algorithm}: {key} must be a bool, got {value!r}")
+
+
+def check_bucket_bytes(bucket_bytes: Any, algorithm: str) -> int:
+    """Return ``bucket_bytes`` as an int if it is a positive integer, else raise a ValueError."""
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, _INTS) or bucket_bytes <= 0:
+        raise ValueError(f"{algorithm}: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    return int(bucket_bytes)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import ClassVar
 
 NAME = "powersgd"
 
@@ -43,6 +44,8 @@ class PowerSGDConfig:
     least this many times the ``(n + m) r`` its factors send. ``seed`` seeds the initial ``Q``
     (the same on every rank).
     """
+
+    name: ClassVar[str] = NAME
 
     rank: int = 4
     start_iter: int = 10

@@ -589,7 +589,7 @@ def test_an_optimizer_is_refused(seed):
     [
         ({"warmup_steps": 0}, ValueError, "warmup_steps must be an int >= 1"),
         ({"warmup_steps": 2.5}, ValueError, "warmup_steps"),
-        ({"b1": 1.0}, ValueError, r"b1 must be a float in \[0, 1\)"),
+        ({"b1": 1.0}, ValueError, r"b1 \(betas\[0\]\) must be a float in \[0, 1\)"),
         ({"b2": -0.1}, ValueError, "b2"),
         ({"eps": 0.0}, ValueError, "eps must be a float > 0"),
         ({"hierarchical": "yes"}, TypeError, "hierarchical must be a bool"),

@@ -143,12 +143,12 @@ def test_configuration_errors():
     for kwargs, message in [
         ({"warmup_steps": 0}, "warmup_steps must be an int >= 1"),
         ({"warmup_steps": 2.0}, "warmup_steps must be an int >= 1"),
-        ({"betas": (0.9, 1.0)}, r"betas\[1\] must be a float in \[0, 1\)"),
+        ({"betas": (0.9, 1.0)}, r"b2 \(betas\[1\]\) must be a float in \[0, 1\)"),
         ({"betas": 0.9}, "betas must be a pair"),
         ({"eps": 0.0}, "eps must be a float > 0"),
-        ({"lr": -1.0}, "lr must be a float >= 0"),
+        ({"lr": -1.0}, r"learning_rate \(lr\) must be a float >= 0"),
     ]:
-        with pytest.raises(ValueError, match=f"QAdamOptimizer: {message}"):
+        with pytest.raises(ValueError, match=f"qadam: {message}"):
             QAdamOptimizer(params, **kwargs)
     with pytest.raises(TypeError, match="real floating-point"):
         QAdamOptimizer([torch.zeros(3, dtype=torch.int32)])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bagua_common.algorithm_configs import build_algorithm, unknown_algorithm
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager, async_model_average
 from bagua_jax.algorithms.base import Algorithm, Communicators
 from bagua_jax.algorithms.bytegrad import ByteGrad, bytegrad
@@ -20,15 +21,19 @@ from bagua_jax.algorithms.powersgd import PowerSGD, powersgd
 from bagua_jax.algorithms.qadam import QAdam, qadam
 
 ALGORITHMS: dict[str, type] = {
-    "gradient_allreduce": GradientAllReduce,
-    "bytegrad": ByteGrad,
-    "decentralized": Decentralized,
-    "low_precision_decentralized": LowPrecisionDecentralized,
-    "async": AsyncModelAverage,
-    "qadam": QAdam,
-    "onebit_adam": OneBitAdam,
-    "powersgd": PowerSGD,
+    cls.name: cls
+    for cls in (
+        GradientAllReduce,
+        ByteGrad,
+        Decentralized,
+        LowPrecisionDecentralized,
+        AsyncModelAverage,
+        QAdam,
+        OneBitAdam,
+        PowerSGD,
+    )
 }
+"""Registry name (that of the shared configuration in :mod:`bagua_common.algorithm_configs`) -> class."""
 
 # Options a name alone does not say: the optimizer-replacing algorithms need their learning rate.
 _NEEDS_LEARNING_RATE = ("qadam", "onebit_adam")
@@ -41,12 +46,12 @@ def make_algorithm(name: str, learning_rate: float | None = None, **options: Any
     ignored by the others (whose optimizer is the user's).
     """
     if name not in ALGORITHMS:
-        raise ValueError(f"unknown algorithm {name!r}; choose one of {sorted(ALGORITHMS)}")
+        raise unknown_algorithm(name, ALGORITHMS)
     if name in _NEEDS_LEARNING_RATE:
         if learning_rate is None:
             raise ValueError(f"{name} is an optimizer itself and needs learning_rate")
         options["learning_rate"] = learning_rate
-    return ALGORITHMS[name](**options)
+    return build_algorithm(name, ALGORITHMS[name], options)
 
 
 __all__ = [

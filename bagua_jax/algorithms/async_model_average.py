@@ -38,13 +38,13 @@ import numpy as np
 import optax
 from jax import lax
 
+from bagua_common.algorithm_configs import AsyncModelAverageConfig, config_options
 from bagua_common.averaging_rounds import AveragingRounds
 from bagua_common.engines import REDUCE_OP_CODES
-from bagua_common.options import check_sync_interval_ms, check_warmup_steps
+from bagua_common.options import check_bucket_bytes, check_sync_interval_ms, check_warmup_steps
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
-    check_bucket_bytes,
     check_communicators,
     check_float_params,
     varying_like,
@@ -252,7 +252,7 @@ class AsyncModelAverager:
 
 
 @dataclass(frozen=True)
-class AsyncModelAverage:
+class AsyncModelAverage(AsyncModelAverageConfig):
     """Asynchronous model averaging (SPEC section 3): gradient allreduce for ``warmup_steps``
     steps, then local steps while a background thread averages the weights every
     ``sync_interval_ms`` without blocking training.
@@ -265,14 +265,11 @@ class AsyncModelAverage:
     diverging replicas are acceptable.
     """
 
-    sync_interval_ms: float = 500
-    warmup_steps: int = 0
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        check_sync_interval_ms(self.sync_interval_ms, "async")
-        check_warmup_steps(self.warmup_steps, "async")
-        check_bucket_bytes(self.bucket_bytes, "AsyncModelAverage")
+        super().__post_init__()
+        check_bucket_bytes(self.bucket_bytes, self.name)
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators
@@ -284,11 +281,4 @@ class AsyncModelAverage:
 
     def averager(self, params: Any, comm: NativeCommunicator, *, steps_done: int = 0) -> AsyncModelAverager:
         """The background rounds for weights shaped like ``params`` over the dedicated MPI ``comm``."""
-        return AsyncModelAverager(
-            params,
-            comm,
-            sync_interval_ms=self.sync_interval_ms,
-            warmup_steps=self.warmup_steps,
-            steps_done=steps_done,
-            bucket_bytes=self.bucket_bytes,
-        )
+        return AsyncModelAverager(params, comm, steps_done=steps_done, **config_options(self))

@@ -74,20 +74,6 @@ def check_communicators(comms: Any, algorithm: str) -> Communicators:
     )
 
 
-def check_bucket_bytes(bucket_bytes: Any, algorithm: str) -> int:
-    """Return ``bucket_bytes`` as an int if it is a positive integer, else raise a ValueError."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"{algorithm}: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    return bucket_bytes
-
-
-def check_flags(algorithm: str, **flags: Any) -> None:
-    """Raise a TypeError unless every keyword argument is a bool (catches e.g. ``average="sum"``)."""
-    for key, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{algorithm}: {key} must be a bool, got {value!r}")
-
-
 def check_float_grads(grads: Any, algorithm: str) -> None:
     """Raise a TypeError naming the first non-floating gradient leaf (integer gradients cannot be averaged)."""
     for path, leaf in jax.tree_util.tree_leaves_with_path(grads):

@@ -24,11 +24,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bagua_common.algorithm_configs import ByteGradConfig, config_options
+from bagua_common.options import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
-    check_bucket_bytes,
     check_communicators,
-    check_flags,
     check_float_grads,
     check_float_params,
     two_levels,
@@ -105,7 +105,7 @@ def bytegrad(
     name = "bytegrad"
     comms = check_communicators(comms, name)
     bucket_bytes = check_bucket_bytes(bucket_bytes, name)
-    check_flags(name, average=average, hierarchical=hierarchical, error_feedback=error_feedback)
+    ByteGradConfig(hierarchical=hierarchical, average=average, error_feedback=error_feedback)
 
     def residual_sizes(plan: BucketPlan) -> list[int]:
         levels = two_levels(comms, hierarchical, name)
@@ -155,7 +155,7 @@ def bytegrad(
 
 
 @dataclass(frozen=True)
-class ByteGrad:
+class ByteGrad(ByteGradConfig):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`bytegrad`: 8-bit compressed gradient
     averaging (about 1/4 of an fp32 allreduce's bytes per rank per step; with ``hierarchical`` only the inter-node
     exchange is compressed and intra-node traffic stays full precision) followed by the user's optimizer, so every
@@ -166,22 +166,14 @@ class ByteGrad:
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
 
-    hierarchical: bool = True
-    average: bool = True
-    error_feedback: bool = False
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bucket_bytes(self.bucket_bytes, self.name)
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators
     ) -> optax.GradientTransformationExtraArgs:
         """``optax.chain(bytegrad(comms, ...), optimizer)``: communicate compressed, then run the optimizer."""
-        return optax.chain(
-            bytegrad(
-                comms,
-                average=self.average,
-                hierarchical=self.hierarchical,
-                error_feedback=self.error_feedback,
-                bucket_bytes=self.bucket_bytes,
-            ),
-            optimizer,
-        )
+        return optax.chain(bytegrad(comms, **config_options(self)), optimizer)

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from bagua_common.options import check_communication_interval
+from bagua_common.algorithm_configs import DecentralizedConfig, config_options
+from bagua_common.options import check_bucket_bytes
 from bagua_common.topology import (
     PeerSelectionMode,
     check_pairable,
@@ -30,7 +31,6 @@ from bagua_common.topology import (
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
-    check_bucket_bytes,
     check_communicators,
     check_float_params,
 )
@@ -130,8 +130,7 @@ def decentralized(
     and exact agreement of the replicas at every step is not required.
     """
     comms = check_communicators(comms, "decentralized")
-    check_peer_selection_mode(peer_selection_mode, "decentralized")
-    check_communication_interval(communication_interval, "decentralized")
+    DecentralizedConfig(peer_selection_mode, communication_interval, hierarchical)
     check_bucket_bytes(bucket_bytes, "decentralized")
 
     def init_fn(params: Any) -> DecentralizedState:
@@ -177,7 +176,7 @@ def decentralized(
 
 
 @dataclass(frozen=True)
-class Decentralized:
+class Decentralized(DecentralizedConfig):
     """Decentralized SGD (SPEC section 3): ``optax.chain(optimizer, decentralized(...))``.
 
     Every ``communication_interval`` steps the weights are averaged with all ranks
@@ -189,27 +188,14 @@ class Decentralized:
     global allreduce every step pays for slightly noisier replicas; see :func:`decentralized`.
     """
 
-    peer_selection_mode: PeerSelectionMode = "all"
-    communication_interval: int = 1
-    hierarchical: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        check_peer_selection_mode(self.peer_selection_mode, "Decentralized")
-        check_communication_interval(self.communication_interval, "decentralized")
-        check_bucket_bytes(self.bucket_bytes, "Decentralized")
+        super().__post_init__()
+        check_bucket_bytes(self.bucket_bytes, self.name)
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators
     ) -> optax.GradientTransformationExtraArgs:
         """The user's optimizer followed by the weight averaging (needs ``params`` in ``update``)."""
-        return optax.chain(
-            optimizer,
-            decentralized(
-                comms,
-                peer_selection_mode=self.peer_selection_mode,
-                communication_interval=self.communication_interval,
-                hierarchical=self.hierarchical,
-                bucket_bytes=self.bucket_bytes,
-            ),
-        )
+        return optax.chain(optimizer, decentralized(comms, **config_options(self)))

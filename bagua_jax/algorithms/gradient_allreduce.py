@@ -24,11 +24,11 @@ from typing import Any
 
 import optax
 
+from bagua_common.algorithm_configs import GradientAllReduceConfig, config_options
+from bagua_common.options import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
-    check_bucket_bytes,
     check_communicators,
-    check_flags,
     check_float_grads,
     check_float_params,
     two_levels,
@@ -58,7 +58,7 @@ def gradient_allreduce(
     name = "gradient_allreduce"
     comms = check_communicators(comms, name)
     bucket_bytes = check_bucket_bytes(bucket_bytes, name)
-    check_flags(name, average=average, hierarchical=hierarchical)
+    GradientAllReduceConfig(hierarchical=hierarchical, average=average)
     op = "avg" if average else "sum"
 
     def init_fn(params: Any) -> optax.EmptyState:
@@ -86,7 +86,7 @@ def gradient_allreduce(
 
 
 @dataclass(frozen=True)
-class GradientAllReduce:
+class GradientAllReduce(GradientAllReduceConfig):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`gradient_allreduce`: full-precision gradient
     allreduce (``2 (n-1)/n`` of the gradient bytes per rank per step, the fp32 baseline) followed by the user's
     optimizer, so every rank applies the same update. ``hierarchical`` reduces inside the node first and only
@@ -98,17 +98,14 @@ class GradientAllReduce:
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
 
-    hierarchical: bool = False
-    average: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_bucket_bytes(self.bucket_bytes, self.name)
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators
     ) -> optax.GradientTransformationExtraArgs:
         """``optax.chain(gradient_allreduce(comms, ...), optimizer)``: communicate, then run the optimizer."""
-        return optax.chain(
-            gradient_allreduce(
-                comms, average=self.average, hierarchical=self.hierarchical, bucket_bytes=self.bucket_bytes
-            ),
-            optimizer,
-        )
+        return optax.chain(gradient_allreduce(comms, **config_options(self)), optimizer)

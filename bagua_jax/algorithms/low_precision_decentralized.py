@@ -20,11 +20,11 @@ import numpy as np
 import optax
 from jax import lax
 
-from bagua_common.options import check_communication_interval
+from bagua_common.algorithm_configs import LowPrecisionDecentralizedConfig, config_options
+from bagua_common.options import check_bucket_bytes
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
-    check_bucket_bytes,
     check_communicators,
     check_float_params,
 )
@@ -75,7 +75,7 @@ def low_precision_decentralized(
     high-latency networks where even decentralized full-precision exchange is too expensive.
     """
     comms = check_communicators(comms, "low_precision_decentralized")
-    check_communication_interval(communication_interval, "low_precision_decentralized")
+    LowPrecisionDecentralizedConfig(communication_interval, hierarchical)
     check_bucket_bytes(bucket_bytes, "low_precision_decentralized")
     use_hierarchy = hierarchical and comms.hierarchical
 
@@ -192,7 +192,7 @@ def _rows(bucket: jax.Array, k: int) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class LowPrecisionDecentralized:
+class LowPrecisionDecentralized(LowPrecisionDecentralizedConfig):
     """Low-precision decentralized SGD (SPEC section 3): ``optax.chain(optimizer, transform)``.
 
     After each local optimizer step, every ``communication_interval`` steps, each rank sends
@@ -203,24 +203,14 @@ class LowPrecisionDecentralized:
     the slowest networks; see :func:`low_precision_decentralized`.
     """
 
-    communication_interval: int = 1
-    hierarchical: bool = True
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     def __post_init__(self) -> None:
-        check_communication_interval(self.communication_interval, "low_precision_decentralized")
-        check_bucket_bytes(self.bucket_bytes, "LowPrecisionDecentralized")
+        super().__post_init__()
+        check_bucket_bytes(self.bucket_bytes, self.name)
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators
     ) -> optax.GradientTransformationExtraArgs:
         """The user's optimizer followed by the ring exchange (needs ``params`` in ``update``)."""
-        return optax.chain(
-            optimizer,
-            low_precision_decentralized(
-                comms,
-                communication_interval=self.communication_interval,
-                hierarchical=self.hierarchical,
-                bucket_bytes=self.bucket_bytes,
-            ),
-        )
+        return optax.chain(optimizer, low_precision_decentralized(comms, **config_options(self)))

@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from bagua_common.algorithm_configs import OneBitAdamConfig
 from bagua_jax.algorithms.base import Communicators, two_levels
 from bagua_jax.algorithms.qadam import (
     AdamWithAveragedMomentum,
@@ -123,16 +124,11 @@ def onebit_adam(
             new_servers.append(server)
         return averaged, (tuple(new_workers), tuple(new_servers))
 
+    config = OneBitAdamConfig(learning_rate, warmup_steps, b1, b2, eps, hierarchical)
     return adam_with_averaged_momentum(
         comms,
-        learning_rate,
-        name=name,
-        warmup_steps=warmup_steps,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        hierarchical=hierarchical,
-        bucket_bytes=bucket_bytes,
+        config,
+        bucket_bytes,
         init_extra=init_extra,
         exchange=exchange,
         make_state=OneBitAdamState,
@@ -140,12 +136,14 @@ def onebit_adam(
 
 
 @dataclass(frozen=True)
-class OneBitAdam(AdamWithAveragedMomentum):
+class OneBitAdam(AdamWithAveragedMomentum, OneBitAdamConfig):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`onebit_adam`: Adam with full-precision
     gradient averaging for ``warmup_steps`` steps (1x an fp32 allreduce per step), then frozen ``v`` and 1-bit
     momentum averaging with error feedback on both sides (~1/32 of an fp32 allreduce; with ``hierarchical`` only
     between nodes). It replaces the optimizer, so :meth:`transformation` takes ``optimizer=None``. Choose it for
     Adam training on the slowest links, where even QAdam's 8-bit momentum is too many bytes.
     """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     _transform = staticmethod(onebit_adam)

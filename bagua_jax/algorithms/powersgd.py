@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bagua_common.algorithm_configs import config_options
 from bagua_common.powersgd import NAME, PowerSGDConfig, matrix_view
 from bagua_jax.algorithms.base import (
     Communicators,
@@ -178,5 +179,5 @@ class PowerSGD(PowerSGDConfig):
         self, optimizer: optax.GradientTransformation, comms: Communicators | Communicator
     ) -> optax.GradientTransformationExtraArgs:
         """``optax.chain(powersgd(comms, self), optimizer)``: communicate, then run the optimizer."""
-        config = PowerSGDConfig(**{f: getattr(self, f) for f in PowerSGDConfig.__dataclass_fields__})
+        config = PowerSGDConfig(**config_options(self))
         return optax.chain(powersgd(comms, config), optimizer)

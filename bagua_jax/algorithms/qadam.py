@@ -38,12 +38,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from bagua_common.algorithm_configs import QAdamConfig, config_options
 from bagua_common.frozen_variance import VARIANCE_FLOOR
+from bagua_common.options import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
-    check_bucket_bytes,
     check_communicators,
-    check_flags,
     check_float_grads,
     check_float_params,
     two_levels,
@@ -71,29 +71,6 @@ class QAdamState(NamedTuple):
 
     adam: optax.ScaleByAdamState
     schedule: optax.OptState
-
-
-def check_adam_config(
-    name: str, warmup_steps: Any, b1: Any, b2: Any, eps: Any, hierarchical: Any, bucket_bytes: Any
-) -> None:
-    """Raise a clear error for a bad QAdam or 1-bit Adam configuration (shared by both)."""
-    if (
-        isinstance(warmup_steps, bool)
-        or not isinstance(warmup_steps, (int, np.integer))
-        or not (1 <= warmup_steps < np.iinfo(np.int32).max)
-    ):
-        raise ValueError(
-            f"{name}: warmup_steps must be an int >= 1 (the frozen second moment comes from the Adam steps of the "
-            f"warm-up), got {warmup_steps!r}"
-        )
-    for key, beta in (("b1", b1), ("b2", b2)):
-        if isinstance(beta, bool) or not isinstance(beta, (int, float, np.floating)) or not 0.0 <= beta < 1.0:
-            raise ValueError(f"{name}: {key} must be a float in [0, 1), got {beta!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float, np.floating)) or not eps > 0.0:
-        # After the warm-up the frozen v may hold exact zeros (parameters whose gradients were always zero).
-        raise ValueError(f"{name}: eps must be a float > 0 (the frozen second moment may hold zeros), got {eps!r}")
-    check_flags(name, hierarchical=hierarchical)
-    check_bucket_bytes(bucket_bytes, name)
 
 
 def variance_floors(nu: Any) -> Any:
@@ -125,15 +102,9 @@ def momentum_plan(tree: Any, comms: Communicators, bucket_bytes: int, name: str)
 
 def adam_with_averaged_momentum(
     comms: Communicators,
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    name: str,
-    warmup_steps: int,
-    b1: float,
-    b2: float,
-    eps: float,
-    hierarchical: bool,
+    config: QAdamConfig,
     bucket_bytes: int,
+    *,
     init_extra: Callable[[Any], tuple],
     exchange: MomentumExchange,
     make_state: Callable[..., Any],
@@ -141,11 +112,13 @@ def adam_with_averaged_momentum(
     """The engine of QAdam and 1-bit Adam: warm-up Adam on averaged gradients, then Adam with frozen ``v`` and a
     momentum averaged by ``exchange``. The state is ``make_state(adam, schedule, *extra)`` where ``extra`` starts
     as ``init_extra(momentum)`` (a zero momentum tree, for sizing) and is threaded through ``exchange``; the warm-up
-    leaves it untouched."""
+    leaves it untouched. ``config`` (QAdam's or 1-bit Adam's) names the algorithm in errors."""
+    name, warmup_steps, hierarchical = config.name, config.warmup_steps, config.hierarchical
+    b1, b2, eps = config.b1, config.b2, config.eps
     comms = check_communicators(comms, name)
-    check_adam_config(name, warmup_steps, b1, b2, eps, hierarchical, bucket_bytes)
+    check_bucket_bytes(bucket_bytes, name)
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
-    schedule = optax.scale_by_learning_rate(learning_rate)
+    schedule = optax.scale_by_learning_rate(config.learning_rate)
     allreduce = gradient_allreduce(comms, average=True, hierarchical=hierarchical, bucket_bytes=bucket_bytes)
 
     def init_fn(params: Any) -> Any:
@@ -233,16 +206,11 @@ def qadam(
             for bucket in buckets
         ], extra
 
+    config = QAdamConfig(learning_rate, warmup_steps, b1, b2, eps, hierarchical)
     return adam_with_averaged_momentum(
         comms,
-        learning_rate,
-        name="qadam",
-        warmup_steps=warmup_steps,
-        b1=b1,
-        b2=b2,
-        eps=eps,
-        hierarchical=hierarchical,
-        bucket_bytes=bucket_bytes,
+        config,
+        bucket_bytes,
         init_extra=lambda momentum: (),
         exchange=exchange,
         make_state=QAdamState,
@@ -258,53 +226,36 @@ def forbid_optimizer(optimizer: Any, algorithm: str) -> None:
         )
 
 
-@dataclass(frozen=True)
 class AdamWithAveragedMomentum:
-    """The configuration QAdam and OneBitAdam share; each names its transform in ``_transform``.
-
-    Both replace the optimizer, so :meth:`transformation` takes ``optimizer=None``.
+    """What QAdam and OneBitAdam add to their shared configuration: the bucket size check and the transformation
+    (each names its transform in ``_transform``). Both replace the optimizer, so :meth:`transformation` takes
+    ``optimizer=None``.
     """
 
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
 
-    learning_rate: optax.ScalarOrSchedule
-    warmup_steps: int = 100
-    b1: float = 0.9
-    b2: float = 0.999
-    eps: float = 1e-8
-    hierarchical: bool = True
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
     def __post_init__(self) -> None:
-        check_adam_config(
-            type(self).__name__, self.warmup_steps, self.b1, self.b2, self.eps, self.hierarchical, self.bucket_bytes
-        )
+        super().__post_init__()  # the shared configuration's checks
+        check_bucket_bytes(self.bucket_bytes, self.name)
 
     def transformation(
         self, optimizer: optax.GradientTransformation | None, comms: Communicators
     ) -> optax.GradientTransformationExtraArgs:
         """This algorithm's transform with this configuration; ``optimizer`` must be None (it is the optimizer)."""
         forbid_optimizer(optimizer, type(self).__name__)
-        return type(self)._transform(
-            comms,
-            self.learning_rate,
-            warmup_steps=self.warmup_steps,
-            b1=self.b1,
-            b2=self.b2,
-            eps=self.eps,
-            hierarchical=self.hierarchical,
-            bucket_bytes=self.bucket_bytes,
-        )
+        return type(self)._transform(comms, **config_options(self))
 
 
 @dataclass(frozen=True)
-class QAdam(AdamWithAveragedMomentum):
+class QAdam(AdamWithAveragedMomentum, QAdamConfig):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`qadam`: Adam with full-precision gradient
     averaging for ``warmup_steps`` steps (1x an fp32 allreduce per step), then frozen ``v`` and 8-bit compressed
     momentum averaging (~1/4 of an fp32 allreduce; with ``hierarchical`` only between nodes). It replaces the
     optimizer, so :meth:`transformation` takes ``optimizer=None``. Choose it for Adam training whose gradient
     exchange is bandwidth-bound.
     """
+
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     _transform = staticmethod(qadam)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from bagua_common.algorithm_configs import build_algorithm, unknown_algorithm
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -91,11 +92,13 @@ def algorithm_class(name: str) -> type[Algorithm]:
     """The class registered under ``name``; a ValueError lists the available names otherwise."""
     if not isinstance(name, str):
         raise TypeError(f"an algorithm name must be a string, got {type(name).__name__}")
-    known = name in _registered or name in BUILTIN_ALGORITHMS
-    cls = _load(name) if known else None
+    if name not in _registered and name not in BUILTIN_ALGORITHMS:
+        raise unknown_algorithm(name, available_algorithms())
+    cls = _load(name)
     if cls is None:
-        reason = "is not available in this installation" if known else "is unknown"
-        raise ValueError(f"algorithm {name!r} {reason}; available: {', '.join(available_algorithms())}")
+        raise ValueError(
+            f"algorithm {name!r} is not available in this installation; available: {', '.join(available_algorithms())}"
+        )
     return cls
 
 
@@ -112,11 +115,7 @@ def get_algorithm(spec: str | Algorithm, **options: Any) -> Algorithm:
             f"algorithm must be a name (one of {', '.join(available_algorithms())}) or a "
             f"bagua_torch.algorithms.Algorithm, got {type(spec).__name__}"
         )
-    cls = algorithm_class(spec)
-    try:
-        return cls(**options)
-    except TypeError as error:
-        raise TypeError(f"algorithm {spec!r}: {error}") from error
+    return build_algorithm(spec, algorithm_class(spec), options)
 
 
 def __getattr__(name: str) -> Any:

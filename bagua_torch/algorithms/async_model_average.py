@@ -46,15 +46,14 @@ every rank.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from bagua_common.algorithm_configs import AsyncModelAverageConfig
 from bagua_common.averaging_rounds import AveragingRounds
-from bagua_common.options import check_sync_interval_ms, check_warmup_steps
 from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,
@@ -74,8 +73,7 @@ AVERAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 """The parameter dtypes the update kernel (:func:`bagua_torch.ops.async_average`) takes."""
 
 
-@dataclass(frozen=True)
-class AsyncModelAverageAlgorithm(Algorithm):
+class AsyncModelAverageAlgorithm(AsyncModelAverageConfig, Algorithm):
     """Gradient allreduce for ``warmup_steps`` steps, then local steps while a background thread averages
     the weights with all ranks every ``sync_interval_ms`` milliseconds (see the module docstring).
 
@@ -87,15 +85,6 @@ class AsyncModelAverageAlgorithm(Algorithm):
     applied in their step hooks). Stop the rounds with ``model.algorithm_impl.abort()`` (or
     ``model.close()``) on every rank; ``resume()`` restarts them.
     """
-
-    sync_interval_ms: float = 500
-    warmup_steps: int = 0
-
-    name: ClassVar[str] = "async"
-
-    def __post_init__(self) -> None:
-        check_sync_interval_ms(self.sync_interval_ms, self.name)
-        check_warmup_steps(self.warmup_steps, self.name)
 
     def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
         return AsyncModelAverageImpl(context, self)

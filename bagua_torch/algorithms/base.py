@@ -65,6 +65,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from bagua_common.options import check_flags
 from bagua_common.topology import check_two_levels
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.communicator import Communicator, DoneWork, Work
@@ -265,13 +266,6 @@ class AlgorithmImpl:
 
 
 # ----------------------------------------------------------------------------- checks
-
-
-def check_flags(algorithm: str, **flags: Any) -> None:
-    """Raise a TypeError unless every keyword argument is a bool (catches e.g. ``average="sum"``)."""
-    for key, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{algorithm}: {key} must be a bool, got {value!r}")
 
 
 def check_dtypes(buckets: Sequence[Bucket], allowed: Sequence[torch.dtype], algorithm: str, what: str) -> None:

@@ -23,18 +23,17 @@ state, saved and restored with the wrapper's ``state_dict()``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
+from bagua_common.algorithm_configs import ByteGradConfig
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
     Bucket,
     check_dtypes,
-    check_flags,
     check_tensor_list,
 )
 from bagua_torch.communicator import Communicator, Work
@@ -44,8 +43,7 @@ from bagua_torch.compressed_allreduce import minmax_allreduce
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
-class ByteGradAlgorithm(Algorithm):
+class ByteGradAlgorithm(ByteGradConfig, Algorithm):
     """Average (or sum) the gradients over all ranks through 8-bit min-max compression.
 
     About 1/4 of an fp32 allreduce's bytes per rank per step (plus a 16-byte header per
@@ -54,15 +52,6 @@ class ByteGradAlgorithm(Algorithm):
     next step. Choose it when gradient allreduce is bandwidth-bound, in particular
     between nodes; parameters must be float32, float16 or bfloat16.
     """
-
-    hierarchical: bool = True
-    average: bool = True
-    error_feedback: bool = False
-
-    name: ClassVar[str] = "bytegrad"
-
-    def __post_init__(self) -> None:
-        check_flags(self.name, hierarchical=self.hierarchical, average=self.average, error_feedback=self.error_feedback)
 
     def reify(self, context: AlgorithmContext) -> ByteGradImpl:
         return ByteGradImpl(context, self)

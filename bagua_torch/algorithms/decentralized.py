@@ -30,16 +30,13 @@ the order given to the wrapper, once per iteration each.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from bagua_common.options import check_communication_interval
+from bagua_common.algorithm_configs import DecentralizedConfig
 from bagua_common.topology import (
-    PeerSelectionMode,
     check_pairable,
-    check_peer_selection_mode,
     shift_one_schedule,
 )
 from bagua_torch import ops
@@ -48,7 +45,6 @@ from bagua_torch.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     check_dtypes,
-    check_flags,
 )
 from bagua_torch.communicator import SUPPORTED_DTYPES, Communicator
 from bagua_torch.compressed_allreduce import hierarchical as hierarchical_exchange
@@ -98,8 +94,7 @@ def load_step(state: dict[str, Any], algorithm: str) -> int:
 # ----------------------------------------------------------------------------- Decentralized
 
 
-@dataclass(frozen=True)
-class DecentralizedAlgorithm(Algorithm):
+class DecentralizedAlgorithm(DecentralizedConfig, Algorithm):
     """Decentralized SGD: average the weights with all ranks or with one peer, then step locally.
 
     Every ``communication_interval`` iterations, before the optimizer's step, the weights are
@@ -111,17 +106,6 @@ class DecentralizedAlgorithm(Algorithm):
     waiting for a global allreduce every step pays for slightly different replicas. Needs the
     optimizer(s) passed to the wrapper.
     """
-
-    peer_selection_mode: PeerSelectionMode = "all"
-    communication_interval: int = 1
-    hierarchical: bool = True
-
-    name: ClassVar[str] = "decentralized"
-
-    def __post_init__(self) -> None:
-        check_peer_selection_mode(self.peer_selection_mode, self.name)
-        check_communication_interval(self.communication_interval, self.name)
-        check_flags(self.name, hierarchical=self.hierarchical)
 
     def reify(self, context: AlgorithmContext) -> DecentralizedImpl:
         return DecentralizedImpl(context, self)

@@ -14,24 +14,20 @@ nodes per rank (``a`` ranks per node). Without two levels it is the flat allredu
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
-
+from bagua_common.algorithm_configs import GradientAllReduceConfig
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
     Bucket,
     check_dtypes,
-    check_flags,
 )
 from bagua_torch.communicator import SUPPORTED_DTYPES, Work
 
 _FLOATS = tuple(d for d in SUPPORTED_DTYPES if d.is_floating_point)
 
 
-@dataclass(frozen=True)
-class GradientAllReduceAlgorithm(Algorithm):
+class GradientAllReduceAlgorithm(GradientAllReduceConfig, Algorithm):
     """Average (or with ``average=False`` sum) the gradients over all ranks in full precision.
 
     Choose it as the exact, simple default; choose ``hierarchical=True`` when the links
@@ -39,14 +35,6 @@ class GradientAllReduceAlgorithm(Algorithm):
     spans several nodes: ``LOCAL_WORLD_SIZE < WORLD_SIZE``); switch to ByteGrad or a
     decentralized algorithm when gradient communication dominates the step time.
     """
-
-    hierarchical: bool = False
-    average: bool = True
-
-    name: ClassVar[str] = "gradient_allreduce"
-
-    def __post_init__(self) -> None:
-        check_flags(self.name, hierarchical=self.hierarchical, average=self.average)
 
     def reify(self, context: AlgorithmContext) -> GradientAllReduceImpl:
         return GradientAllReduceImpl(context, self)

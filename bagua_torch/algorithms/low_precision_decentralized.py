@@ -29,12 +29,11 @@ runs in the step post-hook of the *last* optimizer given to the wrapper.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from bagua_common.options import check_communication_interval
+from bagua_common.algorithm_configs import LowPrecisionDecentralizedConfig
 from bagua_common.topology import ring_neighbours
 from bagua_torch import ops
 from bagua_torch.algorithms.base import (
@@ -42,7 +41,6 @@ from bagua_torch.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     check_dtypes,
-    check_flags,
     check_tensor_list,
 )
 from bagua_torch.algorithms.decentralized import (
@@ -58,8 +56,7 @@ COMPRESSIBLE = KERNEL_FLOATS
 """The parameter dtypes the 8-bit codes compress."""
 
 
-@dataclass(frozen=True)
-class LowPrecisionDecentralizedAlgorithm(Algorithm):
+class LowPrecisionDecentralizedAlgorithm(LowPrecisionDecentralizedConfig, Algorithm):
     """Low-precision decentralized SGD: after each local step, mix the weights with the ring neighbours'.
 
     Every ``communication_interval`` iterations, after the optimizer's step, each rank sends
@@ -69,15 +66,6 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     and runs the ring across nodes. Parameters must be float32, float16 or bfloat16; the
     optimizer(s) must be passed to the wrapper. Choose it on the slowest networks.
     """
-
-    communication_interval: int = 1
-    hierarchical: bool = True
-
-    name: ClassVar[str] = "low_precision_decentralized"
-
-    def __post_init__(self) -> None:
-        check_communication_interval(self.communication_interval, self.name)
-        check_flags(self.name, hierarchical=self.hierarchical)
 
     def reify(self, context: AlgorithmContext) -> LowPrecisionDecentralizedImpl:
         return LowPrecisionDecentralizedImpl(context, self)

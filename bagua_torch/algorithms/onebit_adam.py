@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from bagua_common.algorithm_configs import OneBitAdamConfig
 from bagua_torch.algorithms.base import AlgorithmContext, Bucket, check_tensor_list
 from bagua_torch.algorithms.qadam import (
     QAdamAlgorithm,
@@ -59,6 +60,7 @@ class OneBitAdamOptimizer(_AdamWithAveragedMomentum):
     """
 
     _algorithm_name = "OneBitAdamAlgorithm"
+    _config_class = OneBitAdamConfig
 
 
 @dataclass(frozen=True)
@@ -73,7 +75,7 @@ class OneBitAdamAlgorithm(QAdamAlgorithm):
     optimizer: OneBitAdamOptimizer | None = None  # type: ignore[assignment]
     hierarchical: bool = True
 
-    name: ClassVar[str] = "onebit_adam"
+    name: ClassVar[str] = OneBitAdamConfig.name
     _optimizer_class: ClassVar[type] = OneBitAdamOptimizer
 
     def reify(self, context: AlgorithmContext) -> OneBitAdamImpl:

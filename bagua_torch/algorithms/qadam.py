@@ -50,11 +50,12 @@ only in how the momentum is averaged.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
 
+from bagua_common.algorithm_configs import QAdamConfig
 from bagua_common.frozen_variance import VARIANCE_FLOOR
 from bagua_torch.algorithms.base import (
     Algorithm,
@@ -81,6 +82,7 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
     algorithm averages across ranks before each step (shared by QAdam and 1-bit Adam)."""
 
     _algorithm_name: ClassVar[str] = ""
+    _config_class: ClassVar[type[QAdamConfig]] = QAdamConfig
 
     def __init__(
         self,
@@ -90,22 +92,11 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
     ):
-        name = type(self).__name__
-        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0.0:
-            raise ValueError(f"{name}: lr must be a float >= 0, got {lr!r}")
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps < 1:
-            raise ValueError(
-                f"{name}: warmup_steps must be an int >= 1 (the frozen second moment comes from the Adam steps of "
-                f"the warm-up), got {warmup_steps!r}"
-            )
+        name = self._config_class.name
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"{name}: betas must be a pair of floats, got {betas!r}")
-        for key, beta in zip(("betas[0]", "betas[1]"), betas):
-            if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not 0.0 <= beta < 1.0:
-                raise ValueError(f"{name}: {key} must be a float in [0, 1), got {beta!r}")
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0.0:
-            # After the warm-up the frozen v may hold exact zeros (parameters whose gradients were always zero).
-            raise ValueError(f"{name}: eps must be a float > 0 (the frozen second moment may hold zeros), got {eps!r}")
+        self.config = self._config_class(lr, warmup_steps, betas[0], betas[1], eps)
+        """The hyperparameters as the shared configuration (validated there, as in bagua_jax)."""
         self.warmup_steps = warmup_steps
         self.step_id = 0
         """Steps taken so far; identical on every rank, it selects the phase (warm-up while < warmup_steps)."""
@@ -115,7 +106,9 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.dtype.is_floating_point or p.is_complex():
-                    raise TypeError(f"{name}: parameters must be real floating-point tensors, got {p.dtype}")
+                    raise TypeError(
+                        f"{type(self).__name__}: parameters must be real floating-point tensors, got {p.dtype}"
+                    )
 
     @property
     def in_warmup(self) -> bool:
@@ -280,12 +273,17 @@ class QAdamAlgorithm(Algorithm):
     optimizer: QAdamOptimizer | None = None
     hierarchical: bool = True
 
-    name: ClassVar[str] = "qadam"
+    name: ClassVar[str] = QAdamConfig.name
     _optimizer_class: ClassVar[type] = QAdamOptimizer
 
     def __post_init__(self) -> None:
         check_optimizer(self.optimizer, self._optimizer_class, self.name, type(self).__name__)
         check_flags(self.name, hierarchical=self.hierarchical)
+
+    @property
+    def config(self) -> QAdamConfig:
+        """The shared configuration: the optimizer's hyperparameters with this algorithm's ``hierarchical``."""
+        return replace(self.optimizer.config, hierarchical=self.hierarchical)
 
     def reify(self, context: AlgorithmContext) -> QAdamImpl:
         return QAdamImpl(context, self)
