@@ -38,7 +38,9 @@ class Bucket:
       rank's gradients of the bucket's parameters (zeros for a parameter that got no
       gradient in this backward pass) followed by zero padding. The algorithm may read
       it, and may write it in place, until the work it returned completes; the wrapper
-      refills it in the next iteration only after that.
+      refills it in the next iteration only after that. Read it at each call: when the
+      gradients are views of the buckets, the wrapper may make a reduced result the new
+      ``grad`` (:attr:`~bagua_torch.algorithms.base.AlgorithmImpl.results_are_fresh`).
     """
 
     def __init__(

@@ -264,17 +264,19 @@ class FusedOptimizer(torch.optim.Optimizer):
             else:
                 stale.append((p, view, grad))
         if stale:
-            views = [view for _, view, _ in stale]
             if len(stale) == len(chunk.params):
                 # One concatenation into the buffer: torch's foreach copy costs a dispatch per
                 # tensor on CPU, several times the copy of small tensors itself.
                 torch.cat([g if g.dim() == 1 else g.reshape(-1) for _, _, g in stale], out=chunk.flat_grad)
+                copied = chunk.flat_grad.numel()
             else:
+                views = [view for _, view, _ in stale]
                 torch._foreach_copy_(views, [grad for _, _, grad in stale])
+                copied = sum(view.numel() for view in views)
             for p, view, _ in stale:
                 p.grad = view
             self._stats["gradient_copies"] += len(stale)
-            self._stats["bytes_copied"] += sum(view.numel() for view in views) * chunk.flat_grad.element_size()
+            self._stats["bytes_copied"] += copied * chunk.flat_grad.element_size()
         if not complete and not self._warned_unused:
             warnings.warn(
                 "fuse_optimizer: some parameters have no gradient this step; their chunk steps "
