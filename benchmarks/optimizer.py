@@ -1,54 +1,64 @@
-"""The fused optimizer's step next to torch's per-tensor, foreach and fused implementations.
+"""The fused optimizer's step beside torch's per-tensor, foreach and fused implementations, and end to end.
 
 What is measured
 ----------------
-The time of ``optimizer.step()`` alone (gradients already in place), per step, for two
-workloads: 400 float32 tensors of 16 to 4096 elements (log-uniform sizes), and the
-parameters of a 24-block MLP with LayerNorms (192 small tensors). Rows:
+**Step.** The time of ``optimizer.step()`` alone (gradients already in place), per step, for two
+workloads: 400 float32 tensors of 16 to 4096 elements (log-uniform sizes), and the parameters of
+a 24-block MLP with LayerNorms (192 small tensors). One row per optimizer (Adam, AdamW, SGD with
+momentum, Adagrad, RMSprop, Adadelta, NAdam, and a plain-Python elementwise Adam), columns:
 
-    torch for-loop         torch.optim.Adam(foreach=False): one tensor at a time (the baseline)
-    torch foreach          torch.optim.Adam(foreach=True)
-    torch fused            torch.optim.Adam(fused=True)
-    fused wrapper          bagua_torch.fuse_optimizer(Adam(foreach=False))
-    fused wrapper + fused  bagua_torch.fuse_optimizer(Adam(fused=True))
-    python per tensor      a plain-Python elementwise Adam (no foreach, no fused kernel)
-    fused wrapper + python bagua_torch.fuse_optimizer(that optimizer)
-    fused wrapper, copies  the wrapper when every step brings freshly allocated gradients
-                           (``zero_grad()`` with set_to_none=True): the copy path
+    for-loop        torch's implementation one tensor at a time (foreach=False): the baseline
+    foreach         torch's foreach=True (where the class has it)
+    fused           torch's fused=True (where it runs on this device)
+    wrapper         bagua_torch.fuse_optimizer(the for-loop optimizer), gradients in its buffers
+    wrapper+fused   bagua_torch.fuse_optimizer(the fused=True optimizer)
+    wrapper copies  the wrapper when every step brings freshly allocated gradients
+                    (``zero_grad()`` with set_to_none=True): the copy path
 
-Every configuration runs ``--steps`` timed steps per round (for the copy path, the fresh
-gradients are assigned outside the timing, as backward would allocate them); rounds interleave all configurations
-in a fresh random order, and the table gives the median time per step over ``--rounds``
-rounds and its ratio to a baseline measured in the same rounds. torch runs on one thread
-(``torch.set_num_threads(1)``), as the fused wrapper's gain is per-tensor overhead, not
-parallelism. The bars (issue 18): wrapper + Adam >= 2.5x the for-loop; wrapper + the
-plain-Python optimizer >= 4x the same optimizer per tensor; wrapper + fused Adam >= 2x
-torch's fused Adam per tensor; the copy path within 20% of the fast path.
+**End to end.** A 2-rank ByteGrad training step (forward, backward, the reduction, the step) of
+the 24-block MLP on gloo, each rank a process with one thread: torch's Adam per tensor, torch's
+foreach Adam, ``fuse_optimizer(Adam, module=model)`` on the model's buckets (no gradient copied),
+and ``fuse_optimizer(Adam)`` standalone (the model copies the reduced gradients into its buffers).
+
+Every configuration runs ``--steps`` timed steps per round; rounds interleave all configurations
+in a fresh random order (the same on both ranks), and the tables give the median time per step
+over ``--rounds`` rounds and its ratio to a baseline measured in the same rounds. torch runs on
+one thread, as the wrapper's gain is per-tensor overhead, not parallelism; the step is timed in
+CPU time of that thread (a shared machine preempts millisecond steps), the end-to-end step in
+wall-clock time (it waits for the other rank). The bars (issue 18):
+wrapper + Adam >= 2.5x the for-loop; wrapper + the plain-Python optimizer >= 4x the same
+optimizer per tensor; wrapper + fused Adam >= 2x torch's fused Adam per tensor; the copy path
+within 20% of the fast path.
 
 How to run
 ----------
     python3 benchmarks/optimizer.py                      # writes benchmarks/results/optimizer-cpu.*
-    python3 benchmarks/optimizer.py --rounds 3 --steps 5 --out /tmp
+    python3 benchmarks/optimizer.py --rounds 3 --steps 3 --e2e-rounds 3 --out /tmp
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import json
 import os
-import platform
 import random
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import _common
 import numpy as np
 import torch
 from torch import nn
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bagua_torch.fused_optimizer import fuse_optimizer  # noqa: E402
+from bagua_torch.fused_optimizer import fuse_optimizer
+
+COLUMNS = ["for-loop", "foreach", "fused", "wrapper", "wrapper+fused", "wrapper copies"]
 
 
 class PythonAdam(torch.optim.Optimizer):
@@ -77,6 +87,18 @@ class PythonAdam(torch.optim.Optimizer):
                 p.addcdiv_(state["m"], denominator, value=-group["lr"] * correction)
 
 
+OPTIMIZERS: dict[str, tuple[type, dict]] = {
+    "Adam": (torch.optim.Adam, {"lr": 1e-3}),
+    "AdamW": (torch.optim.AdamW, {"lr": 1e-3}),
+    "SGD (momentum)": (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}),
+    "Adagrad": (torch.optim.Adagrad, {"lr": 1e-2}),
+    "RMSprop": (torch.optim.RMSprop, {"lr": 1e-3}),
+    "Adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+    "NAdam": (torch.optim.NAdam, {"lr": 1e-3}),
+    "plain-Python Adam": (PythonAdam, {"lr": 1e-3}),
+}
+
+
 def tensors_400(seed: int = 0) -> list[nn.Parameter]:
     """400 float32 parameters of 16 to 4096 elements, sizes log-uniform."""
     rng = np.random.default_rng(seed)
@@ -84,133 +106,280 @@ def tensors_400(seed: int = 0) -> list[nn.Parameter]:
     return [nn.Parameter(torch.randn(int(n))) for n in sizes]
 
 
-def mlp_24_blocks() -> list[nn.Parameter]:
-    """The parameters of a 24-block MLP (two Linear(64, 64) and two LayerNorms per block)."""
+def mlp_24_blocks() -> nn.Module:
+    """A 24-block MLP: two Linear(64, 64) and two LayerNorms per block (192 parameter tensors)."""
     blocks = [
         nn.Sequential(nn.Linear(64, 64), nn.LayerNorm(64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64))
         for _ in range(24)
     ]
-    return list(nn.Sequential(*blocks).parameters())
+    return nn.Sequential(*blocks)
+
+
+@functools.cache
+def implementation(optimizer: str, column: str) -> dict | None:
+    """The keyword that selects ``column``'s torch implementation, or None where the class lacks it."""
+    cls, kwargs = OPTIMIZERS[optimizer]
+    takes = inspect.signature(cls.__init__).parameters
+    if column in ("foreach", "fused", "wrapper+fused"):
+        key = "foreach" if column == "foreach" else "fused"
+        if key not in takes:
+            return None
+        probe = nn.Parameter(torch.zeros(1))
+        probe.grad = torch.zeros(1)
+        try:  # fused=True is accepted by more classes than run it on this device
+            cls([probe], **kwargs, **{key: True}).step()
+        except (RuntimeError, ValueError, TypeError):
+            return None
+        return {key: True}
+    return {"foreach": False} if "foreach" in takes else {}
 
 
 Step = Callable[[], None]
 
 
-def configuration(make_params: Callable[[], list[nn.Parameter]], name: str) -> tuple[Step, Step]:
-    """Build one row's optimizer over fresh parameters with gradients set.
+def configuration(make_params: Callable[[], list[nn.Parameter]], optimizer: str, column: str) -> tuple[Step, Step]:
+    """Build one cell's optimizer over fresh parameters with gradients set.
 
     Returns ``(prepare, step)``: ``prepare`` (untimed) stands for the backward pass, ``step``
     is what is timed.
     """
+    cls, kwargs = OPTIMIZERS[optimizer]
     torch.manual_seed(0)
     params = make_params()
     grads = [torch.randn_like(p) for p in params]
     for p, g in zip(params, grads):
         p.grad = g.clone()
-    builders = {
-        "torch for-loop": lambda: torch.optim.Adam(params, lr=1e-3, foreach=False),
-        "torch foreach": lambda: torch.optim.Adam(params, lr=1e-3, foreach=True),
-        "torch fused": lambda: torch.optim.Adam(params, lr=1e-3, fused=True),
-        "fused wrapper": lambda: fuse_optimizer(torch.optim.Adam(params, lr=1e-3, foreach=False)),
-        "fused wrapper + fused": lambda: fuse_optimizer(torch.optim.Adam(params, lr=1e-3, fused=True)),
-        "python per tensor": lambda: PythonAdam(params, lr=1e-3),
-        "fused wrapper + python": lambda: fuse_optimizer(PythonAdam(params, lr=1e-3)),
-        "fused wrapper, copies": lambda: fuse_optimizer(torch.optim.Adam(params, lr=1e-3, foreach=False)),
-    }
-    optimizer = builders[name]()
-    optimizer.step()  # state is created, and the wrapper verifies itself, outside the timing
-    if name != "fused wrapper, copies":
-        return lambda: None, optimizer.step
+    built = cls(params, **kwargs, **implementation(optimizer, column))
+    if column.startswith("wrapper"):
+        built = fuse_optimizer(built)
+    built.step()  # state is created, and the wrapper verifies itself, outside the timing
+    if column != "wrapper copies":
+        return lambda: None, built.step
 
     def fresh_gradients() -> None:
         """What backward does after ``zero_grad()``: new gradient tensors, not buffer views."""
         for p, g in zip(params, grads):
             p.grad = g
 
-    return fresh_gradients, optimizer.step
+    return fresh_gradients, built.step
 
 
-ROWS = [
-    "torch for-loop",
-    "torch foreach",
-    "torch fused",
-    "fused wrapper",
-    "fused wrapper + fused",
-    "python per tensor",
-    "fused wrapper + python",
-    "fused wrapper, copies",
-]
-BARS = [
-    ("fused wrapper", "torch for-loop", 2.5),
-    ("fused wrapper + python", "python per tensor", 4.0),
-    ("fused wrapper + fused", "torch fused", 2.0),
-    ("fused wrapper, copies", "fused wrapper", 1 / 1.2),
-]
+def cells() -> list[tuple[str, str]]:
+    """Every (optimizer, column) this device can run."""
+    return [
+        (optimizer, column)
+        for optimizer in OPTIMIZERS
+        for column in COLUMNS
+        if implementation(optimizer, column) is not None
+    ]
 
 
-def measure(make_params: Callable[[], list[nn.Parameter]], rounds: int, steps: int) -> dict[str, list[float]]:
-    """Median-ready per-step times (seconds) of every row, from interleaved rounds."""
-    steppers = {name: configuration(make_params, name) for name in ROWS}
-    times: dict[str, list[float]] = {name: [] for name in ROWS}
+def measure_steps(
+    make_params: Callable[[], list[nn.Parameter]], rounds: int, steps: int, progress: _common.Progress
+) -> dict[tuple[str, str], list[float]]:
+    """Per-step CPU times (seconds, this thread's) of every cell, from interleaved rounds.
+
+    CPU time rather than wall-clock time: on a shared, oversubscribed machine a step of a
+    millisecond is preempted in most rounds, and the wall clock measures the other jobs.
+    """
+    steppers = {cell: configuration(make_params, *cell) for cell in cells()}
+    times: dict[tuple[str, str], list[float]] = {cell: [] for cell in steppers}
     for r in range(rounds):
-        order = list(ROWS)
+        order = list(steppers)
         random.Random(r).shuffle(order)
-        for name in order:
-            prepare, step = steppers[name]
+        for cell in order:
+            prepare, step = steppers[cell]
             elapsed = 0.0
             for _ in range(steps):
                 prepare()
-                start = time.perf_counter()
+                start = time.thread_time()
                 step()
-                elapsed += time.perf_counter() - start
-            times[name].append(elapsed / steps)
-        print(f"  round {r + 1}/{rounds}", end="\r", file=sys.stderr, flush=True)
-    print(file=sys.stderr)
+                elapsed += time.thread_time() - start
+            times[cell].append(elapsed / steps)
+        progress.line(f"round {r + 1}/{rounds}")
     return times
+
+
+# ----------------------------------------------------------------------------- end to end (2 ranks)
+
+E2E_ROWS = ["torch Adam per tensor", "torch Adam foreach", "fused on the buckets", "fused standalone"]
+E2E_BATCH = 32
+
+
+def e2e_rank(rounds: int, steps: int) -> None:
+    """One rank of the end-to-end measurement; rank 0 prints each row's per-round times as one line."""
+    import bagua_torch
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    bagua_torch.init_process_group(backend="gloo", timeout=120)
+    runs = {}
+    for row in E2E_ROWS:
+        torch.manual_seed(0)
+        model = bagua_torch.with_bagua(mlp_24_blocks(), [], "bytegrad")
+        adam = torch.optim.Adam(model.parameters(), lr=1e-3, foreach=row == "torch Adam foreach")
+        if row == "fused on the buckets":
+            adam = fuse_optimizer(adam, module=model)
+        elif row == "fused standalone":
+            adam = fuse_optimizer(adam)
+        runs[row] = (model, adam)
+    data = torch.Generator().manual_seed(rank)
+    x, y = torch.randn(E2E_BATCH, 64, generator=data), torch.randn(E2E_BATCH, 64, generator=data)
+
+    def train(row: str, count: int) -> float:
+        model, adam = runs[row]
+        start = time.perf_counter()
+        for _ in range(count):
+            adam.zero_grad(set_to_none=False)
+            nn.functional.mse_loss(model(x), y).backward()
+            adam.step()
+        return (time.perf_counter() - start) / count
+
+    for row in E2E_ROWS:
+        train(row, 2)  # state, verification and the first collectives outside the timing
+    times: dict[str, list[float]] = {row: [] for row in E2E_ROWS}
+    for r in range(rounds):
+        order = list(E2E_ROWS)
+        random.Random(r).shuffle(order)  # the same order on both ranks
+        for row in order:
+            times[row].append(train(row, steps))
+    copied = runs["fused on the buckets"][1].stats()
+    if rank == 0:
+        print(json.dumps({"times": times, "bucket_stats": copied}), flush=True)
+    for model, _ in runs.values():
+        model.close()
+
+
+def measure_e2e(rounds: int, steps: int, progress: _common.Progress) -> dict:
+    """Run :func:`e2e_rank` on 2 local processes; rank 0's per-round times per row."""
+    env = {
+        **os.environ,
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_common.free_port()),
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, __file__, "--e2e-rank", "--e2e-rounds", str(rounds), "--e2e-steps", str(steps)]
+    procs = [
+        subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, stdout=subprocess.PIPE, text=True)
+        for r in range(2)
+    ]
+    outputs = [p.communicate(timeout=1800)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"an end-to-end rank failed: exit codes {[p.returncode for p in procs]}")
+    progress.line("end to end")
+    return json.loads(outputs[0].strip().splitlines()[-1])
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def step_tables(name: str, times: dict[tuple[str, str], list[float]]) -> tuple[list[str], dict]:
+    median = {cell: statistics.median(t) for cell, t in times.items()}
+    lines = [
+        f"## Step: {name}",
+        "",
+        "CPU ms per step (speed-up over the row's for-loop); `-`: torch has no such implementation here.",
+        "",
+        "| optimizer | " + " | ".join(COLUMNS) + " | best torch vs wrapper |",
+        "|---|" + "---:|" * (len(COLUMNS) + 1),
+    ]
+    for optimizer in OPTIMIZERS:
+        base = median[(optimizer, "for-loop")]
+        row = [
+            f"{median[(optimizer, c)] * 1e3:.3f} ({base / median[(optimizer, c)]:.1f}x)"
+            if (optimizer, c) in median
+            else "-"
+            for c in COLUMNS
+        ]
+        torch_best = min(median[(optimizer, c)] for c in ("for-loop", "foreach", "fused") if (optimizer, c) in median)
+        wrapper_best = min(median[(optimizer, c)] for c in ("wrapper", "wrapper+fused") if (optimizer, c) in median)
+        lines.append(f"| {optimizer} | " + " | ".join(row) + f" | {torch_best / wrapper_best:.2f}x |")
+    bars = [
+        ("Adam wrapper vs for-loop", ("Adam", "for-loop"), ("Adam", "wrapper"), 2.5),
+        (
+            "plain-Python wrapper vs per tensor",
+            ("plain-Python Adam", "for-loop"),
+            ("plain-Python Adam", "wrapper"),
+            4.0,
+        ),
+        ("Adam wrapper+fused vs torch fused", ("Adam", "fused"), ("Adam", "wrapper+fused"), 2.0),
+        ("Adam copy path vs fast path", ("Adam", "wrapper"), ("Adam", "wrapper copies"), 1 / 1.2),
+    ]
+    lines += ["", "| bar | measured | needed | met |", "|---|---:|---:|---|"]
+    for label, slow, fast, needed in bars:
+        if slow in median and fast in median:
+            ratio = median[slow] / median[fast]
+            lines.append(f"| {label} | {ratio:.2f}x | {needed:.2f}x | {'yes' if ratio >= needed else 'no'} |")
+    lines.append("")
+    payload = {f"{o} / {c}": {"median_s": median[(o, c)], "samples_s": times[(o, c)]} for o, c in times}
+    return lines, payload
+
+
+def e2e_table(result: dict, rounds: int, steps: int) -> list[str]:
+    times = result["times"]
+    median = {row: statistics.median(t) for row, t in times.items()}
+    base = median["torch Adam per tensor"]
+    lines = [
+        "## End to end: 2-rank ByteGrad training step, 24-block MLP, batch 32 per rank (gloo, 1 thread per rank)",
+        "",
+        f"Median ms per step over {rounds} interleaved rounds of {steps} steps (rank 0).",
+        "",
+        "| optimizer | ms per step | speed-up vs torch Adam per tensor |",
+        "|---|---:|---:|",
+    ]
+    lines += [f"| {row} | {median[row] * 1e3:.2f} | {base / median[row]:.2f}x |" for row in E2E_ROWS]
+    stats = result["bucket_stats"]
+    lines += [
+        "",
+        f"Fused on the buckets: gradient bytes copied by the optimizer {stats['bytes_copied']}, by the model "
+        f"{stats['model_bytes_copied']}, over all its steps.",
+        "",
+    ]
+    return lines
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--e2e-rounds", type=int, default=9)
+    parser.add_argument("--e2e-steps", type=int, default=5)
+    parser.add_argument("--e2e-rank", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=_common.RESULTS)
     args = parser.parse_args()
+    if args.e2e_rank:
+        e2e_rank(args.e2e_rounds, args.e2e_steps)
+        return
     torch.set_num_threads(1)
-    workloads = {"400 tensors (16-4096 elements)": tensors_400, "24-block MLP (192 tensors)": mlp_24_blocks}
-    results = {}
-    lines = [
-        "# Fused optimizer step on CPU",
+    meta = _common.run_meta(
+        sys.argv[1:], _common.device_info("cpu"), ["torch"], rounds=args.rounds, steps=args.steps, threads=1
+    )
+    workloads = {
+        "400 tensors (16-4096 elements)": tensors_400,
+        "24-block MLP (192 tensors)": lambda: list(mlp_24_blocks().parameters()),
+    }
+    progress = _common.Progress(len(workloads) * args.rounds + 1)
+    body, payload = [], {}
+    for name, make_params in workloads.items():
+        lines, payload[name] = step_tables(name, measure_steps(make_params, args.rounds, args.steps, progress))
+        body += lines
+    e2e = measure_e2e(args.e2e_rounds, args.e2e_steps, progress)
+    body += e2e_table(e2e, args.e2e_rounds, args.e2e_steps)
+    payload["end to end"] = e2e
+    _common.finish_meta(meta)
+    markdown = [
+        "# Fused optimizer on CPU: step and end to end",
         "",
-        f"Command: `python3 {' '.join(sys.argv)}`; {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores, torch {torch.__version__}, one thread; load average before "
-        f"{os.getloadavg()[0]:.1f}. Median ms per step over {args.rounds} interleaved rounds of "
-        f"{args.steps} steps; speed-up over the baseline named in the row.",
+        *_common.header_lines(meta),
+        "- the machine was shared with other engineers' jobs and busy during the run (see the load averages)",
+        f"- step: median CPU time of one thread over {args.rounds} interleaved rounds of {args.steps} steps",
         "",
+        *body,
     ]
-    for workload, make_params in workloads.items():
-        print(workload, file=sys.stderr)
-        times = measure(make_params, args.rounds, args.steps)
-        median = {name: statistics.median(t) for name, t in times.items()}
-        results[workload] = {"median_s": median, "samples_s": times}
-        lines += [f"## {workload}", "", "| row | ms per step | speed-up |", "|---|---:|---:|"]
-        for name in ROWS:
-            base = "python per tensor" if "python" in name else "torch for-loop"
-            if name == "fused wrapper + fused":
-                base = "torch fused"
-            lines.append(f"| {name} | {median[name] * 1e3:.3f} | {median[base] / median[name]:.2f}x vs {base} |")
-        lines += ["", "| bar | measured | needed | met |", "|---|---:|---:|---|"]
-        for fast, slow, needed in BARS:
-            ratio = median[slow] / median[fast]
-            lines.append(f"| {fast} vs {slow} | {ratio:.2f}x | {needed:.2f}x | {'yes' if ratio >= needed else 'no'} |")
-        lines.append("")
-    lines.append(f"Load average after: {os.getloadavg()[0]:.1f}.")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "optimizer-cpu.md"), "w") as f:
-        f.write(text)
-    with open(os.path.join(args.out, "optimizer-cpu.json"), "w") as f:
-        json.dump({"command": sys.argv, "torch": torch.__version__, "results": results}, f, indent=1)
+    md_path, _ = _common.write_results(args.out, "optimizer-cpu", markdown, {**meta, "results": payload})
+    print("\n".join(markdown))
+    print(f"written: {md_path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -43,6 +43,8 @@ class GradientAllReduceAlgorithm(GradientAllReduceConfig, Algorithm):
 class GradientAllReduceImpl(AlgorithmImpl):
     """GradientAllReduce on one wrapped model; stateless."""
 
+    results_are_fresh = True  # the communicators return new tensors
+
     def __init__(self, context: AlgorithmContext, config: GradientAllReduceAlgorithm):
         super().__init__(context)
         check_dtypes(context.buckets, _FLOATS, config.name, "gradients are averaged in")
