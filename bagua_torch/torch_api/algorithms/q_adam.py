@@ -3,6 +3,11 @@
 ``QAdamOptimizer(..., weight_decay=)`` adds ``weight_decay * param`` to the local gradient (an L2
 penalty, as Bagua's). Bagua applied it only during the warm-up: after it, the momentum was
 updated from the raw gradient and the decay silently stopped. Here it applies in both phases.
+
+After the warm-up, a ``QAdamOptimizer`` stepped without ``QAdamAlgorithm`` (a model switched to
+another algorithm, as in Bagua's ``test_model_switch``) folds the gradient it is given into its
+momentum itself: the average under a gradient-averaging algorithm, the local gradient under a
+weight-averaging one. Bagua's left the momentum as it was, so every later step reused a stale one.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ class QAdamOptimizer(_qadam.QAdamOptimizer):
         if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
             raise ValueError(f"QAdamOptimizer: weight_decay must be a float >= 0, got {weight_decay!r}")
         super().__init__(params, lr=lr, warmup_steps=warmup_steps, betas=betas, eps=eps)
+        self._averaged = False
         self.defaults["weight_decay"] = float(weight_decay)
         for group in self.param_groups:
             group.setdefault("weight_decay", float(weight_decay))
@@ -48,6 +54,11 @@ class QAdamOptimizer(_qadam.QAdamOptimizer):
             for p in group["params"]:
                 self.momentum(p).lerp_(self._decayed(p, weight_decay), 1 - beta1)
 
+    def mark_momentum_averaged(self) -> None:
+        """Called by QAdamAlgorithm once it has averaged this step's momentum."""
+        self._averaged = True
+        super().mark_momentum_averaged()
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """QAdam's step; during the warm-up Adam sees the (averaged) gradient plus the weight decay."""
@@ -55,6 +66,10 @@ class QAdamOptimizer(_qadam.QAdamOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if not self.in_warmup and not self._averaged:  # no QAdamAlgorithm this step: the momentum is local
+            self.local_momentum()
+            super().mark_momentum_averaged()
+        self._averaged = False
         decayed = self.in_warmup and any(group["weight_decay"] for group in self.param_groups)
         saved = {}
         if decayed:
