@@ -1,0 +1,603 @@
+"""Bagua's ``bagua.torch_api.communication``: process groups and collectives written into ``recv``.
+
+Every function has Bagua's name, signature and in-place semantics, on this project's
+communicators (:mod:`bagua_torch.communicator`): ``allreduce(send_tensor, recv_tensor, op,
+comm)`` writes the result into ``recv_tensor``, ``allreduce_inplace(tensor, op, comm)`` into
+``tensor``; ``comm`` is a communicator handle from a :class:`BaguaProcessGroup`
+(``group.get_global_communicator()``), default the job's world. Tensors are flat buffers, as in
+Bagua: ``allgather`` fills ``recv_tensor`` (``nranks * send_tensor.numel()`` elements, any shape)
+rank by rank. A rank that is not a member of ``comm``'s group returns at once, as in Bagua.
+
+Where this differs from Bagua, on purpose:
+
+* CPU tensors work (gloo, or the native MPI engine), not only CUDA tensors.
+* Every :class:`ReduceOp` works on every collective: ``PRODUCT``, ``BAND``, ``BOR`` and
+  ``BXOR`` (which the communicators lack) are computed from an allgather. Bagua passed them to
+  NCCL, which has no bitwise reductions.
+* :func:`init_process_group` starts no autotuning HTTP service. Bagua's listened on every
+  interface (``0.0.0.0``) and waited for it to come up; nothing here listens beyond
+  ``torch.distributed``'s own store.
+* :func:`from_torch_group` reuses the torch group itself (no second communicator, no store
+  round trip); :func:`new_group` builds a torch (or native MPI) group of the listed ranks.
+* ``gather``/``scatter``/``alltoall``/``alltoall_v`` check the sizes and raise a ValueError;
+  Bagua's engine asserted and aborted the process.
+
+The collectives block until the result is in ``recv_tensor`` (Bagua synchronized its CUDA
+stream the same way).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bagua_torch import job
+from bagua_torch.algorithms.base import Communicators
+from bagua_torch.communicator import Communicator, NativeCommunicator, ProcessGroupCommunicator
+from bagua_torch.torch_api import env
+
+__all__ = [
+    "BaguaProcessGroup",
+    "CommunicatorHandle",
+    "ReduceOp",
+    "allgather",
+    "allgather_inplace",
+    "allreduce",
+    "allreduce_inplace",
+    "alltoall",
+    "alltoall_inplace",
+    "alltoall_v",
+    "alltoall_v_inplace",
+    "barrier",
+    "broadcast",
+    "from_torch_group",
+    "gather",
+    "gather_inplace",
+    "init_process_group",
+    "is_initialized",
+    "new_group",
+    "recv",
+    "reduce",
+    "reduce_inplace",
+    "reduce_scatter",
+    "reduce_scatter_inplace",
+    "scatter",
+    "scatter_inplace",
+    "send",
+]
+
+
+class ReduceOp(enum.IntEnum):
+    """Bagua's reduction operations (the same values as Bagua's enum)."""
+
+    SUM = 0
+    PRODUCT = 1
+    MIN = 2
+    MAX = 3
+    BOR = 7
+    BAND = 8
+    BXOR = 9
+    AVG = 10
+
+
+_NATIVE_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+
+
+class CommunicatorHandle:
+    """What Bagua calls a communicator (``BaguaSingleCommunicatorPy``): ``rank()``, ``nranks()``.
+
+    ``communicator`` is the project's :class:`~bagua_torch.communicator.Communicator` underneath,
+    and ``global_ranks`` the job ranks of its members in order.
+    """
+
+    def __init__(self, communicator: Communicator, global_ranks: Sequence[int]):
+        self.communicator = communicator
+        self.global_ranks = list(global_ranks)
+
+    def rank(self) -> int:
+        """This process's index in the communicator."""
+        return self.communicator.rank
+
+    def nranks(self) -> int:
+        """The number of ranks in the communicator."""
+        return self.communicator.size
+
+    def __repr__(self) -> str:
+        return f"CommunicatorHandle(rank={self.rank()}, nranks={self.nranks()}, ranks={self.global_ranks})"
+
+
+class CommMember:
+    """Bagua's markers: ``WORLD`` (the default group's communicator) and ``NON_COMM_MEMBER``."""
+
+    WORLD = object()
+    NON_COMM_MEMBER = object()
+
+
+class BaguaProcessGroup:
+    """A group of ranks and its communicators (Bagua's ``BaguaProcessGroup``).
+
+    ``ranks`` are job ranks, sorted. ``communicators`` is None on ranks outside the group, whose
+    ``get_*_communicator()`` return :attr:`CommMember.NON_COMM_MEMBER` (collectives on it return
+    at once). The inter- and intra-node communicators exist when the group is the job's world on
+    a job of several nodes with several ranks each; on one node the intra-node communicator is
+    the global one.
+    """
+
+    def __init__(self, ranks: Sequence[int], communicators: Communicators | None, group_name: str):
+        self.ranks = sorted(int(r) for r in ranks)
+        self.communicators = communicators
+        self.group_name = group_name
+
+    def _handle(self, comm: Communicator | None, ranks: Sequence[int], which: str) -> Any:
+        if self.communicators is None:
+            return CommMember.NON_COMM_MEMBER
+        if comm is None:
+            raise ValueError(
+                f"process group {self.group_name!r} has no {which} communicator: it exists for the job's world on "
+                "several nodes with several ranks each"
+            )
+        return CommunicatorHandle(comm, ranks)
+
+    def get_global_communicator(self) -> Any:
+        """The communicator of every rank of the group."""
+        world = None if self.communicators is None else self.communicators.world
+        return self._handle(world, self.ranks, "global")
+
+    def get_intra_node_communicator(self) -> Any:
+        """The communicator of the group's ranks on this node."""
+        if self.communicators is None:
+            return CommMember.NON_COMM_MEMBER
+        if self.communicators.intra is None and len(self.ranks) <= env.get_local_size():
+            return self.get_global_communicator()
+        local = env.get_local_size()
+        node = env.get_node_rank()
+        return self._handle(self.communicators.intra, [r for r in self.ranks if r // local == node], "intra-node")
+
+    def get_inter_node_communicator(self) -> Any:
+        """The communicator of the group's ranks with this rank's local index, one per node."""
+        local = env.get_local_size()
+        mine = env.get_local_rank()
+        ranks = [r for r in self.ranks if r % local == mine]
+        return self._handle(None if self.communicators is None else self.communicators.inter, ranks, "inter-node")
+
+    def __repr__(self) -> str:
+        return f"BaguaProcessGroup(name={self.group_name!r}, ranks={self.ranks})"
+
+
+_default_group: BaguaProcessGroup | None = None
+_group_count = 0
+
+
+def init_process_group(
+    store: dist.Store | None = None, rank: int = -1, world_size: int = -1, local_world_size: int = -1
+) -> None:
+    """Start the job (Bagua's signature): every process calls it once, before the other APIs.
+
+    Without ``store``, the rank and sizes come from the launcher's environment (``RANK``,
+    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or from ``rank``,
+    ``world_size`` and ``local_world_size`` where those are given (not -1). With ``store`` (a
+    ``torch.distributed.Store`` every rank can reach) all three are required, as in Bagua.
+    Delegates to :func:`bagua_torch.init_process_group` (gloo on CPU, nccl on GPU, the native
+    engines where available); no autotuning service is started (see the module docstring).
+    """
+    global _default_group
+    if _default_group is not None:
+        raise RuntimeError("trying to initialize the default process group twice!")
+    given = {"rank": rank, "world_size": world_size, "local_world_size": local_world_size}
+    for key, value in given.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"init_process_group: {key} must be an int, got {value!r}")
+    if store is not None:
+        if rank < 0 or world_size <= 0 or local_world_size <= 0:
+            raise ValueError("init_process_group: with a store, rank, world_size and local_world_size are required")
+        if not dist.is_initialized():
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+    arguments = {key: value for key, value in given.items() if value > 0 or (key == "rank" and value == 0)}
+    group = job.init_process_group(**arguments)
+    _default_group = BaguaProcessGroup(range(group.size), group.communicators, "default")
+
+
+def is_initialized() -> bool:
+    """Whether :func:`init_process_group` has been called."""
+    return _default_group is not None
+
+
+def _get_default_group() -> BaguaProcessGroup:
+    """The job's world group (Bagua's private helper, which its examples use)."""
+    if _default_group is None:
+        raise RuntimeError(
+            "Default process group has not been initialized, please make sure to call init_process_group."
+        )
+    return _default_group
+
+
+def new_group(ranks: Sequence[int] | None = None, stream: Any = None) -> BaguaProcessGroup:
+    """A group of ``ranks`` (default all), created collectively: every rank of the job calls it, in the same order.
+
+    ``stream`` is accepted for Bagua's signature; collectives run on the communicator's own stream.
+    """
+    global _group_count
+    world = _get_default_group()
+    size = len(world.ranks)
+    if ranks is None:
+        ranks = list(range(size))
+    ranks = sorted(int(r) for r in ranks)
+    for r in ranks:
+        if not 0 <= r < size:
+            raise ValueError(f"new_group: invalid rank {r}, should be non-negative and less than world size {size}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"new_group: ranks repeat: {ranks}")
+    _group_count += 1
+    name = str(_group_count)
+    me = env.get_rank()
+    base = world.communicators.world
+    if isinstance(base, NativeCommunicator):
+        child = base.split(0 if me in ranks else 1, me, name=f"bagua/group{name}")
+        if me not in ranks:
+            child.close()
+            return BaguaProcessGroup(ranks, None, name)
+        return BaguaProcessGroup(ranks, Communicators(child), name)
+    torch_group = dist.new_group(ranks)
+    if me not in ranks:
+        return BaguaProcessGroup(ranks, None, name)
+    return BaguaProcessGroup(
+        ranks, Communicators(ProcessGroupCommunicator(torch_group, name=f"bagua/group{name}")), name
+    )
+
+
+def from_torch_group(group: dist.ProcessGroup, stream: Any = None) -> BaguaProcessGroup:
+    """The Bagua group of a ``torch.distributed`` group (its ranks, communicating over that group)."""
+    global _group_count
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"from_torch_group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    _group_count += 1
+    ranks = dist.get_process_group_ranks(group)
+    comm = ProcessGroupCommunicator(group, name=f"bagua/torch-group{_group_count}")
+    return BaguaProcessGroup(ranks, Communicators(comm), str(_group_count))
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _resolve(comm: Any) -> CommunicatorHandle | None:
+    """The handle to communicate on, or None when this rank is not a member."""
+    if comm is CommMember.NON_COMM_MEMBER:
+        return None
+    if comm is None or comm is CommMember.WORLD:
+        return _get_default_group().get_global_communicator()
+    if isinstance(comm, BaguaProcessGroup):
+        handle = comm.get_global_communicator()
+        return None if handle is CommMember.NON_COMM_MEMBER else handle
+    if not isinstance(comm, CommunicatorHandle):
+        raise TypeError(
+            "comm must be a communicator from a BaguaProcessGroup (group.get_global_communicator()), got "
+            f"{type(comm).__name__}"
+        )
+    return comm
+
+
+def _op(op: Any) -> ReduceOp:
+    try:
+        return ReduceOp(op)
+    except ValueError:
+        raise ValueError(f"unknown reduction {op!r}; use a bagua ReduceOp") from None
+
+
+def _reduce_rows(rows: torch.Tensor, op: ReduceOp) -> torch.Tensor:
+    """Reduce ``rows`` (one per rank) along the first axis with a reduction the communicators lack."""
+    if op == ReduceOp.PRODUCT:
+        return torch.prod(rows, dim=0, dtype=rows.dtype)
+    if rows.dtype.is_floating_point:
+        raise TypeError(f"ReduceOp.{op.name} needs an integer tensor, got {rows.dtype}")
+    combine = {ReduceOp.BAND: torch.bitwise_and, ReduceOp.BOR: torch.bitwise_or, ReduceOp.BXOR: torch.bitwise_xor}[op]
+    return functools.reduce(combine, rows.unbind(0))
+
+
+def _allreduced(handle: CommunicatorHandle, x: torch.Tensor, op: Any) -> torch.Tensor:
+    op = _op(op)
+    if op in _NATIVE_OPS:
+        return handle.communicator.allreduce(x, _NATIVE_OPS[op])
+    return _reduce_rows(handle.communicator.allgather(x), op)
+
+
+def _check_numel(what: str, tensor: torch.Tensor, expected: int) -> None:
+    if tensor.numel() != expected:
+        raise ValueError(f"{what} must have {expected} elements, got {tensor.numel()} (shape {list(tensor.shape)})")
+
+
+def _write(target: torch.Tensor, values: torch.Tensor) -> None:
+    with torch.no_grad():
+        target.copy_(values.reshape(target.shape))
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().reshape(-1)
+
+
+# ----------------------------------------------------------------------------- point to point
+
+
+def _torch_peer(handle: CommunicatorHandle, peer: int, what: str) -> tuple[int, Any]:
+    comm = handle.communicator
+    if not isinstance(comm, ProcessGroupCommunicator):
+        raise TypeError(
+            f"{what}: point-to-point transfers need a torch.distributed group; this communicator runs on "
+            f"{type(comm).__name__}"
+        )
+    if not 0 <= peer < comm.size:
+        raise ValueError(f"{what}: rank {peer} is not in this {comm.size}-rank communicator")
+    group = comm.group
+    return (peer if group is None else dist.get_global_rank(group, peer)), group
+
+
+def send(tensor: torch.Tensor, dst: int, comm: Any = None) -> None:
+    """Send ``tensor`` to rank ``dst`` of ``comm`` (blocks until it is sent); pairs with :func:`recv`."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    peer, group = _torch_peer(handle, dst, "send")
+    dist.send(tensor.detach().contiguous(), peer, group=group)
+
+
+def recv(tensor: torch.Tensor, src: int, comm: Any = None) -> None:
+    """Receive into ``tensor`` what rank ``src`` of ``comm`` sent with :func:`send`."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    peer, group = _torch_peer(handle, src, "recv")
+    buffer = tensor.detach().contiguous()
+    dist.recv(buffer, peer, group=group)
+    if buffer.data_ptr() != tensor.data_ptr():
+        _write(tensor, buffer)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, comm: Any = None) -> None:
+    """Overwrite ``tensor`` on every rank with rank ``src``'s."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    _write(tensor, handle.communicator.broadcast(tensor, src))
+
+
+def allreduce(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Any = None
+) -> None:
+    """Reduce ``send_tensor`` over the ranks into ``recv_tensor`` on every rank (bitwise identical everywhere)."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    _check_numel("allreduce: recv_tensor", recv_tensor, send_tensor.numel())
+    _write(recv_tensor, _allreduced(handle, _flat(send_tensor), op))
+
+
+def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Any = None) -> None:
+    """The in-place version of :func:`allreduce`."""
+    allreduce(tensor, tensor, op, comm)
+
+
+def reduce(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: Any = None
+) -> None:
+    """Reduce ``send_tensor`` over the ranks into ``recv_tensor`` on rank ``dst``; other ranks' ``recv_tensor`` stays."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    _check_numel("reduce: recv_tensor", recv_tensor, send_tensor.numel())
+    op = _op(op)
+    comm_ = handle.communicator
+    if op in _NATIVE_OPS:
+        result = comm_.reduce(_flat(send_tensor), dst, _NATIVE_OPS[op])
+    else:
+        result = _reduce_rows(comm_.allgather(_flat(send_tensor)), op)
+    if comm_.rank == dst:
+        _write(recv_tensor, result)
+
+
+def reduce_inplace(tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: Any = None) -> None:
+    """The in-place version of :func:`reduce`: ``tensor`` holds the result on ``dst`` and is left alone elsewhere."""
+    reduce(tensor, tensor, dst, op, comm)
+
+
+def allgather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Any = None) -> None:
+    """Every rank's ``send_tensor``, in rank order, into ``recv_tensor`` (``nranks * send_tensor.numel()`` elements)."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    _check_numel("allgather: recv_tensor", recv_tensor, handle.nranks() * send_tensor.numel())
+    _write(recv_tensor, handle.communicator.allgather(_flat(send_tensor)))
+
+
+def allgather_inplace(tensor: torch.Tensor, comm: Any = None) -> None:
+    """In place: rank r's part is ``tensor``'s r-th of ``nranks`` equal slices; every rank ends with all parts."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    n = handle.nranks()
+    if tensor.numel() % n:
+        raise ValueError(f"allgather_inplace: {tensor.numel()} elements do not split into {n} equal parts")
+    part = _flat(tensor).view(n, -1)[handle.rank()]
+    _write(tensor, handle.communicator.allgather(part))
+
+
+def gather(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, comm: Any = None) -> None:
+    """Every rank's ``send_tensor``, in rank order, into ``recv_tensor`` on rank ``dst`` (left alone elsewhere)."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    if handle.rank() == dst:
+        _check_numel("gather: recv_tensor", recv_tensor, handle.nranks() * send_tensor.numel())
+    result = handle.communicator.gather(_flat(send_tensor), dst)
+    if handle.rank() == dst:
+        _write(recv_tensor, result)
+
+
+def gather_inplace(tensor: torch.Tensor, count: int, dst: int, comm: Any = None) -> None:
+    """In place: on ``dst`` ``tensor`` has ``nranks * count`` elements (its own part at slice ``dst``) and receives
+    the others' parts; elsewhere ``tensor`` has ``count`` elements, which are sent."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    n, me = handle.nranks(), handle.rank()
+    _check_numel("gather_inplace: tensor", tensor, n * count if me == dst else count)
+    part = _flat(tensor)[dst * count : (dst + 1) * count] if me == dst else _flat(tensor)
+    result = handle.communicator.gather(part, dst)
+    if me == dst:
+        _write(tensor, result)
+
+
+def scatter(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, src: int, comm: Any = None) -> None:
+    """Rank r receives slice r of rank ``src``'s ``send_tensor`` (``nranks * recv_tensor.numel()`` elements)."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    n = handle.nranks()
+    if handle.rank() == src:
+        _check_numel("scatter: send_tensor", send_tensor, n * recv_tensor.numel())
+        rows = _flat(send_tensor).view(n, -1)
+    else:  # only the root's rows are read; the others send a buffer of the right shape
+        rows = torch.empty((n, recv_tensor.numel()), dtype=recv_tensor.dtype, device=recv_tensor.device)
+    _write(recv_tensor, handle.communicator.scatter(rows, src))
+
+
+def scatter_inplace(tensor: torch.Tensor, count: int, src: int, comm: Any = None) -> None:
+    """In place: on ``src`` ``tensor`` holds ``nranks * count`` elements (its own slice stays); elsewhere ``tensor``
+    has ``count`` elements and receives its slice."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    n, me = handle.nranks(), handle.rank()
+    _check_numel("scatter_inplace: tensor", tensor, n * count if me == src else count)
+    rows = (
+        _flat(tensor).view(n, count) if me == src else torch.empty((n, count), dtype=tensor.dtype, device=tensor.device)
+    )
+    result = handle.communicator.scatter(rows, src)
+    if me != src:
+        _write(tensor, result)
+
+
+def reduce_scatter(
+    send_tensor: torch.Tensor, recv_tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Any = None
+) -> None:
+    """Rank r receives slice r of ``send_tensor`` (``nranks * recv_tensor.numel()`` elements) reduced over ranks."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    n = handle.nranks()
+    _check_numel("reduce_scatter: send_tensor", send_tensor, n * recv_tensor.numel())
+    rows = _flat(send_tensor).view(n, -1)
+    op = _op(op)
+    if op in _NATIVE_OPS:
+        result = handle.communicator.reduce_scatter(rows, _NATIVE_OPS[op])
+    else:
+        result = _reduce_rows(handle.communicator.allgather(rows), op)[handle.rank()]
+    _write(recv_tensor, result)
+
+
+def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: Any = None) -> None:
+    """In place: ``tensor`` (``nranks`` equal slices) gets its slice ``rank`` reduced over the ranks; the other
+    slices are left as they were (NCCL's in-place convention, which Bagua used)."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    n = handle.nranks()
+    if tensor.numel() % n:
+        raise ValueError(f"reduce_scatter_inplace: {tensor.numel()} elements do not split into {n} equal parts")
+    mine = _flat(tensor).view(n, -1)[handle.rank()]
+    part = torch.empty_like(mine)
+    reduce_scatter(tensor, part, op, comm)
+    with torch.no_grad():
+        if tensor.is_contiguous():
+            mine.copy_(part)
+        else:
+            flat = _flat(tensor).clone()
+            flat.view(n, -1)[handle.rank()].copy_(part)
+            _write(tensor, flat)
+
+
+def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Any = None) -> None:
+    """Slice j of ``send_tensor`` (``nranks`` equal slices) goes to rank j; slice j of ``recv_tensor`` came from j."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    n = handle.nranks()
+    if send_tensor.numel() % n:
+        raise ValueError(f"alltoall: {send_tensor.numel()} elements do not split into {n} equal parts")
+    _check_numel("alltoall: recv_tensor", recv_tensor, send_tensor.numel())
+    _write(recv_tensor, handle.communicator.alltoall(_flat(send_tensor).view(n, -1)))
+
+
+def alltoall_inplace(tensor: torch.Tensor, comm: Any = None) -> None:
+    """The in-place version of :func:`alltoall`."""
+    alltoall(tensor, tensor, comm)
+
+
+def _counts(what: str, values: Sequence[int], n: int) -> list[int]:
+    values = [int(v) for v in (values.tolist() if isinstance(values, torch.Tensor) else values)]
+    if len(values) < n:
+        raise ValueError(f"alltoall_v: {what} needs an entry per rank ({n}), got {len(values)}")
+    if any(v < 0 for v in values[:n]):
+        raise ValueError(f"alltoall_v: {what} must be non-negative, got {values[:n]}")
+    return values[:n]
+
+
+def alltoall_v(
+    send_tensor: torch.Tensor,
+    send_counts: Sequence[int],
+    send_displs: Sequence[int],
+    recv_tensor: torch.Tensor,
+    recv_counts: Sequence[int],
+    recv_displs: Sequence[int],
+    comm: Any = None,
+) -> None:
+    """Variable all-to-all with displacements (MPI's ``Alltoallv``), Bagua's argument order.
+
+    ``send_counts[j]`` elements starting at ``send_displs[j]`` of ``send_tensor`` go to rank j;
+    the ``recv_counts[j]`` elements from rank j land at ``recv_displs[j]`` of ``recv_tensor``;
+    elements of ``recv_tensor`` outside the received ranges keep their values. Count and
+    displacement lists may be longer than the rank count (Bagua's example passes ``nranks + 1``
+    displacements); the first ``nranks`` entries are used.
+    """
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    n = handle.nranks()
+    sc, sd = _counts("send_counts", send_counts, n), _counts("send_displs", send_displs, n)
+    rc, rd = _counts("recv_counts", recv_counts, n), _counts("recv_displs", recv_displs, n)
+    src, dst = _flat(send_tensor), _flat(recv_tensor)
+    for what, counts, displs, size in (("send", sc, sd, src.numel()), ("recv", rc, rd, dst.numel())):
+        for j in range(n):
+            if displs[j] + counts[j] > size:
+                raise ValueError(
+                    f"alltoall_v: {what} range of rank {j} ({displs[j]}..{displs[j] + counts[j]}) exceeds the "
+                    f"{what} tensor's {size} elements"
+                )
+    packed = torch.cat([src[sd[j] : sd[j] + sc[j]] for j in range(n)])
+    received = handle.communicator.alltoall_v(packed, sc, rc, sum(rc))
+    out = dst.clone()
+    offset = 0
+    for j in range(n):
+        out[rd[j] : rd[j] + rc[j]] = received[offset : offset + rc[j]]
+        offset += rc[j]
+    _write(recv_tensor, out)
+
+
+def alltoall_v_inplace(tensor: torch.Tensor, counts: Sequence[int], displs: Sequence[int], comm: Any = None) -> None:
+    """The in-place version of :func:`alltoall_v`: the same counts and displacements for sending and receiving."""
+    alltoall_v(tensor, counts, displs, tensor, counts, displs, comm)
+
+
+def barrier(comm: Any = None) -> None:
+    """Return once every rank of ``comm`` has called it."""
+    handle = _resolve(comm)
+    if handle is None:
+        return
+    handle.communicator.barrier()

@@ -1,0 +1,67 @@
+"""Bagua's ``bagua.torch_api.data_parallel.DistributedDataParallel``: torch DDP's arguments plus Bagua's.
+
+Returns the same wrapper as ``model.with_bagua`` (Bagua's attributes, the model's face; see
+:mod:`bagua_torch.torch_api.distributed`), built on :class:`bagua_torch.DistributedDataParallel`.
+Bagua fell back to torch's own DDP, with a warning, when ``device_ids``, ``output_device``,
+``dim`` or ``broadcast_buffers`` differed from its defaults; here ``device_ids`` and
+``output_device`` may name the model's device, and ``broadcast_buffers=False`` is honoured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from bagua_torch import distributed as _wrapper
+from bagua_torch.torch_api import distributed as _compat
+from bagua_torch.torch_api.algorithms.base import as_project_algorithm
+from bagua_torch.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
+
+__all__ = ["DistributedDataParallel"]
+
+
+class _DistributedDataParallel(_compat._BaguaAttributes, _wrapper.DistributedDataParallel):
+    """The wrapper class :func:`DistributedDataParallel` returns."""
+
+
+def DistributedDataParallel(  # noqa: N802 (Bagua's name for a function)
+    module: nn.Module,
+    device_ids: Sequence[int | torch.device] | None = None,
+    output_device: int | torch.device | None = None,
+    dim: int = 0,
+    broadcast_buffers: bool = True,
+    process_group: Any = None,
+    bucket_cap_mb: float = 25,
+    find_unused_parameters: bool = False,
+    check_reduction: bool = False,
+    gradient_as_bucket_view: bool = True,
+    optimizers: Sequence[torch.optim.Optimizer] = (),
+    algorithm: Any = None,
+) -> nn.Module:
+    """Wrap ``module`` for data-parallel training (Bagua's signature; ``algorithm`` defaults to gradient allreduce).
+
+    Collective. Wrapping a model that is already wrapped switches its algorithm (the previous
+    wrapper is closed first). Parameters, buffers and the optimizers' state are broadcast from
+    rank 0.
+    """
+    optimizers = _compat._optimizer_list(optimizers)
+    wrapped = _DistributedDataParallel(
+        _compat._unwrap(module),
+        device_ids,
+        output_device,
+        dim,
+        broadcast_buffers,
+        _compat._communicators(process_group),
+        bucket_cap_mb,
+        find_unused_parameters,
+        check_reduction,
+        gradient_as_bucket_view,
+        False,
+        algorithm=as_project_algorithm(GradientAllReduceAlgorithm() if algorithm is None else algorithm),
+        optimizers=optimizers,
+    )
+    wrapped._adopt(optimizers)
+    return wrapped
