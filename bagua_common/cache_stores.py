@@ -11,6 +11,7 @@ imported only by the store that needs them.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import stat
@@ -20,7 +21,11 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from bagua_common.signature import AllGather, gather_bytes
+
 ENV_CACHE_URL = "BAGUA_CACHE_URL"
+ENV_CACHE_PASSWORD_FILE = "BAGUA_CACHE_PASSWORD_FILE"
+_SERVER_ENTRY_BYTES = 1024  # one rank's {"url", "password"} in sharded_store's exchange
 DEFAULT_RAM_FRACTION = 0.25
 
 
@@ -238,16 +243,17 @@ class RedisStore:
     """Redis servers, keys spread over them by a stable hash (:func:`shard_of`).
 
     ``urls`` such as ``unix:///path/redis.sock`` or ``redis://host:6379/0``; every process of
-    a job must list them in the same order. Values are unpickled on read, so point it only at
-    servers that nobody outside the job can write to (the launcher's server listens on a 0700
-    unix socket). Each server should run with ``maxmemory-policy noeviction``: its first
-    out-of-memory reply stops this process's puts.
+    a job must list them in the same order. ``password`` is one for all servers or one per
+    server (None: no password). Values are unpickled on read, so point it only at servers that
+    nobody outside the job can write to (the launcher's server listens on a 0700 unix socket,
+    or with a generated password). Each server should run with ``maxmemory-policy
+    noeviction``: its first out-of-memory reply stops this process's puts.
     """
 
     def __init__(
         self,
         urls: str | Sequence[str],
-        password: str | None = None,
+        password: str | Sequence[str | None] | None = None,
         timeout_s: float = 10.0,
     ) -> None:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
@@ -255,7 +261,10 @@ class RedisStore:
             raise ValueError(f"urls must be non-empty strings, got {urls!r}")
         if not 0 < timeout_s < float("inf"):
             raise ValueError(f"timeout_s must be a positive finite number, got {timeout_s!r}")
-        self.password = password
+        passwords = [password] * len(self.urls) if password is None or isinstance(password, str) else list(password)
+        if len(passwords) != len(self.urls):
+            raise ValueError(f"{len(self.urls)} urls but {len(passwords)} passwords")
+        self.passwords = passwords
         self.timeout_s = float(timeout_s)
         self._clients: list[Any] | None = None
         self._pid = -1
@@ -269,7 +278,7 @@ class RedisStore:
     def __getstate__(self) -> dict[str, Any]:
         return {
             "urls": self.urls,
-            "password": self.password,
+            "passwords": self.passwords,
             "timeout_s": self.timeout_s,
         }
 
@@ -278,7 +287,7 @@ class RedisStore:
 
     def _open(self) -> list[Any]:
         if self._pid != os.getpid():
-            self._clients = [connect_redis(u, self.password, self.timeout_s) for u in self.urls]
+            self._clients = [connect_redis(u, p, self.timeout_s) for u, p in zip(self.urls, self.passwords)]
             self._pid = os.getpid()
         return self._clients
 
@@ -311,11 +320,46 @@ class RedisStore:
         self._clients, self._pid = None, -1
 
 
+def _password_from_environment() -> str | None:
+    path = os.environ.get(ENV_CACHE_PASSWORD_FILE)
+    if not path:
+        return None
+    info = os.stat(path)
+    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise ValueError(f"{ENV_CACHE_PASSWORD_FILE}={path!r} must belong to this user and be readable by nobody else")
+    with open(path) as f:
+        return f.read().strip()
+
+
 def store_from_environment() -> Store:
     """Return the default store: Redis at ``BAGUA_CACHE_URL`` (set by ``bagua-launch
-    --cache-server redis``, comma-separated for several servers) if set, else a fresh
-    :class:`LmdbStore`."""
+    --cache-server redis``, comma-separated for several servers; the password, if any, read
+    from the file named in ``BAGUA_CACHE_PASSWORD_FILE``) if set, else a fresh :class:`LmdbStore`."""
     urls = os.environ.get(ENV_CACHE_URL, "").strip()
     if urls:
-        return RedisStore([u for u in urls.split(",") if u])
+        return RedisStore([u for u in urls.split(",") if u], _password_from_environment())
     return LmdbStore()
+
+
+def sharded_store(allgather: AllGather, timeout_s: float = 10.0) -> RedisStore:
+    """Return one :class:`RedisStore` over the cache servers of every node of the job.
+
+    For ``bagua-launch --cache-server redis --cache-bind ADDR``: each rank contributes its
+    node's server (``BAGUA_CACHE_URL``, the password from ``BAGUA_CACHE_PASSWORD_FILE``) through
+    ``allgather`` (a uint8 array of the same length from every rank, stacked in rank order, over
+    the job's communicator; every rank must call this). The servers are listed in the order of
+    the first rank naming each, so every process routes every key to the same server. The
+    exchange is JSON, never a pickle; the passwords travel over the job's own communicator.
+    """
+    url = os.environ.get(ENV_CACHE_URL, "").strip()
+    if not url or "," in url:
+        raise ValueError(f"sharded_store needs {ENV_CACHE_URL} to name this node's one cache server, got {url!r}")
+    entry = json.dumps({"url": url, "password": _password_from_environment()}).encode()
+    if len(entry) > _SERVER_ENTRY_BYTES:
+        raise ValueError(f"the cache server's address is too long ({len(entry)} bytes with its password)")
+    servers: dict[str, str | None] = {}
+    for row in gather_bytes(allgather, entry, _SERVER_ENTRY_BYTES):
+        theirs = json.loads(row.rstrip(b"\0"))
+        if servers.setdefault(theirs["url"], theirs["password"]) != theirs["password"]:
+            raise ValueError(f"ranks disagree on the password of the cache server {theirs['url']}")
+    return RedisStore(list(servers), list(servers.values()), timeout_s)

@@ -4,11 +4,18 @@
 in ``BAGUA_CACHE_URL``. The server listens on no TCP port, keeps nothing on disk, refuses
 writes when full (``noeviction``) and dies with its parent. Only this user can reach the
 socket, which is what makes it safe for the cache to unpickle what it reads.
+
+For a cache sharded over the nodes (``bagua-launch --cache-bind ADDR``) the server also
+listens on TCP at ``ADDR`` and requires a password it generates itself. The password is never
+on a command line: redis-server reads it from a 0600 configuration file and the ranks from the
+0600 file named in ``BAGUA_CACHE_PASSWORD_FILE``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -16,7 +23,7 @@ import subprocess
 import tempfile
 import time
 
-from bagua_common.cache_stores import checked_capacity, connect_redis
+from bagua_common.cache_stores import ENV_CACHE_PASSWORD_FILE, ENV_CACHE_URL, checked_capacity, connect_redis
 from bagua_common.child_process import die_with_parent
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
@@ -33,19 +40,51 @@ def find_redis_server() -> str:
     return binary
 
 
+def checked_bind_address(address: str) -> str:
+    """Return ``address`` if it is an IP address of this machine; else raise a ``ValueError``.
+
+    Checked by binding a throwaway socket to it, so a typo or another node's address fails here
+    with a clear message instead of in redis-server's log.
+    """
+    try:
+        family = socket.AF_INET6 if ipaddress.ip_address(address).version == 6 else socket.AF_INET
+    except ValueError:
+        raise ValueError(f"cache bind address must be an IP address of this node, got {address!r}") from None
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((address, 0))
+        except OSError as e:
+            raise ValueError(f"cache bind address {address!r} is not an address of this node: {e.strerror}") from None
+    return address
+
+
+def _free_port(address: str) -> int:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((address, 0))
+        return probe.getsockname()[1]
+
+
 class RedisServer:
     """One ``redis-server`` child holding at most ``capacity_bytes`` (default a quarter of RAM).
 
-    Use as a context manager, or call :meth:`start` and :meth:`stop`. ``url`` is the
-    ``unix://`` address clients connect to; ``pid`` the server's process id.
+    Use as a context manager, or call :meth:`start` and :meth:`stop`. ``url`` is the address
+    clients connect to; ``pid`` the server's process id. By default the server listens only on
+    a unix socket. With ``bind`` (an IP address of this node) it listens on TCP there too, on a
+    free port, and requires ``password``, generated at start and kept in ``password_file`` (0600).
     """
 
-    def __init__(self, capacity_bytes: int | None = None, *, start_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, capacity_bytes: int | None = None, *, bind: str | None = None, start_timeout_s: float = 30.0
+    ) -> None:
         self.capacity_bytes = checked_capacity(capacity_bytes)
+        self.bind = None if bind is None else checked_bind_address(bind)
         self.binary = find_redis_server()
         self.start_timeout_s = start_timeout_s
         self.directory: str | None = None
         self.process: subprocess.Popen | None = None
+        self.port = 0
+        self.password: str | None = None
 
     @property
     def socket_path(self) -> str:
@@ -56,8 +95,23 @@ class RedisServer:
 
     @property
     def url(self) -> str:
-        """The ``unix://`` address of the server."""
-        return "unix://" + self.socket_path
+        """The server's address: ``unix://`` by default, ``redis://ADDR:PORT/0`` with ``bind``."""
+        if self.bind is None:
+            return "unix://" + self.socket_path
+        host = f"[{self.bind}]" if ":" in self.bind else self.bind
+        return f"redis://{host}:{self.port}/0"
+
+    @property
+    def password_file(self) -> str:
+        """The 0600 file holding the password (with ``bind``; valid once started)."""
+        return os.path.join(self.directory or "", "password")
+
+    def environment(self) -> dict[str, str]:
+        """The variables that lead a rank's :func:`~bagua_common.cache_stores.store_from_environment` here."""
+        env = {ENV_CACHE_URL: self.url}
+        if self.password is not None:
+            env[ENV_CACHE_PASSWORD_FILE] = self.password_file
+        return env
 
     @property
     def pid(self) -> int | None:
@@ -70,13 +124,25 @@ class RedisServer:
 
         remove_stale_directories()
         self.directory = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX)  # mode 0700
-        command = [
-            self.binary, "--port", "0", "--unixsocket", self.socket_path,
+        command = [self.binary]
+        if self.bind is not None:
+            # The config file comes first on redis-server's command line; the options after it
+            # are added to it. The password stays in files only this user can read.
+            self.password = secrets.token_hex(32)
+            self.port = _free_port(self.bind)
+            config = os.path.join(self.directory, "redis.conf")
+            _write_private(config, f"bind {self.bind}\nport {self.port}\nrequirepass {self.password}\n")
+            _write_private(self.password_file, self.password)
+            command.append(config)
+        command += [
+            "--unixsocket", self.socket_path,
             "--unixsocketperm", "700", "--maxmemory", str(self.capacity_bytes),
             "--maxmemory-policy", "noeviction", "--save", "", "--appendonly", "no",
             "--daemonize", "no", "--protected-mode", "yes", "--dir", self.directory,
             "--loglevel", "warning",
         ]  # fmt: skip
+        if self.bind is None:
+            command += ["--port", "0"]
         log_path = os.path.join(self.directory, "redis.log")
         with open(log_path, "wb") as log:  # a file, not a pipe nobody drains while training
             self.process = subprocess.Popen(
@@ -91,7 +157,7 @@ class RedisServer:
                 self.stop()
                 raise RuntimeError(f"redis-server exited at start: {error.strip()}")
             try:
-                connect_redis(self.url, None, 1.0).ping()
+                connect_redis(self.url, self.password, 1.0).ping()
                 return self
             except redis.exceptions.ConnectionError:
                 if time.monotonic() > deadline:
@@ -113,12 +179,19 @@ class RedisServer:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
+        self.password, self.port = None, 0
 
     def __enter__(self) -> RedisServer:  # noqa: PYI034
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _write_private(path: str, text: str) -> None:
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w") as f:
+        f.write(text)
 
 
 def remove_stale_directories() -> None:

@@ -143,7 +143,8 @@ def describe_differences(signatures: Sequence[JobSignature]) -> list[str]:
     return lines
 
 
-def _gather_bytes(allgather: AllGather, data: bytes, length: int) -> list[bytes]:
+def gather_bytes(allgather: AllGather, data: bytes, length: int) -> list[bytes]:
+    """Gather ``data`` (zero-padded to ``length`` bytes) from every rank, in rank order."""
     padded = np.zeros(length, np.uint8)
     padded[: len(data)] = np.frombuffer(data, np.uint8)
     return [bytes(row) for row in np.asarray(allgather(padded), np.uint8)]
@@ -158,11 +159,11 @@ def check_same_job(signature: JobSignature, allgather: AllGather) -> None:
     """
     encoded = signature.encode()
     header = signature.digest() + len(encoded).to_bytes(_LENGTH_BYTES, "little")
-    headers = _gather_bytes(allgather, header, len(header))
+    headers = gather_bytes(allgather, header, len(header))
     if len(set(headers)) == 1:
         return
     longest = max(int.from_bytes(h[_DIGEST_BYTES:], "little") for h in headers)
-    rows = _gather_bytes(allgather, encoded, longest)
+    rows = gather_bytes(allgather, encoded, longest)
     lengths = [int.from_bytes(h[_DIGEST_BYTES:], "little") for h in headers]
     lengths_text = [f"{n} bytes, sha256 {h[:8].hex()}" for n, h in zip(lengths, headers)]
     signatures = [JobSignature.decode(row[:n]) for row, n in zip(rows, lengths)]

@@ -64,7 +64,7 @@ from pathlib import Path
 
 from bagua_common.cache_stores import ENV_CACHE_URL, parse_capacity
 from bagua_common.child_process import die_with_parent
-from bagua_common.redis_server import RedisServer, find_redis_server
+from bagua_common.redis_server import RedisServer, checked_bind_address, find_redis_server
 
 __all__ = ["DEFAULT_MULTINODE_PORT", "RANK_VARIABLES", "Launcher", "build_parser", "main", "rank_environment"]
 
@@ -222,7 +222,7 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["redis"],
         default=None,
         help="start one redis-server per node for bagua's CachedDataset, on a private unix socket "
-        f"(no TCP); ranks find it in {ENV_CACHE_URL}; it stops when the ranks exit",
+        f"(no TCP unless --cache-bind); ranks find it in {ENV_CACHE_URL}; it stops when the ranks exit",
     )
     cache.add_argument(
         "--cache-capacity",
@@ -230,6 +230,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="SIZE",
         help="the cache server's memory, e.g. 8G (default: a quarter of this node's RAM)",
+    )
+    cache.add_argument(
+        "--cache-bind",
+        default=None,
+        metavar="ADDR",
+        help="also serve the cache on TCP at this IP address of the node, with a generated password "
+        "(in a 0600 file the ranks find in BAGUA_CACHE_PASSWORD_FILE), so that the ranks can shard "
+        "the cache over every node's server: bagua_common.cache_stores.sharded_store",
     )
     control = parser.add_argument_group("control")
     control.add_argument(
@@ -273,6 +281,7 @@ class Config:
     tail_lines: int
     cache_server: str | None = None
     cache_capacity: int | None = None
+    cache_bind: str | None = None
 
 
 def parse_args(argv: list[str] | None) -> Config:
@@ -307,8 +316,13 @@ def parse_args(argv: list[str] | None) -> Config:
             find_redis_server()
         except FileNotFoundError as e:
             parser.error(f"--cache-server redis: {e}")
-    elif ns.cache_capacity is not None:
-        parser.error("--cache-capacity needs --cache-server")
+        if ns.cache_bind is not None:
+            try:
+                checked_bind_address(ns.cache_bind)
+            except ValueError as e:
+                parser.error(f"--cache-bind: {e}")
+    elif ns.cache_capacity is not None or ns.cache_bind is not None:
+        parser.error("--cache-capacity and --cache-bind need --cache-server")
     try:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as e:
@@ -329,6 +343,7 @@ def parse_args(argv: list[str] | None) -> Config:
         tail_lines=ns.tail_lines,
         cache_server=ns.cache_server,
         cache_capacity=ns.cache_capacity,
+        cache_bind=ns.cache_bind,
     )
 
 
@@ -458,7 +473,7 @@ class Launcher:
         env["MASTER_ADDR"] = self.config.master_addr
         env["MASTER_PORT"] = str(self.config.master_port)
         if self.cache_server is not None:
-            env[ENV_CACHE_URL] = self.cache_server.url
+            env.update(self.cache_server.environment())
         return env
 
     def _spawn(
@@ -822,7 +837,7 @@ class Launcher:
         try:
             if self.config.cache_server == "redis":
                 try:
-                    self.cache_server = RedisServer(self.config.cache_capacity).start()
+                    self.cache_server = RedisServer(self.config.cache_capacity, bind=self.config.cache_bind).start()
                 except (OSError, RuntimeError) as e:  # TimeoutError is an OSError
                     self.out.message(f"{_NAME}: cannot start the cache server: {e}\n")
                     return 1

@@ -70,8 +70,19 @@ ALGORITHMS = [
     "qadam",
     "onebit_adam",
     "async",
+    "powersgd_rank1",
+    "powersgd_rank4",
 ]
 BASELINE = {"torch": "ddp", "jax": "pmean"}
+# DDP with its built-in communication hooks: the torch table's other baselines (what a torch user
+# picks on a slow network).
+DDP_HOOKS = synthetic.DDP_HOOKS
+# torch 2.13's DDP refuses bf16_compress_hook without CUDA 11+ and NCCL 2.10+ (a TypeError at
+# register_comm_hook), so on this CPU study it cannot run.
+CPU_UNSUPPORTED = ("ddp_bf16",)
+# The models timed: the synthetic benchmark's mlp (width, hidden layers, image side); "mlp" is the
+# study's original 1.84M-parameter model, "matrices" one whose gradient is mostly 1024x1024 matrices.
+MODELS = {"mlp": (512, 2, 32), "matrices": (1024, 4, 16)}
 FRAMEWORKS = ("torch", "jax")
 # Slowest links first: the points the study is about are measured even if it is cut short.
 DEFAULT_RATES = ["100mbit", "300mbit", "1gbit", "10gbit", "none"]
@@ -80,10 +91,17 @@ DEFAULT_RATES = ["100mbit", "300mbit", "1gbit", "10gbit", "none"]
 def job_list(args) -> list[tuple[str, str]]:
     # JAX's async averages in a background thread over the native engine: not on a mesh.
     skipped = {"jax": ("async",) if args.jax_comm == "gloo" else (), "torch": ()}
-    return [(fw, alg) for fw in args.frameworks for alg in [BASELINE[fw], *args.algorithms] if alg not in skipped[fw]]
+    peers = {"torch": [h for h in DDP_HOOKS if h not in CPU_UNSUPPORTED], "jax": []}
+    return [
+        (fw, alg)
+        for fw in args.frameworks
+        for alg in [BASELINE[fw], *peers[fw], *args.algorithms]
+        if alg not in skipped[fw]
+    ]
 
 
-def worker_argv(args, framework: str, algorithm: str, result: Path) -> list[str]:
+def worker_argv(args, framework: str, algorithm: str, result: Path, model: str, convergence: bool) -> list[str]:
+    width, layers, image_size = MODELS[model]
     return [
         sys.executable,
         synthetic.__file__,
@@ -99,11 +117,11 @@ def worker_argv(args, framework: str, algorithm: str, result: Path) -> list[str]
         "--batch-size",
         str(args.batch_size),
         "--width",
-        str(args.width),
+        str(width),
         "--layers",
-        str(args.layers),
+        str(layers),
         "--image-size",
-        str(args.image_size),
+        str(image_size),
         "--lr",
         str(args.lr),
         "--warmup-iters",
@@ -121,7 +139,7 @@ def worker_argv(args, framework: str, algorithm: str, result: Path) -> list[str]
         "--jax-comm",
         args.jax_comm,
         "--convergence-steps",
-        str(args.convergence_steps),
+        str(args.convergence_steps if convergence else 0),
     ]
 
 
@@ -140,11 +158,13 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_job(args, net: nh.Network, framework: str, algorithm: str, port: int, tmp: Path) -> dict[str, Any]:
+def run_job(
+    args, net: nh.Network, framework: str, algorithm: str, port: int, tmp: Path, model: str, convergence: bool
+) -> dict[str, Any]:
     result = tmp / f"{framework}-{algorithm}-{net.ranks}-{port}.json"
     log = tmp / f"{result.stem}.log"
     start = time.perf_counter()
-    argv = worker_argv(args, framework, algorithm, result)
+    argv = worker_argv(args, framework, algorithm, result, model, convergence)
     with open(log, "w") as out:
         if framework == "jax" and algorithm != BASELINE["jax"] and args.jax_comm == "mpi":
             codes = net.run_mpi(argv, args.job_timeout, base_env=child_env(), stdout=out)
@@ -154,6 +174,7 @@ def run_job(args, net: nh.Network, framework: str, algorithm: str, port: int, tm
     row: dict[str, Any] = {
         "framework": framework,
         "algorithm": algorithm,
+        "model": model,
         "ranks": net.ranks,
         "rate_bits": net.rate,
         "rate": nh.rate_label(net.rate),
@@ -186,8 +207,9 @@ def run_job(args, net: nh.Network, framework: str, algorithm: str, port: int, tm
         step_s_max=max(steps),
         step_s_all=steps,
         warmup_s=max(rr["warmup_s"] for rr in per_rank),
+        bytes_sent_per_step=statistics.fmean(rr["bytes_sent_per_step"] for rr in per_rank),
     )
-    if args.convergence_steps:
+    if convergence:
         row["digits_loss"] = synthetic.digits_loss(per_rank)
         # The loss of every step, averaged over the ranks: the table reads it a quarter of the way in too.
         row["digits_curve"] = [
@@ -196,25 +218,63 @@ def run_job(args, net: nh.Network, framework: str, algorithm: str, port: int, tm
     return row
 
 
-def parameter_count(args) -> int:
-    dims = [3 * args.image_size**2] + [args.width] * args.layers + [10]
+def parameter_count(model: str) -> int:
+    width, layers, image_size = MODELS[model]
+    dims = [3 * image_size**2] + [width] * layers + [10]
     return sum(a * b + b for a, b in zip(dims, dims[1:]))
 
 
-def wire_estimate(args, ranks: int, rate: int | None) -> float | None:
+def wire_estimate(model: str, ranks: int, rate: int | None) -> float | None:
     """Seconds a ring allreduce of the fp32 gradient needs on one link (2 (n-1)/n x bytes each way)."""
     if rate is None:
         return None
-    return 2 * (ranks - 1) / ranks * parameter_count(args) * 4 * 8 / rate
+    return 2 * (ranks - 1) / ranks * parameter_count(model) * 4 * 8 / rate
+
+
+def _key(r: dict[str, Any]) -> tuple:
+    return (r.get("model", "mlp"), r["ranks"], r["rate"], r["framework"], r["algorithm"])
+
+
+def merged(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (model, ranks, rate, framework, algorithm): the repeats' timed iterations pooled
+    (median over all of them), each repeat's median kept, the loss from the repeat that trained."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in rows:
+        groups.setdefault(_key(r), []).append(r)
+    out = []
+    for group in groups.values():
+        ok = [r for r in group if r.get("status") == "ok"]
+        if not ok:
+            out.append(group[-1])
+            continue
+        steps = [s for r in ok for s in r["step_s_all"]]
+        row = {k: v for k, v in ok[0].items() if k not in ("digits_loss", "digits_curve", "repeat")}
+        row.update(
+            model=row.get("model", "mlp"),
+            step_s=statistics.median(steps),
+            step_s_all=steps,
+            repeat_step_s=[r["step_s"] for r in ok],
+            repeats=len(ok),
+        )
+        if any("bytes_sent_per_step" in r for r in ok):
+            row["bytes_sent_per_step"] = statistics.median(
+                r["bytes_sent_per_step"] for r in ok if "bytes_sent_per_step" in r
+            )
+        trained = next((r for r in ok if "digits_curve" in r), None)
+        if trained:
+            row.update(digits_loss=trained["digits_loss"], digits_curve=trained["digits_curve"])
+        out.append(row)
+    return out
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    index = {(r["ranks"], r["rate"], r["framework"], r["algorithm"]): r for r in rows if r.get("status") == "ok"}
+    index = {_key(r): r for r in rows if r.get("status") == "ok"}
     for r in rows:
         if r.get("status") != "ok":
             continue
-        base = index.get((r["ranks"], r["rate"], r["framework"], BASELINE[r["framework"]]))
-        ref = index.get((r["ranks"], r["rate"], r["framework"], "gradient_allreduce"))
+        model, ranks, rate, fw, _ = _key(r)
+        base = index.get((model, ranks, rate, fw, BASELINE[fw]))
+        ref = index.get((model, ranks, rate, fw, "gradient_allreduce"))
         r["speedup_vs_baseline"] = base["step_s"] / r["step_s"] if base else None
         r["speedup_vs_allreduce"] = ref["step_s"] / r["step_s"] if ref else None
 
@@ -224,7 +284,15 @@ def _rate_order(label: str) -> float:
 
 
 def _label(fw: str, alg: str) -> str:
-    label = {"ddp": "torch DDP (baseline)", "pmean": "jax lax.pmean (baseline)"}.get(alg, f"bagua_{fw} {alg}")
+    peers = {
+        "ddp": "torch DDP fp32 (baseline)",
+        "pmean": "jax lax.pmean (baseline)",
+        "ddp_fp16": "torch DDP + fp16_compress_hook",
+        "ddp_bf16": "torch DDP + bf16_compress_hook",
+        "ddp_powersgd_rank1": "torch DDP + powerSGD_hook rank 1",
+        "ddp_powersgd_rank4": "torch DDP + powerSGD_hook rank 4",
+    }
+    label = peers.get(alg, f"bagua_{fw} {alg}")
     return label + (" (local steps, not comparable)" if alg == "async" else "")
 
 
@@ -237,81 +305,100 @@ def _time_cell(r: dict[str, Any]) -> str:
     return cell
 
 
-def _grid(rows: list[dict[str, Any]], ranks: int, rates: list[str], cell) -> list[str]:
-    """One table row per (framework, algorithm) in first-seen order, one column per rate."""
-    lines = ["| algorithm | " + " | ".join(rates) + " |", "|---|" + "---|" * len(rates)]
-    names = list(dict.fromkeys((r["framework"], r["algorithm"]) for r in rows if r["ranks"] == ranks))
-    for fw, alg in names:
+def _find(rows, model, ranks, rate, fw, alg) -> dict[str, Any] | None:
+    return next((x for x in rows if _key(x) == (model, ranks, rate, fw, alg)), None)
+
+
+def _loss_cell(rows, ranks: int, fw: str, alg: str, steps: int) -> str:
+    """The digits loss at the last step (mean of the last 10) and a quarter of the way in."""
+    r = next((x for x in rows if x["ranks"] == ranks and _key(x)[3:] == (fw, alg) and "digits_curve" in x), None)
+    if r is None:
+        return ""
+    early = steps // 4
+    return f"{statistics.fmean(r['digits_curve'][early - 10 : early]):.3f} / {r['digits_loss']:.4f}"
+
+
+def _grid(rows: list[dict[str, Any]], model: str, ranks: int, rates: list[str], steps: int) -> list[str]:
+    """One table row per (framework, algorithm) in first-seen order: time per step at each rate,
+    bytes sent per step, the digits loss."""
+    lines = [
+        "| variant | " + " | ".join(rates) + " | MB sent/step/rank | digits loss |",
+        "|---|" + "---|" * (len(rates) + 2),
+    ]
+    mine = [r for r in rows if r["ranks"] == ranks and r.get("model", "mlp") == model]
+    for fw, alg in dict.fromkeys((r["framework"], r["algorithm"]) for r in mine):
         cells = []
         for rate in rates:
-            r = next(
-                (
-                    x
-                    for x in rows
-                    if x["ranks"] == ranks and x["rate"] == rate and x["framework"] == fw and x["algorithm"] == alg
-                ),
-                None,
-            )
-            cells.append("" if r is None else (cell(r) if r["status"] == "ok" else r["status"]))
+            r = _find(mine, model, ranks, rate, fw, alg)
+            cells.append("" if r is None else (_time_cell(r) if r["status"] == "ok" else r["status"]))
+        sent = [x["bytes_sent_per_step"] for x in mine if _key(x)[3:] == (fw, alg) and "bytes_sent_per_step" in x]
+        cells.append(f"{statistics.median(sent) / 1e6:.3f}" if sent else "")
+        cells.append(_loss_cell(rows, ranks, fw, alg, steps) if steps else "")
         lines.append(f"| {_label(fw, alg)} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def bar_lines(rows: list[dict[str, Any]], model: str, ranks: int, rates: list[str]) -> list[str]:
+    """Issue 16's bars: our PowerSGD rank 4 against DDP's powerSGD_hook rank 4 (both front ends),
+    and JAX's against lax.pmean."""
+    lines = []
+    hook = "ddp_powersgd_rank4"
+    for rate in rates:
+        ref = _find(rows, model, ranks, rate, "torch", hook)
+        cells = []
+        for fw in ("torch", "jax"):
+            ours = _find(rows, model, ranks, rate, fw, "powersgd_rank4")
+            if ours and ref and ours.get("status") == ref.get("status") == "ok":
+                cells.append(
+                    f"bagua_{fw} powersgd rank 4 / DDP powerSGD_hook rank 4: {ref['step_s'] / ours['step_s']:.2f}x"
+                )
+        ours = _find(rows, model, ranks, rate, "jax", "powersgd_rank4")
+        if ours and ours.get("speedup_vs_baseline"):
+            cells.append(f"bagua_jax powersgd rank 4 / lax.pmean: {ours['speedup_vs_baseline']:.2f}x")
+        if cells:
+            lines.append(f"- {rate}: " + "; ".join(cells))
     return lines
 
 
 def table_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     lines = []
     steps = meta["settings"].get("convergence_steps")
-    for ranks in sorted({r["ranks"] for r in rows}):
-        rates = sorted({r["rate"] for r in rows if r["ranks"] == ranks}, key=_rate_order, reverse=True)
-        lines += [
-            f"### {ranks} ranks: time per step",
-            "",
-            "Time per step in ms (median of the timed iterations); in brackets the speed-up over the "
-            "framework's baseline (torch DDP, resp. jax lax.pmean) at the same bandwidth; "
-            "`x.xx ar` the speed-up over the same framework's Bagua fp32 gradient_allreduce.",
-            "",
-        ]
-        lines += _grid(rows, ranks, rates, _time_cell)
-        est = [
-            wire_estimate(
-                argparse.Namespace(**meta["settings"]),
-                ranks,
-                nh.parse_rate(rate.replace(" ", "").replace("/s", "")) if rate != "unshaped" else None,
-            )
-            for rate in rates
-        ]
-        lines.append(
-            "| *fp32 ring-allreduce wire time (estimate)* | "
-            + " | ".join("" if e is None else f"*{e * 1e3:.0f}*" for e in est)
-            + " |"
-        )
-        lines.append("")
-        if steps:
-            early = steps // 4
+    for model in dict.fromkeys(r.get("model", "mlp") for r in rows):
+        for ranks in sorted({r["ranks"] for r in rows}):
+            rates = sorted({r["rate"] for r in rows if r["ranks"] == ranks}, key=_rate_order, reverse=True)
             lines += [
-                f"### {ranks} ranks: digits loss after {early} and {steps} steps",
+                f"### {model} ({parameter_count(model):,} parameters), {ranks} ranks",
                 "",
-                f"Training loss of the digits MLP (global batch 128), averaged over the ranks and over the "
-                f"10 steps before step {early}, resp. {steps} (same job, same network). The synchronous "
-                "algorithms compute the same numbers at every bandwidth; async's depends on how many "
-                "averaging rounds the link allows.",
+                "Time per step in ms (median of the timed iterations of every repeat); in brackets the speed-up "
+                "over the framework's baseline (torch DDP fp32, resp. jax lax.pmean) at the same bandwidth; "
+                "`x.xx ar` the speed-up over the same framework's Bagua fp32 gradient_allreduce. MB sent per step: "
+                "bytes the rank's network interface sent in the timed steps (all headers included), median over "
+                "rates and repeats. Digits loss: training loss of the digits MLP (global batch 128) averaged over "
+                f"the ranks and the 10 steps before step {steps // 4}, resp. {steps}"
+                + (f", trained once per variant at {meta['convergence_rate']}" if meta.get("convergence_rate") else "")
+                + ".",
                 "",
             ]
-            lines += _grid(
-                rows,
-                ranks,
-                rates,
-                lambda r: (
-                    f"{statistics.fmean(r['digits_curve'][early - 10 : early]):.3f} / {r['digits_loss']:.4f}"
-                    if "digits_curve" in r
-                    else ""
-                ),
+            lines += _grid(rows, model, ranks, rates, steps)
+            est = [
+                wire_estimate(
+                    model, ranks, nh.parse_rate(rate.replace(" ", "").replace("/s", "")) if rate != "unshaped" else None
+                )
+                for rate in rates
+            ]
+            lines.append(
+                "| *fp32 ring-allreduce wire time (estimate)* | "
+                + " | ".join("" if e is None else f"*{e * 1e3:.0f}*" for e in est)
+                + " | | |"
             )
             lines.append("")
+            bars = bar_lines(rows, model, ranks, rates)
+            if bars:
+                lines += ["Ratios of step times (issue 16's bars):", "", *bars, ""]
     return lines
 
 
 def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final: bool) -> list[Path]:
-    add_ratios(rows)
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / f"{args.name}.json"]
@@ -325,6 +412,9 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
     )
     if not final:
         return paths
+    rows = merged(rows)
+    add_ratios(rows)
+    models = dict.fromkeys(r.get("model", "mlp") for r in rows)
     md = [
         f"# Network trade-off study ({meta['date']})",
         "",
@@ -338,10 +428,16 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
         "shaping of each rank's link in both directions at the given rate; 'unshaped' is the bare veth "
         "(well above 10 Gbit/s).",
         "",
-        f"Model: synthetic benchmark's mlp, {meta['parameters']:,} parameters "
-        f"({meta['parameters'] * 4 / 1e6:.1f} MB of fp32 gradient), batch {meta['settings']['batch_size']} "
-        f"per rank, 1 torch thread per rank; {meta['settings']['warmup_iters']} untimed + "
-        f"{meta['settings']['iters']} timed iterations of {meta['settings']['batches_per_iter']} steps.",
+        "Models: the synthetic benchmark's MLP "
+        + "; ".join(
+            f"'{m}' ({MODELS[m][2]}x{MODELS[m][2]}x3 input, {MODELS[m][1]} hidden layers of {MODELS[m][0]}, "
+            f"{parameter_count(m):,} parameters, {parameter_count(m) * 4 / 1e6:.1f} MB of fp32 gradient)"
+            for m in models
+        )
+        + f"; batch {meta['settings']['batch_size']} per rank, 1 torch thread per rank; "
+        f"{meta['settings']['warmup_iters']} untimed + {meta['settings']['iters']} timed iterations of "
+        f"{meta['settings']['batches_per_iter']} steps per job, {meta['settings'].get('repeats', 1)} repeat(s) "
+        "interleaved (every variant at every rate once, then again).",
         "",
     ]
     md += [f"- {n}" for n in meta["notes"]] + [""]
@@ -385,27 +481,29 @@ def plot(args, meta, rows, path: Path) -> Path | None:
     ok = [r for r in rows if r.get("status") == "ok"]
     if not ok:
         return None
-    rank_counts = sorted({r["ranks"] for r in ok})
+    panels = [
+        (m, k) for m in dict.fromkeys(r.get("model", "mlp") for r in ok) for k in sorted({r["ranks"] for r in ok})
+    ]
     frameworks = [fw for fw in FRAMEWORKS if any(r["framework"] == fw for r in ok)]
     fig, axes = plt.subplots(
-        len(frameworks), len(rank_counts), figsize=(6 * len(rank_counts), 4.5 * len(frameworks)), squeeze=False
+        len(frameworks), len(panels), figsize=(6 * len(panels), 4.5 * len(frameworks)), squeeze=False
     )
     for row, fw in enumerate(frameworks):
-        for col, ranks in enumerate(rank_counts):
+        for col, (model, ranks) in enumerate(panels):
             ax = axes[row][col]
-            mine = [r for r in ok if r["ranks"] == ranks and r["framework"] == fw]
+            mine = [r for r in ok if r["ranks"] == ranks and r["framework"] == fw and r.get("model", "mlp") == model]
             rates = sorted({r["rate"] for r in ok if r["ranks"] == ranks}, key=_rate_order, reverse=True)
             for alg in dict.fromkeys(r["algorithm"] for r in mine):
                 pts = sorted((rates.index(r["rate"]), r["step_s"] * 1e3) for r in mine if r["algorithm"] == alg)
-                style = "--" if alg in BASELINE.values() else ("-." if alg == "async" else "-")
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=alg)
+                style = "--" if alg in BASELINE.values() or alg in DDP_HOOKS else ("-." if alg == "async" else "-")
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], style, marker="o", label=_label(fw, alg))
             ax.set_xticks(range(len(rates)), rates)
             ax.set_xlabel("per-rank link bandwidth")
             ax.set_ylabel("time per step (ms, log)")
             ax.set_yscale("log")
             ax.grid(alpha=0.3)
             engine = "gloo" if fw == "torch" or meta.get("jax_comm") == "gloo" else "MPI (pmean: gloo)"
-            ax.set_title(f"{fw}, {ranks} ranks, {meta['parameters'] / 1e6:.1f} M-parameter MLP, CPU, {engine}")
+            ax.set_title(f"{fw}, {ranks} ranks, {model} ({parameter_count(model) / 1e6:.2f} M params), CPU, {engine}")
             ax.legend(fontsize=7)
     fig.suptitle("Bagua algorithms over shaped links (tbf, network namespaces)")
     fig.tight_layout()
@@ -440,9 +538,23 @@ def parse_args(argv=None):
         "--convergence-steps", type=int, default=200, help="digits training steps after the timing, per job (0: off)"
     )
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per link (needs netem)")
-    p.add_argument("--width", type=int, default=512)
-    p.add_argument("--layers", type=int, default=2)
-    p.add_argument("--image-size", type=int, default=32)
+    p.add_argument("--models", nargs="+", default=["mlp"], choices=list(MODELS), help="models timed (default: mlp)")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="times every job runs, interleaved: each round covers every rate and job"
+    )
+    p.add_argument(
+        "--repeat-only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="in the rounds after the first, run only these variants (e.g. the ones a ratio is read from)",
+    )
+    p.add_argument(
+        "--convergence-rate",
+        default=None,
+        help="train the digits MLP only at this rate, in the first round and for the first model (the "
+        "synchronous variants compute the same numbers everywhere; default: in every job)",
+    )
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--warmup-iters", type=int, default=2)
@@ -487,6 +599,13 @@ def main(argv=None) -> int:
             else "bagua_jax algorithms: DataParallel(mesh=...) over jax.distributed + gloo (JAX's collectives); "
             "async is left out, its background averager needs the native engine."
         )
+    if "torch" in args.frameworks:
+        notes.append(
+            "DDP + bf16_compress_hook is not measured: torch's DDP refuses to register it without CUDA 11+ and "
+            "NCCL 2.10+ (TypeError on gloo/CPU). DDP + powerSGD_hook runs with one bucket (bucket_cap_mb=1024): "
+            "with several buckets its callback-issued allreduces interleave differently across ranks on gloo "
+            "and the job fails ('Received data size doesn't match expected size')."
+        )
     cores = _common.cores()
     if max(args.ranks) > cores:
         notes.append(
@@ -502,13 +621,12 @@ def main(argv=None) -> int:
             "cores": cores,
             "kernel": platform.release(),
             "probe": probe,
-            "parameters": parameter_count(args),
+            "parameters": {m: parameter_count(m) for m in args.models},
             "settings": {
                 k: getattr(args, k)
                 for k in (
-                    "width",
-                    "layers",
-                    "image_size",
+                    "models",
+                    "repeats",
                     "batch_size",
                     "lr",
                     "warmup_iters",
@@ -518,6 +636,9 @@ def main(argv=None) -> int:
                 )
             },
             "delay_ms": args.delay_ms,
+            "convergence_rate": None
+            if args.convergence_rate is None
+            else nh.rate_label(nh.parse_rate(args.convergence_rate)),
             "jax_comm": args.jax_comm,
             "notes": notes,
         }
@@ -533,44 +654,48 @@ def main(argv=None) -> int:
         meta["command"] = old["meta"]["command"] + "`, then `" + meta["command"]
     jobs = job_list(args)
     print(
-        f"{len(jobs)} jobs x {len(args.rates)} rates x {len(args.ranks)} rank counts; model "
-        f"{meta['parameters']:,} parameters",
+        f"{len(jobs)} jobs x {len(args.models)} models x {len(args.rates)} rates x {len(args.ranks)} rank counts "
+        f"x {args.repeats} repeats; parameters {meta['parameters']}",
         flush=True,
     )
     port = 29500
     start = time.monotonic()
     try:
         with tempfile.TemporaryDirectory(prefix="bagua-netstudy-") as tmp:
-            for ranks in args.ranks:
-                for rate in args.rates:
-                    if time.monotonic() - start > args.study_timeout:
-                        print("study timeout reached; stopping", flush=True)
-                        break
-                    with nh.Network(ranks, rate, args.delay_ms) as net:
-                        for fw, alg in jobs:
-                            port += 1
-                            row = run_job(args, net, fw, alg, port, Path(tmp))
-                            rows = [
-                                r
-                                for r in rows
-                                if not (
-                                    r["ranks"] == ranks
-                                    and r["rate"] == row["rate"]
-                                    and r["framework"] == fw
-                                    and r["algorithm"] == alg
-                                )
-                            ]
-                            rows.append(row)
-                            msg = (
-                                f"{row['step_s'] * 1e3:8.1f} ms/step"
-                                if row["status"] == "ok"
-                                else f"{row['status']}: {' / '.join(row.get('log_tail', [])[-2:])}"
-                            )
-                            print(
-                                f"{ranks} ranks {row['rate']:>12} {fw:>5} {alg:<28} {msg} ({row['wall_s']:.0f} s)",
-                                flush=True,
-                            )
-                            write_results(args, meta, rows, final=False)
+            for repeat in range(args.repeats):
+                for ranks in args.ranks:
+                    for rate in args.rates:
+                        if time.monotonic() - start > args.study_timeout:
+                            print("study timeout reached; stopping", flush=True)
+                            break
+                        with nh.Network(ranks, rate, args.delay_ms) as net:
+                            for model in args.models:
+                                for fw, alg in jobs:
+                                    if repeat and args.repeat_only and alg not in args.repeat_only:
+                                        continue
+                                    port += 1
+                                    convergence = args.convergence_steps > 0 and (
+                                        meta["convergence_rate"] is None
+                                        or (
+                                            repeat == 0
+                                            and model == args.models[0]
+                                            and nh.rate_label(net.rate) == meta["convergence_rate"]
+                                        )
+                                    )
+                                    row = run_job(args, net, fw, alg, port, Path(tmp), model, convergence)
+                                    row["repeat"] = repeat
+                                    rows.append(row)
+                                    msg = (
+                                        f"{row['step_s'] * 1e3:8.1f} ms/step {row['bytes_sent_per_step'] / 1e6:7.3f} MB/step"
+                                        if row["status"] == "ok"
+                                        else f"{row['status']}: {' / '.join(row.get('log_tail', [])[-2:])}"
+                                    )
+                                    print(
+                                        f"#{repeat} {ranks} ranks {row['rate']:>12} {model:>8} {fw:>5} {alg:<20} {msg} "
+                                        f"({row['wall_s']:.0f} s)",
+                                        flush=True,
+                                    )
+                                    write_results(args, meta, rows, final=False)
     except KeyboardInterrupt:
         print("interrupted; writing what was measured", file=sys.stderr)
     meta["total_s"] = round(time.monotonic() - start, 1)

@@ -116,7 +116,13 @@ ALGORITHM_NAMES = (
 )
 ADAM_ALGORITHMS = ("qadam", "onebit_adam")
 # Job names for registry algorithms with non-default options, in both frameworks.
-VARIANTS = {"decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one"})}
+VARIANTS = {
+    "decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one"}),
+    "powersgd_rank1": ("powersgd", {"rank": 1}),
+    "powersgd_rank4": ("powersgd", {"rank": 4}),
+}
+# Torch DDP with one of its built-in communication hooks: the peers a torch user picks on a slow network.
+DDP_HOOKS = ("ddp_fp16", "ddp_bf16", "ddp_powersgd_rank1", "ddp_powersgd_rank4")
 NUM_CLASSES = 10
 CHANNELS = 3
 HERE = Path(__file__).resolve()
@@ -364,6 +370,8 @@ def _jax_bagua_setup(
     name, options = algorithm_spec(args.algorithm)
     if name in ADAM_ALGORITHMS:
         options["warmup_steps"] = warmup_steps
+    if name == "powersgd":
+        options["start_iter"] = warmup_steps
     algorithm = make_algorithm(name, learning_rate=lr, **options)
     optimizer = None if name in ADAM_ALGORITHMS else optax.sgd(lr, momentum=0.9)
     if args.jax_comm == "gloo":
@@ -411,7 +419,7 @@ def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     rank, size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     torch.manual_seed(0)
-    if args.algorithm == BASELINES["torch"]:
+    if args.algorithm in (BASELINES["torch"], *DDP_HOOKS):
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.comm_timeout))
     else:
         import bagua_torch
@@ -446,9 +454,15 @@ def _torch_setup(args: argparse.Namespace, net, lr: float, warmup_steps: int) ->
     import torch
     import torch.nn.functional as F
 
-    if args.algorithm == BASELINES["torch"]:
+    if args.algorithm in (BASELINES["torch"], *DDP_HOOKS):
         optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
-        model = torch.nn.parallel.DistributedDataParallel(net)
+        # One bucket for DDP's PowerSGD hook: its second allreduce is issued from a callback, and
+        # gloo matches collectives by issue order, so with several buckets it interleaves with the
+        # next bucket's first on some ranks only (measured at 4 ranks: "Received data size doesn't match").
+        one_bucket = {"bucket_cap_mb": 1024} if args.algorithm.startswith("ddp_powersgd") else {}
+        model = torch.nn.parallel.DistributedDataParallel(net, **one_bucket)
+        if args.algorithm != BASELINES["torch"]:
+            _register_ddp_hook(model, args.algorithm, warmup_steps)
     else:
         import bagua_torch
         from bagua_torch.algorithms import get_algorithm
@@ -466,6 +480,8 @@ def _torch_setup(args: argparse.Namespace, net, lr: float, warmup_steps: int) ->
             options["optimizer"] = optimizer
         else:
             optimizer = torch.optim.SGD(net.parameters(), lr=lr, momentum=0.9)
+        if name == "powersgd":
+            options["start_iter"] = warmup_steps
         model = bagua_torch.with_bagua(net, [optimizer], get_algorithm(name, **options))
 
     def step(state, batch):
@@ -480,6 +496,28 @@ def _torch_setup(args: argparse.Namespace, net, lr: float, warmup_steps: int) ->
             model.close()
 
     return RankJob(step, lambda x, y: (torch.from_numpy(x), torch.from_numpy(y).long()), None, finish)
+
+
+def _register_ddp_hook(model, name: str, warmup_steps: int) -> None:
+    """DDP's built-in hook called ``name``; PowerSGD configured like ours (rank, exact steps first,
+    error feedback, warm start)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+    if name == "ddp_fp16":
+        model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif name == "ddp_bf16":
+        model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    else:
+        state = powersgd.PowerSGDState(
+            process_group=None,
+            matrix_approximation_rank=int(name.removeprefix("ddp_powersgd_rank")),
+            # torch needs > 1 with error feedback or warm start
+            start_powerSGD_iter=max(2, warmup_steps),
+            use_error_feedback=True,
+            warm_start=True,
+        )
+        model.register_comm_hook(state, powersgd.powerSGD_hook)
 
 
 def digits_params(hidden: int, seed: int = 0) -> list[np.ndarray]:
@@ -527,12 +565,27 @@ def _time_loop(args, rank: int, size: int, run, state) -> tuple[dict[str, Any], 
     if rank == 0:
         print(f"warm-up done in {warmup_s:.1f} s", flush=True)
     rates = []
+    sent_before = _bytes_sent()
     for i in range(args.iters):
         t0 = time.perf_counter()
         state = run(args.batches_per_iter, state)
         rates.append(args.batch_size * args.batches_per_iter / (time.perf_counter() - t0))
         _rate_line(rank, i, args.iters, rates[-1])
-    return {"rank": rank, "size": size, "algorithm": args.algorithm, "rates": rates, "warmup_s": warmup_s}, state
+    sent = (_bytes_sent() - sent_before) / (args.iters * args.batches_per_iter)
+    result = {"rank": rank, "size": size, "algorithm": args.algorithm, "rates": rates, "warmup_s": warmup_s}
+    return {**result, "bytes_sent_per_step": sent}, state
+
+
+def _bytes_sent() -> int:
+    """Bytes this network namespace sent so far on its interfaces other than loopback (from
+    /proc/net/dev): in the network study each rank has its own namespace, so this is the rank's traffic."""
+    total = 0
+    with open("/proc/net/dev") as f:
+        for line in f.readlines()[2:]:
+            interface, counters = line.split(":", 1)
+            if interface.strip() != "lo":
+                total += int(counters.split()[8])
+    return total
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -893,7 +946,7 @@ def select_algorithms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
         available = available_algorithms()
     jobs, notes = [], []
     for name in dict.fromkeys(wanted):
-        if name == base or algorithm_spec(name)[0] in available:
+        if name == base or algorithm_spec(name)[0] in available or (args.framework == "torch" and name in DDP_HOOKS):
             jobs.append(name)
         elif name in ALGORITHM_NAMES:
             notes.append(f"{name}: not available in this installation's {args.framework} registry; skipped")

@@ -3,6 +3,25 @@
 import os
 
 import numpy as np
+import pytest
+
+from bagua_common.redis_server import find_redis_server
+
+
+def _have_redis_server() -> bool:
+    try:
+        find_redis_server()
+        return True
+    except FileNotFoundError:
+        return False
+
+
+# The marks of a test module that starts real redis-servers.
+REDIS_SERVER_MARKS = [
+    pytest.mark.skipif(not _have_redis_server(), reason="redis-server is not installed"),
+    # Starting a child needs fork (for its preexec); JAX, if another test loaded it, warns.
+    pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning"),
+]
 
 
 class CountingDataset:

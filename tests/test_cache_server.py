@@ -12,24 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import redis
-from cache_datasets import CountingDataset, reads
+from cache_datasets import REDIS_SERVER_MARKS, CountingDataset, reads
 
 from bagua_common.cache_stores import RedisStore
 from bagua_common.cached_dataset import CachedDataset
-from bagua_common.redis_server import RedisServer, find_redis_server
+from bagua_common.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
-try:
-    find_redis_server()
-    HAVE_SERVER = True
-except FileNotFoundError:
-    HAVE_SERVER = False
-pytestmark = [
-    pytest.mark.skipif(not HAVE_SERVER, reason="redis-server is not installed"),
-    # Starting a child needs fork (for its preexec); JAX, if another test loaded it, warns.
-    pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning"),
-]
+pytestmark = REDIS_SERVER_MARKS
 
 
 def listening_tcp_inodes() -> set[str]:

@@ -177,7 +177,7 @@ def test_stores_pickle_as_configuration(tmp_path, fake_server):
     lmdb_store.put(b"k", b"v")
     assert pickle.loads(pickle.dumps(lmdb_store)).get(b"k") == b"v"
     redis_store = RedisStore("redis://x")
-    assert set(pickle.loads(pickle.dumps(redis_store)).__dict__) >= {"urls", "password"}
+    assert set(pickle.loads(pickle.dumps(redis_store)).__dict__) >= {"urls", "passwords"}
     memory = MemoryStore(1 << 20)
     memory.put(b"k", b"v")
     assert len(pickle.dumps(memory)) < 200
