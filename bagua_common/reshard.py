@@ -38,12 +38,14 @@ class ReshardRule:
     reset: tuple[str, ...] = ()
 
     def rule_for(self, path: str, dtype: np.dtype) -> str:
-        """The rule of the leaf at ``path`` (a state's key path, e.g. ``.worker_residuals[0]``)."""
+        """The rule of the algorithm's state leaf at ``path`` (its key path, e.g. ``.worker_residuals[0]``)."""
         if any(word in path for word in self.reset):
             return RESET
-        if not np.issubdtype(dtype, np.floating):
-            return CARRY
-        return self.default
+        return self.parameter_rule(dtype)
+
+    def parameter_rule(self, dtype: np.dtype) -> str:
+        """The rule of a model parameter or buffer (never reset, whatever its name)."""
+        return self.default if np.issubdtype(dtype, np.floating) else CARRY
 
 
 _RESIDUALS = ("residual",)

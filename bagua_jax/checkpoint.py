@@ -34,7 +34,7 @@ from bagua_common.checkpoint import (
     save_arrays,
     shard_path,
 )
-from bagua_common.reshard import algorithm_rule, reshard_rows
+from bagua_common.reshard import ReshardRule, algorithm_rule, reshard_rows
 from bagua_common.signature import algorithm_config
 from bagua_jax.trainer import DataParallel, TrainState, _pack, _unpack
 
@@ -154,7 +154,7 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
             value = np.stack(rows) if per_rank else rows[0]
         else:
             fresh_row = _rows(fresh, ranks)[ranks[0]]
-            leaf_rule = rule.rule_for(key, rows[0].dtype)
+            leaf_rule = _leaf_rule(rule, key, rows[0].dtype)
             value = reshard_rows(leaf_rule, rows, trainer.size if per_rank else 1, fresh_row)
             value = value if per_rank else value[0]
         if value.shape != fresh.shape or value.dtype != fresh.dtype:
@@ -168,7 +168,16 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
     return _pack(template if not isinstance(template, TrainState) else None, state)
 
 
-def _restart_from_saved_params(trainer: DataParallel, template: Any, saved: list, rule, model_state: Any) -> Any:
+def _leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:
+    """The rule of the leaf at ``key`` of a :class:`TrainState`: parameters and model state are never reset."""
+    if key.startswith((".params", ".model_state")):
+        return rule.parameter_rule(dtype)
+    return rule.rule_for(key, dtype)
+
+
+def _restart_from_saved_params(
+    trainer: DataParallel, template: Any, saved: list, rule: ReshardRule, model_state: Any
+) -> Any:
     """A fresh state for the new world size whose parameters follow the rule (rank 0's, or the ranks' mean).
 
     Leaves that restart (``RESET``) take their values from it: residuals at zero, and copies of the
@@ -179,7 +188,7 @@ def _restart_from_saved_params(trainer: DataParallel, template: Any, saved: list
     def start(path, leaf):
         key = jax.tree_util.keystr(path)
         rows = [shard[key] for shard in saved]
-        return reshard_rows(rule.rule_for(key, rows[0].dtype), rows, 1)[0]
+        return reshard_rows(_leaf_rule(rule, key, rows[0].dtype), rows, 1)[0]
 
     params = jax.tree_util.tree_map_with_path(start, TrainState(own.params, None, None)).params
     return trainer.init(params, model_state=model_state)
