@@ -118,6 +118,16 @@ class DataParallel:
         self._steps: dict[tuple[bool, bool], Callable] = {}
         self._init = jax.jit(self._sharded(self._tx.init, (True,)) if mesh is not None else self._tx.init)
 
+    @property
+    def algorithm(self) -> Algorithm:
+        """The algorithm this trainer was built with."""
+        return self._algorithm
+
+    @property
+    def mesh(self) -> Mesh | None:
+        """The device mesh (mesh mode), or None (native mode)."""
+        return self._mesh
+
     def _rank_step(self, params: Any, opt_state: Any, step: jax.Array, model_state: Any, batch: Any, rng: Any):
         extras = {}
         if model_state is not None:

@@ -65,6 +65,7 @@ from pathlib import Path
 from bagua_common.cache_stores import ENV_CACHE_URL, parse_capacity
 from bagua_common.child_process import die_with_parent
 from bagua_common.redis_server import RedisServer, checked_bind_address, find_redis_server
+from bagua_launch import elastic
 
 __all__ = ["DEFAULT_MULTINODE_PORT", "RANK_VARIABLES", "Launcher", "build_parser", "main", "rank_environment"]
 
@@ -169,7 +170,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="processes (ranks) to start on this node (default: 1)",
     )
-    job.add_argument("--nnodes", type=_positive_int, default=1, metavar="N", help="nodes in the job (default: 1)")
+    job.add_argument(
+        "--nnodes",
+        type=elastic.node_range,
+        default=(1, 1),
+        metavar="N|MIN:MAX",
+        help="nodes in the job (default: 1); MIN:MAX runs the job elastic (see below)",
+    )
     job.add_argument(
         "--node-rank",
         "--node_rank",
@@ -239,6 +246,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(in a 0600 file the ranks find in BAGUA_CACHE_PASSWORD_FILE), so that the ranks can shard "
         "the cache over every node's server: bagua_common.cache_stores.sharded_store",
     )
+    elastic.add_arguments(parser)
     control = parser.add_argument_group("control")
     control.add_argument(
         "--grace",
@@ -284,17 +292,9 @@ class Config:
     cache_bind: str | None = None
 
 
-def parse_args(argv: list[str] | None) -> Config:
+def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
     parser = build_parser()
     ns = parser.parse_args(argv)
-    if ns.node_rank >= ns.nnodes:
-        parser.error(f"--node-rank {ns.node_rank} is not below --nnodes {ns.nnodes}")
-    if ns.nnodes > 1 and ns.master_addr is None:
-        parser.error("--master-addr is required with --nnodes > 1 (the address of node 0)")
-    if ns.mpi and ns.node_rank != 0:
-        parser.error("with --mpi run the launcher once, on node 0: mpiexec starts the ranks of every node")
-    master_addr = ns.master_addr or "127.0.0.1"
-    master_port = ns.master_port or (_free_port() if ns.nnodes == 1 else DEFAULT_MULTINODE_PORT)
     mode = "module" if ns.module else "program" if ns.no_python else "script"
     if mode == "program":
         if shutil.which(ns.target) is None:
@@ -304,6 +304,17 @@ def parse_args(argv: list[str] | None) -> Config:
         command = [sys.executable, "-m", ns.target, *ns.args]
     else:
         command = [sys.executable, ns.target, *ns.args]
+    if elastic.requested(ns):
+        return elastic.config_from(ns, parser, command, mode)
+    ns.nnodes = ns.nnodes[1]
+    if ns.node_rank >= ns.nnodes:
+        parser.error(f"--node-rank {ns.node_rank} is not below --nnodes {ns.nnodes}")
+    if ns.nnodes > 1 and ns.master_addr is None:
+        parser.error("--master-addr is required with --nnodes > 1 (the address of node 0)")
+    if ns.mpi and ns.node_rank != 0:
+        parser.error("with --mpi run the launcher once, on node 0: mpiexec starts the ranks of every node")
+    master_addr = ns.master_addr or "127.0.0.1"
+    master_port = ns.master_port or (_free_port() if ns.nnodes == 1 else DEFAULT_MULTINODE_PORT)
     mpiexec = None
     if ns.mpi:
         mpiexec = ns.mpiexec or _find_mpiexec()
@@ -870,4 +881,6 @@ class Launcher:
 def main(argv: list[str] | None = None) -> int:
     """The ``bagua-launch`` command: returns the exit status."""
     config = parse_args(argv)
+    if isinstance(config, elastic.ElasticConfig):
+        return elastic.run(config)
     return Launcher(config).run()

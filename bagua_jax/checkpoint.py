@@ -1,0 +1,194 @@
+"""Checkpoints of a :class:`~bagua_jax.DataParallel` train state, restorable into another world size.
+
+``save(root, state, trainer)`` writes ``root/step_<s>/rank_<r>.npz`` for every rank (each
+process writes the rows of the ranks it holds: parameters, the algorithm's optimizer state,
+the step, the model state), waits for every process, and rank 0 commits the manifest (see
+:mod:`bagua_common.checkpoint`: a half-written checkpoint is never loaded).
+``restore(root, trainer, params)`` loads the newest committed checkpoint into a state for
+``trainer``'s world size: the same world size gets every rank's own state back bit for
+bit; another one follows the algorithm's rule (:mod:`bagua_common.reshard`): identical
+state carries over, drifted parameters start from their mean, error-feedback residuals
+restart at zero, and buckets padded for the old world size are rebuilt for the new one.
+
+Mesh mode only (one process or several under ``jax.distributed``).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+from jax.experimental import multihost_utils
+
+from bagua_common.checkpoint import (
+    Manifest,
+    check_restorable,
+    checkpoint_dir,
+    commit,
+    latest,
+    load_arrays,
+    read_manifest,
+    save_arrays,
+    shard_path,
+)
+from bagua_common.reshard import ReshardRule, algorithm_rule, reshard_rows
+from bagua_common.signature import algorithm_config
+from bagua_jax.trainer import DataParallel, TrainState, _pack, _unpack
+
+_SUFFIX = ".npz"
+
+
+def _check_mesh(trainer: DataParallel) -> None:
+    if trainer.mesh is None:
+        raise ValueError("bagua_jax.checkpoint saves and restores mesh-mode trainers (DataParallel(mesh=...)) only")
+
+
+def _per_rank(leaf: jax.Array) -> bool:
+    """Whether ``leaf`` carries one row per rank (sharded along its leading axis) rather than one shared copy."""
+    spec = getattr(leaf.sharding, "spec", ())
+    return len(spec) > 0 and spec[0] is not None
+
+
+def _own_ranks(trainer: DataParallel) -> list[int]:
+    """The ranks (rows of per-rank leaves) whose devices belong to this process."""
+    devices = list(trainer.mesh.devices.flat)
+    return [r for r, d in enumerate(devices) if d.process_index == jax.process_index()]
+
+
+def _rows(leaf: jax.Array, ranks: list[int]) -> dict[int, np.ndarray]:
+    """This process's rows of ``leaf`` by rank (the shared copy for every rank if it has no rank axis)."""
+    if not _per_rank(leaf):
+        value = np.asarray(leaf.addressable_shards[0].data)
+        return {r: value for r in ranks}
+    rows = {}
+    for shard in leaf.addressable_shards:
+        start = shard.index[0].start or 0
+        for i, row in enumerate(np.asarray(shard.data)):
+            rows[start + i] = row
+    return rows
+
+
+def _model(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(path, shape, dtype)`` of one rank's parameters (without the rank axis)."""
+    return [
+        (jax.tree_util.keystr(path), tuple(leaf.shape[1:] if _per_rank(leaf) else leaf.shape), str(leaf.dtype))
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params)
+    ]
+
+
+def _algorithm(trainer: DataParallel) -> tuple[str, dict[str, str]]:
+    config = algorithm_config(trainer.algorithm)
+    return config["algorithm"], config
+
+
+def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
+    """Write the checkpoint of ``state`` (what ``trainer.init``/``step`` returned) under ``root``; returns its folder.
+
+    Every process calls it; it returns once the checkpoint is committed.
+    """
+    _check_mesh(trainer)
+    own = _unpack(state)
+    ranks = _own_ranks(trainer)
+    step = int(np.asarray(own.step.addressable_shards[0].data).reshape(-1)[0])
+    directory = checkpoint_dir(root, step)
+    shards: dict[int, dict[str, np.ndarray]] = {r: {} for r in ranks}
+    for path, leaf in jax.tree_util.tree_leaves_with_path(own):
+        for rank, row in _rows(leaf, ranks).items():
+            shards[rank][jax.tree_util.keystr(path)] = row
+    for rank, arrays in shards.items():
+        save_arrays(shard_path(directory, rank, _SUFFIX), arrays)
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"bagua checkpoint {step} written")
+    if jax.process_index() == 0:
+        algorithm, config = _algorithm(trainer)
+        commit(
+            directory,
+            Manifest(
+                step=step,
+                world_size=trainer.size,
+                local_world_size=len(ranks),
+                algorithm=algorithm,
+                config=config,
+                model=_model(own.params),
+            ),
+        )
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"bagua checkpoint {step} committed")
+    return directory
+
+
+def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, model_state: Any = None) -> Any:
+    """The state of the newest committed checkpoint under ``root`` (or of the checkpoint folder ``root``) for ``trainer``.
+
+    ``params`` (and ``model_state``) are what ``trainer.init`` would take: they give the tree
+    and its shapes; their values are replaced by the checkpoint's. Raises FileNotFoundError when
+    there is no committed checkpoint and ValueError when it cannot be restored here (another
+    model or algorithm, or a state whose shape depends on the world size under a rule that
+    carries it). Every process calls it.
+    """
+    _check_mesh(trainer)
+    directory = Path(root) if (Path(root) / "manifest.json").exists() else latest(root)
+    if directory is None:
+        raise FileNotFoundError(f"no committed checkpoint under {root}")
+    manifest = read_manifest(directory)
+    algorithm, _ = _algorithm(trainer)
+    template = trainer.init(params, model_state=model_state)
+    check_restorable(manifest, algorithm=algorithm, model=_model(_unpack(template).params))
+    saved = [load_arrays(shard_path(directory, r, _SUFFIX)) for r in range(manifest.world_size)]
+    same_world = manifest.world_size == trainer.size
+    if not same_world:
+        rule = algorithm_rule(manifest.algorithm)
+        template = _restart_from_saved_params(trainer, template, saved, rule, model_state)
+    ranks = _own_ranks(trainer)
+
+    def restored(path, fresh: jax.Array) -> jax.Array:
+        key = jax.tree_util.keystr(path)
+        if key not in saved[0]:
+            raise ValueError(f"the checkpoint {directory} has no {key}")
+        rows = [shard[key] for shard in saved]
+        per_rank = _per_rank(fresh)
+        if same_world:
+            value = np.stack(rows) if per_rank else rows[0]
+        else:
+            fresh_row = _rows(fresh, ranks)[ranks[0]]
+            leaf_rule = _leaf_rule(rule, key, rows[0].dtype)
+            value = reshard_rows(leaf_rule, rows, trainer.size if per_rank else 1, fresh_row)
+            value = value if per_rank else value[0]
+        if value.shape != fresh.shape or value.dtype != fresh.dtype:
+            raise ValueError(
+                f"{key}: the checkpoint holds {value.dtype}{list(value.shape)}, here {fresh.dtype}{list(fresh.shape)}"
+            )
+        return jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: value[index])
+
+    own = _unpack(template)
+    state = jax.tree_util.tree_map_with_path(restored, own)
+    return _pack(template if not isinstance(template, TrainState) else None, state)
+
+
+def _leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:
+    """The rule of the leaf at ``key`` of a :class:`TrainState`: parameters and model state are never reset."""
+    if key.startswith((".params", ".model_state")):
+        return rule.parameter_rule(dtype)
+    return rule.rule_for(key, dtype)
+
+
+def _restart_from_saved_params(
+    trainer: DataParallel, template: Any, saved: list, rule: ReshardRule, model_state: Any
+) -> Any:
+    """A fresh state for the new world size whose parameters follow the rule (rank 0's, or the ranks' mean).
+
+    Leaves that restart (``RESET``) take their values from it: residuals at zero, and copies of the
+    weights equal to the restarted parameters.
+    """
+    own = _unpack(template)
+
+    def start(path, leaf):
+        key = jax.tree_util.keystr(path)
+        rows = [shard[key] for shard in saved]
+        return reshard_rows(_leaf_rule(rule, key, rows[0].dtype), rows, 1)[0]
+
+    params = jax.tree_util.tree_map_with_path(start, TrainState(own.params, None, None)).params
+    return trainer.init(params, model_state=model_state)

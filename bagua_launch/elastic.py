@@ -1,0 +1,256 @@
+"""Elastic mode of ``bagua-launch``: the job is handed to torch's elastic agent.
+
+``bagua-launch --nnodes MIN:MAX`` (or ``--max-restarts`` / ``--rdzv-endpoint``, spelled as
+``torchrun`` spells them) runs ``torch.distributed.launcher.api.elastic_launch`` with the
+c10d rendezvous on every node: the agents agree on the membership, start this node's
+workers, restart all of them (spending one of ``--max-restarts``) when a worker or a node
+fails, and restart them without spending one when a node joins. Workers get torchrun's
+variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+``TORCHELASTIC_RESTART_COUNT``, ...) plus ``BAGUA_ELASTIC=1``; a worker resumes from its
+last checkpoint.
+
+``MASTER_PORT`` is a free port of rank 0's node, not the agents' rendezvous store
+(``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): JAX's coordinator and bagua_torch's store
+bind it themselves. Output lines keep the ``[rank N] line`` format, and a failed run ends
+with a summary naming the failed rank, its exit code and its last lines.
+
+torch is imported only here, and only when elastic mode runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ElasticConfig", "add_arguments", "config_from", "node_range", "requested", "run"]
+
+ENV_ELASTIC = "BAGUA_ELASTIC"
+DEFAULT_RDZV_PORT = 29400
+_NAME = "bagua-launch"
+
+
+def node_range(text: str) -> tuple[int, int]:
+    """``--nnodes``: ``N`` (a fixed number of nodes) or ``MIN:MAX`` (elastic)."""
+    parts = text.split(":")
+    if len(parts) > 2:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}")
+    try:
+        low, high = (int(parts[0]), int(parts[-1]))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected N or MIN:MAX, got {text!r}") from None
+    if low < 1 or high < low:
+        raise argparse.ArgumentTypeError(f"need 1 <= MIN <= MAX, got {text!r}")
+    return low, high
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The elastic options (``torchrun``'s names), in a group of their own."""
+    group = parser.add_argument_group(
+        "elastic (torch's elastic agent; needs torch)",
+        "given --nnodes MIN:MAX, --max-restarts or --rdzv-endpoint, run the same command on every node",
+    )
+    group.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="restarts of the workers after a failure before the job fails (default: 0); a node joining "
+        "restarts them without spending one",
+    )
+    group.add_argument(
+        "--rdzv-endpoint",
+        "--rdzv_endpoint",
+        default=None,
+        metavar="HOST[:PORT]",
+        help=f"the rendezvous store, on one of the nodes (default: 127.0.0.1 and a free port for one "
+        f"node; port {DEFAULT_RDZV_PORT} if none given)",
+    )
+    group.add_argument(
+        "--rdzv-id",
+        "--rdzv_id",
+        default="bagua",
+        metavar="ID",
+        help="the job's id, the same on every node (default: bagua)",
+    )
+    group.add_argument(
+        "--rdzv-conf",
+        "--rdzv_conf",
+        default="",
+        metavar="K=V,...",
+        help="rendezvous settings, e.g. join_timeout=60,last_call_timeout=1,close_timeout=5,"
+        "keep_alive_interval=1,keep_alive_max_attempt=3",
+    )
+
+
+@dataclass
+class ElasticConfig:
+    """What :func:`run` needs: the node range, the rendezvous and the worker's command."""
+
+    min_nodes: int
+    max_nodes: int
+    nproc_per_node: int
+    max_restarts: int
+    rdzv_endpoint: str
+    rdzv_id: str
+    rdzv_conf: dict[str, str]
+    command: list[str]
+    mode: str
+    tail_lines: int
+
+
+def requested(ns: argparse.Namespace) -> bool:
+    """Whether the command line asks for elastic mode."""
+    low, high = ns.nnodes
+    return low != high or ns.max_restarts is not None or ns.rdzv_endpoint is not None
+
+
+def _rdzv_conf(text: str) -> dict[str, str]:
+    conf = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--rdzv-conf: expected KEY=VALUE, got {item!r}")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+def config_from(
+    ns: argparse.Namespace, parser: argparse.ArgumentParser, command: list[str], mode: str
+) -> ElasticConfig:
+    """The elastic configuration of a parsed command line, or a usage error (``parser.error``)."""
+    if ns.mpi:
+        parser.error(
+            "--mpi cannot be elastic: an MPI world cannot change size; drop --mpi (torch's gloo/NCCL, JAX over "
+            "jax.distributed and the native NCCL engine are elastic) or the elastic options"
+        )
+    if ns.cache_server is not None:
+        parser.error("--cache-server is not available in elastic mode")
+    for flag, given in (
+        ("--node-rank", ns.node_rank != 0),
+        ("--master-addr", ns.master_addr is not None),
+        ("--master-port", ns.master_port is not None),
+    ):
+        if given:
+            parser.error(f"{flag} is not used in elastic mode: the rendezvous assigns ranks and rank 0's address")
+    if ns.max_restarts is not None and ns.max_restarts < 0:
+        parser.error(f"--max-restarts must be at least 0, got {ns.max_restarts}")
+    try:
+        conf = _rdzv_conf(ns.rdzv_conf)
+    except ValueError as e:
+        parser.error(str(e))
+    low, high = ns.nnodes
+    endpoint = ns.rdzv_endpoint
+    if endpoint is None:
+        if high > 1:
+            parser.error("--rdzv-endpoint HOST:PORT is required with more than one node (the same on every node)")
+        endpoint = f"127.0.0.1:{_free_port()}"
+    elif ":" not in endpoint.rsplit("]", 1)[-1]:
+        endpoint = f"{endpoint}:{DEFAULT_RDZV_PORT}"
+    return ElasticConfig(
+        min_nodes=low,
+        max_nodes=high,
+        nproc_per_node=ns.nproc_per_node,
+        max_restarts=ns.max_restarts or 0,
+        rdzv_endpoint=endpoint,
+        rdzv_id=ns.rdzv_id,
+        rdzv_conf=conf,
+        command=command,
+        mode=mode,
+        tail_lines=ns.tail_lines,
+    )
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def _last_lines(log_dir: str, local_rank: int, count: int) -> list[str]:
+    """The failed worker's last output lines, from the agent's log files of the last attempt."""
+    attempts = sorted(Path(log_dir).glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
+    if not attempts or not count:
+        return []
+    folder = attempts[-1] / str(local_rank)
+    lines: list[str] = []
+    for name in ("stdout.log", "stderr.log"):
+        try:
+            lines += (folder / name).read_text(errors="replace").splitlines()
+        except OSError:
+            pass
+    return lines[-count:]
+
+
+def _describe(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+def _summary(error, log_dir: str, tail_lines: int) -> str:
+    rank, first = error.get_first_failure()
+    lines = ["", f"==================== {_NAME}: rank {rank} failed ({_describe(first.exitcode)}) ===================="]
+    lines += [f"rank {other}: {_describe(f.exitcode)}" for other, f in sorted(error.failures.items()) if other != rank]
+    tail = _last_lines(log_dir, first.local_rank, tail_lines)
+    if tail:
+        lines.append(f"-------------------- last lines of rank {rank} --------------------")
+        lines.extend(tail)
+    lines.append("=" * len(lines[1]))
+    return "\n".join(lines) + "\n"
+
+
+def run(config: ElasticConfig) -> int:
+    """Run this node's agent until the job ends; returns the exit status (the failed rank's, 128+N for signal N)."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # Read by the agent's rendezvous handler and inherited by the workers.
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    os.environ[ENV_ELASTIC] = "1"
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc_per_node)))
+    host = config.rdzv_endpoint.rsplit(":", 1)[0]
+    log_dir = tempfile.mkdtemp(prefix="bagua-elastic-")
+    launch = LaunchConfig(
+        min_nodes=config.min_nodes,
+        max_nodes=config.max_nodes,
+        nproc_per_node=config.nproc_per_node,
+        run_id=config.rdzv_id,
+        rdzv_endpoint=config.rdzv_endpoint,
+        rdzv_backend="c10d",
+        rdzv_configs=dict(config.rdzv_conf),
+        max_restarts=config.max_restarts,
+        start_method="spawn",
+        log_line_prefix_template="[rank ${rank}] ",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
+        local_addr="127.0.0.1" if _is_loopback(host) else None,
+    )
+    if config.mode == "program":
+        entrypoint, args = config.command[0], config.command[1:]
+    else:
+        entrypoint, args = sys.executable, config.command[1:]
+    try:
+        elastic_launch(launch, entrypoint)(*args)
+    except ChildFailedError as e:
+        sys.stderr.write(_summary(e, log_dir, config.tail_lines))
+        sys.stderr.flush()
+        code = e.get_first_failure()[1].exitcode
+        return 128 - code if code < 0 else (code or 1)
+    finally:
+        shutil.rmtree(log_dir, ignore_errors=True)
+    return 0

@@ -1,0 +1,172 @@
+"""Checkpoints of a :class:`~bagua_torch.BaguaModule` and its optimizers, restorable into another world size.
+
+``save(root, model, optimizers, step=s)`` writes each rank's ``state_dict()`` (the model's,
+with the algorithm's state in ``_extra_state``, and every optimizer's) to
+``root/step_<s>/rank_<r>.pt``, waits for every rank and lets rank 0 commit the manifest
+(see :mod:`bagua_common.checkpoint`: a half-written checkpoint is never loaded).
+``restore(root, model, optimizers)`` loads the newest committed checkpoint and returns its
+step. Into the same world size every rank gets its own state back exactly; into another one
+the algorithm's rule applies (:mod:`bagua_common.reshard`): identical state (parameters of
+synchronous algorithms, Adam moments) carries over from rank 0, decentralized and
+asynchronous parameters (and their optimizer state) start from the mean over the saved
+ranks, error-feedback residuals restart at zero and low-precision decentralized's weight
+copies restart equal to the parameters, in buckets planned for the new world size.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bagua_common.checkpoint import (
+    MANIFEST,
+    Manifest,
+    check_restorable,
+    checkpoint_dir,
+    commit,
+    latest,
+    read_manifest,
+    shard_path,
+    write_atomically,
+)
+from bagua_common.reshard import RESET, ReshardRule, algorithm_rule, reshard_rows
+from bagua_common.signature import algorithm_config
+from bagua_torch.distributed import BaguaModule
+
+_SUFFIX = ".pt"
+_EXTRA = "_extra_state"
+
+
+def _optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
+
+
+def _algorithm(model: BaguaModule) -> tuple[str, dict[str, str]]:
+    config = algorithm_config(model.algorithm, bucket_bytes=model.bucket_bytes, sync_point=model.sync_point)
+    return config["algorithm"], config
+
+
+def _model(model: BaguaModule) -> list[tuple[str, tuple[int, ...], str]]:
+    return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.module.named_parameters()]
+
+
+def save(
+    root: str | os.PathLike,
+    model: BaguaModule,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    *,
+    step: int,
+) -> Path:
+    """Write step ``step``'s checkpoint of ``model`` and ``optimizers`` under ``root``; returns its folder.
+
+    Every rank calls it; it returns once the checkpoint is committed.
+    """
+    world = model.communicators.world
+    directory = checkpoint_dir(root, step)
+    state = {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizers": [o.state_dict() for o in _optimizers(optimizers)],
+    }
+    write_atomically(shard_path(directory, world.rank, _SUFFIX), lambda tmp: torch.save(state, tmp))
+    world.barrier()
+    if world.rank == 0:
+        algorithm, config = _algorithm(model)
+        local = model.communicators.intra.size if model.communicators.intra is not None else world.size
+        manifest = Manifest(step, world.size, local, algorithm, config, _model(model))
+        commit(directory, manifest)
+    world.barrier()
+    return directory
+
+
+def _load(path: Path) -> dict[str, Any]:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def restore(
+    root: str | os.PathLike,
+    model: BaguaModule,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+) -> int:
+    """Load the newest committed checkpoint under ``root`` (or the checkpoint folder ``root``); returns its step.
+
+    Call it on every rank, right after wrapping the model and building the optimizers. Raises
+    FileNotFoundError when there is no committed checkpoint and ValueError when it cannot be
+    restored here (another model or algorithm, a state whose shape depends on the world size
+    under a rule that carries it).
+    """
+    optimizers = _optimizers(optimizers)
+    world = model.communicators.world
+    directory = Path(root) if (Path(root) / MANIFEST).exists() else latest(root)
+    if directory is None:
+        raise FileNotFoundError(f"no committed checkpoint under {root}")
+    manifest = read_manifest(directory)
+    check_restorable(manifest, algorithm=_algorithm(model)[0], model=_model(model))
+    if manifest.world_size == world.size:
+        state = _load(shard_path(directory, world.rank, _SUFFIX))
+        model.load_state_dict(state["model"])
+        for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        return manifest.step
+    rule = algorithm_rule(manifest.algorithm)
+    saved = [_load(shard_path(directory, r, _SUFFIX)) for r in range(manifest.world_size)]
+    models = [s["model"] for s in saved]
+    params = {key: _parameter(rule, [m[key] for m in models]) for key in models[0] if key != _EXTRA}
+    model.load_state_dict({**params, _EXTRA: model.get_extra_state()})
+    # What restarts is taken from the algorithm built afresh on the restored parameters.
+    fresh = model.algorithm.reify(model.algorithm_impl.context)
+    try:
+        fresh_state = fresh.state_dict()
+    finally:
+        fresh.close()
+    algorithm_state = _combine(rule, "", [m[_EXTRA]["algorithm_state"] for m in models], fresh_state)
+    model.set_extra_state({**model.get_extra_state(), "algorithm_state": algorithm_state})
+    for i, optimizer in enumerate(optimizers):
+        optimizer.load_state_dict(_combine(rule, "optimizer", [s["optimizers"][i] for s in saved], None))
+    return manifest.step
+
+
+def _combine(rule: ReshardRule, key: str, values: list[Any], fresh: Any) -> Any:
+    """One value for the new world size from the old ranks' ``values`` of the entry at ``key``, by ``rule``."""
+    if rule.rule_for(key, np.dtype(np.float32)) == RESET:
+        if fresh is None:
+            raise ValueError(f"{key} restarts, but the freshly built state has no such entry")
+        return fresh
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        arrays = [_numpy(v) for v in values]
+        leaf_rule = rule.rule_for(key, arrays[0].dtype)
+        combined = torch.from_numpy(np.asarray(reshard_rows(leaf_rule, arrays, 1)[0]))
+        return combined.to(first.dtype)
+    if isinstance(first, dict):
+        return {k: _combine(rule, f"{key}.{k}", [v[k] for v in values], _child(fresh, k)) for k in first}
+    if isinstance(first, (list, tuple)):
+        items = [_combine(rule, f"{key}[{i}]", [v[i] for v in values], _child(fresh, i)) for i in range(len(first))]
+        return type(first)(items)
+    return first
+
+
+def _parameter(rule: ReshardRule, values: list[torch.Tensor]) -> torch.Tensor:
+    """A model parameter or buffer for the new world size (rank 0's, or the ranks' mean)."""
+    arrays = [_numpy(v) for v in values]
+    return torch.from_numpy(np.asarray(reshard_rows(rule.parameter_rule(arrays[0].dtype), arrays, 1)[0])).to(
+        values[0].dtype
+    )
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    tensor = tensor.detach().cpu()
+    return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).numpy()
+
+
+def _child(fresh: Any, key: Any) -> Any:
+    if isinstance(fresh, dict):
+        return fresh.get(key)
+    if isinstance(fresh, (list, tuple)) and isinstance(key, int) and key < len(fresh):
+        return fresh[key]
+    return None

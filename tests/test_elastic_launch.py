@@ -1,0 +1,114 @@
+"""bagua-launch in elastic mode (torch's elastic agent): usage, output, restarts, the JAX coordinator's port.
+
+Every job runs the real launcher (``python -m bagua_launch``) with the c10d rendezvous on
+127.0.0.1; the agent tests with two nodes, failures and resizes are in
+``test_elastic_agent.py``.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from test_launcher import _env, by_rank, launch, write
+
+pytest.importorskip("torch")
+
+RESTART_SCRIPT = """
+import os, sys
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+print(f"START rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} restart={restart} "
+      f"elastic={os.environ.get('BAGUA_ELASTIC')}", flush=True)
+print("to stderr", file=sys.stderr, flush=True)
+if restart == 0 and os.environ["RANK"] == "1":
+    print("distinctive failure okapi-7", file=sys.stderr, flush=True)
+    sys.exit(5)
+"""
+
+
+def test_usage_errors():
+    result = launch("--nnodes", "1:2", "--mpi", "x.py")
+    assert result.returncode == 2 and "cannot change size" in result.stderr, result.stderr
+    result = launch("--max-restarts", "1", "--mpi", "x.py")
+    assert result.returncode == 2 and "--mpi cannot be elastic" in result.stderr, result.stderr
+    result = launch("--nnodes", "1:2", "x.py")
+    assert result.returncode == 2 and "--rdzv-endpoint" in result.stderr, result.stderr
+    result = launch("--nnodes", "2:1", "x.py")
+    assert result.returncode == 2 and "MIN <= MAX" in result.stderr, result.stderr
+    result = launch("--max-restarts", "1", "--rdzv-conf", "join_timeout", "x.py")
+    assert result.returncode == 2 and "KEY=VALUE" in result.stderr, result.stderr
+    result = launch("--max-restarts", "1", "--master-port", "29999", "x.py")
+    assert result.returncode == 2 and "not used in elastic mode" in result.stderr, result.stderr
+
+
+def test_restart_after_a_failure_keeps_the_output_format(tmp_path):
+    script = write(tmp_path, "restart.py", RESTART_SCRIPT)
+    result = launch("--nproc-per-node", "2", "--max-restarts", "1", str(script), timeout=90)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = by_rank(result.stdout)
+    for rank in (0, 1):
+        starts = [line for line in lines[rank] if line.startswith("START")]
+        assert starts[-1] == f"START rank={rank} world=2 restart=1 elastic=1", starts
+    assert "[rank 1] distinctive failure okapi-7" in result.stderr
+
+
+def test_failed_run_ends_with_a_summary(tmp_path):
+    script = write(tmp_path, "restart.py", RESTART_SCRIPT)
+    result = launch("--nproc-per-node", "2", "--max-restarts", "0", str(script), timeout=90)
+    assert result.returncode == 5, result.stdout + result.stderr
+    summary = result.stderr[result.stderr.index("bagua-launch: rank 1 failed (exit code 5)") :]
+    assert "last lines of rank 1" in summary and "distinctive failure okapi-7" in summary, summary
+
+
+JAX_SCRIPT = """
+import os
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from bagua_jax.distributed import initialize
+
+initialize(timeout=60)
+rank, world = jax.process_index(), jax.process_count()
+mesh = Mesh(np.array(jax.devices()), ("p",))
+x = jax.make_array_from_process_local_data(NamedSharding(mesh, P("p")), np.array([rank + 1.0], np.float32))
+total = jax.jit(jax.shard_map(lambda a: jax.lax.psum(a, "p"), mesh=mesh, in_specs=P("p"), out_specs=P()))(x)
+print(f"PSUM {float(np.asarray(total.addressable_shards[0].data)[0])} PORT {os.environ['MASTER_PORT']}", flush=True)
+jax.distributed.shutdown()
+"""
+
+
+def test_jax_coordinator_gets_a_port_of_its_own(tmp_path):
+    """Under c10d ``MASTER_PORT`` would be the agent's store; the launcher gives JAX a free port instead."""
+    pytest.importorskip("jax")
+    script = write(tmp_path, "jax_job.py", JAX_SCRIPT)
+    endpoint_port = "29431"
+    result = launch(
+        "--nproc-per-node",
+        "2",
+        "--max-restarts",
+        "0",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{endpoint_port}",
+        str(script),
+        env=_env(JAX_PLATFORMS="cpu"),
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    values = {
+        rank: [line for line in lines if line.startswith("PSUM")] for rank, lines in by_rank(result.stdout).items()
+    }
+    assert {rank: line[0].split()[1] for rank, line in values.items()} == {0: "3.0", 1: "3.0"}
+    assert all(line[0].split()[3] != endpoint_port for line in values.values())
+
+
+def test_launcher_imports_no_framework_outside_elastic_mode():
+    code = (
+        "import sys\n"
+        "from bagua_launch import elastic, launcher\n"
+        "config = launcher.parse_args(['--nproc-per-node', '2', 'x.py'])\n"
+        "assert not isinstance(config, elastic.ElasticConfig)\n"
+        "assert elastic.requested.__module__ == 'bagua_launch.elastic'\n"
+        "assert 'jax' not in sys.modules and 'torch' not in sys.modules, 'a framework was imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=30)
