@@ -62,6 +62,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bagua_common.bagua_net import bagua_net_environment
 from bagua_common.cache_stores import ENV_CACHE_URL, parse_capacity
 from bagua_common.child_process import die_with_parent
 from bagua_common.redis_server import RedisServer, find_redis_server
@@ -231,6 +232,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="the cache server's memory, e.g. 8G (default: a quarter of this node's RAM)",
     )
+    parser.add_argument_group("network").add_argument(
+        "--enable-bagua-net",
+        action="store_true",
+        help="NCCL sends over Bagua-Net, the striped-TCP network plugin (sets NCCL_NET_PLUGIN and NCCL_NET=Bagua)",
+    )
     control = parser.add_argument_group("control")
     control.add_argument(
         "--grace",
@@ -273,6 +279,7 @@ class Config:
     tail_lines: int
     cache_server: str | None = None
     cache_capacity: int | None = None
+    nccl_net: dict[str, str] = field(default_factory=dict)  # --enable-bagua-net: NCCL's plugin variables
 
 
 def parse_args(argv: list[str] | None) -> Config:
@@ -310,6 +317,10 @@ def parse_args(argv: list[str] | None) -> Config:
     elif ns.cache_capacity is not None:
         parser.error("--cache-capacity needs --cache-server")
     try:
+        nccl_net = bagua_net_environment() if ns.enable_bagua_net else {}
+    except FileNotFoundError as e:
+        parser.error(f"--enable-bagua-net: {e}")
+    try:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as e:
         parser.error(f"--mpi-args: {e}")
@@ -329,6 +340,7 @@ def parse_args(argv: list[str] | None) -> Config:
         tail_lines=ns.tail_lines,
         cache_server=ns.cache_server,
         cache_capacity=ns.cache_capacity,
+        nccl_net=nccl_net,
     )
 
 
@@ -459,6 +471,7 @@ class Launcher:
         env["MASTER_PORT"] = str(self.config.master_port)
         if self.cache_server is not None:
             env[ENV_CACHE_URL] = self.cache_server.url
+        env.update(self.config.nccl_net)
         return env
 
     def _spawn(
