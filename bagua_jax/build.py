@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from bagua_common.bagua_net import bagua_net_plugin_path
 from bagua_jax._native import library
 
 
@@ -13,6 +14,7 @@ def build_info() -> dict[str, Any]:
     Returns a dict with ``cpu`` (always True), ``cuda`` and ``cuda_architectures``
     (the CUDA kernels and the GPU architectures they were compiled for), ``nccl`` and
     ``mpi`` (the communication engines), ``jaxlib`` (the jaxlib whose FFI headers it
-    was built against) and ``xla_ffi_api`` (the XLA FFI API version of those headers).
+    was built against), ``xla_ffi_api`` (the XLA FFI API version of those headers) and
+    ``bagua_net_plugin`` (the absolute path of the NCCL network plugin, or None).
     """
-    return dict(library.build_info())
+    return dict(library.build_info(), bagua_net_plugin=bagua_net_plugin_path())

@@ -62,6 +62,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bagua_common.bagua_net import bagua_net_environment
 from bagua_common.cache_stores import ENV_CACHE_URL, parse_capacity
 from bagua_common.child_process import die_with_parent
 from bagua_common.redis_server import RedisServer, checked_bind_address, find_redis_server
@@ -247,6 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
         "the cache over every node's server: bagua_common.cache_stores.sharded_store",
     )
     elastic.add_arguments(parser)
+    parser.add_argument_group("network").add_argument(
+        "--enable-bagua-net",
+        action="store_true",
+        help="NCCL sends over Bagua-Net, the striped-TCP network plugin (sets NCCL_NET_PLUGIN and NCCL_NET=Bagua)",
+    )
     control = parser.add_argument_group("control")
     control.add_argument(
         "--grace",
@@ -290,6 +296,7 @@ class Config:
     cache_server: str | None = None
     cache_capacity: int | None = None
     cache_bind: str | None = None
+    nccl_net: dict[str, str] = field(default_factory=dict)  # --enable-bagua-net: NCCL's plugin variables
 
 
 def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
@@ -335,6 +342,10 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
     elif ns.cache_capacity is not None or ns.cache_bind is not None:
         parser.error("--cache-capacity and --cache-bind need --cache-server")
     try:
+        nccl_net = bagua_net_environment() if ns.enable_bagua_net else {}
+    except FileNotFoundError as e:
+        parser.error(f"--enable-bagua-net: {e}")
+    try:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as e:
         parser.error(f"--mpi-args: {e}")
@@ -355,6 +366,7 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
         cache_server=ns.cache_server,
         cache_capacity=ns.cache_capacity,
         cache_bind=ns.cache_bind,
+        nccl_net=nccl_net,
     )
 
 
@@ -485,6 +497,7 @@ class Launcher:
         env["MASTER_PORT"] = str(self.config.master_port)
         if self.cache_server is not None:
             env.update(self.cache_server.environment())
+        env.update(self.config.nccl_net)
         return env
 
     def _spawn(

@@ -14,13 +14,15 @@ from typing import Any, Literal
 import _bagua_ffi
 import torch
 
+from bagua_common.bagua_net import bagua_net_plugin_path
+
 Format = Literal["minmax_uint8", "sign"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def build_info() -> dict[str, Any]:
     """Report what the native library contains (see ``bagua_jax.build_info``)."""
-    return dict(_bagua_ffi.build_info())
+    return dict(_bagua_ffi.build_info(), bagua_net_plugin=bagua_net_plugin_path())
 
 
 def compressed_size(n: int, k: int, format: Format = "minmax_uint8") -> int:

@@ -1,0 +1,855 @@
+#include "striped_transport.h"
+
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <ifaddrs.h>
+#include <linux/sockios.h>
+#include <net/if.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <climits>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <fstream>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <unordered_map>
+
+namespace bagua_net {
+namespace {
+
+constexpr uint64_t kHandleMagic = 0x6261677561546370ULL;  // "baguaTcp"
+constexpr uint32_t kHelloMagic = 0x62616775;
+constexpr uint32_t kChunkMagic = 0x43484e4b;
+constexpr int kMaxStreams = 64;
+constexpr int kRequestSlots = 32;  // NCCL_NET_MAX_REQUESTS
+constexpr int kWorkerThreads = 2;
+
+using Clock = std::chrono::steady_clock;
+
+std::string errno_text(const char* what) { return std::string(what) + ": " + std::strerror(errno); }
+
+Outcome system_error(std::string* error, const std::string& text) {
+  *error = text;
+  return Outcome::kSystemError;
+}
+
+bool parse_positive(const char* name, long long max, long long* value, std::string* error) {
+  const char* text = std::getenv(name);
+  if (text == nullptr || *text == '\0') return true;
+  char* end = nullptr;
+  errno = 0;
+  long long parsed = std::strtoll(text, &end, 10);
+  if (errno != 0 || *end != '\0' || parsed < 1 || parsed > max) {
+    *error = std::string(name) + "=" + text + ": expected an integer from 1 to " + std::to_string(max);
+    return false;
+  }
+  *value = parsed;
+  return true;
+}
+
+// Sent once on every socket of a connection: which connection and which stream it is.
+struct Hello {
+  uint32_t magic;
+  uint32_t stream;
+  uint32_t nstreams;
+  uint32_t reserved;
+  uint64_t connection;
+};
+
+// Precedes every chunk on a data stream.
+struct ChunkHeader {
+  uint64_t sequence;
+  uint64_t offset;
+  uint64_t total;
+  uint32_t length;
+  uint32_t magic;
+};
+
+void set_nonblocking_nodelay(int fd) {
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  int one = 1;
+  setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+}
+
+// Reads or writes what the socket takes now; false on a closed or failed socket
+// (*closed tells the peer's orderly close from an error).
+bool read_some(int fd, void* buffer, size_t size, size_t* done, std::string* error, bool* closed = nullptr) {
+  while (*done < size) {
+    ssize_t n = ::recv(fd, static_cast<char*>(buffer) + *done, size - *done, 0);
+    if (n > 0) {
+      *done += static_cast<size_t>(n);
+    } else if (n == 0) {
+      *error = "the peer closed the connection";
+      if (closed != nullptr) *closed = true;
+      return false;
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return true;
+    } else if (errno != EINTR) {
+      *error = errno_text("recv");
+      return false;
+    }
+  }
+  return true;
+}
+
+bool write_some(int fd, const void* buffer, size_t size, size_t* done, std::string* error) {
+  while (*done < size) {
+    ssize_t n = ::send(fd, static_cast<const char*>(buffer) + *done, size - *done, MSG_NOSIGNAL);
+    if (n >= 0) {
+      *done += static_cast<size_t>(n);
+    } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+      return true;
+    } else if (errno != EINTR) {
+      *error = errno_text("send");
+      return false;
+    }
+  }
+  return true;
+}
+
+bool interface_selected(const std::string& name, const char* spec) {
+  if (spec == nullptr || *spec == '\0') return name != "lo" && name.rfind("docker", 0) != 0;
+  bool exclude = *spec == '^';
+  if (exclude) ++spec;
+  bool exact = *spec == '=';
+  if (exact) ++spec;
+  bool listed = false;
+  std::string list(spec);
+  size_t start = 0;
+  while (start <= list.size()) {
+    size_t end = list.find(',', start);
+    if (end == std::string::npos) end = list.size();
+    std::string item = list.substr(start, end - start);
+    if (!item.empty() && (exact ? name == item : name.rfind(item, 0) == 0)) listed = true;
+    start = end + 1;
+  }
+  return listed != exclude;
+}
+
+std::vector<Device> find_devices(const char* spec) {
+  std::vector<Device> found;
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return found;
+  for (ifaddrs* entry = list; entry != nullptr && found.size() < 16; entry = entry->ifa_next) {
+    if (entry->ifa_addr == nullptr || !(entry->ifa_flags & IFF_UP)) continue;
+    int family = entry->ifa_addr->sa_family;
+    if (family != AF_INET && family != AF_INET6) continue;
+    if (family == AF_INET6 && IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<sockaddr_in6*>(entry->ifa_addr)->sin6_addr))
+      continue;
+    std::string name(entry->ifa_name);
+    if (!interface_selected(name, spec)) continue;
+    bool seen = std::any_of(found.begin(), found.end(), [&](const Device& d) { return d.interface_name == name; });
+    if (seen) continue;
+    Device device;
+    device.interface_name = name;
+    device.address_length = family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    std::memcpy(&device.address, entry->ifa_addr, device.address_length);
+    char resolved[PATH_MAX];
+    std::string sys = "/sys/class/net/" + name + "/device";
+    if (realpath(sys.c_str(), resolved) != nullptr) device.pci_path = resolved;
+    std::ifstream speed("/sys/class/net/" + name + "/speed");
+    int mbps = 0;
+    if (speed >> mbps && mbps > 0) device.speed_mbps = mbps;
+    found.push_back(device);
+  }
+  freeifaddrs(list);
+  return found;
+}
+
+}  // namespace
+
+Outcome Settings::from_environment(Settings* settings, std::string* error) {
+  Settings parsed;
+  long long nstreams = parsed.nstreams, chunk = static_cast<long long>(parsed.chunk_bytes);
+  long long timeout = static_cast<long long>(parsed.timeout_seconds);
+  if (!parse_positive("BAGUA_NET_NSTREAMS", kMaxStreams, &nstreams, error) ||
+      !parse_positive("BAGUA_NET_CHUNK", 1LL << 30, &chunk, error) ||
+      !parse_positive("BAGUA_NET_TIMEOUT", 1LL << 31, &timeout, error))
+    return Outcome::kInvalidArgument;
+  const char* schedule = std::getenv("BAGUA_NET_SCHEDULE");
+  if (schedule != nullptr && *schedule != '\0' && std::strcmp(schedule, "dynamic") != 0 &&
+      std::strcmp(schedule, "static") != 0) {
+    *error = std::string("BAGUA_NET_SCHEDULE=") + schedule + ": expected dynamic or static";
+    return Outcome::kInvalidArgument;
+  }
+  parsed.nstreams = static_cast<int>(nstreams);
+  parsed.chunk_bytes = static_cast<size_t>(chunk);
+  parsed.timeout_seconds = static_cast<double>(timeout);
+  parsed.dynamic = schedule == nullptr || std::strcmp(schedule, "static") != 0;
+  *settings = parsed;
+  return Outcome::kOk;
+}
+
+const std::vector<Device>& devices() {
+  static const std::vector<Device> found = [] {
+    const char* spec = std::getenv("NCCL_SOCKET_IFNAME");
+    std::vector<Device> selected = find_devices(spec);
+    if (selected.empty() && (spec == nullptr || *spec == '\0')) selected = find_devices("=lo");
+    return selected;
+  }();
+  return found;
+}
+
+// ---------------------------------------------------------------------------
+// Requests and connections
+
+struct Request {
+  Connection* comm = nullptr;
+  bool in_use = false;
+  bool done = false;
+  uint64_t sequence = 0;
+  char* data = nullptr;
+  size_t size = 0;          // the posted size
+  size_t total = 0;         // the message's size (a receive learns it from the first chunk)
+  bool total_known = false;
+  size_t transferred = 0;   // bytes received, or bytes of chunks fully handed to the kernel
+  size_t cut = 0;           // sender: bytes already cut into chunks
+  Clock::time_point deadline;
+};
+
+struct Chunk {
+  Request* request;
+  ChunkHeader header;
+  size_t written = 0;  // of sizeof(header) + header.length
+};
+
+struct Stream {
+  int fd = -1;
+  std::deque<Chunk> queue;  // sender: chunks given to this stream, front in progress
+  // receiver: the chunk being read
+  ChunkHeader header{};
+  size_t header_read = 0;
+  size_t payload_read = 0;
+  Request* target = nullptr;
+  bool closed = false;  // the peer closed it at a chunk boundary
+};
+
+class Connection {
+ public:
+  Connection(bool sending, const Settings& settings, int nstreams) : sending(sending), settings(settings) {
+    streams.resize(static_cast<size_t>(nstreams) + 1);  // the last one is the control stream
+    for (Request& r : slots) r.comm = this;
+  }
+  ~Connection() {
+    for (Stream& s : streams)
+      if (s.fd >= 0) ::close(s.fd);
+  }
+
+  int data_streams() const { return static_cast<int>(streams.size()) - 1; }
+
+  // Moves whatever data the sockets take or offer now. Caller holds `mutex`.
+  void pump() {
+    if (!error.empty()) return;
+    std::string failure;
+    bool ok = sending ? pump_send(&failure) : pump_receive(&failure);
+    if (!ok) error = failure;
+    // A peer that left is an error only for what it still owed: a sender may close as
+    // soon as its data is in the kernel, and that data still arrives.
+    bool peer_gone = sending ? control_closed
+                             : std::all_of(streams.begin(), streams.end() - 1, [](const Stream& s) { return s.closed; });
+    if (error.empty() && peer_gone && unfinished())
+      error = sending ? "the receiver closed the connection" : "the sender closed the connection";
+  }
+
+  // The control stream carries nothing after the handshake: EOF or an error on it is the peer leaving.
+  void check_control() {
+    char byte;
+    ssize_t n = ::recv(streams.back().fd, &byte, 1, MSG_PEEK);
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) control_closed = true;
+  }
+
+  bool unfinished() const {
+    return std::any_of(std::begin(slots), std::end(slots), [](const Request& r) { return r.in_use && !r.done; });
+  }
+
+  const bool sending;
+  const Settings settings;
+  uint64_t id = 0;
+  std::mutex mutex;
+  std::vector<Stream> streams;
+  Request slots[kRequestSlots];
+  uint64_t next_sequence = 0;
+  std::deque<Request*> uncut;  // dynamic sender: messages whose chunks are not all assigned yet
+  size_t next_stream = 0;      // static sender: round-robin position
+  bool control_closed = false;
+  std::string error;
+
+ private:
+  bool flush(Stream& s, std::string* failure) {
+    while (!s.queue.empty()) {
+      Chunk& c = s.queue.front();
+      size_t total = sizeof(ChunkHeader) + c.header.length;
+      while (c.written < total) {
+        iovec parts[2];
+        int count = 0;
+        if (c.written < sizeof(ChunkHeader)) {
+          parts[count++] = {reinterpret_cast<char*>(&c.header) + c.written, sizeof(ChunkHeader) - c.written};
+        }
+        size_t payload_done = c.written > sizeof(ChunkHeader) ? c.written - sizeof(ChunkHeader) : 0;
+        if (c.header.length > payload_done) {
+          parts[count++] = {c.request->data + c.header.offset + payload_done, c.header.length - payload_done};
+        }
+        msghdr message{};
+        message.msg_iov = parts;
+        message.msg_iovlen = count;
+        ssize_t n = ::sendmsg(s.fd, &message, MSG_NOSIGNAL);
+        if (n >= 0) {
+          c.written += static_cast<size_t>(n);
+        } else if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          return true;
+        } else if (errno != EINTR) {
+          *failure = errno_text("send");
+          return false;
+        }
+      }
+      Request* r = c.request;
+      r->transferred += c.header.length;
+      if (r->transferred == r->total && r->cut == r->total) r->done = true;
+      s.queue.pop_front();
+    }
+    return true;
+  }
+
+  // A stream may take the next chunk when its own queue is empty and the kernel would
+  // accept data now (with TCP_NOTSENT_LOWAT, when its unsent bytes are below a chunk).
+  // poll() also arms the kernel to wake epoll once the stream drains.
+  long unsent_if_ready(Stream& s) {
+    if (!s.queue.empty()) return -1;
+    pollfd p{s.fd, POLLOUT, 0};
+    if (::poll(&p, 1, 0) != 1 || !(p.revents & POLLOUT)) return -1;
+    int unsent = 0;
+    if (ioctl(s.fd, SIOCOUTQNSD, &unsent) != 0) return 0;
+    return unsent;
+  }
+
+  Chunk cut_chunk(Request* r, size_t length) {
+    Chunk c{r, ChunkHeader{r->sequence, r->cut, r->total, static_cast<uint32_t>(length), kChunkMagic}};
+    r->cut += length;
+    return c;
+  }
+
+  bool pump_send(std::string* failure) {
+    int n = data_streams();
+    for (int i = 0; i < n; ++i)
+      if (!flush(streams[i], failure)) return false;
+    while (!uncut.empty()) {
+      int best = -1;
+      long best_unsent = 0;
+      for (int i = 0; i < n; ++i) {
+        long unsent = unsent_if_ready(streams[i]);
+        if (unsent >= 0 && (best < 0 || unsent < best_unsent)) {
+          best = i;
+          best_unsent = unsent;
+        }
+      }
+      if (best < 0) break;
+      Request* r = uncut.front();
+      size_t length = std::min(settings.chunk_bytes, r->total - r->cut);
+      streams[best].queue.push_back(cut_chunk(r, length));
+      if (r->cut == r->total) uncut.pop_front();
+      if (!flush(streams[best], failure)) return false;
+    }
+    return true;
+  }
+
+  Request* posted(uint64_t sequence) {
+    Request& r = slots[sequence % kRequestSlots];
+    return r.in_use && r.sequence == sequence ? &r : nullptr;
+  }
+
+  bool pump_receive(std::string* failure) {
+    int n = data_streams();
+    for (int i = 0; i < n; ++i) {
+      Stream& s = streams[i];
+      while (!s.closed) {
+        if (s.target == nullptr) {
+          bool closed = false;
+          if (!read_some(s.fd, &s.header, sizeof(ChunkHeader), &s.header_read, failure, &closed)) {
+            if (!closed || s.header_read != 0) return false;
+            failure->clear();
+            s.closed = true;
+            break;
+          }
+          if (s.header_read < sizeof(ChunkHeader)) break;
+          const ChunkHeader& h = s.header;
+          if (h.magic != kChunkMagic || h.offset > h.total || h.length > h.total - h.offset) {
+            *failure = "malformed chunk header from the peer";
+            return false;
+          }
+          Request* r = posted(h.sequence);
+          if (r == nullptr) {
+            if (h.sequence < next_sequence) {
+              *failure = "chunk for a message that is already complete";
+              return false;
+            }
+            break;  // its receive is not posted yet: leave the data in the socket
+          }
+          if (h.total > r->size) {
+            *failure = "message of " + std::to_string(h.total) + " bytes for a receive of " +
+                       std::to_string(r->size) + " bytes";
+            return false;
+          }
+          if (r->total_known && r->total != h.total) {
+            *failure = "chunks disagree about the message size";
+            return false;
+          }
+          r->total = h.total;
+          r->total_known = true;
+          s.target = r;
+          s.payload_read = 0;
+        }
+        Request* r = s.target;
+        if (!read_some(s.fd, r->data + s.header.offset, s.header.length, &s.payload_read, failure)) return false;
+        if (s.payload_read < s.header.length) break;
+        r->transferred += s.header.length;
+        if (r->transferred == r->total) r->done = true;
+        s.target = nullptr;
+        s.header_read = 0;
+      }
+    }
+    return true;
+  }
+};
+
+// ---------------------------------------------------------------------------
+// The shared epoll threads
+
+class Worker {
+ public:
+  Worker() {
+    epoll_fd_ = epoll_create1(EPOLL_CLOEXEC);
+    wake_fd_ = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    epoll_event e{};
+    e.events = EPOLLIN;
+    e.data.u64 = UINT64_MAX;
+    epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, wake_fd_, &e);
+    thread_ = std::thread([this] { run(); });
+  }
+  ~Worker() {
+    uint64_t one = 1;
+    (void)!::write(wake_fd_, &one, sizeof(one));
+    thread_.join();
+    ::close(wake_fd_);
+    ::close(epoll_fd_);
+  }
+
+  void attach(const std::shared_ptr<Connection>& comm) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    comms_[comm->id] = comm;
+    for (size_t i = 0; i < comm->streams.size(); ++i) {
+      epoll_event e{};
+      e.events = EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLET;
+      e.data.u64 = comm->id << 7 | i;
+      epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, comm->streams[i].fd, &e);
+    }
+  }
+
+  std::shared_ptr<Connection> detach(uint64_t id) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    auto found = comms_.find(id);
+    std::shared_ptr<Connection> comm = found->second;
+    comms_.erase(found);
+    for (Stream& s : comm->streams) epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, s.fd, nullptr);
+    return comm;
+  }
+
+ private:
+  void run() {
+    epoll_event events[64];
+    for (;;) {
+      int n = epoll_wait(epoll_fd_, events, 64, -1);
+      if (n < 0) continue;
+      for (int i = 0; i < n; ++i) {
+        if (events[i].data.u64 == UINT64_MAX) return;
+        uint64_t id = events[i].data.u64 >> 7;
+        size_t stream = events[i].data.u64 & 127;
+        std::shared_ptr<Connection> comm;
+        {
+          std::lock_guard<std::mutex> lock(mutex_);
+          auto found = comms_.find(id);
+          if (found == comms_.end()) continue;
+          comm = found->second;
+        }
+        std::lock_guard<std::mutex> lock(comm->mutex);
+        if (stream + 1 == comm->streams.size()) comm->check_control();
+        comm->pump();
+      }
+    }
+  }
+
+  int epoll_fd_ = -1;
+  int wake_fd_ = -1;
+  std::thread thread_;
+  std::mutex mutex_;
+  std::unordered_map<uint64_t, std::shared_ptr<Connection>> comms_;
+};
+
+// Threads run while connections exist, so that unloading the plugin after its last
+// close leaves no thread behind in unmapped code.
+class Engine {
+ public:
+  static Engine& instance() {
+    static Engine* engine = new Engine();  // never destroyed: comms may outlive static destruction order
+    return *engine;
+  }
+
+  Connection* attach(std::unique_ptr<Connection> owned) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (workers_.empty())
+      for (int i = 0; i < kWorkerThreads; ++i) workers_.push_back(std::make_unique<Worker>());
+    std::shared_ptr<Connection> comm(std::move(owned));
+    comm->id = ++next_id_;
+    Connection* raw = comm.get();
+    worker_of(raw->id).attach(comm);
+    ++live_;
+    return raw;
+  }
+
+  void detach(Connection* comm) {
+    std::shared_ptr<Connection> held;
+    std::lock_guard<std::mutex> lock(mutex_);
+    held = worker_of(comm->id).detach(comm->id);
+    if (--live_ == 0) workers_.clear();
+  }
+
+ private:
+  Worker& worker_of(uint64_t id) { return *workers_[id % workers_.size()]; }
+
+  std::mutex mutex_;
+  std::vector<std::unique_ptr<Worker>> workers_;
+  uint64_t next_id_ = 0;
+  int live_ = 0;
+};
+
+// ---------------------------------------------------------------------------
+// Connection setup
+
+struct PendingSocket {
+  int fd;
+  Hello hello{};
+  size_t read = 0;
+};
+
+class ListenComm {
+ public:
+  ~ListenComm() {
+    ::close(fd);
+    for (PendingSocket& p : pending) ::close(p.fd);
+  }
+  int fd = -1;
+  std::vector<PendingSocket> pending;  // accepted sockets, hello read or still arriving
+};
+
+class ConnectAttempt {
+ public:
+  ~ConnectAttempt() {
+    for (int fd : fds)
+      if (fd >= 0) ::close(fd);
+  }
+  Settings settings;
+  std::vector<int> fds;  // data streams, then control
+  std::vector<bool> connected;
+  std::vector<Hello> hellos;
+  std::vector<size_t> hello_written;
+  size_t ack_read = 0;
+  char ack = 0;
+  Clock::time_point deadline;
+};
+
+namespace {
+
+uint64_t random_id() {
+  static std::mutex mutex;
+  static std::mt19937_64 generator{std::random_device{}()};
+  std::lock_guard<std::mutex> lock(mutex);
+  return generator();
+}
+
+Clock::time_point deadline_after(double seconds) {
+  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+}
+
+}  // namespace
+
+Outcome listen(int device, ConnectHandle* handle, ListenComm** listener, std::string* error) {
+  const std::vector<Device>& all = devices();
+  if (device < 0 || device >= static_cast<int>(all.size())) {
+    *error = "no network device " + std::to_string(device);
+    return Outcome::kInvalidArgument;
+  }
+  const Device& d = all[device];
+  int fd = ::socket(d.address.ss_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+  if (fd < 0) return system_error(error, errno_text("socket"));
+  auto owned = std::make_unique<ListenComm>();
+  owned->fd = fd;
+  sockaddr_storage address = d.address;
+  if (address.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&address)->sin_port = 0;
+  else reinterpret_cast<sockaddr_in6*>(&address)->sin6_port = 0;
+  if (::bind(fd, reinterpret_cast<sockaddr*>(&address), d.address_length) != 0)
+    return system_error(error, errno_text("bind"));
+  if (::listen(fd, SOMAXCONN) != 0) return system_error(error, errno_text("listen"));
+  socklen_t length = sizeof(address);
+  if (getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) != 0)
+    return system_error(error, errno_text("getsockname"));
+  std::memset(handle, 0, sizeof(*handle));
+  handle->magic = kHandleMagic;
+  std::memcpy(&handle->address, &address, std::min<size_t>(length, sizeof(handle->address)));
+  *listener = owned.release();
+  return Outcome::kOk;
+}
+
+Outcome connect(ConnectHandle* handle, Connection** send_comm, std::string* error) {
+  *send_comm = nullptr;
+  if (handle->magic != kHandleMagic) {
+    *error = "not a Bagua-Net handle";
+    return Outcome::kInvalidArgument;
+  }
+  auto* attempt = reinterpret_cast<ConnectAttempt*>(handle->attempt);
+  if (attempt == nullptr) {
+    auto fresh = std::make_unique<ConnectAttempt>();
+    Outcome parsed = Settings::from_environment(&fresh->settings, error);
+    if (parsed != Outcome::kOk) return parsed;
+    int sockets = fresh->settings.nstreams + 1;
+    uint64_t connection = random_id();
+    const sockaddr* peer = reinterpret_cast<const sockaddr*>(&handle->address);
+    socklen_t peer_length = peer->sa_family == AF_INET ? sizeof(sockaddr_in) : sizeof(sockaddr_in6);
+    for (int i = 0; i < sockets; ++i) {
+      int fd = ::socket(peer->sa_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+      if (fd < 0) return system_error(error, errno_text("socket"));
+      fresh->fds.push_back(fd);
+      set_nonblocking_nodelay(fd);
+      if (::connect(fd, peer, peer_length) != 0 && errno != EINPROGRESS)
+        return system_error(error, errno_text("connect"));
+      fresh->hellos.push_back(Hello{kHelloMagic, static_cast<uint32_t>(i),
+                                    static_cast<uint32_t>(fresh->settings.nstreams), 0, connection});
+    }
+    fresh->connected.assign(sockets, false);
+    fresh->hello_written.assign(sockets, 0);
+    fresh->deadline = deadline_after(fresh->settings.timeout_seconds);
+    attempt = fresh.release();
+    handle->attempt = reinterpret_cast<uint64_t>(attempt);
+  }
+  auto give_up = [&](Outcome outcome) {
+    delete attempt;
+    handle->attempt = 0;
+    return outcome;
+  };
+  size_t sockets = attempt->fds.size();
+  bool all_sent = true;
+  for (size_t i = 0; i < sockets; ++i) {
+    int fd = attempt->fds[i];
+    if (!attempt->connected[i]) {
+      pollfd p{fd, POLLOUT, 0};
+      if (::poll(&p, 1, 0) != 1) {
+        all_sent = false;
+        continue;
+      }
+      int failure = 0;
+      socklen_t length = sizeof(failure);
+      getsockopt(fd, SOL_SOCKET, SO_ERROR, &failure, &length);
+      if (failure != 0) {
+        *error = std::string("connect: ") + std::strerror(failure);
+        return give_up(Outcome::kSystemError);
+      }
+      attempt->connected[i] = true;
+    }
+    if (!write_some(fd, &attempt->hellos[i], sizeof(Hello), &attempt->hello_written[i], error))
+      return give_up(Outcome::kSystemError);
+    if (attempt->hello_written[i] < sizeof(Hello)) all_sent = false;
+  }
+  // The acceptor answers on the control stream once it holds every stream of this connection.
+  if (all_sent && !read_some(attempt->fds.back(), &attempt->ack, 1, &attempt->ack_read, error))
+    return give_up(Outcome::kSystemError);
+  if (!all_sent || attempt->ack_read == 0) {
+    if (Clock::now() > attempt->deadline) {
+      *error = "connect: the peer did not accept in time";
+      return give_up(Outcome::kSystemError);
+    }
+    return Outcome::kOk;
+  }
+  const Settings& settings = attempt->settings;
+  if (settings.dynamic) {
+    int lowat = static_cast<int>(settings.chunk_bytes);
+    for (size_t i = 0; i + 1 < sockets; ++i)
+      setsockopt(attempt->fds[i], IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof(lowat));
+  }
+  auto comm = std::make_unique<Connection>(true, settings, settings.nstreams);
+  for (size_t i = 0; i < sockets; ++i) {
+    comm->streams[i].fd = attempt->fds[i];
+    attempt->fds[i] = -1;
+  }
+  give_up(Outcome::kOk);
+  *send_comm = Engine::instance().attach(std::move(comm));
+  return Outcome::kOk;
+}
+
+Outcome accept(ListenComm* listener, Connection** recv_comm, std::string* error) {
+  *recv_comm = nullptr;
+  for (;;) {
+    int fd = ::accept4(listener->fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (fd < 0) {
+      if (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR || errno == ECONNABORTED) break;
+      return system_error(error, errno_text("accept"));
+    }
+    set_nonblocking_nodelay(fd);
+    listener->pending.push_back(PendingSocket{fd});
+  }
+  auto& pending = listener->pending;
+  for (size_t i = 0; i < pending.size();) {
+    PendingSocket& p = pending[i];
+    std::string failure;
+    bool alive = read_some(p.fd, &p.hello, sizeof(Hello), &p.read, &failure);
+    bool complete = p.read == sizeof(Hello);
+    bool valid = !complete || (p.hello.magic == kHelloMagic && p.hello.nstreams >= 1 &&
+                               p.hello.nstreams <= kMaxStreams && p.hello.stream <= p.hello.nstreams);
+    if (!alive || !valid) {  // a stray or broken connection: drop it, keep listening
+      ::close(p.fd);
+      pending.erase(pending.begin() + static_cast<long>(i));
+      continue;
+    }
+    ++i;
+  }
+  for (const PendingSocket& first : pending) {
+    if (first.read < sizeof(Hello)) continue;
+    uint64_t connection = first.hello.connection;
+    int nstreams = static_cast<int>(first.hello.nstreams);
+    std::vector<int> fds(nstreams + 1, -1);
+    int found = 0;
+    for (const PendingSocket& p : pending) {
+      if (p.read == sizeof(Hello) && p.hello.connection == connection && p.hello.stream < fds.size() &&
+          fds[p.hello.stream] < 0) {
+        fds[p.hello.stream] = p.fd;
+        ++found;
+      }
+    }
+    if (found < nstreams + 1) continue;
+    char ack = 1;
+    size_t written = 0;
+    if (!write_some(fds.back(), &ack, 1, &written, error) || written != 1) {
+      if (error->empty()) *error = "accept: could not acknowledge the connection";
+      return Outcome::kSystemError;
+    }
+    Settings settings;
+    Outcome parsed = Settings::from_environment(&settings, error);
+    if (parsed != Outcome::kOk) return parsed;
+    auto comm = std::make_unique<Connection>(false, settings, nstreams);
+    for (int i = 0; i <= nstreams; ++i) comm->streams[i].fd = fds[i];
+    pending.erase(std::remove_if(pending.begin(), pending.end(),
+                                 [&](const PendingSocket& p) {
+                                   return std::find(fds.begin(), fds.end(), p.fd) != fds.end();
+                                 }),
+                  pending.end());
+    *recv_comm = Engine::instance().attach(std::move(comm));
+    return Outcome::kOk;
+  }
+  return Outcome::kOk;
+}
+
+// ---------------------------------------------------------------------------
+// Data
+
+namespace {
+
+Request* claim_slot(Connection* comm, void* data, size_t size) {
+  Request& r = comm->slots[comm->next_sequence % kRequestSlots];
+  if (r.in_use) return nullptr;
+  Request fresh;
+  fresh.comm = comm;
+  fresh.in_use = true;
+  fresh.sequence = comm->next_sequence++;
+  fresh.data = static_cast<char*>(data);
+  fresh.size = size;
+  fresh.deadline = deadline_after(comm->settings.timeout_seconds);
+  r = fresh;
+  return &r;
+}
+
+}  // namespace
+
+Outcome isend(Connection* comm, const void* data, size_t size, Request** request, std::string* error) {
+  std::lock_guard<std::mutex> lock(comm->mutex);
+  *request = nullptr;
+  if (!comm->error.empty()) return system_error(error, comm->error);
+  Request* r = claim_slot(comm, const_cast<void*>(data), size);
+  if (r == nullptr) return Outcome::kOk;
+  r->total = size;
+  r->total_known = true;
+  int n = comm->data_streams();
+  if (comm->settings.dynamic) {
+    if (size == 0) {
+      comm->streams[comm->next_stream++ % n].queue.push_back(Chunk{r, {r->sequence, 0, 0, 0, kChunkMagic}});
+    } else {
+      comm->uncut.push_back(r);
+    }
+  } else {
+    // NCCL's socket transport: equal pieces, one per stream, at least 64 KiB each.
+    size_t piece = std::min<size_t>(std::max<size_t>(64 << 10, (size + n - 1) / n), 1 << 30);
+    do {
+      size_t length = std::min(piece, size - r->cut);
+      Chunk c{r, ChunkHeader{r->sequence, r->cut, size, static_cast<uint32_t>(length), kChunkMagic}};
+      r->cut += length;
+      comm->streams[comm->next_stream++ % n].queue.push_back(c);
+    } while (r->cut < size);
+  }
+  comm->pump();
+  *request = r;
+  return Outcome::kOk;
+}
+
+Outcome irecv(Connection* comm, void* data, size_t size, Request** request, std::string* error) {
+  std::lock_guard<std::mutex> lock(comm->mutex);
+  *request = nullptr;
+  if (!comm->error.empty()) return system_error(error, comm->error);
+  Request* r = claim_slot(comm, data, size);
+  if (r == nullptr) return Outcome::kOk;
+  comm->pump();
+  *request = r;
+  return Outcome::kOk;
+}
+
+Outcome test(Request* request, int* done, size_t* size, std::string* error) {
+  Connection* comm = request->comm;
+  std::lock_guard<std::mutex> lock(comm->mutex);
+  *done = 0;
+  if (!request->in_use) {
+    *error = "test of a request that is not in flight";
+    return Outcome::kInvalidUsage;
+  }
+  if (request->done) {
+    *done = 1;
+    *size = request->total;
+    request->in_use = false;
+    return Outcome::kOk;
+  }
+  std::string failure = comm->error;
+  if (failure.empty() && Clock::now() > request->deadline)
+    failure = "no completion within BAGUA_NET_TIMEOUT=" + std::to_string(std::lround(comm->settings.timeout_seconds)) + " s";
+  if (failure.empty()) return Outcome::kOk;
+  request->in_use = false;
+  comm->error = failure;
+  *error = (comm->sending ? "send: " : "receive: ") + failure;
+  return Outcome::kSystemError;
+}
+
+void close_listener(ListenComm* listener) { delete listener; }
+
+void close_connection(Connection* comm) {
+  if (comm != nullptr) Engine::instance().detach(comm);
+}
+
+}  // namespace bagua_net
