@@ -36,9 +36,7 @@ MODES = ("off", "once", "cached")
 # Algorithms whose numbers depend on the bucket layout: quantization chunks (or per-bucket state)
 # follow bucket boundaries. PowerSGD is listed because its uncompressed tensors share buckets
 # with no proof yet that the layout leaves its rounding unchanged.
-BUCKET_DEPENDENT_ALGORITHMS = frozenset(
-    {"bytegrad", "qadam", "onebit_adam", "low_precision_decentralized", "powersgd"}
-)
+BUCKET_DEPENDENT_ALGORITHMS = frozenset({"bytegrad", "qadam", "onebit_adam", "low_precision_decentralized", "powersgd"})
 # Knobs whose every value gives the same numbers for any algorithm.
 EXACT_KNOBS = frozenset({"hierarchical", "mpi_ring_min_bytes"})
 
