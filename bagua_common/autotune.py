@@ -40,7 +40,7 @@ BUCKET_DEPENDENT_ALGORITHMS = frozenset({"bytegrad", "qadam", "onebit_adam", "lo
 # Knobs whose every value gives the same numbers for any algorithm.
 EXACT_KNOBS = frozenset({"hierarchical", "mpi_ring_min_bytes"})
 
-Broadcast = Callable[[np.ndarray], np.ndarray]  # int64 [k] from rank 0 -> the same on every rank
+Broadcast = Callable[[np.ndarray], np.ndarray]  # int32 [k] from rank 0 -> the same on every rank
 
 
 def autotune_mode(value: str | None = None) -> str:
@@ -90,7 +90,7 @@ class InBandTuner:
     """Tunes between steps: every rank calls :meth:`step_finished` after each step with its step time.
 
     ``settings`` are the candidates (the first is the one the run starts with); ``broadcast`` sends
-    an int64 vector from rank 0 to every rank over the run's communicator (called collectively, at
+    an int32 vector from rank 0 to every rank over the run's communicator (called collectively, at
     the same steps on every rank). A sample whose time exceeds ``timeout_factor`` times the fastest
     median seen so far counts as failed (timed out), as does a sample reported as None.
     """
@@ -156,7 +156,7 @@ class InBandTuner:
             self._sample.append(seconds)
         if (self._steps - self._warmup) % self._per_sample:
             return None
-        decision = self._broadcast(self._decide() if self._rank == 0 else np.zeros(2, np.int64))
+        decision = self._broadcast(self._decide() if self._rank == 0 else np.zeros(2, np.int32))
         self._sample, self._sample_failed = [], False
         chosen, finished = int(decision[0]), bool(decision[1])
         self._finished = finished
@@ -172,8 +172,8 @@ class InBandTuner:
             sample = None
         self._search.tell(self._current, sample)
         if self._search.done:
-            return np.array([self._search.best, 1], np.int64)
-        return np.array([self._search.ask(), 0], np.int64)
+            return np.array([self._search.best, 1], np.int32)
+        return np.array([self._search.ask(), 0], np.int32)
 
 
 def cache_key(model_digest: str, world: Sequence[int], engine: str, algorithm: str) -> str:
