@@ -2,12 +2,10 @@
 
 Communication cost is dominated by per-call latency for small tensors, so the
 algorithms communicate buckets: the leaves of a pytree, grouped in tree order
-and by dtype into flat 1-D buffers of at most ``bucket_bytes`` each (a leaf
-larger than that gets a bucket of its own), each zero-padded to a multiple of
-``pad_to`` elements (the rank count, for algorithms that split a bucket into one
-chunk per rank). The plan is static: it depends only on shapes and dtypes, so it
-is computed once outside ``jit`` and its flatten/unflatten trace to reshapes and
-concatenations.
+and by dtype by the rule of :mod:`bagua_common.bucket_plan` (shared with the torch
+front end). The plan is static: it depends only on shapes and dtypes, so it is
+computed once outside ``jit`` and its flatten/unflatten trace to reshapes and
+slice updates.
 """
 
 from __future__ import annotations
@@ -19,7 +17,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024
+from bagua_common import bucket_plan
+from bagua_common.bucket_plan import DEFAULT_BUCKET_BYTES, TensorSlot
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "BucketPlan", "plan_buckets"]
 
 
 class Bucket(NamedTuple):
@@ -68,30 +69,16 @@ class BucketPlan(NamedTuple):
 def plan_buckets(tree: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pad_to: int = 1) -> BucketPlan:
     """Group the leaves of ``tree`` (arrays or shape/dtype structs) into buckets.
 
-    Leaves are taken in tree order; a bucket closes when the next leaf would take it
-    past ``bucket_bytes`` or has another dtype. Each bucket is padded to a multiple of
-    ``pad_to`` elements.
+    Leaves are taken in tree order and grouped by dtype with the rule of
+    :mod:`bagua_common.bucket_plan` (at most ``bucket_bytes`` per bucket, each padded to a
+    multiple of ``pad_to`` elements).
     """
-    if bucket_bytes <= 0 or pad_to < 1:
-        raise ValueError(f"need bucket_bytes > 0 and pad_to >= 1, got {bucket_bytes} and {pad_to}")
     leaves, treedef = jax.tree.flatten(tree)
     shapes = tuple(tuple(np.shape(leaf)) for leaf in leaves)
     dtypes = tuple(np.dtype(leaf.dtype) for leaf in leaves)
-    buckets: list[Bucket] = []
-    current: list[int] = []
-    current_bytes = 0
-
-    def close() -> None:
-        if current:
-            used = sum(int(np.prod(shapes[i])) for i in current)
-            buckets.append(Bucket(dtypes[current[0]], tuple(current), -(-used // pad_to) * pad_to))
-
-    for i, (shape, dtype) in enumerate(zip(shapes, dtypes)):
-        nbytes = int(np.prod(shape)) * dtype.itemsize
-        if current and (dtypes[current[0]] != dtype or current_bytes + nbytes > bucket_bytes):
-            close()
-            current, current_bytes = [], 0
-        current.append(i)
-        current_bytes += nbytes
-    close()
-    return BucketPlan(treedef, shapes, dtypes, tuple(buckets))
+    slots = [TensorSlot(int(np.prod(shape)), dtype.itemsize, dtype) for shape, dtype in zip(shapes, dtypes)]
+    buckets = tuple(
+        Bucket(dtypes[planned.members[0]], planned.members, planned.size)
+        for planned in bucket_plan.plan_buckets(slots, bucket_bytes, pad_to)
+    )
+    return BucketPlan(treedef, shapes, dtypes, buckets)

@@ -1,17 +1,14 @@
 """Buckets: a model's trainable parameters grouped into few flat buffers for communication.
 
-Communication cost is dominated by per-call latency for small tensors, so the
-wrapper (:mod:`bagua_torch.distributed`) communicates *buckets*. Parameters are
-taken in **reverse registration order** (the order in which the backward pass
-usually produces their gradients, as in ``torch.nn.parallel.DistributedDataParallel``)
-and grouped greedily: a bucket closes when the next parameter would take it past
-``bucket_bytes`` or has another dtype (a parameter larger than ``bucket_bytes`` gets a
-bucket of its own). Inside a bucket the parameters keep that same (reverse) order.
-Each bucket's flat buffers are zero-padded to a multiple of ``pad_to`` elements (the
-world size, so algorithms that split a bucket into one chunk per rank, or one slice per
-rank of a node, can do so without further padding). The layout depends only on the
-parameters' shapes, dtypes and order and on ``bucket_bytes`` and ``pad_to``, so it is
-the same on every rank of a job that wraps the same model.
+The wrapper (:mod:`bagua_torch.distributed`) communicates *buckets*. Parameters are taken in
+**reverse registration order** (the order in which the backward pass usually produces their
+gradients, as in ``torch.nn.parallel.DistributedDataParallel``) and grouped by dtype and device
+with the rule of :mod:`bagua_common.bucket_plan`, shared with the JAX front end: at most
+``bucket_bytes`` per bucket (a parameter larger than that gets a bucket of its own), each
+zero-padded to a multiple of ``pad_to`` elements (the world size). Inside a bucket the
+parameters keep that same (reverse) order. The layout depends only on the parameters' shapes,
+dtypes and order and on ``bucket_bytes`` and ``pad_to``, so it is the same on every rank of a
+job that wraps the same model.
 """
 
 from __future__ import annotations
@@ -20,8 +17,10 @@ from collections.abc import Sequence
 
 import torch
 
-DEFAULT_BUCKET_BYTES = 10 * 1024 * 1024
-"""The default bucket size: 10 MiB."""
+from bagua_common import bucket_plan
+from bagua_common.bucket_plan import DEFAULT_BUCKET_BYTES, TensorSlot, padded_size
+
+__all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "make_buckets"]
 
 
 class Bucket:
@@ -67,8 +66,7 @@ class Bucket:
             offset += p.numel()
         self.offsets: tuple[int, ...] = tuple(offsets)
         self.numel = offset
-        pad_to = max(int(pad_to), 1)
-        self.size = -(-offset // pad_to) * pad_to
+        self.size = padded_size(offset, max(int(pad_to), 1))
         self.grad = torch.zeros(self.size, dtype=self.dtype, device=self.device)
 
     def __repr__(self) -> str:
@@ -134,18 +132,9 @@ def make_buckets(
     """Group ``named_params`` (in registration order) into buckets, as described in the module docstring."""
     if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
         raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    buckets: list[Bucket] = []
-    current: list[tuple[str, torch.nn.Parameter]] = []
-    current_bytes = 0
-    for name, p in reversed(list(named_params)):
-        nbytes = p.numel() * p.element_size()
-        if current and (
-            current[0][1].dtype != p.dtype or current[0][1].device != p.device or current_bytes + nbytes > bucket_bytes
-        ):
-            buckets.append(Bucket(len(buckets), current, pad_to))
-            current, current_bytes = [], 0
-        current.append((name, p))
-        current_bytes += nbytes
-    if current:
-        buckets.append(Bucket(len(buckets), current, pad_to))
-    return buckets
+    ordered = list(reversed(list(named_params)))
+    slots = [TensorSlot(p.numel(), p.element_size(), (p.dtype, p.device)) for _, p in ordered]
+    return [
+        Bucket(index, [ordered[i] for i in planned.members], pad_to)
+        for index, planned in enumerate(bucket_plan.plan_buckets(slots, bucket_bytes, pad_to))
+    ]

@@ -17,15 +17,14 @@ What happens, in order (the algorithm's side is described in
   broadcast from rank 0, the trainable parameters are grouped into buckets
   (reverse registration order, at most ``bucket_bytes`` each, default 10 MiB, padded to
   a multiple of the world size) and the algorithm is built for them.
-* Backward: when autograd has accumulated a parameter's gradient, it is copied into its
-  bucket; a bucket whose gradients have all arrived is handed to the algorithm
-  (``reduce_bucket``), which starts communicating at once (asynchronous collectives or
-  a worker thread) while the backward pass goes on. Buckets are launched in the fixed
-  order 0, 1, 2, ... on every rank: a bucket that is ready early waits for the ones
-  before it. At the end of the backward pass, gradients that never arrived (parameters
-  not used in this iteration, on this rank) are taken as zeros and their buckets
-  launched, so every rank issues the same collectives and nothing hangs. A parameter
-  unused on every rank ends the step with a zero gradient rather than None.
+* Backward (the bucket launch state, :mod:`bagua_torch.reducer`): each parameter's
+  gradient goes into its bucket as autograd produces it; a bucket whose gradients have all
+  arrived is handed to the algorithm (``reduce_bucket``), which starts communicating at once
+  while the backward pass goes on, buckets in the fixed order 0, 1, 2, ... on every rank.
+  Gradients that never arrived (parameters unused in this iteration, on this rank) are taken
+  as zeros at the end of the backward pass, so every rank issues the same collectives and
+  nothing hangs. A parameter unused on every rank ends the step with a zero gradient rather
+  than None.
 * Sync point: the wrapper waits for the buckets (in order) and writes the reduced
   gradients into ``.grad`` either at the end of the backward pass (``sync_point=
   "backward"``, the default: ``.grad`` is final when ``backward()`` returns, as with
@@ -44,8 +43,6 @@ What happens, in order (the algorithm's side is described in
 from __future__ import annotations
 
 import contextlib
-import threading
-import time
 import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any, Literal
@@ -63,16 +60,12 @@ from bagua_torch.algorithms.base import (
     Communicators,
 )
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
-from bagua_torch.communicator import Communicator, Work
+from bagua_torch.communicator import Communicator
 from bagua_torch.job import communicators_from
+from bagua_torch.reducer import Reducer
 
 SyncPoint = Literal["backward", "step"]
 _EXTRA_STATE_FORMAT = 1
-
-
-def _queue_end_of_backward(callback) -> None:
-    """Run ``callback`` when the current backward pass ends (must be called from inside it)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def _broadcast(comm: Communicator, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
@@ -96,10 +89,9 @@ class BaguaModule(nn.Module):
     Build it with :func:`with_bagua` or :class:`DistributedDataParallel`. Attributes:
     ``module`` (the user's model), ``algorithm`` (the configuration),
     ``algorithm_impl`` (its :class:`~bagua_torch.algorithms.AlgorithmImpl`),
-    ``buckets`` (launch order), ``communicators``, ``optimizers``, ``sync_point``.
-    Setting ``events = []`` records ``(kind, bucket_index, time.perf_counter())`` tuples,
-    kinds ``"ready"`` (all gradients of the bucket arrived), ``"launch"``,
-    ``"backward_end"`` (index -1) and ``"done"`` (its result written into ``.grad``).
+    ``buckets`` (launch order), ``reducer`` (their launch state, a
+    :class:`~bagua_torch.reducer.Reducer`), ``communicators``, ``optimizers``, ``sync_point``.
+    Setting ``events = []`` records the reducer's events (see :class:`~bagua_torch.reducer.Reducer`).
     """
 
     def __init__(
@@ -142,7 +134,6 @@ class BaguaModule(nn.Module):
         self.sync_point: SyncPoint = sync_point
         self.broadcast_buffers = broadcast_buffers
         self.bucket_bytes = bucket_bytes
-        self.events: list[tuple[str, int, float]] | None = None
         self.communicators: Communicators = communicators_from(process_group)
         world = self.communicators.world
 
@@ -178,10 +169,6 @@ class BaguaModule(nn.Module):
         _broadcast(world, [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()])
 
         self.buckets: tuple[Bucket, ...] = tuple(make_buckets(named, bucket_bytes, pad_to=world.size))
-        self._grad_views = [bucket.views(bucket.grad) for bucket in self.buckets]  # per parameter, in each bucket
-        self._slot: dict[int, tuple[int, int]] = {
-            id(p): (bucket.index, i) for bucket in self.buckets for i, p in enumerate(bucket.params)
-        }
         context = AlgorithmContext(
             module=module,
             optimizers=optimizers,
@@ -198,22 +185,22 @@ class BaguaModule(nn.Module):
             )
         self.algorithm_impl: AlgorithmImpl = impl
 
-        # Iteration state, guarded by _lock (hooks may run on autograd's threads).
-        self._lock = threading.RLock()
+        self.reducer = Reducer(self.buckets, impl, wait_at_backward_end=sync_point == "backward")
         self._require_sync = True  # False inside no_sync()
-        self._sync_enabled = bool(impl.need_gradient_hooks)  # decided at each forward
-        self._in_iteration = False
-        self._backward_done = False
-        self._ready = [[False] * len(b.params) for b in self.buckets]
-        self._missing = [len(b.params) for b in self.buckets]
-        self._next_launch = 0
-        self._works: list[Work | None] = [None] * len(self.buckets)
         self._closed = False
-
-        self._handles = [p.register_post_accumulate_grad_hook(self._grad_ready) for _, p in named]
+        self._handles: list[Any] = []
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_step))
             self._handles.append(opt.register_step_post_hook(self._after_step))
+
+    @property
+    def events(self) -> list[tuple[str, int, float]] | None:
+        """The reducer's event record (None: not recording); set it to ``[]`` to start recording."""
+        return self.reducer.events
+
+    @events.setter
+    def events(self, events: list[tuple[str, int, float]] | None) -> None:
+        self.reducer.events = events
 
     def _check_optimizers(self, named: list[tuple[str, nn.Parameter]]) -> None:
         ours = {id(p) for _, p in named}
@@ -235,7 +222,7 @@ class BaguaModule(nn.Module):
             raise RuntimeError("this BaguaModule has been closed")
         if self.training and torch.is_grad_enabled():
             self.wait_gradients()  # finish a reduction still pending from the last iteration
-            self._sync_enabled = self._require_sync and bool(self.algorithm_impl.need_gradient_hooks)
+            self.reducer.enabled = self._require_sync and bool(self.algorithm_impl.need_gradient_hooks)
             if self.broadcast_buffers:
                 _broadcast(self.communicators.world, list(self.module.buffers()))
             self.algorithm_impl.before_forward(self.module)
@@ -255,113 +242,9 @@ class BaguaModule(nn.Module):
         finally:
             self._require_sync = previous
 
-    # --- backward: gradients become ready, buckets launch in order ---------------------
-
-    def _record(self, kind: str, index: int) -> None:
-        if self.events is not None:
-            self.events.append((kind, index, time.perf_counter()))
-
-    def _grad_ready(self, param: torch.Tensor) -> None:
-        if not self._sync_enabled:
-            return
-        with self._lock:
-            k, i = self._slot[id(param)]
-            if not self._in_iteration:
-                self._start_iteration()
-            elif self._backward_done:
-                raise RuntimeError(
-                    "a second backward pass before the gradients of the first were synchronized "
-                    "(sync_point='step'); call model.wait_gradients() between them, or run the first one under "
-                    "model.no_sync()"
-                )
-            if self._ready[k][i]:
-                raise RuntimeError(
-                    f"parameter {self.buckets[k].names[i]} received a gradient twice in one backward pass; "
-                    "reentrant checkpointing (torch.utils.checkpoint with use_reentrant=True) is not supported, "
-                    "use use_reentrant=False"
-                )
-            bucket = self.buckets[k]
-            grad = param.grad
-            if grad is None:  # pragma: no cover (autograd always sets it before this hook)
-                return
-            if grad.is_sparse:
-                raise RuntimeError(
-                    f"parameter {bucket.names[i]} has a sparse gradient; sparse gradients are not supported"
-                )
-            with torch.no_grad():
-                self._grad_views[k][i].copy_(grad)
-            self._ready[k][i] = True
-            self._missing[k] -= 1
-            if self._missing[k] == 0:
-                self._record("ready", k)
-            self._launch_ready()
-
-    def _start_iteration(self) -> None:
-        self._in_iteration = True
-        self._backward_done = False
-        self._ready = [[False] * len(b.params) for b in self.buckets]
-        self._missing = [len(b.params) for b in self.buckets]
-        self._next_launch = 0
-        self._works = [None] * len(self.buckets)
-        _queue_end_of_backward(self._backward_end)
-
-    def _launch_ready(self) -> None:
-        while self._next_launch < len(self.buckets) and self._missing[self._next_launch] == 0:
-            k = self._next_launch
-            bucket = self.buckets[k]
-            bucket.grad[bucket.numel :].zero_()
-            self._record("launch", k)
-            work = self.algorithm_impl.reduce_bucket(bucket)
-            if work is None or not hasattr(work, "wait"):
-                raise TypeError(
-                    f"{type(self.algorithm_impl).__name__}.reduce_bucket() must return a Work, got "
-                    f"{type(work).__name__}"
-                )
-            self._works[k] = work
-            self._next_launch += 1
-
-    def _fill_missing(self) -> None:
-        """Zeros for the gradients that never arrived, then launch every remaining bucket (in order)."""
-        for k in range(self._next_launch, len(self.buckets)):
-            if self._missing[k]:
-                views = self._grad_views[k]
-                with torch.no_grad():
-                    for i, ready in enumerate(self._ready[k]):
-                        if not ready:
-                            views[i].zero_()
-                            self._ready[k][i] = True
-                self._missing[k] = 0
-        self._launch_ready()
-
-    def _backward_end(self) -> None:
-        with self._lock:
-            if not self._in_iteration or self._backward_done:
-                return
-            self._record("backward_end", -1)
-            self._fill_missing()
-            self._backward_done = True
-            if self.sync_point == "backward":
-                self._finish()
-
-    def _finish(self) -> None:
-        """Wait for every bucket in order and write the results into ``.grad``."""
-        self._fill_missing()
-        try:
-            for k, work in enumerate(self._works):
-                result = work.wait() if work is not None else None
-                if result is not None:
-                    self.buckets[k].unflatten_to_grads(result)
-                self._record("done", k)
-        finally:
-            self._in_iteration = False
-            self._backward_done = False
-            self._works = [None] * len(self.buckets)
-
     def wait_gradients(self) -> None:
         """Finish any pending gradient reduction and write the results into ``.grad`` (a no-op if none)."""
-        with self._lock:
-            if self._in_iteration:
-                self._finish()
+        self.reducer.wait()
 
     # --- optimizer step ---------------------------------------------------------------
 
@@ -413,7 +296,7 @@ class BaguaModule(nn.Module):
         """Finish pending work, remove the hooks from the model and optimizers, and stop the algorithm's threads."""
         if self._closed:
             return
-        self.wait_gradients()
+        self.reducer.close()
         for handle in self._handles:
             handle.remove()
         self._handles = []

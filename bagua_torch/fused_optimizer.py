@@ -23,6 +23,15 @@ default ``zero_grad()`` (``set_to_none=True``) keeps fusion on: fresh gradients 
 the flat buffer and rebound to it (counted in :meth:`FusedOptimizer.stats`); with
 ``zero_grad(set_to_none=False)`` backward accumulates straight into the buffer and no gradient
 is copied at all.
+
+With a wrapped model (``fuse_optimizer(optimizer, module=model)``, ``model`` a
+:class:`~bagua_torch.distributed.BaguaModule`) the flat layout is the model's bucket plan, cut at
+param-group boundaries: the gradients are views of the communication buckets, backward
+accumulates into them, the reduced bucket is the optimizer's gradient, and no gradient is copied
+on the way (with ``zero_grad(set_to_none=False)`` and an algorithm that hands its result over,
+such as gradient_allreduce or bytegrad; ``stats()["model_bytes_copied"]`` counts the model's
+copies otherwise). The step waits for the model's gradients first. Step hooks the model put on
+the original optimizer (weight-communicating algorithms) do not run on the fused one.
 """
 
 from __future__ import annotations
@@ -31,9 +40,15 @@ import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+from bagua_torch.bucketing import Bucket
+
+if TYPE_CHECKING:
+    from bagua_torch.distributed import BaguaModule
+    from bagua_torch.reducer import Reducer
 
 NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
 """Built-in optimizer classes whose step is not elementwise (checked by name)."""
@@ -61,6 +76,9 @@ class _Chunk:
     grad_views: list[torch.Tensor]
     member_state: dict[torch.Tensor, dict[str, Any]] = field(default_factory=dict)
     fused: bool = True
+    bucket: Bucket | None = None
+    first: int = 0
+    """With a wrapped model: the bucket whose gradient buffer holds the chunk's, from member ``first`` on."""
 
     def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
         """Member ``i``'s slice of a flat buffer, shaped like the parameter."""
@@ -76,10 +94,26 @@ class FusedOptimizer(torch.optim.Optimizer):
     on the original; ``inner`` is the optimizer of the same class that steps the flat buffers.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, *, elementwise: bool | None = None):
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        *,
+        module: BaguaModule | None = None,
+        elementwise: bool | None = None,
+    ):
         cls = type(optimizer)
         if isinstance(optimizer, FusedOptimizer):
             raise TypeError("fuse_optimizer: this optimizer is already fused")
+        self._module = module
+        self._reducer: Reducer | None = None
+        if module is not None:
+            reducer = getattr(module, "reducer", None)
+            if reducer is None:
+                raise TypeError(
+                    f"fuse_optimizer: module must be a wrapped model (a BaguaModule), got {type(module).__name__}"
+                )
+            reducer.bind_gradients_to_buckets()
+            self._reducer = reducer
         if not elementwise:
             _refuse_known_non_elementwise(cls, elementwise)
         self._cls = cls
@@ -87,7 +121,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         original_state = optimizer.state_dict()
         groups = [dict(group) for group in optimizer.param_groups]
         super().__init__(groups, optimizer.defaults)
-        self._chunks = _lay_out(self.param_groups)
+        self._chunks = _lay_out(self.param_groups, self._reducer)
         self.inner = self._construct(
             [
                 {**_hyper_parameters(group), "params": [c.flat for c in self._chunks if c.group == g]}
@@ -112,6 +146,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._follow_buckets()
         for g, group in enumerate(self.param_groups):
             self.inner.param_groups[g].update(_hyper_parameters(group))
         whole, partial = [], []
@@ -137,6 +172,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         :meth:`step`; with ``set_to_none=False`` backward accumulates into the buffers in
         place. As in torch, a gradient that is ``None`` stays ``None`` either way.
         """
+        self._follow_buckets()
         for chunk in self._chunks:
             if set_to_none:
                 for p in chunk.params:
@@ -185,8 +221,28 @@ class FusedOptimizer(torch.optim.Optimizer):
         raise RuntimeError("FusedOptimizer: add param groups to the optimizer before fusing it")
 
     def stats(self) -> dict[str, int]:
-        """Counters: fused steps, chunks stepped per parameter, gradients copied and their bytes."""
-        return dict(self._stats, chunks=len(self._chunks))
+        """Counters: fused steps, chunks stepped per parameter, gradients copied and their bytes.
+
+        With a wrapped model, ``model_bytes_copied`` adds the gradient bytes the model copied
+        into or out of its buckets (:meth:`bagua_torch.reducer.Reducer.stats`).
+        """
+        stats = dict(self._stats, chunks=len(self._chunks))
+        if self._reducer is not None:
+            stats["model_bytes_copied"] = self._reducer.stats()["bytes_copied"]
+        return stats
+
+    def _follow_buckets(self) -> None:
+        """Wait for the model's gradients; point chunks at their buckets' current buffers (the model may swap them)."""
+        if self._module is None or self._reducer is None:
+            return
+        self._module.wait_gradients()
+        for chunk in self._chunks:
+            bucket = chunk.bucket
+            if bucket is None or chunk.flat_grad.data_ptr() == _slice_ptr(bucket, chunk.first):
+                continue
+            chunk.flat_grad = bucket.grad.narrow(0, bucket.offsets[chunk.first], chunk.flat.numel())
+            chunk.grad_views = self._reducer.grad_views(bucket)[chunk.first : chunk.first + len(chunk.params)]
+            chunk.flat.grad = chunk.flat_grad
 
     # -- gradients -------------------------------------------------------------------------
 
@@ -376,14 +432,21 @@ class FusedOptimizer(torch.optim.Optimizer):
         return check
 
 
-def fuse_optimizer(optimizer: torch.optim.Optimizer, *, elementwise: bool | None = None) -> FusedOptimizer:
+def fuse_optimizer(
+    optimizer: torch.optim.Optimizer,
+    *,
+    module: BaguaModule | None = None,
+    elementwise: bool | None = None,
+) -> FusedOptimizer:
     """Wrap ``optimizer`` so that it steps over one flat buffer per (group, dtype, device).
 
     Returns a :class:`FusedOptimizer` to use instead of ``optimizer`` (whose class is not
-    patched). ``elementwise=True`` asserts that a class this module refuses by name (LAMB,
-    LARS, LBFGS, ...) is elementwise after all; the first step checks it either way.
+    patched). With ``module`` (the wrapped model the optimizer trains) the flat buffers are the
+    model's communication buckets, so the reduced gradients are stepped where they were reduced.
+    ``elementwise=True`` asserts that a class this module refuses by name (LAMB, LARS, LBFGS,
+    ...) is elementwise after all; the first step checks it either way.
     """
-    return FusedOptimizer(optimizer, elementwise=elementwise)
+    return FusedOptimizer(optimizer, module=module, elementwise=elementwise)
 
 
 fuse_step = fuse_optimizer
@@ -404,45 +467,84 @@ def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
 
 
-def _lay_out(groups: Iterable[dict[str, Any]]) -> list[_Chunk]:
-    """One chunk per (group, dtype, device); members become views of its flat buffer."""
-    chunks: list[_Chunk] = []
-    seen: set[torch.Tensor] = set()
+def _lay_out(groups: Iterable[dict[str, Any]], reducer: Reducer | None = None) -> list[_Chunk]:
+    """One chunk per (group, dtype, device), or per run of a bucket in one group; members become views."""
+    group_of: dict[torch.Tensor, int] = {}
     for g, group in enumerate(groups):
-        by_kind: dict[tuple[torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
         for p in group["params"]:
-            if p in seen:
+            if p in group_of:
                 raise ValueError("fuse_optimizer: a parameter appears in more than one param group")
-            seen.add(p)
-            if not p.requires_grad:
-                continue
-            if p.is_sparse or not p.is_contiguous():
+            group_of[p] = g
+            if p.requires_grad and (p.is_sparse or not p.is_contiguous()):
                 raise ValueError(
                     f"fuse_optimizer: a parameter of shape {tuple(p.shape)} is sparse, "
                     "channels-last or otherwise not contiguous; it cannot be a view of a flat buffer"
                 )
-            by_kind.setdefault((p.dtype, p.device), []).append(p)
-        for (dtype, device), params in by_kind.items():
-            offsets, total = [], 0
-            for p in params:
-                offsets.append(total)
-                total += p.numel()
-            flat = torch.nn.Parameter(torch.empty(total, dtype=dtype, device=device))
-            flat_grad = torch.zeros_like(flat.data)
-            chunk = _Chunk(g, params, offsets, flat, flat_grad, [])
-            chunk.grad_views = [chunk.view(flat_grad, i) for i in range(len(params))]
-            with torch.no_grad():
-                for i, p in enumerate(params):
-                    view = chunk.view(flat.data, i)
-                    view.copy_(p)
-                    grad = p.grad
-                    p.data = view
-                    if grad is not None:
-                        chunk.grad_views[i].copy_(grad)
-                        p.grad = chunk.grad_views[i]
-            flat.grad = flat_grad
-            chunks.append(chunk)
+    chunks = [] if reducer is None else _lay_out_on_buckets(group_of, reducer)
+    placed = {p for chunk in chunks for p in chunk.params}
+    by_kind: dict[tuple[int, torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
+    for p, g in group_of.items():
+        if p.requires_grad and p not in placed:
+            by_kind.setdefault((g, p.dtype, p.device), []).append(p)
+    for (g, _, _), params in by_kind.items():
+        numel = sum(p.numel() for p in params)
+        flat_grad = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        chunks.append(_make_chunk(g, params, flat_grad, list(_views(flat_grad, params))))
     return chunks
+
+
+def _lay_out_on_buckets(group_of: dict[torch.Tensor, int], reducer: Reducer) -> list[_Chunk]:
+    """Chunks over the model's buckets: each run of a bucket's parameters in one group is one chunk."""
+    chunks = []
+    for bucket in reducer.buckets:
+        views = reducer.grad_views(bucket)
+        start = 0
+        for i in range(1, len(bucket.params) + 1):
+            if i < len(bucket.params) and group_of.get(bucket.params[i]) == group_of.get(bucket.params[start]):
+                continue
+            params = list(bucket.params[start:i])
+            if params[0] in group_of:
+                numel = sum(p.numel() for p in params)
+                flat_grad = bucket.grad.narrow(0, bucket.offsets[start], numel)
+                chunk = _make_chunk(group_of[params[0]], params, flat_grad, views[start:i])
+                chunk.bucket, chunk.first = bucket, start
+                chunks.append(chunk)
+            start = i
+    return chunks
+
+
+def _make_chunk(
+    group: int, params: list[torch.nn.Parameter], flat_grad: torch.Tensor, grad_views: list[torch.Tensor]
+) -> _Chunk:
+    """A chunk over ``params`` whose gradient buffer is ``flat_grad``: values moved into a new flat parameter."""
+    flat = torch.nn.Parameter(torch.empty(flat_grad.shape, dtype=flat_grad.dtype, device=flat_grad.device))
+    offsets = [0]
+    for p in params[:-1]:
+        offsets.append(offsets[-1] + p.numel())
+    chunk = _Chunk(group, params, offsets, flat, flat_grad, grad_views)
+    with torch.no_grad():
+        for p, view, grad_view in zip(params, _views(flat.data, params), grad_views):
+            view.copy_(p)
+            grad = p.grad
+            p.data = view
+            if grad is not None:
+                if grad is not grad_view:
+                    grad_view.copy_(grad)
+                p.grad = grad_view
+    flat.grad = flat_grad
+    return chunk
+
+
+def _views(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> Iterable[torch.Tensor]:
+    """Consecutive slices of ``flat`` shaped like ``params``."""
+    offset = 0
+    for p in params:
+        yield flat.narrow(0, offset, p.numel()).view(p.shape)
+        offset += p.numel()
+
+
+def _slice_ptr(bucket: Bucket, first: int) -> int:
+    return bucket.grad.data_ptr() + bucket.offsets[first] * bucket.grad.element_size()
 
 
 def _member_value(chunk: _Chunk, i: int, value: Any) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -248,3 +249,31 @@ def test_bad_inputs_raise_clear_errors():
         fuse_optimizer(optimizer)
     with pytest.raises(RuntimeError, match="before fusing"):
         optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))]})
+
+
+def test_with_a_wrapped_model_the_buckets_are_the_gradients_no_copy_and_bitwise_equal():
+    """Two gloo ranks: Adam (two groups cutting a bucket) over a wrapped MLP, fused on the model's
+    buckets against unfused, for gradient_allreduce and bytegrad: equal bits after every step, and
+    not one gradient byte copied by the model or the optimizer."""
+    from fused_optimizer_workers_torch import STEPS
+    from multiprocess import run_ranks
+
+    algorithms = ["gradient_allreduce", "bytegrad"]
+    ranks = run_ranks("fused_optimizer_workers_torch:wrapped_model_fused_and_unfused", 2, algorithms, timeout=90)
+    for result in ranks:
+        for algorithm in algorithms:
+            unfused, fused = result.value[algorithm]["False"], result.value[algorithm]["True"]
+            assert fused["buckets"] == 3 and fused["grads_are_bucket_views"]
+            assert len(fused["steps"]) == STEPS
+            for step, (a, b) in enumerate(zip(unfused["steps"], fused["steps"])):
+                for name in a:
+                    assert a[name].tobytes() == b[name].tobytes(), (algorithm, step, name)
+            # The parameters moved, identically on both ranks.
+            assert any(not np.array_equal(unfused["steps"][0][n], unfused["steps"][-1][n]) for n in unfused["steps"][0])
+            stats = fused["stats"]
+            assert stats["fused_steps"] == STEPS and stats["unfused_chunk_steps"] == 0
+            assert stats["chunks"] == 4  # 3 buckets, the first cut by the groups
+            assert stats["bytes_copied"] == 0 and stats["model_bytes_copied"] == 0, stats
+    for algorithm in algorithms:
+        for name, value in ranks[0].value[algorithm]["True"]["steps"][-1].items():
+            assert value.tobytes() == ranks[1].value[algorithm]["True"]["steps"][-1][name].tobytes()

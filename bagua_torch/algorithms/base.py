@@ -181,6 +181,14 @@ class AlgorithmImpl:
     gradient.
     """
 
+    results_are_fresh: bool = False
+    """Whether the tensors :meth:`reduce_bucket`'s work returns are new and not kept by the impl.
+
+    When True and the parameters' gradients are views of their buckets (a fused optimizer
+    stepping on the buckets), the wrapper makes a returned tensor the bucket's buffer instead
+    of copying it.
+    """
+
     def __init__(self, context: AlgorithmContext):
         self.context = context
         self._worker = OrderedWorker(type(self).__name__, context.device)

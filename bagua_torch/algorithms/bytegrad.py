@@ -71,6 +71,8 @@ class ByteGradAlgorithm(Algorithm):
 class ByteGradImpl(AlgorithmImpl):
     """ByteGrad on one wrapped model; with error feedback its state is ``{"residuals": [float32 tensors]}``."""
 
+    results_are_fresh = True  # the compressed exchange returns a new tensor
+
     def __init__(self, context: AlgorithmContext, config: ByteGradAlgorithm):
         super().__init__(context)
         name = config.name

@@ -55,6 +55,8 @@ class GradientAllReduceAlgorithm(Algorithm):
 class GradientAllReduceImpl(AlgorithmImpl):
     """GradientAllReduce on one wrapped model; stateless."""
 
+    results_are_fresh = True  # the communicators return new tensors
+
     def __init__(self, context: AlgorithmContext, config: GradientAllReduceAlgorithm):
         super().__init__(context)
         check_dtypes(context.buckets, _FLOATS, config.name, "gradients are averaged in")
