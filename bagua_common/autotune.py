@@ -33,10 +33,11 @@ from bagua_common.successive_halving import SuccessiveHalving
 
 MODES = ("off", "once", "cached")
 
-# Algorithms whose numbers depend on the bucket layout: quantization chunks (or per-bucket state)
-# follow bucket boundaries. PowerSGD is listed because its uncompressed tensors share buckets
-# with no proof yet that the layout leaves its rounding unchanged.
-BUCKET_DEPENDENT_ALGORITHMS = frozenset({"bytegrad", "qadam", "onebit_adam", "low_precision_decentralized", "powersgd"})
+# Algorithms whose numbers do not depend on the bucket layout: they exchange full-precision
+# values elementwise. Every other algorithm (ByteGrad, QAdam, 1-bit Adam and low-precision
+# decentralized quantize per bucket chunk; PowerSGD and custom algorithms are unproven) may
+# have its bucket size tuned only when the user allows its numbers to change.
+BUCKET_EXACT_ALGORITHMS = frozenset({"gradient_allreduce", "decentralized", "async"})
 # Knobs whose every value gives the same numbers for any algorithm.
 EXACT_KNOBS = frozenset({"hierarchical", "mpi_ring_min_bytes"})
 
@@ -60,8 +61,8 @@ def check_knobs(algorithm: str, knobs: Mapping[str, Sequence[Any]], *, allow_num
     """Refuse to tune a knob that would change ``algorithm``'s numbers, unless the user allows it.
 
     ``knobs`` maps each knob's name to its candidate values. ``bucket_bytes`` (and torch's
-    ``first_bucket_bytes``) are exact for full-precision exchanges only; unknown knobs are refused
-    because nothing says they are exact.
+    ``first_bucket_bytes``) are exact for the full-precision algorithms only; unknown knobs are
+    refused because nothing says they are exact.
     """
     for name, values in knobs.items():
         if len(values) == 0:
@@ -69,10 +70,11 @@ def check_knobs(algorithm: str, knobs: Mapping[str, Sequence[Any]], *, allow_num
         if name in EXACT_KNOBS or allow_numerics_change:
             continue
         if name in ("bucket_bytes", "first_bucket_bytes"):
-            if algorithm in BUCKET_DEPENDENT_ALGORITHMS:
+            if algorithm not in BUCKET_EXACT_ALGORITHMS:
                 raise ValueError(
-                    f"autotune: {algorithm} quantizes per bucket, so changing {name} changes its numbers; "
-                    "tune it only with allow_numerics_change=True"
+                    f"autotune: {algorithm}'s numbers depend on its bucket layout (it quantizes per bucket, or is "
+                    f"not known to be exact), so changing {name} changes them; tune it only with "
+                    "allow_numerics_change=True"
                 )
             continue
         raise ValueError(f"autotune: {name!r} is not a knob known to leave the numbers unchanged")
