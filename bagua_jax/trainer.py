@@ -19,6 +19,7 @@ leading axis with one row per rank, sharded across the devices.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -30,7 +31,9 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bagua_common.autotune import autotune_mode
 from bagua_jax.algorithms.base import Algorithm, Communicators, check_float_params
+from bagua_jax.autotune import BucketTuning, tune_bucket_bytes
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import check_ranks_agree
@@ -75,6 +78,11 @@ class DataParallel:
       rank (``rng`` folded with the rank index), e.g. for dropout;
     * a flax ``TrainState`` in :meth:`init` comes back from :meth:`init` and :meth:`step` as
       the same class, its ``params``, ``opt_state``, ``step`` (and ``batch_stats``) replaced.
+
+    ``autotune`` (``off``, ``once`` or ``cached``; default ``BAGUA_AUTOTUNE``, off when unset)
+    tunes the algorithm's bucket size in :meth:`init` with :func:`bagua_jax.autotune.tune_bucket_bytes`
+    (the result is in :attr:`bucket_tuning`); compressed algorithms refuse it, since their bucket
+    layout changes their numbers.
     """
 
     def __init__(
@@ -87,6 +95,7 @@ class DataParallel:
         communicator: NativeCommunicator | None = None,
         has_aux: bool = False,
         average_model_state: bool = True,
+        autotune: str | None = None,
     ):
         if (mesh is None) == (communicator is None):
             raise ValueError("give exactly one of mesh= (JAX collectives) or communicator= (native engine)")
@@ -97,7 +106,6 @@ class DataParallel:
         self._has_aux = has_aux
         self._average_model_state = average_model_state
         self._mesh = mesh
-        self._algorithm = algorithm
         self._communicator = communicator
         if mesh is not None:
             if not 1 <= len(mesh.axis_names) <= 2:
@@ -113,10 +121,18 @@ class DataParallel:
             comms = Communicators(world=communicator)
         self._world = comms.world
         self.size = comms.world.size
+        self._optimizer, self._comms = optimizer, comms
+        self._autotune = autotune_mode(autotune)
+        self.bucket_tuning: BucketTuning | None = None
+        self._use(algorithm)
+
+    def _use(self, algorithm: Algorithm) -> None:
+        """Build the per-rank update of ``algorithm``; steps compiled for another one are dropped."""
+        self._algorithm = algorithm
         self._replicated = getattr(algorithm, "replicas_identical", False)
-        self._tx = algorithm.transformation(optimizer, comms)
+        self._tx = algorithm.transformation(self._optimizer, self._comms)
         self._steps: dict[tuple[bool, bool], Callable] = {}
-        self._init = jax.jit(self._sharded(self._tx.init, (True,)) if mesh is not None else self._tx.init)
+        self._init = jax.jit(self._sharded(self._tx.init, (True,)) if self._mesh is not None else self._tx.init)
 
     @property
     def algorithm(self) -> Algorithm:
@@ -238,6 +254,11 @@ class DataParallel:
             params, model_state = user_state.params, getattr(user_state, "batch_stats", None)
         check_float_params(params)
         check_ranks_agree(params, self._algorithm, self._communicator)
+        if self._autotune != "off" and self.bucket_tuning is None:
+            self.bucket_tuning = tune_bucket_bytes(
+                params, self._algorithm, mesh=self._mesh, communicator=self._communicator, mode=self._autotune
+            )
+            self._use(dataclasses.replace(self._algorithm, bucket_bytes=self.bucket_tuning.bucket_bytes))
         if self._mesh is None:
             params = jax.tree.map(jnp.asarray, params)
             model_state = jax.tree.map(jnp.asarray, model_state)

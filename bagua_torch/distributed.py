@@ -59,6 +59,7 @@ from bagua_torch.algorithms.base import (
     AlgorithmImpl,
     Communicators,
 )
+from bagua_torch.autotune import tuner_for
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from bagua_torch.communicator import Communicator
 from bagua_torch.job import communicators_from
@@ -104,6 +105,7 @@ class BaguaModule(nn.Module):
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         sync_point: SyncPoint = "backward",
         broadcast_buffers: bool = False,
+        autotune: str | None = None,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -133,7 +135,6 @@ class BaguaModule(nn.Module):
         self.optimizers: tuple[torch.optim.Optimizer, ...] = optimizers
         self.sync_point: SyncPoint = sync_point
         self.broadcast_buffers = broadcast_buffers
-        self.bucket_bytes = bucket_bytes
         self.communicators: Communicators = communicators_from(process_group)
         world = self.communicators.world
 
@@ -164,34 +165,66 @@ class BaguaModule(nn.Module):
         def allgather(x: np.ndarray) -> np.ndarray:
             return world.allgather(torch.from_numpy(x).to(self.device)).cpu().numpy()
 
-        check_same_job(JobSignature.of(leaves, config), allgather)
+        signature = JobSignature.of(leaves, config)
+        check_same_job(signature, allgather)
 
         _broadcast(world, [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()])
 
-        self.buckets: tuple[Bucket, ...] = tuple(make_buckets(named, bucket_bytes, pad_to=world.size))
-        context = AlgorithmContext(
-            module=module,
-            optimizers=optimizers,
-            communicators=self.communicators,
-            buckets=self.buckets,
-            named_parameters=tuple(named),
+        self._named = tuple(named)
+        self.bucket_tuner = tuner_for(
+            autotune,
+            algorithm=algorithm.name,
+            total_bytes=sum(p.numel() * p.element_size() for _, p in named),
+            start_bytes=bucket_bytes,
+            world=world,
             device=self.device,
-            bucket_bytes=bucket_bytes,
+            job_digest=signature.digest().hex(),
         )
-        impl = algorithm.reify(context)
-        if not isinstance(impl, AlgorithmImpl):
-            raise TypeError(
-                f"{type(algorithm).__name__}.reify() must return an AlgorithmImpl, got {type(impl).__name__}"
-            )
-        self.algorithm_impl: AlgorithmImpl = impl
-
-        self.reducer = Reducer(self.buckets, impl, wait_at_backward_end=sync_point == "backward")
+        if self.bucket_tuner is not None and self.bucket_tuner.cached_bucket_bytes is not None:
+            bucket_bytes = self.bucket_tuner.cached_bucket_bytes
+        self._build(bucket_bytes)
         self._require_sync = True  # False inside no_sync()
         self._closed = False
         self._handles: list[Any] = []
         for opt in optimizers:
             self._handles.append(opt.register_step_pre_hook(self._before_step))
             self._handles.append(opt.register_step_post_hook(self._after_step))
+
+    def _build(self, bucket_bytes: int) -> None:
+        """Group the trainable parameters into buckets of at most ``bucket_bytes``; build the algorithm and reducer."""
+        self.bucket_bytes = bucket_bytes
+        self.buckets: tuple[Bucket, ...] = tuple(
+            make_buckets(list(self._named), bucket_bytes, pad_to=self.communicators.world.size)
+        )
+        context = AlgorithmContext(
+            module=self.module,
+            optimizers=self.optimizers,
+            communicators=self.communicators,
+            buckets=self.buckets,
+            named_parameters=self._named,
+            device=self.device,
+            bucket_bytes=bucket_bytes,
+        )
+        impl = self.algorithm.reify(context)
+        if not isinstance(impl, AlgorithmImpl):
+            raise TypeError(
+                f"{type(self.algorithm).__name__}.reify() must return an AlgorithmImpl, got {type(impl).__name__}"
+            )
+        self.algorithm_impl: AlgorithmImpl = impl
+        self.reducer = Reducer(self.buckets, impl, wait_at_backward_end=self.sync_point == "backward")
+
+    def _rebucket(self, bucket_bytes: int) -> None:
+        """Switch to buckets of ``bucket_bytes`` between steps (no communication is pending)."""
+        if self.reducer.gradients_in_buckets:
+            raise RuntimeError(
+                "autotune cannot re-bucket a model whose optimizer was fused onto its buckets "
+                "(fuse_optimizer(..., module=model)); tune first, or fuse without the module"
+            )
+        events = self.reducer.events
+        self.reducer.close()
+        self.algorithm_impl.close()
+        self._build(bucket_bytes)
+        self.reducer.events = events
 
     @property
     def events(self) -> list[tuple[str, int, float]] | None:
@@ -222,6 +255,8 @@ class BaguaModule(nn.Module):
             raise RuntimeError("this BaguaModule has been closed")
         if self.training and torch.is_grad_enabled():
             self.wait_gradients()  # finish a reduction still pending from the last iteration
+            if self.bucket_tuner is not None and (bucket_bytes := self.bucket_tuner.step()) is not None:
+                self._rebucket(bucket_bytes)
             self.reducer.enabled = self._require_sync and bool(self.algorithm_impl.need_gradient_hooks)
             if self.broadcast_buffers:
                 _broadcast(self.communicators.world, list(self.module.buffers()))
@@ -319,6 +354,7 @@ def with_bagua(
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     sync_point: SyncPoint = "backward",
     broadcast_buffers: bool = False,
+    autotune: str | None = None,
 ) -> BaguaModule:
     """Wrap ``model`` for data-parallel training with ``algorithm`` (a name or an Algorithm instance).
 
@@ -329,7 +365,9 @@ def with_bagua(
     defaults to the one from :func:`bagua_torch.init_process_group`; ``bucket_bytes`` (default
     10 MiB) bounds each communication bucket; ``sync_point`` and ``broadcast_buffers``
     (each forward; buffers are always broadcast once on wrap) are described in
-    :class:`BaguaModule` and the module docstring.
+    :class:`BaguaModule` and the module docstring. ``autotune`` (``off``, ``once``, ``cached``;
+    default ``BAGUA_AUTOTUNE``) tunes the bucket size over the first steps
+    (:mod:`bagua_torch.autotune`; gradient allreduce only).
     """
     return BaguaModule(
         model,
@@ -339,6 +377,7 @@ def with_bagua(
         bucket_bytes=bucket_bytes,
         sync_point=sync_point,
         broadcast_buffers=broadcast_buffers,
+        autotune=autotune,
     )
 
 

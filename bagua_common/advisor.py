@@ -1,0 +1,129 @@
+"""The advisor: which algorithm fits this network, predicted from measured link and traffic.
+
+A step's time is modelled as compute, plus for every message a latency and its bytes over the
+link's bandwidth, plus the bytes the compression kernels process at their measured throughput.
+Algorithms that average in the background (asynchronous model averaging) keep communication off
+the step, so their step is compute alone. The link comes from :func:`fit_link` over timings of
+collectives of several sizes on the run's own communicator (each front end times them), the
+traffic from counting what each algorithm sends in one step. The advisor ranks; it never switches
+the algorithm itself, because every algorithm but gradient allreduce changes the numbers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+
+BASELINE = "gradient_allreduce"
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One topology level's link: ``latency_s`` per message and ``bytes_per_s`` of bandwidth."""
+
+    latency_s: float
+    bytes_per_s: float
+
+    def __post_init__(self) -> None:
+        if not (self.latency_s >= 0 and math.isfinite(self.latency_s)):
+            raise ValueError(f"link latency must be a finite number of seconds >= 0, got {self.latency_s!r}")
+        if not (self.bytes_per_s > 0):
+            raise ValueError(f"link bandwidth must be > 0 bytes per second, got {self.bytes_per_s!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """What one steady-state step of an algorithm costs besides compute, per rank.
+
+    ``bytes_sent`` and ``messages`` on the link; ``codec_bytes`` through the compression kernels;
+    ``blocking`` is False when the communication runs beside the step (asynchronous averaging).
+    """
+
+    bytes_sent: float
+    messages: int
+    codec_bytes: float = 0.0
+    blocking: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """An algorithm's predicted step time and its speed-up over the baseline (gradient allreduce)."""
+
+    algorithm: str
+    step_s: float
+    speedup: float
+
+
+def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
+    """The link that best explains collective timings: least squares of ``seconds = latency + size / bandwidth``.
+
+    ``sizes`` are the bytes each timed collective put on this rank's link (at least two distinct
+    sizes). A fitted negative latency (noise at small sizes) is clamped to zero.
+    """
+    x = np.asarray(sizes, dtype=np.float64)
+    y = np.asarray(seconds, dtype=np.float64)
+    if x.shape != y.shape or x.ndim != 1 or len(np.unique(x)) < 2:
+        raise ValueError("fit_link needs matching 1-d sizes and seconds with at least two distinct sizes")
+    slope, intercept = np.polyfit(x, y, 1)
+    if slope <= 0:
+        raise ValueError(f"fit_link: time does not grow with size (slope {slope:.3g} s/byte): timings too noisy")
+    return Link(latency_s=max(float(intercept), 0.0), bytes_per_s=float(1.0 / slope))
+
+
+def predict_step_s(traffic: Traffic, link: Link, compute_s: float, codec_bytes_per_s: float) -> float:
+    """The predicted wall time of one step of an algorithm with ``traffic`` on ``link``."""
+    if not traffic.blocking:
+        return compute_s
+    wire = traffic.messages * link.latency_s + traffic.bytes_sent / link.bytes_per_s
+    return compute_s + wire + traffic.codec_bytes / codec_bytes_per_s
+
+
+def rank_algorithms(
+    traffic: Mapping[str, Traffic], link: Link, compute_s: float, codec_bytes_per_s: float
+) -> list[Prediction]:
+    """Every algorithm's predicted step time, fastest first, with its speed-up over gradient allreduce."""
+    if BASELINE not in traffic:
+        raise ValueError(f"rank_algorithms needs the baseline {BASELINE!r} among the algorithms")
+    times = {name: predict_step_s(t, link, compute_s, codec_bytes_per_s) for name, t in traffic.items()}
+    base = times[BASELINE]
+    return sorted((Prediction(name, s, base / s) for name, s in times.items()), key=lambda p: p.step_s)
+
+
+def format_ranking(predictions: Sequence[Prediction], link: Link, compute_s: float) -> str:
+    """The ranking as a table a user reads: predicted step time and speed-up, and what it was computed from."""
+    lines = [
+        f"link: {link.bytes_per_s * 8 / 1e9:.3g} Gbit/s, {link.latency_s * 1e6:.0f} us per message; "
+        f"compute {compute_s * 1e3:.1f} ms per step",
+        f"{'algorithm':<30}{'step (ms)':>12}{'speed-up':>10}",
+    ]
+    lines += [f"{p.algorithm:<30}{p.step_s * 1e3:>12.1f}{p.speedup:>9.2f}x" for p in predictions]
+    lines.append("async averages in the background: its step is compute alone, its replicas drift between rounds.")
+    lines.append(
+        "Predicted, not measured: every algorithm but gradient_allreduce changes the numbers; check convergence."
+    )
+    return "\n".join(lines)
+
+
+def kendall_tau(x: Sequence[float], y: Sequence[float]) -> float:
+    """Kendall's tau-b between two orderings of the same items (ties in either count for neither side)."""
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError("kendall_tau needs two sequences of the same length, at least 2")
+    concordant = discordant = ties_x = ties_y = 0
+    for i, j in itertools.combinations(range(len(x)), 2):
+        dx, dy = x[i] - x[j], y[i] - y[j]
+        if dx == 0 and dy == 0:
+            continue
+        if dx == 0:
+            ties_x += 1
+        elif dy == 0:
+            ties_y += 1
+        elif (dx > 0) == (dy > 0):
+            concordant += 1
+        else:
+            discordant += 1
+    denominator = math.sqrt((concordant + discordant + ties_x) * (concordant + discordant + ties_y))
+    return (concordant - discordant) / denominator if denominator else 0.0

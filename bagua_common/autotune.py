@@ -1,0 +1,225 @@
+"""In-band autotuning: the run tunes its own exact knobs between steps, with no server and no port.
+
+Every rank calls :meth:`InBandTuner.step_finished` after each training step. After a warm-up,
+steps are grouped into samples of ``steps_per_sample`` steps; at the end of each sample rank 0
+feeds its time to a :class:`~bagua_common.successive_halving.SuccessiveHalving` search and
+broadcasts the next setting's index over the run's own communicator. The sample boundaries are
+step counts, never timings, so every rank reaches each broadcast at the same step, and every
+rank applies rank 0's decision: per-rank timing noise cannot make ranks disagree. The front end
+switches the setting before the next step, after its pending communication has finished (a
+bucket resize racing with communication corrupted gradients in Horovod, #1282).
+
+Only knobs that leave the numbers unchanged are tuned by default: for compressed algorithms the
+quantization chunks follow bucket boundaries, so their bucket size is tuned only when the user
+allows a change of numerics. Results are cached on disk, keyed by model, world, engine and
+algorithm, so the next run starts tuned (``BAGUA_AUTOTUNE=cached``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import statistics
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bagua_common.successive_halving import SuccessiveHalving
+
+MODES = ("off", "once", "cached")
+
+# Algorithms whose numbers do not depend on the bucket layout: they exchange full-precision
+# values elementwise. Every other algorithm (ByteGrad, QAdam, 1-bit Adam and low-precision
+# decentralized quantize per bucket chunk; PowerSGD and custom algorithms are unproven) may
+# have its bucket size tuned only when the user allows its numbers to change.
+BUCKET_EXACT_ALGORITHMS = frozenset({"gradient_allreduce", "decentralized", "async"})
+# Knobs whose every value gives the same numbers for any algorithm.
+EXACT_KNOBS = frozenset({"hierarchical", "mpi_ring_min_bytes"})
+
+Broadcast = Callable[[np.ndarray], np.ndarray]  # int32 [k] from rank 0 -> the same on every rank
+
+
+def autotune_mode(value: str | None = None) -> str:
+    """The autotuning mode: ``value`` if given, else ``BAGUA_AUTOTUNE`` (default ``off``), validated.
+
+    ``off`` never tunes; ``once`` tunes this run and stores the result; ``cached`` starts from the
+    stored result when there is one for this model, world, engine and algorithm, and tunes (and
+    stores) otherwise.
+    """
+    mode = os.environ.get("BAGUA_AUTOTUNE", "off") if value is None else value
+    if mode not in MODES:
+        raise ValueError(f"BAGUA_AUTOTUNE must be one of {', '.join(MODES)}, got {mode!r}")
+    return mode
+
+
+def check_knobs(algorithm: str, knobs: Mapping[str, Sequence[Any]], *, allow_numerics_change: bool = False) -> None:
+    """Refuse to tune a knob that would change ``algorithm``'s numbers, unless the user allows it.
+
+    ``knobs`` maps each knob's name to its candidate values. ``bucket_bytes`` (and torch's
+    ``first_bucket_bytes``) are exact for the full-precision algorithms only; unknown knobs are
+    refused because nothing says they are exact.
+    """
+    for name, values in knobs.items():
+        if len(values) == 0:
+            raise ValueError(f"autotune: knob {name!r} has no candidate values")
+        if name in EXACT_KNOBS or allow_numerics_change:
+            continue
+        if name in ("bucket_bytes", "first_bucket_bytes"):
+            if algorithm not in BUCKET_EXACT_ALGORITHMS:
+                raise ValueError(
+                    f"autotune: {algorithm}'s numbers depend on its bucket layout (it quantizes per bucket, or is "
+                    f"not known to be exact), so changing {name} changes them; tune it only with "
+                    "allow_numerics_change=True"
+                )
+            continue
+        raise ValueError(f"autotune: {name!r} is not a knob known to leave the numbers unchanged")
+
+
+def grid(knobs: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
+    """Every combination of the knobs' values, as settings (dicts), in a fixed order."""
+    settings: list[dict[str, Any]] = [{}]
+    for name in sorted(knobs):
+        settings = [{**s, name: v} for s in settings for v in knobs[name]]
+    return settings
+
+
+class InBandTuner:
+    """Tunes between steps: every rank calls :meth:`step_finished` after each step with its step time.
+
+    ``settings`` are the candidates (the first is the one the run starts with); ``broadcast`` sends
+    an int32 vector from rank 0 to every rank over the run's communicator (called collectively, at
+    the same steps on every rank). A sample whose time exceeds ``timeout_factor`` times the fastest
+    median seen so far counts as failed (timed out), as does a sample reported as None.
+    """
+
+    def __init__(
+        self,
+        settings: Sequence[Mapping[str, Any]],
+        *,
+        rank: int,
+        broadcast: Broadcast,
+        warmup_steps: int = 5,
+        steps_per_sample: int = 10,
+        samples_per_round: int = 3,
+        eta: int = 2,
+        timeout_factor: float = 4.0,
+    ) -> None:
+        if warmup_steps < 0 or steps_per_sample < 1:
+            raise ValueError(
+                f"autotune: warmup_steps must be >= 0 and steps_per_sample >= 1, "
+                f"got {warmup_steps!r} and {steps_per_sample!r}"
+            )
+        self._settings = [dict(s) for s in settings]
+        self._rank = rank
+        self._broadcast = broadcast
+        self._warmup = warmup_steps
+        self._per_sample = steps_per_sample
+        self._timeout_factor = timeout_factor
+        self._search = SuccessiveHalving(list(range(len(self._settings))), samples_per_round=samples_per_round, eta=eta)
+        self._current = 0
+        self._steps = 0
+        self._sample: list[float] = []
+        self._sample_failed = False
+        self._finished = False
+
+    @property
+    def finished(self) -> bool:
+        """True once the search has decided; the run keeps :attr:`current` from then on."""
+        return self._finished
+
+    @property
+    def current(self) -> dict[str, Any]:
+        """The setting in force (the decided one once :attr:`finished`)."""
+        return dict(self._settings[self._current])
+
+    def medians(self) -> dict[int, float]:
+        """Rank 0's median sample time per setting index (empty on other ranks)."""
+        return self._search.medians() if self._rank == 0 else {}
+
+    def step_finished(self, seconds: float | None) -> dict[str, Any] | None:
+        """Record one step's wall time (None: the step failed); returns a setting to switch to, else None.
+
+        The returned setting must be applied before the next step, after pending communication has
+        finished. Every rank returns the same thing at the same step.
+        """
+        if self._finished:
+            return None
+        self._steps += 1
+        if self._steps <= self._warmup:
+            return None
+        if seconds is None or not math.isfinite(seconds):
+            self._sample_failed = True
+        else:
+            self._sample.append(seconds)
+        if (self._steps - self._warmup) % self._per_sample:
+            return None
+        decision = self._broadcast(self._decide() if self._rank == 0 else np.zeros(2, np.int32))
+        self._sample, self._sample_failed = [], False
+        chosen, finished = int(decision[0]), bool(decision[1])
+        self._finished = finished
+        if chosen == self._current:
+            return None
+        self._current = chosen
+        return self.current
+
+    def _decide(self) -> np.ndarray:
+        sample = None if self._sample_failed else statistics.median(self._sample)
+        fastest = min(self._search.medians().values(), default=math.inf)
+        if sample is not None and sample > self._timeout_factor * fastest:
+            sample = None
+        self._search.tell(self._current, sample)
+        if self._search.done:
+            return np.array([self._search.best, 1], np.int32)
+        return np.array([self._search.ask(), 0], np.int32)
+
+
+def cache_key(model_digest: str, world: Sequence[int], engine: str, algorithm: str) -> str:
+    """The key of a tuning result: the model's signature digest, the world layout, engine and algorithm."""
+    text = json.dumps([model_digest, list(world), engine, algorithm])
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def default_cache_path() -> Path:
+    """``BAGUA_AUTOTUNE_CACHE`` if set, else ``$XDG_CACHE_HOME/bagua/autotune.json`` (``~/.cache`` by default)."""
+    explicit = os.environ.get("BAGUA_AUTOTUNE_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "bagua" / "autotune.json"
+
+
+class TuningCache:
+    """Tuning results on disk, one JSON file of ``{key: setting}``, replaced atomically on every write."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        self.path = Path(path) if path is not None else default_cache_path()
+
+    def _load(self) -> dict[str, Any]:
+        try:
+            data = json.loads(self.path.read_text())
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as error:
+            raise ValueError(f"autotune cache {self.path} is unreadable ({error}); delete it to start over") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"autotune cache {self.path} does not hold a JSON object; delete it to start over")
+        return data
+
+    def get(self, key: str) -> dict[str, Any] | None:
+        """The stored setting for ``key``, or None."""
+        entry = self._load().get(key)
+        return dict(entry["setting"]) if entry else None
+
+    def put(self, key: str, setting: Mapping[str, Any], medians: Mapping[str, float] | None = None) -> None:
+        """Store ``setting`` (and the medians that chose it) under ``key``; other keys are kept."""
+        data = self._load()
+        data[key] = {"setting": dict(setting), "medians": dict(medians or {})}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as out:
+            json.dump(data, out, indent=1, sort_keys=True)
+        os.replace(out.name, self.path)

@@ -1,0 +1,129 @@
+"""The advisor's ranking against the committed network study, and its parts against known answers.
+
+Traffic is counted by tracing one step of every algorithm for the study's model (the synthetic
+MLP, 1.84M float32 parameters) on 2 and 4 ranks; each (framework, ranks, bandwidth) group of
+``benchmarks/results/network-study.json`` is then predicted and compared with the measured step
+times by Kendall's tau. The study holds no separate compute time, so each group's asynchronous
+row (its steps wait for no communication) stands in for it; the link's bandwidth is what the
+probe measures, the time of a full-precision allreduce of the model on that link (the group's
+gradient allreduce row). The bar, fixed before the first run: mean tau over the groups >= 0.7.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+from bagua_common.advisor import Link, Traffic, fit_link, kendall_tau, predict_step_s, rank_algorithms
+from bagua_jax import LaxCommunicator
+from bagua_jax.advisor import CANDIDATES, measure_traffic
+
+ROOT = Path(__file__).resolve().parent.parent
+STUDY = ROOT / "benchmarks" / "results" / "network-study.json"
+# The study's baselines send what gradient allreduce sends.
+BASELINES = {"ddp": "gradient_allreduce", "pmean": "gradient_allreduce"}
+# The synthetic MLP of the study: 32x32x3 images, two hidden layers of 512, 10 classes.
+MLP = {
+    "w1": jax.ShapeDtypeStruct((3072, 512), jnp.float32),
+    "b1": jax.ShapeDtypeStruct((512,), jnp.float32),
+    "w2": jax.ShapeDtypeStruct((512, 512), jnp.float32),
+    "b2": jax.ShapeDtypeStruct((512,), jnp.float32),
+    "w3": jax.ShapeDtypeStruct((512, 10), jnp.float32),
+    "b3": jax.ShapeDtypeStruct((10,), jnp.float32),
+}
+
+
+def study_traffic(n: int) -> dict[str, Traffic]:
+    mesh = Mesh(np.array(jax.devices()[:n]), ("ranks",))
+    return {name: measure_traffic(name, MLP, LaxCommunicator("ranks", n), mesh=mesh) for name in CANDIDATES}
+
+
+def test_counted_traffic_matches_the_cost_model():
+    traffic = study_traffic(4)
+    allreduce = 2 * 3 / 4 * 4 * 1_841_162
+    assert traffic["gradient_allreduce"].bytes_sent == pytest.approx(allreduce)
+    assert traffic["bytegrad"].bytes_sent / allreduce == pytest.approx(1 / 4, abs=2e-3)
+    assert traffic["qadam"].bytes_sent / allreduce == pytest.approx(1 / 4, abs=2e-3)
+    assert traffic["onebit_adam"].bytes_sent / allreduce == pytest.approx(1 / 32, abs=2e-3)
+    assert not traffic["async"].blocking and traffic["async"].bytes_sent == 0
+
+
+def test_predicted_ranking_agrees_with_the_network_study():
+    rows = json.loads(STUDY.read_text())["rows"]
+    groups: dict[tuple, dict[str, float]] = {}
+    for row in rows:
+        if row["status"] == "ok":
+            groups.setdefault((row["framework"], row["ranks"], row["rate"]), {})[row["algorithm"]] = row["step_s"]
+    traffic = {n: study_traffic(n) for n in sorted({key[1] for key in groups})}
+    taus = {}
+    for (framework, n, rate), measured in groups.items():
+        unknown = set(measured) - set(CANDIDATES) - set(BASELINES)
+        assert not unknown, f"the study has rows the advisor cannot model: {unknown}"
+        compute_s = measured["async"]
+        allreduce = traffic[n]["gradient_allreduce"].bytes_sent
+        link = Link(latency_s=0.0, bytes_per_s=allreduce / (measured["gradient_allreduce"] - compute_s))
+        names = sorted(measured)
+        predicted = [predict_step_s(traffic[n][BASELINES.get(a, a)], link, compute_s, 1e10) for a in names]
+        taus[(framework, n, rate)] = kendall_tau(predicted, [measured[a] for a in names])
+    for key, tau in sorted(taus.items()):
+        print(f"{key}: tau {tau:.2f}")
+    mean = float(np.mean(list(taus.values())))
+    print(f"mean Kendall tau over {len(taus)} groups: {mean:.3f}")
+    assert mean >= 0.7
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    sizes = np.array([1e4, 1e5, 1e6, 1e7])
+    link = fit_link(sizes, 20e-6 + sizes / 1.25e8)
+    assert link.latency_s == pytest.approx(20e-6, rel=1e-6) and link.bytes_per_s == pytest.approx(1.25e8)
+    with pytest.raises(ValueError, match="does not grow"):
+        fit_link([1e4, 1e6], [2e-3, 1e-3])
+
+
+def test_ranking_puts_compression_first_on_a_slow_link_and_last_on_a_fast_one():
+    traffic = {
+        "gradient_allreduce": Traffic(bytes_sent=8e6, messages=2),
+        "bytegrad": Traffic(bytes_sent=2e6, messages=8, codec_bytes=3.2e7),
+    }
+    slow = rank_algorithms(traffic, Link(0.0, 12.5e6), compute_s=0.05, codec_bytes_per_s=1e9)
+    fast = rank_algorithms(traffic, Link(0.0, 12.5e9), compute_s=0.05, codec_bytes_per_s=1e9)
+    assert [p.algorithm for p in slow] == ["bytegrad", "gradient_allreduce"] and slow[0].speedup > 2.5
+    assert [p.algorithm for p in fast] == ["gradient_allreduce", "bytegrad"]
+
+
+def test_kendall_tau_against_known_values():
+    assert kendall_tau([1, 2, 3, 4], [10, 20, 30, 40]) == 1.0
+    assert kendall_tau([1, 2, 3, 4], [40, 30, 20, 10]) == -1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+
+
+def test_the_command_line_ranks_on_a_live_two_rank_job():
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bagua_launch",
+            "--nproc-per-node",
+            "2",
+            "--mpi",
+            "-m",
+            "bagua_jax.advisor",
+            "--params",
+            "20000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=ROOT,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    table = [line for line in run.stdout.splitlines() if "x" in line and any(a in line for a in CANDIDATES)]
+    assert {line.split()[-3] for line in table} >= set(CANDIDATES), run.stdout

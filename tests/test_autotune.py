@@ -1,0 +1,168 @@
+"""The in-band tuner: search on noisy objectives, exact-knob enforcement, agreement across ranks, the cache."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from bagua_common.autotune import InBandTuner, TuningCache, autotune_mode, cache_key, check_knobs, grid
+from bagua_common.successive_halving import SuccessiveHalving, minimize
+
+BUCKETS = [2**k for k in range(16, 29)]  # 64 KiB .. 256 MiB, as the tuner's grid
+
+
+def bowl(optimum: int, noise: float, seed: int):
+    """A noisy step time with its minimum at bucket ``optimum`` (log-distance, plus multiplicative noise)."""
+    rng = np.random.default_rng(seed)
+
+    def sample(candidate):
+        bucket, hierarchical = candidate
+        base = 1.0 + 0.05 * abs(np.log2(bucket) - np.log2(optimum)) + (0.02 if hierarchical else 0.0)
+        return base * (1.0 + noise * rng.standard_exponential())
+
+    return sample
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_search_finds_the_optimum_of_a_noisy_objective_within_budget(seed):
+    candidates = [(b, h) for b in BUCKETS for h in (False, True)]
+    optimum = BUCKETS[seed % len(BUCKETS)]
+    best, spent = minimize(candidates, bowl(optimum, noise=0.02, seed=seed), samples_per_round=3)
+    assert best == (optimum, False)
+    assert spent == 3 * (26 + 13 + 7 + 4 + 2)  # the field halves each round, 3 samples per survivor
+
+
+def test_a_failed_candidate_is_never_picked_however_fast_it_looked():
+    fast_then_failing = {"calls": 0}
+
+    def sample(candidate):
+        if candidate == "flaky":
+            fast_then_failing["calls"] += 1
+            if fast_then_failing["calls"] > 1:
+                raise RuntimeError("out of memory")
+            return 0.001
+        return {"a": 1.0, "b": 1.2, "c": 1.5}[candidate]
+
+    best, _ = minimize(["a", "b", "c", "flaky"], sample, samples_per_round=2)
+    assert best == "a"
+
+
+def test_search_reports_when_everything_failed():
+    search = SuccessiveHalving(["a", "b"], samples_per_round=1)
+    search.tell("a", None)
+    search.tell("b", float("nan"))
+    assert search.done and search.failed == {"a", "b"}
+    with pytest.raises(RuntimeError, match="every candidate failed"):
+        search.best
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [({"candidates": []}, "at least one"), ({"candidates": [1, 1]}, "repeat"), ({"eta": 1}, "eta")],
+)
+def test_search_rejects_bad_configuration(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        SuccessiveHalving(**{"candidates": [1, 2], **kwargs})
+
+
+@pytest.mark.parametrize("algorithm", ["bytegrad", "qadam", "onebit_adam", "low_precision_decentralized", "powersgd", "custom"])
+def test_compressed_algorithms_refuse_bucket_tuning_without_opt_in(algorithm):
+    with pytest.raises(ValueError, match="depend on its bucket layout"):
+        check_knobs(algorithm, {"bucket_bytes": BUCKETS})
+    check_knobs(algorithm, {"bucket_bytes": BUCKETS}, allow_numerics_change=True)
+    check_knobs(algorithm, {"hierarchical": [False, True]})
+
+
+def test_full_precision_algorithms_tune_buckets_and_unknown_knobs_are_refused():
+    check_knobs("gradient_allreduce", {"bucket_bytes": BUCKETS, "hierarchical": [False, True]})
+    with pytest.raises(ValueError, match="not a knob known"):
+        check_knobs("gradient_allreduce", {"learning_rate": [0.1, 0.01]})
+
+
+def test_mode_is_validated(monkeypatch):
+    monkeypatch.setenv("BAGUA_AUTOTUNE", "cached")
+    assert autotune_mode() == "cached"
+    monkeypatch.delenv("BAGUA_AUTOTUNE")
+    assert autotune_mode() == "off"
+    with pytest.raises(ValueError, match="BAGUA_AUTOTUNE must be one of off, once, cached"):
+        autotune_mode("always")
+
+
+def run_ranks(n, step_time, steps, **tuner_options):
+    """Run ``n`` ranks as threads whose broadcast really is rank 0's vector; returns each rank's switches."""
+    barrier = threading.Barrier(n)
+    slot = {}
+    settings = grid({"bucket_bytes": [2**20, 2**22, 2**24, 2**26]})
+
+    def broadcast_from(rank):
+        def broadcast(vector):
+            if rank == 0:
+                slot["v"] = vector.copy()
+            barrier.wait(timeout=10)
+            received = slot["v"].copy()
+            barrier.wait(timeout=10)
+            return received
+
+        return broadcast
+
+    switches = [[] for _ in range(n)]
+
+    def rank_main(rank):
+        tuner = InBandTuner(settings, rank=rank, broadcast=broadcast_from(rank), **tuner_options)
+        for step in range(steps):
+            change = tuner.step_finished(step_time(rank, step, tuner.current["bucket_bytes"]))
+            if change is not None:
+                switches[rank].append((step, change["bucket_bytes"]))
+        switches[rank].append(("final", tuner.current["bucket_bytes"], tuner.finished))
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+    return switches
+
+
+def test_every_rank_switches_at_the_same_step_despite_timing_skew():
+    rng = np.random.default_rng(0)
+    skew = rng.uniform(0.5, 2.0, size=(4, 400))  # each rank sees its own, very different, timings
+
+    def step_time(rank, step, bucket):
+        return (1.0 + 0.1 * abs(np.log2(bucket) - 24)) * skew[rank, step]
+
+    switches = run_ranks(4, step_time, steps=400, warmup_steps=3, steps_per_sample=5, samples_per_round=2)
+    assert all(s == switches[0] for s in switches), switches
+    assert switches[0][-1] == ("final", 2**24, True)
+    assert len(switches[0]) > 2  # it really switched, more than once
+
+
+def test_a_setting_that_timed_out_once_is_dropped_even_if_otherwise_fastest():
+    seen = [0, 0]
+
+    def step_time(rank, step, bucket):
+        if bucket != 2**20:
+            return 1.0 + abs(np.log2(bucket) - 22) * 0.1
+        seen[rank] += 1
+        return 50.0 if 3 < seen[rank] <= 6 else 0.5  # its second sample hangs, the others are the fastest
+
+    switches = run_ranks(2, step_time, steps=200, warmup_steps=0, steps_per_sample=3, samples_per_round=3)
+    assert switches[0] == switches[1]
+    assert switches[0][-1] == ("final", 2**22, True)
+
+
+def test_cache_round_trip_is_keyed_and_atomic(tmp_path):
+    cache = TuningCache(tmp_path / "sub" / "autotune.json")
+    key = cache_key("digest", [4, 2], "mpi", "gradient_allreduce")
+    assert cache.get(key) is None
+    cache.put(key, {"bucket_bytes": 2**24}, {"0": 1.2})
+    other = cache_key("digest", [4, 2], "mpi", "bytegrad")
+    assert other != key and cache.get(other) is None
+    cache.put(other, {"bucket_bytes": 2**20})
+    assert TuningCache(cache.path).get(key) == {"bucket_bytes": 2**24}
+    assert [p.name for p in cache.path.parent.iterdir()] == ["autotune.json"]
+    cache.path.write_text("[1, 2")
+    with pytest.raises(ValueError, match="unreadable"):
+        cache.get(key)
