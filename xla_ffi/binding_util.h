@@ -22,16 +22,11 @@ using Input = nb::ndarray<nb::ro, nb::c_contig>;
 using Output = nb::ndarray<nb::c_contig>;
 
 inline DType dtype_of(nb::dlpack::dtype t) {
-  if (t == nb::dtype<float>()) return DType::kF32;
-  if (t == nb::dtype<double>()) return DType::kF64;
-  if (t == nb::dtype<uint8_t>()) return DType::kU8;
-  if (t == nb::dtype<int32_t>()) return DType::kI32;
-  if (t == nb::dtype<int64_t>()) return DType::kI64;
-  if (t.bits == 16 && t.lanes == 1 && t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Float))
-    return DType::kF16;
-  if (t.bits == 16 && t.lanes == 1 &&
-      t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::Bfloat))
-    return DType::kBF16;
+#define BAGUA_DTYPE_FROM_DLPACK(enumerator, name, bits_, dlpack_code, xla)                      \
+  if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::dlpack_code) && t.bits == bits_ && \
+      t.lanes == 1)                                                                             \
+    return DType::enumerator;
+  BAGUA_DTYPES(BAGUA_DTYPE_FROM_DLPACK)
   return DType::kUnsupported;
 }
 

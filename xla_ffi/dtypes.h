@@ -14,48 +14,32 @@
 
 namespace bagua {
 
-// Mapped once from XLA's element types (handler_util.h) and once from
-// DLPack's (binding_util.h); everything else speaks DType.
-enum class DType { kF32, kF16, kBF16, kF64, kU8, kI32, kI64, kUnsupported };
+// Every element type once: X(enumerator, name, bits, DLPack type code, XLA
+// element type). The enum, the names and sizes below, and the maps from XLA
+// (handler_util.h) and DLPack (binding_util.h) are all made from this list.
+#define BAGUA_DTYPES(X)                  \
+  X(kF32, "float32", 32, Float, F32)     \
+  X(kF16, "float16", 16, Float, F16)     \
+  X(kBF16, "bfloat16", 16, Bfloat, BF16) \
+  X(kF64, "float64", 64, Float, F64)     \
+  X(kU8, "uint8", 8, UInt, U8)           \
+  X(kI32, "int32", 32, Int, S32)         \
+  X(kI64, "int64", 64, Int, S64)
+
+#define BAGUA_DTYPE_ENUMERATOR(enumerator, name, bits, dlpack, xla) enumerator,
+enum class DType { BAGUA_DTYPES(BAGUA_DTYPE_ENUMERATOR) kUnsupported };
 
 inline const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kF32:
-      return "float32";
-    case DType::kF16:
-      return "float16";
-    case DType::kBF16:
-      return "bfloat16";
-    case DType::kF64:
-      return "float64";
-    case DType::kU8:
-      return "uint8";
-    case DType::kI32:
-      return "int32";
-    case DType::kI64:
-      return "int64";
-    case DType::kUnsupported:
-      break;
-  }
+#define BAGUA_DTYPE_NAME(enumerator, name, bits, dlpack, xla) \
+  if (dtype == DType::enumerator) return name;
+  BAGUA_DTYPES(BAGUA_DTYPE_NAME)
   return "an unsupported dtype";
 }
 
 inline int64_t dtype_bytes(DType dtype) {
-  switch (dtype) {
-    case DType::kU8:
-      return 1;
-    case DType::kF16:
-    case DType::kBF16:
-      return 2;
-    case DType::kF32:
-    case DType::kI32:
-      return 4;
-    case DType::kF64:
-    case DType::kI64:
-      return 8;
-    case DType::kUnsupported:
-      break;
-  }
+#define BAGUA_DTYPE_BYTES(enumerator, name, bits, dlpack, xla) \
+  if (dtype == DType::enumerator) return bits / 8;
+  BAGUA_DTYPES(BAGUA_DTYPE_BYTES)
   return 0;
 }
 

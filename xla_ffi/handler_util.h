@@ -41,24 +41,10 @@ namespace bagua::handler_util {
 namespace ffi = xla::ffi;
 
 inline DType dtype_of(ffi::DataType t) {
-  switch (t) {
-    case ffi::DataType::F32:
-      return DType::kF32;
-    case ffi::DataType::F16:
-      return DType::kF16;
-    case ffi::DataType::BF16:
-      return DType::kBF16;
-    case ffi::DataType::F64:
-      return DType::kF64;
-    case ffi::DataType::U8:
-      return DType::kU8;
-    case ffi::DataType::S32:
-      return DType::kI32;
-    case ffi::DataType::S64:
-      return DType::kI64;
-    default:
-      return DType::kUnsupported;
-  }
+#define BAGUA_DTYPE_FROM_XLA(enumerator, name, bits, dlpack, xla) \
+  if (t == ffi::DataType::xla) return DType::enumerator;
+  BAGUA_DTYPES(BAGUA_DTYPE_FROM_XLA)
+  return DType::kUnsupported;
 }
 
 using HandlerTable = std::vector<std::pair<const char*, XLA_FFI_Handler*>>;
