@@ -48,29 +48,48 @@ def minmax_bounds(seg: np.ndarray) -> tuple[np.float32, np.float32]:
     return lo, hi
 
 
-def minmax_grid(lo: np.float32, hi: np.float32) -> tuple[np.float32, np.float32, np.float32, np.float32]:
-    """(z, scale, base, step): the zero-anchored grid of a chunk with bounds lo, hi."""
-    z = F32(0) if lo <= 0 <= hi else F32(lo)
+def minmax_wide(lo: np.float32, hi: np.float32) -> bool:
+    """Whether a finite chunk's grid needs double: a range below 2**-118, or magnitudes of 2**126 or more."""
+    magnitude = max(abs(float(lo)), abs(float(hi)))
     with np.errstate(all="ignore"):
-        scale = F32(F32(254) / F32(hi - lo))
-        base = np.rint(F32(F32(lo - z) * scale))
-        step = F32(F32(hi - lo) / F32(254))
-    base = F32(0) if np.isnan(base) else F32(base)  # a constant chunk: 0 * inf
+        span = float(F32(hi - lo))
+    return bool(np.isfinite(magnitude) and (magnitude >= 2.0**126 or 0 < span < 2.0**-118))
+
+
+def minmax_grid(lo: np.float32, hi: np.float32) -> tuple[np.floating, np.floating, np.floating, np.floating]:
+    """(z, scale, base, step): the zero-anchored grid of a chunk with bounds lo, hi.
+
+    float32 values, each step rounded to float32; float64 ones for a chunk that float32 cannot grid
+    (:func:`minmax_wide`).
+    """
+    t = np.float64 if minmax_wide(lo, hi) else F32
+    z = t(0) if lo <= 0 <= hi else t(lo)
+    with np.errstate(all="ignore"):
+        span = t(t(hi) - t(lo))
+        scale = t(t(254) / span)
+        base = np.rint(t(t(t(lo) - z) * scale))
+        step = t(span / t(254))
+    base = t(0) if np.isnan(base) else t(base)  # a constant chunk: 0 * inf
     return z, scale, base, step
 
 
 def minmax_encode(seg: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
     z, scale, base, _ = minmax_grid(lo, hi)
+    t = type(z)
     with np.errstate(all="ignore"):
-        v = (np.rint(((seg - z).astype(F32) * scale).astype(F32)) - base).astype(F32)
-    v = np.where(np.isnan(v), F32(0), v)  # a constant chunk (0 * inf) or a NaN chunk
+        v = (np.rint(((seg.astype(t) - z).astype(t) * scale).astype(t)) - base).astype(t)
+    v = np.where(np.isnan(v), t(0), v)  # a constant chunk (0 * inf) or a NaN chunk
     return np.clip(v, 0, 255).astype(np.uint8)
 
 
 def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
     z, _, base, step = minmax_grid(lo, hi)
+    t = type(z)
     with np.errstate(all="ignore"):
-        return (z + ((q.astype(F32) + base).astype(F32) * step).astype(F32)).astype(F32)
+        v = (z + ((q.astype(t) + base).astype(t) * step).astype(t)).astype(t)
+    if t is np.float64:  # a finite chunk never decodes to infinity
+        v = np.clip(v, np.float64(lo), np.float64(hi))
+    return v.astype(F32)
 
 
 def minmax_compress(x: np.ndarray, k: int, residual: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -135,10 +154,19 @@ def decompress_reduce(buffers: np.ndarray, m: int, k: int, format: str, average:
     """Sum (or average) in float32, in order, the k single-chunk buffers of m elements."""
     decode = minmax_decompress if format == "minmax_uint8" else sign_decompress
     size = compressed_size(m, 1, format)
+    decoded = [decode(buffers[j * size : (j + 1) * size], m, 1) for j in range(k)]
     acc = np.zeros(m, F32)
-    for j in range(k):
-        acc = (acc + decode(buffers[j * size : (j + 1) * size], m, 1)).astype(F32)
-    return (acc / F32(k)).astype(F32) if average else acc
+    with np.errstate(over="ignore", invalid="ignore"):
+        for d in decoded:
+            acc = (acc + d).astype(F32)
+        if average:
+            acc = (acc / F32(k)).astype(F32)
+        # An overflowed float32 sum is summed again in float64 (finite inputs, finite average).
+        wide = np.zeros(m)
+        for d in decoded:
+            wide += d
+        wide = wide / k if average else wide
+        return np.where(np.isinf(acc), wide.astype(F32), acc)
 
 
 def chunk_scales(buffer: np.ndarray, n: int, k: int) -> np.ndarray:

@@ -11,6 +11,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <xmmintrin.h>
+#endif
+
 #include "kernels.h"
 #include "layout.h"
 #include "numerics.h"
@@ -25,10 +29,42 @@ namespace {
 constexpr int64_t kBlock = int64_t{1} << 16;  // elements per parallel task; a multiple of 8
 constexpr int64_t kParallelThreshold = int64_t{1} << 15;
 
+// XLA's CPU runtime runs its threads with flush-to-zero and denormals-are-zero
+// set, and torch.set_flush_denormal sets them too; the kernels clear both while
+// they run, so their bytes (SPEC section 2) never depend on the calling thread.
+class IeeeSubnormals {
+ public:
+  IeeeSubnormals(const IeeeSubnormals&) = delete;
+  IeeeSubnormals& operator=(const IeeeSubnormals&) = delete;
+#if defined(__x86_64__) || defined(__i386__)
+  IeeeSubnormals() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ & ~kFlushBits); }
+  ~IeeeSubnormals() { _mm_setcsr(saved_); }
+
+ private:
+  static constexpr unsigned kFlushBits = 0x8040;  // MXCSR FTZ (bit 15) and DAZ (bit 6)
+  unsigned saved_;
+#elif defined(__aarch64__)
+  IeeeSubnormals() {
+    asm volatile("mrs %0, fpcr" : "=r"(saved_));
+    asm volatile("msr fpcr, %0" : : "r"(saved_ & ~kFlushBit));
+  }
+  ~IeeeSubnormals() { asm volatile("msr fpcr, %0" : : "r"(saved_)); }
+
+ private:
+  static constexpr uint64_t kFlushBit = uint64_t{1} << 24;  // FPCR.FZ
+  uint64_t saved_;
+#else
+  IeeeSubnormals() = default;
+#endif
+};
+
 template <typename F>
 void parallel_for(int64_t tasks, int64_t work, F&& f) {
 #pragma omp parallel for schedule(static) if (work >= kParallelThreshold && tasks > 1)
-  for (int64_t t = 0; t < tasks; ++t) f(t);
+  for (int64_t t = 0; t < tasks; ++t) {
+    const IeeeSubnormals ieee;
+    f(t);
+  }
 }
 
 // The tasks of a chunked tensor: each chunk is cut into the same number of
@@ -63,6 +99,7 @@ using f32x8 = float __attribute__((vector_size(32)));
 using i32x8 = int32_t __attribute__((vector_size(32)));
 using u32x8 = uint32_t __attribute__((vector_size(32)));
 using u16x8 = uint16_t __attribute__((vector_size(16)));
+using f64x4 = double __attribute__((vector_size(32)));
 
 f32x8 widen(const float* p) {
   f32x8 v;
@@ -188,18 +225,21 @@ Range min_max(const Src& src, int64_t begin, int64_t end) {
   return r;
 }
 
+// In double, so that no finite chunk's sum overflows (SPEC section 2).
 template <typename Src>
-float abs_sum(const Src& src, int64_t begin, int64_t end) {
-  f32x8 acc = {};
+double abs_sum(const Src& src, int64_t begin, int64_t end) {
+  f64x4 low = {}, high = {};
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
-    const f32x8 v = src.load8(i);
-    acc += v < 0 ? -v : v;
+    f32x8 v = src.load8(i);
+    v = v < 0 ? -v : v;
+    low += __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), f64x4);
+    high += __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), f64x4);
   }
-  double total = 0;
-  for (int l = 0; l < 8; ++l) total += acc[l];
+  const f64x4 acc = low + high;
+  double total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
   for (; i < end; ++i) total += std::fabs(src(i));
-  return static_cast<float>(total);
+  return total;
 }
 
 // Writes a chunk's 16-byte header and zeroes the slot's padding, so equal inputs
@@ -215,6 +255,7 @@ void write_header(uint8_t* out, const Chunking& chunking, int64_t c, float a, fl
 template <typename T, bool kFeedback>
 void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
                           float* residual_out) {
+  const IeeeSubnormals ieee;
   const Chunking chunking{Format::kMinMaxUInt8, n, k};
   const ChunkBlocks blocks(chunking);
   const Source<T, kFeedback> src{x, residual_in};
@@ -239,7 +280,7 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
     // could alias the input, so the compiler would not vectorize the scalar loop).
     const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base), step8 = splat(grid.step);
     int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
+    for (; !grid.wide && i + 8 <= end; i += 8) {
       const f32x8 v = src.load8(i);
       const f32x8 q = clamp_or_zero(round_half_even(clamp_or_zero((v - z8) * scale8, -255.0f, 255.0f)) - base8,
                                     0.0f, 255.0f);
@@ -266,10 +307,11 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
 template <typename T, bool kFeedback>
 void sign_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
                         float* residual_out) {
+  const IeeeSubnormals ieee;
   const Chunking chunking{Format::kSign, n, k};
   const ChunkBlocks blocks(chunking);
   const Source<T, kFeedback> src{x, residual_in};
-  std::vector<float> partial(blocks.tasks());
+  std::vector<double> partial(blocks.tasks());
   parallel_for(blocks.tasks(), n, [&](int64_t t) { partial[t] = abs_sum(src, blocks.begin(t), blocks.end(t)); });
   for (int64_t c = 0; c < k; ++c) {
     double sum = 0;
@@ -371,6 +413,30 @@ Status decompress(const uint8_t* in, const Chunking& chunking, T* out, Decode&& 
   return {};
 }
 
+bool is_infinite(float v) { return v == v && !math::is_finite(v); }
+
+void add_wide(double* p, float v) { *p += v; }
+
+void add_wide(double* p, f32x8 v) {
+  for (int l = 0; l < 8; ++l) p[l] += v[l];
+}
+
+// Elements [begin, end) whose float32 sum (or average) overflowed are summed
+// again in double, so that finite inputs give a finite average (SPEC section 2);
+// the others keep their float32 bits.
+template <typename Decode>
+void resum_in_double(const uint8_t* in, const Chunking& chunking, int64_t m, int64_t begin, int64_t end,
+                     bool average, float* acc, Decode&& decode) {
+  std::vector<double> wide(end - begin);
+  for (int64_t j = 0; j < chunking.k; ++j) {
+    decode(in, chunking, j, j * m + begin, j * m + end,
+           [&](int64_t i, auto v) { add_wide(wide.data() + (i - j * m - begin), v); });
+  }
+  const double ranks = static_cast<double>(chunking.k);
+  for (int64_t i = 0; i < end - begin; ++i)
+    if (is_infinite(acc[i])) acc[i] = static_cast<float>(average ? wide[i] / ranks : wide[i]);
+}
+
 // The k inputs are single-chunk buffers of m elements each, laid end to end:
 // exactly the layout of m*k elements in k chunks, so chunk j's element i is
 // element j*m + i of that tensor.
@@ -388,10 +454,13 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
              [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
     }
     const float ranks = static_cast<float>(k);
-    if (average)
-      for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(math::div_rn(acc[i - begin], ranks));
-    else
-      for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(acc[i - begin]);
+    bool overflow = false;
+    for (int64_t i = 0; i < end - begin; ++i) {
+      if (average) acc[i] = math::div_rn(acc[i], ranks);
+      overflow |= is_infinite(acc[i]);
+    }
+    if (overflow) resum_in_double(in, chunking, m, begin, end, average, acc, decode);
+    for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(acc[i - begin]);
   });
   return {};
 }

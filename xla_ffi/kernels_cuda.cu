@@ -345,19 +345,19 @@ struct MinMaxStats {
   }
 };
 
-// Sign: header bytes 8..15 accumulate sum |x| as a double while reducing.
+// Sign: header bytes 8..15 accumulate sum |x| as a double while reducing;
+// each thread sums in double too, so no finite chunk's sum overflows.
 struct SignStats {
-  float sum = 0.0f;
+  double sum = 0.0;
 
   static __device__ void init(uint8_t* header) {
     *reinterpret_cast<uint4*>(header) = make_uint4(0, 0, 0, 0);
   }
 
-  __device__ void add(float v) { sum = math::add_rn(sum, fabsf(v)); }
+  __device__ void add(float v) { sum = math::add_rn(sum, static_cast<double>(fabsf(v))); }
 
   __device__ void commit(uint8_t* header) {
-    const double total =
-        block_reduce(static_cast<double>(sum), [](double a, double b) { return a + b; });
+    const double total = block_reduce(sum, [](double a, double b) { return a + b; });
     if (threadIdx.x == 0) atomicAdd(reinterpret_cast<double*>(header + 8), total);
   }
 
@@ -432,18 +432,35 @@ struct MinMaxEncoder {
     codes = slot + kHeaderBytes;
   }
 
-  // Writes the codes of the step and returns the residuals y - decode.
+  // Writes the codes of the step and replaces each value y by its residual
+  // y - decode (in place: a second array would cost registers). The float32
+  // and the wide grid are separate loops, so that the common one carries none
+  // of the other's registers.
   template <int V>
-  __device__ void operator()(const Step<V>& s, const float (&v)[kPerLane],
-                             float (&residual)[kPerLane]) const {
+  __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
+    if (grid.wide) {
+      const double scale = math::minmax_wide_scale(grid), step = math::minmax_wide_step(grid);
+      encode<V>(
+          s, v, [&](float x) { return math::minmax_encode_wide(x, grid, scale); },
+          [&](uint8_t q) { return math::minmax_decode_wide(q, grid, step); });
+    } else {
+      encode<V>(
+          s, v, [&](float x) { return math::minmax_encode_f32(x, grid); },
+          [&](uint8_t q) { return math::minmax_decode_f32(q, grid); });
+    }
+  }
+
+  template <int V, typename Encode, typename Decode>
+  __device__ void encode(const Step<V>& s, float (&v)[kPerLane], Encode&& encode_one,
+                         Decode&& decode_one) const {
 #pragma unroll
     for (int j = 0; j < Step<V>::kSlots; ++j) {
       uint32_t word = 0;
 #pragma unroll
       for (int u = 0; u < V; ++u) {
-        const uint8_t q = math::minmax_encode(v[j * V + u], grid);
+        const uint8_t q = encode_one(v[j * V + u]);
         word |= uint32_t{q} << (8 * u);
-        residual[j * V + u] = math::sub_rn(v[j * V + u], math::minmax_decode(q, grid));
+        v[j * V + u] = math::sub_rn(v[j * V + u], decode_one(q));
       }
       store_bytes<V>(codes + s.at(j), s.count(j), word);
     }
@@ -460,10 +477,10 @@ struct SignEncoder {
 
   // A byte of bits spans 8 / V lanes: they OR their bits together and the
   // first of them stores the byte. Bits past the chunk's end stay 0. All
-  // lanes of the warp must call this (shuffles).
+  // lanes of the warp must call this (shuffles). Like MinMaxEncoder, replaces
+  // each value by its residual.
   template <int V>
-  __device__ void operator()(const Step<V>& s, const float (&v)[kPerLane],
-                             float (&residual)[kPerLane]) const {
+  __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
     constexpr int kLanesPerByte = 8 / V;
 #pragma unroll
     for (int j = 0; j < Step<V>::kSlots; ++j) {
@@ -473,12 +490,17 @@ struct SignEncoder {
       for (int u = 0; u < V; ++u) {
         const bool bit = math::sign_bit(v[j * V + u]);
         if (u < count) byte |= uint32_t{bit} << u;
-        residual[j * V + u] = math::sub_rn(v[j * V + u], math::sign_decode(bit, scale));
+        v[j * V + u] = math::sub_rn(v[j * V + u], math::sign_decode(bit, scale));
       }
-      byte <<= V * (lane_id() % kLanesPerByte);
+      if constexpr (V == 1) {
+        // One ballot gathers the warp's 32 bits; lanes 0, 8, 16 and 24 store a byte each.
+        byte = __ballot_sync(kFullMask, byte != 0) >> (lane_id() & ~7);
+      } else {
+        byte <<= V * (lane_id() % kLanesPerByte);
 #pragma unroll
-      for (int offset = 1; offset < kLanesPerByte; offset *= 2)
-        byte |= __shfl_xor_sync(kFullMask, byte, offset);
+        for (int offset = 1; offset < kLanesPerByte; offset *= 2)
+          byte |= __shfl_xor_sync(kFullMask, byte, offset);
+      }
       if (lane_id() % kLanesPerByte == 0 && count > 0)
         bits[s.at(j) / 8] = static_cast<uint8_t>(byte);
     }
@@ -497,12 +519,24 @@ struct MinMaxDecoder {
 
   template <int V>
   __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
+    if (grid.wide) {
+      const double step = math::minmax_wide_step(grid);
+      decode<V>(s, v, [&](uint8_t q) { return math::minmax_decode_wide(q, grid, step); });
+    } else {
+      decode<V>(s, v, [&](uint8_t q) { return math::minmax_decode_f32(q, grid); });
+    }
+  }
+
+  // Element i of the chunk alone.
+  __device__ float element(int64_t i) const { return math::minmax_decode(codes[i], grid); }
+
+  template <int V, typename Decode>
+  __device__ void decode(const Step<V>& s, float (&v)[kPerLane], Decode&& decode_one) const {
 #pragma unroll
     for (int j = 0; j < Step<V>::kSlots; ++j) {
       const uint32_t word = load_bytes<V>(codes + s.at(j), s.count(j));
 #pragma unroll
-      for (int u = 0; u < V; ++u)
-        v[j * V + u] = math::minmax_decode(static_cast<uint8_t>(word >> (8 * u)), grid);
+      for (int u = 0; u < V; ++u) v[j * V + u] = decode_one(static_cast<uint8_t>(word >> (8 * u)));
     }
   }
 };
@@ -513,6 +547,9 @@ struct SignDecoder {
 
   __device__ explicit SignDecoder(const uint8_t* slot)
       : scale(reinterpret_cast<const float*>(slot)[0]), bits(slot + kHeaderBytes) {}
+
+  // Element i of the chunk alone.
+  __device__ float element(int64_t i) const { return math::sign_decode((bits[i / 8] >> (i % 8)) & 1u, scale); }
 
   // A slot's V bits lie inside one byte (V divides 8).
   template <int V>
@@ -539,13 +576,13 @@ __global__ void __launch_bounds__(kThreads)
     // Backwards: what stats read last is the likeliest to be still cached.
     for (int64_t s = tile.s_end - 1 - threadIdx.x / 32; s >= tile.s_begin; s -= kWarps) {
       const Step<V> step = tile.step<V>(s);
-      float v[kPerLane], residual[kPerLane];
+      float v[kPerLane];
       chunk.load(step, v);
-      encode(step, v, residual);
+      encode(step, v);  // v holds the residuals now
       if (chunk_residual) {
 #pragma unroll
         for (int j = 0; j < Step<V>::kSlots; ++j)
-          store_slot<V>(chunk_residual + step.at(j), step.count(j), residual + j * V);
+          store_slot<V>(chunk_residual + step.at(j), step.count(j), v + j * V);
       }
     }
   }
@@ -577,6 +614,27 @@ __device__ void for_each_step(int64_t n, F&& f) {
     f(Step<4>{s * kStep, n});
 }
 
+__device__ bool is_infinite(float v) { return v == v && !math::is_finite(v); }
+
+// The lane's elements whose float32 sum (or average) overflowed are summed again
+// in double, so that finite inputs give a finite average (SPEC section 2); the
+// others keep their float32 bits.
+template <typename Decoder>
+__device__ void resum_in_double(const uint8_t* in, int64_t k, int64_t slot, bool average,
+                                const Step<4>& step, float (&acc)[kPerLane]) {
+#pragma unroll
+  for (int j = 0; j < Step<4>::kSlots; ++j) {
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      if (!is_infinite(acc[j * 4 + u]) || u >= step.count(j)) continue;
+      double wide = 0.0;
+      for (int64_t r = 0; r < k; ++r)
+        wide = math::add_rn(wide, static_cast<double>(Decoder(in + r * slot).element(step.at(j) + u)));
+      acc[j * 4 + u] = math::narrow_rn(average ? math::div_rn(wide, static_cast<double>(k)) : wide);
+    }
+  }
+}
+
 // The k inputs are single-chunk buffers of m elements, `slot` bytes apart. Each
 // lane sums its elements of every input in order j = 0..k-1.
 template <typename Decoder, typename T>
@@ -592,11 +650,13 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
       for (int i = 0; i < kPerLane; ++i) acc[i] = math::add_rn(acc[i], v[i]);
     }
-    if (average) {
-      const float ranks = static_cast<float>(k);
+    bool overflow = false;
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) acc[i] = math::div_rn(acc[i], ranks);
+    for (int i = 0; i < kPerLane; ++i) {
+      if (average) acc[i] = math::div_rn(acc[i], static_cast<float>(k));
+      overflow |= is_infinite(acc[i]);
     }
+    if (overflow) resum_in_double<Decoder>(in, k, slot, average, step, acc);
 #pragma unroll
     for (int j = 0; j < Step<4>::kSlots; ++j)
       store_slot<4>(out + step.at(j), step.count(j), acc + j * 4);

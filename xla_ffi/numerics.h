@@ -8,42 +8,62 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "dtypes.h"
 
 namespace bagua::math {
 
-BAGUA_HD float add_rn(float a, float b) {
+// F is float or double.
+template <typename F>
+BAGUA_HD F add_rn(F a, F b) {
 #if defined(__CUDA_ARCH__)
-  return __fadd_rn(a, b);
+  if constexpr (std::is_same_v<F, double>) return __dadd_rn(a, b);
+  else return __fadd_rn(a, b);
 #else
   return a + b;
 #endif
 }
 
-BAGUA_HD float sub_rn(float a, float b) {
+template <typename F>
+BAGUA_HD F sub_rn(F a, F b) {
 #if defined(__CUDA_ARCH__)
-  return __fsub_rn(a, b);
+  if constexpr (std::is_same_v<F, double>) return __dsub_rn(a, b);
+  else return __fsub_rn(a, b);
 #else
   return a - b;
 #endif
 }
 
-BAGUA_HD float mul_rn(float a, float b) {
+template <typename F>
+BAGUA_HD F mul_rn(F a, F b) {
 #if defined(__CUDA_ARCH__)
-  return __fmul_rn(a, b);
+  if constexpr (std::is_same_v<F, double>) return __dmul_rn(a, b);
+  else return __fmul_rn(a, b);
 #else
   return a * b;
 #endif
 }
 
-BAGUA_HD float div_rn(float a, float b) {
+template <typename F>
+BAGUA_HD F div_rn(F a, F b) {
 #if defined(__CUDA_ARCH__)
-  return __fdiv_rn(a, b);
+  if constexpr (std::is_same_v<F, double>) return __ddiv_rn(a, b);
+  else return __fdiv_rn(a, b);
 #else
   return a / b;
 #endif
 }
+
+BAGUA_HD float narrow_rn(double v) {
+#if defined(__CUDA_ARCH__)
+  return __double2float_rn(v);
+#else
+  return static_cast<float>(v);
+#endif
+}
+
+BAGUA_HD bool is_finite(float v) { return sub_rn(v, v) == 0.0f; }
 
 // NaN-propagating min and max: a chunk holding NaN gets NaN bounds, so it
 // decodes to NaN instead of finite garbage.
@@ -58,44 +78,112 @@ BAGUA_HD float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 // z + (q + base) * ((hi - lo) / 254). The grid passes through 0 whenever the
 // chunk's range holds 0, so an exact zero decodes to an exact zero.
 
-// Round to nearest, ties to even, for |v| < 2^22: adding and removing 1.5 * 2^23
-// leaves no fraction bits. Unlike rintf this vectorizes on every x86-64.
+// Round to nearest, ties to even, for |v| < 2^22 (2^51 for double): adding and
+// removing 1.5 * 2^23 (2^52) leaves no fraction bits. Unlike rint this vectorizes.
 BAGUA_HD float round_half_even(float v) { return sub_rn(add_rn(v, 12582912.0f), 12582912.0f); }
+BAGUA_HD double round_half_even(double v) {
+  return sub_rn(add_rn(v, 6755399441055744.0), 6755399441055744.0);
+}
 
-// v clamped to [low, high], with NaN mapped to 0 (0 must lie in [low, high]).
-// A NaN arises in a constant chunk: scale = inf and x - z = 0.
-BAGUA_HD float clamp_or_zero(float v, float low, float high) {
-  v = v == v ? v : 0.0f;
+template <typename F>
+BAGUA_HD F clamp(F v, F low, F high) {
   v = v > low ? v : low;
   return v < high ? v : high;
 }
 
+// v clamped to [low, high], with NaN mapped to 0 (0 must lie in [low, high]).
+// A NaN arises in a constant chunk: scale = inf and x - z = 0.
+template <typename F>
+BAGUA_HD F clamp_or_zero(F v, F low, F high) {
+  return clamp(v == v ? v : F(0), low, high);
+}
+
 BAGUA_HD float minmax_anchor(float lo, float hi) { return (lo <= 0.0f && 0.0f <= hi) ? 0.0f : lo; }
 
-// The per-chunk constants of the grid, each computed once in float32.
+// Finite chunks that float32 cannot grid (SPEC section 2): a range below 2^-118
+// (254 / range overflows near 7.5e-37, and (hi - lo) / 254 is subnormal below
+// 3e-36), or values of magnitude 2^126 or more (hi - lo, or a decoded value,
+// may overflow). Their grid is computed in double; every other chunk's bits are
+// the float32 definition's.
+constexpr float kWideMagnitude = 0x1p126f;
+constexpr float kNarrowRange = 0x1p-118f;
+
+BAGUA_HD bool minmax_wide(float lo, float hi) {
+  const float a = lo < 0.0f ? -lo : lo, b = hi < 0.0f ? -hi : hi;
+  const float magnitude = a > b ? a : b, range = sub_rn(hi, lo);
+  return is_finite(magnitude) && (magnitude >= kWideMagnitude || (range > 0.0f && range < kNarrowRange));
+}
+
+// The per-chunk constants of the grid, each computed once in float32. A wide
+// chunk keeps lo and hi; its double scale and step are computed where they are
+// used (minmax_wide_scale, minmax_wide_step), so that the float32 path's
+// registers never hold them.
 struct MinMaxGrid {
   float z, scale, base, step;
+  bool wide;
+  float lo, hi;
 };
+
+BAGUA_HD double minmax_wide_range(const MinMaxGrid& g) {
+  return sub_rn(static_cast<double>(g.hi), static_cast<double>(g.lo));
+}
+BAGUA_HD double minmax_wide_scale(const MinMaxGrid& g) { return div_rn(254.0, minmax_wide_range(g)); }
+BAGUA_HD double minmax_wide_step(const MinMaxGrid& g) { return div_rn(minmax_wide_range(g), 254.0); }
 
 BAGUA_HD MinMaxGrid minmax_grid(float lo, float hi) {
   MinMaxGrid g;
   g.z = minmax_anchor(lo, hi);
+  g.wide = minmax_wide(lo, hi);
+  g.lo = lo;
+  g.hi = hi;
   const float range = sub_rn(hi, lo);
   g.scale = div_rn(254.0f, range);
-  g.base = round_half_even(clamp_or_zero(mul_rn(sub_rn(lo, g.z), g.scale), -254.0f, 0.0f));
   g.step = div_rn(range, 254.0f);
+  if (g.wide) {
+    const double offset = mul_rn(sub_rn(static_cast<double>(lo), static_cast<double>(g.z)), minmax_wide_scale(g));
+    g.base = static_cast<float>(round_half_even(clamp_or_zero(offset, -254.0, 0.0)));
+  } else {
+    g.base = round_half_even(clamp_or_zero(mul_rn(sub_rn(lo, g.z), g.scale), -254.0f, 0.0f));
+  }
   return g;
 }
 
 // Clamping (x - z) * scale to [-255, 255] before rounding gives the same codes
 // (|(x - z) * scale| <= 254 up to rounding) and keeps the rounding trick in range.
+BAGUA_HD uint8_t minmax_code(float t, float base) {
+  return static_cast<uint8_t>(static_cast<int>(clamp_or_zero(sub_rn(t, base), 0.0f, 255.0f)));
+}
+
+// Encoding and decoding come in a float32 and a wide form; kernels choose one
+// per chunk (the choice is uniform over a chunk), minmax_encode and
+// minmax_decode per element.
+BAGUA_HD uint8_t minmax_encode_f32(float x, const MinMaxGrid& g) {
+  return minmax_code(round_half_even(clamp_or_zero(mul_rn(sub_rn(x, g.z), g.scale), -255.0f, 255.0f)), g.base);
+}
+
+BAGUA_HD uint8_t minmax_encode_wide(float x, const MinMaxGrid& g, double wide_scale) {
+  const double t = mul_rn(sub_rn(static_cast<double>(x), static_cast<double>(g.z)), wide_scale);
+  return minmax_code(static_cast<float>(round_half_even(clamp_or_zero(t, -255.0, 255.0))), g.base);
+}
+
 BAGUA_HD uint8_t minmax_encode(float x, const MinMaxGrid& g) {
-  const float t = round_half_even(clamp_or_zero(mul_rn(sub_rn(x, g.z), g.scale), -255.0f, 255.0f));
-  return static_cast<uint8_t>(static_cast<int>(clamp_or_zero(sub_rn(t, g.base), 0.0f, 255.0f)));
+  return g.wide ? minmax_encode_wide(x, g, minmax_wide_scale(g)) : minmax_encode_f32(x, g);
+}
+
+BAGUA_HD float minmax_decode_f32(uint8_t q, const MinMaxGrid& g) {
+  return add_rn(g.z, mul_rn(add_rn(static_cast<float>(q), g.base), g.step));
+}
+
+// A wide chunk's value is clamped to [lo, hi] before it is rounded to float32,
+// so a finite chunk never decodes to infinity.
+BAGUA_HD float minmax_decode_wide(uint8_t q, const MinMaxGrid& g, double wide_step) {
+  const double k = static_cast<double>(add_rn(static_cast<float>(q), g.base));
+  const double v = add_rn(static_cast<double>(g.z), mul_rn(k, wide_step));
+  return narrow_rn(clamp(v, static_cast<double>(g.lo), static_cast<double>(g.hi)));
 }
 
 BAGUA_HD float minmax_decode(uint8_t q, const MinMaxGrid& g) {
-  return add_rn(g.z, mul_rn(add_rn(static_cast<float>(q), g.base), g.step));
+  return g.wide ? minmax_decode_wide(q, g, minmax_wide_step(g)) : minmax_decode_f32(q, g);
 }
 
 // ---- 1-bit sign ----------------------------------------------------------

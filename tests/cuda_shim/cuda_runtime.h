@@ -177,6 +177,14 @@ T __shfl_xor_sync(unsigned mask, T value, int offset) {
   return value;
 }
 
+// The OR of every lane's bit, gathered by a butterfly of shuffles, so that the
+// shuffles' checks (mask, lanes that never arrive) cover ballots too.
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  unsigned bits = predicate ? 1u << (threadIdx.x % 32) : 0u;
+  for (int offset = 16; offset > 0; offset /= 2) bits |= __shfl_xor_sync(mask, bits, offset);
+  return bits;
+}
+
 namespace cuda_shim {
 // Applies `update` to *p atomically (a CAS loop, as CUDA does for these types).
 template <typename T, typename F>

@@ -94,10 +94,15 @@ bool same_bytes(const std::string& name, const char* what, const Buffer<T>& a,
   return true;
 }
 
+// Gradient-like values; with an amplitude, uniform in [-amplitude, amplitude]
+// instead (subnormal, tiny or near the float32 limit: SPEC section 2's edges).
 template <typename T>
-void random_fill(Buffer<T>& b, std::mt19937& rng) {
+void random_fill(Buffer<T>& b, std::mt19937& rng, float amplitude = 0.0f) {
   std::normal_distribution<float> normal(0.0f, 3.0f);
-  for (int64_t i = 0; i < b.size(); ++i) b[i] = bagua::from_float<T>(normal(rng));
+  std::uniform_real_distribution<double> uniform(-1.0, 1.0);
+  for (int64_t i = 0; i < b.size(); ++i)
+    b[i] = bagua::from_float<T>(amplitude > 0.0f ? static_cast<float>(uniform(rng) * amplitude)
+                                                 : normal(rng));
 }
 
 // A device as the test wants it: grids from SMs x blocks per SM, compress
@@ -124,9 +129,9 @@ const char* dtype_name() {
 // with both.
 template <typename T>
 void check_compress(Format format, int64_t n, int64_t k, int64_t offset, bool feedback,
-                    std::mt19937& rng, const std::string& name) {
+                    std::mt19937& rng, const std::string& name, float amplitude = 0.0f) {
   Buffer<T> x(n, offset);
-  random_fill(x, rng);
+  random_fill(x, rng, amplitude);
   Buffer<float> residual(feedback ? n : 0, offset);
   for (int64_t i = 0; i < residual.size(); ++i)
     residual[i] = std::normal_distribution<float>(0.0f, 0.5f)(rng);
@@ -202,9 +207,9 @@ void check_compress(Format format, int64_t n, int64_t k, int64_t offset, bool fe
 // k single-chunk buffers of m elements each, decoded and summed or averaged.
 template <typename T>
 void check_decompress_reduce(Format format, int64_t m, int64_t k, bool average, std::mt19937& rng,
-                             const std::string& name) {
+                             const std::string& name, float amplitude = 0.0f) {
   Buffer<T> x(m * k, 0);
-  random_fill(x, rng);
+  random_fill(x, rng, amplitude);
   Buffer<uint8_t> packed(bagua::compressed_bytes(format, m * k, k), 0);
   bool ok = true;
   const Status s = format == Format::kMinMaxUInt8
@@ -332,6 +337,37 @@ void run_dtype(bool quick, int& shape_turn) {
   }
 }
 
+// float32 chunks whose grid float32 alone cannot compute (subnormal and tiny
+// ranges, values near the float32 limit), and sign scales whose sum overflows.
+void run_extremes(int& shape_turn) {
+  for (const float amplitude : {1e-40f, 1e-37f, 3.4e38f}) {
+    const std::string range = " amplitude=" + std::to_string(amplitude);
+    for (const int64_t n : {257, 4099}) {
+      for (const int64_t k : {1, 3}) {
+        for (const bool feedback : {false, true}) {
+          for (const Format format : {Format::kMinMaxUInt8, Format::kSign}) {
+            cuda_shim::device() = kShapes[shape_turn++ % 3].device;
+            std::mt19937 rng(static_cast<unsigned>(n * 5 + k + feedback));
+            check_compress<float>(format, n, k, 0, feedback, rng,
+                                  std::string(format == Format::kSign ? "sign" : "minmax") +
+                                      " f32 n=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                      (feedback ? " feedback" : "") + range,
+                                  amplitude);
+            for (const bool average : {false, true}) {
+              check_decompress_reduce<float>(
+                  format, n, 3, average, rng,
+                  std::string(format == Format::kSign ? "sign" : "minmax") +
+                      " decompress_reduce f32 m=" + std::to_string(n) +
+                      (average ? " average" : " sum") + range,
+                  amplitude);
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename T>
 void write(const std::string& path, const Buffer<T>& b) {
   std::ofstream(path, std::ios::binary)
@@ -398,6 +434,7 @@ int main(int argc, char** argv) {
   run_dtype<float>(quick, shape_turn);
   run_dtype<Half>(quick, shape_turn);
   run_dtype<BFloat16>(quick, shape_turn);
+  run_extremes(shape_turn);
   std::printf("%d passed, %d failed\n", g_passed, g_failed);
   return g_failed == 0 ? 0 : 1;
 }

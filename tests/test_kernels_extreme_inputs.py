@@ -1,0 +1,175 @@
+"""Finite inputs at the edges of float32 through every codec kernel, on both front ends (SPEC section 2).
+
+Subnormal and tiny ranges (where 254 / (hi - lo) overflows or (hi - lo) / 254 is subnormal), values
+near the float32 limit (where hi - lo overflows) and sign scales whose sum overflows must decode to
+finite values within the bound, the same bytes as the NumPy reference, from JAX and torch alike, whatever
+the calling thread's flush-to-zero mode.
+"""
+
+import kernels_reference as ref
+import numpy as np
+import pytest
+
+F32 = np.float32
+FLT_MAX = float(np.finfo(F32).max)
+CHUNK, K = 1000, 4
+
+
+def extreme_chunks(rng: np.random.Generator) -> dict[str, np.ndarray]:
+    """Name -> K chunks of CHUNK float32 values whose ranges float32 alone cannot grid."""
+    u = rng.uniform(-1, 1, CHUNK * K)
+    tiny = {
+        "subnormal": u * 1e-40,  # subnormal values and range, zero inside
+        "tiny_range": u * 1e-37,  # normal values, 254 / range overflows
+        "tiny_range_offset": 1e-30 + np.abs(u) * 3e-37,  # z = lo, range of a few ulps
+        "just_below_threshold": u * 2.0**-120,
+    }
+    huge = {
+        "huge": u * 3e38,  # hi - lo overflows
+        "huge_positive": 1e38 + np.abs(u) * 2.4e38,
+        "float_limits": np.where(u > 0, FLT_MAX, -FLT_MAX) * (np.abs(u) > 0.5),
+        "huge_with_small": np.where(np.abs(u) > 0.99, u * 3.4e38, u),
+    }
+    out = {name: x.astype(F32) for name, x in {**tiny, **huge}.items()}
+    for name, x in out.items():
+        if x.min() < 0:  # exact zeros inside ranges that hold 0
+            x[rng.random(x.size) < 0.1] = 0
+    return out
+
+
+CASES = list(extreme_chunks(np.random.default_rng(0)))
+
+
+def _front_end(name: str):
+    """(compress, compress_ef, decompress, sign_compress, sign_compress_ef, sign_decompress, reduce) -> numpy."""
+    if name == "jax":
+        from bagua_jax import ops
+
+        def call(fn):
+            return lambda *a, **kw: _to_numpy(fn(*a, **kw))
+
+    else:
+        import torch
+
+        from bagua_torch import ops
+
+        def call(fn):
+            def wrapped(*a, **kw):
+                return _to_numpy(
+                    fn(*(torch.from_numpy(np.array(v)) if isinstance(v, np.ndarray) else v for v in a), **kw)
+                )
+
+            return wrapped
+
+    return {
+        "minmax_compress": call(ops.minmax_uint8_compress),
+        "minmax_compress_ef": call(ops.minmax_uint8_compress_ef),
+        "minmax_decompress": call(ops.minmax_uint8_decompress),
+        "minmax_reduce": call(ops.minmax_uint8_decompress_reduce),
+        "sign_compress": call(ops.sign_compress),
+        "sign_compress_ef": call(ops.sign_compress_ef),
+        "sign_decompress": call(ops.sign_decompress),
+        "sign_reduce": call(ops.sign_decompress_reduce),
+    }
+
+
+def _to_numpy(result):
+    if isinstance(result, tuple):
+        return tuple(_to_numpy(r) for r in result)
+    return result.numpy() if hasattr(result, "numpy") and not isinstance(result, np.ndarray) else np.asarray(result)
+
+
+@pytest.fixture(scope="module", params=["jax", "torch"])
+def kernels(request):
+    return _front_end(request.param)
+
+
+def assert_in_bound(x: np.ndarray, decoded: np.ndarray) -> None:
+    """(hi - lo) / 508 per element plus float32 rounding, computed in float64 (hi - lo may overflow float32)."""
+    assert np.isfinite(decoded).all()
+    for b, e in ref.chunk_bounds(x.size, K):
+        seg = x[b:e].astype(np.float64)
+        ulp = np.maximum(np.spacing(np.abs(seg)) * 2.0**29, 2.0**-149)  # float32's ulp, from float64's
+        bound = (seg.max() - seg.min()) / 508 * (1 + 2**-20) + ulp
+        assert np.all(np.abs(decoded[b:e].astype(np.float64) - seg) <= bound)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_minmax_codes_decode_finite_within_the_bound(kernels, case):
+    x = extreme_chunks(np.random.default_rng(0))[case]
+    assert all(ref.minmax_wide(*ref.minmax_bounds(x[b:e])) for b, e in ref.chunk_bounds(x.size, K))
+    expected, expected_residual = ref.minmax_compress(x, K)
+    compressed = kernels["minmax_compress"](x, K)
+    np.testing.assert_array_equal(compressed, expected)
+    decoded = kernels["minmax_decompress"](compressed, x.size, K)
+    np.testing.assert_array_equal(decoded, ref.minmax_decompress(expected, x.size, K))
+    assert_in_bound(x, decoded)
+    assert np.all(decoded[x == 0] == 0)
+    compressed, residual = kernels["minmax_compress_ef"](x, np.zeros(x.size, F32), K)
+    np.testing.assert_array_equal(compressed, expected)
+    np.testing.assert_array_equal(residual, expected_residual)
+    assert np.isfinite(residual).all()
+
+
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("case", CASES)
+def test_minmax_decompress_reduce_of_extreme_chunks(kernels, case, average):
+    x = extreme_chunks(np.random.default_rng(0))[case]
+    buffers = np.concatenate([ref.minmax_compress(x[b:e], 1)[0] for b, e in ref.chunk_bounds(x.size, K)])
+    out = kernels["minmax_reduce"](buffers, CHUNK, K, average=average)
+    np.testing.assert_array_equal(out, ref.decompress_reduce(buffers, CHUNK, K, "minmax_uint8", average))
+    if average:  # an average of finite values is finite, even where their float32 sum is not
+        assert np.isfinite(out).all()
+
+
+def test_sign_scales_whose_sum_overflows_stay_finite(kernels):
+    rng = np.random.default_rng(1)
+    x = (rng.choice([-1, 1], CHUNK * K) * rng.uniform(2e38, 3.4e38, CHUNK * K)).astype(F32)
+    expected, _ = ref.sign_compress(x, K)
+    compressed = kernels["sign_compress"](x, K)
+    scales = ref.chunk_scales(compressed, x.size, K)
+    assert np.isfinite(scales).all()
+    np.testing.assert_allclose(scales, ref.chunk_scales(expected, x.size, K), rtol=2e-6)
+    np.testing.assert_array_equal(ref.chunk_bits(compressed, x.size, K), ref.chunk_bits(expected, x.size, K))
+    decoded = kernels["sign_decompress"](compressed, x.size, K)
+    np.testing.assert_array_equal(decoded, ref.sign_decompress(compressed, x.size, K))
+    _, residual = kernels["sign_compress_ef"](x, np.zeros(x.size, F32), K)
+    np.testing.assert_array_equal(residual, (x - decoded).astype(F32))
+    # k single-chunk buffers with scales near 3e38: their float32 sum overflows, their average does not.
+    buffers = np.concatenate([ref.sign_compress(x[b:e], 1)[0] for b, e in ref.chunk_bounds(x.size, K)])
+    for average in (True, False):
+        out = kernels["sign_reduce"](buffers, CHUNK, K, average=average)
+        np.testing.assert_array_equal(out, ref.decompress_reduce(buffers, CHUNK, K, "sign", average))
+    assert np.isfinite(kernels["sign_reduce"](buffers, CHUNK, K, average=True)).all()
+
+
+def test_subnormal_sign_scales_are_not_flushed(kernels):
+    x = (np.random.default_rng(2).standard_normal(CHUNK * K) * 1e-42).astype(F32)
+    compressed = kernels["sign_compress"](x, K)
+    scales = ref.chunk_scales(compressed, x.size, K)
+    assert np.all(scales > 0)
+    np.testing.assert_allclose(scales, ref.chunk_scales(ref.sign_compress(x, K)[0], x.size, K), rtol=2e-6)
+
+
+def test_jax_and_torch_give_the_same_bytes_for_subnormals():
+    jax_kernels, torch_kernels = _front_end("jax"), _front_end("torch")
+    for x in extreme_chunks(np.random.default_rng(3)).values():
+        np.testing.assert_array_equal(jax_kernels["minmax_compress"](x, K), torch_kernels["minmax_compress"](x, K))
+        np.testing.assert_array_equal(jax_kernels["sign_compress"](x, K), torch_kernels["sign_compress"](x, K))
+
+
+def test_torch_flush_denormal_mode_does_not_change_the_bytes():
+    import torch
+
+    x = extreme_chunks(np.random.default_rng(4))["subnormal"]
+    kernels = _front_end("torch")
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU has no flush-to-zero mode")
+    try:
+        compressed = kernels["minmax_compress"](x, K)
+        decoded = kernels["minmax_decompress"](compressed, x.size, K)
+    finally:
+        torch.set_flush_denormal(False)
+    np.testing.assert_array_equal(compressed, ref.minmax_compress(x, K)[0])
+    np.testing.assert_array_equal(decoded, ref.minmax_decompress(compressed, x.size, K))
+    assert np.count_nonzero(decoded) > x.size // 2
