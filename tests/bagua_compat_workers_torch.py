@@ -436,6 +436,26 @@ def _low_precision_against_baguas_reference(bagua, out: dict) -> None:
         model.close()
 
 
+def _fused_optimizer_keeps_the_algorithm(bagua, out: dict) -> None:
+    """contrib.fuse_optimizer after with_bagua: the weight algorithm's step hooks move to the fused optimizer."""
+    torch.manual_seed(bagua.get_rank())
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    algorithm = bagua.algorithms.decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=False)
+    model = model.with_bagua([optimizer], algorithm, do_flatten=False)
+    optimizer = bagua.contrib.fuse_optimizer(optimizer)
+    _train_fused(model, optimizer, 3)
+    out["fused optimizer: algorithm rounds"] = (model.bagua_algorithm.step, 3)
+    model.close()
+
+
+def _train_fused(model, optimizer, steps: int) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(4, 2)), torch.randn(4, 4)).backward()
+        optimizer.fuse_step()
+
+
 def every_api_point(checkpoint_dir: str) -> dict:
     import bagua_torch.torch_api as bagua
 
@@ -452,5 +472,6 @@ def every_api_point(checkpoint_dir: str) -> dict:
     _model_switch(bagua, out)
     _custom_algorithm(bagua, out)
     _low_precision_against_baguas_reference(bagua, out)
+    _fused_optimizer_keeps_the_algorithm(bagua, out)
     _data_parallel_and_checkpoint(bagua, out, checkpoint_dir)
     return out

@@ -119,6 +119,10 @@ def test_low_precision_decentralized_with_baguas_codec_matches_baguas_reference(
         np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}")
 
 
+def test_fused_optimizer_keeps_a_weight_algorithm_running(ranks):
+    _assert_pairs(ranks, "fused optimizer")
+
+
 def test_data_parallel_and_checkpoints(ranks):
     _assert_pairs(ranks, "data_parallel")
     _assert_pairs(ranks, "checkpoint")
