@@ -363,6 +363,99 @@ def _data_parallel_and_checkpoint(bagua, out: dict, checkpoint_dir: str) -> None
     ddp.close()
 
 
+def _reference_compress(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Bagua's test compressor (tests/internal/compressor.py), written out again."""
+    lo, hi = torch.min(t), torch.max(t)
+    scale = 255.0 / (hi - lo + 1e-7)
+    upper = torch.round(hi * scale)
+    level = torch.clamp(torch.round(t * scale), max=upper)
+    return torch.stack([lo, hi]), (level - (upper - 255.0)).to(torch.uint8)
+
+
+def _reference_decompress(minmax: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+    scale = 255.0 / (minmax[1] - minmax[0] + 1e-7)
+    return (codes.float() + torch.round(minmax[1] * scale) - 255.0) / scale
+
+
+def _exchange_with_neighbours(tensor: torch.Tensor, rank: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    left, right = torch.zeros_like(tensor), torch.zeros_like(tensor)
+    requests = [
+        dist.isend(tensor, (rank - 1) % n),
+        dist.isend(tensor, (rank + 1) % n),
+        dist.irecv(left, (rank - 1) % n),
+        dist.irecv(right, (rank + 1) % n),
+    ]
+    for request in requests:
+        request.wait()
+    return left, right
+
+
+def _low_precision_against_baguas_reference(bagua, out: dict) -> None:
+    """Bagua's test_compare: the algorithm next to its test's reference (ring exchange by isend/irecv)."""
+    rank, n = bagua.get_rank(), bagua.get_world_size()
+    for interval in (1, 2):
+        torch.manual_seed(rank)
+        model = Net()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        algorithm = bagua.algorithms.decentralized.LowPrecisionDecentralizedAlgorithm(
+            hierarchical=False, communication_interval=interval, codec="bagua"
+        )
+        model = model.with_bagua([optimizer], algorithm)
+        reference = Net()
+        reference.load_state_dict(model.state_dict())
+        reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.01)
+        params = [p.data for p in reference.parameters()][::-1]
+        weight = torch.cat([p.reshape(-1) for p in params])
+        left, right = weight.clone(), weight.clone()
+        gen = torch.Generator().manual_seed(1000 * interval + rank)
+        for step in range(10):
+            data, target = torch.randn(4, 2, generator=gen), torch.randn(4, 4, generator=gen)
+            for m, o in ((model, optimizer), (reference, reference_optimizer)):
+                o.zero_grad()
+                nn.functional.mse_loss(m(data), target).backward()
+                o.step()
+            if step % interval == 0:
+                x = torch.cat([p.reshape(-1) for p in params])
+                x += 1 / 3 * left
+                x += 1 / 3 * right
+                x -= 5 / 3 * weight
+                minmax, codes = _reference_compress(x)
+                left_codes, right_codes = _exchange_with_neighbours(codes, rank, n)
+                left_minmax, right_minmax = _exchange_with_neighbours(minmax, rank, n)
+                left += _reference_decompress(left_minmax, left_codes)
+                right += _reference_decompress(right_minmax, right_codes)
+                weight = weight + _reference_decompress(minmax, codes)
+                offset = 0
+                for p in params:
+                    p.copy_(weight[offset : offset + p.numel()].view_as(p))
+                    offset += p.numel()
+        out[f"low precision decentralized, Bagua's codec, interval {interval}"] = (
+            _np(torch.cat([p.reshape(-1) for p in model.parameters()])),
+            _np(torch.cat([p.reshape(-1) for p in reference.parameters()])),
+        )
+        model.close()
+
+
+def _fused_optimizer_keeps_the_algorithm(bagua, out: dict) -> None:
+    """contrib.fuse_optimizer after with_bagua: the weight algorithm's step hooks move to the fused optimizer."""
+    torch.manual_seed(bagua.get_rank())
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    algorithm = bagua.algorithms.decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=False)
+    model = model.with_bagua([optimizer], algorithm, do_flatten=False)
+    optimizer = bagua.contrib.fuse_optimizer(optimizer)
+    _train_fused(model, optimizer, 3)
+    out["fused optimizer: algorithm rounds"] = (model.bagua_algorithm.step, 3)
+    model.close()
+
+
+def _train_fused(model, optimizer, steps: int) -> None:
+    for _ in range(steps):
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(torch.randn(4, 2)), torch.randn(4, 4)).backward()
+        optimizer.fuse_step()
+
+
 def every_api_point(checkpoint_dir: str) -> dict:
     import bagua_torch.torch_api as bagua
 
@@ -378,5 +471,7 @@ def every_api_point(checkpoint_dir: str) -> dict:
     _optimizer_state(bagua, out)
     _model_switch(bagua, out)
     _custom_algorithm(bagua, out)
+    _low_precision_against_baguas_reference(bagua, out)
+    _fused_optimizer_keeps_the_algorithm(bagua, out)
     _data_parallel_and_checkpoint(bagua, out, checkpoint_dir)
     return out

@@ -112,6 +112,17 @@ def test_custom_algorithm_written_as_in_baguas_tutorial(ranks, compression):
             assert not np.array_equal(got, expected)
 
 
+@pytest.mark.parametrize("interval", [1, 2])
+def test_low_precision_decentralized_with_baguas_codec_matches_baguas_reference(ranks, interval):
+    """Bagua's test_compare, with its tolerance: the weights after 10 steps, every rank."""
+    for rank, key, (got, expected) in _pairs(ranks, f"low precision decentralized, Bagua's codec, interval {interval}"):
+        np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5, err_msg=f"rank {rank}")
+
+
+def test_fused_optimizer_keeps_a_weight_algorithm_running(ranks):
+    _assert_pairs(ranks, "fused optimizer")
+
+
 def test_data_parallel_and_checkpoints(ranks):
     _assert_pairs(ranks, "data_parallel")
     _assert_pairs(ranks, "checkpoint")

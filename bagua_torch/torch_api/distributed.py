@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from bagua_torch import distributed as _wrapper
-from bagua_torch.algorithms.base import Algorithm, Communicators
+from bagua_torch.algorithms.base import Algorithm
 from bagua_torch.communicator import Communicator
 from bagua_torch.torch_api import env
 
@@ -248,15 +248,20 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, world: Communica
     """Overwrite ``optimizer``'s state and hyper-parameters on every rank with rank 0's (collective).
 
     Three broadcasts: the size of the JSON structure, the structure, then every state tensor's
-    bytes in one buffer. Raises a TypeError on every rank... only where rank 0's state holds a
-    value JSON cannot carry (an LBFGS history of None entries works; arbitrary objects do not).
+    bytes in one buffer. Where rank 0's state holds a value JSON cannot carry (an arbitrary
+    object), every rank raises a TypeError.
     """
     tensors: list[torch.Tensor] = []
-    payload = b""
+    payload, error = b"", None
     if world.rank == 0:
-        payload = json.dumps(_encode(optimizer.state_dict(), tensors)).encode()
-    size = world.broadcast(torch.tensor([len(payload)], dtype=torch.int64, device=device), 0)
-    buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=device)
+        try:
+            payload = json.dumps(_encode(optimizer.state_dict(), tensors)).encode()
+        except TypeError as caught:
+            error = caught
+    size = int(world.broadcast(torch.tensor([-1 if error else len(payload)], dtype=torch.int64, device=device), 0))
+    if size < 0:
+        raise TypeError(f"{type(optimizer).__name__}'s state on rank 0 cannot be broadcast: {error or 'see rank 0'}")
+    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
     if world.rank == 0:
         buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
     data = json.loads(bytes(world.broadcast(buffer, 0).cpu().numpy()).decode())
@@ -280,4 +285,4 @@ def install() -> None:
     nn.Module.with_bagua = with_bagua
 
 
-__all__ = ["AlgorithmImplHandle", "BaguaModule", "Communicators", "broadcast_optimizer_state", "install", "with_bagua"]
+__all__ = ["AlgorithmImplHandle", "BaguaModule", "broadcast_optimizer_state", "install", "with_bagua"]

@@ -1,19 +1,58 @@
 """Bagua's ``bagua.torch_api.algorithms.decentralized``: both decentralized algorithms, Bagua's argument order.
 
-``LowPrecisionDecentralizedAlgorithm`` runs Bagua's update (SPEC section 3: ``z = x + L/3 + R/3
-- 5w/3``, 8-bit min-max codes to both ring neighbours, ``x = w + deQ(Q(z))``) with this
-project's codec (SPEC section 2), whose rounding differs from Bagua's by less than one level,
-so the weights agree with Bagua's reference within the codec's error, not bit for bit. With
-``hierarchical=True`` on a single node it runs the ring over all ranks; Bagua averaged the
-node at full precision and compressed only the difference to the last weights, leaving no
-decentralized step at all on one node (the project treats one node as flat for every
-hierarchical algorithm).
+``LowPrecisionDecentralizedAlgorithm`` is Bagua's update, as its implementation, its test's
+reference and SPEC section 3 all define it: after the local step, ``z = x + L/3 + R/3 - 5w/3``,
+8-bit min-max codes of ``z`` to both ring neighbours, ``L += deQ(from left)``, ``R += deQ(from
+right)``, ``x = w + deQ(Q(z))``, ``w = x``. What differs is the codec:
+
+* ``codec="project"`` (the default) uses the project's (SPEC section 2): codes rounded to the
+  nearest level of a grid anchored at the minimum, so every element errs by at most
+  ``(max - min) / 510``; the same bytes from the CPU and CUDA kernels and from the JAX side.
+* ``codec="bagua"`` reproduces Bagua's (``scale = 255 / (max - min + 1e-7)``, levels counted down
+  from ``round(max * scale)``), to compare with runs made under Bagua: its error reaches a
+  whole level at the low end. It runs as plain torch operations. Bagua's codec could produce a
+  code of -1 (stored as 255) for the minimum when ``round`` went below the lowest level; here
+  codes are clamped to 0..255.
+
+Either way the weights agree with Bagua's reference within the codecs' error; with
+``codec="bagua"`` to float rounding (Bagua's ``test_compare`` tolerance, 1e-5).
+
+With ``hierarchical=True`` on a single node, the ring runs over all ranks (the project treats
+one node as flat for every hierarchical algorithm); Bagua averaged the node at full precision
+instead, which leaves no decentralized step at all on one node.
 """
 
 from __future__ import annotations
 
+import torch
+
+from bagua_common.topology import ring_neighbours
 from bagua_torch.algorithms import decentralized as _decentralized
 from bagua_torch.algorithms import low_precision_decentralized as _low_precision
+from bagua_torch.algorithms.base import AlgorithmContext
+from bagua_torch.communicator import Communicator
+
+CODECS = ("project", "bagua")
+_LEVELS = 255.0
+_EPS = 1e-7
+
+
+def bagua_minmax_compress(z: torch.Tensor) -> torch.Tensor:
+    """Bagua's MinMaxUInt8 of float32 ``z``: 8 bytes of (min, max), then one code per element."""
+    lo, hi = z.min(), z.max()
+    scale = _LEVELS / (hi - lo + _EPS)
+    upper = torch.round(hi * scale)
+    codes = torch.clamp(torch.round(z * scale), min=upper - _LEVELS, max=upper) - (upper - _LEVELS)
+    return torch.cat([torch.stack([lo, hi]).view(torch.uint8), codes.to(torch.uint8)])
+
+
+def bagua_minmax_decompress(packed: torch.Tensor) -> torch.Tensor:
+    """The float32 values of :func:`bagua_minmax_compress`'s bytes."""
+    lo, hi = packed[:8].view(torch.float32)
+    scale = _LEVELS / (hi - lo + _EPS)
+    lower = torch.round(hi * scale) - _LEVELS
+    return (packed[8:].to(torch.float32) + lower) / scale
+
 
 __all__ = ["DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm"]
 
@@ -30,7 +69,33 @@ class DecentralizedAlgorithm(_decentralized.DecentralizedAlgorithm):
 
 
 class LowPrecisionDecentralizedAlgorithm(_low_precision.LowPrecisionDecentralizedAlgorithm):
-    """Bagua's ``LowPrecisionDecentralizedAlgorithm(hierarchical=True, communication_interval=1)`` (module docstring)."""
+    """Bagua's ``LowPrecisionDecentralizedAlgorithm(hierarchical=True, communication_interval=1)``; ``codec``
+    picks the project's or Bagua's 8-bit codes (see the module docstring)."""
 
-    def __init__(self, hierarchical: bool = True, communication_interval: int = 1):
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1, *, codec: str = "project"):
+        if codec not in CODECS:
+            raise ValueError(f"LowPrecisionDecentralizedAlgorithm: codec must be one of {CODECS}, got {codec!r}")
         super().__init__(communication_interval=communication_interval, hierarchical=hierarchical)
+        object.__setattr__(self, "codec", codec)
+
+    def reify(self, context: AlgorithmContext) -> _low_precision.LowPrecisionDecentralizedImpl:
+        if self.codec == "bagua":
+            return _BaguaCodecImpl(context, self)
+        return super().reify(context)
+
+
+class _BaguaCodecImpl(_low_precision.LowPrecisionDecentralizedImpl):
+    """The ring round with Bagua's codec and Bagua's order of operations."""
+
+    @staticmethod
+    def _ring(
+        x: torch.Tensor, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, ring: Communicator
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        left_peer, right_peer = ring_neighbours(ring.rank, ring.size)
+        peers = [left_peer] if ring.size == 2 else [left_peer, right_peer]
+        z = x + left * (1 / 3) + right * (1 / 3) - w * (5 / 3)
+        packed = bagua_minmax_compress(z)
+        received = ring.send_recv(packed, peers)  # row i came from peers[i]
+        from_left = bagua_minmax_decompress(received[0])
+        from_right = bagua_minmax_decompress(received[-1])
+        return w + bagua_minmax_decompress(packed), left + from_left, right + from_right

@@ -1,0 +1,77 @@
+"""Bagua's ``contrib`` spellings (``bagua_torch.torch_api.contrib``), in one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bagua_torch.torch_api import contrib
+
+
+def test_batch_sampler_gives_every_rank_the_same_number_of_batches_of_its_own_samples():
+    dataset = list(range(37))
+    costs = [float((7 * i) % 11 + 1) for i in range(37)]
+
+    def batch_fn(indices):  # multiples of 3 alone, the rest in fives: the number of batches differs between ranks
+        alone = [[i] for i in indices if i % 3 == 0]
+        rest = [i for i in indices if i % 3]
+        return alone + [rest[k : k + 5] for k in range(0, len(rest), 5)]
+
+    for drop_last in (False, True):
+        per_rank, own = [], []
+        for rank in range(3):
+            sampler = contrib.LoadBalancingDistributedSampler(
+                dataset, complexity_fn=lambda i: costs[i], num_replicas=3, rank=rank
+            )
+            batches = contrib.LoadBalancingDistributedBatchSampler(sampler, batch_fn, drop_last=drop_last)
+            batches.set_epoch(2)
+            sampler.set_epoch(2)
+            mine = list(sampler)
+            own.append(len(batch_fn(mine)))
+            got = list(batches)
+            assert len(got) == len(batches)
+            assert all(i in mine for batch in got for i in batch)
+            per_rank.append(got)
+        lengths = {len(b) for b in per_rank}
+        assert len(lengths) == 1, lengths
+        expected = min if drop_last else max
+        assert len(set(own)) > 1, own  # the ranks' own batch counts differ: padding or dropping was needed
+        assert lengths.pop() == expected(own)
+
+
+def test_batch_sampler_refuses_what_bagua_refused():
+    with pytest.raises(ValueError, match="LoadBalancingDistributedSampler"):
+        contrib.LoadBalancingDistributedBatchSampler(list(range(4)), lambda i: [i])
+    sampler = contrib.LoadBalancingDistributedSampler(list(range(8)), float, num_replicas=2, rank=0, drop_last=True)
+    with pytest.raises(ValueError, match="drop_last"):
+        contrib.LoadBalancingDistributedBatchSampler(sampler, lambda i: [i])
+
+
+def test_cached_dataset_and_cache_loader_read_through_once(tmp_path, monkeypatch):
+    monkeypatch.delenv("BAGUA_CACHE_URL", raising=False)
+    reads = []
+
+    class Slow(torch.utils.data.Dataset):
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, i):
+            reads.append(i)
+            return i * 10
+
+    cached = contrib.CachedDataset(Slow(), backend="redis", dataset_name="slow")
+    assert [cached[i] for i in range(5)] == [0, 10, 20, 30, 40]
+    assert [cached[i] for i in range(5)] == [0, 10, 20, 30, 40]
+    assert reads == [0, 1, 2, 3, 4]
+    loader = contrib.CacheLoader(backend="redis", dataset_name="squares")
+    calls = []
+    assert [loader.get(k, lambda k: calls.append(k) or k * k) for k in (3, 4, 3)] == [9, 16, 9]
+    assert calls == [3, 4]
+    with pytest.raises(TypeError, match="store options"):
+        contrib.CachedDataset(Slow(), backend="redis", hosts=[{"host": "example.org", "port": 6379}])
+
+
+def test_sync_batchnorm_converts_every_batchnorm_layer():
+    model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm1d(3))
+    converted = contrib.sync_batchnorm.SyncBatchNorm.convert_sync_batchnorm(model)
+    assert [type(m).__name__ for m in converted] == ["Conv2d", "SyncBatchNorm", "SyncBatchNorm"]
