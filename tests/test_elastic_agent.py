@@ -34,7 +34,8 @@ pytest.importorskip("torch")
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
 STEPS = 12
-RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=2"
+# Heartbeats every second, a node lost after 5 missed (2 would flag a healthy agent on a loaded machine).
+RDZV_CONF = "join_timeout=60,last_call_timeout=2,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=5"
 SCRIPTS = {"torch": "elastic_train_torch.py", "jax": "elastic_train_jax.py"}
 
 
@@ -79,8 +80,11 @@ class Job:
 
     def start_agent(self, *options: str) -> subprocess.Popen:
         index = len(self.agents)
+        # On one machine every agent matches the endpoint's host; the first one alone hosts the store (a second
+        # one binding the same port too would split the agents into two jobs).
+        conf = f"{RDZV_CONF},is_host={int(index == 0)}"
         command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", "--rdzv-endpoint", self.endpoint]
-        command += ["--rdzv-id", "test", "--rdzv-conf", RDZV_CONF, *options, self.script]
+        command += ["--rdzv-id", "test", "--rdzv-conf", conf, *options, self.script]
         with open(self.folder / f"agent{index}.log", "w") as log:
             agent = subprocess.Popen(
                 command, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, cwd=self.folder
@@ -202,15 +206,15 @@ def test_a_node_dies_the_survivor_finishes_and_matches_the_replay(framework, job
 
 @pytest.mark.parametrize("framework", ["torch", "jax"])
 def test_a_node_joins_and_the_job_grows_without_spending_a_restart(framework, job_factory):
-    job = job_factory(framework, BAGUA_TEST_STEP_SECONDS="0.3")
+    job = job_factory(framework, BAGUA_TEST_GROW_AT="5")
     first = job.start_agent("--nnodes", "1:2", "--max-restarts", "0")
-    job.wait_for("step 3 with 2 workers", lambda ev: any(e["event"] == "step" and e["step"] >= 3 for e in ev))
+    job.wait_for("step 5 with 2 workers", lambda ev: any(e["event"] == "waiting" for e in ev))
     second = job.start_agent("--nnodes", "1:2", "--max-restarts", "0")
     assert job.finish([first, second]) == [0, 0], job.output()
     attempts = job.attempts()
     assert attempts[0]["world"] == 2 and attempts[-1]["world"] == 4, attempts
     assert all(a["restart"] == 0 for a in attempts), attempts
-    assert attempts[-1]["step"] >= 2, attempts
+    assert attempts[-1]["step"] == 4, attempts  # the checkpoint before the 2 workers waited at step 5
     assert [e["step"] for e in job.events() if e["event"] == "done"] == [STEPS]
 
 
