@@ -28,9 +28,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bagua_common.engines import ENV_ELASTIC
+
 __all__ = ["ElasticConfig", "add_arguments", "config_from", "node_range", "requested", "run"]
 
-ENV_ELASTIC = "BAGUA_ELASTIC"
 DEFAULT_RDZV_PORT = 29400
 _NAME = "bagua-launch"
 

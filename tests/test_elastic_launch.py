@@ -112,3 +112,17 @@ def test_launcher_imports_no_framework_outside_elastic_mode():
         "assert 'jax' not in sys.modules and 'torch' not in sys.modules, 'a framework was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=30)
+
+
+def test_the_native_mpi_engine_refuses_an_elastic_job():
+    code = (
+        "from bagua_common.engines import load_engine\n"
+        "try:\n"
+        "    load_engine('mpi')\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=_env(BAGUA_ELASTIC="1"), capture_output=True, text=True, timeout=60
+    )
+    assert "cannot run in an elastic job" in run.stdout, run.stdout + run.stderr
