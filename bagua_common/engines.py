@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import os
 from types import ModuleType
 
 from bagua_common.engine_exit import finalize_at_exit
@@ -18,6 +19,9 @@ REDUCE_OP_CODES = {"sum": 0, "avg": 1, "min": 2, "max": 3}
 
 ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
 """Engine name -> its extension module."""
+
+ENV_ELASTIC = "BAGUA_ELASTIC"
+"""Set to 1 in the workers of an elastic job (``bagua-launch --nnodes MIN:MAX``)."""
 
 
 @functools.cache
@@ -29,6 +33,11 @@ def load_engine(kind: str) -> ModuleType:
     """
     if kind not in ENGINE_MODULES:
         raise ValueError(f"unknown engine {kind!r}; use 'mpi' or 'nccl'")
+    if kind == "mpi" and os.environ.get(ENV_ELASTIC) == "1":
+        raise RuntimeError(
+            "the native MPI engine cannot run in an elastic job: an MPI world cannot change size; use torch's "
+            "gloo/NCCL, JAX over jax.distributed or the native NCCL engine"
+        )
     import _bagua_ffi
 
     if not _bagua_ffi.build_info().get(kind):

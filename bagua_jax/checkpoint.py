@@ -10,7 +10,8 @@ bit; another one follows the algorithm's rule (:mod:`bagua_common.reshard`): ide
 state carries over, drifted parameters start from their mean, error-feedback residuals
 restart at zero, and buckets padded for the old world size are rebuilt for the new one.
 
-Mesh mode only (one process or several under ``jax.distributed``).
+Both modes: a mesh (one process, or several under ``jax.distributed``; each process writes
+the rows of its devices) and a native communicator (each process is one rank).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
@@ -41,11 +43,6 @@ from bagua_jax.trainer import DataParallel, TrainState, _pack, _unpack
 _SUFFIX = ".npz"
 
 
-def _check_mesh(trainer: DataParallel) -> None:
-    if trainer.mesh is None:
-        raise ValueError("bagua_jax.checkpoint saves and restores mesh-mode trainers (DataParallel(mesh=...)) only")
-
-
 def _per_rank(leaf: jax.Array) -> bool:
     """Whether ``leaf`` carries one row per rank (sharded along its leading axis) rather than one shared copy."""
     spec = getattr(leaf.sharding, "spec", ())
@@ -54,12 +51,22 @@ def _per_rank(leaf: jax.Array) -> bool:
 
 def _own_ranks(trainer: DataParallel) -> list[int]:
     """The ranks (rows of per-rank leaves) whose devices belong to this process."""
+    if trainer.mesh is None:
+        return [int(trainer.communicator.rank())]
     devices = list(trainer.mesh.devices.flat)
     return [r for r, d in enumerate(devices) if d.process_index == jax.process_index()]
 
 
+def _wait_for_every_rank(trainer: DataParallel, what: str) -> None:
+    if trainer.mesh is None:
+        jax.block_until_ready(trainer.communicator.barrier(jnp.zeros(())))
+    elif jax.process_count() > 1:
+        multihost_utils.sync_global_devices(what)
+
+
 def _rows(leaf: jax.Array, ranks: list[int]) -> dict[int, np.ndarray]:
-    """This process's rows of ``leaf`` by rank (the shared copy for every rank if it has no rank axis)."""
+    """This process's rows of ``leaf`` by rank (its whole value for each of ``ranks`` if it has no rank axis:
+    shared by the ranks of a mesh, or the process's own in native mode)."""
     if not _per_rank(leaf):
         value = np.asarray(leaf.addressable_shards[0].data)
         return {r: value for r in ranks}
@@ -89,7 +96,6 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
 
     Every process calls it; it returns once the checkpoint is committed.
     """
-    _check_mesh(trainer)
     own = _unpack(state)
     ranks = _own_ranks(trainer)
     step = int(np.asarray(own.step.addressable_shards[0].data).reshape(-1)[0])
@@ -100,23 +106,23 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
             shards[rank][jax.tree_util.keystr(path)] = row
     for rank, arrays in shards.items():
         save_arrays(shard_path(directory, rank, _SUFFIX), arrays)
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"bagua checkpoint {step} written")
-    if jax.process_index() == 0:
+    _wait_for_every_rank(trainer, f"bagua checkpoint {step} written")
+    if 0 in ranks:
         algorithm, config = _algorithm(trainer)
         commit(
             directory,
             Manifest(
                 step=step,
                 world_size=trainer.size,
-                local_world_size=len(ranks),
+                local_world_size=len(ranks)
+                if trainer.mesh is not None
+                else int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
                 algorithm=algorithm,
                 config=config,
                 model=_model(own.params),
             ),
         )
-    if jax.process_count() > 1:
-        multihost_utils.sync_global_devices(f"bagua checkpoint {step} committed")
+    _wait_for_every_rank(trainer, f"bagua checkpoint {step} committed")
     return directory
 
 
@@ -129,7 +135,6 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
     model or algorithm, or a state whose shape depends on the world size under a rule that
     carries it). Every process calls it.
     """
-    _check_mesh(trainer)
     directory = Path(root) if (Path(root) / "manifest.json").exists() else latest(root)
     if directory is None:
         raise FileNotFoundError(f"no committed checkpoint under {root}")
@@ -151,7 +156,7 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
         rows = [shard[key] for shard in saved]
         per_rank = _per_rank(fresh)
         if same_world:
-            value = np.stack(rows) if per_rank else rows[0]
+            value = np.stack(rows) if per_rank else rows[ranks[0] if trainer.mesh is None else 0]
         else:
             fresh_row = _rows(fresh, ranks)[ranks[0]]
             leaf_rule = _leaf_rule(rule, key, rows[0].dtype)

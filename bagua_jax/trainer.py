@@ -144,6 +144,11 @@ class DataParallel:
         """The device mesh (mesh mode), or None (native mode)."""
         return self._mesh
 
+    @property
+    def communicator(self) -> NativeCommunicator | None:
+        """The native communicator (native mode), or None (mesh mode)."""
+        return self._communicator
+
     def _rank_step(self, params: Any, opt_state: Any, step: jax.Array, model_state: Any, batch: Any, rng: Any):
         extras = {}
         if model_state is not None:

@@ -23,14 +23,16 @@ import argparse
 import ipaddress
 import os
 import shutil
+import socket
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from bagua_common.engines import ENV_ELASTIC
+
 __all__ = ["ElasticConfig", "add_arguments", "config_from", "node_range", "requested", "run"]
 
-ENV_ELASTIC = "BAGUA_ELASTIC"
 DEFAULT_RDZV_PORT = 29400
 _NAME = "bagua-launch"
 
@@ -168,8 +170,6 @@ def config_from(
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -217,6 +217,7 @@ def run(config: ElasticConfig) -> int:
     """Run this node's agent until the job ends; returns the exit status (the failed rank's, 128+N for signal N)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # Read by the agent's rendezvous handler and inherited by the workers.
@@ -251,6 +252,9 @@ def run(config: ElasticConfig) -> int:
         sys.stderr.flush()
         code = e.get_first_failure()[1].exitcode
         return 128 - code if code < 0 else (code or 1)
+    except RendezvousError as e:
+        sys.stderr.write(f"{_NAME}: the rendezvous at {config.rdzv_endpoint} failed: {e}\n")
+        return 1
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0

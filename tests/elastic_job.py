@@ -4,8 +4,10 @@ Settings come from the environment the test gives the launcher (inherited by eve
 ``BAGUA_TEST_DIR`` (checkpoints under ``ckpt/``, the event log ``events.jsonl``, the final
 parameters ``final.npz``), ``BAGUA_TEST_STEPS`` (steps in all), ``BAGUA_TEST_STOP_AT`` (the
 reference replay: save at this step and stop), ``BAGUA_TEST_STEP_SECONDS`` (a pause per step,
-so that the test can act mid-run) and ``BAGUA_TEST_KILL`` (``{"rank", "step", "restart"}``:
-that worker kills itself with SIGKILL at that step of that attempt).
+so that the test can act mid-run), ``BAGUA_TEST_KILL`` (``{"rank", "step", "restart"}``:
+that worker kills itself with SIGKILL at that step of that attempt) and ``BAGUA_TEST_GROW_AT``
+(a step at which a job of 2 workers waits until the agent restarts it with more, so that a
+node started later joins before the job ends).
 """
 
 from __future__ import annotations
@@ -92,3 +94,6 @@ def before_step(step: int) -> None:
         log("killed", step=step)
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(os.environ.get("BAGUA_TEST_STEP_SECONDS", 0)))
+    if os.environ.get("BAGUA_TEST_GROW_AT") == str(step) and int(os.environ["WORLD_SIZE"]) == 2:
+        log("waiting", step=step)
+        time.sleep(600)  # the agent stops this worker when the new node joins; the test's own deadline is shorter

@@ -17,6 +17,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
+from multiprocess import has_mpiexec, run_ranks
 
 from bagua_common.checkpoint import MANIFEST, latest, read_manifest
 from bagua_jax import DataParallel
@@ -155,3 +156,43 @@ def test_restores_that_cannot_work_fail_clearly(tmp_path, rng):
         restore(tmp_path, trainer(Decentralized(), optax.sgd(LR), 2), initial_params(rng))
     with pytest.raises(FileNotFoundError, match="no committed checkpoint"):
         restore(tmp_path / "empty", dp, initial_params(rng))
+
+
+def test_hierarchical_levels_are_planned_anew(tmp_path, rng):
+    """2 nodes x 2 devices -> 1 node x 2: the residuals of the two-level exchange restart at zero, the rest carries."""
+    devices = np.array(jax.devices()[:4])
+    two_nodes = Mesh(devices.reshape(2, 2), ("inter", "intra"))
+    one_node = Mesh(devices[:2].reshape(1, 2), ("inter", "intra"))
+
+    def make(mesh):
+        return DataParallel(loss_fn, optax.adam(LR), ByteGrad(error_feedback=True, hierarchical=True), mesh=mesh)
+
+    before = make(two_nodes)
+    state = before.init(initial_params(rng))
+    for _ in range(3):
+        state, _ = before.step(state, batch(rng))
+    save(tmp_path, state, before)
+    saved = host(state)
+    after = make(one_node)
+    restored = host(restore(tmp_path, after, initial_params(rng)))
+    for key in ("w", "b"):
+        np.testing.assert_array_equal(restored.params[key], saved.params[key])
+    for path, got in jax.tree_util.tree_leaves_with_path(restored.opt_state):
+        key = jax.tree_util.keystr(path)
+        if "residual" in key:
+            assert got.shape[0] == 2 and not np.any(got), key
+        else:
+            want = dict(jax.tree_util.tree_leaves_with_path(saved.opt_state))[path]
+            np.testing.assert_array_equal(got, np.broadcast_to(np.asarray(want)[0], got.shape), err_msg=key)
+
+
+@pytest.mark.skipif(not has_mpiexec(), reason="no mpiexec")
+def test_native_mode_restores_each_ranks_own_state(tmp_path):
+    results = run_ranks(
+        "checkpoint_workers_jax:train_save_restore", 2, str(tmp_path), 7, launcher="mpiexec", timeout=180
+    )
+    saved = [r.value["saved"] for r in results]
+    assert any(not np.array_equal(a, b) for a, b in zip(*saved)), "the ranks' states should differ"
+    for result in results:
+        for got, want in zip(result.value["restored"], result.value["saved"]):
+            np.testing.assert_array_equal(got, want)

@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+from multiprocess import free_port
 from test_launcher import _env, by_rank, launch, write
 
 pytest.importorskip("torch")
@@ -112,3 +113,34 @@ def test_launcher_imports_no_framework_outside_elastic_mode():
         "assert 'jax' not in sys.modules and 'torch' not in sys.modules, 'a framework was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=30)
+
+
+def test_the_native_mpi_engine_refuses_an_elastic_job():
+    code = (
+        "from bagua_common.engines import load_engine\n"
+        "try:\n"
+        "    load_engine('mpi')\n"
+        "except RuntimeError as e:\n"
+        "    print(e)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code], env=_env(BAGUA_ELASTIC="1"), capture_output=True, text=True, timeout=60
+    )
+    assert "cannot run in an elastic job" in run.stdout, run.stdout + run.stderr
+
+
+def test_an_unreachable_rendezvous_is_reported_not_hung(tmp_path):
+    script = write(tmp_path, "never.py", "raise SystemExit('never started')\n")
+    port = str(free_port())  # nothing listens there, and this agent must not host the store
+    result = launch(
+        "--nnodes",
+        "2:2",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{port}",
+        "--rdzv-conf",
+        "is_host=0,read_timeout=5,join_timeout=5",
+        str(script),
+        timeout=90,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert f"bagua-launch: the rendezvous at 127.0.0.1:{port} failed" in result.stderr, result.stderr
