@@ -80,6 +80,15 @@ def check_knobs(algorithm: str, knobs: Mapping[str, Sequence[Any]], *, allow_num
         raise ValueError(f"autotune: {name!r} is not a knob known to leave the numbers unchanged")
 
 
+def bucket_candidates(total_bytes: int) -> list[int]:
+    """Bucket sizes to try for a model of ``total_bytes``: from 1 MiB up by factors of 4, up to the first
+    that holds the whole model (larger ones give the same buckets), at most 256 MiB."""
+    sizes = [2**20]
+    while sizes[-1] < total_bytes and sizes[-1] < 2**28:
+        sizes.append(sizes[-1] * 4)
+    return sizes
+
+
 def grid(knobs: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
     """Every combination of the knobs' values, as settings (dicts), in a fixed order."""
     settings: list[dict[str, Any]] = [{}]

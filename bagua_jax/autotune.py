@@ -24,7 +24,7 @@ from jax.experimental import multihost_utils
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
-from bagua_common.autotune import InBandTuner, TuningCache, autotune_mode, cache_key, check_knobs
+from bagua_common.autotune import InBandTuner, TuningCache, autotune_mode, bucket_candidates, cache_key, check_knobs
 from bagua_jax.algorithms.base import Algorithm
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
@@ -38,15 +38,6 @@ class BucketTuning:
     medians_s: dict[int, float]
     compile_s: float
     from_cache: bool
-
-
-def bucket_candidates(params: Any) -> list[int]:
-    """Bucket sizes from 1 MiB up by factors of 4, up to the first that holds every parameter."""
-    total = ravel_pytree(params)[0].nbytes
-    sizes = [2**20]
-    while sizes[-1] < total and sizes[-1] < 2**28:
-        sizes.append(sizes[-1] * 4)
-    return sizes
 
 
 def _half_square(params: Any, batch: Any) -> jax.Array:
@@ -96,7 +87,8 @@ def tune_bucket_bytes(
         def broadcast(vector: np.ndarray) -> np.ndarray:
             return np.asarray(send(jnp.asarray(vector, jnp.int32)))
 
-    candidates = bucket_candidates(params)
+    start = algorithm.bucket_bytes
+    candidates = [start, *(b for b in bucket_candidates(ravel_pytree(params)[0].nbytes) if b != start)]
     settings = [{"bucket_bytes": b} for b in candidates]
     tuner = InBandTuner(settings, rank=rank, broadcast=broadcast, warmup_steps=1, steps_per_sample=steps_per_sample)
     compile_s = 0.0

@@ -12,23 +12,16 @@ algorithms without state tied to the buckets are tuned: gradient allreduce. The 
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import numpy as np
 import torch
 
-from bagua_common.autotune import InBandTuner, TuningCache, autotune_mode, cache_key, check_knobs
+from bagua_common.autotune import InBandTuner, TuningCache, autotune_mode, bucket_candidates, cache_key, check_knobs
 from bagua_torch.communicator import Communicator
 
 # Re-bucketing mid-run rebuilds the algorithm: only stateless ones survive it unchanged.
 REBUCKETABLE = frozenset({"gradient_allreduce"})
-
-
-def bucket_candidates(total_bytes: int) -> list[int]:
-    """Bucket sizes from 1 MiB up by factors of 4, up to the first that holds every parameter."""
-    sizes = [2**20]
-    while sizes[-1] < total_bytes and sizes[-1] < 2**28:
-        sizes.append(sizes[-1] * 4)
-    return sizes
 
 
 class BucketTuner:
@@ -100,25 +93,8 @@ class BucketTuner:
         return None if change is None else int(change["bucket_bytes"])
 
 
-def tuner_for(
-    mode: str | None,
-    *,
-    algorithm: str,
-    total_bytes: int,
-    start_bytes: int,
-    world: Communicator,
-    device: torch.device,
-    job_digest: str,
-) -> BucketTuner | None:
-    """A :class:`BucketTuner` when autotuning is on (``mode`` or ``BAGUA_AUTOTUNE``), else None."""
-    if autotune_mode(mode) == "off":
-        return None
-    return BucketTuner(
-        algorithm=algorithm,
-        total_bytes=total_bytes,
-        start_bytes=start_bytes,
-        world=world,
-        device=device,
-        job_digest=job_digest,
-        mode=autotune_mode(mode),
-    )
+def tuner_for(mode: str | None, **settings: Any) -> BucketTuner | None:
+    """A :class:`BucketTuner` with ``settings`` (its keyword arguments) when autotuning is on (``mode``, or
+    ``BAGUA_AUTOTUNE`` when None), else None."""
+    mode = autotune_mode(mode)
+    return None if mode == "off" else BucketTuner(mode=mode, **settings)
