@@ -121,8 +121,9 @@ class QAdamConfig:
 
     def __post_init__(self) -> None:
         rate = self.learning_rate
-        # A schedule (callable) or an array scalar is the front end's to check; a number is checked here.
-        if not callable(rate) and getattr(rate, "ndim", None) != 0 and not (_is_number(rate) and rate >= 0):
+        # A number is checked here; a schedule (callable) or an array scalar is the front end's to check.
+        schedule_or_array = callable(rate) or getattr(rate, "ndim", None) == 0
+        if (_is_number(rate) and not rate >= 0) or not (_is_number(rate) or schedule_or_array):
             raise ValueError(f"{self.name}: learning_rate (lr) must be a float >= 0, got {rate!r}")
         steps = self.warmup_steps
         if isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or not 1 <= steps < 2**31 - 1:
@@ -149,17 +150,14 @@ class OneBitAdamConfig(QAdamConfig):
 
 
 ALGORITHM_CONFIGS: dict[str, type] = {
-    config.name: config
-    for config in (
-        GradientAllReduceConfig,
-        ByteGradConfig,
-        DecentralizedConfig,
-        LowPrecisionDecentralizedConfig,
-        AsyncModelAverageConfig,
-        QAdamConfig,
-        OneBitAdamConfig,
-        PowerSGDConfig,
-    )
+    "gradient_allreduce": GradientAllReduceConfig,
+    "bytegrad": ByteGradConfig,
+    "decentralized": DecentralizedConfig,
+    "low_precision_decentralized": LowPrecisionDecentralizedConfig,
+    "async": AsyncModelAverageConfig,
+    "qadam": QAdamConfig,
+    "onebit_adam": OneBitAdamConfig,
+    "powersgd": PowerSGDConfig,
 }
 """Registry name -> configuration class; the names both front ends accept."""
 

@@ -186,3 +186,41 @@ class AveragingRounds:
                 return
             self._want_snapshot = True
             self._cv.wait()
+
+
+class RoundsControl:
+    """The user's view of the rounds a front end's object drives through its ``_protocol``.
+
+    Mixed into ``bagua_jax``'s ``AsyncModelAverager`` and ``bagua_torch``'s
+    ``AsyncModelAverageImpl``, so both offer the same properties and controls.
+    """
+
+    _protocol: AveragingRounds
+
+    @property
+    def steps(self) -> int:
+        """Training steps counted so far (warm-up included)."""
+        return self._protocol.steps
+
+    @property
+    def rounds(self) -> int:
+        """The averaging rounds completed so far (equal on all ranks once the thread has stopped)."""
+        return self._protocol.rounds
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is alive (it ends on :meth:`abort`, on any rank's)."""
+        return self._protocol.running
+
+    def abort(self) -> None:
+        """Stop the rounds on every rank and wait for this rank's thread to end.
+
+        See :meth:`AveragingRounds.abort`: every rank's thread stops before the same round; a
+        round finished but not applied is still applied after the next step. Safe to call twice.
+        Raises the thread's error if a round failed.
+        """
+        self._protocol.abort()
+
+    def resume(self) -> None:
+        """Restart the rounds after :meth:`abort` (at once, or when warm-up ends); every rank must call it."""
+        self._protocol.resume()

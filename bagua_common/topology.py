@@ -6,7 +6,7 @@ size pair up identically and reject the same sizes with the same message.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -62,3 +62,33 @@ def ring_neighbours(rank: int, size: int) -> tuple[int, int]:
     if not 0 <= rank < size:
         raise ValueError(f"rank {rank} is not in 0..{size - 1}")
     return (rank - 1) % size, (rank + 1) % size
+
+
+class Communicators(NamedTuple):
+    """The communicators of a run: everyone, and for hierarchical algorithms the two levels.
+
+    ``intra`` groups the ranks of one node (the fast links), ``inter`` the ranks with the same
+    local index across nodes (the slow links); world rank ``r`` is local rank ``r % intra.size``
+    of node ``r // intra.size``. Both are None on a flat topology (one node, or one rank per
+    node), and hierarchical algorithms then communicate over ``world`` alone. The members are a
+    front end's communicators (``bagua_jax`` or ``bagua_torch``).
+    """
+
+    world: Any
+    intra: Any = None
+    inter: Any = None
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether both levels are set."""
+        return self.intra is not None and self.inter is not None
+
+    def levels(self, hierarchical: bool, algorithm: str = "algorithm") -> tuple[Any, Any] | None:
+        """``(intra, inter)`` if ``hierarchical`` is asked for and both levels exist, else None (flat over world).
+
+        Raises a ValueError if the two levels do not tile ``world``.
+        """
+        if not (hierarchical and self.hierarchical):
+            return None
+        check_two_levels(self.intra.size, self.inter.size, self.world.size, algorithm)
+        return self.intra, self.inter

@@ -14,49 +14,23 @@ rank receives the same value.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import jax
 import numpy as np
 
-ReduceOp = Literal["sum", "avg", "min", "max"]
-REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "avg", "min", "max")
+from bagua_common.collectives import REDUCE_OPS, Collectives, ReduceOp
+
+__all__ = ["REDUCE_OPS", "Communicator", "ReduceOp", "check_schedule"]
 
 
 @runtime_checkable
-class Communicator(Protocol):
-    """Collectives among ``size`` ranks; see the module docstring for conventions."""
-
-    @property
-    def size(self) -> int:
-        """The number of ranks (a Python int, known when tracing)."""
+class Communicator(Collectives[jax.Array], Protocol):
+    """Collectives among ``size`` ranks (see :class:`bagua_common.collectives.Collectives`); see the module
+    docstring for conventions."""
 
     def rank(self) -> jax.Array:
         """This rank's index as an int32 scalar (traced under ``shard_map``)."""
-
-    def allreduce(self, x: jax.Array, op: ReduceOp = "sum") -> jax.Array:
-        """Reduce ``x`` over all ranks; every rank gets the result."""
-
-    def reduce(self, x: jax.Array, root: int, op: ReduceOp = "sum") -> jax.Array:
-        """Reduce ``x`` over all ranks onto ``root``; other ranks get zeros."""
-
-    def broadcast(self, x: jax.Array, root: int) -> jax.Array:
-        """Every rank gets ``root``'s ``x``."""
-
-    def reduce_scatter(self, x: jax.Array, op: ReduceOp = "sum") -> jax.Array:
-        """``x`` is ``[size, *s]``; rank r gets row r reduced over ranks (shape ``s``)."""
-
-    def allgather(self, x: jax.Array) -> jax.Array:
-        """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""
-
-    def gather(self, x: jax.Array, root: int) -> jax.Array:
-        """``root`` gets ``[size, *x.shape]`` (row j from rank j); other ranks get zeros."""
-
-    def scatter(self, x: jax.Array, root: int) -> jax.Array:
-        """``x`` is ``[size, *s]`` (read on ``root``); rank r gets ``root``'s row r."""
-
-    def alltoall(self, x: jax.Array) -> jax.Array:
-        """``x`` is ``[size, *s]``; row j goes to rank j, and row j of the result came from rank j."""
 
     def alltoall_v(self, x: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, out_size: int) -> jax.Array:
         """Variable all-to-all on 1-D ``x``: ``send_counts[j]`` leading elements (packed in rank

@@ -62,14 +62,11 @@ def initialize(
     # The preemption service replaces SIGTERM's action with a notice; a launcher stopping
     # the job (or a user's kill) must end the process.
     jax.config.update("jax_enable_preemption_service", False)
-    jax.distributed.initialize(
-        coordinator_address=coordinator_address,
-        num_processes=num_processes,
-        process_id=process_id,
-        initialization_timeout=seconds,
-        heartbeat_timeout_seconds=seconds,
-        shutdown_timeout_seconds=seconds,
+    # One timeout for joining, for a silent peer and for leaving.
+    timeouts = dict.fromkeys(
+        ("initialization_timeout", "heartbeat_timeout_seconds", "shutdown_timeout_seconds"), seconds
     )
+    jax.distributed.initialize(coordinator_address, num_processes, process_id, **timeouts)
     atexit.register(_leave_at_once_on_uncaught_exception)
 
 

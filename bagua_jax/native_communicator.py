@@ -24,14 +24,19 @@ class NativeCommunicator:
     ``jax.jit`` and keeps program order on every rank. A collective that does not
     complete within ``timeout`` seconds (a dead peer, a rank that skipped it) raises
     an error naming the communicator, the operation and the rank.
+
+    Attributes (read them, do not set them): ``size``, the number of ranks; ``handle``, the
+    engine's integer handle of this communicator; ``engine``, the engine module (``_bagua_mpi``
+    or ``_bagua_nccl``) for calls outside ``jit``; ``kind``, ``"mpi"`` (host buffers) or
+    ``"nccl"`` (device buffers).
     """
 
     def __init__(self, handle: int, engine_kind: str):
-        self._engine = engine(engine_kind)
-        self._handle = handle
-        self._kind = engine_kind
-        self._size = self._engine.size(handle)
-        self._rank = self._engine.rank(handle)
+        self.engine = engine(engine_kind)
+        self.handle = handle
+        self.kind = engine_kind
+        self.size = self.engine.size(handle)
+        self._rank = self.engine.rank(handle)
 
     @classmethod
     def mpi_world(cls, timeout: float | None = None) -> NativeCommunicator:
@@ -70,31 +75,11 @@ class NativeCommunicator:
     def split(self, color: int, key: int, name: str) -> NativeCommunicator:
         """The ranks with the same ``color``, ordered by ``key`` (e.g. one per node for the
         intra-node group of a hierarchical algorithm). Every rank must call it."""
-        return NativeCommunicator(self._engine.split(self._handle, int(color), int(key), name), self._kind)
+        return NativeCommunicator(self.engine.split(self.handle, int(color), int(key), name), self.kind)
 
     def close(self) -> None:
         """Release the communicator (it is freed once no call uses it)."""
-        self._engine.destroy(self._handle)
-
-    @property
-    def size(self) -> int:
-        """The number of ranks."""
-        return self._size
-
-    @property
-    def handle(self) -> int:
-        """The engine's integer handle for this communicator."""
-        return self._handle
-
-    @property
-    def engine(self):
-        """The engine module (``_bagua_mpi`` or ``_bagua_nccl``), for calls outside ``jit``."""
-        return self._engine
-
-    @property
-    def kind(self) -> str:
-        """``"mpi"`` (host buffers) or ``"nccl"`` (device buffers)."""
-        return self._kind
+        self.engine.destroy(self.handle)
 
     def rank(self) -> jax.Array:
         """This rank's index as an int32 scalar."""
@@ -106,59 +91,59 @@ class NativeCommunicator:
         return REDUCE_OP_CODES[op]
 
     def _root(self, root: int) -> int:
-        if not 0 <= int(root) < self._size:
-            raise ValueError(f"root {root} is not a rank of this {self._size}-rank communicator")
+        if not 0 <= int(root) < self.size:
+            raise ValueError(f"root {root} is not a rank of this {self.size}-rank communicator")
         return int(root)
 
     def _rows(self, x: jax.Array, what: str) -> jax.Array:
         x = jnp.asarray(x)
-        if x.ndim == 0 or x.shape[0] != self._size:
-            raise ValueError(f"{what} needs x of shape [size={self._size}, ...], got {list(x.shape)}")
+        if x.ndim == 0 or x.shape[0] != self.size:
+            raise ValueError(f"{what} needs x of shape [size={self.size}, ...], got {list(x.shape)}")
         return x
 
     def allreduce(self, x: jax.Array, op: ReduceOp = "sum") -> jax.Array:
         """Reduce ``x`` over all ranks; every rank gets the result."""
         x = jnp.asarray(x)
-        return nc.allreduce_p.bind(x.ravel(), comm=self._handle, op=self._op(op)).reshape(x.shape)
+        return nc.allreduce_p.bind(x.ravel(), comm=self.handle, op=self._op(op)).reshape(x.shape)
 
     def reduce(self, x: jax.Array, root: int, op: ReduceOp = "sum") -> jax.Array:
         """Reduce ``x`` over all ranks onto ``root``; other ranks get zeros."""
         x = jnp.asarray(x)
-        flat = nc.reduce_p.bind(x.ravel(), comm=self._handle, op=self._op(op), root=self._root(root))
+        flat = nc.reduce_p.bind(x.ravel(), comm=self.handle, op=self._op(op), root=self._root(root))
         return flat.reshape(x.shape)
 
     def broadcast(self, x: jax.Array, root: int) -> jax.Array:
         """Every rank gets ``root``'s ``x``."""
         x = jnp.asarray(x)
-        return nc.broadcast_p.bind(x.ravel(), comm=self._handle, root=self._root(root)).reshape(x.shape)
+        return nc.broadcast_p.bind(x.ravel(), comm=self.handle, root=self._root(root)).reshape(x.shape)
 
     def reduce_scatter(self, x: jax.Array, op: ReduceOp = "sum") -> jax.Array:
         """``x`` is ``[size, *s]``; rank r gets row r reduced over ranks."""
         x = self._rows(x, "reduce_scatter")
-        flat = nc.reduce_scatter_p.bind(x.ravel(), comm=self._handle, op=self._op(op), size=self._size)
+        flat = nc.reduce_scatter_p.bind(x.ravel(), comm=self.handle, op=self._op(op), size=self.size)
         return flat.reshape(x.shape[1:])
 
     def allgather(self, x: jax.Array) -> jax.Array:
         """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""
         x = jnp.asarray(x)
-        return nc.allgather_p.bind(x.ravel(), comm=self._handle, size=self._size).reshape(self._size, *x.shape)
+        return nc.allgather_p.bind(x.ravel(), comm=self.handle, size=self.size).reshape(self.size, *x.shape)
 
     def gather(self, x: jax.Array, root: int) -> jax.Array:
         """``root`` gets ``[size, *x.shape]``; other ranks get zeros."""
         x = jnp.asarray(x)
-        flat = nc.gather_p.bind(x.ravel(), comm=self._handle, root=self._root(root), size=self._size)
-        return flat.reshape(self._size, *x.shape)
+        flat = nc.gather_p.bind(x.ravel(), comm=self.handle, root=self._root(root), size=self.size)
+        return flat.reshape(self.size, *x.shape)
 
     def scatter(self, x: jax.Array, root: int) -> jax.Array:
         """``x`` is ``[size, *s]`` (read on ``root``); rank r gets ``root``'s row r."""
         x = self._rows(x, "scatter")
-        flat = nc.scatter_p.bind(x.ravel(), comm=self._handle, root=self._root(root), size=self._size)
+        flat = nc.scatter_p.bind(x.ravel(), comm=self.handle, root=self._root(root), size=self.size)
         return flat.reshape(x.shape[1:])
 
     def alltoall(self, x: jax.Array) -> jax.Array:
         """``x`` is ``[size, *s]``; row j goes to rank j, row j of the result came from rank j."""
         x = self._rows(x, "alltoall")
-        return nc.alltoall_p.bind(x.ravel(), comm=self._handle).reshape(x.shape)
+        return nc.alltoall_p.bind(x.ravel(), comm=self.handle).reshape(x.shape)
 
     def alltoall_v(self, x: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, out_size: int) -> jax.Array:
         """Variable all-to-all of 1-D ``x`` with run-time int32 counts (see the protocol)."""
@@ -167,15 +152,15 @@ class NativeCommunicator:
             raise ValueError(f"alltoall_v needs a 1-D x, got shape {list(x.shape)}")
         counts = [jnp.asarray(c, jnp.int32).reshape(-1) for c in (send_counts, recv_counts)]
         for c in counts:
-            if c.size != self._size:
-                raise ValueError(f"alltoall_v counts need {self._size} entries, got {c.size}")
-        return nc.alltoall_v_p.bind(x, *counts, comm=self._handle, out_size=int(out_size))
+            if c.size != self.size:
+                raise ValueError(f"alltoall_v counts need {self.size} entries, got {c.size}")
+        return nc.alltoall_v_p.bind(x, *counts, comm=self.handle, out_size=int(out_size))
 
     def send_recv(self, x: jax.Array, peers: jax.Array) -> jax.Array:
         """Send ``x`` to each rank in ``peers`` (run-time int32) and receive one ``x`` from each."""
         x = jnp.asarray(x)
         peers = jnp.asarray(peers, jnp.int32).reshape(-1)
-        flat = nc.send_recv_p.bind(x.ravel(), peers, comm=self._handle)
+        flat = nc.send_recv_p.bind(x.ravel(), peers, comm=self.handle)
         return flat.reshape(peers.shape[0], *x.shape)
 
     def send_recv_scheduled(self, x: jax.Array, schedule: np.ndarray, round_index: jax.Array) -> jax.Array:
@@ -190,14 +175,14 @@ class NativeCommunicator:
         Point-to-point calls are ordered with the collectives, so two ranks that send and
         receive in opposite orders still meet.
         """
-        nc.send_p.bind(jnp.asarray(x), jnp.asarray(peer, jnp.int32).reshape(1), comm=self._handle)
+        nc.send_p.bind(jnp.asarray(x), jnp.asarray(peer, jnp.int32).reshape(1), comm=self.handle)
 
     def recv(self, shape: tuple[int, ...], dtype: jnp.dtype, peer: jax.Array | int) -> jax.Array:
         """Receive an array of ``shape`` and ``dtype`` sent by rank ``peer``."""
         peer = jnp.asarray(peer, jnp.int32).reshape(1)
-        return nc.recv_p.bind(peer, comm=self._handle, shape=tuple(shape), dtype=jnp.dtype(dtype))
+        return nc.recv_p.bind(peer, comm=self.handle, shape=tuple(shape), dtype=jnp.dtype(dtype))
 
     def barrier(self, x: jax.Array) -> jax.Array:
         """Return ``x`` once every rank has reached this point."""
-        nc.barrier_p.bind(comm=self._handle)
+        nc.barrier_p.bind(comm=self.handle)
         return x

@@ -8,6 +8,7 @@ from their metadata), so a parent process that only launches workers stays light
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import datetime
@@ -16,8 +17,6 @@ import json
 import os
 import re
 import shlex
-import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -25,8 +24,21 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bagua_common.local_ranks import free_port as free_port  # for the scripts
+from bagua_common.local_ranks import mpiexec
+
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where the scripts write their results by default."""
+
+
+def add_subset_option(parser: argparse.ArgumentParser, flag: str, choices: Sequence[str], help: str) -> None:
+    """``flag NAME [NAME ...]``: some of ``choices`` (all by default), in the order given."""
+    parser.add_argument(flag, nargs="+", choices=list(choices), default=list(choices), help=help)
+
+
+def add_out_option(parser: argparse.ArgumentParser) -> None:
+    """``--out DIR``: where the results are written (default :data:`RESULTS`)."""
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
 
 
 def cores() -> int:
@@ -178,19 +190,3 @@ class Progress:
             sys.stderr.write("\r" + " " * len(self._last) + "\r")
             sys.stderr.flush()
             self._last = ""
-
-
-def free_port() -> int:
-    """A TCP port free on the loopback interface now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def mpiexec() -> str:
-    """The mpiexec beside this interpreter (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise RuntimeError("no mpiexec found; pip install mpich")
-    return found

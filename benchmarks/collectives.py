@@ -291,6 +291,18 @@ def wrong_elements(primitive: str, rank: int, n: int, count: int, got: np.ndarra
 # --------------------------------------------------------------------------- engines (workers)
 
 
+def jax_primitives(comm: Any) -> dict[str, Callable[..., Any]]:
+    """The measured primitives over a ``bagua_jax`` communicator, by name, as functions of the input."""
+    return {
+        "allreduce": lambda x: comm.allreduce(x, "sum"),
+        "allgather": comm.allgather,
+        "reduce_scatter": lambda x: comm.reduce_scatter(x, "sum"),
+        "alltoall": comm.alltoall,
+        "broadcast": lambda x: comm.broadcast(x, ROOT),
+        "send_recv": comm.send_recv,
+    }
+
+
 class Engine:
     """One rank's communicator of one engine; ``prepare`` gives a call that runs and waits."""
 
@@ -342,14 +354,7 @@ class NativeJaxEngine(Engine):
         self.rank, self.size = int(self.comm.rank()), self.comm.size
         comm = self.comm
         self._max = jax.jit(lambda v: comm.allreduce(v, "max"))
-        self._ops: dict[str, Callable[..., Any]] = {
-            "allreduce": lambda x: comm.allreduce(x, "sum"),
-            "allgather": comm.allgather,
-            "reduce_scatter": lambda x: comm.reduce_scatter(x, "sum"),
-            "alltoall": comm.alltoall,
-            "broadcast": lambda x: comm.broadcast(x, ROOT),
-            "send_recv": comm.send_recv,
-        }
+        self._ops = jax_primitives(comm)
 
     def prepare(self, primitive, x, peers):
         jax, jnp = self.jax, self.jnp
@@ -407,14 +412,7 @@ class LaxEngine(Engine):
         self.comm = comm = LaxCommunicator("r", ranks)
         self.rank, self.size = jax.process_index(), ranks
         self._max = self._step(lambda v: comm.allreduce(v, "max"), 1)
-        self._ops: dict[str, Callable[..., Any]] = {
-            "allreduce": lambda x: comm.allreduce(x, "sum"),
-            "allgather": comm.allgather,
-            "reduce_scatter": lambda x: comm.reduce_scatter(x, "sum"),
-            "alltoall": comm.alltoall,
-            "broadcast": lambda x: comm.broadcast(x, ROOT),
-            "send_recv": comm.send_recv,
-        }
+        self._ops = jax_primitives(comm)
 
     def _step(self, fn: Callable[..., Any], nargs: int) -> Callable[..., Any]:
         """``fn`` on each process's block, as a jitted shard_map over the ranks' axis."""
@@ -1078,16 +1076,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="largest size (default 64M on cpu, 256M on gpu, 256K with --quick)",
     )
-    parser.add_argument(
-        "--engines", nargs="+", choices=ENGINES, default=list(ENGINES), help="engines to run (default: all)"
-    )
-    parser.add_argument(
-        "--primitives",
-        nargs="+",
-        choices=PRIMITIVES,
-        default=list(PRIMITIVES),
-        help="primitives to measure (default: all)",
-    )
+    _common.add_subset_option(parser, "--engines", ENGINES, "engines to run (default: all)")
+    _common.add_subset_option(parser, "--primitives", PRIMITIVES, "primitives to measure (default: all)")
     parser.add_argument(
         "--target-seconds",
         type=float,
@@ -1108,12 +1098,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"seconds per collective inside the communicators (default {COMM_TIMEOUT_SECONDS:g})",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 KiB to 256 KiB, short measurements")
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(__file__).resolve().parent / "results",
-        help="results directory (default benchmarks/results)",
-    )
+    _common.add_out_option(parser)
     parser.add_argument(
         "--fresh-pages",
         action="store_true",

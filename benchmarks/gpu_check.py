@@ -32,8 +32,28 @@ import sys
 import time
 from pathlib import Path
 
+import _common
+
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
+
+
+def sanitized(tool: str) -> list[str]:
+    """The GPU kernel tests under compute-sanitizer's ``tool`` (any finding fails the step)."""
+    return [
+        "compute-sanitizer",
+        "--tool",
+        tool,
+        "--error-exitcode",
+        "1",
+        PY,
+        "-m",
+        "pytest",
+        "-q",
+        "tests/test_kernels_gpu.py",
+    ]
+
+
 STEPS = {
     "build": [
         PY,
@@ -46,30 +66,8 @@ STEPS = {
         ".",
     ],
     "tests": [PY, "-m", "pytest", "-q", "-m", "gpu"],
-    "memcheck": [
-        "compute-sanitizer",
-        "--tool",
-        "memcheck",
-        "--error-exitcode",
-        "1",
-        PY,
-        "-m",
-        "pytest",
-        "-q",
-        "tests/test_kernels_gpu.py",
-    ],
-    "racecheck": [
-        "compute-sanitizer",
-        "--tool",
-        "racecheck",
-        "--error-exitcode",
-        "1",
-        PY,
-        "-m",
-        "pytest",
-        "-q",
-        "tests/test_kernels_gpu.py",
-    ],
+    "memcheck": sanitized("memcheck"),
+    "racecheck": sanitized("racecheck"),
     "kernels": [PY, "benchmarks/kernels.py", "--device", "gpu"],
 }
 TAIL_LINES = 40
@@ -174,13 +172,7 @@ def write_report(path: Path, device: str, outcomes: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument(
-        "--steps",
-        nargs="+",
-        choices=list(STEPS),
-        default=list(STEPS),
-        help="steps to run (default: all, in order)",
-    )
+    _common.add_subset_option(parser, "--steps", list(STEPS), "steps to run (default: all, in order)")
     parser.add_argument("--skip-build", action="store_true", help="use the installed build")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per step")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")

@@ -148,17 +148,19 @@ def jnp_minmax_decompress_reduce(compressed: tuple[jax.Array, jax.Array, jax.Arr
     return jnp_minmax_decode(compressed).mean(axis=0)
 
 
-def jnp_sign_compress(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-    """Chunked sign bits (LSB first) and ``mean(|x|)`` scales: ``(bits[k, c/8], scale[k, 1])``."""
+def xp_sign_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any]:
+    """Chunked sign bits (LSB first) and ``mean(|x|)`` scales: ``(bits[k, c/8], scale[k, 1])``, in NumPy or
+    ``jax.numpy`` (``xp``)."""
     chunks = x.reshape(k, -1)
-    scale = jnp.abs(chunks).mean(axis=1, keepdims=True)
-    return jnp.packbits(chunks >= 0, axis=1, bitorder="little"), scale
+    scale = xp.abs(chunks).mean(axis=1, keepdims=True)
+    return xp.packbits(chunks >= 0, axis=1, bitorder="little"), scale
 
 
-def jnp_sign_decompress(compressed: tuple[jax.Array, jax.Array]) -> jax.Array:
+def xp_sign_decompress(xp: Any, compressed: tuple[Any, Any]) -> Any:
+    """The inverse of :func:`xp_sign_compress`: ``+scale`` or ``-scale`` per element."""
     bits, scale = compressed
-    positive = jnp.unpackbits(bits, axis=1, bitorder="little").astype(bool)
-    return jnp.where(positive, scale, -scale).reshape(-1)
+    positive = xp.unpackbits(bits, axis=1, bitorder="little").astype(bool)
+    return xp.where(positive, scale, -scale).reshape(-1)
 
 
 def np_minmax_compress(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -189,18 +191,6 @@ def np_minmax_decompress(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) 
 
 def np_minmax_decompress_reduce(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
     return np_minmax_decode(compressed).mean(axis=0)
-
-
-def np_sign_compress(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    chunks = x.reshape(k, -1)
-    scale = np.abs(chunks).mean(axis=1, keepdims=True)
-    return np.packbits(chunks >= 0, axis=1, bitorder="little"), scale
-
-
-def np_sign_decompress(compressed: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    bits, scale = compressed
-    positive = np.unpackbits(bits, axis=1, bitorder="little").astype(bool)
-    return np.where(positive, scale, -scale).reshape(-1)
 
 
 def torch_minmax_compress(x: Any, k: int) -> tuple[Any, Any, Any]:
@@ -327,8 +317,8 @@ class Jnp(_JaxImplementation):
         self.minmax_compress = jax.jit(partial(jnp_minmax_compress, k=k))
         self.minmax_decompress = jax.jit(jnp_minmax_decompress)
         self.minmax_decompress_reduce = jax.jit(jnp_minmax_decompress_reduce)
-        self.sign_compress = jax.jit(partial(jnp_sign_compress, k=k))
-        self.sign_decompress = jax.jit(jnp_sign_decompress)
+        self.sign_compress = jax.jit(partial(xp_sign_compress, jnp, k=k))
+        self.sign_decompress = jax.jit(partial(xp_sign_decompress, jnp))
         self.axpy = jax.jit(lambda x, y: x + AXPY_A * y)
         self.async_average = jax.jit(lambda x, r, s: x + (r / k - s))
         self.copy = jax.jit(jnp.copy)
@@ -408,8 +398,8 @@ class NumPy(Implementation):
         self.minmax_compress = partial(np_minmax_compress, k=k)
         self.minmax_decompress = np_minmax_decompress
         self.minmax_decompress_reduce = np_minmax_decompress_reduce
-        self.sign_compress = partial(np_sign_compress, k=k)
-        self.sign_decompress = np_sign_decompress
+        self.sign_compress = partial(xp_sign_compress, np, k=k)
+        self.sign_decompress = partial(xp_sign_decompress, np)
         self.axpy = lambda x, y: x + np.float32(AXPY_A) * y
         self.async_average = lambda x, r, s: x + (r / np.float32(k) - s)
         self.copy = self._copy
@@ -796,18 +786,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed calls per measurement (default: adaptive, 3 to 100)"
     )
-    parser.add_argument(
-        "--out",
-        type=Path,
-        default=Path(__file__).resolve().parent / "results",
-        help="results directory (default benchmarks/results)",
-    )
-    parser.add_argument(
-        "--frameworks",
-        nargs="+",
-        choices=FRAMEWORKS,
-        default=list(FRAMEWORKS),
-        help="baselines to run (default: jax torch numpy; numpy only on cpu)",
+    _common.add_out_option(parser)
+    _common.add_subset_option(
+        parser, "--frameworks", FRAMEWORKS, "baselines to run (default: jax torch numpy; numpy only on cpu)"
     )
     parser.add_argument(
         "--fresh-pages",

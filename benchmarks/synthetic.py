@@ -283,24 +283,14 @@ def worker_jax(args: argparse.Namespace) -> dict[str, Any]:
     setup = _jax_pmean_setup if args.algorithm == BASELINES["jax"] else _jax_bagua_setup
     params = init_params(args.model, args.image_size, args.width, args.layers)
     job = setup(args, rank, size, jax_model(args.model), params, args.lr, _algorithm_warmup_steps(args))
-    batch = job.place(*random_batch(args.batch_size, args.image_size, rank))
-
-    def run(n: int, state):
-        for _ in range(n):
-            state, _ = job.step(state, batch)
-        jax.block_until_ready(state)
-        return state
-
-    result, state = _time_loop(args, rank, size, run, job.state)
-    if args.convergence_steps:
-        result["digits_losses"] = _digits_losses(
-            args,
-            rank,
-            size,
-            lambda lr, warmup: setup(args, rank, size, jax_model("mlp"), digits_params(args.digits_hidden), lr, warmup),
-        )
-    job.finish(state)
-    return result
+    return _measure_job(
+        args,
+        rank,
+        size,
+        job,
+        lambda lr, warmup: setup(args, rank, size, jax_model("mlp"), digits_params(args.digits_hidden), lr, warmup),
+        jax.block_until_ready,
+    )
 
 
 def _jax_pmean_setup(
@@ -427,22 +417,14 @@ def worker_torch(args: argparse.Namespace) -> dict[str, Any]:
         bagua_torch.init_process_group("gloo", timeout=args.comm_timeout)
     params = init_params(args.model, args.image_size, args.width, args.layers)
     job = _torch_setup(args, torch_model(args.model, params), args.lr, _algorithm_warmup_steps(args))
-    batch = job.place(*random_batch(args.batch_size, args.image_size, rank))
-
-    def run(n: int, state):
-        for _ in range(n):
-            state, _ = job.step(state, batch)
-        return state
-
-    result, state = _time_loop(args, rank, size, run, job.state)
-    if args.convergence_steps:
-        result["digits_losses"] = _digits_losses(
-            args,
-            rank,
-            size,
-            lambda lr, warmup: _torch_setup(args, torch_model("mlp", digits_params(args.digits_hidden)), lr, warmup),
-        )
-    job.finish(state)
+    result = _measure_job(
+        args,
+        rank,
+        size,
+        job,
+        lambda lr, warmup: _torch_setup(args, torch_model("mlp", digits_params(args.digits_hidden)), lr, warmup),
+        lambda state: state,  # torch's steps return when done
+    )
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -528,6 +510,30 @@ def digits_params(hidden: int, seed: int = 0) -> list[np.ndarray]:
         bound = math.sqrt(6.0 / fan_in)
         params += [rng.uniform(-bound, bound, (fan_in, fan_out)).astype(np.float32), np.zeros(fan_out, np.float32)]
     return params
+
+
+def _measure_job(
+    args: argparse.Namespace,
+    rank: int,
+    size: int,
+    job: RankJob,
+    digits_setup: Callable[[float, int], RankJob],
+    wait: Callable[[Any], Any],
+) -> dict[str, Any]:
+    """Time ``job``'s steps on one random batch (``wait(state)`` returns once a run of steps is done), then with
+    --convergence-steps train the digits MLP set up by ``digits_setup``; finishes the job."""
+    batch = job.place(*random_batch(args.batch_size, args.image_size, rank))
+
+    def run(n: int, state):
+        for _ in range(n):
+            state, _ = job.step(state, batch)
+        return wait(state)
+
+    result, state = _time_loop(args, rank, size, run, job.state)
+    if args.convergence_steps:
+        result["digits_losses"] = _digits_losses(args, rank, size, digits_setup)
+    job.finish(state)
+    return result
 
 
 def _digits_losses(
@@ -986,10 +992,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--iters", type=int, default=10, help="timed iterations (default 10)")
     parser.add_argument("--batches-per-iter", type=int, default=5, help="steps per iteration (default 5)")
     parser.add_argument(
-        "--threads",
-        type=int,
-        default=None,
-        help="torch intra-op threads per process (default: cores / processes, at least 1)",
+        "--threads", type=int, help="torch intra-op threads per process (default: cores / processes, at least 1)"
     )
     parser.add_argument(
         "--jax-comm",
@@ -1009,16 +1012,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--digits-hidden", type=int, default=64, help="digits MLP hidden width (default 64)")
     parser.add_argument("--digits-lr", type=float, default=0.05, help="digits SGD learning rate (default 0.05)")
     parser.add_argument(
-        "--digits-adam-lr",
-        type=float,
-        default=0.005,
-        help="digits learning rate of QAdam and OneBitAdam (default 0.005)",
+        "--digits-adam-lr", type=float, default=0.005, help="digits QAdam/OneBitAdam rate (default 0.005)"
     )
     parser.add_argument("--job-timeout", type=float, default=300, help="seconds per algorithm's job (default 300)")
     parser.add_argument("--comm-timeout", type=float, default=120, help="collective timeout in seconds")
-    parser.add_argument(
-        "--out", type=Path, default=HERE.parent / "results", help="results directory (default benchmarks/results)"
-    )
+    _common.add_out_option(parser)
     parser.add_argument("--plot", action="store_true", help="also write a PNG bar chart (needs matplotlib)")
     parser.add_argument("--keep-logs", action="store_true", help="keep every job's output under <out>/logs")
     parser.add_argument("--tail-lines", type=int, default=20, help=argparse.SUPPRESS)

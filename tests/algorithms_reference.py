@@ -14,6 +14,30 @@ import numpy as np
 F32 = np.float32
 
 
+def assert_params_equal(a: dict, b: dict, msg: str = "") -> None:
+    """Assert two ``{name: array}`` dicts hold the same names and the same values bit for bit."""
+    assert a.keys() == b.keys()
+    for k, value in a.items():
+        np.testing.assert_array_equal(value, b[k], err_msg=f"{msg} {k}")
+
+
+def max_diff(a: dict, b: dict) -> float:
+    """The largest absolute difference between two ``{name: array}`` dicts."""
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def unflatten(flat: list[np.ndarray], buckets: list[list[str]], shapes: dict[str, tuple[int, ...]]) -> dict:
+    """The named arrays in flat ``buckets`` (each bucket's names in order, any padding after them)."""
+    out = {}
+    for names, bucket in zip(buckets, flat):
+        offset = 0
+        for name in names:
+            size = int(np.prod(shapes[name]))
+            out[name] = bucket[offset : offset + size].reshape(shapes[name])
+            offset += size
+    return out
+
+
 def minmax_allreduce(xs: list[np.ndarray], residuals: list[np.ndarray] | None, average: bool):
     """ByteGrad's compressed allreduce among ``len(xs)`` ranks holding ``xs``: compress into k chunks
     (with error feedback when ``residuals`` is given), all-to-all the slots, decode-reduce, recompress

@@ -6,6 +6,10 @@ the machine's load let through)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 
 DIM = 8
@@ -142,3 +146,57 @@ def check_averaged_training(got: np.ndarray, seed: int, warmup: int, rounds: int
     n = got.shape[1]
     excess = excess_loss(averages, seed, n)
     assert excess[-1] < 0.5 * excess[0] and excess[-1] < 0.1, excess
+
+
+def abort_and_resume(rounds: Any, steps: Callable[[int], None], rank: int, resume: Callable[[], Any]) -> dict:
+    """The abort/resume scenario on either front end's rounds (``abort``, ``resume``, ``rounds``, ``running``):
+    abort at staggered times on every rank, ``resume()`` (its result is kept), abort on rank 0 only (every other
+    rank keeps stepping, ``steps(n)``, until that stops its thread too), then resume and abort at once."""
+    out: dict[str, Any] = {}
+    steps(100)
+    time.sleep(0.05 * rank)  # the ranks ask to stop at different times
+    rounds.abort()
+    out["a"] = (rounds.rounds, rounds.running)
+    steps(20)  # no rounds while aborted
+    out["a_after_steps"] = rounds.rounds
+    out["resume"] = resume()
+    steps(100)
+    if rank == 0:
+        rounds.abort()
+        out["stopped_by_peer"] = None
+    else:
+        # Rank 0's abort must stop this rank's thread too, while this loop keeps stepping.
+        deadline = time.monotonic() + 20
+        while rounds.running and time.monotonic() < deadline:
+            steps(1)
+        out["stopped_by_peer"] = not rounds.running
+        rounds.abort()
+    out["b"] = (rounds.rounds, rounds.running)
+    rounds.resume()
+    rounds.abort()  # possibly before the first round's flag: must not hang either
+    out["c"] = (rounds.rounds, rounds.running)
+    return out
+
+
+def one_rank_stalls(
+    rounds: Any, step: Callable[[], None], timed_step: Callable[[], float], rank: int, stall_s: float
+) -> dict:
+    """Rank 1 stops stepping for ``stall_s`` seconds, which keeps rank 0's round in flight, while rank 0 keeps
+    stepping: ``step_s``, the seconds of each of its ``timed_step()`` (which returns them), must stay short."""
+    out: dict[str, Any] = {"rounds_before": rounds.rounds}
+    if rank == 1:
+        time.sleep(stall_s)
+    else:
+        durations = []
+        start = time.monotonic()
+        while time.monotonic() - start < 0.8 * stall_s:
+            durations.append(timed_step())
+            time.sleep(0.001)
+        out["step_s"] = np.array(durations)
+        out["loop_s"] = time.monotonic() - start
+    out["rounds_during"] = rounds.rounds - out["rounds_before"]
+    for _ in range(5):
+        step()
+    rounds.abort()
+    out["rounds"] = rounds.rounds
+    return out

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
-from async_model_average_reference import DIM, LR, batch, rank_params
+from async_model_average_reference import DIM, LR, abort_and_resume, batch, one_rank_stalls, rank_params
 
 
 def _setup(sync_interval_ms: float, warmup_steps: int):
@@ -132,32 +132,7 @@ def abort_resume(seed: int) -> dict:
             params = averager.apply(drift(params))
             time.sleep(0.001)
 
-    out = {"rank": rank}
-    steps(100)
-    time.sleep(0.05 * rank)  # the ranks ask to stop at different times
-    averager.abort()
-    out["a"] = (averager.rounds, averager.running)
-    steps(20)  # no rounds while aborted
-    out["a_after_steps"] = averager.rounds
-
-    averager.resume()
-    steps(100)
-    if rank == 0:
-        averager.abort()
-        out["stopped_by_peer"] = None
-    else:
-        # Rank 0's abort must stop this rank's thread too, while this loop keeps stepping.
-        deadline = time.monotonic() + 20
-        while averager.running and time.monotonic() < deadline:
-            steps(1)
-        out["stopped_by_peer"] = not averager.running
-        averager.abort()
-    out["b"] = (averager.rounds, averager.running)
-
-    averager.resume()
-    averager.abort()  # possibly before the first round's flag: must not hang either
-    out["c"] = (averager.rounds, averager.running)
-    return out
+    return {"rank": rank, **abort_and_resume(averager, steps, rank, averager.resume)}
 
 
 def never_waits(stall_s: float) -> dict:
@@ -181,24 +156,15 @@ def never_waits(stall_s: float) -> dict:
         time.sleep(0.001)
     world.barrier(jnp.zeros(())).block_until_ready()
 
-    out = {"rank": rank, "rounds_before": averager.rounds}
-    if rank == 1:
-        time.sleep(stall_s)
-    else:
-        durations = []
-        start = time.monotonic()
-        while time.monotonic() - start < 0.8 * stall_s:
-            params = local_step(params)
-            t0 = time.perf_counter()
-            params = averager.apply(params)
-            jax.block_until_ready(params)
-            durations.append(time.perf_counter() - t0)
-            time.sleep(0.001)
-        out["apply_s"] = np.array(durations)
-        out["loop_s"] = time.monotonic() - start
-    out["rounds_during"] = averager.rounds - out["rounds_before"]
-    for _ in range(5):
+    def step() -> None:
+        nonlocal params
         params = averager.apply(local_step(params))
-    averager.abort()
-    out["rounds"] = averager.rounds
-    return out
+
+    def timed_apply() -> float:
+        nonlocal params
+        params = local_step(params)
+        t0 = time.perf_counter()
+        params = jax.block_until_ready(averager.apply(params))
+        return time.perf_counter() - t0
+
+    return {"rank": rank, **one_rank_stalls(averager, step, timed_apply, rank, stall_s)}

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import torch
-from async_model_average_reference import DIM, LR, batch, rank_params
+from async_model_average_reference import DIM, LR, abort_and_resume, batch, one_rank_stalls, rank_params
 from scenarios import Registry, Scenario, raised
 from torch import nn
 
@@ -189,31 +189,7 @@ def abort_resume(seed: int, rank: int, group) -> dict:
             opt.step()
             time.sleep(0.001)
 
-    out = {}
-    steps(100)
-    time.sleep(0.05 * rank)  # the ranks ask to stop at different times
-    impl.abort()
-    out["a"] = (impl.rounds, impl.running)
-    steps(20)  # no rounds while aborted
-    out["a_after_steps"] = impl.rounds
-    out["resume_twice"] = raised(lambda: (impl.resume(), impl.resume()))
-
-    steps(100)
-    if rank == 0:
-        impl.abort()
-        out["stopped_by_peer"] = None
-    else:
-        # Rank 0's abort must stop this rank's thread too, while this loop keeps stepping.
-        deadline = time.monotonic() + 20
-        while impl.running and time.monotonic() < deadline:
-            steps(1)
-        out["stopped_by_peer"] = not impl.running
-        impl.abort()
-    out["b"] = (impl.rounds, impl.running)
-
-    impl.resume()
-    impl.abort()  # possibly before the first round's flag: must not hang either
-    out["c"] = (impl.rounds, impl.running)
+    out = abort_and_resume(impl, steps, rank, lambda: raised(lambda: (impl.resume(), impl.resume())))
     impl.resume()
     wrapped.close()  # close() aborts too
     out["closed"] = (impl.rounds, impl.running)
@@ -236,24 +212,12 @@ def never_waits(rank: int, group, stall_s: float) -> dict:
         time.sleep(0.001)
     group.world.barrier()
 
-    out = {"rounds_before": impl.rounds}
-    if rank == 1:
-        time.sleep(stall_s)
-    else:
-        durations = []
-        start = time.monotonic()
-        while time.monotonic() - start < 0.8 * stall_s:
-            t0 = time.perf_counter()
-            opt.step()
-            durations.append(time.perf_counter() - t0)
-            time.sleep(0.001)
-        out["step_s"] = np.array(durations)
-        out["loop_s"] = time.monotonic() - start
-    out["rounds_during"] = impl.rounds - out["rounds_before"]
-    for _ in range(5):
+    def timed_step() -> float:
+        t0 = time.perf_counter()
         opt.step()
-    impl.abort()
-    out["rounds"] = impl.rounds
+        return time.perf_counter() - t0
+
+    out = one_rank_stalls(impl, opt.step, timed_step, rank, stall_s)
     wrapped.close()
     return out
 

@@ -10,7 +10,6 @@ Scenario names: ``dec:<options>`` and ``lowprec:<options>`` with options ``mode=
 
 from __future__ import annotations
 
-import io
 import os
 
 import torch
@@ -22,6 +21,8 @@ from gradient_allreduce_bytegrad_workers_torch import (
     make_mlp,
     make_optimizer,
     params_of,
+    resumed_params,
+    saved_after_training,
     setup,
 )
 from scenarios import Registry, Scenario, raised
@@ -117,7 +118,6 @@ def peers(rank: int, size: int) -> dict:
 def checkpoint(seed: int, rank: int) -> dict:
     """Save after 3 steps, continue 3; a fresh wrapped model loaded from the checkpoint continues identically, one
     that gets the weights but not the algorithm state does not."""
-    import bagua_torch
     from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
     from bagua_torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 
@@ -126,33 +126,18 @@ def checkpoint(seed: int, rank: int) -> dict:
         ("dec", DecentralizedAlgorithm("shift_one", communication_interval=2)),
         ("lowprec", LowPrecisionDecentralizedAlgorithm()),
     ):
-        model = make_mlp(seed)
-        opt = make_optimizer(model)
-        wrapped = bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET)
-        _steps(wrapped, opt, seed, range(3), rank)
-        buffer = io.BytesIO()
-        torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict()}, buffer)
+        wrapped, model, opt, buffer = saved_after_training(
+            algorithm, seed, lambda w, o: _steps(w, o, seed, range(3), rank)
+        )
         saved_state = wrapped.algorithm_impl.state_dict()
         _steps(wrapped, opt, seed, range(3, 6), rank)
         continued = params_of(model)
         wrapped.close()
 
         def resume(with_state: bool, algorithm=algorithm, buffer=buffer) -> dict:
-            fresh = make_mlp(seed + 77)
-            fresh_opt = make_optimizer(fresh)
-            w = bagua_torch.with_bagua(fresh, [fresh_opt], algorithm, bucket_bytes=SMALL_BUCKET)
-            buffer.seek(0)
-            saved = torch.load(buffer)  # the safe (weights_only) loader reads the algorithm state too
-            if with_state:
-                w.load_state_dict(saved["model"])
-            else:
-                fresh.load_state_dict(
-                    {k.removeprefix("module."): v for k, v in saved["model"].items() if k.startswith("module.")}
-                )
-            fresh_opt.load_state_dict(saved["optimizer"])
-            _steps(w, fresh_opt, seed, range(3, 6), rank)
-            w.close()
-            return params_of(fresh)
+            return resumed_params(
+                buffer, algorithm, seed, with_state, lambda w, o: _steps(w, o, seed, range(3, 6), rank)
+            )
 
         out[label] = {
             "continued": continued,

@@ -1,29 +1,27 @@
-"""A small real task for convergence tests: an MLP on scikit-learn's bundled digits."""
+"""A small real task for convergence tests: an MLP on scikit-learn's bundled digits.
+
+The data and the initial weights are the examples' (``examples/digits_data.py``), so the tests
+train what the examples train.
+"""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
-from sklearn.datasets import load_digits
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 
-def load(seed: int = 0) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Standardized 8x8 digit images split into 1400 training and 397 test examples."""
-    data = load_digits()
-    x = data.data.astype(np.float32)
-    x = (x - x.mean(0)) / (x.std(0) + 1e-6)
-    order = np.random.default_rng(seed).permutation(len(x))
-    x, y = x[order], data.target[order].astype(np.int32)
-    return x[:1400], y[:1400], x[1400:], y[1400:]
+import digits_data  # noqa: E402 - found through the examples folder added above
+from digits_data import load  # noqa: E402
+
+__all__ = ["batches", "init_mlp", "load"]
 
 
 def init_mlp(seed: int = 0, hidden: int = 32) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    return {
-        "w1": (rng.standard_normal((64, hidden)) / 8).astype(np.float32),
-        "b1": np.zeros(hidden, np.float32),
-        "w2": (rng.standard_normal((hidden, 10)) / np.sqrt(hidden)).astype(np.float32),
-        "b2": np.zeros(10, np.float32),
-    }
+    """The weights of a 64-``hidden``-10 ReLU MLP (:func:`digits_data.init_mlp`)."""
+    return digits_data.init_mlp(hidden, seed)
 
 
 def batches(x: np.ndarray, y: np.ndarray, batch: int, steps: int, seed: int = 0):

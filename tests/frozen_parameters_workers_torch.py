@@ -10,14 +10,7 @@ from __future__ import annotations
 import time
 
 import torch
-from gradient_allreduce_bytegrad_workers_torch import (
-    SMALL_BUCKET,
-    batch,
-    loss_fn,
-    make_mlp,
-    params_of,
-    setup,
-)
+from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, batch, loss_fn, make_mlp, params_of, setup
 
 STEPS, WARMUP, LR = 6, 2, 0.01
 

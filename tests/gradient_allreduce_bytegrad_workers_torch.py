@@ -64,6 +64,49 @@ def params_of(model: nn.Module) -> dict[str, np.ndarray]:
     return {name: p.detach().float().cpu().numpy().copy() for name, p in model.named_parameters()}
 
 
+def load_checkpoint(buffer: io.BytesIO, wrapped: nn.Module, model: nn.Module, optimizer, with_state: bool) -> None:
+    """Load the checkpoint ``{"model": wrapped.state_dict(), "optimizer": ...}`` in ``buffer`` into a freshly
+    ``wrapped`` ``model`` and its ``optimizer``; ``with_state=False``: the weights and the optimizer only, not the
+    algorithm's state."""
+    buffer.seek(0)
+    saved = torch.load(buffer)  # the safe (weights_only) loader reads the algorithm state too
+    if with_state:
+        wrapped.load_state_dict(saved["model"])
+    else:
+        model.load_state_dict(
+            {k.removeprefix("module."): v for k, v in saved["model"].items() if k.startswith("module.")}
+        )
+    optimizer.load_state_dict(saved["optimizer"])
+
+
+def saved_after_training(algorithm, seed: int, train) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, io.BytesIO]:
+    """``(wrapped, model, optimizer, checkpoint)``: a model wrapped with ``algorithm``, trained by
+    ``train(wrapped, optimizer)``, then saved (the wrapped model's and the optimizer's state) into a new buffer."""
+    import bagua_torch
+
+    model = make_mlp(seed)
+    opt = make_optimizer(model)
+    wrapped = bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET)
+    train(wrapped, opt)
+    buffer = io.BytesIO()
+    torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    return wrapped, model, opt, buffer
+
+
+def resumed_params(buffer: io.BytesIO, algorithm, seed: int, with_state: bool, train) -> dict[str, np.ndarray]:
+    """The parameters of a fresh model wrapped with ``algorithm``, loaded from the checkpoint in ``buffer`` (see
+    :func:`load_checkpoint`) and trained by ``train(wrapped, optimizer)``."""
+    import bagua_torch
+
+    fresh = make_mlp(seed + 77)
+    fresh_opt = make_optimizer(fresh)
+    wrapped = bagua_torch.with_bagua(fresh, [fresh_opt], algorithm, bucket_bytes=SMALL_BUCKET)
+    load_checkpoint(buffer, wrapped, fresh, fresh_opt, with_state)
+    train(wrapped, fresh_opt)
+    wrapped.close()
+    return params_of(fresh)
+
+
 # ----------------------------------------------------------------------------- setup
 
 
@@ -337,12 +380,7 @@ def checkpoint(seed: int, rank: int) -> dict:
     from bagua_torch.algorithms import ByteGradAlgorithm
 
     algorithm = ByteGradAlgorithm(hierarchical=False, error_feedback=True)
-    model = make_mlp(seed)
-    opt = make_optimizer(model)
-    wrapped = bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET)
-    _train(wrapped, opt, seed, range(3), rank)
-    buffer = io.BytesIO()
-    torch.save({"model": wrapped.state_dict(), "optimizer": opt.state_dict()}, buffer)
+    wrapped, model, opt, buffer = saved_after_training(algorithm, seed, lambda w, o: _train(w, o, seed, range(3), rank))
     residual_norm = float(sum(r.norm() for r in wrapped.algorithm_impl.residuals))
     _train(wrapped, opt, seed, range(3, 6), rank)
     continued = params_of(model)
@@ -350,21 +388,7 @@ def checkpoint(seed: int, rank: int) -> dict:
     wrapped.close()
 
     def resume(with_state: bool) -> dict:
-        fresh = make_mlp(seed + 77)
-        fresh_opt = make_optimizer(fresh)
-        w = bagua_torch.with_bagua(fresh, [fresh_opt], algorithm, bucket_bytes=SMALL_BUCKET)
-        buffer.seek(0)
-        saved = torch.load(buffer)  # the safe (weights_only) loader reads the algorithm state too
-        if with_state:
-            w.load_state_dict(saved["model"])
-        else:
-            fresh.load_state_dict(
-                {k.removeprefix("module."): v for k, v in saved["model"].items() if k.startswith("module.")}
-            )
-        fresh_opt.load_state_dict(saved["optimizer"])
-        _train(w, fresh_opt, seed, range(3, 6), rank)
-        w.close()
-        return params_of(fresh)
+        return resumed_params(buffer, algorithm, seed, with_state, lambda w, o: _train(w, o, seed, range(3, 6), rank))
 
     resumed = resume(True)
     without_state = resume(False)

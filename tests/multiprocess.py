@@ -14,7 +14,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,6 +21,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from bagua_common.local_ranks import free_port, mpiexec
 
 TESTS = Path(__file__).resolve().parent
 
@@ -32,21 +33,6 @@ class RankResult:
     returncode: int | None  # None: killed at the timeout
     output: str
     value: Any = None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def mpiexec() -> str:
-    """The mpiexec beside this interpreter (the mpich wheel's), else the one on PATH."""
-    beside = Path(sys.executable).parent / "mpiexec"
-    found = str(beside) if beside.exists() else shutil.which("mpiexec")
-    if not found:
-        raise RuntimeError("no mpiexec found; pip install mpich")
-    return found
 
 
 def has_mpiexec() -> bool:

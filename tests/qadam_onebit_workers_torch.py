@@ -14,6 +14,7 @@ import torch
 from gradient_allreduce_bytegrad_workers_torch import (
     SMALL_BUCKET,
     batch,
+    load_checkpoint,
     loss_fn,
     make_mlp,
     params_of,
@@ -181,15 +182,7 @@ def _resume(
     the optimizer only, not the algorithm state), trained on ``steps``."""
     fresh = make_mlp(seed + 77)
     w, fresh_opt = _wrap(algo, fresh, warmup_steps)
-    buffer.seek(0)
-    saved = torch.load(buffer)  # the safe (weights_only) loader
-    if with_state:
-        w.load_state_dict(saved["model"])
-    else:
-        fresh.load_state_dict(
-            {k.removeprefix("module."): v for k, v in saved["model"].items() if k.startswith("module.")}
-        )
-    fresh_opt.load_state_dict(saved["optimizer"])
+    load_checkpoint(buffer, w, fresh, fresh_opt, with_state)
     step_id = fresh_opt.step_id
     _train(w, fresh_opt, seed, steps, rank)
     w.close()

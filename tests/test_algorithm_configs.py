@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -30,12 +31,15 @@ BAD_VALUES: list[tuple[str, dict[str, Any]]] = [
     ("bytegrad", {"error_feedback": 1}),
     ("decentralized", {"peer_selection_mode": "ring"}),
     ("decentralized", {"communication_interval": 0}),
+    ("decentralized", {"communication_interval": True}),
+    ("decentralized", {"communication_interval": -1}),
     ("decentralized", {"hierarchical": None}),
     ("low_precision_decentralized", {"communication_interval": 1.5}),
     ("low_precision_decentralized", {"hierarchical": "no"}),
     ("async", {"sync_interval_ms": -1}),
     ("async", {"warmup_steps": -1}),
     ("qadam", {"learning_rate": -1.0}),
+    ("qadam", {"learning_rate": np.float64(-0.5)}),
     ("qadam", {"warmup_steps": 0}),
     ("qadam", {"b1": 1.0}),
     ("qadam", {"eps": 0.0}),
@@ -43,6 +47,8 @@ BAD_VALUES: list[tuple[str, dict[str, Any]]] = [
     ("onebit_adam", {"b2": -0.1}),
     ("onebit_adam", {"warmup_steps": 2.5}),
     ("powersgd", {"rank": 0}),
+    ("powersgd", {"rank": 2.0}),
+    ("powersgd", {"min_compression_rate": 0.5}),
     ("powersgd", {"start_iter": -1}),
     ("powersgd", {"error_feedback": "on"}),
 ]
@@ -80,6 +86,7 @@ def raised(build: Any, *args: Any) -> Exception:
 
 
 def test_the_registry_names_are_the_same_everywhere():
+    assert all(config.name == name for name, config in ALGORITHM_CONFIGS.items())
     assert list(jax_algorithms.ALGORITHMS) == list(ALGORITHM_CONFIGS)
     assert list(torch_algorithms.BUILTIN_ALGORITHMS) == list(ALGORITHM_CONFIGS)
     assert torch_algorithms.available_algorithms() == list(ALGORITHM_CONFIGS)

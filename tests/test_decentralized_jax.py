@@ -25,7 +25,7 @@ import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
-from algorithms_reference import low_precision_ring_round
+from algorithms_reference import low_precision_ring_round, unflatten
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from multiprocess import run_ranks
@@ -146,17 +146,6 @@ def _flatten(x: dict[str, np.ndarray], buckets: list[list[str]]) -> list[np.ndar
     return [np.concatenate([x[k].ravel() for k in names]).astype(F32) for names in buckets]
 
 
-def _unflatten(flat: list[np.ndarray], buckets: list[list[str]]) -> dict[str, np.ndarray]:
-    out = {}
-    for arr, names in zip(flat, buckets):
-        offset = 0
-        for k in names:
-            size = int(np.prod(LEAVES[k]))
-            out[k] = arr[offset : offset + size].reshape(LEAVES[k])
-            offset += size
-    return out
-
-
 def reference_low_precision(
     n: int, steps: int, seed: int, interval: int = 1, buckets: list[list[str]] = ONE_BUCKET, nodes: int = 1
 ) -> list[list[dict[str, np.ndarray]]]:
@@ -210,7 +199,7 @@ def reference_low_precision(
                 for j in range(slices):
                     owner = r - r % slices + j
                     new_flat[r][i][own[owner]] = w[owner][i][own[owner]]
-        averaged = [_unflatten([b[:size] for b, size in zip(f, sizes)], buckets) for f in new_flat]
+        averaged = [unflatten([b[:size] for b, size in zip(f, sizes)], buckets, LEAVES) for f in new_flat]
         # The transform returns x_new - x and optax adds it to x.
         xs = [{k: (xs[r][k] + (averaged[r][k] - xs[r][k]).astype(F32)).astype(F32) for k in LEAVES} for r in range(n)]
         history.append(xs)
@@ -430,14 +419,8 @@ def test_shift_one_with_an_odd_rank_count_is_an_error():
 
 
 def test_configuration_errors():
+    # The shared options' values are checked for both front ends in test_algorithm_configs.py.
     comms = Communicators(LaxCommunicator("ranks"))
-    with pytest.raises(ValueError, match="peer_selection_mode"):
-        Decentralized("ring")
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="communication_interval"):
-            Decentralized(communication_interval=bad)
-        with pytest.raises(ValueError, match="communication_interval"):
-            LowPrecisionDecentralized(communication_interval=bad)
     with pytest.raises(ValueError, match="bucket_bytes"):
         decentralized(comms, bucket_bytes=0)
     with pytest.raises(TypeError, match="comms must be a communicator"):

@@ -24,15 +24,8 @@ import kernels_reference as ref
 import numpy as np
 import pytest
 import torch
-from algorithms_reference import low_precision_ring_round
-from gradient_allreduce_bytegrad_workers_torch import (
-    SMALL_BUCKET,
-    STEPS,
-    batch,
-    loss_fn,
-    make_mlp,
-    make_optimizer,
-)
+from algorithms_reference import assert_params_equal, low_precision_ring_round, max_diff
+from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, STEPS, batch, loss_fn, make_mlp, make_optimizer
 from scenarios import Job, JobTable, Scenario, has_mpi
 
 import bagua_torch
@@ -96,16 +89,6 @@ JOBS = JobTable(
     },
     mpi=has_mpi(bagua_torch.build_info()),
 )
-
-
-def assert_params_equal(a: dict, b: dict, msg: str = "") -> None:
-    assert a.keys() == b.keys()
-    for k, value in a.items():
-        np.testing.assert_array_equal(value, b[k], err_msg=f"{msg} {k}")
-
-
-def max_diff(a: dict, b: dict) -> float:
-    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
 # ============================================================================ single-process simulations
@@ -284,20 +267,6 @@ def test_registry_names_and_defaults():
     assert DecentralizedAlgorithm.name == "decentralized"
     assert LowPrecisionDecentralizedAlgorithm.name == "low_precision_decentralized"
     assert {"decentralized", "low_precision_decentralized"} <= set(algorithms.available_algorithms())
-
-
-def test_option_errors():
-    with pytest.raises(ValueError, match="decentralized: peer_selection_mode must be one of .*'ring'"):
-        DecentralizedAlgorithm("ring")
-    for bad in (0, -1, 1.5, True):
-        with pytest.raises(ValueError, match="communication_interval must be a positive int"):
-            DecentralizedAlgorithm(communication_interval=bad)
-        with pytest.raises(ValueError, match="low_precision_decentralized: communication_interval"):
-            LowPrecisionDecentralizedAlgorithm(communication_interval=bad)
-    with pytest.raises(TypeError, match="decentralized: hierarchical must be a bool"):
-        DecentralizedAlgorithm(hierarchical=1)
-    with pytest.raises(TypeError, match="low_precision_decentralized: hierarchical must be a bool"):
-        LowPrecisionDecentralizedAlgorithm(hierarchical="yes")
 
 
 def test_shift_one_peer_formula_is_a_perfect_matching_that_rotates():

@@ -106,23 +106,14 @@ def run_job(commands: list[list[str]], workdir: Path, rank_env: bool = False):
 # --- the MPI engine: a rank that raises ---------------------------------------------------
 
 
+def mpi_job(front_end: str, tmp_path, *mpiexec_flags: str) -> list[str]:
+    """Two ranks under plain mpiexec (with ``mpiexec_flags``), rank 1 raising."""
+    return [mpiexec(), *mpiexec_flags, "-n", "2", sys.executable, WORKER, f"{front_end}-mpi", "raise", str(tmp_path)]
+
+
 @pytest.mark.parametrize("front_end", ["jax", "torch"])
 def test_mpi_raising_rank_exits_under_plain_mpiexec(tmp_path, front_end):
-    [code], output, failed_gone, all_gone = run_job(
-        [
-            [
-                mpiexec(),
-                "-n",
-                "2",
-                sys.executable,
-                WORKER,
-                f"{front_end}-mpi",
-                "raise",
-                str(tmp_path),
-            ]
-        ],
-        tmp_path,
-    )
+    [code], output, failed_gone, all_gone = run_job([mpi_job(front_end, tmp_path)], tmp_path)
     assert code != 0 and "rank 1 fails on purpose" in output
     assert failed_gone < PROMPT, f"rank 1 lived {failed_gone:.1f} s after raising"
     # mpiexec stops the job once a rank exits with an error: no one waits for the timeout.
@@ -131,17 +122,7 @@ def test_mpi_raising_rank_exits_under_plain_mpiexec(tmp_path, front_end):
 
 @pytest.mark.parametrize("front_end", ["jax", "torch"])
 def test_mpi_survivor_raises_within_the_timeout(tmp_path, front_end):
-    command = [
-        mpiexec(),
-        "-disable-auto-cleanup",
-        "-n",
-        "2",
-        sys.executable,
-        WORKER,
-        f"{front_end}-mpi",
-        "raise",
-    ]
-    [code], output, failed_gone, all_gone = run_job([[*command, str(tmp_path)]], tmp_path)
+    [code], output, failed_gone, all_gone = run_job([mpi_job(front_end, tmp_path, "-disable-auto-cleanup")], tmp_path)
     assert code != 0
     assert failed_gone < PROMPT, f"rank 1 lived {failed_gone:.1f} s after raising"
     assert f"did not complete within {TIMEOUT:g} s" in output, output

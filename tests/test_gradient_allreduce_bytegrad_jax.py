@@ -18,7 +18,7 @@ import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
-from algorithms_reference import bytegrad_bucket, node_average_slices
+from algorithms_reference import bytegrad_bucket, node_average_slices, unflatten
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from multiprocess import run_ranks
@@ -82,17 +82,6 @@ def np_flatten(g: dict[str, np.ndarray], pad_to: int) -> list[np.ndarray]:
     return out
 
 
-def np_unflatten(buckets: list[np.ndarray]) -> dict[str, np.ndarray]:
-    out = {}
-    for names, flat in zip(BUCKETS, buckets):
-        offset = 0
-        for k in names:
-            size = int(np.prod(SHAPES[k]))
-            out[k] = flat[offset : offset + size].reshape(SHAPES[k])
-            offset += size
-    return out
-
-
 def np_bytegrad(grads: list[dict], residuals: list | None, *, hierarchical: bool, average: bool):
     """One ByteGrad step of all ranks. ``grads[r]`` is rank r's gradient dict, ``residuals[r][bucket]`` its
     error-feedback residuals (None: no error feedback). Returns (per-rank results, new residuals)."""
@@ -109,7 +98,7 @@ def np_bytegrad(grads: list[dict], residuals: list | None, *, hierarchical: bool
             results[r].append(outs[r])
             if new_res is not None:
                 new_res[r].append(res[r])
-    return [np_unflatten(bs) for bs in results], new_res
+    return [unflatten(bs, BUCKETS, SHAPES) for bs in results], new_res
 
 
 def bytegrad_error_bound(xs: list[np.ndarray]) -> np.ndarray:

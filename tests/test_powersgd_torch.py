@@ -50,14 +50,3 @@ def test_trains_like_torch_powersgd_hook():
     late_ours, late_theirs = np.mean(ours[-16:]), np.mean(theirs[-16:])
     assert abs(late_ours - late_theirs) <= 0.05 * late_theirs, (late_ours, late_theirs)
     assert late_ours < 0.6 * ours[0]
-
-
-def test_bad_configurations_raise():
-    from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
-
-    with pytest.raises(ValueError, match="rank must be at least 1"):
-        PowerSGDAlgorithm(rank=0)
-    with pytest.raises(ValueError, match="start_iter must be >= 0"):
-        PowerSGDAlgorithm(start_iter=-3)
-    with pytest.raises(ValueError, match="min_compression_rate"):
-        PowerSGDAlgorithm(min_compression_rate=0.5)

@@ -31,6 +31,7 @@ import kernels_reference as ref
 import numpy as np
 import optax
 import pytest
+from algorithms_reference import unflatten
 from frozen_variance_reference import variance_floors
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -125,16 +126,6 @@ class Simulation:
             out.append(np.concatenate([flat, np.zeros(size - flat.size, F32)]))
         return out
 
-    def unflatten(self, buckets: list[np.ndarray]) -> dict:
-        out = {}
-        for keys, flat in zip(BUCKETS, buckets):
-            offset = 0
-            for k in keys:
-                size = int(np.prod(SHAPES[k]))
-                out[k] = flat[offset : offset + size].reshape(SHAPES[k])
-                offset += size
-        return out
-
     def compressed_average(self, inputs: list[np.ndarray], ranks: list[int], bucket: int) -> np.ndarray:
         """One bucket through the ByteGrad / 1-bit pipeline among ``ranks`` (member j reduces chunk j)."""
         k = len(inputs)
@@ -188,7 +179,9 @@ class Simulation:
             local = [
                 self.flatten({k: F32(1 - B1) * grads[k][r] + F32(B1) * self.m[k] for k in grads}) for r in range(self.n)
             ]
-            self.m = self.unflatten([self.average_bucket([x[i] for x in local], i) for i in range(len(BUCKETS))])
+            self.m = unflatten(
+                [self.average_bucket([x[i] for x in local], i) for i in range(len(BUCKETS))], BUCKETS, SHAPES
+            )
         self.t += 1
         # optax divides by the scalar bias corrections; XLA's algebraic simplifier turns a division by a broadcast
         # scalar into a multiplication by its float32 reciprocal, so that is the arithmetic to replay.
@@ -377,14 +370,22 @@ def assert_params_close(params: dict, sim: list, t: int, tolerance) -> None:
         assert np.all(err <= tolerance(sim, t, k)), (k, t, float(err.max()))
 
 
+def replayed_steps(exact: dict, seed: int, name: str, n: int, two_level: bool, state_type: type):
+    """``(t, params, state, sim)`` for each recorded step of ``name``'s run, with its NumPy simulation ``sim``;
+    checks first that the state is a ``state_type`` and that every rank holds the same parameters and moments."""
+    history = exact["runs"][name, n, two_level]
+    sim = simulate(name, n, seed, nodes=2 if two_level else 1)
+    for t in range(1, STEPS + 1):
+        params, state = history[t]
+        assert isinstance(state, state_type)
+        assert_same_on_every_rank((params, state.adam))
+        yield t, params, state, sim
+
+
 @pytest.mark.parametrize("n,two_level", LAYOUTS, ids=LAYOUT_IDS)
 def test_qadam_matches_the_numpy_simulation(exact, seed, n, two_level):
     history = exact["runs"]["qadam", n, two_level]
-    sim = simulate("qadam", n, seed, nodes=2 if two_level else 1)
-    for t in range(1, STEPS + 1):
-        params, state = history[t]
-        assert isinstance(state, QAdamState)
-        assert_same_on_every_rank((params, state.adam))
+    for t, params, state, sim in replayed_steps(exact, seed, "qadam", n, two_level, QAdamState):
         # The min-max codes involve no order-dependent sum, so every compression is the reference's bit for bit,
         # and so are the moment updates around them: the momentum and v are exact.
         assert_bitwise(jax.tree.map(lambda x: x[0], state.adam.mu), sim[t].m)
@@ -398,11 +399,7 @@ def test_qadam_matches_the_numpy_simulation(exact, seed, n, two_level):
 @pytest.mark.parametrize("n,two_level", LAYOUTS, ids=LAYOUT_IDS)
 def test_onebit_adam_matches_the_numpy_simulation(exact, seed, n, two_level):
     history = exact["runs"]["onebit", n, two_level]
-    sim = simulate("onebit", n, seed, nodes=2 if two_level else 1)
-    for t in range(1, STEPS + 1):
-        params, state = history[t]
-        assert isinstance(state, OneBitAdamState)
-        assert_same_on_every_rank((params, state.adam))
+    for t, params, state, sim in replayed_steps(exact, seed, "onebit", n, two_level, OneBitAdamState):
         assert_params_close(jax.tree.map(lambda x: x[0], params), sim, t, onebit_tolerance)
         if t <= WARMUP:  # no sign scale involved yet: the moments are exact, the residuals untouched zeros
             assert_bitwise(jax.tree.map(lambda x: x[0], state.adam.mu), sim[t].m)

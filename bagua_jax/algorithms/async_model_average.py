@@ -39,14 +39,16 @@ import optax
 from jax import lax
 
 from bagua_common.algorithm_configs import AsyncModelAverageConfig, config_options
-from bagua_common.averaging_rounds import AveragingRounds
+from bagua_common.averaging_rounds import AveragingRounds, RoundsControl
 from bagua_common.engines import REDUCE_OP_CODES
 from bagua_common.options import check_bucket_bytes, check_sync_interval_ms, check_warmup_steps
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
+    ConfiguredAlgorithm,
     check_communicators,
     check_float_params,
+    step_counter_init,
     varying_like,
 )
 from bagua_jax.algorithms.gradient_allreduce import gradient_allreduce
@@ -81,10 +83,6 @@ def async_model_average(
     warmup_steps = check_warmup_steps(warmup_steps, "async")
     allreduce = gradient_allreduce(comms, average=True, bucket_bytes=check_bucket_bytes(bucket_bytes, name))
 
-    def init_fn(params: Any) -> AsyncModelAverageState:
-        check_float_params(params)
-        return AsyncModelAverageState(step=jnp.zeros([], jnp.int32))
-
     def update_fn(
         updates: Any, state: AsyncModelAverageState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, AsyncModelAverageState]:
@@ -102,10 +100,10 @@ def async_model_average(
             )
         return updates, AsyncModelAverageState(step=optax.safe_int32_increment(state.step))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(step_counter_init(AsyncModelAverageState), update_fn)
 
 
-class AsyncModelAverager:
+class AsyncModelAverager(RoundsControl):
     """The background averaging rounds of :class:`AsyncModelAverage`, driven between steps.
 
     Call :meth:`apply` once after every training step (``steps_done`` steps have already run,
@@ -195,16 +193,6 @@ class AsyncModelAverager:
             apply=self._apply_round,
         )
 
-    @property
-    def rounds(self) -> int:
-        """The number of averaging rounds completed so far (equal on all ranks once stopped)."""
-        return self._protocol.rounds
-
-    @property
-    def running(self) -> bool:
-        """Whether the background thread is alive (it ends on :meth:`abort`, on any rank's)."""
-        return self._protocol.running
-
     def apply(self, params: Any) -> Any:
         """Call after every training step: ``params`` corrected by the last finished round, if any.
 
@@ -220,19 +208,6 @@ class AsyncModelAverager:
             return self._params
         finally:
             self._params = None
-
-    def abort(self) -> None:
-        """Stop the rounds on every rank and wait for this rank's thread to end.
-
-        See :meth:`bagua_common.averaging_rounds.AveragingRounds.abort`: every rank's thread
-        stops before the same round; a round finished but not applied is still applied by the
-        next :meth:`apply`. Safe to call twice.
-        """
-        self._protocol.abort()
-
-    def resume(self) -> None:
-        """Restart the rounds after :meth:`abort` (at once, or when warm-up ends); every rank must call it."""
-        self._protocol.resume()
 
     def _apply_round(self, sums: list[np.ndarray], snapshot: list[jax.Array]) -> None:
         self._params = self._correct(self._params, sums, snapshot)
@@ -252,7 +227,7 @@ class AsyncModelAverager:
 
 
 @dataclass(frozen=True)
-class AsyncModelAverage(AsyncModelAverageConfig):
+class AsyncModelAverage(ConfiguredAlgorithm, AsyncModelAverageConfig):
     """Asynchronous model averaging (SPEC section 3): gradient allreduce for ``warmup_steps``
     steps, then local steps while a background thread averages the weights every
     ``sync_interval_ms`` without blocking training.
@@ -266,10 +241,6 @@ class AsyncModelAverage(AsyncModelAverageConfig):
     """
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_bucket_bytes(self.bucket_bytes, self.name)
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators

@@ -12,31 +12,16 @@ of arrays that can be checkpointed and restored.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Protocol
+from collections.abc import Callable
+from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from bagua_common.topology import check_two_levels
-from bagua_jax.communicator import Communicator
-
-
-class Communicators(NamedTuple):
-    """The communicators of a run: everyone, and for hierarchical algorithms the two levels.
-
-    ``intra`` groups the ranks of one node (the fast axis), ``inter`` the ranks with the
-    same local index across nodes (the slow axis). Both are None on a flat topology, and
-    hierarchical algorithms then communicate over ``world`` alone.
-    """
-
-    world: Communicator
-    intra: Communicator | None = None
-    inter: Communicator | None = None
-
-    @property
-    def hierarchical(self) -> bool:
-        return self.intra is not None and self.inter is not None
+from bagua_common.algorithm_configs import config_options
+from bagua_common.options import check_bucket_bytes
+from bagua_common.topology import Communicators
 
 
 class Algorithm(Protocol):
@@ -47,6 +32,48 @@ class Algorithm(Protocol):
     ) -> optax.GradientTransformationExtraArgs:
         """The per-rank update: local gradients and ``params`` in, parameter updates out.
         ``optimizer`` is None for algorithms that are optimizers themselves (QAdam, OneBitAdam)."""
+
+
+class ConfiguredAlgorithm:
+    """What a JAX algorithm adds to its shared configuration (:mod:`bagua_common.algorithm_configs`): a
+    ``bucket_bytes`` field, checked here, and :meth:`transformation`, its optax transform (``_transform``, called
+    with the communicators and every field) chained before the optimizer, or after it when
+    ``_after_optimizer`` (weight-averaging algorithms, which need ``params``).
+    """
+
+    _transform: ClassVar[Callable[..., optax.GradientTransformationExtraArgs]]
+    _after_optimizer: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the shared configuration's checks
+        check_bucket_bytes(self.bucket_bytes, self.name)
+
+    def transformation(
+        self, optimizer: optax.GradientTransformation, comms: Communicators
+    ) -> optax.GradientTransformationExtraArgs:
+        """The per-rank update: this algorithm's transform chained with the user's ``optimizer``."""
+        transform = type(self)._transform(comms, **config_options(self))
+        return optax.chain(optimizer, transform) if self._after_optimizer else optax.chain(transform, optimizer)
+
+
+def check_weights_given(params: Any, algorithm: str) -> None:
+    """Raise a ValueError unless ``params`` (the weights an algorithm that averages weights needs) was given."""
+    if params is None:
+        raise ValueError(
+            f"{algorithm} communicates weights: call update(updates, state, params) with the weights the updates "
+            "will be applied to"
+        )
+
+
+def step_counter_init(make_state: Callable[..., Any]) -> Callable[[Any], Any]:
+    """An optax ``init`` for a state that only counts steps: ``make_state(step=0)`` (int32), after checking that
+    the parameters are floating point."""
+
+    def init_fn(params: Any) -> Any:
+        check_float_params(params)
+        return make_state(step=jnp.zeros([], jnp.int32))
+
+    return init_fn
 
 
 def check_float_params(params: Any) -> None:
@@ -82,18 +109,6 @@ def check_float_grads(grads: Any, algorithm: str) -> None:
                 f"{algorithm}: gradient {jax.tree_util.keystr(path)} has dtype {leaf.dtype}; "
                 "gradients must be floating point"
             )
-
-
-def two_levels(comms: Communicators, hierarchical: bool, algorithm: str) -> tuple[Communicator, Communicator] | None:
-    """``(intra, inter)`` when ``hierarchical`` is asked for and both levels are set, else None (flat over ``world``).
-
-    Called while tracing, where every size is known; raises a ValueError if the two levels do not tile ``world``.
-    """
-    if not (hierarchical and comms.hierarchical):
-        return None
-    intra, inter = comms.intra, comms.inter
-    check_two_levels(intra.size, inter.size, comms.world.size, algorithm)
-    return intra, inter
 
 
 def _varying_axes(x: Any) -> frozenset[str]:

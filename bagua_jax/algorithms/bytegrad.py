@@ -2,12 +2,12 @@
 
 Per step each rank's gradients are flattened into buckets padded to a multiple of the
 world size ``n``, and each bucket goes through the pipeline of
-:func:`bagua_jax.compressed_allreduce.minmax_allreduce`: compress into ``n`` chunks,
+:func:`bagua_common.compressed_allreduce.CompressedAllreduce.minmax_allreduce`: compress into ``n`` chunks,
 all-to-all, decode and average the ``n`` chunks of this rank's slot in float32,
 compress that average as one chunk, allgather, decode. Every rank ends with the same
 bits, so the replicas stay identical, at about a quarter of the bytes of an fp32
 allreduce. The hierarchical variant reduces in full precision inside the node and
-compresses only between nodes (:func:`bagua_jax.compressed_allreduce.hierarchical`).
+compresses only between nodes (:func:`bagua_common.compressed_allreduce.hierarchical`).
 
 Error feedback (an option beyond the original Bagua) adds the previous step's
 compression error to the gradients before the first compression, so that error is
@@ -24,19 +24,17 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bagua_common.algorithm_configs import ByteGradConfig, config_options
+from bagua_common.algorithm_configs import ByteGradConfig
 from bagua_common.options import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
+    ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,
     check_float_params,
-    two_levels,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
-from bagua_jax.communicator import Communicator
-from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
-from bagua_jax.compressed_allreduce import minmax_allreduce
+from bagua_jax.compressed_allreduce import PIPELINES
 
 _COMPRESSIBLE = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
@@ -54,29 +52,6 @@ def _check_compressible(plan: BucketPlan, algorithm: str) -> None:
             raise TypeError(
                 f"{algorithm}: leaf {i} has dtype {dtype}; the 8-bit codes compress float32, float16 and bfloat16 only"
             )
-
-
-def _two_level_minmax(
-    bucket: jax.Array,
-    intra: Communicator,
-    inter: Communicator,
-    *,
-    average: bool,
-    residual: jax.Array | None,
-) -> tuple[jax.Array, jax.Array | None]:
-    """:func:`~bagua_jax.compressed_allreduce.hierarchical` around :func:`minmax_allreduce` over ``inter``, returning
-    the exchange's new residual too (``hierarchical`` passes only the exchange's result through, hence ``fed``)."""
-    fed: list[jax.Array | None] = []
-
-    def exchange(mine: jax.Array, comm: Communicator) -> jax.Array:
-        out, new_residual = minmax_allreduce(mine, comm, average=average, residual=residual)
-        fed.append(new_residual)
-        return out
-
-    result = hierarchical_exchange(exchange, bucket, intra, inter)
-    if not average:  # the intra-node leg always averages: scale its mean back to a sum
-        result = result * jnp.asarray(intra.size, result.dtype)
-    return result, fed[0]
 
 
 def bytegrad(
@@ -108,7 +83,7 @@ def bytegrad(
     ByteGradConfig(hierarchical=hierarchical, average=average, error_feedback=error_feedback)
 
     def residual_sizes(plan: BucketPlan) -> list[int]:
-        levels = two_levels(comms, hierarchical, name)
+        levels = comms.levels(hierarchical, name)
         share = levels[0].size if levels else 1
         return [bucket.size // share for bucket in plan.buckets]
 
@@ -125,7 +100,7 @@ def bytegrad(
     ) -> tuple[Any, ByteGradState]:
         del params, extra_args
         check_float_grads(updates, name)
-        levels = two_levels(comms, hierarchical, name)
+        levels = comms.levels(hierarchical, name)
         plan = plan_buckets(updates, bucket_bytes, pad_to=comms.world.size)
         _check_compressible(plan, name)
         buckets = plan.flatten(updates)
@@ -142,10 +117,7 @@ def bytegrad(
             residuals = [None] * len(buckets)
         reduced, new_residuals = [], []
         for bucket, residual in zip(buckets, residuals):
-            if levels is None:
-                result, residual = minmax_allreduce(bucket, comms.world, average=average, residual=residual)
-            else:
-                result, residual = _two_level_minmax(bucket, *levels, average=average, residual=residual)
+            result, residual = PIPELINES.minmax_over(bucket, comms.world, levels, average=average, residual=residual)
             reduced.append(result)
             new_residuals.append(residual)
         new_state = ByteGradState(residuals=tuple(new_residuals)) if error_feedback else state
@@ -155,7 +127,7 @@ def bytegrad(
 
 
 @dataclass(frozen=True)
-class ByteGrad(ByteGradConfig):
+class ByteGrad(ConfiguredAlgorithm, ByteGradConfig):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`bytegrad`: 8-bit compressed gradient
     averaging (about 1/4 of an fp32 allreduce's bytes per rank per step; with ``hierarchical`` only the inter-node
     exchange is compressed and intra-node traffic stays full precision) followed by the user's optimizer, so every
@@ -168,12 +140,4 @@ class ByteGrad(ByteGradConfig):
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_bucket_bytes(self.bucket_bytes, self.name)
-
-    def transformation(
-        self, optimizer: optax.GradientTransformation, comms: Communicators
-    ) -> optax.GradientTransformationExtraArgs:
-        """``optax.chain(bytegrad(comms, ...), optimizer)``: communicate compressed, then run the optimizer."""
-        return optax.chain(bytegrad(comms, **config_options(self)), optimizer)
+    _transform = staticmethod(bytegrad)

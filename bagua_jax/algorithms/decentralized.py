@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from bagua_common.algorithm_configs import DecentralizedConfig, config_options
+from bagua_common.algorithm_configs import DecentralizedConfig
+from bagua_common.compressed_allreduce import hierarchical as hierarchical_exchange
 from bagua_common.options import check_bucket_bytes
 from bagua_common.topology import (
     PeerSelectionMode,
@@ -31,12 +32,13 @@ from bagua_common.topology import (
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
+    ConfiguredAlgorithm,
     check_communicators,
-    check_float_params,
+    check_weights_given,
+    step_counter_init,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
 from bagua_jax.communicator import Communicator
-from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
 
 
 class DecentralizedState(NamedTuple):
@@ -133,19 +135,11 @@ def decentralized(
     DecentralizedConfig(peer_selection_mode, communication_interval, hierarchical)
     check_bucket_bytes(bucket_bytes, "decentralized")
 
-    def init_fn(params: Any) -> DecentralizedState:
-        check_float_params(params)
-        return DecentralizedState(step=jnp.zeros([], jnp.int32))
-
     def update_fn(
         updates: Any, state: DecentralizedState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, DecentralizedState]:
         del extra_args
-        if params is None:
-            raise ValueError(
-                "decentralized communicates weights: call update(updates, state, params) with the "
-                "weights the updates will be applied to"
-            )
+        check_weights_given(params, "decentralized")
 
         def averaging_delta(params: Any) -> Any:
             averaged = decentralized_average(
@@ -172,11 +166,11 @@ def decentralized(
         new_updates = jax.tree.map(lambda d, u: (d + u).astype(u.dtype), delta, updates)
         return new_updates, DecentralizedState(step=optax.safe_int32_increment(state.step))
 
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(step_counter_init(DecentralizedState), update_fn)
 
 
 @dataclass(frozen=True)
-class Decentralized(DecentralizedConfig):
+class Decentralized(ConfiguredAlgorithm, DecentralizedConfig):
     """Decentralized SGD (SPEC section 3): ``optax.chain(optimizer, decentralized(...))``.
 
     Every ``communication_interval`` steps the weights are averaged with all ranks
@@ -190,12 +184,5 @@ class Decentralized(DecentralizedConfig):
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_bucket_bytes(self.bucket_bytes, self.name)
-
-    def transformation(
-        self, optimizer: optax.GradientTransformation, comms: Communicators
-    ) -> optax.GradientTransformationExtraArgs:
-        """The user's optimizer followed by the weight averaging (needs ``params`` in ``update``)."""
-        return optax.chain(optimizer, decentralized(comms, **config_options(self)))
+    _transform = staticmethod(decentralized)
+    _after_optimizer = True

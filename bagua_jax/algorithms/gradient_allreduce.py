@@ -24,14 +24,14 @@ from typing import Any
 
 import optax
 
-from bagua_common.algorithm_configs import GradientAllReduceConfig, config_options
+from bagua_common.algorithm_configs import GradientAllReduceConfig
 from bagua_common.options import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
+    ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,
     check_float_params,
-    two_levels,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
 
@@ -70,7 +70,7 @@ def gradient_allreduce(
     ) -> tuple[Any, optax.EmptyState]:
         del params, extra_args
         check_float_grads(updates, name)
-        levels = two_levels(comms, hierarchical, name)
+        levels = comms.levels(hierarchical, name)
         plan = plan_buckets(updates, bucket_bytes, pad_to=levels[0].size if levels else 1)
         reduced = []
         for bucket in plan.flatten(updates):
@@ -86,7 +86,7 @@ def gradient_allreduce(
 
 
 @dataclass(frozen=True)
-class GradientAllReduce(GradientAllReduceConfig):
+class GradientAllReduce(ConfiguredAlgorithm, GradientAllReduceConfig):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`gradient_allreduce`: full-precision gradient
     allreduce (``2 (n-1)/n`` of the gradient bytes per rank per step, the fp32 baseline) followed by the user's
     optimizer, so every rank applies the same update. ``hierarchical`` reduces inside the node first and only
@@ -100,12 +100,4 @@ class GradientAllReduce(GradientAllReduceConfig):
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_bucket_bytes(self.bucket_bytes, self.name)
-
-    def transformation(
-        self, optimizer: optax.GradientTransformation, comms: Communicators
-    ) -> optax.GradientTransformationExtraArgs:
-        """``optax.chain(gradient_allreduce(comms, ...), optimizer)``: communicate, then run the optimizer."""
-        return optax.chain(gradient_allreduce(comms, **config_options(self)), optimizer)
+    _transform = staticmethod(gradient_allreduce)

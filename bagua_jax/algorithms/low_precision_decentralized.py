@@ -20,13 +20,15 @@ import numpy as np
 import optax
 from jax import lax
 
-from bagua_common.algorithm_configs import LowPrecisionDecentralizedConfig, config_options
+from bagua_common.algorithm_configs import LowPrecisionDecentralizedConfig
 from bagua_common.options import check_bucket_bytes
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
+    ConfiguredAlgorithm,
     check_communicators,
     check_float_params,
+    check_weights_given,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import Communicator
@@ -88,11 +90,7 @@ def low_precision_decentralized(
         updates: Any, state: LowPrecisionDecentralizedState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LowPrecisionDecentralizedState]:
         del extra_args
-        if params is None:
-            raise ValueError(
-                "low_precision_decentralized communicates weights: call update(updates, state, "
-                "params) with the weights the updates will be applied to"
-            )
+        check_weights_given(params, "low_precision_decentralized")
         plan = plan_buckets(params, bucket_bytes)
         if len(state.weights) != len(plan.buckets) or any(
             w.shape != (b.size,) for w, b in zip(state.weights, plan.buckets)
@@ -192,7 +190,7 @@ def _rows(bucket: jax.Array, k: int) -> jax.Array:
 
 
 @dataclass(frozen=True)
-class LowPrecisionDecentralized(LowPrecisionDecentralizedConfig):
+class LowPrecisionDecentralized(ConfiguredAlgorithm, LowPrecisionDecentralizedConfig):
     """Low-precision decentralized SGD (SPEC section 3): ``optax.chain(optimizer, transform)``.
 
     After each local optimizer step, every ``communication_interval`` steps, each rank sends
@@ -205,12 +203,5 @@ class LowPrecisionDecentralized(LowPrecisionDecentralizedConfig):
 
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_bucket_bytes(self.bucket_bytes, self.name)
-
-    def transformation(
-        self, optimizer: optax.GradientTransformation, comms: Communicators
-    ) -> optax.GradientTransformationExtraArgs:
-        """The user's optimizer followed by the ring exchange (needs ``params`` in ``update``)."""
-        return optax.chain(optimizer, low_precision_decentralized(comms, **config_options(self)))
+    _transform = staticmethod(low_precision_decentralized)
+    _after_optimizer = True

@@ -4,7 +4,7 @@ Beyond the original Bagua; DeepSpeed's 1-bit Adam (Tang et al., 2021) is the ref
 The warm-up is QAdam's: ``warmup_steps`` steps of plain Adam on gradients averaged in
 full precision, with ``optax.adam``'s own operations. After it the second moment is frozen
 and each rank's momentum ``m = b1 * m + (1 - b1) * g_local`` is averaged with
-:func:`bagua_jax.compressed_allreduce.sign_allreduce`, per bucket padded to a multiple
+:func:`bagua_common.compressed_allreduce.CompressedAllreduce.sign_allreduce`, per bucket padded to a multiple
 of the rank count: the worker adds its residual, compresses the bucket into one chunk
 per rank (each element ``+-mean|chunk|``) and keeps the compression error as its new
 residual; after the all-to-all each rank averages the ``n`` decoded chunks of its slot,
@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from bagua_common.algorithm_configs import OneBitAdamConfig
-from bagua_jax.algorithms.base import Communicators, two_levels
+from bagua_jax.algorithms.base import Communicators
 from bagua_jax.algorithms.qadam import (
     AdamWithAveragedMomentum,
     Levels,
@@ -42,8 +42,7 @@ from bagua_jax.algorithms.qadam import (
     momentum_plan,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
-from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
-from bagua_jax.compressed_allreduce import sign_allreduce
+from bagua_jax.compressed_allreduce import PIPELINES
 
 
 class OneBitAdamState(NamedTuple):
@@ -89,7 +88,7 @@ def onebit_adam(
 
     def init_extra(momentum: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         plan = momentum_plan(momentum, comms, bucket_bytes, name)
-        levels = two_levels(comms, hierarchical, name)
+        levels = comms.levels(hierarchical, name)
         # The worker compresses what this rank sends between nodes: the whole bucket, or its node slice.
         share = levels[0].size if levels else 1
         workers = tuple(jnp.zeros(b.size // share, jnp.float32) for b in plan.buckets)
@@ -104,21 +103,7 @@ def onebit_adam(
             )
         averaged, new_workers, new_servers = [], [], []
         for bucket, worker, server in zip(buckets, workers, servers):
-            if levels is None:
-                result, worker, server = sign_allreduce(bucket, comms.world, worker, server)
-            else:
-                intra, inter = levels
-                fed: list[tuple[jax.Array, jax.Array]] = []
-
-                def between_nodes(
-                    mine: jax.Array, comm: Any, worker: jax.Array = worker, server: jax.Array = server, fed: list = fed
-                ) -> jax.Array:
-                    out, *new = sign_allreduce(mine, comm, worker, server)
-                    fed.append(tuple(new))
-                    return out
-
-                result = hierarchical_exchange(between_nodes, bucket, intra, inter)
-                worker, server = fed[0]
+            result, worker, server = PIPELINES.sign_over(bucket, comms.world, levels, worker, server)
             averaged.append(result)
             new_workers.append(worker)
             new_servers.append(server)

@@ -9,7 +9,7 @@ in another, a last-bit difference; without FMA they are identical, as the tests 
 From then on the second moment ``v`` is
 frozen: each rank folds its local gradient into the momentum,
 ``m = b1 * m + (1 - b1) * g_local``, the momentum is averaged over all ranks through the
-ByteGrad pipeline (:func:`bagua_jax.compressed_allreduce.minmax_allreduce`, per bucket
+ByteGrad pipeline (:func:`bagua_common.compressed_allreduce.CompressedAllreduce.minmax_allreduce`, per bucket
 padded to a multiple of the rank count), the average becomes every rank's ``m``, and the
 step is ``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc_i = 1 - b_i**t`` from the
 running step count ``t``. That is optax's formula shape, and it equals the SPEC's
@@ -43,17 +43,16 @@ from bagua_common.frozen_variance import VARIANCE_FLOOR
 from bagua_common.options import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
+    ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,
     check_float_params,
-    two_levels,
     varying_like,
 )
 from bagua_jax.algorithms.gradient_allreduce import gradient_allreduce
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import Communicator
-from bagua_jax.compressed_allreduce import hierarchical as hierarchical_exchange
-from bagua_jax.compressed_allreduce import minmax_allreduce
+from bagua_jax.compressed_allreduce import PIPELINES
 
 _COMPRESSIBLE = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
@@ -135,7 +134,7 @@ def adam_with_averaged_momentum(
         count = optax.safe_increment(adam_state.count)
         local = optax.tree.update_moment(grads, adam_state.mu, b1, 1)
         plan = momentum_plan(adam_state.mu, comms, bucket_bytes, name)
-        averaged, extra = exchange(plan.flatten(local), extra, two_levels(comms, hierarchical, name))
+        averaged, extra = exchange(plan.flatten(local), extra, comms.levels(hierarchical, name))
         mu = plan.unflatten(averaged)
         # optax's bias correction and formula shape (see the module docstring), with v frozen.
         mu_hat = optax.tree.bias_correction(mu, b1, count)
@@ -198,13 +197,7 @@ def qadam(
     """
 
     def exchange(buckets: list[jax.Array], extra: tuple, levels: Levels) -> tuple[list[jax.Array], tuple]:
-        if levels is None:
-            return [minmax_allreduce(bucket, comms.world)[0] for bucket in buckets], extra
-        intra, inter = levels
-        return [
-            hierarchical_exchange(lambda mine, comm: minmax_allreduce(mine, comm)[0], bucket, intra, inter)
-            for bucket in buckets
-        ], extra
+        return [PIPELINES.minmax_over(bucket, comms.world, levels)[0] for bucket in buckets], extra
 
     config = QAdamConfig(learning_rate, warmup_steps, b1, b2, eps, hierarchical)
     return adam_with_averaged_momentum(
@@ -226,18 +219,13 @@ def forbid_optimizer(optimizer: Any, algorithm: str) -> None:
         )
 
 
-class AdamWithAveragedMomentum:
-    """What QAdam and OneBitAdam add to their shared configuration: the bucket size check and the transformation
-    (each names its transform in ``_transform``). Both replace the optimizer, so :meth:`transformation` takes
-    ``optimizer=None``.
+class AdamWithAveragedMomentum(ConfiguredAlgorithm):
+    """What QAdam and OneBitAdam add to their shared configuration. Both replace the optimizer, so
+    :meth:`transformation` takes ``optimizer=None``.
     """
 
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # the shared configuration's checks
-        check_bucket_bytes(self.bucket_bytes, self.name)
 
     def transformation(
         self, optimizer: optax.GradientTransformation | None, comms: Communicators

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.algorithm_configs import AsyncModelAverageConfig
-from bagua_common.averaging_rounds import AveragingRounds
+from bagua_common.averaging_rounds import AveragingRounds, RoundsControl
 from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,
@@ -111,7 +111,7 @@ def _dedicated_communicator(world: Communicator) -> Communicator:
     )
 
 
-class AsyncModelAverageImpl(AlgorithmImpl):
+class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
     """AsyncModelAverage on one wrapped model; its state is ``{"steps": int}`` (optimizer steps done).
 
     Public beyond the hooks: :meth:`abort`, :meth:`resume`, :attr:`rounds` (rounds completed),
@@ -156,36 +156,6 @@ class AsyncModelAverageImpl(AlgorithmImpl):
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self._ticker:
             self._protocol.after_step()
-
-    # --- public -----------------------------------------------------------------------
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps done (counted at the last wrapped optimizer's step)."""
-        return self._protocol.steps
-
-    @property
-    def rounds(self) -> int:
-        """The averaging rounds completed so far (equal on all ranks once the thread has stopped)."""
-        return self._protocol.rounds
-
-    @property
-    def running(self) -> bool:
-        """Whether the background thread is alive (it ends on :meth:`abort`, on any rank's)."""
-        return self._protocol.running
-
-    def abort(self) -> None:
-        """Stop the rounds on every rank and wait for this rank's thread to end.
-
-        See :meth:`bagua_common.averaging_rounds.AveragingRounds.abort`: every rank's thread
-        stops before the same round; a round finished but not applied is applied after the
-        next step. Safe to call twice. Raises the thread's error if a round failed.
-        """
-        self._protocol.abort()
-
-    def resume(self) -> None:
-        """Restart the rounds after :meth:`abort` (at once, or when warm-up ends); every rank must call it."""
-        self._protocol.resume()
 
     # --- the four parts of a round --------------------------------------------------------
 

@@ -61,12 +61,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 
 from bagua_common.options import check_flags
-from bagua_common.topology import check_two_levels
+from bagua_common.topology import Communicators
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.communicator import Communicator, DoneWork, Work
 from bagua_torch.ordered_worker import OrderedWorker
@@ -81,37 +81,6 @@ __all__ = [
     "DoneWork",
     "check_flags",
 ]
-
-
-class Communicators(NamedTuple):
-    """The communicators of a run: everyone, and for hierarchical algorithms the two levels.
-
-    ``intra`` groups the ranks of one node (the fast links), ``inter`` the ranks with the
-    same local index across nodes (the slow links); world rank ``r`` is local rank
-    ``r % intra.size`` of node ``r // intra.size``. Both are None on a flat topology (one
-    node, or one rank per node), and hierarchical algorithms then communicate over
-    ``world`` alone. This mirrors :class:`bagua_jax.algorithms.base.Communicators`.
-    """
-
-    world: Communicator
-    intra: Communicator | None = None
-    inter: Communicator | None = None
-
-    @property
-    def hierarchical(self) -> bool:
-        """Whether both levels are set."""
-        return self.intra is not None and self.inter is not None
-
-    def levels(self, hierarchical: bool, algorithm: str = "algorithm") -> tuple[Communicator, Communicator] | None:
-        """``(intra, inter)`` if ``hierarchical`` is asked for and both levels exist, else None (flat over world).
-
-        Raises a ValueError if the two levels do not tile ``world``.
-        """
-        if not (hierarchical and self.hierarchical):
-            return None
-        assert self.intra is not None and self.inter is not None
-        check_two_levels(self.intra.size, self.inter.size, self.world.size, algorithm)
-        return self.intra, self.inter
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 """ByteGrad: gradient allreduce with 8-bit min-max codes on the wire.
 
 Each bucket (padded to a multiple of the world size ``n``) goes through the pipeline of
-:func:`bagua_torch.compressed_allreduce.minmax_allreduce`, identical to the JAX
-:func:`bagua_jax.compressed_allreduce.minmax_allreduce`: compress into ``n`` chunks,
+:func:`bagua_common.compressed_allreduce.CompressedAllreduce.minmax_allreduce`, the same sequence as in
+``bagua_jax``: compress into ``n`` chunks,
 all-to-all, decode and average the ``n`` chunks of this rank's slot in float32, compress
 that average as one chunk, allgather, decode. Every rank ends with the same bits, so the
 replicas stay identical, at about a quarter of the bytes of an fp32 allreduce. The
@@ -12,7 +12,7 @@ it overlaps the rest of the backward pass.
 Hierarchical (the default, as in Bagua; only effective when the job spans several nodes):
 a full-precision reduce-scatter inside the node, the compressed exchange of this rank's
 slice between nodes, an allgather inside the node
-(:func:`bagua_torch.compressed_allreduce.hierarchical`); with ``average=False`` the
+(:func:`bagua_common.compressed_allreduce.hierarchical`); with ``average=False`` the
 node's mean is scaled back to a sum after the exchange, as in the JAX version.
 
 Error feedback (beyond the original Bagua) adds the previous step's compression error to
@@ -36,9 +36,8 @@ from bagua_torch.algorithms.base import (
     check_dtypes,
     check_tensor_list,
 )
-from bagua_torch.communicator import Communicator, Work
-from bagua_torch.compressed_allreduce import hierarchical as hierarchical_exchange
-from bagua_torch.compressed_allreduce import minmax_allreduce
+from bagua_torch.communicator import Work
+from bagua_torch.compressed_allreduce import PIPELINES
 
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -83,18 +82,8 @@ class ByteGradImpl(AlgorithmImpl):
         )
 
     def _allreduce(self, flat: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        average = self.config.average
-        if self.levels is None:
-            return minmax_allreduce(flat, self.world, average=average, residual=residual)
-        intra, inter = self.levels
-
-        def exchange(mine: torch.Tensor, comm: Communicator) -> torch.Tensor:
-            return minmax_allreduce(mine, comm, average=average, residual=residual)
-
-        result = hierarchical_exchange(exchange, flat, intra, inter)
-        if not average:  # the intra-node leg always averages: scale its mean back to a sum
-            result = result * torch.tensor(intra.size, dtype=result.dtype, device=result.device)
-        return result
+        # The residual is updated in place; the bucket's result is all the caller needs.
+        return PIPELINES.minmax_over(flat, self.world, self.levels, average=self.config.average, residual=residual)[0]
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
         residual = self.residuals[bucket.index] if self.residuals is not None else None

@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from bagua_common.algorithm_configs import DecentralizedConfig
+from bagua_common.compressed_allreduce import hierarchical as hierarchical_exchange
 from bagua_common.topology import (
     check_pairable,
     shift_one_schedule,
@@ -47,7 +48,6 @@ from bagua_torch.algorithms.base import (
     check_dtypes,
 )
 from bagua_torch.communicator import SUPPORTED_DTYPES, Communicator
-from bagua_torch.compressed_allreduce import hierarchical as hierarchical_exchange
 
 __all__ = ["DecentralizedAlgorithm", "DecentralizedImpl", "shift_one_peer"]
 
@@ -72,12 +72,18 @@ def shift_one_peer(rank: int, round_index: int, size: int) -> int:
     return int(schedule[int(round_index) % schedule.shape[0], rank])
 
 
-def check_optimizers_given(context: AlgorithmContext, algorithm: str) -> None:
+def weight_averaging_levels(
+    context: AlgorithmContext, config: Any, dtypes: tuple[torch.dtype, ...], what: str
+) -> tuple[Communicator, Communicator] | None:
+    """Check what a weight-averaging algorithm needs (the optimizers, whose step hooks it works in, and parameters
+    of ``dtypes``: "``what`` <dtypes> only" otherwise) and return its two levels, or None when flat."""
     if not context.optimizers:
         raise ValueError(
-            f"{algorithm} communicates weights in the optimizer's step hooks: pass the optimizer(s) to the wrapper, "
-            "e.g. with_bagua(model, [optimizer], ...)"
+            f"{config.name} communicates weights in the optimizer's step hooks: pass the optimizer(s) to the "
+            "wrapper, e.g. with_bagua(model, [optimizer], ...)"
         )
+    check_dtypes(context.buckets, dtypes, config.name, what)
+    return context.communicators.levels(config.hierarchical, config.name)
 
 
 def load_step(state: dict[str, Any], algorithm: str) -> int:
@@ -119,10 +125,8 @@ class DecentralizedImpl(AlgorithmImpl):
     def __init__(self, context: AlgorithmContext, config: DecentralizedAlgorithm):
         super().__init__(context)
         name = config.name
-        check_optimizers_given(context, name)
-        check_dtypes(context.buckets, _FLOATS, name, "weights are averaged in")
         self.config = config
-        self.levels = context.communicators.levels(config.hierarchical, name)
+        self.levels = weight_averaging_levels(context, config, _FLOATS, "weights are averaged in")
         self.group: Communicator = self.levels[1] if self.levels else self.world
         if config.peer_selection_mode == "shift_one":
             check_pairable(self.group.size, name, self.levels is not None)

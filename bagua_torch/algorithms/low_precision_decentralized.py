@@ -40,13 +40,12 @@ from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
-    check_dtypes,
     check_tensor_list,
 )
 from bagua_torch.algorithms.decentralized import (
     KERNEL_FLOATS,
-    check_optimizers_given,
     load_step,
+    weight_averaging_levels,
 )
 from bagua_torch.communicator import Communicator
 
@@ -91,11 +90,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
 
     def __init__(self, context: AlgorithmContext, config: LowPrecisionDecentralizedAlgorithm):
         super().__init__(context)
-        name = config.name
-        check_optimizers_given(context, name)
-        check_dtypes(context.buckets, COMPRESSIBLE, name, "the 8-bit codes compress")
         self.config = config
-        self.levels = context.communicators.levels(config.hierarchical, name)
+        self.levels = weight_averaging_levels(context, config, COMPRESSIBLE, "the 8-bit codes compress")
         self.sizes = [bucket.numel for bucket in context.buckets]
         # The wrapper broadcast rank 0's parameters before building the algorithm: the same copies everywhere.
         with torch.no_grad():

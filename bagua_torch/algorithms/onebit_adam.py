@@ -11,7 +11,7 @@ The warm-up is QAdam's: ``warmup_steps`` steps of ``torch.optim.Adam`` (its exac
 arithmetic) on gradients averaged in full precision. After it the second moment is
 frozen, each rank folds its local gradient into its momentum (``exp_avg.lerp_(g, 1-b1)``)
 and, bucket by bucket in launch order, the momentum (padded to a multiple of the rank
-count) is averaged with :func:`bagua_torch.compressed_allreduce.sign_allreduce`: the
+count) is averaged with :func:`bagua_common.compressed_allreduce.CompressedAllreduce.sign_allreduce`: the
 worker adds its residual, compresses the bucket into one chunk per rank (each element
 ``+-mean|chunk|``) and keeps the compression error as its new residual; after the
 all-to-all each rank averages the ``n`` decoded chunks of its slot, adds its server
@@ -44,9 +44,7 @@ from bagua_torch.algorithms.qadam import (
     QAdamImpl,
     _AdamWithAveragedMomentum,
 )
-from bagua_torch.communicator import Communicator
-from bagua_torch.compressed_allreduce import hierarchical as hierarchical_exchange
-from bagua_torch.compressed_allreduce import sign_allreduce
+from bagua_torch.compressed_allreduce import PIPELINES
 
 __all__ = ["OneBitAdamAlgorithm", "OneBitAdamImpl", "OneBitAdamOptimizer"]
 
@@ -99,14 +97,7 @@ class OneBitAdamImpl(QAdamImpl):
     def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         worker = self.worker_residuals[bucket.index]
         server = self.server_residuals[bucket.index]
-        if self.levels is None:
-            return sign_allreduce(flat, self.world, worker, server)
-        intra, inter = self.levels
-
-        def exchange(mine: torch.Tensor, comm: Communicator) -> torch.Tensor:
-            return sign_allreduce(mine, comm, worker, server)
-
-        return hierarchical_exchange(exchange, flat, intra, inter)
+        return PIPELINES.sign_over(flat, self.world, self.levels, worker, server)[0]  # residuals updated in place
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -21,10 +21,10 @@ from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
-    Bucket,
     check_dtypes,
     check_tensor_list,
 )
+from bagua_torch.bucketing import Bucket
 from bagua_torch.communicator import Work
 
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)

@@ -27,7 +27,7 @@ of steps taken so far, identical on every rank, decides the phase):
   momentum, ``exp_avg.lerp_(g_local, 1-b1)`` (``m = b1 m + (1-b1) g``, with torch
   Adam's operation), then bucket by bucket (in launch order) the momentum is flattened,
   padded to a multiple of the world size, averaged through the ByteGrad pipeline
-  (:func:`bagua_torch.compressed_allreduce.minmax_allreduce`; hierarchical: full precision
+  (:func:`bagua_common.compressed_allreduce.CompressedAllreduce.minmax_allreduce`; hierarchical: full precision
   inside the node, compressed between nodes) and written back: every rank ends with the
   same momentum bits. The optimizer then applies ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``
   with torch Adam's operations and the frozen ``v`` floored per parameter,
@@ -65,9 +65,8 @@ from bagua_torch.algorithms.base import (
     check_dtypes,
     check_flags,
 )
-from bagua_torch.communicator import Communicator, Work
-from bagua_torch.compressed_allreduce import hierarchical as hierarchical_exchange
-from bagua_torch.compressed_allreduce import minmax_allreduce
+from bagua_torch.communicator import Work
+from bagua_torch.compressed_allreduce import PIPELINES
 
 COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -342,14 +341,7 @@ class QAdamImpl(AlgorithmImpl):
 
     def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """Average one bucket of momentum (padded, this rank's) over all ranks; returns a new tensor."""
-        if self.levels is None:
-            return minmax_allreduce(flat, self.world)
-        intra, inter = self.levels
-
-        def exchange(mine: torch.Tensor, comm: Communicator) -> torch.Tensor:
-            return minmax_allreduce(mine, comm)
-
-        return hierarchical_exchange(exchange, flat, intra, inter)
+        return PIPELINES.minmax_over(flat, self.world, self.levels)[0]
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.optimizer or self.optimizer.in_warmup:

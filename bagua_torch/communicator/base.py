@@ -93,10 +93,12 @@ class CommunicatorBase:
             raise TypeError(f"{op}: {what} must be a sequence of ints, got {values!r}") from None
         return out
 
-    def _counts(
-        self, x: torch.Tensor, send_counts: Any, recv_counts: Any, out_size: Any
-    ) -> tuple[list[int], list[int], int]:
+    def _alltoall_v_operands(
+        self, x: Any, send_counts: Any, recv_counts: Any, out_size: Any
+    ) -> tuple[torch.Tensor, list[int], list[int], torch.Tensor]:
+        """``alltoall_v``'s checked operands: ``x``, the counts and the zeroed output."""
         op = "alltoall_v"
+        x = self._tensor(op, x)
         if x.dim() != 1:
             raise ValueError(f"{op}: x must be 1-D, got shape {list(x.shape)}")
         send = self._ints(op, "send_counts", send_counts)
@@ -111,7 +113,7 @@ class CommunicatorBase:
             raise ValueError(f"{op}: send_counts sum to {sum(send)} but x has only {x.numel()} elements")
         if sum(recv) > out_size:
             raise ValueError(f"{op}: recv_counts sum to {sum(recv)}, more than out_size={out_size}")
-        return send, recv, out_size
+        return x, send, recv, torch.zeros(out_size, dtype=x.dtype, device=x.device)
 
     def _peers(self, peers: Any) -> list[int]:
         peers = self._ints("send_recv", "peers", peers)

@@ -42,15 +42,18 @@ class NativeCommunicator(CommunicatorBase):
     is unusable. NCCL enqueues without waiting for the device, so a CUDA collective
     that fails after being enqueued (its watchdog aborts the communicator at the
     timeout) is reported by the next call on the communicator.
+
+    Attributes (read them, do not set them): ``engine``, ``"mpi"`` or ``"nccl"``; ``handle``,
+    the engine's integer handle of this communicator; ``timeout``, in seconds.
     """
 
     def __init__(self, handle: int, engine: str, timeout: float, name: str, device: torch.device | None = None):
         """Wrap an engine ``handle`` (use :meth:`mpi_world`, :meth:`from_store` or :meth:`split`)."""
         self._module = load_engine(engine)
-        self._engine_kind = engine
-        self._handle = int(handle)
-        self._rank = int(self._module.rank(self._handle))
-        self._size = int(self._module.size(self._handle))
+        self.engine = engine
+        self.handle = int(handle)
+        self._rank = int(self._module.rank(self.handle))
+        self._size = int(self._module.size(self.handle))
         self._name = name
         self._kind = engine.upper()
         self.timeout = float(timeout)
@@ -148,12 +151,12 @@ class NativeCommunicator(CommunicatorBase):
 
         def split() -> int:
             try:
-                return self._module.split(self._handle, color, key, name)
+                return self._module.split(self.handle, color, key, name)
             except RuntimeError as error:
                 raise CommunicationError(f"{self._where('split')}: {error}") from error
 
         handle = self._run_ordered(split)
-        return NativeCommunicator(handle, self._engine_kind, self.timeout, name, self._device)
+        return NativeCommunicator(handle, self.engine, self.timeout, name, self._device)
 
     def close(self) -> None:
         """Wait for queued collectives, stop the worker thread and release the engine handle."""
@@ -161,23 +164,13 @@ class NativeCommunicator(CommunicatorBase):
             return
         self._closed = True
         self._worker.close()
-        self._module.destroy(self._handle)
+        self._module.destroy(self.handle)
 
     def __enter__(self) -> NativeCommunicator:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
-
-    @property
-    def engine(self) -> str:
-        """The engine, ``"mpi"`` or ``"nccl"``."""
-        return self._engine_kind
-
-    @property
-    def handle(self) -> int:
-        """The engine's integer handle of this communicator."""
-        return self._handle
 
     # --- issuing ------------------------------------------------------------------
 
@@ -238,7 +231,7 @@ class NativeCommunicator(CommunicatorBase):
         x = self._tensor("allreduce", x)
         code = REDUCE_OP_CODES[self._reduce_op("allreduce", op, x)]
         out = self._empty(x.shape, x)
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         return self._submit("allreduce", lambda s: m.allreduce(h, x, out, code, s), out, (x, out))
 
     def reduce_async(self, x: torch.Tensor, root: int, op: ReduceOp = "sum") -> Work:
@@ -247,7 +240,7 @@ class NativeCommunicator(CommunicatorBase):
         code = REDUCE_OP_CODES[self._reduce_op("reduce", op, x)]
         root = self._root("reduce", root)
         out = self._empty(x.shape, x)
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         finish = out.zero_ if self._rank != root else None
         return self._submit("reduce", lambda s: m.reduce(h, x, out, code, root, s), out, (x, out), finish)
 
@@ -256,7 +249,7 @@ class NativeCommunicator(CommunicatorBase):
         x = self._tensor("broadcast", x)
         root = self._root("broadcast", root)
         out = x.clone()
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         return self._submit("broadcast", lambda s: m.broadcast(h, out, root, s), out, (out,))
 
     def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
@@ -264,14 +257,14 @@ class NativeCommunicator(CommunicatorBase):
         x = self._rows("reduce_scatter", self._tensor("reduce_scatter", x))
         code = REDUCE_OP_CODES[self._reduce_op("reduce_scatter", op, x)]
         out = self._empty(x.shape[1:], x)
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         return self._submit("reduce_scatter", lambda s: m.reduce_scatter(h, x, out, code, s), out, (x, out))
 
     def allgather_async(self, x: torch.Tensor) -> Work:
         """Issue :meth:`allgather`; ``wait()`` returns its result."""
         x = self._tensor("allgather", x)
         out = self._empty((self._size, *x.shape), x)
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         return self._submit("allgather", lambda s: m.allgather(h, x, out, s), out, (x, out))
 
     def gather_async(self, x: torch.Tensor, root: int) -> Work:
@@ -279,7 +272,7 @@ class NativeCommunicator(CommunicatorBase):
         x = self._tensor("gather", x)
         root = self._root("gather", root)
         out = self._empty((self._size, *x.shape), x)
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         finish = out.zero_ if self._rank != root else None
         return self._submit("gather", lambda s: m.gather(h, x, out, root, s), out, (x, out), finish)
 
@@ -288,24 +281,22 @@ class NativeCommunicator(CommunicatorBase):
         x = self._rows("scatter", self._tensor("scatter", x))
         root = self._root("scatter", root)
         out = self._empty(x.shape[1:], x)
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         return self._submit("scatter", lambda s: m.scatter(h, x, out, root, s), out, (x, out))
 
     def alltoall_async(self, x: torch.Tensor) -> Work:
         """Issue :meth:`alltoall`; ``wait()`` returns its result."""
         x = self._rows("alltoall", self._tensor("alltoall", x))
         out = self._empty(x.shape, x)
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         return self._submit("alltoall", lambda s: m.alltoall(h, x, out, s), out, (x, out))
 
     def alltoall_v_async(
         self, x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], out_size: int
     ) -> Work:
         """Issue :meth:`alltoall_v`; ``wait()`` returns its result."""
-        x = self._tensor("alltoall_v", x)
-        send, recv, out_size = self._counts(x, send_counts, recv_counts, out_size)
-        out = torch.zeros(out_size, dtype=x.dtype, device=x.device)
-        m, h = self._module, self._handle
+        x, send, recv, out = self._alltoall_v_operands(x, send_counts, recv_counts, out_size)
+        m, h = self._module, self.handle
         return self._submit("alltoall_v", lambda s: m.alltoall_v(h, x, send, out, recv, s), out, (x, out))
 
     def send_recv_async(self, x: torch.Tensor, peers: Sequence[int]) -> Work:
@@ -315,10 +306,10 @@ class NativeCommunicator(CommunicatorBase):
         out = self._empty((len(peers), *x.shape), x)
         if not peers:
             return DoneWork(out)
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         return self._submit("send_recv", lambda s: m.send_recv(h, x, out, peers, s), out, (x, out))
 
     def barrier_async(self) -> Work:
         """Issue :meth:`barrier`; ``wait()`` returns ``None``."""
-        m, h = self._module, self._handle
+        m, h = self._module, self.handle
         return self._submit("barrier", lambda s: m.barrier(h, s), None)

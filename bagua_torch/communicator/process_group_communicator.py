@@ -268,9 +268,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         self, x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], out_size: int
     ) -> Work:
         """Issue :meth:`alltoall_v`; ``wait()`` returns its result."""
-        x = self._tensor("alltoall_v", x)
-        send, recv, out_size = self._counts(x, send_counts, recv_counts, out_size)
-        out = torch.zeros(out_size, dtype=x.dtype, device=x.device)
+        x, send, recv, out = self._alltoall_v_operands(x, send_counts, recv_counts, out_size)
         return self._issue(
             "alltoall_v",
             lambda: dist.all_to_all_single(

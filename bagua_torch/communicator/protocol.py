@@ -26,12 +26,12 @@ timeout (default ``BAGUA_COMM_TIMEOUT`` or 300 seconds) instead of hanging.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
 
-ReduceOp = Literal["sum", "avg", "min", "max"]
-REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "avg", "min", "max")
+from bagua_common.collectives import REDUCE_OPS as REDUCE_OPS  # the communicators' checks import it from here
+from bagua_common.collectives import Collectives, ReduceOp
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -71,40 +71,13 @@ class Work(Protocol):
 
 
 @runtime_checkable
-class Communicator(Protocol):
-    """Collectives among ``size`` ranks on torch tensors; see the module docstring."""
-
-    @property
-    def size(self) -> int:
-        """The number of ranks."""
+class Communicator(Collectives[torch.Tensor], Protocol):
+    """Collectives among ``size`` ranks on torch tensors (see :class:`bagua_common.collectives.Collectives`); see
+    the module docstring."""
 
     @property
     def rank(self) -> int:
         """This process's index among the ranks."""
-
-    def allreduce(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        """Reduce ``x`` over all ranks; every rank gets the result."""
-
-    def reduce(self, x: torch.Tensor, root: int, op: ReduceOp = "sum") -> torch.Tensor:
-        """Reduce ``x`` over all ranks onto ``root``; other ranks get zeros."""
-
-    def broadcast(self, x: torch.Tensor, root: int) -> torch.Tensor:
-        """Every rank gets ``root``'s ``x``."""
-
-    def reduce_scatter(self, x: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        """``x`` is ``[size, *s]``; rank r gets row r reduced over ranks."""
-
-    def allgather(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""
-
-    def gather(self, x: torch.Tensor, root: int) -> torch.Tensor:
-        """``root`` gets ``[size, *x.shape]`` (row j from rank j); other ranks get zeros."""
-
-    def scatter(self, x: torch.Tensor, root: int) -> torch.Tensor:
-        """``x`` is ``[size, *s]`` (read on ``root``); rank r gets ``root``'s row r."""
-
-    def alltoall(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` is ``[size, *s]``; row j goes to rank j, and row j of the result came from rank j."""
 
     def alltoall_v(
         self, x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], out_size: int

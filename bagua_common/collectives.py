@@ -1,0 +1,50 @@
+"""The collectives every communicator offers, in both front ends: their names, shapes and meaning.
+
+``bagua_jax.communicator.Communicator`` (on ``jax.Array``) and
+``bagua_torch.communicator.Communicator`` (on ``torch.Tensor``) extend :class:`Collectives` with
+what differs between the frameworks (how a rank is told, peers, barriers, asynchronous issue).
+Shapes are per rank; where a method moves one block per rank, the blocks lie along the leading
+axis. ``reduce`` and ``gather`` give zeros off the root. Results are bit-identical across ranks
+wherever every rank receives the same value.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Protocol, TypeVar
+
+ReduceOp = Literal["sum", "avg", "min", "max"]
+REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "avg", "min", "max")
+
+Array = TypeVar("Array")
+
+
+class Collectives(Protocol[Array]):
+    """Collectives among ``size`` ranks on a front end's ``Array``."""
+
+    @property
+    def size(self) -> int:
+        """The number of ranks (a Python int, known when tracing)."""
+
+    def allreduce(self, x: Array, op: ReduceOp = "sum") -> Array:
+        """Reduce ``x`` over all ranks; every rank gets the result."""
+
+    def reduce(self, x: Array, root: int, op: ReduceOp = "sum") -> Array:
+        """Reduce ``x`` over all ranks onto ``root``; other ranks get zeros."""
+
+    def broadcast(self, x: Array, root: int) -> Array:
+        """Every rank gets ``root``'s ``x``."""
+
+    def reduce_scatter(self, x: Array, op: ReduceOp = "sum") -> Array:
+        """``x`` is ``[size, *s]``; rank r gets row r reduced over ranks (shape ``s``)."""
+
+    def allgather(self, x: Array) -> Array:
+        """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""
+
+    def gather(self, x: Array, root: int) -> Array:
+        """``root`` gets ``[size, *x.shape]`` (row j from rank j); other ranks get zeros."""
+
+    def scatter(self, x: Array, root: int) -> Array:
+        """``x`` is ``[size, *s]`` (read on ``root``); rank r gets ``root``'s row r."""
+
+    def alltoall(self, x: Array) -> Array:
+        """``x`` is ``[size, *s]``; row j goes to rank j, and row j of the result came from rank j."""

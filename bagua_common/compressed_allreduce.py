@@ -1,0 +1,151 @@
+"""Allreduce of a flat bucket through compression (the ByteGrad pipeline), written once for both front ends.
+
+Each rank splits its bucket (a multiple of ``n = comm.size`` elements) into ``n`` chunks and
+compresses them; an all-to-all hands rank r chunk r of every rank; rank r decodes and averages
+(or sums) them in float32, compresses that one chunk again, and an allgather hands every rank
+all reduced chunks to decode. Every rank ends with the same bits. Bytes sent per rank are about
+``2 * (n-1)/n`` of the compressed bucket: a quarter of a float32 ring allreduce for 8-bit codes,
+a thirty-second for 1-bit signs.
+
+The two-level form wraps either pipeline: a full-precision reduce-scatter (average) inside the
+node (``intra``), the compressed exchange of this rank's slice across nodes (``inter``), and an
+allgather inside the node.
+
+A front end supplies its kernels (``bagua_jax.ops`` or ``bagua_torch.ops``: the same functions
+on its own arrays) and its communicators; the sequence of operations, and so the bits, are the
+same in both. Nothing here blocks on its own or keeps state: under ``jax.jit`` it traces, and
+the residuals are returned (torch's kernels also update them in place).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Protocol
+
+Array = Any
+"""A front end's array: a ``jax.Array`` or a ``torch.Tensor``."""
+
+Levels = tuple[Any, Any] | None
+"""``(intra, inter)`` communicators for the two-level form, or None for one flat exchange."""
+
+
+class CodecKernels(Protocol):
+    """The compression kernels a front end's ``ops`` module provides (see ``bagua_jax.ops``)."""
+
+    def minmax_uint8_compress(self, x: Array, k: int) -> Array: ...
+    def minmax_uint8_compress_ef(self, x: Array, residual: Array, k: int) -> tuple[Array, Array]: ...
+    def minmax_uint8_decompress(self, compressed: Array, n: int, k: int, dtype: Any) -> Array: ...
+    def minmax_uint8_decompress_reduce(self, compressed: Array, m: int, k: int, *, average: bool) -> Array: ...
+    def sign_compress_ef(self, x: Array, residual: Array, k: int) -> tuple[Array, Array]: ...
+    def sign_decompress(self, compressed: Array, n: int, k: int, dtype: Any) -> Array: ...
+    def sign_decompress_reduce(self, compressed: Array, m: int, k: int, *, average: bool) -> Array: ...
+
+
+def _chunk_elements(bucket: Array, comm: Any) -> int:
+    n = comm.size
+    if bucket.ndim != 1 or bucket.shape[0] % n:
+        raise ValueError(f"a bucket must be 1-D with a multiple of {n} elements, got shape {list(bucket.shape)}")
+    return bucket.shape[0] // n
+
+
+def hierarchical(exchange: Callable[[Array, Any], Array], bucket: Array, intra: Any, inter: Any) -> Array:
+    """Average ``bucket`` over ``intra`` x ``inter`` ranks, compressing only between nodes.
+
+    A full-precision reduce-scatter (average) inside the node, ``exchange(slice, inter)`` (which
+    must average a 1-D slice over the ``inter`` ranks) between nodes, an allgather inside the
+    node. The bucket needs a multiple of ``intra.size * inter.size`` elements.
+    """
+    mine = intra.reduce_scatter(bucket.reshape(intra.size, -1), "avg")
+    return intra.allgather(exchange(mine, inter)).reshape(-1)
+
+
+class CompressedAllreduce:
+    """The compressed allreduces over one front end's ``kernels``; each returns its result and new residuals."""
+
+    def __init__(self, kernels: CodecKernels) -> None:
+        self._kernels = kernels
+
+    def minmax_allreduce(
+        self, bucket: Array, comm: Any, *, average: bool = True, residual: Array | None = None
+    ) -> tuple[Array, Array | None]:
+        """Allreduce ``bucket`` with 8-bit min-max codes on the wire (ByteGrad): ``(result, new residual)``.
+
+        With a float32 ``residual`` of the bucket's size, the first compression uses error
+        feedback (it encodes ``bucket + residual``); without one the second result is None.
+        """
+        ops = self._kernels
+        n, m = comm.size, _chunk_elements(bucket, comm)
+        if residual is None:
+            packed = ops.minmax_uint8_compress(bucket, n)
+        else:
+            packed, residual = ops.minmax_uint8_compress_ef(bucket, residual, n)
+        received = comm.alltoall(packed.reshape(n, -1))
+        mine = ops.minmax_uint8_decompress_reduce(received.reshape(-1), m, n, average=average)
+        gathered = comm.allgather(ops.minmax_uint8_compress(mine, 1))
+        return ops.minmax_uint8_decompress(gathered.reshape(-1), n * m, n, bucket.dtype), residual
+
+    def sign_allreduce(
+        self, bucket: Array, comm: Any, worker_residual: Array, server_residual: Array, *, average: bool = True
+    ) -> tuple[Array, Array, Array]:
+        """Allreduce ``bucket`` with 1-bit signs and error feedback on both sides (1-bit Adam).
+
+        ``worker_residual`` (float32, the bucket's size) feeds back the error of compressing the
+        bucket before the all-to-all; ``server_residual`` (float32, one chunk) the error of
+        compressing this rank's reduced chunk before the allgather. Returns the result and both
+        new residuals.
+        """
+        ops = self._kernels
+        n, m = comm.size, _chunk_elements(bucket, comm)
+        packed, worker_residual = ops.sign_compress_ef(bucket, worker_residual, n)
+        received = comm.alltoall(packed.reshape(n, -1))
+        mine = ops.sign_decompress_reduce(received.reshape(-1), m, n, average=average)
+        repacked, server_residual = ops.sign_compress_ef(mine, server_residual, 1)
+        gathered = comm.allgather(repacked)
+        result = ops.sign_decompress(gathered.reshape(-1), n * m, n, bucket.dtype)
+        return result, worker_residual, server_residual
+
+    def minmax_over(
+        self, bucket: Array, world: Any, levels: Levels, *, average: bool = True, residual: Array | None = None
+    ) -> tuple[Array, Array | None]:
+        """:meth:`minmax_allreduce` over ``world``, or with ``levels`` in the two-level form (the residual is then
+        this rank's intra-node slice's); ``(result, new residual)``."""
+        if levels is None:
+            return self.minmax_allreduce(bucket, world, average=average, residual=residual)
+        intra, inter = levels
+        result, (residual,) = _two_level(
+            lambda mine, comm: self.minmax_allreduce(mine, comm, average=average, residual=residual),
+            bucket,
+            intra,
+            inter,
+        )
+        if not average:  # the intra-node leg always averages: scale its mean back to a sum
+            result = result * intra.size
+        return result, residual
+
+    def sign_over(
+        self, bucket: Array, world: Any, levels: Levels, worker_residual: Array, server_residual: Array
+    ) -> tuple[Array, Array, Array]:
+        """:meth:`sign_allreduce` (averaging) over ``world``, or with ``levels`` in the two-level form (the worker
+        residual is then this rank's intra-node slice's); the result and both new residuals."""
+        if levels is None:
+            return self.sign_allreduce(bucket, world, worker_residual, server_residual)
+        intra, inter = levels
+        result, (worker_residual, server_residual) = _two_level(
+            lambda mine, comm: self.sign_allreduce(mine, comm, worker_residual, server_residual), bucket, intra, inter
+        )
+        return result, worker_residual, server_residual
+
+
+def _two_level(
+    exchange: Callable[[Array, Any], tuple[Array, ...]], bucket: Array, intra: Any, inter: Any
+) -> tuple[Array, tuple[Array, ...]]:
+    """:func:`hierarchical` around an ``exchange`` that returns ``(slice result, *new residuals)``: the bucket's
+    result and the residuals."""
+    residuals: list[tuple[Array, ...]] = []
+
+    def keep_residuals(mine: Array, comm: Any) -> Array:
+        result, *new = exchange(mine, comm)
+        residuals.append(tuple(new))
+        return result
+
+    return hierarchical(keep_residuals, bucket, intra, inter), residuals[0]
