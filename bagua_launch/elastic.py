@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import math
 import os
 import shutil
 import socket
@@ -105,6 +106,7 @@ class ElasticConfig:
     command: list[str]
     mode: str
     tail_lines: int
+    grace: float
 
 
 def requested(ns: argparse.Namespace) -> bool:
@@ -138,9 +140,12 @@ def config_from(
         ("--node-rank", ns.node_rank != 0),
         ("--master-addr", ns.master_addr is not None),
         ("--master-port", ns.master_port is not None),
+        ("--timeout", ns.timeout is not None),
     ):
         if given:
-            parser.error(f"{flag} is not used in elastic mode: the rendezvous assigns ranks and rank 0's address")
+            parser.error(
+                f"{flag} is not available in elastic mode (the agents' rendezvous decides ranks and addresses)"
+            )
     if ns.max_restarts is not None and ns.max_restarts < 0:
         parser.error(f"--max-restarts must be at least 0, got {ns.max_restarts}")
     try:
@@ -166,6 +171,7 @@ def config_from(
         command=command,
         mode=mode,
         tail_lines=ns.tail_lines,
+        grace=ns.grace,
     )
 
 
@@ -240,6 +246,7 @@ def run(config: ElasticConfig) -> int:
         log_line_prefix_template="[rank ${rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
         local_addr="127.0.0.1" if _is_loopback(host) else None,
+        shutdown_timeout=math.ceil(config.grace),
     )
     if config.mode == "program":
         entrypoint, args = config.command[0], config.command[1:]

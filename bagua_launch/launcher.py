@@ -153,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
             f"  {_NAME} --nproc-per-node 2 --mpi train.py          # one 'mpiexec -n 2' job\n"
             "  # two nodes, two ranks each; run on every node with its own --node-rank:\n"
             f"  {_NAME} --nnodes 2 --node-rank 0 --nproc-per-node 2 --master-addr 10.0.0.1 train.py\n"
+            "  # elastic, 1 to 4 nodes (torch's elastic agent); the same command on every node:\n"
+            f"  {_NAME} --nnodes 1:4 --nproc-per-node 2 --max-restarts 3 --rdzv-endpoint 10.0.0.1:29400 train.py\n"
             "\n"
             "exit status: 0 when every rank exits 0; else the first failing rank's exit code\n"
             "(128+N if it died of signal N), 128+N when the launcher got signal N, 124 at --timeout.\n"

@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         *_common.header_lines(meta),
         f"- agents' exit codes: {codes}",
         "- the machine is shared with other engineers' jobs: the seconds below include their load",
+        f"- 2 workers wait at step {args.grow_at} for the joining node: that wait is in the last row's seconds lost",
         "",
         "| restart | world | resumed step | last step | first step at (s) | seconds lost | steps trained again |",
         "|---|---|---|---|---|---|---|",

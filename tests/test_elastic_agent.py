@@ -12,7 +12,11 @@ started is killed when it ends.
   final parameters bit for bit.
 * A node joins later: the job grows from 2 to 4 workers without spending a restart
   (``--max-restarts 0``).
-* A worker dies: all workers restart from the last checkpoint with the same world size.
+* A worker dies (one agent, 2 workers): all workers restart from the last checkpoint with the
+  same world size.
+
+Startup dominates their time (an agent, then each attempt's workers import torch or JAX):
+about 7 minutes for the six on the 2-core machine shared by several jobs (load ~16).
 """
 
 from __future__ import annotations
@@ -47,7 +51,7 @@ def job_factory(tmp_path):
 
 def replay(job_factory, framework: str, attempts: list[dict]) -> dict[str, np.ndarray]:
     """Train again without the agent: plain bagua-launch runs with each attempt's world size, from its resumed step
-    up to the next attempt's, through the same checkpoints; returns the final parameters."""
+    up to the next attempt's, through checkpoints of their own; returns the final parameters."""
     reference = job_factory(framework, "reference")
     for i, attempt in enumerate(attempts):
         end = attempts[i + 1]["step"] if i + 1 < len(attempts) else STEPS

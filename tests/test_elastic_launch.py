@@ -40,7 +40,9 @@ def test_usage_errors():
     result = launch("--max-restarts", "1", "--rdzv-conf", "join_timeout", "x.py")
     assert result.returncode == 2 and "KEY=VALUE" in result.stderr, result.stderr
     result = launch("--max-restarts", "1", "--master-port", "29999", "x.py")
-    assert result.returncode == 2 and "not used in elastic mode" in result.stderr, result.stderr
+    assert result.returncode == 2 and "not available in elastic mode" in result.stderr, result.stderr
+    result = launch("--max-restarts", "1", "--timeout", "60", "x.py")
+    assert result.returncode == 2 and "--timeout is not available" in result.stderr, result.stderr
 
 
 def test_restart_after_a_failure_keeps_the_output_format(tmp_path):
