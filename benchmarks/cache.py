@@ -5,21 +5,38 @@ really contend for the cores). Two DataLoader workers (fork, not persistent), tw
 run; the stores are fresh for every run and the configurations are interleaved and repeated.
 Reported: median epoch times, epoch-2 speed-up over uncached, epoch-1 overhead, hit rates.
 
+``--compare-stores`` measures the stores themselves instead: put, then get, throughput of the
+embedded default (LMDB) against the alternatives (SQLite in WAL mode, one file per sample in a
+directory, the per-process memory store, Redis over its unix socket), from the DataLoader
+workers, for small and large samples; results in ``benchmarks/results/cache-stores.{md,json}``.
+
     python benchmarks/cache.py [--samples 1000] [--repeats 3] [--workers 2]
+    python benchmarks/cache.py --compare-stores [--repeats 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import sqlite3
 import statistics
+import sys
+import tempfile
 import time
+import warnings
+from pathlib import Path
+from typing import Any
 
 import numpy as np
 from torch.utils.data import DataLoader
 
-from bagua_common.cache_stores import LmdbStore, RedisStore
+from bagua_common.cache_stores import LmdbStore, MemoryStore, RedisStore, private_directory
 from bagua_common.cached_dataset import CachedDataset
 from bagua_common.redis_server import RedisServer
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import _common  # noqa: E402
 
 DECODE_SECONDS = 0.003
 
@@ -64,12 +81,177 @@ def redis_hits(server: RedisServer) -> tuple[int, int]:
     return info["keyspace_hits"], info["keyspace_misses"]
 
 
+class SqliteStore:
+    """An alternative to LMDB measured here: one SQLite file in WAL mode, no fsync (like LMDB's
+    ``sync=False``), a connection per process, each put its own transaction (write-through)."""
+
+    def __init__(self, directory: str) -> None:
+        self.path = os.path.join(directory, "cache.sqlite")
+        with sqlite3.connect(self.path) as db:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("CREATE TABLE kv (key BLOB PRIMARY KEY, value BLOB NOT NULL)")
+        self._db: Any = None
+        self._pid = -1
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _db=None, _pid=-1)
+
+    def _open(self) -> sqlite3.Connection:
+        if self._pid != os.getpid():
+            self._db = sqlite3.connect(self.path, timeout=60, isolation_level=None)
+            self._db.execute("PRAGMA synchronous=OFF")
+            self._pid = os.getpid()
+        return self._db
+
+    def get(self, key: bytes) -> bytes | None:
+        row = self._open().execute("SELECT value FROM kv WHERE key = ?", (key,)).fetchone()
+        return None if row is None else row[0]
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        self._open().execute("INSERT OR REPLACE INTO kv VALUES (?, ?)", (key, value))
+        return True
+
+
+class FileStore:
+    """An alternative to LMDB measured here: one file per sample in a directory, written to a
+    temporary name and renamed into place (readers never see half a value)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def get(self, key: bytes) -> bytes | None:
+        try:
+            with open(os.path.join(self.directory, key.hex()), "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def put(self, key: bytes, value: bytes) -> bool:
+        path = os.path.join(self.directory, key.hex())
+        temporary = f"{path}.{os.getpid()}.tmp"
+        with open(temporary, "wb") as f:
+            f.write(value)
+        os.replace(temporary, path)
+        return True
+
+
+class StoreOps:
+    """Item c < chunks puts chunk c's samples, item chunks + c reads them back; each item returns
+    (first op's start, last op's end, hits). With an even number of chunks and two workers, the
+    worker that wrote a chunk reads it (DataLoader deals items round-robin): so the per-process
+    memory store can hit too."""
+
+    def __init__(self, store: Any, chunks: int, chunk: int, value: bytes) -> None:
+        self.store, self.chunks, self.chunk, self.value = store, chunks, chunk, value
+
+    def __len__(self) -> int:
+        return 2 * self.chunks
+
+    def __getitem__(self, item: int) -> tuple[float, float, int]:
+        first = (item % self.chunks) * self.chunk
+        keys = [b"bg1:bench:%d" % i for i in range(first, first + self.chunk)]
+        start = time.perf_counter()
+        if item < self.chunks:
+            hits = sum(self.store.put(k, self.value) for k in keys)
+        else:
+            hits = sum(self.store.get(k) == self.value for k in keys)
+        return start, time.perf_counter(), hits
+
+
+def store_throughput(store: Any, samples: int, size: int, workers: int) -> dict[str, float]:
+    """Puts, then gets, of ``samples`` values of ``size`` bytes from ``workers`` DataLoader workers."""
+    chunk = 50
+    chunks = samples // chunk
+    ops = StoreOps(store, chunks, chunk, np.random.default_rng(0).bytes(size))
+    loader = DataLoader(ops, batch_size=None, num_workers=workers, multiprocessing_context="fork", prefetch_factor=2)
+    results = [tuple(float(v) for v in item) for item in loader]  # DataLoader yields items in index order
+    puts, gets = results[:chunks], results[chunks:]
+    put_s = max(r[1] for r in puts) - min(r[0] for r in puts)
+    get_s = max(r[1] for r in gets) - min(r[0] for r in gets)
+    n = chunks * chunk
+    return {"put_per_s": n / put_s, "get_per_s": n / get_s, "hit_rate": sum(r[2] for r in gets) / n}
+
+
+def compare_stores(args: argparse.Namespace) -> None:
+    sizes = {"small": (1 << 10, args.small_samples), "large": (128 << 10, args.large_samples)}
+    names = ["lmdb", "sqlite-wal", "files", "memory", "redis-unix"]
+    capacity = 1 << 30
+    # Expected here, and said in the table: the memory store is per process (the workers inherit this filter).
+    warnings.filterwarnings("ignore", "MemoryStore is per process", RuntimeWarning)
+    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ("numpy", "lmdb", "redis", "torch"))
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {(n, k): [] for k in sizes for n in names}
+    with RedisServer(capacity) as server:
+        client = RedisStore(server.url)._open()[0]
+        for repeat in range(args.repeats):
+            for kind, (size, samples) in sizes.items():
+                for name in names:
+                    with tempfile.TemporaryDirectory(prefix="bagua-cache-bench-") as scratch:
+                        directory = private_directory(os.path.join(scratch, "store"))
+                        store = {
+                            "lmdb": lambda: LmdbStore(directory, capacity),
+                            "sqlite-wal": lambda: SqliteStore(directory),
+                            "files": lambda: FileStore(directory),
+                            "memory": lambda: MemoryStore(capacity),
+                            "redis-unix": lambda: RedisStore(server.url),
+                        }[name]()
+                        client.flushall()
+                        result = store_throughput(store, samples, size, args.workers)
+                    runs[name, kind].append(result)
+                    print(
+                        f"#{repeat} {kind:5s} {name:10s} put {result['put_per_s']:9.0f}/s get "
+                        f"{result['get_per_s']:9.0f}/s hit rate {result['hit_rate']:.2f}",
+                        flush=True,
+                    )
+    _common.finish_meta(meta)
+    lines = [
+        "# Cache stores: put and get throughput from DataLoader workers",
+        "",
+        *_common.header_lines(meta),
+        f"- {args.workers} DataLoader workers (fork); each worker puts, then gets, chunks of 50 samples; "
+        f"{args.repeats} interleaved repeats, median shown; small = {args.small_samples} samples of 1 KiB, "
+        f"large = {args.large_samples} samples of 128 KiB; a fresh store per run (Redis: one server, flushed).",
+        "- The machine is a 2-core box shared with other engineers' builds and tests: see the load average.",
+        "- memory: per process; it hits only because each worker reads back what it wrote itself.",
+        "",
+        "| store | small put/s | small get/s | large put/s | large get/s | large get MB/s | hit rate |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    summary = {}
+    for name in names:
+        cells = {}
+        for kind in sizes:
+            for op in ("put_per_s", "get_per_s", "hit_rate"):
+                cells[kind, op] = statistics.median(r[op] for r in runs[name, kind])
+        summary[name] = {f"{k}_{op}": v for (k, op), v in cells.items()}
+        lines.append(
+            f"| {name} | {cells['small', 'put_per_s']:,.0f} | {cells['small', 'get_per_s']:,.0f} | "
+            f"{cells['large', 'put_per_s']:,.0f} | {cells['large', 'get_per_s']:,.0f} | "
+            f"{cells['large', 'get_per_s'] * (128 << 10) / 1e6:,.0f} | "
+            f"{min(cells['small', 'hit_rate'], cells['large', 'hit_rate']):.2f} |"
+        )
+    lines.append("")
+    payload = {"meta": meta, "summary": summary, "runs": {f"{n}/{k}": v for (n, k), v in runs.items()}}
+    for path in _common.write_results(args.out, "cache-stores", lines, payload):
+        print(f"wrote {path}")
+    print("\n".join(lines))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--compare-stores", action="store_true", help="measure the stores' put/get throughput")
+    parser.add_argument("--small-samples", type=int, default=20000, help="--compare-stores: 1 KiB samples")
+    parser.add_argument("--large-samples", type=int, default=2000, help="--compare-stores: 128 KiB samples")
+    parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
+    if args.compare_stores:
+        compare_stores(args)
+        return
     rounds = calibrated_rounds()
     base = SlowDecodeDataset(args.samples, rounds)
     capacity = 256 << 20

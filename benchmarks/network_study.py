@@ -8,7 +8,9 @@ then runs, one job at a time, the synthetic benchmark's worker
 (``benchmarks/synthetic.py --worker``) on its communication-heavy ``mlp`` model in every
 rank's namespace:
 
-* torch: the baseline (PyTorch DDP over gloo) and every ``bagua_torch`` algorithm (gloo);
+* torch: the baseline (PyTorch DDP over gloo), DDP with its built-in communication hooks
+  (``fp16_compress_hook``, ``powerSGD_hook`` ranks 1 and 4; ``bf16_compress_hook`` needs CUDA
+  and NCCL and is left out on the CPU) and every ``bagua_torch`` algorithm (gloo);
 * JAX: the baseline (a ``shard_map`` step differentiating the ``lax.pmean`` of the loss,
   over ``jax.distributed`` with gloo CPU collectives) and every ``bagua_jax`` algorithm in
   ``DataParallel`` over the native MPI engine: ``bagua-launch --mpi`` runs in rank 0's
@@ -18,7 +20,12 @@ rank's namespace:
   whose background averager needs the native engine).
 
 ``decentralized`` is the registry default (peer mode ``"all"``), ``decentralized_shift_one``
-the ``"shift_one"`` mode. No latency is added when the kernel lacks ``sch_netem`` (the
+the ``"shift_one"`` mode, ``powersgd_rank1`` / ``powersgd_rank4`` PowerSGD of that rank (exact
+steps during the warm-up, like DDP's hook). ``--models``: ``mlp`` (the original 1.84M-parameter
+model) and ``matrices`` (16x16x3 input, four hidden layers of 1024: mostly 1024x1024 matrices).
+Each rank's bytes sent per timed step are read from its namespace's ``/proc/net/dev``.
+``--repeats`` runs the whole grid again, interleaved (``--repeat-only`` limits the later rounds
+to some variants); ``--convergence-rate`` trains the digits MLP once per variant. No latency is added when the kernel lacks ``sch_netem`` (the
 harness says so); bandwidth only.
 
 Each job: ``--warmup-iters`` untimed iterations, then ``--iters`` timed ones of
@@ -338,6 +345,15 @@ def _grid(rows: list[dict[str, Any]], model: str, ranks: int, rates: list[str], 
     return lines
 
 
+def _ratio(reference: dict[str, Any], row: dict[str, Any]) -> str:
+    """``reference``'s step time over ``row``'s, pooled, then of each repeat (as they were interleaved)."""
+    text = f"{reference['step_s'] / row['step_s']:.2f}x"
+    pairs = list(zip(reference.get("repeat_step_s", []), row.get("repeat_step_s", [])))
+    if len(pairs) > 1:
+        text += " (repeats: " + ", ".join(f"{a / b:.2f}x" for a, b in pairs) + ")"
+    return text
+
+
 def bar_lines(rows: list[dict[str, Any]], model: str, ranks: int, rates: list[str]) -> list[str]:
     """Issue 16's bars: our PowerSGD rank 4 against DDP's powerSGD_hook rank 4 (both front ends),
     and JAX's against lax.pmean."""
@@ -349,12 +365,11 @@ def bar_lines(rows: list[dict[str, Any]], model: str, ranks: int, rates: list[st
         for fw in ("torch", "jax"):
             ours = _find(rows, model, ranks, rate, fw, "powersgd_rank4")
             if ours and ref and ours.get("status") == ref.get("status") == "ok":
-                cells.append(
-                    f"bagua_{fw} powersgd rank 4 / DDP powerSGD_hook rank 4: {ref['step_s'] / ours['step_s']:.2f}x"
-                )
+                cells.append(f"bagua_{fw} powersgd rank 4 / DDP powerSGD_hook rank 4: {_ratio(ref, ours)}")
         ours = _find(rows, model, ranks, rate, "jax", "powersgd_rank4")
-        if ours and ours.get("speedup_vs_baseline"):
-            cells.append(f"bagua_jax powersgd rank 4 / lax.pmean: {ours['speedup_vs_baseline']:.2f}x")
+        base = _find(rows, model, ranks, rate, "jax", BASELINE["jax"])
+        if ours and base and ours.get("status") == base.get("status") == "ok":
+            cells.append(f"bagua_jax powersgd rank 4 / lax.pmean: {_ratio(base, ours)}")
         if cells:
             lines.append(f"- {rate}: " + "; ".join(cells))
     return lines
@@ -365,7 +380,7 @@ def table_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     steps = meta["settings"].get("convergence_steps")
     for model in dict.fromkeys(r.get("model", "mlp") for r in rows):
         for ranks in sorted({r["ranks"] for r in rows}):
-            rates = sorted({r["rate"] for r in rows if r["ranks"] == ranks}, key=_rate_order, reverse=True)
+            rates = sorted({r["rate"] for r in rows if r["ranks"] == ranks}, key=_rate_order)
             lines += [
                 f"### {model} ({parameter_count(model):,} parameters), {ranks} ranks",
                 "",
@@ -412,6 +427,7 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
     )
     if not final:
         return paths
+    failed = [r for r in rows if r.get("status") != "ok"]
     rows = merged(rows)
     add_ratios(rows)
     models = dict.fromkeys(r.get("model", "mlp") for r in rows)
@@ -442,12 +458,12 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
     ]
     md += [f"- {n}" for n in meta["notes"]] + [""]
     md += table_lines(meta, rows)
-    failed = [r for r in rows if r.get("status") != "ok"]
     if failed:
         md += ["### Failed jobs", ""]
         for r in failed:
             md.append(
-                f"- {r['framework']} {r['algorithm']}, {r['ranks']} ranks, {r['rate']}: {r['status']}: "
+                f"- {r['framework']} {r['algorithm']}, {r.get('model', 'mlp')}, {r['ranks']} ranks, {r['rate']}, "
+                f"round {r.get('repeat', 0) + 1}: {r['status']}: "
                 + " / ".join(r.get("log_tail", [])[-3:]).replace("|", "\\|")
             )
         md.append("")
@@ -492,7 +508,7 @@ def plot(args, meta, rows, path: Path) -> Path | None:
         for col, (model, ranks) in enumerate(panels):
             ax = axes[row][col]
             mine = [r for r in ok if r["ranks"] == ranks and r["framework"] == fw and r.get("model", "mlp") == model]
-            rates = sorted({r["rate"] for r in ok if r["ranks"] == ranks}, key=_rate_order, reverse=True)
+            rates = sorted({r["rate"] for r in ok if r["ranks"] == ranks}, key=_rate_order)
             for alg in dict.fromkeys(r["algorithm"] for r in mine):
                 pts = sorted((rates.index(r["rate"]), r["step_s"] * 1e3) for r in mine if r["algorithm"] == alg)
                 style = "--" if alg in BASELINE.values() or alg in DDP_HOOKS else ("-." if alg == "async" else "-")
@@ -542,6 +558,7 @@ def parse_args(argv=None):
     p.add_argument(
         "--repeats", type=int, default=1, help="times every job runs, interleaved: each round covers every rate and job"
     )
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these variants (every round)")
     p.add_argument(
         "--repeat-only",
         nargs="+",
@@ -671,7 +688,9 @@ def main(argv=None) -> int:
                         with nh.Network(ranks, rate, args.delay_ms) as net:
                             for model in args.models:
                                 for fw, alg in jobs:
-                                    if repeat and args.repeat_only and alg not in args.repeat_only:
+                                    if (args.only and alg not in args.only) or (
+                                        repeat and args.repeat_only and alg not in args.repeat_only
+                                    ):
                                         continue
                                     port += 1
                                     convergence = args.convergence_steps > 0 and (

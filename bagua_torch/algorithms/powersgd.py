@@ -128,9 +128,12 @@ class PowerSGDImpl(AlgorithmImpl):
         first = self._first_matrix(bucket.index)
         matrices, ps = [], []
         for k, (i, view, _) in enumerate(self.layout[bucket.index], first):
-            m = views[i].reshape(view).to(self.dtype)
             if self.config.error_feedback:
-                m = m + self.residuals[k]
+                # M is built in the residual's buffer (the new residual is written there too): no
+                # full-size tensors allocated per step, which cost page faults in every step.
+                m = self.residuals[k].add_(views[i].reshape(view))
+            else:
+                m = views[i].reshape(view).to(self.dtype)
             matrices.append(m)
             ps.append(m @ self.qs[k])
         self._prepared[bucket.index] = (matrices, ps)
@@ -160,11 +163,14 @@ class PowerSGDImpl(AlgorithmImpl):
         k = 0
         for bucket, layout in zip(self.buckets, self.layout):
             views = bucket.views(bucket.grad)
-            for i, _, _ in layout:
-                approximation = ps[k] @ qs[k].T
-                views[i].copy_(approximation.view_as(views[i]))
+            for i, view, _ in layout:
+                if views[i].dtype == self.dtype:
+                    approximation = torch.mm(ps[k], qs[k].T, out=views[i].view(view))
+                else:
+                    approximation = ps[k] @ qs[k].T
+                    views[i].copy_(approximation.view_as(views[i]))
                 if self.config.error_feedback:
-                    self.residuals[k] = matrices[k] - approximation
+                    matrices[k].sub_(approximation)  # the residual's buffer: M - P Q^T
                 k += 1
         if self.config.warm_start:
             self.qs = qs
