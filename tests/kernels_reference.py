@@ -84,12 +84,16 @@ def minmax_encode(seg: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray
 
 def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
     z, _, base, step = minmax_grid(lo, hi)
-    t = type(z)
-    with np.errstate(all="ignore"):
-        v = (z + ((q.astype(t) + base).astype(t) * step).astype(t)).astype(t)
-    if t is np.float64:  # a finite chunk never decodes to infinity
-        v = np.clip(v, np.float64(lo), np.float64(hi))
-    return v.astype(F32)
+    k = (q.astype(F32) + F32(base)).astype(F32)
+    if type(z) is F32:
+        return (z + (k * step).astype(F32)).astype(F32)
+    # A wide chunk decodes in float32 on values scaled by a power of two into the normal range, clamped
+    # so that scaling back cannot overflow.
+    unit = F32(2.0**-64) if max(abs(float(lo)), abs(float(hi))) < 2.0**126 else F32(2.0**64)
+    scaled_step = F32(step / np.float64(unit))
+    v = (F32(F32(z) / unit) + (k * scaled_step).astype(F32)).astype(F32)
+    limit = F32(np.finfo(F32).max * 2.0**-64)
+    return (np.clip(v, -limit, limit) * unit).astype(F32)
 
 
 def minmax_compress(x: np.ndarray, k: int, residual: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -161,12 +165,13 @@ def decompress_reduce(buffers: np.ndarray, m: int, k: int, format: str, average:
             acc = (acc + d).astype(F32)
         if average:
             acc = (acc / F32(k)).astype(F32)
-        # An overflowed float32 sum is summed again in float64 (finite inputs, finite average).
-        wide = np.zeros(m)
+        # An overflowed float32 sum is summed again with every value scaled by 2**-64, then scaled back.
+        scaled = np.zeros(m, F32)
         for d in decoded:
-            wide += d
-        wide = wide / k if average else wide
-        return np.where(np.isinf(acc), wide.astype(F32), acc)
+            scaled = (scaled + (d * F32(2.0**-64)).astype(F32)).astype(F32)
+        if average:
+            scaled = (scaled / F32(k)).astype(F32)
+        return np.where(np.isinf(acc), (scaled * F32(2.0**64)).astype(F32), acc)
 
 
 def chunk_scales(buffer: np.ndarray, n: int, k: int) -> np.ndarray:

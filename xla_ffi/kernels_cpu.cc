@@ -415,26 +415,26 @@ Status decompress(const uint8_t* in, const Chunking& chunking, T* out, Decode&& 
 
 bool is_infinite(float v) { return v == v && !math::is_finite(v); }
 
-void add_wide(double* p, float v) { *p += v; }
+void resum_add(float* p, float v) { *p = math::resum_add(*p, v); }
 
-void add_wide(double* p, f32x8 v) {
-  for (int l = 0; l < 8; ++l) p[l] += v[l];
+void resum_add(float* p, f32x8 v) {
+  for (int l = 0; l < 8; ++l) resum_add(p + l, v[l]);
 }
 
 // Elements [begin, end) whose float32 sum (or average) overflowed are summed
-// again in double, so that finite inputs give a finite average (SPEC section 2);
-// the others keep their float32 bits.
+// again, scaled (math::resum_add), so that finite inputs give a finite average
+// (SPEC section 2); the others keep their bits.
 template <typename Decode>
-void resum_in_double(const uint8_t* in, const Chunking& chunking, int64_t m, int64_t begin, int64_t end,
-                     bool average, float* acc, Decode&& decode) {
-  std::vector<double> wide(end - begin);
+void resum_scaled(const uint8_t* in, const Chunking& chunking, int64_t m, int64_t begin, int64_t end,
+                  bool average, float* acc, Decode&& decode) {
+  std::vector<float> scaled(end - begin);
   for (int64_t j = 0; j < chunking.k; ++j) {
     decode(in, chunking, j, j * m + begin, j * m + end,
-           [&](int64_t i, auto v) { add_wide(wide.data() + (i - j * m - begin), v); });
+           [&](int64_t i, auto v) { resum_add(scaled.data() + (i - j * m - begin), v); });
   }
-  const double ranks = static_cast<double>(chunking.k);
+  const float ranks = static_cast<float>(chunking.k);
   for (int64_t i = 0; i < end - begin; ++i)
-    if (is_infinite(acc[i])) acc[i] = static_cast<float>(average ? wide[i] / ranks : wide[i]);
+    if (is_infinite(acc[i])) acc[i] = math::resum_result(scaled[i], average, ranks);
 }
 
 // The k inputs are single-chunk buffers of m elements each, laid end to end:
@@ -459,7 +459,7 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
       if (average) acc[i] = math::div_rn(acc[i], ranks);
       overflow |= is_infinite(acc[i]);
     }
-    if (overflow) resum_in_double(in, chunking, m, begin, end, average, acc, decode);
+    if (overflow) resum_scaled(in, chunking, m, begin, end, average, acc, decode);
     for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(acc[i - begin]);
   });
   return {};

@@ -439,10 +439,10 @@ struct MinMaxEncoder {
   template <int V>
   __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
     if (grid.wide) {
-      const double scale = math::minmax_wide_scale(grid), step = math::minmax_wide_step(grid);
+      const double scale = math::minmax_wide_scale(grid);
       encode<V>(
           s, v, [&](float x) { return math::minmax_encode_wide(x, grid, scale); },
-          [&](uint8_t q) { return math::minmax_decode_wide(q, grid, step); });
+          [&](uint8_t q) { return math::minmax_decode_wide(q, grid); });
     } else {
       encode<V>(
           s, v, [&](float x) { return math::minmax_encode_f32(x, grid); },
@@ -520,15 +520,11 @@ struct MinMaxDecoder {
   template <int V>
   __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
     if (grid.wide) {
-      const double step = math::minmax_wide_step(grid);
-      decode<V>(s, v, [&](uint8_t q) { return math::minmax_decode_wide(q, grid, step); });
+      decode<V>(s, v, [&](uint8_t q) { return math::minmax_decode_wide(q, grid); });
     } else {
       decode<V>(s, v, [&](uint8_t q) { return math::minmax_decode_f32(q, grid); });
     }
   }
-
-  // Element i of the chunk alone.
-  __device__ float element(int64_t i) const { return math::minmax_decode(codes[i], grid); }
 
   template <int V, typename Decode>
   __device__ void decode(const Step<V>& s, float (&v)[kPerLane], Decode&& decode_one) const {
@@ -547,9 +543,6 @@ struct SignDecoder {
 
   __device__ explicit SignDecoder(const uint8_t* slot)
       : scale(reinterpret_cast<const float*>(slot)[0]), bits(slot + kHeaderBytes) {}
-
-  // Element i of the chunk alone.
-  __device__ float element(int64_t i) const { return math::sign_decode((bits[i / 8] >> (i % 8)) & 1u, scale); }
 
   // A slot's V bits lie inside one byte (V divides 8).
   template <int V>
@@ -616,23 +609,23 @@ __device__ void for_each_step(int64_t n, F&& f) {
 
 __device__ bool is_infinite(float v) { return v == v && !math::is_finite(v); }
 
-// The lane's elements whose float32 sum (or average) overflowed are summed again
-// in double, so that finite inputs give a finite average (SPEC section 2); the
-// others keep their float32 bits.
+// The lane's elements whose float32 sum (or average) overflowed are summed
+// again, scaled by 2^-64 (math::resum_scale), so that finite inputs give a
+// finite average (SPEC section 2); the others keep their bits.
 template <typename Decoder>
-__device__ void resum_in_double(const uint8_t* in, int64_t k, int64_t slot, bool average,
-                                const Step<4>& step, float (&acc)[kPerLane]) {
+__device__ void resum_scaled(const uint8_t* in, int64_t k, int64_t slot, bool average,
+                             const Step<4>& step, float (&acc)[kPerLane]) {
+  float scaled[kPerLane] = {};
+  for (int64_t r = 0; r < k; ++r) {
+    float v[kPerLane];
+    const Decoder decode(in + r * slot);
+    decode(step, v);
 #pragma unroll
-  for (int j = 0; j < Step<4>::kSlots; ++j) {
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (!is_infinite(acc[j * 4 + u]) || u >= step.count(j)) continue;
-      double wide = 0.0;
-      for (int64_t r = 0; r < k; ++r)
-        wide = math::add_rn(wide, static_cast<double>(Decoder(in + r * slot).element(step.at(j) + u)));
-      acc[j * 4 + u] = math::narrow_rn(average ? math::div_rn(wide, static_cast<double>(k)) : wide);
-    }
+    for (int i = 0; i < kPerLane; ++i) scaled[i] = math::resum_add(scaled[i], v[i]);
   }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i)
+    if (is_infinite(acc[i])) acc[i] = math::resum_result(scaled[i], average, static_cast<float>(k));
 }
 
 // The k inputs are single-chunk buffers of m elements, `slot` bytes apart. Each
@@ -656,7 +649,7 @@ __global__ void __launch_bounds__(kThreads)
       if (average) acc[i] = math::div_rn(acc[i], static_cast<float>(k));
       overflow |= is_infinite(acc[i]);
     }
-    if (overflow) resum_in_double<Decoder>(in, k, slot, average, step, acc);
+    if (overflow) resum_scaled<Decoder>(in, k, slot, average, step, acc);
 #pragma unroll
     for (int j = 0; j < Step<4>::kSlots; ++j)
       store_slot<4>(out + step.at(j), step.count(j), acc + j * 4);

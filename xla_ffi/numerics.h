@@ -115,13 +115,15 @@ BAGUA_HD bool minmax_wide(float lo, float hi) {
 }
 
 // The per-chunk constants of the grid, each computed once in float32. A wide
-// chunk keeps lo and hi; its double scale and step are computed where they are
-// used (minmax_wide_scale, minmax_wide_step), so that the float32 path's
-// registers never hold them.
+// chunk encodes with its double scale (minmax_wide_scale, computed where it is
+// used so that the float32 path's registers never hold it), and decodes in
+// float32 on values scaled by a power of two into float32's normal range:
+// step and z_scaled are its step and anchor times 1 / unit (unit = 2^-64 for a
+// tiny range, 2^64 for huge values), and the result is clamped to [lo, hi].
 struct MinMaxGrid {
   float z, scale, base, step;
   bool wide;
-  float lo, hi;
+  float lo, hi, unit, z_scaled;
 };
 
 BAGUA_HD double minmax_wide_range(const MinMaxGrid& g) {
@@ -139,9 +141,15 @@ BAGUA_HD MinMaxGrid minmax_grid(float lo, float hi) {
   const float range = sub_rn(hi, lo);
   g.scale = div_rn(254.0f, range);
   g.step = div_rn(range, 254.0f);
+  g.unit = 1.0f;
+  g.z_scaled = g.z;
   if (g.wide) {
     const double offset = mul_rn(sub_rn(static_cast<double>(lo), static_cast<double>(g.z)), minmax_wide_scale(g));
     g.base = static_cast<float>(round_half_even(clamp_or_zero(offset, -254.0, 0.0)));
+    const bool tiny = lo > -kWideMagnitude && hi < kWideMagnitude;
+    g.unit = tiny ? 0x1p-64f : 0x1p64f;
+    g.z_scaled = mul_rn(g.z, tiny ? 0x1p64f : 0x1p-64f);
+    g.step = narrow_rn(mul_rn(minmax_wide_step(g), tiny ? 0x1p64 : 0x1p-64));
   } else {
     g.base = round_half_even(clamp_or_zero(mul_rn(sub_rn(lo, g.z), g.scale), -254.0f, 0.0f));
   }
@@ -174,16 +182,29 @@ BAGUA_HD float minmax_decode_f32(uint8_t q, const MinMaxGrid& g) {
   return add_rn(g.z, mul_rn(add_rn(static_cast<float>(q), g.base), g.step));
 }
 
-// A wide chunk's value is clamped to [lo, hi] before it is rounded to float32,
-// so a finite chunk never decodes to infinity.
-BAGUA_HD float minmax_decode_wide(uint8_t q, const MinMaxGrid& g, double wide_step) {
-  const double k = static_cast<double>(add_rn(static_cast<float>(q), g.base));
-  const double v = add_rn(static_cast<double>(g.z), mul_rn(k, wide_step));
-  return narrow_rn(clamp(v, static_cast<double>(g.lo), static_cast<double>(g.hi)));
+// Clamped before scaling back to +-FLT_MAX / 2^64 (a rounding up of a value
+// near the float32 limit would overflow), so a finite chunk never decodes to
+// infinity. Constants, not lo and hi: the clamp costs no registers.
+BAGUA_HD float minmax_decode_wide(uint8_t q, const MinMaxGrid& g) {
+  const float v = add_rn(g.z_scaled, mul_rn(add_rn(static_cast<float>(q), g.base), g.step));
+  return mul_rn(clamp(v, -0x1.fffffep63f, 0x1.fffffep63f), g.unit);
 }
 
 BAGUA_HD float minmax_decode(uint8_t q, const MinMaxGrid& g) {
-  return g.wide ? minmax_decode_wide(q, g, minmax_wide_step(g)) : minmax_decode_f32(q, g);
+  return g.wide ? minmax_decode_wide(q, g) : minmax_decode_f32(q, g);
+}
+
+// ---- Decompress-and-reduce ----------------------------------------------
+//
+// An element whose float32 sum of k decoded values overflows is summed again
+// with every value scaled by 2^-64 (exact for the huge values that overflow;
+// small ones are far below the sum's last bit), then scaled back: an average of
+// finite values stays finite, a sum overflows only if it really does.
+
+BAGUA_HD float resum_add(float acc, float v) { return add_rn(acc, mul_rn(v, 0x1p-64f)); }
+
+BAGUA_HD float resum_result(float scaled_sum, bool average, float k) {
+  return mul_rn(average ? div_rn(scaled_sum, k) : scaled_sum, 0x1p64f);
 }
 
 // ---- 1-bit sign ----------------------------------------------------------
