@@ -731,6 +731,40 @@ void scenario_peer_lost(const char* path, const std::string& how, double limit_s
   net.finalize();
 }
 
+// A message larger than its receive is an error from test, and nothing is written past the buffer.
+void scenario_truncation(const char* path) {
+  Peer peer;
+  start_child(&peer, [&](Pipe& in, Pipe&) {
+    Net net(open_plugin(path), 12);
+    net.init();
+    void* comm = connect_to(net, in);
+    std::vector<char> data(2 << 20);
+    void* request = nullptr;
+    Net::check(net.isend(comm, data.data(), data.size(), nullptr, &request), "isend");
+    int done = 0, size = 0;
+    while (!done && net.test(request, &done, &size) == kNcclSuccess) {
+    }
+    net.close_send(comm);
+    net.finalize();
+  });
+  Net net(open_plugin(path), 12);
+  net.init();
+  void* comm = accept_from(net, peer.to_child);
+  std::vector<char> buffer(1 << 20);
+  void* request = nullptr;
+  Net::check(net.irecv(comm, buffer.data(), buffer.size(), nullptr, &request), "irecv");
+  Clock::time_point start = Clock::now();
+  int done = 0, size = 0;
+  NcclResult r;
+  while ((r = net.test(request, &done, &size)) == kNcclSuccess && !done) {
+    if (seconds_since(start) > 20) fail("neither completion nor failure");
+  }
+  if (r == kNcclSuccess) fail("a 2 MiB message completed a 1 MiB receive (reported %d bytes)", size);
+  net.close_recv(comm);
+  net.finalize();
+  wait_child(&peer);
+}
+
 // Two threads, each with its own comm, moving data at the same time.
 void scenario_threads(const char* path) {
   constexpr int kMessages = 40;
@@ -873,7 +907,7 @@ void scenario_bench_send(const char* path, const std::vector<std::string>& handl
 int main(int argc, char** argv) {
   if (argc < 3) {
     std::fprintf(stderr,
-                 "usage: %s symbols|contract|threads PLUGIN\n"
+                 "usage: %s symbols|contract|truncation|threads PLUGIN\n"
                  "       %s fuzz PLUGIN SEED MESSAGES MAX_LOG2_SIZE\n"
                  "       %s peer-lost PLUGIN sender-killed|receiver-killed|receiver-stopped LIMIT_S\n"
                  "       %s bench-receive PLUGIN SECONDS | bench-send PLUGIN HANDLE0 HANDLE1 SECONDS\n",
@@ -887,6 +921,7 @@ int main(int argc, char** argv) {
     if (scenario == "symbols") scenario_symbols(path);
     else if (scenario == "contract") scenario_contract(path);
     else if (scenario == "threads") scenario_threads(path);
+    else if (scenario == "truncation") scenario_truncation(path);
     else if (scenario == "fuzz" && argc == 6)
       scenario_fuzz(path, std::strtoull(argv[3], nullptr, 10), std::atoi(argv[4]), std::atoi(argv[5]));
     else if (scenario == "peer-lost" && argc == 5) scenario_peer_lost(path, argv[3], std::atof(argv[4]));

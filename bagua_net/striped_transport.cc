@@ -326,7 +326,7 @@ class Connection {
   }
 
   // A stream may take the next chunk when its own queue is empty and the kernel would
-  // accept data now (with TCP_NOTSENT_LOWAT, when its unsent bytes are below a chunk).
+  // accept data now (with TCP_NOTSENT_LOWAT, when its unsent bytes are below two chunks).
   // poll() also arms the kernel to wake epoll once the stream drains.
   long unsent_if_ready(Stream& s) {
     if (!s.queue.empty()) return -1;
@@ -684,7 +684,9 @@ Outcome connect(ConnectHandle* handle, Connection** send_comm, std::string* erro
   }
   const Settings& settings = attempt->settings;
   if (settings.dynamic) {
-    int lowat = static_cast<int>(settings.chunk_bytes);
+    // Room for the chunk being sent and one behind it, so a stream does not idle when
+    // the epoll thread is late, while a slow stream still holds little unsent data.
+    int lowat = static_cast<int>(2 * settings.chunk_bytes);
     for (size_t i = 0; i + 1 < sockets; ++i)
       setsockopt(attempt->fds[i], IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof(lowat));
   }

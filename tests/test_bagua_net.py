@@ -91,6 +91,10 @@ def test_contract(builds):
     run_harness(builds["release"], "contract")
 
 
+def test_message_larger_than_its_receive_is_an_error(builds):
+    run_harness(builds["release"], "truncation")
+
+
 @pytest.mark.parametrize("nstreams", [1, 2, 4, 8])
 def test_fuzz_dynamic(builds, nstreams):
     out = run_harness(builds["release"], "fuzz", str(nstreams), "40", "26", BAGUA_NET_NSTREAMS=str(nstreams))
@@ -123,6 +127,7 @@ def test_two_threads_on_separate_comms(builds):
 def test_sanitized(builds, sanitizer):
     build = builds[sanitizer]
     run_harness(build, "contract", timeout=120)
+    run_harness(build, "truncation", timeout=120)
     run_harness(build, "threads", timeout=120)
     run_harness(build, "fuzz", "5", "12", "22", timeout=120, BAGUA_NET_NSTREAMS="3")
     run_harness(build, "peer-lost", "sender-killed", "5", timeout=120)
