@@ -349,36 +349,22 @@ def with_bagua(
     model: nn.Module,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
     algorithm: str | Algorithm = "gradient_allreduce",
-    *,
-    process_group: Any = None,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    sync_point: SyncPoint = "backward",
-    broadcast_buffers: bool = False,
-    autotune: str | None = None,
+    **options: Any,
 ) -> BaguaModule:
     """Wrap ``model`` for data-parallel training with ``algorithm`` (a name or an Algorithm instance).
 
     Bagua's ``model.with_bagua(optimizers, algorithm)`` as a function (torch classes are
     not patched): ``model = bagua_torch.with_bagua(model, [optimizer], algorithm)``, then
     train with ``model(x)``, ``loss.backward()``, ``optimizer.step()`` as usual. Collective:
-    every rank must call it, with the same model, in the same order. ``process_group``
-    defaults to the one from :func:`bagua_torch.init_process_group`; ``bucket_bytes`` (default
-    10 MiB) bounds each communication bucket; ``sync_point`` and ``broadcast_buffers``
-    (each forward; buffers are always broadcast once on wrap) are described in
-    :class:`BaguaModule` and the module docstring. ``autotune`` (``off``, ``once``, ``cached``;
-    default ``BAGUA_AUTOTUNE``) tunes the bucket size over the first steps
+    every rank must call it, with the same model, in the same order. ``options`` are
+    :class:`BaguaModule`'s keywords: ``process_group`` (default: the one from
+    :func:`bagua_torch.init_process_group`), ``bucket_bytes`` (default 10 MiB) bounding each
+    communication bucket, ``sync_point`` and ``broadcast_buffers`` (each forward; buffers are
+    always broadcast once on wrap), and ``autotune`` (``off``, ``once``, ``cached``; default
+    ``BAGUA_AUTOTUNE``), which tunes the bucket size over the first steps
     (:mod:`bagua_torch.autotune`; gradient allreduce only).
     """
-    return BaguaModule(
-        model,
-        optimizers,
-        algorithm,
-        process_group=process_group,
-        bucket_bytes=bucket_bytes,
-        sync_point=sync_point,
-        broadcast_buffers=broadcast_buffers,
-        autotune=autotune,
-    )
+    return BaguaModule(model, optimizers, algorithm, **options)
 
 
 class DistributedDataParallel(BaguaModule):

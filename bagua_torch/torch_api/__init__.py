@@ -18,68 +18,24 @@ is kept and the behaviour fixed; each module's docstring says where.
 """
 
 from bagua_torch.torch_api import algorithms, checkpoint, communication, contrib, data_parallel, distributed, env
-from bagua_torch.torch_api.communication import (
-    ReduceOp,
-    allgather,
-    allgather_inplace,
-    allreduce,
-    allreduce_inplace,
-    alltoall,
-    alltoall_inplace,
-    alltoall_v,
-    alltoall_v_inplace,
-    barrier,
-    broadcast,
-    gather,
-    gather_inplace,
-    init_process_group,
-    recv,
-    reduce,
-    reduce_inplace,
-    reduce_scatter,
-    reduce_scatter_inplace,
-    scatter,
-    scatter_inplace,
-    send,
-)
+from bagua_torch.torch_api.communication import *  # noqa: F403 (Bagua's package exports every primitive)
 from bagua_torch.torch_api.distributed import BaguaModule
 from bagua_torch.torch_api.env import get_local_rank, get_local_size, get_rank, get_world_size
 
 distributed.install()
 
 __all__ = [
+    *communication.__all__,
     "BaguaModule",
-    "ReduceOp",
     "algorithms",
-    "allgather",
-    "allgather_inplace",
-    "allreduce",
-    "allreduce_inplace",
-    "alltoall",
-    "alltoall_inplace",
-    "alltoall_v",
-    "alltoall_v_inplace",
-    "barrier",
-    "broadcast",
     "checkpoint",
     "communication",
     "contrib",
     "data_parallel",
     "distributed",
     "env",
-    "gather",
-    "gather_inplace",
     "get_local_rank",
     "get_local_size",
     "get_rank",
     "get_world_size",
-    "init_process_group",
-    "recv",
-    "reduce",
-    "reduce_inplace",
-    "reduce_scatter",
-    "reduce_scatter_inplace",
-    "scatter",
-    "scatter_inplace",
-    "send",
 ]
