@@ -144,7 +144,7 @@ class BaguaBucket:
         def run(flat: torch.Tensor) -> torch.Tensor:
             if compression is None:
                 return comm.allreduce(flat, "avg" if average else "sum")
-            return compressed_allreduce.minmax_allreduce(flat, comm, average=average)
+            return compressed_allreduce.PIPELINES.minmax_allreduce(flat, comm, average=average)[0]
 
         self._ops.append(run)
         return self
