@@ -232,4 +232,19 @@ BAGUA_HD float lowprec_decentralized_diff(float x, float w, float left, float ri
                 mul_rn(five_thirds, w));
 }
 
+// The helpers are linear in their tensor arguments: where an intermediate
+// overflows while the result is finite (a + b of two values near the float32
+// limit), the helper run on arguments scaled by 2^-64, scaled back, gives it.
+// Every finite float32 result keeps its bits.
+template <typename F, typename... X>
+BAGUA_HD float rescaled(const F& f, X... x) {
+  return mul_rn(f(mul_rn(x, 0x1p-64f)...), 0x1p64f);
+}
+
+template <typename F, typename... X>
+BAGUA_HD float overflow_safe(const F& f, X... x) {
+  const float r = f(x...);
+  return is_finite(r) ? r : rescaled(f, x...);
+}
+
 }  // namespace bagua::math
