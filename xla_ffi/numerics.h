@@ -103,8 +103,8 @@ BAGUA_HD float minmax_anchor(float lo, float hi) { return (lo <= 0.0f && 0.0f <=
 // Finite chunks that float32 cannot grid (SPEC section 2): a range below 2^-118
 // (254 / range overflows near 7.5e-37, and (hi - lo) / 254 is subnormal below
 // 3e-36), or values of magnitude 2^126 or more (hi - lo, or a decoded value,
-// may overflow). Their grid is computed in double; every other chunk's bits are
-// the float32 definition's.
+// may overflow). They encode in double and decode on power-of-two-scaled
+// values (MinMaxGrid); every other chunk has the float32 definition's bits.
 constexpr float kWideMagnitude = 0x1p126f;
 constexpr float kNarrowRange = 0x1p-118f;
 

@@ -290,7 +290,7 @@ void check_elementwise(int64_t n, int64_t offset, std::mt19937& rng, const std::
 template <typename T>
 void run_dtype(bool quick, int& shape_turn) {
   const std::vector<int64_t> sizes =
-      quick ? std::vector<int64_t>{1, 7, 257, 4099}
+      quick ? std::vector<int64_t>{1, 7, 257, 1000, 4099}  // 1000: V = 4 with a partial step
             : std::vector<int64_t>{1, 7, 31, 255, 256, 257, 1000, 4099, 65549};
   for (const int64_t n : sizes) {
     std::vector<int64_t> ks = {1, 3, 8};
