@@ -185,22 +185,36 @@ def chunk_bits(buffer: np.ndarray, n: int, k: int) -> np.ndarray:
 
 
 # ---- Elementwise helpers -------------------------------------------------------
+# Each is linear in its tensors; where the float32 result is not finite, the helper runs again on the tensors
+# scaled by 2**-64 and the result is scaled back (an intermediate overflow with a finite result).
+
+
+def _overflow_safe(helper, *tensors: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore", invalid="ignore"):
+        result = helper(*(t.astype(F32) for t in tensors))
+        scaled = (helper(*((t.astype(F32) * F32(2.0**-64)).astype(F32) for t in tensors)) * F32(2.0**64)).astype(F32)
+    return np.where(np.isfinite(result), result, scaled)
 
 
 def average2(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return ((a.astype(F32) + b.astype(F32)).astype(F32) * F32(0.5)).astype(F32)
+    return _overflow_safe(lambda a, b: ((a + b).astype(F32) * F32(0.5)).astype(F32), a, b)
 
 
 def axpy(x: np.ndarray, y: np.ndarray, a: float) -> np.ndarray:
-    return (x.astype(F32) + (F32(a) * y.astype(F32)).astype(F32)).astype(F32)
+    return _overflow_safe(lambda x, y: (x + (F32(a) * y).astype(F32)).astype(F32), x, y)
 
 
 def async_average(x: np.ndarray, reduced: np.ndarray, snapshot: np.ndarray, ranks: int) -> np.ndarray:
-    delta = ((reduced.astype(F32) / F32(ranks)).astype(F32) - snapshot.astype(F32)).astype(F32)
-    return (x.astype(F32) + delta).astype(F32)
+    def helper(x, reduced, snapshot):
+        return (x + ((reduced / F32(ranks)).astype(F32) - snapshot).astype(F32)).astype(F32)
+
+    return _overflow_safe(helper, x, reduced, snapshot)
 
 
 def lowprec_decentralized_diff(x: np.ndarray, w: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
-    acc = (x.astype(F32) + (left.astype(F32) / F32(3)).astype(F32)).astype(F32)
-    acc = (acc + (right.astype(F32) / F32(3)).astype(F32)).astype(F32)
-    return (acc - (F32(F32(5) / F32(3)) * w.astype(F32)).astype(F32)).astype(F32)
+    def helper(x, w, left, right):
+        acc = (x + (left / F32(3)).astype(F32)).astype(F32)
+        acc = (acc + (right / F32(3)).astype(F32)).astype(F32)
+        return (acc - (F32(F32(5) / F32(3)) * w).astype(F32)).astype(F32)
+
+    return _overflow_safe(helper, x, w, left, right)

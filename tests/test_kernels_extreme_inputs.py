@@ -70,6 +70,10 @@ def _front_end(name: str):
         "sign_compress_ef": call(ops.sign_compress_ef),
         "sign_decompress": call(ops.sign_decompress),
         "sign_reduce": call(ops.sign_decompress_reduce),
+        "average2": call(ops.average2),
+        "axpy": call(ops.axpy),
+        "async_average": call(ops.async_average),
+        "lowprec_decentralized_diff": call(ops.lowprec_decentralized_diff),
     }
 
 
@@ -152,6 +156,25 @@ def test_subnormal_sign_scales_are_not_flushed(kernels):
     scales = ref.chunk_scales(compressed, x.size, K)
     assert np.all(scales > 0)
     np.testing.assert_allclose(scales, ref.chunk_scales(ref.sign_compress(x, K)[0], x.size, K), rtol=2e-6)
+
+
+@pytest.mark.parametrize("amplitude", [1e-40, 3.4e38])
+def test_elementwise_helpers_at_the_float32_edges(kernels, amplitude):
+    # Near the limit an intermediate (a + b, x + left / 3) overflows while the result is finite.
+    rng = np.random.default_rng(5)
+    x, y, z, w = (rng.uniform(-amplitude, amplitude, 10_007).astype(F32) for _ in range(4))
+    y[:100] = x[:100]  # average2 of equal huge values: a + b overflows, (a + b) / 2 does not
+    cases = [
+        (kernels["average2"](x, y), ref.average2(x, y)),
+        (kernels["axpy"](x, y, -0.75), ref.axpy(x, y, -0.75)),
+        (kernels["async_average"](x, y, z, 1), ref.async_average(x, y, z, 1)),
+        (kernels["lowprec_decentralized_diff"](x, y, z, w), ref.lowprec_decentralized_diff(x, y, z, w)),
+    ]
+    for got, expected in cases:
+        np.testing.assert_array_equal(got, expected)
+    assert np.isfinite(cases[0][0]).all()  # an average of finite values
+    if amplitude < 1:
+        assert np.count_nonzero(cases[0][0]) > x.size // 2  # subnormal results are not flushed
 
 
 def test_jax_and_torch_give_the_same_bytes_for_subnormals():

@@ -465,11 +465,24 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
   return {};
 }
 
-template <typename T, typename F>
-Status elementwise(int64_t n, T* out, F&& f) {
+// out[i] = f(in[i]...), tile by tile: f in float32 over the tile (vectorized),
+// then math::rescaled where that overflowed. Every input of a tile is read
+// before its output is written, so out may alias an input.
+template <typename T, typename F, typename... In>
+Status elementwise(int64_t n, T* out, F&& f, const In*... in) {
+  constexpr int64_t kTile = 1024;
   parallel_for(ceil_div(n, kBlock), n, [&](int64_t t) {
     const int64_t end = std::min((t + 1) * kBlock, n);
-    for (int64_t i = t * kBlock; i < end; ++i) out[i] = from_float<T>(f(i));
+    for (int64_t begin = t * kBlock; begin < end; begin += kTile) {
+      const int64_t m = std::min(kTile, end - begin);
+      float r[kTile];
+      bool overflow = false;
+      for (int64_t i = 0; i < m; ++i) r[i] = f(to_float(in[begin + i])...);
+      for (int64_t i = 0; i < m; ++i) overflow |= !math::is_finite(r[i]);
+      for (int64_t i = 0; overflow && i < m; ++i)
+        if (!math::is_finite(r[i])) r[i] = math::rescaled(f, to_float(in[begin + i])...);
+      for (int64_t i = 0; i < m; ++i) out[begin + i] = from_float<T>(r[i]);
+    }
   });
   return {};
 }
@@ -501,35 +514,28 @@ Status sign_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool
 
 template <typename T>
 Status average2(Cpu, const T* a, const T* b, int64_t n, T* out) {
-  return elementwise(n, out, [&](int64_t i) {
-    return math::average2(to_float(a[i]), to_float(b[i]));
-  });
+  return elementwise(n, out, [](float x, float y) { return math::average2(x, y); }, a, b);
 }
 
 template <typename T>
 Status axpy(Cpu, const T* x, float a, const T* y, int64_t n, T* out) {
-  return elementwise(n, out, [&](int64_t i) {
-    return math::axpy(to_float(x[i]), a, to_float(y[i]));
-  });
+  return elementwise(n, out, [a](float xi, float yi) { return math::axpy(xi, a, yi); }, x, y);
 }
 
 template <typename T>
 Status async_average(Cpu, const T* x, const T* reduced, const T* snapshot, float ranks, int64_t n,
                      T* out) {
-  return elementwise(n, out, [&](int64_t i) {
-    return math::async_average(to_float(x[i]), to_float(reduced[i]), ranks,
-                               to_float(snapshot[i]));
-  });
+  return elementwise(
+      n, out, [ranks](float xi, float r, float s) { return math::async_average(xi, r, ranks, s); }, x,
+      reduced, snapshot);
 }
 
 template <typename T>
 Status lowprec_decentralized_diff(Cpu, const T* x, const T* w, const T* left, const T* right,
                                   int64_t n, T* out) {
-  return elementwise(n, out, [&](int64_t i) {
-    return math::lowprec_decentralized_diff(to_float(x[i]), to_float(w[i]),
-                                            to_float(left[i]),
-                                            to_float(right[i]));
-  });
+  return elementwise(
+      n, out, [](float xi, float wi, float l, float r) { return math::lowprec_decentralized_diff(xi, wi, l, r); },
+      x, w, left, right);
 }
 
 BAGUA_INSTANTIATE_KERNELS(Cpu)

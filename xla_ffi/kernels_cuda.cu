@@ -732,7 +732,7 @@ struct Inputs {
 template <typename F, int N, size_t... A>
 __device__ float apply(const F& f, const float (&v)[N][kPerLane], int i,
                        std::index_sequence<A...>) {
-  return f(v[A][i]...);
+  return math::overflow_safe(f, v[A][i]...);
 }
 
 template <typename T, int N, typename F>

@@ -103,8 +103,8 @@ BAGUA_HD float minmax_anchor(float lo, float hi) { return (lo <= 0.0f && 0.0f <=
 // Finite chunks that float32 cannot grid (SPEC section 2): a range below 2^-118
 // (254 / range overflows near 7.5e-37, and (hi - lo) / 254 is subnormal below
 // 3e-36), or values of magnitude 2^126 or more (hi - lo, or a decoded value,
-// may overflow). Their grid is computed in double; every other chunk's bits are
-// the float32 definition's.
+// may overflow). They encode in double and decode on power-of-two-scaled
+// values (MinMaxGrid); every other chunk has the float32 definition's bits.
 constexpr float kWideMagnitude = 0x1p126f;
 constexpr float kNarrowRange = 0x1p-118f;
 
@@ -230,6 +230,21 @@ BAGUA_HD float lowprec_decentralized_diff(float x, float w, float left, float ri
   const float five_thirds = 5.0f / 3.0f;
   return sub_rn(add_rn(add_rn(x, div_rn(left, 3.0f)), div_rn(right, 3.0f)),
                 mul_rn(five_thirds, w));
+}
+
+// The helpers are linear in their tensor arguments: where an intermediate
+// overflows while the result is finite (a + b of two values near the float32
+// limit), the helper run on arguments scaled by 2^-64, scaled back, gives it.
+// Every finite float32 result keeps its bits.
+template <typename F, typename... X>
+BAGUA_HD float rescaled(const F& f, X... x) {
+  return mul_rn(f(mul_rn(x, 0x1p-64f)...), 0x1p64f);
+}
+
+template <typename F, typename... X>
+BAGUA_HD float overflow_safe(const F& f, X... x) {
+  const float r = f(x...);
+  return is_finite(r) ? r : rescaled(f, x...);
 }
 
 }  // namespace bagua::math

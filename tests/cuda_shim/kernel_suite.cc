@@ -243,12 +243,13 @@ void check_decompress_reduce(Format format, int64_t m, int64_t k, bool average, 
 
 // The four elementwise helpers, inputs and output at `offset`.
 template <typename T>
-void check_elementwise(int64_t n, int64_t offset, std::mt19937& rng, const std::string& name) {
+void check_elementwise(int64_t n, int64_t offset, std::mt19937& rng, const std::string& name,
+                       float amplitude = 0.0f) {
   Buffer<T> a(n, offset), b(n, offset), c(n, offset), d(n, offset);
-  random_fill(a, rng);
-  random_fill(b, rng);
-  random_fill(c, rng);
-  random_fill(d, rng);
+  random_fill(a, rng, amplitude);
+  random_fill(b, rng, amplitude);
+  random_fill(c, rng, amplitude);
+  random_fill(d, rng, amplitude);
   using Run = std::function<Status(bool gpu, T* out)>;
   const std::pair<const char*, Run> helpers[] = {
       {"average2",
@@ -289,7 +290,7 @@ void check_elementwise(int64_t n, int64_t offset, std::mt19937& rng, const std::
 template <typename T>
 void run_dtype(bool quick, int& shape_turn) {
   const std::vector<int64_t> sizes =
-      quick ? std::vector<int64_t>{1, 7, 257, 4099}
+      quick ? std::vector<int64_t>{1, 7, 257, 1000, 4099}  // 1000: V = 4 with a partial step
             : std::vector<int64_t>{1, 7, 31, 255, 256, 257, 1000, 4099, 65549};
   for (const int64_t n : sizes) {
     std::vector<int64_t> ks = {1, 3, 8};
@@ -338,11 +339,15 @@ void run_dtype(bool quick, int& shape_turn) {
 }
 
 // float32 chunks whose grid float32 alone cannot compute (subnormal and tiny
-// ranges, values near the float32 limit), and sign scales whose sum overflows.
+// ranges, values near the float32 limit), sign scales whose sum overflows, and
+// elementwise helpers whose intermediates overflow.
 void run_extremes(int& shape_turn) {
   for (const float amplitude : {1e-40f, 1e-37f, 3.4e38f}) {
     const std::string range = " amplitude=" + std::to_string(amplitude);
     for (const int64_t n : {257, 4099}) {
+      std::mt19937 elementwise_rng(static_cast<unsigned>(n));
+      check_elementwise<float>(n, 1, elementwise_rng, "elementwise f32 n=" + std::to_string(n) + range,
+                               amplitude);
       for (const int64_t k : {1, 3}) {
         for (const bool feedback : {false, true}) {
           for (const Format format : {Format::kMinMaxUInt8, Format::kSign}) {

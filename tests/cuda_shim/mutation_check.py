@@ -33,6 +33,11 @@ MUTATIONS = [
         "if (count > 0) byte |= __shfl_xor_sync(kFullMask, byte, offset);",
     ),
     (
+        "SignEncoder ballot (one element per lane) reached only by lanes with elements",
+        "byte = __ballot_sync(kFullMask, byte != 0) >> (lane_id() & ~7);",
+        "if (count > 0) byte = __ballot_sync(kFullMask, byte != 0) >> (lane_id() & ~7);",
+    ),
+    (
         "overlapping tiles (a tile ends one step late)",
         "tile.s_end = min(tile.s_begin + tiles.tile_steps,",
         "tile.s_end = min(tile.s_begin + tiles.tile_steps + 1,",
