@@ -213,12 +213,6 @@ NcclResult get_device_mr(void*, void*, void** device_mhandle) {
 
 NcclResult irecv_consumed(void*, int, void*) { return kNcclSuccess; }
 
-template <typename VirtualDevice>
-NcclResult make_virtual_device(int*, VirtualDevice*) {
-  log_warning("Bagua-Net: virtual NICs are not supported");
-  return kNcclInvalidUsage;
-}
-
 // Per-version argument lists.
 
 NcclResult isend_v8(void* comm, void* data, int size, int tag, void* mhandle, void** request) {
@@ -279,14 +273,15 @@ NcclResult finalize(void*) { return kNcclSuccess; }
 
 NcclResult set_net_attr(void*, NcclNetAttr*) { return kNcclSuccess; }
 
-template <typename Table, typename Props, typename VirtualDevice>
+// makeVDevice is left NULL in every table: NCCL then uses each interface as it is instead of
+// fusing NICs into virtual ones, which this transport does not do.
+template <typename Table, typename Props>
 Table contextual_table(NcclResult (*get_properties)(int, Props*)) {
-  return Table{kName,          init_v11,      devices,        get_properties,
-               listen_v11,     connect_v11,   accept,         reg_mr,
-               reg_mr_dma_buf, dereg_mr,      isend_v10,      irecv_v10,
-               iflush,         test,          close_comm,     close_comm,
-               close_listen,   get_device_mr, irecv_consumed, make_virtual_device<VirtualDevice>,
-               finalize,       set_net_attr};
+  return Table{kName,       init_v11,     devices,       get_properties, listen_v11,
+               connect_v11, accept,       reg_mr,        reg_mr_dma_buf, dereg_mr,
+               isend_v10,   irecv_v10,    iflush,        test,           close_comm,
+               close_comm,  close_listen, get_device_mr, irecv_consumed, nullptr,
+               finalize,    set_net_attr};
 }
 
 }  // namespace
@@ -294,25 +289,24 @@ Table contextual_table(NcclResult (*get_properties)(int, Props*)) {
 extern "C" {
 
 __attribute__((visibility("default"))) NcclNet_v12 ncclNetPlugin_v12 =
-    contextual_table<NcclNet_v12, NcclNetProperties_v12, NcclNetVirtualDevice_v12>(properties);
+    contextual_table<NcclNet_v12, NcclNetProperties_v12>(properties);
 
 __attribute__((visibility("default"))) NcclNet_v11 ncclNetPlugin_v11 =
-    contextual_table<NcclNet_v11, NcclNetProperties_v11, NcclNetVirtualDevice_v9>(
-        properties_as<NcclNetProperties_v11>);
+    contextual_table<NcclNet_v11, NcclNetProperties_v11>(properties_as<NcclNetProperties_v11>);
 
 __attribute__((visibility("default"))) NcclNet_v10 ncclNetPlugin_v10 = {
     kName,          init_v10,      devices,        properties_as<NcclNetProperties_v9>,
     listen,         connect_v10,   accept,         reg_mr,
     reg_mr_dma_buf, dereg_mr,      isend_v10,      irecv_v10,
     iflush,         test,          close_comm,     close_comm,
-    close_listen,   get_device_mr, irecv_consumed, make_virtual_device<NcclNetVirtualDevice_v9>};
+    close_listen,   get_device_mr, irecv_consumed, nullptr};
 
 __attribute__((visibility("default"))) NcclNet_v9 ncclNetPlugin_v9 = {
     kName,          init,          devices,        properties_as<NcclNetProperties_v9>,
     listen,         connect,       accept,         reg_mr,
     reg_mr_dma_buf, dereg_mr,      isend_v9,       irecv_v9,
     iflush,         test,          close_comm,     close_comm,
-    close_listen,   get_device_mr, irecv_consumed, make_virtual_device<NcclNetVirtualDevice_v9>};
+    close_listen,   get_device_mr, irecv_consumed, nullptr};
 
 __attribute__((visibility("default"))) NcclNet_v8 ncclNetPlugin_v8 = {
     kName,          init,          devices,       properties_as<NcclNetProperties_v8>,

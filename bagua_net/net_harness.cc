@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "nccl_net_abi.h"
@@ -464,6 +465,13 @@ void scenario_symbols(const char* path) {
         p.name.empty())
       fail("v%d properties: ptrSupport=%d maxRecvs=%d speed=%d", version, p.ptr_support,
            p.max_recvs, p.speed);
+    bool no_vnic = net.call([](auto* t) {
+      if constexpr (std::is_same_v<decltype(t), NcclNet_v8*>)
+        return true;
+      else
+        return t->makeVDevice == nullptr;
+    });
+    if (!no_vnic) fail("v%d offers makeVDevice, which would let NCCL try to fuse NICs", version);
     std::printf("v%d name=%s devices=%d dev0=%s speed=%d\n", version, net.name(), n, p.name.c_str(),
                 p.speed);
     net.finalize();
