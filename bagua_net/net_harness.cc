@@ -597,6 +597,16 @@ void scenario_contract(const char* path) {
     expect(request != nullptr, "an isend slot");
     out.signal('s');
     wait_done(net, request);
+    // A 0-byte message right behind a large one that is still being cut into chunks; the
+    // receiver posts its receive only once the large one completed.
+    std::vector<char> large((16 << 20) + 8);
+    fill(large, 16 << 20, 9);
+    void* large_request = nullptr;
+    void* empty_request = nullptr;
+    Net::check(net.isend(comm, large.data(), 16 << 20, nullptr, &large_request), "isend");
+    Net::check(net.isend(comm, large.data(), 0, nullptr, &empty_request), "isend");
+    wait_done(net, large_request);
+    wait_done(net, empty_request);
     send_message(net, comm, 1000, 8);  // into a larger receive
     for (size_t i = 0; i < 6; ++i) send_message(net, comm, i % 2 ? 0 : 70000 * i, 20 + i);
     char second_handle[kNcclNetHandleMaxSize];
@@ -636,6 +646,8 @@ void scenario_contract(const char* path) {
   peer.to_parent.wait_for('s');
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   receive_message(net, comm, 1 << 20, 1 << 20, 7);
+  receive_message(net, comm, 16 << 20, 16 << 20, 9);
+  receive_message(net, comm, 16, 0, 10);
   receive_message(net, comm, 4 << 20, 1000, 8);
   for (size_t i = 0; i < 6; ++i) receive_message(net, comm, 400000, i % 2 ? 0 : 70000 * i, 20 + i);
   void* second = accept_from(net, peer.to_child);

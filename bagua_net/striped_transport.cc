@@ -813,12 +813,9 @@ Outcome isend(Connection* comm, const void* data, size_t size, Request** request
   r->total_known = true;
   int n = comm->data_streams();
   if (comm->settings.dynamic) {
-    if (size == 0) {
-      comm->streams[comm->next_stream++ % n].queue.push_back(
-          Chunk{r, {r->sequence, 0, 0, 0, kChunkMagic}});
-    } else {
-      comm->uncut.push_back(r);
-    }
+    // Every message, 0 bytes too, waits its turn here: chunks reach each stream in posting
+    // order, so a receiver that has not yet posted a later message never holds up an earlier one.
+    comm->uncut.push_back(r);
   } else {
     // NCCL's socket transport: equal pieces, one per stream, at least 64 KiB each.
     size_t piece = std::min<size_t>(std::max<size_t>(64 << 10, (size + n - 1) / n), 1 << 30);
