@@ -380,8 +380,9 @@ class Connection {
   }
 
   Request* posted(uint64_t sequence) {
-    Request& r = slots[sequence % kRequestSlots];
-    return r.in_use && r.sequence == sequence ? &r : nullptr;
+    for (Request& r : slots)
+      if (r.in_use && r.sequence == sequence) return &r;
+    return nullptr;
   }
 
   bool pump_receive(std::string* failure) {
@@ -786,9 +787,17 @@ Outcome accept(ListenComm* listener, Connection** recv_comm, std::string* error)
 
 namespace {
 
+// Any free slot: requests may be tested in any order, so a slot frees whenever its own
+// request is collected, and up to kRequestSlots are in flight whatever the order.
 Request* claim_slot(Connection* comm, void* data, size_t size) {
-  Request& r = comm->slots[comm->next_sequence % kRequestSlots];
-  if (r.in_use) return nullptr;
+  Request* free_slot = nullptr;
+  for (Request& candidate : comm->slots)
+    if (!candidate.in_use) {
+      free_slot = &candidate;
+      break;
+    }
+  if (free_slot == nullptr) return nullptr;
+  Request& r = *free_slot;
   Request fresh;
   fresh.comm = comm;
   fresh.in_use = true;
