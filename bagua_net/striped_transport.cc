@@ -48,15 +48,16 @@ Outcome system_error(std::string* error, const std::string& text) {
   return Outcome::kSystemError;
 }
 
-bool parse_positive(const char* name, long long max, long long* value, std::string* error) {
+bool parse_integer(const char* name, long long min, long long max, long long* value,
+                   std::string* error) {
   const char* text = std::getenv(name);
   if (text == nullptr || *text == '\0') return true;
   char* end = nullptr;
   errno = 0;
   long long parsed = std::strtoll(text, &end, 10);
-  if (errno != 0 || *end != '\0' || parsed < 1 || parsed > max) {
-    *error =
-        std::string(name) + "=" + text + ": expected an integer from 1 to " + std::to_string(max);
+  if (errno != 0 || *end != '\0' || parsed < min || parsed > max) {
+    *error = std::string(name) + "=" + text + ": expected an integer from " + std::to_string(min) +
+             " to " + std::to_string(max);
     return false;
   }
   *value = parsed;
@@ -181,9 +182,10 @@ Outcome Settings::from_environment(Settings* settings, std::string* error) {
   Settings parsed;
   long long nstreams = parsed.nstreams, chunk = static_cast<long long>(parsed.chunk_bytes);
   long long timeout = static_cast<long long>(parsed.timeout_seconds);
-  if (!parse_positive("BAGUA_NET_NSTREAMS", kMaxStreams, &nstreams, error) ||
-      !parse_positive("BAGUA_NET_CHUNK", 1LL << 30, &chunk, error) ||
-      !parse_positive("BAGUA_NET_TIMEOUT", 1LL << 31, &timeout, error))
+  // Chunks below 1 KiB would spend more on headers and system calls than on data.
+  if (!parse_integer("BAGUA_NET_NSTREAMS", 1, kMaxStreams, &nstreams, error) ||
+      !parse_integer("BAGUA_NET_CHUNK", 1024, 1LL << 30, &chunk, error) ||
+      !parse_integer("BAGUA_NET_TIMEOUT", 1, 1LL << 31, &timeout, error))
     return Outcome::kInvalidArgument;
   const char* schedule = std::getenv("BAGUA_NET_SCHEDULE");
   if (schedule != nullptr && *schedule != '\0' && std::strcmp(schedule, "dynamic") != 0 &&

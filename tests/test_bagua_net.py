@@ -93,6 +93,7 @@ def test_every_version_resolves_and_moves_data(builds):
         ("NCCL_SOCKET_IFNAME", "=no-such-interface", "no network interface matches NCCL_SOCKET_IFNAME"),
         ("BAGUA_NET_NSTREAMS", "0", "BAGUA_NET_NSTREAMS=0: expected an integer from 1 to 64"),
         ("BAGUA_NET_SCHEDULE", "fastest", "BAGUA_NET_SCHEDULE=fastest: expected dynamic or static"),
+        ("BAGUA_NET_CHUNK", "100", "BAGUA_NET_CHUNK=100: expected an integer from 1024 to 1073741824"),
     ],
 )
 def test_bad_settings_fail_init_with_the_reason(builds, variable, value, message):
