@@ -17,13 +17,18 @@ enum NcclResult : int {
   kNcclRemoteError = 6,
 };
 
-enum NcclLogLevel : int { kNcclLogNone = 0, kNcclLogVersion = 1, kNcclLogWarn = 2, kNcclLogInfo = 3 };
+enum NcclLogLevel : int {
+  kNcclLogNone = 0,
+  kNcclLogVersion = 1,
+  kNcclLogWarn = 2,
+  kNcclLogInfo = 3
+};
 constexpr unsigned long kNcclLogSubsystemNet = 16;
 
-using NcclLogger = void (*)(NcclLogLevel level, unsigned long subsystems, const char* file, int line,
-                            const char* format, ...);
-using NcclProfilerCallback = NcclResult (*)(void** event, int type, void* profiler_handle, int64_t plugin_id,
-                                            void* extra);
+using NcclLogger = void (*)(NcclLogLevel level, unsigned long subsystems, const char* file,
+                            int line, const char* format, ...);
+using NcclProfilerCallback = NcclResult (*)(void** event, int type, void* profiler_handle,
+                                            int64_t plugin_id, void* extra);
 
 constexpr int kNcclNetHandleMaxSize = 128;
 constexpr int kNcclNetMaxRequests = 32;
@@ -99,8 +104,10 @@ struct NcclNetProperties_v12 : NcclNetPropertiesSince_v9<NcclNetVirtualDevice_v1
 };
 
 // NCCL's sizes on LP64, as its own headers give them.
-static_assert(sizeof(NcclNetProperties_v8) == 64 && sizeof(NcclNetProperties_v9) == 104, "NCCL layout");
-static_assert(sizeof(NcclNetProperties_v11) == 112 && sizeof(NcclNetProperties_v12) == 128, "NCCL layout");
+static_assert(sizeof(NcclNetProperties_v8) == 64 && sizeof(NcclNetProperties_v9) == 104,
+              "NCCL layout");
+static_assert(sizeof(NcclNetProperties_v11) == 112 && sizeof(NcclNetProperties_v12) == 128,
+              "NCCL layout");
 
 struct NcclNetCommConfig {
   int traffic_class;
@@ -128,14 +135,19 @@ struct NcclNet_v8 {
   NcclResult (*devices)(int* ndev);
   NcclResult (*getProperties)(int dev, NcclNetProperties_v8* props);
   NcclResult (*listen)(int dev, void* handle, void** listen_comm);
-  NcclResult (*connect)(int dev, void* handle, void** send_comm, NcclNetDeviceHandle** send_dev_comm);
+  NcclResult (*connect)(int dev, void* handle, void** send_comm,
+                        NcclNetDeviceHandle** send_dev_comm);
   NcclResult (*accept)(void* listen_comm, void** recv_comm, NcclNetDeviceHandle** recv_dev_comm);
   NcclResult (*regMr)(void* comm, void* data, size_t size, int type, void** mhandle);
-  NcclResult (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd, void** mhandle);
+  NcclResult (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                            void** mhandle);
   NcclResult (*deregMr)(void* comm, void* mhandle);
-  NcclResult (*isend)(void* send_comm, void* data, int size, int tag, void* mhandle, void** request);
-  NcclResult (*irecv)(void* recv_comm, int n, void** data, int* sizes, int* tags, void** mhandles, void** request);
-  NcclResult (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles, void** request);
+  NcclResult (*isend)(void* send_comm, void* data, int size, int tag, void* mhandle,
+                      void** request);
+  NcclResult (*irecv)(void* recv_comm, int n, void** data, int* sizes, int* tags, void** mhandles,
+                      void** request);
+  NcclResult (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles,
+                       void** request);
   NcclResult (*test)(void* request, int* done, int* sizes);
   NcclResult (*closeSend)(void* send_comm);
   NcclResult (*closeRecv)(void* recv_comm);
@@ -151,15 +163,19 @@ struct NcclNet_v9 {
   NcclResult (*devices)(int* ndev);
   NcclResult (*getProperties)(int dev, NcclNetProperties_v9* props);
   NcclResult (*listen)(int dev, void* handle, void** listen_comm);
-  NcclResult (*connect)(int dev, void* handle, void** send_comm, NcclNetDeviceHandle** send_dev_comm);
+  NcclResult (*connect)(int dev, void* handle, void** send_comm,
+                        NcclNetDeviceHandle** send_dev_comm);
   NcclResult (*accept)(void* listen_comm, void** recv_comm, NcclNetDeviceHandle** recv_dev_comm);
   NcclResult (*regMr)(void* comm, void* data, size_t size, int type, void** mhandle);
-  NcclResult (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd, void** mhandle);
+  NcclResult (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                            void** mhandle);
   NcclResult (*deregMr)(void* comm, void* mhandle);
-  NcclResult (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle, void** request);
-  NcclResult (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
+  NcclResult (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle,
                       void** request);
-  NcclResult (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles, void** request);
+  NcclResult (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags,
+                      void** mhandles, void** request);
+  NcclResult (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles,
+                       void** request);
   NcclResult (*test)(void* request, int* done, int* sizes);
   NcclResult (*closeSend)(void* send_comm);
   NcclResult (*closeRecv)(void* recv_comm);
@@ -180,13 +196,15 @@ struct NcclNet_v10 {
                         NcclNetDeviceHandle** send_dev_comm);
   NcclResult (*accept)(void* listen_comm, void** recv_comm, NcclNetDeviceHandle** recv_dev_comm);
   NcclResult (*regMr)(void* comm, void* data, size_t size, int type, void** mhandle);
-  NcclResult (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd, void** mhandle);
+  NcclResult (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                            void** mhandle);
   NcclResult (*deregMr)(void* comm, void* mhandle);
-  NcclResult (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle, void* phandle,
-                      void** request);
-  NcclResult (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
-                      void** phandles, void** request);
-  NcclResult (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles, void** request);
+  NcclResult (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle,
+                      void* phandle, void** request);
+  NcclResult (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags,
+                      void** mhandles, void** phandles, void** request);
+  NcclResult (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles,
+                       void** request);
   NcclResult (*test)(void* request, int* done, int* sizes);
   NcclResult (*closeSend)(void* send_comm);
   NcclResult (*closeRecv)(void* recv_comm);
@@ -206,16 +224,19 @@ struct NcclNetContextual {
   NcclResult (*devices)(int* ndev);
   NcclResult (*getProperties)(int dev, Properties* props);
   NcclResult (*listen)(void* ctx, int dev, void* handle, void** listen_comm);
-  NcclResult (*connect)(void* ctx, int dev, void* handle, void** send_comm, NcclNetDeviceHandle** send_dev_comm);
+  NcclResult (*connect)(void* ctx, int dev, void* handle, void** send_comm,
+                        NcclNetDeviceHandle** send_dev_comm);
   NcclResult (*accept)(void* listen_comm, void** recv_comm, NcclNetDeviceHandle** recv_dev_comm);
   NcclResult (*regMr)(void* comm, void* data, size_t size, int type, void** mhandle);
-  NcclResult (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd, void** mhandle);
+  NcclResult (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset, int fd,
+                            void** mhandle);
   NcclResult (*deregMr)(void* comm, void* mhandle);
-  NcclResult (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle, void* phandle,
-                      void** request);
-  NcclResult (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
-                      void** phandles, void** request);
-  NcclResult (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles, void** request);
+  NcclResult (*isend)(void* send_comm, void* data, size_t size, int tag, void* mhandle,
+                      void* phandle, void** request);
+  NcclResult (*irecv)(void* recv_comm, int n, void** data, size_t* sizes, int* tags,
+                      void** mhandles, void** phandles, void** request);
+  NcclResult (*iflush)(void* recv_comm, int n, void** data, int* sizes, void** mhandles,
+                       void** request);
   NcclResult (*test)(void* request, int* done, int* sizes);
   NcclResult (*closeSend)(void* send_comm);
   NcclResult (*closeRecv)(void* recv_comm);
@@ -229,4 +250,3 @@ struct NcclNetContextual {
 
 using NcclNet_v11 = NcclNetContextual<NcclNetProperties_v11, NcclNetVirtualDevice_v9>;
 using NcclNet_v12 = NcclNetContextual<NcclNetProperties_v12, NcclNetVirtualDevice_v12>;
-

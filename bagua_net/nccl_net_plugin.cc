@@ -18,7 +18,8 @@ constexpr char kName[] = "Bagua";
 std::atomic<NcclLogger> logger{nullptr};
 
 void log_warning(const char* message) {
-  if (NcclLogger log = logger.load()) log(kNcclLogWarn, kNcclLogSubsystemNet, __FILE__, __LINE__, "%s", message);
+  if (NcclLogger log = logger.load())
+    log(kNcclLogWarn, kNcclLogSubsystemNet, __FILE__, __LINE__, "%s", message);
 }
 
 NcclResult result_of(Outcome outcome, const std::string& error) {
@@ -115,14 +116,16 @@ NcclResult properties_as(int dev, Props* props) {
     props->max_p2p_bytes = full.max_p2p_bytes;
     props->max_coll_bytes = full.max_coll_bytes;
   }
-  if constexpr (std::is_same_v<Props, NcclNetProperties_v11>) props->max_multi_request_size = full.max_multi_request_size;
+  if constexpr (std::is_same_v<Props, NcclNetProperties_v11>)
+    props->max_multi_request_size = full.max_multi_request_size;
   return kNcclSuccess;
 }
 
 NcclResult listen(int dev, void* handle, void** listen_comm) {
   std::string error;
   bagua_net::ListenComm* listener = nullptr;
-  Outcome o = bagua_net::listen(dev, static_cast<bagua_net::ConnectHandle*>(handle), &listener, &error);
+  Outcome o =
+      bagua_net::listen(dev, static_cast<bagua_net::ConnectHandle*>(handle), &listener, &error);
   *listen_comm = listener;
   return result_of(o, error);
 }
@@ -154,14 +157,17 @@ NcclResult reg_mr(void*, void*, size_t, int type, void** mhandle) {
   return kNcclSuccess;
 }
 
-NcclResult reg_mr_dma_buf(void*, void*, size_t, int, uint64_t, int, void**) { return kNcclInternalError; }
+NcclResult reg_mr_dma_buf(void*, void*, size_t, int, uint64_t, int, void**) {
+  return kNcclInternalError;
+}
 
 NcclResult dereg_mr(void*, void*) { return kNcclSuccess; }
 
 NcclResult isend(void* send_comm, void* data, size_t size, int, void*, void** request) {
   std::string error;
   bagua_net::Request* r = nullptr;
-  Outcome o = bagua_net::isend(static_cast<bagua_net::Connection*>(send_comm), data, size, &r, &error);
+  Outcome o =
+      bagua_net::isend(static_cast<bagua_net::Connection*>(send_comm), data, size, &r, &error);
   *request = r;
   return result_of(o, error);
 }
@@ -171,7 +177,8 @@ NcclResult irecv(void* recv_comm, int n, void** data, size_t* sizes, void** requ
   if (n != 1) return kNcclInternalError;  // maxRecvs is 1: NCCL never groups receives here
   std::string error;
   bagua_net::Request* r = nullptr;
-  Outcome o = bagua_net::irecv(static_cast<bagua_net::Connection*>(recv_comm), data[0], sizes[0], &r, &error);
+  Outcome o = bagua_net::irecv(static_cast<bagua_net::Connection*>(recv_comm), data[0], sizes[0],
+                               &r, &error);
   *request = r;
   return result_of(o, error);
 }
@@ -206,12 +213,6 @@ NcclResult get_device_mr(void*, void*, void** device_mhandle) {
 
 NcclResult irecv_consumed(void*, int, void*) { return kNcclSuccess; }
 
-template <typename VirtualDevice>
-NcclResult make_virtual_device(int*, VirtualDevice*) {
-  log_warning("Bagua-Net: virtual NICs are not supported");
-  return kNcclInvalidUsage;
-}
-
 // Per-version argument lists.
 
 NcclResult isend_v8(void* comm, void* data, int size, int tag, void* mhandle, void** request) {
@@ -233,11 +234,13 @@ NcclResult irecv_v9(void* comm, int n, void** data, size_t* sizes, int*, void**,
   return irecv(comm, n, data, sizes, request);
 }
 
-NcclResult isend_v10(void* comm, void* data, size_t size, int tag, void* mhandle, void*, void** request) {
+NcclResult isend_v10(void* comm, void* data, size_t size, int tag, void* mhandle, void*,
+                     void** request) {
   return isend(comm, data, size, tag, mhandle, request);
 }
 
-NcclResult irecv_v10(void* comm, int n, void** data, size_t* sizes, int*, void**, void**, void** request) {
+NcclResult irecv_v10(void* comm, int n, void** data, size_t* sizes, int*, void**, void**,
+                     void** request) {
   return irecv(comm, n, data, sizes, request);
 }
 
@@ -251,14 +254,18 @@ NcclResult connect_v10(int dev, NcclNetCommConfig*, void* handle, void** send_co
 // From v11 NCCL creates a context per communicator; the transport's state is global.
 int context;
 
-NcclResult init_v11(void** ctx, uint64_t, NcclNetCommConfig*, NcclLogger log, NcclProfilerCallback) {
+NcclResult init_v11(void** ctx, uint64_t, NcclNetCommConfig*, NcclLogger log,
+                    NcclProfilerCallback) {
   *ctx = &context;
   return init(log);
 }
 
-NcclResult listen_v11(void*, int dev, void* handle, void** listen_comm) { return listen(dev, handle, listen_comm); }
+NcclResult listen_v11(void*, int dev, void* handle, void** listen_comm) {
+  return listen(dev, handle, listen_comm);
+}
 
-NcclResult connect_v11(void*, int dev, void* handle, void** send_comm, NcclNetDeviceHandle** send_dev_comm) {
+NcclResult connect_v11(void*, int dev, void* handle, void** send_comm,
+                       NcclNetDeviceHandle** send_dev_comm) {
   return connect(dev, handle, send_comm, send_dev_comm);
 }
 
@@ -266,14 +273,15 @@ NcclResult finalize(void*) { return kNcclSuccess; }
 
 NcclResult set_net_attr(void*, NcclNetAttr*) { return kNcclSuccess; }
 
-template <typename Table, typename Props, typename VirtualDevice>
+// makeVDevice is left NULL in every table: NCCL then uses each interface as it is instead of
+// fusing NICs into virtual ones, which this transport does not do.
+template <typename Table, typename Props>
 Table contextual_table(NcclResult (*get_properties)(int, Props*)) {
-  return Table{kName,        init_v11,     devices,       get_properties,
-               listen_v11,   connect_v11,  accept,        reg_mr,
-               reg_mr_dma_buf, dereg_mr,   isend_v10,     irecv_v10,
-               iflush,       test,         close_comm,    close_comm,
-               close_listen, get_device_mr, irecv_consumed, make_virtual_device<VirtualDevice>,
-               finalize,     set_net_attr};
+  return Table{kName,       init_v11,     devices,       get_properties, listen_v11,
+               connect_v11, accept,       reg_mr,        reg_mr_dma_buf, dereg_mr,
+               isend_v10,   irecv_v10,    iflush,        test,           close_comm,
+               close_comm,  close_listen, get_device_mr, irecv_consumed, nullptr,
+               finalize,    set_net_attr};
 }
 
 }  // namespace
@@ -281,26 +289,30 @@ Table contextual_table(NcclResult (*get_properties)(int, Props*)) {
 extern "C" {
 
 __attribute__((visibility("default"))) NcclNet_v12 ncclNetPlugin_v12 =
-    contextual_table<NcclNet_v12, NcclNetProperties_v12, NcclNetVirtualDevice_v12>(properties);
+    contextual_table<NcclNet_v12, NcclNetProperties_v12>(properties);
 
 __attribute__((visibility("default"))) NcclNet_v11 ncclNetPlugin_v11 =
-    contextual_table<NcclNet_v11, NcclNetProperties_v11, NcclNetVirtualDevice_v9>(properties_as<NcclNetProperties_v11>);
+    contextual_table<NcclNet_v11, NcclNetProperties_v11>(properties_as<NcclNetProperties_v11>);
 
 __attribute__((visibility("default"))) NcclNet_v10 ncclNetPlugin_v10 = {
-    kName,        init_v10,     devices,       properties_as<NcclNetProperties_v9>,   listen,       connect_v10,
-    accept,       reg_mr,       reg_mr_dma_buf, dereg_mr,       isend_v10,    irecv_v10,
-    iflush,       test,         close_comm,    close_comm,      close_listen, get_device_mr,
-    irecv_consumed, make_virtual_device<NcclNetVirtualDevice_v9>};
+    kName,          init_v10,      devices,        properties_as<NcclNetProperties_v9>,
+    listen,         connect_v10,   accept,         reg_mr,
+    reg_mr_dma_buf, dereg_mr,      isend_v10,      irecv_v10,
+    iflush,         test,          close_comm,     close_comm,
+    close_listen,   get_device_mr, irecv_consumed, nullptr};
 
 __attribute__((visibility("default"))) NcclNet_v9 ncclNetPlugin_v9 = {
-    kName,        init,         devices,       properties_as<NcclNetProperties_v9>,   listen,       connect,
-    accept,       reg_mr,       reg_mr_dma_buf, dereg_mr,       isend_v9,     irecv_v9,
-    iflush,       test,         close_comm,    close_comm,      close_listen, get_device_mr,
-    irecv_consumed, make_virtual_device<NcclNetVirtualDevice_v9>};
+    kName,          init,          devices,        properties_as<NcclNetProperties_v9>,
+    listen,         connect,       accept,         reg_mr,
+    reg_mr_dma_buf, dereg_mr,      isend_v9,       irecv_v9,
+    iflush,         test,          close_comm,     close_comm,
+    close_listen,   get_device_mr, irecv_consumed, nullptr};
 
 __attribute__((visibility("default"))) NcclNet_v8 ncclNetPlugin_v8 = {
-    kName,   init,          devices,  properties_as<NcclNetProperties_v8>, listen,     connect,      accept,
-    reg_mr,  reg_mr_dma_buf, dereg_mr, isend_v8,     irecv_v8,   iflush,       test,
-    close_comm, close_comm, close_listen, get_device_mr, irecv_consumed};
+    kName,          init,          devices,       properties_as<NcclNetProperties_v8>,
+    listen,         connect,       accept,        reg_mr,
+    reg_mr_dma_buf, dereg_mr,      isend_v8,      irecv_v8,
+    iflush,         test,          close_comm,    close_comm,
+    close_listen,   get_device_mr, irecv_consumed};
 
 }  // extern "C"

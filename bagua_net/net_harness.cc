@@ -19,6 +19,7 @@
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "nccl_net_abi.h"
@@ -68,11 +69,16 @@ class Net {
   template <typename F>
   auto call(F&& f) {
     switch (version_) {
-      case 8: return f(static_cast<NcclNet_v8*>(table_));
-      case 9: return f(static_cast<NcclNet_v9*>(table_));
-      case 10: return f(static_cast<NcclNet_v10*>(table_));
-      case 11: return f(static_cast<NcclNet_v11*>(table_));
-      default: return f(static_cast<NcclNet_v12*>(table_));
+      case 8:
+        return f(static_cast<NcclNet_v8*>(table_));
+      case 9:
+        return f(static_cast<NcclNet_v9*>(table_));
+      case 10:
+        return f(static_cast<NcclNet_v10*>(table_));
+      case 11:
+        return f(static_cast<NcclNet_v11*>(table_));
+      default:
+        return f(static_cast<NcclNet_v12*>(table_));
     }
   }
 
@@ -83,13 +89,15 @@ class Net {
   void init() {
     NcclResult r;
     if (version_ >= 11) {
-      r = version_ == 11 ? static_cast<NcclNet_v11*>(table_)->init(&ctx_, 1, nullptr, log_to_stderr, nullptr)
-                         : static_cast<NcclNet_v12*>(table_)->init(&ctx_, 1, nullptr, log_to_stderr, nullptr);
+      r = version_ == 11
+              ? static_cast<NcclNet_v11*>(table_)->init(&ctx_, 1, nullptr, log_to_stderr, nullptr)
+              : static_cast<NcclNet_v12*>(table_)->init(&ctx_, 1, nullptr, log_to_stderr, nullptr);
     } else if (version_ == 10) {
       r = static_cast<NcclNet_v10*>(table_)->init(log_to_stderr, nullptr);
     } else {
       r = call([](auto* t) {
-        if constexpr (std::is_same_v<decltype(t->init), NcclResult (*)(NcclLogger)>) return t->init(log_to_stderr);
+        if constexpr (std::is_same_v<decltype(t->init), NcclResult (*)(NcclLogger)>)
+          return t->init(log_to_stderr);
         return kNcclInternalError;
       });
     }
@@ -116,8 +124,8 @@ class Net {
     return call([&](auto* t) {
       std::remove_pointer_t<typename FirstArg<decltype(t->getProperties)>::type> props{};
       check(t->getProperties(dev, &props), "getProperties");
-      return Common{props.name ? props.name : "", props.ptr_support, props.max_recvs, props.speed_mbps,
-                    props.max_comms};
+      return Common{props.name ? props.name : "", props.ptr_support, props.max_recvs,
+                    props.speed_mbps, props.max_comms};
     });
   }
 
@@ -126,7 +134,8 @@ class Net {
     NcclResult r;
     if (version_ >= 11)
       r = call([&](auto* t) {
-        if constexpr (std::is_same_v<decltype(t->listen), NcclResult (*)(void*, int, void*, void**)>)
+        if constexpr (std::is_same_v<decltype(t->listen),
+                                     NcclResult (*)(void*, int, void*, void**)>)
           return t->listen(ctx_, 0, handle, &comm);
         return kNcclInternalError;
       });
@@ -143,14 +152,18 @@ class Net {
   NcclResult connect(char* handle, void** comm) {
     NcclNetDeviceHandle* device = nullptr;
     switch (version_) {
-      case 8: return static_cast<NcclNet_v8*>(table_)->connect(0, handle, comm, &device);
-      case 9: return static_cast<NcclNet_v9*>(table_)->connect(0, handle, comm, &device);
+      case 8:
+        return static_cast<NcclNet_v8*>(table_)->connect(0, handle, comm, &device);
+      case 9:
+        return static_cast<NcclNet_v9*>(table_)->connect(0, handle, comm, &device);
       case 10: {
         NcclNetCommConfig config{-1};
         return static_cast<NcclNet_v10*>(table_)->connect(0, &config, handle, comm, &device);
       }
-      case 11: return static_cast<NcclNet_v11*>(table_)->connect(ctx_, 0, handle, comm, &device);
-      default: return static_cast<NcclNet_v12*>(table_)->connect(ctx_, 0, handle, comm, &device);
+      case 11:
+        return static_cast<NcclNet_v11*>(table_)->connect(ctx_, 0, handle, comm, &device);
+      default:
+        return static_cast<NcclNet_v12*>(table_)->connect(ctx_, 0, handle, comm, &device);
     }
   }
 
@@ -161,7 +174,8 @@ class Net {
 
   void* reg_mr(void* comm, void* data, size_t size) {
     void* mhandle = nullptr;
-    check(call([&](auto* t) { return t->regMr(comm, data, size, kNcclPtrHost, &mhandle); }), "regMr");
+    check(call([&](auto* t) { return t->regMr(comm, data, size, kNcclPtrHost, &mhandle); }),
+          "regMr");
     return mhandle;
   }
 
@@ -171,11 +185,20 @@ class Net {
 
   NcclResult isend(void* comm, void* data, size_t size, void* mhandle, void** request) {
     switch (version_) {
-      case 8: return static_cast<NcclNet_v8*>(table_)->isend(comm, data, static_cast<int>(size), 0, mhandle, request);
-      case 9: return static_cast<NcclNet_v9*>(table_)->isend(comm, data, size, 0, mhandle, request);
-      case 10: return static_cast<NcclNet_v10*>(table_)->isend(comm, data, size, 0, mhandle, nullptr, request);
-      case 11: return static_cast<NcclNet_v11*>(table_)->isend(comm, data, size, 0, mhandle, nullptr, request);
-      default: return static_cast<NcclNet_v12*>(table_)->isend(comm, data, size, 0, mhandle, nullptr, request);
+      case 8:
+        return static_cast<NcclNet_v8*>(table_)->isend(comm, data, static_cast<int>(size), 0,
+                                                       mhandle, request);
+      case 9:
+        return static_cast<NcclNet_v9*>(table_)->isend(comm, data, size, 0, mhandle, request);
+      case 10:
+        return static_cast<NcclNet_v10*>(table_)->isend(comm, data, size, 0, mhandle, nullptr,
+                                                        request);
+      case 11:
+        return static_cast<NcclNet_v11*>(table_)->isend(comm, data, size, 0, mhandle, nullptr,
+                                                        request);
+      default:
+        return static_cast<NcclNet_v12*>(table_)->isend(comm, data, size, 0, mhandle, nullptr,
+                                                        request);
     }
   }
 
@@ -183,17 +206,23 @@ class Net {
     int tag = 0;
     if (version_ == 8) {
       int size_int = static_cast<int>(size);
-      return static_cast<NcclNet_v8*>(table_)->irecv(comm, 1, &data, &size_int, &tag, &mhandle, request);
+      return static_cast<NcclNet_v8*>(table_)->irecv(comm, 1, &data, &size_int, &tag, &mhandle,
+                                                     request);
     }
-    if (version_ == 9) return static_cast<NcclNet_v9*>(table_)->irecv(comm, 1, &data, &size, &tag, &mhandle, request);
+    if (version_ == 9)
+      return static_cast<NcclNet_v9*>(table_)->irecv(comm, 1, &data, &size, &tag, &mhandle,
+                                                     request);
     void* phandle = nullptr;
     switch (version_) {
       case 10:
-        return static_cast<NcclNet_v10*>(table_)->irecv(comm, 1, &data, &size, &tag, &mhandle, &phandle, request);
+        return static_cast<NcclNet_v10*>(table_)->irecv(comm, 1, &data, &size, &tag, &mhandle,
+                                                        &phandle, request);
       case 11:
-        return static_cast<NcclNet_v11*>(table_)->irecv(comm, 1, &data, &size, &tag, &mhandle, &phandle, request);
+        return static_cast<NcclNet_v11*>(table_)->irecv(comm, 1, &data, &size, &tag, &mhandle,
+                                                        &phandle, request);
       default:
-        return static_cast<NcclNet_v12*>(table_)->irecv(comm, 1, &data, &size, &tag, &mhandle, &phandle, request);
+        return static_cast<NcclNet_v12*>(table_)->irecv(comm, 1, &data, &size, &tag, &mhandle,
+                                                        &phandle, request);
     }
   }
 
@@ -242,8 +271,14 @@ class Pipe {
   Pipe() {
     if (pipe(fds_) != 0) fail("pipe");
   }
-  void keep_read_end() { ::close(fds_[1]); fds_[1] = -1; }
-  void keep_write_end() { ::close(fds_[0]); fds_[0] = -1; }
+  void keep_read_end() {
+    ::close(fds_[1]);
+    fds_[1] = -1;
+  }
+  void keep_write_end() {
+    ::close(fds_[0]);
+    fds_[0] = -1;
+  }
 
   void write_all(const void* data, size_t size) {
     const char* p = static_cast<const char*>(data);
@@ -258,7 +293,8 @@ class Pipe {
     char* p = static_cast<char*>(data);
     while (size > 0) {
       pollfd pfd{fds_[0], POLLIN, 0};
-      if (::poll(&pfd, 1, static_cast<int>(timeout_s * 1000)) != 1) fail("the peer did not answer in time");
+      if (::poll(&pfd, 1, static_cast<int>(timeout_s * 1000)) != 1)
+        fail("the peer did not answer in time");
       ssize_t n = ::read(fds_[0], p, size);
       if (n <= 0) fail("the peer exited");
       p += n;
@@ -307,7 +343,8 @@ void start_child(Peer* peer, const std::function<void(Pipe& in, Pipe& out)>& chi
 void wait_child(Peer* peer) {
   int status = 0;
   if (waitpid(peer->pid, &status, 0) != peer->pid) fail("waitpid");
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) fail("the child process failed (status %d)", status);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0)
+    fail("the child process failed (status %d)", status);
 }
 
 // Listens and publishes the handle, then polls accept; the peer connects.
@@ -389,9 +426,11 @@ void send_message(Net& net, void* comm, size_t size, uint64_t message) {
   fill(data, size, message);
   void* mhandle = net.reg_mr(comm, data.data(), data.size());
   void* request = nullptr;
-  while (request == nullptr) Net::check(net.isend(comm, data.data(), size, mhandle, &request), "isend");
+  while (request == nullptr)
+    Net::check(net.isend(comm, data.data(), size, mhandle, &request), "isend");
   int reported = wait_done(net, request);
-  if (static_cast<size_t>(reported) != size) fail("send reported %d bytes, sent %zu", reported, size);
+  if (static_cast<size_t>(reported) != size)
+    fail("send reported %d bytes, sent %zu", reported, size);
   net.dereg_mr(comm, mhandle);
 }
 
@@ -399,10 +438,13 @@ void receive_message(Net& net, void* comm, size_t posted, size_t size, uint64_t 
   std::vector<char> data(posted + 8);
   void* mhandle = net.reg_mr(comm, data.data(), data.size());
   void* request = nullptr;
-  while (request == nullptr) Net::check(net.irecv(comm, data.data(), posted, mhandle, &request), "irecv");
+  while (request == nullptr)
+    Net::check(net.irecv(comm, data.data(), posted, mhandle, &request), "irecv");
   int reported = wait_done(net, request);
-  if (static_cast<size_t>(reported) != size) fail("receive reported %d bytes, expected %zu", reported, size);
-  if (checksum(data.data(), size) != expected_checksum(size, message)) fail("message %llu corrupted", (unsigned long long)message);
+  if (static_cast<size_t>(reported) != size)
+    fail("receive reported %d bytes, expected %zu", reported, size);
+  if (checksum(data.data(), size) != expected_checksum(size, message))
+    fail("message %llu corrupted", (unsigned long long)message);
   net.dereg_mr(comm, mhandle);
 }
 
@@ -419,9 +461,19 @@ void scenario_symbols(const char* path) {
     int n = net.devices();
     if (n < 1) fail("v%d reports no devices", version);
     Net::Common p = net.properties(0);
-    if (p.ptr_support != kNcclPtrHost || p.max_recvs != 1 || p.speed <= 0 || p.max_comms < 1 || p.name.empty())
-      fail("v%d properties: ptrSupport=%d maxRecvs=%d speed=%d", version, p.ptr_support, p.max_recvs, p.speed);
-    std::printf("v%d name=%s devices=%d dev0=%s speed=%d\n", version, net.name(), n, p.name.c_str(), p.speed);
+    if (p.ptr_support != kNcclPtrHost || p.max_recvs != 1 || p.speed <= 0 || p.max_comms < 1 ||
+        p.name.empty())
+      fail("v%d properties: ptrSupport=%d maxRecvs=%d speed=%d", version, p.ptr_support,
+           p.max_recvs, p.speed);
+    bool no_vnic = net.call([](auto* t) {
+      if constexpr (std::is_same_v<decltype(t), NcclNet_v8*>)
+        return true;
+      else
+        return t->makeVDevice == nullptr;
+    });
+    if (!no_vnic) fail("v%d offers makeVDevice, which would let NCCL try to fuse NICs", version);
+    std::printf("v%d name=%s devices=%d dev0=%s speed=%d\n", version, net.name(), n, p.name.c_str(),
+                p.speed);
     net.finalize();
   }
   if (dlsym(library, "ncclNetPlugin_v7") != nullptr) fail("v7 is exported but not implemented");
@@ -454,7 +506,8 @@ class CallTimer {
  public:
   explicit CallTimer(const char* what) : what_(what) {}
   ~CallTimer() noexcept(false) {
-    if (calls_ > 0 && slow_ * 10 > calls_) fail("%s: %d of %d calls took over 5 ms", what_, slow_, calls_);
+    if (calls_ > 0 && slow_ * 10 > calls_)
+      fail("%s: %d of %d calls took over 5 ms", what_, slow_, calls_);
   }
   void record(Clock::time_point start) {
     double ms = seconds_since(start) * 1e3;
@@ -469,25 +522,38 @@ class CallTimer {
 };
 
 // Posts `count` messages on each comm at once, then completes them all.
+// Posts `count` messages on each comm at once, completes all but each comm's first (tests
+// may come in any order), posts one more per comm in the freed room, then completes the rest.
 void many_in_flight(Net& net, const std::vector<void*>& comms, bool sending, int count) {
-  std::vector<std::vector<char>> buffers;
-  std::vector<void*> requests;
-  std::vector<size_t> sizes;
+  struct Posted {
+    std::vector<char> buffer;
+    void* request;
+    size_t size;
+    uint64_t message;
+  };
+  std::vector<Posted> posted;
   constexpr size_t kPosted = 256 << 10;
+  auto post = [&](size_t c, int i) {
+    size_t size = (static_cast<size_t>(i) * 7919 + c * 104729) % kPosted;
+    Posted p{std::vector<char>(kPosted + 8), nullptr, size,
+             1000 + c * 100 + static_cast<uint64_t>(i)};
+    if (sending) fill(p.buffer, size, p.message);
+    Net::check(sending ? net.isend(comms[c], p.buffer.data(), size, nullptr, &p.request)
+                       : net.irecv(comms[c], p.buffer.data(), kPosted, nullptr, &p.request),
+               "post");
+    if (p.request == nullptr) fail("request %d on comm %zu was refused", i, c);
+    posted.push_back(std::move(p));
+  };
+  auto complete = [&](Posted& p) {
+    int size = wait_done(net, p.request);
+    if (static_cast<size_t>(size) != p.size)
+      fail("message %llu reported %d bytes, expected %zu", (unsigned long long)p.message, size,
+           p.size);
+    if (!sending && checksum(p.buffer.data(), p.size) != expected_checksum(p.size, p.message))
+      fail("message %llu arrived out of order or corrupted", (unsigned long long)p.message);
+  };
   for (size_t c = 0; c < comms.size(); ++c) {
-    for (int i = 0; i < count; ++i) {
-      size_t size = (static_cast<size_t>(i) * 7919 + c * 104729) % kPosted;
-      uint64_t message = 1000 + c * 100 + static_cast<uint64_t>(i);
-      buffers.emplace_back(kPosted + 8);
-      if (sending) fill(buffers.back(), size, message);
-      void* request = nullptr;
-      NcclResult r = sending ? net.isend(comms[c], buffers.back().data(), size, nullptr, &request)
-                             : net.irecv(comms[c], buffers.back().data(), kPosted, nullptr, &request);
-      Net::check(r, "post");
-      if (request == nullptr) fail("request %d of %d on comm %zu was refused", i, count, c);
-      requests.push_back(request);
-      sizes.push_back(size);
-    }
+    for (int i = 0; i < count; ++i) post(c, i);
     // The comm is full: one more is refused, not queued or failed.
     std::vector<char> extra(16);
     void* request = nullptr;
@@ -496,13 +562,12 @@ void many_in_flight(Net& net, const std::vector<void*>& comms, bool sending, int
                "post beyond the limit");
     if (request != nullptr) fail("request %d on a full comm was accepted", count + 1);
   }
-  for (size_t k = 0; k < requests.size(); ++k) {
-    int size = wait_done(net, requests[k]);
-    if (static_cast<size_t>(size) != sizes[k]) fail("request %zu reported %d bytes, expected %zu", k, size, sizes[k]);
-    size_t c = k / count, i = k % count;
-    if (!sending && checksum(buffers[k].data(), sizes[k]) != expected_checksum(sizes[k], 1000 + c * 100 + i))
-      fail("message %zu on comm %zu arrived out of order or corrupted", i, c);
-  }
+  for (size_t k = 0; k < posted.size(); ++k)
+    if (k % count != 0) complete(posted[k]);
+  size_t first_extra = posted.size();
+  for (size_t c = 0; c < comms.size(); ++c) post(c, count);
+  for (size_t k = 0; k < first_extra; k += count) complete(posted[k]);
+  for (size_t k = first_extra; k < posted.size(); ++k) complete(posted[k]);
 }
 
 void scenario_contract(const char* path) {
@@ -541,6 +606,16 @@ void scenario_contract(const char* path) {
     expect(request != nullptr, "an isend slot");
     out.signal('s');
     wait_done(net, request);
+    // A 0-byte message right behind a large one that is still being cut into chunks; the
+    // receiver posts its receive only once the large one completed.
+    std::vector<char> large((16 << 20) + 8);
+    fill(large, 16 << 20, 9);
+    void* large_request = nullptr;
+    void* empty_request = nullptr;
+    Net::check(net.isend(comm, large.data(), 16 << 20, nullptr, &large_request), "isend");
+    Net::check(net.isend(comm, large.data(), 0, nullptr, &empty_request), "isend");
+    wait_done(net, large_request);
+    wait_done(net, empty_request);
     send_message(net, comm, 1000, 8);  // into a larger receive
     for (size_t i = 0; i < 6; ++i) send_message(net, comm, i % 2 ? 0 : 70000 * i, 20 + i);
     char second_handle[kNcclNetHandleMaxSize];
@@ -580,6 +655,8 @@ void scenario_contract(const char* path) {
   peer.to_parent.wait_for('s');
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   receive_message(net, comm, 1 << 20, 1 << 20, 7);
+  receive_message(net, comm, 16 << 20, 16 << 20, 9);
+  receive_message(net, comm, 16, 0, 10);
   receive_message(net, comm, 4 << 20, 1000, 8);
   for (size_t i = 0; i < 6; ++i) receive_message(net, comm, 400000, i % 2 ? 0 : 70000 * i, 20 + i);
   void* second = accept_from(net, peer.to_child);
@@ -612,13 +689,15 @@ void scenario_fuzz(const char* path, uint64_t seed, int messages, int max_log) {
     int next = 0, completed = 0;
     Clock::time_point start = Clock::now();
     while (completed < messages) {
-      if (seconds_since(start) > 60) fail("fuzz stalled after %d of %d messages", completed, messages);
+      if (seconds_since(start) > 60)
+        fail("fuzz stalled after %d of %d messages", completed, messages);
       bool can_post = next < messages && pending.size() < 8 && bytes_in_flight < (160u << 20);
       if (can_post && (pending.empty() || choice() % 2 == 0)) {
         Pending p{std::vector<char>(posted[next] + 8), nullptr, next};
         if (sending) fill(p.buffer, sizes[next], static_cast<uint64_t>(next));
-        NcclResult r = sending ? net.isend(comm, p.buffer.data(), sizes[next], nullptr, &p.request)
-                               : net.irecv(comm, p.buffer.data(), posted[next], nullptr, &p.request);
+        NcclResult r = sending
+                           ? net.isend(comm, p.buffer.data(), sizes[next], nullptr, &p.request)
+                           : net.irecv(comm, p.buffer.data(), posted[next], nullptr, &p.request);
         Net::check(r, "post");
         if (p.request == nullptr) fail("post %d refused", next);
         bytes_in_flight += posted[next];
@@ -631,8 +710,10 @@ void scenario_fuzz(const char* path, uint64_t seed, int messages, int max_log) {
       Net::check(net.test(pending[k].request, &done, &size), "test");
       if (!done) continue;
       int i = pending[k].index;
-      if (static_cast<size_t>(size) != sizes[i]) fail("message %d: reported %d bytes, sent %zu", i, size, sizes[i]);
-      if (!sending && checksum(pending[k].buffer.data(), sizes[i]) != expected_checksum(sizes[i], i))
+      if (static_cast<size_t>(size) != sizes[i])
+        fail("message %d: reported %d bytes, sent %zu", i, size, sizes[i]);
+      if (!sending &&
+          checksum(pending[k].buffer.data(), sizes[i]) != expected_checksum(sizes[i], i))
         fail("message %d (%zu bytes) corrupted", i, sizes[i]);
       bytes_in_flight -= posted[i];
       pending.erase(pending.begin() + static_cast<long>(k));
@@ -707,8 +788,10 @@ void scenario_peer_lost(const char* path, const std::string& how, double limit_s
   if (how == "receiver-stopped") send_message(net, comm, 4 << 20, 0);
   std::thread killer([&] {
     peer.to_parent.wait_for('p');
-    if (how == "receiver-stopped") kill(peer.pid, SIGSTOP);
-    else kill(peer.pid, SIGKILL);
+    if (how == "receiver-stopped")
+      kill(peer.pid, SIGSTOP);
+    else
+      kill(peer.pid, SIGKILL);
   });
   double failed_after = 0;
   int completed = 0;
@@ -722,12 +805,15 @@ void scenario_peer_lost(const char* path, const std::string& how, double limit_s
   killer.join();
   kill(peer.pid, SIGKILL);
   waitpid(peer.pid, nullptr, 0);
-  std::printf("%s: test failed %.2f s after the last completion (%d completed)\n", how.c_str(), failed_after,
-              completed);
+  std::printf("%s: test failed %.2f s after the last completion (%d completed)\n", how.c_str(),
+              failed_after, completed);
   if (failed_after > limit_s) fail("the failure took %.1f s, limit %.1f s", failed_after, limit_s);
-  if (child_sends ? completed < 20 : completed < 1) fail("only %d messages before the failure", completed);
-  if (child_sends) net.close_recv(comm);
-  else net.close_send(comm);
+  if (child_sends ? completed < 20 : completed < 1)
+    fail("only %d messages before the failure", completed);
+  if (child_sends)
+    net.close_recv(comm);
+  else
+    net.close_send(comm);
   net.finalize();
 }
 
@@ -759,7 +845,8 @@ void scenario_truncation(const char* path) {
   while ((r = net.test(request, &done, &size)) == kNcclSuccess && !done) {
     if (seconds_since(start) > 20) fail("neither completion nor failure");
   }
-  if (r == kNcclSuccess) fail("a 2 MiB message completed a 1 MiB receive (reported %d bytes)", size);
+  if (r == kNcclSuccess)
+    fail("a 2 MiB message completed a 1 MiB receive (reported %d bytes)", size);
   net.close_recv(comm);
   net.finalize();
   wait_child(&peer);
@@ -792,7 +879,8 @@ void scenario_threads(const char* path) {
   for (int t = 0; t < 2; ++t)
     threads.emplace_back([&, t] {
       try {
-        for (int i = 0; i < kMessages; ++i) receive_message(net, comms[t], 3 << 20, sizes(t, i), t * 1000 + i);
+        for (int i = 0; i < kMessages; ++i)
+          receive_message(net, comms[t], 3 << 20, sizes(t, i), t * 1000 + i);
       } catch (const std::exception& e) {
         failures[t] = e.what();
       }
@@ -852,11 +940,13 @@ void bench_traffic(Net& net, void* const* comms, bool sending, double seconds) {
     }
     double now = monotonic_seconds();
     if (now >= next_report) {
-      std::printf("t=%.4f bytes=%llu cpu=%.4f\n", now, static_cast<unsigned long long>(bytes), process_cpu_seconds());
+      std::printf("t=%.4f bytes=%llu cpu=%.4f\n", now, static_cast<unsigned long long>(bytes),
+                  process_cpu_seconds());
       std::fflush(stdout);
       next_report = now + 0.1;
     }
-    std::this_thread::sleep_for(std::chrono::microseconds(50));  // NCCL's proxy also yields between sweeps
+    std::this_thread::sleep_for(
+        std::chrono::microseconds(50));  // NCCL's proxy also yields between sweeps
   }
 }
 
@@ -884,14 +974,16 @@ void scenario_bench_receive(const char* path, double seconds) {
   bench_traffic(net, comms, false, seconds);
 }
 
-void scenario_bench_send(const char* path, const std::vector<std::string>& handles, double seconds) {
+void scenario_bench_send(const char* path, const std::vector<std::string>& handles,
+                         double seconds) {
   Net net(open_plugin(path), 12);
   net.init();
   void* comms[kChannels];
   for (int c = 0; c < kChannels; ++c) {
     char handle[kNcclNetHandleMaxSize];
     if (handles[c].size() != 2 * sizeof(handle)) fail("bad handle");
-    for (size_t i = 0; i < sizeof(handle); ++i) handle[i] = static_cast<char>(std::stoi(handles[c].substr(2 * i, 2), nullptr, 16));
+    for (size_t i = 0; i < sizeof(handle); ++i)
+      handle[i] = static_cast<char>(std::stoi(handles[c].substr(2 * i, 2), nullptr, 16));
     comms[c] = nullptr;
     Clock::time_point start = Clock::now();
     while (comms[c] == nullptr) {
@@ -906,29 +998,38 @@ void scenario_bench_send(const char* path, const std::vector<std::string>& handl
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr,
-                 "usage: %s symbols|contract|truncation|threads PLUGIN\n"
-                 "       %s fuzz PLUGIN SEED MESSAGES MAX_LOG2_SIZE\n"
-                 "       %s peer-lost PLUGIN sender-killed|receiver-killed|receiver-stopped LIMIT_S\n"
-                 "       %s bench-receive PLUGIN SECONDS | bench-send PLUGIN HANDLE0 HANDLE1 SECONDS\n",
-                 argv[0], argv[0], argv[0], argv[0]);
+    std::fprintf(
+        stderr,
+        "usage: %s symbols|contract|truncation|threads PLUGIN\n"
+        "       %s fuzz PLUGIN SEED MESSAGES MAX_LOG2_SIZE\n"
+        "       %s peer-lost PLUGIN sender-killed|receiver-killed|receiver-stopped LIMIT_S\n"
+        "       %s bench-receive PLUGIN SECONDS | bench-send PLUGIN HANDLE0 HANDLE1 SECONDS\n",
+        argv[0], argv[0], argv[0], argv[0]);
     return 2;
   }
   signal(SIGPIPE, SIG_IGN);
   std::string scenario = argv[1];
   const char* path = argv[2];
   try {
-    if (scenario == "symbols") scenario_symbols(path);
-    else if (scenario == "contract") scenario_contract(path);
-    else if (scenario == "threads") scenario_threads(path);
-    else if (scenario == "truncation") scenario_truncation(path);
+    if (scenario == "symbols")
+      scenario_symbols(path);
+    else if (scenario == "contract")
+      scenario_contract(path);
+    else if (scenario == "threads")
+      scenario_threads(path);
+    else if (scenario == "truncation")
+      scenario_truncation(path);
     else if (scenario == "fuzz" && argc == 6)
-      scenario_fuzz(path, std::strtoull(argv[3], nullptr, 10), std::atoi(argv[4]), std::atoi(argv[5]));
-    else if (scenario == "peer-lost" && argc == 5) scenario_peer_lost(path, argv[3], std::atof(argv[4]));
-    else if (scenario == "bench-receive" && argc == 4) scenario_bench_receive(path, std::atof(argv[3]));
+      scenario_fuzz(path, std::strtoull(argv[3], nullptr, 10), std::atoi(argv[4]),
+                    std::atoi(argv[5]));
+    else if (scenario == "peer-lost" && argc == 5)
+      scenario_peer_lost(path, argv[3], std::atof(argv[4]));
+    else if (scenario == "bench-receive" && argc == 4)
+      scenario_bench_receive(path, std::atof(argv[3]));
     else if (scenario == "bench-send" && argc == 6)
       scenario_bench_send(path, {argv[3], argv[4]}, std::atof(argv[5]));
-    else fail("unknown scenario or wrong arguments: %s", scenario.c_str());
+    else
+      fail("unknown scenario or wrong arguments: %s", scenario.c_str());
   } catch (const std::exception& e) {
     std::fprintf(stderr, "FAILED %s: %s\n", scenario.c_str(), e.what());
     return 1;

@@ -48,14 +48,16 @@ Outcome system_error(std::string* error, const std::string& text) {
   return Outcome::kSystemError;
 }
 
-bool parse_positive(const char* name, long long max, long long* value, std::string* error) {
+bool parse_integer(const char* name, long long min, long long max, long long* value,
+                   std::string* error) {
   const char* text = std::getenv(name);
   if (text == nullptr || *text == '\0') return true;
   char* end = nullptr;
   errno = 0;
   long long parsed = std::strtoll(text, &end, 10);
-  if (errno != 0 || *end != '\0' || parsed < 1 || parsed > max) {
-    *error = std::string(name) + "=" + text + ": expected an integer from 1 to " + std::to_string(max);
+  if (errno != 0 || *end != '\0' || parsed < min || parsed > max) {
+    *error = std::string(name) + "=" + text + ": expected an integer from " + std::to_string(min) +
+             " to " + std::to_string(max);
     return false;
   }
   *value = parsed;
@@ -88,7 +90,8 @@ void set_nonblocking_nodelay(int fd) {
 
 // Reads or writes what the socket takes now; false on a closed or failed socket
 // (*closed tells the peer's orderly close from an error).
-bool read_some(int fd, void* buffer, size_t size, size_t* done, std::string* error, bool* closed = nullptr) {
+bool read_some(int fd, void* buffer, size_t size, size_t* done, std::string* error,
+               bool* closed = nullptr) {
   while (*done < size) {
     ssize_t n = ::recv(fd, static_cast<char*>(buffer) + *done, size - *done, 0);
     if (n > 0) {
@@ -149,11 +152,13 @@ std::vector<Device> find_devices(const char* spec) {
     if (entry->ifa_addr == nullptr || !(entry->ifa_flags & IFF_UP)) continue;
     int family = entry->ifa_addr->sa_family;
     if (family != AF_INET && family != AF_INET6) continue;
-    if (family == AF_INET6 && IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<sockaddr_in6*>(entry->ifa_addr)->sin6_addr))
+    if (family == AF_INET6 &&
+        IN6_IS_ADDR_LINKLOCAL(&reinterpret_cast<sockaddr_in6*>(entry->ifa_addr)->sin6_addr))
       continue;
     std::string name(entry->ifa_name);
     if (!interface_selected(name, spec)) continue;
-    bool seen = std::any_of(found.begin(), found.end(), [&](const Device& d) { return d.interface_name == name; });
+    bool seen = std::any_of(found.begin(), found.end(),
+                            [&](const Device& d) { return d.interface_name == name; });
     if (seen) continue;
     Device device;
     device.interface_name = name;
@@ -177,9 +182,10 @@ Outcome Settings::from_environment(Settings* settings, std::string* error) {
   Settings parsed;
   long long nstreams = parsed.nstreams, chunk = static_cast<long long>(parsed.chunk_bytes);
   long long timeout = static_cast<long long>(parsed.timeout_seconds);
-  if (!parse_positive("BAGUA_NET_NSTREAMS", kMaxStreams, &nstreams, error) ||
-      !parse_positive("BAGUA_NET_CHUNK", 1LL << 30, &chunk, error) ||
-      !parse_positive("BAGUA_NET_TIMEOUT", 1LL << 31, &timeout, error))
+  // Chunks below 1 KiB would spend more on headers and system calls than on data.
+  if (!parse_integer("BAGUA_NET_NSTREAMS", 1, kMaxStreams, &nstreams, error) ||
+      !parse_integer("BAGUA_NET_CHUNK", 1024, 1LL << 30, &chunk, error) ||
+      !parse_integer("BAGUA_NET_TIMEOUT", 1, 1LL << 31, &timeout, error))
     return Outcome::kInvalidArgument;
   const char* schedule = std::getenv("BAGUA_NET_SCHEDULE");
   if (schedule != nullptr && *schedule != '\0' && std::strcmp(schedule, "dynamic") != 0 &&
@@ -214,11 +220,11 @@ struct Request {
   bool done = false;
   uint64_t sequence = 0;
   char* data = nullptr;
-  size_t size = 0;          // the posted size
-  size_t total = 0;         // the message's size (a receive learns it from the first chunk)
+  size_t size = 0;   // the posted size
+  size_t total = 0;  // the message's size (a receive learns it from the first chunk)
   bool total_known = false;
-  size_t transferred = 0;   // bytes received, or bytes of chunks fully handed to the kernel
-  size_t cut = 0;           // sender: bytes already cut into chunks
+  size_t transferred = 0;  // bytes received, or bytes of chunks fully handed to the kernel
+  size_t cut = 0;          // sender: bytes already cut into chunks
   Clock::time_point deadline;
 };
 
@@ -241,7 +247,8 @@ struct Stream {
 
 class Connection {
  public:
-  Connection(bool sending, const Settings& settings, int nstreams) : sending(sending), settings(settings) {
+  Connection(bool sending, const Settings& settings, int nstreams)
+      : sending(sending), settings(settings) {
     streams.resize(static_cast<size_t>(nstreams) + 1);  // the last one is the control stream
     for (Request& r : slots) r.comm = this;
   }
@@ -261,20 +268,24 @@ class Connection {
     // A peer that left is an error only for what it still owed: a sender may close as
     // soon as its data is in the kernel, and that data still arrives.
     bool peer_gone = sending ? control_closed
-                             : std::all_of(streams.begin(), streams.end() - 1, [](const Stream& s) { return s.closed; });
+                             : std::all_of(streams.begin(), streams.end() - 1,
+                                           [](const Stream& s) { return s.closed; });
     if (error.empty() && peer_gone && unfinished())
       error = sending ? "the receiver closed the connection" : "the sender closed the connection";
   }
 
-  // The control stream carries nothing after the handshake: EOF or an error on it is the peer leaving.
+  // The control stream carries nothing after the handshake: EOF or an error on it is the peer
+  // leaving.
   void check_control() {
     char byte;
     ssize_t n = ::recv(streams.back().fd, &byte, 1, MSG_PEEK);
-    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) control_closed = true;
+    if (n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
+      control_closed = true;
   }
 
   bool unfinished() const {
-    return std::any_of(std::begin(slots), std::end(slots), [](const Request& r) { return r.in_use && !r.done; });
+    return std::any_of(std::begin(slots), std::end(slots),
+                       [](const Request& r) { return r.in_use && !r.done; });
   }
 
   const bool sending;
@@ -298,11 +309,13 @@ class Connection {
         iovec parts[2];
         int count = 0;
         if (c.written < sizeof(ChunkHeader)) {
-          parts[count++] = {reinterpret_cast<char*>(&c.header) + c.written, sizeof(ChunkHeader) - c.written};
+          parts[count++] = {reinterpret_cast<char*>(&c.header) + c.written,
+                            sizeof(ChunkHeader) - c.written};
         }
         size_t payload_done = c.written > sizeof(ChunkHeader) ? c.written - sizeof(ChunkHeader) : 0;
         if (c.header.length > payload_done) {
-          parts[count++] = {c.request->data + c.header.offset + payload_done, c.header.length - payload_done};
+          parts[count++] = {c.request->data + c.header.offset + payload_done,
+                            c.header.length - payload_done};
         }
         msghdr message{};
         message.msg_iov = parts;
@@ -338,7 +351,8 @@ class Connection {
   }
 
   Chunk cut_chunk(Request* r, size_t length) {
-    Chunk c{r, ChunkHeader{r->sequence, r->cut, r->total, static_cast<uint32_t>(length), kChunkMagic}};
+    Chunk c{r,
+            ChunkHeader{r->sequence, r->cut, r->total, static_cast<uint32_t>(length), kChunkMagic}};
     r->cut += length;
     return c;
   }
@@ -368,8 +382,9 @@ class Connection {
   }
 
   Request* posted(uint64_t sequence) {
-    Request& r = slots[sequence % kRequestSlots];
-    return r.in_use && r.sequence == sequence ? &r : nullptr;
+    for (Request& r : slots)
+      if (r.in_use && r.sequence == sequence) return &r;
+    return nullptr;
   }
 
   bool pump_receive(std::string* failure) {
@@ -414,7 +429,8 @@ class Connection {
           s.payload_read = 0;
         }
         Request* r = s.target;
-        if (!read_some(s.fd, r->data + s.header.offset, s.header.length, &s.payload_read, failure)) return false;
+        if (!read_some(s.fd, r->data + s.header.offset, s.header.length, &s.payload_read, failure))
+          return false;
         if (s.payload_read < s.header.length) break;
         r->transferred += s.header.length;
         if (r->transferred == r->total) r->done = true;
@@ -504,7 +520,8 @@ class Worker {
 class Engine {
  public:
   static Engine& instance() {
-    static Engine* engine = new Engine();  // never destroyed: comms may outlive static destruction order
+    static Engine* engine =
+        new Engine();  // never destroyed: comms may outlive static destruction order
     return *engine;
   }
 
@@ -581,7 +598,8 @@ uint64_t random_id() {
 }
 
 Clock::time_point deadline_after(double seconds) {
-  return Clock::now() + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
+  return Clock::now() +
+         std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(seconds));
 }
 
 }  // namespace
@@ -598,8 +616,10 @@ Outcome listen(int device, ConnectHandle* handle, ListenComm** listener, std::st
   auto owned = std::make_unique<ListenComm>();
   owned->fd = fd;
   sockaddr_storage address = d.address;
-  if (address.ss_family == AF_INET) reinterpret_cast<sockaddr_in*>(&address)->sin_port = 0;
-  else reinterpret_cast<sockaddr_in6*>(&address)->sin6_port = 0;
+  if (address.ss_family == AF_INET)
+    reinterpret_cast<sockaddr_in*>(&address)->sin_port = 0;
+  else
+    reinterpret_cast<sockaddr_in6*>(&address)->sin6_port = 0;
   if (::bind(fd, reinterpret_cast<sockaddr*>(&address), d.address_length) != 0)
     return system_error(error, errno_text("bind"));
   if (::listen(fd, SOMAXCONN) != 0) return system_error(error, errno_text("listen"));
@@ -636,7 +656,8 @@ Outcome connect(ConnectHandle* handle, Connection** send_comm, std::string* erro
       if (::connect(fd, peer, peer_length) != 0 && errno != EINPROGRESS)
         return system_error(error, errno_text("connect"));
       fresh->hellos.push_back(Hello{kHelloMagic, static_cast<uint32_t>(i),
-                                    static_cast<uint32_t>(fresh->settings.nstreams), 0, connection});
+                                    static_cast<uint32_t>(fresh->settings.nstreams), 0,
+                                    connection});
     }
     fresh->connected.assign(sockets, false);
     fresh->hello_written.assign(sockets, 0);
@@ -717,8 +738,9 @@ Outcome accept(ListenComm* listener, Connection** recv_comm, std::string* error)
     std::string failure;
     bool alive = read_some(p.fd, &p.hello, sizeof(Hello), &p.read, &failure);
     bool complete = p.read == sizeof(Hello);
-    bool valid = !complete || (p.hello.magic == kHelloMagic && p.hello.nstreams >= 1 &&
-                               p.hello.nstreams <= kMaxStreams && p.hello.stream <= p.hello.nstreams);
+    bool valid =
+        !complete || (p.hello.magic == kHelloMagic && p.hello.nstreams >= 1 &&
+                      p.hello.nstreams <= kMaxStreams && p.hello.stream <= p.hello.nstreams);
     if (!alive || !valid) {  // a stray or broken connection: drop it, keep listening
       ::close(p.fd);
       pending.erase(pending.begin() + static_cast<long>(i));
@@ -733,8 +755,8 @@ Outcome accept(ListenComm* listener, Connection** recv_comm, std::string* error)
     std::vector<int> fds(nstreams + 1, -1);
     int found = 0;
     for (const PendingSocket& p : pending) {
-      if (p.read == sizeof(Hello) && p.hello.connection == connection && p.hello.stream < fds.size() &&
-          fds[p.hello.stream] < 0) {
+      if (p.read == sizeof(Hello) && p.hello.connection == connection &&
+          p.hello.stream < fds.size() && fds[p.hello.stream] < 0) {
         fds[p.hello.stream] = p.fd;
         ++found;
       }
@@ -767,9 +789,17 @@ Outcome accept(ListenComm* listener, Connection** recv_comm, std::string* error)
 
 namespace {
 
+// Any free slot: requests may be tested in any order, so a slot frees whenever its own
+// request is collected, and up to kRequestSlots are in flight whatever the order.
 Request* claim_slot(Connection* comm, void* data, size_t size) {
-  Request& r = comm->slots[comm->next_sequence % kRequestSlots];
-  if (r.in_use) return nullptr;
+  Request* free_slot = nullptr;
+  for (Request& candidate : comm->slots)
+    if (!candidate.in_use) {
+      free_slot = &candidate;
+      break;
+    }
+  if (free_slot == nullptr) return nullptr;
+  Request& r = *free_slot;
   Request fresh;
   fresh.comm = comm;
   fresh.in_use = true;
@@ -783,7 +813,8 @@ Request* claim_slot(Connection* comm, void* data, size_t size) {
 
 }  // namespace
 
-Outcome isend(Connection* comm, const void* data, size_t size, Request** request, std::string* error) {
+Outcome isend(Connection* comm, const void* data, size_t size, Request** request,
+              std::string* error) {
   std::lock_guard<std::mutex> lock(comm->mutex);
   *request = nullptr;
   if (!comm->error.empty()) return system_error(error, comm->error);
@@ -793,17 +824,16 @@ Outcome isend(Connection* comm, const void* data, size_t size, Request** request
   r->total_known = true;
   int n = comm->data_streams();
   if (comm->settings.dynamic) {
-    if (size == 0) {
-      comm->streams[comm->next_stream++ % n].queue.push_back(Chunk{r, {r->sequence, 0, 0, 0, kChunkMagic}});
-    } else {
-      comm->uncut.push_back(r);
-    }
+    // Every message, 0 bytes too, waits its turn here: chunks reach each stream in posting
+    // order, so a receiver that has not yet posted a later message never holds up an earlier one.
+    comm->uncut.push_back(r);
   } else {
     // NCCL's socket transport: equal pieces, one per stream, at least 64 KiB each.
     size_t piece = std::min<size_t>(std::max<size_t>(64 << 10, (size + n - 1) / n), 1 << 30);
     do {
       size_t length = std::min(piece, size - r->cut);
-      Chunk c{r, ChunkHeader{r->sequence, r->cut, size, static_cast<uint32_t>(length), kChunkMagic}};
+      Chunk c{r,
+              ChunkHeader{r->sequence, r->cut, size, static_cast<uint32_t>(length), kChunkMagic}};
       r->cut += length;
       comm->streams[comm->next_stream++ % n].queue.push_back(c);
     } while (r->cut < size);
@@ -840,7 +870,8 @@ Outcome test(Request* request, int* done, size_t* size, std::string* error) {
   }
   std::string failure = comm->error;
   if (failure.empty() && Clock::now() > request->deadline)
-    failure = "no completion within BAGUA_NET_TIMEOUT=" + std::to_string(std::lround(comm->settings.timeout_seconds)) + " s";
+    failure = "no completion within BAGUA_NET_TIMEOUT=" +
+              std::to_string(std::lround(comm->settings.timeout_seconds)) + " s";
   if (failure.empty()) return Outcome::kOk;
   request->in_use = false;
   comm->error = failure;

@@ -23,10 +23,10 @@ enum class Outcome { kOk, kSystemError, kInvalidArgument, kInvalidUsage, kIntern
 
 // What the environment asks for, read once per connection.
 struct Settings {
-  int nstreams = 4;                 // BAGUA_NET_NSTREAMS: data streams per connection
-  size_t chunk_bytes = 128 << 10;   // BAGUA_NET_CHUNK: bytes per chunk
-  bool dynamic = true;              // BAGUA_NET_SCHEDULE: dynamic (default) or static
-  double timeout_seconds = 600.0;   // BAGUA_NET_TIMEOUT: a request's deadline after posting
+  int nstreams = 4;                // BAGUA_NET_NSTREAMS: data streams per connection
+  size_t chunk_bytes = 128 << 10;  // BAGUA_NET_CHUNK: bytes per chunk
+  bool dynamic = true;             // BAGUA_NET_SCHEDULE: dynamic (default) or static
+  double timeout_seconds = 600.0;  // BAGUA_NET_TIMEOUT: a request's deadline after posting
 
   static Outcome from_environment(Settings* settings, std::string* error);
 };
@@ -67,7 +67,8 @@ Outcome connect(ConnectHandle* handle, Connection** send_comm, std::string* erro
 Outcome accept(ListenComm* listener, Connection** recv_comm, std::string* error);
 
 // *request == nullptr with kOk means "all request slots are busy, post again later".
-Outcome isend(Connection* comm, const void* data, size_t size, Request** request, std::string* error);
+Outcome isend(Connection* comm, const void* data, size_t size, Request** request,
+              std::string* error);
 Outcome irecv(Connection* comm, void* data, size_t size, Request** request, std::string* error);
 // On completion *done = 1, *size = the bytes the message really had, and the request is freed.
 Outcome test(Request* request, int* done, size_t* size, std::string* error);

@@ -84,7 +84,23 @@ def test_plugin_needs_no_cuda():
 def test_every_version_resolves_and_moves_data(builds):
     out = run_harness(builds["release"], "symbols")
     for version in range(8, 13):
-        assert f"v{version} name=Bagua" in out
+        assert f"v{version} name=Bagua devices=1 dev0=lo" in out  # NCCL_SOCKET_IFNAME=lo
+
+
+@pytest.mark.parametrize(
+    "variable, value, message",
+    [
+        ("NCCL_SOCKET_IFNAME", "=no-such-interface", "no network interface matches NCCL_SOCKET_IFNAME"),
+        ("BAGUA_NET_NSTREAMS", "0", "BAGUA_NET_NSTREAMS=0: expected an integer from 1 to 64"),
+        ("BAGUA_NET_SCHEDULE", "fastest", "BAGUA_NET_SCHEDULE=fastest: expected dynamic or static"),
+        ("BAGUA_NET_CHUNK", "100", "BAGUA_NET_CHUNK=100: expected an integer from 1024 to 1073741824"),
+    ],
+)
+def test_bad_settings_fail_init_with_the_reason(builds, variable, value, message):
+    harness, plugin = builds["release"]
+    env = dict(os.environ, NCCL_SOCKET_IFNAME="lo") | {variable: value}
+    done = subprocess.run([str(harness), "symbols", str(plugin)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1 and "init failed" in done.stderr and message in done.stderr, done.stderr
 
 
 def test_contract(builds):
