@@ -808,8 +808,10 @@ void scenario_peer_lost(const char* path, const std::string& how, double limit_s
   std::printf("%s: test failed %.2f s after the last completion (%d completed)\n", how.c_str(),
               failed_after, completed);
   if (failed_after > limit_s) fail("the failure took %.1f s, limit %.1f s", failed_after, limit_s);
-  if (child_sends ? completed < 20 : completed < 1)
-    fail("only %d messages before the failure", completed);
+  // A receiver stopped at once may leave the socket buffers too little room for one more 4 MiB
+  // message; the message sent before the stream began already showed the connection worked.
+  int needed = child_sends ? 20 : how == "receiver-killed" ? 1 : 0;
+  if (completed < needed) fail("only %d messages before the failure", completed);
   if (child_sends)
     net.close_recv(comm);
   else
