@@ -20,7 +20,8 @@
 #include "numerics.h"
 
 #ifndef BAGUA_CPU_ISA
-#error "kernels_cpu.cc is compiled once per instruction set with BAGUA_CPU_ISA set; see CMakeLists.txt"
+#error \
+    "kernels_cpu.cc is compiled once per instruction set with BAGUA_CPU_ISA set; see CMakeLists.txt"
 #endif
 
 namespace bagua::kernels::BAGUA_CPU_ISA {
@@ -121,7 +122,8 @@ f32x8 widen(const Half* p) {
   const u32x8 exponent = h & 0x7c00u, mantissa = h & 0x3ffu;
   const u32x8 normal = ((h & 0x7fffu) << 13) + (112u << 23);
   const u32x8 special = (mantissa << 13) | 0x7f800000u;
-  const f32x8 scaled = __builtin_convertvector(reinterpret_cast<i32x8>(mantissa), f32x8) * 5.9604644775390625e-08f;
+  const f32x8 scaled =
+      __builtin_convertvector(reinterpret_cast<i32x8>(mantissa), f32x8) * 5.9604644775390625e-08f;
   const u32x8 subnormal = reinterpret_cast<u32x8>(scaled);
   const u32x8 magnitude = exponent == 0x7c00u ? special : (exponent == 0u ? subnormal : normal);
   return reinterpret_cast<f32x8>(magnitude | ((h & 0x8000u) << 16));
@@ -260,7 +262,8 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
   const ChunkBlocks blocks(chunking);
   const Source<T, kFeedback> src{x, residual_in};
   std::vector<Range> partial(blocks.tasks());
-  parallel_for(blocks.tasks(), n, [&](int64_t t) { partial[t] = min_max(src, blocks.begin(t), blocks.end(t)); });
+  parallel_for(blocks.tasks(), n,
+               [&](int64_t t) { partial[t] = min_max(src, blocks.begin(t), blocks.end(t)); });
   for (int64_t c = 0; c < k; ++c) {
     float lo = std::numeric_limits<float>::infinity(), hi = -lo;
     for (int64_t b = 0; b < blocks.per_chunk; ++b) {
@@ -278,12 +281,13 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
     uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes - first;
     // math::minmax_encode and minmax_decode, eight lanes at a time (the byte stores
     // could alias the input, so the compiler would not vectorize the scalar loop).
-    const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base), step8 = splat(grid.step);
+    const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base),
+                step8 = splat(grid.step);
     int64_t i = begin;
     for (; !grid.wide && i + 8 <= end; i += 8) {
       const f32x8 v = src.load8(i);
-      const f32x8 q = clamp_or_zero(round_half_even(clamp_or_zero((v - z8) * scale8, -255.0f, 255.0f)) - base8,
-                                    0.0f, 255.0f);
+      const f32x8 q = clamp_or_zero(
+          round_half_even(clamp_or_zero((v - z8) * scale8, -255.0f, 255.0f)) - base8, 0.0f, 255.0f);
       const i32x8 codes8 = __builtin_convertvector(q, i32x8);
       uint8_t bytes[8];
       for (int j = 0; j < 8; ++j) bytes[j] = static_cast<uint8_t>(codes8[j]);
@@ -312,12 +316,14 @@ void sign_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t
   const ChunkBlocks blocks(chunking);
   const Source<T, kFeedback> src{x, residual_in};
   std::vector<double> partial(blocks.tasks());
-  parallel_for(blocks.tasks(), n, [&](int64_t t) { partial[t] = abs_sum(src, blocks.begin(t), blocks.end(t)); });
+  parallel_for(blocks.tasks(), n,
+               [&](int64_t t) { partial[t] = abs_sum(src, blocks.begin(t), blocks.end(t)); });
   for (int64_t c = 0; c < k; ++c) {
     double sum = 0;
     for (int64_t b = 0; b < blocks.per_chunk; ++b) sum += partial[c * blocks.per_chunk + b];
     const int64_t len = chunking.length(c);
-    write_header(out, chunking, c, len > 0 ? static_cast<float>(sum / static_cast<double>(len)) : 0.0f, 0.0f);
+    write_header(out, chunking, c,
+                 len > 0 ? static_cast<float>(sum / static_cast<double>(len)) : 0.0f, 0.0f);
   }
   parallel_for(blocks.tasks(), n, [&](int64_t t) {
     const int64_t c = blocks.chunk(t);
@@ -394,13 +400,15 @@ void sign_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, i
   const uint8_t* bits = in + chunking.slot_offset(c) + kHeaderBytes;
   const int64_t first = chunking.begin(c);
   int64_t i = begin;
-  for (; i < end && (i - first) % 8; ++i) emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
+  for (; i < end && (i - first) % 8; ++i)
+    emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
   const f32x8 up = splat(scale), down = splat(-scale);
   for (; i + 8 <= end; i += 8) {
     const f32x8 values = unpack_bits(bits[(i - first) >> 3]) ? up : down;
     emit(i, values);
   }
-  for (; i < end; ++i) emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
+  for (; i < end; ++i)
+    emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
 }
 
 template <typename T, typename Decode>
@@ -425,8 +433,8 @@ void resum_add(float* p, f32x8 v) {
 // again, scaled (math::resum_add), so that finite inputs give a finite average
 // (SPEC section 2); the others keep their bits.
 template <typename Decode>
-void resum_scaled(const uint8_t* in, const Chunking& chunking, int64_t m, int64_t begin, int64_t end,
-                  bool average, float* acc, Decode&& decode) {
+void resum_scaled(const uint8_t* in, const Chunking& chunking, int64_t m, int64_t begin,
+                  int64_t end, bool average, float* acc, Decode&& decode) {
   std::vector<float> scaled(end - begin);
   for (int64_t j = 0; j < chunking.k; ++j) {
     decode(in, chunking, j, j * m + begin, j * m + end,
@@ -497,11 +505,13 @@ Status minmax_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
 
 template <typename T>
 Status sign_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
-  return decompress(in, Chunking{Format::kSign, n, k}, out, [](auto&&... a) { sign_decode_range(a...); });
+  return decompress(in, Chunking{Format::kSign, n, k}, out,
+                    [](auto&&... a) { sign_decode_range(a...); });
 }
 
 template <typename T>
-Status minmax_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average, T* out) {
+Status minmax_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average,
+                                T* out) {
   return decompress_reduce(in, Format::kMinMaxUInt8, m, k, average, out,
                            [](auto&&... a) { minmax_decode_range(a...); });
 }
@@ -514,27 +524,32 @@ Status sign_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool
 
 template <typename T>
 Status average2(Cpu, const T* a, const T* b, int64_t n, T* out) {
-  return elementwise(n, out, [](float x, float y) { return math::average2(x, y); }, a, b);
+  return elementwise(
+      n, out, [](float x, float y) { return math::average2(x, y); }, a, b);
 }
 
 template <typename T>
 Status axpy(Cpu, const T* x, float a, const T* y, int64_t n, T* out) {
-  return elementwise(n, out, [a](float xi, float yi) { return math::axpy(xi, a, yi); }, x, y);
+  return elementwise(
+      n, out, [a](float xi, float yi) { return math::axpy(xi, a, yi); }, x, y);
 }
 
 template <typename T>
 Status async_average(Cpu, const T* x, const T* reduced, const T* snapshot, float ranks, int64_t n,
                      T* out) {
   return elementwise(
-      n, out, [ranks](float xi, float r, float s) { return math::async_average(xi, r, ranks, s); }, x,
-      reduced, snapshot);
+      n, out, [ranks](float xi, float r, float s) { return math::async_average(xi, r, ranks, s); },
+      x, reduced, snapshot);
 }
 
 template <typename T>
 Status lowprec_decentralized_diff(Cpu, const T* x, const T* w, const T* left, const T* right,
                                   int64_t n, T* out) {
   return elementwise(
-      n, out, [](float xi, float wi, float l, float r) { return math::lowprec_decentralized_diff(xi, wi, l, r); },
+      n, out,
+      [](float xi, float wi, float l, float r) {
+        return math::lowprec_decentralized_diff(xi, wi, l, r);
+      },
       x, w, left, right);
 }
 

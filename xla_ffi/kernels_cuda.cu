@@ -123,8 +123,10 @@ __device__ uint32_t component(const uint2& r, int i) { return i == 0 ? r.x : r.y
 
 template <typename T>
 __device__ float unpack(const Vector<T>& raw, int u) {
-  if constexpr (sizeof(T) == 4) return bits_float(component(raw, u));
-  else return to_float(T{static_cast<uint16_t>(component(raw, u / 2) >> (16 * (u % 2)))});
+  if constexpr (sizeof(T) == 4)
+    return bits_float(component(raw, u));
+  else
+    return to_float(T{static_cast<uint16_t>(component(raw, u / 2) >> (16 * (u % 2)))});
 }
 
 template <typename T>
@@ -250,7 +252,9 @@ struct Tile {
 
   __device__ bool empty() const { return s_begin >= s_end; }
   template <int V>
-  __device__ Step<V> step(int64_t s) const { return {s * kStep, length}; }
+  __device__ Step<V> step(int64_t s) const {
+    return {s * kStep, length};
+  }
 };
 
 __device__ Tile tile_at(const Tiles& tiles, int64_t t) {
@@ -841,8 +845,8 @@ Status async_average(Cuda device, const T* x, const T* reduced, const T* snapsho
 }
 
 template <typename T>
-Status lowprec_decentralized_diff(Cuda device, const T* x, const T* w, const T* left, const T* right,
-                                  int64_t n, T* out) {
+Status lowprec_decentralized_diff(Cuda device, const T* x, const T* w, const T* left,
+                                  const T* right, int64_t n, T* out) {
   return elementwise(device, n, out, LowprecDecentralizedDiff{}, x, w, left, right);
 }
 

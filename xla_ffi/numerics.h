@@ -18,8 +18,10 @@ namespace bagua::math {
 template <typename F>
 BAGUA_HD F add_rn(F a, F b) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<F, double>) return __dadd_rn(a, b);
-  else return __fadd_rn(a, b);
+  if constexpr (std::is_same_v<F, double>)
+    return __dadd_rn(a, b);
+  else
+    return __fadd_rn(a, b);
 #else
   return a + b;
 #endif
@@ -28,8 +30,10 @@ BAGUA_HD F add_rn(F a, F b) {
 template <typename F>
 BAGUA_HD F sub_rn(F a, F b) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<F, double>) return __dsub_rn(a, b);
-  else return __fsub_rn(a, b);
+  if constexpr (std::is_same_v<F, double>)
+    return __dsub_rn(a, b);
+  else
+    return __fsub_rn(a, b);
 #else
   return a - b;
 #endif
@@ -38,8 +42,10 @@ BAGUA_HD F sub_rn(F a, F b) {
 template <typename F>
 BAGUA_HD F mul_rn(F a, F b) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<F, double>) return __dmul_rn(a, b);
-  else return __fmul_rn(a, b);
+  if constexpr (std::is_same_v<F, double>)
+    return __dmul_rn(a, b);
+  else
+    return __fmul_rn(a, b);
 #else
   return a * b;
 #endif
@@ -48,8 +54,10 @@ BAGUA_HD F mul_rn(F a, F b) {
 template <typename F>
 BAGUA_HD F div_rn(F a, F b) {
 #if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<F, double>) return __ddiv_rn(a, b);
-  else return __fdiv_rn(a, b);
+  if constexpr (std::is_same_v<F, double>)
+    return __ddiv_rn(a, b);
+  else
+    return __fdiv_rn(a, b);
 #else
   return a / b;
 #endif
@@ -111,7 +119,8 @@ constexpr float kNarrowRange = 0x1p-118f;
 BAGUA_HD bool minmax_wide(float lo, float hi) {
   const float a = lo < 0.0f ? -lo : lo, b = hi < 0.0f ? -hi : hi;
   const float magnitude = a > b ? a : b, range = sub_rn(hi, lo);
-  return is_finite(magnitude) && (magnitude >= kWideMagnitude || (range > 0.0f && range < kNarrowRange));
+  return is_finite(magnitude) &&
+         (magnitude >= kWideMagnitude || (range > 0.0f && range < kNarrowRange));
 }
 
 // The per-chunk constants of the grid, each computed once in float32. A wide
@@ -129,8 +138,12 @@ struct MinMaxGrid {
 BAGUA_HD double minmax_wide_range(const MinMaxGrid& g) {
   return sub_rn(static_cast<double>(g.hi), static_cast<double>(g.lo));
 }
-BAGUA_HD double minmax_wide_scale(const MinMaxGrid& g) { return div_rn(254.0, minmax_wide_range(g)); }
-BAGUA_HD double minmax_wide_step(const MinMaxGrid& g) { return div_rn(minmax_wide_range(g), 254.0); }
+BAGUA_HD double minmax_wide_scale(const MinMaxGrid& g) {
+  return div_rn(254.0, minmax_wide_range(g));
+}
+BAGUA_HD double minmax_wide_step(const MinMaxGrid& g) {
+  return div_rn(minmax_wide_range(g), 254.0);
+}
 
 BAGUA_HD MinMaxGrid minmax_grid(float lo, float hi) {
   MinMaxGrid g;
@@ -144,7 +157,8 @@ BAGUA_HD MinMaxGrid minmax_grid(float lo, float hi) {
   g.unit = 1.0f;
   g.z_scaled = g.z;
   if (g.wide) {
-    const double offset = mul_rn(sub_rn(static_cast<double>(lo), static_cast<double>(g.z)), minmax_wide_scale(g));
+    const double offset =
+        mul_rn(sub_rn(static_cast<double>(lo), static_cast<double>(g.z)), minmax_wide_scale(g));
     g.base = static_cast<float>(round_half_even(clamp_or_zero(offset, -254.0, 0.0)));
     const bool tiny = lo > -kWideMagnitude && hi < kWideMagnitude;
     g.unit = tiny ? 0x1p-64f : 0x1p64f;
@@ -166,7 +180,8 @@ BAGUA_HD uint8_t minmax_code(float t, float base) {
 // per chunk (the choice is uniform over a chunk), minmax_encode and
 // minmax_decode per element.
 BAGUA_HD uint8_t minmax_encode_f32(float x, const MinMaxGrid& g) {
-  return minmax_code(round_half_even(clamp_or_zero(mul_rn(sub_rn(x, g.z), g.scale), -255.0f, 255.0f)), g.base);
+  return minmax_code(
+      round_half_even(clamp_or_zero(mul_rn(sub_rn(x, g.z), g.scale), -255.0f, 255.0f)), g.base);
 }
 
 BAGUA_HD uint8_t minmax_encode_wide(float x, const MinMaxGrid& g, double wide_scale) {
@@ -228,8 +243,7 @@ BAGUA_HD float async_average(float x, float reduced, float n, float snapshot) {
 // difference that each rank compresses and sends to both ring neighbours.
 BAGUA_HD float lowprec_decentralized_diff(float x, float w, float left, float right) {
   const float five_thirds = 5.0f / 3.0f;
-  return sub_rn(add_rn(add_rn(x, div_rn(left, 3.0f)), div_rn(right, 3.0f)),
-                mul_rn(five_thirds, w));
+  return sub_rn(add_rn(add_rn(x, div_rn(left, 3.0f)), div_rn(right, 3.0f)), mul_rn(five_thirds, w));
 }
 
 // The helpers are linear in their tensor arguments: where an intermediate

@@ -39,20 +39,20 @@ inline void check_aligned(const void* p, std::size_t alignment, const char* type
 }
 }  // namespace cuda_shim
 
-#define CUDA_SHIM_VECTOR(Name, Scalar, Align, ...)                                  \
-  struct alignas(Align) Name {                                                     \
-    Scalar __VA_ARGS__;                                                             \
-    Name() = default;                                                               \
-    Name(const Name& o) {                                                           \
-      cuda_shim::check_aligned(&o, Align, #Name);                                   \
-      std::memcpy(static_cast<void*>(this), &o, sizeof(Name));                      \
-    }                                                                               \
-    Name& operator=(const Name& o) {                                                \
-      cuda_shim::check_aligned(this, Align, #Name);                                 \
-      cuda_shim::check_aligned(&o, Align, #Name);                                   \
-      std::memcpy(static_cast<void*>(this), &o, sizeof(Name));                      \
-      return *this;                                                                 \
-    }                                                                               \
+#define CUDA_SHIM_VECTOR(Name, Scalar, Align, ...)             \
+  struct alignas(Align) Name {                                 \
+    Scalar __VA_ARGS__;                                        \
+    Name() = default;                                          \
+    Name(const Name& o) {                                      \
+      cuda_shim::check_aligned(&o, Align, #Name);              \
+      std::memcpy(static_cast<void*>(this), &o, sizeof(Name)); \
+    }                                                          \
+    Name& operator=(const Name& o) {                           \
+      cuda_shim::check_aligned(this, Align, #Name);            \
+      cuda_shim::check_aligned(&o, Align, #Name);              \
+      std::memcpy(static_cast<void*>(this), &o, sizeof(Name)); \
+      return *this;                                            \
+    }                                                          \
   };
 
 CUDA_SHIM_VECTOR(uint4, unsigned int, 16, x, y, z, w)
@@ -150,12 +150,13 @@ void launch(void (*kernel)(Params...), int grid, int block, cudaStream_t, Args&&
     void (*kernel)(Params...);
     std::tuple<Params...>* params;
   } context{kernel, &params};
-  run_grid(dim3(static_cast<unsigned>(grid)), dim3(static_cast<unsigned>(block)),
-           [](void* c) {
-             auto* ctx = static_cast<Context*>(c);
-             std::apply(ctx->kernel, *ctx->params);
-           },
-           &context);
+  run_grid(
+      dim3(static_cast<unsigned>(grid)), dim3(static_cast<unsigned>(block)),
+      [](void* c) {
+        auto* ctx = static_cast<Context*>(c);
+        std::apply(ctx->kernel, *ctx->params);
+      },
+      &context);
 }
 
 }  // namespace cuda_shim
@@ -226,10 +227,14 @@ cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* blocks, Kernel, i
 inline cudaError_t cudaGetLastError() { return cuda_shim::take_error(); }
 inline const char* cudaGetErrorString(cudaError_t error) {
   switch (error) {
-    case cudaSuccess: return "no error";
-    case cudaErrorNotReady: return "device not ready";
-    case cudaErrorInvalidConfiguration: return "invalid launch configuration";
-    default: return "invalid argument";
+    case cudaSuccess:
+      return "no error";
+    case cudaErrorNotReady:
+      return "device not ready";
+    case cudaErrorInvalidConfiguration:
+      return "invalid launch configuration";
+    default:
+      return "invalid argument";
   }
 }
 

@@ -54,8 +54,7 @@ void check_layout(Format format, int64_t n, int64_t k) {
          chunking.slot_offset(i) == offset;
     offset += wide_slot_bytes(format, end - begin);
   }
-  expect(ok && chunking.total_bytes() == offset &&
-             bagua::compressed_bytes(format, n, k) == offset,
+  expect(ok && chunking.total_bytes() == offset && bagua::compressed_bytes(format, n, k) == offset,
          label(format, n, k) + ": chunk bounds and slot offsets");
 }
 
@@ -83,9 +82,8 @@ void check_tiles(Format format, int64_t n, int64_t k, int64_t resident, int elem
     const int grid = geo::grid_size(tiles.count(), resident);
     ok = tiles.first_chunk == first && tiles.chunks == chunks && per >= 1 && len >= 1 &&
          per * len >= steps && (steps == 0 || len <= steps) &&
-         Wide{tiles.count()} == Wide{chunks} * per &&
-         (per == 1 || tiles.count() <= resident) && grid >= 1 && grid <= resident &&
-         grid <= INT_MAX;
+         Wide{tiles.count()} == Wide{chunks} * per && (per == 1 || tiles.count() <= resident) &&
+         grid >= 1 && grid <= resident && grid <= INT_MAX;
     covered += chunks;
   }
   expect(ok && covered == k, what + ": tiles cover every step, grid in range");
@@ -95,7 +93,7 @@ void check_tiles(Format format, int64_t n, int64_t k, int64_t resident, int elem
 
 int main() {
   const int64_t sizes[] = {
-      (int64_t{1} << 31) - 1, int64_t{1} << 31, (int64_t{1} << 31) + 257,
+      (int64_t{1} << 31) - 1, int64_t{1} << 31,           (int64_t{1} << 31) + 257,
       (int64_t{1} << 32) + 3, (int64_t{1} << 33) + 12345, (int64_t{1} << 40) + 7,
   };
   const int64_t ks[] = {1, 2, 3, 7, 64, 1000, 4096};

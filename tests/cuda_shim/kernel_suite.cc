@@ -80,8 +80,7 @@ void check_status(const std::string& name, const char* who, const Status& s, boo
 }
 
 template <typename T>
-bool same_bytes(const std::string& name, const char* what, const Buffer<T>& a,
-                const Buffer<T>& b) {
+bool same_bytes(const std::string& name, const char* what, const Buffer<T>& a, const Buffer<T>& b) {
   const auto* pa = reinterpret_cast<const uint8_t*>(a.data());
   const auto* pb = reinterpret_cast<const uint8_t*>(b.data());
   for (int64_t i = 0; i < a.size() * int64_t{sizeof(T)}; ++i) {
@@ -120,9 +119,12 @@ const DeviceShape kShapes[] = {
 
 template <typename T>
 const char* dtype_name() {
-  if constexpr (std::is_same_v<T, float>) return "f32";
-  else if constexpr (std::is_same_v<T, Half>) return "f16";
-  else return "bf16";
+  if constexpr (std::is_same_v<T, float>)
+    return "f32";
+  else if constexpr (std::is_same_v<T, Half>)
+    return "f16";
+  else
+    return "bf16";
 }
 
 // Compresses with both devices and compares, then decompresses the CPU bytes
@@ -153,8 +155,7 @@ void check_compress(Format format, int64_t n, int64_t k, int64_t offset, bool fe
     ok = same_bytes(name, "compressed", out_cpu, out_gpu) &&
          (!feedback || same_bytes(name, "residual", res_cpu, res_gpu));
   } else {
-    check_status(name, "cpu", cpu::sign_compress(Cpu{}, x.data(), r, n, k, out_cpu.data(), rc),
-                 ok);
+    check_status(name, "cpu", cpu::sign_compress(Cpu{}, x.data(), r, n, k, out_cpu.data(), rc), ok);
     check_status(name, "cuda",
                  gpu::sign_compress(Cuda{nullptr}, x.data(), r, n, k, out_gpu.data(), rg), ok);
     if (!ok) return;
@@ -166,8 +167,8 @@ void check_compress(Format format, int64_t n, int64_t k, int64_t offset, bool fe
       std::memcpy(&a, out_cpu.data() + at, 4);
       std::memcpy(&b, out_gpu.data() + at, 4);
       if (!(std::fabs(a - b) <= kSignScaleRtol * std::fabs(a)) && !(a != a && b != b)) {
-        report(name, "scale of chunk " + std::to_string(c) + ": " + std::to_string(a) +
-                         " vs " + std::to_string(b));
+        report(name, "scale of chunk " + std::to_string(c) + ": " + std::to_string(a) + " vs " +
+                         std::to_string(b));
         ok = false;
       }
       std::memcpy(out_gpu.data() + at, out_cpu.data() + at, 4);
@@ -212,11 +213,10 @@ void check_decompress_reduce(Format format, int64_t m, int64_t k, bool average, 
   random_fill(x, rng, amplitude);
   Buffer<uint8_t> packed(bagua::compressed_bytes(format, m * k, k), 0);
   bool ok = true;
-  const Status s = format == Format::kMinMaxUInt8
-                       ? cpu::minmax_compress(Cpu{}, x.data(), nullptr, m * k, k, packed.data(),
-                                              nullptr)
-                       : cpu::sign_compress(Cpu{}, x.data(), nullptr, m * k, k, packed.data(),
-                                            nullptr);
+  const Status s =
+      format == Format::kMinMaxUInt8
+          ? cpu::minmax_compress(Cpu{}, x.data(), nullptr, m * k, k, packed.data(), nullptr)
+          : cpu::sign_compress(Cpu{}, x.data(), nullptr, m * k, k, packed.data(), nullptr);
   check_status(name, "cpu compress", s, ok);
   Buffer<T> out_cpu(m, 0), out_gpu(m, 0);
   out_cpu.fill_bytes(0x33);
@@ -225,18 +225,18 @@ void check_decompress_reduce(Format format, int64_t m, int64_t k, bool average, 
     check_status(name, "cpu",
                  cpu::minmax_decompress_reduce(Cpu{}, packed.data(), m, k, average, out_cpu.data()),
                  ok);
-    check_status(name, "cuda",
-                 gpu::minmax_decompress_reduce(Cuda{nullptr}, packed.data(), m, k, average,
-                                               out_gpu.data()),
-                 ok);
+    check_status(
+        name, "cuda",
+        gpu::minmax_decompress_reduce(Cuda{nullptr}, packed.data(), m, k, average, out_gpu.data()),
+        ok);
   } else {
     check_status(name, "cpu",
                  cpu::sign_decompress_reduce(Cpu{}, packed.data(), m, k, average, out_cpu.data()),
                  ok);
-    check_status(name, "cuda",
-                 gpu::sign_decompress_reduce(Cuda{nullptr}, packed.data(), m, k, average,
-                                             out_gpu.data()),
-                 ok);
+    check_status(
+        name, "cuda",
+        gpu::sign_decompress_reduce(Cuda{nullptr}, packed.data(), m, k, average, out_gpu.data()),
+        ok);
   }
   if (ok && same_bytes(name, "reduced", out_cpu, out_gpu)) ++g_passed;
 }
@@ -302,11 +302,11 @@ void run_dtype(bool quick, int& shape_turn) {
             const DeviceShape& shape = kShapes[shape_turn++ % 3];
             cuda_shim::device() = shape.device;
             std::mt19937 rng(static_cast<unsigned>(n * 7919 + k * 31 + offset * 7 + feedback));
-            const std::string name =
-                std::string(format == Format::kSign ? "sign" : "minmax") + " " +
-                dtype_name<T>() + " n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                " offset=" + std::to_string(offset) + (feedback ? " feedback" : "") + " [" +
-                shape.name + "]";
+            const std::string name = std::string(format == Format::kSign ? "sign" : "minmax") +
+                                     " " + dtype_name<T>() + " n=" + std::to_string(n) +
+                                     " k=" + std::to_string(k) +
+                                     " offset=" + std::to_string(offset) +
+                                     (feedback ? " feedback" : "") + " [" + shape.name + "]";
             check_compress<T>(format, n, k, offset, feedback, rng, name);
           }
         }
@@ -317,9 +317,9 @@ void run_dtype(bool quick, int& shape_turn) {
       cuda_shim::device() = shape.device;
       std::mt19937 rng(static_cast<unsigned>(n + offset));
       check_elementwise<T>(n, offset, rng,
-                           std::string("elementwise ") + dtype_name<T>() + " n=" +
-                               std::to_string(n) + " offset=" + std::to_string(offset) + " [" +
-                               shape.name + "]");
+                           std::string("elementwise ") + dtype_name<T>() +
+                               " n=" + std::to_string(n) + " offset=" + std::to_string(offset) +
+                               " [" + shape.name + "]");
     }
     for (const int64_t k : {1, 3}) {
       for (const bool average : {false, true}) {
@@ -327,11 +327,11 @@ void run_dtype(bool quick, int& shape_turn) {
           const DeviceShape& shape = kShapes[shape_turn++ % 3];
           cuda_shim::device() = shape.device;
           std::mt19937 rng(static_cast<unsigned>(n * 3 + k));
-          check_decompress_reduce<T>(
-              format, n, k, average, rng,
-              std::string(format == Format::kSign ? "sign" : "minmax") + " decompress_reduce " +
-                  dtype_name<T>() + " m=" + std::to_string(n) + " k=" + std::to_string(k) +
-                  (average ? " average" : " sum") + " [" + shape.name + "]");
+          check_decompress_reduce<T>(format, n, k, average, rng,
+                                     std::string(format == Format::kSign ? "sign" : "minmax") +
+                                         " decompress_reduce " + dtype_name<T>() +
+                                         " m=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                         (average ? " average" : " sum") + " [" + shape.name + "]");
         }
       }
     }
@@ -346,8 +346,8 @@ void run_extremes(int& shape_turn) {
     const std::string range = " amplitude=" + std::to_string(amplitude);
     for (const int64_t n : {257, 4099}) {
       std::mt19937 elementwise_rng(static_cast<unsigned>(n));
-      check_elementwise<float>(n, 1, elementwise_rng, "elementwise f32 n=" + std::to_string(n) + range,
-                               amplitude);
+      check_elementwise<float>(n, 1, elementwise_rng,
+                               "elementwise f32 n=" + std::to_string(n) + range, amplitude);
       for (const int64_t k : {1, 3}) {
         for (const bool feedback : {false, true}) {
           for (const Format format : {Format::kMinMaxUInt8, Format::kSign}) {
@@ -401,10 +401,9 @@ void dump_case(const std::string& dir, int64_t n, int64_t k, bool feedback, std:
     const float* r = feedback ? residual.data() : nullptr;
     float* ro = feedback ? res_out.data() : nullptr;
     const Cuda cuda{nullptr};
-    const Status s =
-        format == Format::kSign
-            ? gpu::sign_compress(cuda, x.data(), r, n, k, out.data(), ro)
-            : gpu::minmax_compress(cuda, x.data(), r, n, k, out.data(), ro);
+    const Status s = format == Format::kSign
+                         ? gpu::sign_compress(cuda, x.data(), r, n, k, out.data(), ro)
+                         : gpu::minmax_compress(cuda, x.data(), r, n, k, out.data(), ro);
     const Status d = format == Format::kSign
                          ? gpu::sign_decompress(cuda, out.data(), n, k, decoded.data())
                          : gpu::minmax_decompress(cuda, out.data(), n, k, decoded.data());

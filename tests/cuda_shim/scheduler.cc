@@ -68,10 +68,14 @@ void wait_at(Block& block, State state) {
 
 const char* describe(State state) {
   switch (state) {
-    case State::kReady: return "ready";
-    case State::kBarrier: return "at __syncthreads";
-    case State::kShuffle: return "at a shuffle";
-    case State::kExited: return "exited";
+    case State::kReady:
+      return "ready";
+    case State::kBarrier:
+      return "at __syncthreads";
+    case State::kShuffle:
+      return "at a shuffle";
+    case State::kExited:
+      return "exited";
   }
   return "?";
 }

@@ -45,8 +45,10 @@ __global__ void faithful(int* out) {
   const int partner = __shfl_xor_sync(0xffffffffu, lane, 5);
   if (partner != (lane ^ 5)) out[0] = -1000;
   static_assert(std::is_unsigned_v<decltype(threadIdx.x)>, "threadIdx.x is unsigned");
-  if (threadIdx.x - 1 < threadIdx.x) atomicMax(out + 1, 0);  // 0 - 1 wraps for thread 0
-  else atomicAdd(reinterpret_cast<double*>(out + 2), 1.0);
+  if (threadIdx.x - 1 < threadIdx.x)
+    atomicMax(out + 1, 0);  // 0 - 1 wraps for thread 0
+  else
+    atomicAdd(reinterpret_cast<double*>(out + 2), 1.0);
   __syncthreads();
   atomicAdd(reinterpret_cast<double*>(out + 4), 1.0);
 }
