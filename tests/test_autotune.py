@@ -67,7 +67,9 @@ def test_search_rejects_bad_configuration(kwargs, message):
         SuccessiveHalving(**{"candidates": [1, 2], **kwargs})
 
 
-@pytest.mark.parametrize("algorithm", ["bytegrad", "qadam", "onebit_adam", "low_precision_decentralized", "powersgd", "custom"])
+@pytest.mark.parametrize(
+    "algorithm", ["bytegrad", "qadam", "onebit_adam", "low_precision_decentralized", "powersgd", "custom"]
+)
 def test_compressed_algorithms_refuse_bucket_tuning_without_opt_in(algorithm):
     with pytest.raises(ValueError, match="depend on its bucket layout"):
         check_knobs(algorithm, {"bucket_bytes": BUCKETS})
