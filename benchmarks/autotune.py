@@ -147,8 +147,8 @@ def main(argv: list[str]) -> None:
         )
     lines += [
         "",
-        "A ratio above 1 means the tuned bucket size is faster. The machine has 2 cores for all ranks, and "
-        "other work ran on it; an interval that holds 1 is no measured gain.",
+        "A ratio above 1 means the tuned bucket size is faster. The 4 ranks share 2 cores (see the load "
+        "averages); an interval that holds 1 is no measured gain.",
         "",
     ]
     md, _ = _common.write_results(args.out, "autotune-torch", lines, {"meta": meta, "results": results})
