@@ -24,13 +24,13 @@ import ipaddress
 import math
 import os
 import shutil
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from bagua_common.engines import ENV_ELASTIC
+from bagua_common.local_ranks import free_port
 
 __all__ = ["ElasticConfig", "add_arguments", "config_from", "node_range", "requested", "run"]
 
@@ -157,7 +157,7 @@ def config_from(
     if endpoint is None:
         if high > 1:
             parser.error("--rdzv-endpoint HOST:PORT is required with more than one node (the same on every node)")
-        endpoint = f"127.0.0.1:{_free_port()}"
+        endpoint = f"127.0.0.1:{free_port()}"
     elif ":" not in endpoint.rsplit("]", 1)[-1]:
         endpoint = f"{endpoint}:{DEFAULT_RDZV_PORT}"
     return ElasticConfig(
@@ -173,12 +173,6 @@ def config_from(
         tail_lines=ns.tail_lines,
         grace=ns.grace,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _is_loopback(host: str) -> bool:

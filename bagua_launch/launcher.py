@@ -53,7 +53,6 @@ import re
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -65,6 +64,7 @@ from pathlib import Path
 from bagua_common.bagua_net import bagua_net_environment
 from bagua_common.cache_stores import ENV_CACHE_URL, parse_capacity
 from bagua_common.child_process import die_with_parent
+from bagua_common.local_ranks import free_port
 from bagua_common.redis_server import RedisServer, checked_bind_address, find_redis_server
 from bagua_launch import elastic
 
@@ -323,7 +323,7 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
     if ns.mpi and ns.node_rank != 0:
         parser.error("with --mpi run the launcher once, on node 0: mpiexec starts the ranks of every node")
     master_addr = ns.master_addr or "127.0.0.1"
-    master_port = ns.master_port or (_free_port() if ns.nnodes == 1 else DEFAULT_MULTINODE_PORT)
+    master_port = ns.master_port or (free_port() if ns.nnodes == 1 else DEFAULT_MULTINODE_PORT)
     mpiexec = None
     if ns.mpi:
         mpiexec = ns.mpiexec or _find_mpiexec()
@@ -370,12 +370,6 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
         cache_bind=ns.cache_bind,
         nccl_net=nccl_net,
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _find_mpiexec() -> str | None:
