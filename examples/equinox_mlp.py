@@ -1,7 +1,7 @@
 """An equinox MLP trained on scikit-learn's digits on one device.
 
-``equinox_mlp_data_parallel.py`` is this file made data-parallel with Bagua: compare them with
-``diff examples/equinox_mlp.py examples/equinox_mlp_data_parallel.py``.
+``equinox_mlp_data_parallel.py`` makes it data-parallel with Bagua: it imports ``main`` from here and
+hands it the algorithm's per-rank optimizer and this process's rank and world size.
 
     python examples/equinox_mlp.py --steps 300
 """
@@ -21,18 +21,16 @@ def loss_fn(model, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
 
 
-tx = optax.adam(3e-3)
+def main(tx: optax.GradientTransformation = optax.adam(3e-3), rank: int = 0, size: int = 1) -> None:
+    """Train with the optimizer ``tx`` on slice ``rank::size`` of every batch; print the test accuracy."""
 
+    @eqx.filter_jit
+    def train_step(model, opt_state, batch):
+        loss, grads = eqx.filter_value_and_grad(loss_fn)(model, batch)
+        updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
+        return eqx.apply_updates(model, updates), opt_state, loss
 
-@eqx.filter_jit
-def train_step(model, opt_state, batch):
-    loss, grads = eqx.filter_value_and_grad(loss_fn)(model, batch)
-    updates, opt_state = tx.update(grads, opt_state, eqx.filter(model, eqx.is_array))
-    return eqx.apply_updates(model, updates), opt_state, loss
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description="Train an equinox MLP on scikit-learn's digits.")
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
@@ -44,7 +42,7 @@ def main() -> None:
     opt_state = tx.init(eqx.filter(model, eqx.is_array))
     order = np.random.default_rng(0).permutation
     for step in range(1, args.steps + 1):
-        index = order(len(x_train))[: args.batch]
+        index = order(len(x_train))[: args.batch][rank::size]
         model, opt_state, loss = train_step(model, opt_state, {"x": x_train[index], "y": y_train[index]})
         if step % 100 == 0:
             print(f"step {step:4d}  loss {float(loss):.4f}")

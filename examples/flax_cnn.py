@@ -1,12 +1,13 @@
 """A flax CNN (BatchNorm, dropout) trained on scikit-learn's 8x8 digits on one device.
 
-``flax_cnn_data_parallel.py`` is this file made data-parallel with Bagua: compare them with
-``diff examples/flax_cnn.py examples/flax_cnn_data_parallel.py``.
+``flax_cnn_data_parallel.py`` makes it data-parallel with Bagua: it imports the loss and ``main`` from
+here and hands ``main`` Bagua's train step and state preparation instead of the two defaults below.
 
     python examples/flax_cnn.py --steps 200
 """
 
 import argparse
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -46,8 +47,10 @@ def train_step(state, batch, rng):
     return state.apply_gradients(grads=grads, batch_stats=batch_stats), (loss, accuracy)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+def main(train_step: Callable = train_step, prepare_state: Callable[[TrainState], TrainState] = lambda s: s) -> None:
+    """Train from a fresh state made ready by ``prepare_state``, stepping with ``train_step``; print the test
+    accuracy."""
+    parser = argparse.ArgumentParser(description="Train a flax CNN on scikit-learn's digits.")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--batch", type=int, default=64)
     args = parser.parse_args()
@@ -59,6 +62,7 @@ def main() -> None:
     state = TrainState.create(
         apply_fn=model.apply, params=variables["params"], batch_stats=variables["batch_stats"], tx=optax.adam(3e-3)
     )
+    state = prepare_state(state)
     order = np.random.default_rng(0).permutation
     for step in range(1, args.steps + 1):
         index = order(len(x_train))[: args.batch]
