@@ -64,7 +64,7 @@ HIERARCHICAL_CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     if "hierarchical" in options and name != "decentralized_shift_one"
 }
 # A ping-pong message: small, so it times the latency alone.
-PING_ELEMENTS = 2
+_PING_ELEMENTS = 2
 # Optimizers themselves: their warm-up is a gradient allreduce traced beside the steady state (lax.cond).
 _WARMUP_THEN_COMPRESSED = frozenset({"qadam", "onebit_adam"})
 # Averaging runs beside the step, on its own communicator.
@@ -145,7 +145,8 @@ def _probe_level(comm: Communicator, sizes: tuple[int, ...], repeats: int, round
             x = comm.send_recv(comm.send_recv(x, peers)[0], peers)[0]
         return x
 
-    round_trip_s = [t / round_trips for t in _timed(jax.jit(ping_pong), jnp.zeros(PING_ELEMENTS, jnp.float32), repeats)]
+    ping = jnp.zeros(_PING_ELEMENTS, jnp.float32)
+    round_trip_s = [t / round_trips for t in _timed(jax.jit(ping_pong), ping, repeats)]
     # A ring allreduce of ``B`` bytes puts ``2 (n-1)/n B`` on each rank's link: the size the fit uses.
     allreduce = jax.jit(comm.allreduce)
     seconds = [statistics.median(_timed(allreduce, jnp.ones(size // 4, jnp.float32), repeats)) for size in sizes]

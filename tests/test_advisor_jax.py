@@ -7,6 +7,8 @@ times by Kendall's tau. The study holds no separate compute time, so each group'
 row (its steps wait for no communication) stands in for it; the link's bandwidth is what the
 probe measures, the time of a full-precision allreduce of the model on that link (the group's
 gradient allreduce row). The bar, fixed before the first run: mean tau over the groups >= 0.7.
+On a two-level job (a 2x2 mesh) each level's traffic is counted on its own communicator and
+predicted on its own link.
 """
 
 from __future__ import annotations
