@@ -198,7 +198,9 @@ def job_communicators(world: Any, ranks_per_node: int) -> Communicators:
     layout); ``intra`` splits by node, ``inter`` by local rank. One node, or one rank per node, is flat.
     Every rank must call it (the splits are collective).
     """
-    if ranks_per_node < 1 or world.size % ranks_per_node:
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks per node must be at least 1, got {ranks_per_node}")
+    if world.size % ranks_per_node:
         raise ValueError(f"{ranks_per_node} ranks per node do not divide a {world.size}-rank job")
     if not 1 < ranks_per_node < world.size:
         return Communicators(world=world)
@@ -236,7 +238,7 @@ def main(argv: list[str] | None = None) -> None:
 
     world = NativeCommunicator.world()
     try:
-        comms = job_communicators(world, args.ranks_per_node or world.size)
+        comms = job_communicators(world, world.size if args.ranks_per_node is None else args.ranks_per_node)
     except ValueError as e:
         parser.error(f"--ranks-per-node: {e}")
     _, table = recommend(grad_fn, params, comms)

@@ -110,6 +110,8 @@ def test_job_communicators_group_ranks_into_nodes_as_the_launcher_places_them():
     assert not advisor.job_communicators(SplittableWorld(6, 4), 1).hierarchical
     with pytest.raises(ValueError, match="do not divide"):
         advisor.job_communicators(SplittableWorld(6, 4), 4)
+    with pytest.raises(ValueError, match="at least 1"):
+        advisor.job_communicators(SplittableWorld(6, 4), 0)
 
 
 @pytest.mark.parametrize(
