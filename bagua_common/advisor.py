@@ -5,7 +5,7 @@ bandwidth of the topology level it travels on (``world``; and ``intra``, the ran
 and ``inter``, across nodes, when the job has two levels), plus the bytes the compression kernels
 process at their measured throughput. Algorithms that average in the background (asynchronous
 model averaging) keep communication off the step, so their step is compute alone. Each level's
-link comes from :func:`level_link`: the latency from a ping-pong between paired ranks, the
+link comes from :func:`level_link`: the latency from a ping-pong between neighbouring ranks, the
 bandwidth from :func:`fit_link` over allreduces of several sizes (each front end times them on
 the run's own communicators); the traffic from counting what each algorithm sends on each level
 in one step. The advisor ranks; it never switches the algorithm itself, because every algorithm
