@@ -1,12 +1,15 @@
-"""The advisor: which algorithm fits this network, predicted from measured link and traffic.
+"""The advisor: which algorithm fits this network, predicted from measured links and traffic.
 
 A step's time is modelled as compute, plus for every message a latency and its bytes over the
-link's bandwidth, plus the bytes the compression kernels process at their measured throughput.
-Algorithms that average in the background (asynchronous model averaging) keep communication off
-the step, so their step is compute alone. The link comes from :func:`fit_link` over timings of
-collectives of several sizes on the run's own communicator (each front end times them), the
-traffic from counting what each algorithm sends in one step. The advisor ranks; it never switches
-the algorithm itself, because every algorithm but gradient allreduce changes the numbers.
+bandwidth of the topology level it travels on (``world``; and ``intra``, the ranks of one node,
+and ``inter``, across nodes, when the job has two levels), plus the bytes the compression kernels
+process at their measured throughput. Algorithms that average in the background (asynchronous
+model averaging) keep communication off the step, so their step is compute alone. Each level's
+link comes from :func:`level_link`: the latency from a ping-pong between neighbouring ranks, the
+bandwidth from :func:`fit_link` over allreduces of several sizes (each front end times them on
+the run's own communicators); the traffic from counting what each algorithm sends on each level
+in one step. The advisor ranks; it never switches the algorithm itself, because every algorithm
+but gradient allreduce changes the numbers.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import dataclasses
 import itertools
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
+from bagua_common.topology import Communicators
+
 BASELINE = "gradient_allreduce"
+WORLD, INTRA, INTER = "world", "intra", "inter"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,18 +42,41 @@ class Link:
             raise ValueError(f"link bandwidth must be > 0 bytes per second, got {self.bytes_per_s!r}")
 
 
+Topology = Mapping[str, Link]
+"""Each topology level's measured link, by level name: :data:`WORLD`, and :data:`INTRA` and :data:`INTER`
+when the job has two levels."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Wire:
+    """What one step puts on one topology level, per rank: ``bytes_sent`` in ``messages`` collectives."""
+
+    bytes_sent: float
+    messages: int
+
+
 @dataclasses.dataclass(frozen=True)
 class Traffic:
     """What one steady-state step of an algorithm costs besides compute, per rank.
 
-    ``bytes_sent`` and ``messages`` on the link; ``codec_bytes`` through the compression kernels;
-    ``blocking`` is False when the communication runs beside the step (asynchronous averaging).
+    ``wire`` maps each topology level the algorithm communicates on to what it sends there;
+    ``codec_bytes`` go through the compression kernels; ``blocking`` is False when the
+    communication runs beside the step (asynchronous averaging).
     """
 
-    bytes_sent: float
-    messages: int
+    wire: Mapping[str, Wire]
     codec_bytes: float = 0.0
     blocking: bool = True
+
+    @property
+    def bytes_sent(self) -> float:
+        """Bytes sent per step over all levels."""
+        return sum(w.bytes_sent for w in self.wire.values())
+
+    @property
+    def messages(self) -> int:
+        """Messages per step over all levels."""
+        return sum(w.messages for w in self.wire.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,33 +104,62 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
     return Link(latency_s=max(float(intercept), 0.0), bytes_per_s=float(1.0 / slope))
 
 
-def predict_step_s(traffic: Traffic, link: Link, compute_s: float, codec_bytes_per_s: float) -> float:
-    """The predicted wall time of one step of an algorithm with ``traffic`` on ``link``."""
+def level_link(round_trips_s: Sequence[float], sizes: Sequence[float], seconds: Sequence[float]) -> Link:
+    """One level's link: the latency is half the median ping-pong round trip, the bandwidth the slope of
+    :func:`fit_link` over the allreduce timings ``seconds`` of ``sizes`` bytes on this rank's link.
+
+    The allreduce fit's intercept is not the latency: it counts the ``2 (n-1)`` ring steps and the
+    dispatch of a collective, where the ping-pong times one message.
+    """
+    if len(round_trips_s) == 0:
+        raise ValueError("level_link needs at least one ping-pong round trip")
+    return Link(latency_s=float(np.median(round_trips_s)) / 2, bytes_per_s=fit_link(sizes, seconds).bytes_per_s)
+
+
+def topology_levels(comms: Communicators) -> dict[str, Any]:
+    """The communicator of each topology level of ``comms``: world, and intra and inter when both are set."""
+    if comms.hierarchical:
+        return {WORLD: comms.world, INTRA: comms.intra, INTER: comms.inter}
+    return {WORLD: comms.world}
+
+
+def predict_step_s(traffic: Traffic, topology: Topology, compute_s: float, codec_bytes_per_s: float) -> float:
+    """The predicted wall time of one step of an algorithm with ``traffic``, each level's wire on its link."""
     if not traffic.blocking:
         return compute_s
-    wire = traffic.messages * link.latency_s + traffic.bytes_sent / link.bytes_per_s
+    unmeasured = sorted(set(traffic.wire) - set(topology))
+    if unmeasured:
+        raise ValueError(f"traffic on levels {unmeasured} but no link measured for them (have {sorted(topology)})")
+    wire = sum(
+        w.messages * topology[level].latency_s + w.bytes_sent / topology[level].bytes_per_s
+        for level, w in traffic.wire.items()
+    )
     return compute_s + wire + traffic.codec_bytes / codec_bytes_per_s
 
 
 def rank_algorithms(
-    traffic: Mapping[str, Traffic], link: Link, compute_s: float, codec_bytes_per_s: float
+    traffic: Mapping[str, Traffic], topology: Topology, compute_s: float, codec_bytes_per_s: float
 ) -> list[Prediction]:
     """Every algorithm's predicted step time, fastest first, with its speed-up over gradient allreduce."""
     if BASELINE not in traffic:
         raise ValueError(f"rank_algorithms needs the baseline {BASELINE!r} among the algorithms")
-    times = {name: predict_step_s(t, link, compute_s, codec_bytes_per_s) for name, t in traffic.items()}
+    times = {name: predict_step_s(t, topology, compute_s, codec_bytes_per_s) for name, t in traffic.items()}
     base = times[BASELINE]
     return sorted((Prediction(name, s, base / s) for name, s in times.items()), key=lambda p: p.step_s)
 
 
-def format_ranking(predictions: Sequence[Prediction], link: Link, compute_s: float) -> str:
-    """The ranking as a table a user reads: predicted step time and speed-up, and what it was computed from."""
-    lines = [
-        f"link: {link.bytes_per_s * 8 / 1e9:.3g} Gbit/s, {link.latency_s * 1e6:.0f} us per message; "
-        f"compute {compute_s * 1e3:.1f} ms per step",
-        f"{'algorithm':<30}{'step (ms)':>12}{'speed-up':>10}",
+def format_ranking(predictions: Sequence[Prediction], topology: Topology, compute_s: float) -> str:
+    """The ranking as a table a user reads: each level's link, then predicted step time and speed-up."""
+    lines = [f"{'level':<8}{'Gbit/s':>10}{'latency (us)':>14}   (latency: ping-pong; bandwidth: allreduce sweep)"]
+    lines += [
+        f"{level:<8}{link.bytes_per_s * 8 / 1e9:>10.3g}{link.latency_s * 1e6:>14.3g}"
+        for level, link in topology.items()
     ]
-    lines += [f"{p.algorithm:<30}{p.step_s * 1e3:>12.1f}{p.speedup:>9.2f}x" for p in predictions]
+    lines += [
+        f"compute {compute_s * 1e3:.1f} ms per step",
+        f"{'algorithm':<42}{'step (ms)':>12}{'speed-up':>10}",
+    ]
+    lines += [f"{p.algorithm:<42}{p.step_s * 1e3:>12.1f}{p.speedup:>9.2f}x" for p in predictions]
     lines.append("async averages in the background: its step is compute alone, its replicas drift between rounds.")
     lines.append(
         "Predicted, not measured: every algorithm but gradient_allreduce changes the numbers; check convergence."

@@ -1,18 +1,20 @@
-"""The advisor on a live JAX job: measure the link and the step, count each algorithm's traffic, rank them.
+"""The advisor on a live JAX job: measure the links and the step, count each algorithm's traffic, rank them.
 
 Run it on the job's own ranks, started as the training job is::
 
     bagua-launch --nproc-per-node 4 --mpi -m bagua_jax.advisor --params 2000000
 
-It probes the link with allreduces of several sizes over the native communicator, times the
-compute of a synthetic step of the given size, counts what one steady-state step of every
-algorithm sends (traced, not run), and rank 0 prints the ranking of
-:func:`bagua_common.advisor.rank_algorithms`. It never switches an algorithm.
+It probes every topology level of the job (world; intra- and inter-node when the job spans
+several nodes of several ranks each) with a ping-pong for the latency and allreduces of several
+sizes for the bandwidth, times the compute of a synthetic step of the given size, counts what one
+steady-state step of every algorithm sends on each level (traced, not run), and rank 0 prints the
+ranking of :func:`bagua_common.advisor.rank_algorithms`. It never switches an algorithm.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Mapping
@@ -25,105 +27,189 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from bagua_common.advisor import Link, Prediction, Traffic, fit_link, format_ranking, rank_algorithms
+from bagua_common.advisor import (
+    Link,
+    Prediction,
+    Topology,
+    Traffic,
+    Wire,
+    format_ranking,
+    level_link,
+    rank_algorithms,
+    topology_levels,
+)
+from bagua_common.topology import ring_neighbours
 from bagua_jax.algorithms import make_algorithm
-from bagua_jax.algorithms.base import Communicators
+from bagua_jax.algorithms.base import Communicators, check_communicators
 from bagua_jax.communicator import Communicator
 from bagua_jax.counting import CountingCommunicator
 
-# The algorithms the advisor ranks, with the options that make them the named variant.
+# The algorithms the advisor ranks, with the options that make them the named variant; all flat.
 CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
-    "gradient_allreduce": ("gradient_allreduce", {}),
-    "bytegrad": ("bytegrad", {}),
-    "decentralized": ("decentralized", {}),
-    "decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one"}),
-    "low_precision_decentralized": ("low_precision_decentralized", {}),
-    "qadam": ("qadam", {}),
-    "onebit_adam": ("onebit_adam", {}),
+    "gradient_allreduce": ("gradient_allreduce", {"hierarchical": False}),
+    "bytegrad": ("bytegrad", {"hierarchical": False}),
+    "decentralized": ("decentralized", {"hierarchical": False}),
+    "decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one", "hierarchical": False}),
+    "low_precision_decentralized": ("low_precision_decentralized", {"hierarchical": False}),
+    "qadam": ("qadam", {"hierarchical": False}),
+    "onebit_adam": ("onebit_adam", {"hierarchical": False}),
     "async": ("async", {}),
 }
+# Ranked beside them when the job has two levels: reduce inside the node, communicate across nodes.
+# (shift_one pairs nodes, so its hierarchical form needs an even node count: left out rather than
+# failing on odd ones.)
+HIERARCHICAL_CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
+    f"{name}_hierarchical": (algorithm, {**options, "hierarchical": True})
+    for name, (algorithm, options) in CANDIDATES.items()
+    if "hierarchical" in options and name != "decentralized_shift_one"
+}
+# A ping-pong message: small, so it times the latency alone.
+_PING_ELEMENTS = 2
 # Optimizers themselves: their warm-up is a gradient allreduce traced beside the steady state (lax.cond).
 _WARMUP_THEN_COMPRESSED = frozenset({"qadam", "onebit_adam"})
 # Averaging runs beside the step, on its own communicator.
 _BACKGROUND = frozenset({"async"})
 
 
-def _counted_step(name: str, options: Mapping[str, Any], params: Any, comm: Communicator, mesh: Mesh | None):
-    counter = CountingCommunicator(comm)
+def candidates(comms: Communicators) -> dict[str, tuple[str, dict[str, Any]]]:
+    """The algorithms to rank on ``comms``: :data:`CANDIDATES`, and :data:`HIERARCHICAL_CANDIDATES` with two levels."""
+    return {**CANDIDATES, **HIERARCHICAL_CANDIDATES} if comms.hierarchical else dict(CANDIDATES)
+
+
+def _counted_step(
+    name: str, options: Mapping[str, Any], params: Any, comms: Communicators, mesh: Mesh | None
+) -> dict[str, Wire]:
+    counters = {level: CountingCommunicator(comm) for level, comm in topology_levels(comms).items()}
     algorithm = make_algorithm(name, learning_rate=1e-3, **options)
     optimizer = None if name in _WARMUP_THEN_COMPRESSED else optax.sgd(0.1)
-    tx = algorithm.transformation(optimizer, Communicators(world=counter))
+    tx = algorithm.transformation(optimizer, Communicators(**counters))
 
     def step(params, grads):
         return tx.update(grads, tx.init(params), params)[0]
 
     if mesh is not None:
-        axis = mesh.axis_names[0]
-        step = jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P(axis), check_vma=False)
+        step = jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P(mesh.axis_names), check_vma=False)
     jax.eval_shape(step, params, params)
-    return counter
+    return {level: Wire(c.bytes_sent, sum(c.calls_by_op.values())) for level, c in counters.items()}
 
 
-def measure_traffic(candidate: str, params: Any, comm: Communicator, *, mesh: Mesh | None = None) -> Traffic:
-    """What one steady-state step of ``candidate`` (a key of :data:`CANDIDATES`) sends, traced, not run.
+def measure_traffic(
+    candidate: str, params: Any, comms: Communicators | Communicator, *, mesh: Mesh | None = None
+) -> Traffic:
+    """What one steady-state step of ``candidate`` (a key of :func:`candidates`) sends on each level, traced, not run.
 
-    ``params`` may be arrays or ``jax.ShapeDtypeStruct``s. With a :class:`~bagua_jax.LaxCommunicator`,
-    pass the ``mesh`` whose axis it names. For QAdam and 1-bit Adam, whose warm-up (a gradient
-    allreduce) is traced beside the compressed exchange, the warm-up's traffic is subtracted.
+    ``comms`` is the job's :class:`Communicators` (or its one world communicator); each level's
+    traffic is counted on its own communicator, and levels a step sends nothing on are left out.
+    ``params`` may be arrays or ``jax.ShapeDtypeStruct``s. With :class:`~bagua_jax.LaxCommunicator` members,
+    pass the ``mesh`` whose axes they name. For QAdam and 1-bit Adam, whose warm-up (a gradient
+    allreduce of the same hierarchy) is traced beside the compressed exchange, the warm-up's traffic
+    is subtracted.
     """
-    name, options = CANDIDATES[candidate]
-    counter = _counted_step(name, options, params, comm, mesh)
-    bytes_sent, messages = counter.bytes_sent, sum(counter.calls_by_op.values())
+    comms = check_communicators(comms, "measure_traffic")
+    table = candidates(comms)
+    if candidate not in table:
+        raise ValueError(f"unknown candidate {candidate!r} on this topology; choose one of {sorted(table)}")
+    name, options = table[candidate]
+    wire = _counted_step(name, options, params, comms, mesh)
     if name in _WARMUP_THEN_COMPRESSED:
-        warmup = _counted_step("gradient_allreduce", {}, params, comm, mesh)
-        bytes_sent -= warmup.bytes_sent
-        messages -= sum(warmup.calls_by_op.values())
-    return Traffic(bytes_sent=bytes_sent, messages=messages, blocking=name not in _BACKGROUND)
+        warmup = _counted_step("gradient_allreduce", {"hierarchical": options["hierarchical"]}, params, comms, mesh)
+        wire = {
+            level: Wire(w.bytes_sent - warmup[level].bytes_sent, w.messages - warmup[level].messages)
+            for level, w in wire.items()
+        }
+    wire = {level: w for level, w in wire.items() if w.messages}
+    return Traffic(wire=wire, blocking=name not in _BACKGROUND)
 
 
-def probe(comm: Communicator, sizes: tuple[int, ...] = (2**16, 2**19, 2**22), repeats: int = 5) -> Link:
-    """The link as measured by float32 allreduces of ``sizes`` bytes over ``comm`` (median of ``repeats``).
+def _timed(fn: Callable[[Any], Any], arg: Any, repeats: int) -> list[float]:
+    # Once to compile, then ``repeats`` timed calls.
+    jax.block_until_ready(fn(arg))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(arg))
+        times.append(time.perf_counter() - start)
+    return times
 
-    Call it on every rank at once (it runs collectives); a ring allreduce of ``B`` bytes puts
-    ``2 (n-1)/n B`` on each rank's link, which is the size the fit uses.
-    """
+
+def _probe_level(comm: Communicator, sizes: tuple[int, ...], repeats: int, round_trips: int) -> Link:
     n = comm.size
-    seconds, wire = [], []
-    for size in sizes:
-        allreduce = jax.jit(comm.allreduce)
-        x = jnp.ones(size // 4, jnp.float32)
-        allreduce(x).block_until_ready()
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            allreduce(x).block_until_ready()
-            times.append(time.perf_counter() - start)
-        seconds.append(statistics.median(times))
-        wire.append(2 * (n - 1) / n * size)
-    return fit_link(wire, seconds)
+    if n < 2:
+        raise ValueError(f"probe needs at least 2 ranks on every level, got a {n}-rank communicator")
+    # Ping-pong with the ring neighbours (one peer when there are two ranks); each exchange waits for the
+    # previous one's data, and ``round_trips`` of them run in one call so its dispatch is amortized.
+    peers = jnp.asarray(sorted(set(ring_neighbours(int(comm.rank()), n))), jnp.int32)
+
+    def ping_pong(x):
+        for _ in range(round_trips):
+            x = comm.send_recv(comm.send_recv(x, peers)[0], peers)[0]
+        return x
+
+    ping = jnp.zeros(_PING_ELEMENTS, jnp.float32)
+    round_trip_s = [t / round_trips for t in _timed(jax.jit(ping_pong), ping, repeats)]
+    # A ring allreduce of ``B`` bytes puts ``2 (n-1)/n B`` on each rank's link: the size the fit uses.
+    allreduce = jax.jit(comm.allreduce)
+    seconds = [statistics.median(_timed(allreduce, jnp.ones(size // 4, jnp.float32), repeats)) for size in sizes]
+    return level_link(round_trip_s, [2 * (n - 1) / n * size for size in sizes], seconds)
+
+
+def probe(
+    comms: Communicators | Communicator,
+    sizes: tuple[int, ...] = (2**16, 2**19, 2**22),
+    repeats: int = 5,
+    round_trips: int = 16,
+) -> Topology:
+    """Every topology level's link, measured on its communicator: world, and intra and inter with two levels.
+
+    The latency is half the median round trip of a ping-pong of small messages between each rank
+    and its ring neighbours (``round_trips`` per timed call, ``repeats`` calls); the bandwidth is fitted
+    to float32 allreduces of ``sizes`` bytes (median of ``repeats`` each). Call it on every rank at
+    once with per-process communicators (e.g. :class:`~bagua_jax.NativeCommunicator`): it runs collectives.
+    """
+    comms = check_communicators(comms, "probe")
+    return {level: _probe_level(comm, sizes, repeats, round_trips) for level, comm in topology_levels(comms).items()}
 
 
 def measure_compute(grad_fn: Callable[[Any], Any], params: Any, repeats: int = 5) -> float:
     """Median seconds of this rank's compute for one step: ``grad_fn(params)``, jitted, without communication."""
-    grad = jax.jit(grad_fn)
-    jax.block_until_ready(grad(params))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(grad(params))
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return statistics.median(_timed(jax.jit(grad_fn), params, repeats))
 
 
 def recommend(
-    grad_fn: Callable[[Any], Any], params: Any, comm: Communicator, *, codec_bytes_per_s: float = 1e10
+    grad_fn: Callable[[Any], Any],
+    params: Any,
+    comms: Communicators | Communicator,
+    *,
+    codec_bytes_per_s: float = 1e10,
 ) -> tuple[list[Prediction], str]:
     """Probe, time and count on every rank, then rank the algorithms; returns the ranking and its table."""
-    link = probe(comm)
+    comms = check_communicators(comms, "recommend")
+    topology = probe(comms)
     compute_s = measure_compute(grad_fn, params)
-    traffic = {name: measure_traffic(name, params, comm) for name in CANDIDATES}
-    ranking = rank_algorithms(traffic, link, compute_s, codec_bytes_per_s)
-    return ranking, format_ranking(ranking, link, compute_s)
+    traffic = {name: measure_traffic(name, params, comms) for name in candidates(comms)}
+    ranking = rank_algorithms(traffic, topology, compute_s, codec_bytes_per_s)
+    return ranking, format_ranking(ranking, topology, compute_s)
+
+
+def job_communicators(world: Any, ranks_per_node: int) -> Communicators:
+    """``world`` with its two levels when ``ranks_per_node`` groups it into several nodes of several ranks.
+
+    World rank ``r`` is local rank ``r % ranks_per_node`` of node ``r // ranks_per_node`` (the launcher's
+    layout); ``intra`` splits by node, ``inter`` by local rank. One node, or one rank per node, is flat.
+    Every rank must call it (the splits are collective).
+    """
+    if ranks_per_node < 1:
+        raise ValueError(f"ranks per node must be at least 1, got {ranks_per_node}")
+    if world.size % ranks_per_node:
+        raise ValueError(f"{ranks_per_node} ranks per node do not divide a {world.size}-rank job")
+    if not 1 < ranks_per_node < world.size:
+        return Communicators(world=world)
+    node, local = divmod(int(world.rank()), ranks_per_node)
+    return Communicators(
+        world=world,
+        intra=world.split(node, local, f"bagua/advisor/intra{node}"),
+        inter=world.split(local, node, f"bagua/advisor/inter{local}"),
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -132,6 +218,13 @@ def main(argv: list[str] | None = None) -> None:
 
     parser = argparse.ArgumentParser(prog="python -m bagua_jax.advisor", description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=int, default=2_000_000, help="parameters of the synthetic model")
+    parser.add_argument(
+        "--ranks-per-node",
+        type=int,
+        default=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None,
+        help="ranks per node, for the intra- and inter-node levels (default: the launcher's LOCAL_WORLD_SIZE; "
+        "a smaller value on one host groups its ranks as if they were nodes)",
+    )
     args = parser.parse_args(argv)
     if args.params < 1024:
         parser.error(f"--params must be at least 1024, got {args.params}")
@@ -143,9 +236,13 @@ def main(argv: list[str] | None = None) -> None:
     def grad_fn(p):
         return jax.grad(lambda q: jnp.mean(jnp.tanh(x @ q["w0"]) @ q["w1"]) ** 2)(p)
 
-    comm = NativeCommunicator.world()
-    _, table = recommend(grad_fn, params, comm)
-    if int(comm.rank()) == 0:
+    world = NativeCommunicator.world()
+    try:
+        comms = job_communicators(world, world.size if args.ranks_per_node is None else args.ranks_per_node)
+    except ValueError as e:
+        parser.error(f"--ranks-per-node: {e}")
+    _, table = recommend(grad_fn, params, comms)
+    if int(world.rank()) == 0:
         print(table, flush=True)
 
 
