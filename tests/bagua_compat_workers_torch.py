@@ -157,6 +157,24 @@ def _primitives(bagua, out: dict) -> None:
     bagua.alltoall_v_inplace(x, counts, displs)
     out["alltoall_v_inplace"] = (_np(x), _np(expected))
 
+    # A tensor of n + 1 elements does not split into one equal part per rank: refused before communicating.
+    uneven = torch.arange(n + 1.0)
+    calls = {
+        "allgather_inplace": lambda: bagua.allgather_inplace(uneven),
+        "reduce_scatter_inplace": lambda: bagua.reduce_scatter_inplace(uneven),
+        "alltoall": lambda: bagua.alltoall(uneven, uneven.clone()),
+    }
+    refusals = {}
+    for name, call in calls.items():
+        try:
+            call()
+        except ValueError as e:
+            refusals[name] = str(e)
+    out["uneven parts refused"] = (
+        refusals,
+        {name: f"{name}: {n + 1} elements do not split into {n} equal parts" for name in calls},
+    )
+
     if rank == 0:
         bagua.send(torch.arange(3.0) + 0.25, 1)
     elif rank == 1:

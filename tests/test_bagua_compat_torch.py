@@ -78,6 +78,10 @@ def test_collective_matches_torch_distributed(ranks, primitive):
     _assert_pairs(ranks, primitive, exact=not primitive.startswith("reduce_scatter"))
 
 
+def test_collectives_refuse_a_tensor_that_does_not_split_into_one_part_per_rank(ranks):
+    _assert_pairs(ranks, "uneven parts refused")
+
+
 def test_groups_from_ranks_and_from_torch_groups(ranks):
     _assert_pairs(ranks, "new_group")
     _assert_pairs(ranks, "from_torch_group")

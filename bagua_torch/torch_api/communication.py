@@ -320,6 +320,13 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.detach().reshape(-1)
 
 
+def _equal_parts(what: str, tensor: torch.Tensor, n: int) -> torch.Tensor:
+    """``tensor``'s elements as ``n`` rows, one per rank; a ValueError unless they split evenly."""
+    if tensor.numel() % n:
+        raise ValueError(f"{what}: {tensor.numel()} elements do not split into {n} equal parts")
+    return _flat(tensor).view(n, -1)
+
+
 # ----------------------------------------------------------------------------- point to point
 
 
@@ -421,10 +428,7 @@ def allgather_inplace(tensor: torch.Tensor, comm: Any = None) -> None:
     handle = _resolve(comm)
     if handle is None:
         return
-    n = handle.nranks()
-    if tensor.numel() % n:
-        raise ValueError(f"allgather_inplace: {tensor.numel()} elements do not split into {n} equal parts")
-    part = _flat(tensor).view(n, -1)[handle.rank()]
+    part = _equal_parts("allgather_inplace", tensor, handle.nranks())[handle.rank()]
     _write(tensor, handle.communicator.allgather(part))
 
 
@@ -509,9 +513,7 @@ def reduce_scatter_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, co
     if handle is None:
         return
     n = handle.nranks()
-    if tensor.numel() % n:
-        raise ValueError(f"reduce_scatter_inplace: {tensor.numel()} elements do not split into {n} equal parts")
-    mine = _flat(tensor).view(n, -1)[handle.rank()]
+    mine = _equal_parts("reduce_scatter_inplace", tensor, n)[handle.rank()]
     part = torch.empty_like(mine)
     reduce_scatter(tensor, part, op, comm)
     with torch.no_grad():
@@ -528,11 +530,9 @@ def alltoall(send_tensor: torch.Tensor, recv_tensor: torch.Tensor, comm: Any = N
     handle = _resolve(comm)
     if handle is None:
         return
-    n = handle.nranks()
-    if send_tensor.numel() % n:
-        raise ValueError(f"alltoall: {send_tensor.numel()} elements do not split into {n} equal parts")
+    rows = _equal_parts("alltoall", send_tensor, handle.nranks())
     _check_numel("alltoall: recv_tensor", recv_tensor, send_tensor.numel())
-    _write(recv_tensor, handle.communicator.alltoall(_flat(send_tensor).view(n, -1)))
+    _write(recv_tensor, handle.communicator.alltoall(rows))
 
 
 def alltoall_inplace(tensor: torch.Tensor, comm: Any = None) -> None:
