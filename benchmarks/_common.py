@@ -1,5 +1,5 @@
 """What every benchmark script shares: the machine and versions it ran on, the load around the run,
-result files, progress display, free ports and mpiexec.
+result files and charts, progress display, free ports and mpiexec.
 
 The scripts run as ``python benchmarks/<script>.py``, so this folder is on ``sys.path`` and they
 import this module as ``_common``. It imports neither JAX nor torch (package versions are read
@@ -130,6 +130,30 @@ def write_results(out_dir: Path, stem: str, markdown: Sequence[str], payload: di
     md_path.write_text("\n".join(markdown))
     json_path.write_text(json.dumps(payload, indent=2) + "\n")
     return md_path, json_path
+
+
+def pyplot() -> Any | None:
+    """matplotlib's ``pyplot`` drawing to files only (the Agg backend), or None with a note on stderr
+    where matplotlib is not installed: charts are optional, the results files are written anyway."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is missing (pip install matplotlib); no chart written", file=sys.stderr)
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> Path:
+    """Lay out ``fig``, write it to ``path`` at ``dpi`` and free it; return ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
 
 
 def retain_freed_memory() -> bool:
