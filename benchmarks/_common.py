@@ -175,6 +175,23 @@ def retain_freed_memory() -> bool:
     return all(libc.mallopt(param, value) == 1 for param, value in settings)
 
 
+class Transcript:
+    """What a script prints as it runs (each line on stdout at once), kept for its results file."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def say(self, line: str) -> None:
+        """Print ``line`` and keep it."""
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def markdown(self, title: str, meta: dict[str, Any]) -> list[str]:
+        """The results file's Markdown: ``# title``, :func:`header_lines` of ``meta``, then the
+        lines printed, verbatim in a code block."""
+        return [f"# {title}", "", *header_lines(meta), "", "```", *self.lines, "```", ""]
+
+
 class Progress:
     """Progress through ``total`` units of work on stderr: a bar redrawn in place on a terminal,
     elsewhere a line for each update made with ``force`` (or :meth:`line`)."""

@@ -156,13 +156,9 @@ def main() -> None:
     meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ["torch", "numpy"], settings=settings)
     torch.set_num_threads(1)
     lengths = skewed_lengths(args.samples)
-    report: list[str] = []
+    transcript = _common.Transcript()
+    say = transcript.say
     results: dict[str, dict] = {"modelled": {}, "replayed": {}}
-
-    def say(line: str) -> None:
-        print(line, flush=True)
-        report.append(line)
-
     say(f"{args.samples} samples, lengths {lengths.min()}..{lengths.max()} "
         f"(median {int(np.median(lengths))}), {args.ranks} ranks, batch {args.batch}")  # fmt: skip
 
@@ -201,8 +197,7 @@ def main() -> None:
         f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x")  # fmt: skip
 
     _common.finish_meta(meta)
-    markdown = ["# Balanced sampler against DistributedSampler", "", *_common.header_lines(meta), ""]
-    markdown += ["```", *report, "```", ""]
+    markdown = transcript.markdown("Balanced sampler against DistributedSampler", meta)
     md_path, _ = _common.write_results(args.out, "balance-cpu", markdown, {**meta, "results": results})
     print(f"\nwrote {md_path}")
 
