@@ -1,5 +1,5 @@
 """What every benchmark script shares: the machine and versions it ran on, the load around the run,
-result files, progress display, free ports and mpiexec.
+result files and charts, progress display, free ports and mpiexec.
 
 The scripts run as ``python benchmarks/<script>.py``, so this folder is on ``sys.path`` and they
 import this module as ``_common``. It imports neither JAX nor torch (package versions are read
@@ -132,6 +132,30 @@ def write_results(out_dir: Path, stem: str, markdown: Sequence[str], payload: di
     return md_path, json_path
 
 
+def pyplot() -> Any | None:
+    """matplotlib's ``pyplot`` drawing to files only (the Agg backend), or None with a note on stderr
+    where matplotlib is not installed: charts are optional, the results files are written anyway."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("note: matplotlib is missing (pip install matplotlib); no chart written", file=sys.stderr)
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: Path, dpi: int) -> Path:
+    """Lay out ``fig``, write it to ``path`` at ``dpi`` and free it; return ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def retain_freed_memory() -> bool:
     """Ask glibc to keep freed memory mapped for reuse; False where that is not possible.
 
@@ -149,6 +173,23 @@ def retain_freed_memory() -> bool:
         return False
     settings = ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, -1))  # -1: never trim
     return all(libc.mallopt(param, value) == 1 for param, value in settings)
+
+
+class Transcript:
+    """What a script prints as it runs (each line on stdout at once), kept for its results file."""
+
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def say(self, line: str) -> None:
+        """Print ``line`` and keep it."""
+        print(line, flush=True)
+        self.lines.append(line)
+
+    def markdown(self, title: str, meta: dict[str, Any]) -> list[str]:
+        """The results file's Markdown: ``# title``, :func:`header_lines` of ``meta``, then the
+        lines printed, verbatim in a code block."""
+        return [f"# {title}", "", *header_lines(meta), "", "```", *self.lines, "```", ""]
 
 
 class Progress:

@@ -189,13 +189,8 @@ def build_harness(folder: Path) -> Path:
 
 
 def plot(results: dict[str, Any], configs: list[str], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is missing; no plot", file=sys.stderr)
+    plt = _common.pyplot()
+    if plt is None:
         return False
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.8 / len(configs)
@@ -207,8 +202,7 @@ def plot(results: dict[str, Any], configs: list[str], path: Path) -> bool:
     ax.set_ylabel("Gbit/s (mean, 95% interval)")
     ax.set_title("Bagua-Net, NCCL-shaped traffic between two namespaces")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    _common.save_figure(fig, path, dpi=120)
     return True
 
 

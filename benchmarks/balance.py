@@ -10,6 +10,9 @@ samplers interleaved, ratios reported (balanced / DistributedSampler, lower is b
    (cost linear in length), per-sequence attention (quadratic) and a transformer encoder layer;
 3. real: two processes (gloo), each step ends with an all-reduce; epoch wall time.
 
+It prints the three parts and writes them, with the machine, versions and load average, to
+``balance-cpu.md`` and ``balance-cpu.json`` in ``--out`` (default ``benchmarks/results/``).
+
     python benchmarks/balance.py [--ranks 4] [--samples 256] [--batch 4] [--repeats 3]
 """
 
@@ -18,8 +21,10 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import time
 
+import _common
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -145,18 +150,25 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    _common.add_out_option(parser)
     args = parser.parse_args()
+    settings = {name: value for name, value in vars(args).items() if name != "out"}
+    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ["torch", "numpy"], settings=settings)
     torch.set_num_threads(1)
     lengths = skewed_lengths(args.samples)
-    print(f"{args.samples} samples, lengths {lengths.min()}..{lengths.max()} "
-          f"(median {int(np.median(lengths))}), {args.ranks} ranks, batch {args.batch}")  # fmt: skip
+    transcript = _common.Transcript()
+    say = transcript.say
+    results: dict[str, dict] = {"modelled": {}, "replayed": {}}
+    say(f"{args.samples} samples, lengths {lengths.min()}..{lengths.max()} "
+        f"(median {int(np.median(lengths))}), {args.ranks} ranks, batch {args.batch}")  # fmt: skip
 
-    print("\n1. modelled cost, sum over steps of the max over ranks (20 epochs)")
+    say("\n1. modelled cost, sum over steps of the max over ranks (20 epochs)")
     for power, name in ((1, "linear"), (2, "quadratic")):
         ratios = [modelled(lengths, args.ranks, args.batch, e, power) for e in range(20)]
-        print(f"   {name:10s} balanced/DistributedSampler = {statistics.median(ratios):.3f}x")
+        results["modelled"][name] = statistics.median(ratios)
+        say(f"   {name:10s} balanced/DistributedSampler = {statistics.median(ratios):.3f}x")
 
-    print(f"\n2. replayed compute, {args.ranks} virtual ranks, 1 thread ({args.repeats} repeats)")
+    say(f"\n2. replayed compute, {args.ranks} virtual ranks, 1 thread ({args.repeats} repeats)")
     torch.manual_seed(0)
     for name, (model, packed) in models().items():
         ratios, dist_times = [], []
@@ -166,21 +178,28 @@ def main() -> None:
             d, b = replayed(model, packed, lengths, plain, balanced)
             ratios.append(b / d)
             dist_times.append(d)
-        print(f"   {name:22s} DistributedSampler {statistics.median(dist_times):6.2f} s/epoch, "
-              f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x "
-              f"(repeats {', '.join(f'{r:.3f}' for r in ratios)})")  # fmt: skip
+        results["replayed"][name] = {"distributed_s": statistics.median(dist_times), "ratios": ratios}
+        say(f"   {name:22s} DistributedSampler {statistics.median(dist_times):6.2f} s/epoch, "
+            f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x "
+            f"(repeats {', '.join(f'{r:.3f}' for r in ratios)})")  # fmt: skip
 
-    print(f"\n3. real run, 2 processes (gloo), transformer layer ({args.repeats} repeats)")
+    say(f"\n3. real run, 2 processes (gloo), transformer layer ({args.repeats} repeats)")
     queue = mp.get_context("spawn").SimpleQueue()
-    port = 29400 + os.getpid() % 500
+    port = _common.free_port()
     mp.spawn(real_worker, args=(2, port, lengths, args.batch, args.repeats, queue), nprocs=2)
     times: dict[str, list[float]] = {"dist": [], "balanced": []}
     while not queue.empty():
         name, seconds = queue.get()
         times[name].append(seconds)
     ratios = [b / d for b, d in zip(times["balanced"], times["dist"])]
-    print(f"   DistributedSampler {statistics.median(times['dist']):.2f} s/epoch, "
-          f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x")  # fmt: skip
+    results["real"] = {"distributed_s": times["dist"], "balanced_s": times["balanced"]}
+    say(f"   DistributedSampler {statistics.median(times['dist']):.2f} s/epoch, "
+        f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x")  # fmt: skip
+
+    _common.finish_meta(meta)
+    markdown = transcript.markdown("Balanced sampler against DistributedSampler", meta)
+    md_path, _ = _common.write_results(args.out, "balance-cpu", markdown, {**meta, "results": results})
+    print(f"\nwrote {md_path}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ Reported: median epoch times, epoch-2 speed-up over uncached, epoch-1 overhead, 
 ``--compare-stores`` measures the stores themselves instead: put, then get, throughput of the
 embedded default (LMDB) against the alternatives (SQLite in WAL mode, one file per sample in a
 directory, the per-process memory store, Redis over its unix socket), from the DataLoader
-workers, for small and large samples; results in ``benchmarks/results/cache-stores.{md,json}``.
+workers, for small and large samples; results in ``benchmarks/results/cache-stores.{md,json}``
+(the epoch times in ``cache-cpu.{md,json}``; ``--out`` names another folder).
 
     python benchmarks/cache.py [--samples 1000] [--repeats 3] [--workers 2]
     python benchmarks/cache.py --compare-stores [--repeats 3]
@@ -39,6 +40,7 @@ sys.path.insert(0, str(HERE))
 import _common  # noqa: E402
 
 DECODE_SECONDS = 0.003
+PACKAGES = ("numpy", "lmdb", "redis", "torch")
 
 
 class SlowDecodeDataset:
@@ -181,7 +183,7 @@ def compare_stores(args: argparse.Namespace) -> None:
     capacity = 1 << 30
     # Expected here, and said in the table: the memory store is per process (the workers inherit this filter).
     warnings.filterwarnings("ignore", "MemoryStore is per process", RuntimeWarning)
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ("numpy", "lmdb", "redis", "torch"))
+    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), PACKAGES)
     runs: dict[tuple[str, str], list[dict[str, float]]] = {(n, k): [] for k in sizes for n in names}
     with RedisServer(capacity) as server:
         client = RedisStore(server.url)._open()[0]
@@ -247,11 +249,12 @@ def main() -> None:
     parser.add_argument("--compare-stores", action="store_true", help="measure the stores' put/get throughput")
     parser.add_argument("--small-samples", type=int, default=20000, help="--compare-stores: 1 KiB samples")
     parser.add_argument("--large-samples", type=int, default=2000, help="--compare-stores: 128 KiB samples")
-    parser.add_argument("--out", type=Path, default=HERE / "results")
+    _common.add_out_option(parser)
     args = parser.parse_args()
     if args.compare_stores:
         compare_stores(args)
         return
+    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), PACKAGES)
     rounds = calibrated_rounds()
     base = SlowDecodeDataset(args.samples, rounds)
     capacity = 256 << 20
@@ -274,15 +277,21 @@ def main() -> None:
             hits, misses = redis_hits(server)
             times["redis"].append((first, second))
             epoch2_hit_rates["redis"].append((hits - hits0) / (hits - hits0 + misses - misses0))
+    _common.finish_meta(meta)
     median = {k: [statistics.median(t[e] for t in v) for e in range(2)] for k, v in times.items()}
     uncached = statistics.median(t for pair in times["uncached"] for t in pair)
-    print(f"{args.samples} samples, ~{DECODE_SECONDS * 1e3:.0f} ms CPU decode ({rounds} FFT rounds),"
-          f" {args.workers} workers, {args.repeats} interleaved repeats; median seconds")  # fmt: skip
-    print(f"{'store':10s} {'epoch 1':>8s} {'epoch 2':>8s} {'epoch-2 speed-up':>17s} {'epoch-1 overhead':>17s}")
+    transcript = _common.Transcript()
+    transcript.say(f"{args.samples} samples, ~{DECODE_SECONDS * 1e3:.0f} ms CPU decode ({rounds} FFT rounds),"
+                   f" {args.workers} workers, {args.repeats} interleaved repeats; median seconds")  # fmt: skip
+    transcript.say(f"{'store':10s} {'epoch 1':>8s} {'epoch 2':>8s} {'epoch-2 speed-up':>17s} {'epoch-1 overhead':>17s}")
     for name, (first, second) in median.items():
-        print(f"{name:10s} {first:8.3f} {second:8.3f} {uncached / second:16.1f}x "
-              f"{100 * (first / median['uncached'][0] - 1):+16.0f}%")  # fmt: skip
-    print(f"redis epoch-2 hit rate: {statistics.median(epoch2_hit_rates['redis']):.3f}")
+        transcript.say(f"{name:10s} {first:8.3f} {second:8.3f} {uncached / second:16.1f}x "
+                       f"{100 * (first / median['uncached'][0] - 1):+16.0f}%")  # fmt: skip
+    transcript.say(f"redis epoch-2 hit rate: {statistics.median(epoch2_hit_rates['redis']):.3f}")
+    markdown = transcript.markdown("DataLoader epochs: uncached, LMDB cache, Redis cache", meta)
+    payload = {**meta, "epoch_seconds": times, "redis_epoch2_hit_rates": epoch2_hit_rates["redis"]}
+    for path in _common.write_results(args.out, "cache-cpu", markdown, payload):
+        print(f"wrote {path}")
 
 
 if __name__ == "__main__":

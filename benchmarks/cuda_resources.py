@@ -2,7 +2,8 @@
 
 Compiles the kernels with nvcc (no GPU needed) for each architecture the build targets,
 with ``--resource-usage`` and ptxas's spill and local-memory warnings, and writes the table
-to ``--out`` (default ``benchmarks/results/cuda-resources.md``). Exits 1 if any kernel spills
+to ``cuda-resources.md`` and ``cuda-resources.json`` in ``--out`` (default ``benchmarks/results/``),
+with the machine, versions and nvcc that made it. Exits 1 if any kernel spills
 registers or uses local memory (a stack frame), which on these bandwidth-bound kernels means a
 register array was not unrolled or the register budget is too tight.
 
@@ -21,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import _common
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "xla_ffi" / "kernels_cuda.cu"
@@ -70,20 +73,22 @@ def parse(report: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--archs", nargs="+", default=["80", "90"])
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks/results/cuda-resources.md")
+    _common.add_out_option(parser)
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
         print("cuda_resources: nvcc not found")
         return 2
-    rows = [row for arch in args.archs for row in parse(compile_usage(arch))]
-    bad = [r for r in rows if r.get("stack") or r.get("spill_st") or r.get("spill_ld")]
     version = subprocess.run(["nvcc", "--version"], check=True, capture_output=True, text=True)
-    command = f"python benchmarks/cuda_resources.py --archs {' '.join(args.archs)}"
     nvcc_version = version.stdout.strip().splitlines()[-1]
+    meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), [], nvcc=nvcc_version)
+    rows = [row for arch in args.archs for row in parse(compile_usage(arch))]
+    _common.finish_meta(meta)
+    bad = [r for r in rows if r.get("stack") or r.get("spill_st") or r.get("spill_ld")]
     lines = [
         "# CUDA kernel resources",
         "",
-        f"`{command}` with {nvcc_version}.",
+        *_common.header_lines(meta),
+        f"- nvcc: {nvcc_version}",
         "",
         f"{len(rows)} kernels; {len(bad)} spill registers or use local memory.",
         "",
@@ -95,8 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{r.get('stack', 0)} | {r.get('spill_st', 0)} / {r.get('spill_ld', 0)} |"
         for r in rows
     ]
-    args.out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {args.out}: {len(rows)} kernels, {len(bad)} with spills or local memory")
+    md_path, _ = _common.write_results(args.out, "cuda-resources", [*lines, ""], {**meta, "kernels": rows})
+    print(f"wrote {md_path}: {len(rows)} kernels, {len(bad)} with spills or local memory")
     return 1 if bad else 0
 
 

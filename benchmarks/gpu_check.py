@@ -11,8 +11,9 @@ On a machine with an NVIDIA GPU, CUDA (nvcc) and NCCL this:
 4. runs ``benchmarks/kernels.py --device gpu`` (every kernel against a device-to-device copy
    in the same run).
 
-It writes ``gpu-check.md`` (device, driver, versions, and per step the command, exit status,
-time and the tail of its output) to ``--out`` (default ``benchmarks/results/``), and exits
+It writes ``gpu-check.md`` and ``gpu-check.json`` (device, driver, versions, load average, and per
+step the command, exit status, time and the tail of its output) to ``--out`` (default
+``benchmarks/results/``), and exits
 non-zero if any step failed. Without a GPU it says so and exits 2 without running anything.
 
 How to run (from the repository root)::
@@ -24,8 +25,7 @@ How to run (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import datetime
-import platform
+import json
 import shutil
 import subprocess
 import sys
@@ -71,6 +71,7 @@ STEPS = {
     "kernels": [PY, "benchmarks/kernels.py", "--device", "gpu"],
 }
 TAIL_LINES = 40
+PACKAGES = ("jax", "jaxlib", "torch", "nvidia-nccl-cu12", "nvidia-nccl-cu13")
 
 
 def gpu_description() -> str | None:
@@ -88,20 +89,21 @@ def gpu_description() -> str | None:
     return result.stdout.strip()
 
 
-def versions() -> str:
-    """Python, jax, torch, NCCL and nvcc versions, as far as they can be found."""
-    probe = (
-        "import importlib.metadata as m\n"
-        "for p in ('jax', 'jaxlib', 'torch', 'nvidia-nccl-cu12', 'nvidia-nccl-cu13'):\n"
-        "    try: print(p, m.version(p))\n"
-        "    except m.PackageNotFoundError: pass\n"
-    )
-    packages = subprocess.run([PY, "-c", probe], check=False, capture_output=True, text=True)
-    lines = [f"python {platform.python_version()}", *packages.stdout.splitlines()]
-    if shutil.which("nvcc"):
-        nvcc = subprocess.run(["nvcc", "--version"], check=False, capture_output=True, text=True)
-        lines += nvcc.stdout.strip().splitlines()[-1:]
-    return "\n".join(line for line in lines if line)
+def versions_after_build(before: dict) -> dict:
+    """The versions :func:`_common.versions` gives, read in a fresh interpreter (the build step may
+    have replaced the native module this process would report); ``before``, those read at the
+    start, where that interpreter cannot import the package (a failed build)."""
+    probe = f"import _common, json; print(json.dumps(_common.versions({list(PACKAGES)!r})))"
+    result = subprocess.run([PY, "-c", probe], check=False, cwd=Path(__file__).parent, capture_output=True, text=True)
+    return json.loads(result.stdout.splitlines()[-1]) if result.returncode == 0 else before
+
+
+def nvcc_version() -> str:
+    """nvcc's release line, or "not found"."""
+    if shutil.which("nvcc") is None:
+        return "not found"
+    nvcc = subprocess.run(["nvcc", "--version"], check=False, capture_output=True, text=True)
+    return (nvcc.stdout.strip().splitlines() or ["unknown"])[-1]
 
 
 def run_step(name: str, command: list[str], timeout_s: float) -> dict:
@@ -138,19 +140,13 @@ def run_step(name: str, command: list[str], timeout_s: float) -> dict:
     }
 
 
-def write_report(path: Path, device: str, outcomes: list[dict]) -> None:
-    """Write the Markdown report of the run."""
-    when = f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}"
+def report_lines(meta: dict, outcomes: list[dict]) -> list[str]:
+    """The Markdown report of the run."""
     lines = [
         "# GPU check",
         "",
-        f"Run {when} with `python benchmarks/gpu_check.py {' '.join(sys.argv[1:])}`.",
-        "",
-        f"Device: {device}",
-        "",
-        "```",
-        versions(),
-        "```",
+        *_common.header_lines(meta),
+        f"- nvcc: {meta['nvcc']}",
         "",
         "| step | status | seconds |",
         "|---|---|---|",
@@ -167,7 +163,7 @@ def write_report(path: Path, device: str, outcomes: list[dict]) -> None:
             o["tail"],
             "```",
         ]
-    path.write_text("\n".join(lines) + "\n")
+    return [*lines, ""]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -175,17 +171,19 @@ def main(argv: list[str] | None = None) -> int:
     _common.add_subset_option(parser, "--steps", list(STEPS), "steps to run (default: all, in order)")
     parser.add_argument("--skip-build", action="store_true", help="use the installed build")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per step")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    _common.add_out_option(parser)
     args = parser.parse_args(argv)
     device = gpu_description()
     if device is None:
         print("gpu_check: no NVIDIA GPU here (nvidia-smi finds none); nothing was run")
         return 2
     steps = [s for s in args.steps if not (args.skip_build and s == "build")]
+    gpus = "; ".join(device.splitlines())
+    meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("gpu", gpus), PACKAGES)
     outcomes = [run_step(name, STEPS[name], args.timeout) for name in steps]
-    args.out.mkdir(parents=True, exist_ok=True)
-    report = args.out / "gpu-check.md"
-    write_report(report, device, outcomes)
+    _common.finish_meta(meta)
+    meta.update(versions=versions_after_build(meta["versions"]), nvcc=nvcc_version())
+    report, _ = _common.write_results(args.out, "gpu-check", report_lines(meta, outcomes), {**meta, "steps": outcomes})
     print(f"wrote {report}")
     return 0 if all(o["status"] == 0 for o in outcomes) else 1
 

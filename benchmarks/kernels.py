@@ -117,35 +117,36 @@ WARMUP_CALLS, MIN_REPEATS, MAX_REPEATS, QUICK_MAX_REPEATS, TARGET_SECONDS = 3, 3
 # --------------------------------------------------------------------------- plain math
 
 
-def jnp_minmax_compress(x: jax.Array, k: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Chunked 8-bit min-max codes in plain jnp: ``(codes[k, c], lo[k, 1], hi[k, 1])``."""
+def xp_minmax_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any, Any]:
+    """Chunked 8-bit min-max codes: ``(codes[k, c], lo[k, 1], hi[k, 1])``, in NumPy or ``jax.numpy`` (``xp``)."""
     chunks = x.reshape(k, -1)
     lo = chunks.min(axis=1, keepdims=True)
     hi = chunks.max(axis=1, keepdims=True)
-    z, scale, base = jnp_minmax_grid(lo, hi)
-    codes = jnp.clip(jnp.rint((chunks - z) * scale) - base, 0, 255).astype(jnp.uint8)
+    z, scale, base = xp_minmax_grid(xp, lo, hi)
+    codes = xp.clip(xp.rint((chunks - z) * scale) - base, 0, 255).astype(xp.uint8)
     return codes, lo, hi
 
 
-def jnp_minmax_grid(lo: jax.Array, hi: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def xp_minmax_grid(xp: Any, lo: Any, hi: Any) -> tuple[Any, Any, Any]:
     """The SPEC's zero-anchored grid: anchor, scale and base code offset of each chunk."""
-    z = jnp.where((lo <= 0) & (hi >= 0), 0.0, lo)
-    scale = jnp.where(hi > lo, 254.0 / (hi - lo), 0.0)
-    return z, scale, jnp.rint((lo - z) * scale)
+    z = xp.where((lo <= 0) & (hi >= 0), xp.float32(0), lo)
+    with np.errstate(divide="ignore"):  # a constant chunk's 254 / 0 is discarded by the where
+        scale = xp.where(hi > lo, xp.float32(254) / (hi - lo), xp.float32(0))
+    return z, scale, xp.rint((lo - z) * scale)
 
 
-def jnp_minmax_decode(compressed: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
+def xp_minmax_decode(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
     codes, lo, hi = compressed
-    z, _, base = jnp_minmax_grid(lo, hi)
-    return z + (codes.astype(jnp.float32) + base) * ((hi - lo) / 254.0)
+    z, _, base = xp_minmax_grid(xp, lo, hi)
+    return z + (codes.astype(xp.float32) + base) * ((hi - lo) / xp.float32(254))
 
 
-def jnp_minmax_decompress(compressed: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-    return jnp_minmax_decode(compressed).reshape(-1)
+def xp_minmax_decompress(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
+    return xp_minmax_decode(xp, compressed).reshape(-1)
 
 
-def jnp_minmax_decompress_reduce(compressed: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
-    return jnp_minmax_decode(compressed).mean(axis=0)
+def xp_minmax_decompress_reduce(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
+    return xp_minmax_decode(xp, compressed).mean(axis=0)
 
 
 def xp_sign_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any]:
@@ -161,36 +162,6 @@ def xp_sign_decompress(xp: Any, compressed: tuple[Any, Any]) -> Any:
     bits, scale = compressed
     positive = xp.unpackbits(bits, axis=1, bitorder="little").astype(bool)
     return xp.where(positive, scale, -scale).reshape(-1)
-
-
-def np_minmax_compress(x: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    chunks = x.reshape(k, -1)
-    lo = chunks.min(axis=1, keepdims=True)
-    hi = chunks.max(axis=1, keepdims=True)
-    z, scale, base = np_minmax_grid(lo, hi)
-    codes = np.clip(np.rint((chunks - z) * scale) - base, 0, 255).astype(np.uint8)
-    return codes, lo, hi
-
-
-def np_minmax_grid(lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    z = np.where((lo <= 0) & (hi >= 0), np.float32(0), lo)
-    with np.errstate(divide="ignore"):
-        scale = np.where(hi > lo, np.float32(254) / (hi - lo), np.float32(0))
-    return z, scale, np.rint((lo - z) * scale)
-
-
-def np_minmax_decode(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-    codes, lo, hi = compressed
-    z, _, base = np_minmax_grid(lo, hi)
-    return z + (codes.astype(np.float32) + base) * ((hi - lo) / np.float32(254))
-
-
-def np_minmax_decompress(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-    return np_minmax_decode(compressed).reshape(-1)
-
-
-def np_minmax_decompress_reduce(compressed: tuple[np.ndarray, np.ndarray, np.ndarray]) -> np.ndarray:
-    return np_minmax_decode(compressed).mean(axis=0)
 
 
 def torch_minmax_compress(x: Any, k: int) -> tuple[Any, Any, Any]:
@@ -314,9 +285,9 @@ class Jnp(_JaxImplementation):
 
     def __init__(self, n: int, k: int, device: str) -> None:
         super().__init__(n, k, device)
-        self.minmax_compress = jax.jit(partial(jnp_minmax_compress, k=k))
-        self.minmax_decompress = jax.jit(jnp_minmax_decompress)
-        self.minmax_decompress_reduce = jax.jit(jnp_minmax_decompress_reduce)
+        self.minmax_compress = jax.jit(partial(xp_minmax_compress, jnp, k=k))
+        self.minmax_decompress = jax.jit(partial(xp_minmax_decompress, jnp))
+        self.minmax_decompress_reduce = jax.jit(partial(xp_minmax_decompress_reduce, jnp))
         self.sign_compress = jax.jit(partial(xp_sign_compress, jnp, k=k))
         self.sign_decompress = jax.jit(partial(xp_sign_decompress, jnp))
         self.axpy = jax.jit(lambda x, y: x + AXPY_A * y)
@@ -395,9 +366,9 @@ class NumPy(Implementation):
 
     def __init__(self, n: int, k: int, device: str) -> None:
         super().__init__(n, k, device)
-        self.minmax_compress = partial(np_minmax_compress, k=k)
-        self.minmax_decompress = np_minmax_decompress
-        self.minmax_decompress_reduce = np_minmax_decompress_reduce
+        self.minmax_compress = partial(xp_minmax_compress, np, k=k)
+        self.minmax_decompress = partial(xp_minmax_decompress, np)
+        self.minmax_decompress_reduce = partial(xp_minmax_decompress_reduce, np)
         self.sign_compress = partial(xp_sign_compress, np, k=k)
         self.sign_decompress = partial(xp_sign_decompress, np)
         self.axpy = lambda x, y: x + np.float32(AXPY_A) * y

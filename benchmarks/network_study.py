@@ -109,45 +109,18 @@ def job_list(args) -> list[tuple[str, str]]:
 
 def worker_argv(args, framework: str, algorithm: str, result: Path, model: str, convergence: bool) -> list[str]:
     width, layers, image_size = MODELS[model]
-    return [
-        sys.executable,
-        synthetic.__file__,
-        "--worker",
-        "--framework",
-        framework,
-        "--algorithm",
-        algorithm,
-        "--result",
-        str(result),
-        "--model",
-        "mlp",
-        "--batch-size",
-        str(args.batch_size),
-        "--width",
-        str(width),
-        "--layers",
-        str(layers),
-        "--image-size",
-        str(image_size),
-        "--lr",
-        str(args.lr),
-        "--warmup-iters",
-        str(args.warmup_iters),
-        "--iters",
-        str(args.iters),
-        "--batches-per-iter",
-        str(args.batches_per_iter),
-        "--threads",
-        "1",
-        "--comm-timeout",
-        str(args.comm_timeout),
-        "--device",
-        "cpu",
-        "--jax-comm",
-        args.jax_comm,
-        "--convergence-steps",
-        str(args.convergence_steps if convergence else 0),
-    ]
+    shared = ("batch_size", "lr", "warmup_iters", "iters", "batches_per_iter", "comm_timeout", "jax_comm")
+    options = {name: getattr(args, name) for name in shared}
+    options.update(
+        model="mlp",
+        width=width,
+        layers=layers,
+        image_size=image_size,
+        threads=1,
+        device="cpu",
+        convergence_steps=args.convergence_steps if convergence else 0,
+    )
+    return [sys.executable, synthetic.__file__, *synthetic.worker_arguments(framework, algorithm, result, options)]
 
 
 def child_env() -> dict[str, str]:
@@ -486,16 +459,9 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
 
 
 def plot(args, meta, rows, path: Path) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: matplotlib is missing; no plot", file=sys.stderr)
-        return None
     ok = [r for r in rows if r.get("status") == "ok"]
-    if not ok:
+    plt = _common.pyplot() if ok else None  # nothing to chart without a finished job
+    if plt is None:
         return None
     panels = [
         (m, k) for m in dict.fromkeys(r.get("model", "mlp") for r in ok) for k in sorted({r["ranks"] for r in ok})
@@ -522,10 +488,7 @@ def plot(args, meta, rows, path: Path) -> Path | None:
             ax.set_title(f"{fw}, {ranks} ranks, {model} ({parameter_count(model) / 1e6:.2f} M params), CPU, {engine}")
             ax.legend(fontsize=7)
     fig.suptitle("Bagua algorithms over shaped links (tbf, network namespaces)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _common.save_figure(fig, path, dpi=110)
 
 
 def parse_args(argv=None):

@@ -126,6 +126,31 @@ DDP_HOOKS = ("ddp_fp16", "ddp_bf16", "ddp_powersgd_rank1", "ddp_powersgd_rank4")
 NUM_CLASSES = 10
 CHANNELS = 3
 HERE = Path(__file__).resolve()
+# The settings a job's step time depends on, recorded with the results.
+TIMING_SETTINGS = (
+    "model",
+    "batch_size",
+    "width",
+    "layers",
+    "image_size",
+    "lr",
+    "warmup_iters",
+    "iters",
+    "batches_per_iter",
+    "threads",
+)
+# What a job passes on to its worker processes: the timing settings and the rest of the run's.
+WORKER_OPTIONS = (
+    *TIMING_SETTINGS,
+    "comm_timeout",
+    "device",
+    "jax_comm",
+    "convergence_steps",
+    "digits_batch",
+    "digits_hidden",
+    "digits_lr",
+    "digits_adam_lr",
+)
 
 
 # --------------------------------------------------------------------------- models
@@ -636,52 +661,18 @@ def worker_command(args: argparse.Namespace, algorithm: str, result: Path) -> li
     ]
     if args.framework == "jax" and algorithm != BASELINES["jax"] and args.jax_comm == "mpi":
         launch.append("--mpi")
-    return launch + [
-        str(HERE),
-        "--worker",
-        "--framework",
-        args.framework,
-        "--algorithm",
-        algorithm,
-        "--result",
-        str(result),
-        "--model",
-        args.model,
-        "--batch-size",
-        str(args.batch_size),
-        "--width",
-        str(args.width),
-        "--layers",
-        str(args.layers),
-        "--image-size",
-        str(args.image_size),
-        "--lr",
-        str(args.lr),
-        "--warmup-iters",
-        str(args.warmup_iters),
-        "--iters",
-        str(args.iters),
-        "--batches-per-iter",
-        str(args.batches_per_iter),
-        "--threads",
-        str(args.threads),
-        "--comm-timeout",
-        str(args.comm_timeout),
-        "--device",
-        args.device,
-        "--jax-comm",
-        args.jax_comm,
-        "--convergence-steps",
-        str(args.convergence_steps),
-        "--digits-batch",
-        str(args.digits_batch),
-        "--digits-hidden",
-        str(args.digits_hidden),
-        "--digits-lr",
-        str(args.digits_lr),
-        "--digits-adam-lr",
-        str(args.digits_adam_lr),
-    ]
+    options = {name: getattr(args, name) for name in WORKER_OPTIONS}
+    return [*launch, str(HERE), *worker_arguments(args.framework, algorithm, result, options)]
+
+
+def worker_arguments(framework: str, algorithm: str, result: Path, options: dict[str, Any]) -> list[str]:
+    """One worker process's arguments: ``--worker``, its framework, algorithm and result file, then
+    ``options`` as flags (``batch_size=8`` becomes ``--batch-size 8``); options left out keep
+    their defaults."""
+    argv = ["--worker", "--framework", framework, "--algorithm", algorithm, "--result", str(result)]
+    for name, value in options.items():
+        argv += [f"--{name.replace('_', '-')}", str(value)]
+    return argv
 
 
 def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: _common.Progress, done: int) -> dict[str, Any]:
@@ -896,16 +887,9 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
 
 
 def plot(args: argparse.Namespace, rows: Sequence[dict[str, Any]], path: Path, meta: dict[str, Any]) -> Path | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("note: --plot needs matplotlib (pip install matplotlib); no chart written", file=sys.stderr)
-        return None
     ok = [r for r in rows if r.get("status") == "ok"]
-    if not ok:
+    plt = _common.pyplot() if ok else None  # nothing to chart without a finished job
+    if plt is None:
         return None
     names = [r["algorithm"] for r in ok]
     colors = [
@@ -932,10 +916,7 @@ def plot(args: argparse.Namespace, rows: Sequence[dict[str, Any]], path: Path, m
         fontsize=10,
     )
     plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _common.save_figure(fig, path, dpi=110)
 
 
 def select_algorithms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -1030,9 +1011,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"--convergence-steps must be >= 0 and --digits-batch a multiple of --nproc ({args.nproc})")
     if args.warmup_iters < 1:
         parser.error("--warmup-iters must be at least 1 (the first iteration compiles)")
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if args.threads is None:
-        args.threads = max(1, cores // args.nproc)
+        args.threads = max(1, _common.cores() // args.nproc)
     if args.worker:
         args.algorithm = args.algorithm[0]
     return args
@@ -1058,21 +1038,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
         baseline=BASELINES[args.framework],
         oversubscribed=args.device == "cpu" and args.nproc > device["cores"],
         parameters=parameter_count(args),
-        settings={
-            k: getattr(args, k)
-            for k in (
-                "model",
-                "batch_size",
-                "width",
-                "layers",
-                "image_size",
-                "lr",
-                "warmup_iters",
-                "iters",
-                "batches_per_iter",
-                "threads",
-            )
-        },
+        settings={name: getattr(args, name) for name in TIMING_SETTINGS},
         notes=notes,
     )
     if meta["oversubscribed"]:

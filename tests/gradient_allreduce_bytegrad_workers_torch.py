@@ -252,8 +252,7 @@ def overlap(rank: int) -> dict:
         def __init__(self):
             super().__init__()
             torch.manual_seed(1)
-            self.a = nn.Linear(8, 8)
-            self.b = nn.Linear(8, 8)
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)  # registered (and drawn) a first
 
         def forward(self, x):
             return self.a(torch.tanh(self.b(x)))

@@ -19,9 +19,14 @@ def as_input(values: np.ndarray, dtype) -> np.ndarray:
     return values.astype(dtype)
 
 
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("k", CHUNKS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def each_size_chunking_and_dtype(test):
+    """Run ``test`` for every size ``n`` in SIZES, chunk count ``k`` in CHUNKS and ``dtype`` in DTYPES."""
+    test = pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)(test)
+    test = pytest.mark.parametrize("k", CHUNKS)(test)
+    return pytest.mark.parametrize("n", SIZES)(test)
+
+
+@each_size_chunking_and_dtype
 def test_minmax_roundtrip_matches_reference(rng, n, k, dtype):
     x = as_input(random_values(rng, n), dtype)
     expected, _ = ref.minmax_compress(x, k)
@@ -47,9 +52,7 @@ def assert_within_minmax_bound(x: np.ndarray, decoded: np.ndarray, k: int) -> No
         assert np.all(np.abs(decoded[b:e].astype(np.float64) - seg) <= bound)
 
 
-@pytest.mark.parametrize("n", SIZES)
-@pytest.mark.parametrize("k", CHUNKS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+@each_size_chunking_and_dtype
 def test_sign_roundtrip_matches_reference(rng, n, k, dtype):
     x = as_input(random_values(rng, n), dtype)
     expected, _ = ref.sign_compress(x, k)

@@ -5,11 +5,11 @@
 //
 // Prints "N passed, M failed"; exits non-zero on any failure.
 #include <climits>
-#include <cstdio>
 #include <string>
 
 #include "cuda_geometry.h"
 #include "layout.h"
+#include "tally.h"
 
 namespace {
 
@@ -18,17 +18,7 @@ using bagua::Format;
 using Wide = __int128;
 namespace geo = bagua::cuda_geometry;
 
-int g_passed = 0;
-int g_failed = 0;
-
-void expect(bool ok, const std::string& what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("FAIL %s\n", what.c_str());
-  }
-}
+using tally::expect;
 
 Wide wide_ceil(Wide a, Wide b) { return (a + b - 1) / b; }
 
@@ -111,6 +101,5 @@ int main() {
   // The launch helpers on their own at their edges.
   expect(geo::grid_size(int64_t{1} << 40, 1056) == 1056, "grid_size clamps to resident");
   expect(geo::grid_size(0, 1056) == 1, "grid_size launches at least one block");
-  std::printf("%d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return tally::summary();
 }

@@ -9,7 +9,6 @@
 // for a few cases to DIR (listed in DIR/cases.txt), which
 // tests/test_cuda_shim.py compares with tests/kernels_reference.py.
 #include <cmath>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -21,6 +20,7 @@
 #include "cuda_runtime.h"
 #include "kernels.h"
 #include "layout.h"
+#include "tally.h"
 
 namespace bagua::kernels::generic {
 BAGUA_DECLARE_KERNELS(Cpu)
@@ -65,12 +65,8 @@ class Buffer {
   int64_t offset_;
 };
 
-int g_passed = 0;
-int g_failed = 0;
-
 void report(const std::string& name, const std::string& problem) {
-  std::printf("FAIL %s: %s\n", name.c_str(), problem.c_str());
-  ++g_failed;
+  tally::fail(name + ": " + problem);
 }
 
 void check_status(const std::string& name, const char* who, const Status& s, bool& ok) {
@@ -184,7 +180,7 @@ void check_compress(Format format, int64_t n, int64_t k, int64_t offset, bool fe
     ok = ok && same_bytes(name, "compressed (scales excepted)", out_cpu, out_gpu);
   }
   if (!ok) return;
-  ++g_passed;
+  ++tally::passed;
 
   // Decompress the CPU's bytes with both devices into buffers at the same offset.
   Buffer<T> dec_cpu(n, offset), dec_gpu(n, offset);
@@ -202,7 +198,7 @@ void check_compress(Format format, int64_t n, int64_t k, int64_t offset, bool fe
     check_status(dname, "cuda",
                  gpu::sign_decompress(Cuda{nullptr}, out_cpu.data(), n, k, dec_gpu.data()), ok);
   }
-  if (ok && same_bytes(dname, "decoded", dec_cpu, dec_gpu)) ++g_passed;
+  if (ok && same_bytes(dname, "decoded", dec_cpu, dec_gpu)) ++tally::passed;
 }
 
 // k single-chunk buffers of m elements each, decoded and summed or averaged.
@@ -213,32 +209,24 @@ void check_decompress_reduce(Format format, int64_t m, int64_t k, bool average, 
   random_fill(x, rng, amplitude);
   Buffer<uint8_t> packed(bagua::compressed_bytes(format, m * k, k), 0);
   bool ok = true;
-  const Status s =
-      format == Format::kMinMaxUInt8
-          ? cpu::minmax_compress(Cpu{}, x.data(), nullptr, m * k, k, packed.data(), nullptr)
-          : cpu::sign_compress(Cpu{}, x.data(), nullptr, m * k, k, packed.data(), nullptr);
+  const bool minmax = format == Format::kMinMaxUInt8;
+  uint8_t* codes = packed.data();
+  const Status s = minmax ? cpu::minmax_compress(Cpu{}, x.data(), nullptr, m * k, k, codes, nullptr)
+                          : cpu::sign_compress(Cpu{}, x.data(), nullptr, m * k, k, codes, nullptr);
   check_status(name, "cpu compress", s, ok);
   Buffer<T> out_cpu(m, 0), out_gpu(m, 0);
   out_cpu.fill_bytes(0x33);
   out_gpu.fill_bytes(0x44);
-  if (format == Format::kMinMaxUInt8) {
-    check_status(name, "cpu",
-                 cpu::minmax_decompress_reduce(Cpu{}, packed.data(), m, k, average, out_cpu.data()),
-                 ok);
-    check_status(
-        name, "cuda",
-        gpu::minmax_decompress_reduce(Cuda{nullptr}, packed.data(), m, k, average, out_gpu.data()),
-        ok);
-  } else {
-    check_status(name, "cpu",
-                 cpu::sign_decompress_reduce(Cpu{}, packed.data(), m, k, average, out_cpu.data()),
-                 ok);
-    check_status(
-        name, "cuda",
-        gpu::sign_decompress_reduce(Cuda{nullptr}, packed.data(), m, k, average, out_gpu.data()),
-        ok);
-  }
-  if (ok && same_bytes(name, "reduced", out_cpu, out_gpu)) ++g_passed;
+  check_status(name, "cpu",
+               minmax ? cpu::minmax_decompress_reduce(Cpu{}, codes, m, k, average, out_cpu.data())
+                      : cpu::sign_decompress_reduce(Cpu{}, codes, m, k, average, out_cpu.data()),
+               ok);
+  check_status(
+      name, "cuda",
+      minmax ? gpu::minmax_decompress_reduce(Cuda{nullptr}, codes, m, k, average, out_gpu.data())
+             : gpu::sign_decompress_reduce(Cuda{nullptr}, codes, m, k, average, out_gpu.data()),
+      ok);
+  if (ok && same_bytes(name, "reduced", out_cpu, out_gpu)) ++tally::passed;
 }
 
 // The four elementwise helpers, inputs and output at `offset`.
@@ -283,7 +271,7 @@ void check_elementwise(int64_t n, int64_t offset, std::mt19937& rng, const std::
     bool ok = true;
     check_status(hname, "cpu", run(false, out_cpu.data()), ok);
     check_status(hname, "cuda", run(true, out_gpu.data()), ok);
-    if (ok && same_bytes(hname, "output", out_cpu, out_gpu)) ++g_passed;
+    if (ok && same_bytes(hname, "output", out_cpu, out_gpu)) ++tally::passed;
   }
 }
 
@@ -431,7 +419,7 @@ int main(int argc, char** argv) {
     dump_dtype<float>(argv[2], list);
     dump_dtype<Half>(argv[2], list);
     dump_dtype<BFloat16>(argv[2], list);
-    return g_failed == 0 ? 0 : 1;
+    return tally::failed == 0 ? 0 : 1;
   }
   const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
   int shape_turn = 0;
@@ -439,6 +427,5 @@ int main(int argc, char** argv) {
   run_dtype<Half>(quick, shape_turn);
   run_dtype<BFloat16>(quick, shape_turn);
   run_extremes(shape_turn);
-  std::printf("%d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return tally::summary();
 }

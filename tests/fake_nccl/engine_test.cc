@@ -6,7 +6,6 @@
 //
 // Prints "N passed, M failed"; exits non-zero on any failure.
 #include <chrono>
-#include <cstdio>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -15,6 +14,7 @@
 
 #include "fake_nccl.h"
 #include "nccl_communicator.h"
+#include "tally.h"
 
 namespace {
 
@@ -25,17 +25,7 @@ using bagua::Status;
 using Clock = std::chrono::steady_clock;
 using fake_nccl::kForever;
 
-int g_passed = 0;
-int g_failed = 0;
-
-void expect(bool ok, const std::string& what) {
-  if (ok) {
-    ++g_passed;
-  } else {
-    ++g_failed;
-    std::printf("FAIL %s\n", what.c_str());
-  }
-}
+using tally::expect;
 
 bool contains(const std::string& text, const std::string& part) {
   return text.find(part) != std::string::npos;
@@ -283,6 +273,5 @@ int main() {
   creation_waits_then_times_out();
   unique_id_reaches_every_rank();
   split_hands_out_the_child_or_aborts_both();
-  std::printf("%d passed, %d failed\n", g_passed, g_failed);
-  return g_failed == 0 ? 0 : 1;
+  return tally::summary();
 }
