@@ -131,7 +131,8 @@ def tuning_knobs(
     """The knobs worth tuning in this job, each with its candidates, the value in force first.
 
     The bucket size (``bucket_bytes`` now, then :func:`bucket_candidates` of the model's
-    ``total_bytes``) is always searched. ``hierarchical`` is the algorithm's current value (None
+    ``total_bytes``, less those that, like the current one, hold the whole model: they give the
+    same buckets) is always searched. ``hierarchical`` is the algorithm's current value (None
     when it has no such field); it is searched only when the job has two levels (``two_levels``)
     and the flag is exact for ``algorithm``, since on one level both values run the same flat
     allreduce. ``mpi_ring_min_bytes`` is the world communicator's threshold when its engine is
@@ -139,9 +140,9 @@ def tuning_knobs(
     against every allreduce taking the ring and none doing so. The result passes
     :func:`check_knobs` (which raises for knobs that change ``algorithm``'s numbers).
     """
-    knobs: dict[str, list[Any]] = {
-        "bucket_bytes": [bucket_bytes, *(b for b in bucket_candidates(total_bytes) if b != bucket_bytes)]
-    }
+    one_bucket = bucket_bytes >= total_bytes
+    others = (b for b in bucket_candidates(total_bytes) if b != bucket_bytes and not (one_bucket and b >= total_bytes))
+    knobs: dict[str, list[Any]] = {"bucket_bytes": [bucket_bytes, *others]}
     if (
         hierarchical is not None
         and two_levels

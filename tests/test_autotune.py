@@ -112,6 +112,9 @@ def test_knobs_without_effect_in_the_job_are_not_searched():
         return tuning_knobs("gradient_allreduce", bucket_bytes=2**22, total_bytes=2**23, **job)
 
     assert knobs() == {"bucket_bytes": [2**22, 2**20, 2**24]}
+    # Bucket sizes that hold the whole model, as the current one does, give the same single bucket.
+    whole = tuning_knobs("gradient_allreduce", bucket_bytes=10 * 2**20, total_bytes=3 * 2**20)
+    assert whole == {"bucket_bytes": [10 * 2**20, 2**20]}
     # One level: hierarchical and flat run the same allreduce. No MPI ring between nodes: no threshold.
     assert set(knobs(hierarchical=False, two_levels=False)) == {"bucket_bytes"}
     assert set(knobs(two_levels=True)) == {"bucket_bytes"}  # the algorithm has no such field
