@@ -83,9 +83,10 @@ class BucketTuner:
         self._world = world
         self._device = device
         layout = [world.size, communicators.intra.size if communicators.hierarchical else world.size]
+        engine = world.engine if isinstance(world, NativeCommunicator) else type(world).__name__
         self._session = TuningSession(
             knobs,
-            key=cache_key(job_digest, layout, type(world).__name__, algorithm.name),
+            key=cache_key(job_digest, layout, engine, algorithm.name),
             mode=mode,
             rank=world.rank,
             broadcast=self._broadcast,
