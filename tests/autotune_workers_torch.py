@@ -58,10 +58,10 @@ def tuned_against_plain(cache_path: str) -> dict:
     return out
 
 
-def knobs_between_nodes(cache_path: str, steps: int) -> dict:
-    """Four ranks as two nodes of two (the native MPI engine; MPICH makes each process its own node), trained
-    without and with tuning: per step the bucket size, hierarchical flag and ring thresholds in force, and the
-    final parameters."""
+def knobs_on_two_levels(cache_path: str, steps: int) -> dict:
+    """Four ranks as two nodes of two (the native MPI engine), trained without and with tuning: per step the
+    bucket size, hierarchical flag, whether two levels are in use and the ring thresholds in force; the final
+    parameters."""
     import bagua_torch
 
     os.environ["BAGUA_AUTOTUNE_CACHE"] = cache_path
