@@ -31,8 +31,9 @@ def test_ranks_switch_together_and_tuning_leaves_gradient_allreduce_bit_identica
 
 @pytest.mark.parametrize("between_nodes", [False, True], ids=["one-node", "between-nodes"])
 def test_hierarchical_and_ring_threshold_switch_on_every_rank_at_the_same_step(tmp_path, between_nodes):
-    """Four native MPI ranks as two nodes of two (``LOCAL_WORLD_SIZE=2``): the tuner switches ``hierarchical``
-    (and the bucket size) at the same steps on every rank; world, intra and inter keep one ring threshold.
+    """Four native MPI ranks as two nodes of two (``LOCAL_WORLD_SIZE=2``; rank 3 slowed at random): the tuner
+    switches ``hierarchical`` (and the bucket size) at the same steps on every rank; world, intra and inter keep
+    one ring threshold.
 
     On one node the ring threshold has no effect and is not searched, and the parameters end bit-identical to
     the untuned run's: MPICH's allreduce of four ranks adds ranks 0+1 and 2+3 first, as the two levels do, and
