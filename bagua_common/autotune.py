@@ -301,8 +301,10 @@ class TuningCache:
 class TuningSession:
     """One job's tuning of ``knobs`` (see :func:`tuning_knobs`), cache included.
 
-    With ``mode`` ``cached`` and a setting stored under ``key``, that setting is :attr:`current`
-    and nothing is searched. Otherwise an :class:`InBandTuner` (given ``tuner_options``) searches
+    With ``mode`` ``cached`` and a setting of the grid stored under ``key`` in rank 0's ``cache``
+    (default: :class:`TuningCache` at its default path), rank 0 broadcasts it, it is
+    :attr:`current` on every rank and nothing is searched: ranks on other nodes, whose caches may
+    differ, follow rank 0's. Otherwise an :class:`InBandTuner` (given ``tuner_options``) searches
     :func:`grid` of the knobs, and once it has decided, rank 0 stores the whole setting with every
     candidate's median. Every rank calls :meth:`step_finished` at the same steps.
     """
@@ -315,13 +317,19 @@ class TuningSession:
         mode: str,
         rank: int,
         broadcast: Broadcast,
+        cache: TuningCache | None = None,
         **tuner_options: Any,
     ) -> None:
-        self._cache = TuningCache()
+        self._cache = cache if cache is not None else TuningCache()
         self._key = key
         self._rank = rank
-        self.cached: dict[str, Any] | None = self._cache.get(key) if mode == "cached" else None
         self._settings = grid(knobs)
+        self.cached: dict[str, Any] | None = None
+        if mode == "cached":
+            stored = self._cache.get(key) if rank == 0 else None
+            index = self._settings.index(stored) if stored in self._settings else -1
+            index = int(broadcast(np.array([index, 0], np.int32))[0])
+            self.cached = self._settings[index] if index >= 0 else None
         self._tuner = InBandTuner(self._settings, rank=rank, broadcast=broadcast, **tuner_options)
 
     @property

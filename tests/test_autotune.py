@@ -12,6 +12,7 @@ from bagua_common.autotune import (
     RING_NEVER,
     InBandTuner,
     TuningCache,
+    TuningSession,
     autotune_mode,
     cache_key,
     check_knobs,
@@ -140,12 +141,10 @@ def test_mode_is_validated(monkeypatch):
 KNOBS = {"bucket_bytes": [2**20, 2**22, 2**24, 2**26]}
 
 
-def run_ranks(n, step_time, steps, knobs=KNOBS, **tuner_options):
-    """Run ``n`` ranks as threads whose broadcast really is rank 0's vector; returns each rank's switches
-    (step, setting) and its final setting."""
+def on_thread_ranks(n, rank_main):
+    """Run ``rank_main(rank, broadcast)`` on ``n`` threads whose ``broadcast`` really is rank 0's vector."""
     barrier = threading.Barrier(n)
     slot = {}
-    settings = grid(knobs)
 
     def broadcast_from(rank):
         def broadcast(vector):
@@ -158,22 +157,28 @@ def run_ranks(n, step_time, steps, knobs=KNOBS, **tuner_options):
 
         return broadcast
 
+    threads = [threading.Thread(target=rank_main, args=(r, broadcast_from(r))) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads)
+
+
+def run_ranks(n, step_time, steps, knobs=KNOBS, **tuner_options):
+    """Run ``n`` tuners on thread ranks; returns each rank's switches (step, setting) and its final setting."""
+    settings = grid(knobs)
     switches = [[] for _ in range(n)]
 
-    def rank_main(rank):
-        tuner = InBandTuner(settings, rank=rank, broadcast=broadcast_from(rank), **tuner_options)
+    def rank_main(rank, broadcast):
+        tuner = InBandTuner(settings, rank=rank, broadcast=broadcast, **tuner_options)
         for step in range(steps):
             change = tuner.step_finished(step_time(rank, step, tuner.current))
             if change is not None:
                 switches[rank].append((step, change))
         switches[rank].append(("final", tuner.current, tuner.finished))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=30)
-    assert not any(t.is_alive() for t in threads)
+    on_thread_ranks(n, rank_main)
     return switches
 
 
@@ -225,3 +230,24 @@ def test_cache_round_trip_is_keyed_and_atomic(tmp_path):
     cache.path.write_text("[1, 2")
     with pytest.raises(ValueError, match="unreadable"):
         cache.get(key)
+
+
+def test_a_cached_run_follows_rank_0s_cache_on_every_rank(tmp_path):
+    """Ranks on other nodes have other cache files (here: one empty, one with another choice); all start from
+    rank 0's stored setting. A stored setting outside today's grid is not used: every rank tunes."""
+    knobs = {**KNOBS, "hierarchical": [False, True]}
+    key = cache_key("digest", [3], "mpi", "gradient_allreduce")
+    caches = [TuningCache(tmp_path / f"rank{r}.json") for r in range(3)]
+    caches[0].put(key, {"bucket_bytes": 2**24, "hierarchical": True})
+    caches[2].put(key, {"bucket_bytes": 2**20, "hierarchical": False})
+    outcome = [None] * 3
+
+    def rank_main(rank, broadcast):
+        session = TuningSession(knobs, key=key, mode="cached", rank=rank, broadcast=broadcast, cache=caches[rank])
+        outcome[rank] = (session.finished, session.current, session.step_finished(1.0))
+
+    on_thread_ranks(3, rank_main)
+    assert outcome == [(True, {"bucket_bytes": 2**24, "hierarchical": True}, None)] * 3
+    caches[0].put(key, {"bucket_bytes": 2**30, "hierarchical": True})
+    on_thread_ranks(3, rank_main)
+    assert outcome == [(False, grid(knobs)[0], None)] * 3
