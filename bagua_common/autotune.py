@@ -9,10 +9,14 @@ rank applies rank 0's decision: per-rank timing noise cannot make ranks disagree
 switches the setting before the next step, after its pending communication has finished (a
 bucket resize racing with communication corrupted gradients in Horovod, #1282).
 
-Only knobs that leave the numbers unchanged are tuned by default: for compressed algorithms the
-quantization chunks follow bucket boundaries, so their bucket size is tuned only when the user
-allows a change of numerics. Results are cached on disk, keyed by model, world, engine and
-algorithm, so the next run starts tuned (``BAGUA_AUTOTUNE=cached``).
+The knobs (:func:`tuning_knobs`): the bucket size; ``hierarchical`` or flat, when the job has two
+levels (intra- and inter-node communicators, or a 2-D mesh) and the algorithm has the field; the
+MPI engine's ring threshold, when the engine is MPI and its ranks span nodes. A knob without an
+effect in the job is not searched. Only knobs that leave the numbers unchanged (up to the order
+of a sum) are tuned by default: for compressed algorithms the quantization chunks follow bucket
+boundaries, and their hierarchical form compresses other values, so those knobs are tuned only
+when the user allows a change of numerics. The whole chosen setting is cached on disk, keyed by
+model, world, engine and algorithm, so the next run starts tuned (``BAGUA_AUTOTUNE=cached``).
 """
 
 from __future__ import annotations
@@ -38,8 +42,16 @@ MODES = ("off", "once", "cached")
 # decentralized quantize per bucket chunk; PowerSGD and custom algorithms are unproven) may
 # have its bucket size tuned only when the user allows its numbers to change.
 BUCKET_EXACT_ALGORITHMS = frozenset({"gradient_allreduce", "decentralized", "async"})
-# Knobs whose every value gives the same numbers for any algorithm.
-EXACT_KNOBS = frozenset({"hierarchical", "mpi_ring_min_bytes"})
+# Algorithms whose hierarchical form adds the same values as the flat one (in another order). For
+# the others it changes the numbers: ByteGrad, QAdam and 1-bit Adam compress only between nodes,
+# the decentralized algorithms average inside the node before exchanging.
+HIERARCHICAL_EXACT_ALGORITHMS = frozenset({"gradient_allreduce"})
+# Knobs whose every value gives the same numbers (up to the order of a sum) for any algorithm.
+EXACT_KNOBS = frozenset({"mpi_ring_min_bytes"})
+# The ring threshold's candidates besides the one in force: every allreduce between nodes takes the
+# engine's ring, or none does (a threshold beyond any message; JSON keeps it exactly).
+RING_ALWAYS = 0
+RING_NEVER = 2**62
 
 Broadcast = Callable[[np.ndarray], np.ndarray]  # int32 [k] from rank 0 -> the same on every rank
 
@@ -61,13 +73,21 @@ def check_knobs(algorithm: str, knobs: Mapping[str, Sequence[Any]], *, allow_num
     """Refuse to tune a knob that would change ``algorithm``'s numbers, unless the user allows it.
 
     ``knobs`` maps each knob's name to its candidate values. ``bucket_bytes`` (and torch's
-    ``first_bucket_bytes``) are exact for the full-precision algorithms only; unknown knobs are
-    refused because nothing says they are exact.
+    ``first_bucket_bytes``) are exact for the full-precision algorithms only, ``hierarchical`` for
+    gradient allreduce only; unknown knobs are refused because nothing says they are exact.
     """
     for name, values in knobs.items():
         if len(values) == 0:
             raise ValueError(f"autotune: knob {name!r} has no candidate values")
         if name in EXACT_KNOBS or allow_numerics_change:
+            continue
+        if name == "hierarchical":
+            if algorithm not in HIERARCHICAL_EXACT_ALGORITHMS:
+                raise ValueError(
+                    f"autotune: {algorithm}'s hierarchical form computes other numbers than its flat one (it "
+                    "compresses or averages at other places), so tune hierarchical only with "
+                    "allow_numerics_change=True"
+                )
             continue
         if name in ("bucket_bytes", "first_bucket_bytes"):
             if algorithm not in BUCKET_EXACT_ALGORITHMS:
@@ -90,11 +110,55 @@ def bucket_candidates(total_bytes: int) -> list[int]:
 
 
 def grid(knobs: Mapping[str, Sequence[Any]]) -> list[dict[str, Any]]:
-    """Every combination of the knobs' values, as settings (dicts), in a fixed order."""
+    """Every combination of the knobs' values, as settings (dicts), in a fixed order; the first takes
+    every knob's first value."""
     settings: list[dict[str, Any]] = [{}]
     for name in sorted(knobs):
         settings = [{**s, name: v} for s in settings for v in knobs[name]]
     return settings
+
+
+def tuning_knobs(
+    algorithm: str,
+    *,
+    bucket_bytes: int,
+    total_bytes: int,
+    hierarchical: bool | None = None,
+    two_levels: bool = False,
+    mpi_ring_min_bytes: int | None = None,
+    allow_numerics_change: bool = False,
+) -> dict[str, list[Any]]:
+    """The knobs worth tuning in this job, each with its candidates, the value in force first.
+
+    The bucket size (``bucket_bytes`` now, then :func:`bucket_candidates` of the model's
+    ``total_bytes``, less those that, like the current one, hold the whole model: they give the
+    same buckets) is always searched. ``hierarchical`` is the algorithm's current value (None
+    when it has no such field); it is searched only when the job has two levels (``two_levels``)
+    and the flag is exact for ``algorithm``, since on one level both values run the same flat
+    allreduce. ``mpi_ring_min_bytes`` is the world communicator's threshold when its engine is
+    MPI and its ranks span nodes (None otherwise: the threshold then has no effect); it is tried
+    against every allreduce taking the ring and none doing so. The result passes
+    :func:`check_knobs` (which raises for knobs that change ``algorithm``'s numbers).
+    """
+    one_bucket = bucket_bytes >= total_bytes
+    others = (b for b in bucket_candidates(total_bytes) if b != bucket_bytes and not (one_bucket and b >= total_bytes))
+    knobs: dict[str, list[Any]] = {"bucket_bytes": [bucket_bytes, *others]}
+    if (
+        hierarchical is not None
+        and two_levels
+        and (allow_numerics_change or algorithm in HIERARCHICAL_EXACT_ALGORITHMS)
+    ):
+        knobs["hierarchical"] = [hierarchical, not hierarchical]
+    if mpi_ring_min_bytes is not None:
+        others = (b for b in (RING_ALWAYS, RING_NEVER) if b != mpi_ring_min_bytes)
+        knobs["mpi_ring_min_bytes"] = [mpi_ring_min_bytes, *others]
+    check_knobs(algorithm, knobs, allow_numerics_change=allow_numerics_change)
+    return knobs
+
+
+def setting_label(setting: Mapping[str, Any]) -> str:
+    """A setting as text, ``"bucket_bytes=1048576 hierarchical=True"``: the key of its median in reports."""
+    return " ".join(f"{name}={setting[name]}" for name in sorted(setting))
 
 
 class InBandTuner:
@@ -232,3 +296,61 @@ class TuningCache:
         with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as out:
             json.dump(data, out, indent=1, sort_keys=True)
         os.replace(out.name, self.path)
+
+
+class TuningSession:
+    """One job's tuning of ``knobs`` (see :func:`tuning_knobs`), cache included.
+
+    With ``mode`` ``cached`` and a setting of the grid stored under ``key`` in rank 0's ``cache``
+    (default: :class:`TuningCache` at its default path), rank 0 broadcasts it, it is
+    :attr:`current` on every rank and nothing is searched: ranks on other nodes, whose caches may
+    differ, follow rank 0's. Otherwise an :class:`InBandTuner` (given ``tuner_options``) searches
+    :func:`grid` of the knobs, and once it has decided, rank 0 stores the whole setting with every
+    candidate's median. Every rank calls :meth:`step_finished` at the same steps.
+    """
+
+    def __init__(
+        self,
+        knobs: Mapping[str, Sequence[Any]],
+        *,
+        key: str,
+        mode: str,
+        rank: int,
+        broadcast: Broadcast,
+        cache: TuningCache | None = None,
+        **tuner_options: Any,
+    ) -> None:
+        self._cache = cache if cache is not None else TuningCache()
+        self._key = key
+        self._rank = rank
+        self._settings = grid(knobs)
+        self.cached: dict[str, Any] | None = None
+        if mode == "cached":
+            stored = self._cache.get(key) if rank == 0 else None
+            index = self._settings.index(stored) if stored in self._settings else -1
+            index = int(broadcast(np.array([index, 0], np.int32))[0])
+            self.cached = self._settings[index] if index >= 0 else None
+        self._tuner = InBandTuner(self._settings, rank=rank, broadcast=broadcast, **tuner_options)
+
+    @property
+    def finished(self) -> bool:
+        """True once the setting is decided (or came from the cache)."""
+        return self.cached is not None or self._tuner.finished
+
+    @property
+    def current(self) -> dict[str, Any]:
+        """The setting in force: the cached one, else the tuner's."""
+        return dict(self.cached) if self.cached is not None else self._tuner.current
+
+    def medians(self) -> dict[str, float]:
+        """Rank 0's median sample time per searched setting, by :func:`setting_label` (empty elsewhere)."""
+        return {setting_label(self._settings[i]): s for i, s in self._tuner.medians().items()}
+
+    def step_finished(self, seconds: float | None) -> dict[str, Any] | None:
+        """:meth:`InBandTuner.step_finished`, storing the decision when it is made; None once finished."""
+        if self.finished:
+            return None
+        change = self._tuner.step_finished(seconds)
+        if self._tuner.finished and self._rank == 0:
+            self._cache.put(self._key, self._tuner.current, self.medians())
+        return change

@@ -48,3 +48,22 @@ def load_engine(kind: str) -> ModuleType:
     module = importlib.import_module(ENGINE_MODULES[kind])
     finalize_at_exit(module)
     return module
+
+
+def mpi_ring_min_bytes(value: object, engine: str, communicator: str) -> int:
+    """``value`` as the MPI engine's ring threshold in bytes, checked: an int >= 0, on an MPI communicator.
+
+    ``engine`` and ``communicator`` (how the errors name it) say where it is being set.
+    """
+    mpi_setting(engine, communicator, "the ring threshold")
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"the MPI ring threshold must be an int (bytes), got {value!r}")
+    if value < 0:
+        raise ValueError(f"the MPI ring threshold must be >= 0 bytes, got {value}")
+    return value
+
+
+def mpi_setting(engine: str, communicator: str, what: str) -> None:
+    """Raise a ValueError unless ``engine`` is MPI: ``what`` is a setting of the MPI engine only."""
+    if engine != "mpi":
+        raise ValueError(f"{what} is the MPI engine's; {communicator} uses {engine.upper()}")

@@ -1,13 +1,17 @@
-"""Bucket-size tuning for :class:`~bagua_jax.trainer.DataParallel`, in the job, before the first step.
+"""Tuning :class:`~bagua_jax.trainer.DataParallel`'s exact knobs, in the job, before the first step.
 
-Under ``jit`` a bucket layout is compiled into the step, so measuring candidates with the user's
-own step would recompile the whole model once per candidate. Instead each candidate is timed on
-the communication-only program: a :class:`DataParallel` step of the same algorithm over the same
-parameters whose loss is ``0.5 * |params|^2`` (its gradient is the parameters: real values through
-the kernels) and whose optimizer is ``sgd(0)``. Each candidate costs the compile of that small
-program (reported in :attr:`BucketTuning.compile_s`) plus its samples; the training step is then
-compiled once, with the winner. The search is :class:`bagua_common.autotune.InBandTuner`: rank 0
-decides and broadcasts, so every process ends with the same bucket size.
+The knobs (:func:`bagua_common.autotune.tuning_knobs`): the bucket size; ``hierarchical`` on a
+2-D mesh ``("inter", "intra")`` when the algorithm has the field; the MPI ring threshold over a
+native MPI communicator whose ranks span nodes. Under ``jit`` a bucket layout and the hierarchical
+flag are compiled into the step, so measuring candidates with the user's own step would recompile
+the whole model once per candidate. Instead each candidate is timed on the communication-only
+program: a :class:`DataParallel` step of the same algorithm over the same parameters whose loss is
+``0.5 * |params|^2`` (its gradient is the parameters: real values through the kernels) and whose
+optimizer is ``sgd(0)``. Each bucket size and flag costs the compile of that small program
+(reported in :attr:`BucketTuning.compile_s`) plus its samples; the ring threshold is the
+communicator's run-time state, so switching it compiles nothing. The training step is then
+compiled once, with the winner. The search is :class:`bagua_common.autotune.TuningSession`:
+rank 0 decides and broadcasts, so every process ends with the same setting.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from jax.experimental import multihost_utils
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
-from bagua_common.autotune import InBandTuner, TuningCache, autotune_mode, bucket_candidates, cache_key, check_knobs
+from bagua_common.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
 from bagua_jax.algorithms.base import Algorithm
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
@@ -32,12 +36,18 @@ from bagua_jax.signature import job_signature
 
 @dataclasses.dataclass(frozen=True)
 class BucketTuning:
-    """What tuning chose and what it cost: the bucket size, every candidate's median, compile seconds."""
+    """What tuning chose and what it cost: the whole ``setting`` (knob -> value; ``bucket_bytes`` is its bucket
+    size), every searched setting's median by :func:`~bagua_common.autotune.setting_label`, compile seconds."""
 
-    bucket_bytes: int
-    medians_s: dict[int, float]
+    setting: dict[str, Any]
+    medians_s: dict[str, float]
     compile_s: float
     from_cache: bool
+
+    @property
+    def bucket_bytes(self) -> int:
+        """The chosen bucket size."""
+        return int(self.setting["bucket_bytes"])
 
 
 def _half_square(params: Any, batch: Any) -> jax.Array:
@@ -55,11 +65,14 @@ def tune_bucket_bytes(
     allow_numerics_change: bool = False,
     steps_per_sample: int = 5,
 ) -> BucketTuning | None:
-    """Tune ``algorithm.bucket_bytes`` for ``params`` on this job; None when autotuning is off.
+    """Tune ``algorithm``'s bucket size (and its other exact knobs that have an effect here) for ``params`` on this
+    job; None when autotuning is off.
 
     Call it on every process at once (it communicates). ``mode`` is ``off``, ``once`` or ``cached``
     (default: ``BAGUA_AUTOTUNE``); ``cached`` reuses a stored result for the same model, world,
-    engine and algorithm. Compressed algorithms are refused unless ``allow_numerics_change``.
+    engine and algorithm. Compressed algorithms are refused unless ``allow_numerics_change``. The
+    chosen ring threshold is left set on ``communicator``; the caller applies the other knobs
+    (:func:`algorithm_setting`).
     """
     from bagua_jax.trainer import DataParallel
 
@@ -67,13 +80,19 @@ def tune_bucket_bytes(
     if mode == "off":
         return None
     registry_name = _registry_name(algorithm)
-    check_knobs(registry_name, {"bucket_bytes": [0]}, allow_numerics_change=allow_numerics_change)
-    world = [int(np.prod(mesh.devices.shape))] if mesh is not None else [communicator.size]
+    ring = communicator is not None and communicator.kind == "mpi" and communicator.spans_nodes
+    knobs = tuning_knobs(
+        registry_name,
+        bucket_bytes=algorithm.bucket_bytes,
+        total_bytes=ravel_pytree(params)[0].nbytes,
+        hierarchical=getattr(algorithm, "hierarchical", None),
+        two_levels=mesh is not None and len(mesh.axis_names) == 2,
+        mpi_ring_min_bytes=communicator.mpi_ring_min_bytes if ring else None,
+        allow_numerics_change=allow_numerics_change,
+    )
+    world = list(mesh.devices.shape) if mesh is not None else [communicator.size]
     engine = communicator.kind if communicator is not None else "lax"
     key = cache_key(job_signature(params, algorithm).digest().hex(), world, engine, registry_name)
-    cache = TuningCache()
-    if mode == "cached" and (stored := cache.get(key)) is not None:
-        return BucketTuning(int(stored["bucket_bytes"]), {}, 0.0, True)
 
     if mesh is not None:
         rank = jax.process_index()
@@ -87,20 +106,24 @@ def tune_bucket_bytes(
         def broadcast(vector: np.ndarray) -> np.ndarray:
             return np.asarray(send(jnp.asarray(vector, jnp.int32)))
 
-    start = algorithm.bucket_bytes
-    candidates = [start, *(b for b in bucket_candidates(ravel_pytree(params)[0].nbytes) if b != start)]
-    settings = [{"bucket_bytes": b} for b in candidates]
-    tuner = InBandTuner(settings, rank=rank, broadcast=broadcast, warmup_steps=1, steps_per_sample=steps_per_sample)
+    session = TuningSession(
+        knobs, key=key, mode=mode, rank=rank, broadcast=broadcast, warmup_steps=1, steps_per_sample=steps_per_sample
+    )
     compile_s = 0.0
-    programs: dict[int, tuple[DataParallel, Any]] = {}
-    while not tuner.finished:
-        bucket = tuner.current["bucket_bytes"]
-        if bucket not in programs:
+    programs: dict[tuple[tuple[str, Any], ...], tuple[DataParallel, Any]] = {}
+    while True:
+        setting = session.current
+        if "mpi_ring_min_bytes" in setting and setting["mpi_ring_min_bytes"] != communicator.mpi_ring_min_bytes:
+            communicator.set_mpi_ring_min_bytes(setting["mpi_ring_min_bytes"])
+        if session.finished:
+            break
+        compiled = algorithm_setting(setting)
+        if compiled not in programs:
             start = time.perf_counter()
             trainer = DataParallel(
                 _half_square,
                 optax.sgd(0.0),
-                dataclasses.replace(algorithm, bucket_bytes=bucket),
+                dataclasses.replace(algorithm, **dict(compiled)),
                 mesh=mesh,
                 communicator=communicator,
                 autotune="off",
@@ -108,16 +131,17 @@ def tune_bucket_bytes(
             state = trainer.init(params)
             jax.block_until_ready(trainer.step(state, _empty_batch(trainer, mesh)))
             compile_s += time.perf_counter() - start
-            programs[bucket] = (trainer, state)
-        trainer, state = programs[bucket]
+            programs[compiled] = (trainer, state)
+        trainer, state = programs[compiled]
         start = time.perf_counter()
         jax.block_until_ready(trainer.step(state, _empty_batch(trainer, mesh)))
-        tuner.step_finished(time.perf_counter() - start)
-    best = tuner.current["bucket_bytes"]
-    medians = {candidates[i]: s for i, s in tuner.medians().items()}
-    if rank == 0:
-        cache.put(key, {"bucket_bytes": best}, {str(b): s for b, s in medians.items()})
-    return BucketTuning(best, medians, compile_s, False)
+        session.step_finished(time.perf_counter() - start)
+    return BucketTuning(setting, session.medians(), compile_s, session.cached is not None)
+
+
+def algorithm_setting(setting: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    """The knobs of ``setting`` that are fields of the algorithm (compiled into its step), as sorted pairs."""
+    return tuple((name, value) for name, value in sorted(setting.items()) if name in ("bucket_bytes", "hierarchical"))
 
 
 def _empty_batch(trainer: Any, mesh: Mesh | None) -> Any:

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.comm_timeout import timeout_seconds
-from bagua_common.engines import REDUCE_OP_CODES
+from bagua_common.engines import REDUCE_OP_CODES, mpi_ring_min_bytes, mpi_setting
 from bagua_jax import native_collectives as nc
 from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
 from bagua_jax.engines import engine
@@ -76,6 +76,32 @@ class NativeCommunicator:
         """The ranks with the same ``color``, ordered by ``key`` (e.g. one per node for the
         intra-node group of a hierarchical algorithm). Every rank must call it."""
         return NativeCommunicator(self.engine.split(self.handle, int(color), int(key), name), self.kind)
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the ranks span more than one node (MPI's view: no shared memory between them); MPI only."""
+        mpi_setting(self.kind, f"communicator handle {self.handle}", "spans_nodes")
+        return bool(self.engine.spans_nodes(self.handle))
+
+    @property
+    def mpi_ring_min_bytes(self) -> int:
+        """The size in bytes from which allreduces take the engine's ring when the ranks span nodes; MPI only.
+
+        1 MiB unless ``BAGUA_MPI_RING_MIN_BYTES`` says otherwise; a split starts with its parent's.
+        """
+        mpi_setting(self.kind, f"communicator handle {self.handle}", "the ring threshold")
+        return int(self.engine.ring_min_bytes(self.handle))
+
+    def set_mpi_ring_min_bytes(self, value: int) -> None:
+        """Set :attr:`mpi_ring_min_bytes` for the collectives dispatched after this call.
+
+        It is the engine's run-time state, not part of any compiled program: switching it recompiles
+        nothing. It first waits for the collectives already dispatched (``jax.effects_barrier``), so
+        they keep the old threshold. Every rank must set the same value at the same point.
+        """
+        value = mpi_ring_min_bytes(value, self.kind, f"communicator handle {self.handle}")
+        jax.effects_barrier()
+        self.engine.set_ring_min_bytes(self.handle, value)
 
     def close(self) -> None:
         """Release the communicator (it is freed once no call uses it)."""

@@ -33,7 +33,7 @@ from jax.sharding import PartitionSpec as P
 
 from bagua_common.autotune import autotune_mode
 from bagua_jax.algorithms.base import Algorithm, Communicators, check_float_params
-from bagua_jax.autotune import BucketTuning, tune_bucket_bytes
+from bagua_jax.autotune import BucketTuning, algorithm_setting, tune_bucket_bytes
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import check_ranks_agree
@@ -80,9 +80,10 @@ class DataParallel:
       the same class, its ``params``, ``opt_state``, ``step`` (and ``batch_stats``) replaced.
 
     ``autotune`` (``off``, ``once`` or ``cached``; default ``BAGUA_AUTOTUNE``, off when unset)
-    tunes the algorithm's bucket size in :meth:`init` with :func:`bagua_jax.autotune.tune_bucket_bytes`
-    (the result is in :attr:`bucket_tuning`); compressed algorithms refuse it, since their bucket
-    layout changes their numbers.
+    tunes the algorithm's bucket size (and, where they have an effect, ``hierarchical`` and the MPI
+    ring threshold) in :meth:`init` with :func:`bagua_jax.autotune.tune_bucket_bytes` (the result is
+    in :attr:`bucket_tuning`); compressed algorithms refuse it, since their bucket layout changes
+    their numbers.
     """
 
     def __init__(
@@ -263,7 +264,7 @@ class DataParallel:
             self.bucket_tuning = tune_bucket_bytes(
                 params, self._algorithm, mesh=self._mesh, communicator=self._communicator, mode=self._autotune
             )
-            self._use(dataclasses.replace(self._algorithm, bucket_bytes=self.bucket_tuning.bucket_bytes))
+            self._use(dataclasses.replace(self._algorithm, **dict(algorithm_setting(self.bucket_tuning.setting))))
         if self._mesh is None:
             params = jax.tree.map(jnp.asarray, params)
             model_state = jax.tree.map(jnp.asarray, model_state)

@@ -1,96 +1,124 @@
-"""Bucket-size tuning of a wrapped torch model, between its training steps.
+"""Tuning a wrapped torch model's exact knobs between its training steps.
 
 The wrapper (:class:`~bagua_torch.distributed.BaguaModule`) calls :meth:`BucketTuner.step` at
 every training forward, after pending communication has finished; the time between two calls is
-one step. :class:`bagua_common.autotune.InBandTuner` decides: rank 0 searches, its choice is
+one step. :class:`bagua_common.autotune.TuningSession` decides: rank 0 searches, its choice is
 broadcast over the job's world communicator at step counts fixed in advance, and every rank
-re-buckets at the same step. Re-bucketing rebuilds the algorithm for the new buckets, so only
-algorithms without state tied to the buckets are tuned: gradient allreduce. The result is cached
-(``BAGUA_AUTOTUNE=cached`` starts the next run tuned).
+switches at the same step. The knobs (:func:`bagua_common.autotune.tuning_knobs`): the bucket
+size; ``hierarchical`` when the job has intra- and inter-node communicators; the MPI ring
+threshold when the world communicator is the native MPI engine and spans nodes. Re-bucketing and
+switching ``hierarchical`` rebuild the algorithm, so only algorithms without state tied to the
+buckets are tuned: gradient allreduce. The whole setting is cached (``BAGUA_AUTOTUNE=cached``
+starts the next run tuned).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import torch
 
-from bagua_common.autotune import InBandTuner, TuningCache, autotune_mode, bucket_candidates, cache_key, check_knobs
-from bagua_torch.communicator import Communicator
+from bagua_common.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
+from bagua_common.topology import Communicators
+from bagua_torch.communicator import NativeCommunicator
 
 # Re-bucketing mid-run rebuilds the algorithm: only stateless ones survive it unchanged.
 REBUCKETABLE = frozenset({"gradient_allreduce"})
 
 
-class BucketTuner:
-    """Tunes a wrapped model's bucket size over its first steps (see the module docstring).
+def ring_communicator(communicators: Communicators) -> NativeCommunicator | None:
+    """The world communicator if the MPI ring threshold has an effect on it (native MPI, spanning nodes), else None."""
+    world = communicators.world
+    if isinstance(world, NativeCommunicator) and world.engine == "mpi" and world.spans_nodes:
+        return world
+    return None
 
-    ``cached_bucket_bytes`` is the stored choice when ``mode`` is ``cached`` and one exists (the
-    wrapper then starts with it and :attr:`finished` is true at once).
+
+def set_mpi_ring_min_bytes(communicators: Communicators, value: int) -> None:
+    """Set the MPI ring threshold on each of the job's distinct communicators (world, intra, inter)."""
+    for comm in {id(c): c for c in communicators if c is not None}.values():
+        comm.set_mpi_ring_min_bytes(value)
+
+
+class BucketTuner:
+    """Tunes a wrapped model's bucket size, and where they have an effect ``hierarchical`` and the MPI ring
+    threshold, over its first steps (see the module docstring).
+
+    ``algorithm`` is the wrapper's algorithm configuration. When ``mode`` is ``cached`` and a
+    setting is stored, :attr:`cached` holds it (the wrapper starts with it and :attr:`finished`
+    is true at once).
     """
 
     def __init__(
         self,
         *,
-        algorithm: str,
+        algorithm: Any,
         total_bytes: int,
         start_bytes: int,
-        world: Communicator,
+        communicators: Communicators,
         device: torch.device,
         job_digest: str,
         mode: str,
         warmup_steps: int = 5,
         steps_per_sample: int = 5,
     ) -> None:
-        check_knobs(algorithm, {"bucket_bytes": [start_bytes]})
-        if algorithm not in REBUCKETABLE:
+        ring = ring_communicator(communicators)
+        knobs = tuning_knobs(
+            algorithm.name,
+            bucket_bytes=start_bytes,
+            total_bytes=total_bytes,
+            hierarchical=getattr(algorithm, "hierarchical", None),
+            two_levels=communicators.hierarchical,
+            mpi_ring_min_bytes=ring.mpi_ring_min_bytes if ring is not None else None,
+        )
+        if algorithm.name not in REBUCKETABLE:
             raise ValueError(
-                f"autotune: {algorithm} keeps state per bucket, which re-bucketing between steps would lose; "
+                f"autotune: {algorithm.name} keeps state per bucket, which re-bucketing between steps would lose; "
                 f"PyTorch tunes {', '.join(sorted(REBUCKETABLE))} only"
             )
+        world = communicators.world
         self._world = world
         self._device = device
-        self._key = cache_key(job_digest, [world.size], type(world).__name__, algorithm)
-        self._cache = TuningCache()
-        stored = self._cache.get(self._key) if mode == "cached" else None
-        self.cached_bucket_bytes: int | None = int(stored["bucket_bytes"]) if stored else None
-        candidates = bucket_candidates(total_bytes)
-        if start_bytes in candidates:
-            candidates.remove(start_bytes)
-        self._candidates = [start_bytes, *candidates]
-        self._tuner = InBandTuner(
-            [{"bucket_bytes": b} for b in self._candidates],
+        layout = [world.size, communicators.intra.size if communicators.hierarchical else world.size]
+        engine = world.engine if isinstance(world, NativeCommunicator) else type(world).__name__
+        self._session = TuningSession(
+            knobs,
+            key=cache_key(job_digest, layout, engine, algorithm.name),
+            mode=mode,
             rank=world.rank,
             broadcast=self._broadcast,
             warmup_steps=warmup_steps,
             steps_per_sample=steps_per_sample,
         )
+        self.cached: dict[str, Any] | None = self._session.cached
         self._last: float | None = None
 
     @property
     def finished(self) -> bool:
-        """True once the bucket size is decided (or came from the cache)."""
-        return self.cached_bucket_bytes is not None or self._tuner.finished
+        """True once the setting is decided (or came from the cache)."""
+        return self._session.finished
+
+    @property
+    def current(self) -> dict[str, Any]:
+        """The setting in force."""
+        return self._session.current
 
     def _broadcast(self, vector: np.ndarray) -> np.ndarray:
         tensor = torch.from_numpy(np.ascontiguousarray(vector, np.int32)).to(self._device)
         return self._world.broadcast(tensor, 0).cpu().numpy()
 
-    def step(self) -> int | None:
-        """Call at every training step's start on every rank; returns a new bucket size to switch to, or None."""
+    def step(self) -> Mapping[str, Any] | None:
+        """Call at every training step's start on every rank; returns a setting to switch to, or None."""
         if self.finished:
             return None
         now = time.perf_counter()
         last, self._last = self._last, now
         if last is None:
             return None
-        change = self._tuner.step_finished(now - last)
-        if self._tuner.finished and self._world.rank == 0:
-            medians = {str(self._candidates[i]): s for i, s in self._tuner.medians().items()}
-            self._cache.put(self._key, self._tuner.current, medians)
-        return None if change is None else int(change["bucket_bytes"])
+        return self._session.step_finished(now - last)
 
 
 def tuner_for(mode: str | None, **settings: Any) -> BucketTuner | None:

@@ -43,8 +43,9 @@ What happens, in order (the algorithm's side is described in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 import numpy as np
@@ -59,7 +60,7 @@ from bagua_torch.algorithms.base import (
     AlgorithmImpl,
     Communicators,
 )
-from bagua_torch.autotune import tuner_for
+from bagua_torch.autotune import set_mpi_ring_min_bytes, tuner_for
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from bagua_torch.communicator import Communicator
 from bagua_torch.job import communicators_from
@@ -173,16 +174,16 @@ class BaguaModule(nn.Module):
         self._named = tuple(named)
         self.bucket_tuner = tuner_for(
             autotune,
-            algorithm=algorithm.name,
+            algorithm=algorithm,
             total_bytes=sum(p.numel() * p.element_size() for _, p in named),
             start_bytes=bucket_bytes,
-            world=world,
+            communicators=self.communicators,
             device=self.device,
             job_digest=signature.digest().hex(),
         )
-        if self.bucket_tuner is not None and self.bucket_tuner.cached_bucket_bytes is not None:
-            bucket_bytes = self.bucket_tuner.cached_bucket_bytes
         self._build(bucket_bytes)
+        if self.bucket_tuner is not None and self.bucket_tuner.cached is not None:
+            self._retune(self.bucket_tuner.cached)
         self._require_sync = True  # False inside no_sync()
         self._closed = False
         self._handles: list[Any] = []
@@ -213,8 +214,17 @@ class BaguaModule(nn.Module):
         self.algorithm_impl: AlgorithmImpl = impl
         self.reducer = Reducer(self.buckets, impl, wait_at_backward_end=self.sync_point == "backward")
 
-    def _rebucket(self, bucket_bytes: int) -> None:
-        """Switch to buckets of ``bucket_bytes`` between steps (no communication is pending)."""
+    def _retune(self, setting: Mapping[str, Any]) -> None:
+        """Switch to a tuned ``setting`` between steps (no communication is pending): set the MPI ring
+        threshold, and rebuild the buckets and algorithm if the bucket size or ``hierarchical`` changed."""
+        if "mpi_ring_min_bytes" in setting:
+            set_mpi_ring_min_bytes(self.communicators, setting["mpi_ring_min_bytes"])
+        algorithm = self.algorithm
+        if "hierarchical" in setting:
+            algorithm = dataclasses.replace(algorithm, hierarchical=setting["hierarchical"])
+        bucket_bytes = setting.get("bucket_bytes", self.bucket_bytes)
+        if (bucket_bytes, algorithm) == (self.bucket_bytes, self.algorithm):
+            return
         if self.reducer.gradients_in_buckets:
             raise RuntimeError(
                 "autotune cannot re-bucket a model whose optimizer was fused onto its buckets "
@@ -223,6 +233,7 @@ class BaguaModule(nn.Module):
         events = self.reducer.events
         self.reducer.close()
         self.algorithm_impl.close()
+        self.algorithm = algorithm
         self._build(bucket_bytes)
         self.reducer.events = events
 
@@ -255,8 +266,8 @@ class BaguaModule(nn.Module):
             raise RuntimeError("this BaguaModule has been closed")
         if self.training and torch.is_grad_enabled():
             self.wait_gradients()  # finish a reduction still pending from the last iteration
-            if self.bucket_tuner is not None and (bucket_bytes := self.bucket_tuner.step()) is not None:
-                self._rebucket(bucket_bytes)
+            if self.bucket_tuner is not None and (setting := self.bucket_tuner.step()) is not None:
+                self._retune(setting)
             self.reducer.enabled = self._require_sync and bool(self.algorithm_impl.need_gradient_hooks)
             if self.broadcast_buffers:
                 _broadcast(self.communicators.world, list(self.module.buffers()))
@@ -361,8 +372,9 @@ def with_bagua(
     :func:`bagua_torch.init_process_group`), ``bucket_bytes`` (default 10 MiB) bounding each
     communication bucket, ``sync_point`` and ``broadcast_buffers`` (each forward; buffers are
     always broadcast once on wrap), and ``autotune`` (``off``, ``once``, ``cached``; default
-    ``BAGUA_AUTOTUNE``), which tunes the bucket size over the first steps
-    (:mod:`bagua_torch.autotune`; gradient allreduce only).
+    ``BAGUA_AUTOTUNE``), which tunes the bucket size, and where they have an effect ``hierarchical``
+    and the MPI ring threshold, over the first steps (:mod:`bagua_torch.autotune`; gradient
+    allreduce only).
     """
     return BaguaModule(model, optimizers, algorithm, **options)
 

@@ -1,4 +1,7 @@
-"""One rank of a native-engine job that tunes its bucket size in DataParallel.init and prints the choice."""
+"""One rank of a native-engine job that tunes its knobs in DataParallel.init and prints the choice, the searched
+settings and its communicator's ring threshold afterwards."""
+
+import json
 
 import numpy as np
 import optax
@@ -18,4 +21,6 @@ params = {"w": rng.standard_normal((768, 768)).astype(np.float32)}
 trainer = DataParallel(loss_fn, optax.sgd(0.01), GradientAllReduce(), communicator=comm, autotune="once")
 state = trainer.init(params)
 state, loss = trainer.step(state, rng.standard_normal((8, 768)).astype(np.float32))
-print(f"chosen {trainer.bucket_tuning.bucket_bytes} candidates {sorted(trainer.bucket_tuning.medians_s)}", flush=True)
+tuning = trainer.bucket_tuning
+print(f"chosen {json.dumps(tuning.setting, sort_keys=True)} ring {comm.mpi_ring_min_bytes}", flush=True)
+print(f"searched {json.dumps(sorted(tuning.medians_s))}", flush=True)

@@ -7,7 +7,19 @@ import threading
 import numpy as np
 import pytest
 
-from bagua_common.autotune import InBandTuner, TuningCache, autotune_mode, cache_key, check_knobs, grid
+from bagua_common.autotune import (
+    RING_ALWAYS,
+    RING_NEVER,
+    InBandTuner,
+    TuningCache,
+    TuningSession,
+    autotune_mode,
+    cache_key,
+    check_knobs,
+    grid,
+    setting_label,
+    tuning_knobs,
+)
 from bagua_common.successive_halving import SuccessiveHalving, minimize
 
 BUCKETS = [2**k for k in range(16, 29)]  # 64 KiB .. 256 MiB, as the tuner's grid
@@ -74,13 +86,47 @@ def test_compressed_algorithms_refuse_bucket_tuning_without_opt_in(algorithm):
     with pytest.raises(ValueError, match="depend on its bucket layout"):
         check_knobs(algorithm, {"bucket_bytes": BUCKETS})
     check_knobs(algorithm, {"bucket_bytes": BUCKETS}, allow_numerics_change=True)
-    check_knobs(algorithm, {"hierarchical": [False, True]})
+    with pytest.raises(ValueError, match="hierarchical form computes other numbers"):
+        check_knobs(algorithm, {"hierarchical": [False, True]})
+    check_knobs(algorithm, {"hierarchical": [False, True]}, allow_numerics_change=True)
+    check_knobs(algorithm, {"mpi_ring_min_bytes": [0, 2**20]})
+    with pytest.raises(ValueError, match="depend on its bucket layout"):
+        tuning_knobs(algorithm, bucket_bytes=2**20, total_bytes=2**24, hierarchical=True, two_levels=True)
+
+
+@pytest.mark.parametrize("algorithm", ["decentralized", "async"])
+def test_full_precision_averaging_tunes_buckets_but_not_a_hierarchy_that_changes_its_mixing(algorithm):
+    with pytest.raises(ValueError, match="hierarchical form"):
+        check_knobs(algorithm, {"hierarchical": [False, True]})
+    knobs = tuning_knobs(algorithm, bucket_bytes=2**20, total_bytes=2**24, hierarchical=True, two_levels=True)
+    assert set(knobs) == {"bucket_bytes"}
 
 
 def test_full_precision_algorithms_tune_buckets_and_unknown_knobs_are_refused():
     check_knobs("gradient_allreduce", {"bucket_bytes": BUCKETS, "hierarchical": [False, True]})
     with pytest.raises(ValueError, match="not a knob known"):
         check_knobs("gradient_allreduce", {"learning_rate": [0.1, 0.01]})
+
+
+def test_knobs_without_effect_in_the_job_are_not_searched():
+    def knobs(**job):
+        return tuning_knobs("gradient_allreduce", bucket_bytes=2**22, total_bytes=2**23, **job)
+
+    assert knobs() == {"bucket_bytes": [2**22, 2**20, 2**24]}
+    # Bucket sizes that hold the whole model, as the current one does, give the same single bucket.
+    whole = tuning_knobs("gradient_allreduce", bucket_bytes=10 * 2**20, total_bytes=3 * 2**20)
+    assert whole == {"bucket_bytes": [10 * 2**20, 2**20]}
+    # One level: hierarchical and flat run the same allreduce. No MPI ring between nodes: no threshold.
+    assert set(knobs(hierarchical=False, two_levels=False)) == {"bucket_bytes"}
+    assert set(knobs(two_levels=True)) == {"bucket_bytes"}  # the algorithm has no such field
+    assert knobs(hierarchical=True, two_levels=True)["hierarchical"] == [True, False]
+    assert knobs(mpi_ring_min_bytes=2**20)["mpi_ring_min_bytes"] == [2**20, RING_ALWAYS, RING_NEVER]
+    assert knobs(mpi_ring_min_bytes=0)["mpi_ring_min_bytes"] == [0, RING_NEVER]
+    both = knobs(hierarchical=False, two_levels=True, mpi_ring_min_bytes=2**20)
+    settings = grid(both)
+    assert len(settings) == 3 * 2 * 3
+    assert settings[0] == {"bucket_bytes": 2**22, "hierarchical": False, "mpi_ring_min_bytes": 2**20}
+    assert len({setting_label(s) for s in settings}) == len(settings)
 
 
 def test_mode_is_validated(monkeypatch):
@@ -92,11 +138,13 @@ def test_mode_is_validated(monkeypatch):
         autotune_mode("always")
 
 
-def run_ranks(n, step_time, steps, **tuner_options):
-    """Run ``n`` ranks as threads whose broadcast really is rank 0's vector; returns each rank's switches."""
+KNOBS = {"bucket_bytes": [2**20, 2**22, 2**24, 2**26]}
+
+
+def on_thread_ranks(n, rank_main):
+    """Run ``rank_main(rank, broadcast)`` on ``n`` threads whose ``broadcast`` really is rank 0's vector."""
     barrier = threading.Barrier(n)
     slot = {}
-    settings = grid({"bucket_bytes": [2**20, 2**22, 2**24, 2**26]})
 
     def broadcast_from(rank):
         def broadcast(vector):
@@ -109,42 +157,56 @@ def run_ranks(n, step_time, steps, **tuner_options):
 
         return broadcast
 
-    switches = [[] for _ in range(n)]
-
-    def rank_main(rank):
-        tuner = InBandTuner(settings, rank=rank, broadcast=broadcast_from(rank), **tuner_options)
-        for step in range(steps):
-            change = tuner.step_finished(step_time(rank, step, tuner.current["bucket_bytes"]))
-            if change is not None:
-                switches[rank].append((step, change["bucket_bytes"]))
-        switches[rank].append(("final", tuner.current["bucket_bytes"], tuner.finished))
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    threads = [threading.Thread(target=rank_main, args=(r, broadcast_from(r))) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
+
+
+def run_ranks(n, step_time, steps, knobs=KNOBS, **tuner_options):
+    """Run ``n`` tuners on thread ranks; returns each rank's switches (step, setting) and its final setting."""
+    settings = grid(knobs)
+    switches = [[] for _ in range(n)]
+
+    def rank_main(rank, broadcast):
+        tuner = InBandTuner(settings, rank=rank, broadcast=broadcast, **tuner_options)
+        for step in range(steps):
+            change = tuner.step_finished(step_time(rank, step, tuner.current))
+            if change is not None:
+                switches[rank].append((step, change))
+        switches[rank].append(("final", tuner.current, tuner.finished))
+
+    on_thread_ranks(n, rank_main)
     return switches
 
 
-def test_every_rank_switches_at_the_same_step_despite_timing_skew():
+def test_every_rank_switches_every_knob_at_the_same_step_despite_timing_skew():
     rng = np.random.default_rng(0)
-    skew = rng.uniform(0.5, 2.0, size=(4, 400))  # each rank sees its own, very different, timings
+    steps = 1200
+    skew = rng.uniform(0.5, 2.0, size=(4, steps))  # each rank sees its own, very different, timings
+    knobs = {**KNOBS, "hierarchical": [False, True], "mpi_ring_min_bytes": [2**20, RING_ALWAYS, RING_NEVER]}
 
-    def step_time(rank, step, bucket):
-        return (1.0 + 0.1 * abs(np.log2(bucket) - 24)) * skew[rank, step]
+    def step_time(rank, step, setting):
+        base = 1.0 + 0.5 * abs(np.log2(setting["bucket_bytes"]) - 24)
+        base += 1.0 * (not setting["hierarchical"]) + 0.7 * (setting["mpi_ring_min_bytes"] != RING_ALWAYS)
+        return base * skew[rank, step]
 
-    switches = run_ranks(4, step_time, steps=400, warmup_steps=3, steps_per_sample=5, samples_per_round=2)
+    switches = run_ranks(4, step_time, steps, knobs, warmup_steps=3, steps_per_sample=5, samples_per_round=2)
     assert all(s == switches[0] for s in switches), switches
-    assert switches[0][-1] == ("final", 2**24, True)
-    assert len(switches[0]) > 2  # it really switched, more than once
+    best = {"bucket_bytes": 2**24, "hierarchical": True, "mpi_ring_min_bytes": RING_ALWAYS}
+    assert switches[0][-1] == ("final", best, True)
+    path = [grid(knobs)[0]] + [setting for _, setting in switches[0][:-1]]
+    changed = {name for before, after in zip(path, path[1:]) for name in knobs if before[name] != after[name]}
+    assert changed == set(knobs)  # it really switched each knob, at least once
 
 
 def test_a_setting_that_timed_out_once_is_dropped_even_if_otherwise_fastest():
     seen = [0, 0]
 
-    def step_time(rank, step, bucket):
+    def step_time(rank, step, setting):
+        bucket = setting["bucket_bytes"]
         if bucket != 2**20:
             return 1.0 + abs(np.log2(bucket) - 22) * 0.1
         seen[rank] += 1
@@ -152,7 +214,7 @@ def test_a_setting_that_timed_out_once_is_dropped_even_if_otherwise_fastest():
 
     switches = run_ranks(2, step_time, steps=200, warmup_steps=0, steps_per_sample=3, samples_per_round=3)
     assert switches[0] == switches[1]
-    assert switches[0][-1] == ("final", 2**22, True)
+    assert switches[0][-1] == ("final", {"bucket_bytes": 2**22}, True)
 
 
 def test_cache_round_trip_is_keyed_and_atomic(tmp_path):
@@ -168,3 +230,24 @@ def test_cache_round_trip_is_keyed_and_atomic(tmp_path):
     cache.path.write_text("[1, 2")
     with pytest.raises(ValueError, match="unreadable"):
         cache.get(key)
+
+
+def test_a_cached_run_follows_rank_0s_cache_on_every_rank(tmp_path):
+    """Ranks on other nodes have other cache files (here: one empty, one with another choice); all start from
+    rank 0's stored setting. A stored setting outside today's grid is not used: every rank tunes."""
+    knobs = {**KNOBS, "hierarchical": [False, True]}
+    key = cache_key("digest", [3], "mpi", "gradient_allreduce")
+    caches = [TuningCache(tmp_path / f"rank{r}.json") for r in range(3)]
+    caches[0].put(key, {"bucket_bytes": 2**24, "hierarchical": True})
+    caches[2].put(key, {"bucket_bytes": 2**20, "hierarchical": False})
+    outcome = [None] * 3
+
+    def rank_main(rank, broadcast):
+        session = TuningSession(knobs, key=key, mode="cached", rank=rank, broadcast=broadcast, cache=caches[rank])
+        outcome[rank] = (session.finished, session.current, session.step_finished(1.0))
+
+    on_thread_ranks(3, rank_main)
+    assert outcome == [(True, {"bucket_bytes": 2**24, "hierarchical": True}, None)] * 3
+    caches[0].put(key, {"bucket_bytes": 2**30, "hierarchical": True})
+    on_thread_ranks(3, rank_main)
+    assert outcome == [(False, grid(knobs)[0], None)] * 3

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import subprocess
 import sys
@@ -13,6 +15,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
+from bagua_common.autotune import setting_label
 from bagua_jax.algorithms import ByteGrad, GradientAllReduce
 from bagua_jax.trainer import DataParallel
 
@@ -65,10 +68,24 @@ def test_tuning_picks_a_candidate_stores_it_and_a_cached_run_reuses_it(rng, tmp_
     tuned.step(state, batches(rng, 1)[0])
     tuning = tuned.bucket_tuning
     assert tuning is not None and not tuning.from_cache
-    assert tuning.bucket_bytes in tuning.medians_s and tuning.compile_s > 0
+    assert setting_label(tuning.setting) in tuning.medians_s and tuning.compile_s > 0
+    assert all("hierarchical" not in label and "mpi_ring" not in label for label in tuning.medians_s)  # no effect here
     cached = trainer(2**20, autotune="cached")
     cached.init(params)
     assert cached.bucket_tuning.from_cache and cached.bucket_tuning.bucket_bytes == tuning.bucket_bytes
+
+
+def test_a_two_level_mesh_searches_hierarchical_and_trains_with_the_choice(rng, tmp_path, monkeypatch):
+    monkeypatch.setenv("BAGUA_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("inter", "intra"))
+    params = model(rng)
+    tuned = DataParallel(loss_fn, optax.adam(1e-2), GradientAllReduce(bucket_bytes=2**20), mesh=mesh, autotune="once")
+    tuned.init(params)
+    tuning = tuned.bucket_tuning
+    searched = {label.split("hierarchical=")[1] for label in tuning.medians_s}
+    assert searched == {"False", "True"} and not any("mpi_ring" in label for label in tuning.medians_s)
+    assert tuned.algorithm.hierarchical == tuning.setting["hierarchical"]
+    assert tuned.algorithm.bucket_bytes == tuning.bucket_bytes
 
 
 def test_autotune_is_off_by_default_and_refused_for_compressed_algorithms(rng, monkeypatch):
@@ -81,15 +98,22 @@ def test_autotune_is_off_by_default_and_refused_for_compressed_algorithms(rng, m
         compressed.init(model(rng))
 
 
-def test_every_rank_of_a_native_job_chooses_the_same_bucket_size(tmp_path):
+def test_every_rank_of_a_native_job_between_nodes_chooses_the_same_setting(tmp_path):
+    """MPICH's MPIR_CVAR_NOLOCAL=1 makes each process its own node, so the ring threshold has an effect and is
+    searched; the winner is left set on the communicator, the same on every rank."""
     run = subprocess.run(
         [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", "--mpi", "tests/autotune_workers_jax.py"],
         capture_output=True,
         text=True,
         timeout=240,
         cwd=ROOT,
-        env={**__import__("os").environ, "BAGUA_AUTOTUNE_CACHE": str(tmp_path / "autotune.json")},
+        env={**os.environ, "BAGUA_AUTOTUNE_CACHE": str(tmp_path / "autotune.json"), "MPIR_CVAR_NOLOCAL": "1"},
     )
     assert run.returncode == 0, run.stdout + run.stderr
-    chosen = re.findall(r"\[rank (\d)\] chosen (\d+)", run.stdout)
-    assert sorted(r for r, _ in chosen) == ["0", "1"] and chosen[0][1] == chosen[1][1], run.stdout
+    chosen = re.findall(r"\[rank (\d)\] chosen (\{.*\}) ring (\d+)", run.stdout)
+    assert sorted(r for r, _, _ in chosen) == ["0", "1"] and chosen[0][1:] == chosen[1][1:], run.stdout
+    setting = json.loads(chosen[0][1])
+    assert setting["mpi_ring_min_bytes"] == int(chosen[0][2])
+    searched = json.loads(re.search(r"\[rank 0\] searched (.*)", run.stdout).group(1))
+    rings = {label.split("mpi_ring_min_bytes=")[1] for label in searched}
+    assert rings >= {str(2**20), "0"}, searched  # the default and the always-ring threshold were both timed

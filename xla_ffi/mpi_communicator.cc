@@ -4,12 +4,16 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cctype>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include "numerics.h"
@@ -136,7 +140,7 @@ std::string mpi_error(int code) {
 }
 
 // Whether the ranks of `comm` span more than one node (MPI's view: shared memory).
-bool spans_nodes(MPI_Comm comm, int size) {
+bool ranks_span_nodes(MPI_Comm comm, int size) {
   MPI_Comm node;
   if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
     return false;
@@ -146,17 +150,41 @@ bool spans_nodes(MPI_Comm comm, int size) {
   return node_size < size;
 }
 
-// Allreduces of at least this many bytes between nodes take the ring.
-constexpr int64_t kRingMinBytes = 1 << 20;
+// Allreduces of at least this many bytes between nodes take the ring, unless
+// BAGUA_MPI_RING_MIN_BYTES or set_mpi_ring_min_bytes says otherwise.
+constexpr int64_t kDefaultRingMinBytes = 1 << 20;
+
+void check_ring_min_bytes(int64_t bytes) {
+  if (bytes < 0)
+    throw std::invalid_argument("the MPI ring threshold must be >= 0 bytes, got " +
+                                std::to_string(bytes));
+}
+
+int64_t ring_min_bytes_from_environment() {
+  const char* text = std::getenv("BAGUA_MPI_RING_MIN_BYTES");
+  if (text == nullptr || *text == '\0') return kDefaultRingMinBytes;
+  char* end = nullptr;
+  errno = 0;
+  const long long bytes = std::strtoll(text, &end, 10);
+  if (*end != '\0' || errno == ERANGE || bytes < 0 ||
+      !std::isdigit(static_cast<unsigned char>(*text)))
+    throw std::invalid_argument(
+        std::string("BAGUA_MPI_RING_MIN_BYTES must be a whole number of bytes >= 0, got '") + text +
+        "'");
+  return bytes;
+}
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, std::string name, double timeout_seconds)
-      : comm_(comm), name_(std::move(name)), timeout_(timeout_seconds) {
+  MpiCommunicator(MPI_Comm comm, std::string name, double timeout_seconds, int64_t ring_min_bytes)
+      : comm_(comm),
+        name_(std::move(name)),
+        timeout_(timeout_seconds),
+        ring_min_bytes_(ring_min_bytes) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
-    spans_nodes_ = spans_nodes(comm_, size_);
+    spans_nodes_ = ranks_span_nodes(comm_, size_);
   }
 
   ~MpiCommunicator() override {
@@ -169,12 +197,18 @@ class MpiCommunicator final : public Communicator {
   const std::string& name() const override { return name_; }
   MPI_Comm comm() const { return comm_; }
   double timeout() const { return timeout_; }
+  bool spans_nodes() const { return spans_nodes_; }
+  int64_t ring_min_bytes() const { return ring_min_bytes_; }
+  void set_ring_min_bytes(int64_t bytes) {
+    check_ring_min_bytes(bytes);
+    ring_min_bytes_ = bytes;
+  }
 
   Status allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                    void*) override {
     if (op == ReduceOp::kAvg && !is_floating_point(type))
       return fail("allreduce", "avg needs a float type");
-    Status s = spans_nodes_ && count * dtype_bytes(type) >= kRingMinBytes
+    Status s = spans_nodes_ && count * dtype_bytes(type) >= ring_min_bytes_
                    ? ring_allreduce(send, recv, count, type, op)
                    : run("allreduce", [&](MPI_Request* r) {
                        return MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send, recv, count,
@@ -435,26 +469,51 @@ class MpiCommunicator final : public Communicator {
   double timeout_;
   int rank_ = 0, size_ = 1;
   bool spans_nodes_ = false;
+  // Atomic: torch sets it from its thread while collectives run on the communicator's worker.
+  std::atomic<int64_t> ring_min_bytes_;
   bool broken_ = false;
 };
+
+// `comm` as the MPI engine's communicator (const if `comm` is).
+template <typename C>
+auto& as_mpi(C& comm, const char* caller) {
+  using Mpi = std::conditional_t<std::is_const_v<C>, const MpiCommunicator, MpiCommunicator>;
+  auto* mpi = dynamic_cast<Mpi*>(&comm);
+  if (!mpi) throw std::invalid_argument(std::string(caller) + " needs an MPI communicator");
+  return *mpi;
+}
 
 }  // namespace
 
 std::shared_ptr<Communicator> mpi_world(const std::string& name, double timeout_seconds) {
+  const int64_t ring_min_bytes = ring_min_bytes_from_environment();  // may throw: before MPI work
   ensure_initialized();
   MPI_Comm comm;
   MPI_Comm_dup(MPI_COMM_WORLD, &comm);
-  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds);
+  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes);
 }
 
+// The parent's threshold carries over to its splits.
 std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key,
                                         const std::string& name) {
-  auto* mpi_parent = dynamic_cast<MpiCommunicator*>(&parent);
-  if (!mpi_parent) throw std::invalid_argument("mpi_split needs an MPI communicator as parent");
+  const MpiCommunicator& mpi_parent = as_mpi(parent, "mpi_split");
   MPI_Comm comm;
-  const int rc = MPI_Comm_split(mpi_parent->comm(), color, key, &comm);
+  const int rc = MPI_Comm_split(mpi_parent.comm(), color, key, &comm);
   if (rc != MPI_SUCCESS) throw std::runtime_error("MPI_Comm_split failed: " + mpi_error(rc));
-  return std::make_shared<MpiCommunicator>(comm, name, mpi_parent->timeout());
+  return std::make_shared<MpiCommunicator>(comm, name, mpi_parent.timeout(),
+                                           mpi_parent.ring_min_bytes());
+}
+
+bool mpi_spans_nodes(const Communicator& comm) {
+  return as_mpi(comm, "mpi_spans_nodes").spans_nodes();
+}
+
+int64_t mpi_ring_min_bytes(const Communicator& comm) {
+  return as_mpi(comm, "mpi_ring_min_bytes").ring_min_bytes();
+}
+
+void set_mpi_ring_min_bytes(Communicator& comm, int64_t bytes) {
+  as_mpi(comm, "set_mpi_ring_min_bytes").set_ring_min_bytes(bytes);
 }
 
 void mpi_finalize() {

@@ -33,6 +33,25 @@ NB_MODULE(_bagua_mpi, m) {
       "Split a communicator: ranks with the same color form one, ordered by key.");
 
   m.def(
+      "spans_nodes", [](int64_t h) { return mpi_spans_nodes(*collective_bindings::lookup(h)); },
+      nb::arg("handle"), "Whether the communicator's ranks span more than one node.");
+
+  m.def(
+      "ring_min_bytes",
+      [](int64_t h) { return mpi_ring_min_bytes(*collective_bindings::lookup(h)); },
+      nb::arg("handle"),
+      "The size from which allreduces between nodes take the engine's ring, in bytes.");
+
+  m.def(
+      "set_ring_min_bytes",
+      [](int64_t h, int64_t bytes) {
+        set_mpi_ring_min_bytes(*collective_bindings::lookup(h), bytes);
+      },
+      nb::arg("handle"), nb::arg("bytes"),
+      "Set the ring threshold (>= 0) for the collectives started after it; every rank must set the "
+      "same value between the same two collectives.");
+
+  m.def(
       "finalize",
       [] {
         CommunicatorRegistry::instance().clear();

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm_timeout import timeout_seconds
-from bagua_common.engines import REDUCE_OP_CODES, load_engine
+from bagua_common.engines import REDUCE_OP_CODES, load_engine, mpi_ring_min_bytes, mpi_setting
 from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
     CommunicationError,
@@ -157,6 +157,30 @@ class NativeCommunicator(CommunicatorBase):
 
         handle = self._run_ordered(split)
         return NativeCommunicator(handle, self.engine, self.timeout, name, self._device)
+
+    # --- the MPI engine's settings --------------------------------------------------
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the ranks span more than one node (MPI's view: no shared memory between them); MPI only."""
+        mpi_setting(self.engine, f"communicator {self._name!r}", "spans_nodes")
+        return bool(self._module.spans_nodes(self.handle))
+
+    @property
+    def mpi_ring_min_bytes(self) -> int:
+        """The size in bytes from which allreduces take the engine's ring when the ranks span nodes; MPI only.
+
+        1 MiB unless ``BAGUA_MPI_RING_MIN_BYTES`` says otherwise; a split starts with its parent's.
+        """
+        mpi_setting(self.engine, f"communicator {self._name!r}", "the ring threshold")
+        return int(self._module.ring_min_bytes(self.handle))
+
+    def set_mpi_ring_min_bytes(self, value: int) -> None:
+        """Set :attr:`mpi_ring_min_bytes` for the collectives issued after this call (it waits for those
+        issued before). Every rank must set the same value at the same point of its collectives."""
+        value = mpi_ring_min_bytes(value, self.engine, f"communicator {self._name!r}")
+        module, handle = self._module, self.handle
+        self._run_ordered(lambda: module.set_ring_min_bytes(handle, value))
 
     def close(self) -> None:
         """Wait for queued collectives, stop the worker thread and release the engine handle."""
