@@ -3,13 +3,13 @@
 A step's time is modelled as compute, plus for every message a latency and its bytes over the
 bandwidth of the topology level it travels on (``world``; and ``intra``, the ranks of one node,
 and ``inter``, across nodes, when the job has two levels), plus the bytes each codec's compression
-kernels code at that codec's measured throughput. Algorithms that average in the background (asynchronous
-model averaging) keep communication off the step, so their step is compute alone. Each level's
-link comes from :func:`level_link`: the latency from a ping-pong between neighbouring ranks, the
-bandwidth from :func:`fit_link` over allreduces of several sizes (each front end times them on
-the run's own communicators); the traffic from counting what each algorithm sends on each level
-in one step, and from counting the bytes its kernels code. The advisor ranks; it never switches the algorithm itself, because every algorithm
-but gradient allreduce changes the numbers.
+kernels code at that codec's measured throughput. Algorithms that average in the background
+(asynchronous model averaging) keep communication off the step, so their step is compute alone.
+Each level's link comes from :func:`level_link`: the latency from a ping-pong between neighbouring
+ranks, the bandwidth from :func:`fit_link` over allreduces of several sizes (each front end times
+them on the run's own communicators); the traffic from counting what each algorithm sends on each
+level in one step and the bytes its kernels code. The advisor ranks; it never switches the
+algorithm itself, because every algorithm but gradient allreduce changes the numbers.
 """
 
 from __future__ import annotations
