@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from types import SimpleNamespace
 
+import _bagua_ffi
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,7 +71,7 @@ def test_codec_bytes_walks_nested_programs():
 
     @jax.custom_vjp
     def encoded_sum(y):
-        return ops.sign_compress(y, 2).astype(jnp.float32).sum()
+        return ops.sign_compress_ef(y, jnp.zeros_like(y), 2)[0].astype(jnp.float32).sum()
 
     encoded_sum.defvjp(lambda y: (encoded_sum(y), None), lambda _, g: (jnp.zeros(1024, jnp.float32) * g,))
     mesh = Mesh(np.array(jax.devices()[:2]), ("ranks",))
@@ -94,8 +95,19 @@ def test_codec_bytes_walks_nested_programs():
     counted = advisor.codec_bytes(jax.make_jaxpr(program)(x, True).jaxpr)
     # minmax: compress and decompress of 4096 bytes under jit; in the cond, a compress of 4096 and a decompress-reduce
     # of 4 buffers of 1024 bytes. sign: the other branch's 2 x 4096; the shard_map's 2 x 2048 per shard; the custom
-    # derivative's compress of 4096.
+    # derivative's compress with error feedback of 4096.
     assert counted == {"minmax": 4 * 4096, "sign": 2 * 4096 + 2 * 2048 + 4096}
+
+
+def test_every_compression_kernel_the_native_module_registers_is_counted():
+    registered = {name for targets in _bagua_ffi.registrations().values() for name in targets}
+    kernels = {name for name in registered if "compress" in name}
+    assert len(kernels) == 8, registered
+    x = jnp.ones(1024, jnp.float32)
+    for name in kernels:
+        call = jax.ffi.ffi_call(name, jax.ShapeDtypeStruct((1024,), jnp.float32))
+        counted = advisor.codec_bytes(jax.make_jaxpr(lambda y, call=call: call(y, k=np.int64(1)))(x).jaxpr)
+        assert list(counted.values()) == [4096], name
 
 
 def test_codec_throughput_is_the_counted_round_trip_over_its_median_time(monkeypatch):
