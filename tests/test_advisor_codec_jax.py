@@ -24,7 +24,7 @@ from test_advisor_jax import MLP, study_traffic, two_level_job
 
 import bagua_jax.advisor as advisor
 from bagua_common.advisor import INTER, INTRA, WORLD, Link, format_ranking, predict_step_s, rank_algorithms
-from bagua_jax import LaxCommunicator, ops
+from bagua_jax import ops
 
 MODEL_BYTES = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in MLP.values())
 # The parameters of every bucket are padded to a multiple of the ranks: a few bytes per bucket.
@@ -50,12 +50,11 @@ def test_each_algorithms_coded_bytes_are_its_kernel_passes_over_the_model(n):
 def test_warmup_branch_codes_nothing_and_the_compressed_branch_counts_once():
     # QAdam's and 1-bit Adam's steps trace the full-precision warm-up and the compressed exchange as the two
     # branches of one cond: the warm-up alone codes nothing, so the step's count is the compressed branch's.
-    mesh = Mesh(np.array(jax.devices()[:4]), ("ranks",))
-    world = LaxCommunicator("ranks", 4)
-    assert advisor.measure_traffic("gradient_allreduce", MLP, world, mesh=mesh).codec_bytes == {}
-    bytegrad = advisor.measure_traffic("bytegrad", MLP, world, mesh=mesh).codec_bytes["minmax"]
-    assert advisor.measure_traffic("qadam", MLP, world, mesh=mesh).codec_bytes == {"minmax": bytegrad}
-    assert advisor.measure_traffic("onebit_adam", MLP, world, mesh=mesh).codec_bytes == {"sign": bytegrad}
+    traffic = study_traffic(4)
+    assert traffic["gradient_allreduce"].codec_bytes == {}
+    bytegrad = traffic["bytegrad"].codec_bytes["minmax"]
+    assert traffic["qadam"].codec_bytes == {"minmax": bytegrad}
+    assert traffic["onebit_adam"].codec_bytes == {"sign": bytegrad}
 
 
 def test_a_two_level_job_codes_only_this_ranks_slice_between_nodes():
