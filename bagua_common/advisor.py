@@ -2,14 +2,14 @@
 
 A step's time is modelled as compute, plus for every message a latency and its bytes over the
 bandwidth of the topology level it travels on (``world``; and ``intra``, the ranks of one node,
-and ``inter``, across nodes, when the job has two levels), plus the bytes the compression kernels
-process at their measured throughput. Algorithms that average in the background (asynchronous
-model averaging) keep communication off the step, so their step is compute alone. Each level's
-link comes from :func:`level_link`: the latency from a ping-pong between neighbouring ranks, the
-bandwidth from :func:`fit_link` over allreduces of several sizes (each front end times them on
-the run's own communicators); the traffic from counting what each algorithm sends on each level
-in one step. The advisor ranks; it never switches the algorithm itself, because every algorithm
-but gradient allreduce changes the numbers.
+and ``inter``, across nodes, when the job has two levels), plus the bytes each codec's compression
+kernels code at that codec's measured throughput. Algorithms that average in the background
+(asynchronous model averaging) keep communication off the step, so their step is compute alone.
+Each level's link comes from :func:`level_link`: the latency from a ping-pong between neighbouring
+ranks, the bandwidth from :func:`fit_link` over allreduces of several sizes (each front end times
+them on the run's own communicators); the traffic from counting what each algorithm sends on each
+level in one step and the bytes its kernels code. The advisor ranks; it never switches the
+algorithm itself, because every algorithm but gradient allreduce changes the numbers.
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ Topology = Mapping[str, Link]
 """Each topology level's measured link, by level name: :data:`WORLD`, and :data:`INTRA` and :data:`INTER`
 when the job has two levels."""
 
+CodecThroughput = Mapping[str, float]
+"""Each codec's measured kernel throughput, by codec name (``minmax``, ``sign``): coded bytes per second, the
+bytes counted as :attr:`Traffic.codec_bytes` counts them."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
@@ -60,12 +64,13 @@ class Traffic:
     """What one steady-state step of an algorithm costs besides compute, per rank.
 
     ``wire`` maps each topology level the algorithm communicates on to what it sends there;
-    ``codec_bytes`` go through the compression kernels; ``blocking`` is False when the
+    ``codec_bytes`` maps each codec the step uses to the bytes its kernels code: the float bytes
+    a compression encodes plus those a decompression decodes; ``blocking`` is False when the
     communication runs beside the step (asynchronous averaging).
     """
 
     wire: Mapping[str, Wire]
-    codec_bytes: float = 0.0
+    codec_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
     blocking: bool = True
 
     @property
@@ -123,22 +128,29 @@ def topology_levels(comms: Communicators) -> dict[str, Any]:
     return {WORLD: comms.world}
 
 
-def predict_step_s(traffic: Traffic, topology: Topology, compute_s: float, codec_bytes_per_s: float) -> float:
-    """The predicted wall time of one step of an algorithm with ``traffic``, each level's wire on its link."""
+def predict_step_s(traffic: Traffic, topology: Topology, compute_s: float, codec_bytes_per_s: CodecThroughput) -> float:
+    """The predicted wall time of one step of an algorithm with ``traffic``: each level's wire on its link, each
+    codec's bytes at its throughput."""
     if not traffic.blocking:
         return compute_s
     unmeasured = sorted(set(traffic.wire) - set(topology))
     if unmeasured:
         raise ValueError(f"traffic on levels {unmeasured} but no link measured for them (have {sorted(topology)})")
+    untimed = sorted(set(traffic.codec_bytes) - set(codec_bytes_per_s))
+    if untimed:
+        raise ValueError(
+            f"codec bytes of {untimed} but no throughput measured for them (have {sorted(codec_bytes_per_s)})"
+        )
     wire = sum(
         w.messages * topology[level].latency_s + w.bytes_sent / topology[level].bytes_per_s
         for level, w in traffic.wire.items()
     )
-    return compute_s + wire + traffic.codec_bytes / codec_bytes_per_s
+    codec = sum(coded / codec_bytes_per_s[name] for name, coded in traffic.codec_bytes.items())
+    return compute_s + wire + codec
 
 
 def rank_algorithms(
-    traffic: Mapping[str, Traffic], topology: Topology, compute_s: float, codec_bytes_per_s: float
+    traffic: Mapping[str, Traffic], topology: Topology, compute_s: float, codec_bytes_per_s: CodecThroughput
 ) -> list[Prediction]:
     """Every algorithm's predicted step time, fastest first, with its speed-up over gradient allreduce."""
     if BASELINE not in traffic:
@@ -148,13 +160,17 @@ def rank_algorithms(
     return sorted((Prediction(name, s, base / s) for name, s in times.items()), key=lambda p: p.step_s)
 
 
-def format_ranking(predictions: Sequence[Prediction], topology: Topology, compute_s: float) -> str:
-    """The ranking as a table a user reads: each level's link, then predicted step time and speed-up."""
+def format_ranking(
+    predictions: Sequence[Prediction], topology: Topology, compute_s: float, codec_bytes_per_s: CodecThroughput
+) -> str:
+    """The ranking as a table a user reads: each level's link, each codec's throughput, then predicted step time
+    and speed-up."""
     lines = [f"{'level':<8}{'Gbit/s':>10}{'latency (us)':>14}   (latency: ping-pong; bandwidth: allreduce sweep)"]
     lines += [
         f"{level:<8}{link.bytes_per_s * 8 / 1e9:>10.3g}{link.latency_s * 1e6:>14.3g}"
         for level, link in topology.items()
     ]
+    lines += [f"codec {name}: {rate / 1e9:.3g} GB/s coded" for name, rate in codec_bytes_per_s.items()]
     lines += [
         f"compute {compute_s * 1e3:.1f} ms per step",
         f"{'algorithm':<42}{'step (ms)':>12}{'speed-up':>10}",

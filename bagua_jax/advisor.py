@@ -6,17 +6,20 @@ Run it on the job's own ranks, started as the training job is::
 
 It probes every topology level of the job (world; intra- and inter-node when the job spans
 several nodes of several ranks each) with a ping-pong for the latency and allreduces of several
-sizes for the bandwidth, times the compute of a synthetic step of the given size, counts what one
-steady-state step of every algorithm sends on each level (traced, not run), and rank 0 prints the
-ranking of :func:`bagua_common.advisor.rank_algorithms`. It never switches an algorithm.
+sizes for the bandwidth, times the compute of a synthetic step of the given size and each codec's
+kernels on a buffer of a few MiB, counts what one steady-state step of every algorithm sends on each
+level and the bytes its compression kernels code (traced, not run), and rank 0 prints the ranking of
+:func:`bagua_common.advisor.rank_algorithms`. It never switches an algorithm.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -24,10 +27,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.extend.core import Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from bagua_common.advisor import (
+    CodecThroughput,
     Link,
     Prediction,
     Topology,
@@ -39,6 +44,7 @@ from bagua_common.advisor import (
     topology_levels,
 )
 from bagua_common.topology import ring_neighbours
+from bagua_jax import ops
 from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.base import Communicators, check_communicators
 from bagua_jax.communicator import Communicator
@@ -69,6 +75,12 @@ _PING_ELEMENTS = 2
 _WARMUP_THEN_COMPRESSED = frozenset({"qadam", "onebit_adam"})
 # Averaging runs beside the step, on its own communicator.
 _BACKGROUND = frozenset({"async"})
+# The compression kernels' FFI targets (registered by the native module, called by bagua_jax.ops):
+# ``bagua_<codec>_<kernel>``.
+_CODEC_KERNEL = re.compile(r"bagua_(?P<codec>\w+?)_(?P<kernel>compress|compress_ef|decompress|decompress_reduce)")
+# The kernels' timed round trip: a buffer of 4 MiB of float32, compressed into a few chunks and decoded.
+_CODEC_ELEMENTS = 2**20
+_CODEC_CHUNKS = 4
 
 
 def candidates(comms: Communicators) -> dict[str, tuple[str, dict[str, Any]]]:
@@ -76,9 +88,40 @@ def candidates(comms: Communicators) -> dict[str, tuple[str, dict[str, Any]]]:
     return {**CANDIDATES, **HIERARCHICAL_CANDIDATES} if comms.hierarchical else dict(CANDIDATES)
 
 
+def _kernel_coded_bytes(eqn: JaxprEqn) -> tuple[str, int] | None:
+    # The codec and float bytes one equation codes, or None when it calls no compression kernel.
+    kernel = _CODEC_KERNEL.fullmatch(eqn.params["target_name"]) if eqn.primitive.name == "ffi_call" else None
+    if kernel is None:
+        return None
+    if kernel["kernel"] in ("compress", "compress_ef"):
+        aval, buffers = eqn.invars[0].aval, 1
+    else:
+        aval = eqn.outvars[0].aval
+        buffers = int(dict(eqn.params["attributes"])["k"]) if kernel["kernel"] == "decompress_reduce" else 1
+    return kernel["codec"], buffers * aval.size * aval.dtype.itemsize
+
+
+def codec_bytes(jaxpr: Jaxpr) -> dict[str, float]:
+    """The bytes the compression kernels called in ``jaxpr`` code, by codec (``minmax``, ``sign``).
+
+    A call counts the float bytes it encodes (a compression's input) or decodes (a decompression's
+    output; a decompress-reduce decodes ``k`` buffers into its output, so ``k`` times its output).
+    Nested programs (``pjit``, ``cond`` branches, ``shard_map``, custom derivatives) are walked; both
+    branches of a ``cond`` count, and a call inside a loop body counts once.
+    """
+    coded: Counter[str] = Counter()
+    for eqn in jaxpr.eqns:
+        kernel = _kernel_coded_bytes(eqn)
+        if kernel is not None:
+            coded[kernel[0]] += kernel[1]
+        for inner in jaxprs_in_params(eqn.params):
+            coded.update(codec_bytes(inner))
+    return {codec: float(nbytes) for codec, nbytes in coded.items()}
+
+
 def _counted_step(
     name: str, options: Mapping[str, Any], params: Any, comms: Communicators, mesh: Mesh | None
-) -> dict[str, Wire]:
+) -> tuple[dict[str, Wire], dict[str, float]]:
     counters = {level: CountingCommunicator(comm) for level, comm in topology_levels(comms).items()}
     algorithm = make_algorithm(name, learning_rate=1e-3, **options)
     optimizer = None if name in _WARMUP_THEN_COMPRESSED else optax.sgd(0.1)
@@ -89,36 +132,42 @@ def _counted_step(
 
     if mesh is not None:
         step = jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P(mesh.axis_names), check_vma=False)
-    jax.eval_shape(step, params, params)
-    return {level: Wire(c.bytes_sent, sum(c.calls_by_op.values())) for level, c in counters.items()}
+    traced = jax.make_jaxpr(step)(params, params)
+    wire = {level: Wire(c.bytes_sent, sum(c.calls_by_op.values())) for level, c in counters.items()}
+    return wire, codec_bytes(traced.jaxpr)
 
 
 def measure_traffic(
     candidate: str, params: Any, comms: Communicators | Communicator, *, mesh: Mesh | None = None
 ) -> Traffic:
-    """What one steady-state step of ``candidate`` (a key of :func:`candidates`) sends on each level, traced, not run.
+    """What one steady-state step of ``candidate`` (a key of :func:`candidates`) sends on each level and codes
+    through the compression kernels (:func:`codec_bytes`), traced, not run.
 
     ``comms`` is the job's :class:`Communicators` (or its one world communicator); each level's
     traffic is counted on its own communicator, and levels a step sends nothing on are left out.
     ``params`` may be arrays or ``jax.ShapeDtypeStruct``s. With :class:`~bagua_jax.LaxCommunicator` members,
     pass the ``mesh`` whose axes they name. For QAdam and 1-bit Adam, whose warm-up (a gradient
     allreduce of the same hierarchy) is traced beside the compressed exchange, the warm-up's traffic
-    is subtracted.
+    and coded bytes are subtracted.
     """
     comms = check_communicators(comms, "measure_traffic")
     table = candidates(comms)
     if candidate not in table:
         raise ValueError(f"unknown candidate {candidate!r} on this topology; choose one of {sorted(table)}")
     name, options = table[candidate]
-    wire = _counted_step(name, options, params, comms, mesh)
+    wire, coded = _counted_step(name, options, params, comms, mesh)
     if name in _WARMUP_THEN_COMPRESSED:
-        warmup = _counted_step("gradient_allreduce", {"hierarchical": options["hierarchical"]}, params, comms, mesh)
+        hierarchy = {"hierarchical": options["hierarchical"]}
+        warmup_wire, warmup_coded = _counted_step("gradient_allreduce", hierarchy, params, comms, mesh)
         wire = {
-            level: Wire(w.bytes_sent - warmup[level].bytes_sent, w.messages - warmup[level].messages)
+            level: Wire(w.bytes_sent - warmup_wire[level].bytes_sent, w.messages - warmup_wire[level].messages)
             for level, w in wire.items()
         }
+        coded = {codec: nbytes - warmup_coded.get(codec, 0.0) for codec, nbytes in coded.items()}
     wire = {level: w for level, w in wire.items() if w.messages}
-    return Traffic(wire=wire, blocking=name not in _BACKGROUND)
+    return Traffic(
+        wire=wire, codec_bytes={codec: n for codec, n in coded.items() if n}, blocking=name not in _BACKGROUND
+    )
 
 
 def _timed(fn: Callable[[Any], Any], arg: Any, repeats: int) -> list[float]:
@@ -175,20 +224,35 @@ def measure_compute(grad_fn: Callable[[Any], Any], params: Any, repeats: int = 5
     return statistics.median(_timed(jax.jit(grad_fn), params, repeats))
 
 
+def measure_codec_throughput(repeats: int = 5) -> CodecThroughput:
+    """Each codec's kernel throughput on this rank: the bytes :func:`codec_bytes` counts in a compress-decompress
+    round trip of 4 MiB of float32 (through :mod:`bagua_jax.ops`), over its median time of ``repeats`` calls."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(_CODEC_ELEMENTS, np.float32))
+    throughput = {}
+    for compress, decompress in (
+        (ops.minmax_uint8_compress, ops.minmax_uint8_decompress),
+        (ops.sign_compress, ops.sign_decompress),
+    ):
+
+        def round_trip(x, compress=compress, decompress=decompress):
+            return decompress(compress(x, _CODEC_CHUNKS), x.size, _CODEC_CHUNKS)
+
+        ((codec, coded),) = codec_bytes(jax.make_jaxpr(round_trip)(x).jaxpr).items()
+        throughput[codec] = coded / statistics.median(_timed(jax.jit(round_trip), x, repeats))
+    return throughput
+
+
 def recommend(
-    grad_fn: Callable[[Any], Any],
-    params: Any,
-    comms: Communicators | Communicator,
-    *,
-    codec_bytes_per_s: float = 1e10,
+    grad_fn: Callable[[Any], Any], params: Any, comms: Communicators | Communicator
 ) -> tuple[list[Prediction], str]:
     """Probe, time and count on every rank, then rank the algorithms; returns the ranking and its table."""
     comms = check_communicators(comms, "recommend")
     topology = probe(comms)
     compute_s = measure_compute(grad_fn, params)
+    codec_bytes_per_s = measure_codec_throughput()
     traffic = {name: measure_traffic(name, params, comms) for name in candidates(comms)}
     ranking = rank_algorithms(traffic, topology, compute_s, codec_bytes_per_s)
-    return ranking, format_ranking(ranking, topology, compute_s)
+    return ranking, format_ranking(ranking, topology, compute_s, codec_bytes_per_s)
 
 
 def job_communicators(world: Any, ranks_per_node: int) -> Communicators:

@@ -3,7 +3,7 @@
 Against known answers, with fake communicators whose calls advance a fake clock by an injected
 latency plus bytes over an injected bandwidth, different on every level; and live, on a loopback
 job of 2 ranks and of 4 ranks grouped as 2 nodes of 2, where the numbers are unknown but must be finite and
-positive and every level must be in the table.
+positive and every level and each codec's kernel throughput must be in the table.
 """
 
 from __future__ import annotations
@@ -140,4 +140,11 @@ def test_the_command_line_probes_every_level_of_a_loopback_job(ranks, layout, le
     assert set(rows) == levels, run.stdout
     for level, (gbit_s, latency_us) in rows.items():
         assert math.isfinite(gbit_s) and gbit_s > 0 and math.isfinite(latency_us) and latency_us > 0, (level, rows)
+    codecs = {}
+    for line in run.stdout.splitlines():
+        words = line.split()  # "[rank 0] codec minmax: 21.7 GB/s coded"
+        if len(words) > 4 and words[2] == "codec":
+            codecs[words[3].rstrip(":")] = float(words[4])
+    assert set(codecs) == {"minmax", "sign"}, run.stdout
+    assert all(math.isfinite(rate) and rate > 0 for rate in codecs.values()), codecs
     assert {line.split()[2] for line in run.stdout.splitlines() if line.endswith("x")} == ranked, run.stdout
