@@ -93,6 +93,10 @@ class Prediction:
     speedup: float
 
 
+class NoisyTimings(ValueError):
+    """Collective timings in which time does not grow with size: too noisy to fit a bandwidth."""
+
+
 def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
     """The link that best explains collective timings: least squares of ``seconds = latency + size / bandwidth``.
 
@@ -105,7 +109,7 @@ def fit_link(sizes: Sequence[float], seconds: Sequence[float]) -> Link:
         raise ValueError("fit_link needs matching 1-d sizes and seconds with at least two distinct sizes")
     slope, intercept = np.polyfit(x, y, 1)
     if slope <= 0:
-        raise ValueError(f"fit_link: time does not grow with size (slope {slope:.3g} s/byte): timings too noisy")
+        raise NoisyTimings(f"fit_link: time does not grow with size (slope {slope:.3g} s/byte): timings too noisy")
     return Link(latency_s=max(float(intercept), 0.0), bytes_per_s=float(1.0 / slope))
 
 

@@ -34,6 +34,7 @@ from jax.sharding import PartitionSpec as P
 from bagua_common.advisor import (
     CodecThroughput,
     Link,
+    NoisyTimings,
     Prediction,
     Topology,
     Traffic,
@@ -71,6 +72,8 @@ HIERARCHICAL_CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 # A ping-pong message: small, so it times the latency alone.
 _PING_ELEMENTS = 2
+# Sweeps to try, each with twice the repeats of the one before, before timings too noisy to fit are an error.
+_SWEEP_ATTEMPTS = 3
 # Optimizers themselves: their warm-up is a gradient allreduce traced beside the steady state (lax.cond).
 _WARMUP_THEN_COMPRESSED = frozenset({"qadam", "onebit_adam"})
 # Averaging runs beside the step, on its own communicator.
@@ -197,9 +200,36 @@ def _probe_level(comm: Communicator, sizes: tuple[int, ...], repeats: int, round
     ping = jnp.zeros(_PING_ELEMENTS, jnp.float32)
     round_trip_s = [t / round_trips for t in _timed(jax.jit(ping_pong), ping, repeats)]
     # A ring allreduce of ``B`` bytes puts ``2 (n-1)/n B`` on each rank's link: the size the fit uses.
+    wire = [2 * (n - 1) / n * size for size in sizes]
+    # Every rank fits the slowest rank's timings (a collective takes as long as its slowest member), so all
+    # ranks agree on the link and on whether to sweep again when load made the timings too noisy to fit.
+    slowest = jax.jit(lambda seconds: comm.allreduce(seconds, "max"))
+    attempt = 0
+    while True:
+        seconds = np.asarray(slowest(jnp.asarray(_allreduce_sweep(comm, sizes, repeats << attempt), jnp.float32)))
+        try:
+            return level_link(round_trip_s, wire, seconds.tolist())
+        except NoisyTimings:
+            attempt += 1
+            if attempt == _SWEEP_ATTEMPTS:
+                raise
+
+
+def _allreduce_sweep(comm: Communicator, sizes: tuple[int, ...], repeats: int) -> list[float]:
+    # Median seconds of an allreduce of each size. The sizes take turns, so that a burst of load on the
+    # machine slows every size alike (timed one size after another, a burst during the small sizes can
+    # make time appear not to grow with size).
     allreduce = jax.jit(comm.allreduce)
-    seconds = [statistics.median(_timed(allreduce, jnp.ones(size // 4, jnp.float32), repeats)) for size in sizes]
-    return level_link(round_trip_s, [2 * (n - 1) / n * size for size in sizes], seconds)
+    buffers = [jnp.ones(size // 4, jnp.float32) for size in sizes]
+    for buffer in buffers:
+        jax.block_until_ready(allreduce(buffer))
+    times: list[list[float]] = [[] for _ in sizes]
+    for _ in range(repeats):
+        for size_times, buffer in zip(times, buffers):
+            start = time.perf_counter()
+            jax.block_until_ready(allreduce(buffer))
+            size_times.append(time.perf_counter() - start)
+    return [statistics.median(size_times) for size_times in times]
 
 
 def probe(

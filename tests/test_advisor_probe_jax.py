@@ -21,7 +21,7 @@ import pytest
 from jax.experimental import io_callback
 
 import bagua_jax.advisor as advisor
-from bagua_common.advisor import INTER, INTRA, WORLD, Link
+from bagua_common.advisor import INTER, INTRA, WORLD, Link, NoisyTimings
 from bagua_jax.algorithms.base import Communicators
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -83,6 +83,41 @@ def test_probe_of_a_flat_job_has_the_world_level_alone(monkeypatch):
     measured = advisor.probe(Communicators(FakeLevel(clock, 2, 0, Link(10e-6, 1e9), 50e-6)), repeats=2, round_trips=2)
     assert list(measured) == [WORLD]
     assert measured[WORLD].latency_s == pytest.approx(10e-6, rel=1e-2)
+
+
+class LoadedLevel(FakeLevel):
+    """A level whose first ``noisy_sweeps`` allreduce sweeps meet a burst of load: every allreduce under 1 MiB
+    takes 0.1 s more, so time seems to fall with size. A sweep ends at the ranks' agreement on the timings
+    (the allreduce with op ``max``)."""
+
+    def __init__(self, *args, noisy_sweeps: int) -> None:
+        super().__init__(*args)
+        self.noisy_sweeps = noisy_sweeps
+        self.sweeps = 0
+
+    def allreduce(self, x: jax.Array, op: str = "sum") -> jax.Array:
+        def at_run_time(v):
+            if op == "max":
+                self.sweeps += 1
+            elif self.sweeps < self.noisy_sweeps and x.nbytes < 2**20:
+                self.clock.now += 0.1
+            return np.asarray(v)
+
+        x = io_callback(at_run_time, jax.ShapeDtypeStruct(x.shape, x.dtype), x)
+        return super().allreduce(x, op)
+
+
+def test_probe_sweeps_again_when_load_hides_the_bandwidth_and_fails_clearly_when_it_never_shows(monkeypatch):
+    clock = FakeClock()
+    monkeypatch.setattr(advisor, "time", SimpleNamespace(perf_counter=clock.perf_counter))
+    level = LoadedLevel(clock, 2, 0, Link(10e-6, 1e9), 50e-6, noisy_sweeps=1)
+    measured = advisor.probe(Communicators(level), repeats=2, round_trips=2)
+    assert level.sweeps == 2
+    assert measured[WORLD].bytes_per_s == pytest.approx(1e9, rel=1e-6)
+    always_loaded = LoadedLevel(clock, 2, 0, Link(10e-6, 1e9), 50e-6, noisy_sweeps=99)
+    with pytest.raises(NoisyTimings, match="does not grow with size"):
+        advisor.probe(Communicators(always_loaded), repeats=2, round_trips=2)
+    assert always_loaded.sweeps == 3
 
 
 def test_probe_refuses_a_level_of_one_rank():
