@@ -8,9 +8,9 @@ the default 10 MiB buckets, one with ``autotune="once"``.
 * torch: gloo ranks, ``with_bagua``. The tuned copy first trains until its tuner has decided
   (the tuning steps are training steps).
 * JAX: ``DataParallel`` over the native MPI communicator (``bagua-launch --mpi``, as the README's
-  jobs run), ``BAGUA_AUTOTUNE``'s ``once`` given as ``autotune=``. ``init`` tunes before the first
-  step on the communication-only program; the tuning cost is the steps of those programs, the
-  seconds spent compiling them and the whole ``init``'s wall time against the default's.
+  jobs run). ``init`` tunes before the first step, on the communication-only program; the tuning
+  cost is the steps of those programs, the seconds spent compiling them and the tuned ``init``'s
+  wall time against the default's.
 
 Then the two copies alternate, ``--steps`` timed steps each, ``--repeats`` times (ABAB, the order
 flipped every repeat), so both see the same machine load. The ratio default/tuned per repeat gives
