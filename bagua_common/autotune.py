@@ -2,7 +2,8 @@
 
 Every rank calls :meth:`InBandTuner.step_finished` after each training step. After a warm-up,
 steps are grouped into samples of ``steps_per_sample`` steps; at the end of each sample rank 0
-feeds its time to a :class:`~bagua_common.successive_halving.SuccessiveHalving` search and
+feeds its time to the search (:class:`~bagua_common.successive_halving.SuccessiveHalving`, or for
+a grid of more than a dozen settings :class:`~bagua_common.tpe_search.TpeThenHalving`) and
 broadcasts the next setting's index over the run's own communicator. The sample boundaries are
 step counts, never timings, so every rank reaches each broadcast at the same step, and every
 rank applies rank 0's decision: per-rank timing noise cannot make ranks disagree. The front end
@@ -34,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from bagua_common.successive_halving import SuccessiveHalving
+from bagua_common.tpe_search import larger_grid_search
 
 MODES = ("off", "once", "cached")
 
@@ -193,7 +195,9 @@ class InBandTuner:
         self._warmup = warmup_steps
         self._per_sample = steps_per_sample
         self._timeout_factor = timeout_factor
-        self._search = SuccessiveHalving(list(range(len(self._settings))), samples_per_round=samples_per_round, eta=eta)
+        self._search = larger_grid_search(
+            self._settings, samples_per_round=samples_per_round, eta=eta
+        ) or SuccessiveHalving(list(range(len(self._settings))), samples_per_round=samples_per_round, eta=eta)
         self._current = 0
         self._steps = 0
         self._sample: list[float] = []

@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from bagua_common import autotune
 from bagua_common.autotune import (
     RING_ALWAYS,
     RING_NEVER,
@@ -182,7 +183,13 @@ def run_ranks(n, step_time, steps, knobs=KNOBS, **tuner_options):
     return switches
 
 
-def test_every_rank_switches_every_knob_at_the_same_step_despite_timing_skew():
+@pytest.mark.parametrize("search", ["tpe-then-halving", "halving"])
+def test_every_rank_switches_every_knob_at_the_same_step_despite_timing_skew(search, monkeypatch):
+    # The grid (24 settings) is larger than LARGER_GRID: with optuna, TPE narrows it before halving decides.
+    if search == "halving":
+        monkeypatch.setattr(autotune, "larger_grid_search", lambda settings, **options: None)
+    else:
+        pytest.importorskip("optuna")
     rng = np.random.default_rng(0)
     steps = 1200
     skew = rng.uniform(0.5, 2.0, size=(4, steps))  # each rank sees its own, very different, timings
