@@ -67,3 +67,34 @@ def mpi_setting(engine: str, communicator: str, what: str) -> None:
     """Raise a ValueError unless ``engine`` is MPI: ``what`` is a setting of the MPI engine only."""
     if engine != "mpi":
         raise ValueError(f"{what} is the MPI engine's; {communicator} uses {engine.upper()}")
+
+
+class MpiSettings:
+    """The MPI engine's run-time settings, read the same way on both front ends' native communicators.
+
+    The communicator class provides :meth:`_engine_state`. Setting the ring threshold waits for
+    different things in each front end, so each writes its own ``set_mpi_ring_min_bytes`` around
+    :func:`mpi_ring_min_bytes`.
+    """
+
+    def _engine_state(self) -> tuple[str, ModuleType, int, str]:
+        """The engine's name (``"mpi"``, ``"nccl"``), its module, this communicator's handle, and how errors
+        name the communicator."""
+        raise NotImplementedError
+
+    @property
+    def spans_nodes(self) -> bool:
+        """Whether the ranks span more than one node (MPI's view: no shared memory between them); MPI only."""
+        engine, module, handle, where = self._engine_state()
+        mpi_setting(engine, where, "spans_nodes")
+        return bool(module.spans_nodes(handle))
+
+    @property
+    def mpi_ring_min_bytes(self) -> int:
+        """The size in bytes from which allreduces take the engine's ring when the ranks span nodes; MPI only.
+
+        1 MiB unless ``BAGUA_MPI_RING_MIN_BYTES`` says otherwise; a split starts with its parent's.
+        """
+        engine, module, handle, where = self._engine_state()
+        mpi_setting(engine, where, "the ring threshold")
+        return int(module.ring_min_bytes(handle))

@@ -3,19 +3,20 @@
 from __future__ import annotations
 
 import base64
+from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.comm_timeout import timeout_seconds
-from bagua_common.engines import REDUCE_OP_CODES, mpi_ring_min_bytes, mpi_setting
+from bagua_common.engines import REDUCE_OP_CODES, MpiSettings, mpi_ring_min_bytes
 from bagua_jax import native_collectives as nc
 from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
 from bagua_jax.engines import engine
 
 
-class NativeCommunicator:
+class NativeCommunicator(MpiSettings):
     """Collectives through Bagua's native engines, one device per process.
 
     CPU arrays go through the MPI engine (start the processes with ``mpiexec`` or
@@ -77,20 +78,8 @@ class NativeCommunicator:
         intra-node group of a hierarchical algorithm). Every rank must call it."""
         return NativeCommunicator(self.engine.split(self.handle, int(color), int(key), name), self.kind)
 
-    @property
-    def spans_nodes(self) -> bool:
-        """Whether the ranks span more than one node (MPI's view: no shared memory between them); MPI only."""
-        mpi_setting(self.kind, f"communicator handle {self.handle}", "spans_nodes")
-        return bool(self.engine.spans_nodes(self.handle))
-
-    @property
-    def mpi_ring_min_bytes(self) -> int:
-        """The size in bytes from which allreduces take the engine's ring when the ranks span nodes; MPI only.
-
-        1 MiB unless ``BAGUA_MPI_RING_MIN_BYTES`` says otherwise; a split starts with its parent's.
-        """
-        mpi_setting(self.kind, f"communicator handle {self.handle}", "the ring threshold")
-        return int(self.engine.ring_min_bytes(self.handle))
+    def _engine_state(self) -> tuple[str, ModuleType, int, str]:
+        return self.kind, self.engine, self.handle, f"communicator handle {self.handle}"
 
     def set_mpi_ring_min_bytes(self, value: int) -> None:
         """Set :attr:`mpi_ring_min_bytes` for the collectives dispatched after this call.

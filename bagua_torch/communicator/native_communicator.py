@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm_timeout import timeout_seconds
-from bagua_common.engines import REDUCE_OP_CODES, load_engine, mpi_ring_min_bytes, mpi_setting
+from bagua_common.engines import REDUCE_OP_CODES, MpiSettings, load_engine, mpi_ring_min_bytes
 from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
     CommunicationError,
@@ -27,7 +27,7 @@ _ENGINE_DEVICES = {"mpi": "cpu", "nccl": "cuda"}
 _store_sequence = itertools.count()  # communicators created from a store, in call order
 
 
-class NativeCommunicator(CommunicatorBase):
+class NativeCommunicator(CommunicatorBase, MpiSettings):
     """The communicator protocol over Bagua's native engines, through DLPack.
 
     One communicator uses one engine: MPI for CPU tensors (:meth:`mpi_world`, under
@@ -160,20 +160,8 @@ class NativeCommunicator(CommunicatorBase):
 
     # --- the MPI engine's settings --------------------------------------------------
 
-    @property
-    def spans_nodes(self) -> bool:
-        """Whether the ranks span more than one node (MPI's view: no shared memory between them); MPI only."""
-        mpi_setting(self.engine, f"communicator {self._name!r}", "spans_nodes")
-        return bool(self._module.spans_nodes(self.handle))
-
-    @property
-    def mpi_ring_min_bytes(self) -> int:
-        """The size in bytes from which allreduces take the engine's ring when the ranks span nodes; MPI only.
-
-        1 MiB unless ``BAGUA_MPI_RING_MIN_BYTES`` says otherwise; a split starts with its parent's.
-        """
-        mpi_setting(self.engine, f"communicator {self._name!r}", "the ring threshold")
-        return int(self._module.ring_min_bytes(self.handle))
+    def _engine_state(self) -> tuple[str, ModuleType, int, str]:
+        return self.engine, self._module, self.handle, f"communicator {self._name!r}"
 
     def set_mpi_ring_min_bytes(self, value: int) -> None:
         """Set :attr:`mpi_ring_min_bytes` for the collectives issued after this call (it waits for those
