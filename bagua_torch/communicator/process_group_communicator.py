@@ -124,7 +124,10 @@ class ProcessGroupCommunicator(CommunicatorBase):
     native average); ``reduce_scatter`` falls back to an allreduce followed by taking
     this rank's row on backends without ``reduce_scatter_tensor`` (older gloo), which
     moves ``size`` times the data; ``reduce`` and ``gather`` zero the result off the
-    root, and ``alltoall_v`` pads it with zeros, as the protocol requires.
+    root, and ``alltoall_v`` pads it with zeros, as the protocol requires. On gloo,
+    ``wait()`` returns once gloo's threads have also let go of the collective's tensors,
+    so that none is left to them when the interpreter exits, and ``barrier`` is a
+    one-element allreduce.
     """
 
     def __init__(
