@@ -1,12 +1,12 @@
-"""Ranks of test_clean_exit_torch over gloo: what torch.distributed still holds after ``wait()``, and a real exit.
+"""The job of test_clean_exit_torch, run under ``bagua-launch`` without ``--mpi`` (gloo).
 
-``held_after_wait`` runs under ``multiprocess.run_ranks``. Run as a script (under ``bagua-launch``
-without ``--mpi``), this file is a job that ends as a training script does: a last collective,
-then the interpreter exits.
+It ends as a training script does: a last collective, then the interpreter exits; at exit it
+checks that torch.distributed holds none of the tensors the communicator handed it.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import weakref
@@ -30,13 +30,11 @@ def _tensors(value: Any) -> Iterator[Any]:
         yield from _tensors(list(value.values()))
 
 
-def _spy_on_handed_tensors() -> list[weakref.ref]:
-    """Record a weak reference to every tensor the communicator hands to torch.distributed, in the list returned."""
+def _spy_on_handed_tensors(handed: list[weakref.ref]) -> None:
+    """Record in ``handed`` a weak reference to every tensor the communicator hands to torch.distributed."""
     import torch.distributed as dist
 
     from bagua_torch.communicator import process_group_communicator
-
-    handed: list[weakref.ref] = []
 
     def spy(call: Callable[..., Any]) -> Callable[..., Any]:
         def spied(*args: Any, **kwargs: Any) -> Any:
@@ -49,75 +47,67 @@ def _spy_on_handed_tensors() -> list[weakref.ref]:
         setattr(dist, name, spy(getattr(dist, name)))
     for name in ("_all_gather_single", "_reduce_scatter_single"):
         setattr(process_group_communicator, name, spy(getattr(process_group_communicator, name)))
-    return handed
 
 
-def held_after_wait() -> dict[str, tuple[int, int]]:
-    """Per primitive (sync, then async): how many tensors torch.distributed was handed, and still held after wait().
+def _check_released_at_exit(handed: list[weakref.ref]) -> None:
+    """At exit, after bagua's own exit hooks: fail the process (status 3) if torch still holds a handed tensor."""
 
-    Checked while the caller still holds the result. ``allreduce behind a barrier`` waits for an
-    allreduce issued before a barrier that is not waited for yet.
-    """
-    import torch
+    def check() -> None:
+        held = sum(ref() is not None for ref in handed)
+        if held:
+            print(f"torch.distributed still holds {held} of the {len(handed)} tensors it was handed", flush=True)
+            os._exit(3)
+        print(f"all {len(handed)} tensors handed to torch.distributed were released", flush=True)
 
-    import bagua_torch
-
-    group = bagua_torch.init_process_group(timeout=60)
-    comm, rank, size = group.world, group.rank, group.size
-    x = torch.arange(size * 3, dtype=torch.float32).reshape(size, 3) + rank
-    calls = {
-        "allreduce": ("allreduce", (x,)),
-        "reduce": ("reduce", (x, 0)),
-        "broadcast": ("broadcast", (x, 0)),
-        "reduce_scatter": ("reduce_scatter", (x,)),
-        "allgather": ("allgather", (x,)),
-        "gather": ("gather", (x, 0)),
-        "scatter": ("scatter", (x, 0)),
-        "alltoall": ("alltoall", (x,)),
-        "alltoall_v": ("alltoall_v", (x.view(-1), [3] * size, [3] * size, 3 * size)),
-        "send_recv": ("send_recv", (x, [(rank + 1) % size])),
-        "barrier": ("barrier", ()),
-    }
-    handed = _spy_on_handed_tensors()
-    held = {}
-    for key, (name, args) in calls.items():
-        for suffix in ("", "_async"):
-            handed.clear()
-            result = getattr(comm, name + suffix)(*args)
-            if suffix:
-                result = result.wait()
-            held[key + suffix] = (len(handed), sum(ref() is not None for ref in handed))
-            del result
-    handed.clear()
-    work = comm.allreduce_async(x)
-    allreduce_handed = list(handed)
-    barrier = comm.barrier_async()
-    work.wait()
-    held["allreduce behind a barrier"] = (len(allreduce_handed), sum(ref() is not None for ref in allreduce_handed))
-    barrier.wait()
-    group.close()
-    return held
+    atexit.register(check)  # before bagua_torch is imported: atexit runs its hooks last in, first out
 
 
-def exit_after_collectives(rounds: int) -> None:
-    """``rounds`` allgathers on the world communicator, then return and let the interpreter exit.
+def every_primitive_then_exit(rounds: int) -> None:
+    """Every primitive, sync and async (an allreduce waited while a later barrier is pending too), then
+    ``rounds`` allgathers, then return and let the interpreter exit.
 
     The process runs on one CPU with a long GIL switch interval, which makes the race this guards
     against likely: on one CPU the waiter woken by gloo's worker thread tends to run before that
     thread drops its reference to the collective, and then keeps the GIL until the interpreter
     finalizes; a gloo thread that needs the GIL then aborts the process.
     """
+    handed: list[weakref.ref] = []
+    _check_released_at_exit(handed)
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
     import torch
 
     import bagua_torch
 
-    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     group = bagua_torch.init_process_group(timeout=60)
     sys.setswitchinterval(30.0)
+    comm, rank, size = group.world, group.rank, group.size
+    _spy_on_handed_tensors(handed)
+    x = torch.arange(size * 3, dtype=torch.float32).reshape(size, 3) + rank
+    calls = {
+        "allreduce": (x,),
+        "reduce": (x, 0),
+        "broadcast": (x, 0),
+        "reduce_scatter": (x,),
+        "allgather": (x,),
+        "gather": (x, 0),
+        "scatter": (x, 0),
+        "alltoall": (x,),
+        "alltoall_v": (x.view(-1), [3] * size, [3] * size, 3 * size),
+        "send_recv": (x, [(rank + 1) % size]),
+        "barrier": (),
+    }
+    for name, args in calls.items():
+        getattr(comm, name)(*args)
+        getattr(comm, name + "_async")(*args).wait()
+    work = comm.allreduce_async(x)
+    barrier = comm.barrier_async()
+    work.wait()
+    barrier.wait()
     for _ in range(rounds):
-        group.world.allgather(torch.ones(1))
+        comm.allgather(torch.ones(1))
     group.close()
 
 
 if __name__ == "__main__":
-    exit_after_collectives(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
+    every_primitive_then_exit(int(sys.argv[1]) if len(sys.argv) > 1 else 10)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -26,11 +27,14 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-# How often and how long _TorchWork._await_release looks whether gloo has let go of a collective's
-# tensors. It normally has at once; the limit only keeps a wait() from stalling if something else
-# (e.g. the user's pending gloo barrier on a shared group) still holds them.
+# How often and how long await_gloo_releases looks whether gloo has let go of the tensors; it
+# normally has within microseconds, the limit only keeps the exit from waiting on a collective
+# that is still running (never waited for) or on a gloo barrier left pending on a shared group.
 _RELEASE_POLL_S = 1e-4
 _RELEASE_LIMIT_S = 1.0
+
+_still_held_by_gloo: list[weakref.ref] = []
+"""The lent aliases of collectives waited for while a gloo thread still held them."""
 
 Lend = Callable[[torch.Tensor], torch.Tensor]
 
@@ -50,6 +54,24 @@ def _lender() -> tuple[Lend, list[weakref.ref]]:
 def _lend_rows(lend: Lend, rows: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
     """The root's rows of a gather or scatter, lent (None off the root)."""
     return None if rows is None else [lend(r) for r in rows]
+
+
+def await_gloo_releases() -> None:
+    """Let gloo's worker threads release the tensors of every collective waited for so far (called at exit).
+
+    A gloo worker thread drops its reference to a collective just after waking the waiter. If that
+    reference is the last, the thread takes the GIL to release the tensors' Python objects; should
+    the interpreter be finalizing by then, Python ends that thread with ``pthread_exit`` inside a
+    C++ destructor and the process aborts ("terminate called without an active exception"). Sleeping
+    here, before finalization, lets the threads take the GIL while they still can.
+    """
+    deadline = time.monotonic() + _RELEASE_LIMIT_S
+    while any(ref() is not None for ref in _still_held_by_gloo) and time.monotonic() < deadline:
+        time.sleep(_RELEASE_POLL_S)
+    _still_held_by_gloo.clear()
+
+
+atexit.register(await_gloo_releases)
 
 
 def _torch_op(op: str) -> Any:
@@ -79,7 +101,6 @@ class _TorchWork:
     def wait(self) -> torch.Tensor | None:
         if not self._done:
             self._wait_works()
-            self._await_release()
             if self._finish is not None:
                 self._result = self._finish(self._result)
             self._done = True
@@ -90,21 +111,10 @@ class _TorchWork:
         for work in self._works:
             self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
         self._works = []  # finished: only torch's own references to them are left
-
-    def _await_release(self) -> None:
-        """Return once ``torch.distributed`` holds none of this collective's tensors.
-
-        A gloo worker thread drops its reference to a collective just after waking the waiter. If
-        that reference is the last, the thread takes the GIL to release the tensors' Python objects;
-        should the interpreter be finalizing by then, Python ends that thread with ``pthread_exit``
-        inside a C++ destructor and the process aborts ("terminate called without an active
-        exception"). Sleeping lets the thread take the GIL now, so that no torch thread needs it later.
-        """
-        if self._comm.backend != "gloo":
-            return  # nccl releases its works from a watchdog once the GPU is done, not at wait()
-        deadline = time.monotonic() + _RELEASE_LIMIT_S
-        while any(ref() is not None for ref in self._lent) and time.monotonic() < deadline:
-            time.sleep(_RELEASE_POLL_S)
+        if self._comm.backend == "gloo":
+            held = [ref for ref in self._lent if ref() is not None]
+            if held:  # a worker thread has yet to let go: await_gloo_releases waits for it at exit
+                _still_held_by_gloo[:] = [ref for ref in _still_held_by_gloo if ref() is not None] + held
 
     def is_completed(self) -> bool:
         return self._done or all(work.is_completed() for work in self._works)
@@ -124,10 +134,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
     native average); ``reduce_scatter`` falls back to an allreduce followed by taking
     this rank's row on backends without ``reduce_scatter_tensor`` (older gloo), which
     moves ``size`` times the data; ``reduce`` and ``gather`` zero the result off the
-    root, and ``alltoall_v`` pads it with zeros, as the protocol requires. On gloo,
-    ``wait()`` returns once gloo's threads have also let go of the collective's tensors,
-    so that none is left to them when the interpreter exits, and ``barrier`` is a
-    one-element allreduce.
+    root, and ``alltoall_v`` pads it with zeros, as the protocol requires. On gloo, the
+    interpreter's exit first waits for gloo's threads to let go of the tensors of the
+    collectives waited for (see :func:`await_gloo_releases`).
     """
 
     def __init__(
@@ -187,7 +196,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         """Start ``call(lend)``, which passes every tensor it gives ``torch.distributed`` through ``lend``.
 
         ``lend(t)`` is a fresh alias of ``t`` that nothing of ours keeps, so that the returned
-        work can tell when torch has let go of it (see :meth:`_TorchWork._await_release`).
+        work can tell when torch has let go of it (see :func:`await_gloo_releases`).
         """
         lend, lent = _lender()
         work = self._guard(op, lambda: call(lend))
@@ -373,12 +382,5 @@ class ProcessGroupCommunicator(CommunicatorBase):
         return self._issue("send_recv", exchange, out)
 
     def barrier_async(self) -> Work:
-        """Issue :meth:`barrier`; ``wait()`` returns ``None``.
-
-        On gloo a one-element allreduce: gloo's own barrier keeps the collectives issued before it,
-        tensors included, until it is itself released, which would hold up their ``wait()``.
-        """
-        if self._backend != "gloo":
-            return self._issue("barrier", lambda lend: dist.barrier(group=self._group, async_op=True), None)
-        token = torch.zeros(1)
-        return self._issue("barrier", lambda lend: dist.all_reduce(lend(token), group=self._group, async_op=True), None)
+        """Issue :meth:`barrier`; ``wait()`` returns ``None``."""
+        return self._issue("barrier", lambda lend: dist.barrier(group=self._group, async_op=True), None)
