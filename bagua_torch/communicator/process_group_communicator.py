@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -35,6 +36,7 @@ _RELEASE_LIMIT_S = 1.0
 
 _still_held_by_gloo: list[weakref.ref] = []
 """The lent aliases of collectives waited for while a gloo thread still held them."""
+_still_held_lock = threading.Lock()  # collectives are waited for on several threads (e.g. ordered workers)
 
 Lend = Callable[[torch.Tensor], torch.Tensor]
 
@@ -114,7 +116,8 @@ class _TorchWork:
         if self._comm.backend == "gloo":
             held = [ref for ref in self._lent if ref() is not None]
             if held:  # a worker thread has yet to let go: await_gloo_releases waits for it at exit
-                _still_held_by_gloo[:] = [ref for ref in _still_held_by_gloo if ref() is not None] + held
+                with _still_held_lock:
+                    _still_held_by_gloo[:] = [ref for ref in _still_held_by_gloo if ref() is not None] + held
 
     def is_completed(self) -> bool:
         return self._done or all(work.is_completed() for work in self._works)
