@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
+import threading
+import time
+import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
@@ -24,12 +28,64 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+# How often and how long await_gloo_releases looks whether gloo has let go of the tensors; it
+# normally has within microseconds, the limit only keeps the exit from waiting on a collective
+# that is still running (never waited for) or on a gloo barrier left pending on a shared group.
+_RELEASE_POLL_S = 1e-4
+_RELEASE_LIMIT_S = 1.0
+
+_still_held_by_gloo: list[weakref.ref] = []
+"""The lent aliases of collectives waited for while a gloo thread still held them."""
+_still_held_lock = threading.Lock()  # collectives are waited for on several threads (e.g. ordered workers)
+
+Lend = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _lender() -> tuple[Lend, list[weakref.ref]]:
+    """``lend`` and weak references to what it lent: ``lend(t)`` is a fresh alias of ``t`` (same memory)."""
+    lent: list[weakref.ref] = []
+
+    def lend(t: torch.Tensor) -> torch.Tensor:
+        alias = t.detach()
+        lent.append(weakref.ref(alias))
+        return alias
+
+    return lend, lent
+
+
+def _lend_rows(lend: Lend, rows: list[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """The root's rows of a gather or scatter, lent (None off the root)."""
+    return None if rows is None else [lend(r) for r in rows]
+
+
+def await_gloo_releases() -> None:
+    """Let gloo's worker threads release the tensors of every collective waited for so far (called at exit).
+
+    A gloo worker thread drops its reference to a collective just after waking the waiter. If that
+    reference is the last, the thread takes the GIL to release the tensors' Python objects; should
+    the interpreter be finalizing by then, Python ends that thread with ``pthread_exit`` inside a
+    C++ destructor and the process aborts ("terminate called without an active exception"). Sleeping
+    here, before finalization, lets the threads take the GIL while they still can.
+    """
+    deadline = time.monotonic() + _RELEASE_LIMIT_S
+    while any(ref() is not None for ref in _still_held_by_gloo) and time.monotonic() < deadline:
+        time.sleep(_RELEASE_POLL_S)
+    _still_held_by_gloo.clear()
+
+
+atexit.register(await_gloo_releases)
+
+
 def _torch_op(op: str) -> Any:
     return {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
 
 
 class _TorchWork:
-    """Wraps the ``torch.distributed`` work objects of one collective."""
+    """Wraps the ``torch.distributed`` work objects of one collective.
+
+    ``lent`` are weak references to the aliases of the tensors handed to ``torch.distributed``
+    (see :meth:`ProcessGroupCommunicator._issue`): only torch's references keep them alive.
+    """
 
     def __init__(
         self,
@@ -38,20 +94,30 @@ class _TorchWork:
         works: list[Any],
         result: torch.Tensor | None,
         finish: Callable[[torch.Tensor | None], torch.Tensor | None] | None = None,
+        lent: Sequence[weakref.ref] = (),
     ):
         self._comm, self._op, self._works = comm, op, works
-        self._result, self._finish = result, finish
+        self._result, self._finish, self._lent = result, finish, lent
         self._done = False
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
-            timeout = timedelta(seconds=self._comm.timeout)
-            for work in self._works:
-                self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
+            self._wait_works()
             if self._finish is not None:
                 self._result = self._finish(self._result)
             self._done = True
         return self._result
+
+    def _wait_works(self) -> None:
+        timeout = timedelta(seconds=self._comm.timeout)
+        for work in self._works:
+            self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
+        self._works = []  # finished: only torch's own references to them are left
+        if self._comm.backend == "gloo":
+            held = [ref for ref in self._lent if ref() is not None]
+            if held:  # a worker thread has yet to let go: await_gloo_releases waits for it at exit
+                with _still_held_lock:
+                    _still_held_by_gloo[:] = [ref for ref in _still_held_by_gloo if ref() is not None] + held
 
     def is_completed(self) -> bool:
         return self._done or all(work.is_completed() for work in self._works)
@@ -71,7 +137,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
     native average); ``reduce_scatter`` falls back to an allreduce followed by taking
     this rank's row on backends without ``reduce_scatter_tensor`` (older gloo), which
     moves ``size`` times the data; ``reduce`` and ``gather`` zero the result off the
-    root, and ``alltoall_v`` pads it with zeros, as the protocol requires.
+    root, and ``alltoall_v`` pads it with zeros, as the protocol requires. On gloo, the
+    interpreter's exit first waits for gloo's threads to let go of the tensors of the
+    collectives waited for (see :func:`await_gloo_releases`).
     """
 
     def __init__(
@@ -127,10 +195,16 @@ class ProcessGroupCommunicator(CommunicatorBase):
             )
             raise CommunicationError(f"{self._where(op)} failed{note}: {error}") from error
 
-    def _issue(self, op: str, call: Callable[[], Any], result: torch.Tensor | None, finish=None) -> _TorchWork:
-        work = self._guard(op, call)
+    def _issue(self, op: str, call: Callable[[Lend], Any], result: torch.Tensor | None, finish=None) -> _TorchWork:
+        """Start ``call(lend)``, which passes every tensor it gives ``torch.distributed`` through ``lend``.
+
+        ``lend(t)`` is a fresh alias of ``t`` that nothing of ours keeps, so that the returned
+        work can tell when torch has let go of it (see :func:`await_gloo_releases`).
+        """
+        lend, lent = _lender()
+        work = self._guard(op, lambda: call(lend))
         works = work if isinstance(work, list) else [work]
-        return _TorchWork(self, op, [w for w in works if w is not None], result, finish)
+        return _TorchWork(self, op, [w for w in works if w is not None], result, finish, lent)
 
     def _sum_op(self, op: str):
         if op == "avg":
@@ -149,7 +223,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         out = x.clone()
         return self._issue(
             "allreduce",
-            lambda: dist.all_reduce(out, op=self._sum_op(op), group=self._group, async_op=True),
+            lambda lend: dist.all_reduce(lend(out), op=self._sum_op(op), group=self._group, async_op=True),
             out,
             self._average(op),
         )
@@ -169,7 +243,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
 
         return self._issue(
             "reduce",
-            lambda: dist.reduce(out, self._global(root), op=self._sum_op(op), group=self._group, async_op=True),
+            lambda lend: dist.reduce(
+                lend(out), self._global(root), op=self._sum_op(op), group=self._group, async_op=True
+            ),
             out,
             finish,
         )
@@ -180,7 +256,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
         root = self._root("broadcast", root)
         out = x.clone()
         return self._issue(
-            "broadcast", lambda: dist.broadcast(out, self._global(root), group=self._group, async_op=True), out
+            "broadcast",
+            lambda lend: dist.broadcast(lend(out), self._global(root), group=self._group, async_op=True),
+            out,
         )
 
     def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
@@ -195,12 +273,13 @@ class ProcessGroupCommunicator(CommunicatorBase):
         average = self._average(op)
         if self._has_reduce_scatter is not False:
             out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
+            lend, lent = _lender()
             try:
                 work = _reduce_scatter_single(
-                    out.view(-1), x.view(-1), op=self._sum_op(op), group=self._group, async_op=True
+                    lend(out.view(-1)), lend(x.view(-1)), op=self._sum_op(op), group=self._group, async_op=True
                 )
                 self._has_reduce_scatter = True
-                return _TorchWork(self, "reduce_scatter", [work], out, average)
+                return _TorchWork(self, "reduce_scatter", [work], out, average, lent)
             except RuntimeError as error:
                 text = str(error).lower()
                 unsupported = "support" in text or "not implemented" in text
@@ -215,7 +294,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
 
         return self._issue(
             "reduce_scatter",
-            lambda: dist.all_reduce(full, op=self._sum_op(op), group=self._group, async_op=True),
+            lambda lend: dist.all_reduce(lend(full), op=self._sum_op(op), group=self._group, async_op=True),
             full,
             finish,
         )
@@ -226,7 +305,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         out = torch.empty((self._size, *x.shape), dtype=x.dtype, device=x.device)
         return self._issue(
             "allgather",
-            lambda: _all_gather_single(out.view(-1), x.view(-1), group=self._group, async_op=True),
+            lambda lend: _all_gather_single(lend(out.view(-1)), lend(x.view(-1)), group=self._group, async_op=True),
             out,
         )
 
@@ -238,7 +317,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
         rows = list(out.unbind(0)) if self._rank == root else None
         return self._issue(
             "gather",
-            lambda: dist.gather(x, rows, dst=self._global(root), group=self._group, async_op=True),
+            lambda lend: dist.gather(
+                lend(x), _lend_rows(lend, rows), dst=self._global(root), group=self._group, async_op=True
+            ),
             out,
         )
 
@@ -250,7 +331,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
         rows = list(x.unbind(0)) if self._rank == root else None
         return self._issue(
             "scatter",
-            lambda: dist.scatter(out, rows, src=self._global(root), group=self._group, async_op=True),
+            lambda lend: dist.scatter(
+                lend(out), _lend_rows(lend, rows), src=self._global(root), group=self._group, async_op=True
+            ),
             out,
         )
 
@@ -260,7 +343,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         out = torch.empty_like(x)
         return self._issue(
             "alltoall",
-            lambda: dist.all_to_all_single(out, x, group=self._group, async_op=True),
+            lambda lend: dist.all_to_all_single(lend(out), lend(x), group=self._group, async_op=True),
             out,
         )
 
@@ -271,9 +354,9 @@ class ProcessGroupCommunicator(CommunicatorBase):
         x, send, recv, out = self._alltoall_v_operands(x, send_counts, recv_counts, out_size)
         return self._issue(
             "alltoall_v",
-            lambda: dist.all_to_all_single(
-                out[: sum(recv)],
-                x[: sum(send)],
+            lambda lend: dist.all_to_all_single(
+                lend(out[: sum(recv)]),
+                lend(x[: sum(send)]),
                 output_split_sizes=recv,
                 input_split_sizes=send,
                 group=self._group,
@@ -289,14 +372,18 @@ class ProcessGroupCommunicator(CommunicatorBase):
         out = torch.empty((len(peers), *x.shape), dtype=x.dtype, device=x.device)
         if not peers:
             return DoneWork(out)
-        ops = []
-        for i, peer in enumerate(peers):
-            # The i-th exchange with a given peer uses tag i on both sides (repeated peers pair in order).
-            tag = peers[:i].count(peer)
-            ops.append(dist.P2POp(dist.irecv, out[i], self._global(peer), self._group, tag))
-            ops.append(dist.P2POp(dist.isend, x, self._global(peer), self._group, tag))
-        return self._issue("send_recv", lambda: dist.batch_isend_irecv(ops), out)
+
+        def exchange(lend: Lend) -> list[Any]:
+            ops = []
+            for i, peer in enumerate(peers):
+                # The i-th exchange with a given peer uses tag i on both sides (repeated peers pair in order).
+                tag = peers[:i].count(peer)
+                ops.append(dist.P2POp(dist.irecv, lend(out[i]), self._global(peer), self._group, tag))
+                ops.append(dist.P2POp(dist.isend, lend(x), self._global(peer), self._group, tag))
+            return dist.batch_isend_irecv(ops)
+
+        return self._issue("send_recv", exchange, out)
 
     def barrier_async(self) -> Work:
         """Issue :meth:`barrier`; ``wait()`` returns ``None``."""
-        return self._issue("barrier", lambda: dist.barrier(group=self._group, async_op=True), None)
+        return self._issue("barrier", lambda lend: dist.barrier(group=self._group, async_op=True), None)
