@@ -55,9 +55,13 @@ def torch_threshold(seed: int) -> dict:
     return out
 
 
-def environment_threshold() -> str:
-    """What ``BAGUA_MPI_RING_MIN_BYTES`` makes of a new world communicator: its threshold, or the error."""
+def environment_threshold(per_rank: list[str] | None = None) -> str:
+    """What ``BAGUA_MPI_RING_MIN_BYTES`` (``per_rank[rank]`` if given) makes of a new world communicator:
+    its threshold, or the error."""
     from bagua_jax.native_communicator import NativeCommunicator
+
+    if per_rank is not None:
+        os.environ["BAGUA_MPI_RING_MIN_BYTES"] = per_rank[int(os.environ["RANK"])]
 
     try:
         return str(NativeCommunicator.mpi_world(timeout=60).mpi_ring_min_bytes)

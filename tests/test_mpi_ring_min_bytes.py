@@ -81,3 +81,10 @@ def test_environment_sets_the_default_and_is_validated(value, expected):
 def test_one_node_does_not_span_nodes():
     results = run_ranks("mpi_ring_workers:torch_threshold", 2, 0, launcher="mpiexec", timeout=120)
     assert not any(r.value["spans_nodes"] for r in results)
+
+
+def test_ranks_with_different_environment_values_fail_up_front_on_every_rank():
+    per_rank = ["4096", "4096", "65536"]
+    results = run_ranks("mpi_ring_workers:environment_threshold", 3, per_rank, launcher="mpiexec", timeout=60)
+    for res in results:
+        assert res.value.startswith("ValueError") and "differs across ranks (4096 to 65536 bytes)" in res.value
