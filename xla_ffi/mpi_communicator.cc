@@ -491,14 +491,17 @@ std::shared_ptr<Communicator> mpi_world(const std::string& name, double timeout_
   MPI_Comm comm;
   MPI_Comm_dup(MPI_COMM_WORLD, &comm);
   // Ranks with different thresholds would pick different algorithms for one allreduce and wait
-  // for each other until the timeout; compare them once, here, instead.
-  int64_t extremes[2] = {ring_min_bytes, -ring_min_bytes};
-  MPI_Allreduce(MPI_IN_PLACE, extremes, 2, MPI_INT64_T, MPI_MAX, comm);
-  if (extremes[0] != -extremes[1]) {
+  // for each other until the timeout; compare them once, here, instead. One MPI_MAX gives the
+  // largest value and, negated, the smallest.
+  int64_t largest_and_negated_smallest[2] = {ring_min_bytes, -ring_min_bytes};
+  MPI_Allreduce(MPI_IN_PLACE, largest_and_negated_smallest, 2, MPI_INT64_T, MPI_MAX, comm);
+  const int64_t largest = largest_and_negated_smallest[0];
+  const int64_t smallest = -largest_and_negated_smallest[1];
+  if (smallest != largest) {
     MPI_Comm_free(&comm);
-    throw std::invalid_argument(
-        "BAGUA_MPI_RING_MIN_BYTES differs across ranks (" + std::to_string(-extremes[1]) + " to " +
-        std::to_string(extremes[0]) + " bytes); set the same value on every rank");
+    throw std::invalid_argument("BAGUA_MPI_RING_MIN_BYTES differs across ranks (" +
+                                std::to_string(smallest) + " to " + std::to_string(largest) +
+                                " bytes); set the same value on every rank");
   }
   return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes);
 }
