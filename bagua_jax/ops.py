@@ -247,7 +247,8 @@ def lowprec_decentralized_diff(
     left: jax.typing.ArrayLike,
     right: jax.typing.ArrayLike,
 ) -> jax.Array:
-    """Return ``x + left / 3 + right / 3 - (5 / 3) * w``, computed in float32.
+    """Return ``x + left / 3 + right / 3 - (5 / 3) * w``, computed in float32 as
+    ``(x - w) + (left - w) / 3 + (right - w) / 3`` (exactly 0 where all four agree).
 
     This is the difference each rank compresses and sends to both ring neighbours in
     low-precision decentralized SGD (``w``: its last communicated weights; ``left``

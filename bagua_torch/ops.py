@@ -243,7 +243,8 @@ def lowprec_decentralized_diff(
     *,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Return ``x + left / 3 + right / 3 - (5 / 3) * w`` computed in float32."""
+    """Return ``x + left / 3 + right / 3 - (5 / 3) * w``, computed in float32 as
+    ``(x - w) + (left - w) / 3 + (right - w) / 3`` (exactly 0 where all four agree)."""
     fx, fw, fl, fr = _elementwise_operands(x, w, left, right)
     result = _shaped_output(x, out)
     _bagua_ffi.lowprec_decentralized_diff(fx, fw, fl, fr, result.view(-1), _stream(fx))

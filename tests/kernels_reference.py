@@ -213,8 +213,8 @@ def async_average(x: np.ndarray, reduced: np.ndarray, snapshot: np.ndarray, rank
 
 def lowprec_decentralized_diff(x: np.ndarray, w: np.ndarray, left: np.ndarray, right: np.ndarray) -> np.ndarray:
     def helper(x, w, left, right):
-        acc = (x + (left / F32(3)).astype(F32)).astype(F32)
-        acc = (acc + (right / F32(3)).astype(F32)).astype(F32)
-        return (acc - (F32(F32(5) / F32(3)) * w).astype(F32)).astype(F32)
+        acc = (x - w).astype(F32)
+        acc = (acc + ((left - w).astype(F32) / F32(3)).astype(F32)).astype(F32)
+        return (acc + ((right - w).astype(F32) / F32(3)).astype(F32)).astype(F32)
 
     return _overflow_safe(helper, x, w, left, right)

@@ -175,6 +175,18 @@ def test_elementwise_helpers_match_reference(rng, dtype):
         np.testing.assert_array_equal(np.asarray(got), expected.astype(dtype))
 
 
+def test_lowprec_decentralized_diff_is_the_formula_and_exactly_zero_where_all_four_agree(rng):
+    x, w, left, right = (random_values(rng, 100_003) for _ in range(4))
+    exact = x.astype(np.float64) + left / 3.0 + right / 3.0 - (5.0 / 3.0) * w.astype(np.float64)
+    scale = np.abs(np.stack([x, w, left, right])).max(0).astype(np.float64)
+    np.testing.assert_array_less(
+        np.abs(np.asarray(ops.lowprec_decentralized_diff(x, w, left, right)) - exact), 4e-7 * scale
+    )
+    # A frozen coordinate (x = w = L = R) must send exact zeros: the codec keeps them, so it
+    # never moves; a few ulps instead are encoded whenever a chunk holds nothing larger.
+    np.testing.assert_array_equal(np.asarray(ops.lowprec_decentralized_diff(x, x, x, x)), 0)
+
+
 def test_vmap_compresses_each_row(rng):
     x = random_values(rng, 4 * 1001).reshape(4, 1001)
     batched = np.asarray(jax.vmap(lambda r: ops.minmax_uint8_compress(r, 3))(x))

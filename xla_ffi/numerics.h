@@ -240,10 +240,13 @@ BAGUA_HD float async_average(float x, float reduced, float n, float snapshot) {
 }
 
 // z = x + left/3 + right/3 - (5/3) w: the low-precision decentralized
-// difference that each rank compresses and sends to both ring neighbours.
+// difference that each rank compresses and sends to both ring neighbours. Summed
+// as differences from w so that it is exactly 0 where all four agree (a frozen
+// coordinate): x + x/3 + x/3 - (5/3) x rounds to a few ulps, and a chunk of such
+// ulps alone encodes them, moving weights that must not move.
 BAGUA_HD float lowprec_decentralized_diff(float x, float w, float left, float right) {
-  const float five_thirds = 5.0f / 3.0f;
-  return sub_rn(add_rn(add_rn(x, div_rn(left, 3.0f)), div_rn(right, 3.0f)), mul_rn(five_thirds, w));
+  return add_rn(add_rn(sub_rn(x, w), div_rn(sub_rn(left, w), 3.0f)),
+                div_rn(sub_rn(right, w), 3.0f));
 }
 
 // The helpers are linear in their tensor arguments: where an intermediate
