@@ -1,7 +1,7 @@
 """DiLoCo and Streaming DiLoCo: local steps with the user's optimizer, an outer step every ``sync_every`` steps.
 
-The schedule, the fragments and the options are :mod:`bagua_common.diloco`'s; the exchange of
-the pseudo-gradients is :mod:`bagua_common.outer_exchange`'s, the same bytes as torch's. In
+The schedule, the fragments and the options are :mod:`bagua_common.algorithms.diloco`'s; the exchange of
+the pseudo-gradients is :mod:`bagua_common.algorithms.outer_exchange`'s, the same bytes as torch's. In
 optax terms :func:`diloco` goes *after* the user's (inner) optimizer and needs ``params``: it
 computes this rank's parameters after the inner step, ``x = params + updates``, and on the
 steps where a fragment is synchronized replaces that fragment by the outer step's result, so it
@@ -30,14 +30,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from bagua_common.algorithm_configs import config_options
-from bagua_common.diloco import (
+from bagua_common.algorithms.configs import config_options
+from bagua_common.algorithms.diloco import (
     DEFAULT_OUTER_LEARNING_RATE,
     DEFAULT_OUTER_MOMENTUM,
     DiLoCoConfig,
     fragment_plan,
 )
-from bagua_common.outer_exchange import OuterExchange
+from bagua_common.algorithms.outer_exchange import OuterExchange
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
@@ -92,7 +92,7 @@ def diloco(
     """DiLoCo as an optax transform to chain *after* the inner optimizer, with ``params``.
 
     After inner step ``t`` (counted from 1), for each fragment ``p`` due (see
-    :class:`bagua_common.diloco.DiLoCoConfig`): its pseudo-gradient ``round_start - x`` is averaged
+    :class:`bagua_common.algorithms.diloco.DiLoCoConfig`): its pseudo-gradient ``round_start - x`` is averaged
     over ``comms.world`` as ``outer_exchange`` says; ``fragment_sync_delay`` steps later the outer
     optimizer steps on the fragment's round-start parameters with it, and the fragment becomes
     ``alpha * x + (1 - alpha) * round_start``. Per sync, each rank sends ``2 (n-1)/n`` of the
@@ -217,7 +217,7 @@ def diloco(
 
 @dataclass(frozen=True)
 class DiLoCo(DiLoCoConfig):
-    """DiLoCo / Streaming DiLoCo (see :mod:`bagua_common.diloco`): ``optax.chain(optimizer, diloco(...))``.
+    """DiLoCo / Streaming DiLoCo (see :mod:`bagua_common.algorithms.diloco`): ``optax.chain(optimizer, diloco(...))``.
 
     The user's optimizer is the inner one; every ``sync_every`` steps the ranks average their
     pseudo-gradients (``outer_exchange``: fp32, bf16, 8-bit or 4-bit min-max codes) and

@@ -1,7 +1,7 @@
 """DiLoCo and Streaming DiLoCo for PyTorch: local steps with the user's optimizer, an outer step every H steps.
 
-The schedule, the fragments and the options are :mod:`bagua_common.diloco`'s and the exchange
-is :mod:`bagua_common.outer_exchange`'s, so the bytes on the wire are those of
+The schedule, the fragments and the options are :mod:`bagua_common.algorithms.diloco`'s and the exchange
+is :mod:`bagua_common.algorithms.outer_exchange`'s, so the bytes on the wire are those of
 :mod:`bagua_jax.algorithms.diloco`. Nothing is communicated in the backward pass
 (``need_gradient_hooks = False``). In the step post-hook of the last wrapped optimizer, after
 inner step ``t``:
@@ -26,8 +26,13 @@ from typing import Any
 
 import torch
 
-from bagua_common.diloco import DEFAULT_OUTER_LEARNING_RATE, DEFAULT_OUTER_MOMENTUM, DiLoCoConfig, fragment_plan
-from bagua_common.outer_exchange import OuterExchange
+from bagua_common.algorithms.diloco import (
+    DEFAULT_OUTER_LEARNING_RATE,
+    DEFAULT_OUTER_MOMENTUM,
+    DiLoCoConfig,
+    fragment_plan,
+)
+from bagua_common.algorithms.outer_exchange import OuterExchange
 from bagua_torch import ops
 from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_tensor_list
 from bagua_torch.algorithms.decentralized import load_step
@@ -45,7 +50,7 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
 
 
 class DiLoCoAlgorithm(DiLoCoConfig, Algorithm):
-    """DiLoCo / Streaming DiLoCo (see :mod:`bagua_common.diloco` and the module docstring).
+    """DiLoCo / Streaming DiLoCo (see :mod:`bagua_common.algorithms.diloco` and the module docstring).
 
     The wrapped optimizer is the inner one; every ``sync_every`` steps the ranks average their
     pseudo-gradients (``outer_exchange``: fp32, bf16, 8-bit or 4-bit min-max codes) and the

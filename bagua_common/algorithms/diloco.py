@@ -14,7 +14,7 @@ fragment then becomes ``alpha * local + (1 - alpha) * global`` (``fragment_updat
 Steps are counted from 1 (``t`` inner steps done). With ``tau = 0`` and ``P = 1`` a sync is
 exactly DiLoCo's. This module holds what is neither JAX nor torch: the options and their
 errors, the fragment plan and the step schedule; the exchange itself is
-:mod:`bagua_common.outer_exchange`.
+:mod:`bagua_common.algorithms.outer_exchange`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Literal
 
 import numpy as np
 
-from bagua_common.options import check_flags
+from bagua_common.algorithms.option_checks import check_flags
 
 OuterExchange = Literal["fp32", "bf16", "uint8", "uint4"]
 OUTER_EXCHANGES: tuple[str, ...] = ("fp32", "bf16", "uint8", "uint4")

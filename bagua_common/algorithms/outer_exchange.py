@@ -6,7 +6,7 @@ A flat float32 buffer of a multiple of ``n = comm.size`` elements goes through o
 * ``bf16``: the ByteGrad pipeline with bfloat16 in place of codes: every rank sends chunk ``j``
   to rank ``j`` as bfloat16 (all-to-all), rank ``j`` sums what it received in float32 in rank
   order and divides by ``n``, and an allgather of that average (bfloat16) hands it to all;
-* ``uint8``: the 8-bit min-max pipeline of :mod:`bagua_common.compressed_allreduce` (ByteGrad);
+* ``uint8``: the 8-bit min-max pipeline of :mod:`bagua_common.algorithms.compressed_allreduce` (ByteGrad);
 * ``uint4``: the same pipeline with the 4-bit min-max codes (decoded and averaged in float32
   in rank order).
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from bagua_common.compressed_allreduce import CodecKernels, CompressedAllreduce
+from bagua_common.algorithms.compressed_allreduce import CodecKernels, CompressedAllreduce
 
 Array = Any
 
