@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bagua_common.collectives import ReduceOp
+from bagua_common.comm.collectives import ReduceOp
 
 OPS = ("sum", "avg", "min", "max")
 # dtypes beyond float32 that every communicator carries, and how each is checked.

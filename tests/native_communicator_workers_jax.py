@@ -58,7 +58,7 @@ def large_allreduces(seed: int, count: int) -> dict:
     import jax.numpy as jnp
     import ml_dtypes
 
-    from bagua_common.collectives import ReduceOp
+    from bagua_common.comm.collectives import ReduceOp
     from bagua_jax.native_communicator import NativeCommunicator
 
     comm = NativeCommunicator.mpi_world(timeout=60)

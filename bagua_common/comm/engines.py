@@ -12,7 +12,7 @@ import importlib
 import os
 from types import ModuleType
 
-from bagua_common.engine_exit import finalize_at_exit
+from bagua_common.comm.engine_exit import finalize_at_exit
 
 ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
 """Engine name -> its extension module."""
