@@ -8,7 +8,8 @@ socket, which is what makes it safe for the cache to unpickle what it reads.
 For a cache sharded over the nodes (``bagua-launch --cache-bind ADDR``) the server also
 listens on TCP at ``ADDR`` and requires a password it generates itself. The password is never
 on a command line: redis-server reads it from a 0600 configuration file and the ranks from the
-0600 file named in ``BAGUA_CACHE_PASSWORD_FILE``.
+0600 file named in ``BAGUA_CACHE_PASSWORD_FILE``. The digest key that signs the cached values is
+generated at start too, in the 0600 file named in ``BAGUA_CACHE_KEY_FILE``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,15 @@ import subprocess
 import tempfile
 import time
 
-from bagua_common.cache_stores import ENV_CACHE_PASSWORD_FILE, ENV_CACHE_URL, checked_capacity, connect_redis
+from bagua_common.cache_stores import (
+    DIGEST_KEY_FILE,
+    ENV_CACHE_KEY_FILE,
+    ENV_CACHE_PASSWORD_FILE,
+    ENV_CACHE_URL,
+    checked_capacity,
+    connect_redis,
+    digest_key_in,
+)
 from bagua_common.child_process import die_with_parent
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
@@ -72,6 +81,7 @@ class RedisServer:
     clients connect to; ``pid`` the server's process id. By default the server listens only on
     a unix socket. With ``bind`` (an IP address of this node) it listens on TCP there too, on a
     free port, and requires ``password``, generated at start and kept in ``password_file`` (0600).
+    ``digest_key``, generated at start, signs the values (see :class:`~bagua_common.cache_stores.RedisStore`).
     """
 
     def __init__(
@@ -85,6 +95,7 @@ class RedisServer:
         self.process: subprocess.Popen | None = None
         self.port = 0
         self.password: str | None = None
+        self.digest_key: bytes | None = None
 
     @property
     def socket_path(self) -> str:
@@ -108,7 +119,7 @@ class RedisServer:
 
     def environment(self) -> dict[str, str]:
         """The variables that lead a rank's :func:`~bagua_common.cache_stores.store_from_environment` here."""
-        env = {ENV_CACHE_URL: self.url}
+        env = {ENV_CACHE_URL: self.url, ENV_CACHE_KEY_FILE: os.path.join(self.directory or "", DIGEST_KEY_FILE)}
         if self.password is not None:
             env[ENV_CACHE_PASSWORD_FILE] = self.password_file
         return env
@@ -124,6 +135,7 @@ class RedisServer:
 
         remove_stale_directories()
         self.directory = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX)  # mode 0700
+        self.digest_key = digest_key_in(self.directory)
         command = [self.binary]
         if self.bind is not None:
             # The config file comes first on redis-server's command line; the options after it
@@ -179,7 +191,7 @@ class RedisServer:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
-        self.password, self.port = None, 0
+        self.password, self.port, self.digest_key = None, 0, None
 
     def __enter__(self) -> RedisServer:  # noqa: PYI034
         return self.start()

@@ -42,7 +42,7 @@ def store(request, tmp_path):
     if request.param == "lmdb":
         return LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24)
     request.getfixturevalue("fake_server")
-    return RedisStore(["redis://a", "redis://b"])
+    return RedisStore(["redis://a", "redis://b"], digest_key=os.urandom(32))
 
 
 def expected(index):
@@ -100,26 +100,28 @@ def test_transform_runs_after_the_cache(tmp_path):
     assert data.stats()["hits"] == 1
 
 
-def test_corrupt_value_is_a_miss_warned_once_and_overwritten(tmp_path):
+def test_unreadable_signed_value_is_a_miss_warned_once_and_overwritten(tmp_path):
     store = MemoryStore(1 << 20)
     data = CachedDataset(CountingDataset(3, str(tmp_path / "r")), store, name="c")
     for i in range(3):
-        store.put(data.loader.key(i), b"\x01garbage")
-    with pytest.warns(RuntimeWarning, match="does not decode") as caught:
+        payload = b"not a pickle"
+        store.put(data.loader.key(i), b"\x02" + data.loader._digest(data.loader.key(i), payload) + payload)
+    with pytest.warns(RuntimeWarning, match="does not unpickle") as caught:
         values = [data[i] for i in range(3)]
     assert len(caught) == 1
     for i, v in enumerate(values):
         np.testing.assert_array_equal(v, expected(i))
     np.testing.assert_array_equal(data[2], expected(2))
-    assert data.stats()["misses"] == 3 and data.stats()["hits"] == 1
+    assert data.stats()["misses"] == 3 and data.stats()["hits"] == 1 and data.stats()["damaged"] == 0
     strict = CachedDataset(CountingDataset(3, str(tmp_path / "r")), store, name="d", on_error="raise")
     store.put(strict.loader.key(0), b"\x02other")
-    with pytest.raises(ValueError, match="does not decode"):
+    with pytest.raises(ValueError, match="fails its digest check"):
         strict[0]
 
 
 def test_store_that_dies_mid_epoch_falls_back_to_the_dataset(fake_server, tmp_path):
-    data = CachedDataset(CountingDataset(10, str(tmp_path / "r")), RedisStore("redis://x"), name="d")
+    store = RedisStore("redis://x", digest_key=os.urandom(32))
+    data = CachedDataset(CountingDataset(10, str(tmp_path / "r")), store, name="d")
     for i in range(5):
         data[i]
     fake_server.connected = False
@@ -141,7 +143,7 @@ def test_store_that_dies_mid_epoch_falls_back_to_the_dataset(fake_server, tmp_pa
 
 def test_unreachable_redis_raises_naming_the_url():
     with pytest.raises(ConnectionError, match="unix:///nonexistent/redis.sock"):
-        RedisStore("unix:///nonexistent/redis.sock", timeout_s=1.0)
+        RedisStore("unix:///nonexistent/redis.sock", timeout_s=1.0, digest_key=os.urandom(32))
 
 
 @pytest.mark.parametrize("kind", ["memory", "lmdb"])
@@ -176,7 +178,7 @@ def test_stores_pickle_as_configuration(tmp_path, fake_server):
     lmdb_store = LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24)
     lmdb_store.put(b"k", b"v")
     assert pickle.loads(pickle.dumps(lmdb_store)).get(b"k") == b"v"
-    redis_store = RedisStore("redis://x")
+    redis_store = RedisStore("redis://x", digest_key=os.urandom(32))
     assert set(pickle.loads(pickle.dumps(redis_store)).__dict__) >= {"urls", "passwords"}
     memory = MemoryStore(1 << 20)
     memory.put(b"k", b"v")
@@ -205,22 +207,16 @@ def test_memory_store_warns_in_another_process():
 
 
 def test_private_directory_rules(tmp_path):
-    made = private_directory(None)
+    made = private_directory(str(tmp_path / "new"))
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
-    os.rmdir(made)
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)
-    with pytest.raises(ValueError, match="not be writable by others"):
+    with pytest.raises(ValueError, match="not writable by others"):
         private_directory(str(open_dir))
-
-
-def test_default_lmdb_directory_is_removed_with_its_store():
-    store = LmdbStore(capacity_bytes=1 << 20)
-    path = store.path
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
-    del store
-    assert not os.path.exists(path)
+    (tmp_path / "link").symlink_to(made)
+    with pytest.raises(ValueError, match="not a link"):
+        private_directory(str(tmp_path / "link"))
 
 
 def test_capacity_parsing_and_validation():
