@@ -58,7 +58,7 @@ def large_allreduces(seed: int, count: int) -> dict:
     import jax.numpy as jnp
     import ml_dtypes
 
-    from bagua_common.engines import REDUCE_OP_CODES
+    from bagua_common.comm.engines import REDUCE_OP_CODES
     from bagua_jax.native_communicator import NativeCommunicator
 
     comm = NativeCommunicator.mpi_world(timeout=60)

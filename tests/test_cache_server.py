@@ -14,9 +14,9 @@ import pytest
 import redis
 from cache_datasets import REDIS_SERVER_MARKS, CountingDataset, reads
 
-from bagua_common.cache_stores import RedisStore
-from bagua_common.cached_dataset import CachedDataset
-from bagua_common.redis_server import RedisServer
+from bagua_common.data.cache_stores import RedisStore
+from bagua_common.data.cached_dataset import CachedDataset
+from bagua_common.data.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -75,7 +75,9 @@ def test_server_is_private_and_listens_on_no_tcp_port():
 def test_full_server_stops_admission_and_keeps_serving(tmp_path):
     with RedisServer(3 << 20) as server:
         log = str(tmp_path / "reads")
-        data = CachedDataset(CountingDataset(300, log, size=4096), RedisStore(server.url, digest_key=server.digest_key), name="oom")
+        data = CachedDataset(
+            CountingDataset(300, log, size=4096), RedisStore(server.url, digest_key=server.digest_key), name="oom"
+        )
         for i in range(300):
             data[i]
         stats = data.stats()
@@ -94,7 +96,7 @@ RANK_SCRIPT = """
     sys.path.insert(0, {tests!r})
     import redis
     from cache_datasets import CountingDataset, epoch_reads
-    from bagua_common.cached_dataset import CachedDataset
+    from bagua_common.data.cached_dataset import CachedDataset
 
     url = os.environ["BAGUA_CACHE_URL"]
     pid = redis.Redis.from_url(url).info("server")["process_id"]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from cache_datasets import CountingDataset, epoch_reads
 
-from bagua_common.cache_stores import LmdbStore
+from bagua_common.data.cache_stores import LmdbStore
 from bagua_torch.data import CachedDataset
 
 
@@ -12,7 +12,9 @@ from bagua_torch.data import CachedDataset
 @pytest.mark.parametrize("context", ["fork", "spawn"])
 def test_lmdb_cache_shared_by_dataloader_workers(tmp_path, context):
     log = str(tmp_path / "reads")
-    dataset = CachedDataset(CountingDataset(96, log), LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24), name="dl")
+    dataset = CachedDataset(
+        CountingDataset(96, log), LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24), name="dl"
+    )
     first, second = epoch_reads(dataset, log, num_workers=2, context=context)
     assert first == 96
     assert second <= 0.01 * 96  # hit rate of epoch 2 >= 0.99

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bagua_common.algorithm_configs import build_algorithm, unknown_algorithm
+from bagua_common.algorithms.configs import build_algorithm, unknown_algorithm
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager, async_model_average
 from bagua_jax.algorithms.base import Algorithm, Communicators
 from bagua_jax.algorithms.bytegrad import ByteGrad, bytegrad
@@ -33,7 +33,7 @@ ALGORITHMS: dict[str, type] = {
         PowerSGD,
     )
 }
-"""Registry name (that of the shared configuration in :mod:`bagua_common.algorithm_configs`) -> class."""
+"""Registry name (that of the shared configuration in :mod:`bagua_common.algorithms.configs`) -> class."""
 
 # Options a name alone does not say: the optimizer-replacing algorithms need their learning rate.
 _NEEDS_LEARNING_RATE = ("qadam", "onebit_adam")

@@ -38,10 +38,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from bagua_common.algorithm_configs import AsyncModelAverageConfig, config_options
-from bagua_common.averaging_rounds import AveragingRounds, RoundsControl
-from bagua_common.engines import REDUCE_OP_CODES
-from bagua_common.options import check_bucket_bytes, check_sync_interval_ms, check_warmup_steps
+from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsControl
+from bagua_common.algorithms.configs import AsyncModelAverageConfig, config_options
+from bagua_common.algorithms.option_checks import check_bucket_bytes, check_sync_interval_ms, check_warmup_steps
+from bagua_common.comm.engines import REDUCE_OP_CODES
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,

@@ -29,7 +29,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from bagua_common.algorithm_configs import build_algorithm, unknown_algorithm
+from bagua_common.algorithms.configs import build_algorithm, unknown_algorithm
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,

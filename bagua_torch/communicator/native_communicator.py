@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_common.comm_timeout import timeout_seconds
-from bagua_common.engines import REDUCE_OP_CODES, MpiSettings, load_engine, mpi_ring_min_bytes
+from bagua_common.comm.engines import REDUCE_OP_CODES, MpiSettings, load_engine, mpi_ring_min_bytes
+from bagua_common.comm.timeout import timeout_seconds
 from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
     CommunicationError,

@@ -15,14 +15,14 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from bagua_common.options import (
+from bagua_common.algorithms.option_checks import (
     check_communication_interval,
     check_flags,
     check_sync_interval_ms,
     check_warmup_steps,
 )
-from bagua_common.powersgd import PowerSGDConfig
-from bagua_common.topology import PeerSelectionMode, check_peer_selection_mode
+from bagua_common.algorithms.powersgd import PowerSGDConfig
+from bagua_common.comm.topology import PeerSelectionMode, check_peer_selection_mode
 
 T = TypeVar("T")
 

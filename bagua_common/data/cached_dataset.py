@@ -24,7 +24,7 @@ import warnings
 from collections.abc import Callable, Hashable, Sized
 from typing import Any, Protocol
 
-from bagua_common.cache_stores import Store, store_from_environment
+from bagua_common.data.cache_stores import Store, store_from_environment
 
 KEY_PREFIX = b"bg1:"
 FORMAT_VERSION = b"\x02"  # 1: an unsigned pickle
@@ -42,7 +42,7 @@ class CacheLoader:
 
     Keys are scoped by ``name`` (required, non-empty) and ``version``: change the version and
     no value from an earlier version is served. ``store`` None is
-    :func:`~bagua_common.cache_stores.store_from_environment` for that name and version. When
+    :func:`~bagua_common.data.cache_stores.store_from_environment` for that name and version. When
     the store is full new values are not admitted (nothing is evicted). A store error warns once
     per process, is counted in :meth:`stats`, and the value is loaded instead; a value that fails
     its digest check warns once, counts as damaged and a miss, and is overwritten;
@@ -170,8 +170,9 @@ _MISSING = object()
 class CachedDataset:
     """``dataset`` with each sample cached after its first read (see :class:`CacheLoader`).
 
-    ``store`` defaults to :func:`~bagua_common.cache_stores.store_from_environment`. The key
-    scope (and so the default store's LMDB environment) also covers the dataset's length and type, so a changed dataset misses. ``transform``
+    ``store`` defaults to :func:`~bagua_common.data.cache_stores.store_from_environment`. The key
+    scope (and so the default store's LMDB environment) also covers the dataset's length and
+    type, so a changed dataset misses. ``transform``
     runs after the cache on every read: cache deterministic decoding, augment in ``transform``.
     """
 

@@ -24,7 +24,7 @@ import subprocess
 import tempfile
 import time
 
-from bagua_common.cache_stores import (
+from bagua_common.data.cache_stores import (
     DIGEST_KEY_FILE,
     ENV_CACHE_KEY_FILE,
     ENV_CACHE_PASSWORD_FILE,
@@ -33,7 +33,7 @@ from bagua_common.cache_stores import (
     connect_redis,
     digest_key_in,
 )
-from bagua_common.child_process import die_with_parent
+from bagua_common.job.child_process import die_with_parent
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
 DIRECTORY_PREFIX = "bagua-redis-"
@@ -81,7 +81,7 @@ class RedisServer:
     clients connect to; ``pid`` the server's process id. By default the server listens only on
     a unix socket. With ``bind`` (an IP address of this node) it listens on TCP there too, on a
     free port, and requires ``password``, generated at start and kept in ``password_file`` (0600).
-    ``digest_key``, generated at start, signs the values (see :class:`~bagua_common.cache_stores.RedisStore`).
+    ``digest_key``, generated at start, signs the values (see :class:`~bagua_common.data.cache_stores.RedisStore`).
     """
 
     def __init__(
@@ -118,7 +118,7 @@ class RedisServer:
         return os.path.join(self.directory or "", "password")
 
     def environment(self) -> dict[str, str]:
-        """The variables that lead a rank's :func:`~bagua_common.cache_stores.store_from_environment` here."""
+        """The variables that lead a rank's :func:`~bagua_common.data.cache_stores.store_from_environment` here."""
         env = {ENV_CACHE_URL: self.url, ENV_CACHE_KEY_FILE: os.path.join(self.directory or "", DIGEST_KEY_FILE)}
         if self.password is not None:
             env[ENV_CACHE_PASSWORD_FILE] = self.password_file

@@ -4,7 +4,7 @@
 rank and DataLoader worker of the node opens, with no server; :class:`MemoryStore` is a
 per-process dict; :class:`RedisStore` talks to Redis servers, such as the one ``bagua-launch
 --cache-server redis`` starts on a private unix socket. Every store holds a ``digest_key``, the
-secret that signs its values (see :mod:`bagua_common.cached_dataset`): only processes that know
+secret that signs its values (see :mod:`bagua_common.data.cached_dataset`): only processes that know
 it can write a value the cache will unpickle. A store pickles as its configuration only and opens
 its handle lazily in each process, so it survives fork and spawn. The ``redis`` package is
 imported only by the store that needs it.
@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import lmdb
 
-from bagua_common.signature import AllGather, gather_bytes
+from bagua_common.job.signature import AllGather, gather_bytes
 
 ENV_CACHE_URL = "BAGUA_CACHE_URL"
 ENV_CACHE_PASSWORD_FILE = "BAGUA_CACHE_PASSWORD_FILE"
