@@ -5,6 +5,7 @@ import pickle
 import stat
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import fakeredis
@@ -18,10 +19,10 @@ from bagua_common.data.cache_stores import (
     MemoryStore,
     RedisStore,
     parse_capacity,
-    private_directory,
     shard_of,
 )
 from bagua_common.data.cached_dataset import CachedDataset, CacheLoader
+from bagua_common.data.private_files import private_directory
 
 
 @pytest.fixture
@@ -239,3 +240,30 @@ def test_shard_of_is_stable_across_processes_and_spreads_keys():
     )
     assert eval(run_python(script, PYTHONHASHSEED="123")) == here
     assert min(np.bincount(here)) > 250
+
+
+def test_default_store_is_one_lmdb_environment_per_dataset_in_the_node_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv(cache_stores.ENV_CACHE_URL, raising=False)
+    monkeypatch.setenv(cache_stores.ENV_CACHE_DIR, str(tmp_path / "job"))
+    log = str(tmp_path / "reads")
+
+    def path(name, version="", n=4):
+        return CachedDataset(CountingDataset(n, log), name=name, version=version).loader.store.path
+
+    assert path("a") == path("a") != path("b")
+    assert len({path("a"), path("a", "2"), path("a", n=5), path("b"), path("a/../b")}) == 5
+    assert {os.path.dirname(p) for p in (path("a"), path("a/../b"))} == {str(tmp_path / "job")}
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o700 for p in (tmp_path / "job", path("a")))
+    CachedDataset(CountingDataset(4, log), name="a")[0]
+    CachedDataset(CountingDataset(4, log), name="a")[0]  # another process of the node: the same environment
+    assert reads(log) == 1
+    monkeypatch.delenv(cache_stores.ENV_CACHE_DIR)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cache_stores.default_cache_directory() == str(tmp_path / f"bagua-cache-{os.getuid()}")
+
+
+def test_the_default_store_is_installed_with_the_package():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "lmdb" for d in dependencies)

@@ -18,7 +18,6 @@ import os
 import re
 import secrets
 import shutil
-import stat
 import tempfile
 import warnings
 from collections.abc import Sequence
@@ -26,14 +25,13 @@ from typing import Any, Protocol
 
 import lmdb
 
+from bagua_common.data.private_files import DIGEST_KEY_BYTES, digest_key_in, private_directory, read_private_file
 from bagua_common.job.signature import AllGather, gather_bytes
 
 ENV_CACHE_URL = "BAGUA_CACHE_URL"
 ENV_CACHE_PASSWORD_FILE = "BAGUA_CACHE_PASSWORD_FILE"
 ENV_CACHE_KEY_FILE = "BAGUA_CACHE_KEY_FILE"
 ENV_CACHE_DIR = "BAGUA_CACHE_DIR"
-DIGEST_KEY_FILE = "digest.key"
-DIGEST_KEY_BYTES = 32
 _SERVER_ENTRY_BYTES = 1024  # one rank's {"url", "password", "key"} in sharded_store's exchange
 DEFAULT_RAM_FRACTION = 0.25
 
@@ -80,54 +78,6 @@ def checked_capacity(capacity_bytes: int | None) -> int:
     if not 0 < capacity_bytes <= ram:
         raise ValueError(f"capacity must be in (0, {ram}] bytes (this machine's RAM), got {capacity_bytes}")
     return capacity_bytes
-
-
-def private_directory(path: str) -> str:
-    """Return ``path``, created 0700 if missing; it must be this user's and writable by nobody else.
-
-    The cache unpickles what it reads, so only this user may write there; a symbolic link is
-    refused, since what it points to may change.
-    """
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.lstat(path)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(
-            f"cache directory {path!r} must be a directory (not a link) of this user, not writable by others"
-        )
-    return path
-
-
-def read_private_file(path: str) -> bytes:
-    """Return the contents of ``path``, which must be this user's and readable by nobody else."""
-    info = os.stat(path)
-    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"{path!r} must belong to this user and be readable by nobody else")
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def digest_key_in(directory: str) -> bytes:
-    """Return the digest key kept in ``directory``, first generating it (0600) if it has none.
-
-    Several processes may call this at once: the key is written to a file of its own and linked
-    into place, so every caller reads the same complete key.
-    """
-    path = os.path.join(directory, DIGEST_KEY_FILE)
-    if not os.path.exists(path):
-        draft = f"{path}.{os.getpid()}.{secrets.token_hex(4)}"
-        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "wb") as f:
-            f.write(secrets.token_bytes(DIGEST_KEY_BYTES))
-        try:
-            os.link(draft, path)
-        except FileExistsError:
-            pass  # another process linked its key first: everyone uses that one
-        finally:
-            os.unlink(draft)
-    key = read_private_file(path)
-    if len(key) != DIGEST_KEY_BYTES:
-        raise ValueError(f"{path!r} must hold a {DIGEST_KEY_BYTES}-byte key, found {len(key)} bytes")
-    return key
 
 
 class MemoryStore:
@@ -385,17 +335,35 @@ def default_cache_directory() -> str:
 def store_from_environment(name: str, version: str) -> Store:
     """Return the default store for dataset ``name`` at ``version``.
 
-    Redis at ``BAGUA_CACHE_URL`` (set by ``bagua-launch --cache-server redis``, comma-separated
-    for several servers; the password, if any, and the digest key read from the files named in
-    ``BAGUA_CACHE_PASSWORD_FILE`` and ``BAGUA_CACHE_KEY_FILE``) if set; else one
-    :class:`LmdbStore` per (dataset name, version) in :func:`default_cache_directory`, which
-    every rank and DataLoader worker of the node opens.
+    :func:`redis_store_from_environment` if ``BAGUA_CACHE_URL`` is set (by ``bagua-launch
+    --cache-server redis``), else :func:`node_lmdb_store`.
     """
-    urls = os.environ.get(ENV_CACHE_URL, "").strip()
-    if urls:
-        return RedisStore([u for u in urls.split(",") if u], _password_from_environment())
+    if os.environ.get(ENV_CACHE_URL, "").strip():
+        return redis_store_from_environment()
+    return node_lmdb_store(name, version)
+
+
+def redis_store_from_environment() -> RedisStore:
+    """Return the :class:`RedisStore` at ``BAGUA_CACHE_URL`` (comma-separated for several servers).
+
+    The password, if any, and the digest key are read from the files named in
+    ``BAGUA_CACHE_PASSWORD_FILE`` and ``BAGUA_CACHE_KEY_FILE``; ``bagua-launch --cache-server
+    redis`` sets all three.
+    """
+    urls = [u for u in os.environ.get(ENV_CACHE_URL, "").strip().split(",") if u]
+    if not urls:
+        raise ValueError(f"no Redis cache server: {ENV_CACHE_URL} is unset (bagua-launch --cache-server redis sets it)")
+    return RedisStore(urls, _password_from_environment())
+
+
+def node_lmdb_store(name: str, version: str, capacity_bytes: int | None = None) -> LmdbStore:
+    """Return the node's :class:`LmdbStore` for dataset ``name`` at ``version``.
+
+    One LMDB environment per (dataset name, version) in :func:`default_cache_directory`, which
+    every rank and DataLoader worker of the node that asks for the same dataset opens.
+    """
     root = private_directory(default_cache_directory())
-    return LmdbStore(os.path.join(root, environment_name(name, version)))
+    return LmdbStore(os.path.join(root, environment_name(name, version)), capacity_bytes)
 
 
 def environment_name(name: str, version: str) -> str:

@@ -167,6 +167,11 @@ class CacheLoader:
 _MISSING = object()
 
 
+def dataset_scope(dataset: MapDataset, version: str) -> str:
+    """Return the cache version of ``dataset``: ``version`` with the dataset's length and type."""
+    return f"{version}|{len(dataset)}|{type(dataset).__module__}.{type(dataset).__qualname__}"
+
+
 class CachedDataset:
     """``dataset`` with each sample cached after its first read (see :class:`CacheLoader`).
 
@@ -188,8 +193,7 @@ class CachedDataset:
     ) -> None:
         self.dataset = dataset
         self.transform = transform
-        scope = f"{version}|{len(dataset)}|{type(dataset).__module__}.{type(dataset).__qualname__}"
-        self.loader = CacheLoader(store, name, scope, on_error=on_error)
+        self.loader = CacheLoader(store, name, dataset_scope(dataset, version), on_error=on_error)
 
     def __len__(self) -> int:
         return len(self.dataset)

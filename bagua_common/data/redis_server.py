@@ -25,14 +25,13 @@ import tempfile
 import time
 
 from bagua_common.data.cache_stores import (
-    DIGEST_KEY_FILE,
     ENV_CACHE_KEY_FILE,
     ENV_CACHE_PASSWORD_FILE,
     ENV_CACHE_URL,
     checked_capacity,
     connect_redis,
-    digest_key_in,
 )
+from bagua_common.data.private_files import DIGEST_KEY_FILE, digest_key_in, write_private_file
 from bagua_common.job.child_process import die_with_parent
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
@@ -143,8 +142,8 @@ class RedisServer:
             self.password = secrets.token_hex(32)
             self.port = _free_port(self.bind)
             config = os.path.join(self.directory, "redis.conf")
-            _write_private(config, f"bind {self.bind}\nport {self.port}\nrequirepass {self.password}\n")
-            _write_private(self.password_file, self.password)
+            write_private_file(config, f"bind {self.bind}\nport {self.port}\nrequirepass {self.password}\n".encode())
+            write_private_file(self.password_file, self.password.encode())
             command.append(config)
         command += [
             "--unixsocket", self.socket_path,
@@ -198,12 +197,6 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _write_private(path: str, text: str) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as f:
-        f.write(text)
 
 
 def remove_stale_directories() -> None:
