@@ -15,7 +15,6 @@ level and the bytes its compression kernels code (traced, not run), and rank 0 p
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import time
@@ -32,6 +31,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from bagua_common.comm.topology import ring_neighbours
+from bagua_common.job.rank_environment import environment_int
 from bagua_common.tuning.advisor import (
     CodecThroughput,
     Link,
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ranks-per-node",
         type=int,
-        default=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None,
+        default=environment_int("LOCAL_WORLD_SIZE") or None,
         help="ranks per node, for the intra- and inter-node levels (default: the launcher's LOCAL_WORLD_SIZE; "
         "a smaller value on one host groups its ranks as if they were nodes)",
     )

@@ -36,6 +36,7 @@ from bagua_common.job.checkpoint import (
     save_arrays,
     shard_path,
 )
+from bagua_common.job.rank_environment import environment_int
 from bagua_common.job.reshard import ReshardRule, algorithm_rule, reshard_rows
 from bagua_common.job.signature import algorithm_config
 from bagua_jax.trainer import DataParallel, TrainState, _pack, _unpack
@@ -114,9 +115,7 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
             Manifest(
                 step=step,
                 world_size=trainer.size,
-                local_world_size=len(ranks)
-                if trainer.mesh is not None
-                else int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                local_world_size=len(ranks) if trainer.mesh is not None else environment_int("LOCAL_WORLD_SIZE") or 1,
                 algorithm=algorithm,
                 config=config,
                 model=_model(own.params),
