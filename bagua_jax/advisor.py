@@ -30,7 +30,7 @@ from jax.extend.core import Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from bagua_common.comm.topology import ring_neighbours
+from bagua_common.comm.topology import Communicators, ring_neighbours
 from bagua_common.job.rank_environment import environment_int
 from bagua_common.tuning.advisor import (
     CodecThroughput,
@@ -47,7 +47,7 @@ from bagua_common.tuning.advisor import (
 )
 from bagua_jax import ops
 from bagua_jax.algorithms import make_algorithm
-from bagua_jax.algorithms.base import Communicators, check_communicators
+from bagua_jax.algorithms.base import check_communicators
 from bagua_jax.communicator import Communicator
 from bagua_jax.counting import CountingCommunicator
 

@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm.timeout import timeout_seconds
+from bagua_common.comm.topology import Communicators
 from bagua_common.job.rank_environment import environment_int, started_by_mpi
-from bagua_torch.algorithms.base import Communicators
 from bagua_torch.communicator import (
     Communicator,
     NativeCommunicator,
