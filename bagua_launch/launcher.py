@@ -67,6 +67,7 @@ from bagua_common.data.private_files import private_directory
 from bagua_common.data.redis_server import RedisServer, checked_bind_address, find_redis_server
 from bagua_common.job.child_process import die_with_parent
 from bagua_common.job.local_launch import free_port
+from bagua_common.job.rank_environment import NPROC_VARIABLE
 from bagua_launch import elastic
 
 __all__ = ["DEFAULT_MULTINODE_PORT", "RANK_VARIABLES", "Launcher", "build_parser", "main", "rank_environment"]
@@ -562,7 +563,7 @@ class Launcher:
         self.status_dir = Path(tempfile.mkdtemp(prefix="bagua-launch-"))
         env = self._base_env()
         env[rank_env.STATUS_DIR_VARIABLE] = str(self.status_dir)
-        env[rank_env.NPROC_VARIABLE] = str(c.nproc_per_node)
+        env[NPROC_VARIABLE] = str(c.nproc_per_node)
         wrapper_flags = {"script": [], "module": ["--module"], "program": ["--no-python"]}[c.mode]
         target = c.command if c.mode == "program" else c.command[1:]  # drop the interpreter
         if c.mode == "module":
