@@ -409,7 +409,7 @@ def test_launcher_imports_no_framework():
     ids=["hydra", "openmpi", "slurm", "no-local-variables"],
 )
 def test_rank_env_reads_mpi_launchers(variables, expected):
-    from bagua_launch.rank_env import mpi_rank_environment
+    from bagua_common.job.rank_environment import mpi_rank_environment
 
     env = mpi_rank_environment(variables | {"MASTER_ADDR": "h", "MASTER_PORT": "1234"})
     assert env == dict(
@@ -420,3 +420,18 @@ def test_rank_env_reads_mpi_launchers(variables, expected):
     }
     with pytest.raises(RuntimeError, match="no MPI rank"):
         mpi_rank_environment({})
+
+
+def test_environment_int_reads_the_launcher_then_mpi():
+    """Launcher variables win; under MPI the rank comes from its variables and LOCAL_RANK from the node size."""
+    from bagua_common.job.rank_environment import environment_int
+
+    hydra = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4"}
+    assert [environment_int(k, hydra) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")] == [3, 4, 3]
+    two_nodes = hydra | {"LOCAL_WORLD_SIZE": "2"}
+    assert [environment_int(k, two_nodes) for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")] == [2, 1]
+    assert environment_int("RANK", hydra | {"RANK": "0"}) == 0
+    assert environment_int("RANK", {}) is None
+    assert environment_int("MASTER_PORT", hydra) is None
+    with pytest.raises(ValueError, match="RANK='zero' is not an integer"):
+        environment_int("RANK", {"RANK": "zero"})
