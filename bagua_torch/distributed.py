@@ -52,13 +52,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from bagua_common.comm.topology import Communicators
 from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
 from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
-    Communicators,
 )
 from bagua_torch.autotune import set_mpi_ring_min_bytes, tuner_for
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
