@@ -276,7 +276,7 @@ class DataParallel:
             if model_state is not None:
                 shared = self._average_model_state and self._replicated
                 model_state = self._replicate(model_state) if shared else self._per_rank(model_state)
-        return _pack(user_state, TrainState(params, opt_state, step, model_state))
+        return in_user_state(user_state, TrainState(params, opt_state, step, model_state))
 
     def shard_batch(self, batch: Any) -> Any:
         """Place a global batch (mesh mode): its leading axis is split evenly across the ranks.
@@ -305,14 +305,14 @@ class DataParallel:
         every rank) gives ``loss_fn`` a per-rank key; ``state`` is what :meth:`init` returned.
         """
         user_state = state if _is_flax_state(state) else None
-        own = _unpack(state)
+        own = as_train_state(state)
         if self._mesh is not None:
             batch = self.shard_batch(batch)
         step_fn = self._step_fn(own.model_state is not None, rng is not None)
         params, opt_state, step, model_state, loss, aux = step_fn(
             own.params, own.opt_state, own.step, own.model_state, batch, rng
         )
-        new_state = _pack(user_state, TrainState(params, opt_state, step, model_state))
+        new_state = in_user_state(user_state, TrainState(params, opt_state, step, model_state))
         if self._mesh is not None and jax.process_count() > 1:
             loss = jnp.mean(loss)
             aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
@@ -334,7 +334,8 @@ def _is_flax_state(state: Any) -> bool:
     )
 
 
-def _unpack(state: Any) -> TrainState:
+def as_train_state(state: Any) -> TrainState:
+    """The trainer's :class:`TrainState` of ``state``: itself, or a flax ``TrainState``'s fields."""
     if isinstance(state, TrainState):
         return state
     if _is_flax_state(state):
@@ -342,7 +343,8 @@ def _unpack(state: Any) -> TrainState:
     raise TypeError(f"DataParallel.step: state must be what init() returned, got {type(state).__name__}")
 
 
-def _pack(user_state: Any, state: TrainState) -> Any:
+def in_user_state(user_state: Any, state: TrainState) -> Any:
+    """``state`` in the user's kind of state: ``user_state`` (a flax ``TrainState``) with its fields, or itself."""
     if user_state is None:
         return state
     fields = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
