@@ -62,10 +62,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bagua_common.comm.bagua_net import bagua_net_environment
-from bagua_common.data.cache_stores import ENV_CACHE_URL, parse_capacity
+from bagua_common.data.cache_stores import ENV_CACHE_DIR, ENV_CACHE_URL, parse_capacity
+from bagua_common.data.private_files import private_directory
 from bagua_common.data.redis_server import RedisServer, checked_bind_address, find_redis_server
 from bagua_common.job.child_process import die_with_parent
 from bagua_common.job.local_launch import free_port
+from bagua_common.job.rank_environment import NPROC_VARIABLE
 from bagua_launch import elastic
 
 __all__ = ["DEFAULT_MULTINODE_PORT", "RANK_VARIABLES", "Launcher", "build_parser", "main", "rank_environment"]
@@ -249,6 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(in a 0600 file the ranks find in BAGUA_CACHE_PASSWORD_FILE), so that the ranks can shard "
         "the cache over every node's server: bagua_common.data.cache_stores.sharded_store",
     )
+    cache.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="PATH",
+        help="keep the node's LMDB dataset cache in PATH and leave it for the next job (default: "
+        f"${ENV_CACHE_DIR}, else a 0700 directory made for the job and removed when it ends)",
+    )
     elastic.add_arguments(parser)
     parser.add_argument_group("network").add_argument(
         "--enable-bagua-net",
@@ -298,6 +307,7 @@ class Config:
     cache_server: str | None = None
     cache_capacity: int | None = None
     cache_bind: str | None = None
+    cache_dir: str | None = None  # named by the user: kept after the job
     nccl_net: dict[str, str] = field(default_factory=dict)  # --enable-bagua-net: NCCL's plugin variables
 
 
@@ -343,6 +353,12 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
                 parser.error(f"--cache-bind: {e}")
     elif ns.cache_capacity is not None or ns.cache_bind is not None:
         parser.error("--cache-capacity and --cache-bind need --cache-server")
+    ns.cache_dir = ns.cache_dir or os.environ.get(ENV_CACHE_DIR) or None
+    if ns.cache_dir is not None:
+        try:
+            private_directory(ns.cache_dir)
+        except (OSError, ValueError) as e:
+            parser.error(f"--cache-dir: {e}")
     try:
         nccl_net = bagua_net_environment() if ns.enable_bagua_net else {}
     except FileNotFoundError as e:
@@ -368,6 +384,7 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
         cache_server=ns.cache_server,
         cache_capacity=ns.cache_capacity,
         cache_bind=ns.cache_bind,
+        cache_dir=ns.cache_dir,
         nccl_net=nccl_net,
     )
 
@@ -478,6 +495,7 @@ class Launcher:
         self.pids: dict[int, dict[str, int]] = {}  # MPI: rank -> its wrapper's pid and its script's group
         self.lost: list[int] = []  # MPI: ranks killed together, none known to be first
         self.cache_server: RedisServer | None = None  # --cache-server: started in run(), stopped after
+        self.cache_dir: str | None = None  # the node's dataset cache: made in run(), removed after unless named
 
     # ------------------------------------------------------------------ start
 
@@ -493,6 +511,8 @@ class Launcher:
         env["MASTER_PORT"] = str(self.config.master_port)
         if self.cache_server is not None:
             env.update(self.cache_server.environment())
+        if self.cache_dir is not None:
+            env[ENV_CACHE_DIR] = self.cache_dir
         env.update(self.config.nccl_net)
         return env
 
@@ -543,7 +563,7 @@ class Launcher:
         self.status_dir = Path(tempfile.mkdtemp(prefix="bagua-launch-"))
         env = self._base_env()
         env[rank_env.STATUS_DIR_VARIABLE] = str(self.status_dir)
-        env[rank_env.NPROC_VARIABLE] = str(c.nproc_per_node)
+        env[NPROC_VARIABLE] = str(c.nproc_per_node)
         wrapper_flags = {"script": [], "module": ["--module"], "program": ["--no-python"]}[c.mode]
         target = c.command if c.mode == "program" else c.command[1:]  # drop the interpreter
         if c.mode == "module":
@@ -855,6 +875,9 @@ class Launcher:
             except (ValueError, OSError):  # not the main thread
                 pass
         try:
+            # With --mpi the ranks of other nodes could not see a directory made here.
+            if self.config.cache_dir is not None or not self.config.mpi:
+                self.cache_dir = self.config.cache_dir or tempfile.mkdtemp(prefix="bagua-job-cache-")
             if self.config.cache_server == "redis":
                 try:
                     self.cache_server = RedisServer(self.config.cache_capacity, bind=self.config.cache_bind).start()
@@ -885,6 +908,8 @@ class Launcher:
                 shutil.rmtree(self.status_dir, ignore_errors=True)
             if self.cache_server is not None:
                 self.cache_server.stop()
+            if self.cache_dir is not None and self.config.cache_dir is None:
+                shutil.rmtree(self.cache_dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

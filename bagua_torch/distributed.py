@@ -45,13 +45,13 @@ import numpy as np
 import torch
 from torch import nn
 
+from bagua_common.comm.topology import Communicators
 from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
 from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
-    Communicators,
 )
 from bagua_torch.autotune import set_mpi_ring_min_bytes, tuner_for
 from bagua_torch.broadcast import broadcast_optimizer_state, broadcast_tensors

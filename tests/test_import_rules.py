@@ -1,5 +1,8 @@
 """The import rules: bagua_torch never loads jax, bagua_jax never loads torch, bagua_common neither.
 
+No library package loads ``bagua_launch``, the command-line package: what both need (the rank
+environment, starting ranks) lives in ``bagua_common.job``.
+
 Each package and every submodule is imported in a fresh interpreter, which then reports the
 forbidden frameworks found in ``sys.modules``.
 """
@@ -16,7 +19,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-FORBIDDEN = {"bagua_common": ("jax", "torch"), "bagua_jax": ("torch",), "bagua_torch": ("jax",)}
+FORBIDDEN = {
+    "bagua_common": ("jax", "torch", "bagua_launch"),
+    "bagua_jax": ("torch", "bagua_launch"),
+    "bagua_torch": ("jax", "bagua_launch"),
+}
 
 PROBE = """
 import importlib, json, pkgutil, sys

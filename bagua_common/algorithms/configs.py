@@ -15,6 +15,7 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
+from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.algorithms.option_checks import (
     check_communication_interval,
     check_flags,
@@ -158,6 +159,7 @@ ALGORITHM_CONFIGS: dict[str, type] = {
     "qadam": QAdamConfig,
     "onebit_adam": OneBitAdamConfig,
     "powersgd": PowerSGDConfig,
+    "diloco": DiLoCoConfig,
 }
 """Registry name -> configuration class; the names both front ends accept."""
 
