@@ -40,9 +40,9 @@ import torch
 from bagua_common.algorithms.configs import OneBitAdamConfig
 from bagua_torch.algorithms.base import AlgorithmContext, Bucket, check_tensor_list
 from bagua_torch.algorithms.qadam import (
+    AdamWithAveragedMomentum,
     QAdamAlgorithm,
     QAdamImpl,
-    AdamWithAveragedMomentum,
 )
 from bagua_torch.compressed_allreduce import PIPELINES
 
