@@ -10,12 +10,14 @@ with ``--nnodes MIN:MAX`` (or the other elastic options) torch's elastic agent
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import sys
 
 from bagua_common.comm.bagua_net import bagua_net_environment
-from bagua_common.data.cache_stores import ENV_CACHE_URL, parse_capacity
+from bagua_common.data.cache_stores import ENV_CACHE_DIR, ENV_CACHE_URL, parse_capacity
+from bagua_common.data.private_files import private_directory
 from bagua_common.data.redis_server import checked_bind_address, find_redis_server
 from bagua_common.job.local_launch import free_port
 from bagua_common.job.local_launch import mpiexec as find_mpiexec
@@ -176,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(in a 0600 file the ranks find in BAGUA_CACHE_PASSWORD_FILE), so that the ranks can shard "
         "the cache over every node's server: bagua_common.data.cache_stores.sharded_store",
     )
+    cache.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="PATH",
+        help="keep the node's LMDB dataset cache in PATH and leave it for the next job (default: "
+        f"${ENV_CACHE_DIR}, else a 0700 directory made for the job and removed when it ends)",
+    )
     elastic.add_arguments(parser)
     parser.add_argument_group("network").add_argument(
         "--enable-bagua-net",
@@ -251,6 +260,12 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
                 parser.error(f"--cache-bind: {e}")
     elif ns.cache_capacity is not None or ns.cache_bind is not None:
         parser.error("--cache-capacity and --cache-bind need --cache-server")
+    ns.cache_dir = ns.cache_dir or os.environ.get(ENV_CACHE_DIR) or None
+    if ns.cache_dir is not None:
+        try:
+            private_directory(ns.cache_dir)
+        except (OSError, ValueError) as e:
+            parser.error(f"--cache-dir: {e}")
     try:
         nccl_net = bagua_net_environment() if ns.enable_bagua_net else {}
     except FileNotFoundError as e:
@@ -276,6 +291,7 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
         cache_server=ns.cache_server,
         cache_capacity=ns.cache_capacity,
         cache_bind=ns.cache_bind,
+        cache_dir=ns.cache_dir,
         nccl_net=nccl_net,
     )
 

@@ -136,6 +136,8 @@ def config_from(
         )
     if ns.cache_server is not None:
         parser.error("--cache-server is not available in elastic mode")
+    if ns.cache_dir is not None:
+        parser.error("--cache-dir is not available in elastic mode (set BAGUA_CACHE_DIR: the ranks inherit it)")
     for flag, given in (
         ("--node-rank", ns.node_rank != 0),
         ("--master-addr", ns.master_addr is not None),

@@ -10,11 +10,8 @@
     MASTER_ADDR       --master-addr
     MASTER_PORT       --master-port
 
-so JAX (``jax.distributed.initialize`` with coordinator ``MASTER_ADDR:MASTER_PORT``)
-and PyTorch (``init_process_group`` with ``env://``) scripts both find their peers.
-With ``--mpi`` one ``mpiexec -n nnodes*nproc_per_node`` job is started instead and
-every rank runs under :mod:`bagua_launch.rank_env`, which sets the same variables
-from the MPI launcher's (``PMI_RANK``, ``OMPI_COMM_WORLD_RANK``, ...).
+so JAX and PyTorch scripts both find their peers. With ``--mpi`` one ``mpiexec -n
+nnodes*nproc_per_node`` job is started instead, each rank under :mod:`bagua_launch.rank_env`.
 
 What the launcher does while the job runs:
 
@@ -29,8 +26,7 @@ What the launcher does while the job runs:
   group, waits up to ``--grace`` seconds, kills what is left with SIGKILL and exits
   with 128 + the signal number. A second such signal kills the ranks at once.
   SIGUSR1 and SIGUSR2 are forwarded and the job goes on (under ``--mpi`` the ranks
-  ignore SIGUSR1, which Hydra uses itself). If the launcher itself is
-  killed, its ranks get SIGKILL (Linux).
+  ignore SIGUSR1, which Hydra uses itself). If the launcher is killed, so are its ranks.
 * When a rank exits non-zero (or is killed by a signal), the launcher sends SIGTERM to
   the others, SIGKILL after ``--grace`` seconds, and exits with that rank's exit code
   (128 + N for signal N) after a summary on stderr naming the rank, its exit code and
@@ -45,13 +41,16 @@ from __future__ import annotations
 import collections
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
+from bagua_common.data.cache_stores import ENV_CACHE_DIR
 from bagua_common.data.redis_server import RedisServer
 from bagua_common.job.child_process import die_with_parent
 from bagua_common.job.local_launch import is_hydra
@@ -106,6 +105,7 @@ class Config:
     cache_server: str | None = None
     cache_capacity: int | None = None
     cache_bind: str | None = None
+    cache_dir: str | None = None  # named by the user: kept after the job
     nccl_net: dict[str, str] = field(default_factory=dict)  # --enable-bagua-net: NCCL's plugin variables
 
 
@@ -135,6 +135,7 @@ class Launcher:
         self.failure: tuple[int, int | None] | None = None  # (first failing rank, its return code)
         self.reports: WrapperReports | None = None  # MPI: what the rank_env wrappers report
         self.cache_server: RedisServer | None = None  # --cache-server: started in run(), stopped after
+        self.cache_dir: str | None = None  # the node's dataset cache: made in run(), removed after unless named
 
     # ------------------------------------------------------------------ start
 
@@ -150,6 +151,8 @@ class Launcher:
         env["MASTER_PORT"] = str(self.config.master_port)
         if self.cache_server is not None:
             env.update(self.cache_server.environment())
+        if self.cache_dir is not None:
+            env[ENV_CACHE_DIR] = self.cache_dir
         env.update(self.config.nccl_net)
         return env
 
@@ -409,6 +412,9 @@ class Launcher:
             except (ValueError, OSError):  # not the main thread
                 pass
         try:
+            # With --mpi the ranks of other nodes could not see a directory made here.
+            if self.config.cache_dir is not None or not self.config.mpi:
+                self.cache_dir = self.config.cache_dir or tempfile.mkdtemp(prefix="bagua-job-cache-")
             if self.config.cache_server == "redis":
                 try:
                     self.cache_server = RedisServer(self.config.cache_capacity, bind=self.config.cache_bind).start()
@@ -439,3 +445,5 @@ class Launcher:
                 self.reports.remove()
             if self.cache_server is not None:
                 self.cache_server.stop()
+            if self.cache_dir is not None and self.config.cache_dir is None:
+                shutil.rmtree(self.cache_dir, ignore_errors=True)
