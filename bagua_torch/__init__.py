@@ -22,7 +22,8 @@ from bagua_torch.communicator import (
     ReduceOp,
     Work,
 )
-from bagua_torch.distributed import BaguaModule, DistributedDataParallel, with_bagua
+from bagua_torch.distributed import BaguaModule, with_bagua
+from bagua_torch.distributed_data_parallel import DistributedDataParallel
 from bagua_torch.fused_optimizer import FusedOptimizer, fuse_optimizer
 from bagua_torch.job import (
     BaguaProcessGroup,

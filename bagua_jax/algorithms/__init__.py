@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from bagua_common.algorithms.configs import build_algorithm, unknown_algorithm
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager, async_model_average
-from bagua_jax.algorithms.base import Algorithm, Communicators
+from bagua_jax.algorithms.base import Algorithm
 from bagua_jax.algorithms.bytegrad import ByteGrad, bytegrad
 from bagua_jax.algorithms.decentralized import Decentralized, decentralized
 from bagua_jax.algorithms.diloco import DiLoCo, diloco

@@ -42,9 +42,9 @@ from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsCont
 from bagua_common.algorithms.configs import AsyncModelAverageConfig, config_options
 from bagua_common.algorithms.option_checks import check_bucket_bytes, check_sync_interval_ms, check_warmup_steps
 from bagua_common.comm.collectives import ReduceOp
+from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_params,

@@ -38,9 +38,9 @@ from bagua_common.algorithms.diloco import (
     fragment_plan,
 )
 from bagua_common.algorithms.outer_exchange import OuterExchange
+from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     check_communicators,
     check_float_params,
     check_weights_given,

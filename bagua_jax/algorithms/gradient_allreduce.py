@@ -25,8 +25,8 @@ import optax
 from bagua_common.algorithms.compressed_allreduce import allreduce_over
 from bagua_common.algorithms.configs import GradientAllReduceConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import optax
 
 from bagua_common.algorithms.configs import OneBitAdamConfig
-from bagua_jax.algorithms.base import Communicators
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.qadam import (
     AdamWithAveragedMomentum,
     Levels,

@@ -20,8 +20,8 @@ import optax
 
 from bagua_common.algorithms.configs import config_options
 from bagua_common.algorithms.powersgd import NAME, PowerSGDConfig, matrix_view
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.base import (
-    Communicators,
     check_communicators,
     check_float_grads,
     check_float_params,

@@ -31,12 +31,12 @@ import importlib
 from typing import Any
 
 from bagua_common.algorithms.configs import build_algorithm, unknown_algorithm
+from bagua_common.comm.topology import Communicators
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
     Bucket,
-    Communicators,
     DoneWork,
 )
 from bagua_torch.algorithms.bytegrad import ByteGradAlgorithm

@@ -40,16 +40,16 @@ import torch
 from bagua_common.algorithms.configs import OneBitAdamConfig
 from bagua_torch.algorithms.base import AlgorithmContext, Bucket, check_tensor_list
 from bagua_torch.algorithms.qadam import (
+    AdamWithAveragedMomentum,
     QAdamAlgorithm,
     QAdamImpl,
-    _AdamWithAveragedMomentum,
 )
 from bagua_torch.compressed_allreduce import PIPELINES
 
 __all__ = ["OneBitAdamAlgorithm", "OneBitAdamImpl", "OneBitAdamOptimizer"]
 
 
-class OneBitAdamOptimizer(_AdamWithAveragedMomentum):
+class OneBitAdamOptimizer(AdamWithAveragedMomentum):
     """1-bit Adam's optimizer: ``torch.optim.Adam`` (bit for bit, ``foreach=False``) for ``warmup_steps`` steps,
     then Adam with the second moment frozen and the momentum averaged by :class:`OneBitAdamAlgorithm`.
 

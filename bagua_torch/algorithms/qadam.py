@@ -76,7 +76,7 @@ __all__ = ["QAdamAlgorithm", "QAdamImpl", "QAdamOptimizer"]
 # ============================================================================ the optimizer
 
 
-class _AdamWithAveragedMomentum(torch.optim.Optimizer):
+class AdamWithAveragedMomentum(torch.optim.Optimizer):
     """Adam for ``warmup_steps`` steps, then Adam with a frozen second moment and a momentum that the
     algorithm averages across ranks before each step (shared by QAdam and 1-bit Adam)."""
 
@@ -233,7 +233,7 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
         )
 
 
-class QAdamOptimizer(_AdamWithAveragedMomentum):
+class QAdamOptimizer(AdamWithAveragedMomentum):
     """QAdam's optimizer: ``torch.optim.Adam`` (bit for bit, ``foreach=False``) for ``warmup_steps`` steps, then
     Adam with the second moment frozen and the momentum averaged across ranks by :class:`QAdamAlgorithm`.
 
@@ -296,7 +296,7 @@ class QAdamImpl(AlgorithmImpl):
         super().__init__(context)
         name = config.name
         self.config = config
-        self.optimizer: _AdamWithAveragedMomentum = config.optimizer  # type: ignore[assignment]
+        self.optimizer: AdamWithAveragedMomentum = config.optimizer  # type: ignore[assignment]
         check_dtypes(context.buckets, COMPRESSIBLE, name, "the momentum is compressed in")
         if not any(opt is self.optimizer for opt in context.optimizers):
             raise ValueError(
