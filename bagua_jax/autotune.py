@@ -29,7 +29,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 from bagua_common.tuning.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
-from bagua_jax.algorithms.base import Algorithm
+from bagua_jax.algorithms.base import REGISTRY, Algorithm
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
 
@@ -79,7 +79,9 @@ def tune_bucket_bytes(
     mode = autotune_mode(mode)
     if mode == "off":
         return None
-    registry_name = _registry_name(algorithm)
+    registry_name = getattr(algorithm, "name", None)
+    if registry_name not in REGISTRY.names():
+        raise ValueError(f"autotune: {type(algorithm).__name__} is not a registered algorithm")
     ring = communicator is not None and communicator.kind == "mpi" and communicator.spans_nodes
     knobs = tuning_knobs(
         registry_name,
@@ -123,7 +125,7 @@ def tune_bucket_bytes(
             trainer = DataParallel(
                 _half_square,
                 optax.sgd(0.0),
-                dataclasses.replace(algorithm, **dict(compiled)),
+                algorithm.replace(**dict(compiled)),
                 mesh=mesh,
                 communicator=communicator,
                 autotune="off",
@@ -146,12 +148,3 @@ def algorithm_setting(setting: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
 
 def _empty_batch(trainer: Any, mesh: Mesh | None) -> Any:
     return np.zeros((trainer.size,), np.float32) if mesh is not None else np.zeros((1,), np.float32)
-
-
-def _registry_name(algorithm: Algorithm) -> str:
-    from bagua_jax.algorithms import ALGORITHMS
-
-    for key, cls in ALGORITHMS.items():
-        if isinstance(algorithm, cls):
-            return key
-    raise ValueError(f"autotune: {type(algorithm).__name__} is not a registered algorithm")
