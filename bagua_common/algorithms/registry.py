@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 C = TypeVar("C", bound=type)
+T = TypeVar("T")
 
 CONFIGS: dict[str, type] = {}
 """Registry name -> configuration class, in declaration order: every algorithm there is."""
@@ -52,16 +53,19 @@ def unknown_algorithm(name: str, available: Iterable[str]) -> ValueError:
 
 def as_config(config_class: type, *args: Any, **options: Any) -> Any:
     """The configuration given as arguments: ``args[0]`` when it is the only one and a ``config_class`` (taken as it
-    is, it checked itself when built), else ``config_class(*args, **options)``; a TypeError (an unknown option, a
-    value of the wrong type) is raised again with the algorithm's name in front, the same in every front end."""
+    is: it checked itself when it was built), else ``config_class(*args, **options)``."""
     if len(args) == 1 and not options and isinstance(args[0], config_class):
         return args[0]
+    return config_class(*args, **options)
+
+
+def build_algorithm(cls: type[T], options: dict[str, Any]) -> T:
+    """``cls(**options)``, the registered algorithm class ``cls``; a TypeError (an unknown option or a value of the
+    wrong type) is raised again with the algorithm's name in front, the same in every front end."""
     try:
-        return config_class(*args, **options)
+        return cls(**options)
     except TypeError as error:
-        if str(error).startswith(f"{config_class.name}:"):
-            raise
-        raise TypeError(f"algorithm {config_class.name!r}: {error}") from error
+        raise TypeError(f"algorithm {cls.name!r}: {error}") from error
 
 
 class AlgorithmRegistry:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import fields
 from typing import Any
 
-from bagua_common.algorithms.registry import as_config
+from bagua_common.algorithms.registry import build_algorithm
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager, async_model_average
 from bagua_jax.algorithms.base import REGISTRY, Algorithm, Communicators, ConfiguredAlgorithm, implements
 from bagua_jax.algorithms.bytegrad import ByteGrad, bytegrad
@@ -44,8 +44,7 @@ def make_algorithm(name: str, learning_rate: float | None = None, **options: Any
         if learning_rate is None:
             raise ValueError(f"{name} is an optimizer itself and needs learning_rate")
         options["learning_rate"] = learning_rate
-    bucket = {key: options.pop(key) for key in ("bucket_bytes",) if key in options}
-    return cls(as_config(cls.config_class, **options), **bucket)
+    return build_algorithm(cls, options)
 
 
 __all__ = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bagua_common.algorithms.registry import unknown_algorithm
+from bagua_common.algorithms.registry import build_algorithm, unknown_algorithm
 from bagua_torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from bagua_torch.algorithms.base import (
     REGISTRY,
@@ -36,7 +36,7 @@ from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOp
 from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
 from bagua_torch.algorithms.qadam import QAdamAlgorithm, QAdamOptimizer
 
-_custom: dict[str, type[Algorithm]] = {}
+_registered: dict[str, type[Algorithm]] = {}
 
 
 def register_algorithm(name: str, cls: type[Algorithm]) -> None:
@@ -46,21 +46,21 @@ def register_algorithm(name: str, cls: type[Algorithm]) -> None:
         raise ValueError(f"an algorithm name must be a non-empty string, got {name!r}")
     if not (isinstance(cls, type) and issubclass(cls, Algorithm)):
         raise TypeError(f"register_algorithm: {cls!r} is not a subclass of bagua_torch.algorithms.Algorithm")
-    _custom[name] = cls
+    _registered[name] = cls
 
 
 def available_algorithms() -> list[str]:
     """The names :func:`get_algorithm` accepts: the built-in ones, then the custom ones."""
     names = REGISTRY.names()
-    return names + [name for name in _custom if name not in names]
+    return names + [name for name in _registered if name not in names]
 
 
 def algorithm_class(name: str) -> type[Algorithm]:
     """The class registered under ``name``; a ValueError lists the available names otherwise."""
     if not isinstance(name, str):
         raise TypeError(f"an algorithm name must be a string, got {type(name).__name__}")
-    if name in _custom:
-        return _custom[name]
+    if name in _registered:
+        return _registered[name]
     if name not in REGISTRY.names():
         raise unknown_algorithm(name, available_algorithms())
     return REGISTRY.by_name(name)
@@ -79,7 +79,7 @@ def get_algorithm(spec: str | Algorithm, **options: Any) -> Algorithm:
             f"algorithm must be a name (one of {', '.join(available_algorithms())}) or a "
             f"bagua_torch.algorithms.Algorithm, got {type(spec).__name__}"
         )
-    return algorithm_class(spec)(**options)
+    return build_algorithm(algorithm_class(spec), options)
 
 
 __all__ = [
