@@ -15,7 +15,6 @@ level and the bytes its compression kernels code (traced, not run), and rank 0 p
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import time
@@ -31,7 +30,8 @@ from jax.extend.core import Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from bagua_common.comm.topology import ring_neighbours
+from bagua_common.comm.topology import Communicators, ring_neighbours
+from bagua_common.job.rank_environment import environment_int
 from bagua_common.tuning.advisor import (
     CodecThroughput,
     Link,
@@ -47,7 +47,7 @@ from bagua_common.tuning.advisor import (
 )
 from bagua_jax import ops
 from bagua_jax.algorithms import make_algorithm
-from bagua_jax.algorithms.base import Communicators, check_communicators
+from bagua_jax.algorithms.base import check_communicators
 from bagua_jax.communicator import Communicator
 from bagua_jax.counting import CountingCommunicator
 
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--ranks-per-node",
         type=int,
-        default=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None,
+        default=environment_int("LOCAL_WORLD_SIZE") or None,
         help="ranks per node, for the intra- and inter-node levels (default: the launcher's LOCAL_WORLD_SIZE; "
         "a smaller value on one host groups its ranks as if they were nodes)",
     )

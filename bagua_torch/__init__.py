@@ -19,9 +19,11 @@ from bagua_torch.communicator import (
     Communicator,
     NativeCommunicator,
     ProcessGroupCommunicator,
+    ReduceOp,
     Work,
 )
-from bagua_torch.distributed import BaguaModule, DistributedDataParallel, with_bagua
+from bagua_torch.distributed import BaguaModule, with_bagua
+from bagua_torch.distributed_data_parallel import DistributedDataParallel
 from bagua_torch.fused_optimizer import FusedOptimizer, fuse_optimizer
 from bagua_torch.job import (
     BaguaProcessGroup,
@@ -42,6 +44,7 @@ __all__ = [
     "FusedOptimizer",
     "NativeCommunicator",
     "ProcessGroupCommunicator",
+    "ReduceOp",
     "Work",
     "algorithms",
     "build_info",

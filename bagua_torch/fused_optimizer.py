@@ -30,8 +30,12 @@ param-group boundaries: the gradients are views of the communication buckets, ba
 accumulates into them, the reduced bucket is the optimizer's gradient, and no gradient is copied
 on the way (with ``zero_grad(set_to_none=False)`` and an algorithm that hands its result over,
 such as gradient_allreduce or bytegrad; ``stats()["model_bytes_copied"]`` counts the model's
-copies otherwise). The step waits for the model's gradients first. Step hooks the model put on
-the original optimizer (weight-communicating algorithms) do not run on the fused one.
+copies otherwise). The step waits for the model's gradients first. Whenever the original optimizer
+was given to a wrapped model (``with_bagua(model, [optimizer], ...)``), module or not, the fused
+optimizer steps in its place there (:meth:`~bagua_torch.distributed.BaguaModule.replace_optimizer`):
+the algorithm's step hooks move to it, so weight-communicating algorithms (decentralized,
+low-precision decentralized, asynchronous averaging) average exactly as unfused. QAdam's and 1-bit
+Adam's optimizers are refused: their step after the warm-up is not elementwise.
 """
 
 from __future__ import annotations
@@ -45,13 +49,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bagua_torch.bucketing import Bucket
+from bagua_torch.distributed import BaguaModule, wrapper_of
 
 if TYPE_CHECKING:
-    from bagua_torch.distributed import BaguaModule
     from bagua_torch.reducer import Reducer
 
-NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-"""Built-in optimizer classes whose step is not elementwise (checked by name)."""
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "QAdamOptimizer", "OneBitAdamOptimizer")
+"""Optimizer classes whose step is not elementwise (checked by name). QAdam's and 1-bit Adam's floor
+their frozen second moment by its mean over each parameter tensor after the warm-up."""
 NOT_ELEMENTWISE_MARKERS = ("lamb", "lars")
 """Class-name fragments of layer-wise optimizers (trust ratios per tensor)."""
 VERIFY_SAMPLE = 64
@@ -132,6 +137,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._warned_unused = False
         self._stats = {"fused_steps": 0, "unfused_chunk_steps": 0, "gradient_copies": 0, "bytes_copied": 0}
         self._load_per_parameter_state(original_state)
+        holder = wrapper_of(optimizer)
+        if holder is not None:
+            if module is not None and holder is not module:
+                raise ValueError("fuse_optimizer: the optimizer was given to another wrapped model than module")
+            holder.replace_optimizer(optimizer, self)
 
     # -- the torch.optim.Optimizer interface -------------------------------------------------
 

@@ -3,7 +3,7 @@
 Reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` and Bagua's
 launcher set them; under ``mpiexec`` or ``srun`` the rank, size and node size may come
-from the MPI launcher's variables, read by :func:`bagua_launch.rank_env.mpi_rank_environment`)
+from the MPI launcher's variables, read by :mod:`bagua_common.job.rank_environment`)
 or takes them as arguments,
 initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) and builds the
 communicators the algorithms use:
@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm.timeout import timeout_seconds
-from bagua_launch.rank_env import mpi_rank_environment
-from bagua_torch.algorithms.base import Communicators
+from bagua_common.comm.topology import Communicators
+from bagua_common.job.rank_environment import environment_int, started_by_mpi
 from bagua_torch.communicator import (
     Communicator,
     NativeCommunicator,
@@ -82,28 +82,13 @@ class BaguaProcessGroup:
 _default: BaguaProcessGroup | None = None
 
 
-def _env_int(name: str, value: Any, key: str, mpi: dict[str, str]) -> int | None:
-    """``value`` if given, else the environment variable ``key``, else the MPI launcher's value of it."""
-    if value is not None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"init_process_group: {name} must be an int, got {value!r}")
-        return value
-    text = os.environ.get(key) or mpi.get(key)
-    if text is not None and text.strip():
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"init_process_group: environment variable {key}={text!r} is not an integer") from None
-    return None
-
-
-def _mpi_environment() -> dict[str, str]:
-    """RANK, WORLD_SIZE and LOCAL_WORLD_SIZE from an MPI launcher's variables; empty outside one."""
-    try:
-        derived = mpi_rank_environment(os.environ)
-    except RuntimeError:  # not started by an MPI launcher
-        return {}
-    return {key: derived[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+def _argument_or_environment(name: str, value: Any, key: str) -> int | None:
+    """``value`` if given, else the launcher's variable ``key`` (or, under MPI, its launcher's value of it)."""
+    if value is None:
+        return environment_int(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"init_process_group: {name} must be an int, got {value!r}")
+    return value
 
 
 def init_process_group(
@@ -144,9 +129,8 @@ def init_process_group(
         raise TypeError(f"init_process_group: native must be None or a bool, got {native!r}")
     seconds = timeout_seconds(timeout)
 
-    mpi = _mpi_environment()
-    rank = _env_int("rank", rank, "RANK", mpi)
-    world_size = _env_int("world_size", world_size, "WORLD_SIZE", mpi)
+    rank = _argument_or_environment("rank", rank, "RANK")
+    world_size = _argument_or_environment("world_size", world_size, "WORLD_SIZE")
     if rank is None or world_size is None:
         raise ValueError(
             "init_process_group: the rank and world size are unknown; set RANK and WORLD_SIZE (a launcher such as "
@@ -154,14 +138,14 @@ def init_process_group(
         )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"init_process_group: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    local_world_size = _env_int("local_world_size", local_world_size, "LOCAL_WORLD_SIZE", mpi)
+    local_world_size = _argument_or_environment("local_world_size", local_world_size, "LOCAL_WORLD_SIZE")
     local_world_size = world_size if local_world_size is None else local_world_size
     if local_world_size < 1 or world_size % local_world_size:
         raise ValueError(
             f"init_process_group: local_world_size={local_world_size} must divide world_size={world_size} "
             "(the same number of ranks on every node)"
         )
-    local_rank = _env_int("local_rank", local_rank, "LOCAL_RANK", {})
+    local_rank = _argument_or_environment("local_rank", local_rank, "LOCAL_RANK")
     expected_local = rank % local_world_size
     if local_rank is None:
         local_rank = expected_local
@@ -187,7 +171,7 @@ def init_process_group(
 
     info = build_info()
     engine = "nccl" if use_cuda else "mpi"
-    engine_ready = bool(info.get(engine)) and (use_cuda or bool(mpi))
+    engine_ready = bool(info.get(engine)) and (use_cuda or started_by_mpi())
     if native and not engine_ready:
         raise RuntimeError(
             f"init_process_group(native=True): the native {engine.upper()} engine is not usable here "
@@ -196,7 +180,7 @@ def init_process_group(
     use_native = engine_ready if native is None else native
 
     master_addr = master_addr if master_addr is not None else os.environ.get("MASTER_ADDR")
-    master_port = _env_int("master_port", master_port, "MASTER_PORT", {})
+    master_port = _argument_or_environment("master_port", master_port, "MASTER_PORT")
     store = None
     if dist.is_available() and dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):

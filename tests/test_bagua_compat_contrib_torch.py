@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
+from bagua_common.data.cache_stores import LmdbStore, MemoryStore
 from bagua_torch.torch_api import contrib
 
 
@@ -47,26 +50,57 @@ def test_batch_sampler_refuses_what_bagua_refused():
         contrib.LoadBalancingDistributedBatchSampler(sampler, lambda i: [i])
 
 
-def test_cached_dataset_and_cache_loader_read_through_once(tmp_path, monkeypatch):
+class Slow(torch.utils.data.Dataset):
+    def __init__(self):
+        self.reads = []
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return i * 10
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "memory"])
+def test_cached_dataset_and_cache_loader_read_through_once(backend, tmp_path, monkeypatch):
     monkeypatch.delenv("BAGUA_CACHE_URL", raising=False)
-    reads = []
-
-    class Slow(torch.utils.data.Dataset):
-        def __len__(self):
-            return 5
-
-        def __getitem__(self, i):
-            reads.append(i)
-            return i * 10
-
-    cached = contrib.CachedDataset(Slow(), backend="redis", dataset_name="slow")
+    monkeypatch.setenv("BAGUA_CACHE_DIR", str(tmp_path))
+    slow = Slow()
+    cached = contrib.CachedDataset(slow, backend=backend, dataset_name="slow")
     assert [cached[i] for i in range(5)] == [0, 10, 20, 30, 40]
     assert [cached[i] for i in range(5)] == [0, 10, 20, 30, 40]
-    assert reads == [0, 1, 2, 3, 4]
-    loader = contrib.CacheLoader(backend="redis", dataset_name="squares")
+    assert slow.reads == [0, 1, 2, 3, 4]
+    loader = contrib.CacheLoader(backend=backend, dataset_name="squares")
     calls = []
     assert [loader.get(k, lambda k: calls.append(k) or k * k) for k in (3, 4, 3)] == [9, 16, 9]
     assert calls == [3, 4]
+    again = Slow()
+    assert [contrib.CachedDataset(again, backend=backend, dataset_name="slow")[i] for i in range(5)] == [
+        0,
+        10,
+        20,
+        30,
+        40,
+    ]
+    assert again.reads == ([] if backend == "lmdb" else [0, 1, 2, 3, 4])  # the node's cache, or this one's own
+    assert len(os.listdir(tmp_path)) == (2 if backend == "lmdb" else 0)  # one environment per dataset
+
+
+def test_backend_is_honoured_and_a_shared_store_needs_a_name(tmp_path, monkeypatch):
+    monkeypatch.delenv("BAGUA_CACHE_URL", raising=False)
+    monkeypatch.setenv("BAGUA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="BAGUA_CACHE_URL is unset"):
+        contrib.CachedDataset(Slow(), backend="redis", dataset_name="slow")
+    for backend in ("redis", "lmdb"):
+        with pytest.raises(ValueError, match="dataset_name is required"):
+            contrib.CachedDataset(Slow(), backend=backend)
+        with pytest.raises(ValueError, match="dataset_name is required"):
+            contrib.CacheLoader(backend=backend)
+    assert isinstance(contrib.CachedDataset(Slow(), backend="lmdb", dataset_name="a").loader.store, LmdbStore)
+    assert isinstance(contrib.CachedDataset(Slow(), backend="memory").loader.store, MemoryStore)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        contrib.CachedDataset(Slow(), backend="sqlite", dataset_name="a")
     with pytest.raises(TypeError, match="store options"):
         contrib.CachedDataset(Slow(), backend="redis", hosts=[{"host": "example.org", "port": 6379}])
 

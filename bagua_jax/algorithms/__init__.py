@@ -15,10 +15,12 @@ from dataclasses import fields
 from typing import Any
 
 from bagua_common.algorithms.registry import build_algorithm
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager, async_model_average
-from bagua_jax.algorithms.base import REGISTRY, Algorithm, Communicators, ConfiguredAlgorithm, implements
+from bagua_jax.algorithms.base import REGISTRY, Algorithm, ConfiguredAlgorithm, implements
 from bagua_jax.algorithms.bytegrad import ByteGrad, bytegrad
 from bagua_jax.algorithms.decentralized import Decentralized, decentralized
+from bagua_jax.algorithms.diloco import DiLoCo, diloco
 from bagua_jax.algorithms.gradient_allreduce import GradientAllReduce, gradient_allreduce
 from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralized, low_precision_decentralized
 from bagua_jax.algorithms.onebit_adam import OneBitAdam, onebit_adam
@@ -56,6 +58,7 @@ __all__ = [
     "Communicators",
     "ConfiguredAlgorithm",
     "Decentralized",
+    "DiLoCo",
     "GradientAllReduce",
     "LowPrecisionDecentralized",
     "OneBitAdam",
@@ -65,6 +68,7 @@ __all__ = [
     "async_model_average",
     "bytegrad",
     "decentralized",
+    "diloco",
     "gradient_allreduce",
     "implements",
     "low_precision_decentralized",

@@ -36,9 +36,9 @@ import optax
 from bagua_common.algorithms.configs import QAdamConfig
 from bagua_common.algorithms.frozen_variance import VARIANCE_FLOOR
 from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,

@@ -41,10 +41,10 @@ from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsCont
 from bagua_common.algorithms.configs import AsyncModelAverageConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_common.algorithms.registry import as_config
-from bagua_common.comm.engines import REDUCE_OP_CODES
+from bagua_common.comm.collectives import ReduceOp
+from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_params,
@@ -209,7 +209,7 @@ class AsyncModelAverager(RoundsControl):
 
     def _agree_to_stop(self, stop: bool) -> bool:
         flag, agreed = np.array([int(stop)], np.int32), np.zeros(1, np.int32)
-        self._engine.allreduce(self._handle, flag, agreed, REDUCE_OP_CODES["max"])
+        self._engine.allreduce(self._handle, flag, agreed, ReduceOp.MAX.code)
         return bool(agreed[0])
 
     def _allreduce_sum(self, snapshot: list[jax.Array]) -> list[np.ndarray]:
@@ -217,7 +217,7 @@ class AsyncModelAverager(RoundsControl):
         for bucket in snapshot:
             send = np.asarray(bucket)
             sums.append(np.empty_like(send))
-            self._engine.allreduce(self._handle, send, sums[-1], REDUCE_OP_CODES["sum"])
+            self._engine.allreduce(self._handle, send, sums[-1], ReduceOp.SUM.code)
         return sums
 
 

@@ -24,6 +24,7 @@ from bagua_common.algorithms.configs import DecentralizedConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_common.algorithms.registry import as_config
 from bagua_common.comm.topology import (
+    Communicators,
     PeerSelectionMode,
     check_pairable,
     check_peer_selection_mode,
@@ -31,7 +32,6 @@ from bagua_common.comm.topology import (
 )
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_weights_given,

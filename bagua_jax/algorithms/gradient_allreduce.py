@@ -26,8 +26,8 @@ import optax
 from bagua_common.algorithms.configs import GradientAllReduceConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,

@@ -41,13 +41,14 @@ import optax
 
 from bagua_common.algorithms.configs import OneBitAdamConfig
 from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.adam_engine import (
     AdamWithAveragedMomentum,
     Levels,
     adam_with_averaged_momentum,
     momentum_plan,
 )
-from bagua_jax.algorithms.base import Communicators, implements
+from bagua_jax.algorithms.base import implements
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
 from bagua_jax.compressed_allreduce import PIPELINES
 

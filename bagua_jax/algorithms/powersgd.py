@@ -19,8 +19,8 @@ import optax
 
 from bagua_common.algorithms.configs import PowerSGDConfig, matrix_view
 from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from bagua_common.algorithms.registry import build_algorithm, unknown_algorithm
+from bagua_common.comm.topology import Communicators
 from bagua_torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from bagua_torch.algorithms.base import (
     REGISTRY,
@@ -24,12 +25,12 @@ from bagua_torch.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     Bucket,
-    Communicators,
     DoneWork,
     implements,
 )
 from bagua_torch.algorithms.bytegrad import ByteGradAlgorithm
 from bagua_torch.algorithms.decentralized import DecentralizedAlgorithm
+from bagua_torch.algorithms.diloco import DiLoCoAlgorithm
 from bagua_torch.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 from bagua_torch.algorithms.low_precision_decentralized import LowPrecisionDecentralizedAlgorithm
 from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
@@ -92,6 +93,7 @@ __all__ = [
     "ByteGradAlgorithm",
     "Communicators",
     "DecentralizedAlgorithm",
+    "DiLoCoAlgorithm",
     "DoneWork",
     "GradientAllReduceAlgorithm",
     "LowPrecisionDecentralizedAlgorithm",

@@ -217,6 +217,21 @@ def _get_default_group() -> BaguaProcessGroup:
     return _default_group
 
 
+def communicators_of(process_group: Any) -> Communicators | None:
+    """The project wrapper's ``process_group`` for Bagua's: a :class:`BaguaProcessGroup`, a torch group, or None.
+
+    None is the default group (or, before :func:`init_process_group`, whatever the project's wrapper
+    finds); a group this rank is not a member of raises a ValueError.
+    """
+    if process_group is None:
+        return _default_group.communicators if _default_group is not None else None
+    if isinstance(process_group, BaguaProcessGroup):
+        if process_group.communicators is None:
+            raise ValueError(f"this rank is not a member of {process_group!r}; only its members wrap the model")
+        return process_group.communicators
+    return process_group
+
+
 def new_group(ranks: Sequence[int] | None = None, stream: Any = None) -> BaguaProcessGroup:
     """A group of ``ranks`` (default all), created collectively: every rank of the job calls it, in the same order.
 
