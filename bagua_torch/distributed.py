@@ -35,7 +35,6 @@ What happens, in order (the algorithm's side is described in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -45,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bagua_common.comm.bucket_plan import check_bucket_bytes
 from bagua_common.comm.topology import Communicators
 from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
 from bagua_torch.algorithms import get_algorithm
@@ -113,8 +113,7 @@ class BaguaModule(nn.Module):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {type(opt).__name__}")
         algorithm = get_algorithm(algorithm)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+        check_bucket_bytes(bucket_bytes, "BaguaModule")
         if sync_point not in ("backward", "step"):
             raise ValueError(f"sync_point must be 'backward' or 'step', got {sync_point!r}")
         if sync_point == "step" and not optimizers:
@@ -213,7 +212,7 @@ class BaguaModule(nn.Module):
             set_mpi_ring_min_bytes(self.communicators, setting["mpi_ring_min_bytes"])
         algorithm = self.algorithm
         if "hierarchical" in setting:
-            algorithm = dataclasses.replace(algorithm, hierarchical=setting["hierarchical"])
+            algorithm = algorithm.replace(hierarchical=setting["hierarchical"])
         bucket_bytes = setting.get("bucket_bytes", self.bucket_bytes)
         if (bucket_bytes, algorithm) == (self.bucket_bytes, self.algorithm):
             return
