@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SIZE, NRANKS, STEPS, BATCH, LR, WEIGHT_DECAY, WARMUP = "tiny", 2, 200, 8, 3e-3, 0.01, 50
+SIZE, NRANKS, STEPS, BATCH, LR, WEIGHT_DECAY, WARMUP = "tiny", 2, 150, 4, 3e-3, 0.01, 40
 HELDOUT_WINDOWS = 32
-
-ADAM_TYPE = ("qadam", "onebit_adam")
-"""The algorithms that are optimizers themselves; judged against AdamW like the others."""
 
 OPTIONS: dict[str, dict] = {
     "qadam": {"warmup_steps": WARMUP},

@@ -40,17 +40,14 @@ def allreduce_losses(size: str, seed: int, steps: int, batch: int, lr: float, we
 
 def _algorithm(name: str, model: torch.nn.Module):
     """(optimizer, algorithm) of ``name`` for the gate: AdamW and the registry's algorithm with the gate's options,
-    or an Adam-type algorithm with its own optimizer."""
-    from gpt_gate import ADAM_TYPE, LR, OPTIONS, WEIGHT_DECAY
+    or, for an algorithm that is an optimizer itself, its own optimizer."""
+    from gpt_gate import LR, OPTIONS, WEIGHT_DECAY
 
-    from bagua_torch.algorithms import get_algorithm
+    from bagua_torch.algorithms import algorithm_class, get_algorithm
 
     options = dict(OPTIONS.get(name, {}))
-    if name in ADAM_TYPE:
-        from bagua_torch.algorithms.onebit_adam import OneBitAdamOptimizer
-        from bagua_torch.algorithms.qadam import QAdamOptimizer
-
-        optimizer_class = QAdamOptimizer if name == "qadam" else OneBitAdamOptimizer
+    optimizer_class = getattr(algorithm_class(name), "optimizer_class", None)
+    if optimizer_class is not None:
         optimizer = optimizer_class(model.parameters(), lr=LR, warmup_steps=options.pop("warmup_steps"))
         return optimizer, get_algorithm(name, optimizer=optimizer, **options)
     return adamw(model, LR, WEIGHT_DECAY), get_algorithm(name, **options)
