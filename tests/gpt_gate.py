@@ -18,7 +18,7 @@ OPTIONS: dict[str, dict] = {
     "qadam": {"warmup_steps": WARMUP},
     "onebit_adam": {"warmup_steps": WARMUP},
     "async": {"sync_interval_ms": 5, "warmup_steps": WARMUP},
-    "diloco": {"sync_every": 20},
+    "diloco": {"sync_every": 50},
 }
 """Registry name -> options other than the defaults; a name without an entry runs with its defaults."""
 

@@ -55,8 +55,6 @@ def _algorithm(name: str, model: torch.nn.Module):
 
 def gate(names: list[str], seed: int) -> dict:
     """Train a fresh ``tiny`` GPT with each algorithm of ``names`` in turn; this rank's gate summary of each."""
-    import time
-
     from gpt_gate import BATCH, HELDOUT_WINDOWS, SIZE, STEPS, summary
 
     import bagua_torch
@@ -67,7 +65,6 @@ def gate(names: list[str], seed: int) -> dict:
     corpus = load_corpus()
     out = {"rank": rank}
     for name in names:
-        start, cpu_start = time.perf_counter(), time.process_time()
         model = GPT(SIZE, init_gpt_params(SIZE, seed))
         optimizer, algorithm = _algorithm(name, model)
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm)
@@ -82,8 +79,6 @@ def gate(names: list[str], seed: int) -> dict:
         with torch.no_grad():
             heldout_loss = next_token_loss(model(heldout[:, :-1]), heldout).item()
         out[name] = summary({k: v.detach().numpy() for k, v in model.state_dict().items()}, heldout_loss)
-        out[name]["seconds"] = time.perf_counter() - start
-        out[name]["cpu_seconds"] = time.process_time() - cpu_start
         if name == "async":
             out[name]["rounds"] = wrapped.algorithm_impl.rounds
     return out

@@ -1,17 +1,25 @@
 """The convergence gate: every registered algorithm of both front ends trains the workload's GPT about as well as
 gradient allreduce with AdamW does, at equal tokens.
 
-``gpt_gate.py`` defines the run: the ``tiny`` GPT on 2 ranks, STEPS steps of BATCH windows of 64 corpus bytes per
-rank (77K tokens in all), AdamW at lr 3e-3. Each algorithm's model is judged on the held-out text (every rank's
-own model, since decentralized and asynchronous replicas differ): its loss at most MARGIN above gradient
-allreduce's in the same front end (MARGINS for the algorithms that take local steps between exchanges), every
-parameter finite, and each parameter tensor's largest magnitude at most 3x that of the same tensor under AdamW
-(plus 0.05, since a bias starts at zero and a few steps of any optimizer move it by about lr per step).
+``gpt_gate.py`` defines the run: the ``tiny`` GPT on 2 ranks, 150 steps of 4 windows of 64 corpus bytes per rank
+(77K tokens in all), AdamW at lr 3e-3 (the Adam-type algorithms: Adam at the same lr after a 40-step warm-up).
+Each algorithm's model is judged on 32 held-out windows, every rank's own model (decentralized and asynchronous
+replicas differ):
 
-Where the time goes (about 90 s on 2 cores): the JAX algorithms train on a 2-device mesh in this process, one
-compilation each; asynchronous averaging in JAX needs its rounds between steps over the native engine, so it runs
-in a 2-process MPI job; the torch algorithms run one after the other in one 2-process gloo job. The two jobs run
-while the mesh trains.
+* its held-out loss at most MARGIN (0.25 nats per byte) above gradient allreduce's in the same front end. At step
+  150 the loss (about 2.8-3.2 from 5.5) still falls by 0.1-0.2 per 50 steps, and algorithms that are equivalent
+  in expectation end up to 0.15 apart from the same seed (a plateau left a few steps earlier or later), so 0.25 is
+  about 75 steps' progress: an algorithm passes if it reaches allreduce's loss within about 1.5x the tokens.
+  DiLoCo, which synchronizes 3 times in the run (``sync_every=50``), trails by about 0.3 and gets 0.45;
+* every parameter finite, and each parameter tensor's largest magnitude at most 3x the same tensor's under AdamW
+  (plus 0.05: biases start at zero, and any optimizer moves them by about lr per step). With Bagua's unbounded
+  QAdam / 1-bit Adam step (``step_bound=None``) 1-bit Adam reached 4.6x on an MLP projection here.
+
+Where the time goes (about 90 s on 2 idle cores; more on a loaded machine): the JAX algorithms train on a 2-device
+mesh in this process, one compilation each (~5 s); asynchronous averaging in JAX runs its rounds between steps over
+the native engine, so it runs in a 2-process MPI job; the torch algorithms run one after the other in one
+2-process gloo job (each ~1.5 s of CPU per rank, but ByteGrad ~6 s and PowerSGD ~27 s). Both jobs run while the
+mesh trains.
 """
 
 from __future__ import annotations
@@ -35,10 +43,9 @@ from bagua_jax.models.gpt import gpt_loss_fn
 from bagua_jax.trainer import DataParallel
 from bagua_torch.algorithms import available_algorithms as torch_algorithms
 
-MARGIN = 0.1
-MARGINS = {"async": 0.2, "diloco": 0.3}
-"""Held-out loss (nats per byte) an algorithm may trail gradient allreduce by: 0.1 for those that exchange every
-step; more for those whose replicas take local steps between exchanges (asynchronous averaging, DiLoCo's rounds)."""
+MARGIN = 0.25
+MARGINS = {"diloco": 0.45}
+"""Held-out loss (nats per byte) an algorithm may trail gradient allreduce by (see the module docstring)."""
 MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
 
 JAX_NATIVE_ONLY = ("async",)  # its rounds run between steps over the native engine, not on a mesh
@@ -60,7 +67,11 @@ def _jax_mesh_run(name: str, seed: int) -> list[dict]:
     evaluate = jax.jit(loss_fn)
     per_rank = []
     for r in range(NRANKS):
-        params = state.params if getattr(algorithm, "replicas_identical", False) else jax.tree.map(lambda p: p[r], state.params)
+        params = (
+            state.params
+            if getattr(algorithm, "replicas_identical", False)
+            else jax.tree.map(lambda p: p[r], state.params)
+        )
         params = {k: np.asarray(v) for k, v in params.items()}
         per_rank.append(summary(params, float(evaluate(params, heldout))))
     return per_rank
@@ -126,7 +137,6 @@ def test_algorithm_trains_like_gradient_allreduce_with_adamw(front_end, name):
     start = float(np.log(gpt_config(SIZE).vocab))
     assert reference["heldout_loss"] < start - 1.0, reference  # the baseline learnt something
     for rank, result in enumerate(ranks):
-        print(front_end, name, rank, round(result["heldout_loss"], 4), "reference", round(reference["heldout_loss"], 4))
         assert result["finite"], (rank, result)
         assert result["heldout_loss"] <= reference["heldout_loss"] + margin, (rank, result["heldout_loss"], reference)
         bound = {k: MAGNITUDE_FACTOR * v + MAGNITUDE_SLACK for k, v in reference["max_abs"].items()}
