@@ -130,8 +130,11 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
             beta1 = group["betas"][0]
             for p in group["params"]:
                 exp_avg = self._state(p)["exp_avg"]
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg.lerp_(self._gradient(p, group), 1 - beta1)
+
+    def _gradient(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The gradient the moments take in: ``p.grad`` (zeros where None)."""
+        return p.grad if p.grad is not None else torch.zeros_like(p)
 
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
         """The live momentum (``exp_avg``) of parameter ``p``."""
@@ -167,9 +170,9 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
                 exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
                 step_t += 1
                 if warmup:
-                    grad = p.grad
-                    if grad.is_sparse:
+                    if p.grad.is_sparse:
                         raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    grad = self._gradient(p, group)
                     exp_avg.lerp_(grad, 1 - beta1)
                     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 # else: exp_avg is the averaged momentum the algorithm wrote, exp_avg_sq is frozen.
@@ -237,12 +240,34 @@ class QAdamOptimizer(AdamWithAveragedMomentum):
     """QAdam's optimizer: ``torch.optim.Adam`` (bit for bit, ``foreach=False``) for ``warmup_steps`` steps, then
     Adam with the second moment frozen and the momentum averaged across ranks by :class:`QAdamAlgorithm`.
 
-    ``QAdamOptimizer(params, lr=1e-3, warmup_steps=100, betas=(0.9, 0.999), eps=1e-8)``. It must be given to the
-    wrapper together with ``QAdamAlgorithm(optimizer)``; after the warm-up, stepping it without the algorithm
-    raises a RuntimeError (the momentum would not be averaged). No weight decay, amsgrad or sparse gradients.
+    ``QAdamOptimizer(params, lr=1e-3, warmup_steps=100, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)``. It
+    must be given to the wrapper together with ``QAdamAlgorithm(optimizer)``; after the warm-up, stepping it
+    without the algorithm raises a RuntimeError (the momentum would not be averaged). ``weight_decay`` adds
+    ``weight_decay * param`` to the gradient the moments take in (an L2 penalty, as Bagua's) in both phases;
+    Bagua's applied it during the warm-up only. No amsgrad or sparse gradients.
     """
 
     _algorithm_name = "QAdamAlgorithm"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        warmup_steps: int = 100,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+            raise ValueError(f"QAdamOptimizer: weight_decay must be a float >= 0, got {weight_decay!r}")
+        super().__init__(params, lr=lr, warmup_steps=warmup_steps, betas=betas, eps=eps)
+        self.defaults["weight_decay"] = float(weight_decay)
+        for group in self.param_groups:
+            group.setdefault("weight_decay", float(weight_decay))
+
+    def _gradient(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        grad = super()._gradient(p, group)
+        return grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else grad
 
 
 # ============================================================================ the algorithm
