@@ -70,20 +70,22 @@ def h1_and_allreduce(seed: int, rank: int) -> tuple[list, list]:
 
 @scenario
 def resume(seed: int, rank: int) -> tuple[list, list]:
-    """Ten steps straight, and the last five again from a checkpoint taken mid-round (after step 5)."""
+    """Eleven steps straight, and the last five again from a checkpoint taken after step 6: fragment 0 mid-round,
+    fragment 1's exchange on the wire."""
     algorithm = DiLoCoAlgorithm(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8")
     model, optimizer = wrap(seed, algorithm)
-    train(model, optimizer, seed, rank, range(1, 6))
+    train(model, optimizer, seed, rank, range(1, 7))
+    assert model.algorithm_impl.pending[1] is not None
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    straight = train(model, optimizer, seed, rank, range(6, 11))
+    straight = train(model, optimizer, seed, rank, range(7, 12))
     model.close()
     model, optimizer = wrap(seed + 1, algorithm)  # other starting weights, replaced by the checkpoint's
     buffer.seek(0)
     saved = torch.load(buffer)
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
-    resumed = train(model, optimizer, seed, rank, range(6, 11))
+    resumed = train(model, optimizer, seed, rank, range(7, 12))
     model.close()
     return straight, resumed
 

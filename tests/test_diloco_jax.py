@@ -100,14 +100,16 @@ def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule
     seed = int(rng.integers(2**20))
     algorithm = DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8", error_feedback=True)
     trainer = make(algorithm)
-    state, _ = train(trainer, trainer.init(ref.initial(seed)), seed, 1, 5)  # fragment 1 exchanged, not applied
+    # After step 6 fragment 0 is mid-round and fragment 1's exchange waits for its outer step at step 7.
+    state, _ = train(trainer, trainer.init(ref.initial(seed)), seed, 1, 6)
+    assert np.any(np.asarray(state.opt_state[1].pending[1]))
     checkpoint.save(tmp_path, state, trainer)
-    _, straight = train(trainer, state, seed, 6, 10)
+    _, straight = train(trainer, state, seed, 7, 11)
     again = make(algorithm)
-    _, resumed = train(again, checkpoint.restore(tmp_path, again, ref.initial(seed)), seed, 6, 10)
+    _, resumed = train(again, checkpoint.restore(tmp_path, again, ref.initial(seed)), seed, 7, 11)
     for t in range(5):
         for k in ref.SHAPES:
-            np.testing.assert_array_equal(resumed[t][k], straight[t][k], err_msg=f"step {6 + t} {k}")
+            np.testing.assert_array_equal(resumed[t][k], straight[t][k], err_msg=f"step {7 + t} {k}")
     # Two ranks: parameters start from the four ranks' mean; the round start, the outer state, the averages
     # awaiting their outer step and the position carry; the residuals restart at zero.
     smaller = make(algorithm, ranks=2)
@@ -120,8 +122,8 @@ def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule
         jax.tree.leaves((saved.outer_states, saved.pending)), jax.tree.leaves((now.outer_states, now.pending))
     ):
         np.testing.assert_array_equal(new[1], was[0])
-    assert int(now.step[1]) == 5 and all(not np.any(res) for res in now.residuals)
-    train(smaller, shrunk, seed, 6, 8, ranks=2)
+    assert int(now.step[1]) == 6 and all(not np.any(res) for res in now.residuals)
+    train(smaller, shrunk, seed, 7, 9, ranks=2)
 
 
 @pytest.mark.parametrize(

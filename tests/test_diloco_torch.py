@@ -56,7 +56,7 @@ def test_resume_mid_round_is_bit_identical():
         straight, resumed = result["resume"]
         for t, (want, got) in enumerate(zip(straight, resumed)):
             for k in ref.SHAPES:
-                np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {6 + t} {k}")
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {7 + t} {k}")
 
 
 def test_bad_options_are_clear_errors():
