@@ -31,11 +31,11 @@ from pathlib import Path
 
 from bagua_common.comm.engines import ENV_ELASTIC
 from bagua_common.job.local_launch import free_port
+from bagua_launch.output import NAME, describe_exit, exit_status, summary
 
 __all__ = ["ElasticConfig", "add_arguments", "config_from", "node_range", "requested", "run"]
 
 DEFAULT_RDZV_PORT = 29400
-_NAME = "bagua-launch"
 
 
 def node_range(text: str) -> tuple[int, int]:
@@ -199,20 +199,13 @@ def _last_lines(log_dir: str, local_rank: int, count: int) -> list[str]:
     return lines[-count:]
 
 
-def _describe(code: int) -> str:
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-
-
 def _summary(error, log_dir: str, tail_lines: int) -> str:
     rank, first = error.get_first_failure()
-    lines = ["", f"==================== {_NAME}: rank {rank} failed ({_describe(first.exitcode)}) ===================="]
-    lines += [f"rank {other}: {_describe(f.exitcode)}" for other, f in sorted(error.failures.items()) if other != rank]
+    others = [
+        f"rank {other}: {describe_exit(f.exitcode)}" for other, f in sorted(error.failures.items()) if other != rank
+    ]
     tail = _last_lines(log_dir, first.local_rank, tail_lines)
-    if tail:
-        lines.append(f"-------------------- last lines of rank {rank} --------------------")
-        lines.extend(tail)
-    lines.append("=" * len(lines[1]))
-    return "\n".join(lines) + "\n"
+    return summary(f"rank {rank} failed ({describe_exit(first.exitcode)})", others, f"rank {rank}", tail)
 
 
 def run(config: ElasticConfig) -> int:
@@ -253,10 +246,9 @@ def run(config: ElasticConfig) -> int:
     except ChildFailedError as e:
         sys.stderr.write(_summary(e, log_dir, config.tail_lines))
         sys.stderr.flush()
-        code = e.get_first_failure()[1].exitcode
-        return 128 - code if code < 0 else (code or 1)
+        return exit_status(e.get_first_failure()[1].exitcode) or 1
     except RendezvousError as e:
-        sys.stderr.write(f"{_NAME}: the rendezvous at {config.rdzv_endpoint} failed: {e}\n")
+        sys.stderr.write(f"{NAME}: the rendezvous at {config.rdzv_endpoint} failed: {e}\n")
         return 1
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)
