@@ -157,7 +157,11 @@ def test_build_info_reports_the_plugin():
     assert path == bagua_net_plugin_path()
 
 
-def test_launcher_flag_points_every_rank_at_the_plugin(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--max-restarts", "0"]], ids=["local", "elastic"])
+def test_launcher_flag_points_every_rank_at_the_plugin(tmp_path, mode):
+    """``--enable-bagua-net`` reaches every rank, whether the launcher or torch's elastic agent starts them."""
+    if mode:
+        pytest.importorskip("torch")
     script = tmp_path / "show.py"
     script.write_text(
         "import json, os\nprint(json.dumps([os.environ.get('NCCL_NET_PLUGIN'), os.environ.get('NCCL_NET')]))\n"
@@ -167,7 +171,7 @@ def test_launcher_flag_points_every_rank_at_the_plugin(tmp_path):
     env.pop("NCCL_NET_PLUGIN", None)
     for flags, expected in (([], [None, None]), (["--enable-bagua-net"], [bagua_net_plugin_path(), "Bagua"])):
         done = subprocess.run(
-            [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", *flags, str(script)],
+            [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", *mode, *flags, str(script)],
             env=env,
             capture_output=True,
             text=True,
