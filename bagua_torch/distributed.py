@@ -35,7 +35,6 @@ What happens, in order (the algorithm's side is described in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
@@ -213,7 +212,7 @@ class BaguaModule(nn.Module):
             set_mpi_ring_min_bytes(self.communicators, setting["mpi_ring_min_bytes"])
         algorithm = self.algorithm
         if "hierarchical" in setting:
-            algorithm = dataclasses.replace(algorithm, hierarchical=setting["hierarchical"])
+            algorithm = algorithm.replace(hierarchical=setting["hierarchical"])
         bucket_bytes = setting.get("bucket_bytes", self.bucket_bytes)
         if (bucket_bytes, algorithm) == (self.bucket_bytes, self.algorithm):
             return

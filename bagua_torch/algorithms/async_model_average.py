@@ -61,6 +61,7 @@ from bagua_torch.algorithms.base import (
     AlgorithmImpl,
     Bucket,
     check_dtypes,
+    implements,
 )
 from bagua_torch.communicator import (
     Communicator,
@@ -69,11 +70,9 @@ from bagua_torch.communicator import (
     Work,
 )
 
-AVERAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""The parameter dtypes the update kernel (:func:`bagua_torch.ops.async_average`) takes."""
 
-
-class AsyncModelAverageAlgorithm(AsyncModelAverageConfig, Algorithm):
+@implements(AsyncModelAverageConfig)
+class AsyncModelAverageAlgorithm(Algorithm):
     """Gradient allreduce for ``warmup_steps`` steps, then local steps while a background thread averages
     the weights with all ranks every ``sync_interval_ms`` milliseconds (see the module docstring).
 
@@ -87,7 +86,7 @@ class AsyncModelAverageAlgorithm(AsyncModelAverageConfig, Algorithm):
     """
 
     def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
-        return AsyncModelAverageImpl(context, self)
+        return AsyncModelAverageImpl(context, self.config)
 
 
 def _dedicated_communicator(world: Communicator) -> Communicator:
@@ -119,10 +118,10 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
     communicator).
     """
 
-    def __init__(self, context: AlgorithmContext, config: AsyncModelAverageAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: AsyncModelAverageConfig):
         super().__init__(context)
         name = config.name
-        check_dtypes(context.buckets, AVERAGED_DTYPES, name, "asynchronous averaging takes")
+        check_dtypes(context.buckets, ops.KERNEL_FLOATS, name, "asynchronous averaging takes")
         if not context.optimizers:
             raise ValueError(
                 f"{name}: pass the optimizers to the wrapper (with_bagua(model, [optimizer], 'async')); the weights "

@@ -59,6 +59,8 @@ Rules every implementation must keep:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -66,6 +68,7 @@ from typing import Any, ClassVar
 import torch
 
 from bagua_common.algorithms.option_checks import check_flags
+from bagua_common.algorithms.registry import AlgorithmRegistry, as_config
 from bagua_common.comm.topology import Communicators
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.communicator import Communicator, DoneWork, Work
@@ -73,6 +76,7 @@ from bagua_torch.ordered_worker import OrderedWorker
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "REGISTRY",
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
@@ -80,7 +84,15 @@ __all__ = [
     "Communicators",
     "DoneWork",
     "check_flags",
+    "implements",
 ]
+
+REGISTRY = AlgorithmRegistry("bagua_torch")
+"""This front end's algorithm classes, by configuration class and by name."""
+
+implements = REGISTRY.implements
+"""The class decorator that registers a torch algorithm against its shared configuration (see
+:mod:`bagua_common.algorithms.registry` for how a new algorithm registers)."""
 
 
 @dataclass(frozen=True)
@@ -112,16 +124,51 @@ class AlgorithmContext:
 
 
 class Algorithm:
-    """A data-parallel algorithm's configuration; subclasses set :attr:`name` and implement :meth:`reify`.
+    """A data-parallel algorithm's configuration; subclasses implement :meth:`reify`.
 
-    Subclasses are usually frozen dataclasses whose fields are the algorithm's options
-    (validated in ``__post_init__``, raising TypeError/ValueError with the algorithm's
-    name). The same object may be used to wrap several models; all state lives in the
-    :class:`AlgorithmImpl` that :meth:`reify` returns.
+    A built-in algorithm is registered with ``@implements(ItsConfig)``, which sets :attr:`name` and
+    ``config_class``; it holds its shared configuration (:mod:`bagua_common.algorithms.configs`,
+    which checked its own fields) as :attr:`config`, built from the fields,
+    ``ByteGradAlgorithm(hierarchical=False)``, or given, ``ByteGradAlgorithm(ByteGradConfig(...))``;
+    the fields read through (``algorithm.hierarchical``). A custom algorithm may instead be any
+    subclass that sets :attr:`name` (a dataclass of its own options, say). The same object may
+    be used to wrap several models; all state lives in the :class:`AlgorithmImpl` that
+    :meth:`reify` returns.
     """
 
     name: ClassVar[str] = ""
     """The registry name, e.g. ``"bytegrad"`` (see :func:`bagua_torch.algorithms.get_algorithm`)."""
+
+    config_class: ClassVar[type | None] = None
+    """The shared configuration class of a registered algorithm (set by ``@implements``)."""
+
+    def __init__(self, *args: Any, **options: Any):
+        if self.config_class is None:
+            if args or options:
+                raise TypeError(f"{type(self).__name__} takes no options")
+            return
+        self.config = as_config(self.config_class, *args, **options)
+
+    def __getattr__(self, key: str) -> Any:
+        config_class = type(self).config_class
+        if config_class is not None and key in {field.name for field in dataclasses.fields(config_class)}:
+            return getattr(self.config, key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), getattr(self, "config", None)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({getattr(self, 'config', '')!r})"
+
+    def replace(self, **changes: Any) -> Algorithm:
+        """A copy with ``changes`` to the configuration's fields."""
+        new = copy.copy(self)
+        new.config = dataclasses.replace(self.config, **changes)
+        return new
 
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
         """Build this algorithm's implementation for one wrapped model.

@@ -34,7 +34,7 @@ from bagua_common.algorithms.diloco import (
 )
 from bagua_common.algorithms.outer_exchange import OuterExchange
 from bagua_torch import ops
-from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_tensor_list
+from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_tensor_list, implements
 from bagua_torch.algorithms.decentralized import load_step
 from bagua_torch.communicator import Work
 
@@ -49,7 +49,8 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
     return torch.optim.SGD(params, lr=DEFAULT_OUTER_LEARNING_RATE, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
 
 
-class DiLoCoAlgorithm(DiLoCoConfig, Algorithm):
+@implements(DiLoCoConfig)
+class DiLoCoAlgorithm(Algorithm):
     """DiLoCo / Streaming DiLoCo (see :mod:`bagua_common.algorithms.diloco` and the module docstring).
 
     The wrapped optimizer is the inner one; every ``sync_every`` steps the ranks average their
@@ -61,7 +62,7 @@ class DiLoCoAlgorithm(DiLoCoConfig, Algorithm):
     """
 
     def reify(self, context: AlgorithmContext) -> DiLoCoImpl:
-        return DiLoCoImpl(context, self)
+        return DiLoCoImpl(context, self.config)
 
 
 class DiLoCoImpl(AlgorithmImpl):
@@ -71,7 +72,7 @@ class DiLoCoImpl(AlgorithmImpl):
 
     need_gradient_hooks = False
 
-    def __init__(self, context: AlgorithmContext, config: DiLoCoAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: DiLoCoConfig):
         super().__init__(context)
         name = config.name
         if not context.optimizers:

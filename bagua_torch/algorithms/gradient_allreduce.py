@@ -21,13 +21,15 @@ from bagua_torch.algorithms.base import (
     AlgorithmImpl,
     Bucket,
     check_dtypes,
+    implements,
 )
 from bagua_torch.communicator import SUPPORTED_DTYPES, Work
 
 _FLOATS = tuple(d for d in SUPPORTED_DTYPES if d.is_floating_point)
 
 
-class GradientAllReduceAlgorithm(GradientAllReduceConfig, Algorithm):
+@implements(GradientAllReduceConfig)
+class GradientAllReduceAlgorithm(Algorithm):
     """Average (or with ``average=False`` sum) the gradients over all ranks in full precision.
 
     Choose it as the exact, simple default; choose ``hierarchical=True`` when the links
@@ -37,7 +39,7 @@ class GradientAllReduceAlgorithm(GradientAllReduceConfig, Algorithm):
     """
 
     def reify(self, context: AlgorithmContext) -> GradientAllReduceImpl:
-        return GradientAllReduceImpl(context, self)
+        return GradientAllReduceImpl(context, self.config)
 
 
 class GradientAllReduceImpl(AlgorithmImpl):
@@ -45,7 +47,7 @@ class GradientAllReduceImpl(AlgorithmImpl):
 
     results_are_fresh = True  # the communicators return new tensors
 
-    def __init__(self, context: AlgorithmContext, config: GradientAllReduceAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: GradientAllReduceConfig):
         super().__init__(context)
         check_dtypes(context.buckets, _FLOATS, config.name, "gradients are averaged in")
         self.config = config

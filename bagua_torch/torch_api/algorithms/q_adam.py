@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from bagua_common.algorithms.configs import QAdamConfig
 from bagua_torch.algorithms import qadam as _qadam
+from bagua_torch.torch_api.algorithms.base import implements
 
 __all__ = ["QAdamAlgorithm", "QAdamOptimizer"]
 
@@ -86,6 +88,7 @@ class QAdamOptimizer(_qadam.QAdamOptimizer):
         return loss
 
 
+@implements(QAdamConfig)
 class QAdamAlgorithm(_qadam.QAdamAlgorithm):
     """Bagua's ``QAdamAlgorithm(q_adam_optimizer, hierarchical=True)``."""
 
