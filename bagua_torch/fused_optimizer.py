@@ -25,14 +25,14 @@ the flat buffer and rebound to it (counted in :meth:`FusedOptimizer.stats`); wit
 is copied at all.
 
 With a wrapped model (``fuse_optimizer(optimizer, module=model)``, ``model`` a
-:class:`~bagua_torch.distributed.BaguaModule`) the flat layout is the model's bucket plan, cut at
+:class:`~bagua_torch.bagua_module.BaguaModule`) the flat layout is the model's bucket plan, cut at
 param-group boundaries: the gradients are views of the communication buckets, backward
 accumulates into them, the reduced bucket is the optimizer's gradient, and no gradient is copied
 on the way (with ``zero_grad(set_to_none=False)`` and an algorithm that hands its result over,
 such as gradient_allreduce or bytegrad; ``stats()["model_bytes_copied"]`` counts the model's
 copies otherwise). The step waits for the model's gradients first. Whenever the original optimizer
 was given to a wrapped model (``with_bagua(model, [optimizer], ...)``), module or not, the fused
-optimizer steps in its place there (:meth:`~bagua_torch.distributed.BaguaModule.replace_optimizer`):
+optimizer steps in its place there (:meth:`~bagua_torch.bagua_module.BaguaModule.replace_optimizer`):
 the algorithm's step hooks move to it, so weight-communicating algorithms (decentralized,
 low-precision decentralized, asynchronous averaging) average exactly as unfused. QAdam's and 1-bit
 Adam's optimizers are refused: their step after the warm-up is not elementwise.
@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bagua_torch.bagua_module import BaguaModule, wrapper_of
 from bagua_torch.bucketing import Bucket
-from bagua_torch.distributed import BaguaModule, wrapper_of
 
 if TYPE_CHECKING:
     from bagua_torch.reducer import Reducer
