@@ -229,8 +229,9 @@ def init_process_group(
         intra = inter = None
         if two_levels:
             node, local = rank // local_world_size, rank % local_world_size
-            intra = world.split(node, local, name=f"bagua/intra{node}")
-            inter = world.split(local, node, name=f"bagua/inter{local}")
+            # One thread for the three: a two-level pipeline issues on both levels without a second hop.
+            intra = world.split(node, local, name=f"bagua/intra{node}", share_thread=True)
+            inter = world.split(local, node, name=f"bagua/inter{local}", share_thread=True)
     else:
         group = dist.new_group(backend=backend, timeout=timedelta(seconds=max(seconds, 30)))
         world = ProcessGroupCommunicator(group, timeout=seconds, name="bagua")

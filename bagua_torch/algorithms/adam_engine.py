@@ -278,16 +278,7 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
     # --- warm-up: full-precision average of the gradients, as GradientAllReduce ----------
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
-        if self.levels is None:
-            return self.world.allreduce_async(bucket.grad, "avg")
-        intra, inter = self.levels
-        flat = bucket.grad
-
-        def two_level():
-            mine = intra.reduce_scatter(flat.view(intra.size, -1), "avg")
-            return intra.allgather(inter.allreduce(mine, "avg")).view(-1)
-
-        return self.run_async(two_level)
+        return self.allreduce_async(bucket.grad, self.levels, "avg")
 
     # --- after the warm-up: average the momentum before the step ------------------------
 
