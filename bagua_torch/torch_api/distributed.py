@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bagua_torch import distributed as _wrapper
+from bagua_torch import bagua_module as _wrapper
 from bagua_torch.algorithms.base import Algorithm
 from bagua_torch.torch_api import env
 from bagua_torch.torch_api.algorithms.base import as_project_algorithm
