@@ -51,12 +51,14 @@ MOVED_MODULES: dict[str, str] = {
     "bagua_common.tpe_search": "bagua_common.tuning.tpe_search",
     "bagua_launch.launcher": "bagua_launch",
     "bagua_torch.algorithms.q_adam": "bagua_torch.algorithms.qadam",
+    "bagua_torch.distributed": "bagua_torch.bagua_module",
     "bagua_torch.process_group": "bagua_torch.job",
 }
 """Old module path -> new module path."""
 
 MOVED_NAMES: dict[tuple[str, str], str] = {
-    ("bagua_torch.distributed", "DistributedDataParallel"): "bagua_torch.distributed_data_parallel",
+    # bagua_torch.distributed is bagua_torch.bagua_module now (MOVED_MODULES), DistributedDataParallel apart.
+    ("bagua_torch.bagua_module", "DistributedDataParallel"): "bagua_torch.distributed_data_parallel",
     ("bagua_torch.torch_api.distributed", "broadcast_optimizer_state"): "bagua_torch.broadcast",
 }
 """(old module, name) -> the module that holds the name now."""

@@ -12,7 +12,10 @@ the error-feedback residuals.
 
 Everything runs inside the jitted step: the exchange of a fragment is computed in the step that
 starts it, and with ``fragment_sync_delay`` tau its result waits in the state and is applied
-tau steps later (the numbers of Streaming DiLoCo; the wire time is not hidden in JAX).
+tau steps later (the numbers of Streaming DiLoCo; the wire time is not hidden in JAX). With
+``round_start_memory="host"`` the step copies the round start to the device and back every
+step, outside the synchronizing branch (no host-memory operands inside control flow); where
+accelerator memory allows, ``"device"`` saves those copies.
 
 The parameters every rank holds after a sync are ``params + (x' - params)``, which equals the
 bit-identical ``x'`` up to one float rounding (as in :mod:`~bagua_jax.algorithms.decentralized`);

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from bagua_common.moved import moved_names
-from bagua_torch import distributed as _wrapper
+from bagua_torch import bagua_module as _wrapper
 from bagua_torch.algorithms.base import Algorithm
 from bagua_torch.torch_api import env
 from bagua_torch.torch_api.algorithms.base import as_project_algorithm
