@@ -44,7 +44,8 @@ class BalancedSampler:
     ``grain.Batch(plan.batch_size)`` are rank ``r``'s steps of the plan, in order: give it the
     ``DataLoader``'s ``worker_count``. The plan must have a ``batch_size`` and whole steps
     (``drop_last=True``, or samples per rank a multiple of the batch size), since grain's batches
-    are of one size and run on across epochs. Each record's ``rng`` is seeded from the plan's
+    are of one size and run on across epochs; and with ``num_epochs``, the steps of all epochs
+    must share out evenly over the workers, so that no worker ends on part of a batch. Each record's ``rng`` is seeded from the plan's
     seed and the record's global index, as grain's own samplers do, for random transforms.
     """
 
@@ -66,6 +67,11 @@ class BalancedSampler:
                 "plan with drop_last=True"
             )
         self.steps_per_epoch = first.num_steps
+        if num_epochs is not None and num_epochs * self.steps_per_epoch % max(worker_count, 1):
+            raise ValueError(
+                f"{num_epochs} epochs of {self.steps_per_epoch} steps do not share out evenly over {worker_count} "
+                "workers: grain would end a worker's stream on part of a batch; choose num_epochs to make them"
+            )
 
     def _epoch(self, epoch: int) -> EpochPlan:
         if self._cached is None or self._cached[0] != epoch:

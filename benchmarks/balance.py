@@ -13,7 +13,8 @@ samplers interleaved, ratios reported (balanced / DistributedSampler, lower is b
    ends with an all-reduce. Each rank runs its batch either sample by sample or as one batch
    padded to its longest sample (masked), as transformers are trained. The two samplers' steps
    alternate within one loop, so load spikes of the shared machine hit both alike; reported:
-   the summed step times of rank 0, which each step's all-reduce makes the slowest rank's.
+   the summed step times of rank 0, which each step's all-reduce makes the slowest rank's, and
+   the time of the steps' all-reduces alone (steps without compute, alternating with the others).
 
 The balanced sampler is ``BalancedBatchSampler(megabatch=...)``: steps of groups of similar cost.
 
@@ -153,14 +154,16 @@ def real_worker(rank: int, world: int, port: int, lengths, batch: int, megabatch
         plain = distributed_batches(len(lengths), world, batch, repeat)[rank]
         balanced = balanced_batches(lengths, world, batch, repeat, megabatch)[rank]
         for mode in REAL_MODES:
-            totals = [0.0, 0.0]
+            totals = [0.0, 0.0, 0.0]  # DistributedSampler, balanced, the steps' synchronization alone
             for step in range(max(len(plain), len(balanced))):
-                for which, batches in enumerate((plain, balanced)):
-                    if step >= len(batches):
+                for which, batches in enumerate((plain, balanced, None)):
+                    if batches is not None and step >= len(batches):
                         continue
                     dist.all_reduce(token)  # every rank starts the step together
                     start = time.perf_counter()
-                    if mode == "padded batch":
+                    if batches is None:
+                        pass
+                    elif mode == "padded batch":
                         run_padded(model, lengths, batches[step])
                     else:
                         run_batch(model, lengths, batches[step], packed=False)
@@ -177,14 +180,12 @@ def real_run(lengths, processes: int, batch: int, megabatch, repeats: int) -> di
     port = _common.free_port()
     args = (processes, port, lengths, batch, megabatch, repeats, queue)
     mp.spawn(real_worker, args=args, nprocs=processes)
-    out: dict[str, dict[str, list[float]]] = {
-        m: {"distributed_s": [], "balanced_s": [], "ratios": []} for m in REAL_MODES
-    }
+    keys = ("distributed_s", "balanced_s", "sync_s", "ratios")
+    out: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in REAL_MODES}
     while not queue.empty():
-        mode, plain, balanced = queue.get()
-        out[mode]["distributed_s"].append(plain)
-        out[mode]["balanced_s"].append(balanced)
-        out[mode]["ratios"].append(balanced / plain)
+        mode, plain, balanced, sync = queue.get()
+        for key, value in zip(keys, (plain, balanced, sync, balanced / plain)):
+            out[mode][key].append(value)
     return out
 
 
@@ -244,7 +245,8 @@ def main() -> None:
             results["real"][f"{processes} processes"] = runs
             for mode, run in runs.items():
                 say(f"   {processes} processes, {mode:16s} DistributedSampler "
-                    f"{statistics.median(run['distributed_s']):6.2f} s/epoch, balanced/DistributedSampler = "
+                    f"{statistics.median(run['distributed_s']):6.2f} s/epoch (of which the steps' all-reduces alone "
+                    f"{statistics.median(run['sync_s']):.2f} s), balanced/DistributedSampler = "
                     f"{statistics.median(run['ratios']):.3f}x (repeats {', '.join(f'{r:.3f}' for r in run['ratios'])}; "
                     f"load average {load:.1f} at the start)")  # fmt: skip
 

@@ -34,29 +34,52 @@ def rank_batches(source, plan: BalancedPlan, rank: int, epochs: int, workers: in
     return list(loader)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-def test_each_shard_reads_its_rank_of_the_plan_through_the_node_cache(workers, rng, tmp_path, monkeypatch):
+def random_plan(rng) -> BalancedPlan:
+    world, batch = 2, int(rng.integers(2, 5))
+    # An even number of steps, so two workers end on whole batches; drop_last drops the rest.
+    n = world * batch * 2 * int(rng.integers(3, 6)) + int(rng.integers(world * batch))
+    seed = int(rng.integers(1 << 16))
+    return BalancedPlan(rng.lognormal(3, 1, n), world_size=world, batch_size=batch, seed=seed, drop_last=True)
+
+
+def expected_batches(plan: BalancedPlan, rank: int, epochs: range) -> list[np.ndarray]:
+    return [
+        np.stack([sample(int(i)) for i in plan.epoch(e).batch(rank, s)])
+        for e in epochs
+        for s in range(plan.epoch(e).num_steps)
+    ]
+
+
+def test_each_shard_reads_its_rank_of_the_plan_through_the_node_cache(rng, tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_CACHE_URL, raising=False)
     monkeypatch.setenv(ENV_CACHE_DIR, str(tmp_path / "node"))
-    n, world, batch = int(rng.integers(40, 60)), 2, int(rng.integers(2, 5))
-    seed = int(rng.integers(1 << 16))
-    plan = BalancedPlan(rng.lognormal(3, 1, n), world_size=world, batch_size=batch, seed=seed, drop_last=True)
-    log = str(tmp_path / "reads")
-    source = CachedDataSource(CountingDataset(n, log), name="grain")
+    plan, log = random_plan(rng), str(tmp_path / "reads")
+    source = CachedDataSource(CountingDataset(plan.num_samples, log), name="grain")
     epoch_reads = []
     for epoch in range(2):
         before = reads(log)
-        for rank in range(world):
-            got = rank_batches(source, plan, rank, epochs=epoch + 1, workers=workers)
-            steps = plan.epoch(epoch).num_steps
-            assert len(got) == (epoch + 1) * steps
-            for step, batch_data in enumerate(got[epoch * steps :]):
-                want = np.stack([sample(int(i)) for i in plan.epoch(epoch).batch(rank, step)])
-                np.testing.assert_array_equal(batch_data, want)
+        for rank in range(plan.world_size):
+            got = rank_batches(source, plan, rank, epochs=epoch + 1, workers=0)
+            want = expected_batches(plan, rank, range(epoch + 1))
+            assert len(got) == len(want)
+            for have, expected in zip(got, want):
+                np.testing.assert_array_equal(have, expected)
         epoch_reads.append(reads(log) - before)
     first, second = (set(np.concatenate(plan.epoch(e).steps).ravel().tolist()) for e in range(2))
     # Each sample read once; epoch 2 reads only the samples epoch 1 dropped, whichever shard read them.
     assert epoch_reads == [len(first), len(second - first)]
+
+
+def test_grain_worker_processes_batch_the_plan_steps_in_order(rng, tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_CACHE_URL, raising=False)
+    monkeypatch.setenv(ENV_CACHE_DIR, str(tmp_path / "node"))
+    plan, log = random_plan(rng), str(tmp_path / "reads")
+    source = CachedDataSource(CountingDataset(plan.num_samples, log), name="grain")
+    got = rank_batches(source, plan, 1, epochs=2, workers=2)
+    want = expected_batches(plan, 1, range(2))
+    assert len(got) == len(want)
+    for have, expected in zip(got, want):
+        np.testing.assert_array_equal(have, expected)
 
 
 def test_sampler_lays_out_epochs_rank_by_rank_and_refuses_token_budgets(rng):
@@ -80,6 +103,8 @@ def test_sampler_lays_out_epochs_rank_by_rank_and_refuses_token_budgets(rng):
         BalancedSampler(BalancedPlan(plan.costs, world_size=3, token_budget=1e9))
     with pytest.raises(ValueError, match="drop_last=True"):
         BalancedSampler(BalancedPlan(plan.costs, world_size=3, batch_size=4))
+    with pytest.raises(ValueError, match="share out evenly over 2 workers"):
+        BalancedSampler(plan, num_epochs=1, worker_count=2)  # 5 steps
 
 
 def test_cached_data_source_describes_itself_without_an_address(tmp_path, monkeypatch):
