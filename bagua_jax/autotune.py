@@ -29,7 +29,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 from bagua_common.tuning.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
-from bagua_jax.algorithms.base import Algorithm
+from bagua_jax.algorithms.base import REGISTRY, Algorithm
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
 
@@ -74,7 +74,9 @@ def tune_bucket_bytes(
     mode = autotune_mode(mode)
     if mode == "off":
         return None
-    registry_name = _registry_name(algorithm)
+    registry_name = getattr(algorithm, "name", None)
+    if registry_name not in REGISTRY.names():
+        raise ValueError(f"autotune: {type(algorithm).__name__} is not a registered algorithm")
     ring = communicator is not None and communicator.kind == "mpi" and communicator.spans_nodes
     knobs = tuning_knobs(
         registry_name,
@@ -115,7 +117,7 @@ def tune_bucket_bytes(
         compiled = algorithm_setting(setting)
         if compiled not in programs:
             start = time.perf_counter()
-            programs[compiled] = step_for(dataclasses.replace(algorithm, **dict(compiled)))
+            programs[compiled] = step_for(algorithm.replace(**dict(compiled)))
             jax.block_until_ready(programs[compiled]())
             compile_s += time.perf_counter() - start
         start = time.perf_counter()
@@ -127,12 +129,3 @@ def tune_bucket_bytes(
 def algorithm_setting(setting: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """The knobs of ``setting`` that are fields of the algorithm (compiled into its step), as sorted pairs."""
     return tuple((name, value) for name, value in sorted(setting.items()) if name in ("bucket_bytes", "hierarchical"))
-
-
-def _registry_name(algorithm: Algorithm) -> str:
-    from bagua_jax.algorithms import ALGORITHMS
-
-    for key, cls in ALGORITHMS.items():
-        if isinstance(algorithm, cls):
-            return key
-    raise ValueError(f"autotune: {type(algorithm).__name__} is not a registered algorithm")

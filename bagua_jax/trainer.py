@@ -19,7 +19,6 @@ leading axis with one row per rank, sharded across the devices.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -256,7 +255,7 @@ class DataParallel:
                 communicator=self._communicator,
                 mode=self._autotune,
             )
-            self._use(dataclasses.replace(self._algorithm, **dict(algorithm_setting(self.bucket_tuning.setting))))
+            self._use(self._algorithm.replace(**dict(algorithm_setting(self.bucket_tuning.setting))))
         if self._mesh is None:
             params = jax.tree.map(jnp.asarray, params)
             model_state = jax.tree.map(jnp.asarray, model_state)

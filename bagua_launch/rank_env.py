@@ -31,6 +31,7 @@ import time
 
 from bagua_common.job.child_process import die_with_parent
 from bagua_common.job.rank_environment import mpi_rank_environment
+from bagua_launch.output import exit_status
 
 STATUS_DIR_VARIABLE = "BAGUA_LAUNCH_STATUS_DIR"
 _FORWARDED = tuple(
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(os.path.join(status_dir, f"rank{rank}.json"), {"code": code, "time": time.time()})
         except OSError:
             pass
-    return 128 - code if code < 0 else code
+    return exit_status(code)
 
 
 if __name__ == "__main__":

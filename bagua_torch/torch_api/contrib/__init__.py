@@ -25,7 +25,6 @@ from bagua_common.data import cache_stores as _stores
 from bagua_common.data import cached_dataset as _cached
 from bagua_torch.data import LoadBalancingDistributedSampler
 from bagua_torch.fused_optimizer import FusedOptimizer
-from bagua_torch.torch_api import distributed as _compat
 from bagua_torch.torch_api.contrib import sync_batchnorm
 
 __all__ = [
@@ -51,25 +50,11 @@ def fuse_optimizer(
 ) -> FusedOptimizer:
     """The fused optimizer for ``optimizer`` (see :mod:`bagua_torch.fused_optimizer`); step it with ``fuse_step()``.
 
-    When a wrapped model (``with_bagua``) holds ``optimizer``, its algorithm's step hooks move to
-    the fused optimizer, so weight-communicating algorithms keep running. ``do_flatten`` and
-    ``check_flatten`` are Bagua's and have no effect (the layout is always flat, and always checked).
+    When a wrapped model (``with_bagua``) holds ``optimizer``, the fused optimizer steps in its place
+    there (:meth:`bagua_torch.BaguaModule.replace_optimizer`), so every algorithm keeps running. ``do_flatten``
+    and ``check_flatten`` are Bagua's and have no effect (the layout is always flat, and always checked).
     """
-    fused = _BaguaFusedOptimizer(optimizer)
-    for wrapper in list(_compat._active.values()):
-        if any(opt is optimizer for opt in wrapper.optimizers):
-            impl = wrapper.algorithm_impl
-
-            def before(opt: Any, args: Any, kwargs: Any, wrapper: Any = wrapper, impl: Any = impl) -> None:
-                wrapper.wait_gradients()
-                impl.before_step(optimizer)
-
-            def after(opt: Any, args: Any, kwargs: Any, impl: Any = impl) -> None:
-                impl.after_step(optimizer)
-
-            fused.register_step_pre_hook(before)
-            fused.register_step_post_hook(after)
-    return fused
+    return _BaguaFusedOptimizer(optimizer)
 
 
 class LoadBalancingDistributedBatchSampler(torch.utils.data.Sampler):
