@@ -50,6 +50,7 @@ from bagua_jax.algorithms.base import (
     implements,
     varying_like,
 )
+from bagua_jax.native_communicator import NativeCommunicator
 
 EXCHANGE = OuterExchange(ops, lambda x, dtype: x.astype(dtype))
 """The pseudo-gradient averages on JAX arrays."""
@@ -101,6 +102,16 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
     delay, alpha = config.fragment_sync_delay, float(config.fragment_update_alpha)
     outer_exchange, error_feedback = config.outer_exchange, config.error_feedback
     round_start_memory = config.round_start_memory
+    if round_start_memory == "host" and isinstance(world, NativeCommunicator):
+        # JAX (0.10) cannot lower a program with ordered effects (the native collectives) that returns arrays in host
+        # memory. On CPU the device's memory is host memory, so nothing is lost there.
+        if jax.default_backend() != "cpu":
+            raise ValueError(
+                f"{config.name}: round_start_memory='host' is not available with a NativeCommunicator on "
+                f"{jax.default_backend()} (JAX cannot return host-memory arrays from programs with the native "
+                "collectives' ordered effects); use round_start_memory='device', or a mesh"
+            )
+        round_start_memory = "device"
 
     def layout(params: Any) -> tuple[list[range], list[int]]:
         leaves = jax.tree.leaves(params)
