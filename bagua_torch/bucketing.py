@@ -132,8 +132,6 @@ def make_buckets(
     pad_to: int = 1,
 ) -> list[Bucket]:
     """Group ``named_params`` (in registration order) into buckets, as described in the module docstring."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     ordered = list(reversed(list(named_params)))
     slots = [TensorSlot(p.numel(), p.element_size(), (p.dtype, p.device)) for _, p in ordered]
     return [

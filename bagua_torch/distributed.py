@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bagua_common.comm.bucket_plan import check_bucket_bytes
 from bagua_common.comm.topology import Communicators
 from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
 from bagua_torch.algorithms import get_algorithm
@@ -112,8 +113,7 @@ class BaguaModule(nn.Module):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {type(opt).__name__}")
         algorithm = get_algorithm(algorithm)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+        check_bucket_bytes(bucket_bytes, "BaguaModule")
         if sync_point not in ("backward", "step"):
             raise ValueError(f"sync_point must be 'backward' or 'step', got {sync_point!r}")
         if sync_point == "step" and not optimizers:

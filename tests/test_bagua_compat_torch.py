@@ -11,7 +11,6 @@ import sys
 
 import numpy as np
 import pytest
-import torch
 from multiprocess import run_ranks
 
 NPROCS = 2
@@ -142,30 +141,3 @@ def test_only_importing_the_compat_layer_patches_torch():
     )
     run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
-
-
-def test_qadam_weight_decay_is_torchs_adam_l2_in_warmup_and_reaches_the_momentum_after():
-    from bagua_torch.torch_api.algorithms.q_adam import QAdamOptimizer
-
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
-    mirror = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    qadam = QAdamOptimizer(params, lr=0.01, warmup_steps=4, weight_decay=0.1)
-    adam = torch.optim.Adam(mirror, lr=0.01, weight_decay=0.1, foreach=False)
-    for _ in range(4):
-        grads = [torch.randn_like(p) for p in params]
-        for p, q, g in zip(params, mirror, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        qadam.step()
-        adam.step()
-        for p, q, g in zip(params, mirror, grads):
-            assert torch.equal(p, q)
-            assert torch.equal(p.grad, g)  # the user's gradient is left as it was
-    momentum = [qadam.momentum(p).clone() for p in params]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    qadam.local_momentum()
-    for p, m in zip(params, momentum):
-        assert torch.equal(qadam.momentum(p), m.lerp(p.grad + 0.1 * p.detach(), 0.1))
-    with pytest.raises(ValueError, match="weight_decay"):
-        QAdamOptimizer(params, weight_decay=-1.0)

@@ -8,13 +8,11 @@ against: per rank it sends ``2 (n-1)/n`` times the gradient bytes, the ring allr
 cost.
 
 The hierarchical variant (SPEC: reduce inside the node, allreduce between nodes,
-broadcast inside the node) is implemented as an intra-node reduce-scatter, an
-inter-node allreduce of this rank's slice and an intra-node allgather. The math is the
-same (an intra-node sum, then a sum over nodes), but every rank of a node carries
-``1/intra.size`` of the inter-node traffic instead of one root carrying all of it, the
-intra-node legs are bandwidth-optimal (a reduce plus a broadcast would cost a full
-allreduce each over :class:`~bagua_jax.LaxCommunicator`, which has no rooted
-collectives), and no rank waits on a root.
+broadcast inside the node) is :func:`bagua_common.algorithms.compressed_allreduce.allreduce_over`'s
+two-level form, shared with ``bagua_torch``: an intra-node reduce-scatter, an inter-node
+allreduce of this rank's slice and an intra-node allgather. Its intra-node legs are also
+bandwidth-optimal over :class:`~bagua_jax.LaxCommunicator`, which has no rooted
+collectives (a reduce plus a broadcast would cost a full allreduce each there).
 """
 
 from __future__ import annotations
@@ -23,6 +21,7 @@ from typing import Any
 
 import optax
 
+from bagua_common.algorithms.compressed_allreduce import allreduce_over
 from bagua_common.algorithms.configs import GradientAllReduceConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_common.algorithms.registry import as_config
@@ -69,14 +68,7 @@ def gradient_allreduce(
         check_float_grads(updates, name)
         levels = comms.levels(hierarchical, name)
         plan = plan_buckets(updates, bucket_bytes, pad_to=levels[0].size if levels else 1)
-        reduced = []
-        for bucket in plan.flatten(updates):
-            if levels is None:
-                reduced.append(comms.world.allreduce(bucket, op))
-            else:
-                intra, inter = levels
-                mine = intra.reduce_scatter(bucket.reshape(intra.size, -1), op)
-                reduced.append(intra.allgather(inter.allreduce(mine, op)).reshape(-1))
+        reduced = [allreduce_over(bucket, comms.world, levels, op) for bucket in plan.flatten(updates)]
         return plan.unflatten(reduced), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

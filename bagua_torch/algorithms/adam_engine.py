@@ -109,8 +109,11 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
             beta1 = group["betas"][0]
             for p in group["params"]:
                 exp_avg = self._state(p)["exp_avg"]
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg.lerp_(self._gradient(p, group), 1 - beta1)
+
+    def _gradient(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The gradient the moments take in: ``p.grad`` (zeros where None)."""
+        return p.grad if p.grad is not None else torch.zeros_like(p)
 
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
         """The live momentum (``exp_avg``) of parameter ``p``."""
@@ -151,9 +154,9 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
                 exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
                 step_t += 1
                 if warmup:
-                    grad = p.grad
-                    if grad.is_sparse:
+                    if p.grad.is_sparse:
                         raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    grad = self._gradient(p, group)
                     exp_avg.lerp_(grad, 1 - beta1)
                     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 # else: exp_avg is the averaged momentum the algorithm wrote, exp_avg_sq is frozen.
@@ -283,16 +286,7 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
     # --- warm-up: full-precision average of the gradients, as GradientAllReduce ----------
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
-        if self.levels is None:
-            return self.world.allreduce_async(bucket.grad, "avg")
-        intra, inter = self.levels
-        flat = bucket.grad
-
-        def two_level():
-            mine = intra.reduce_scatter(flat.view(intra.size, -1), "avg")
-            return intra.allgather(inter.allreduce(mine, "avg")).view(-1)
-
-        return self.run_async(two_level)
+        return self.allreduce_async(bucket.grad, self.levels, "avg")
 
     # --- after the warm-up: average the momentum before the step ------------------------
 

@@ -67,11 +67,12 @@ from typing import Any, ClassVar
 
 import torch
 
+from bagua_common.algorithms.compressed_allreduce import Levels, allreduce_over
 from bagua_common.algorithms.option_checks import check_flags
 from bagua_common.algorithms.registry import AlgorithmRegistry, as_config
 from bagua_common.comm.topology import Communicators
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
-from bagua_torch.communicator import Communicator, DoneWork, Work
+from bagua_torch.communicator import Communicator, DoneWork, ReduceOp, Work
 from bagua_torch.ordered_worker import OrderedWorker
 
 __all__ = [
@@ -208,7 +209,11 @@ class AlgorithmImpl:
 
     def __init__(self, context: AlgorithmContext):
         self.context = context
-        self._worker = OrderedWorker(type(self).__name__, context.device)
+        # The world's own thread where it has one (a native communicator), so that the pipelines' collectives
+        # run inline there; over torch.distributed, which issues from any thread, one of this impl's own.
+        shared = getattr(context.communicators.world, "ordered_worker", None)
+        self._owns_worker = shared is None
+        self._worker = OrderedWorker(type(self).__name__, context.device) if shared is None else shared
 
     # --- conveniences ---------------------------------------------------------------
 
@@ -228,17 +233,27 @@ class AlgorithmImpl:
         return self.context.buckets
 
     def run_async(self, fn: Callable[[], Any]) -> Work:
-        """Run ``fn()`` on this impl's worker thread (one thread, jobs in submission order); return its handle.
+        """Run ``fn()`` on this impl's ordered thread (jobs in submission order); return its handle.
 
         For multi-stage pipelines (compress, all-to-all, reduce, allgather, ...) that must
         not block the backward pass: ``fn`` may call blocking collectives and kernels, and
         ``wait()`` returns what ``fn`` returned (re-raising its exception). All jobs of one
         impl run one after another in submission order, so collectives issued from them
-        keep the launch order. For CUDA parameters ``fn`` runs on a side stream that first
-        waits for the submitting thread's current stream, and ``wait()`` makes the waiting
-        thread's current stream wait for it (no host synchronization).
+        keep the launch order. Over a native world the thread is the communicator's own
+        (:attr:`~bagua_torch.NativeCommunicator.ordered_worker`), after every collective issued
+        before, and the collectives ``fn`` issues there run inline. For CUDA parameters ``fn``
+        runs on a side stream that first waits for the submitting thread's current stream, and
+        ``wait()`` makes the waiting thread's current stream wait for it (no host synchronization).
         """
         return self._worker.submit(lambda stream: fn())
+
+    def allreduce_async(self, flat: torch.Tensor, levels: Levels, op: ReduceOp = ReduceOp.AVG) -> Work:
+        """Start :func:`~bagua_common.algorithms.compressed_allreduce.allreduce_over` on ``flat``: the world's
+        asynchronous allreduce, or with ``levels`` (``(intra, inter)``) the two-level pipeline on the ordered
+        thread (:meth:`run_async`)."""
+        if levels is None:
+            return self.world.allreduce_async(flat, op)
+        return self.run_async(lambda: allreduce_over(flat, self.world, levels, op))
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -286,7 +301,8 @@ class AlgorithmImpl:
 
     def close(self) -> None:
         """Release threads and other resources (the wrapper's ``close()`` calls it). Idempotent."""
-        self._worker.close()
+        if self._owns_worker:
+            self._worker.close()
 
 
 # ----------------------------------------------------------------------------- checks

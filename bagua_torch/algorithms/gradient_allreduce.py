@@ -7,9 +7,11 @@ the gradient bytes (a ring allreduce), the baseline the other algorithms are mea
 against. The math is :func:`bagua_jax.algorithms.gradient_allreduce.gradient_allreduce`'s.
 
 Hierarchical (SPEC: reduce inside the node, allreduce between nodes, broadcast inside
-the node), as in the JAX version: an intra-node reduce-scatter, an inter-node allreduce
-of this rank's slice and an intra-node allgather, so only ``1/a`` of each bucket crosses
-nodes per rank (``a`` ranks per node). Without two levels it is the flat allreduce.
+the node), as in the JAX version (one function,
+:func:`bagua_common.algorithms.compressed_allreduce.allreduce_over`): an intra-node
+reduce-scatter, an inter-node allreduce of this rank's slice and an intra-node allgather,
+so only ``1/a`` of each bucket crosses nodes per rank (``a`` ranks per node). Without two
+levels it is the flat allreduce.
 """
 
 from __future__ import annotations
@@ -55,13 +57,4 @@ class GradientAllReduceImpl(AlgorithmImpl):
         self.levels = context.communicators.levels(config.hierarchical, config.name)
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
-        if self.levels is None:
-            return self.world.allreduce_async(bucket.grad, self.op)
-        intra, inter = self.levels
-        flat, op = bucket.grad, self.op
-
-        def two_level():
-            mine = intra.reduce_scatter(flat.view(intra.size, -1), op)
-            return intra.allgather(inter.allreduce(mine, op)).view(-1)
-
-        return self.run_async(two_level)
+        return self.allreduce_async(bucket.grad, self.levels, self.op)

@@ -36,8 +36,8 @@ import torch
 from torch import nn
 
 from bagua_torch import distributed as _wrapper
-from bagua_torch.algorithms.base import Algorithm, Communicators
-from bagua_torch.torch_api import communication, env
+from bagua_torch.algorithms.base import Algorithm
+from bagua_torch.torch_api import env
 from bagua_torch.torch_api.algorithms.base import as_project_algorithm
 
 _live: weakref.WeakKeyDictionary[nn.Module, _wrapper.BaguaModule] = weakref.WeakKeyDictionary()
@@ -123,7 +123,7 @@ class BaguaModule(BaguaAttributes, _wrapper.BaguaModule):
 
 
 def wrap(
-    build: Callable[[nn.Module, list[torch.optim.Optimizer], Communicators | None], _wrapper.BaguaModule],
+    build: Callable[[nn.Module, list[torch.optim.Optimizer], Any], _wrapper.BaguaModule],
     model: nn.Module,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
     process_group: Any,
@@ -143,7 +143,7 @@ def wrap(
         model.close()
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
-    wrapped = build(inner, list(optimizers or []), communication.communicators_of(process_group))
+    wrapped = build(inner, list(optimizers or []), process_group)
     _live[inner] = wrapped
     return wrapped
 
@@ -167,12 +167,12 @@ def with_bagua(
         raise TypeError(f"with_bagua: do_flatten must be a bool, got {do_flatten!r}")
     project_algorithm = as_project_algorithm(algorithm)
 
-    def build(module: nn.Module, optimizers: list[torch.optim.Optimizer], communicators: Any) -> BaguaModule:
+    def build(module: nn.Module, optimizers: list[torch.optim.Optimizer], process_group: Any) -> BaguaModule:
         return BaguaModule(
             module,
             optimizers,
             project_algorithm,
-            process_group=communicators,
+            process_group=process_group,
             bucket_bytes=env.get_default_bucket_size(),
         )
 
