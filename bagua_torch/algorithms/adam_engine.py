@@ -120,9 +120,9 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
         return self._state(p)["exp_avg"]
 
     def unused(self, p: torch.Tensor) -> torch.Tensor:
-        """Where parameter ``p``'s second moment is exactly zero: after the warm-up, the coordinates that had no
-        gradient in it (a parameter the loss does not use)."""
-        return self._state(p)["exp_avg_sq"] == 0
+        """Whether parameter ``p``'s second moment is zero throughout (a 0-d bool tensor, so no step waits on the
+        device): after the warm-up, a parameter that had no gradient in it (the loss does not use it)."""
+        return ~self._state(p)["exp_avg_sq"].any()
 
     def mark_momentum_averaged(self) -> None:
         """Called by the algorithm once the momentum of every parameter holds this step's average."""
@@ -291,9 +291,9 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
     # --- after the warm-up: average the momentum before the step ------------------------
 
     hold_unused: ClassVar[bool] = False
-    """Whether the momentum is held at zero, before and after the exchange, where the frozen second moment is exactly
-    zero (no gradient in the whole warm-up): for an exchange that cannot send a zero (1-bit signs), so that those
-    coordinates never move."""
+    """Whether the momentum is held at zero, before and after the exchange, for every parameter whose frozen second
+    moment is zero throughout (no gradient in the whole warm-up): for an exchange that cannot send a zero (1-bit
+    signs), so that those parameters never move."""
 
     def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """Average one bucket of momentum (padded, this rank's) over all ranks; returns a new tensor."""

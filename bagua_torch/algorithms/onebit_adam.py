@@ -23,11 +23,11 @@ that 1-bit Adam and QAdam differ only in the momentum exchange).
 
 The one departure from QAdam's step, as in the JAX version: sign compression cannot send a
 zero, so a coordinate whose momentum is zero would receive ``+-scale`` and move. DeepSpeed asks
-the user for a momentum mask; here the mask is the frozen second moment: wherever
-``exp_avg_sq`` is exactly zero (no gradient in the whole warm-up: a parameter the loss does not
-use), the momentum is held at zero before and after the exchange, so the coordinate never
-moves (and does not learn if its gradient appears only after the warm-up; QAdam's 8-bit codes
-send exact zeros and need no mask).
+the user for a momentum mask; here the mask comes from the frozen second moment: for a
+parameter whose ``exp_avg_sq`` is zero throughout (no gradient in the whole warm-up: the loss
+does not use it), the momentum is held at zero before and after the exchange, so it never moves
+(and does not learn if its gradient first appears after the warm-up; QAdam's 8-bit codes send
+exact zeros and need no mask). Every other parameter steps as before.
 
 Residuals (float32, per bucket: the worker's has the bucket's padded size, or
 ``1/intra.size`` of it when hierarchical, the server's ``1/n`` of it) start at zero and
