@@ -229,8 +229,12 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
         command = [sys.executable, "-m", ns.target, *ns.args]
     else:
         command = [sys.executable, ns.target, *ns.args]
+    try:
+        nccl_net = bagua_net_environment() if ns.enable_bagua_net else {}
+    except FileNotFoundError as e:
+        parser.error(f"--enable-bagua-net: {e}")
     if elastic.requested(ns):
-        return elastic.config_from(ns, parser, command, mode)
+        return elastic.config_from(ns, parser, command, mode, nccl_net)
     ns.nnodes = ns.nnodes[1]
     if ns.node_rank >= ns.nnodes:
         parser.error(f"--node-rank {ns.node_rank} is not below --nnodes {ns.nnodes}")
@@ -266,10 +270,6 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
             private_directory(ns.cache_dir)
         except (OSError, ValueError) as e:
             parser.error(f"--cache-dir: {e}")
-    try:
-        nccl_net = bagua_net_environment() if ns.enable_bagua_net else {}
-    except FileNotFoundError as e:
-        parser.error(f"--enable-bagua-net: {e}")
     try:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as e:

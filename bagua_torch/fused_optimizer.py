@@ -25,7 +25,7 @@ With a wrapped model (``fuse_optimizer(optimizer, module=model)``) the chunks ar
 model's buckets (:mod:`bagua_torch.flat_layout`): backward accumulates into the buckets and the
 reduced bucket is the optimizer's gradient, uncopied with ``zero_grad(set_to_none=False)`` and an
 algorithm that hands its result over (``stats()`` counts the copies). An optimizer given to a
-wrapped model is replaced there by the fused one (:meth:`~bagua_torch.distributed.BaguaModule.
+wrapped model is replaced there by the fused one (:meth:`~bagua_torch.bagua_module.BaguaModule.
 replace_optimizer`), so the algorithm's step hooks go on. QAdam's and 1-bit Adam's optimizers are
 refused: after the warm-up their step is not elementwise.
 """
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bagua_torch.distributed import BaguaModule, wrapper_of
+from bagua_torch.bagua_module import BaguaModule, wrapper_of
 from bagua_torch.flat_layout import Chunk, check_state_shapes, lay_out, member_value, same_value, slice_ptr
 
 if TYPE_CHECKING:

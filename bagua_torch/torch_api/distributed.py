@@ -35,10 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from bagua_torch import distributed as _wrapper
+from bagua_common.moved import moved_names
+from bagua_torch import bagua_module as _wrapper
 from bagua_torch.algorithms.base import Algorithm
 from bagua_torch.torch_api import env
 from bagua_torch.torch_api.algorithms.base import as_project_algorithm
+
+__getattr__ = moved_names(__name__)  # broadcast_optimizer_state, now in bagua_torch.broadcast
 
 _live: weakref.WeakKeyDictionary[nn.Module, _wrapper.BaguaModule] = weakref.WeakKeyDictionary()
 """The model -> its live wrapper, so that re-wrapping a model closes the wrapper before."""

@@ -52,7 +52,14 @@ class QAdamOptimizer(_qadam.QAdamOptimizer):
 
 @implements(QAdamConfig)
 class QAdamAlgorithm(_qadam.QAdamAlgorithm):
-    """Bagua's ``QAdamAlgorithm(q_adam_optimizer, hierarchical=True)``."""
+    """Bagua's ``QAdamAlgorithm(q_adam_optimizer, hierarchical=True)``; ``hierarchical_reduce=`` (the spelling of
+    Bagua's q-adam tutorial) is ``hierarchical``."""
 
-    def __init__(self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True):
+    def __init__(
+        self, q_adam_optimizer: QAdamOptimizer, hierarchical: bool = True, *, hierarchical_reduce: bool | None = None
+    ):
+        if hierarchical_reduce is not None:
+            if hierarchical is not True and hierarchical != hierarchical_reduce:
+                raise ValueError("QAdamAlgorithm: hierarchical and hierarchical_reduce disagree; give one of them")
+            hierarchical = hierarchical_reduce
         super().__init__(optimizer=q_adam_optimizer, hierarchical=hierarchical)
