@@ -25,9 +25,9 @@ With a wrapped model (``fuse_optimizer(optimizer, module=model)``) the chunks ar
 model's buckets (:mod:`bagua_torch.flat_layout`): backward accumulates into the buckets and the
 reduced bucket is the optimizer's gradient, uncopied with ``zero_grad(set_to_none=False)`` and an
 algorithm that hands its result over (``stats()`` counts the copies). An optimizer given to a
-wrapped model is replaced there by the fused one (:meth:`~bagua_torch.bagua_module.BaguaModule.
-replace_optimizer`), so the algorithm's step hooks go on. QAdam's and 1-bit Adam's optimizers are
-refused: after the warm-up their step is not elementwise.
+wrapped model is replaced there by the fused one (``BaguaModule.replace_optimizer``), so the
+algorithm's step hooks go on. QAdam's and 1-bit Adam's optimizers are refused: after the warm-up
+their step is not elementwise.
 """
 
 from __future__ import annotations
@@ -85,7 +85,10 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not elementwise:
             _refuse_known_non_elementwise(cls, elementwise)
         self._cls = cls
-        self._defaults = dict(optimizer.defaults)
+        # Rebuilt with its defaults and the constructor arguments it keeps as attributes outside them
+        # (a warm-up length, say), which a rebuild from the defaults alone would silently reset.
+        kept = inspect.signature(cls.__init__).parameters.keys() - optimizer.defaults.keys() - {"self", "params"}
+        self._defaults = {**optimizer.defaults, **{k: v for k, v in vars(optimizer).items() if k in kept}}
         original_state = optimizer.state_dict()
         groups = [dict(group) for group in optimizer.param_groups]
         super().__init__(groups, optimizer.defaults)
@@ -329,11 +332,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self._construct([{**_hyper_parameters(self.param_groups[group]), "params": params}])
 
     def _construct(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        """A new optimizer of the original class over ``groups`` (each carries every setting).
-
-        The constructor gets the defaults it declares as parameters (AdamW's ``defaults``, for
-        one, hold a key its constructor does not take).
-        """
+        """A new optimizer of the original class over ``groups`` (each carries every setting), given the
+        constructor arguments it declares (AdamW's ``defaults``, for one, hold a key it does not take)."""
         parameters = inspect.signature(self._cls.__init__).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         kwargs = {k: v for k, v in self._defaults.items() if takes_any or k in parameters}

@@ -17,12 +17,13 @@ QAdam's floor under the frozen ``v`` (:mod:`bagua_common.algorithms.frozen_varia
 The one departure from QAdam's step (beyond SPEC section 3, which leaves it open): sign
 compression cannot send a zero, so a coordinate whose momentum is zero would receive
 ``+-scale`` and move. DeepSpeed asks the user for a momentum mask of such coordinates; here
-the mask is the frozen second moment itself: wherever ``v`` is exactly zero (the coordinate
-had no gradient in the whole warm-up: a parameter the loss does not use, or a frozen one),
-the momentum is held at zero before and after the exchange
-(:func:`~bagua_jax.algorithms.adam_engine.held_unused`), so the coordinate never moves. Such a
-coordinate does not learn if its gradient appears only after the warm-up (QAdam's 8-bit codes
-send exact zeros and need no mask, so QAdam's does); every other coordinate steps as before.
+the mask comes from the frozen second moment: for a parameter whose ``v`` is zero throughout
+(it had no gradient in the whole warm-up: the loss does not use it, or it is frozen), the
+momentum is held at zero before and after the exchange
+(:func:`~bagua_jax.algorithms.adam_engine.held_unused`), so that parameter never moves (and does
+not learn if its gradient first appears after the warm-up; QAdam's 8-bit codes send exact
+zeros and need no mask). Every other parameter steps as before, including its coordinates
+whose ``v`` froze at zero (embedding rows first seen later), which the floor bounds.
 
 Residuals start at zero and only the compressed phase writes them, so they are zero
 when compression starts, as in DeepSpeed; they are not reset afterwards. Because each
