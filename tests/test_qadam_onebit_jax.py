@@ -227,7 +227,12 @@ def communicators(n: int, two_level: bool) -> tuple[Mesh, Communicators, object]
 
 @functools.cache
 def stepper(
-    algorithm: str, n: int, two_level: bool = False, hierarchical: bool = True, schedule: bool = False, bare: bool = False
+    algorithm: str,
+    n: int,
+    two_level: bool = False,
+    hierarchical: bool = True,
+    schedule: bool = False,
+    bare: bool = False,
 ):
     """``(tx, step)``: the algorithm's transform and one jitted shard_map step over all ranks (``bare``: built on
     the world communicator alone, as the README shows, instead of :class:`Communicators`)."""

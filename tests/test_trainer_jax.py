@@ -9,9 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax.training import train_state
-
 from algorithms_reference import bytegrad_bucket
+from flax.training import train_state
 from jax.flatten_util import ravel_pytree
 
 from bagua_jax import DataParallel, TrainState
@@ -132,7 +131,9 @@ def test_an_algorithm_by_name_steps_as_the_pipeline_reference(rng):
     for _ in range(4):
         batch = {k: rng.standard_normal((16, d)).astype(np.float32) for k, d in (("x", 6), ("y", 3))}
         grads = [
-            np.asarray(ravel_pytree(jax.grad(loss_fn)(params, jax.tree.map(lambda a: a[r * 4 : (r + 1) * 4], batch)))[0])
+            np.asarray(
+                ravel_pytree(jax.grad(loss_fn)(params, jax.tree.map(lambda a: a[r * 4 : (r + 1) * 4], batch)))[0]
+            )
             for r in range(RANKS)
         ]
         padded = [np.concatenate([g, np.zeros(-g.size % RANKS, np.float32)]) for g in grads]
