@@ -9,7 +9,7 @@ several nodes of several ranks each) with a ping-pong for the latency and allred
 sizes for the bandwidth, times the compute of a synthetic step of the given size and each codec's
 kernels on a buffer of a few MiB, counts what one steady-state step of every algorithm sends on each
 level and the bytes its compression kernels code (traced, not run), and rank 0 prints the ranking of
-:func:`bagua_common.advisor.rank_algorithms`. It never switches an algorithm.
+:func:`bagua_common.tuning.advisor.rank_algorithms`. It never switches an algorithm.
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ from jax.extend.core import Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from bagua_common.advisor import (
+from bagua_common.comm.topology import ring_neighbours
+from bagua_common.tuning.advisor import (
     CodecThroughput,
     Link,
     NoisyTimings,
@@ -44,7 +45,6 @@ from bagua_common.advisor import (
     rank_algorithms,
     topology_levels,
 )
-from bagua_common.topology import ring_neighbours
 from bagua_jax import ops
 from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.base import Communicators, check_communicators

@@ -1,6 +1,6 @@
 """Tuning :class:`~bagua_jax.trainer.DataParallel`'s exact knobs, in the job, before the first step.
 
-The knobs (:func:`bagua_common.autotune.tuning_knobs`): the bucket size; ``hierarchical`` on a
+The knobs (:func:`bagua_common.tuning.autotune.tuning_knobs`): the bucket size; ``hierarchical`` on a
 2-D mesh ``("inter", "intra")`` when the algorithm has the field; the MPI ring threshold over a
 native MPI communicator whose ranks span nodes. Under ``jit`` a bucket layout and the hierarchical
 flag are compiled into the step, so measuring candidates with the user's own step would recompile
@@ -10,7 +10,7 @@ program: a :class:`DataParallel` step of the same algorithm over the same parame
 optimizer is ``sgd(0)``. Each bucket size and flag costs the compile of that small program
 (reported in :attr:`BucketTuning.compile_s`) plus its samples; the ring threshold is the
 communicator's run-time state, so switching it compiles nothing. The training step is then
-compiled once, with the winner. The search is :class:`bagua_common.autotune.TuningSession`:
+compiled once, with the winner. The search is :class:`bagua_common.tuning.autotune.TuningSession`:
 rank 0 decides and broadcasts, so every process ends with the same setting.
 """
 
@@ -28,7 +28,7 @@ from jax.experimental import multihost_utils
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
-from bagua_common.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
+from bagua_common.tuning.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
 from bagua_jax.algorithms.base import Algorithm
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
@@ -37,7 +37,7 @@ from bagua_jax.signature import job_signature
 @dataclasses.dataclass(frozen=True)
 class BucketTuning:
     """What tuning chose and what it cost: the whole ``setting`` (knob -> value; ``bucket_bytes`` is its bucket
-    size), every searched setting's median by :func:`~bagua_common.autotune.setting_label`, compile seconds."""
+    size), every searched setting's median by :func:`~bagua_common.tuning.autotune.setting_label`, compile seconds."""
 
     setting: dict[str, Any]
     medians_s: dict[str, float]

@@ -2,7 +2,7 @@
 
 Communication cost is dominated by per-call latency for small tensors, so the
 algorithms communicate buckets: the leaves of a pytree, grouped in tree order
-and by dtype by the rule of :mod:`bagua_common.bucket_plan` (shared with the torch
+and by dtype by the rule of :mod:`bagua_common.comm.bucket_plan` (shared with the torch
 front end). The plan is static: it depends only on shapes and dtypes, so it is
 computed once outside ``jit`` and its flatten/unflatten trace to reshapes and
 slice updates.
@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from bagua_common import bucket_plan
-from bagua_common.bucket_plan import DEFAULT_BUCKET_BYTES, TensorSlot
+from bagua_common.comm import bucket_plan
+from bagua_common.comm.bucket_plan import DEFAULT_BUCKET_BYTES, TensorSlot
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "BucketPlan", "plan_buckets"]
 
@@ -70,7 +70,7 @@ def plan_buckets(tree: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, pad_to: in
     """Group the leaves of ``tree`` (arrays or shape/dtype structs) into buckets.
 
     Leaves are taken in tree order and grouped by dtype with the rule of
-    :mod:`bagua_common.bucket_plan` (at most ``bucket_bytes`` per bucket, each padded to a
+    :mod:`bagua_common.comm.bucket_plan` (at most ``bucket_bytes`` per bucket, each padded to a
     multiple of ``pad_to`` elements).
     """
     leaves, treedef = jax.tree.flatten(tree)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bagua_common.bagua_net import bagua_net_plugin_path
+from bagua_common.comm.bagua_net import bagua_net_plugin_path
 from bagua_jax._native import library
 
 

@@ -3,10 +3,10 @@
 ``save(root, state, trainer)`` writes ``root/step_<s>/rank_<r>.npz`` for every rank (each
 process writes the rows of the ranks it holds: parameters, the algorithm's optimizer state,
 the step, the model state), waits for every process, and rank 0 commits the manifest (see
-:mod:`bagua_common.checkpoint`: a half-written checkpoint is never loaded).
+:mod:`bagua_common.job.checkpoint`: a half-written checkpoint is never loaded).
 ``restore(root, trainer, params)`` loads the newest committed checkpoint into a state for
 ``trainer``'s world size: the same world size gets every rank's own state back bit for
-bit; another one follows the algorithm's rule (:mod:`bagua_common.reshard`): identical
+bit; another one follows the algorithm's rule (:mod:`bagua_common.job.reshard`): identical
 state carries over, drifted parameters start from their mean, error-feedback residuals
 restart at zero, and buckets padded for the old world size are rebuilt for the new one.
 
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bagua_common.checkpoint import (
+from bagua_common.job.checkpoint import (
     Manifest,
     check_restorable,
     checkpoint_dir,
@@ -36,8 +36,8 @@ from bagua_common.checkpoint import (
     save_arrays,
     shard_path,
 )
-from bagua_common.reshard import ReshardRule, algorithm_rule, reshard_rows
-from bagua_common.signature import algorithm_config
+from bagua_common.job.reshard import ReshardRule, algorithm_rule, reshard_rows
+from bagua_common.job.signature import algorithm_config
 from bagua_jax.trainer import DataParallel, TrainState, _pack, _unpack
 
 _SUFFIX = ".npz"

@@ -19,14 +19,14 @@ from typing import Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from bagua_common.collectives import REDUCE_OPS, Collectives, ReduceOp
+from bagua_common.comm.collectives import REDUCE_OPS, Collectives, ReduceOp
 
 __all__ = ["REDUCE_OPS", "Communicator", "ReduceOp", "check_schedule"]
 
 
 @runtime_checkable
 class Communicator(Collectives[jax.Array], Protocol):
-    """Collectives among ``size`` ranks (see :class:`bagua_common.collectives.Collectives`); see the module
+    """Collectives among ``size`` ranks (see :class:`bagua_common.comm.collectives.Collectives`); see the module
     docstring for conventions."""
 
     def rank(self) -> jax.Array:

@@ -1,6 +1,6 @@
 """Load-balanced, padded batches for JAX training loops, over :mod:`bagua_common`.
 
-:func:`balanced_batches` walks one epoch of a :class:`~bagua_common.balanced_plan.BalancedPlan`
+:func:`balanced_batches` walks one epoch of a :class:`~bagua_common.data.balanced_plan.BalancedPlan`
 and yields NumPy ``(batch, mask)`` pairs whose shapes come from a small fixed set, so a jitted
 step compiles at most once per shape. The loss must honour ``mask``: padded positions and
 padded rows are ``False`` and must not count.
@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
-from bagua_common.balanced_plan import BalancedPlan
+from bagua_common.data.balanced_plan import BalancedPlan
 
 __all__ = ["DEFAULT_PAD_TO", "balanced_batches"]
 

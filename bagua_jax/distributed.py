@@ -19,8 +19,8 @@ import sys
 
 import jax
 
-from bagua_common.comm_timeout import timeout_seconds
-from bagua_common.engine_exit import exiting_on_uncaught_exception
+from bagua_common.comm.engine_exit import exiting_on_uncaught_exception
+from bagua_common.comm.timeout import timeout_seconds
 
 # XLA's CPU collectives (gloo): how long one collective, and its rendezvous, may wait.
 _CPU_COLLECTIVE_TIMEOUT_FLAGS = (

@@ -11,7 +11,7 @@ from types import ModuleType
 
 import jax
 
-from bagua_common.engines import load_engine
+from bagua_common.comm.engines import load_engine
 
 
 @functools.cache

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bagua_common.comm_timeout import timeout_seconds
-from bagua_common.engines import REDUCE_OP_CODES, MpiSettings, mpi_ring_min_bytes
+from bagua_common.comm.engines import MpiSettings, mpi_ring_min_bytes
+from bagua_common.comm.timeout import timeout_seconds
 from bagua_jax import native_collectives as nc
 from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
 from bagua_jax.engines import engine
@@ -103,7 +103,7 @@ class NativeCommunicator(MpiSettings):
     def _op(self, op: ReduceOp) -> int:
         if op not in REDUCE_OPS:
             raise ValueError(f"unknown reduction {op!r}; use one of {REDUCE_OPS}")
-        return REDUCE_OP_CODES[op]
+        return ReduceOp(op).code
 
     def _root(self, root: int) -> int:
         if not 0 <= int(root) < self.size:

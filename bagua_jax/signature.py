@@ -2,7 +2,7 @@
 
 The model's tree (paths, shapes, dtypes) and the algorithm's configuration are compared over
 the native communicator, or between the processes of ``jax.distributed`` in mesh mode (one
-process has nothing to compare). See :mod:`bagua_common.signature`.
+process has nothing to compare). See :mod:`bagua_common.job.signature`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from bagua_common.signature import JobSignature, algorithm_config, check_same_job
+from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
 from bagua_jax.native_communicator import NativeCommunicator
 
 

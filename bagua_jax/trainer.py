@@ -31,7 +31,7 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from bagua_common.autotune import autotune_mode
+from bagua_common.tuning.autotune import autotune_mode
 from bagua_jax.algorithms.base import Algorithm, Communicators, check_float_params
 from bagua_jax.autotune import BucketTuning, algorithm_setting, tune_bucket_bytes
 from bagua_jax.lax_communicator import LaxCommunicator

@@ -29,8 +29,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from bagua_common.engines import ENV_ELASTIC
-from bagua_common.local_ranks import free_port
+from bagua_common.comm.engines import ENV_ELASTIC
+from bagua_common.job.local_launch import free_port
 
 __all__ = ["ElasticConfig", "add_arguments", "config_from", "node_range", "requested", "run"]
 

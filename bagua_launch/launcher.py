@@ -61,11 +61,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bagua_common.bagua_net import bagua_net_environment
-from bagua_common.cache_stores import ENV_CACHE_URL, parse_capacity
-from bagua_common.child_process import die_with_parent
-from bagua_common.local_ranks import free_port
-from bagua_common.redis_server import RedisServer, checked_bind_address, find_redis_server
+from bagua_common.comm.bagua_net import bagua_net_environment
+from bagua_common.data.cache_stores import ENV_CACHE_URL, parse_capacity
+from bagua_common.data.redis_server import RedisServer, checked_bind_address, find_redis_server
+from bagua_common.job.child_process import die_with_parent
+from bagua_common.job.local_launch import free_port
 from bagua_launch import elastic
 
 __all__ = ["DEFAULT_MULTINODE_PORT", "RANK_VARIABLES", "Launcher", "build_parser", "main", "rank_environment"]
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="ADDR",
         help="also serve the cache on TCP at this IP address of the node, with a generated password "
         "(in a 0600 file the ranks find in BAGUA_CACHE_PASSWORD_FILE), so that the ranks can shard "
-        "the cache over every node's server: bagua_common.cache_stores.sharded_store",
+        "the cache over every node's server: bagua_common.data.cache_stores.sharded_store",
     )
     elastic.add_arguments(parser)
     parser.add_argument_group("network").add_argument(

@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 
-from bagua_common.child_process import die_with_parent
+from bagua_common.job.child_process import die_with_parent
 
 STATUS_DIR_VARIABLE = "BAGUA_LAUNCH_STATUS_DIR"
 NPROC_VARIABLE = "BAGUA_LAUNCH_NPROC_PER_NODE"

@@ -19,6 +19,7 @@ from bagua_torch.communicator import (
     Communicator,
     NativeCommunicator,
     ProcessGroupCommunicator,
+    ReduceOp,
     Work,
 )
 from bagua_torch.distributed import BaguaModule, DistributedDataParallel, with_bagua
@@ -42,6 +43,7 @@ __all__ = [
     "FusedOptimizer",
     "NativeCommunicator",
     "ProcessGroupCommunicator",
+    "ReduceOp",
     "Work",
     "algorithms",
     "build_info",

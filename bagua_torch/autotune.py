@@ -2,9 +2,9 @@
 
 The wrapper (:class:`~bagua_torch.distributed.BaguaModule`) calls :meth:`BucketTuner.step` at
 every training forward, after pending communication has finished; the time between two calls is
-one step. :class:`bagua_common.autotune.TuningSession` decides: rank 0 searches, its choice is
+one step. :class:`bagua_common.tuning.autotune.TuningSession` decides: rank 0 searches, its choice is
 broadcast over the job's world communicator at step counts fixed in advance, and every rank
-switches at the same step. The knobs (:func:`bagua_common.autotune.tuning_knobs`): the bucket
+switches at the same step. The knobs (:func:`bagua_common.tuning.autotune.tuning_knobs`): the bucket
 size; ``hierarchical`` when the job has intra- and inter-node communicators; the MPI ring
 threshold when the world communicator is the native MPI engine and spans nodes. Re-bucketing and
 switching ``hierarchical`` rebuild the algorithm, so only algorithms without state tied to the
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from bagua_common.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
-from bagua_common.topology import Communicators
+from bagua_common.comm.topology import Communicators
+from bagua_common.tuning.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
 from bagua_torch.communicator import NativeCommunicator
 
 # Re-bucketing mid-run rebuilds the algorithm: only stateless ones survive it unchanged.

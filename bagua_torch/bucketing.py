@@ -3,7 +3,7 @@
 The wrapper (:mod:`bagua_torch.distributed`) communicates *buckets*. Parameters are taken in
 **reverse registration order** (the order in which the backward pass usually produces their
 gradients, as in ``torch.nn.parallel.DistributedDataParallel``) and grouped by dtype and device
-with the rule of :mod:`bagua_common.bucket_plan`, shared with the JAX front end: at most
+with the rule of :mod:`bagua_common.comm.bucket_plan`, shared with the JAX front end: at most
 ``bucket_bytes`` per bucket (a parameter larger than that gets a bucket of its own), each
 zero-padded to a multiple of ``pad_to`` elements (the world size). Inside a bucket the
 parameters keep that same (reverse) order. The layout depends only on the parameters' shapes,
@@ -17,8 +17,8 @@ from collections.abc import Sequence
 
 import torch
 
-from bagua_common import bucket_plan
-from bagua_common.bucket_plan import DEFAULT_BUCKET_BYTES, TensorSlot, padded_size
+from bagua_common.comm import bucket_plan
+from bagua_common.comm.bucket_plan import DEFAULT_BUCKET_BYTES, TensorSlot, padded_size
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "Bucket", "make_buckets"]
 

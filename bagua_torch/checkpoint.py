@@ -3,10 +3,10 @@
 ``save(root, model, optimizers, step=s)`` writes each rank's ``state_dict()`` (the model's,
 with the algorithm's state in ``_extra_state``, and every optimizer's) to
 ``root/step_<s>/rank_<r>.pt``, waits for every rank and lets rank 0 commit the manifest
-(see :mod:`bagua_common.checkpoint`: a half-written checkpoint is never loaded).
+(see :mod:`bagua_common.job.checkpoint`: a half-written checkpoint is never loaded).
 ``restore(root, model, optimizers)`` loads the newest committed checkpoint and returns its
 step. Into the same world size every rank gets its own state back exactly; into another one
-the algorithm's rule applies (:mod:`bagua_common.reshard`): identical state (parameters of
+the algorithm's rule applies (:mod:`bagua_common.job.reshard`): identical state (parameters of
 synchronous algorithms, Adam moments) carries over from rank 0, decentralized and
 asynchronous parameters (and their optimizer state) start from the mean over the saved
 ranks, error-feedback residuals restart at zero and low-precision decentralized's weight
@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bagua_common.checkpoint import (
+from bagua_common.job.checkpoint import (
     MANIFEST,
     Manifest,
     check_restorable,
@@ -34,8 +34,8 @@ from bagua_common.checkpoint import (
     shard_path,
     write_atomically,
 )
-from bagua_common.reshard import RESET, ReshardRule, algorithm_rule, reshard_rows
-from bagua_common.signature import algorithm_config
+from bagua_common.job.reshard import RESET, ReshardRule, algorithm_rule, reshard_rows
+from bagua_common.job.signature import algorithm_config
 from bagua_torch.distributed import BaguaModule
 
 _SUFFIX = ".pt"

@@ -2,7 +2,7 @@
 
 :class:`LoadBalancingDistributedSampler` keeps Bagua's signature and yields this rank's sample
 indices; :class:`BalancedBatchSampler` yields this rank's batches for
-``DataLoader(batch_sampler=...)``. Both plan with :class:`bagua_common.balanced_plan.BalancedPlan`,
+``DataLoader(batch_sampler=...)``. Both plan with :class:`bagua_common.data.balanced_plan.BalancedPlan`,
 so every rank gets the same number of samples and steps, a fresh sample set each epoch, and
 samples of similar cost at each step. Do not wrap them in another sharding sampler (for
 example ``accelerate``'s): they already shard. :class:`CachedDataset` (framework-neutral,
@@ -17,8 +17,8 @@ import numpy as np
 import torch.distributed
 from torch.utils.data import Sampler
 
-from bagua_common.balanced_plan import BalancedPlan, EpochPlan
-from bagua_common.cached_dataset import CachedDataset, CacheLoader
+from bagua_common.data.balanced_plan import BalancedPlan, EpochPlan
+from bagua_common.data.cached_dataset import CachedDataset, CacheLoader
 from bagua_torch import job
 
 __all__ = [

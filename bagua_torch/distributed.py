@@ -52,7 +52,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from bagua_common.signature import JobSignature, algorithm_config, check_same_job
+from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
 from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.base import (
     Algorithm,

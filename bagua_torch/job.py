@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_common.comm_timeout import timeout_seconds
+from bagua_common.comm.timeout import timeout_seconds
 from bagua_launch.rank_env import mpi_rank_environment
 from bagua_torch.algorithms.base import Communicators
 from bagua_torch.communicator import (

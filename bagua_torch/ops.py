@@ -14,7 +14,7 @@ from typing import Any, Literal
 import _bagua_ffi
 import torch
 
-from bagua_common.bagua_net import bagua_net_plugin_path
+from bagua_common.comm.bagua_net import bagua_net_plugin_path
 
 Format = Literal["minmax_uint8", "minmax_uint4", "sign"]
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)

@@ -24,8 +24,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bagua_common.local_ranks import free_port as free_port  # for the scripts
-from bagua_common.local_ranks import mpiexec
+from bagua_common.job.local_launch import free_port as free_port  # for the scripts
+from bagua_common.job.local_launch import mpiexec
 
 RESULTS = Path(__file__).resolve().parent / "results"
 """Where the scripts write their results by default."""

@@ -47,7 +47,7 @@ import _common
 from network_harness import Network
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from bagua_common.bagua_net import bagua_net_plugin_path  # noqa: E402
+from bagua_common.comm.bagua_net import bagua_net_plugin_path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 PORT_BASE, PORT_COUNT = 40000, 64  # the sender's ephemeral ports, one htb class each

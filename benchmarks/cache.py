@@ -31,9 +31,9 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
-from bagua_common.cache_stores import LmdbStore, MemoryStore, RedisStore, private_directory
-from bagua_common.cached_dataset import CachedDataset
-from bagua_common.redis_server import RedisServer
+from bagua_common.data.cache_stores import LmdbStore, MemoryStore, RedisStore, private_directory
+from bagua_common.data.cached_dataset import CachedDataset
+from bagua_common.data.redis_server import RedisServer
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))

@@ -5,7 +5,7 @@ import os
 import numpy as np
 import pytest
 
-from bagua_common.redis_server import find_redis_server
+from bagua_common.data.redis_server import find_redis_server
 
 
 def _have_redis_server() -> bool:

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bagua_common.comm.collectives import ReduceOp
+
 OPS = ("sum", "avg", "min", "max")
 # dtypes beyond float32 that every communicator carries, and how each is checked.
 EXTRA_DTYPES = ("float64", "float16", "bfloat16", "int32", "int64", "uint8")
@@ -76,10 +78,11 @@ def _issue_all(comm, data: dict, asynchronous: bool) -> dict:
     x, rows, flat = data["x"], data["rows"], data["flat"]
     suffix = "_async" if asynchronous else ""
     calls = {}
-    for op in OPS:
-        calls[f"allreduce_{op}"] = ("allreduce", (x, op))
-        calls[f"reduce_{op}"] = ("reduce", (x, size - 1, op))
-        calls[f"reduce_scatter_{op}"] = ("reduce_scatter", (rows, op))
+    for name in OPS:
+        op = ReduceOp(name) if asynchronous else name  # both spellings: the member and its name
+        calls[f"allreduce_{name}"] = ("allreduce", (x, op))
+        calls[f"reduce_{name}"] = ("reduce", (x, size - 1, op))
+        calls[f"reduce_scatter_{name}"] = ("reduce_scatter", (rows, op))
     calls["broadcast"] = ("broadcast", (x, 1))
     calls["allgather"] = ("allgather", (x,))
     calls["gather"] = ("gather", (x, 1))

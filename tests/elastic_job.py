@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bagua_common.elastic_sampler import ElasticSampler
+from bagua_common.data.elastic_sampler import ElasticSampler
 
 SAMPLES, FEATURES, OUTPUTS, HIDDEN = 64, 8, 2, 16
 GLOBAL_BATCH = 8

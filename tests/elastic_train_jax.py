@@ -14,7 +14,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
-from bagua_common.checkpoint import latest
+from bagua_common.job.checkpoint import latest
 from bagua_jax import DataParallel
 from bagua_jax.algorithms import GradientAllReduce
 from bagua_jax.checkpoint import restore, save

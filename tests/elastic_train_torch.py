@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import bagua_torch
-from bagua_common.checkpoint import latest
+from bagua_common.job.checkpoint import latest
 from bagua_torch.checkpoint import restore, save
 
 

@@ -1,6 +1,6 @@
 """NumPy reference of the floor under QAdam's and 1-bit Adam's frozen second moment.
 
-The rule is ``bagua_common.frozen_variance``'s, written here independently of both front ends:
+The rule is ``bagua_common.algorithms.frozen_variance``'s, written here independently of both front ends:
 per tensor, ``VARIANCE_FLOOR`` times the tensor's mean second moment, or the whole model's mean
 where the tensor's is zero.
 """

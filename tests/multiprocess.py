@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from bagua_common.local_ranks import free_port, mpiexec
+from bagua_common.job.local_launch import free_port, mpiexec
 
 TESTS = Path(__file__).resolve().parent
 

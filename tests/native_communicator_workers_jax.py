@@ -58,7 +58,7 @@ def large_allreduces(seed: int, count: int) -> dict:
     import jax.numpy as jnp
     import ml_dtypes
 
-    from bagua_common.engines import REDUCE_OP_CODES
+    from bagua_common.comm.collectives import ReduceOp
     from bagua_jax.native_communicator import NativeCommunicator
 
     comm = NativeCommunicator.mpi_world(timeout=60)
@@ -69,7 +69,7 @@ def large_allreduces(seed: int, count: int) -> dict:
         out[f"{np.dtype(dtype).name}_sum"] = np.asarray(comm.allreduce(jnp.asarray(x.astype(dtype))))
     out["int32_sum"] = np.asarray(comm.allreduce(jnp.asarray((x * 1000).astype(np.int32))))
     in_place = x.copy()
-    comm.engine.allreduce(comm.handle, in_place, in_place, REDUCE_OP_CODES["sum"])
+    comm.engine.allreduce(comm.handle, in_place, in_place, ReduceOp.SUM.code)
     out["float32_sum_in_place"] = in_place
     return {"rank": rank, **out}
 

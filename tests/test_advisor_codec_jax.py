@@ -23,7 +23,7 @@ from jax.sharding import PartitionSpec as P
 from test_advisor_jax import MLP, study_traffic, two_level_job
 
 import bagua_jax.advisor as advisor
-from bagua_common.advisor import INTER, INTRA, WORLD, Link, format_ranking, predict_step_s, rank_algorithms
+from bagua_common.tuning.advisor import INTER, INTRA, WORLD, Link, format_ranking, predict_step_s, rank_algorithms
 from bagua_jax import ops
 
 MODEL_BYTES = sum(math.prod(leaf.shape) * leaf.dtype.itemsize for leaf in MLP.values())

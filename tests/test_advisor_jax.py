@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh
 
-from bagua_common.advisor import (
+from bagua_common.tuning.advisor import (
     INTER,
     INTRA,
     WORLD,

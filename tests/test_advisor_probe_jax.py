@@ -21,7 +21,7 @@ import pytest
 from jax.experimental import io_callback
 
 import bagua_jax.advisor as advisor
-from bagua_common.advisor import INTER, INTRA, WORLD, Link, NoisyTimings
+from bagua_common.tuning.advisor import INTER, INTRA, WORLD, Link, NoisyTimings
 from bagua_jax.algorithms.base import Communicators
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,7 +1,7 @@
 """The shared algorithm configurations: every registry name means the same options in both front ends.
 
 Each algorithm is built by name in ``bagua_jax`` and in ``bagua_torch``; both must hold the fields
-of the configuration in :mod:`bagua_common.algorithm_configs`, and a bad value must raise the same
+of the configuration in :mod:`bagua_common.algorithms.configs`, and a bad value must raise the same
 error type with the same message in both (and carry the shared configuration's own message).
 """
 
@@ -16,7 +16,7 @@ import torch
 
 import bagua_jax.algorithms as jax_algorithms
 import bagua_torch.algorithms as torch_algorithms
-from bagua_common.algorithm_configs import ALGORITHM_CONFIGS, config_options
+from bagua_common.algorithms.configs import ALGORITHM_CONFIGS, config_options
 from bagua_torch.algorithms.onebit_adam import OneBitAdamOptimizer
 from bagua_torch.algorithms.qadam import QAdamOptimizer
 

@@ -7,8 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from bagua_common import autotune
-from bagua_common.autotune import (
+from bagua_common.tuning import autotune
+from bagua_common.tuning.autotune import (
     RING_ALWAYS,
     RING_NEVER,
     InBandTuner,
@@ -21,7 +21,7 @@ from bagua_common.autotune import (
     setting_label,
     tuning_knobs,
 )
-from bagua_common.successive_halving import SuccessiveHalving, minimize
+from bagua_common.tuning.successive_halving import SuccessiveHalving, minimize
 
 BUCKETS = [2**k for k in range(16, 29)]  # 64 KiB .. 256 MiB, as the tuner's grid
 

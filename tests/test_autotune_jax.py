@@ -15,7 +15,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from bagua_common.autotune import setting_label
+from bagua_common.tuning.autotune import setting_label
 from bagua_jax.algorithms import ByteGrad, GradientAllReduce
 from bagua_jax.trainer import DataParallel
 

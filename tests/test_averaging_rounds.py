@@ -1,4 +1,4 @@
-"""bagua_common.averaging_rounds.AveragingRounds without processes.
+"""bagua_common.algorithms.averaging_rounds.AveragingRounds without processes.
 
 Several simulated ranks share one process: their allreduces meet at a barrier and combine
 the ranks' NumPy values, the weights are NumPy arrays, and one test thread plays every
@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 
-from bagua_common.averaging_rounds import AveragingRounds
+from bagua_common.algorithms.averaging_rounds import AveragingRounds
 
 DEADLINE_S = 30.0
 

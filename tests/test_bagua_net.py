@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from bagua_common.bagua_net import bagua_net_plugin_path
+from bagua_common.comm.bagua_net import bagua_net_plugin_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "bagua_net"

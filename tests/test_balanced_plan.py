@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from bagua_common.balanced_plan import BalancedPlan
+from bagua_common.data.balanced_plan import BalancedPlan
 
 
 def skewed_costs(n: int, seed: int = 0) -> np.ndarray:

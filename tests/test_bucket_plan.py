@@ -1,11 +1,11 @@
-"""bagua_common.bucket_plan without frameworks, and both front ends making the same buckets with it."""
+"""bagua_common.comm.bucket_plan without frameworks, and both front ends making the same buckets with it."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from bagua_common.bucket_plan import PlannedBucket, TensorSlot, padded_size, plan_buckets
+from bagua_common.comm.bucket_plan import PlannedBucket, TensorSlot, padded_size, plan_buckets
 
 F32, F16 = np.dtype(np.float32), np.dtype(np.float16)
 

@@ -14,9 +14,9 @@ import pytest
 import redis
 from cache_datasets import REDIS_SERVER_MARKS, CountingDataset, reads
 
-from bagua_common.cache_stores import RedisStore
-from bagua_common.cached_dataset import CachedDataset
-from bagua_common.redis_server import RedisServer
+from bagua_common.data.cache_stores import RedisStore
+from bagua_common.data.cached_dataset import CachedDataset
+from bagua_common.data.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -94,7 +94,7 @@ RANK_SCRIPT = """
     sys.path.insert(0, {tests!r})
     import redis
     from cache_datasets import CountingDataset, epoch_reads
-    from bagua_common.cached_dataset import CachedDataset
+    from bagua_common.data.cached_dataset import CachedDataset
 
     url = os.environ["BAGUA_CACHE_URL"]
     pid = redis.Redis.from_url(url).info("server")["process_id"]

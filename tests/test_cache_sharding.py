@@ -14,8 +14,8 @@ import pytest
 import redis
 from cache_datasets import REDIS_SERVER_MARKS
 
-from bagua_common.cache_stores import ENV_CACHE_PASSWORD_FILE, ENV_CACHE_URL, RedisStore, sharded_store
-from bagua_common.redis_server import RedisServer
+from bagua_common.data.cache_stores import ENV_CACHE_PASSWORD_FILE, ENV_CACHE_URL, RedisStore, sharded_store
+from bagua_common.data.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -108,7 +108,7 @@ def test_launcher_rejects_a_foreign_bind_address():
 ROUTING_SCRIPT = """
     import json, os, sys
     import numpy as np
-    from bagua_common.cache_stores import sharded_store
+    from bagua_common.data.cache_stores import sharded_store
 
     rows = [np.frombuffer(line.encode().ljust(1024, b"\\0"), np.uint8) for line in sys.stdin.read().splitlines()]
     store = sharded_store(lambda mine: np.stack(rows))
@@ -163,7 +163,7 @@ def test_sharded_store_lists_each_node_once_in_rank_order(two_nodes, monkeypatch
 LAUNCHED_SCRIPT = """
     import os
     from pathlib import Path
-    from bagua_common.cache_stores import store_from_environment
+    from bagua_common.data.cache_stores import store_from_environment
 
     password = Path(os.environ["BAGUA_CACHE_PASSWORD_FILE"]).read_text()
     lines = []

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from cache_datasets import CountingDataset, reads
 
-from bagua_common import cache_stores
-from bagua_common.cache_stores import (
+from bagua_common.data import cache_stores
+from bagua_common.data.cache_stores import (
     LmdbStore,
     MemoryStore,
     RedisStore,
@@ -21,7 +21,7 @@ from bagua_common.cache_stores import (
     private_directory,
     shard_of,
 )
-from bagua_common.cached_dataset import CachedDataset, CacheLoader
+from bagua_common.data.cached_dataset import CachedDataset, CacheLoader
 
 
 @pytest.fixture
@@ -197,7 +197,7 @@ def run_python(script: str, **env: str) -> str:
 
 def test_memory_store_warns_in_another_process():
     script = (
-        "import os, pickle, sys, warnings; from bagua_common.cache_stores import MemoryStore;"
+        "import os, pickle, sys, warnings; from bagua_common.data.cache_stores import MemoryStore;"
         "s = MemoryStore(1 << 20); s._owner = -1; warnings.simplefilter('error');"
         "\ntry:\n s.get(b'k')\nexcept RuntimeWarning as e: print(e)"
     )
@@ -238,7 +238,7 @@ def test_shard_of_is_stable_across_processes_and_spreads_keys():
     keys = [f"bg1:x:{i}".encode() for i in range(1000)]
     here = [shard_of(k, 3) for k in keys]
     script = (
-        "from bagua_common.cache_stores import shard_of;"
+        "from bagua_common.data.cache_stores import shard_of;"
         "print([shard_of(f'bg1:x:{i}'.encode(), 3) for i in range(1000)])"
     )
     assert eval(run_python(script, PYTHONHASHSEED="123")) == here

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from cache_datasets import CountingDataset, epoch_reads
 
-from bagua_common.cache_stores import LmdbStore
+from bagua_common.data.cache_stores import LmdbStore
 from bagua_torch.data import CachedDataset
 
 

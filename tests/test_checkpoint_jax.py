@@ -19,7 +19,7 @@ import pytest
 from jax.sharding import Mesh
 from multiprocess import has_mpiexec, run_ranks
 
-from bagua_common.checkpoint import MANIFEST, latest, read_manifest
+from bagua_common.job.checkpoint import MANIFEST, latest, read_manifest
 from bagua_jax import DataParallel
 from bagua_jax.algorithms import (
     ByteGrad,

@@ -228,7 +228,7 @@ def test_a_dead_or_stalled_peer_raises_within_the_timeout(engine, mode):
 
 
 def test_default_timeout_reads_the_environment(monkeypatch):
-    from bagua_common.comm_timeout import DEFAULT_TIMEOUT_SECONDS, default_timeout
+    from bagua_common.comm.timeout import DEFAULT_TIMEOUT_SECONDS, default_timeout
 
     monkeypatch.delenv("BAGUA_COMM_TIMEOUT", raising=False)
     assert default_timeout() == DEFAULT_TIMEOUT_SECONDS == 300

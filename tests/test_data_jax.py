@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from bagua_common.balanced_plan import BalancedPlan
+from bagua_common.data.balanced_plan import BalancedPlan
 from bagua_jax.data import balanced_batches
 
 PAD_TO = (16, 32, 64, 128)
@@ -68,8 +68,8 @@ def test_bad_input_raises():
 
 
 def test_cached_dataset_feeds_the_iterator(tmp_path):
-    from bagua_common.cache_stores import LmdbStore
-    from bagua_common.cached_dataset import CachedDataset
+    from bagua_common.data.cache_stores import LmdbStore
+    from bagua_common.data.cached_dataset import CachedDataset
 
     sizes, samples = make_samples(40)
     cached = CachedDataset(samples, LmdbStore(str(tmp_path / "c"), capacity_bytes=1 << 24), name="j")

@@ -119,7 +119,7 @@ def test_launcher_imports_no_framework_outside_elastic_mode():
 
 def test_the_native_mpi_engine_refuses_an_elastic_job():
     code = (
-        "from bagua_common.engines import load_engine\n"
+        "from bagua_common.comm.engines import load_engine\n"
         "try:\n"
         "    load_engine('mpi')\n"
         "except RuntimeError as e:\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from bagua_common.elastic_sampler import ElasticSampler
+from bagua_common.data.elastic_sampler import ElasticSampler
 
 
 def epoch_of(sampler: ElasticSampler, world_by_step) -> np.ndarray:

@@ -66,7 +66,7 @@ def make_data(seed: int, n: int) -> tuple[dict, list[dict]]:
     grads = [
         {k: (rng.standard_normal((n, *s)) * scales[k]).astype(F32) for k, s in SHAPES.items()} for _ in range(STEPS)
     ]
-    # Coordinates whose v freezes at zero and whose momentum then moves (bagua_common.frozen_variance):
+    # Coordinates whose v freezes at zero and whose momentum then moves (bagua_common.algorithms.frozen_variance):
     # a row of "a" (floored at 1% of a's mean v) and all of "b" (its mean is 0: the model's is used).
     for g in grads[:WARMUP]:
         g["a"][:, 0] = 0.0
@@ -186,7 +186,7 @@ class Simulation:
         # optax divides by the scalar bias corrections; XLA's algebraic simplifier turns a division by a broadcast
         # scalar into a multiplication by its float32 reciprocal, so that is the arithmetic to replay.
         inv1, inv2 = F32(1) / bias_correction(B1, self.t), F32(1) / bias_correction(B2, self.t)
-        # After the warm-up the frozen v is floored (bagua_common.frozen_variance); the warm-up never floors.
+        # After the warm-up the frozen v is floored (bagua_common.algorithms.frozen_variance); the warm-up never floors.
         floors = variance_floors(self.v) if self.t > WARMUP else {k: F32(0) for k in self.v}
         for k in self.p:
             v = np.maximum(self.v[k], floors[k])

@@ -1,4 +1,4 @@
-"""bagua_common.signature: stable descriptions, digests, and the cross-rank check's error text.
+"""bagua_common.job.signature: stable descriptions, digests, and the cross-rank check's error text.
 
 The ranks are threads here; their allgather is a barrier over a shared list, so the check
 runs exactly as over a communicator without starting processes.
@@ -11,7 +11,7 @@ import threading
 
 import numpy as np
 
-from bagua_common.signature import (
+from bagua_common.job.signature import (
     JobSignature,
     algorithm_config,
     check_same_job,

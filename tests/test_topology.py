@@ -1,4 +1,4 @@
-"""bagua_common.topology and bagua_common.options, without processes.
+"""bagua_common.comm.topology and bagua_common.algorithms.option_checks, without processes.
 
 The ``shift_one`` table is judged on the properties the pairing promises (a perfect matching
 every round, symmetric, each rank meeting the whole other half once per cycle) and on a
@@ -12,12 +12,12 @@ import math
 import numpy as np
 import pytest
 
-from bagua_common.options import (
+from bagua_common.algorithms.option_checks import (
     check_communication_interval,
     check_sync_interval_ms,
     check_warmup_steps,
 )
-from bagua_common.topology import (
+from bagua_common.comm.topology import (
     check_pairable,
     check_peer_selection_mode,
     check_two_levels,

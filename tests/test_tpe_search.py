@@ -7,10 +7,10 @@ import importlib.util
 import numpy as np
 import pytest
 
-from bagua_common import tpe_search
-from bagua_common.autotune import RING_ALWAYS, RING_NEVER, grid
-from bagua_common.successive_halving import minimize
-from bagua_common.tpe_search import LARGER_GRID, TpeThenHalving, larger_grid_search
+from bagua_common.tuning import tpe_search
+from bagua_common.tuning.autotune import RING_ALWAYS, RING_NEVER, grid
+from bagua_common.tuning.successive_halving import minimize
+from bagua_common.tuning.tpe_search import LARGER_GRID, TpeThenHalving, larger_grid_search
 
 pytest.importorskip("optuna")
 

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from bagua_common.algorithm_configs import build_algorithm, unknown_algorithm
+from bagua_common.algorithms.configs import build_algorithm, unknown_algorithm
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager, async_model_average
 from bagua_jax.algorithms.base import Algorithm, Communicators
 from bagua_jax.algorithms.bytegrad import ByteGrad, bytegrad
 from bagua_jax.algorithms.decentralized import Decentralized, decentralized
+from bagua_jax.algorithms.diloco import DiLoCo, diloco
 from bagua_jax.algorithms.gradient_allreduce import GradientAllReduce, gradient_allreduce
 from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralized, low_precision_decentralized
 from bagua_jax.algorithms.onebit_adam import OneBitAdam, onebit_adam
@@ -31,9 +32,10 @@ ALGORITHMS: dict[str, type] = {
         QAdam,
         OneBitAdam,
         PowerSGD,
+        DiLoCo,
     )
 }
-"""Registry name (that of the shared configuration in :mod:`bagua_common.algorithm_configs`) -> class."""
+"""Registry name (that of the shared configuration in :mod:`bagua_common.algorithms.configs`) -> class."""
 
 # Options a name alone does not say: the optimizer-replacing algorithms need their learning rate.
 _NEEDS_LEARNING_RATE = ("qadam", "onebit_adam")
@@ -62,6 +64,7 @@ __all__ = [
     "ByteGrad",
     "Communicators",
     "Decentralized",
+    "DiLoCo",
     "GradientAllReduce",
     "LowPrecisionDecentralized",
     "OneBitAdam",
@@ -70,6 +73,7 @@ __all__ = [
     "async_model_average",
     "bytegrad",
     "decentralized",
+    "diloco",
     "gradient_allreduce",
     "low_precision_decentralized",
     "make_algorithm",

@@ -38,10 +38,10 @@ import numpy as np
 import optax
 from jax import lax
 
-from bagua_common.algorithm_configs import AsyncModelAverageConfig, config_options
-from bagua_common.averaging_rounds import AveragingRounds, RoundsControl
-from bagua_common.engines import REDUCE_OP_CODES
-from bagua_common.options import check_bucket_bytes, check_sync_interval_ms, check_warmup_steps
+from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsControl
+from bagua_common.algorithms.configs import AsyncModelAverageConfig, config_options
+from bagua_common.algorithms.option_checks import check_bucket_bytes, check_sync_interval_ms, check_warmup_steps
+from bagua_common.comm.collectives import ReduceOp
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,
@@ -214,7 +214,7 @@ class AsyncModelAverager(RoundsControl):
 
     def _agree_to_stop(self, stop: bool) -> bool:
         flag, agreed = np.array([int(stop)], np.int32), np.zeros(1, np.int32)
-        self._engine.allreduce(self._handle, flag, agreed, REDUCE_OP_CODES["max"])
+        self._engine.allreduce(self._handle, flag, agreed, ReduceOp.MAX.code)
         return bool(agreed[0])
 
     def _allreduce_sum(self, snapshot: list[jax.Array]) -> list[np.ndarray]:
@@ -222,7 +222,7 @@ class AsyncModelAverager(RoundsControl):
         for bucket in snapshot:
             send = np.asarray(bucket)
             sums.append(np.empty_like(send))
-            self._engine.allreduce(self._handle, send, sums[-1], REDUCE_OP_CODES["sum"])
+            self._engine.allreduce(self._handle, send, sums[-1], ReduceOp.SUM.code)
         return sums
 
 

@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bagua_common.algorithm_configs import config_options
-from bagua_common.options import check_bucket_bytes
-from bagua_common.topology import Communicators
+from bagua_common.algorithms.configs import config_options
+from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.comm.topology import Communicators
 
 
 class Algorithm(Protocol):
@@ -35,7 +35,7 @@ class Algorithm(Protocol):
 
 
 class ConfiguredAlgorithm:
-    """What a JAX algorithm adds to its shared configuration (:mod:`bagua_common.algorithm_configs`): a
+    """What a JAX algorithm adds to its shared configuration (:mod:`bagua_common.algorithms.configs`): a
     ``bucket_bytes`` field, checked here, and :meth:`transformation`, its optax transform (``_transform``, called
     with the communicators and every field) chained before the optimizer, or after it when
     ``_after_optimizer`` (weight-averaging algorithms, which need ``params``).

@@ -2,12 +2,12 @@
 
 Per step each rank's gradients are flattened into buckets padded to a multiple of the
 world size ``n``, and each bucket goes through the pipeline of
-:func:`bagua_common.compressed_allreduce.CompressedAllreduce.minmax_allreduce`: compress into ``n`` chunks,
+:func:`bagua_common.algorithms.compressed_allreduce.CompressedAllreduce.minmax_allreduce`: compress into ``n`` chunks,
 all-to-all, decode and average the ``n`` chunks of this rank's slot in float32,
 compress that average as one chunk, allgather, decode. Every rank ends with the same
 bits, so the replicas stay identical, at about a quarter of the bytes of an fp32
 allreduce. The hierarchical variant reduces in full precision inside the node and
-compresses only between nodes (:func:`bagua_common.compressed_allreduce.hierarchical`).
+compresses only between nodes (:func:`bagua_common.algorithms.compressed_allreduce.hierarchical`).
 
 Error feedback (an option beyond the original Bagua) adds the previous step's
 compression error to the gradients before the first compression, so that error is
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bagua_common.algorithm_configs import ByteGradConfig
-from bagua_common.options import check_bucket_bytes
+from bagua_common.algorithms.configs import ByteGradConfig
+from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
     ConfiguredAlgorithm,

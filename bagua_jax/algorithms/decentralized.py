@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from bagua_common.algorithm_configs import DecentralizedConfig
-from bagua_common.compressed_allreduce import hierarchical as hierarchical_exchange
-from bagua_common.options import check_bucket_bytes
-from bagua_common.topology import (
+from bagua_common.algorithms.compressed_allreduce import hierarchical as hierarchical_exchange
+from bagua_common.algorithms.configs import DecentralizedConfig
+from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.comm.topology import (
     PeerSelectionMode,
     check_pairable,
     check_peer_selection_mode,
@@ -50,7 +50,7 @@ class DecentralizedState(NamedTuple):
 def shift_one_peer(rank: jax.Array, round_index: jax.Array, size: int) -> jax.Array:
     """The rank that ``rank`` averages with in communication round ``round_index`` (``shift_one``).
 
-    A lookup in :func:`bagua_common.topology.shift_one_schedule` (every rank paired with exactly
+    A lookup in :func:`bagua_common.comm.topology.shift_one_schedule` (every rank paired with exactly
     one other, a new peer each round). ``rank`` and ``round_index`` may be traced int32 arrays,
     so one compiled step serves every round. Nothing is communicated; a ``size`` that is odd or
     below 2 raises.

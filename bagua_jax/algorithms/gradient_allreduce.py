@@ -24,8 +24,8 @@ from typing import Any
 
 import optax
 
-from bagua_common.algorithm_configs import GradientAllReduceConfig
-from bagua_common.options import check_bucket_bytes
+from bagua_common.algorithms.configs import GradientAllReduceConfig
+from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
     ConfiguredAlgorithm,

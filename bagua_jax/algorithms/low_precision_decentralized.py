@@ -20,8 +20,8 @@ import numpy as np
 import optax
 from jax import lax
 
-from bagua_common.algorithm_configs import LowPrecisionDecentralizedConfig
-from bagua_common.options import check_bucket_bytes
+from bagua_common.algorithms.configs import LowPrecisionDecentralizedConfig
+from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     Communicators,

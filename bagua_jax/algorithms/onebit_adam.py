@@ -4,7 +4,7 @@ Beyond the original Bagua; DeepSpeed's 1-bit Adam (Tang et al., 2021) is the ref
 The warm-up is QAdam's: ``warmup_steps`` steps of plain Adam on gradients averaged in
 full precision, with ``optax.adam``'s own operations. After it the second moment is frozen
 and each rank's momentum ``m = b1 * m + (1 - b1) * g_local`` is averaged with
-:func:`bagua_common.compressed_allreduce.CompressedAllreduce.sign_allreduce`, per bucket padded to a multiple
+:func:`bagua_common.algorithms.compressed_allreduce.CompressedAllreduce.sign_allreduce`, per bucket padded to a multiple
 of the rank count: the worker adds its residual, compresses the bucket into one chunk
 per rank (each element ``+-mean|chunk|``) and keeps the compression error as its new
 residual; after the all-to-all each rank averages the ``n`` decoded chunks of its slot,
@@ -12,7 +12,7 @@ adds its server residual, compresses that chunk again and keeps that error; an
 allgather hands everyone every reduced chunk. The update is QAdam's,
 ``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` (DeepSpeed omits the bias corrections; they
 are kept here so that 1-bit Adam and QAdam differ only in the momentum exchange), with
-QAdam's floor under the frozen ``v`` (:mod:`bagua_common.frozen_variance`). Sign
+QAdam's floor under the frozen ``v`` (:mod:`bagua_common.algorithms.frozen_variance`). Sign
 compression cannot send a zero, so a coordinate whose momentum is zero receives
 ``+-scale``; DeepSpeed asks the user for a momentum mask of such coordinates, the floor
 makes them take bounded steps (which the error feedback then cancels) without one.
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from bagua_common.algorithm_configs import OneBitAdamConfig
+from bagua_common.algorithms.configs import OneBitAdamConfig
 from bagua_jax.algorithms.base import Communicators
 from bagua_jax.algorithms.qadam import (
     AdamWithAveragedMomentum,

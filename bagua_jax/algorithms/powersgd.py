@@ -1,4 +1,4 @@
-"""PowerSGD: low-rank gradient compression with error feedback (see :mod:`bagua_common.powersgd`).
+"""PowerSGD: low-rank gradient compression with error feedback (see :mod:`bagua_common.algorithms.powersgd`).
 
 Each matrix-shaped gradient is replaced by a rank-``r`` approximation ``P Q^T`` that every rank
 computes identically from two flat allreduces per step: one carries every matrix's ``P``
@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bagua_common.algorithm_configs import config_options
-from bagua_common.powersgd import NAME, PowerSGDConfig, matrix_view
+from bagua_common.algorithms.configs import config_options
+from bagua_common.algorithms.powersgd import NAME, PowerSGDConfig, matrix_view
 from bagua_jax.algorithms.base import (
     Communicators,
     check_communicators,
@@ -99,7 +99,7 @@ def powersgd(
     """Average the gradients over ``comms.world`` through rank-``r`` approximations (PowerSGD).
 
     Returns the gradient transformation to chain before the user's optimizer; its state is a
-    :class:`PowerSGDState`. See :mod:`bagua_common.powersgd` for the step and the settings.
+    :class:`PowerSGDState`. See :mod:`bagua_common.algorithms.powersgd` for the step and the settings.
     """
     comms = check_communicators(comms, NAME)
     world = comms.world

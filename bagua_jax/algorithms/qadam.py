@@ -9,14 +9,14 @@ in another, a last-bit difference; without FMA they are identical, as the tests 
 From then on the second moment ``v`` is
 frozen: each rank folds its local gradient into the momentum,
 ``m = b1 * m + (1 - b1) * g_local``, the momentum is averaged over all ranks through the
-ByteGrad pipeline (:func:`bagua_common.compressed_allreduce.CompressedAllreduce.minmax_allreduce`, per bucket
+ByteGrad pipeline (:func:`bagua_common.algorithms.compressed_allreduce.CompressedAllreduce.minmax_allreduce`, per bucket
 padded to a multiple of the rank count), the average becomes every rank's ``m``, and the
 step is ``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc_i = 1 - b_i**t`` from the
 running step count ``t``. That is optax's formula shape, and it equals the SPEC's
 ``p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` in exact arithmetic (divide the
 numerator and denominator by ``sqrt(bc2)``); in float32 it differs by a rounding.
 In both, ``v`` is the frozen second moment floored per leaf,
-``max(v, VARIANCE_FLOOR * mean(v))`` (:mod:`bagua_common.frozen_variance`): a coordinate
+``max(v, VARIANCE_FLOOR * mean(v))`` (:mod:`bagua_common.algorithms.frozen_variance`): a coordinate
 whose ``v`` froze at zero (a dead unit, an embedding row unseen in the warm-up) but whose
 averaged momentum is not zero would otherwise step by ``m / eps`` and diverge.
 
@@ -38,9 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bagua_common.algorithm_configs import QAdamConfig, config_options
-from bagua_common.frozen_variance import VARIANCE_FLOOR
-from bagua_common.options import check_bucket_bytes
+from bagua_common.algorithms.configs import QAdamConfig, config_options
+from bagua_common.algorithms.frozen_variance import VARIANCE_FLOOR
+from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_jax.algorithms.base import (
     Communicators,
     ConfiguredAlgorithm,
@@ -74,7 +74,7 @@ class QAdamState(NamedTuple):
 
 def variance_floors(nu: Any) -> Any:
     """Per leaf of the frozen second moment, the floor under it (see
-    :mod:`bagua_common.frozen_variance`): ``VARIANCE_FLOOR`` times the leaf's mean, or the whole
+    :mod:`bagua_common.algorithms.frozen_variance`): ``VARIANCE_FLOOR`` times the leaf's mean, or the whole
     model's mean where the leaf's is zero; computed in float32, a scalar of the leaf's dtype."""
     leaves, structure = jax.tree.flatten(nu)
     means = [jnp.sum(v, dtype=jnp.float32) / max(v.size, 1) for v in leaves]  # 0 for an empty leaf
@@ -138,7 +138,7 @@ def adam_with_averaged_momentum(
         mu = plan.unflatten(averaged)
         # optax's bias correction and formula shape (see the module docstring), with v frozen.
         mu_hat = optax.tree.bias_correction(mu, b1, count)
-        # The frozen v, floored where it is (near) zero: see bagua_common.frozen_variance.
+        # The frozen v, floored where it is (near) zero: see bagua_common.algorithms.frozen_variance.
         floored = jax.tree.map(jnp.maximum, adam_state.nu, variance_floors(adam_state.nu))
         nu_hat = optax.tree.bias_correction(floored, b2, count)
         direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
@@ -192,7 +192,7 @@ def qadam(
     step with the same momentum bits, so the replicas stay identical. Choose it over ByteGrad + Adam when training
     with Adam on bandwidth-bound links: compressing the momentum, a smoothed quantity, loses less than compressing
     raw gradients, provided the warm-up is long enough for ``v`` to settle. After the warm-up the frozen ``v`` is
-    floored at 1% of its leaf's mean (:mod:`bagua_common.frozen_variance`), so coordinates whose ``v`` froze at
+    floored at 1% of its leaf's mean (:mod:`bagua_common.algorithms.frozen_variance`), so coordinates whose ``v`` froze at
     zero (dead units, embedding rows unseen in the warm-up) take bounded steps.
     """
 

@@ -19,6 +19,7 @@ name                            module                                          
 ``qadam``                       ``bagua_torch.algorithms.qadam``                       ``QAdamAlgorithm``
 ``onebit_adam``                 ``bagua_torch.algorithms.onebit_adam``                 ``OneBitAdamAlgorithm``
 ``powersgd``                    ``bagua_torch.algorithms.powersgd``                    ``PowerSGDAlgorithm``
+``diloco``                      ``bagua_torch.algorithms.diloco``                      ``DiLoCoAlgorithm``
 =============================== ====================================================== ======================================
 
 The interface an algorithm implements is in :mod:`bagua_torch.algorithms.base`.
@@ -29,7 +30,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from bagua_common.algorithm_configs import build_algorithm, unknown_algorithm
+from bagua_common.algorithms.configs import build_algorithm, unknown_algorithm
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -53,6 +54,7 @@ BUILTIN_ALGORITHMS: dict[str, tuple[str, str]] = {
     "qadam": ("bagua_torch.algorithms.qadam", "QAdamAlgorithm"),
     "onebit_adam": ("bagua_torch.algorithms.onebit_adam", "OneBitAdamAlgorithm"),
     "powersgd": ("bagua_torch.algorithms.powersgd", "PowerSGDAlgorithm"),
+    "diloco": ("bagua_torch.algorithms.diloco", "DiLoCoAlgorithm"),
 }
 """Registry name -> (module, class name) of the built-in algorithms, imported lazily."""
 

@@ -52,8 +52,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_common.algorithm_configs import AsyncModelAverageConfig
-from bagua_common.averaging_rounds import AveragingRounds, RoundsControl
+from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsControl
+from bagua_common.algorithms.configs import AsyncModelAverageConfig
 from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,

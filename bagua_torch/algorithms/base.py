@@ -65,8 +65,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from bagua_common.options import check_flags
-from bagua_common.topology import Communicators
+from bagua_common.algorithms.option_checks import check_flags
+from bagua_common.comm.topology import Communicators
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.communicator import Communicator, DoneWork, Work
 from bagua_torch.ordered_worker import OrderedWorker

@@ -1,7 +1,7 @@
 """ByteGrad: gradient allreduce with 8-bit min-max codes on the wire.
 
 Each bucket (padded to a multiple of the world size ``n``) goes through the pipeline of
-:func:`bagua_common.compressed_allreduce.CompressedAllreduce.minmax_allreduce`, the same sequence as in
+:func:`bagua_common.algorithms.compressed_allreduce.CompressedAllreduce.minmax_allreduce`, the same sequence as in
 ``bagua_jax``: compress into ``n`` chunks,
 all-to-all, decode and average the ``n`` chunks of this rank's slot in float32, compress
 that average as one chunk, allgather, decode. Every rank ends with the same bits, so the
@@ -12,7 +12,7 @@ it overlaps the rest of the backward pass.
 Hierarchical (the default, as in Bagua; only effective when the job spans several nodes):
 a full-precision reduce-scatter inside the node, the compressed exchange of this rank's
 slice between nodes, an allgather inside the node
-(:func:`bagua_common.compressed_allreduce.hierarchical`); with ``average=False`` the
+(:func:`bagua_common.algorithms.compressed_allreduce.hierarchical`); with ``average=False`` the
 node's mean is scaled back to a sum after the exchange, as in the JAX version.
 
 Error feedback (beyond the original Bagua) adds the previous step's compression error to
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from bagua_common.algorithm_configs import ByteGradConfig
+from bagua_common.algorithms.configs import ByteGradConfig
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,

@@ -34,9 +34,9 @@ from typing import Any
 
 import torch
 
-from bagua_common.algorithm_configs import DecentralizedConfig
-from bagua_common.compressed_allreduce import hierarchical as hierarchical_exchange
-from bagua_common.topology import (
+from bagua_common.algorithms.compressed_allreduce import hierarchical as hierarchical_exchange
+from bagua_common.algorithms.configs import DecentralizedConfig
+from bagua_common.comm.topology import (
     check_pairable,
     shift_one_schedule,
 )
@@ -62,7 +62,7 @@ KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 def shift_one_peer(rank: int, round_index: int, size: int) -> int:
     """The rank that ``rank`` averages with in communication round ``round_index`` (``shift_one``).
 
-    A lookup in :func:`bagua_common.topology.shift_one_schedule`, the table
+    A lookup in :func:`bagua_common.comm.topology.shift_one_schedule`, the table
     :func:`bagua_jax.algorithms.decentralized.shift_one_peer` reads too. An odd ``size``, one
     below 2 or a ``rank`` outside ``0..size-1`` raises a ValueError.
     """

@@ -14,7 +14,7 @@ nodes per rank (``a`` ranks per node). Without two levels it is the flat allredu
 
 from __future__ import annotations
 
-from bagua_common.algorithm_configs import GradientAllReduceConfig
+from bagua_common.algorithms.configs import GradientAllReduceConfig
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from bagua_common.algorithm_configs import LowPrecisionDecentralizedConfig
-from bagua_common.topology import ring_neighbours
+from bagua_common.algorithms.configs import LowPrecisionDecentralizedConfig
+from bagua_common.comm.topology import ring_neighbours
 from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,

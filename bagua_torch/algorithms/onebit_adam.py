@@ -11,14 +11,14 @@ The warm-up is QAdam's: ``warmup_steps`` steps of ``torch.optim.Adam`` (its exac
 arithmetic) on gradients averaged in full precision. After it the second moment is
 frozen, each rank folds its local gradient into its momentum (``exp_avg.lerp_(g, 1-b1)``)
 and, bucket by bucket in launch order, the momentum (padded to a multiple of the rank
-count) is averaged with :func:`bagua_common.compressed_allreduce.CompressedAllreduce.sign_allreduce`: the
+count) is averaged with :func:`bagua_common.algorithms.compressed_allreduce.CompressedAllreduce.sign_allreduce`: the
 worker adds its residual, compresses the bucket into one chunk per rank (each element
 ``+-mean|chunk|``) and keeps the compression error as its new residual; after the
 all-to-all each rank averages the ``n`` decoded chunks of its slot, adds its server
 residual, compresses that chunk again and keeps that error; an allgather hands everyone
 every reduced chunk. The update is QAdam's, ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``
 with torch Adam's operations and QAdam's floor under the frozen ``v``
-(:mod:`bagua_common.frozen_variance`; DeepSpeed omits the bias corrections; they are kept so
+(:mod:`bagua_common.algorithms.frozen_variance`; DeepSpeed omits the bias corrections; they are kept so
 that 1-bit Adam and QAdam differ only in the momentum exchange). Sign compression cannot send
 a zero; DeepSpeed asks the user for a momentum mask of always-zero coordinates, the floor
 makes them take bounded steps without one.
@@ -37,7 +37,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from bagua_common.algorithm_configs import OneBitAdamConfig
+from bagua_common.algorithms.configs import OneBitAdamConfig
 from bagua_torch.algorithms.base import AlgorithmContext, Bucket, check_tensor_list
 from bagua_torch.algorithms.qadam import (
     QAdamAlgorithm,

@@ -1,4 +1,4 @@
-"""PowerSGD: low-rank gradient compression with error feedback (see :mod:`bagua_common.powersgd`).
+"""PowerSGD: low-rank gradient compression with error feedback (see :mod:`bagua_common.algorithms.powersgd`).
 
 As buckets become ready in the backward pass, the impl's worker thread adds each matrix's
 residual and computes its ``P = M Q`` (overlapping the rest of the backward pass). When the
@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from bagua_common.powersgd import NAME, PowerSGDConfig, matrix_view
+from bagua_common.algorithms.powersgd import NAME, PowerSGDConfig, matrix_view
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -35,7 +35,7 @@ class PowerSGDAlgorithm(PowerSGDConfig, Algorithm):
     """Average the gradients through rank-``rank`` approximations (PowerSGD), then the user's optimizer steps.
 
     Pick it for SGD-style training on a slow network when most of the gradient is in large
-    matrices; the fields are :class:`bagua_common.powersgd.PowerSGDConfig`'s.
+    matrices; the fields are :class:`bagua_common.algorithms.powersgd.PowerSGDConfig`'s.
     """
 
     name: ClassVar[str] = NAME

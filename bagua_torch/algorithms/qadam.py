@@ -27,12 +27,12 @@ of steps taken so far, identical on every rank, decides the phase):
   momentum, ``exp_avg.lerp_(g_local, 1-b1)`` (``m = b1 m + (1-b1) g``, with torch
   Adam's operation), then bucket by bucket (in launch order) the momentum is flattened,
   padded to a multiple of the world size, averaged through the ByteGrad pipeline
-  (:func:`bagua_common.compressed_allreduce.CompressedAllreduce.minmax_allreduce`; hierarchical: full precision
+  (:func:`bagua_common.algorithms.compressed_allreduce.CompressedAllreduce.minmax_allreduce`; hierarchical: full precision
   inside the node, compressed between nodes) and written back: every rank ends with the
   same momentum bits. The optimizer then applies ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``
   with torch Adam's operations and the frozen ``v`` floored per parameter,
   ``v = exp_avg_sq.clamp(min=VARIANCE_FLOOR * exp_avg_sq.mean())``
-  (:mod:`bagua_common.frozen_variance`): a coordinate whose ``v`` froze at zero (a dead
+  (:mod:`bagua_common.algorithms.frozen_variance`): a coordinate whose ``v`` froze at zero (a dead
   unit, an embedding row unseen in the warm-up) but whose averaged momentum is not zero
   would otherwise step by ``m / eps`` and diverge.
 
@@ -55,8 +55,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from bagua_common.algorithm_configs import QAdamConfig
-from bagua_common.frozen_variance import VARIANCE_FLOOR
+from bagua_common.algorithms.configs import QAdamConfig
+from bagua_common.algorithms.frozen_variance import VARIANCE_FLOOR
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -178,7 +178,7 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
                 bias_correction2 = 1 - beta2**step
                 step_size = lr / bias_correction1
                 bias_correction2_sqrt = bias_correction2**0.5
-                # After the warm-up the frozen v is floored (bagua_common.frozen_variance).
+                # After the warm-up the frozen v is floored (bagua_common.algorithms.frozen_variance).
                 variance = exp_avg_sq if warmup else exp_avg_sq.clamp(min=floors[p])
                 denom = (variance.sqrt() / bias_correction2_sqrt).add_(eps)
                 p.addcdiv_(exp_avg, denom, value=-step_size)
@@ -188,7 +188,7 @@ class _AdamWithAveragedMomentum(torch.optim.Optimizer):
 
     def _variance_floors(self) -> dict[torch.Tensor, torch.Tensor]:
         """Per parameter, the floor under its frozen second moment (see
-        :mod:`bagua_common.frozen_variance`): ``VARIANCE_FLOOR`` times the mean of its
+        :mod:`bagua_common.algorithms.frozen_variance`): ``VARIANCE_FLOOR`` times the mean of its
         ``exp_avg_sq``, or of the whole model's where its own is zero (float32 scalars on the
         parameter's device, so that no step waits on the device)."""
         params = [p for group in self.param_groups for p in group["params"]]

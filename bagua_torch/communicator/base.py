@@ -62,12 +62,12 @@ class CommunicatorBase:
     def _check_device(self, op: str, x: torch.Tensor) -> None:  # overridden per engine
         pass
 
-    def _reduce_op(self, op_name: str, op: Any, x: torch.Tensor) -> str:
+    def _reduce_op(self, op_name: str, op: Any, x: torch.Tensor) -> ReduceOp:
         if op not in REDUCE_OPS:
             raise ValueError(f"{op_name}: unknown reduction {op!r}; use one of {REDUCE_OPS}")
         if op == "avg" and not x.dtype.is_floating_point:
             raise TypeError(f"{op_name}: 'avg' needs a floating-point tensor, got {x.dtype}")
-        return op
+        return ReduceOp(op)
 
     def _root(self, op: str, root: Any) -> int:
         if isinstance(root, bool) or not isinstance(root, int):

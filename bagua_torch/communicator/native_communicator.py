@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_common.comm_timeout import timeout_seconds
-from bagua_common.engines import REDUCE_OP_CODES, MpiSettings, load_engine, mpi_ring_min_bytes
+from bagua_common.comm.engines import MpiSettings, load_engine, mpi_ring_min_bytes
+from bagua_common.comm.timeout import timeout_seconds
 from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
     CommunicationError,
@@ -241,7 +241,7 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
     def allreduce_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
         """Issue :meth:`allreduce`; ``wait()`` returns its result."""
         x = self._tensor("allreduce", x)
-        code = REDUCE_OP_CODES[self._reduce_op("allreduce", op, x)]
+        code = self._reduce_op("allreduce", op, x).code
         out = self._empty(x.shape, x)
         m, h = self._module, self.handle
         return self._submit("allreduce", lambda s: m.allreduce(h, x, out, code, s), out, (x, out))
@@ -249,7 +249,7 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
     def reduce_async(self, x: torch.Tensor, root: int, op: ReduceOp = "sum") -> Work:
         """Issue :meth:`reduce`; ``wait()`` returns its result."""
         x = self._tensor("reduce", x)
-        code = REDUCE_OP_CODES[self._reduce_op("reduce", op, x)]
+        code = self._reduce_op("reduce", op, x).code
         root = self._root("reduce", root)
         out = self._empty(x.shape, x)
         m, h = self._module, self.handle
@@ -267,7 +267,7 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
     def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
         """Issue :meth:`reduce_scatter`; ``wait()`` returns its result."""
         x = self._rows("reduce_scatter", self._tensor("reduce_scatter", x))
-        code = REDUCE_OP_CODES[self._reduce_op("reduce_scatter", op, x)]
+        code = self._reduce_op("reduce_scatter", op, x).code
         out = self._empty(x.shape[1:], x)
         m, h = self._module, self.handle
         return self._submit("reduce_scatter", lambda s: m.reduce_scatter(h, x, out, code, s), out, (x, out))

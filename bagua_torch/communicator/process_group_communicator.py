@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_common.comm_timeout import timeout_seconds
+from bagua_common.comm.timeout import timeout_seconds
 from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
     CommunicationError,

@@ -30,8 +30,8 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
-from bagua_common.collectives import REDUCE_OPS as REDUCE_OPS  # the communicators' checks import it from here
-from bagua_common.collectives import Collectives, ReduceOp
+from bagua_common.comm.collectives import REDUCE_OPS as REDUCE_OPS  # the communicators' checks import it from here
+from bagua_common.comm.collectives import Collectives, ReduceOp
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
     torch.float32,
@@ -72,7 +72,7 @@ class Work(Protocol):
 
 @runtime_checkable
 class Communicator(Collectives[torch.Tensor], Protocol):
-    """Collectives among ``size`` ranks on torch tensors (see :class:`bagua_common.collectives.Collectives`); see
+    """Collectives among ``size`` ranks on torch tensors (see :class:`bagua_common.comm.collectives.Collectives`); see
     the module docstring."""
 
     @property

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from bagua_common.topology import ring_neighbours
+from bagua_common.comm.topology import ring_neighbours
 from bagua_torch.algorithms import decentralized as _decentralized
 from bagua_torch.algorithms import low_precision_decentralized as _low_precision
 from bagua_torch.algorithms.base import AlgorithmContext

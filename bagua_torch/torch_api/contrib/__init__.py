@@ -6,7 +6,7 @@
 * :class:`LoadBalancingDistributedSampler`: :class:`bagua_torch.data.LoadBalancingDistributedSampler`
   (``complexity_fn`` takes the index, not the decoded sample), and
   :class:`LoadBalancingDistributedBatchSampler` over it with Bagua's ``batch_fn``.
-* :class:`CachedDataset` / :class:`CacheLoader`: :mod:`bagua_common.cached_dataset` with Bagua's
+* :class:`CachedDataset` / :class:`CacheLoader`: :mod:`bagua_common.data.cached_dataset` with Bagua's
   arguments. ``backend`` is the store the job configured (an LMDB directory private to the job
   by default, or the launcher's ``--cache-server redis``); Bagua's Redis host options are refused,
   since a cache of pickles must not be shared with writers outside the job.
@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from bagua_common import cached_dataset as _cached
+from bagua_common.data import cached_dataset as _cached
 from bagua_torch.data import LoadBalancingDistributedSampler
 from bagua_torch.fused_optimizer import FusedOptimizer
 from bagua_torch.torch_api import distributed as _compat
@@ -118,7 +118,7 @@ def _store_options(backend: str, kwargs: dict[str, Any]) -> None:
     if kwargs:
         raise TypeError(
             f"store options {sorted(kwargs)} are not taken: the cache uses the store the job configured (an LMDB "
-            "directory private to the job, or bagua-launch --cache-server redis); see bagua_common.cache_stores"
+            "directory private to the job, or bagua-launch --cache-server redis); see bagua_common.data.cache_stores"
         )
 
 

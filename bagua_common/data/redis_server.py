@@ -23,8 +23,8 @@ import subprocess
 import tempfile
 import time
 
-from bagua_common.cache_stores import ENV_CACHE_PASSWORD_FILE, ENV_CACHE_URL, checked_capacity, connect_redis
-from bagua_common.child_process import die_with_parent
+from bagua_common.data.cache_stores import ENV_CACHE_PASSWORD_FILE, ENV_CACHE_URL, checked_capacity, connect_redis
+from bagua_common.job.child_process import die_with_parent
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
 DIRECTORY_PREFIX = "bagua-redis-"
@@ -107,7 +107,7 @@ class RedisServer:
         return os.path.join(self.directory or "", "password")
 
     def environment(self) -> dict[str, str]:
-        """The variables that lead a rank's :func:`~bagua_common.cache_stores.store_from_environment` here."""
+        """The variables that lead a rank's :func:`~bagua_common.data.cache_stores.store_from_environment` here."""
         env = {ENV_CACHE_URL: self.url}
         if self.password is not None:
             env[ENV_CACHE_PASSWORD_FILE] = self.password_file

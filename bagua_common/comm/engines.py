@@ -12,10 +12,7 @@ import importlib
 import os
 from types import ModuleType
 
-from bagua_common.engine_exit import finalize_at_exit
-
-REDUCE_OP_CODES = {"sum": 0, "avg": 1, "min": 2, "max": 3}
-"""Reduction name -> the engines' ``ReduceOp`` code (the order of the native enum)."""
+from bagua_common.comm.engine_exit import finalize_at_exit
 
 ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
 """Engine name -> its extension module."""

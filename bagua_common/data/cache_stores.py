@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from bagua_common.signature import AllGather, gather_bytes
+from bagua_common.job.signature import AllGather, gather_bytes
 
 ENV_CACHE_URL = "BAGUA_CACHE_URL"
 ENV_CACHE_PASSWORD_FILE = "BAGUA_CACHE_PASSWORD_FILE"

@@ -10,10 +10,38 @@ wherever every rank receives the same value.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol, TypeVar
+import enum
+from typing import Protocol, TypeVar
 
-ReduceOp = Literal["sum", "avg", "min", "max"]
-REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "avg", "min", "max")
+
+class ReduceOp(str, enum.Enum):
+    """A reduction of the collectives: a member (``ReduceOp.AVG``) or its name (``"avg"``), which it equals.
+
+    The members are in the order of the native engines' enum (``xla_ffi/communicator.h``), so
+    :attr:`code` is the integer the engines take.
+    """
+
+    SUM = "sum"
+    AVG = "avg"
+    MIN = "min"
+    MAX = "max"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __hash__(self) -> int:  # as its name's (Enum hashes the member's name): equal keys, equal hashes
+        return hash(self.value)
+
+    @property
+    def code(self) -> int:
+        """The native engines' code of this reduction."""
+        return _CODES[self]
+
+
+_CODES = {op: code for code, op in enumerate(ReduceOp)}
+
+REDUCE_OPS: tuple[str, ...] = tuple(op.value for op in ReduceOp)
+"""The reductions' names, in the engines' order."""
 
 Array = TypeVar("Array")
 

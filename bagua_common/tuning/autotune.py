@@ -2,8 +2,8 @@
 
 Every rank calls :meth:`InBandTuner.step_finished` after each training step. After a warm-up,
 steps are grouped into samples of ``steps_per_sample`` steps; at the end of each sample rank 0
-feeds its time to the search (:class:`~bagua_common.successive_halving.SuccessiveHalving`, or for
-a grid of more than a dozen settings :class:`~bagua_common.tpe_search.TpeThenHalving`) and
+feeds its time to the search (:class:`~bagua_common.tuning.successive_halving.SuccessiveHalving`, or for
+a grid of more than a dozen settings :class:`~bagua_common.tuning.tpe_search.TpeThenHalving`) and
 broadcasts the next setting's index over the run's own communicator. The sample boundaries are
 step counts, never timings, so every rank reaches each broadcast at the same step, and every
 rank applies rank 0's decision: per-rank timing noise cannot make ranks disagree. The front end
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from bagua_common.successive_halving import SuccessiveHalving
-from bagua_common.tpe_search import larger_grid_search
+from bagua_common.tuning.successive_halving import SuccessiveHalving
+from bagua_common.tuning.tpe_search import larger_grid_search
 
 MODES = ("off", "once", "cached")
 

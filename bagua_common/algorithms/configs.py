@@ -15,14 +15,15 @@ from typing import Any, ClassVar, TypeVar
 
 import numpy as np
 
-from bagua_common.options import (
+from bagua_common.algorithms.diloco import DiLoCoConfig
+from bagua_common.algorithms.option_checks import (
     check_communication_interval,
     check_flags,
     check_sync_interval_ms,
     check_warmup_steps,
 )
-from bagua_common.powersgd import PowerSGDConfig
-from bagua_common.topology import PeerSelectionMode, check_peer_selection_mode
+from bagua_common.algorithms.powersgd import PowerSGDConfig
+from bagua_common.comm.topology import PeerSelectionMode, check_peer_selection_mode
 
 T = TypeVar("T")
 
@@ -158,6 +159,7 @@ ALGORITHM_CONFIGS: dict[str, type] = {
     "qadam": QAdamConfig,
     "onebit_adam": OneBitAdamConfig,
     "powersgd": PowerSGDConfig,
+    "diloco": DiLoCoConfig,
 }
 """Registry name -> configuration class; the names both front ends accept."""
 

@@ -17,7 +17,7 @@ import warnings
 from collections.abc import Callable, Hashable, Sized
 from typing import Any, Protocol
 
-from bagua_common.cache_stores import Store, store_from_environment
+from bagua_common.data.cache_stores import Store, store_from_environment
 
 KEY_PREFIX = b"bg1:"
 _FORMAT_PICKLE = b"\x01"
@@ -142,7 +142,7 @@ def _encoded(value: Any) -> bytes:
 class CachedDataset:
     """``dataset`` with each sample cached after its first read (see :class:`CacheLoader`).
 
-    ``store`` defaults to :func:`~bagua_common.cache_stores.store_from_environment`. The key
+    ``store`` defaults to :func:`~bagua_common.data.cache_stores.store_from_environment`. The key
     scope also covers the dataset's length and type, so a changed dataset misses. ``transform``
     runs after the cache on every read: cache deterministic decoding, augment in ``transform``.
     """

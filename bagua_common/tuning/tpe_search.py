@@ -6,7 +6,7 @@ settings, about 180 samples). Optuna's tree-structured Parzen estimator proposes
 knob from the samples so far, through its ask/tell interface, so a budget that grows with the
 *sum* of the knobs' values suffices to find the fast region. Its choice is not trusted on single
 samples, which are noisy on a shared machine: the fastest few settings by median go on to a
-:class:`~bagua_common.successive_halving.SuccessiveHalving` final that samples each of them again.
+:class:`~bagua_common.tuning.successive_halving.SuccessiveHalving` final that samples each of them again.
 A setting whose sample failed is out for good in both phases.
 
 optuna is an optional extra (``pip install "bagua-jax[autotune]"``); :func:`larger_grid_search`
@@ -21,7 +21,7 @@ import statistics
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bagua_common.successive_halving import SuccessiveHalving
+from bagua_common.tuning.successive_halving import SuccessiveHalving
 
 # Grids up to this many settings are searched by successive halving alone.
 LARGER_GRID = 12

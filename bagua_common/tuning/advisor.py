@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from bagua_common.topology import Communicators
+from bagua_common.comm.topology import Communicators
 
 BASELINE = "gradient_allreduce"
 WORLD, INTRA, INTER = "world", "intra", "inter"

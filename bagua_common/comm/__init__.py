@@ -1,0 +1,1 @@
+"""Communication: the collectives' contract, the native engines, timeouts, topology and bucket plans."""

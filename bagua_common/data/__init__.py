@@ -1,0 +1,1 @@
+"""The data pipeline: the cached dataset and its stores, and the samplers of balanced and elastic jobs."""

@@ -1,0 +1,191 @@
+"""DiLoCo and Streaming DiLoCo for PyTorch: local steps with the user's optimizer, an outer step every H steps.
+
+The schedule, the fragments and the options are :mod:`bagua_common.algorithms.diloco`'s and the exchange
+is :mod:`bagua_common.algorithms.outer_exchange`'s, so the bytes on the wire are those of
+:mod:`bagua_jax.algorithms.diloco`. Nothing is communicated in the backward pass
+(``need_gradient_hooks = False``). In the step post-hook of the last wrapped optimizer, after
+inner step ``t``:
+
+1. each fragment due for an exchange computes its pseudo-gradient ``round_start - x`` (float32)
+   and averages it over the ranks: at once when ``fragment_sync_delay`` is 0, else on the
+   impl's ordered worker thread, overlapping the next tau inner steps;
+2. each fragment due for its outer step (tau steps after its exchange) hands the average to its
+   outer optimizer, which steps on the round-start parameters, and the parameters become
+   ``alpha * x + (1 - alpha) * round_start`` (a copy of the round start when alpha is 0: every
+   rank then holds the same bits).
+
+The round-start parameters live in host memory unless ``round_start_memory="device"``.
+``outer_optimizer`` is a callable making a ``torch.optim.Optimizer`` from a list of tensors
+(one per fragment); None is Nesterov SGD with lr 0.7 and momentum 0.9.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bagua_common.algorithms.diloco import (
+    DEFAULT_OUTER_LEARNING_RATE,
+    DEFAULT_OUTER_MOMENTUM,
+    DiLoCoConfig,
+    fragment_plan,
+)
+from bagua_common.algorithms.outer_exchange import OuterExchange
+from bagua_torch import ops
+from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_tensor_list
+from bagua_torch.algorithms.decentralized import load_step
+from bagua_torch.communicator import Work
+
+EXCHANGE = OuterExchange(ops, lambda x, dtype: x.to(getattr(torch, dtype)))
+"""The pseudo-gradient averages on torch tensors."""
+
+_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """Nesterov SGD with DiLoCo's settings (learning rate 0.7, momentum 0.9) over ``params``."""
+    return torch.optim.SGD(params, lr=DEFAULT_OUTER_LEARNING_RATE, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
+
+
+class DiLoCoAlgorithm(DiLoCoConfig, Algorithm):
+    """DiLoCo / Streaming DiLoCo (see :mod:`bagua_common.algorithms.diloco` and the module docstring).
+
+    The wrapped optimizer is the inner one; every ``sync_every`` steps the ranks average their
+    pseudo-gradients (``outer_exchange``: fp32, bf16, 8-bit or 4-bit min-max codes) and the
+    outer optimizer steps on the round-start parameters. Choose it on slow links: it sends
+    ``sync_every`` times fewer bytes than an allreduce per step (times the codec's saving), at
+    the price of replicas that drift apart inside a round. Needs the optimizer(s) passed to the
+    wrapper.
+    """
+
+    def reify(self, context: AlgorithmContext) -> DiLoCoImpl:
+        return DiLoCoImpl(context, self)
+
+
+class DiLoCoImpl(AlgorithmImpl):
+    """DiLoCo on one wrapped model. Its state: ``step``, ``round_start`` (one tensor per parameter),
+    ``outer`` (each fragment's outer optimizer state), ``pending`` (averages not yet applied) and
+    ``residuals`` (error feedback), empty tensors where unused."""
+
+    need_gradient_hooks = False
+
+    def __init__(self, context: AlgorithmContext, config: DiLoCoAlgorithm):
+        super().__init__(context)
+        name = config.name
+        if not context.optimizers:
+            raise ValueError(f"{name} steps in the optimizer's step hooks: pass the optimizer(s) to the wrapper")
+        self.params = [p for _, p in context.named_parameters]
+        for param_name, p in context.named_parameters:
+            if p.dtype not in _FLOATS:
+                raise TypeError(f"{name}: parameter {param_name} has dtype {p.dtype}; floating point only")
+        self.config = config
+        self.plan = fragment_plan([p.numel() for p in self.params], config.fragments)
+        self.sizes = [sum(self.params[i].numel() for i in part) for part in self.plan]
+        memory = torch.device("cpu") if config.round_start_memory == "host" else context.device
+        self.round_start = [p.detach().to(memory, copy=True) for p in self.params]
+        make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = config.outer_optimizer or default_outer_optimizer
+        self.outer = [make([self.round_start[i] for i in part]) for part in self.plan]
+        n = self.world.size
+        self.padded = [-(-size // n) * n for size in self.sizes]
+        self.residuals = [
+            torch.zeros(padded if config.error_feedback else 0, device=context.device) for padded in self.padded
+        ]
+        self.pending: list[Work | torch.Tensor | None] = [None] * config.fragments
+        self.step = 0
+        self._ticker = context.optimizers[-1]
+
+    def after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is not self._ticker:
+            return
+        self.step += 1
+        delay = self.config.fragment_sync_delay
+        for p in self.config.exchanges_after(self.step):
+            flat = self._pseudo_gradient(p)
+            if delay:
+                self.pending[p] = self.run_async(lambda p=p, flat=flat: self._average(p, flat))
+            else:
+                self._apply(p, self._average(p, flat))
+        for p in self.config.applies_after(self.step) if delay else ():
+            self._apply(p, self._result(p))
+
+    def _pseudo_gradient(self, p: int) -> torch.Tensor:
+        device = self.context.device
+        with torch.no_grad():
+            parts = [
+                (self.round_start[i].to(device, torch.float32) - self.params[i].to(torch.float32)).reshape(-1)
+                for i in self.plan[p]
+            ]
+            flat = torch.cat(parts)
+            return torch.nn.functional.pad(flat, (0, self.padded[p] - self.sizes[p]))
+
+    def _average(self, p: int, flat: torch.Tensor) -> torch.Tensor:
+        residual = self.residuals[p] if self.config.error_feedback else None
+        mean, residual = EXCHANGE.average(flat, self.world, self.config.outer_exchange, residual)
+        if residual is not None:
+            self.residuals[p] = residual
+        return mean[: self.sizes[p]]
+
+    def _result(self, p: int) -> torch.Tensor:
+        """Fragment ``p``'s average, waiting for its exchange if it is still on the wire."""
+        pending = self.pending[p]
+        if isinstance(pending, Work):
+            pending = pending.wait()
+        self.pending[p] = None
+        return pending
+
+    @torch.no_grad()
+    def _apply(self, p: int, mean: torch.Tensor) -> None:
+        outer, alpha, offset = self.outer[p], float(self.config.fragment_update_alpha), 0
+        for i in self.plan[p]:
+            anchor = self.round_start[i]
+            anchor.grad = mean[offset : offset + anchor.numel()].reshape(anchor.shape).to(anchor.device, anchor.dtype)
+            offset += anchor.numel()
+        outer.step()
+        for i in self.plan[p]:
+            anchor, param = self.round_start[i], self.params[i]
+            anchor.grad = None
+            if alpha == 0.0:
+                param.copy_(anchor)
+            else:
+                param.copy_(alpha * param + (1.0 - alpha) * anchor.to(param.device))
+
+    # --- checkpoints ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        pending = [self._result(p) if self.pending[p] is not None else None for p in range(self.config.fragments)]
+        self.pending = list(pending)
+        return {
+            "step": self.step,
+            "round_start": [t.detach().clone() for t in self.round_start],
+            "outer": [o.state_dict() for o in self.outer],
+            "pending": [t.clone() if t is not None else torch.zeros(0) for t in pending],
+            "residuals": [t.clone() for t in self.residuals],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        name = self.config.name
+        self.step = load_step(state, name)
+        saved = state.get("round_start")
+        expected = [(tuple(t.shape), t.dtype) for t in self.round_start]
+        if not isinstance(saved, (list, tuple)) or [(tuple(t.shape), t.dtype) for t in saved] != expected:
+            raise ValueError(f"{name}: the checkpoint's round_start does not match this model's parameters")
+        outer, pending = state.get("outer"), state.get("pending")
+        fragments = self.config.fragments
+        if (
+            not isinstance(outer, (list, tuple))
+            or not isinstance(pending, (list, tuple))
+            or (len(outer) != fragments or len(pending) != fragments)
+        ):
+            raise ValueError(
+                f"{name}: the checkpoint needs 'outer' and 'pending' for each of the {fragments} fragments"
+            )
+        with torch.no_grad():
+            for anchor, value in zip(self.round_start, saved):
+                anchor.copy_(value)
+        for optimizer, saved_outer in zip(self.outer, outer):
+            optimizer.load_state_dict(saved_outer)
+        residuals = check_tensor_list(state, "residuals", [t.numel() for t in self.residuals], name)
+        self.residuals = [t.to(self.context.device) for t in residuals]
+        self.pending = [t.to(self.context.device) if t.numel() else None for t in pending]

@@ -1,0 +1,149 @@
+"""DiLoCo and Streaming DiLoCo in JAX (bagua_jax.algorithms.diloco) against NumPy simulations of all ranks.
+
+Four simulated CPU devices, one rank each (``jax.shard_map`` through DataParallel). The model
+and the reference are tests/diloco_reference.py: each rank pulls its parameters towards its own
+targets with SGD, so the ranks drift apart inside a round and the outer step decides where they
+meet. XLA may fuse the inner step's multiply-add, so comparisons allow a few float32 ulps.
+"""
+
+from __future__ import annotations
+
+import diloco_reference as ref
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+from bagua_jax import checkpoint
+from bagua_jax.algorithms import DiLoCo, GradientAllReduce, make_algorithm
+from bagua_jax.trainer import DataParallel
+
+RANKS = 4
+
+
+def mesh(ranks: int = RANKS) -> Mesh:
+    return Mesh(np.array(jax.devices()[:ranks]), ("ranks",))
+
+
+def loss_fn(params, batch):
+    return sum(0.5 * jnp.sum((params[k] - batch[k][0]) ** 2) for k in params)
+
+
+def targets(seed: int, step: int, ranks: int = RANKS) -> dict[str, np.ndarray]:
+    rows = [ref.target(seed, step, r) for r in range(ranks)]
+    return {k: np.stack([row[k] for row in rows]) for k in ref.SHAPES}
+
+
+def train(trainer: DataParallel, state, seed: int, first: int, last: int, ranks: int = RANKS):
+    """Inner steps ``first..last`` (counted from 1); returns the state and each step's parameters [rank][name]."""
+    history = []
+    for t in range(first, last + 1):
+        state, _ = trainer.step(state, targets(seed, t, ranks))
+        history.append(jax.device_get(state.params))
+    return state, history
+
+
+def make(algorithm, ranks: int = RANKS) -> DataParallel:
+    return DataParallel(loss_fn, optax.sgd(ref.INNER_LR), algorithm, mesh=mesh(ranks))
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"sync_every": 3},
+        {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.25},
+        {"sync_every": 3, "fragments": 3, "round_start_memory": "device"},
+    ],
+    ids=["diloco", "streaming-delay-alpha", "streaming-3"],
+)
+def test_outer_steps_match_the_numpy_simulation(options, rng):
+    seed, steps = int(rng.integers(2**20)), 9
+    trainer = make(DiLoCo(**options))
+    state, history = train(trainer, trainer.init(ref.initial(seed)), seed, 1, steps)
+    want = ref.simulate(
+        RANKS,
+        steps,
+        seed,
+        sync_every=options["sync_every"],
+        fragments=options.get("fragments", 1),
+        delay=options.get("fragment_sync_delay", 0),
+        alpha=options.get("fragment_update_alpha", 0.0),
+    )
+    for t in range(steps):
+        for r in range(RANKS):
+            for k in ref.SHAPES:
+                np.testing.assert_allclose(history[t][k][r], want[t][r][k], rtol=2e-5, atol=2e-6, err_msg=f"{t} {k}")
+    # The round-start copy is the same bits on every rank and lives where the options say.
+    anchors = state.opt_state[1].round_start
+    for k in ref.SHAPES:
+        rows = np.asarray(jax.device_get(anchors[k]))
+        assert all(np.array_equal(rows[0], row) for row in rows), k
+        kind = "pinned_host" if options.get("round_start_memory", "host") == "host" else "device"
+        assert anchors[k].sharding.memory_kind == kind
+
+
+def test_h1_with_plain_sgd_outside_is_gradient_allreduce(rng):
+    seed, steps = int(rng.integers(2**20)), 6
+    diloco = make(DiLoCo(sync_every=1, outer_optimizer=optax.sgd(1.0)))
+    allreduce = make(GradientAllReduce())
+    _, got = train(diloco, diloco.init(ref.initial(seed)), seed, 1, steps)
+    _, want = train(allreduce, allreduce.init(ref.initial(seed)), seed, 1, steps)
+    for t in range(steps):
+        for k in ref.SHAPES:
+            for r in range(RANKS):
+                np.testing.assert_allclose(got[t][k][r], want[t][k], rtol=1e-6, atol=1e-7, err_msg=f"{t} {k}")
+
+
+def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule(rng, tmp_path):
+    seed = int(rng.integers(2**20))
+    algorithm = DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8", error_feedback=True)
+    trainer = make(algorithm)
+    state, _ = train(trainer, trainer.init(ref.initial(seed)), seed, 1, 5)  # fragment 1 exchanged, not applied
+    checkpoint.save(tmp_path, state, trainer)
+    _, straight = train(trainer, state, seed, 6, 10)
+    again = make(algorithm)
+    _, resumed = train(again, checkpoint.restore(tmp_path, again, ref.initial(seed)), seed, 6, 10)
+    for t in range(5):
+        for k in ref.SHAPES:
+            np.testing.assert_array_equal(resumed[t][k], straight[t][k], err_msg=f"step {6 + t} {k}")
+    # Two ranks: parameters start from the four ranks' mean; the round start, the outer state, the averages
+    # awaiting their outer step and the position carry; the residuals restart at zero.
+    smaller = make(algorithm, ranks=2)
+    shrunk = checkpoint.restore(tmp_path, smaller, ref.initial(seed))
+    saved, now = jax.device_get(state.opt_state[1]), jax.device_get(shrunk.opt_state[1])
+    for k in ref.SHAPES:
+        np.testing.assert_allclose(jax.device_get(shrunk.params)[k][1], np.mean(state.params[k], axis=0), rtol=1e-6)
+        np.testing.assert_array_equal(now.round_start[k][1], saved.round_start[k][0])
+    for was, new in zip(
+        jax.tree.leaves((saved.outer_states, saved.pending)), jax.tree.leaves((now.outer_states, now.pending))
+    ):
+        np.testing.assert_array_equal(new[1], was[0])
+    assert int(now.step[1]) == 5 and all(not np.any(res) for res in now.residuals)
+    train(smaller, shrunk, seed, 6, 8, ranks=2)
+
+
+@pytest.mark.parametrize(
+    "options, error",
+    [
+        ({"sync_every": 0}, "sync_every must be an int >= 1"),
+        ({"sync_every": 4, "fragments": 5}, r"fragments \(5\) must not exceed sync_every"),
+        ({"sync_every": 8, "fragments": 2, "fragment_sync_delay": 4}, r"fragment_sync_delay \(4\) must be less than"),
+        ({"fragment_update_alpha": 1.5}, r"fragment_update_alpha must be a float in \[0, 1\]"),
+        ({"outer_exchange": "int8"}, "outer_exchange must be one of fp32, bf16, uint8, uint4"),
+        ({"error_feedback": True}, "error_feedback needs a compressed outer_exchange"),
+        ({"round_start_memory": "disk"}, "round_start_memory must be 'host' or 'device'"),
+    ],
+)
+def test_bad_options_are_clear_errors(options, error):
+    with pytest.raises(ValueError, match=error):
+        DiLoCo(**options)
+    with pytest.raises(ValueError, match=error):
+        make_algorithm("diloco", **options)
+
+
+def test_more_fragments_than_parameters_is_a_clear_error():
+    trainer = make(DiLoCo(sync_every=8, fragments=4))
+    with pytest.raises(ValueError, match=r"fragments \(4\) must not exceed the number of parameters \(3\)"):
+        trainer.init(ref.initial(0))

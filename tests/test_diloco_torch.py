@@ -1,0 +1,68 @@
+"""DiLoCo and Streaming DiLoCo in PyTorch (bagua_torch.algorithms.diloco) against NumPy simulations of all ranks.
+
+One gloo job of two ranks (diloco_workers_torch.py) runs every scenario; the test process
+compares with tests/diloco_reference.py. torch's SGD may fuse its multiply-add, so the
+comparisons with NumPy allow a few float32 ulps; a resumed run must match bit for bit.
+"""
+
+from __future__ import annotations
+
+import diloco_reference as ref
+import numpy as np
+import pytest
+from diloco_workers_torch import SCENARIOS
+from scenarios import Job, JobTable
+
+JOBS = JobTable("diloco_workers_torch:job", {"gloo-2ranks": Job(2, "python", tuple(SCENARIOS))}, mpi=False)
+RANKS = 2
+
+
+@pytest.mark.parametrize("scenario", [s for s in SCENARIOS if s.name == "simulate"], ids=str)
+def test_outer_steps_match_the_numpy_simulation(scenario):
+    seed, results = JOBS.run("gloo-2ranks")
+    options = scenario.options
+    want = ref.simulate(
+        RANKS,
+        options["steps"],
+        seed,
+        sync_every=options["sync_every"],
+        fragments=options.get("fragments", 1),
+        delay=options.get("fragment_sync_delay", 0),
+        alpha=options.get("fragment_update_alpha", 0.0),
+    )
+    for r, result in enumerate(results):
+        for t, params in enumerate(result[scenario.label]):
+            for k in ref.SHAPES:
+                np.testing.assert_allclose(params[k], want[t][r][k], rtol=2e-5, atol=2e-6, err_msg=f"{t} {k}")
+    # After a sync without mixing every rank holds the round start: the same bits.
+    if not options.get("fragment_update_alpha"):
+        synced = [results[r][scenario.label][options["sync_every"] - 1] for r in range(RANKS)]
+        for k in ref.SHAPES:
+            np.testing.assert_array_equal(synced[0][k], synced[1][k])
+
+
+def test_h1_with_plain_sgd_outside_is_gradient_allreduce():
+    _, results = JOBS.run("gloo-2ranks")
+    for result in results:
+        diloco, allreduce = result["h1_and_allreduce"]
+        for t, (got, want) in enumerate(zip(diloco, allreduce)):
+            for k in ref.SHAPES:
+                np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=f"{t} {k}")
+
+
+def test_resume_mid_round_is_bit_identical():
+    _, results = JOBS.run("gloo-2ranks")
+    for result in results:
+        straight, resumed = result["resume"]
+        for t, (want, got) in enumerate(zip(straight, resumed)):
+            for k in ref.SHAPES:
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {6 + t} {k}")
+
+
+def test_bad_options_are_clear_errors():
+    _, results = JOBS.run("gloo-2ranks")
+    errors = results[0]["errors"]
+    assert errors["sync_every"] == "ValueError: diloco: sync_every must be an int >= 1, got 0"
+    assert "fragment_sync_delay (2) must be less than sync_every // fragments (4 // 2 = 2)" in errors["delay"]
+    assert "fragments (4) must not exceed the number of parameters (3)" in errors["fragments"]
+    assert "pass the optimizer(s) to the wrapper" in errors["no_optimizer"]
