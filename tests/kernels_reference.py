@@ -113,6 +113,19 @@ def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32, bits: int = 8) 
     return (np.clip(v, -limit, limit) * unit).astype(F32)
 
 
+def assert_within_minmax_bound(x: np.ndarray, decoded: np.ndarray, k: int, bits: int = 8) -> None:
+    """The SPEC bound: half a step, (hi - lo) / 508 (8 bits) or / 28 (4 bits), per element, plus float32
+    rounding of the step and the result."""
+    assert np.isfinite(decoded).all()
+    for b, e in chunk_bounds(x.size, k):
+        if b == e:
+            continue
+        seg = x[b:e].astype(np.float64)
+        span = seg.max() - seg.min()
+        bound = span / (2 * minmax_steps(bits)) + 2**-21 * (span + np.abs(seg)) + 2**-149
+        assert np.all(np.abs(decoded[b:e].astype(np.float64) - seg) <= bound)
+
+
 def pack_nibbles(q: np.ndarray) -> np.ndarray:
     """4-bit codes two per byte, element 2i in the low nibble of byte i (an odd count's last high nibble: 0)."""
     padded = np.zeros(-(-q.size // 2) * 2, np.uint8)

@@ -9,6 +9,7 @@ import kernels_reference as ref
 import ml_dtypes
 import numpy as np
 import pytest
+from algorithms_reference import minmax_allreduce
 from conftest import random_values
 
 DTYPES = [np.float32, np.float16, ml_dtypes.bfloat16]
@@ -66,18 +67,6 @@ def front_end(request) -> FrontEnd:
     return FrontEnd(request.param)
 
 
-def assert_within_uint4_bound(x: np.ndarray, decoded: np.ndarray, k: int) -> None:
-    """Half a step, (hi - lo) / 28, per element, plus float32 rounding of the step and the result."""
-    assert np.isfinite(decoded).all()
-    for b, e in ref.chunk_bounds(x.size, k):
-        if b == e:
-            continue
-        seg = x[b:e].astype(np.float64)
-        span = seg.max() - seg.min()
-        bound = span / 28 + 2**-21 * (span + np.abs(seg)) + 2**-149
-        assert np.all(np.abs(decoded[b:e].astype(np.float64) - seg) <= bound)
-
-
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("k", [1, 3, 8])
 @pytest.mark.parametrize("n", [1, 7919, 300_007])
@@ -85,11 +74,13 @@ def test_roundtrip_matches_reference_within_the_bound(front_end, rng, n, k, dtyp
     x = random_values(rng, n).astype(dtype)
     expected, _ = ref.minmax_compress(x, k, bits=4)
     packed = front_end.compress(x, k)
-    assert packed.size == ref.compressed_size(n, k, "minmax_uint4") == front_end.ops.compressed_size(n, k, "minmax_uint4")
+    assert (
+        packed.size == ref.compressed_size(n, k, "minmax_uint4") == front_end.ops.compressed_size(n, k, "minmax_uint4")
+    )
     np.testing.assert_array_equal(packed, expected)
     decoded = front_end.decompress(packed, n, k, dtype)
     np.testing.assert_array_equal(decoded, ref.minmax_decompress(expected, n, k, bits=4).astype(dtype))
-    assert_within_uint4_bound(x, front_end.decompress(packed, n, k), k)
+    ref.assert_within_minmax_bound(x, front_end.decompress(packed, n, k), k, bits=4)
 
 
 def test_jax_and_torch_give_the_same_bytes(rng):
@@ -129,7 +120,7 @@ def test_exact_zeros_decode_to_exact_zeros(front_end, rng):
         np.testing.assert_array_equal(packed, ref.minmax_compress(x, k, bits=4)[0])
         decoded = front_end.decompress(packed, x.size, k)
         assert np.all(decoded[x == 0] == 0)
-        assert_within_uint4_bound(x, decoded, k)
+        ref.assert_within_minmax_bound(x, decoded, k, bits=4)
         _, residual = front_end.compress_ef(x, np.zeros(x.size, np.float32), k)
         assert np.all(residual[x == 0] == 0)
 
@@ -143,7 +134,7 @@ def test_chunks_of_one_sign_use_a_grid_from_their_minimum(front_end, rng):
         decoded = front_end.decompress(packed, y.size, 3)
         for b, e in ref.chunk_bounds(y.size, 3):
             assert decoded[b:e].min() == y[b:e].min()  # code 0 decodes to lo exactly
-        assert_within_uint4_bound(y, decoded, 3)
+        ref.assert_within_minmax_bound(y, decoded, 3, bits=4)
 
 
 def test_constant_empty_and_nonfinite_chunks(front_end, rng):
@@ -166,3 +157,34 @@ def test_bad_inputs_raise_clear_errors(front_end):
         front_end.decompress(np.zeros(47, np.uint8), 40, 2)
     with pytest.raises(ValueError, match="chunk count"):
         front_end.compress(np.ones(10, np.float32), 0)
+
+
+@pytest.mark.parametrize("error_feedback", [False, True])
+def test_the_shared_compressed_allreduce_carries_4_bit_codes(rng, error_feedback):
+    """``codec="minmax_uint4"`` swaps the codes of the ByteGrad pipeline (4 ranks under ``shard_map``)."""
+    import jax
+    from jax.sharding import Mesh
+    from jax.sharding import PartitionSpec as P
+
+    from bagua_jax import LaxCommunicator
+    from bagua_jax.compressed_allreduce import PIPELINES
+
+    n, size = 4, 4 * 1001
+    xs = np.stack([random_values(rng, size) for _ in range(n)])
+    residuals = np.stack([random_values(rng, size) * np.float32(0.01) for _ in range(n)])
+    comm = LaxCommunicator("ranks", n)
+
+    def rank(x, residual):
+        result, new = PIPELINES.minmax_allreduce(
+            x[0], comm, residual=residual[0] if error_feedback else None, codec="minmax_uint4"
+        )
+        return result[None], (residual if new is None else new[None])
+
+    mesh = Mesh(np.array(jax.devices()[:n]), ("ranks",))
+    run = jax.jit(jax.shard_map(rank, mesh=mesh, in_specs=(P("ranks"), P("ranks")), out_specs=P("ranks")))
+    results, new_residuals = (np.asarray(a) for a in run(xs, residuals))
+    expected, expected_residuals = minmax_allreduce(list(xs), list(residuals) if error_feedback else None, True, bits=4)
+    for r in range(n):
+        np.testing.assert_array_equal(results[r], expected, err_msg=f"rank {r}")
+        if error_feedback:
+            np.testing.assert_array_equal(new_residuals[r], expected_residuals[r], err_msg=f"rank {r}")

@@ -48,9 +48,9 @@ inline Format format_of(const std::string& name) {
   if (name == "minmax_uint8") return Format::kMinMaxUInt8;
   if (name == "minmax_uint4") return Format::kMinMaxUInt4;
   if (name == "sign") return Format::kSign;
-  throw nb::value_error(("unknown compression format '" + name +
-                         "'; use 'minmax_uint8', 'minmax_uint4' or 'sign'")
-                            .c_str());
+  throw nb::value_error(
+      ("unknown compression format '" + name + "'; use 'minmax_uint8', 'minmax_uint4' or 'sign'")
+          .c_str());
 }
 
 inline void bind(nb::module_& m) {

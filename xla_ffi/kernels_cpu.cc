@@ -385,8 +385,8 @@ void sign_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t
 }
 
 template <int kBits, typename T>
-Status minmax_compress_bits(const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
-                       float* residual_out) {
+Status minmax_compress_bits(const T* x, const float* residual_in, int64_t n, int64_t k,
+                            uint8_t* out, float* residual_out) {
   if (residual_in)
     minmax_compress_impl<kBits, T, true>(x, residual_in, n, k, out, residual_out);
   else

@@ -119,9 +119,9 @@ BAGUA_HD float minmax_anchor(float lo, float hi) { return (lo <= 0.0f && 0.0f <=
 
 // Finite chunks that float32 cannot grid (SPEC section 2): a range below 2^-118
 // (254 / range overflows near 7.5e-37, and (hi - lo) / 254 is subnormal below
-// 3e-36; 14 steps are further from both edges, so one test serves both), or values of magnitude 2^126 or more (hi - lo, or a decoded value,
-// may overflow). They encode in double and decode on power-of-two-scaled
-// values (MinMaxGrid); every other chunk has the float32 definition's bits.
+// 3e-36; 14 steps are further from both edges, so one test serves both), or values of magnitude
+// 2^126 or more (hi - lo, or a decoded value, may overflow). They encode in double and decode on
+// power-of-two-scaled values (MinMaxGrid); every other chunk has the float32 definition's bits.
 constexpr float kWideMagnitude = 0x1p126f;
 constexpr float kNarrowRange = 0x1p-118f;
 
@@ -170,8 +170,8 @@ BAGUA_HD MinMaxGrid minmax_grid(float lo, float hi) {
   g.unit = 1.0f;
   g.z_scaled = g.z;
   if (g.wide) {
-    const double offset =
-        mul_rn(sub_rn(static_cast<double>(lo), static_cast<double>(g.z)), minmax_wide_scale<kBits>(g));
+    const double offset = mul_rn(sub_rn(static_cast<double>(lo), static_cast<double>(g.z)),
+                                 minmax_wide_scale<kBits>(g));
     g.base = static_cast<float>(round_half_even(clamp_or_zero(offset, -double{kSteps}, 0.0)));
     const bool tiny = lo > -kWideMagnitude && hi < kWideMagnitude;
     g.unit = tiny ? 0x1p-64f : 0x1p64f;

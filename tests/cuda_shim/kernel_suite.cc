@@ -334,9 +334,8 @@ void run_dtype(bool quick, int& shape_turn) {
             const DeviceShape& shape = kShapes[shape_turn++ % 3];
             cuda_shim::device() = shape.device;
             std::mt19937 rng(static_cast<unsigned>(n * 7919 + k * 31 + offset * 7 + feedback));
-            const std::string name = std::string(format_name(format)) +
-                                     " " + dtype_name<T>() + " n=" + std::to_string(n) +
-                                     " k=" + std::to_string(k) +
+            const std::string name = std::string(format_name(format)) + " " + dtype_name<T>() +
+                                     " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                                      " offset=" + std::to_string(offset) +
                                      (feedback ? " feedback" : "") + " [" + shape.name + "]";
             check_compress<T>(format, n, k, offset, feedback, rng, name);
@@ -360,9 +359,9 @@ void run_dtype(bool quick, int& shape_turn) {
           cuda_shim::device() = shape.device;
           std::mt19937 rng(static_cast<unsigned>(n * 3 + k));
           check_decompress_reduce<T>(format, n, k, average, rng,
-                                     std::string(format_name(format)) +
-                                         " decompress_reduce " + dtype_name<T>() +
-                                         " m=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                     std::string(format_name(format)) + " decompress_reduce " +
+                                         dtype_name<T>() + " m=" + std::to_string(n) +
+                                         " k=" + std::to_string(k) +
                                          (average ? " average" : " sum") + " [" + shape.name + "]");
         }
       }
@@ -386,17 +385,16 @@ void run_extremes(int& shape_turn) {
             cuda_shim::device() = kShapes[shape_turn++ % 3].device;
             std::mt19937 rng(static_cast<unsigned>(n * 5 + k + feedback));
             check_compress<float>(format, n, k, 0, feedback, rng,
-                                  std::string(format_name(format)) +
-                                      " f32 n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                                      (feedback ? " feedback" : "") + range,
+                                  std::string(format_name(format)) + " f32 n=" + std::to_string(n) +
+                                      " k=" + std::to_string(k) + (feedback ? " feedback" : "") +
+                                      range,
                                   amplitude);
             for (const bool average : {false, true}) {
-              check_decompress_reduce<float>(
-                  format, n, 3, average, rng,
-                  std::string(format_name(format)) +
-                      " decompress_reduce f32 m=" + std::to_string(n) +
-                      (average ? " average" : " sum") + range,
-                  amplitude);
+              check_decompress_reduce<float>(format, n, 3, average, rng,
+                                             std::string(format_name(format)) +
+                                                 " decompress_reduce f32 m=" + std::to_string(n) +
+                                                 (average ? " average" : " sum") + range,
+                                             amplitude);
             }
           }
         }
