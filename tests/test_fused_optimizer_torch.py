@@ -260,6 +260,7 @@ ALGORITHMS = [
     "async",
     "qadam",
     "onebit_adam",
+    "diloco",
 ]
 REFUSED = {"qadam": "QAdamOptimizer", "onebit_adam": "OneBitAdamOptimizer"}
 IDENTICAL_REPLICAS = ("gradient_allreduce", "bytegrad", "powersgd")
