@@ -16,7 +16,7 @@ AdamW's (the issue's bar: at most 3), the tensor it is reached on, the largest m
 training loss.
 
     python benchmarks/adam_growth.py                    # writes benchmarks/results/adam-growth.{md,json}
-    python benchmarks/adam_growth.py --after-warmup 5 --models gpt-small --out /tmp/quick
+    python benchmarks/adam_growth.py --settings short --after-warmup 2 --out /tmp/quick   # a quick check
 """
 
 from __future__ import annotations
@@ -88,8 +88,8 @@ def worker_torch(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     group = bagua_torch.init_process_group(timeout=300)
     corpus, results = load_corpus(), {}
-    for setting, warmup in SETTINGS.items():
-        reference = None
+    for setting in args.settings:
+        warmup, reference = SETTINGS[setting], None
         for name in OPTIMIZERS:
             torch.manual_seed(SEED)
             if args.model == "gpt-small":
@@ -140,8 +140,8 @@ def worker_jax(args: argparse.Namespace) -> None:
 
     mesh = Mesh(np.array(jax.devices()[:NRANKS]), ("ranks",))
     corpus, loss_fn, results = load_corpus(), gpt_loss_fn("small"), {}
-    for setting, warmup in SETTINGS.items():
-        reference = None
+    for setting in args.settings:
+        warmup, reference = SETTINGS[setting], None
         for name in OPTIMIZERS:
             algorithm, _, formula = name.partition("/")
             if algorithm == "adamw":
@@ -163,7 +163,7 @@ def worker_jax(args: argparse.Namespace) -> None:
 
 def _run(front_end: str, model: str, args: argparse.Namespace, result: Path) -> dict:
     command = [sys.executable, __file__, f"--worker-{front_end}", "--model", model, "--result", str(result)]
-    command += ["--after-warmup", str(args.after_warmup), "--hf-shape", args.hf_shape]
+    command += ["--after-warmup", str(args.after_warmup), "--hf-shape", args.hf_shape, "--settings", *args.settings]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]), *sys.path])}
     if front_end == "jax":
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NRANKS}"
@@ -187,6 +187,7 @@ def _run(front_end: str, model: str, args: argparse.Namespace, result: Path) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     _common.add_subset_option(parser, "--models", MODELS, "models to train (default: all)")
+    _common.add_subset_option(parser, "--settings", list(SETTINGS), "warm-up settings (default: all)")
     parser.add_argument("--after-warmup", type=int, default=30, help="steps after each warm-up (default 30)")
     parser.add_argument("--hf-shape", choices=("mini", "base"), default="mini", help="Hugging Face model shapes")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per job")
@@ -214,7 +215,7 @@ def main() -> None:
     lines += ["| run | setting | " + " | ".join(OPTIMIZERS[1:]) + " | AdamW max abs, loss |"]
     lines += ["|---|---|" + "---:|" * len(OPTIMIZERS)]
     for run, results in runs.items():
-        for setting in SETTINGS:
+        for setting in args.settings:
             cells = [
                 f"{results[f'{setting}/{o}']['ratio']:.2f} ({results[f'{setting}/{o}']['tensor']}), "
                 f"{results[f'{setting}/{o}']['loss']:.3f}"
