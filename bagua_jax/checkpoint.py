@@ -29,12 +29,13 @@ from bagua_common.job.checkpoint import (
     Manifest,
     check_restorable,
     checkpoint_dir,
+    checkpoint_to_restore,
     commit,
-    latest,
     load_arrays,
     read_manifest,
     save_arrays,
     shard_path,
+    verified_shard,
 )
 from bagua_common.job.rank_environment import environment_int
 from bagua_common.job.reshard import ReshardRule, algorithm_rule, reshard_rows
@@ -133,16 +134,18 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
     and its shapes; their values are replaced by the checkpoint's. Raises FileNotFoundError when
     there is no committed checkpoint and ValueError when it cannot be restored here (another
     model or algorithm, or a state whose shape depends on the world size under a rule that
-    carries it). Every process calls it.
+    carries it; a :class:`~bagua_common.job.checkpoint.DamagedCheckpointError` naming the file for
+    a shard that is missing, truncated, emptied or of another step). Every process calls it.
     """
-    directory = Path(root) if (Path(root) / "manifest.json").exists() else latest(root)
-    if directory is None:
-        raise FileNotFoundError(f"no committed checkpoint under {root}")
+    directory = checkpoint_to_restore(root)
     manifest = read_manifest(directory)
     algorithm, _ = _algorithm(trainer)
     template = trainer.init(params, model_state=model_state)
     check_restorable(manifest, algorithm=algorithm, model=_model(unwrap_state(template).params))
-    saved = [load_arrays(shard_path(directory, r, _SUFFIX)) for r in range(manifest.world_size)]
+    saved = [
+        load_arrays(verified_shard(directory, manifest, shard_path(directory, r, _SUFFIX).name))
+        for r in range(manifest.world_size)
+    ]
     same_world = manifest.world_size == trainer.size
     if not same_world:
         rule = algorithm_rule(manifest.algorithm)
