@@ -50,6 +50,7 @@ from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.base import check_communicators
 from bagua_jax.communicator import Communicator
 from bagua_jax.counting import CountingCommunicator
+from bagua_jax.native_communicator import NativeCommunicator
 
 # The algorithms the advisor ranks, with the options that make them the named variant; all flat.
 CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -308,8 +309,6 @@ def job_communicators(world: Any, ranks_per_node: int) -> Communicators:
 
 def main(argv: list[str] | None = None) -> None:
     """Rank the algorithms for a synthetic MLP of ``--params`` parameters on the running job."""
-    from bagua_jax import NativeCommunicator
-
     parser = argparse.ArgumentParser(prog="python -m bagua_jax.advisor", description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=int, default=2_000_000, help="parameters of the synthetic model")
     parser.add_argument(

@@ -18,18 +18,19 @@ import numpy as np
 from bagua_common.algorithms.kernel_dtypes import KERNEL_FLOAT_DTYPES
 from bagua_jax._native import library
 
-Format = Literal["minmax_uint8", "sign"]
+Format = Literal["minmax_uint8", "minmax_uint4", "sign"]
 KERNEL_FLOATS = tuple(jnp.dtype(name) for name in KERNEL_FLOAT_DTYPES)
 """The dtypes of :data:`bagua_common.algorithms.kernel_dtypes.KERNEL_FLOAT_DTYPES` as JAX dtypes."""
-_TARGET_PREFIX = {"minmax_uint8": "bagua_minmax", "sign": "bagua_sign"}
+_TARGET_PREFIX = {"minmax_uint8": "bagua_minmax", "minmax_uint4": "bagua_minmax_uint4", "sign": "bagua_sign"}
 
 
 def compressed_size(n: int, k: int, format: Format = "minmax_uint8") -> int:
     """Return the size in bytes of ``n`` elements compressed into ``k`` chunks.
 
     ``format`` is ``"minmax_uint8"`` (one byte per element plus a 16-byte header per
-    chunk) or ``"sign"`` (one bit per element plus a 16-byte header per chunk); each
-    chunk's slot is padded to a multiple of 16 bytes.
+    chunk), ``"minmax_uint4"`` (half a byte per element plus the header) or ``"sign"``
+    (one bit per element plus the header); each chunk's slot is padded to a multiple of
+    16 bytes.
     """
     return int(library.compressed_bytes(format, int(n), int(k)))
 
@@ -164,6 +165,45 @@ def minmax_uint8_decompress_reduce(
     ``m`` elements of ``dtype``.
     """
     return _decompress_reduce("minmax_uint8", compressed, m, k, average, dtype)
+
+
+def minmax_uint4_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
+    """Compress ``x`` (flattened) into ``k`` chunks of 4-bit min-max codes, two per byte.
+
+    The 8-bit codec's grid with 14 steps between each chunk's minimum and maximum (16
+    codes, SPEC section 2's zero anchor), so exact zeros stay zero; decoding errs by at
+    most ``(hi - lo) / 28`` plus float32 rounding. Returns a 1-D uint8 array of
+    ``compressed_size(x.size, k, "minmax_uint4")`` bytes.
+    """
+    return _compress("minmax_uint4", x, k)
+
+
+def minmax_uint4_compress_ef(
+    x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int
+) -> tuple[jax.Array, jax.Array]:
+    """4-bit compress ``x + residual`` and return ``(compressed, new_residual)`` (see
+    :func:`minmax_uint8_compress_ef`)."""
+    return _compress_ef("minmax_uint4", x, residual, k)
+
+
+def minmax_uint4_decompress(
+    compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike = jnp.float32
+) -> jax.Array:
+    """Decode ``n`` elements compressed into ``k`` chunks of 4-bit codes, as a 1-D array of ``dtype``."""
+    return _decompress("minmax_uint4", compressed, n, k, dtype)
+
+
+def minmax_uint4_decompress_reduce(
+    compressed: jax.typing.ArrayLike,
+    m: int,
+    k: int,
+    *,
+    average: bool = True,
+    dtype: jax.typing.DTypeLike = jnp.float32,
+) -> jax.Array:
+    """Decode ``k`` single-chunk buffers of ``m`` 4-bit codes and sum or average them (see
+    :func:`minmax_uint8_decompress_reduce`)."""
+    return _decompress_reduce("minmax_uint4", compressed, m, k, average, dtype)
 
 
 def sign_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:

@@ -14,6 +14,7 @@ import os
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
 
 from bagua_common.comm.bagua_net import bagua_net_environment
 from bagua_common.data.cache_stores import ENV_CACHE_DIR, ENV_CACHE_URL, parse_capacity
@@ -32,32 +33,25 @@ __all__ = ["DEFAULT_MULTINODE_PORT", "build_parser", "main", "parse_args"]
 DEFAULT_MULTINODE_PORT = 29500
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _checked(
+    name: str, convert: Callable[[str], float], valid: Callable[[float], bool], wording: str
+) -> Callable[[str], float]:
+    """An argparse ``type``: ``convert`` the text, then refuse a value that is not ``valid`` with ``wording``."""
+
+    def parse(text: str) -> float:
+        value = convert(text)
+        if not valid(value):
+            raise argparse.ArgumentTypeError(wording.format(value))
+        return value
+
+    parse.__name__ = name  # argparse names the type in "invalid <name> value"
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be at least 0, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = int(text)
-    if not 0 < value < 65536:
-        raise argparse.ArgumentTypeError(f"not a TCP port: {value}")
-    return value
-
-
-def _seconds(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must not be negative, got {value}")
-    return value
+_positive_int = _checked("positive int", int, lambda v: v >= 1, "must be at least 1, got {}")
+_non_negative_int = _checked("non-negative int", int, lambda v: v >= 0, "must be at least 0, got {}")
+_port = _checked("port", int, lambda v: 0 < v < 65536, "not a TCP port: {}")
+_seconds = _checked("seconds", float, lambda v: v >= 0, "must not be negative, got {}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -229,8 +223,12 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
         command = [sys.executable, "-m", ns.target, *ns.args]
     else:
         command = [sys.executable, ns.target, *ns.args]
+    try:
+        nccl_net = bagua_net_environment() if ns.enable_bagua_net else {}
+    except FileNotFoundError as e:
+        parser.error(f"--enable-bagua-net: {e}")
     if elastic.requested(ns):
-        return elastic.config_from(ns, parser, command, mode)
+        return elastic.config_from(ns, parser, command, mode, nccl_net)
     ns.nnodes = ns.nnodes[1]
     if ns.node_rank >= ns.nnodes:
         parser.error(f"--node-rank {ns.node_rank} is not below --nnodes {ns.nnodes}")
@@ -266,10 +264,6 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
             private_directory(ns.cache_dir)
         except (OSError, ValueError) as e:
             parser.error(f"--cache-dir: {e}")
-    try:
-        nccl_net = bagua_net_environment() if ns.enable_bagua_net else {}
-    except FileNotFoundError as e:
-        parser.error(f"--enable-bagua-net: {e}")
     try:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as e:

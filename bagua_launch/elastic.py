@@ -6,8 +6,8 @@ c10d rendezvous on every node: the agents agree on the membership, start this no
 workers, restart all of them (spending one of ``--max-restarts``) when a worker or a node
 fails, and restart them without spending one when a node joins. Workers get torchrun's
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``TORCHELASTIC_RESTART_COUNT``, ...) plus ``BAGUA_ELASTIC=1``; a worker resumes from its
-last checkpoint.
+``TORCHELASTIC_RESTART_COUNT``, ...) plus ``BAGUA_ELASTIC=1`` (and Bagua-Net's variables with
+``--enable-bagua-net``); a worker resumes from its last checkpoint.
 
 ``MASTER_PORT`` is a free port of rank 0's node, not the agents' rendezvous store
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): JAX's coordinator and bagua_torch's store
@@ -26,7 +26,7 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bagua_common.comm.engines import ENV_ELASTIC
@@ -107,6 +107,7 @@ class ElasticConfig:
     mode: str
     tail_lines: int
     grace: float
+    nccl_net: dict[str, str] = field(default_factory=dict)  # --enable-bagua-net: NCCL's plugin variables
 
 
 def requested(ns: argparse.Namespace) -> bool:
@@ -126,7 +127,11 @@ def _rdzv_conf(text: str) -> dict[str, str]:
 
 
 def config_from(
-    ns: argparse.Namespace, parser: argparse.ArgumentParser, command: list[str], mode: str
+    ns: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    command: list[str],
+    mode: str,
+    nccl_net: dict[str, str],
 ) -> ElasticConfig:
     """The elastic configuration of a parsed command line, or a usage error (``parser.error``)."""
     if ns.mpi:
@@ -174,6 +179,7 @@ def config_from(
         mode=mode,
         tail_lines=ns.tail_lines,
         grace=ns.grace,
+        nccl_net=nccl_net,
     )
 
 
@@ -218,6 +224,7 @@ def run(config: ElasticConfig) -> int:
     # Read by the agent's rendezvous handler and inherited by the workers.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[ENV_ELASTIC] = "1"
+    os.environ.update(config.nccl_net)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc_per_node)))
     host = config.rdzv_endpoint.rsplit(":", 1)[0]

@@ -45,12 +45,12 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 
 from bagua_common.data.cache_stores import ENV_CACHE_DIR
+from bagua_common.data.private_files import job_directory
 from bagua_common.data.redis_server import RedisServer
 from bagua_common.job.child_process import die_with_parent
 from bagua_common.job.local_launch import is_hydra
@@ -414,7 +414,7 @@ class Launcher:
         try:
             # With --mpi the ranks of other nodes could not see a directory made here.
             if self.config.cache_dir is not None or not self.config.mpi:
-                self.cache_dir = self.config.cache_dir or tempfile.mkdtemp(prefix="bagua-job-cache-")
+                self.cache_dir = self.config.cache_dir or job_directory()
             if self.config.cache_server == "redis":
                 try:
                     self.cache_server = RedisServer(self.config.cache_capacity, bind=self.config.cache_bind).start()

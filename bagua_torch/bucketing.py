@@ -1,6 +1,6 @@
 """Buckets: a model's trainable parameters grouped into few flat buffers for communication.
 
-The wrapper (:mod:`bagua_torch.distributed`) communicates *buckets*. Parameters are taken in
+The wrapper (:mod:`bagua_torch.bagua_module`) communicates *buckets*. Parameters are taken in
 **reverse registration order** (the order in which the backward pass usually produces their
 gradients, as in ``torch.nn.parallel.DistributedDataParallel``) and grouped by dtype and device
 with the rule of :mod:`bagua_common.comm.bucket_plan`, shared with the JAX front end: at most

@@ -1,7 +1,7 @@
 """``torch.nn.parallel.DistributedDataParallel``'s spelling of the data-parallel wrapper.
 
 :class:`DistributedDataParallel` takes DDP's arguments and builds a
-:class:`~bagua_torch.distributed.BaguaModule` (see :mod:`bagua_torch.distributed`).
+:class:`~bagua_torch.bagua_module.BaguaModule` (see :mod:`bagua_torch.bagua_module`).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from bagua_torch.algorithms.base import Algorithm
+from bagua_torch.bagua_module import BaguaModule, SyncPoint
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES
-from bagua_torch.distributed import BaguaModule, SyncPoint
 
 __all__ = ["DistributedDataParallel"]
 

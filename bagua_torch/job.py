@@ -21,7 +21,10 @@ communicators the algorithms use:
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -41,14 +44,19 @@ from bagua_torch.communicator import (
 
 @dataclass
 class BaguaProcessGroup:
-    """The communicators of a job and where this process sits in it (see the module docstring).
+    """A group of the job's ranks, its communicators, and where this process sits in the job.
 
-    ``native`` tells whether ``communicators.world`` is a :class:`~bagua_torch.NativeCommunicator`;
-    ``backend`` is the ``torch.distributed`` backend (None if ``torch.distributed`` was not
-    initialized, which happens only for a native MPI job without ``MASTER_ADDR``).
+    :func:`init_process_group` makes the job's world group (the default, see the module
+    docstring); :func:`new_group` and :func:`from_torch_group` groups of some ranks. ``ranks`` are
+    the members' job ranks, in order; ``communicators`` is None on a rank that is not a member.
+    ``rank``, ``size``, ``local_rank``, ``local_size`` and ``device`` are this process's place in
+    the job. ``native`` tells whether the world communicator is a
+    :class:`~bagua_torch.NativeCommunicator`; ``backend`` is the ``torch.distributed`` backend
+    (None if ``torch.distributed`` was not initialized, which happens only for a native MPI job
+    without ``MASTER_ADDR``).
     """
 
-    communicators: Communicators
+    communicators: Communicators | None
     rank: int
     size: int
     local_rank: int
@@ -57,6 +65,11 @@ class BaguaProcessGroup:
     backend: str | None
     native: bool
     store: Any = None
+    ranks: Sequence[int] = ()
+    name: str = "default"
+
+    def __post_init__(self) -> None:
+        self.ranks: list[int] = list(self.ranks) or list(range(self.size))
 
     @property
     def world(self) -> Communicator:
@@ -73,13 +86,14 @@ class BaguaProcessGroup:
     def close(self) -> None:
         """Release native communicators (torch.distributed itself is left alone)."""
         seen = set()
-        for comm in self.communicators:
+        for comm in self.communicators or ():
             if isinstance(comm, NativeCommunicator) and id(comm) not in seen:
                 seen.add(id(comm))
                 comm.close()
 
 
 _default: BaguaProcessGroup | None = None
+_GROUP_NUMBERS = itertools.count(1)
 
 
 def _argument_or_environment(name: str, value: Any, key: str) -> int | None:
@@ -272,6 +286,42 @@ def get_process_group() -> BaguaProcessGroup:
     return _default
 
 
+def new_group(ranks: Sequence[int] | None = None) -> BaguaProcessGroup:
+    """A group of the job's ``ranks`` (default all); collective: every rank of the job calls it, in the same order.
+
+    Its communicator splits the native world communicator, or is a new ``torch.distributed``
+    group; on ranks outside the group ``communicators`` is None.
+    """
+    job = get_process_group()
+    ranks = sorted(range(job.size) if ranks is None else (int(r) for r in ranks))
+    for r in ranks:
+        if not 0 <= r < job.size:
+            raise ValueError(f"new_group: invalid rank {r}, should be non-negative and less than world size {job.size}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"new_group: ranks repeat: {ranks}")
+    name = f"bagua/group{next(_GROUP_NUMBERS)}"
+    member = job.rank in ranks
+    if isinstance(job.world, NativeCommunicator):
+        child = job.world.split(0 if member else 1, job.rank, name=name)
+        if not member:
+            child.close()
+        communicators = Communicators(child) if member else None
+    else:
+        torch_group = dist.new_group(ranks)
+        communicators = Communicators(ProcessGroupCommunicator(torch_group, name=name)) if member else None
+    return dataclasses.replace(job, communicators=communicators, store=None, ranks=ranks, name=name)
+
+
+def from_torch_group(group: dist.ProcessGroup) -> BaguaProcessGroup:
+    """The group of a ``torch.distributed`` group's ranks, communicating over that group (this rank is a member)."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"from_torch_group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    name = f"bagua/torch-group{next(_GROUP_NUMBERS)}"
+    communicators = Communicators(ProcessGroupCommunicator(group, name=name))
+    ranks = dist.get_process_group_ranks(group)
+    return dataclasses.replace(get_process_group(), communicators=communicators, store=None, ranks=ranks, name=name)
+
+
 def communicators_from(process_group: Any) -> Communicators:
     """Turn what a user may pass as ``process_group`` into :class:`Communicators`.
 
@@ -290,6 +340,8 @@ def communicators_from(process_group: Any) -> Communicators:
             "before wrapping a model, or pass process_group="
         )
     if isinstance(process_group, BaguaProcessGroup):
+        if process_group.communicators is None:
+            raise ValueError(f"this rank is not a member of process group {process_group.name!r} {process_group.ranks}")
         return process_group.communicators
     if isinstance(process_group, Communicators):
         return process_group

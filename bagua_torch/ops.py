@@ -17,7 +17,7 @@ import torch
 from bagua_common.algorithms.kernel_dtypes import KERNEL_FLOAT_DTYPES
 from bagua_common.comm.bagua_net import bagua_net_plugin_path
 
-Format = Literal["minmax_uint8", "sign"]
+Format = Literal["minmax_uint8", "minmax_uint4", "sign"]
 KERNEL_FLOATS = tuple(getattr(torch, name) for name in KERNEL_FLOAT_DTYPES)
 """The dtypes of :data:`bagua_common.algorithms.kernel_dtypes.KERNEL_FLOAT_DTYPES` as torch dtypes."""
 
@@ -146,6 +146,44 @@ def minmax_uint8_decompress_reduce(
 ) -> torch.Tensor:
     """Decode ``k`` single-chunk buffers of ``m`` elements laid end to end and sum or average them in float32."""
     return _decompress_reduce("minmax_uint8", compressed, m, k, average, dtype, out)
+
+
+def minmax_uint4_compress(x: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Compress ``x`` (flattened) into ``k`` chunks of 4-bit min-max codes, two per byte (see
+    :func:`bagua_jax.ops.minmax_uint4_compress`)."""
+    return _compress("minmax_uint4", x, k, out)
+
+
+def minmax_uint4_compress_ef(
+    x: torch.Tensor, residual: torch.Tensor, k: int, *, out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """4-bit compress ``x + residual``; ``residual`` is updated in place (see :func:`minmax_uint8_compress_ef`)."""
+    return _compress_ef("minmax_uint4", x, residual, k, out)
+
+
+def minmax_uint4_decompress(
+    compressed: torch.Tensor,
+    n: int,
+    k: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode ``n`` elements compressed into ``k`` chunks of 4-bit codes as a 1-D tensor of ``dtype``."""
+    return _decompress("minmax_uint4", compressed, n, k, dtype, out)
+
+
+def minmax_uint4_decompress_reduce(
+    compressed: torch.Tensor,
+    m: int,
+    k: int,
+    *,
+    average: bool = True,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decode ``k`` single-chunk 4-bit buffers of ``m`` elements laid end to end and sum or average them."""
+    return _decompress_reduce("minmax_uint4", compressed, m, k, average, dtype, out)
 
 
 def sign_compress(x: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -38,20 +38,23 @@ def unflatten(flat: list[np.ndarray], buckets: list[list[str]], shapes: dict[str
     return out
 
 
-def minmax_allreduce(xs: list[np.ndarray], residuals: list[np.ndarray] | None, average: bool):
+def minmax_allreduce(xs: list[np.ndarray], residuals: list[np.ndarray] | None, average: bool, bits: int = 8):
     """ByteGrad's compressed allreduce among ``len(xs)`` ranks holding ``xs``: compress into k chunks
-    (with error feedback when ``residuals`` is given), all-to-all the slots, decode-reduce, recompress
-    one chunk, gather. Returns (the result every rank decodes, the new residuals or None)."""
+    of ``bits``-bit codes (with error feedback when ``residuals`` is given), all-to-all the slots,
+    decode-reduce, recompress one chunk, gather. Returns (the result every rank decodes, the new
+    residuals or None)."""
     k = len(xs)
     m = xs[0].size // k
-    compressed = [ref.minmax_compress(x, k, None if residuals is None else residuals[r]) for r, x in enumerate(xs)]
+    compressed = [
+        ref.minmax_compress(x, k, None if residuals is None else residuals[r], bits=bits) for r, x in enumerate(xs)
+    ]
     slot = compressed[0][0].size // k
     chunks = []
     for r in range(k):
         received = np.concatenate([packed[r * slot : (r + 1) * slot] for packed, _ in compressed])
-        mine = ref.decompress_reduce(received, m, k, "minmax_uint8", average)
-        chunks.append(ref.minmax_compress(mine, 1)[0])
-    result = ref.minmax_decompress(np.concatenate(chunks), k * m, k)
+        mine = ref.decompress_reduce(received, m, k, f"minmax_uint{bits}", average)
+        chunks.append(ref.minmax_compress(mine, 1, bits=bits)[0])
+    result = ref.minmax_decompress(np.concatenate(chunks), k * m, k, bits=bits)
     return result, None if residuals is None else [res for _, res in compressed]
 
 

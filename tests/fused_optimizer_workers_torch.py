@@ -73,6 +73,7 @@ def build(name: str, model: nn.Module):
     options = {
         "powersgd": {"rank": 2, "start_iter": 2},
         "async": {"sync_interval_ms": 0, "warmup_steps": ASYNC_WARMUP},
+        "diloco": {"sync_every": 2},
     }.get(name, {})
     return make_adam(model), algorithms.get_algorithm(name, **options)
 

@@ -26,9 +26,16 @@ def _slot(header: np.ndarray, payload: np.ndarray) -> np.ndarray:
     return np.concatenate([header.astype(F32).view(np.uint8), body])
 
 
+def payload_size(elements: int, format: str) -> int:
+    """Bytes of a chunk's codes: one per element (8-bit), one per two (4-bit) or one per eight (sign)."""
+    per_byte = {"minmax_uint8": 1, "minmax_uint4": 2, "sign": 8}[format]
+    return -(-elements // per_byte)
+
+
 def compressed_size(n: int, k: int, format: str) -> int:
-    per_element = (lambda m: m) if format == "minmax_uint8" else (lambda m: -(-m // 8))
-    return sum(HEADER_BYTES + -(-per_element(e - b) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT for b, e in chunk_bounds(n, k))
+    return sum(
+        HEADER_BYTES + -(-payload_size(e - b, format) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT for b, e in chunk_bounds(n, k)
+    )
 
 
 def _with_residual(x: np.ndarray, residual: np.ndarray | None) -> np.ndarray:
@@ -36,7 +43,15 @@ def _with_residual(x: np.ndarray, residual: np.ndarray | None) -> np.ndarray:
     return y if residual is None else (y + residual.astype(F32).reshape(-1)).astype(F32)
 
 
-# ---- MinMaxUInt8 ---------------------------------------------------------------
+# ---- MinMaxUInt8 and MinMaxUInt4 -------------------------------------------------
+#
+# The same zero-anchored grid for both: 2**bits codes, 2**bits - 2 steps (254 or 14) between a chunk's
+# minimum and maximum, the largest code left for rounding. 4-bit codes pack two per byte, element 2i in
+# the low nibble of byte i.
+
+
+def minmax_steps(bits: int) -> int:
+    return (1 << bits) - 2
 
 
 def minmax_bounds(seg: np.ndarray) -> tuple[np.float32, np.float32]:
@@ -56,7 +71,9 @@ def minmax_wide(lo: np.float32, hi: np.float32) -> bool:
     return bool(np.isfinite(magnitude) and (magnitude >= 2.0**126 or 0 < span < 2.0**-118))
 
 
-def minmax_grid(lo: np.float32, hi: np.float32) -> tuple[np.floating, np.floating, np.floating, np.floating]:
+def minmax_grid(
+    lo: np.float32, hi: np.float32, bits: int = 8
+) -> tuple[np.floating, np.floating, np.floating, np.floating]:
     """(z, scale, base, step): the zero-anchored grid of a chunk with bounds lo, hi.
 
     float32 values, each step rounded to float32; float64 ones for a chunk that float32 cannot grid
@@ -66,24 +83,24 @@ def minmax_grid(lo: np.float32, hi: np.float32) -> tuple[np.floating, np.floatin
     z = t(0) if lo <= 0 <= hi else t(lo)
     with np.errstate(all="ignore"):
         span = t(t(hi) - t(lo))
-        scale = t(t(254) / span)
+        scale = t(t(minmax_steps(bits)) / span)
         base = np.rint(t(t(t(lo) - z) * scale))
-        step = t(span / t(254))
+        step = t(span / t(minmax_steps(bits)))
     base = t(0) if np.isnan(base) else t(base)  # a constant chunk: 0 * inf
     return z, scale, base, step
 
 
-def minmax_encode(seg: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
-    z, scale, base, _ = minmax_grid(lo, hi)
+def minmax_encode(seg: np.ndarray, lo: np.float32, hi: np.float32, bits: int = 8) -> np.ndarray:
+    z, scale, base, _ = minmax_grid(lo, hi, bits)
     t = type(z)
     with np.errstate(all="ignore"):
         v = (np.rint(((seg.astype(t) - z).astype(t) * scale).astype(t)) - base).astype(t)
     v = np.where(np.isnan(v), t(0), v)  # a constant chunk (0 * inf) or a NaN chunk
-    return np.clip(v, 0, 255).astype(np.uint8)
+    return np.clip(v, 0, (1 << bits) - 1).astype(np.uint8)
 
 
-def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
-    z, _, base, step = minmax_grid(lo, hi)
+def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32, bits: int = 8) -> np.ndarray:
+    z, _, base, step = minmax_grid(lo, hi, bits)
     k = (q.astype(F32) + F32(base)).astype(F32)
     if type(z) is F32:
         return (z + (k * step).astype(F32)).astype(F32)
@@ -96,17 +113,43 @@ def minmax_decode(q: np.ndarray, lo: np.float32, hi: np.float32) -> np.ndarray:
     return (np.clip(v, -limit, limit) * unit).astype(F32)
 
 
-def minmax_compress(x: np.ndarray, k: int, residual: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Return (compressed bytes, new residual y - decode) for y = x (+ residual)."""
+def assert_within_minmax_bound(x: np.ndarray, decoded: np.ndarray, k: int, bits: int = 8) -> None:
+    """The SPEC bound: half a step, (hi - lo) / 508 (8 bits) or / 28 (4 bits), per element, plus float32
+    rounding of the step and the result."""
+    assert np.isfinite(decoded).all()
+    for b, e in chunk_bounds(x.size, k):
+        if b == e:
+            continue
+        seg = x[b:e].astype(np.float64)
+        span = seg.max() - seg.min()
+        bound = span / (2 * minmax_steps(bits)) + 2**-21 * (span + np.abs(seg)) + 2**-149
+        assert np.all(np.abs(decoded[b:e].astype(np.float64) - seg) <= bound)
+
+
+def pack_nibbles(q: np.ndarray) -> np.ndarray:
+    """4-bit codes two per byte, element 2i in the low nibble of byte i (an odd count's last high nibble: 0)."""
+    padded = np.zeros(-(-q.size // 2) * 2, np.uint8)
+    padded[: q.size] = q
+    return padded[0::2] | (padded[1::2] << 4)
+
+
+def unpack_nibbles(packed: np.ndarray, count: int) -> np.ndarray:
+    return np.stack([packed & 0xF, packed >> 4], axis=1).reshape(-1)[:count]
+
+
+def minmax_compress(
+    x: np.ndarray, k: int, residual: np.ndarray | None = None, bits: int = 8
+) -> tuple[np.ndarray, np.ndarray]:
+    """Return (compressed bytes, new residual y - decode) for y = x (+ residual), with 8- or 4-bit codes."""
     y = _with_residual(x, residual)
     slots, new_residual = [], np.empty_like(y)
     for b, e in chunk_bounds(y.size, k):
         seg = y[b:e]
         lo, hi = minmax_bounds(seg)
-        q = minmax_encode(seg, lo, hi)
+        q = minmax_encode(seg, lo, hi, bits)
         with np.errstate(all="ignore"):
-            new_residual[b:e] = seg - minmax_decode(q, lo, hi)
-        slots.append(_slot(np.array([lo, hi, 0, 0], F32), q))
+            new_residual[b:e] = seg - minmax_decode(q, lo, hi, bits)
+        slots.append(_slot(np.array([lo, hi, 0, 0], F32), q if bits == 8 else pack_nibbles(q)))
     return np.concatenate(slots), new_residual
 
 
@@ -114,15 +157,16 @@ def _slots(buffer: np.ndarray, n: int, k: int, format: str):
     offset = 0
     for b, e in chunk_bounds(n, k):
         header = buffer[offset : offset + 8].view(F32)
-        payload = (e - b) if format == "minmax_uint8" else -(-(e - b) // 8)
+        payload = payload_size(e - b, format)
         yield b, e, header, buffer[offset + HEADER_BYTES : offset + HEADER_BYTES + payload]
         offset += HEADER_BYTES + -(-payload // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
 
-def minmax_decompress(buffer: np.ndarray, n: int, k: int) -> np.ndarray:
+def minmax_decompress(buffer: np.ndarray, n: int, k: int, bits: int = 8) -> np.ndarray:
     out = np.empty(n, F32)
-    for b, e, header, codes in _slots(buffer, n, k, "minmax_uint8"):
-        out[b:e] = minmax_decode(codes, header[0], header[1])
+    for b, e, header, codes in _slots(buffer, n, k, f"minmax_uint{bits}"):
+        q = codes if bits == 8 else unpack_nibbles(codes, e - b)
+        out[b:e] = minmax_decode(q, header[0], header[1], bits)
     return out
 
 
@@ -156,7 +200,11 @@ def sign_decompress(buffer: np.ndarray, n: int, k: int) -> np.ndarray:
 
 def decompress_reduce(buffers: np.ndarray, m: int, k: int, format: str, average: bool) -> np.ndarray:
     """Sum (or average) in float32, in order, the k single-chunk buffers of m elements."""
-    decode = minmax_decompress if format == "minmax_uint8" else sign_decompress
+    decode = {
+        "minmax_uint8": minmax_decompress,
+        "minmax_uint4": lambda buffer, n, k: minmax_decompress(buffer, n, k, bits=4),
+        "sign": sign_decompress,
+    }[format]
     size = compressed_size(m, 1, format)
     decoded = [decode(buffers[j * size : (j + 1) * size], m, 1) for j in range(k)]
     acc = np.zeros(m, F32)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
+import redis
 import torch
 
 from bagua_common.data.cache_stores import LmdbStore, MemoryStore
+from bagua_common.data.redis_server import RedisServer
 from bagua_torch.torch_api import contrib
 
 
@@ -90,7 +93,7 @@ def test_cached_dataset_and_cache_loader_read_through_once(backend, tmp_path, mo
 def test_backend_is_honoured_and_a_shared_store_needs_a_name(tmp_path, monkeypatch):
     monkeypatch.delenv("BAGUA_CACHE_URL", raising=False)
     monkeypatch.setenv("BAGUA_CACHE_DIR", str(tmp_path))
-    with pytest.raises(ValueError, match="BAGUA_CACHE_URL is unset"):
+    with pytest.raises(ValueError, match="--cache-server redis, or use backend='lmdb'"):
         contrib.CachedDataset(Slow(), backend="redis", dataset_name="slow")
     for backend in ("redis", "lmdb"):
         with pytest.raises(ValueError, match="dataset_name is required"):
@@ -109,3 +112,16 @@ def test_sync_batchnorm_converts_every_batchnorm_layer():
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm1d(3))
     converted = contrib.sync_batchnorm.SyncBatchNorm.convert_sync_batchnorm(model)
     assert [type(m).__name__ for m in converted] == ["Conv2d", "SyncBatchNorm", "SyncBatchNorm"]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # starting the server forks; JAX may be loaded
+def test_redis_backend_is_the_jobs_server(monkeypatch):
+    with RedisServer(1 << 24) as server:
+        for name, value in server.environment().items():
+            monkeypatch.setenv(name, value)
+        slow = Slow()
+        cached = contrib.CachedDataset(slow, backend="redis", dataset_name="slow")
+        assert cached.loader.store.urls == [server.url]
+        assert [cached[i] for i in (1, 2, 1)] == [10, 20, 10] and slow.reads == [1, 2]
+        assert len(redis.Redis.from_url(server.url).keys("*")) == 2

@@ -22,7 +22,7 @@ from bagua_common.data.cache_stores import (
     shard_of,
 )
 from bagua_common.data.cached_dataset import CachedDataset, CacheLoader
-from bagua_common.data.private_files import private_directory
+from bagua_common.data.private_files import job_directory, private_directory
 
 
 @pytest.fixture
@@ -267,3 +267,17 @@ def test_the_default_store_is_installed_with_the_package():
     with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
         dependencies = tomllib.load(f)["project"]["dependencies"]
     assert any(d.split(">")[0].split("=")[0].strip() == "lmdb" for d in dependencies)
+
+
+def test_a_new_job_directory_removes_those_of_dead_jobs(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"bagua-job-cache-{ended.stdout.strip()}-a"  # its launcher was SIGKILLed
+    running = tmp_path / f"bagua-job-cache-{os.getpid()}-b"
+    unrelated = tmp_path / "bagua-job-cache-notes"
+    for path in (orphan, running, unrelated):
+        path.mkdir()
+    made = job_directory()
+    assert not orphan.exists() and running.exists() and unrelated.exists()
+    assert os.path.basename(made).startswith(f"bagua-job-cache-{os.getpid()}-")
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700

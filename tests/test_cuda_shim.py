@@ -56,15 +56,16 @@ def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
 
         x = load("x", dtype)
         residual = load("residual", np.float32) if feedback == "1" else None
-        minmax, expected_residual = ref.minmax_compress(x, k, residual)
-        np.testing.assert_array_equal(load("minmax"), minmax, err_msg=prefix)
-        if residual is not None:
-            np.testing.assert_array_equal(load("minmax_residual", np.float32), expected_residual, err_msg=prefix)
-        np.testing.assert_array_equal(
-            load("minmax_decoded", dtype),
-            ref.minmax_decompress(minmax, n, k).astype(dtype),
-            err_msg=prefix,
-        )
+        for name, bits in (("minmax", 8), ("minmax4", 4)):
+            minmax, expected_residual = ref.minmax_compress(x, k, residual, bits=bits)
+            np.testing.assert_array_equal(load(name), minmax, err_msg=prefix)
+            if residual is not None:
+                np.testing.assert_array_equal(load(f"{name}_residual", np.float32), expected_residual, err_msg=prefix)
+            np.testing.assert_array_equal(
+                load(f"{name}_decoded", dtype),
+                ref.minmax_decompress(minmax, n, k, bits=bits).astype(dtype),
+                err_msg=prefix,
+            )
         signs = load("sign")
         expected_signs, _ = ref.sign_compress(x, k, residual)
         np.testing.assert_array_equal(

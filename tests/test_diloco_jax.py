@@ -15,7 +15,9 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
+from multiprocess import run_ranks
 
+import bagua_jax
 from bagua_jax import checkpoint
 from bagua_jax.algorithms import DiLoCo, GradientAllReduce, make_algorithm
 from bagua_jax.trainer import DataParallel
@@ -149,3 +151,48 @@ def test_more_fragments_than_parameters_is_a_clear_error():
     trainer = make(DiLoCo(sync_every=8, fragments=4))
     with pytest.raises(ValueError, match=r"fragments \(4\) must not exceed the number of parameters \(3\)"):
         trainer.init(ref.initial(0))
+
+
+NATIVE_OPTIONS = [{"sync_every": 3}, {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1}]
+
+
+def native_worker(seed: int, steps: int) -> list[list[dict[str, np.ndarray]]]:
+    """One rank under mpiexec: each of NATIVE_OPTIONS with the native MPI communicator (the round start in host
+    memory, the default, which on CPU is the device's memory)."""
+    comm = bagua_jax.NativeCommunicator.mpi_world()
+    rank = int(comm.rank())
+    histories = []
+    for options in NATIVE_OPTIONS:
+        trainer = DataParallel(
+            lambda p, b: loss_fn(p, {k: v[None] for k, v in b.items()}),
+            optax.sgd(ref.INNER_LR),
+            DiLoCo(**options),
+            communicator=comm,
+        )
+        state, history = trainer.init(ref.initial(seed)), []
+        for t in range(1, steps + 1):
+            state, _ = trainer.step(state, ref.target(seed, t, rank))
+            history.append(jax.device_get(state.params))
+        histories.append(history)
+    return histories
+
+
+@pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
+def test_native_communicator_matches_the_numpy_simulation(rng):
+    seed, steps = int(rng.integers(2**20)), 9
+    results = run_ranks("test_diloco_jax:native_worker", 2, seed, steps, launcher="mpiexec", timeout=180)
+    for index, options in enumerate(NATIVE_OPTIONS):
+        want = ref.simulate(
+            2,
+            steps,
+            seed,
+            sync_every=options["sync_every"],
+            fragments=options.get("fragments", 1),
+            delay=options.get("fragment_sync_delay", 0),
+        )
+        for result in results:
+            for t, params in enumerate(result.value[index]):
+                for k in ref.SHAPES:
+                    np.testing.assert_allclose(
+                        params[k], want[t][result.rank][k], rtol=2e-5, atol=2e-6, err_msg=f"{options} {t} {k}"
+                    )

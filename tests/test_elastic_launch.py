@@ -43,6 +43,8 @@ def test_usage_errors():
     assert result.returncode == 2 and "not available in elastic mode" in result.stderr, result.stderr
     result = launch("--max-restarts", "1", "--timeout", "60", "x.py")
     assert result.returncode == 2 and "--timeout is not available" in result.stderr, result.stderr
+    result = launch("--max-restarts", "1", "--cache-dir", "/tmp", "x.py")
+    assert result.returncode == 2 and "--cache-dir is not available" in result.stderr, result.stderr
 
 
 def test_restart_after_a_failure_keeps_the_output_format(tmp_path):

@@ -260,6 +260,7 @@ ALGORITHMS = [
     "async",
     "qadam",
     "onebit_adam",
+    "diloco",
 ]
 REFUSED = {"qadam": "QAdamOptimizer", "onebit_adam": "OneBitAdamOptimizer"}
 IDENTICAL_REPLICAS = ("gradient_allreduce", "bytegrad", "powersgd")
@@ -319,3 +320,41 @@ def test_fusing_the_adam_family_is_refused_by_name(fused_runs, algorithm):
             "depends on the whole tensor), so fusing would change its math; pass elementwise=True only if you know it is"
         }
         assert len(result.value[algorithm]["False"]["steps"]) == 6
+
+
+class WarmupSGD(torch.optim.Optimizer):
+    """SGD whose step grows to ``lr`` over ``warmup`` steps; ``warmup`` is kept as an attribute, not a default."""
+
+    def __init__(self, params, lr: float = 0.1, warmup: int = 2):
+        super().__init__(params, {"lr": lr})
+        self.warmup = warmup
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    state["t"] = state.get("t", 0) + 1
+                    p.add_(p.grad, alpha=-group["lr"] * min(1.0, state["t"] / self.warmup))
+
+
+def test_a_constructor_argument_kept_outside_the_defaults_survives_fusing(rng):
+    """Rebuilt from its defaults alone, the fused copy would warm up over 2 steps instead of 8 (the first-step
+    check cannot see it: it rebuilds the same way)."""
+    data = [torch.from_numpy(rng.standard_normal((4, 6)).astype(np.float32)) for _ in range(6)]
+
+    def run(fused: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1))
+        optimizer = WarmupSGD(model.parameters(), lr=0.1, warmup=8)
+        if fused:
+            optimizer = fuse_optimizer(optimizer)
+        for x in data:
+            optimizer.zero_grad()
+            model(x).pow(2).sum().backward()
+            optimizer.step()
+        return list(model.parameters())
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)

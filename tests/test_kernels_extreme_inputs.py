@@ -66,6 +66,10 @@ def _front_end(name: str):
         "minmax_compress_ef": call(ops.minmax_uint8_compress_ef),
         "minmax_decompress": call(ops.minmax_uint8_decompress),
         "minmax_reduce": call(ops.minmax_uint8_decompress_reduce),
+        "minmax4_compress": call(ops.minmax_uint4_compress),
+        "minmax4_compress_ef": call(ops.minmax_uint4_compress_ef),
+        "minmax4_decompress": call(ops.minmax_uint4_decompress),
+        "minmax4_reduce": call(ops.minmax_uint4_decompress_reduce),
         "sign_compress": call(ops.sign_compress),
         "sign_compress_ef": call(ops.sign_compress_ef),
         "sign_decompress": call(ops.sign_decompress),
@@ -88,8 +92,9 @@ def kernels(request):
     return _front_end(request.param)
 
 
-def assert_in_bound(x: np.ndarray, decoded: np.ndarray) -> None:
-    """(hi - lo) / 508 per element plus float32 rounding, computed in float64 (hi - lo may overflow float32).
+def assert_in_bound(x: np.ndarray, decoded: np.ndarray, bits: int) -> None:
+    """Half a step, (hi - lo) / 508 (8 bits) or / 28 (4 bits), per element plus float32 rounding, computed in
+    float64 (hi - lo may overflow float32).
 
     The rounding: of the float32 step (a relative 2**-24 of (hi - lo) over up to 254 steps) and of the result.
     """
@@ -98,33 +103,40 @@ def assert_in_bound(x: np.ndarray, decoded: np.ndarray) -> None:
         seg = x[b:e].astype(np.float64)
         span = seg.max() - seg.min()
         ulp = np.maximum(np.spacing(np.abs(seg)) * 2.0**29, 2.0**-149)  # float32's ulp, from float64's
-        assert np.all(np.abs(decoded[b:e].astype(np.float64) - seg) <= span / 508 + span * 2.0**-21 + 2 * ulp)
+        half_step = span / (2 * ref.minmax_steps(bits))
+        assert np.all(np.abs(decoded[b:e].astype(np.float64) - seg) <= half_step + span * 2.0**-21 + 2 * ulp)
 
 
+CODECS = {8: "minmax", 4: "minmax4"}
+
+
+@pytest.mark.parametrize("bits", CODECS)
 @pytest.mark.parametrize("case", CASES)
-def test_minmax_codes_decode_finite_within_the_bound(kernels, case):
+def test_minmax_codes_decode_finite_within_the_bound(kernels, case, bits):
+    codec = CODECS[bits]
     x = extreme_chunks(np.random.default_rng(0))[case]
     assert all(ref.minmax_wide(*ref.minmax_bounds(x[b:e])) for b, e in ref.chunk_bounds(x.size, K))
-    expected, expected_residual = ref.minmax_compress(x, K)
-    compressed = kernels["minmax_compress"](x, K)
+    expected, expected_residual = ref.minmax_compress(x, K, bits=bits)
+    compressed = kernels[f"{codec}_compress"](x, K)
     np.testing.assert_array_equal(compressed, expected)
-    decoded = kernels["minmax_decompress"](compressed, x.size, K)
-    np.testing.assert_array_equal(decoded, ref.minmax_decompress(expected, x.size, K))
-    assert_in_bound(x, decoded)
+    decoded = kernels[f"{codec}_decompress"](compressed, x.size, K)
+    np.testing.assert_array_equal(decoded, ref.minmax_decompress(expected, x.size, K, bits=bits))
+    assert_in_bound(x, decoded, bits)
     assert np.all(decoded[x == 0] == 0)
-    compressed, residual = kernels["minmax_compress_ef"](x, np.zeros(x.size, F32), K)
+    compressed, residual = kernels[f"{codec}_compress_ef"](x, np.zeros(x.size, F32), K)
     np.testing.assert_array_equal(compressed, expected)
     np.testing.assert_array_equal(residual, expected_residual)
     assert np.isfinite(residual).all()
 
 
+@pytest.mark.parametrize("bits", CODECS)
 @pytest.mark.parametrize("average", [True, False])
 @pytest.mark.parametrize("case", CASES)
-def test_minmax_decompress_reduce_of_extreme_chunks(kernels, case, average):
+def test_minmax_decompress_reduce_of_extreme_chunks(kernels, case, average, bits):
     x = extreme_chunks(np.random.default_rng(0))[case]
-    buffers = np.concatenate([ref.minmax_compress(x[b:e], 1)[0] for b, e in ref.chunk_bounds(x.size, K)])
-    out = kernels["minmax_reduce"](buffers, CHUNK, K, average=average)
-    np.testing.assert_array_equal(out, ref.decompress_reduce(buffers, CHUNK, K, "minmax_uint8", average))
+    buffers = np.concatenate([ref.minmax_compress(x[b:e], 1, bits=bits)[0] for b, e in ref.chunk_bounds(x.size, K)])
+    out = kernels[f"{CODECS[bits]}_reduce"](buffers, CHUNK, K, average=average)
+    np.testing.assert_array_equal(out, ref.decompress_reduce(buffers, CHUNK, K, f"minmax_uint{bits}", average))
     if average:  # an average of finite values is finite, even where their float32 sum is not
         assert np.isfinite(out).all()
 
@@ -181,6 +193,7 @@ def test_jax_and_torch_give_the_same_bytes_for_subnormals():
     jax_kernels, torch_kernels = _front_end("jax"), _front_end("torch")
     for x in extreme_chunks(np.random.default_rng(3)).values():
         np.testing.assert_array_equal(jax_kernels["minmax_compress"](x, K), torch_kernels["minmax_compress"](x, K))
+        np.testing.assert_array_equal(jax_kernels["minmax4_compress"](x, K), torch_kernels["minmax4_compress"](x, K))
         np.testing.assert_array_equal(jax_kernels["sign_compress"](x, K), torch_kernels["sign_compress"](x, K))
 
 

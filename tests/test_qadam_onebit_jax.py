@@ -68,7 +68,7 @@ def make_data(seed: int, n: int) -> tuple[dict, list[dict]]:
     ]
     # Coordinates whose v freezes at zero and whose momentum then moves (bagua_common.algorithms.frozen_variance):
     # a row of "a" (floored at 1% of a's mean v) and all of "b" (its mean is 0: the model's is used). 1-bit Adam
-    # holds their momentum at zero instead (its sign codes cannot send a zero), so there they must not move.
+    # holds the momentum of "b", a leaf with no gradient in the whole warm-up, at zero: there it must not move.
     for g in grads[:WARMUP]:
         g["a"][:, 0] = 0.0
         g["b"][:] = 0.0
@@ -177,8 +177,9 @@ class Simulation:
             self.m = {k: F32(1 - B1) * g[k] + F32(B1) * self.m[k] for k in g}
             self.v = {k: F32(1 - B2) * (g[k] * g[k]) + F32(B2) * self.v[k] for k in g}
         else:  # frozen v; each rank's momentum is averaged through compression
-            # 1-bit Adam holds the momentum at zero where v froze at zero (sign codes cannot send a zero).
-            held = {k: (self.v[k] == 0) & self.sign for k in self.v}
+            # 1-bit Adam holds the momentum of a leaf whose v froze at zero throughout at zero (sign codes cannot
+            # send a zero).
+            held = {k: self.sign and not self.v[k].any() for k in self.v}
             local = [
                 self.flatten(
                     {k: np.where(held[k], F32(0), F32(1 - B1) * grads[k][r] + F32(B1) * self.m[k]) for k in grads}
@@ -225,12 +226,20 @@ def communicators(n: int, two_level: bool) -> tuple[Mesh, Communicators, object]
 
 
 @functools.cache
-def stepper(algorithm: str, n: int, two_level: bool = False, hierarchical: bool = True, schedule: bool = False):
-    """``(tx, step)``: the algorithm's transform and one jitted shard_map step over all ranks."""
+def stepper(
+    algorithm: str,
+    n: int,
+    two_level: bool = False,
+    hierarchical: bool = True,
+    schedule: bool = False,
+    bare: bool = False,
+):
+    """``(tx, step)``: the algorithm's transform and one jitted shard_map step over all ranks (``bare``: built on
+    the world communicator alone, as the README shows, instead of :class:`Communicators`)."""
     mesh, comms, axes = communicators(n, two_level)
     tx = ALGORITHMS[algorithm](
         SCHEDULE if schedule else LR, warmup_steps=WARMUP, hierarchical=hierarchical, bucket_bytes=BUCKET_BYTES
-    ).transformation(None, comms)
+    ).transformation(None, comms.world if bare else comms)
 
     def step(params, state, grads):
         mine = jax.tree.map(lambda x: x[0], (params, state, grads))  # this rank's slice of the leading axis
@@ -247,10 +256,16 @@ def replicate(tree, n: int):
 
 @functools.cache
 def run(
-    algorithm: str, n: int, seed: int, two_level: bool = False, hierarchical: bool = True, schedule: bool = False
+    algorithm: str,
+    n: int,
+    seed: int,
+    two_level: bool = False,
+    hierarchical: bool = True,
+    schedule: bool = False,
+    bare: bool = False,
 ) -> list:
     """``[(params, state)]`` as NumPy trees with a leading rank axis, after 0, 1, ..., STEPS steps."""
-    tx, step = stepper(algorithm, n, two_level, hierarchical, schedule)
+    tx, step = stepper(algorithm, n, two_level, hierarchical, schedule, bare)
     params, grads = make_data(seed, n)
     carry = (replicate(params, n), replicate(tx.init(params), n))
     history = [numpy_tree(carry)]
@@ -434,7 +449,7 @@ def local_momenta(before, grads: dict, n: int) -> list[list[np.ndarray]]:
     mu = jax.tree.map(lambda x: x[0], before.adam.mu)
     keep = {k: np.ones(s, bool) for k, s in SHAPES.items()}
     if isinstance(before, OneBitAdamState):
-        keep = {k: np.asarray(before.adam.nu[k][0]) != 0 for k in SHAPES}
+        keep = {k: np.full(SHAPES[k], np.asarray(before.adam.nu[k][0]).any()) for k in SHAPES}
     return [
         buckets_of({k: np.where(keep[k], F32(1 - B1) * grads[k][r] + F32(B1) * mu[k], F32(0)) for k in SHAPES}, n)
         for r in range(n)
@@ -456,9 +471,9 @@ def averaged_momentum(after, n: int) -> list[np.ndarray]:
 
 
 def held(state, n: int) -> list[np.ndarray]:
-    """Per bucket, where 1-bit Adam holds the momentum at zero: its frozen v is exactly zero."""
+    """Per bucket, where 1-bit Adam holds the momentum at zero: the leaves whose frozen v is zero throughout."""
     nu = jax.tree.map(lambda x: x[0], state.adam.nu)
-    return [b > 0 for b in buckets_of({k: (nu[k] == 0).astype(F32) for k in SHAPES}, n)]
+    return [b > 0 for b in buckets_of({k: np.full(SHAPES[k], not nu[k].any(), F32) for k in SHAPES}, n)]
 
 
 def sign_decoded(y: np.ndarray, residual: np.ndarray, k: int) -> np.ndarray:
@@ -594,6 +609,13 @@ def test_with_default_compiler_flags_fused_multiply_adds_only_round_differently(
             moved = sum(np.abs(sim[s + 1].p[k] - sim[s].p[k]) for s in range(t))
             err = np.abs(history[t][0][k][0].astype(np.float64) - sim[t].p[k])
             assert np.all(err <= arithmetic_tolerance(sim, t, k) + 1e-5 * moved), (k, t)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_bare_communicator_stands_for_the_world_past_the_warmup(seed, algorithm):
+    """``.transformation(None, comm)`` with one communicator (the README's form) crashed on reading ``comms.world``
+    once the compressed exchange began; it must run every step exactly as ``Communicators(world=comm)`` does."""
+    assert_bitwise(run(algorithm, 2, seed, bare=True), run(algorithm, 2, seed))
 
 
 def test_an_optimizer_is_refused(seed):

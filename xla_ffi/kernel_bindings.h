@@ -46,9 +46,11 @@ void run(const char* name, std::initializer_list<Placement> tensors, uintptr_t s
 
 inline Format format_of(const std::string& name) {
   if (name == "minmax_uint8") return Format::kMinMaxUInt8;
+  if (name == "minmax_uint4") return Format::kMinMaxUInt4;
   if (name == "sign") return Format::kSign;
   throw nb::value_error(
-      ("unknown compression format '" + name + "'; use 'minmax_uint8' or 'sign'").c_str());
+      ("unknown compression format '" + name + "'; use 'minmax_uint8', 'minmax_uint4' or 'sign'")
+          .c_str());
 }
 
 inline void bind(nb::module_& m) {
@@ -64,7 +66,8 @@ inline void bind(nb::module_& m) {
         return compressed_bytes(format_of(format), n, k);
       },
       nb::arg("format"), nb::arg("n"), nb::arg("k"),
-      "Size in bytes of n elements compressed into k chunks ('minmax_uint8' or 'sign').");
+      "Size in bytes of n elements compressed into k chunks ('minmax_uint8', 'minmax_uint4' or "
+      "'sign').");
 
   m.def(
       "compress",

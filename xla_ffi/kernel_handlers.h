@@ -95,17 +95,25 @@ ffi::Error LowPrecDecentralizedDiff(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Any
 #define BAGUA_KERNEL_TARGETS(X)                                                                 \
   X(minmax_compress, (Compress<Exec, kMinMax>),                                                 \
     Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
+  X(minmax_uint4_compress, (Compress<Exec, kMinMax4>),                                          \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
   X(sign_compress, (Compress<Exec, kSign>),                                                     \
     Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
   X(minmax_compress_ef, (CompressWithFeedback<Exec, kMinMax>),                                  \
+    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))     \
+  X(minmax_uint4_compress_ef, (CompressWithFeedback<Exec, kMinMax4>),                           \
     Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))     \
   X(sign_compress_ef, (CompressWithFeedback<Exec, kSign>),                                      \
     Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))     \
   X(minmax_decompress, (Decompress<Exec, kMinMax>),                                             \
     Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
+  X(minmax_uint4_decompress, (Decompress<Exec, kMinMax4>),                                      \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
   X(sign_decompress, (Decompress<Exec, kSign>),                                                 \
     Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
   X(minmax_decompress_reduce, (DecompressReduce<Exec, kMinMax>),                                \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))           \
+  X(minmax_uint4_decompress_reduce, (DecompressReduce<Exec, kMinMax4>),                         \
     Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))           \
   X(sign_decompress_reduce, (DecompressReduce<Exec, kSign>),                                    \
     Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))           \
@@ -122,6 +130,7 @@ HandlerTable handlers() {
   using Buffer = ffi::AnyBuffer;
   using ffi::Ffi;
   constexpr Format kMinMax = Format::kMinMaxUInt8;
+  constexpr Format kMinMax4 = Format::kMinMaxUInt4;
   constexpr Format kSign = Format::kSign;
   BAGUA_HANDLER_TABLE(BAGUA_KERNEL_TARGETS)
 }

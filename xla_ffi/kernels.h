@@ -37,6 +37,10 @@ struct Status {
     (const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,                 \
      float* residual_out),                                                                     \
     (x, residual_in, n, k, out, residual_out))                                                 \
+  X(Device, T, minmax_uint4_compress,                                                          \
+    (const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,                 \
+     float* residual_out),                                                                     \
+    (x, residual_in, n, k, out, residual_out))                                                 \
   X(Device, T, sign_compress,                                                                  \
     (const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,                 \
      float* residual_out),                                                                     \
@@ -44,11 +48,15 @@ struct Status {
   /* Decode n elements compressed in k chunks. */                                              \
   X(Device, T, minmax_decompress, (const uint8_t* in, int64_t n, int64_t k, T* out),           \
     (in, n, k, out))                                                                           \
+  X(Device, T, minmax_uint4_decompress, (const uint8_t* in, int64_t n, int64_t k, T* out),     \
+    (in, n, k, out))                                                                           \
   X(Device, T, sign_decompress, (const uint8_t* in, int64_t n, int64_t k, T* out),             \
     (in, n, k, out))                                                                           \
   /* Decode k single-chunk buffers of m elements each and sum (or average)                     \
      them in float32 into m outputs. */                                                        \
   X(Device, T, minmax_decompress_reduce,                                                       \
+    (const uint8_t* in, int64_t m, int64_t k, bool average, T* out), (in, m, k, average, out)) \
+  X(Device, T, minmax_uint4_decompress_reduce,                                                 \
     (const uint8_t* in, int64_t m, int64_t k, bool average, T* out), (in, m, k, average, out)) \
   X(Device, T, sign_decompress_reduce,                                                         \
     (const uint8_t* in, int64_t m, int64_t k, bool average, T* out), (in, m, k, average, out)) \

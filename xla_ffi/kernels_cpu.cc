@@ -254,11 +254,43 @@ void write_header(uint8_t* out, const Chunking& chunking, int64_t c, float a, fl
   std::memset(slot + used, 0, chunking.slot_offset(c + 1) - chunking.slot_offset(c) - used);
 }
 
-template <typename T, bool kFeedback>
+// Element i of a chunk's codes (SPEC section 2, layout.h): byte i for 8-bit
+// codes; for 4-bit ones the low (even i) or high (odd i) nibble of byte i / 2.
+template <int kBits>
+uint8_t code_at(const uint8_t* codes, int64_t i) {
+  if constexpr (kBits == 8) return codes[i];
+  return (codes[i >> 1] >> ((i & 1) * 4)) & 0xf;
+}
+
+// Stores code q of element i; 4-bit codes go in increasing i from an even one,
+// so an even element's store clears the nibble its odd neighbour fills.
+template <int kBits>
+void put_code(uint8_t* codes, int64_t i, uint8_t q) {
+  if constexpr (kBits == 8) {
+    codes[i] = q;
+  } else if (i & 1) {
+    codes[i >> 1] |= static_cast<uint8_t>(q << 4);
+  } else {
+    codes[i >> 1] = q;
+  }
+}
+
+// The codes of elements i..i+7 (i even), as one 8- or 4-byte store.
+template <int kBits>
+void put_codes8(uint8_t* codes, int64_t i, i32x8 q) {
+  uint8_t bytes[kBits];
+  for (int j = 0; j < kBits; ++j)
+    bytes[j] = kBits == 8 ? static_cast<uint8_t>(q[j])
+                          : static_cast<uint8_t>(q[2 * j] | (q[2 * j + 1] << 4));
+  std::memcpy(codes + i * kBits / 8, bytes, sizeof bytes);
+}
+
+template <int kBits, typename T, bool kFeedback>
 void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
                           float* residual_out) {
+  constexpr float kTop = math::MinMaxCodes<kBits>::kTop;
   const IeeeSubnormals ieee;
-  const Chunking chunking{Format::kMinMaxUInt8, n, k};
+  const Chunking chunking{kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4, n, k};
   const ChunkBlocks blocks(chunking);
   const Source<T, kFeedback> src{x, residual_in};
   std::vector<Range> partial(blocks.tasks());
@@ -276,9 +308,9 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
   parallel_for(blocks.tasks(), n, [&](int64_t t) {
     const int64_t c = blocks.chunk(t);
     const float* h = header(out, chunking, c);
-    const math::MinMaxGrid grid = math::minmax_grid(h[0], h[1]);
+    const math::MinMaxGrid grid = math::minmax_grid<kBits>(h[0], h[1]);
     const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
-    uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes - first;
+    uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes;
     // math::minmax_encode and minmax_decode, eight lanes at a time (the byte stores
     // could alias the input, so the compiler would not vectorize the scalar loop).
     const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base),
@@ -287,11 +319,8 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
     for (; !grid.wide && i + 8 <= end; i += 8) {
       const f32x8 v = src.load8(i);
       const f32x8 q = clamp_or_zero(
-          round_half_even(clamp_or_zero((v - z8) * scale8, -255.0f, 255.0f)) - base8, 0.0f, 255.0f);
-      const i32x8 codes8 = __builtin_convertvector(q, i32x8);
-      uint8_t bytes[8];
-      for (int j = 0; j < 8; ++j) bytes[j] = static_cast<uint8_t>(codes8[j]);
-      std::memcpy(codes + i, bytes, sizeof bytes);
+          round_half_even(clamp_or_zero((v - z8) * scale8, -kTop, kTop)) - base8, 0.0f, kTop);
+      put_codes8<kBits>(codes, i - first, __builtin_convertvector(q, i32x8));
       if constexpr (kFeedback) {
         const f32x8 residual = v - (z8 + (q + base8) * step8);
         std::memcpy(residual_out + i, &residual, sizeof residual);
@@ -299,8 +328,8 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
     }
     for (; i < end; ++i) {
       const float v = src(i);
-      const uint8_t q = math::minmax_encode(v, grid);
-      codes[i] = q;
+      const uint8_t q = math::minmax_encode<kBits>(v, grid);
+      put_code<kBits>(codes, i - first, q);
       if constexpr (kFeedback) residual_out[i] = math::sub_rn(v, math::minmax_decode(q, grid));
     }
   });
@@ -355,16 +384,28 @@ void sign_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t
   });
 }
 
+template <int kBits, typename T>
+Status minmax_compress_bits(const T* x, const float* residual_in, int64_t n, int64_t k,
+                            uint8_t* out, float* residual_out) {
+  if (residual_in)
+    minmax_compress_impl<kBits, T, true>(x, residual_in, n, k, out, residual_out);
+  else
+    minmax_compress_impl<kBits, T, false>(x, nullptr, n, k, out, nullptr);
+  return {};
+}
+
 }  // namespace
 
 template <typename T>
 Status minmax_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k,
                        uint8_t* out, float* residual_out) {
-  if (residual_in)
-    minmax_compress_impl<T, true>(x, residual_in, n, k, out, residual_out);
-  else
-    minmax_compress_impl<T, false>(x, nullptr, n, k, out, nullptr);
-  return {};
+  return minmax_compress_bits<8>(x, residual_in, n, k, out, residual_out);
+}
+
+template <typename T>
+Status minmax_uint4_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k,
+                             uint8_t* out, float* residual_out) {
+  return minmax_compress_bits<4>(x, residual_in, n, k, out, residual_out);
 }
 
 template <typename T>
@@ -379,16 +420,17 @@ Status sign_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64
 
 namespace {
 
-// Decodes elements [begin, end) of chunk c of a MinMaxUInt8 buffer; `emit`
-// receives (element index, decoded float).
-template <typename Emit>
+// Decodes elements [begin, end) of chunk c of a MinMaxUInt8 or MinMaxUInt4
+// buffer; `emit` receives (element index, decoded float).
+template <int kBits, typename Emit>
 void minmax_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, int64_t begin,
                          int64_t end, Emit&& emit) {
   const float* h = header(in, chunking, c);
-  const math::MinMaxGrid grid = math::minmax_grid(h[0], h[1]);
+  const math::MinMaxGrid grid = math::minmax_grid<kBits>(h[0], h[1]);
   const uint8_t* codes = in + chunking.slot_offset(c) + kHeaderBytes;
   const int64_t first = chunking.begin(c);
-  for (int64_t i = begin; i < end; ++i) emit(i, math::minmax_decode(codes[i - first], grid));
+  for (int64_t i = begin; i < end; ++i)
+    emit(i, math::minmax_decode(code_at<kBits>(codes, i - first), grid));
 }
 
 // The same for a Sign buffer, except that each whole byte of bits reaches
@@ -500,7 +542,13 @@ Status elementwise(int64_t n, T* out, F&& f, const In*... in) {
 template <typename T>
 Status minmax_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
   return decompress(in, Chunking{Format::kMinMaxUInt8, n, k}, out,
-                    [](auto&&... a) { minmax_decode_range(a...); });
+                    [](auto&&... a) { minmax_decode_range<8>(a...); });
+}
+
+template <typename T>
+Status minmax_uint4_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
+  return decompress(in, Chunking{Format::kMinMaxUInt4, n, k}, out,
+                    [](auto&&... a) { minmax_decode_range<4>(a...); });
 }
 
 template <typename T>
@@ -513,7 +561,14 @@ template <typename T>
 Status minmax_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average,
                                 T* out) {
   return decompress_reduce(in, Format::kMinMaxUInt8, m, k, average, out,
-                           [](auto&&... a) { minmax_decode_range(a...); });
+                           [](auto&&... a) { minmax_decode_range<8>(a...); });
+}
+
+template <typename T>
+Status minmax_uint4_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average,
+                                      T* out) {
+  return decompress_reduce(in, Format::kMinMaxUInt4, m, k, average, out,
+                           [](auto&&... a) { minmax_decode_range<4>(a...); });
 }
 
 template <typename T>

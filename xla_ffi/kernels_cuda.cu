@@ -215,6 +215,47 @@ __device__ void store_bytes(uint8_t* p, int count, uint32_t word) {
     if (u < count) p[u] = static_cast<uint8_t>(word >> (8 * u));
 }
 
+// The V codes of kBits bits of elements at..at+V-1 of a chunk (at % V == 0),
+// code u in bits kBits*u of the word. 4-bit codes pack two to a byte, element
+// 2i in the low nibble of byte i (layout.h): V = 4 is one 2-byte access; with
+// V = 1, lanes l and l ^ 1 (elements 2i and 2i + 1) share a byte.
+template <int kBits, int V>
+__device__ uint32_t load_codes(const uint8_t* codes, int64_t at, int count) {
+  if constexpr (kBits == 8) {
+    return load_bytes<V>(codes + at, count);
+  } else if constexpr (V == 4) {
+    if (count == 4) return *reinterpret_cast<const uint16_t*>(codes + at / 2);
+    uint32_t word = 0;
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+      if (2 * b < count) word |= uint32_t{codes[at / 2 + b]} << (8 * b);
+    return word;
+  } else {
+    return count > 0 ? uint32_t{codes[at / 2]} >> (4 * (at % 2)) : 0u;
+  }
+}
+
+// Codes past the chunk's end (u >= count) must be 0 in `word` for 4-bit codes:
+// they share a byte with the chunk's last code. All lanes of the warp must
+// call this (V = 1 shuffles).
+template <int kBits, int V>
+__device__ void store_codes(uint8_t* codes, int64_t at, int count, uint32_t word) {
+  if constexpr (kBits == 8) {
+    store_bytes<V>(codes + at, count, word);
+  } else if constexpr (V == 4) {
+    if (count == 4) {
+      *reinterpret_cast<uint16_t*>(codes + at / 2) = static_cast<uint16_t>(word);
+      return;
+    }
+#pragma unroll
+    for (int b = 0; b < 2; ++b)
+      if (2 * b < count) codes[at / 2 + b] = static_cast<uint8_t>(word >> (8 * b));
+  } else {
+    const uint32_t pair = word | __shfl_xor_sync(kFullMask, word, 1) << 4;
+    if (lane_id() % 2 == 0 && count > 0) codes[at / 2] = static_cast<uint8_t>(pair);
+  }
+}
+
 // The value a compressor encodes: x, or x + residual with error feedback.
 template <typename T>
 struct Source {
@@ -425,6 +466,7 @@ __global__ void __launch_bounds__(kThreads) finalize_kernel(Chunking chunking, u
 
 // ---- Encoders and decoders of one warp step ---------------------------------
 
+template <int kBits>
 struct MinMaxEncoder {
   using Stats = MinMaxStats;
   math::MinMaxGrid grid;
@@ -432,7 +474,7 @@ struct MinMaxEncoder {
 
   __device__ MinMaxEncoder(uint8_t* slot, int64_t length) {
     const float2 b = Stats::bounds(slot, length);
-    grid = math::minmax_grid(b.x, b.y);
+    grid = math::minmax_grid<kBits>(b.x, b.y);
     codes = slot + kHeaderBytes;
   }
 
@@ -443,13 +485,13 @@ struct MinMaxEncoder {
   template <int V>
   __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
     if (grid.wide) {
-      const double scale = math::minmax_wide_scale(grid);
+      const double scale = math::minmax_wide_scale<kBits>(grid);
       encode<V>(
-          s, v, [&](float x) { return math::minmax_encode_wide(x, grid, scale); },
+          s, v, [&](float x) { return math::minmax_encode_wide<kBits>(x, grid, scale); },
           [&](uint8_t q) { return math::minmax_decode_wide(q, grid); });
     } else {
       encode<V>(
-          s, v, [&](float x) { return math::minmax_encode_f32(x, grid); },
+          s, v, [&](float x) { return math::minmax_encode_f32<kBits>(x, grid); },
           [&](uint8_t q) { return math::minmax_decode_f32(q, grid); });
     }
   }
@@ -459,14 +501,15 @@ struct MinMaxEncoder {
                          Decode&& decode_one) const {
 #pragma unroll
     for (int j = 0; j < Step<V>::kSlots; ++j) {
+      const int count = s.count(j);
       uint32_t word = 0;
 #pragma unroll
       for (int u = 0; u < V; ++u) {
         const uint8_t q = encode_one(v[j * V + u]);
-        word |= uint32_t{q} << (8 * u);
+        if (kBits == 8 || u < count) word |= uint32_t{q} << (kBits * u);
         v[j * V + u] = math::sub_rn(v[j * V + u], decode_one(q));
       }
-      store_bytes<V>(codes + s.at(j), s.count(j), word);
+      store_codes<kBits, V>(codes, s.at(j), count, word);
     }
   }
 };
@@ -511,13 +554,14 @@ struct SignEncoder {
   }
 };
 
+template <int kBits>
 struct MinMaxDecoder {
   math::MinMaxGrid grid;
   const uint8_t* codes;
 
   __device__ explicit MinMaxDecoder(const uint8_t* slot) {
     const float* h = reinterpret_cast<const float*>(slot);
-    grid = math::minmax_grid(h[0], h[1]);
+    grid = math::minmax_grid<kBits>(h[0], h[1]);
     codes = slot + kHeaderBytes;
   }
 
@@ -532,11 +576,13 @@ struct MinMaxDecoder {
 
   template <int V, typename Decode>
   __device__ void decode(const Step<V>& s, float (&v)[kPerLane], Decode&& decode_one) const {
+    constexpr uint32_t kMask = (1u << kBits) - 1;
 #pragma unroll
     for (int j = 0; j < Step<V>::kSlots; ++j) {
-      const uint32_t word = load_bytes<V>(codes + s.at(j), s.count(j));
+      const uint32_t word = load_codes<kBits, V>(codes, s.at(j), s.count(j));
 #pragma unroll
-      for (int u = 0; u < V; ++u) v[j * V + u] = decode_one(static_cast<uint8_t>(word >> (8 * u)));
+      for (int u = 0; u < V; ++u)
+        v[j * V + u] = decode_one(static_cast<uint8_t>((word >> (kBits * u)) & kMask));
     }
   }
 };
@@ -796,8 +842,15 @@ struct LowprecDecentralizedDiff {
 template <typename T>
 Status minmax_compress(Cuda device, const T* x, const float* residual_in, int64_t n, int64_t k,
                        uint8_t* out, float* residual_out) {
-  return compress<MinMaxEncoder>(device, Format::kMinMaxUInt8, x, residual_in, n, k, out,
-                                 residual_out);
+  return compress<MinMaxEncoder<8>>(device, Format::kMinMaxUInt8, x, residual_in, n, k, out,
+                                    residual_out);
+}
+
+template <typename T>
+Status minmax_uint4_compress(Cuda device, const T* x, const float* residual_in, int64_t n,
+                             int64_t k, uint8_t* out, float* residual_out) {
+  return compress<MinMaxEncoder<4>>(device, Format::kMinMaxUInt4, x, residual_in, n, k, out,
+                                    residual_out);
 }
 
 template <typename T>
@@ -808,7 +861,12 @@ Status sign_compress(Cuda device, const T* x, const float* residual_in, int64_t 
 
 template <typename T>
 Status minmax_decompress(Cuda device, const uint8_t* in, int64_t n, int64_t k, T* out) {
-  return decompress<MinMaxDecoder>(device, Format::kMinMaxUInt8, in, n, k, out);
+  return decompress<MinMaxDecoder<8>>(device, Format::kMinMaxUInt8, in, n, k, out);
+}
+
+template <typename T>
+Status minmax_uint4_decompress(Cuda device, const uint8_t* in, int64_t n, int64_t k, T* out) {
+  return decompress<MinMaxDecoder<4>>(device, Format::kMinMaxUInt4, in, n, k, out);
 }
 
 template <typename T>
@@ -819,7 +877,13 @@ Status sign_decompress(Cuda device, const uint8_t* in, int64_t n, int64_t k, T* 
 template <typename T>
 Status minmax_decompress_reduce(Cuda device, const uint8_t* in, int64_t m, int64_t k, bool average,
                                 T* out) {
-  return decompress_reduce<MinMaxDecoder>(device, Format::kMinMaxUInt8, in, m, k, average, out);
+  return decompress_reduce<MinMaxDecoder<8>>(device, Format::kMinMaxUInt8, in, m, k, average, out);
+}
+
+template <typename T>
+Status minmax_uint4_decompress_reduce(Cuda device, const uint8_t* in, int64_t m, int64_t k,
+                                      bool average, T* out) {
+  return decompress_reduce<MinMaxDecoder<4>>(device, Format::kMinMaxUInt4, in, m, k, average, out);
 }
 
 template <typename T>

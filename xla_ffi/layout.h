@@ -6,12 +6,15 @@
 // may be shorter or empty. The compressed buffer is one uint8 array holding, for
 // each chunk in order, a slot:
 //
-//   offset 0   float32 a     MinMaxUInt8: lo (chunk minimum); Sign: scale
-//   offset 4   float32 b     MinMaxUInt8: hi (chunk maximum); Sign: unused, 0
+//   offset 0   float32 a     MinMaxUInt8/4: lo (chunk minimum); Sign: scale
+//   offset 4   float32 b     MinMaxUInt8/4: hi (chunk maximum); Sign: unused, 0
 //   offset 8   8 zero bytes  so that the payload starts 16-byte aligned
 //   offset 16  payload       MinMaxUInt8: one code per element;
+//                            MinMaxUInt4: one 4-bit code per element, 2 per
+//                            byte, element 2i in the low nibble of byte i;
 //                            Sign: one bit per element, 8 per byte, LSB first
-//   padding to the next multiple of 16 bytes
+//   padding to the next multiple of 16 bytes (and the high nibble of an odd
+//   MinMaxUInt4 chunk's last byte): zeros
 //
 // An empty chunk is a 16-byte header with no payload. Every slot starts 16-byte
 // aligned, so a chunk can be sent or decoded on its own: k single-chunk buffers
@@ -28,7 +31,7 @@ namespace bagua {
 inline constexpr int64_t kHeaderBytes = 16;
 inline constexpr int64_t kSlotAlignment = 16;
 
-enum class Format { kMinMaxUInt8, kSign };
+enum class Format { kMinMaxUInt8, kMinMaxUInt4, kSign };
 
 BAGUA_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -37,7 +40,14 @@ BAGUA_HD int64_t align_up(int64_t bytes) {
 }
 
 BAGUA_HD int64_t payload_bytes(Format format, int64_t elements) {
-  return format == Format::kMinMaxUInt8 ? elements : ceil_div(elements, 8);
+  switch (format) {
+    case Format::kMinMaxUInt8:
+      return elements;
+    case Format::kMinMaxUInt4:
+      return ceil_div(elements, 2);
+    default:
+      return ceil_div(elements, 8);
+  }
 }
 
 BAGUA_HD int64_t slot_bytes(Format format, int64_t elements) {

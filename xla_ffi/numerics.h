@@ -78,13 +78,22 @@ BAGUA_HD bool is_finite(float v) { return sub_rn(v, v) == 0.0f; }
 BAGUA_HD float nan_min(float a, float b) { return (b < a || b != b) ? b : a; }
 BAGUA_HD float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
 
-// ---- MinMaxUInt8 ---------------------------------------------------------
+// ---- Min-max codes (MinMaxUInt8, MinMaxUInt4) ----------------------------
 //
-// SPEC section 2's zero-anchored grid: anchor z = 0 when lo <= 0 <= hi, else
-// z = lo; scale = 254 / (hi - lo); base = rint((lo - z) * scale) in [-254, 0];
-// q = clamp(rint((x - z) * scale) - base, 0, 255); decoding is
-// z + (q + base) * ((hi - lo) / 254). The grid passes through 0 whenever the
-// chunk's range holds 0, so an exact zero decodes to an exact zero.
+// SPEC section 2's zero-anchored grid, for codes of kBits bits (8 or 4) with
+// S = 2^kBits - 2 steps (254 or 14) between a chunk's lo and hi: anchor z = 0
+// when lo <= 0 <= hi, else z = lo; scale = S / (hi - lo); base = rint((lo - z)
+// * scale) in [-S, 0]; q = clamp(rint((x - z) * scale) - base, 0, S + 1);
+// decoding is z + (q + base) * ((hi - lo) / S). The grid passes through 0
+// whenever the chunk's range holds 0, so an exact zero decodes to an exact
+// zero. The extra code S + 1 absorbs the rounding of lo and hi onto the grid.
+
+template <int kBits>
+struct MinMaxCodes {
+  static_assert(kBits == 8 || kBits == 4, "min-max codes are 8 or 4 bits wide");
+  static constexpr float kSteps = static_cast<float>((1 << kBits) - 2);  // 254 or 14
+  static constexpr float kTop = static_cast<float>((1 << kBits) - 1);    // the largest code
+};
 
 // Round to nearest, ties to even, for |v| < 2^22 (2^51 for double): adding and
 // removing 1.5 * 2^23 (2^52) leaves no fraction bits. Unlike rint this vectorizes.
@@ -110,9 +119,9 @@ BAGUA_HD float minmax_anchor(float lo, float hi) { return (lo <= 0.0f && 0.0f <=
 
 // Finite chunks that float32 cannot grid (SPEC section 2): a range below 2^-118
 // (254 / range overflows near 7.5e-37, and (hi - lo) / 254 is subnormal below
-// 3e-36), or values of magnitude 2^126 or more (hi - lo, or a decoded value,
-// may overflow). They encode in double and decode on power-of-two-scaled
-// values (MinMaxGrid); every other chunk has the float32 definition's bits.
+// 3e-36; 14 steps are further from both edges, so one test serves both), or values of magnitude
+// 2^126 or more (hi - lo, or a decoded value, may overflow). They encode in double and decode on
+// power-of-two-scaled values (MinMaxGrid); every other chunk has the float32 definition's bits.
 constexpr float kWideMagnitude = 0x1p126f;
 constexpr float kNarrowRange = 0x1p-118f;
 
@@ -138,59 +147,73 @@ struct MinMaxGrid {
 BAGUA_HD double minmax_wide_range(const MinMaxGrid& g) {
   return sub_rn(static_cast<double>(g.hi), static_cast<double>(g.lo));
 }
+template <int kBits>
 BAGUA_HD double minmax_wide_scale(const MinMaxGrid& g) {
-  return div_rn(254.0, minmax_wide_range(g));
+  return div_rn(static_cast<double>(MinMaxCodes<kBits>::kSteps), minmax_wide_range(g));
 }
+template <int kBits>
 BAGUA_HD double minmax_wide_step(const MinMaxGrid& g) {
-  return div_rn(minmax_wide_range(g), 254.0);
+  return div_rn(minmax_wide_range(g), static_cast<double>(MinMaxCodes<kBits>::kSteps));
 }
 
+template <int kBits>
 BAGUA_HD MinMaxGrid minmax_grid(float lo, float hi) {
+  constexpr float kSteps = MinMaxCodes<kBits>::kSteps;
   MinMaxGrid g;
   g.z = minmax_anchor(lo, hi);
   g.wide = minmax_wide(lo, hi);
   g.lo = lo;
   g.hi = hi;
   const float range = sub_rn(hi, lo);
-  g.scale = div_rn(254.0f, range);
-  g.step = div_rn(range, 254.0f);
+  g.scale = div_rn(kSteps, range);
+  g.step = div_rn(range, kSteps);
   g.unit = 1.0f;
   g.z_scaled = g.z;
   if (g.wide) {
-    const double offset =
-        mul_rn(sub_rn(static_cast<double>(lo), static_cast<double>(g.z)), minmax_wide_scale(g));
-    g.base = static_cast<float>(round_half_even(clamp_or_zero(offset, -254.0, 0.0)));
+    const double offset = mul_rn(sub_rn(static_cast<double>(lo), static_cast<double>(g.z)),
+                                 minmax_wide_scale<kBits>(g));
+    g.base = static_cast<float>(round_half_even(clamp_or_zero(offset, -double{kSteps}, 0.0)));
     const bool tiny = lo > -kWideMagnitude && hi < kWideMagnitude;
     g.unit = tiny ? 0x1p-64f : 0x1p64f;
     g.z_scaled = mul_rn(g.z, tiny ? 0x1p64f : 0x1p-64f);
-    g.step = narrow_rn(mul_rn(minmax_wide_step(g), tiny ? 0x1p64 : 0x1p-64));
+    g.step = narrow_rn(mul_rn(minmax_wide_step<kBits>(g), tiny ? 0x1p64 : 0x1p-64));
   } else {
-    g.base = round_half_even(clamp_or_zero(mul_rn(sub_rn(lo, g.z), g.scale), -254.0f, 0.0f));
+    g.base = round_half_even(clamp_or_zero(mul_rn(sub_rn(lo, g.z), g.scale), -kSteps, 0.0f));
   }
   return g;
 }
 
-// Clamping (x - z) * scale to [-255, 255] before rounding gives the same codes
-// (|(x - z) * scale| <= 254 up to rounding) and keeps the rounding trick in range.
+// Clamping (x - z) * scale to [-S - 1, S + 1] before rounding gives the same
+// codes (|(x - z) * scale| <= S up to rounding) and keeps the rounding trick in
+// range.
+template <int kBits>
 BAGUA_HD uint8_t minmax_code(float t, float base) {
-  return static_cast<uint8_t>(static_cast<int>(clamp_or_zero(sub_rn(t, base), 0.0f, 255.0f)));
+  constexpr float kTop = MinMaxCodes<kBits>::kTop;
+  return static_cast<uint8_t>(static_cast<int>(clamp_or_zero(sub_rn(t, base), 0.0f, kTop)));
 }
 
 // Encoding and decoding come in a float32 and a wide form; kernels choose one
 // per chunk (the choice is uniform over a chunk), minmax_encode and
-// minmax_decode per element.
+// minmax_decode per element. Decoding is the same for every code width.
+template <int kBits>
 BAGUA_HD uint8_t minmax_encode_f32(float x, const MinMaxGrid& g) {
-  return minmax_code(
-      round_half_even(clamp_or_zero(mul_rn(sub_rn(x, g.z), g.scale), -255.0f, 255.0f)), g.base);
+  constexpr float kTop = MinMaxCodes<kBits>::kTop;
+  return minmax_code<kBits>(
+      round_half_even(clamp_or_zero(mul_rn(sub_rn(x, g.z), g.scale), -kTop, kTop)), g.base);
 }
 
+template <int kBits>
 BAGUA_HD uint8_t minmax_encode_wide(float x, const MinMaxGrid& g, double wide_scale) {
+  constexpr double kTop = MinMaxCodes<kBits>::kTop;
   const double t = mul_rn(sub_rn(static_cast<double>(x), static_cast<double>(g.z)), wide_scale);
-  return minmax_code(static_cast<float>(round_half_even(clamp_or_zero(t, -255.0, 255.0))), g.base);
+  return minmax_code<kBits>(static_cast<float>(round_half_even(clamp_or_zero(t, -kTop, kTop))),
+                            g.base);
 }
 
+template <int kBits>
 BAGUA_HD uint8_t minmax_encode(float x, const MinMaxGrid& g) {
-  return g.wide ? minmax_encode_wide(x, g, minmax_wide_scale(g)) : minmax_encode_f32(x, g);
+  return g.wide ? minmax_encode_wide<kBits>(x, g, minmax_wide_scale<kBits>(g))
+                : minmax_encode_f32<kBits>(x, g);
 }
 
 BAGUA_HD float minmax_decode_f32(uint8_t q, const MinMaxGrid& g) {

@@ -103,9 +103,14 @@ Status compress(const Exec& exec, Format format, TensorRef x, TensorRef residual
     auto* residual = static_cast<const float*>(residual_in.data);
     auto* dst = static_cast<uint8_t*>(out.data);
     auto* new_residual = feedback ? static_cast<float*>(residual_out.data) : nullptr;
-    return format == Format::kMinMaxUInt8
-               ? kernels::minmax_compress(exec, src, residual, x.numel, k, dst, new_residual)
-               : kernels::sign_compress(exec, src, residual, x.numel, k, dst, new_residual);
+    switch (format) {
+      case Format::kMinMaxUInt8:
+        return kernels::minmax_compress(exec, src, residual, x.numel, k, dst, new_residual);
+      case Format::kMinMaxUInt4:
+        return kernels::minmax_uint4_compress(exec, src, residual, x.numel, k, dst, new_residual);
+      default:
+        return kernels::sign_compress(exec, src, residual, x.numel, k, dst, new_residual);
+    }
   });
 }
 
@@ -120,8 +125,14 @@ Status decompress(const Exec& exec, Format format, TensorRef in, TensorRef out, 
     using T = decltype(tag);
     auto* src = static_cast<const uint8_t*>(in.data);
     auto* dst = static_cast<T*>(out.data);
-    return format == Format::kMinMaxUInt8 ? kernels::minmax_decompress(exec, src, out.numel, k, dst)
-                                          : kernels::sign_decompress(exec, src, out.numel, k, dst);
+    switch (format) {
+      case Format::kMinMaxUInt8:
+        return kernels::minmax_decompress(exec, src, out.numel, k, dst);
+      case Format::kMinMaxUInt4:
+        return kernels::minmax_uint4_decompress(exec, src, out.numel, k, dst);
+      default:
+        return kernels::sign_decompress(exec, src, out.numel, k, dst);
+    }
   });
 }
 
@@ -136,9 +147,14 @@ Status decompress_reduce(const Exec& exec, Format format, TensorRef in, TensorRe
     using T = decltype(tag);
     auto* src = static_cast<const uint8_t*>(in.data);
     auto* dst = static_cast<T*>(out.data);
-    return format == Format::kMinMaxUInt8
-               ? kernels::minmax_decompress_reduce(exec, src, out.numel, k, average, dst)
-               : kernels::sign_decompress_reduce(exec, src, out.numel, k, average, dst);
+    switch (format) {
+      case Format::kMinMaxUInt8:
+        return kernels::minmax_decompress_reduce(exec, src, out.numel, k, average, dst);
+      case Format::kMinMaxUInt4:
+        return kernels::minmax_uint4_decompress_reduce(exec, src, out.numel, k, average, dst);
+      default:
+        return kernels::sign_decompress_reduce(exec, src, out.numel, k, average, dst);
+    }
   });
 }
 

@@ -5,7 +5,7 @@ compresses them; an all-to-all hands rank r chunk r of every rank; rank r decode
 (or sums) them in float32, compresses that one chunk again, and an allgather hands every rank
 all reduced chunks to decode. Every rank ends with the same bits. Bytes sent per rank are about
 ``2 * (n-1)/n`` of the compressed bucket: a quarter of a float32 ring allreduce for 8-bit codes,
-a thirty-second for 1-bit signs.
+an eighth for 4-bit codes, a thirty-second for 1-bit signs.
 
 The two-level form wraps either pipeline: a full-precision reduce-scatter (average) inside the
 node (``intra``), the compressed exchange of this rank's slice across nodes (``inter``), and an
@@ -21,7 +21,7 @@ the residuals are returned (torch's kernels also update them in place).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from bagua_common.comm.collectives import ReduceOp
 
@@ -31,6 +31,10 @@ Array = Any
 Levels = tuple[Any, Any] | None
 """``(intra, inter)`` communicators for the two-level form, or None for one flat exchange."""
 
+MinMaxCodec = Literal["minmax_uint8", "minmax_uint4"]
+"""The min-max codes on the wire: 8 bits (254 steps per chunk) or 4 bits (14 steps), SPEC section 2."""
+MINMAX_CODECS: tuple[str, ...] = ("minmax_uint8", "minmax_uint4")
+
 
 class CodecKernels(Protocol):
     """The compression kernels a front end's ``ops`` module provides (see ``bagua_jax.ops``)."""
@@ -39,6 +43,10 @@ class CodecKernels(Protocol):
     def minmax_uint8_compress_ef(self, x: Array, residual: Array, k: int) -> tuple[Array, Array]: ...
     def minmax_uint8_decompress(self, compressed: Array, n: int, k: int, dtype: Any) -> Array: ...
     def minmax_uint8_decompress_reduce(self, compressed: Array, m: int, k: int, *, average: bool) -> Array: ...
+    def minmax_uint4_compress(self, x: Array, k: int) -> Array: ...
+    def minmax_uint4_compress_ef(self, x: Array, residual: Array, k: int) -> tuple[Array, Array]: ...
+    def minmax_uint4_decompress(self, compressed: Array, n: int, k: int, dtype: Any) -> Array: ...
+    def minmax_uint4_decompress_reduce(self, compressed: Array, m: int, k: int, *, average: bool) -> Array: ...
     def sign_compress_ef(self, x: Array, residual: Array, k: int) -> tuple[Array, Array]: ...
     def sign_decompress(self, compressed: Array, n: int, k: int, dtype: Any) -> Array: ...
     def sign_decompress_reduce(self, compressed: Array, m: int, k: int, *, average: bool) -> Array: ...
@@ -86,23 +94,37 @@ class CompressedAllreduce:
         self._kernels = kernels
 
     def minmax_allreduce(
-        self, bucket: Array, comm: Any, *, average: bool = True, residual: Array | None = None
+        self,
+        bucket: Array,
+        comm: Any,
+        *,
+        average: bool = True,
+        residual: Array | None = None,
+        codec: MinMaxCodec = "minmax_uint8",
     ) -> tuple[Array, Array | None]:
-        """Allreduce ``bucket`` with 8-bit min-max codes on the wire (ByteGrad): ``(result, new residual)``.
+        """Allreduce ``bucket`` with min-max codes on the wire (ByteGrad): ``(result, new residual)``.
 
-        With a float32 ``residual`` of the bucket's size, the first compression uses error
-        feedback (it encodes ``bucket + residual``); without one the second result is None.
+        ``codec`` picks 8-bit (the default, Bagua's) or 4-bit codes. With a float32 ``residual``
+        of the bucket's size, the first compression uses error feedback (it encodes
+        ``bucket + residual``); without one the second result is None.
         """
-        ops = self._kernels
+        compress, compress_ef, decompress, decompress_reduce = self._minmax_kernels(codec)
         n, m = comm.size, _chunk_elements(bucket, comm)
         if residual is None:
-            packed = ops.minmax_uint8_compress(bucket, n)
+            packed = compress(bucket, n)
         else:
-            packed, residual = ops.minmax_uint8_compress_ef(bucket, residual, n)
+            packed, residual = compress_ef(bucket, residual, n)
         received = comm.alltoall(packed.reshape(n, -1))
-        mine = ops.minmax_uint8_decompress_reduce(received.reshape(-1), m, n, average=average)
-        gathered = comm.allgather(ops.minmax_uint8_compress(mine, 1))
-        return ops.minmax_uint8_decompress(gathered.reshape(-1), n * m, n, bucket.dtype), residual
+        mine = decompress_reduce(received.reshape(-1), m, n, average=average)
+        gathered = comm.allgather(compress(mine, 1))
+        return decompress(gathered.reshape(-1), n * m, n, bucket.dtype), residual
+
+    def _minmax_kernels(self, codec: MinMaxCodec) -> tuple[Callable[..., Any], ...]:
+        """``(compress, compress_ef, decompress, decompress_reduce)`` of ``codec``."""
+        if codec not in MINMAX_CODECS:
+            raise ValueError(f"unknown min-max codec {codec!r}; use one of {', '.join(MINMAX_CODECS)}")
+        operations = ("compress", "compress_ef", "decompress", "decompress_reduce")
+        return tuple(getattr(self._kernels, f"{codec}_{operation}") for operation in operations)
 
     def sign_allreduce(
         self, bucket: Array, comm: Any, worker_residual: Array, server_residual: Array, *, average: bool = True
@@ -125,15 +147,22 @@ class CompressedAllreduce:
         return result, worker_residual, server_residual
 
     def minmax_over(
-        self, bucket: Array, world: Any, levels: Levels, *, average: bool = True, residual: Array | None = None
+        self,
+        bucket: Array,
+        world: Any,
+        levels: Levels,
+        *,
+        average: bool = True,
+        residual: Array | None = None,
+        codec: MinMaxCodec = "minmax_uint8",
     ) -> tuple[Array, Array | None]:
         """:meth:`minmax_allreduce` over ``world``, or with ``levels`` in the two-level form (the residual is then
         this rank's intra-node slice's); ``(result, new residual)``."""
         if levels is None:
-            return self.minmax_allreduce(bucket, world, average=average, residual=residual)
+            return self.minmax_allreduce(bucket, world, average=average, residual=residual, codec=codec)
         intra, inter = levels
         result, (residual,) = _two_level(
-            lambda mine, comm: self.minmax_allreduce(mine, comm, average=average, residual=residual),
+            lambda mine, comm: self.minmax_allreduce(mine, comm, average=average, residual=residual, codec=codec),
             bucket,
             intra,
             inter,

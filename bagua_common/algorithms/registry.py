@@ -3,9 +3,10 @@
 An algorithm is declared once, by its configuration, and every lookup is derived from that
 declaration and from one decorator per front end. To add an algorithm (``diloco`` here):
 
-1. its configuration in :mod:`bagua_common.algorithms.configs`: a frozen dataclass with the
-   registry ``name`` as a ``ClassVar``, its fields with their defaults, and its checks in
-   ``__post_init__`` (raising TypeError/ValueError that start with the name), decorated with
+1. its configuration in :mod:`bagua_common.algorithms.configs` (or in the algorithm's own module
+   of :mod:`bagua_common.algorithms`, as ``DiLoCoConfig`` in ``diloco.py``): a frozen dataclass
+   with the registry ``name`` as a ``ClassVar``, its fields with their defaults, and its checks
+   in ``__post_init__`` (raising TypeError/ValueError that start with the name), decorated with
    :func:`register_config`;
 2. its class in each front end, decorated with that front end's ``implements``, in a module the
    front end's ``algorithms/__init__.py`` imports (so that importing the package registers it)::

@@ -356,14 +356,14 @@ def redis_store_from_environment() -> RedisStore:
     return RedisStore(urls, _password_from_environment())
 
 
-def node_lmdb_store(name: str, version: str, capacity_bytes: int | None = None) -> LmdbStore:
+def node_lmdb_store(name: str, version: str) -> LmdbStore:
     """Return the node's :class:`LmdbStore` for dataset ``name`` at ``version``.
 
     One LMDB environment per (dataset name, version) in :func:`default_cache_directory`, which
     every rank and DataLoader worker of the node that asks for the same dataset opens.
     """
     root = private_directory(default_cache_directory())
-    return LmdbStore(os.path.join(root, environment_name(name, version)), capacity_bytes)
+    return LmdbStore(os.path.join(root, environment_name(name, version)))
 
 
 def environment_name(name: str, version: str) -> str:

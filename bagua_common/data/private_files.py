@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import shutil
 import stat
+import tempfile
 
 DIGEST_KEY_FILE = "digest.key"
 DIGEST_KEY_BYTES = 32
+JOB_DIRECTORY_PREFIX = "bagua-job-cache-"
 
 
 def private_directory(path: str) -> str:
@@ -65,3 +68,33 @@ def digest_key_in(directory: str) -> bytes:
     if len(key) != DIGEST_KEY_BYTES:
         raise ValueError(f"{path!r} must hold a {DIGEST_KEY_BYTES}-byte key, found {len(key)} bytes")
     return key
+
+
+def job_directory() -> str:
+    """Make a fresh 0700 directory for the job this process runs, named after its pid.
+
+    The caller removes it when the job ends; the directories of jobs whose process died without
+    doing so (SIGKILL, a crash) are removed here first.
+    """
+    remove_orphaned_job_directories()
+    return tempfile.mkdtemp(prefix=f"{JOB_DIRECTORY_PREFIX}{os.getpid()}-")
+
+
+def remove_orphaned_job_directories() -> None:
+    """Remove this user's job directories (:func:`job_directory`) whose process no longer runs."""
+    for entry in os.scandir(tempfile.gettempdir()):
+        if not entry.name.startswith(JOB_DIRECTORY_PREFIX) or not entry.is_dir(follow_symlinks=False):
+            continue
+        pid = entry.name.removeprefix(JOB_DIRECTORY_PREFIX).split("-")[0]
+        if entry.stat(follow_symlinks=False).st_uid == os.getuid() and pid.isdigit() and not _running(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process holds the pid: keep the directory
+    return True

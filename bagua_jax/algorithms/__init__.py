@@ -11,6 +11,7 @@ and the bucket size as ``bucket_bytes``.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import fields
 from typing import Any
 
@@ -47,6 +48,20 @@ def make_algorithm(name: str, learning_rate: float | None = None, **options: Any
             raise ValueError(f"{name} is an optimizer itself and needs learning_rate")
         options["learning_rate"] = learning_rate
     return build_algorithm(cls, options)
+
+
+def __getattr__(name: str) -> Any:
+    """``ALGORITHMS``, the name -> class dict of the last release: deprecated for :func:`algorithm_names` and
+    ``REGISTRY.by_name``, it goes in the next release."""
+    if name == "ALGORITHMS":
+        warnings.warn(
+            "bagua_jax.algorithms.ALGORITHMS is deprecated: use algorithm_names() and REGISTRY.by_name(name); "
+            "it goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {key: REGISTRY.by_name(key) for key in REGISTRY.names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

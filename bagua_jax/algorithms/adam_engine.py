@@ -84,10 +84,12 @@ def momentum_plan(tree: Any, comms: Communicators, bucket_bytes: int, name: str)
 
 
 def held_unused(momentum: Any, nu: Any) -> Any:
-    """``momentum`` with zeros wherever the frozen second moment ``nu`` is exactly zero (no gradient in the warm-up,
-    a parameter the loss does not use): a sign code cannot send a zero, so the exchange would hand such a coordinate
-    ``+-scale``, and it would move (DeepSpeed's 1-bit Adam asks the user for this mask)."""
-    return jax.tree.map(lambda m, v: jnp.where(v == 0, jnp.zeros_like(m), m), momentum, nu)
+    """``momentum`` with zeros for every parameter whose frozen second moment ``nu`` is zero throughout (it had no
+    gradient in the whole warm-up: the loss does not use it, or it is frozen): a sign code cannot send a zero, so the
+    exchange would hand its coordinates ``+-scale`` and it would move (DeepSpeed's 1-bit Adam asks the user for such
+    a mask). A parameter with some gradient keeps its momentum everywhere, so its rows first used after the warm-up
+    still learn."""
+    return jax.tree.map(lambda m, v: jnp.where(jnp.any(v != 0), m, jnp.zeros_like(m)), momentum, nu)
 
 
 def adam_with_averaged_momentum(
@@ -104,8 +106,8 @@ def adam_with_averaged_momentum(
     momentum averaged by ``exchange``. The state is ``make_state(adam, schedule, *extra)`` where ``extra`` starts
     as ``init_extra(momentum)`` (a zero momentum tree, for sizing) and is threaded through ``exchange``; the warm-up
     leaves it untouched. ``config`` (QAdam's or 1-bit Adam's) names the algorithm in errors. ``hold_unused``, for an
-    exchange that cannot send a zero (1-bit signs), holds the momentum at zero, before and after the exchange,
-    wherever the frozen ``v`` is exactly zero (no gradient in the whole warm-up): those coordinates never move."""
+    exchange that cannot send a zero (1-bit signs), holds the momentum at zero, before and after the exchange, for
+    every parameter whose frozen ``v`` is zero throughout (no gradient in the whole warm-up): those never move."""
     name, warmup_steps, hierarchical = config.name, config.warmup_steps, config.hierarchical
     b1, b2, eps = config.b1, config.b2, config.eps
     comms = check_communicators(comms, name)

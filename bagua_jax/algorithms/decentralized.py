@@ -83,12 +83,12 @@ def decentralized_average(
     ``B`` per node in total. Choose it to average models explicitly, e.g. at the end of
     decentralized training, or to build a custom schedule.
     """
-    check_peer_selection_mode(peer_selection_mode, "decentralized")
+    check_peer_selection_mode(peer_selection_mode, DecentralizedConfig.name)
     across_nodes = hierarchical and comms.hierarchical
     group: Communicator = comms.inter if across_nodes else comms.world
     n = group.size
     if peer_selection_mode == "shift_one" and n > 1:
-        check_pairable(n, "decentralized", across_nodes)
+        check_pairable(n, DecentralizedConfig.name, across_nodes)
         # Every pairing of the n/2 rounds a shift_one cycle has, as a static table, so that JAX's
         # collectives can send to the one peer instead of gathering from everyone.
         schedule = shift_one_schedule(n)[..., None]

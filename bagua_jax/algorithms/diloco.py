@@ -12,7 +12,10 @@ the error-feedback residuals.
 
 Everything runs inside the jitted step: the exchange of a fragment is computed in the step that
 starts it, and with ``fragment_sync_delay`` tau its result waits in the state and is applied
-tau steps later (the numbers of Streaming DiLoCo; the wire time is not hidden in JAX).
+tau steps later (the numbers of Streaming DiLoCo; the wire time is not hidden in JAX). With
+``round_start_memory="host"`` the step copies the round start to the device and back every
+step, outside the synchronizing branch (no host-memory operands inside control flow); where
+accelerator memory allows, ``"device"`` saves those copies.
 
 The parameters every rank holds after a sync are ``params + (x' - params)``, which equals the
 bit-identical ``x'`` up to one float rounding (as in :mod:`~bagua_jax.algorithms.decentralized`);
@@ -47,6 +50,7 @@ from bagua_jax.algorithms.base import (
     implements,
     varying_like,
 )
+from bagua_jax.native_communicator import NativeCommunicator
 
 EXCHANGE = OuterExchange(ops, lambda x, dtype: x.astype(dtype))
 """The pseudo-gradient averages on JAX arrays."""
@@ -98,6 +102,16 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
     delay, alpha = config.fragment_sync_delay, float(config.fragment_update_alpha)
     outer_exchange, error_feedback = config.outer_exchange, config.error_feedback
     round_start_memory = config.round_start_memory
+    if round_start_memory == "host" and isinstance(world, NativeCommunicator):
+        # JAX (0.10) cannot lower a program with ordered effects (the native collectives) that returns arrays in host
+        # memory. On CPU the device's memory is host memory, so nothing is lost there.
+        if jax.default_backend() != "cpu":
+            raise ValueError(
+                f"{config.name}: round_start_memory='host' is not available with a NativeCommunicator on "
+                f"{jax.default_backend()} (JAX cannot return host-memory arrays from programs with the native "
+                "collectives' ordered effects); use round_start_memory='device', or a mesh"
+            )
+        round_start_memory = "device"
 
     def layout(params: Any) -> tuple[list[range], list[int]]:
         leaves = jax.tree.leaves(params)

@@ -17,12 +17,13 @@ QAdam's floor under the frozen ``v`` (:mod:`bagua_common.algorithms.frozen_varia
 The one departure from QAdam's step (beyond SPEC section 3, which leaves it open): sign
 compression cannot send a zero, so a coordinate whose momentum is zero would receive
 ``+-scale`` and move. DeepSpeed asks the user for a momentum mask of such coordinates; here
-the mask is the frozen second moment itself: wherever ``v`` is exactly zero (the coordinate
-had no gradient in the whole warm-up: a parameter the loss does not use, or a frozen one),
-the momentum is held at zero before and after the exchange
-(:func:`~bagua_jax.algorithms.adam_engine.held_unused`), so the coordinate never moves. Such a
-coordinate does not learn if its gradient appears only after the warm-up (QAdam's 8-bit codes
-send exact zeros and need no mask, so QAdam's does); every other coordinate steps as before.
+the mask comes from the frozen second moment: for a parameter whose ``v`` is zero throughout
+(it had no gradient in the whole warm-up: the loss does not use it, or it is frozen), the
+momentum is held at zero before and after the exchange
+(:func:`~bagua_jax.algorithms.adam_engine.held_unused`), so that parameter never moves (and does
+not learn if its gradient first appears after the warm-up; QAdam's 8-bit codes send exact
+zeros and need no mask). Every other parameter steps as before, including its coordinates
+whose ``v`` froze at zero (embedding rows first seen later), which the floor bounds.
 
 Residuals start at zero and only the compressed phase writes them, so they are zero
 when compression starts, as in DeepSpeed; they are not reset afterwards. Because each
@@ -48,7 +49,7 @@ from bagua_jax.algorithms.adam_engine import (
     adam_with_averaged_momentum,
     momentum_plan,
 )
-from bagua_jax.algorithms.base import implements
+from bagua_jax.algorithms.base import check_communicators, implements
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
 from bagua_jax.compressed_allreduce import PIPELINES
 
@@ -85,7 +86,9 @@ def onebit_adam(
     each step's error into the next, so none is lost); keep the warm-up long enough for ``v`` to settle.
     """
     config = as_config(OneBitAdamConfig, *config, **options)
-    name = config.name  # the engine checks comms and bucket_bytes before these closures ever run
+    name = config.name
+    # The closures below read ``comms.world``: a bare communicator must be wrapped first.
+    comms = check_communicators(comms, name)
 
     def init_extra(momentum: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         plan = momentum_plan(momentum, comms, bucket_bytes, name)

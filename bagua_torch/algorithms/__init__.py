@@ -14,6 +14,7 @@ The interface an algorithm implements is in :mod:`bagua_torch.algorithms.base`.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from bagua_common.algorithms.registry import build_algorithm, unknown_algorithm
@@ -81,6 +82,20 @@ def get_algorithm(spec: str | Algorithm, **options: Any) -> Algorithm:
             f"bagua_torch.algorithms.Algorithm, got {type(spec).__name__}"
         )
     return build_algorithm(algorithm_class(spec), options)
+
+
+def __getattr__(name: str) -> Any:
+    """``BUILTIN_ALGORITHMS``, the name -> (module, class name) dict of the last release: deprecated for
+    :func:`available_algorithms` and :func:`algorithm_class`, it goes in the next release."""
+    if name == "BUILTIN_ALGORITHMS":
+        warnings.warn(
+            "bagua_torch.algorithms.BUILTIN_ALGORITHMS is deprecated: use available_algorithms() and "
+            "algorithm_class(name); it goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {key: (cls.__module__, cls.__name__) for key in REGISTRY.names() for cls in [REGISTRY.by_name(key)]}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [

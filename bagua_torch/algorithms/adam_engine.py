@@ -109,12 +109,20 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
             beta1 = group["betas"][0]
             for p in group["params"]:
                 exp_avg = self._state(p)["exp_avg"]
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg.lerp_(self._gradient(p, group), 1 - beta1)
+
+    def _gradient(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The gradient the moments take in: ``p.grad`` (zeros where None)."""
+        return p.grad if p.grad is not None else torch.zeros_like(p)
 
     def momentum(self, p: torch.Tensor) -> torch.Tensor:
         """The live momentum (``exp_avg``) of parameter ``p``."""
         return self._state(p)["exp_avg"]
+
+    def unused(self, p: torch.Tensor) -> torch.Tensor:
+        """Whether parameter ``p``'s second moment is zero throughout (a 0-d bool tensor, so no step waits on the
+        device): after the warm-up, a parameter that had no gradient in it (the loss does not use it)."""
+        return ~self._state(p)["exp_avg_sq"].any()
 
     def mark_momentum_averaged(self) -> None:
         """Called by the algorithm once the momentum of every parameter holds this step's average."""
@@ -146,9 +154,9 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
                 exp_avg, exp_avg_sq, step_t = state["exp_avg"], state["exp_avg_sq"], state["step"]
                 step_t += 1
                 if warmup:
-                    grad = p.grad
-                    if grad.is_sparse:
+                    if p.grad.is_sparse:
                         raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+                    grad = self._gradient(p, group)
                     exp_avg.lerp_(grad, 1 - beta1)
                     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 # else: exp_avg is the averaged momentum the algorithm wrote, exp_avg_sq is frozen.
@@ -282,6 +290,11 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
 
     # --- after the warm-up: average the momentum before the step ------------------------
 
+    hold_unused: ClassVar[bool] = False
+    """Whether the momentum is held at zero, before and after the exchange, for every parameter whose frozen second
+    moment is zero throughout (no gradient in the whole warm-up): for an exchange that cannot send a zero (1-bit
+    signs), so that those parameters never move."""
+
     def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """Average one bucket of momentum (padded, this rank's) over all ranks; returns a new tensor."""
         raise NotImplementedError(f"{type(self).__name__} must implement average_momentum()")
@@ -294,9 +307,14 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
             for bucket in self.buckets:  # launch order, identical on every rank
                 flat = torch.zeros(bucket.size, dtype=bucket.dtype, device=bucket.device)
                 momenta = [self.optimizer.momentum(p) for p in bucket.params]
+                held = [self.optimizer.unused(p) for p in bucket.params] if self.hold_unused else []
+                for m, unused in zip(momenta, held):
+                    m.masked_fill_(unused, 0)
                 for view, m in zip(bucket.views(flat), momenta):
                     view.copy_(m)
                 averaged = self.average_momentum(bucket, flat)
                 for view, m in zip(bucket.views(averaged), momenta):
                     m.copy_(view)
+                for m, unused in zip(momenta, held):
+                    m.masked_fill_(unused, 0)
         self.optimizer.mark_momentum_averaged()

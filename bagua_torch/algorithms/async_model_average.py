@@ -46,11 +46,9 @@ every rank.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsControl
 from bagua_common.algorithms.configs import AsyncModelAverageConfig
@@ -63,12 +61,7 @@ from bagua_torch.algorithms.base import (
     check_dtypes,
     implements,
 )
-from bagua_torch.communicator import (
-    Communicator,
-    NativeCommunicator,
-    ProcessGroupCommunicator,
-    Work,
-)
+from bagua_torch.communicator import NativeCommunicator, Work, dedicated_communicator
 
 
 @implements(AsyncModelAverageConfig)
@@ -87,27 +80,6 @@ class AsyncModelAverageAlgorithm(Algorithm):
 
     def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
         return AsyncModelAverageImpl(context, self.config)
-
-
-def _dedicated_communicator(world: Communicator) -> Communicator:
-    """A communicator of the same ranks as ``world`` that nothing else uses (collective over ``world``)."""
-    if isinstance(world, NativeCommunicator):
-        return world.split(0, world.rank, name=f"{world.name}/async")
-    if isinstance(world, ProcessGroupCommunicator):
-        group = world.group
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        # A group of only some of the job's ranks is created by its members alone (they are the ones
-        # wrapping the model); a group of all ranks the usual way, by every rank.
-        local = ranks is not None and len(ranks) < dist.get_world_size()
-        seconds = max(world.timeout, 30.0)
-        new = dist.new_group(
-            ranks=ranks, timeout=timedelta(seconds=seconds), backend=world.backend, use_local_synchronization=local
-        )
-        return ProcessGroupCommunicator(new, timeout=world.timeout, name=f"{world.name}/async")
-    raise TypeError(
-        "async: the averaging rounds need a communicator of their own, made from a ProcessGroupCommunicator or a "
-        f"NativeCommunicator world; got {type(world).__name__}"
-    )
 
 
 class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
@@ -129,7 +101,7 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
             )
         self.config = config
         self._ticker = context.optimizers[-1]  # a step ends when the last wrapped optimizer has stepped
-        self.comm = _dedicated_communicator(self.world)
+        self.comm = dedicated_communicator(self.world, "async")
         self._size = self.world.size
         self._protocol = AveragingRounds(
             name,

@@ -19,9 +19,15 @@ residual, compresses that chunk again and keeps that error; an allgather hands e
 every reduced chunk. The update is QAdam's, ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``
 with torch Adam's operations and QAdam's floor under the frozen ``v``
 (:mod:`bagua_common.algorithms.frozen_variance`; DeepSpeed omits the bias corrections; they are kept so
-that 1-bit Adam and QAdam differ only in the momentum exchange). Sign compression cannot send
-a zero; DeepSpeed asks the user for a momentum mask of always-zero coordinates, the floor
-makes them take bounded steps without one.
+that 1-bit Adam and QAdam differ only in the momentum exchange).
+
+The one departure from QAdam's step, as in the JAX version: sign compression cannot send a
+zero, so a coordinate whose momentum is zero would receive ``+-scale`` and move. DeepSpeed asks
+the user for a momentum mask; here the mask comes from the frozen second moment: for a
+parameter whose ``exp_avg_sq`` is zero throughout (no gradient in the whole warm-up: the loss
+does not use it), the momentum is held at zero before and after the exchange, so it never moves
+(and does not learn if its gradient first appears after the warm-up; QAdam's 8-bit codes send
+exact zeros and need no mask). Every other parameter steps as before.
 
 Residuals (float32, per bucket: the worker's has the bucket's padded size, or
 ``1/intra.size`` of it when hierarchical, the server's ``1/n`` of it) start at zero and
@@ -63,6 +69,8 @@ class OneBitAdamOptimizer(AdamWithAveragedMomentum):
 class OneBitAdamImpl(AdamWithAveragedMomentumImpl):
     """1-bit Adam on one wrapped model; its state is ``{"worker_residuals": [...], "server_residuals": [...]}``
     (float32, one per bucket)."""
+
+    hold_unused = True
 
     def __init__(self, context: AlgorithmContext, algorithm: OneBitAdamAlgorithm):
         super().__init__(context, algorithm)

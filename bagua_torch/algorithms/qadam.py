@@ -18,6 +18,9 @@ is empty; the Adam state is the optimizer's.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Any
+
 import torch
 
 from bagua_common.algorithms.configs import QAdamConfig
@@ -36,12 +39,34 @@ class QAdamOptimizer(AdamWithAveragedMomentum):
     """QAdam's optimizer: ``torch.optim.Adam`` (bit for bit, ``foreach=False``) for ``warmup_steps`` steps, then
     Adam with the second moment frozen and the momentum averaged across ranks by :class:`QAdamAlgorithm`.
 
-    ``QAdamOptimizer(params, lr=1e-3, warmup_steps=100, betas=(0.9, 0.999), eps=1e-8)``. It must be given to the
-    wrapper together with ``QAdamAlgorithm(optimizer)``; after the warm-up, stepping it without the algorithm
-    raises a RuntimeError (the momentum would not be averaged). No weight decay, amsgrad or sparse gradients.
+    ``QAdamOptimizer(params, lr=1e-3, warmup_steps=100, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)``. It
+    must be given to the wrapper together with ``QAdamAlgorithm(optimizer)``; after the warm-up, stepping it
+    without the algorithm raises a RuntimeError (the momentum would not be averaged). ``weight_decay`` adds
+    ``weight_decay * param`` to the gradient the moments take in (an L2 penalty, as Bagua's) in both phases;
+    Bagua's applied it during the warm-up only. No amsgrad or sparse gradients.
     """
 
     _algorithm_name = "QAdamAlgorithm"
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 1e-3,
+        warmup_steps: int = 100,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ):
+        if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
+            raise ValueError(f"QAdamOptimizer: weight_decay must be a float >= 0, got {weight_decay!r}")
+        super().__init__(params, lr=lr, warmup_steps=warmup_steps, betas=betas, eps=eps)
+        self.defaults["weight_decay"] = float(weight_decay)
+        for group in self.param_groups:
+            group.setdefault("weight_decay", float(weight_decay))
+
+    def _gradient(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        grad = super()._gradient(p, group)
+        return grad.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else grad
 
 
 class QAdamImpl(AdamWithAveragedMomentumImpl):

@@ -12,9 +12,9 @@ Bagua), and ``with_bagua`` on it re-wraps the model.
 Bagua's semantics, kept or fixed:
 
 * On wrapping, the parameters, buffers *and every optimizer's state* (``state_dict()``:
-  moments, step counts, hyper-parameters) are broadcast from rank 0, as Bagua did. Bagua
-  pickled the optimizer's scalars and unpickled rank 0's bytes on every rank; here the
-  structure travels as JSON and the tensors as raw bytes, so nothing a peer sends is unpickled.
+  moments, step counts, hyper-parameters) are broadcast from rank 0, as Bagua did, by the
+  project's wrapper (:mod:`bagua_torch.broadcast`). Bagua pickled the optimizer's scalars and
+  unpickled rank 0's bytes on every rank; here nothing a peer sends is unpickled.
 * ``with_bagua`` on a model already wrapped (or ``DistributedDataParallel`` of it) switches
   algorithms: the previous wrapper is closed first (its hooks removed, an asynchronous
   algorithm's thread stopped), then the model is wrapped anew. Bagua left the old hooks in
@@ -35,10 +35,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from bagua_torch import distributed as _wrapper
-from bagua_torch.algorithms.base import Algorithm, Communicators
-from bagua_torch.torch_api import communication, env
+from bagua_common.moved import moved_names
+from bagua_torch import bagua_module as _wrapper
+from bagua_torch.algorithms.base import Algorithm
+from bagua_torch.torch_api import env
 from bagua_torch.torch_api.algorithms.base import as_project_algorithm
+
+__getattr__ = moved_names(__name__)  # broadcast_optimizer_state, now in bagua_torch.broadcast
 
 _live: weakref.WeakKeyDictionary[nn.Module, _wrapper.BaguaModule] = weakref.WeakKeyDictionary()
 """The model -> its live wrapper, so that re-wrapping a model closes the wrapper before."""
@@ -123,7 +126,7 @@ class BaguaModule(BaguaAttributes, _wrapper.BaguaModule):
 
 
 def wrap(
-    build: Callable[[nn.Module, list[torch.optim.Optimizer], Communicators | None], _wrapper.BaguaModule],
+    build: Callable[[nn.Module, list[torch.optim.Optimizer], Any], _wrapper.BaguaModule],
     model: nn.Module,
     optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
     process_group: Any,
@@ -143,7 +146,7 @@ def wrap(
         model.close()
     if isinstance(optimizers, torch.optim.Optimizer):
         optimizers = [optimizers]
-    wrapped = build(inner, list(optimizers or []), communication.communicators_of(process_group))
+    wrapped = build(inner, list(optimizers or []), process_group)
     _live[inner] = wrapped
     return wrapped
 
@@ -167,12 +170,12 @@ def with_bagua(
         raise TypeError(f"with_bagua: do_flatten must be a bool, got {do_flatten!r}")
     project_algorithm = as_project_algorithm(algorithm)
 
-    def build(module: nn.Module, optimizers: list[torch.optim.Optimizer], communicators: Any) -> BaguaModule:
+    def build(module: nn.Module, optimizers: list[torch.optim.Optimizer], process_group: Any) -> BaguaModule:
         return BaguaModule(
             module,
             optimizers,
             project_algorithm,
-            process_group=communicators,
+            process_group=process_group,
             bucket_bytes=env.get_default_bucket_size(),
         )
 

@@ -123,6 +123,70 @@ const char* dtype_name() {
     return "bf16";
 }
 
+const char* format_name(Format format) {
+  switch (format) {
+    case Format::kMinMaxUInt8:
+      return "minmax";
+    case Format::kMinMaxUInt4:
+      return "minmax4";
+    default:
+      return "sign";
+  }
+}
+
+constexpr Format kFormats[] = {Format::kMinMaxUInt8, Format::kMinMaxUInt4, Format::kSign};
+
+// The codec kernels of `format`, on the CPU or (gpu) the CUDA kernels under the shim.
+template <typename T>
+Status compress(bool gpu, Format format, const T* x, const float* residual, int64_t n, int64_t k,
+                uint8_t* out, float* residual_out) {
+  const Cuda cuda{nullptr};
+  switch (format) {
+    case Format::kMinMaxUInt8:
+      return gpu ? gpu::minmax_compress(cuda, x, residual, n, k, out, residual_out)
+                 : cpu::minmax_compress(Cpu{}, x, residual, n, k, out, residual_out);
+    case Format::kMinMaxUInt4:
+      return gpu ? gpu::minmax_uint4_compress(cuda, x, residual, n, k, out, residual_out)
+                 : cpu::minmax_uint4_compress(Cpu{}, x, residual, n, k, out, residual_out);
+    default:
+      return gpu ? gpu::sign_compress(cuda, x, residual, n, k, out, residual_out)
+                 : cpu::sign_compress(Cpu{}, x, residual, n, k, out, residual_out);
+  }
+}
+
+template <typename T>
+Status decompress(bool gpu, Format format, const uint8_t* in, int64_t n, int64_t k, T* out) {
+  const Cuda cuda{nullptr};
+  switch (format) {
+    case Format::kMinMaxUInt8:
+      return gpu ? gpu::minmax_decompress(cuda, in, n, k, out)
+                 : cpu::minmax_decompress(Cpu{}, in, n, k, out);
+    case Format::kMinMaxUInt4:
+      return gpu ? gpu::minmax_uint4_decompress(cuda, in, n, k, out)
+                 : cpu::minmax_uint4_decompress(Cpu{}, in, n, k, out);
+    default:
+      return gpu ? gpu::sign_decompress(cuda, in, n, k, out)
+                 : cpu::sign_decompress(Cpu{}, in, n, k, out);
+  }
+}
+
+template <typename T>
+Status decompress_reduce(bool gpu, Format format, const uint8_t* in, int64_t m, int64_t k,
+                         bool average, T* out) {
+  const Cuda cuda{nullptr};
+  switch (format) {
+    case Format::kMinMaxUInt8:
+      return gpu ? gpu::minmax_decompress_reduce(cuda, in, m, k, average, out)
+                 : cpu::minmax_decompress_reduce(Cpu{}, in, m, k, average, out);
+    case Format::kMinMaxUInt4:
+      return gpu ? gpu::minmax_uint4_decompress_reduce(cuda, in, m, k, average, out)
+                 : cpu::minmax_uint4_decompress_reduce(Cpu{}, in, m, k, average, out);
+    default:
+      return gpu ? gpu::sign_decompress_reduce(cuda, in, m, k, average, out)
+                 : cpu::sign_decompress_reduce(Cpu{}, in, m, k, average, out);
+  }
+}
+
 // Compresses with both devices and compares, then decompresses the CPU bytes
 // with both.
 template <typename T>
@@ -142,19 +206,13 @@ void check_compress(Format format, int64_t n, int64_t k, int64_t offset, bool fe
   float* rc = feedback ? res_cpu.data() : nullptr;
   float* rg = feedback ? res_gpu.data() : nullptr;
   bool ok = true;
-  if (format == Format::kMinMaxUInt8) {
-    check_status(name, "cpu", cpu::minmax_compress(Cpu{}, x.data(), r, n, k, out_cpu.data(), rc),
-                 ok);
-    check_status(name, "cuda",
-                 gpu::minmax_compress(Cuda{nullptr}, x.data(), r, n, k, out_gpu.data(), rg), ok);
-    if (!ok) return;
+  check_status(name, "cpu", compress(false, format, x.data(), r, n, k, out_cpu.data(), rc), ok);
+  check_status(name, "cuda", compress(true, format, x.data(), r, n, k, out_gpu.data(), rg), ok);
+  if (!ok) return;
+  if (format != Format::kSign) {
     ok = same_bytes(name, "compressed", out_cpu, out_gpu) &&
          (!feedback || same_bytes(name, "residual", res_cpu, res_gpu));
   } else {
-    check_status(name, "cpu", cpu::sign_compress(Cpu{}, x.data(), r, n, k, out_cpu.data(), rc), ok);
-    check_status(name, "cuda",
-                 gpu::sign_compress(Cuda{nullptr}, x.data(), r, n, k, out_gpu.data(), rg), ok);
-    if (!ok) return;
     // Scales within tolerance; every other byte (bits, zeros, padding) identical.
     const bagua::Chunking chunking{format, n, k};
     for (int64_t c = 0; c < k && ok; ++c) {
@@ -187,17 +245,8 @@ void check_compress(Format format, int64_t n, int64_t k, int64_t offset, bool fe
   dec_cpu.fill_bytes(0x11);
   dec_gpu.fill_bytes(0x22);
   const std::string dname = name + " decompress";
-  if (format == Format::kMinMaxUInt8) {
-    check_status(dname, "cpu", cpu::minmax_decompress(Cpu{}, out_cpu.data(), n, k, dec_cpu.data()),
-                 ok);
-    check_status(dname, "cuda",
-                 gpu::minmax_decompress(Cuda{nullptr}, out_cpu.data(), n, k, dec_gpu.data()), ok);
-  } else {
-    check_status(dname, "cpu", cpu::sign_decompress(Cpu{}, out_cpu.data(), n, k, dec_cpu.data()),
-                 ok);
-    check_status(dname, "cuda",
-                 gpu::sign_decompress(Cuda{nullptr}, out_cpu.data(), n, k, dec_gpu.data()), ok);
-  }
+  check_status(dname, "cpu", decompress(false, format, out_cpu.data(), n, k, dec_cpu.data()), ok);
+  check_status(dname, "cuda", decompress(true, format, out_cpu.data(), n, k, dec_gpu.data()), ok);
   if (ok && same_bytes(dname, "decoded", dec_cpu, dec_gpu)) ++tally::passed;
 }
 
@@ -209,23 +258,18 @@ void check_decompress_reduce(Format format, int64_t m, int64_t k, bool average, 
   random_fill(x, rng, amplitude);
   Buffer<uint8_t> packed(bagua::compressed_bytes(format, m * k, k), 0);
   bool ok = true;
-  const bool minmax = format == Format::kMinMaxUInt8;
   uint8_t* codes = packed.data();
-  const Status s = minmax ? cpu::minmax_compress(Cpu{}, x.data(), nullptr, m * k, k, codes, nullptr)
-                          : cpu::sign_compress(Cpu{}, x.data(), nullptr, m * k, k, codes, nullptr);
-  check_status(name, "cpu compress", s, ok);
+  check_status(name, "cpu compress",
+               compress(false, format, x.data(), static_cast<const float*>(nullptr), m * k, k,
+                        codes, static_cast<float*>(nullptr)),
+               ok);
   Buffer<T> out_cpu(m, 0), out_gpu(m, 0);
   out_cpu.fill_bytes(0x33);
   out_gpu.fill_bytes(0x44);
-  check_status(name, "cpu",
-               minmax ? cpu::minmax_decompress_reduce(Cpu{}, codes, m, k, average, out_cpu.data())
-                      : cpu::sign_decompress_reduce(Cpu{}, codes, m, k, average, out_cpu.data()),
+  check_status(name, "cpu", decompress_reduce(false, format, codes, m, k, average, out_cpu.data()),
                ok);
-  check_status(
-      name, "cuda",
-      minmax ? gpu::minmax_decompress_reduce(Cuda{nullptr}, codes, m, k, average, out_gpu.data())
-             : gpu::sign_decompress_reduce(Cuda{nullptr}, codes, m, k, average, out_gpu.data()),
-      ok);
+  check_status(name, "cuda", decompress_reduce(true, format, codes, m, k, average, out_gpu.data()),
+               ok);
   if (ok && same_bytes(name, "reduced", out_cpu, out_gpu)) ++tally::passed;
 }
 
@@ -286,13 +330,12 @@ void run_dtype(bool quick, int& shape_turn) {
     for (const int64_t k : ks) {
       for (const int64_t offset : {0, 1}) {
         for (const bool feedback : {false, true}) {
-          for (const Format format : {Format::kMinMaxUInt8, Format::kSign}) {
+          for (const Format format : kFormats) {
             const DeviceShape& shape = kShapes[shape_turn++ % 3];
             cuda_shim::device() = shape.device;
             std::mt19937 rng(static_cast<unsigned>(n * 7919 + k * 31 + offset * 7 + feedback));
-            const std::string name = std::string(format == Format::kSign ? "sign" : "minmax") +
-                                     " " + dtype_name<T>() + " n=" + std::to_string(n) +
-                                     " k=" + std::to_string(k) +
+            const std::string name = std::string(format_name(format)) + " " + dtype_name<T>() +
+                                     " n=" + std::to_string(n) + " k=" + std::to_string(k) +
                                      " offset=" + std::to_string(offset) +
                                      (feedback ? " feedback" : "") + " [" + shape.name + "]";
             check_compress<T>(format, n, k, offset, feedback, rng, name);
@@ -311,14 +354,14 @@ void run_dtype(bool quick, int& shape_turn) {
     }
     for (const int64_t k : {1, 3}) {
       for (const bool average : {false, true}) {
-        for (const Format format : {Format::kMinMaxUInt8, Format::kSign}) {
+        for (const Format format : kFormats) {
           const DeviceShape& shape = kShapes[shape_turn++ % 3];
           cuda_shim::device() = shape.device;
           std::mt19937 rng(static_cast<unsigned>(n * 3 + k));
           check_decompress_reduce<T>(format, n, k, average, rng,
-                                     std::string(format == Format::kSign ? "sign" : "minmax") +
-                                         " decompress_reduce " + dtype_name<T>() +
-                                         " m=" + std::to_string(n) + " k=" + std::to_string(k) +
+                                     std::string(format_name(format)) + " decompress_reduce " +
+                                         dtype_name<T>() + " m=" + std::to_string(n) +
+                                         " k=" + std::to_string(k) +
                                          (average ? " average" : " sum") + " [" + shape.name + "]");
         }
       }
@@ -338,21 +381,20 @@ void run_extremes(int& shape_turn) {
                                "elementwise f32 n=" + std::to_string(n) + range, amplitude);
       for (const int64_t k : {1, 3}) {
         for (const bool feedback : {false, true}) {
-          for (const Format format : {Format::kMinMaxUInt8, Format::kSign}) {
+          for (const Format format : kFormats) {
             cuda_shim::device() = kShapes[shape_turn++ % 3].device;
             std::mt19937 rng(static_cast<unsigned>(n * 5 + k + feedback));
             check_compress<float>(format, n, k, 0, feedback, rng,
-                                  std::string(format == Format::kSign ? "sign" : "minmax") +
-                                      " f32 n=" + std::to_string(n) + " k=" + std::to_string(k) +
-                                      (feedback ? " feedback" : "") + range,
+                                  std::string(format_name(format)) + " f32 n=" + std::to_string(n) +
+                                      " k=" + std::to_string(k) + (feedback ? " feedback" : "") +
+                                      range,
                                   amplitude);
             for (const bool average : {false, true}) {
-              check_decompress_reduce<float>(
-                  format, n, 3, average, rng,
-                  std::string(format == Format::kSign ? "sign" : "minmax") +
-                      " decompress_reduce f32 m=" + std::to_string(n) +
-                      (average ? " average" : " sum") + range,
-                  amplitude);
+              check_decompress_reduce<float>(format, n, 3, average, rng,
+                                             std::string(format_name(format)) +
+                                                 " decompress_reduce f32 m=" + std::to_string(n) +
+                                                 (average ? " average" : " sum") + range,
+                                             amplitude);
             }
           }
         }
@@ -381,20 +423,15 @@ void dump_case(const std::string& dir, int64_t n, int64_t k, bool feedback, std:
     residual[i] = std::normal_distribution<float>(0.0f, 0.5f)(rng);
   write(dir + "/" + prefix + ".x.bin", x);
   write(dir + "/" + prefix + ".residual.bin", residual);
-  for (const Format format : {Format::kMinMaxUInt8, Format::kSign}) {
-    const char* name = format == Format::kSign ? "sign" : "minmax";
+  for (const Format format : kFormats) {
+    const char* name = format_name(format);
     Buffer<uint8_t> out(bagua::compressed_bytes(format, n, k), 0);
     Buffer<float> res_out(feedback ? n : 0, 0);
     Buffer<T> decoded(n, 0);
     const float* r = feedback ? residual.data() : nullptr;
     float* ro = feedback ? res_out.data() : nullptr;
-    const Cuda cuda{nullptr};
-    const Status s = format == Format::kSign
-                         ? gpu::sign_compress(cuda, x.data(), r, n, k, out.data(), ro)
-                         : gpu::minmax_compress(cuda, x.data(), r, n, k, out.data(), ro);
-    const Status d = format == Format::kSign
-                         ? gpu::sign_decompress(cuda, out.data(), n, k, decoded.data())
-                         : gpu::minmax_decompress(cuda, out.data(), n, k, decoded.data());
+    const Status s = compress(true, format, x.data(), r, n, k, out.data(), ro);
+    const Status d = decompress(true, format, out.data(), n, k, decoded.data());
     if (!s.ok() || !d.ok()) report(prefix, s.message + d.message);
     write(dir + "/" + prefix + "." + name + ".bin", out);
     write(dir + "/" + prefix + "." + name + "_residual.bin", res_out);

@@ -39,6 +39,7 @@ from bagua_torch import compressed_allreduce
 from bagua_torch.algorithms import base as project
 from bagua_torch.bucketing import Bucket
 from bagua_torch.communicator import Work
+from bagua_torch.torch_api.communication.groups import group_of
 
 __all__ = ["REGISTRY", "Algorithm", "AlgorithmImpl", "BaguaBucket", "as_project_algorithm", "implements"]
 
@@ -214,10 +215,7 @@ class _ProjectAlgorithm(project.Algorithm):
         self.algorithm = algorithm
 
     def reify(self, context: project.AlgorithmContext) -> project.AlgorithmImpl:
-        from bagua_torch.torch_api.communication import BaguaProcessGroup
-
-        world = context.communicators.world
-        group = BaguaProcessGroup(range(world.size), context.communicators, "bagua_style")
+        group = group_of(context.communicators, context.device)
         impl = self.algorithm.reify(group)
         if not isinstance(impl, AlgorithmImpl):
             raise TypeError(

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -112,6 +113,11 @@ def _store(backend: str, dataset_name: str, version: str, kwargs: dict[str, Any]
         raise ValueError(
             f"dataset_name is required with backend={backend!r}: the store is shared by every dataset of the "
             "job, and unnamed datasets would read each other's samples"
+        )
+    if backend == "redis" and not os.environ.get(_stores.ENV_CACHE_URL):
+        raise ValueError(
+            "backend='redis' needs the job's Redis server: start the job with bagua-launch --cache-server redis, "
+            "or use backend='lmdb' for the node's LMDB cache"
         )
     return _BACKENDS[backend](dataset_name, version)
 

@@ -47,6 +47,7 @@ from torch import nn
 from bagua_common.comm.bucket_plan import check_bucket_bytes
 from bagua_common.comm.topology import Communicators
 from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
+from bagua_common.moved import moved_names
 from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.base import (
     Algorithm,
@@ -58,6 +59,8 @@ from bagua_torch.broadcast import broadcast_optimizer_state, broadcast_tensors
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
 from bagua_torch.job import communicators_from
 from bagua_torch.reducer import Reducer
+
+__getattr__ = moved_names(__name__)  # DistributedDataParallel, now in bagua_torch.distributed_data_parallel
 
 SyncPoint = Literal["backward", "step"]
 _EXTRA_STATE_FORMAT = 1
