@@ -6,3 +6,7 @@ option checks, the compressed allreduce and the asynchronous averaging protocol)
 resharding, starting ranks), ``tuning`` (advisor and autotuner) and ``data`` (the cached dataset
 and the samplers). It imports only the standard library, NumPy and the native modules.
 """
+
+from bagua_common import moved
+
+moved.install()

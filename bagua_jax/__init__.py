@@ -12,7 +12,8 @@ from bagua_jax.build import build_info
 from bagua_jax.communicator import Communicator, ReduceOp
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
-from bagua_jax.trainer import DataParallel, TrainState
+from bagua_jax.train_state import TrainState
+from bagua_jax.trainer import DataParallel
 
 __all__ = [
     "Communicator",

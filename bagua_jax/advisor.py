@@ -15,7 +15,6 @@ level and the bytes its compression kernels code (traced, not run), and rank 0 p
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import time
@@ -31,7 +30,8 @@ from jax.extend.core import Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from bagua_common.comm.topology import ring_neighbours
+from bagua_common.comm.topology import Communicators, ring_neighbours
+from bagua_common.job.rank_environment import environment_int
 from bagua_common.tuning.advisor import (
     CodecThroughput,
     Link,
@@ -47,9 +47,10 @@ from bagua_common.tuning.advisor import (
 )
 from bagua_jax import ops
 from bagua_jax.algorithms import make_algorithm
-from bagua_jax.algorithms.base import Communicators, check_communicators
+from bagua_jax.algorithms.base import check_communicators
 from bagua_jax.communicator import Communicator
 from bagua_jax.counting import CountingCommunicator
+from bagua_jax.native_communicator import NativeCommunicator
 
 # The algorithms the advisor ranks, with the options that make them the named variant; all flat.
 CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -308,14 +309,12 @@ def job_communicators(world: Any, ranks_per_node: int) -> Communicators:
 
 def main(argv: list[str] | None = None) -> None:
     """Rank the algorithms for a synthetic MLP of ``--params`` parameters on the running job."""
-    from bagua_jax import NativeCommunicator
-
     parser = argparse.ArgumentParser(prog="python -m bagua_jax.advisor", description=__doc__.split("\n")[0])
     parser.add_argument("--params", type=int, default=2_000_000, help="parameters of the synthetic model")
     parser.add_argument(
         "--ranks-per-node",
         type=int,
-        default=int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or None,
+        default=environment_int("LOCAL_WORLD_SIZE") or None,
         help="ranks per node, for the intra- and inter-node levels (default: the launcher's LOCAL_WORLD_SIZE; "
         "a smaller value on one host groups its ranks as if they were nodes)",
     )

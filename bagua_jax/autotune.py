@@ -5,7 +5,7 @@ The knobs (:func:`bagua_common.tuning.autotune.tuning_knobs`): the bucket size; 
 native MPI communicator whose ranks span nodes. Under ``jit`` a bucket layout and the hierarchical
 flag are compiled into the step, so measuring candidates with the user's own step would recompile
 the whole model once per candidate. Instead each candidate is timed on the communication-only
-program: a :class:`DataParallel` step of the same algorithm over the same parameters whose loss is
+program the trainer passes in: a :class:`DataParallel` step of the same algorithm over the same parameters whose loss is
 ``0.5 * |params|^2`` (its gradient is the parameters: real values through the kernels) and whose
 optimizer is ``sgd(0)``. Each bucket size and flag costs the compile of that small program
 (reported in :attr:`BucketTuning.compile_s`) plus its samples; the ring threshold is the
@@ -18,18 +18,18 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from jax.experimental import multihost_utils
 from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh
 
 from bagua_common.tuning.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
-from bagua_jax.algorithms.base import Algorithm
+from bagua_jax.algorithms.base import REGISTRY, Algorithm
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
 
@@ -50,14 +50,10 @@ class BucketTuning:
         return int(self.setting["bucket_bytes"])
 
 
-def _half_square(params: Any, batch: Any) -> jax.Array:
-    del batch
-    return 0.5 * sum(jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(params))
-
-
 def tune_bucket_bytes(
     params: Any,
     algorithm: Algorithm,
+    step_for: Callable[[Algorithm], Callable[[], Any]],
     *,
     mesh: Mesh | None = None,
     communicator: NativeCommunicator | None = None,
@@ -72,14 +68,15 @@ def tune_bucket_bytes(
     (default: ``BAGUA_AUTOTUNE``); ``cached`` reuses a stored result for the same model, world,
     engine and algorithm. Compressed algorithms are refused unless ``allow_numerics_change``. The
     chosen ring threshold is left set on ``communicator``; the caller applies the other knobs
-    (:func:`algorithm_setting`).
+    (:func:`algorithm_setting`). ``step_for(candidate)`` returns one step of the job with the
+    candidate algorithm, which is timed; its first call (compilation) is counted apart.
     """
-    from bagua_jax.trainer import DataParallel
-
     mode = autotune_mode(mode)
     if mode == "off":
         return None
-    registry_name = _registry_name(algorithm)
+    registry_name = getattr(algorithm, "name", None)
+    if registry_name not in REGISTRY.names():
+        raise ValueError(f"autotune: {type(algorithm).__name__} is not a registered algorithm")
     ring = communicator is not None and communicator.kind == "mpi" and communicator.spans_nodes
     knobs = tuning_knobs(
         registry_name,
@@ -110,7 +107,7 @@ def tune_bucket_bytes(
         knobs, key=key, mode=mode, rank=rank, broadcast=broadcast, warmup_steps=1, steps_per_sample=steps_per_sample
     )
     compile_s = 0.0
-    programs: dict[tuple[tuple[str, Any], ...], tuple[DataParallel, Any]] = {}
+    programs: dict[tuple[tuple[str, Any], ...], Callable[[], Any]] = {}
     while True:
         setting = session.current
         if "mpi_ring_min_bytes" in setting and setting["mpi_ring_min_bytes"] != communicator.mpi_ring_min_bytes:
@@ -120,21 +117,11 @@ def tune_bucket_bytes(
         compiled = algorithm_setting(setting)
         if compiled not in programs:
             start = time.perf_counter()
-            trainer = DataParallel(
-                _half_square,
-                optax.sgd(0.0),
-                dataclasses.replace(algorithm, **dict(compiled)),
-                mesh=mesh,
-                communicator=communicator,
-                autotune="off",
-            )
-            state = trainer.init(params)
-            jax.block_until_ready(trainer.step(state, _empty_batch(trainer, mesh)))
+            programs[compiled] = step_for(algorithm.replace(**dict(compiled)))
+            jax.block_until_ready(programs[compiled]())
             compile_s += time.perf_counter() - start
-            programs[compiled] = (trainer, state)
-        trainer, state = programs[compiled]
         start = time.perf_counter()
-        jax.block_until_ready(trainer.step(state, _empty_batch(trainer, mesh)))
+        jax.block_until_ready(programs[compiled]())
         session.step_finished(time.perf_counter() - start)
     return BucketTuning(setting, session.medians(), compile_s, session.cached is not None)
 
@@ -142,16 +129,3 @@ def tune_bucket_bytes(
 def algorithm_setting(setting: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
     """The knobs of ``setting`` that are fields of the algorithm (compiled into its step), as sorted pairs."""
     return tuple((name, value) for name, value in sorted(setting.items()) if name in ("bucket_bytes", "hierarchical"))
-
-
-def _empty_batch(trainer: Any, mesh: Mesh | None) -> Any:
-    return np.zeros((trainer.size,), np.float32) if mesh is not None else np.zeros((1,), np.float32)
-
-
-def _registry_name(algorithm: Algorithm) -> str:
-    from bagua_jax.algorithms import ALGORITHMS
-
-    for key, cls in ALGORITHMS.items():
-        if isinstance(algorithm, cls):
-            return key
-    raise ValueError(f"autotune: {type(algorithm).__name__} is not a registered algorithm")

@@ -36,9 +36,11 @@ from bagua_common.job.checkpoint import (
     save_arrays,
     shard_path,
 )
+from bagua_common.job.rank_environment import environment_int
 from bagua_common.job.reshard import ReshardRule, algorithm_rule, reshard_rows
 from bagua_common.job.signature import algorithm_config
-from bagua_jax.trainer import DataParallel, TrainState, _pack, _unpack
+from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
+from bagua_jax.trainer import DataParallel
 
 _SUFFIX = ".npz"
 
@@ -96,7 +98,7 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
 
     Every process calls it; it returns once the checkpoint is committed.
     """
-    own = _unpack(state)
+    own = unwrap_state(state)
     ranks = _own_ranks(trainer)
     step = int(np.asarray(own.step.addressable_shards[0].data).reshape(-1)[0])
     directory = checkpoint_dir(root, step)
@@ -114,9 +116,7 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
             Manifest(
                 step=step,
                 world_size=trainer.size,
-                local_world_size=len(ranks)
-                if trainer.mesh is not None
-                else int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                local_world_size=len(ranks) if trainer.mesh is not None else environment_int("LOCAL_WORLD_SIZE") or 1,
                 algorithm=algorithm,
                 config=config,
                 model=_model(own.params),
@@ -141,7 +141,7 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
     manifest = read_manifest(directory)
     algorithm, _ = _algorithm(trainer)
     template = trainer.init(params, model_state=model_state)
-    check_restorable(manifest, algorithm=algorithm, model=_model(_unpack(template).params))
+    check_restorable(manifest, algorithm=algorithm, model=_model(unwrap_state(template).params))
     saved = [load_arrays(shard_path(directory, r, _SUFFIX)) for r in range(manifest.world_size)]
     same_world = manifest.world_size == trainer.size
     if not same_world:
@@ -168,9 +168,9 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
             )
         return jax.make_array_from_callback(fresh.shape, fresh.sharding, lambda index: value[index])
 
-    own = _unpack(template)
+    own = unwrap_state(template)
     state = jax.tree_util.tree_map_with_path(restored, own)
-    return _pack(template if not isinstance(template, TrainState) else None, state)
+    return rewrap_state(template if not isinstance(template, TrainState) else None, state)
 
 
 def _leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:
@@ -188,7 +188,7 @@ def _restart_from_saved_params(
     Leaves that restart (``RESET``) take their values from it: residuals at zero, and copies of the
     weights equal to the restarted parameters.
     """
-    own = _unpack(template)
+    own = unwrap_state(template)
 
     def start(path, leaf):
         key = jax.tree_util.keystr(path)

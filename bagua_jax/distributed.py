@@ -16,11 +16,15 @@ import logging
 import math
 import os
 import sys
+from typing import TypeVar
 
 import jax
 
 from bagua_common.comm.engine_exit import exiting_on_uncaught_exception
 from bagua_common.comm.timeout import timeout_seconds
+from bagua_common.job.rank_environment import environment_int
+
+T = TypeVar("T")
 
 # XLA's CPU collectives (gloo): how long one collective, and its rendezvous, may wait.
 _CPU_COLLECTIVE_TIMEOUT_FLAGS = (
@@ -54,9 +58,12 @@ def initialize(
     """
     seconds = math.ceil(timeout_seconds(timeout))
     if coordinator_address is None:
-        coordinator_address = f"{_required('MASTER_ADDR')}:{_required('MASTER_PORT')}"
-    num_processes = int(_required("WORLD_SIZE")) if num_processes is None else num_processes
-    process_id = int(_required("RANK")) if process_id is None else process_id
+        address, port = os.environ.get("MASTER_ADDR") or None, environment_int("MASTER_PORT")
+        coordinator_address = f"{_required('MASTER_ADDR', address)}:{_required('MASTER_PORT', port)}"
+    if num_processes is None:
+        num_processes = _required("WORLD_SIZE", environment_int("WORLD_SIZE"))
+    if process_id is None:
+        process_id = _required("RANK", environment_int("RANK"))
     _set_xla_flags(seconds)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # The preemption service replaces SIGTERM's action with a notice; a launcher stopping
@@ -84,9 +91,8 @@ def _leave_at_once_on_uncaught_exception() -> None:
         os._exit(1)
 
 
-def _required(name: str) -> str:
-    value = os.environ.get(name)
-    if not value:
+def _required(name: str, value: T | None) -> T:
+    if value is None:
         raise ValueError(
             f"{name} is not set: start the processes with bagua-launch (or torchrun), "
             "or pass coordinator_address, num_processes and process_id"

@@ -15,10 +15,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bagua_common.algorithms.kernel_dtypes import KERNEL_FLOAT_DTYPES
 from bagua_jax._native import library
 
 Format = Literal["minmax_uint8", "minmax_uint4", "sign"]
-_FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
+KERNEL_FLOATS = tuple(jnp.dtype(name) for name in KERNEL_FLOAT_DTYPES)
+"""The dtypes of :data:`bagua_common.algorithms.kernel_dtypes.KERNEL_FLOAT_DTYPES` as JAX dtypes."""
 _TARGET_PREFIX = {"minmax_uint8": "bagua_minmax", "minmax_uint4": "bagua_minmax_uint4", "sign": "bagua_sign"}
 
 
@@ -35,7 +37,7 @@ def compressed_size(n: int, k: int, format: Format = "minmax_uint8") -> int:
 
 def _float_array(name: str, x: jax.typing.ArrayLike) -> jax.Array:
     x = jnp.asarray(x)
-    if x.dtype not in _FLOAT_DTYPES:
+    if x.dtype not in KERNEL_FLOATS:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {x.dtype}")
     return x
 
@@ -57,7 +59,7 @@ def _compressed_array(c: jax.typing.ArrayLike, expected: int) -> jax.Array:
 
 def _output_dtype(dtype: jax.typing.DTypeLike) -> jnp.dtype:
     dtype = jnp.dtype(dtype)
-    if dtype not in _FLOAT_DTYPES:
+    if dtype not in KERNEL_FLOATS:
         raise TypeError(f"the output dtype must be float32, float16 or bfloat16, got {dtype}")
     return dtype
 

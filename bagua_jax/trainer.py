@@ -19,9 +19,8 @@ leading axis with one row per rank, sharded across the devices.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -31,29 +30,16 @@ from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from bagua_common.comm.topology import Communicators
 from bagua_common.tuning.autotune import autotune_mode
-from bagua_jax.algorithms.base import Algorithm, Communicators, check_float_params
+from bagua_jax.algorithms.base import Algorithm, check_float_params
 from bagua_jax.autotune import BucketTuning, algorithm_setting, tune_bucket_bytes
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import check_ranks_agree
+from bagua_jax.train_state import TrainState, is_flax_state, rewrap_state, unwrap_state
 
 LossFn = Callable[..., Any]
-
-
-class TrainState(NamedTuple):
-    """Parameters, the algorithm's optimizer state, the step count and the model's own state.
-
-    ``model_state`` holds a model's non-trainable collections (e.g. flax's ``batch_stats``),
-    or None. In mesh mode the step count, and the parameters (and an averaged
-    ``model_state``) when the algorithm keeps every replica identical, carry no device axis;
-    otherwise, and for the optimizer state, each leaf has a leading axis with one row per rank.
-    """
-
-    params: Any
-    opt_state: Any
-    step: jax.Array
-    model_state: Any = None
 
 
 class DataParallel:
@@ -255,16 +241,21 @@ class DataParallel:
         that every rank trains the same tree of shapes and dtypes with the same algorithm
         configuration, and raises a ``ValueError`` naming each difference if not.
         """
-        user_state = params if _is_flax_state(params) else None
+        user_state = params if is_flax_state(params) else None
         if user_state is not None:
             params, model_state = user_state.params, getattr(user_state, "batch_stats", None)
         check_float_params(params)
         check_ranks_agree(params, self._algorithm, self._communicator)
         if self._autotune != "off" and self.bucket_tuning is None:
             self.bucket_tuning = tune_bucket_bytes(
-                params, self._algorithm, mesh=self._mesh, communicator=self._communicator, mode=self._autotune
+                params,
+                self._algorithm,
+                self._communication_step(params),
+                mesh=self._mesh,
+                communicator=self._communicator,
+                mode=self._autotune,
             )
-            self._use(dataclasses.replace(self._algorithm, **dict(algorithm_setting(self.bucket_tuning.setting))))
+            self._use(self._algorithm.replace(**dict(algorithm_setting(self.bucket_tuning.setting))))
         if self._mesh is None:
             params = jax.tree.map(jnp.asarray, params)
             model_state = jax.tree.map(jnp.asarray, model_state)
@@ -276,7 +267,25 @@ class DataParallel:
             if model_state is not None:
                 shared = self._average_model_state and self._replicated
                 model_state = self._replicate(model_state) if shared else self._per_rank(model_state)
-        return _pack(user_state, TrainState(params, opt_state, step, model_state))
+        return rewrap_state(user_state, TrainState(params, opt_state, step, model_state))
+
+    def _communication_step(self, params: Any) -> Callable[[Algorithm], Callable[[], Any]]:
+        """For tuning: ``params``' step on this job under a candidate algorithm, its loss nearly free."""
+
+        def step_for(algorithm: Algorithm) -> Callable[[], Any]:
+            trainer = DataParallel(
+                _half_square,
+                optax.sgd(0.0),
+                algorithm,
+                mesh=self._mesh,
+                communicator=self._communicator,
+                autotune="off",
+            )
+            state = trainer.init(params)
+            batch = np.zeros((trainer.size if self._mesh is not None else 1,), np.float32)
+            return lambda: trainer.step(state, batch)
+
+        return step_for
 
     def shard_batch(self, batch: Any) -> Any:
         """Place a global batch (mesh mode): its leading axis is split evenly across the ranks.
@@ -304,15 +313,15 @@ class DataParallel:
         With ``has_aux=True`` the second result is ``(loss, aux)``. ``rng`` (the same key on
         every rank) gives ``loss_fn`` a per-rank key; ``state`` is what :meth:`init` returned.
         """
-        user_state = state if _is_flax_state(state) else None
-        own = _unpack(state)
+        user_state = state if is_flax_state(state) else None
+        own = unwrap_state(state)
         if self._mesh is not None:
             batch = self.shard_batch(batch)
         step_fn = self._step_fn(own.model_state is not None, rng is not None)
         params, opt_state, step, model_state, loss, aux = step_fn(
             own.params, own.opt_state, own.step, own.model_state, batch, rng
         )
-        new_state = _pack(user_state, TrainState(params, opt_state, step, model_state))
+        new_state = rewrap_state(user_state, TrainState(params, opt_state, step, model_state))
         if self._mesh is not None and jax.process_count() > 1:
             loss = jnp.mean(loss)
             aux = jax.tree.map(lambda a: jnp.mean(a, axis=0) if jnp.issubdtype(a.dtype, jnp.inexact) else a, aux)
@@ -327,25 +336,6 @@ class DataParallel:
         return new_state, ((loss, aux) if self._has_aux else loss)
 
 
-def _is_flax_state(state: Any) -> bool:
-    """A flax ``TrainState`` (or look-alike): ``params``, ``opt_state``, ``step`` and ``replace``."""
-    return not isinstance(state, TrainState) and all(
-        hasattr(state, name) for name in ("params", "opt_state", "step", "replace", "apply_gradients")
-    )
-
-
-def _unpack(state: Any) -> TrainState:
-    if isinstance(state, TrainState):
-        return state
-    if _is_flax_state(state):
-        return TrainState(state.params, state.opt_state, state.step, getattr(state, "batch_stats", None))
-    raise TypeError(f"DataParallel.step: state must be what init() returned, got {type(state).__name__}")
-
-
-def _pack(user_state: Any, state: TrainState) -> Any:
-    if user_state is None:
-        return state
-    fields = {"params": state.params, "opt_state": state.opt_state, "step": state.step}
-    if hasattr(user_state, "batch_stats"):
-        fields["batch_stats"] = state.model_state
-    return user_state.replace(**fields)
+def _half_square(params: Any, batch: Any) -> jax.Array:
+    del batch
+    return 0.5 * sum(jnp.sum(jnp.square(leaf.astype(jnp.float32))) for leaf in jax.tree.leaves(params))

@@ -2,7 +2,7 @@
 
 import sys
 
-from .launcher import main as _run
+from .command_line import main as _run
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,8 +6,8 @@ c10d rendezvous on every node: the agents agree on the membership, start this no
 workers, restart all of them (spending one of ``--max-restarts``) when a worker or a node
 fails, and restart them without spending one when a node joins. Workers get torchrun's
 variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
-``TORCHELASTIC_RESTART_COUNT``, ...) plus ``BAGUA_ELASTIC=1``; a worker resumes from its
-last checkpoint.
+``TORCHELASTIC_RESTART_COUNT``, ...) plus ``BAGUA_ELASTIC=1`` (and Bagua-Net's variables with
+``--enable-bagua-net``); a worker resumes from its last checkpoint.
 
 ``MASTER_PORT`` is a free port of rank 0's node, not the agents' rendezvous store
 (``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): JAX's coordinator and bagua_torch's store
@@ -26,16 +26,16 @@ import os
 import shutil
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from bagua_common.comm.engines import ENV_ELASTIC
 from bagua_common.job.local_launch import free_port
+from bagua_launch.output import NAME, describe_exit, exit_status, summary
 
 __all__ = ["ElasticConfig", "add_arguments", "config_from", "node_range", "requested", "run"]
 
 DEFAULT_RDZV_PORT = 29400
-_NAME = "bagua-launch"
 
 
 def node_range(text: str) -> tuple[int, int]:
@@ -107,6 +107,7 @@ class ElasticConfig:
     mode: str
     tail_lines: int
     grace: float
+    nccl_net: dict[str, str] = field(default_factory=dict)  # --enable-bagua-net: NCCL's plugin variables
 
 
 def requested(ns: argparse.Namespace) -> bool:
@@ -126,7 +127,11 @@ def _rdzv_conf(text: str) -> dict[str, str]:
 
 
 def config_from(
-    ns: argparse.Namespace, parser: argparse.ArgumentParser, command: list[str], mode: str
+    ns: argparse.Namespace,
+    parser: argparse.ArgumentParser,
+    command: list[str],
+    mode: str,
+    nccl_net: dict[str, str],
 ) -> ElasticConfig:
     """The elastic configuration of a parsed command line, or a usage error (``parser.error``)."""
     if ns.mpi:
@@ -136,6 +141,8 @@ def config_from(
         )
     if ns.cache_server is not None:
         parser.error("--cache-server is not available in elastic mode")
+    if ns.cache_dir is not None:
+        parser.error("--cache-dir is not available in elastic mode (set BAGUA_CACHE_DIR: the ranks inherit it)")
     for flag, given in (
         ("--node-rank", ns.node_rank != 0),
         ("--master-addr", ns.master_addr is not None),
@@ -172,6 +179,7 @@ def config_from(
         mode=mode,
         tail_lines=ns.tail_lines,
         grace=ns.grace,
+        nccl_net=nccl_net,
     )
 
 
@@ -197,20 +205,13 @@ def _last_lines(log_dir: str, local_rank: int, count: int) -> list[str]:
     return lines[-count:]
 
 
-def _describe(code: int) -> str:
-    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
-
-
 def _summary(error, log_dir: str, tail_lines: int) -> str:
     rank, first = error.get_first_failure()
-    lines = ["", f"==================== {_NAME}: rank {rank} failed ({_describe(first.exitcode)}) ===================="]
-    lines += [f"rank {other}: {_describe(f.exitcode)}" for other, f in sorted(error.failures.items()) if other != rank]
+    others = [
+        f"rank {other}: {describe_exit(f.exitcode)}" for other, f in sorted(error.failures.items()) if other != rank
+    ]
     tail = _last_lines(log_dir, first.local_rank, tail_lines)
-    if tail:
-        lines.append(f"-------------------- last lines of rank {rank} --------------------")
-        lines.extend(tail)
-    lines.append("=" * len(lines[1]))
-    return "\n".join(lines) + "\n"
+    return summary(f"rank {rank} failed ({describe_exit(first.exitcode)})", others, f"rank {rank}", tail)
 
 
 def run(config: ElasticConfig) -> int:
@@ -223,6 +224,7 @@ def run(config: ElasticConfig) -> int:
     # Read by the agent's rendezvous handler and inherited by the workers.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     os.environ[ENV_ELASTIC] = "1"
+    os.environ.update(config.nccl_net)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc_per_node)))
     host = config.rdzv_endpoint.rsplit(":", 1)[0]
@@ -251,10 +253,9 @@ def run(config: ElasticConfig) -> int:
     except ChildFailedError as e:
         sys.stderr.write(_summary(e, log_dir, config.tail_lines))
         sys.stderr.flush()
-        code = e.get_first_failure()[1].exitcode
-        return 128 - code if code < 0 else (code or 1)
+        return exit_status(e.get_first_failure()[1].exitcode) or 1
     except RendezvousError as e:
-        sys.stderr.write(f"{_NAME}: the rendezvous at {config.rdzv_endpoint} failed: {e}\n")
+        sys.stderr.write(f"{NAME}: the rendezvous at {config.rdzv_endpoint} failed: {e}\n")
         return 1
     finally:
         shutil.rmtree(log_dir, ignore_errors=True)

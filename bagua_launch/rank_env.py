@@ -2,11 +2,9 @@
 
 ``bagua-launch --mpi`` starts ``mpiexec -n N python rank_env.py [--module|--no-python] -- target
 args...``; it can also be used directly, e.g. ``srun python -m bagua_launch.rank_env train.py``.
-This wrapper (standard library only, runnable as a file) reads the rank from the environment of
-the MPI launcher (MPICH/Hydra ``PMI_RANK``, Open MPI ``OMPI_COMM_WORLD_RANK``, PMIx, Slurm
-``SLURM_PROCID``), sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE`` and
-``NODE_RANK`` (``NODE_RANK = RANK // LOCAL_WORLD_SIZE``: ranks placed on nodes in blocks, as
-``mpiexec -ppn`` does; Slurm's ``SLURM_NODEID`` where given), keeps ``MASTER_ADDR`` and
+This wrapper (runnable as a file) sets ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``,
+``LOCAL_WORLD_SIZE`` and ``NODE_RANK`` from the MPI launcher's variables
+(:func:`bagua_common.job.rank_environment.mpi_rank_environment`), keeps ``MASTER_ADDR`` and
 ``MASTER_PORT`` as the launcher set them (default ``127.0.0.1:29500``), and then
 
 * runs the script as its child process, in a process group of its own, and forwards
@@ -32,54 +30,13 @@ import threading
 import time
 
 from bagua_common.job.child_process import die_with_parent
+from bagua_common.job.rank_environment import mpi_rank_environment
+from bagua_launch.output import exit_status
 
 STATUS_DIR_VARIABLE = "BAGUA_LAUNCH_STATUS_DIR"
-NPROC_VARIABLE = "BAGUA_LAUNCH_NPROC_PER_NODE"
-
-# (rank, size, local rank, local size, node rank) variables of each MPI launcher, in order of preference.
-_SOURCES = (
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", None),  # MPICH Hydra, Intel MPI
-    ("OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE", None),
-    ("PMIX_RANK", None, None, None, None),
-    ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", None, "SLURM_NODEID"),
-)
 _FORWARDED = tuple(
     getattr(signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR2") if hasattr(signal, n)
 )
-
-
-def mpi_rank_environment(environ: dict[str, str] | os._Environ = os.environ) -> dict[str, str]:
-    """RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK from an MPI launcher's variables."""
-    for rank_var, size_var, local_var, local_size_var, node_var in _SOURCES:
-        if rank_var in environ:
-            break
-    else:
-        raise RuntimeError(
-            "no MPI rank in the environment (PMI_RANK, OMPI_COMM_WORLD_RANK, PMIX_RANK, SLURM_PROCID): "
-            "run this under mpiexec"
-        )
-
-    def get(name: str | None) -> int | None:
-        return int(environ[name]) if name and environ.get(name, "").strip() else None
-
-    rank = get(rank_var)
-    size = get(size_var) or int(environ.get("WORLD_SIZE") or 0) or rank + 1
-    local_size = get(local_size_var) or get(NPROC_VARIABLE) or size
-    local_rank = get(local_var)
-    if local_rank is None:
-        local_rank = rank % local_size
-    node_rank = get(node_var)
-    if node_rank is None:
-        node_rank = rank // local_size
-    return {
-        "RANK": str(rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(size),
-        "LOCAL_WORLD_SIZE": str(local_size),
-        "NODE_RANK": str(node_rank),
-        "MASTER_ADDR": environ.get("MASTER_ADDR", "127.0.0.1"),
-        "MASTER_PORT": environ.get("MASTER_PORT", "29500"),
-    }
 
 
 def _parse(argv: list[str]) -> tuple[str, list[str]]:
@@ -194,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             _write_json(os.path.join(status_dir, f"rank{rank}.json"), {"code": code, "time": time.time()})
         except OSError:
             pass
-    return 128 - code if code < 0 else code
+    return exit_status(code)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ The algorithms are in :mod:`bagua_torch.algorithms`.
 """
 
 from bagua_torch import algorithms, ops
+from bagua_torch.bagua_module import BaguaModule, with_bagua
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
 from bagua_torch.communicator import (
     CommunicationError,
@@ -22,7 +23,7 @@ from bagua_torch.communicator import (
     ReduceOp,
     Work,
 )
-from bagua_torch.distributed import BaguaModule, DistributedDataParallel, with_bagua
+from bagua_torch.distributed_data_parallel import DistributedDataParallel
 from bagua_torch.fused_optimizer import FusedOptimizer, fuse_optimizer
 from bagua_torch.job import (
     BaguaProcessGroup,

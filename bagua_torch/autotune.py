@@ -1,6 +1,6 @@
 """Tuning a wrapped torch model's exact knobs between its training steps.
 
-The wrapper (:class:`~bagua_torch.distributed.BaguaModule`) calls :meth:`BucketTuner.step` at
+The wrapper (:class:`~bagua_torch.bagua_module.BaguaModule`) calls :meth:`BucketTuner.step` at
 every training forward, after pending communication has finished; the time between two calls is
 one step. :class:`bagua_common.tuning.autotune.TuningSession` decides: rank 0 searches, its choice is
 broadcast over the job's world communicator at step counts fixed in advance, and every rank

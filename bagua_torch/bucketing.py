@@ -1,6 +1,6 @@
 """Buckets: a model's trainable parameters grouped into few flat buffers for communication.
 
-The wrapper (:mod:`bagua_torch.distributed`) communicates *buckets*. Parameters are taken in
+The wrapper (:mod:`bagua_torch.bagua_module`) communicates *buckets*. Parameters are taken in
 **reverse registration order** (the order in which the backward pass usually produces their
 gradients, as in ``torch.nn.parallel.DistributedDataParallel``) and grouped by dtype and device
 with the rule of :mod:`bagua_common.comm.bucket_plan`, shared with the JAX front end: at most
@@ -132,8 +132,6 @@ def make_buckets(
     pad_to: int = 1,
 ) -> list[Bucket]:
     """Group ``named_params`` (in registration order) into buckets, as described in the module docstring."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"bucket_bytes must be a positive int, got {bucket_bytes!r}")
     ordered = list(reversed(list(named_params)))
     slots = [TensorSlot(p.numel(), p.element_size(), (p.dtype, p.device)) for _, p in ordered]
     return [

@@ -36,7 +36,7 @@ from bagua_common.job.checkpoint import (
 )
 from bagua_common.job.reshard import RESET, ReshardRule, algorithm_rule, reshard_rows
 from bagua_common.job.signature import algorithm_config
-from bagua_torch.distributed import BaguaModule
+from bagua_torch.bagua_module import BaguaModule
 
 _SUFFIX = ".pt"
 _EXTRA = "_extra_state"

@@ -12,78 +12,46 @@ Correctness comes first:
 - frozen parameters (``requires_grad=False``) stay out of the buffers;
 - a parameter without a gradient this step (unused in the forward pass) makes its chunk step
   parameter by parameter that step, exactly as the unfused optimizer skips it (one warning);
-- optimizers known not to be elementwise (LBFGS, SparseAdam, Adafactor, Muon, LAMB, LARS) are
-  refused unless ``elementwise=True``; and on the first step a sample of parameters is also
-  stepped by the original class, one tensor at a time: a mismatch restores everything and
-  raises, so a per-tensor optimizer (a trust ratio, a norm) can never silently change its math.
+- optimizers known not to be elementwise (``NOT_ELEMENTWISE``, LAMB, LARS) are refused unless
+  ``elementwise=True``; on the first step a sample of parameters is also stepped by the original
+  class, tensor by tensor: a mismatch restores everything and raises.
 
-``state_dict()`` uses the unfused optimizer's per-parameter layout, so checkpoints move freely
-between the fused and the plain optimizer in both directions. Unlike Bagua's version, the
-default ``zero_grad()`` (``set_to_none=True``) keeps fusion on: fresh gradients are copied into
-the flat buffer and rebound to it (counted in :meth:`FusedOptimizer.stats`); with
-``zero_grad(set_to_none=False)`` backward accumulates straight into the buffer and no gradient
-is copied at all.
+``state_dict()`` is the unfused optimizer's, so checkpoints move both ways between the two. Unlike
+Bagua's, the default ``zero_grad()`` (``set_to_none=True``) keeps fusion on: fresh gradients are
+copied into the flat buffer (counted in :meth:`FusedOptimizer.stats`); with
+``zero_grad(set_to_none=False)`` backward accumulates straight into it.
 
-With a wrapped model (``fuse_optimizer(optimizer, module=model)``, ``model`` a
-:class:`~bagua_torch.distributed.BaguaModule`) the flat layout is the model's bucket plan, cut at
-param-group boundaries: the gradients are views of the communication buckets, backward
-accumulates into them, the reduced bucket is the optimizer's gradient, and no gradient is copied
-on the way (with ``zero_grad(set_to_none=False)`` and an algorithm that hands its result over,
-such as gradient_allreduce or bytegrad; ``stats()["model_bytes_copied"]`` counts the model's
-copies otherwise). The step waits for the model's gradients first. Step hooks the model put on
-the original optimizer (weight-communicating algorithms) do not run on the fused one.
+With a wrapped model (``fuse_optimizer(optimizer, module=model)``) the chunks are runs of the
+model's buckets (:mod:`bagua_torch.flat_layout`): backward accumulates into the buckets and the
+reduced bucket is the optimizer's gradient, uncopied with ``zero_grad(set_to_none=False)`` and an
+algorithm that hands its result over (``stats()`` counts the copies). An optimizer given to a
+wrapped model is replaced there by the fused one (``BaguaModule.replace_optimizer``), so the
+algorithm's step hooks go on. QAdam's and 1-bit Adam's optimizers are refused: after the warm-up
+their step is not elementwise.
 """
 
 from __future__ import annotations
 
 import inspect
 import warnings
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from bagua_torch.bucketing import Bucket
+from bagua_torch.bagua_module import BaguaModule, wrapper_of
+from bagua_torch.flat_layout import Chunk, check_state_shapes, lay_out, member_value, same_value, slice_ptr
 
 if TYPE_CHECKING:
-    from bagua_torch.distributed import BaguaModule
     from bagua_torch.reducer import Reducer
 
-NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon")
-"""Built-in optimizer classes whose step is not elementwise (checked by name)."""
+NOT_ELEMENTWISE = ("LBFGS", "SparseAdam", "Adafactor", "Muon", "QAdamOptimizer", "OneBitAdamOptimizer")
+"""Optimizer classes whose step is not elementwise (checked by name). QAdam's and 1-bit Adam's floor
+their frozen second moment by its mean over each parameter tensor after the warm-up."""
 NOT_ELEMENTWISE_MARKERS = ("lamb", "lars")
 """Class-name fragments of layer-wise optimizers (trust ratios per tensor)."""
 VERIFY_SAMPLE = 64
 """How many parameters the first step re-checks against the unfused optimizer."""
-
-
-@dataclass
-class _Chunk:
-    """The parameters of one (param group, dtype, device), laid out in one flat buffer.
-
-    ``fused`` chunks keep their optimizer state in the inner optimizer, keyed by ``flat``;
-    after a step in which some member had no gradient (or after loading a checkpoint whose
-    members disagree, e.g. in their step counts) the chunk keeps per-parameter state in
-    ``member_state`` until the members agree again.
-    """
-
-    group: int
-    params: list[torch.nn.Parameter]
-    offsets: list[int]
-    flat: torch.nn.Parameter
-    flat_grad: torch.Tensor
-    grad_views: list[torch.Tensor]
-    member_state: dict[torch.Tensor, dict[str, Any]] = field(default_factory=dict)
-    fused: bool = True
-    bucket: Bucket | None = None
-    first: int = 0
-    """With a wrapped model: the bucket whose gradient buffer holds the chunk's, from member ``first`` on."""
-
-    def view(self, buffer: torch.Tensor, i: int) -> torch.Tensor:
-        """Member ``i``'s slice of a flat buffer, shaped like the parameter."""
-        p = self.params[i]
-        return buffer.narrow(0, self.offsets[i], p.numel()).view(p.shape)
 
 
 class FusedOptimizer(torch.optim.Optimizer):
@@ -117,11 +85,14 @@ class FusedOptimizer(torch.optim.Optimizer):
         if not elementwise:
             _refuse_known_non_elementwise(cls, elementwise)
         self._cls = cls
-        self._defaults = dict(optimizer.defaults)
+        # Rebuilt with its defaults and the constructor arguments it keeps as attributes outside them
+        # (a warm-up length, say), which a rebuild from the defaults alone would silently reset.
+        kept = inspect.signature(cls.__init__).parameters.keys() - optimizer.defaults.keys() - {"self", "params"}
+        self._defaults = {**optimizer.defaults, **{k: v for k, v in vars(optimizer).items() if k in kept}}
         original_state = optimizer.state_dict()
         groups = [dict(group) for group in optimizer.param_groups]
         super().__init__(groups, optimizer.defaults)
-        self._chunks = _lay_out(self.param_groups, self._reducer)
+        self._chunks = lay_out(self.param_groups, self._reducer)
         self.inner = self._construct(
             [
                 {**_hyper_parameters(group), "params": [c.flat for c in self._chunks if c.group == g]}
@@ -132,6 +103,11 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._warned_unused = False
         self._stats = {"fused_steps": 0, "unfused_chunk_steps": 0, "gradient_copies": 0, "bytes_copied": 0}
         self._load_per_parameter_state(original_state)
+        holder = wrapper_of(optimizer)
+        if holder is not None:
+            if module is not None and holder is not module:
+                raise ValueError("fuse_optimizer: the optimizer was given to another wrapped model than module")
+            holder.replace_optimizer(optimizer, self)
 
     # -- the torch.optim.Optimizer interface -------------------------------------------------
 
@@ -238,7 +214,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._module.wait_gradients()
         for chunk in self._chunks:
             bucket = chunk.bucket
-            if bucket is None or chunk.flat_grad.data_ptr() == _slice_ptr(bucket, chunk.first):
+            if bucket is None or chunk.flat_grad.data_ptr() == slice_ptr(bucket, chunk.first):
                 continue
             chunk.flat_grad = bucket.grad.narrow(0, bucket.offsets[chunk.first], chunk.flat.numel())
             chunk.grad_views = self._reducer.grad_views(bucket)[chunk.first : chunk.first + len(chunk.params)]
@@ -246,7 +222,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- gradients -------------------------------------------------------------------------
 
-    def _gather_gradients(self, chunk: _Chunk) -> bool:
+    def _gather_gradients(self, chunk: Chunk) -> bool:
         """Make every member's gradient a view of the chunk's flat gradient; False if one is None."""
         stale = []
         complete = True
@@ -288,24 +264,24 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- per-parameter steps (members without a gradient, or members that disagree) ---------
 
-    def _member_state(self, chunk: _Chunk, i: int) -> dict[str, Any]:
+    def _member_state(self, chunk: Chunk, i: int) -> dict[str, Any]:
         """Member ``i``'s optimizer state as the unfused optimizer would hold it (views)."""
         if not chunk.fused:
             return chunk.member_state.get(chunk.params[i], {})
         flat_state = self.inner.state.get(chunk.flat, {})
-        return {k: _member_value(chunk, i, v) for k, v in flat_state.items()}
+        return {k: member_value(chunk, i, v) for k, v in flat_state.items()}
 
-    def _split(self, chunk: _Chunk) -> None:
+    def _split(self, chunk: Chunk) -> None:
         """Move a fused chunk's state to per-parameter entries (param-shaped ones stay views)."""
         flat_state = self.inner.state.pop(chunk.flat, {})
         chunk.member_state = {
-            p: {k: _member_value(chunk, i, v) for k, v in flat_state.items()}
+            p: {k: member_value(chunk, i, v) for k, v in flat_state.items()}
             for i, p in enumerate(chunk.params)
             if flat_state
         }
         chunk.fused = False
 
-    def _step_per_parameter(self, chunk: _Chunk) -> None:
+    def _step_per_parameter(self, chunk: Chunk) -> None:
         """Step the members that have a gradient one tensor at a time, then re-fuse if possible."""
         if chunk.fused:
             self._split(chunk)
@@ -321,7 +297,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         self._stats["unfused_chunk_steps"] += 1
         self._try_fuse(chunk)
 
-    def _try_fuse(self, chunk: _Chunk) -> None:
+    def _try_fuse(self, chunk: Chunk) -> None:
         """Fuse the chunk's state again once every member holds the same kind and step of state."""
         states = [chunk.member_state.get(p, {}) for p in chunk.params]
         if any(states) and not all(states):
@@ -342,7 +318,7 @@ class FusedOptimizer(torch.optim.Optimizer):
                 for i, v in enumerate(values):
                     chunk.view(flat, i).copy_(v)
                 fused[key] = flat
-            elif all(_equal(v, values[0]) for v in values):
+            elif all(same_value(v, values[0]) for v in values):
                 fused[key] = values[0].clone() if torch.is_tensor(values[0]) else values[0]
             else:
                 return
@@ -356,11 +332,8 @@ class FusedOptimizer(torch.optim.Optimizer):
         return self._construct([{**_hyper_parameters(self.param_groups[group]), "params": params}])
 
     def _construct(self, groups: list[dict[str, Any]]) -> torch.optim.Optimizer:
-        """A new optimizer of the original class over ``groups`` (each carries every setting).
-
-        The constructor gets the defaults it declares as parameters (AdamW's ``defaults``, for
-        one, hold a key its constructor does not take).
-        """
+        """A new optimizer of the original class over ``groups`` (each carries every setting), given the
+        constructor arguments it declares (AdamW's ``defaults``, for one, hold a key it does not take)."""
         parameters = inspect.signature(self._cls.__init__).parameters
         takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
         kwargs = {k: v for k, v in self._defaults.items() if takes_any or k in parameters}
@@ -382,7 +355,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             chunk.member_state = {}
             for p in chunk.params:
                 if p in saved:
-                    _check_state_shapes(p, saved[p])
+                    check_state_shapes(p, saved[p])
                     chunk.member_state[p] = {
                         k: v.to(p.device).clone() if torch.is_tensor(v) and v.dim() > 0 else v
                         for k, v in saved[p].items()
@@ -392,7 +365,7 @@ class FusedOptimizer(torch.optim.Optimizer):
 
     # -- first-step verification ------------------------------------------------------------
 
-    def _prepare_verification(self, chunks: list[_Chunk]) -> Callable[[], None] | None:
+    def _prepare_verification(self, chunks: list[Chunk]) -> Callable[[], None] | None:
         """Step a sample of parameters with the original class; returns the check to run after.
 
         Before the first fused step every flat parameter and all state is saved; if the fused
@@ -407,7 +380,7 @@ class FusedOptimizer(torch.optim.Optimizer):
         sample = sample[::stride][:VERIFY_SAMPLE]
         saved_flat = [c.flat.detach().clone() for c in self._chunks]
         saved_state = self.state_dict()
-        expected: list[tuple[_Chunk, int, torch.Tensor, dict[str, Any]]] = []
+        expected: list[tuple[Chunk, int, torch.Tensor, dict[str, Any]]] = []
         for chunk, i in sample:
             p = chunk.params[i]
             clone = p.detach().clone().requires_grad_(False)
@@ -423,7 +396,7 @@ class FusedOptimizer(torch.optim.Optimizer):
             for chunk, i, clone, state in expected:
                 fused_state = self._member_state(chunk, i)
                 if torch.equal(chunk.params[i].detach(), clone) and all(
-                    _equal(fused_state.get(k), v) for k, v in state.items()
+                    same_value(fused_state.get(k), v) for k, v in state.items()
                 ):
                     continue
                 for c, flat in zip(self._chunks, saved_flat):
@@ -472,105 +445,3 @@ def _refuse_known_non_elementwise(cls: type, elementwise: bool | None) -> None:
 
 def _hyper_parameters(group: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in group.items() if k != "params"}
-
-
-def _lay_out(groups: Iterable[dict[str, Any]], reducer: Reducer | None = None) -> list[_Chunk]:
-    """One chunk per (group, dtype, device), or per run of a bucket in one group; members become views."""
-    group_of: dict[torch.Tensor, int] = {}
-    for g, group in enumerate(groups):
-        for p in group["params"]:
-            if p in group_of:
-                raise ValueError("fuse_optimizer: a parameter appears in more than one param group")
-            group_of[p] = g
-            if p.requires_grad and (p.is_sparse or not p.is_contiguous()):
-                raise ValueError(
-                    f"fuse_optimizer: a parameter of shape {tuple(p.shape)} is sparse, "
-                    "channels-last or otherwise not contiguous; it cannot be a view of a flat buffer"
-                )
-    chunks = [] if reducer is None else _lay_out_on_buckets(group_of, reducer)
-    placed = {p for chunk in chunks for p in chunk.params}
-    by_kind: dict[tuple[int, torch.dtype, torch.device], list[torch.nn.Parameter]] = {}
-    for p, g in group_of.items():
-        if p.requires_grad and p not in placed:
-            by_kind.setdefault((g, p.dtype, p.device), []).append(p)
-    for (g, _, _), params in by_kind.items():
-        numel = sum(p.numel() for p in params)
-        flat_grad = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
-        chunks.append(_make_chunk(g, params, flat_grad, list(_views(flat_grad, params))))
-    return chunks
-
-
-def _lay_out_on_buckets(group_of: dict[torch.Tensor, int], reducer: Reducer) -> list[_Chunk]:
-    """Chunks over the model's buckets: each run of a bucket's parameters in one group is one chunk."""
-    chunks = []
-    for bucket in reducer.buckets:
-        views = reducer.grad_views(bucket)
-        start = 0
-        for i in range(1, len(bucket.params) + 1):
-            if i < len(bucket.params) and group_of.get(bucket.params[i]) == group_of.get(bucket.params[start]):
-                continue
-            params = list(bucket.params[start:i])
-            if params[0] in group_of:
-                numel = sum(p.numel() for p in params)
-                flat_grad = bucket.grad.narrow(0, bucket.offsets[start], numel)
-                chunk = _make_chunk(group_of[params[0]], params, flat_grad, views[start:i])
-                chunk.bucket, chunk.first = bucket, start
-                chunks.append(chunk)
-            start = i
-    return chunks
-
-
-def _make_chunk(
-    group: int, params: list[torch.nn.Parameter], flat_grad: torch.Tensor, grad_views: list[torch.Tensor]
-) -> _Chunk:
-    """A chunk over ``params`` whose gradient buffer is ``flat_grad``: values moved into a new flat parameter."""
-    flat = torch.nn.Parameter(torch.empty(flat_grad.shape, dtype=flat_grad.dtype, device=flat_grad.device))
-    offsets = [0]
-    for p in params[:-1]:
-        offsets.append(offsets[-1] + p.numel())
-    chunk = _Chunk(group, params, offsets, flat, flat_grad, grad_views)
-    with torch.no_grad():
-        for p, view, grad_view in zip(params, _views(flat.data, params), grad_views):
-            view.copy_(p)
-            grad = p.grad
-            p.data = view
-            if grad is not None:
-                if grad is not grad_view:
-                    grad_view.copy_(grad)
-                p.grad = grad_view
-    flat.grad = flat_grad
-    return chunk
-
-
-def _views(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> Iterable[torch.Tensor]:
-    """Consecutive slices of ``flat`` shaped like ``params``."""
-    offset = 0
-    for p in params:
-        yield flat.narrow(0, offset, p.numel()).view(p.shape)
-        offset += p.numel()
-
-
-def _slice_ptr(bucket: Bucket, first: int) -> int:
-    return bucket.grad.data_ptr() + bucket.offsets[first] * bucket.grad.element_size()
-
-
-def _member_value(chunk: _Chunk, i: int, value: Any) -> Any:
-    """Member ``i``'s part of a flat state value: a view when it is flat-shaped, else a copy."""
-    if torch.is_tensor(value) and value.shape == chunk.flat.shape:
-        return chunk.view(value, i)
-    return value.clone() if torch.is_tensor(value) else value
-
-
-def _check_state_shapes(p: torch.Tensor, state: dict[str, Any]) -> None:
-    for key, value in state.items():
-        if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
-            raise ValueError(
-                f"fuse_optimizer: state {key!r} of a parameter of shape {tuple(p.shape)} has shape "
-                f"{tuple(value.shape)}; only state shaped like its parameter (or scalars) can be fused"
-            )
-
-
-def _equal(a: Any, b: Any) -> bool:
-    if torch.is_tensor(a) and torch.is_tensor(b):
-        return a.shape == b.shape and a.dtype == b.dtype and torch.equal(a, b)
-    return not torch.is_tensor(a) and not torch.is_tensor(b) and a == b

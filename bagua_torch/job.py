@@ -3,7 +3,7 @@
 Reads the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, as ``torchrun`` and Bagua's
 launcher set them; under ``mpiexec`` or ``srun`` the rank, size and node size may come
-from the MPI launcher's variables, read by :func:`bagua_launch.rank_env.mpi_rank_environment`)
+from the MPI launcher's variables, read by :mod:`bagua_common.job.rank_environment`)
 or takes them as arguments,
 initializes ``torch.distributed`` (gloo on CPU, nccl on GPU) and builds the
 communicators the algorithms use:
@@ -21,7 +21,10 @@ communicators the algorithms use:
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm.timeout import timeout_seconds
-from bagua_launch.rank_env import mpi_rank_environment
-from bagua_torch.algorithms.base import Communicators
+from bagua_common.comm.topology import Communicators
+from bagua_common.job.rank_environment import environment_int, started_by_mpi
 from bagua_torch.communicator import (
     Communicator,
     NativeCommunicator,
@@ -41,14 +44,19 @@ from bagua_torch.communicator import (
 
 @dataclass
 class BaguaProcessGroup:
-    """The communicators of a job and where this process sits in it (see the module docstring).
+    """A group of the job's ranks, its communicators, and where this process sits in the job.
 
-    ``native`` tells whether ``communicators.world`` is a :class:`~bagua_torch.NativeCommunicator`;
-    ``backend`` is the ``torch.distributed`` backend (None if ``torch.distributed`` was not
-    initialized, which happens only for a native MPI job without ``MASTER_ADDR``).
+    :func:`init_process_group` makes the job's world group (the default, see the module
+    docstring); :func:`new_group` and :func:`from_torch_group` groups of some ranks. ``ranks`` are
+    the members' job ranks, in order; ``communicators`` is None on a rank that is not a member.
+    ``rank``, ``size``, ``local_rank``, ``local_size`` and ``device`` are this process's place in
+    the job. ``native`` tells whether the world communicator is a
+    :class:`~bagua_torch.NativeCommunicator`; ``backend`` is the ``torch.distributed`` backend
+    (None if ``torch.distributed`` was not initialized, which happens only for a native MPI job
+    without ``MASTER_ADDR``).
     """
 
-    communicators: Communicators
+    communicators: Communicators | None
     rank: int
     size: int
     local_rank: int
@@ -57,6 +65,11 @@ class BaguaProcessGroup:
     backend: str | None
     native: bool
     store: Any = None
+    ranks: Sequence[int] = ()
+    name: str = "default"
+
+    def __post_init__(self) -> None:
+        self.ranks: list[int] = list(self.ranks) or list(range(self.size))
 
     @property
     def world(self) -> Communicator:
@@ -73,37 +86,23 @@ class BaguaProcessGroup:
     def close(self) -> None:
         """Release native communicators (torch.distributed itself is left alone)."""
         seen = set()
-        for comm in self.communicators:
+        for comm in self.communicators or ():
             if isinstance(comm, NativeCommunicator) and id(comm) not in seen:
                 seen.add(id(comm))
                 comm.close()
 
 
 _default: BaguaProcessGroup | None = None
+_GROUP_NUMBERS = itertools.count(1)
 
 
-def _env_int(name: str, value: Any, key: str, mpi: dict[str, str]) -> int | None:
-    """``value`` if given, else the environment variable ``key``, else the MPI launcher's value of it."""
-    if value is not None:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"init_process_group: {name} must be an int, got {value!r}")
-        return value
-    text = os.environ.get(key) or mpi.get(key)
-    if text is not None and text.strip():
-        try:
-            return int(text)
-        except ValueError:
-            raise ValueError(f"init_process_group: environment variable {key}={text!r} is not an integer") from None
-    return None
-
-
-def _mpi_environment() -> dict[str, str]:
-    """RANK, WORLD_SIZE and LOCAL_WORLD_SIZE from an MPI launcher's variables; empty outside one."""
-    try:
-        derived = mpi_rank_environment(os.environ)
-    except RuntimeError:  # not started by an MPI launcher
-        return {}
-    return {key: derived[key] for key in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+def _argument_or_environment(name: str, value: Any, key: str) -> int | None:
+    """``value`` if given, else the launcher's variable ``key`` (or, under MPI, its launcher's value of it)."""
+    if value is None:
+        return environment_int(key)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"init_process_group: {name} must be an int, got {value!r}")
+    return value
 
 
 def init_process_group(
@@ -144,9 +143,8 @@ def init_process_group(
         raise TypeError(f"init_process_group: native must be None or a bool, got {native!r}")
     seconds = timeout_seconds(timeout)
 
-    mpi = _mpi_environment()
-    rank = _env_int("rank", rank, "RANK", mpi)
-    world_size = _env_int("world_size", world_size, "WORLD_SIZE", mpi)
+    rank = _argument_or_environment("rank", rank, "RANK")
+    world_size = _argument_or_environment("world_size", world_size, "WORLD_SIZE")
     if rank is None or world_size is None:
         raise ValueError(
             "init_process_group: the rank and world size are unknown; set RANK and WORLD_SIZE (a launcher such as "
@@ -154,14 +152,14 @@ def init_process_group(
         )
     if world_size < 1 or not 0 <= rank < world_size:
         raise ValueError(f"init_process_group: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
-    local_world_size = _env_int("local_world_size", local_world_size, "LOCAL_WORLD_SIZE", mpi)
+    local_world_size = _argument_or_environment("local_world_size", local_world_size, "LOCAL_WORLD_SIZE")
     local_world_size = world_size if local_world_size is None else local_world_size
     if local_world_size < 1 or world_size % local_world_size:
         raise ValueError(
             f"init_process_group: local_world_size={local_world_size} must divide world_size={world_size} "
             "(the same number of ranks on every node)"
         )
-    local_rank = _env_int("local_rank", local_rank, "LOCAL_RANK", {})
+    local_rank = _argument_or_environment("local_rank", local_rank, "LOCAL_RANK")
     expected_local = rank % local_world_size
     if local_rank is None:
         local_rank = expected_local
@@ -187,7 +185,7 @@ def init_process_group(
 
     info = build_info()
     engine = "nccl" if use_cuda else "mpi"
-    engine_ready = bool(info.get(engine)) and (use_cuda or bool(mpi))
+    engine_ready = bool(info.get(engine)) and (use_cuda or started_by_mpi())
     if native and not engine_ready:
         raise RuntimeError(
             f"init_process_group(native=True): the native {engine.upper()} engine is not usable here "
@@ -196,7 +194,7 @@ def init_process_group(
     use_native = engine_ready if native is None else native
 
     master_addr = master_addr if master_addr is not None else os.environ.get("MASTER_ADDR")
-    master_port = _env_int("master_port", master_port, "MASTER_PORT", {})
+    master_port = _argument_or_environment("master_port", master_port, "MASTER_PORT")
     store = None
     if dist.is_available() and dist.is_initialized():
         if (dist.get_rank(), dist.get_world_size()) != (rank, world_size):
@@ -245,8 +243,9 @@ def init_process_group(
         intra = inter = None
         if two_levels:
             node, local = rank // local_world_size, rank % local_world_size
-            intra = world.split(node, local, name=f"bagua/intra{node}")
-            inter = world.split(local, node, name=f"bagua/inter{local}")
+            # One thread for the three: a two-level pipeline issues on both levels without a second hop.
+            intra = world.split(node, local, name=f"bagua/intra{node}", share_thread=True)
+            inter = world.split(local, node, name=f"bagua/inter{local}", share_thread=True)
     else:
         group = dist.new_group(backend=backend, timeout=timedelta(seconds=max(seconds, 30)))
         world = ProcessGroupCommunicator(group, timeout=seconds, name="bagua")
@@ -287,6 +286,42 @@ def get_process_group() -> BaguaProcessGroup:
     return _default
 
 
+def new_group(ranks: Sequence[int] | None = None) -> BaguaProcessGroup:
+    """A group of the job's ``ranks`` (default all); collective: every rank of the job calls it, in the same order.
+
+    Its communicator splits the native world communicator, or is a new ``torch.distributed``
+    group; on ranks outside the group ``communicators`` is None.
+    """
+    job = get_process_group()
+    ranks = sorted(range(job.size) if ranks is None else (int(r) for r in ranks))
+    for r in ranks:
+        if not 0 <= r < job.size:
+            raise ValueError(f"new_group: invalid rank {r}, should be non-negative and less than world size {job.size}")
+    if len(set(ranks)) != len(ranks):
+        raise ValueError(f"new_group: ranks repeat: {ranks}")
+    name = f"bagua/group{next(_GROUP_NUMBERS)}"
+    member = job.rank in ranks
+    if isinstance(job.world, NativeCommunicator):
+        child = job.world.split(0 if member else 1, job.rank, name=name)
+        if not member:
+            child.close()
+        communicators = Communicators(child) if member else None
+    else:
+        torch_group = dist.new_group(ranks)
+        communicators = Communicators(ProcessGroupCommunicator(torch_group, name=name)) if member else None
+    return dataclasses.replace(job, communicators=communicators, store=None, ranks=ranks, name=name)
+
+
+def from_torch_group(group: dist.ProcessGroup) -> BaguaProcessGroup:
+    """The group of a ``torch.distributed`` group's ranks, communicating over that group (this rank is a member)."""
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"from_torch_group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
+    name = f"bagua/torch-group{next(_GROUP_NUMBERS)}"
+    communicators = Communicators(ProcessGroupCommunicator(group, name=name))
+    ranks = dist.get_process_group_ranks(group)
+    return dataclasses.replace(get_process_group(), communicators=communicators, store=None, ranks=ranks, name=name)
+
+
 def communicators_from(process_group: Any) -> Communicators:
     """Turn what a user may pass as ``process_group`` into :class:`Communicators`.
 
@@ -305,6 +340,8 @@ def communicators_from(process_group: Any) -> Communicators:
             "before wrapping a model, or pass process_group="
         )
     if isinstance(process_group, BaguaProcessGroup):
+        if process_group.communicators is None:
+            raise ValueError(f"this rank is not a member of process group {process_group.name!r} {process_group.ranks}")
         return process_group.communicators
     if isinstance(process_group, Communicators):
         return process_group

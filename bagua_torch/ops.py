@@ -14,10 +14,12 @@ from typing import Any, Literal
 import _bagua_ffi
 import torch
 
+from bagua_common.algorithms.kernel_dtypes import KERNEL_FLOAT_DTYPES
 from bagua_common.comm.bagua_net import bagua_net_plugin_path
 
 Format = Literal["minmax_uint8", "minmax_uint4", "sign"]
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+KERNEL_FLOATS = tuple(getattr(torch, name) for name in KERNEL_FLOAT_DTYPES)
+"""The dtypes of :data:`bagua_common.algorithms.kernel_dtypes.KERNEL_FLOAT_DTYPES` as torch dtypes."""
 
 
 def build_info() -> dict[str, Any]:
@@ -37,7 +39,7 @@ def _stream(t: torch.Tensor) -> int:
 def _float_tensor(name: str, t: torch.Tensor) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if t.dtype not in _FLOAT_DTYPES:
+    if t.dtype not in KERNEL_FLOATS:
         raise TypeError(f"{name} must be float32, float16 or bfloat16, got {t.dtype}")
     return t.detach().contiguous().view(-1)
 

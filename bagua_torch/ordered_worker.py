@@ -1,8 +1,11 @@
 """One worker thread that runs jobs in submission order, on a side CUDA stream for CUDA devices.
 
-The native communicator issues its collectives through one, and each algorithm impl runs
-its multi-stage pipelines through another (:meth:`~bagua_torch.algorithms.AlgorithmImpl.run_async`):
-jobs of one worker never overlap, so the collectives they issue keep every rank's order.
+A native communicator issues its collectives through one (the two levels of a hierarchical
+job share their world's), and an algorithm impl runs its multi-stage pipelines on the same
+one (:meth:`~bagua_torch.algorithms.AlgorithmImpl.run_async`); the collectives a job issues on
+its own worker's communicators run at once, inline, so each crosses one thread. Jobs of one
+worker never overlap, so the collectives they issue keep every rank's order. Over
+``torch.distributed``, whose collectives need no thread of ours, an impl has a worker of its own.
 """
 
 from __future__ import annotations
@@ -45,6 +48,10 @@ class WorkerWork:
         return bool(self._done.query())
 
 
+_thread_of = threading.local()
+"""``worker``: the :class:`OrderedWorker` whose thread this is (unset on other threads)."""
+
+
 class OrderedWorker:
     """Jobs run one after another on one thread, in submission order; ``name`` names the thread.
 
@@ -58,6 +65,18 @@ class OrderedWorker:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._stream: Any = None
 
+    @property
+    def device(self) -> torch.device:
+        """The device whose side stream the jobs run on (CUDA), or whose tensors they use."""
+        return self._device
+
+    def is_current(self) -> bool:
+        """Whether the caller runs on this worker's thread (inside one of its jobs)."""
+        return getattr(_thread_of, "worker", None) is self
+
+    def _mark_thread(self) -> None:
+        _thread_of.worker = self
+
     def submit(self, job: Callable[[int], Any], tensors: Sequence[torch.Tensor] = ()) -> WorkerWork:
         """Queue ``job(stream)``: ``stream`` is the side stream's handle on CUDA, 0 otherwise.
 
@@ -67,7 +86,7 @@ class OrderedWorker:
         with self._lock:
             if self._executor is None:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=1, thread_name_prefix=f"bagua-{self._name}"
+                    max_workers=1, thread_name_prefix=f"bagua-{self._name}", initializer=self._mark_thread
                 )
             if self._device.type != "cuda":
                 return WorkerWork(self._executor.submit(job, 0))

@@ -1,6 +1,6 @@
 """The reducer: which buckets' gradients have arrived, launching them in order, waiting for them.
 
-The module wrapper (:mod:`bagua_torch.distributed`) decides *whether* an iteration reduces
+The module wrapper (:mod:`bagua_torch.bagua_module`) decides *whether* an iteration reduces
 gradients; the :class:`Reducer` does it, as the reducer of torch's DDP does:
 
 * when autograd has accumulated a parameter's gradient, it is copied into its bucket (unless

@@ -3,7 +3,7 @@
 Two network namespaces from ``network_harness.py`` (root only); the sender's link is shaped
 with ``tc`` (htb classes and u32 filters: this kernel has no netem, so no added latency).
 Traffic has NCCL's shape: 2 channels (one comm each), 8 steps of 512 KiB in flight per
-channel, driven through the installed plugin by the C++ harness ``bagua_net/net_harness.cc``.
+channel, driven through the installed plugin by the C++ harness ``tests/net_harness/net_harness.cc``.
 
 Scenarios (rates are per direction, sender to receiver):
 
@@ -183,7 +183,8 @@ def interval(values: list[float]) -> tuple[float, float]:
 
 def build_harness(folder: Path) -> Path:
     harness = folder / "net_harness"
-    subprocess.run(["g++", "-std=c++17", "-O2", str(ROOT / "bagua_net" / "net_harness.cc"), "-o", str(harness),
+    source = ROOT / "tests" / "net_harness" / "net_harness.cc"
+    subprocess.run(["g++", "-std=c++17", "-O2", f"-I{ROOT / 'bagua_net'}", str(source), "-o", str(harness),
                     "-ldl", "-pthread"], check=True)  # fmt: skip
     return harness
 

@@ -3,17 +3,26 @@
 Sample lengths are skewed (log-normal, 16..512 tokens). Three parts, each repeated with the two
 samplers interleaved, ratios reported (balanced / DistributedSampler, lower is better):
 
-1. model: the epoch's sum over steps of the largest per-rank cost, cost = length or length^2;
+1. model: the epoch's sum over steps of the largest per-rank cost, cost = length or length^2
+   summed over a rank's samples, or (padded) the batch size times the longest sample's cost;
 2. replay: each virtual rank's batch really runs forward+backward in this process (one thread,
    the fastest of three timings; the two samplers' steps interleaved), the step time is the largest of the ranks' measured times (only
    the synchrony is modelled), for a token-wise feed-forward layer on the rank's packed tokens
    (cost linear in length), per-sequence attention (quadratic) and a transformer encoder layer;
-3. real: two processes (gloo), each step ends with an all-reduce; epoch wall time.
+3. real: 2 and 4 processes (gloo, one thread each), a transformer encoder layer, each step
+   ends with an all-reduce. Each rank runs its batch either sample by sample or as one batch
+   padded to its longest sample (masked), as transformers are trained. The two samplers' steps
+   alternate within one loop, so load spikes of the shared machine hit both alike; reported:
+   the summed step times of rank 0, which each step's all-reduce makes the slowest rank's, and
+   the time of the steps' all-reduces alone (steps without compute, alternating with the others).
+
+The balanced sampler is ``BalancedBatchSampler(megabatch=...)``: steps of groups of similar cost.
 
 It prints the three parts and writes them, with the machine, versions and load average, to
 ``balance-cpu.md`` and ``balance-cpu.json`` in ``--out`` (default ``benchmarks/results/``).
 
-    python benchmarks/balance.py [--ranks 4] [--samples 256] [--batch 4] [--repeats 3]
+    python benchmarks/balance.py [--ranks 4] [--samples 256] [--batch 4] [--megabatch 64] [--repeats 3]
+                                 [--parts model replay real] [--processes 2 4]
 """
 
 from __future__ import annotations
@@ -53,10 +62,10 @@ def distributed_batches(n: int, ranks: int, batch: int, epoch: int) -> list[list
     return out
 
 
-def balanced_batches(lengths, ranks: int, batch: int, epoch: int) -> list[list[list[int]]]:
+def balanced_batches(lengths, ranks: int, batch: int, epoch: int, megabatch: int | None) -> list[list[list[int]]]:
     out = []
     for rank in range(ranks):
-        sampler = BalancedBatchSampler(lengths, batch_size=batch, num_replicas=ranks, rank=rank)
+        sampler = BalancedBatchSampler(lengths, batch_size=batch, num_replicas=ranks, rank=rank, megabatch=megabatch)
         sampler.set_epoch(epoch)
         out.append(list(sampler))
     return out
@@ -89,13 +98,22 @@ def run_batch(model: nn.Module, lengths: np.ndarray, indices: list[int], packed:
         model(torch.randn(size, D_MODEL)).square().mean().backward()
 
 
-def modelled(lengths, ranks, batch, epoch, power) -> float:
+def run_padded(model: nn.Module, lengths: np.ndarray, indices: list[int]) -> None:
+    """Forward and backward of a batch-first transformer layer on the batch padded to its longest sample."""
+    sizes = torch.tensor([int(lengths[i]) for i in indices])
+    pad = torch.arange(int(sizes.max())) >= sizes[:, None]  # True where padded
+    out = model(torch.randn(len(indices), pad.shape[1], D_MODEL), src_key_padding_mask=pad)
+    out[~pad].square().mean().backward()
+
+
+def modelled(lengths, ranks, batch, epoch, power, padded, megabatch) -> float:
     def total(batches):
         cost = lengths.astype(float) ** power
-        return sum(max(cost[b[s]].sum() for b in batches) for s in range(len(batches[0])))
+        rank_cost = (lambda b: len(b) * cost[b].max()) if padded else (lambda b: cost[b].sum())
+        return sum(max(rank_cost(b[s]) for b in batches) for s in range(len(batches[0])))
 
     dist_total = total(distributed_batches(len(lengths), ranks, batch, epoch))
-    return total(balanced_batches(lengths, ranks, batch, epoch)) / dist_total
+    return total(balanced_batches(lengths, ranks, batch, epoch, megabatch)) / dist_total
 
 
 def step_seconds(model, packed, lengths, rank_batches) -> float:
@@ -121,80 +139,116 @@ def replayed(model, packed, lengths, plain, balanced) -> tuple[float, float]:
     return totals[0], totals[1]
 
 
-def real_worker(rank: int, world: int, port: int, lengths, batch: int, repeats: int, queue) -> None:
+REAL_MODES = ("sample by sample", "padded batch")
+
+
+def real_worker(rank: int, world: int, port: int, lengths, batch: int, megabatch, repeats: int, queue) -> None:
+    """One rank: every epoch, each mode, the two samplers' steps alternating; rank 0 reports the sums."""
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.manual_seed(0)
-    model = nn.TransformerEncoderLayer(D_MODEL, 4, 4 * D_MODEL, dropout=0.0)
+    model = nn.TransformerEncoderLayer(D_MODEL, 4, 4 * D_MODEL, dropout=0.0, batch_first=True)
     token = torch.zeros(1)
     for repeat in range(repeats):
-        for name, make in (("dist", distributed_batches), ("balanced", None)):
-            if make is None:
-                mine = balanced_batches(lengths, world, batch, repeat)[rank]
-            else:
-                mine = make(len(lengths), world, batch, repeat)[rank]
-            dist.barrier()
-            start = time.perf_counter()
-            for step in mine:
-                run_batch(model, lengths, step, packed=False)
-                dist.all_reduce(token)
+        plain = distributed_batches(len(lengths), world, batch, repeat)[rank]
+        balanced = balanced_batches(lengths, world, batch, repeat, megabatch)[rank]
+        for mode in REAL_MODES:
+            totals = [0.0, 0.0, 0.0]  # DistributedSampler, balanced, the steps' synchronization alone
+            for step in range(max(len(plain), len(balanced))):
+                for which, batches in enumerate((plain, balanced, None)):
+                    if batches is not None and step >= len(batches):
+                        continue
+                    dist.all_reduce(token)  # every rank starts the step together
+                    start = time.perf_counter()
+                    if batches is None:
+                        pass
+                    elif mode == "padded batch":
+                        run_padded(model, lengths, batches[step])
+                    else:
+                        run_batch(model, lengths, batches[step], packed=False)
+                    dist.all_reduce(token)
+                    totals[which] += time.perf_counter() - start
             if rank == 0:
-                queue.put((name, time.perf_counter() - start))
+                queue.put((mode, *totals))
     dist.destroy_process_group()
+
+
+def real_run(lengths, processes: int, batch: int, megabatch, repeats: int) -> dict[str, dict[str, list[float]]]:
+    """Part 3 with ``processes`` ranks: per mode, the epoch seconds of both samplers and their ratios."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    port = _common.free_port()
+    args = (processes, port, lengths, batch, megabatch, repeats, queue)
+    mp.spawn(real_worker, args=args, nprocs=processes)
+    keys = ("distributed_s", "balanced_s", "sync_s", "ratios")
+    out: dict[str, dict[str, list[float]]] = {m: {k: [] for k in keys} for m in REAL_MODES}
+    while not queue.empty():
+        mode, plain, balanced, sync = queue.get()
+        for key, value in zip(keys, (plain, balanced, sync, balanced / plain)):
+            out[mode][key].append(value)
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--ranks", type=int, default=4, help="virtual ranks of parts 1 and 2")
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--megabatch", type=int, default=64, help="the balanced sampler's megabatch (0: none)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--processes", type=int, nargs="+", default=[2, 4], help="ranks of the real runs")
+    _common.add_subset_option(parser, "--parts", ["model", "replay", "real"], "the parts to run")
     _common.add_out_option(parser)
     args = parser.parse_args()
     settings = {name: value for name, value in vars(args).items() if name != "out"}
     meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ["torch", "numpy"], settings=settings)
     torch.set_num_threads(1)
+    megabatch = args.megabatch or None
     lengths = skewed_lengths(args.samples)
     transcript = _common.Transcript()
     say = transcript.say
-    results: dict[str, dict] = {"modelled": {}, "replayed": {}}
+    results: dict[str, dict] = {"modelled": {}, "replayed": {}, "real": {}}
     say(f"{args.samples} samples, lengths {lengths.min()}..{lengths.max()} "
-        f"(median {int(np.median(lengths))}), {args.ranks} ranks, batch {args.batch}")  # fmt: skip
+        f"(median {int(np.median(lengths))}), batch {args.batch}, megabatch {megabatch}")  # fmt: skip
 
-    say("\n1. modelled cost, sum over steps of the max over ranks (20 epochs)")
-    for power, name in ((1, "linear"), (2, "quadratic")):
-        ratios = [modelled(lengths, args.ranks, args.batch, e, power) for e in range(20)]
-        results["modelled"][name] = statistics.median(ratios)
-        say(f"   {name:10s} balanced/DistributedSampler = {statistics.median(ratios):.3f}x")
+    if "model" in args.parts:
+        say("\n1. modelled cost, sum over steps of the max over ranks (20 epochs)")
+        for ranks in sorted({args.ranks, *args.processes}):
+            for padded in (False, True):
+                for power, name in ((1, "linear"), (2, "quadratic")):
+                    label = f"{ranks} ranks, {name}{', padded' if padded else ''}"
+                    ratios = [modelled(lengths, ranks, args.batch, e, power, padded, megabatch) for e in range(20)]
+                    results["modelled"][label] = statistics.median(ratios)
+                    say(f"   {label:30s} balanced/DistributedSampler = {statistics.median(ratios):.3f}x")
 
-    say(f"\n2. replayed compute, {args.ranks} virtual ranks, 1 thread ({args.repeats} repeats)")
-    torch.manual_seed(0)
-    for name, (model, packed) in models().items():
-        ratios, dist_times = [], []
-        for repeat in range(args.repeats):
-            plain = distributed_batches(len(lengths), args.ranks, args.batch, repeat)
-            balanced = balanced_batches(lengths, args.ranks, args.batch, repeat)
-            d, b = replayed(model, packed, lengths, plain, balanced)
-            ratios.append(b / d)
-            dist_times.append(d)
-        results["replayed"][name] = {"distributed_s": statistics.median(dist_times), "ratios": ratios}
-        say(f"   {name:22s} DistributedSampler {statistics.median(dist_times):6.2f} s/epoch, "
-            f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x "
-            f"(repeats {', '.join(f'{r:.3f}' for r in ratios)})")  # fmt: skip
+    if "replay" in args.parts:
+        say(f"\n2. replayed compute, {args.ranks} virtual ranks, 1 thread ({args.repeats} repeats)")
+        torch.manual_seed(0)
+        for name, (model, packed) in models().items():
+            ratios, dist_times = [], []
+            for repeat in range(args.repeats):
+                plain = distributed_batches(len(lengths), args.ranks, args.batch, repeat)
+                balanced = balanced_batches(lengths, args.ranks, args.batch, repeat, megabatch)
+                d, b = replayed(model, packed, lengths, plain, balanced)
+                ratios.append(b / d)
+                dist_times.append(d)
+            results["replayed"][name] = {"distributed_s": statistics.median(dist_times), "ratios": ratios}
+            say(f"   {name:22s} DistributedSampler {statistics.median(dist_times):6.2f} s/epoch, "
+                f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x "
+                f"(repeats {', '.join(f'{r:.3f}' for r in ratios)})")  # fmt: skip
 
-    say(f"\n3. real run, 2 processes (gloo), transformer layer ({args.repeats} repeats)")
-    queue = mp.get_context("spawn").SimpleQueue()
-    port = _common.free_port()
-    mp.spawn(real_worker, args=(2, port, lengths, args.batch, args.repeats, queue), nprocs=2)
-    times: dict[str, list[float]] = {"dist": [], "balanced": []}
-    while not queue.empty():
-        name, seconds = queue.get()
-        times[name].append(seconds)
-    ratios = [b / d for b, d in zip(times["balanced"], times["dist"])]
-    results["real"] = {"distributed_s": times["dist"], "balanced_s": times["balanced"]}
-    say(f"   DistributedSampler {statistics.median(times['dist']):.2f} s/epoch, "
-        f"balanced/DistributedSampler = {statistics.median(ratios):.3f}x")  # fmt: skip
+    if "real" in args.parts:
+        say(f"\n3. real runs (gloo, 1 thread per process), transformer layer ({args.repeats} repeats)")
+        for processes in args.processes:
+            load = _common.load_average()[0]
+            runs = real_run(lengths, processes, args.batch, megabatch, args.repeats)
+            results["real"][f"{processes} processes"] = runs
+            for mode, run in runs.items():
+                say(f"   {processes} processes, {mode:16s} DistributedSampler "
+                    f"{statistics.median(run['distributed_s']):6.2f} s/epoch (of which the steps' all-reduces alone "
+                    f"{statistics.median(run['sync_s']):.2f} s), balanced/DistributedSampler = "
+                    f"{statistics.median(run['ratios']):.3f}x (repeats {', '.join(f'{r:.3f}' for r in run['ratios'])}; "
+                    f"load average {load:.1f} at the start)")  # fmt: skip
 
     _common.finish_meta(meta)
     markdown = transcript.markdown("Balanced sampler against DistributedSampler", meta)

@@ -5,6 +5,12 @@ really contend for the cores). Two DataLoader workers (fork, not persistent), tw
 run; the stores are fresh for every run and the configurations are interleaved and repeated.
 Reported: median epoch times, epoch-2 speed-up over uncached, epoch-1 overhead, hit rates.
 
+``--node`` runs one node's 4 ranks x 2 DataLoader workers with the balanced sampler, which deals
+each rank other samples every epoch: epoch-2 hit rate and time without a cache, with a cache per
+process (each rank its own LMDB directory, as before the node cache) and with the default store
+(one LMDB environment per dataset that every process of the node opens); results in
+``cache-node.{md,json}``.
+
 ``--compare-stores`` measures the stores themselves instead: put, then get, throughput of the
 embedded default (LMDB) against the alternatives (SQLite in WAL mode, one file per sample in a
 directory, the per-process memory store, Redis over its unix socket), from the DataLoader
@@ -13,6 +19,7 @@ workers, for small and large samples; results in ``benchmarks/results/cache-stor
 
     python benchmarks/cache.py [--samples 1000] [--repeats 3] [--workers 2]
     python benchmarks/cache.py --compare-stores [--repeats 3]
+    python benchmarks/cache.py --node [--samples 2000] [--repeats 2]
 """
 
 from __future__ import annotations
@@ -31,9 +38,11 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
-from bagua_common.data.cache_stores import LmdbStore, MemoryStore, RedisStore, private_directory
+from bagua_common.data.cache_stores import ENV_CACHE_DIR, LmdbStore, MemoryStore, RedisStore
 from bagua_common.data.cached_dataset import CachedDataset
+from bagua_common.data.private_files import private_directory
 from bagua_common.data.redis_server import RedisServer
+from bagua_torch.data import BalancedBatchSampler
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -79,7 +88,7 @@ def epoch_seconds(dataset, workers: int) -> float:
 
 
 def redis_hits(server: RedisServer) -> tuple[int, int]:
-    info = RedisStore(server.url)._open()[0].info("stats")
+    info = RedisStore(server.url, digest_key=server.digest_key)._open()[0].info("stats")
     return info["keyspace_hits"], info["keyspace_misses"]
 
 
@@ -186,7 +195,7 @@ def compare_stores(args: argparse.Namespace) -> None:
     meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), PACKAGES)
     runs: dict[tuple[str, str], list[dict[str, float]]] = {(n, k): [] for k in sizes for n in names}
     with RedisServer(capacity) as server:
-        client = RedisStore(server.url)._open()[0]
+        client = RedisStore(server.url, digest_key=server.digest_key)._open()[0]
         for repeat in range(args.repeats):
             for kind, (size, samples) in sizes.items():
                 for name in names:
@@ -197,7 +206,7 @@ def compare_stores(args: argparse.Namespace) -> None:
                             "sqlite-wal": lambda: SqliteStore(directory),
                             "files": lambda: FileStore(directory),
                             "memory": lambda: MemoryStore(capacity),
-                            "redis-unix": lambda: RedisStore(server.url),
+                            "redis-unix": lambda: RedisStore(server.url, digest_key=server.digest_key),
                         }[name]()
                         client.flushall()
                         result = store_throughput(store, samples, size, args.workers)
@@ -241,18 +250,107 @@ def compare_stores(args: argparse.Namespace) -> None:
     print("\n".join(lines))
 
 
+class CountedDataset(SlowDecodeDataset):
+    """:class:`SlowDecodeDataset` that counts its decodes in ``reads``, shared by forked processes."""
+
+    def __init__(self, n: int, rounds: int, reads: Any) -> None:
+        super().__init__(n, rounds)
+        self.reads = reads
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        with self.reads.get_lock():
+            self.reads.value += 1
+        return super().__getitem__(index)
+
+
+NODE_RANKS, NODE_WORKERS = 4, 2
+NODE_CACHES = ("no cache", "per process", "node (default)")
+
+
+def node_rank(rank: int, cache: str, scratch: str, base: CountedDataset, costs: np.ndarray, barrier, queue) -> None:
+    """One rank: its balanced batches through 2 DataLoader workers for 2 epochs, between barriers."""
+    if cache == "per process":
+        os.environ[ENV_CACHE_DIR] = os.path.join(scratch, f"rank-{rank}")
+    dataset = base if cache == "no cache" else CachedDataset(base, name="bench")  # the default store
+    batches = BalancedBatchSampler(costs, batch_size=16, num_replicas=NODE_RANKS, rank=rank)
+    loader = DataLoader(dataset, batch_sampler=batches, num_workers=NODE_WORKERS, multiprocessing_context="fork")
+    for epoch in range(2):
+        batches.set_epoch(epoch)
+        barrier.wait()
+        start = time.perf_counter()
+        samples = sum(len(batch) for batch in loader)
+        queue.put((epoch, rank, time.perf_counter() - start, samples))
+        barrier.wait()
+
+
+def node_run(args: argparse.Namespace) -> None:
+    """4 ranks x 2 workers with the balanced sampler: epoch-2 hit rate and time of each cache."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), PACKAGES)
+    costs = np.random.default_rng(0).lognormal(4.3, 0.8, args.samples)
+    rounds = calibrated_rounds()
+    runs: dict[str, list[dict[str, float]]] = {cache: [] for cache in NODE_CACHES}
+    for repeat in range(args.repeats):
+        for cache in NODE_CACHES:
+            reads = context.Value("q", 0)
+            base = CountedDataset(args.samples, rounds, reads)
+            barrier, queue = context.Barrier(NODE_RANKS + 1), context.SimpleQueue()
+            with tempfile.TemporaryDirectory(prefix="bagua-cache-bench-") as scratch:
+                os.environ[ENV_CACHE_DIR] = os.path.join(scratch, "node")
+                ranks = [context.Process(target=node_rank, args=(r, cache, scratch, base, costs, barrier, queue))
+                         for r in range(NODE_RANKS)]  # fmt: skip
+                for proc in ranks:
+                    proc.start()
+                decoded = []
+                for _ in range(2):
+                    barrier.wait(timeout=600)
+                    barrier.wait(timeout=600)
+                    decoded.append(reads.value - sum(decoded))
+                for proc in ranks:
+                    proc.join(timeout=60)
+            results = [queue.get() for _ in range(2 * NODE_RANKS)]
+            seconds = [max(r[2] for r in results if r[0] == e) for e in range(2)]
+            samples = sum(r[3] for r in results if r[0] == 1)
+            run = {"epoch1_s": seconds[0], "epoch2_s": seconds[1], "epoch2_hit_rate": 1 - decoded[1] / samples}
+            runs[cache].append(run)
+            print(f"#{repeat} {cache:15s} epoch 1 {seconds[0]:6.2f} s, epoch 2 {seconds[1]:6.2f} s, "
+                  f"epoch-2 hit rate {run['epoch2_hit_rate']:.3f}", flush=True)  # fmt: skip
+    _common.finish_meta(meta)
+    transcript = _common.Transcript()
+    transcript.say(f"{args.samples} samples, ~{DECODE_SECONDS * 1e3:.0f} ms CPU decode, {NODE_RANKS} ranks x "
+                   f"{NODE_WORKERS} DataLoader workers (fork), balanced sampler (batch 16), {args.repeats} "
+                   "interleaved repeats; an epoch's time is its slowest rank's, medians shown")  # fmt: skip
+    uncached = statistics.median(r["epoch2_s"] for r in runs["no cache"])
+    transcript.say(
+        f"{'cache':15s} {'epoch 1 s':>10s} {'epoch 2 s':>10s} {'epoch-2 hit rate':>17s} {'epoch 2 vs none':>16s}"
+    )
+    for cache, rows in runs.items():
+        first, second = (statistics.median(r[k] for r in rows) for k in ("epoch1_s", "epoch2_s"))
+        hit_rate = statistics.median(r["epoch2_hit_rate"] for r in rows)
+        transcript.say(f"{cache:15s} {first:10.2f} {second:10.2f} {hit_rate:17.3f} {second / uncached:15.2f}x")
+    markdown = transcript.markdown("One node's cache: 4 ranks x 2 workers, balanced sampler", meta)
+    for path in _common.write_results(args.out, "cache-node", markdown, {**meta, "runs": runs}):
+        print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--compare-stores", action="store_true", help="measure the stores' put/get throughput")
+    parser.add_argument("--node", action="store_true", help="4 ranks x 2 workers with the balanced sampler")
     parser.add_argument("--small-samples", type=int, default=20000, help="--compare-stores: 1 KiB samples")
     parser.add_argument("--large-samples", type=int, default=2000, help="--compare-stores: 128 KiB samples")
     _common.add_out_option(parser)
     args = parser.parse_args()
     if args.compare_stores:
         compare_stores(args)
+        return
+    if args.node:
+        node_run(args)
         return
     meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), PACKAGES)
     rounds = calibrated_rounds()
@@ -266,11 +364,12 @@ def main() -> None:
     epoch2_hit_rates: dict[str, list[float]] = {"redis": []}
     for _ in range(args.repeats):
         times["uncached"].append(tuple(epoch_seconds(base, args.workers) for _ in range(2)))
-        lmdb_data = CachedDataset(base, LmdbStore(capacity_bytes=capacity), name="bench")
-        times["lmdb"].append(tuple(epoch_seconds(lmdb_data, args.workers) for _ in range(2)))
-        lmdb_data.loader.store.close()
+        with tempfile.TemporaryDirectory(prefix="bagua-cache-bench-") as scratch:
+            lmdb_data = CachedDataset(base, LmdbStore(scratch, capacity), name="bench")
+            times["lmdb"].append(tuple(epoch_seconds(lmdb_data, args.workers) for _ in range(2)))
+            lmdb_data.loader.store.close()
         with RedisServer(capacity) as server:
-            redis_data = CachedDataset(base, RedisStore(server.url), name="bench")
+            redis_data = CachedDataset(base, RedisStore(server.url, digest_key=server.digest_key), name="bench")
             first = epoch_seconds(redis_data, args.workers)
             hits0, misses0 = redis_hits(server)
             second = epoch_seconds(redis_data, args.workers)

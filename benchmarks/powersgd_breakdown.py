@@ -40,7 +40,7 @@ PIECES = ("compute", "compression", "waiting", "wire")
 
 
 def _layout(shapes: list[tuple[int, ...]], rank: int) -> tuple[list[tuple[int, tuple[int, int], int]], list[int]]:
-    from bagua_common.algorithms.powersgd import PowerSGDConfig, matrix_view
+    from bagua_common.algorithms.configs import PowerSGDConfig, matrix_view
 
     config = PowerSGDConfig(rank=rank)
     compressed = [(i, matrix_view(s), config.compressed_rank(s)) for i, s in enumerate(shapes)]

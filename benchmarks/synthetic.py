@@ -924,9 +924,9 @@ def select_algorithms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     base = BASELINES[args.framework]
     wanted = [base, *ALGORITHM_NAMES] if args.algorithm == ["all"] else list(args.algorithm)
     if args.framework == "jax":
-        from bagua_jax.algorithms import ALGORITHMS as available_jax
+        from bagua_jax.algorithms import algorithm_names
 
-        available = [*available_jax]
+        available = algorithm_names()
     else:
         from bagua_torch.algorithms import available_algorithms
 

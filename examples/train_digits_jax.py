@@ -21,7 +21,7 @@ import optax
 from digits_data import add_arguments, init_mlp, load, rank_batches
 
 from bagua_jax import NativeCommunicator
-from bagua_jax.algorithms import ALGORITHMS, AsyncModelAverage, make_algorithm
+from bagua_jax.algorithms import AsyncModelAverage, algorithm_names, make_algorithm
 from bagua_jax.trainer import DataParallel
 
 
@@ -35,7 +35,7 @@ def loss_fn(params, batch):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser, sorted(ALGORITHMS))
+    add_arguments(parser, sorted(algorithm_names()))
     args = parser.parse_args()
 
     comm = NativeCommunicator.world(timeout=120)

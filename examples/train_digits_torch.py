@@ -20,7 +20,7 @@ from digits_data import add_arguments, init_mlp, load, rank_batches
 from torch import nn
 
 import bagua_torch
-from bagua_torch.algorithms import BUILTIN_ALGORITHMS, get_algorithm
+from bagua_torch.algorithms import available_algorithms, get_algorithm
 
 
 class MLP(nn.Module):
@@ -49,7 +49,7 @@ def optimizer_and_algorithm(name: str, model: nn.Module, lr: float):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_arguments(parser, sorted(BUILTIN_ALGORITHMS))
+    add_arguments(parser, sorted(available_algorithms()))
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one process per core

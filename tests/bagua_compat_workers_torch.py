@@ -203,32 +203,45 @@ def _primitives(bagua, out: dict) -> None:
 
 
 def _optimizer_state(bagua, out: dict) -> None:
-    """Bagua's test_broadcast_state: train locally apart, wrap, every optimizer's state is rank 0's."""
+    """Bagua's test_broadcast_state: train locally apart, wrap, every optimizer's state is rank 0's; with Bagua's
+    spelling, the project's ``with_bagua`` and its ``DistributedDataParallel``."""
+    import bagua_torch
+
     rank = bagua.get_rank()
+    spellings = {
+        "bagua": lambda model, opt: model.with_bagua(
+            [opt], bagua.algorithms.gradient_allreduce.GradientAllReduceAlgorithm()
+        ),
+        "own": lambda model, opt: bagua_torch.with_bagua(model, [opt], "gradient_allreduce"),
+        "ddp": lambda model, opt: bagua_torch.DistributedDataParallel(model, optimizers=[opt]),
+    }
     for name, cls, options in [
         ("SGD", torch.optim.SGD, {"lr": 0.2, "momentum": 0.9, "weight_decay": 0.1}),
         ("Adam", torch.optim.Adam, {"lr": 0.02 * (rank + 1)}),
         ("Rprop", torch.optim.Rprop, {"lr": 0.2}),
     ]:
-        torch.manual_seed(rank)
-        model = Net()
-        optimizer = cls(model.parameters(), **options)
-        for _ in range(5):
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(torch.randn(4, 2)), torch.randn(4, 4)).backward()
-            optimizer.step()
-        before = optimizer.state_dict()
-        model = model.with_bagua([optimizer], bagua.algorithms.gradient_allreduce.GradientAllReduceAlgorithm())
-        after = optimizer.state_dict()
-        flat_before = [np.asarray(v).ravel() for s in before["state"].values() for _, v in sorted(s.items())]
-        flat_after = [np.asarray(v).ravel() for s in after["state"].values() for _, v in sorted(s.items())]
-        lrs = [g["lr"] for g in after["param_groups"]]
-        out[f"optimizer state {name}"] = (
-            np.concatenate(flat_after + [np.asarray(lrs, dtype=np.float64)]),
-            np.concatenate(flat_before + [np.asarray([g["lr"] for g in before["param_groups"]], dtype=np.float64)]),
-        )
-        out[f"model state {name}"] = np.concatenate([_np(v).ravel() for v in model.state_dict().values()])
-        model.close()
+        for spelling, wrap in spellings.items():
+            torch.manual_seed(rank)
+            model = Net()
+            optimizer = cls(model.parameters(), **options)
+            for _ in range(5):
+                optimizer.zero_grad()
+                nn.functional.mse_loss(model(torch.randn(4, 2)), torch.randn(4, 4)).backward()
+                optimizer.step()
+            before = optimizer.state_dict()
+            model = wrap(model, optimizer)
+            after = optimizer.state_dict()
+            flat_before = [np.asarray(v).ravel() for s in before["state"].values() for _, v in sorted(s.items())]
+            flat_after = [np.asarray(v).ravel() for s in after["state"].values() for _, v in sorted(s.items())]
+            lrs = [g["lr"] for g in after["param_groups"]]
+            out[f"optimizer state {name} {spelling}"] = (
+                np.concatenate(flat_after + [np.asarray(lrs, dtype=np.float64)]),
+                np.concatenate(flat_before + [np.asarray([g["lr"] for g in before["param_groups"]], dtype=np.float64)]),
+            )
+            out[f"model state {name} {spelling}"] = np.concatenate(
+                [_np(v).ravel() for v in model.module.state_dict().values()]
+            )
+            model.close()
 
 
 def _train(model, optimizer, steps: int, seed: int) -> None:
@@ -336,6 +349,38 @@ def _custom_algorithm(bagua, out: dict) -> None:
         dist.all_reduce(expected)
         out[f"custom algorithm {compression}"] = (_np(got), _np(expected / bagua.get_world_size()))
         out[f"custom algorithm {compression} step hook"] = (model.bagua_algorithm.bagua_impl.steps, 1)
+        model.close()
+
+
+def _own_interface_algorithm(bagua, out: dict) -> None:
+    """An algorithm in the project's own interface, as a class and as an instance, through the project's with_bagua."""
+    import bagua_torch
+    from bagua_torch.algorithms.base import Algorithm, AlgorithmImpl
+
+    class DoubledAverageImpl(AlgorithmImpl):
+        def reduce_bucket(self, bucket):
+            return self.world.allreduce_async(bucket.grad * 2.0, "avg")
+
+    class DoubledAverage(Algorithm):
+        name = "doubled_average"
+
+        def reify(self, context):
+            return DoubledAverageImpl(context)
+
+    rank = bagua.get_rank()
+    for how, algorithm in (("class", DoubledAverage), ("instance", DoubledAverage())):
+        torch.manual_seed(0)
+        model = Net()
+        reference = Net()
+        reference.load_state_dict(model.state_dict())
+        model = bagua_torch.with_bagua(model, [], algorithm)
+        x = torch.randn(4, 2, generator=torch.Generator().manual_seed(rank))
+        nn.functional.mse_loss(model(x), torch.ones(4, 4)).backward()
+        got = torch.cat([p.grad.reshape(-1) for p in model.module.parameters()])
+        nn.functional.mse_loss(reference(x), torch.ones(4, 4)).backward()
+        expected = torch.cat([2.0 * p.grad.reshape(-1) for p in reference.parameters()])
+        dist.all_reduce(expected)
+        out[f"own-interface algorithm {how}"] = (_np(got), _np(expected / bagua.get_world_size()))
         model.close()
 
 
@@ -489,6 +534,7 @@ def every_api_point(checkpoint_dir: str) -> dict:
     _optimizer_state(bagua, out)
     _model_switch(bagua, out)
     _custom_algorithm(bagua, out)
+    _own_interface_algorithm(bagua, out)
     _low_precision_against_baguas_reference(bagua, out)
     _fused_optimizer_keeps_the_algorithm(bagua, out)
     _data_parallel_and_checkpoint(bagua, out, checkpoint_dir)

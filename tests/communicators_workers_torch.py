@@ -188,6 +188,7 @@ def every_primitive(engine: str, seed: int) -> dict:
         out["fallback/reduce_scatter_avg"] = _numpy(fallback.reduce_scatter_async(data["rows"], "avg").wait())
     else:
         sub = comm.split(rank % 2, -rank)
+        out.update(_one_thread(comm, x))
     out["sub/rank"], out["sub/size"] = sub.rank, sub.size
     out["sub/allgather"] = _numpy(sub.allgather(x))
     out["sub/broadcast"] = _numpy(sub.broadcast(x, sub.size - 1))
@@ -200,6 +201,37 @@ def every_primitive(engine: str, seed: int) -> dict:
     out["protocol"] = isinstance(comm, Communicator) and isinstance(comm.barrier_async(), Work)
     out["errors"] = _errors(comm)
     comm.barrier()
+    return out
+
+
+def _one_thread(comm, x) -> dict:
+    """A job on a native communicator's thread: what it issues there, or on a child sharing the thread, runs
+    inline (nothing more is queued); on a child with a thread of its own it is queued there."""
+    shared = comm.split(0, comm.rank, name="shared", share_thread=True)
+    own = comm.split(0, comm.rank, name="own")
+    queued = []
+    for name, worker in (("world", comm.ordered_worker), ("own", own.ordered_worker)):
+
+        def counting(job, tensors=(), submit=worker.submit, name=name):
+            queued.append(name)
+            return submit(job, tensors)
+
+        worker.submit = counting
+    job = comm.ordered_worker.submit(
+        lambda stream: (comm.allreduce(x, "sum"), shared.allreduce(x, "max"), own.allreduce(x, "min"))
+    )
+    total, largest, smallest = job.wait()
+    del comm.ordered_worker.submit, own.ordered_worker.submit
+    out = {
+        "thread/sum": _numpy(total),
+        "thread/max": _numpy(largest),
+        "thread/min": _numpy(smallest),
+        "thread/queued": queued,
+        "thread/shared": shared.ordered_worker is comm.ordered_worker,
+        "thread/own": own.ordered_worker is not comm.ordered_worker,
+    }
+    shared.close()
+    own.close()
     return out
 
 

@@ -70,22 +70,67 @@ def h1_and_allreduce(seed: int, rank: int) -> tuple[list, list]:
 
 @scenario
 def resume(seed: int, rank: int) -> tuple[list, list]:
-    """Ten steps straight, and the last five again from a checkpoint taken mid-round (after step 5)."""
+    """Eleven steps straight, and the last five again from a checkpoint taken after step 6: fragment 0 mid-round,
+    fragment 1's exchange on the wire."""
     algorithm = DiLoCoAlgorithm(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8")
     model, optimizer = wrap(seed, algorithm)
-    train(model, optimizer, seed, rank, range(1, 6))
+    train(model, optimizer, seed, rank, range(1, 7))
+    assert model.algorithm_impl.pending[1] is not None
     buffer = io.BytesIO()
     torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, buffer)
-    straight = train(model, optimizer, seed, rank, range(6, 11))
+    straight = train(model, optimizer, seed, rank, range(7, 12))
     model.close()
     model, optimizer = wrap(seed + 1, algorithm)  # other starting weights, replaced by the checkpoint's
     buffer.seek(0)
     saved = torch.load(buffer)
     model.load_state_dict(saved["model"])
     optimizer.load_state_dict(saved["optimizer"])
-    resumed = train(model, optimizer, seed, rank, range(6, 11))
+    resumed = train(model, optimizer, seed, rank, range(7, 12))
     model.close()
     return straight, resumed
+
+
+def impl_state(model) -> dict[str, list[np.ndarray]]:
+    """The algorithm's state as NumPy arrays: round start, pending averages, residuals, outer momentum."""
+    state = model.algorithm_impl.state_dict()
+    momentum = [v["momentum_buffer"] for outer in state["outer"] for v in outer["state"].values()]
+    return {
+        "step": state["step"],
+        **{key: [t.numpy().copy() for t in state[key]] for key in ("round_start", "pending", "residuals")},
+        "momentum": [t.numpy().copy() for t in momentum],
+    }
+
+
+@scenario
+def reshard(seed: int, rank: int) -> dict:
+    """Both ranks train six steps and save through bagua_torch.checkpoint; rank 0 alone restores into a world of one
+    rank and trains on."""
+    import os
+
+    import torch.distributed as dist
+
+    from bagua_torch.checkpoint import restore, save
+
+    algorithm = DiLoCoAlgorithm(
+        sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8", error_feedback=True
+    )
+    root = os.path.join(os.environ["BAGUA_TEST_WORKDIR"], "checkpoints")
+    model, optimizer = wrap(seed, algorithm)
+    saved_params = train(model, optimizer, seed, rank, range(1, 7))[-1]
+    save(root, model, optimizer, step=6)
+    out = {"saved": {"params": saved_params, **impl_state(model)}}
+    model.close()
+    if rank == 0:
+        alone = dist.new_group([0], use_local_synchronization=True)
+        model = Quadratic(seed + 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=ref.INNER_LR)
+        model = bagua_torch.with_bagua(model, [optimizer], algorithm, process_group=alone)
+        out["restored_step"] = restore(root, model, optimizer)
+        params = {k: p.detach().numpy().copy() for k, p in model.module.named_parameters()}
+        out["restored"] = {"params": params, **impl_state(model)}
+        out["trained_on"] = train(model, optimizer, seed, rank, range(7, 10))[-1]
+        model.close()
+    return out
 
 
 @scenario
@@ -109,6 +154,7 @@ SCENARIOS = [
     ),
     Scenario("h1_and_allreduce"),
     Scenario("resume"),
+    Scenario("reshard"),
     Scenario("errors"),
 ]
 

@@ -7,7 +7,8 @@ reference replay: save at this step and stop), ``BAGUA_TEST_STEP_SECONDS`` (a pa
 so that the test can act mid-run), ``BAGUA_TEST_KILL`` (``{"rank", "step", "restart"}``:
 that worker kills itself with SIGKILL at that step of that attempt) and ``BAGUA_TEST_GROW_AT``
 (a step at which a job of 2 workers waits until the agent restarts it with more, so that a
-node started later joins before the job ends).
+node started later joins before the job ends) and ``BAGUA_TEST_ALGORITHM`` (torch: the
+algorithm as JSON, ``{"name": ..., **options}``; gradient allreduce when unset).
 """
 
 from __future__ import annotations
@@ -55,6 +56,12 @@ def initial_weights() -> dict[str, np.ndarray]:
 
 
 SAMPLER = ElasticSampler(SAMPLES, GLOBAL_BATCH, seed=SEED)
+
+
+def algorithm() -> tuple[str, dict]:
+    """The algorithm's registry name and options, from ``BAGUA_TEST_ALGORITHM``."""
+    options = json.loads(os.environ.get("BAGUA_TEST_ALGORITHM") or '{"name": "gradient_allreduce"}')
+    return options.pop("name"), options
 
 
 def last_step() -> int:

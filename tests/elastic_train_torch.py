@@ -1,7 +1,7 @@
 """An elastic torch training script (run by bagua-launch in test_elastic_agent.py): resume, train, checkpoint.
 
-Gradient allreduce over gloo on a small MLP; each step's global batch comes from the
-step-indexed sampler, split across the ranks alive now. See elastic_job.py for the settings.
+Gradient allreduce (or the algorithm the test names) over gloo on a small MLP; each step's
+global batch comes from the step-indexed sampler, split across the ranks alive now. See elastic_job.py for the settings.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ def main() -> None:
             layer.weight.copy_(torch.from_numpy(weights[w].T))
             layer.bias.copy_(torch.from_numpy(weights[b]))
     optimizer = torch.optim.SGD(model.parameters(), lr=job.LR, momentum=0.9)
-    model = bagua_torch.with_bagua(model, [optimizer], "gradient_allreduce")
+    name, options = job.algorithm()
+    model = bagua_torch.with_bagua(model, [optimizer], bagua_torch.algorithms.get_algorithm(name, **options))
     step = restore(job.checkpoints(), model, optimizer) if latest(job.checkpoints()) is not None else 0
     job.log("start", step=step)
     x, y = (torch.from_numpy(a) for a in job.dataset())

@@ -1,8 +1,9 @@
 """Rank body for test_frozen_parameters_torch.py: frozen parameters under every algorithm.
 
 For each algorithm the MLP of gradient_allreduce_bytegrad_workers_torch gets its first layer frozen
-(``requires_grad=False``), is wrapped, and trains a few steps on the rank's own data; the
-rank returns, per algorithm, how far the frozen and the trained parameters moved.
+(``requires_grad=False``) and a trainable parameter its forward never uses, is wrapped, and trains a
+few steps on the rank's own data; the rank returns, per algorithm, how far the frozen, the unused
+and the trained parameters moved.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import time
 
 import torch
 from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, batch, loss_fn, make_mlp, params_of, setup
+from torch import nn
 
 STEPS, WARMUP, LR = 6, 2, 0.01
 
@@ -33,7 +35,7 @@ def _optimizer_and_algorithm(name: str, params: list[torch.nn.Parameter]):
 
 
 def frozen_first_layer(seed: int) -> dict[str, dict[str, float]]:
-    """Per algorithm: the largest change of any frozen and of any trained parameter."""
+    """Per algorithm: the largest change of any frozen, of the unused and of any trained parameter."""
     import bagua_torch
     from bagua_torch.algorithms import available_algorithms
 
@@ -43,6 +45,8 @@ def frozen_first_layer(seed: int) -> dict[str, dict[str, float]]:
         model = make_mlp(seed)
         for p in model[0].parameters():
             p.requires_grad_(False)
+        # Its gradient is always zero; on the last layer it shares a bucket (and a compressed chunk) with used ones.
+        model[4].register_parameter("unused", nn.Parameter(torch.randn(5)))
         optimizer, algorithm = _optimizer_and_algorithm(name, [p for p in model.parameters() if p.requires_grad])
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET)
         before = params_of(model)  # after the wrap's broadcast from rank 0
@@ -58,7 +62,8 @@ def frozen_first_layer(seed: int) -> dict[str, dict[str, float]]:
         change = {n: float(abs(after[n] - before[n]).max()) for n in before}
         moved[name] = {
             "frozen": max(v for n, v in change.items() if n.startswith("0.")),
-            "trained": max(v for n, v in change.items() if not n.startswith("0.")),
+            "unused": change["4.unused"],
+            "trained": max(v for n, v in change.items() if not n.startswith("0.") and n != "4.unused"),
         }
         wrapped.close()
     return moved

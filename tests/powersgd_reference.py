@@ -1,7 +1,7 @@
 """PowerSGD simulated for all ranks in one process, in float64 NumPy (the tests' reference).
 
 Written from the paper (Vogels, Karimireddy and Jaggi, 2019, Algorithm 1 with error feedback
-and warm start) and ``bagua_common.algorithms.powersgd``'s docstring, sharing no code with either front
+and warm start) and ``bagua_common.algorithms.configs.PowerSGDConfig``'s docstring, sharing no code with either front
 end beyond the configuration's rule for which tensors are compressed.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from bagua_common.algorithms.powersgd import PowerSGDConfig, matrix_view
+from bagua_common.algorithms.configs import PowerSGDConfig, matrix_view
 
 
 def gram_schmidt(p: np.ndarray) -> np.ndarray:

@@ -1,14 +1,16 @@
-"""The shared algorithm configurations: every registry name means the same options in both front ends.
+"""The shared algorithm configurations and the lookups derived from their registration.
 
-Each algorithm is built by name in ``bagua_jax`` and in ``bagua_torch``; both must hold the fields
-of the configuration in :mod:`bagua_common.algorithms.configs`, and a bad value must raise the same
-error type with the same message in both (and carry the shared configuration's own message).
+Every configuration registered in :mod:`bagua_common.algorithms.registry` must have an
+implementation in ``bagua_jax`` and in ``bagua_torch``, found by name and by configuration class;
+each front end's algorithm holds the configuration of :mod:`bagua_common.algorithms.configs`, and
+a bad value must raise the same error type with the same message in both (and carry the shared
+configuration's own message).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -16,9 +18,12 @@ import torch
 
 import bagua_jax.algorithms as jax_algorithms
 import bagua_torch.algorithms as torch_algorithms
-from bagua_common.algorithms.configs import ALGORITHM_CONFIGS, config_options
+import bagua_torch.torch_api.algorithms as compat_algorithms
+from bagua_common.algorithms.registry import CONFIGS, AlgorithmRegistry, register_config
 from bagua_torch.algorithms.onebit_adam import OneBitAdamOptimizer
 from bagua_torch.algorithms.qadam import QAdamOptimizer
+
+FRONT_ENDS = {"bagua_jax": jax_algorithms.REGISTRY, "bagua_torch": torch_algorithms.REGISTRY}
 
 ADAM_OPTIMIZERS = {"qadam": QAdamOptimizer, "onebit_adam": OneBitAdamOptimizer}
 
@@ -74,9 +79,8 @@ def build_torch(name: str, options: dict[str, Any]) -> Any:
     return torch_algorithms.get_algorithm(name, optimizer=optimizer, hierarchical=hierarchical)
 
 
-def shared_config(algorithm: Any) -> Any:
-    """The shared configuration an algorithm object is built on."""
-    return getattr(algorithm, "config", algorithm) if isinstance(algorithm, torch_algorithms.Algorithm) else algorithm
+def fields_of(config: Any) -> dict[str, Any]:
+    return {field.name: getattr(config, field.name) for field in dataclasses.fields(config)}
 
 
 def raised(build: Any, *args: Any) -> Exception:
@@ -85,29 +89,89 @@ def raised(build: Any, *args: Any) -> Exception:
     return info.value
 
 
-def test_the_registry_names_are_the_same_everywhere():
-    assert all(config.name == name for name, config in ALGORITHM_CONFIGS.items())
-    assert list(jax_algorithms.ALGORITHMS) == list(ALGORITHM_CONFIGS)
-    assert list(torch_algorithms.BUILTIN_ALGORITHMS) == list(ALGORITHM_CONFIGS)
-    assert torch_algorithms.available_algorithms() == list(ALGORITHM_CONFIGS)
+def missing_implementations(registries: dict[str, AlgorithmRegistry]) -> list[str]:
+    """``front end: name`` for every registered configuration a front end has no class for."""
+    missing = []
+    for front_end, registry in registries.items():
+        for name, config_class in CONFIGS.items():
+            try:
+                registry.by_config(config_class)
+            except ValueError:
+                missing.append(f"{front_end}: {name}")
+    return missing
 
 
-@pytest.mark.parametrize("name", list(ALGORITHM_CONFIGS))
+def test_every_registered_configuration_is_implemented_by_both_front_ends():
+    assert missing_implementations(FRONT_ENDS) == []
+    for registry in FRONT_ENDS.values():
+        assert registry.names() == list(CONFIGS)
+
+
+def test_a_front_end_without_a_class_for_a_configuration_is_found(request):
+    @register_config
+    @dataclasses.dataclass(frozen=True)
+    class OnlyInJaxConfig:
+        name: ClassVar[str] = "only_in_jax_for_test"
+
+    request.addfinalizer(lambda: CONFIGS.pop(OnlyInJaxConfig.name))
+    jax_registry = AlgorithmRegistry("bagua_jax")
+    jax_registry.implements(OnlyInJaxConfig)(type("OnlyInJax", (), {}))
+    torch_registry = AlgorithmRegistry("bagua_torch")
+    missing = missing_implementations({"bagua_jax": jax_registry, "bagua_torch": torch_registry})
+    assert "bagua_torch: only_in_jax_for_test" in missing and "bagua_jax: only_in_jax_for_test" not in missing
+    assert jax_registry.by_name("only_in_jax_for_test").name == "only_in_jax_for_test"
+    with pytest.raises(ValueError, match="'only_in_jax_for_test' is unknown; available: $"):
+        torch_registry.by_name("only_in_jax_for_test")
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_lookup_by_name_and_by_configuration_agree(name):
+    config_class = CONFIGS[name]
+    assert config_class.name == name
+    for registry in FRONT_ENDS.values():
+        cls = registry.by_name(name)
+        assert cls is registry.by_config(config_class)
+        assert cls.name == name and cls.config_class is config_class
+
+
+def test_names_and_implementations_are_unique():
+    assert len(set(CONFIGS)) == len(CONFIGS) == len(set(CONFIGS.values()))
+    for registry in FRONT_ENDS.values():
+        classes = [registry.by_name(name) for name in registry.names()]
+        assert len(set(classes)) == len(classes)
+    with pytest.raises(ValueError, match="'bytegrad' is already the name of ByteGradConfig"):
+
+        @register_config
+        @dataclasses.dataclass(frozen=True)
+        class AnotherByteGrad:
+            name: ClassVar[str] = "bytegrad"
+
+    with pytest.raises(ValueError, match="'bytegrad' is already implemented by ByteGrad"):
+        jax_algorithms.implements(CONFIGS["bytegrad"])(type("AnotherByteGrad", (), {}))
+
+
+def test_bagua_spelling_registry_is_derived_from_its_classes():
+    registry = compat_algorithms.GlobalAlgorithmRegistry
+    assert list(registry) == compat_algorithms.REGISTRY.names()
+    assert registry["low_precision_decentralized"] is compat_algorithms.decentralized.LowPrecisionDecentralizedAlgorithm
+    assert registry["bytegrad"] is torch_algorithms.ByteGradAlgorithm
+    assert isinstance(compat_algorithms.Algorithm.init("async", warmup_steps=2), torch_algorithms.Algorithm)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
 def test_every_name_resolves_to_the_shared_configuration_in_both_front_ends(name):
-    config_class = ALGORITHM_CONFIGS[name]
+    config_class = CONFIGS[name]
     expected = config_class(**REQUIRED.get(name, {}))
-    shared_fields = set(config_options(expected))
     for algorithm in (build_jax(name, REQUIRED.get(name, {})), build_torch(name, REQUIRED.get(name, {}))):
-        config = shared_config(algorithm)
-        assert isinstance(config, config_class), (name, type(algorithm))
+        assert isinstance(algorithm.config, config_class), (name, type(algorithm))
         assert algorithm.name == name
-        assert {k: v for k, v in config_options(config).items() if k in shared_fields} == config_options(expected)
+        assert fields_of(algorithm.config) == fields_of(expected)
 
 
 @pytest.mark.parametrize("name,bad", BAD_VALUES, ids=[f"{n}-{next(iter(b))}" for n, b in BAD_VALUES])
 def test_a_bad_value_fails_the_same_way_in_both_front_ends(name, bad):
     options = {**REQUIRED.get(name, {}), **bad}
-    from_config = raised(lambda: ALGORITHM_CONFIGS[name](**options))
+    from_config = raised(lambda: CONFIGS[name](**options))
     from_jax, from_torch = raised(build_jax, name, options), raised(build_torch, name, options)
     assert type(from_jax) is type(from_torch) is type(from_config)
     assert str(from_jax) == str(from_torch)
@@ -123,7 +187,7 @@ def test_an_unknown_name_fails_the_same_way_in_both_front_ends():
 
 
 def test_configurations_are_frozen():
-    for name, config_class in ALGORITHM_CONFIGS.items():
+    for name, config_class in CONFIGS.items():
         config = config_class(**REQUIRED.get(name, {}))
         field = dataclasses.fields(config)[0].name
         with pytest.raises(dataclasses.FrozenInstanceError):

@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+
 import pytest
+import redis
 import torch
 
+from bagua_common.data.cache_stores import LmdbStore, MemoryStore
+from bagua_common.data.redis_server import RedisServer
 from bagua_torch.torch_api import contrib
 
 
@@ -47,26 +53,57 @@ def test_batch_sampler_refuses_what_bagua_refused():
         contrib.LoadBalancingDistributedBatchSampler(sampler, lambda i: [i])
 
 
-def test_cached_dataset_and_cache_loader_read_through_once(tmp_path, monkeypatch):
+class Slow(torch.utils.data.Dataset):
+    def __init__(self):
+        self.reads = []
+
+    def __len__(self):
+        return 5
+
+    def __getitem__(self, i):
+        self.reads.append(i)
+        return i * 10
+
+
+@pytest.mark.parametrize("backend", ["lmdb", "memory"])
+def test_cached_dataset_and_cache_loader_read_through_once(backend, tmp_path, monkeypatch):
     monkeypatch.delenv("BAGUA_CACHE_URL", raising=False)
-    reads = []
-
-    class Slow(torch.utils.data.Dataset):
-        def __len__(self):
-            return 5
-
-        def __getitem__(self, i):
-            reads.append(i)
-            return i * 10
-
-    cached = contrib.CachedDataset(Slow(), backend="redis", dataset_name="slow")
+    monkeypatch.setenv("BAGUA_CACHE_DIR", str(tmp_path))
+    slow = Slow()
+    cached = contrib.CachedDataset(slow, backend=backend, dataset_name="slow")
     assert [cached[i] for i in range(5)] == [0, 10, 20, 30, 40]
     assert [cached[i] for i in range(5)] == [0, 10, 20, 30, 40]
-    assert reads == [0, 1, 2, 3, 4]
-    loader = contrib.CacheLoader(backend="redis", dataset_name="squares")
+    assert slow.reads == [0, 1, 2, 3, 4]
+    loader = contrib.CacheLoader(backend=backend, dataset_name="squares")
     calls = []
     assert [loader.get(k, lambda k: calls.append(k) or k * k) for k in (3, 4, 3)] == [9, 16, 9]
     assert calls == [3, 4]
+    again = Slow()
+    assert [contrib.CachedDataset(again, backend=backend, dataset_name="slow")[i] for i in range(5)] == [
+        0,
+        10,
+        20,
+        30,
+        40,
+    ]
+    assert again.reads == ([] if backend == "lmdb" else [0, 1, 2, 3, 4])  # the node's cache, or this one's own
+    assert len(os.listdir(tmp_path)) == (2 if backend == "lmdb" else 0)  # one environment per dataset
+
+
+def test_backend_is_honoured_and_a_shared_store_needs_a_name(tmp_path, monkeypatch):
+    monkeypatch.delenv("BAGUA_CACHE_URL", raising=False)
+    monkeypatch.setenv("BAGUA_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ValueError, match="--cache-server redis, or use backend='lmdb'"):
+        contrib.CachedDataset(Slow(), backend="redis", dataset_name="slow")
+    for backend in ("redis", "lmdb"):
+        with pytest.raises(ValueError, match="dataset_name is required"):
+            contrib.CachedDataset(Slow(), backend=backend)
+        with pytest.raises(ValueError, match="dataset_name is required"):
+            contrib.CacheLoader(backend=backend)
+    assert isinstance(contrib.CachedDataset(Slow(), backend="lmdb", dataset_name="a").loader.store, LmdbStore)
+    assert isinstance(contrib.CachedDataset(Slow(), backend="memory").loader.store, MemoryStore)
+    with pytest.raises(ValueError, match="backend must be one of"):
+        contrib.CachedDataset(Slow(), backend="sqlite", dataset_name="a")
     with pytest.raises(TypeError, match="store options"):
         contrib.CachedDataset(Slow(), backend="redis", hosts=[{"host": "example.org", "port": 6379}])
 
@@ -75,3 +112,16 @@ def test_sync_batchnorm_converts_every_batchnorm_layer():
     model = torch.nn.Sequential(torch.nn.Conv2d(1, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.BatchNorm1d(3))
     converted = contrib.sync_batchnorm.SyncBatchNorm.convert_sync_batchnorm(model)
     assert [type(m).__name__ for m in converted] == ["Conv2d", "SyncBatchNorm", "SyncBatchNorm"]
+
+
+@pytest.mark.skipif(shutil.which("redis-server") is None, reason="redis-server is not installed")
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # starting the server forks; JAX may be loaded
+def test_redis_backend_is_the_jobs_server(monkeypatch):
+    with RedisServer(1 << 24) as server:
+        for name, value in server.environment().items():
+            monkeypatch.setenv(name, value)
+        slow = Slow()
+        cached = contrib.CachedDataset(slow, backend="redis", dataset_name="slow")
+        assert cached.loader.store.urls == [server.url]
+        assert [cached[i] for i in (1, 2, 1)] == [10, 20, 10] and slow.reads == [1, 2]
+        assert len(redis.Redis.from_url(server.url).keys("*")) == 2

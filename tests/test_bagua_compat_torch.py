@@ -88,15 +88,18 @@ def test_groups_from_ranks_and_from_torch_groups(ranks):
     _assert_pairs(ranks, "group ranks")
 
 
+@pytest.mark.parametrize("spelling", ["bagua", "own", "ddp"])
 @pytest.mark.parametrize("optimizer", ["SGD", "Adam", "Rprop"])
-def test_wrapping_broadcasts_parameters_and_optimizer_state_from_rank_0(ranks, optimizer):
-    rank0_before = ranks[0][f"optimizer state {optimizer}"][1]
+def test_wrapping_broadcasts_parameters_and_optimizer_state_from_rank_0(ranks, optimizer, spelling):
+    """Bagua's ``model.with_bagua``, and the project's ``with_bagua`` and ``DistributedDataParallel`` alike."""
+    key = f"{optimizer} {spelling}"
+    rank0_before = ranks[0][f"optimizer state {key}"][1]
     for rank in ranks:
-        after, before = rank[f"optimizer state {optimizer}"]
+        after, before = rank[f"optimizer state {key}"]
         np.testing.assert_array_equal(after, rank0_before, err_msg=f"rank {rank['rank']}")
-        np.testing.assert_array_equal(rank[f"model state {optimizer}"], ranks[0][f"model state {optimizer}"])
+        np.testing.assert_array_equal(rank[f"model state {key}"], ranks[0][f"model state {key}"])
     # The ranks trained apart before wrapping: the broadcast had something to do.
-    assert not np.array_equal(ranks[1][f"optimizer state {optimizer}"][1], rank0_before)
+    assert not np.array_equal(ranks[1][f"optimizer state {key}"][1], rank0_before)
 
 
 def test_switching_algorithms_leaves_only_the_last_one_acting(ranks):
@@ -114,6 +117,10 @@ def test_custom_algorithm_written_as_in_baguas_tutorial(ranks, compression):
             bound = 2 * (expected.max() - expected.min()) / 255
             assert np.abs(got - expected).max() <= bound, (rank, np.abs(got - expected).max(), bound)
             assert not np.array_equal(got, expected)
+
+
+def test_custom_algorithm_in_the_projects_interface_as_class_and_instance(ranks):
+    _assert_pairs(ranks, "own-interface algorithm")
 
 
 @pytest.mark.parametrize("interval", [1, 2])
@@ -135,7 +142,7 @@ def test_data_parallel_and_checkpoints(ranks):
 
 def test_only_importing_the_compat_layer_patches_torch():
     probe = (
-        "import torch, bagua_torch, bagua_torch.algorithms, bagua_torch.distributed\n"
+        "import torch, bagua_torch, bagua_torch.algorithms, bagua_torch.bagua_module\n"
         "assert not hasattr(torch.nn.Module, 'with_bagua'), 'bagua_torch patched torch'\n"
         "import bagua_torch.torch_api\n"
         "assert torch.nn.Module.with_bagua is bagua_torch.torch_api.distributed.with_bagua\n"
@@ -144,28 +151,65 @@ def test_only_importing_the_compat_layer_patches_torch():
     assert run.returncode == 0, run.stderr
 
 
-def test_qadam_weight_decay_is_torchs_adam_l2_in_warmup_and_reaches_the_momentum_after():
-    from bagua_torch.torch_api.algorithms.q_adam import QAdamOptimizer
+def test_baguas_utils_flatten_and_helpers(rng):
+    from bagua_torch.torch_api import utils
 
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
-    mirror = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    qadam = QAdamOptimizer(params, lr=0.01, warmup_steps=4, weight_decay=0.1)
-    adam = torch.optim.Adam(mirror, lr=0.01, weight_decay=0.1, foreach=False)
-    for _ in range(4):
-        grads = [torch.randn_like(p) for p in params]
-        for p, q, g in zip(params, mirror, grads):
-            p.grad, q.grad = g.clone(), g.clone()
-        qadam.step()
-        adam.step()
-        for p, q, g in zip(params, mirror, grads):
-            assert torch.equal(p, q)
-            assert torch.equal(p.grad, g)  # the user's gradient is left as it was
-    momentum = [qadam.momentum(p).clone() for p in params]
-    for p in params:
-        p.grad = torch.randn_like(p)
-    qadam.local_momentum()
-    for p, m in zip(params, momentum):
-        assert torch.equal(qadam.momentum(p), m.lerp(p.grad + 0.1 * p.detach(), 0.1))
-    with pytest.raises(ValueError, match="weight_decay"):
-        QAdamOptimizer(params, weight_decay=-1.0)
+    tensors = [torch.from_numpy(rng.standard_normal(shape).astype(np.float32)) for shape in [(3, 4), (5,), (2, 1, 2)]]
+    flat = utils.flatten(tensors)
+    np.testing.assert_array_equal(flat.numpy(), np.concatenate([t.numpy().ravel() for t in tensors]))
+    views = utils.unflatten(flat, tensors)
+    assert [v.shape for v in views] == [t.shape for t in tensors]
+    assert all(torch.equal(v, t) for v, t in zip(views, tensors)) and utils.check_contiguous(views)
+    assert not utils.check_contiguous([tensors[1], tensors[0]])
+    expected = [t * 3 for t in tensors]
+    utils.apply_flattened_call(tensors, lambda x, k: x.mul_(k), [3.0])
+    assert all(torch.equal(t, e) for t, e in zip(tensors, expected))
+    assert utils.get_flattened_tensor([]) is None and torch.equal(utils.get_flattened_tensor(tensors), flat * 3)
+    assert utils.to_bagua_datatype(torch.float16) == "f16"
+    with pytest.raises(ValueError, match="unsupported data type"):
+        utils.to_bagua_datatype(torch.float64)
+
+
+def test_baguas_average_by_removing_extreme_values(rng):
+    from bagua_torch.torch_api.utils import average_by_removing_extreme_values
+
+    scores = np.concatenate([rng.uniform(50, 60, 10), rng.uniform(9, 11, 30), [100.0, -80.0]])
+    mean, std, kept = average_by_removing_extreme_values(scores.tolist())
+    rest = scores[len(scores) // 3 :]
+    reference = rest[np.abs(rest - rest.mean()) < rest.std()]  # one pass suffices: its std is below its mean
+    assert reference.std() < reference.mean()
+    assert (
+        kept == reference.tolist() and mean == pytest.approx(reference.mean()) and std == pytest.approx(reference.std())
+    )
+
+
+def test_baguas_statistical_average_matches_baguas_own_test():
+    """The values of Bagua's test_statistical_average: records over 1, 2, 4 s and a tail, then 6.0 a second later."""
+    import time
+
+    from bagua_torch.torch_api.utils import StatisticalAverage
+
+    tail = (2.0166309999999985, 2.499061185570463)
+    m = StatisticalAverage(
+        last_update_time=time.time() - 1.0, records=[5.0, 4.5005175, 3.5034241850204078], record_tail=tail
+    )
+    m.record(6.0)
+    for seconds, expected in [
+        (1.0, 6.0),
+        (2.0, (6.0 + 5.0) / 2.0),
+        (3.0, (6.0 + 4.5005175 * 2.0) / 3.0),
+        (5.0, (6.0 + 3.5034241850204078 * 4.0) / 5.0),
+        (7.0, (6.0 + 2.499061185570463 * (4.0 + tail[0])) / 7.0),
+    ]:
+        assert m.get_records_mean(seconds) == pytest.approx(expected, abs=0.1), seconds
+    assert m.total_recording_time() == pytest.approx(4.0 + tail[0] + 1, abs=0.1)
+
+
+def test_qadam_algorithm_takes_the_tutorials_hierarchical_reduce():
+    from bagua_torch.torch_api.algorithms.q_adam import QAdamAlgorithm, QAdamOptimizer
+
+    optimizer = QAdamOptimizer(torch.nn.Linear(2, 2).parameters())
+    assert QAdamAlgorithm(optimizer, hierarchical_reduce=False).config.hierarchical is False
+    assert QAdamAlgorithm(optimizer).config.hierarchical is True
+    with pytest.raises(ValueError, match="disagree"):
+        QAdamAlgorithm(optimizer, False, hierarchical_reduce=True)

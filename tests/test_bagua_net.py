@@ -1,6 +1,6 @@
 """Bagua-Net, NCCL's striped-TCP network plugin, driven the way NCCL's proxy thread drives it.
 
-A C++ harness (bagua_net/net_harness.cc) dlopens the installed libnccl-net-bagua.so and
+A C++ harness (tests/net_harness/net_harness.cc) dlopens the installed libnccl-net-bagua.so and
 runs each scenario between two processes on loopback; it checks every payload against
 an independently generated reference. The harness and the plugin are also rebuilt with
 AddressSanitizer+UBSan and with ThreadSanitizer and run again.
@@ -21,7 +21,10 @@ from bagua_common.comm.bagua_net import bagua_net_plugin_path
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCES = ROOT / "bagua_net"
-PLUGIN_SOURCES = [SOURCES / "striped_transport.cc", SOURCES / "nccl_net_plugin.cc"]
+PLUGIN_SOURCES = [
+    SOURCES / name for name in ("striped_transport.cc", "socket_io.cc", "environment.cc", "nccl_net_plugin.cc")
+]
+HARNESS = Path(__file__).resolve().parent / "net_harness" / "net_harness.cc"
 SANITIZERS = {
     "asan-ubsan": ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"],
     "tsan": ["-fsanitize=thread"],
@@ -31,7 +34,8 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the harness
 
 
 def _compile(output: Path, sources: list[Path], flags: list[str]) -> subprocess.Popen:
-    command = ["g++", "-std=c++17", "-g", *flags, *map(str, sources), "-o", str(output), "-ldl", "-pthread"]
+    command = ["g++", "-std=c++17", "-g", f"-I{SOURCES}", *flags, *map(str, sources), "-o", str(output)]
+    command += ["-ldl", "-pthread"]
     return subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
 
 
@@ -46,12 +50,12 @@ def builds(tmp_path_factory) -> dict[str, tuple[Path, Path]]:
     installed = bagua_net_plugin_path()
     assert installed is not None, "pip install . should have installed libnccl-net-bagua.so"
     folder = tmp_path_factory.mktemp("bagua_net")
-    jobs = [_compile(folder / "net_harness", [SOURCES / "net_harness.cc"], ["-O2"])]
+    jobs = [_compile(folder / "net_harness", [HARNESS], ["-O2"])]
     result = {"release": (folder / "net_harness", Path(installed))}
     for name, flags in SANITIZERS.items():
         plugin = folder / f"libnccl-net-bagua-{name}.so"
         jobs.append(_compile(plugin, PLUGIN_SOURCES, ["-O1", "-fPIC", "-shared", *flags]))
-        jobs.append(_compile(folder / f"net_harness-{name}", [SOURCES / "net_harness.cc"], ["-O1", *flags]))
+        jobs.append(_compile(folder / f"net_harness-{name}", [HARNESS], ["-O1", *flags]))
         result[name] = (folder / f"net_harness-{name}", plugin)
     for job in jobs:
         _finish(job)
@@ -157,7 +161,11 @@ def test_build_info_reports_the_plugin():
     assert path == bagua_net_plugin_path()
 
 
-def test_launcher_flag_points_every_rank_at_the_plugin(tmp_path):
+@pytest.mark.parametrize("mode", [[], ["--max-restarts", "0"]], ids=["local", "elastic"])
+def test_launcher_flag_points_every_rank_at_the_plugin(tmp_path, mode):
+    """``--enable-bagua-net`` reaches every rank, whether the launcher or torch's elastic agent starts them."""
+    if mode:
+        pytest.importorskip("torch")
     script = tmp_path / "show.py"
     script.write_text(
         "import json, os\nprint(json.dumps([os.environ.get('NCCL_NET_PLUGIN'), os.environ.get('NCCL_NET')]))\n"
@@ -167,7 +175,7 @@ def test_launcher_flag_points_every_rank_at_the_plugin(tmp_path):
     env.pop("NCCL_NET_PLUGIN", None)
     for flags, expected in (([], [None, None]), (["--enable-bagua-net"], [bagua_net_plugin_path(), "Bagua"])):
         done = subprocess.run(
-            [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", *flags, str(script)],
+            [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", *mode, *flags, str(script)],
             env=env,
             capture_output=True,
             text=True,

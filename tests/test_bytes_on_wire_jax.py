@@ -23,10 +23,10 @@ N = 4
 PARAMS = {"w": jax.ShapeDtypeStruct((1000, 1000), jnp.float32), "b": jax.ShapeDtypeStruct((1000,), jnp.float32)}
 
 
-def bytes_per_step(name: str) -> dict[str, float]:
-    """Trace one step of ``name`` on N ranks and return the bytes it sends, by operation."""
+def bytes_per_step(name: str, **options) -> dict[str, float]:
+    """Trace one step of ``name`` (with ``options``) on N ranks and return the bytes it sends, by operation."""
     counter = CountingCommunicator(LaxCommunicator("ranks", N))
-    algorithm = make_algorithm(name, learning_rate=1e-3)
+    algorithm = make_algorithm(name, learning_rate=1e-3, **options)
     optimizer = None if name in ("qadam", "onebit_adam") else optax.sgd(0.1)
     tx = algorithm.transformation(optimizer, Communicators(world=counter))
 
@@ -81,3 +81,20 @@ def test_shift_one_sends_one_copy_of_the_weights():
     ratio = counter.bytes_sent / FP32_ALLREDUCE
     print(f"\nshift_one {ratio:.4f} x fp32 allreduce")
     assert ratio == pytest.approx(N / (2 * (N - 1)))
+
+
+# DiLoCo's traced step holds a synchronization (lax.cond): the bytes of one every sync_every steps.
+DILOCO_SYNC = {
+    "fp32": (("allreduce",), 1.0),
+    "bf16": (("alltoall", "allgather"), 1 / 2),
+    "uint8": (("alltoall", "allgather"), 1 / 4),
+}
+
+
+@pytest.mark.parametrize("wire", DILOCO_SYNC)
+def test_a_diloco_synchronization_sends_the_model_once_in_its_wire_format(wire):
+    ops, expected = DILOCO_SYNC[wire]
+    by_op = bytes_per_step("diloco", outer_exchange=wire)
+    ratio = sum(by_op.get(op, 0.0) for op in ops) / FP32_ALLREDUCE
+    print(f"\ndiloco {wire:5s} {ratio:.4f} x fp32 allreduce per synchronization ({by_op})")
+    assert ratio == pytest.approx(expected, abs=1e-3) and sum(by_op.values()) == pytest.approx(ratio * FP32_ALLREDUCE)

@@ -75,7 +75,9 @@ def test_server_is_private_and_listens_on_no_tcp_port():
 def test_full_server_stops_admission_and_keeps_serving(tmp_path):
     with RedisServer(3 << 20) as server:
         log = str(tmp_path / "reads")
-        data = CachedDataset(CountingDataset(300, log, size=4096), RedisStore(server.url), name="oom")
+        data = CachedDataset(
+            CountingDataset(300, log, size=4096), RedisStore(server.url, digest_key=server.digest_key), name="oom"
+        )
         for i in range(300):
             data[i]
         stats = data.stats()

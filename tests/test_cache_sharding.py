@@ -14,7 +14,13 @@ import pytest
 import redis
 from cache_datasets import REDIS_SERVER_MARKS
 
-from bagua_common.data.cache_stores import ENV_CACHE_PASSWORD_FILE, ENV_CACHE_URL, RedisStore, sharded_store
+from bagua_common.data.cache_stores import (
+    ENV_CACHE_KEY_FILE,
+    ENV_CACHE_PASSWORD_FILE,
+    ENV_CACHE_URL,
+    RedisStore,
+    sharded_store,
+)
 from bagua_common.data.redis_server import RedisServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,7 +61,7 @@ def exchanged(servers: list[RedisServer], ranks_per_node: int = 2):
     """An allgather over 2 ranks per node that stacks what each rank of the job contributes."""
     rows = []
     for server in servers:
-        entry = json.dumps({"url": server.url, "password": server.password}).encode()
+        entry = json.dumps({"url": server.url, "password": server.password, "key": server.digest_key.hex()}).encode()
         rows += [np.frombuffer(entry.ljust(1024, b"\0"), np.uint8)] * ranks_per_node
     return lambda mine: np.stack(rows)
 
@@ -81,7 +87,7 @@ def test_password_is_generated_private_and_required(two_nodes):
     with pytest.raises(redis.exceptions.AuthenticationError):
         redis.Redis(port=first.port, password=second.password, socket_timeout=5).ping()
     with pytest.raises(ConnectionError, match="cannot reach the Redis cache"):
-        RedisStore(first.url)
+        RedisStore(first.url, digest_key=first.digest_key)
     assert redis.Redis(port=first.port, password=first.password, socket_timeout=5).ping()
 
 
@@ -122,7 +128,9 @@ ROUTING_SCRIPT = """
 
 def run_rank(server: RedisServer, servers: list[RedisServer], action: str, hash_seed: str) -> str:
     """One rank of node ``server`` in its own process; the gathered entries come on stdin, not argv."""
-    entries = "\n".join(json.dumps({"url": s.url, "password": s.password}) for s in servers for _ in range(2))
+    entries = "\n".join(
+        json.dumps({"url": s.url, "password": s.password, "key": s.digest_key.hex()}) for s in servers for _ in range(2)
+    )
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=hash_seed, **server.environment())
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(ROUTING_SCRIPT), action],
@@ -151,8 +159,10 @@ def test_sharded_store_lists_each_node_once_in_rank_order(two_nodes, monkeypatch
     for server in (second, first):  # any rank of any node sees the same list
         monkeypatch.setenv(ENV_CACHE_URL, server.url)
         monkeypatch.setenv(ENV_CACHE_PASSWORD_FILE, server.password_file)
+        monkeypatch.setenv(ENV_CACHE_KEY_FILE, server.environment()[ENV_CACHE_KEY_FILE])
         store = sharded_store(exchanged(two_nodes))
         assert store.urls == [first.url, second.url] and store.passwords == [first.password, second.password]
+        assert store.digest_key == first.digest_key  # rank 0's: every process signs alike
         assert store.put(b"k", b"v") and store.get(b"k") == b"v"
     os.chmod(first.password_file, 0o644)
     monkeypatch.setenv(ENV_CACHE_PASSWORD_FILE, first.password_file)
@@ -173,7 +183,7 @@ LAUNCHED_SCRIPT = """
         except OSError:
             pass
     assert all(password.encode() not in line for line in lines), "password on a command line"
-    store = store_from_environment()
+    store = store_from_environment("launched", "")
     assert store.put(b"k", b"v") and store.get(b"k") == b"v"
     print("URL", os.environ["BAGUA_CACHE_URL"], oct(os.stat(os.environ["BAGUA_CACHE_PASSWORD_FILE"]).st_mode & 0o777))
 """

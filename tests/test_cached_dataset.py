@@ -5,6 +5,7 @@ import pickle
 import stat
 import subprocess
 import sys
+import tempfile
 import warnings
 
 import fakeredis
@@ -18,10 +19,10 @@ from bagua_common.data.cache_stores import (
     MemoryStore,
     RedisStore,
     parse_capacity,
-    private_directory,
     shard_of,
 )
 from bagua_common.data.cached_dataset import CachedDataset, CacheLoader
+from bagua_common.data.private_files import job_directory, private_directory
 
 
 @pytest.fixture
@@ -42,7 +43,7 @@ def store(request, tmp_path):
     if request.param == "lmdb":
         return LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24)
     request.getfixturevalue("fake_server")
-    return RedisStore(["redis://a", "redis://b"])
+    return RedisStore(["redis://a", "redis://b"], digest_key=os.urandom(32))
 
 
 def expected(index):
@@ -100,26 +101,28 @@ def test_transform_runs_after_the_cache(tmp_path):
     assert data.stats()["hits"] == 1
 
 
-def test_corrupt_value_is_a_miss_warned_once_and_overwritten(tmp_path):
+def test_unreadable_signed_value_is_a_miss_warned_once_and_overwritten(tmp_path):
     store = MemoryStore(1 << 20)
     data = CachedDataset(CountingDataset(3, str(tmp_path / "r")), store, name="c")
     for i in range(3):
-        store.put(data.loader.key(i), b"\x01garbage")
-    with pytest.warns(RuntimeWarning, match="does not decode") as caught:
+        payload = b"not a pickle"
+        store.put(data.loader.key(i), b"\x02" + data.loader._digest(data.loader.key(i), payload) + payload)
+    with pytest.warns(RuntimeWarning, match="does not unpickle") as caught:
         values = [data[i] for i in range(3)]
     assert len(caught) == 1
     for i, v in enumerate(values):
         np.testing.assert_array_equal(v, expected(i))
     np.testing.assert_array_equal(data[2], expected(2))
-    assert data.stats()["misses"] == 3 and data.stats()["hits"] == 1
+    assert data.stats()["misses"] == 3 and data.stats()["hits"] == 1 and data.stats()["damaged"] == 0
     strict = CachedDataset(CountingDataset(3, str(tmp_path / "r")), store, name="d", on_error="raise")
     store.put(strict.loader.key(0), b"\x02other")
-    with pytest.raises(ValueError, match="does not decode"):
+    with pytest.raises(ValueError, match="fails its digest check"):
         strict[0]
 
 
 def test_store_that_dies_mid_epoch_falls_back_to_the_dataset(fake_server, tmp_path):
-    data = CachedDataset(CountingDataset(10, str(tmp_path / "r")), RedisStore("redis://x"), name="d")
+    store = RedisStore("redis://x", digest_key=os.urandom(32))
+    data = CachedDataset(CountingDataset(10, str(tmp_path / "r")), store, name="d")
     for i in range(5):
         data[i]
     fake_server.connected = False
@@ -141,7 +144,7 @@ def test_store_that_dies_mid_epoch_falls_back_to_the_dataset(fake_server, tmp_pa
 
 def test_unreachable_redis_raises_naming_the_url():
     with pytest.raises(ConnectionError, match="unix:///nonexistent/redis.sock"):
-        RedisStore("unix:///nonexistent/redis.sock", timeout_s=1.0)
+        RedisStore("unix:///nonexistent/redis.sock", timeout_s=1.0, digest_key=os.urandom(32))
 
 
 @pytest.mark.parametrize("kind", ["memory", "lmdb"])
@@ -176,7 +179,7 @@ def test_stores_pickle_as_configuration(tmp_path, fake_server):
     lmdb_store = LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24)
     lmdb_store.put(b"k", b"v")
     assert pickle.loads(pickle.dumps(lmdb_store)).get(b"k") == b"v"
-    redis_store = RedisStore("redis://x")
+    redis_store = RedisStore("redis://x", digest_key=os.urandom(32))
     assert set(pickle.loads(pickle.dumps(redis_store)).__dict__) >= {"urls", "passwords"}
     memory = MemoryStore(1 << 20)
     memory.put(b"k", b"v")
@@ -205,22 +208,16 @@ def test_memory_store_warns_in_another_process():
 
 
 def test_private_directory_rules(tmp_path):
-    made = private_directory(None)
+    made = private_directory(str(tmp_path / "new"))
     assert stat.S_IMODE(os.stat(made).st_mode) == 0o700
-    os.rmdir(made)
     open_dir = tmp_path / "open"
     open_dir.mkdir()
     open_dir.chmod(0o777)
-    with pytest.raises(ValueError, match="not be writable by others"):
+    with pytest.raises(ValueError, match="not writable by others"):
         private_directory(str(open_dir))
-
-
-def test_default_lmdb_directory_is_removed_with_its_store():
-    store = LmdbStore(capacity_bytes=1 << 20)
-    path = store.path
-    assert stat.S_IMODE(os.stat(path).st_mode) == 0o700
-    del store
-    assert not os.path.exists(path)
+    (tmp_path / "link").symlink_to(made)
+    with pytest.raises(ValueError, match="not a link"):
+        private_directory(str(tmp_path / "link"))
 
 
 def test_capacity_parsing_and_validation():
@@ -243,3 +240,44 @@ def test_shard_of_is_stable_across_processes_and_spreads_keys():
     )
     assert eval(run_python(script, PYTHONHASHSEED="123")) == here
     assert min(np.bincount(here)) > 250
+
+
+def test_default_store_is_one_lmdb_environment_per_dataset_in_the_node_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv(cache_stores.ENV_CACHE_URL, raising=False)
+    monkeypatch.setenv(cache_stores.ENV_CACHE_DIR, str(tmp_path / "job"))
+    log = str(tmp_path / "reads")
+
+    def path(name, version="", n=4):
+        return CachedDataset(CountingDataset(n, log), name=name, version=version).loader.store.path
+
+    assert path("a") == path("a") != path("b")
+    assert len({path("a"), path("a", "2"), path("a", n=5), path("b"), path("a/../b")}) == 5
+    assert {os.path.dirname(p) for p in (path("a"), path("a/../b"))} == {str(tmp_path / "job")}
+    assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o700 for p in (tmp_path / "job", path("a")))
+    CachedDataset(CountingDataset(4, log), name="a")[0]
+    CachedDataset(CountingDataset(4, log), name="a")[0]  # another process of the node: the same environment
+    assert reads(log) == 1
+    monkeypatch.delenv(cache_stores.ENV_CACHE_DIR)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    assert cache_stores.default_cache_directory() == str(tmp_path / f"bagua-cache-{os.getuid()}")
+
+
+def test_the_default_store_is_installed_with_the_package():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml"), "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    assert any(d.split(">")[0].split("=")[0].strip() == "lmdb" for d in dependencies)
+
+
+def test_a_new_job_directory_removes_those_of_dead_jobs(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    orphan = tmp_path / f"bagua-job-cache-{ended.stdout.strip()}-a"  # its launcher was SIGKILLed
+    running = tmp_path / f"bagua-job-cache-{os.getpid()}-b"
+    unrelated = tmp_path / "bagua-job-cache-notes"
+    for path in (orphan, running, unrelated):
+        path.mkdir()
+    made = job_directory()
+    assert not orphan.exists() and running.exists() and unrelated.exists()
+    assert os.path.basename(made).startswith(f"bagua-job-cache-{os.getpid()}-")
+    assert stat.S_IMODE(os.stat(made).st_mode) == 0o700

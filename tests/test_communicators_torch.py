@@ -171,6 +171,21 @@ def test_sub_communicators(run):
             _check(res["fallback/reduce_scatter_avg"], rows[:, rank].mean(0), "avg", rows[:, rank])
 
 
+def test_a_job_on_the_native_thread_issues_its_collectives_inline(run):
+    """The pipelines' collectives cross one thread: issued from a job of the thread that issues them, they run
+    there at once (a second hop onto the same thread would wait behind the job forever)."""
+    engine, size, seed, values = run
+    if engine != "mpi":
+        pytest.skip("torch.distributed issues from any thread; only native communicators have one")
+    xs = np.stack([rank_data(seed, r, "x") for r in range(size)])
+    for res in values:
+        _check(res["thread/sum"], xs.sum(0), "sum", xs)
+        _check(res["thread/max"], xs.max(0), "max")
+        _check(res["thread/min"], xs.min(0), "min")
+        assert res["thread/queued"] == ["world", "own"]
+        assert res["thread/shared"] and res["thread/own"]
+
+
 # What each refused request (communicators_workers_torch._errors) raises: by exception type, the
 # words its message holds.
 ERRORS = {

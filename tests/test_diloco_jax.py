@@ -15,7 +15,9 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
+from multiprocess import run_ranks
 
+import bagua_jax
 from bagua_jax import checkpoint
 from bagua_jax.algorithms import DiLoCo, GradientAllReduce, make_algorithm
 from bagua_jax.trainer import DataParallel
@@ -100,14 +102,16 @@ def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule
     seed = int(rng.integers(2**20))
     algorithm = DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8", error_feedback=True)
     trainer = make(algorithm)
-    state, _ = train(trainer, trainer.init(ref.initial(seed)), seed, 1, 5)  # fragment 1 exchanged, not applied
+    # After step 6 fragment 0 is mid-round and fragment 1's exchange waits for its outer step at step 7.
+    state, _ = train(trainer, trainer.init(ref.initial(seed)), seed, 1, 6)
+    assert np.any(np.asarray(state.opt_state[1].pending[1]))
     checkpoint.save(tmp_path, state, trainer)
-    _, straight = train(trainer, state, seed, 6, 10)
+    _, straight = train(trainer, state, seed, 7, 11)
     again = make(algorithm)
-    _, resumed = train(again, checkpoint.restore(tmp_path, again, ref.initial(seed)), seed, 6, 10)
+    _, resumed = train(again, checkpoint.restore(tmp_path, again, ref.initial(seed)), seed, 7, 11)
     for t in range(5):
         for k in ref.SHAPES:
-            np.testing.assert_array_equal(resumed[t][k], straight[t][k], err_msg=f"step {6 + t} {k}")
+            np.testing.assert_array_equal(resumed[t][k], straight[t][k], err_msg=f"step {7 + t} {k}")
     # Two ranks: parameters start from the four ranks' mean; the round start, the outer state, the averages
     # awaiting their outer step and the position carry; the residuals restart at zero.
     smaller = make(algorithm, ranks=2)
@@ -120,8 +124,8 @@ def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule
         jax.tree.leaves((saved.outer_states, saved.pending)), jax.tree.leaves((now.outer_states, now.pending))
     ):
         np.testing.assert_array_equal(new[1], was[0])
-    assert int(now.step[1]) == 5 and all(not np.any(res) for res in now.residuals)
-    train(smaller, shrunk, seed, 6, 8, ranks=2)
+    assert int(now.step[1]) == 6 and all(not np.any(res) for res in now.residuals)
+    train(smaller, shrunk, seed, 7, 9, ranks=2)
 
 
 @pytest.mark.parametrize(
@@ -147,3 +151,48 @@ def test_more_fragments_than_parameters_is_a_clear_error():
     trainer = make(DiLoCo(sync_every=8, fragments=4))
     with pytest.raises(ValueError, match=r"fragments \(4\) must not exceed the number of parameters \(3\)"):
         trainer.init(ref.initial(0))
+
+
+NATIVE_OPTIONS = [{"sync_every": 3}, {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1}]
+
+
+def native_worker(seed: int, steps: int) -> list[list[dict[str, np.ndarray]]]:
+    """One rank under mpiexec: each of NATIVE_OPTIONS with the native MPI communicator (the round start in host
+    memory, the default, which on CPU is the device's memory)."""
+    comm = bagua_jax.NativeCommunicator.mpi_world()
+    rank = int(comm.rank())
+    histories = []
+    for options in NATIVE_OPTIONS:
+        trainer = DataParallel(
+            lambda p, b: loss_fn(p, {k: v[None] for k, v in b.items()}),
+            optax.sgd(ref.INNER_LR),
+            DiLoCo(**options),
+            communicator=comm,
+        )
+        state, history = trainer.init(ref.initial(seed)), []
+        for t in range(1, steps + 1):
+            state, _ = trainer.step(state, ref.target(seed, t, rank))
+            history.append(jax.device_get(state.params))
+        histories.append(history)
+    return histories
+
+
+@pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
+def test_native_communicator_matches_the_numpy_simulation(rng):
+    seed, steps = int(rng.integers(2**20)), 9
+    results = run_ranks("test_diloco_jax:native_worker", 2, seed, steps, launcher="mpiexec", timeout=180)
+    for index, options in enumerate(NATIVE_OPTIONS):
+        want = ref.simulate(
+            2,
+            steps,
+            seed,
+            sync_every=options["sync_every"],
+            fragments=options.get("fragments", 1),
+            delay=options.get("fragment_sync_delay", 0),
+        )
+        for result in results:
+            for t, params in enumerate(result.value[index]):
+                for k in ref.SHAPES:
+                    np.testing.assert_allclose(
+                        params[k], want[t][result.rank][k], rtol=2e-5, atol=2e-6, err_msg=f"{options} {t} {k}"
+                    )

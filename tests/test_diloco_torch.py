@@ -56,7 +56,7 @@ def test_resume_mid_round_is_bit_identical():
         straight, resumed = result["resume"]
         for t, (want, got) in enumerate(zip(straight, resumed)):
             for k in ref.SHAPES:
-                np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {6 + t} {k}")
+                np.testing.assert_array_equal(got[k], want[k], err_msg=f"step {7 + t} {k}")
 
 
 def test_bad_options_are_clear_errors():
@@ -66,3 +66,24 @@ def test_bad_options_are_clear_errors():
     assert "fragment_sync_delay (2) must be less than sync_every // fragments (4 // 2 = 2)" in errors["delay"]
     assert "fragments (4) must not exceed the number of parameters (3)" in errors["fragments"]
     assert "pass the optimizer(s) to the wrapper" in errors["no_optimizer"]
+
+
+def test_restore_into_another_world_size_follows_the_rule():
+    """Parameters: the ranks' mean; round start, averages awaiting their outer step, outer momentum and step: carried
+    (the same on both ranks); residuals: zero, sized for one rank."""
+    _, results = JOBS.run("gloo-2ranks")
+    saved = [r["reshard"]["saved"] for r in results]
+    restored = results[0]["reshard"]["restored"]
+    assert results[0]["reshard"]["restored_step"] == 6 and restored["step"] == 6
+    for k in ref.SHAPES:
+        mean = ((saved[0]["params"][k].astype(np.float64) + saved[1]["params"][k]) / 2).astype(np.float32)
+        np.testing.assert_array_equal(restored["params"][k], mean, err_msg=k)
+    for key in ("round_start", "pending", "momentum"):
+        for mine, theirs, now in zip(saved[0][key], saved[1][key], restored[key]):
+            np.testing.assert_array_equal(mine, theirs, err_msg=key)
+            np.testing.assert_array_equal(now, mine, err_msg=key)
+    assert saved[0]["pending"][1].size and any(np.any(r) for r in saved[0]["residuals"])
+    # The fragments ({a}, {b, c}) hold 15 and 10 elements: padded to a multiple of 2 ranks when saved, of 1 now.
+    assert [r.size for r in saved[0]["residuals"]] == [16, 10]
+    assert [r.size for r in restored["residuals"]] == [15, 10] and not any(np.any(r) for r in restored["residuals"])
+    assert all(np.all(np.isfinite(v)) for v in results[0]["reshard"]["trained_on"].values())

@@ -43,6 +43,8 @@ def test_usage_errors():
     assert result.returncode == 2 and "not available in elastic mode" in result.stderr, result.stderr
     result = launch("--max-restarts", "1", "--timeout", "60", "x.py")
     assert result.returncode == 2 and "--timeout is not available" in result.stderr, result.stderr
+    result = launch("--max-restarts", "1", "--cache-dir", "/tmp", "x.py")
+    assert result.returncode == 2 and "--cache-dir is not available" in result.stderr, result.stderr
 
 
 def test_restart_after_a_failure_keeps_the_output_format(tmp_path):
@@ -108,8 +110,8 @@ def test_jax_coordinator_gets_a_port_of_its_own(tmp_path):
 def test_launcher_imports_no_framework_outside_elastic_mode():
     code = (
         "import sys\n"
-        "from bagua_launch import elastic, launcher\n"
-        "config = launcher.parse_args(['--nproc-per-node', '2', 'x.py'])\n"
+        "from bagua_launch import command_line, elastic\n"
+        "config = command_line.parse_args(['--nproc-per-node', '2', 'x.py'])\n"
         "assert not isinstance(config, elastic.ElasticConfig)\n"
         "assert elastic.requested.__module__ == 'bagua_launch.elastic'\n"
         "assert 'jax' not in sys.modules and 'torch' not in sys.modules, 'a framework was imported'\n"
@@ -146,3 +148,16 @@ def test_an_unreachable_rendezvous_is_reported_not_hung(tmp_path):
     )
     assert result.returncode == 1, result.stdout + result.stderr
     assert f"bagua-launch: the rendezvous at 127.0.0.1:{port} failed" in result.stderr, result.stderr
+
+
+def test_elastic_summary_words_exit_statuses_as_the_launcher_does(tmp_path):
+    """One wording for an exit status in both modes: ``killed by SIGTERM``, not ``killed by signal 15``."""
+    from types import SimpleNamespace
+
+    from bagua_launch import elastic
+
+    failures = {0: SimpleNamespace(exitcode=-15, local_rank=0), 1: SimpleNamespace(exitcode=3, local_rank=1)}
+    error = SimpleNamespace(failures=failures, get_first_failure=lambda: (1, failures[1]))
+    text = elastic._summary(error, str(tmp_path), 5)
+    assert "bagua-launch: rank 1 failed (exit code 3)" in text, text
+    assert "rank 0: killed by SIGTERM" in text, text

@@ -4,7 +4,8 @@ Four simulated devices (flat and 2x2 hierarchical meshes), a small MLP on random
 steps. An optax-driven algorithm freezes ``w1`` with ``optax.set_to_zero`` through
 ``optax.multi_transform`` (its gradient is non-zero); QAdam and OneBitAdam, which are the
 optimizer, get a parameter the loss does not use (its gradient is exactly zero), with the
-warm-up short enough that the compressed phase runs. The frozen leaf must equal its initial
+warm-up short enough that the compressed phase runs (1-bit Adam holds such a coordinate's
+momentum at zero, since its sign codes cannot send one). The frozen leaf must equal its initial
 value bit for bit on every rank, while the trained leaves move.
 """
 
@@ -45,14 +46,6 @@ def frozen_w1(optimizer: optax.GradientTransformation) -> optax.GradientTransfor
     return optax.multi_transform({"train": optimizer, "frozen": optax.set_to_zero()}, labels)
 
 
-# OneBitAdam's zero-gradient coordinate still moves: the 1-bit codec has no zero (a zero momentum
-# decodes to +-mean|chunk|, SPEC section 2), so the coordinate takes steps that the frozen-variance
-# floor bounds and error feedback cancels over later steps, not exactly zero ones (DeepSpeed asks the
-# user for a momentum mask instead). strict: an unexpected pass means that changed; drop the mark.
-SIGN_CODEC_HAS_NO_ZERO = pytest.mark.xfail(
-    strict=True, reason="1-bit sign codes decode a zero momentum to +-scale; its step is bounded, not zero"
-)
-
 # name -> (algorithm, optimizer, the leaf that must not move)
 ALGORITHMS = {
     "gradient_allreduce": (GradientAllReduce(), frozen_w1(optax.adam(LR)), "w1"),
@@ -79,10 +72,7 @@ ALGORITHMS = {
 
 
 @pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)], ids=["flat", "hierarchical"])
-@pytest.mark.parametrize(
-    "name",
-    [pytest.param(n, marks=SIGN_CODEC_HAS_NO_ZERO) if n == "onebit_adam" else n for n in ALGORITHMS],
-)
+@pytest.mark.parametrize("name", ALGORITHMS)
 def test_frozen_parameter_never_moves(rng, name, mesh_shape):
     algorithm, optimizer, frozen = ALGORITHMS[name]
     axes = ("ranks",) if len(mesh_shape) == 1 else ("inter", "intra")

@@ -475,7 +475,7 @@ def test_wrong_inputs_give_clear_errors_on_every_rank():
     expected = {
         "not_module": "TypeError: the model must be a torch.nn.Module, got str",
         "unknown_algorithm": "ValueError: algorithm 'bytegrade' is unknown; available:",
-        "bad_bucket": "ValueError: bucket_bytes must be a positive int",
+        "bad_bucket": "ValueError: BaguaModule: bucket_bytes must be a positive int",
         "bad_sync_point": "ValueError: sync_point must be 'backward' or 'step', got 'later'",
         "step_without_optimizer": "ValueError: sync_point='step' waits in the optimizer's step",
         "not_optimizer": "TypeError: optimizers must be torch.optim.Optimizer instances, got str",

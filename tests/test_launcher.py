@@ -409,7 +409,7 @@ def test_launcher_imports_no_framework():
     ids=["hydra", "openmpi", "slurm", "no-local-variables"],
 )
 def test_rank_env_reads_mpi_launchers(variables, expected):
-    from bagua_launch.rank_env import mpi_rank_environment
+    from bagua_common.job.rank_environment import mpi_rank_environment
 
     env = mpi_rank_environment(variables | {"MASTER_ADDR": "h", "MASTER_PORT": "1234"})
     assert env == dict(
@@ -420,3 +420,73 @@ def test_rank_env_reads_mpi_launchers(variables, expected):
     }
     with pytest.raises(RuntimeError, match="no MPI rank"):
         mpi_rank_environment({})
+
+
+CACHE_SCRIPT = """
+import os, stat, sys, time
+from bagua_common.data.cached_dataset import CachedDataset
+
+class Squares:
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        print("READ", i, flush=True)
+        return i * i
+
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+directory = os.environ["BAGUA_CACHE_DIR"]
+print("DIR", directory, oct(stat.S_IMODE(os.stat(directory).st_mode)))
+data = CachedDataset(Squares(), name="squares")
+assert [data[i] for i in range(rank, 8, world)] == [i * i for i in range(rank, 8, world)]
+open(os.path.join(directory, f"done-{rank}"), "w").close()
+while not all(os.path.exists(os.path.join(directory, f"done-{r}")) for r in range(world)):
+    time.sleep(0.05)
+assert [data[i] for i in range(8)] == [i * i for i in range(8)]  # the other ranks' samples too
+print("STATS", data.stats()["hits"])
+"""
+
+
+def cache_job(tmp_path: Path, *args: str) -> tuple[set[str], int, list[str]]:
+    """Run CACHE_SCRIPT on 2 ranks; return the directories they saw, the samples read and the hits."""
+    script = write(tmp_path, "cache.py", CACHE_SCRIPT)
+    env = _env()
+    env.pop("BAGUA_CACHE_DIR", None)
+    env.pop("BAGUA_CACHE_URL", None)
+    result = launch("--nproc-per-node", "2", *args, str(script), env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    lines = [m.group(2) for m in map(LINE.match, result.stdout.splitlines()) if m]
+    directories = {line.split(maxsplit=1)[1] for line in lines if line.startswith("DIR")}
+    hits = [line.split()[1] for line in lines if line.startswith("STATS")]
+    return directories, sum(line.startswith("READ") for line in lines), hits
+
+
+def test_launcher_gives_the_node_one_cache_directory_for_the_job(tmp_path):
+    directories, read, hits = cache_job(tmp_path)
+    (directory,) = directories  # both ranks, one directory, private
+    path, mode = directory.split()
+    assert mode == "0o700" and not os.path.exists(path)  # removed with the job
+    assert read == 8 and hits == ["8", "8"]  # each rank read the other's 4 samples from the cache
+    kept = tmp_path / "kept"
+    assert cache_job(tmp_path, "--cache-dir", str(kept))[1] == 8
+    assert cache_job(tmp_path, "--cache-dir", str(kept))[1:] == (0, ["12", "12"])  # the next job reads it all
+    for rank in range(2):
+        (kept / f"done-{rank}").unlink()
+    kept.chmod(0o777)
+    result = launch("--cache-dir", str(kept), "x.py")
+    assert result.returncode == 2 and "--cache-dir" in result.stderr and "writable by others" in result.stderr
+
+
+def test_environment_int_reads_the_launcher_then_mpi():
+    """Launcher variables win; under MPI the rank comes from its variables and LOCAL_RANK from the node size."""
+    from bagua_common.job.rank_environment import environment_int
+
+    hydra = {"PMI_RANK": "3", "PMI_SIZE": "4", "MPI_LOCALRANKID": "3", "MPI_LOCALNRANKS": "4"}
+    assert [environment_int(k, hydra) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")] == [3, 4, 3]
+    two_nodes = hydra | {"LOCAL_WORLD_SIZE": "2"}
+    assert [environment_int(k, two_nodes) for k in ("LOCAL_WORLD_SIZE", "LOCAL_RANK")] == [2, 1]
+    assert environment_int("RANK", hydra | {"RANK": "0"}) == 0
+    assert environment_int("RANK", {}) is None
+    assert environment_int("MASTER_PORT", hydra) is None
+    with pytest.raises(ValueError, match="RANK='zero' is not an integer"):
+        environment_int("RANK", {"RANK": "zero"})

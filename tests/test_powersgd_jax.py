@@ -16,7 +16,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from powersgd_reference import PowerSGDReference
 
-from bagua_common.algorithms.powersgd import PowerSGDConfig
+from bagua_common.algorithms.configs import PowerSGDConfig
 from bagua_jax import DataParallel, LaxCommunicator
 from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.powersgd import powersgd

@@ -14,7 +14,7 @@ import pytest
 from multiprocess import run_ranks
 from powersgd_reference import PowerSGDReference
 
-from bagua_common.algorithms.powersgd import PowerSGDConfig
+from bagua_common.algorithms.configs import PowerSGDConfig
 
 CONFIG = {"rank": 2, "start_iter": 2, "min_compression_rate": 2.0, "error_feedback": True, "warm_start": True}
 

@@ -67,7 +67,8 @@ def make_data(seed: int, n: int) -> tuple[dict, list[dict]]:
         {k: (rng.standard_normal((n, *s)) * scales[k]).astype(F32) for k, s in SHAPES.items()} for _ in range(STEPS)
     ]
     # Coordinates whose v freezes at zero and whose momentum then moves (bagua_common.algorithms.frozen_variance):
-    # a row of "a" (floored at 1% of a's mean v) and all of "b" (its mean is 0: the model's is used).
+    # a row of "a" (floored at 1% of a's mean v) and all of "b" (its mean is 0: the model's is used). 1-bit Adam
+    # holds the momentum of "b", a leaf with no gradient in the whole warm-up, at zero: there it must not move.
     for g in grads[:WARMUP]:
         g["a"][:, 0] = 0.0
         g["b"][:] = 0.0
@@ -176,12 +177,19 @@ class Simulation:
             self.m = {k: F32(1 - B1) * g[k] + F32(B1) * self.m[k] for k in g}
             self.v = {k: F32(1 - B2) * (g[k] * g[k]) + F32(B2) * self.v[k] for k in g}
         else:  # frozen v; each rank's momentum is averaged through compression
+            # 1-bit Adam holds the momentum of a leaf whose v froze at zero throughout at zero (sign codes cannot
+            # send a zero).
+            held = {k: self.sign and not self.v[k].any() for k in self.v}
             local = [
-                self.flatten({k: F32(1 - B1) * grads[k][r] + F32(B1) * self.m[k] for k in grads}) for r in range(self.n)
+                self.flatten(
+                    {k: np.where(held[k], F32(0), F32(1 - B1) * grads[k][r] + F32(B1) * self.m[k]) for k in grads}
+                )
+                for r in range(self.n)
             ]
-            self.m = unflatten(
+            averaged = unflatten(
                 [self.average_bucket([x[i] for x in local], i) for i in range(len(BUCKETS))], BUCKETS, SHAPES
             )
+            self.m = {k: np.where(held[k], F32(0), averaged[k]) for k in averaged}
         self.t += 1
         # optax divides by the scalar bias corrections; XLA's algebraic simplifier turns a division by a broadcast
         # scalar into a multiplication by its float32 reciprocal, so that is the arithmetic to replay.
@@ -422,9 +430,16 @@ def test_onebit_adam_matches_the_numpy_simulation(exact, seed, n, two_level):
 
 
 def local_momenta(before, grads: dict, n: int) -> list[list[np.ndarray]]:
-    """Each rank's momentum before the exchange of a compressed step, as buckets (from the JAX state before it)."""
+    """Each rank's momentum before the exchange of a compressed step, as buckets (from the JAX state before it;
+    1-bit Adam's held coordinates are zero)."""
     mu = jax.tree.map(lambda x: x[0], before.adam.mu)
-    return [buckets_of({k: F32(1 - B1) * grads[k][r] + F32(B1) * mu[k] for k in SHAPES}, n) for r in range(n)]
+    keep = {k: np.ones(s, bool) for k, s in SHAPES.items()}
+    if isinstance(before, OneBitAdamState):
+        keep = {k: np.full(SHAPES[k], np.asarray(before.adam.nu[k][0]).any()) for k in SHAPES}
+    return [
+        buckets_of({k: np.where(keep[k], F32(1 - B1) * grads[k][r] + F32(B1) * mu[k], F32(0)) for k in SHAPES}, n)
+        for r in range(n)
+    ]
 
 
 def buckets_of(tree: dict, n: int) -> list[np.ndarray]:
@@ -433,10 +448,18 @@ def buckets_of(tree: dict, n: int) -> list[np.ndarray]:
 
 def averaged_momentum(after, n: int) -> list[np.ndarray]:
     """The exchanged momentum (the state after a compressed step) as buckets; padding, which the algorithm drops
-    after decoding, is NaN so that comparisons skip it."""
+    after decoding, and 1-bit Adam's held coordinates (see :func:`held`), which it zeroes, are NaN so that
+    comparisons skip them."""
     used = [sum(int(np.prod(SHAPES[k])) for k in keys) for keys in BUCKETS]
     buckets = buckets_of(jax.tree.map(lambda x: x[0], after.adam.mu), n)
-    return [np.where(np.arange(b.size) < u, b, np.nan) for b, u in zip(buckets, used)]
+    dropped = held(after, n) if isinstance(after, OneBitAdamState) else [np.zeros(b.size, bool) for b in buckets]
+    return [np.where((np.arange(b.size) < u) & ~d, b, np.nan) for b, u, d in zip(buckets, used, dropped)]
+
+
+def held(state, n: int) -> list[np.ndarray]:
+    """Per bucket, where 1-bit Adam holds the momentum at zero: the leaves whose frozen v is zero throughout."""
+    nu = jax.tree.map(lambda x: x[0], state.adam.nu)
+    return [b > 0 for b in buckets_of({k: np.full(SHAPES[k], not nu[k].any(), F32) for k in SHAPES}, n)]
 
 
 def sign_decoded(y: np.ndarray, residual: np.ndarray, k: int) -> np.ndarray:

@@ -115,7 +115,7 @@ def test_registry_and_construction():
     assert get_algorithm("onebit_adam", optimizer=o, hierarchical=False) == OneBitAdamAlgorithm(o, hierarchical=False)
     assert QAdamAlgorithm.name == "qadam" and OneBitAdamAlgorithm.name == "onebit_adam"
     assert q.warmup_steps == 5 and q.step_id == 0 and q.in_warmup
-    assert q.defaults == {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8}
+    assert q.defaults == {"lr": 0.1, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0}
     assert "warmup_steps=5" in repr(QAdamAlgorithm(q))  # part of the configuration the wrapper compares
 
 
@@ -390,3 +390,28 @@ def test_wrap_time_errors():
 def test_native_mpi_communicator_used():
     _, values = JOBS.run("mpi-4ranks-2nodes")
     assert all(v["world"] == "NativeCommunicator" for v in values)
+
+
+def test_qadam_weight_decay_is_torchs_adam_l2_in_warmup_and_reaches_the_momentum_after():
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(5, 3)), torch.nn.Parameter(torch.randn(4))]
+    mirror = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    qadam = QAdamOptimizer(params, lr=0.01, warmup_steps=4, weight_decay=0.1)
+    adam = torch.optim.Adam(mirror, lr=0.01, weight_decay=0.1, foreach=False)
+    for _ in range(4):
+        grads = [torch.randn_like(p) for p in params]
+        for p, q, g in zip(params, mirror, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        qadam.step()
+        adam.step()
+        for p, q, g in zip(params, mirror, grads):
+            assert torch.equal(p, q)
+            assert torch.equal(p.grad, g)  # the user's gradient is left as it was
+    momentum = [qadam.momentum(p).clone() for p in params]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    qadam.local_momentum()
+    for p, m in zip(params, momentum):
+        assert torch.equal(qadam.momentum(p), m.lerp(p.grad + 0.1 * p.detach(), 0.1))
+    with pytest.raises(ValueError, match="weight_decay"):
+        QAdamOptimizer(params, weight_decay=-1.0)

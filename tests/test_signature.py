@@ -140,3 +140,15 @@ def test_many_differences_are_counted():
     b = JobSignature.of([(f"w{i}", (2,), "float32") for i in range(12)], {})
     text = str(run_check([a, b])[0])
     assert text.count("tensor 'w") == 10 and "and 2 more differences" in text
+
+
+def test_ranks_with_different_bagua_codecs_fail_the_cross_rank_check():
+    # The torch wrapper and the checkpoint manifest describe the algorithm with algorithm_config.
+    from bagua_torch.torch_api.algorithms.decentralized import LowPrecisionDecentralizedAlgorithm
+
+    project, bagua = (LowPrecisionDecentralizedAlgorithm(codec=codec) for codec in ("project", "bagua"))
+    signatures = [JobSignature.of(LEAVES, algorithm_config(a, bucket_bytes=1024)) for a in (project, bagua)]
+    text = str(run_check(signatures)[0])
+    assert "algorithm.codec: 'project' on rank 0; 'bagua' on rank 1" in text
+    assert "communication_interval" not in text
+    assert bagua.replace(communication_interval=2).codec == "bagua"

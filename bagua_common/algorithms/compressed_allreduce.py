@@ -1,4 +1,4 @@
-"""Allreduce of a flat bucket through compression (the ByteGrad pipeline), written once for both front ends.
+"""Allreduce of a flat bucket through compression (the ByteGrad pipeline) or in full precision, for both front ends.
 
 Each rank splits its bucket (a multiple of ``n = comm.size`` elements) into ``n`` chunks and
 compresses them; an all-to-all hands rank r chunk r of every rank; rank r decodes and averages
@@ -9,7 +9,8 @@ an eighth for 4-bit codes, a thirty-second for 1-bit signs.
 
 The two-level form wraps either pipeline: a full-precision reduce-scatter (average) inside the
 node (``intra``), the compressed exchange of this rank's slice across nodes (``inter``), and an
-allgather inside the node.
+allgather inside the node. :func:`allreduce_over` is the same form with a full-precision
+allreduce between nodes (gradient allreduce, and QAdam's warm-up), or one flat allreduce.
 
 A front end supplies its kernels (``bagua_jax.ops`` or ``bagua_torch.ops``: the same functions
 on its own arrays) and its communicators; the sequence of operations, and so the bits, are the
@@ -21,6 +22,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, Literal, Protocol
+
+from bagua_common.comm.collectives import ReduceOp
 
 Array = Any
 """A front end's array: a ``jax.Array`` or a ``torch.Tensor``."""
@@ -56,15 +59,32 @@ def _chunk_elements(bucket: Array, comm: Any) -> int:
     return bucket.shape[0] // n
 
 
-def hierarchical(exchange: Callable[[Array, Any], Array], bucket: Array, intra: Any, inter: Any) -> Array:
-    """Average ``bucket`` over ``intra`` x ``inter`` ranks, compressing only between nodes.
+def hierarchical(
+    exchange: Callable[[Array, Any], Array], bucket: Array, intra: Any, inter: Any, op: ReduceOp = ReduceOp.AVG
+) -> Array:
+    """Reduce ``bucket`` over ``intra`` x ``inter`` ranks, ``exchange`` doing the part between nodes.
 
-    A full-precision reduce-scatter (average) inside the node, ``exchange(slice, inter)`` (which
-    must average a 1-D slice over the ``inter`` ranks) between nodes, an allgather inside the
-    node. The bucket needs a multiple of ``intra.size * inter.size`` elements.
+    A full-precision reduce-scatter (``op``: an average by default) inside the node,
+    ``exchange(slice, inter)`` (which must reduce a 1-D slice over the ``inter`` ranks the same
+    way) between nodes, an allgather inside the node. The bucket needs a multiple of
+    ``intra.size * inter.size`` elements.
     """
-    mine = intra.reduce_scatter(bucket.reshape(intra.size, -1), "avg")
+    mine = intra.reduce_scatter(bucket.reshape(intra.size, -1), op)
     return intra.allgather(exchange(mine, inter)).reshape(-1)
+
+
+def allreduce_over(bucket: Array, world: Any, levels: Levels, op: ReduceOp = ReduceOp.AVG) -> Array:
+    """Allreduce ``bucket`` in full precision (``op`` "avg" or "sum") over ``world``, or with ``levels`` in two.
+
+    SPEC's hierarchical allreduce (reduce inside the node, allreduce between nodes, broadcast
+    inside the node) as a reduce-scatter inside the node, an allreduce of this rank's slice
+    between nodes and an allgather inside the node: the same sums, but every rank of a node
+    carries ``1/intra.size`` of the traffic between nodes (instead of one root all of it) and no
+    rank waits on a root. The two-level form needs a multiple of ``intra.size`` elements.
+    """
+    if levels is None:
+        return world.allreduce(bucket, op)
+    return hierarchical(lambda mine, inter: inter.allreduce(mine, op), bucket, *levels, op)
 
 
 class CompressedAllreduce:

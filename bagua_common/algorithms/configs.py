@@ -3,31 +3,32 @@
 One frozen dataclass per algorithm. ``bagua_jax`` builds its optax transformation on it and
 ``bagua_torch`` its hooks, so a registry name means the same options in both front ends and a
 bad value raises the same error, worded the same, in both. What only one front end has (the
-JAX bucket size, torch's optimizer object) is added by that front end's subclass.
+JAX bucket size, torch's optimizer object) the front end's class holds beside the configuration.
+Each class is registered with :func:`~bagua_common.algorithms.registry.register_config`, which
+every front end's lookup by name derives from (see :mod:`bagua_common.algorithms.registry`).
 """
 
 from __future__ import annotations
 
+import math
 import numbers
-from collections.abc import Iterable
-from dataclasses import dataclass, fields
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 
-from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.algorithms.option_checks import (
     check_communication_interval,
     check_flags,
     check_sync_interval_ms,
     check_warmup_steps,
 )
-from bagua_common.algorithms.powersgd import PowerSGDConfig
+from bagua_common.algorithms.registry import register_config
 from bagua_common.comm.topology import PeerSelectionMode, check_peer_selection_mode
 
-T = TypeVar("T")
 
-
+@register_config
 @dataclass(frozen=True)
 class GradientAllReduceConfig:
     """Full-precision gradient averaging: ``hierarchical`` reduces inside the node first, ``average=False`` sums."""
@@ -41,6 +42,7 @@ class GradientAllReduceConfig:
         check_flags(self.name, hierarchical=self.hierarchical, average=self.average)
 
 
+@register_config
 @dataclass(frozen=True)
 class ByteGradConfig:
     """8-bit compressed gradient averaging; ``error_feedback`` carries each step's compression error forward."""
@@ -55,6 +57,7 @@ class ByteGradConfig:
         check_flags(self.name, hierarchical=self.hierarchical, average=self.average, error_feedback=self.error_feedback)
 
 
+@register_config
 @dataclass(frozen=True)
 class DecentralizedConfig:
     """Full-precision weight averaging with peers chosen by ``peer_selection_mode`` every ``communication_interval``
@@ -72,6 +75,7 @@ class DecentralizedConfig:
         check_flags(self.name, hierarchical=self.hierarchical)
 
 
+@register_config
 @dataclass(frozen=True)
 class LowPrecisionDecentralizedConfig:
     """8-bit compressed weight-difference exchange with the two ring neighbours every ``communication_interval``
@@ -87,6 +91,7 @@ class LowPrecisionDecentralizedConfig:
         check_flags(self.name, hierarchical=self.hierarchical)
 
 
+@register_config
 @dataclass(frozen=True)
 class AsyncModelAverageConfig:
     """Gradient allreduce for ``warmup_steps`` steps, then weights averaged in the background every
@@ -106,6 +111,7 @@ def _is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Real)
 
 
+@register_config
 @dataclass(frozen=True)
 class QAdamConfig:
     """Adam with averaged gradients for ``warmup_steps`` steps, then a frozen second moment and an 8-bit compressed
@@ -143,6 +149,7 @@ class QAdamConfig:
         check_flags(self.name, hierarchical=self.hierarchical)
 
 
+@register_config
 @dataclass(frozen=True)
 class OneBitAdamConfig(QAdamConfig):
     """QAdam's schedule with the momentum exchanged as 1-bit signs with error feedback on both sides."""
@@ -150,34 +157,77 @@ class OneBitAdamConfig(QAdamConfig):
     name: ClassVar[str] = "onebit_adam"
 
 
-ALGORITHM_CONFIGS: dict[str, type] = {
-    "gradient_allreduce": GradientAllReduceConfig,
-    "bytegrad": ByteGradConfig,
-    "decentralized": DecentralizedConfig,
-    "low_precision_decentralized": LowPrecisionDecentralizedConfig,
-    "async": AsyncModelAverageConfig,
-    "qadam": QAdamConfig,
-    "onebit_adam": OneBitAdamConfig,
-    "powersgd": PowerSGDConfig,
-    "diloco": DiLoCoConfig,
-}
-"""Registry name -> configuration class; the names both front ends accept."""
+def matrix_view(shape: Sequence[int]) -> tuple[int, int] | None:
+    """The ``(n, m)`` matrix PowerSGD sees for a tensor of ``shape``, or None for a vector or scalar."""
+    if len(shape) < 2:
+        return None
+    return int(shape[0]), int(math.prod(shape[1:]))
 
 
-def config_options(config: Any) -> dict[str, Any]:
-    """``config``'s fields as keyword arguments (by reference, unlike ``dataclasses.asdict``)."""
-    return {field.name: getattr(config, field.name) for field in fields(config)}
+@register_config
+@dataclass(frozen=True)
+class PowerSGDConfig:
+    """PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019): each matrix-shaped gradient ``M`` (``n x m``; a
+    tensor of higher rank is viewed as ``shape[0] x rest``) is approximated by a rank-``r`` product ``P Q^T``, found
+    with one step of power iteration per training step::
 
+        M = grad + residual              (error feedback)
+        P = allreduce_sum(M Q)           (one flat allreduce for every matrix's P)
+        P = orthogonalize(P)             (Gram-Schmidt on the columns)
+        Q = allreduce_sum(M^T P) / n     (one flat allreduce for every matrix's Q)
+        grad = P Q^T;  residual = M - P Q^T
 
-def unknown_algorithm(name: str, available: Iterable[str]) -> ValueError:
-    """The error both front ends raise for a name no algorithm is registered under."""
-    return ValueError(f"algorithm {name!r} is unknown; available: {', '.join(available)}")
+    ``Q`` is kept from step to step (``warm_start``) and starts from the same matrix, seeded by ``seed``, on every
+    rank, so every rank computes the same ``P Q^T``. A matrix is compressed only when its ``n m`` elements are more
+    than ``min_compression_rate`` times the ``(n + m) r`` its factors send; the others (vectors, small or thin
+    matrices) are averaged uncompressed, riding in the same allreduce as the ``P`` factors. During the first
+    ``start_iter`` steps every gradient is averaged exactly.
+    """
 
+    name: ClassVar[str] = "powersgd"
 
-def build_algorithm(name: str, cls: type[T], options: dict[str, Any]) -> T:
-    """``cls(**options)``, the algorithm registered as ``name``; a TypeError (an unknown option or a value of the
-    wrong type) is raised again with the name in front, the same in both front ends."""
-    try:
-        return cls(**options)
-    except TypeError as error:
-        raise TypeError(f"algorithm {name!r}: {error}") from error
+    rank: int = 4
+    start_iter: int = 10
+    min_compression_rate: float = 2.0
+    error_feedback: bool = True
+    warm_start: bool = True
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for key in ("rank", "start_iter", "seed"):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{self.name}: {key} must be an int, got {value!r}")
+        if self.rank < 1:
+            raise ValueError(f"{self.name}: rank must be at least 1, got {self.rank}")
+        if self.start_iter < 0:
+            raise ValueError(f"{self.name}: start_iter must be >= 0, got {self.start_iter}")
+        if not _is_number(self.min_compression_rate) or not self.min_compression_rate >= 1:
+            raise ValueError(
+                f"{self.name}: min_compression_rate must be a number >= 1, got {self.min_compression_rate!r}"
+            )
+        check_flags(self.name, error_feedback=self.error_feedback, warm_start=self.warm_start)
+
+    def compressed_rank(self, shape: Sequence[int]) -> int | None:
+        """The rank a tensor of ``shape`` is compressed with (at most ``min(n, m)``), or None if it is sent
+        uncompressed."""
+        view = matrix_view(shape)
+        if view is None:
+            return None
+        n, m = view
+        rank = min(self.rank, n, m)
+        # torch's PowerSGD hook draws the same line: compress when the factors are smaller by more
+        # than ``min_compression_rate``.
+        if not self.min_compression_rate * (n + m) * rank < n * m:
+            return None
+        return rank
+
+    def check_compressible(self, shapes: Sequence[Sequence[int]]) -> None:
+        """Raise a ValueError if ``rank`` is larger than every matrix allows (nothing would compress)."""
+        views = [matrix_view(s) for s in shapes]
+        largest = max((min(v) for v in views if v is not None), default=0)
+        if largest and self.rank > largest:
+            raise ValueError(
+                f"{self.name}: rank {self.rank} is larger than any gradient matrix allows (the largest "
+                f"min(n, m) is {largest}); choose rank <= {largest}"
+            )

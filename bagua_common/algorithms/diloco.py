@@ -27,6 +27,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from bagua_common.algorithms.option_checks import check_flags
+from bagua_common.algorithms.registry import register_config
 
 OuterExchange = Literal["fp32", "bf16", "uint8", "uint4"]
 OUTER_EXCHANGES: tuple[str, ...] = ("fp32", "bf16", "uint8", "uint4")
@@ -47,6 +48,7 @@ def _check_int(value: Any, key: str, low: int, algorithm: str, why: str = "") ->
     return int(value)
 
 
+@register_config
 @dataclass(frozen=True)
 class DiLoCoConfig:
     """DiLoCo's options (see the module docstring).

@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 
+from bagua_common.comm.bucket_plan import check_bucket_bytes as check_bucket_bytes  # one check, with the buckets
+
 _INTS = (int, np.integer)
 _NUMBERS = (int, float, np.integer, np.floating)
 
@@ -45,10 +47,3 @@ def check_flags(algorithm: str, **flags: Any) -> None:
     for key, value in flags.items():
         if not isinstance(value, bool):
             raise TypeError(f"{algorithm}: {key} must be a bool, got {value!r}")
-
-
-def check_bucket_bytes(bucket_bytes: Any, algorithm: str) -> int:
-    """Return ``bucket_bytes`` as an int if it is a positive integer, else raise a ValueError."""
-    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, _INTS) or bucket_bytes <= 0:
-        raise ValueError(f"{algorithm}: bucket_bytes must be a positive int, got {bucket_bytes!r}")
-    return int(bucket_bytes)

@@ -45,19 +45,24 @@ def padded_size(numel: int, pad_to: int) -> int:
     return -(-numel // pad_to) * pad_to
 
 
-def check_bucket_arguments(bucket_bytes: object, pad_to: object) -> None:
-    """Raise a ValueError unless ``bucket_bytes`` is a positive int and ``pad_to`` an int >= 1."""
-    if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in (bucket_bytes, pad_to)) or not (
-        bucket_bytes > 0 and pad_to >= 1
-    ):
-        raise ValueError(f"need bucket_bytes > 0 and pad_to >= 1 as ints, got {bucket_bytes!r} and {pad_to!r}")
+def _is_int(value: object) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_bucket_bytes(bucket_bytes: object, where: str) -> int:
+    """``bucket_bytes`` as an int if it is a positive integer, else a ValueError that ``where`` (the caller) begins."""
+    if not _is_int(bucket_bytes) or bucket_bytes <= 0:
+        raise ValueError(f"{where}: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    return int(bucket_bytes)
 
 
 def plan_buckets(
     tensors: Sequence[TensorSlot], bucket_bytes: int = DEFAULT_BUCKET_BYTES, pad_to: int = 1
 ) -> list[PlannedBucket]:
     """Group ``tensors`` (in the order given) into buckets, as described in the module docstring."""
-    check_bucket_arguments(bucket_bytes, pad_to)
+    check_bucket_bytes(bucket_bytes, "plan_buckets")
+    if not _is_int(pad_to) or pad_to < 1:
+        raise ValueError(f"plan_buckets: pad_to must be an int >= 1, got {pad_to!r}")
     buckets: list[PlannedBucket] = []
     members: list[int] = []
     offsets: list[int] = []

@@ -7,6 +7,7 @@ missing engine is reported the same way from either.
 
 from __future__ import annotations
 
+import abc
 import functools
 import importlib
 import os
@@ -66,7 +67,7 @@ def mpi_setting(engine: str, communicator: str, what: str) -> None:
         raise ValueError(f"{what} is the MPI engine's; {communicator} uses {engine.upper()}")
 
 
-class MpiSettings:
+class MpiSettings(abc.ABC):
     """The MPI engine's run-time settings, read the same way on both front ends' native communicators.
 
     The communicator class provides :meth:`_engine_state`. Setting the ring threshold waits for
@@ -74,10 +75,10 @@ class MpiSettings:
     :func:`mpi_ring_min_bytes`.
     """
 
+    @abc.abstractmethod
     def _engine_state(self) -> tuple[str, ModuleType, int, str]:
         """The engine's name (``"mpi"``, ``"nccl"``), its module, this communicator's handle, and how errors
         name the communicator."""
-        raise NotImplementedError
 
     @property
     def spans_nodes(self) -> bool:

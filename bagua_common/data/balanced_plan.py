@@ -57,10 +57,6 @@ class EpochPlan:
         """Return the ``(num_steps, world_size)`` summed cost of each rank's batch at each step."""
         return np.array([self.costs[s].sum(axis=0) for s in self.steps]).reshape(-1, self.world_size)
 
-    def step_max_costs(self) -> np.ndarray:
-        """Return the largest single-sample cost of each step over all ranks (for padding)."""
-        return np.array([self.costs[s].max() for s in self.steps])
-
 
 class BalancedPlan:
     """Plans balanced epochs for ``world_size`` ranks from per-sample costs.

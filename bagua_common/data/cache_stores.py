@@ -1,11 +1,13 @@
 """Key-value stores behind the cached dataset: bytes in, bytes out, admission stops when full.
 
-:class:`LmdbStore` (the default) keeps values in a private node-local LMDB directory shared by
-the DataLoader workers of a job, with no server; :class:`MemoryStore` is a per-process dict;
-:class:`RedisStore` talks to Redis servers, such as the one ``bagua-launch --cache-server redis``
-starts on a private unix socket. A store pickles as its configuration only and opens its handle
-lazily in each process, so it survives fork and spawn. The ``lmdb`` and ``redis`` packages are
-imported only by the store that needs them.
+:class:`LmdbStore` (the default) keeps values in a private node-local LMDB directory that every
+rank and DataLoader worker of the node opens, with no server; :class:`MemoryStore` is a
+per-process dict; :class:`RedisStore` talks to Redis servers, such as the one ``bagua-launch
+--cache-server redis`` starts on a private unix socket. Every store holds a ``digest_key``, the
+secret that signs its values (see :mod:`bagua_common.data.cached_dataset`): only processes that know
+it can write a value the cache will unpickle. A store pickles as its configuration only and opens
+its handle lazily in each process, so it survives fork and spawn. The ``redis`` package is
+imported only by the store that needs it.
 """
 
 from __future__ import annotations
@@ -13,24 +15,31 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
+import secrets
 import shutil
-import stat
 import tempfile
 import warnings
-import weakref
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import lmdb
+
+from bagua_common.data.private_files import DIGEST_KEY_BYTES, digest_key_in, private_directory, read_private_file
 from bagua_common.job.signature import AllGather, gather_bytes
 
 ENV_CACHE_URL = "BAGUA_CACHE_URL"
 ENV_CACHE_PASSWORD_FILE = "BAGUA_CACHE_PASSWORD_FILE"
-_SERVER_ENTRY_BYTES = 1024  # one rank's {"url", "password"} in sharded_store's exchange
+ENV_CACHE_KEY_FILE = "BAGUA_CACHE_KEY_FILE"
+ENV_CACHE_DIR = "BAGUA_CACHE_DIR"
+_SERVER_ENTRY_BYTES = 1024  # one rank's {"url", "password", "key"} in sharded_store's exchange
 DEFAULT_RAM_FRACTION = 0.25
 
 
 class Store(Protocol):
     """What the cached dataset needs of a store."""
+
+    digest_key: bytes  # the secret every process that writes to the store signs values with
 
     def get(self, key: bytes) -> bytes | None:
         """Return the value stored under ``key``, or None."""
@@ -71,35 +80,18 @@ def checked_capacity(capacity_bytes: int | None) -> int:
     return capacity_bytes
 
 
-def private_directory(path: str | None) -> str:
-    """Return ``path`` (created 0700 if missing) or a fresh 0700 temporary directory.
-
-    An existing directory must belong to this user and be writable by nobody else: the cache
-    unpickles what it reads, so only this job may write there.
-    """
-    if path is None:
-        return tempfile.mkdtemp(prefix="bagua-cache-")
-    os.makedirs(path, mode=0o700, exist_ok=True)
-    info = os.stat(path)
-    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise ValueError(f"cache directory {path!r} must belong to this user and not be writable by others")
-    return path
-
-
 class MemoryStore:
-    """A per-process dict: DataLoader workers do not share it, so it warns when used in one.
-
-    Values were written by this process only, so reading them back as pickles is safe.
-    """
+    """A per-process dict: DataLoader workers do not share it, so it warns when used in one."""
 
     def __init__(self, capacity_bytes: int | None = None) -> None:
         self.capacity_bytes = checked_capacity(capacity_bytes)
+        self.digest_key = secrets.token_bytes(DIGEST_KEY_BYTES)
         self._owner = os.getpid()
         self._items: dict[bytes, bytes] = {}
         self._bytes = 0
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"capacity_bytes": self.capacity_bytes, "_owner": self._owner}
+        return {"capacity_bytes": self.capacity_bytes, "digest_key": self.digest_key, "_owner": self._owner}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _items={}, _bytes=0)
@@ -135,22 +127,20 @@ class MemoryStore:
 
 
 class LmdbStore:
-    """An LMDB database in a private node-local directory, shared by all processes that use it.
+    """An LMDB database in a private node-local directory, opened by every process that uses it.
 
-    ``path=None`` makes a fresh 0700 temporary directory, removed when the creating process
-    exits; pass one ``path`` to share the cache among the ranks of a node. Values are
-    unpickled on read, which is safe only because nobody else can write to the directory.
+    LMDB is safe across processes (one writer at a time, readers never blocked), so the ranks
+    and DataLoader workers of a node share one ``path``. The directory must be this user's and
+    writable by nobody else (:func:`private_directory`); its digest key lives in it
+    (:func:`digest_key_in`), so a directory kept between jobs serves the next one.
     ``capacity_bytes`` (default a quarter of RAM) is LMDB's map size: once it is full, puts
     return False and nothing is evicted.
     """
 
-    def __init__(self, path: str | None = None, capacity_bytes: int | None = None) -> None:
-        import lmdb  # noqa: F401  (fail here, not in a worker, when it is missing)
-
+    def __init__(self, path: str, capacity_bytes: int | None = None) -> None:
         self.capacity_bytes = checked_capacity(capacity_bytes)
         self.path = private_directory(path)
-        if path is None:
-            weakref.finalize(self, _remove_if_owner, self.path, os.getpid())
+        self.digest_key = digest_key_in(self.path)
         free = shutil.disk_usage(self.path).free
         if free < self.capacity_bytes:
             warnings.warn(
@@ -163,7 +153,7 @@ class LmdbStore:
         self._full = False
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"capacity_bytes": self.capacity_bytes, "path": self.path}
+        return {"capacity_bytes": self.capacity_bytes, "path": self.path, "digest_key": self.digest_key}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, _env=None, _pid=-1, _full=False)
@@ -184,8 +174,6 @@ class LmdbStore:
         """Store ``value``; return False from the first put that finds the map full."""
         if self._full:
             return False
-        import lmdb
-
         try:
             with self._open().begin(write=True) as txn:
                 txn.put(key, value)
@@ -208,18 +196,11 @@ _lmdb_environments: dict[tuple[int, str], Any] = {}
 def _lmdb_environment(path: str, capacity_bytes: int) -> Any:
     key = (os.getpid(), path)
     if key not in _lmdb_environments:
-        import lmdb
-
         _lmdb_environments[key] = lmdb.open(
             path, map_size=capacity_bytes, sync=False, metasync=False, readahead=False,
             max_readers=512, meminit=False,
         )  # fmt: skip
     return _lmdb_environments[key]
-
-
-def _remove_if_owner(path: str, owner: int) -> None:
-    if os.getpid() == owner:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def shard_of(key: bytes, num_shards: int) -> int:
@@ -244,10 +225,10 @@ class RedisStore:
 
     ``urls`` such as ``unix:///path/redis.sock`` or ``redis://host:6379/0``; every process of
     a job must list them in the same order. ``password`` is one for all servers or one per
-    server (None: no password). Values are unpickled on read, so point it only at servers that
-    nobody outside the job can write to (the launcher's server listens on a 0700 unix socket,
-    or with a generated password). Each server should run with ``maxmemory-policy
-    noeviction``: its first out-of-memory reply stops this process's puts.
+    server (None: no password). ``digest_key`` signs the values (None: read it from the file
+    named in ``BAGUA_CACHE_KEY_FILE``, which the launcher's server sets); every process of the
+    job must hold the same one, and nobody outside the job. Each server should run with
+    ``maxmemory-policy noeviction``: its first out-of-memory reply stops this process's puts.
     """
 
     def __init__(
@@ -255,6 +236,8 @@ class RedisStore:
         urls: str | Sequence[str],
         password: str | Sequence[str | None] | None = None,
         timeout_s: float = 10.0,
+        *,
+        digest_key: bytes | None = None,
     ) -> None:
         self.urls = [urls] if isinstance(urls, str) else list(urls)
         if not self.urls or not all(isinstance(u, str) and u for u in self.urls):
@@ -266,6 +249,9 @@ class RedisStore:
             raise ValueError(f"{len(self.urls)} urls but {len(passwords)} passwords")
         self.passwords = passwords
         self.timeout_s = float(timeout_s)
+        self.digest_key = _digest_key_from_environment() if digest_key is None else digest_key
+        if not isinstance(self.digest_key, bytes) or len(self.digest_key) < 16:
+            raise ValueError(f"digest_key must be at least 16 secret bytes, got {type(self.digest_key).__name__}")
         self._clients: list[Any] | None = None
         self._pid = -1
         self._full = False
@@ -280,6 +266,7 @@ class RedisStore:
             "urls": self.urls,
             "passwords": self.passwords,
             "timeout_s": self.timeout_s,
+            "digest_key": self.digest_key,
         }
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -322,23 +309,68 @@ class RedisStore:
 
 def _password_from_environment() -> str | None:
     path = os.environ.get(ENV_CACHE_PASSWORD_FILE)
+    return read_private_file(path).decode().strip() if path else None
+
+
+def _digest_key_from_environment() -> bytes:
+    path = os.environ.get(ENV_CACHE_KEY_FILE)
     if not path:
-        return None
-    info = os.stat(path)
-    if info.st_uid != os.getuid() or info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
-        raise ValueError(f"{ENV_CACHE_PASSWORD_FILE}={path!r} must belong to this user and be readable by nobody else")
-    with open(path) as f:
-        return f.read().strip()
+        raise ValueError(
+            f"RedisStore needs digest_key, the job's secret that signs cached values, or {ENV_CACHE_KEY_FILE} "
+            "naming a file that holds it (bagua-launch --cache-server redis sets it)"
+        )
+    return read_private_file(path)
 
 
-def store_from_environment() -> Store:
-    """Return the default store: Redis at ``BAGUA_CACHE_URL`` (set by ``bagua-launch
-    --cache-server redis``, comma-separated for several servers; the password, if any, read
-    from the file named in ``BAGUA_CACHE_PASSWORD_FILE``) if set, else a fresh :class:`LmdbStore`."""
-    urls = os.environ.get(ENV_CACHE_URL, "").strip()
-    if urls:
-        return RedisStore([u for u in urls.split(",") if u], _password_from_environment())
-    return LmdbStore()
+def default_cache_directory() -> str:
+    """Return the directory that holds the node's LMDB caches: ``$BAGUA_CACHE_DIR`` if set.
+
+    ``bagua-launch`` sets it to a 0700 directory it makes for the job and removes at its end
+    (or to ``--cache-dir``, kept for the next job). Without it: ``bagua-cache-<uid>`` in the
+    temporary directory, kept until the machine's temporary files are cleaned.
+    """
+    return os.environ.get(ENV_CACHE_DIR) or os.path.join(tempfile.gettempdir(), f"bagua-cache-{os.getuid()}")
+
+
+def store_from_environment(name: str, version: str) -> Store:
+    """Return the default store for dataset ``name`` at ``version``.
+
+    :func:`redis_store_from_environment` if ``BAGUA_CACHE_URL`` is set (by ``bagua-launch
+    --cache-server redis``), else :func:`node_lmdb_store`.
+    """
+    if os.environ.get(ENV_CACHE_URL, "").strip():
+        return redis_store_from_environment()
+    return node_lmdb_store(name, version)
+
+
+def redis_store_from_environment() -> RedisStore:
+    """Return the :class:`RedisStore` at ``BAGUA_CACHE_URL`` (comma-separated for several servers).
+
+    The password, if any, and the digest key are read from the files named in
+    ``BAGUA_CACHE_PASSWORD_FILE`` and ``BAGUA_CACHE_KEY_FILE``; ``bagua-launch --cache-server
+    redis`` sets all three.
+    """
+    urls = [u for u in os.environ.get(ENV_CACHE_URL, "").strip().split(",") if u]
+    if not urls:
+        raise ValueError(f"no Redis cache server: {ENV_CACHE_URL} is unset (bagua-launch --cache-server redis sets it)")
+    return RedisStore(urls, _password_from_environment())
+
+
+def node_lmdb_store(name: str, version: str) -> LmdbStore:
+    """Return the node's :class:`LmdbStore` for dataset ``name`` at ``version``.
+
+    One LMDB environment per (dataset name, version) in :func:`default_cache_directory`, which
+    every rank and DataLoader worker of the node that asks for the same dataset opens.
+    """
+    root = private_directory(default_cache_directory())
+    return LmdbStore(os.path.join(root, environment_name(name, version)))
+
+
+def environment_name(name: str, version: str) -> str:
+    """Return the directory name of dataset ``name`` at ``version``: readable, and unique by digest."""
+    readable = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:48]
+    scope = hashlib.blake2b(f"{name}\0{version}".encode(), digest_size=8).hexdigest()
+    return f"{readable}-{scope}"
 
 
 def sharded_store(allgather: AllGather, timeout_s: float = 10.0) -> RedisStore:
@@ -348,18 +380,20 @@ def sharded_store(allgather: AllGather, timeout_s: float = 10.0) -> RedisStore:
     node's server (``BAGUA_CACHE_URL``, the password from ``BAGUA_CACHE_PASSWORD_FILE``) through
     ``allgather`` (a uint8 array of the same length from every rank, stacked in rank order, over
     the job's communicator; every rank must call this). The servers are listed in the order of
-    the first rank naming each, so every process routes every key to the same server. The
-    exchange is JSON, never a pickle; the passwords travel over the job's own communicator.
+    the first rank naming each, so every process routes every key to the same server, and
+    every process signs values with rank 0's digest key. The exchange is JSON, never a pickle;
+    the passwords and keys travel over the job's own communicator.
     """
     url = os.environ.get(ENV_CACHE_URL, "").strip()
     if not url or "," in url:
         raise ValueError(f"sharded_store needs {ENV_CACHE_URL} to name this node's one cache server, got {url!r}")
-    entry = json.dumps({"url": url, "password": _password_from_environment()}).encode()
+    mine = {"url": url, "password": _password_from_environment(), "key": _digest_key_from_environment().hex()}
+    entry = json.dumps(mine).encode()
     if len(entry) > _SERVER_ENTRY_BYTES:
         raise ValueError(f"the cache server's address is too long ({len(entry)} bytes with its password)")
     servers: dict[str, str | None] = {}
-    for row in gather_bytes(allgather, entry, _SERVER_ENTRY_BYTES):
-        theirs = json.loads(row.rstrip(b"\0"))
+    rows = [json.loads(row.rstrip(b"\0")) for row in gather_bytes(allgather, entry, _SERVER_ENTRY_BYTES)]
+    for theirs in rows:
         if servers.setdefault(theirs["url"], theirs["password"]) != theirs["password"]:
             raise ValueError(f"ranks disagree on the password of the cache server {theirs['url']}")
-    return RedisStore(list(servers), list(servers.values()), timeout_s)
+    return RedisStore(list(servers), list(servers.values()), timeout_s, digest_key=bytes.fromhex(rows[0]["key"]))

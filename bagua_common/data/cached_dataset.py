@@ -3,14 +3,21 @@
 :class:`CacheLoader` is Bagua's ``get(key, load_fn)``: return the cached value, or load,
 write it through and return it. :class:`CachedDataset` applies it to ``dataset[index]`` and
 works anywhere an object with ``__getitem__`` and ``__len__`` does (a torch ``DataLoader``
-with fork or spawn workers, a JAX input pipeline). Values are pickles, so the store must be one
-only this job can write to (the defaults are: a private 0700 directory, a 0700 unix socket).
-A store that fails never yields wrong data: the sample is read from the dataset instead.
+with fork or spawn workers, a JAX input pipeline, a grain data source).
+
+Every value carries a header: the format version and a blake2b digest, keyed with the store's
+``digest_key``, of the store key (dataset name, version, index) and the payload. A value whose
+digest does not match (a flipped bit, a truncation, another index's or dataset's value) is never
+unpickled: it is counted in ``stats()["damaged"]`` and read from the dataset again. Only a
+process holding the key can write a value that is served, so the key must stay with the job
+(the defaults keep it in 0600 files in the store's private directory). A store that fails never
+yields wrong data either: the sample is read from the dataset instead.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import operator
 import pickle
 import warnings
@@ -20,7 +27,9 @@ from typing import Any, Protocol
 from bagua_common.data.cache_stores import Store, store_from_environment
 
 KEY_PREFIX = b"bg1:"
-_FORMAT_PICKLE = b"\x01"
+FORMAT_VERSION = b"\x02"  # 1: an unsigned pickle
+DIGEST_BYTES = 16
+HEADER_BYTES = len(FORMAT_VERSION) + DIGEST_BYTES
 _ON_ERROR = ("warn", "raise")
 
 
@@ -32,10 +41,12 @@ class CacheLoader:
     """Returns cached values by key, loading and writing through on a miss.
 
     Keys are scoped by ``name`` (required, non-empty) and ``version``: change the version and
-    no value from an earlier version is served. When the store is full new values are not
-    admitted (nothing is evicted). A store error warns once per process, is counted in
-    :meth:`stats`, and the value is loaded instead; ``on_error="raise"`` raises it instead.
-    A value that does not decode counts as a miss and is overwritten.
+    no value from an earlier version is served. ``store`` None is
+    :func:`~bagua_common.data.cache_stores.store_from_environment` for that name and version. When
+    the store is full new values are not admitted (nothing is evicted). A store error warns once
+    per process, is counted in :meth:`stats`, and the value is loaded instead; a value that fails
+    its digest check warns once, counts as damaged and a miss, and is overwritten;
+    ``on_error="raise"`` raises either instead.
     """
 
     def __init__(
@@ -52,7 +63,7 @@ class CacheLoader:
             raise TypeError(f"version must be a string, got {version!r}")
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
-        self.store = store_from_environment() if store is None else store
+        self.store = store_from_environment(name, version) if store is None else store
         self.name, self.version, self.on_error = name, version, on_error
         self._prefix = KEY_PREFIX + self._scope(name.encode(), version.encode()) + b":"
         self._reset_counters()
@@ -62,7 +73,7 @@ class CacheLoader:
         return name + b":" + digest.encode()
 
     def _reset_counters(self) -> None:
-        self._stats = dict.fromkeys(("hits", "misses", "puts", "rejected", "errors", "bytes"), 0)
+        self._stats = dict.fromkeys(("hits", "misses", "puts", "rejected", "damaged", "errors", "bytes"), 0)
         self._warned: set[str] = set()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -79,7 +90,8 @@ class CacheLoader:
         return self._prefix + str(key).encode()
 
     def stats(self) -> dict[str, int]:
-        """Return this process's counts: hits, misses, puts, rejected, errors, bytes (read)."""
+        """Return this process's counts: hits, misses, puts, rejected (store full), damaged (failed
+        the digest check), errors (store failures), bytes (read)."""
         return dict(self._stats)
 
     def get(self, key: Hashable, load_fn: Callable[[Hashable], Any]) -> Any:
@@ -87,14 +99,14 @@ class CacheLoader:
         store_key = self.key(key)
         raw = self._call("get", self.store.get, store_key)
         if raw is not None:
-            value = self._decoded(raw, key)
+            value = self._decoded(raw, store_key, key)
             if value is not _MISSING:
                 self._stats["hits"] += 1
                 self._stats["bytes"] += len(raw)
                 return value
         self._stats["misses"] += 1
         value = load_fn(key)
-        admitted = self._call("put", self.store.put, store_key, _encoded(value))
+        admitted = self._call("put", self.store.put, store_key, self._encoded(store_key, value))
         if admitted is True:
             self._stats["puts"] += 1
         elif admitted is False:
@@ -115,16 +127,36 @@ class CacheLoader:
             )
             return None
 
-    def _decoded(self, raw: bytes, key: Hashable) -> Any:
-        try:
-            if raw[:1] != _FORMAT_PICKLE:
-                raise ValueError(f"unknown format tag {raw[:1]!r}")
-            return pickle.loads(raw[1:])
-        except Exception as e:
-            if self.on_error == "raise":
-                raise ValueError(f"cached value for {key!r} does not decode: {e}") from e
-            self._warn_once("decode", f"cached value for {key!r} does not decode ({e}); reloading")
-            return _MISSING
+    def _digest(self, store_key: bytes, payload: memoryview | bytes) -> bytes:
+        digest = hashlib.blake2b(key=self.store.digest_key, digest_size=DIGEST_BYTES, person=b"bagua-cache")
+        digest.update(FORMAT_VERSION + len(store_key).to_bytes(8, "little") + store_key)
+        digest.update(payload)
+        return digest.digest()
+
+    def _encoded(self, store_key: bytes, value: Any) -> bytes:
+        payload = pickle.dumps(value, protocol=5)
+        return FORMAT_VERSION + self._digest(store_key, payload) + payload
+
+    def _decoded(self, raw: bytes, store_key: bytes, key: Hashable) -> Any:
+        view = memoryview(raw)
+        payload = view[HEADER_BYTES:]
+        intact = (
+            len(raw) >= HEADER_BYTES
+            and raw[:1] == FORMAT_VERSION
+            and hmac.compare_digest(view[1:HEADER_BYTES], self._digest(store_key, payload))
+        )
+        if intact:
+            try:
+                return pickle.loads(payload)
+            except Exception as e:  # signed by this job yet unreadable: a class that changed since
+                problem = f"does not unpickle ({type(e).__name__}: {e})"
+        else:
+            problem = "fails its digest check"
+            self._stats["damaged"] += 1
+        if self.on_error == "raise":
+            raise ValueError(f"cached value for {key!r} {problem}")
+        self._warn_once("decode", f"cached value for {key!r} {problem}; reading the dataset instead")
+        return _MISSING
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:
@@ -135,15 +167,17 @@ class CacheLoader:
 _MISSING = object()
 
 
-def _encoded(value: Any) -> bytes:
-    return _FORMAT_PICKLE + pickle.dumps(value, protocol=5)
+def dataset_scope(dataset: MapDataset, version: str) -> str:
+    """Return the cache version of ``dataset``: ``version`` with the dataset's length and type."""
+    return f"{version}|{len(dataset)}|{type(dataset).__module__}.{type(dataset).__qualname__}"
 
 
 class CachedDataset:
     """``dataset`` with each sample cached after its first read (see :class:`CacheLoader`).
 
     ``store`` defaults to :func:`~bagua_common.data.cache_stores.store_from_environment`. The key
-    scope also covers the dataset's length and type, so a changed dataset misses. ``transform``
+    scope (and so the default store's LMDB environment) also covers the dataset's length and
+    type, so a changed dataset misses. ``transform``
     runs after the cache on every read: cache deterministic decoding, augment in ``transform``.
     """
 
@@ -159,8 +193,7 @@ class CachedDataset:
     ) -> None:
         self.dataset = dataset
         self.transform = transform
-        scope = f"{version}|{len(dataset)}|{type(dataset).__module__}.{type(dataset).__qualname__}"
-        self.loader = CacheLoader(store, name, scope, on_error=on_error)
+        self.loader = CacheLoader(store, name, dataset_scope(dataset, version), on_error=on_error)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -8,7 +8,8 @@ socket, which is what makes it safe for the cache to unpickle what it reads.
 For a cache sharded over the nodes (``bagua-launch --cache-bind ADDR``) the server also
 listens on TCP at ``ADDR`` and requires a password it generates itself. The password is never
 on a command line: redis-server reads it from a 0600 configuration file and the ranks from the
-0600 file named in ``BAGUA_CACHE_PASSWORD_FILE``.
+0600 file named in ``BAGUA_CACHE_PASSWORD_FILE``. The digest key that signs the cached values is
+generated at start too, in the 0600 file named in ``BAGUA_CACHE_KEY_FILE``.
 """
 
 from __future__ import annotations
@@ -23,7 +24,14 @@ import subprocess
 import tempfile
 import time
 
-from bagua_common.data.cache_stores import ENV_CACHE_PASSWORD_FILE, ENV_CACHE_URL, checked_capacity, connect_redis
+from bagua_common.data.cache_stores import (
+    ENV_CACHE_KEY_FILE,
+    ENV_CACHE_PASSWORD_FILE,
+    ENV_CACHE_URL,
+    checked_capacity,
+    connect_redis,
+)
+from bagua_common.data.private_files import DIGEST_KEY_FILE, digest_key_in, write_private_file
 from bagua_common.job.child_process import die_with_parent
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
@@ -72,6 +80,7 @@ class RedisServer:
     clients connect to; ``pid`` the server's process id. By default the server listens only on
     a unix socket. With ``bind`` (an IP address of this node) it listens on TCP there too, on a
     free port, and requires ``password``, generated at start and kept in ``password_file`` (0600).
+    ``digest_key``, generated at start, signs the values (see :class:`~bagua_common.data.cache_stores.RedisStore`).
     """
 
     def __init__(
@@ -85,6 +94,7 @@ class RedisServer:
         self.process: subprocess.Popen | None = None
         self.port = 0
         self.password: str | None = None
+        self.digest_key: bytes | None = None
 
     @property
     def socket_path(self) -> str:
@@ -108,7 +118,7 @@ class RedisServer:
 
     def environment(self) -> dict[str, str]:
         """The variables that lead a rank's :func:`~bagua_common.data.cache_stores.store_from_environment` here."""
-        env = {ENV_CACHE_URL: self.url}
+        env = {ENV_CACHE_URL: self.url, ENV_CACHE_KEY_FILE: os.path.join(self.directory or "", DIGEST_KEY_FILE)}
         if self.password is not None:
             env[ENV_CACHE_PASSWORD_FILE] = self.password_file
         return env
@@ -124,6 +134,7 @@ class RedisServer:
 
         remove_stale_directories()
         self.directory = tempfile.mkdtemp(prefix=DIRECTORY_PREFIX)  # mode 0700
+        self.digest_key = digest_key_in(self.directory)
         command = [self.binary]
         if self.bind is not None:
             # The config file comes first on redis-server's command line; the options after it
@@ -131,8 +142,8 @@ class RedisServer:
             self.password = secrets.token_hex(32)
             self.port = _free_port(self.bind)
             config = os.path.join(self.directory, "redis.conf")
-            _write_private(config, f"bind {self.bind}\nport {self.port}\nrequirepass {self.password}\n")
-            _write_private(self.password_file, self.password)
+            write_private_file(config, f"bind {self.bind}\nport {self.port}\nrequirepass {self.password}\n".encode())
+            write_private_file(self.password_file, self.password.encode())
             command.append(config)
         command += [
             "--unixsocket", self.socket_path,
@@ -179,19 +190,13 @@ class RedisServer:
         if self.directory is not None:
             shutil.rmtree(self.directory, ignore_errors=True)
             self.directory = None
-        self.password, self.port = None, 0
+        self.password, self.port, self.digest_key = None, 0, None
 
     def __enter__(self) -> RedisServer:  # noqa: PYI034
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def _write_private(path: str, text: str) -> None:
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as f:
-        f.write(text)
 
 
 def remove_stale_directories() -> None:

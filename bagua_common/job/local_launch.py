@@ -1,9 +1,10 @@
-"""What starting ranks on this machine needs: a free loopback port and the ``mpiexec`` to use."""
+"""What starting ranks on this machine needs: a free loopback port and the ``mpiexec`` to use (and its kind)."""
 
 from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,3 +23,12 @@ def mpiexec() -> str:
     if not found:
         raise RuntimeError("no mpiexec found; pip install mpich")
     return found
+
+
+def is_hydra(mpiexec: str) -> bool:
+    """Whether ``mpiexec`` is MPICH's Hydra (Intel MPI's too)."""
+    try:
+        probe = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "HYDRA" in (probe.stdout + probe.stderr).upper()

@@ -57,11 +57,17 @@ def _qualified_name(obj: Any) -> str:
 
 
 def _fields(config: Any) -> dict[str, Any]:
-    """A configuration object's fields: a dataclass's fields, else its public attributes."""
+    """A configuration object's fields: a dataclass's fields, else its public attributes; an algorithm's shared
+    configuration (its ``config``) is expanded into its fields."""
     if dataclasses.is_dataclass(config):
-        return {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-    attributes = getattr(config, "__dict__", {})
-    return {k: v for k, v in sorted(attributes.items()) if not k.startswith("_")}
+        found = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+    else:
+        found = {k: v for k, v in sorted(getattr(config, "__dict__", {}).items()) if not k.startswith("_")}
+    held = found.get("config")
+    if dataclasses.is_dataclass(held) and not isinstance(held, type):
+        del found["config"]
+        found = {**_fields(held), **found}
+    return found
 
 
 def algorithm_config(algorithm: Any, **settings: Any) -> dict[str, str]:

@@ -1,17 +1,24 @@
-"""The seven data-parallel algorithms, as optax-style transformations.
+"""The data-parallel algorithms, as optax-style transformations.
 
-Each module holds a pure transform function and a small configuration class
-implementing :class:`~bagua_jax.algorithms.base.Algorithm`; pick one by class or by
-name with :func:`make_algorithm`.
+Each module holds a pure transform function and the class implementing
+:class:`~bagua_jax.algorithms.base.Algorithm`, registered with ``@implements`` against its
+shared configuration (:mod:`bagua_common.algorithms.registry`); pick one by class or by name
+with :func:`make_algorithm`. Importing this package imports every algorithm module, so every
+one is registered. A transform function takes its configuration as an object or as its fields,
+``bytegrad(comms, ByteGradConfig(error_feedback=True))`` or ``bytegrad(comms, error_feedback=True)``,
+and the bucket size as ``bucket_bytes``.
 """
 
 from __future__ import annotations
 
+import warnings
+from dataclasses import fields
 from typing import Any
 
-from bagua_common.algorithms.configs import build_algorithm, unknown_algorithm
+from bagua_common.algorithms.registry import build_algorithm
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager, async_model_average
-from bagua_jax.algorithms.base import Algorithm, Communicators
+from bagua_jax.algorithms.base import REGISTRY, Algorithm, ConfiguredAlgorithm, implements
 from bagua_jax.algorithms.bytegrad import ByteGrad, bytegrad
 from bagua_jax.algorithms.decentralized import Decentralized, decentralized
 from bagua_jax.algorithms.diloco import DiLoCo, diloco
@@ -21,48 +28,50 @@ from bagua_jax.algorithms.onebit_adam import OneBitAdam, onebit_adam
 from bagua_jax.algorithms.powersgd import PowerSGD, powersgd
 from bagua_jax.algorithms.qadam import QAdam, qadam
 
-ALGORITHMS: dict[str, type] = {
-    cls.name: cls
-    for cls in (
-        GradientAllReduce,
-        ByteGrad,
-        Decentralized,
-        LowPrecisionDecentralized,
-        AsyncModelAverage,
-        QAdam,
-        OneBitAdam,
-        PowerSGD,
-        DiLoCo,
-    )
-}
-"""Registry name (that of the shared configuration in :mod:`bagua_common.algorithms.configs`) -> class."""
 
-# Options a name alone does not say: the optimizer-replacing algorithms need their learning rate.
-_NEEDS_LEARNING_RATE = ("qadam", "onebit_adam")
+def algorithm_names() -> list[str]:
+    """The names :func:`make_algorithm` accepts."""
+    return REGISTRY.names()
 
 
-def make_algorithm(name: str, learning_rate: float | None = None, **options: Any) -> Algorithm:
-    """Build the algorithm called ``name`` (a key of :data:`ALGORITHMS`) with ``options``.
+def make_algorithm(name: str, learning_rate: float | None = None, **options: Any) -> ConfiguredAlgorithm:
+    """Build the algorithm called ``name`` (one of :func:`algorithm_names`) with ``options``.
 
-    ``learning_rate`` is used by QAdam and OneBitAdam, which are optimizers themselves, and
-    ignored by the others (whose optimizer is the user's).
+    ``learning_rate`` is used by the algorithms whose configuration has one (QAdam and
+    OneBitAdam, which are optimizers themselves) and ignored by the others (whose optimizer
+    is the user's). ``bucket_bytes`` sets the bucket size; the other options are the
+    configuration's fields.
     """
-    if name not in ALGORITHMS:
-        raise unknown_algorithm(name, ALGORITHMS)
-    if name in _NEEDS_LEARNING_RATE:
+    cls = REGISTRY.by_name(name)
+    if "learning_rate" in {field.name for field in fields(cls.config_class)}:
         if learning_rate is None:
             raise ValueError(f"{name} is an optimizer itself and needs learning_rate")
         options["learning_rate"] = learning_rate
-    return build_algorithm(name, ALGORITHMS[name], options)
+    return build_algorithm(cls, options)
+
+
+def __getattr__(name: str) -> Any:
+    """``ALGORITHMS``, the name -> class dict of the last release: deprecated for :func:`algorithm_names` and
+    ``REGISTRY.by_name``, it goes in the next release."""
+    if name == "ALGORITHMS":
+        warnings.warn(
+            "bagua_jax.algorithms.ALGORITHMS is deprecated: use algorithm_names() and REGISTRY.by_name(name); "
+            "it goes in the next release",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return {key: REGISTRY.by_name(key) for key in REGISTRY.names()}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 __all__ = [
-    "ALGORITHMS",
+    "REGISTRY",
     "Algorithm",
     "AsyncModelAverage",
     "AsyncModelAverager",
     "ByteGrad",
     "Communicators",
+    "ConfiguredAlgorithm",
     "Decentralized",
     "DiLoCo",
     "GradientAllReduce",
@@ -70,11 +79,13 @@ __all__ = [
     "OneBitAdam",
     "PowerSGD",
     "QAdam",
+    "algorithm_names",
     "async_model_average",
     "bytegrad",
     "decentralized",
     "diloco",
     "gradient_allreduce",
+    "implements",
     "low_precision_decentralized",
     "make_algorithm",
     "onebit_adam",

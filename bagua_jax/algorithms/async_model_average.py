@@ -29,7 +29,6 @@ A typical loop, one process per rank under ``mpiexec``::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -39,24 +38,23 @@ import optax
 from jax import lax
 
 from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsControl
-from bagua_common.algorithms.configs import AsyncModelAverageConfig, config_options
-from bagua_common.algorithms.option_checks import check_bucket_bytes, check_sync_interval_ms, check_warmup_steps
+from bagua_common.algorithms.configs import AsyncModelAverageConfig
+from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.algorithms.registry import as_config
 from bagua_common.comm.collectives import ReduceOp
+from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_params,
+    implements,
     step_counter_init,
     varying_like,
 )
 from bagua_jax.algorithms.gradient_allreduce import gradient_allreduce
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
 from bagua_jax.native_communicator import NativeCommunicator
-
-# The dtypes the fused update kernel (ops.async_average) takes.
-_AVERAGED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.float16), jnp.dtype(jnp.bfloat16))
 
 
 class AsyncModelAverageState(NamedTuple):
@@ -66,7 +64,7 @@ class AsyncModelAverageState(NamedTuple):
 
 
 def async_model_average(
-    comms: Communicators, *, warmup_steps: int = 0, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    comms: Communicators, *config: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
     """The in-step part of asynchronous model averaging, to chain *before* the optimizer.
 
@@ -78,10 +76,10 @@ def async_model_average(
     compiled into the step. Choose it through :class:`AsyncModelAverage`, when stragglers or
     a slow network make every synchronous collective costly.
     """
-    name = "async_model_average"
+    config = as_config(AsyncModelAverageConfig, *config, **options)
+    name, warmup_steps = config.name, config.warmup_steps
     comms = check_communicators(comms, name)
-    warmup_steps = check_warmup_steps(warmup_steps, "async")
-    allreduce = gradient_allreduce(comms, average=True, bucket_bytes=check_bucket_bytes(bucket_bytes, name))
+    allreduce = gradient_allreduce(comms, bucket_bytes=check_bucket_bytes(bucket_bytes, name))
 
     def update_fn(
         updates: Any, state: AsyncModelAverageState, params: Any = None, **extra_args: Any
@@ -137,16 +135,15 @@ class AsyncModelAverager(RoundsControl):
         self,
         params: Any,
         comm: NativeCommunicator,
+        config: AsyncModelAverageConfig = AsyncModelAverageConfig(),
         *,
-        sync_interval_ms: float = 500,
-        warmup_steps: int = 0,
         steps_done: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
         name = "AsyncModelAverager"
         check_float_params(params)
         for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-            if jnp.asarray(leaf).dtype not in _AVERAGED_DTYPES:
+            if jnp.asarray(leaf).dtype not in ops.KERNEL_FLOATS:
                 raise TypeError(
                     f"{name}: parameter {jax.tree_util.keystr(path)} has dtype {jnp.asarray(leaf).dtype}; "
                     "asynchronous averaging takes float32, float16 or bfloat16 parameters"
@@ -159,8 +156,6 @@ class AsyncModelAverager(RoundsControl):
         # The thread communicates host buffers, which only the MPI engine takes.
         if comm.kind != "mpi":
             raise ValueError(f"{name}: the averaging rounds need an MPI communicator (host memory), got {comm.kind}")
-        interval_s = check_sync_interval_ms(sync_interval_ms, "async") / 1000.0
-        warmup_steps = check_warmup_steps(warmup_steps, "async")
         if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or steps_done < 0:
             raise ValueError(f"{name}: steps_done must be a non-negative int, got {steps_done!r}")
         self._engine, self._handle, self._size = comm.engine, comm.handle, comm.size
@@ -183,9 +178,9 @@ class AsyncModelAverager(RoundsControl):
 
         self._params: Any = None  # the weights of the apply() call in progress
         self._protocol = AveragingRounds(
-            "async",
-            interval_s,
-            warmup_steps,
+            config.name,
+            config.sync_interval_ms / 1000.0,
+            config.warmup_steps,
             int(steps_done),
             take_snapshot=lambda: self._take_snapshot(self._params),
             agree_to_stop=self._agree_to_stop,
@@ -226,8 +221,8 @@ class AsyncModelAverager(RoundsControl):
         return sums
 
 
-@dataclass(frozen=True)
-class AsyncModelAverage(ConfiguredAlgorithm, AsyncModelAverageConfig):
+@implements(AsyncModelAverageConfig)
+class AsyncModelAverage(ConfiguredAlgorithm):
     """Asynchronous model averaging (SPEC section 3): gradient allreduce for ``warmup_steps``
     steps, then local steps while a background thread averages the weights every
     ``sync_interval_ms`` without blocking training.
@@ -240,16 +235,8 @@ class AsyncModelAverage(ConfiguredAlgorithm, AsyncModelAverageConfig):
     diverging replicas are acceptable.
     """
 
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
-    def transformation(
-        self, optimizer: optax.GradientTransformation, comms: Communicators
-    ) -> optax.GradientTransformationExtraArgs:
-        """``optax.chain(async_model_average(comms, ...), optimizer)``: warm-up allreduce, then local steps."""
-        return optax.chain(
-            async_model_average(comms, warmup_steps=self.warmup_steps, bucket_bytes=self.bucket_bytes), optimizer
-        )
+    _transform = staticmethod(async_model_average)
 
     def averager(self, params: Any, comm: NativeCommunicator, *, steps_done: int = 0) -> AsyncModelAverager:
         """The background rounds for weights shaped like ``params`` over the dedicated MPI ``comm``."""
-        return AsyncModelAverager(params, comm, steps_done=steps_done, **config_options(self))
+        return AsyncModelAverager(params, comm, self.config, steps_done=steps_done, bucket_bytes=self.bucket_bytes)

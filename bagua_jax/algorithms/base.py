@@ -13,15 +13,24 @@ of arrays that can be checkpointed and restored.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, fields, replace
 from typing import Any, ClassVar, Protocol
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from bagua_common.algorithms.configs import config_options
 from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.algorithms.registry import AlgorithmRegistry, as_config
 from bagua_common.comm.topology import Communicators
+from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
+
+REGISTRY = AlgorithmRegistry("bagua_jax")
+"""This front end's algorithm classes, by configuration class and by name."""
+
+implements = REGISTRY.implements
+"""The class decorator that registers a JAX algorithm against its shared configuration (see
+:mod:`bagua_common.algorithms.registry` for how a new algorithm registers)."""
 
 
 class Algorithm(Protocol):
@@ -34,26 +43,54 @@ class Algorithm(Protocol):
         ``optimizer`` is None for algorithms that are optimizers themselves (QAdam, OneBitAdam)."""
 
 
+@dataclass(frozen=True, init=False)
 class ConfiguredAlgorithm:
-    """What a JAX algorithm adds to its shared configuration (:mod:`bagua_common.algorithms.configs`): a
-    ``bucket_bytes`` field, checked here, and :meth:`transformation`, its optax transform (``_transform``, called
-    with the communicators and every field) chained before the optimizer, or after it when
-    ``_after_optimizer`` (weight-averaging algorithms, which need ``params``).
+    """A registered JAX algorithm: it holds its shared configuration ``config`` (an instance of ``config_class``,
+    :mod:`bagua_common.algorithms.configs`, which checked its own fields) and the size of its buckets,
+    ``bucket_bytes``. Build it from the configuration's fields, ``ByteGrad(hierarchical=False)``, or from a
+    configuration, ``ByteGrad(ByteGradConfig(hierarchical=False))``; the fields read through, ``algorithm.hierarchical``.
+
+    A subclass names its optax transform function, ``_transform(comms, config, bucket_bytes=...)``;
+    :meth:`transformation` chains it before the user's optimizer, or after it when ``after_optimizer``
+    (weight-averaging algorithms, which need ``params``).
     """
 
-    _transform: ClassVar[Callable[..., optax.GradientTransformationExtraArgs]]
-    _after_optimizer: ClassVar[bool] = False
+    name: ClassVar[str]
+    config_class: ClassVar[type]
+    after_optimizer: ClassVar[bool] = False
+    _transform: ClassVar[Callable[[Communicators, Any, int], optax.GradientTransformationExtraArgs]]
 
-    def __post_init__(self) -> None:
-        super().__post_init__()  # the shared configuration's checks
-        check_bucket_bytes(self.bucket_bytes, self.name)
+    config: Any
+    bucket_bytes: int
+
+    def __init__(self, *args: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any):
+        if "config" in options:  # how dataclasses.replace passes the configuration
+            args = (options.pop("config"), *args)
+        config = as_config(self.config_class, *args, **options)
+        # A frozen dataclass sets its own fields through object.__setattr__ in the __init__ it generates.
+        object.__setattr__(self, "config", config)
+        object.__setattr__(self, "bucket_bytes", check_bucket_bytes(bucket_bytes, self.name))
+
+    def __getattr__(self, key: str) -> Any:
+        if key in {field.name for field in fields(self.config_class)}:
+            return getattr(self.config, key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
+    def replace(self, **changes: Any) -> ConfiguredAlgorithm:
+        """A copy with ``changes`` to the configuration's fields and ``bucket_bytes``."""
+        own = {key: changes.pop(key) for key in ("bucket_bytes",) if key in changes}
+        return replace(self, config=replace(self.config, **changes), **own)
+
+    def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
+        """This algorithm's optax transform over ``comms``: ``_transform(comms, config, bucket_bytes=...)``."""
+        return type(self)._transform(comms, self.config, bucket_bytes=self.bucket_bytes)
 
     def transformation(
         self, optimizer: optax.GradientTransformation, comms: Communicators
     ) -> optax.GradientTransformationExtraArgs:
-        """The per-rank update: this algorithm's transform chained with the user's ``optimizer``."""
-        transform = type(self)._transform(comms, **config_options(self))
-        return optax.chain(optimizer, transform) if self._after_optimizer else optax.chain(transform, optimizer)
+        """The per-rank update: :meth:`transform` chained with the user's ``optimizer``."""
+        transform = self.transform(comms)
+        return optax.chain(optimizer, transform) if self.after_optimizer else optax.chain(transform, optimizer)
 
 
 def check_weights_given(params: Any, algorithm: str) -> None:

@@ -16,27 +16,26 @@ not lost but sent later; its float32 residuals, one per bucket, live in the stat
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from bagua_common.algorithms.configs import ByteGradConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
+from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,
     check_float_params,
+    implements,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.compressed_allreduce import PIPELINES
-
-_COMPRESSIBLE = (np.dtype(jnp.float32), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
 
 
 class ByteGradState(NamedTuple):
@@ -48,19 +47,14 @@ class ByteGradState(NamedTuple):
 
 def _check_compressible(plan: BucketPlan, algorithm: str) -> None:
     for i, dtype in enumerate(plan.dtypes):
-        if dtype not in _COMPRESSIBLE:
+        if dtype not in ops.KERNEL_FLOATS:
             raise TypeError(
                 f"{algorithm}: leaf {i} has dtype {dtype}; the 8-bit codes compress float32, float16 and bfloat16 only"
             )
 
 
 def bytegrad(
-    comms: Communicators,
-    *,
-    average: bool = True,
-    hierarchical: bool = True,
-    error_feedback: bool = False,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    comms: Communicators, *config: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
     """Average (or with ``average=False`` sum) the gradients over all ranks through 8-bit min-max compression.
 
@@ -77,10 +71,15 @@ def bytegrad(
     ``size``). Choose it when gradient allreduce is bandwidth-bound and models tolerate 8-bit gradients (most do,
     error feedback helps the rest); results are bit-identical across ranks.
     """
-    name = "bytegrad"
+    config = as_config(ByteGradConfig, *config, **options)
+    name, average, hierarchical, error_feedback = (
+        config.name,
+        config.average,
+        config.hierarchical,
+        config.error_feedback,
+    )
     comms = check_communicators(comms, name)
     bucket_bytes = check_bucket_bytes(bucket_bytes, name)
-    ByteGradConfig(hierarchical=hierarchical, average=average, error_feedback=error_feedback)
 
     def residual_sizes(plan: BucketPlan) -> list[int]:
         levels = comms.levels(hierarchical, name)
@@ -126,8 +125,8 @@ def bytegrad(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@dataclass(frozen=True)
-class ByteGrad(ConfiguredAlgorithm, ByteGradConfig):
+@implements(ByteGradConfig)
+class ByteGrad(ConfiguredAlgorithm):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`bytegrad`: 8-bit compressed gradient
     averaging (about 1/4 of an fp32 allreduce's bytes per rank per step; with ``hierarchical`` only the inter-node
     exchange is compressed and intra-node traffic stays full precision) followed by the user's optimizer, so every
@@ -137,7 +136,5 @@ class ByteGrad(ConfiguredAlgorithm, ByteGradConfig):
 
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
-
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     _transform = staticmethod(bytegrad)

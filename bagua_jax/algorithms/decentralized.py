@@ -12,7 +12,6 @@ the optimizer's ``updates`` into ``(avg(params) - params) + updates``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -23,7 +22,9 @@ from jax import lax
 from bagua_common.algorithms.compressed_allreduce import hierarchical as hierarchical_exchange
 from bagua_common.algorithms.configs import DecentralizedConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.algorithms.registry import as_config
 from bagua_common.comm.topology import (
+    Communicators,
     PeerSelectionMode,
     check_pairable,
     check_peer_selection_mode,
@@ -31,10 +32,10 @@ from bagua_common.comm.topology import (
 )
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_weights_given,
+    implements,
     step_counter_init,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
@@ -82,12 +83,12 @@ def decentralized_average(
     ``B`` per node in total. Choose it to average models explicitly, e.g. at the end of
     decentralized training, or to build a custom schedule.
     """
-    check_peer_selection_mode(peer_selection_mode, "decentralized")
+    check_peer_selection_mode(peer_selection_mode, DecentralizedConfig.name)
     across_nodes = hierarchical and comms.hierarchical
     group: Communicator = comms.inter if across_nodes else comms.world
     n = group.size
     if peer_selection_mode == "shift_one" and n > 1:
-        check_pairable(n, "decentralized", across_nodes)
+        check_pairable(n, DecentralizedConfig.name, across_nodes)
         # Every pairing of the n/2 rounds a shift_one cycle has, as a static table, so that JAX's
         # collectives can send to the one peer instead of gathering from everyone.
         schedule = shift_one_schedule(n)[..., None]
@@ -111,12 +112,7 @@ def decentralized_average(
 
 
 def decentralized(
-    comms: Communicators,
-    *,
-    peer_selection_mode: PeerSelectionMode = "all",
-    communication_interval: int = 1,
-    hierarchical: bool = True,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    comms: Communicators, *config: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
     """Decentralized SGD as an optax transform to chain *after* the optimizer, with ``params``.
 
@@ -131,15 +127,17 @@ def decentralized(
     ``intra``/``inter``. Choose it when allreduce latency dominates (many ranks, slow network)
     and exact agreement of the replicas at every step is not required.
     """
-    comms = check_communicators(comms, "decentralized")
-    DecentralizedConfig(peer_selection_mode, communication_interval, hierarchical)
-    check_bucket_bytes(bucket_bytes, "decentralized")
+    config = as_config(DecentralizedConfig, *config, **options)
+    name, peer_selection_mode = config.name, config.peer_selection_mode
+    communication_interval, hierarchical = config.communication_interval, config.hierarchical
+    comms = check_communicators(comms, name)
+    check_bucket_bytes(bucket_bytes, name)
 
     def update_fn(
         updates: Any, state: DecentralizedState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, DecentralizedState]:
         del extra_args
-        check_weights_given(params, "decentralized")
+        check_weights_given(params, name)
 
         def averaging_delta(params: Any) -> Any:
             averaged = decentralized_average(
@@ -169,8 +167,8 @@ def decentralized(
     return optax.GradientTransformationExtraArgs(step_counter_init(DecentralizedState), update_fn)
 
 
-@dataclass(frozen=True)
-class Decentralized(ConfiguredAlgorithm, DecentralizedConfig):
+@implements(DecentralizedConfig)
+class Decentralized(ConfiguredAlgorithm):
     """Decentralized SGD (SPEC section 3): ``optax.chain(optimizer, decentralized(...))``.
 
     Every ``communication_interval`` steps the weights are averaged with all ranks
@@ -182,7 +180,5 @@ class Decentralized(ConfiguredAlgorithm, DecentralizedConfig):
     global allreduce every step pays for slightly noisier replicas; see :func:`decentralized`.
     """
 
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
     _transform = staticmethod(decentralized)
-    _after_optimizer = True
+    after_optimizer = True

@@ -12,7 +12,10 @@ the error-feedback residuals.
 
 Everything runs inside the jitted step: the exchange of a fragment is computed in the step that
 starts it, and with ``fragment_sync_delay`` tau its result waits in the state and is applied
-tau steps later (the numbers of Streaming DiLoCo; the wire time is not hidden in JAX).
+tau steps later (the numbers of Streaming DiLoCo; the wire time is not hidden in JAX). With
+``round_start_memory="host"`` the step copies the round start to the device and back every
+step, outside the synchronizing branch (no host-memory operands inside control flow); where
+accelerator memory allows, ``"device"`` saves those copies.
 
 The parameters every rank holds after a sync are ``params + (x' - params)``, which equals the
 bit-identical ``x'`` up to one float rounding (as in :mod:`~bagua_jax.algorithms.decentralized`);
@@ -22,7 +25,6 @@ the round-start copy, the outer state and the averages are bit-identical on ever
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -30,7 +32,6 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from bagua_common.algorithms.configs import config_options
 from bagua_common.algorithms.diloco import (
     DEFAULT_OUTER_LEARNING_RATE,
     DEFAULT_OUTER_MOMENTUM,
@@ -38,14 +39,18 @@ from bagua_common.algorithms.diloco import (
     fragment_plan,
 )
 from bagua_common.algorithms.outer_exchange import OuterExchange
+from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
+    ConfiguredAlgorithm,
     check_communicators,
     check_float_params,
     check_weights_given,
+    implements,
     varying_like,
 )
+from bagua_jax.native_communicator import NativeCommunicator
 
 EXCHANGE = OuterExchange(ops, lambda x, dtype: x.astype(dtype))
 """The pseudo-gradient averages on JAX arrays."""
@@ -77,18 +82,7 @@ def _to_memory(tree: Any, memory: str) -> Any:
     return jax.device_put(tree, space)
 
 
-def diloco(
-    comms: Communicators,
-    *,
-    sync_every: int = 100,
-    outer_optimizer: optax.GradientTransformation | None = None,
-    outer_exchange: str = "fp32",
-    error_feedback: bool = False,
-    fragments: int = 1,
-    fragment_sync_delay: int = 0,
-    fragment_update_alpha: float = 0.0,
-    round_start_memory: str = "host",
-) -> optax.GradientTransformationExtraArgs:
+def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.GradientTransformationExtraArgs:
     """DiLoCo as an optax transform to chain *after* the inner optimizer, with ``params``.
 
     After inner step ``t`` (counted from 1), for each fragment ``p`` due (see
@@ -98,22 +92,26 @@ def diloco(
     ``alpha * x + (1 - alpha) * round_start``. Per sync, each rank sends ``2 (n-1)/n`` of the
     fragment in the wire format (4 bytes an element for fp32 down to about half a byte for
     uint4), and nothing on the other steps: divide DDP's traffic by ``sync_every`` and by the
-    bytes saved per element. Choose it on slow links, where communicating every step dominates.
+    bytes saved per element. Choose it on slow links, where communicating every step dominates. The options are
+    :class:`~bagua_common.algorithms.diloco.DiLoCoConfig`'s, given as one or as its fields.
     """
-    config = DiLoCoConfig(
-        sync_every,
-        outer_optimizer,
-        outer_exchange,
-        error_feedback,
-        fragments,
-        fragment_sync_delay,
-        fragment_update_alpha,
-        round_start_memory,
-    )
+    config = as_config(DiLoCoConfig, *config, **options)
     comms = check_communicators(comms, config.name)
     world = comms.world
-    outer = outer_optimizer if outer_optimizer is not None else default_outer_optimizer()
+    outer = config.outer_optimizer if config.outer_optimizer is not None else default_outer_optimizer()
     delay, alpha = config.fragment_sync_delay, float(config.fragment_update_alpha)
+    outer_exchange, error_feedback = config.outer_exchange, config.error_feedback
+    round_start_memory = config.round_start_memory
+    if round_start_memory == "host" and isinstance(world, NativeCommunicator):
+        # JAX (0.10) cannot lower a program with ordered effects (the native collectives) that returns arrays in host
+        # memory. On CPU the device's memory is host memory, so nothing is lost there.
+        if jax.default_backend() != "cpu":
+            raise ValueError(
+                f"{config.name}: round_start_memory='host' is not available with a NativeCommunicator on "
+                f"{jax.default_backend()} (JAX cannot return host-memory arrays from programs with the native "
+                "collectives' ordered effects); use round_start_memory='device', or a mesh"
+            )
+        round_start_memory = "device"
 
     def layout(params: Any) -> tuple[list[range], list[int]]:
         leaves = jax.tree.leaves(params)
@@ -215,8 +213,8 @@ def diloco(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@dataclass(frozen=True)
-class DiLoCo(DiLoCoConfig):
+@implements(DiLoCoConfig)
+class DiLoCo(ConfiguredAlgorithm):
     """DiLoCo / Streaming DiLoCo (see :mod:`bagua_common.algorithms.diloco`): ``optax.chain(optimizer, diloco(...))``.
 
     The user's optimizer is the inner one; every ``sync_every`` steps the ranks average their
@@ -225,11 +223,11 @@ class DiLoCo(DiLoCoConfig):
     steps on the round-start parameters. ``fragments`` > 1 synchronizes the model in staggered
     parts (Streaming DiLoCo). Choose it on slow links: it sends ``sync_every`` times fewer
     bytes than an allreduce per step (times the codec's saving), at the price of replicas that
-    drift apart inside a round. See :func:`diloco`.
+    drift apart inside a round. See :func:`diloco`; it buckets nothing, so ``bucket_bytes`` has no effect.
     """
 
-    def transformation(
-        self, optimizer: optax.GradientTransformation, comms: Communicators
-    ) -> optax.GradientTransformationExtraArgs:
-        """The per-rank update: the inner ``optimizer``'s step, then :func:`diloco`'s."""
-        return optax.chain(optimizer, diloco(comms, **config_options(self)))
+    after_optimizer = True
+
+    def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
+        """:func:`diloco` with this configuration."""
+        return diloco(comms, self.config)

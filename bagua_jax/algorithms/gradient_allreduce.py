@@ -8,40 +8,36 @@ against: per rank it sends ``2 (n-1)/n`` times the gradient bytes, the ring allr
 cost.
 
 The hierarchical variant (SPEC: reduce inside the node, allreduce between nodes,
-broadcast inside the node) is implemented as an intra-node reduce-scatter, an
-inter-node allreduce of this rank's slice and an intra-node allgather. The math is the
-same (an intra-node sum, then a sum over nodes), but every rank of a node carries
-``1/intra.size`` of the inter-node traffic instead of one root carrying all of it, the
-intra-node legs are bandwidth-optimal (a reduce plus a broadcast would cost a full
-allreduce each over :class:`~bagua_jax.LaxCommunicator`, which has no rooted
-collectives), and no rank waits on a root.
+broadcast inside the node) is :func:`bagua_common.algorithms.compressed_allreduce.allreduce_over`'s
+two-level form, shared with ``bagua_torch``: an intra-node reduce-scatter, an inter-node
+allreduce of this rank's slice and an intra-node allgather. Its intra-node legs are also
+bandwidth-optimal over :class:`~bagua_jax.LaxCommunicator`, which has no rooted
+collectives (a reduce plus a broadcast would cost a full allreduce each there).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import optax
 
+from bagua_common.algorithms.compressed_allreduce import allreduce_over
 from bagua_common.algorithms.configs import GradientAllReduceConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,
     check_float_params,
+    implements,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
 
 
 def gradient_allreduce(
-    comms: Communicators,
-    *,
-    average: bool = True,
-    hierarchical: bool = False,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    comms: Communicators, *config: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
     """Allreduce the gradients in full precision, averaging (``average=True``) or summing them over all ranks.
 
@@ -55,11 +51,11 @@ def gradient_allreduce(
     synchronous SGD is required; choose the hierarchical form when links between nodes are much slower than inside
     them. The state is ``optax.EmptyState``; ``init`` checks that the parameters are floating point.
     """
-    name = "gradient_allreduce"
+    config = as_config(GradientAllReduceConfig, *config, **options)
+    name, hierarchical = config.name, config.hierarchical
     comms = check_communicators(comms, name)
     bucket_bytes = check_bucket_bytes(bucket_bytes, name)
-    GradientAllReduceConfig(hierarchical=hierarchical, average=average)
-    op = "avg" if average else "sum"
+    op = "avg" if config.average else "sum"
 
     def init_fn(params: Any) -> optax.EmptyState:
         check_float_params(params)
@@ -72,21 +68,14 @@ def gradient_allreduce(
         check_float_grads(updates, name)
         levels = comms.levels(hierarchical, name)
         plan = plan_buckets(updates, bucket_bytes, pad_to=levels[0].size if levels else 1)
-        reduced = []
-        for bucket in plan.flatten(updates):
-            if levels is None:
-                reduced.append(comms.world.allreduce(bucket, op))
-            else:
-                intra, inter = levels
-                mine = intra.reduce_scatter(bucket.reshape(intra.size, -1), op)
-                reduced.append(intra.allgather(inter.allreduce(mine, op)).reshape(-1))
+        reduced = [allreduce_over(bucket, comms.world, levels, op) for bucket in plan.flatten(updates)]
         return plan.unflatten(reduced), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@dataclass(frozen=True)
-class GradientAllReduce(ConfiguredAlgorithm, GradientAllReduceConfig):
+@implements(GradientAllReduceConfig)
+class GradientAllReduce(ConfiguredAlgorithm):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`gradient_allreduce`: full-precision gradient
     allreduce (``2 (n-1)/n`` of the gradient bytes per rank per step, the fp32 baseline) followed by the user's
     optimizer, so every rank applies the same update. ``hierarchical`` reduces inside the node first and only
@@ -97,7 +86,5 @@ class GradientAllReduce(ConfiguredAlgorithm, GradientAllReduceConfig):
 
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
-
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     _transform = staticmethod(gradient_allreduce)

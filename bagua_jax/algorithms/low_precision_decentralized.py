@@ -11,7 +11,6 @@ add to their copies, ``L`` and ``R`` stay bit-identical to the neighbours' ``w``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -22,13 +21,15 @@ from jax import lax
 
 from bagua_common.algorithms.configs import LowPrecisionDecentralizedConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
+from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
-    Communicators,
     ConfiguredAlgorithm,
     check_communicators,
     check_float_params,
     check_weights_given,
+    implements,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import Communicator
@@ -52,11 +53,7 @@ class LowPrecisionDecentralizedState(NamedTuple):
 
 
 def low_precision_decentralized(
-    comms: Communicators,
-    *,
-    communication_interval: int = 1,
-    hierarchical: bool = True,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    comms: Communicators, *config: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
     """Low-precision decentralized SGD as an optax transform to chain *after* the optimizer.
 
@@ -76,10 +73,11 @@ def low_precision_decentralized(
     2`` across nodes in all; otherwise the ring is ``comms.world``. Choose it on slow,
     high-latency networks where even decentralized full-precision exchange is too expensive.
     """
-    comms = check_communicators(comms, "low_precision_decentralized")
-    LowPrecisionDecentralizedConfig(communication_interval, hierarchical)
-    check_bucket_bytes(bucket_bytes, "low_precision_decentralized")
-    use_hierarchy = hierarchical and comms.hierarchical
+    config = as_config(LowPrecisionDecentralizedConfig, *config, **options)
+    name, communication_interval = config.name, config.communication_interval
+    comms = check_communicators(comms, name)
+    check_bucket_bytes(bucket_bytes, name)
+    use_hierarchy = config.hierarchical and comms.hierarchical
 
     def init_fn(params: Any) -> LowPrecisionDecentralizedState:
         check_float_params(params)
@@ -90,13 +88,13 @@ def low_precision_decentralized(
         updates: Any, state: LowPrecisionDecentralizedState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, LowPrecisionDecentralizedState]:
         del extra_args
-        check_weights_given(params, "low_precision_decentralized")
+        check_weights_given(params, name)
         plan = plan_buckets(params, bucket_bytes)
         if len(state.weights) != len(plan.buckets) or any(
             w.shape != (b.size,) for w, b in zip(state.weights, plan.buckets)
         ):
             raise ValueError(
-                "low_precision_decentralized: the state was built for other parameter shapes or "
+                f"{name}: the state was built for other parameter shapes or "
                 "another bucket_bytes; call init with these parameters"
             )
         local = optax.apply_updates(params, updates)
@@ -189,8 +187,8 @@ def _rows(bucket: jax.Array, k: int) -> jax.Array:
     return jnp.pad(bucket, (0, -bucket.size % k)).reshape(k, -1)
 
 
-@dataclass(frozen=True)
-class LowPrecisionDecentralized(ConfiguredAlgorithm, LowPrecisionDecentralizedConfig):
+@implements(LowPrecisionDecentralizedConfig)
+class LowPrecisionDecentralized(ConfiguredAlgorithm):
     """Low-precision decentralized SGD (SPEC section 3): ``optax.chain(optimizer, transform)``.
 
     After each local optimizer step, every ``communication_interval`` steps, each rank sends
@@ -201,7 +199,5 @@ class LowPrecisionDecentralized(ConfiguredAlgorithm, LowPrecisionDecentralizedCo
     the slowest networks; see :func:`low_precision_decentralized`.
     """
 
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
-
     _transform = staticmethod(low_precision_decentralized)
-    _after_optimizer = True
+    after_optimizer = True

@@ -12,10 +12,18 @@ adds its server residual, compresses that chunk again and keeps that error; an
 allgather hands everyone every reduced chunk. The update is QAdam's,
 ``-lr * (m / bc1) / (sqrt(v / bc2) + eps)`` (DeepSpeed omits the bias corrections; they
 are kept here so that 1-bit Adam and QAdam differ only in the momentum exchange), with
-QAdam's floor under the frozen ``v`` (:mod:`bagua_common.algorithms.frozen_variance`). Sign
-compression cannot send a zero, so a coordinate whose momentum is zero receives
-``+-scale``; DeepSpeed asks the user for a momentum mask of such coordinates, the floor
-makes them take bounded steps (which the error feedback then cancels) without one.
+QAdam's floor under the frozen ``v`` (:mod:`bagua_common.algorithms.frozen_variance`).
+
+The one departure from QAdam's step (beyond SPEC section 3, which leaves it open): sign
+compression cannot send a zero, so a coordinate whose momentum is zero would receive
+``+-scale`` and move. DeepSpeed asks the user for a momentum mask of such coordinates; here
+the mask comes from the frozen second moment: for a parameter whose ``v`` is zero throughout
+(it had no gradient in the whole warm-up: the loss does not use it, or it is frozen), the
+momentum is held at zero before and after the exchange
+(:func:`~bagua_jax.algorithms.adam_engine.held_unused`), so that parameter never moves (and does
+not learn if its gradient first appears after the warm-up; QAdam's 8-bit codes send exact
+zeros and need no mask). Every other parameter steps as before, including its coordinates
+whose ``v`` froze at zero (embedding rows first seen later), which the floor bounds.
 
 Residuals start at zero and only the compressed phase writes them, so they are zero
 when compression starts, as in DeepSpeed; they are not reset afterwards. Because each
@@ -26,7 +34,6 @@ of the local momenta only by the current residuals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -34,13 +41,15 @@ import jax.numpy as jnp
 import optax
 
 from bagua_common.algorithms.configs import OneBitAdamConfig
-from bagua_jax.algorithms.base import Communicators
-from bagua_jax.algorithms.qadam import (
+from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
+from bagua_jax.algorithms.adam_engine import (
     AdamWithAveragedMomentum,
     Levels,
     adam_with_averaged_momentum,
     momentum_plan,
 )
+from bagua_jax.algorithms.base import implements
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
 from bagua_jax.compressed_allreduce import PIPELINES
 
@@ -58,15 +67,7 @@ class OneBitAdamState(NamedTuple):
 
 
 def onebit_adam(
-    comms: Communicators,
-    learning_rate: optax.ScalarOrSchedule,
-    *,
-    warmup_steps: int = 100,
-    b1: float = 0.9,
-    b2: float = 0.999,
-    eps: float = 1e-8,
-    hierarchical: bool = True,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    comms: Communicators, *config: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
     """1-bit Adam as one optax transform: local gradients in, parameter updates out (it is the optimizer itself).
 
@@ -84,11 +85,12 @@ def onebit_adam(
     it over QAdam when bandwidth is scarcer still and the model tolerates a noisier momentum (the residuals carry
     each step's error into the next, so none is lost); keep the warm-up long enough for ``v`` to settle.
     """
-    name = "onebit_adam"  # the engine validates comms and the configuration before these closures ever run
+    config = as_config(OneBitAdamConfig, *config, **options)
+    name = config.name  # the engine checks comms and bucket_bytes before these closures ever run
 
     def init_extra(momentum: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         plan = momentum_plan(momentum, comms, bucket_bytes, name)
-        levels = comms.levels(hierarchical, name)
+        levels = comms.levels(config.hierarchical, name)
         # The worker compresses what this rank sends between nodes: the whole bucket, or its node slice.
         share = levels[0].size if levels else 1
         workers = tuple(jnp.zeros(b.size // share, jnp.float32) for b in plan.buckets)
@@ -109,7 +111,6 @@ def onebit_adam(
             new_servers.append(server)
         return averaged, (tuple(new_workers), tuple(new_servers))
 
-    config = OneBitAdamConfig(learning_rate, warmup_steps, b1, b2, eps, hierarchical)
     return adam_with_averaged_momentum(
         comms,
         config,
@@ -117,18 +118,17 @@ def onebit_adam(
         init_extra=init_extra,
         exchange=exchange,
         make_state=OneBitAdamState,
+        hold_unused=True,
     )
 
 
-@dataclass(frozen=True)
-class OneBitAdam(AdamWithAveragedMomentum, OneBitAdamConfig):
+@implements(OneBitAdamConfig)
+class OneBitAdam(AdamWithAveragedMomentum):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`onebit_adam`: Adam with full-precision
     gradient averaging for ``warmup_steps`` steps (1x an fp32 allreduce per step), then frozen ``v`` and 1-bit
     momentum averaging with error feedback on both sides (~1/32 of an fp32 allreduce; with ``hierarchical`` only
     between nodes). It replaces the optimizer, so :meth:`transformation` takes ``optimizer=None``. Choose it for
     Adam training on the slowest links, where even QAdam's 8-bit momentum is too many bytes.
     """
-
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES
 
     _transform = staticmethod(onebit_adam)

@@ -1,4 +1,4 @@
-"""PowerSGD: low-rank gradient compression with error feedback (see :mod:`bagua_common.algorithms.powersgd`).
+"""PowerSGD: low-rank gradient compression with error feedback (see :class:`bagua_common.algorithms.configs.PowerSGDConfig`).
 
 Each matrix-shaped gradient is replaced by a rank-``r`` approximation ``P Q^T`` that every rank
 computes identically from two flat allreduces per step: one carries every matrix's ``P``
@@ -10,7 +10,6 @@ Per rank that is ``(n + m) r`` elements per ``n x m`` matrix instead of ``n m``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import jax
@@ -18,13 +17,15 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from bagua_common.algorithms.configs import config_options
-from bagua_common.algorithms.powersgd import NAME, PowerSGDConfig, matrix_view
+from bagua_common.algorithms.configs import PowerSGDConfig, matrix_view
+from bagua_common.algorithms.registry import as_config
+from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.base import (
-    Communicators,
+    ConfiguredAlgorithm,
     check_communicators,
     check_float_grads,
     check_float_params,
+    implements,
     varying_like,
 )
 from bagua_jax.communicator import Communicator
@@ -94,14 +95,15 @@ def _split(flat: jax.Array, shapes: list[tuple[int, ...]]) -> list[jax.Array]:
 
 
 def powersgd(
-    comms: Communicators | Communicator, config: PowerSGDConfig = PowerSGDConfig()
+    comms: Communicators | Communicator, *config: Any, **options: Any
 ) -> optax.GradientTransformationExtraArgs:
     """Average the gradients over ``comms.world`` through rank-``r`` approximations (PowerSGD).
 
     Returns the gradient transformation to chain before the user's optimizer; its state is a
-    :class:`PowerSGDState`. See :mod:`bagua_common.algorithms.powersgd` for the step and the settings.
+    :class:`PowerSGDState`. See :class:`bagua_common.algorithms.configs.PowerSGDConfig` for the step and the settings.
     """
-    comms = check_communicators(comms, NAME)
+    config = as_config(PowerSGDConfig, *config, **options)
+    comms = check_communicators(comms, config.name)
     world = comms.world
 
     def init_fn(params: Any) -> PowerSGDState:
@@ -147,7 +149,7 @@ def powersgd(
         updates: Any, state: PowerSGDState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, PowerSGDState]:
         del params, extra_args
-        check_float_grads(updates, NAME)
+        check_float_grads(updates, config.name)
         leaves, treedef = jax.tree.flatten(updates)
         inputs = (leaves, state)
         # Every rank shares the step counter, so all take the same branch and make the same calls.
@@ -164,20 +166,18 @@ def powersgd(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-@dataclass(frozen=True)
-class PowerSGD(PowerSGDConfig):
+@implements(PowerSGDConfig)
+class PowerSGD(ConfiguredAlgorithm):
     """The :class:`~bagua_jax.algorithms.base.Algorithm` form of :func:`powersgd`, followed by the user's optimizer.
 
     Every rank applies the same approximated gradient, so the replicas stay identical. Pick it
     for SGD-style training on a slow network when most of the gradient is in large matrices.
+    Its factors travel in one flat allreduce each, so ``bucket_bytes`` has no effect.
     """
 
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
 
-    def transformation(
-        self, optimizer: optax.GradientTransformation, comms: Communicators | Communicator
-    ) -> optax.GradientTransformationExtraArgs:
-        """``optax.chain(powersgd(comms, self), optimizer)``: communicate, then run the optimizer."""
-        config = PowerSGDConfig(**config_options(self))
-        return optax.chain(powersgd(comms, config), optimizer)
+    def transform(self, comms: Communicators | Communicator) -> optax.GradientTransformationExtraArgs:
+        """:func:`powersgd` with this configuration."""
+        return powersgd(comms, self.config)

@@ -46,11 +46,9 @@ every rank.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsControl
 from bagua_common.algorithms.configs import AsyncModelAverageConfig
@@ -61,19 +59,13 @@ from bagua_torch.algorithms.base import (
     AlgorithmImpl,
     Bucket,
     check_dtypes,
+    implements,
 )
-from bagua_torch.communicator import (
-    Communicator,
-    NativeCommunicator,
-    ProcessGroupCommunicator,
-    Work,
-)
-
-AVERAGED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-"""The parameter dtypes the update kernel (:func:`bagua_torch.ops.async_average`) takes."""
+from bagua_torch.communicator import NativeCommunicator, Work, dedicated_communicator
 
 
-class AsyncModelAverageAlgorithm(AsyncModelAverageConfig, Algorithm):
+@implements(AsyncModelAverageConfig)
+class AsyncModelAverageAlgorithm(Algorithm):
     """Gradient allreduce for ``warmup_steps`` steps, then local steps while a background thread averages
     the weights with all ranks every ``sync_interval_ms`` milliseconds (see the module docstring).
 
@@ -87,28 +79,7 @@ class AsyncModelAverageAlgorithm(AsyncModelAverageConfig, Algorithm):
     """
 
     def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
-        return AsyncModelAverageImpl(context, self)
-
-
-def _dedicated_communicator(world: Communicator) -> Communicator:
-    """A communicator of the same ranks as ``world`` that nothing else uses (collective over ``world``)."""
-    if isinstance(world, NativeCommunicator):
-        return world.split(0, world.rank, name=f"{world.name}/async")
-    if isinstance(world, ProcessGroupCommunicator):
-        group = world.group
-        ranks = None if group is None else dist.get_process_group_ranks(group)
-        # A group of only some of the job's ranks is created by its members alone (they are the ones
-        # wrapping the model); a group of all ranks the usual way, by every rank.
-        local = ranks is not None and len(ranks) < dist.get_world_size()
-        seconds = max(world.timeout, 30.0)
-        new = dist.new_group(
-            ranks=ranks, timeout=timedelta(seconds=seconds), backend=world.backend, use_local_synchronization=local
-        )
-        return ProcessGroupCommunicator(new, timeout=world.timeout, name=f"{world.name}/async")
-    raise TypeError(
-        "async: the averaging rounds need a communicator of their own, made from a ProcessGroupCommunicator or a "
-        f"NativeCommunicator world; got {type(world).__name__}"
-    )
+        return AsyncModelAverageImpl(context, self.config)
 
 
 class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
@@ -119,10 +90,10 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
     communicator).
     """
 
-    def __init__(self, context: AlgorithmContext, config: AsyncModelAverageAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: AsyncModelAverageConfig):
         super().__init__(context)
         name = config.name
-        check_dtypes(context.buckets, AVERAGED_DTYPES, name, "asynchronous averaging takes")
+        check_dtypes(context.buckets, ops.KERNEL_FLOATS, name, "asynchronous averaging takes")
         if not context.optimizers:
             raise ValueError(
                 f"{name}: pass the optimizers to the wrapper (with_bagua(model, [optimizer], 'async')); the weights "
@@ -130,7 +101,7 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
             )
         self.config = config
         self._ticker = context.optimizers[-1]  # a step ends when the last wrapped optimizer has stepped
-        self.comm = _dedicated_communicator(self.world)
+        self.comm = dedicated_communicator(self.world, "async")
         self._size = self.world.size
         self._protocol = AveragingRounds(
             name,

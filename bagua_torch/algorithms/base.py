@@ -59,20 +59,25 @@ Rules every implementation must keep:
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
+from bagua_common.algorithms.compressed_allreduce import Levels, allreduce_over
 from bagua_common.algorithms.option_checks import check_flags
+from bagua_common.algorithms.registry import AlgorithmRegistry, as_config
 from bagua_common.comm.topology import Communicators
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket
-from bagua_torch.communicator import Communicator, DoneWork, Work
+from bagua_torch.communicator import Communicator, DoneWork, ReduceOp, Work
 from bagua_torch.ordered_worker import OrderedWorker
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
+    "REGISTRY",
     "Algorithm",
     "AlgorithmContext",
     "AlgorithmImpl",
@@ -80,7 +85,15 @@ __all__ = [
     "Communicators",
     "DoneWork",
     "check_flags",
+    "implements",
 ]
+
+REGISTRY = AlgorithmRegistry("bagua_torch")
+"""This front end's algorithm classes, by configuration class and by name."""
+
+implements = REGISTRY.implements
+"""The class decorator that registers a torch algorithm against its shared configuration (see
+:mod:`bagua_common.algorithms.registry` for how a new algorithm registers)."""
 
 
 @dataclass(frozen=True)
@@ -112,16 +125,51 @@ class AlgorithmContext:
 
 
 class Algorithm:
-    """A data-parallel algorithm's configuration; subclasses set :attr:`name` and implement :meth:`reify`.
+    """A data-parallel algorithm's configuration; subclasses implement :meth:`reify`.
 
-    Subclasses are usually frozen dataclasses whose fields are the algorithm's options
-    (validated in ``__post_init__``, raising TypeError/ValueError with the algorithm's
-    name). The same object may be used to wrap several models; all state lives in the
-    :class:`AlgorithmImpl` that :meth:`reify` returns.
+    A built-in algorithm is registered with ``@implements(ItsConfig)``, which sets :attr:`name` and
+    ``config_class``; it holds its shared configuration (:mod:`bagua_common.algorithms.configs`,
+    which checked its own fields) as :attr:`config`, built from the fields,
+    ``ByteGradAlgorithm(hierarchical=False)``, or given, ``ByteGradAlgorithm(ByteGradConfig(...))``;
+    the fields read through (``algorithm.hierarchical``). A custom algorithm may instead be any
+    subclass that sets :attr:`name` (a dataclass of its own options, say). The same object may
+    be used to wrap several models; all state lives in the :class:`AlgorithmImpl` that
+    :meth:`reify` returns.
     """
 
     name: ClassVar[str] = ""
     """The registry name, e.g. ``"bytegrad"`` (see :func:`bagua_torch.algorithms.get_algorithm`)."""
+
+    config_class: ClassVar[type | None] = None
+    """The shared configuration class of a registered algorithm (set by ``@implements``)."""
+
+    def __init__(self, *args: Any, **options: Any):
+        if self.config_class is None:
+            if args or options:
+                raise TypeError(f"{type(self).__name__} takes no options")
+            return
+        self.config = as_config(self.config_class, *args, **options)
+
+    def __getattr__(self, key: str) -> Any:
+        config_class = type(self).config_class
+        if config_class is not None and key in {field.name for field in dataclasses.fields(config_class)}:
+            return getattr(self.config, key)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
+
+    def __eq__(self, other: object) -> bool:
+        return type(self) is type(other) and vars(self) == vars(other)
+
+    def __hash__(self) -> int:
+        return hash((type(self), getattr(self, "config", None)))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({getattr(self, 'config', '')!r})"
+
+    def replace(self, **changes: Any) -> Algorithm:
+        """A copy with ``changes`` to the configuration's fields."""
+        new = copy.copy(self)
+        new.config = dataclasses.replace(self.config, **changes)
+        return new
 
     def reify(self, context: AlgorithmContext) -> AlgorithmImpl:
         """Build this algorithm's implementation for one wrapped model.
@@ -161,7 +209,11 @@ class AlgorithmImpl:
 
     def __init__(self, context: AlgorithmContext):
         self.context = context
-        self._worker = OrderedWorker(type(self).__name__, context.device)
+        # The world's own thread where it has one (a native communicator), so that the pipelines' collectives
+        # run inline there; over torch.distributed, which issues from any thread, one of this impl's own.
+        shared = getattr(context.communicators.world, "ordered_worker", None)
+        self._owns_worker = shared is None
+        self._worker = OrderedWorker(type(self).__name__, context.device) if shared is None else shared
 
     # --- conveniences ---------------------------------------------------------------
 
@@ -181,17 +233,27 @@ class AlgorithmImpl:
         return self.context.buckets
 
     def run_async(self, fn: Callable[[], Any]) -> Work:
-        """Run ``fn()`` on this impl's worker thread (one thread, jobs in submission order); return its handle.
+        """Run ``fn()`` on this impl's ordered thread (jobs in submission order); return its handle.
 
         For multi-stage pipelines (compress, all-to-all, reduce, allgather, ...) that must
         not block the backward pass: ``fn`` may call blocking collectives and kernels, and
         ``wait()`` returns what ``fn`` returned (re-raising its exception). All jobs of one
         impl run one after another in submission order, so collectives issued from them
-        keep the launch order. For CUDA parameters ``fn`` runs on a side stream that first
-        waits for the submitting thread's current stream, and ``wait()`` makes the waiting
-        thread's current stream wait for it (no host synchronization).
+        keep the launch order. Over a native world the thread is the communicator's own
+        (:attr:`~bagua_torch.NativeCommunicator.ordered_worker`), after every collective issued
+        before, and the collectives ``fn`` issues there run inline. For CUDA parameters ``fn``
+        runs on a side stream that first waits for the submitting thread's current stream, and
+        ``wait()`` makes the waiting thread's current stream wait for it (no host synchronization).
         """
         return self._worker.submit(lambda stream: fn())
+
+    def allreduce_async(self, flat: torch.Tensor, levels: Levels, op: ReduceOp = ReduceOp.AVG) -> Work:
+        """Start :func:`~bagua_common.algorithms.compressed_allreduce.allreduce_over` on ``flat``: the world's
+        asynchronous allreduce, or with ``levels`` (``(intra, inter)``) the two-level pipeline on the ordered
+        thread (:meth:`run_async`)."""
+        if levels is None:
+            return self.world.allreduce_async(flat, op)
+        return self.run_async(lambda: allreduce_over(flat, self.world, levels, op))
 
     # --- hooks ------------------------------------------------------------------------
 
@@ -239,7 +301,8 @@ class AlgorithmImpl:
 
     def close(self) -> None:
         """Release threads and other resources (the wrapper's ``close()`` calls it). Idempotent."""
-        self._worker.close()
+        if self._owns_worker:
+            self._worker.close()
 
 
 # ----------------------------------------------------------------------------- checks

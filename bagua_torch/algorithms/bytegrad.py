@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from bagua_common.algorithms.configs import ByteGradConfig
+from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -35,14 +36,14 @@ from bagua_torch.algorithms.base import (
     Bucket,
     check_dtypes,
     check_tensor_list,
+    implements,
 )
 from bagua_torch.communicator import Work
 from bagua_torch.compressed_allreduce import PIPELINES
 
-COMPRESSIBLE = (torch.float32, torch.float16, torch.bfloat16)
 
-
-class ByteGradAlgorithm(ByteGradConfig, Algorithm):
+@implements(ByteGradConfig)
+class ByteGradAlgorithm(Algorithm):
     """Average (or sum) the gradients over all ranks through 8-bit min-max compression.
 
     About 1/4 of an fp32 allreduce's bytes per rank per step (plus a 16-byte header per
@@ -53,7 +54,7 @@ class ByteGradAlgorithm(ByteGradConfig, Algorithm):
     """
 
     def reify(self, context: AlgorithmContext) -> ByteGradImpl:
-        return ByteGradImpl(context, self)
+        return ByteGradImpl(context, self.config)
 
 
 class ByteGradImpl(AlgorithmImpl):
@@ -61,10 +62,10 @@ class ByteGradImpl(AlgorithmImpl):
 
     results_are_fresh = True  # the compressed exchange returns a new tensor
 
-    def __init__(self, context: AlgorithmContext, config: ByteGradAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: ByteGradConfig):
         super().__init__(context)
         name = config.name
-        check_dtypes(context.buckets, COMPRESSIBLE, name, "the 8-bit codes compress")
+        check_dtypes(context.buckets, ops.KERNEL_FLOATS, name, "the 8-bit codes compress")
         self.config = config
         self.levels = context.communicators.levels(config.hierarchical, name)
         share = self.levels[0].size if self.levels else 1

@@ -46,13 +46,13 @@ from bagua_torch.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     check_dtypes,
+    implements,
 )
 from bagua_torch.communicator import SUPPORTED_DTYPES, Communicator
 
 __all__ = ["DecentralizedAlgorithm", "DecentralizedImpl", "shift_one_peer"]
 
 _FLOATS = tuple(d for d in SUPPORTED_DTYPES if d.is_floating_point)
-KERNEL_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 """The float dtypes the native kernels take (the others are averaged in torch)."""
 
 
@@ -100,7 +100,8 @@ def load_step(state: dict[str, Any], algorithm: str) -> int:
 # ----------------------------------------------------------------------------- Decentralized
 
 
-class DecentralizedAlgorithm(DecentralizedConfig, Algorithm):
+@implements(DecentralizedConfig)
+class DecentralizedAlgorithm(Algorithm):
     """Decentralized SGD: average the weights with all ranks or with one peer, then step locally.
 
     Every ``communication_interval`` iterations, before the optimizer's step, the weights are
@@ -114,7 +115,7 @@ class DecentralizedAlgorithm(DecentralizedConfig, Algorithm):
     """
 
     def reify(self, context: AlgorithmContext) -> DecentralizedImpl:
-        return DecentralizedImpl(context, self)
+        return DecentralizedImpl(context, self.config)
 
 
 class DecentralizedImpl(AlgorithmImpl):
@@ -122,7 +123,7 @@ class DecentralizedImpl(AlgorithmImpl):
 
     need_gradient_hooks = False
 
-    def __init__(self, context: AlgorithmContext, config: DecentralizedAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: DecentralizedConfig):
         super().__init__(context)
         name = config.name
         self.config = config
@@ -141,7 +142,7 @@ class DecentralizedImpl(AlgorithmImpl):
         if peer is None:
             return comm.allreduce(flat, "avg")
         theirs = comm.send_recv(flat, [peer])[0]
-        if flat.dtype in KERNEL_FLOATS:
+        if flat.dtype in ops.KERNEL_FLOATS:
             return ops.average2(flat, theirs)
         return (flat + theirs) / 2  # float64: the kernel's (a + b) * 0.5 in the tensors' own precision
 

@@ -8,7 +8,8 @@ inner step ``t``:
 
 1. each fragment due for an exchange computes its pseudo-gradient ``round_start - x`` (float32)
    and averages it over the ranks: at once when ``fragment_sync_delay`` is 0, else on the
-   impl's ordered worker thread, overlapping the next tau inner steps;
+   impl's ordered worker thread, over a communicator of its own, overlapping the next tau
+   inner steps;
 2. each fragment due for its outer step (tau steps after its exchange) hands the average to its
    outer optimizer, which steps on the round-start parameters, and the parameters become
    ``alpha * x + (1 - alpha) * round_start`` (a copy of the round start when alpha is 0: every
@@ -34,9 +35,9 @@ from bagua_common.algorithms.diloco import (
 )
 from bagua_common.algorithms.outer_exchange import OuterExchange
 from bagua_torch import ops
-from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_tensor_list
+from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_tensor_list, implements
 from bagua_torch.algorithms.decentralized import load_step
-from bagua_torch.communicator import Work
+from bagua_torch.communicator import NativeCommunicator, Work, dedicated_communicator
 
 EXCHANGE = OuterExchange(ops, lambda x, dtype: x.to(getattr(torch, dtype)))
 """The pseudo-gradient averages on torch tensors."""
@@ -49,7 +50,8 @@ def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer
     return torch.optim.SGD(params, lr=DEFAULT_OUTER_LEARNING_RATE, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
 
 
-class DiLoCoAlgorithm(DiLoCoConfig, Algorithm):
+@implements(DiLoCoConfig)
+class DiLoCoAlgorithm(Algorithm):
     """DiLoCo / Streaming DiLoCo (see :mod:`bagua_common.algorithms.diloco` and the module docstring).
 
     The wrapped optimizer is the inner one; every ``sync_every`` steps the ranks average their
@@ -61,7 +63,7 @@ class DiLoCoAlgorithm(DiLoCoConfig, Algorithm):
     """
 
     def reify(self, context: AlgorithmContext) -> DiLoCoImpl:
-        return DiLoCoImpl(context, self)
+        return DiLoCoImpl(context, self.config)
 
 
 class DiLoCoImpl(AlgorithmImpl):
@@ -71,7 +73,7 @@ class DiLoCoImpl(AlgorithmImpl):
 
     need_gradient_hooks = False
 
-    def __init__(self, context: AlgorithmContext, config: DiLoCoAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: DiLoCoConfig):
         super().__init__(context)
         name = config.name
         if not context.optimizers:
@@ -87,6 +89,8 @@ class DiLoCoImpl(AlgorithmImpl):
         self.round_start = [p.detach().to(memory, copy=True) for p in self.params]
         make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = config.outer_optimizer or default_outer_optimizer
         self.outer = [make([self.round_start[i] for i in part]) for part in self.plan]
+        # Exchanges overlapping the next steps run on the worker thread: a communicator nothing else uses.
+        self.comm = dedicated_communicator(self.world, name) if config.fragment_sync_delay else self.world
         n = self.world.size
         self.padded = [-(-size // n) * n for size in self.sizes]
         self.residuals = [
@@ -122,7 +126,7 @@ class DiLoCoImpl(AlgorithmImpl):
 
     def _average(self, p: int, flat: torch.Tensor) -> torch.Tensor:
         residual = self.residuals[p] if self.config.error_feedback else None
-        mean, residual = EXCHANGE.average(flat, self.world, self.config.outer_exchange, residual)
+        mean, residual = EXCHANGE.average(flat, self.comm, self.config.outer_exchange, residual)
         if residual is not None:
             self.residuals[p] = residual
         return mean[: self.sizes[p]]
@@ -189,3 +193,10 @@ class DiLoCoImpl(AlgorithmImpl):
         residuals = check_tensor_list(state, "residuals", [t.numel() for t in self.residuals], name)
         self.residuals = [t.to(self.context.device) for t in residuals]
         self.pending = [t.to(self.context.device) if t.numel() else None for t in pending]
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            if self.comm is not self.world and isinstance(self.comm, NativeCommunicator):
+                self.comm.close()

@@ -7,9 +7,11 @@ the gradient bytes (a ring allreduce), the baseline the other algorithms are mea
 against. The math is :func:`bagua_jax.algorithms.gradient_allreduce.gradient_allreduce`'s.
 
 Hierarchical (SPEC: reduce inside the node, allreduce between nodes, broadcast inside
-the node), as in the JAX version: an intra-node reduce-scatter, an inter-node allreduce
-of this rank's slice and an intra-node allgather, so only ``1/a`` of each bucket crosses
-nodes per rank (``a`` ranks per node). Without two levels it is the flat allreduce.
+the node), as in the JAX version (one function,
+:func:`bagua_common.algorithms.compressed_allreduce.allreduce_over`): an intra-node
+reduce-scatter, an inter-node allreduce of this rank's slice and an intra-node allgather,
+so only ``1/a`` of each bucket crosses nodes per rank (``a`` ranks per node). Without two
+levels it is the flat allreduce.
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from bagua_torch.algorithms.base import (
     AlgorithmImpl,
     Bucket,
     check_dtypes,
+    implements,
 )
 from bagua_torch.communicator import SUPPORTED_DTYPES, Work
 
 _FLOATS = tuple(d for d in SUPPORTED_DTYPES if d.is_floating_point)
 
 
-class GradientAllReduceAlgorithm(GradientAllReduceConfig, Algorithm):
+@implements(GradientAllReduceConfig)
+class GradientAllReduceAlgorithm(Algorithm):
     """Average (or with ``average=False`` sum) the gradients over all ranks in full precision.
 
     Choose it as the exact, simple default; choose ``hierarchical=True`` when the links
@@ -37,7 +41,7 @@ class GradientAllReduceAlgorithm(GradientAllReduceConfig, Algorithm):
     """
 
     def reify(self, context: AlgorithmContext) -> GradientAllReduceImpl:
-        return GradientAllReduceImpl(context, self)
+        return GradientAllReduceImpl(context, self.config)
 
 
 class GradientAllReduceImpl(AlgorithmImpl):
@@ -45,7 +49,7 @@ class GradientAllReduceImpl(AlgorithmImpl):
 
     results_are_fresh = True  # the communicators return new tensors
 
-    def __init__(self, context: AlgorithmContext, config: GradientAllReduceAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: GradientAllReduceConfig):
         super().__init__(context)
         check_dtypes(context.buckets, _FLOATS, config.name, "gradients are averaged in")
         self.config = config
@@ -53,13 +57,4 @@ class GradientAllReduceImpl(AlgorithmImpl):
         self.levels = context.communicators.levels(config.hierarchical, config.name)
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
-        if self.levels is None:
-            return self.world.allreduce_async(bucket.grad, self.op)
-        intra, inter = self.levels
-        flat, op = bucket.grad, self.op
-
-        def two_level():
-            mine = intra.reduce_scatter(flat.view(intra.size, -1), op)
-            return intra.allgather(inter.allreduce(mine, op)).view(-1)
-
-        return self.run_async(two_level)
+        return self.allreduce_async(bucket.grad, self.levels, self.op)

@@ -41,9 +41,9 @@ from bagua_torch.algorithms.base import (
     AlgorithmContext,
     AlgorithmImpl,
     check_tensor_list,
+    implements,
 )
 from bagua_torch.algorithms.decentralized import (
-    KERNEL_FLOATS,
     load_step,
     weight_averaging_levels,
 )
@@ -51,11 +51,9 @@ from bagua_torch.communicator import Communicator
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedImpl"]
 
-COMPRESSIBLE = KERNEL_FLOATS
-"""The parameter dtypes the 8-bit codes compress."""
 
-
-class LowPrecisionDecentralizedAlgorithm(LowPrecisionDecentralizedConfig, Algorithm):
+@implements(LowPrecisionDecentralizedConfig)
+class LowPrecisionDecentralizedAlgorithm(Algorithm):
     """Low-precision decentralized SGD: after each local step, mix the weights with the ring neighbours'.
 
     Every ``communication_interval`` iterations, after the optimizer's step, each rank sends
@@ -67,7 +65,7 @@ class LowPrecisionDecentralizedAlgorithm(LowPrecisionDecentralizedConfig, Algori
     """
 
     def reify(self, context: AlgorithmContext) -> LowPrecisionDecentralizedImpl:
-        return LowPrecisionDecentralizedImpl(context, self)
+        return LowPrecisionDecentralizedImpl(context, self.config)
 
 
 def _padded_rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -88,10 +86,10 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
 
     need_gradient_hooks = False
 
-    def __init__(self, context: AlgorithmContext, config: LowPrecisionDecentralizedAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: LowPrecisionDecentralizedConfig):
         super().__init__(context)
         self.config = config
-        self.levels = weight_averaging_levels(context, config, COMPRESSIBLE, "the 8-bit codes compress")
+        self.levels = weight_averaging_levels(context, config, ops.KERNEL_FLOATS, "the 8-bit codes compress")
         self.sizes = [bucket.numel for bucket in context.buckets]
         # The wrapper broadcast rank 0's parameters before building the algorithm: the same copies everywhere.
         with torch.no_grad():

@@ -2,7 +2,7 @@
 
 Beyond the original Bagua; DeepSpeed's 1-bit Adam (Tang et al., 2021) is the reference.
 The torch counterpart of :mod:`bagua_jax.algorithms.onebit_adam`, on the machinery of
-:mod:`bagua_torch.algorithms.qadam`::
+:mod:`bagua_torch.algorithms.adam_engine`::
 
     opt = OneBitAdamOptimizer(model.parameters(), lr=1e-3, warmup_steps=100)
     model = bagua_torch.with_bagua(model, [opt], OneBitAdamAlgorithm(opt))
@@ -19,9 +19,15 @@ residual, compresses that chunk again and keeps that error; an allgather hands e
 every reduced chunk. The update is QAdam's, ``p -= lr/bc1 * m / (sqrt(v)/sqrt(bc2) + eps)``
 with torch Adam's operations and QAdam's floor under the frozen ``v``
 (:mod:`bagua_common.algorithms.frozen_variance`; DeepSpeed omits the bias corrections; they are kept so
-that 1-bit Adam and QAdam differ only in the momentum exchange). Sign compression cannot send
-a zero; DeepSpeed asks the user for a momentum mask of always-zero coordinates, the floor
-makes them take bounded steps without one.
+that 1-bit Adam and QAdam differ only in the momentum exchange).
+
+The one departure from QAdam's step, as in the JAX version: sign compression cannot send a
+zero, so a coordinate whose momentum is zero would receive ``+-scale`` and move. DeepSpeed asks
+the user for a momentum mask; here the mask comes from the frozen second moment: for a
+parameter whose ``exp_avg_sq`` is zero throughout (no gradient in the whole warm-up: the loss
+does not use it), the momentum is held at zero before and after the exchange, so it never moves
+(and does not learn if its gradient first appears after the warm-up; QAdam's 8-bit codes send
+exact zeros and need no mask). Every other parameter steps as before.
 
 Residuals (float32, per bucket: the worker's has the bucket's padded size, or
 ``1/intra.size`` of it when hierarchical, the server's ``1/n`` of it) start at zero and
@@ -32,24 +38,23 @@ optimizer's (``optimizer.state_dict()``).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
 from bagua_common.algorithms.configs import OneBitAdamConfig
-from bagua_torch.algorithms.base import AlgorithmContext, Bucket, check_tensor_list
-from bagua_torch.algorithms.qadam import (
-    QAdamAlgorithm,
-    QAdamImpl,
-    _AdamWithAveragedMomentum,
+from bagua_torch.algorithms.adam_engine import (
+    AdamWithAveragedMomentum,
+    AdamWithAveragedMomentumAlgorithm,
+    AdamWithAveragedMomentumImpl,
 )
+from bagua_torch.algorithms.base import AlgorithmContext, Bucket, check_tensor_list, implements
 from bagua_torch.compressed_allreduce import PIPELINES
 
 __all__ = ["OneBitAdamAlgorithm", "OneBitAdamImpl", "OneBitAdamOptimizer"]
 
 
-class OneBitAdamOptimizer(_AdamWithAveragedMomentum):
+class OneBitAdamOptimizer(AdamWithAveragedMomentum):
     """1-bit Adam's optimizer: ``torch.optim.Adam`` (bit for bit, ``foreach=False``) for ``warmup_steps`` steps,
     then Adam with the second moment frozen and the momentum averaged by :class:`OneBitAdamAlgorithm`.
 
@@ -61,31 +66,14 @@ class OneBitAdamOptimizer(_AdamWithAveragedMomentum):
     _config_class = OneBitAdamConfig
 
 
-@dataclass(frozen=True)
-class OneBitAdamAlgorithm(QAdamAlgorithm):
-    """1-bit Adam: Adam with gradients averaged in full precision during the warm-up (1x an fp32 allreduce per
-    step), then frozen ``v`` and the momentum averaged with 1-bit signs and error feedback on both the worker and
-    the server side (~1/32 of an fp32 allreduce; with ``hierarchical`` and several nodes, only between nodes).
-    Choose it over QAdam when bandwidth is scarcer still and the model tolerates a noisier momentum (the residuals
-    carry each step's error into the next, so none is lost).
-    """
-
-    optimizer: OneBitAdamOptimizer | None = None  # type: ignore[assignment]
-    hierarchical: bool = True
-
-    name: ClassVar[str] = OneBitAdamConfig.name
-    _optimizer_class: ClassVar[type] = OneBitAdamOptimizer
-
-    def reify(self, context: AlgorithmContext) -> OneBitAdamImpl:
-        return OneBitAdamImpl(context, self)
-
-
-class OneBitAdamImpl(QAdamImpl):
+class OneBitAdamImpl(AdamWithAveragedMomentumImpl):
     """1-bit Adam on one wrapped model; its state is ``{"worker_residuals": [...], "server_residuals": [...]}``
     (float32, one per bucket)."""
 
-    def __init__(self, context: AlgorithmContext, config: OneBitAdamAlgorithm):
-        super().__init__(context, config)
+    hold_unused = True
+
+    def __init__(self, context: AlgorithmContext, algorithm: OneBitAdamAlgorithm):
+        super().__init__(context, algorithm)
         share = self.levels[0].size if self.levels else 1
         n = self.world.size
         self.worker_sizes = [bucket.size // share for bucket in context.buckets]
@@ -112,3 +100,16 @@ class OneBitAdamImpl(QAdamImpl):
         with torch.no_grad():
             for mine, theirs in zip(self.worker_residuals + self.server_residuals, workers + servers):
                 mine.copy_(theirs)
+
+
+@implements(OneBitAdamConfig)
+class OneBitAdamAlgorithm(AdamWithAveragedMomentumAlgorithm):
+    """1-bit Adam: Adam with gradients averaged in full precision during the warm-up (1x an fp32 allreduce per
+    step), then frozen ``v`` and the momentum averaged with 1-bit signs and error feedback on both the worker and
+    the server side (~1/32 of an fp32 allreduce; with ``hierarchical`` and several nodes, only between nodes).
+    Choose it over QAdam when bandwidth is scarcer still and the model tolerates a noisier momentum (the residuals
+    carry each step's error into the next, so none is lost).
+    """
+
+    optimizer_class = OneBitAdamOptimizer
+    impl_class = OneBitAdamImpl

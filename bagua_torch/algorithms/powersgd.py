@@ -1,4 +1,4 @@
-"""PowerSGD: low-rank gradient compression with error feedback (see :mod:`bagua_common.algorithms.powersgd`).
+"""PowerSGD: low-rank gradient compression with error feedback (see :class:`bagua_common.algorithms.configs.PowerSGDConfig`).
 
 As buckets become ready in the backward pass, the impl's worker thread adds each matrix's
 residual and computes its ``P = M Q`` (overlapping the rest of the backward pass). When the
@@ -11,18 +11,18 @@ exact allreduces, bucket by bucket.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 
-from bagua_common.algorithms.powersgd import NAME, PowerSGDConfig, matrix_view
+from bagua_common.algorithms.configs import PowerSGDConfig, matrix_view
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
     check_dtypes,
     check_tensor_list,
+    implements,
 )
 from bagua_torch.bucketing import Bucket
 from bagua_torch.communicator import Work
@@ -30,18 +30,16 @@ from bagua_torch.communicator import Work
 FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
-@dataclass(frozen=True)
-class PowerSGDAlgorithm(PowerSGDConfig, Algorithm):
+@implements(PowerSGDConfig)
+class PowerSGDAlgorithm(Algorithm):
     """Average the gradients through rank-``rank`` approximations (PowerSGD), then the user's optimizer steps.
 
     Pick it for SGD-style training on a slow network when most of the gradient is in large
-    matrices; the fields are :class:`bagua_common.algorithms.powersgd.PowerSGDConfig`'s.
+    matrices; the fields are :class:`bagua_common.algorithms.configs.PowerSGDConfig`'s.
     """
 
-    name: ClassVar[str] = NAME
-
     def reify(self, context: AlgorithmContext) -> PowerSGDImpl:
-        return PowerSGDImpl(context, self)
+        return PowerSGDImpl(context, self.config)
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
@@ -75,9 +73,9 @@ class _AfterExchange:
 class PowerSGDImpl(AlgorithmImpl):
     """PowerSGD on one wrapped model; its state is the step, each matrix's ``Q`` and residual."""
 
-    def __init__(self, context: AlgorithmContext, config: PowerSGDAlgorithm):
+    def __init__(self, context: AlgorithmContext, config: PowerSGDConfig):
         super().__init__(context)
-        check_dtypes(context.buckets, FLOATS, NAME, "PowerSGD averages")
+        check_dtypes(context.buckets, FLOATS, config.name, "PowerSGD averages")
         config.check_compressible([p.shape for bucket in context.buckets for p in bucket.params])
         self.config = config
         # float32 arithmetic (half-precision gradients are widened), float64 if a parameter is.
@@ -189,9 +187,11 @@ class PowerSGDImpl(AlgorithmImpl):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         step = state.get("step")
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"{NAME}: the checkpoint's 'step' must be an int >= 0, got {step!r}")
-        qs = check_tensor_list(state, "qs", [q.numel() for q in self.qs], NAME, self.dtype)
-        residuals = check_tensor_list(state, "residuals", [r.numel() for r in self.residuals], NAME, self.dtype)
+            raise ValueError(f"{self.config.name}: the checkpoint's 'step' must be an int >= 0, got {step!r}")
+        qs = check_tensor_list(state, "qs", [q.numel() for q in self.qs], self.config.name, self.dtype)
+        residuals = check_tensor_list(
+            state, "residuals", [r.numel() for r in self.residuals], self.config.name, self.dtype
+        )
         self.step = step
         self.qs = [q.to(self.context.device).view_as(old).clone() for q, old in zip(qs, self.qs)]
         self.residuals = [r.to(self.context.device).view_as(old).clone() for r, old in zip(residuals, self.residuals)]

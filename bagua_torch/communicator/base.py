@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ from bagua_torch.communicator.protocol import (
 )
 
 
-class CommunicatorBase:
+class CommunicatorBase(abc.ABC):
     """Argument checks and the synchronous methods, shared by both implementations.
 
     Subclasses set ``_rank``, ``_size``, ``_name`` and implement the ``*_async`` methods;
@@ -173,38 +174,50 @@ class CommunicatorBase:
         """Return once every rank has reached this point."""
         self.barrier_async().wait()
 
-    # The *_async methods are the subclasses'.
-    def allreduce_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:  # pragma: no cover
-        raise NotImplementedError
+    # --- what each implementation issues ----------------------------------------
 
-    def reduce_async(self, x: torch.Tensor, root: int, op: ReduceOp = "sum") -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def allreduce_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`allreduce`; ``wait()`` returns its result."""
 
-    def broadcast_async(self, x: torch.Tensor, root: int) -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def reduce_async(self, x: torch.Tensor, root: int, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`reduce`; ``wait()`` returns its result."""
 
-    def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def broadcast_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`broadcast`; ``wait()`` returns its result."""
 
-    def allgather_async(self, x: torch.Tensor) -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def reduce_scatter_async(self, x: torch.Tensor, op: ReduceOp = "sum") -> Work:
+        """Issue :meth:`reduce_scatter`; ``wait()`` returns its result."""
 
-    def gather_async(self, x: torch.Tensor, root: int) -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def allgather_async(self, x: torch.Tensor) -> Work:
+        """Issue :meth:`allgather`; ``wait()`` returns its result."""
 
-    def scatter_async(self, x: torch.Tensor, root: int) -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def gather_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`gather`; ``wait()`` returns its result."""
 
-    def alltoall_async(self, x: torch.Tensor) -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def scatter_async(self, x: torch.Tensor, root: int) -> Work:
+        """Issue :meth:`scatter`; ``wait()`` returns its result."""
 
+    @abc.abstractmethod
+    def alltoall_async(self, x: torch.Tensor) -> Work:
+        """Issue :meth:`alltoall`; ``wait()`` returns its result."""
+
+    @abc.abstractmethod
     def alltoall_v_async(
         self, x: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int], out_size: int
-    ) -> Work:  # pragma: no cover
-        raise NotImplementedError
+    ) -> Work:
+        """Issue :meth:`alltoall_v`; ``wait()`` returns its result."""
 
-    def send_recv_async(self, x: torch.Tensor, peers: Sequence[int]) -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def send_recv_async(self, x: torch.Tensor, peers: Sequence[int]) -> Work:
+        """Issue :meth:`send_recv`; ``wait()`` returns its result."""
 
-    def barrier_async(self) -> Work:  # pragma: no cover
-        raise NotImplementedError
+    @abc.abstractmethod
+    def barrier_async(self) -> Work:
+        """Issue :meth:`barrier`; ``wait()`` returns ``None``."""

@@ -32,8 +32,10 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
 
     One communicator uses one engine: MPI for CPU tensors (:meth:`mpi_world`, under
     ``mpiexec``) or NCCL for CUDA tensors (:meth:`from_store`). Collectives run on
-    one worker thread per communicator, so the asynchronous variants overlap with
-    the caller and every collective, sync or async, is issued in call order. CUDA
+    one worker thread per communicator (:attr:`ordered_worker`; a child split with
+    ``share_thread=True`` uses its parent's), so the asynchronous variants overlap with
+    the caller and every collective, sync or async, is issued in call order; one issued
+    from a job running on that thread runs at once, inline. CUDA
     collectives run on a side stream that first waits for the caller's current
     stream; ``wait()`` then orders the caller's current stream after them (no host
     synchronization). Each collective completes or raises
@@ -47,8 +49,17 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
     the engine's integer handle of this communicator; ``timeout``, in seconds.
     """
 
-    def __init__(self, handle: int, engine: str, timeout: float, name: str, device: torch.device | None = None):
-        """Wrap an engine ``handle`` (use :meth:`mpi_world`, :meth:`from_store` or :meth:`split`)."""
+    def __init__(
+        self,
+        handle: int,
+        engine: str,
+        timeout: float,
+        name: str,
+        device: torch.device | None = None,
+        worker: OrderedWorker | None = None,
+    ):
+        """Wrap an engine ``handle`` (use :meth:`mpi_world`, :meth:`from_store` or :meth:`split`); ``worker`` is the
+        thread to issue its collectives on (default: a thread of its own)."""
         self._module = load_engine(engine)
         self.engine = engine
         self.handle = int(handle)
@@ -60,8 +71,17 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
         self._device_type = _ENGINE_DEVICES[engine]
         self._device = device if device is not None else torch.device(self._device_type)
         self._issue_lock = threading.Lock()
-        self._worker = OrderedWorker(name, self._device)
+        self._worker = worker if worker is not None else OrderedWorker(name, self._device)
         self._closed = False
+
+    @property
+    def ordered_worker(self) -> OrderedWorker:
+        """The thread that issues this communicator's collectives, in call order.
+
+        A job submitted to it runs after every collective issued before, and the collectives
+        it issues on this communicator (or on one sharing the thread) run inline, in its order.
+        """
+        return self._worker
 
     # --- construction -------------------------------------------------------------
 
@@ -136,13 +156,17 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
             ) from error
         return bytes(store.get(key))
 
-    def split(self, color: int, key: int, name: str | None = None) -> NativeCommunicator:
+    def split(self, color: int, key: int, name: str | None = None, *, share_thread: bool = False) -> NativeCommunicator:
         """The ranks with the same ``color`` (>= 0), ordered by ``key`` (ties by rank).
 
         Every rank of this communicator must call it, in the same order as its
         collectives (it runs on the worker thread behind any queued collective). The
         child has this communicator's engine, device and timeout; ``name`` defaults
-        to ``"<parent name>/<color>"``.
+        to ``"<parent name>/<color>"``. With ``share_thread`` the child issues its
+        collectives on this communicator's thread, in one order with this one's (a pipeline
+        over both then crosses no second thread; the two levels of a hierarchical job);
+        without it, on a thread of its own (collectives issued concurrently from another
+        thread, as background averaging does, then never wait behind this one's).
         """
         color, key = int(color), int(key)
         if color < 0:
@@ -156,7 +180,8 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
                 raise CommunicationError(f"{self._where('split')}: {error}") from error
 
         handle = self._run_ordered(split)
-        return NativeCommunicator(handle, self.engine, self.timeout, name, self._device)
+        worker = self._worker if share_thread else None
+        return NativeCommunicator(handle, self.engine, self.timeout, name, self._device, worker)
 
     # --- the MPI engine's settings --------------------------------------------------
 
@@ -196,12 +221,14 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
             raise ValueError(f"{op}: communicator '{self._name}' lives on {self._device}; got a tensor on {x.device}")
 
     def _run_ordered(self, call: Callable[[], Any]) -> Any:
-        """Run ``call`` on the worker thread after every collective issued so far."""
+        """Run ``call`` on the worker thread after every collective issued so far (at once if on it)."""
+        work = None
         with self._issue_lock:
             if self._closed:
                 raise RuntimeError(f"communicator '{self._name}' is closed")
-            work = self._worker.submit(lambda stream: call())
-        return work.wait()
+            if not self._worker.is_current():
+                work = self._worker.submit(lambda stream: call())
+        return work.wait() if work is not None else call()
 
     def _submit(
         self,
@@ -211,7 +238,8 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
         tensors: Sequence[torch.Tensor] = (),
         finish: Callable[[], None] | None = None,
     ) -> Work:
-        """Queue ``call(stream)`` on the worker thread; ``finish`` runs there afterwards."""
+        """Queue ``call(stream)`` on the worker thread (from a job of that thread: run it now); ``finish`` runs
+        after it."""
         where = self._where(op)
 
         def translate(error: RuntimeError) -> CommunicationError:
@@ -231,7 +259,12 @@ class NativeCommunicator(CommunicatorBase, MpiSettings):
                     finish()
                 return result
 
-            return self._worker.submit(run, tensors)
+            if not self._worker.is_current():
+                return self._worker.submit(run, tensors)
+        # A job of the worker's own thread, so every earlier collective is done; it runs on the
+        # job's stream, the current one (outside the lock: issuing from other threads goes on).
+        cuda = self._device.type == "cuda"
+        return DoneWork(run(torch.cuda.current_stream(self._device).cuda_stream if cuda else 0))
 
     def _empty(self, shape: Sequence[int], like: torch.Tensor) -> torch.Tensor:
         return torch.empty(tuple(shape), dtype=like.dtype, device=like.device)

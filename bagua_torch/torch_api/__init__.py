@@ -7,7 +7,7 @@ Code written for Bagua runs with its module prefix changed::
 
 (``sed 's/bagua\\.torch_api/bagua_torch.torch_api/'``). The package mirrors Bagua's module
 tree (``algorithms``, ``communication``, ``checkpoint``, ``contrib``, ``data_parallel``,
-``env``) so that submodule imports keep working too; :mod:`bagua_torch` itself keeps the
+``env``, ``utils``) so that submodule imports keep working too; :mod:`bagua_torch` itself keeps the
 project's own API, which differs in spelling (a ``with_bagua`` function, collectives that return
 their result).
 
@@ -17,7 +17,7 @@ monkey-patch, made only here and only on this import (see
 is kept and the behaviour fixed; each module's docstring says where.
 """
 
-from bagua_torch.torch_api import algorithms, checkpoint, communication, contrib, data_parallel, distributed, env
+from bagua_torch.torch_api import algorithms, checkpoint, communication, contrib, data_parallel, distributed, env, utils
 from bagua_torch.torch_api.communication import *  # noqa: F403 (Bagua's package exports every primitive)
 from bagua_torch.torch_api.distributed import BaguaModule
 from bagua_torch.torch_api.env import get_local_rank, get_local_size, get_rank, get_world_size
@@ -38,4 +38,5 @@ __all__ = [
     "get_local_size",
     "get_rank",
     "get_world_size",
+    "utils",
 ]

@@ -28,20 +28,22 @@ Bagua's semantics, kept or fixed:
 
 from __future__ import annotations
 
-import json
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from bagua_torch import distributed as _wrapper
+from bagua_common.moved import moved_names
+from bagua_torch import bagua_module as _wrapper
 from bagua_torch.algorithms.base import Algorithm
-from bagua_torch.communicator import Communicator
 from bagua_torch.torch_api import env
+from bagua_torch.torch_api.algorithms.base import as_project_algorithm
 
-_active: weakref.WeakKeyDictionary[nn.Module, BaguaModule] = weakref.WeakKeyDictionary()
+__getattr__ = moved_names(__name__)  # broadcast_optimizer_state, now in bagua_torch.broadcast
+
+_live: weakref.WeakKeyDictionary[nn.Module, _wrapper.BaguaModule] = weakref.WeakKeyDictionary()
 """The model -> its live wrapper, so that re-wrapping a model closes the wrapper before."""
 
 
@@ -74,20 +76,7 @@ class AlgorithmImplHandle:
         return getattr(self.impl, name)
 
 
-def _communicators(process_group: Any) -> Any:
-    """What the project's wrapper takes for Bagua's ``process_group`` (a Bagua group, a torch group, or None)."""
-    from bagua_torch.torch_api.communication import BaguaProcessGroup, _get_default_group, is_initialized
-
-    if process_group is None:
-        return _get_default_group().communicators if is_initialized() else None
-    if isinstance(process_group, BaguaProcessGroup):
-        if process_group.communicators is None:
-            raise ValueError(f"this rank is not a member of {process_group!r}; only its members wrap the model")
-        return process_group.communicators
-    return process_group
-
-
-class _BaguaAttributes:
+class BaguaAttributes:
     """Bagua's attributes and the model's face, for the two wrapper classes below."""
 
     @property
@@ -131,31 +120,35 @@ class _BaguaAttributes:
         """Load into the model (keys without the ``module.`` prefix, as saved by :meth:`state_dict`)."""
         return self.module.load_state_dict(state_dict, strict=strict, assign=assign)
 
-    def _adopt(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
-        for optimizer in optimizers:
-            broadcast_optimizer_state(optimizer, self.communicators.world, self.device)
-        _active[self.module] = self
 
-
-class BaguaModule(_BaguaAttributes, _wrapper.BaguaModule):
+class BaguaModule(BaguaAttributes, _wrapper.BaguaModule):
     """What ``model.with_bagua(...)`` returns (see the module docstring)."""
 
 
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The user's model under ``model``, after closing any live wrapper of it (an algorithm switch)."""
+def wrap(
+    build: Callable[[nn.Module, list[torch.optim.Optimizer], Any], _wrapper.BaguaModule],
+    model: nn.Module,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    process_group: Any,
+) -> Any:
+    """Wrap ``model`` with ``build(module, optimizers, communicators)``, Bagua's way (collective).
+
+    A live wrapper of the same model is closed first (an algorithm switch, as ``with_bagua`` and
+    ``DistributedDataParallel`` on a wrapped model are in Bagua); ``optimizers`` may be one
+    optimizer or a list; ``process_group`` a group of :mod:`bagua_torch.torch_api.communication`
+    or None (the default group).
+    """
     inner = model.module if isinstance(model, _wrapper.BaguaModule) else model
-    previous = _active.pop(inner, None)
+    previous = _live.pop(inner, None)
     if previous is not None:
         previous.close()
     if isinstance(model, _wrapper.BaguaModule) and model is not previous:
         model.close()
-    return inner
-
-
-def _optimizer_list(optimizers: Any) -> list[torch.optim.Optimizer]:
     if isinstance(optimizers, torch.optim.Optimizer):
-        return [optimizers]
-    return list(optimizers or [])
+        optimizers = [optimizers]
+    wrapped = build(inner, list(optimizers or []), process_group)
+    _live[inner] = wrapped
+    return wrapped
 
 
 def with_bagua(
@@ -175,109 +168,18 @@ def with_bagua(
     """
     if not isinstance(do_flatten, bool):
         raise TypeError(f"with_bagua: do_flatten must be a bool, got {do_flatten!r}")
-    from bagua_torch.torch_api.algorithms.base import as_project_algorithm
+    project_algorithm = as_project_algorithm(algorithm)
 
-    inner = _unwrap(self)
-    optimizers = _optimizer_list(optimizers)
-    wrapped = BaguaModule(
-        inner,
-        optimizers,
-        as_project_algorithm(algorithm),
-        process_group=_communicators(process_group),
-        bucket_bytes=env.get_default_bucket_size(),
-    )
-    wrapped._adopt(optimizers)
-    return wrapped
+    def build(module: nn.Module, optimizers: list[torch.optim.Optimizer], process_group: Any) -> BaguaModule:
+        return BaguaModule(
+            module,
+            optimizers,
+            project_algorithm,
+            process_group=process_group,
+            bucket_bytes=env.get_default_bucket_size(),
+        )
 
-
-# ----------------------------------------------------------------------------- optimizer state
-
-
-def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
-    """``value`` as JSON-able data; tensors are replaced by their index in ``tensors`` plus dtype and shape."""
-    if isinstance(value, torch.Tensor):
-        tensors.append(value.detach())
-        return {
-            "tensor": len(tensors) - 1,
-            "dtype": str(value.dtype).removeprefix("torch."),
-            "shape": list(value.shape),
-        }
-    if isinstance(value, dict):
-        return {"dict": [[_encode(k, tensors), _encode(v, tensors)] for k, v in value.items()]}
-    if isinstance(value, tuple):
-        return {"tuple": [_encode(v, tensors) for v in value]}
-    if isinstance(value, list):
-        return [_encode(v, tensors) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    raise TypeError(f"cannot broadcast an optimizer state holding a {type(value).__name__} ({value!r})")
-
-
-def _decode(data: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(data, list):
-        return [_decode(v, tensors) for v in data]
-    if isinstance(data, dict):
-        if "tensor" in data:
-            return tensors[data["tensor"]]
-        if "tuple" in data:
-            return tuple(_decode(v, tensors) for v in data["tuple"])
-        return {_decode(k, tensors): _decode(v, tensors) for k, v in data["dict"]}
-    return data
-
-
-def _tensor_specs(data: Any) -> list[tuple[int, torch.dtype, list[int]]]:
-    """Every tensor's (index, dtype, shape) in the encoded structure."""
-    found = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, list):
-            for v in node:
-                walk(v)
-        elif isinstance(node, dict):
-            if "tensor" in node:
-                found.append((node["tensor"], getattr(torch, node["dtype"]), node["shape"]))
-            else:
-                for v in node.get("tuple", []) + [x for pair in node.get("dict", []) for x in pair]:
-                    walk(v)
-
-    walk(data)
-    return sorted(found, key=lambda spec: spec[0])
-
-
-def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, world: Communicator, device: torch.device) -> None:
-    """Overwrite ``optimizer``'s state and hyper-parameters on every rank with rank 0's (collective).
-
-    Three broadcasts: the size of the JSON structure, the structure, then every state tensor's
-    bytes in one buffer. Where rank 0's state holds a value JSON cannot carry (an arbitrary
-    object), every rank raises a TypeError.
-    """
-    tensors: list[torch.Tensor] = []
-    payload, error = b"", None
-    if world.rank == 0:
-        try:
-            payload = json.dumps(_encode(optimizer.state_dict(), tensors)).encode()
-        except TypeError as caught:
-            error = caught
-    size = int(world.broadcast(torch.tensor([-1 if error else len(payload)], dtype=torch.int64, device=device), 0))
-    if size < 0:
-        raise TypeError(f"{type(optimizer).__name__}'s state on rank 0 cannot be broadcast: {error or 'see rank 0'}")
-    buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    if world.rank == 0:
-        buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    data = json.loads(bytes(world.broadcast(buffer, 0).cpu().numpy()).decode())
-    specs = _tensor_specs(data)
-    if world.rank != 0:
-        tensors = [torch.zeros(shape, dtype=dtype) for _, dtype, shape in specs]
-    flats = [t.contiguous().reshape(-1).view(torch.uint8).to(device) for t in tensors]
-    if flats:
-        received = world.broadcast(torch.cat(flats), 0).cpu()
-        if world.rank != 0:
-            offset = 0
-            for i, (t, flat) in enumerate(zip(tensors, flats)):
-                tensors[i] = received[offset : offset + flat.numel()].clone().view(t.dtype).reshape(t.shape)
-                offset += flat.numel()
-    if world.rank != 0:
-        optimizer.load_state_dict(_decode(data, tensors))
+    return wrap(build, self, optimizers, process_group)
 
 
 def install() -> None:
@@ -285,4 +187,4 @@ def install() -> None:
     nn.Module.with_bagua = with_bagua
 
 
-__all__ = ["AlgorithmImplHandle", "BaguaModule", "broadcast_optimizer_state", "install", "with_bagua"]
+__all__ = ["AlgorithmImplHandle", "BaguaAttributes", "BaguaModule", "install", "with_bagua", "wrap"]

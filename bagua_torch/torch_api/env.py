@@ -9,26 +9,14 @@ arguments rather than variables).
 
 from __future__ import annotations
 
-import os
-
-from bagua_launch.rank_env import mpi_rank_environment
+from bagua_common.job.rank_environment import environment_int
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES
 from bagua_torch.job import get_process_group, is_initialized
 
 
 def _from_environment(key: str, default: int) -> int:
-    text = os.environ.get(key)
-    if text is None:
-        try:
-            text = mpi_rank_environment(os.environ).get(key)
-        except RuntimeError:  # not started by an MPI launcher
-            text = None
-    if text is None or not text.strip():
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"environment variable {key}={text!r} is not an integer") from None
+    value = environment_int(key)
+    return default if value is None else value
 
 
 def get_world_size() -> int:

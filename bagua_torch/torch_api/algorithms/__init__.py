@@ -17,17 +17,10 @@ from bagua_torch.torch_api.algorithms import (
     gradient_allreduce,
     q_adam,
 )
-from bagua_torch.torch_api.algorithms.base import Algorithm, AlgorithmImpl
+from bagua_torch.torch_api.algorithms.base import REGISTRY, Algorithm, AlgorithmImpl
 
-GlobalAlgorithmRegistry: dict[str, type] = {
-    "gradient_allreduce": gradient_allreduce.GradientAllReduceAlgorithm,
-    "bytegrad": bytegrad.ByteGradAlgorithm,
-    "decentralized": decentralized.DecentralizedAlgorithm,
-    "low_precision_decentralized": decentralized.LowPrecisionDecentralizedAlgorithm,
-    "qadam": q_adam.QAdamAlgorithm,
-    "async": async_model_average.AsyncModelAverageAlgorithm,
-}
-"""Bagua's algorithm names and classes."""
+GlobalAlgorithmRegistry: dict[str, type] = {name: REGISTRY.by_name(name) for name in REGISTRY.names()}
+"""Bagua's algorithm names and classes, as the modules above register them (``@implements``)."""
 
 __all__ = [
     "Algorithm",

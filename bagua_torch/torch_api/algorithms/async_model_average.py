@@ -6,11 +6,14 @@
 
 from __future__ import annotations
 
+from bagua_common.algorithms.configs import AsyncModelAverageConfig
 from bagua_torch.algorithms import async_model_average as _async
+from bagua_torch.torch_api.algorithms.base import implements
 
 __all__ = ["AsyncModelAverageAlgorithm"]
 
 
+@implements(AsyncModelAverageConfig)
 class AsyncModelAverageAlgorithm(_async.AsyncModelAverageAlgorithm):
     """Bagua's ``AsyncModelAverageAlgorithm(peer_selection_mode="all", sync_interval_ms=500, warmup_steps=0)``.
 

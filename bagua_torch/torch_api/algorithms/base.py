@@ -34,12 +34,21 @@ from typing import Any
 
 import torch
 
+from bagua_common.algorithms.registry import AlgorithmRegistry
 from bagua_torch import compressed_allreduce
 from bagua_torch.algorithms import base as project
 from bagua_torch.bucketing import Bucket
 from bagua_torch.communicator import Work
+from bagua_torch.torch_api.communication.groups import group_of
 
-__all__ = ["Algorithm", "AlgorithmImpl", "BaguaBucket", "as_project_algorithm"]
+__all__ = ["REGISTRY", "Algorithm", "AlgorithmImpl", "BaguaBucket", "as_project_algorithm", "implements"]
+
+REGISTRY = AlgorithmRegistry("bagua_torch.torch_api")
+"""The classes of Bagua's spelling (``bagua.torch_api.algorithms``), by configuration class and by name."""
+
+implements = REGISTRY.implements
+"""The class decorator that registers a class of Bagua's spelling against its shared configuration (see
+:mod:`bagua_common.algorithms.registry`)."""
 
 _FIXED_HOOKS = ("init_tensors", "tensors_to_buckets", "init_backward_hook")
 
@@ -86,12 +95,10 @@ class Algorithm:
     @staticmethod
     def init(name: str, **kwargs: Any) -> Any:
         """Bagua's ``Algorithm.init(name, **kwargs)``: the registered algorithm ``name`` built with ``kwargs``."""
-        from bagua_torch.torch_api.algorithms import GlobalAlgorithmRegistry
-
-        if name not in GlobalAlgorithmRegistry:
-            known = ", ".join(sorted(GlobalAlgorithmRegistry))
+        if name not in REGISTRY.names():
+            known = ", ".join(sorted(REGISTRY.names()))
             raise KeyError(f"'{name}' not found in registry. Available names: {known}")
-        return GlobalAlgorithmRegistry[name](**kwargs)
+        return REGISTRY.by_name(name)(**kwargs)
 
     def reify(self, process_group: Any) -> AlgorithmImpl:
         raise NotImplementedError(f"{type(self).__name__} must implement reify(process_group)")
@@ -208,10 +215,7 @@ class _ProjectAlgorithm(project.Algorithm):
         self.algorithm = algorithm
 
     def reify(self, context: project.AlgorithmContext) -> project.AlgorithmImpl:
-        from bagua_torch.torch_api.communication import BaguaProcessGroup
-
-        world = context.communicators.world
-        group = BaguaProcessGroup(range(world.size), context.communicators, "bagua_style")
+        group = group_of(context.communicators, context.device)
         impl = self.algorithm.reify(group)
         if not isinstance(impl, AlgorithmImpl):
             raise TypeError(

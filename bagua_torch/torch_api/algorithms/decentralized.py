@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import torch
 
+from bagua_common.algorithms.configs import DecentralizedConfig, LowPrecisionDecentralizedConfig
 from bagua_common.comm.topology import ring_neighbours
 from bagua_torch.algorithms import decentralized as _decentralized
 from bagua_torch.algorithms import low_precision_decentralized as _low_precision
 from bagua_torch.algorithms.base import AlgorithmContext
 from bagua_torch.communicator import Communicator
+from bagua_torch.torch_api.algorithms.base import implements
 
 CODECS = ("project", "bagua")
 _LEVELS = 255.0
@@ -57,6 +59,7 @@ def bagua_minmax_decompress(packed: torch.Tensor) -> torch.Tensor:
 __all__ = ["DecentralizedAlgorithm", "LowPrecisionDecentralizedAlgorithm"]
 
 
+@implements(DecentralizedConfig)
 class DecentralizedAlgorithm(_decentralized.DecentralizedAlgorithm):
     """Bagua's ``DecentralizedAlgorithm(hierarchical=True, peer_selection_mode="all", communication_interval=1)``."""
 
@@ -68,19 +71,21 @@ class DecentralizedAlgorithm(_decentralized.DecentralizedAlgorithm):
         )
 
 
+@implements(LowPrecisionDecentralizedConfig)
 class LowPrecisionDecentralizedAlgorithm(_low_precision.LowPrecisionDecentralizedAlgorithm):
     """Bagua's ``LowPrecisionDecentralizedAlgorithm(hierarchical=True, communication_interval=1)``; ``codec``
-    picks the project's or Bagua's 8-bit codes (see the module docstring)."""
+    picks the project's or Bagua's 8-bit codes (see the module docstring). ``codec`` is an attribute of the
+    algorithm beside its configuration, so the cross-rank check and the checkpoint manifest compare it too."""
 
     def __init__(self, hierarchical: bool = True, communication_interval: int = 1, *, codec: str = "project"):
         if codec not in CODECS:
             raise ValueError(f"LowPrecisionDecentralizedAlgorithm: codec must be one of {CODECS}, got {codec!r}")
         super().__init__(communication_interval=communication_interval, hierarchical=hierarchical)
-        object.__setattr__(self, "codec", codec)
+        self.codec = codec
 
     def reify(self, context: AlgorithmContext) -> _low_precision.LowPrecisionDecentralizedImpl:
         if self.codec == "bagua":
-            return _BaguaCodecImpl(context, self)
+            return _BaguaCodecImpl(context, self.config)
         return super().reify(context)
 
 

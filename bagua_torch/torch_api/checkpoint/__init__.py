@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_torch.torch_api import env
+from bagua_torch.torch_api import communication, env
 
 __all__ = ["load_checkpoint", "save_checkpoint"]
 
@@ -30,10 +30,8 @@ def _model_file(checkpoints_path: str, iteration: int) -> str:
 
 
 def _barrier() -> None:
-    from bagua_torch.torch_api.communication import barrier, is_initialized
-
-    if is_initialized():
-        barrier()
+    if communication.is_initialized():
+        communication.barrier()
     elif dist.is_initialized():
         dist.barrier()
 

@@ -6,24 +6,26 @@
 * :class:`LoadBalancingDistributedSampler`: :class:`bagua_torch.data.LoadBalancingDistributedSampler`
   (``complexity_fn`` takes the index, not the decoded sample), and
   :class:`LoadBalancingDistributedBatchSampler` over it with Bagua's ``batch_fn``.
-* :class:`CachedDataset` / :class:`CacheLoader`: :mod:`bagua_common.data.cached_dataset` with Bagua's
-  arguments. ``backend`` is the store the job configured (an LMDB directory private to the job
-  by default, or the launcher's ``--cache-server redis``); Bagua's Redis host options are refused,
-  since a cache of pickles must not be shared with writers outside the job.
+* :class:`CachedDataset` / :class:`CacheLoader`: :mod:`bagua_common.data.cached_dataset` with
+  Bagua's arguments. ``backend="redis"`` is the server of ``bagua-launch --cache-server redis``,
+  ``"lmdb"`` the node's LMDB cache; both are shared by every dataset of the job, so they need a
+  ``dataset_name``. Bagua's Redis host options are refused: the cache's values are signed with
+  the job's own key, and its servers are the job's own.
 * ``sync_batchnorm.SyncBatchNorm``: torch's ``torch.nn.SyncBatchNorm`` (CUDA tensors).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from bagua_common.data import cache_stores as _stores
 from bagua_common.data import cached_dataset as _cached
 from bagua_torch.data import LoadBalancingDistributedSampler
 from bagua_torch.fused_optimizer import FusedOptimizer
-from bagua_torch.torch_api import distributed as _compat
 from bagua_torch.torch_api.contrib import sync_batchnorm
 
 __all__ = [
@@ -49,25 +51,11 @@ def fuse_optimizer(
 ) -> FusedOptimizer:
     """The fused optimizer for ``optimizer`` (see :mod:`bagua_torch.fused_optimizer`); step it with ``fuse_step()``.
 
-    When a wrapped model (``with_bagua``) holds ``optimizer``, its algorithm's step hooks move to
-    the fused optimizer, so weight-communicating algorithms keep running. ``do_flatten`` and
-    ``check_flatten`` are Bagua's and have no effect (the layout is always flat, and always checked).
+    When a wrapped model (``with_bagua``) holds ``optimizer``, the fused optimizer steps in its place
+    there (:meth:`bagua_torch.BaguaModule.replace_optimizer`), so every algorithm keeps running. ``do_flatten``
+    and ``check_flatten`` are Bagua's and have no effect (the layout is always flat, and always checked).
     """
-    fused = _BaguaFusedOptimizer(optimizer)
-    for wrapper in list(_compat._active.values()):
-        if any(opt is optimizer for opt in wrapper.optimizers):
-            impl = wrapper.algorithm_impl
-
-            def before(opt: Any, args: Any, kwargs: Any, wrapper: Any = wrapper, impl: Any = impl) -> None:
-                wrapper.wait_gradients()
-                impl.before_step(optimizer)
-
-            def after(opt: Any, args: Any, kwargs: Any, impl: Any = impl) -> None:
-                impl.after_step(optimizer)
-
-            fused.register_step_pre_hook(before)
-            fused.register_step_post_hook(after)
-    return fused
+    return _BaguaFusedOptimizer(optimizer)
 
 
 class LoadBalancingDistributedBatchSampler(torch.utils.data.Sampler):
@@ -112,27 +100,52 @@ class LoadBalancingDistributedBatchSampler(torch.utils.data.Sampler):
         return len(self._batches())
 
 
-def _store_options(backend: str, kwargs: dict[str, Any]) -> None:
-    if backend not in ("redis", "lmdb", "memory", None):
-        raise ValueError(f"backend must be 'redis', 'lmdb' or 'memory', got {backend!r}")
+def _store(backend: str, dataset_name: str, version: str, kwargs: dict[str, Any]) -> _stores.Store:
+    """The store ``backend`` names: the job's Redis server, the node's LMDB cache, or per-process memory."""
     if kwargs:
         raise TypeError(
-            f"store options {sorted(kwargs)} are not taken: the cache uses the store the job configured (an LMDB "
-            "directory private to the job, or bagua-launch --cache-server redis); see bagua_common.data.cache_stores"
+            f"store options {sorted(kwargs)} are not taken: the cache uses the stores the job configured (the "
+            "node's LMDB cache, or bagua-launch --cache-server redis); see bagua_common.data.cache_stores"
         )
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {sorted(_BACKENDS)}, got {backend!r}")
+    if backend != "memory" and not dataset_name:
+        raise ValueError(
+            f"dataset_name is required with backend={backend!r}: the store is shared by every dataset of the "
+            "job, and unnamed datasets would read each other's samples"
+        )
+    if backend == "redis" and not os.environ.get(_stores.ENV_CACHE_URL):
+        raise ValueError(
+            "backend='redis' needs the job's Redis server: start the job with bagua-launch --cache-server redis, "
+            "or use backend='lmdb' for the node's LMDB cache"
+        )
+    return _BACKENDS[backend](dataset_name, version)
+
+
+_BACKENDS: dict[str, Callable[[str, str], _stores.Store]] = {
+    "redis": lambda name, version: _stores.redis_store_from_environment(),
+    "lmdb": _stores.node_lmdb_store,
+    "memory": lambda name, version: _stores.MemoryStore(),
+}
 
 
 def CachedDataset(  # noqa: N802 (Bagua's class name)
     dataset: Any, backend: str = "redis", dataset_name: str = "", writer_buffer_size: int = 20, **kwargs: Any
 ) -> _cached.CachedDataset:
-    """Bagua's ``CachedDataset(dataset, backend, dataset_name, writer_buffer_size)``: each sample cached on first read."""
-    _store_options(backend, kwargs)
-    return _cached.CachedDataset(dataset, name=dataset_name or "dataset")
+    """Bagua's ``CachedDataset(dataset, backend, dataset_name, writer_buffer_size)``: each sample cached on first read.
+
+    ``backend`` is ``"redis"`` (the server of ``bagua-launch --cache-server redis``), ``"lmdb"``
+    (the node's LMDB cache) or ``"memory"`` (per process). ``writer_buffer_size`` has no effect:
+    values are written through as they are read.
+    """
+    name = dataset_name or "dataset"
+    version = _cached.dataset_scope(dataset, "")
+    return _cached.CachedDataset(dataset, _store(backend, dataset_name, version, kwargs), name=name)
 
 
 def CacheLoader(  # noqa: N802 (Bagua's class name)
     backend: str = "redis", dataset_name: str = "", writer_buffer_size: int = 1, **kwargs: Any
 ) -> _cached.CacheLoader:
-    """Bagua's ``CacheLoader``: ``get(key, load_fn)`` caches ``load_fn(key)`` under ``key``."""
-    _store_options(backend, kwargs)
-    return _cached.CacheLoader(None, name=dataset_name or "cache")
+    """Bagua's ``CacheLoader``: ``get(key, load_fn)`` caches ``load_fn(key)`` under ``key``, in ``backend`` as for
+    :func:`CachedDataset`."""
+    return _cached.CacheLoader(_store(backend, dataset_name, "", kwargs), name=dataset_name or "cache")

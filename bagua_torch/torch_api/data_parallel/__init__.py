@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bagua_torch import distributed as _wrapper
+from bagua_torch import distributed_data_parallel as _ddp
 from bagua_torch.torch_api import distributed as _compat
 from bagua_torch.torch_api.algorithms.base import as_project_algorithm
 from bagua_torch.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
@@ -23,7 +23,7 @@ from bagua_torch.torch_api.algorithms.gradient_allreduce import GradientAllReduc
 __all__ = ["DistributedDataParallel"]
 
 
-class _DistributedDataParallel(_compat._BaguaAttributes, _wrapper.DistributedDataParallel):
+class _DistributedDataParallel(_compat.BaguaAttributes, _ddp.DistributedDataParallel):
     """The wrapper class :func:`DistributedDataParallel` returns."""
 
 
@@ -47,21 +47,23 @@ def DistributedDataParallel(  # noqa: N802 (Bagua's name for a function)
     wrapper is closed first). Parameters, buffers and the optimizers' state are broadcast from
     rank 0.
     """
-    optimizers = _compat._optimizer_list(optimizers)
-    wrapped = _DistributedDataParallel(
-        _compat._unwrap(module),
-        device_ids,
-        output_device,
-        dim,
-        broadcast_buffers,
-        _compat._communicators(process_group),
-        bucket_cap_mb,
-        find_unused_parameters,
-        check_reduction,
-        gradient_as_bucket_view,
-        False,
-        algorithm=as_project_algorithm(GradientAllReduceAlgorithm() if algorithm is None else algorithm),
-        optimizers=optimizers,
-    )
-    wrapped._adopt(optimizers)
-    return wrapped
+    project_algorithm = as_project_algorithm(GradientAllReduceAlgorithm() if algorithm is None else algorithm)
+
+    def build(inner: nn.Module, optimizers: list[torch.optim.Optimizer], communicators: Any) -> nn.Module:
+        return _DistributedDataParallel(
+            inner,
+            device_ids,
+            output_device,
+            dim,
+            broadcast_buffers,
+            communicators,
+            bucket_cap_mb,
+            find_unused_parameters,
+            check_reduction,
+            gradient_as_bucket_view,
+            False,
+            algorithm=project_algorithm,
+            optimizers=optimizers,
+        )
+
+    return _compat.wrap(build, module, optimizers, process_group)

@@ -13,25 +13,17 @@ What happens, in order (the algorithm's side is described in
 :mod:`bagua_torch.algorithms.base`):
 
 * On wrap: every rank checks that it wraps the same model (names, shapes, dtypes) with
-  the same algorithm and bucket size as rank 0, then parameters and buffers are
-  broadcast from rank 0, the trainable parameters are grouped into buckets
-  (reverse registration order, at most ``bucket_bytes`` each, default 10 MiB, padded to
-  a multiple of the world size) and the algorithm is built for them.
-* Backward (the bucket launch state, :mod:`bagua_torch.reducer`): each parameter's
-  gradient goes into its bucket as autograd produces it; a bucket whose gradients have all
-  arrived is handed to the algorithm (``reduce_bucket``), which starts communicating at once
-  while the backward pass goes on, buckets in the fixed order 0, 1, 2, ... on every rank.
-  Gradients that never arrived (parameters unused in this iteration, on this rank) are taken
-  as zeros at the end of the backward pass, so every rank issues the same collectives and
-  nothing hangs. A parameter unused on every rank ends the step with a zero gradient rather
-  than None.
-* Sync point: the wrapper waits for the buckets (in order) and writes the reduced
-  gradients into ``.grad`` either at the end of the backward pass (``sync_point=
-  "backward"``, the default: ``.grad`` is final when ``backward()`` returns, as with
-  torch's DDP, so gradient clipping works) or at the latest possible moment, in the
-  optimizer's step pre-hook (``sync_point="step"``: communication also overlaps whatever
-  runs between ``backward()`` and ``step()``; call :meth:`BaguaModule.wait_gradients`
-  before reading ``.grad`` yourself).
+  the same algorithm and bucket size as rank 0, then parameters, buffers and the
+  optimizers' state are broadcast from rank 0 (:mod:`bagua_torch.broadcast`), the
+  trainable parameters are grouped into buckets (:mod:`bagua_torch.bucketing`) and the
+  algorithm is built for them.
+* Backward: each gradient goes into its bucket as autograd produces it, and a full bucket
+  is handed to the algorithm at once, buckets in the same order on every rank
+  (:mod:`bagua_torch.reducer`; unused parameters count as zero gradients).
+* Sync point: the reduced gradients are written into ``.grad`` at the end of the backward
+  pass (``sync_point="backward"``, the default, as with torch's DDP) or in the optimizer's
+  step pre-hook (``sync_point="step"``, overlapping whatever runs in between; call
+  :meth:`BaguaModule.wait_gradients` before reading ``.grad`` yourself).
 * ``no_sync()``: forwards inside it run backwards that only accumulate local gradients;
   the first backward after it reduces the accumulated gradients.
 * ``state_dict()`` / ``load_state_dict()``: the model's entries (prefixed ``module.``,
@@ -43,8 +35,8 @@ What happens, in order (the algorithm's side is described in
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Literal
 
@@ -52,37 +44,39 @@ import numpy as np
 import torch
 from torch import nn
 
+from bagua_common.comm.bucket_plan import check_bucket_bytes
+from bagua_common.comm.topology import Communicators
 from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
+from bagua_common.moved import moved_names
 from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
-    Communicators,
 )
 from bagua_torch.autotune import set_mpi_ring_min_bytes, tuner_for
+from bagua_torch.broadcast import broadcast_optimizer_state, broadcast_tensors
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
-from bagua_torch.communicator import Communicator
 from bagua_torch.job import communicators_from
 from bagua_torch.reducer import Reducer
+
+__getattr__ = moved_names(__name__)  # DistributedDataParallel, now in bagua_torch.distributed_data_parallel
 
 SyncPoint = Literal["backward", "step"]
 _EXTRA_STATE_FORMAT = 1
 
 
-def _broadcast(comm: Communicator, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
-    """Overwrite ``tensors`` with ``root``'s values: one broadcast of all their bytes."""
-    tensors = [t for t in tensors if t.numel()]
-    if not tensors:
-        return
-    flats = [t.detach().contiguous().view(-1).view(torch.uint8) for t in tensors]
-    received = comm.broadcast(torch.cat(flats), root)
-    offset = 0
-    with torch.no_grad():
-        for t, flat in zip(tensors, flats):
-            part = received[offset : offset + flat.numel()].clone()
-            t.copy_(part.view(t.dtype).view(t.shape))
-            offset += flat.numel()
+_WRAPPER_OF: weakref.WeakKeyDictionary[torch.optim.Optimizer, BaguaModule] = weakref.WeakKeyDictionary()
+"""Each wrapped optimizer -> the live wrapper whose step hooks it carries (see :func:`wrapper_of`)."""
+
+
+def wrapper_of(optimizer: torch.optim.Optimizer) -> BaguaModule | None:
+    """The live :class:`BaguaModule` that ``optimizer`` was given to, or None.
+
+    Whoever steps another optimizer in ``optimizer``'s place (:func:`bagua_torch.fuse_optimizer`)
+    hands it over with :meth:`BaguaModule.replace_optimizer`, so the algorithm's step hooks go on.
+    """
+    return _WRAPPER_OF.get(optimizer)
 
 
 class BaguaModule(nn.Module):
@@ -122,8 +116,7 @@ class BaguaModule(nn.Module):
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {type(opt).__name__}")
         algorithm = get_algorithm(algorithm)
-        if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-            raise ValueError(f"bucket_bytes must be a positive int (bytes), got {bucket_bytes!r}")
+        check_bucket_bytes(bucket_bytes, "BaguaModule")
         if sync_point not in ("backward", "step"):
             raise ValueError(f"sync_point must be 'backward' or 'step', got {sync_point!r}")
         if sync_point == "step" and not optimizers:
@@ -169,7 +162,9 @@ class BaguaModule(nn.Module):
         signature = JobSignature.of(leaves, config)
         check_same_job(signature, allgather)
 
-        _broadcast(world, [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()])
+        broadcast_tensors(world, [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()])
+        for optimizer in optimizers:
+            broadcast_optimizer_state(optimizer, world, self.device)
 
         self._named = tuple(named)
         self.bucket_tuner = tuner_for(
@@ -186,10 +181,9 @@ class BaguaModule(nn.Module):
             self._retune(self.bucket_tuner.cached)
         self._require_sync = True  # False inside no_sync()
         self._closed = False
-        self._handles: list[Any] = []
+        self._step_hooks = [self._hook_steps(opt, opt) for opt in optimizers]
         for opt in optimizers:
-            self._handles.append(opt.register_step_pre_hook(self._before_step))
-            self._handles.append(opt.register_step_post_hook(self._after_step))
+            _WRAPPER_OF[opt] = self
 
     def _build(self, bucket_bytes: int) -> None:
         """Group the trainable parameters into buckets of at most ``bucket_bytes``; build the algorithm and reducer."""
@@ -221,7 +215,7 @@ class BaguaModule(nn.Module):
             set_mpi_ring_min_bytes(self.communicators, setting["mpi_ring_min_bytes"])
         algorithm = self.algorithm
         if "hierarchical" in setting:
-            algorithm = dataclasses.replace(algorithm, hierarchical=setting["hierarchical"])
+            algorithm = algorithm.replace(hierarchical=setting["hierarchical"])
         bucket_bytes = setting.get("bucket_bytes", self.bucket_bytes)
         if (bucket_bytes, algorithm) == (self.bucket_bytes, self.algorithm):
             return
@@ -270,7 +264,7 @@ class BaguaModule(nn.Module):
                 self._retune(setting)
             self.reducer.enabled = self._require_sync and bool(self.algorithm_impl.need_gradient_hooks)
             if self.broadcast_buffers:
-                _broadcast(self.communicators.world, list(self.module.buffers()))
+                broadcast_tensors(self.communicators.world, list(self.module.buffers()))
             self.algorithm_impl.before_forward(self.module)
         return self.module(*args, **kwargs)
 
@@ -294,12 +288,39 @@ class BaguaModule(nn.Module):
 
     # --- optimizer step ---------------------------------------------------------------
 
-    def _before_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.wait_gradients()
-        self.algorithm_impl.before_step(optimizer)
+    def _hook_steps(self, stepping: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> list[Any]:
+        """Hook ``stepping``'s steps as steps of ``wrapped`` (the optimizer the algorithm was built with)."""
 
-    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.algorithm_impl.after_step(optimizer)
+        def before(_optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.wait_gradients()
+            self.algorithm_impl.before_step(wrapped)
+
+        def after(_optimizer: Any, args: Any, kwargs: Any) -> None:
+            self.algorithm_impl.after_step(wrapped)
+
+        return [stepping.register_step_pre_hook(before), stepping.register_step_post_hook(after)]
+
+    def replace_optimizer(self, original: torch.optim.Optimizer, replacement: torch.optim.Optimizer) -> None:
+        """Step ``replacement`` in the place of ``original``, one of the optimizers given to the wrapper.
+
+        The step hooks move from ``original`` to ``replacement``, whose steps the algorithm sees as
+        ``original``'s (the optimizer it was built with), so weight-communicating algorithms keep
+        averaging when, for one, a fused optimizer (:func:`bagua_torch.fuse_optimizer`) takes over.
+        ``replacement`` must hold the same parameters; ``original`` is not stepped again.
+        """
+        index = next((i for i, opt in enumerate(self.optimizers) if opt is original), None)
+        if index is None:
+            raise ValueError("replace_optimizer: the original optimizer was not given to this wrapper")
+        if self._closed:
+            raise RuntimeError("replace_optimizer: this BaguaModule has been closed")
+        params = [{id(p) for group in opt.param_groups for p in group["params"]} for opt in (original, replacement)]
+        if params[0] != params[1]:
+            raise ValueError("replace_optimizer: the replacement must hold the original optimizer's parameters")
+        for handle in self._step_hooks[index]:
+            handle.remove()
+        self._step_hooks[index] = self._hook_steps(replacement, original)
+        _WRAPPER_OF.pop(original, None)
+        _WRAPPER_OF[replacement] = self
 
     # --- checkpoints ------------------------------------------------------------------
 
@@ -343,9 +364,12 @@ class BaguaModule(nn.Module):
         if self._closed:
             return
         self.reducer.close()
-        for handle in self._handles:
+        for handle in (h for hooks in self._step_hooks for h in hooks):
             handle.remove()
-        self._handles = []
+        self._step_hooks = []
+        for optimizer, wrapper in list(_WRAPPER_OF.items()):
+            if wrapper is self:
+                del _WRAPPER_OF[optimizer]
         self.algorithm_impl.close()
         self._closed = True
 
@@ -377,77 +401,3 @@ def with_bagua(
     allreduce only).
     """
     return BaguaModule(model, optimizers, algorithm, **options)
-
-
-class DistributedDataParallel(BaguaModule):
-    """``torch.nn.parallel.DistributedDataParallel``'s arguments, Bagua's algorithms underneath.
-
-    ``DistributedDataParallel(model)`` averages gradients in full precision as torch's
-    DDP does (GradientAllReduce); ``algorithm=`` picks another (by name or instance).
-    Buffers are broadcast from rank 0 at every forward (``broadcast_buffers=True``, as in
-    DDP). ``bucket_cap_mb`` sets the bucket size (default 10 MiB). Unused parameters are
-    always handled, so ``find_unused_parameters`` is accepted for compatibility only, as
-    are ``check_reduction``, ``gradient_as_bucket_view`` and ``static_graph``.
-    ``device_ids`` / ``output_device`` may name the model's single device (one device
-    per process). ``optimizers`` and ``sync_point="step"`` are Bagua extras: with them the
-    wrapper waits for the gradients in the optimizer's step instead of at the end of
-    the backward pass, and weight-communicating algorithms get their step hooks.
-    """
-
-    def __init__(
-        self,
-        module: nn.Module,
-        device_ids: Sequence[int | torch.device] | None = None,
-        output_device: int | torch.device | None = None,
-        dim: int = 0,
-        broadcast_buffers: bool = True,
-        process_group: Any = None,
-        bucket_cap_mb: float | None = None,
-        find_unused_parameters: bool = False,
-        check_reduction: bool = False,
-        gradient_as_bucket_view: bool = False,
-        static_graph: bool = False,
-        *,
-        algorithm: str | Algorithm = "gradient_allreduce",
-        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
-        sync_point: SyncPoint = "backward",
-    ):
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"the model must be a torch.nn.Module, got {type(module).__name__}")
-        if bucket_cap_mb is None:
-            bucket_bytes = DEFAULT_BUCKET_BYTES
-        else:
-            if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
-                raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
-            bucket_bytes = max(1, int(bucket_cap_mb * 1024 * 1024))
-        if dim != 0:
-            raise ValueError(f"dim={dim}: this wrapper runs one device per process and does not scatter inputs")
-        devices = {p.device for p in module.parameters()}
-        for what, ids in (
-            ("device_ids", device_ids),
-            ("output_device", None if output_device is None else [output_device]),
-        ):
-            if ids is None:
-                continue
-            if len(ids) != 1:
-                raise ValueError(f"{what} must name exactly one device (one device per process), got {list(ids)}")
-            wanted = torch.device("cuda", ids[0]) if isinstance(ids[0], int) else torch.device(ids[0])
-            if devices and wanted not in devices:
-                raise ValueError(f"{what}={list(ids)} but the model is on {sorted(map(str, devices))}")
-        for key, value in (
-            ("find_unused_parameters", find_unused_parameters),
-            ("check_reduction", check_reduction),
-            ("gradient_as_bucket_view", gradient_as_bucket_view),
-            ("static_graph", static_graph),
-        ):
-            if not isinstance(value, bool):
-                raise TypeError(f"{key} must be a bool, got {value!r}")
-        super().__init__(
-            module,
-            optimizers,
-            algorithm,
-            process_group=process_group,
-            bucket_bytes=bucket_bytes,
-            sync_point=sync_point,
-            broadcast_buffers=broadcast_buffers,
-        )

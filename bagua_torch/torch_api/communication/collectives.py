@@ -1,29 +1,6 @@
-"""Bagua's ``bagua.torch_api.communication``: process groups and collectives written into ``recv``.
+"""Bagua's collectives (``bagua.torch_api.communication``), written into ``recv`` as Bagua writes them.
 
-Every function has Bagua's name, signature and in-place semantics, on this project's
-communicators (:mod:`bagua_torch.communicator`): ``allreduce(send_tensor, recv_tensor, op,
-comm)`` writes the result into ``recv_tensor``, ``allreduce_inplace(tensor, op, comm)`` into
-``tensor``; ``comm`` is a communicator handle from a :class:`BaguaProcessGroup`
-(``group.get_global_communicator()``), default the job's world. Tensors are flat buffers, as in
-Bagua: ``allgather`` fills ``recv_tensor`` (``nranks * send_tensor.numel()`` elements, any shape)
-rank by rank. A rank that is not a member of ``comm``'s group returns at once, as in Bagua.
-
-Where this differs from Bagua, on purpose:
-
-* CPU tensors work (gloo, or the native MPI engine), not only CUDA tensors.
-* Every :class:`ReduceOp` works on every collective: ``PRODUCT``, ``BAND``, ``BOR`` and
-  ``BXOR`` (which the communicators lack) are computed from an allgather. Bagua passed them to
-  NCCL, which has no bitwise reductions.
-* :func:`init_process_group` starts no autotuning HTTP service. Bagua's listened on every
-  interface (``0.0.0.0``) and waited for it to come up; nothing here listens beyond
-  ``torch.distributed``'s own store.
-* :func:`from_torch_group` reuses the torch group itself (no second communicator, no store
-  round trip); :func:`new_group` builds a torch (or native MPI) group of the listed ranks.
-* ``gather``/``scatter``/``alltoall``/``alltoall_v`` check the sizes and raise a ValueError;
-  Bagua's engine asserted and aborted the process.
-
-The collectives block until the result is in ``recv_tensor`` (Bagua synchronized its CUDA
-stream the same way).
+See :mod:`bagua_torch.torch_api.communication` for what they do and where they differ from Bagua's.
 """
 
 from __future__ import annotations
@@ -36,14 +13,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_torch import job
-from bagua_torch.algorithms.base import Communicators
-from bagua_torch.communicator import Communicator, NativeCommunicator, ProcessGroupCommunicator
-from bagua_torch.torch_api import env
+from bagua_torch.communicator import ProcessGroupCommunicator
+from bagua_torch.torch_api.communication.groups import (
+    BaguaProcessGroup,
+    CommMember,
+    CommunicatorHandle,
+    get_default_group,
+)
 
 __all__ = [
-    "BaguaProcessGroup",
-    "CommunicatorHandle",
     "ReduceOp",
     "allgather",
     "allgather_inplace",
@@ -55,12 +33,8 @@ __all__ = [
     "alltoall_v_inplace",
     "barrier",
     "broadcast",
-    "from_torch_group",
     "gather",
     "gather_inplace",
-    "init_process_group",
-    "is_initialized",
-    "new_group",
     "recv",
     "reduce",
     "reduce_inplace",
@@ -88,180 +62,6 @@ class ReduceOp(enum.IntEnum):
 _NATIVE_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
 
 
-class CommunicatorHandle:
-    """What Bagua calls a communicator (``BaguaSingleCommunicatorPy``): ``rank()``, ``nranks()``.
-
-    ``communicator`` is the project's :class:`~bagua_torch.communicator.Communicator` underneath,
-    and ``global_ranks`` the job ranks of its members in order.
-    """
-
-    def __init__(self, communicator: Communicator, global_ranks: Sequence[int]):
-        self.communicator = communicator
-        self.global_ranks = list(global_ranks)
-
-    def rank(self) -> int:
-        """This process's index in the communicator."""
-        return self.communicator.rank
-
-    def nranks(self) -> int:
-        """The number of ranks in the communicator."""
-        return self.communicator.size
-
-    def __repr__(self) -> str:
-        return f"CommunicatorHandle(rank={self.rank()}, nranks={self.nranks()}, ranks={self.global_ranks})"
-
-
-class CommMember:
-    """Bagua's markers: ``WORLD`` (the default group's communicator) and ``NON_COMM_MEMBER``."""
-
-    WORLD = object()
-    NON_COMM_MEMBER = object()
-
-
-class BaguaProcessGroup:
-    """A group of ranks and its communicators (Bagua's ``BaguaProcessGroup``).
-
-    ``ranks`` are job ranks, sorted. ``communicators`` is None on ranks outside the group, whose
-    ``get_*_communicator()`` return :attr:`CommMember.NON_COMM_MEMBER` (collectives on it return
-    at once). The inter- and intra-node communicators exist when the group is the job's world on
-    a job of several nodes with several ranks each; on one node the intra-node communicator is
-    the global one.
-    """
-
-    def __init__(self, ranks: Sequence[int], communicators: Communicators | None, group_name: str):
-        self.ranks = sorted(int(r) for r in ranks)
-        self.communicators = communicators
-        self.group_name = group_name
-
-    def _handle(self, comm: Communicator | None, ranks: Sequence[int], which: str) -> Any:
-        if self.communicators is None:
-            return CommMember.NON_COMM_MEMBER
-        if comm is None:
-            raise ValueError(
-                f"process group {self.group_name!r} has no {which} communicator: it exists for the job's world on "
-                "several nodes with several ranks each"
-            )
-        return CommunicatorHandle(comm, ranks)
-
-    def get_global_communicator(self) -> Any:
-        """The communicator of every rank of the group."""
-        world = None if self.communicators is None else self.communicators.world
-        return self._handle(world, self.ranks, "global")
-
-    def get_intra_node_communicator(self) -> Any:
-        """The communicator of the group's ranks on this node."""
-        if self.communicators is None:
-            return CommMember.NON_COMM_MEMBER
-        if self.communicators.intra is None and len(self.ranks) <= env.get_local_size():
-            return self.get_global_communicator()
-        local = env.get_local_size()
-        node = env.get_node_rank()
-        return self._handle(self.communicators.intra, [r for r in self.ranks if r // local == node], "intra-node")
-
-    def get_inter_node_communicator(self) -> Any:
-        """The communicator of the group's ranks with this rank's local index, one per node."""
-        local = env.get_local_size()
-        mine = env.get_local_rank()
-        ranks = [r for r in self.ranks if r % local == mine]
-        return self._handle(None if self.communicators is None else self.communicators.inter, ranks, "inter-node")
-
-    def __repr__(self) -> str:
-        return f"BaguaProcessGroup(name={self.group_name!r}, ranks={self.ranks})"
-
-
-_default_group: BaguaProcessGroup | None = None
-_group_count = 0
-
-
-def init_process_group(
-    store: dist.Store | None = None, rank: int = -1, world_size: int = -1, local_world_size: int = -1
-) -> None:
-    """Start the job (Bagua's signature): every process calls it once, before the other APIs.
-
-    Without ``store``, the rank and sizes come from the launcher's environment (``RANK``,
-    ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``) or from ``rank``,
-    ``world_size`` and ``local_world_size`` where those are given (not -1). With ``store`` (a
-    ``torch.distributed.Store`` every rank can reach) all three are required, as in Bagua.
-    Delegates to :func:`bagua_torch.init_process_group` (gloo on CPU, nccl on GPU, the native
-    engines where available); no autotuning service is started (see the module docstring).
-    """
-    global _default_group
-    if _default_group is not None:
-        raise RuntimeError("trying to initialize the default process group twice!")
-    given = {"rank": rank, "world_size": world_size, "local_world_size": local_world_size}
-    for key, value in given.items():
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise TypeError(f"init_process_group: {key} must be an int, got {value!r}")
-    if store is not None:
-        if rank < 0 or world_size <= 0 or local_world_size <= 0:
-            raise ValueError("init_process_group: with a store, rank, world_size and local_world_size are required")
-        if not dist.is_initialized():
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
-            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
-    arguments = {key: value for key, value in given.items() if value > 0 or (key == "rank" and value == 0)}
-    group = job.init_process_group(**arguments)
-    _default_group = BaguaProcessGroup(range(group.size), group.communicators, "default")
-
-
-def is_initialized() -> bool:
-    """Whether :func:`init_process_group` has been called."""
-    return _default_group is not None
-
-
-def _get_default_group() -> BaguaProcessGroup:
-    """The job's world group (Bagua's private helper, which its examples use)."""
-    if _default_group is None:
-        raise RuntimeError(
-            "Default process group has not been initialized, please make sure to call init_process_group."
-        )
-    return _default_group
-
-
-def new_group(ranks: Sequence[int] | None = None, stream: Any = None) -> BaguaProcessGroup:
-    """A group of ``ranks`` (default all), created collectively: every rank of the job calls it, in the same order.
-
-    ``stream`` is accepted for Bagua's signature; collectives run on the communicator's own stream.
-    """
-    global _group_count
-    world = _get_default_group()
-    size = len(world.ranks)
-    if ranks is None:
-        ranks = list(range(size))
-    ranks = sorted(int(r) for r in ranks)
-    for r in ranks:
-        if not 0 <= r < size:
-            raise ValueError(f"new_group: invalid rank {r}, should be non-negative and less than world size {size}")
-    if len(set(ranks)) != len(ranks):
-        raise ValueError(f"new_group: ranks repeat: {ranks}")
-    _group_count += 1
-    name = str(_group_count)
-    me = env.get_rank()
-    base = world.communicators.world
-    if isinstance(base, NativeCommunicator):
-        child = base.split(0 if me in ranks else 1, me, name=f"bagua/group{name}")
-        if me not in ranks:
-            child.close()
-            return BaguaProcessGroup(ranks, None, name)
-        return BaguaProcessGroup(ranks, Communicators(child), name)
-    torch_group = dist.new_group(ranks)
-    if me not in ranks:
-        return BaguaProcessGroup(ranks, None, name)
-    return BaguaProcessGroup(
-        ranks, Communicators(ProcessGroupCommunicator(torch_group, name=f"bagua/group{name}")), name
-    )
-
-
-def from_torch_group(group: dist.ProcessGroup, stream: Any = None) -> BaguaProcessGroup:
-    """The Bagua group of a ``torch.distributed`` group (its ranks, communicating over that group)."""
-    global _group_count
-    if not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"from_torch_group: expected a torch.distributed ProcessGroup, got {type(group).__name__}")
-    _group_count += 1
-    ranks = dist.get_process_group_ranks(group)
-    comm = ProcessGroupCommunicator(group, name=f"bagua/torch-group{_group_count}")
-    return BaguaProcessGroup(ranks, Communicators(comm), str(_group_count))
-
-
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -270,7 +70,7 @@ def _resolve(comm: Any) -> CommunicatorHandle | None:
     if comm is CommMember.NON_COMM_MEMBER:
         return None
     if comm is None or comm is CommMember.WORLD:
-        return _get_default_group().get_global_communicator()
+        return get_default_group().get_global_communicator()
     if isinstance(comm, BaguaProcessGroup):
         handle = comm.get_global_communicator()
         return None if handle is CommMember.NON_COMM_MEMBER else handle

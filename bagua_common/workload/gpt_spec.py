@@ -1,0 +1,130 @@
+"""The GPT both front ends train: its sizes, its parameters' names and shapes, and their initial values.
+
+A decoder-only transformer in the GPT-2 layout: learned token and position embeddings, ``layers``
+pre-LayerNorm blocks (causal multi-head self-attention, then a GELU MLP of width ``4 * width``,
+each added to the residual stream), a final LayerNorm, and output logits from the token
+embedding itself (tied input and output embeddings). ``bagua_jax.models.gpt`` (flax NNX) and
+``bagua_torch.models.gpt`` (``torch.nn.Module``) implement it with parameters of the same names,
+shapes and layouts (a ``kernel`` is ``(inputs, outputs)``), so the NumPy arrays of
+:func:`init_gpt_params` load into either and the two compute the same function.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+LAYER_NORM_EPS = 1e-5
+"""The LayerNorm epsilon of both front ends (GPT-2's)."""
+
+INIT_STD = 0.02
+"""Standard deviation of the embeddings and kernels (GPT-2's); residual projections get ``INIT_STD / sqrt(2 layers)``."""
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """One GPT size: ``layers`` blocks of ``width`` channels in ``heads`` heads, ``context`` positions, ``vocab``
+    tokens."""
+
+    name: str
+    layers: int
+    width: int
+    heads: int
+    context: int
+    vocab: int = 256
+
+    def __post_init__(self) -> None:
+        for field in ("layers", "width", "heads", "context", "vocab"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"GPT {self.name!r}: {field} must be an int >= 1, got {value!r}")
+        if self.width % self.heads:
+            raise ValueError(f"GPT {self.name!r}: width {self.width} is not a multiple of heads {self.heads}")
+
+    def parameter_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every parameter's name and shape, in the order :func:`init_gpt_params` draws them."""
+        d = self.width
+        shapes: dict[str, tuple[int, ...]] = {"wte": (self.vocab, d), "wpe": (self.context, d)}
+        for i in range(self.layers):
+            block = f"blocks.{i}."
+            shapes.update(
+                {
+                    block + "ln1.scale": (d,),
+                    block + "ln1.bias": (d,),
+                    block + "attn.qkv.kernel": (d, 3 * d),
+                    block + "attn.qkv.bias": (3 * d,),
+                    block + "attn.proj.kernel": (d, d),
+                    block + "attn.proj.bias": (d,),
+                    block + "ln2.scale": (d,),
+                    block + "ln2.bias": (d,),
+                    block + "mlp.fc.kernel": (d, 4 * d),
+                    block + "mlp.fc.bias": (4 * d,),
+                    block + "mlp.proj.kernel": (4 * d, d),
+                    block + "mlp.proj.bias": (d,),
+                }
+            )
+        shapes.update({"ln_f.scale": (d,), "ln_f.bias": (d,)})
+        return shapes
+
+    @property
+    def parameter_count(self) -> int:
+        """The number of trainable scalars (the tied output embedding counted once)."""
+        return sum(math.prod(shape) for shape in self.parameter_shapes().values())
+
+
+GPT_CONFIGS: dict[str, GPTConfig] = {
+    config.name: config
+    for config in (
+        GPTConfig("tiny", layers=2, width=64, heads=4, context=64),  # 120,576 parameters: tests
+        GPTConfig("small", layers=4, width=256, heads=8, context=128),  # 3.26M: CPU studies
+        GPTConfig("gpt2", layers=12, width=768, heads=12, context=1024, vocab=50257),  # 124.4M: GPT-2 small's shape
+    )
+}
+"""The sizes by name. ``gpt2`` keeps GPT-2's vocabulary of 50257 tokens (byte tokens use the first 256)."""
+
+
+def gpt_config(size: str | GPTConfig) -> GPTConfig:
+    """The configuration called ``size`` (a key of :data:`GPT_CONFIGS`); a :class:`GPTConfig` is returned as is."""
+    if isinstance(size, GPTConfig):
+        return size
+    if size not in GPT_CONFIGS:
+        raise ValueError(f"GPT size {size!r} is unknown; sizes: {', '.join(GPT_CONFIGS)}")
+    return GPT_CONFIGS[size]
+
+
+def init_gpt_params(size: str | GPTConfig, seed: int = 0) -> dict[str, np.ndarray]:
+    """Initial float32 parameters of the GPT ``size``, drawn from ``seed``: the same arrays for both front ends.
+
+    GPT-2's initialization: embeddings and kernels from N(0, 0.02^2), the two projections that
+    write into the residual stream (``attn.proj``, ``mlp.proj``) from N(0, (0.02 / sqrt(2 layers))^2),
+    biases 0, LayerNorm scales 1.
+    """
+    config = gpt_config(size)
+    rng = np.random.default_rng(seed)
+    residual_std = INIT_STD / math.sqrt(2 * config.layers)
+    params = {}
+    for name, shape in config.parameter_shapes().items():
+        if name.endswith(".scale"):
+            params[name] = np.ones(shape, np.float32)
+        elif name.endswith(".bias"):
+            params[name] = np.zeros(shape, np.float32)
+        else:
+            std = residual_std if name.endswith("proj.kernel") else INIT_STD
+            params[name] = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+    return params
+
+
+def check_gpt_params(size: str | GPTConfig, params: Mapping[str, Any]) -> None:
+    """Raise a ValueError unless ``params`` has exactly the parameters of the GPT ``size``, each of its shape."""
+    config = gpt_config(size)
+    shapes = config.parameter_shapes()
+    missing, unknown = sorted(set(shapes) - set(params)), sorted(set(params) - set(shapes))
+    if missing or unknown:
+        raise ValueError(f"GPT {config.name!r}: parameters missing: {missing or 'none'}; unknown: {unknown or 'none'}")
+    for name, shape in shapes.items():
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"GPT {config.name!r}: {name} has shape {tuple(params[name].shape)}, expected {shape}")

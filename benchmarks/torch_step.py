@@ -1,0 +1,197 @@
+"""Time per step of ``bagua_torch`` training against a baseline commit: 2 ranks, gloo and MPI, side by side.
+
+The baseline tree (``--baseline``, a commit: the code before a change) is exported with ``git
+archive`` into a temporary folder; each job's ranks import either it or this checkout (the
+``PYTHONPATH`` of the ranks names one tree alone; both use the installed native library). Per
+repeat, each engine runs one job with each tree, in alternating order (ABBA), so that the
+machine's load falls on both alike. A job is one 2-rank run that wraps an MLP with
+``with_bagua`` once per algorithm and bucket size (SGD, fixed random data) and times
+``--steps`` steps after ``--warmup``; a configuration's time per step is the slower rank's mean.
+
+The table gives, per configuration, the median time per step of each tree and the ratio
+new/old: the geometric mean of the repeats' ratios, with a 95% bootstrap interval over them.
+
+    python benchmarks/torch_step.py --baseline fca22f2 --repeats 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+ENGINES = ("gloo", "mpi")
+ALGORITHMS = ("gradient_allreduce", "bytegrad")
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: time every algorithm and bucket size; write ``{"step_s": {config: s}, "tree": ...}`` to
+    ``--result``."""
+    import torch
+
+    import bagua_torch
+
+    torch.set_num_threads(1)
+    group = bagua_torch.init_process_group(timeout=120)
+    generator = torch.Generator().manual_seed(1000 + group.rank)
+    x = torch.randn(args.batch, args.width, generator=generator)
+    step_s = {}
+    for algorithm, bucket_bytes in itertools.product(args.algorithms, args.bucket_bytes):
+        torch.manual_seed(0)
+        layers = [torch.nn.Linear(args.width, args.width) for _ in range(args.layers)]
+        model = torch.nn.Sequential(*itertools.chain.from_iterable((layer, torch.nn.ReLU()) for layer in layers))
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=bucket_bytes)
+
+        def step() -> None:
+            optimizer.zero_grad(set_to_none=True)
+            wrapped(x).square().mean().backward()
+            optimizer.step()
+
+        for _ in range(args.warmup):
+            step()
+        group.world.barrier()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        step_s[f"{algorithm} {bucket_bytes}"] = (time.perf_counter() - start) / args.steps
+        wrapped.close()
+    result = {"step_s": step_s, "tree": str(Path(bagua_torch.__file__).parent.parent)}
+    Path(f"{args.result}.{group.rank}").write_text(json.dumps(result))
+
+
+def _export(commit: str, into: Path) -> Path:
+    """``commit``'s tree of this repository, written under ``into`` (no worktree is registered)."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, check=True).stdout
+    tree = into / commit
+    tree.mkdir()
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def _job(tree: Path, engine: str, args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """Per ``"algorithm bucket_bytes"``, the slower rank's time per step in one 2-rank job importing ``tree``."""
+    from _common import free_port, mpiexec
+
+    result = work / "rank"
+    command = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--result",
+        str(result),
+        "--algorithms",
+        *args.algorithms,
+        "--bucket-bytes",
+        *map(str, args.bucket_bytes),
+        *(f"--{k}={getattr(args, k)}" for k in ("steps", "warmup", "width", "layers", "batch")),
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(tree),
+        "WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+    }
+    if engine == "mpi":
+        procs = [subprocess.Popen([mpiexec(), "-n", "2", *command], env=env)]
+    else:
+        procs = [
+            subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"})
+            for r in range(2)
+        ]
+    for proc in procs:
+        if proc.wait(timeout=300) != 0:
+            raise RuntimeError(f"the {engine} job of {tree} failed (exit {proc.returncode})")
+    ranks = [json.loads(Path(f"{result}.{r}").read_text()) for r in range(2)]
+    if any(Path(rank["tree"]).resolve() != tree.resolve() for rank in ranks):
+        raise RuntimeError(f"the ranks imported {[rank['tree'] for rank in ranks]}, not {tree}")
+    return {config: max(rank["step_s"][config] for rank in ranks) for config in ranks[0]["step_s"]}
+
+
+def _ratio_interval(old: list[float], new: list[float], draws: int = 10000) -> tuple[float, float, float]:
+    """The geometric mean of new/old over the repeats and a 95% bootstrap interval of it."""
+    import numpy as np
+
+    logs = np.log(np.asarray(new) / np.asarray(old))
+    rng = np.random.default_rng()
+    means = logs[rng.integers(0, len(logs), (draws, len(logs)))].mean(axis=1)
+    low, high = np.percentile(means, [2.5, 97.5])
+    return math.exp(logs.mean()), math.exp(low), math.exp(high)
+
+
+def main(args: argparse.Namespace, argv: list[str]) -> None:
+    sys.path.insert(0, str(ROOT))  # this checkout's packages, before any installed copy
+    import _common
+    import numpy as np
+
+    configs = [(e, a, b) for e in args.engines for a in args.algorithms for b in args.bucket_bytes]
+    meta = _common.run_meta(argv, _common.device_info("cpu"), ["torch"], baseline=args.baseline)
+    meta["uptime_before"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    times: dict[tuple[str, str, int], dict[str, list[float]]] = {c: {"old": [], "new": []} for c in configs}
+    progress = _common.Progress(args.repeats * len(args.engines))
+    with tempfile.TemporaryDirectory(prefix="bagua-torch-step-") as tmp:
+        trees = {"old": _export(args.baseline, Path(tmp)), "new": ROOT}
+        for repeat in range(args.repeats):
+            for i, engine in enumerate(args.engines):
+                order = ("old", "new") if (repeat + i) % 2 == 0 else ("new", "old")
+                for which in order:
+                    with tempfile.TemporaryDirectory(dir=tmp) as work:
+                        measured = _job(trees[which], engine, args, Path(work))
+                    for (e, algorithm, bucket), t in times.items():
+                        if e == engine:
+                            t[which].append(measured[f"{algorithm} {bucket}"])
+                progress.line(f"repeat {repeat + 1}: {engine}")
+    _common.finish_meta(meta)
+    meta["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    transcript = _common.Transcript()
+    transcript.say(f"{'engine':6} {'algorithm':19} {'bucket B':>9} {'old ms':>8} {'new ms':>8}  new/old [95% interval]")
+    rows = []
+    for (engine, algorithm, bucket), t in times.items():
+        ratio, low, high = _ratio_interval(t["old"], t["new"])
+        old_ms, new_ms = 1e3 * float(np.median(t["old"])), 1e3 * float(np.median(t["new"]))
+        transcript.say(
+            f"{engine:6} {algorithm:19} {bucket:9d} {old_ms:8.2f} {new_ms:8.2f}  {ratio:.3f} [{low:.3f}, {high:.3f}]"
+        )
+        rows.append({"engine": engine, "algorithm": algorithm, "bucket_bytes": bucket, **t, "ratio": ratio,
+                     "interval": [low, high]})  # fmt: skip
+    lines = transcript.markdown(f"bagua_torch time per step, this tree against {args.baseline}", meta)
+    lines[2:2] = [f"- uptime before: `{meta['uptime_before']}`", f"- uptime after: `{meta['uptime_after']}`"]
+    paths = _common.write_results(args.out, args.stem, lines, {**meta, "rows": rows})
+    print(f"wrote {paths[0]} and {paths[1]}", file=sys.stderr)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--baseline", default="fca22f2", help="the commit to compare against (default fca22f2)")
+    parser.add_argument("--repeats", type=int, default=6, help="runs of each configuration per tree")
+    parser.add_argument("--engines", nargs="+", choices=ENGINES, default=list(ENGINES))
+    parser.add_argument("--algorithms", nargs="+", choices=ALGORITHMS, default=list(ALGORITHMS))
+    parser.add_argument("--bucket-bytes", nargs="+", type=int, default=[16384], help="bucket sizes (bytes)")
+    parser.add_argument("--steps", type=int, default=40, help="timed steps per job")
+    parser.add_argument("--warmup", type=int, default=5, help="untimed steps first")
+    parser.add_argument("--width", type=int, default=256, help="the MLP's width")
+    parser.add_argument("--layers", type=int, default=8, help="the MLP's layers")
+    parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
+    parser.add_argument("--stem", default="torch-step-2ranks", help="the results files' name")
+    parser.add_argument("--out", type=Path, default=HERE / "results", help="results directory")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    arguments = parse(sys.argv[1:])
+    if arguments.worker:
+        worker(arguments)  # imports only torch and the tree under test, which may predate _common's imports
+    else:
+        main(arguments, sys.argv[1:])
