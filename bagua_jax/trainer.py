@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from bagua_common.comm.topology import Communicators
 from bagua_common.tuning.autotune import autotune_mode
+from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.base import Algorithm, check_float_params
 from bagua_jax.autotune import BucketTuning, algorithm_setting, tune_bucket_bytes
 from bagua_jax.lax_communicator import LaxCommunicator
@@ -47,7 +48,9 @@ class DataParallel:
 
     ``loss_fn(params, batch)`` computes one rank's loss on its part of the batch.
     ``optimizer`` is an optax transformation (``None`` for algorithms that are
-    optimizers themselves, QAdam and OneBitAdam). Give exactly one of ``mesh``
+    optimizers themselves, QAdam and OneBitAdam). ``algorithm`` is an
+    :class:`~bagua_jax.algorithms.base.Algorithm` or a registry name (``"bytegrad"``, one of
+    :func:`bagua_jax.algorithms.algorithm_names`) for that algorithm with its defaults. Give exactly one of ``mesh``
     (mesh mode; the batch's leading axis is split across all devices) or
     ``communicator`` (native mode; each process passes its own batch).
 
@@ -76,7 +79,7 @@ class DataParallel:
         self,
         loss_fn: LossFn,
         optimizer: optax.GradientTransformation | None,
-        algorithm: Algorithm,
+        algorithm: Algorithm | str,
         *,
         mesh: Mesh | None = None,
         communicator: NativeCommunicator | None = None,
@@ -111,7 +114,7 @@ class DataParallel:
         self._optimizer, self._comms = optimizer, comms
         self._autotune = autotune_mode(autotune)
         self.bucket_tuning: BucketTuning | None = None
-        self._use(algorithm)
+        self._use(make_algorithm(algorithm) if isinstance(algorithm, str) else algorithm)
 
     def _use(self, algorithm: Algorithm) -> None:
         """Build the per-rank update of ``algorithm``; steps compiled for another one are dropped."""

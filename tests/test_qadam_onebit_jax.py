@@ -226,12 +226,20 @@ def communicators(n: int, two_level: bool) -> tuple[Mesh, Communicators, object]
 
 
 @functools.cache
-def stepper(algorithm: str, n: int, two_level: bool = False, hierarchical: bool = True, schedule: bool = False):
-    """``(tx, step)``: the algorithm's transform and one jitted shard_map step over all ranks."""
+def stepper(
+    algorithm: str,
+    n: int,
+    two_level: bool = False,
+    hierarchical: bool = True,
+    schedule: bool = False,
+    bare: bool = False,
+):
+    """``(tx, step)``: the algorithm's transform and one jitted shard_map step over all ranks (``bare``: built on
+    the world communicator alone, as the README shows, instead of :class:`Communicators`)."""
     mesh, comms, axes = communicators(n, two_level)
     tx = ALGORITHMS[algorithm](
         SCHEDULE if schedule else LR, warmup_steps=WARMUP, hierarchical=hierarchical, bucket_bytes=BUCKET_BYTES
-    ).transformation(None, comms)
+    ).transformation(None, comms.world if bare else comms)
 
     def step(params, state, grads):
         mine = jax.tree.map(lambda x: x[0], (params, state, grads))  # this rank's slice of the leading axis
@@ -248,10 +256,16 @@ def replicate(tree, n: int):
 
 @functools.cache
 def run(
-    algorithm: str, n: int, seed: int, two_level: bool = False, hierarchical: bool = True, schedule: bool = False
+    algorithm: str,
+    n: int,
+    seed: int,
+    two_level: bool = False,
+    hierarchical: bool = True,
+    schedule: bool = False,
+    bare: bool = False,
 ) -> list:
     """``[(params, state)]`` as NumPy trees with a leading rank axis, after 0, 1, ..., STEPS steps."""
-    tx, step = stepper(algorithm, n, two_level, hierarchical, schedule)
+    tx, step = stepper(algorithm, n, two_level, hierarchical, schedule, bare)
     params, grads = make_data(seed, n)
     carry = (replicate(params, n), replicate(tx.init(params), n))
     history = [numpy_tree(carry)]
@@ -595,6 +609,13 @@ def test_with_default_compiler_flags_fused_multiply_adds_only_round_differently(
             moved = sum(np.abs(sim[s + 1].p[k] - sim[s].p[k]) for s in range(t))
             err = np.abs(history[t][0][k][0].astype(np.float64) - sim[t].p[k])
             assert np.all(err <= arithmetic_tolerance(sim, t, k) + 1e-5 * moved), (k, t)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_a_bare_communicator_stands_for_the_world_past_the_warmup(seed, algorithm):
+    """``.transformation(None, comm)`` with one communicator (the README's form) crashed on reading ``comms.world``
+    once the compressed exchange began; it must run every step exactly as ``Communicators(world=comm)`` does."""
+    assert_bitwise(run(algorithm, 2, seed, bare=True), run(algorithm, 2, seed))
 
 
 def test_an_optimizer_is_refused(seed):

@@ -9,7 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from algorithms_reference import bytegrad_bucket
 from flax.training import train_state
+from jax.flatten_util import ravel_pytree
 
 from bagua_jax import DataParallel, TrainState
 from bagua_jax.algorithms import Decentralized, GradientAllReduce
@@ -114,7 +116,37 @@ def test_replicas_that_may_differ_keep_their_device_axis():
     assert isinstance(state, TrainState)
 
 
+def test_an_algorithm_by_name_steps_as_the_pipeline_reference(rng):
+    """``DataParallel(loss, tx, "bytegrad")`` builds ByteGrad with its defaults; each step of SGD with momentum at
+    flax's MNIST rate equals the NumPy pipeline (each rank's gradient, 8-bit exchange, same momentum) to float32 rounding."""
+    w0 = rng.standard_normal((6, 3)).astype(np.float32)
+
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    dp = DataParallel(loss_fn, optax.sgd(LR, 0.9), "bytegrad", mesh=mesh())
+    assert type(dp.algorithm).__name__ == "ByteGrad"
+    state = dp.init({"w": w0})
+    params, velocity = {"w": jnp.asarray(w0)}, jnp.zeros(w0.size, jnp.float32)
+    for _ in range(4):
+        batch = {k: rng.standard_normal((16, d)).astype(np.float32) for k, d in (("x", 6), ("y", 3))}
+        grads = [
+            np.asarray(
+                ravel_pytree(jax.grad(loss_fn)(params, jax.tree.map(lambda a: a[r * 4 : (r + 1) * 4], batch)))[0]
+            )
+            for r in range(RANKS)
+        ]
+        padded = [np.concatenate([g, np.zeros(-g.size % RANKS, np.float32)]) for g in grads]
+        reduced, _ = bytegrad_bucket(padded, None, local=None, average=True)
+        velocity = jnp.asarray(reduced[: w0.size]) + 0.9 * velocity
+        params = {"w": params["w"] - LR * velocity.reshape(w0.shape)}
+        state, _ = dp.step(state, batch)
+        np.testing.assert_allclose(state.params["w"], params["w"], rtol=0, atol=4 * np.spacing(np.float32(10)))
+
+
 def test_bad_flags_and_states_raise():
+    with pytest.raises(ValueError, match="qadam is an optimizer itself and needs learning_rate"):
+        DataParallel(lambda p, b: 0.0, None, "qadam", mesh=mesh())
     with pytest.raises(TypeError, match="has_aux must be a bool"):
         DataParallel(lambda p, b: 0.0, optax.sgd(LR), GradientAllReduce(), mesh=mesh(), has_aux=1)
     dp = DataParallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(LR), GradientAllReduce(), mesh=mesh())

@@ -49,7 +49,7 @@ from bagua_jax.algorithms.adam_engine import (
     adam_with_averaged_momentum,
     momentum_plan,
 )
-from bagua_jax.algorithms.base import implements
+from bagua_jax.algorithms.base import check_communicators, implements
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
 from bagua_jax.compressed_allreduce import PIPELINES
 
@@ -86,7 +86,9 @@ def onebit_adam(
     each step's error into the next, so none is lost); keep the warm-up long enough for ``v`` to settle.
     """
     config = as_config(OneBitAdamConfig, *config, **options)
-    name = config.name  # the engine checks comms and bucket_bytes before these closures ever run
+    name = config.name
+    # The closures below read ``comms.world``: a bare communicator must be wrapped first.
+    comms = check_communicators(comms, name)
 
     def init_extra(momentum: Any) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
         plan = momentum_plan(momentum, comms, bucket_bytes, name)

@@ -19,7 +19,7 @@ from bagua_common.algorithms.configs import QAdamConfig
 from bagua_common.algorithms.registry import as_config
 from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.adam_engine import AdamWithAveragedMomentum, Levels, adam_with_averaged_momentum
-from bagua_jax.algorithms.base import implements
+from bagua_jax.algorithms.base import check_communicators, implements
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES
 from bagua_jax.compressed_allreduce import PIPELINES
 
@@ -55,6 +55,8 @@ def qadam(
     zero (dead units, embedding rows unseen in the warm-up) take bounded steps.
     """
     config = as_config(QAdamConfig, *config, **options)
+    # The exchange below reads ``comms.world``: a bare communicator must be wrapped first.
+    comms = check_communicators(comms, config.name)
 
     def exchange(buckets: list[jax.Array], extra: tuple, levels: Levels) -> tuple[list[jax.Array], tuple]:
         return [PIPELINES.minmax_over(bucket, comms.world, levels)[0] for bucket in buckets], extra

@@ -107,7 +107,10 @@ class AlgorithmContext:
     * ``named_parameters``: the trainable parameters (``requires_grad``), in
       registration order, with their names in ``module``;
     * ``device``: the device of the parameters;
-    * ``bucket_bytes``: the bucket size the buckets were built with.
+    * ``bucket_bytes``: the bucket size the buckets were built with;
+    * ``ordered_worker``: the thread the impl's asynchronous jobs run on, when several impls must
+      issue their collectives in one order (the impls of one DDP communication hook state);
+      None: the world's own (a native communicator) or one of the impl's.
     """
 
     module: torch.nn.Module
@@ -117,6 +120,7 @@ class AlgorithmContext:
     named_parameters: tuple[tuple[str, torch.nn.Parameter], ...]
     device: torch.device
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ordered_worker: OrderedWorker | None = None
 
     @property
     def world(self) -> Communicator:
@@ -209,9 +213,10 @@ class AlgorithmImpl:
 
     def __init__(self, context: AlgorithmContext):
         self.context = context
-        # The world's own thread where it has one (a native communicator), so that the pipelines' collectives
-        # run inline there; over torch.distributed, which issues from any thread, one of this impl's own.
-        shared = getattr(context.communicators.world, "ordered_worker", None)
+        # The context's thread if given; else the world's own where it has one (a native communicator), so that
+        # the pipelines' collectives run inline there; over torch.distributed, which issues from any thread, one
+        # of this impl's own.
+        shared = context.ordered_worker or getattr(context.communicators.world, "ordered_worker", None)
         self._owns_worker = shared is None
         self._worker = OrderedWorker(type(self).__name__, context.device) if shared is None else shared
 
