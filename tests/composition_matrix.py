@@ -156,6 +156,7 @@ FROZEN_JAX = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_
 
 
 MATRIX_TORCH = "tests/test_composition_matrix_torch.py"
+MATRIX_JAX = "tests/test_composition_matrix_jax.py"
 
 
 def _cited(test: str | None) -> Cell:
@@ -203,7 +204,7 @@ def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
         },
         "mixed_precision": {
             "torch": Works(f"{MATRIX_TORCH}::test_mixed_precision_bf16_parameters_and_autocast"),
-            "jax": NOT_YET,
+            "jax": Works(f"{MATRIX_JAX}::test_bf16_parameters_train_as_bf16"),
         },
         "grad_accumulation": {
             "torch": Works(f"{MATRIX_TORCH}::test_no_sync_accumulation_matches_the_plain_run"),
