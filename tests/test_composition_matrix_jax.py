@@ -1,7 +1,8 @@
 """The JAX cells of the composition matrix that this file asserts, parametrized from tests/composition_matrix.py.
 
-Four simulated devices, a small MLP whose parameters are bf16, a few steps of every algorithm
-whose mixed-precision cell cites this file: the parameters stay bf16, finite, and move; where the
+Four simulated devices and a small MLP. Algorithms without a hierarchical variant train on a 2x2
+mesh as on the flat one. With bf16 parameters, a few steps of every algorithm whose
+mixed-precision cell cites this file: the parameters stay bf16, finite, and move; where the
 algorithm promises identical replicas the trainer returns one copy, and DiLoCo's per-rank copies
 meet after each outer step, within one bf16 rounding.
 """
@@ -78,3 +79,31 @@ def test_bf16_parameters_train_as_bf16(algorithm, rng):
             for name, value in replica.items():
                 want = replicas[0][name].astype(np.float32)
                 assert (np.abs(value.astype(np.float32) - want) <= np.abs(want) * 2.0**-7).all(), name
+
+
+@pytest.mark.parametrize("algorithm", citing("test_a_two_level_mesh_trains_as_the_flat_one", "hierarchical"))
+def test_a_two_level_mesh_trains_as_the_flat_one(algorithm, rng):
+    """An algorithm without a hierarchical variant on 2 nodes of 2 (a 2x2 ``("inter", "intra")`` mesh) averages
+    over the whole world: the parameters equal the flat mesh's, to float rounding of the sums' order."""
+    initial = {
+        "w1": rng.standard_normal((8, 16)).astype(np.float32),
+        "b1": (rng.standard_normal(16) * 0.1).astype(np.float32),
+        "w2": (rng.standard_normal((16, 2)) * 0.3).astype(np.float32),
+    }
+    batches = [
+        {k: rng.standard_normal((4 * RANKS, n)).astype(np.float32) for k, n in (("x", 8), ("y", 2))}
+        for _ in range(STEPS)
+    ]
+    devices = np.array(jax.devices()[:RANKS])
+    finals = []
+    for mesh in (Mesh(devices, ("ranks",)), Mesh(devices.reshape(2, 2), ("inter", "intra"))):
+        alg, optimizer = algorithm_and_optimizer(algorithm)
+        trainer = DataParallel(loss_fn, optimizer, alg, mesh=mesh)
+        state = trainer.init(initial)
+        for batch in batches:
+            state, _ = trainer.step(state, batch)
+        finals.append(jax.tree.map(np.asarray, state.params))
+    flat, two_level = finals
+    for name in initial:
+        assert not np.array_equal(flat[name], np.broadcast_to(initial[name], flat[name].shape)), name
+        np.testing.assert_allclose(two_level[name], flat[name], rtol=1e-5, atol=1e-6, err_msg=name)
