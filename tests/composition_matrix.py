@@ -81,6 +81,10 @@ FUSED_REFUSAL = Refuses(
     "its optimizer does not step elementwise, so fusing would change its math",
     "tests/test_fused_optimizer_torch.py::test_fusing_the_adam_family_is_refused_by_name",
 )
+AUTOTUNE_REFUSAL_TORCH = Refuses(
+    "it keeps state per bucket, which re-bucketing between steps would lose",
+    "tests/test_composition_matrix_torch.py::test_autotune_is_refused_naming_the_algorithm",
+)
 AUTOTUNE_REFUSAL_JAX = Refuses(
     "a compressed algorithm's numbers depend on its bucket layout, which tuning would change",
     "tests/test_autotune_jax.py::test_autotune_is_off_by_default_and_refused_for_compressed_algorithms",
@@ -263,11 +267,11 @@ def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
         "hierarchical": _hierarchical(algorithm),
         "reshard": {"torch": _cited(reshard_torch), "jax": _cited(reshard_jax)},
         "autotune": {
-            "torch": _cited(
+            "torch": Works(
                 "tests/test_autotune_torch.py::test_ranks_switch_together_and_tuning_leaves_gradient_allreduce_bit_identical"
-                if algorithm == "gradient_allreduce"
-                else None
-            ),
+            )
+            if algorithm == "gradient_allreduce"
+            else AUTOTUNE_REFUSAL_TORCH,
             "jax": autotune_jax,
         },
         "elastic": {"torch": NOT_YET, "jax": NOT_YET},
