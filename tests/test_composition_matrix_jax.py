@@ -4,7 +4,7 @@ Four simulated devices and a small MLP. Algorithms without a hierarchical varian
 mesh as on the flat one. With bf16 parameters, a few steps of every algorithm whose
 mixed-precision cell cites this file: the parameters stay bf16, finite, and move; where the
 algorithm promises identical replicas the trainer returns one copy, and DiLoCo's per-rank copies
-meet after each outer step, within one bf16 rounding.
+meet after each outer step, within two bf16 roundings.
 """
 
 from __future__ import annotations
@@ -76,11 +76,13 @@ def test_bf16_parameters_train_as_bf16(algorithm, rng):
         assert any(not np.array_equal(replica[n], initial[n]) for n in initial), f"{algorithm}: nothing moved"
     if algorithm == "diloco":
         # STEPS is a whole number of rounds, so the last step was an outer one: every rank holds the same outer
-        # result x' as params + (x' - params), which is x' up to one rounding, here one bf16 unit in the last place.
+        # result x' as params + (x' - params), which is x' up to two bf16 roundings (of the difference and the sum):
+        # 2 units in the last place of the larger of x' and params, which differ by the round's few steps.
         for replica in replicas[1:]:
             for name, value in replica.items():
-                want = replicas[0][name].astype(np.float32)
-                assert (np.abs(value.astype(np.float32) - want) <= np.abs(want) * 2.0**-7).all(), name
+                want, got = replicas[0][name].astype(np.float32), value.astype(np.float32)
+                bound = np.maximum(np.abs(want), np.abs(got)) * 2.0**-6 + 2.0**-12
+                assert (np.abs(got - want) <= bound).all(), name
 
 
 @pytest.mark.parametrize("algorithm", citing("test_a_two_level_mesh_trains_as_the_flat_one", "hierarchical"))
