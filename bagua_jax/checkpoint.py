@@ -17,6 +17,7 @@ the rows of its devices) and a native communicator (each process is one rank).
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,12 +30,13 @@ from bagua_common.job.checkpoint import (
     Manifest,
     check_restorable,
     checkpoint_dir,
+    checkpoint_to_restore,
     commit,
-    latest,
     load_arrays,
     read_manifest,
     save_arrays,
     shard_path,
+    verified_shard,
 )
 from bagua_common.job.rank_environment import environment_int
 from bagua_common.job.reshard import ReshardRule, algorithm_rule, reshard_rows
@@ -43,9 +45,10 @@ from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 
 _SUFFIX = ".npz"
+KeyPath = tuple[Any, ...]
 
 
-def _per_rank(leaf: jax.Array) -> bool:
+def per_rank(leaf: jax.Array) -> bool:
     """Whether ``leaf`` carries one row per rank (sharded along its leading axis) rather than one shared copy."""
     spec = getattr(leaf.sharding, "spec", ())
     return len(spec) > 0 and spec[0] is not None
@@ -69,7 +72,7 @@ def _wait_for_every_rank(trainer: DataParallel, what: str) -> None:
 def _rows(leaf: jax.Array, ranks: list[int]) -> dict[int, np.ndarray]:
     """This process's rows of ``leaf`` by rank (its whole value for each of ``ranks`` if it has no rank axis:
     shared by the ranks of a mesh, or the process's own in native mode)."""
-    if not _per_rank(leaf):
+    if not per_rank(leaf):
         value = np.asarray(leaf.addressable_shards[0].data)
         return {r: value for r in ranks}
     rows = {}
@@ -83,7 +86,7 @@ def _rows(leaf: jax.Array, ranks: list[int]) -> dict[int, np.ndarray]:
 def _model(params: Any) -> list[tuple[str, tuple[int, ...], str]]:
     """``(path, shape, dtype)`` of one rank's parameters (without the rank axis)."""
     return [
-        (jax.tree_util.keystr(path), tuple(leaf.shape[1:] if _per_rank(leaf) else leaf.shape), str(leaf.dtype))
+        (jax.tree_util.keystr(path), tuple(leaf.shape[1:] if per_rank(leaf) else leaf.shape), str(leaf.dtype))
         for path, leaf in jax.tree_util.tree_leaves_with_path(params)
     ]
 
@@ -93,6 +96,26 @@ def _algorithm(trainer: DataParallel) -> tuple[str, dict[str, str]]:
     return config["algorithm"], config
 
 
+def step_of(state: Any) -> int:
+    """The step count of a train state (``trainer.init``/``step``'s result)."""
+    return int(np.asarray(unwrap_state(state).step.addressable_shards[0].data).reshape(-1)[0])
+
+
+def manifest_for(trainer: DataParallel, state: Any) -> Manifest:
+    """The manifest of ``state``'s checkpoint: its step, ``trainer``'s world, algorithm and model."""
+    own = unwrap_state(state)
+    ranks = _own_ranks(trainer)
+    algorithm, config = _algorithm(trainer)
+    return Manifest(
+        step=step_of(own),
+        world_size=trainer.size,
+        local_world_size=len(ranks) if trainer.mesh is not None else environment_int("LOCAL_WORLD_SIZE") or 1,
+        algorithm=algorithm,
+        config=config,
+        model=_model(own.params),
+    )
+
+
 def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
     """Write the checkpoint of ``state`` (what ``trainer.init``/``step`` returned) under ``root``; returns its folder.
 
@@ -100,7 +123,7 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
     """
     own = unwrap_state(state)
     ranks = _own_ranks(trainer)
-    step = int(np.asarray(own.step.addressable_shards[0].data).reshape(-1)[0])
+    step = step_of(own)
     directory = checkpoint_dir(root, step)
     shards: dict[int, dict[str, np.ndarray]] = {r: {} for r in ranks}
     for path, leaf in jax.tree_util.tree_leaves_with_path(own):
@@ -110,18 +133,7 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
         save_arrays(shard_path(directory, rank, _SUFFIX), arrays)
     _wait_for_every_rank(trainer, f"bagua checkpoint {step} written")
     if 0 in ranks:
-        algorithm, config = _algorithm(trainer)
-        commit(
-            directory,
-            Manifest(
-                step=step,
-                world_size=trainer.size,
-                local_world_size=len(ranks) if trainer.mesh is not None else environment_int("LOCAL_WORLD_SIZE") or 1,
-                algorithm=algorithm,
-                config=config,
-                model=_model(own.params),
-            ),
-        )
+        commit(directory, manifest_for(trainer, own))
     _wait_for_every_rank(trainer, f"bagua checkpoint {step} committed")
     return directory
 
@@ -133,35 +145,60 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
     and its shapes; their values are replaced by the checkpoint's. Raises FileNotFoundError when
     there is no committed checkpoint and ValueError when it cannot be restored here (another
     model or algorithm, or a state whose shape depends on the world size under a rule that
-    carries it). Every process calls it.
+    carries it; a :class:`~bagua_common.job.checkpoint.DamagedCheckpointError` naming the file for
+    a shard that is missing, truncated, emptied or of another step). Every process calls it.
     """
-    directory = Path(root) if (Path(root) / "manifest.json").exists() else latest(root)
-    if directory is None:
-        raise FileNotFoundError(f"no committed checkpoint under {root}")
+    directory = checkpoint_to_restore(root)
     manifest = read_manifest(directory)
+    saved = [
+        load_arrays(verified_shard(directory, manifest, shard_path(directory, r, _SUFFIX).name))
+        for r in range(manifest.world_size)
+    ]
+
+    def saved_rows(path: KeyPath, fresh: jax.Array) -> list[np.ndarray]:
+        key = jax.tree_util.keystr(path)
+        if key not in saved[0]:
+            raise ValueError(f"the checkpoint {directory} has no {key}")
+        return [shard[key] for shard in saved]
+
+    return restore_rows(manifest, saved_rows, trainer, params, model_state=model_state)
+
+
+def restore_rows(
+    manifest: Manifest,
+    saved_rows: Callable[[KeyPath, jax.Array], list[np.ndarray]],
+    trainer: DataParallel,
+    params: Any,
+    *,
+    model_state: Any = None,
+) -> Any:
+    """A state for ``trainer`` from a checkpoint's ``manifest`` and its leaves, one row per saved rank.
+
+    ``saved_rows(path, fresh)`` gives the saved rows of the leaf at key path ``path``
+    (``fresh``: the leaf in a fresh state of ``trainer``; see :func:`per_rank`). The same world size gets each rank's
+    own row back; another one follows the algorithm's reshard rule. ``params`` and
+    ``model_state`` are what ``trainer.init`` would take.
+    """
     algorithm, _ = _algorithm(trainer)
     template = trainer.init(params, model_state=model_state)
     check_restorable(manifest, algorithm=algorithm, model=_model(unwrap_state(template).params))
-    saved = [load_arrays(shard_path(directory, r, _SUFFIX)) for r in range(manifest.world_size)]
     same_world = manifest.world_size == trainer.size
     if not same_world:
         rule = algorithm_rule(manifest.algorithm)
-        template = _restart_from_saved_params(trainer, template, saved, rule, model_state)
+        template = _restart_from_saved_params(trainer, template, saved_rows, rule, model_state)
     ranks = _own_ranks(trainer)
 
     def restored(path, fresh: jax.Array) -> jax.Array:
         key = jax.tree_util.keystr(path)
-        if key not in saved[0]:
-            raise ValueError(f"the checkpoint {directory} has no {key}")
-        rows = [shard[key] for shard in saved]
-        per_rank = _per_rank(fresh)
+        rank_axis = per_rank(fresh)
+        rows = saved_rows(path, fresh)
         if same_world:
-            value = np.stack(rows) if per_rank else rows[ranks[0] if trainer.mesh is None else 0]
+            value = np.stack(rows) if rank_axis else rows[ranks[0] if trainer.mesh is None else 0]
         else:
             fresh_row = _rows(fresh, ranks)[ranks[0]]
             leaf_rule = _leaf_rule(rule, key, rows[0].dtype)
-            value = reshard_rows(leaf_rule, rows, trainer.size if per_rank else 1, fresh_row)
-            value = value if per_rank else value[0]
+            value = reshard_rows(leaf_rule, rows, trainer.size if rank_axis else 1, fresh_row)
+            value = value if rank_axis else value[0]
         if value.shape != fresh.shape or value.dtype != fresh.dtype:
             raise ValueError(
                 f"{key}: the checkpoint holds {value.dtype}{list(value.shape)}, here {fresh.dtype}{list(fresh.shape)}"
@@ -181,7 +218,11 @@ def _leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:
 
 
 def _restart_from_saved_params(
-    trainer: DataParallel, template: Any, saved: list, rule: ReshardRule, model_state: Any
+    trainer: DataParallel,
+    template: Any,
+    saved_rows: Callable[[KeyPath, jax.Array], list[np.ndarray]],
+    rule: ReshardRule,
+    model_state: Any,
 ) -> Any:
     """A fresh state for the new world size whose parameters follow the rule (rank 0's, or the ranks' mean).
 
@@ -192,7 +233,7 @@ def _restart_from_saved_params(
 
     def start(path, leaf):
         key = jax.tree_util.keystr(path)
-        rows = [shard[key] for shard in saved]
+        rows = saved_rows(path, leaf)
         return reshard_rows(_leaf_rule(rule, key, rows[0].dtype), rows, 1)[0]
 
     params = jax.tree_util.tree_map_with_path(start, TrainState(own.params, None, None)).params

@@ -24,14 +24,15 @@ import numpy as np
 import torch
 
 from bagua_common.job.checkpoint import (
-    MANIFEST,
+    DamagedCheckpointError,
     Manifest,
     check_restorable,
     checkpoint_dir,
+    checkpoint_to_restore,
     commit,
-    latest,
     read_manifest,
     shard_path,
+    verified_shard,
     write_atomically,
 )
 from bagua_common.job.reshard import RESET, ReshardRule, algorithm_rule, reshard_rows
@@ -84,8 +85,13 @@ def save(
     return directory
 
 
-def _load(path: Path) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=True)
+def _load(directory: Path, manifest: Manifest, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s shard, checked against the manifest (a damaged one raises, naming the file)."""
+    path = verified_shard(directory, manifest, shard_path(directory, rank, _SUFFIX).name)
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (OSError, RuntimeError, EOFError) as e:
+        raise DamagedCheckpointError(f"{path} is not a readable shard: {type(e).__name__}: {e}") from e
 
 
 def restore(
@@ -98,23 +104,22 @@ def restore(
     Call it on every rank, right after wrapping the model and building the optimizers. Raises
     FileNotFoundError when there is no committed checkpoint and ValueError when it cannot be
     restored here (another model or algorithm, a state whose shape depends on the world size
-    under a rule that carries it).
+    under a rule that carries it; a :class:`~bagua_common.job.checkpoint.DamagedCheckpointError`
+    naming the file for a shard that is missing, truncated, emptied or of another step).
     """
     optimizers = _optimizers(optimizers)
     world = model.communicators.world
-    directory = Path(root) if (Path(root) / MANIFEST).exists() else latest(root)
-    if directory is None:
-        raise FileNotFoundError(f"no committed checkpoint under {root}")
+    directory = checkpoint_to_restore(root)
     manifest = read_manifest(directory)
     check_restorable(manifest, algorithm=_algorithm(model)[0], model=_model(model))
     if manifest.world_size == world.size:
-        state = _load(shard_path(directory, world.rank, _SUFFIX))
+        state = _load(directory, manifest, world.rank)
         model.load_state_dict(state["model"])
         for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
         return manifest.step
     rule = algorithm_rule(manifest.algorithm)
-    saved = [_load(shard_path(directory, r, _SUFFIX)) for r in range(manifest.world_size)]
+    saved = [_load(directory, manifest, r) for r in range(manifest.world_size)]
     models = [s["model"] for s in saved]
     params = {key: _parameter(rule, [m[key] for m in models]) for key in models[0] if key != _EXTRA}
     model.load_state_dict({**params, _EXTRA: model.get_extra_state()})

@@ -58,6 +58,7 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "qadam": ("qadam", {}),
     "onebit_adam": ("onebit_adam", {}),
     "powersgd": ("powersgd", {}),
+    "diloco": ("diloco", {"sync_every": 10}),
 }
 """Variant -> (registry name, options). Adam (lr 3e-3) for all but QAdam and 1-bit Adam, which bring their own
 optimizer (Adam during a warm-up of WARMUP steps)."""

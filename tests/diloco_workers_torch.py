@@ -112,7 +112,7 @@ def reshard(seed: int, rank: int) -> dict:
     from bagua_torch.checkpoint import restore, save
 
     algorithm = DiLoCoAlgorithm(
-        sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8", error_feedback=True
+        sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint4", error_feedback=True
     )
     root = os.path.join(os.environ["BAGUA_TEST_WORKDIR"], "checkpoints")
     model, optimizer = wrap(seed, algorithm)

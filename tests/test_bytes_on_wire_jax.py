@@ -88,6 +88,7 @@ DILOCO_SYNC = {
     "fp32": (("allreduce",), 1.0),
     "bf16": (("alltoall", "allgather"), 1 / 2),
     "uint8": (("alltoall", "allgather"), 1 / 4),
+    "uint4": (("alltoall", "allgather"), 1 / 8),
 }
 
 

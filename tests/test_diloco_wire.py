@@ -50,7 +50,16 @@ def torch_bytes(x) -> bytes:
 
 
 @pytest.mark.parametrize(
-    "wire, feedback", [("fp32", False), ("bf16", False), ("bf16", True), ("uint8", False), ("uint8", True)]
+    "wire, feedback",
+    [
+        ("fp32", False),
+        ("bf16", False),
+        ("bf16", True),
+        ("uint8", False),
+        ("uint8", True),
+        ("uint4", False),
+        ("uint4", True),
+    ],
 )
 def test_jax_and_torch_send_the_same_bytes(wire, feedback, rng):
     n = RANKS * int(rng.integers(40, 400))

@@ -6,9 +6,8 @@ A flat float32 buffer of a multiple of ``n = comm.size`` elements goes through o
 * ``bf16``: the ByteGrad pipeline with bfloat16 in place of codes: every rank sends chunk ``j``
   to rank ``j`` as bfloat16 (all-to-all), rank ``j`` sums what it received in float32 in rank
   order and divides by ``n``, and an allgather of that average (bfloat16) hands it to all;
-* ``uint8``: the 8-bit min-max pipeline of :mod:`bagua_common.algorithms.compressed_allreduce` (ByteGrad);
-* ``uint4``: the same pipeline with the 4-bit min-max codes (decoded and averaged in float32
-  in rank order).
+* ``uint8`` / ``uint4``: the min-max pipeline of :mod:`bagua_common.algorithms.compressed_allreduce`
+  (ByteGrad) with 8-bit or 4-bit codes.
 
 Every rank ends with the same bits, and JAX and torch send the same bytes for the same input.
 Bytes sent per rank: ``2 (n-1)/n`` of the buffer in its wire format (4, 2, about 1 and about
@@ -19,29 +18,22 @@ Bytes sent per rank: ``2 (n-1)/n`` of the buffer in its wire format (4, 2, about
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from bagua_common.algorithms.compressed_allreduce import CodecKernels, CompressedAllreduce
 
 Array = Any
 
-
-class ExchangeKernels(CodecKernels, Protocol):
-    """The kernels of a front end's ``ops`` module the exchange uses, beyond the 8-bit ones."""
-
-    def minmax_uint4_compress(self, x: Array, k: int) -> Array: ...
-    def minmax_uint4_decompress(self, compressed: Array, n: int, k: int) -> Array: ...
-
-
 Cast = Callable[[Array, str], Array]
 """``cast(x, "bfloat16" | "float32")``: ``x`` converted by the front end (round to nearest even)."""
+
+_CODECS = {"uint8": "minmax_uint8", "uint4": "minmax_uint4"}
 
 
 class OuterExchange:
     """The pseudo-gradient averages over one front end's ``kernels`` and ``cast``."""
 
-    def __init__(self, kernels: ExchangeKernels, cast: Cast) -> None:
-        self._kernels = kernels
+    def __init__(self, kernels: CodecKernels, cast: Cast) -> None:
         self._cast = cast
         self._minmax = CompressedAllreduce(kernels)
 
@@ -55,24 +47,17 @@ class OuterExchange:
             raise ValueError(f"a pseudo-gradient buffer must be 1-D with a multiple of {n} elements")
         if wire == "fp32":
             return comm.allreduce(flat, "avg"), residual
-        if wire == "uint8":
-            return self._minmax.minmax_allreduce(flat, comm, residual=residual)
-        if wire == "bf16":
-            encode = lambda x, k: self._cast(x, "bfloat16")  # noqa: E731 (one encoder per format)
-            decode = lambda c, m, k: self._cast(c, "float32")  # noqa: E731
-        elif wire == "uint4":
-            encode, decode = self._kernels.minmax_uint4_compress, self._kernels.minmax_uint4_decompress
-        else:
+        if wire in _CODECS:
+            return self._minmax.minmax_allreduce(flat, comm, residual=residual, codec=_CODECS[wire])
+        if wire != "bf16":
             raise ValueError(f"unknown outer exchange format {wire!r}")
         sent = flat if residual is None else flat + residual
-        packed = encode(sent, n)
+        packed = self._cast(sent, "bfloat16")
         if residual is not None:
-            residual = sent - decode(packed, flat.shape[0], n)
-        m = flat.shape[0] // n
-        received = comm.alltoall(packed.reshape(n, -1))
-        rows = decode(received.reshape(-1), n * m, n).reshape(n, m)
+            residual = sent - self._cast(packed, "float32")
+        rows = self._cast(comm.alltoall(packed.reshape(n, -1)), "float32")
         total = rows[0]
         for j in range(1, n):  # rank order, so that both front ends round alike
             total = total + rows[j]
-        gathered = comm.allgather(encode(total / n, 1))
-        return decode(gathered.reshape(-1), n * m, n), residual
+        gathered = comm.allgather(self._cast(total / n, "bfloat16"))
+        return self._cast(gathered.reshape(-1), "float32"), residual

@@ -4,30 +4,51 @@ A checkpoint of step ``s`` under ``root`` is the folder ``root/step_<s>`` holdin
 per rank (``rank_<r>.npz`` or ``.pt``, each written to a temporary name and renamed) and,
 last, ``manifest.json``, written by rank 0 once every rank has written its shard (the front
 end waits for all of them first) and renamed into place. The manifest names the step, the
-world size, the algorithm and its configuration and the model's tensors; a folder without
-one is a checkpoint that was being written when the job died, and :func:`latest` never
-returns it.
+world size, the algorithm and its configuration, the model's tensors and the size and
+SHA-256 digest of every shard; a folder without one is a checkpoint that was being written
+when the job died, and :func:`latest` never returns it. A shard that is missing, empty,
+truncated or not the one committed (damaged, or copied from another step) is refused by
+:func:`verified_shard` with a :class:`DamagedCheckpointError` naming the file.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
+import zipfile
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 MANIFEST = "manifest.json"
-FORMAT = 1
+FORMAT = 2
 _STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+class DamagedCheckpointError(ValueError):
+    """A committed checkpoint's file is missing, empty, truncated or not the one its manifest names."""
+
+
+@dataclass(frozen=True)
+class ShardRecord:
+    """A committed file's size in bytes and SHA-256 digest (hex)."""
+
+    size: int
+    sha256: str
 
 
 @dataclass(frozen=True)
 class Manifest:
-    """What a committed checkpoint holds: ``model`` is the ``(path, shape, dtype)`` of each model tensor."""
+    """What a committed checkpoint holds.
+
+    ``model`` is the ``(path, shape, dtype)`` of each model tensor; ``shards`` maps each file of
+    the checkpoint (its path relative to the folder) to its :class:`ShardRecord`, filled in by
+    :func:`commit`.
+    """
 
     step: int
     world_size: int
@@ -35,6 +56,7 @@ class Manifest:
     algorithm: str
     config: dict[str, str]
     model: list[tuple[str, tuple[int, ...], str]]
+    shards: dict[str, ShardRecord] = field(default_factory=dict)
     format: int = FORMAT
 
     def to_json(self) -> str:
@@ -46,6 +68,7 @@ class Manifest:
         if data.get("format") != FORMAT:
             raise ValueError(f"checkpoint manifest format {data.get('format')!r}, expected {FORMAT}")
         data["model"] = [(p, tuple(shape), dtype) for p, shape, dtype in data["model"]]
+        data["shards"] = {name: ShardRecord(**record) for name, record in data["shards"].items()}
         return cls(**data)
 
 
@@ -80,26 +103,95 @@ def save_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
-    """Read a shard written by :func:`save_arrays` (no pickles)."""
-    with np.load(path, allow_pickle=False) as data:
-        return {key: data[key] for key in data.files}
+    """Read a shard written by :func:`save_arrays` (no pickles); a corrupt one raises :class:`DamagedCheckpointError`."""
+    try:
+        with np.load(path, allow_pickle=False) as data:
+            return {key: data[key] for key in data.files}
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise DamagedCheckpointError(f"{path} is not a readable shard: {type(e).__name__}: {e}") from e
 
 
-def commit(directory: str | os.PathLike, manifest: Manifest) -> None:
-    """Write the manifest (rank 0, after every rank's shard is written): the checkpoint becomes loadable."""
+def _record(path: Path) -> ShardRecord:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return ShardRecord(path.stat().st_size, digest.hexdigest())
+
+
+def commit(directory: str | os.PathLike, manifest: Manifest, shard_pattern: str = "rank_{rank}.*") -> None:
+    """Write the manifest (rank 0, after every rank's files are written): the checkpoint becomes loadable.
+
+    Every rank must have a file matching ``shard_pattern`` (a glob with ``{rank}``); the manifest
+    records the size and digest of every file in the folder (the project's ``rank_<r>.*`` shards,
+    or the files torch.distributed.checkpoint wrote there).
+    """
     directory = Path(directory)
-    missing = [r for r in range(manifest.world_size) if not any(directory.glob(f"rank_{r}.*"))]
+    missing = [r for r in range(manifest.world_size) if not any(directory.glob(shard_pattern.format(rank=r)))]
     if missing:
         raise RuntimeError(f"cannot commit {directory}: the shards of ranks {missing} are missing")
-    write_atomically(directory / MANIFEST, lambda tmp: tmp.write_text(manifest.to_json()))
+    files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST and ".tmp" not in p.name)
+    shards = {p.relative_to(directory).as_posix(): _record(p) for p in files}
+    write_atomically(directory / MANIFEST, lambda tmp: tmp.write_text(replace(manifest, shards=shards).to_json()))
 
 
 def read_manifest(directory: str | os.PathLike) -> Manifest:
-    """The manifest of a committed checkpoint (FileNotFoundError for a folder never committed)."""
+    """The manifest of a committed checkpoint (FileNotFoundError naming it for a folder never committed)."""
     path = Path(directory) / MANIFEST
     if not path.exists():
-        raise FileNotFoundError(f"{directory} is not a committed checkpoint (no {MANIFEST}: it was never finished)")
-    return Manifest.from_json(path.read_text())
+        raise FileNotFoundError(f"{path} is missing: {directory} is not a committed checkpoint (never finished)")
+    try:
+        return Manifest.from_json(path.read_text())
+    except (ValueError, KeyError, TypeError) as e:
+        raise DamagedCheckpointError(f"{path} is not a readable checkpoint manifest: {e}") from e
+
+
+def checkpoint_to_restore(root: str | os.PathLike) -> Path:
+    """The checkpoint folder ``root`` names: ``root`` itself if it is one (committed or not), else the newest under it.
+
+    Raises FileNotFoundError naming the missing manifest or the empty ``root``.
+    """
+    root = Path(root)
+    if (root / MANIFEST).exists() or _STEP_DIR.match(root.name):
+        read_manifest(root)
+        return root
+    directory = latest(root)
+    if directory is None:
+        raise FileNotFoundError(f"no committed checkpoint under {root}")
+    return directory
+
+
+def verified_shard(directory: str | os.PathLike, manifest: Manifest, name: str) -> Path:
+    """The path of the file ``name`` of a committed checkpoint, once checked against the manifest's record.
+
+    Raises :class:`DamagedCheckpointError` naming the file and what is wrong: missing, empty,
+    truncated or grown, or with other content than the one committed (damaged, or a shard of
+    another step copied in).
+    """
+    path = Path(directory) / name
+    record = manifest.shards.get(name)
+    if record is None:
+        raise DamagedCheckpointError(f"{path}: the manifest of step {manifest.step} names no such file")
+    if not path.is_file():
+        raise DamagedCheckpointError(f"{path} is missing (the manifest of step {manifest.step} names it)")
+    size = path.stat().st_size
+    if size == 0:
+        raise DamagedCheckpointError(f"{path} is empty, the manifest records {record.size} bytes")
+    if size != record.size:
+        what = "truncated" if size < record.size else "longer than written"
+        raise DamagedCheckpointError(f"{path} is {what}: {size} bytes, the manifest records {record.size}")
+    if _record(path).sha256 != record.sha256:
+        raise DamagedCheckpointError(
+            f"{path} does not hold what step {manifest.step} committed (its SHA-256 differs from the manifest's): "
+            "damaged, or a shard of another checkpoint"
+        )
+    return path
+
+
+def verify_files(directory: str | os.PathLike, manifest: Manifest) -> None:
+    """Check every file the manifest records (see :func:`verified_shard`)."""
+    for name in manifest.shards:
+        verified_shard(directory, manifest, name)
 
 
 def latest(root: str | os.PathLike) -> Path | None:

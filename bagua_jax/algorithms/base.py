@@ -78,8 +78,8 @@ class ConfiguredAlgorithm:
 
     def replace(self, **changes: Any) -> ConfiguredAlgorithm:
         """A copy with ``changes`` to the configuration's fields and ``bucket_bytes``."""
-        own = {key: changes.pop(key) for key in ("bucket_bytes",) if key in changes}
-        return replace(self, config=replace(self.config, **changes), **own)
+        bucket_bytes = changes.pop("bucket_bytes", self.bucket_bytes)
+        return type(self)(replace(self.config, **changes), bucket_bytes=bucket_bytes)
 
     def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
         """This algorithm's optax transform over ``comms``: ``_transform(comms, config, bucket_bytes=...)``."""

@@ -12,9 +12,9 @@ Bagua), and ``with_bagua`` on it re-wraps the model.
 Bagua's semantics, kept or fixed:
 
 * On wrapping, the parameters, buffers *and every optimizer's state* (``state_dict()``:
-  moments, step counts, hyper-parameters) are broadcast from rank 0, as Bagua did. Bagua
-  pickled the optimizer's scalars and unpickled rank 0's bytes on every rank; here the
-  structure travels as JSON and the tensors as raw bytes, so nothing a peer sends is unpickled.
+  moments, step counts, hyper-parameters) are broadcast from rank 0, as Bagua did, by the
+  project's wrapper (:mod:`bagua_torch.broadcast`). Bagua pickled the optimizer's scalars and
+  unpickled rank 0's bytes on every rank; here nothing a peer sends is unpickled.
 * ``with_bagua`` on a model already wrapped (or ``DistributedDataParallel`` of it) switches
   algorithms: the previous wrapper is closed first (its hooks removed, an asynchronous
   algorithm's thread stopped), then the model is wrapped anew. Bagua left the old hooks in

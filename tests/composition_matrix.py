@@ -1,0 +1,294 @@
+"""Every algorithm with every feature, per front end: the composition matrix, as data.
+
+Rows are the registered algorithms (:data:`bagua_common.algorithms.registry.CONFIGS`), columns the
+features a user combines them with, and each cell says, for torch and for JAX, one of:
+
+* :class:`Works` — the test (``file::function``) whose assertion proves the algorithm's defining
+  property under that feature;
+* :class:`Refuses` — wrapping raises a clear error naming both, with the reason, and the test
+  asserting that error;
+* :class:`Skipped` — no assertion runs for the cell yet, and why.
+
+``tests/test_composition_matrix.py`` checks the table covers every cell, that every test it cites
+exists, and that the README embeds :func:`markdown` as generated. Run
+``python -m tests.composition_matrix --markdown`` to print the README's table, ``--update-readme`` to
+write it there.
+"""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import bagua_common.algorithms.configs  # noqa: F401  (registers the algorithms)
+import bagua_common.algorithms.diloco  # noqa: F401
+from bagua_common.algorithms.registry import CONFIGS
+
+FRONT_ENDS = ("torch", "jax")
+
+FEATURES = {
+    "fused_optimizer": "fused optimizer",
+    "checkpoint_resume": "checkpoint resume",
+    "frozen_unused": "frozen / unused parameters",
+    "mixed_precision": "mixed precision",
+    "grad_accumulation": "gradient accumulation",
+    "param_groups": "parameter groups",
+    "hierarchical": "hierarchical (2 nodes of 2)",
+    "reshard": "reshard 4→2, 2→4",
+    "autotune": "autotune (once)",
+    "elastic": "elastic kill and join",
+    "sampler_cached": "balanced sampler + cached dataset",
+    "bagua_net": "Bagua-Net",
+}
+"""Feature key -> its column heading, in order of value."""
+
+
+@dataclass(frozen=True)
+class Works:
+    """The cell works: ``test`` (``tests/file.py::function``) asserts the algorithm's defining property under the
+    feature."""
+
+    test: str
+
+
+@dataclass(frozen=True)
+class Refuses:
+    """Wrapping raises a clear error naming algorithm and feature, for ``reason``; ``test`` asserts the error."""
+
+    reason: str
+    test: str
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """No assertion runs for the cell, for ``reason``."""
+
+    reason: str
+
+
+Cell = Works | Refuses | Skipped
+
+ALGORITHMS = tuple(CONFIGS)
+TORCH_ONLY = Skipped("a torch feature: optax updates are fused by XLA's compiler")
+NOT_YET = Skipped("not yet run by a test (issue 32)")
+PLUGIN_ONLY = Skipped(
+    "the plugin is tested alone through the dlopen harness (tests/test_bagua_net.py); a training run with it "
+    "needs NCCL, hence a GPU"
+)
+
+FUSED_REFUSAL = Refuses(
+    "its optimizer does not step elementwise, so fusing would change its math",
+    "tests/test_fused_optimizer_torch.py::test_fusing_the_adam_family_is_refused_by_name",
+)
+AUTOTUNE_REFUSAL_JAX = Refuses(
+    "a compressed algorithm's numbers depend on its bucket layout, which tuning would change",
+    "tests/test_autotune_jax.py::test_autotune_is_off_by_default_and_refused_for_compressed_algorithms",
+)
+
+
+def _fused_optimizer(algorithm: str) -> dict[str, Cell]:
+    if algorithm in ("qadam", "onebit_adam"):
+        torch_cell: Cell = FUSED_REFUSAL
+    elif algorithm == "async":
+        torch_cell = Works(
+            "tests/test_fused_optimizer_torch.py::test_fused_asynchronous_averaging_leaves_the_warm_up_and_averages"
+        )
+    else:
+        torch_cell = Works(
+            "tests/test_fused_optimizer_torch.py::test_fused_on_the_buckets_equals_unfused_with_as_many_collectives"
+        )
+    return {"torch": torch_cell, "jax": TORCH_ONLY}
+
+
+CHECKPOINT_RESUME = {
+    "gradient_allreduce": (None, None),
+    "bytegrad": (
+        "tests/test_gradient_allreduce_bytegrad_torch.py::test_checkpoint_of_the_algorithm_state_resumes_identically",
+        "tests/test_gradient_allreduce_bytegrad_jax.py::test_bytegrad_error_feedback_state_restored_from_a_checkpoint_continues_identically",
+    ),
+    "decentralized": (
+        "tests/test_decentralized_torch.py::test_checkpoint_continues_identically",
+        "tests/test_decentralized_jax.py::test_checkpoint_restore_continues_the_same_run",
+    ),
+    "low_precision_decentralized": (
+        "tests/test_decentralized_torch.py::test_checkpoint_continues_identically",
+        "tests/test_decentralized_jax.py::test_checkpoint_restore_continues_the_same_run",
+    ),
+    "async": (
+        "tests/test_async_model_average_torch.py::test_checkpoint_restores_the_step_counter",
+        "tests/test_async_model_average_jax.py::test_transform_state_restores_from_a_numpy_checkpoint",
+    ),
+    "qadam": (
+        "tests/test_qadam_onebit_torch.py::test_checkpoint_across_the_warmup_boundary_continues_identically",
+        "tests/test_qadam_onebit_jax.py::test_checkpoint_restore_across_the_warmup_boundary",
+    ),
+    "onebit_adam": (
+        "tests/test_qadam_onebit_torch.py::test_checkpoint_across_the_warmup_boundary_continues_identically",
+        "tests/test_qadam_onebit_jax.py::test_checkpoint_restore_across_the_warmup_boundary",
+    ),
+    "powersgd": ("tests/test_powersgd_torch.py::test_resume_from_a_checkpoint_is_bit_identical", None),
+    "diloco": (
+        "tests/test_diloco_torch.py::test_resume_mid_round_is_bit_identical",
+        "tests/test_diloco_jax.py::test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule",
+    ),
+}
+"""Algorithm -> (torch test, JAX test) of a save and resume that continues identically; None: none yet."""
+
+RESHARD_TORCH = (
+    "gradient_allreduce",
+    "bytegrad",
+    "qadam",
+    "onebit_adam",
+    "decentralized",
+    "low_precision_decentralized",
+)
+RESHARD_JAX = (
+    "gradient_allreduce",
+    "bytegrad",
+    "qadam",
+    "onebit_adam",
+    "powersgd",
+    "decentralized",
+    "low_precision_decentralized",
+)
+FROZEN_JAX = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "onebit_adam")
+
+
+MATRIX_TORCH = "tests/test_composition_matrix_torch.py"
+
+
+def _cited(test: str | None) -> Cell:
+    return NOT_YET if test is None else Works(test)
+
+
+def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
+    torch_resume, jax_resume = CHECKPOINT_RESUME[algorithm]
+    reshard_torch = {"diloco": "tests/test_diloco_torch.py::test_restore_into_another_world_size_follows_the_rule"}.get(
+        algorithm,
+        "tests/test_checkpoint_torch.py::test_restore_into_another_world_size_follows_each_algorithms_rule"
+        if algorithm in RESHARD_TORCH
+        else None,
+    )
+    reshard_jax = {"diloco": jax_resume}.get(
+        algorithm,
+        "tests/test_checkpoint_jax.py::test_restore_into_another_world_size_follows_the_rule"
+        if algorithm in RESHARD_JAX
+        else None,
+    )
+    autotune_jax: Cell = (
+        Works("tests/test_autotune_jax.py::test_switching_bucket_size_mid_run_gives_bit_identical_parameters")
+        if algorithm == "gradient_allreduce"
+        else AUTOTUNE_REFUSAL_JAX
+        if algorithm in ("bytegrad",)
+        else NOT_YET
+    )
+    return {
+        "fused_optimizer": _fused_optimizer(algorithm),
+        "checkpoint_resume": {
+            "torch": _cited(
+                torch_resume
+                if algorithm == "async"
+                else f"{MATRIX_TORCH}::test_checkpoint_resume_continues_bit_identically"
+            ),
+            "jax": _cited(jax_resume),
+        },
+        "frozen_unused": {
+            "torch": Works("tests/test_frozen_parameters_torch.py::test_frozen_parameters_never_move"),
+            "jax": _cited(
+                "tests/test_frozen_parameters_jax.py::test_frozen_parameter_never_moves"
+                if algorithm in FROZEN_JAX
+                else None
+            ),
+        },
+        "mixed_precision": {
+            "torch": Works(f"{MATRIX_TORCH}::test_mixed_precision_bf16_parameters_and_autocast"),
+            "jax": NOT_YET,
+        },
+        "grad_accumulation": {
+            "torch": Works(f"{MATRIX_TORCH}::test_no_sync_accumulation_matches_the_plain_run"),
+            "jax": NOT_YET,
+        },
+        "param_groups": {
+            "torch": Works(f"{MATRIX_TORCH}::test_a_group_at_learning_rate_zero_never_moves"),
+            "jax": NOT_YET,
+        },
+        "hierarchical": {"torch": NOT_YET, "jax": NOT_YET},
+        "reshard": {"torch": _cited(reshard_torch), "jax": _cited(reshard_jax)},
+        "autotune": {
+            "torch": _cited(
+                "tests/test_autotune_torch.py::test_ranks_switch_together_and_tuning_leaves_gradient_allreduce_bit_identical"
+                if algorithm == "gradient_allreduce"
+                else None
+            ),
+            "jax": autotune_jax,
+        },
+        "elastic": {"torch": NOT_YET, "jax": NOT_YET},
+        "sampler_cached": {"torch": NOT_YET, "jax": NOT_YET},
+        "bagua_net": {"torch": PLUGIN_ONLY, "jax": PLUGIN_ONLY},
+    }
+
+
+MATRIX: dict[str, dict[str, dict[str, Cell]]] = {algorithm: _row(algorithm) for algorithm in ALGORITHMS}
+"""algorithm -> feature -> front end -> its cell."""
+
+
+def counts() -> dict[str, int]:
+    """How many cells work, refuse clearly and are skipped (with their reason)."""
+    cells = [cell for row in MATRIX.values() for feature in row.values() for cell in feature.values()]
+    return {kind.__name__: sum(isinstance(c, kind) for c in cells) for kind in (Works, Refuses, Skipped)}
+
+
+def _symbol(cell: Cell, notes: dict[str, int]) -> str:
+    if isinstance(cell, Works):
+        return "✓"
+    reason = cell.reason
+    number = notes.setdefault(reason, len(notes) + 1)
+    return f"✗{number}" if isinstance(cell, Refuses) else f"–{number}"
+
+
+def markdown() -> str:
+    """The matrix as a Markdown table (cells "torch / JAX": ✓ works, ✗n refuses, –n not run) with its notes."""
+    notes: dict[str, int] = {}
+    lines = [
+        "| algorithm | " + " | ".join(FEATURES.values()) + " |",
+        "|---|" + "---|" * len(FEATURES),
+    ]
+    for algorithm, row in MATRIX.items():
+        cells = [" / ".join(_symbol(row[f][fe], notes) for fe in FRONT_ENDS) for f in FEATURES]
+        lines.append(f"| {algorithm} | " + " | ".join(cells) + " |")
+    refused = {c.reason for row in MATRIX.values() for f in row.values() for c in f.values() if isinstance(c, Refuses)}
+    lines.append("")
+    for reason, number in notes.items():
+        kind = "refused" if reason in refused else "not run"
+        lines.append(f"{number}. {kind}: {reason}.")
+    total = counts()
+    lines.append("")
+    lines.append(f"Cells: {total['Works']} work, {total['Refuses']} refuse clearly, {total['Skipped']} not run.")
+    return "\n".join(lines) + "\n"
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+BEGIN, END = "<!-- composition-matrix:begin -->\n", "<!-- composition-matrix:end -->"
+
+
+def embedded_in_readme() -> str:
+    """The table the README holds between its composition-matrix markers."""
+    return README.read_text().split(BEGIN)[1].split(END)[0]
+
+
+def update_readme() -> None:
+    """Replace the README's table with :func:`markdown`'s."""
+    text = README.read_text()
+    README.write_text(text.replace(BEGIN + embedded_in_readme() + END, BEGIN + markdown() + END))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    action = parser.add_mutually_exclusive_group(required=True)
+    action.add_argument("--markdown", action="store_true", help="print the README's table")
+    action.add_argument("--update-readme", action="store_true", help="write it into README.md")
+    if parser.parse_args().update_readme:
+        update_readme()
+    else:
+        print(markdown(), end="")

@@ -1,0 +1,68 @@
+"""A damaged checkpoint of the project's own format is refused with an error naming the file and what is wrong.
+
+Two committed checkpoints of a 2-rank mesh (steps 1 and 2); one file of step 2 is then
+truncated, emptied, replaced by step 1's shard of the same rank, or the manifest is deleted,
+and restoring step 2 must raise naming that file, where numpy would raise a bare
+``BadZipFile``/``EOFError`` or load another step's state silently.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import jax
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+from test_checkpoint_jax import LR, batch, initial_params, loss_fn
+
+from bagua_common.job.checkpoint import MANIFEST, DamagedCheckpointError
+from bagua_jax import DataParallel
+from bagua_jax.algorithms import ByteGrad
+from bagua_jax.checkpoint import restore, save
+
+
+def damage_truncate(step_dir, other_dir):
+    shard = step_dir / "rank_1.npz"
+    shard.write_bytes(shard.read_bytes()[: shard.stat().st_size // 2])
+    return shard, "truncated"
+
+
+def damage_empty(step_dir, other_dir):
+    shard = step_dir / "rank_0.npz"
+    shard.write_bytes(b"")
+    return shard, "empty"
+
+
+def damage_other_step(step_dir, other_dir):
+    shard = step_dir / "rank_1.npz"
+    shutil.copyfile(other_dir / "rank_1.npz", shard)
+    return shard, "another checkpoint"
+
+
+def damage_manifest(step_dir, other_dir):
+    manifest = step_dir / MANIFEST
+    manifest.unlink()
+    return manifest, "missing"
+
+
+@pytest.mark.parametrize("damage", [damage_truncate, damage_empty, damage_other_step, damage_manifest])
+def test_damaged_shard_is_refused_naming_the_file(damage, tmp_path, rng):
+    dp = DataParallel(
+        loss_fn, optax.adam(LR), ByteGrad(error_feedback=True, hierarchical=False), mesh=Mesh(jax.devices()[:2], ("r",))
+    )
+    state = dp.init(initial_params(rng))
+    state, _ = dp.step(state, batch(rng))
+    first = save(tmp_path, state, dp)
+    state, _ = dp.step(state, batch(rng))
+    second = save(tmp_path, state, dp)
+    restore(second, dp, initial_params(rng))  # intact: loads
+    path, what = damage(second, first)
+    error = FileNotFoundError if damage is damage_manifest else DamagedCheckpointError
+    with pytest.raises(error) as raised:
+        restore(second, dp, initial_params(rng))
+    message = str(raised.value)
+    assert str(path) in message and what in message, message
+    if damage is not damage_manifest:
+        np.testing.assert_array_equal(np.asarray(restore(first, dp, initial_params(rng)).step), 1)

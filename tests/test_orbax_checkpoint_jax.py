@@ -1,0 +1,127 @@
+"""bagua_jax.orbax_checkpoint: DataParallel state through orbax's CheckpointManager.
+
+One process, simulated CPU devices as the ranks of a mesh. Checked: plain orbax (no project
+code) reads a saved step back leaf for leaf; a run resumed from an asynchronously saved step
+continues bit for bit (ByteGrad with error feedback, decentralized, DiLoCo mid-round); a
+restore into another world size equals the project's own format's (whose rules
+test_checkpoint_jax checks against NumPy); a step with truncated data files is refused naming
+its folder and the file.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from jax.sharding import Mesh
+from test_checkpoint_jax import LR, batch, host, initial_params, loss_fn
+
+from bagua_common.job.checkpoint import DamagedCheckpointError
+from bagua_jax import DataParallel
+from bagua_jax.algorithms import ByteGrad, Decentralized, DiLoCo
+from bagua_jax.checkpoint import restore, save
+from bagua_jax.orbax_checkpoint import MANIFEST_ITEM, STATE, OrbaxCheckpoints
+
+ALGORITHMS = {
+    "bytegrad_error_feedback": (lambda: ByteGrad(error_feedback=True, hierarchical=False), optax.adam(LR)),
+    "decentralized": (lambda: Decentralized(hierarchical=False), optax.adam(LR)),
+    "diloco": (lambda: DiLoCo(sync_every=3, round_start_memory="device"), optax.sgd(LR)),
+}
+
+
+def trainer(name: str, ranks: int) -> DataParallel:
+    make, optimizer = ALGORITHMS[name]
+    return DataParallel(loss_fn, optimizer, make(), mesh=Mesh(np.array(jax.devices()[:ranks]), ("ranks",)))
+
+
+def trained(dp: DataParallel, rng, steps: int):
+    state = dp.init(initial_params(rng))
+    for _ in range(steps):
+        state, _ = dp.step(state, batch(rng))
+    return state
+
+
+def assert_trees_equal(got, want):
+    got_leaves, want_leaves = jax.tree.leaves(host(got)), jax.tree.leaves(host(want))
+    assert len(got_leaves) == len(want_leaves)
+    for a, b in zip(got_leaves, want_leaves):
+        np.testing.assert_array_equal(a, b)
+
+
+def by_name(tree) -> dict:
+    """Non-empty leaves by their path as names (orbax stores named tuples as dicts), as nested lists."""
+    return {
+        tuple(str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path): np.asarray(leaf).tolist()
+        for path, leaf in jax.tree_util.tree_leaves_with_path(tree)
+        if np.size(leaf)
+    }
+
+
+@pytest.mark.parametrize("name", sorted(ALGORITHMS))
+def test_resume_is_bit_for_bit_and_plain_orbax_reads_it(name, tmp_path, rng):
+    dp = trainer(name, 2)
+    state = trained(dp, rng, 4)  # DiLoCo: mid-round (round of 3, step 4)
+    checkpoints = OrbaxCheckpoints(tmp_path, dp)
+    assert checkpoints.save(state) == 4
+    batches = [batch(rng) for _ in range(3)]
+    want = state
+    for data in batches:  # trains on while orbax writes
+        want, _ = dp.step(want, data)
+    checkpoints.close()
+
+    # orbax's own API, no project code: the saved leaves as they were.
+    plain = ocp.CheckpointManager(tmp_path, item_names=(STATE, MANIFEST_ITEM))
+    assert plain.latest_step() == 4
+    read = plain.restore(4, args=ocp.args.Composite(**{MANIFEST_ITEM: ocp.args.JsonRestore()}))[MANIFEST_ITEM]
+    assert read["step"] == 4 and read["world_size"] == 2, read
+    plain.close()
+    with ocp.StandardCheckpointer() as checkpointer:
+        raw = checkpointer.restore(tmp_path / "4" / STATE)
+    assert by_name(raw) == by_name(state._asdict())
+
+    resumed_dp = trainer(name, 2)
+    reader = OrbaxCheckpoints(tmp_path, resumed_dp)
+    resumed = reader.restore(initial_params(rng))
+    reader.close()
+    for data in batches:
+        resumed, _ = resumed_dp.step(resumed, data)
+    assert_trees_equal(resumed, want)
+
+
+def test_another_world_size_follows_the_rule_like_the_projects_format(tmp_path, rng):
+    dp = trainer("decentralized", 4)
+    state = trained(dp, rng, 3)
+    checkpoints = OrbaxCheckpoints(tmp_path / "orbax", dp)
+    checkpoints.save(state)
+    checkpoints.close()
+    save(tmp_path / "own", state, dp)
+    smaller = trainer("decentralized", 2)
+    reader = OrbaxCheckpoints(tmp_path / "orbax", smaller)
+    got = host(reader.restore(initial_params(rng)))
+    reader.close()
+    want = host(restore(tmp_path / "own", smaller, initial_params(rng)))
+    assert_trees_equal(got, want)
+    saved_w = np.asarray(host(state).params["w"])
+    np.testing.assert_array_equal(got.params["w"][1], (saved_w.astype(np.float64).sum(0) / 4).astype(np.float32))
+
+
+def test_damaged_step_is_refused_naming_it(tmp_path, rng):
+    dp = trainer("bytegrad_error_feedback", 2)
+    checkpoints = OrbaxCheckpoints(tmp_path, dp)
+    checkpoints.save(trained(dp, rng, 1))
+    checkpoints.close()
+    step_dir = tmp_path / "1"
+    truncated = sorted((step_dir / STATE).rglob("d/*"))
+    for data in truncated:
+        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
+    reader, empty = OrbaxCheckpoints(tmp_path, dp), OrbaxCheckpoints(tmp_path / "none", dp)
+    with pytest.raises(DamagedCheckpointError) as raised:
+        reader.restore(initial_params(rng))
+    message = str(raised.value)
+    assert str(step_dir) in message and any(str(data) in message for data in truncated), message
+    with pytest.raises(FileNotFoundError, match="no committed orbax checkpoint"):
+        empty.restore(initial_params(rng))
+    reader.close()
+    empty.close()
