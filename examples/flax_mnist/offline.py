@@ -13,6 +13,7 @@ data-parallel on two processes: ``mpiexec -n 2 python examples/flax_mnist/offlin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import types
 from pathlib import Path
@@ -65,23 +66,36 @@ WRITERS: list[SummaryWriter] = []
 def _module(name: str, **attributes) -> types.ModuleType:
     module = types.ModuleType(name)
     module.__dict__.update(attributes)
-    sys.modules[name] = module
     return module
 
 
-def _stand_ins() -> None:
-    """Put the stand-ins in ``sys.modules`` before an example imports the real packages."""
-    _module("ml_collections", ConfigDict=ConfigDict)
-    _module("tensorflow_datasets")
-    _module(
-        "tensorflow",
-        random=types.SimpleNamespace(set_seed=lambda seed: None),
-        data=types.SimpleNamespace(Dataset=object),
-        TensorSpec=lambda **kwargs: kwargs,
-        float32="float32",
-    )
-    _module("flax.metrics.tensorboard", SummaryWriter=SummaryWriter)
-    _module("orbax.export", JaxModule=_Exporter, ExportManager=_Exporter, ServingConfig=_Exporter)
+@contextlib.contextmanager
+def stand_ins():
+    """The stand-ins in ``sys.modules`` while an example imports or runs (it imports orbax's exporter at its end);
+    whatever was there before is put back after, so other code in the process never sees them."""
+    modules = [
+        _module("ml_collections", ConfigDict=ConfigDict),
+        _module("tensorflow_datasets"),
+        _module(
+            "tensorflow",
+            random=types.SimpleNamespace(set_seed=lambda seed: None),
+            data=types.SimpleNamespace(Dataset=object),
+            TensorSpec=lambda **kwargs: kwargs,
+            float32="float32",
+        ),
+        _module("flax.metrics.tensorboard", SummaryWriter=SummaryWriter),
+        _module("orbax.export", JaxModule=_Exporter, ExportManager=_Exporter, ServingConfig=_Exporter),
+    ]
+    saved = {module.__name__: sys.modules.get(module.__name__) for module in modules}
+    sys.modules.update({module.__name__: module for module in modules})
+    try:
+        yield
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = module
 
 
 def digits() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
@@ -146,19 +160,17 @@ def patched(diff: str) -> dict[str, str]:
 def load(example: str, data_parallel: bool) -> tuple[types.ModuleType, types.ModuleType]:
     """The example's ``train`` and ``default`` config modules (``example``: ``linen`` or ``nnx``), as flax ships
     them or with ``{example}.diff`` applied."""
-    _stand_ins()
     names = {"train": f"{example}_train.py", "default": "default.py"}
     if data_parallel:
         sources = patched((HERE / f"{example}.diff").read_text())
     else:
         sources = {name: (HERE / "upstream" / name).read_text() for name in names.values()}
+    folder = "data_parallel" if data_parallel else "upstream"  # the changed files' name, for tracebacks
     modules = []
     for part, name in names.items():
         module = types.ModuleType(f"flax_mnist_{example}_{part}")
-        exec(
-            compile(sources[name], str(HERE / ("data_parallel" if data_parallel else "upstream") / name), "exec"),
-            module.__dict__,
-        )
+        with stand_ins():
+            exec(compile(sources[name], str(HERE / folder / name), "exec"), module.__dict__)
         modules.append(module)
     train, default = modules
     train_ds, test_ds = digits()
@@ -179,7 +191,8 @@ def run(example: str, data_parallel: bool, epochs: int, algorithm: str | None = 
     config.num_epochs = epochs
     if algorithm is not None:
         config.algorithm = algorithm
-    train.train_and_evaluate(config, workdir="")
+    with stand_ins():
+        train.train_and_evaluate(config, workdir="")
     return WRITERS[-1].scalars["test_accuracy"]
 
 
