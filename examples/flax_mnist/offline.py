@@ -17,6 +17,7 @@ import contextlib
 import sys
 import types
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -184,8 +185,9 @@ def load(example: str, data_parallel: bool) -> tuple[types.ModuleType, types.Mod
     return train, default
 
 
-def run(example: str, data_parallel: bool, epochs: int, algorithm: str | None = None) -> list[float]:
-    """Train ``example`` for ``epochs`` with flax's default configuration; its test accuracy (a fraction) per epoch."""
+def run(example: str, data_parallel: bool, epochs: int, algorithm: Any = None) -> list[float]:
+    """Train ``example`` for ``epochs`` with flax's default configuration (``algorithm``: a name or an algorithm
+    object, for the data-parallel version); its test accuracy (a fraction) per epoch."""
     train, default = load(example, data_parallel)
     config = default.get_config()
     config.num_epochs = epochs
