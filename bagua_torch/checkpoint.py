@@ -16,7 +16,7 @@ copies restart equal to the parameters, in buckets planned for the new world siz
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +40,11 @@ from bagua_common.job.signature import algorithm_config
 from bagua_torch.bagua_module import BaguaModule
 
 _SUFFIX = ".pt"
-_EXTRA = "_extra_state"
+EXTRA_STATE = "_extra_state"
 
 
-def _optimizers(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+def optimizer_list(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+    """One optimizer or several, as a list."""
     return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
 
 
@@ -69,20 +70,32 @@ def save(
     """
     world = model.communicators.world
     directory = checkpoint_dir(root, step)
-    state = {
-        "step": step,
-        "model": model.state_dict(),
-        "optimizers": [o.state_dict() for o in _optimizers(optimizers)],
-    }
+    state = rank_state(model, optimizers, step)
     write_atomically(shard_path(directory, world.rank, _SUFFIX), lambda tmp: torch.save(state, tmp))
     world.barrier()
     if world.rank == 0:
-        algorithm, config = _algorithm(model)
-        local = model.communicators.intra.size if model.communicators.intra is not None else world.size
-        manifest = Manifest(step, world.size, local, algorithm, config, _model(model))
-        commit(directory, manifest)
+        commit(directory, manifest_for(model, step))
     world.barrier()
     return directory
+
+
+def rank_state(
+    model: BaguaModule, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], step: int
+) -> dict[str, Any]:
+    """This rank's checkpoint: the step, the model's ``state_dict()`` (algorithm state included), the optimizers'."""
+    return {
+        "step": step,
+        "model": model.state_dict(),
+        "optimizers": [o.state_dict() for o in optimizer_list(optimizers)],
+    }
+
+
+def manifest_for(model: BaguaModule, step: int) -> Manifest:
+    """The manifest of step ``step``'s checkpoint of ``model``: its world, algorithm and parameters."""
+    world = model.communicators.world
+    algorithm, config = _algorithm(model)
+    local = model.communicators.intra.size if model.communicators.intra is not None else world.size
+    return Manifest(step, world.size, local, algorithm, config, _model(model))
 
 
 def _load(directory: Path, manifest: Manifest, rank: int) -> dict[str, Any]:
@@ -107,29 +120,44 @@ def restore(
     under a rule that carries it; a :class:`~bagua_common.job.checkpoint.DamagedCheckpointError`
     naming the file for a shard that is missing, truncated, emptied or of another step).
     """
-    optimizers = _optimizers(optimizers)
-    world = model.communicators.world
     directory = checkpoint_to_restore(root)
     manifest = read_manifest(directory)
+    return restore_states(manifest, lambda rank: _load(directory, manifest, rank), model, optimizers)
+
+
+def restore_states(
+    manifest: Manifest,
+    load_rank: Callable[[int], dict[str, Any]],
+    model: BaguaModule,
+    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+) -> int:
+    """Restore a checkpoint given its ``manifest`` and ``load_rank(r)``, saved rank ``r``'s state; returns its step.
+
+    A rank's state is ``{"step", "model": model.state_dict(), "optimizers": [state_dict(), ...]}``.
+    The same world size loads this rank's own state; another one loads every saved rank's and
+    follows the algorithm's reshard rule.
+    """
+    optimizers = optimizer_list(optimizers)
+    world = model.communicators.world
     check_restorable(manifest, algorithm=_algorithm(model)[0], model=_model(model))
     if manifest.world_size == world.size:
-        state = _load(directory, manifest, world.rank)
+        state = load_rank(world.rank)
         model.load_state_dict(state["model"])
         for optimizer, saved in zip(optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
         return manifest.step
     rule = algorithm_rule(manifest.algorithm)
-    saved = [_load(directory, manifest, r) for r in range(manifest.world_size)]
+    saved = [load_rank(r) for r in range(manifest.world_size)]
     models = [s["model"] for s in saved]
-    params = {key: _parameter(rule, [m[key] for m in models]) for key in models[0] if key != _EXTRA}
-    model.load_state_dict({**params, _EXTRA: model.get_extra_state()})
+    params = {key: _parameter(rule, [m[key] for m in models]) for key in models[0] if key != EXTRA_STATE}
+    model.load_state_dict({**params, EXTRA_STATE: model.get_extra_state()})
     # What restarts is taken from the algorithm built afresh on the restored parameters.
     fresh = model.algorithm.reify(model.algorithm_impl.context)
     try:
         fresh_state = fresh.state_dict()
     finally:
         fresh.close()
-    algorithm_state = _combine(rule, "", [m[_EXTRA]["algorithm_state"] for m in models], fresh_state)
+    algorithm_state = _combine(rule, "", [m[EXTRA_STATE]["algorithm_state"] for m in models], fresh_state)
     model.set_extra_state({**model.get_extra_state(), "algorithm_state": algorithm_state})
     for i, optimizer in enumerate(optimizers):
         optimizer.load_state_dict(_combine(rule, "optimizer", [s["optimizers"][i] for s in saved], None))

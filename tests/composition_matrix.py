@@ -156,10 +156,51 @@ FROZEN_JAX = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_
 
 
 MATRIX_TORCH = "tests/test_composition_matrix_torch.py"
+MATRIX_JAX = "tests/test_composition_matrix_jax.py"
 
 
 def _cited(test: str | None) -> Cell:
     return NOT_YET if test is None else Works(test)
+
+
+HIERARCHICAL = {
+    "gradient_allreduce": (
+        "tests/test_gradient_allreduce_bytegrad_torch.py::test_gradient_allreduce_matches_torch_ddp",
+        "tests/test_gradient_allreduce_bytegrad_jax.py::test_gradient_allreduce_is_the_mean_bit_identical_on_every_rank",
+    ),
+    "bytegrad": (
+        "tests/test_gradient_allreduce_bytegrad_torch.py::test_bytegrad_matches_single_process_simulation_exactly",
+        "tests/test_gradient_allreduce_bytegrad_jax.py::test_bytegrad_matches_numpy_pipeline_exactly",
+    ),
+    "decentralized": (
+        "tests/test_decentralized_torch.py::test_decentralized_matches_simulation",
+        "tests/test_decentralized_jax.py::test_hierarchical_on_two_nodes_of_two",
+    ),
+    "low_precision_decentralized": (
+        "tests/test_decentralized_torch.py::test_low_precision_decentralized_matches_simulation_exactly",
+        "tests/test_decentralized_jax.py::test_low_precision_hierarchical_on_two_nodes_of_two",
+    ),
+    "qadam": (
+        "tests/test_qadam_onebit_torch.py::test_after_warmup_matches_single_process_simulation_exactly",
+        "tests/test_qadam_onebit_jax.py::test_qadam_matches_the_numpy_simulation",
+    ),
+    "onebit_adam": (
+        "tests/test_qadam_onebit_torch.py::test_after_warmup_matches_single_process_simulation_exactly",
+        "tests/test_qadam_onebit_jax.py::test_onebit_adam_matches_the_numpy_simulation",
+    ),
+}
+"""Algorithm -> (torch test, JAX test) of its hierarchical variant on 2 nodes of 2 against a reference."""
+
+FLAT_ONLY_TORCH = Skipped(
+    "it has no hierarchical variant (it averages over the world); no torch test runs it on 2 nodes"
+)
+
+
+def _hierarchical(algorithm: str) -> dict[str, Cell]:
+    if algorithm in HIERARCHICAL:
+        torch_test, jax_test = HIERARCHICAL[algorithm]
+        return {"torch": Works(torch_test), "jax": Works(jax_test)}
+    return {"torch": FLAT_ONLY_TORCH, "jax": Works(f"{MATRIX_JAX}::test_a_two_level_mesh_trains_as_the_flat_one")}
 
 
 def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
@@ -203,7 +244,7 @@ def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
         },
         "mixed_precision": {
             "torch": Works(f"{MATRIX_TORCH}::test_mixed_precision_bf16_parameters_and_autocast"),
-            "jax": NOT_YET,
+            "jax": Works(f"{MATRIX_JAX}::test_bf16_parameters_train_as_bf16"),
         },
         "grad_accumulation": {
             "torch": Works(f"{MATRIX_TORCH}::test_no_sync_accumulation_matches_the_plain_run"),
@@ -213,7 +254,7 @@ def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
             "torch": Works(f"{MATRIX_TORCH}::test_a_group_at_learning_rate_zero_never_moves"),
             "jax": NOT_YET,
         },
-        "hierarchical": {"torch": NOT_YET, "jax": NOT_YET},
+        "hierarchical": _hierarchical(algorithm),
         "reshard": {"torch": _cited(reshard_torch), "jax": _cited(reshard_jax)},
         "autotune": {
             "torch": _cited(

@@ -68,3 +68,15 @@ def simulate(
                         xs[r][k] = (alpha * xs[r][k] + (1 - alpha) * anchor[k]).astype(F32)
         history.append([{k: v.copy() for k, v in x.items()} for x in xs])
     return history
+
+
+def h1_allreduce_atol(histories: list[list[dict[str, np.ndarray]]], steps: int, name: str) -> float:
+    """How far DiLoCo with ``sync_every=1`` and plain outer SGD may sit from gradient allreduce after ``steps`` steps.
+
+    Each step rounds the inner step ``x = θ - ηg`` to float32, so the pseudo-gradient ``θ - x`` is
+    ``ηg`` only up to about ``eps·|θ|`` (θ's magnitude, not ηg's); the mean and the outer step
+    ``θ - mean`` round once more at that magnitude. This loss's SGD contracts errors, so the
+    steps' errors at most add up. ``histories`` are the runs' parameters, ``[run][step][name]``.
+    """
+    eps = float(np.finfo(F32).eps)
+    return sum(4 * eps * max(float(np.max(np.abs(h[t][name]))) for h in histories) for t in range(steps))

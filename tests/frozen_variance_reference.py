@@ -2,7 +2,7 @@
 
 The rule is ``bagua_common.algorithms.frozen_variance``'s, written here independently of both front ends:
 per tensor, ``VARIANCE_FLOOR`` times the tensor's mean second moment, or the whole model's mean
-where the tensor's is zero.
+where the tensor's is zero; and the bound on each coordinate's step.
 """
 
 from __future__ import annotations
@@ -12,6 +12,8 @@ from collections.abc import Callable
 import numpy as np
 
 VARIANCE_FLOOR = np.float32(0.01)
+STEP_BOUND = np.float32(1.0)
+"""After the warm-up each coordinate's direction ``m_hat / (sqrt(v_hat) + eps)`` is clipped to +-STEP_BOUND."""
 
 
 def variance_floors(

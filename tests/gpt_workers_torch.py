@@ -36,3 +36,49 @@ def allreduce_losses(size: str, seed: int, steps: int, batch: int, lr: float, we
         losses.append(loss.item())
     wrapped.close()
     return {"rank": rank, "losses": losses, "params": {k: v.detach().numpy() for k, v in model.state_dict().items()}}
+
+
+def _algorithm(name: str, model: torch.nn.Module):
+    """(optimizer, algorithm) of ``name`` for the gate: AdamW and the registry's algorithm with the gate's options,
+    or, for an algorithm that is an optimizer itself, its own optimizer."""
+    from gpt_gate import LR, OPTIONS, WEIGHT_DECAY
+
+    from bagua_torch.algorithms import algorithm_class, get_algorithm
+
+    options = dict(OPTIONS.get(name, {}))
+    optimizer_class = getattr(algorithm_class(name), "optimizer_class", None)
+    if optimizer_class is not None:
+        optimizer = optimizer_class(model.parameters(), lr=LR, warmup_steps=options.pop("warmup_steps"))
+        return optimizer, get_algorithm(name, optimizer=optimizer, **options)
+    return adamw(model, LR, WEIGHT_DECAY), get_algorithm(name, **options)
+
+
+def gate(names: list[str], seed: int) -> dict:
+    """Train a fresh ``tiny`` GPT with each algorithm of ``names`` in turn; this rank's gate summary of each."""
+    from gpt_gate import BATCH, HELDOUT_WINDOWS, SIZE, STEPS, summary
+
+    import bagua_torch
+
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    bagua_torch.init_process_group(timeout=60)
+    corpus = load_corpus()
+    out = {"rank": rank}
+    for name in names:
+        model = GPT(SIZE, init_gpt_params(SIZE, seed))
+        optimizer, algorithm = _algorithm(name, model)
+        wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm)
+        length = model.config.context + 1
+        for step in range(STEPS):
+            tokens = torch.from_numpy(corpus.batch(seed, step, rank, BATCH, length))
+            optimizer.zero_grad()
+            next_token_loss(wrapped(tokens[:, :-1]), tokens).backward()
+            optimizer.step()
+        wrapped.close()
+        heldout = torch.from_numpy(corpus.heldout_batch(HELDOUT_WINDOWS, length))
+        with torch.no_grad():
+            heldout_loss = next_token_loss(model(heldout[:, :-1]), heldout).item()
+        out[name] = summary({k: v.detach().numpy() for k, v in model.state_dict().items()}, heldout_loss)
+        if name == "async":
+            out[name]["rounds"] = wrapped.algorithm_impl.rounds
+    return out

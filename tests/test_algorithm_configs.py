@@ -49,6 +49,8 @@ BAD_VALUES: list[tuple[str, dict[str, Any]]] = [
     ("qadam", {"b1": 1.0}),
     ("qadam", {"eps": 0.0}),
     ("qadam", {"hierarchical": "x"}),
+    ("qadam", {"step_bound": 0.0}),
+    ("onebit_adam", {"step_bound": "1"}),
     ("onebit_adam", {"b2": -0.1}),
     ("onebit_adam", {"warmup_steps": 2.5}),
     ("powersgd", {"rank": 0}),

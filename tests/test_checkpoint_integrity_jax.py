@@ -11,7 +11,6 @@ from __future__ import annotations
 import shutil
 
 import jax
-import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
@@ -47,8 +46,7 @@ def damage_manifest(step_dir, other_dir):
     return manifest, "missing"
 
 
-@pytest.mark.parametrize("damage", [damage_truncate, damage_empty, damage_other_step, damage_manifest])
-def test_damaged_shard_is_refused_naming_the_file(damage, tmp_path, rng):
+def test_damaged_shard_is_refused_naming_the_file(tmp_path, rng):
     dp = DataParallel(
         loss_fn, optax.adam(LR), ByteGrad(error_feedback=True, hierarchical=False), mesh=Mesh(jax.devices()[:2], ("r",))
     )
@@ -58,11 +56,12 @@ def test_damaged_shard_is_refused_naming_the_file(damage, tmp_path, rng):
     state, _ = dp.step(state, batch(rng))
     second = save(tmp_path, state, dp)
     restore(second, dp, initial_params(rng))  # intact: loads
-    path, what = damage(second, first)
-    error = FileNotFoundError if damage is damage_manifest else DamagedCheckpointError
-    with pytest.raises(error) as raised:
-        restore(second, dp, initial_params(rng))
-    message = str(raised.value)
-    assert str(path) in message and what in message, message
-    if damage is not damage_manifest:
-        np.testing.assert_array_equal(np.asarray(restore(first, dp, initial_params(rng)).step), 1)
+    for damage in (damage_truncate, damage_empty, damage_other_step, damage_manifest):
+        copy = tmp_path / damage.__name__ / second.name
+        shutil.copytree(second, copy)
+        path, what = damage(copy, first)
+        error = FileNotFoundError if damage is damage_manifest else DamagedCheckpointError
+        with pytest.raises(error) as raised:
+            restore(copy, dp, initial_params(rng))
+        message = str(raised.value)
+        assert str(path) in message and what in message, message

@@ -32,7 +32,7 @@ import numpy as np
 import optax
 import pytest
 from algorithms_reference import unflatten
-from frozen_variance_reference import variance_floors
+from frozen_variance_reference import STEP_BOUND, variance_floors
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from multiprocess import run_ranks
@@ -199,6 +199,8 @@ class Simulation:
         for k in self.p:
             v = np.maximum(self.v[k], floors[k])
             direction = (self.m[k] * inv1) / (np.sqrt(v * inv2) + F32(EPS))
+            if self.t > WARMUP:  # the per-coordinate bound (bagua_common.algorithms.frozen_variance.STEP_BOUND)
+                direction = np.clip(direction, -STEP_BOUND, STEP_BOUND)
             self.p[k] = self.p[k] + F32(-LR) * direction
 
 

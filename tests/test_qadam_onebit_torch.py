@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from frozen_variance_reference import variance_floors
+from frozen_variance_reference import STEP_BOUND, variance_floors
 from gradient_allreduce_bytegrad_workers_torch import batch, loss_fn, make_mlp
 from qadam_onebit_workers_torch import (
     BETAS,
@@ -310,7 +310,8 @@ def simulate(seed: int, n: int, algo: str, boundary: dict, layout, local: int | 
                     bc1, bc2 = 1 - beta1 ** step_of[k], 1 - beta2 ** step_of[k]
                     variance = exp_avg_sq[k].clamp(min=float(floors[k]))  # the frozen v's floor
                     denom = (variance.sqrt() / bc2**0.5).add_(EPS)
-                    p.addcdiv_(exp_avg[k], denom, value=-(LR / bc1))
+                    bound = float(STEP_BOUND) * bc1  # the direction (m / bc1) / denom, clipped to +-STEP_BOUND
+                    p.add_((exp_avg[k] / denom).clamp_(-bound, bound), alpha=-(LR / bc1))
         params = {k: p.detach().numpy().copy() for k, p in model.named_parameters()}
         state = {k: (step_of[k], exp_avg[k].numpy(), exp_avg_sq[k].numpy()) for k in names}
     return params, state, residuals

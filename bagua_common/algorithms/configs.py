@@ -18,6 +18,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from bagua_common.algorithms.frozen_variance import STEP_BOUND
 from bagua_common.algorithms.option_checks import (
     check_communication_interval,
     check_flags,
@@ -115,7 +116,9 @@ def _is_number(value: Any) -> bool:
 @dataclass(frozen=True)
 class QAdamConfig:
     """Adam with averaged gradients for ``warmup_steps`` steps, then a frozen second moment and an 8-bit compressed
-    momentum exchange. ``learning_rate`` is a number >= 0 (or, where the front end takes one, a schedule)."""
+    momentum exchange. ``learning_rate`` is a number >= 0 (or, where the front end takes one, a schedule).
+    ``step_bound`` clips each coordinate's step after the warm-up to ``step_bound * lr``
+    (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`); None is Bagua's unbounded formula."""
 
     name: ClassVar[str] = "qadam"
 
@@ -125,6 +128,7 @@ class QAdamConfig:
     b2: float = 0.999
     eps: float = 1e-8
     hierarchical: bool = True
+    step_bound: float | None = STEP_BOUND
 
     def __post_init__(self) -> None:
         rate = self.learning_rate
@@ -147,6 +151,9 @@ class QAdamConfig:
                 f"{self.name}: eps must be a float > 0 (the frozen second moment may hold zeros), got {self.eps!r}"
             )
         check_flags(self.name, hierarchical=self.hierarchical)
+        bound = self.step_bound
+        if bound is not None and not (_is_number(bound) and bound > 0):
+            raise ValueError(f"{self.name}: step_bound must be a float > 0 or None (Bagua's formula), got {bound!r}")
 
 
 @register_config

@@ -17,3 +17,17 @@ well as Adam. The warm-up is plain Adam and never floors.
 """
 
 VARIANCE_FLOOR = 0.01
+
+STEP_BOUND = 1.0
+"""The default bound on each coordinate's step after the warm-up, in units of the learning rate.
+
+The floor above keeps a coordinate from stepping by ``m / eps``; it does not keep one whose ``v``
+froze small, relative to the gradients it meets later, from stepping 10x Adam's step at every step
+for hundreds of steps. On transformers that is common (attention and MLP projections whose
+gradients grow as the layers below learn): Bagua's QAdam at lr 1e-3 after a 10-step warm-up grows
+a BERT attention weight to 189 in 30 steps where Adam reaches 1.01. So the step's direction,
+``(m / bc1) / (sqrt(v / bc2) + eps)``, is clipped to ``[-STEP_BOUND, STEP_BOUND]`` per coordinate:
+no coordinate moves more than ``STEP_BOUND * lr`` in a step, which Adam itself rarely exceeds (its
+``|m_hat| / sqrt(v_hat)`` is at most 1 for a gradient of constant sign and below it otherwise).
+Coordinates inside the bound step exactly as before. ``step_bound=None`` is Bagua's formula.
+"""

@@ -17,7 +17,9 @@ it equals the SPEC's ``p -= lr / bc1 * m / (sqrt(v) / sqrt(bc2) + eps)`` in exac
 In both, ``v`` is the frozen second moment floored per leaf,
 ``max(v, VARIANCE_FLOOR * mean(v))`` (:mod:`bagua_common.algorithms.frozen_variance`): a
 coordinate whose ``v`` froze at zero (a dead unit, an embedding row unseen in the warm-up) but
-whose averaged momentum is not zero would otherwise step by ``m / eps`` and diverge.
+whose averaged momentum is not zero would otherwise step by ``m / eps`` and diverge. Unless
+``step_bound`` is None (Bagua's formula), the direction is then clipped per coordinate to
+``[-step_bound, step_bound]`` (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`).
 
 The phase is chosen at run time from the step counter in the state with ``lax.cond``,
 which executes one branch only: every rank holds the same counter, so every rank issues
@@ -109,7 +111,7 @@ def adam_with_averaged_momentum(
     exchange that cannot send a zero (1-bit signs), holds the momentum at zero, before and after the exchange, for
     every parameter whose frozen ``v`` is zero throughout (no gradient in the whole warm-up): those never move."""
     name, warmup_steps, hierarchical = config.name, config.warmup_steps, config.hierarchical
-    b1, b2, eps = config.b1, config.b2, config.eps
+    b1, b2, eps, step_bound = config.b1, config.b2, config.eps, config.step_bound
     comms = check_communicators(comms, name)
     check_bucket_bytes(bucket_bytes, name)
     adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
@@ -142,6 +144,8 @@ def adam_with_averaged_momentum(
         floored = jax.tree.map(jnp.maximum, adam_state.nu, variance_floors(adam_state.nu))
         nu_hat = optax.tree.bias_correction(floored, b2, count)
         direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
+        if step_bound is not None:  # see bagua_common.algorithms.frozen_variance.STEP_BOUND
+            direction = jax.tree.map(lambda d: jnp.clip(d, -step_bound, step_bound), direction)
         return direction, optax.ScaleByAdamState(count=count, mu=mu, nu=adam_state.nu), extra
 
     def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:

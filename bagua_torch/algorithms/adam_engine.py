@@ -29,7 +29,9 @@ number of steps taken so far, identical on every rank, decides the phase):
   ``v = exp_avg_sq.clamp(min=VARIANCE_FLOOR * exp_avg_sq.mean())``
   (:mod:`bagua_common.algorithms.frozen_variance`): a coordinate whose ``v`` froze at zero (a
   dead unit, an embedding row unseen in the warm-up) but whose averaged momentum is not zero
-  would otherwise step by ``m / eps`` and diverge.
+  would otherwise step by ``m / eps`` and diverge. Unless ``step_bound`` is None (Bagua's
+  formula), the direction ``(m/bc1) / denom`` is clipped per coordinate to ``[-step_bound, step_bound]``
+  (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`).
 
 Each front end matches its own framework's Adam: this one ``torch.optim.Adam``'s
 arithmetic, :mod:`bagua_jax.algorithms.adam_engine` ``optax.adam``'s (whose formula shape,
@@ -49,7 +51,7 @@ from typing import Any, ClassVar
 import torch
 
 from bagua_common.algorithms.configs import QAdamConfig
-from bagua_common.algorithms.frozen_variance import VARIANCE_FLOOR
+from bagua_common.algorithms.frozen_variance import STEP_BOUND, VARIANCE_FLOOR
 from bagua_torch import ops
 from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, check_dtypes
 from bagua_torch.communicator import Work
@@ -69,11 +71,12 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
         warmup_steps: int = 100,
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
+        step_bound: float | None = STEP_BOUND,
     ):
         name = self._config_class.name
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
             raise ValueError(f"{name}: betas must be a pair of floats, got {betas!r}")
-        self.config = self._config_class(lr, warmup_steps, betas[0], betas[1], eps)
+        self.config = self._config_class(lr, warmup_steps, betas[0], betas[1], eps, step_bound=step_bound)
         """The hyperparameters as the shared configuration (validated there, as in bagua_jax)."""
         self.warmup_steps = warmup_steps
         self.step_id = 0
@@ -168,7 +171,11 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
                 # After the warm-up the frozen v is floored (bagua_common.algorithms.frozen_variance).
                 variance = exp_avg_sq if warmup else exp_avg_sq.clamp(min=floors[p])
                 denom = (variance.sqrt() / bias_correction2_sqrt).add_(eps)
-                p.addcdiv_(exp_avg, denom, value=-step_size)
+                if warmup or self.config.step_bound is None:
+                    p.addcdiv_(exp_avg, denom, value=-step_size)
+                else:  # the direction (exp_avg / bc1) / denom clipped to the bound (frozen_variance.STEP_BOUND)
+                    bound = self.config.step_bound * bias_correction1
+                    p.add_((exp_avg / denom).clamp_(-bound, bound), alpha=-step_size)
         self.step_id += 1
         self._momentum_ready = False
         return loss

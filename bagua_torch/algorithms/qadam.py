@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from bagua_common.algorithms.configs import QAdamConfig
+from bagua_common.algorithms.frozen_variance import STEP_BOUND
 from bagua_torch.algorithms.adam_engine import (
     AdamWithAveragedMomentum,
     AdamWithAveragedMomentumAlgorithm,
@@ -39,7 +40,8 @@ class QAdamOptimizer(AdamWithAveragedMomentum):
     """QAdam's optimizer: ``torch.optim.Adam`` (bit for bit, ``foreach=False``) for ``warmup_steps`` steps, then
     Adam with the second moment frozen and the momentum averaged across ranks by :class:`QAdamAlgorithm`.
 
-    ``QAdamOptimizer(params, lr=1e-3, warmup_steps=100, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)``. It
+    ``QAdamOptimizer(params, lr=1e-3, warmup_steps=100, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0,
+    step_bound=1.0)`` (``step_bound``: see :mod:`~bagua_torch.algorithms.adam_engine`). It
     must be given to the wrapper together with ``QAdamAlgorithm(optimizer)``; after the warm-up, stepping it
     without the algorithm raises a RuntimeError (the momentum would not be averaged). ``weight_decay`` adds
     ``weight_decay * param`` to the gradient the moments take in (an L2 penalty, as Bagua's) in both phases;
@@ -56,10 +58,11 @@ class QAdamOptimizer(AdamWithAveragedMomentum):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 0.0,
+        step_bound: float | None = STEP_BOUND,
     ):
         if isinstance(weight_decay, bool) or not isinstance(weight_decay, (int, float)) or not weight_decay >= 0.0:
             raise ValueError(f"QAdamOptimizer: weight_decay must be a float >= 0, got {weight_decay!r}")
-        super().__init__(params, lr=lr, warmup_steps=warmup_steps, betas=betas, eps=eps)
+        super().__init__(params, lr=lr, warmup_steps=warmup_steps, betas=betas, eps=eps, step_bound=step_bound)
         self.defaults["weight_decay"] = float(weight_decay)
         for group in self.param_groups:
             group.setdefault("weight_decay", float(weight_decay))

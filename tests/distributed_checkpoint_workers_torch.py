@@ -1,0 +1,108 @@
+"""Rank bodies for test_distributed_checkpoint_torch.py: save through DCP, resume, restore damaged copies."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import torch
+from checkpoint_workers_torch import report
+from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, batch, loss_fn, make_mlp, setup
+
+LR = 0.05
+ALGORITHMS = ("bytegrad", "decentralized", "diloco")
+
+
+def build(name: str, seed: int):
+    """The wrapped model and its optimizer for algorithm ``name``."""
+    import bagua_torch
+    from bagua_torch import algorithms as A
+
+    model = make_mlp(seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    algorithm = {
+        "bytegrad": lambda: A.ByteGradAlgorithm(hierarchical=False, error_feedback=True),
+        "decentralized": lambda: A.DecentralizedAlgorithm(hierarchical=False),
+        "diloco": lambda: A.DiLoCoAlgorithm(sync_every=3),
+    }[name]()
+    return bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET), optimizer
+
+
+def train(model, optimizer, seed: int, steps: range, rank: int) -> None:
+    for step in steps:
+        x, y = batch(seed, step, rank)
+        optimizer.zero_grad()
+        loss_fn(model, x, y).backward()
+        optimizer.step()
+
+
+def save_resume_damage(seed: int, root: str) -> dict:
+    """Per algorithm: train 4 steps, save (DiLoCo: mid-round), train 2 more and save; resume from step 4 and train
+    the same 2 steps; then try restoring damaged copies of step 6. Reports the states and the error messages."""
+    from bagua_torch.distributed_checkpoint import restore, save
+
+    group = setup(backend="gloo")
+    results = {}
+    for name in ALGORITHMS:
+        model, optimizer = build(name, seed)
+        train(model, optimizer, seed, range(4), group.rank)
+        first = save(f"{root}/{name}", model, optimizer, step=4)
+        saved = report(model, optimizer)
+        train(model, optimizer, seed, range(4, 6), group.rank)
+        second = save(f"{root}/{name}", model, optimizer, step=6)
+        want = report(model, optimizer)
+        model.close()
+
+        model, optimizer = build(name, seed + 1)
+        step = restore(first, model, optimizer)
+        train(model, optimizer, seed, range(step, 6), group.rank)
+        results[name] = {"saved": saved, "want": want, "resumed": report(model, optimizer), "step": step}
+        if name == "bytegrad":
+            results["errors"] = damaged_restores(model, optimizer, Path(first), Path(second), group)
+        model.close()
+    return results
+
+
+def damaged_restores(model, optimizer, first: Path, second: Path, group) -> dict:
+    """Restore copies of ``second`` with one file damaged each way: {damage: (file, error message)}."""
+    from bagua_torch.distributed_checkpoint import restore
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    damages = {
+        "truncated": ("__1_0.distcp", truncate),
+        "empty": ("__0_0.distcp", lambda path: path.write_bytes(b"")),
+        "another checkpoint": ("__1_0.distcp", lambda path: shutil.copyfile(first / path.name, path)),
+        "missing": ("manifest.json", Path.unlink),
+        "metadata truncated": (".metadata", truncate),
+    }
+    errors = {}
+    for what, (file, damage) in damages.items():
+        copy = second.parent / f"damaged_{what.replace(' ', '_')}" / second.name
+        if group.rank == 0:
+            shutil.copytree(second, copy)
+            damage(copy / file)
+        model.communicators.world.barrier()
+        try:
+            restore(copy, model, optimizer)
+            errors[what] = (str(copy / file), "restored")
+        except (ValueError, FileNotFoundError) as e:
+            errors[what] = (str(copy / file), str(e))
+    return errors
+
+
+def restore_alone(seed: int, root: str) -> dict:
+    """One rank restores every algorithm's 2-rank step-4 checkpoint and reports what it got."""
+    from checkpoint_workers_torch import report
+
+    from bagua_torch.distributed_checkpoint import restore
+
+    setup(backend="gloo")
+    results = {}
+    for name in ALGORITHMS:
+        model, optimizer = build(name, seed + 1)
+        step = restore(f"{root}/{name}/step_000000004", model, optimizer)
+        results[name] = {"step": step, **report(model, optimizer)}
+        model.close()
+    return results

@@ -1,0 +1,41 @@
+"""Rank bodies that train the workload's GPT with bagua_jax across processes (under mpiexec, one process per rank):
+the convergence gate's asynchronous model averaging, whose rounds run between steps over the native engine."""
+
+from __future__ import annotations
+
+
+def async_gate(seed: int) -> dict:
+    """Train the gate's GPT with AsyncModelAverage (AdamW, the gate's options); this rank's gate summary."""
+    import jax
+    import numpy as np
+    import optax
+    from gpt_gate import BATCH, HELDOUT_WINDOWS, LR, OPTIONS, SIZE, STEPS, WEIGHT_DECAY, summary
+
+    from bagua_common.workload import gpt_config, init_gpt_params, load_corpus
+    from bagua_jax.algorithms import Communicators, make_algorithm
+    from bagua_jax.models.gpt import gpt_loss_fn
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    world = NativeCommunicator.mpi_world(timeout=60)
+    rank = int(world.rank())
+    algorithm = make_algorithm("async", **OPTIONS["async"])
+    tx = algorithm.transformation(optax.adamw(LR, weight_decay=WEIGHT_DECAY), Communicators(world))
+    loss_fn = gpt_loss_fn(SIZE)
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        grads = jax.grad(loss_fn)(params, {"tokens": tokens})
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = jax.tree.map(jax.numpy.asarray, init_gpt_params(SIZE, seed))
+    opt_state = tx.init(params)
+    averager = algorithm.averager(params, NativeCommunicator.mpi_world(timeout=60))
+    corpus, length = load_corpus(), gpt_config(SIZE).context + 1
+    for t in range(STEPS):
+        params, opt_state = step(params, opt_state, corpus.batch(seed, t, rank, BATCH, length))
+        params = averager.apply(params)
+    averager.abort()
+    heldout_loss = jax.jit(loss_fn)(params, {"tokens": corpus.heldout_batch(HELDOUT_WINDOWS, length)})
+    result = summary({k: np.asarray(v) for k, v in params.items()}, float(heldout_loss))
+    return {"rank": rank, "async": {**result, "rounds": averager.rounds}}
