@@ -95,7 +95,8 @@ class Worker:
 def serve(k: int) -> None:
     """The worker loop: ``["prepare", n]`` sets up every kernel on ``n`` elements (warmed up);
     ``["time", kernel]`` runs it once and replies with the seconds it took, wall and CPU (all
-    threads)."""
+    threads), and the minor page faults it caused."""
+    import resource
     import time
     from types import SimpleNamespace
 
@@ -119,9 +120,11 @@ def serve(k: int) -> None:
             reply: Any = n
         else:
             fn, fn_args = calls[request[1]]
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             start, start_cpu = time.perf_counter(), time.process_time()
             jax.block_until_ready(fn(*fn_args))
             reply = [time.perf_counter() - start, time.process_time() - start_cpu]
+            reply.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
         print(json.dumps(reply), flush=True)
 
 
@@ -170,12 +173,15 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
                     "release_gbps": nbytes[kernel] / np.median(release[:, 0]) / 1e9,
                     "ratio": wall,
                     "cpu_ratio": cpu,
+                    "page_faults": float(np.median(current[:, 2])),
+                    "release_page_faults": float(np.median(release[:, 2])),
                     "repeats": repeats,
                 }
                 rows.append(row)
                 print(
                     f"{size:g} MiB {kernel:<26} {row['gbps']:7.2f} vs {row['release_gbps']:7.2f} GB/s  "
-                    f"wall ratio {_interval(wall)}  CPU-time ratio {_interval(cpu)}",
+                    f"wall ratio {_interval(wall)}  CPU-time ratio {_interval(cpu)}  "
+                    f"page faults {row['page_faults']:g} vs {row['release_page_faults']:g}",
                     flush=True,
                 )
     finally:

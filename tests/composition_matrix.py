@@ -81,6 +81,10 @@ FUSED_REFUSAL = Refuses(
     "its optimizer does not step elementwise, so fusing would change its math",
     "tests/test_fused_optimizer_torch.py::test_fusing_the_adam_family_is_refused_by_name",
 )
+AUTOTUNE_REFUSAL_TORCH = Refuses(
+    "it keeps state per bucket, which re-bucketing between steps would lose",
+    "tests/test_composition_matrix_torch.py::test_autotune_is_refused_naming_the_algorithm",
+)
 AUTOTUNE_REFUSAL_JAX = Refuses(
     "a compressed algorithm's numbers depend on its bucket layout, which tuning would change",
     "tests/test_autotune_jax.py::test_autotune_is_off_by_default_and_refused_for_compressed_algorithms",
@@ -191,6 +195,10 @@ HIERARCHICAL = {
 }
 """Algorithm -> (torch test, JAX test) of its hierarchical variant on 2 nodes of 2 against a reference."""
 
+ADAM_IS_THE_OPTIMIZER = Skipped(
+    "in JAX it is the optimizer and takes one learning rate (or schedule); groups are optax.multi_transform "
+    "around an optax optimizer, which it does not take"
+)
 FLAT_ONLY_TORCH = Skipped(
     "it has no hierarchical variant (it averages over the world); no torch test runs it on 2 nodes"
 )
@@ -236,10 +244,10 @@ def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
         },
         "frozen_unused": {
             "torch": Works("tests/test_frozen_parameters_torch.py::test_frozen_parameters_never_move"),
-            "jax": _cited(
+            "jax": Works(
                 "tests/test_frozen_parameters_jax.py::test_frozen_parameter_never_moves"
                 if algorithm in FROZEN_JAX
-                else None
+                else f"{MATRIX_JAX}::test_a_group_at_rate_zero_and_an_unused_leaf_never_move"
             ),
         },
         "mixed_precision": {
@@ -252,16 +260,18 @@ def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
         },
         "param_groups": {
             "torch": Works(f"{MATRIX_TORCH}::test_a_group_at_learning_rate_zero_never_moves"),
-            "jax": NOT_YET,
+            "jax": ADAM_IS_THE_OPTIMIZER
+            if algorithm in ("qadam", "onebit_adam")
+            else Works(f"{MATRIX_JAX}::test_a_group_at_rate_zero_and_an_unused_leaf_never_move"),
         },
         "hierarchical": _hierarchical(algorithm),
         "reshard": {"torch": _cited(reshard_torch), "jax": _cited(reshard_jax)},
         "autotune": {
-            "torch": _cited(
+            "torch": Works(
                 "tests/test_autotune_torch.py::test_ranks_switch_together_and_tuning_leaves_gradient_allreduce_bit_identical"
-                if algorithm == "gradient_allreduce"
-                else None
-            ),
+            )
+            if algorithm == "gradient_allreduce"
+            else AUTOTUNE_REFUSAL_TORCH,
             "jax": autotune_jax,
         },
         "elastic": {"torch": NOT_YET, "jax": NOT_YET},

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from composition_matrix import MATRIX, Works
+from composition_matrix import MATRIX
 from jax.sharding import Mesh
 
 from bagua_jax import DataParallel
@@ -26,7 +26,9 @@ STEPS, LR, RANKS, SYNC_EVERY = 4, 1e-2, 4, 2
 
 def citing(function: str, feature: str) -> list[str]:
     """The algorithms whose JAX cell under ``feature`` is asserted by ``function`` of this file."""
-    return [a for a, row in MATRIX.items() if row[feature]["jax"] == Works(f"{THIS}::{function}")]
+    cited = [a for a, row in MATRIX.items() if getattr(row[feature]["jax"], "test", None) == f"{THIS}::{function}"]
+    assert cited, f"no jax cell under {feature} cites {function}"
+    return cited
 
 
 def algorithm_and_optimizer(name: str):
@@ -107,3 +109,31 @@ def test_a_two_level_mesh_trains_as_the_flat_one(algorithm, rng):
     for name in initial:
         assert not np.array_equal(flat[name], np.broadcast_to(initial[name], flat[name].shape)), name
         np.testing.assert_allclose(two_level[name], flat[name], rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("algorithm", citing("test_a_group_at_rate_zero_and_an_unused_leaf_never_move", "param_groups"))
+def test_a_group_at_rate_zero_and_an_unused_leaf_never_move(algorithm, rng):
+    """Parameter groups as ``optax.multi_transform``: ``w1`` at rate 0 (frozen), ``b1`` and ``w2`` at two other
+    rates, and a leaf the loss never uses: ``w1`` and the unused leaf stay bit for bit on every rank, the others
+    move."""
+    initial = {
+        "w1": rng.standard_normal((8, 16)).astype(np.float32),
+        "b1": (rng.standard_normal(16) * 0.1).astype(np.float32),
+        "w2": (rng.standard_normal((16, 2)) * 0.3).astype(np.float32),
+        "unused": rng.standard_normal(5).astype(np.float32),
+    }
+    alg, _ = algorithm_and_optimizer(algorithm)
+    groups = {"frozen": optax.set_to_zero(), "slow": optax.sgd(LR / 10), "fast": optax.sgd(LR, momentum=0.9)}
+    labels = {"w1": "frozen", "b1": "slow", "w2": "fast", "unused": "fast"}
+    trainer = DataParallel(
+        loss_fn, optax.multi_transform(groups, labels), alg, mesh=Mesh(np.array(jax.devices()[:RANKS]), ("ranks",))
+    )
+    state = trainer.init(initial)
+    for _ in range(STEPS):
+        batch = {k: rng.standard_normal((4 * RANKS, n)).astype(np.float32) for k, n in (("x", 8), ("y", 2))}
+        state, _ = trainer.step(state, batch)
+    params = jax.tree.map(np.asarray, state.params)
+    for name, value in params.items():
+        replicas = value.reshape(-1, *initial[name].shape)  # one copy, or one per rank
+        moved = [not np.array_equal(replica, initial[name]) for replica in replicas]
+        assert all(moved) if labels[name] != "frozen" and name != "unused" else not any(moved), (name, moved)

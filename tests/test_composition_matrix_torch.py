@@ -12,7 +12,7 @@ import zlib
 
 import numpy as np
 import pytest
-from composition_matrix import MATRIX, Works
+from composition_matrix import MATRIX
 from conftest import SEED
 
 pytest.importorskip("torch")
@@ -24,7 +24,9 @@ COUNTED_STEPS = ("decentralized", "low_precision_decentralized", "powersgd", "di
 
 def citing(function: str, feature: str) -> list[str]:
     """The algorithms whose torch cell under ``feature`` is asserted by ``function`` of this file."""
-    return [a for a, row in MATRIX.items() if row[feature]["torch"] == Works(f"{THIS}::{function}")]
+    cited = [a for a, row in MATRIX.items() if getattr(row[feature]["torch"], "test", None) == f"{THIS}::{function}"]
+    assert cited, f"no torch cell under {feature} cites {function}"
+    return cited
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +137,12 @@ def test_checkpoint_resume_continues_bit_identically(runs, algorithm):
         for step, (a, b) in enumerate(zip(run["continued"], run["resumed"])):
             for name in a:
                 assert a[name].tobytes() == b[name].tobytes(), (algorithm, step, name)
+
+
+@pytest.mark.parametrize("algorithm", citing("test_autotune_is_refused_naming_the_algorithm", "autotune"))
+def test_autotune_is_refused_naming_the_algorithm(runs, algorithm):
+    """Re-bucketing between steps would lose the algorithm's per-bucket state: wrapping refuses, naming both."""
+    _, ranks = runs
+    for rank in ranks:
+        message = rank["autotune"][algorithm]["refused"]
+        assert message is not None and message.startswith("autotune: ") and algorithm in message, message
