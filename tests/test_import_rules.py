@@ -55,6 +55,10 @@ FRAMEWORK_INTERNALS = (
     "torch._foreach_",  # torch's multi-tensor kernels (one dispatch for many tensors)
     "os._exit",  # documented: leave without running cleanup handlers
     "os._Environ",  # the type of os.environ
+    # DCP's loader by keys: public dcp.load cannot fill a fresh optimizer, which has no state entries yet
+    "torch.distributed.checkpoint.state_dict_loader._load_state_dict_from_keys",
+    # what Lightning's own strategies call to move optimizer state onto the strategy's device
+    "lightning.fabric.utilities.optimizer._optimizers_to_device",
 )
 """Private names the project may use although they belong to others: framework internals."""
 
