@@ -2,7 +2,8 @@
 
 One 2-rank gloo job runs, per feature and algorithm in sequence, a few steps of the MLP of
 gradient_allreduce_bytegrad_workers_torch on each rank's own data and returns what the cell's
-assertion needs: the parameters per step and the algorithm's step and round counters. ``plain`` is the single-feature run the others are compared with.
+assertion needs: the parameters per step and the algorithm's step and round counters. ``plain``
+is the single-feature run the others are compared with.
 """
 
 from __future__ import annotations
