@@ -12,6 +12,7 @@ from bagua_jax.build import build_info
 from bagua_jax.communicator import Communicator, ReduceOp
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
+from bagua_jax.native_data_parallel import data_parallel_optimizer, rank_slice
 from bagua_jax.train_state import TrainState
 from bagua_jax.trainer import DataParallel
 
@@ -24,5 +25,7 @@ __all__ = [
     "TrainState",
     "algorithms",
     "build_info",
+    "data_parallel_optimizer",
     "ops",
+    "rank_slice",
 ]

@@ -1,12 +1,14 @@
 """Checkpoints of a :class:`~bagua_jax.DataParallel` train state through orbax's ``CheckpointManager``.
 
-Each step is an orbax checkpoint with two items: ``state``, the train state as it lives on the
-mesh (per-rank rows of decentralized parameters, residuals and the like keep their rank axis),
-and ``bagua``, the project's manifest as JSON (world size, algorithm, configuration, model).
-orbax's own tools read it (``StandardCheckpointer().restore(path / "state")``; leaves of zero
-size, which orbax cannot store, are saved as None and hold nothing); orbax writes
-it asynchronously and commits it atomically (a step that was being written when the job died
-is never listed), which is the project's rule. :meth:`OrbaxCheckpoints.restore` puts it into a
+Each step is an orbax checkpoint with one item, ``state``: the train state as it lives on the
+mesh (per-rank rows of decentralized parameters, residuals and the like keep their rank axis).
+Once orbax has committed it, process 0 adds the project's ``manifest.json`` (world size,
+algorithm, configuration, model, and each file's size and SHA-256, which orbax does not keep:
+without them a file copied from another step or altered loads silently). orbax's own tools
+read it (``StandardCheckpointer().restore(path / "state")``; leaves of zero size, which orbax
+cannot store, are saved as None and hold nothing). orbax writes it asynchronously and commits
+it atomically, and a step is restored only once sealed by its manifest, written last: the
+project's rule. :meth:`OrbaxCheckpoints.restore` puts it into a
 trainer of any world size by the rules of :mod:`bagua_common.job.reshard`, like
 :func:`bagua_jax.checkpoint.restore`.
 
@@ -16,7 +18,6 @@ to coordinate a multi-process save; they keep :mod:`bagua_jax.checkpoint`'s file
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,12 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from bagua_common.job.checkpoint import DamagedCheckpointError, Manifest
-from bagua_jax.checkpoint import KeyPath, manifest_for, per_rank, restore_rows, step_of
+from bagua_common.job.checkpoint import MANIFEST, DamagedCheckpointError, Manifest, commit, read_manifest, verify_files
+from bagua_jax.checkpoint import KeyPath, manifest_for, per_rank, restore_rows
 from bagua_jax.train_state import unwrap_state
 from bagua_jax.trainer import DataParallel
 
 STATE = "state"
-MANIFEST_ITEM = "bagua"
 
 
 class OrbaxCheckpoints:
@@ -50,66 +50,67 @@ class OrbaxCheckpoints:
         self.manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=True),
-            item_handlers={STATE: ocp.StandardCheckpointHandler(), MANIFEST_ITEM: ocp.JsonCheckpointHandler()},
+            item_handlers={STATE: ocp.StandardCheckpointHandler()},
         )
+        self._unsealed: Manifest | None = None
 
     def save(self, state: Any) -> int:
         """Start writing ``state`` (``trainer.init``/``step``'s result) as its step's checkpoint; returns the step.
 
-        Returns once the state is copied off the devices; orbax writes the files in the
-        background (:meth:`wait_until_finished` waits for them). Every process calls it.
-        """
-        step = step_of(state)
-        manifest = json.loads(manifest_for(self.trainer, state).to_json())
-        self.manager.save(
-            step,
-            args=ocp.args.Composite(
-                **{
-                    STATE: ocp.args.StandardSave(_without_empty_leaves(unwrap_state(state))),
-                    MANIFEST_ITEM: ocp.args.JsonSave(manifest),
-                }
-            ),
-        )
-        return step
-
-    def wait_until_finished(self) -> None:
-        """Block until every started save is written and committed."""
-        self.manager.wait_until_finished()
-
-    def latest_step(self) -> int | None:
-        """The newest committed step (None if there is none)."""
-        return self.manager.latest_step()
-
-    def restore(self, params: Any, *, model_state: Any = None, step: int | None = None) -> Any:
-        """The state of step ``step`` (the newest committed one by default) for the trainer, whatever its world size.
-
-        ``params`` (and ``model_state``) are what ``trainer.init`` would take: they give the tree
-        and its shapes. Raises FileNotFoundError when there is no committed step, ValueError
-        when it cannot be restored here (another model or algorithm), and a
-        :class:`~bagua_common.job.checkpoint.DamagedCheckpointError` naming the step's folder
-        when orbax cannot read it. Every process calls it.
+        Returns once the state is copied off the devices (and the previous save is sealed); orbax
+        writes the files in the background (:meth:`wait_until_finished` waits for them). Every
+        process calls it.
         """
         self.wait_until_finished()
+        manifest = manifest_for(self.trainer, state)
+        self.manager.save(
+            manifest.step,
+            args=ocp.args.Composite(**{STATE: ocp.args.StandardSave(_without_empty_leaves(unwrap_state(state)))}),
+        )
+        self._unsealed = manifest
+        return manifest.step
+
+    def wait_until_finished(self) -> None:
+        """Block until every started save is written, then seal it: process 0 writes the project's manifest.
+
+        The manifest (the step's ``manifest.json``, with every file's size and digest) is written
+        last: a step without one was being written when the job died and is never restored.
+        """
+        self.manager.wait_until_finished()
+        if self._unsealed is not None:
+            if jax.process_index() == 0:
+                commit(self.directory / str(self._unsealed.step), self._unsealed, shard_pattern=STATE)
+            self._unsealed = None
+
+    def latest_step(self) -> int | None:
+        """The newest sealed step (None if there is none)."""
+        self.wait_until_finished()
+        sealed = [s for s in self.manager.all_steps() if (self.directory / str(s) / MANIFEST).exists()]
+        return max(sealed, default=None)
+
+    def restore(self, params: Any, *, model_state: Any = None, step: int | None = None) -> Any:
+        """The state of step ``step`` (the newest sealed one by default) for the trainer, whatever its world size.
+
+        ``params`` (and ``model_state``) are what ``trainer.init`` would take: they give the tree
+        and its shapes. Raises FileNotFoundError when there is no sealed step (or ``step``'s
+        manifest is missing), ValueError when it cannot be restored here (another model or
+        algorithm), and a :class:`~bagua_common.job.checkpoint.DamagedCheckpointError` naming a
+        file that is missing, emptied, truncated or other than the one written (another step's).
+        Every process calls it.
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no committed orbax checkpoint under {self.directory}")
         folder = self.directory / str(step)
+        manifest = read_manifest(folder)
+        verify_files(folder, manifest)
         try:
-            manifest = Manifest.from_json(
-                json.dumps(
-                    self.manager.restore(step, args=ocp.args.Composite(**{MANIFEST_ITEM: ocp.args.JsonRestore()}))[
-                        MANIFEST_ITEM
-                    ]
-                )
-            )
             metadata = self.manager.item_metadata(step)[STATE]
             target = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), metadata.tree)
-            saved = self.manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)}))[
-                STATE
-            ]
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            saved = self.manager.restore(step, args=ocp.args.Composite(**{STATE: ocp.args.StandardRestore(target)}))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise DamagedCheckpointError(f"{folder} is not a readable orbax checkpoint: {type(e).__name__}: {e}") from e
-        leaves = {_names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(saved)}
+        leaves = {_names(path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(saved[STATE])}
 
         def saved_rows(path: KeyPath, fresh: jax.Array) -> list[np.ndarray]:
             rank_axis = per_rank(fresh)
@@ -123,7 +124,8 @@ class OrbaxCheckpoints:
         return restore_rows(manifest, saved_rows, self.trainer, params, model_state=model_state)
 
     def close(self) -> None:
-        """Wait for the pending saves and release orbax's resources."""
+        """Wait for the pending save, seal it and release orbax's resources."""
+        self.wait_until_finished()
         self.manager.close()
 
 

@@ -272,6 +272,28 @@ class DataParallel:
                 model_state = self._replicate(model_state) if shared else self._per_rank(model_state)
         return rewrap_state(user_state, TrainState(params, opt_state, step, model_state))
 
+    def params_view(self, state: Any, view: str = "average") -> Any:
+        """The parameters as one model's, without a rank axis, for evaluation whatever the algorithm.
+
+        ``view="average"`` is the mean of the ranks' parameters, ``"rank0"`` rank 0's. Algorithms that keep
+        the replicas identical return the parameters as they are; decentralized ones, whose parameters carry
+        one row per rank on a mesh (and differ per process in native mode, where every process must call
+        this together), are reduced to one copy on every rank.
+        """
+        if view not in ("average", "rank0"):
+            raise ValueError(f"params_view: view must be 'average' or 'rank0', got {view!r}")
+        params = unwrap_state(state).params
+        if self._replicated:
+            return params
+        if self._mesh is not None:
+            rows = jax.device_get(params)  # on the host: see the note on cross-device programs in step()
+            return jax.tree.map(
+                lambda a: (a.mean(0, dtype=np.float64) if view == "average" else a[0]).astype(a.dtype), rows
+            )
+        if view == "rank0":
+            return jax.tree.map(lambda leaf: self._world.broadcast(leaf, 0), params)
+        return jax.tree.map(lambda leaf: self._world.allreduce(leaf, "avg"), params)
+
     def _communication_step(self, params: Any) -> Callable[[Algorithm], Callable[[], Any]]:
         """For tuning: ``params``' step on this job under a candidate algorithm, its loss nearly free."""
 

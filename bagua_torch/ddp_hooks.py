@@ -69,7 +69,9 @@ class CommHookState:
         self._order = {id(p): (index, name) for index, (name, p) in enumerate(module.named_parameters())}
         device = next(module.parameters()).device
         world = self.communicators.world
-        self.ordered_worker: OrderedWorker = getattr(world, "ordered_worker", None) or OrderedWorker("ddp-hook", device)
+        shared = getattr(world, "ordered_worker", None)  # a native communicator's own thread
+        self._owns_worker = shared is None
+        self.ordered_worker: OrderedWorker = shared or OrderedWorker("ddp-hook", device)
         self._impls: dict[tuple[str, ...], tuple[Bucket, AlgorithmImpl]] = {}
         self._pending: dict[str, dict[str, Any]] = {}
 
@@ -125,7 +127,8 @@ class CommHookState:
         """Stop the implementations' threads (idempotent)."""
         for _, impl in self._impls.values():
             impl.close()
-        self.ordered_worker.close()
+        if self._owns_worker:
+            self.ordered_worker.close()
 
 
 def _run(state: CommHookState, grad_bucket: dist.GradBucket, name: str) -> torch.futures.Future[torch.Tensor]:

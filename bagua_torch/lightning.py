@@ -103,9 +103,11 @@ class BaguaStrategy(DDPStrategy):
         """Move the model to the device; when fitting, build the optimizers and wrap the model with the algorithm
         (which needs them); otherwise make every rank's weights rank 0's, as Lightning's DDP does."""
         self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync:
+            self.model = self._layer_sync.apply(self.model)
         self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             self.setup_optimizers(trainer)
             self.model = self._wrapped = BaguaModule(

@@ -50,6 +50,11 @@ How to run
     python3 benchmarks/kernels.py                 # gpu if JAX sees one, else cpu
     python3 benchmarks/kernels.py --device cpu --sizes 1 16 256 --k 8
     python3 benchmarks/kernels.py --quick         # 1 and 4 MiB smoke run
+    python3 benchmarks/kernels.py --device cpu --sizes 64 --against edd8caa   # vs a release
+
+``--against REF`` builds the git ref REF's CPU kernels and times them side by side with this
+tree's, interleaved call by call, printing the ratio per kernel (see ``kernels_release.py``;
+it writes ``kernels-cpu-vs-REF.*``).
 
 It prints a table of ratios per size and writes ``kernels-<device>.md`` and
 ``kernels-<device>.json`` to ``--out`` (default ``benchmarks/results/``; a ``--quick``
@@ -91,23 +96,14 @@ import _common
 import jax
 import jax.numpy as jnp
 import numpy as np
+from native_kernels import AXPY_A, KERNELS, jitted_native_kernels, kernel_call
 
 from bagua_jax import ops as bagua_ops
 
 MIB = 1 << 20
 GB = 1e9
-KERNELS = (
-    "minmax_compress",
-    "minmax_decompress",
-    "minmax_decompress_reduce",
-    "sign_compress",
-    "sign_decompress",
-    "axpy",
-    "async_average",
-)
 BASELINES = ("jnp", "torch", "numpy")
 FRAMEWORKS = ("jax", "torch", "numpy")
-AXPY_A = 0.5
 GPU_SIZES_MIB = (1, 4, 16, 64, 256, 1024)
 CPU_SIZES_MIB = (1, 4, 16, 64, 256)
 QUICK_SIZES_MIB = (1, 4)
@@ -268,14 +264,8 @@ class NativeJax(_JaxImplementation):
 
     def __init__(self, n: int, k: int, device: str) -> None:
         super().__init__(n, k, device)
-        m, ops = self.m, bagua_ops
-        self.minmax_compress = jax.jit(lambda x: ops.minmax_uint8_compress(x, k))
-        self.minmax_decompress = jax.jit(lambda c: ops.minmax_uint8_decompress(c, n, k))
-        self.minmax_decompress_reduce = jax.jit(lambda c: ops.minmax_uint8_decompress_reduce(c, m, k))
-        self.sign_compress = jax.jit(lambda x: ops.sign_compress(x, k))
-        self.sign_decompress = jax.jit(lambda c: ops.sign_decompress(c, n, k))
-        self.axpy = jax.jit(lambda x, y: ops.axpy(x, y, AXPY_A))
-        self.async_average = jax.jit(lambda x, r, s: ops.async_average(x, r, s, k))
+        for name, kernel in jitted_native_kernels(bagua_ops, n, k).items():
+            setattr(self, name, kernel)
 
 
 class Jnp(_JaxImplementation):
@@ -412,24 +402,6 @@ def logical_bytes(kernel: str, n: int, k: int) -> int:
         "axpy": 3 * f32,
         "async_average": 4 * f32,
     }[kernel]
-
-
-def kernel_call(impl: Implementation, kernel: str, data: Sequence[Any]) -> tuple[Callable, tuple]:
-    """The function and arguments running ``kernel`` on ``impl``; decompressions get compressed data."""
-    x, y, z = data
-    if kernel.startswith("minmax_decompress"):
-        inputs = impl.minmax_compress(x)
-        impl.sync(inputs)
-        return getattr(impl, kernel), (inputs,)
-    if kernel == "sign_decompress":
-        inputs = impl.sign_compress(x)
-        impl.sync(inputs)
-        return impl.sign_decompress, (inputs,)
-    if kernel == "axpy":
-        return impl.axpy, (x, y)
-    if kernel == "async_average":
-        return impl.async_average, (x, y, z)
-    return getattr(impl, kernel), (x,)
 
 
 def _minor_page_faults() -> int:
@@ -768,6 +740,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "every output is faulted in afresh (see retain_freed_memory)",
     )
     parser.add_argument("--seed", type=int, default=0, help="random seed of the inputs")
+    parser.add_argument(
+        "--against",
+        metavar="REF",
+        default=None,
+        help="instead: build the git ref REF (a release) and time its native CPU kernels side by side "
+        "with this tree's, as ratios (default --repeats: 20)",
+    )
     args = parser.parse_args(argv)
     if args.k < 1:
         parser.error("--k must be positive")
@@ -801,6 +780,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark, print the ratios, write the results; return the criteria verdict."""
     args = parse_args(argv)
     argv_used = sys.argv[1:] if argv is None else list(argv)
+    if args.against is not None:
+        import kernels_release
+
+        if args.device == "gpu":
+            raise SystemExit("--against compares the CPU kernels; leave out --device gpu")
+        sizes = args.sizes or (QUICK_SIZES_MIB if args.quick else CPU_SIZES_MIB)
+        kernels_release.compare(args.against, sizes, args.k, args.repeats or 20, args.out, argv_used)
+        return {}
     retained = args.device != "gpu" and not args.fresh_pages and _common.retain_freed_memory()
     resolve_defaults(args)
     retained = retained and args.device == "cpu"

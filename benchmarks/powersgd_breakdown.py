@@ -15,6 +15,13 @@ engine (as ``bagua_jax``'s). The table gives the mean over the ranks of each pie
 and the study's step time beside it when ``--study`` names its JSON.
 
     python benchmarks/powersgd_breakdown.py --rates 100mbit none --models mlp matrices
+
+``--orthogonalize`` (no network, no root) instead times the orthogonalization of one step's
+``P`` factors alone: the previous per-matrix, per-column loop against the batched
+``orthogonalize_all`` of each front end, interleaved and repeated, on the study's models and
+the GPT sizes of ``--gpt-sizes``:
+
+    python benchmarks/powersgd_breakdown.py --orthogonalize --models mlp matrices --gpt-sizes small gpt2
 """
 
 from __future__ import annotations
@@ -54,7 +61,7 @@ def worker_torch(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from bagua_torch.algorithms.powersgd import orthogonalize
+    from bagua_torch.algorithms.powersgd import orthogonalize_all
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -77,12 +84,10 @@ def worker_torch(args: argparse.Namespace) -> dict[str, list[float]]:
         F.cross_entropy(net(x), y).backward()
         optimizer.step()
         t1 = time.perf_counter()
-        for k, (i, view, _) in enumerate(compressed):
-            m = params[i].grad.reshape(view) + residuals[k]
-            p = orthogonalize(m @ qs[k])
-            q = m.T @ p
-            residuals[k] = m - p @ q.T
-            qs[k] = q
+        ms = [params[i].grad.reshape(view) + e for (i, view, _), e in zip(compressed, residuals)]
+        ps = orthogonalize_all([m @ q for m, q in zip(ms, qs)])
+        qs = [m.T @ p for m, p in zip(ms, ps)]
+        residuals = [m - p @ q.T for m, p, q in zip(ms, ps, qs)]
         t2 = time.perf_counter()
         dist.barrier()
         t3 = time.perf_counter()
@@ -103,7 +108,7 @@ def worker_jax(args: argparse.Namespace) -> dict[str, list[float]]:
     import optax
 
     from bagua_jax import NativeCommunicator
-    from bagua_jax.algorithms.powersgd import orthogonalize
+    from bagua_jax.algorithms.powersgd import orthogonalize_all
 
     comm = NativeCommunicator.world(timeout=120)
     width, layers, image_size = network_study.MODELS[args.model]
@@ -121,14 +126,10 @@ def worker_jax(args: argparse.Namespace) -> dict[str, list[float]]:
 
     @jax.jit
     def compression(grads, qs, residuals):
-        new_qs, new_residuals = [], []
-        for (i, view, _), q, e in zip(compressed, qs, residuals):
-            m = grads[i].reshape(view) + e
-            p = orthogonalize(m @ q)
-            q = m.T @ p
-            new_qs.append(q)
-            new_residuals.append(m - p @ q.T)
-        return new_qs, new_residuals
+        ms = [grads[i].reshape(view) + e for (i, view, _), e in zip(compressed, residuals)]
+        ps = orthogonalize_all([m @ q for m, q in zip(ms, qs)])
+        new_qs = [m.T @ p for m, p in zip(ms, ps)]
+        return new_qs, [m - p @ q.T for m, p, q in zip(ms, ps, new_qs)]
 
     key = jax.random.PRNGKey(0)
     qs = [jax.random.normal(jax.random.fold_in(key, k), (view[1], r)) for k, (_, view, r) in enumerate(compressed)]
@@ -153,6 +154,97 @@ def worker_jax(args: argparse.Namespace) -> dict[str, list[float]]:
                 times[name].append(seconds)
     comm.barrier(jnp.zeros(()))
     return times
+
+
+def orthogonalize_per_matrix(p):
+    """The torch orthogonalization before batching (one matrix, one column pair at a time): the baseline."""
+    import torch
+
+    for i in range(p.shape[1]):
+        column = p[:, i]
+        for j in range(i):
+            column -= torch.dot(p[:, j], column) * p[:, j]
+        norm = torch.linalg.vector_norm(column)
+        if norm > 0:
+            column /= norm
+    return p
+
+
+def p_shapes(args: argparse.Namespace) -> dict[str, list[tuple[int, int]]]:
+    """Per model, the ``(n, r)`` of every ``P`` factor PowerSGD of rank ``args.rank`` orthogonalizes in a step."""
+    from bagua_common.workload.gpt_spec import gpt_config
+
+    shapes = {}
+    for model in args.models:
+        width, layers, image_size = network_study.MODELS[model]
+        shapes[model] = [tuple(p.shape) for p in synthetic.init_params("mlp", image_size, width, layers)]
+    for size in args.gpt_sizes:
+        shapes[f"gpt-{size}"] = list(gpt_config(size).parameter_shapes().values())
+    return {name: [(view[0], r) for _, view, r in _layout(s, args.rank)[0]] for name, s in shapes.items()}
+
+
+def time_orthogonalization(args: argparse.Namespace) -> None:
+    """The ``--orthogonalize`` mode: per-matrix loop against one batched call, per front end and model."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import torch
+
+    from bagua_jax.algorithms.powersgd import orthogonalize as jax_orthogonalize
+    from bagua_jax.algorithms.powersgd import orthogonalize_all as jax_orthogonalize_all
+    from bagua_torch.algorithms.powersgd import orthogonalize_all
+
+    torch.set_num_threads(1)
+    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ("torch", "jax"))
+    rng = np.random.default_rng(0)
+    jax_loop = jax.jit(lambda ps: [jax_orthogonalize(p) for p in ps])
+    jax_batched = jax.jit(jax_orthogonalize_all)
+    rows = []
+    for model, shapes in p_shapes(args).items():
+        arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+        tensors, jax_arrays = [torch.from_numpy(a) for a in arrays], [jnp.asarray(a) for a in arrays]
+        variants = {
+            ("torch", "loop"): lambda: [orthogonalize_per_matrix(t.clone()) for t in tensors],
+            ("torch", "batched"): lambda: orthogonalize_all(tensors),
+            ("jax", "loop"): lambda: jax.block_until_ready(jax_loop(jax_arrays)),
+            ("jax", "batched"): lambda: jax.block_until_ready(jax_batched(jax_arrays)),
+        }
+        times: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
+        for round_ in range(args.rounds + 1):  # round 0 warms up (and compiles)
+            order = list(variants) if round_ % 2 else list(reversed(variants))
+            for key in order:
+                for _ in range(args.steps):
+                    t0 = time.perf_counter()
+                    variants[key]()
+                    if round_:
+                        times[key].append(time.perf_counter() - t0)
+        for framework in ("torch", "jax"):
+            loop, batched = (statistics.median(times[(framework, v)]) for v in ("loop", "batched"))
+            rows.append({"model": model, "matrices": len(shapes), "framework": framework,
+                         "loop_s": loop, "batched_s": batched, "speedup": loop / batched})  # fmt: skip
+            print(f"{model:>10} {framework:>5}: loop {loop * 1e3:8.3f} ms  batched {batched * 1e3:8.3f} ms  "
+                  f"{loop / batched:5.2f}x", flush=True)  # fmt: skip
+    _common.finish_meta(meta)
+    lines = [
+        f"# PowerSGD rank {args.rank}: orthogonalizing one step's P factors, per-matrix loop against batched",
+        "",
+        *_common.header_lines(meta),
+        "- The machine is a 2-core box heavily loaded by other engineers' builds and tests (see the load "
+        "average): the ratios, measured side by side, carry more than the absolute times.",
+        f"- Per variant the median of {args.rounds} interleaved rounds of {args.steps} calls (one torch thread); "
+        "the JAX columns are each jitted once, the loop as one graph of per-matrix operations.",
+        "",
+        "| model | matrices | front end | loop ms | batched ms | loop / batched |",
+        "|---|---:|---|---:|---:|---:|",
+        *(
+            f"| {r['model']} | {r['matrices']} | {r['framework']} | {r['loop_s'] * 1e3:.3f} | "
+            f"{r['batched_s'] * 1e3:.3f} | {r['speedup']:.2f}x |"
+            for r in rows
+        ),
+        "",
+    ]
+    for path in _common.write_results(args.out, "powersgd-orthogonalize", lines, {"meta": meta, "rows": rows}):
+        print(f"wrote {path}")
 
 
 def worker_main(args: argparse.Namespace) -> None:
@@ -245,6 +337,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--study", type=Path, default=HERE / "results" / "network-study-peers.json")
     p.add_argument("--out", type=Path, default=HERE / "results")
     p.add_argument("--name", default="network-study-powersgd-breakdown")
+    p.add_argument("--orthogonalize", action="store_true", help="time the orthogonalization alone (no network)")
+    p.add_argument("--gpt-sizes", nargs="*", default=["small"], help="GPT sizes for --orthogonalize")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --orthogonalize")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("torch", "jax"), help=argparse.SUPPRESS)
     p.add_argument("--model", choices=list(network_study.MODELS), help=argparse.SUPPRESS)
@@ -256,6 +351,8 @@ if __name__ == "__main__":
     arguments = parse_args()
     if arguments.worker:
         worker_main(arguments)
+    elif arguments.orthogonalize:
+        time_orthogonalization(arguments)
     else:
         nh.require_root()
         run(arguments)

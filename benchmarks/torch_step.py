@@ -3,10 +3,12 @@
 The baseline tree (``--baseline``, a commit: the code before a change) is exported with ``git
 archive`` into a temporary folder; each job's ranks import either it or this checkout (the
 ``PYTHONPATH`` of the ranks names one tree alone; both use the installed native library). Per
-repeat, each engine runs one job with each tree, in alternating order (ABBA), so that the
-machine's load falls on both alike. A job is one 2-rank run that wraps an MLP with
-``with_bagua`` once per algorithm and bucket size (SGD, fixed random data) and times
-``--steps`` steps after ``--warmup``; a configuration's time per step is the slower rank's mean.
+repeat, each engine runs one job with each tree, both at once, so that whatever else loads the
+machine falls on both alike (a shared machine's load drifts over the minutes between jobs run
+one after the other). A job is one 2-rank run that wraps an MLP with ``with_bagua`` once per
+algorithm and bucket size (SGD, fixed random data) and times ``--steps`` steps after
+``--warmup``; a configuration's time per step is the slower rank's median step (a median, since
+on a loaded machine a few steps wait for a core).
 
 The table gives, per configuration, the median time per step of each tree and the ratio
 new/old: the geometric mean of the repeats' ratios, with a 95% bootstrap interval over them.
@@ -21,6 +23,7 @@ import itertools
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -59,14 +62,28 @@ def worker(args: argparse.Namespace) -> None:
 
         for _ in range(args.warmup):
             step()
+        if group.rank == 0:
+            _meet(Path(args.meet), f"{algorithm} {bucket_bytes}")
         group.world.barrier()
-        start = time.perf_counter()
+        times = []
         for _ in range(args.steps):
+            start = time.perf_counter()
             step()
-        step_s[f"{algorithm} {bucket_bytes}"] = (time.perf_counter() - start) / args.steps
+            times.append(time.perf_counter() - start)
+        step_s[f"{algorithm} {bucket_bytes}"] = statistics.median(times)
         wrapped.close()
     result = {"step_s": step_s, "tree": str(Path(bagua_torch.__file__).parent.parent)}
     Path(f"{args.result}.{group.rank}").write_text(json.dumps(result))
+
+
+def _meet(folder: Path, config: str) -> None:
+    """Wait until the other tree's job has reached ``config`` too, so that both time it at once."""
+    (folder / f"{config}.{os.getpid()}").touch()
+    deadline = time.monotonic() + 600
+    while len(list(folder.glob(f"{config}.*"))) < 2:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the other tree's job never reached {config}")
+        time.sleep(0.01)
 
 
 def _export(commit: str, into: Path) -> Path:
@@ -78,17 +95,19 @@ def _export(commit: str, into: Path) -> Path:
     return tree
 
 
-def _job(tree: Path, engine: str, args: argparse.Namespace, work: Path) -> dict[str, float]:
-    """Per ``"algorithm bucket_bytes"``, the slower rank's time per step in one 2-rank job importing ``tree``."""
+def _start(tree: Path, engine: str, args: argparse.Namespace, result: Path) -> list[subprocess.Popen]:
+    """Start a 2-rank job importing ``tree``; its ranks write to ``result``.0 and .1 and meet the other tree's job
+    in ``result``'s folder."""
     from _common import free_port, mpiexec
 
-    result = work / "rank"
     command = [
         sys.executable,
         str(Path(__file__).resolve()),
         "--worker",
         "--result",
         str(result),
+        "--meet",
+        str(result.parent),
         "--algorithms",
         *args.algorithms,
         "--bucket-bytes",
@@ -103,15 +122,18 @@ def _job(tree: Path, engine: str, args: argparse.Namespace, work: Path) -> dict[
         "MASTER_PORT": str(free_port()),
     }
     if engine == "mpi":
-        procs = [subprocess.Popen([mpiexec(), "-n", "2", *command], env=env)]
-    else:
-        procs = [
-            subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"})
-            for r in range(2)
-        ]
+        return [subprocess.Popen([mpiexec(), "-n", "2", *command], env=env)]
+    return [
+        subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"})
+        for r in range(2)
+    ]
+
+
+def _finish(procs: list[subprocess.Popen], tree: Path, result: Path) -> dict[str, float]:
+    """Per ``"algorithm bucket_bytes"``, the slower rank's time per step of the job :func:`_start` started."""
     for proc in procs:
-        if proc.wait(timeout=300) != 0:
-            raise RuntimeError(f"the {engine} job of {tree} failed (exit {proc.returncode})")
+        if proc.wait(timeout=600) != 0:
+            raise RuntimeError(f"the job of {tree} failed (exit {proc.returncode})")
     ranks = [json.loads(Path(f"{result}.{r}").read_text()) for r in range(2)]
     if any(Path(rank["tree"]).resolve() != tree.resolve() for rank in ranks):
         raise RuntimeError(f"the ranks imported {[rank['tree'] for rank in ranks]}, not {tree}")
@@ -142,14 +164,15 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="bagua-torch-step-") as tmp:
         trees = {"old": _export(args.baseline, Path(tmp)), "new": ROOT}
         for repeat in range(args.repeats):
-            for i, engine in enumerate(args.engines):
-                order = ("old", "new") if (repeat + i) % 2 == 0 else ("new", "old")
-                for which in order:
-                    with tempfile.TemporaryDirectory(dir=tmp) as work:
-                        measured = _job(trees[which], engine, args, Path(work))
-                    for (e, algorithm, bucket), t in times.items():
-                        if e == engine:
-                            t[which].append(measured[f"{algorithm} {bucket}"])
+            for engine in args.engines:
+                with tempfile.TemporaryDirectory(dir=tmp) as work:
+                    results = {which: Path(work) / which for which in trees}
+                    jobs = {which: _start(tree, engine, args, results[which]) for which, tree in trees.items()}
+                    measured = {which: _finish(jobs[which], trees[which], results[which]) for which in trees}
+                for (e, algorithm, bucket), t in times.items():
+                    if e == engine:
+                        for which in trees:
+                            t[which].append(measured[which][f"{algorithm} {bucket}"])
                 progress.line(f"repeat {repeat + 1}: {engine}")
     _common.finish_meta(meta)
     meta["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
@@ -186,6 +209,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=HERE / "results", help="results directory")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
+    parser.add_argument("--meet", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 

@@ -10,10 +10,10 @@ import jax
 import optax
 from flax_cnn import loss_fn, main
 
-from bagua_jax import DataParallel, algorithms
+from bagua_jax import DataParallel
 
 mesh = jax.make_mesh((jax.device_count(),), ("ranks",))
-dp = DataParallel(loss_fn, optax.adam(3e-3), algorithms.ByteGrad(), mesh=mesh, has_aux=True)
+dp = DataParallel(loss_fn, optax.adam(3e-3), "bytegrad", mesh=mesh, has_aux=True)
 
 if __name__ == "__main__":
     main(train_step=dp.step, prepare_state=dp.init)

@@ -28,6 +28,10 @@ class Net(nn.Module):
         return torch.softmax(self.fc3(torch.relu(self.fc2(torch.relu(self.fc1(x))))), dim=1)
 
 
+BAGUA_VALUES = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3, "BOR": 7, "BAND": 8, "BXOR": 9, "AVG": 10}
+"""Bagua's ``ReduceOp`` (an IntEnum in bagua/torch_api/communication.py): callers may pass these integers."""
+
+
 def _primitives(bagua, out: dict) -> None:
     rank, n = bagua.get_rank(), bagua.get_world_size()
     gen = torch.Generator().manual_seed(100 + rank)
@@ -51,14 +55,23 @@ def _primitives(bagua, out: dict) -> None:
         bagua.allreduce(x, recv, op=bagua.ReduceOp[name], comm=comm)
         inplace = x.clone()
         bagua.allreduce_inplace(inplace, op=bagua.ReduceOp[name])
+        by_value = torch.zeros_like(x)
+        bagua.allreduce(x, by_value, op=BAGUA_VALUES[name], comm=comm)
         out[f"allreduce {name}"] = (_np(recv), _np(expected))
         out[f"allreduce_inplace {name}"] = (_np(inplace), _np(expected))
+        out[f"allreduce {name} by Bagua's value"] = (_np(by_value), _np(expected))
     x = torch.rand(2, 3, generator=gen)
     expected = x.clone()
     dist.all_reduce(expected)
     recv = torch.zeros(2, 3)
     bagua.allreduce(x, recv, op=bagua.ReduceOp.AVG)
     out["allreduce AVG"] = (_np(recv), _np(expected / n))
+    bagua.allreduce(x, recv, op=BAGUA_VALUES["AVG"])
+    out["allreduce AVG by Bagua's value"] = (_np(recv), _np(expected / n))
+    try:
+        bagua.allreduce(x, recv, op=4)  # no member of Bagua's has the value 4
+    except ValueError as e:
+        out["unknown reduction refused"] = (str(e).startswith("unknown reduction 4;"), True)
 
     x = torch.rand(5, generator=gen)
     expected = x.clone()

@@ -2,7 +2,8 @@
 
 One 2-rank gloo job runs, per feature and algorithm in sequence, a few steps of the MLP of
 gradient_allreduce_bytegrad_workers_torch on each rank's own data and returns what the cell's
-assertion needs: the parameters per step and the algorithm's step and round counters. ``plain`` is the single-feature run the others are compared with.
+assertion needs: the parameters per step and the algorithm's step and round counters. ``plain``
+is the single-feature run the others are compared with.
 """
 
 from __future__ import annotations
@@ -33,14 +34,14 @@ def optimizer_and_algorithm(name: str, groups: list[dict]):
     return torch.optim.SGD(groups, lr=LR, momentum=0.9), get_algorithm(name, **OPTIONS.get(name, {}))
 
 
-def wrapped_model(name: str, seed: int, groups=None, dtype: torch.dtype = torch.float32):
+def wrapped_model(name: str, seed: int, groups=None, dtype: torch.dtype = torch.float32, **wrap_options):
     """``(wrapped, optimizer)``: the MLP in ``dtype`` wrapped with algorithm ``name``; ``groups(model)`` its param
-    groups (one group by default)."""
+    groups (one group by default), ``wrap_options`` more arguments of ``with_bagua``."""
     import bagua_torch
 
     model = make_mlp(seed, dtype)
     optimizer, algorithm = optimizer_and_algorithm(name, groups(model) if groups else [{"params": model.parameters()}])
-    return bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET), optimizer
+    return bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET, **wrap_options), optimizer
 
 
 def counters(wrapped) -> dict:
@@ -132,7 +133,17 @@ def checkpoint(name: str, seed: int, rank: int) -> dict:
     return finish(fresh, {"continued": continued, "resumed": resumed})
 
 
-FEATURES = {f.__name__: f for f in (plain, accumulation, param_groups, autocast, bf16_parameters, checkpoint)}
+def autotune(name: str, seed: int, rank: int) -> dict:
+    """Wrapping with ``autotune="once"``: the error it raised, or None."""
+    try:
+        wrapped, _ = wrapped_model(name, seed, autotune="once")
+    except ValueError as error:
+        return {"refused": str(error)}
+    wrapped.close()
+    return {"refused": None}
+
+
+FEATURES = {f.__name__: f for f in (plain, accumulation, param_groups, autocast, bf16_parameters, checkpoint, autotune)}
 
 
 def every_algorithm_under_each_feature(seed: int, features: list[str], algorithms: list[str]) -> dict:

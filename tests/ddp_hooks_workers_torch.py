@@ -82,6 +82,7 @@ def hooks_match_the_wrapper(seed: int) -> dict:
         out[f"{name}/wrapper"] = params_of(model)
         wrapped.close()
     out["accelerate"] = _through_accelerate(seed, rank)
+    out["communicator"] = type(bagua_torch.get_process_group().world).__name__
     return out
 
 

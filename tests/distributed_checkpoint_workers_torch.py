@@ -90,3 +90,19 @@ def damaged_restores(model, optimizer, first: Path, second: Path, group) -> dict
         except (ValueError, FileNotFoundError) as e:
             errors[what] = (str(copy / file), str(e))
     return errors
+
+
+def restore_alone(seed: int, root: str) -> dict:
+    """One rank restores every algorithm's 2-rank step-4 checkpoint and reports what it got."""
+    from checkpoint_workers_torch import report
+
+    from bagua_torch.distributed_checkpoint import restore
+
+    setup(backend="gloo")
+    results = {}
+    for name in ALGORITHMS:
+        model, optimizer = build(name, seed + 1)
+        step = restore(f"{root}/{name}/step_000000004", model, optimizer)
+        results[name] = {"step": step, **report(model, optimizer)}
+        model.close()
+    return results

@@ -99,28 +99,36 @@ class JobTable:
     def __init__(self, worker: str, jobs: dict[str, Job], mpi: bool, timeout: float = 240.0) -> None:
         self.worker, self.jobs, self.mpi, self.timeout = worker, jobs, mpi, timeout
         self._results: dict[str, tuple[int, list[dict[str, Any]]]] = {}
+        self._failures: dict[str, str] = {}  # a failed job is not run again for each test that reads it
 
     def run(self, name: str) -> tuple[int, list[dict[str, Any]]]:
         """Job ``name``'s seed and its ranks' results (sorted by rank), run on first use; skips
-        the test when the job needs MPI and there is none."""
+        the test when the job needs MPI and there is none. Once the job has failed, later tests
+        fail at once with the end of its report."""
         import numpy as np
         import pytest
         from multiprocess import run_ranks
 
+        if name in self._failures:
+            pytest.fail(f"job {name!r} failed in an earlier test of this session:\n{self._failures[name]}")
         if name not in self._results:
             job = self.jobs[name]
             if job.launcher == "mpiexec" and not self.mpi:
                 pytest.skip("built without the MPI engine, or no mpiexec")
             seed = int(np.random.default_rng().integers(2**20))
-            results = run_ranks(
-                self.worker,
-                job.ranks,
-                seed,
-                list(job.scenarios),
-                job.local_world_size,
-                launcher=job.launcher,
-                timeout=self.timeout,
-            )
+            try:
+                results = run_ranks(
+                    self.worker,
+                    job.ranks,
+                    seed,
+                    list(job.scenarios),
+                    job.local_world_size,
+                    launcher=job.launcher,
+                    timeout=self.timeout,
+                )
+            except Exception as error:
+                self._failures[name] = str(error)[-4000:]
+                raise
             self._results[name] = (seed, sorted((r.value for r in results), key=lambda v: v["rank"]))
         return self._results[name]
 

@@ -51,6 +51,12 @@ def test_allreduce_every_reduce_op_into_recv_and_in_place(ranks, op):
     _assert_pairs(ranks, f"allreduce {op}", exact=op not in ("SUM", "PRODUCT", "AVG"))
     if op != "AVG":
         _assert_pairs(ranks, f"allreduce_inplace {op}", exact=op not in ("SUM", "PRODUCT"))
+    # Bagua's integer value of each reduction is the reduction (``_pairs`` would find the name's result alone).
+    assert len(_pairs(ranks, f"allreduce {op} by Bagua's value")) == len(ranks)
+
+
+def test_an_unknown_reduction_value_is_refused(ranks):
+    _assert_pairs(ranks, "unknown reduction refused")
 
 
 @pytest.mark.parametrize(

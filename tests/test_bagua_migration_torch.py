@@ -11,15 +11,14 @@ which the training script also drives, are checked in test_bagua_compat_torch.py
 from __future__ import annotations
 
 import difflib
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from fresh_interpreter import ROOT, source_tree_env
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ROOT / "examples" / "from_bagua"
 
 
@@ -41,8 +40,9 @@ def migrated(script: str, directory: Path) -> Path:
 def launch(script: Path, *args: str) -> str:
     command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2"]
     command += ["--timeout", "120", str(script), *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(command, capture_output=True, text=True, timeout=180, env=env, cwd=script.parent)
+    result = subprocess.run(
+        command, capture_output=True, text=True, timeout=180, env=source_tree_env(), cwd=script.parent
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "Warning" not in output, output

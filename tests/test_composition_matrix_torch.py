@@ -12,19 +12,24 @@ import zlib
 
 import numpy as np
 import pytest
-from composition_matrix import MATRIX, Works
+from composition_matrix import MATRIX
 from conftest import SEED
 
 pytest.importorskip("torch")
 
 THIS = "tests/test_composition_matrix_torch.py"
 IDENTICAL_REPLICAS = ("gradient_allreduce", "bytegrad", "qadam", "onebit_adam", "powersgd", "diloco")
+# Distance from the fp32 run under autocast, relative to the distance moved: bf16 rounding of the gradients moves
+# the others about 1%, and flips the signs of some small momenta of the Adam family (up to 16% seen in 4 seeds).
+AUTOCAST_BOUND = {"qadam": 0.5, "onebit_adam": 0.5}
 COUNTED_STEPS = ("decentralized", "low_precision_decentralized", "powersgd", "diloco", "async")
 
 
 def citing(function: str, feature: str) -> list[str]:
     """The algorithms whose torch cell under ``feature`` is asserted by ``function`` of this file."""
-    return [a for a, row in MATRIX.items() if row[feature]["torch"] == Works(f"{THIS}::{function}")]
+    cited = [a for a, row in MATRIX.items() if getattr(row[feature]["torch"], "test", None) == f"{THIS}::{function}"]
+    assert cited, f"no torch cell under {feature} cites {function}"
+    return cited
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +117,7 @@ def test_a_group_at_learning_rate_zero_never_moves(runs, algorithm):
 @pytest.mark.parametrize("algorithm", citing("test_mixed_precision_bf16_parameters_and_autocast", "mixed_precision"))
 def test_mixed_precision_bf16_parameters_and_autocast(runs, algorithm):
     """bf16 parameters, and fp32 parameters with a bf16 autocast forward pass: the algorithm's property holds and
-    the parameters move; under autocast they stay within a quarter of their movement of the fp32 run's."""
+    the parameters move; under autocast they stay near the fp32 run's (:data:`AUTOCAST_BOUND`)."""
     seed, ranks = runs
     start = initial_params(seed)
     for feature in ("bf16_parameters", "autocast"):
@@ -122,7 +127,7 @@ def test_mixed_precision_bf16_parameters_and_autocast(runs, algorithm):
     for rank in ranks:
         want = rank["plain"][algorithm]["history"][-1]
         got = rank["autocast"][algorithm]["history"][-1]
-        assert distance(got, want) <= 0.25 * distance(want, start), algorithm
+        assert distance(got, want) <= AUTOCAST_BOUND.get(algorithm, 0.05) * distance(want, start), algorithm
 
 
 @pytest.mark.parametrize("algorithm", citing("test_checkpoint_resume_continues_bit_identically", "checkpoint_resume"))
@@ -135,3 +140,12 @@ def test_checkpoint_resume_continues_bit_identically(runs, algorithm):
         for step, (a, b) in enumerate(zip(run["continued"], run["resumed"])):
             for name in a:
                 assert a[name].tobytes() == b[name].tobytes(), (algorithm, step, name)
+
+
+@pytest.mark.parametrize("algorithm", citing("test_autotune_is_refused_naming_the_algorithm", "autotune"))
+def test_autotune_is_refused_naming_the_algorithm(runs, algorithm):
+    """Re-bucketing between steps would lose the algorithm's per-bucket state: wrapping refuses, naming both."""
+    _, ranks = runs
+    for rank in ranks:
+        message = rank["autotune"][algorithm]["refused"]
+        assert message is not None and message.startswith("autotune: ") and algorithm in message, message

@@ -1,6 +1,7 @@
 """Bagua's DDP communication hooks (bagua_torch.ddp_hooks) on torch's DistributedDataParallel and HF Accelerate.
 
-One job of 2 gloo ranks (ddp_hooks_workers_torch.py) trains the same MLP, on the same data, with each
+One job of 2 ranks (ddp_hooks_workers_torch.py; over gloo, and under mpiexec where the hooks communicate
+through the native MPI engine) trains the same MLP, on the same data, with each
 gradient algorithm through DDP's hook and through the project's wrapper ``with_bagua``. Both lay the
 model out as one bucket (DDP's default 25 MiB cap and the wrapper's default bucket size hold the whole
 MLP; the hook reorders DDP's bucket into the wrapper's reverse registration order and pads it alike),
@@ -20,16 +21,27 @@ from algorithms_reference import max_diff
 from conftest import SEED
 from ddp_hooks_workers_torch import ALGORITHMS
 from multiprocess import run_ranks
+from scenarios import has_mpi
 
+import bagua_torch
 import bagua_torch.ddp_hooks as ddp_hooks
 
 STATEFUL = ("bytegrad/error_feedback", "powersgd")
 
 
-@pytest.fixture(scope="module")
-def job() -> list[dict]:
-    seed = int(np.random.default_rng([SEED, zlib.crc32(__name__.encode())]).integers(2**31))
-    return [r.value for r in run_ranks("ddp_hooks_workers_torch:hooks_match_the_wrapper", 2, seed, timeout=240)]
+@pytest.fixture(scope="module", params=["python", "mpiexec"])
+def job(request) -> list[dict]:
+    """The job over gloo, and under mpiexec with the native MPI engine as the hooks' communicator."""
+    if request.param == "mpiexec" and not has_mpi(bagua_torch.ops.build_info()):
+        pytest.skip("no MPI engine or mpiexec here")
+    seed = int(np.random.default_rng([SEED, zlib.crc32(request.param.encode())]).integers(2**31))
+    target = "ddp_hooks_workers_torch:hooks_match_the_wrapper"
+    values = [r.value for r in run_ranks(target, 2, seed, launcher=request.param, timeout=240)]
+    for out in values:
+        assert out["communicator"] == (
+            "NativeCommunicator" if request.param == "mpiexec" else "ProcessGroupCommunicator"
+        )
+    return values
 
 
 def _assert_equal(a: dict, b: dict, what: str) -> None:

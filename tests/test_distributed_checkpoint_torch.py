@@ -4,7 +4,8 @@ One 2-rank gloo job per test run: for ByteGrad with error feedback, decentralize
 (saved mid-round), a run resumed from a DCP checkpoint continues bit for bit; DCP's own API
 (``dcp.load`` into plain tensors, no project code, one process) reads every rank's
 parameters back as saved; damaged copies (a truncated, emptied or foreign shard, truncated
-DCP metadata, no manifest) are refused naming the file and the damage.
+DCP metadata, no manifest) are refused naming the file and the damage; one rank restoring the
+2-rank checkpoints follows each algorithm's reshard rule.
 """
 
 from __future__ import annotations
@@ -71,3 +72,20 @@ def test_damaged_checkpoints_are_refused_naming_the_file(job):
         for what, (path, message) in rank.value["errors"].items():
             damage = {"metadata truncated": "truncated"}.get(what, what)
             assert path in message and damage in message, (what, message)
+
+
+def test_restore_into_one_rank_follows_the_rule(job):
+    root, ranks = job
+    (alone,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, SEED, str(root), timeout=120)
+    for name in ALGORITHMS:
+        saved = [r.value[name]["saved"] for r in ranks]
+        got = alone.value[name]
+        assert got["step"] == 4
+        for key in saved[0]["params"]:
+            rows = [s["params"][key] for s in saved]
+            # ByteGrad's replicas are identical (rank 0's carries); the others drift and start from the mean.
+            want = rows[0] if name == "bytegrad" else (np.stack(rows).astype(np.float64).sum(0) / 2).astype(np.float32)
+            np.testing.assert_array_equal(got["params"][key], want, err_msg=f"{name} {key}")
+        if name == "bytegrad":
+            assert any(np.any(r) for s in saved for r in s["algorithm"]["residuals"]), "nothing to reset"
+            assert not any(np.any(r) for r in got["algorithm"]["residuals"]), "residuals not reset"

@@ -189,6 +189,23 @@ def test_elementwise_helpers_at_the_float32_edges(kernels, amplitude):
         assert np.count_nonzero(cases[0][0]) > x.size // 2  # subnormal results are not flushed
 
 
+def test_in_place_helpers_rescale_from_the_original_inputs():
+    """torch's out= may be an input: where a * y overflows and x + a * y does not, the rescaled
+    result needs the x that the output overwrites."""
+    import torch
+
+    from bagua_torch import ops
+
+    rng = np.random.default_rng(6)
+    x = (-rng.uniform(2e38, 3.4e38, 10_007)).astype(F32)
+    y = (-x * rng.uniform(0.5, 0.9, x.size)).astype(F32)
+    expected = ref.axpy(x, y, 2.0)
+    assert np.isfinite(expected).all() and (np.abs(y.astype(np.float64)) * 2 > np.finfo(F32).max).any()
+    tx = torch.from_numpy(x.copy())
+    ops.axpy(tx, torch.from_numpy(y), 2.0, out=tx)
+    np.testing.assert_array_equal(tx.numpy(), expected)
+
+
 def test_jax_and_torch_give_the_same_bytes_for_subnormals():
     jax_kernels, torch_kernels = _front_end("jax"), _front_end("torch")
     for x in extreme_chunks(np.random.default_rng(3)).values():

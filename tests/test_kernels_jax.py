@@ -122,10 +122,14 @@ def test_chunks_of_one_sign_use_a_grid_from_their_minimum(rng):
         ref.assert_within_minmax_bound(y, decoded, 3)
 
 
-def test_constant_chunks_decode_exactly():
-    x = np.repeat(np.array([3.25, -1e-3, 0.0, 7e5], np.float32), [5, 5, 5, 4])
-    decoded = np.asarray(ops.minmax_uint8_decompress(ops.minmax_uint8_compress(x, 4), x.size, 4))
-    np.testing.assert_array_equal(decoded, x)
+@pytest.mark.parametrize("length", [5, 40])  # 40: whole vector steps of a constant chunk
+def test_constant_chunks_decode_exactly(length):
+    x = np.repeat(np.array([3.25, -1e-3, 0.0, 7e5], np.float32), length)
+    compressed = np.asarray(ops.minmax_uint8_compress(x, 4))
+    np.testing.assert_array_equal(compressed, ref.minmax_compress(x, 4)[0])
+    np.testing.assert_array_equal(np.asarray(ops.minmax_uint8_decompress(compressed, x.size, 4)), x)
+    _, residual = ops.minmax_uint8_compress_ef(x, np.zeros(x.size, np.float32), 4)
+    np.testing.assert_array_equal(np.asarray(residual), 0)
 
 
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])

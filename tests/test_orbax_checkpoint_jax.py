@@ -4,11 +4,13 @@ One process, simulated CPU devices as the ranks of a mesh. Checked: plain orbax 
 code) reads a saved step back leaf for leaf; a run resumed from an asynchronously saved step
 continues bit for bit (ByteGrad with error feedback, decentralized, DiLoCo mid-round); a
 restore into another world size equals the project's own format's (whose rules
-test_checkpoint_jax checks against NumPy); a step with truncated data files is refused naming
-its folder and the file.
+test_checkpoint_jax checks against NumPy); a step with a truncated, emptied or foreign data
+file is refused naming the file, and one without its manifest is never restored.
 """
 
 from __future__ import annotations
+
+import shutil
 
 import jax
 import numpy as np
@@ -22,7 +24,7 @@ from bagua_common.job.checkpoint import DamagedCheckpointError
 from bagua_jax import DataParallel
 from bagua_jax.algorithms import ByteGrad, Decentralized, DiLoCo
 from bagua_jax.checkpoint import restore, save
-from bagua_jax.orbax_checkpoint import MANIFEST_ITEM, STATE, OrbaxCheckpoints
+from bagua_jax.orbax_checkpoint import STATE, OrbaxCheckpoints
 
 ALGORITHMS = {
     "bytegrad_error_feedback": (lambda: ByteGrad(error_feedback=True, hierarchical=False), optax.adam(LR)),
@@ -72,10 +74,8 @@ def test_resume_is_bit_for_bit_and_plain_orbax_reads_it(name, tmp_path, rng):
     checkpoints.close()
 
     # orbax's own API, no project code: the saved leaves as they were.
-    plain = ocp.CheckpointManager(tmp_path, item_names=(STATE, MANIFEST_ITEM))
+    plain = ocp.CheckpointManager(tmp_path, item_names=(STATE,))
     assert plain.latest_step() == 4
-    read = plain.restore(4, args=ocp.args.Composite(**{MANIFEST_ITEM: ocp.args.JsonRestore()}))[MANIFEST_ITEM]
-    assert read["step"] == 4 and read["world_size"] == 2, read
     plain.close()
     with ocp.StandardCheckpointer() as checkpointer:
         raw = checkpointer.restore(tmp_path / "4" / STATE)
@@ -107,21 +107,41 @@ def test_another_world_size_follows_the_rule_like_the_projects_format(tmp_path, 
     np.testing.assert_array_equal(got.params["w"][1], (saved_w.astype(np.float64).sum(0) / 4).astype(np.float32))
 
 
-def test_damaged_step_is_refused_naming_it(tmp_path, rng):
+def test_damaged_step_is_refused_naming_the_file(tmp_path, rng):
     dp = trainer("bytegrad_error_feedback", 2)
-    checkpoints = OrbaxCheckpoints(tmp_path, dp)
-    checkpoints.save(trained(dp, rng, 1))
+    state = dp.init(initial_params(rng))
+    checkpoints = OrbaxCheckpoints(tmp_path / "intact", dp)
+    for _ in range(2):
+        state, _ = dp.step(state, batch(rng))
+        checkpoints.save(state)
     checkpoints.close()
-    step_dir = tmp_path / "1"
-    truncated = sorted((step_dir / STATE).rglob("d/*"))
-    for data in truncated:
-        data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])
-    reader, empty = OrbaxCheckpoints(tmp_path, dp), OrbaxCheckpoints(tmp_path / "none", dp)
-    with pytest.raises(DamagedCheckpointError) as raised:
-        reader.restore(initial_params(rng))
-    message = str(raised.value)
-    assert str(step_dir) in message and any(str(data) in message for data in truncated), message
+
+    def truncate(path):
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    def foreign(path):  # step 1's state in place of step 2's: orbax alone loads it as step 2
+        shutil.rmtree(path.parent.parent)
+        shutil.copytree(tmp_path / "intact" / "1" / STATE, path.parent.parent)
+
+    damages = {"truncated": truncate, "empty": lambda path: path.write_bytes(b""), "another checkpoint": foreign}
+    for what, damage in damages.items():
+        root = tmp_path / what.replace(" ", "_")
+        shutil.copytree(tmp_path / "intact", root)
+        data = sorted((root / "2" / STATE).rglob("d/*"))[0]
+        damage(data)
+        named = root / "2" / STATE if damage is foreign else data
+        reader = OrbaxCheckpoints(root, dp)
+        with pytest.raises(DamagedCheckpointError) as raised:
+            reader.restore(initial_params(rng))
+        message = str(raised.value)
+        assert str(named) in message and what in message, message
+        (root / "2" / "manifest.json").unlink()  # unsealed: the newest sealed step is restored
+        assert reader.latest_step() == 1
+        np.testing.assert_array_equal(reader.restore(initial_params(rng)).step, 1)
+        with pytest.raises(FileNotFoundError, match="manifest.json is missing"):
+            reader.restore(initial_params(rng), step=2)
+        reader.close()
+    empty = OrbaxCheckpoints(tmp_path / "none", dp)
     with pytest.raises(FileNotFoundError, match="no committed orbax checkpoint"):
         empty.restore(initial_params(rng))
-    reader.close()
     empty.close()

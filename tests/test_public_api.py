@@ -9,15 +9,11 @@ change, where a reviewer sees it.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from fresh_interpreter import run_json
 
-ROOT = Path(__file__).resolve().parent.parent
 LISTED = Path(__file__).resolve().parent / "public_api.txt"
 
 PROBE = r"""
@@ -42,18 +38,7 @@ print(json.dumps(found))
 
 def probe(lines: list[str]) -> dict[str, list[str]]:
     """Each line's fate in a fresh interpreter: ``here``, ``moved`` (with the warning) or ``missing``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run(
-        [sys.executable, "-c", PROBE],
-        input="\n".join(lines),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-        cwd=ROOT,
-    )
-    assert run.returncode == 0, run.stderr
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_json(PROBE, stdin="\n".join(lines))
 
 
 DEMO = ["bagua_torch:with_bagua", "bagua_torch:no_such_name", "bagua_common.elastic_sampler"]

@@ -144,6 +144,28 @@ def test_an_algorithm_by_name_steps_as_the_pipeline_reference(rng):
         np.testing.assert_allclose(state.params["w"], params["w"], rtol=0, atol=4 * np.spacing(np.float32(10)))
 
 
+def test_params_view_gives_one_model_whatever_the_algorithm(rng):
+    """Decentralized parameters carry a rank axis on the mesh; ``params_view`` gives the mean or rank 0's row,
+    shaped as the model's, and gradient allreduce's parameters as they are."""
+
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"]) ** 2)
+
+    w0 = rng.standard_normal((3, 2)).astype(np.float32)
+    batch = {"x": rng.standard_normal((16, 3)).astype(np.float32)}
+    dp = DataParallel(loss_fn, optax.sgd(LR), Decentralized(peer_selection_mode="shift_one"), mesh=mesh())
+    state, _ = dp.step(dp.init({"w": w0}), batch)
+    rows = np.asarray(state.params["w"])
+    assert rows.shape == (RANKS, 3, 2) and not np.allclose(rows[0], rows[1])
+    np.testing.assert_allclose(dp.params_view(state)["w"], rows.astype(np.float64).mean(0), rtol=1e-6)
+    np.testing.assert_array_equal(dp.params_view(state, "rank0")["w"], rows[0])
+    allreduce = DataParallel(loss_fn, optax.sgd(LR), GradientAllReduce(), mesh=mesh())
+    shared = allreduce.init({"w": w0})
+    assert allreduce.params_view(shared)["w"] is shared.params["w"]
+    with pytest.raises(ValueError, match="view must be 'average' or 'rank0'"):
+        dp.params_view(state, "median")
+
+
 def test_bad_flags_and_states_raise():
     with pytest.raises(ValueError, match="qadam is an optimizer itself and needs learning_rate"):
         DataParallel(lambda p, b: 0.0, None, "qadam", mesh=mesh())

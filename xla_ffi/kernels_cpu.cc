@@ -101,6 +101,7 @@ using i32x8 = int32_t __attribute__((vector_size(32)));
 using u32x8 = uint32_t __attribute__((vector_size(32)));
 using u16x8 = uint16_t __attribute__((vector_size(16)));
 using f64x4 = double __attribute__((vector_size(32)));
+using f64x8 = double __attribute__((vector_size(64)));
 
 f32x8 widen(const float* p) {
   f32x8 v;
@@ -131,15 +132,20 @@ f32x8 widen(const Half* p) {
 
 f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
 
-// math::clamp_or_zero and math::round_half_even, lane by lane.
-f32x8 clamp_or_zero(f32x8 v, float low, float high) {
-  v = v == v ? v : splat(0.0f);
+// math::clamp, clamp_or_zero and round_half_even, lane by lane.
+constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23, as in math::round_half_even
+
+f32x8 clamp(f32x8 v, float low, float high) {
   v = v > low ? v : splat(low);
   return v < high ? v : splat(high);
 }
 
+f32x8 clamp_or_zero(f32x8 v, float low, float high) {
+  return clamp(v == v ? v : splat(0.0f), low, high);
+}
+
 f32x8 round_half_even(f32x8 v) {
-  const f32x8 magic = splat(12582912.0f);
+  const f32x8 magic = splat(kRoundingMagic);
   return (v + magic) - magic;
 }
 
@@ -227,18 +233,20 @@ Range min_max(const Src& src, int64_t begin, int64_t end) {
   return r;
 }
 
-// In double, so that no finite chunk's sum overflows (SPEC section 2).
+// In double, so that no finite chunk's sum overflows (SPEC section 2). Lane l
+// sums elements l, l + 8, ... in order; one 8-lane double vector (one widening
+// and one add a step where the processor has 512-bit vectors) holds the lanes.
 template <typename Src>
 double abs_sum(const Src& src, int64_t begin, int64_t end) {
-  f64x4 low = {}, high = {};
+  f64x8 lanes = {};
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     f32x8 v = src.load8(i);
     v = v < 0 ? -v : v;
-    low += __builtin_convertvector(__builtin_shufflevector(v, v, 0, 1, 2, 3), f64x4);
-    high += __builtin_convertvector(__builtin_shufflevector(v, v, 4, 5, 6, 7), f64x4);
+    lanes += __builtin_convertvector(v, f64x8);
   }
-  const f64x4 acc = low + high;
+  const f64x4 low = __builtin_shufflevector(lanes, lanes, 0, 1, 2, 3);
+  const f64x4 acc = low + __builtin_shufflevector(lanes, lanes, 4, 5, 6, 7);
   double total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
   for (; i < end; ++i) total += std::fabs(src(i));
   return total;
@@ -306,6 +314,10 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
     write_header(out, chunking, c, lo, hi);
   }
   parallel_for(blocks.tasks(), n, [&](int64_t t) {
+    // Local copies: the code stores could alias the captured ones, which the loops
+    // would then reload at every step.
+    const Source<T, kFeedback> values = src;
+    float* const residuals = residual_out;
     const int64_t c = blocks.chunk(t);
     const float* h = header(out, chunking, c);
     const math::MinMaxGrid grid = math::minmax_grid<kBits>(h[0], h[1]);
@@ -316,21 +328,35 @@ void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64
     const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base),
                 step8 = splat(grid.step);
     int64_t i = begin;
-    for (; !grid.wide && i + 8 <= end; i += 8) {
-      const f32x8 v = src.load8(i);
-      const f32x8 q = clamp_or_zero(
-          round_half_even(clamp_or_zero((v - z8) * scale8, -kTop, kTop)) - base8, 0.0f, kTop);
-      put_codes8<kBits>(codes, i - first, __builtin_convertvector(q, i32x8));
-      if constexpr (kFeedback) {
-        const f32x8 residual = v - (z8 + (q + base8) * step8);
-        std::memcpy(residual_out + i, &residual, sizeof residual);
+    const auto encode8 = [&](auto&& quantize) {
+      for (; i + 8 <= end; i += 8) {
+        const f32x8 v = values.load8(i);
+        const f32x8 q = quantize(v);
+        put_codes8<kBits>(codes, i - first, __builtin_convertvector(q, i32x8));
+        if constexpr (kFeedback) {
+          const f32x8 residual = v - (z8 + (q + base8) * step8);
+          std::memcpy(residuals + i, &residual, sizeof residual);
+        }
       }
+    };
+    const float range = math::sub_rn(grid.hi, grid.lo);
+    if (!grid.wide && math::is_finite(range) && range > 0.0f) {
+      // A finite, non-constant float32 chunk: |(x - z) * scale| <= S (1 + 2^-24)^2 < S + 1,
+      // so neither a NaN nor the first clamp can occur, and subtracting the integer base
+      // from the rounding constant first is exact: the same codes in fewer steps.
+      const f32x8 magic8 = splat(kRoundingMagic), offset8 = splat(kRoundingMagic + grid.base);
+      encode8([&](f32x8 v) { return clamp(((v - z8) * scale8 + magic8) - offset8, 0.0f, kTop); });
+    } else if (!grid.wide) {  // constant chunks, NaN and infinities
+      encode8([&](f32x8 v) {
+        return clamp_or_zero(round_half_even(clamp_or_zero((v - z8) * scale8, -kTop, kTop)) - base8,
+                             0.0f, kTop);
+      });
     }
     for (; i < end; ++i) {
-      const float v = src(i);
+      const float v = values(i);
       const uint8_t q = math::minmax_encode<kBits>(v, grid);
       put_code<kBits>(codes, i - first, q);
-      if constexpr (kFeedback) residual_out[i] = math::sub_rn(v, math::minmax_decode(q, grid));
+      if constexpr (kFeedback) residuals[i] = math::sub_rn(v, math::minmax_decode(q, grid));
     }
   });
 }
@@ -355,25 +381,27 @@ void sign_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t
                  len > 0 ? static_cast<float>(sum / static_cast<double>(len)) : 0.0f, 0.0f);
   }
   parallel_for(blocks.tasks(), n, [&](int64_t t) {
+    const Source<T, kFeedback> values = src;  // a local copy, as in minmax_compress_impl
+    float* const residuals = residual_out;
     const int64_t c = blocks.chunk(t);
     const float scale = header(out, chunking, c)[0];
     uint8_t* bits = out + chunking.slot_offset(c) + kHeaderBytes;
     const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
     auto encode = [&](int64_t i) {
-      const float v = src(i);
+      const float v = values(i);
       const bool bit = math::sign_bit(v);
-      if constexpr (kFeedback) residual_out[i] = math::sub_rn(v, math::sign_decode(bit, scale));
+      if constexpr (kFeedback) residuals[i] = math::sub_rn(v, math::sign_decode(bit, scale));
       return static_cast<uint8_t>(bit);
     };
     int64_t i = begin;
     const f32x8 up = splat(scale), down = splat(-scale);
     for (; i + 8 <= end; i += 8) {
-      const f32x8 v = src.load8(i);
+      const f32x8 v = values.load8(i);
       const i32x8 positive = v >= 0.0f;  // all ones where the bit is set
       bits[(i - first) / 8] = pack_bits(positive);
       if constexpr (kFeedback) {
         const f32x8 residual = v - (positive ? up : down);
-        std::memcpy(residual_out + i, &residual, sizeof residual);
+        std::memcpy(residuals + i, &residual, sizeof residual);
       }
     }
     if (i < end) {
@@ -429,8 +457,17 @@ void minmax_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c,
   const math::MinMaxGrid grid = math::minmax_grid<kBits>(h[0], h[1]);
   const uint8_t* codes = in + chunking.slot_offset(c) + kHeaderBytes;
   const int64_t first = chunking.begin(c);
-  for (int64_t i = begin; i < end; ++i)
-    emit(i, math::minmax_decode(code_at<kBits>(codes, i - first), grid));
+  // One loop per form, so that the float32 one carries no per-element choice.
+  const auto decode = [&](auto&& decode_one) {
+    for (int64_t i = begin; i < end; ++i) emit(i, decode_one(code_at<kBits>(codes, i - first)));
+  };
+  // The grid by value: stores through `emit` could alias a captured reference.
+  if (grid.wide)
+    decode([grid](uint8_t q) { return math::minmax_decode_wide(q, grid); });
+  else if (grid.z == 0.0f)
+    decode([grid](uint8_t q) { return math::minmax_decode_at_zero(q, grid); });
+  else
+    decode([grid](uint8_t q) { return math::minmax_decode_at_lo(q, grid); });
 }
 
 // The same for a Sign buffer, except that each whole byte of bits reaches
@@ -464,6 +501,13 @@ Status decompress(const uint8_t* in, const Chunking& chunking, T* out, Decode&& 
 }
 
 bool is_infinite(float v) { return v == v && !math::is_finite(v); }
+
+// The exponent field of v, kExponentBits for infinities and NaN. Loops keep the
+// largest one to find overflows: an unsigned max vectorizes, a bool reduction did
+// not and cost the common (finite) case a scalar pass.
+constexpr uint32_t kExponentBits = 0x7f800000u;
+
+uint32_t exponent_field(float v) { return float_bits(v) & kExponentBits; }
 
 void resum_add(float* p, float v) { *p = math::resum_add(*p, v); }
 
@@ -504,34 +548,50 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
              [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
     }
     const float ranks = static_cast<float>(k);
-    bool overflow = false;
+    uint32_t largest = 0;
     for (int64_t i = 0; i < end - begin; ++i) {
       if (average) acc[i] = math::div_rn(acc[i], ranks);
-      overflow |= is_infinite(acc[i]);
+      largest = std::max(largest, exponent_field(acc[i]));
     }
-    if (overflow) resum_scaled(in, chunking, m, begin, end, average, acc, decode);
+    if (largest == kExponentBits) resum_scaled(in, chunking, m, begin, end, average, acc, decode);
     for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(acc[i - begin]);
   });
   return {};
 }
 
-// out[i] = f(in[i]...), tile by tile: f in float32 over the tile (vectorized),
-// then math::rescaled where that overflowed. Every input of a tile is read
-// before its output is written, so out may alias an input.
+// r[i] = f(in[begin + i]...) for i < m in float32, then math::rescaled where
+// that overflowed. The check for non-finite results rides along, so the common
+// case is one vectorized pass.
+template <typename F, typename... In>
+void apply(float* r, int64_t m, int64_t begin, const F& f, const In*... in) {
+  uint32_t largest = 0;
+  for (int64_t i = 0; i < m; ++i) {
+    const float v = f(to_float(in[begin + i])...);
+    r[i] = v;
+    largest = std::max(largest, exponent_field(v));
+  }
+  if (largest == kExponentBits)
+    for (int64_t i = 0; i < m; ++i)
+      if (!math::is_finite(r[i])) r[i] = math::rescaled(f, to_float(in[begin + i])...);
+}
+
+// out[i] = f(in[i]...) block by block (see apply). float32 results go straight to
+// out unless out is one of the inputs, whose values a rescaled element needs:
+// then, and for 16-bit outputs, a tile buffer holds them until the tile is done.
 template <typename T, typename F, typename... In>
 Status elementwise(int64_t n, T* out, F&& f, const In*... in) {
   constexpr int64_t kTile = 1024;
+  const bool in_place = ((static_cast<const void*>(in) == out) || ...);
   parallel_for(ceil_div(n, kBlock), n, [&](int64_t t) {
-    const int64_t end = std::min((t + 1) * kBlock, n);
-    for (int64_t begin = t * kBlock; begin < end; begin += kTile) {
+    const int64_t first = t * kBlock, end = std::min(first + kBlock, n);
+    if constexpr (std::is_same_v<T, float>) {
+      if (!in_place) return apply(out + first, end - first, first, f, in...);
+    }
+    for (int64_t begin = first; begin < end; begin += kTile) {
       const int64_t m = std::min(kTile, end - begin);
-      float r[kTile];
-      bool overflow = false;
-      for (int64_t i = 0; i < m; ++i) r[i] = f(to_float(in[begin + i])...);
-      for (int64_t i = 0; i < m; ++i) overflow |= !math::is_finite(r[i]);
-      for (int64_t i = 0; overflow && i < m; ++i)
-        if (!math::is_finite(r[i])) r[i] = math::rescaled(f, to_float(in[begin + i])...);
-      for (int64_t i = 0; i < m; ++i) out[begin + i] = from_float<T>(r[i]);
+      float tile[kTile];
+      apply(tile, m, begin, f, in...);
+      for (int64_t i = 0; i < m; ++i) out[begin + i] = from_float<T>(tile[i]);
     }
   });
   return {};

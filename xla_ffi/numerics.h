@@ -220,6 +220,19 @@ BAGUA_HD float minmax_decode_f32(uint8_t q, const MinMaxGrid& g) {
   return add_rn(g.z, mul_rn(add_rn(static_cast<float>(q), g.base), g.step));
 }
 
+// minmax_decode_f32 with one step fewer, for the two cases of a float32 grid and
+// with the same bits: anchored at 0, z + v is v (v is never -0: q + base is
+// never -0, and a nonzero one times step, a normal float, never underflows);
+// anchored at lo, base is 0 and q + base is q. The CPU kernels pick one per
+// chunk; on the GPU, where decoding is bound by memory, the choice would cost
+// registers instead.
+BAGUA_HD float minmax_decode_at_zero(uint8_t q, const MinMaxGrid& g) {
+  return mul_rn(add_rn(static_cast<float>(q), g.base), g.step);
+}
+BAGUA_HD float minmax_decode_at_lo(uint8_t q, const MinMaxGrid& g) {
+  return add_rn(g.z, mul_rn(static_cast<float>(q), g.step));
+}
+
 // Clamped before scaling back to +-FLT_MAX / 2^64 (a rounding up of a value
 // near the float32 limit would overflow), so a finite chunk never decodes to
 // infinity. Constants, not lo and hi: the clamp costs no registers.

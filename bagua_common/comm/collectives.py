@@ -17,14 +17,20 @@ from typing import Protocol, TypeVar
 class ReduceOp(str, enum.Enum):
     """A reduction of the collectives: a member (``ReduceOp.AVG``) or its name (``"avg"``), which it equals.
 
-    The members are in the order of the native engines' enum (``xla_ffi/communicator.h``), so
-    :attr:`code` is the integer the engines take.
+    The communicators compute the first four (:data:`REDUCE_OPS`), listed in the order of the
+    native engines' enum (``xla_ffi/communicator.h``), so :attr:`code` is the integer the engines
+    take. ``PRODUCT`` and the bitwise reductions are Bagua's: its collectives
+    (:mod:`bagua_torch.torch_api.communication`) compute them from an allgather.
     """
 
     SUM = "sum"
     AVG = "avg"
     MIN = "min"
     MAX = "max"
+    PRODUCT = "product"
+    BAND = "band"
+    BOR = "bor"
+    BXOR = "bxor"
 
     def __str__(self) -> str:
         return self.value
@@ -34,14 +40,16 @@ class ReduceOp(str, enum.Enum):
 
     @property
     def code(self) -> int:
-        """The native engines' code of this reduction."""
+        """The native engines' code of this reduction; a ValueError for one the engines lack."""
+        if self not in _CODES:
+            raise ValueError(f"the native engines have no {self.value!r} reduction; they take {REDUCE_OPS}")
         return _CODES[self]
 
 
-_CODES = {op: code for code, op in enumerate(ReduceOp)}
+_CODES = {op: code for code, op in enumerate((ReduceOp.SUM, ReduceOp.AVG, ReduceOp.MIN, ReduceOp.MAX))}
 
-REDUCE_OPS: tuple[str, ...] = tuple(op.value for op in ReduceOp)
-"""The reductions' names, in the engines' order."""
+REDUCE_OPS: tuple[str, ...] = tuple(op.value for op in _CODES)
+"""The names of the reductions the communicators compute, in the engines' order."""
 
 Array = TypeVar("Array")
 

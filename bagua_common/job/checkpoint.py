@@ -179,7 +179,9 @@ def verified_shard(directory: str | os.PathLike, manifest: Manifest, name: str) 
         raise DamagedCheckpointError(f"{path} is empty, the manifest records {record.size} bytes")
     if size != record.size:
         what = "truncated" if size < record.size else "longer than written"
-        raise DamagedCheckpointError(f"{path} is {what}: {size} bytes, the manifest records {record.size}")
+        raise DamagedCheckpointError(
+            f"{path} is {what} or another checkpoint's file: {size} bytes, the manifest records {record.size}"
+        )
     if _record(path).sha256 != record.sha256:
         raise DamagedCheckpointError(
             f"{path} does not hold what step {manifest.step} committed (its SHA-256 differs from the manifest's): "

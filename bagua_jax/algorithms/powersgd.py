@@ -18,6 +18,7 @@ import numpy as np
 import optax
 
 from bagua_common.algorithms.configs import PowerSGDConfig, matrix_view
+from bagua_common.algorithms.orthogonalization_batches import orthogonalization_batches
 from bagua_common.algorithms.registry import as_config
 from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.base import (
@@ -70,15 +71,34 @@ def _initial_q(config: PowerSGDConfig, index: int, m: int, rank: int, step: Any 
 
 
 def orthogonalize(p: jax.Array) -> jax.Array:
-    """Gram-Schmidt on the columns of ``p``; a zero column stays zero (a zero gradient)."""
+    """Modified Gram-Schmidt on the columns of ``p``, batched over any leading dimensions.
+
+    A zero column stays zero (a zero gradient). One vectorized operation per column pair serves
+    every matrix of the batch at once.
+    """
     columns = []
-    for i in range(p.shape[1]):
-        column = p[:, i]
+    for i in range(p.shape[-1]):
+        column = p[..., i]
         for done in columns:
-            column = column - jnp.dot(done, column) * done
-        norm = jnp.linalg.norm(column)
+            column = column - jnp.sum(done * column, axis=-1, keepdims=True) * done
+        norm = jnp.linalg.norm(column, axis=-1, keepdims=True)
         columns.append(jnp.where(norm > 0, column / jnp.where(norm > 0, norm, 1), 0))
-    return jnp.stack(columns, axis=1)
+    return jnp.stack(columns, axis=-1)
+
+
+def orthogonalize_all(ps: list[jax.Array]) -> list[jax.Array]:
+    """:func:`orthogonalize` every ``n x r`` matrix of ``ps``, a few zero-padded batches at a time.
+
+    Zero rows change no inner product, so each result is its own matrix's orthogonalization;
+    :func:`orthogonalization_batches` says which share a batch.
+    """
+    out: list[jax.Array] = [None] * len(ps)
+    for indices in orthogonalization_batches([p.shape for p in ps]):
+        rows = ps[indices[0]].shape[0]
+        batch = orthogonalize(jnp.stack([jnp.pad(ps[i], ((0, rows - ps[i].shape[0]), (0, 0))) for i in indices]))
+        for b, i in zip(batch, indices):
+            out[i] = b[: ps[i].shape[0]]
+    return out
 
 
 def _flat(arrays: list[jax.Array]) -> jax.Array:
@@ -130,7 +150,7 @@ def powersgd(
         plain = [leaves[i].astype(jnp.float32) for i in layout.plain]
         # One allreduce for every P and the uncompressed gradients (summed; the latter averaged below).
         reduced = _split(world.allreduce(_flat(ps + plain), "sum"), [p.shape for p in ps] + [g.shape for g in plain])
-        ps = [orthogonalize(p) for p in reduced[: len(ps)]]
+        ps = orthogonalize_all(reduced[: len(ps)])
         plain = [g / world.size for g in reduced[len(ps) :]]
         qs = [m.T @ p for m, p in zip(matrices, ps)]
         qs = _split(world.allreduce(_flat(qs), "avg"), [q.shape for q in qs])

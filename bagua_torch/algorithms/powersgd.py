@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from bagua_common.algorithms.configs import PowerSGDConfig, matrix_view
+from bagua_common.algorithms.orthogonalization_batches import orthogonalization_batches
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
@@ -43,15 +44,36 @@ class PowerSGDAlgorithm(Algorithm):
 
 
 def orthogonalize(p: torch.Tensor) -> torch.Tensor:
-    """Gram-Schmidt on the columns of ``p`` (in place); a zero column stays zero."""
-    for i in range(p.shape[1]):
-        column = p[:, i]
+    """Modified Gram-Schmidt on the columns of ``p`` (in place), batched over any leading dimensions.
+
+    A zero column stays zero (a zero gradient). One vectorized operation per column pair serves
+    every matrix of the batch at once; it runs fastest where each column is contiguous.
+    """
+    for i in range(p.shape[-1]):
+        column = p[..., i]
         for j in range(i):
-            column -= torch.dot(p[:, j], column) * p[:, j]
-        norm = torch.linalg.vector_norm(column)
-        if norm > 0:
-            column /= norm
+            done = p[..., j]
+            column -= (done * column).sum(-1, keepdim=True) * done
+        norm = torch.linalg.vector_norm(column, dim=-1, keepdim=True)
+        column /= norm.masked_fill_(norm == 0, 1)
     return p
+
+
+def orthogonalize_all(ps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """:func:`orthogonalize` every ``n x r`` matrix of ``ps``, a few zero-padded batches at a time (``ps`` is kept).
+
+    Zero rows change no inner product, so each result is its own matrix's orthogonalization;
+    :func:`orthogonalization_batches` says which share a batch. The results are views into the
+    batches.
+    """
+    out: list[torch.Tensor] = [None] * len(ps)
+    for indices in orthogonalization_batches([p.shape for p in ps]):
+        padded = torch.nn.utils.rnn.pad_sequence([ps[i] for i in indices], batch_first=True)
+        # Stored column by column, so that each column of the batch is contiguous.
+        batch = orthogonalize(padded.transpose(1, 2).contiguous().transpose(1, 2))
+        for b, i in zip(batch.unbind(0), indices):
+            out[i] = b[: ps[i].shape[0]]
+    return out
 
 
 class _AfterExchange:
@@ -148,7 +170,7 @@ class PowerSGDImpl(AlgorithmImpl):
             plain += [views[i] for i in range(len(bucket.params)) if i not in compressed]
         parts = [p.reshape(-1) for p in ps] + [v.reshape(-1).to(self.dtype) for v in plain]
         reduced = self.world.allreduce(torch.cat(parts), "sum").split([t.numel() for t in parts])
-        ps = [orthogonalize(r.view_as(p).clone()) for r, p in zip(reduced, ps)]
+        ps = orthogonalize_all([r.view_as(p) for r, p in zip(reduced, ps)])
         for view, total in zip(plain, reduced[len(ps) :]):
             view.copy_((total / n).view_as(view))
         qs = [m.T @ p for m, p in zip(matrices, ps)]

@@ -11,6 +11,9 @@ rank by rank. A rank that is not a member of ``comm``'s group returns at once, a
 Where this differs from Bagua, on purpose:
 
 * CPU tensors work (gloo, or the native MPI engine), not only CUDA tensors.
+* :class:`ReduceOp` is the project's own (:class:`bagua_common.comm.collectives.ReduceOp`, string
+  members); Bagua's integer values (``0`` for ``SUM`` ... ``10`` for ``AVG``,
+  :data:`BAGUA_OP_VALUES`) are accepted wherever a reduction is.
 * Every :class:`ReduceOp` works on every collective: ``PRODUCT``, ``BAND``, ``BOR`` and
   ``BXOR`` (which the communicators lack) are computed from an allgather. Bagua passed them to
   NCCL, which has no bitwise reductions.

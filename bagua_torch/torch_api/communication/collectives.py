@@ -5,7 +5,6 @@ See :mod:`bagua_torch.torch_api.communication` for what they do and where they d
 
 from __future__ import annotations
 
-import enum
 import functools
 from collections.abc import Sequence
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bagua_common.comm.collectives import REDUCE_OPS, ReduceOp
 from bagua_torch.communicator import ProcessGroupCommunicator
 from bagua_torch.torch_api.communication.groups import (
     BaguaProcessGroup,
@@ -22,6 +22,7 @@ from bagua_torch.torch_api.communication.groups import (
 )
 
 __all__ = [
+    "BAGUA_OP_VALUES",
     "ReduceOp",
     "allgather",
     "allgather_inplace",
@@ -46,20 +47,17 @@ __all__ = [
 ]
 
 
-class ReduceOp(enum.IntEnum):
-    """Bagua's reduction operations (the same values as Bagua's enum)."""
-
-    SUM = 0
-    PRODUCT = 1
-    MIN = 2
-    MAX = 3
-    BOR = 7
-    BAND = 8
-    BXOR = 9
-    AVG = 10
-
-
-_NATIVE_OPS = {ReduceOp.SUM: "sum", ReduceOp.AVG: "avg", ReduceOp.MIN: "min", ReduceOp.MAX: "max"}
+BAGUA_OP_VALUES: dict[int, ReduceOp] = {
+    0: ReduceOp.SUM,
+    1: ReduceOp.PRODUCT,
+    2: ReduceOp.MIN,
+    3: ReduceOp.MAX,
+    7: ReduceOp.BOR,
+    8: ReduceOp.BAND,
+    9: ReduceOp.BXOR,
+    10: ReduceOp.AVG,
+}
+"""Bagua's integer values of its ``ReduceOp`` members (an ``IntEnum``), which callers may pass instead of a member."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -83,10 +81,15 @@ def _resolve(comm: Any) -> CommunicatorHandle | None:
 
 
 def _op(op: Any) -> ReduceOp:
+    """``op`` as the project's :class:`ReduceOp`: a member, its name, or Bagua's integer value of it."""
+    if isinstance(op, int) and not isinstance(op, bool) and op in BAGUA_OP_VALUES:
+        return BAGUA_OP_VALUES[op]
     try:
         return ReduceOp(op)
     except ValueError:
-        raise ValueError(f"unknown reduction {op!r}; use a bagua ReduceOp") from None
+        raise ValueError(
+            f"unknown reduction {op!r}; use a ReduceOp member or Bagua's value of one {sorted(BAGUA_OP_VALUES)}"
+        ) from None
 
 
 def _reduce_rows(rows: torch.Tensor, op: ReduceOp) -> torch.Tensor:
@@ -101,8 +104,8 @@ def _reduce_rows(rows: torch.Tensor, op: ReduceOp) -> torch.Tensor:
 
 def _allreduced(handle: CommunicatorHandle, x: torch.Tensor, op: Any) -> torch.Tensor:
     op = _op(op)
-    if op in _NATIVE_OPS:
-        return handle.communicator.allreduce(x, _NATIVE_OPS[op])
+    if op in REDUCE_OPS:
+        return handle.communicator.allreduce(x, op)
     return _reduce_rows(handle.communicator.allgather(x), op)
 
 
@@ -201,8 +204,8 @@ def reduce(
     _check_numel("reduce: recv_tensor", recv_tensor, send_tensor.numel())
     op = _op(op)
     comm_ = handle.communicator
-    if op in _NATIVE_OPS:
-        result = comm_.reduce(_flat(send_tensor), dst, _NATIVE_OPS[op])
+    if op in REDUCE_OPS:
+        result = comm_.reduce(_flat(send_tensor), dst, op)
     else:
         result = _reduce_rows(comm_.allgather(_flat(send_tensor)), op)
     if comm_.rank == dst:
@@ -299,8 +302,8 @@ def reduce_scatter(
     _check_numel("reduce_scatter: send_tensor", send_tensor, n * recv_tensor.numel())
     rows = _flat(send_tensor).view(n, -1)
     op = _op(op)
-    if op in _NATIVE_OPS:
-        result = handle.communicator.reduce_scatter(rows, _NATIVE_OPS[op])
+    if op in REDUCE_OPS:
+        result = handle.communicator.reduce_scatter(rows, op)
     else:
         result = _reduce_rows(handle.communicator.allgather(rows), op)[handle.rank()]
     _write(recv_tensor, result)

@@ -1,0 +1,58 @@
+"""The native kernels the kernel benchmarks time, and how one call of each is set up.
+
+Shared by ``kernels.py`` and the workers of ``kernels_release.py``, which import either this
+tree's ``bagua_jax`` or a release's: so this module imports nothing else of this tree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+KERNELS = (
+    "minmax_compress",
+    "minmax_decompress",
+    "minmax_decompress_reduce",
+    "sign_compress",
+    "sign_decompress",
+    "axpy",
+    "async_average",
+)
+AXPY_A = 0.5
+
+
+def jitted_native_kernels(ops: Any, n: int, k: int) -> dict[str, Callable]:
+    """Every name in ``KERNELS`` -> its native kernel through ``ops`` (a ``bagua_jax.ops`` module) under
+    ``jax.jit``, for ``n`` float32 elements in ``k`` chunks; the decompressions take what the
+    compressions return."""
+    m = n // k
+    return {
+        "minmax_compress": jax.jit(lambda x: ops.minmax_uint8_compress(x, k)),
+        "minmax_decompress": jax.jit(lambda c: ops.minmax_uint8_decompress(c, n, k)),
+        "minmax_decompress_reduce": jax.jit(lambda c: ops.minmax_uint8_decompress_reduce(c, m, k)),
+        "sign_compress": jax.jit(lambda x: ops.sign_compress(x, k)),
+        "sign_decompress": jax.jit(lambda c: ops.sign_decompress(c, n, k)),
+        "axpy": jax.jit(lambda x, y: ops.axpy(x, y, AXPY_A)),
+        "async_average": jax.jit(lambda x, r, s: ops.async_average(x, r, s, k)),
+    }
+
+
+def kernel_call(impl: Any, kernel: str, data: Sequence[Any]) -> tuple[Callable, tuple]:
+    """The function and arguments running ``kernel`` on ``impl`` (an object with one attribute per
+    name in ``KERNELS`` and ``sync``); decompressions get compressed data."""
+    x, y, z = data
+    if kernel.startswith("minmax_decompress"):
+        inputs = impl.minmax_compress(x)
+        impl.sync(inputs)
+        return getattr(impl, kernel), (inputs,)
+    if kernel == "sign_decompress":
+        inputs = impl.sign_compress(x)
+        impl.sync(inputs)
+        return impl.sign_decompress, (inputs,)
+    if kernel == "axpy":
+        return impl.axpy, (x, y)
+    if kernel == "async_average":
+        return impl.async_average, (x, y, z)
+    return getattr(impl, kernel), (x,)
