@@ -1,9 +1,4 @@
-"""Files a reader can hold: no Python library file over 450 lines, no C++ file over 700.
-
-A file still over its limit is listed in ``OVER_FOR_NOW`` with the reason and the work that
-splits it; the list may only shrink: a listed file that fits fails the test as well, so the
-exemption leaves with the split.
-"""
+"""Files a reader can hold: no Python library file over 450 lines, no C++ file over 700."""
 
 from __future__ import annotations
 
@@ -15,10 +10,6 @@ NATIVE_FOLDERS = ("xla_ffi", "bagua_net")
 PYTHON_LIMIT = 450
 CPP_LIMIT = 700
 CPP_SUFFIXES = {".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp"}
-
-OVER_FOR_NOW = {
-    "xla_ffi/kernels_cuda.cu": "issue 30: the CUDA kernels' split (the kernels engineer's change)",
-}
 
 
 def files_over_limits(root: Path) -> dict[str, int]:
@@ -37,10 +28,7 @@ def files_over_limits(root: Path) -> dict[str, int]:
 
 def test_no_library_file_is_over_its_limit():
     over = files_over_limits(ROOT)
-    unexpected = {path: lines for path, lines in over.items() if path not in OVER_FOR_NOW}
-    assert not unexpected, f"split these files (Python at most {PYTHON_LIMIT} lines, C++ {CPP_LIMIT}): {unexpected}"
-    fitting = sorted(set(OVER_FOR_NOW) - set(over))
-    assert not fitting, f"these files fit now: remove them from OVER_FOR_NOW: {fitting}"
+    assert not over, f"split these files (Python at most {PYTHON_LIMIT} lines, C++ {CPP_LIMIT}): {over}"
 
 
 def test_the_count_finds_a_file_one_line_over(tmp_path):
