@@ -12,7 +12,9 @@ replicas differ):
   about 75 steps' progress: an algorithm passes if it reaches allreduce's loss within about 1.5x the tokens.
   DiLoCo, which synchronizes 3 times in the run (``sync_every=50``), trails by about 0.3 and gets 0.45;
 * every parameter finite, and each parameter tensor's largest magnitude at most 3x the same tensor's under AdamW
-  (plus 0.05: biases start at zero, and any optimizer moves them by about lr per step). With Bagua's unbounded
+  (plus 0.05). A tensor that starts at zero (the biases) holds only how far it moved, which AdamW keeps tiny on
+  some (0.04 on a LayerNorm bias) while any optimizer may move a coordinate by about lr per step, and DiLoCo's
+  Nesterov outer step by more (0.17 there): its bound adds lr x steps instead. With Bagua's unbounded
   QAdam / 1-bit Adam step (``step_bound=None``) 1-bit Adam reached 4.6x on an MLP projection here.
 
 Where the time goes (about 90 s on 2 idle cores; more on a loaded machine): the JAX algorithms train on a 2-device
@@ -136,10 +138,11 @@ def test_algorithm_trains_like_gradient_allreduce_with_adamw(front_end, name):
     margin = MARGINS.get(name, MARGIN)
     start = float(np.log(gpt_config(SIZE).vocab))
     assert reference["heldout_loss"] < start - 1.0, reference  # the baseline learnt something
+    slack = {k: LR * STEPS if not v.any() else MAGNITUDE_SLACK for k, v in init_gpt_params(SIZE, 0).items()}
     for rank, result in enumerate(ranks):
         assert result["finite"], (rank, result)
         assert result["heldout_loss"] <= reference["heldout_loss"] + margin, (rank, result["heldout_loss"], reference)
-        bound = {k: MAGNITUDE_FACTOR * v + MAGNITUDE_SLACK for k, v in reference["max_abs"].items()}
+        bound = {k: MAGNITUDE_FACTOR * v + slack[k] for k, v in reference["max_abs"].items()}
         grown = {k: (v, bound[k]) for k, v in result["max_abs"].items() if v > bound[k]}
         assert not grown, (rank, grown)
     if name == "async":
