@@ -27,8 +27,8 @@ from test_checkpoint_jax import LR, batch, host, initial_params, loss_fn
 from bagua_common.job.checkpoint import DamagedCheckpointError
 from bagua_jax import DataParallel, orbax_checkpoint
 from bagua_jax.algorithms import ByteGrad, Decentralized, DiLoCo, GradientAllReduce
-from bagua_jax.distributed import initialize
 from bagua_jax.checkpoint import restore, save
+from bagua_jax.distributed import initialize
 from bagua_jax.orbax_checkpoint import STATE, OrbaxCheckpoints
 
 ALGORITHMS = {
