@@ -58,8 +58,9 @@ RULES: dict[str, ReshardRule] = {
     "Decentralized": ReshardRule(MEAN),
     "LowPrecisionDecentralized": ReshardRule(MEAN, ("weights", "left", "right")),
     "AsyncModelAverage": ReshardRule(MEAN),
-    # The ranks' parameters drift inside a round: they start from their mean. The round-start copy, the outer
-    # state and the averages awaiting their outer step are the same on every rank (their mean is exact).
+    # The ranks' parameters drift inside a round: they start from their mean, and so do the pseudo-gradients whose
+    # exchange was on the wire (the new world exchanges that mean). The round-start copy and the outer state are
+    # the same on every rank (their mean is exact).
     "DiLoCo": ReshardRule(MEAN, _RESIDUALS),
 }
 """Algorithm (its configuration class's name, without an ``Algorithm`` suffix) -> its rule."""
