@@ -343,6 +343,16 @@ class Network:
             elif proc.returncode == 0:
                 self.netem = True
 
+    def reshape(self, rate: int | str | None) -> None:
+        """Change every rank's link to ``rate`` (None: unshaped) while the ranks run: the tbf filters on both ends
+        of each pair are removed and, with a rate, added anew (a changed link drops what its queue held; call it
+        while the ranks are quiet)."""
+        self.rate = parse_rate(rate) if isinstance(rate, str) or rate is None else int(rate)
+        for i in range(self.ranks):
+            _run(["tc", "-n", self.ns(i), "qdisc", "del", "dev", RANK_IF, "root"], check=False)
+            _run(["tc", "-n", BRIDGE_NS, "qdisc", "del", "dev", f"v{i}", "root"], check=False)
+            self._shape(i)
+
     def _wait_link(self, timeout: float = 10.0) -> None:
         """Bounded wait until every rank's eth0 is up (the bridge ports leave 'listening' at once without STP)."""
         deadline = time.monotonic() + timeout
