@@ -58,7 +58,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-PREFIX = "bagua-"
+PREFIX = os.environ.get("BAGUA_NETNS_PREFIX", "bagua-")
+"""The namespaces' names start with this: a second study on the same machine runs beside the first with its own
+(e.g. ``BAGUA_NETNS_PREFIX=lm-``); letters, digits and dashes only."""
+if not re.fullmatch(r"[a-z0-9-]{1,8}", PREFIX):
+    raise SystemExit(f"network_harness: BAGUA_NETNS_PREFIX must be 1-8 of a-z, 0-9, '-', got {PREFIX!r}")
 BRIDGE_NS = f"{PREFIX}br"
 RANK_NS = f"{PREFIX}r{{}}"
 OUR_NS = re.compile(rf"^{re.escape(PREFIX)}(br|r\d+)$")
