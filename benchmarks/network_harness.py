@@ -26,7 +26,8 @@ SIGTERM / SIGHUP, and at interpreter exit; processes started with
 :meth:`Network.popen` are killed (their whole process group) first. Leftovers of a
 killed run (``kill -9``) are removed with ``--cleanup``, which deletes every namespace
 named ``bagua-br`` or ``bagua-r<N>`` (the harness's own names, nothing else) and their
-``/etc/netns/`` entries.
+``/etc/netns/`` entries. ``BAGUA_NETNS_PREFIX`` replaces ``bagua-`` in every name, so that a
+second study can run on the same machine.
 
 Command line::
 
@@ -58,7 +59,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-PREFIX = "bagua-"
+# Two studies may share the machine: BAGUA_NETNS_PREFIX gives a study namespaces of its own (and --cleanup
+# removes that prefix's).
+PREFIX = os.environ.get("BAGUA_NETNS_PREFIX", "bagua-")
+if not re.fullmatch(r"[a-z][a-z0-9-]{0,15}", PREFIX):
+    raise SystemExit(
+        f"network_harness: BAGUA_NETNS_PREFIX must be 1-16 lowercase letters, digits or '-', got {PREFIX!r}"
+    )
 BRIDGE_NS = f"{PREFIX}br"
 RANK_NS = f"{PREFIX}r{{}}"
 OUR_NS = re.compile(rf"^{re.escape(PREFIX)}(br|r\d+)$")
