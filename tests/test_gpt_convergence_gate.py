@@ -1,8 +1,8 @@
 """The convergence gate: every registered algorithm of both front ends trains the workload's GPT about as well as
 gradient allreduce with AdamW does, at equal tokens.
 
-``gpt_gate.py`` defines the run: the ``tiny`` GPT on 2 ranks, 150 steps of 4 windows of 64 corpus bytes per rank
-(77K tokens in all), AdamW at lr 3e-3 (the Adam-type algorithms: Adam at the same lr after a 40-step warm-up).
+``gpt_gate.py`` defines the run: the ``tiny`` GPT, 150 steps of 8 windows of 64 corpus bytes (77K tokens in all)
+on 2 ranks, in torch on 2 nodes of 2 ranks (hierarchical algorithms use both levels), AdamW at lr 3e-3 (the Adam-type algorithms: Adam at the same lr after a 40-step warm-up).
 Each algorithm's model is judged on 32 held-out windows, every rank's own model (decentralized and asynchronous
 replicas differ):
 
@@ -33,8 +33,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import SEED
-from gpt_gate import BATCH, HELDOUT_WINDOWS, LR, NRANKS, OPTIONS, SIZE, STEPS, WEIGHT_DECAY, summary
+from gpt_gate import BATCH, HELDOUT_WINDOWS, LR, NRANKS, OPTIONS, SIZE, STEPS, TORCH_NODES, WEIGHT_DECAY, summary
 from jax.sharding import Mesh
 from multiprocess import has_mpiexec, run_ranks
 
@@ -51,7 +50,6 @@ MARGINS = {"diloco": 0.45}
 MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
 
 JAX_NATIVE_ONLY = ("async",)  # its rounds run between steps over the native engine, not on a mesh
-_runs: dict[str, dict[str, list[dict]]] = {}
 
 
 def _jax_mesh_run(name: str, seed: int) -> list[dict]:
@@ -93,24 +91,29 @@ def _in_thread(target, *args, **kwargs) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
-def runs() -> dict[str, dict[str, list[dict]]]:
-    """front end -> algorithm -> every rank's summary; trained once per session."""
-    if _runs:
-        return _runs
-    seed = zlib.crc32(f"{SEED}:gpt-gate".encode())
-    jobs = {"torch": _in_thread(run_ranks, "gpt_workers_torch:gate", NRANKS, torch_algorithms(), seed, timeout=600)}
+@pytest.fixture(scope="module")
+def runs(seed) -> dict[str, dict[str, list[dict]]]:
+    """front end -> algorithm -> every rank's summary, and "torch_hierarchical": whether every torch rank had
+    two levels; trained once per session."""
+    seed = zlib.crc32(f"{seed}:gpt-gate".encode())
+    torch_ranks = NRANKS * TORCH_NODES
+    jobs = {
+        "torch": _in_thread(run_ranks, "gpt_workers_torch:gate", torch_ranks, torch_algorithms(), seed, timeout=600)
+    }
     if bagua_jax.build_info()["mpi"] and has_mpiexec():
         jobs["jax"] = _in_thread(run_ranks, "gpt_workers_jax:async_gate", NRANKS, seed, launcher="mpiexec", timeout=600)
-    _runs["jax"] = {n: _jax_mesh_run(n, seed) for n in jax_algorithms.algorithm_names() if n not in JAX_NATIVE_ONLY}
-    _runs.setdefault("torch", {})
+    trained = {"jax": {n: _jax_mesh_run(n, seed) for n in jax_algorithms.algorithm_names() if n not in JAX_NATIVE_ONLY}}
+    trained["torch"] = {}
     for front_end, (thread, box) in jobs.items():
         thread.join()
         if "error" in box:
             raise box["error"]
         ranks = sorted((r.value for r in box["value"]), key=lambda v: v["rank"])
+        if front_end == "torch":
+            trained["torch_hierarchical"] = all(r.pop("hierarchical") for r in ranks)
         for name in set(ranks[0]) - {"rank"}:
-            _runs[front_end][name] = [r[name] for r in ranks]
-    return _runs
+            trained[front_end][name] = [r[name] for r in ranks]
+    return trained
 
 
 def registered(front_end: str) -> list[str]:
@@ -121,17 +124,19 @@ CASES = [(front_end, name) for front_end in ("jax", "torch") for name in registe
 
 
 @pytest.mark.parametrize("front_end", ["jax", "torch"])
-def test_every_registered_algorithm_is_gated(front_end):
-    trained = set(runs()[front_end])
+def test_every_registered_algorithm_is_gated(runs, front_end):
+    trained = set(runs[front_end])
     missing = set(registered(front_end)) - trained
     if front_end == "jax" and missing == set(JAX_NATIVE_ONLY) and not bagua_jax.build_info()["mpi"]:
         pytest.skip("built without the MPI engine: JAX's asynchronous averaging is not gated")
     assert not missing and "gradient_allreduce" in trained, missing
+    if front_end == "torch":  # two nodes: the hierarchical algorithms (their default) train on both levels
+        assert runs["torch_hierarchical"]
 
 
 @pytest.mark.parametrize(("front_end", "name"), CASES)
-def test_algorithm_trains_like_gradient_allreduce_with_adamw(front_end, name):
-    trained = runs()[front_end]
+def test_algorithm_trains_like_gradient_allreduce_with_adamw(runs, front_end, name):
+    trained = runs[front_end]
     if name not in trained:
         pytest.skip(f"{front_end} {name} did not run here (see test_every_registered_algorithm_is_gated)")
     reference, ranks = trained["gradient_allreduce"][0], trained[name]
