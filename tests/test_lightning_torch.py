@@ -7,6 +7,8 @@ a second epoch, and trains the same two epochs with ``with_bagua`` on the same b
 parameters must equal the wrapper's bit for bit (the algorithm's state, the per-rank replicas of the
 decentralized algorithms and the optimizers' state all come back from the checkpoint), except for ``async``,
 whose background averaging depends on timing: there both must have trained, and stay within a loose bound.
+What they train is ``lightning_run.py``'s, which this process imports without Lightning (whose import costs
+seconds of CPU).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import zlib
 from pathlib import Path
 
 import numpy as np
-from lightning_train import OPTIONS, make_model
+from lightning_run import OPTIONS, make_model
 
 from bagua_common.algorithms.registry import CONFIGS
 from bagua_torch.algorithms import available_algorithms
