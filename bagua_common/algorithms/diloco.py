@@ -64,8 +64,9 @@ class DiLoCoConfig(AlgorithmConfig):
     """
 
     name: ClassVar[str] = "diloco"
-    # The ranks' parameters drift inside a round: they start from their mean. The round-start copy, the outer state
-    # and the averages awaiting their outer step are the same on every rank (their mean is exact).
+    # The ranks' parameters drift inside a round: they start from their mean, and so do JAX's pseudo-gradients whose
+    # exchange was under way (the new world exchanges that mean). The round-start copy, the outer state and torch's
+    # averages awaiting their outer step are the same on every rank (their mean is exact).
     world_sized_state = ("residual",)
     advised = False
 
