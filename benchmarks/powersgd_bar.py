@@ -221,7 +221,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--batches-per-iter", type=int, default=2)
     p.add_argument("--comm-timeout", type=float, default=90)
-    p.add_argument("--job-timeout", type=float, default=150)
+    p.add_argument("--job-timeout", type=float, default=300)
     p.add_argument("--tail-lines", type=int, default=8)
     p.add_argument("--wait", type=float, default=600, help="seconds to wait for the harness if another run holds it")
     p.add_argument("--out", type=Path, default=HERE / "results")

@@ -69,7 +69,7 @@ def worker_torch(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from bagua_torch.algorithms.powersgd import orthogonalize_all
+    from bagua_torch.algorithms.powersgd import narrow_product, orthogonalize_all
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -94,8 +94,8 @@ def worker_torch(args: argparse.Namespace) -> dict[str, list[float]]:
         optimizer.step()
         t1 = time.perf_counter()
         ms = [params[i].grad.reshape(view) + e for (i, view, _), e in zip(compressed, residuals)]
-        ps = orthogonalize_all([m @ q for m, q in zip(ms, qs)])
-        qs = [m.T @ p for m, p in zip(ms, ps)]
+        ps = orthogonalize_all([narrow_product(m, q) for m, q in zip(ms, qs)])
+        qs = [narrow_product(m.T, p) for m, p in zip(ms, ps)]
         residuals = [m - p @ q.T for m, p, q in zip(ms, ps, qs)]
         t2 = time.perf_counter()
         dist.barrier()
