@@ -91,6 +91,18 @@ def load_average() -> list[float]:
         return [0.0]
 
 
+def bytes_sent() -> int:
+    """Bytes this network namespace sent so far on its interfaces other than loopback (from ``/proc/net/dev``): under
+    ``network_harness`` each rank has its own namespace, so this is the rank's traffic."""
+    total = 0
+    with open("/proc/net/dev") as f:
+        for line in f.readlines()[2:]:
+            interface, counters = line.split(":", 1)
+            if interface.strip() != "lo":
+                total += int(counters.split()[8])
+    return total
+
+
 def run_meta(argv: Sequence[str], device: dict[str, Any], packages: Sequence[str], **fields: Any) -> dict[str, Any]:
     """What every result file starts with: the command line (this script with the arguments
     ``argv``), the date, ``device``, the versions of ``packages`` and the load average before the

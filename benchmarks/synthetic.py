@@ -596,27 +596,15 @@ def _time_loop(args, rank: int, size: int, run, state) -> tuple[dict[str, Any], 
     if rank == 0:
         print(f"warm-up done in {warmup_s:.1f} s", flush=True)
     rates = []
-    sent_before = _bytes_sent()
+    sent_before = _common.bytes_sent()
     for i in range(args.iters):
         t0 = time.perf_counter()
         state = run(args.batches_per_iter, state)
         rates.append(args.batch_size * args.batches_per_iter / (time.perf_counter() - t0))
         _rate_line(rank, i, args.iters, rates[-1])
-    sent = (_bytes_sent() - sent_before) / (args.iters * args.batches_per_iter)
+    sent = (_common.bytes_sent() - sent_before) / (args.iters * args.batches_per_iter)
     result = {"rank": rank, "size": size, "algorithm": args.algorithm, "rates": rates, "warmup_s": warmup_s}
     return {**result, "bytes_sent_per_step": sent}, state
-
-
-def _bytes_sent() -> int:
-    """Bytes this network namespace sent so far on its interfaces other than loopback (from
-    /proc/net/dev): in the network study each rank has its own namespace, so this is the rank's traffic."""
-    total = 0
-    with open("/proc/net/dev") as f:
-        for line in f.readlines()[2:]:
-            interface, counters = line.split(":", 1)
-            if interface.strip() != "lo":
-                total += int(counters.split()[8])
-    return total
 
 
 def worker_main(args: argparse.Namespace) -> None:

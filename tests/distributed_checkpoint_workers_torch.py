@@ -93,16 +93,32 @@ def damaged_restores(model, optimizer, first: Path, second: Path, group) -> dict
 
 
 def restore_alone(seed: int, root: str) -> dict:
-    """One rank restores every algorithm's 2-rank step-4 checkpoint and reports what it got."""
-    from checkpoint_workers_torch import report
-
-    from bagua_torch.distributed_checkpoint import restore
+    """One rank restores every algorithm's 2-rank step-4 checkpoint and reports what it got; it then trains a step
+    and saves that one-rank state as step 5 under ``root/one_rank`` (reported as ``saved``) for :func:`restore_two`."""
+    from bagua_torch.distributed_checkpoint import restore, save
 
     setup(backend="gloo")
     results = {}
     for name in ALGORITHMS:
         model, optimizer = build(name, seed + 1)
         step = restore(f"{root}/{name}/step_000000004", model, optimizer)
+        results[name] = {"step": step, **report(model, optimizer)}
+        train(model, optimizer, seed, range(step, step + 1), 0)
+        save(f"{root}/one_rank/{name}", model, optimizer, step=step + 1)
+        results[name]["saved"] = report(model, optimizer)
+        model.close()
+    return results
+
+
+def restore_two(seed: int, root: str) -> dict:
+    """Each of two ranks restores every algorithm's one-rank step-5 checkpoint and reports what it got."""
+    from bagua_torch.distributed_checkpoint import restore
+
+    setup(backend="gloo")
+    results = {}
+    for name in ALGORITHMS:
+        model, optimizer = build(name, seed + 2)
+        step = restore(f"{root}/one_rank/{name}/step_000000005", model, optimizer)
         results[name] = {"step": step, **report(model, optimizer)}
         model.close()
     return results

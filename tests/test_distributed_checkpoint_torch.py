@@ -5,7 +5,7 @@ One 2-rank gloo job per test run: for ByteGrad with error feedback, decentralize
 (``dcp.load`` into plain tensors, no project code, one process) reads every rank's
 parameters back as saved; damaged copies (a truncated, emptied or foreign shard, truncated
 DCP metadata, no manifest) are refused naming the file and the damage; one rank restoring the
-2-rank checkpoints follows each algorithm's reshard rule.
+2-rank checkpoints, and two ranks restoring a one-rank checkpoint, follow each algorithm's reshard rule.
 """
 
 from __future__ import annotations
@@ -74,9 +74,16 @@ def test_damaged_checkpoints_are_refused_naming_the_file(job):
             assert path in message and damage in message, (what, message)
 
 
-def test_restore_into_one_rank_follows_the_rule(job):
+@pytest.fixture(scope="module")
+def alone(job):
+    """One rank's job: the 2-rank checkpoints restored, then a step trained and saved (for the 2-rank restore)."""
+    root, _ = job
+    (result,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, SEED, str(root), timeout=120)
+    return result
+
+
+def test_restore_into_one_rank_follows_the_rule(job, alone):
     root, ranks = job
-    (alone,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, SEED, str(root), timeout=120)
     for name in ALGORITHMS:
         saved = [r.value[name]["saved"] for r in ranks]
         got = alone.value[name]
@@ -89,3 +96,20 @@ def test_restore_into_one_rank_follows_the_rule(job):
         if name == "bytegrad":
             assert any(np.any(r) for s in saved for r in s["algorithm"]["residuals"]), "nothing to reset"
             assert not any(np.any(r) for r in got["algorithm"]["residuals"]), "residuals not reset"
+
+
+def test_restore_into_two_ranks_follows_the_rule(job, alone):
+    """1 -> 2: every rule gives each new rank the one old row (carried, or its mean, itself), the step kept, and
+    error-feedback residuals restart at zero."""
+    root, _ = job
+    ranks = run_ranks("distributed_checkpoint_workers_torch:restore_two", 2, SEED, str(root), timeout=120)
+    for name in ALGORITHMS:
+        saved = alone.value[name]["saved"]
+        for rank in ranks:
+            got = rank.value[name]
+            assert got["step"] == 5
+            assert_same(got["params"], saved["params"], f"{name} rank {rank.rank} params")
+            assert_same(got["optimizer"], saved["optimizer"], f"{name} rank {rank.rank} optimizer")
+            if name == "bytegrad":
+                assert any(np.any(r) for r in saved["algorithm"]["residuals"]), "nothing to reset"
+                assert not any(np.any(r) for r in got["algorithm"]["residuals"]), "residuals not reset"

@@ -52,22 +52,44 @@ std::string describe(ncclResult_t r, ncclComm_t comm) {
   return text;
 }
 
-// A non-blocking communicator finishes some calls in the background; until its
-// state leaves ncclInProgress no other NCCL call may be made on it. Returns the
-// final state, or ncclInProgress if the deadline passed first.
-template <typename Deadline>
-ncclResult_t wait_ready(ncclComm_t comm, Deadline deadline) {
+// Polls `done` until it holds (true) or the deadline passes (false): yielding at
+// first, then sleeping briefly so that a long wait does not hold a core.
+template <typename Deadline, typename Done>
+bool poll_until(Deadline deadline, Done done) {
   for (int polls = 0;; ++polls) {
-    ncclResult_t state = ncclInProgress;
-    const ncclResult_t r = ncclCommGetAsyncError(comm, &state);
-    if (r != ncclSuccess) return r;
-    if (state != ncclInProgress) return state;
-    if (Clock::now() > deadline) return ncclInProgress;
+    if (done()) return true;
+    if (Clock::now() > deadline) return false;
     if (polls > 1000)
       std::this_thread::sleep_for(std::chrono::microseconds(100));
     else
       std::this_thread::yield();
   }
+}
+
+// A non-blocking communicator finishes some calls in the background; until its
+// state leaves ncclInProgress no other NCCL call may be made on it. Returns the
+// final state, or ncclInProgress if the deadline passed first.
+template <typename Deadline>
+ncclResult_t wait_ready(ncclComm_t comm, Deadline deadline) {
+  ncclResult_t state = ncclInProgress;
+  poll_until(deadline, [&] {
+    ncclResult_t async = ncclInProgress;
+    const ncclResult_t r = ncclCommGetAsyncError(comm, &async);
+    state = r != ncclSuccess ? r : async;
+    return state != ncclInProgress;
+  });
+  return state;
+}
+
+// The child of a non-blocking split, once NCCL hands it out. NCCL versions differ
+// in when: with the call, or only after the parent reports the split done (2.28).
+// Returns nullptr if the deadline passes first.
+template <typename Deadline>
+ncclComm_t wait_for_child(ncclComm_t* child, Deadline deadline) {
+  ncclComm_t ready = nullptr;
+  poll_until(deadline,
+             [&] { return (ready = __atomic_load_n(child, __ATOMIC_ACQUIRE)) != nullptr; });
+  return ready;
 }
 
 auto deadline_after(double timeout_seconds) {
@@ -290,8 +312,8 @@ class NcclCommunicator final : public Communicator {
     if (r == ncclInProgress) r = wait_ready(comm_, deadline);
     ncclComm_t ready = nullptr;
     if (r == ncclSuccess) {
-      ready = __atomic_load_n(&child, __ATOMIC_ACQUIRE);
-      r = ready ? wait_ready(ready, deadline) : ncclInternalError;
+      ready = wait_for_child(&child, deadline);
+      r = ready ? wait_ready(ready, deadline) : ncclInProgress;
     }
     if (r != ncclSuccess) {
       const std::string what = r == ncclInProgress
