@@ -141,20 +141,6 @@ __device__ void for_each_step(int64_t n, F&& f) {
 
 __device__ bool is_infinite(float v) { return v == v && !math::is_finite(v); }
 
-// Decodes the lane's elements of each of the k inputs (single-chunk buffers,
-// `slot` bytes apart) and folds them into acc in order j = 0..k-1.
-template <typename Decoder, typename Fold>
-__device__ void fold_inputs(const uint8_t* in, int64_t k, int64_t slot, const Step<4>& step,
-                            float (&acc)[kPerLane], Fold fold) {
-  for (int64_t j = 0; j < k; ++j) {
-    float v[kPerLane];
-    const Decoder decode(in + j * slot);
-    decode(step, v);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) acc[i] = fold(acc[i], v[i]);
-  }
-}
-
 // The lane's elements whose float32 sum (or average) overflowed are summed
 // again, scaled by 2^-64 (math::resum_scale), so that finite inputs give a
 // finite average (SPEC section 2); the others keep their bits.
@@ -162,8 +148,13 @@ template <typename Decoder>
 __device__ void resum_scaled(const uint8_t* in, int64_t k, int64_t slot, bool average,
                              const Step<4>& step, float (&acc)[kPerLane]) {
   float scaled[kPerLane] = {};
-  fold_inputs<Decoder>(in, k, slot, step, scaled,
-                       [](float a, float v) { return math::resum_add(a, v); });
+  for (int64_t r = 0; r < k; ++r) {
+    float v[kPerLane];
+    const Decoder decode(in + r * slot);
+    decode(step, v);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) scaled[i] = math::resum_add(scaled[i], v[i]);
+  }
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i)
     if (is_infinite(acc[i])) acc[i] = math::resum_result(scaled[i], average, static_cast<float>(k));
@@ -177,8 +168,13 @@ __global__ void __launch_bounds__(kThreads)
                          T* out) {
   for_each_step(m, [&](const Step<4>& step) {
     float acc[kPerLane] = {};
-    fold_inputs<Decoder>(in, k, slot, step, acc,
-                         [](float a, float v) { return math::add_rn(a, v); });
+    for (int64_t j = 0; j < k; ++j) {
+      float v[kPerLane];
+      const Decoder decode(in + j * slot);
+      decode(step, v);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) acc[i] = math::add_rn(acc[i], v[i]);
+    }
     bool overflow = false;
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
