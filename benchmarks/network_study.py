@@ -90,6 +90,9 @@ CPU_UNSUPPORTED = ("ddp_bf16",)
 # The models timed: the synthetic benchmark's mlp (width, hidden layers, image side); "mlp" is the
 # study's original 1.84M-parameter model, "matrices" one whose gradient is mostly 1024x1024 matrices.
 MODELS = {"mlp": (512, 2, 32), "matrices": (1024, 4, 16)}
+# The project's GPT (bagua_common.workload) by size, as the synthetic benchmark names it: batches are windows of
+# its context plus one corpus bytes.
+GPT_MODELS = ("gpt-tiny", "gpt-small")
 FRAMEWORKS = ("torch", "jax")
 # Slowest links first: the points the study is about are measured even if it is cut short.
 DEFAULT_RATES = ["100mbit", "300mbit", "1gbit", "10gbit", "none"]
@@ -108,11 +111,11 @@ def job_list(args) -> list[tuple[str, str]]:
 
 
 def worker_argv(args, framework: str, algorithm: str, result: Path, model: str, convergence: bool) -> list[str]:
-    width, layers, image_size = MODELS[model]
+    width, layers, image_size = MODELS.get(model, MODELS["mlp"])
     shared = ("batch_size", "lr", "warmup_iters", "iters", "batches_per_iter", "comm_timeout", "jax_comm")
     options = {name: getattr(args, name) for name in shared}
     options.update(
-        model="mlp",
+        model=model if model in GPT_MODELS else "mlp",
         width=width,
         layers=layers,
         image_size=image_size,
@@ -199,6 +202,10 @@ def run_job(
 
 
 def parameter_count(model: str) -> int:
+    if model in GPT_MODELS:
+        from bagua_common.workload import gpt_config
+
+        return gpt_config(model.removeprefix("gpt-")).parameter_count
     width, layers, image_size = MODELS[model]
     dims = [3 * image_size**2] + [width] * layers + [10]
     return sum(a * b + b for a, b in zip(dims, dims[1:]))
@@ -422,6 +429,7 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
             f"'{m}' ({MODELS[m][2]}x{MODELS[m][2]}x3 input, {MODELS[m][1]} hidden layers of {MODELS[m][0]}, "
             f"{parameter_count(m):,} parameters, {parameter_count(m) * 4 / 1e6:.1f} MB of fp32 gradient)"
             for m in models
+            if m in MODELS
         )
         + f"; batch {meta['settings']['batch_size']} per rank, 1 torch thread per rank; "
         f"{meta['settings']['warmup_iters']} untimed + {meta['settings']['iters']} timed iterations of "
@@ -517,7 +525,9 @@ def parse_args(argv=None):
         "--convergence-steps", type=int, default=200, help="digits training steps after the timing, per job (0: off)"
     )
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per link (needs netem)")
-    p.add_argument("--models", nargs="+", default=["mlp"], choices=list(MODELS), help="models timed (default: mlp)")
+    p.add_argument(
+        "--models", nargs="+", default=["mlp"], choices=[*MODELS, *GPT_MODELS], help="models timed (default: mlp)"
+    )
     p.add_argument(
         "--repeats", type=int, default=1, help="times every job runs, interleaved: each round covers every rate and job"
     )

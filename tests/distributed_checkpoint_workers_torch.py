@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from checkpoint_workers_torch import report
-from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, batch, loss_fn, make_mlp, setup
+from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, make_mlp, setup, train
 
 LR = 0.05
 ALGORITHMS = ("bytegrad", "decentralized", "diloco")
@@ -26,14 +26,6 @@ def build(name: str, seed: int):
         "diloco": lambda: A.DiLoCoAlgorithm(sync_every=3),
     }[name]()
     return bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET), optimizer
-
-
-def train(model, optimizer, seed: int, steps: range, rank: int) -> None:
-    for step in steps:
-        x, y = batch(seed, step, rank)
-        optimizer.zero_grad()
-        loss_fn(model, x, y).backward()
-        optimizer.step()
 
 
 def save_resume_damage(seed: int, root: str) -> dict:
