@@ -3,8 +3,8 @@ with the per-coordinate step bound (``step_bound``, :mod:`bagua_common.algorithm
 
 Models: the workload's ``small`` GPT in both front ends (bagua_jax on a 2-device mesh, bagua_torch on 2 gloo
 ranks), and Hugging Face ``transformers`` BERT (masked LM, 15% of the tokens masked) and GPT-2 (causal LM)
-built from a configuration (nothing is downloaded; ``--hf-shape mini`` is 4 layers of width 128 with 4 heads and
-an MLP of 512, ``base`` the published bert-base / GPT-2 small shapes; both with a vocabulary of the corpus's 256
+built from a configuration (nothing is downloaded; ``--hf-shape mini`` is 2 layers of width 64 with 2 heads and
+an MLP of 256, windows of 64 tokens, ``base`` the published bert-base / GPT-2 small shapes; both with a vocabulary of the corpus's 256
 bytes, BERT's plus a [MASK] token; dropout off, so that the optimizers alone differ). Every
 model trains on the corpus of :mod:`bagua_common.workload.corpus` (byte tokens, each rank's from ``(seed, step,
 rank)``), 2 ranks, the same tokens for every optimizer.
@@ -39,6 +39,8 @@ SETTINGS = {"short": 10, "defaults": 100}
 OPTIMIZERS = ("adamw", "qadam/bagua", "qadam/bounded", "onebit_adam/bagua", "onebit_adam/bounded")
 LR, BATCH, SEED, NRANKS = 1e-3, 4, 0, 2
 MASK = 256
+HF_LENGTH = {"mini": 64, "base": 128}
+"""Tokens per window of the Hugging Face models, by shape."""
 """BERT's [MASK] token: one past the corpus's bytes."""
 
 
@@ -48,7 +50,7 @@ def _hf_model(model: str, shape: str):
     import transformers
 
     if model == "bert":
-        mini = {"num_hidden_layers": 4, "hidden_size": 128, "num_attention_heads": 4, "intermediate_size": 512}
+        mini = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 256}
         config = transformers.BertConfig(
             **(mini if shape == "mini" else {}),
             vocab_size=MASK + 1,
@@ -64,8 +66,8 @@ def _hf_model(model: str, shape: str):
             inputs = torch.where(masked, torch.full_like(tokens, MASK), tokens)
             return module(input_ids=inputs, labels=labels).loss
 
-        return net, loss, 128
-    mini = {"n_layer": 4, "n_embd": 128, "n_head": 4, "n_inner": 512}
+        return net, loss, HF_LENGTH[shape]
+    mini = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_inner": 256}
     config = transformers.GPT2Config(
         **(mini if shape == "mini" else {}),
         vocab_size=256,
@@ -75,7 +77,11 @@ def _hf_model(model: str, shape: str):
         embd_pdrop=0.0,
         attn_pdrop=0.0,
     )
-    return transformers.GPT2LMHeadModel(config), lambda module, tokens, _: module(tokens, labels=tokens).loss, 128
+    return (
+        transformers.GPT2LMHeadModel(config),
+        lambda module, tokens, _: module(tokens, labels=tokens).loss,
+        HF_LENGTH[shape],
+    )
 
 
 def _summary(params: dict, reference: dict | None) -> dict:
