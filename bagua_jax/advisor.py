@@ -15,6 +15,7 @@ level and the bytes its compression kernels code (traced, not run), and rank 0 p
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import re
 import statistics
 import time
@@ -30,6 +31,8 @@ from jax.extend.core import Jaxpr, JaxprEqn, jaxprs_in_params
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from bagua_common.algorithms.configs import GradientAllReduceConfig
+from bagua_common.algorithms.registry import CONFIGS
 from bagua_common.comm.topology import Communicators, ring_neighbours
 from bagua_common.job.rank_environment import environment_int
 from bagua_common.tuning.advisor import (
@@ -46,39 +49,41 @@ from bagua_common.tuning.advisor import (
     topology_levels,
 )
 from bagua_jax import ops
-from bagua_jax.algorithms import make_algorithm
+from bagua_jax.algorithms import algorithm_names, make_algorithm
 from bagua_jax.algorithms.base import check_communicators
 from bagua_jax.communicator import Communicator
 from bagua_jax.counting import CountingCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 
-# The algorithms the advisor ranks, with the options that make them the named variant; all flat.
-CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
-    "gradient_allreduce": ("gradient_allreduce", {"hierarchical": False}),
-    "bytegrad": ("bytegrad", {"hierarchical": False}),
-    "decentralized": ("decentralized", {"hierarchical": False}),
-    "decentralized_shift_one": ("decentralized", {"peer_selection_mode": "shift_one", "hierarchical": False}),
-    "low_precision_decentralized": ("low_precision_decentralized", {"hierarchical": False}),
-    "qadam": ("qadam", {"hierarchical": False}),
-    "onebit_adam": ("onebit_adam", {"hierarchical": False}),
-    "async": ("async", {}),
-}
-# Ranked beside them when the job has two levels: reduce inside the node, communicate across nodes.
-# (shift_one pairs nodes, so its hierarchical form needs an even node count: left out rather than
-# failing on odd ones.)
+
+def _flat_candidates() -> dict[str, tuple[str, dict[str, Any]]]:
+    # Each algorithm that declares itself advised, flat, and its further variants, by candidate name.
+    table = {}
+    for name in algorithm_names():
+        config_class = CONFIGS[name]
+        if config_class.advised:
+            flat = (
+                {"hierarchical": False} if "hierarchical" in {f.name for f in dataclasses.fields(config_class)} else {}
+            )
+            table[name] = (name, flat)
+            for suffix, options in config_class.advisor_variants.items():
+                table[f"{name}_{suffix}"] = (name, {**options, **flat})
+    return table
+
+
+CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = _flat_candidates()
+"""The algorithms the advisor ranks, with the options that make them the named variant; all flat."""
 HIERARCHICAL_CANDIDATES: dict[str, tuple[str, dict[str, Any]]] = {
     f"{name}_hierarchical": (algorithm, {**options, "hierarchical": True})
     for name, (algorithm, options) in CANDIDATES.items()
-    if "hierarchical" in options and name != "decentralized_shift_one"
+    if name == algorithm and "hierarchical" in options
 }
+"""Ranked beside :data:`CANDIDATES` when the job has two levels (reduce inside the node, communicate across nodes):
+each algorithm with the option, without its variants."""
 # A ping-pong message: small, so it times the latency alone.
 _PING_ELEMENTS = 2
 # Sweeps to try, each with twice the repeats of the one before, before timings too noisy to fit are an error.
 _SWEEP_ATTEMPTS = 3
-# Optimizers themselves: their warm-up is a gradient allreduce traced beside the steady state (lax.cond).
-_WARMUP_THEN_COMPRESSED = frozenset({"qadam", "onebit_adam"})
-# Averaging runs beside the step, on its own communicator.
-_BACKGROUND = frozenset({"async"})
 # The compression kernels' FFI targets (registered by the native module, called by bagua_jax.ops):
 # ``bagua_<codec>_<kernel>``.
 _CODEC_KERNEL = re.compile(r"bagua_(?P<codec>\w+?)_(?P<kernel>compress|compress_ef|decompress|decompress_reduce)")
@@ -128,7 +133,7 @@ def _counted_step(
 ) -> tuple[dict[str, Wire], dict[str, float]]:
     counters = {level: CountingCommunicator(comm) for level, comm in topology_levels(comms).items()}
     algorithm = make_algorithm(name, learning_rate=1e-3, **options)
-    optimizer = None if name in _WARMUP_THEN_COMPRESSED else optax.sgd(0.1)
+    optimizer = None if CONFIGS[name].is_optimizer else optax.sgd(0.1)
     tx = algorithm.transformation(optimizer, Communicators(**counters))
 
     def step(params, grads):
@@ -160,9 +165,9 @@ def measure_traffic(
         raise ValueError(f"unknown candidate {candidate!r} on this topology; choose one of {sorted(table)}")
     name, options = table[candidate]
     wire, coded = _counted_step(name, options, params, comms, mesh)
-    if name in _WARMUP_THEN_COMPRESSED:
+    if CONFIGS[name].is_optimizer:  # its warm-up is traced beside the steady state (lax.cond)
         hierarchy = {"hierarchical": options["hierarchical"]}
-        warmup_wire, warmup_coded = _counted_step("gradient_allreduce", hierarchy, params, comms, mesh)
+        warmup_wire, warmup_coded = _counted_step(GradientAllReduceConfig.name, hierarchy, params, comms, mesh)
         wire = {
             level: Wire(w.bytes_sent - warmup_wire[level].bytes_sent, w.messages - warmup_wire[level].messages)
             for level, w in wire.items()
@@ -170,7 +175,7 @@ def measure_traffic(
         coded = {codec: nbytes - warmup_coded.get(codec, 0.0) for codec, nbytes in coded.items()}
     wire = {level: w for level, w in wire.items() if w.messages}
     return Traffic(
-        wire=wire, codec_bytes={codec: n for codec, n in coded.items() if n}, blocking=name not in _BACKGROUND
+        wire=wire, codec_bytes={codec: n for codec, n in coded.items() if n}, blocking=not CONFIGS[name].background
     )
 
 

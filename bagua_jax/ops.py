@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bagua_common.algorithms.codec_operations import codec_operations
 from bagua_common.algorithms.kernel_dtypes import KERNEL_FLOAT_DTYPES
 from bagua_jax._native import library
 
@@ -96,7 +97,7 @@ def _compress_ef(
 
 
 def _decompress(
-    format: Format, compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike
+    format: Format, compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike = jnp.float32
 ) -> jax.Array:
     k = _chunk_count(k)
     compressed = _compressed_array(compressed, compressed_size(n, k, format))
@@ -109,8 +110,9 @@ def _decompress_reduce(
     compressed: jax.typing.ArrayLike,
     m: int,
     k: int,
-    average: bool,
-    dtype: jax.typing.DTypeLike,
+    *,
+    average: bool = True,
+    dtype: jax.typing.DTypeLike = jnp.float32,
 ) -> jax.Array:
     k = _chunk_count(k)
     compressed = _compressed_array(compressed, int(k) * compressed_size(m, 1, format))
@@ -120,128 +122,25 @@ def _decompress_reduce(
     )
 
 
-def minmax_uint8_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
-    """Compress ``x`` (flattened) into ``k`` chunks of 8-bit min-max codes.
-
-    Each chunk stores its float32 minimum and maximum and one code per element,
-    on a 254-step grid through 0 (SPEC section 2), so exact zeros stay zero; decoding errs by at most
-    ``(hi - lo) / 508`` plus float32 rounding. Returns a 1-D uint8 array of
-    ``compressed_size(x.size, k)`` bytes.
-    """
-    return _compress("minmax_uint8", x, k)
+_OPERATIONS = (_compress, _compress_ef, _decompress, _decompress_reduce)
+"""Each operation of :data:`~bagua_common.algorithms.codec_operations.OPERATIONS` for a codec given first."""
 
 
-def minmax_uint8_compress_ef(
-    x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int
-) -> tuple[jax.Array, jax.Array]:
-    """Compress ``x + residual`` into ``k`` chunks and return the new residual.
-
-    The residual is float32 with ``x``'s size; the new residual is
-    ``(x + residual) - decompress(compressed)``, so the error of one step is fed
-    into the next (error feedback). Returns ``(compressed, new_residual)``.
-    """
-    return _compress_ef("minmax_uint8", x, residual, k)
-
-
-def minmax_uint8_decompress(
-    compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike = jnp.float32
-) -> jax.Array:
-    """Decode ``n`` elements compressed into ``k`` chunks, as a 1-D array of ``dtype``."""
-    return _decompress("minmax_uint8", compressed, n, k, dtype)
-
-
-def minmax_uint8_decompress_reduce(
-    compressed: jax.typing.ArrayLike,
-    m: int,
-    k: int,
-    *,
-    average: bool = True,
-    dtype: jax.typing.DTypeLike = jnp.float32,
-) -> jax.Array:
-    """Decode ``k`` single-chunk buffers of ``m`` elements and sum or average them.
-
-    ``compressed`` is the ``k`` buffers laid end to end, as an all-to-all of chunks
-    delivers them; the reduction runs in float32 in buffer order and the result has
-    ``m`` elements of ``dtype``.
-    """
-    return _decompress_reduce("minmax_uint8", compressed, m, k, average, dtype)
-
-
-def minmax_uint4_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
-    """Compress ``x`` (flattened) into ``k`` chunks of 4-bit min-max codes, two per byte.
-
-    The 8-bit codec's grid with 14 steps between each chunk's minimum and maximum (16
-    codes, SPEC section 2's zero anchor), so exact zeros stay zero; decoding errs by at
-    most ``(hi - lo) / 28`` plus float32 rounding. Returns a 1-D uint8 array of
-    ``compressed_size(x.size, k, "minmax_uint4")`` bytes.
-    """
-    return _compress("minmax_uint4", x, k)
-
-
-def minmax_uint4_compress_ef(
-    x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int
-) -> tuple[jax.Array, jax.Array]:
-    """4-bit compress ``x + residual`` and return ``(compressed, new_residual)`` (see
-    :func:`minmax_uint8_compress_ef`)."""
-    return _compress_ef("minmax_uint4", x, residual, k)
-
-
-def minmax_uint4_decompress(
-    compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike = jnp.float32
-) -> jax.Array:
-    """Decode ``n`` elements compressed into ``k`` chunks of 4-bit codes, as a 1-D array of ``dtype``."""
-    return _decompress("minmax_uint4", compressed, n, k, dtype)
-
-
-def minmax_uint4_decompress_reduce(
-    compressed: jax.typing.ArrayLike,
-    m: int,
-    k: int,
-    *,
-    average: bool = True,
-    dtype: jax.typing.DTypeLike = jnp.float32,
-) -> jax.Array:
-    """Decode ``k`` single-chunk buffers of ``m`` 4-bit codes and sum or average them (see
-    :func:`minmax_uint8_decompress_reduce`)."""
-    return _decompress_reduce("minmax_uint4", compressed, m, k, average, dtype)
-
-
-def sign_compress(x: jax.typing.ArrayLike, k: int) -> jax.Array:
-    """Compress ``x`` (flattened) into ``k`` chunks of signs, one bit per element.
-
-    Each chunk stores ``scale = mean(|x|)`` and the bits ``x >= 0`` packed eight to a
-    byte, least significant bit first; decoding gives ``+scale`` or ``-scale``.
-    """
-    return _compress("sign", x, k)
-
-
-def sign_compress_ef(x: jax.typing.ArrayLike, residual: jax.typing.ArrayLike, k: int) -> tuple[jax.Array, jax.Array]:
-    """1-bit compress ``x + residual`` and return ``(compressed, new_residual)``.
-
-    With ``y = x + residual``, the new residual is ``y - decompress(compressed)``
-    using the chunk's own scale, so ``decompress + new_residual == y`` up to one
-    float32 rounding.
-    """
-    return _compress_ef("sign", x, residual, k)
-
-
-def sign_decompress(
-    compressed: jax.typing.ArrayLike, n: int, k: int, dtype: jax.typing.DTypeLike = jnp.float32
-) -> jax.Array:
-    """Decode ``n`` sign-compressed elements in ``k`` chunks, as a 1-D array of ``dtype``."""
-    return _decompress("sign", compressed, n, k, dtype)
-
-
-def sign_decompress_reduce(
-    compressed: jax.typing.ArrayLike,
-    m: int,
-    k: int,
-    *,
-    average: bool = True,
-    dtype: jax.typing.DTypeLike = jnp.float32,
-) -> jax.Array:
-    """Decode ``k`` sign-compressed single-chunk buffers of ``m`` elements and reduce them."""
-    return _decompress_reduce("sign", compressed, m, k, average, dtype)
+(
+    minmax_uint8_compress,
+    minmax_uint8_compress_ef,
+    minmax_uint8_decompress,
+    minmax_uint8_decompress_reduce,
+) = codec_operations("minmax_uint8", _OPERATIONS, module=__name__)
+(
+    minmax_uint4_compress,
+    minmax_uint4_compress_ef,
+    minmax_uint4_decompress,
+    minmax_uint4_decompress_reduce,
+) = codec_operations("minmax_uint4", _OPERATIONS, module=__name__)
+sign_compress, sign_compress_ef, sign_decompress, sign_decompress_reduce = codec_operations(
+    "sign", _OPERATIONS, module=__name__
+)
 
 
 def _elementwise(target: str, operands: tuple[jax.typing.ArrayLike, ...], **attrs) -> jax.Array:

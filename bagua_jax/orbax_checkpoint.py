@@ -25,6 +25,7 @@ from typing import Any
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.experimental import multihost_utils
 
 from bagua_common.job.checkpoint import MANIFEST, DamagedCheckpointError, Manifest, commit, read_manifest, verify_files
 from bagua_jax.checkpoint import KeyPath, manifest_for, per_rank, restore_rows
@@ -74,12 +75,17 @@ class OrbaxCheckpoints:
         """Block until every started save is written, then seal it: process 0 writes the project's manifest.
 
         The manifest (the step's ``manifest.json``, with every file's size and digest) is written
-        last: a step without one was being written when the job died and is never restored.
+        last: a step without one was being written when the job died and is never restored. No
+        process returns before the step is sealed: the others wait for process 0 at a barrier
+        (orbax's own wait ends at its commit, before the manifest), so a step any process just
+        saved is one every process can restore.
         """
         self.manager.wait_until_finished()
         if self._unsealed is not None:
             if jax.process_index() == 0:
                 commit(self.directory / str(self._unsealed.step), self._unsealed, shard_pattern=STATE)
+            if jax.process_count() > 1:
+                multihost_utils.sync_global_devices(f"bagua_jax.orbax_checkpoint sealed step {self._unsealed.step}")
             self._unsealed = None
 
     def latest_step(self) -> int | None:

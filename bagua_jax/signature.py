@@ -1,4 +1,4 @@
-"""The cross-rank check before the first step: every rank trains the same model the same way.
+"""The cross-rank checks before the first step: every rank trains the same model the same way, on its own data.
 
 The model's tree (paths, shapes, dtypes) and the algorithm's configuration are compared over
 the native communicator, or between the processes of ``jax.distributed`` in mesh mode (one
@@ -7,6 +7,7 @@ process has nothing to compare). See :mod:`bagua_common.job.signature`.
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 import jax
@@ -40,3 +41,25 @@ def check_ranks_agree(params: Any, algorithm: Any, communicator: NativeCommunica
         )
     elif jax.process_count() > 1:
         check_same_job(signature, lambda x: np.asarray(multihost_utils.process_allgather(x)))
+
+
+def check_batches_differ(batch: Any, communicator: NativeCommunicator) -> None:
+    """Raise a ``ValueError`` when every process passes the same batch (native mode: each passes its own part).
+
+    Every process passing the whole global batch would train each rank on the same examples,
+    silently. Compared by the SHA-256 of the batch's bytes over ``communicator``. Every rank must
+    call it.
+    """
+    if communicator.size < 2:
+        return
+    digest = hashlib.sha256()
+    for leaf in jax.tree.leaves(batch):
+        digest.update(np.ascontiguousarray(leaf).tobytes())
+    words = np.frombuffer(digest.digest(), np.int32)
+    gathered = np.asarray(communicator.allgather(jax.numpy.asarray(words))).reshape(communicator.size, -1)
+    if (gathered == words).all():
+        raise ValueError(
+            f"every one of the {communicator.size} processes passed the same batch to DataParallel.step: each "
+            "passes its own part of the global batch (bagua_jax.rank_slice(global_batch) cuts it), or every "
+            "rank would train on the same examples"
+        )

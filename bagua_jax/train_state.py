@@ -3,11 +3,13 @@
 :class:`DataParallel` and the checkpoints take either a :class:`TrainState` or a flax
 ``TrainState`` (``params``, ``opt_state``, ``step``, optionally ``batch_stats``);
 :func:`unwrap_state` reads either as a :class:`TrainState` and :func:`rewrap_state` gives a
-result back in the form the user passed.
+result back in the form the user passed. A flax NNX model trains in place, held with its
+``nnx.Optimizer`` in an :class:`NnxTrainState`.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import jax
@@ -52,3 +54,16 @@ def rewrap_state(user_state: Any, state: TrainState) -> Any:
     if hasattr(user_state, "batch_stats"):
         fields["batch_stats"] = state.model_state
     return user_state.replace(**fields)
+
+
+class NnxTrainState(NamedTuple):
+    """A flax NNX model and the ``nnx.Optimizer`` that trains it data-parallel; both change in place on each step."""
+
+    model: Any
+    optimizer: Any
+
+
+def is_nnx_module(value: Any) -> bool:
+    """Whether ``value`` is a flax NNX module (flax stays optional: none is one unless ``flax.nnx`` is imported)."""
+    nnx = sys.modules.get("flax.nnx")
+    return nnx is not None and isinstance(value, nnx.Module)

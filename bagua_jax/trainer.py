@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,10 +34,18 @@ from bagua_common.tuning.autotune import autotune_mode
 from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.base import Algorithm, check_float_params
 from bagua_jax.autotune import BucketTuning, algorithm_setting, tune_bucket_bytes
+from bagua_jax.communicator import tree_mean
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
-from bagua_jax.signature import check_ranks_agree
-from bagua_jax.train_state import TrainState, is_flax_state, rewrap_state, unwrap_state
+from bagua_jax.signature import check_batches_differ, check_ranks_agree
+from bagua_jax.train_state import (
+    NnxTrainState,
+    TrainState,
+    is_flax_state,
+    is_nnx_module,
+    rewrap_state,
+    unwrap_state,
+)
 
 LossFn = Callable[..., Any]
 
@@ -66,7 +73,18 @@ class DataParallel:
     * randomness: ``step(state, batch, rng)`` passes ``loss_fn`` a key of its own on every
       rank (``rng`` folded with the rank index), e.g. for dropout;
     * a flax ``TrainState`` in :meth:`init` comes back from :meth:`init` and :meth:`step` as
-      the same class, its ``params``, ``opt_state``, ``step`` (and ``batch_stats``) replaced.
+      the same class, its ``params``, ``opt_state``, ``step`` (and ``batch_stats``) replaced;
+    * a flax NNX module (native mode): ``init(model)`` returns an
+      :class:`~bagua_jax.train_state.NnxTrainState` of the model and a
+      :class:`~bagua_jax.nnx_data_parallel.DataParallelOptimizer` (an ``nnx.Optimizer`` over its
+      ``nnx.Param`` variables), and ``step(state, batch, rngs)`` updates both in place, calling
+      ``loss_fn(model, batch, rngs)`` (``loss_fn(model, batch)`` without ``rngs``) with an
+      ``nnx.Rngs`` of the rank's own; the model's ``nnx.BatchStat`` variables (BatchNorm's
+      statistics) are averaged across ranks after every step.
+
+    The loss :meth:`step` returns (and ``aux``) is the mean over the ranks in both modes. In native
+    mode the first step checks that the processes' batches differ and raises a ``ValueError`` when
+    every process passes the same one (the whole global batch instead of its part).
 
     ``autotune`` (``off``, ``once`` or ``cached``; default ``BAGUA_AUTOTUNE``, off when unset)
     tunes the algorithm's bucket size (and, where they have an effect, ``hierarchical`` and the MPI
@@ -114,6 +132,7 @@ class DataParallel:
         self._optimizer, self._comms = optimizer, comms
         self._autotune = autotune_mode(autotune)
         self.bucket_tuning: BucketTuning | None = None
+        self._batches_checked = communicator is None
         self._use(make_algorithm(algorithm) if isinstance(algorithm, str) else algorithm)
 
     def _use(self, algorithm: Algorithm) -> None:
@@ -122,6 +141,7 @@ class DataParallel:
         self._replicated = getattr(algorithm, "replicas_identical", False)
         self._tx = algorithm.transformation(self._optimizer, self._comms)
         self._steps: dict[tuple[bool, bool], Callable] = {}
+        self._nnx_step: Callable | None = None
         self._init = jax.jit(self._sharded(self._tx.init, (True,)) if self._mesh is not None else self._tx.init)
 
     @property
@@ -151,18 +171,11 @@ class DataParallel:
         if model_state is not None:
             model_state, aux = aux if self._has_aux else (aux, None)
             if self._average_model_state:
-                model_state = self._average(model_state)
+                model_state = tree_mean(model_state, self._world)
         updates, opt_state = self._tx.update(grads, opt_state, params)
+        if self._mesh is None:  # the mesh's mean over ranks is taken in step()
+            loss, aux = tree_mean((loss, aux), self._world)
         return optax.apply_updates(params, updates), opt_state, step + 1, model_state, loss, aux
-
-    def _average(self, tree: Any) -> Any:
-        """The mean of ``tree``'s floating leaves over all ranks, in one allreduce."""
-        floats = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-        if not floats:
-            return tree
-        flat, unravel = ravel_pytree(floats)
-        averaged = iter(unravel(self._world.allreduce(flat.astype(jnp.float32), "avg").astype(flat.dtype)))
-        return jax.tree.map(lambda leaf: next(averaged) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf, tree)
 
     def _sharded(self, fn: Callable, per_rank_args: tuple[bool, ...], per_rank_out: Any = None) -> Callable:
         """``fn`` on each rank under ``shard_map``.
@@ -244,6 +257,8 @@ class DataParallel:
         that every rank trains the same tree of shapes and dtypes with the same algorithm
         configuration, and raises a ``ValueError`` naming each difference if not.
         """
+        if is_nnx_module(params):
+            return self._init_nnx(params)
         user_state = params if is_flax_state(params) else None
         if user_state is not None:
             params, model_state = user_state.params, getattr(user_state, "batch_stats", None)
@@ -271,6 +286,30 @@ class DataParallel:
                 shared = self._average_model_state and self._replicated
                 model_state = self._replicate(model_state) if shared else self._per_rank(model_state)
         return rewrap_state(user_state, TrainState(params, opt_state, step, model_state))
+
+    def _init_nnx(self, model: Any) -> NnxTrainState:
+        """The NNX model and an ``nnx.Optimizer`` whose transformation is the algorithm's (native mode)."""
+        from flax import nnx
+
+        from bagua_jax.nnx_data_parallel import DataParallelOptimizer, nnx_rank_step
+
+        if self._mesh is not None:
+            raise ValueError(
+                "DataParallel trains an NNX module in place, in native mode (communicator=, one process per "
+                "device); on a mesh, give it the module's parameters as a pytree (nnx.split) and a pure loss_fn"
+            )
+        if self._autotune != "off" or not self._average_model_state:
+            raise ValueError(
+                "DataParallel: an NNX module trains without autotune, its BatchNorm statistics averaged "
+                "(autotune and average_model_state=False take a pytree of parameters)"
+            )
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        check_float_params(params)
+        check_ranks_agree(params, self._algorithm, self._communicator)
+        if self._nnx_step is None:
+            self._nnx_step = nnx_rank_step(self._loss_fn, self._has_aux, self._communicator)
+        optimizer = DataParallelOptimizer(model, self._optimizer, self._algorithm, communicator=self._communicator)
+        return NnxTrainState(model, optimizer)
 
     def params_view(self, state: Any, view: str = "average") -> Any:
         """The parameters as one model's, without a rank axis, for evaluation whatever the algorithm.
@@ -307,7 +346,9 @@ class DataParallel:
                 autotune="off",
             )
             state = trainer.init(params)
-            batch = np.zeros((trainer.size if self._mesh is not None else 1,), np.float32)
+            # A row per rank in native mode, each its own (step() refuses the same batch on every process).
+            rank = 0.0 if self._mesh is not None else float(self._communicator.rank())
+            batch = np.full((trainer.size if self._mesh is not None else 1,), rank, np.float32)
             return lambda: trainer.step(state, batch)
 
         return step_for
@@ -332,12 +373,18 @@ class DataParallel:
 
         return jax.tree.map(place, batch)
 
-    def step(self, state: Any, batch: Any, rng: jax.Array | None = None) -> tuple[Any, Any]:
+    def step(self, state: Any, batch: Any, rng: Any = None) -> tuple[Any, Any]:
         """One training step on every rank; returns the new state and the ranks' mean loss.
 
         With ``has_aux=True`` the second result is ``(loss, aux)``. ``rng`` (the same key on
-        every rank) gives ``loss_fn`` a per-rank key; ``state`` is what :meth:`init` returned.
+        every rank; for an NNX model, also an ``nnx.Rngs``) gives ``loss_fn`` a per-rank key;
+        ``state`` is what :meth:`init` returned.
         """
+        if not self._batches_checked:
+            check_batches_differ(batch, self._communicator)
+            self._batches_checked = True
+        if isinstance(state, NnxTrainState):
+            return state, self._nnx_step(state.model, state.optimizer, batch, rng)
         user_state = state if is_flax_state(state) else None
         own = unwrap_state(state)
         if self._mesh is not None:

@@ -21,12 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from bagua_common.algorithms.registry import CONFIGS, algorithm_facts
 from bagua_common.comm.topology import Communicators
 from bagua_common.tuning.autotune import TuningSession, autotune_mode, cache_key, tuning_knobs
 from bagua_torch.communicator import NativeCommunicator
-
-# Re-bucketing mid-run rebuilds the algorithm: only stateless ones survive it unchanged.
-REBUCKETABLE = frozenset({"gradient_allreduce"})
 
 
 def ring_communicator(communicators: Communicators) -> NativeCommunicator | None:
@@ -74,10 +72,11 @@ class BucketTuner:
             two_levels=communicators.hierarchical,
             mpi_ring_min_bytes=ring.mpi_ring_min_bytes if ring is not None else None,
         )
-        if algorithm.name not in REBUCKETABLE:
+        if not algorithm_facts(algorithm.name).stateless:  # re-bucketing mid-run rebuilds the algorithm
+            stateless = [name for name, config_class in CONFIGS.items() if config_class.stateless]
             raise ValueError(
                 f"autotune: {algorithm.name} keeps state per bucket, which re-bucketing between steps would lose; "
-                f"PyTorch tunes {', '.join(sorted(REBUCKETABLE))} only"
+                f"PyTorch tunes {', '.join(stateless)} only"
             )
         world = communicators.world
         self._world = world

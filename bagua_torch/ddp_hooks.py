@@ -182,8 +182,6 @@ def powersgd_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.future
 
 
 HOOKS: dict[str, Hook] = {
-    "gradient_allreduce": gradient_allreduce_hook,
-    "bytegrad": bytegrad_hook,
-    "powersgd": powersgd_hook,
+    hook.__name__.removesuffix("_hook"): hook for hook in (gradient_allreduce_hook, bytegrad_hook, powersgd_hook)
 }
 """Each algorithm that has a DDP hook, by registry name: ``ddp.register_comm_hook(state, HOOKS[name])``."""

@@ -14,6 +14,7 @@ from typing import Any, Literal
 import _bagua_ffi
 import torch
 
+from bagua_common.algorithms.codec_operations import codec_operations
 from bagua_common.algorithms.kernel_dtypes import KERNEL_FLOAT_DTYPES
 from bagua_common.comm.bagua_net import bagua_net_plugin_path
 
@@ -62,7 +63,7 @@ def _compressed(c: torch.Tensor) -> torch.Tensor:
     return c.contiguous().view(-1)
 
 
-def _compress(format: Format, x: torch.Tensor, k: int, out: torch.Tensor | None) -> torch.Tensor:
+def _compress(format: Format, x: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
     flat = _float_tensor("x", x)
     out = _output(out, compressed_size(flat.numel(), k, format), torch.uint8, flat.device)
     _bagua_ffi.compress(format, flat, out, int(k), _stream(flat))
@@ -70,7 +71,7 @@ def _compress(format: Format, x: torch.Tensor, k: int, out: torch.Tensor | None)
 
 
 def _compress_ef(
-    format: Format, x: torch.Tensor, residual: torch.Tensor, k: int, out: torch.Tensor | None
+    format: Format, x: torch.Tensor, residual: torch.Tensor, k: int, *, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     flat = _float_tensor("x", x)
     if residual.dtype != torch.float32 or residual.numel() != flat.numel() or not residual.is_contiguous():
@@ -84,7 +85,13 @@ def _compress_ef(
 
 
 def _decompress(
-    format: Format, compressed: torch.Tensor, n: int, k: int, dtype: torch.dtype, out: torch.Tensor | None
+    format: Format,
+    compressed: torch.Tensor,
+    n: int,
+    k: int,
+    dtype: torch.dtype = torch.float32,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     compressed = _compressed(compressed)
     out = _output(out, int(n), dtype, compressed.device)
@@ -97,9 +104,10 @@ def _decompress_reduce(
     compressed: torch.Tensor,
     m: int,
     k: int,
-    average: bool,
-    dtype: torch.dtype,
-    out: torch.Tensor | None,
+    *,
+    average: bool = True,
+    dtype: torch.dtype = torch.float32,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     compressed = _compressed(compressed)
     out = _output(out, int(m), dtype, compressed.device)
@@ -107,124 +115,29 @@ def _decompress_reduce(
     return out
 
 
-def minmax_uint8_compress(x: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Compress ``x`` (flattened) into ``k`` chunks of 8-bit min-max codes (uint8 bytes)."""
-    return _compress("minmax_uint8", x, k, out)
+_OPERATIONS = (_compress, _compress_ef, _decompress, _decompress_reduce)
+"""Each operation of :data:`~bagua_common.algorithms.codec_operations.OPERATIONS` for a codec given first."""
 
 
-def minmax_uint8_compress_ef(
-    x: torch.Tensor, residual: torch.Tensor, k: int, *, out: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress ``x + residual`` into ``k`` chunks; returns ``(compressed, residual)``.
-
-    ``residual`` (float32) is updated in place to ``(x + residual) - decompress(compressed)``
-    and returned, as :func:`bagua_jax.ops.minmax_uint8_compress_ef` returns the new residual.
-    """
-    return _compress_ef("minmax_uint8", x, residual, k, out)
-
-
-def minmax_uint8_decompress(
-    compressed: torch.Tensor,
-    n: int,
-    k: int,
-    dtype: torch.dtype = torch.float32,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode ``n`` elements compressed into ``k`` chunks as a 1-D tensor of ``dtype``."""
-    return _decompress("minmax_uint8", compressed, n, k, dtype, out)
-
-
-def minmax_uint8_decompress_reduce(
-    compressed: torch.Tensor,
-    m: int,
-    k: int,
-    *,
-    average: bool = True,
-    dtype: torch.dtype = torch.float32,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode ``k`` single-chunk buffers of ``m`` elements laid end to end and sum or average them in float32."""
-    return _decompress_reduce("minmax_uint8", compressed, m, k, average, dtype, out)
-
-
-def minmax_uint4_compress(x: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Compress ``x`` (flattened) into ``k`` chunks of 4-bit min-max codes, two per byte (see
-    :func:`bagua_jax.ops.minmax_uint4_compress`)."""
-    return _compress("minmax_uint4", x, k, out)
-
-
-def minmax_uint4_compress_ef(
-    x: torch.Tensor, residual: torch.Tensor, k: int, *, out: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """4-bit compress ``x + residual``; ``residual`` is updated in place (see :func:`minmax_uint8_compress_ef`)."""
-    return _compress_ef("minmax_uint4", x, residual, k, out)
-
-
-def minmax_uint4_decompress(
-    compressed: torch.Tensor,
-    n: int,
-    k: int,
-    dtype: torch.dtype = torch.float32,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode ``n`` elements compressed into ``k`` chunks of 4-bit codes as a 1-D tensor of ``dtype``."""
-    return _decompress("minmax_uint4", compressed, n, k, dtype, out)
-
-
-def minmax_uint4_decompress_reduce(
-    compressed: torch.Tensor,
-    m: int,
-    k: int,
-    *,
-    average: bool = True,
-    dtype: torch.dtype = torch.float32,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode ``k`` single-chunk 4-bit buffers of ``m`` elements laid end to end and sum or average them."""
-    return _decompress_reduce("minmax_uint4", compressed, m, k, average, dtype, out)
-
-
-def sign_compress(x: torch.Tensor, k: int, *, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Compress ``x`` (flattened) into ``k`` chunks of sign bits with a per-chunk ``mean(|x|)`` scale."""
-    return _compress("sign", x, k, out)
-
-
-def sign_compress_ef(
-    x: torch.Tensor, residual: torch.Tensor, k: int, *, out: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """1-bit compress ``x + residual``; returns ``(compressed, residual)``.
-
-    ``residual`` (float32) is updated in place with the new error and returned, as
-    :func:`bagua_jax.ops.sign_compress_ef` returns the new residual.
-    """
-    return _compress_ef("sign", x, residual, k, out)
-
-
-def sign_decompress(
-    compressed: torch.Tensor,
-    n: int,
-    k: int,
-    dtype: torch.dtype = torch.float32,
-    *,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode ``n`` sign-compressed elements in ``k`` chunks as a 1-D tensor of ``dtype``."""
-    return _decompress("sign", compressed, n, k, dtype, out)
-
-
-def sign_decompress_reduce(
-    compressed: torch.Tensor,
-    m: int,
-    k: int,
-    *,
-    average: bool = True,
-    dtype: torch.dtype = torch.float32,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Decode ``k`` sign-compressed single-chunk buffers of ``m`` elements and reduce them in float32."""
-    return _decompress_reduce("sign", compressed, m, k, average, dtype, out)
+_NOTE = (
+    "Takes an optional preallocated ``out=``; the error-feedback ``residual`` (a contiguous float32 tensor) is "
+    "updated in place and returned."
+)
+(
+    minmax_uint8_compress,
+    minmax_uint8_compress_ef,
+    minmax_uint8_decompress,
+    minmax_uint8_decompress_reduce,
+) = codec_operations("minmax_uint8", _OPERATIONS, module=__name__, note=_NOTE)
+(
+    minmax_uint4_compress,
+    minmax_uint4_compress_ef,
+    minmax_uint4_decompress,
+    minmax_uint4_decompress_reduce,
+) = codec_operations("minmax_uint4", _OPERATIONS, module=__name__, note=_NOTE)
+sign_compress, sign_compress_ef, sign_decompress, sign_decompress_reduce = codec_operations(
+    "sign", _OPERATIONS, module=__name__, note=_NOTE
+)
 
 
 def _elementwise_operands(*tensors: torch.Tensor) -> list[torch.Tensor]:

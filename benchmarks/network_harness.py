@@ -58,7 +58,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-PREFIX = "bagua-"
+PREFIX = os.environ.get("BAGUA_NETNS_PREFIX", "bagua-")
+"""The namespaces' names start with this: a second study on the same machine runs beside the first with its own
+(e.g. ``BAGUA_NETNS_PREFIX=lm-``); letters, digits and dashes only."""
+if not re.fullmatch(r"[a-z0-9-]{1,8}", PREFIX):
+    raise SystemExit(f"network_harness: BAGUA_NETNS_PREFIX must be 1-8 of a-z, 0-9, '-', got {PREFIX!r}")
 BRIDGE_NS = f"{PREFIX}br"
 RANK_NS = f"{PREFIX}r{{}}"
 OUR_NS = re.compile(rf"^{re.escape(PREFIX)}(br|r\d+)$")
@@ -94,6 +98,12 @@ def rate_label(bits: int | None) -> str:
         if bits >= scale:
             return f"{bits / scale:g} {unit}"
     return f"{bits} bit/s"
+
+
+def add_link_options(parser: argparse.ArgumentParser) -> None:
+    """``--ranks N`` (default 4) and ``--rate R`` (default 100 Mbit/s): the emulated network a study's jobs run on."""
+    parser.add_argument("--ranks", type=int, default=4, help="ranks, one namespace each")
+    parser.add_argument("--rate", default="100mbit", help="per-rank link rate ('none': unshaped)")
 
 
 def _run(argv: Sequence[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
@@ -342,6 +352,16 @@ class Network:
                 print(f"[network] {note}", file=sys.stderr, flush=True)
             elif proc.returncode == 0:
                 self.netem = True
+
+    def reshape(self, rate: int | str | None) -> None:
+        """Change every rank's link to ``rate`` (None: unshaped) while the ranks run: the tbf filters on both ends
+        of each pair are removed and, with a rate, added anew (a changed link drops what its queue held; call it
+        while the ranks are quiet)."""
+        self.rate = parse_rate(rate) if isinstance(rate, str) or rate is None else int(rate)
+        for i in range(self.ranks):
+            _run(["tc", "-n", self.ns(i), "qdisc", "del", "dev", RANK_IF, "root"], check=False)
+            _run(["tc", "-n", BRIDGE_NS, "qdisc", "del", "dev", f"v{i}", "root"], check=False)
+            self._shape(i)
 
     def _wait_link(self, timeout: float = 10.0) -> None:
         """Bounded wait until every rank's eth0 is up (the bridge ports leave 'listening' at once without STP)."""

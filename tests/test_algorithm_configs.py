@@ -19,7 +19,7 @@ import torch
 import bagua_jax.algorithms as jax_algorithms
 import bagua_torch.algorithms as torch_algorithms
 import bagua_torch.torch_api.algorithms as compat_algorithms
-from bagua_common.algorithms.registry import CONFIGS, AlgorithmRegistry, register_config
+from bagua_common.algorithms.registry import CONFIGS, AlgorithmConfig, AlgorithmRegistry, register_config
 from bagua_torch.algorithms.onebit_adam import OneBitAdamOptimizer
 from bagua_torch.algorithms.qadam import QAdamOptimizer
 
@@ -112,7 +112,7 @@ def test_every_registered_configuration_is_implemented_by_both_front_ends():
 def test_a_front_end_without_a_class_for_a_configuration_is_found(request):
     @register_config
     @dataclasses.dataclass(frozen=True)
-    class OnlyInJaxConfig:
+    class OnlyInJaxConfig(AlgorithmConfig):
         name: ClassVar[str] = "only_in_jax_for_test"
 
     request.addfinalizer(lambda: CONFIGS.pop(OnlyInJaxConfig.name))
@@ -145,7 +145,7 @@ def test_names_and_implementations_are_unique():
 
         @register_config
         @dataclasses.dataclass(frozen=True)
-        class AnotherByteGrad:
+        class AnotherByteGrad(AlgorithmConfig):
             name: ClassVar[str] = "bytegrad"
 
     with pytest.raises(ValueError, match="'bytegrad' is already implemented by ByteGrad"):

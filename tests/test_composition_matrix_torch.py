@@ -13,7 +13,6 @@ import zlib
 import numpy as np
 import pytest
 from composition_matrix import MATRIX
-from conftest import SEED
 
 pytest.importorskip("torch")
 
@@ -33,12 +32,12 @@ def citing(function: str, feature: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def runs() -> tuple[int, list[dict]]:
+def runs(seed) -> tuple[int, list[dict]]:
     """``(seed, per rank: feature -> algorithm -> run)`` of one job over every cited feature and algorithm."""
     from composition_workers_torch import FEATURES
     from multiprocess import run_ranks
 
-    seed = int(np.random.default_rng([SEED, zlib.crc32(__name__.encode())]).integers(2**31))
+    seed = int(np.random.default_rng([seed, zlib.crc32(__name__.encode())]).integers(2**31))
     algorithms = list(MATRIX)
     results = run_ranks(
         "composition_workers_torch:every_algorithm_under_each_feature", 2, seed, list(FEATURES), algorithms, timeout=240

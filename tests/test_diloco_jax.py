@@ -9,6 +9,7 @@ meet. XLA may fuse the inner step's multiply-add, so comparisons allow a few flo
 from __future__ import annotations
 
 import diloco_reference as ref
+import diloco_workers_jax as workers
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -114,18 +115,18 @@ def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule
     for t in range(5):
         for k in ref.SHAPES:
             np.testing.assert_array_equal(resumed[t][k], straight[t][k], err_msg=f"step {7 + t} {k}")
-    # Two ranks: parameters start from the four ranks' mean; the round start, the outer state, the averages
-    # awaiting their outer step and the position carry; the residuals restart at zero.
+    # Two ranks: parameters and the pseudo-gradients awaiting their exchange start from the four ranks' mean; the
+    # round start, the outer state and the position carry; the residuals restart at zero.
     smaller = make(algorithm, ranks=2)
     shrunk = checkpoint.restore(tmp_path, smaller, ref.initial(seed))
     saved, now = jax.device_get(state.opt_state[1]), jax.device_get(shrunk.opt_state[1])
     for k in ref.SHAPES:
         np.testing.assert_allclose(jax.device_get(shrunk.params)[k][1], np.mean(state.params[k], axis=0), rtol=1e-6)
         np.testing.assert_array_equal(now.round_start[k][1], saved.round_start[k][0])
-    for was, new in zip(
-        jax.tree.leaves((saved.outer_states, saved.pending)), jax.tree.leaves((now.outer_states, now.pending))
-    ):
+    for was, new in zip(jax.tree.leaves(saved.outer_states), jax.tree.leaves(now.outer_states)):
         np.testing.assert_array_equal(new[1], was[0])
+    for was, new in zip(saved.pending, now.pending):
+        np.testing.assert_allclose(new[1], np.mean(was, axis=0), rtol=1e-6)
     assert int(now.step[1]) == 6 and all(not np.any(res) for res in now.residuals)
     train(smaller, shrunk, seed, 7, 9, ranks=2)
 
@@ -198,3 +199,29 @@ def test_native_communicator_matches_the_numpy_simulation(rng):
                     np.testing.assert_allclose(
                         params[k], want[t][result.rank][k], rtol=2e-5, atol=2e-6, err_msg=f"{options} {t} {k}"
                     )
+
+
+@pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
+def test_streaming_exchanges_overlap_the_next_steps_with_the_same_bits(rng):
+    """On the MPI engine a fragment's exchange runs on a thread of its own while the next steps compute: rank 0
+    finishes the step that starts it before rank 1 (late) has even begun it, and the parameters are bit for bit
+    those of the exchange run inside the step, also when resumed from a state taken mid-exchange. When a peer
+    leaves, the survivor's applying step raises the communicator's timeout error."""
+    seed, steps, wire = int(rng.integers(2**20)), 9, str(rng.choice(["bf16", "uint8", "uint4"]))
+    results = run_ranks(
+        "diloco_workers_jax:streaming_ranks", 2, seed, wire, steps, 1.0, launcher="mpiexec", timeout=240
+    )
+    first = workers.STARTS_FRAGMENT_1 + 1
+    for result in results:
+        got = result.value
+        for t in range(steps):
+            for k in ref.SHAPES:
+                np.testing.assert_array_equal(
+                    got["overlapped"][t][k], got["inline"][t][k], err_msg=f"{wire} {t + 1} {k}"
+                )
+                if t + 1 >= first:
+                    resumed = got["resumed"][t + 1 - first][k]
+                    np.testing.assert_array_equal(resumed, got["overlapped"][t][k], err_msg=f"{wire} {t + 1} {k}")
+    assert results[0].value["times"]["finished"] < results[1].value["times"]["began"]
+    error = results[0].value["dead_peer"]
+    assert "'diloco/outer_exchange'" in error and "did not complete within 3 s" in error, error

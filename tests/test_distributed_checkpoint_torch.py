@@ -5,7 +5,7 @@ One 2-rank gloo job per test run: for ByteGrad with error feedback, decentralize
 (``dcp.load`` into plain tensors, no project code, one process) reads every rank's
 parameters back as saved; damaged copies (a truncated, emptied or foreign shard, truncated
 DCP metadata, no manifest) are refused naming the file and the damage; one rank restoring the
-2-rank checkpoints follows each algorithm's reshard rule.
+2-rank checkpoints, and two ranks restoring a one-rank checkpoint, follow each algorithm's reshard rule.
 """
 
 from __future__ import annotations
@@ -16,23 +16,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from algorithms_reference import assert_tree_equal
 from distributed_checkpoint_workers_torch import ALGORITHMS
 from multiprocess import run_ranks
 
 SEED = 5
-
-
-def assert_same(got, want, what):
-    if isinstance(want, dict):
-        assert sorted(got) == sorted(want), what
-        for key in want:
-            assert_same(got[key], want[key], f"{what}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), what
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert_same(a, b, f"{what}[{i}]")
-    else:
-        np.testing.assert_array_equal(got, want, err_msg=what)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +35,7 @@ def test_resume_is_bit_for_bit(job, name):
     for rank in ranks:
         result = rank.value[name]
         assert result["step"] == 4
-        assert_same(result["resumed"], result["want"], f"{name} rank {rank.rank}")
+        assert_tree_equal(result["resumed"], result["want"], f"{name} rank {rank.rank}")
     if name != "bytegrad":  # the ranks' parameters drift apart inside a round
         a, b = (r.value[name]["saved"]["params"] for r in ranks)
         assert any(not np.array_equal(a[k], b[k]) for k in a), name
@@ -74,9 +62,16 @@ def test_damaged_checkpoints_are_refused_naming_the_file(job):
             assert path in message and damage in message, (what, message)
 
 
-def test_restore_into_one_rank_follows_the_rule(job):
+@pytest.fixture(scope="module")
+def alone(job):
+    """One rank's job: the 2-rank checkpoints restored, then a step trained and saved (for the 2-rank restore)."""
+    root, _ = job
+    (result,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, SEED, str(root), timeout=120)
+    return result
+
+
+def test_restore_into_one_rank_follows_the_rule(job, alone):
     root, ranks = job
-    (alone,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, SEED, str(root), timeout=120)
     for name in ALGORITHMS:
         saved = [r.value[name]["saved"] for r in ranks]
         got = alone.value[name]
@@ -89,3 +84,20 @@ def test_restore_into_one_rank_follows_the_rule(job):
         if name == "bytegrad":
             assert any(np.any(r) for s in saved for r in s["algorithm"]["residuals"]), "nothing to reset"
             assert not any(np.any(r) for r in got["algorithm"]["residuals"]), "residuals not reset"
+
+
+def test_restore_into_two_ranks_follows_the_rule(job, alone):
+    """1 -> 2: every rule gives each new rank the one old row (carried, or its mean, itself), the step kept, and
+    error-feedback residuals restart at zero."""
+    root, _ = job
+    ranks = run_ranks("distributed_checkpoint_workers_torch:restore_two", 2, SEED, str(root), timeout=120)
+    for name in ALGORITHMS:
+        saved = alone.value[name]["saved"]
+        for rank in ranks:
+            got = rank.value[name]
+            assert got["step"] == 5
+            assert_tree_equal(got["params"], saved["params"], f"{name} rank {rank.rank} params")
+            assert_tree_equal(got["optimizer"], saved["optimizer"], f"{name} rank {rank.rank} optimizer")
+            if name == "bytegrad":
+                assert any(np.any(r) for r in saved["algorithm"]["residuals"]), "nothing to reset"
+                assert not any(np.any(r) for r in got["algorithm"]["residuals"]), "residuals not reset"

@@ -5,12 +5,15 @@ code) reads a saved step back leaf for leaf; a run resumed from an asynchronousl
 continues bit for bit (ByteGrad with error feedback, decentralized, DiLoCo mid-round); a
 restore into another world size equals the project's own format's (whose rules
 test_checkpoint_jax checks against NumPy); a step with a truncated, emptied or foreign data
-file is refused naming the file, and one without its manifest is never restored.
+file is refused naming the file, and one without its manifest is never restored. Two processes
+under ``jax.distributed``: no process returns from a save before process 0 has sealed the step.
 """
 
 from __future__ import annotations
 
 import shutil
+import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -18,12 +21,14 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh
+from multiprocess import run_ranks
 from test_checkpoint_jax import LR, batch, host, initial_params, loss_fn
 
 from bagua_common.job.checkpoint import DamagedCheckpointError
-from bagua_jax import DataParallel
-from bagua_jax.algorithms import ByteGrad, Decentralized, DiLoCo
+from bagua_jax import DataParallel, orbax_checkpoint
+from bagua_jax.algorithms import ByteGrad, Decentralized, DiLoCo, GradientAllReduce
 from bagua_jax.checkpoint import restore, save
+from bagua_jax.distributed import initialize
 from bagua_jax.orbax_checkpoint import STATE, OrbaxCheckpoints
 
 ALGORITHMS = {
@@ -145,3 +150,38 @@ def test_damaged_step_is_refused_naming_the_file(tmp_path, rng):
     with pytest.raises(FileNotFoundError, match="no committed orbax checkpoint"):
         empty.restore(initial_params(rng))
     empty.close()
+
+
+def save_on_two_processes(root: str, seed: int) -> dict:
+    """One rank of a two-process mesh job: a step, saved with process 0 sealing it slowly, then restored."""
+    initialize(timeout=60)
+    rank = jax.process_index()
+    if rank == 0:  # a seal that takes a while (a large checkpoint's digests): the others must wait for it
+        commit = orbax_checkpoint.commit
+        orbax_checkpoint.commit = lambda *args, **kwargs: (time.sleep(1.0), commit(*args, **kwargs))
+    dp = DataParallel(loss_fn, optax.sgd(LR), GradientAllReduce(), mesh=Mesh(np.array(jax.devices()), ("ranks",)))
+    state, _ = dp.step(
+        dp.init(initial_params(np.random.default_rng(seed))), batch(np.random.default_rng([seed, rank]), 4)
+    )
+    checkpoints = OrbaxCheckpoints(root, dp)
+    step = checkpoints.save(state)
+    checkpoints.wait_until_finished()
+    sealed = (Path(root) / str(step) / "manifest.json").exists()
+    restored = checkpoints.restore(initial_params(np.random.default_rng(seed)))
+    checkpoints.close()
+    return {"sealed": sealed, "saved": host(state.params), "restored": host(restored.params)}
+
+
+def test_no_process_returns_from_a_save_before_it_is_sealed(tmp_path, rng):
+    env = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per process
+    results = run_ranks(
+        "test_orbax_checkpoint_jax:save_on_two_processes",
+        2,
+        str(tmp_path),
+        int(rng.integers(2**31)),
+        timeout=120,
+        env=env,
+    )
+    for result in results:
+        assert result.value["sealed"], f"rank {result.rank} returned from the save before the step was sealed"
+        assert_trees_equal(result.value["restored"], result.value["saved"])

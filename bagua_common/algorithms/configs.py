@@ -25,16 +25,17 @@ from bagua_common.algorithms.option_checks import (
     check_sync_interval_ms,
     check_warmup_steps,
 )
-from bagua_common.algorithms.registry import register_config
+from bagua_common.algorithms.registry import AlgorithmConfig, register_config
 from bagua_common.comm.topology import PeerSelectionMode, check_peer_selection_mode
 
 
 @register_config
 @dataclass(frozen=True)
-class GradientAllReduceConfig:
+class GradientAllReduceConfig(AlgorithmConfig):
     """Full-precision gradient averaging: ``hierarchical`` reduces inside the node first, ``average=False`` sums."""
 
     name: ClassVar[str] = "gradient_allreduce"
+    replicated = bucket_exact = hierarchical_exact = stateless = True
 
     hierarchical: bool = False
     average: bool = True
@@ -45,10 +46,12 @@ class GradientAllReduceConfig:
 
 @register_config
 @dataclass(frozen=True)
-class ByteGradConfig:
+class ByteGradConfig(AlgorithmConfig):
     """8-bit compressed gradient averaging; ``error_feedback`` carries each step's compression error forward."""
 
     name: ClassVar[str] = "bytegrad"
+    replicated = True
+    world_sized_state = ("residual",)
 
     hierarchical: bool = True
     average: bool = True
@@ -60,11 +63,14 @@ class ByteGradConfig:
 
 @register_config
 @dataclass(frozen=True)
-class DecentralizedConfig:
+class DecentralizedConfig(AlgorithmConfig):
     """Full-precision weight averaging with peers chosen by ``peer_selection_mode`` every ``communication_interval``
     steps."""
 
     name: ClassVar[str] = "decentralized"
+    bucket_exact = True
+    # shift_one pairs nodes, so its hierarchical form would need an even node count: ranked flat only.
+    advisor_variants = {"shift_one": {"peer_selection_mode": "shift_one"}}
 
     peer_selection_mode: PeerSelectionMode = "all"
     communication_interval: int = 1
@@ -78,11 +84,12 @@ class DecentralizedConfig:
 
 @register_config
 @dataclass(frozen=True)
-class LowPrecisionDecentralizedConfig:
+class LowPrecisionDecentralizedConfig(AlgorithmConfig):
     """8-bit compressed weight-difference exchange with the two ring neighbours every ``communication_interval``
     steps."""
 
     name: ClassVar[str] = "low_precision_decentralized"
+    world_sized_state = ("weights", "left", "right")
 
     communication_interval: int = 1
     hierarchical: bool = True
@@ -94,11 +101,12 @@ class LowPrecisionDecentralizedConfig:
 
 @register_config
 @dataclass(frozen=True)
-class AsyncModelAverageConfig:
+class AsyncModelAverageConfig(AlgorithmConfig):
     """Gradient allreduce for ``warmup_steps`` steps, then weights averaged in the background every
     ``sync_interval_ms`` milliseconds."""
 
     name: ClassVar[str] = "async"
+    bucket_exact = background = True
 
     sync_interval_ms: float = 500
     warmup_steps: int = 0
@@ -114,13 +122,14 @@ def _is_number(value: Any) -> bool:
 
 @register_config
 @dataclass(frozen=True)
-class QAdamConfig:
+class QAdamConfig(AlgorithmConfig):
     """Adam with averaged gradients for ``warmup_steps`` steps, then a frozen second moment and an 8-bit compressed
     momentum exchange. ``learning_rate`` is a number >= 0 (or, where the front end takes one, a schedule).
     ``step_bound`` clips each coordinate's step after the warm-up to ``step_bound * lr``
     (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`); None is Bagua's unbounded formula."""
 
     name: ClassVar[str] = "qadam"
+    replicated = is_optimizer = True
 
     learning_rate: Any
     warmup_steps: int = 100
@@ -162,6 +171,7 @@ class OneBitAdamConfig(QAdamConfig):
     """QAdam's schedule with the momentum exchanged as 1-bit signs with error feedback on both sides."""
 
     name: ClassVar[str] = "onebit_adam"
+    world_sized_state = ("residual",)
 
 
 def matrix_view(shape: Sequence[int]) -> tuple[int, int] | None:
@@ -173,7 +183,7 @@ def matrix_view(shape: Sequence[int]) -> tuple[int, int] | None:
 
 @register_config
 @dataclass(frozen=True)
-class PowerSGDConfig:
+class PowerSGDConfig(AlgorithmConfig):
     """PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019): each matrix-shaped gradient ``M`` (``n x m``; a
     tensor of higher rank is viewed as ``shape[0] x rest``) is approximated by a rank-``r`` product ``P Q^T``, found
     with one step of power iteration per training step::
@@ -192,6 +202,9 @@ class PowerSGDConfig:
     """
 
     name: ClassVar[str] = "powersgd"
+    replicated = True
+    world_sized_state = ("residual",)
+    advised = False
 
     rank: int = 4
     start_iter: int = 10

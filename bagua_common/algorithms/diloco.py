@@ -27,7 +27,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from bagua_common.algorithms.option_checks import check_flags
-from bagua_common.algorithms.registry import register_config
+from bagua_common.algorithms.registry import AlgorithmConfig, register_config
 
 OuterExchange = Literal["fp32", "bf16", "uint8", "uint4"]
 OUTER_EXCHANGES: tuple[str, ...] = ("fp32", "bf16", "uint8", "uint4")
@@ -50,7 +50,7 @@ def _check_int(value: Any, key: str, low: int, algorithm: str, why: str = "") ->
 
 @register_config
 @dataclass(frozen=True)
-class DiLoCoConfig:
+class DiLoCoConfig(AlgorithmConfig):
     """DiLoCo's options (see the module docstring).
 
     ``sync_every``: H, inner steps per round. ``outer_optimizer``: None for Nesterov SGD (lr
@@ -64,6 +64,11 @@ class DiLoCoConfig:
     """
 
     name: ClassVar[str] = "diloco"
+    # The ranks' parameters drift inside a round: they start from their mean, and so do JAX's pseudo-gradients whose
+    # exchange was under way (the new world exchanges that mean). The round-start copy, the outer state and torch's
+    # averages awaiting their outer step are the same on every rank (their mean is exact).
+    world_sized_state = ("residual",)
+    advised = False
 
     sync_every: int = 100
     outer_optimizer: Any = None

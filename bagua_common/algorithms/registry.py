@@ -5,7 +5,8 @@ declaration and from one decorator per front end. To add an algorithm (``diloco`
 
 1. its configuration in :mod:`bagua_common.algorithms.configs` (or in the algorithm's own module
    of :mod:`bagua_common.algorithms`, as ``DiLoCoConfig`` in ``diloco.py``): a frozen dataclass
-   with the registry ``name`` as a ``ClassVar``, its fields with their defaults, and its checks
+   subclassing :class:`AlgorithmConfig`, with the registry ``name`` and the facts of
+   :class:`AlgorithmConfig` it differs in as class attributes, its fields with their defaults, and its checks
    in ``__post_init__`` (raising TypeError/ValueError that start with the name), decorated with
    :func:`register_config`;
 2. its class in each front end, decorated with that front end's ``implements``, in a module the
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 C = TypeVar("C", bound=type)
 T = TypeVar("T")
@@ -33,10 +34,44 @@ CONFIGS: dict[str, type] = {}
 """Registry name -> configuration class, in declaration order: every algorithm there is."""
 
 
+class AlgorithmConfig:
+    """What an algorithm declares about itself beside its fields; every per-algorithm lookup of the library (the
+    checkpoint's reshard rule, the autotuner's exactness, the advisor's candidates) reads these, so an algorithm is
+    described in one place. The defaults are the cautious answers; a configuration overrides what differs."""
+
+    name: ClassVar[str]
+    """The registry name (``"bytegrad"``): the same in every front end and in a checkpoint's options."""
+    replicated: ClassVar[bool] = False
+    """Whether every rank's parameters and state stay identical (restored into another world size, the saved
+    rank 0's carry over); False where the ranks drift apart (restored, they start from the ranks' mean)."""
+    world_sized_state: ClassVar[tuple[str, ...]] = ()
+    """Words that name the state leaves restarting at their initial value when the world size changes (error
+    feedback residuals, copies of the neighbours' weights: their shapes follow the world size)."""
+    bucket_exact: ClassVar[bool] = False
+    """Whether its numbers do not depend on the bucket layout (it exchanges full-precision values elementwise), so
+    the autotuner may change the bucket size without changing the numbers."""
+    hierarchical_exact: ClassVar[bool] = False
+    """Whether its hierarchical form adds the same values as the flat one (in another order)."""
+    stateless: ClassVar[bool] = False
+    """Whether it keeps no state between steps, so rebuilding it mid-run (re-bucketing) changes nothing."""
+    is_optimizer: ClassVar[bool] = False
+    """Whether it is an optimizer itself (QAdam, 1-bit Adam): it replaces the user's, and its warm-up is a gradient
+    allreduce beside its compressed steady state."""
+    background: ClassVar[bool] = False
+    """Whether it communicates beside the step, on its own communicator, rather than inside it."""
+    advised: ClassVar[bool] = True
+    """Whether ``bagua_jax.advisor`` ranks it (flat, and hierarchical where it has that option)."""
+    advisor_variants: ClassVar[dict[str, dict[str, Any]]] = {}
+    """Further flat variants the advisor ranks, by suffix: ``{"shift_one": {"peer_selection_mode": "shift_one"}}``
+    is ranked as ``decentralized_shift_one``."""
+
+
 def register_config(cls: C) -> C:
     """Register the configuration class ``cls`` (a frozen dataclass whose own ``name`` is unique): see the module
     docstring for the steps of adding an algorithm."""
     name = vars(cls).get("name")
+    if not issubclass(cls, AlgorithmConfig):
+        raise TypeError(f"register_config: {cls.__name__} must subclass AlgorithmConfig (the facts it declares)")
     if not isinstance(name, str) or not name:
         raise TypeError(f"register_config: {cls.__name__} must declare its registry name as name: ClassVar[str]")
     if not (dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen):  # type: ignore[attr-defined]
@@ -45,6 +80,12 @@ def register_config(cls: C) -> C:
         raise ValueError(f"register_config: {name!r} is already the name of {CONFIGS[name].__name__}")
     CONFIGS[name] = cls
     return cls
+
+
+def algorithm_facts(name: str) -> type[AlgorithmConfig]:
+    """What the algorithm registered as ``name`` declares about itself; for a name not registered (a user's own
+    algorithm), the cautious defaults of :class:`AlgorithmConfig`."""
+    return CONFIGS.get(name, AlgorithmConfig)
 
 
 def unknown_algorithm(name: str, available: Iterable[str]) -> ValueError:

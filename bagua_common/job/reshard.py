@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from bagua_common.algorithms.registry import CONFIGS, AlgorithmConfig
+
 CARRY = "carry"
 MEAN = "mean"
 RESET = "reset"
@@ -48,32 +50,24 @@ class ReshardRule:
         return self.default if np.issubdtype(dtype, np.floating) else CARRY
 
 
-_RESIDUALS = ("residual",)
-RULES: dict[str, ReshardRule] = {
-    "GradientAllReduce": ReshardRule(CARRY),
-    "ByteGrad": ReshardRule(CARRY, _RESIDUALS),
-    "QAdam": ReshardRule(CARRY),
-    "OneBitAdam": ReshardRule(CARRY, _RESIDUALS),
-    "PowerSGD": ReshardRule(CARRY, _RESIDUALS),
-    "Decentralized": ReshardRule(MEAN),
-    "LowPrecisionDecentralized": ReshardRule(MEAN, ("weights", "left", "right")),
-    "AsyncModelAverage": ReshardRule(MEAN),
-    # The ranks' parameters drift inside a round: they start from their mean. The round-start copy, the outer
-    # state and the averages awaiting their outer step are the same on every rank (their mean is exact).
-    "DiLoCo": ReshardRule(MEAN, _RESIDUALS),
-}
-"""Algorithm (its configuration class's name, without an ``Algorithm`` suffix) -> its rule."""
+def config_rule(config_class: type[AlgorithmConfig]) -> ReshardRule:
+    """The rule of the algorithm ``config_class`` configures, from what it declares: ``CARRY`` where the ranks stay
+    identical (:attr:`~AlgorithmConfig.replicated`), ``MEAN`` where they drift apart, ``RESET`` for the leaves its
+    :attr:`~AlgorithmConfig.world_sized_state` names."""
+    return ReshardRule(CARRY if config_class.replicated else MEAN, config_class.world_sized_state)
 
 
 def algorithm_rule(algorithm: str) -> ReshardRule:
-    """The rule of an algorithm given by the qualified class name a checkpoint's manifest records."""
+    """The rule of an algorithm given by the qualified class name a checkpoint's manifest records (a front end's
+    class is named for its configuration: ``ByteGrad`` or ``ByteGradAlgorithm`` for ``ByteGradConfig``)."""
     name = algorithm.rsplit(".", 1)[-1].removesuffix("Algorithm")
-    if name not in RULES:
+    by_name = {config_class.__name__.removesuffix("Config"): config_class for config_class in CONFIGS.values()}
+    if name not in by_name:
         raise ValueError(
-            f"no rule to restore {algorithm!r} into another world size (known: {', '.join(sorted(RULES))}); "
+            f"no rule to restore {algorithm!r} into another world size (known: {', '.join(sorted(by_name))}); "
             "restore it with the world size it was saved with"
         )
-    return RULES[name]
+    return config_rule(by_name[name])
 
 
 def reshard_rows(rule: str, rows: Sequence[np.ndarray], new_world: int, fresh: np.ndarray | None = None) -> np.ndarray:

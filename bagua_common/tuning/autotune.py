@@ -34,20 +34,12 @@ from typing import Any
 
 import numpy as np
 
+from bagua_common.algorithms.registry import algorithm_facts
 from bagua_common.tuning.successive_halving import SuccessiveHalving
 from bagua_common.tuning.tpe_search import larger_grid_search
 
 MODES = ("off", "once", "cached")
 
-# Algorithms whose numbers do not depend on the bucket layout: they exchange full-precision
-# values elementwise. Every other algorithm (ByteGrad, QAdam, 1-bit Adam and low-precision
-# decentralized quantize per bucket chunk; PowerSGD and custom algorithms are unproven) may
-# have its bucket size tuned only when the user allows its numbers to change.
-BUCKET_EXACT_ALGORITHMS = frozenset({"gradient_allreduce", "decentralized", "async"})
-# Algorithms whose hierarchical form adds the same values as the flat one (in another order). For
-# the others it changes the numbers: ByteGrad, QAdam and 1-bit Adam compress only between nodes,
-# the decentralized algorithms average inside the node before exchanging.
-HIERARCHICAL_EXACT_ALGORITHMS = frozenset({"gradient_allreduce"})
 # Knobs whose every value gives the same numbers (up to the order of a sum) for any algorithm.
 EXACT_KNOBS = frozenset({"mpi_ring_min_bytes"})
 # The ring threshold's candidates besides the one in force: every allreduce between nodes takes the
@@ -75,8 +67,10 @@ def check_knobs(algorithm: str, knobs: Mapping[str, Sequence[Any]], *, allow_num
     """Refuse to tune a knob that would change ``algorithm``'s numbers, unless the user allows it.
 
     ``knobs`` maps each knob's name to its candidate values. ``bucket_bytes`` (and torch's
-    ``first_bucket_bytes``) are exact for the full-precision algorithms only, ``hierarchical`` for
-    gradient allreduce only; unknown knobs are refused because nothing says they are exact.
+    ``first_bucket_bytes``) are exact for the algorithms that declare themselves
+    :attr:`~bagua_common.algorithms.registry.AlgorithmConfig.bucket_exact` (the full-precision ones),
+    ``hierarchical`` for those declaring ``hierarchical_exact`` (gradient allreduce); unknown knobs are refused
+    because nothing says they are exact.
     """
     for name, values in knobs.items():
         if len(values) == 0:
@@ -84,7 +78,7 @@ def check_knobs(algorithm: str, knobs: Mapping[str, Sequence[Any]], *, allow_num
         if name in EXACT_KNOBS or allow_numerics_change:
             continue
         if name == "hierarchical":
-            if algorithm not in HIERARCHICAL_EXACT_ALGORITHMS:
+            if not algorithm_facts(algorithm).hierarchical_exact:
                 raise ValueError(
                     f"autotune: {algorithm}'s hierarchical form computes other numbers than its flat one (it "
                     "compresses or averages at other places), so tune hierarchical only with "
@@ -92,7 +86,7 @@ def check_knobs(algorithm: str, knobs: Mapping[str, Sequence[Any]], *, allow_num
                 )
             continue
         if name in ("bucket_bytes", "first_bucket_bytes"):
-            if algorithm not in BUCKET_EXACT_ALGORITHMS:
+            if not algorithm_facts(algorithm).bucket_exact:
                 raise ValueError(
                     f"autotune: {algorithm}'s numbers depend on its bucket layout (it quantizes per bucket, or is "
                     f"not known to be exact), so changing {name} changes them; tune it only with "
@@ -148,7 +142,7 @@ def tuning_knobs(
     if (
         hierarchical is not None
         and two_levels
-        and (allow_numerics_change or algorithm in HIERARCHICAL_EXACT_ALGORITHMS)
+        and (allow_numerics_change or algorithm_facts(algorithm).hierarchical_exact)
     ):
         knobs["hierarchical"] = [hierarchical, not hierarchical]
     if mpi_ring_min_bytes is not None:

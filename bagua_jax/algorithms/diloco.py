@@ -7,15 +7,20 @@ computes this rank's parameters after the inner step, ``x = params + updates``, 
 steps where a fragment is synchronized replaces that fragment by the outer step's result, so it
 returns ``x' - params``. Its state holds everything needed to resume mid-round: the step count,
 the round-start parameters (in host memory by default), each fragment's outer optimizer state,
-each fragment's averaged pseudo-gradient waiting for its application (Streaming, tau > 0) and
+each fragment's pseudo-gradient waiting for its exchange to be applied (Streaming, tau > 0) and
 the error-feedback residuals.
 
-Everything runs inside the jitted step: the exchange of a fragment is computed in the step that
-starts it, and with ``fragment_sync_delay`` tau its result waits in the state and is applied
-tau steps later (the numbers of Streaming DiLoCo; the wire time is not hidden in JAX). With
-``round_start_memory="host"`` the step copies the round start to the device and back every
-step, outside the synchronizing branch (no host-memory operands inside control flow); where
-accelerator memory allows, ``"device"`` saves those copies.
+With ``fragment_sync_delay`` tau the step that starts a fragment's exchange keeps its
+pseudo-gradient in the state, and the step tau later applies the average of the ranks'. On a
+NativeCommunicator over MPI the average is computed on a thread of its own meanwhile
+(:mod:`~bagua_jax.algorithms.background_exchange`, over a split of the world made when the
+transform is built, collectively), so its wire time overlaps the tau inner steps; the applying
+step only waits for what is left of it. Elsewhere (a mesh, whose collectives are XLA's, or NCCL)
+the applying step computes the average itself: the same numbers, the wire time not hidden. The
+result depends on the state alone, so a state saved while an exchange was on the wire resumes
+bit for bit. With ``round_start_memory="host"`` the step copies the round start to the device
+and back every step, outside the synchronizing branch (no host-memory operands inside control
+flow); where accelerator memory allows, ``"device"`` saves those copies.
 
 The parameters every rank holds after a sync are ``params + (x' - params)``, which equals the
 bit-identical ``x'`` up to one float rounding (as in :mod:`~bagua_jax.algorithms.decentralized`);
@@ -42,6 +47,7 @@ from bagua_common.algorithms.outer_exchange import OuterExchange
 from bagua_common.algorithms.registry import as_config
 from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
+from bagua_jax.algorithms.background_exchange import BackgroundExchange
 from bagua_jax.algorithms.base import (
     ConfiguredAlgorithm,
     check_communicators,
@@ -66,7 +72,7 @@ class DiLoCoState(NamedTuple):
     outer_states: tuple
     """Per fragment, the outer optimizer's state over the fragment's parameters (a list of leaves)."""
     pending: tuple
-    """Per fragment, its averaged pseudo-gradient (float32, flat) exchanged but not yet applied (tau > 0)."""
+    """Per fragment, its pseudo-gradient (float32, flat) whose exchange is started but not yet applied (tau > 0)."""
     residuals: tuple
     """Per fragment, the error-feedback residual of its compressed exchange (float32, padded to the ranks)."""
 
@@ -135,12 +141,20 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
             residuals=tuple(jnp.zeros([padded(size) if error_feedback else 0], jnp.float32) for size in sizes),
         )
 
-    def exchange(anchor: list, local: list, size: int, residual: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """The ranks' mean pseudo-gradient of one fragment (flat, unpadded) and the new residual."""
-        flat = jnp.concatenate([(a.astype(jnp.float32) - x.astype(jnp.float32)).ravel() for a, x in zip(anchor, local)])
-        flat = jnp.pad(flat, (0, padded(size) - size))
-        mean, residual = EXCHANGE.average(flat, world, outer_exchange, residual if error_feedback else None)
+    def pseudo_gradient(anchor: list, local: list) -> jax.Array:
+        """One fragment's ``round_start - x`` in float32, flat."""
+        return jnp.concatenate([(a.astype(jnp.float32) - x.astype(jnp.float32)).ravel() for a, x in zip(anchor, local)])
+
+    def average(flat: jax.Array, residual: jax.Array, comm: Any) -> tuple[jax.Array, jax.Array]:
+        """The ranks' mean of one fragment's pseudo-gradient ``flat`` over ``comm``, and the new residual."""
+        size = flat.shape[0]
+        padded_flat = jnp.pad(flat, (0, padded(size) - size))
+        mean, residual = EXCHANGE.average(padded_flat, comm, outer_exchange, residual if error_feedback else None)
         return mean[:size], (residual if error_feedback else jnp.zeros([0], jnp.float32))
+
+    # Streaming on the MPI engine: the exchanges run on a thread of their own while the next tau steps compute.
+    overlapped = delay > 0 and isinstance(world, NativeCommunicator) and world.kind == "mpi"
+    background = BackgroundExchange(world, average, config.name) if overlapped else None
 
     def outer_step(anchor: list, local: list, outer_state: Any, mean: jax.Array) -> tuple[list, list, Any]:
         """The outer optimizer's step on the fragment's round-start parameters, and the mixed local ones."""
@@ -173,18 +187,25 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
             offset = config.fragment_offset(p)
             anchor, mine = [anchors[i] for i in part], [local[i] for i in part]
 
-            def sync_branch(operands, size=sizes[p]):
+            def sync_branch(operands):
                 anchor, mine, outer_state, residual = operands
-                mean, residual = exchange(anchor, mine, size, residual)
+                mean, residual = average(pseudo_gradient(anchor, mine), residual, world)
                 return varying_like((*outer_step(anchor, mine, outer_state, mean), residual), mine)
 
-            def exchange_branch(operands, size=sizes[p]):
+            def start_branch(operands, p=p):
                 anchor, mine, _, residual = operands
-                return varying_like((anchor, mine, *exchange(anchor, mine, size, residual)), mine)
+                flat = pseudo_gradient(anchor, mine)
+                if background is not None:
+                    background.start(p, step, flat, residual)
+                return varying_like((anchor, mine, flat, residual), mine)
 
-            def apply_branch(operands):
-                anchor, mine, outer_state, mean = operands
-                return varying_like((*outer_step(anchor, mine, outer_state, mean), mean), mine)
+            def apply_branch(operands, p=p):
+                anchor, mine, outer_state, flat, residual = operands
+                if background is not None:
+                    mean, residual = background.finish(p, step - delay, flat, residual)
+                else:
+                    mean, residual = average(flat, residual, world)
+                return varying_like((*outer_step(anchor, mine, outer_state, mean), flat, residual), mine)
 
             def keep(operands):
                 return varying_like(operands, operands[1])
@@ -194,10 +215,11 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
                 operands = (anchor, mine, outer_states[p], residuals[p])
                 anchor, mine, outer_states[p], residuals[p] = lax.cond(due(step, offset), sync_branch, keep, operands)
             else:
-                started = lax.cond(due(step, offset), exchange_branch, keep, (anchor, mine, pending[p], residuals[p]))
-                pending[p], residuals[p] = started[-2:]
-                operands = (anchor, mine, outer_states[p], pending[p])
-                anchor, mine, outer_states[p] = lax.cond(due(step - delay, offset), apply_branch, keep, operands)[:3]
+                operands = (anchor, mine, pending[p], residuals[p])
+                pending[p] = lax.cond(due(step, offset), start_branch, keep, operands)[2]
+                operands = (anchor, mine, outer_states[p], pending[p], residuals[p])
+                applied_fragment = lax.cond(due(step - delay, offset), apply_branch, keep, operands)
+                anchor, mine, outer_states[p], _, residuals[p] = applied_fragment
             for i, a, x in zip(part, anchor, mine):
                 anchors[i], local[i] = a, x
                 applied[i] = due(step - delay, offset)

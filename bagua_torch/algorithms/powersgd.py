@@ -1,12 +1,16 @@
 """PowerSGD: low-rank gradient compression with error feedback (see :class:`bagua_common.algorithms.configs.PowerSGDConfig`).
 
-As buckets become ready in the backward pass, the impl's worker thread adds each matrix's
-residual and computes its ``P = M Q`` (overlapping the rest of the backward pass). When the
-last bucket is ready it runs the exchange for all buckets at once: one allreduce carries every
-``P`` and the uncompressed gradients, one every ``Q``, where torch's own PowerSGD hook spends
-two per bucket. The approximations ``P Q^T`` are written into the buckets, so every rank
-applies the same gradients and the replicas stay identical. The first ``start_iter`` steps are
-exact allreduces, bucket by bucket.
+As each bucket becomes ready in the backward pass, the impl's worker thread adds each of its
+matrices' residual, computes ``P = M Q`` and sums the bucket's ``P`` factors and uncompressed
+gradients over the ranks in one allreduce, while the rest of the backward pass goes on. When the
+last bucket's is done it orthogonalizes every ``P`` of the step (in the batches of
+:func:`orthogonalization_batches`, which span buckets), computes the ``Q`` factors and averages
+them all in one allreduce; where torch's own PowerSGD hook spends three allreduces per bucket,
+this is one per bucket and one per step. The orthogonalization's batches are the whole step's,
+so on two ranks the bits do not depend on the bucketing (on more, an element's sum over the
+ranks may associate by its place in the message, as in any allreduce). The approximations ``P Q^T`` are written into the buckets, so every rank applies the
+same gradients and the replicas stay identical. The first ``start_iter`` steps are exact
+allreduces, bucket by bucket.
 """
 
 from __future__ import annotations
@@ -76,20 +80,29 @@ def orthogonalize_all(ps: list[torch.Tensor]) -> list[torch.Tensor]:
     return out
 
 
-class _AfterExchange:
-    """A bucket's handle: complete once the exchange of all buckets (launched with the last one) is."""
+def narrow_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for a ``b`` of a few columns (PowerSGD's ``M Q`` and ``M^T P``), computed as ``(b^T a^T)^T``.
 
-    def __init__(self, impl: PowerSGDImpl, bucket: Bucket, prepared: Work):
-        self._impl, self._bucket, self._prepared = impl, bucket, prepared
+    torch's CPU matmul takes a slow path when the product is only a few columns wide: 20-30x slower
+    than the transposed product for the GPT's matrices at rank 4. The two differ in rounding only.
+    """
+    return torch.mm(b.T, a.T).T
+
+
+class _AfterExchange:
+    """A bucket's handle: complete once the step's ``Q`` exchange (launched with the last bucket) is."""
+
+    def __init__(self, impl: PowerSGDImpl, bucket: Bucket, summed: Work):
+        self._impl, self._bucket, self._summed = impl, bucket, summed
 
     def wait(self) -> torch.Tensor:
-        self._prepared.wait()
+        self._summed.wait()
         self._impl._exchange.wait()
         return self._bucket.grad
 
     def is_completed(self) -> bool:
         exchange = self._impl._exchange
-        return self._prepared.is_completed() and exchange is not None and exchange.is_completed()
+        return self._summed.is_completed() and exchange is not None and exchange.is_completed()
 
 
 class PowerSGDImpl(AlgorithmImpl):
@@ -115,7 +128,8 @@ class PowerSGDImpl(AlgorithmImpl):
         self.qs = self._random_qs(shapes, 0)
         self.residuals = [torch.zeros(view, dtype=self.dtype, device=context.device) for view, _ in shapes]
         self.step = 0
-        self._prepared: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Per bucket of the step so far: its matrices M and its P factors summed over the ranks.
+        self._summed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._exchange: Work | None = None
 
     def _random_qs(self, shapes: list[tuple[tuple[int, int], int]], step: int) -> list[torch.Tensor]:
@@ -135,19 +149,20 @@ class PowerSGDImpl(AlgorithmImpl):
             if last:
                 self.step += 1
             return self.world.allreduce_async(bucket.grad, "avg")
-        prepared = self.run_async(lambda: self._prepare(bucket))
-        if not last:
-            return _AfterExchange(self, bucket, prepared)
-        self._exchange = self.run_async(self._exchange_all)
-        self.step += 1
-        return _AfterExchange(self, bucket, prepared)
+        summed = self.run_async(lambda: self._sum_bucket(bucket))
+        if last:
+            self._exchange = self.run_async(self._exchange_qs)
+            self.step += 1
+        return _AfterExchange(self, bucket, summed)
 
-    def _prepare(self, bucket: Bucket) -> None:
-        """On the worker thread: ``M = grad + residual`` and ``P = M Q`` for the bucket's matrices."""
+    def _sum_bucket(self, bucket: Bucket) -> None:
+        """On the worker thread, as the bucket is ready: ``M = grad + residual``, ``P = M Q``, then one allreduce
+        sums the bucket's ``P`` factors and averages its uncompressed gradients (written back at once)."""
         views = bucket.views(bucket.grad)
         first = self._first_matrix(bucket.index)
+        layout = self.layout[bucket.index]
         matrices, ps = [], []
-        for k, (i, view, _) in enumerate(self.layout[bucket.index], first):
+        for k, (i, view, _) in enumerate(layout, first):
             if self.config.error_feedback:
                 # M is built in the residual's buffer (the new residual is written there too): no
                 # full-size tensors allocated per step, which cost page faults in every step.
@@ -155,25 +170,21 @@ class PowerSGDImpl(AlgorithmImpl):
             else:
                 m = views[i].reshape(view).to(self.dtype)
             matrices.append(m)
-            ps.append(m @ self.qs[k])
-        self._prepared[bucket.index] = (matrices, ps)
-
-    def _exchange_all(self) -> None:
-        """On the worker thread, after every bucket's ``_prepare``: the two allreduces and the write-back."""
-        n = self.world.size
-        matrices = [m for b in range(len(self.buckets)) for m in self._prepared[b][0]]
-        ps = [p for b in range(len(self.buckets)) for p in self._prepared[b][1]]
-        plain = []
-        for bucket, layout in zip(self.buckets, self.layout):
-            compressed = {i for i, _, _ in layout}
-            views = bucket.views(bucket.grad)
-            plain += [views[i] for i in range(len(bucket.params)) if i not in compressed]
+            ps.append(narrow_product(m, self.qs[k]))
+        compressed = {i for i, _, _ in layout}
+        plain = [v for i, v in enumerate(views) if i not in compressed]
         parts = [p.reshape(-1) for p in ps] + [v.reshape(-1).to(self.dtype) for v in plain]
         reduced = self.world.allreduce(torch.cat(parts), "sum").split([t.numel() for t in parts])
-        ps = orthogonalize_all([r.view_as(p) for r, p in zip(reduced, ps)])
         for view, total in zip(plain, reduced[len(ps) :]):
-            view.copy_((total / n).view_as(view))
-        qs = [m.T @ p for m, p in zip(matrices, ps)]
+            view.copy_((total / self.world.size).view_as(view))
+        self._summed[bucket.index] = (matrices, [r.view_as(p) for r, p in zip(reduced, ps)])
+
+    def _exchange_qs(self) -> None:
+        """On the worker thread, after every bucket's ``_sum_bucket``: orthogonalize every ``P``, average every
+        ``Q = M^T P`` in one allreduce, and write ``P Q^T`` (and the new residuals) back."""
+        matrices = [m for b in range(len(self.buckets)) for m in self._summed[b][0]]
+        ps = orthogonalize_all([p for b in range(len(self.buckets)) for p in self._summed[b][1]])
+        qs = [narrow_product(m.T, p) for m, p in zip(matrices, ps)]
         qs = [
             q.view_as(old)
             for q, old in zip(
@@ -197,7 +208,7 @@ class PowerSGDImpl(AlgorithmImpl):
         else:
             shapes = [(m.shape, q.shape[1]) for m, q in zip(matrices, qs)]
             self.qs = self._random_qs(shapes, self.step)
-        self._prepared.clear()
+        self._summed.clear()
 
     def state_dict(self) -> dict[str, Any]:
         return {

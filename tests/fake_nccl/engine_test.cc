@@ -249,6 +249,14 @@ void split_hands_out_the_child_or_aborts_both() {
   expect(child->rank() == 1 && child->size() == 2 && child->name() == "half" &&
              child->allreduce(buffer, buffer, 2, DType::kF32, ReduceOp::kSum, nullptr).ok(),
          "a split that completes hands out a working child");
+  script.split_polls = 0;
+  script.split_child_after_ms = 50;
+  fake_nccl::set_script(script);
+  auto late = bagua::nccl_split(*parent, 0, 1, "late");
+  expect(late->rank() == 1 &&
+             late->allreduce(buffer, buffer, 2, DType::kF32, ReduceOp::kSum, nullptr).ok(),
+         "a child handed out after the parent reports the split done is waited for");
+  script.split_child_after_ms = 0;
   const std::string color =
       thrown<std::invalid_argument>([&] { bagua::nccl_split(*parent, -1, 0, "x"); });
   expect(contains(color, "color must be >= 0"), "a negative color is rejected: " + color);

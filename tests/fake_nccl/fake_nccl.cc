@@ -2,8 +2,10 @@
 // state: the engine's watchdog polls from its own thread.
 #include "fake_nccl.h"
 
+#include <chrono>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 struct ncclComm {
   fake_nccl::CommState state;
@@ -117,7 +119,14 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int, int, ncclComm_t* child, ncclCon
   ncclComm_t created = fake_nccl::create(g_script.split_rank, g_script.split_size);
   comm->state.child = created;
   comm->polls_left = g_script.split_polls;
-  __atomic_store_n(child, created, __ATOMIC_RELEASE);
+  if (g_script.split_child_after_ms > 0) {
+    std::thread([child, created, delay = std::chrono::milliseconds(g_script.split_child_after_ms)] {
+      std::this_thread::sleep_for(delay);
+      __atomic_store_n(child, created, __ATOMIC_RELEASE);
+    }).detach();
+  } else {
+    __atomic_store_n(child, created, __ATOMIC_RELEASE);
+  }
   return ncclInProgress;
 }
 

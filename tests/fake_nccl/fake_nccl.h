@@ -22,6 +22,9 @@ struct Script {
   bool hold_collectives = false;  // their stream work completes only on abort
   int split_polls = 2;            // a split always returns ncclInProgress
   int split_rank = 0, split_size = 1;
+  // > 0: the child is handed out this long after the call, from another thread,
+  // whatever the parent reports (NCCL 2.28 does so after the parent is done).
+  int split_child_after_ms = 0;
 };
 
 // A communicator as the test sees it.

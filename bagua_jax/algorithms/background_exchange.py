@@ -1,0 +1,115 @@
+"""Streaming DiLoCo's outer exchanges on a background thread: started in one jitted step, finished tau steps later.
+
+The native collectives are XLA custom calls that run inside the step that issues them, so an
+exchange issued in the jitted step would hold that step up for its whole wire time. Instead the
+step that starts a fragment's exchange hands its pseudo-gradient (and error-feedback residual)
+to a host callback, which queues the average on a thread of its own and returns at once; the
+thread runs it over the MPI engine on a communicator split from the world for it alone (so its
+collectives never interleave with the step's), while the next tau inner steps compute. The
+step that applies the fragment hands the same inputs to a second callback, which waits for the
+thread's result (not at all when the wire was faster than the tau steps) and returns it.
+
+The inputs live in the optimizer state until the exchange is applied, so the result is a
+function of the state alone: when the thread has no exchange of exactly those inputs (a process
+restored from a checkpoint taken while an exchange was on the wire), the finishing callback
+queues it then and waits for it, and the parameters come out bit for bit as if nothing had
+stopped. Every rank restores the same step, so all take that path together. The thread runs
+exchanges one at a time in the order the steps started them, the same order on every rank. A
+dead peer makes the communicator's timeout fire: the finishing step raises its error.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import numpy as np
+from jax.experimental import io_callback
+
+from bagua_jax.host_communicator import HostCommunicator
+from bagua_jax.native_communicator import NativeCommunicator
+
+Average = Callable[[jax.Array, jax.Array, HostCommunicator], tuple[jax.Array, jax.Array]]
+"""``average(pseudo_gradient, residual, comm)``: the ranks' mean pseudo-gradient over ``comm`` and the new residual."""
+
+
+class _Exchange(NamedTuple):
+    """One fragment's exchange handed to the thread: its inputs (host copies) and its result to come."""
+
+    step: int
+    pseudo_gradient: np.ndarray
+    residual: np.ndarray
+    result: Future
+
+    def has_inputs(self, step: int, pseudo_gradient: np.ndarray, residual: np.ndarray) -> bool:
+        """Whether this exchange was started at ``step`` from these exact bits (NaNs included)."""
+        return (
+            self.step == step
+            and _same_bits(self.pseudo_gradient, pseudo_gradient)
+            and _same_bits(self.residual, residual)
+        )
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def _shut_down(thread: ThreadPoolExecutor, comm: NativeCommunicator) -> None:
+    thread.shutdown(wait=True)
+    comm.close()
+
+
+class BackgroundExchange:
+    """Outer exchanges over a split of ``world`` (a NativeCommunicator over MPI) on a thread of their own.
+
+    Collective over ``world`` (it splits it): every rank makes one at the same point. ``average``
+    is the exchange itself, run on the thread with a :class:`~bagua_jax.host_communicator.HostCommunicator`;
+    call :meth:`start` in the jitted step that starts a fragment's exchange and :meth:`finish` in
+    the step that applies it, with the same inputs. Its thread and communicator are released when
+    it is garbage collected (at the latest at exit), after the exchanges in flight.
+    """
+
+    def __init__(self, world: NativeCommunicator, average: Average, name: str) -> None:
+        comm = world.split(0, int(world.rank()), f"{name}/outer_exchange")
+        self._comm = HostCommunicator(comm)
+        self._average = average
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-outer-exchange")
+        self._in_flight: dict[int, _Exchange] = {}
+        weakref.finalize(self, _shut_down, self._thread, comm)
+
+    def start(self, fragment: int, step: jax.Array, pseudo_gradient: jax.Array, residual: jax.Array) -> None:
+        """(Inside ``jit``) queue fragment ``fragment``'s exchange, started after inner step ``step``."""
+        io_callback(partial(self._start, fragment), None, step, pseudo_gradient, residual, ordered=True)
+
+    def finish(
+        self, fragment: int, step: jax.Array, pseudo_gradient: jax.Array, residual: jax.Array
+    ) -> tuple[jax.Array, jax.Array]:
+        """(Inside ``jit``) the mean pseudo-gradient and new residual of the exchange :meth:`start` queued
+        with these arguments, waiting for it if it is still on the wire (or running it now if it never was)."""
+        shapes = (
+            jax.ShapeDtypeStruct(pseudo_gradient.shape, np.float32),
+            jax.ShapeDtypeStruct(residual.shape, np.float32),
+        )
+        return io_callback(partial(self._finish, fragment), shapes, step, pseudo_gradient, residual, ordered=True)
+
+    def _submit(self, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray) -> _Exchange:
+        # The callback's arguments may alias XLA's buffers: the thread gets its own copies.
+        pseudo_gradient, residual = np.array(pseudo_gradient, copy=True), np.array(residual, copy=True)
+        result = self._thread.submit(self._average, pseudo_gradient, residual, self._comm)
+        return _Exchange(int(step), pseudo_gradient, residual, result)
+
+    def _start(self, fragment: int, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray) -> None:
+        self._in_flight[fragment] = self._submit(step, pseudo_gradient, residual)
+
+    def _finish(
+        self, fragment: int, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        exchange = self._in_flight.pop(fragment, None)
+        if exchange is None or not exchange.has_inputs(int(step), pseudo_gradient, residual):
+            exchange = self._submit(step, pseudo_gradient, residual)
+        mean, new_residual = exchange.result.result()
+        return np.asarray(mean, np.float32), np.asarray(new_residual, np.float32)

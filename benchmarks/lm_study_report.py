@@ -1,0 +1,232 @@
+"""The LM study's figures from its ranks' raw results: time per step per link, bytes, time to DDP's loss, the bars;
+its Markdown tables and its plots (``benchmarks/lm_study.py`` runs the jobs)."""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Any
+
+import _common
+
+BASELINE = "torch/ddp"
+REPORT_LINK = "100mbit"
+PEERS = ("ddp", "ddp_fp16", "ddp_powersgd_rank4", "pmean")
+
+
+def summarize(ranks: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, Any]:
+    """A variant's figures from every rank's result: rank 0's held-out curve, the bytes each rank sent per training
+    step (mean over ranks), and per link the time per step (median over the repeats; see lm_study's docstring for
+    DiLoCo's rounds)."""
+    rank0 = next(r for r in ranks if r["rank"] == 0)
+    steps, h_t = job["steps"], job["timing_sync_every"]
+    phases: dict[str, list[list[float]]] = {}
+    phase_bytes: dict[str, list[float]] = {}
+    for i, first in enumerate(rank0["phases"]):
+        per_step = [statistics.fmean(r["phases"][i]["step_s"][j] for r in ranks) for j in range(len(first["step_s"]))]
+        phases.setdefault(first["link"], []).append(per_step)
+        phase_bytes.setdefault(first["link"], []).append(
+            statistics.fmean(r["phases"][i]["bytes"] for r in ranks) / len(per_step)
+        )
+    timing = {}
+    for link, repeats in phases.items():
+        round_ms = statistics.median(1e3 * statistics.fmean(times) for times in repeats)
+        entry = {"phase_ms": [round(1e3 * statistics.fmean(t), 2) for t in repeats], "round_ms": round_ms}
+        if h_t:
+            local_ms = 1e3 * statistics.median(t for times in repeats for t in times)
+            entry["local_ms"] = local_ms
+            entry["ms_per_step"] = local_ms + (round_ms - local_ms) * h_t / job["options"]["sync_every"]
+        else:
+            entry["ms_per_step"] = round_ms
+        entry["timed_bytes_per_step"] = statistics.median(phase_bytes[link])
+        timing[link] = entry
+    return {
+        "curve": rank0["curve"],
+        "final_loss": rank0["curve"][-1][1],
+        "bytes_per_step": statistics.fmean(r["train_bytes"] for r in ranks) / steps,
+        "train_s": max(r["train_s"] for r in ranks),
+        "ms_per_step": {link: round(entry["ms_per_step"], 2) for link, entry in timing.items()},
+        "timing": timing,
+    }
+
+
+def steps_to(curve: list[list[float]], target: float) -> float | None:
+    """The first step at which the held-out ``curve`` reaches ``target`` (linear between evaluations), or None."""
+    for i, (step, loss) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return float(step)
+            s0, l0 = curve[i - 1]
+            return s0 + (l0 - target) / (l0 - loss) * (step - s0)
+    return None
+
+
+def one_line(row: dict[str, Any]) -> str:
+    """A row as one progress line."""
+    if row["status"] != "ok":
+        return f"{row['name']}: {row['status']} ({row['wall_s']} s): " + " / ".join(row.get("log_tail", [])[-3:])
+    ms = ", ".join(f"{k} {v:.0f} ms" for k, v in row["ms_per_step"].items())
+    return (
+        f"{row['name']}: loss {row['final_loss']:.4f}, {row['bytes_per_step'] / 1e6:.3f} MB/step, {ms} "
+        f"({row['wall_s']} s, load {row['load_before']} -> {row['load_after']})"
+    )
+
+
+def _time_to(row: dict[str, Any], link: str, target: float) -> float | None:
+    """Seconds to reach ``target`` at ``link``: steps needed x time per step there (asynchronous averaging only at
+    the link it trained at)."""
+    steps = steps_to(row["curve"], target)
+    if steps is None or link not in row["ms_per_step"]:
+        return None
+    if row["algorithm"] == "async" and link != row["train_link"]:
+        return None
+    return steps * row["ms_per_step"][link] / 1e3
+
+
+def _fmt(value: float | None, spec: str = ".1f", missing: str = "not reached") -> str:
+    return missing if value is None else format(value, spec)
+
+
+def table_lines(rows: dict[str, dict[str, Any]], links: list[str]) -> list[str]:
+    """The main table: every variant that finished, against DDP fp32."""
+    base = rows.get(BASELINE)
+    target = base["final_loss"] if base else None
+    head = ["variant", "held-out loss", "vs DDP", "bytes/step/rank", "DDP/bytes"]
+    head += [f"ms/step {link}" for link in links] + ["steps to DDP loss"]
+    head += [f"s to DDP loss @{link}" for link in links] + [f"vs DDP @{REPORT_LINK}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    ddp_time = _time_to(base, REPORT_LINK, target) if base else None
+    for row in rows.values():
+        if row["status"] != "ok":
+            lines.append(f"| {row['name']} | {row['status']} |" + " |" * (len(head) - 2))
+            continue
+        cells = [row["name"], f"{row['final_loss']:.4f}"]
+        cells.append(f"{100 * (row['final_loss'] / target - 1):+.1f}%" if target else "")
+        cells.append(f"{row['bytes_per_step'] / 1e6:.4f} MB")
+        cells.append(f"{base['bytes_per_step'] / row['bytes_per_step']:.0f}x" if base and row["bytes_per_step"] else "")
+        cells += [_fmt(row["ms_per_step"].get(link), ".0f", "") for link in links]
+        cells.append(_fmt(steps_to(row["curve"], target) if target else None, ".0f"))
+        times = {link: _time_to(row, link, target) if target else None for link in links}
+        cells += [_fmt(times[link], ".1f", "-") for link in links]
+        mine = times.get(REPORT_LINK)
+        cells.append(f"{mine / ddp_time:.2f}" if mine is not None and ddp_time else "-")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def bar_lines(rows: dict[str, dict[str, Any]], links: list[str], steps: int) -> list[str]:
+    """The issues' bars, each with its figures and whether it is met."""
+    ok = {k: r for k, r in rows.items() if r["status"] == "ok"}
+    base = ok.get(BASELINE)
+    if base is None or REPORT_LINK not in base["ms_per_step"]:
+        return ["(no DDP fp32 result at 100 Mbit/s: no bars)"]
+    target, ddp_time = base["final_loss"], _time_to(base, REPORT_LINK, base["final_loss"])
+    out = [f"DDP fp32: final held-out loss {target:.4f} after {steps} steps, {ddp_time:.1f} s at 100 Mbit/s.", ""]
+    for fe in ("torch", "jax"):
+        mine = [
+            (t / ddp_time, r["name"])
+            for r in ok.values()
+            if r["front_end"] == fe and r["algorithm"] not in PEERS
+            for t in [_time_to(r, REPORT_LINK, target)]
+            if t is not None
+        ]
+        if mine:
+            ratio, name = min(mine)
+            verdict = "met" if ratio <= 1 / 3 else "missed"
+            out.append(
+                f"- {fe}: best to DDP's loss at 100 Mbit/s: {name}, {ratio:.2f}x DDP's time (bar <= 0.33): {verdict}"
+            )
+        else:
+            out.append(f"- {fe}: no algorithm reached DDP's final loss within {steps} steps: missed")
+    pairs = sorted({r["name"].split("/", 1)[1] for r in ok.values() if r["front_end"] == "jax"})
+    for label in pairs:
+        torch_row, jax_row = ok.get(f"torch/{label}"), ok.get(f"jax/{label}")
+        if torch_row and jax_row:
+            ratios = {link: jax_row["ms_per_step"][link] / torch_row["ms_per_step"][link] for link in links}
+            worst = max(max(r, 1 / r) for r in ratios.values())
+            text = ", ".join(f"{link} {r:.2f}" for link, r in ratios.items())
+            out.append(
+                f"- {label}: JAX/torch step time {text} (bar within 1.3x): {'met' if worst <= 1.3 else 'missed'}"
+            )
+    for row in ok.values():
+        if row["algorithm"] != "diloco":
+            continue
+        gap = row["final_loss"] / target - 1
+        fewer = base["bytes_per_step"] / row["bytes_per_step"] if row["bytes_per_step"] else float("inf")
+        time_ratio = row["ms_per_step"][REPORT_LINK] / base["ms_per_step"][REPORT_LINK]
+        if row["options"].get("fragments", 1) > 1:
+            met = gap <= 0.03 and fewer >= 400
+            bar = "loss within 3%, >= 400x fewer bytes"
+        else:
+            met = gap <= 0.02 and fewer >= 100 and time_ratio <= 0.2
+            bar = "loss within 2%, >= 100x fewer bytes, <= 1/5 of DDP's time for the same tokens"
+        out.append(
+            f"- {row['name']}: loss {100 * gap:+.1f}% vs DDP at equal tokens, {fewer:.0f}x fewer bytes, "
+            f"{time_ratio:.2f}x DDP's time per step at 100 Mbit/s (bar: {bar}): {'met' if met else 'missed'}"
+        )
+    return out
+
+
+def plot(rows: dict[str, dict[str, Any]], path: Path) -> Path | None:
+    """Held-out loss against wall-clock time at 100 Mbit/s and against bytes sent per rank."""
+    plt = _common.pyplot()
+    if plt is None:
+        return None
+    fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(15, 6.5))
+    colors = plt.get_cmap("tab20")
+    for i, row in enumerate(r for r in rows.values() if r["status"] == "ok"):
+        steps = [s for s, _ in row["curve"]]
+        losses = [loss for _, loss in row["curve"]]
+        style = dict(color=colors(i % 20), linestyle="--" if row["front_end"] == "jax" else "-", label=row["name"])
+        if REPORT_LINK in row["ms_per_step"]:
+            by_time.plot([s * row["ms_per_step"][REPORT_LINK] / 1e3 for s in steps], losses, **style)
+        by_bytes.plot([s * row["bytes_per_step"] / 1e6 for s in steps[1:]], losses[1:], **style)
+    by_time.set_xlabel("wall-clock time at 100 Mbit/s (s)")
+    by_bytes.set_xlabel("bytes sent per rank (MB, log)")
+    by_bytes.set_xscale("log")
+    for ax in (by_time, by_bytes):
+        ax.set_ylabel("held-out loss (nats per byte)")
+        ax.grid(alpha=0.3)
+    by_bytes.legend(fontsize=6, ncol=2)
+    fig.suptitle("small GPT (3.26M), 4 ranks, CPU: held-out loss (torch solid, JAX dashed)")
+    return _common.save_figure(fig, path, dpi=100)
+
+
+def write(out: Path, name: str, data: dict[str, Any] | None) -> None:
+    """Write ``<name>.md`` and ``<name>.png`` from the study's data (the JSON it keeps)."""
+    if data is None:
+        raise SystemExit(f"no {name}.json in {out}: run the study first")
+    meta, cfg, rows = data["meta"], data["settings"], data["rows"]
+    links = sorted({link for r in rows.values() for link in r.get("ms_per_step", {})}, key=_link_order)
+    tokens = cfg["ranks"] * cfg["batch"] * 128
+    loads = [sample[1][0] for sample in data["load_samples"]]
+    lines = [
+        "# LM study: every algorithm on the small GPT over shaped links",
+        "",
+        *_common.header_lines(meta),
+        f"- 1-minute load average before each variant: min {min(loads, default=0)}, "
+        f"median {statistics.median(loads) if loads else 0}, max {max(loads, default=0)} (samples in the JSON)",
+        f"- {cfg['ranks']} ranks, GPT {cfg['size']}, {cfg['batch']} windows of 128 predicted bytes per rank and step "
+        f"({tokens} tokens per step), {cfg['steps']} steps ({cfg['steps'] * tokens} tokens) per variant; AdamW lr "
+        f"{cfg['lr']} (QAdam / 1-bit Adam: their own Adam, same lr, default warm-up); held-out loss of rank 0's model "
+        f"on {cfg['heldout_windows']} windows every {cfg['eval_every']} steps",
+        "- links: per-rank bandwidth shaped by the kernel's tbf on both ends of each veth pair "
+        + ("(netem available, not used)" if meta.get("netem") else "(the kernel has no sch_netem: no latency added)")
+        + "; torch and plain JAX over gloo, bagua_jax over the native MPI engine",
+        "",
+        *table_lines(rows, links),
+        "",
+        "## Bars",
+        "",
+        *bar_lines(rows, links, cfg["steps"]),
+        "",
+    ]
+    _common.write_results(out, name, lines, data)
+    plot(rows, out / f"{name}.png")
+
+
+def _link_order(link: str) -> float:
+    from network_harness import parse_rate
+
+    rate = parse_rate(link)
+    return -(rate or float("inf"))

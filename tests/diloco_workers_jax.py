@@ -1,0 +1,102 @@
+"""Ranks of tests/test_diloco_jax.py under mpiexec: Streaming DiLoCo with its exchanges on the background thread.
+
+The model is tests/diloco_reference.py's (each rank pulls its parameters towards its own targets).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import diloco_reference as ref
+import jax
+import jax.numpy as jnp
+import optax
+
+from bagua_jax.algorithms.diloco import diloco
+from bagua_jax.native_communicator import NativeCommunicator
+
+STREAMING = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "round_start_memory": "device"}
+"""Fragment 0 is exchanged after steps 4 and 8, fragment 1 after steps 2, 6 and 10; each applied one step later."""
+STARTS_FRAGMENT_1 = 6
+
+
+class InlineCommunicator:
+    """The native communicator behind a plain wrapper: :func:`diloco` then exchanges inside the applying step
+    (the synchronous path, the reference for the background one)."""
+
+    def __init__(self, comm: NativeCommunicator) -> None:
+        self._comm = comm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._comm, name)
+
+
+def make_step(comm: Any, options: dict):
+    """A jitted inner SGD step chained with :func:`diloco` over ``comm``, and the optimizer."""
+    tx = optax.chain(optax.sgd(ref.INNER_LR), diloco(comm, **options))
+
+    def loss(params, target):
+        return sum(0.5 * jnp.sum((params[k] - target[k]) ** 2) for k in params)
+
+    @jax.jit
+    def step(params, opt_state, target):
+        updates, opt_state = tx.update(jax.grad(loss)(params, target), opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return tx, step
+
+
+def train(step, state, seed: int, rank: int, first: int, last: int, before=None) -> tuple[Any, list]:
+    """Steps ``first..last``; ``before(t)`` runs before step t. Returns the state and each step's parameters."""
+    history = []
+    for t in range(first, last + 1):
+        if before is not None:
+            before(t)
+        state = jax.block_until_ready(step(*state, ref.target(seed, t, rank)))
+        history.append(jax.device_get(state[0]))
+    return state, history
+
+
+def streaming_ranks(seed: int, wire: str, steps: int, late_s: float) -> dict:
+    """Streaming DiLoCo with ``wire`` exchanges (error feedback where compressed), on two ranks.
+
+    Returns rank r's parameters after every step with the exchanges on the background thread
+    (``overlapped``) and inside the step (``inline``), and the background run resumed from a copy of
+    its state taken while fragment 1 was on the wire (``resumed``, steps STARTS_FRAGMENT_1 + 1 on; the
+    thread has already handed that exchange's result out, as a restarted process never had it).
+    Rank 1 begins step STARTS_FRAGMENT_1 ``late_s`` seconds late; ``times`` says when rank 0 finished
+    it and when rank 1 began it. Then rank 1 leaves and rank 0 returns the error of its next exchange.
+    """
+    comm = NativeCommunicator.mpi_world(timeout=60)
+    rank = int(comm.rank())
+    options = {**STREAMING, "outer_exchange": wire, "error_feedback": wire != "fp32"}
+    params = ref.initial(seed)
+    times: dict[str, float] = {}
+
+    def late(t: int) -> None:
+        if t == STARTS_FRAGMENT_1 and rank == 1:
+            time.sleep(late_s)
+            times["began"] = time.time()
+
+    tx, step = make_step(comm, options)
+    state, overlapped = train(step, (params, tx.init(params)), seed, rank, 1, STARTS_FRAGMENT_1, late)
+    times["finished"] = time.time()
+    saved = jax.device_get(state)
+    _, rest = train(step, state, seed, rank, STARTS_FRAGMENT_1 + 1, steps)
+    _, resumed = train(step, jax.device_put(saved), seed, rank, STARTS_FRAGMENT_1 + 1, steps)
+    tx, step = make_step(InlineCommunicator(comm), options)
+    _, inline = train(step, (params, tx.init(params)), seed, rank, 1, steps)
+    out = {"overlapped": overlapped + rest, "resumed": resumed, "inline": inline, "times": times}
+
+    short = NativeCommunicator.mpi_world(timeout=3)
+    tx, step = make_step(short, options)
+    state, _ = train(step, (params, tx.init(params)), seed, rank, 1, 1)
+    if rank == 1:
+        return out  # and the process exits
+    try:
+        train(step, state, seed, rank, 2, 3)  # fragment 1's exchange starts after step 2
+        out["dead_peer"] = "no error"
+    except Exception as error:  # what a user sees
+        out["dead_peer"] = f"{type(error).__name__}: {error}"
+    return out

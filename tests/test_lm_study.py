@@ -1,0 +1,93 @@
+"""benchmarks/lm_study.py: one rank of a job runs end to end (the ``tiny`` GPT, one process), and the study's
+figures follow from the ranks' raw results as its docstring says (checked against sums written out here)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import lm_study  # noqa: E402
+import lm_study_report  # noqa: E402
+
+
+class _OneRankNetwork:
+    """What PhaseControl needs of a network: one rank, a link left unshaped."""
+
+    ranks, rate = 1, None
+
+
+def test_one_rank_trains_evaluates_and_times(tmp_path):
+    from bagua_common.job.local_launch import free_port
+
+    job = {
+        "size": "tiny", "ranks": 1, "seed": 0, "steps": 4, "batch": 2, "lr": 3e-3, "weight_decay": 0.01,
+        "eval_every": 2, "heldout_windows": 4, "async_link": "none", "front_end": "torch", "algorithm": "ddp",
+        "options": {}, "links": ["none", "none", "none"], "timing_sync_every": 0, "timed_rounds": 2,
+    }  # fmt: skip
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    control = lm_study.PhaseControl(_OneRankNetwork(), tmp_path, job["links"])
+    control.start()
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    worker = [sys.executable, str(ROOT / "benchmarks" / "lm_study_worker.py"), str(tmp_path / "job.json")]
+    done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=120)
+    control.stop.set()
+    assert done.returncode == 0, done.stderr[-2000:]
+    summary = lm_study_report.summarize([json.loads((tmp_path / "rank0.json").read_text())], job)
+    assert [step for step, _ in summary["curve"]] == [0, 2, 4]
+    # GPT-2's initialization gives small logits: the untrained loss is close to a uniform guess over 256 bytes
+    assert summary["curve"][0][1] == pytest.approx(math.log(256), abs=0.15)
+    assert summary["final_loss"] < summary["curve"][0][1] - 0.05
+    assert len(summary["timing"]["none"]["phase_ms"]) == 2 and summary["ms_per_step"]["none"] > 0
+
+
+def _ranks(rng: np.random.Generator, links: list[str], steps_per_phase: int, nranks: int) -> list[dict]:
+    return [
+        {
+            "rank": r,
+            "curve": [[0, 5.5], [10, 4.0]],
+            "train_s": float(rng.uniform(1, 2)),
+            "train_bytes": int(rng.integers(1_000, 10_000)),
+            "phases": [
+                {
+                    "link": link,
+                    "step_s": rng.uniform(0.1, 1.0, steps_per_phase).tolist(),
+                    "bytes": int(rng.integers(1e5)),
+                }
+                for link in links
+            ],
+        }
+        for r in range(nranks)
+    ]
+
+
+def test_diloco_time_per_step_from_whole_short_rounds(rng):
+    links, h_t, sync_every = ["none", "100mbit", "none", "100mbit", "none", "100mbit"], 4, 50
+    ranks = _ranks(rng, links, 2 * h_t, 3)
+    job = {"steps": 10, "timing_sync_every": h_t, "options": {"sync_every": sync_every}}
+    summary = lm_study_report.summarize(ranks, job)
+    times = np.array([[p["step_s"] for p in r["phases"]] for r in ranks]).mean(0)  # phase x step, mean over ranks
+    for offset, link in enumerate(["none", "100mbit"]):
+        mine = times[offset::2]
+        local, rounds = np.median(mine), np.median(mine.mean(1))
+        expected = 1e3 * (local + (rounds - local) * h_t / sync_every)
+        assert summary["ms_per_step"][link] == pytest.approx(expected, abs=0.01)
+    assert summary["bytes_per_step"] == pytest.approx(np.mean([r["train_bytes"] for r in ranks]) / 10)
+
+
+def test_steps_to_a_loss_between_evaluations(rng):
+    l0, l1 = sorted(rng.uniform(2, 5, 2))[::-1]
+    target = float(rng.uniform(l1, l0))
+    curve = [[0, 5.6], [20, l0], [40, l1]]
+    assert lm_study_report.steps_to(curve, target) == pytest.approx(20 + 20 * (l0 - target) / (l0 - l1))
+    assert lm_study_report.steps_to(curve, l1 - 0.01) is None
