@@ -32,7 +32,7 @@ import numpy as np
 import optax
 import pytest
 from algorithms_reference import unflatten
-from frozen_variance_reference import STEP_BOUND, variance_floors
+from frozen_variance_reference import STEP_BOUND, negligible, variance_floors
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from multiprocess import run_ranks
@@ -177,9 +177,9 @@ class Simulation:
             self.m = {k: F32(1 - B1) * g[k] + F32(B1) * self.m[k] for k in g}
             self.v = {k: F32(1 - B2) * (g[k] * g[k]) + F32(B2) * self.v[k] for k in g}
         else:  # frozen v; each rank's momentum is averaged through compression
-            # 1-bit Adam holds the momentum of a leaf whose v froze at zero throughout at zero (sign codes cannot
-            # send a zero).
-            held = {k: self.sign and not self.v[k].any() for k in self.v}
+            # 1-bit Adam holds the momentum of a leaf whose v froze negligible (zero throughout included) at zero
+            # (sign codes cannot send a zero).
+            held = {k: self.sign and h for k, h in negligible(self.v).items()}
             local = [
                 self.flatten(
                     {k: np.where(held[k], F32(0), F32(1 - B1) * grads[k][r] + F32(B1) * self.m[k]) for k in grads}
@@ -458,9 +458,9 @@ def averaged_momentum(after, n: int) -> list[np.ndarray]:
 
 
 def held(state, n: int) -> list[np.ndarray]:
-    """Per bucket, where 1-bit Adam holds the momentum at zero: the leaves whose frozen v is zero throughout."""
-    nu = jax.tree.map(lambda x: x[0], state.adam.nu)
-    return [b > 0 for b in buckets_of({k: np.full(SHAPES[k], not nu[k].any(), F32) for k in SHAPES}, n)]
+    """Per bucket, where 1-bit Adam holds the momentum at zero: the leaves whose frozen v is negligible."""
+    nu = negligible({k: np.asarray(x[0]) for k, x in state.adam.nu.items()})
+    return [b > 0 for b in buckets_of({k: np.full(SHAPES[k], nu[k], F32) for k in SHAPES}, n)]
 
 
 def sign_decoded(y: np.ndarray, residual: np.ndarray, k: int) -> np.ndarray:

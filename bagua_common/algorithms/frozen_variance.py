@@ -31,3 +31,14 @@ no coordinate moves more than ``STEP_BOUND * lr`` in a step, which Adam itself r
 ``|m_hat| / sqrt(v_hat)`` is at most 1 for a gradient of constant sign and below it otherwise).
 Coordinates inside the bound step exactly as before. ``step_bound=None`` is Bagua's formula.
 """
+
+NEGLIGIBLE_VARIANCE = 1e-12
+"""Below this fraction of the whole model's mean, a parameter tensor's mean frozen second moment counts as none.
+
+1-bit Adam holds the momentum at zero for a tensor that had no gradient in the warm-up, because its sign codes cannot
+send a zero. A tensor whose gradient is zero in exact arithmetic but rounding in float32 is the same case: BERT's
+attention key bias (the softmax over keys ignores a constant added to every key's score) has a mean squared gradient
+about 1e-20 of the model's, while the smallest real one, an attention query / key weight at initialization, is 1e-8
+to 1e-7. Without the hold, the sign codes hand it +-scale and the frozen ``v`` divides that by about ``eps``: it grew
+to millions of times AdamW's in 30 steps (Bagua's formula), and thousands of times with the step bound.
+"""

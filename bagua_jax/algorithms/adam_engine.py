@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import optax
 
 from bagua_common.algorithms.configs import QAdamConfig
-from bagua_common.algorithms.frozen_variance import VARIANCE_FLOOR
+from bagua_common.algorithms.frozen_variance import NEGLIGIBLE_VARIANCE, VARIANCE_FLOOR
 from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_common.comm.topology import Communicators
 from bagua_jax import ops
@@ -86,12 +86,19 @@ def momentum_plan(tree: Any, comms: Communicators, bucket_bytes: int, name: str)
 
 
 def held_unused(momentum: Any, nu: Any) -> Any:
-    """``momentum`` with zeros for every parameter whose frozen second moment ``nu`` is zero throughout (it had no
-    gradient in the whole warm-up: the loss does not use it, or it is frozen): a sign code cannot send a zero, so the
-    exchange would hand its coordinates ``+-scale`` and it would move (DeepSpeed's 1-bit Adam asks the user for such
-    a mask). A parameter with some gradient keeps its momentum everywhere, so its rows first used after the warm-up
-    still learn."""
-    return jax.tree.map(lambda m, v: jnp.where(jnp.any(v != 0), m, jnp.zeros_like(m)), momentum, nu)
+    """``momentum`` with zeros for every parameter whose frozen second moment ``nu`` is negligible: its mean at most
+    ``NEGLIGIBLE_VARIANCE`` times the whole model's (it had no gradient in the whole warm-up, as when the loss does not
+    use it or it is frozen, or only rounding: :data:`~bagua_common.algorithms.frozen_variance.NEGLIGIBLE_VARIANCE`).
+    A sign code cannot send a zero, so the exchange would hand its coordinates ``+-scale`` and it would move
+    (DeepSpeed's 1-bit Adam asks the user for such a mask). A parameter with some gradient keeps its momentum
+    everywhere, so its rows first used after the warm-up still learn."""
+    leaves = jax.tree.leaves(nu)
+    sums = [jnp.sum(v, dtype=jnp.float32) for v in leaves]
+    overall = sum(sums) / max(sum(v.size for v in leaves), 1)
+    used = jax.tree.unflatten(
+        jax.tree.structure(nu), [total > NEGLIGIBLE_VARIANCE * overall * v.size for total, v in zip(sums, leaves)]
+    )
+    return jax.tree.map(lambda m, keep: jnp.where(keep, m, jnp.zeros_like(m)), momentum, used)
 
 
 def adam_with_averaged_momentum(

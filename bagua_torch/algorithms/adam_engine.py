@@ -51,7 +51,7 @@ from typing import Any, ClassVar
 import torch
 
 from bagua_common.algorithms.configs import QAdamConfig
-from bagua_common.algorithms.frozen_variance import STEP_BOUND, VARIANCE_FLOOR
+from bagua_common.algorithms.frozen_variance import NEGLIGIBLE_VARIANCE, STEP_BOUND, VARIANCE_FLOOR
 from bagua_torch import ops
 from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, Bucket, check_dtypes
 from bagua_torch.communicator import Work
@@ -125,10 +125,16 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
         """The live momentum (``exp_avg``) of parameter ``p``."""
         return self._state(p)["exp_avg"]
 
-    def unused(self, p: torch.Tensor) -> torch.Tensor:
-        """Whether parameter ``p``'s second moment is zero throughout (a 0-d bool tensor, so no step waits on the
-        device): after the warm-up, a parameter that had no gradient in it (the loss does not use it)."""
-        return ~self._state(p)["exp_avg_sq"].any()
+    def unused(self) -> dict[torch.Tensor, torch.Tensor]:
+        """Per parameter, whether its second moment is negligible (0-d bool tensors, so no step waits on the device):
+        its mean below ``NEGLIGIBLE_VARIANCE`` times the whole model's (zero throughout included). After the warm-up,
+        a parameter that had no gradient in it, or only rounding (see
+        :data:`~bagua_common.algorithms.frozen_variance.NEGLIGIBLE_VARIANCE`)."""
+        params = [p for group in self.param_groups for p in group["params"]]
+        sums = {p: self._state(p)["exp_avg_sq"].sum(dtype=torch.float32) for p in params}
+        device = params[0].device
+        overall = sum(total.to(device) for total in sums.values()) / max(sum(p.numel() for p in params), 1)
+        return {p: total <= NEGLIGIBLE_VARIANCE * overall.to(total.device) * p.numel() for p, total in sums.items()}
 
     def mark_momentum_averaged(self) -> None:
         """Called by the algorithm once the momentum of every parameter holds this step's average."""
@@ -304,8 +310,8 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
 
     hold_unused: ClassVar[bool] = False
     """Whether the momentum is held at zero, before and after the exchange, for every parameter whose frozen second
-    moment is zero throughout (no gradient in the whole warm-up): for an exchange that cannot send a zero (1-bit
-    signs), so that those parameters never move."""
+    moment is negligible (no gradient in the whole warm-up, or only rounding: :meth:`AdamWithAveragedMomentum.unused`):
+    for an exchange that cannot send a zero (1-bit signs), so that those parameters never move."""
 
     def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         """Average one bucket of momentum (padded, this rank's) over all ranks; returns a new tensor."""
@@ -316,10 +322,11 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
             return
         self.optimizer.local_momentum()
         with torch.no_grad():
+            unused = self.optimizer.unused() if self.hold_unused else {}
             for bucket in self.buckets:  # launch order, identical on every rank
                 flat = torch.zeros(bucket.size, dtype=bucket.dtype, device=bucket.device)
                 momenta = [self.optimizer.momentum(p) for p in bucket.params]
-                held = [self.optimizer.unused(p) for p in bucket.params] if self.hold_unused else []
+                held = [unused[p] for p in bucket.params] if self.hold_unused else []
                 for m, unused in zip(momenta, held):
                     m.masked_fill_(unused, 0)
                 for view, m in zip(bucket.views(flat), momenta):
