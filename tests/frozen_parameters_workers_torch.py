@@ -35,8 +35,7 @@ def _optimizer_and_algorithm(name: str, params: list[torch.nn.Parameter]):
 
 
 def frozen_first_layer(seed: int) -> dict[str, dict[str, float]]:
-    """Per algorithm: the largest change of any frozen, of the unused, of the negligible and of any trained
-    parameter."""
+    """Per algorithm: the largest change of any frozen, of the unused and of any trained parameter."""
     import bagua_torch
     from bagua_torch.algorithms import available_algorithms
 
@@ -48,10 +47,6 @@ def frozen_first_layer(seed: int) -> dict[str, dict[str, float]]:
             p.requires_grad_(False)
         # Its gradient is always zero; on the last layer it shares a bucket (and a compressed chunk) with used ones.
         model[4].register_parameter("unused", nn.Parameter(torch.randn(5)))
-        # Its gradient is 1e-13 of the output's: never zero, too small for the warm-up's Adam to move it (it is
-        # about 1e-5 of eps), and a negligible second moment that 1-bit Adam holds.
-        model[4].register_parameter("negligible", nn.Parameter(torch.randn(5)))
-        model[4].register_forward_hook(lambda layer, _, out: out + 1e-13 * layer.negligible.sum())
         optimizer, algorithm = _optimizer_and_algorithm(name, [p for p in model.parameters() if p.requires_grad])
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET)
         before = params_of(model)  # after the wrap's broadcast from rank 0
@@ -68,10 +63,7 @@ def frozen_first_layer(seed: int) -> dict[str, dict[str, float]]:
         moved[name] = {
             "frozen": max(v for n, v in change.items() if n.startswith("0.")),
             "unused": change["4.unused"],
-            "negligible": change["4.negligible"],
-            "trained": max(
-                v for n, v in change.items() if not n.startswith("0.") and n[2:] not in ("unused", "negligible")
-            ),
+            "trained": max(v for n, v in change.items() if not n.startswith("0.") and n != "4.unused"),
         }
         wrapped.close()
     return moved

@@ -5,7 +5,7 @@ Two gloo ranks; each algorithm wraps an MLP whose first layer is frozen, with a 
 never uses, and trains six steps on different data per rank (QAdam and 1-bit Adam past a two-step
 warm-up, async with averaging rounds running). The frozen layer and the unused parameter must not
 move at all on any rank (1-bit Adam holds the unused one's momentum at zero, since its sign codes
-cannot send one, and that of a parameter whose gradient is negligible, 1e-13 of the output's); the others must.
+cannot send one); the others must.
 """
 
 from __future__ import annotations
@@ -20,8 +20,4 @@ def test_frozen_parameters_never_move():
         for name, moved in result.value.items():
             assert moved["frozen"] == 0, f"rank {result.rank}, {name}: frozen layer moved {moved['frozen']:.3g}"
             assert moved["unused"] == 0, f"rank {result.rank}, {name}: unused parameter moved {moved['unused']:.3g}"
-            if name == "onebit_adam":
-                assert moved["negligible"] == 0, (
-                    f"rank {result.rank}: negligible parameter moved {moved['negligible']:.3g}"
-                )
             assert moved["trained"] > 0, f"rank {result.rank}, {name}: the trained layers did not move"

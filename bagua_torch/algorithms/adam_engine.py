@@ -322,11 +322,11 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
             return
         self.optimizer.local_momentum()
         with torch.no_grad():
-            unused = self.optimizer.unused() if self.hold_unused else {}
+            still = self.optimizer.unused() if self.hold_unused else {}
             for bucket in self.buckets:  # launch order, identical on every rank
                 flat = torch.zeros(bucket.size, dtype=bucket.dtype, device=bucket.device)
                 momenta = [self.optimizer.momentum(p) for p in bucket.params]
-                held = [unused[p] for p in bucket.params] if self.hold_unused else []
+                held = [still[p] for p in bucket.params] if self.hold_unused else []
                 for m, unused in zip(momenta, held):
                     m.masked_fill_(unused, 0)
                 for view, m in zip(bucket.views(flat), momenta):
