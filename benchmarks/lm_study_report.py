@@ -12,6 +12,9 @@ import _common
 BASELINE = "torch/ddp"
 REPORT_LINK = "100mbit"
 PEERS = ("ddp", "ddp_fp16", "ddp_powersgd_rank4", "pmean")
+NEAR = 1.01
+"""The looser target: DDP's final held-out loss plus 1%. At the study's budget the loss is on a plateau where it
+moves by about 1% between evaluations, so "reached DDP's loss exactly" is partly chance."""
 
 
 def summarize(ranks: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, Any]:
@@ -83,6 +86,11 @@ def _time_to(row: dict[str, Any], link: str, target: float) -> float | None:
     return steps * row["ms_per_step"][link] / 1e3
 
 
+def _run_time(row: dict[str, Any], link: str) -> float:
+    """Seconds of a variant's whole training run at ``link``."""
+    return row["curve"][-1][0] * row["ms_per_step"][link] / 1e3
+
+
 def _fmt(value: float | None, spec: str = ".1f", missing: str = "not reached") -> str:
     return missing if value is None else format(value, spec)
 
@@ -92,10 +100,11 @@ def table_lines(rows: dict[str, dict[str, Any]], links: list[str]) -> list[str]:
     base = rows.get(BASELINE)
     target = base["final_loss"] if base else None
     head = ["variant", "held-out loss", "vs DDP", "bytes/step/rank", "DDP/bytes"]
-    head += [f"ms/step {link}" for link in links] + ["steps to DDP loss"]
-    head += [f"s to DDP loss @{link}" for link in links] + [f"vs DDP @{REPORT_LINK}"]
+    head += [f"ms/step {link}" for link in links] + ["steps to DDP loss", "steps to DDP loss +1%"]
+    head += [f"s to DDP loss @{link}" for link in links]
+    head += [f"vs DDP's run @{REPORT_LINK}", "same, to DDP loss +1%"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ddp_time = _time_to(base, REPORT_LINK, target) if base else None
+    ddp_time = _run_time(base, REPORT_LINK) if base else None
     for row in rows.values():
         if row["status"] != "ok":
             lines.append(f"| {row['name']} | {row['status']} |" + " |" * (len(head) - 2))
@@ -105,11 +114,12 @@ def table_lines(rows: dict[str, dict[str, Any]], links: list[str]) -> list[str]:
         cells.append(f"{row['bytes_per_step'] / 1e6:.4f} MB")
         cells.append(f"{base['bytes_per_step'] / row['bytes_per_step']:.0f}x" if base and row["bytes_per_step"] else "")
         cells += [_fmt(row["ms_per_step"].get(link), ".0f", "") for link in links]
-        cells.append(_fmt(steps_to(row["curve"], target) if target else None, ".0f"))
+        cells += [_fmt(steps_to(row["curve"], goal) if target else None, ".0f") for goal in (target, NEAR * target)]
         times = {link: _time_to(row, link, target) if target else None for link in links}
         cells += [_fmt(times[link], ".1f", "-") for link in links]
-        mine = times.get(REPORT_LINK)
-        cells.append(f"{mine / ddp_time:.2f}" if mine is not None and ddp_time else "-")
+        for goal in (target, NEAR * target):
+            mine = _time_to(row, REPORT_LINK, goal) if target else None
+            cells.append(f"{mine / ddp_time:.2f}" if mine is not None and ddp_time else "not reached")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -120,24 +130,25 @@ def bar_lines(rows: dict[str, dict[str, Any]], links: list[str], steps: int) -> 
     base = ok.get(BASELINE)
     if base is None or REPORT_LINK not in base["ms_per_step"]:
         return ["(no DDP fp32 result at 100 Mbit/s: no bars)"]
-    target, ddp_time = base["final_loss"], _time_to(base, REPORT_LINK, base["final_loss"])
+    target, ddp_time = base["final_loss"], _run_time(base, REPORT_LINK)
     out = [f"DDP fp32: final held-out loss {target:.4f} after {steps} steps, {ddp_time:.1f} s at 100 Mbit/s.", ""]
     for fe in ("torch", "jax"):
-        mine = [
-            (t / ddp_time, r["name"])
-            for r in ok.values()
-            if r["front_end"] == fe and r["algorithm"] not in PEERS
-            for t in [_time_to(r, REPORT_LINK, target)]
-            if t is not None
-        ]
-        if mine:
-            ratio, name = min(mine)
-            verdict = "met" if ratio <= 1 / 3 else "missed"
-            out.append(
-                f"- {fe}: best to DDP's loss at 100 Mbit/s: {name}, {ratio:.2f}x DDP's time (bar <= 0.33): {verdict}"
-            )
-        else:
-            out.append(f"- {fe}: no algorithm reached DDP's final loss within {steps} steps: missed")
+        for goal, what in ((target, "DDP's loss"), (NEAR * target, "DDP's loss +1%")):
+            mine = [
+                (t / ddp_time, r["name"])
+                for r in ok.values()
+                if r["front_end"] == fe and r["algorithm"] not in PEERS
+                for t in [_time_to(r, REPORT_LINK, goal)]
+                if t is not None
+            ]
+            if mine:
+                ratio, name = min(mine)
+                verdict = "met" if ratio <= 1 / 3 else "missed"
+                out.append(
+                    f"- {fe}: fastest to {what} at 100 Mbit/s: {name}, {ratio:.2f}x DDP's run (bar <= 0.33): {verdict}"
+                )
+            else:
+                out.append(f"- {fe}: no algorithm reached {what} within {steps} steps: missed")
     pairs = sorted({r["name"].split("/", 1)[1] for r in ok.values() if r["front_end"] == "jax"})
     for label in pairs:
         torch_row, jax_row = ok.get(f"torch/{label}"), ok.get(f"jax/{label}")
