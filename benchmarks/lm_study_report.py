@@ -3,6 +3,7 @@ its Markdown tables and its plots (``benchmarks/lm_study.py`` runs the jobs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any
@@ -75,15 +76,30 @@ def one_line(row: dict[str, Any]) -> str:
     )
 
 
-def _time_to(row: dict[str, Any], link: str, target: float) -> float | None:
-    """Seconds to reach ``target`` at ``link``: steps needed x time per step there (asynchronous averaging only at
-    the link it trained at)."""
+def full_precision_steps(row: dict[str, Any]) -> int:
+    """The steps an algorithm runs uncompressed before its own steps: QAdam's and 1-bit Adam's warm-up, PowerSGD's
+    exact steps, asynchronous averaging's allreduce warm-up (its options, else its configuration's default); 0 for
+    the others."""
+    from bagua_common.algorithms import configs  # noqa: F401 (importing it registers the configurations)
+    from bagua_common.algorithms.registry import CONFIGS
+
+    config = CONFIGS.get(row["algorithm"])
+    defaults = {field.name: field.default for field in dataclasses.fields(config)} if config else {}
+    key = next((k for k in ("warmup_steps", "start_iter") if k in defaults), None)
+    return int(row["options"].get(key, defaults[key])) if key else 0
+
+
+def _time_to(row: dict[str, Any], link: str, target: float, base: dict[str, Any]) -> float | None:
+    """Seconds to reach ``target`` at ``link``: the steps needed x the time per step there, the uncompressed first
+    steps (:func:`full_precision_steps`) at DDP fp32's (``base``) time per step; asynchronous averaging only at the
+    link it trained at."""
     steps = steps_to(row["curve"], target)
     if steps is None or link not in row["ms_per_step"]:
         return None
     if row["algorithm"] == "async" and link != row["train_link"]:
         return None
-    return steps * row["ms_per_step"][link] / 1e3
+    uncompressed = min(steps, full_precision_steps(row))
+    return (uncompressed * base["ms_per_step"][link] + (steps - uncompressed) * row["ms_per_step"][link]) / 1e3
 
 
 def _run_time(row: dict[str, Any], link: str) -> float:
@@ -115,10 +131,10 @@ def table_lines(rows: dict[str, dict[str, Any]], links: list[str]) -> list[str]:
         cells.append(f"{base['bytes_per_step'] / row['bytes_per_step']:.0f}x" if base and row["bytes_per_step"] else "")
         cells += [_fmt(row["ms_per_step"].get(link), ".0f", "") for link in links]
         cells += [_fmt(steps_to(row["curve"], goal) if target else None, ".0f") for goal in (target, NEAR * target)]
-        times = {link: _time_to(row, link, target) if target else None for link in links}
+        times = {link: _time_to(row, link, target, base) if target else None for link in links}
         cells += [_fmt(times[link], ".1f", "-") for link in links]
         for goal in (target, NEAR * target):
-            mine = _time_to(row, REPORT_LINK, goal) if target else None
+            mine = _time_to(row, REPORT_LINK, goal, base) if target else None
             cells.append(f"{mine / ddp_time:.2f}" if mine is not None and ddp_time else "not reached")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
@@ -138,7 +154,7 @@ def bar_lines(rows: dict[str, dict[str, Any]], links: list[str], steps: int) -> 
                 (t / ddp_time, r["name"])
                 for r in ok.values()
                 if r["front_end"] == fe and r["algorithm"] not in PEERS
-                for t in [_time_to(r, REPORT_LINK, goal)]
+                for t in [_time_to(r, REPORT_LINK, goal, base)]
                 if t is not None
             ]
             if mine:
