@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.flatten_util import ravel_pytree
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -35,6 +34,7 @@ from bagua_common.tuning.autotune import autotune_mode
 from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.base import Algorithm, check_float_params
 from bagua_jax.autotune import BucketTuning, algorithm_setting, tune_bucket_bytes
+from bagua_jax.communicator import tree_mean
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import check_batches_differ, check_ranks_agree
@@ -75,8 +75,9 @@ class DataParallel:
     * a flax ``TrainState`` in :meth:`init` comes back from :meth:`init` and :meth:`step` as
       the same class, its ``params``, ``opt_state``, ``step`` (and ``batch_stats``) replaced;
     * a flax NNX module (native mode): ``init(model)`` returns an
-      :class:`~bagua_jax.train_state.NnxTrainState` of the model and an ``nnx.Optimizer`` over its
-      ``nnx.Param`` variables, and ``step(state, batch, rngs)`` updates both in place, calling
+      :class:`~bagua_jax.train_state.NnxTrainState` of the model and a
+      :class:`~bagua_jax.nnx_data_parallel.DataParallelOptimizer` (an ``nnx.Optimizer`` over its
+      ``nnx.Param`` variables), and ``step(state, batch, rngs)`` updates both in place, calling
       ``loss_fn(model, batch, rngs)`` (``loss_fn(model, batch)`` without ``rngs``) with an
       ``nnx.Rngs`` of the rank's own; the model's ``nnx.BatchStat`` variables (BatchNorm's
       statistics) are averaged across ranks after every step.
@@ -170,20 +171,11 @@ class DataParallel:
         if model_state is not None:
             model_state, aux = aux if self._has_aux else (aux, None)
             if self._average_model_state:
-                model_state = self._average(model_state)
+                model_state = tree_mean(model_state, self._world)
         updates, opt_state = self._tx.update(grads, opt_state, params)
         if self._mesh is None:  # the mesh's mean over ranks is taken in step()
-            loss, aux = self._average((loss, aux))
+            loss, aux = tree_mean((loss, aux), self._world)
         return optax.apply_updates(params, updates), opt_state, step + 1, model_state, loss, aux
-
-    def _average(self, tree: Any) -> Any:
-        """The mean of ``tree``'s floating leaves over all ranks, in one allreduce."""
-        floats = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-        if not floats:
-            return tree
-        flat, unravel = ravel_pytree(floats)
-        averaged = iter(unravel(self._world.allreduce(flat.astype(jnp.float32), "avg").astype(flat.dtype)))
-        return jax.tree.map(lambda leaf: next(averaged) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf, tree)
 
     def _sharded(self, fn: Callable, per_rank_args: tuple[bool, ...], per_rank_out: Any = None) -> Callable:
         """``fn`` on each rank under ``shard_map``.
@@ -299,21 +291,25 @@ class DataParallel:
         """The NNX model and an ``nnx.Optimizer`` whose transformation is the algorithm's (native mode)."""
         from flax import nnx
 
-        from bagua_jax.nnx_step import nnx_optimizer, nnx_rank_step
+        from bagua_jax.nnx_data_parallel import DataParallelOptimizer, nnx_rank_step
 
         if self._mesh is not None:
             raise ValueError(
                 "DataParallel trains an NNX module in place, in native mode (communicator=, one process per "
                 "device); on a mesh, give it the module's parameters as a pytree (nnx.split) and a pure loss_fn"
             )
-        if self._autotune != "off":
-            raise ValueError("DataParallel: autotune takes a pytree of parameters, not an NNX module")
+        if self._autotune != "off" or not self._average_model_state:
+            raise ValueError(
+                "DataParallel: an NNX module trains without autotune, its BatchNorm statistics averaged "
+                "(autotune and average_model_state=False take a pytree of parameters)"
+            )
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         check_float_params(params)
         check_ranks_agree(params, self._algorithm, self._communicator)
         if self._nnx_step is None:
-            self._nnx_step = nnx_rank_step(self._loss_fn, self._has_aux, self._average, self._world.rank)
-        return NnxTrainState(model, nnx_optimizer(model, self._tx))
+            self._nnx_step = nnx_rank_step(self._loss_fn, self._has_aux, self._communicator)
+        optimizer = DataParallelOptimizer(model, self._optimizer, self._algorithm, communicator=self._communicator)
+        return NnxTrainState(model, optimizer)
 
     def params_view(self, state: Any, view: str = "average") -> Any:
         """The parameters as one model's, without a rank axis, for evaluation whatever the algorithm.

@@ -63,7 +63,8 @@ def streaming_ranks(seed: int, wire: str, steps: int, late_s: float) -> dict:
 
     Returns rank r's parameters after every step with the exchanges on the background thread
     (``overlapped``) and inside the step (``inline``), and the background run resumed from a copy of
-    its state taken while fragment 1 was on the wire (``resumed``, steps STARTS_FRAGMENT_1 + 1 on).
+    its state taken while fragment 1 was on the wire (``resumed``, steps STARTS_FRAGMENT_1 + 1 on; the
+    thread has already handed that exchange's result out, as a restarted process never had it).
     Rank 1 begins step STARTS_FRAGMENT_1 ``late_s`` seconds late; ``times`` says when rank 0 finished
     it and when rank 1 began it. Then rank 1 leaves and rank 0 returns the error of its next exchange.
     """
@@ -83,19 +84,18 @@ def streaming_ranks(seed: int, wire: str, steps: int, late_s: float) -> dict:
     times["finished"] = time.time()
     saved = jax.device_get(state)
     _, rest = train(step, state, seed, rank, STARTS_FRAGMENT_1 + 1, steps)
-    tx, step = make_step(comm, options)  # a fresh thread, which never saw fragment 1's exchange
-    _, resumed = train(step, saved, seed, rank, STARTS_FRAGMENT_1 + 1, steps)
+    _, resumed = train(step, jax.device_put(saved), seed, rank, STARTS_FRAGMENT_1 + 1, steps)
     tx, step = make_step(InlineCommunicator(comm), options)
     _, inline = train(step, (params, tx.init(params)), seed, rank, 1, steps)
     out = {"overlapped": overlapped + rest, "resumed": resumed, "inline": inline, "times": times}
 
     short = NativeCommunicator.mpi_world(timeout=3)
     tx, step = make_step(short, options)
-    state, _ = train(step, (params, tx.init(params)), seed, rank, 1, STARTS_FRAGMENT_1 - 1)
+    state, _ = train(step, (params, tx.init(params)), seed, rank, 1, 1)
     if rank == 1:
         return out  # and the process exits
     try:
-        train(step, state, seed, rank, STARTS_FRAGMENT_1, STARTS_FRAGMENT_1 + 1)
+        train(step, state, seed, rank, 2, 3)  # fragment 1's exchange starts after step 2
         out["dead_peer"] = "no error"
     except Exception as error:  # what a user sees
         out["dead_peer"] = f"{type(error).__name__}: {error}"

@@ -2,10 +2,11 @@
 
 One MPI job of two processes (``worker``) trains
 
-* a tiny NNX model (Linear, BatchNorm, Dropout) with gradient allreduce through ``DataParallel.init(model)``;
-  its parameters and BatchNorm statistics must equal a plain-NNX simulation of the two ranks in this process
-  (SGD on the mean gradient, the statistics averaged), its loss the mean of the ranks', and the dropout masks
-  must differ between the ranks;
+* a tiny NNX model (Linear, BatchNorm, Dropout) with gradient allreduce through ``DataParallel.init(model)``, and
+  again with the user's own ``nnx.jit`` train step, its optimizer a ``DataParallelOptimizer`` and its keys
+  ``rank_rngs``; the parameters and BatchNorm statistics must equal a plain-NNX simulation of the two ranks in
+  this process (SGD on the mean gradient, the statistics averaged), the loss the mean of the ranks', and the
+  dropout masks must differ between the ranks;
 * a linear model through the pure ``DataParallel``, whose loss each step must equal the mesh mode's on the same
   global batches (the mean over ranks in both) and the NumPy mean of the two halves' losses;
 
@@ -25,6 +26,7 @@ from multiprocess import run_ranks
 
 import bagua_jax
 from bagua_jax import DataParallel, rank_slice
+from bagua_jax.nnx_data_parallel import DataParallelOptimizer, rank_rngs
 
 LR, STEPS, ROWS = 0.1, 3, 8
 DROPPED = 64  # dropout positions per step: identical masks on both ranks are a 2**-64 chance
@@ -68,6 +70,14 @@ def nnx_variables(model: Tiny) -> tuple[list[np.ndarray], list[np.ndarray]]:
     )
 
 
+@nnx.jit
+def own_train_step(model: Tiny, optimizer: nnx.Optimizer, batch: dict, rngs: nnx.Rngs):
+    """A train step as flax's examples write one."""
+    (loss, mask), grads = nnx.value_and_grad(nnx_loss_and_mask, has_aux=True)(model, batch, rngs)
+    optimizer.update(model, grads)
+    return loss, mask
+
+
 def refused(dp: DataParallel, state, batch, *rngs) -> str:
     try:
         dp.step(state, batch, *rngs)
@@ -88,6 +98,17 @@ def worker(seed: int) -> dict:
         losses.append(float(loss))
         masks.append(np.asarray(mask))
     result["nnx"] = (*nnx_variables(state.model), losses, masks)
+
+    model = Tiny(nnx.Rngs(0))
+    optimizer, rngs, masks = (
+        DataParallelOptimizer(model, optax.sgd(LR), communicator=comm),
+        rank_rngs(nnx.Rngs(1), comm),
+        [],
+    )
+    for batch in data:
+        _, mask = own_train_step(model, optimizer, rank_slice(batch, comm), rngs)
+        masks.append(comm.allreduce(mask, "avg"))
+    result["own_step"] = (*nnx_variables(model), masks)
 
     pure = DataParallel(linear_loss, optax.sgd(LR), "gradient_allreduce", communicator=comm)
     result["pure_refused"] = refused(pure, pure.init({"w": np.zeros(4, np.float32)}), data[0])
@@ -156,11 +177,16 @@ def test_nnx_model_batchnorm_dropout_loss_and_batch_check(rng):
         for name in ("nnx_refused", "pure_refused"):
             assert "passed the same batch" in got[name], f"rank {result.rank}: {name}: {got[name]!r}"
         got_params, got_stats, got_losses, masks = got["nnx"]
-        for got_leaf, want in zip(got_params + got_stats, params + stats, strict=True):
-            np.testing.assert_allclose(got_leaf, want, rtol=1e-5, atol=1e-6, err_msg=f"rank {result.rank}")
+        own_params, own_stats, own_masks = got["own_step"]
+        for route, got_leaves in (("DataParallel", got_params + got_stats), ("own step", own_params + own_stats)):
+            for got_leaf, want in zip(got_leaves, params + stats, strict=True):
+                np.testing.assert_allclose(got_leaf, want, rtol=1e-5, atol=1e-6, err_msg=f"{route}, rank {result.rank}")
         np.testing.assert_allclose(got_losses, losses, rtol=1e-5, err_msg=f"rank {result.rank}")
-        for step, mask in enumerate(masks):  # the mean of two masks of 0 or 2: 1 where only one rank kept
+        for step, (mask, own_mask) in enumerate(
+            zip(masks, own_masks)
+        ):  # means of two masks of 0 or 2: 1 where one kept
             assert np.any(mask == 1.0), f"rank {result.rank}, step {step}: both ranks drew the same dropout mask"
+            assert np.any(own_mask == 1.0), f"rank {result.rank}, step {step}: the same mask in the own step"
         np.testing.assert_allclose(got["pure_losses"], on_mesh, rtol=1e-6, err_msg=f"rank {result.rank}")
     halves = [np.mean(data[0]["y"][: ROWS // 2] ** 2), np.mean(data[0]["y"][ROWS // 2 :] ** 2)]
     np.testing.assert_allclose(on_mesh[0], np.mean(halves), rtol=1e-6)  # at w = 0 each half's loss is mean(y**2)

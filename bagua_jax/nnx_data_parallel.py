@@ -1,0 +1,82 @@
+"""Data parallelism for flax NNX: an ``nnx.Optimizer`` that trains data-parallel, and per-rank dropout keys.
+
+:class:`DataParallelOptimizer` is an ``nnx.Optimizer`` whose transformation is the algorithm's
+(:func:`~bagua_jax.data_parallel_optimizer`) and whose ``update(model, grads)`` first averages the
+model's ``nnx.BatchStat`` variables (BatchNorm's running statistics) over the ranks, so a script
+that owns its train step (flax's NNX example) swaps its optimizer and keeps the step.
+:func:`rank_rngs` gives each rank its own ``nnx.Rngs``. :class:`~bagua_jax.DataParallel` trains
+an NNX module with both (:func:`nnx_rank_step`). Native mode: one process per device, launched
+with ``bagua-launch --mpi`` or ``mpiexec``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import optax
+from flax import nnx
+
+from bagua_jax.algorithms.base import Algorithm
+from bagua_jax.communicator import Communicator, tree_mean
+from bagua_jax.native_data_parallel import data_parallel_optimizer, world
+
+
+class DataParallelOptimizer(nnx.Optimizer):
+    """``nnx.Optimizer(model, tx, wrt=wrt)`` made data-parallel with ``algorithm`` (an algorithm or a registry name).
+
+    ``update(model, grads)`` averages ``model``'s ``nnx.BatchStat`` variables over the ranks, then
+    applies the algorithm's update (which communicates the gradients or weights) as
+    ``nnx.Optimizer`` does. ``communicator`` defaults to :func:`bagua_jax.native_data_parallel.world`.
+    QAdam and OneBitAdam take ``tx=None`` (see :func:`~bagua_jax.data_parallel_optimizer`).
+    """
+
+    def __init__(
+        self,
+        model: nnx.Module,
+        tx: optax.GradientTransformation | None,
+        algorithm: Algorithm | str = "gradient_allreduce",
+        *,
+        communicator: Communicator | None = None,
+        wrt: Any = nnx.Param,
+    ):
+        communicator = communicator if communicator is not None else world()
+        super().__init__(model, data_parallel_optimizer(tx, algorithm, communicator), wrt=wrt)
+        self.communicator = communicator
+
+    def update(self, model: nnx.Module, grads: Any, /, **kwargs) -> optax.Updates:
+        """Average ``model``'s BatchNorm statistics over the ranks, then update it with ``grads`` (this rank's)."""
+        nnx.update(model, tree_mean(nnx.state(model, nnx.BatchStat), self.communicator))
+        return super().update(model, grads, **kwargs)
+
+
+def rank_rngs(rngs: nnx.Rngs | jax.Array, communicator: Communicator | None = None) -> nnx.Rngs:
+    """This rank's own ``nnx.Rngs``: one key drawn from each stream of ``rngs`` (or ``rngs`` itself, a key), folded
+    with the rank of ``communicator`` (default :func:`bagua_jax.native_data_parallel.world`).
+
+    Every rank passes the same ``rngs``, e.g. ``rank_rngs(nnx.Rngs(0))``; the ranks then draw
+    different dropout masks. Drawing advances ``rngs``' streams, so a later call gives new keys.
+    """
+    rank = (communicator if communicator is not None else world()).rank()
+    if isinstance(rngs, nnx.Rngs):
+        return nnx.Rngs(**{name: jax.random.fold_in(stream(), rank) for name, stream in rngs.items()})
+    return nnx.Rngs(jax.random.fold_in(rngs, rank))
+
+
+def nnx_rank_step(loss_fn: Callable, has_aux: bool, communicator: Communicator) -> Callable:
+    """One rank's jitted ``step(model, optimizer, batch, rngs)``, updating both in place; returns the ranks' mean
+    loss (and aux, with ``has_aux``).
+
+    ``loss_fn(model, batch, rngs)`` gets :func:`rank_rngs` of ``rngs`` (``loss_fn(model, batch)``
+    when ``rngs`` is None); ``optimizer`` is a :class:`DataParallelOptimizer`.
+    """
+
+    @nnx.jit
+    def step(model: nnx.Module, optimizer: DataParallelOptimizer, batch: Any, rngs: Any):
+        extra = () if rngs is None else (rank_rngs(rngs, communicator),)
+        value, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, batch, *extra)
+        optimizer.update(model, grads)
+        return tree_mean(value, communicator)
+
+    return step
