@@ -90,14 +90,19 @@ def full_precision_steps(row: dict[str, Any]) -> int:
 
 
 def _time_to(row: dict[str, Any], link: str, target: float, base: dict[str, Any]) -> float | None:
-    """Seconds to reach ``target`` at ``link``: the steps needed x the time per step there, the uncompressed first
-    steps (:func:`full_precision_steps`) at DDP fp32's (``base``) time per step; asynchronous averaging only at the
-    link it trained at."""
+    """Seconds to reach ``target`` at ``link`` (:func:`elapsed` of the steps needed); asynchronous averaging only at
+    the link it trained at."""
     steps = steps_to(row["curve"], target)
     if steps is None or link not in row["ms_per_step"]:
         return None
     if row["algorithm"] == "async" and link != row["train_link"]:
         return None
+    return elapsed(row, steps, link, base)
+
+
+def elapsed(row: dict[str, Any], steps: float, link: str, base: dict[str, Any]) -> float:
+    """Seconds a variant's first ``steps`` steps take at ``link``: its time per step there, the uncompressed first
+    steps (:func:`full_precision_steps`) at DDP fp32's (``base``)."""
     uncompressed = min(steps, full_precision_steps(row))
     return (uncompressed * base["ms_per_step"][link] + (steps - uncompressed) * row["ms_per_step"][link]) / 1e3
 
@@ -195,18 +200,20 @@ def bar_lines(rows: dict[str, dict[str, Any]], links: list[str], steps: int) -> 
 
 
 def plot(rows: dict[str, dict[str, Any]], path: Path) -> Path | None:
-    """Held-out loss against wall-clock time at 100 Mbit/s and against bytes sent per rank."""
+    """Held-out loss against wall-clock time at 100 Mbit/s (warm-ups at DDP's time per step) and against bytes sent
+    per rank."""
     plt = _common.pyplot()
     if plt is None:
         return None
     fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(15, 6.5))
     colors = plt.get_cmap("tab20")
+    base = rows.get(BASELINE)
     for i, row in enumerate(r for r in rows.values() if r["status"] == "ok"):
         steps = [s for s, _ in row["curve"]]
         losses = [loss for _, loss in row["curve"]]
         style = dict(color=colors(i % 20), linestyle="--" if row["front_end"] == "jax" else "-", label=row["name"])
-        if REPORT_LINK in row["ms_per_step"]:
-            by_time.plot([s * row["ms_per_step"][REPORT_LINK] / 1e3 for s in steps], losses, **style)
+        if base and REPORT_LINK in row["ms_per_step"]:
+            by_time.plot([elapsed(row, s, REPORT_LINK, base) for s in steps], losses, **style)
         by_bytes.plot([s * row["bytes_per_step"] / 1e6 for s in steps[1:]], losses[1:], **style)
     by_time.set_xlabel("wall-clock time at 100 Mbit/s (s)")
     by_bytes.set_xlabel("bytes sent per rank (MB, log)")
