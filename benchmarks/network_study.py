@@ -98,6 +98,22 @@ FRAMEWORKS = ("torch", "jax")
 DEFAULT_RATES = ["100mbit", "300mbit", "1gbit", "10gbit", "none"]
 
 
+JOB_OPTIONS = ("lr", "warmup_iters", "iters", "batches_per_iter", "comm_timeout", "job_timeout", "tail_lines")
+"""What :func:`run_job` reads from its arguments besides ``batch_size`` and ``jax_comm``: the options of
+:func:`add_job_options`."""
+
+
+def add_job_options(parser: argparse.ArgumentParser, job_timeout: float) -> None:
+    """The options of :data:`JOB_OPTIONS`, for a script that runs :func:`run_job`: the worker's learning rate and
+    iterations, the timeouts (a job's default ``job_timeout`` seconds) and how much of a failed job's log is kept."""
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--warmup-iters", type=int, default=2, help="untimed iterations per job")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations per job")
+    parser.add_argument("--batches-per-iter", type=int, default=2, help="steps per iteration")
+    _common.add_timeout_options(parser, comm=90, job=job_timeout)
+    parser.add_argument("--tail-lines", type=int, default=8, help="last lines of a failed job's log kept in its row")
+
+
 def job_list(args) -> list[tuple[str, str]]:
     # JAX's async averages in a background thread over the native engine: not on a mesh.
     skipped = {"jax": ("async",) if args.jax_comm == "gloo" else (), "torch": ()}
@@ -546,15 +562,9 @@ def parse_args(argv=None):
         "synchronous variants compute the same numbers everywhere; default: in every job)",
     )
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--warmup-iters", type=int, default=2)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--batches-per-iter", type=int, default=2)
-    p.add_argument("--job-timeout", type=float, default=150)
-    p.add_argument("--comm-timeout", type=float, default=90)
+    add_job_options(p, job_timeout=150)
     p.add_argument("--study-timeout", type=float, default=7200, help="stop starting jobs after this many seconds")
-    p.add_argument("--tail-lines", type=int, default=8)
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    _common.add_out_option(p)
     p.add_argument("--name", default="network-study")
     p.add_argument("--append", action="store_true", help="add to the rows of an existing json (same settings)")
     p.add_argument("--replot", action="store_true", help="only rewrite md + png from the json")

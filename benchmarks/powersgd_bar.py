@@ -67,8 +67,9 @@ def wait_for_harness(seconds: float) -> None:
 def job_args(args: argparse.Namespace, model: str) -> argparse.Namespace:
     """What :func:`network_study.run_job` reads, with the batch of ``model``."""
     batch = args.gpt_batch if model in network_study.GPT_MODELS else args.batch_size
-    fields = ("lr", "warmup_iters", "iters", "batches_per_iter", "comm_timeout", "job_timeout", "tail_lines")
-    return argparse.Namespace(batch_size=batch, jax_comm="mpi", **{f: getattr(args, f) for f in fields})
+    return argparse.Namespace(
+        batch_size=batch, jax_comm="mpi", **{f: getattr(args, f) for f in network_study.JOB_OPTIONS}
+    )
 
 
 def run_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -76,8 +77,7 @@ def run_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
     port = 29700
     with tempfile.TemporaryDirectory(prefix="bagua-powersgd-bar-") as tmp, nh.Network(args.ranks, args.rate) as net:
         for repeat in range(args.repeats):
-            shift = repeat % len(VARIANTS)
-            order = VARIANTS[shift:] + VARIANTS[:shift]
+            order = _common.rotated(VARIANTS, repeat)
             for model in args.models:
                 for framework, algorithm in order if repeat % 2 == 0 else order[::-1]:
                     port += 1
@@ -243,20 +243,13 @@ def main(argv: list[str] | None = None) -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=["gpt-small", "mlp"], choices=["gpt-small", "mlp"])
-    p.add_argument("--rate", default="100mbit", help="per-rank link rate")
-    p.add_argument("--ranks", type=int, default=4)
+    nh.add_link_options(p)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--gpt-batch", type=int, default=2, help="windows of 129 bytes per rank and step (gpt-small)")
     p.add_argument("--batch-size", type=int, default=32, help="images per rank and step (mlp)")
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--warmup-iters", type=int, default=2)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--batches-per-iter", type=int, default=2)
-    p.add_argument("--comm-timeout", type=float, default=90)
-    p.add_argument("--job-timeout", type=float, default=300)
-    p.add_argument("--tail-lines", type=int, default=8)
+    network_study.add_job_options(p, job_timeout=300)
     p.add_argument("--wait", type=float, default=600, help="seconds to wait for the harness if another run holds it")
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    _common.add_out_option(p)
     p.add_argument("--name", default="powersgd-bar")
     p.add_argument("--replot", action="store_true", help="only rewrite the report from --name's JSON")
     return p.parse_args(argv)

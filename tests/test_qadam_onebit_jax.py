@@ -317,14 +317,6 @@ def exact_worker(seed: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def seed() -> int:
-    # Imported here, not at the top, so that the MPI ranks, which import this module, keep one device.
-    from conftest import SEED
-
-    return SEED
-
-
-@pytest.fixture(scope="module")
 def exact(seed) -> dict:
     [result] = run_ranks("test_qadam_onebit_jax:exact_worker", 1, seed, env={"XLA_FLAGS": EXACT_XLA_FLAGS}, timeout=300)
     return result.value
