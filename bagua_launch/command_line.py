@@ -24,6 +24,7 @@ from bagua_common.job.local_launch import free_port
 from bagua_common.job.local_launch import mpiexec as find_mpiexec
 from bagua_launch import elastic
 from bagua_launch.output import NAME
+from bagua_launch.parsed_config import config_from_namespace
 from bagua_launch.supervisor import Config, Launcher
 
 __all__ = ["DEFAULT_MULTINODE_PORT", "build_parser", "main", "parse_args"]
@@ -268,24 +269,15 @@ def parse_args(argv: list[str] | None) -> Config | elastic.ElasticConfig:
         mpi_args = shlex.split(ns.mpi_args)
     except ValueError as e:
         parser.error(f"--mpi-args: {e}")
-    return Config(
-        nproc_per_node=ns.nproc_per_node,
-        nnodes=ns.nnodes,
-        node_rank=ns.node_rank,
+    return config_from_namespace(
+        Config,
+        ns,
         master_addr=master_addr,
         master_port=master_port,
         command=command,
         mode=mode,
-        mpi=ns.mpi,
         mpiexec=mpiexec,
         mpi_args=mpi_args,
-        grace=ns.grace,
-        timeout=ns.timeout,
-        tail_lines=ns.tail_lines,
-        cache_server=ns.cache_server,
-        cache_capacity=ns.cache_capacity,
-        cache_bind=ns.cache_bind,
-        cache_dir=ns.cache_dir,
         nccl_net=nccl_net,
     )
 

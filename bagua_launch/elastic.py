@@ -32,6 +32,7 @@ from pathlib import Path
 from bagua_common.comm.engines import ENV_ELASTIC
 from bagua_common.job.local_launch import free_port
 from bagua_launch.output import NAME, describe_exit, exit_status, summary
+from bagua_launch.parsed_config import config_from_namespace
 
 __all__ = ["ElasticConfig", "add_arguments", "config_from", "node_range", "requested", "run"]
 
@@ -167,18 +168,16 @@ def config_from(
         endpoint = f"127.0.0.1:{free_port()}"
     elif ":" not in endpoint.rsplit("]", 1)[-1]:
         endpoint = f"{endpoint}:{DEFAULT_RDZV_PORT}"
-    return ElasticConfig(
+    return config_from_namespace(
+        ElasticConfig,
+        ns,
         min_nodes=low,
         max_nodes=high,
-        nproc_per_node=ns.nproc_per_node,
         max_restarts=ns.max_restarts or 0,
         rdzv_endpoint=endpoint,
-        rdzv_id=ns.rdzv_id,
         rdzv_conf=conf,
         command=command,
         mode=mode,
-        tail_lines=ns.tail_lines,
-        grace=ns.grace,
         nccl_net=nccl_net,
     )
 

@@ -63,19 +63,17 @@ NcclResult properties(int dev, NcclNetProperties_v12* props) {
   if (dev < 0 || dev >= static_cast<int>(all.size())) return kNcclInvalidArgument;
   const bagua_net::Device& d = all[dev];
   std::memset(props, 0, sizeof(*props));
-  props->name = const_cast<char*>(d.interface_name.c_str());
-  props->pci_path = d.pci_path.empty() ? nullptr : const_cast<char*>(d.pci_path.c_str());
-  props->guid = static_cast<uint64_t>(dev);
-  props->ptr_support = kNcclPtrHost;
-  props->reg_is_global = 0;
+  props->identity = {const_cast<char*>(d.interface_name.c_str()),
+                     d.pci_path.empty() ? nullptr : const_cast<char*>(d.pci_path.c_str()),
+                     static_cast<uint64_t>(dev), kNcclPtrHost, /*reg_is_global=*/0};
   props->force_flush = 0;
-  props->speed_mbps = d.speed_mbps;
-  props->port = 0;
-  props->latency = 0;
-  props->max_comms = 65536;
-  props->max_recvs = 1;
-  props->net_device_type = kNcclNetDeviceHost;
-  props->net_device_version = 0;
+  props->capacity = {d.speed_mbps,
+                     /*port=*/0,
+                     /*latency=*/0,
+                     /*max_comms=*/65536,
+                     /*max_recvs=*/1,
+                     kNcclNetDeviceHost,
+                     /*net_device_version=*/0};
   props->virtual_device.ndevs = 1;
   props->virtual_device.devs[0] = dev;
   props->max_p2p_bytes = INT_MAX;  // v8 sizes are ints; one limit for every version
@@ -86,29 +84,14 @@ NcclResult properties(int dev, NcclNetProperties_v12* props) {
   return kNcclSuccess;
 }
 
-template <typename Older>
-void copy_common(const NcclNetProperties_v12& from, Older* to) {
-  to->name = from.name;
-  to->pci_path = from.pci_path;
-  to->guid = from.guid;
-  to->ptr_support = from.ptr_support;
-  to->reg_is_global = from.reg_is_global;
-  to->speed_mbps = from.speed_mbps;
-  to->port = from.port;
-  to->latency = from.latency;
-  to->max_comms = from.max_comms;
-  to->max_recvs = from.max_recvs;
-  to->net_device_type = from.net_device_type;
-  to->net_device_version = from.net_device_version;
-}
-
 template <typename Props>
 NcclResult properties_as(int dev, Props* props) {
   NcclNetProperties_v12 full;
   NcclResult r = properties(dev, &full);
   if (r != kNcclSuccess) return r;
   std::memset(props, 0, sizeof(*props));
-  copy_common(full, props);
+  props->identity = full.identity;
+  props->capacity = full.capacity;
   if constexpr (!std::is_same_v<Props, NcclNetProperties_v8>) {
     props->force_flush = full.force_flush;
     props->virtual_device.ndevs = full.virtual_device.ndevs;
@@ -172,7 +155,7 @@ NcclResult isend(void* send_comm, void* data, size_t size, int, void*, void** re
   return result_of(o, error);
 }
 
-NcclResult irecv(void* recv_comm, int n, void** data, size_t* sizes, void** request) {
+NcclResult irecv(void* recv_comm, int n, void** data, size_t* sizes, int*, void**, void** request) {
   *request = nullptr;
   if (n != 1) return kNcclInternalError;  // maxRecvs is 1: NCCL never groups receives here
   std::string error;
@@ -213,25 +196,18 @@ NcclResult get_device_mr(void*, void*, void** device_mhandle) {
 
 NcclResult irecv_consumed(void*, int, void*) { return kNcclSuccess; }
 
-// Per-version argument lists.
+// The entries whose arguments changed, as the older and newer versions spell them.
 
 NcclResult isend_v8(void* comm, void* data, int size, int tag, void* mhandle, void** request) {
   if (size < 0) return kNcclInvalidArgument;
   return isend(comm, data, static_cast<size_t>(size), tag, mhandle, request);
 }
 
-NcclResult irecv_v8(void* comm, int n, void** data, int* sizes, int*, void**, void** request) {
+NcclResult irecv_v8(void* comm, int n, void** data, int* sizes, int* tags, void** mhandles,
+                    void** request) {
   if (n != 1 || sizes[0] < 0) return kNcclInternalError;
   size_t size = static_cast<size_t>(sizes[0]);
-  return irecv(comm, n, data, &size, request);
-}
-
-NcclResult isend_v9(void* comm, void* data, size_t size, int tag, void* mhandle, void** request) {
-  return isend(comm, data, size, tag, mhandle, request);
-}
-
-NcclResult irecv_v9(void* comm, int n, void** data, size_t* sizes, int*, void**, void** request) {
-  return irecv(comm, n, data, sizes, request);
+  return irecv(comm, n, data, &size, tags, mhandles, request);
 }
 
 NcclResult isend_v10(void* comm, void* data, size_t size, int tag, void* mhandle, void*,
@@ -239,9 +215,9 @@ NcclResult isend_v10(void* comm, void* data, size_t size, int tag, void* mhandle
   return isend(comm, data, size, tag, mhandle, request);
 }
 
-NcclResult irecv_v10(void* comm, int n, void** data, size_t* sizes, int*, void**, void**,
-                     void** request) {
-  return irecv(comm, n, data, sizes, request);
+NcclResult irecv_v10(void* comm, int n, void** data, size_t* sizes, int* tags, void** mhandles,
+                     void**, void** request) {
+  return irecv(comm, n, data, sizes, tags, mhandles, request);
 }
 
 NcclResult init_v10(NcclLogger log, NcclProfilerCallback) { return init(log); }
@@ -273,15 +249,39 @@ NcclResult finalize(void*) { return kNcclSuccess; }
 
 NcclResult set_net_attr(void*, NcclNetAttr*) { return kNcclSuccess; }
 
-// makeVDevice is left NULL in every table: NCCL then uses each interface as it is instead of
-// fusing NICs into virtual ones, which this transport does not do.
-template <typename Table, typename Props>
-Table contextual_table(NcclResult (*get_properties)(int, Props*)) {
-  return Table{kName,       init_v11,     devices,       get_properties, listen_v11,
-               connect_v11, accept,       reg_mr,        reg_mr_dma_buf, dereg_mr,
-               isend_v10,   irecv_v10,    iflush,        test,           close_comm,
-               close_comm,  close_listen, get_device_mr, irecv_consumed, nullptr,
-               finalize,    set_net_attr};
+// One version's table: the entries every version shares, the ones given here, and
+// from v11 finalize and setNetAttr. makeVDevice stays NULL: NCCL then uses each
+// interface as it is instead of fusing NICs into virtual ones, which this
+// transport does not do.
+template <typename Table>
+constexpr Table table(decltype(Table::init) init, decltype(Table::getProperties) get_properties,
+                      decltype(Table::listen) listen, decltype(Table::connect) connect,
+                      decltype(Table::isend) isend, decltype(Table::irecv) irecv) {
+  Table t{};
+  t.name = kName;
+  t.init = init;
+  t.devices = devices;
+  t.getProperties = get_properties;
+  t.listen = listen;
+  t.connect = connect;
+  t.accept = accept;
+  t.regMr = reg_mr;
+  t.regMrDmaBuf = reg_mr_dma_buf;
+  t.deregMr = dereg_mr;
+  t.isend = isend;
+  t.irecv = irecv;
+  t.iflush = iflush;
+  t.test = test;
+  t.closeSend = close_comm;
+  t.closeRecv = close_comm;
+  t.closeListen = close_listen;
+  t.getDeviceMr = get_device_mr;
+  t.irecvConsumed = irecv_consumed;
+  if constexpr (std::is_same_v<decltype(Table::init), NcclInit_v11>) {
+    t.finalize = finalize;
+    t.setNetAttr = set_net_attr;
+  }
+  return t;
 }
 
 }  // namespace
@@ -289,30 +289,18 @@ Table contextual_table(NcclResult (*get_properties)(int, Props*)) {
 extern "C" {
 
 __attribute__((visibility("default"))) NcclNet_v12 ncclNetPlugin_v12 =
-    contextual_table<NcclNet_v12, NcclNetProperties_v12>(properties);
+    table<NcclNet_v12>(init_v11, properties, listen_v11, connect_v11, isend_v10, irecv_v10);
 
-__attribute__((visibility("default"))) NcclNet_v11 ncclNetPlugin_v11 =
-    contextual_table<NcclNet_v11, NcclNetProperties_v11>(properties_as<NcclNetProperties_v11>);
+__attribute__((visibility("default"))) NcclNet_v11 ncclNetPlugin_v11 = table<NcclNet_v11>(
+    init_v11, properties_as<NcclNetProperties_v11>, listen_v11, connect_v11, isend_v10, irecv_v10);
 
-__attribute__((visibility("default"))) NcclNet_v10 ncclNetPlugin_v10 = {
-    kName,          init_v10,      devices,        properties_as<NcclNetProperties_v9>,
-    listen,         connect_v10,   accept,         reg_mr,
-    reg_mr_dma_buf, dereg_mr,      isend_v10,      irecv_v10,
-    iflush,         test,          close_comm,     close_comm,
-    close_listen,   get_device_mr, irecv_consumed, nullptr};
+__attribute__((visibility("default"))) NcclNet_v10 ncclNetPlugin_v10 = table<NcclNet_v10>(
+    init_v10, properties_as<NcclNetProperties_v9>, listen, connect_v10, isend_v10, irecv_v10);
 
-__attribute__((visibility("default"))) NcclNet_v9 ncclNetPlugin_v9 = {
-    kName,          init,          devices,        properties_as<NcclNetProperties_v9>,
-    listen,         connect,       accept,         reg_mr,
-    reg_mr_dma_buf, dereg_mr,      isend_v9,       irecv_v9,
-    iflush,         test,          close_comm,     close_comm,
-    close_listen,   get_device_mr, irecv_consumed, nullptr};
+__attribute__((visibility("default"))) NcclNet_v9 ncclNetPlugin_v9 =
+    table<NcclNet_v9>(init, properties_as<NcclNetProperties_v9>, listen, connect, isend, irecv);
 
-__attribute__((visibility("default"))) NcclNet_v8 ncclNetPlugin_v8 = {
-    kName,          init,          devices,       properties_as<NcclNetProperties_v8>,
-    listen,         connect,       accept,        reg_mr,
-    reg_mr_dma_buf, dereg_mr,      isend_v8,      irecv_v8,
-    iflush,         test,          close_comm,    close_comm,
-    close_listen,   get_device_mr, irecv_consumed};
+__attribute__((visibility("default"))) NcclNet_v8 ncclNetPlugin_v8 = table<NcclNet_v8>(
+    init, properties_as<NcclNetProperties_v8>, listen, connect, isend_v8, irecv_v8);
 
 }  // extern "C"

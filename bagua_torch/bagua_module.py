@@ -63,6 +63,8 @@ from bagua_torch.reducer import Reducer
 __getattr__ = moved_names(__name__)  # DistributedDataParallel, now in bagua_torch.distributed_data_parallel
 
 SyncPoint = Literal["backward", "step"]
+Optimizers = torch.optim.Optimizer | Sequence[torch.optim.Optimizer]
+"""One optimizer or several, as the wrapper and the checkpoints take them."""
 _EXTRA_STATE_FORMAT = 1
 
 
@@ -93,7 +95,7 @@ class BaguaModule(nn.Module):
     def __init__(
         self,
         module: nn.Module,
-        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+        optimizers: Optimizers = (),
         algorithm: str | Algorithm = "gradient_allreduce",
         *,
         process_group: Any = None,
@@ -382,7 +384,7 @@ class BaguaModule(nn.Module):
 
 def with_bagua(
     model: nn.Module,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    optimizers: Optimizers = (),
     algorithm: str | Algorithm = "gradient_allreduce",
     **options: Any,
 ) -> BaguaModule:

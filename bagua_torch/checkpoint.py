@@ -16,7 +16,7 @@ copies restart equal to the parameters, in buckets planned for the new world siz
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +37,13 @@ from bagua_common.job.checkpoint import (
 )
 from bagua_common.job.reshard import RESET, ReshardRule, algorithm_rule, reshard_rows
 from bagua_common.job.signature import algorithm_config
-from bagua_torch.bagua_module import BaguaModule
+from bagua_torch.bagua_module import BaguaModule, Optimizers
 
 _SUFFIX = ".pt"
 EXTRA_STATE = "_extra_state"
 
 
-def optimizer_list(optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer]) -> list[torch.optim.Optimizer]:
+def optimizer_list(optimizers: Optimizers) -> list[torch.optim.Optimizer]:
     """One optimizer or several, as a list."""
     return [optimizers] if isinstance(optimizers, torch.optim.Optimizer) else list(optimizers)
 
@@ -57,31 +57,39 @@ def _model(model: BaguaModule) -> list[tuple[str, tuple[int, ...], str]]:
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.module.named_parameters()]
 
 
-def save(
-    root: str | os.PathLike,
-    model: BaguaModule,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
-    *,
-    step: int,
-) -> Path:
+def save(root: str | os.PathLike, model: BaguaModule, optimizers: Optimizers = (), *, step: int) -> Path:
     """Write step ``step``'s checkpoint of ``model`` and ``optimizers`` under ``root``; returns its folder.
 
     Every rank calls it; it returns once the checkpoint is committed.
     """
+    state = rank_state(model, optimizers, step)
+    return save_committed(
+        root,
+        model,
+        step,
+        lambda directory, rank: write_atomically(
+            shard_path(directory, rank, _SUFFIX), lambda tmp: torch.save(state, tmp)
+        ),
+    )
+
+
+def save_committed(
+    root: str | os.PathLike, model: BaguaModule, step: int, write: Callable[[Path, int], None], **commit_options: Any
+) -> Path:
+    """Step ``step``'s checkpoint folder under ``root``: every rank writes its part (``write(folder, rank)``), then
+    rank 0 commits the manifest (with ``commit_options``, see :func:`~bagua_common.job.checkpoint.commit`) once all
+    have; returns the folder."""
     world = model.communicators.world
     directory = checkpoint_dir(root, step)
-    state = rank_state(model, optimizers, step)
-    write_atomically(shard_path(directory, world.rank, _SUFFIX), lambda tmp: torch.save(state, tmp))
+    write(directory, world.rank)
     world.barrier()
     if world.rank == 0:
-        commit(directory, manifest_for(model, step))
+        commit(directory, manifest_for(model, step), **commit_options)
     world.barrier()
     return directory
 
 
-def rank_state(
-    model: BaguaModule, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], step: int
-) -> dict[str, Any]:
+def rank_state(model: BaguaModule, optimizers: Optimizers, step: int) -> dict[str, Any]:
     """This rank's checkpoint: the step, the model's ``state_dict()`` (algorithm state included), the optimizers'."""
     return {
         "step": step,
@@ -107,11 +115,7 @@ def _load(directory: Path, manifest: Manifest, rank: int) -> dict[str, Any]:
         raise DamagedCheckpointError(f"{path} is not a readable shard: {type(e).__name__}: {e}") from e
 
 
-def restore(
-    root: str | os.PathLike,
-    model: BaguaModule,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
-) -> int:
+def restore(root: str | os.PathLike, model: BaguaModule, optimizers: Optimizers = ()) -> int:
     """Load the newest committed checkpoint under ``root`` (or the checkpoint folder ``root``); returns its step.
 
     Call it on every rank, right after wrapping the model and building the optimizers. Raises
@@ -129,7 +133,7 @@ def restore_states(
     manifest: Manifest,
     load_rank: Callable[[int], dict[str, Any]],
     model: BaguaModule,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    optimizers: Optimizers = (),
 ) -> int:
     """Restore a checkpoint given its ``manifest`` and ``load_rank(r)``, saved rank ``r``'s state; returns its step.
 

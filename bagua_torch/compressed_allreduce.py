@@ -11,5 +11,5 @@ from bagua_common.algorithms.compressed_allreduce import CompressedAllreduce
 from bagua_torch import ops
 
 PIPELINES = CompressedAllreduce(ops)
-"""``minmax_allreduce``, ``sign_allreduce`` and their flat-or-two-level forms ``minmax_over`` and ``sign_over``,
+"""``minmax_allreduce`` and ``sign_allreduce``, flat or (with ``levels=``) in two levels,
 on torch tensors."""

@@ -18,11 +18,9 @@ nccl does it); jobs on the native MPI engine alone keep :mod:`bagua_torch.checkp
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -31,14 +29,12 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from bagua_common.job.checkpoint import (
     DamagedCheckpointError,
-    checkpoint_dir,
     checkpoint_to_restore,
-    commit,
     read_manifest,
     verify_files,
 )
-from bagua_torch.bagua_module import BaguaModule
-from bagua_torch.checkpoint import EXTRA_STATE, manifest_for, optimizer_list, rank_state, restore_states
+from bagua_torch.bagua_module import BaguaModule, Optimizers
+from bagua_torch.checkpoint import EXTRA_STATE, optimizer_list, rank_state, restore_states, save_committed
 
 ITEM = "bagua"
 
@@ -54,9 +50,7 @@ class RankState(Stateful):
     ``load_state_dict`` takes back what ``state_dict`` gave (same world size).
     """
 
-    def __init__(
-        self, model: BaguaModule, optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer], step: int
-    ):
+    def __init__(self, model: BaguaModule, optimizers: Optimizers, step: int):
         self.model = model
         self.optimizers = optimizer_list(optimizers)
         self.step = step
@@ -85,7 +79,7 @@ def _require_torch_distributed() -> None:
 def save(
     root: str | os.PathLike,
     model: BaguaModule,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+    optimizers: Optimizers = (),
     *,
     step: int,
 ) -> Path:
@@ -94,14 +88,13 @@ def save(
     Every rank calls it; it returns once the checkpoint is committed.
     """
     _require_torch_distributed()
-    world = model.communicators.world
-    directory = checkpoint_dir(root, step)
-    dcp.save({ITEM: RankState(model, optimizers, step)}, checkpoint_id=directory)
-    world.barrier()
-    if world.rank == 0:
-        commit(directory, manifest_for(model, step), shard_pattern="__{rank}_*.distcp")
-    world.barrier()
-    return directory
+    return save_committed(
+        root,
+        model,
+        step,
+        lambda directory, _: dcp.save({ITEM: RankState(model, optimizers, step)}, checkpoint_id=directory),
+        shard_pattern="__{rank}_*.distcp",
+    )
 
 
 def load_rank(directory: str | os.PathLike, rank: int) -> dict[str, Any]:
@@ -136,11 +129,7 @@ def _integer_keys(value: Any) -> Any:
     return value
 
 
-def restore(
-    root: str | os.PathLike,
-    model: BaguaModule,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
-) -> int:
+def restore(root: str | os.PathLike, model: BaguaModule, optimizers: Optimizers = ()) -> int:
     """Load the newest committed DCP checkpoint under ``root`` (or the checkpoint folder ``root``); returns its step.
 
     Call it on every rank, right after wrapping the model and building the optimizers. Every

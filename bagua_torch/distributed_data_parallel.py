@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from bagua_torch.algorithms.base import Algorithm
-from bagua_torch.bagua_module import BaguaModule, SyncPoint
+from bagua_torch.bagua_module import BaguaModule, Optimizers, SyncPoint
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES
 
 __all__ = ["DistributedDataParallel"]
@@ -49,7 +49,7 @@ class DistributedDataParallel(BaguaModule):
         static_graph: bool = False,
         *,
         algorithm: str | Algorithm = "gradient_allreduce",
-        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] = (),
+        optimizers: Optimizers = (),
         sync_point: SyncPoint = "backward",
     ):
         if not isinstance(module, nn.Module):

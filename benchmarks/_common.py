@@ -41,6 +41,20 @@ def add_out_option(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
 
 
+def add_timeout_options(parser: argparse.ArgumentParser, comm: float, job: float) -> None:
+    """``--comm-timeout`` and ``--job-timeout`` (defaults ``comm`` and ``job`` seconds): how long a collective waits
+    for its peers, and how long a whole job may run before it is killed."""
+    parser.add_argument("--comm-timeout", type=float, default=comm, help="seconds a collective waits for its peers")
+    parser.add_argument("--job-timeout", type=float, default=job, help="seconds a job may run before it is killed")
+
+
+def rotated(items: Sequence[Any], repeat: int) -> list[Any]:
+    """``items`` rotated left by ``repeat``: interleaved repeats start from a different item each, so that no item
+    always runs first (or right after the same neighbour)."""
+    shift = repeat % len(items)
+    return [*items[shift:], *items[:shift]]
+
+
 def cores() -> int:
     """The CPU cores this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -134,9 +134,10 @@ def worker_jax(args: argparse.Namespace) -> None:
         {"w": (rng.standard_normal((a, b)) / math.sqrt(a)).astype(np.float32), "b": np.zeros(b, np.float32)}
         for a, b in zip(MLP_DIMS, MLP_DIMS[1:])
     ]
+    data = np.random.default_rng([1, int(comm.rank())])  # each rank its own batch (DataParallel refuses one for all)
     batch = (
-        jnp.asarray(rng.standard_normal((BATCH, MLP_DIMS[0])), jnp.float32),
-        jnp.asarray(rng.integers(0, MLP_DIMS[-1], BATCH), jnp.int32),
+        jnp.asarray(data.standard_normal((BATCH, MLP_DIMS[0])), jnp.float32),
+        jnp.asarray(data.integers(0, MLP_DIMS[-1], BATCH), jnp.int32),
     )
 
     def loss_fn(params: Any, batch: Any) -> jax.Array:

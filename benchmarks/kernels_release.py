@@ -1,7 +1,8 @@
 """The native kernels of this tree against those of a release, side by side: ``kernels.py --against REF``.
 
 Builds the git ref ``REF`` (its CPU kernels only) from ``git archive`` into
-``build/release-<commit>/`` (kept, so a second run starts at once), then starts two worker
+``~/.cache/bagua/releases/<commit>-<python>-jaxlib<version>/`` (``$XDG_CACHE_HOME`` if set; kept, so
+a second run from any checkout of the repository starts at once), then starts two worker
 processes: one imports this tree's ``bagua_jax`` and the installed native library, the other the
 release's package and library only. Both time the same kernels on the same inputs (``kernels.py``'s
 ``NativeJax``: ``bagua_jax.ops`` under ``jax.jit``, float32, ``k`` chunks). The driver asks them for
@@ -47,13 +48,22 @@ def release_commit(ref: str) -> str:
     return result.stdout.strip()
 
 
+def release_home(commit: str) -> Path:
+    """Where ``commit``'s build is kept: one folder per commit, Python and jaxlib (the build
+    compiles against this environment's jaxlib), shared by every checkout on this machine."""
+    from importlib.metadata import version
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return cache / "bagua" / "releases" / f"{commit}-{sys.implementation.cache_tag}-jaxlib{version('jaxlib')}"
+
+
 def build_release(commit: str) -> Path:
-    """Build ``commit``'s package (CPU kernels, no CUDA/NCCL/MPI engines) into ``build/release-<commit>/site``.
+    """Build ``commit``'s package (CPU kernels, no CUDA/NCCL/MPI engines) into ``release_home(commit)/site``.
 
     Reuses a finished build. Needs ``scikit-build-core`` and ``nanobind`` in this environment
     (the build runs without isolation, against this environment's jaxlib).
     """
-    home = ROOT / "build" / f"release-{commit}"
+    home = release_home(commit)
     site = home / "site"
     if any(site.glob("_bagua_ffi*.so")):
         return site

@@ -100,6 +100,12 @@ def rate_label(bits: int | None) -> str:
     return f"{bits} bit/s"
 
 
+def add_link_options(parser: argparse.ArgumentParser) -> None:
+    """``--ranks N`` (default 4) and ``--rate R`` (default 100 Mbit/s): the emulated network a study's jobs run on."""
+    parser.add_argument("--ranks", type=int, default=4, help="ranks, one namespace each")
+    parser.add_argument("--rate", default="100mbit", help="per-rank link rate ('none': unshaped)")
+
+
 def _run(argv: Sequence[str], check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:

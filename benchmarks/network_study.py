@@ -90,9 +90,28 @@ CPU_UNSUPPORTED = ("ddp_bf16",)
 # The models timed: the synthetic benchmark's mlp (width, hidden layers, image side); "mlp" is the
 # study's original 1.84M-parameter model, "matrices" one whose gradient is mostly 1024x1024 matrices.
 MODELS = {"mlp": (512, 2, 32), "matrices": (1024, 4, 16)}
+# The project's GPT (bagua_common.workload) by size, as the synthetic benchmark names it: batches are windows of
+# its context plus one corpus bytes.
+GPT_MODELS = ("gpt-tiny", "gpt-small")
 FRAMEWORKS = ("torch", "jax")
 # Slowest links first: the points the study is about are measured even if it is cut short.
 DEFAULT_RATES = ["100mbit", "300mbit", "1gbit", "10gbit", "none"]
+
+
+JOB_OPTIONS = ("lr", "warmup_iters", "iters", "batches_per_iter", "comm_timeout", "job_timeout", "tail_lines")
+"""What :func:`run_job` reads from its arguments besides ``batch_size`` and ``jax_comm``: the options of
+:func:`add_job_options`."""
+
+
+def add_job_options(parser: argparse.ArgumentParser, job_timeout: float) -> None:
+    """The options of :data:`JOB_OPTIONS`, for a script that runs :func:`run_job`: the worker's learning rate and
+    iterations, the timeouts (a job's default ``job_timeout`` seconds) and how much of a failed job's log is kept."""
+    parser.add_argument("--lr", type=float, default=0.01)
+    parser.add_argument("--warmup-iters", type=int, default=2, help="untimed iterations per job")
+    parser.add_argument("--iters", type=int, default=3, help="timed iterations per job")
+    parser.add_argument("--batches-per-iter", type=int, default=2, help="steps per iteration")
+    _common.add_timeout_options(parser, comm=90, job=job_timeout)
+    parser.add_argument("--tail-lines", type=int, default=8, help="last lines of a failed job's log kept in its row")
 
 
 def job_list(args) -> list[tuple[str, str]]:
@@ -108,11 +127,11 @@ def job_list(args) -> list[tuple[str, str]]:
 
 
 def worker_argv(args, framework: str, algorithm: str, result: Path, model: str, convergence: bool) -> list[str]:
-    width, layers, image_size = MODELS[model]
+    width, layers, image_size = MODELS.get(model, MODELS["mlp"])
     shared = ("batch_size", "lr", "warmup_iters", "iters", "batches_per_iter", "comm_timeout", "jax_comm")
     options = {name: getattr(args, name) for name in shared}
     options.update(
-        model="mlp",
+        model=model if model in GPT_MODELS else "mlp",
         width=width,
         layers=layers,
         image_size=image_size,
@@ -199,6 +218,10 @@ def run_job(
 
 
 def parameter_count(model: str) -> int:
+    if model in GPT_MODELS:
+        from bagua_common.workload import gpt_config
+
+        return gpt_config(model.removeprefix("gpt-")).parameter_count
     width, layers, image_size = MODELS[model]
     dims = [3 * image_size**2] + [width] * layers + [10]
     return sum(a * b + b for a, b in zip(dims, dims[1:]))
@@ -422,6 +445,7 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
             f"'{m}' ({MODELS[m][2]}x{MODELS[m][2]}x3 input, {MODELS[m][1]} hidden layers of {MODELS[m][0]}, "
             f"{parameter_count(m):,} parameters, {parameter_count(m) * 4 / 1e6:.1f} MB of fp32 gradient)"
             for m in models
+            if m in MODELS
         )
         + f"; batch {meta['settings']['batch_size']} per rank, 1 torch thread per rank; "
         f"{meta['settings']['warmup_iters']} untimed + {meta['settings']['iters']} timed iterations of "
@@ -517,7 +541,9 @@ def parse_args(argv=None):
         "--convergence-steps", type=int, default=200, help="digits training steps after the timing, per job (0: off)"
     )
     p.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per link (needs netem)")
-    p.add_argument("--models", nargs="+", default=["mlp"], choices=list(MODELS), help="models timed (default: mlp)")
+    p.add_argument(
+        "--models", nargs="+", default=["mlp"], choices=[*MODELS, *GPT_MODELS], help="models timed (default: mlp)"
+    )
     p.add_argument(
         "--repeats", type=int, default=1, help="times every job runs, interleaved: each round covers every rate and job"
     )
@@ -536,15 +562,9 @@ def parse_args(argv=None):
         "synchronous variants compute the same numbers everywhere; default: in every job)",
     )
     p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--lr", type=float, default=0.01)
-    p.add_argument("--warmup-iters", type=int, default=2)
-    p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--batches-per-iter", type=int, default=2)
-    p.add_argument("--job-timeout", type=float, default=150)
-    p.add_argument("--comm-timeout", type=float, default=90)
+    add_job_options(p, job_timeout=150)
     p.add_argument("--study-timeout", type=float, default=7200, help="stop starting jobs after this many seconds")
-    p.add_argument("--tail-lines", type=int, default=8)
-    p.add_argument("--out", type=Path, default=HERE / "results")
+    _common.add_out_option(p)
     p.add_argument("--name", default="network-study")
     p.add_argument("--append", action="store_true", help="add to the rows of an existing json (same settings)")
     p.add_argument("--replot", action="store_true", help="only rewrite md + png from the json")

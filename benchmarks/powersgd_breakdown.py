@@ -56,19 +56,28 @@ def _layout(shapes: list[tuple[int, ...]], rank: int) -> tuple[list[tuple[int, t
     return compressed, [i for i in range(len(shapes)) if i not in done]
 
 
+def _synthetic_model(model: str) -> tuple[str, list, int]:
+    """The synthetic benchmark's name of ``model``, its initial parameters and its image side (0 for a GPT)."""
+    if model in network_study.GPT_MODELS:
+        return model, synthetic.init_params(model, 0, 0, 0), 0
+    width, layers, image_size = network_study.MODELS[model]
+    return "mlp", synthetic.init_params("mlp", image_size, width, layers), image_size
+
+
 def worker_torch(args: argparse.Namespace) -> dict[str, list[float]]:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from bagua_torch.algorithms.powersgd import orthogonalize_all
+    from bagua_torch.algorithms.powersgd import narrow_product, orthogonalize_all
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    width, layers, image_size = network_study.MODELS[args.model]
-    net = synthetic.torch_model("mlp", synthetic.init_params("mlp", image_size, width, layers))
+    name, arrays, image_size = _synthetic_model(args.model)
+    net = synthetic.torch_model(name, arrays)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    x, y = (torch.from_numpy(a) for a in synthetic.random_batch(args.batch_size, image_size, dist.get_rank()))
+    batch = synthetic.random_batch(args.batch_size, image_size, dist.get_rank(), name)
+    x, y = (torch.from_numpy(a) for a in batch)
     y = y.long()
     params = list(net.parameters())
     compressed, plain = _layout([tuple(p.shape) for p in params], args.rank)
@@ -85,8 +94,8 @@ def worker_torch(args: argparse.Namespace) -> dict[str, list[float]]:
         optimizer.step()
         t1 = time.perf_counter()
         ms = [params[i].grad.reshape(view) + e for (i, view, _), e in zip(compressed, residuals)]
-        ps = orthogonalize_all([m @ q for m, q in zip(ms, qs)])
-        qs = [m.T @ p for m, p in zip(ms, ps)]
+        ps = orthogonalize_all([narrow_product(m, q) for m, q in zip(ms, qs)])
+        qs = [narrow_product(m.T, p) for m, p in zip(ms, ps)]
         residuals = [m - p @ q.T for m, p, q in zip(ms, ps, qs)]
         t2 = time.perf_counter()
         dist.barrier()
@@ -111,11 +120,12 @@ def worker_jax(args: argparse.Namespace) -> dict[str, list[float]]:
     from bagua_jax.algorithms.powersgd import orthogonalize_all
 
     comm = NativeCommunicator.world(timeout=120)
-    width, layers, image_size = network_study.MODELS[args.model]
-    params = [jnp.asarray(p) for p in synthetic.init_params("mlp", image_size, width, layers)]
-    loss_fn = synthetic.jax_model("mlp")
+    name, arrays, image_size = _synthetic_model(args.model)
+    params = [jnp.asarray(p) for p in arrays]
+    loss_fn = synthetic.jax_model(name)
     optimizer = optax.sgd(0.01, momentum=0.9)
-    batch = tuple(jnp.asarray(a) for a in synthetic.random_batch(args.batch_size, image_size, int(os.environ["RANK"])))
+    rank = int(os.environ["RANK"])
+    batch = tuple(jnp.asarray(a) for a in synthetic.random_batch(args.batch_size, image_size, rank, name))
     compressed, plain = _layout([tuple(p.shape) for p in params], args.rank)
 
     @jax.jit
@@ -176,8 +186,7 @@ def p_shapes(args: argparse.Namespace) -> dict[str, list[tuple[int, int]]]:
 
     shapes = {}
     for model in args.models:
-        width, layers, image_size = network_study.MODELS[model]
-        shapes[model] = [tuple(p.shape) for p in synthetic.init_params("mlp", image_size, width, layers)]
+        shapes[model] = [tuple(p.shape) for p in _synthetic_model(model)[1]]
     for size in args.gpt_sizes:
         shapes[f"gpt-{size}"] = list(gpt_config(size).parameter_shapes().values())
     return {name: [(view[0], r) for _, view, r in _layout(s, args.rank)[0]] for name, s in shapes.items()}
@@ -327,7 +336,12 @@ def run(args: argparse.Namespace) -> None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rates", nargs="+", default=["100mbit", "none"])
-    p.add_argument("--models", nargs="+", default=list(network_study.MODELS), choices=list(network_study.MODELS))
+    p.add_argument(
+        "--models",
+        nargs="+",
+        default=list(network_study.MODELS),
+        choices=[*network_study.MODELS, *network_study.GPT_MODELS],
+    )
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     p.add_argument("--steps", type=int, default=10)
@@ -342,7 +356,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --orthogonalize")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--framework", choices=("torch", "jax"), help=argparse.SUPPRESS)
-    p.add_argument("--model", choices=list(network_study.MODELS), help=argparse.SUPPRESS)
+    p.add_argument("--model", choices=[*network_study.MODELS, *network_study.GPT_MODELS], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     return p.parse_args(argv)
 

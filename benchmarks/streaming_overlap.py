@@ -56,15 +56,6 @@ class InStepCommunicator:
         return getattr(self._comm, name)
 
 
-def _sent_bytes() -> int:
-    """Bytes sent on this namespace's rank interface so far."""
-    for line in Path("/proc/net/dev").read_text().splitlines():
-        name, _, counters = line.partition(":")
-        if name.strip() == nh.RANK_IF:
-            return int(counters.split()[8])
-    return 0
-
-
 def worker(job_path: str) -> None:
     """One rank of a job (under ``bagua-launch --mpi``): train, time every step, write ``<result>.rank<r>``."""
     import jax
@@ -109,12 +100,12 @@ def worker(job_path: str) -> None:
     # The timed steps start right after a fragment was applied: no exchange is on the wire, in either mode.
     for _ in range(job["warmup_rounds"] * h + h // p - 1):
         state = jax.block_until_ready(step(*state))[:2]
-    times, sent = [], _sent_bytes()
+    times, sent = [], _common.bytes_sent()
     for _ in range(job["rounds"] * h):
         start = time.perf_counter()
         state = jax.block_until_ready(step(*state))[:2]
         times.append(time.perf_counter() - start)
-    sent = (_sent_bytes() - sent) / len(times)
+    sent = (_common.bytes_sent() - sent) / len(times)
     Path(f"{job['result']}.rank{rank}").write_text(json.dumps({"step_s": times, "bytes_sent_per_step": sent}))
 
 
@@ -203,8 +194,7 @@ def table_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--rate", default="100mbit")
+    nh.add_link_options(parser)
     parser.add_argument("--fragments", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--outer-exchange", default="fp32", choices=("fp32", "bf16", "uint8", "uint4"))
@@ -214,8 +204,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--comm-timeout", type=float, default=120.0)
-    parser.add_argument("--job-timeout", type=float, default=300.0)
+    _common.add_timeout_options(parser, comm=120, job=300)
     _common.add_out_option(parser)
     return parser.parse_args(argv)
 
@@ -239,7 +228,7 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="streaming-overlap-") as tmp, nh.Network(args.ranks, args.rate) as net:
         for repeat in range(args.repeats):
             for fragments in args.fragments:
-                for mode in MODES[repeat % len(MODES) :] + MODES[: repeat % len(MODES)]:
+                for mode in _common.rotated(MODES, repeat):
                     row = run_job(args, net, mode, fragments, Path(tmp))
                     rows.append({**row, "repeat": repeat})
                     print(json.dumps(rows[-1]), flush=True)

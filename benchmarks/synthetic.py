@@ -100,7 +100,8 @@ import _common
 import numpy as np
 
 FRAMEWORKS = ("jax", "torch")
-MODELS = ("mlp", "cnn")
+# "gpt-<size>": the project's GPT (bagua_common.workload) of that size on windows of its corpus.
+MODELS = ("mlp", "cnn", "gpt-tiny", "gpt-small", "gpt-gpt2")
 BASELINES = {"jax": "pmean", "torch": "ddp"}
 BASELINE_LABELS = {"pmean": "jax.lax.pmean (shard_map)", "ddp": "torch DDP"}
 REFERENCE = "gradient_allreduce"
@@ -162,6 +163,10 @@ def init_params(model: str, image_size: int, width: int, layers: int, seed: int 
     Dense weights are ``[in, out]`` (torch's Linear takes the transpose); conv weights are
     ``[out, in, kh, kw]`` (OIHW, torch's layout). He-uniform weights, zero biases.
     """
+    if model.startswith("gpt-"):
+        from bagua_common.workload.gpt_spec import init_gpt_params
+
+        return list(init_gpt_params(model.removeprefix("gpt-"), seed).values())
     rng = np.random.default_rng(seed)
 
     def uniform(shape: tuple[int, ...], fan_in: int) -> np.ndarray:
@@ -185,8 +190,14 @@ def init_params(model: str, image_size: int, width: int, layers: int, seed: int 
     return params
 
 
-def random_batch(batch_size: int, image_size: int, rank: int) -> tuple[np.ndarray, np.ndarray]:
-    """One rank's fixed batch: NCHW float32 images and int labels."""
+def random_batch(batch_size: int, image_size: int, rank: int, model: str = "mlp") -> tuple[np.ndarray, np.ndarray]:
+    """One rank's fixed batch: NCHW float32 images and int labels; for a GPT, windows of its context plus one
+    corpus bytes and the flat next bytes (the labels of its flat logits)."""
+    if model.startswith("gpt-"):
+        from bagua_common.workload import gpt_config, load_corpus
+
+        tokens = load_corpus().batch(0, 0, rank, batch_size, gpt_config(model.removeprefix("gpt-")).context + 1)
+        return tokens, tokens[:, 1:].reshape(-1)
     rng = np.random.default_rng(1000 + rank)
     x = rng.standard_normal((batch_size, CHANNELS, image_size, image_size), dtype=np.float32)
     y = rng.integers(0, NUM_CLASSES, batch_size).astype(np.int32)
@@ -199,6 +210,18 @@ def jax_model(model: str):
     import jax.numpy as jnp
     import optax
     from jax import lax
+
+    if model.startswith("gpt-"):
+        from bagua_common.workload import gpt_config
+        from bagua_jax.models.gpt import gpt_loss_fn
+
+        size = model.removeprefix("gpt-")
+        names, next_token_loss = list(gpt_config(size).parameter_shapes()), gpt_loss_fn(size)
+
+        def gpt_loss(params, batch):
+            return next_token_loss(dict(zip(names, params)), {"tokens": batch[0]})
+
+        return gpt_loss
 
     def conv(x, w, b):
         y = lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NCHW", "OIHW", "NCHW"))
@@ -227,10 +250,25 @@ def jax_model(model: str):
 
 
 def torch_model(model: str, params: Sequence[np.ndarray]):
-    """The model as a ``torch.nn.Module`` holding ``params``."""
+    """The model as a ``torch.nn.Module`` holding ``params`` (a GPT's returns its logits flat, one row per token)."""
     import torch
     from torch import nn
 
+    if model.startswith("gpt-"):
+        from bagua_common.workload import gpt_config
+        from bagua_torch.models.gpt import GPT
+
+        class FlatLogits(nn.Module):
+            def __init__(self, gpt: nn.Module):
+                super().__init__()
+                self.gpt = gpt
+
+            def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+                logits = self.gpt(tokens[:, :-1])
+                return logits.reshape(-1, logits.shape[-1])
+
+        size = model.removeprefix("gpt-")
+        return FlatLogits(GPT(size, dict(zip(gpt_config(size).parameter_shapes(), params))))
     if model == "cnn":
         hidden, flat = params[4].shape[1], params[4].shape[0]
         net = nn.Sequential(
@@ -547,7 +585,7 @@ def _measure_job(
 ) -> dict[str, Any]:
     """Time ``job``'s steps on one random batch (``wait(state)`` returns once a run of steps is done), then with
     --convergence-steps train the digits MLP set up by ``digits_setup``; finishes the job."""
-    batch = job.place(*random_batch(args.batch_size, args.image_size, rank))
+    batch = job.place(*random_batch(args.batch_size, args.image_size, rank, args.model))
 
     def run(n: int, state):
         for _ in range(n):

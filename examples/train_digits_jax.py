@@ -5,7 +5,7 @@ under MPI for the native communicator::
 
     bagua-launch --nproc-per-node 2 --mpi examples/train_digits_jax.py --algorithm bytegrad
 
-Each rank trains on its own slice of every global batch; rank 0 prints the loss,
+Each rank trains on its own slice of every global batch; rank 0 prints the loss (the mean over the ranks),
 the throughput and, at the end, the test accuracy of every rank's model.
 """
 

@@ -21,6 +21,20 @@ def assert_params_equal(a: dict, b: dict, msg: str = "") -> None:
         np.testing.assert_array_equal(value, b[k], err_msg=f"{msg} {k}")
 
 
+def assert_tree_equal(got, want, msg: str = "") -> None:
+    """Assert two nested trees of dicts, lists and tuples hold the same keys, lengths and leaves bit for bit."""
+    if isinstance(want, dict):
+        assert got.keys() == want.keys(), msg
+        for key in want:
+            assert_tree_equal(got[key], want[key], f"{msg}/{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), msg
+        for i, (a, b) in enumerate(zip(got, want)):
+            assert_tree_equal(a, b, f"{msg}[{i}]")
+    else:
+        np.testing.assert_array_equal(got, want, err_msg=msg)
+
+
 def max_diff(a: dict, b: dict) -> float:
     """The largest absolute difference between two ``{name: array}`` dicts."""
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)

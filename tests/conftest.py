@@ -11,8 +11,24 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
 
 
+SEED_FIXTURES = ("rng", "seed")
+"""The fixtures through which a test's data depends on SEED; conftest marks the tests that use one ``seeded``."""
+
+
 def pytest_report_header(config):
     return f"random data seed: BAGUA_TEST_SEED={SEED}"
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "seeded: its data depends on BAGUA_TEST_SEED (marked by conftest); run these under many seeds"
+    )
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(name in item.fixturenames for name in SEED_FIXTURES):
+            item.add_marker(pytest.mark.seeded)
 
 
 @pytest.fixture
@@ -20,6 +36,12 @@ def rng(request) -> np.random.Generator:
     """Fresh random data each run, reproducible with the seed in the report header."""
     # crc32, not hash(): str hashes change with every interpreter (PYTHONHASHSEED).
     return np.random.default_rng([SEED, zlib.crc32(request.node.nodeid.encode())])
+
+
+@pytest.fixture(scope="session")
+def seed() -> int:
+    """The run's seed itself, for data drawn in other processes or shared by several tests."""
+    return SEED
 
 
 def random_values(rng: np.random.Generator, n: int) -> np.ndarray:

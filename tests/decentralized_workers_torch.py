@@ -24,6 +24,7 @@ from gradient_allreduce_bytegrad_workers_torch import (
     resumed_params,
     saved_after_training,
     setup,
+    train,
 )
 from scenarios import Registry, Scenario, raised
 from torch import nn
@@ -127,16 +128,16 @@ def checkpoint(seed: int, rank: int) -> dict:
         ("lowprec", LowPrecisionDecentralizedAlgorithm()),
     ):
         wrapped, model, opt, buffer = saved_after_training(
-            algorithm, seed, lambda w, o: _steps(w, o, seed, range(3), rank)
+            algorithm, seed, lambda w, o: train(w, o, seed, range(3), rank)
         )
         saved_state = wrapped.algorithm_impl.state_dict()
-        _steps(wrapped, opt, seed, range(3, 6), rank)
+        train(wrapped, opt, seed, range(3, 6), rank)
         continued = params_of(model)
         wrapped.close()
 
         def resume(with_state: bool, algorithm=algorithm, buffer=buffer) -> dict:
             return resumed_params(
-                buffer, algorithm, seed, with_state, lambda w, o: _steps(w, o, seed, range(3, 6), rank)
+                buffer, algorithm, seed, with_state, lambda w, o: train(w, o, seed, range(3, 6), rank)
             )
 
         out[label] = {
@@ -147,14 +148,6 @@ def checkpoint(seed: int, rank: int) -> dict:
             "saved_keys": sorted(saved_state),
         }
     return out
-
-
-def _steps(wrapped, opt, seed: int, steps: range, rank: int) -> None:
-    for step in steps:
-        x, y = batch(seed, step, rank)
-        opt.zero_grad()
-        loss_fn(wrapped, x, y).backward()
-        opt.step()
 
 
 @scenario

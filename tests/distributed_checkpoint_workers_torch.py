@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from checkpoint_workers_torch import report
-from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, batch, loss_fn, make_mlp, setup
+from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, make_mlp, setup, train
 
 LR = 0.05
 ALGORITHMS = ("bytegrad", "decentralized", "diloco")
@@ -26,14 +27,6 @@ def build(name: str, seed: int):
         "diloco": lambda: A.DiLoCoAlgorithm(sync_every=3),
     }[name]()
     return bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET), optimizer
-
-
-def train(model, optimizer, seed: int, steps: range, rank: int) -> None:
-    for step in steps:
-        x, y = batch(seed, step, rank)
-        optimizer.zero_grad()
-        loss_fn(model, x, y).backward()
-        optimizer.step()
 
 
 def save_resume_damage(seed: int, root: str) -> dict:
@@ -92,33 +85,36 @@ def damaged_restores(model, optimizer, first: Path, second: Path, group) -> dict
     return errors
 
 
-def restore_alone(seed: int, root: str) -> dict:
-    """One rank restores every algorithm's 2-rank step-4 checkpoint and reports what it got; it then trains a step
-    and saves that one-rank state as step 5 under ``root/one_rank`` (reported as ``saved``) for :func:`restore_two`."""
-    from bagua_torch.distributed_checkpoint import restore, save
-
-    setup(backend="gloo")
-    results = {}
-    for name in ALGORITHMS:
-        model, optimizer = build(name, seed + 1)
-        step = restore(f"{root}/{name}/step_000000004", model, optimizer)
-        results[name] = {"step": step, **report(model, optimizer)}
-        train(model, optimizer, seed, range(step, step + 1), 0)
-        save(f"{root}/one_rank/{name}", model, optimizer, step=step + 1)
-        results[name]["saved"] = report(model, optimizer)
-        model.close()
-    return results
-
-
-def restore_two(seed: int, root: str) -> dict:
-    """Each of two ranks restores every algorithm's one-rank step-5 checkpoint and reports what it got."""
+def restore_each(seed: int, checkpoint: Callable[[str], str], then: Callable | None = None) -> dict:
+    """Per algorithm: a model built from ``seed`` restores ``checkpoint(name)``; reports the step and the state, and
+    what ``then(name, model, optimizer, step)`` returns (a dict) when given."""
     from bagua_torch.distributed_checkpoint import restore
 
     setup(backend="gloo")
     results = {}
     for name in ALGORITHMS:
-        model, optimizer = build(name, seed + 2)
-        step = restore(f"{root}/one_rank/{name}/step_000000005", model, optimizer)
+        model, optimizer = build(name, seed)
+        step = restore(checkpoint(name), model, optimizer)
         results[name] = {"step": step, **report(model, optimizer)}
+        if then is not None:
+            results[name].update(then(name, model, optimizer, step))
         model.close()
     return results
+
+
+def restore_alone(seed: int, root: str) -> dict:
+    """One rank restores every algorithm's 2-rank step-4 checkpoint and reports what it got; it then trains a step
+    and saves that one-rank state as step 5 under ``root/one_rank`` (reported as ``saved``) for :func:`restore_two`."""
+    from bagua_torch.distributed_checkpoint import save
+
+    def train_and_save(name, model, optimizer, step):
+        train(model, optimizer, seed, range(step, step + 1), 0)
+        save(f"{root}/one_rank/{name}", model, optimizer, step=step + 1)
+        return {"saved": report(model, optimizer)}
+
+    return restore_each(seed + 1, lambda name: f"{root}/{name}/step_000000004", train_and_save)
+
+
+def restore_two(seed: int, root: str) -> dict:
+    """Each of two ranks restores every algorithm's one-rank step-5 checkpoint and reports what it got."""
+    return restore_each(seed + 2, lambda name: f"{root}/one_rank/{name}/step_000000005")

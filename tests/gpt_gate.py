@@ -1,10 +1,12 @@
 """The convergence gate's run, shared by both front ends: what every algorithm trains, and how it is judged.
 
-The ``tiny`` GPT on 2 ranks, STEPS steps of BATCH windows of the corpus per rank (each rank's tokens from
-``(seed, step, rank)``), AdamW (lr LR) as the optimizer of every algorithm but the Adam-type ones, which are
-their own optimizer (Adam, same lr, WARMUP steps of full-precision warm-up). Each algorithm runs with its
-registry defaults except the options in OPTIONS, which fit the run into STEPS (a warm-up, a round length, an
-averaging interval that a few hundred short steps can see).
+The ``tiny`` GPT, STEPS steps of NRANKS x BATCH windows of the corpus (each rank's tokens from ``(seed, step,
+rank)``): JAX on a mesh of NRANKS devices, BATCH windows per rank; torch on TORCH_NODES nodes of NRANKS ranks
+(``local_world_size=NRANKS``), BATCH // TORCH_NODES windows per rank, so that its hierarchical algorithms train on
+both levels. AdamW (lr LR) is the optimizer of every algorithm but the Adam-type ones, which are their own
+optimizer (Adam, same lr, WARMUP steps of full-precision warm-up). Each algorithm runs with its registry defaults
+except the options in OPTIONS, which fit the run into STEPS (a warm-up, a round length, an averaging interval
+that a few hundred short steps can see).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 
 SIZE, NRANKS, STEPS, BATCH, LR, WEIGHT_DECAY, WARMUP = "tiny", 2, 150, 4, 3e-3, 0.01, 40
 HELDOUT_WINDOWS = 32
+TORCH_NODES = 2
 
 OPTIONS: dict[str, dict] = {
     "qadam": {"warmup_steps": WARMUP},

@@ -54,23 +54,24 @@ def _algorithm(name: str, model: torch.nn.Module):
 
 
 def gate(names: list[str], seed: int) -> dict:
-    """Train a fresh ``tiny`` GPT with each algorithm of ``names`` in turn; this rank's gate summary of each."""
-    from gpt_gate import BATCH, HELDOUT_WINDOWS, SIZE, STEPS, summary
+    """Train a fresh ``tiny`` GPT with each algorithm of ``names`` in turn, on the gate's nodes of NRANKS ranks;
+    this rank's gate summary of each."""
+    from gpt_gate import BATCH, HELDOUT_WINDOWS, NRANKS, SIZE, STEPS, TORCH_NODES, summary
 
     import bagua_torch
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
-    bagua_torch.init_process_group(timeout=60)
+    group = bagua_torch.init_process_group(timeout=60, local_world_size=NRANKS, local_rank=rank % NRANKS)
     corpus = load_corpus()
-    out = {"rank": rank}
+    out = {"rank": rank, "hierarchical": group.communicators.hierarchical}
     for name in names:
         model = GPT(SIZE, init_gpt_params(SIZE, seed))
         optimizer, algorithm = _algorithm(name, model)
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm)
         length = model.config.context + 1
         for step in range(STEPS):
-            tokens = torch.from_numpy(corpus.batch(seed, step, rank, BATCH, length))
+            tokens = torch.from_numpy(corpus.batch(seed, step, rank, BATCH // TORCH_NODES, length))
             optimizer.zero_grad()
             next_token_loss(wrapped(tokens[:, :-1]), tokens).backward()
             optimizer.step()

@@ -117,7 +117,8 @@ def setup(**kwargs):
     return bagua_torch.init_process_group(timeout=60, **kwargs)
 
 
-def _train(model, optimizer, seed: int, steps: range, rank: int) -> list[float]:
+def train(model, optimizer, seed: int, steps: range, rank: int) -> list[float]:
+    """Train ``model`` on this rank's batches of ``steps``; the losses."""
     losses = []
     for step in steps:
         x, y = batch(seed, step, rank)
@@ -144,7 +145,7 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
     reference = make_mlp(seed)
     ddp = nn.parallel.DistributedDataParallel(reference)
     opt = make_optimizer(reference)
-    _train(ddp, opt, seed, range(STEPS), rank)
+    train(ddp, opt, seed, range(STEPS), rank)
     out["torch_ddp"] = params_of(reference)
     variants = {
         "with_bagua": lambda m, o: bagua_torch.with_bagua(
@@ -172,7 +173,7 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
         opt = make_optimizer(model)
         wrapped = wrap(model, opt)
         out[f"{name}/buckets"] = len(wrapped.buckets)
-        out[f"{name}/losses"] = _train(wrapped, opt, seed, range(STEPS), rank)
+        out[f"{name}/losses"] = train(wrapped, opt, seed, range(STEPS), rank)
         out[name] = params_of(model)
         wrapped.close()
 
@@ -180,7 +181,7 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
     reference = make_bn(seed)
     ddp = nn.parallel.DistributedDataParallel(reference)
     opt = make_optimizer(reference)
-    _train(ddp, opt, seed, range(STEPS), rank)
+    train(ddp, opt, seed, range(STEPS), rank)
     out["bn/torch_ddp"] = state_of(reference)
     model = make_bn(seed)
     if rank != 0:
@@ -191,7 +192,7 @@ def ddp_equivalence(seed: int, rank: int) -> dict:
     opt = make_optimizer(model)
     wrapped = bagua_torch.DistributedDataParallel(model)
     out["bn/after_wrap"] = state_of(model)
-    _train(wrapped, opt, seed, range(STEPS), rank)
+    train(wrapped, opt, seed, range(STEPS), rank)
     out["bn/bagua_ddp"] = state_of(model)
     wrapped.close()
     out["communicator"] = type(bagua_torch.get_process_group().world).__name__
@@ -212,7 +213,7 @@ def bytegrad(seed: int, rank: int, sync_point: str = "backward", **options) -> d
     wrapped = bagua_torch.with_bagua(
         model, [opt], ByteGradAlgorithm(**options), bucket_bytes=SMALL_BUCKET, sync_point=sync_point
     )
-    losses = _train(wrapped, opt, seed, range(STEPS), rank)
+    losses = train(wrapped, opt, seed, range(STEPS), rank)
     layout = [(list(b.names), b.size) for b in wrapped.buckets]
     levels = wrapped.algorithm_impl.levels
     wrapped.close()
@@ -379,15 +380,15 @@ def checkpoint(seed: int, rank: int) -> dict:
     from bagua_torch.algorithms import ByteGradAlgorithm
 
     algorithm = ByteGradAlgorithm(hierarchical=False, error_feedback=True)
-    wrapped, model, opt, buffer = saved_after_training(algorithm, seed, lambda w, o: _train(w, o, seed, range(3), rank))
+    wrapped, model, opt, buffer = saved_after_training(algorithm, seed, lambda w, o: train(w, o, seed, range(3), rank))
     residual_norm = float(sum(r.norm() for r in wrapped.algorithm_impl.residuals))
-    _train(wrapped, opt, seed, range(3, 6), rank)
+    train(wrapped, opt, seed, range(3, 6), rank)
     continued = params_of(model)
     keys = sorted(wrapped.state_dict())
     wrapped.close()
 
     def resume(with_state: bool) -> dict:
-        return resumed_params(buffer, algorithm, seed, with_state, lambda w, o: _train(w, o, seed, range(3, 6), rank))
+        return resumed_params(buffer, algorithm, seed, with_state, lambda w, o: train(w, o, seed, range(3, 6), rank))
 
     resumed = resume(True)
     without_state = resume(False)
@@ -461,7 +462,7 @@ def errors(rank: int) -> dict:
     found["second_backward"] = raised(second_backward)
     wrapped.wait_gradients()
     opt.step()
-    found["after_errors_still_works"] = _train(wrapped, opt, 0, range(2), rank)
+    found["after_errors_still_works"] = train(wrapped, opt, 0, range(2), rank)
     wrapped.close()
     return found
 

@@ -15,39 +15,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import numpy as np
 import torch
+from lightning_run import ADAM, BATCH, OPTIONS, dataset, make_model, make_optimizer, sampler
 from torch import nn
-
-ROWS, BATCH = 24, 4  # per epoch: 24 rows over 2 ranks in batches of 4, 3 steps
-OPTIONS = {
-    "gradient_allreduce": {},
-    "bytegrad": {"error_feedback": True},
-    "decentralized": {},
-    "low_precision_decentralized": {},
-    "async": {"sync_interval_ms": 20, "warmup_steps": 2},
-    "qadam": {},
-    "onebit_adam": {},
-    "powersgd": {"rank": 2, "start_iter": 1},
-    "diloco": {"sync_every": 2},
-}
-ADAM = {"qadam": "QAdamOptimizer", "onebit_adam": "OneBitAdamOptimizer"}
-
-
-def make_model(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 2))
-
-
-def make_optimizer(algorithm: str, params) -> torch.optim.Optimizer:
-    if algorithm in ADAM:
-        from bagua_torch import algorithms
-
-        return getattr(algorithms, ADAM[algorithm])(params, lr=0.01, warmup_steps=2)
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
-def dataset(seed: int) -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(seed)
-    return torch.utils.data.TensorDataset(torch.randn(ROWS, 6, generator=g), torch.randn(ROWS, 2, generator=g))
 
 
 class Regression(pl.LightningModule):
@@ -65,11 +34,6 @@ class Regression(pl.LightningModule):
     def train_dataloader(self):
         data = dataset(self.seed)
         return torch.utils.data.DataLoader(data, batch_size=BATCH, sampler=sampler(data, self.global_rank))
-
-
-def sampler(data: torch.utils.data.Dataset, rank: int) -> torch.utils.data.DistributedSampler:
-    """This rank's rows, in order (Lightning keeps a DistributedSampler it is given)."""
-    return torch.utils.data.DistributedSampler(data, num_replicas=2, rank=rank, shuffle=False)
 
 
 def fit(algorithm: str, seed: int, epochs: int, checkpoint: str | None = None, save_in: Path | None = None):

@@ -76,14 +76,25 @@ def rows(leaf, ranks):
     return leaf if leaf.ndim and leaf.shape[0] == ranks else np.broadcast_to(leaf, (ranks, *leaf.shape))
 
 
+def residuals(opt_state) -> dict[str, np.ndarray]:
+    """The error-feedback residuals of an optimizer state, by path."""
+    leaves = jax.tree_util.tree_leaves_with_path(opt_state)
+    return {jax.tree_util.keystr(p): np.asarray(v) for p, v in leaves if "residual" in jax.tree_util.keystr(p)}
+
+
 @pytest.mark.parametrize("old, new", [(4, 2), (2, 4)])
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_restore_into_another_world_size_follows_the_rule(name, old, new, tmp_path, rng):
     make, optimizer = CASES[name]
     before = trainer(make(), optimizer, old)
     state = before.init(initial_params(rng))
-    for _ in range(3):
+    steps = 0
+    # At least 3 steps, and until every residual holds something to reset: right after 1-bit Adam's warm-up the
+    # ranks' momenta share their signs almost everywhere, and a server chunk of equal magnitudes compresses exactly.
+    while steps < 3 or not all(np.any(leaf) for leaf in residuals(state.opt_state).values()):
+        assert steps < 20, f"after {steps} steps a residual is still zero: {residuals(state.opt_state)}"
         state, _ = before.step(state, batch(rng))
+        steps += 1
     save(tmp_path, state, before)
     saved = host(state)
     per_rank_params = np.asarray(saved.params["w"]).ndim == 3
@@ -101,7 +112,7 @@ def test_restore_into_another_world_size_follows_the_rule(name, old, new, tmp_pa
     fresh = host(after.init(start))  # a fresh start from the restarted parameters: zero residuals, weight copies
     for key in ("w", "b"):
         np.testing.assert_array_equal(restored.params[key], want_params[key], err_msg=key)
-    assert int(np.asarray(restored.step).reshape(-1)[0]) == 3
+    assert int(np.asarray(restored.step).reshape(-1)[0]) == steps
     saved_leaves = dict(jax.tree_util.tree_leaves_with_path(saved.opt_state))
     fresh_leaves = dict(jax.tree_util.tree_leaves_with_path(fresh.opt_state))
     for path, got in jax.tree_util.tree_leaves_with_path(restored.opt_state):
@@ -110,7 +121,6 @@ def test_restore_into_another_world_size_follows_the_rule(name, old, new, tmp_pa
             want = fresh_leaves[path]  # restarted: zeros, or copies of the restarted parameters
             if "residual" in key:
                 assert not np.any(want), key
-                assert np.any(saved_leaves[path]), f"{key}: nothing to reset"
         elif np.issubdtype(got.dtype, np.floating) and per_rank_params:
             old_rows = rows(saved_leaves[path], old).astype(np.float64)
             want = np.broadcast_to(old_rows.mean(0).astype(got.dtype), got.shape)

@@ -56,7 +56,7 @@ def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
 
         x = load("x", dtype)
         residual = load("residual", np.float32) if feedback == "1" else None
-        for name, bits in (("minmax", 8), ("minmax4", 4)):
+        for name, bits in (("minmax_uint8", 8), ("minmax_uint4", 4)):
             minmax, expected_residual = ref.minmax_compress(x, k, residual, bits=bits)
             np.testing.assert_array_equal(load(name), minmax, err_msg=prefix)
             if residual is not None:

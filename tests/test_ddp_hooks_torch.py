@@ -18,7 +18,6 @@ import numpy as np
 import pytest
 import torch
 from algorithms_reference import max_diff
-from conftest import SEED
 from ddp_hooks_workers_torch import ALGORITHMS
 from multiprocess import run_ranks
 from scenarios import has_mpi
@@ -30,11 +29,11 @@ STATEFUL = ("bytegrad/error_feedback", "powersgd")
 
 
 @pytest.fixture(scope="module", params=["python", "mpiexec"])
-def job(request) -> list[dict]:
+def job(request, seed) -> list[dict]:
     """The job over gloo, and under mpiexec with the native MPI engine as the hooks' communicator."""
     if request.param == "mpiexec" and not has_mpi(bagua_torch.ops.build_info()):
         pytest.skip("no MPI engine or mpiexec here")
-    seed = int(np.random.default_rng([SEED, zlib.crc32(request.param.encode())]).integers(2**31))
+    seed = int(np.random.default_rng([seed, zlib.crc32(request.param.encode())]).integers(2**31))
     target = "ddp_hooks_workers_torch:hooks_match_the_wrapper"
     values = [r.value for r in run_ranks(target, 2, seed, launcher=request.param, timeout=240)]
     for out in values:

@@ -16,29 +16,15 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from algorithms_reference import assert_tree_equal
 from distributed_checkpoint_workers_torch import ALGORITHMS
 from multiprocess import run_ranks
 
-SEED = 5
-
-
-def assert_same(got, want, what):
-    if isinstance(want, dict):
-        assert sorted(got) == sorted(want), what
-        for key in want:
-            assert_same(got[key], want[key], f"{what}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), what
-        for i, (a, b) in enumerate(zip(got, want)):
-            assert_same(a, b, f"{what}[{i}]")
-    else:
-        np.testing.assert_array_equal(got, want, err_msg=what)
-
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, seed):
     root = tmp_path_factory.mktemp("dcp")
-    return root, run_ranks("distributed_checkpoint_workers_torch:save_resume_damage", 2, SEED, str(root), timeout=240)
+    return root, run_ranks("distributed_checkpoint_workers_torch:save_resume_damage", 2, seed, str(root), timeout=240)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -47,7 +33,7 @@ def test_resume_is_bit_for_bit(job, name):
     for rank in ranks:
         result = rank.value[name]
         assert result["step"] == 4
-        assert_same(result["resumed"], result["want"], f"{name} rank {rank.rank}")
+        assert_tree_equal(result["resumed"], result["want"], f"{name} rank {rank.rank}")
     if name != "bytegrad":  # the ranks' parameters drift apart inside a round
         a, b = (r.value[name]["saved"]["params"] for r in ranks)
         assert any(not np.array_equal(a[k], b[k]) for k in a), name
@@ -75,10 +61,10 @@ def test_damaged_checkpoints_are_refused_naming_the_file(job):
 
 
 @pytest.fixture(scope="module")
-def alone(job):
+def alone(job, seed):
     """One rank's job: the 2-rank checkpoints restored, then a step trained and saved (for the 2-rank restore)."""
     root, _ = job
-    (result,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, SEED, str(root), timeout=120)
+    (result,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, seed, str(root), timeout=120)
     return result
 
 
@@ -98,18 +84,18 @@ def test_restore_into_one_rank_follows_the_rule(job, alone):
             assert not any(np.any(r) for r in got["algorithm"]["residuals"]), "residuals not reset"
 
 
-def test_restore_into_two_ranks_follows_the_rule(job, alone):
+def test_restore_into_two_ranks_follows_the_rule(job, alone, seed):
     """1 -> 2: every rule gives each new rank the one old row (carried, or its mean, itself), the step kept, and
     error-feedback residuals restart at zero."""
     root, _ = job
-    ranks = run_ranks("distributed_checkpoint_workers_torch:restore_two", 2, SEED, str(root), timeout=120)
+    ranks = run_ranks("distributed_checkpoint_workers_torch:restore_two", 2, seed, str(root), timeout=120)
     for name in ALGORITHMS:
         saved = alone.value[name]["saved"]
         for rank in ranks:
             got = rank.value[name]
             assert got["step"] == 5
-            assert_same(got["params"], saved["params"], f"{name} rank {rank.rank} params")
-            assert_same(got["optimizer"], saved["optimizer"], f"{name} rank {rank.rank} optimizer")
+            assert_tree_equal(got["params"], saved["params"], f"{name} rank {rank.rank} params")
+            assert_tree_equal(got["optimizer"], saved["optimizer"], f"{name} rank {rank.rank} optimizer")
             if name == "bytegrad":
                 assert any(np.any(r) for r in saved["algorithm"]["residuals"]), "nothing to reset"
                 assert not any(np.any(r) for r in got["algorithm"]["residuals"]), "residuals not reset"

@@ -1,8 +1,9 @@
 """The convergence gate: every registered algorithm of both front ends trains the workload's GPT about as well as
 gradient allreduce with AdamW does, at equal tokens.
 
-``gpt_gate.py`` defines the run: the ``tiny`` GPT on 2 ranks, 150 steps of 4 windows of 64 corpus bytes per rank
-(77K tokens in all), AdamW at lr 3e-3 (the Adam-type algorithms: Adam at the same lr after a 40-step warm-up).
+``gpt_gate.py`` defines the run: the ``tiny`` GPT, 150 steps of 8 windows of 64 corpus bytes (77K tokens in all),
+in JAX on 2 ranks, in torch on 2 nodes of 2 ranks (its hierarchical algorithms train on both levels), AdamW at
+lr 3e-3 (the Adam-type algorithms: Adam at the same lr after a 40-step warm-up).
 Each algorithm's model is judged on 32 held-out windows, every rank's own model (decentralized and asynchronous
 replicas differ):
 
@@ -10,7 +11,8 @@ replicas differ):
   150 the loss (about 2.8-3.2 from 5.5) still falls by 0.1-0.2 per 50 steps, and algorithms that are equivalent
   in expectation end up to 0.15 apart from the same seed (a plateau left a few steps earlier or later), so 0.25 is
   about 75 steps' progress: an algorithm passes if it reaches allreduce's loss within about 1.5x the tokens.
-  DiLoCo, which synchronizes 3 times in the run (``sync_every=50``), trails by about 0.3 and gets 0.45;
+  DiLoCo, which synchronizes 3 times in the run (``sync_every=50``), trails by about 0.3 on 2 ranks and gets 0.45;
+  on torch's 4 ranks of 2 windows each its workers drift further between rounds (0.26-0.46 over 4 seeds): 0.6;
 * every parameter finite, and each parameter tensor's largest magnitude at most 3x the same tensor's under AdamW
   (plus 0.05). A tensor that starts at zero (the biases) holds only how far it moved, which AdamW keeps tiny on
   some (0.04 on a LayerNorm bias) while any optimizer may move a coordinate by about lr per step, and DiLoCo's
@@ -20,8 +22,7 @@ replicas differ):
 Where the time goes (about 90 s on 2 idle cores; more on a loaded machine): the JAX algorithms train on a 2-device
 mesh in this process, one compilation each (~5 s); asynchronous averaging in JAX runs its rounds between steps over
 the native engine, so it runs in a 2-process MPI job; the torch algorithms run one after the other in one
-2-process gloo job (each ~1.5 s of CPU per rank, but ByteGrad ~6 s and PowerSGD ~27 s). Both jobs run while the
-mesh trains.
+4-process gloo job (about 115 s of CPU in all, PowerSGD the most). Both jobs run while the mesh trains.
 """
 
 from __future__ import annotations
@@ -33,8 +34,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from conftest import SEED
-from gpt_gate import BATCH, HELDOUT_WINDOWS, LR, NRANKS, OPTIONS, SIZE, STEPS, WEIGHT_DECAY, summary
+from gpt_gate import BATCH, HELDOUT_WINDOWS, LR, NRANKS, OPTIONS, SIZE, STEPS, TORCH_NODES, WEIGHT_DECAY, summary
 from jax.sharding import Mesh
 from multiprocess import has_mpiexec, run_ranks
 
@@ -46,12 +46,11 @@ from bagua_jax.trainer import DataParallel
 from bagua_torch.algorithms import available_algorithms as torch_algorithms
 
 MARGIN = 0.25
-MARGINS = {"diloco": 0.45}
-"""Held-out loss (nats per byte) an algorithm may trail gradient allreduce by (see the module docstring)."""
+MARGINS = {("jax", "diloco"): 0.45, ("torch", "diloco"): 0.6}
+"""Held-out loss (nats per byte) a (front end, algorithm) may trail gradient allreduce by (see the module docstring)."""
 MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
 
 JAX_NATIVE_ONLY = ("async",)  # its rounds run between steps over the native engine, not on a mesh
-_runs: dict[str, dict[str, list[dict]]] = {}
 
 
 def _jax_mesh_run(name: str, seed: int) -> list[dict]:
@@ -93,24 +92,29 @@ def _in_thread(target, *args, **kwargs) -> tuple[threading.Thread, dict]:
     return thread, box
 
 
-def runs() -> dict[str, dict[str, list[dict]]]:
-    """front end -> algorithm -> every rank's summary; trained once per session."""
-    if _runs:
-        return _runs
-    seed = zlib.crc32(f"{SEED}:gpt-gate".encode())
-    jobs = {"torch": _in_thread(run_ranks, "gpt_workers_torch:gate", NRANKS, torch_algorithms(), seed, timeout=600)}
+@pytest.fixture(scope="module")
+def runs(seed) -> dict[str, dict[str, list[dict]]]:
+    """front end -> algorithm -> every rank's summary, and "torch_hierarchical": whether every torch rank had
+    two levels; trained once per session."""
+    seed = zlib.crc32(f"{seed}:gpt-gate".encode())
+    torch_ranks = NRANKS * TORCH_NODES
+    jobs = {
+        "torch": _in_thread(run_ranks, "gpt_workers_torch:gate", torch_ranks, torch_algorithms(), seed, timeout=600)
+    }
     if bagua_jax.build_info()["mpi"] and has_mpiexec():
         jobs["jax"] = _in_thread(run_ranks, "gpt_workers_jax:async_gate", NRANKS, seed, launcher="mpiexec", timeout=600)
-    _runs["jax"] = {n: _jax_mesh_run(n, seed) for n in jax_algorithms.algorithm_names() if n not in JAX_NATIVE_ONLY}
-    _runs.setdefault("torch", {})
+    trained = {"jax": {n: _jax_mesh_run(n, seed) for n in jax_algorithms.algorithm_names() if n not in JAX_NATIVE_ONLY}}
+    trained["torch"] = {}
     for front_end, (thread, box) in jobs.items():
         thread.join()
         if "error" in box:
             raise box["error"]
         ranks = sorted((r.value for r in box["value"]), key=lambda v: v["rank"])
+        if front_end == "torch":
+            trained["torch_hierarchical"] = all(r.pop("hierarchical") for r in ranks)
         for name in set(ranks[0]) - {"rank"}:
-            _runs[front_end][name] = [r[name] for r in ranks]
-    return _runs
+            trained[front_end][name] = [r[name] for r in ranks]
+    return trained
 
 
 def registered(front_end: str) -> list[str]:
@@ -121,21 +125,23 @@ CASES = [(front_end, name) for front_end in ("jax", "torch") for name in registe
 
 
 @pytest.mark.parametrize("front_end", ["jax", "torch"])
-def test_every_registered_algorithm_is_gated(front_end):
-    trained = set(runs()[front_end])
+def test_every_registered_algorithm_is_gated(runs, front_end):
+    trained = set(runs[front_end])
     missing = set(registered(front_end)) - trained
     if front_end == "jax" and missing == set(JAX_NATIVE_ONLY) and not bagua_jax.build_info()["mpi"]:
         pytest.skip("built without the MPI engine: JAX's asynchronous averaging is not gated")
     assert not missing and "gradient_allreduce" in trained, missing
+    if front_end == "torch":  # two nodes: the hierarchical algorithms (their default) train on both levels
+        assert runs["torch_hierarchical"]
 
 
 @pytest.mark.parametrize(("front_end", "name"), CASES)
-def test_algorithm_trains_like_gradient_allreduce_with_adamw(front_end, name):
-    trained = runs()[front_end]
+def test_algorithm_trains_like_gradient_allreduce_with_adamw(runs, front_end, name):
+    trained = runs[front_end]
     if name not in trained:
         pytest.skip(f"{front_end} {name} did not run here (see test_every_registered_algorithm_is_gated)")
     reference, ranks = trained["gradient_allreduce"][0], trained[name]
-    margin = MARGINS.get(name, MARGIN)
+    margin = MARGINS.get((front_end, name), MARGIN)
     start = float(np.log(gpt_config(SIZE).vocab))
     assert reference["heldout_loss"] < start - 1.0, reference  # the baseline learnt something
     slack = {k: LR * STEPS if not v.any() else MAGNITUDE_SLACK for k, v in init_gpt_params(SIZE, 0).items()}

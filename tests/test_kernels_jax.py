@@ -81,6 +81,28 @@ def test_sign_error_feedback_residual_is_exact(rng, n, k, dtype):
     np.testing.assert_allclose(decoded + residual, y, rtol=0, atol=np.float32(np.abs(y).max()) * 2**-23)
 
 
+@pytest.mark.parametrize("codec", ["minmax_uint8", "sign"])
+def test_compressors_match_reference_over_several_cache_groups(rng, codec):
+    """Above 8 MiB, the CPU compressors measure and encode a group of chunks at a time (kGroupBytes
+    in kernels_cpu.cc): each chunk, in whichever group, gets its own header, codes and residuals.
+    Every chunk has its own scale, so that another chunk's header would give other codes."""
+    n, k = 3_000_017, 5  # 12 MB of float32 in chunks of 2.4 MB: groups of 3 and 2 chunks
+    scales = np.repeat(10.0 ** rng.uniform(-3, 3, k), -(-n // k))[:n].astype(np.float32)
+    x = random_values(rng, n) * scales
+    e = random_values(rng, n) * scales * np.float32(0.01)
+    if codec == "minmax_uint8":
+        expected, expected_residual = ref.minmax_compress(x, k, e)
+        compressed, residual = ops.minmax_uint8_compress_ef(x, e, k)
+        np.testing.assert_array_equal(np.asarray(compressed), expected)
+        np.testing.assert_array_equal(np.asarray(residual), expected_residual)
+        return
+    compressed, residual = (np.asarray(a) for a in ops.sign_compress_ef(x, e, k))
+    expected, _ = ref.sign_compress(x, k, e)
+    np.testing.assert_array_equal(ref.chunk_bits(compressed, n, k), ref.chunk_bits(expected, n, k))
+    np.testing.assert_allclose(ref.chunk_scales(compressed, n, k), ref.chunk_scales(expected, n, k), rtol=2e-6)
+    np.testing.assert_array_equal(residual, (x + e) - ref.sign_decompress(compressed, n, k))
+
+
 @pytest.mark.parametrize("format", ["minmax_uint8", "sign"])
 @pytest.mark.parametrize("average", [True, False])
 @pytest.mark.parametrize("k", CHUNKS)

@@ -152,3 +152,97 @@ def test_jax_arrays_are_never_written_through_dlpack():
 def test_front_ends_do_not_import_each_other(package, forbidden):
     code = f"import sys, {package}; assert '{forbidden}' not in sys.modules, '{package} imported {forbidden}'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+class _TorchKernels:
+    """The ByteGrad kernels through bagua_torch.ops, on NumPy in and out."""
+
+    def compress(self, x, k, residual=None):
+        if residual is None:
+            return ops.minmax_uint8_compress(from_numpy(x.copy()), k).numpy(), None
+        packed, r = ops.minmax_uint8_compress_ef(from_numpy(x.copy()), from_numpy(residual.copy()), k)
+        return packed.numpy(), to_numpy(r)
+
+    def decompress_reduce(self, packed, m, k):
+        return to_numpy(ops.minmax_uint8_decompress_reduce(torch.from_numpy(packed.copy()), m, k, average=True))
+
+    def decompress(self, packed, n, k, dtype):
+        torch_dtype = next(t for t, d in TORCH_DTYPES.items() if d == dtype)
+        return to_numpy(ops.minmax_uint8_decompress(torch.from_numpy(packed.copy()), n, k, torch_dtype))
+
+
+class _JaxKernels:
+    """The ByteGrad kernels through bagua_jax.ops, on NumPy in and out."""
+
+    def __init__(self):
+        from bagua_jax import ops as jops
+
+        self.ops = jops
+
+    def compress(self, x, k, residual=None):
+        if residual is None:
+            return np.asarray(self.ops.minmax_uint8_compress(x, k)), None
+        packed, new_residual = self.ops.minmax_uint8_compress_ef(x, residual, k)
+        return np.asarray(packed), np.asarray(new_residual)
+
+    def decompress_reduce(self, packed, m, k):
+        return np.asarray(self.ops.minmax_uint8_decompress_reduce(packed, m, k, average=True))
+
+    def decompress(self, packed, n, k, dtype):
+        return np.asarray(self.ops.minmax_uint8_decompress(packed, n, k, dtype))
+
+
+def bytegrad_step(kernels, buckets: list[np.ndarray], residuals: list[np.ndarray] | None) -> dict:
+    """One ByteGrad step of ``n = len(buckets)`` ranks, simulated in one process: every rank compresses its
+    bucket into n chunks (with error feedback if ``residuals``), the all-to-all hands slot r's chunks to
+    rank r, which decodes and averages them and compresses the average as one chunk, the allgather hands
+    all of those to everyone, who decodes them. Returns every intermediate buffer."""
+    n, size = len(buckets), buckets[0].size
+    first = [kernels.compress(b, n, None if residuals is None else residuals[r]) for r, b in enumerate(buckets)]
+    packed = [p for p, _ in first]
+    chunk_bytes = packed[0].size // n
+    received = [np.concatenate([p[r * chunk_bytes : (r + 1) * chunk_bytes] for p in packed]) for r in range(n)]
+    reduced = [kernels.decompress_reduce(received[r], size // n, n) for r in range(n)]
+    second = [kernels.compress(reduced[r], 1)[0] for r in range(n)]
+    return {
+        "packed": packed,
+        "residuals": [res for _, res in first],
+        "reduced": reduced,
+        "second": second,
+        "result": kernels.decompress(np.concatenate(second), size, n, buckets[0].dtype),
+    }
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("error_feedback", [False, True], ids=["plain", "error_feedback"])
+def test_torch_and_jax_compress_a_bytegrad_step_to_identical_bytes(rng, dtype, error_feedback):
+    n, size = 4, 4 * 1000 + 4  # chunks of 1001 elements: not a multiple of anything convenient
+    scale = 10.0 ** rng.uniform(-3, 3)
+    buckets = [(rng.standard_normal(size) * scale * (1 + r)).astype(dtype) for r in range(n)]
+    buckets[1][:7] = 0  # a run of equal values, and a constant chunk
+    buckets[2][size // n : 2 * size // n] = buckets[2][size // n]
+    residuals = (
+        [(rng.standard_normal(size) * scale * 1e-2).astype(np.float32) for _ in range(n)] if error_feedback else None
+    )
+    from_torch = bytegrad_step(_TorchKernels(), buckets, residuals)
+    from_jax = bytegrad_step(_JaxKernels(), buckets, residuals)
+    for r in range(n):
+        assert from_torch["packed"][r].dtype == np.uint8
+        assert from_torch["packed"][r].tobytes() == from_jax["packed"][r].tobytes(), f"rank {r}'s n-chunk codes"
+        if error_feedback:
+            assert from_torch["residuals"][r].tobytes() == from_jax["residuals"][r].tobytes(), f"rank {r}'s residual"
+        assert from_torch["reduced"][r].tobytes() == from_jax["reduced"][r].tobytes(), f"slot {r}'s average"
+        assert from_torch["second"][r].tobytes() == from_jax["second"][r].tobytes(), f"slot {r}'s one-chunk codes"
+    assert from_torch["result"].dtype == from_jax["result"].dtype == np.dtype(dtype)
+    assert from_torch["result"].tobytes() == from_jax["result"].tobytes()
+    # And it is an average: within two quantization steps of the exact mean of what was compressed.
+    inputs = np.stack(
+        [b.astype(np.float32) + (0 if residuals is None else residuals[r]) for r, b in enumerate(buckets)]
+    )
+    spread = inputs.max() - inputs.min()
+    np.testing.assert_allclose(
+        from_torch["result"].astype(np.float32),
+        inputs.mean(0),
+        atol=spread / 254 * 1.01 + 1e-6,
+        rtol=1e-2 if dtype == ml_dtypes.bfloat16 else 0,
+    )

@@ -257,17 +257,10 @@ def replicate(tree, n: int):
 
 
 @functools.cache
-def run(
-    algorithm: str,
-    n: int,
-    seed: int,
-    two_level: bool = False,
-    hierarchical: bool = True,
-    schedule: bool = False,
-    bare: bool = False,
-) -> list:
-    """``[(params, state)]`` as NumPy trees with a leading rank axis, after 0, 1, ..., STEPS steps."""
-    tx, step = stepper(algorithm, n, two_level, hierarchical, schedule, bare)
+def run(algorithm: str, n: int, seed: int, **variant: bool) -> list:
+    """``[(params, state)]`` as NumPy trees with a leading rank axis, after 0, 1, ..., STEPS steps (``variant``:
+    :func:`stepper`'s flags)."""
+    tx, step = stepper(algorithm, n, **variant)
     params, grads = make_data(seed, n)
     carry = (replicate(params, n), replicate(tx.init(params), n))
     history = [numpy_tree(carry)]
@@ -314,21 +307,13 @@ EXACT_XLA_FLAGS = "--xla_force_host_platform_device_count=4 --xla_cpu_max_isa=SS
 def exact_worker(seed: int) -> dict:
     """Every JAX run the exact tests inspect, in one process started with EXACT_XLA_FLAGS (module docstring)."""
     return {
-        "runs": {(a, n, two): run(a, n, seed, two) for a in ALGORITHMS for n, two in LAYOUTS},
-        "flat": run("qadam", 2, seed, False, False),
+        "runs": {(a, n, two): run(a, n, seed, two_level=two) for a in ALGORITHMS for n, two in LAYOUTS},
+        "flat": run("qadam", 2, seed, hierarchical=False),
         "adam": {(n, two): adam_history(seed, n, two) for n, two in LAYOUTS},
         "restored": {a: restored_run(a, 2, seed) for a in ALGORITHMS},
-        "schedule": run("qadam", 2, seed, False, True, True),
+        "schedule": run("qadam", 2, seed, schedule=True),
         "adam_schedule": adam_history(seed, 2, False, True),
     }
-
-
-@pytest.fixture(scope="module")
-def seed() -> int:
-    # Imported here, not at the top, so that the MPI ranks, which import this module, keep one device.
-    from conftest import SEED
-
-    return SEED
 
 
 @pytest.fixture(scope="module")

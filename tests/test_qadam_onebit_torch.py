@@ -25,6 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from algorithms_reference import assert_tree_equal
 from frozen_variance_reference import STEP_BOUND, variance_floors
 from gradient_allreduce_bytegrad_workers_torch import batch, loss_fn, make_mlp
 from qadam_onebit_workers_torch import (
@@ -77,19 +78,6 @@ JOBS = JobTable(
     },
     mpi=has_mpi(bagua_torch.build_info()),
 )
-
-
-def assert_tree_equal(a, b, msg: str = "") -> None:
-    if isinstance(a, dict):
-        assert a.keys() == b.keys(), msg
-        for k in a:
-            assert_tree_equal(a[k], b[k], f"{msg}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), msg
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_equal(x, y, f"{msg}[{i}]")
-    else:
-        np.testing.assert_array_equal(a, b, err_msg=msg)
 
 
 class _Threads:

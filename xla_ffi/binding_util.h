@@ -22,7 +22,7 @@ using Input = nb::ndarray<nb::ro, nb::c_contig>;
 using Output = nb::ndarray<nb::c_contig>;
 
 inline DType dtype_of(nb::dlpack::dtype t) {
-#define BAGUA_DTYPE_FROM_DLPACK(enumerator, name, bits_, dlpack_code, xla)                      \
+#define BAGUA_DTYPE_FROM_DLPACK(enumerator, name, bits_, dlpack_code, ...)                      \
   if (t.code == static_cast<uint8_t>(nb::dlpack::dtype_code::dlpack_code) && t.bits == bits_ && \
       t.lanes == 1)                                                                             \
     return DType::enumerator;

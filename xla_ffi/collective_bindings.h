@@ -10,9 +10,11 @@
 #include <initializer_list>
 #include <numeric>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "binding_util.h"
+#include "collective_handlers.h"
 #include "communicator.h"
 #include "communicator_registry.h"
 
@@ -50,22 +52,6 @@ inline void on_device(const char* op, int device_type,
                                 .c_str());
 }
 
-// How send and recv sizes must relate, given the rank count: nullptr if they
-// fit, else what is wrong.
-inline const char* same_size(size_t, size_t sent, size_t received) {
-  return sent == received ? nullptr : "send and receive sizes differ";
-}
-inline const char* block_per_rank_in_send(size_t ranks, size_t sent, size_t received) {
-  return sent == received * ranks ? nullptr : "send must hold one receive-sized block per rank";
-}
-inline const char* block_per_rank_in_recv(size_t ranks, size_t sent, size_t received) {
-  return received == sent * ranks ? nullptr : "recv must hold one send-sized block per rank";
-}
-inline const char* equal_block_per_rank(size_t ranks, size_t sent, size_t received) {
-  return sent == received && sent % ranks == 0 ? nullptr
-                                               : "send and recv must hold one equal block per rank";
-}
-
 // Every collective from `send` into `recv`: refuses a JAX output, checks the
 // device, the dtypes, the handle and the sizes (`fits`), then runs
 // `call(communicator, recv, dtype)` without the GIL.
@@ -84,36 +70,57 @@ void collective(const char* op, int device_type, int64_t handle, const Input& se
   check(call(*comm, recv, t));
 }
 
-// `device_type` is the DLPack device the engine serves (CPU for MPI, CUDA for NCCL).
-inline void bind(nb::module_& m, int device_type) {
+// Binds the collective `name`(handle, send, recv, extra..., stream) whose sizes
+// follow `blocks`; `engine(communicator, send, recv, dtype, stream, extra...)`
+// calls the engine, and `extra_names` name the Extra arguments.
+template <typename... Extra, typename Engine, typename... Names>
+void def_collective(nb::module_& m, int device_type, const char* name, Blocks blocks, Engine engine,
+                    Names... extra_names) {
+  m.def(
+      name,
+      [=](int64_t h, Input send, nb::handle recv_obj, Extra... extra, uintptr_t s) {
+        collective(
+            name, device_type, h, send, recv_obj,
+            [&](size_t ranks, size_t sent, size_t received) {
+              return blocks_mismatch(blocks, ranks, sent, received);
+            },
+            [&](Communicator& c, const Output& recv, DType t) {
+              return engine(c, send, recv, t, stream(s), extra...);
+            });
+      },
+      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg(extra_names)...,
+      nb::arg("stream") = 0);
+}
+
+// Makes `m` an engine module for the device `Exec` (Cpu for MPI, Cuda for NCCL)
+// described by `doc`: the FFI handler capsules for XLA's platform, and the
+// same collectives on the DLPack tensors of that device.
+template <typename Exec>
+void bind(nb::module_& m, const char* doc) {
+  m.doc() = doc;
+  constexpr bool kCpu = std::is_same_v<Exec, Cpu>;
+  bind_registrations(m, {{kCpu ? "cpu" : "CUDA", collective_handlers::handlers<Exec>()}});
+  const int device_type = kCpu ? nb::device::cpu::value : nb::device::cuda::value;
   m.def("rank", [](int64_t h) { return lookup(h)->rank(); });
   m.def("size", [](int64_t h) { return lookup(h)->size(); });
   m.def(
       "destroy", [](int64_t h) { return CommunicatorRegistry::instance().remove(h); },
       "Forget a communicator; it is freed when no call uses it any more.");
 
-  m.def(
-      "allreduce",
-      [=](int64_t h, Input send, nb::handle recv_obj, int op, uintptr_t s) {
-        collective("allreduce", device_type, h, send, recv_obj, same_size,
-                   [&](Communicator& c, const Output& recv, DType t) {
-                     return c.allreduce(send.data(), recv.data(), send.size(), t,
-                                        static_cast<ReduceOp>(op), stream(s));
-                   });
+  def_collective<int>(
+      m, device_type, "allreduce", Blocks::kSame,
+      [](Communicator& c, const Input& send, const Output& recv, DType t, void* s, int op) {
+        return c.allreduce(send.data(), recv.data(), send.size(), t, static_cast<ReduceOp>(op), s);
       },
-      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("op"), nb::arg("stream") = 0);
-
-  m.def(
-      "reduce",
-      [=](int64_t h, Input send, nb::handle recv_obj, int op, int root, uintptr_t s) {
-        collective("reduce", device_type, h, send, recv_obj, same_size,
-                   [&](Communicator& c, const Output& recv, DType t) {
-                     return c.reduce(send.data(), recv.data(), send.size(), t,
-                                     static_cast<ReduceOp>(op), root, stream(s));
-                   });
+      "op");
+  def_collective<int, int>(
+      m, device_type, "reduce", Blocks::kSame,
+      [](Communicator& c, const Input& send, const Output& recv, DType t, void* s, int op,
+         int root) {
+        return c.reduce(send.data(), recv.data(), send.size(), t, static_cast<ReduceOp>(op), root,
+                        s);
       },
-      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("op"), nb::arg("root"),
-      nb::arg("stream") = 0);
+      "op", "root");
 
   m.def(
       "broadcast",
@@ -127,57 +134,33 @@ inline void bind(nb::module_& m, int device_type) {
       },
       nb::arg("handle"), nb::arg("buffer"), nb::arg("root"), nb::arg("stream") = 0);
 
-  m.def(
-      "reduce_scatter",
-      [=](int64_t h, Input send, nb::handle recv_obj, int op, uintptr_t s) {
-        collective("reduce_scatter", device_type, h, send, recv_obj, block_per_rank_in_send,
-                   [&](Communicator& c, const Output& recv, DType t) {
-                     return c.reduce_scatter(send.data(), recv.data(), recv.size(), t,
-                                             static_cast<ReduceOp>(op), stream(s));
-                   });
+  def_collective<int>(
+      m, device_type, "reduce_scatter", Blocks::kPerRankInSend,
+      [](Communicator& c, const Input& send, const Output& recv, DType t, void* s, int op) {
+        return c.reduce_scatter(send.data(), recv.data(), recv.size(), t, static_cast<ReduceOp>(op),
+                                s);
       },
-      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("op"), nb::arg("stream") = 0);
-
-  m.def(
-      "allgather",
-      [=](int64_t h, Input send, nb::handle recv_obj, uintptr_t s) {
-        collective("allgather", device_type, h, send, recv_obj, block_per_rank_in_recv,
-                   [&](Communicator& c, const Output& recv, DType t) {
-                     return c.allgather(send.data(), recv.data(), send.size(), t, stream(s));
+      "op");
+  def_collective<>(m, device_type, "allgather", Blocks::kPerRankInRecv,
+                   [](Communicator& c, const Input& send, const Output& recv, DType t, void* s) {
+                     return c.allgather(send.data(), recv.data(), send.size(), t, s);
                    });
+  def_collective<int>(
+      m, device_type, "gather", Blocks::kPerRankInRecv,
+      [](Communicator& c, const Input& send, const Output& recv, DType t, void* s, int root) {
+        return c.gather(send.data(), recv.data(), send.size(), t, root, s);
       },
-      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("stream") = 0);
-
-  m.def(
-      "gather",
-      [=](int64_t h, Input send, nb::handle recv_obj, int root, uintptr_t s) {
-        collective("gather", device_type, h, send, recv_obj, block_per_rank_in_recv,
-                   [&](Communicator& c, const Output& recv, DType t) {
-                     return c.gather(send.data(), recv.data(), send.size(), t, root, stream(s));
+      "root");
+  def_collective<int>(
+      m, device_type, "scatter", Blocks::kPerRankInSend,
+      [](Communicator& c, const Input& send, const Output& recv, DType t, void* s, int root) {
+        return c.scatter(send.data(), recv.data(), recv.size(), t, root, s);
+      },
+      "root");
+  def_collective<>(m, device_type, "alltoall", Blocks::kEqualPerRank,
+                   [](Communicator& c, const Input& send, const Output& recv, DType t, void* s) {
+                     return c.alltoall(send.data(), recv.data(), send.size() / c.size(), t, s);
                    });
-      },
-      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("root"), nb::arg("stream") = 0);
-
-  m.def(
-      "scatter",
-      [=](int64_t h, Input send, nb::handle recv_obj, int root, uintptr_t s) {
-        collective("scatter", device_type, h, send, recv_obj, block_per_rank_in_send,
-                   [&](Communicator& c, const Output& recv, DType t) {
-                     return c.scatter(send.data(), recv.data(), recv.size(), t, root, stream(s));
-                   });
-      },
-      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("root"), nb::arg("stream") = 0);
-
-  m.def(
-      "alltoall",
-      [=](int64_t h, Input send, nb::handle recv_obj, uintptr_t s) {
-        collective("alltoall", device_type, h, send, recv_obj, equal_block_per_rank,
-                   [&](Communicator& c, const Output& recv, DType t) {
-                     return c.alltoall(send.data(), recv.data(), send.size() / c.size(), t,
-                                       stream(s));
-                   });
-      },
-      nb::arg("handle"), nb::arg("send"), nb::arg("recv"), nb::arg("stream") = 0);
 
   m.def(
       "alltoall_v",

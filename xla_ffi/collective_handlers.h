@@ -58,96 +58,101 @@ inline ffi::Error size_error(const char* op, const std::string& what) {
 
 inline ReduceOp reduce_op(int64_t op) { return static_cast<ReduceOp>(op); }
 
+// Every collective from x into y whose sizes follow one rule: finds the
+// communicator, checks the dtypes and `blocks`, then runs call(communicator, dtype).
+template <typename Engine>
+ffi::Error collective(const char* op, int64_t handle, const ffi::AnyBuffer& x,
+                      const ffi::AnyBuffer& y, Blocks blocks, Engine&& call) {
+  Call c;
+  if (auto e = prepare(op, handle, x, y, &c); e.failure()) return e;
+  if (const char* wrong =
+          blocks_mismatch(blocks, c.comm->size(), x.element_count(), y.element_count()))
+    return size_error(op, wrong);
+  return to_error(call(*c.comm, c.type));
+}
+
 template <typename Exec>
 ffi::Error AllReduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::Token>, int64_t handle, int64_t op, Exec exec) {
-  Call c;
-  if (auto e = prepare("allreduce", handle, x, *y, &c); e.failure()) return e;
-  return to_error(c.comm->allreduce(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
-                                    reduce_op(op), stream_of(exec)));
+  return collective("allreduce", handle, x, *y, Blocks::kSame, [&](Communicator& c, DType t) {
+    return c.allreduce(x.untyped_data(), y->untyped_data(), x.element_count(), t, reduce_op(op),
+                       stream_of(exec));
+  });
 }
 
 // Ranks other than the root get zeros.
 template <typename Exec>
 ffi::Error Reduce(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                   ffi::Result<ffi::Token>, int64_t handle, int64_t op, int64_t root, Exec exec) {
-  Call c;
-  if (auto e = prepare("reduce", handle, x, *y, &c); e.failure()) return e;
-  if (c.comm->rank() != root)
-    if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok())
-      return to_error(s);
-  return to_error(c.comm->reduce(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
-                                 reduce_op(op), static_cast<int>(root), stream_of(exec)));
+  return collective("reduce", handle, x, *y, Blocks::kSame, [&](Communicator& c, DType t) {
+    if (c.rank() != root)
+      if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok()) return s;
+    return c.reduce(x.untyped_data(), y->untyped_data(), x.element_count(), t, reduce_op(op),
+                    static_cast<int>(root), stream_of(exec));
+  });
 }
 
 template <typename Exec>
 ffi::Error Broadcast(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::Token>, int64_t handle, int64_t root, Exec exec) {
-  Call c;
-  if (auto e = prepare("broadcast", handle, x, *y, &c); e.failure()) return e;
-  if (Status s = device_copy(exec, y->untyped_data(), x.untyped_data(), x.size_bytes()); !s.ok())
-    return to_error(s);
-  return to_error(c.comm->broadcast(y->untyped_data(), y->element_count(), c.type,
-                                    static_cast<int>(root), stream_of(exec)));
+  return collective("broadcast", handle, x, *y, Blocks::kSame, [&](Communicator& c, DType t) {
+    if (Status s = device_copy(exec, y->untyped_data(), x.untyped_data(), x.size_bytes()); !s.ok())
+      return s;
+    return c.broadcast(y->untyped_data(), y->element_count(), t, static_cast<int>(root),
+                       stream_of(exec));
+  });
 }
 
 template <typename Exec>
 ffi::Error ReduceScatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                          ffi::Result<ffi::Token>, int64_t handle, int64_t op, Exec exec) {
-  Call c;
-  if (auto e = prepare("reduce_scatter", handle, x, *y, &c); e.failure()) return e;
-  if (x.element_count() != y->element_count() * c.comm->size())
-    return size_error("reduce_scatter", "the input must hold one output-sized block per rank");
-  return to_error(c.comm->reduce_scatter(x.untyped_data(), y->untyped_data(), y->element_count(),
-                                         c.type, reduce_op(op), stream_of(exec)));
+  return collective(
+      "reduce_scatter", handle, x, *y, Blocks::kPerRankInSend, [&](Communicator& c, DType t) {
+        return c.reduce_scatter(x.untyped_data(), y->untyped_data(), y->element_count(), t,
+                                reduce_op(op), stream_of(exec));
+      });
 }
 
 template <typename Exec>
 ffi::Error AllGather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                      ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
-  Call c;
-  if (auto e = prepare("allgather", handle, x, *y, &c); e.failure()) return e;
-  if (y->element_count() != x.element_count() * c.comm->size())
-    return size_error("allgather", "the output must hold one input-sized block per rank");
-  return to_error(c.comm->allgather(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
-                                    stream_of(exec)));
+  return collective("allgather", handle, x, *y, Blocks::kPerRankInRecv,
+                    [&](Communicator& c, DType t) {
+                      return c.allgather(x.untyped_data(), y->untyped_data(), x.element_count(), t,
+                                         stream_of(exec));
+                    });
 }
 
 // Ranks other than the root get zeros.
 template <typename Exec>
 ffi::Error Gather(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                   ffi::Result<ffi::Token>, int64_t handle, int64_t root, Exec exec) {
-  Call c;
-  if (auto e = prepare("gather", handle, x, *y, &c); e.failure()) return e;
-  if (y->element_count() != x.element_count() * c.comm->size())
-    return size_error("gather", "the output must hold one input-sized block per rank");
-  if (c.comm->rank() != root)
-    if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok())
-      return to_error(s);
-  return to_error(c.comm->gather(x.untyped_data(), y->untyped_data(), x.element_count(), c.type,
-                                 static_cast<int>(root), stream_of(exec)));
+  return collective("gather", handle, x, *y, Blocks::kPerRankInRecv, [&](Communicator& c, DType t) {
+    if (c.rank() != root)
+      if (Status s = device_zero(exec, y->untyped_data(), y->size_bytes()); !s.ok()) return s;
+    return c.gather(x.untyped_data(), y->untyped_data(), x.element_count(), t,
+                    static_cast<int>(root), stream_of(exec));
+  });
 }
 
 template <typename Exec>
 ffi::Error Scatter(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                    ffi::Result<ffi::Token>, int64_t handle, int64_t root, Exec exec) {
-  Call c;
-  if (auto e = prepare("scatter", handle, x, *y, &c); e.failure()) return e;
-  if (x.element_count() != y->element_count() * c.comm->size())
-    return size_error("scatter", "the input must hold one output-sized block per rank");
-  return to_error(c.comm->scatter(x.untyped_data(), y->untyped_data(), y->element_count(), c.type,
-                                  static_cast<int>(root), stream_of(exec)));
+  return collective("scatter", handle, x, *y, Blocks::kPerRankInSend,
+                    [&](Communicator& c, DType t) {
+                      return c.scatter(x.untyped_data(), y->untyped_data(), y->element_count(), t,
+                                       static_cast<int>(root), stream_of(exec));
+                    });
 }
 
 template <typename Exec>
 ffi::Error AllToAll(ffi::AnyBuffer x, ffi::Token, ffi::Result<ffi::AnyBuffer> y,
                     ffi::Result<ffi::Token>, int64_t handle, Exec exec) {
-  Call c;
-  if (auto e = prepare("alltoall", handle, x, *y, &c); e.failure()) return e;
-  if (x.element_count() != y->element_count() || x.element_count() % c.comm->size() != 0)
-    return size_error("alltoall", "input and output must hold one equal block per rank");
-  return to_error(c.comm->alltoall(x.untyped_data(), y->untyped_data(),
-                                   x.element_count() / c.comm->size(), c.type, stream_of(exec)));
+  return collective("alltoall", handle, x, *y, Blocks::kEqualPerRank,
+                    [&](Communicator& c, DType t) {
+                      return c.alltoall(x.untyped_data(), y->untyped_data(),
+                                        x.element_count() / c.size(), t, stream_of(exec));
+                    });
 }
 
 // The counts are run-time int32 arrays of one entry per rank (JAX's default
@@ -231,8 +236,11 @@ ffi::Error Barrier(ffi::Token, ffi::Result<ffi::Token>, int64_t handle, Exec exe
 
 // The collective FFI targets: X(name, implementation, binding without the
 // device). Each takes and returns an ordering token and names its communicator.
-#define BAGUA_COLLECTIVE_BIND \
-  Ffi::Bind().Arg<AnyBuffer>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")
+// BAGUA_COLLECTIVE_BIND_AFTER(operands) binds the operands, then the token in, the
+// output and the token out, and the communicator.
+#define BAGUA_COLLECTIVE_BIND_AFTER(operands) \
+  operands.Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")
+#define BAGUA_COLLECTIVE_BIND BAGUA_COLLECTIVE_BIND_AFTER(Ffi::Bind().Arg<AnyBuffer>())
 #define BAGUA_COLLECTIVE_TARGETS(X)                                                             \
   X(allreduce, AllReduce<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op"))                      \
   X(reduce, Reduce<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("op").Attr<int64_t>("root"))      \
@@ -243,22 +251,9 @@ ffi::Error Barrier(ffi::Token, ffi::Result<ffi::Token>, int64_t handle, Exec exe
   X(scatter, Scatter<Exec>, BAGUA_COLLECTIVE_BIND.Attr<int64_t>("root"))                        \
   X(alltoall, AllToAll<Exec>, BAGUA_COLLECTIVE_BIND)                                            \
   X(alltoall_v, AllToAllV<Exec>,                                                                \
-    Ffi::Bind()                                                                                 \
-        .Arg<AnyBuffer>()                                                                       \
-        .Arg<Int32s>()                                                                          \
-        .Arg<Int32s>()                                                                          \
-        .Arg<Token>()                                                                           \
-        .Ret<AnyBuffer>()                                                                       \
-        .Ret<Token>()                                                                           \
-        .Attr<int64_t>("comm"))                                                                 \
+    BAGUA_COLLECTIVE_BIND_AFTER(Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Int32s>()))      \
   X(send_recv, SendRecv<Exec>,                                                                  \
-    Ffi::Bind()                                                                                 \
-        .Arg<AnyBuffer>()                                                                       \
-        .Arg<Int32s>()                                                                          \
-        .Arg<Token>()                                                                           \
-        .Ret<AnyBuffer>()                                                                       \
-        .Ret<Token>()                                                                           \
-        .Attr<int64_t>("comm"))                                                                 \
+    BAGUA_COLLECTIVE_BIND_AFTER(Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>()))                    \
   X(send, Send<Exec>,                                                                           \
     Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Token>().Ret<Token>().Attr<int64_t>("comm")) \
   X(recv, Recv<Exec>,                                                                           \

@@ -7,6 +7,7 @@
 // a collective that never completes never hangs the caller.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -15,20 +16,35 @@
 
 namespace bagua {
 
-enum class ReduceOp { kSum, kAvg, kMin, kMax };
+// Every reduction once, in the order of the integers the front ends pass:
+// X(enumerator, name, NCCL operation).
+#define BAGUA_REDUCE_OPS(X) \
+  X(kSum, "sum", ncclSum)   \
+  X(kAvg, "avg", ncclAvg)   \
+  X(kMin, "min", ncclMin)   \
+  X(kMax, "max", ncclMax)
 
-inline const char* reduce_op_name(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-      return "sum";
-    case ReduceOp::kAvg:
-      return "avg";
-    case ReduceOp::kMin:
-      return "min";
-    case ReduceOp::kMax:
-      return "max";
+BAGUA_NAMED_ENUM(ReduceOp, BAGUA_REDUCE_OPS, reduce_op_name, "?")
+
+// How a collective's send and receive element counts must relate; the FFI
+// handlers and the DLPack bindings check the same rules.
+enum class Blocks { kSame, kPerRankInSend, kPerRankInRecv, kEqualPerRank };
+
+// nullptr if `sent` and `received` elements fit `blocks` for `ranks` ranks,
+// else what is wrong.
+inline const char* blocks_mismatch(Blocks blocks, size_t ranks, size_t sent, size_t received) {
+  switch (blocks) {
+    case Blocks::kSame:
+      return sent == received ? nullptr : "send and receive sizes differ";
+    case Blocks::kPerRankInSend:
+      return sent == received * ranks ? nullptr : "send must hold one receive-sized block per rank";
+    case Blocks::kPerRankInRecv:
+      return received == sent * ranks ? nullptr : "recv must hold one send-sized block per rank";
+    case Blocks::kEqualPerRank:
+      break;
   }
-  return "?";
+  return sent == received && sent % ranks == 0 ? nullptr
+                                               : "send and recv must hold one equal block per rank";
 }
 
 class Communicator {

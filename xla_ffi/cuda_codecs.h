@@ -101,6 +101,22 @@ struct SignStats {
 
 // ---- Encoders and decoders of one warp step ---------------------------------
 
+// Encodes the V values of one slot into kBits-bit codes, packed from bit 0 of
+// the word it returns, and replaces each value y by its residual y - decode(code)
+// (in place: a second array would cost registers). Sub-byte codes past the
+// chunk's end (u >= count) stay 0; store_codes writes only the chunk's bytes.
+template <int kBits, int V, typename Encode, typename Decode>
+__device__ uint32_t encode_slot(float* v, int count, Encode&& encode_one, Decode&& decode_one) {
+  uint32_t word = 0;
+#pragma unroll
+  for (int u = 0; u < V; ++u) {
+    const auto code = encode_one(v[u]);
+    if (kBits == 8 || u < count) word |= uint32_t{code} << (kBits * u);
+    v[u] = math::sub_rn(v[u], decode_one(code));
+  }
+  return word;
+}
+
 template <int kBits>
 struct MinMaxEncoder {
   using Stats = MinMaxStats;
@@ -113,10 +129,9 @@ struct MinMaxEncoder {
     codes = slot + kHeaderBytes;
   }
 
-  // Writes the codes of the step and replaces each value y by its residual
-  // y - decode (in place: a second array would cost registers). The float32
-  // and the wide grid are separate loops, so that the common one carries none
-  // of the other's registers.
+  // Writes the codes of the step and replaces each value by its residual. The
+  // float32 and the wide grid are separate loops, so that the common one
+  // carries none of the other's registers.
   template <int V>
   __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
     if (grid.wide) {
@@ -137,13 +152,7 @@ struct MinMaxEncoder {
 #pragma unroll
     for (int j = 0; j < Step<V>::kSlots; ++j) {
       const int count = s.count(j);
-      uint32_t word = 0;
-#pragma unroll
-      for (int u = 0; u < V; ++u) {
-        const uint8_t q = encode_one(v[j * V + u]);
-        if (kBits == 8 || u < count) word |= uint32_t{q} << (kBits * u);
-        v[j * V + u] = math::sub_rn(v[j * V + u], decode_one(q));
-      }
+      const uint32_t word = encode_slot<kBits, V>(v + j * V, count, encode_one, decode_one);
       store_codes<kBits, V>(codes, s.at(j), count, word);
     }
   }
@@ -167,13 +176,9 @@ struct SignEncoder {
 #pragma unroll
     for (int j = 0; j < Step<V>::kSlots; ++j) {
       const int count = s.count(j);
-      uint32_t byte = 0;
-#pragma unroll
-      for (int u = 0; u < V; ++u) {
-        const bool bit = math::sign_bit(v[j * V + u]);
-        if (u < count) byte |= uint32_t{bit} << u;
-        v[j * V + u] = math::sub_rn(v[j * V + u], math::sign_decode(bit, scale));
-      }
+      uint32_t byte = encode_slot<1, V>(
+          v + j * V, count, [](float x) { return math::sign_bit(x); },
+          [&](bool bit) { return math::sign_decode(bit, scale); });
       if constexpr (V == 1) {
         // One ballot gathers the warp's 32 bits; lanes 0, 8, 16 and 24 store a byte each.
         byte = __ballot_sync(kFullMask, byte != 0) >> (lane_id() & ~7);

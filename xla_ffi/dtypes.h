@@ -15,29 +15,44 @@
 namespace bagua {
 
 // Every element type once: X(enumerator, name, bits, DLPack type code, XLA
-// element type). The enum, the names and sizes below, and the maps from XLA
-// (handler_util.h) and DLPack (binding_util.h) are all made from this list.
-#define BAGUA_DTYPES(X)                  \
-  X(kF32, "float32", 32, Float, F32)     \
-  X(kF16, "float16", 16, Float, F16)     \
-  X(kBF16, "bfloat16", 16, Bfloat, BF16) \
-  X(kF64, "float64", 64, Float, F64)     \
-  X(kU8, "uint8", 8, UInt, U8)           \
-  X(kI32, "int32", 32, Int, S32)         \
-  X(kI64, "int64", 64, Int, S64)
+// element type, NCCL type, MPI type). The enum, the names and sizes below, and
+// the maps from XLA (handler_util.h) and DLPack (binding_util.h) and to the
+// engines' types (nccl_communicator.cc, mpi_communicator.cc) are all made from
+// this list. MPI has no 16-bit floats: its column names the derived types
+// mpi_communicator.cc makes for them.
+#define BAGUA_DTYPES(X)                                               \
+  X(kF32, "float32", 32, Float, F32, ncclFloat32, MPI_FLOAT)          \
+  X(kF16, "float16", 16, Float, F16, ncclFloat16, half_type)          \
+  X(kBF16, "bfloat16", 16, Bfloat, BF16, ncclBfloat16, bfloat16_type) \
+  X(kF64, "float64", 64, Float, F64, ncclFloat64, MPI_DOUBLE)         \
+  X(kU8, "uint8", 8, UInt, U8, ncclUint8, MPI_UINT8_T)                \
+  X(kI32, "int32", 32, Int, S32, ncclInt32, MPI_INT32_T)              \
+  X(kI64, "int64", 64, Int, S64, ncclInt64, MPI_INT64_T)
 
-#define BAGUA_DTYPE_ENUMERATOR(enumerator, name, bits, dlpack, xla) enumerator,
-enum class DType { BAGUA_DTYPES(BAGUA_DTYPE_ENUMERATOR) kUnsupported };
+// For every X-list whose entries begin (enumerator, name, ...): the enum's
+// enumerators, and the name of `value` (inside a function of that parameter).
+#define BAGUA_ENUMERATOR(enumerator, ...) enumerator,
+#define BAGUA_NAME_OF_VALUE(enumerator, name, ...) \
+  if (value == decltype(value)::enumerator) return name;
 
-inline const char* dtype_name(DType dtype) {
-#define BAGUA_DTYPE_NAME(enumerator, name, bits, dlpack, xla) \
-  if (dtype == DType::enumerator) return name;
-  BAGUA_DTYPES(BAGUA_DTYPE_NAME)
+// The enum class `Type` of such a list, and `name_of(Type)` (`unknown` for a
+// value outside it).
+#define BAGUA_NAMED_ENUM(Type, LIST, name_of, unknown) \
+  enum class Type { LIST(BAGUA_ENUMERATOR) };          \
+  inline const char* name_of(Type value) {             \
+    LIST(BAGUA_NAME_OF_VALUE)                          \
+    return unknown;                                    \
+  }
+
+enum class DType { BAGUA_DTYPES(BAGUA_ENUMERATOR) kUnsupported };
+
+inline const char* dtype_name(DType value) {
+  BAGUA_DTYPES(BAGUA_NAME_OF_VALUE)
   return "an unsupported dtype";
 }
 
 inline int64_t dtype_bytes(DType dtype) {
-#define BAGUA_DTYPE_BYTES(enumerator, name, bits, dlpack, xla) \
+#define BAGUA_DTYPE_BYTES(enumerator, name, bits, ...) \
   if (dtype == DType::enumerator) return bits / 8;
   BAGUA_DTYPES(BAGUA_DTYPE_BYTES)
   return 0;
@@ -58,25 +73,18 @@ struct BFloat16 {
   uint16_t bits;
 };
 
-BAGUA_HD uint32_t float_bits(float f) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(f);
-#else
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  return u;
-#endif
+// The bits of a value read as another type of the same size (std::bit_cast is
+// C++20); a 4-byte memcpy compiles to a register move on the host and the device.
+template <typename To, typename From>
+BAGUA_HD To bit_cast(From from) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs two types of one size");
+  To to;
+  memcpy(&to, &from, sizeof to);
+  return to;
 }
 
-BAGUA_HD float bits_float(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-#endif
-}
+BAGUA_HD uint32_t float_bits(float f) { return bit_cast<uint32_t>(f); }
+BAGUA_HD float bits_float(uint32_t u) { return bit_cast<float>(u); }
 
 BAGUA_HD float to_float(float x) { return x; }
 BAGUA_HD float to_float(BFloat16 x) { return bits_float(uint32_t{x.bits} << 16); }

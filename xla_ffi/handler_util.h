@@ -41,7 +41,7 @@ namespace bagua::handler_util {
 namespace ffi = xla::ffi;
 
 inline DType dtype_of(ffi::DataType t) {
-#define BAGUA_DTYPE_FROM_XLA(enumerator, name, bits, dlpack, xla) \
+#define BAGUA_DTYPE_FROM_XLA(enumerator, name, bits, dlpack, xla, ...) \
   if (t == ffi::DataType::xla) return DType::enumerator;
   BAGUA_DTYPES(BAGUA_DTYPE_FROM_XLA)
   return DType::kUnsupported;

@@ -45,12 +45,12 @@ void run(const char* name, std::initializer_list<Placement> tensors, uintptr_t s
 }
 
 inline Format format_of(const std::string& name) {
-  if (name == "minmax_uint8") return Format::kMinMaxUInt8;
-  if (name == "minmax_uint4") return Format::kMinMaxUInt4;
-  if (name == "sign") return Format::kSign;
-  throw nb::value_error(
-      ("unknown compression format '" + name + "'; use 'minmax_uint8', 'minmax_uint4' or 'sign'")
-          .c_str());
+  std::string known;
+#define BAGUA_FORMAT_OF(enumerator, format_name, codec) \
+  if (name == format_name) return Format::enumerator;   \
+  known += std::string(known.empty() ? "'" : ", '") + format_name + "'";
+  BAGUA_FORMATS(BAGUA_FORMAT_OF)
+  throw nb::value_error(("unknown compression format '" + name + "'; use " + known).c_str());
 }
 
 inline void bind(nb::module_& m) {

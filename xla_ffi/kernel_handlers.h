@@ -91,32 +91,23 @@ ffi::Error LowPrecDecentralizedDiff(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Any
   });
 }
 
-// The kernel FFI targets: X(name, implementation, binding without the device).
-#define BAGUA_KERNEL_TARGETS(X)                                                                 \
-  X(minmax_compress, (Compress<Exec, kMinMax>),                                                 \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
-  X(minmax_uint4_compress, (Compress<Exec, kMinMax4>),                                          \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
-  X(sign_compress, (Compress<Exec, kSign>),                                                     \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
-  X(minmax_compress_ef, (CompressWithFeedback<Exec, kMinMax>),                                  \
-    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))     \
-  X(minmax_uint4_compress_ef, (CompressWithFeedback<Exec, kMinMax4>),                           \
-    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))     \
-  X(sign_compress_ef, (CompressWithFeedback<Exec, kSign>),                                      \
-    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))     \
-  X(minmax_decompress, (Decompress<Exec, kMinMax>),                                             \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
-  X(minmax_uint4_decompress, (Decompress<Exec, kMinMax4>),                                      \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
-  X(sign_decompress, (Decompress<Exec, kSign>),                                                 \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                                 \
-  X(minmax_decompress_reduce, (DecompressReduce<Exec, kMinMax>),                                \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))           \
-  X(minmax_uint4_decompress_reduce, (DecompressReduce<Exec, kMinMax4>),                         \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))           \
-  X(sign_decompress_reduce, (DecompressReduce<Exec, kSign>),                                    \
-    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))           \
+// Each format's FFI targets: X(name, implementation, binding without the device).
+#define BAGUA_CODEC_TARGETS(X, format, codec)                                               \
+  X(codec##_compress, (Compress<Exec, Format::format>),                                     \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                             \
+  X(codec##_compress_ef, (CompressWithFeedback<Exec, Format::format>),                      \
+    Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Ret<Buffer>().Attr<int64_t>("k")) \
+  X(codec##_decompress, (Decompress<Exec, Format::format>),                                 \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k"))                             \
+  X(codec##_decompress_reduce, (DecompressReduce<Exec, Format::format>),                    \
+    Ffi::Bind().Arg<Buffer>().Ret<Buffer>().Attr<int64_t>("k").Attr<bool>("average"))
+#define BAGUA_CODEC_HANDLERS(format, name, codec) \
+  BAGUA_CODEC_TARGETS(BAGUA_DEFINE_HANDLER, format, codec)
+#define BAGUA_CODEC_ENTRIES(format, name, codec) \
+  BAGUA_CODEC_TARGETS(BAGUA_HANDLER_ENTRY, format, codec)
+
+// The elementwise FFI targets.
+#define BAGUA_ELEMENTWISE_TARGETS(X)                                                            \
   X(average2, Average2<Exec>, Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>())            \
   X(axpy, Axpy<Exec>, Ffi::Bind().Arg<Buffer>().Arg<Buffer>().Ret<Buffer>().Attr<float>("a"))   \
   X(async_average, AsyncAverage<Exec>,                                                          \
@@ -129,10 +120,10 @@ template <typename Exec>
 HandlerTable handlers() {
   using Buffer = ffi::AnyBuffer;
   using ffi::Ffi;
-  constexpr Format kMinMax = Format::kMinMaxUInt8;
-  constexpr Format kMinMax4 = Format::kMinMaxUInt4;
-  constexpr Format kSign = Format::kSign;
-  BAGUA_HANDLER_TABLE(BAGUA_KERNEL_TARGETS)
+  BAGUA_FORMATS(BAGUA_CODEC_HANDLERS)
+  BAGUA_ELEMENTWISE_TARGETS(BAGUA_DEFINE_HANDLER)
+  return HandlerTable{BAGUA_FORMATS(BAGUA_CODEC_ENTRIES)
+                          BAGUA_ELEMENTWISE_TARGETS(BAGUA_HANDLER_ENTRY)};
 }
 
 }  // namespace bagua::kernel_handlers

@@ -183,10 +183,11 @@ void accumulate(float* p, float v) { *p = math::add_rn(*p, v); }
 
 void accumulate(float* p, f32x8 v) { store(p, widen(p) + v); }  // add_rn lane by lane
 
-// The value a compressor encodes: x, or x + residual with error feedback. The
-// choice is a template parameter so the hot loops carry no branch.
-template <typename T, bool kFeedback>
+// The value a compressor encodes: x, or x + residual with error feedback.
+template <typename T, bool kWithFeedback>
 struct Source {
+  using Element = T;
+  static constexpr bool kFeedback = kWithFeedback;
   const T* x;
   const float* residual;
   float operator()(int64_t i) const {
@@ -293,132 +294,152 @@ void put_codes8(uint8_t* codes, int64_t i, i32x8 q) {
   std::memcpy(codes + i * kBits / 8, bytes, sizeof bytes);
 }
 
-template <int kBits, typename T, bool kFeedback>
-void minmax_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
-                          float* residual_out) {
+// Compressors read each chunk twice: for its header (min and max, or mean |x|),
+// then to encode it. All threads measure a group of chunks and then encode it
+// while the group is still in the last-level cache; measuring the whole tensor
+// first would read it all from memory again. A group is kGroupBytes of input, or
+// one chunk if larger. `measure(t)` gives task t's partial statistic;
+// `encode(t, partials)` gets its chunk's partials (one per block), and the
+// chunk's first task writes the header. One barrier per group.
+constexpr int64_t kGroupBytes = int64_t{8} << 20;
+
+template <typename T, typename Measure, typename Encode>
+void measure_then_encode(const ChunkBlocks& blocks, Measure&& measure, Encode&& encode) {
+  const Chunking& chunking = blocks.chunking;
+  const int64_t chunk_bytes = std::max<int64_t>(1, chunking.chunk_elements() * sizeof(T));
+  const int64_t group = std::max<int64_t>(1, kGroupBytes / chunk_bytes);
+  std::vector<decltype(measure(int64_t{}))> partial(blocks.tasks());
+#pragma omp parallel if (chunking.n >= kParallelThreshold && blocks.tasks() > 1)
+  {
+    const IeeeSubnormals ieee;
+    for (int64_t first = 0; first < chunking.k; first += group) {
+      const int64_t begin = first * blocks.per_chunk;
+      const int64_t end = std::min(first + group, chunking.k) * blocks.per_chunk;
+#pragma omp for schedule(static)
+      for (int64_t t = begin; t < end; ++t) partial[t] = measure(t);
+#pragma omp for schedule(static) nowait
+      for (int64_t t = begin; t < end; ++t)
+        encode(t, partial.data() + blocks.chunk(t) * blocks.per_chunk);
+    }
+  }
+}
+
+template <int kBits, typename Src>
+void minmax_compress_impl(const Src& src, int64_t n, int64_t k, uint8_t* out, float* residual_out) {
   constexpr float kTop = math::MinMaxCodes<kBits>::kTop;
-  const IeeeSubnormals ieee;
+  constexpr bool kFeedback = Src::kFeedback;
   const Chunking chunking{kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4, n, k};
   const ChunkBlocks blocks(chunking);
-  const Source<T, kFeedback> src{x, residual_in};
-  std::vector<Range> partial(blocks.tasks());
-  parallel_for(blocks.tasks(), n,
-               [&](int64_t t) { partial[t] = min_max(src, blocks.begin(t), blocks.end(t)); });
-  for (int64_t c = 0; c < k; ++c) {
-    float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-    for (int64_t b = 0; b < blocks.per_chunk; ++b) {
-      lo = math::nan_min(lo, partial[c * blocks.per_chunk + b].lo);
-      hi = math::nan_max(hi, partial[c * blocks.per_chunk + b].hi);
-    }
-    if (chunking.length(c) == 0) lo = hi = 0.0f;
-    write_header(out, chunking, c, lo, hi);
-  }
-  parallel_for(blocks.tasks(), n, [&](int64_t t) {
-    // Local copies: the code stores could alias the captured ones, which the loops
-    // would then reload at every step.
-    const Source<T, kFeedback> values = src;
-    float* const residuals = residual_out;
-    const int64_t c = blocks.chunk(t);
-    const float* h = header(out, chunking, c);
-    const math::MinMaxGrid grid = math::minmax_grid<kBits>(h[0], h[1]);
-    const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
-    uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes;
-    // math::minmax_encode and minmax_decode, eight lanes at a time (the byte stores
-    // could alias the input, so the compiler would not vectorize the scalar loop).
-    const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base),
-                step8 = splat(grid.step);
-    int64_t i = begin;
-    const auto encode8 = [&](auto&& quantize) {
-      for (; i + 8 <= end; i += 8) {
-        const f32x8 v = values.load8(i);
-        const f32x8 q = quantize(v);
-        put_codes8<kBits>(codes, i - first, __builtin_convertvector(q, i32x8));
-        if constexpr (kFeedback) {
-          const f32x8 residual = v - (z8 + (q + base8) * step8);
-          std::memcpy(residuals + i, &residual, sizeof residual);
+  const auto measure = [&](int64_t t) { return min_max(src, blocks.begin(t), blocks.end(t)); };
+  measure_then_encode<typename Src::Element>(
+      blocks, measure, [&](int64_t t, const Range* partials) {
+        // Local copies: the code stores could alias the captured ones, which the loops
+        // would then reload at every step.
+        const Src values = src;
+        float* const residuals = residual_out;
+        const int64_t c = blocks.chunk(t);
+        float lo = std::numeric_limits<float>::infinity(), hi = -lo;
+        for (int64_t b = 0; b < blocks.per_chunk; ++b) {
+          lo = math::nan_min(lo, partials[b].lo);
+          hi = math::nan_max(hi, partials[b].hi);
         }
-      }
-    };
-    const float range = math::sub_rn(grid.hi, grid.lo);
-    if (!grid.wide && math::is_finite(range) && range > 0.0f) {
-      // A finite, non-constant float32 chunk: |(x - z) * scale| <= S (1 + 2^-24)^2 < S + 1,
-      // so neither a NaN nor the first clamp can occur, and subtracting the integer base
-      // from the rounding constant first is exact: the same codes in fewer steps.
-      const f32x8 magic8 = splat(kRoundingMagic), offset8 = splat(kRoundingMagic + grid.base);
-      encode8([&](f32x8 v) { return clamp(((v - z8) * scale8 + magic8) - offset8, 0.0f, kTop); });
-    } else if (!grid.wide) {  // constant chunks, NaN and infinities
-      encode8([&](f32x8 v) {
-        return clamp_or_zero(round_half_even(clamp_or_zero((v - z8) * scale8, -kTop, kTop)) - base8,
-                             0.0f, kTop);
+        if (chunking.length(c) == 0) lo = hi = 0.0f;
+        if (t % blocks.per_chunk == 0) write_header(out, chunking, c, lo, hi);
+        const math::MinMaxGrid grid = math::minmax_grid<kBits>(lo, hi);
+        const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
+        uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes;
+        // math::minmax_encode and minmax_decode, eight lanes at a time (the byte stores
+        // could alias the input, so the compiler would not vectorize the scalar loop).
+        const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base),
+                    step8 = splat(grid.step);
+        int64_t i = begin;
+        const auto encode8 = [&](auto&& quantize) {
+          for (; i + 8 <= end; i += 8) {
+            const f32x8 v = values.load8(i);
+            const f32x8 q = quantize(v);
+            put_codes8<kBits>(codes, i - first, __builtin_convertvector(q, i32x8));
+            if constexpr (kFeedback) {
+              const f32x8 residual = v - (z8 + (q + base8) * step8);
+              std::memcpy(residuals + i, &residual, sizeof residual);
+            }
+          }
+        };
+        const float range = math::sub_rn(grid.hi, grid.lo);
+        if (!grid.wide && math::is_finite(range) && range > 0.0f) {
+          // A finite, non-constant float32 chunk: |(x - z) * scale| <= S (1 + 2^-24)^2 < S + 1,
+          // so neither a NaN nor the first clamp can occur, and subtracting the integer base
+          // from the rounding constant first is exact: the same codes in fewer steps.
+          const f32x8 magic8 = splat(kRoundingMagic), offset8 = splat(kRoundingMagic + grid.base);
+          encode8(
+              [&](f32x8 v) { return clamp(((v - z8) * scale8 + magic8) - offset8, 0.0f, kTop); });
+        } else if (!grid.wide) {  // constant chunks, NaN and infinities
+          encode8([&](f32x8 v) {
+            return clamp_or_zero(
+                round_half_even(clamp_or_zero((v - z8) * scale8, -kTop, kTop)) - base8, 0.0f, kTop);
+          });
+        }
+        for (; i < end; ++i) {
+          const float v = values(i);
+          const uint8_t q = math::minmax_encode<kBits>(v, grid);
+          put_code<kBits>(codes, i - first, q);
+          if constexpr (kFeedback) residuals[i] = math::sub_rn(v, math::minmax_decode(q, grid));
+        }
       });
-    }
-    for (; i < end; ++i) {
-      const float v = values(i);
-      const uint8_t q = math::minmax_encode<kBits>(v, grid);
-      put_code<kBits>(codes, i - first, q);
-      if constexpr (kFeedback) residuals[i] = math::sub_rn(v, math::minmax_decode(q, grid));
-    }
-  });
 }
 
 // Bits are packed a byte (8 elements) at a time; every block but a chunk's last
 // starts and ends on a byte boundary of its chunk.
-template <typename T, bool kFeedback>
-void sign_compress_impl(const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
-                        float* residual_out) {
-  const IeeeSubnormals ieee;
+template <typename Src>
+void sign_compress_impl(const Src& src, int64_t n, int64_t k, uint8_t* out, float* residual_out) {
+  constexpr bool kFeedback = Src::kFeedback;
   const Chunking chunking{Format::kSign, n, k};
   const ChunkBlocks blocks(chunking);
-  const Source<T, kFeedback> src{x, residual_in};
-  std::vector<double> partial(blocks.tasks());
-  parallel_for(blocks.tasks(), n,
-               [&](int64_t t) { partial[t] = abs_sum(src, blocks.begin(t), blocks.end(t)); });
-  for (int64_t c = 0; c < k; ++c) {
-    double sum = 0;
-    for (int64_t b = 0; b < blocks.per_chunk; ++b) sum += partial[c * blocks.per_chunk + b];
-    const int64_t len = chunking.length(c);
-    write_header(out, chunking, c,
-                 len > 0 ? static_cast<float>(sum / static_cast<double>(len)) : 0.0f, 0.0f);
-  }
-  parallel_for(blocks.tasks(), n, [&](int64_t t) {
-    const Source<T, kFeedback> values = src;  // a local copy, as in minmax_compress_impl
-    float* const residuals = residual_out;
-    const int64_t c = blocks.chunk(t);
-    const float scale = header(out, chunking, c)[0];
-    uint8_t* bits = out + chunking.slot_offset(c) + kHeaderBytes;
-    const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
-    auto encode = [&](int64_t i) {
-      const float v = values(i);
-      const bool bit = math::sign_bit(v);
-      if constexpr (kFeedback) residuals[i] = math::sub_rn(v, math::sign_decode(bit, scale));
-      return static_cast<uint8_t>(bit);
-    };
-    int64_t i = begin;
-    const f32x8 up = splat(scale), down = splat(-scale);
-    for (; i + 8 <= end; i += 8) {
-      const f32x8 v = values.load8(i);
-      const i32x8 positive = v >= 0.0f;  // all ones where the bit is set
-      bits[(i - first) / 8] = pack_bits(positive);
-      if constexpr (kFeedback) {
-        const f32x8 residual = v - (positive ? up : down);
-        std::memcpy(residuals + i, &residual, sizeof residual);
-      }
-    }
-    if (i < end) {
-      uint8_t byte = 0;
-      for (int j = 0; i + j < end; ++j) byte |= encode(i + j) << j;
-      bits[(i - first) / 8] = byte;
-    }
-  });
+  const auto measure = [&](int64_t t) { return abs_sum(src, blocks.begin(t), blocks.end(t)); };
+  measure_then_encode<typename Src::Element>(
+      blocks, measure, [&](int64_t t, const double* partials) {
+        const Src values = src;  // a local copy, as in minmax_compress_impl
+        float* const residuals = residual_out;
+        const int64_t c = blocks.chunk(t);
+        double sum = 0;
+        for (int64_t b = 0; b < blocks.per_chunk; ++b) sum += partials[b];
+        const int64_t len = chunking.length(c);
+        const float scale = len > 0 ? static_cast<float>(sum / static_cast<double>(len)) : 0.0f;
+        if (t % blocks.per_chunk == 0) write_header(out, chunking, c, scale, 0.0f);
+        uint8_t* bits = out + chunking.slot_offset(c) + kHeaderBytes;
+        const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
+        auto encode = [&](int64_t i) {
+          const float v = values(i);
+          const bool bit = math::sign_bit(v);
+          if constexpr (kFeedback) residuals[i] = math::sub_rn(v, math::sign_decode(bit, scale));
+          return static_cast<uint8_t>(bit);
+        };
+        int64_t i = begin;
+        const f32x8 up = splat(scale), down = splat(-scale);
+        for (; i + 8 <= end; i += 8) {
+          const f32x8 v = values.load8(i);
+          const i32x8 positive = v >= 0.0f;  // all ones where the bit is set
+          bits[(i - first) / 8] = pack_bits(positive);
+          if constexpr (kFeedback) {
+            const f32x8 residual = v - (positive ? up : down);
+            std::memcpy(residuals + i, &residual, sizeof residual);
+          }
+        }
+        if (i < end) {
+          uint8_t byte = 0;
+          for (int j = 0; i + j < end; ++j) byte |= encode(i + j) << j;
+          bits[(i - first) / 8] = byte;
+        }
+      });
 }
 
-template <int kBits, typename T>
-Status minmax_compress_bits(const T* x, const float* residual_in, int64_t n, int64_t k,
-                            uint8_t* out, float* residual_out) {
+// Runs compress(src) on the Source of x, with or without a residual: the choice
+// becomes a type, so that the hot loops carry no branch.
+template <typename T, typename Compress>
+Status with_source(const T* x, const float* residual_in, Compress&& compress) {
   if (residual_in)
-    minmax_compress_impl<kBits, T, true>(x, residual_in, n, k, out, residual_out);
+    compress(Source<T, true>{x, residual_in});
   else
-    minmax_compress_impl<kBits, T, false>(x, nullptr, n, k, out, nullptr);
+    compress(Source<T, false>{x, nullptr});
   return {};
 }
 
@@ -427,75 +448,100 @@ Status minmax_compress_bits(const T* x, const float* residual_in, int64_t n, int
 template <typename T>
 Status minmax_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k,
                        uint8_t* out, float* residual_out) {
-  return minmax_compress_bits<8>(x, residual_in, n, k, out, residual_out);
+  return with_source(x, residual_in, [&](const auto& src) {
+    minmax_compress_impl<8>(src, n, k, out, residual_out);
+  });
 }
 
 template <typename T>
 Status minmax_uint4_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k,
                              uint8_t* out, float* residual_out) {
-  return minmax_compress_bits<4>(x, residual_in, n, k, out, residual_out);
+  return with_source(x, residual_in, [&](const auto& src) {
+    minmax_compress_impl<4>(src, n, k, out, residual_out);
+  });
 }
 
 template <typename T>
 Status sign_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64_t k, uint8_t* out,
                      float* residual_out) {
-  if (residual_in)
-    sign_compress_impl<T, true>(x, residual_in, n, k, out, residual_out);
-  else
-    sign_compress_impl<T, false>(x, nullptr, n, k, out, nullptr);
-  return {};
+  return with_source(x, residual_in,
+                     [&](const auto& src) { sign_compress_impl(src, n, k, out, residual_out); });
 }
 
 namespace {
 
-// Decodes elements [begin, end) of chunk c of a MinMaxUInt8 or MinMaxUInt4
-// buffer; `emit` receives (element index, decoded float).
-template <int kBits, typename Emit>
-void minmax_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, int64_t begin,
-                         int64_t end, Emit&& emit) {
-  const float* h = header(in, chunking, c);
-  const math::MinMaxGrid grid = math::minmax_grid<kBits>(h[0], h[1]);
-  const uint8_t* codes = in + chunking.slot_offset(c) + kHeaderBytes;
-  const int64_t first = chunking.begin(c);
-  // One loop per form, so that the float32 one carries no per-element choice.
-  const auto decode = [&](auto&& decode_one) {
-    for (int64_t i = begin; i < end; ++i) emit(i, decode_one(code_at<kBits>(codes, i - first)));
-  };
-  // The grid by value: stores through `emit` could alias a captured reference.
-  if (grid.wide)
-    decode([grid](uint8_t q) { return math::minmax_decode_wide(q, grid); });
-  else if (grid.z == 0.0f)
-    decode([grid](uint8_t q) { return math::minmax_decode_at_zero(q, grid); });
-  else
-    decode([grid](uint8_t q) { return math::minmax_decode_at_lo(q, grid); });
-}
+// Chunk c of a compressed buffer, ready to decode: its header is read and its
+// constants computed once, however many ranges of it are decoded (a reduction
+// decodes each chunk a tile at a time, and recomputing the grid for every tile
+// cost about as much as decoding it). decode(begin, end, emit) decodes elements
+// [begin, end) of the tensor; `emit` receives (element index, decoded float).
+template <int kBits>
+struct MinMaxChunk {
+  math::MinMaxGrid grid;
+  const uint8_t* codes;
+  int64_t first;
 
-// The same for a Sign buffer, except that each whole byte of bits reaches
-// `emit` as (index of its first element, f32x8 of its eight decoded values).
-template <typename Emit>
-void sign_decode_range(const uint8_t* in, const Chunking& chunking, int64_t c, int64_t begin,
-                       int64_t end, Emit&& emit) {
-  const float scale = header(in, chunking, c)[0];
-  const uint8_t* bits = in + chunking.slot_offset(c) + kHeaderBytes;
-  const int64_t first = chunking.begin(c);
-  int64_t i = begin;
-  for (; i < end && (i - first) % 8; ++i)
-    emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
-  const f32x8 up = splat(scale), down = splat(-scale);
-  for (; i + 8 <= end; i += 8) {
-    const f32x8 values = unpack_bits(bits[(i - first) >> 3]) ? up : down;
-    emit(i, values);
+  MinMaxChunk(const uint8_t* in, const Chunking& chunking, int64_t c)
+      : grid(math::minmax_grid<kBits>(header(in, chunking, c)[0], header(in, chunking, c)[1])),
+        codes(in + chunking.slot_offset(c) + kHeaderBytes),
+        first(chunking.begin(c)) {}
+
+  template <typename Emit>
+  void decode(int64_t begin, int64_t end, Emit&& emit) const {
+    // Local copies: stores through `emit` could alias the members.
+    const math::MinMaxGrid g = grid;
+    const uint8_t* const q = codes;
+    const int64_t f = first;
+    // One loop per form, so that the float32 one carries no per-element choice.
+    const auto each = [&](auto&& decode_one) {
+      for (int64_t i = begin; i < end; ++i) emit(i, decode_one(code_at<kBits>(q, i - f)));
+    };
+    if (g.wide)
+      each([g](uint8_t v) { return math::minmax_decode_wide(v, g); });
+    else if (g.z == 0.0f)
+      each([g](uint8_t v) { return math::minmax_decode_at_zero(v, g); });
+    else
+      each([g](uint8_t v) { return math::minmax_decode_at_lo(v, g); });
   }
-  for (; i < end; ++i)
-    emit(i, math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale));
-}
+};
 
-template <typename T, typename Decode>
-Status decompress(const uint8_t* in, const Chunking& chunking, T* out, Decode&& decode) {
+// The same for a Sign chunk, except that each whole byte of bits reaches `emit`
+// as (index of its first element, f32x8 of its eight decoded values).
+struct SignChunk {
+  float scale;
+  const uint8_t* bits;
+  int64_t first;
+
+  SignChunk(const uint8_t* in, const Chunking& chunking, int64_t c)
+      : scale(header(in, chunking, c)[0]),
+        bits(in + chunking.slot_offset(c) + kHeaderBytes),
+        first(chunking.begin(c)) {}
+
+  template <typename Emit>
+  void decode(int64_t begin, int64_t end, Emit&& emit) const {
+    const float s = scale;
+    const uint8_t* const b = bits;
+    const int64_t f = first;
+    const auto one = [&](int64_t i) {
+      return math::sign_decode((b[(i - f) >> 3] >> ((i - f) & 7)) & 1, s);
+    };
+    int64_t i = begin;
+    for (; i < end && (i - f) % 8; ++i) emit(i, one(i));
+    const f32x8 up = splat(s), down = splat(-s);
+    for (; i + 8 <= end; i += 8) {
+      const f32x8 values = unpack_bits(b[(i - f) >> 3]) ? up : down;
+      emit(i, values);
+    }
+    for (; i < end; ++i) emit(i, one(i));
+  }
+};
+
+template <typename Chunk, typename T>
+Status decompress(const uint8_t* in, const Chunking& chunking, T* out) {
   const ChunkBlocks blocks(chunking);
   parallel_for(blocks.tasks(), chunking.n, [&](int64_t t) {
-    decode(in, chunking, blocks.chunk(t), blocks.begin(t), blocks.end(t),
-           [&](int64_t i, auto v) { store(out + i, v); });
+    Chunk(in, chunking, blocks.chunk(t))
+        .decode(blocks.begin(t), blocks.end(t), [&](int64_t i, auto v) { store(out + i, v); });
   });
   return {};
 }
@@ -518,43 +564,68 @@ void resum_add(float* p, f32x8 v) {
 // Elements [begin, end) whose float32 sum (or average) overflowed are summed
 // again, scaled (math::resum_add), so that finite inputs give a finite average
 // (SPEC section 2); the others keep their bits.
-template <typename Decode>
-void resum_scaled(const uint8_t* in, const Chunking& chunking, int64_t m, int64_t begin,
-                  int64_t end, bool average, float* acc, Decode&& decode) {
+template <typename Chunk>
+void resum_scaled(const std::vector<Chunk>& chunks, int64_t m, int64_t begin, int64_t end,
+                  bool average, float* acc) {
+  const int64_t k = static_cast<int64_t>(chunks.size());
   std::vector<float> scaled(end - begin);
-  for (int64_t j = 0; j < chunking.k; ++j) {
-    decode(in, chunking, j, j * m + begin, j * m + end,
-           [&](int64_t i, auto v) { resum_add(scaled.data() + (i - j * m - begin), v); });
+  for (int64_t j = 0; j < k; ++j) {
+    chunks[j].decode(j * m + begin, j * m + end,
+                     [&](int64_t i, auto v) { resum_add(scaled.data() + (i - j * m - begin), v); });
   }
-  const float ranks = static_cast<float>(chunking.k);
+  const float ranks = static_cast<float>(k);
   for (int64_t i = 0; i < end - begin; ++i)
     if (is_infinite(acc[i])) acc[i] = math::resum_result(scaled[i], average, ranks);
+}
+
+// acc[0, m) divided by k. For k a power of two that is a multiplication by the
+// exact 1 / k: both round the same real number, so the bits are the same, and a
+// vector division costs several times a multiplication.
+void average_ranks(float* acc, int64_t m, int64_t k) {
+  const float ranks = static_cast<float>(k);
+  if ((k & (k - 1)) == 0) {
+    const float inverse = math::div_rn(1.0f, ranks);
+    for (int64_t i = 0; i < m; ++i) acc[i] = math::mul_rn(acc[i], inverse);
+  } else {
+    for (int64_t i = 0; i < m; ++i) acc[i] = math::div_rn(acc[i], ranks);
+  }
 }
 
 // The k inputs are single-chunk buffers of m elements each, laid end to end:
 // exactly the layout of m*k elements in k chunks, so chunk j's element i is
 // element j*m + i of that tensor.
-template <typename T, typename Decode>
+template <typename Chunk, typename T>
 Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k, bool average,
-                         T* out, Decode&& decode) {
+                         T* out) {
   const Chunking chunking{format, m * k, k};
+  std::vector<Chunk> chunks;
+  {
+    const IeeeSubnormals ieee;  // the grids' constants, from headers that may be subnormal
+    chunks.reserve(k);
+    for (int64_t j = 0; j < k; ++j) chunks.emplace_back(in, chunking, j);
+  }
   constexpr int64_t kTile = 4096;
   const int64_t tiles = ceil_div(m, kTile);
   parallel_for(tiles, m * k, [&](int64_t t) {
     const int64_t begin = t * kTile, end = std::min(begin + kTile, m);
     float acc[kTile] = {};
     for (int64_t j = 0; j < k; ++j) {
-      decode(in, chunking, j, j * m + begin, j * m + end,
-             [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
+      chunks[j].decode(j * m + begin, j * m + end,
+                       [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
     }
-    const float ranks = static_cast<float>(k);
-    uint32_t largest = 0;
-    for (int64_t i = 0; i < end - begin; ++i) {
-      if (average) acc[i] = math::div_rn(acc[i], ranks);
-      largest = std::max(largest, exponent_field(acc[i]));
+    if (average) average_ranks(acc, end - begin, k);
+    const auto store_tile = [&] {
+      uint32_t largest = 0;
+      for (int64_t i = begin; i < end; ++i) {
+        out[i] = from_float<T>(acc[i - begin]);
+        largest = std::max(largest, exponent_field(acc[i - begin]));
+      }
+      return largest;
+    };
+    if (store_tile() == kExponentBits) {
+      resum_scaled(chunks, m, begin, end, average, acc);
+      store_tile();
     }
-    if (largest == kExponentBits) resum_scaled(in, chunking, m, begin, end, average, acc, decode);
-    for (int64_t i = begin; i < end; ++i) out[i] = from_float<T>(acc[i - begin]);
   });
   return {};
 }
@@ -601,40 +672,34 @@ Status elementwise(int64_t n, T* out, F&& f, const In*... in) {
 
 template <typename T>
 Status minmax_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
-  return decompress(in, Chunking{Format::kMinMaxUInt8, n, k}, out,
-                    [](auto&&... a) { minmax_decode_range<8>(a...); });
+  return decompress<MinMaxChunk<8>>(in, Chunking{Format::kMinMaxUInt8, n, k}, out);
 }
 
 template <typename T>
 Status minmax_uint4_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
-  return decompress(in, Chunking{Format::kMinMaxUInt4, n, k}, out,
-                    [](auto&&... a) { minmax_decode_range<4>(a...); });
+  return decompress<MinMaxChunk<4>>(in, Chunking{Format::kMinMaxUInt4, n, k}, out);
 }
 
 template <typename T>
 Status sign_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
-  return decompress(in, Chunking{Format::kSign, n, k}, out,
-                    [](auto&&... a) { sign_decode_range(a...); });
+  return decompress<SignChunk>(in, Chunking{Format::kSign, n, k}, out);
 }
 
 template <typename T>
 Status minmax_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average,
                                 T* out) {
-  return decompress_reduce(in, Format::kMinMaxUInt8, m, k, average, out,
-                           [](auto&&... a) { minmax_decode_range<8>(a...); });
+  return decompress_reduce<MinMaxChunk<8>>(in, Format::kMinMaxUInt8, m, k, average, out);
 }
 
 template <typename T>
 Status minmax_uint4_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average,
                                       T* out) {
-  return decompress_reduce(in, Format::kMinMaxUInt4, m, k, average, out,
-                           [](auto&&... a) { minmax_decode_range<4>(a...); });
+  return decompress_reduce<MinMaxChunk<4>>(in, Format::kMinMaxUInt4, m, k, average, out);
 }
 
 template <typename T>
 Status sign_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average, T* out) {
-  return decompress_reduce(in, Format::kSign, m, k, average, out,
-                           [](auto&&... a) { sign_decode_range(a...); });
+  return decompress_reduce<SignChunk>(in, Format::kSign, m, k, average, out);
 }
 
 template <typename T>

@@ -31,7 +31,16 @@ namespace bagua {
 inline constexpr int64_t kHeaderBytes = 16;
 inline constexpr int64_t kSlotAlignment = 16;
 
-enum class Format { kMinMaxUInt8, kMinMaxUInt4, kSign };
+// Every compression format once: X(enumerator, name, codec). The enum, the
+// names the DLPack bindings take, the typed kernels each format runs
+// (kernels::<codec>_compress, ...) and its FFI targets (bagua_<codec>_compress,
+// ...) are all made from this list.
+#define BAGUA_FORMATS(X)                        \
+  X(kMinMaxUInt8, "minmax_uint8", minmax)       \
+  X(kMinMaxUInt4, "minmax_uint4", minmax_uint4) \
+  X(kSign, "sign", sign)
+
+BAGUA_NAMED_ENUM(Format, BAGUA_FORMATS, format_name, "an unknown format")
 
 BAGUA_HD int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -75,24 +75,9 @@ void ensure_initialized() {
 }
 
 MPI_Datatype mpi_type(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return MPI_FLOAT;
-    case DType::kF64:
-      return MPI_DOUBLE;
-    case DType::kF16:
-      return half_type;
-    case DType::kBF16:
-      return bfloat16_type;
-    case DType::kU8:
-      return MPI_UINT8_T;
-    case DType::kI32:
-      return MPI_INT32_T;
-    case DType::kI64:
-      return MPI_INT64_T;
-    case DType::kUnsupported:
-      break;
-  }
+#define BAGUA_DTYPE_TO_MPI(enumerator, name, bits, dlpack, xla, nccl, mpi) \
+  if (t == DType::enumerator) return mpi;
+  BAGUA_DTYPES(BAGUA_DTYPE_TO_MPI)
   return MPI_DATATYPE_NULL;
 }
 

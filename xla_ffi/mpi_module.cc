@@ -4,16 +4,11 @@
 #include <nanobind/stl/string.h>
 
 #include "collective_bindings.h"
-#include "collective_handlers.h"
 #include "mpi_communicator.h"
-
-namespace nb = nanobind;
 
 NB_MODULE(_bagua_mpi, m) {
   using namespace bagua;
-  m.doc() = "Bagua's MPI engine: collectives on host buffers.";
-
-  bind_registrations(m, {{"cpu", collective_handlers::handlers<Cpu>()}});
+  collective_bindings::bind<Cpu>(m, "Bagua's MPI engine: collectives on host buffers.");
 
   m.def(
       "world",
@@ -58,6 +53,4 @@ NB_MODULE(_bagua_mpi, m) {
         mpi_finalize();
       },
       "Destroy every communicator and finalize MPI (called at exit).");
-
-  collective_bindings::bind(m, nb::device::cpu::value);
 }

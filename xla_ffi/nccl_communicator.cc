@@ -10,6 +10,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #if NCCL_VERSION_CODE < NCCL_VERSION(2, 18, 0)
@@ -25,38 +26,16 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kWatchInterval = std::chrono::milliseconds(10);
 
 ncclDataType_t nccl_type(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return ncclFloat32;
-    case DType::kF16:
-      return ncclFloat16;
-    case DType::kBF16:
-      return ncclBfloat16;
-    case DType::kF64:
-      return ncclFloat64;
-    case DType::kU8:
-      return ncclUint8;
-    case DType::kI32:
-      return ncclInt32;
-    case DType::kI64:
-      return ncclInt64;
-    case DType::kUnsupported:
-      break;
-  }
+#define BAGUA_DTYPE_TO_NCCL(enumerator, name, bits, dlpack, xla, nccl, mpi) \
+  if (t == DType::enumerator) return nccl;
+  BAGUA_DTYPES(BAGUA_DTYPE_TO_NCCL)
   return ncclFloat32;
 }
 
 ncclRedOp_t nccl_op(ReduceOp op) {
-  switch (op) {
-    case ReduceOp::kSum:
-      return ncclSum;
-    case ReduceOp::kAvg:
-      return ncclAvg;
-    case ReduceOp::kMin:
-      return ncclMin;
-    case ReduceOp::kMax:
-      return ncclMax;
-  }
+#define BAGUA_REDUCE_OP_TO_NCCL(enumerator, name, nccl) \
+  if (op == ReduceOp::enumerator) return nccl;
+  BAGUA_REDUCE_OPS(BAGUA_REDUCE_OP_TO_NCCL)
   return ncclSum;
 }
 
@@ -144,6 +123,13 @@ ncclResult_t grouped(Calls&& calls) {
   r = calls();
   const ncclResult_t end = ncclGroupEnd();
   return r != ncclSuccess ? r : end;
+}
+
+// Element `index` of a buffer of `type`, const or not.
+template <typename Void>
+Void* element_at(Void* base, int64_t index, DType type) {
+  using Byte = std::conditional_t<std::is_const_v<Void>, const char, char>;
+  return static_cast<Byte*>(base) + index * dtype_bytes(type);
 }
 
 class NcclCommunicator final : public Communicator {
@@ -236,75 +222,42 @@ class NcclCommunicator final : public Communicator {
   Status gather(const void* send, void* recv, int64_t count, DType type, int root,
                 void* stream) override {
     if (Status s = check_rank("gather", "root", root); !s.ok()) return s;
-    const int64_t bytes = count * dtype_bytes(type);
-    return enqueue("gather", count, stream, [&](cudaStream_t s) {
-      return grouped([&] {
-        ncclResult_t r = ncclSend(send, count, nccl_type(type), root, comm_, s);
-        for (int j = 0; rank_ == root && j < size_ && r == ncclSuccess; ++j)
-          r = ncclRecv(static_cast<char*>(recv) + j * bytes, count, nccl_type(type), j, comm_, s);
-        return r;
-      });
-    });
+    std::vector<Exchange> exchanges{{root, send, count, nullptr, 0}};
+    for (int j = 0; rank_ == root && j < size_; ++j)
+      exchanges.push_back({j, nullptr, 0, element_at(recv, j * count, type), count});
+    return exchange("gather", count, type, stream, exchanges);
   }
 
   Status scatter(const void* send, void* recv, int64_t count, DType type, int root,
                  void* stream) override {
     if (Status s = check_rank("scatter", "root", root); !s.ok()) return s;
-    const int64_t bytes = count * dtype_bytes(type);
-    return enqueue("scatter", count, stream, [&](cudaStream_t s) {
-      return grouped([&] {
-        ncclResult_t r = ncclRecv(recv, count, nccl_type(type), root, comm_, s);
-        for (int j = 0; rank_ == root && j < size_ && r == ncclSuccess; ++j)
-          r = ncclSend(static_cast<const char*>(send) + j * bytes, count, nccl_type(type), j, comm_,
-                       s);
-        return r;
-      });
-    });
+    std::vector<Exchange> exchanges{{root, nullptr, 0, recv, count}};
+    for (int j = 0; rank_ == root && j < size_; ++j)
+      exchanges.push_back({j, element_at(send, j * count, type), count, nullptr, 0});
+    return exchange("scatter", count, type, stream, exchanges);
   }
 
   Status alltoall(const void* send, void* recv, int64_t count, DType type, void* stream) override {
-    const int64_t bytes = count * dtype_bytes(type);
-    return enqueue("alltoall", count, stream, [&](cudaStream_t s) {
-      return grouped([&] {
-        ncclResult_t r = ncclSuccess;
-        for (int j = 0; j < size_ && r == ncclSuccess; ++j) {
-          r = ncclSend(static_cast<const char*>(send) + j * bytes, count, nccl_type(type), j, comm_,
-                       s);
-          if (r == ncclSuccess)
-            r = ncclRecv(static_cast<char*>(recv) + j * bytes, count, nccl_type(type), j, comm_, s);
-        }
-        return r;
-      });
-    });
+    std::vector<Exchange> exchanges;
+    for (int j = 0; j < size_; ++j)
+      exchanges.push_back(
+          {j, element_at(send, j * count, type), count, element_at(recv, j * count, type), count});
+    return exchange("alltoall", count, type, stream, exchanges);
   }
 
-  // Empty blocks are skipped on both sides of each pair (their counts agree).
   Status alltoall_v(const void* send, const int64_t* send_counts, void* recv,
                     const int64_t* recv_counts, DType type, void* stream) override {
-    int64_t total = 0;
+    std::vector<Exchange> exchanges;
+    int64_t sent = 0, received = 0;
     for (int j = 0; j < size_; ++j) {
       if (send_counts[j] < 0 || recv_counts[j] < 0)
         return invalid("alltoall_v", "counts must be non-negative");
-      total += send_counts[j] + recv_counts[j];
+      exchanges.push_back({j, element_at(send, sent, type), send_counts[j],
+                           element_at(recv, received, type), recv_counts[j]});
+      sent += send_counts[j];
+      received += recv_counts[j];
     }
-    const int64_t element = dtype_bytes(type);
-    return enqueue("alltoall_v", total, stream, [&](cudaStream_t s) {
-      return grouped([&] {
-        ncclResult_t r = ncclSuccess;
-        int64_t send_offset = 0, recv_offset = 0;
-        for (int j = 0; j < size_ && r == ncclSuccess; ++j) {
-          if (send_counts[j] > 0)
-            r = ncclSend(static_cast<const char*>(send) + send_offset * element, send_counts[j],
-                         nccl_type(type), j, comm_, s);
-          if (r == ncclSuccess && recv_counts[j] > 0)
-            r = ncclRecv(static_cast<char*>(recv) + recv_offset * element, recv_counts[j],
-                         nccl_type(type), j, comm_, s);
-          send_offset += send_counts[j];
-          recv_offset += recv_counts[j];
-        }
-        return r;
-      });
-    });
+    return exchange("alltoall_v", sent + received, type, stream, exchanges);
   }
 
   // Self-exchanges are allowed (NCCL copies to self). NCCL pairs the sends and
@@ -312,21 +265,12 @@ class NcclCommunicator final : public Communicator {
   // twice (a ring of two ranks) exchanges two blocks in order.
   Status send_recv(const void* send, void* recv, int64_t count, DType type, const int32_t* peers,
                    int num_peers, void* stream) override {
-    for (int i = 0; i < num_peers; ++i)
+    std::vector<Exchange> exchanges;
+    for (int i = 0; i < num_peers; ++i) {
       if (Status s = check_rank("send_recv", "peer", peers[i]); !s.ok()) return s;
-    const int64_t bytes = count * dtype_bytes(type);
-    return enqueue("send_recv", count * num_peers, stream, [&](cudaStream_t s) {
-      return grouped([&] {
-        ncclResult_t r = ncclSuccess;
-        for (int i = 0; i < num_peers && r == ncclSuccess; ++i) {
-          r = ncclSend(send, count, nccl_type(type), peers[i], comm_, s);
-          if (r == ncclSuccess)
-            r = ncclRecv(static_cast<char*>(recv) + i * bytes, count, nccl_type(type), peers[i],
-                         comm_, s);
-        }
-        return r;
-      });
-    });
+      exchanges.push_back({peers[i], send, count, element_at(recv, i * count, type), count});
+    }
+    return exchange("send_recv", count * num_peers, type, stream, exchanges);
   }
 
   Status send(const void* buffer, int64_t count, DType type, int peer, void* stream) override {
@@ -425,6 +369,33 @@ class NcclCommunicator final : public Communicator {
     if (reduction == ReduceOp::kAvg && !is_floating_point(type))
       return invalid(op, "avg needs a float type");
     return {};
+  }
+
+  // One peer's part of a grouped point-to-point operation: a send, then a
+  // receive. A side with no elements is skipped (the peer's counts agree).
+  struct Exchange {
+    int peer;
+    const void* send;
+    int64_t send_count;
+    void* recv;
+    int64_t recv_count;
+  };
+
+  Status exchange(const char* op, int64_t elements, DType type, void* stream,
+                  const std::vector<Exchange>& exchanges) {
+    return enqueue(op, elements, stream, [&](cudaStream_t s) {
+      return grouped([&] {
+        ncclResult_t r = ncclSuccess;
+        for (size_t i = 0; i < exchanges.size() && r == ncclSuccess; ++i) {
+          const Exchange& x = exchanges[i];
+          if (x.send_count > 0)
+            r = ncclSend(x.send, x.send_count, nccl_type(type), x.peer, comm_, s);
+          if (r == ncclSuccess && x.recv_count > 0)
+            r = ncclRecv(x.recv, x.recv_count, nccl_type(type), x.peer, comm_, s);
+        }
+        return r;
+      });
+    });
   }
 
   // Enqueues `calls` on the stream between the two events of a Pending entry

@@ -4,16 +4,11 @@
 #include <nanobind/stl/string.h>
 
 #include "collective_bindings.h"
-#include "collective_handlers.h"
 #include "nccl_communicator.h"
-
-namespace nb = nanobind;
 
 NB_MODULE(_bagua_nccl, m) {
   using namespace bagua;
-  m.doc() = "Bagua's NCCL engine: collectives on CUDA device buffers.";
-
-  bind_registrations(m, {{"CUDA", collective_handlers::handlers<Cuda>()}});
+  collective_bindings::bind<Cuda>(m, "Bagua's NCCL engine: collectives on CUDA device buffers.");
 
   m.def(
       "unique_id",
@@ -63,6 +58,4 @@ NB_MODULE(_bagua_nccl, m) {
         CommunicatorRegistry::instance().clear();
       },
       "Destroy every communicator (called at exit).");
-
-  collective_bindings::bind(m, nb::device::cuda::value);
 }

@@ -14,54 +14,34 @@
 
 namespace bagua::math {
 
-// F is float or double.
+// The four operations, F float or double, each rounded once: on the device by
+// the _rn intrinsics, on the host by the operator (-ffp-contract=off).
+#if defined(__CUDA_ARCH__)
+#define BAGUA_ROUNDED(op, float_rn, double_rn) \
+  if constexpr (std::is_same_v<F, double>)     \
+    return double_rn(a, b);                    \
+  else                                         \
+    return float_rn(a, b)
+#else
+#define BAGUA_ROUNDED(op, float_rn, double_rn) return a op b
+#endif
 template <typename F>
 BAGUA_HD F add_rn(F a, F b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<F, double>)
-    return __dadd_rn(a, b);
-  else
-    return __fadd_rn(a, b);
-#else
-  return a + b;
-#endif
+  BAGUA_ROUNDED(+, __fadd_rn, __dadd_rn);
 }
-
 template <typename F>
 BAGUA_HD F sub_rn(F a, F b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<F, double>)
-    return __dsub_rn(a, b);
-  else
-    return __fsub_rn(a, b);
-#else
-  return a - b;
-#endif
+  BAGUA_ROUNDED(-, __fsub_rn, __dsub_rn);
 }
-
 template <typename F>
 BAGUA_HD F mul_rn(F a, F b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<F, double>)
-    return __dmul_rn(a, b);
-  else
-    return __fmul_rn(a, b);
-#else
-  return a * b;
-#endif
+  BAGUA_ROUNDED(*, __fmul_rn, __dmul_rn);
 }
-
 template <typename F>
 BAGUA_HD F div_rn(F a, F b) {
-#if defined(__CUDA_ARCH__)
-  if constexpr (std::is_same_v<F, double>)
-    return __ddiv_rn(a, b);
-  else
-    return __fdiv_rn(a, b);
-#else
-  return a / b;
-#endif
+  BAGUA_ROUNDED(/, __fdiv_rn, __ddiv_rn);
 }
+#undef BAGUA_ROUNDED
 
 BAGUA_HD float narrow_rn(double v) {
 #if defined(__CUDA_ARCH__)

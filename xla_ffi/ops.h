@@ -77,6 +77,44 @@ Status first_error(Checks... checks) {
   return result;
 }
 
+// The typed kernels of one format, as BAGUA_FORMATS names them.
+template <Format format>
+struct Codec;
+#define BAGUA_CODEC_KERNELS(enumerator, name, codec)      \
+  template <>                                             \
+  struct Codec<Format::enumerator> {                      \
+    template <typename... Args>                           \
+    static Status compress(Args... args) {                \
+      return kernels::codec##_compress(args...);          \
+    }                                                     \
+    template <typename... Args>                           \
+    static Status decompress(Args... args) {              \
+      return kernels::codec##_decompress(args...);        \
+    }                                                     \
+    template <typename... Args>                           \
+    static Status decompress_reduce(Args... args) {       \
+      return kernels::codec##_decompress_reduce(args...); \
+    }                                                     \
+  };
+BAGUA_FORMATS(BAGUA_CODEC_KERNELS)
+
+// Calls f(Codec<format>{}) for a run-time format.
+template <typename F>
+Status dispatch_format(Format format, F&& f) {
+#define BAGUA_FORMAT_CASE(enumerator, name, codec) \
+  if (format == Format::enumerator) return f(Codec<Format::enumerator>{});
+  BAGUA_FORMATS(BAGUA_FORMAT_CASE)
+  return invalid("unknown compression format");
+}
+
+// Calls f(Codec<format>{}, T{}) for a run-time format and kernel float dtype.
+template <typename F>
+Status dispatch_codec(Format format, DType dtype, F&& f) {
+  return dispatch_float(dtype, [&](auto tag) {
+    return dispatch_format(format, [&](auto codec) { return f(codec, tag); });
+  });
+}
+
 }  // namespace detail
 
 // With residual_in.data == nullptr, compress x; else compress x + residual_in
@@ -97,20 +135,11 @@ Status compress(const Exec& exec, Format format, TensorRef x, TensorRef residual
                             detail::check_numel("the new residual", residual_out, x.numel));
     if (!s.ok()) return s;
   }
-  return detail::dispatch_float(x.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    auto* src = static_cast<const T*>(x.data);
-    auto* residual = static_cast<const float*>(residual_in.data);
-    auto* dst = static_cast<uint8_t*>(out.data);
-    auto* new_residual = feedback ? static_cast<float*>(residual_out.data) : nullptr;
-    switch (format) {
-      case Format::kMinMaxUInt8:
-        return kernels::minmax_compress(exec, src, residual, x.numel, k, dst, new_residual);
-      case Format::kMinMaxUInt4:
-        return kernels::minmax_uint4_compress(exec, src, residual, x.numel, k, dst, new_residual);
-      default:
-        return kernels::sign_compress(exec, src, residual, x.numel, k, dst, new_residual);
-    }
+  return detail::dispatch_codec(format, x.dtype, [&](auto codec, auto tag) {
+    return decltype(codec)::compress(exec, static_cast<const decltype(tag)*>(x.data),
+                                     static_cast<const float*>(residual_in.data), x.numel, k,
+                                     static_cast<uint8_t*>(out.data),
+                                     feedback ? static_cast<float*>(residual_out.data) : nullptr);
   });
 }
 
@@ -121,18 +150,9 @@ Status decompress(const Exec& exec, Format format, TensorRef in, TensorRef out, 
                           detail::check_bytes("the compressed input", in,
                                               k >= 1 ? compressed_bytes(format, out.numel, k) : 0));
   if (!s.ok()) return s;
-  return detail::dispatch_float(out.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    auto* src = static_cast<const uint8_t*>(in.data);
-    auto* dst = static_cast<T*>(out.data);
-    switch (format) {
-      case Format::kMinMaxUInt8:
-        return kernels::minmax_decompress(exec, src, out.numel, k, dst);
-      case Format::kMinMaxUInt4:
-        return kernels::minmax_uint4_decompress(exec, src, out.numel, k, dst);
-      default:
-        return kernels::sign_decompress(exec, src, out.numel, k, dst);
-    }
+  return detail::dispatch_codec(format, out.dtype, [&](auto codec, auto tag) {
+    return decltype(codec)::decompress(exec, static_cast<const uint8_t*>(in.data), out.numel, k,
+                                       static_cast<decltype(tag)*>(out.data));
   });
 }
 
@@ -143,18 +163,9 @@ Status decompress_reduce(const Exec& exec, Format format, TensorRef in, TensorRe
       detail::check_chunks(k), detail::check_float("the output", out),
       detail::check_bytes("the compressed input", in, k * compressed_bytes(format, out.numel, 1)));
   if (!s.ok()) return s;
-  return detail::dispatch_float(out.dtype, [&](auto tag) {
-    using T = decltype(tag);
-    auto* src = static_cast<const uint8_t*>(in.data);
-    auto* dst = static_cast<T*>(out.data);
-    switch (format) {
-      case Format::kMinMaxUInt8:
-        return kernels::minmax_decompress_reduce(exec, src, out.numel, k, average, dst);
-      case Format::kMinMaxUInt4:
-        return kernels::minmax_uint4_decompress_reduce(exec, src, out.numel, k, average, dst);
-      default:
-        return kernels::sign_decompress_reduce(exec, src, out.numel, k, average, dst);
-    }
+  return detail::dispatch_codec(format, out.dtype, [&](auto codec, auto tag) {
+    return decltype(codec)::decompress_reduce(exec, static_cast<const uint8_t*>(in.data), out.numel,
+                                              k, average, static_cast<decltype(tag)*>(out.data));
   });
 }
 

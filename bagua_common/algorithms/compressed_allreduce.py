@@ -98,16 +98,32 @@ class CompressedAllreduce:
         bucket: Array,
         comm: Any,
         *,
+        levels: Levels = None,
         average: bool = True,
         residual: Array | None = None,
         codec: MinMaxCodec = "minmax_uint8",
     ) -> tuple[Array, Array | None]:
-        """Allreduce ``bucket`` with min-max codes on the wire (ByteGrad): ``(result, new residual)``.
+        """Allreduce ``bucket`` over ``comm`` with min-max codes on the wire (ByteGrad): ``(result, new residual)``.
 
         ``codec`` picks 8-bit (the default, Bagua's) or 4-bit codes. With a float32 ``residual``
         of the bucket's size, the first compression uses error feedback (it encodes
-        ``bucket + residual``); without one the second result is None.
+        ``bucket + residual``); without one the second result is None. With ``levels``, the
+        two-level form over them instead of ``comm`` (the world): the residual is then this rank's
+        intra-node slice's.
         """
+        if levels is not None:
+            intra, inter = levels
+            result, (residual,) = _two_level(
+                lambda mine, node_comm: self.minmax_allreduce(
+                    mine, node_comm, average=average, residual=residual, codec=codec
+                ),
+                bucket,
+                intra,
+                inter,
+            )
+            if not average:  # the intra-node leg always averages: scale its mean back to a sum
+                result = result * intra.size
+            return result, residual
         compress, compress_ef, decompress, decompress_reduce = self._minmax_kernels(codec)
         n, m = comm.size, _chunk_elements(bucket, comm)
         if residual is None:
@@ -127,15 +143,32 @@ class CompressedAllreduce:
         return tuple(getattr(self._kernels, f"{codec}_{operation}") for operation in operations)
 
     def sign_allreduce(
-        self, bucket: Array, comm: Any, worker_residual: Array, server_residual: Array, *, average: bool = True
+        self,
+        bucket: Array,
+        comm: Any,
+        worker_residual: Array,
+        server_residual: Array,
+        *,
+        levels: Levels = None,
+        average: bool = True,
     ) -> tuple[Array, Array, Array]:
-        """Allreduce ``bucket`` with 1-bit signs and error feedback on both sides (1-bit Adam).
+        """Allreduce ``bucket`` over ``comm`` with 1-bit signs and error feedback on both sides (1-bit Adam).
 
         ``worker_residual`` (float32, the bucket's size) feeds back the error of compressing the
         bucket before the all-to-all; ``server_residual`` (float32, one chunk) the error of
         compressing this rank's reduced chunk before the allgather. Returns the result and both
-        new residuals.
+        new residuals. With ``levels``, the averaging two-level form over them instead of ``comm``
+        (the world): the worker residual is then this rank's intra-node slice's.
         """
+        if levels is not None:
+            intra, inter = levels
+            result, (worker_residual, server_residual) = _two_level(
+                lambda mine, node_comm: self.sign_allreduce(mine, node_comm, worker_residual, server_residual),
+                bucket,
+                intra,
+                inter,
+            )
+            return result, worker_residual, server_residual
         ops = self._kernels
         n, m = comm.size, _chunk_elements(bucket, comm)
         packed, worker_residual = ops.sign_compress_ef(bucket, worker_residual, n)
@@ -144,44 +177,6 @@ class CompressedAllreduce:
         repacked, server_residual = ops.sign_compress_ef(mine, server_residual, 1)
         gathered = comm.allgather(repacked)
         result = ops.sign_decompress(gathered.reshape(-1), n * m, n, bucket.dtype)
-        return result, worker_residual, server_residual
-
-    def minmax_over(
-        self,
-        bucket: Array,
-        world: Any,
-        levels: Levels,
-        *,
-        average: bool = True,
-        residual: Array | None = None,
-        codec: MinMaxCodec = "minmax_uint8",
-    ) -> tuple[Array, Array | None]:
-        """:meth:`minmax_allreduce` over ``world``, or with ``levels`` in the two-level form (the residual is then
-        this rank's intra-node slice's); ``(result, new residual)``."""
-        if levels is None:
-            return self.minmax_allreduce(bucket, world, average=average, residual=residual, codec=codec)
-        intra, inter = levels
-        result, (residual,) = _two_level(
-            lambda mine, comm: self.minmax_allreduce(mine, comm, average=average, residual=residual, codec=codec),
-            bucket,
-            intra,
-            inter,
-        )
-        if not average:  # the intra-node leg always averages: scale its mean back to a sum
-            result = result * intra.size
-        return result, residual
-
-    def sign_over(
-        self, bucket: Array, world: Any, levels: Levels, worker_residual: Array, server_residual: Array
-    ) -> tuple[Array, Array, Array]:
-        """:meth:`sign_allreduce` (averaging) over ``world``, or with ``levels`` in the two-level form (the worker
-        residual is then this rank's intra-node slice's); the result and both new residuals."""
-        if levels is None:
-            return self.sign_allreduce(bucket, world, worker_residual, server_residual)
-        intra, inter = levels
-        result, (worker_residual, server_residual) = _two_level(
-            lambda mine, comm: self.sign_allreduce(mine, comm, worker_residual, server_residual), bucket, intra, inter
-        )
         return result, worker_residual, server_residual
 
 

@@ -12,9 +12,9 @@ shapes and layouts (a ``kernel`` is ``(inputs, outputs)``), so the NumPy arrays 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -76,6 +76,63 @@ class GPTConfig:
         return sum(math.prod(shape) for shape in self.parameter_shapes().values())
 
 
+def head_shape(shape: Sequence[int], heads: int) -> tuple[int, int, int, int]:
+    """The shape ``(batch, length, heads, head width)`` attention splits its queries, keys and values of ``shape``
+    ``(batch, length, width)`` into."""
+    batch, length, width = shape
+    return batch, length, heads, width // heads
+
+
+# The composite modules' parts, once for both front ends. A front end's class inherits the layout beside its own
+# module class (``class Block(BlockLayout, nn.Module)``), names the classes of its parts, and writes the forward
+# pass of attention and the MLP in its own arrays; each part is built from the parameters and its name prefix.
+
+
+class AttentionLayout:
+    """Causal self-attention's parts: ``heads``, and the ``qkv`` and ``proj`` projections (``linear_type``)."""
+
+    linear_type: ClassVar[type]
+
+    def __init__(self, params: Mapping[str, Any], prefix: str, heads: int):
+        super().__init__()  # the front end's module class
+        self.heads = heads
+        self.qkv = self.linear_type(params, prefix + "qkv.")
+        self.proj = self.linear_type(params, prefix + "proj.")
+
+
+class MLPLayout:
+    """The MLP's parts: the ``fc`` and ``proj`` projections (``linear_type``)."""
+
+    linear_type: ClassVar[type]
+
+    def __init__(self, params: Mapping[str, Any], prefix: str):
+        super().__init__()
+        self.fc = self.linear_type(params, prefix + "fc.")
+        self.proj = self.linear_type(params, prefix + "proj.")
+
+
+class BlockLayout:
+    """One pre-LayerNorm block: its parts ``ln1``, ``attn``, ``ln2`` and ``mlp`` (of ``layer_norm_type``,
+    ``attention_type`` and ``mlp_type``), and its forward pass :meth:`residual`."""
+
+    layer_norm_type: ClassVar[type]
+    attention_type: ClassVar[type]
+    mlp_type: ClassVar[type]
+
+    def __init__(self, params: Mapping[str, Any], prefix: str, heads: int):
+        super().__init__()
+        self.ln1 = self.layer_norm_type(params, prefix + "ln1.")
+        self.attn = self.attention_type(params, prefix + "attn.", heads)
+        self.ln2 = self.layer_norm_type(params, prefix + "ln2.")
+        self.mlp = self.mlp_type(params, prefix + "mlp.")
+
+    def residual(self, x: Any) -> Any:
+        """The block applied to the residual stream ``x`` (an array of the front end): ``x + attn(ln1(x))``, then
+        ``+ mlp(ln2(x))``."""
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
 GPT_CONFIGS: dict[str, GPTConfig] = {
     config.name: config
     for config in (
@@ -128,3 +185,15 @@ def check_gpt_params(size: str | GPTConfig, params: Mapping[str, Any]) -> None:
     for name, shape in shapes.items():
         if tuple(params[name].shape) != shape:
             raise ValueError(f"GPT {config.name!r}: {name} has shape {tuple(params[name].shape)}, expected {shape}")
+
+
+def gpt_and_params(
+    size: str | GPTConfig, params: Mapping[str, Any] | None = None, seed: int = 0
+) -> tuple[GPTConfig, Mapping[str, Any]]:
+    """The configuration of the GPT ``size`` and the parameters a model of it starts from: ``params``, checked
+    with :func:`check_gpt_params`, or when None :func:`init_gpt_params` of ``seed``."""
+    config = gpt_config(size)
+    if params is None:
+        return config, init_gpt_params(config, seed)
+    check_gpt_params(config, params)
+    return config, params

@@ -116,7 +116,9 @@ def bytegrad(
             residuals = [None] * len(buckets)
         reduced, new_residuals = [], []
         for bucket, residual in zip(buckets, residuals):
-            result, residual = PIPELINES.minmax_over(bucket, comms.world, levels, average=average, residual=residual)
+            result, residual = PIPELINES.minmax_allreduce(
+                bucket, comms.world, levels=levels, average=average, residual=residual
+            )
             reduced.append(result)
             new_residuals.append(residual)
         new_state = ByteGradState(residuals=tuple(new_residuals)) if error_feedback else state

@@ -107,7 +107,7 @@ def onebit_adam(
             )
         averaged, new_workers, new_servers = [], [], []
         for bucket, worker, server in zip(buckets, workers, servers):
-            result, worker, server = PIPELINES.sign_over(bucket, comms.world, levels, worker, server)
+            result, worker, server = PIPELINES.sign_allreduce(bucket, comms.world, worker, server, levels=levels)
             averaged.append(result)
             new_workers.append(worker)
             new_servers.append(server)

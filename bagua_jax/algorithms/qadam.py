@@ -59,7 +59,7 @@ def qadam(
     comms = check_communicators(comms, config.name)
 
     def exchange(buckets: list[jax.Array], extra: tuple, levels: Levels) -> tuple[list[jax.Array], tuple]:
-        return [PIPELINES.minmax_over(bucket, comms.world, levels)[0] for bucket in buckets], extra
+        return [PIPELINES.minmax_allreduce(bucket, comms.world, levels=levels)[0] for bucket in buckets], extra
 
     return adam_with_averaged_momentum(
         comms,

@@ -16,78 +16,78 @@ arrays, :func:`gpt_loss_fn` gives the loss of the flat name -> array dictionary 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from bagua_common.workload.gpt_spec import LAYER_NORM_EPS, GPTConfig, check_gpt_params, gpt_config, init_gpt_params
+from bagua_common.workload import gpt_spec
 
 
-class Linear(nnx.Module):
-    """``x @ kernel + bias``, ``kernel`` laid out ``(inputs, outputs)``."""
+class _Parameters(nnx.Module):
+    """A module holding ``params[prefix + name]`` as the parameter ``name``, for each of its ``names``."""
+
+    names: ClassVar[tuple[str, ...]]
 
     def __init__(self, params: Mapping[str, Any], prefix: str):
-        self.kernel = nnx.Param(jnp.asarray(params[prefix + "kernel"]))
-        self.bias = nnx.Param(jnp.asarray(params[prefix + "bias"]))
+        for name in self.names:
+            setattr(self, name, nnx.Param(jnp.asarray(params[prefix + name])))
+
+
+class Linear(_Parameters):
+    """``x @ kernel + bias``, ``kernel`` laid out ``(inputs, outputs)``."""
+
+    names = ("kernel", "bias")
+    kernel: nnx.Param
+    bias: nnx.Param
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return x @ self.kernel[...] + self.bias[...]
 
 
-class LayerNorm(nnx.Module):
+class LayerNorm(_Parameters):
     """Normalization over the last axis with a learned ``scale`` and ``bias``."""
 
-    def __init__(self, params: Mapping[str, Any], prefix: str):
-        self.scale = nnx.Param(jnp.asarray(params[prefix + "scale"]))
-        self.bias = nnx.Param(jnp.asarray(params[prefix + "bias"]))
+    names = ("scale", "bias")
+    scale: nnx.Param
+    bias: nnx.Param
 
     def __call__(self, x: jax.Array) -> jax.Array:
         mean = x.mean(-1, keepdims=True)
         variance = jnp.square(x - mean).mean(-1, keepdims=True)
-        return (x - mean) * jax.lax.rsqrt(variance + LAYER_NORM_EPS) * self.scale[...] + self.bias[...]
+        return (x - mean) * jax.lax.rsqrt(variance + gpt_spec.LAYER_NORM_EPS) * self.scale[...] + self.bias[...]
 
 
-class Attention(nnx.Module):
+class Attention(gpt_spec.AttentionLayout, nnx.Module):
     """Causal multi-head self-attention: ``proj(softmax(q k^T / sqrt(head width) + causal mask) v)``."""
 
-    def __init__(self, params: Mapping[str, Any], prefix: str, heads: int):
-        self.heads = heads
-        self.qkv = Linear(params, prefix + "qkv.")
-        self.proj = Linear(params, prefix + "proj.")
+    linear_type = Linear
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        batch, length, width = x.shape
-        shape = (batch, length, self.heads, width // self.heads)
-        q, k, v = (part.reshape(shape) for part in jnp.split(self.qkv(x), 3, axis=-1))
-        return self.proj(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(batch, length, width))
+        q, k, v = (
+            part.reshape(gpt_spec.head_shape(x.shape, self.heads)) for part in jnp.split(self.qkv(x), 3, axis=-1)
+        )
+        return self.proj(jax.nn.dot_product_attention(q, k, v, is_causal=True).reshape(x.shape))
 
 
-class MLP(nnx.Module):
+class MLP(gpt_spec.MLPLayout, nnx.Module):
     """``proj(gelu(fc(x)))`` with the exact (erf) GELU."""
 
-    def __init__(self, params: Mapping[str, Any], prefix: str):
-        self.fc = Linear(params, prefix + "fc.")
-        self.proj = Linear(params, prefix + "proj.")
+    linear_type = Linear
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.proj(jax.nn.gelu(self.fc(x), approximate=False))
 
 
-class Block(nnx.Module):
-    """One pre-LayerNorm block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``."""
+class Block(gpt_spec.BlockLayout, nnx.Module):
+    """One pre-LayerNorm block (:class:`~bagua_common.workload.gpt_spec.BlockLayout`)."""
 
-    def __init__(self, params: Mapping[str, Any], prefix: str, heads: int):
-        self.ln1 = LayerNorm(params, prefix + "ln1.")
-        self.attn = Attention(params, prefix + "attn.", heads)
-        self.ln2 = LayerNorm(params, prefix + "ln2.")
-        self.mlp = MLP(params, prefix + "mlp.")
+    layer_norm_type, attention_type, mlp_type = LayerNorm, Attention, MLP
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return self.residual(x)
 
 
 class GPT(nnx.Module):
@@ -95,10 +95,8 @@ class GPT(nnx.Module):
     ``params`` (default: :func:`~bagua_common.workload.gpt_spec.init_gpt_params` of ``seed``). Called on int tokens
     ``(batch, length <= context)`` it returns float32 logits ``(batch, length, vocab)``."""
 
-    def __init__(self, size: str | GPTConfig, params: Mapping[str, Any] | None = None, *, seed: int = 0):
-        self.config = gpt_config(size)
-        params = init_gpt_params(self.config, seed) if params is None else params
-        check_gpt_params(self.config, params)
+    def __init__(self, size: str | gpt_spec.GPTConfig, params: Mapping[str, Any] | None = None, *, seed: int = 0):
+        self.config, params = gpt_spec.gpt_and_params(size, params, seed)
         self.wte = nnx.Param(jnp.asarray(params["wte"]))
         self.wpe = nnx.Param(jnp.asarray(params["wpe"]))
         self.blocks = nnx.List([Block(params, f"blocks.{i}.", self.config.heads) for i in range(self.config.layers)])
@@ -135,11 +133,13 @@ def next_token_loss(logits: jax.Array, tokens: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def gpt_loss_fn(size: str | GPTConfig) -> Callable[[Mapping[str, jax.Array], Mapping[str, jax.Array]], jax.Array]:
+def gpt_loss_fn(
+    size: str | gpt_spec.GPTConfig,
+) -> Callable[[Mapping[str, jax.Array], Mapping[str, jax.Array]], jax.Array]:
     """``loss_fn(params, batch)``: the next-token loss of the GPT ``size`` with the flat parameter dictionary
     ``params`` on ``batch["tokens"]`` (int, ``(batch, length <= context + 1)``); pure, for ``jax.grad`` and
     :class:`~bagua_jax.trainer.DataParallel`."""
-    config = gpt_config(size)
+    config = gpt_spec.gpt_config(size)
     shapes = config.parameter_shapes()
     abstract = nnx.eval_shape(lambda: GPT(config, {name: jnp.zeros(shape) for name, shape in shapes.items()}))
     graphdef, _ = nnx.split(abstract)

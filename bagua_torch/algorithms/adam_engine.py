@@ -63,6 +63,9 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
 
     _algorithm_name: ClassVar[str] = ""
     _config_class: ClassVar[type[QAdamConfig]] = QAdamConfig
+    local_momentum_fallback: ClassVar[bool] = False
+    """After the warm-up, a step whose momentum no algorithm averaged folds the local gradient into it (Bagua's
+    spelling, for a model switched to another algorithm) instead of raising."""
 
     def __init__(
         self,
@@ -139,7 +142,9 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         warmup = self.in_warmup
-        if not warmup and not self._momentum_ready:
+        if not warmup and not self._momentum_ready and self.local_momentum_fallback:
+            self.local_momentum()
+        elif not warmup and not self._momentum_ready:
             name = type(self).__name__
             raise RuntimeError(
                 f"{name}: after its {self.warmup_steps} warm-up steps the momentum must be averaged across ranks "

@@ -84,7 +84,9 @@ class ByteGradImpl(AlgorithmImpl):
 
     def _allreduce(self, flat: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         # The residual is updated in place; the bucket's result is all the caller needs.
-        return PIPELINES.minmax_over(flat, self.world, self.levels, average=self.config.average, residual=residual)[0]
+        return PIPELINES.minmax_allreduce(
+            flat, self.world, levels=self.levels, average=self.config.average, residual=residual
+        )[0]
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
         residual = self.residuals[bucket.index] if self.residuals is not None else None

@@ -48,11 +48,10 @@ from bagua_torch.algorithms.base import (
     check_dtypes,
     implements,
 )
-from bagua_torch.communicator import SUPPORTED_DTYPES, Communicator
+from bagua_torch.communicator import SUPPORTED_FLOATS, Communicator
 
 __all__ = ["DecentralizedAlgorithm", "DecentralizedImpl", "shift_one_peer"]
 
-_FLOATS = tuple(d for d in SUPPORTED_DTYPES if d.is_floating_point)
 """The float dtypes the native kernels take (the others are averaged in torch)."""
 
 
@@ -127,7 +126,7 @@ class DecentralizedImpl(AlgorithmImpl):
         super().__init__(context)
         name = config.name
         self.config = config
-        self.levels = weight_averaging_levels(context, config, _FLOATS, "weights are averaged in")
+        self.levels = weight_averaging_levels(context, config, SUPPORTED_FLOATS, "weights are averaged in")
         self.group: Communicator = self.levels[1] if self.levels else self.world
         if config.peer_selection_mode == "shift_one":
             check_pairable(self.group.size, name, self.levels is not None)

@@ -37,12 +37,10 @@ from bagua_common.algorithms.outer_exchange import OuterExchange
 from bagua_torch import ops
 from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_tensor_list, implements
 from bagua_torch.algorithms.decentralized import load_step
-from bagua_torch.communicator import NativeCommunicator, Work, dedicated_communicator
+from bagua_torch.communicator import SUPPORTED_FLOATS, NativeCommunicator, Work, dedicated_communicator
 
 EXCHANGE = OuterExchange(ops, lambda x, dtype: x.to(getattr(torch, dtype)))
 """The pseudo-gradient averages on torch tensors."""
-
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -80,7 +78,7 @@ class DiLoCoImpl(AlgorithmImpl):
             raise ValueError(f"{name} steps in the optimizer's step hooks: pass the optimizer(s) to the wrapper")
         self.params = [p for _, p in context.named_parameters]
         for param_name, p in context.named_parameters:
-            if p.dtype not in _FLOATS:
+            if p.dtype not in SUPPORTED_FLOATS:
                 raise TypeError(f"{name}: parameter {param_name} has dtype {p.dtype}; floating point only")
         self.config = config
         self.plan = fragment_plan([p.numel() for p in self.params], config.fragments)

@@ -25,9 +25,7 @@ from bagua_torch.algorithms.base import (
     check_dtypes,
     implements,
 )
-from bagua_torch.communicator import SUPPORTED_DTYPES, Work
-
-_FLOATS = tuple(d for d in SUPPORTED_DTYPES if d.is_floating_point)
+from bagua_torch.communicator import SUPPORTED_FLOATS, Work
 
 
 @implements(GradientAllReduceConfig)
@@ -51,7 +49,7 @@ class GradientAllReduceImpl(AlgorithmImpl):
 
     def __init__(self, context: AlgorithmContext, config: GradientAllReduceConfig):
         super().__init__(context)
-        check_dtypes(context.buckets, _FLOATS, config.name, "gradients are averaged in")
+        check_dtypes(context.buckets, SUPPORTED_FLOATS, config.name, "gradients are averaged in")
         self.config = config
         self.op = "avg" if config.average else "sum"
         self.levels = context.communicators.levels(config.hierarchical, config.name)

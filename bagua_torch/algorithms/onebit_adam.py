@@ -85,7 +85,9 @@ class OneBitAdamImpl(AdamWithAveragedMomentumImpl):
     def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         worker = self.worker_residuals[bucket.index]
         server = self.server_residuals[bucket.index]
-        return PIPELINES.sign_over(flat, self.world, self.levels, worker, server)[0]  # residuals updated in place
+        return PIPELINES.sign_allreduce(flat, self.world, worker, server, levels=self.levels)[
+            0
+        ]  # residuals updated in place
 
     def state_dict(self) -> dict[str, Any]:
         return {

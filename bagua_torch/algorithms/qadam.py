@@ -76,7 +76,7 @@ class QAdamImpl(AdamWithAveragedMomentumImpl):
     """QAdam on one wrapped model: the momentum averaged with 8-bit min-max codes. Stateless."""
 
     def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        return PIPELINES.minmax_over(flat, self.world, self.levels)[0]
+        return PIPELINES.minmax_allreduce(flat, self.world, levels=self.levels)[0]
 
 
 @implements(QAdamConfig)

@@ -12,6 +12,7 @@ from bagua_torch.communicator.process_group_communicator import ProcessGroupComm
 from bagua_torch.communicator.protocol import (
     REDUCE_OPS,
     SUPPORTED_DTYPES,
+    SUPPORTED_FLOATS,
     CommunicationError,
     Communicator,
     DoneWork,
@@ -22,6 +23,7 @@ from bagua_torch.communicator.protocol import (
 __all__ = [
     "REDUCE_OPS",
     "SUPPORTED_DTYPES",
+    "SUPPORTED_FLOATS",
     "CommunicationError",
     "Communicator",
     "DoneWork",

@@ -314,25 +314,31 @@ class ProcessGroupCommunicator(CommunicatorBase):
         x = self._tensor("gather", x)
         root = self._root("gather", root)
         out = torch.zeros((self._size, *x.shape), dtype=x.dtype, device=x.device)
-        rows = list(out.unbind(0)) if self._rank == root else None
-        return self._issue(
-            "gather",
-            lambda lend: dist.gather(
-                lend(x), _lend_rows(lend, rows), dst=self._global(root), group=self._group, async_op=True
-            ),
-            out,
-        )
+        return self._issue_rooted("gather", dist.gather, root, x, out, out=out)
 
     def scatter_async(self, x: torch.Tensor, root: int) -> Work:
         """Issue :meth:`scatter`; ``wait()`` returns its result."""
-        x = self._rows("scatter", self._tensor("scatter", x))
-        root = self._root("scatter", root)
-        out = torch.empty(x.shape[1:], dtype=x.dtype, device=x.device)
-        rows = list(x.unbind(0)) if self._rank == root else None
+        rows = self._rows("scatter", self._tensor("scatter", x))
+        out = torch.empty(rows.shape[1:], dtype=rows.dtype, device=rows.device)
+        return self._issue_rooted("scatter", dist.scatter, self._root("scatter", root), out, rows, out=out)
+
+    def _issue_rooted(
+        self,
+        name: str,
+        collective: Callable[..., Any],
+        root: int,
+        tensor: torch.Tensor,
+        rows: torch.Tensor,
+        *,
+        out: torch.Tensor,
+    ) -> Work:
+        """Issue ``dist.gather`` or ``dist.scatter`` (``collective``) between this rank's ``tensor`` and the rows of
+        ``rows`` on ``root``; ``wait()`` returns ``out`` (the receiving one of the two)."""
+        root_rows = list(rows.unbind(0)) if self._rank == root else None
         return self._issue(
-            "scatter",
-            lambda lend: dist.scatter(
-                lend(out), _lend_rows(lend, rows), src=self._global(root), group=self._group, async_op=True
+            name,
+            lambda lend: collective(
+                lend(tensor), _lend_rows(lend, root_rows), self._global(root), group=self._group, async_op=True
             ),
             out,
         )

@@ -44,6 +44,9 @@ SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (
 )
 """The element types every communicator carries (the native engines' set)."""
 
+SUPPORTED_FLOATS: tuple[torch.dtype, ...] = tuple(d for d in SUPPORTED_DTYPES if d.is_floating_point)
+"""The floating-point types among them: what the full-precision algorithms average."""
+
 
 class CommunicationError(RuntimeError):
     """A collective failed or did not complete within the communicator's timeout.

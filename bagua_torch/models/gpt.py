@@ -17,88 +17,81 @@ function as ``bagua_jax.models.gpt.GPT`` from the same arrays. Training it with 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from bagua_common.workload.gpt_spec import LAYER_NORM_EPS, GPTConfig, check_gpt_params, gpt_config, init_gpt_params
+from bagua_common.workload import gpt_spec
 
 
 def _parameter(params: Mapping[str, Any], name: str) -> nn.Parameter:
     return nn.Parameter(torch.as_tensor(np.array(params[name], dtype=np.float32)))
 
 
-class Linear(nn.Module):
-    """``x @ kernel + bias``, ``kernel`` laid out ``(inputs, outputs)``."""
+class _Parameters(nn.Module):
+    """A module holding ``params[prefix + name]`` as the parameter ``name``, for each of its ``names``."""
+
+    names: ClassVar[tuple[str, ...]]
 
     def __init__(self, params: Mapping[str, Any], prefix: str):
         super().__init__()
-        self.kernel = _parameter(params, prefix + "kernel")
-        self.bias = _parameter(params, prefix + "bias")
+        for name in self.names:
+            setattr(self, name, _parameter(params, prefix + name))
+
+
+class Linear(_Parameters):
+    """``x @ kernel + bias``, ``kernel`` laid out ``(inputs, outputs)``."""
+
+    names = ("kernel", "bias")
+    kernel: nn.Parameter
+    bias: nn.Parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.kernel).reshape(*x.shape[:-1], -1)
 
 
-class LayerNorm(nn.Module):
+class LayerNorm(_Parameters):
     """Normalization over the last axis with a learned ``scale`` and ``bias``."""
 
-    def __init__(self, params: Mapping[str, Any], prefix: str):
-        super().__init__()
-        self.scale = _parameter(params, prefix + "scale")
-        self.bias = _parameter(params, prefix + "bias")
+    names = ("scale", "bias")
+    scale: nn.Parameter
+    bias: nn.Parameter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, self.scale.shape, self.scale, self.bias, LAYER_NORM_EPS)
+        return F.layer_norm(x, self.scale.shape, self.scale, self.bias, gpt_spec.LAYER_NORM_EPS)
 
 
-class Attention(nn.Module):
+class Attention(gpt_spec.AttentionLayout, nn.Module):
     """Causal multi-head self-attention: ``proj(softmax(q k^T / sqrt(head width) + causal mask) v)``."""
 
-    def __init__(self, params: Mapping[str, Any], prefix: str, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv = Linear(params, prefix + "qkv.")
-        self.proj = Linear(params, prefix + "proj.")
+    linear_type = Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, length, width = x.shape
-        q, k, v = (
-            part.reshape(batch, length, self.heads, width // self.heads).transpose(1, 2)
-            for part in self.qkv(x).chunk(3, dim=-1)
-        )
+        shape = gpt_spec.head_shape(x.shape, self.heads)
+        q, k, v = (part.reshape(shape).transpose(1, 2) for part in self.qkv(x).chunk(3, dim=-1))
         attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(attended.transpose(1, 2).reshape(batch, length, width))
+        return self.proj(attended.transpose(1, 2).reshape(x.shape))
 
 
-class MLP(nn.Module):
+class MLP(gpt_spec.MLPLayout, nn.Module):
     """``proj(gelu(fc(x)))`` with the exact (erf) GELU."""
 
-    def __init__(self, params: Mapping[str, Any], prefix: str):
-        super().__init__()
-        self.fc = Linear(params, prefix + "fc.")
-        self.proj = Linear(params, prefix + "proj.")
+    linear_type = Linear
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.proj(F.gelu(self.fc(x)))
 
 
-class Block(nn.Module):
-    """One pre-LayerNorm block: ``x + attn(ln1(x))``, then ``+ mlp(ln2(x))``."""
+class Block(gpt_spec.BlockLayout, nn.Module):
+    """One pre-LayerNorm block (:class:`~bagua_common.workload.gpt_spec.BlockLayout`)."""
 
-    def __init__(self, params: Mapping[str, Any], prefix: str, heads: int):
-        super().__init__()
-        self.ln1 = LayerNorm(params, prefix + "ln1.")
-        self.attn = Attention(params, prefix + "attn.", heads)
-        self.ln2 = LayerNorm(params, prefix + "ln2.")
-        self.mlp = MLP(params, prefix + "mlp.")
+    layer_norm_type, attention_type, mlp_type = LayerNorm, Attention, MLP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        return self.residual(x)
 
 
 class GPT(nn.Module):
@@ -107,11 +100,9 @@ class GPT(nn.Module):
     (move it with ``.to()``). Called on int tokens ``(batch, length <= context)`` it returns logits
     ``(batch, length, vocab)``."""
 
-    def __init__(self, size: str | GPTConfig, params: Mapping[str, Any] | None = None, *, seed: int = 0):
+    def __init__(self, size: str | gpt_spec.GPTConfig, params: Mapping[str, Any] | None = None, *, seed: int = 0):
         super().__init__()
-        self.config = gpt_config(size)
-        params = init_gpt_params(self.config, seed) if params is None else params
-        check_gpt_params(self.config, params)
+        self.config, params = gpt_spec.gpt_and_params(size, params, seed)
         self.wte = _parameter(params, "wte")
         self.wpe = _parameter(params, "wpe")
         self.blocks = nn.ModuleList(Block(params, f"blocks.{i}.", self.config.heads) for i in range(self.config.layers))

@@ -128,7 +128,7 @@ class BaguaModule(BaguaAttributes, _wrapper.BaguaModule):
 def wrap(
     build: Callable[[nn.Module, list[torch.optim.Optimizer], Any], _wrapper.BaguaModule],
     model: nn.Module,
-    optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    optimizers: _wrapper.Optimizers | None,
     process_group: Any,
 ) -> Any:
     """Wrap ``model`` with ``build(module, optimizers, communicators)``, Bagua's way (collective).

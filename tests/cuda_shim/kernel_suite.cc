@@ -123,17 +123,6 @@ const char* dtype_name() {
     return "bf16";
 }
 
-const char* format_name(Format format) {
-  switch (format) {
-    case Format::kMinMaxUInt8:
-      return "minmax";
-    case Format::kMinMaxUInt4:
-      return "minmax4";
-    default:
-      return "sign";
-  }
-}
-
 constexpr Format kFormats[] = {Format::kMinMaxUInt8, Format::kMinMaxUInt4, Format::kSign};
 
 // The codec kernels of `format`, on the CPU or (gpu) the CUDA kernels under the shim.

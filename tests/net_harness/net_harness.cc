@@ -124,8 +124,8 @@ class Net {
     return call([&](auto* t) {
       std::remove_pointer_t<typename FirstArg<decltype(t->getProperties)>::type> props{};
       check(t->getProperties(dev, &props), "getProperties");
-      return Common{props.name ? props.name : "", props.ptr_support, props.max_recvs,
-                    props.speed_mbps, props.max_comms};
+      return Common{props.identity.name ? props.identity.name : "", props.identity.ptr_support,
+                    props.capacity.max_recvs, props.capacity.speed_mbps, props.capacity.max_comms};
     });
   }
 
@@ -347,17 +347,25 @@ void wait_child(Peer* peer) {
     fail("the child process failed (status %d)", status);
 }
 
+// Calls `attempt(&comm)` until it yields a communicator; `what` names the call.
+template <typename Attempt>
+void* poll_comm(const char* what, double timeout_s, Attempt&& attempt) {
+  void* comm = nullptr;
+  Clock::time_point start = Clock::now();
+  while (comm == nullptr) {
+    Net::check(attempt(&comm), what);
+    if (seconds_since(start) > timeout_s) fail("%s did not complete", what);
+  }
+  return comm;
+}
+
 // Listens and publishes the handle, then polls accept; the peer connects.
 void* accept_from(Net& net, Pipe& out, double timeout_s = 20) {
   char handle[kNcclNetHandleMaxSize] = {};
   void* listener = net.listen(handle);
   out.write_all(handle, sizeof(handle));
-  void* comm = nullptr;
-  Clock::time_point start = Clock::now();
-  while (comm == nullptr) {
-    Net::check(net.accept(listener, &comm), "accept");
-    if (seconds_since(start) > timeout_s) fail("accept did not complete");
-  }
+  void* comm =
+      poll_comm("accept", timeout_s, [&](void** comm) { return net.accept(listener, comm); });
   net.close_listen(listener);
   return comm;
 }
@@ -365,13 +373,7 @@ void* accept_from(Net& net, Pipe& out, double timeout_s = 20) {
 void* connect_to(Net& net, Pipe& in, double timeout_s = 20) {
   char handle[kNcclNetHandleMaxSize];
   in.read_all(handle, sizeof(handle));
-  void* comm = nullptr;
-  Clock::time_point start = Clock::now();
-  while (comm == nullptr) {
-    Net::check(net.connect(handle, &comm), "connect");
-    if (seconds_since(start) > timeout_s) fail("connect did not complete");
-  }
-  return comm;
+  return poll_comm("connect", timeout_s, [&](void** comm) { return net.connect(handle, comm); });
 }
 
 // ---------------------------------------------------------------------------
@@ -421,31 +423,36 @@ int wait_done(Net& net, void* request, double timeout_s = 20) {
   }
 }
 
+// Moves one message through `comm` in a registered buffer of `posted` bytes (plus 8
+// spare): posts with `post` until the plugin accepts the request, waits for it and
+// checks the size it reports. `what` is "send" or "receive".
+template <typename Post>
+void transfer(Net& net, void* comm, const char* what, std::vector<char>& data, size_t size,
+              Post&& post) {
+  void* mhandle = net.reg_mr(comm, data.data(), data.size());
+  void* request = nullptr;
+  while (request == nullptr) post(mhandle, &request);
+  int reported = wait_done(net, request);
+  if (static_cast<size_t>(reported) != size)
+    fail("%s reported %d bytes, expected %zu", what, reported, size);
+  net.dereg_mr(comm, mhandle);
+}
+
 void send_message(Net& net, void* comm, size_t size, uint64_t message) {
   std::vector<char> data(size + 8);
   fill(data, size, message);
-  void* mhandle = net.reg_mr(comm, data.data(), data.size());
-  void* request = nullptr;
-  while (request == nullptr)
-    Net::check(net.isend(comm, data.data(), size, mhandle, &request), "isend");
-  int reported = wait_done(net, request);
-  if (static_cast<size_t>(reported) != size)
-    fail("send reported %d bytes, sent %zu", reported, size);
-  net.dereg_mr(comm, mhandle);
+  transfer(net, comm, "send", data, size, [&](void* mhandle, void** request) {
+    Net::check(net.isend(comm, data.data(), size, mhandle, request), "isend");
+  });
 }
 
 void receive_message(Net& net, void* comm, size_t posted, size_t size, uint64_t message) {
   std::vector<char> data(posted + 8);
-  void* mhandle = net.reg_mr(comm, data.data(), data.size());
-  void* request = nullptr;
-  while (request == nullptr)
-    Net::check(net.irecv(comm, data.data(), posted, mhandle, &request), "irecv");
-  int reported = wait_done(net, request);
-  if (static_cast<size_t>(reported) != size)
-    fail("receive reported %d bytes, expected %zu", reported, size);
+  transfer(net, comm, "receive", data, size, [&](void* mhandle, void** request) {
+    Net::check(net.irecv(comm, data.data(), posted, mhandle, request), "irecv");
+  });
   if (checksum(data.data(), size) != expected_checksum(size, message))
     fail("message %llu corrupted", (unsigned long long)message);
-  net.dereg_mr(comm, mhandle);
 }
 
 // ---------------------------------------------------------------------------

@@ -11,11 +11,6 @@ weight-averaging one. Bagua's left the momentum as it was, so every later step r
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-import torch
-
 from bagua_common.algorithms.configs import QAdamConfig
 from bagua_torch.algorithms import qadam as _qadam
 from bagua_torch.torch_api.algorithms.base import implements
@@ -28,26 +23,7 @@ class QAdamOptimizer(_qadam.QAdamOptimizer):
     stepped without ``QAdamAlgorithm`` after the warm-up (a model switched to another algorithm), it folds the
     gradient it is given into its momentum, where the project's raises."""
 
-    _averaged = False
-
-    def mark_momentum_averaged(self) -> None:
-        """Called by QAdamAlgorithm once it has averaged this step's momentum."""
-        self._averaged = True
-        super().mark_momentum_averaged()
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """QAdam's step; after the warm-up without QAdamAlgorithm, the local gradient goes into the momentum."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        if not self.in_warmup and not self._averaged:
-            self.local_momentum()
-            super().mark_momentum_averaged()
-        self._averaged = False
-        super().step()
-        return loss
+    local_momentum_fallback = True
 
 
 @implements(QAdamConfig)
