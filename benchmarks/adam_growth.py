@@ -3,8 +3,9 @@ with the per-coordinate step bound (``step_bound``, :mod:`bagua_common.algorithm
 
 Models: the workload's ``small`` GPT in both front ends (bagua_jax on a 2-device mesh, bagua_torch on 2 gloo
 ranks), and Hugging Face ``transformers`` BERT (masked LM, 15% of the tokens masked) and GPT-2 (causal LM)
-built from a configuration (nothing is downloaded; ``--hf-shape mini`` is 4 layers of width 256 with 4 heads,
-``base`` the published bert-base / GPT-2 small shapes; dropout off, so that the optimizers alone differ). Every
+built from a configuration (nothing is downloaded; ``--hf-shape mini`` is 2 layers of width 64 with 2 heads and
+an MLP of 256, windows of 64 tokens, ``base`` the published bert-base / GPT-2 small shapes; both with a vocabulary of the corpus's 256
+bytes, BERT's plus a [MASK] token; dropout off, so that the optimizers alone differ). Every
 model trains on the corpus of :mod:`bagua_common.workload.corpus` (byte tokens, each rank's from ``(seed, step,
 rank)``), 2 ranks, the same tokens for every optimizer.
 
@@ -22,6 +23,7 @@ training loss.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import subprocess
@@ -36,6 +38,10 @@ SETTINGS = {"short": 10, "defaults": 100}
 """Setting -> warm-up steps (lr 1e-3 in both)."""
 OPTIMIZERS = ("adamw", "qadam/bagua", "qadam/bounded", "onebit_adam/bagua", "onebit_adam/bounded")
 LR, BATCH, SEED, NRANKS = 1e-3, 4, 0, 2
+MASK = 256
+HF_LENGTH = {"mini": 64, "base": 128}
+"""Tokens per window of the Hugging Face models, by shape."""
+"""BERT's [MASK] token: one past the corpus's bytes."""
 
 
 def _hf_model(model: str, shape: str):
@@ -43,25 +49,39 @@ def _hf_model(model: str, shape: str):
     import torch
     import transformers
 
-    small = {"num_hidden_layers": 4, "hidden_size": 256, "num_attention_heads": 4, "intermediate_size": 1024}
     if model == "bert":
+        mini = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 256}
         config = transformers.BertConfig(
-            **(small if shape == "mini" else {}), hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0
+            **(mini if shape == "mini" else {}),
+            vocab_size=MASK + 1,
+            pad_token_id=0,
+            hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
         )
         net = transformers.BertForMaskedLM(config)
 
         def loss(module, tokens, generator):
             masked = torch.rand(tokens.shape, generator=generator) < 0.15
             labels = torch.where(masked, tokens, torch.full_like(tokens, -100))
-            inputs = torch.where(masked, torch.full_like(tokens, 103), tokens)  # [MASK]
+            inputs = torch.where(masked, torch.full_like(tokens, MASK), tokens)
             return module(input_ids=inputs, labels=labels).loss
 
-        return net, loss, 128
-    gpt2_small = {"n_layer": 4, "n_embd": 256, "n_head": 4}
+        return net, loss, HF_LENGTH[shape]
+    mini = {"n_layer": 2, "n_embd": 64, "n_head": 2, "n_inner": 256}
     config = transformers.GPT2Config(
-        **(gpt2_small if shape == "mini" else {}), resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        **(mini if shape == "mini" else {}),
+        vocab_size=256,
+        bos_token_id=None,
+        eos_token_id=None,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
-    return transformers.GPT2LMHeadModel(config), lambda module, tokens, _: module(tokens, labels=tokens).loss, 128
+    return (
+        transformers.GPT2LMHeadModel(config),
+        lambda module, tokens, _: module(tokens, labels=tokens).loss,
+        HF_LENGTH[shape],
+    )
 
 
 def _summary(params: dict, reference: dict | None) -> dict:
@@ -77,51 +97,75 @@ def _summary(params: dict, reference: dict | None) -> dict:
 
 
 def worker_torch(args: argparse.Namespace) -> None:
-    """One torch rank: every optimizer of every setting on ``args.model``; rank 0 writes the results."""
+    """One torch rank: every optimizer of every setting on ``args.model``; rank 0 writes the results. The warm-up
+    (plain Adam on averaged gradients, the same in both algorithms with either formula) runs once; every variant
+    goes on from its end state (model, optimizer and the BERT mask generator), as a resume from a checkpoint would."""
     import torch
 
     import bagua_torch
     from bagua_common.workload import init_gpt_params, load_corpus
-    from bagua_torch.algorithms import algorithm_class, get_algorithm
+    from bagua_torch.algorithms import QAdamAlgorithm, QAdamOptimizer, algorithm_class, get_algorithm
     from bagua_torch.models.gpt import GPT, next_token_loss
 
     torch.set_num_threads(1)
     group = bagua_torch.init_process_group(timeout=300)
     corpus, results = load_corpus(), {}
-    for setting in args.settings:
-        warmup, reference = SETTINGS[setting], None
-        for name in OPTIMIZERS:
-            torch.manual_seed(SEED)
-            if args.model == "gpt-small":
-                net = GPT("small", init_gpt_params("small", SEED))
-                length = net.config.context + 1
 
-                def loss_fn(module, tokens, _):
-                    return next_token_loss(module(tokens[:, :-1]), tokens)
-            else:
-                net, loss_fn, length = _hf_model(args.model, args.hf_shape)
+    def model():
+        torch.manual_seed(SEED)
+        if args.model == "gpt-small":
+            net = GPT("small", init_gpt_params("small", SEED))
+            return (
+                net,
+                lambda module, tokens, _: next_token_loss(module(tokens[:, :-1]), tokens),
+                net.config.context + 1,
+            )
+        return _hf_model(args.model, args.hf_shape)
+
+    def train(net, optimizer, algorithm, loss_fn, length, steps, generator) -> float:
+        wrapped = bagua_torch.with_bagua(net, [optimizer], algorithm)
+        for step in steps:
+            tokens = torch.from_numpy(corpus.batch(SEED, step, group.rank, BATCH, length)).long()
+            optimizer.zero_grad()
+            loss = loss_fn(wrapped, tokens, generator)
+            loss.backward()
+            optimizer.step()
+        wrapped.close()
+        return loss.item()
+
+    def record(key, net, loss, reference):
+        params = {k: v.detach().numpy() for k, v in net.named_parameters()}
+        results[key] = {**_summary(params, reference), "loss": loss}
+        if group.rank == 0:
+            print(f"{args.model} {key}: {results[key].get('ratio')}", file=sys.stderr, flush=True)
+
+    for setting in args.settings:
+        warmup = SETTINGS[setting]
+        total = warmup + args.after_warmup
+        net, loss_fn, length = model()
+        optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
+        generator = torch.Generator().manual_seed(SEED * 1000 + group.rank)
+        loss = train(net, optimizer, "gradient_allreduce", loss_fn, length, range(total), generator)
+        record(f"{setting}/adamw", net, loss, None)
+        reference = results[f"{setting}/adamw"]["max_abs"]
+        # The warm-up is the same plain Adam on averaged gradients in both algorithms and with either formula.
+        net, loss_fn, length = model()
+        optimizer = QAdamOptimizer(net.parameters(), lr=LR, warmup_steps=warmup)
+        generator = torch.Generator().manual_seed(SEED * 1000 + group.rank)
+        train(net, optimizer, QAdamAlgorithm(optimizer), loss_fn, length, range(warmup), generator)
+        warm = copy.deepcopy((net.state_dict(), optimizer.state_dict(), generator.get_state()))
+        for name in OPTIMIZERS[1:]:
             algorithm, _, formula = name.partition("/")
-            if algorithm == "adamw":
-                optimizer = torch.optim.AdamW(net.parameters(), lr=LR)
-                wrapped = bagua_torch.with_bagua(net, [optimizer], "gradient_allreduce")
-            else:
-                bound = {} if formula == "bounded" else {"step_bound": None}
-                optimizer = algorithm_class(algorithm).optimizer_class(
-                    net.parameters(), lr=LR, warmup_steps=warmup, **bound
-                )
-                wrapped = bagua_torch.with_bagua(net, [optimizer], get_algorithm(algorithm, optimizer=optimizer))
-            generator = torch.Generator().manual_seed(SEED * 1000 + group.rank)
-            for step in range(warmup + args.after_warmup):
-                tokens = torch.from_numpy(corpus.batch(SEED, step, group.rank, BATCH, length)).long()
-                optimizer.zero_grad()
-                loss = loss_fn(wrapped, tokens, generator)
-                loss.backward()
-                optimizer.step()
-            wrapped.close()
-            params = {k: v.detach().numpy() for k, v in net.named_parameters()}
-            results[f"{setting}/{name}"] = {**_summary(params, reference), "loss": loss.item()}
-            if name == "adamw":
-                reference = results[f"{setting}/{name}"]["max_abs"]
+            optimizer_class = algorithm_class(algorithm).optimizer_class
+            net, loss_fn, length = model()
+            net.load_state_dict(warm[0])
+            bound = {} if formula == "bounded" else {"step_bound": None}
+            optimizer = optimizer_class(net.parameters(), lr=LR, warmup_steps=warmup, **bound)
+            optimizer.load_state_dict(warm[1])
+            generator.set_state(warm[2])
+            chosen = get_algorithm(algorithm, optimizer=optimizer)
+            loss = train(net, optimizer, chosen, loss_fn, length, range(warmup, total), generator)
+            record(f"{setting}/{name}", net, loss, reference)
     if group.rank == 0:
         Path(args.result).write_text(json.dumps(results))
 

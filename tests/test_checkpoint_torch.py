@@ -18,7 +18,6 @@ from multiprocess import run_ranks
 pytest.importorskip("torch")
 
 MEAN_ALGORITHMS = ("decentralized", "low_precision_decentralized")
-SEED = 11
 
 
 def mean(rows):
@@ -58,13 +57,13 @@ def check_restored(name, restored, saved):
             np.testing.assert_array_equal(np.sort(np.concatenate(state[key])), values, err_msg=key)
 
 
-def test_restore_into_another_world_size_follows_each_algorithms_rule(tmp_path):
-    four = run_ranks("checkpoint_workers_torch:restore_then_save", 4, SEED, None, str(tmp_path / "a"), timeout=180)
+def test_restore_into_another_world_size_follows_each_algorithms_rule(tmp_path, seed):
+    four = run_ranks("checkpoint_workers_torch:restore_then_save", 4, seed, None, str(tmp_path / "a"), timeout=180)
     two = run_ranks(
-        "checkpoint_workers_torch:restore_then_save", 2, SEED, str(tmp_path / "a"), str(tmp_path / "b"), timeout=180
+        "checkpoint_workers_torch:restore_then_save", 2, seed, str(tmp_path / "a"), str(tmp_path / "b"), timeout=180
     )
     again = run_ranks(
-        "checkpoint_workers_torch:restore_then_save", 4, SEED, str(tmp_path / "b"), str(tmp_path / "c"), timeout=180
+        "checkpoint_workers_torch:restore_then_save", 4, seed, str(tmp_path / "b"), str(tmp_path / "c"), timeout=180
     )
     for name in ALGORITHMS:
         for old, new in ((four, two), (two, again)):

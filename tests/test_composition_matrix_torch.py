@@ -116,13 +116,16 @@ def test_a_group_at_learning_rate_zero_never_moves(runs, algorithm):
 @pytest.mark.parametrize("algorithm", citing("test_mixed_precision_bf16_parameters_and_autocast", "mixed_precision"))
 def test_mixed_precision_bf16_parameters_and_autocast(runs, algorithm):
     """bf16 parameters, and fp32 parameters with a bf16 autocast forward pass: the algorithm's property holds and
-    the parameters move; under autocast they stay near the fp32 run's (:data:`AUTOCAST_BOUND`)."""
+    the parameters move; under autocast they stay near the fp32 run's (:data:`AUTOCAST_BOUND`), but for asynchronous
+    averaging, whose rounds average whatever steps the clock catches (20% apart on a loaded machine)."""
     seed, ranks = runs
     start = initial_params(seed)
     for feature in ("bf16_parameters", "autocast"):
         assert_the_algorithms_property(algorithm, [r[feature] for r in ranks])
         for rank in ranks:
             assert largest_difference(rank[feature][algorithm]["history"][-1], start) > 0, (feature, algorithm)
+    if algorithm == "async":
+        return  # its rounds run on a clock: which steps they average differs between any two runs
     for rank in ranks:
         want = rank["plain"][algorithm]["history"][-1]
         got = rank["autocast"][algorithm]["history"][-1]

@@ -20,13 +20,11 @@ from algorithms_reference import assert_tree_equal
 from distributed_checkpoint_workers_torch import ALGORITHMS
 from multiprocess import run_ranks
 
-SEED = 5
-
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(tmp_path_factory, seed):
     root = tmp_path_factory.mktemp("dcp")
-    return root, run_ranks("distributed_checkpoint_workers_torch:save_resume_damage", 2, SEED, str(root), timeout=240)
+    return root, run_ranks("distributed_checkpoint_workers_torch:save_resume_damage", 2, seed, str(root), timeout=240)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -63,10 +61,10 @@ def test_damaged_checkpoints_are_refused_naming_the_file(job):
 
 
 @pytest.fixture(scope="module")
-def alone(job):
+def alone(job, seed):
     """One rank's job: the 2-rank checkpoints restored, then a step trained and saved (for the 2-rank restore)."""
     root, _ = job
-    (result,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, SEED, str(root), timeout=120)
+    (result,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, seed, str(root), timeout=120)
     return result
 
 
@@ -86,11 +84,11 @@ def test_restore_into_one_rank_follows_the_rule(job, alone):
             assert not any(np.any(r) for r in got["algorithm"]["residuals"]), "residuals not reset"
 
 
-def test_restore_into_two_ranks_follows_the_rule(job, alone):
+def test_restore_into_two_ranks_follows_the_rule(job, alone, seed):
     """1 -> 2: every rule gives each new rank the one old row (carried, or its mean, itself), the step kept, and
     error-feedback residuals restart at zero."""
     root, _ = job
-    ranks = run_ranks("distributed_checkpoint_workers_torch:restore_two", 2, SEED, str(root), timeout=120)
+    ranks = run_ranks("distributed_checkpoint_workers_torch:restore_two", 2, seed, str(root), timeout=120)
     for name in ALGORITHMS:
         saved = alone.value[name]["saved"]
         for rank in ranks:
