@@ -3,6 +3,7 @@ its Markdown tables and its plots (``benchmarks/lm_study.py`` runs the jobs)."""
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,9 @@ import _common
 BASELINE = "torch/ddp"
 REPORT_LINK = "100mbit"
 PEERS = ("ddp", "ddp_fp16", "ddp_powersgd_rank4", "pmean")
+NEAR = 1.01
+"""The looser target: DDP's final held-out loss plus 1%. At the study's budget the loss is on a plateau where it
+moves by about 1% between evaluations, so "reached DDP's loss exactly" is partly chance."""
 
 
 def summarize(ranks: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, Any]:
@@ -72,15 +76,40 @@ def one_line(row: dict[str, Any]) -> str:
     )
 
 
-def _time_to(row: dict[str, Any], link: str, target: float) -> float | None:
-    """Seconds to reach ``target`` at ``link``: steps needed x time per step there (asynchronous averaging only at
-    the link it trained at)."""
+def full_precision_steps(row: dict[str, Any]) -> int:
+    """The steps an algorithm runs uncompressed before its own steps: QAdam's and 1-bit Adam's warm-up, PowerSGD's
+    exact steps, asynchronous averaging's allreduce warm-up (its options, else its configuration's default); 0 for
+    the others."""
+    from bagua_common.algorithms import configs  # noqa: F401 (importing it registers the configurations)
+    from bagua_common.algorithms.registry import CONFIGS
+
+    config = CONFIGS.get(row["algorithm"])
+    defaults = {field.name: field.default for field in dataclasses.fields(config)} if config else {}
+    key = next((k for k in ("warmup_steps", "start_iter") if k in defaults), None)
+    return int(row["options"].get(key, defaults[key])) if key else 0
+
+
+def _time_to(row: dict[str, Any], link: str, target: float, base: dict[str, Any]) -> float | None:
+    """Seconds to reach ``target`` at ``link`` (:func:`elapsed` of the steps needed); asynchronous averaging only at
+    the link it trained at."""
     steps = steps_to(row["curve"], target)
     if steps is None or link not in row["ms_per_step"]:
         return None
     if row["algorithm"] == "async" and link != row["train_link"]:
         return None
-    return steps * row["ms_per_step"][link] / 1e3
+    return elapsed(row, steps, link, base)
+
+
+def elapsed(row: dict[str, Any], steps: float, link: str, base: dict[str, Any]) -> float:
+    """Seconds a variant's first ``steps`` steps take at ``link``: its time per step there, the uncompressed first
+    steps (:func:`full_precision_steps`) at DDP fp32's (``base``)."""
+    uncompressed = min(steps, full_precision_steps(row))
+    return (uncompressed * base["ms_per_step"][link] + (steps - uncompressed) * row["ms_per_step"][link]) / 1e3
+
+
+def _run_time(row: dict[str, Any], link: str) -> float:
+    """Seconds of a variant's whole training run at ``link``."""
+    return row["curve"][-1][0] * row["ms_per_step"][link] / 1e3
 
 
 def _fmt(value: float | None, spec: str = ".1f", missing: str = "not reached") -> str:
@@ -92,10 +121,11 @@ def table_lines(rows: dict[str, dict[str, Any]], links: list[str]) -> list[str]:
     base = rows.get(BASELINE)
     target = base["final_loss"] if base else None
     head = ["variant", "held-out loss", "vs DDP", "bytes/step/rank", "DDP/bytes"]
-    head += [f"ms/step {link}" for link in links] + ["steps to DDP loss"]
-    head += [f"s to DDP loss @{link}" for link in links] + [f"vs DDP @{REPORT_LINK}"]
+    head += [f"ms/step {link}" for link in links] + ["steps to DDP loss", "steps to DDP loss +1%"]
+    head += [f"s to DDP loss @{link}" for link in links]
+    head += [f"vs DDP's run @{REPORT_LINK}", "same, to DDP loss +1%"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ddp_time = _time_to(base, REPORT_LINK, target) if base else None
+    ddp_time = _run_time(base, REPORT_LINK) if base else None
     for row in rows.values():
         if row["status"] != "ok":
             lines.append(f"| {row['name']} | {row['status']} |" + " |" * (len(head) - 2))
@@ -105,11 +135,12 @@ def table_lines(rows: dict[str, dict[str, Any]], links: list[str]) -> list[str]:
         cells.append(f"{row['bytes_per_step'] / 1e6:.4f} MB")
         cells.append(f"{base['bytes_per_step'] / row['bytes_per_step']:.0f}x" if base and row["bytes_per_step"] else "")
         cells += [_fmt(row["ms_per_step"].get(link), ".0f", "") for link in links]
-        cells.append(_fmt(steps_to(row["curve"], target) if target else None, ".0f"))
-        times = {link: _time_to(row, link, target) if target else None for link in links}
+        cells += [_fmt(steps_to(row["curve"], goal) if target else None, ".0f") for goal in (target, NEAR * target)]
+        times = {link: _time_to(row, link, target, base) if target else None for link in links}
         cells += [_fmt(times[link], ".1f", "-") for link in links]
-        mine = times.get(REPORT_LINK)
-        cells.append(f"{mine / ddp_time:.2f}" if mine is not None and ddp_time else "-")
+        for goal in (target, NEAR * target):
+            mine = _time_to(row, REPORT_LINK, goal, base) if target else None
+            cells.append(f"{mine / ddp_time:.2f}" if mine is not None and ddp_time else "not reached")
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -120,24 +151,25 @@ def bar_lines(rows: dict[str, dict[str, Any]], links: list[str], steps: int) -> 
     base = ok.get(BASELINE)
     if base is None or REPORT_LINK not in base["ms_per_step"]:
         return ["(no DDP fp32 result at 100 Mbit/s: no bars)"]
-    target, ddp_time = base["final_loss"], _time_to(base, REPORT_LINK, base["final_loss"])
+    target, ddp_time = base["final_loss"], _run_time(base, REPORT_LINK)
     out = [f"DDP fp32: final held-out loss {target:.4f} after {steps} steps, {ddp_time:.1f} s at 100 Mbit/s.", ""]
     for fe in ("torch", "jax"):
-        mine = [
-            (t / ddp_time, r["name"])
-            for r in ok.values()
-            if r["front_end"] == fe and r["algorithm"] not in PEERS
-            for t in [_time_to(r, REPORT_LINK, target)]
-            if t is not None
-        ]
-        if mine:
-            ratio, name = min(mine)
-            verdict = "met" if ratio <= 1 / 3 else "missed"
-            out.append(
-                f"- {fe}: best to DDP's loss at 100 Mbit/s: {name}, {ratio:.2f}x DDP's time (bar <= 0.33): {verdict}"
-            )
-        else:
-            out.append(f"- {fe}: no algorithm reached DDP's final loss within {steps} steps: missed")
+        for goal, what in ((target, "DDP's loss"), (NEAR * target, "DDP's loss +1%")):
+            mine = [
+                (t / ddp_time, r["name"])
+                for r in ok.values()
+                if r["front_end"] == fe and r["algorithm"] not in PEERS
+                for t in [_time_to(r, REPORT_LINK, goal, base)]
+                if t is not None
+            ]
+            if mine:
+                ratio, name = min(mine)
+                verdict = "met" if ratio <= 1 / 3 else "missed"
+                out.append(
+                    f"- {fe}: fastest to {what} at 100 Mbit/s: {name}, {ratio:.2f}x DDP's run (bar <= 0.33): {verdict}"
+                )
+            else:
+                out.append(f"- {fe}: no algorithm reached {what} within {steps} steps: missed")
     pairs = sorted({r["name"].split("/", 1)[1] for r in ok.values() if r["front_end"] == "jax"})
     for label in pairs:
         torch_row, jax_row = ok.get(f"torch/{label}"), ok.get(f"jax/{label}")
@@ -168,18 +200,20 @@ def bar_lines(rows: dict[str, dict[str, Any]], links: list[str], steps: int) -> 
 
 
 def plot(rows: dict[str, dict[str, Any]], path: Path) -> Path | None:
-    """Held-out loss against wall-clock time at 100 Mbit/s and against bytes sent per rank."""
+    """Held-out loss against wall-clock time at 100 Mbit/s (warm-ups at DDP's time per step) and against bytes sent
+    per rank."""
     plt = _common.pyplot()
     if plt is None:
         return None
     fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(15, 6.5))
     colors = plt.get_cmap("tab20")
+    base = rows.get(BASELINE)
     for i, row in enumerate(r for r in rows.values() if r["status"] == "ok"):
         steps = [s for s, _ in row["curve"]]
         losses = [loss for _, loss in row["curve"]]
         style = dict(color=colors(i % 20), linestyle="--" if row["front_end"] == "jax" else "-", label=row["name"])
-        if REPORT_LINK in row["ms_per_step"]:
-            by_time.plot([s * row["ms_per_step"][REPORT_LINK] / 1e3 for s in steps], losses, **style)
+        if base and REPORT_LINK in row["ms_per_step"]:
+            by_time.plot([elapsed(row, s, REPORT_LINK, base) for s in steps], losses, **style)
         by_bytes.plot([s * row["bytes_per_step"] / 1e6 for s in steps[1:]], losses[1:], **style)
     by_time.set_xlabel("wall-clock time at 100 Mbit/s (s)")
     by_bytes.set_xlabel("bytes sent per rank (MB, log)")

@@ -27,7 +27,9 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        if any(name in item.fixturenames for name in SEED_FIXTURES):
+        # A test's own parameter of the same name (a fixed range of seeds) is not the run's seed.
+        parameters = item.callspec.params if hasattr(item, "callspec") else {}
+        if any(name in item.fixturenames and name not in parameters for name in SEED_FIXTURES):
             item.add_marker(pytest.mark.seeded)
 
 

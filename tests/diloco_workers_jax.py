@@ -47,12 +47,10 @@ def make_step(comm: Any, options: dict):
     return tx, step
 
 
-def train(step, state, seed: int, rank: int, first: int, last: int, before=None) -> tuple[Any, list]:
-    """Steps ``first..last``; ``before(t)`` runs before step t. Returns the state and each step's parameters."""
+def train(step, state, seed: int, rank: int, first: int, last: int) -> tuple[Any, list]:
+    """Steps ``first..last``; returns the state and each step's parameters."""
     history = []
     for t in range(first, last + 1):
-        if before is not None:
-            before(t)
         state = jax.block_until_ready(step(*state, ref.target(seed, t, rank)))
         history.append(jax.device_get(state[0]))
     return state, history
@@ -65,25 +63,27 @@ def streaming_ranks(seed: int, wire: str, steps: int, late_s: float) -> dict:
     (``overlapped``) and inside the step (``inline``), and the background run resumed from a copy of
     its state taken while fragment 1 was on the wire (``resumed``, steps STARTS_FRAGMENT_1 + 1 on; the
     thread has already handed that exchange's result out, as a restarted process never had it).
-    Rank 1 begins step STARTS_FRAGMENT_1 ``late_s`` seconds late; ``times`` says when rank 0 finished
-    it and when rank 1 began it. Then rank 1 leaves and rank 0 returns the error of its next exchange.
+    Rank 1 begins steps STARTS_FRAGMENT_1 and STARTS_FRAGMENT_1 + 1 (which applies fragment 1) ``late_s``
+    seconds late; ``times`` says when rank 0 finished each of them and when rank 1 began it. Then rank 1
+    leaves and rank 0 returns the error of its next exchange (``dead_peer``).
     """
     comm = NativeCommunicator.mpi_world(timeout=60)
     rank = int(comm.rank())
     options = {**STREAMING, "outer_exchange": wire, "error_feedback": wire != "fp32"}
     params = ref.initial(seed)
-    times: dict[str, float] = {}
-
-    def late(t: int) -> None:
-        if t == STARTS_FRAGMENT_1 and rank == 1:
-            time.sleep(late_s)
-            times["began"] = time.time()
-
     tx, step = make_step(comm, options)
-    state, overlapped = train(step, (params, tx.init(params)), seed, rank, 1, STARTS_FRAGMENT_1, late)
-    times["finished"] = time.time()
-    saved = jax.device_get(state)
-    _, rest = train(step, state, seed, rank, STARTS_FRAGMENT_1 + 1, steps)
+    state, overlapped = train(step, (params, tx.init(params)), seed, rank, 1, STARTS_FRAGMENT_1 - 1)
+    times: dict[str, list[float]] = {"began": [], "finished": []}
+    for t in (STARTS_FRAGMENT_1, STARTS_FRAGMENT_1 + 1):
+        if rank == 1:
+            time.sleep(late_s)
+        times["began"].append(time.time())
+        state, history = train(step, state, seed, rank, t, t)
+        times["finished"].append(time.time())
+        overlapped += history
+        if t == STARTS_FRAGMENT_1:
+            saved = jax.device_get(state)
+    _, rest = train(step, state, seed, rank, STARTS_FRAGMENT_1 + 2, steps)
     _, resumed = train(step, jax.device_put(saved), seed, rank, STARTS_FRAGMENT_1 + 1, steps)
     tx, step = make_step(InlineCommunicator(comm), options)
     _, inline = train(step, (params, tx.init(params)), seed, rank, 1, steps)

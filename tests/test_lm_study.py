@@ -91,3 +91,19 @@ def test_steps_to_a_loss_between_evaluations(rng):
     curve = [[0, 5.6], [20, l0], [40, l1]]
     assert lm_study_report.steps_to(curve, target) == pytest.approx(20 + 20 * (l0 - target) / (l0 - l1))
     assert lm_study_report.steps_to(curve, l1 - 0.01) is None
+
+
+def test_uncompressed_first_steps_take_ddps_time(rng):
+    from bagua_common.algorithms.configs import OneBitAdamConfig
+
+    warmup = OneBitAdamConfig(learning_rate=1e-3).warmup_steps
+    fast, slow = sorted(rng.uniform(100, 2000, 2))
+    reached = warmup + float(rng.uniform(10, 50))
+    curve = [[0, 5.0], [int(reached), 3.0]]  # the target 3.0 is reached at ``reached`` steps
+    base = {"ms_per_step": {"100mbit": slow}}
+    row = {"algorithm": "onebit_adam", "options": {}, "curve": curve, "ms_per_step": {"100mbit": fast}}
+    expected = (warmup * slow + (int(reached) - warmup) * fast) / 1e3
+    assert lm_study_report._time_to(row, "100mbit", 3.0, base) == pytest.approx(expected)
+    assert lm_study_report._time_to({**row, "algorithm": "bytegrad"}, "100mbit", 3.0, base) == pytest.approx(
+        int(reached) * fast / 1e3
+    )
