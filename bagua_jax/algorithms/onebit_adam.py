@@ -17,8 +17,8 @@ QAdam's floor under the frozen ``v`` (:mod:`bagua_common.algorithms.frozen_varia
 The one departure from QAdam's step (beyond SPEC section 3, which leaves it open): sign
 compression cannot send a zero, so a coordinate whose momentum is zero would receive
 ``+-scale`` and move. DeepSpeed asks the user for a momentum mask of such coordinates; here
-the mask comes from the frozen second moment: for a parameter whose ``v`` is zero throughout
-(it had no gradient in the whole warm-up: the loss does not use it, or it is frozen), the
+the mask comes from the frozen second moment: for a parameter whose ``v`` is zero or negligible
+(it had no gradient in the whole warm-up, or only rounding: the loss does not use it, or it is frozen), the
 momentum is held at zero before and after the exchange
 (:func:`~bagua_jax.algorithms.adam_engine.held_unused`), so that parameter never moves (and does
 not learn if its gradient first appears after the warm-up; QAdam's 8-bit codes send exact

@@ -24,7 +24,7 @@ that 1-bit Adam and QAdam differ only in the momentum exchange).
 The one departure from QAdam's step, as in the JAX version: sign compression cannot send a
 zero, so a coordinate whose momentum is zero would receive ``+-scale`` and move. DeepSpeed asks
 the user for a momentum mask; here the mask comes from the frozen second moment: for a
-parameter whose ``exp_avg_sq`` is zero throughout (no gradient in the whole warm-up: the loss
+parameter whose ``exp_avg_sq`` is zero or negligible (no gradient in the whole warm-up, or only rounding: the loss
 does not use it), the momentum is held at zero before and after the exchange, so it never moves
 (and does not learn if its gradient first appears after the warm-up; QAdam's 8-bit codes send
 exact zeros and need no mask). Every other parameter steps as before.
