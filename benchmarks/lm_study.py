@@ -59,11 +59,11 @@ def _variant(front_end: str, algorithm: str, label: str | None = None, **options
     }
 
 
-def _diloco(h: int, exchange: str, fragments: int = 1) -> dict[str, Any]:
+def _diloco(h: int, exchange: str, fragments: int = 1, front_end: str = "torch") -> dict[str, Any]:
     if fragments == 1:
-        return _variant("torch", "diloco", f"diloco_h{h}_{exchange}", sync_every=h, outer_exchange=exchange)
+        return _variant(front_end, "diloco", f"diloco_h{h}_{exchange}", sync_every=h, outer_exchange=exchange)
     return _variant(
-        "torch",
+        front_end,
         "diloco",
         f"streaming_p{fragments}_h{h}_{exchange}",
         sync_every=h,
@@ -85,7 +85,7 @@ def variants() -> list[dict[str, Any]]:
         _diloco(50, "uint4", fragments=4),
         *(_variant("torch", name) for name in ("bytegrad", "onebit_adam", "powersgd")),
         _variant("jax", "bytegrad"),
-        _variant("jax", "diloco", "diloco_h50_uint8", sync_every=50, outer_exchange="uint8"),
+        _diloco(50, "uint8", front_end="jax"),
         *(_variant("jax", name) for name in ("onebit_adam", "powersgd")),
         _variant("torch", "ddp_powersgd_rank4"),
         _variant("jax", "pmean"),
@@ -94,6 +94,7 @@ def variants() -> list[dict[str, Any]]:
         _diloco(50, "uint4"),
         *(_diloco(h, exchange) for h in (10, 200) for exchange in ("fp32", "uint8", "uint4")),
         _variant("torch", "ddp_fp16"),
+        _diloco(50, "uint4", fragments=4, front_end="jax"),
     ]
     registered = [("torch", name) for name in torch_names()] + [("jax", name) for name in jax_names()]
     done = {(v["front_end"], v["algorithm"]) for v in listed}
