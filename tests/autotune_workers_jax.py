@@ -16,8 +16,8 @@ def loss_fn(params, batch):
 
 
 comm = NativeCommunicator.world()
-rng = np.random.default_rng(0)
-params = {"w": rng.standard_normal((768, 768)).astype(np.float32)}
+params = {"w": np.random.default_rng(0).standard_normal((768, 768)).astype(np.float32)}
+rng = np.random.default_rng([0, int(comm.rank())])  # each rank its own batch
 trainer = DataParallel(loss_fn, optax.sgd(0.01), GradientAllReduce(), communicator=comm, autotune="once")
 state = trainer.init(params)
 state, loss = trainer.step(state, rng.standard_normal((8, 768)).astype(np.float32))
