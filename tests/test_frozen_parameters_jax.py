@@ -29,9 +29,10 @@ STEPS, LR = 6, 1e-2
 
 def loss_fn(params, batch):
     hidden = jnp.tanh(batch["x"] @ params["w1"] + params["b1"])
-    # "negligible" has a gradient 1e-13 of the inputs': never zero, too small for the warm-up's Adam to move
-    # it (about 1e-5 of eps), and a negligible second moment that 1-bit Adam must hold as an unused one.
-    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2) + 1e-13 * jnp.mean(
+    # "negligible" has a gradient of at most about 1e-15: never zero, and a negligible second moment that
+    # 1-bit Adam must hold as an unused one. The warm-up's Adam moves it by at most lr x |g| / eps, about
+    # 1e-9, which rounds away: its values are at least 1 in magnitude (half an ulp there is 6e-8).
+    return jnp.mean((hidden @ params["w2"] - batch["y"]) ** 2) + 1e-15 * jnp.mean(
         batch["x"][:, :5] * params["negligible"]
     )
 
@@ -42,7 +43,7 @@ def init_params(rng: np.random.Generator) -> dict[str, np.ndarray]:
         "b1": rng.standard_normal(16).astype(np.float32) * 0.1,
         "w2": rng.standard_normal((16, 2)).astype(np.float32) * 0.3,
         "unused": rng.standard_normal(5).astype(np.float32),
-        "negligible": rng.standard_normal(5).astype(np.float32),
+        "negligible": (rng.uniform(1.0, 2.0, 5) * rng.choice([-1.0, 1.0], 5)).astype(np.float32),
     }
 
 
