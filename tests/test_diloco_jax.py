@@ -120,13 +120,19 @@ def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule
     smaller = make(algorithm, ranks=2)
     shrunk = checkpoint.restore(tmp_path, smaller, ref.initial(seed))
     saved, now = jax.device_get(state.opt_state[1]), jax.device_get(shrunk.opt_state[1])
+
+    def assert_mean_of_ranks(got, ranks):
+        # float32 sums in another order: about 4 ulps of the largest term, however small the mean
+        ranks = np.asarray(ranks)
+        np.testing.assert_allclose(got, np.mean(ranks, axis=0), rtol=1e-6, atol=1e-6 * np.max(np.abs(ranks)))
+
     for k in ref.SHAPES:
-        np.testing.assert_allclose(jax.device_get(shrunk.params)[k][1], np.mean(state.params[k], axis=0), rtol=1e-6)
+        assert_mean_of_ranks(jax.device_get(shrunk.params)[k][1], state.params[k])
         np.testing.assert_array_equal(now.round_start[k][1], saved.round_start[k][0])
     for was, new in zip(jax.tree.leaves(saved.outer_states), jax.tree.leaves(now.outer_states)):
         np.testing.assert_array_equal(new[1], was[0])
     for was, new in zip(saved.pending, now.pending):
-        np.testing.assert_allclose(new[1], np.mean(was, axis=0), rtol=1e-6)
+        assert_mean_of_ranks(new[1], was)
     assert int(now.step[1]) == 6 and all(not np.any(res) for res in now.residuals)
     train(smaller, shrunk, seed, 7, 9, ranks=2)
 

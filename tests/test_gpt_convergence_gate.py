@@ -46,7 +46,9 @@ from bagua_jax.trainer import DataParallel
 from bagua_torch.algorithms import available_algorithms as torch_algorithms
 
 MARGIN = 0.25
-MARGINS = {("jax", "diloco"): 0.45, ("torch", "diloco"): 0.6}
+# DiLoCo averages every H steps; torch's asynchronous averaging mixes models on a clock, so on torch's 2x2 job a
+# rank may average only a few times (one ended 0.27 behind on an idle CI machine).
+MARGINS = {("jax", "diloco"): 0.45, ("torch", "diloco"): 0.6, ("torch", "async"): 0.45}
 """Held-out loss (nats per byte) a (front end, algorithm) may trail gradient allreduce by (see the module docstring)."""
 MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
 
