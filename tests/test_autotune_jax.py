@@ -151,3 +151,6 @@ def test_every_rank_of_a_native_job_between_nodes_chooses_the_same_setting(tmp_p
     searched = json.loads(re.search(r"\[rank 0\] searched (.*)", run.stdout).group(1))
     rings = {label.split("mpi_ring_min_bytes=")[1] for label in searched}
     assert rings >= {str(2**20), "0"}, searched  # the default and the always-ring threshold were both timed
+    # The tuning probe bypasses the same-batch guard (its batch is no user's data); the user's first step is checked.
+    assert re.findall(r"\[rank \d\] guarded in init (\d+)", run.stdout) == ["0", "0"], run.stdout
+    assert re.findall(r"\[rank \d\] guarded in the first step (\d+)", run.stdout) == ["1", "1"], run.stdout
