@@ -1,4 +1,6 @@
-"""PowerSGD: low-rank gradient compression with error feedback (see :class:`bagua_common.algorithms.configs.PowerSGDConfig`).
+"""PowerSGD: low-rank gradient compression with error feedback.
+
+Its settings: :class:`bagua_common.algorithms.configs.PowerSGDConfig`.
 
 Each matrix-shaped gradient is replaced by a rank-``r`` approximation ``P Q^T`` that every rank
 computes identically from two flat allreduces per step: one carries every matrix's ``P``
