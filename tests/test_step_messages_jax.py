@@ -8,6 +8,8 @@ batch check, one allgather, and the step itself):
   ride in the gradients' one allreduce;
 * ByteGrad (8-bit codes, which must not carry the loss) with the same: its all-to-all and allgather, and one
   full-precision allreduce of the loss, aux and model state together;
+* PowerSGD, its warm-up step (an exact allreduce) and its compressed step (start_iter 0 and 1): the loss, aux
+  and model state ride in the first allreduce of either (both are traced, the compressed one makes two);
 * an NNX module with BatchNorm through ``DataParallel``: the loss and the BatchNorm statistics ride in the
   gradients' allreduce.
 
@@ -26,9 +28,16 @@ from multiprocess import run_ranks
 
 import bagua_jax
 from bagua_jax import DataParallel, rank_slice
+from bagua_jax.algorithms import ByteGrad, GradientAllReduce, PowerSGD
 from bagua_jax.counting import CountingCommunicator
 
 ROWS = 8
+ALGORITHMS = {
+    "gradient_allreduce": GradientAllReduce,
+    "bytegrad": ByteGrad,
+    "powersgd_exact": lambda: PowerSGD(rank=1, start_iter=1),
+    "powersgd_compressed": lambda: PowerSGD(rank=1, start_iter=0),
+}
 
 
 def loss_with_state(params: dict, batch: dict, model_state: dict):
@@ -61,9 +70,9 @@ def worker(seed: int) -> dict:
     comm = bagua_jax.NativeCommunicator.mpi_world(timeout=60)
     data, w = batch(seed), np.random.default_rng(seed + 1).standard_normal(4).astype(np.float32)
     result = {}
-    for name in ("gradient_allreduce", "bytegrad"):
+    for name, algorithm in ALGORITHMS.items():
         counter = CountingCommunicator(comm)
-        dp = DataParallel(loss_with_state, optax.sgd(0.1), name, communicator=counter, has_aux=True)
+        dp = DataParallel(loss_with_state, optax.sgd(0.1), algorithm(), communicator=counter, has_aux=True)
         state = dp.init({"w": w}, model_state={"mean": np.zeros(4, np.float32)})
         counter.reset()
         state, (loss, aux) = dp.step(state, rank_slice(data, comm))
@@ -107,6 +116,8 @@ def test_mean_loss_aux_and_model_state_cost_no_extra_message(rng):
     expected_calls = {
         "gradient_allreduce": {"allgather": 1, "allreduce": 1},
         "bytegrad": {"allgather": 2, "alltoall": 1, "allreduce": 1},
+        "powersgd_exact": {"allgather": 1, "allreduce": 3},
+        "powersgd_compressed": {"allgather": 1, "allreduce": 3},
     }
     for result in results:
         got = result.value
