@@ -110,10 +110,12 @@ def run_job(args, net: nh.Network, tree: Path, case: str, tmp: Path, label: str)
     argv += ["--iters", str(args.iters), "--steps", str(args.steps), "--comm-timeout", str(args.comm_timeout)]
     # A job whose ranks did not all write their results is tried once more; one whose ranks did stands even
     # when mpiexec then failed on the way out (seen under load: hydra's "Broken pipe" to its exited proxies).
+    paths = [Path(f"{result}.rank{r}") for r in range(net.ranks)]
     for attempt in (1, 2):
+        for path in paths:
+            path.unlink(missing_ok=True)
         with open(f"{result}.log", "w") as log:
             codes = net.run_mpi(argv, args.job_timeout, base_env=env, stdout=log)
-        paths = [Path(f"{result}.rank{r}") for r in range(net.ranks)]
         if all(path.exists() for path in paths):
             break
         tail = Path(f"{result}.log").read_text(errors="replace").splitlines()[-30:]
