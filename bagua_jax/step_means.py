@@ -5,10 +5,11 @@ one small collective per step, and on a latency-bound link its round trip is all
 the trainer hands those values to the algorithm as :class:`StepMeans` (the optax extra argument
 ``step_means``): an algorithm whose step averages float32 gradient buckets in full precision
 over the world in one message (flat gradient allreduce) carries them at the end of its smallest
-float32 bucket (:meth:`StepMeans.averaged_with`), so the step sends no extra message. Every other
-algorithm ignores the argument (compressed codes must not carry the loss; decentralized,
-asynchronous and DiLoCo steps have no full-precision world average every step), and
-:meth:`StepMeans.result` then averages all of them in one allreduce of their own.
+float32 bucket (:meth:`StepMeans.averaged_with`), and PowerSGD in the float32 allreduce that
+starts either of its steps (:meth:`StepMeans.deliver`), so the step sends no extra message.
+Every other algorithm ignores the argument (compressed codes must not carry the loss;
+decentralized, asynchronous and DiLoCo steps have no full-precision world average every step),
+and :meth:`StepMeans.result` then averages all of them in one allreduce of their own.
 """
 
 from __future__ import annotations
@@ -52,8 +53,6 @@ class StepMeans:
         bucket; ``average`` must be the algorithm's full-precision mean over the world, taken elementwise in one
         message. Without a float32 bucket (or values) the values are left for :meth:`result`. Once per step.
         """
-        if self._mean is not None:
-            raise RuntimeError("StepMeans: the values were already carried in this step")
         candidates = [i for i, bucket in enumerate(buckets) if bucket.dtype == jnp.float32]
         if not self.values.size or not candidates:
             return [average(bucket) for bucket in buckets]
@@ -65,9 +64,16 @@ class StepMeans:
         extended = lax.dynamic_update_slice(extended, buckets[carrier], (0,))
         extended = lax.dynamic_update_slice(extended, self.values, (size,))
         averaged = [average(extended if i == carrier else bucket) for i, bucket in enumerate(buckets)]
-        self._mean = averaged[carrier][size:]
+        self.deliver(averaged[carrier][size:])
         averaged[carrier] = averaged[carrier][:size]
         return averaged
+
+    def deliver(self, mean: jax.Array) -> None:
+        """Hand over the ranks' mean of :attr:`values`, for an algorithm that carried them in a full-precision
+        message of its own (e.g. out of a ``lax.cond`` whose every branch carries them). Once per step."""
+        if self._mean is not None:
+            raise RuntimeError("StepMeans: the values were already carried in this step")
+        self._mean = mean
 
     def result(self, communicator: Communicator) -> Any:
         """The tree with each floating leaf replaced by its mean over the ranks: the carried means, or one

@@ -108,16 +108,21 @@ def run_job(args, net: nh.Network, tree: Path, case: str, tmp: Path, label: str)
     argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--case", case]  # bagua from tree
     argv += ["--result", str(result), "--width", str(args.width), "--warmup", str(args.warmup)]
     argv += ["--iters", str(args.iters), "--steps", str(args.steps), "--comm-timeout", str(args.comm_timeout)]
-    with open(f"{result}.log", "w") as log:
-        codes = net.run_mpi(argv, args.job_timeout, base_env=env, stdout=log)
-    ranks = [
-        json.loads(Path(f"{result}.rank{r}").read_text())
-        for r in range(net.ranks)
-        if Path(f"{result}.rank{r}").exists()
-    ]
-    if len(ranks) != net.ranks or any(codes):
-        tail = Path(f"{result}.log").read_text(errors="replace").splitlines()[-8:]
-        raise SystemExit(f"step_messages: {label} {case} failed (exit codes {codes}):\n" + "\n".join(tail))
+    # A job whose ranks did not all write their results is tried once more; one whose ranks did stands even
+    # when mpiexec then failed on the way out (seen under load: hydra's "Broken pipe" to its exited proxies).
+    paths = [Path(f"{result}.rank{r}") for r in range(net.ranks)]
+    for attempt in (1, 2):
+        for path in paths:
+            path.unlink(missing_ok=True)
+        with open(f"{result}.log", "w") as log:
+            codes = net.run_mpi(argv, args.job_timeout, base_env=env, stdout=log)
+        if all(path.exists() for path in paths):
+            break
+        tail = Path(f"{result}.log").read_text(errors="replace").splitlines()[-30:]
+        print(f"step_messages: {label} {case}, attempt {attempt}, exit codes {codes}:\n" + "\n".join(tail), flush=True)
+    else:
+        raise SystemExit(f"step_messages: {label} {case} failed twice")
+    ranks = [json.loads(path.read_text()) for path in paths]
     step = statistics.median(statistics.fmean(r["step_s"][i] for r in ranks) for i in range(args.iters))
     return {"calls": ranks[0]["calls"], "packets_per_step": ranks[0]["packets_per_step"], "step_s": step}
 

@@ -8,8 +8,10 @@ batch check, one allgather, and the step itself):
   ride in the gradients' one allreduce;
 * ByteGrad (8-bit codes, which must not carry the loss) with the same: its all-to-all and allgather, and one
   full-precision allreduce of the loss, aux and model state together;
-* an NNX module with BatchNorm through ``DataParallel``: the loss and the BatchNorm statistics ride in the
-  gradients' allreduce.
+* PowerSGD, its warm-up step (an exact allreduce) and its compressed step (start_iter 0 and 1): the loss, aux
+  and model state ride in the first allreduce of either (both are traced, the compressed one makes two);
+* an NNX module with BatchNorm through ``DataParallel``, and through the user's own train step with a
+  ``DataParallelOptimizer``: the loss and the BatchNorm statistics ride in the gradients' allreduce.
 
 The reported loss, aux and model state must equal the NumPy means over the two ranks' halves of the batch.
 """
@@ -26,9 +28,17 @@ from multiprocess import run_ranks
 
 import bagua_jax
 from bagua_jax import DataParallel, rank_slice
+from bagua_jax.algorithms import ByteGrad, GradientAllReduce, PowerSGD
 from bagua_jax.counting import CountingCommunicator
+from bagua_jax.nnx_data_parallel import DataParallelOptimizer
 
 ROWS = 8
+ALGORITHMS = {
+    "gradient_allreduce": GradientAllReduce,
+    "bytegrad": ByteGrad,
+    "powersgd_exact": lambda: PowerSGD(rank=1, start_iter=1),
+    "powersgd_compressed": lambda: PowerSGD(rank=1, start_iter=0),
+}
 
 
 def loss_with_state(params: dict, batch: dict, model_state: dict):
@@ -61,9 +71,9 @@ def worker(seed: int) -> dict:
     comm = bagua_jax.NativeCommunicator.mpi_world(timeout=60)
     data, w = batch(seed), np.random.default_rng(seed + 1).standard_normal(4).astype(np.float32)
     result = {}
-    for name in ("gradient_allreduce", "bytegrad"):
+    for name, algorithm in ALGORITHMS.items():
         counter = CountingCommunicator(comm)
-        dp = DataParallel(loss_with_state, optax.sgd(0.1), name, communicator=counter, has_aux=True)
+        dp = DataParallel(loss_with_state, optax.sgd(0.1), algorithm(), communicator=counter, has_aux=True)
         state = dp.init({"w": w}, model_state={"mean": np.zeros(4, np.float32)})
         counter.reset()
         state, (loss, aux) = dp.step(state, rank_slice(data, comm))
@@ -74,7 +84,16 @@ def worker(seed: int) -> dict:
     counter.reset()
     state, loss = dp.step(state, rank_slice(data, comm))
     result["nnx"] = (counter.calls_by_op, float(loss), np.asarray(state.model.norm.mean[...]))
+    counter, model = CountingCommunicator(comm), Normed(nnx.Rngs(0))
+    own_train_step(model, DataParallelOptimizer(model, optax.sgd(0.1), communicator=counter), rank_slice(data, comm))
+    result["own_step"] = (counter.calls_by_op, np.asarray(model.norm.mean[...]))
     return result
+
+
+@nnx.jit
+def own_train_step(model: Normed, optimizer: DataParallelOptimizer, batch: dict) -> None:
+    """A train step as flax's NNX examples write one: ``optimizer.update`` averages the BatchNorm statistics."""
+    optimizer.update(model, nnx.grad(nnx_loss)(model, batch))
 
 
 def nnx_reference(data: dict) -> tuple[float, np.ndarray]:
@@ -107,6 +126,8 @@ def test_mean_loss_aux_and_model_state_cost_no_extra_message(rng):
     expected_calls = {
         "gradient_allreduce": {"allgather": 1, "allreduce": 1},
         "bytegrad": {"allgather": 2, "alltoall": 1, "allreduce": 1},
+        "powersgd_exact": {"allgather": 1, "allreduce": 3},
+        "powersgd_compressed": {"allgather": 1, "allreduce": 3},
     }
     for result in results:
         got = result.value
@@ -119,4 +140,7 @@ def test_mean_loss_aux_and_model_state_cost_no_extra_message(rng):
         got_calls, loss, batch_mean = got["nnx"]
         assert got_calls == {"allgather": 1, "allreduce": 1}, f"rank {result.rank}, nnx: {got_calls}"
         np.testing.assert_allclose(loss, nnx_loss_mean, rtol=1e-5, err_msg=f"rank {result.rank}, nnx")
+        np.testing.assert_allclose(batch_mean, nnx_batch_mean, rtol=1e-5, atol=1e-6, err_msg=f"rank {result.rank}")
+        got_calls, batch_mean = got["own_step"]
+        assert got_calls == {"allreduce": 1}, f"rank {result.rank}, own NNX step: {got_calls}"
         np.testing.assert_allclose(batch_mean, nnx_batch_mean, rtol=1e-5, atol=1e-6, err_msg=f"rank {result.rank}")
