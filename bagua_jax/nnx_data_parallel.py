@@ -29,7 +29,8 @@ class DataParallelOptimizer(nnx.Optimizer):
 
     ``update(model, grads)`` applies the algorithm's update (which communicates the gradients or
     weights) as ``nnx.Optimizer`` does and averages ``model``'s ``nnx.BatchStat`` variables over the
-    ranks, in the same message as the gradients where the algorithm can. ``communicator`` defaults to :func:`bagua_jax.native_data_parallel.world`.
+    ranks, in the same message as the gradients where the algorithm can. ``communicator`` defaults
+    to :func:`bagua_jax.native_data_parallel.world`.
     QAdam and OneBitAdam take ``tx=None`` (see :func:`~bagua_jax.data_parallel_optimizer`).
     """
 

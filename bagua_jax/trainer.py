@@ -4,9 +4,9 @@
 and an algorithm into a jitted train step. It runs either
 
 * over a device mesh (one process with several devices, or several processes
-  under ``jax.distributed``, joined with :func:`bagua_jax.distributed.initialize`): the step is a ``jax.shard_map`` over every mesh
-  axis, each device is one rank, and the algorithms communicate with JAX's own
-  collectives (:class:`~bagua_jax.LaxCommunicator`). A 1-D mesh is a flat
+  under ``jax.distributed``, joined with :func:`bagua_jax.distributed.initialize`): the step is a
+  ``jax.shard_map`` over every mesh axis, each device is one rank, and the algorithms communicate
+  with JAX's own collectives (:class:`~bagua_jax.LaxCommunicator`). A 1-D mesh is a flat
   topology; a 2-D mesh ``("inter", "intra")`` is nodes by devices per node, and
   hierarchical algorithms reduce over the fast ``intra`` axis first; or
 * over a :class:`~bagua_jax.NativeCommunicator` (one device per process, MPI or

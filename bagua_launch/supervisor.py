@@ -23,7 +23,7 @@ What the launcher does while the job runs:
   the others, SIGKILL after ``--grace`` seconds, and exits with that rank's exit code
   (128 + N for signal N) after a summary on stderr naming the rank, its exit code and
   its last lines of output. Of several ranks failing within 0.1 s, it names the first
-  killed by a signal, the likely cause of the others' errors (:mod:`bagua_launch.root_cause`).
+  killed from outside, the likely cause of the others' errors (:mod:`bagua_launch.root_cause`).
 * ``--timeout`` stops the job the same way after that many seconds; exit code 124.
 
 A job where every rank exits 0 exits 0 and prints nothing of the launcher's own.

@@ -83,11 +83,14 @@ def test_a_peer_failing_right_after_a_killed_rank_is_not_named(tmp_path, monkeyp
     assert re.search(r"^rank 0: (exit code 1|killed by SIGTERM \(stopped by the launcher\))$", summary, re.M), summary
 
 
-def test_the_rule_prefers_a_rank_killed_by_a_signal_then_the_first_noticed():
+def test_the_rule_prefers_a_rank_killed_from_outside_then_the_first_noticed():
     assert root_cause([(0, 1), (1, -9)]) == (1, -9)
     assert root_cause([(3, 2), (0, 1)]) == (3, 2)
     assert root_cause([(2, 1), (1, -15), (0, -9)]) == (1, -15)
     assert root_cause([(2, 1), (1, None)]) == (1, None)  # MPI: a wrapper gone without a status was killed
+    # A peer's own abort or crash follows from the loss of a rank as its exit code does: first noticed.
+    assert root_cause([(0, 1), (1, -signal.SIGABRT)]) == (0, 1)
+    assert root_cause([(1, -signal.SIGSEGV), (0, -signal.SIGKILL)]) == (0, -signal.SIGKILL)
     with pytest.raises(ValueError, match="no failures"):
         root_cause([])
 
