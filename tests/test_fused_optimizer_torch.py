@@ -272,7 +272,7 @@ def fused_runs():
     unfused and then fused on the model's buckets."""
     from multiprocess import run_ranks
 
-    return run_ranks("fused_optimizer_workers_torch:every_algorithm_fused_and_unfused", 2, ALGORITHMS, timeout=150)
+    return run_ranks("fused_optimizer_workers_torch:every_algorithm_fused_and_unfused", 2, ALGORITHMS, timeout=300)
 
 
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a not in REFUSED and a != "async"])
@@ -317,7 +317,8 @@ def test_fusing_the_adam_family_is_refused_by_name(fused_runs, algorithm):
     for result in fused_runs:
         assert result.value[algorithm]["True"] == {
             "refused": f"fuse_optimizer: {REFUSED[algorithm]} does not step elementwise (its update of a tensor "
-            "depends on the whole tensor), so fusing would change its math; pass elementwise=True only if you know it is"
+            "depends on the whole tensor), so fusing would change its math; pass elementwise=True only if you "
+            "know it is"
         }
         assert len(result.value[algorithm]["False"]["steps"]) == 6
 
