@@ -1,4 +1,4 @@
-"""Running elastic jobs of real bagua-launch agents on 127.0.0.1 (test_elastic_agent.py, benchmarks/elastic_timeline.py).
+"""Elastic jobs of real bagua-launch agents on 127.0.0.1 (test_elastic_agent.py, benchmarks/elastic_timeline.py).
 
 :class:`Job` starts agents (``--nproc-per-node 2``, the c10d rendezvous with short heartbeats),
 reads the workers' event log (see elastic_job.py), kills a "node" (an agent and its workers)
@@ -49,7 +49,7 @@ def _kill(pid: int) -> None:
 class Job:
     """The agents of one elastic job, its folder and its event log."""
 
-    def __init__(self, folder: Path, framework: str, steps: int, **settings: str):
+    def __init__(self, folder: Path, framework: str, steps: int, seed: int, **settings: str):
         self.folder = folder
         self.script = str(TESTS / SCRIPTS[framework])
         self.endpoint = f"127.0.0.1:{free_port()}"
@@ -57,6 +57,7 @@ class Job:
             **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device per JAX process
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
             "JAX_PLATFORMS": "cpu",
+            "BAGUA_TEST_SEED": str(seed),
             "BAGUA_TEST_DIR": str(folder),
             "BAGUA_TEST_STEPS": str(steps),
             **settings,

@@ -37,10 +37,6 @@ def loss_of(model: nn.Module, step: int, rank: int) -> torch.Tensor:
 def bagua_gradients(config: dict, bucket_sizes: list[int]) -> list[dict]:
     """Per bucket size, each step: this rank's local gradients (at the shared parameters) and the gradients
     PowerSGD applied, from the same initial model."""
-    import bagua_torch
-
-    torch.set_num_threads(1)
-    bagua_torch.init_process_group(timeout=60)
     return [_bagua_run(config, bucket_bytes) for bucket_bytes in bucket_sizes]
 
 
@@ -87,8 +83,6 @@ def losses(kind: str, config: dict, steps: int) -> list[float]:
     import bagua_torch
     from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
 
-    torch.set_num_threads(1)
-    bagua_torch.init_process_group(timeout=60)
     rank = int(os.environ["RANK"])
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -121,8 +115,6 @@ def resume(config: dict) -> dict:
     import bagua_torch
     from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
 
-    torch.set_num_threads(1)
-    bagua_torch.init_process_group(timeout=60)
     rank = int(os.environ["RANK"])
 
     def run(wrapped, optimizer, steps) -> list[list[float]]:
@@ -147,3 +139,17 @@ def resume(config: dict) -> dict:
     resumed = run(wrapped, optimizer, range(3, 6))
     wrapped.close()
     return {"continued": continued, "resumed": resumed}
+
+
+def every_run(config: dict, bucket_sizes: list[int], steps: int) -> dict:
+    """What each test of test_powersgd_torch.py reads, from one process group: :func:`bagua_gradients`,
+    :func:`resume`, and :func:`losses` of both kinds."""
+    import bagua_torch
+
+    torch.set_num_threads(1)
+    bagua_torch.init_process_group(timeout=60)
+    return {
+        "gradients": bagua_gradients(config, bucket_sizes),
+        "resume": resume(config),
+        **{kind: losses(kind, config, steps) for kind in ("bagua", "ddp")},
+    }

@@ -14,6 +14,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
+from tuning_clock import cost_tuning_steps
 
 from bagua_common.tuning.autotune import setting_label
 from bagua_jax.algorithms import ByteGrad, GradientAllReduce
@@ -76,15 +77,20 @@ def test_tuning_picks_a_candidate_stores_it_and_a_cached_run_reuses_it(rng, tmp_
 
 
 def test_a_two_level_mesh_searches_hierarchical_and_trains_with_the_choice(rng, tmp_path, monkeypatch):
+    """Each candidate's step costs a fixed time on a fake clock (tuning_clock.py), hierarchical half of flat: both
+    values are timed whatever the machine's load, and the faster, not the default, wins and trains."""
     monkeypatch.setenv("BAGUA_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    cost = {False: 2.0**-9, True: 2.0**-10}
+    cost_tuning_steps(lambda candidate: cost[candidate.hierarchical], monkeypatch.setattr)
     mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("inter", "intra"))
-    params = model(rng)
     tuned = DataParallel(loss_fn, optax.adam(1e-2), GradientAllReduce(bucket_bytes=2**20), mesh=mesh, autotune="once")
-    tuned.init(params)
+    assert not tuned.algorithm.hierarchical  # the default: the search must move away from it
+    tuned.init(model(rng))
     tuning = tuned.bucket_tuning
-    searched = {label.split("hierarchical=")[1] for label in tuning.medians_s}
-    assert searched == {"False", "True"} and not any("mpi_ring" in label for label in tuning.medians_s)
-    assert tuned.algorithm.hierarchical == tuning.setting["hierarchical"]
+    medians = {label.split("hierarchical=")[1]: s for label, s in tuning.medians_s.items()}
+    assert medians == {"False": cost[False], "True": cost[True]}, tuning.medians_s
+    assert not any("mpi_ring" in label for label in tuning.medians_s)
+    assert tuning.setting["hierarchical"] is True and tuned.algorithm.hierarchical
     assert tuned.algorithm.bucket_bytes == tuning.bucket_bytes
 
 
@@ -100,7 +106,9 @@ def test_autotune_is_off_by_default_and_refused_for_compressed_algorithms(rng, m
 
 def test_every_rank_of_a_native_job_between_nodes_chooses_the_same_setting(tmp_path):
     """MPICH's MPIR_CVAR_NOLOCAL=1 makes each process its own node, so the ring threshold has an effect and is
-    searched; the winner is left set on the communicator, the same on every rank."""
+    searched; the winner is left set on the communicator, the same on every rank. Each setting's step costs a fixed
+    time on a fake clock (tuning_clock.py), the always-ring threshold's the least, so the search does not depend on
+    the machine's load."""
     run = subprocess.run(
         [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", "--mpi", "tests/autotune_workers_jax.py"],
         capture_output=True,
@@ -113,7 +121,10 @@ def test_every_rank_of_a_native_job_between_nodes_chooses_the_same_setting(tmp_p
     chosen = re.findall(r"\[rank (\d)\] chosen (\{.*\}) ring (\d+)", run.stdout)
     assert sorted(r for r, _, _ in chosen) == ["0", "1"] and chosen[0][1:] == chosen[1][1:], run.stdout
     setting = json.loads(chosen[0][1])
-    assert setting["mpi_ring_min_bytes"] == int(chosen[0][2])
+    assert setting["mpi_ring_min_bytes"] == int(chosen[0][2]) == 0  # the cheapest (autotune_workers_jax.py)
     searched = json.loads(re.search(r"\[rank 0\] searched (.*)", run.stdout).group(1))
     rings = {label.split("mpi_ring_min_bytes=")[1] for label in searched}
-    assert rings >= {str(2**20), "0"}, searched  # the default and the always-ring threshold were both timed
+    assert rings == {str(2**20), "0", str(2**62)}, searched  # as is, always the ring, never
+    # The tuning probe bypasses the same-batch guard (its batch is no user's data); the user's first step is checked.
+    assert re.findall(r"\[rank \d\] guarded in init (\d+)", run.stdout) == ["0", "0"], run.stdout
+    assert re.findall(r"\[rank \d\] guarded in the first step (\d+)", run.stdout) == ["1", "1"], run.stdout

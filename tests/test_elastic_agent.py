@@ -36,13 +36,13 @@ STEPS = 12
 
 
 @pytest.fixture
-def job_factory(tmp_path):
+def job_factory(tmp_path, seed):
     jobs = []
 
     def make(framework: str, name: str = "job", **settings: str) -> Job:
         folder = tmp_path / name
         folder.mkdir()
-        jobs.append(Job(folder, framework, STEPS, **settings))
+        jobs.append(Job(folder, framework, STEPS, seed, **settings))
         return jobs[-1]
 
     yield make
