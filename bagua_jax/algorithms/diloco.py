@@ -5,10 +5,11 @@ the pseudo-gradients is :mod:`bagua_common.algorithms.outer_exchange`'s, the sam
 optax terms :func:`diloco` goes *after* the user's (inner) optimizer and needs ``params``: it
 computes this rank's parameters after the inner step, ``x = params + updates``, and on the
 steps where a fragment is synchronized replaces that fragment by the outer step's result, so it
-returns ``x' - params``. Its state holds everything needed to resume mid-round: the step count,
-the round-start parameters (in host memory by default), each fragment's outer optimizer state,
-each fragment's pseudo-gradient waiting for its exchange to be applied (Streaming, tau > 0) and
-the error-feedback residuals.
+returns ``x' - params``; on the steps where no fragment is due it passes the inner updates through
+without that work (one predicate guards all fragments). Its state holds everything needed to resume
+mid-round: the step count, the round-start parameters (in host memory by default), each fragment's
+outer optimizer state, each fragment's pseudo-gradient waiting for its exchange to be applied
+(Streaming, tau > 0) and the error-feedback residuals.
 
 With ``fragment_sync_delay`` tau the step that starts a fragment's exchange keeps its
 pseudo-gradient in the state, and the step tau later applies the average of the ranks'. On a
@@ -29,7 +30,9 @@ the round-start copy, the outer state and the averages are bit-identical on ever
 
 from __future__ import annotations
 
+import functools
 import math
+import operator
 from typing import Any, NamedTuple
 
 import jax
@@ -173,15 +176,18 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
     def due(step: jax.Array, offset: int) -> jax.Array:
         return (step >= 1) & ((step - offset) % config.sync_every == 0)
 
-    def update_fn(updates: Any, state: DiLoCoState, params: Any = None, **extra_args: Any) -> tuple[Any, DiLoCoState]:
-        del extra_args
-        check_weights_given(params, config.name)
-        plan, sizes = layout(params)
-        treedef = jax.tree.structure(params)
+    def any_fragment_due(step: jax.Array) -> jax.Array:
+        """Whether step ``step`` starts or applies any fragment's synchronization."""
+        offsets = [config.fragment_offset(p) for p in range(config.fragments)]
+        return functools.reduce(operator.or_, [due(step, o) | due(step - delay, o) for o in offsets])
+
+    def synchronize(step: jax.Array, operands: tuple) -> tuple:
+        """The inner updates and state parts after step ``step``, with the fragments due synchronized."""
+        updates, params, anchors, outer_states, pending, residuals = operands
+        plan, _ = layout(params)
         local = jax.tree.leaves(optax.apply_updates(params, updates))
-        anchors = jax.tree.leaves(_to_memory(state.round_start, "device"))
-        step = state.step + 1
-        outer_states, pending, residuals = list(state.outer_states), list(state.pending), list(state.residuals)
+        anchors = jax.tree.leaves(anchors)
+        outer_states, pending, residuals = list(outer_states), list(pending), list(residuals)
         applied = [None] * len(local)
         for p, part in enumerate(plan):
             offset = config.fragment_offset(p)
@@ -223,14 +229,31 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
             for i, a, x in zip(part, anchor, mine):
                 anchors[i], local[i] = a, x
                 applied[i] = due(step - delay, offset)
-        # Off-sync steps return the inner updates untouched (params + ((params + u) - params) may differ from it).
+        # Fragments not applied return the inner updates as they are (params + ((params + u) - params) may differ).
         new_updates = [
             jnp.where(flag, (x - p).astype(u.dtype), u)
             for flag, x, p, u in zip(applied, local, jax.tree.leaves(params), jax.tree.leaves(updates))
         ]
         new_updates = jax.tree.unflatten(jax.tree.structure(updates), new_updates)
-        round_start = _to_memory(jax.tree.unflatten(treedef, anchors), round_start_memory)
-        return new_updates, DiLoCoState(step, round_start, tuple(outer_states), tuple(pending), tuple(residuals))
+        anchors = jax.tree.unflatten(jax.tree.structure(params), anchors)
+        return varying_like((new_updates, anchors, tuple(outer_states), tuple(pending), tuple(residuals)), operands)
+
+    def unchanged(operands: tuple) -> tuple:
+        updates, _, anchors, outer_states, pending, residuals = operands
+        return varying_like((updates, anchors, outer_states, pending, residuals), operands)
+
+    def update_fn(updates: Any, state: DiLoCoState, params: Any = None, **extra_args: Any) -> tuple[Any, DiLoCoState]:
+        del extra_args
+        check_weights_given(params, config.name)
+        step = state.step + 1
+        anchors = _to_memory(state.round_start, "device")
+        operands = (updates, params, anchors, state.outer_states, state.pending, state.residuals)
+        # Off-round steps (most of them) skip the per-fragment work: the inner updates pass through as they are.
+        new_updates, anchors, outer_states, pending, residuals = lax.cond(
+            any_fragment_due(step), functools.partial(synchronize, step), unchanged, operands
+        )
+        round_start = _to_memory(anchors, round_start_memory)
+        return new_updates, DiLoCoState(step, round_start, outer_states, pending, residuals)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
