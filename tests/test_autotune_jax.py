@@ -113,7 +113,7 @@ def test_every_rank_of_a_native_job_between_nodes_chooses_the_same_setting(tmp_p
         [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", "--mpi", "tests/autotune_workers_jax.py"],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
         cwd=ROOT,
         env={
             **os.environ,

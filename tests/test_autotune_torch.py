@@ -54,7 +54,7 @@ def test_hierarchical_and_ring_threshold_switch_on_every_rank_at_the_same_step(t
         str(tmp_path / "autotune.json"),
         steps,
         launcher="mpiexec",
-        timeout=240,
+        timeout=300,
         env={"LOCAL_WORLD_SIZE": "2", **({"MPIR_CVAR_NOLOCAL": "1"} if between_nodes else {})},
     )
     tuned = [r.value["once"] for r in ranks]
