@@ -13,7 +13,7 @@ def test_ranks_switch_together_and_tuning_leaves_gradient_allreduce_bit_identica
     from autotune_workers_torch import STEPS
     from multiprocess import run_ranks
 
-    ranks = run_ranks("autotune_workers_torch:tuned_against_plain", 2, str(tmp_path / "autotune.json"), timeout=180)
+    ranks = run_ranks("autotune_workers_torch:tuned_against_plain", 2, str(tmp_path / "autotune.json"), timeout=300)
     tuned = [r.value["once"] for r in ranks]
     np.testing.assert_array_equal(tuned[0]["sizes"], tuned[1]["sizes"])
     assert tuned[0]["finished"] and len(set(tuned[0]["sizes"].tolist())) == 2, tuned[0]["sizes"]

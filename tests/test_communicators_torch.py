@@ -46,7 +46,7 @@ def run(request):
         engine,
         seed,
         launcher=ENGINES[engine]["launcher"],
-        timeout=150,
+        timeout=300,
     )
     values = sorted((r.value for r in results), key=lambda v: v["rank"])
     return engine, size, seed, values
@@ -226,7 +226,7 @@ def test_a_dead_or_stalled_peer_raises_within_the_timeout(engine, mode):
         mode,
         timeout,
         launcher=ENGINES[engine]["launcher"],
-        timeout=90,
+        timeout=300,
         check=False,
     )
     survivor = results[0]

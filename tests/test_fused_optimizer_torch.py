@@ -272,7 +272,7 @@ def fused_runs():
     unfused and then fused on the model's buckets."""
     from multiprocess import run_ranks
 
-    return run_ranks("fused_optimizer_workers_torch:every_algorithm_fused_and_unfused", 2, ALGORITHMS, timeout=150)
+    return run_ranks("fused_optimizer_workers_torch:every_algorithm_fused_and_unfused", 2, ALGORITHMS, timeout=300)
 
 
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a not in REFUSED and a != "async"])
