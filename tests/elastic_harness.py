@@ -90,7 +90,7 @@ class Job:
             f"--- agent {i} ---\n{(self.folder / f'agent{i}.log').read_text()[-6000:]}" for i in range(len(self.agents))
         )
 
-    def wait_for(self, what: str, predicate, timeout: float = 120) -> None:
+    def wait_for(self, what: str, predicate, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while not predicate(self.events()):
             if time.monotonic() > deadline:
@@ -107,7 +107,7 @@ class Job:
             _kill(pid)
         agent.wait()
 
-    def finish(self, agents: list[subprocess.Popen], timeout: float = 150) -> list[int]:
+    def finish(self, agents: list[subprocess.Popen], timeout: float = 300) -> list[int]:
         deadline = time.monotonic() + timeout
         for agent in agents:
             try:

@@ -58,13 +58,13 @@ def replay(job_factory, framework: str, attempts: list[dict], **settings: str) -
         end = attempts[i + 1]["step"] if i + 1 < len(attempts) else STEPS
         if end == attempt["step"]:
             continue  # an attempt that reached no new checkpoint
-        command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(attempt["world"]), "--timeout", "120"]
+        command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(attempt["world"]), "--timeout", "300"]
         run = subprocess.run(
             [*command, reference.script],
             env={**reference.env, "BAGUA_TEST_STOP_AT": str(end)},
             capture_output=True,
             text=True,
-            timeout=150,
+            timeout=360,
             cwd=reference.folder,
         )
         assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -142,7 +142,7 @@ def test_a_dead_peer_raises_on_the_survivors_within_the_timeout(count, env):
         1,
         count,
         launcher="mpiexec",
-        timeout=60,
+        timeout=300,
         check=False,
         env=env,
     )
