@@ -98,7 +98,7 @@ class JobTable:
     """The jobs of one test module, run by ``worker`` (``"module:function"``, called on each rank
     with ``(seed, scenarios, local_world_size)``) once per session each."""
 
-    def __init__(self, worker: str, jobs: dict[str, Job], mpi: bool, timeout: float = 240.0) -> None:
+    def __init__(self, worker: str, jobs: dict[str, Job], mpi: bool, timeout: float = 300.0) -> None:
         self.worker, self.jobs, self.mpi, self.timeout = worker, jobs, mpi, timeout
         self._results: dict[str, tuple[int, list[dict[str, Any]]]] = {}
         self._failures: dict[str, str] = {}  # a failed job is not run again for each test that reads it

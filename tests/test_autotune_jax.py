@@ -104,7 +104,7 @@ def test_autotune_is_off_by_default_and_refused_for_compressed_algorithms(rng, m
         compressed.init(model(rng))
 
 
-def test_every_rank_of_a_native_job_between_nodes_chooses_the_same_setting(tmp_path):
+def test_every_rank_of_a_native_job_between_nodes_chooses_the_same_setting(tmp_path, seed):
     """MPICH's MPIR_CVAR_NOLOCAL=1 makes each process its own node, so the ring threshold has an effect and is
     searched; the winner is left set on the communicator, the same on every rank. Each setting's step costs a fixed
     time on a fake clock (tuning_clock.py), the always-ring threshold's the least, so the search does not depend on
@@ -113,9 +113,14 @@ def test_every_rank_of_a_native_job_between_nodes_chooses_the_same_setting(tmp_p
         [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", "--mpi", "tests/autotune_workers_jax.py"],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
         cwd=ROOT,
-        env={**os.environ, "BAGUA_AUTOTUNE_CACHE": str(tmp_path / "autotune.json"), "MPIR_CVAR_NOLOCAL": "1"},
+        env={
+            **os.environ,
+            "BAGUA_TEST_SEED": str(seed),
+            "BAGUA_AUTOTUNE_CACHE": str(tmp_path / "autotune.json"),
+            "MPIR_CVAR_NOLOCAL": "1",
+        },
     )
     assert run.returncode == 0, run.stdout + run.stderr
     chosen = re.findall(r"\[rank (\d)\] chosen (\{.*\}) ring (\d+)", run.stdout)

@@ -18,9 +18,9 @@ NPROCS = 2
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, seed):
     directory = str(tmp_path_factory.mktemp("bagua-checkpoints"))
-    results = run_ranks("bagua_compat_workers_torch:every_api_point", NPROCS, directory, timeout=300)
+    results = run_ranks("bagua_compat_workers_torch:every_api_point", NPROCS, seed, directory, timeout=300)
     return sorted((r.value for r in results), key=lambda v: v["rank"])
 
 

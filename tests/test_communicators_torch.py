@@ -35,11 +35,10 @@ def _skip(engine: str) -> None:
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{e}-{n}ranks" for e, n in CONFIGS])
-def run(request):
+def run(request, seed):
     """One job per (engine, size): each rank's results, with the seed its data came from."""
     engine, size = request.param
     _skip(engine)
-    seed = int(np.random.default_rng().integers(2**31))
     results = run_ranks(
         "communicators_workers_torch:every_primitive",
         size,

@@ -24,7 +24,7 @@ from multiprocess import run_ranks
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, seed):
     root = tmp_path_factory.mktemp("dcp")
-    return root, run_ranks("distributed_checkpoint_workers_torch:save_resume_damage", 2, seed, str(root), timeout=240)
+    return root, run_ranks("distributed_checkpoint_workers_torch:save_resume_damage", 2, seed, str(root), timeout=300)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)

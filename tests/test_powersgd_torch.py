@@ -22,10 +22,10 @@ CURVE_STEPS = 60
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict]:
+def ranks(seed) -> list[dict]:
     """Each rank's :func:`powersgd_workers_torch.every_run`."""
     job = run_ranks(
-        "powersgd_workers_torch:every_run", 2, CONFIG, list(BUCKET_SIZES.values()), CURVE_STEPS, timeout=300
+        "powersgd_workers_torch:every_run", 2, seed, CONFIG, list(BUCKET_SIZES.values()), CURVE_STEPS, timeout=300
     )
     return [r.value for r in job]
 
