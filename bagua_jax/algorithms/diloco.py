@@ -236,11 +236,8 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         ]
         new_updates = jax.tree.unflatten(jax.tree.structure(updates), new_updates)
         anchors = jax.tree.unflatten(jax.tree.structure(params), anchors)
-        return varying_like((new_updates, anchors, tuple(outer_states), tuple(pending), tuple(residuals)), operands)
-
-    def unchanged(operands: tuple) -> tuple:
-        updates, _, anchors, outer_states, pending, residuals = operands
-        return varying_like((updates, anchors, outer_states, pending, residuals), operands)
+        synchronized = (new_updates, params, anchors, tuple(outer_states), tuple(pending), tuple(residuals))
+        return varying_like(synchronized, operands)
 
     def update_fn(updates: Any, state: DiLoCoState, params: Any = None, **extra_args: Any) -> tuple[Any, DiLoCoState]:
         del extra_args
@@ -249,8 +246,11 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         anchors = _to_memory(state.round_start, "device")
         operands = (updates, params, anchors, state.outer_states, state.pending, state.residuals)
         # Off-round steps (most of them) skip the per-fragment work: the inner updates pass through as they are.
-        new_updates, anchors, outer_states, pending, residuals = lax.cond(
-            any_fragment_due(step), functools.partial(synchronize, step), unchanged, operands
+        # A loop run once or not at all: unlike a cond's, its carry needs no copy on the steps that skip it.
+        _, (new_updates, _, anchors, outer_states, pending, residuals) = lax.while_loop(
+            lambda carry: carry[0],
+            lambda carry: (jnp.zeros_like(carry[0]), synchronize(step, carry[1])),
+            (any_fragment_due(step), operands),
         )
         round_start = _to_memory(anchors, round_start_memory)
         return new_updates, DiLoCoState(step, round_start, outer_states, pending, residuals)
