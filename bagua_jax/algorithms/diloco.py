@@ -181,9 +181,9 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         offsets = [config.fragment_offset(p) for p in range(config.fragments)]
         return functools.reduce(operator.or_, [due(step, o) | due(step - delay, o) for o in offsets])
 
-    def synchronize(step: jax.Array, operands: tuple) -> tuple:
+    def synchronize(step: jax.Array, params: Any, operands: tuple) -> tuple:
         """The inner updates and state parts after step ``step``, with the fragments due synchronized."""
-        updates, params, anchors, outer_states, pending, residuals = operands
+        updates, anchors, outer_states, pending, residuals = operands
         plan, _ = layout(params)
         local = jax.tree.leaves(optax.apply_updates(params, updates))
         anchors = jax.tree.leaves(anchors)
@@ -236,7 +236,7 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         ]
         new_updates = jax.tree.unflatten(jax.tree.structure(updates), new_updates)
         anchors = jax.tree.unflatten(jax.tree.structure(params), anchors)
-        synchronized = (new_updates, params, anchors, tuple(outer_states), tuple(pending), tuple(residuals))
+        synchronized = (new_updates, anchors, tuple(outer_states), tuple(pending), tuple(residuals))
         return varying_like(synchronized, operands)
 
     def update_fn(updates: Any, state: DiLoCoState, params: Any = None, **extra_args: Any) -> tuple[Any, DiLoCoState]:
@@ -244,12 +244,12 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         check_weights_given(params, config.name)
         step = state.step + 1
         anchors = _to_memory(state.round_start, "device")
-        operands = (updates, params, anchors, state.outer_states, state.pending, state.residuals)
+        operands = (updates, anchors, state.outer_states, state.pending, state.residuals)
         # Off-round steps (most of them) skip the per-fragment work: the inner updates pass through as they are.
         # A loop run once or not at all: unlike a cond's, its carry needs no copy on the steps that skip it.
-        _, (new_updates, _, anchors, outer_states, pending, residuals) = lax.while_loop(
+        _, (new_updates, anchors, outer_states, pending, residuals) = lax.while_loop(
             lambda carry: carry[0],
-            lambda carry: (jnp.zeros_like(carry[0]), synchronize(step, carry[1])),
+            lambda carry: (jnp.zeros_like(carry[0]), synchronize(step, params, carry[1])),
             (any_fragment_due(step), operands),
         )
         round_start = _to_memory(anchors, round_start_memory)
