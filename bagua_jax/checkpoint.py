@@ -139,7 +139,7 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
 
 
 def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, model_state: Any = None) -> Any:
-    """The state of the newest committed checkpoint under ``root`` (or of the checkpoint folder ``root``) for ``trainer``.
+    """The state for ``trainer`` of the newest committed checkpoint under ``root`` (or of the folder ``root``).
 
     ``params`` (and ``model_state``) are what ``trainer.init`` would take: they give the tree
     and its shapes; their values are replaced by the checkpoint's. Raises FileNotFoundError when

@@ -14,16 +14,14 @@ rank receives the same value.
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-from jax.flatten_util import ravel_pytree
 
 from bagua_common.comm.collectives import REDUCE_OPS, Collectives, ReduceOp
 
-__all__ = ["REDUCE_OPS", "Communicator", "ReduceOp", "check_schedule", "tree_mean"]
+__all__ = ["REDUCE_OPS", "Communicator", "ReduceOp", "check_schedule"]
 
 
 @runtime_checkable
@@ -75,14 +73,3 @@ def check_schedule(schedule: np.ndarray, size: int) -> np.ndarray:
         if not np.array_equal(links, links.T):
             raise ValueError(f"schedule round {t} is not symmetric: a rank lists a peer that does not list it back")
     return table.astype(np.int32)
-
-
-def tree_mean(tree: Any, communicator: Communicator) -> Any:
-    """``tree`` with each floating leaf replaced by its mean over ``communicator``'s ranks (one allreduce, in float32);
-    other leaves (counts, keys) as they are."""
-    floats = [leaf for leaf in jax.tree.leaves(tree) if jnp.issubdtype(leaf.dtype, jnp.floating)]
-    if not floats:
-        return tree
-    flat, unravel = ravel_pytree(floats)
-    averaged = iter(unravel(communicator.allreduce(flat.astype(jnp.float32), "avg").astype(flat.dtype)))
-    return jax.tree.map(lambda leaf: next(averaged) if jnp.issubdtype(leaf.dtype, jnp.floating) else leaf, tree)

@@ -105,7 +105,7 @@ class CountingCommunicator:
         return self._inner.reduce_scatter(x, op)
 
     def allgather(self, x: jax.Array) -> jax.Array:
-        """Ring allgather: records ``(n-1)`` times ``x``'s bytes (forwarding every other rank's block), then delegates."""
+        """Ring allgather: records ``(n-1)`` times ``x``'s bytes (forwarding each other rank's block); delegates."""
         self._record("allgather", (self.size - 1) * _nbytes(x))
         return self._inner.allgather(x)
 

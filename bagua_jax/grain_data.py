@@ -45,8 +45,9 @@ class BalancedSampler:
     ``DataLoader``'s ``worker_count``. The plan must have a ``batch_size`` and whole steps
     (``drop_last=True``, or samples per rank a multiple of the batch size), since grain's batches
     are of one size and run on across epochs; and with ``num_epochs``, the steps of all epochs
-    must share out evenly over the workers, so that no worker ends on part of a batch. Each record's ``rng`` is seeded from the plan's
-    seed and the record's global index, as grain's own samplers do, for random transforms.
+    must share out evenly over the workers, so that no worker ends on part of a batch. Each record's
+    ``rng`` is seeded from the plan's seed and the record's global index, as grain's own samplers
+    do, for random transforms.
     """
 
     def __init__(self, plan: BalancedPlan, num_epochs: int | None = None, *, worker_count: int = 0) -> None:

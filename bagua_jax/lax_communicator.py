@@ -20,7 +20,8 @@ Costs (per rank, ``n = size``, ``B`` = bytes of ``x``): ``allreduce``/``reduce``
 all-gather producing ``n * B``; ``scatter`` and ``alltoall`` one all-to-all of
 ``B``; ``alltoall_v`` an all-to-all of ``n * B`` (every block padded to the whole
 input, since XLA needs static shapes); ``send_recv`` an all-gather producing
-``n * B``; ``send_recv_scheduled`` one ``ppermute`` of ``B`` per peer; ``barrier`` an all-reduce of two float32 plus one elementwise select per leaf.
+``n * B``; ``send_recv_scheduled`` one ``ppermute`` of ``B`` per peer; ``barrier`` an all-reduce
+of two float32 plus one elementwise select per leaf.
 
 Reductions run in the input dtype, as XLA's collectives do (no float32 accumulation for
 bfloat16/float16; the native MPI engine likewise rounds after every pairwise step). ``"avg"`` is
@@ -64,7 +65,8 @@ class LaxCommunicator:
         elif isinstance(axis_name, tuple):
             if not axis_name or not all(isinstance(a, str) and a for a in axis_name):
                 raise ValueError(
-                    f"LaxCommunicator: axis_name must be a mesh axis name or a non-empty tuple of them, got {axis_name!r}"
+                    "LaxCommunicator: axis_name must be a mesh axis name or a non-empty tuple of them, "
+                    f"got {axis_name!r}"
                 )
             if len(set(axis_name)) != len(axis_name):
                 raise ValueError(f"LaxCommunicator: axis_name {axis_name!r} repeats an axis")

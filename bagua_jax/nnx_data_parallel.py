@@ -1,7 +1,7 @@
 """Data parallelism for flax NNX: an ``nnx.Optimizer`` that trains data-parallel, and per-rank dropout keys.
 
 :class:`DataParallelOptimizer` is an ``nnx.Optimizer`` whose transformation is the algorithm's
-(:func:`~bagua_jax.data_parallel_optimizer`) and whose ``update(model, grads)`` first averages the
+(:func:`~bagua_jax.data_parallel_optimizer`) and whose ``update(model, grads)`` also averages the
 model's ``nnx.BatchStat`` variables (BatchNorm's running statistics) over the ranks, so a script
 that owns its train step (flax's NNX example) swaps its optimizer and keeps the step.
 :func:`rank_rngs` gives each rank its own ``nnx.Rngs``. :class:`~bagua_jax.DataParallel` trains
@@ -19,16 +19,18 @@ import optax
 from flax import nnx
 
 from bagua_jax.algorithms.base import Algorithm
-from bagua_jax.communicator import Communicator, tree_mean
+from bagua_jax.communicator import Communicator
 from bagua_jax.native_data_parallel import data_parallel_optimizer, world
+from bagua_jax.step_means import StepMeans
 
 
 class DataParallelOptimizer(nnx.Optimizer):
     """``nnx.Optimizer(model, tx, wrt=wrt)`` made data-parallel with ``algorithm`` (an algorithm or a registry name).
 
-    ``update(model, grads)`` averages ``model``'s ``nnx.BatchStat`` variables over the ranks, then
-    applies the algorithm's update (which communicates the gradients or weights) as
-    ``nnx.Optimizer`` does. ``communicator`` defaults to :func:`bagua_jax.native_data_parallel.world`.
+    ``update(model, grads)`` applies the algorithm's update (which communicates the gradients or
+    weights) as ``nnx.Optimizer`` does and averages ``model``'s ``nnx.BatchStat`` variables over the
+    ranks, in the same message as the gradients where the algorithm can. ``communicator`` defaults
+    to :func:`bagua_jax.native_data_parallel.world`.
     QAdam and OneBitAdam take ``tx=None`` (see :func:`~bagua_jax.data_parallel_optimizer`).
     """
 
@@ -46,9 +48,21 @@ class DataParallelOptimizer(nnx.Optimizer):
         self.communicator = communicator
 
     def update(self, model: nnx.Module, grads: Any, /, **kwargs) -> optax.Updates:
-        """Average ``model``'s BatchNorm statistics over the ranks, then update it with ``grads`` (this rank's)."""
-        nnx.update(model, tree_mean(nnx.state(model, nnx.BatchStat), self.communicator))
-        return super().update(model, grads, **kwargs)
+        """Update ``model`` with ``grads`` (this rank's) and average its BatchNorm statistics over the ranks."""
+        return self.update_averaging(model, grads, None, **kwargs)[0]
+
+    def update_averaging(self, model: nnx.Module, grads: Any, values: Any, /, **kwargs) -> tuple[optax.Updates, Any]:
+        """:meth:`update`, also averaging the floating leaves of ``values`` (a loss, metrics) over the ranks; returns
+        the updates and the averaged ``values``.
+
+        The statistics and ``values`` go in one message, carried with the gradients where the algorithm can
+        (:class:`~bagua_jax.step_means.StepMeans`).
+        """
+        step_means = StepMeans((nnx.state(model, nnx.BatchStat), values))
+        updates = super().update(model, grads, step_means=step_means, **kwargs)
+        statistics, values = step_means.result(self.communicator)
+        nnx.update(model, statistics)
+        return updates, values
 
 
 def rank_rngs(rngs: nnx.Rngs | jax.Array, communicator: Communicator | None = None) -> nnx.Rngs:
@@ -76,7 +90,6 @@ def nnx_rank_step(loss_fn: Callable, has_aux: bool, communicator: Communicator) 
     def step(model: nnx.Module, optimizer: DataParallelOptimizer, batch: Any, rngs: Any):
         extra = () if rngs is None else (rank_rngs(rngs, communicator),)
         value, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, batch, *extra)
-        optimizer.update(model, grads)
-        return tree_mean(value, communicator)
+        return optimizer.update_averaging(model, grads, value)[1]
 
     return step

@@ -36,7 +36,7 @@ STATE = "state"
 
 
 class OrbaxCheckpoints:
-    """The checkpoints of ``trainer``'s state under ``directory``, saved asynchronously by an orbax ``CheckpointManager``.
+    """``trainer``'s state checkpointed under ``directory``, asynchronously by an orbax ``CheckpointManager``.
 
     ``max_to_keep`` older steps are deleted by orbax once newer ones are committed (None keeps all).
     """

@@ -4,9 +4,9 @@
 and an algorithm into a jitted train step. It runs either
 
 * over a device mesh (one process with several devices, or several processes
-  under ``jax.distributed``, joined with :func:`bagua_jax.distributed.initialize`): the step is a ``jax.shard_map`` over every mesh
-  axis, each device is one rank, and the algorithms communicate with JAX's own
-  collectives (:class:`~bagua_jax.LaxCommunicator`). A 1-D mesh is a flat
+  under ``jax.distributed``, joined with :func:`bagua_jax.distributed.initialize`): the step is a
+  ``jax.shard_map`` over every mesh axis, each device is one rank, and the algorithms communicate
+  with JAX's own collectives (:class:`~bagua_jax.LaxCommunicator`). A 1-D mesh is a flat
   topology; a 2-D mesh ``("inter", "intra")`` is nodes by devices per node, and
   hierarchical algorithms reduce over the fast ``intra`` axis first; or
 * over a :class:`~bagua_jax.NativeCommunicator` (one device per process, MPI or
@@ -34,10 +34,10 @@ from bagua_common.tuning.autotune import autotune_mode
 from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.base import Algorithm, check_float_params
 from bagua_jax.autotune import BucketTuning, algorithm_setting, tune_bucket_bytes
-from bagua_jax.communicator import tree_mean
 from bagua_jax.lax_communicator import LaxCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import check_batches_differ, check_ranks_agree
+from bagua_jax.step_means import StepMeans
 from bagua_jax.train_state import (
     NnxTrainState,
     TrainState,
@@ -170,11 +170,17 @@ class DataParallel:
         loss, aux = value if returns_aux else (value, None)
         if model_state is not None:
             model_state, aux = aux if self._has_aux else (aux, None)
-            if self._average_model_state:
-                model_state = tree_mean(model_state, self._world)
-        updates, opt_state = self._tx.update(grads, opt_state, params)
-        if self._mesh is None:  # the mesh's mean over ranks is taken in step()
-            loss, aux = tree_mean((loss, aux), self._world)
+        # One message for the model state and (native mode; the mesh's is taken in step()) the loss and aux,
+        # carried with the gradients where the algorithm can.
+        shared_state = model_state if self._average_model_state else None
+        native = self._mesh is None
+        step_means = StepMeans((shared_state, (loss, aux) if native else None))
+        updates, opt_state = self._tx.update(grads, opt_state, params, step_means=step_means)
+        shared_state, mean_loss = step_means.result(self._world)
+        if self._average_model_state:
+            model_state = shared_state
+        if native:
+            loss, aux = mean_loss
         return optax.apply_updates(params, updates), opt_state, step + 1, model_state, loss, aux
 
     def _sharded(self, fn: Callable, per_rank_args: tuple[bool, ...], per_rank_out: Any = None) -> Callable:
@@ -346,9 +352,10 @@ class DataParallel:
                 autotune="off",
             )
             state = trainer.init(params)
-            # A row per rank in native mode, each its own (step() refuses the same batch on every process).
-            rank = 0.0 if self._mesh is not None else float(self._communicator.rank())
-            batch = np.full((trainer.size if self._mesh is not None else 1,), rank, np.float32)
+            # The tuning loss ignores its batch, so every rank passes the same zeros: no user data for
+            # step()'s same-batch guard to check (nor its allgather to time).
+            trainer._batches_checked = True
+            batch = np.zeros((trainer.size if self._mesh is not None else 1,), np.float32)
             return lambda: trainer.step(state, batch)
 
         return step_for

@@ -1,17 +1,9 @@
 """The supervisor of one job's ranks on this node: start them, relay their output and signals, stop them.
 
-:class:`Launcher` starts each rank with the variables ``torchrun`` and Bagua's launcher set::
-
-    RANK              node_rank * nproc_per_node + local_rank
-    LOCAL_RANK        0 .. nproc_per_node - 1
-    WORLD_SIZE        nnodes * nproc_per_node
-    LOCAL_WORLD_SIZE  nproc_per_node
-    NODE_RANK         --node-rank
-    MASTER_ADDR       --master-addr
-    MASTER_PORT       --master-port
-
-so JAX and PyTorch scripts both find their peers. With ``--mpi`` one ``mpiexec -n
-nnodes*nproc_per_node`` job is started instead, each rank under :mod:`bagua_launch.rank_env`.
+:class:`Launcher` starts each rank with the variables ``torchrun`` and Bagua's launcher set
+(:mod:`bagua_launch.rank_variables`), so JAX and PyTorch scripts both find their peers. With
+``--mpi`` one ``mpiexec -n nnodes*nproc_per_node`` job is started instead, each rank under
+:mod:`bagua_launch.rank_env`.
 
 What the launcher does while the job runs:
 
@@ -30,7 +22,8 @@ What the launcher does while the job runs:
 * When a rank exits non-zero (or is killed by a signal), the launcher sends SIGTERM to
   the others, SIGKILL after ``--grace`` seconds, and exits with that rank's exit code
   (128 + N for signal N) after a summary on stderr naming the rank, its exit code and
-  its last lines of output.
+  its last lines of output. Of several ranks failing within 0.1 s, it names the first
+  killed from outside, the likely cause of the others' errors (:mod:`bagua_launch.root_cause`).
 * ``--timeout`` stops the job the same way after that many seconds; exit code 124.
 
 A job where every rank exits 0 exits 0 and prints nothing of the launcher's own.
@@ -56,11 +49,11 @@ from bagua_common.job.child_process import die_with_parent
 from bagua_common.job.local_launch import is_hydra
 from bagua_common.job.rank_environment import NPROC_VARIABLE
 from bagua_launch.output import NAME, RankOutput, describe_exit, exit_status, rank_ranges, signal_name, summary
+from bagua_launch.rank_variables import RANK_VARIABLES, rank_environment
+from bagua_launch.root_cause import SETTLE_S, root_cause
 from bagua_launch.wrapper_reports import WrapperReports
 
 __all__ = ["RANK_VARIABLES", "Config", "Launcher", "rank_environment"]
-
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 _STOP_SIGNALS = tuple(
     getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT") if hasattr(signal, name)
@@ -68,21 +61,6 @@ _STOP_SIGNALS = tuple(
 _PASS_SIGNALS = tuple(getattr(signal, name) for name in ("SIGUSR1", "SIGUSR2") if hasattr(signal, name))
 _TIMEOUT_EXIT = 124
 _POLL = 0.05
-
-
-def rank_environment(
-    *, local_rank: int, nproc_per_node: int, nnodes: int, node_rank: int, master_addr: str, master_port: int
-) -> dict[str, str]:
-    """The variables one rank is started with (``torchrun``'s names and arithmetic)."""
-    return {
-        "RANK": str(node_rank * nproc_per_node + local_rank),
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(nnodes * nproc_per_node),
-        "LOCAL_WORLD_SIZE": str(nproc_per_node),
-        "NODE_RANK": str(node_rank),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-    }
 
 
 @dataclass
@@ -316,10 +294,29 @@ class Launcher:
 
     # ------------------------------------------------------------------ watch
 
+    def _ended_unnoticed(self) -> bool:
+        """Whether a rank has ended that the watch has not noticed yet (its waiter thread has not run)."""
+        for child in self.children:
+            if child.rank is None or child.returncode is not None:
+                continue
+            try:
+                if os.waitid(os.P_PID, child.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True  # a zombie: its waiter is about to reap it
+            except ChildProcessError:
+                return True  # reaped: its waiter is about to report it
+        return False
+
+    def _stop_for_failure(self, failures: list[tuple[int, int]]) -> None:
+        """Name the rank whose failure ends the job (:mod:`bagua_launch.root_cause`) and stop the others."""
+        self.failure = root_cause(failures) if self.reports is None else self.reports.failure(None)
+        self._begin_stop("failure" if self.failure is not None else "lost")
+
     def _watch(self) -> None:
         start = time.monotonic()
         running = len(self.children)
-        while running:
+        failures: list[tuple[int, int]] = []  # (rank, return code) in the order noticed
+        settle_until = None  # SETTLE_S after the first failure noticed: the failing rank is named then
+        while running or (settle_until is not None and self.stop_reason is None):
             try:
                 child = self.events.get(timeout=_POLL)
             except queue.Empty:
@@ -328,18 +325,19 @@ class Launcher:
                 running -= 1
                 child.returncode = child.proc.returncode
                 child.exited_at = time.time()
-                if child.returncode != 0 and self.stop_reason is None and child.rank is not None:
-                    self.failure = (child.rank, child.returncode)
-                    self._begin_stop("failure")
+                if child.returncode != 0 and child.rank is not None:
+                    failures.append((child.rank, child.returncode))
+                    settle_until = settle_until or time.monotonic() + SETTLE_S
             if self.reports is not None:
                 self.reports.poll_statuses()
                 self.reports.check_gone()
-                if self.stop_reason is None and (failed := self.reports.failure(self.stopped_at)) is not None:
-                    self.failure = failed
-                    self._begin_stop("failure")
-                elif self.stop_reason is None and self.reports.lost:
-                    self._begin_stop("lost")
+                failing = self.stop_reason is None and (self.reports.failure(None) is not None or self.reports.lost)
+                if settle_until is None and failing:
+                    settle_until = time.monotonic() + SETTLE_S
             now = time.monotonic()
+            settled = settle_until is not None and (now >= settle_until or not running)
+            if settled and self.stop_reason is None and not self._ended_unnoticed():
+                self._stop_for_failure(failures)
             if self.config.timeout is not None and self.stop_reason is None and now - start > self.config.timeout:
                 self._begin_stop("timeout")
             if self.kill_at is not None and now > self.kill_at:

@@ -16,6 +16,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bagua_launch.root_cause import SETTLE_S, root_cause
+
 
 class WrapperReports:
     """The reports of the ``world`` ranks of one MPI job, read from a folder of its own."""
@@ -84,16 +86,21 @@ class WrapperReports:
             self.statuses.setdefault(rank, {"code": None, "time": now})
 
     def failure(self, stopped_at: float | None) -> tuple[int, int | None] | None:
-        """The first rank that failed before ``stopped_at`` and its return code; None if none (or unknown)."""
-        bad = [
+        """The rank whose failure before ``stopped_at`` ended the job and its return code; None if none (or unknown).
+
+        Of the ranks that failed within :data:`~bagua_launch.root_cause.SETTLE_S` of the first, as
+        :func:`~bagua_launch.root_cause.root_cause` chooses.
+        """
+        bad = sorted(
             (s["time"], r, s.get("code"))
             for r, s in self.statuses.items()
             if s.get("code") != 0 and (stopped_at is None or s["time"] <= stopped_at)
-        ]
+        )
         if not bad:
             return None
-        first, rank, code = min(bad, key=lambda b: (b[0], b[1]))
-        if code is None and sum(1 for b in bad if b[0] == first) > 1:
-            self.lost = sorted(b[1] for b in bad if b[0] == first)
+        rank, code = root_cause([(r, c) for t, r, c in bad if t <= bad[0][0] + SETTLE_S])
+        together = [r for t, r, c in bad if c is None and t == self.statuses[rank]["time"]]
+        if code is None and len(together) > 1:
+            self.lost = sorted(together)
             return None
         return rank, code

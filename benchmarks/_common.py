@@ -105,16 +105,25 @@ def load_average() -> list[float]:
         return [0.0]
 
 
-def bytes_sent() -> int:
-    """Bytes this network namespace sent so far on its interfaces other than loopback (from ``/proc/net/dev``): under
-    ``network_harness`` each rank has its own namespace, so this is the rank's traffic."""
+def _sent(column: int) -> int:
     total = 0
     with open("/proc/net/dev") as f:
         for line in f.readlines()[2:]:
             interface, counters = line.split(":", 1)
             if interface.strip() != "lo":
-                total += int(counters.split()[8])
+                total += int(counters.split()[column])
     return total
+
+
+def bytes_sent() -> int:
+    """Bytes this network namespace sent so far on its interfaces other than loopback (from ``/proc/net/dev``): under
+    ``network_harness`` each rank has its own namespace, so this is the rank's traffic."""
+    return _sent(8)
+
+
+def packets_sent() -> int:
+    """Packets this network namespace sent so far on its interfaces other than loopback, as :func:`bytes_sent`."""
+    return _sent(9)
 
 
 def run_meta(argv: Sequence[str], device: dict[str, Any], packages: Sequence[str], **fields: Any) -> dict[str, Any]:

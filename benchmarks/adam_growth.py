@@ -4,10 +4,10 @@ with the per-coordinate step bound (``step_bound``, :mod:`bagua_common.algorithm
 Models: the workload's ``small`` GPT in both front ends (bagua_jax on a 2-device mesh, bagua_torch on 2 gloo
 ranks), and Hugging Face ``transformers`` BERT (masked LM, 15% of the tokens masked) and GPT-2 (causal LM)
 built from a configuration (nothing is downloaded; ``--hf-shape mini`` is 2 layers of width 64 with 2 heads and
-an MLP of 256, windows of 64 tokens, ``base`` the published bert-base / GPT-2 small shapes; both with a vocabulary of the corpus's 256
-bytes, BERT's plus a [MASK] token; dropout off, so that the optimizers alone differ). Every
-model trains on the corpus of :mod:`bagua_common.workload.corpus` (byte tokens, each rank's from ``(seed, step,
-rank)``), 2 ranks, the same tokens for every optimizer.
+an MLP of 256, windows of 64 tokens, ``base`` the published bert-base / GPT-2 small shapes; both
+with a vocabulary of the corpus's 256 bytes, BERT's plus a [MASK] token; dropout off, so that
+the optimizers alone differ). Every model trains on the corpus of :mod:`bagua_common.workload.corpus`
+(byte tokens, each rank's from ``(seed, step, rank)``), 2 ranks, the same tokens for every optimizer.
 
 Settings: ``short`` (lr 1e-3, a 10-step warm-up, the issue's case) and ``defaults`` (lr 1e-3, the default
 100-step warm-up); each runs ``--after-warmup`` steps after its warm-up. Optimizers: AdamW (torch's and optax's

@@ -229,7 +229,8 @@ def report(args: argparse.Namespace, front_end: str, meta: dict[str, Any], resul
     cost_head = " tuning steps | compile s | init s tuned / default |" if jax_cost else " tuning steps |"
     lines += [
         "",
-        f"| link | default bucket | tuned bucket |{cost_head} default ms/step | tuned ms/step | default/tuned (95% CI) |",
+        f"| link | default bucket | tuned bucket |{cost_head} default ms/step | tuned ms/step "
+        "| default/tuned (95% CI) |",
         "|---|---:|---:|" + "---:|" * (3 if jax_cost else 1) + "---:|---:|---|",
     ]
     for r in results:
@@ -240,7 +241,8 @@ def report(args: argparse.Namespace, front_end: str, meta: dict[str, Any], resul
             cost += f" {r['tuning_compile_s']:.1f} | {r['init_s']['tuned']:.1f} / {r['init_s']['default']:.1f} |"
         lines.append(
             f"| {r['rate']} | {r['default_bucket_bytes'] >> 20} MiB | {r['tuned_bucket_bytes'] >> 20} MiB |{cost} "
-            f"{default:.1f} | {tuned:.1f} | {r['ratio_mean']:.3f} [{r['ratio_ci95'][0]:.3f}, {r['ratio_ci95'][1]:.3f}] |"
+            f"{default:.1f} | {tuned:.1f} | {r['ratio_mean']:.3f} "
+            f"[{r['ratio_ci95'][0]:.3f}, {r['ratio_ci95'][1]:.3f}] |"
         )
     lines += [
         "",

@@ -227,8 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     progress = _common.Progress(len(args.scenarios) * len(configs) * args.repeats)
     with tempfile.TemporaryDirectory() as folder, Network(2, rate=None, verbose=False) as net:
         harness = build_harness(Path(folder))
-        subprocess.run(["ip", "netns", "exec", net.ns(0), "sysctl", "-qw",
-                        f"net.ipv4.ip_local_port_range={PORT_BASE} {PORT_BASE + PORT_COUNT - 1}"], check=True)  # fmt: skip
+        port_range = f"net.ipv4.ip_local_port_range={PORT_BASE} {PORT_BASE + PORT_COUNT - 1}"
+        subprocess.run(["ip", "netns", "exec", net.ns(0), "sysctl", "-qw", port_range], check=True)
         for scenario in args.scenarios:
             bulk = bulk_flows(net) if scenario == "competing" else []
             for repeat in range(args.repeats):

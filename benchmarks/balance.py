@@ -6,9 +6,10 @@ samplers interleaved, ratios reported (balanced / DistributedSampler, lower is b
 1. model: the epoch's sum over steps of the largest per-rank cost, cost = length or length^2
    summed over a rank's samples, or (padded) the batch size times the longest sample's cost;
 2. replay: each virtual rank's batch really runs forward+backward in this process (one thread,
-   the fastest of three timings; the two samplers' steps interleaved), the step time is the largest of the ranks' measured times (only
-   the synchrony is modelled), for a token-wise feed-forward layer on the rank's packed tokens
-   (cost linear in length), per-sequence attention (quadratic) and a transformer encoder layer;
+   the fastest of three timings; the two samplers' steps interleaved), the step time is the
+   largest of the ranks' measured times (only the synchrony is modelled), for a token-wise
+   feed-forward layer on the rank's packed tokens (cost linear in length), per-sequence
+   attention (quadratic) and a transformer encoder layer;
 3. real: 2 and 4 processes (gloo, one thread each), a transformer encoder layer, each step
    ends with an all-reduce. Each rank runs its batch either sample by sample or as one batch
    padded to its longest sample (masked), as transformers are trained. The two samplers' steps

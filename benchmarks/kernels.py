@@ -53,8 +53,8 @@ How to run
     python3 benchmarks/kernels.py --device cpu --sizes 64 --against edd8caa   # vs a release
 
 ``--against REF`` builds the git ref REF's CPU kernels (once per machine: the build is kept under
-``~/.cache/bagua/releases/``) and times them side by side with this tree's, interleaved call by call, printing the ratio per kernel (see ``kernels_release.py``;
-it writes ``kernels-cpu-vs-REF.*``).
+``~/.cache/bagua/releases/``) and times them side by side with this tree's, interleaved call by
+call, printing the ratio per kernel (see ``kernels_release.py``; it writes ``kernels-cpu-vs-REF.*``).
 
 It prints a table of ratios per size and writes ``kernels-<device>.md`` and
 ``kernels-<device>.json`` to ``--out`` (default ``benchmarks/results/``; a ``--quick``

@@ -3,7 +3,8 @@
 Started once per rank inside the rank's network namespace (``network_harness``), with the path of a job file
 (JSON, written by the study) as its only argument. The job runs in *phases*; before phase ``k`` the rank writes
 ``ready-<k>-<rank>`` into the job's folder and waits for ``go-<k>``, which the study writes once every rank is
-ready and it has set the link of that phase. Phase 0 trains ``steps`` steps (rank 0 evaluates its own model on
+ready and it has set the link of that phase (waiting, asynchronous averaging is paused: with ``--pairs`` the twin
+job runs its phases meanwhile). Phase 0 trains ``steps`` steps (rank 0 evaluates its own model on
 the held-out windows every ``eval_every`` steps); every later phase times steps at its link: one untimed round,
 then ``timed_rounds`` timed rounds, each step blocked on and timed alone. A round is one step for the algorithms
 that communicate every step; for DiLoCo it is ``timing_sync_every`` steps of a fresh copy of the variant with that
@@ -39,11 +40,14 @@ COMM_TIMEOUT_S = 300
 @dataclass
 class RankJob:
     """One variant on this rank: ``step(tokens)`` trains one step and returns once it is done; ``heldout_loss(tokens)``
-    is this rank's model's loss; ``finish()`` releases what the job holds."""
+    is this rank's model's loss; ``finish()`` releases what the job holds; ``pause()`` and ``resume()`` stop and
+    restart work done between steps (asynchronous averaging's rounds) while the job waits for a phase."""
 
     step: Callable[[np.ndarray], None]
     heldout_loss: Callable[[np.ndarray], float]
     finish: Callable[[], None]
+    pause: Callable[[], None] = lambda: None
+    resume: Callable[[], None] = lambda: None
 
 
 def _torch_world(job: dict[str, Any]) -> None:
@@ -100,7 +104,10 @@ def _torch_job(job: dict[str, Any], options: dict[str, Any]) -> RankJob:
         with torch.no_grad():
             return next_token_loss(model(batch[:, :-1]), batch).item()
 
-    return RankJob(step, heldout_loss, getattr(wrapped, "close", lambda: None))
+    finish = getattr(wrapped, "close", lambda: None)
+    if name == "async":
+        return RankJob(step, heldout_loss, finish, wrapped.algorithm_impl.abort, wrapped.algorithm_impl.resume)
+    return RankJob(step, heldout_loss, finish)
 
 
 def _register_ddp_hook(model: Any, name: str) -> None:
@@ -212,7 +219,12 @@ def _jax_bagua_job(job: dict[str, Any], options: dict[str, Any]) -> RankJob:
             averager.abort()
         comm.barrier(jnp.zeros((), jnp.float32))
 
-    return RankJob(step, lambda tokens: evaluate(state[0].params, tokens), finish)
+    def heldout_loss(tokens: np.ndarray) -> float:
+        return evaluate(state[0].params, tokens)
+
+    if averager is not None:
+        return RankJob(step, heldout_loss, finish, averager.abort, averager.resume)
+    return RankJob(step, heldout_loss, finish)
 
 
 def build_job(job: dict[str, Any], options: dict[str, Any]) -> RankJob:
@@ -242,7 +254,7 @@ def main(job_path: str) -> None:
         return corpus.batch(job["seed"], step, rank, job["batch"], length)
 
     trained = build_job(job, job["options"])
-    _enter_phase(folder, 0, rank, COMM_TIMEOUT_S)
+    _enter_phase(folder, 0, rank, job["phase_wait_s"])
     curve = [[0, trained.heldout_loss(heldout)]] if rank == 0 else []
     sent, start = _common.bytes_sent(), time.perf_counter()
     for t in range(job["steps"]):
@@ -262,7 +274,9 @@ def main(job_path: str) -> None:
         timed = build_job(job, {**job["options"], "sync_every": job["timing_sync_every"]})
     round_steps, t = job["timing_sync_every"] or 1, job["steps"]
     for phase in range(1, len(job["links"])):
-        _enter_phase(folder, phase, rank, COMM_TIMEOUT_S)
+        timed.pause()
+        _enter_phase(folder, phase, rank, job["phase_wait_s"])
+        timed.resume()
         for _ in range(round_steps):
             timed.step(tokens(t))
             t += 1

@@ -167,7 +167,7 @@ def _kill_namespace_processes(ns: str) -> None:
 
 
 def probe() -> dict[str, Any]:
-    """What this machine supports: root, iproute2, namespaces, veth, bridge, tbf, netem (tried in a scratch namespace)."""
+    """What this machine supports: root, iproute2, namespaces, veth, bridge, tbf, netem (tried in a scratch netns)."""
     info: dict[str, Any] = {
         "root": os.geteuid() == 0,
         "ip": shutil.which("ip") is not None,

@@ -25,8 +25,8 @@ steps during the warm-up, like DDP's hook). ``--models``: ``mlp`` (the original 
 model) and ``matrices`` (16x16x3 input, four hidden layers of 1024: mostly 1024x1024 matrices).
 Each rank's bytes sent per timed step are read from its namespace's ``/proc/net/dev``.
 ``--repeats`` runs the whole grid again, interleaved (``--repeat-only`` limits the later rounds
-to some variants); ``--convergence-rate`` trains the digits MLP once per variant. No latency is added when the kernel lacks ``sch_netem`` (the
-harness says so); bandwidth only.
+to some variants); ``--convergence-rate`` trains the digits MLP once per variant. No latency is
+added when the kernel lacks ``sch_netem`` (the harness says so); bandwidth only.
 
 Each job: ``--warmup-iters`` untimed iterations, then ``--iters`` timed ones of
 ``--batches-per-iter`` steps; the time per step of an iteration is the mean over the ranks,
@@ -688,7 +688,8 @@ def main(argv=None) -> int:
                                     row["repeat"] = repeat
                                     rows.append(row)
                                     msg = (
-                                        f"{row['step_s'] * 1e3:8.1f} ms/step {row['bytes_sent_per_step'] / 1e6:7.3f} MB/step"
+                                        f"{row['step_s'] * 1e3:8.1f} ms/step "
+                                        f"{row['bytes_sent_per_step'] / 1e6:7.3f} MB/step"
                                         if row["status"] == "ok"
                                         else f"{row['status']}: {' / '.join(row.get('log_tail', [])[-2:])}"
                                     )

@@ -1,4 +1,4 @@
-"""Running elastic jobs of real bagua-launch agents on 127.0.0.1 (test_elastic_agent.py, benchmarks/elastic_timeline.py).
+"""Elastic jobs of real bagua-launch agents on 127.0.0.1 (test_elastic_agent.py, benchmarks/elastic_timeline.py).
 
 :class:`Job` starts agents (``--nproc-per-node 2``, the c10d rendezvous with short heartbeats),
 reads the workers' event log (see elastic_job.py), kills a "node" (an agent and its workers)

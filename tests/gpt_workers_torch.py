@@ -15,8 +15,8 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim
 
 
 def allreduce_losses(size: str, seed: int, steps: int, batch: int, lr: float, weight_decay: float) -> dict:
-    """This rank's loss at each of ``steps`` steps (and its parameters after them) of gradient allreduce with AdamW, from ``init_gpt_params(seed)``,
-    on the corpus batches of ``(seed, step, rank)``."""
+    """This rank's loss at each of ``steps`` steps (and its parameters after them) of gradient allreduce
+    with AdamW, from ``init_gpt_params(seed)``, on the corpus batches of ``(seed, step, rank)``."""
     import bagua_torch
 
     torch.set_num_threads(1)

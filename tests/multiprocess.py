@@ -101,7 +101,8 @@ def run_ranks(
         failed = [r for r in results if r.returncode != 0]
         if failed:
             report = "\n".join(
-                f"--- rank {r.rank}: {'timed out' if r.returncode is None else f'exit {r.returncode}'} ---\n{r.output[-4000:]}"
+                f"--- rank {r.rank}: {'timed out' if r.returncode is None else f'exit {r.returncode}'} ---\n"
+                f"{r.output[-4000:]}"
                 for r in results
             )
             raise AssertionError(f"{target} failed on {len(failed)} of {nprocs} ranks\n{report}")

@@ -1,4 +1,4 @@
-"""DiLoCo's outer-gradient exchange sends the same bytes from JAX and from torch (bagua_common.algorithms.outer_exchange).
+"""DiLoCo's outer-gradient exchange sends the same bytes from JAX and torch (bagua_common.algorithms.outer_exchange).
 
 One rank of four is played by a recording communicator in each front end: it keeps the bytes of
 every buffer handed to a collective and answers with data of the right shape (its own rows), so

@@ -317,7 +317,8 @@ def test_fusing_the_adam_family_is_refused_by_name(fused_runs, algorithm):
     for result in fused_runs:
         assert result.value[algorithm]["True"] == {
             "refused": f"fuse_optimizer: {REFUSED[algorithm]} does not step elementwise (its update of a tensor "
-            "depends on the whole tensor), so fusing would change its math; pass elementwise=True only if you know it is"
+            "depends on the whole tensor), so fusing would change its math; pass elementwise=True only if you "
+            "know it is"
         }
         assert len(result.value[algorithm]["False"]["steps"]) == 6
 

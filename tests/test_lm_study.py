@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -33,9 +34,10 @@ def test_one_rank_trains_evaluates_and_times(tmp_path):
         "size": "tiny", "ranks": 1, "seed": 0, "steps": 4, "batch": 2, "lr": 3e-3, "weight_decay": 0.01,
         "eval_every": 2, "heldout_windows": 4, "async_link": "none", "front_end": "torch", "algorithm": "ddp",
         "options": {}, "links": ["none", "none", "none"], "timing_sync_every": 0, "timed_rounds": 2,
+        "phase_wait_s": 120,
     }  # fmt: skip
     (tmp_path / "job.json").write_text(json.dumps(job))
-    control = lm_study.PhaseControl(_OneRankNetwork(), tmp_path, job["links"])
+    control = lm_study.PhaseControl(_OneRankNetwork(), [(tmp_path, job["links"])])
     control.start()
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
@@ -49,6 +51,46 @@ def test_one_rank_trains_evaluates_and_times(tmp_path):
     assert summary["curve"][0][1] == pytest.approx(math.log(256), abs=0.15)
     assert summary["final_loss"] < summary["curve"][0][1] - 0.05
     assert len(summary["timing"]["none"]["phase_ms"]) == 2 and summary["ms_per_step"]["none"] > 0
+
+
+def _wait_for(path: Path, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path.name} did not appear"
+        time.sleep(0.01)
+
+
+def test_a_pair_runs_one_phase_at_a_time_alternating(tmp_path):
+    """Two one-rank jobs: each phase starts only once the other job is idle, in the order A B, B A, A B."""
+    folders = [tmp_path / "a", tmp_path / "b"]
+    for folder in folders:
+        folder.mkdir()
+    links = ["none"] * 3
+    control = lm_study.PhaseControl(_OneRankNetwork(), [(folder, links) for folder in folders])
+    control.start()
+    expected = [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (0, 2)]
+    try:
+        for folder in folders:
+            (folder / "ready-0-0").touch()
+        for job, phase in expected:
+            _wait_for(folders[job] / f"go-{phase}")
+            time.sleep(0.15)  # three of the control's polls: nothing else may start while this phase runs
+            started = sorted((f.name, p.name) for f in folders for p in f.glob("go-*"))
+            assert len(started) == expected.index((job, phase)) + 1, started
+            (folders[job] / ("rank0.json" if phase == 2 else f"ready-{phase + 1}-0")).touch()
+    finally:
+        control.stop.set()
+        control.join()
+
+
+def test_pair_ratio_per_repeat(rng):
+    """A pair's JAX/torch ratio: median and range of the ratios of the phases that ran next to each other."""
+    torch_ms, jax_ms = rng.uniform(100, 900, 5), rng.uniform(100, 900, 5)
+    torch_row = {"name": "torch/x", "timing": {"none": {"phase_ms": torch_ms.tolist()}}, "interleaved_with": "jax/x"}
+    jax_row = {"name": "jax/x", "timing": {"none": {"phase_ms": jax_ms.tolist()}}, "interleaved_with": "torch/x"}
+    ratios = jax_ms / torch_ms
+    got = lm_study_report.step_time_ratios(jax_row, torch_row, "none")
+    assert got == pytest.approx((np.median(ratios), ratios.min(), ratios.max()))
 
 
 def _ranks(rng: np.random.Generator, links: list[str], steps_per_phase: int, nranks: int) -> list[dict]:

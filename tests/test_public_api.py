@@ -30,7 +30,9 @@ for line in dict.fromkeys(sys.stdin.read().split()):
         except (ImportError, AttributeError) as error:
             found[line] = ["missing", f"{type(error).__name__}: {error}"]
             continue
-    moved = [str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and " moved to " in str(w.message)]
+    moved = [
+        str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and " moved to " in str(w.message)
+    ]
     found[line] = ["moved", moved[0]] if moved else ["here", ""]
 print(json.dumps(found))
 """
@@ -67,5 +69,6 @@ def test_the_probe_tells_a_vanished_name_from_a_moved_one(found):
     assert found["bagua_torch:no_such_name"][0] == "missing"
     assert found["bagua_common.elastic_sampler"] == [
         "moved",
-        "bagua_common.elastic_sampler moved to bagua_common.data.elastic_sampler; the old name goes in the next release",
+        "bagua_common.elastic_sampler moved to bagua_common.data.elastic_sampler; "
+        "the old name goes in the next release",
     ]

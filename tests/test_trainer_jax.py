@@ -118,7 +118,8 @@ def test_replicas_that_may_differ_keep_their_device_axis():
 
 def test_an_algorithm_by_name_steps_as_the_pipeline_reference(rng):
     """``DataParallel(loss, tx, "bytegrad")`` builds ByteGrad with its defaults; each step of SGD with momentum at
-    flax's MNIST rate equals the NumPy pipeline (each rank's gradient, 8-bit exchange, same momentum) to float32 rounding."""
+    flax's MNIST rate equals the NumPy pipeline (each rank's gradient, 8-bit exchange, same momentum) to float32
+    rounding."""
     w0 = rng.standard_normal((6, 3)).astype(np.float32)
 
     def loss_fn(params, batch):

@@ -88,7 +88,8 @@ class DiLoCoConfig(AlgorithmConfig):
         tau = _check_int(self.fragment_sync_delay, "fragment_sync_delay", 0, name)
         if tau >= h // p:
             raise ValueError(
-                f"{name}: fragment_sync_delay ({tau}) must be less than sync_every // fragments ({h} // {p} = {h // p}),"
+                f"{name}: fragment_sync_delay ({tau}) must be less than sync_every // fragments "
+                f"({h} // {p} = {h // p}),"
                 " so that a fragment's exchange has finished before the next fragment's starts"
             )
         alpha = self.fragment_update_alpha

@@ -103,7 +103,10 @@ def save_arrays(path: Path, arrays: Mapping[str, np.ndarray]) -> None:
 
 
 def load_arrays(path: Path) -> dict[str, np.ndarray]:
-    """Read a shard written by :func:`save_arrays` (no pickles); a corrupt one raises :class:`DamagedCheckpointError`."""
+    """Read a shard written by :func:`save_arrays` (no pickles).
+
+    A corrupt one raises :class:`DamagedCheckpointError`.
+    """
     try:
         with np.load(path, allow_pickle=False) as data:
             return {key: data[key] for key in data.files}

@@ -75,8 +75,8 @@ def environment_int(key: str, environ: Mapping[str, str] = os.environ) -> int | 
 
     A rank variable (:data:`RANK_VARIABLES`) that is not set comes from the MPI launcher's
     variables when one started this process; ``LOCAL_RANK`` then is ``RANK % LOCAL_WORLD_SIZE``,
-    so that a ``LOCAL_WORLD_SIZE`` given to the job lays its ranks out node by node. A value that is not an integer raises a
-    ``ValueError`` naming the variable.
+    so that a ``LOCAL_WORLD_SIZE`` given to the job lays its ranks out node by node. A value that
+    is not an integer raises a ``ValueError`` naming the variable.
     """
     text = environ.get(key)
     if text is None and key in RANK_VARIABLES and started_by_mpi(environ):

@@ -3,10 +3,11 @@
 Each round gives every surviving candidate ``samples_per_round`` more timing samples and keeps
 the fastest ``1/eta`` of them by the median of all their samples so far (the median, because
 step times on a shared machine have long upper tails), until one is left: survivors are
-measured ever more precisely while the cost of a round shrinks with the field. A candidate whose sample failed (``tell(..., None)``: an error or a timeout) is out for
-good, whatever its earlier samples said, so a noisy timing can never pick it. The driver never
-calls the objective itself: the training loop asks which candidate to run next and tells how
-long its steps took, as optuna's ask/tell interface does.
+measured ever more precisely while the cost of a round shrinks with the field. A candidate
+whose sample failed (``tell(..., None)``: an error or a timeout) is out for good, whatever its
+earlier samples said, so a noisy timing can never pick it. The driver never calls the objective
+itself: the training loop asks which candidate to run next and tells how long its steps took,
+as optuna's ask/tell interface does.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ class SuccessiveHalving(Generic[Candidate]):
 
     ``candidates`` are the grid's points (at least one, no repeats). Each round, every survivor gets
     ``samples_per_round`` samples and the field shrinks by ``eta``, so a search of ``c`` candidates
-    costs about ``samples_per_round * c * eta / (eta - 1)`` samples. ``done`` is true once one candidate is left (or none, when all
-    failed), and ``best`` is then the winner.
+    costs about ``samples_per_round * c * eta / (eta - 1)`` samples. ``done`` is true once one
+    candidate is left (or none, when all failed), and ``best`` is then the winner.
     """
 
     def __init__(self, candidates: Sequence[Candidate], *, samples_per_round: int = 3, eta: int = 2) -> None:

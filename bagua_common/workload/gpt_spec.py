@@ -22,7 +22,10 @@ LAYER_NORM_EPS = 1e-5
 """The LayerNorm epsilon of both front ends (GPT-2's)."""
 
 INIT_STD = 0.02
-"""Standard deviation of the embeddings and kernels (GPT-2's); residual projections get ``INIT_STD / sqrt(2 layers)``."""
+"""Standard deviation of the embeddings and kernels (GPT-2's).
+
+Residual projections get ``INIT_STD / sqrt(2 layers)``.
+"""
 
 
 @dataclass(frozen=True)

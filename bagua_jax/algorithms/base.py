@@ -47,8 +47,9 @@ class Algorithm(Protocol):
 class ConfiguredAlgorithm:
     """A registered JAX algorithm: it holds its shared configuration ``config`` (an instance of ``config_class``,
     :mod:`bagua_common.algorithms.configs`, which checked its own fields) and the size of its buckets,
-    ``bucket_bytes``. Build it from the configuration's fields, ``ByteGrad(hierarchical=False)``, or from a
-    configuration, ``ByteGrad(ByteGradConfig(hierarchical=False))``; the fields read through, ``algorithm.hierarchical``.
+    ``bucket_bytes``. Build it from the configuration's fields, ``ByteGrad(hierarchical=False)``, or
+    from a configuration, ``ByteGrad(ByteGradConfig(hierarchical=False))``; the fields read through,
+    ``algorithm.hierarchical``.
 
     A subclass names its optax transform function, ``_transform(comms, config, bucket_bytes=...)``;
     :meth:`transformation` chains it before the user's optimizer, or after it when ``after_optimizer``

@@ -63,8 +63,8 @@ def bytegrad(
     gradient bytes plus a 16-byte header per chunk, i.e. ~1/4 of an fp32 allreduce. With ``hierarchical=True`` and
     both ``comms.intra`` and ``comms.inter`` set, the node reduces in full precision (an intra reduce-scatter and
     allgather, ``2 (a-1)/a`` of the gradient bytes over the fast links) and only this rank's ``1/a`` slice is
-    exchanged compressed between nodes; without both levels it falls back to the flat pipeline over ``world`` (a hierarchical sum is the
-    node mean scaled by the node size after the exchange). The
+    exchanged compressed between nodes; without both levels it falls back to the flat pipeline
+    over ``world`` (a hierarchical sum is the node mean scaled by the node size after the exchange). The
     per-element error is at most ``(hi-lo)/508`` of each chunk, twice, plus float32 rounding; ``error_feedback``
     carries the first compression's error into the next step (a float32 residual per bucket in the state, so
     ``init`` must see the communicators' sizes: call it inside the per-rank step, or give ``LaxCommunicator`` its

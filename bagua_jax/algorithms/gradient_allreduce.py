@@ -34,6 +34,7 @@ from bagua_jax.algorithms.base import (
     implements,
 )
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
+from bagua_jax.step_means import StepMeans
 
 
 def gradient_allreduce(
@@ -64,11 +65,16 @@ def gradient_allreduce(
     def update_fn(
         updates: Any, state: optax.EmptyState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, optax.EmptyState]:
-        del params, extra_args
+        del params
         check_float_grads(updates, name)
         levels = comms.levels(hierarchical, name)
         plan = plan_buckets(updates, bucket_bytes, pad_to=levels[0].size if levels else 1)
-        reduced = [allreduce_over(bucket, comms.world, levels, op) for bucket in plan.flatten(updates)]
+        buckets = plan.flatten(updates)
+        step_means: StepMeans | None = extra_args.get("step_means")
+        if step_means is not None and not levels and op == "avg":
+            reduced = step_means.averaged_with(buckets, lambda bucket: comms.world.allreduce(bucket, op))
+        else:
+            reduced = [allreduce_over(bucket, comms.world, levels, op) for bucket in buckets]
         return plan.unflatten(reduced), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

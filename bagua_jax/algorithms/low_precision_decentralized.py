@@ -66,7 +66,8 @@ def low_precision_decentralized(
     codes of each bucket (``B / 4`` plus a 16-byte header, for ``B`` fp32 bytes) to its two
     neighbours: ``B / 2``, i.e. ``n / (4(n-1))`` of a ring allreduce of ``B`` (a quarter for
     ``n = 2``, where both neighbours are one rank and it is sent once). With
-    :class:`~bagua_jax.LaxCommunicator` the same, as one ``ppermute`` per neighbour. Hierarchical (``hierarchical=True`` and ``comms`` has ``intra`` and ``inter``):
+    :class:`~bagua_jax.LaxCommunicator` the same, as one ``ppermute`` per neighbour. Hierarchical
+    (``hierarchical=True`` and ``comms`` has ``intra`` and ``inter``):
     the local step's weights are first averaged inside the node at full precision (the bytes of
     an intra-node allreduce), then each of the node's ``k`` ranks runs the ring across nodes on
     its ``1/k`` slice of every bucket (one MinMaxUInt8 chunk per slice), so a node sends ``B /

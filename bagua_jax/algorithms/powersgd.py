@@ -1,4 +1,6 @@
-"""PowerSGD: low-rank gradient compression with error feedback (see :class:`bagua_common.algorithms.configs.PowerSGDConfig`).
+"""PowerSGD: low-rank gradient compression with error feedback.
+
+Its settings: :class:`bagua_common.algorithms.configs.PowerSGDConfig`.
 
 Each matrix-shaped gradient is replaced by a rank-``r`` approximation ``P Q^T`` that every rank
 computes identically from two flat allreduces per step: one carries every matrix's ``P``
@@ -30,6 +32,7 @@ from bagua_jax.algorithms.base import (
     varying_like,
 )
 from bagua_jax.communicator import Communicator
+from bagua_jax.step_means import StepMeans
 
 
 class PowerSGDState(NamedTuple):
@@ -135,23 +138,28 @@ def powersgd(
         residuals = tuple(jnp.zeros(view, jnp.float32) for _, view, _ in layout.compressed)
         return PowerSGDState(jnp.int32(0), qs, residuals if config.error_feedback else ())
 
-    def exact(leaves: list[jax.Array], state: PowerSGDState) -> tuple[list[jax.Array], PowerSGDState]:
-        averaged = _split(
-            world.allreduce(_flat([g.astype(jnp.float32) for g in leaves]), "avg"), [g.shape for g in leaves]
-        )
-        return averaged, state
+    # Both steps carry the trainer's step means (an empty vector without them) in their first allreduce.
+    def exact(
+        leaves: list[jax.Array], state: PowerSGDState, means: jax.Array
+    ) -> tuple[list[jax.Array], PowerSGDState, jax.Array]:
+        pieces = [g.astype(jnp.float32) for g in leaves] + [means]
+        averaged = _split(world.allreduce(_flat(pieces), "avg"), [g.shape for g in pieces])
+        return averaged[:-1], state, averaged[-1]
 
-    def compressed(leaves: list[jax.Array], state: PowerSGDState) -> tuple[list[jax.Array], PowerSGDState]:
+    def compressed(
+        leaves: list[jax.Array], state: PowerSGDState, means: jax.Array
+    ) -> tuple[list[jax.Array], PowerSGDState, jax.Array]:
         layout = _layout(leaves, config)
         matrices = [leaves[i].astype(jnp.float32).reshape(view) for i, view, _ in layout.compressed]
         if config.error_feedback:
             matrices = [m + e for m, e in zip(matrices, state.residuals)]
         ps = [m @ q for m, q in zip(matrices, state.qs)]
         plain = [leaves[i].astype(jnp.float32) for i in layout.plain]
-        # One allreduce for every P and the uncompressed gradients (summed; the latter averaged below).
-        reduced = _split(world.allreduce(_flat(ps + plain), "sum"), [p.shape for p in ps] + [g.shape for g in plain])
+        # One allreduce for every P, the uncompressed gradients and the means (summed; the latter two averaged below).
+        pieces = ps + plain + [means]
+        reduced = _split(world.allreduce(_flat(pieces), "sum"), [p.shape for p in pieces])
         ps = orthogonalize_all(reduced[: len(ps)])
-        plain = [g / world.size for g in reduced[len(ps) :]]
+        plain, means = [g / world.size for g in reduced[len(ps) : -1]], reduced[-1] / world.size
         qs = [m.T @ p for m, p in zip(matrices, ps)]
         qs = _split(world.allreduce(_flat(qs), "avg"), [q.shape for q in qs])
         approximations = [p @ q.T for p, q in zip(ps, qs)]
@@ -163,23 +171,26 @@ def powersgd(
         residuals = tuple(m - a for m, a in zip(matrices, approximations)) if config.error_feedback else ()
         if not config.warm_start:
             qs = [_initial_q(config, k, q.shape[0], q.shape[1], state.step + 1) for k, q in enumerate(qs)]
-        return out, PowerSGDState(state.step, tuple(qs), residuals)
+        return out, PowerSGDState(state.step, tuple(qs), residuals), means
 
     def update_fn(
         updates: Any, state: PowerSGDState, params: Any = None, **extra_args: Any
     ) -> tuple[Any, PowerSGDState]:
-        del params, extra_args
+        del params
         check_float_grads(updates, config.name)
         leaves, treedef = jax.tree.flatten(updates)
-        inputs = (leaves, state)
+        step_means: StepMeans | None = extra_args.get("step_means")
+        means = step_means.values if step_means is not None else jnp.zeros(0, jnp.float32)
+        inputs = (leaves, state, means)
         # Every rank shares the step counter, so all take the same branch and make the same calls.
-        averaged, state = jax.lax.cond(
+        averaged, state, means = jax.lax.cond(
             state.step < config.start_iter,
             lambda *args: varying_like(exact(*args), inputs),
             lambda *args: varying_like(compressed(*args), inputs),
-            leaves,
-            state,
+            *inputs,
         )
+        if step_means is not None:
+            step_means.deliver(means)
         averaged = [a.astype(g.dtype) for a, g in zip(averaged, leaves)]
         return treedef.unflatten(averaged), state._replace(step=state.step + 1)
 

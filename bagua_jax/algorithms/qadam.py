@@ -51,8 +51,8 @@ def qadam(
     step with the same momentum bits, so the replicas stay identical. Choose it over ByteGrad + Adam when training
     with Adam on bandwidth-bound links: compressing the momentum, a smoothed quantity, loses less than compressing
     raw gradients, provided the warm-up is long enough for ``v`` to settle. After the warm-up the frozen ``v`` is
-    floored at 1% of its leaf's mean (:mod:`bagua_common.algorithms.frozen_variance`), so coordinates whose ``v`` froze at
-    zero (dead units, embedding rows unseen in the warm-up) take bounded steps.
+    floored at 1% of its leaf's mean (:mod:`bagua_common.algorithms.frozen_variance`), so coordinates
+    whose ``v`` froze at zero (dead units, embedding rows unseen in the warm-up) take bounded steps.
     """
     config = as_config(QAdamConfig, *config, **options)
     # The exchange below reads ``comms.world``: a bare communicator must be wrapped first.

@@ -113,7 +113,10 @@ class GPT(nnx.Module):
 
 
 def _module_path(name: str) -> tuple[str | int, ...]:
-    """The spec's flat name -> the module's attribute path (``blocks.0.ln1.scale`` -> ``("blocks", 0, "ln1", "scale")``)."""
+    """The spec's flat name -> the module's attribute path.
+
+    ``blocks.0.ln1.scale`` -> ``("blocks", 0, "ln1", "scale")``.
+    """
     return tuple(int(part) if part.isdigit() else part for part in name.split("."))
 
 

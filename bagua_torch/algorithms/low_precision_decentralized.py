@@ -5,7 +5,7 @@ optimizer's step hooks, on the training thread; the math, the kernels and the or
 operations are those of :mod:`bagua_jax.algorithms.low_precision_decentralized` (SPEC
 section 3).
 
-**LowPrecisionDecentralized** (:class:`LowPrecisionDecentralizedAlgorithm`) (:class:`LowPrecisionDecentralizedAlgorithm`): ring
+**LowPrecisionDecentralized** (:class:`LowPrecisionDecentralizedAlgorithm`): ring
 ``left = r - 1``, ``right = r + 1`` (mod n). Every rank keeps float32 copies ``w`` (its
 last communicated weights) and ``L``, ``R`` (its neighbours'), all initialized to the
 initial weights (identical on every rank: the wrapper broadcasts rank 0's). On

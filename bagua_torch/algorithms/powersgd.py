@@ -1,4 +1,6 @@
-"""PowerSGD: low-rank gradient compression with error feedback (see :class:`bagua_common.algorithms.configs.PowerSGDConfig`).
+"""PowerSGD: low-rank gradient compression with error feedback.
+
+Its settings: :class:`bagua_common.algorithms.configs.PowerSGDConfig`.
 
 As each bucket becomes ready in the backward pass, the impl's worker thread adds each of its
 matrices' residual, computes ``P = M Q`` and sums the bucket's ``P`` factors and uncompressed
@@ -8,9 +10,9 @@ last bucket's is done it orthogonalizes every ``P`` of the step (in the batches 
 them all in one allreduce; where torch's own PowerSGD hook spends three allreduces per bucket,
 this is one per bucket and one per step. The orthogonalization's batches are the whole step's,
 so on two ranks the bits do not depend on the bucketing (on more, an element's sum over the
-ranks may associate by its place in the message, as in any allreduce). The approximations ``P Q^T`` are written into the buckets, so every rank applies the
-same gradients and the replicas stay identical. The first ``start_iter`` steps are exact
-allreduces, bucket by bucket.
+ranks may associate by its place in the message, as in any allreduce). The approximations
+``P Q^T`` are written into the buckets, so every rank applies the same gradients and the
+replicas stay identical. The first ``start_iter`` steps are exact allreduces, bucket by bucket.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ collective's input before its ``wait()`` returns.
 :class:`~bagua_torch.communicator.ProcessGroupCommunicator` runs over a
 ``torch.distributed`` process group (gloo on CPU, nccl on GPU);
 :class:`~bagua_torch.communicator.NativeCommunicator` runs over Bagua's native engines
-through DLPack (``_bagua_mpi`` for CPU tensors, ``_bagua_nccl`` for CUDA tensors). A peer that dies, or a collective that never completes, raises
+through DLPack (``_bagua_mpi`` for CPU tensors, ``_bagua_nccl`` for CUDA tensors). A peer that
+dies, or a collective that never completes, raises
 :class:`CommunicationError` on the surviving ranks within the communicator's
 timeout (default ``BAGUA_COMM_TIMEOUT`` or 300 seconds) instead of hanging.
 """

@@ -197,7 +197,7 @@ def allreduce_inplace(tensor: torch.Tensor, op: ReduceOp = ReduceOp.SUM, comm: A
 def reduce(
     send_tensor: torch.Tensor, recv_tensor: torch.Tensor, dst: int, op: ReduceOp = ReduceOp.SUM, comm: Any = None
 ) -> None:
-    """Reduce ``send_tensor`` over the ranks into ``recv_tensor`` on rank ``dst``; other ranks' ``recv_tensor`` stays."""
+    """Reduce ``send_tensor`` over the ranks into ``recv_tensor`` on rank ``dst`` (other ranks' stays as it was)."""
     handle = _resolve(comm)
     if handle is None:
         return
