@@ -3,11 +3,14 @@
 Builds the git ref ``REF`` (its CPU kernels only) from ``git archive`` into
 ``~/.cache/bagua/releases/<commit>-<python>-jaxlib<version>/`` (``$XDG_CACHE_HOME`` if set; kept, so
 a second run from any checkout of the repository starts at once), then starts two worker
-processes: one imports this tree's ``bagua_jax`` and the installed native library, the other the
-release's package and library only. Both time the same kernels on the same inputs (``kernels.py``'s
-``NativeJax``: ``bagua_jax.ops`` under ``jax.jit``, float32, ``k`` chunks). The driver asks them for
-one call at a time, alternating in a fresh random order each round, so both see the same load from
-the rest of the machine; the idle worker waits on a pipe meanwhile. Each round gives a paired ratio
+processes: one imports this tree's ``bagua_jax`` and the native library the caller's ``PYTHONPATH``
+(then the environment) provides, so a build of this tree installed with ``pip install --target DIR``
+is timed with ``PYTHONPATH=DIR``; the other imports the release's package and library only. Each
+worker names the native library it loaded, and the results record both. Both time the same
+kernels on the same inputs (``kernels.py``'s ``NativeJax``: ``bagua_jax.ops`` under ``jax.jit``,
+float32, ``k`` chunks). The driver asks them for one call at a time, alternating in a fresh random
+order each round, so both see the same load from the rest of the machine; the idle worker waits on
+a pipe meanwhile. Each round gives a paired ratio
 ``release time / this tree's time`` (above 1: this tree is faster, a regression shows below 1);
 the table gives, per kernel and size, the median of those ratios with a 95% bootstrap interval of
 the median, and each side's median GB/s.
@@ -118,7 +121,11 @@ def serve(k: int) -> None:
     calls: dict[str, Any] = {}
     for line in sys.stdin:
         request = json.loads(line)
-        if request[0] == "prepare":
+        if request[0] == "library":
+            import _bagua_ffi
+
+            reply: Any = _bagua_ffi.__file__
+        elif request[0] == "prepare":
             n = request[1]
             impl = SimpleNamespace(**jitted_native_kernels(ops, n, k), sync=jax.block_until_ready)
             rng = np.random.default_rng(0)
@@ -127,7 +134,7 @@ def serve(k: int) -> None:
             for fn, fn_args in calls.values():
                 for _ in range(WARMUP_CALLS):
                     jax.block_until_ready(fn(*fn_args))
-            reply: Any = n
+            reply = n
         else:
             fn, fn_args = calls[request[1]]
             faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -156,10 +163,14 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
     meta = _common.run_meta(argv, _common.device_info("cpu"), ["jax", "jaxlib", "numpy"], release=commit, k=k)
     meta["uptime_before"] = _uptime()
     bench_dir = str(Path(__file__).resolve().parent)
+    caller_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     workers = [
-        Worker("this tree", os.pathsep.join([bench_dir, str(ROOT)]), [str(k)]),
+        Worker("this tree", os.pathsep.join([bench_dir, str(ROOT), *caller_path]), [str(k)]),
         Worker(f"release {ref}", os.pathsep.join([bench_dir, str(site)]), [str(k)]),
     ]
+    meta["native_libraries"] = {w.name: w.ask("library") for w in workers}
+    for name, library in meta["native_libraries"].items():
+        print(f"{name}: {library}", flush=True)
     order, rng = random.Random(0), np.random.default_rng(0)
     rows = []
     try:
@@ -205,6 +216,7 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
         *_common.header_lines(meta),
         f"- uptime before: `{meta['uptime_before']}`; after: `{meta['uptime_after']}`",
         f"- chunks k = {k}; {repeats} interleaved calls per kernel and side",
+        *(f"- {name}: native library `{library}`" for name, library in meta["native_libraries"].items()),
         "",
         "Ratios: the median over rounds of (release time / this tree's time), with a 95% bootstrap",
         "interval of that median; above 1 this tree is faster, below 1 it regressed. Wall: elapsed time",

@@ -270,7 +270,8 @@ def write(out: Path, name: str, data: dict[str, Any] | None) -> None:
         *_common.header_lines(meta),
         *(f"- pairs rerun side by side: `{run['command']}` ({run['date']} UTC)" for run in meta.get("pair_runs", [])),
         f"- 1-minute load average before each variant: min {min(loads, default=0)}, "
-        f"median {statistics.median(loads) if loads else 0}, max {max(loads, default=0)} (samples in the JSON)",
+        f"median {round(statistics.median(loads), 2) if loads else 0}, max {max(loads, default=0)} "
+        "(samples in the JSON)",
         f"- {cfg['ranks']} ranks, GPT {cfg['size']}, {cfg['batch']} windows of 128 predicted bytes per rank and step "
         f"({tokens} tokens per step), {cfg['steps']} steps ({cfg['steps'] * tokens} tokens) per variant; AdamW lr "
         f"{cfg['lr']} (QAdam / 1-bit Adam: their own Adam, same lr, default warm-up); held-out loss of rank 0's model "

@@ -1,7 +1,7 @@
 """Rank bodies for test_async_model_average_jax.py (run under mpiexec, one process per rank).
 
-The data are ``async_model_average_reference.py``'s, so that the tests rebuild exactly the
-batches each rank trained on.
+One job per world size runs several scenarios (``job``) and returns a dict per scenario. The data are
+``async_model_average_reference.py``'s, so that the tests rebuild exactly the batches each rank trained on.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ import time
 
 import numpy as np
 from async_model_average_reference import DIM, LR, abort_and_resume, batch, one_rank_stalls, rank_params
+from scenarios import Registry, Scenario
+
+scenario = Registry()
 
 
 def _setup(sync_interval_ms: float, warmup_steps: int):
@@ -43,6 +46,7 @@ def _flat(params) -> np.ndarray:
     return np.concatenate([np.asarray(params["w"]), np.asarray(params["b"]).reshape(1)])
 
 
+@scenario
 def train(seed: int, steps: int, warmup_steps: int, sync_interval_ms: float, sleep_s: float) -> dict:
     """Train the linear model with SGD and AsyncModelAverage; return the weights after every step,
     whether the thread ran after each step, and the rounds completed."""
@@ -69,6 +73,7 @@ def train(seed: int, steps: int, warmup_steps: int, sync_interval_ms: float, sle
     }
 
 
+@scenario
 def one_round(seed: int) -> dict:
     """Force exactly one round with the snapshot ``p0``, then apply it to ``p1``; a later call,
     with no round finished, must return its input unchanged."""
@@ -112,6 +117,7 @@ def one_round(seed: int) -> dict:
     }
 
 
+@scenario
 def abort_resume(seed: int) -> dict:
     """Abort at staggered times on every rank, resume, abort on rank 0 only, resume and abort at once."""
     import jax
@@ -135,6 +141,7 @@ def abort_resume(seed: int) -> dict:
     return {"rank": rank, **abort_and_resume(averager, steps, rank, averager.resume)}
 
 
+@scenario
 def never_waits(stall_s: float) -> dict:
     """Rank 1 stops calling apply() for ``stall_s`` seconds, which keeps rank 0's round in flight;
     rank 0 keeps stepping and times every apply()."""
@@ -168,3 +175,10 @@ def never_waits(stall_s: float) -> dict:
         return time.perf_counter() - t0
 
     return {"rank": rank, **one_rank_stalls(averager, step, timed_apply, rank, stall_s)}
+
+
+def job(seed: int, scenarios: list[Scenario], local_world_size: None = None) -> dict:
+    """``scenarios`` on this rank, one after the other (each on communicators of its own over the MPI world)."""
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    return {"rank": int(NativeCommunicator.mpi_world(timeout=60).rank()), **scenario.run(scenarios, seed=seed)}

@@ -1,11 +1,13 @@
 """One rank of a native-engine job that tunes its knobs in DataParallel.init and prints the choice, the searched
 settings and its communicator's ring threshold afterwards, and how many batches the same-batch guard saw (in init,
-where the tuning probe steps, and after the first step)."""
+where the tuning probe steps, and after the first step). The data follow the test run's seed, ``BAGUA_TEST_SEED``."""
 
 import json
+import os
 
 import numpy as np
 import optax
+from tuning_clock import cost_tuning_steps
 
 import bagua_jax.trainer
 from bagua_jax import NativeCommunicator
@@ -18,8 +20,12 @@ def loss_fn(params, batch):
 
 
 comm = NativeCommunicator.world()
-params = {"w": np.random.default_rng(0).standard_normal((768, 768)).astype(np.float32)}
-rng = np.random.default_rng([0, int(comm.rank())])  # each rank its own batch
+# On a fake clock the always-ring threshold (0) costs half the others: every setting is timed whatever the load, and
+# the winner is not the default.
+cost_tuning_steps(lambda candidate: 2.0**-10 if comm.mpi_ring_min_bytes == 0 else 2.0**-9, setattr)
+seed = int(os.environ["BAGUA_TEST_SEED"])
+params = {"w": np.random.default_rng(seed).standard_normal((768, 768)).astype(np.float32)}  # the same on every rank
+rng = np.random.default_rng([seed, int(comm.rank())])  # each rank its own batch
 guarded_batches = []  # the batches the same-batch guard saw: the user's first, never the tuning probe's
 same_batch_guard = bagua_jax.trainer.check_batches_differ
 

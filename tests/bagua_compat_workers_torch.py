@@ -32,9 +32,9 @@ BAGUA_VALUES = {"SUM": 0, "PRODUCT": 1, "MIN": 2, "MAX": 3, "BOR": 7, "BAND": 8,
 """Bagua's ``ReduceOp`` (an IntEnum in bagua/torch_api/communication.py): callers may pass these integers."""
 
 
-def _primitives(bagua, out: dict) -> None:
+def _primitives(bagua, out: dict, seed: int) -> None:
     rank, n = bagua.get_rank(), bagua.get_world_size()
-    gen = torch.Generator().manual_seed(100 + rank)
+    gen = torch.Generator().manual_seed(seed + 100 + rank)
     comm = bagua.communication._get_default_group().get_global_communicator()
 
     ops = {
@@ -215,7 +215,7 @@ def _primitives(bagua, out: dict) -> None:
     )
 
 
-def _optimizer_state(bagua, out: dict) -> None:
+def _optimizer_state(bagua, out: dict, seed: int) -> None:
     """Bagua's test_broadcast_state: train locally apart, wrap, every optimizer's state is rank 0's; with Bagua's
     spelling, the project's ``with_bagua`` and its ``DistributedDataParallel``."""
     import bagua_torch
@@ -234,7 +234,7 @@ def _optimizer_state(bagua, out: dict) -> None:
         ("Rprop", torch.optim.Rprop, {"lr": 0.2}),
     ]:
         for spelling, wrap in spellings.items():
-            torch.manual_seed(rank)
+            torch.manual_seed(seed + rank)
             model = Net()
             optimizer = cls(model.parameters(), **options)
             for _ in range(5):
@@ -265,11 +265,11 @@ def _train(model, optimizer, steps: int, seed: int) -> None:
         optimizer.step()
 
 
-def _model_switch(bagua, out: dict) -> None:
+def _model_switch(bagua, out: dict, seed: int) -> None:
     """Bagua's test_model_switch, then a check that only the last algorithm acts on the gradients."""
     rank = bagua.get_rank()
     algorithms = bagua.algorithms
-    torch.manual_seed(rank)
+    torch.manual_seed(seed + rank)
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for step, kind in enumerate(["bytegrad", "decentralized", "gradient_allreduce", "qadam", "async", "low_prec"]):
@@ -289,17 +289,17 @@ def _model_switch(bagua, out: dict) -> None:
         model = model.with_bagua([optimizer], algorithm)
         if kind == "async":
             model.bagua_algorithm.resume(model)  # before any abort: nothing to do, as in Bagua
-        _train(model, optimizer, 8, seed=10 * step + rank)
+        _train(model, optimizer, 8, seed=seed + 10 * step + rank)
         if kind == "async":
             model.bagua_algorithm.abort(model)
             model.bagua_algorithm.abort(model)
             model.bagua_algorithm.resume(model)
-            _train(model, optimizer, 4, seed=99 + rank)
+            _train(model, optimizer, 4, seed=seed + 99 + rank)
             model.bagua_algorithm.abort(model)
     # Back to gradient allreduce: the gradients must be exactly the mean of the ranks' own.
     sgd = torch.optim.SGD(model.parameters(), lr=0.0)
     model = model.with_bagua([sgd], algorithms.gradient_allreduce.GradientAllReduceAlgorithm())
-    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(4, 2, generator=torch.Generator().manual_seed(seed + rank))
     reference = Net()
     reference.load_state_dict(model.state_dict())
     nn.functional.mse_loss(reference(x), torch.zeros(4, 4)).backward()
@@ -313,7 +313,7 @@ def _model_switch(bagua, out: dict) -> None:
     model.close()
 
 
-def _custom_algorithm(bagua, out: dict) -> None:
+def _custom_algorithm(bagua, out: dict, seed: int) -> None:
     base = bagua.algorithms.base
 
     class DoubledAverageImpl(base.AlgorithmImpl):
@@ -346,13 +346,13 @@ def _custom_algorithm(bagua, out: dict) -> None:
 
     rank = bagua.get_rank()
     for compression in (None, "MinMaxUInt8"):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = Net()
         reference = Net()
         reference.load_state_dict(model.state_dict())
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         model = model.with_bagua([optimizer], DoubledAverage(compression))
-        x = torch.randn(4, 2, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(4, 2, generator=torch.Generator().manual_seed(seed + rank))
         optimizer.zero_grad()
         nn.functional.mse_loss(model(x), torch.ones(4, 4)).backward()
         got = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
@@ -365,7 +365,7 @@ def _custom_algorithm(bagua, out: dict) -> None:
         model.close()
 
 
-def _own_interface_algorithm(bagua, out: dict) -> None:
+def _own_interface_algorithm(bagua, out: dict, seed: int) -> None:
     """An algorithm in the project's own interface, as a class and as an instance, through the project's with_bagua."""
     import bagua_torch
     from bagua_torch.algorithms.base import Algorithm, AlgorithmImpl
@@ -382,12 +382,12 @@ def _own_interface_algorithm(bagua, out: dict) -> None:
 
     rank = bagua.get_rank()
     for how, algorithm in (("class", DoubledAverage), ("instance", DoubledAverage())):
-        torch.manual_seed(0)
+        torch.manual_seed(seed)
         model = Net()
         reference = Net()
         reference.load_state_dict(model.state_dict())
         model = bagua_torch.with_bagua(model, [], algorithm)
-        x = torch.randn(4, 2, generator=torch.Generator().manual_seed(rank))
+        x = torch.randn(4, 2, generator=torch.Generator().manual_seed(seed + rank))
         nn.functional.mse_loss(model(x), torch.ones(4, 4)).backward()
         got = torch.cat([p.grad.reshape(-1) for p in model.module.parameters()])
         nn.functional.mse_loss(reference(x), torch.ones(4, 4)).backward()
@@ -397,9 +397,9 @@ def _own_interface_algorithm(bagua, out: dict) -> None:
         model.close()
 
 
-def _data_parallel_and_checkpoint(bagua, out: dict, checkpoint_dir: str) -> None:
+def _data_parallel_and_checkpoint(bagua, out: dict, seed: int, checkpoint_dir: str) -> None:
     rank = bagua.get_rank()
-    torch.manual_seed(rank)
+    torch.manual_seed(seed + rank)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     ddp = bagua.data_parallel.DistributedDataParallel(
@@ -409,7 +409,7 @@ def _data_parallel_and_checkpoint(bagua, out: dict, checkpoint_dir: str) -> None
     )
     reference = torch.nn.parallel.DistributedDataParallel(Net())
     reference.module.load_state_dict(ddp.state_dict())
-    x = torch.randn(8, 2, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(8, 2, generator=torch.Generator().manual_seed(seed + rank))
     optimizer.zero_grad()
     nn.functional.mse_loss(ddp(x), torch.ones(8, 4)).backward()
     nn.functional.mse_loss(reference(x), torch.ones(8, 4)).backward()
@@ -466,11 +466,11 @@ def _exchange_with_neighbours(tensor: torch.Tensor, rank: int, n: int) -> tuple[
     return left, right
 
 
-def _low_precision_against_baguas_reference(bagua, out: dict) -> None:
+def _low_precision_against_baguas_reference(bagua, out: dict, seed: int) -> None:
     """Bagua's test_compare: the algorithm next to its test's reference (ring exchange by isend/irecv)."""
     rank, n = bagua.get_rank(), bagua.get_world_size()
     for interval in (1, 2):
-        torch.manual_seed(rank)
+        torch.manual_seed(seed + rank)
         model = Net()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
         algorithm = bagua.algorithms.decentralized.LowPrecisionDecentralizedAlgorithm(
@@ -483,7 +483,7 @@ def _low_precision_against_baguas_reference(bagua, out: dict) -> None:
         params = [p.data for p in reference.parameters()][::-1]
         weight = torch.cat([p.reshape(-1) for p in params])
         left, right = weight.clone(), weight.clone()
-        gen = torch.Generator().manual_seed(1000 * interval + rank)
+        gen = torch.Generator().manual_seed(seed + 1000 * interval + rank)
         for step in range(10):
             data, target = torch.randn(4, 2, generator=gen), torch.randn(4, 4, generator=gen)
             for m, o in ((model, optimizer), (reference, reference_optimizer)):
@@ -512,9 +512,9 @@ def _low_precision_against_baguas_reference(bagua, out: dict) -> None:
         model.close()
 
 
-def _fused_optimizer_keeps_the_algorithm(bagua, out: dict) -> None:
+def _fused_optimizer_keeps_the_algorithm(bagua, out: dict, seed: int) -> None:
     """contrib.fuse_optimizer after with_bagua: the weight algorithm's step hooks move to the fused optimizer."""
-    torch.manual_seed(bagua.get_rank())
+    torch.manual_seed(seed + bagua.get_rank())
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     algorithm = bagua.algorithms.decentralized.LowPrecisionDecentralizedAlgorithm(hierarchical=False)
@@ -532,7 +532,7 @@ def _train_fused(model, optimizer, steps: int) -> None:
         optimizer.fuse_step()
 
 
-def every_api_point(checkpoint_dir: str) -> dict:
+def every_api_point(seed: int, checkpoint_dir: str) -> dict:
     import bagua_torch.torch_api as bagua
 
     bagua.init_process_group()
@@ -543,12 +543,12 @@ def every_api_point(checkpoint_dir: str) -> dict:
             [dist.get_rank(), dist.get_world_size(), dist.get_rank(), dist.get_world_size()],
         ),
     }
-    _primitives(bagua, out)
-    _optimizer_state(bagua, out)
-    _model_switch(bagua, out)
-    _custom_algorithm(bagua, out)
-    _own_interface_algorithm(bagua, out)
-    _low_precision_against_baguas_reference(bagua, out)
-    _fused_optimizer_keeps_the_algorithm(bagua, out)
-    _data_parallel_and_checkpoint(bagua, out, checkpoint_dir)
+    _primitives(bagua, out, seed)
+    _optimizer_state(bagua, out, seed)
+    _model_switch(bagua, out, seed)
+    _custom_algorithm(bagua, out, seed)
+    _own_interface_algorithm(bagua, out, seed)
+    _low_precision_against_baguas_reference(bagua, out, seed)
+    _fused_optimizer_keeps_the_algorithm(bagua, out, seed)
+    _data_parallel_and_checkpoint(bagua, out, seed, checkpoint_dir)
     return out

@@ -49,7 +49,7 @@ def _kill(pid: int) -> None:
 class Job:
     """The agents of one elastic job, its folder and its event log."""
 
-    def __init__(self, folder: Path, framework: str, steps: int, **settings: str):
+    def __init__(self, folder: Path, framework: str, steps: int, seed: int, **settings: str):
         self.folder = folder
         self.script = str(TESTS / SCRIPTS[framework])
         self.endpoint = f"127.0.0.1:{free_port()}"
@@ -57,6 +57,7 @@ class Job:
             **{k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # one CPU device per JAX process
             "PYTHONPATH": os.pathsep.join([str(TESTS), str(ROOT), os.environ.get("PYTHONPATH", "")]),
             "JAX_PLATFORMS": "cpu",
+            "BAGUA_TEST_SEED": str(seed),
             "BAGUA_TEST_DIR": str(folder),
             "BAGUA_TEST_STEPS": str(steps),
             **settings,
@@ -89,7 +90,7 @@ class Job:
             f"--- agent {i} ---\n{(self.folder / f'agent{i}.log').read_text()[-6000:]}" for i in range(len(self.agents))
         )
 
-    def wait_for(self, what: str, predicate, timeout: float = 120) -> None:
+    def wait_for(self, what: str, predicate, timeout: float = 300) -> None:
         deadline = time.monotonic() + timeout
         while not predicate(self.events()):
             if time.monotonic() > deadline:
@@ -106,7 +107,7 @@ class Job:
             _kill(pid)
         agent.wait()
 
-    def finish(self, agents: list[subprocess.Popen], timeout: float = 150) -> list[int]:
+    def finish(self, agents: list[subprocess.Popen], timeout: float = 300) -> list[int]:
         deadline = time.monotonic() + timeout
         for agent in agents:
             try:

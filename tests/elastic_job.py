@@ -1,7 +1,8 @@
 """What the elastic training scripts of test_elastic_agent.py share: the data, the schedule, the event log.
 
 Settings come from the environment the test gives the launcher (inherited by every worker):
-``BAGUA_TEST_DIR`` (checkpoints under ``ckpt/``, the event log ``events.jsonl``, the final
+``BAGUA_TEST_SEED`` (the test run's seed: the data, the initial weights and the sampler's
+order), ``BAGUA_TEST_DIR`` (checkpoints under ``ckpt/``, the event log ``events.jsonl``, the final
 parameters ``final.npz``), ``BAGUA_TEST_STEPS`` (steps in all), ``BAGUA_TEST_STOP_AT`` (the
 reference replay: save at this step and stop), ``BAGUA_TEST_STEP_SECONDS`` (a pause per step,
 so that the test can act mid-run), ``BAGUA_TEST_KILL`` (``{"rank", "step", "restart"}``:
@@ -27,7 +28,7 @@ SAMPLES, FEATURES, OUTPUTS, HIDDEN = 64, 8, 2, 16
 GLOBAL_BATCH = 8
 CHECKPOINT_EVERY = 2
 LR = 0.1
-SEED = 5
+SEED = int(os.environ["BAGUA_TEST_SEED"])
 
 
 def folder() -> Path:

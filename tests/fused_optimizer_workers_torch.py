@@ -55,8 +55,8 @@ def make_adam(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.Adam(groups, lr=1e-2)
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(step * 1009 + rank)
+def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + step * 1009 + rank)
     return torch.randn(6, 10, generator=g) * (1 + rank), torch.randn(6, 3, generator=g)
 
 
@@ -78,23 +78,23 @@ def build(name: str, model: nn.Module):
     return make_adam(model), algorithms.get_algorithm(name, **options)
 
 
-def train(model, optimizer, rank: int, steps: int) -> list[dict]:
+def train(model, optimizer, seed: int, rank: int, steps: int) -> list[dict]:
     out = []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=False)
-        x, y = batch(step, rank)
+        x, y = batch(seed, step, rank)
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         out.append({n: p.detach().numpy().copy() for n, p in model.module.named_parameters()})
     return out
 
 
-def run_case(name: str, fused: bool, rank: int) -> dict:
+def run_case(name: str, fused: bool, seed: int, rank: int) -> dict:
     """Train case ``name`` fused or not; what was trained, communicated and (fused) copied, or the refusal."""
     import bagua_torch
 
     world = CountingCommunicator(bagua_torch.get_process_group().world)
-    model = make_mlp(0)
+    model = make_mlp(seed)
     optimizer, algorithm = build(name, model)
     # Asynchronous averaging makes a communicator of its own from the world: it gets the real one.
     group = world.inner if name == "async" else world
@@ -106,7 +106,7 @@ def run_case(name: str, fused: bool, rank: int) -> dict:
             except TypeError as error:
                 return {"refused": str(error)}
         world.calls.clear()
-        steps = train(model, optimizer, rank, STEPS)
+        steps = train(model, optimizer, seed, rank, STEPS)
         result = {"steps": steps, "calls": dict(world.calls), "buckets": len(model.buckets)}
         impl = model.algorithm_impl
         if name == "async":
@@ -130,12 +130,12 @@ def run_case(name: str, fused: bool, rank: int) -> dict:
         model.close()
 
 
-def every_algorithm_fused_and_unfused(names: list[str]) -> dict:
+def every_algorithm_fused_and_unfused(seed: int, names: list[str]) -> dict:
     """Per algorithm: the unfused and the fused run (see :func:`run_case`), keyed "False" and "True"."""
     import bagua_torch
 
     torch.set_num_threads(1)
     rank = int(os.environ["RANK"])
     bagua_torch.init_process_group(timeout=60)
-    out = {name: {str(fused): run_case(name, fused, rank) for fused in (False, True)} for name in names}
+    out = {name: {str(fused): run_case(name, fused, seed, rank) for fused in (False, True)} for name in names}
     return out | {"rank": np.int64(rank)}

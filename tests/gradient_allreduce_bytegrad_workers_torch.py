@@ -221,11 +221,11 @@ def bytegrad(seed: int, rank: int, sync_point: str = "backward", **options) -> d
 
 
 @scenario
-def overlap(rank: int) -> dict:
+def overlap(seed: int, rank: int) -> dict:
     """Several large layers, one per bucket: when does each bucket launch, relative to the backward pass?"""
     import bagua_torch
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     layers = [nn.Linear(512, 512) for _ in range(6)]
     model = nn.Sequential(*[m for layer in layers for m in (layer, nn.Tanh())])
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
@@ -236,7 +236,7 @@ def overlap(rank: int) -> dict:
     layers[0].weight.register_post_accumulate_grad_hook(lambda p: first_layer_grad.append(time.perf_counter()))
     results = []
     for step in range(3):
-        x = torch.randn(256, 512, generator=torch.Generator().manual_seed(step * 10 + rank))
+        x = torch.randn(256, 512, generator=torch.Generator().manual_seed(seed * 1_000_003 + step * 10 + rank))
         wrapped.events = []
         first_layer_grad.clear()
         opt.zero_grad()
@@ -252,7 +252,7 @@ def overlap(rank: int) -> dict:
     class Swapped(nn.Module):
         def __init__(self):
             super().__init__()
-            torch.manual_seed(1)
+            torch.manual_seed(seed + 1)
             self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)  # registered (and drawn) a first
 
         def forward(self, x):
@@ -262,7 +262,7 @@ def overlap(rank: int) -> dict:
     sopt = torch.optim.SGD(swapped.parameters(), lr=0.1)
     sw = bagua_torch.with_bagua(swapped, [sopt], "gradient_allreduce", bucket_bytes=8 * 8 * 4 + 8 * 4)
     sw.events = []
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed * 1_000_003 + rank))
     sw(x).sum().backward()
     grads = {name: p.grad.numpy().copy() for name, p in swapped.named_parameters()}
     local = copy.deepcopy(swapped)  # for the expected average: this rank's own gradient
@@ -319,9 +319,9 @@ def no_sync(seed: int, rank: int) -> dict:
 
 
 class _Branchy(nn.Module):
-    def __init__(self):
+    def __init__(self, seed: int):
         super().__init__()
-        torch.manual_seed(3)
+        torch.manual_seed(seed)
         self.always = nn.Linear(6, 6)
         self.rank0_only = nn.Linear(6, 6)
         self.never = nn.Linear(6, 6)
@@ -335,7 +335,7 @@ class _Branchy(nn.Module):
 
 
 @scenario
-def unused_parameters(rank: int, size: int) -> dict:
+def unused_parameters(seed: int, rank: int, size: int) -> dict:
     """A branch used on rank 0 only and a layer used nowhere: no hang, zeros stand in for missing gradients."""
     import torch.distributed as dist
 
@@ -343,12 +343,12 @@ def unused_parameters(rank: int, size: int) -> dict:
 
     out = {}
     for sync_point in ("backward", "step"):
-        model = _Branchy()
+        model = _Branchy(seed)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         wrapped = bagua_torch.with_bagua(model, [opt], "gradient_allreduce", bucket_bytes=200, sync_point=sync_point)
         grads, expected = [], []
         for step in range(2):
-            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(100 * step + rank))
+            x = torch.randn(5, 6, generator=torch.Generator().manual_seed(seed * 1_000_003 + 100 * step + rank))
             local = copy.deepcopy(model)
             local.zero_grad(set_to_none=True)
             local(x, rank == 0).sum().backward()
@@ -425,13 +425,13 @@ def wrapped_allreduce():
 
 
 @scenario
-def errors(rank: int) -> dict:
+def errors(seed: int, rank: int) -> dict:
     """Wrong inputs, each refused with a clear message on every rank (and nothing left hanging)."""
     import bagua_torch
     from bagua_torch.algorithms import ByteGradAlgorithm
 
     found = {}
-    model = make_mlp(0)
+    model = make_mlp(seed)
     opt = make_optimizer(model)
     found["not_module"] = raised(lambda: bagua_torch.with_bagua("model", [opt], "bytegrad"))
     found["unknown_algorithm"] = raised(lambda: bagua_torch.with_bagua(model, [opt], "bytegrade"))
@@ -442,9 +442,9 @@ def errors(rank: int) -> dict:
     found["ddp_dim"] = raised(lambda: bagua_torch.DistributedDataParallel(model, dim=1))
     found["ddp_device"] = raised(lambda: bagua_torch.DistributedDataParallel(model, device_ids=[0]))
     # Below, each call communicates; every rank makes the same calls.
-    double = make_mlp(0, torch.float64)
+    double = make_mlp(seed, torch.float64)
     found["bytegrad_float64"] = raised(lambda: bagua_torch.with_bagua(double, [], "bytegrad"))
-    different = make_mlp(0) if rank == 0 else nn.Sequential(nn.Linear(10, 31), nn.Tanh(), nn.Linear(31, 3))
+    different = make_mlp(seed) if rank == 0 else nn.Sequential(nn.Linear(10, 31), nn.Tanh(), nn.Linear(31, 3))
     found["different_models"] = raised(lambda: bagua_torch.with_bagua(different, []))
     found["different_algorithms"] = raised(
         lambda: bagua_torch.with_bagua(model, [], ByteGradAlgorithm(hierarchical=rank == 0))
@@ -453,7 +453,7 @@ def errors(rank: int) -> dict:
     found["custom_algorithm"] = raised(lambda: bagua_torch.with_bagua(model, [], wrapped_allreduce()).close())
     wrapped = bagua_torch.with_bagua(model, [opt], sync_point="step")
     found["wrap_twice"] = raised(lambda: bagua_torch.with_bagua(wrapped, [opt]))
-    x, y = batch(0, 0, rank)
+    x, y = batch(seed, 0, rank)
     loss_fn(wrapped, x, y).backward()
 
     def second_backward():
@@ -462,7 +462,7 @@ def errors(rank: int) -> dict:
     found["second_backward"] = raised(second_backward)
     wrapped.wait_gradients()
     opt.step()
-    found["after_errors_still_works"] = train(wrapped, opt, 0, range(2), rank)
+    found["after_errors_still_works"] = train(wrapped, opt, seed, range(2), rank)
     wrapped.close()
     return found
 

@@ -49,7 +49,7 @@ def run_ranks(
     nprocs: int,
     *args: Any,
     launcher: Literal["python", "mpiexec"] = "python",
-    timeout: float = 120.0,
+    timeout: float = 300.0,
     env: dict[str, str] | None = None,
     check: bool = True,
 ) -> list[RankResult]:

@@ -1,9 +1,12 @@
-"""Rank bodies for test_native_communicator_jax.py (run under mpiexec)."""
+"""Rank bodies for test_native_communicator_jax.py (run under mpiexec): a job runs several scenarios (``job``)."""
 
 import os
 
 import numpy as np
 from lax_communicator_workers_jax import pairing_schedule
+from scenarios import Registry, Scenario
+
+scenario = Registry()
 
 OPS = ("sum", "avg", "min", "max")
 
@@ -12,6 +15,7 @@ def rank_data(rank: int, seed: int, shape=(3, 5)) -> np.ndarray:
     return np.random.default_rng([seed, rank]).standard_normal(shape).astype(np.float32)
 
 
+@scenario
 def every_primitive(seed: int) -> dict:
     """Run each collective once inside one jitted step; return the local results."""
     import jax
@@ -51,6 +55,7 @@ def every_primitive(seed: int) -> dict:
     return {"rank": rank, "size": size, **{k: np.asarray(v) for k, v in result.items()}}
 
 
+@scenario
 def large_allreduces(seed: int, count: int) -> dict:
     """Allreduces of ``count`` elements: float32 with every op (jitted), float16, bfloat16 and
     int32 sums, and a float32 sum in place through the engine's DLPack binding."""
@@ -90,6 +95,7 @@ def dies_or_waits(rank_to_die: int, count: int = 1000) -> str:
     return "no error"
 
 
+@scenario
 def opposite_orders(n: int) -> np.ndarray:
     """Rank 0 sends then receives; rank 1 receives then sends, in one jitted step.
 
@@ -115,3 +121,10 @@ def opposite_orders(n: int) -> np.ndarray:
         return received
 
     return np.asarray(step(mine))
+
+
+def job(seed: int, scenarios: list[Scenario], local_world_size: None = None) -> dict:
+    """``scenarios`` on this rank, one after the other."""
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    return {"rank": int(NativeCommunicator.mpi_world(timeout=60).rank()), **scenario.run(scenarios, seed=seed)}

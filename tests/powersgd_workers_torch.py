@@ -11,7 +11,7 @@ from torch import nn
 STEPS, BATCH = 8, 8
 
 
-def make_model(seed: int = 0) -> nn.Module:
+def make_model(seed: int) -> nn.Module:
     """A conv layer (7 x 3 x 3 x 3, compressed as 7 x 27), two linear layers and their biases.
 
     The conv's ``P`` (7 rows) is orthogonalized in one batch with the last layer's (10 rows), padded: with
@@ -24,32 +24,28 @@ def make_model(seed: int = 0) -> nn.Module:
     )
 
 
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1000 * step + rank)
+def batch(seed: int, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed * 1_000_003 + 1000 * step + rank)
     return torch.randn(BATCH, 3, 6, 6, generator=generator), torch.randint(0, 10, (BATCH,), generator=generator)
 
 
-def loss_of(model: nn.Module, step: int, rank: int) -> torch.Tensor:
-    x, y = batch(step, rank)
+def loss_of(model: nn.Module, seed: int, step: int, rank: int) -> torch.Tensor:
+    x, y = batch(seed, step, rank)
     return nn.functional.cross_entropy(model(x), y)
 
 
-def bagua_gradients(config: dict, bucket_sizes: list[int]) -> list[dict]:
+def bagua_gradients(seed: int, config: dict, bucket_sizes: list[int]) -> list[dict]:
     """Per bucket size, each step: this rank's local gradients (at the shared parameters) and the gradients
     PowerSGD applied, from the same initial model."""
-    import bagua_torch
-
-    torch.set_num_threads(1)
-    bagua_torch.init_process_group(timeout=60)
-    return [_bagua_run(config, bucket_bytes) for bucket_bytes in bucket_sizes]
+    return [_bagua_run(seed, config, bucket_bytes) for bucket_bytes in bucket_sizes]
 
 
-def _bagua_run(config: dict, bucket_bytes: int) -> dict:
+def _bagua_run(seed: int, config: dict, bucket_bytes: int) -> dict:
     import bagua_torch
     from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
 
     rank = int(os.environ["RANK"])
-    model = make_model()
+    model = make_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     wrapped = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config), bucket_bytes=bucket_bytes)
     impl = wrapped.algorithm_impl
@@ -62,10 +58,10 @@ def _bagua_run(config: dict, bucket_bytes: int) -> dict:
             k += 1
     local, applied = [], []
     for step in range(STEPS):
-        grads = torch.autograd.grad(loss_of(model, step, rank), list(model.parameters()))
+        grads = torch.autograd.grad(loss_of(model, seed, step, rank), list(model.parameters()))
         local.append([g.numpy().copy() for g in grads])
         optimizer.zero_grad()
-        loss_of(wrapped, step, rank).backward()
+        loss_of(wrapped, seed, step, rank).backward()
         applied.append([p.grad.numpy().copy() for p in model.parameters()])
         optimizer.step()
     wrapped.close()
@@ -79,7 +75,7 @@ def _bagua_run(config: dict, bucket_bytes: int) -> dict:
     }
 
 
-def losses(kind: str, config: dict, steps: int) -> list[float]:
+def losses(kind: str, seed: int, config: dict, steps: int) -> list[float]:
     """The loss curve of PowerSGD under with_bagua (``kind="bagua"``) or DDP's hook (``"ddp"``), same data."""
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
@@ -87,10 +83,8 @@ def losses(kind: str, config: dict, steps: int) -> list[float]:
     import bagua_torch
     from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
 
-    torch.set_num_threads(1)
-    bagua_torch.init_process_group(timeout=60)
     rank = int(os.environ["RANK"])
-    model = make_model()
+    model = make_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     if kind == "bagua":
         trained = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config))
@@ -108,7 +102,7 @@ def losses(kind: str, config: dict, steps: int) -> list[float]:
     curve = []
     for step in range(steps):
         optimizer.zero_grad()
-        loss = loss_of(trained, step % 16, rank)
+        loss = loss_of(trained, seed, step % 16, rank)
         loss.backward()
         optimizer.step()
         curve.append(float(loss))
@@ -116,30 +110,28 @@ def losses(kind: str, config: dict, steps: int) -> list[float]:
     return curve
 
 
-def resume(config: dict) -> dict:
+def resume(seed: int, config: dict) -> dict:
     """Train 3 steps, checkpoint, train 3 more; a fresh wrap loaded from the checkpoint must repeat them."""
     import bagua_torch
     from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
 
-    torch.set_num_threads(1)
-    bagua_torch.init_process_group(timeout=60)
     rank = int(os.environ["RANK"])
 
     def run(wrapped, optimizer, steps) -> list[list[float]]:
         for step in steps:
             optimizer.zero_grad()
-            loss_of(wrapped, step, rank).backward()
+            loss_of(wrapped, seed, step, rank).backward()
             optimizer.step()
         return [p.detach().reshape(-1).tolist() for p in wrapped.module.parameters()]
 
-    model = make_model()
+    model = make_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     wrapped = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config))
     run(wrapped, optimizer, range(3))
     checkpoint = copy.deepcopy({"model": wrapped.state_dict(), "optimizer": optimizer.state_dict()})
     continued = run(wrapped, optimizer, range(3, 6))
     wrapped.close()
-    model = make_model(seed=1)
+    model = make_model(seed + 1)  # other initial weights, which loading the checkpoint replaces
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     wrapped = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config))
     wrapped.load_state_dict(checkpoint["model"])
@@ -147,3 +139,17 @@ def resume(config: dict) -> dict:
     resumed = run(wrapped, optimizer, range(3, 6))
     wrapped.close()
     return {"continued": continued, "resumed": resumed}
+
+
+def every_run(seed: int, config: dict, bucket_sizes: list[int], steps: int) -> dict:
+    """What each test of test_powersgd_torch.py reads, from one process group: :func:`bagua_gradients`,
+    :func:`resume`, and :func:`losses` of both kinds."""
+    import bagua_torch
+
+    torch.set_num_threads(1)
+    bagua_torch.init_process_group(timeout=60)
+    return {
+        "gradients": bagua_gradients(seed, config, bucket_sizes),
+        "resume": resume(seed, config),
+        **{kind: losses(kind, seed, config, steps) for kind in ("bagua", "ddp")},
+    }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import inspect
 import time
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -76,12 +77,13 @@ def raised(call: Callable[[], Any]) -> str:
 @dataclass(frozen=True)
 class Job:
     """One multi-process run: ``ranks`` processes started by ``launcher``, running ``scenarios``;
-    ``local_world_size`` lays the ranks out as nodes of that many ranks."""
+    ``local_world_size`` lays the ranks out as nodes of that many ranks; ``env`` adds to their environment."""
 
     ranks: int
     launcher: Literal["python", "mpiexec"]
     scenarios: tuple[Scenario, ...]
     local_world_size: int | None = None
+    env: dict[str, str] = field(default_factory=dict, hash=False)
 
 
 def has_mpi(build_info: dict[str, Any]) -> bool:
@@ -96,7 +98,7 @@ class JobTable:
     """The jobs of one test module, run by ``worker`` (``"module:function"``, called on each rank
     with ``(seed, scenarios, local_world_size)``) once per session each."""
 
-    def __init__(self, worker: str, jobs: dict[str, Job], mpi: bool, timeout: float = 240.0) -> None:
+    def __init__(self, worker: str, jobs: dict[str, Job], mpi: bool, timeout: float = 300.0) -> None:
         self.worker, self.jobs, self.mpi, self.timeout = worker, jobs, mpi, timeout
         self._results: dict[str, tuple[int, list[dict[str, Any]]]] = {}
         self._failures: dict[str, str] = {}  # a failed job is not run again for each test that reads it
@@ -107,6 +109,7 @@ class JobTable:
         fail at once with the end of its report."""
         import numpy as np
         import pytest
+        from conftest import SEED
         from multiprocess import run_ranks
 
         if name in self._failures:
@@ -115,7 +118,8 @@ class JobTable:
             job = self.jobs[name]
             if job.launcher == "mpiexec" and not self.mpi:
                 pytest.skip("built without the MPI engine, or no mpiexec")
-            seed = int(np.random.default_rng().integers(2**20))
+            # The session's seed (BAGUA_TEST_SEED in the report header) reproduces every job's data.
+            seed = int(np.random.default_rng([SEED, zlib.crc32(f"{self.worker}:{name}".encode())]).integers(2**20))
             try:
                 results = run_ranks(
                     self.worker,
@@ -125,6 +129,7 @@ class JobTable:
                     job.local_world_size,
                     launcher=job.launcher,
                     timeout=self.timeout,
+                    env=job.env,
                 )
             except Exception as error:
                 self._failures[name] = str(error)[-4000:]

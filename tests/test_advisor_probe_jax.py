@@ -163,7 +163,7 @@ def test_the_command_line_probes_every_level_of_a_loopback_job(ranks, layout, le
         + ["--params", "20000", *layout],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
         cwd=ROOT,
     )
     assert run.returncode == 0, run.stdout + run.stderr

@@ -2,8 +2,8 @@
 
 The in-step part (gradient allreduce during warm-up, local steps after) runs on 2 and 4
 simulated devices under ``shard_map`` with :class:`LaxCommunicator`. The background rounds
-need real processes: they run on 2 and 4 MPI ranks (``async_model_average_workers_jax.py``), where a training
-loop calls ``averager.apply`` between jitted steps of a linear regression.
+need real processes: one MPI job on 2 ranks and one on 4 (``async_model_average_workers_jax.py``, several
+scenarios each), where a training loop calls ``averager.apply`` between jitted steps of a linear regression.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from async_model_average_reference import (
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from kernels_reference import async_average as async_average_reference
-from multiprocess import run_ranks
+from scenarios import Job, JobTable, Scenario, has_mpi
 
 import bagua_jax
 from bagua_jax import LaxCommunicator
@@ -37,15 +37,19 @@ from bagua_jax.algorithms.base import Communicators
 
 NS = (2, 4)
 F32_EPS = float(np.finfo(np.float32).eps)
-needs_mpi = pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
 
-
-# ---- NumPy references -----------------------------------------------------------------
-
-
-def new_seed(rng: np.random.Generator) -> int:
-    """A seed for the ranks' data, drawn from the test's reproducible generator."""
-    return int(rng.integers(2**31))
+WARMUP = Scenario("train", {"steps": 8, "warmup_steps": 8, "sync_interval_ms": 1, "sleep_s": 0.0})
+TRAIN = Scenario("train", {"steps": 200, "warmup_steps": 5, "sync_interval_ms": 2, "sleep_s": 0.002})
+ONE_ROUND, ABORT_RESUME = Scenario("one_round"), Scenario("abort_resume")
+NEVER_WAITS = Scenario("never_waits", {"stall_s": 1.5})
+JOBS = JobTable(
+    "async_model_average_workers_jax:job",
+    {
+        "mpi-2": Job(2, "mpiexec", (WARMUP, TRAIN, ONE_ROUND, ABORT_RESUME, NEVER_WAITS)),
+        "mpi-4": Job(4, "mpiexec", (WARMUP, TRAIN, ONE_ROUND, ABORT_RESUME)),
+    },
+    mpi=has_mpi(bagua_jax.build_info()),
+)
 
 
 # ---- the in-step transform on simulated devices -------------------------------------------
@@ -153,58 +157,48 @@ def test_bad_arguments_are_rejected():
 # ---- background rounds on MPI ranks ---------------------------------------------------------
 
 
-@needs_mpi
-@pytest.mark.parametrize("n", NS)
-def test_warmup_equals_synchronous_allreduce_sgd(n, rng):
-    seed, steps = new_seed(rng), 8
-    results = [
-        r.value
-        for r in run_ranks("async_model_average_workers_jax:train", n, seed, steps, steps, 1, 0.0, launcher="mpiexec")
-    ]
+@pytest.mark.parametrize("name", JOBS.jobs_with(WARMUP))
+def test_warmup_equals_synchronous_allreduce_sgd(name):
+    seed, results = JOBS.run(name)
+    n, steps = len(results), WARMUP.options["steps"]
     expected = numpy_sgd(seed, n, steps, averaged_steps=steps)
     for res in results:
+        got = res[WARMUP.label]
         # float32 rounding of JAX's gradient and of MPI's sum versus NumPy's, over a few steps.
-        np.testing.assert_allclose(res["history"], expected[:, res["rank"]], rtol=1e-5, atol=1e-5)
-        assert res["history"].tobytes() == results[0]["history"].tobytes()  # bit-identical replicas
+        np.testing.assert_allclose(got["history"], expected[:, res["rank"]], rtol=1e-5, atol=1e-5)
+        assert got["history"].tobytes() == results[0][WARMUP.label]["history"].tobytes()  # bit-identical replicas
         # No thread during warm-up; it starts once warmup_steps steps are done, before any round.
-        assert res["running"][:-1] == [False] * (steps - 1)
-        assert res["rounds"] == 0 and res["joined"]
+        assert got["running"][:-1] == [False] * (steps - 1)
+        assert got["rounds"] == 0 and got["joined"]
 
 
-@needs_mpi
-@pytest.mark.parametrize("n", NS)
-def test_background_averaging_keeps_replicas_together_and_trains(n, rng):
-    seed, steps, warmup = new_seed(rng), 200, 5
-    results = run_ranks(
-        "async_model_average_workers_jax:train", n, seed, steps, warmup, 2, 0.002, launcher="mpiexec", timeout=120
-    )
-    results = sorted((r.value for r in results), key=lambda v: v["rank"])
-    got = np.stack([res["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
+@pytest.mark.parametrize("name", JOBS.jobs_with(TRAIN))
+def test_background_averaging_keeps_replicas_together_and_trains(name):
+    seed, results = JOBS.run(name)
+    n, warmup = len(results), TRAIN.options["warmup_steps"]
+    got = np.stack([res[TRAIN.label]["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
     np.testing.assert_allclose(got[:warmup], numpy_sgd(seed, n, warmup, warmup), rtol=1e-5, atol=1e-5)
-    rounds = {res["rounds"] for res in results}
-    assert len(rounds) == 1, [res["rounds"] for res in results]
-    assert all(res["joined"] for res in results)
+    rounds = {res[TRAIN.label]["rounds"] for res in results}
+    assert len(rounds) == 1, [res[TRAIN.label]["rounds"] for res in results]
+    assert all(res[TRAIN.label]["joined"] for res in results)
     check_averaged_training(got, seed, warmup, rounds.pop())
 
 
-@needs_mpi
-@pytest.mark.parametrize("n", NS)
-def test_one_round_applies_sum_over_n_minus_snapshot(n, rng):
-    seed = new_seed(rng)
-    results = sorted(
-        (r.value for r in run_ranks("async_model_average_workers_jax:one_round", n, seed, launcher="mpiexec")),
-        key=lambda v: v["rank"],
-    )
+@pytest.mark.parametrize("name", JOBS.jobs_with(ONE_ROUND))
+def test_one_round_applies_sum_over_n_minus_snapshot(name):
+    seed, results = JOBS.run(name)
+    n = len(results)
     snapshots = [rank_params(seed, r, 0) for r in range(n)]
     for res in results:
-        assert res["started"]  # steps_done covered warm-up: the thread started at once
-        assert res["rounds"] == 1 and res["joined"]
-        assert res["unchanged"] and res["idle_apply_s"] < 0.5  # no round finished: input returned as is
-        x = rank_params(seed, res["rank"], res["corrected_from"])
+        got_round = res[ONE_ROUND.label]
+        assert got_round["started"]  # steps_done covered warm-up: the thread started at once
+        assert got_round["rounds"] == 1 and got_round["joined"]
+        assert got_round["unchanged"] and got_round["idle_apply_s"] < 0.5  # no round finished: input returned as is
+        x = rank_params(seed, res["rank"], got_round["corrected_from"])
         for key in ("w", "b"):
             sums = np.sum([s[key].astype(np.float64) for s in snapshots], 0)
             expected = async_average_reference(x[key], sums.astype(np.float32), snapshots[res["rank"]][key], n)
-            got = res["out"][key]
+            got = got_round["out"][key]
             assert got.dtype == x[key].dtype
             if n == 2:
                 # The sum of two floats does not depend on the order: the kernel's math exactly
@@ -219,34 +213,24 @@ def test_one_round_applies_sum_over_n_minus_snapshot(n, rng):
                 np.testing.assert_array_less(np.abs(got.astype(np.float32) - expected), bound + 1e-30)
 
 
-@needs_mpi
-@pytest.mark.parametrize("n", NS)
-def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(n, rng):
-    results = [
-        r.value
-        for r in run_ranks(
-            "async_model_average_workers_jax:abort_resume", n, new_seed(rng), launcher="mpiexec", timeout=120
-        )
-    ]
+@pytest.mark.parametrize("name", JOBS.jobs_with(ABORT_RESUME))
+def test_abort_stops_every_rank_at_the_same_round_and_resume_restarts(name):
+    _, results = JOBS.run(name)
+    phases = [res[ABORT_RESUME.label] for res in results]
     for phase in ("a", "b", "c"):
-        assert len({res[phase] for res in results}) == 1, [res[phase] for res in results]
-        assert results[0][phase][1] is False  # the thread was joined
-    rounds_a, rounds_b, rounds_c = (results[0][phase][0] for phase in ("a", "b", "c"))
+        assert len({p[phase] for p in phases}) == 1, [p[phase] for p in phases]
+        assert phases[0][phase][1] is False  # the thread was joined
+    rounds_a, rounds_b, rounds_c = (phases[0][phase][0] for phase in ("a", "b", "c"))
     assert rounds_a >= 1 and rounds_b > rounds_a and rounds_c >= rounds_b
-    for res in results:
-        assert res["a_after_steps"] == rounds_a  # no rounds while aborted
+    for res, p in zip(results, phases):
+        assert p["a_after_steps"] == rounds_a  # no rounds while aborted
         if res["rank"] != 0:
-            assert res["stopped_by_peer"]  # rank 0's abort alone stopped this rank's thread
+            assert p["stopped_by_peer"]  # rank 0's abort alone stopped this rank's thread
 
 
-@needs_mpi
 def test_training_never_waits_for_a_round_in_flight():
-    stall = 1.5
-    results = sorted(
-        (r.value for r in run_ranks("async_model_average_workers_jax:never_waits", 2, stall, launcher="mpiexec")),
-        key=lambda v: v["rank"],
-    )
-    busy = results[0]
+    _, results = JOBS.run("mpi-2")
+    busy, stall = results[0][NEVER_WAITS.label], NEVER_WAITS.options["stall_s"]
     # Rank 1 made no progress for the whole window, so rank 0's round could not finish: at most
     # the round already past its flag when the stall began completes.
     assert busy["rounds_during"] <= 1
@@ -257,4 +241,4 @@ def test_training_never_waits_for_a_round_in_flight():
     assert len(busy["step_s"]) >= 50, len(busy["step_s"])
     assert busy["step_s"].max() < 0.25, busy["step_s"].max()
     assert busy["loop_s"] < 0.8 * stall + 0.3
-    assert results[0]["rounds"] == results[1]["rounds"]
+    assert busy["rounds"] == results[1][NEVER_WAITS.label]["rounds"]

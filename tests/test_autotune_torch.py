@@ -6,14 +6,16 @@ import numpy as np
 import pytest
 
 
-def test_ranks_switch_together_and_tuning_leaves_gradient_allreduce_bit_identical(tmp_path):
+def test_ranks_switch_together_and_tuning_leaves_gradient_allreduce_bit_identical(tmp_path, seed):
     """Two gloo ranks (rank 1 slowed at random): tuning re-buckets the model several times, at the same
     steps on both ranks, and the parameters end bit-identical to the untuned run's (a 2-rank sum is
     exact whatever the layout). A second run with ``cached`` starts at the stored choice."""
     from autotune_workers_torch import STEPS
     from multiprocess import run_ranks
 
-    ranks = run_ranks("autotune_workers_torch:tuned_against_plain", 2, str(tmp_path / "autotune.json"), timeout=180)
+    ranks = run_ranks(
+        "autotune_workers_torch:tuned_against_plain", 2, seed, str(tmp_path / "autotune.json"), timeout=300
+    )
     tuned = [r.value["once"] for r in ranks]
     np.testing.assert_array_equal(tuned[0]["sizes"], tuned[1]["sizes"])
     assert tuned[0]["finished"] and len(set(tuned[0]["sizes"].tolist())) == 2, tuned[0]["sizes"]
@@ -30,7 +32,7 @@ def test_ranks_switch_together_and_tuning_leaves_gradient_allreduce_bit_identica
 
 
 @pytest.mark.parametrize("between_nodes", [False, True], ids=["one-node", "between-nodes"])
-def test_hierarchical_and_ring_threshold_switch_on_every_rank_at_the_same_step(tmp_path, between_nodes):
+def test_hierarchical_and_ring_threshold_switch_on_every_rank_at_the_same_step(tmp_path, seed, between_nodes):
     """Four native MPI ranks as two nodes of two (``LOCAL_WORLD_SIZE=2``; rank 3 slowed at random): the tuner
     switches ``hierarchical`` (and the bucket size) at the same steps on every rank; world, intra and inter keep
     one ring threshold.
@@ -48,10 +50,11 @@ def test_hierarchical_and_ring_threshold_switch_on_every_rank_at_the_same_step(t
     ranks = run_ranks(
         "autotune_workers_torch:knobs_on_two_levels",
         4,
+        seed,
         str(tmp_path / "autotune.json"),
         steps,
         launcher="mpiexec",
-        timeout=240,
+        timeout=300,
         env={"LOCAL_WORLD_SIZE": "2", **({"MPIR_CVAR_NOLOCAL": "1"} if between_nodes else {})},
     )
     tuned = [r.value["once"] for r in ranks]

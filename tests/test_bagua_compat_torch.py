@@ -18,9 +18,9 @@ NPROCS = 2
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(tmp_path_factory, seed):
     directory = str(tmp_path_factory.mktemp("bagua-checkpoints"))
-    results = run_ranks("bagua_compat_workers_torch:every_api_point", NPROCS, directory, timeout=150)
+    results = run_ranks("bagua_compat_workers_torch:every_api_point", NPROCS, seed, directory, timeout=300)
     return sorted((r.value for r in results), key=lambda v: v["rank"])
 
 
@@ -153,7 +153,7 @@ def test_only_importing_the_compat_layer_patches_torch():
         "import bagua_torch.torch_api\n"
         "assert torch.nn.Module.with_bagua is bagua_torch.torch_api.distributed.with_bagua\n"
     )
-    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    run = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr
 
 

@@ -39,9 +39,9 @@ def migrated(script: str, directory: Path) -> Path:
 
 def launch(script: Path, *args: str) -> str:
     command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2"]
-    command += ["--timeout", "120", str(script), *args]
+    command += ["--timeout", "300", str(script), *args]
     result = subprocess.run(
-        command, capture_output=True, text=True, timeout=180, env=source_tree_env(), cwd=script.parent
+        command, capture_output=True, text=True, timeout=360, env=source_tree_env(), cwd=script.parent
     )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output

@@ -176,6 +176,6 @@ def test_missing_binary_says_how_to_install(tmp_path):
     )
     result = subprocess.run(
         [sys.executable, "-m", "bagua_launch", "--cache-server", "redis", "x.py"],
-        env=env, capture_output=True, text=True, timeout=60, check=False,
+        env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode != 0 and "apt-get install redis-server" in result.stderr

@@ -106,7 +106,7 @@ def test_bind_address_must_be_an_address_of_this_node(address):
 def test_launcher_rejects_a_foreign_bind_address():
     result = subprocess.run(
         [sys.executable, "-m", "bagua_launch", "--cache-server", "redis", "--cache-bind", "192.0.2.1", "x.py"],
-        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=60, check=False,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 2 and "--cache-bind" in result.stderr and "not an address of this node" in result.stderr
 
@@ -134,7 +134,7 @@ def run_rank(server: RedisServer, servers: list[RedisServer], action: str, hash_
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONHASHSEED=hash_seed, **server.environment())
     result = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(ROUTING_SCRIPT), action],
-        input=entries, env=env, capture_output=True, text=True, timeout=60, check=False,
+        input=entries, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     return result.stdout
@@ -197,7 +197,7 @@ def test_launcher_serves_a_password_protected_cache_on_the_bind_address(tmp_path
     result = subprocess.run(
         [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", "--cache-server", "redis",
          "--cache-capacity", "64M", "--cache-bind", "127.0.0.1", str(script)],
-        env=env, capture_output=True, text=True, timeout=120, check=False,
+        env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     lines = [line.split()[-2:] for line in result.stdout.splitlines() if "URL" in line]

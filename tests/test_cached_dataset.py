@@ -192,7 +192,7 @@ def run_python(script: str, **env: str) -> str:
         [sys.executable, "-c", script],
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
         env=env,
         check=True,
     ).stdout

@@ -200,9 +200,9 @@ def test_hierarchical_levels_are_planned_anew(tmp_path, rng):
 
 
 @pytest.mark.skipif(not has_mpiexec(), reason="no mpiexec")
-def test_native_mode_restores_each_ranks_own_state(tmp_path):
+def test_native_mode_restores_each_ranks_own_state(tmp_path, seed):
     results = run_ranks(
-        "checkpoint_workers_jax:train_save_restore", 2, str(tmp_path), 7, launcher="mpiexec", timeout=180
+        "checkpoint_workers_jax:train_save_restore", 2, str(tmp_path), seed, launcher="mpiexec", timeout=300
     )
     saved = [r.value["saved"] for r in results]
     assert any(not np.array_equal(a, b) for a, b in zip(*saved)), "the ranks' states should differ"

@@ -58,12 +58,12 @@ def check_restored(name, restored, saved):
 
 
 def test_restore_into_another_world_size_follows_each_algorithms_rule(tmp_path, seed):
-    four = run_ranks("checkpoint_workers_torch:restore_then_save", 4, seed, None, str(tmp_path / "a"), timeout=180)
+    four = run_ranks("checkpoint_workers_torch:restore_then_save", 4, seed, None, str(tmp_path / "a"), timeout=300)
     two = run_ranks(
-        "checkpoint_workers_torch:restore_then_save", 2, seed, str(tmp_path / "a"), str(tmp_path / "b"), timeout=180
+        "checkpoint_workers_torch:restore_then_save", 2, seed, str(tmp_path / "a"), str(tmp_path / "b"), timeout=300
     )
     again = run_ranks(
-        "checkpoint_workers_torch:restore_then_save", 4, seed, str(tmp_path / "b"), str(tmp_path / "c"), timeout=180
+        "checkpoint_workers_torch:restore_then_save", 4, seed, str(tmp_path / "b"), str(tmp_path / "c"), timeout=300
     )
     for name in ALGORITHMS:
         for old, new in ((four, two), (two, again)):

@@ -29,7 +29,7 @@ def test_import_ignores_a_bad_value():
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=300,
     )
     assert done.returncode == 0, done.stderr
 

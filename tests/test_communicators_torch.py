@@ -35,18 +35,17 @@ def _skip(engine: str) -> None:
 
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=[f"{e}-{n}ranks" for e, n in CONFIGS])
-def run(request):
+def run(request, seed):
     """One job per (engine, size): each rank's results, with the seed its data came from."""
     engine, size = request.param
     _skip(engine)
-    seed = int(np.random.default_rng().integers(2**31))
     results = run_ranks(
         "communicators_workers_torch:every_primitive",
         size,
         engine,
         seed,
         launcher=ENGINES[engine]["launcher"],
-        timeout=150,
+        timeout=300,
     )
     values = sorted((r.value for r in results), key=lambda v: v["rank"])
     return engine, size, seed, values
@@ -226,7 +225,7 @@ def test_a_dead_or_stalled_peer_raises_within_the_timeout(engine, mode):
         mode,
         timeout,
         launcher=ENGINES[engine]["launcher"],
-        timeout=90,
+        timeout=300,
         check=False,
     )
     survivor = results[0]

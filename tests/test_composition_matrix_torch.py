@@ -40,7 +40,7 @@ def runs(seed) -> tuple[int, list[dict]]:
     seed = int(np.random.default_rng([seed, zlib.crc32(__name__.encode())]).integers(2**31))
     algorithms = list(MATRIX)
     results = run_ranks(
-        "composition_workers_torch:every_algorithm_under_each_feature", 2, seed, list(FEATURES), algorithms, timeout=240
+        "composition_workers_torch:every_algorithm_under_each_feature", 2, seed, list(FEATURES), algorithms, timeout=300
     )
     return seed, [r.value for r in results]
 

@@ -41,7 +41,7 @@ MODES = {
 
 @pytest.mark.parametrize("mode", MODES)
 def test_ranks_that_differ_get_one_clear_error(mode):
-    results = run_ranks("cross_rank_check_workers_jax:check_cases", 2, mode, timeout=180, **MODES[mode])
+    results = run_ranks("cross_rank_check_workers_jax:check_cases", 2, mode, timeout=300, **MODES[mode])
     first, second = results[0].value, results[1].value
     for case, lines in EXPECTED.items():
         assert first[case] == second[case], f"{case}: the ranks raised different errors"

@@ -114,7 +114,7 @@ def test_the_shim_reports_broken_cuda_rules(selftest, scenario, message):
         check=False,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
     assert result.returncode != 0 and message in result.stderr, result.stderr
 
@@ -125,6 +125,6 @@ def test_the_shim_runs_warps_atomics_and_unsigned_indices_as_a_gpu(selftest):
         check=False,
         capture_output=True,
         text=True,
-        timeout=60,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr

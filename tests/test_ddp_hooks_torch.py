@@ -35,7 +35,7 @@ def job(request, seed) -> list[dict]:
         pytest.skip("no MPI engine or mpiexec here")
     seed = int(np.random.default_rng([seed, zlib.crc32(request.param.encode())]).integers(2**31))
     target = "ddp_hooks_workers_torch:hooks_match_the_wrapper"
-    values = [r.value for r in run_ranks(target, 2, seed, launcher=request.param, timeout=240)]
+    values = [r.value for r in run_ranks(target, 2, seed, launcher=request.param, timeout=300)]
     for out in values:
         assert out["communicator"] == (
             "NativeCommunicator" if request.param == "mpiexec" else "ProcessGroupCommunicator"

@@ -602,7 +602,7 @@ def native_worker(seed: int, steps: int) -> dict[str, list[dict[str, np.ndarray]
 def test_two_processes_with_the_native_mpi_communicator(rng):
     seed = int(rng.integers(2**31))
     steps = 5
-    results = run_ranks("test_decentralized_jax:native_worker", 2, seed, steps, launcher="mpiexec", timeout=180)
+    results = run_ranks("test_decentralized_jax:native_worker", 2, seed, steps, launcher="mpiexec", timeout=300)
     expected = {
         "all": reference_decentralized(2, steps, seed, "all"),
         "shift_one_interval_2": reference_decentralized(2, steps, seed, "shift_one", interval=2),

@@ -8,6 +8,8 @@ meet. XLA may fuse the inner step's multiply-add, so comparisons allow a few flo
 
 from __future__ import annotations
 
+import zlib
+
 import diloco_reference as ref
 import diloco_workers_jax as workers
 import jax
@@ -186,10 +188,24 @@ def native_worker(seed: int, steps: int) -> list[list[dict[str, np.ndarray]]]:
     return histories
 
 
+def mpi_ranks(seed: int, steps: int, wire: str, late_s: float) -> dict:
+    """One rank of the test's one MPI job: :func:`native_worker`'s runs (``native``), then
+    ``diloco_workers_jax.streaming_ranks``, which ends with rank 1 leaving (so it comes last)."""
+    return {"native": native_worker(seed, steps), **workers.streaming_ranks(seed, wire, steps, late_s)}
+
+
+@pytest.fixture(scope="module")
+def mpi_job(seed) -> tuple[int, int, str, list]:
+    """``(seed, steps, wire, ranks)`` of one 2-rank MPI job for the tests below (one start of JAX and MPI)."""
+    draw = np.random.default_rng([seed, zlib.crc32(b"test_diloco_jax:mpi_job")])
+    seed, steps, wire = int(draw.integers(2**20)), 9, str(draw.choice(["bf16", "uint8", "uint4"]))
+    results = run_ranks("test_diloco_jax:mpi_ranks", 2, seed, steps, wire, 0.75, launcher="mpiexec", timeout=300)
+    return seed, steps, wire, results
+
+
 @pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
-def test_native_communicator_matches_the_numpy_simulation(rng):
-    seed, steps = int(rng.integers(2**20)), 9
-    results = run_ranks("test_diloco_jax:native_worker", 2, seed, steps, launcher="mpiexec", timeout=180)
+def test_native_communicator_matches_the_numpy_simulation(mpi_job):
+    seed, steps, _, results = mpi_job
     for index, options in enumerate(NATIVE_OPTIONS):
         want = ref.simulate(
             2,
@@ -200,7 +216,7 @@ def test_native_communicator_matches_the_numpy_simulation(rng):
             delay=options.get("fragment_sync_delay", 0),
         )
         for result in results:
-            for t, params in enumerate(result.value[index]):
+            for t, params in enumerate(result.value["native"][index]):
                 for k in ref.SHAPES:
                     np.testing.assert_allclose(
                         params[k], want[t][result.rank][k], rtol=2e-5, atol=2e-6, err_msg=f"{options} {t} {k}"
@@ -208,15 +224,12 @@ def test_native_communicator_matches_the_numpy_simulation(rng):
 
 
 @pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
-def test_streaming_exchanges_overlap_the_next_steps_with_the_same_bits(rng):
+def test_streaming_exchanges_overlap_the_next_steps_with_the_same_bits(mpi_job):
     """On the MPI engine a fragment's exchange runs on a thread of its own while the next steps compute: rank 0
     finishes the steps that start and apply it before rank 1 (late for both) has begun them, and the parameters
     are bit for bit those of the exchange run inside the step, also when resumed from a state taken mid-exchange.
     When a peer leaves, the survivor's applying step raises the communicator's timeout error."""
-    seed, steps, wire = int(rng.integers(2**20)), 9, str(rng.choice(["bf16", "uint8", "uint4"]))
-    results = run_ranks(
-        "diloco_workers_jax:streaming_ranks", 2, seed, wire, steps, 0.75, launcher="mpiexec", timeout=240
-    )
+    _, steps, wire, results = mpi_job
     first = workers.STARTS_FRAGMENT_1 + 1
     for result in results:
         got = result.value

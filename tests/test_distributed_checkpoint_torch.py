@@ -24,7 +24,7 @@ from multiprocess import run_ranks
 @pytest.fixture(scope="module")
 def job(tmp_path_factory, seed):
     root = tmp_path_factory.mktemp("dcp")
-    return root, run_ranks("distributed_checkpoint_workers_torch:save_resume_damage", 2, seed, str(root), timeout=240)
+    return root, run_ranks("distributed_checkpoint_workers_torch:save_resume_damage", 2, seed, str(root), timeout=300)
 
 
 @pytest.mark.parametrize("name", ALGORITHMS)
@@ -64,7 +64,7 @@ def test_damaged_checkpoints_are_refused_naming_the_file(job):
 def alone(job, seed):
     """One rank's job: the 2-rank checkpoints restored, then a step trained and saved (for the 2-rank restore)."""
     root, _ = job
-    (result,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, seed, str(root), timeout=120)
+    (result,) = run_ranks("distributed_checkpoint_workers_torch:restore_alone", 1, seed, str(root), timeout=300)
     return result
 
 
@@ -88,7 +88,7 @@ def test_restore_into_two_ranks_follows_the_rule(job, alone, seed):
     """1 -> 2: every rule gives each new rank the one old row (carried, or its mean, itself), the step kept, and
     error-feedback residuals restart at zero."""
     root, _ = job
-    ranks = run_ranks("distributed_checkpoint_workers_torch:restore_two", 2, seed, str(root), timeout=120)
+    ranks = run_ranks("distributed_checkpoint_workers_torch:restore_two", 2, seed, str(root), timeout=300)
     for name in ALGORITHMS:
         saved = alone.value[name]["saved"]
         for rank in ranks:

@@ -36,13 +36,13 @@ STEPS = 12
 
 
 @pytest.fixture
-def job_factory(tmp_path):
+def job_factory(tmp_path, seed):
     jobs = []
 
     def make(framework: str, name: str = "job", **settings: str) -> Job:
         folder = tmp_path / name
         folder.mkdir()
-        jobs.append(Job(folder, framework, STEPS, **settings))
+        jobs.append(Job(folder, framework, STEPS, seed, **settings))
         return jobs[-1]
 
     yield make
@@ -58,13 +58,13 @@ def replay(job_factory, framework: str, attempts: list[dict], **settings: str) -
         end = attempts[i + 1]["step"] if i + 1 < len(attempts) else STEPS
         if end == attempt["step"]:
             continue  # an attempt that reached no new checkpoint
-        command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(attempt["world"]), "--timeout", "120"]
+        command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(attempt["world"]), "--timeout", "300"]
         run = subprocess.run(
             [*command, reference.script],
             env={**reference.env, "BAGUA_TEST_STOP_AT": str(end)},
             capture_output=True,
             text=True,
-            timeout=150,
+            timeout=360,
             cwd=reference.folder,
         )
         assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]

@@ -50,7 +50,7 @@ def test_data_parallel_version_adds_at_most_five_lines(single, parallel):
 
 
 def run(command: list[str], env: dict[str, str]) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=300, env={**os.environ, **env})
+    result = subprocess.run(command, capture_output=True, text=True, timeout=360, env={**os.environ, **env})
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 
@@ -70,7 +70,7 @@ def test_flax_cnn_trains_data_parallel_on_four_devices():
 @pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
 def test_equinox_mlp_trains_data_parallel_on_two_processes():
     (single,) = accuracies(run([sys.executable, str(EXAMPLES / "equinox_mlp.py")], {}))
-    launch = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", "--mpi", "--timeout", "240"]
+    launch = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", "2", "--mpi", "--timeout", "300"]
     output = run([*launch, str(EXAMPLES / "equinox_mlp_data_parallel.py")], {"XLA_FLAGS": ""})
     per_rank = accuracies(output)
     assert len(per_rank) == 2 and per_rank[0] == per_rank[1], output  # identical replicas

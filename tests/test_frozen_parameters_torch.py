@@ -13,8 +13,8 @@ from __future__ import annotations
 from multiprocess import run_ranks
 
 
-def test_frozen_parameters_never_move():
-    results = run_ranks("frozen_parameters_workers_torch:frozen_first_layer", 2, 3, timeout=240)
+def test_frozen_parameters_never_move(seed):
+    results = run_ranks("frozen_parameters_workers_torch:frozen_first_layer", 2, seed, timeout=300)
     assert len(results[0].value) >= 7, results[0].value  # every built-in algorithm ran
     for result in results:
         for name, moved in result.value.items():

@@ -267,12 +267,14 @@ IDENTICAL_REPLICAS = ("gradient_allreduce", "bytegrad", "powersgd")
 
 
 @pytest.fixture(scope="module")
-def fused_runs():
+def fused_runs(seed):
     """One 2-rank gloo job: every algorithm wrapped with Adam (two groups cutting a bucket) over an MLP, trained
     unfused and then fused on the model's buckets."""
     from multiprocess import run_ranks
 
-    return run_ranks("fused_optimizer_workers_torch:every_algorithm_fused_and_unfused", 2, ALGORITHMS, timeout=150)
+    return run_ranks(
+        "fused_optimizer_workers_torch:every_algorithm_fused_and_unfused", 2, seed, ALGORITHMS, timeout=300
+    )
 
 
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS if a not in REFUSED and a != "async"])

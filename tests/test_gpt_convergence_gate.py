@@ -27,6 +27,7 @@ the native engine, so it runs in a 2-process MPI job; the torch algorithms run o
 
 from __future__ import annotations
 
+import functools
 import threading
 import zlib
 
@@ -55,6 +56,12 @@ MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
 JAX_NATIVE_ONLY = ("async",)  # its rounds run between steps over the native engine, not on a mesh
 
 
+@functools.cache
+def _heldout_loss():
+    """The jitted loss that judges every algorithm's parameters (NumPy arrays): compiled once, not per algorithm."""
+    return jax.jit(gpt_loss_fn(SIZE))
+
+
 def _jax_mesh_run(name: str, seed: int) -> list[dict]:
     algorithm = jax_algorithms.make_algorithm(name, learning_rate=LR, **OPTIONS.get(name, {}))
     optimizer = None if hasattr(algorithm, "learning_rate") else optax.adamw(LR, weight_decay=WEIGHT_DECAY)
@@ -67,7 +74,7 @@ def _jax_mesh_run(name: str, seed: int) -> list[dict]:
         tokens = np.concatenate([corpus.batch(seed, step, r, BATCH, length) for r in range(NRANKS)])
         state, _ = trainer.step(state, {"tokens": tokens})
     heldout = {"tokens": corpus.heldout_batch(HELDOUT_WINDOWS, length)}
-    evaluate = jax.jit(loss_fn)
+    evaluate = _heldout_loss()
     per_rank = []
     for r in range(NRANKS):
         params = (

@@ -516,7 +516,7 @@ def test_both_algorithms_on_two_mpi_processes_match_numpy(rng):
         steps,
         lr,
         launcher="mpiexec",
-        timeout=240,
+        timeout=300,
         env=RANK_ENV,
     )
     values = sorted((r.value for r in results), key=lambda v: v["rank"])

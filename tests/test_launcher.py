@@ -42,7 +42,7 @@ def _env(**extra: str) -> dict[str, str]:
     return env | extra
 
 
-def launch(*args: str, cwd: Path | None = None, timeout: float = 60, env: dict | None = None):
+def launch(*args: str, cwd: Path | None = None, timeout: float = 300, env: dict | None = None):
     return subprocess.run(
         [sys.executable, "-m", "bagua_launch", *args],
         cwd=cwd,
@@ -156,7 +156,7 @@ def test_console_script_help():
     found = next((str(c) for c in candidates if c and Path(c).exists()), None)
     if found is None:
         pytest.skip("bagua-launch console script not installed (pip install -e .)")
-    result = subprocess.run([found, "--help"], capture_output=True, text=True, timeout=30, env=_env())
+    result = subprocess.run([found, "--help"], capture_output=True, text=True, timeout=300, env=_env())
     assert result.returncode == 0, result.stderr
     for option in ("--nproc-per-node", "--nnodes", "--node-rank", "--master-addr", "--master-port", "--mpi", "-m"):
         assert option in result.stdout
@@ -357,7 +357,7 @@ dist.destroy_process_group()
 def _framework_job(tmp_path, name: str, source: str, marker: str) -> dict[int, float]:
     script = write(tmp_path, name, source)
     env = _env(JAX_PLATFORMS="cpu")  # XLA_FLAGS unset: one CPU device per process
-    result = launch("--nproc-per-node", "2", "--grace", "5", "--timeout", "120", str(script), env=env, timeout=150)
+    result = launch("--nproc-per-node", "2", "--grace", "5", "--timeout", "300", str(script), env=env, timeout=360)
     assert result.returncode == 0, result.stdout + result.stderr
     values = {}
     for rank, lines in by_rank(result.stdout).items():
@@ -378,7 +378,7 @@ def test_torch_distributed_gloo_job(tmp_path):
 
 def test_launcher_imports_no_framework():
     code = "import sys, bagua_launch, bagua_launch.rank_env\nassert not {'jax', 'torch'} & set(sys.modules)"
-    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=30)
+    subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=300)
 
 
 @pytest.mark.parametrize(
@@ -453,7 +453,7 @@ def cache_job(tmp_path: Path, *args: str) -> tuple[set[str], int, list[str]]:
     env = _env()
     env.pop("BAGUA_CACHE_DIR", None)
     env.pop("BAGUA_CACHE_URL", None)
-    result = launch("--nproc-per-node", "2", *args, str(script), env=env, timeout=120)
+    result = launch("--nproc-per-node", "2", *args, str(script), env=env, timeout=300)
     assert result.returncode == 0, result.stderr
     lines = [m.group(2) for m in map(LINE.match, result.stdout.splitlines()) if m]
     directories = {line.split(maxsplit=1)[1] for line in lines if line.startswith("DIR")}

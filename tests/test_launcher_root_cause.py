@@ -71,7 +71,7 @@ def test_a_peer_failing_right_after_a_killed_rank_is_not_named(tmp_path, monkeyp
         mpiexec=None,
         mpi_args=[],
         grace=5.0,
-        timeout=60.0,
+        timeout=300.0,
         tail_lines=3,
     )
     code = Launcher(config).run()

@@ -61,9 +61,9 @@ def alltoall_v_expected(vs: np.ndarray, counts: np.ndarray, rank: int, out_size:
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_collectives_across_processes(world):
-    seed, root = int(np.random.default_rng().integers(2**31)), world - 1
-    results = run_ranks("lax_communicator_workers_jax:collectives", world, seed, root, timeout=120, env=RANK_ENV)
+def test_collectives_across_processes(world, rng):
+    seed, root = int(rng.integers(2**31)), world - 1
+    results = run_ranks("lax_communicator_workers_jax:collectives", world, seed, root, timeout=300, env=RANK_ENV)
     inputs = [rank_inputs(seed, r, world) for r in range(world)]
     f, b, i, v = (np.stack([d[k] for d in inputs]) for k in ("f32", "bf16", "i32", "v"))
     counts = alltoall_v_counts(seed, world, v.shape[1])

@@ -32,7 +32,7 @@ def _train(tmp_path: Path, seed: int, launcher: list[str], algorithms: list[str]
     seed = int(np.random.default_rng([seed, zlib.crc32(" ".join(launcher + algorithms).encode())]).integers(2**31))
     command = [*launcher, str(TESTS / "lightning_train.py"), str(tmp_path), str(seed), *algorithms]
     # Lightning's launcher starts rank 1 as rank 0's child: a timeout must kill both.
-    done = run_group(command, timeout=240, cwd=TESTS.parent)
+    done = run_group(command, timeout=300, cwd=TESTS.parent)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     initial = {name: p.detach().numpy() for name, p in make_model(seed).named_parameters()}
     return [dict(np.load(tmp_path / f"rank{r}.npz")) | {f"initial/{k}": v for k, v in initial.items()} for r in (0, 1)]

@@ -42,7 +42,7 @@ def test_one_rank_trains_evaluates_and_times(tmp_path):
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     worker = [sys.executable, str(ROOT / "benchmarks" / "lm_study_worker.py"), str(tmp_path / "job.json")]
-    done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=300)
     control.stop.set()
     assert done.returncode == 0, done.stderr[-2000:]
     summary = lm_study_report.summarize([json.loads((tmp_path / "rank0.json").read_text())], job)

@@ -24,13 +24,13 @@ def numpy_sum(seed: int, size: int, count: int) -> tuple[np.ndarray, np.ndarray,
     return xs, xs.sum(0), dict(rtol=1e-6, atol=1e-6 * float(np.abs(xs).max()) * size)
 
 
-def test_jax_threshold_is_set_at_run_time_and_switches_the_allreduce_without_recompiling():
-    size, seed = 3, int(np.random.default_rng().integers(2**31))
+def test_jax_threshold_is_set_at_run_time_and_switches_the_allreduce_without_recompiling(rng):
+    size, seed = 3, int(rng.integers(2**31))
     large = RING_MIN_BYTES // 4 + 7  # above the default threshold
     results = [
         r.value
         for r in run_ranks(
-            "mpi_ring_workers:jax_threshold", size, seed, large, launcher="mpiexec", timeout=120, env=BETWEEN_NODES
+            "mpi_ring_workers:jax_threshold", size, seed, large, launcher="mpiexec", timeout=300, env=BETWEEN_NODES
         )
     ]
     small, small_sum, small_close = numpy_sum(seed, size, SMALL)
@@ -54,10 +54,10 @@ def test_jax_threshold_is_set_at_run_time_and_switches_the_allreduce_without_rec
         assert all(r[key].tobytes() == results[0][key].tobytes() for r in results), key
 
 
-def test_torch_threshold_has_the_same_name_and_effect():
-    size, seed = 3, int(np.random.default_rng().integers(2**31))
+def test_torch_threshold_has_the_same_name_and_effect(rng):
+    size, seed = 3, int(rng.integers(2**31))
     results = run_ranks(
-        "mpi_ring_workers:torch_threshold", size, seed, launcher="mpiexec", timeout=120, env=BETWEEN_NODES
+        "mpi_ring_workers:torch_threshold", size, seed, launcher="mpiexec", timeout=300, env=BETWEEN_NODES
     )
     small, small_sum, close = numpy_sum(seed, size, SMALL)
     for res in (r.value for r in results):
@@ -72,19 +72,19 @@ def test_environment_sets_the_default_and_is_validated(value, expected):
         "mpi_ring_workers:environment_threshold",
         1,
         launcher="mpiexec",
-        timeout=60,
+        timeout=300,
         env={"BAGUA_MPI_RING_MIN_BYTES": value},
     )
     assert expected in results[0].value, results[0].value
 
 
-def test_one_node_does_not_span_nodes():
-    results = run_ranks("mpi_ring_workers:torch_threshold", 2, 0, launcher="mpiexec", timeout=120)
+def test_one_node_does_not_span_nodes(seed):
+    results = run_ranks("mpi_ring_workers:torch_threshold", 2, seed, launcher="mpiexec", timeout=300)
     assert not any(r.value["spans_nodes"] for r in results)
 
 
 def test_ranks_with_different_environment_values_fail_up_front_on_every_rank():
     per_rank = ["4096", "4096", "65536"]
-    results = run_ranks("mpi_ring_workers:environment_threshold", 3, per_rank, launcher="mpiexec", timeout=60)
+    results = run_ranks("mpi_ring_workers:environment_threshold", 3, per_rank, launcher="mpiexec", timeout=300)
     for res in results:
         assert res.value.startswith("ValueError") and "differs across ranks (4096 to 65536 bytes)" in res.value

@@ -1,4 +1,9 @@
-"""The JAX NativeCommunicator over the MPI engine, on 2 and 4 processes."""
+"""The JAX NativeCommunicator over the MPI engine, on 2, 3 and 4 processes.
+
+One MPI job per world size and layout (one node; every process a node of its own) runs the scenarios of
+``native_communicator_workers_jax`` that the tests below check; the dead-peer tests kill a rank and have jobs of
+their own.
+"""
 
 import ml_dtypes
 import numpy as np
@@ -6,21 +11,46 @@ import pytest
 from lax_communicator_workers_jax import pairing_schedule
 from multiprocess import run_ranks
 from native_communicator_workers_jax import rank_data
+from scenarios import Job, JobTable, Scenario, has_mpi
 
 import bagua_jax
 
 pytestmark = pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
 
+# MPICH with MPIR_CVAR_NOLOCAL=1 treats every process as its own node: the engine's ring
+# allreduce (between nodes, from 1 MiB) runs on this one machine.
+BETWEEN_NODES = {"MPIR_CVAR_NOLOCAL": "1"}
+RING_MIN_BYTES = 1 << 20
 
-@pytest.mark.parametrize("size", [2, 4])
-def test_every_primitive_matches_numpy(size):
-    seed = int(np.random.default_rng().integers(2**31))
-    results = run_ranks("native_communicator_workers_jax:every_primitive", size, seed, launcher="mpiexec", timeout=180)
+
+def large_allreduces(size: int) -> Scenario:
+    """Allreduces above the ring's threshold, in chunks of unequal length."""
+    return Scenario("large_allreduces", {"count": RING_MIN_BYTES // 4 + 2 * size + 1})
+
+
+EVERY_PRIMITIVE, OPPOSITE_ORDERS = Scenario("every_primitive"), Scenario("opposite_orders", {"n": 1 << 20})
+JOBS = JobTable(
+    "native_communicator_workers_jax:job",
+    {
+        "2-one-node": Job(2, "mpiexec", (EVERY_PRIMITIVE, large_allreduces(2), OPPOSITE_ORDERS)),
+        "3-one-node": Job(3, "mpiexec", (large_allreduces(3),)),
+        "4-one-node": Job(4, "mpiexec", (EVERY_PRIMITIVE, large_allreduces(4))),
+        **{f"{n}-between-nodes": Job(n, "mpiexec", (large_allreduces(n),), env=BETWEEN_NODES) for n in (2, 3, 4)},
+    },
+    mpi=has_mpi(bagua_jax.build_info()),
+)
+
+
+@pytest.mark.parametrize("name", JOBS.jobs_with(EVERY_PRIMITIVE))
+def test_every_primitive_matches_numpy(name):
+    seed, ranks = JOBS.run(name)
+    results = [{"rank": r["rank"], **r[EVERY_PRIMITIVE.label]} for r in ranks]
+    size = len(results)
     xs = np.stack([rank_data(r, seed) for r in range(size)])
     rows = np.stack([rank_data(r, seed, (size, 4)) for r in range(size)])
     # Sums may be added in any order by MPI: allow float32 rounding relative to the operands.
     close = dict(rtol=1e-6, atol=1e-6 * float(np.abs(xs).max()) * size)
-    for res in (r.value for r in results):
+    for res in results:
         rank = res["rank"]
         np.testing.assert_allclose(res["allreduce_sum"], xs.sum(0), **close)
         np.testing.assert_allclose(res["allreduce_avg"], xs.mean(0), **close)
@@ -55,15 +85,9 @@ def test_every_primitive_matches_numpy(size):
         "broadcast",
         "bf16_allreduce",
     ):
-        first = results[0].value[key]
+        first = results[0][key]
         for other in results[1:]:
-            assert first.tobytes() == other.value[key].tobytes(), key
-
-
-# MPICH with MPIR_CVAR_NOLOCAL=1 treats every process as its own node: the engine's ring
-# allreduce (between nodes, from 1 MiB) runs on this one machine.
-BETWEEN_NODES = {"MPIR_CVAR_NOLOCAL": "1"}
-RING_MIN_BYTES = 1 << 20
+            assert first.tobytes() == other[key].tobytes(), key
 
 
 def ring_sum(xs: np.ndarray) -> np.ndarray:
@@ -81,23 +105,14 @@ def ring_sum(xs: np.ndarray) -> np.ndarray:
     return out
 
 
-@pytest.mark.parametrize("size", [2, 3, 4])
-@pytest.mark.parametrize("between_nodes", [True, False], ids=["between-nodes", "one-node"])
-def test_large_allreduces_match_numpy(size, between_nodes):
-    seed = int(np.random.default_rng().integers(2**31))
-    count = RING_MIN_BYTES // 4 + 2 * size + 1  # above the ring's threshold, chunks of unequal length
-    results = run_ranks(
-        "native_communicator_workers_jax:large_allreduces",
-        size,
-        seed,
-        count,
-        launcher="mpiexec",
-        timeout=180,
-        env=BETWEEN_NODES if between_nodes else None,
-    )
+@pytest.mark.parametrize(("name", "scenario"), JOBS.cases("large_allreduces"))
+def test_large_allreduces_match_numpy(name, scenario):
+    seed, ranks = JOBS.run(name)
+    results = [{"rank": r["rank"], **r[scenario.label]} for r in ranks]
+    size, count, between_nodes = len(results), scenario.options["count"], bool(JOBS.jobs[name].env)
     xs = np.stack([rank_data(r, seed, (count,)) for r in range(size)])
     close = dict(rtol=1e-6, atol=1e-6 * float(np.abs(xs).max()) * size)
-    for res in (r.value for r in results):
+    for res in results:
         if between_nodes:  # the ring's order of additions, exactly
             np.testing.assert_array_equal(res["float32_sum"], ring_sum(xs))
             np.testing.assert_array_equal(res["float32_avg"], ring_sum(xs) / np.float32(size))
@@ -112,9 +127,9 @@ def test_large_allreduces_match_numpy(size, between_nodes):
             np.testing.assert_allclose(
                 res[f"{dtype}_sum"].astype(np.float64), exact, rtol=rtol, atol=rtol * size * float(np.abs(xs).max())
             )
-    for key in results[0].value:
+    for key in results[0]:
         if key != "rank":
-            assert all(r.value[key].tobytes() == results[0].value[key].tobytes() for r in results), key
+            assert all(r[key].tobytes() == results[0][key].tobytes() for r in results), key
 
 
 @pytest.mark.parametrize(
@@ -127,7 +142,7 @@ def test_a_dead_peer_raises_on_the_survivors_within_the_timeout(count, env):
         1,
         count,
         launcher="mpiexec",
-        timeout=60,
+        timeout=300,
         check=False,
         env=env,
     )
@@ -138,7 +153,7 @@ def test_a_dead_peer_raises_on_the_survivors_within_the_timeout(count, env):
 
 
 def test_opposite_send_recv_orders_do_not_deadlock():
-    n = 1 << 20
-    results = run_ranks("native_communicator_workers_jax:opposite_orders", 2, n, launcher="mpiexec", timeout=120)
-    np.testing.assert_array_equal(results[0].value, np.full(n, 20.0, np.float32))
-    np.testing.assert_array_equal(results[1].value, np.full(n, 1.0, np.float32))
+    _, ranks = JOBS.run("2-one-node")
+    n = OPPOSITE_ORDERS.options["n"]
+    np.testing.assert_array_equal(ranks[0][OPPOSITE_ORDERS.label], np.full(n, 20.0, np.float32))
+    np.testing.assert_array_equal(ranks[1][OPPOSITE_ORDERS.label], np.full(n, 1.0, np.float32))

@@ -168,7 +168,7 @@ def test_nnx_model_batchnorm_dropout_loss_and_batch_check(rng):
         2,
         seed,
         launcher="mpiexec",
-        timeout=120,
+        timeout=300,
         env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
     )
     data = batches(seed)

@@ -179,7 +179,7 @@ def test_no_process_returns_from_a_save_before_it_is_sealed(tmp_path, rng):
         2,
         str(tmp_path),
         int(rng.integers(2**31)),
-        timeout=120,
+        timeout=300,
         env=env,
     )
     for result in results:

@@ -1,31 +1,41 @@
 """PowerSGD in torch: against the float64 NumPy reference, torch's own PowerSGD hook, and itself.
 
-Two gloo ranks. Tolerance against the reference: float32 products and Gram-Schmidt against
-float64 over eight steps stay within 1e-4 of the gradients' scale (a wrong step is off by
-order one). Against torch's hook the random starting ``Q`` differs (each library seeds its
-own), so the two are compared by their loss curves: equal during the exact steps, within 5%
-over the compressed ones.
+Two gloo ranks, one job for every test (``powersgd_workers_torch.every_run``). Tolerance against the
+reference: float32 products and Gram-Schmidt against float64 over eight steps stay within 1e-4 of the
+gradients' scale (a wrong step is off by order one). Against torch's hook the random starting ``Q`` differs
+(each library seeds its own), so the two are compared by their loss curves: equal during the exact steps,
+within 5% over the compressed ones.
 """
 
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from multiprocess import run_ranks
 from powersgd_reference import PowerSGDReference
 
 from bagua_common.algorithms.configs import PowerSGDConfig
 
 CONFIG = {"rank": 2, "start_iter": 2, "min_compression_rate": 2.0, "error_feedback": True, "warm_start": True}
+BUCKET_SIZES = {"one_bucket": 10 << 20, "small_buckets": 2048}
+CURVE_STEPS = 60
 
 
-def test_matches_the_numpy_reference_and_replicas_agree_in_any_bucketing():
+@pytest.fixture(scope="module")
+def ranks(seed) -> list[dict]:
+    """Each rank's :func:`powersgd_workers_torch.every_run`."""
+    job = run_ranks(
+        "powersgd_workers_torch:every_run", 2, seed, CONFIG, list(BUCKET_SIZES.values()), CURVE_STEPS, timeout=300
+    )
+    return [r.value for r in job]
+
+
+def test_matches_the_numpy_reference_and_replicas_agree_in_any_bucketing(ranks):
     """One bucket and a bucket per few tensors: each against the reference, and the same bits (the orthogonalization
     batches ``P`` factors of different buckets together, and on two ranks a sum does not depend on its order)."""
-    sizes = {"one_bucket": 10 << 20, "small_buckets": 2048}
-    ranks = run_ranks("powersgd_workers_torch:bagua_gradients", 2, CONFIG, list(sizes.values()), timeout=180)
-    runs = [dict(zip(sizes, r.value)) for r in ranks]
+    runs = [dict(zip(BUCKET_SIZES, r["gradients"])) for r in ranks]
     assert runs[0]["one_bucket"]["buckets"] == 1 and runs[0]["small_buckets"]["buckets"] >= 3
-    for kind in sizes:
+    for kind in BUCKET_SIZES:
         values = [run[kind] for run in runs]
         names = values[0]["names"]
         shapes = [a.shape for a in values[0]["local"][0]]
@@ -47,15 +57,13 @@ def test_matches_the_numpy_reference_and_replicas_agree_in_any_bucketing():
             np.testing.assert_array_equal(b, a, err_msg=f"small buckets vs one bucket: {name}@{step}")
 
 
-def test_resume_from_a_checkpoint_is_bit_identical():
-    for value in (r.value for r in run_ranks("powersgd_workers_torch:resume", 2, CONFIG, timeout=180)):
+def test_resume_from_a_checkpoint_is_bit_identical(ranks):
+    for value in (r["resume"] for r in ranks):
         assert value["continued"] == value["resumed"]
 
 
-def test_trains_like_torch_powersgd_hook():
-    steps = 60
-    ours = run_ranks("powersgd_workers_torch:losses", 2, "bagua", CONFIG, steps, timeout=180)[0].value
-    theirs = run_ranks("powersgd_workers_torch:losses", 2, "ddp", CONFIG, steps, timeout=180)[0].value
+def test_trains_like_torch_powersgd_hook(ranks):
+    ours, theirs = ranks[0]["bagua"], ranks[0]["ddp"]
     np.testing.assert_allclose(ours[:2], theirs[:2], rtol=1e-6)  # exact allreduce while warming up
     late_ours, late_theirs = np.mean(ours[-16:]), np.mean(theirs[-16:])
     assert abs(late_ours - late_theirs) <= 0.05 * late_theirs, (late_ours, late_theirs)

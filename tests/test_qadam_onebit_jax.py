@@ -682,7 +682,7 @@ def test_two_mpi_processes_match_the_numpy_simulation(seed):
         2,
         seed,
         launcher="mpiexec",
-        timeout=180,
+        timeout=300,
         env={"XLA_FLAGS": "--xla_cpu_max_isa=SSE4_2"},
     )
     for algorithm in ALGORITHMS:

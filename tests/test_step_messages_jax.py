@@ -114,7 +114,7 @@ def test_mean_loss_aux_and_model_state_cost_no_extra_message(rng):
         2,
         seed,
         launcher="mpiexec",
-        timeout=120,
+        timeout=300,
         env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
     )
     data, w = batch(seed), np.random.default_rng(seed + 1).standard_normal(4).astype(np.float32)

@@ -74,7 +74,7 @@ def test_model_state_aux_and_per_rank_keys_match_the_reference(average_model_sta
             "x": jnp.asarray(rng.standard_normal((16, 3)), jnp.float32),
             "y": jnp.asarray(rng.standard_normal((16, 1)), jnp.float32),
         }
-        key = jax.random.key(step)
+        key = jax.random.key(rng.integers(2**31))
         state, (loss, kept) = dp.step(state, batch, key)
         expected_params, expected_state, expected_kept = reference_step(
             expected_params, expected_state, batch, key, average_model_state
