@@ -67,6 +67,7 @@ def gate(names: list[str], seed: int) -> dict:
     out = {"rank": rank, "hierarchical": group.communicators.hierarchical}
     for name in names:
         model = GPT(SIZE, init_gpt_params(SIZE, seed))
+        start = torch.cat([p.detach().flatten() for p in model.parameters()])
         optimizer, algorithm = _algorithm(name, model)
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm)
         length = model.config.context + 1
@@ -82,4 +83,19 @@ def gate(names: list[str], seed: int) -> dict:
         out[name] = summary({k: v.detach().numpy() for k, v in model.state_dict().items()}, heldout_loss)
         if name == "async":
             out[name]["rounds"] = wrapped.algorithm_impl.rounds
+        if name in REPLICAS_AVERAGED_EVERY_STEP:
+            out[name]["replica_spread"] = _replica_spread(model, start, group.world)
     return out
+
+
+REPLICAS_AVERAGED_EVERY_STEP = ("decentralized", "low_precision_decentralized")
+
+
+def _replica_spread(model: torch.nn.Module, start: torch.Tensor, world) -> float:
+    """The largest distance of a rank's parameters from the ranks' mean, over the distance the mean moved from
+    ``start`` (collective): replicas averaged every step stay within about a step of each other, replicas left
+    alone drift apart as far as they train."""
+    flat = torch.cat([p.detach().flatten() for p in model.parameters()])
+    mean = world.allreduce(flat.clone(), "avg")
+    mine = (flat - mean).norm() / (mean - start).norm()
+    return float(world.allreduce(mine.reshape(1), "max").item())

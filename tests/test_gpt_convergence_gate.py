@@ -13,6 +13,7 @@ replicas differ):
   about 75 steps' progress: an algorithm passes if it reaches allreduce's loss within about 1.5x the tokens.
   DiLoCo, which synchronizes 3 times in the run (``sync_every=50``), trails by about 0.3 on 2 ranks and gets 0.45;
   on torch's 4 ranks of 2 windows each its workers drift further between rounds (0.26-0.46 over 4 seeds): 0.6;
+  torch's decentralized replicas, 0.45 (see MARGINS), with a check that they averaged;
 * every parameter finite, and each parameter tensor's largest magnitude at most 3x the same tensor's under AdamW
   (plus 0.05). A tensor that starts at zero (the biases) holds only how far it moved, which AdamW keeps tiny on
   some (0.04 on a LayerNorm bias) while any optimizer may move a coordinate by about lr per step, and DiLoCo's
@@ -48,10 +49,22 @@ from bagua_torch.algorithms import available_algorithms as torch_algorithms
 
 MARGIN = 0.25
 # DiLoCo averages every H steps; torch's asynchronous averaging mixes models on a clock, so on torch's 2x2 job a
-# rank may average only a few times (one ended 0.27 behind on an idle CI machine).
-MARGINS = {("jax", "diloco"): 0.45, ("torch", "diloco"): 0.6, ("torch", "async"): 0.45}
+# rank may average only a few times (one ended 0.27 behind on an idle CI machine). Torch's decentralized replicas
+# (4, each averaging with one peer per step) leave allreduce's trajectory: over 11 seeds they ended 0.26 below to
+# 0.31 above it (BAGUA_TEST_SEED=502430402), as far as replicas that never average (0.22-0.27 there); whether
+# they averaged is REPLICA_SPREAD's check.
+MARGINS = {
+    ("jax", "diloco"): 0.45,
+    ("torch", "diloco"): 0.6,
+    ("torch", "async"): 0.45,
+    ("torch", "decentralized"): 0.45,
+}
 """Held-out loss (nats per byte) a (front end, algorithm) may trail gradient allreduce by (see the module docstring)."""
 MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
+REPLICA_SPREAD = 0.1
+"""The largest distance of a torch rank's parameters from the ranks' mean, over how far the mean moved, for the
+algorithms that average every step (gpt_workers_torch.py): 0.014 for decentralized and 0.007 for its low-precision
+form; 0.46 when decentralized's replicas never average."""
 
 JAX_NATIVE_ONLY = ("async",)  # its rounds run between steps over the native engine, not on a mesh
 
@@ -162,3 +175,5 @@ def test_algorithm_trains_like_gradient_allreduce_with_adamw(runs, front_end, na
         assert not grown, (rank, grown)
     if name == "async":
         assert all(r["rounds"] >= 1 for r in ranks), [r["rounds"] for r in ranks]  # it did average
+    if "replica_spread" in ranks[0]:
+        assert ranks[0]["replica_spread"] <= REPLICA_SPREAD, ranks[0]["replica_spread"]  # they did average

@@ -115,36 +115,16 @@ void store(T* p, f32x8 v) {
   }
 }
 
+void accumulate(float* p, float v) { *p = math::add_rn(*p, v); }
+
+void accumulate(float* p, f32x8 v) { store(p, widen(p) + v); }  // add_rn lane by lane
+
 // Element i of a chunk's codes (SPEC section 2, layout.h): byte i for 8-bit
 // codes; for 4-bit ones the low (even i) or high (odd i) nibble of byte i / 2.
 template <int kBits>
 uint8_t code_at(const uint8_t* codes, int64_t i) {
   if constexpr (kBits == 8) return codes[i];
   return (codes[i >> 1] >> ((i & 1) * 4)) & 0xf;
-}
-
-// The codes of elements i..i+7 (i even), widened to 32 bits. GCC widens a
-// vector of bytes lane by lane, so the x86 builds say which instruction to use.
-template <int kBits>
-i32x8 codes8(const uint8_t* codes, int64_t i) {
-#if defined(__AVX2__)
-  const uint8_t* p = codes + i * kBits / 8;
-  if constexpr (kBits == 8) {
-    return reinterpret_cast<i32x8>(
-        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-  } else {
-    int32_t word;
-    std::memcpy(&word, p, sizeof word);
-    const __m128i bytes = _mm_cvtsi32_si128(word);  // each byte twice: its low, then high nibble
-    const i32x8 twice =
-        reinterpret_cast<i32x8>(_mm256_cvtepu8_epi32(_mm_unpacklo_epi8(bytes, bytes)));
-    return (twice >> i32x8{0, 4, 0, 4, 0, 4, 0, 4}) & 0xf;
-  }
-#else
-  i32x8 q;
-  for (int j = 0; j < 8; ++j) q[j] = code_at<kBits>(codes, i + j);
-  return q;
-#endif
 }
 
 // Stores code q of element i; 4-bit codes go in increasing i from an even one,

@@ -355,9 +355,7 @@ namespace {
 // decodes each chunk a tile at a time, and recomputing the grid for every tile
 // cost about as much as decoding it). decode(begin, end, emit) decodes elements
 // [begin, end) of the tensor; `emit` receives (element index, decoded float).
-// A reduction sums all chunks' values of an element at once instead: decode8(i)
-// gives elements i..i+7 (i - first a multiple of 8) as one vector, decode1(i)
-// element i, and prefetch(i) asks for the cache line of element i's code.
+// prefetch(begin, end) asks for the cache lines of those elements' codes.
 template <int kBits>
 struct MinMaxChunk {
   math::MinMaxGrid grid;
@@ -387,21 +385,10 @@ struct MinMaxChunk {
       each([g](uint8_t v) { return math::minmax_decode_at_lo(v, g); });
   }
 
-  // math::minmax_decode_f32 lane by lane; a wide chunk takes the scalar form.
-  f32x8 decode8(int64_t i) const {
-    const i32x8 q = codes8<kBits>(codes, i - first);
-    if (grid.wide) {
-      f32x8 v;
-      for (int l = 0; l < 8; ++l) v[l] = math::minmax_decode_wide(static_cast<uint8_t>(q[l]), grid);
-      return v;
-    }
-    return splat(grid.z) +
-           (__builtin_convertvector(q, f32x8) + splat(grid.base)) * splat(grid.step);
+  void prefetch(int64_t begin, int64_t end) const {
+    for (int64_t b = (begin - first) * kBits / 8; b < (end - first) * kBits / 8; b += 64)
+      __builtin_prefetch(codes + b);
   }
-  float decode1(int64_t i) const {
-    return math::minmax_decode(code_at<kBits>(codes, i - first), grid);
-  }
-  void prefetch(int64_t i) const { __builtin_prefetch(codes + (i - first) * kBits / 8); }
 };
 
 // The same for a Sign chunk, except that each whole byte of bits reaches `emit`
@@ -418,20 +405,26 @@ struct SignChunk {
 
   template <typename Emit>
   void decode(int64_t begin, int64_t end, Emit&& emit) const {
-    const SignChunk c = *this;  // a local copy: stores through `emit` could alias the members
+    const float s = scale;
+    const uint8_t* const b = bits;
+    const int64_t f = first;
+    const auto one = [&](int64_t i) {
+      return math::sign_decode((b[(i - f) >> 3] >> ((i - f) & 7)) & 1, s);
+    };
     int64_t i = begin;
-    for (; i < end && (i - first) % 8; ++i) emit(i, c.decode1(i));
-    for (; i + 8 <= end; i += 8) emit(i, c.decode8(i));
-    for (; i < end; ++i) emit(i, c.decode1(i));
+    for (; i < end && (i - f) % 8; ++i) emit(i, one(i));
+    const f32x8 up = splat(s), down = splat(-s);
+    for (; i + 8 <= end; i += 8) {
+      const f32x8 values = unpack_bits(b[(i - f) >> 3]) ? up : down;
+      emit(i, values);
+    }
+    for (; i < end; ++i) emit(i, one(i));
   }
 
-  f32x8 decode8(int64_t i) const {
-    return unpack_bits(bits[(i - first) >> 3]) ? splat(scale) : splat(-scale);
+  void prefetch(int64_t begin, int64_t end) const {
+    for (int64_t b = (begin - first) / 8; b < (end - first) / 8; b += 64)
+      __builtin_prefetch(bits + b);
   }
-  float decode1(int64_t i) const {
-    return math::sign_decode((bits[(i - first) >> 3] >> ((i - first) & 7)) & 1, scale);
-  }
-  void prefetch(int64_t i) const { __builtin_prefetch(bits + (i - first) / 8); }
 };
 
 template <typename Chunk, typename T>
@@ -504,29 +497,20 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
   }
   constexpr int64_t kTile = 4096;
   const int64_t tiles = ceil_div(m, kTile);
+  // The k chunks are k streams of codes, read a tile at a time: each tile of a
+  // chunk starts on a page the hardware prefetcher has not followed to, and the
+  // loads waited on memory. So each chunk's tile asks for the chunk's next tile,
+  // when the codes are too many to have stayed in the cache (smaller ones are
+  // where the all-to-all that delivered them wrote them; asking cost 7% there).
+  constexpr int64_t kPrefetchAbove = int64_t{4} << 20;  // bytes of codes
+  const bool prefetch = chunking.slot_offset(k) > kPrefetchAbove;
   parallel_for(tiles, m * k, [&](int64_t t) {
     const int64_t begin = t * kTile, end = std::min(begin + kTile, m);
-    // Each element's k values are summed in a register, in chunk order, from 0:
-    // the bits of adding them chunk by chunk into a zeroed tile, without its
-    // loads and stores. The k chunks are k streams of codes that each cross a
-    // page every few thousand elements, where the hardware prefetcher stops and
-    // the loads then waited on memory: every 64 elements ask for the lines
-    // kPrefetchAhead elements ahead in each chunk.
-    constexpr int64_t kPrefetchAhead = 2048;
-    const Chunk* const c = chunks.data();
-    float acc[kTile];
-    int64_t i = begin;
-    for (; i + 8 <= end; i += 8) {
-      if ((i - begin) % 64 == 0)
-        for (int64_t j = 0; j < k; ++j) c[j].prefetch(j * m + i + kPrefetchAhead);
-      f32x8 sum = {};
-      for (int64_t j = 0; j < k; ++j) sum += c[j].decode8(j * m + i);
-      store(acc + (i - begin), sum);
-    }
-    for (; i < end; ++i) {
-      float sum = 0.0f;
-      for (int64_t j = 0; j < k; ++j) sum = math::add_rn(sum, c[j].decode1(j * m + i));
-      acc[i - begin] = sum;
+    float acc[kTile] = {};
+    for (int64_t j = 0; j < k; ++j) {
+      if (prefetch) chunks[j].prefetch(j * m + end, j * m + end + kTile);
+      chunks[j].decode(j * m + begin, j * m + end,
+                       [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
     }
     if (average) average_ranks(acc, end - begin, k);
     const auto store_tile = [&] {
