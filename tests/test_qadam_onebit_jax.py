@@ -193,7 +193,8 @@ class Simulation:
         self.t += 1
         # optax divides by the scalar bias corrections; XLA's algebraic simplifier turns a division by a broadcast
         # scalar into a multiplication by its float32 reciprocal, so that is the arithmetic to replay.
-        inv1, inv2 = F32(1) / bias_correction(B1, self.t), F32(1) / bias_correction(B2, self.t)
+        # v stops at the warm-up's last step, and so does its bias correction (bagua_common.algorithms.frozen_variance).
+        inv1, inv2 = F32(1) / bias_correction(B1, self.t), F32(1) / bias_correction(B2, min(self.t, WARMUP))
         # After the warm-up the frozen v is floored (bagua_common.algorithms.frozen_variance); the warm-up never floors.
         floors = variance_floors(self.v) if self.t > WARMUP else {k: F32(0) for k in self.v}
         for k in self.p:

@@ -295,7 +295,8 @@ def simulate(seed: int, n: int, algo: str, boundary: dict, layout, local: int | 
             with torch.no_grad():
                 for k, p in model.named_parameters():
                     step_of[k] += 1
-                    bc1, bc2 = 1 - beta1 ** step_of[k], 1 - beta2 ** step_of[k]
+                    # v froze after RUN_WARMUP steps, and its bias correction with it (frozen_variance's docstring).
+                    bc1, bc2 = 1 - beta1 ** step_of[k], 1 - beta2**RUN_WARMUP
                     variance = exp_avg_sq[k].clamp(min=float(floors[k]))  # the frozen v's floor
                     denom = (variance.sqrt() / bc2**0.5).add_(EPS)
                     bound = float(STEP_BOUND) * bc1  # the direction (m / bc1) / denom, clipped to +-STEP_BOUND

@@ -126,7 +126,9 @@ class QAdamConfig(AlgorithmConfig):
     """Adam with averaged gradients for ``warmup_steps`` steps, then a frozen second moment and an 8-bit compressed
     momentum exchange. ``learning_rate`` is a number >= 0 (or, where the front end takes one, a schedule).
     ``step_bound`` clips each coordinate's step after the warm-up to ``step_bound * lr``
-    (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`); None is Bagua's unbounded formula."""
+    (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`), and the frozen second moment keeps the warm-up's
+    bias correction (:mod:`bagua_common.algorithms.frozen_variance`); None is Bagua's formula: unbounded, the frozen
+    second moment corrected by the running step count."""
 
     name: ClassVar[str] = "qadam"
     replicated = is_optimizer = True

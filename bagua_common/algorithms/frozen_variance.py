@@ -6,7 +6,7 @@ warm-up) but whose averaged momentum is non-zero (it becomes active later, or co
 noise on it: sign compression cannot send a zero) would step by ``m / eps``, ``1e8`` times its
 momentum, and the model diverges. So the step divides by ``sqrt(max(v_hat, floor))``, where per
 parameter tensor ``floor = VARIANCE_FLOOR * mean(v_hat)`` over that tensor, or over the whole
-model where the tensor's mean is zero. ``v_hat`` is the bias-corrected ``v / (1 - b2**t)``.
+model where the tensor's mean is zero. ``v_hat`` is the bias-corrected ``v / (1 - b2**T)`` (below).
 
 The ratio is relative, so it needs no tuning to the loss's scale: a coordinate with a typical
 momentum for its tensor steps at most ``1 / sqrt(VARIANCE_FLOOR)`` (10) times the tensor's typical
@@ -14,6 +14,22 @@ Adam step, and coordinates at or above the floor step exactly as before. Measure
 CNN and embedding + attention models (tests/test_adam_convergence_*.py): a ratio of 1e-3
 already lets late-activated units grow 2.5-5x past Adam's weights, 1e-2 and 1e-1 both train as
 well as Adam. The warm-up is plain Adam and never floors.
+
+The frozen ``v`` keeps the bias correction of the step it stopped at, ``bc2 = 1 - b2**warmup_steps``.
+``v`` after ``T`` steps is ``(1 - b2) * sum(b2**(T - i) * g_i**2)``, whose expectation is
+``(1 - b2**T) * E[g**2]``, so ``v / (1 - b2**T)`` estimates ``E[g**2]``; Bagua's formula divides the same
+frozen ``v`` by the running ``1 - b2**t``, which grows with ``t``, so its estimate shrinks and every
+coordinate's step grows by ``sqrt(bc2(t) / bc2(T))`` even where the gradients never changed: 2x by
+step 40 after a 10-step warm-up, 1.13x by step 130 after 100, and toward ``1 / sqrt(1 - b2**T)``
+(10x and 3.2x) late in training. Bagua's formula (``step_bound=None``) keeps the running count.
+
+Measured on Hugging Face GPT-2 (``benchmarks/adam_growth.py``, 2 layers of width 64, lr 1e-3, a
+10-step warm-up), what still grows is QAdam's: the LayerNorm biases, zero at initialization, whose
+momentum (about 1e-4) lies below the resolution of the 8-bit codes of a bucket that also holds the
+token embedding (a quantum of about 2.5e-3): with no error feedback, each rounding has the same sign
+step after step, and divided by the biases' small frozen ``sqrt(v)`` it saturates the bound. With
+the momentum averaged in full precision instead (a diagnostic, not an option), the same run stays within 1.33x
+of AdamW. Error feedback on QAdam's codes, as 1-bit Adam has, would carry each rounding into the next step.
 """
 
 VARIANCE_FLOOR = 0.01

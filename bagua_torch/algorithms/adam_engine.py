@@ -30,7 +30,9 @@ number of steps taken so far, identical on every rank, decides the phase):
   (:mod:`bagua_common.algorithms.frozen_variance`): a coordinate whose ``v`` froze at zero (a
   dead unit, an embedding row unseen in the warm-up) but whose averaged momentum is not zero
   would otherwise step by ``m / eps`` and diverge. Unless ``step_bound`` is None (Bagua's
-  formula), the direction ``(m/bc1) / denom`` is clipped per coordinate to ``[-step_bound, step_bound]``
+  formula), ``bc2`` is that of the warm-up's last step, ``1 - b2**warmup_steps``, the count ``v``
+  stopped at (:mod:`bagua_common.algorithms.frozen_variance`), and the direction
+  ``(m/bc1) / denom`` is clipped per coordinate to ``[-step_bound, step_bound]``
   (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`).
 
 Each front end matches its own framework's Adam: this one ``torch.optim.Adam``'s
@@ -176,13 +178,16 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
                 # else: exp_avg is the averaged momentum the algorithm wrote, exp_avg_sq is frozen.
                 step = step_t.item()
                 bias_correction1 = 1 - beta1**step
-                bias_correction2 = 1 - beta2**step
+                # The warm-up (torch Adam) and Bagua's formula correct v by the running count; after the warm-up ours
+                # corrects the frozen v by the count it stopped at and bounds the step (frozen_variance's docstring).
+                bagua = warmup or self.config.step_bound is None
+                bias_correction2 = 1 - beta2 ** (step if bagua else self.warmup_steps)
                 step_size = lr / bias_correction1
                 bias_correction2_sqrt = bias_correction2**0.5
                 # After the warm-up the frozen v is floored (bagua_common.algorithms.frozen_variance).
                 variance = exp_avg_sq if warmup else exp_avg_sq.clamp(min=floors[p])
                 denom = (variance.sqrt() / bias_correction2_sqrt).add_(eps)
-                if warmup or self.config.step_bound is None:
+                if bagua:
                     p.addcdiv_(exp_avg, denom, value=-step_size)
                 else:  # the direction (exp_avg / bc1) / denom clipped to the bound (frozen_variance.STEP_BOUND)
                     bound = self.config.step_bound * bias_correction1
