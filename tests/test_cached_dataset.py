@@ -6,6 +6,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 
 import fakeredis
@@ -70,6 +71,28 @@ def test_second_pass_hits_and_returns_the_same_samples(store, tmp_path):
         data[20]
     with pytest.raises(TypeError):
         data[1.0]
+
+
+def test_loader_threads_open_a_new_lmdb_store_at_once(tmp_path):
+    """grain's and torch's loader threads read a store at once: the first reads open one environment, no error
+    (LMDB refuses a second open of the same path in one process; unguarded, 8 threads hit that 2 trials in 3)."""
+    for trial in range(10):
+        store = LmdbStore(str(tmp_path / f"lmdb{trial}"), capacity_bytes=1 << 24)
+        barrier, errors = threading.Barrier(8), []
+
+        def read() -> None:
+            barrier.wait()
+            try:
+                assert store.get(b"absent") is None
+            except Exception as error:  # collected, reported below
+                errors.append(error)
+
+        threads = [threading.Thread(target=read) for _ in range(8)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
 
 
 def test_version_name_and_dataset_change_invalidate(tmp_path):

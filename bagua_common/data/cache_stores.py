@@ -19,6 +19,7 @@ import re
 import secrets
 import shutil
 import tempfile
+import threading
 import warnings
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -191,16 +192,27 @@ class LmdbStore:
 
 
 _lmdb_environments: dict[tuple[int, str], Any] = {}
+# Loader threads (grain's, torch's with threads) open a store at once; LMDB refuses a second open of the same path.
+_lmdb_environments_lock = threading.Lock()
+
+
+def _fresh_lock_in_child() -> None:
+    global _lmdb_environments_lock
+    _lmdb_environments_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_fresh_lock_in_child)
 
 
 def _lmdb_environment(path: str, capacity_bytes: int) -> Any:
     key = (os.getpid(), path)
-    if key not in _lmdb_environments:
-        _lmdb_environments[key] = lmdb.open(
-            path, map_size=capacity_bytes, sync=False, metasync=False, readahead=False,
-            max_readers=512, meminit=False,
-        )  # fmt: skip
-    return _lmdb_environments[key]
+    with _lmdb_environments_lock:
+        if key not in _lmdb_environments:
+            _lmdb_environments[key] = lmdb.open(
+                path, map_size=capacity_bytes, sync=False, metasync=False, readahead=False,
+                max_readers=512, meminit=False,
+            )  # fmt: skip
+        return _lmdb_environments[key]
 
 
 def shard_of(key: bytes, num_shards: int) -> int:
