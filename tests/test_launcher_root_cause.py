@@ -45,6 +45,9 @@ sys.exit(1)
 """
 
 
+# The launcher runs inside pytest here, where earlier tests loaded JAX, which warns at the fork that starts each
+# rank (preexec_fn sets its parent-death signal); bagua-launch's own process never imports JAX.
+@pytest.mark.filterwarnings("ignore:os.fork\\(\\) was called:RuntimeWarning")
 @pytest.mark.parametrize("notice", ["prompt", "late"])
 def test_a_peer_failing_right_after_a_killed_rank_is_not_named(tmp_path, monkeypatch, capsys, notice):
     script = tmp_path / "ranks.py"
