@@ -161,12 +161,13 @@ def _common_point(candidates: list[np.ndarray]) -> np.ndarray | None:
     return None
 
 
-def check_averaged_training(got: np.ndarray, seed: int, warmup: int, rounds: int) -> None:
-    """Assert that the rounds that ran averaged the ranks' weights exactly (:func:`replay_rounds`),
-    and that they trained: the averages' loss over all ranks' data goes down to a small fraction of
-    the first round's. (How far the ranks drift between rounds depends on how many rounds the
-    machine's load let through, so it is not judged.)"""
-    assert rounds >= 3, rounds
+def check_averaged_training(got: np.ndarray, seed: int, warmup: int, rounds_per_rank: list[int]) -> None:
+    """Assert that every rank ran the same rounds (at least 3; each is a collective of all), that they averaged
+    the ranks' weights exactly (:func:`replay_rounds`), and that they trained: the averages' loss over all ranks'
+    data goes down to a small fraction of the first round's. (How far the ranks drift between rounds depends on
+    how many rounds the machine's load let through, so it is not judged.)"""
+    assert len(set(rounds_per_rank)) == 1 and rounds_per_rank[0] >= 3, rounds_per_rank
+    rounds = rounds_per_rank[0]
     averages = np.stack(replay_rounds(got, seed, warmup, rounds))
     n = got.shape[1]
     excess = excess_loss(averages, seed, n)

@@ -177,10 +177,8 @@ def test_background_averaging_keeps_replicas_together_and_trains(name):
     n, warmup = len(results), TRAIN.options["warmup_steps"]
     got = np.stack([res[TRAIN.label]["history"] for res in results], axis=1)  # [step, rank, DIM + 1]
     np.testing.assert_allclose(got[:warmup], numpy_sgd(seed, n, warmup, warmup), rtol=1e-5, atol=1e-5)
-    rounds = {res[TRAIN.label]["rounds"] for res in results}
-    assert len(rounds) == 1, [res[TRAIN.label]["rounds"] for res in results]
     assert all(res[TRAIN.label]["joined"] for res in results)
-    check_averaged_training(got, seed, warmup, rounds.pop())
+    check_averaged_training(got, seed, warmup, [res[TRAIN.label]["rounds"] for res in results])
 
 
 @pytest.mark.parametrize("name", JOBS.jobs_with(ONE_ROUND))

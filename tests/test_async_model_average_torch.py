@@ -118,9 +118,7 @@ def test_background_averaging_keeps_replicas_together_and_trains(name):
     for res in results:
         assert res[TRAIN.label]["hooks"] == [True] * warmup + [False] * (steps - warmup)
         assert res[TRAIN.label]["joined"]
-    rounds = {res[TRAIN.label]["rounds"] for res in results}
-    assert len(rounds) == 1, [res[TRAIN.label]["rounds"] for res in results]
-    check_averaged_training(got, seed, warmup, rounds.pop())
+    check_averaged_training(got, seed, warmup, [res[TRAIN.label]["rounds"] for res in results])
 
 
 @pytest.mark.parametrize("name", JOBS.jobs_with(ONE_ROUND))
