@@ -6,6 +6,7 @@
 // namespace: generic, avx2, avx512; see CMakeLists.txt), and
 // kernels_cpu_dispatch.cc picks the best one the processor supports at run time.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -469,12 +470,18 @@ void resum_scaled(const std::vector<Chunk>& chunks, int64_t m, int64_t begin, in
     if (is_infinite(acc[i])) acc[i] = math::resum_result(scaled[i], average, ranks);
 }
 
-// acc[0, m) divided by k. For k a power of two that is a multiplication by the
-// exact 1 / k: both round the same real number, so the bits are the same, and a
-// vector division costs several times a multiplication.
+// Dividing by a power of two d is multiplying by the exact 1 / d: both round the
+// same real number, so the bits are the same, and a vector division costs
+// several times a multiplication.
+bool is_power_of_two(float d) {
+  int exponent;
+  return d > 0.0f && math::is_finite(d) && std::frexp(d, &exponent) == 0.5f;
+}
+
+// acc[0, m) divided by k.
 void average_ranks(float* acc, int64_t m, int64_t k) {
   const float ranks = static_cast<float>(k);
-  if ((k & (k - 1)) == 0) {
+  if (is_power_of_two(ranks)) {
     const float inverse = math::div_rn(1.0f, ranks);
     for (int64_t i = 0; i < m; ++i) acc[i] = math::mul_rn(acc[i], inverse);
   } else {
@@ -616,6 +623,15 @@ Status axpy(Cpu, const T* x, float a, const T* y, int64_t n, T* out) {
 template <typename T>
 Status async_average(Cpu, const T* x, const T* reduced, const T* snapshot, float ranks, int64_t n,
                      T* out) {
+  if (is_power_of_two(ranks)) {  // the share by the exact inverse (see is_power_of_two)
+    const float inverse = math::div_rn(1.0f, ranks);
+    return elementwise(
+        n, out,
+        [inverse](float xi, float r, float s) {
+          return math::async_average_of_share(xi, math::mul_rn(r, inverse), s);
+        },
+        x, reduced, snapshot);
+  }
   return elementwise(
       n, out, [ranks](float xi, float r, float s) { return math::async_average(xi, r, ranks, s); },
       x, reduced, snapshot);
