@@ -93,6 +93,9 @@ class DataParallel:
     their numbers.
     """
 
+    # Native mode checks on the first step that the processes' batches differ (see step()).
+    _checks_batches = True
+
     def __init__(
         self,
         loss_fn: LossFn,
@@ -132,7 +135,7 @@ class DataParallel:
         self._optimizer, self._comms = optimizer, comms
         self._autotune = autotune_mode(autotune)
         self.bucket_tuning: BucketTuning | None = None
-        self._batches_checked = communicator is None
+        self._batches_checked = communicator is None or not self._checks_batches
         self._use(make_algorithm(algorithm) if isinstance(algorithm, str) else algorithm)
 
     def _use(self, algorithm: Algorithm) -> None:
@@ -343,7 +346,7 @@ class DataParallel:
         """For tuning: ``params``' step on this job under a candidate algorithm, its loss nearly free."""
 
         def step_for(algorithm: Algorithm) -> Callable[[], Any]:
-            trainer = DataParallel(
+            trainer = _TuningProbe(
                 _half_square,
                 optax.sgd(0.0),
                 algorithm,
@@ -352,9 +355,6 @@ class DataParallel:
                 autotune="off",
             )
             state = trainer.init(params)
-            # The tuning loss ignores its batch, so every rank passes the same zeros: no user data for
-            # step()'s same-batch guard to check (nor its allgather to time).
-            trainer._batches_checked = True
             batch = np.zeros((trainer.size if self._mesh is not None else 1,), np.float32)
             return lambda: trainer.step(state, batch)
 
@@ -413,6 +413,13 @@ class DataParallel:
                 lambda a: np.mean(a, axis=0) if np.issubdtype(a.dtype, np.inexact) else a, jax.device_get(aux)
             )
         return new_state, ((loss, aux) if self._has_aux else loss)
+
+
+class _TuningProbe(DataParallel):
+    """The trainer autotuning times: its loss ignores its batch, so every rank passes the same zeros, no user
+    data for the same-batch check to check (nor its allgather to time)."""
+
+    _checks_batches = False
 
 
 def _half_square(params: Any, batch: Any) -> jax.Array:

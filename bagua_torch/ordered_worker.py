@@ -11,6 +11,7 @@ worker never overlap, so the collectives they issue keep every rank's order. Ove
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -46,6 +47,13 @@ class WorkerWork:
         if self._done is None or self._future.exception() is not None:
             return True
         return bool(self._done.query())
+
+
+def _with_threads(job: Callable[[int], Any], threads: int, stream: int) -> Any:
+    """``job(stream)`` with this thread's intra-op thread count set to the submitter's ``threads``."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    return job(stream)
 
 
 _thread_of = threading.local()
@@ -88,6 +96,11 @@ class OrderedWorker:
                 self._executor = concurrent.futures.ThreadPoolExecutor(
                     max_workers=1, thread_name_prefix=f"bagua-{self._name}", initializer=self._mark_thread
                 )
+            # OpenMP keeps its thread count per thread, and torch sets it on a new thread only when one of its
+            # parallel loops runs there, not before an MKL matmul: without this a job's matmuls ran on every core
+            # although the process chose fewer (torch.set_num_threads), several ranks spinning per core.
+            threads = torch.get_num_threads()
+            job = functools.partial(_with_threads, job, threads)
             if self._device.type != "cuda":
                 return WorkerWork(self._executor.submit(job, 0))
             if self._stream is None:

@@ -2,22 +2,33 @@
 
 Builds the git ref ``REF`` (its CPU kernels only) from ``git archive`` into
 ``~/.cache/bagua/releases/<commit>-<python>-jaxlib<version>/`` (``$XDG_CACHE_HOME`` if set; kept, so
-a second run from any checkout of the repository starts at once), then starts two worker
-processes: one imports this tree's ``bagua_jax`` and the native library the caller's ``PYTHONPATH``
-(then the environment) provides, so a build of this tree installed with ``pip install --target DIR``
-is timed with ``PYTHONPATH=DIR``; the other imports the release's package and library only. Each
-worker names the native library it loaded, and the results record both. Both time the same
-kernels on the same inputs (``kernels.py``'s ``NativeJax``: ``bagua_jax.ops`` under ``jax.jit``,
-float32, ``k`` chunks). The driver asks them for one call at a time, alternating in a fresh random
-order each round, so both see the same load from the rest of the machine; the idle worker waits on
-a pipe meanwhile. Each round gives a paired ratio
-``release time / this tree's time`` (above 1: this tree is faster, a regression shows below 1);
-the table gives, per kernel and size, the median of those ratios with a 95% bootstrap interval of
-the median, and each side's median GB/s.
+a second run from any checkout of the repository starts at once), then times both libraries in one
+worker process: this tree's ``bagua_jax`` with the native library the caller's ``PYTHONPATH`` (then
+the environment) provides, so a build of this tree installed with ``pip install --target DIR`` is
+timed with ``PYTHONPATH=DIR``; and the release's native library, loaded beside it under another
+module name, its FFI targets registered with the prefix ``release_`` and called through this tree's
+``bagua_jax.ops`` with the target names so prefixed (the same custom calls: the release's ``ops``
+built the same HLO). The results name both libraries. Both sides time the same kernels on the same
+input arrays (``native_kernels.py``: ``bagua_jax.ops`` under ``jax.jit``, float32, ``k`` chunks), one
+call at a time, alternating in a fresh random order each round, so both see the same load from the
+rest of the machine and the same allocator. Each round gives a paired ratio
+``release time / this tree's time`` (above 1: this tree is faster, a regression shows below 1).
+
+Why one process: where a process's buffers lie (which pages, and whether NumPy's huge-page advice
+on its freed arrays covers them) moves a 64 MiB kernel's time by up to 20% for that process's whole
+life. Two worker processes running one and the same library measured min-max compress at 64 MiB at
+CPU-time ratios of 1.17 [1.16, 1.18] in one run and 0.94 [0.94, 0.95] in the next, so a regression
+of a few percent between two processes was indistinguishable from their placement. In one process
+both sides reuse the same freed buffers. ``PROCESSES`` workers run one after the other; the table
+gives, per kernel and size, the median ratio over all rounds with a 95% interval from a two-level
+bootstrap (processes, then rounds within each), and the range of the processes' own medians.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.machinery
+import importlib.util
 import io
 import json
 import os
@@ -26,7 +37,7 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +45,21 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 BOOTSTRAP_SAMPLES = 2000
+PROCESSES = 3
 WARMUP_CALLS = 3
-# Both workers keep freed memory for reuse, as kernels.py does with mallopt (see
-# _common.retain_freed_memory): one arena, no mmap for large blocks, no trimming. Their OpenMP
-# threads sleep rather than spin between kernels, so the CPU time of a call is its own.
-GLIBC_TUNABLES = "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:glibc.malloc.trim_threshold=4611686018427387904"
+RELEASE_PREFIX = "release_"
+SIDES = ("this tree", "release")
+# The worker keeps freed memory for reuse, as kernels.py does with mallopt (see
+# _common.retain_freed_memory): one arena, no mmap for large blocks, no trimming. Its OpenMP
+# threads sleep rather than spin between kernels, so the CPU time of a call is its own. NumPy's
+# huge-page advice on its large arrays outlives them in the heap, and XLA's buffers landing there or
+# not moved the kernels' times by process: without it every buffer has ordinary pages.
+WORKER_ENVIRONMENT = {
+    "GLIBC_TUNABLES": "glibc.malloc.arena_max=1:glibc.malloc.mmap_max=0:"
+    "glibc.malloc.trim_threshold=4611686018427387904",
+    "OMP_WAIT_POLICY": "PASSIVE",
+    "NUMPY_MADVISE_HUGEPAGE": "0",
+}
 
 
 def release_commit(ref: str) -> str:
@@ -82,75 +103,102 @@ def build_release(commit: str) -> Path:
     return site
 
 
-class Worker:
-    """One side of the comparison: a child process timing single kernel calls on request."""
+def load_release_library(site: Path) -> Path:
+    """Load the release's native library from ``site`` beside this tree's and register its FFI
+    targets under ``RELEASE_PREFIX``; return its path."""
+    import jax
 
-    def __init__(self, name: str, pythonpath: str, args: Sequence[str]) -> None:
-        self.name = name
-        env = dict(os.environ, PYTHONPATH=pythonpath, GLIBC_TUNABLES=GLIBC_TUNABLES, OMP_WAIT_POLICY="PASSIVE")
-        command = [sys.executable, str(Path(__file__)), "--worker", *args]
-        self.process = subprocess.Popen(command, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-
-    def ask(self, *request: Any) -> Any:
-        """Send one request (a JSON line) and return the reply."""
-        self.process.stdin.write(json.dumps(request) + "\n")
-        self.process.stdin.flush()
-        reply = self.process.stdout.readline()
-        if not reply:
-            raise RuntimeError(f"the {self.name} worker exited (status {self.process.wait()})")
-        return json.loads(reply)
-
-    def close(self) -> None:
-        self.process.stdin.close()
-        self.process.wait(timeout=60)
+    path = next(site.glob("_bagua_ffi*.so"))
+    loader = importlib.machinery.ExtensionFileLoader("bagua_release._bagua_ffi", str(path))
+    module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+    loader.exec_module(module)
+    for platform, targets in module.registrations().items():
+        for name, capsule in targets.items():
+            jax.ffi.register_ffi_target(RELEASE_PREFIX + name, capsule, platform=platform)
+    return path
 
 
-def serve(k: int) -> None:
-    """The worker loop: ``["prepare", n]`` sets up every kernel on ``n`` elements (warmed up);
-    ``["time", kernel]`` runs it once and replies with the seconds it took, wall and CPU (all
-    threads), and the minor page faults it caused."""
+@contextlib.contextmanager
+def release_targets() -> Iterator[None]:
+    """While tracing in this context, ``bagua_jax.ops`` calls the release's FFI targets."""
+    import jax
+
+    ffi_call = jax.ffi.ffi_call
+    jax.ffi.ffi_call = lambda target, *args, **kwargs: ffi_call(RELEASE_PREFIX + target, *args, **kwargs)
+    try:
+        yield
+    finally:
+        jax.ffi.ffi_call = ffi_call
+
+
+def serve(k: int, site: Path, sizes_mib: Sequence[float], repeats: int, seed: int) -> None:
+    """The worker: time every kernel of both sides at every size, ``repeats`` interleaved rounds, and
+    print one JSON object: both libraries' paths and, per size and kernel, each side's rows of (wall
+    seconds, CPU seconds of all threads, minor page faults) per call."""
     import resource
     import time
     from types import SimpleNamespace
 
+    import _bagua_ffi
     import jax
+    import kernels as bench
     from native_kernels import KERNELS, jitted_native_kernels, kernel_call
 
     from bagua_jax import ops
 
-    calls: dict[str, Any] = {}
-    for line in sys.stdin:
-        request = json.loads(line)
-        if request[0] == "library":
-            import _bagua_ffi
-
-            reply: Any = _bagua_ffi.__file__
-        elif request[0] == "prepare":
-            n = request[1]
-            impl = SimpleNamespace(**jitted_native_kernels(ops, n, k), sync=jax.block_until_ready)
-            rng = np.random.default_rng(0)
-            data = [jax.device_put(rng.standard_normal(n, dtype=np.float32)) for _ in range(3)]
-            calls = {kernel: kernel_call(impl, kernel, data) for kernel in KERNELS}
-            for fn, fn_args in calls.values():
-                for _ in range(WARMUP_CALLS):
+    libraries = {SIDES[0]: _bagua_ffi.__file__, SIDES[1]: str(load_release_library(site))}
+    order = random.Random(seed)
+    times: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
+    for size in sizes_mib:
+        n = bench.element_count(size, k)
+        rng = np.random.default_rng(seed)
+        data = [jax.device_put(rng.standard_normal(n, dtype=np.float32)) for _ in range(3)]
+        calls = {}
+        for side in SIDES:
+            with release_targets() if side == SIDES[1] else contextlib.nullcontext():
+                impl = SimpleNamespace(**jitted_native_kernels(ops, n, k), sync=jax.block_until_ready)
+                calls[side] = {kernel: kernel_call(impl, kernel, data) for kernel in KERNELS}
+                for fn, fn_args in calls[side].values():
+                    for _ in range(WARMUP_CALLS):
+                        jax.block_until_ready(fn(*fn_args))
+        times[str(size)] = {kernel: {side: [] for side in SIDES} for kernel in KERNELS}
+        for kernel in KERNELS:
+            for _ in range(repeats):
+                for side in order.sample(SIDES, len(SIDES)):
+                    fn, fn_args = calls[side][kernel]
+                    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+                    start, start_cpu = time.perf_counter(), time.process_time()
                     jax.block_until_ready(fn(*fn_args))
-            reply = n
-        else:
-            fn, fn_args = calls[request[1]]
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            start, start_cpu = time.perf_counter(), time.process_time()
-            jax.block_until_ready(fn(*fn_args))
-            reply = [time.perf_counter() - start, time.process_time() - start_cpu]
-            reply.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-        print(json.dumps(reply), flush=True)
+                    elapsed = [time.perf_counter() - start, time.process_time() - start_cpu]
+                    elapsed.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+                    times[str(size)][kernel][side].append(elapsed)
+        del calls, data
+    print(json.dumps({"libraries": libraries, "times": times}))
 
 
-def median_interval(ratios: Sequence[float], rng: np.random.Generator) -> tuple[float, float, float]:
-    """The median of ``ratios`` and a 95% bootstrap interval of it."""
-    values = np.asarray(ratios)
-    resampled = np.median(rng.choice(values, (BOOTSTRAP_SAMPLES, values.size)), axis=1)
-    low, high = np.quantile(resampled, [0.025, 0.975])
-    return float(np.median(values)), float(low), float(high)
+def run_worker(site: Path, sizes_mib: Sequence[float], k: int, repeats: int, seed: int) -> dict[str, Any]:
+    """One worker process (see ``serve``); its JSON result."""
+    bench_dir = str(Path(__file__).resolve().parent)
+    caller_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, **WORKER_ENVIRONMENT, "PYTHONPATH": os.pathsep.join([bench_dir, str(ROOT), *caller_path])}
+    command = [sys.executable, str(Path(__file__)), "--worker", str(k), str(site), str(repeats), str(seed)]
+    command += [str(size) for size in sizes_mib]
+    result = subprocess.run(command, env=env, stdout=subprocess.PIPE, text=True, check=False)
+    if result.returncode:
+        raise RuntimeError(f"the worker exited with status {result.returncode}")
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def median_interval(ratios: Sequence[Sequence[float]], rng: np.random.Generator) -> tuple[float, float, float]:
+    """The median of all ``ratios`` (one sequence per process) and a 95% interval of it from a
+    two-level bootstrap: processes drawn with replacement, then rounds within each drawn one."""
+    groups = [np.asarray(g) for g in ratios]
+    medians = np.empty(BOOTSTRAP_SAMPLES)
+    for b in range(BOOTSTRAP_SAMPLES):
+        drawn = [groups[i] for i in rng.integers(len(groups), size=len(groups))]
+        medians[b] = np.median(np.concatenate([rng.choice(g, g.size) for g in drawn]))
+    low, high = np.quantile(medians, [0.025, 0.975])
+    return float(np.median(np.concatenate(groups))), float(low), float(high)
 
 
 def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir: Path, argv: Sequence[str]) -> Path:
@@ -160,54 +208,49 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
 
     commit = release_commit(ref)
     site = build_release(commit)
-    meta = _common.run_meta(argv, _common.device_info("cpu"), ["jax", "jaxlib", "numpy"], release=commit, k=k)
+    meta = _common.run_meta(
+        argv, _common.device_info("cpu"), ["jax", "jaxlib", "numpy"], release=commit, k=k, processes=PROCESSES
+    )
     meta["uptime_before"] = _uptime()
-    bench_dir = str(Path(__file__).resolve().parent)
-    caller_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    workers = [
-        Worker("this tree", os.pathsep.join([bench_dir, str(ROOT), *caller_path]), [str(k)]),
-        Worker(f"release {ref}", os.pathsep.join([bench_dir, str(site)]), [str(k)]),
-    ]
-    meta["native_libraries"] = {w.name: w.ask("library") for w in workers}
+    results = []
+    for p in range(PROCESSES):
+        results.append(run_worker(site, sizes_mib, k, repeats, seed=p))
+        print(f"worker {p + 1} of {PROCESSES} done", flush=True)
+    meta["native_libraries"] = results[0]["libraries"]
     for name, library in meta["native_libraries"].items():
         print(f"{name}: {library}", flush=True)
-    order, rng = random.Random(0), np.random.default_rng(0)
+    rng = np.random.default_rng(0)
     rows = []
-    try:
-        for size in sizes_mib:
-            n = bench.element_count(size, k)
-            for w in workers:
-                w.ask("prepare", n)
-            nbytes = {kernel: bench.logical_bytes(kernel, n, k) for kernel in bench.KERNELS}
-            for kernel in bench.KERNELS:
-                times: dict[str, list[list[float]]] = {w.name: [] for w in workers}
-                for _ in range(repeats):
-                    for w in order.sample(workers, len(workers)):
-                        times[w.name].append(w.ask("time", kernel))
-                current, release = (np.asarray(times[w.name]) for w in workers)
-                wall = median_interval(release[:, 0] / current[:, 0], rng)
-                cpu = median_interval(release[:, 1] / current[:, 1], rng)
-                row = {
-                    "size_mib": size,
-                    "kernel": kernel,
-                    "gbps": nbytes[kernel] / np.median(current[:, 0]) / 1e9,
-                    "release_gbps": nbytes[kernel] / np.median(release[:, 0]) / 1e9,
-                    "ratio": wall,
-                    "cpu_ratio": cpu,
-                    "page_faults": float(np.median(current[:, 2])),
-                    "release_page_faults": float(np.median(release[:, 2])),
-                    "repeats": repeats,
-                }
-                rows.append(row)
-                print(
-                    f"{size:g} MiB {kernel:<26} {row['gbps']:7.2f} vs {row['release_gbps']:7.2f} GB/s  "
-                    f"wall ratio {_interval(wall)}  CPU-time ratio {_interval(cpu)}  "
-                    f"page faults {row['page_faults']:g} vs {row['release_page_faults']:g}",
-                    flush=True,
-                )
-    finally:
-        for w in workers:
-            w.close()
+    for size in sizes_mib:
+        n = bench.element_count(size, k)
+        for kernel in bench.KERNELS:
+            current, release = ([np.asarray(r["times"][str(size)][kernel][side]) for r in results] for side in SIDES)
+            wall, cpu = (
+                median_interval([r[:, column] / c[:, column] for c, r in zip(current, release)], rng)
+                for column in (0, 1)
+            )
+            process_cpu = [float(np.median(r[:, 1] / c[:, 1])) for c, r in zip(current, release)]
+            nbytes = bench.logical_bytes(kernel, n, k)
+            row = {
+                "size_mib": size,
+                "kernel": kernel,
+                "gbps": nbytes / np.median(np.concatenate(current)[:, 0]) / 1e9,
+                "release_gbps": nbytes / np.median(np.concatenate(release)[:, 0]) / 1e9,
+                "ratio": wall,
+                "cpu_ratio": cpu,
+                "process_cpu_ratios": process_cpu,
+                "page_faults": float(np.median(np.concatenate(current)[:, 2])),
+                "release_page_faults": float(np.median(np.concatenate(release)[:, 2])),
+                "repeats": repeats,
+            }
+            rows.append(row)
+            print(
+                f"{size:g} MiB {kernel:<26} {row['gbps']:7.2f} vs {row['release_gbps']:7.2f} GB/s  "
+                f"wall ratio {_interval(wall)}  CPU-time ratio {_interval(cpu)}  "
+                f"processes {min(process_cpu):.2f}-{max(process_cpu):.2f}  "
+                f"page faults {row['page_faults']:g} vs {row['release_page_faults']:g}",
+                flush=True,
+            )
     _common.finish_meta(meta)
     meta["uptime_after"] = _uptime()
     lines = [
@@ -215,19 +258,23 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
         "",
         *_common.header_lines(meta),
         f"- uptime before: `{meta['uptime_before']}`; after: `{meta['uptime_after']}`",
-        f"- chunks k = {k}; {repeats} interleaved calls per kernel and side",
+        f"- chunks k = {k}; {PROCESSES} worker processes one after the other, each timing both libraries "
+        f"with {repeats} interleaved calls per kernel and side",
         *(f"- {name}: native library `{library}`" for name, library in meta["native_libraries"].items()),
         "",
-        "Ratios: the median over rounds of (release time / this tree's time), with a 95% bootstrap",
-        "interval of that median; above 1 this tree is faster, below 1 it regressed. Wall: elapsed time",
-        "of the call; CPU: CPU time of the worker process over the call (all threads), which the rest of",
-        "a loaded machine disturbs less.",
+        "Ratios: the median over all rounds of (release time / this tree's time), with a 95% interval",
+        "from a bootstrap over the processes and the rounds within them; above 1 this tree is faster,",
+        "below 1 it regressed. Wall: elapsed time of the call; CPU: CPU time of the worker process over",
+        "the call (all threads), which the rest of a loaded machine disturbs less. Processes: the lowest",
+        "and highest of the processes' own median CPU-time ratios.",
         "",
-        "| size (MiB) | kernel | this tree GB/s | release GB/s | wall ratio [95%] | CPU-time ratio [95%] |",
-        "|---:|---|---:|---:|---|---|",
+        "| size (MiB) | kernel | this tree GB/s | release GB/s | wall ratio [95%] | CPU-time ratio [95%] "
+        "| processes (CPU) |",
+        "|---:|---|---:|---:|---|---|---|",
         *(
             f"| {r['size_mib']:g} | {r['kernel']} | {r['gbps']:.2f} | {r['release_gbps']:.2f} | "
-            f"{_interval(r['ratio'])} | {_interval(r['cpu_ratio'])} |"
+            f"{_interval(r['ratio'])} | {_interval(r['cpu_ratio'])} | "
+            f"{min(r['process_cpu_ratios']):.2f}-{max(r['process_cpu_ratios']):.2f} |"
             for r in rows
         ),
         "",
@@ -247,4 +294,4 @@ def _uptime() -> str:
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    serve(int(sys.argv[2]))
+    serve(int(sys.argv[2]), Path(sys.argv[3]), [float(s) for s in sys.argv[6:]], int(sys.argv[4]), int(sys.argv[5]))

@@ -29,8 +29,8 @@ class TaskModel(nn.Module):
 class CNN(TaskModel):
     """Two ReLU convolutions (HWIO weights, as in JAX) and a dense layer on NHWC digit images."""
 
-    def __init__(self):
-        super().__init__(adam_tasks.cnn_params())
+    def __init__(self, seed: int):
+        super().__init__(adam_tasks.cnn_params(seed))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = x.permute(0, 3, 1, 2)
@@ -42,8 +42,8 @@ class CNN(TaskModel):
 class Transformer(TaskModel):
     """Token + position embeddings, one single-head attention block, an MLP and a mean-pooled head."""
 
-    def __init__(self):
-        super().__init__(adam_tasks.transformer_params())
+    def __init__(self, seed: int):
+        super().__init__(adam_tasks.transformer_params(seed))
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         h = self.embed[tokens] + self.pos
@@ -65,30 +65,31 @@ def loss_of(model: nn.Module, batch: dict[str, np.ndarray]) -> torch.Tensor:
     return F.cross_entropy(model(inputs), torch.from_numpy(batch["y"]).long())
 
 
-def final(model: nn.Module, task: str) -> dict:
+def final(model: nn.Module, task: str, seed: int) -> dict:
     """The held-out loss and the parameters (NumPy) of a trained model."""
     with torch.no_grad():
-        loss = float(loss_of(model, TASKS[task][2]()))
+        loss = float(loss_of(model, TASKS[task][2](seed)))
     return {
         "loss": loss,
         "params": {n: p.detach().numpy().copy() for n, p in model.named_parameters()},
     }
 
 
-def adam_reference(task: str) -> dict:
+def adam_reference(task: str, seed: int) -> dict:
     """Single-process ``torch.optim.Adam`` on the global batches (the ranks' averaged gradients)."""
     model_class, batches, _ = TASKS[task]
-    model = model_class()
+    model = model_class(seed)
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
-    for batch in batches():
+    for batch in batches(seed):
         optimizer.zero_grad()
         loss_of(model, batch).backward()
         optimizer.step()
-    return final(model, task)
+    return final(model, task, seed)
 
 
-def job(variants: list[tuple[str, str]]) -> dict:
-    """Train each (task, algorithm) variant on this rank; the held-out loss and parameters per variant."""
+def job(seed: int, variants: list[tuple[str, str]]) -> dict:
+    """Train each (task, algorithm) variant on this rank (the data of the test run's ``seed``); the held-out loss and
+    parameters per variant."""
     torch.set_num_threads(1)
     import bagua_torch
     from bagua_torch.algorithms.onebit_adam import (
@@ -108,14 +109,14 @@ def job(variants: list[tuple[str, str]]) -> dict:
     out = {}
     for task, algorithm in variants:
         model_class, batches, _ = TASKS[task]
-        model = model_class()
+        model = model_class(seed)
         optimizer_class, algorithm_class = algorithms[algorithm]
         optimizer = optimizer_class(model.parameters(), lr=LR, warmup_steps=WARMUP_STEPS)
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm_class(optimizer))
-        for batch in batches():
+        for batch in batches(seed):
             optimizer.zero_grad()
             loss_of(wrapped, {key: value[rows] for key, value in batch.items()}).backward()
             optimizer.step()
         wrapped.close()
-        out[f"{task}/{algorithm}"] = final(model, task)
+        out[f"{task}/{algorithm}"] = final(model, task, seed)
     return out

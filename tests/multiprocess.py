@@ -25,6 +25,8 @@ from typing import Any, Literal
 from bagua_common.job.local_launch import free_port, mpiexec
 
 TESTS = Path(__file__).resolve().parent
+ONE_CPU_DEVICE = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
+"""The environment of JAX ranks with one CPU device each, in place of conftest.py's four simulated devices."""
 
 
 @dataclass

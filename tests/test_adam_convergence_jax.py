@@ -66,13 +66,13 @@ def task_loss(task: str):
 _adam: dict[str, dict] = {}
 
 
-def adam_reference(task: str) -> dict:
+def adam_reference(task: str, seed: int) -> dict:
     """Plain optax.adam on the global batches: its final parameters and held-out loss (once per task)."""
     if task not in _adam:
         _, init, batches, evaluation = TASKS[task]
         loss = task_loss(task)
         optimizer = optax.adam(LR)
-        params = jax.tree.map(jnp.asarray, init())
+        params = jax.tree.map(jnp.asarray, init(seed))
         state = optimizer.init(params)
 
         @jax.jit
@@ -80,23 +80,23 @@ def adam_reference(task: str) -> dict:
             updates, state = optimizer.update(jax.grad(loss)(params, batch), state)
             return optax.apply_updates(params, updates), state
 
-        for batch in batches():
+        for batch in batches(seed):
             params, state = step(params, state, batch)
-        _adam[task] = {"params": params, "loss": float(loss(params, evaluation()))}
+        _adam[task] = {"params": params, "loss": float(loss(params, evaluation(seed)))}
     return _adam[task]
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
 @pytest.mark.parametrize("task", TASKS)
-def test_trains_like_adam(task, algorithm):
+def test_trains_like_adam(task, algorithm, seed):
     _, init, batches, evaluation = TASKS[task]
     loss = task_loss(task)
     mesh = Mesh(np.array(jax.devices()[:4]), ("ranks",))
     trainer = DataParallel(loss, None, ALGORITHMS[algorithm](LR, warmup_steps=WARMUP_STEPS), mesh=mesh)
-    state = trainer.init(init())
-    for batch in batches():
+    state = trainer.init(init(seed))
+    for batch in batches(seed):
         state, _ = trainer.step(state, batch)
     params = jax.tree.map(np.asarray, state.params)  # one copy: QAdam and 1-bit Adam keep replicas identical
-    reference = adam_reference(task)
-    final = float(loss(params, evaluation()))
+    reference = adam_reference(task, seed)
+    final = float(loss(params, evaluation(seed)))
     adam_tasks.assert_trains_like_adam(f"{task} {algorithm}", params, final, reference["params"], reference["loss"])

@@ -20,24 +20,24 @@ VARIANTS = [(task, algorithm) for task in TASKS for algorithm in ALGORITHMS]
 _cache: dict[str, dict] = {}
 
 
-def trained(task: str, algorithm: str) -> dict:
+def trained(task: str, algorithm: str, seed: int) -> dict:
     """Rank 0's result for a variant; all variants run in one 2-rank job, once per session."""
     if "job" not in _cache:
-        results = run_ranks("adam_convergence_workers_torch:job", 2, VARIANTS, timeout=300)
+        results = run_ranks("adam_convergence_workers_torch:job", 2, seed, VARIANTS, timeout=300)
         _cache["job"] = next(r.value for r in results if r.rank == 0)
     return _cache["job"][f"{task}/{algorithm}"]
 
 
-def reference(task: str) -> dict:
+def reference(task: str, seed: int) -> dict:
     if task not in _cache:
         torch.set_num_threads(1)
-        _cache[task] = adam_reference(task)
+        _cache[task] = adam_reference(task, seed)
     return _cache[task]
 
 
 @pytest.mark.parametrize("task, algorithm", VARIANTS)
-def test_trains_like_adam(task, algorithm):
-    result, adam = trained(task, algorithm), reference(task)
+def test_trains_like_adam(task, algorithm, seed):
+    result, adam = trained(task, algorithm, seed), reference(task, seed)
     adam_tasks.assert_trains_like_adam(
         f"{task} {algorithm}", result["params"], result["loss"], adam["params"], adam["loss"]
     )

@@ -9,7 +9,7 @@ the ranks, and ranks that agree (including a custom algorithm that is not a data
 from __future__ import annotations
 
 import pytest
-from multiprocess import run_ranks
+from multiprocess import ONE_CPU_DEVICE, run_ranks
 
 W, B, HEAD = (
     "['dense']['w']",
@@ -35,7 +35,7 @@ EXPECTED = {
 AGREE = ("same", "custom_same")
 MODES = {
     "native": {"launcher": "mpiexec"},
-    "mesh": {"env": {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}},
+    "mesh": {"env": ONE_CPU_DEVICE},
 }
 
 

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
-from multiprocess import run_ranks
+from multiprocess import ONE_CPU_DEVICE, run_ranks
 
 import bagua_jax
 from bagua_jax import DataParallel, rank_slice
@@ -118,7 +118,7 @@ def test_every_algorithm_reaches_the_single_process_accuracy_and_bytegrad_is_the
         EPOCHS,
         launcher="mpiexec",
         timeout=600,
-        env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
+        env=ONE_CPU_DEVICE,
     )
     # the upstream runs alone, one example on each rank
     alone = {key: value for r in results for key, value in r.value.items() if isinstance(key, tuple) and key[1] is None}

@@ -21,7 +21,7 @@ import pytest
 from algorithms_reference import bytegrad_bucket, node_average_slices, unflatten
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
-from multiprocess import run_ranks
+from multiprocess import ONE_CPU_DEVICE, run_ranks
 
 import bagua_jax
 from bagua_jax import LaxCommunicator
@@ -40,9 +40,6 @@ SHAPES = {"a": (3,), "b": (5,), "w": (7, 5)}
 # 48 bytes: "a" and "b" (12 + 20 bytes) share a bucket, "w" (140 bytes) gets its own; leaves in tree order.
 BUCKET_BYTES = 48
 BUCKETS = (("a", "b"), ("w",))
-# One CPU device per process for the MPI ranks (replaces conftest's four simulated devices).
-RANK_ENV = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
-
 
 # ----------------------------------------------------------------------------- data
 
@@ -517,7 +514,7 @@ def test_both_algorithms_on_two_mpi_processes_match_numpy(rng):
         lr,
         launcher="mpiexec",
         timeout=300,
-        env=RANK_ENV,
+        env=ONE_CPU_DEVICE,
     )
     values = sorted((r.value for r in results), key=lambda v: v["rank"])
     grads, params = make_grads(seed, steps, n), make_params(seed)

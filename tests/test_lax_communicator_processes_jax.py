@@ -31,11 +31,9 @@ from lax_communicator_workers_jax import (
     rank_inputs,
     ring_peers,
 )
-from multiprocess import RankResult, run_ranks
+from multiprocess import ONE_CPU_DEVICE, RankResult, run_ranks
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-# One CPU device per process: replaces conftest.py's four simulated devices.
-RANK_ENV = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 
 
 def assert_reduced(got: np.ndarray, xs: np.ndarray, op: str) -> None:
@@ -63,7 +61,7 @@ def alltoall_v_expected(vs: np.ndarray, counts: np.ndarray, rank: int, out_size:
 @pytest.mark.parametrize("world", [2, 4])
 def test_collectives_across_processes(world, rng):
     seed, root = int(rng.integers(2**31)), world - 1
-    results = run_ranks("lax_communicator_workers_jax:collectives", world, seed, root, timeout=300, env=RANK_ENV)
+    results = run_ranks("lax_communicator_workers_jax:collectives", world, seed, root, timeout=300, env=ONE_CPU_DEVICE)
     inputs = [rank_inputs(seed, r, world) for r in range(world)]
     f, b, i, v = (np.stack([d[k] for d in inputs]) for k in ("f32", "bf16", "i32", "v"))
     counts = alltoall_v_counts(seed, world, v.shape[1])
@@ -142,7 +140,7 @@ def test_a_dead_peer_fails_the_survivors_within_a_bound(case):
         hang,
         timeout=bound,
         check=False,
-        env={**RANK_ENV, "XLA_FLAGS": flags},
+        env={**ONE_CPU_DEVICE, "XLA_FLAGS": flags},
     )
     elapsed = time.monotonic() - start
     survivors = [r for r in results if r.rank != victim]

@@ -27,11 +27,11 @@ class _OneRankNetwork:
     ranks, rate = 1, None
 
 
-def test_one_rank_trains_evaluates_and_times(tmp_path):
+def test_one_rank_trains_evaluates_and_times(tmp_path, seed):
     from bagua_common.job.local_launch import free_port
 
     job = {
-        "size": "tiny", "ranks": 1, "seed": 0, "steps": 4, "batch": 2, "lr": 3e-3, "weight_decay": 0.01,
+        "size": "tiny", "ranks": 1, "seed": seed, "steps": 4, "batch": 2, "lr": 3e-3, "weight_decay": 0.01,
         "eval_every": 2, "heldout_windows": 4, "async_link": "none", "front_end": "torch", "algorithm": "ddp",
         "options": {}, "links": ["none", "none", "none"], "timing_sync_every": 0, "timed_rounds": 2,
         "phase_wait_s": 120,

@@ -22,7 +22,7 @@ import optax
 import pytest
 from flax import nnx
 from jax.sharding import Mesh
-from multiprocess import run_ranks
+from multiprocess import ONE_CPU_DEVICE, run_ranks
 
 import bagua_jax
 from bagua_jax import DataParallel, rank_slice
@@ -163,14 +163,7 @@ def mesh_losses(data: list[dict]) -> list[float]:
 @pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
 def test_nnx_model_batchnorm_dropout_loss_and_batch_check(rng):
     seed = int(rng.integers(2**31))
-    results = run_ranks(
-        "test_nnx_data_parallel_jax:worker",
-        2,
-        seed,
-        launcher="mpiexec",
-        timeout=300,
-        env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
-    )
+    results = run_ranks("test_nnx_data_parallel_jax:worker", 2, seed, launcher="mpiexec", env=ONE_CPU_DEVICE)
     data = batches(seed)
     params, stats, losses = nnx_reference(data)
     on_mesh = mesh_losses(data)

@@ -21,7 +21,7 @@ import optax
 import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import Mesh
-from multiprocess import run_ranks
+from multiprocess import ONE_CPU_DEVICE, run_ranks
 from test_checkpoint_jax import LR, batch, host, initial_params, loss_fn
 
 from bagua_common.job.checkpoint import DamagedCheckpointError
@@ -173,14 +173,13 @@ def save_on_two_processes(root: str, seed: int) -> dict:
 
 
 def test_no_process_returns_from_a_save_before_it_is_sealed(tmp_path, rng):
-    env = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per process
     results = run_ranks(
         "test_orbax_checkpoint_jax:save_on_two_processes",
         2,
         str(tmp_path),
         int(rng.integers(2**31)),
         timeout=300,
-        env=env,
+        env=ONE_CPU_DEVICE,
     )
     for result in results:
         assert result.value["sealed"], f"rank {result.rank} returned from the save before the step was sealed"

@@ -105,10 +105,12 @@ def bias_correction(decay: float, t: int) -> np.float32:
 
 class Simulation:
     """All n ranks of QAdam or 1-bit Adam in NumPy float32 (SPEC section 3), ``nodes`` nodes of ``n / nodes``
-    ranks each (rank = node * local_size + local index); ``nodes=1`` is the flat algorithm."""
+    ranks each (rank = node * local_size + local index); ``nodes=1`` is the flat algorithm. ``bagua_formula``:
+    after the warm-up the frozen v is bias-corrected by the running count and the step is not bounded."""
 
-    def __init__(self, algorithm: str, n: int, params: dict, nodes: int = 1):
+    def __init__(self, algorithm: str, n: int, params: dict, nodes: int = 1, bagua_formula: bool = False):
         self.sign = algorithm == "onebit"
+        self.bagua_formula = bagua_formula
         self.n, self.nodes, self.local = n, nodes, n // nodes
         self.p = {k: v.copy() for k, v in params.items()}
         self.m = {k: np.zeros_like(v) for k, v in params.items()}
@@ -193,22 +195,24 @@ class Simulation:
         self.t += 1
         # optax divides by the scalar bias corrections; XLA's algebraic simplifier turns a division by a broadcast
         # scalar into a multiplication by its float32 reciprocal, so that is the arithmetic to replay.
-        # v stops at the warm-up's last step, and so does its bias correction (bagua_common.algorithms.frozen_variance).
-        inv1, inv2 = F32(1) / bias_correction(B1, self.t), F32(1) / bias_correction(B2, min(self.t, WARMUP))
+        # v stops at the warm-up's last step, and so does its bias correction (bagua_common.algorithms.frozen_variance),
+        # except in Bagua's formula.
+        variance_count = self.t if self.bagua_formula else min(self.t, WARMUP)
+        inv1, inv2 = F32(1) / bias_correction(B1, self.t), F32(1) / bias_correction(B2, variance_count)
         # After the warm-up the frozen v is floored (bagua_common.algorithms.frozen_variance); the warm-up never floors.
         floors = variance_floors(self.v) if self.t > WARMUP else {k: F32(0) for k in self.v}
         for k in self.p:
             v = np.maximum(self.v[k], floors[k])
             direction = (self.m[k] * inv1) / (np.sqrt(v * inv2) + F32(EPS))
-            if self.t > WARMUP:  # the per-coordinate bound (bagua_common.algorithms.frozen_variance.STEP_BOUND)
+            if self.t > WARMUP and not self.bagua_formula:  # the bound (bagua_common.algorithms.frozen_variance)
                 direction = np.clip(direction, -STEP_BOUND, STEP_BOUND)
             self.p[k] = self.p[k] + F32(-LR) * direction
 
 
-def simulate(algorithm: str, n: int, seed: int, nodes: int = 1) -> list[Simulation]:
+def simulate(algorithm: str, n: int, seed: int, nodes: int = 1, bagua_formula: bool = False) -> list[Simulation]:
     """Snapshots of the simulation after every step (index t: after t steps)."""
     params, grads = make_data(seed, n)
-    sim = Simulation(algorithm, n, params, nodes)
+    sim = Simulation(algorithm, n, params, nodes, bagua_formula)
     history = [copy.deepcopy(sim)]
     for g in grads:
         sim.step(g)
@@ -236,12 +240,19 @@ def stepper(
     hierarchical: bool = True,
     schedule: bool = False,
     bare: bool = False,
+    bagua_formula: bool = False,
 ):
     """``(tx, step)``: the algorithm's transform and one jitted shard_map step over all ranks (``bare``: built on
-    the world communicator alone, as the README shows, instead of :class:`Communicators`)."""
+    the world communicator alone, as the README shows, instead of :class:`Communicators`; ``bagua_formula``:
+    ``step_bound=None``)."""
     mesh, comms, axes = communicators(n, two_level)
+    options = {"step_bound": None} if bagua_formula else {}
     tx = ALGORITHMS[algorithm](
-        SCHEDULE if schedule else LR, warmup_steps=WARMUP, hierarchical=hierarchical, bucket_bytes=BUCKET_BYTES
+        SCHEDULE if schedule else LR,
+        warmup_steps=WARMUP,
+        hierarchical=hierarchical,
+        bucket_bytes=BUCKET_BYTES,
+        **options,
     ).transformation(None, comms.world if bare else comms)
 
     def step(params, state, grads):
@@ -310,6 +321,7 @@ def exact_worker(seed: int) -> dict:
     return {
         "runs": {(a, n, two): run(a, n, seed, two_level=two) for a in ALGORITHMS for n, two in LAYOUTS},
         "flat": run("qadam", 2, seed, hierarchical=False),
+        "bagua_formula": run("qadam", 2, seed, bagua_formula=True),
         "adam": {(n, two): adam_history(seed, n, two) for n, two in LAYOUTS},
         "restored": {a: restored_run(a, 2, seed) for a in ALGORITHMS},
         "schedule": run("qadam", 2, seed, schedule=True),
@@ -404,6 +416,17 @@ def test_qadam_matches_the_numpy_simulation(exact, seed, n, two_level):
         assert_params_close(jax.tree.map(lambda x: x[0], params), sim, t, arithmetic_tolerance)
     # After the warm-up the second moment no longer moves.
     assert_bitwise(history[STEPS][1].adam.nu, history[WARMUP][1].adam.nu)
+
+
+def test_bagua_formula_corrects_the_frozen_v_by_the_running_count_unbounded(exact, seed):
+    """``step_bound=None``: after the warm-up the frozen v's bias correction follows the running count and no step is
+    bounded, as Bagua's QAdam computes it; the default's numbers differ from it."""
+    history = exact["bagua_formula"]
+    sim = simulate("qadam", 2, seed, bagua_formula=True)
+    for t in range(1, STEPS + 1):
+        assert_params_close(jax.tree.map(lambda x: x[0], history[t][0]), sim, t, arithmetic_tolerance)
+    ours = jax.tree.map(lambda x: x[0], exact["runs"]["qadam", 2, False][STEPS][0])
+    assert any(not np.allclose(ours[k], sim[STEPS].p[k], rtol=1e-3, atol=0) for k in SHAPES)
 
 
 @pytest.mark.parametrize("n,two_level", LAYOUTS, ids=LAYOUT_IDS)

@@ -22,12 +22,14 @@ through the native MPI communicator (2 x 2). The tests check:
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
 from algorithms_reference import assert_tree_equal
 from frozen_variance_reference import STEP_BOUND, variance_floors
-from gradient_allreduce_bytegrad_workers_torch import batch, loss_fn, make_mlp
+from gradient_allreduce_bytegrad_workers_torch import batch, loss_fn, make_mlp, params_of
 from qadam_onebit_workers_torch import (
     BETAS,
     EPS,
@@ -148,16 +150,16 @@ def test_configuration_errors():
         q.load_state_dict(saved)
 
 
-def test_optimizer_warmup_alone_is_torch_adam_bit_for_bit():
+def test_optimizer_warmup_alone_is_torch_adam_bit_for_bit(seed):
     """Without communication (one process), the warm-up steps are torch.optim.Adam(foreach=False)'s, also with a
     parameter whose gradient is None (skipped, as torch does)."""
     with _Threads():
-        a, b = make_mlp(3), make_mlp(3)
+        a, b = make_mlp(seed), make_mlp(seed)
         qa = QAdamOptimizer(a.parameters(), lr=LR, warmup_steps=10, betas=BETAS, eps=EPS)
         adam = torch.optim.Adam(b.parameters(), lr=LR, betas=BETAS, eps=EPS, foreach=False)
         for step in range(5):
             for model, opt in ((a, qa), (b, adam)):
-                x, y = batch(3, step, 0)
+                x, y = batch(seed, step, 0)
                 opt.zero_grad()
                 loss_fn(model, x, y).backward()
                 if step == 1:
@@ -170,6 +172,52 @@ def test_optimizer_warmup_alone_is_torch_adam_bit_for_bit():
         assert qa.step_id == 5
         state = qa.state_dict()
         assert state["step_id"] == 5 and state["warmup_steps"] == 10
+
+
+@pytest.mark.parametrize("step_bound", [float(STEP_BOUND), None], ids=["bounded", "bagua_formula"])
+def test_optimizer_after_warmup_alone_follows_its_formula(seed, step_bound):
+    """One process, whose momentum average is its own: after the warm-up the frozen v is bias-corrected by the
+    warm-up's count and each step bounded, or in Bagua's formula (``step_bound=None``) by the running count and
+    unbounded; bit for bit against that formula in plain torch from the state at the warm-up boundary."""
+    beta1, beta2 = BETAS
+    with _Threads():
+        model = make_mlp(seed)
+        opt = QAdamOptimizer(
+            model.parameters(), lr=LR, warmup_steps=RUN_WARMUP, betas=BETAS, eps=EPS, step_bound=step_bound
+        )
+        for step in range(RUN_STEPS):
+            if step == RUN_WARMUP:
+                reference = copy.deepcopy(model)
+                moments = {
+                    name: (opt.state[p]["exp_avg"].clone(), opt.state[p]["exp_avg_sq"].clone())
+                    for name, p in model.named_parameters()
+                }
+            opt.zero_grad()
+            loss_fn(model, *batch(seed, step, 0)).backward()
+            if not opt.in_warmup:
+                opt.local_momentum()
+                opt.mark_momentum_averaged()
+            opt.step()
+        floors = variance_floors(
+            {k: v.numpy() for k, (_, v) in moments.items()},
+            mean=lambda v: (torch.from_numpy(v).sum(dtype=torch.float32) / v.size).item(),
+        )
+        for step in range(RUN_WARMUP, RUN_STEPS):
+            reference.zero_grad()
+            loss_fn(reference, *batch(seed, step, 0)).backward()
+            with torch.no_grad():
+                for name, p in reference.named_parameters():
+                    m, v = moments[name]
+                    m.lerp_(p.grad, 1 - beta1)
+                    bc1 = 1 - beta1 ** (step + 1)
+                    bc2 = 1 - beta2 ** (step + 1 if step_bound is None else RUN_WARMUP)
+                    denom = (v.clamp(min=float(floors[name])).sqrt() / bc2**0.5).add_(EPS)
+                    if step_bound is None:
+                        p.addcdiv_(m, denom, value=-LR / bc1)
+                    else:
+                        bound = step_bound * bc1
+                        p.add_((m / denom).clamp_(-bound, bound), alpha=-LR / bc1)
+    assert_tree_equal(params_of(model), params_of(reference), "vs the formula in plain torch")
 
 
 # ============================================================================ warm-up

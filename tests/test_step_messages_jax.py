@@ -24,7 +24,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from multiprocess import run_ranks
+from multiprocess import ONE_CPU_DEVICE, run_ranks
 
 import bagua_jax
 from bagua_jax import DataParallel, rank_slice
@@ -109,14 +109,7 @@ def nnx_reference(data: dict) -> tuple[float, np.ndarray]:
 @pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
 def test_mean_loss_aux_and_model_state_cost_no_extra_message(rng):
     seed = int(rng.integers(2**31))
-    results = run_ranks(
-        "test_step_messages_jax:worker",
-        2,
-        seed,
-        launcher="mpiexec",
-        timeout=300,
-        env={"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"},
-    )
+    results = run_ranks("test_step_messages_jax:worker", 2, seed, launcher="mpiexec", env=ONE_CPU_DEVICE)
     data, w = batch(seed), np.random.default_rng(seed + 1).standard_normal(4).astype(np.float32)
     halves = [{k: v[s] for k, v in data.items()} for s in (slice(0, ROWS // 2), slice(ROWS // 2, ROWS))]
     want_loss = np.mean([np.mean((h["x"] @ w - h["y"]) ** 2) for h in halves])

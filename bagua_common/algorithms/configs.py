@@ -166,6 +166,16 @@ class QAdamConfig(AlgorithmConfig):
         if bound is not None and not (_is_number(bound) and bound > 0):
             raise ValueError(f"{self.name}: step_bound must be a float > 0 or None (Bagua's formula), got {bound!r}")
 
+    @property
+    def frozen_variance_count(self) -> int | None:
+        """The count ``T`` whose bias correction ``1 - b2**T`` the frozen second moment keeps after the warm-up.
+
+        It is ``warmup_steps``, the count the second moment stopped at (:mod:`bagua_common.algorithms.frozen_variance`),
+        or None in Bagua's formula, ``step_bound=None``, which keeps Bagua's whole step after the warm-up: the running
+        count and no bound. The warm-up's Adam corrects by the running count.
+        """
+        return None if self.step_bound is None else self.warmup_steps
+
 
 @register_config
 @dataclass(frozen=True)

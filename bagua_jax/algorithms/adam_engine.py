@@ -19,7 +19,7 @@ In both, ``v`` is the frozen second moment floored per leaf,
 coordinate whose ``v`` froze at zero (a dead unit, an embedding row unseen in the warm-up) but
 whose averaged momentum is not zero would otherwise step by ``m / eps`` and diverge. Unless
 ``step_bound`` is None (Bagua's formula), ``bc2`` is then that of the warm-up's last step, the count ``v``
-stopped at (:mod:`bagua_common.algorithms.frozen_variance`), and the direction
+stopped at (:attr:`~bagua_common.algorithms.configs.QAdamConfig.frozen_variance_count`), and the direction
 is clipped per coordinate to ``[-step_bound, step_bound]``
 (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`).
 
@@ -149,11 +149,14 @@ def adam_with_averaged_momentum(
             mu = held_unused(mu, adam_state.nu)
         # optax's bias correction and formula shape (see the module docstring), with v frozen.
         mu_hat = optax.tree.bias_correction(mu, b1, count)
-        # The frozen v, floored where it is (near) zero, and bias-corrected by the count it stopped at unless
-        # this is Bagua's formula: see bagua_common.algorithms.frozen_variance.
+        # The frozen v, floored where it is (near) zero, and bias-corrected by its own count: see
+        # bagua_common.algorithms.frozen_variance.
         floored = jax.tree.map(jnp.maximum, adam_state.nu, variance_floors(adam_state.nu))
-        nu_count = count if step_bound is None else jnp.minimum(count, warmup_steps)
-        nu_hat = optax.tree.bias_correction(floored, b2, nu_count)
+        # The frozen count is reached from the run-time count (already past it): a constant count compiles to
+        # other last bits.
+        frozen = config.frozen_variance_count
+        variance_count = count if frozen is None else jnp.minimum(count, frozen)
+        nu_hat = optax.tree.bias_correction(floored, b2, variance_count)
         direction = jax.tree.map(lambda m, v: m / (jnp.sqrt(v) + eps), mu_hat, nu_hat)
         if step_bound is not None:  # see bagua_common.algorithms.frozen_variance.STEP_BOUND
             direction = jax.tree.map(lambda d: jnp.clip(d, -step_bound, step_bound), direction)

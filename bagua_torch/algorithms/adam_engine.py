@@ -31,7 +31,7 @@ number of steps taken so far, identical on every rank, decides the phase):
   dead unit, an embedding row unseen in the warm-up) but whose averaged momentum is not zero
   would otherwise step by ``m / eps`` and diverge. Unless ``step_bound`` is None (Bagua's
   formula), ``bc2`` is that of the warm-up's last step, ``1 - b2**warmup_steps``, the count ``v``
-  stopped at (:mod:`bagua_common.algorithms.frozen_variance`), and the direction
+  stopped at (:attr:`~bagua_common.algorithms.configs.QAdamConfig.frozen_variance_count`), and the direction
   ``(m/bc1) / denom`` is clipped per coordinate to ``[-step_bound, step_bound]``
   (:data:`~bagua_common.algorithms.frozen_variance.STEP_BOUND`).
 
@@ -178,19 +178,21 @@ class AdamWithAveragedMomentum(torch.optim.Optimizer):
                 # else: exp_avg is the averaged momentum the algorithm wrote, exp_avg_sq is frozen.
                 step = step_t.item()
                 bias_correction1 = 1 - beta1**step
-                # The warm-up (torch Adam) and Bagua's formula correct v by the running count; after the warm-up ours
-                # corrects the frozen v by the count it stopped at and bounds the step (frozen_variance's docstring).
-                bagua = warmup or self.config.step_bound is None
-                bias_correction2 = 1 - beta2 ** (step if bagua else self.warmup_steps)
+                # The warm-up is torch Adam's; after it the frozen v is corrected by its own count and the step bounded
+                # (bagua_common.algorithms.frozen_variance), both unless this is Bagua's formula (step_bound=None).
+                frozen = None if warmup else self.config.frozen_variance_count
+                variance_count = step if frozen is None else frozen
+                step_bound = None if warmup else self.config.step_bound
+                bias_correction2 = 1 - beta2**variance_count
                 step_size = lr / bias_correction1
                 bias_correction2_sqrt = bias_correction2**0.5
                 # After the warm-up the frozen v is floored (bagua_common.algorithms.frozen_variance).
                 variance = exp_avg_sq if warmup else exp_avg_sq.clamp(min=floors[p])
                 denom = (variance.sqrt() / bias_correction2_sqrt).add_(eps)
-                if bagua:
+                if step_bound is None:
                     p.addcdiv_(exp_avg, denom, value=-step_size)
                 else:  # the direction (exp_avg / bc1) / denom clipped to the bound (frozen_variance.STEP_BOUND)
-                    bound = self.config.step_bound * bias_correction1
+                    bound = step_bound * bias_correction1
                     p.add_((exp_avg / denom).clamp_(-bound, bound), alpha=-step_size)
         self.step_id += 1
         self._momentum_ready = False
