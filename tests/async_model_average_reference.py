@@ -45,6 +45,31 @@ def rank_params(seed: int, rank: int, tag: int) -> dict:
     }
 
 
+def check_one_round(out: dict[str, np.ndarray], seed: int, n: int, rank: int, corrected_from: int) -> None:
+    """Assert what one finished averaging round made of ``rank``'s parameters (``out``, as float32 values).
+
+    Each parameter ``x = rank_params(seed, rank, corrected_from)`` becomes the kernel's
+    ``x + sum / n - snapshot``, the sum over the ranks' snapshots ``rank_params(seed, r, 0)``, rounded once to its
+    dtype. Two snapshots add up alike in any order, so with n == 2 that is exact; with more, the collective may add
+    them in another order (float32 roundings of the sum's terms, divided by n), and bfloat16 rounds once more.
+    """
+    from kernels_reference import async_average
+
+    snapshots = [rank_params(seed, r, 0) for r in range(n)]
+    x = rank_params(seed, rank, corrected_from)
+    assert sorted(out) == sorted(x), sorted(out)
+    for key, got in out.items():
+        sums = np.sum([s[key].astype(np.float64) for s in snapshots], 0).astype(np.float32)
+        expected = async_average(x[key], sums, snapshots[rank][key], n).astype(x[key].dtype).astype(np.float32)
+        if n == 2:
+            np.testing.assert_array_equal(got, expected, err_msg=key)
+        else:
+            bound = n * float(np.finfo(np.float32).eps) * np.abs(np.stack([s[key] for s in snapshots])).max()
+            if x[key].dtype != np.float32:
+                bound = bound + 2.0**-8 * np.abs(expected)
+            np.testing.assert_array_less(np.abs(got - expected), bound + 1e-30, err_msg=key)
+
+
 def numpy_grad(theta: np.ndarray, x: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Gradient of ``0.5 * mean((x w + b - y)^2)`` with respect to ``[w, b]``."""
     residual = x @ theta[:DIM] + theta[DIM] - y
@@ -136,12 +161,13 @@ def _common_point(candidates: list[np.ndarray]) -> np.ndarray | None:
     return None
 
 
-def check_averaged_training(got: np.ndarray, seed: int, warmup: int, rounds: int) -> None:
-    """Assert that the rounds that ran averaged the ranks' weights exactly (:func:`replay_rounds`),
-    and that they trained: the averages' loss over all ranks' data goes down to a small fraction of
-    the first round's. (How far the ranks drift between rounds depends on how many rounds the
-    machine's load let through, so it is not judged.)"""
-    assert rounds >= 3, rounds
+def check_averaged_training(got: np.ndarray, seed: int, warmup: int, rounds_per_rank: list[int]) -> None:
+    """Assert that every rank ran the same rounds (at least 3; each is a collective of all), that they averaged
+    the ranks' weights exactly (:func:`replay_rounds`), and that they trained: the averages' loss over all ranks'
+    data goes down to a small fraction of the first round's. (How far the ranks drift between rounds depends on
+    how many rounds the machine's load let through, so it is not judged.)"""
+    assert len(set(rounds_per_rank)) == 1 and rounds_per_rank[0] >= 3, rounds_per_rank
+    rounds = rounds_per_rank[0]
     averages = np.stack(replay_rounds(got, seed, warmup, rounds))
     n = got.shape[1]
     excess = excess_loss(averages, seed, n)

@@ -189,6 +189,15 @@ def test_elementwise_helpers_at_the_float32_edges(kernels, amplitude):
         assert np.count_nonzero(cases[0][0]) > x.size // 2  # subnormal results are not flushed
 
 
+@pytest.mark.parametrize("amplitude", [1e-40, 1.0, 3.4e38])
+def test_async_average_for_power_of_two_and_other_rank_counts(kernels, amplitude, rng):
+    # The CPU kernel divides by a power-of-two rank count as a multiplication by its exact inverse:
+    # the same bits as the division, subnormal and rescaled (overflowing) elements included.
+    x, y, z = (rng.uniform(-amplitude, amplitude, 10_007).astype(F32) for _ in range(3))
+    for ranks in (2, 3, 8, 1000, 1024, 2**40):
+        np.testing.assert_array_equal(kernels["async_average"](x, y, z, ranks), ref.async_average(x, y, z, ranks))
+
+
 def test_in_place_helpers_rescale_from_the_original_inputs():
     """torch's out= may be an input: where a * y overflows and x + a * y does not, the rescaled
     result needs the x that the output overwrites."""

@@ -150,16 +150,16 @@ def test_configuration_errors():
         q.load_state_dict(saved)
 
 
-def test_optimizer_warmup_alone_is_torch_adam_bit_for_bit():
+def test_optimizer_warmup_alone_is_torch_adam_bit_for_bit(seed):
     """Without communication (one process), the warm-up steps are torch.optim.Adam(foreach=False)'s, also with a
     parameter whose gradient is None (skipped, as torch does)."""
     with _Threads():
-        a, b = make_mlp(3), make_mlp(3)
+        a, b = make_mlp(seed), make_mlp(seed)
         qa = QAdamOptimizer(a.parameters(), lr=LR, warmup_steps=10, betas=BETAS, eps=EPS)
         adam = torch.optim.Adam(b.parameters(), lr=LR, betas=BETAS, eps=EPS, foreach=False)
         for step in range(5):
             for model, opt in ((a, qa), (b, adam)):
-                x, y = batch(3, step, 0)
+                x, y = batch(seed, step, 0)
                 opt.zero_grad()
                 loss_fn(model, x, y).backward()
                 if step == 1:

@@ -6,6 +6,7 @@
 // namespace: generic, avx2, avx512; see CMakeLists.txt), and
 // kernels_cpu_dispatch.cc picks the best one the processor supports at run time.
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <type_traits>
@@ -469,16 +470,25 @@ void resum_scaled(const std::vector<Chunk>& chunks, int64_t m, int64_t begin, in
     if (is_infinite(acc[i])) acc[i] = math::resum_result(scaled[i], average, ranks);
 }
 
-// acc[0, m) divided by k. For k a power of two that is a multiplication by the
-// exact 1 / k: both round the same real number, so the bits are the same, and a
-// vector division costs several times a multiplication.
-void average_ranks(float* acc, int64_t m, int64_t k) {
-  const float ranks = static_cast<float>(k);
-  if ((k & (k - 1)) == 0) {
+// Dividing by a power of two d is multiplying by the exact 1 / d: both round the
+// same real number, so the bits are the same, and a vector division costs
+// several times a multiplication.
+bool is_power_of_two(float d) {
+  int exponent;
+  return d > 0.0f && math::is_finite(d) && std::frexp(d, &exponent) == 0.5f;
+}
+
+// Calls f(share), share(v) being a sum v over ranks divided by ranks if
+// average, else v itself: one function per case, so loops carry no choice.
+template <typename F>
+void with_share(bool average, float ranks, F&& f) {
+  if (!average) {
+    f([](float v) { return v; });
+  } else if (is_power_of_two(ranks)) {
     const float inverse = math::div_rn(1.0f, ranks);
-    for (int64_t i = 0; i < m; ++i) acc[i] = math::mul_rn(acc[i], inverse);
+    f([inverse](float v) { return math::mul_rn(v, inverse); });
   } else {
-    for (int64_t i = 0; i < m; ++i) acc[i] = math::div_rn(acc[i], ranks);
+    f([ranks](float v) { return math::div_rn(v, ranks); });
   }
 }
 
@@ -512,19 +522,23 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
       chunks[j].decode(j * m + begin, j * m + end,
                        [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
     }
-    if (average) average_ranks(acc, end - begin, k);
-    const auto store_tile = [&] {
+    // The average rides along with the stores; a tile that overflowed (rarely)
+    // is averaged in place, summed again where needed and stored again.
+    const auto store_tile = [&](const auto& share) {
       uint32_t largest = 0;
       for (int64_t i = begin; i < end; ++i) {
-        out[i] = from_float<T>(acc[i - begin]);
-        largest = std::max(largest, exponent_field(acc[i - begin]));
+        const float v = share(acc[i - begin]);
+        out[i] = from_float<T>(v);
+        largest = std::max(largest, exponent_field(v));
       }
       return largest;
     };
-    if (store_tile() == kExponentBits) {
+    with_share(average, static_cast<float>(k), [&](const auto& share) {
+      if (store_tile(share) != kExponentBits) return;
+      for (int64_t i = 0; i < end - begin; ++i) acc[i] = share(acc[i]);
       resum_scaled(chunks, m, begin, end, average, acc);
-      store_tile();
-    }
+      store_tile([](float v) { return v; });
+    });
   });
   return {};
 }
@@ -616,9 +630,16 @@ Status axpy(Cpu, const T* x, float a, const T* y, int64_t n, T* out) {
 template <typename T>
 Status async_average(Cpu, const T* x, const T* reduced, const T* snapshot, float ranks, int64_t n,
                      T* out) {
-  return elementwise(
-      n, out, [ranks](float xi, float r, float s) { return math::async_average(xi, r, ranks, s); },
-      x, reduced, snapshot);
+  Status status;
+  with_share(true, ranks, [&](const auto& share) {
+    status = elementwise(
+        n, out,
+        [share](float xi, float r, float s) {
+          return math::async_average_of_share(xi, share(r), s);
+        },
+        x, reduced, snapshot);
+  });
+  return status;
 }
 
 template <typename T>

@@ -251,8 +251,13 @@ BAGUA_HD float average2(float a, float b) { return mul_rn(add_rn(a, b), 0.5f); }
 BAGUA_HD float axpy(float x, float a, float y) { return add_rn(x, mul_rn(a, y)); }
 
 // x + (reduced / n - snapshot): keeps local progress made during the round.
+// The share reduced / n comes in computed, so that a kernel may compute it as
+// reduced * (1 / n) where that has the same bits (n a power of two).
+BAGUA_HD float async_average_of_share(float x, float share, float snapshot) {
+  return add_rn(x, sub_rn(share, snapshot));
+}
 BAGUA_HD float async_average(float x, float reduced, float n, float snapshot) {
-  return add_rn(x, sub_rn(div_rn(reduced, n), snapshot));
+  return async_average_of_share(x, div_rn(reduced, n), snapshot);
 }
 
 // z = x + left/3 + right/3 - (5/3) w: the low-precision decentralized

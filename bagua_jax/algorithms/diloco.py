@@ -91,6 +91,15 @@ def _to_memory(tree: Any, memory: str) -> Any:
     return jax.device_put(tree, space)
 
 
+def _when(predicate: jax.Array, fn: Any, operands: Any) -> Any:
+    """``fn(operands)`` where ``predicate`` holds, else ``operands``: a loop run once or not at all. Unlike a cond's,
+    its carry needs no copy where it skips (the carry's buffers are updated in place)."""
+    _, operands = lax.while_loop(
+        lambda carry: carry[0], lambda carry: (jnp.zeros_like(carry[0]), fn(carry[1])), (predicate, operands)
+    )
+    return operands
+
+
 def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.GradientTransformationExtraArgs:
     """DiLoCo as an optax transform to chain *after* the inner optimizer, with ``params``.
 
@@ -182,62 +191,64 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         return functools.reduce(operator.or_, [due(step, o) | due(step - delay, o) for o in offsets])
 
     def synchronize(step: jax.Array, params: Any, operands: tuple) -> tuple:
-        """The inner updates and state parts after step ``step``, with the fragments due synchronized."""
+        """The inner updates and state parts after step ``step``, with the fragments due synchronized.
+
+        Each fragment's work runs in a loop run once or not at all (:func:`_when`), whose carry is what that work
+        changes: the fragments not due this step cost nothing, and nothing is copied for them (a cond would copy
+        its operands). A synchronized fragment's updates become ``x' - params``; the others stay as they are.
+        """
         updates, anchors, outer_states, pending, residuals = operands
         plan, _ = layout(params)
-        local = jax.tree.leaves(optax.apply_updates(params, updates))
+        weights, inner = jax.tree.leaves(params), jax.tree.leaves(updates)
         anchors = jax.tree.leaves(anchors)
         outer_states, pending, residuals = list(outer_states), list(pending), list(residuals)
-        applied = [None] * len(local)
         for p, part in enumerate(plan):
             offset = config.fragment_offset(p)
-            anchor, mine = [anchors[i] for i in part], [local[i] for i in part]
+            weight = [weights[i] for i in part]
 
-            def sync_branch(operands):
-                anchor, mine, outer_state, residual = operands
+            def local(updates: list) -> list:
+                """This rank's parameters after the inner step."""
+                return optax.apply_updates(weight, updates)
+
+            def synchronized(mixed: list, updates: list) -> list:
+                """The updates that take this rank's parameters to ``mixed``."""
+                return [(x - w).astype(u.dtype) for x, w, u in zip(mixed, weight, updates)]
+
+            def sync(operands):
+                anchor, updates, outer_state, residual = operands
+                mine = local(updates)
                 mean, residual = average(pseudo_gradient(anchor, mine), residual, world)
-                return varying_like((*outer_step(anchor, mine, outer_state, mean), residual), mine)
+                anchor, mixed, outer_state = outer_step(anchor, mine, outer_state, mean)
+                return varying_like((anchor, synchronized(mixed, updates), outer_state, residual), updates)
 
-            def start_branch(operands, p=p):
-                anchor, mine, _, residual = operands
-                flat = pseudo_gradient(anchor, mine)
+            def start(_):
+                updates = [inner[i] for i in part]
+                flat = pseudo_gradient([anchors[i] for i in part], local(updates))
                 if background is not None:
-                    background.start(p, step, flat, residual)
-                return varying_like((anchor, mine, flat, residual), mine)
+                    background.start(p, step, flat, residuals[p])
+                return varying_like(flat, updates)
 
-            def apply_branch(operands, p=p):
-                anchor, mine, outer_state, flat, residual = operands
+            def apply(operands):
+                anchor, updates, outer_state, residual = operands
                 if background is not None:
-                    mean, residual = background.finish(p, step - delay, flat, residual)
+                    mean, residual = background.finish(p, step - delay, pending[p], residual)
                 else:
-                    mean, residual = average(flat, residual, world)
-                return varying_like((*outer_step(anchor, mine, outer_state, mean), flat, residual), mine)
-
-            def keep(operands):
-                return varying_like(operands, operands[1])
+                    mean, residual = average(pending[p], residual, world)
+                anchor, mixed, outer_state = outer_step(anchor, local(updates), outer_state, mean)
+                return varying_like((anchor, synchronized(mixed, updates), outer_state, residual), updates)
 
             # Every rank holds the same step, so all take the same branch: off-round steps do not communicate.
-            if not delay:
-                operands = (anchor, mine, outer_states[p], residuals[p])
-                anchor, mine, outer_states[p], residuals[p] = lax.cond(due(step, offset), sync_branch, keep, operands)
-            else:
-                operands = (anchor, mine, pending[p], residuals[p])
-                pending[p] = lax.cond(due(step, offset), start_branch, keep, operands)[2]
-                operands = (anchor, mine, outer_states[p], pending[p], residuals[p])
-                applied_fragment = lax.cond(due(step - delay, offset), apply_branch, keep, operands)
-                anchor, mine, outer_states[p], _, residuals[p] = applied_fragment
-            for i, a, x in zip(part, anchor, mine):
-                anchors[i], local[i] = a, x
-                applied[i] = due(step - delay, offset)
-        # Fragments not applied return the inner updates as they are (params + ((params + u) - params) may differ).
-        new_updates = [
-            jnp.where(flag, (x - p).astype(u.dtype), u)
-            for flag, x, p, u in zip(applied, local, jax.tree.leaves(params), jax.tree.leaves(updates))
-        ]
-        new_updates = jax.tree.unflatten(jax.tree.structure(updates), new_updates)
+            if delay:
+                pending[p] = _when(due(step, offset), start, pending[p])
+            fragment = ([anchors[i] for i in part], [inner[i] for i in part], outer_states[p], residuals[p])
+            anchor, fragment_updates, outer_states[p], residuals[p] = _when(
+                due(step - delay, offset), apply if delay else sync, fragment
+            )
+            for i, a, u in zip(part, anchor, fragment_updates):
+                anchors[i], inner[i] = a, u
+        new_updates = jax.tree.unflatten(jax.tree.structure(updates), inner)
         anchors = jax.tree.unflatten(jax.tree.structure(params), anchors)
-        synchronized = (new_updates, anchors, tuple(outer_states), tuple(pending), tuple(residuals))
-        return varying_like(synchronized, operands)
+        return varying_like((new_updates, anchors, tuple(outer_states), tuple(pending), tuple(residuals)), operands)
 
     def update_fn(updates: Any, state: DiLoCoState, params: Any = None, **extra_args: Any) -> tuple[Any, DiLoCoState]:
         del extra_args
@@ -246,11 +257,8 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         anchors = _to_memory(state.round_start, "device")
         operands = (updates, anchors, state.outer_states, state.pending, state.residuals)
         # Off-round steps (most of them) skip the per-fragment work: the inner updates pass through as they are.
-        # A loop run once or not at all: unlike a cond's, its carry needs no copy on the steps that skip it.
-        _, (new_updates, anchors, outer_states, pending, residuals) = lax.while_loop(
-            lambda carry: carry[0],
-            lambda carry: (jnp.zeros_like(carry[0]), synchronize(step, params, carry[1])),
-            (any_fragment_due(step), operands),
+        new_updates, anchors, outer_states, pending, residuals = _when(
+            any_fragment_due(step), functools.partial(synchronize, step, params), operands
         )
         round_start = _to_memory(anchors, round_start_memory)
         return new_updates, DiLoCoState(step, round_start, outer_states, pending, residuals)
