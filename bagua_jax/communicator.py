@@ -14,7 +14,7 @@ rank receives the same value.
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -53,6 +53,14 @@ class Communicator(Collectives[jax.Array], Protocol):
 
     def barrier(self, x: jax.Array) -> jax.Array:
         """Return ``x`` once every rank has reached this point (orders the barrier with ``x``)."""
+
+
+def innermost(comm: Any) -> Any:
+    """The communicator under ``comm``'s wrappers (those with an ``inner``, e.g. a CountingCommunicator), which
+    decides what the collectives can do; ``comm`` itself when it wraps nothing."""
+    while hasattr(comm, "inner"):
+        comm = comm.inner
+    return comm
 
 
 def check_schedule(schedule: np.ndarray, size: int) -> np.ndarray:

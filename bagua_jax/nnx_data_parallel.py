@@ -78,9 +78,9 @@ def rank_rngs(rngs: nnx.Rngs | jax.Array, communicator: Communicator | None = No
     return nnx.Rngs(jax.random.fold_in(rngs, rank))
 
 
-def nnx_rank_step(loss_fn: Callable, has_aux: bool, communicator: Communicator) -> Callable:
+def nnx_rank_step(loss_fn: Callable, has_aux: bool, communicator: Communicator, average_loss: bool) -> Callable:
     """One rank's jitted ``step(model, optimizer, batch, rngs)``, updating both in place; returns the ranks' mean
-    loss (and aux, with ``has_aux``).
+    loss (and aux, with ``has_aux``), or with ``average_loss=False`` this rank's own.
 
     ``loss_fn(model, batch, rngs)`` gets :func:`rank_rngs` of ``rngs`` (``loss_fn(model, batch)``
     when ``rngs`` is None); ``optimizer`` is a :class:`DataParallelOptimizer`.
@@ -90,6 +90,9 @@ def nnx_rank_step(loss_fn: Callable, has_aux: bool, communicator: Communicator) 
     def step(model: nnx.Module, optimizer: DataParallelOptimizer, batch: Any, rngs: Any):
         extra = () if rngs is None else (rank_rngs(rngs, communicator),)
         value, grads = nnx.value_and_grad(loss_fn, has_aux=has_aux)(model, batch, *extra)
+        if not average_loss:
+            optimizer.update(model, grads)
+            return value
         return optimizer.update_averaging(model, grads, value)[1]
 
     return step

@@ -9,7 +9,8 @@ float32 bucket (:meth:`StepMeans.averaged_with`), and PowerSGD in the float32 al
 starts either of its steps (:meth:`StepMeans.deliver`), so the step sends no extra message.
 Every other algorithm ignores the argument (compressed codes must not carry the loss;
 decentralized, asynchronous and DiLoCo steps have no full-precision world average every step),
-and :meth:`StepMeans.result` then averages all of them in one allreduce of their own.
+and :meth:`StepMeans.result` then averages all of them in one allreduce of their own. The trainer leaves
+the loss and aux of the last three to each rank (:meth:`bagua_jax.DataParallel.step`).
 """
 
 from __future__ import annotations

@@ -173,16 +173,16 @@ class DataParallel:
         loss, aux = value if returns_aux else (value, None)
         if model_state is not None:
             model_state, aux = aux if self._has_aux else (aux, None)
-        # One message for the model state and (native mode; the mesh's is taken in step()) the loss and aux,
-        # carried with the gradients where the algorithm can.
+        # One message for the model state and (native mode, replicas kept identical; the mesh's is taken in
+        # step()) the loss and aux, carried with the gradients where the algorithm can.
         shared_state = model_state if self._average_model_state else None
-        native = self._mesh is None
-        step_means = StepMeans((shared_state, (loss, aux) if native else None))
+        averages_loss = self._mesh is None and self._replicated
+        step_means = StepMeans((shared_state, (loss, aux) if averages_loss else None))
         updates, opt_state = self._tx.update(grads, opt_state, params, step_means=step_means)
         shared_state, mean_loss = step_means.result(self._world)
         if self._average_model_state:
             model_state = shared_state
-        if native:
+        if averages_loss:
             loss, aux = mean_loss
         return optax.apply_updates(params, updates), opt_state, step + 1, model_state, loss, aux
 
@@ -316,7 +316,7 @@ class DataParallel:
         check_float_params(params)
         check_ranks_agree(params, self._algorithm, self._communicator)
         if self._nnx_step is None:
-            self._nnx_step = nnx_rank_step(self._loss_fn, self._has_aux, self._communicator)
+            self._nnx_step = nnx_rank_step(self._loss_fn, self._has_aux, self._communicator, self._replicated)
         optimizer = DataParallelOptimizer(model, self._optimizer, self._algorithm, communicator=self._communicator)
         return NnxTrainState(model, optimizer)
 
@@ -382,6 +382,10 @@ class DataParallel:
 
     def step(self, state: Any, batch: Any, rng: Any = None) -> tuple[Any, Any]:
         """One training step on every rank; returns the new state and the ranks' mean loss.
+
+        In native mode, an algorithm whose replicas differ between averagings (decentralized, asynchronous,
+        DiLoCo) returns each rank's own loss and aux, as torch's step does: their mean would make every rank
+        wait for every other at each step, the synchronization these algorithms exist to avoid.
 
         With ``has_aux=True`` the second result is ``(loss, aux)``. ``rng`` (the same key on
         every rank; for an NNX model, also an ``nnx.Rngs``) gives ``loss_fn`` a per-rank key;

@@ -59,6 +59,7 @@ from bagua_jax.algorithms.base import (
     implements,
     varying_like,
 )
+from bagua_jax.communicator import innermost
 from bagua_jax.native_communicator import NativeCommunicator
 
 EXCHANGE = OuterExchange(ops, lambda x, dtype: x.astype(dtype))
@@ -120,7 +121,7 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
     delay, alpha = config.fragment_sync_delay, float(config.fragment_update_alpha)
     outer_exchange, error_feedback = config.outer_exchange, config.error_feedback
     round_start_memory = config.round_start_memory
-    if round_start_memory == "host" and isinstance(world, NativeCommunicator):
+    if round_start_memory == "host" and isinstance(innermost(world), NativeCommunicator):
         # JAX (0.10) cannot lower a program with ordered effects (the native collectives) that returns arrays in host
         # memory. On CPU the device's memory is host memory, so nothing is lost there.
         if jax.default_backend() != "cpu":
