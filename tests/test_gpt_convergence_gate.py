@@ -20,10 +20,11 @@ replicas differ):
   Nesterov outer step by more (0.17 there): its bound adds lr x steps instead. With Bagua's unbounded
   QAdam / 1-bit Adam step (``step_bound=None``) 1-bit Adam reached 4.6x on an MLP projection here.
 
-Where the time goes (about 90 s on 2 idle cores; more on a loaded machine): the JAX algorithms train on a 2-device
-mesh in this process, one compilation each (~5 s); asynchronous averaging in JAX runs its rounds between steps over
-the native engine, so it runs in a 2-process MPI job; the torch algorithms run one after the other in one
-4-process gloo job (about 115 s of CPU in all, PowerSGD the most). Both jobs run while the mesh trains.
+Where the time goes (about 130 s of CPU in all, so about 65 s on 2 idle cores): the JAX algorithms train on a
+2-device mesh in this process, one compilation each (~5 s of the ~7 s of CPU each takes); asynchronous averaging in
+JAX runs its rounds between steps over the native engine, so it runs in a 2-process MPI job (~17 s of CPU); the
+torch algorithms run one after the other in one 4-process gloo job (~50 s of CPU, 5-6 s per algorithm). Both jobs
+run while the mesh trains.
 """
 
 from __future__ import annotations
