@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from cuda_shim_build import build_kernel_suite, build_shim_selftest
 
-# Generous: the suite takes about 15 s of CPU time (ASan: under two minutes); shared machines are slow.
+# Generous: the suite takes about 15 s of CPU time (ASan: about a minute); shared machines are slow.
 TIMEOUT_S = 1800
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 SIGN_SCALE_RTOL = 2e-6  # the GPU sums |x| in another order (SPEC section 2)
