@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from cuda_shim_build import build_kernel_suite, build_shim_selftest
 
-# Generous: the suite takes about a minute of CPU time (ASan: a few); shared machines are slow.
+# Generous: the suite takes about 15 s of CPU time (ASan: about a minute); shared machines are slow.
 TIMEOUT_S = 1800
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 SIGN_SCALE_RTOL = 2e-6  # the GPU sums |x| in another order (SPEC section 2)
@@ -39,8 +39,9 @@ def _run(exe, *args, env=None):
 
 def test_cuda_kernels_under_the_shim_match_the_cpu_kernels(suite):
     passed, failed = _run(suite)
-    # 3 dtypes x 9 sizes: compress + decompress, elementwise and decompress_reduce cases.
-    assert failed == 0 and passed >= 2000
+    # 3 dtypes x 8 sizes, and the extremes: compress + decompress, elementwise and
+    # decompress_reduce cases (kernel_suite.cc lists them).
+    assert failed == 0 and passed >= 2688
 
 
 def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
@@ -91,7 +92,7 @@ def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(tmp_path):
     # Fibers switch stacks with swapcontext, which ASan follows but cannot check returns across.
     env = dict(os.environ, ASAN_OPTIONS="detect_stack_use_after_return=0:detect_leaks=1")
     passed, failed = _run(exe, "--quick", env=env)
-    assert failed == 0 and passed >= 900
+    assert failed == 0 and passed >= 1788
 
 
 @pytest.fixture(scope="module")

@@ -64,8 +64,8 @@ MUTATIONS = [
     ),
     (
         "4-bit codes past a chunk's end not masked (they share its last byte)",
-        "if (kBits == 8 || u < count) word |= uint32_t{q} << (kBits * u);",
-        "word |= uint32_t{q} << (kBits * u);",
+        "if (kBits == 8 || u < count) word |= uint32_t{code} << (kBits * u);",
+        "word |= uint32_t{code} << (kBits * u);",
     ),
 ]
 
