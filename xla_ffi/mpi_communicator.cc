@@ -420,7 +420,6 @@ class MpiCommunicator final : public Communicator {
     auto lock = lock_mpi();
     int rc = start(requests.data());
     if (rc != MPI_SUCCESS) return fail(op, mpi_error(rc));
-    const auto started = std::chrono::steady_clock::now();
     for (int polls = 0;; ++polls) {
       int done = 0;
       rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
@@ -437,16 +436,9 @@ class MpiCommunicator final : public Communicator {
         return fail(op, std::string("did not complete within ") + seconds +
                             " s; a peer may have died or not entered the same collective");
       }
-      // Spin first (a synchronous collective's fast path), then sleep a tenth of
-      // the time waited so far, between 100 us and 1 ms: a rank waiting on a slow
-      // peer then holds almost no core (at 100 us flat it held ~9% of one, taken
-      // from the ranks it waits for when ranks outnumber cores), and a wait grows
-      // by at most a tenth.
       if (polls > 1000) {
         if (lock.owns_lock()) lock.unlock();
-        std::this_thread::sleep_for(std::clamp<std::chrono::steady_clock::duration>(
-            (std::chrono::steady_clock::now() - started) / 10, std::chrono::microseconds(100),
-            std::chrono::milliseconds(1)));
+        std::this_thread::sleep_for(std::chrono::microseconds(100));
         if (!thread_multiple) lock.lock();
       }
     }
