@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,19 +18,15 @@ from bagua_torch.ordered_worker import OrderedWorker
 
 
 def openmp() -> ctypes.CDLL:
-    """The OpenMP runtime torch loaded (its own libgomp, or Intel's), to read a thread's count without torch,
-    whose every query first applies torch's count to the calling thread. Other packages load runtimes of their
-    own (scikit-learn vendors a libgomp), whose counts torch does not set: torch's is the one in its directory."""
-    torch_dir = Path(torch.__file__).parent
-    loaded = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if ".so" in line}
-    runtimes = [
-        path
-        for path in loaded
-        if Path(path).name.startswith(("libgomp", "libiomp", "libomp")) and Path(path).is_relative_to(torch_dir)
-    ]
-    if not runtimes:
-        pytest.skip("torch runs without an OpenMP runtime here")
-    return ctypes.CDLL(runtimes[0])
+    """The OpenMP runtime torch uses, to read a thread's count without torch, whose every query first applies
+    torch's count to the calling thread. torch links it by its soname, so that name finds the copy it uses (its
+    own, or a system copy of the same name loaded first); scikit-learn vendors a libgomp under a name of its own."""
+    for soname in ("libgomp.so.1", "libiomp5.so", "libomp.so"):
+        try:
+            return ctypes.CDLL(soname, mode=os.RTLD_NOLOAD)
+        except OSError:
+            continue
+    pytest.skip("torch runs without an OpenMP runtime here")
 
 
 def test_a_job_runs_with_the_submitters_thread_count():
