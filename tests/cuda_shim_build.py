@@ -4,6 +4,7 @@ execution shim, linked with the CPU kernels of the same tree (kernels_cpu.cc, ge
 from __future__ import annotations
 
 import subprocess
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,15 +32,23 @@ SANITIZERS = [
 ]
 
 
+@dataclass(frozen=True)
+class ShimPrograms:
+    """The programs that run the CUDA kernels under the shim."""
+
+    suite: Path  # tests/cuda_shim/kernel_suite.cc: against the CPU kernels
+    audit: Path  # tests/cuda_shim/access_audit.cc: the kernels' memory accesses
+
+
 def build_kernel_suite(
     out_dir: Path,
     sanitize: bool = False,
     kernels_cuda: Path = KERNELS / "kernels_cuda.cu",
-) -> Path:
-    """Compile the kernel suite into `out_dir` and return the executable's path.
+) -> ShimPrograms:
+    """Compile the kernel suite and the access audit into `out_dir`.
 
     `kernels_cuda` is the CUDA source to run (a mutated copy in the mutation check); with
-    `sanitize`, everything is built with AddressSanitizer and UBSan. The four translation units
+    `sanitize`, everything is built with AddressSanitizer and UBSan. The translation units
     compile two at a time, as the 2-core CI machine allows.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -49,8 +58,9 @@ def build_kernel_suite(
         (["-DBAGUA_CPU_ISA=generic", str(KERNELS / "kernels_cpu.cc")], "kernels_cpu.o"),
         ([str(SHIM / "scheduler.cc")], "scheduler.o"),
         ([str(SHIM / "kernel_suite.cc")], "kernel_suite.o"),
+        ([str(SHIM / "access_audit.cc")], "access_audit.o"),
     ]
-    for pair in (units[:2], units[2:]):
+    for pair in (units[:2], units[2:4], units[4:]):
         jobs = [
             subprocess.Popen(
                 ["g++", *flags, "-c", *src, "-o", str(out_dir / obj)],
@@ -63,10 +73,12 @@ def build_kernel_suite(
         for job, err in zip(jobs, errors):
             if job.returncode != 0:
                 raise RuntimeError(f"g++ failed:\n{err}")
-    exe = out_dir / "kernel_suite"
-    objects = [str(out_dir / obj) for _, obj in units]
-    subprocess.run(["g++", *flags, *objects, "-pthread", "-o", str(exe)], check=True)
-    return exe
+    programs = ShimPrograms(out_dir / "kernel_suite", out_dir / "access_audit")
+    link = {programs.suite: units[:4], programs.audit: [units[0], units[2], units[4]]}
+    for exe, parts in link.items():
+        objects = [str(out_dir / obj) for _, obj in parts]
+        subprocess.run(["g++", *flags, *objects, "-pthread", "-o", str(exe)], check=True)
+    return programs
 
 
 def build_geometry_test(out_dir: Path) -> Path:

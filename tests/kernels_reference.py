@@ -66,12 +66,19 @@ def minmax_steps(bits: int) -> int:
     return (1 << bits) - 2
 
 
+def _order_keys(bits: np.ndarray) -> np.ndarray:
+    """int32 keys with the order of the float32 values whose bits these are, and -0 < +0 (its own inverse)."""
+    return bits ^ ((bits >> 31) & np.int32(0x7FFFFFFF))
+
+
 def minmax_bounds(seg: np.ndarray) -> tuple[np.float32, np.float32]:
+    """A group's lo and hi: its least and greatest value, with -0 below +0; NaN for both if it holds NaN."""
     if seg.size == 0:
         return F32(0), F32(0)
-    lo, hi = F32(np.min(seg)), F32(np.max(seg))
-    if np.isnan(lo) or np.isnan(hi):
+    if np.isnan(seg).any():
         return F32(np.nan), F32(np.nan)
+    keys = _order_keys(seg.astype(F32).view(np.int32))
+    lo, hi = _order_keys(np.array([keys.min(), keys.max()], np.int32)).view(F32)
     return lo, hi
 
 

@@ -1,9 +1,9 @@
 // How a warp sees its elements and moves them: the global loads and stores every
 // kernel goes through, the warp step (32 lanes, each holding slots of U
 // consecutive elements), slots of elements as 16-byte vectors, the code words
-// and sign bits of a slot, the value a compressor encodes, block-wide
-// reductions, and the loop that overlaps one item's loads with the previous
-// item's work. Device code for kernels_cuda.cu (see its design notes).
+// and sign bits of a slot, the L2 prefetch of a kernel's next item, the value
+// a compressor encodes, and block-wide reductions. Device code for
+// kernels_cuda.cu (see its design notes).
 #pragma once
 
 #include <cstdint>
@@ -25,39 +25,51 @@ __device__ int warp_id() { return threadIdx.x / 32; }
 // ---- Global memory ----------------------------------------------------------
 //
 // Every global access of the kernels goes through load_global and store_global,
-// so that the tests' CPU shim logs them all (tests/cuda_shim, the access audit).
+// with the lane's predicate: a lane that takes no part (a slot past a range's
+// end) skips the access, as a predicated instruction does. The tests' CPU shim
+// logs them all, and counts a skipped access as the lane's share of the warp's
+// instruction (tests/cuda_shim, the access audit).
 
 template <typename V>
-__device__ V load_global(const V* p) {
+__device__ V load_global(const V* p, bool active = true) {
 #if !defined(__CUDACC__)
-  cuda_shim::record_access(p, sizeof(V), /*write=*/false);
+  cuda_shim::record_access(p, sizeof(V), /*write=*/false, active);
 #endif
-  return *p;
+  return active ? *p : V{};
 }
 
 template <typename V>
-__device__ void store_global(V* p, V v) {
+__device__ void store_global(V* p, V v, bool active = true) {
 #if !defined(__CUDACC__)
-  cuda_shim::record_access(p, sizeof(V), /*write=*/true);
+  cuda_shim::record_access(p, sizeof(V), /*write=*/true, active);
 #endif
-  *p = v;
+  if (active) *p = v;
 }
 
 // A 16-byte store in PTX: nvcc splits a C++ one that it merges with the scalar
 // stores of a partial slot.
 template <>
-__device__ void store_global(uint4* p, uint4 v) {
+__device__ void store_global(uint4* p, uint4 v, bool active) {
 #if defined(__CUDA_ARCH__)
-  asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
-               :
-               : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-               : "memory");
+  if (active)
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};"
+                 :
+                 : "l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
 #else
 #if !defined(__CUDACC__)
-  cuda_shim::record_access(p, sizeof(uint4), /*write=*/true);
+  cuda_shim::record_access(p, sizeof(uint4), /*write=*/true, active);
 #endif
-  *p = v;
+  if (active) *p = v;
 #endif
+}
+
+// Sums of the sign codec's chunks, over blocks: atomically, in any order.
+__device__ void atomic_add_global(double* p, double v) {
+#if !defined(__CUDACC__)
+  cuda_shim::record_access(p, sizeof(double), /*write=*/true, /*active=*/true);
+#endif
+  atomicAdd(p, v);
 }
 
 // ---- Where a lane's elements lie --------------------------------------------
@@ -148,20 +160,20 @@ __device__ void set_element(Slot<T, U>& s, int u, T v) {
 }
 
 // Reads `count` <= U elements at p; missing ones read as zero bits. A full
-// vector slot is whole 16-byte loads (p is then 16-byte aligned).
+// vector slot is whole 16-byte loads (p is then 16-byte aligned); an empty one
+// the same loads, skipped.
 template <typename T, int U>
 __device__ Slot<T, U> load_slot(const T* p, int count) {
   Slot<T, U> s{};
   if constexpr (U == 1) {
-    if (count > 0) s.value = load_global(p);
-  } else if (count == U) {
+    s.value = load_global(p, count > 0);
+  } else if (count == U || count <= 0) {
 #pragma unroll
     for (int i = 0; i < U * static_cast<int>(sizeof(T)) / 16; ++i)
-      s.vectors[i] = load_global(reinterpret_cast<const uint4*>(p) + i);
+      s.vectors[i] = load_global(reinterpret_cast<const uint4*>(p) + i, count > 0);
   } else {
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (u < count) set_element(s, u, load_global(p + u));
+    for (int u = 0; u < U; ++u) set_element(s, u, load_global(p + u, u < count));
   }
   return s;
 }
@@ -169,15 +181,14 @@ __device__ Slot<T, U> load_slot(const T* p, int count) {
 template <typename T, int U>
 __device__ void store_slot(T* p, int count, const Slot<T, U>& s) {
   if constexpr (U == 1) {
-    if (count > 0) store_global(p, s.value);
-  } else if (count == U) {
+    store_global(p, s.value, count > 0);
+  } else if (count == U || count <= 0) {
 #pragma unroll
     for (int i = 0; i < U * static_cast<int>(sizeof(T)) / 16; ++i)
-      store_global(reinterpret_cast<uint4*>(p) + i, s.vectors[i]);
+      store_global(reinterpret_cast<uint4*>(p) + i, s.vectors[i], count > 0);
   } else {
 #pragma unroll
-    for (int u = 0; u < U; ++u)
-      if (u < count) store_global(p + u, element(s, u));
+    for (int u = 0; u < U; ++u) store_global(p + u, element(s, u), u < count);
   }
 }
 
@@ -222,31 +233,34 @@ __device__ void store_step(T* range, const Step<U, E>& step, const float* v) {
 // half that for 4-bit codes. A slot's codes are accessed whole even where the
 // group ends inside it: they lie inside the group's padded payload, whose
 // padding is zero (layout.h), and a vector slot never starts a partial byte.
-template <int kBytes>
-__device__ uint64_t load_code_bytes(const uint8_t* p) {
+template <int kBits, int U>
+using CodeWord = std::conditional_t<(kBits * U > 32), uint64_t, uint32_t>;
+
+template <int kBytes, typename W>
+__device__ W load_code_bytes(const uint8_t* p, bool active) {
   if constexpr (kBytes == 8) {
-    const uint2 w = load_global(reinterpret_cast<const uint2*>(p));
+    const uint2 w = load_global(reinterpret_cast<const uint2*>(p), active);
     return uint64_t{w.x} | uint64_t{w.y} << 32;
   } else if constexpr (kBytes == 4) {
-    return load_global(reinterpret_cast<const uint32_t*>(p));
+    return load_global(reinterpret_cast<const uint32_t*>(p), active);
   } else if constexpr (kBytes == 2) {
-    return load_global(reinterpret_cast<const uint16_t*>(p));
+    return load_global(reinterpret_cast<const uint16_t*>(p), active);
   } else {
-    return load_global(p);
+    return load_global(p, active);
   }
 }
 
-template <int kBytes>
-__device__ void store_code_bytes(uint8_t* p, uint64_t word) {
+template <int kBytes, typename W>
+__device__ void store_code_bytes(uint8_t* p, W word, bool active) {
   if constexpr (kBytes == 8) {
     store_global(reinterpret_cast<uint2*>(p),
-                 make_uint2(static_cast<uint32_t>(word), static_cast<uint32_t>(word >> 32)));
+                 make_uint2(static_cast<uint32_t>(word), static_cast<uint32_t>(word >> 32)), active);
   } else if constexpr (kBytes == 4) {
-    store_global(reinterpret_cast<uint32_t*>(p), static_cast<uint32_t>(word));
+    store_global(reinterpret_cast<uint32_t*>(p), static_cast<uint32_t>(word), active);
   } else if constexpr (kBytes == 2) {
-    store_global(reinterpret_cast<uint16_t*>(p), static_cast<uint16_t>(word));
+    store_global(reinterpret_cast<uint16_t*>(p), static_cast<uint16_t>(word), active);
   } else {
-    store_global(p, static_cast<uint8_t>(word));
+    store_global(p, static_cast<uint8_t>(word), active);
   }
 }
 
@@ -254,24 +268,23 @@ __device__ void store_code_bytes(uint8_t* p, uint64_t word) {
 // (codes = the group's payload). With U = 1, 4-bit codes share a byte between
 // lanes l and l ^ 1 (elements 2i and 2i + 1).
 template <int kBits, int U>
-__device__ uint64_t load_codes(const uint8_t* codes, int64_t at, int count) {
+__device__ CodeWord<kBits, U> load_codes(const uint8_t* codes, int64_t at, int count) {
+  using W = CodeWord<kBits, U>;
   if constexpr (kBits == 4 && U == 1)
-    return count > 0 ? load_global(codes + at / 2) >> (4 * (at % 2)) & 0xfu : 0u;
+    return load_global(codes + at / 2, count > 0) >> (4 * (at % 2)) & 0xfu;
   else
-    return count > 0 ? load_code_bytes<kBits * U / 8>(codes + at * kBits / 8) : 0u;
+    return load_code_bytes<kBits * U / 8, W>(codes + at * kBits / 8, count > 0);
 }
 
 // Codes past the group's end (u >= count) must be 0 in `word`. All lanes of
 // the warp must call this (U = 1 pairs 4-bit codes by a shuffle).
 template <int kBits, int U>
-__device__ void store_codes(uint8_t* codes, int64_t at, int count, uint64_t word) {
+__device__ void store_codes(uint8_t* codes, int64_t at, int count, CodeWord<kBits, U> word) {
   if constexpr (kBits == 4 && U == 1) {
-    const uint32_t pair =
-        static_cast<uint32_t>(word) | __shfl_xor_sync(kFullMask, static_cast<uint32_t>(word), 1)
-                                          << 4;
-    if (lane_id() % 2 == 0 && count > 0) store_global(codes + at / 2, static_cast<uint8_t>(pair));
-  } else if (count > 0) {
-    store_code_bytes<kBits * U / 8>(codes + at * kBits / 8, word);
+    const uint32_t pair = word | __shfl_xor_sync(kFullMask, word, 1) << 4;
+    store_global(codes + at / 2, static_cast<uint8_t>(pair), lane_id() % 2 == 0 && count > 0);
+  } else {
+    store_code_bytes<kBits * U / 8>(codes + at * kBits / 8, word, count > 0);
   }
 }
 
@@ -318,6 +331,22 @@ __device__ uint32_t gather_sign_word(const uint32_t (&bits)[kPerLane / U]) {
   return mine;
 }
 
+// The lane's word of a step of a range's bits (`bits` the payload, `base` the
+// step's first element in it, `length` the end of the range in it), 0 if it
+// holds none of the range; and its store. A word partly past the end lies in
+// the padded payload.
+template <int U>
+__device__ uint32_t load_sign_word(const uint8_t* bits, int64_t base, int64_t length) {
+  const int64_t first = base + 32 * sign_word_of_lane<U>();
+  return load_global(reinterpret_cast<const uint32_t*>(bits + first / 8), first < length);
+}
+
+template <int U>
+__device__ void store_sign_word(uint8_t* bits, int64_t base, int64_t length, uint32_t word) {
+  const int64_t first = base + 32 * sign_word_of_lane<U>();
+  store_global(reinterpret_cast<uint32_t*>(bits + first / 8), word, first < length);
+}
+
 // The inverse: slot j's U bits from the words the lanes loaded (`word`, the
 // lane's, as sign_word_of_lane places it). All lanes must call this.
 template <int U>
@@ -330,6 +359,45 @@ __device__ uint32_t scatter_sign_bits(uint32_t word, int j) {
   return w >> (U * (lane_id() % kLanesPerWord)) & ((1u << U) - 1);
 }
 
+// ---- Loads issued ahead -----------------------------------------------------
+//
+// Each kernel asks the L2 cache for its next item (a block's next tile, a warp's
+// next step) before it loads and works on the current one, so that item's bytes
+// are on their way from memory meanwhile, in no register. The current item's
+// loads are all issued before any of its values is used, and then mostly hit
+// the L2 cache. (Holding the next item in registers instead took half of them
+// and so half the resident warps.)
+
+constexpr int64_t kLineBytes = 128;
+
+__device__ void prefetch_line(const void* p) {
+#if defined(__CUDA_ARCH__)
+  asm volatile("prefetch.global.L2 [%0];" : : "l"(p));
+#else
+  (void)p;  // the shim has no cache
+#endif
+}
+
+// The lines of [p, p + bytes), `threads` lanes from `thread` each taking every
+// threads-th line.
+__device__ void prefetch_range(const void* p, int64_t bytes, int thread, int threads) {
+  const char* first = static_cast<const char*>(p);
+  for (int64_t at = int64_t{thread} * kLineBytes; at < bytes; at += int64_t{threads} * kLineBytes)
+    prefetch_line(first + at);
+}
+
+// A block striding over items [first, end) by `stride` keeps kItemsAhead of its
+// items requested: at `item` it asks for item + kItemsAhead * stride (and, at its
+// first item, for those before it).
+constexpr int kItemsAhead = 2;
+
+template <typename Prefetch>
+__device__ void prefetch_ahead(int64_t item, int64_t first, int64_t end, int64_t stride,
+                               Prefetch&& prefetch) {
+  for (int d = item == first ? 1 : kItemsAhead; d <= kItemsAhead; ++d)
+    if (item + d * stride < end) prefetch(item + d * stride);
+}
+
 // ---- The value a compressor encodes -----------------------------------------
 
 // x, or x + residual with error feedback.
@@ -338,33 +406,30 @@ struct Source {
   const T* x;
   const float* residual;
 
-  // A lane's slots of one step as loaded; values() adds them up.
+  // The values of a lane's slots of one step of the range at `first`; all
+  // loads are issued before the first value is computed.
   template <int U>
-  struct Loaded {
-    Slots<T, U> x;
-    Slots<float, U> residual;  // unused without feedback (no registers once unused)
-  };
-
-  template <int U>
-  __device__ Loaded<U> load(int64_t first, const Step<U>& step) const {
-    Loaded<U> r;
-    r.x.load(x + first, step);
-    if constexpr (kFeedback) r.residual.load(residual + first, step);
-    return r;
-  }
-
-  template <int U>
-  static __device__ void values(const Loaded<U>& r, float (&v)[kPerLane]) {
+  __device__ void load(int64_t first, const Step<U>& step, float (&v)[kPerLane]) const {
+    Slots<T, U> xs;
+    xs.load(x + first, step);
+    Slots<float, U> rs;
+    if constexpr (kFeedback) rs.load(residual + first, step);
 #pragma unroll
     for (int j = 0; j < kPerLane / U; ++j) {
-      unpack(r.x.at[j], v + j * U);
+      unpack(xs.at[j], v + j * U);
       if constexpr (kFeedback) {
         float e[U];
-        unpack(r.residual.at[j], e);
+        unpack(rs.at[j], e);
 #pragma unroll
         for (int u = 0; u < U; ++u) v[j * U + u] = math::add_rn(v[j * U + u], e[u]);
       }
     }
+  }
+
+  // The block asks the L2 cache for `length` elements at `first`.
+  __device__ void prefetch(int64_t first, int64_t length) const {
+    prefetch_range(x + first, length * int64_t{sizeof(T)}, threadIdx.x, kThreads);
+    if constexpr (kFeedback) prefetch_range(residual + first, length * 4, threadIdx.x, kThreads);
   }
 };
 
@@ -406,27 +471,6 @@ __device__ void block_min_max(int32_t& lo, int32_t& hi) {
     hi = max(hi, partial[1][w]);
   }
   __syncthreads();
-}
-
-// ---- Overlapping loads with work --------------------------------------------
-
-// For items first, first + stride, ... below end: load(i) returns item i's
-// loaded values, work(i, values) uses them. Item i + stride's loads are issued
-// before item i's work, so they are in flight while it runs: the compiler cannot
-// move loads above stores that may alias them, so this is done by hand (it is
-// right in place too: two items touch different elements). `load` must be
-// uniform over whatever `work` synchronizes.
-template <typename Load, typename Work>
-__device__ void pipelined(int64_t first, int64_t end, int64_t stride, Load&& load, Work&& work) {
-  if (first >= end) return;
-  auto current = load(first);
-  for (int64_t i = first; i < end; i += stride) {
-    const bool more = i + stride < end;
-    decltype(current) next;
-    if (more) next = load(i + stride);
-    work(i, current);
-    if (more) current = next;
-  }
 }
 
 }  // namespace

@@ -131,33 +131,35 @@ struct Range {
   float lo, hi;
 };
 
+// The least and the greatest value of [begin, end) by math::float_key (so -0 <
+// +0, as on the GPU), NaN for both if one is NaN.
 template <typename Src>
 Range min_max(const Src& src, int64_t begin, int64_t end) {
-  const float inf = std::numeric_limits<float>::infinity();
-  f32x8 lo = {inf, inf, inf, inf, inf, inf, inf, inf}, hi = -lo;
-  i32x8 nan = {};
+  constexpr int32_t kMax = std::numeric_limits<int32_t>::max(), kMin = -kMax - 1;
+  i32x8 lo = {kMax, kMax, kMax, kMax, kMax, kMax, kMax, kMax}, hi = ~lo, nan = {};
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     const f32x8 v = src.load8(i);
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
+    const i32x8 key = float_keys(v);
+    lo = key < lo ? key : lo;
+    hi = key > hi ? key : hi;
     nan |= v != v;
   }
-  Range r{inf, -inf};
+  int32_t l = kMax, h = kMin;
   bool any_nan = false;
-  for (int l = 0; l < 8; ++l) {
-    r.lo = std::min(r.lo, lo[l]);
-    r.hi = std::max(r.hi, hi[l]);
-    any_nan |= nan[l] != 0;
+  for (int j = 0; j < 8; ++j) {
+    l = std::min(l, lo[j]);
+    h = std::max(h, hi[j]);
+    any_nan |= nan[j] != 0;
   }
   for (; i < end; ++i) {
     const float v = src(i);
-    r.lo = std::min(r.lo, v);
-    r.hi = std::max(r.hi, v);
+    l = std::min(l, math::float_key(v));
+    h = std::max(h, math::float_key(v));
     any_nan |= v != v;
   }
-  if (any_nan) r.lo = r.hi = std::numeric_limits<float>::quiet_NaN();
-  return r;
+  if (any_nan) return {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::quiet_NaN()};
+  return {math::key_float(l), math::key_float(h)};
 }
 
 // In double, so that no finite chunk's sum overflows (SPEC section 2). Lane l
