@@ -34,11 +34,10 @@ from bagua_common.fault_tolerance import (
     ReplicaDigest,
     check_digests,
 )
-from bagua_jax.native_collectives import forget_failed_calls
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import check_ranks_agree
-from bagua_jax.trainer import DataParallel
 from bagua_jax.train_state import TrainState, unwrap_state
+from bagua_jax.trainer import DataParallel
 
 __all__ = ["FaultTolerantTrainer"]
 
@@ -46,6 +45,11 @@ __all__ = ["FaultTolerantTrainer"]
 # in the next epoch. Anything else is the program's own error and is raised.
 _COMMUNICATION_FAILURES = ("was revoked", "did not complete within", "unusable after an earlier failure")
 _PARTS = ("parameters", "optimizer", "step", "position")
+
+
+def _communication_failure(error: Exception) -> bool:
+    """Whether ``error`` means the step cannot finish with these members (retried in the next epoch)."""
+    return isinstance(error, MembershipChanged) or any(text in str(error) for text in _COMMUNICATION_FAILURES)
 
 
 class FaultTolerantTrainer:
@@ -83,6 +87,9 @@ class FaultTolerantTrainer:
                 f"but the membership's epoch has this member as rank {self.epoch.rank} of {self.epoch.size}"
             )
         self.committed = self.epoch.committed
+        # Gradient allreduce's native step has no buffer laid out per rank (the engine averages over its current
+        # size): it runs on every world size as compiled. Other algorithms are compiled again after a change.
+        self._world_size_free = trainer.algorithm.config.name == "gradient_allreduce"
         self.recoveries: list[dict[str, Any]] = []
         """One record per recovery: epoch, size, seconds from the failed step to the retried step's start."""
         self._watch(self.epoch)
@@ -114,9 +121,7 @@ class FaultTolerantTrainer:
                 new_state, result = self.trainer.step(state, batch)
                 jax.block_until_ready((new_state, result))
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
-                if not isinstance(error, MembershipChanged) and not any(
-                    text in str(error) for text in _COMMUNICATION_FAILURES
-                ):
+                if not _communication_failure(error):
                     raise
                 failed_at = time.monotonic() if failed_at is None else failed_at
                 if not epoch.closed.is_set():
@@ -125,8 +130,15 @@ class FaultTolerantTrainer:
                 continue
             if self.membership.commit(epoch, transaction):
                 self._apply(epoch)
-                if self.hash_every and self.committed % self.hash_every == 0:
-                    self.check_replicas(new_state, f"at step {self.committed}")
+                if self.hash_every and self.committed % self.hash_every == 0 and not epoch.closed.is_set():
+                    try:
+                        self.check_replicas(new_state, f"at step {self.committed}")
+                    except Exception as error:  # noqa: BLE001 - as above; the recovery checks the replicas
+                        if not _communication_failure(error):
+                            raise
+                        if not epoch.closed.is_set():
+                            self.membership.fail(epoch, str(error).splitlines()[0])
+                        new_state = self._recover(new_state, None)
                 return new_state, result
             failed_at = time.monotonic() if failed_at is None else failed_at
             state = self._recover(state, (transaction, new_state))
@@ -168,7 +180,6 @@ class FaultTolerantTrainer:
         old = self.epoch
         recovery = self.membership.recover(old)
         new = recovery.epoch
-        forget_failed_calls()
         if pending is not None and recovery.committed >= pending[0] > self.committed:
             state = pending[1]
             self._apply(old)
@@ -180,14 +191,29 @@ class FaultTolerantTrainer:
             self.communicator.grow(new.store, new.prefix("mpi/"), new.size)
         self.epoch = new
         self._watch(new)
+        if new.size != old.size and not self._world_size_free:
+            self._recompile_for(state)
         if new.joined:
             check_ranks_agree(unwrap_state(state).params, self.trainer.algorithm, self.communicator)
             self._send_state(state, new)
         self.check_replicas(state, f"after the recovery to epoch {new.number}")
-        self.recoveries.append(
-            {"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started}
-        )
+        self.recoveries.append({"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started})
         return state
+
+    def _recompile_for(self, state: Any) -> None:
+        """The algorithm lays its buffers out per rank: its step is compiled again for the new world size. Its
+        state must not depend on the world size (resetting per-rank state is not implemented yet)."""
+        self.trainer.recompile()
+        own = unwrap_state(state)
+        wanted = jax.eval_shape(self.trainer._init, own.params)  # the transformation's init alone
+        if jax.tree.structure(wanted) != jax.tree.structure(own.opt_state) or [
+            (a.shape, a.dtype) for a in jax.tree.leaves(wanted)
+        ] != [(jnp.shape(a), jnp.asarray(a).dtype) for a in jax.tree.leaves(own.opt_state)]:
+            raise ValueError(
+                f"fault tolerance: {self.trainer.algorithm}'s state is laid out for the world size, and resetting "
+                "it on a membership change is not implemented; train with gradient_allreduce, or ByteGrad without "
+                "error feedback"
+            )
 
     def _send_state(self, state: Any, epoch: Epoch) -> None:
         """Rank 0 sends the committed state to the joiners by broadcast (everyone takes part); the data position
@@ -212,5 +238,7 @@ class FaultTolerantTrainer:
 
     def _broadcast_state(self, state: Any) -> Any:
         own = unwrap_state(state)
-        received = jax.tree.map(lambda leaf: self.communicator.broadcast(leaf, 0), (own.params, own.opt_state, own.step))
+        received = jax.tree.map(
+            lambda leaf: self.communicator.broadcast(leaf, 0), (own.params, own.opt_state, own.step)
+        )
         return TrainState(*received, own.model_state)

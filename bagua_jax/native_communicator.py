@@ -121,7 +121,15 @@ class NativeCommunicator(MpiSettings):
         if self.kind != "mpi":
             raise ValueError("grow: only the MPI engine admits newcomers in place (NCCL: build a new communicator)")
         grown = mpi_rendezvous.assemble(
-            self.engine, store, prefix, self._rank, size, self.handle_copy(), self.size, "world", timeout_seconds(timeout)
+            self.engine,
+            store,
+            prefix,
+            self._rank,
+            size,
+            self.handle_copy(),
+            self.size,
+            "world",
+            timeout_seconds(timeout),
         )
         self._install(grown)
 
@@ -139,7 +147,9 @@ class NativeCommunicator(MpiSettings):
         return self.engine.share(self.handle)
 
     def _install(self, handle: int) -> None:
-        """Put the engine communicator ``handle`` in this communicator's slot."""
+        """Put the engine communicator ``handle`` in this communicator's slot, once the calls on the old one ended
+        (a revoked call's error must not reach the next computations through JAX's ordering tokens)."""
+        nc.forget_failed_calls()
         if not self.engine.rebind(self.handle, handle):
             raise RuntimeError(f"communicator handle {self.handle} or {handle} is unknown to the engine")
         self.size = self.engine.size(self.handle)

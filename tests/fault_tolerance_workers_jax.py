@@ -4,7 +4,7 @@ Three members train a linear model with gradient allreduce over the native MPI e
 ``mpiexec -n 1`` job joined through the fault-tolerant membership (rank 0's store on MASTER_PORT). ``FAULT``
 happens to member ``VICTIM`` while the others are blocked in step ``FAULT_STEP``'s allreduce: ``kill``
 (SIGKILL), ``raise`` (an exception ends the process) or ``stop`` (SIGSTOP: a hang, found by heartbeats). A fourth
-process joins the running job once the test saw the fault, and trains to the end with the survivors.
+process joins the running job once the survivors committed that step, and trains to the end with them.
 Every member records, per committed step, the sample indices it trained on, its loss, and the times.
 """
 
@@ -18,7 +18,7 @@ import numpy as np
 
 from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
 
-SAMPLES, FEATURES, BATCH_PER_RANK, STEPS, LR = 96, 5, 4, 8, 0.1
+SAMPLES, FEATURES, BATCH_PER_RANK, STEPS, LR = 120, 5, 4, 10, 0.1
 SETTINGS = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, quorum_timeout=30.0, hash_every=2)
 
 
@@ -49,6 +49,8 @@ def train(victim: int, fault: str, fault_step: int, start_size: int) -> dict:
     if joiner:
         while not os.path.exists(os.path.join(signals, "start-joiner")):
             time.sleep(0.05)
+        with open(os.path.join(signals, "joiner-asks"), "w"):
+            pass
         membership = Membership.join(SETTINGS, *master, timeout=60)
         epoch = membership.epoch
         comm = NativeCommunicator.mpi_join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout=60)
@@ -69,8 +71,16 @@ def train(victim: int, fault: str, fault_step: int, start_size: int) -> dict:
 
     def batch_of(indices):
         transaction = ft.committed + 1
-        steps.append({"transaction": transaction, "epoch": ft.epoch.number, "size": ft.epoch.size,
-                      "rank": ft.epoch.rank, "indices": indices.tolist(), "start": time.time()})
+        steps.append(
+            {
+                "transaction": transaction,
+                "epoch": ft.epoch.number,
+                "size": ft.epoch.size,
+                "rank": ft.epoch.rank,
+                "indices": indices.tolist(),
+                "start": time.time(),
+            }
+        )
         if rank == victim and transaction == fault_step:
             time.sleep(0.5)  # the others are blocked in the step's allreduce by now
             with open(os.path.join(signals, "fault-time"), "w") as f:
@@ -80,6 +90,11 @@ def train(victim: int, fault: str, fault_step: int, start_size: int) -> dict:
             if fault == "stop":
                 os.kill(os.getpid(), signal.SIGSTOP)
             raise RuntimeError("the victim fails on purpose")
+        if transaction > fault_step and ft.epoch.size < start_size:  # give the joiner's request time to arrive
+            deadline = time.monotonic() + 60
+            while not os.path.exists(os.path.join(signals, "joiner-asks")) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.3)
         return x[indices], y[indices]
 
     first_commit = None
@@ -87,6 +102,9 @@ def train(victim: int, fault: str, fault_step: int, start_size: int) -> dict:
         state, loss = ft.step(state, batch_of)
         steps[-1].update(committed=ft.committed, loss=float(loss), end=time.time())
         first_commit = first_commit or time.time()
+        if ft.committed == fault_step and ft.epoch.rank == 0:  # the survivors went on: let the joiner come
+            with open(os.path.join(signals, "start-joiner"), "w"):
+                pass
     params = {k: np.asarray(v) for k, v in state.params.items()}
     membership.close()
     return {

@@ -11,15 +11,14 @@ from __future__ import annotations
 
 import os
 import signal
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-
-from bagua_common.fault_tolerance import DataPosition
 from fault_tolerance_workers_jax import BATCH_PER_RANK, FEATURES, LR, SAMPLES, STEPS, dataset
 from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
+
+from bagua_common.fault_tolerance import DataPosition
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
 
@@ -47,8 +46,6 @@ def replay(sizes: dict[int, int]) -> dict[str, np.ndarray]:
 @pytest.mark.parametrize("fault", ["kill"])
 def test_survivors_resume_and_a_joiner_trains(tmp_path: Path, fault: str):
     def react(codes):
-        if (tmp_path / "fault-time").exists() and not (tmp_path / "start-joiner").exists():
-            (tmp_path / "start-joiner").write_text("")
         if fault == "stop" and all(c is not None for r, c in enumerate(codes) if r != VICTIM):
             os.kill(int((tmp_path / f"pid{VICTIM}").read_text()), signal.SIGKILL)
 

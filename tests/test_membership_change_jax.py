@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
 from bagua_common.fault_tolerance import KVClient, KVServer
-from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
 

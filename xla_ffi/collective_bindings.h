@@ -115,7 +115,8 @@ void bind(nb::module_& m, const char* doc) {
       nb::arg("handle"),
       "A second handle of the same communicator; destroying either leaves the other.");
   m.def(
-      "rebind", [](int64_t h, int64_t from) { return CommunicatorRegistry::instance().rebind(h, from); },
+      "rebind",
+      [](int64_t h, int64_t from) { return CommunicatorRegistry::instance().rebind(h, from); },
       nb::arg("handle"), nb::arg("source"),
       "Put the communicator of handle `source` in `handle`'s slot and forget `source` (programs "
       "that name `handle` use it from their next call on); False if either handle is unknown.");

@@ -269,7 +269,7 @@ ffi::Error Rank(ffi::Token, ffi::Result<ffi::Buffer<ffi::S32>> y, ffi::Result<ff
     Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Token>().Ret<Token>().Attr<int64_t>("comm")) \
   X(recv, Recv<Exec>,                                                                           \
     Ffi::Bind().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")) \
-  X(barrier, Barrier<Exec>, Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"))       \
+  X(barrier, Barrier<Exec>, Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"))        \
   X(rank, Rank<Exec>, Ffi::Bind().Arg<Token>().Ret<Int32s>().Ret<Token>().Attr<int64_t>("comm"))
 
 // Every collective FFI target for one device, by target name.

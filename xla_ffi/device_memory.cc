@@ -47,8 +47,8 @@ Status copy_to_host(Cuda device, void* dst, const void* src, int64_t bytes) {
 // local variable of the caller.
 Status copy_from_host(Cuda device, void* dst, const void* src, int64_t bytes) {
   if (bytes == 0) return {};
-  return cuda_status("copy from host", cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice,
-                                                       stream_of(device)));
+  return cuda_status("copy from host",
+                     cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(device)));
 }
 
 }  // namespace bagua

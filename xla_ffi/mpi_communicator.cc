@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <future>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
@@ -24,6 +25,16 @@ namespace bagua {
 namespace {
 
 std::atomic<bool> any_broken{false};
+
+// Memory an abandoned MPI operation may still write into (a live peer's message arriving late): it
+// is never freed.
+void keep_forever(std::unique_ptr<char[]> memory) {
+  static std::mutex guard;
+  static std::vector<std::unique_ptr<char[]>>* kept = new std::vector<std::unique_ptr<char[]>>;
+  if (!memory) return;
+  std::lock_guard<std::mutex> lock(guard);
+  kept->push_back(std::move(memory));
+}
 bool initialized_here = false;
 std::mutex serialize;  // taken around MPI calls when MPI lacks MPI_THREAD_MULTIPLE
 bool thread_multiple = false;
@@ -166,11 +177,15 @@ int64_t ring_min_bytes_from_environment() {
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, std::string name, double timeout_seconds, int64_t ring_min_bytes)
+  // `abandonable`: the communicator belongs to a membership that may change, so an operation may be
+  // abandoned with live peers still sending to it; see staged().
+  MpiCommunicator(MPI_Comm comm, std::string name, double timeout_seconds, int64_t ring_min_bytes,
+                  bool abandonable = false)
       : comm_(comm),
         name_(std::move(name)),
         timeout_(timeout_seconds),
-        ring_min_bytes_(ring_min_bytes) {
+        ring_min_bytes_(ring_min_bytes),
+        abandonable_(abandonable) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
@@ -196,137 +211,181 @@ class MpiCommunicator final : public Communicator {
 
   Status allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                    void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type))
-      return fail("allreduce", "avg needs a float type");
-    Status s = spans_nodes_ && count * dtype_bytes(type) >= ring_min_bytes_
-                   ? ring_allreduce(send, recv, count, type, op)
-                   : run("allreduce", [&](MPI_Request* r) {
-                       return MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send, recv, count,
-                                               mpi_type(type), mpi_op(type, op), comm_, r);
-                     });
-    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
-    return s;
+    return staged(send, count * dtype_bytes(type), recv, count * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (op == ReduceOp::kAvg && !is_floating_point(type))
+                      return fail("allreduce", "avg needs a float type");
+                    Status s = spans_nodes_ && count * dtype_bytes(type) >= ring_min_bytes_
+                                   ? ring_allreduce(send, recv, count, type, op)
+                                   : run("allreduce", [&](MPI_Request* r) {
+                                       return MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send,
+                                                               recv, count, mpi_type(type),
+                                                               mpi_op(type, op), comm_, r);
+                                     });
+                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
+                    return s;
+                  });
   }
 
   Status reduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op, int root,
                 void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type))
-      return fail("reduce", "avg needs a float type");
-    if (Status s = check_root("reduce", root); !s.ok()) return s;
-    const bool in_place = send == recv && rank_ == root;
-    Status s = run("reduce", [&](MPI_Request* r) {
-      return MPI_Ireduce_c(in_place ? MPI_IN_PLACE : send, recv, count, mpi_type(type),
-                           mpi_op(type, op), root, comm_, r);
-    });
-    if (s.ok() && op == ReduceOp::kAvg && rank_ == root) divide_in_place(recv, count, type, size_);
-    return s;
+    return staged(send, count * dtype_bytes(type), recv, count * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (op == ReduceOp::kAvg && !is_floating_point(type))
+                      return fail("reduce", "avg needs a float type");
+                    if (Status s = check_root("reduce", root); !s.ok()) return s;
+                    const bool in_place = send == recv && rank_ == root;
+                    Status s = run("reduce", [&](MPI_Request* r) {
+                      return MPI_Ireduce_c(in_place ? MPI_IN_PLACE : send, recv, count,
+                                           mpi_type(type), mpi_op(type, op), root, comm_, r);
+                    });
+                    if (s.ok() && op == ReduceOp::kAvg && rank_ == root)
+                      divide_in_place(recv, count, type, size_);
+                    return s;
+                  });
   }
 
   Status broadcast(void* buffer, int64_t count, DType type, int root, void*) override {
     if (Status s = check_root("broadcast", root); !s.ok()) return s;
-    return run("broadcast", [&](MPI_Request* r) {
-      return MPI_Ibcast_c(buffer, count, mpi_type(type), root, comm_, r);
+    const int64_t bytes = count * dtype_bytes(type);
+    return staged(buffer, bytes, buffer, bytes, [&](const void*, void* staged_buffer) {
+      return run("broadcast", [&](MPI_Request* r) {
+        return MPI_Ibcast_c(staged_buffer, count, mpi_type(type), root, comm_, r);
+      });
     });
   }
 
   Status reduce_scatter(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                         void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type))
-      return fail("reduce_scatter", "avg needs a float type");
-    Status s = run("reduce_scatter", [&](MPI_Request* r) {
-      return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type), mpi_op(type, op), comm_,
-                                         r);
-    });
-    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
-    return s;
+    return staged(send, count * size_ * dtype_bytes(type), recv, count * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (op == ReduceOp::kAvg && !is_floating_point(type))
+                      return fail("reduce_scatter", "avg needs a float type");
+                    Status s = run("reduce_scatter", [&](MPI_Request* r) {
+                      return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type),
+                                                         mpi_op(type, op), comm_, r);
+                    });
+                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
+                    return s;
+                  });
   }
 
   Status allgather(const void* send, void* recv, int64_t count, DType type, void*) override {
-    return run("allgather", [&](MPI_Request* r) {
-      return MPI_Iallgather_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_, r);
-    });
+    return staged(send, count * dtype_bytes(type), recv, count * size_ * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    return run("allgather", [&](MPI_Request* r) {
+                      return MPI_Iallgather_c(send, count, mpi_type(type), recv, count,
+                                              mpi_type(type), comm_, r);
+                    });
+                  });
   }
 
   Status gather(const void* send, void* recv, int64_t count, DType type, int root, void*) override {
-    if (Status s = check_root("gather", root); !s.ok()) return s;
-    return run("gather", [&](MPI_Request* r) {
-      return MPI_Igather_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_,
-                           r);
-    });
+    return staged(send, count * dtype_bytes(type), recv, count * size_ * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (Status s = check_root("gather", root); !s.ok()) return s;
+                    return run("gather", [&](MPI_Request* r) {
+                      return MPI_Igather_c(send, count, mpi_type(type), recv, count, mpi_type(type),
+                                           root, comm_, r);
+                    });
+                  });
   }
 
   Status scatter(const void* send, void* recv, int64_t count, DType type, int root,
                  void*) override {
-    if (Status s = check_root("scatter", root); !s.ok()) return s;
-    return run("scatter", [&](MPI_Request* r) {
-      return MPI_Iscatter_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_,
-                            r);
-    });
+    return staged(send, count * size_ * dtype_bytes(type), recv, count * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (Status s = check_root("scatter", root); !s.ok()) return s;
+                    return run("scatter", [&](MPI_Request* r) {
+                      return MPI_Iscatter_c(send, count, mpi_type(type), recv, count,
+                                            mpi_type(type), root, comm_, r);
+                    });
+                  });
   }
 
   Status alltoall(const void* send, void* recv, int64_t count, DType type, void*) override {
-    return run("alltoall", [&](MPI_Request* r) {
-      return MPI_Ialltoall_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_, r);
-    });
+    return staged(send, count * size_ * dtype_bytes(type), recv, count * size_ * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    return run("alltoall", [&](MPI_Request* r) {
+                      return MPI_Ialltoall_c(send, count, mpi_type(type), recv, count,
+                                             mpi_type(type), comm_, r);
+                    });
+                  });
   }
 
   Status alltoall_v(const void* send, const int64_t* send_counts, void* recv,
                     const int64_t* recv_counts, DType type, void*) override {
-    std::vector<MPI_Count> sc(size_), rc(size_);
-    std::vector<MPI_Aint> sd(size_), rd(size_);
-    MPI_Aint send_offset = 0, recv_offset = 0;
-    for (int j = 0; j < size_; ++j) {
-      if (send_counts[j] < 0 || recv_counts[j] < 0)
-        return fail("alltoall_v", "counts must be non-negative");
-      sc[j] = send_counts[j];
-      sd[j] = send_offset;
-      send_offset += send_counts[j];
-      rc[j] = recv_counts[j];
-      rd[j] = recv_offset;
-      recv_offset += recv_counts[j];
-    }
-    return run("alltoall_v", [&](MPI_Request* r) {
-      return MPI_Ialltoallv_c(send, sc.data(), sd.data(), mpi_type(type), recv, rc.data(),
-                              rd.data(), mpi_type(type), comm_, r);
-    });
+    return staged(send, total(send_counts, size_) * dtype_bytes(type), recv,
+                  total(recv_counts, size_) * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    std::vector<MPI_Count> sc(size_), rc(size_);
+                    std::vector<MPI_Aint> sd(size_), rd(size_);
+                    MPI_Aint send_offset = 0, recv_offset = 0;
+                    for (int j = 0; j < size_; ++j) {
+                      if (send_counts[j] < 0 || recv_counts[j] < 0)
+                        return fail("alltoall_v", "counts must be non-negative");
+                      sc[j] = send_counts[j];
+                      sd[j] = send_offset;
+                      send_offset += send_counts[j];
+                      rc[j] = recv_counts[j];
+                      rd[j] = recv_offset;
+                      recv_offset += recv_counts[j];
+                    }
+                    return run("alltoall_v", [&](MPI_Request* r) {
+                      return MPI_Ialltoallv_c(send, sc.data(), sd.data(), mpi_type(type), recv,
+                                              rc.data(), rd.data(), mpi_type(type), comm_, r);
+                    });
+                  });
   }
 
   Status send_recv(const void* send, void* recv, int64_t count, DType type, const int32_t* peers,
                    int num_peers, void*) override {
-    for (int i = 0; i < num_peers; ++i)
-      if (peers[i] < 0 || peers[i] >= size_ || peers[i] == rank_)
-        return fail("send_recv", "peer " + std::to_string(peers[i]) + " is not another rank of " +
-                                     std::to_string(size_));
-    std::vector<MPI_Request> requests(2 * num_peers, MPI_REQUEST_NULL);
-    const int64_t bytes = count * dtype_bytes(type);
-    return run_many("send_recv", requests, [&](MPI_Request* r) {
-      // The i-th exchange with a given peer uses tag i on both sides, so
-      // repeated peers (a ring of two ranks) pair up in order.
-      for (int i = 0; i < num_peers; ++i) {
-        int tag = 0;
-        for (int j = 0; j < i; ++j) tag += peers[j] == peers[i];
-        int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type), peers[i],
-                             tag, comm_, &r[2 * i]);
-        if (rc != MPI_SUCCESS) return rc;
-        rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag, comm_, &r[2 * i + 1]);
-        if (rc != MPI_SUCCESS) return rc;
-      }
-      return MPI_SUCCESS;
-    });
+    return staged(
+        send, count * dtype_bytes(type), recv, count * num_peers * dtype_bytes(type),
+        [&](const void* send, void* recv) -> Status {
+          for (int i = 0; i < num_peers; ++i)
+            if (peers[i] < 0 || peers[i] >= size_ || peers[i] == rank_)
+              return fail("send_recv", "peer " + std::to_string(peers[i]) +
+                                           " is not another rank of " + std::to_string(size_));
+          std::vector<MPI_Request> requests(2 * num_peers, MPI_REQUEST_NULL);
+          const int64_t bytes = count * dtype_bytes(type);
+          return run_many("send_recv", requests, [&](MPI_Request* r) {
+            // The i-th exchange with a given peer uses tag i on both sides, so
+            // repeated peers (a ring of two ranks) pair up in order.
+            for (int i = 0; i < num_peers; ++i) {
+              int tag = 0;
+              for (int j = 0; j < i; ++j) tag += peers[j] == peers[i];
+              int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type),
+                                   peers[i], tag, comm_, &r[2 * i]);
+              if (rc != MPI_SUCCESS) return rc;
+              rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag, comm_, &r[2 * i + 1]);
+              if (rc != MPI_SUCCESS) return rc;
+            }
+            return MPI_SUCCESS;
+          });
+        });
   }
 
   Status send(const void* buffer, int64_t count, DType type, int peer, void*) override {
     if (Status s = check_peer("send", peer); !s.ok()) return s;
-    return run("send", [&](MPI_Request* r) {
-      return MPI_Isend_c(buffer, count, mpi_type(type), peer, kPointToPointTag, comm_, r);
-    });
+    return staged(buffer, count * dtype_bytes(type), nullptr, 0,
+                  [&](const void* staged_buffer, void*) {
+                    return run("send", [&](MPI_Request* r) {
+                      return MPI_Isend_c(staged_buffer, count, mpi_type(type), peer,
+                                         kPointToPointTag, comm_, r);
+                    });
+                  });
   }
 
   Status recv(void* buffer, int64_t count, DType type, int peer, void*) override {
     if (Status s = check_peer("recv", peer); !s.ok()) return s;
-    return run("recv", [&](MPI_Request* r) {
-      return MPI_Irecv_c(buffer, count, mpi_type(type), peer, kPointToPointTag, comm_, r);
-    });
+    return staged(nullptr, 0, buffer, count * dtype_bytes(type),
+                  [&](const void*, void* staged_buffer) {
+                    return run("recv", [&](MPI_Request* r) {
+                      return MPI_Irecv_c(staged_buffer, count, mpi_type(type), peer,
+                                         kPointToPointTag, comm_, r);
+                    });
+                  });
   }
 
   Status barrier(void*) override {
@@ -364,7 +423,7 @@ class MpiCommunicator final : public Communicator {
     };
     auto length = [&](int chunk) { return first(chunk + 1) - first(chunk); };
     auto wrap = [&](int chunk) { return ((chunk % size_) + size_) % size_; };
-    std::vector<char> incoming(length(0) * element);
+    std::unique_ptr<char[]> incoming(new char[std::max<int64_t>(length(0) * element, 1)]);
     const int next = wrap(rank_ + 1), prev = wrap(rank_ - 1);
     const auto until = deadline();
     std::vector<MPI_Request> requests(2, MPI_REQUEST_NULL);
@@ -376,16 +435,19 @@ class MpiCommunicator final : public Communicator {
       const int outgoing = wrap(rank_ - s + (reducing ? 0 : 1)), arriving = wrap(outgoing - 1);
       char* target = out + first(arriving) * element;
       Status status = run_until("allreduce", requests, until, [&](MPI_Request* r) {
-        int rc = MPI_Irecv_c(reducing ? incoming.data() : target, length(arriving), mpi_type(type),
+        int rc = MPI_Irecv_c(reducing ? incoming.get() : target, length(arriving), mpi_type(type),
                              prev, kRingTag, comm_, &r[0]);
         if (rc != MPI_SUCCESS) return rc;
         return MPI_Isend_c(out + first(outgoing) * element, length(outgoing), mpi_type(type), next,
                            kRingTag, comm_, &r[1]);
       });
-      if (!status.ok()) return status;
+      if (!status.ok()) {
+        keep_forever(std::move(incoming));  // a live peer may still write into it
+        return status;
+      }
       if (reducing) {
         const auto lock = lock_mpi();
-        const int rc = MPI_Reduce_local_c(incoming.data(), target, length(arriving), mpi_type(type),
+        const int rc = MPI_Reduce_local_c(incoming.get(), target, length(arriving), mpi_type(type),
                                           mpi_op(type, op));
         if (rc != MPI_SUCCESS) return fail("allreduce", mpi_error(rc));
       }
@@ -467,6 +529,41 @@ class MpiCommunicator final : public Communicator {
     any_broken = true;
   }
 
+  // Runs `body(send', recv')` with the buffers MPI should use. On an abandonable communicator those
+  // are engine memory holding copies of `send` and `recv` (copied back to `recv` on success): an
+  // abandoned operation's receive may still be written by a live peer's late message long after the
+  // caller's buffer is gone, so the memory of an operation that failed with its requests pending is
+  // kept until the process ends. Elsewhere MPI uses the caller's buffers.
+  template <typename Body>
+  Status staged(const void* send, int64_t send_bytes, void* recv, int64_t recv_bytes, Body&& body) {
+    if (!abandonable_) return body(send, recv);
+    const bool in_place = send != nullptr && send == recv;
+    std::unique_ptr<char[]> in, out;
+    if (send && !in_place) {
+      in.reset(new char[std::max<int64_t>(send_bytes, 1)]);
+      std::memcpy(in.get(), send, send_bytes);
+    }
+    if (recv) {  // preloaded: MPI leaves some of it as it was (a reduce's non-root ranks, in place)
+      out.reset(new char[std::max<int64_t>(recv_bytes, 1)]);
+      std::memcpy(out.get(), recv, recv_bytes);
+    }
+    const bool was_broken = broken_;
+    Status s = body(in_place ? out.get() : in.get(), out.get());
+    if (broken_ && !was_broken) {
+      keep_forever(std::move(in));
+      keep_forever(std::move(out));
+    } else if (s.ok() && recv) {
+      std::memcpy(recv, out.get(), recv_bytes);
+    }
+    return s;
+  }
+
+  static int64_t total(const int64_t* counts, int n) {
+    int64_t sum = 0;
+    for (int j = 0; j < n; ++j) sum += counts[j] > 0 ? counts[j] : 0;
+    return sum;
+  }
+
   Status revoked(const char* op) {
     std::lock_guard<std::mutex> lock(revoke_mutex_);
     return fail(op, "the communicator was revoked: " + revoke_reason_);
@@ -480,6 +577,7 @@ class MpiCommunicator final : public Communicator {
   // Atomic: torch sets it from its thread while collectives run on the communicator's worker.
   std::atomic<int64_t> ring_min_bytes_;
   bool broken_ = false;
+  const bool abandonable_;
   std::atomic<bool> revoked_{false};
   std::mutex revoke_mutex_;  // guards revoke_reason_
   std::string revoke_reason_;
@@ -571,13 +669,14 @@ std::shared_ptr<Communicator> mpi_self(const std::string& name, double timeout_s
   ensure_initialized();
   MPI_Comm comm;
   MPI_Comm_dup(MPI_COMM_SELF, &comm);
-  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes);
+  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes, true);
 }
 
 std::shared_ptr<Communicator> mpi_shrink(Communicator& parent, const std::vector<int>& members,
                                          const std::string& name) {
   const MpiCommunicator& mpi_parent = as_mpi(parent, "mpi_shrink");
-  const std::string what = "MPI shrink of communicator '" + mpi_parent.name() + "' to '" + name + "'";
+  const std::string what =
+      "MPI shrink of communicator '" + mpi_parent.name() + "' to '" + name + "'";
   if (members.empty()) throw std::invalid_argument(what + ": no members");
   for (int m : members)
     if (m < 0 || m >= mpi_parent.size())
@@ -600,7 +699,7 @@ std::shared_ptr<Communicator> mpi_shrink(Communicator& parent, const std::vector
   });
   if (comm == MPI_COMM_NULL) throw std::runtime_error(what + " failed");
   return std::make_shared<MpiCommunicator>(comm, name, mpi_parent.timeout(),
-                                           mpi_parent.ring_min_bytes());
+                                           mpi_parent.ring_min_bytes(), true);
 }
 
 std::string mpi_open_port() {
@@ -635,7 +734,7 @@ std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string&
   });
   if (comm == MPI_COMM_NULL)
     throw std::runtime_error(what + " failed: nobody connected to the port in time");
-  return std::make_shared<MpiCommunicator>(comm, name, timeout, mpi_group.ring_min_bytes());
+  return std::make_shared<MpiCommunicator>(comm, name, timeout, mpi_group.ring_min_bytes(), true);
 }
 
 std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::string& name,
@@ -656,7 +755,7 @@ std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::st
   });
   if (comm == MPI_COMM_NULL)
     throw std::runtime_error(what + " failed: nobody accepted on the port in time");
-  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes);
+  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes, true);
 }
 
 bool mpi_spans_nodes(const Communicator& comm) {

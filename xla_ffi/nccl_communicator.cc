@@ -326,8 +326,9 @@ class NcclCommunicator final : public Communicator {
     const auto deadline = deadline_after(timeout_);
     std::vector<int> list(excluded);
     ncclComm_t child = nullptr;
-    ncclResult_t r = ncclCommShrink(comm_, list.data(), static_cast<int>(list.size()), &child,
-                                    nullptr, revoke_done_ ? NCCL_SHRINK_DEFAULT : NCCL_SHRINK_ABORT);
+    ncclResult_t r =
+        ncclCommShrink(comm_, list.data(), static_cast<int>(list.size()), &child, nullptr,
+                       revoke_done_ ? NCCL_SHRINK_DEFAULT : NCCL_SHRINK_ABORT);
     if (r == ncclInProgress) r = wait_ready(comm_, deadline);
     ncclComm_t ready = nullptr;
     if (r == ncclSuccess) {

@@ -287,10 +287,10 @@ void revoke_stops_the_operation_in_flight_and_shrink_renumbers() {
   comm->revoke("rank 1 left the job");
   const bool released = eventually([&] { return cuda_shim::pending_on(stream) == 0; });
   const double elapsed = seconds_since(start);
-  expect(released && elapsed < 1.0 && fake_nccl::state(fake).revoked &&
-             !fake_nccl::state(fake).aborted,
-         "a revoke releases the stream at once, without an abort (" + std::to_string(elapsed) +
-             " s)");
+  expect(
+      released && elapsed < 1.0 && fake_nccl::state(fake).revoked &&
+          !fake_nccl::state(fake).aborted,
+      "a revoke releases the stream at once, without an abort (" + std::to_string(elapsed) + " s)");
   const Status later = comm->allreduce(buffer, buffer, 4, DType::kF32, ReduceOp::kSum, stream);
   expect(!later.ok() && contains(later.message, "revoked: rank 1 left the job"),
          "every later call fails naming the reason: " + later.message);
@@ -302,7 +302,8 @@ void revoke_stops_the_operation_in_flight_and_shrink_renumbers() {
              shrunk->allreduce(buffer, buffer, 4, DType::kF32, ReduceOp::kSum, stream).ok(),
          "the survivors' communicator renumbers the ranks and works; a revoked parent shrinks "
          "without another abort");
-  const std::string self = thrown<std::invalid_argument>([&] { bagua::nccl_shrink(*comm, {2}, "x"); });
+  const std::string self =
+      thrown<std::invalid_argument>([&] { bagua::nccl_shrink(*comm, {2}, "x"); });
   expect(contains(self, "cannot exclude rank 2"), "a rank cannot exclude itself: " + self);
   auto live = create(30.0, 0, 2);
   ncclComm_t fake_live = fake_nccl::comms().back();
