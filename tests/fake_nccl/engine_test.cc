@@ -313,6 +313,8 @@ void revoke_stops_the_operation_in_flight_and_shrink_renumbers() {
   comm.reset();
   expect(fake_nccl::state(fake).destroyed && !fake_nccl::state(fake).finalized,
          "a revoked communicator is destroyed without ncclCommFinalize (invalid after a revoke)");
+  shrunk.reset();  // its watchdog looks at events on the stream until then
+  live.reset();
   cudaStreamDestroy(stream);
 }
 
