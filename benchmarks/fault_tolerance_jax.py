@@ -98,16 +98,17 @@ def worker(args: argparse.Namespace) -> None:
     else:
         victim = args.ranks - 1
 
+        attempts = []
+
         def doomed(indices):
+            attempts.append((ft.committed + 1, time.time()))  # every attempt, retries included
             if rank == victim and ft.committed + 1 == 5:
                 time.sleep(0.5)  # the others are blocked in the allreduce by now
                 Path(args.workdir, "kill-time").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             return batch_of(indices)
 
-        attempts = []
         while ft.committed < 8:
-            attempts.append((ft.committed + 1, time.time()))
             state = ft.step(state, doomed)[0]
         record.update(
             attempts=attempts, recoveries=ft.recoveries, compiled=trainer._step_fn(False, False)._cache_size()
