@@ -84,11 +84,12 @@ def rectangle(xy: tuple[float, float], width: float, height: float, **style: Any
     return Rectangle(xy, width, height, **style)
 
 
-def save(fig: Any, path: Path, dpi: int = DPI) -> Path:
-    """Lay out ``fig``, write it to ``path`` at ``dpi`` and free it; return ``path``."""
+def save(fig: Any, path: Path, dpi: int = DPI, bottom: float = 0.0) -> Path:
+    """Lay out ``fig`` (leaving the ``bottom`` fraction free, for a figure legend), write it to ``path`` at ``dpi``
+    and free it; return ``path``."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
