@@ -295,11 +295,9 @@ STUDY = study.Study(
     add_options=add_options,
     report=report,
     plot=False,
+    worker=worker,
 )
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2:])
-    else:
-        sys.exit(study.main(STUDY))
+    sys.exit(study.main(STUDY))

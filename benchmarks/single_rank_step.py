@@ -88,6 +88,13 @@ def time_jax(model: str, batch: int, warmup: int, steps: int) -> list[float]:
     return times
 
 
+def worker(argv: list[str]) -> None:
+    """One trial's process: ``FRONT_END MODEL BATCH WARMUP STEPS``; prints the timed steps' seconds (JSON)."""
+    front_end, model, batch, warmup, steps = argv
+    timer = time_torch if front_end == "torch" else time_jax
+    print(json.dumps(timer(model, int(batch), int(warmup), int(steps))))
+
+
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--batch-size", type=int, default=32, help="images per step (mlp)")
@@ -133,13 +140,9 @@ STUDY = study.Study(
     network=False,
     add_options=add_options,
     plot=False,
+    worker=worker,
 )
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        front_end, model, batch, warmup, steps = sys.argv[2:7]
-        timer = time_torch if front_end == "torch" else time_jax
-        print(json.dumps(timer(model, int(batch), int(warmup), int(steps))))
-    else:
-        sys.exit(study.main(STUDY))
+    sys.exit(study.main(STUDY))

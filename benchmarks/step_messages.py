@@ -195,6 +195,16 @@ def report(data: dict[str, Any]) -> list[str]:
     return [f"Baseline: `{revision}`.", "", *results.table(head, cells, "llllll"), ""]
 
 
+def worker_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=CASES)
+    parser.add_argument("--result")
+    for name in ("width", "warmup", "iters", "steps"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--comm-timeout", type=float)
+    worker(parser.parse_args(argv))
+
+
 STUDY = study.Study(
     name="step-messages",
     title="Native-mode step: messages per step and step time, this tree against a baseline",
@@ -208,21 +218,9 @@ STUDY = study.Study(
     add_options=add_options,
     report=report,
     plot=False,
+    worker=worker_main,
 )
 
 
-def worker_main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--case", choices=CASES)
-    parser.add_argument("--result")
-    for name in ("width", "warmup", "iters", "steps"):
-        parser.add_argument(f"--{name}", type=int)
-    parser.add_argument("--comm-timeout", type=float)
-    worker(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker_main(sys.argv[2:])
-    else:
-        sys.exit(study.main(STUDY))
+    sys.exit(study.main(STUDY))

@@ -224,11 +224,9 @@ STUDY = study.Study(
     packages=("jax", "optax"),
     add_options=add_options,
     report=report,
+    worker=lambda argv: worker(argv[0]),
 )
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["--worker"]:
-        worker(sys.argv[2])
-    else:
-        sys.exit(study.main(STUDY))
+    sys.exit(study.main(STUDY))

@@ -85,7 +85,8 @@ class Study:
     ``packages`` the versions recorded; ``prepare`` adds to the data (its ``meta``: notes, settings in words)
     before the run and before a ``--report``, ``finish`` after the run (a follow-up measurement); ``report``
     gives the Markdown after the header (default :func:`table_lines`); ``plot`` draws the study's own chart
-    (``plot(data, path)``), or the default one (True), or none."""
+    (``plot(data, path)``), or the default one (True), or none; ``worker`` is what the study's own processes run
+    (``python <study>.py --worker ARGS...``: :func:`main` hands it ``ARGS``)."""
 
     name: str
     title: str
@@ -105,6 +106,7 @@ class Study:
     report: Callable[[dict[str, Any]], list[str]] | None = None
     prepare: Callable[[argparse.Namespace, dict[str, Any]], None] | None = None
     finish: Callable[[argparse.Namespace, dict[str, Any]], None] | None = None
+    worker: Callable[[list[str]], None] | None = None
     plot: bool | Callable[[dict[str, Any], Path], Path | None] = True
 
     def variant_list(self, args: argparse.Namespace) -> list[Variant]:
@@ -305,6 +307,9 @@ def _describe(study: Study, row: dict[str, Any]) -> str:
 def main(study: Study, argv: Sequence[str] | None = None) -> int:
     """Run ``study`` from the command line ``argv`` (default ``sys.argv[1:]``) and write its results."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"] and study.worker:
+        study.worker(argv[1:])
+        return 0
     args = parser(study).parse_args(argv)
     study.variant_list(args)  # unknown names fail before anything runs
     json_path = args.out / f"{args.name}.json"
