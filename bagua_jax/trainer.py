@@ -147,6 +147,11 @@ class DataParallel:
         self._nnx_step: Callable | None = None
         self._init = jax.jit(self._sharded(self._tx.init, (True,)) if self._mesh is not None else self._tx.init)
 
+    def recompile(self) -> None:
+        """Drop the compiled steps, so that the next :meth:`step` is traced again: call it after the communicator's
+        world size changed (a fault-tolerant job's membership), for an algorithm whose buffers follow it."""
+        self._use(self._algorithm)
+
     @property
     def algorithm(self) -> Algorithm:
         """The algorithm this trainer was built with."""
