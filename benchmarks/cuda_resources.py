@@ -23,8 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _common
 import cuda_design
+from harness.options import add_out_option
+from harness.results import finish_meta, header_lines, run_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "xla_ffi" / "kernels_cuda.cu"
@@ -106,21 +107,21 @@ def problems(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--archs", nargs="+", default=["80", "90"])
-    _common.add_out_option(parser)
+    add_out_option(parser)
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
         print("cuda_resources: nvcc not found")
         return 2
     version = subprocess.run(["nvcc", "--version"], check=True, capture_output=True, text=True)
     nvcc_version = version.stdout.strip().splitlines()[-1]
-    meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), [], nvcc=nvcc_version)
+    meta = run_meta([], argv=sys.argv[1:] if argv is None else argv, nvcc=nvcc_version)
     rows = with_occupancy([row for arch in args.archs for row in parse(compile_usage(arch))])
-    _common.finish_meta(meta)
+    finish_meta(meta)
     bad = problems(rows)
     lines = [
         "# CUDA kernel resources",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- nvcc: {nvcc_version}",
         "",
         f"{len(rows)} kernels; {len(bad)} problems.",
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{r.get('needed_warps', '')} | {r.get('predicted', '')} |"
         for r in rows
     ]
-    md_path, _ = _common.write_results(args.out, "cuda-resources", [*lines, ""], {**meta, "kernels": rows})
+    md_path, _ = write_results(args.out, "cuda-resources", [*lines, ""], {**meta, "kernels": rows})
     print(f"wrote {md_path}: {len(rows)} kernels, {len(bad)} problems")
     return 1 if bad else 0
 

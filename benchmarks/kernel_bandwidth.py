@@ -29,9 +29,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _common
 import cuda_design
 import cuda_resources
+from harness.machine import device_info
+from harness.options import add_out_option
+from harness.results import finish_meta, header_lines, run_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAM = ROOT / "benchmarks" / "kernel_bandwidth.cu"
@@ -157,7 +159,7 @@ def report(meta: dict, device: dict, rows: list[dict], ncu: dict | None) -> list
     lines = [
         f"# Kernel bandwidth: {device['device']}",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- GPU: {device['device']}, {device['sms']} SMs, L2 {device['l2_bytes'] >> 20} MiB, theoretical peak "
         f"{device['peak_gbps']:.0f} GB/s (2 x {device['memory_clock_khz'] / 1e6:.3f} GHz x {device['bus_bits']} bits)",
         "",
@@ -207,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[64, 1024], help="input MiB (default 64 1024)")
     parser.add_argument("--no-ncu", action="store_true", help="skip Nsight Compute even where it is present")
-    _common.add_out_option(parser)
+    add_out_option(parser)
     args = parser.parse_args(argv)
     arch = gpu_architecture()
     missing = [what for what, ok in (("an NVIDIA GPU (nvidia-smi)", arch), ("nvcc", shutil.which("nvcc"))) if not ok]
@@ -217,15 +219,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         exe, usage = build(arch, Path(tmp))
         resources = {r["kernel"]: r for r in cuda_resources.parse(usage) if r["arch"] == f"sm_{arch}"}
-        meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("gpu"), [], arch=arch)
+        meta = run_meta([], argv=sys.argv[1:] if argv is None else argv, device=device_info("gpu"), arch=arch)
         device, rows = run_program(exe, args.sizes)
+        meta["device"] = device_info("gpu", gpu=device["device"])
         ncu = profile(exe) if shutil.which("ncu") and not args.no_ncu else None
-    _common.finish_meta(meta)
+    finish_meta(meta)
     for r in rows:
         r["predicted"] = predicted(r, resources)
     stem = "kernel-bandwidth-" + re.sub(r"[^a-z0-9]+", "-", device["device"].lower()).strip("-")
     lines = report(meta, device, rows, ncu)
-    md, _ = _common.write_results(
+    md, _ = write_results(
         args.out, stem, [*lines, ""], {**meta, "device_line": device, "cases": rows, "ncu": ncu, "resources": resources}
     )
     print("\n".join(lines))

@@ -29,7 +29,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
-import _common  # noqa: E402
+from harness.options import add_out_option  # noqa: E402
+from harness.results import finish_meta, run_meta, write_results  # noqa: E402
 
 ALGORITHMS = ("bytegrad", "qadam", "low_precision_decentralized", "diloco")
 MINMAX_OPTIONS = {"diloco": {"outer_exchange": "uint8"}}
@@ -108,22 +109,22 @@ def report(runs: dict[str, dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--label", required=True, help="the build's name in the report (before, after, ...)")
-    _common.add_out_option(parser)
+    add_out_option(parser)
     args = parser.parse_args(argv)
     path = args.out / "minmax-gate.json"
     previous = json.loads(path.read_text()) if path.exists() else {"runs": {}, "labels": {}}
     runs, labels = previous["runs"], previous["labels"]
     runs[args.label] = {}
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), ["jax", "torch"])
+    meta = run_meta(["jax", "torch"], argv=sys.argv[1:] if argv is None else argv)
     meta["commit"] = commit.stdout.strip()
     for seed in SEEDS:
         runs[args.label][str(seed)] = run_seed(seed)
         print(f"seed {seed}: {json.dumps(runs[args.label][str(seed)])}", flush=True)
-    _common.finish_meta(meta)
+    finish_meta(meta)
     labels[args.label] = meta
     lines = report(runs) + [f"- {label}: commit {m['commit']}, `{m['command']}`, {m['date']}" for label, m in labels.items()]
-    md, _ = _common.write_results(args.out, "minmax-gate", [*lines, ""], {"runs": runs, "labels": labels})
+    md, _ = write_results(args.out, "minmax-gate", [*lines, ""], {"runs": runs, "labels": labels})
     print(f"wrote {md}")
     return 0
 

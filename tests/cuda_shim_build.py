@@ -3,7 +3,9 @@ execution shim, linked with the CPU kernels of the same tree (kernels_cpu.cc, ge
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,7 +39,7 @@ class ShimPrograms:
     """The programs that run the CUDA kernels under the shim."""
 
     suite: Path  # tests/cuda_shim/kernel_suite.cc: against the CPU kernels
-    audit: Path  # tests/cuda_shim/access_audit.cc: the kernels' memory accesses
+    audit: Path | None  # tests/cuda_shim/access_audit.cc: the kernels' memory accesses (not in a sanitized build)
 
 
 def build_kernel_suite(
@@ -45,11 +47,12 @@ def build_kernel_suite(
     sanitize: bool = False,
     kernels_cuda: Path = KERNELS / "kernels_cuda.cu",
 ) -> ShimPrograms:
-    """Compile the kernel suite and the access audit into `out_dir`.
+    """Compile the kernel suite and, unless `sanitize`, the access audit into `out_dir`.
 
     `kernels_cuda` is the CUDA source to run (a mutated copy in the mutation check); with
-    `sanitize`, everything is built with AddressSanitizer and UBSan. The translation units
-    compile two at a time, as the 2-core CI machine allows.
+    `sanitize`, everything is built with AddressSanitizer and UBSan, and the audit (which checks
+    access patterns, not memory safety) is left out. The translation units compile two at a time,
+    as the 2-core CI machine allows.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = _FLAGS + (SANITIZERS if sanitize else [])
@@ -58,9 +61,10 @@ def build_kernel_suite(
         (["-DBAGUA_CPU_ISA=generic", str(KERNELS / "kernels_cpu.cc")], "kernels_cpu.o"),
         ([str(SHIM / "scheduler.cc")], "scheduler.o"),
         ([str(SHIM / "kernel_suite.cc")], "kernel_suite.o"),
-        ([str(SHIM / "access_audit.cc")], "access_audit.o"),
     ]
-    for pair in (units[:2], units[2:4], units[4:]):
+    if not sanitize:
+        units.append(([str(SHIM / "access_audit.cc")], "access_audit.o"))
+    for pair in (units[i : i + 2] for i in range(0, len(units), 2)):
         jobs = [
             subprocess.Popen(
                 ["g++", *flags, "-c", *src, "-o", str(out_dir / obj)],
@@ -73,8 +77,10 @@ def build_kernel_suite(
         for job, err in zip(jobs, errors):
             if job.returncode != 0:
                 raise RuntimeError(f"g++ failed:\n{err}")
-    programs = ShimPrograms(out_dir / "kernel_suite", out_dir / "access_audit")
-    link = {programs.suite: units[:4], programs.audit: [units[0], units[2], units[4]]}
+    programs = ShimPrograms(out_dir / "kernel_suite", None if sanitize else out_dir / "access_audit")
+    link = {programs.suite: units[:4]}
+    if programs.audit is not None:
+        link[programs.audit] = [units[0], units[2], units[4]]
     for exe, parts in link.items():
         objects = [str(out_dir / obj) for _, obj in parts]
         subprocess.run(["g++", *flags, *objects, "-pthread", "-o", str(exe)], check=True)
@@ -125,3 +131,23 @@ def build_shim_selftest(out_dir: Path) -> Path:
     sources = [SHIM / "shim_selftest.cc", SHIM / "scheduler.cc"]
     subprocess.run(["g++", *_FLAGS, *map(str, sources), "-pthread", "-o", str(exe)], check=True)
     return exe
+
+
+SANITIZED_ENV = {"ASAN_OPTIONS": "detect_stack_use_after_return=0:detect_leaks=1"}
+"""The sanitized suite's environment: fibers switch stacks with swapcontext, which ASan follows but cannot check
+returns across."""
+
+
+def run_sanitized_suite(out_dir: Path) -> int:
+    """Build the kernel suite with AddressSanitizer and UBSan in ``out_dir`` and run its quick case list, its
+    output on stdout; the suite's exit status."""
+    exe = build_kernel_suite(out_dir / "asan", sanitize=True).suite
+    sys.stdout.flush()
+    return subprocess.run([str(exe), "--quick"], env={**os.environ, **SANITIZED_ENV}, check=False).returncode
+
+
+if __name__ == "__main__":
+    # python cuda_shim_build.py sanitized-suite FOLDER: tests/background_jobs.py's job of that name.
+    if sys.argv[1:2] != ["sanitized-suite"] or len(sys.argv) != 3:
+        sys.exit("usage: cuda_shim_build.py sanitized-suite FOLDER")
+    sys.exit(run_sanitized_suite(Path(sys.argv[2])))

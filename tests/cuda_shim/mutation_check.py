@@ -101,10 +101,12 @@ def run_mutation(work: Path, index: int, originals: dict[str, str], old: str, ne
         (folder / name).write_text(text.replace(old, new) if name == hits[0] else text)
     programs = build_kernel_suite(folder / "build", sanitize=sanitize, kernels_cuda=folder / "kernels_cuda.cu")
     result = subprocess.run([str(programs.suite), "--quick"], check=False, capture_output=True, text=True, timeout=1800)
-    if result.returncode == 0:
+    if result.returncode == 0 and programs.audit is not None:
         audit = subprocess.run([str(programs.audit)], check=False, capture_output=True, text=True, timeout=1800)
         mismatches = cuda_design.audit_mismatches(audit.stdout) if audit.returncode == 0 else [audit.stderr]
         return bool(mismatches), f"suite passed; access audit: {mismatches[0]}" if mismatches else "suite passed"
+    if result.returncode == 0:
+        return False, "suite passed"
     lines = result.stdout.strip().splitlines() + result.stderr.strip().splitlines()
     shim = [line for line in lines if line.startswith("cuda_shim:")]
     summary = [line for line in lines if line.endswith(" failed")]
