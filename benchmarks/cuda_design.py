@@ -241,6 +241,7 @@ def accesses(kernel: str, dtype: str) -> dict[str, Access]:
                 design[buffer] = dataclasses.replace(design[buffer], coalesced=0.0)
     return design
 
+
 def audit_mismatches(audit: str) -> list[str]:
     """Where the access audit's output (``tests/cuda_shim/access_audit.cc``: one line per kernel, dtype and
     buffer) differs from :data:`ACCESSES`; empty when every kernel moves its bytes as designed."""
@@ -268,5 +269,6 @@ def audit_mismatches(audit: str) -> list[str]:
                     out.append(f"{kernel} {dtype} {buffer}: {what} per byte {got[what]}, design {expected}")
             for what in ("wide", "coalesced"):
                 if got[what] < getattr(want, what):
-                    out.append(f"{kernel} {dtype} {buffer}: {what} share {got[what]}, design at least {getattr(want, what)}")
+                    least = getattr(want, what)
+                    out.append(f"{kernel} {dtype} {buffer}: {what} share {got[what]}, design at least {least}")
     return out

@@ -172,7 +172,8 @@ void run_dtype(Bench& b, int64_t input_bytes) {
   float* residual_out = device_array<float>(n);
   int64_t most = 0;
   for (const Codec& codec : kCodecs)
-    for (const int64_t k : kChunkCounts) most = std::max(most, bagua::compressed_bytes(codec.format, n, k));
+    for (const int64_t k : kChunkCounts)
+      most = std::max(most, bagua::compressed_bytes(codec.format, n, k));
   uint8_t* packed = device_array<uint8_t>(most);
   fill<<<b.grid, 256, 0, b.stream>>>(x, n, 1);
   fill<<<b.grid, 256, 0, b.stream>>>(y, n, 2);
@@ -185,8 +186,9 @@ void run_dtype(Bench& b, int64_t input_bytes) {
       if (codec.format == Format::kSign && k != kChunkCounts[0]) continue;
       const std::string name = codec.name;
       const int64_t packed_bytes = bagua::compressed_bytes(codec.format, n, k);
-      b.report(name + "_compress", dtype, k, input_bytes, double(n * element + packed_bytes),
-               [&] { check(compress(codec.format, c, x, nullptr, n, k, packed, nullptr), "compress"); });
+      b.report(name + "_compress", dtype, k, input_bytes, double(n * element + packed_bytes), [&] {
+        check(compress(codec.format, c, x, nullptr, n, k, packed, nullptr), "compress");
+      });
       if (k == kChunkCounts[0])
         b.report(name + "_compress_feedback", dtype, k, input_bytes,
                  double(n * element + 4 * n + packed_bytes + 4 * n), [&] {
@@ -214,7 +216,7 @@ void run_dtype(Bench& b, int64_t input_bytes) {
   });
   b.report("copy16", dtype, 0, input_bytes, double(2 * input_bytes), [&] {
     copy16<<<b.grid, 256, 0, b.stream>>>(reinterpret_cast<const uint4*>(x),
-                                          reinterpret_cast<uint4*>(out), input_bytes / 16);
+                                         reinterpret_cast<uint4*>(out), input_bytes / 16);
   });
   for (void* p : std::initializer_list<void*>{x, y, z, out, residual, residual_out, packed})
     check(cudaFree(p), "cudaFree");

@@ -181,12 +181,12 @@ def report(meta: dict, device: dict, rows: list[dict], ncu: dict | None) -> list
         for r in at:
             memcpy = refs.get(("memcpy", r["dtype"]), 0)
             target = TARGETS.get(r["kernel"]) if size >= 1 << 30 else None
+            prediction = "" if r.get("predicted") is None else f"{r['predicted']:.2f}"
+            verdict = "" if target is None else ("met" if r["gbps"] / memcpy >= target else "NOT met") + f" ({target})"
             lines.append(
                 f"| {r['kernel']} | {r['dtype']} | {r['k'] or ''} | {r['gbps']:.0f} | "
                 f"{r['gbps'] / memcpy:.2f} | {r['gbps'] / refs.get(('copy16', r['dtype']), 1):.2f} | "
-                f"{r['gbps'] / device['peak_gbps']:.2f} | "
-                f"{'' if r.get('predicted') is None else f'{r['predicted']:.2f}'} | "
-                f"{'' if target is None else ('met' if r['gbps'] / memcpy >= target else 'NOT met') + f' ({target})'} |"
+                f"{r['gbps'] / device['peak_gbps']:.2f} | {prediction} | {verdict} |"
             )
         lines.append("")
     if ncu:
@@ -197,10 +197,9 @@ def report(meta: dict, device: dict, rows: list[dict], ncu: dict | None) -> list
             "|---|---|---|---|---|---|",
         ]
         for name, m in ncu.items():
-            lines.append(
-                f"| `{name}` | {m.get(NCU_METRICS[0], 0) / 1e6:.1f} | {m.get(NCU_METRICS[1], 0) / 1e6:.1f} | "
-                f"{m.get(NCU_METRICS[2], 0):.1f} | {m.get(NCU_METRICS[3], 0):.1f} | {m.get(NCU_METRICS[4], 0) / 1e6:.1f} |"
-            )
+            read, written, dram, warps, instructions = (m.get(metric, 0) for metric in NCU_METRICS)
+            megabytes = f"{read / 1e6:.1f} | {written / 1e6:.1f}"
+            lines.append(f"| `{name}` | {megabytes} | {dram:.1f} | {warps:.1f} | {instructions / 1e6:.1f} |")
         lines.append("")
     return lines
 

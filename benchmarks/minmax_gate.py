@@ -123,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"seed {seed}: {json.dumps(runs[args.label][str(seed)])}", flush=True)
     finish_meta(meta)
     labels[args.label] = meta
-    lines = report(runs) + [f"- {label}: commit {m['commit']}, `{m['command']}`, {m['date']}" for label, m in labels.items()]
+    lines = report(runs) + [
+        f"- {label}: commit {m['commit']}, `{m['command']}`, {m['date']}" for label, m in labels.items()
+    ]
     md, _ = write_results(args.out, "minmax-gate", [*lines, ""], {"runs": runs, "labels": labels})
     print(f"wrote {md}")
     return 0

@@ -254,7 +254,8 @@ template <int kBytes, typename W>
 __device__ void store_code_bytes(uint8_t* p, W word, bool active) {
   if constexpr (kBytes == 8) {
     store_global(reinterpret_cast<uint2*>(p),
-                 make_uint2(static_cast<uint32_t>(word), static_cast<uint32_t>(word >> 32)), active);
+                 make_uint2(static_cast<uint32_t>(word), static_cast<uint32_t>(word >> 32)),
+                 active);
   } else if constexpr (kBytes == 4) {
     store_global(reinterpret_cast<uint32_t*>(p), static_cast<uint32_t>(word), active);
   } else if constexpr (kBytes == 2) {

@@ -108,7 +108,6 @@ struct ChunkBlocks {
   }
 };
 
-
 // The value a compressor encodes: x, or x + residual with error feedback.
 template <typename T, bool kWithFeedback>
 struct Source {
@@ -158,7 +157,8 @@ Range min_max(const Src& src, int64_t begin, int64_t end) {
     h = std::max(h, math::float_key(v));
     any_nan |= v != v;
   }
-  if (any_nan) return {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::quiet_NaN()};
+  if (any_nan)
+    return {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::quiet_NaN()};
   return {math::key_float(l), math::key_float(h)};
 }
 
@@ -280,8 +280,9 @@ void minmax_compress_impl(const Src& src, int64_t n, int64_t k, uint8_t* out, fl
   const Chunking chunking{kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4, n, k};
   const ChunkBlocks blocks(chunking);
   parallel_for(blocks.tasks(), n, [&](int64_t t) {
-    blocks.for_each_group(
-        t, [&](const Group& group) { minmax_compress_group<kBits>(src, group, out, residual_out); });
+    blocks.for_each_group(t, [&](const Group& group) {
+      minmax_compress_group<kBits>(src, group, out, residual_out);
+    });
   });
 }
 
@@ -483,8 +484,8 @@ void resum_add(float* p, f32x8 v) {
 // (SPEC section 2); the others keep their bits.
 // `peer(j)` is the decoder of input j's group that holds the range.
 template <typename Peer>
-void resum_scaled(const Peer& peer, int64_t k, int64_t m, int64_t begin, int64_t end,
-                  bool average, float* acc) {
+void resum_scaled(const Peer& peer, int64_t k, int64_t m, int64_t begin, int64_t end, bool average,
+                  float* acc) {
   std::vector<float> scaled(end - begin);
   for (int64_t j = 0; j < k; ++j) {
     peer(j).decode(j * m + begin, j * m + end,

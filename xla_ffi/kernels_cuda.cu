@@ -89,19 +89,18 @@ __device__ void compress_group(const Source<T, kFeedback>& src, const Group& gro
   uint8_t* codes = header + kHeaderBytes;
   store_group_header(header, bounds.x, bounds.y, written_code_bytes<kBits, U>(group.length),
                      align_up(payload_bytes(kFormat, group.length)));
-  with_minmax_form<kBits>(math::minmax_grid<kBits>(bounds.x, bounds.y),
-                          [&](auto&& encode_one, auto&& decode_one) {
+  with_minmax_form<kBits>(
+      math::minmax_grid<kBits>(bounds.x, bounds.y), [&](auto&& encode_one, auto&& decode_one) {
 #pragma unroll
-                            for (int j = 0; j < Step<U>::kSlots; ++j) {
-                              const int count = step.count(j);
-                              const auto word = encode_slot<kBits, U>(v + j * U, count,
-                                                                      encode_one, decode_one);
-                              store_codes<kBits, U>(codes, step.at(j), count, word);
-                              if constexpr (kFeedback)
-                                store_slot<float, U>(residual_out + group.first + step.at(j), count,
-                                                     pack<float, U>(v + j * U));
-                            }
-                          });
+        for (int j = 0; j < Step<U>::kSlots; ++j) {
+          const int count = step.count(j);
+          const auto word = encode_slot<kBits, U>(v + j * U, count, encode_one, decode_one);
+          store_codes<kBits, U>(codes, step.at(j), count, word);
+          if constexpr (kFeedback)
+            store_slot<float, U>(residual_out + group.first + step.at(j), count,
+                                 pack<float, U>(v + j * U));
+        }
+      });
 }
 
 template <int kBits, int U, typename T, bool kFeedback>
@@ -221,8 +220,8 @@ __global__ void __launch_bounds__(kThreads, Codec::kReduceBlocks)
 #pragma unroll
         for (int q = 0; q < kInFlight; ++q)
           if (r + q < inputs)
-            codes[q] = Codec::load(in + (batch + r + q) * slot + header_at + kHeaderBytes, offset,
-                                   step);
+            codes[q] =
+                Codec::load(in + (batch + r + q) * slot + header_at + kHeaderBytes, offset, step);
 #pragma unroll
         for (int q = 0; q < kInFlight; ++q) {
           if (r + q >= inputs) continue;  // the same for the whole block
@@ -396,8 +395,8 @@ __global__ void __launch_bounds__(kThreads, 4)
       const int64_t next = (s + warps) * 32 * E;
 #pragma unroll
       for (int a = 0; a < N; ++a)
-        prefetch_range(in.at[a] + next, min(kStepBytes, (n - next) * int64_t{sizeof(T)}),
-                       lane_id(), 32);
+        prefetch_range(in.at[a] + next, min(kStepBytes, (n - next) * int64_t{sizeof(T)}), lane_id(),
+                       32);
     }
     const Step step{s * 32 * E, n};
     Slots<T, U, E> loaded[N];
@@ -504,8 +503,8 @@ void compress_sign(const Chunking& chunking, Source<T, kFeedback> src, uint8_t* 
   for (int64_t c = 0; c < chunking.k; c += batch) {
     const int64_t first = chunking.piece_index(c, kTileElements);
     const int64_t end = chunking.piece_index(std::min(c + batch, chunking.k), kTileElements);
-    launch_over(sign_stats_kernel<U, T, kFeedback>, end - first, stream, src, chunking, first,
-                end, out);
+    launch_over(sign_stats_kernel<U, T, kFeedback>, end - first, stream, src, chunking, first, end,
+                out);
     if constexpr (kFeedback)
       launch_over(sign_feedback_kernel<U, T>, end - first, stream, src, chunking, first, end, out,
                   residual_out);
@@ -531,9 +530,7 @@ bool is_power_of_two(float d) {
   return d > 0.0f && std::isfinite(d) && std::frexp(d, &exponent) == 0.5f;
 }
 
-Share share_of(bool average, float k) {
-  return {average, k, is_power_of_two(k) ? 1.0f / k : 0.0f};
-}
+Share share_of(bool average, float k) { return {average, k, is_power_of_two(k) ? 1.0f / k : 0.0f}; }
 
 template <typename Codec, typename T>
 Status decompress_reduce(Cuda device, const uint8_t* in, int64_t m, int64_t k, bool average,
@@ -544,9 +541,8 @@ Status decompress_reduce(Cuda device, const uint8_t* in, int64_t m, int64_t k, b
   return with_slot_width<T>(vector_slots<T>(single, out), [&](auto width) {
     constexpr int U = decltype(width)::value;
     launch_over(decompress_reduce_kernel<Codec, U, T>,
-                ceil_div(m, int64_t{kThreads} * Codec::kReducePerLane),
-                stream_of(device), in, m, k, slot_bytes(Codec::kFormat, m),
-                share_of(average, static_cast<float>(k)), out);
+                ceil_div(m, int64_t{kThreads} * Codec::kReducePerLane), stream_of(device), in, m, k,
+                slot_bytes(Codec::kFormat, m), share_of(average, static_cast<float>(k)), out);
     return launch_status();
   });
 }

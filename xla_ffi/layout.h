@@ -38,7 +38,8 @@ namespace bagua {
 
 inline constexpr int64_t kHeaderBytes = 16;
 inline constexpr int64_t kSlotAlignment = 16;
-inline constexpr int64_t kMinMaxGroupElements = 8192;  // a multiple of 32: every group's codes end aligned
+inline constexpr int64_t kMinMaxGroupElements =
+    8192;  // a multiple of 32: every group's codes end aligned
 
 // Every compression format once: X(enumerator, name, codec). The enum, the
 // names the DLPack bindings take, the typed kernels each format runs

@@ -61,7 +61,8 @@ void report(const std::string& kernel, const char* dtype, const std::vector<Regi
     return -1;
   };
   // Warp accesses: (launch, block, warp, sequence, write) -> the lanes' accesses.
-  std::map<std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, bool>, std::vector<const cuda_shim::Access*>>
+  std::map<std::tuple<uint32_t, uint32_t, uint32_t, uint32_t, bool>,
+           std::vector<const cuda_shim::Access*>>
       warps;
   for (const cuda_shim::Access& a : log)
     warps[{a.launch, a.block, a.thread / 32, a.sequence, a.write}].push_back(&a);
@@ -180,9 +181,9 @@ void audit(int64_t n, int64_t k) {
     const char* name;
     Format format;
   };
-  for (const Codec& codec : {Codec{"minmax_uint8", Format::kMinMaxUInt8},
-                             Codec{"minmax_uint4", Format::kMinMaxUInt4},
-                             Codec{"sign", Format::kSign}}) {
+  for (const Codec& codec :
+       {Codec{"minmax_uint8", Format::kMinMaxUInt8}, Codec{"minmax_uint4", Format::kMinMaxUInt4},
+        Codec{"sign", Format::kSign}}) {
     std::vector<uint8_t> packed(bagua::compressed_bytes(codec.format, n, k));
     const auto compress = [&](const float* r, float* ro) {
       switch (codec.format) {
@@ -221,24 +222,22 @@ void audit(int64_t n, int64_t k) {
     std::vector<T> reduced(m);
     std::vector<Region> reduce = compressed_regions("compressed", codec.format, n, k, packed);
     reduce.push_back(region("out", reduced));
-    report(name + "_decompress_reduce", dtype, reduce, logged([&] {
-             switch (codec.format) {
-               case Format::kMinMaxUInt8:
-                 return gpu::minmax_decompress_reduce(cuda, packed.data(), m, k, true,
-                                                      reduced.data());
-               case Format::kMinMaxUInt4:
-                 return gpu::minmax_uint4_decompress_reduce(cuda, packed.data(), m, k, true,
-                                                            reduced.data());
-               default:
-                 return gpu::sign_decompress_reduce(cuda, packed.data(), m, k, true,
-                                                    reduced.data());
-             }
-           }));
+    report(
+        name + "_decompress_reduce", dtype, reduce, logged([&] {
+          switch (codec.format) {
+            case Format::kMinMaxUInt8:
+              return gpu::minmax_decompress_reduce(cuda, packed.data(), m, k, true, reduced.data());
+            case Format::kMinMaxUInt4:
+              return gpu::minmax_uint4_decompress_reduce(cuda, packed.data(), m, k, true,
+                                                         reduced.data());
+            default:
+              return gpu::sign_decompress_reduce(cuda, packed.data(), m, k, true, reduced.data());
+          }
+        }));
   }
   const std::vector<Region> two = {region("x", x), region("y", y), region("out", out)};
-  report("axpy", dtype, two, logged([&] {
-           return gpu::axpy(cuda, x.data(), 0.5f, y.data(), n, out.data());
-         }));
+  report("axpy", dtype, two,
+         logged([&] { return gpu::axpy(cuda, x.data(), 0.5f, y.data(), n, out.data()); }));
   const std::vector<Region> three = {region("x", x), region("y", y), region("z", z),
                                      region("out", out)};
   report("async_average", dtype, three, logged([&] {

@@ -100,7 +100,8 @@ void check_pieces(Format format, int64_t n, int64_t k, int64_t size) {
 // chunk is more, and all chunks in one batch when a chunk exceeds 3/4 of the L2.
 void check_batches(int64_t n, int64_t k, int element_bytes, int l2_bytes) {
   const Chunking chunking{Format::kSign, n, k};
-  const int64_t batch = geo::chunks_per_batch(geo::DeviceInfo{132, l2_bytes}, chunking, element_bytes);
+  const int64_t batch =
+      geo::chunks_per_batch(geo::DeviceInfo{132, l2_bytes}, chunking, element_bytes);
   const Wide chunk_bytes = wide_ceil(n, k) * element_bytes;
   const bool ok = batch >= 1 && batch <= k &&
                   (batch == k || chunk_bytes * batch <= Wide{l2_bytes} / 2 || batch == 1) &&

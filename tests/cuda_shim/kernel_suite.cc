@@ -102,7 +102,8 @@ void random_fill(Buffer<T>& b, std::mt19937& rng, float amplitude = 0.0f) {
     if (amplitude > 0.0f) v = static_cast<float>(uniform(rng) * amplitude);
     if (amplitude < 0.0f) {
       const double u = uniform(rng);
-      v = std::fabs(u) < 1.0 / 3 ? (u < 0 ? -0.0f : 0.0f) : static_cast<float>(std::fabs(u) * -amplitude);
+      v = std::fabs(u) < 1.0 / 3 ? (u < 0 ? -0.0f : 0.0f)
+                                 : static_cast<float>(std::fabs(u) * -amplitude);
     }
     b[i] = bagua::from_float<T>(v);
   }
@@ -394,8 +395,8 @@ void run_dtype(bool quick, int& shape_turn) {
 template <typename T>
 void run_extremes(const std::vector<float>& amplitudes, int& shape_turn) {
   for (const float amplitude : amplitudes) {
-    const std::string range = std::string(" ") + dtype_name<T>() +
-                              " amplitude=" + std::to_string(amplitude);
+    const std::string range =
+        std::string(" ") + dtype_name<T>() + " amplitude=" + std::to_string(amplitude);
     for (const int64_t n : {257, 8193}) {  // one group; a full group and one element
       std::mt19937 elementwise_rng(static_cast<unsigned>(n));
       check_elementwise<T>(n, 1, elementwise_rng, "elementwise n=" + std::to_string(n) + range,
@@ -407,8 +408,7 @@ void run_extremes(const std::vector<float>& amplitudes, int& shape_turn) {
             std::mt19937 rng(static_cast<unsigned>(n * 5 + k + feedback));
             check_compress<T>(format, n, k, 0, feedback, rng,
                               std::string(format_name(format)) + " n=" + std::to_string(n) +
-                                  " k=" + std::to_string(k) + (feedback ? " feedback" : "") +
-                                  range,
+                                  " k=" + std::to_string(k) + (feedback ? " feedback" : "") + range,
                               amplitude);
             for (const bool average : {false, true}) {
               check_decompress_reduce<T>(format, n, 3, average, rng,

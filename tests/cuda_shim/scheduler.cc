@@ -89,7 +89,7 @@ struct Fiber {
   Coordinates coordinates;
   State state = State::kReady;
   unsigned mask = 0;
-  int source = 0;  // the lane a shuffle reads; kBallot for a ballot
+  int source = 0;         // the lane a shuffle reads; kBallot for a ballot
   uint32_t accesses = 0;  // global accesses so far (the access log's sequence)
   uint64_t value = 0;
 };
@@ -166,7 +166,8 @@ void start_fiber(Block& block, Fiber& f) {
   // for fiber_main (entered as if called, the stack 16-byte aligned minus 8),
   // fiber_main as the address `ret` goes to, six zero registers, and the
   // caller's floating-point control words.
-  auto* sp = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + kStackBytes) & ~uintptr_t{15});
+  auto* sp = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + kStackBytes) &
+                                         ~uintptr_t{15});
   *--sp = 0;
   *--sp = reinterpret_cast<uint64_t>(&fiber_main);
   for (int r = 0; r < 6; ++r) *--sp = 0;
@@ -356,9 +357,13 @@ void record_access(const void* p, std::size_t bytes, bool write, bool active) {
   Fiber& self = *block_of_caller("a global access").current;
   const uint32_t sequence = self.accesses++;
   if (!active) return;
-  const Access access{g_launches.load(), self.coordinates.block_idx.x,
-                      self.coordinates.thread_idx.x, sequence,
-                      reinterpret_cast<uintptr_t>(p), static_cast<uint32_t>(bytes), write};
+  const Access access{g_launches.load(),
+                      self.coordinates.block_idx.x,
+                      self.coordinates.thread_idx.x,
+                      sequence,
+                      reinterpret_cast<uintptr_t>(p),
+                      static_cast<uint32_t>(bytes),
+                      write};
   std::lock_guard<std::mutex> lock(g_log_mutex);
   log->push_back(access);
 }
