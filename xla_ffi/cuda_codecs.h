@@ -92,9 +92,13 @@ struct MinMaxCodec {
   static constexpr int kCodeBits = kBits;
   static constexpr int kReducePerLane = 8, kReduceInFlight = 16, kReduceBlocks = 4;
   using Params = math::MinMaxGrid;
+  // A lane's E codes packed from bit 0 of words[0], code i at bit kBits * i,
+  // whatever the slot width: a register per 32 bits of codes (a word a code
+  // with U = 1 held 32 codes of 16 inputs in 128 registers, and spilled).
   template <int U, int E>
   struct Codes {
-    CodeWord<kBits, U> slot[E / U];
+    static_assert(E * kBits % 32 == 0, "whole words of codes");
+    uint32_t words[E * kBits / 32];
   };
 
   static __device__ Params params(const uint4& header) {
@@ -104,26 +108,35 @@ struct MinMaxCodec {
   template <int U, int E>
   static __device__ Codes<U, E> load(const uint8_t* payload, int64_t offset,
                                      const Step<U, E>& step) {
-    Codes<U, E> c;
+    Codes<U, E> c{};
 #pragma unroll
-    for (int j = 0; j < E / U; ++j)
-      c.slot[j] = load_codes<kBits, U>(payload, offset + step.at(j), step.count(j));
+    for (int j = 0; j < E / U; ++j) {
+      const CodeWord<kBits, U> word =
+          load_codes<kBits, U>(payload, offset + step.at(j), step.count(j));
+      constexpr int kSlotBits = kBits * U;
+      const int bit = kSlotBits * j;
+      c.words[bit / 32] |= static_cast<uint32_t>(word) << (bit % 32);
+      if constexpr (kSlotBits == 64) c.words[bit / 32 + 1] = static_cast<uint32_t>(word >> 32);
+    }
     return c;
+  }
+
+  // Code i of a lane's codes (i a constant once loops unroll).
+  template <int U, int E>
+  static __device__ uint8_t code(const Codes<U, E>& codes, int i) {
+    const int bit = kBits * i;
+    return static_cast<uint8_t>(codes.words[bit / 32] >> (bit % 32) & ((1u << kBits) - 1));
   }
 
   // One loop per form, so that the float32 one carries no per-element choice.
   template <int U, int E>
   static __device__ void decode(const Params& grid, const Codes<U, E>& codes, int j, float* v) {
-    constexpr uint32_t kMask = (1u << kBits) - 1;
-    const CodeWord<kBits, U> word = codes.slot[j];
     if (grid.wide) {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        v[u] = math::minmax_decode_wide(static_cast<uint8_t>(word >> (kBits * u) & kMask), grid);
+      for (int u = 0; u < U; ++u) v[u] = math::minmax_decode_wide(code(codes, U * j + u), grid);
     } else {
 #pragma unroll
-      for (int u = 0; u < U; ++u)
-        v[u] = math::minmax_decode_f32(static_cast<uint8_t>(word >> (kBits * u) & kMask), grid);
+      for (int u = 0; u < U; ++u) v[u] = math::minmax_decode_f32(code(codes, U * j + u), grid);
     }
   }
 };

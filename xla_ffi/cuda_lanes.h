@@ -85,12 +85,18 @@ struct Step {
   static constexpr int kSlots = E / U;
   int64_t base;    // the step's first element, counted from the range's start
   int64_t length;  // the range's elements
+  int64_t first;   // the lane's first element (of slot 0)
+  int left;        // the range's elements from `first` on, at most the step's (32-bit counts: fewer registers)
+
+  __device__ Step(int64_t base, int64_t length)
+      : base(base),
+        length(length),
+        first(base + U * lane_id()),
+        left(static_cast<int>(max(int64_t{0}, min(int64_t{32} * E, length - first)))) {}
 
   // First element of slot j, and how many of its U elements exist.
-  __device__ int64_t at(int j) const { return base + U * (32 * j + lane_id()); }
-  __device__ int count(int j) const {
-    return static_cast<int>(max(int64_t{0}, min(int64_t{U}, length - at(j))));
-  }
+  __device__ int64_t at(int j) const { return first + 32 * U * j; }
+  __device__ int count(int j) const { return max(0, min(U, left - 32 * U * j)); }
 };
 
 // The slot width for elements of T: 16 bytes when `vector`, else one element.
