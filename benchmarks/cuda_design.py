@@ -33,7 +33,7 @@ TILE_ELEMENTS = 8192  # a block's tile: a min-max group (xla_ffi/layout.h, cuda_
 WARPS = 8  # warps of a block (256 threads), every kernel
 ITEMS_AHEAD = 2  # tiles a block keeps requested from the L2 cache ahead of its work (kItemsAhead)
 REDUCE_PER_LANE = {8: 8, 4: 8, 1: 32}  # decompress-reduce: elements a lane holds, by code bits (kReducePerLane)
-REDUCE_IN_FLIGHT = 16  # ... and inputs whose codes it loads before adding any (kReduceInFlight)
+REDUCE_IN_FLIGHT = {8: 16, 4: 32, 1: 16}  # ... and inputs whose codes it loads before adding any (kReduceInFlight)
 ELEMENTWISE_BYTES_PER_LANE = 32  # two 16-byte slots of each input, the next step's requested ahead
 HEADER_BYTES = 16
 
@@ -126,7 +126,7 @@ def loads_per_warp(kernel: Kernel) -> int:
     if kernel.template == "decompress":
         return ITEMS_AHEAD * TILE_ELEMENTS * kernel.bits // 8 // WARPS
     if kernel.template == "decompress_reduce":
-        return REDUCE_IN_FLIGHT * 32 * REDUCE_PER_LANE[kernel.bits] * kernel.bits // 8
+        return REDUCE_IN_FLIGHT[kernel.bits] * 32 * REDUCE_PER_LANE[kernel.bits] * kernel.bits // 8
     return kernel.inputs * 32 * ELEMENTWISE_BYTES_PER_LANE
 
 

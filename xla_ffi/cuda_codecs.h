@@ -84,13 +84,13 @@ __device__ void with_minmax_form(const math::MinMaxGrid& grid, F&& f) {
 
 // Decompress-reduce takes kReducePerLane elements a lane and loads the codes of
 // kReduceInFlight inputs before it adds any (32 or 16 registers of codes), with
-// at least kReduceBlocks blocks resident. Min-max lanes hold few elements, so
-// that many lanes share a short output.
+// at least kReduceBlocks blocks resident (80 or 128 registers a thread). Min-max lanes hold few
+// elements, so that many lanes share a short output.
 template <int kBits>
 struct MinMaxCodec {
   static constexpr Format kFormat = kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4;
   static constexpr int kCodeBits = kBits;
-  static constexpr int kReducePerLane = 8, kReduceInFlight = 16, kReduceBlocks = 4;
+  static constexpr int kReducePerLane = 8, kReduceInFlight = 128 / kBits, kReduceBlocks = 3;
   using Params = math::MinMaxGrid;
   // A lane's E codes packed from bit 0 of words[0], code i at bit kBits * i,
   // whatever the slot width: a register per 32 bits of codes (a word a code

@@ -86,7 +86,8 @@ struct Step {
   int64_t base;    // the step's first element, counted from the range's start
   int64_t length;  // the range's elements
   int64_t first;   // the lane's first element (of slot 0)
-  int left;        // the range's elements from `first` on, at most the step's (32-bit counts: fewer registers)
+  int left;        // the range's elements from `first` on, at most the step's (32-bit counts: fewer
+                   // registers)
 
   __device__ Step(int64_t base, int64_t length)
       : base(base),

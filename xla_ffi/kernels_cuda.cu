@@ -104,7 +104,7 @@ __device__ void compress_group(const Source<T, kFeedback>& src, const Group& gro
 }
 
 template <int kBits, int U, typename T, bool kFeedback>
-__global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 4)
+__global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 3)
     minmax_compress_kernel(Source<T, kFeedback> src, Chunking chunking, uint8_t* out,
                            float* residual_out) {
   const int64_t groups = chunking.group_count();
@@ -145,7 +145,7 @@ __device__ void prefetch_tile(const EncodedTile& e) {
 }
 
 template <typename Codec, int U, typename T>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, 3)
     decompress_kernel(const uint8_t* in, Chunking chunking, T* out) {
   const int64_t tiles = chunking.piece_index(chunking.k, kTileElements);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
@@ -189,17 +189,20 @@ __device__ bool is_infinite(float v) { return v == v && !math::is_finite(v); }
 // its parameters (grids or scales) are computed once per input into shared
 // memory, kThreads inputs at a time. A lane then loads the codes of
 // kReduceInFlight inputs before it decodes and adds any of them, in the order
-// j = 0..k-1 of the CPU kernels.
+// j = 0..k-1 of the CPU kernels. Where the output takes no vector slots (U = 1),
+// a min-max lane still loads its codes as one word: it holds E consecutive
+// elements (a slot of L = E), which it stores one by one.
 template <typename Codec, int U, typename T>
 __global__ void __launch_bounds__(kThreads, Codec::kReduceBlocks)
     decompress_reduce_kernel(const uint8_t* in, int64_t m, int64_t k, int64_t slot, Share share,
                              T* out) {
   constexpr int E = Codec::kReducePerLane, kInFlight = Codec::kReduceInFlight;
+  constexpr int L = U == 1 && Codec::kCodeBits > 1 ? E : U;  // the lane's slot width
   constexpr int64_t kSegment = int64_t{kThreads} * E;
   constexpr Format kFormat = Codec::kFormat;
   static_assert(kMinMaxGroupElements % kSegment == 0, "a segment lies in one group");
-  using Step = kernels::Step<U, E>;
-  using Codes = typename Codec::template Codes<U, E>;
+  using Step = kernels::Step<L, E>;
+  using Codes = typename Codec::template Codes<L, E>;
   __shared__ typename Codec::Params params[kThreads];
   for (int64_t s = blockIdx.x; s * kSegment < m; s += gridDim.x) {
     // The segment's group in each input: its header, and its first element.
@@ -217,20 +220,19 @@ __global__ void __launch_bounds__(kThreads, Codec::kReduceBlocks)
       const int inputs = static_cast<int>(min(int64_t{kThreads}, k - batch));
       for (int r = 0; r < inputs; r += kInFlight) {
         Codes codes[kInFlight];
+        const uint8_t* payload = in + (batch + r) * slot + header_at + kHeaderBytes;
 #pragma unroll
-        for (int q = 0; q < kInFlight; ++q)
-          if (r + q < inputs)
-            codes[q] =
-                Codec::load(in + (batch + r + q) * slot + header_at + kHeaderBytes, offset, step);
+        for (int q = 0; q < kInFlight; ++q, payload += slot)
+          if (r + q < inputs) codes[q] = Codec::load(payload, offset, step);
 #pragma unroll
         for (int q = 0; q < kInFlight; ++q) {
           if (r + q >= inputs) continue;  // the same for the whole block
 #pragma unroll
           for (int j = 0; j < Step::kSlots; ++j) {
-            float v[U];
+            float v[L];
             Codec::decode(params[r + q], codes[q], j, v);
 #pragma unroll
-            for (int u = 0; u < U; ++u) acc[j * U + u] = math::add_rn(acc[j * U + u], v[u]);
+            for (int u = 0; u < L; ++u) acc[j * L + u] = math::add_rn(acc[j * L + u], v[u]);
           }
         }
       }
@@ -256,17 +258,23 @@ __global__ void __launch_bounds__(kThreads, Codec::kReduceBlocks)
         const Codes codes = Codec::load(header + kHeaderBytes, offset, step);
 #pragma unroll
         for (int i = 0; i < Step::kSlots; ++i) {
-          float v[U];
+          float v[L];
           Codec::decode(p, codes, i, v);
 #pragma unroll
-          for (int u = 0; u < U; ++u) scaled[i * U + u] = math::resum_add(scaled[i * U + u], v[u]);
+          for (int u = 0; u < L; ++u) scaled[i * L + u] = math::resum_add(scaled[i * L + u], v[u]);
         }
       }
 #pragma unroll
       for (int i = 0; i < E; ++i)
         if (is_infinite(acc[i])) acc[i] = math::resum_result(scaled[i], share.average, share.k);
     }
-    store_step<T, U, E>(out, step, acc);
+    if constexpr (L == U) {
+      store_step<T, U, E>(out, step, acc);
+    } else {
+#pragma unroll
+      for (int i = 0; i < E; ++i)
+        store_global(out + step.first + i, from_float<T>(acc[i]), i < step.left);
+    }
   }
 }
 
@@ -282,7 +290,7 @@ __global__ void __launch_bounds__(kThreads) sign_init_kernel(Chunking chunking, 
 // Tiles [first, end) of the sign codec's chunks: sums |y| into each chunk's
 // header and writes the bits, which do not depend on the scale.
 template <int U, typename T, bool kFeedback>
-__global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 4)
+__global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 3)
     sign_stats_kernel(Source<T, kFeedback> src, Chunking chunking, int64_t first, int64_t end,
                       uint8_t* out) {
   for (int64_t t = first + blockIdx.x; t < end; t += gridDim.x) {
@@ -384,7 +392,7 @@ __device__ float apply_rescaled(const F& f, const float (&v)[sizeof...(A)][E], i
 // alias an input). Where a result is not finite, f runs again on the inputs
 // scaled by 2^-64 (math::overflow_safe: the same bits), off the common path.
 template <typename T, int U, int N, typename F>
-__global__ void __launch_bounds__(kThreads, 4)
+__global__ void __launch_bounds__(kThreads, 3)
     elementwise_kernel(Inputs<T, N> in, int64_t n, T* out, F f) {
   constexpr int E = kElementwisePerLane<T>;
   constexpr int64_t kStepBytes = 32 * E * int64_t{sizeof(T)};
