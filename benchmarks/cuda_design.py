@@ -32,8 +32,10 @@ LOADS_IN_FLIGHT_PER_SM = 48 * KIB  # CUB's H200 figure, for a transform that rea
 TILE_ELEMENTS = 8192  # a block's tile: a min-max group (xla_ffi/layout.h, cuda_geometry.h)
 WARPS = 8  # warps of a block (256 threads), every kernel
 ITEMS_AHEAD = 2  # tiles a block keeps requested from the L2 cache ahead of its work (kItemsAhead)
+COMPRESS_ITEMS_AHEAD = 3  # ... min-max compression without feedback, two blocks an SM (kCompressItemsAhead)
 REDUCE_PER_LANE = {8: 8, 4: 8, 1: 32}  # decompress-reduce: elements a lane holds, by code bits (kReducePerLane)
-REDUCE_IN_FLIGHT = {8: 16, 4: 32, 1: 16}  # ... and inputs whose codes it loads before adding any (kReduceInFlight)
+REDUCE_CODE_REGISTERS = 48  # min-max: registers of codes a lane loads before adding any (kReduceInFlight)
+SIGN_REDUCE_IN_FLIGHT = 16  # sign: inputs whose words a lane loads before adding any
 ELEMENTWISE_BYTES_PER_LANE = 32  # two 16-byte slots of each input, the next step's requested ahead
 HEADER_BYTES = 16
 
@@ -56,6 +58,7 @@ class Kernel:
     bits: int = 0  # code bits: 8, 4, or 1 (sign); 0 where there are none
     feedback: bool = False  # a compressor with error feedback (reads and writes a float32 residual)
     inputs: int = 1  # elementwise: tensors read
+    slot: int = 1  # U: elements a lane moves in one access of T (16 bytes of them, or 1 where misaligned)
 
 
 _PARAMS = re.compile(r"^void (\w+)<(.*)>\(")
@@ -86,15 +89,15 @@ def parse_kernel(name: str) -> Kernel | None:
         return None
     template, args = m.group(1), _split(m.group(2))
     if template == "minmax_compress_kernel":  # <kBits, U, T, kFeedback>
-        return Kernel("minmax_compress", SIZES[args[2]], int(args[0]), args[3] == "true")
+        return Kernel("minmax_compress", SIZES[args[2]], int(args[0]), args[3] == "true", slot=int(args[1]))
     if template in ("decompress_kernel", "decompress_reduce_kernel"):  # <Codec, U, T>
-        return Kernel(template.removesuffix("_kernel"), SIZES[args[2]], _codec_bits(args[0]))
+        return Kernel(template.removesuffix("_kernel"), SIZES[args[2]], _codec_bits(args[0]), slot=int(args[1]))
     if template == "sign_stats_kernel":  # <U, T, kFeedback>
-        return Kernel("sign_stats", SIZES[args[1]], 1, args[2] == "true")
+        return Kernel("sign_stats", SIZES[args[1]], 1, args[2] == "true", slot=int(args[0]))
     if template == "sign_feedback_kernel":  # <U, T>
-        return Kernel("sign_feedback", SIZES[args[1]], 1, True)
+        return Kernel("sign_feedback", SIZES[args[1]], 1, True, slot=int(args[0]))
     if template == "elementwise_kernel":  # <T, U, N, F>
-        return Kernel("elementwise", SIZES[args[0]], inputs=int(args[2]))
+        return Kernel("elementwise", SIZES[args[0]], inputs=int(args[2]), slot=int(args[1]))
     return None
 
 
@@ -117,16 +120,30 @@ def traffic(kernel: Kernel, k: int = 8) -> tuple[float, float]:
     return kernel.inputs * kernel.element, kernel.element  # elementwise
 
 
+def reduce_in_flight(kernel: Kernel) -> int:
+    """Decompress-reduce: the inputs whose codes a lane loads before it adds any. A min-max lane holds its
+    codes in slots of L elements (U, or all its elements where U = 1) and each slot's load takes registers of
+    its own until it is used, so REDUCE_CODE_REGISTERS registers hold this many inputs."""
+    if kernel.bits == 1:
+        return SIGN_REDUCE_IN_FLIGHT
+    per_lane = REDUCE_PER_LANE[kernel.bits]
+    slot = per_lane if kernel.slot == 1 else kernel.slot
+    return REDUCE_CODE_REGISTERS // (per_lane // slot * math.ceil(kernel.bits * slot / 32))
+
+
 def loads_per_warp(kernel: Kernel) -> int:
     """Bytes a resident warp keeps requested from memory ahead of their use: a block's ITEMS_AHEAD next tiles
-    (L2 prefetches, in no register) shared by its warps; for decompress-reduce the codes of REDUCE_IN_FLIGHT
-    inputs a lane loads before adding any; for the elementwise helpers a warp's next step of every input."""
+    (L2 prefetches, in no register; COMPRESS_ITEMS_AHEAD for min-max compression without feedback) shared by its
+    warps; for decompress-reduce the codes of :func:`reduce_in_flight` inputs a lane loads before adding any;
+    for the elementwise helpers a warp's next step of every input."""
+    if kernel.template == "minmax_compress" and not kernel.feedback:
+        return COMPRESS_ITEMS_AHEAD * TILE_ELEMENTS * kernel.element // WARPS
     if kernel.template in ("minmax_compress", "sign_stats", "sign_feedback"):
         return ITEMS_AHEAD * TILE_ELEMENTS * (kernel.element + (4 if kernel.feedback else 0)) // WARPS
     if kernel.template == "decompress":
         return ITEMS_AHEAD * TILE_ELEMENTS * kernel.bits // 8 // WARPS
     if kernel.template == "decompress_reduce":
-        return REDUCE_IN_FLIGHT[kernel.bits] * 32 * REDUCE_PER_LANE[kernel.bits] * kernel.bits // 8
+        return reduce_in_flight(kernel) * 32 * REDUCE_PER_LANE[kernel.bits] * kernel.bits // 8
     return kernel.inputs * 32 * ELEMENTWISE_BYTES_PER_LANE
 
 

@@ -82,15 +82,18 @@ __device__ void with_minmax_form(const math::MinMaxGrid& grid, F&& f) {
 // (load: `payload` the group's, `offset` the step range's first element in it);
 // and the values of slot j of them (decode). All lanes of a warp call decode.
 
-// Decompress-reduce takes kReducePerLane elements a lane and loads the codes of
-// kReduceInFlight inputs before it adds any (32 or 16 registers of codes), with
-// at least kReduceBlocks blocks resident (80 or 128 registers a thread). Min-max lanes hold few
-// elements, so that many lanes share a short output.
+// Decompress-reduce takes kReducePerLane elements a lane, in slots of L, and
+// loads the codes of kReduceInFlight<L> inputs before it adds any, with at least
+// kReduceBlocks blocks resident (128 registers a thread). Min-max lanes hold few
+// elements, so that many lanes share a short output; each slot's load takes
+// registers of its own until it is used, so 48 registers of codes are in flight.
 template <int kBits>
 struct MinMaxCodec {
   static constexpr Format kFormat = kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4;
   static constexpr int kCodeBits = kBits;
-  static constexpr int kReducePerLane = 8, kReduceInFlight = 128 / kBits, kReduceBlocks = 3;
+  static constexpr int kReducePerLane = 8, kReduceBlocks = 2;
+  template <int L>
+  static constexpr int kReduceInFlight = 48 / (kReducePerLane / L * ((kBits * L + 31) / 32));
   using Params = math::MinMaxGrid;
   // A lane's E codes packed from bit 0 of words[0], code i at bit kBits * i,
   // whatever the slot width: a register per 32 bits of codes (a word a code
@@ -147,7 +150,9 @@ struct MinMaxCodec {
 struct SignCodec {
   static constexpr Format kFormat = Format::kSign;
   static constexpr int kCodeBits = 1;
-  static constexpr int kReducePerLane = 32, kReduceInFlight = 16, kReduceBlocks = 2;
+  static constexpr int kReducePerLane = 32, kReduceBlocks = 2;
+  template <int L>
+  static constexpr int kReduceInFlight = 16;
   using Params = float;  // the chunk's scale
   template <int U, int E>
   struct Codes {

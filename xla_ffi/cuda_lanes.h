@@ -394,15 +394,16 @@ __device__ void prefetch_range(const void* p, int64_t bytes, int thread, int thr
     prefetch_line(first + at);
 }
 
-// A block striding over items [first, end) by `stride` keeps kItemsAhead of its
-// items requested: at `item` it asks for item + kItemsAhead * stride (and, at its
-// first item, for those before it).
-constexpr int kItemsAhead = 2;
+// A block striding over items [first, end) by `stride` keeps kAhead of its items
+// requested: at `item` it asks for item + kAhead * stride (and, at its first
+// item, for those before it). Min-max compression without feedback holds a
+// group in 128 registers a thread, two blocks an SM, and asks for one more.
+constexpr int kItemsAhead = 2, kCompressItemsAhead = 3;
 
-template <typename Prefetch>
+template <int kAhead = kItemsAhead, typename Prefetch>
 __device__ void prefetch_ahead(int64_t item, int64_t first, int64_t end, int64_t stride,
                                Prefetch&& prefetch) {
-  for (int d = item == first ? 1 : kItemsAhead; d <= kItemsAhead; ++d)
+  for (int d = item == first ? 1 : kAhead; d <= kAhead; ++d)
     if (item + d * stride < end) prefetch(item + d * stride);
 }
 

@@ -67,6 +67,12 @@ __device__ void store_group_header(uint8_t* header, float a, float b, int64_t wr
                threadIdx.x < padded - written);
 }
 
+// The kernel's chunking with its format as a compile-time constant, so that the
+// group arithmetic (sizes, divisions) folds instead of holding registers.
+__device__ Chunking with_format(const Chunking& shape, Format format) {
+  return {format, shape.n, shape.k};
+}
+
 // ---- Min-max compression: one group a block, one pass -----------------------
 
 template <int kBits, int U, typename T, bool kFeedback>
@@ -104,15 +110,17 @@ __device__ void compress_group(const Source<T, kFeedback>& src, const Group& gro
 }
 
 template <int kBits, int U, typename T, bool kFeedback>
-__global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 3)
-    minmax_compress_kernel(Source<T, kFeedback> src, Chunking chunking, uint8_t* out,
+__global__ void __launch_bounds__(kThreads, 2)
+    minmax_compress_kernel(Source<T, kFeedback> src, Chunking shape, uint8_t* out,
                            float* residual_out) {
+  const Chunking chunking = with_format(shape, MinMaxCodec<kBits>::kFormat);
   const int64_t groups = chunking.group_count();
   for (int64_t g = blockIdx.x; g < groups; g += gridDim.x) {
-    prefetch_ahead(g, blockIdx.x, groups, gridDim.x, [&](int64_t next) {
-      const Group group = chunking.group(next);
-      src.prefetch(group.first, group.length);
-    });
+    prefetch_ahead<kFeedback ? kItemsAhead : kCompressItemsAhead>(
+        g, blockIdx.x, groups, gridDim.x, [&](int64_t next) {
+          const Group group = chunking.group(next);
+          src.prefetch(group.first, group.length);
+        });
     compress_group<kBits, U>(src, chunking.group(g), out, residual_out);
   }
 }
@@ -146,7 +154,8 @@ __device__ void prefetch_tile(const EncodedTile& e) {
 
 template <typename Codec, int U, typename T>
 __global__ void __launch_bounds__(kThreads, 3)
-    decompress_kernel(const uint8_t* in, Chunking chunking, T* out) {
+    decompress_kernel(const uint8_t* in, Chunking shape, T* out) {
+  const Chunking chunking = with_format(shape, Codec::kFormat);
   const int64_t tiles = chunking.piece_index(chunking.k, kTileElements);
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     prefetch_ahead(t, blockIdx.x, tiles, gridDim.x,
@@ -196,8 +205,9 @@ template <typename Codec, int U, typename T>
 __global__ void __launch_bounds__(kThreads, Codec::kReduceBlocks)
     decompress_reduce_kernel(const uint8_t* in, int64_t m, int64_t k, int64_t slot, Share share,
                              T* out) {
-  constexpr int E = Codec::kReducePerLane, kInFlight = Codec::kReduceInFlight;
+  constexpr int E = Codec::kReducePerLane;
   constexpr int L = U == 1 && Codec::kCodeBits > 1 ? E : U;  // the lane's slot width
+  constexpr int kInFlight = Codec::template kReduceInFlight<L>;
   constexpr int64_t kSegment = int64_t{kThreads} * E;
   constexpr Format kFormat = Codec::kFormat;
   static_assert(kMinMaxGroupElements % kSegment == 0, "a segment lies in one group");
@@ -291,8 +301,9 @@ __global__ void __launch_bounds__(kThreads) sign_init_kernel(Chunking chunking, 
 // header and writes the bits, which do not depend on the scale.
 template <int U, typename T, bool kFeedback>
 __global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 3)
-    sign_stats_kernel(Source<T, kFeedback> src, Chunking chunking, int64_t first, int64_t end,
+    sign_stats_kernel(Source<T, kFeedback> src, Chunking shape, int64_t first, int64_t end,
                       uint8_t* out) {
+  const Chunking chunking = with_format(shape, Format::kSign);
   for (int64_t t = first + blockIdx.x; t < end; t += gridDim.x) {
     prefetch_ahead(t, first + blockIdx.x, end, gridDim.x, [&](int64_t next) {
       const Piece tile = chunking.piece(next, kTileElements);
@@ -327,8 +338,9 @@ __global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 3)
 // y - decode(bit), with the scale of the chunk's complete sum.
 template <int U, typename T>
 __global__ void __launch_bounds__(kThreads, 2)
-    sign_feedback_kernel(Source<T, true> src, Chunking chunking, int64_t first, int64_t end,
+    sign_feedback_kernel(Source<T, true> src, Chunking shape, int64_t first, int64_t end,
                          const uint8_t* out, float* residual_out) {
+  const Chunking chunking = with_format(shape, Format::kSign);
   for (int64_t t = first + blockIdx.x; t < end; t += gridDim.x) {
     prefetch_ahead(t, first + blockIdx.x, end, gridDim.x, [&](int64_t next) {
       const Piece tile = chunking.piece(next, kTileElements);
