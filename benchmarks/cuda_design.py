@@ -34,7 +34,8 @@ WARPS = 8  # warps of a block (256 threads), every kernel
 ITEMS_AHEAD = 2  # tiles a block keeps requested from the L2 cache ahead of its work (kItemsAhead)
 COMPRESS_ITEMS_AHEAD = 3  # ... min-max compression without feedback, two blocks an SM (kCompressItemsAhead)
 REDUCE_PER_LANE = {8: 8, 4: 8, 1: 32}  # decompress-reduce: elements a lane holds, by code bits (kReducePerLane)
-REDUCE_CODE_REGISTERS = 48  # min-max: registers of codes a lane loads before adding any (kReduceInFlight)
+REDUCE_CODE_BYTES, REDUCE_CODE_REGISTERS = 192, 64  # min-max: codes a lane loads before adding any, at most
+# in this many registers (kReduceInFlight)
 SIGN_REDUCE_IN_FLIGHT = 16  # sign: inputs whose words a lane loads before adding any
 ELEMENTWISE_BYTES_PER_LANE = 32  # two 16-byte slots of each input, the next step's requested ahead
 HEADER_BYTES = 16
@@ -122,13 +123,14 @@ def traffic(kernel: Kernel, k: int = 8) -> tuple[float, float]:
 
 def reduce_in_flight(kernel: Kernel) -> int:
     """Decompress-reduce: the inputs whose codes a lane loads before it adds any. A min-max lane holds its
-    codes in slots of L elements (U, or all its elements where U = 1) and each slot's load takes registers of
-    its own until it is used, so REDUCE_CODE_REGISTERS registers hold this many inputs."""
+    codes in slots of L elements (U, or all its elements where U = 1); REDUCE_CODE_BYTES of them, as far as
+    REDUCE_CODE_REGISTERS registers hold them (each slot's load takes registers of its own until it is used)."""
     if kernel.bits == 1:
         return SIGN_REDUCE_IN_FLIGHT
     per_lane = REDUCE_PER_LANE[kernel.bits]
     slot = per_lane if kernel.slot == 1 else kernel.slot
-    return REDUCE_CODE_REGISTERS // (per_lane // slot * math.ceil(kernel.bits * slot / 32))
+    by_bytes = REDUCE_CODE_BYTES // (per_lane * kernel.bits // 8)
+    return min(by_bytes, REDUCE_CODE_REGISTERS // (per_lane // slot * math.ceil(kernel.bits * slot / 32)))
 
 
 def loads_per_warp(kernel: Kernel) -> int:
@@ -154,7 +156,12 @@ def needed_loads(kernel: Kernel, k: int = 8) -> float:
 
 
 def needed_warps(kernel: Kernel, k: int = 8) -> int:
-    """Resident warps a multiprocessor needs for :func:`needed_loads`."""
+    """Resident warps a multiprocessor needs for :func:`needed_loads`; none for U = 1. That variant serves
+    tensors that start misaligned or whose chunks are not whole slots: each access moves one element and holds a
+    register until it is used, so a 16-bit helper of four inputs cannot keep 48 KiB in flight in any register
+    budget. Its design asks only that it does not spill."""
+    if kernel.slot == 1:
+        return 0
     return math.ceil(needed_loads(kernel, k) / loads_per_warp(kernel))
 
 

@@ -3,6 +3,7 @@
 // through bagua::math (numerics.h). Device code for kernels_cuda.cu.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda_lanes.h"
@@ -60,21 +61,6 @@ __device__ CodeWord<kBits, U> encode_slot(float* v, int count, Encode&& encode_o
   return word;
 }
 
-// Calls f(encode_one, decode_one) with the per-element functions of the grid's
-// form: the float32 one, or the wide one (SPEC section 2), whose double scale
-// the float32 form's registers never hold. The form is uniform over a group.
-template <int kBits, typename F>
-__device__ void with_minmax_form(const math::MinMaxGrid& grid, F&& f) {
-  if (grid.wide) {
-    const double scale = math::minmax_wide_scale<kBits>(grid);
-    f([&](float x) { return math::minmax_encode_wide<kBits>(x, grid, scale); },
-      [&](uint8_t q) { return math::minmax_decode_wide(q, grid); });
-  } else {
-    f([&](float x) { return math::minmax_encode_f32<kBits>(x, grid); },
-      [&](uint8_t q) { return math::minmax_decode_f32(q, grid); });
-  }
-}
-
 // ---- Decoders ---------------------------------------------------------------
 //
 // What the decoding kernels need of a format: the parameters of a group from
@@ -85,15 +71,18 @@ __device__ void with_minmax_form(const math::MinMaxGrid& grid, F&& f) {
 // Decompress-reduce takes kReducePerLane elements a lane, in slots of L, and
 // loads the codes of kReduceInFlight<L> inputs before it adds any, with at least
 // kReduceBlocks blocks resident (128 registers a thread). Min-max lanes hold few
-// elements, so that many lanes share a short output; each slot's load takes
-// registers of its own until it is used, so 48 registers of codes are in flight.
+// elements, so that many lanes share a short output: 192 bytes of codes in
+// flight, in at most 64 registers (each slot's load takes registers of its own
+// until it is used).
 template <int kBits>
 struct MinMaxCodec {
   static constexpr Format kFormat = kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4;
   static constexpr int kCodeBits = kBits;
   static constexpr int kReducePerLane = 8, kReduceBlocks = 2;
   template <int L>
-  static constexpr int kReduceInFlight = 48 / (kReducePerLane / L * ((kBits * L + 31) / 32));
+  static constexpr int kReduceInFlight = std::min(192 / (kReducePerLane * kBits / 8),
+                                                  64 / (kReducePerLane / L *
+                                                        ((kBits * L + 31) / 32)));
   using Params = math::MinMaxGrid;
   // A lane's E codes packed from bit 0 of words[0], code i at bit kBits * i,
   // whatever the slot width: a register per 32 bits of codes (a word a code

@@ -435,6 +435,18 @@ struct Source {
     }
   }
 
+  // The values of slot j alone.
+  template <int U>
+  __device__ void slot_values(int64_t first, const Step<U>& step, int j, float (&v)[U]) const {
+    unpack(load_slot<T, U>(x + first + step.at(j), step.count(j)), v);
+    if constexpr (kFeedback) {
+      float e[U];
+      unpack(load_slot<float, U>(residual + first + step.at(j), step.count(j)), e);
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = math::add_rn(v[u], e[u]);
+    }
+  }
+
   // The block asks the L2 cache for `length` elements at `first`.
   __device__ void prefetch(int64_t first, int64_t length) const {
     prefetch_range(x + first, length * int64_t{sizeof(T)}, threadIdx.x, kThreads);

@@ -17,7 +17,8 @@
 //   memory.
 // * Min-max compression is one pass over memory: a block holds a whole group of
 //   8192 elements in registers (32 a lane), reduces its bounds, writes its header
-//   and encodes it from the registers. Sign compression without error feedback
+//   and encodes it from the registers (the rare wide form of SPEC section 2
+//   reads the group again, a slot at a time). Sign compression without error feedback
 //   is one pass too (the bits do not depend on the scale): it writes the bits
 //   while it sums |x|, and the scale is written at the end.
 // * Decompress-reduce issues the loads of many inputs before it adds any, then
@@ -95,18 +96,36 @@ __device__ void compress_group(const Source<T, kFeedback>& src, const Group& gro
   uint8_t* codes = header + kHeaderBytes;
   store_group_header(header, bounds.x, bounds.y, written_code_bytes<kBits, U>(group.length),
                      align_up(payload_bytes(kFormat, group.length)));
-  with_minmax_form<kBits>(
-      math::minmax_grid<kBits>(bounds.x, bounds.y), [&](auto&& encode_one, auto&& decode_one) {
+  const math::MinMaxGrid grid = math::minmax_grid<kBits>(bounds.x, bounds.y);
+  // Encodes slot j's values w (each replaced by its residual) and stores them.
+  auto encode_and_store = [&](int j, float* w, auto&& encode_one, auto&& decode_one) {
+    const int count = step.count(j);
+    const auto word = encode_slot<kBits, U>(w, count, encode_one, decode_one);
+    store_codes<kBits, U>(codes, step.at(j), count, word);
+    if constexpr (kFeedback)
+      store_slot<float, U>(residual_out + group.first + step.at(j), count, pack<float, U>(w));
+  };
+  if (!grid.wide) {
 #pragma unroll
-        for (int j = 0; j < Step<U>::kSlots; ++j) {
-          const int count = step.count(j);
-          const auto word = encode_slot<kBits, U>(v + j * U, count, encode_one, decode_one);
-          store_codes<kBits, U>(codes, step.at(j), count, word);
-          if constexpr (kFeedback)
-            store_slot<float, U>(residual_out + group.first + step.at(j), count,
-                                 pack<float, U>(v + j * U));
-        }
-      });
+    for (int j = 0; j < Step<U>::kSlots; ++j)
+      encode_and_store(
+          j, v + j * U, [&](float x) { return math::minmax_encode_f32<kBits>(x, grid); },
+          [&](uint8_t q) { return math::minmax_decode_f32(q, grid); });
+  } else {
+    // The wide form (SPEC section 2), rare, reads the group's values again a
+    // slot at a time, so that the double arithmetic of a lane's 32 values never
+    // overlaps in registers (ptxas interleaved it, and spilled). Its double
+    // scale is computed here, out of the float32 form's registers.
+    const double scale = math::minmax_wide_scale<kBits>(grid);
+#pragma unroll 1
+    for (int j = 0; j < Step<U>::kSlots; ++j) {
+      float w[U];
+      src.slot_values(group.first, step, j, w);
+      encode_and_store(
+          j, w, [&](float x) { return math::minmax_encode_wide<kBits>(x, grid, scale); },
+          [&](uint8_t q) { return math::minmax_decode_wide(q, grid); });
+    }
+  }
 }
 
 template <int kBits, int U, typename T, bool kFeedback>
@@ -403,8 +422,10 @@ __device__ float apply_rescaled(const F& f, const float (&v)[sizeof...(A)][E], i
 // grid; every input of a step is read before its output is written (out may
 // alias an input). Where a result is not finite, f runs again on the inputs
 // scaled by 2^-64 (math::overflow_safe: the same bits), off the common path.
+// One element a load (U = 1) of a 16-bit type holds a register per element:
+// four inputs take the 128 registers of two blocks an SM.
 template <typename T, int U, int N, typename F>
-__global__ void __launch_bounds__(kThreads, 3)
+__global__ void __launch_bounds__(kThreads, U == 1 && sizeof(T) == 2 && N >= 4 ? 2 : 3)
     elementwise_kernel(Inputs<T, N> in, int64_t n, T* out, F f) {
   constexpr int E = kElementwisePerLane<T>;
   constexpr int64_t kStepBytes = 32 * E * int64_t{sizeof(T)};
