@@ -6,14 +6,16 @@ NumPy initialization, which ``bagua_jax.models.gpt`` and ``bagua_torch.models.gp
 deterministic per-rank batches and the held-out evaluation set.
 """
 
-from bagua_common.workload.corpus import CORPUS_DIGEST, Corpus, load_corpus
+from bagua_common.workload.corpus import CORPUS_DIGEST, ByteEntropies, Corpus, byte_entropies, load_corpus
 from bagua_common.workload.gpt_spec import GPT_CONFIGS, GPTConfig, check_gpt_params, gpt_config, init_gpt_params
 
 __all__ = [
     "CORPUS_DIGEST",
     "GPT_CONFIGS",
+    "ByteEntropies",
     "Corpus",
     "GPTConfig",
+    "byte_entropies",
     "check_gpt_params",
     "gpt_config",
     "init_gpt_params",
