@@ -31,7 +31,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _common
+from harness.options import add_out_option, add_subset_option
+from harness.results import finish_meta, header_lines, run_meta, write_results
+
+from bagua_common.job.local_launch import free_port
 
 MODELS = ("gpt-small", "bert", "gpt2")
 SETTINGS = {"short": 10, "defaults": 100}
@@ -213,7 +216,7 @@ def _run(front_end: str, model: str, args: argparse.Namespace, result: Path) -> 
         env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={NRANKS}"
         subprocess.run(command, env=env, check=True, timeout=args.timeout)
     else:
-        env.update(WORLD_SIZE=str(NRANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_common.free_port()))
+        env.update(WORLD_SIZE=str(NRANKS), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
         procs = [
             subprocess.Popen(command, env={**env, "RANK": str(r), "LOCAL_RANK": str(r), "LOCAL_WORLD_SIZE": "2"})
             for r in range(NRANKS)
@@ -230,13 +233,13 @@ def _run(front_end: str, model: str, args: argparse.Namespace, result: Path) -> 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common.add_subset_option(parser, "--models", MODELS, "models to train (default: all)")
-    _common.add_subset_option(parser, "--settings", list(SETTINGS), "warm-up settings (default: all)")
+    add_subset_option(parser, "--models", MODELS, "models to train (default: all)")
+    add_subset_option(parser, "--settings", list(SETTINGS), "warm-up settings (default: all)")
     parser.add_argument("--after-warmup", type=int, default=30, help="steps after each warm-up (default 30)")
     parser.add_argument("--hf-shape", choices=("mini", "base"), default="mini", help="Hugging Face model shapes")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per job")
     parser.add_argument("--name", default="adam-growth", help="stem of the result files")
-    _common.add_out_option(parser)
+    add_out_option(parser)
     parser.add_argument("--model", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     parser.add_argument("--worker-torch", action="store_true", help=argparse.SUPPRESS)
@@ -246,15 +249,15 @@ def main() -> None:
         return worker_torch(args)
     if args.worker_jax:
         return worker_jax(args)
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ["torch", "jax", "flax", "transformers"])
+    meta = run_meta(["torch", "jax", "flax", "transformers"], argv=sys.argv[1:])
     runs = {}
     with tempfile.TemporaryDirectory() as tmp:
         for model in args.models:
             for front_end in ("jax", "torch") if model == "gpt-small" else ("torch",):
                 runs[f"{front_end} {model}"] = _run(front_end, model, args, Path(tmp) / f"{front_end}-{model}.json")
                 print(f"{front_end} {model} done", flush=True)
-    _common.finish_meta(meta)
-    lines = [f"# {args.name}", "", *_common.header_lines(meta), ""]
+    finish_meta(meta)
+    lines = [f"# {args.name}", "", *header_lines(meta), ""]
     lines += ["Largest ratio over parameter tensors of max |w| to AdamW's (tensor), and the last training loss.", ""]
     lines += ["| run | setting | " + " | ".join(OPTIMIZERS[1:]) + " | AdamW max abs, loss |"]
     lines += ["|---|---|" + "---:|" * len(OPTIMIZERS)]
@@ -269,7 +272,7 @@ def main() -> None:
             lines.append(
                 f"| {run} | {setting} | " + " | ".join(cells) + f" | {adamw['largest']:.3f}, {adamw['loss']:.3f} |"
             )
-    md, _ = _common.write_results(args.out, args.name, lines, {"meta": meta, "runs": runs})
+    md, _ = write_results(args.out, args.name, lines, {"meta": meta, "runs": runs})
     print("\n".join(lines))
     print(f"wrote {md}")
 

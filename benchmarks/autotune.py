@@ -1,7 +1,7 @@
 """Tuned against default bucket size, on shaped links: what in-band autotuning buys (or not).
 
 Each front end (``--front-end``) and rate runs one job of ``--ranks`` ranks, each in its own
-network namespace of ``benchmarks/network_harness.py`` with a token-bucket-shaped link. Every rank
+network namespace of ``benchmarks/harness/links.py`` with a token-bucket-shaped link. Every rank
 trains two copies of the network study's MLP (1.84M parameters) with gradient allreduce: one with
 the default 10 MiB buckets, one with ``autotune="once"``.
 
@@ -33,9 +33,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import _common
-import network_harness as nh
-import network_study
+from harness import links as nh
+from harness.jobs import child_env
+from harness.results import RESULTS, finish_meta, header_lines, run_meta, write_results
+
+from bagua_common.job.local_launch import free_port
 
 FRONT_ENDS = ("torch", "jax")
 PACKAGES = {"torch": ["torch", "numpy"], "jax": ["jax", "jaxlib", "optax", "numpy"]}
@@ -197,12 +199,12 @@ def run_rate(args: argparse.Namespace, front_end: str, rate: int) -> dict[str, A
         command = [sys.executable, __file__, "--worker", front_end, "--result", str(result)]
         command += ["--steps", str(args.steps), "--repeats", str(args.repeats)]
         command += ["--max-tuning-steps", str(args.max_tuning_steps)]
-        env = {**network_study.child_env(), "BAGUA_AUTOTUNE_CACHE": str(Path(tmp) / "autotune.json")}
+        env = {**child_env(), "BAGUA_AUTOTUNE_CACHE": str(Path(tmp) / "autotune.json")}
         print(f"{front_end}, {nh.rate_label(rate)}: {args.ranks} ranks ...", flush=True)
         if front_end == "jax":
             codes = net.run_mpi(command, timeout=1800, base_env=env)
         else:
-            codes = net.run_all(command, _common.free_port(), timeout=1800, base_env=env)
+            codes = net.run_all(command, free_port(), timeout=1800, base_env=env)
         if not result.exists() or codes != [0] * args.ranks:
             raise SystemExit(f"{front_end}, {nh.rate_label(rate)}: the job failed, exit codes {codes}")
         run = json.loads(result.read_text())
@@ -214,7 +216,7 @@ def run_rate(args: argparse.Namespace, front_end: str, rate: int) -> dict[str, A
 def report(args: argparse.Namespace, front_end: str, meta: dict[str, Any], results: list[dict[str, Any]]) -> None:
     """Write ``autotune-<front_end>.md`` and ``.json``."""
     title = {"torch": "torch, gradient allreduce, gloo", "jax": "JAX, gradient allreduce, native MPI communicator"}
-    lines = [f"# Autotuned bucket size against the default ({title[front_end]})", "", *_common.header_lines(meta)]
+    lines = [f"# Autotuned bucket size against the default ({title[front_end]})", "", *header_lines(meta)]
     lines.append(
         f"- {args.ranks} ranks, one network namespace each; the study's MLP (1.84M parameters), batch {BATCH} per "
         f"rank; {args.repeats} alternating blocks of {args.steps} steps per variant"
@@ -250,7 +252,7 @@ def report(args: argparse.Namespace, front_end: str, meta: dict[str, Any], resul
         "averages); an interval that holds 1 is no measured gain.",
         "",
     ]
-    md, _ = _common.write_results(args.out, f"autotune-{front_end}", lines, {"meta": meta, "results": results})
+    md, _ = write_results(args.out, f"autotune-{front_end}", lines, {"meta": meta, "results": results})
     print(f"wrote {md}")
 
 
@@ -262,7 +264,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--steps", type=int, default=10, help="timed steps per block")
     parser.add_argument("--repeats", type=int, default=8, help="alternating blocks per variant")
     parser.add_argument("--max-tuning-steps", type=int, default=400, help="torch: give up tuning after this many steps")
-    parser.add_argument("--out", type=Path, default=_common.RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", choices=FRONT_ENDS, help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -271,9 +273,9 @@ def main(argv: list[str]) -> None:
         return
     nh.require_root()
     for front_end in FRONT_ENDS if args.front_end == "both" else (args.front_end,):
-        meta = _common.run_meta(argv, _common.device_info("cpu"), PACKAGES[front_end], ranks=args.ranks)
+        meta = run_meta(PACKAGES[front_end], argv=argv, ranks=args.ranks)
         results = [run_rate(args, front_end, nh.parse_rate(rate)) for rate in args.rates.split(",")]
-        _common.finish_meta(meta)
+        finish_meta(meta)
         report(args, front_end, meta, results)
 
 

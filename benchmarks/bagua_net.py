@@ -1,6 +1,6 @@
 """Bagua-Net under shaped links: one TCP stream against N streams split statically or scheduled dynamically.
 
-Two network namespaces from ``network_harness.py`` (root only); the sender's link is shaped
+Two network namespaces from ``harness/links.py`` (root only); the sender's link is shaped
 with ``tc`` (htb classes and u32 filters: this kernel has no netem, so no added latency).
 Traffic has NCCL's shape: 2 channels (one comm each), 8 steps of 512 KiB in flight per
 channel, driven through the installed plugin by the C++ harness ``tests/net_harness/net_harness.cc``.
@@ -43,8 +43,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-import _common
-from network_harness import Network
+from harness import plots
+from harness.console import Progress
+from harness.links import Network
+from harness.results import RESULTS, finish_meta, header_lines, run_meta, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bagua_common.comm.bagua_net import bagua_net_plugin_path  # noqa: E402
@@ -190,10 +192,10 @@ def build_harness(folder: Path) -> Path:
 
 
 def plot(results: dict[str, Any], configs: list[str], path: Path) -> bool:
-    plt = _common.pyplot()
-    if plt is None:
+    drawn = plots.figure(size=(8, 4))
+    if drawn is None:
         return False
-    fig, ax = plt.subplots(figsize=(8, 4))
+    fig, ax = drawn[0], drawn[1][0][0]
     width = 0.8 / len(configs)
     for j, config in enumerate(configs):
         means = [results[s][config]["gbps"][0] * 8 for s in SCENARIOS]
@@ -203,7 +205,7 @@ def plot(results: dict[str, Any], configs: list[str], path: Path) -> bool:
     ax.set_ylabel("Gbit/s (mean, 95% interval)")
     ax.set_title("Bagua-Net, NCCL-shaped traffic between two namespaces")
     ax.legend()
-    _common.save_figure(fig, path, dpi=120)
+    plots.save(fig, path, dpi=120)
     return True
 
 
@@ -213,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=3.0, help="measured seconds per run")
     parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
-    parser.add_argument("--out", type=Path, default=_common.RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--plugin", default=bagua_net_plugin_path(), help="default: the installed plugin")
     args = parser.parse_args(argv)
     plugin = args.plugin
@@ -221,10 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no installed libnccl-net-bagua.so (pip install .)")
     n = args.streams
     configs = {"1 stream": (1, "dynamic"), f"{n} static": (n, "static"), f"{n} dynamic": (n, "dynamic")}
-    meta = _common.run_meta(argv or sys.argv[1:], _common.device_info("cpu"), ["bagua-jax"], plugin=plugin,
-                            host=socket.gethostname())  # fmt: skip
+    meta = run_meta(["bagua-jax"], argv=argv or sys.argv[1:], plugin=plugin, host=socket.gethostname())  # fmt: skip
     measured: dict[str, dict[str, list[tuple[float, float]]]] = {s: {c: [] for c in configs} for s in args.scenarios}
-    progress = _common.Progress(len(args.scenarios) * len(configs) * args.repeats)
+    progress = Progress(len(args.scenarios) * len(configs) * args.repeats)
     with tempfile.TemporaryDirectory() as folder, Network(2, rate=None, verbose=False) as net:
         harness = build_harness(Path(folder))
         port_range = f"net.ipv4.ip_local_port_range={PORT_BASE} {PORT_BASE + PORT_COUNT - 1}"
@@ -237,16 +238,16 @@ def main(argv: list[str] | None = None) -> int:
                     measured[scenario][config].append((gbps, cpu))
                     progress.line(f"{scenario:10s} {config:10s} #{repeat}: {gbps * 8:.3f} Gbit/s, {cpu:.2f} CPU s/GB")
             net.kill(bulk)
-    _common.finish_meta(meta)
+    finish_meta(meta)
     results = {
         s: {c: {"gbps": interval([g for g, _ in runs]), "cpu_s_per_gb": interval([u for _, u in runs]), "runs": runs}
             for c, runs in per.items()}
         for s, per in measured.items()
     }  # fmt: skip
     names = list(configs)
-    lines = ["# Bagua-Net under shaped links", "", *_common.header_lines(meta), ""]
+    lines = ["# Bagua-Net under shaped links", "", *header_lines(meta), ""]
     lines += [
-        "Two network namespaces (`benchmarks/network_harness.py`), the sender's link shaped with htb/u32 "
+        "Two network namespaces (`benchmarks/harness/links.py`), the sender's link shaped with htb/u32 "
         "(no netem on this kernel: no added latency, so no bandwidth-delay effects). NCCL-shaped traffic: "
         "2 channels x 8 steps of 512 KiB in flight. Mean and 95% interval over "
         f"{args.repeats} interleaved runs of {args.seconds:g} s. The machine is shared with other work "
@@ -264,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     if plot(results, names, args.out / "bagua-net.png") if set(results) == set(SCENARIOS) else False:
         lines += ["![throughput per scenario](bagua-net.png)", ""]
     payload = {"meta": meta, "results": results}
-    md, js = _common.write_results(args.out, "bagua-net", lines, payload)
+    md, js = write_results(args.out, "bagua-net", lines, payload)
     print("\n".join(lines))
     print(f"wrote {md} and {js}", file=sys.stderr)
     return 0

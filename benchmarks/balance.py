@@ -34,14 +34,18 @@ import statistics
 import sys
 import time
 
-import _common
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from harness.console import Transcript
+from harness.machine import load_average
+from harness.options import add_out_option, add_subset_option
+from harness.results import finish_meta, run_meta, write_results
 from torch import nn
 from torch.utils.data import DistributedSampler
 
+from bagua_common.job.local_launch import free_port
 from bagua_torch.data import BalancedBatchSampler
 
 D_MODEL = 128
@@ -178,7 +182,7 @@ def real_worker(rank: int, world: int, port: int, lengths, batch: int, megabatch
 def real_run(lengths, processes: int, batch: int, megabatch, repeats: int) -> dict[str, dict[str, list[float]]]:
     """Part 3 with ``processes`` ranks: per mode, the epoch seconds of both samplers and their ratios."""
     queue = mp.get_context("spawn").SimpleQueue()
-    port = _common.free_port()
+    port = free_port()
     args = (processes, port, lengths, batch, megabatch, repeats, queue)
     mp.spawn(real_worker, args=args, nprocs=processes)
     keys = ("distributed_s", "balanced_s", "sync_s", "ratios")
@@ -198,15 +202,15 @@ def main() -> None:
     parser.add_argument("--megabatch", type=int, default=64, help="the balanced sampler's megabatch (0: none)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--processes", type=int, nargs="+", default=[2, 4], help="ranks of the real runs")
-    _common.add_subset_option(parser, "--parts", ["model", "replay", "real"], "the parts to run")
-    _common.add_out_option(parser)
+    add_subset_option(parser, "--parts", ["model", "replay", "real"], "the parts to run")
+    add_out_option(parser)
     args = parser.parse_args()
     settings = {name: value for name, value in vars(args).items() if name != "out"}
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ["torch", "numpy"], settings=settings)
+    meta = run_meta(["torch", "numpy"], argv=sys.argv[1:], settings=settings)
     torch.set_num_threads(1)
     megabatch = args.megabatch or None
     lengths = skewed_lengths(args.samples)
-    transcript = _common.Transcript()
+    transcript = Transcript()
     say = transcript.say
     results: dict[str, dict] = {"modelled": {}, "replayed": {}, "real": {}}
     say(f"{args.samples} samples, lengths {lengths.min()}..{lengths.max()} "
@@ -241,7 +245,7 @@ def main() -> None:
     if "real" in args.parts:
         say(f"\n3. real runs (gloo, 1 thread per process), transformer layer ({args.repeats} repeats)")
         for processes in args.processes:
-            load = _common.load_average()[0]
+            load = load_average()[0]
             runs = real_run(lengths, processes, args.batch, megabatch, args.repeats)
             results["real"][f"{processes} processes"] = runs
             for mode, run in runs.items():
@@ -251,9 +255,9 @@ def main() -> None:
                     f"{statistics.median(run['ratios']):.3f}x (repeats {', '.join(f'{r:.3f}' for r in run['ratios'])}; "
                     f"load average {load:.1f} at the start)")  # fmt: skip
 
-    _common.finish_meta(meta)
+    finish_meta(meta)
     markdown = transcript.markdown("Balanced sampler against DistributedSampler", meta)
-    md_path, _ = _common.write_results(args.out, "balance-cpu", markdown, {**meta, "results": results})
+    md_path, _ = write_results(args.out, "balance-cpu", markdown, {**meta, "results": results})
     print(f"\nwrote {md_path}")
 
 

@@ -46,7 +46,9 @@ from bagua_torch.data import BalancedBatchSampler
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import _common  # noqa: E402
+from harness.console import Transcript  # noqa: E402
+from harness.options import add_out_option  # noqa: E402
+from harness.results import finish_meta, header_lines, run_meta, write_results  # noqa: E402
 
 DECODE_SECONDS = 0.003
 PACKAGES = ("numpy", "lmdb", "redis", "torch")
@@ -192,7 +194,7 @@ def compare_stores(args: argparse.Namespace) -> None:
     capacity = 1 << 30
     # Expected here, and said in the table: the memory store is per process (the workers inherit this filter).
     warnings.filterwarnings("ignore", "MemoryStore is per process", RuntimeWarning)
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), PACKAGES)
+    meta = run_meta(PACKAGES, argv=sys.argv[1:])
     runs: dict[tuple[str, str], list[dict[str, float]]] = {(n, k): [] for k in sizes for n in names}
     with RedisServer(capacity) as server:
         client = RedisStore(server.url, digest_key=server.digest_key)._open()[0]
@@ -216,11 +218,11 @@ def compare_stores(args: argparse.Namespace) -> None:
                         f"{result['get_per_s']:9.0f}/s hit rate {result['hit_rate']:.2f}",
                         flush=True,
                     )
-    _common.finish_meta(meta)
+    finish_meta(meta)
     lines = [
         "# Cache stores: put and get throughput from DataLoader workers",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- {args.workers} DataLoader workers (fork); each worker puts, then gets, chunks of 50 samples; "
         f"{args.repeats} interleaved repeats, median shown; small = {args.small_samples} samples of 1 KiB, "
         f"large = {args.large_samples} samples of 128 KiB; a fresh store per run (Redis: one server, flushed).",
@@ -245,7 +247,7 @@ def compare_stores(args: argparse.Namespace) -> None:
         )
     lines.append("")
     payload = {"meta": meta, "summary": summary, "runs": {f"{n}/{k}": v for (n, k), v in runs.items()}}
-    for path in _common.write_results(args.out, "cache-stores", lines, payload):
+    for path in write_results(args.out, "cache-stores", lines, payload):
         print(f"wrote {path}")
     print("\n".join(lines))
 
@@ -288,7 +290,7 @@ def node_run(args: argparse.Namespace) -> None:
     import multiprocessing
 
     context = multiprocessing.get_context("fork")
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), PACKAGES)
+    meta = run_meta(PACKAGES, argv=sys.argv[1:])
     costs = np.random.default_rng(0).lognormal(4.3, 0.8, args.samples)
     rounds = calibrated_rounds()
     runs: dict[str, list[dict[str, float]]] = {cache: [] for cache in NODE_CACHES}
@@ -317,8 +319,8 @@ def node_run(args: argparse.Namespace) -> None:
             runs[cache].append(run)
             print(f"#{repeat} {cache:15s} epoch 1 {seconds[0]:6.2f} s, epoch 2 {seconds[1]:6.2f} s, "
                   f"epoch-2 hit rate {run['epoch2_hit_rate']:.3f}", flush=True)  # fmt: skip
-    _common.finish_meta(meta)
-    transcript = _common.Transcript()
+    finish_meta(meta)
+    transcript = Transcript()
     transcript.say(f"{args.samples} samples, ~{DECODE_SECONDS * 1e3:.0f} ms CPU decode, {NODE_RANKS} ranks x "
                    f"{NODE_WORKERS} DataLoader workers (fork), balanced sampler (batch 16), {args.repeats} "
                    "interleaved repeats; an epoch's time is its slowest rank's, medians shown")  # fmt: skip
@@ -331,7 +333,7 @@ def node_run(args: argparse.Namespace) -> None:
         hit_rate = statistics.median(r["epoch2_hit_rate"] for r in rows)
         transcript.say(f"{cache:15s} {first:10.2f} {second:10.2f} {hit_rate:17.3f} {second / uncached:15.2f}x")
     markdown = transcript.markdown("One node's cache: 4 ranks x 2 workers, balanced sampler", meta)
-    for path in _common.write_results(args.out, "cache-node", markdown, {**meta, "runs": runs}):
+    for path in write_results(args.out, "cache-node", markdown, {**meta, "runs": runs}):
         print(f"wrote {path}")
 
 
@@ -344,7 +346,7 @@ def main() -> None:
     parser.add_argument("--node", action="store_true", help="4 ranks x 2 workers with the balanced sampler")
     parser.add_argument("--small-samples", type=int, default=20000, help="--compare-stores: 1 KiB samples")
     parser.add_argument("--large-samples", type=int, default=2000, help="--compare-stores: 128 KiB samples")
-    _common.add_out_option(parser)
+    add_out_option(parser)
     args = parser.parse_args()
     if args.compare_stores:
         compare_stores(args)
@@ -352,7 +354,7 @@ def main() -> None:
     if args.node:
         node_run(args)
         return
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), PACKAGES)
+    meta = run_meta(PACKAGES, argv=sys.argv[1:])
     rounds = calibrated_rounds()
     base = SlowDecodeDataset(args.samples, rounds)
     capacity = 256 << 20
@@ -376,10 +378,10 @@ def main() -> None:
             hits, misses = redis_hits(server)
             times["redis"].append((first, second))
             epoch2_hit_rates["redis"].append((hits - hits0) / (hits - hits0 + misses - misses0))
-    _common.finish_meta(meta)
+    finish_meta(meta)
     median = {k: [statistics.median(t[e] for t in v) for e in range(2)] for k, v in times.items()}
     uncached = statistics.median(t for pair in times["uncached"] for t in pair)
-    transcript = _common.Transcript()
+    transcript = Transcript()
     transcript.say(f"{args.samples} samples, ~{DECODE_SECONDS * 1e3:.0f} ms CPU decode ({rounds} FFT rounds),"
                    f" {args.workers} workers, {args.repeats} interleaved repeats; median seconds")  # fmt: skip
     transcript.say(f"{'store':10s} {'epoch 1':>8s} {'epoch 2':>8s} {'epoch-2 speed-up':>17s} {'epoch-1 overhead':>17s}")
@@ -389,7 +391,7 @@ def main() -> None:
     transcript.say(f"redis epoch-2 hit rate: {statistics.median(epoch2_hit_rates['redis']):.3f}")
     markdown = transcript.markdown("DataLoader epochs: uncached, LMDB cache, Redis cache", meta)
     payload = {**meta, "epoch_seconds": times, "redis_epoch2_hit_rates": epoch2_hit_rates["redis"]}
-    for path in _common.write_results(args.out, "cache-cpu", markdown, payload):
+    for path in write_results(args.out, "cache-cpu", markdown, payload):
         print(f"wrote {path}")
 
 

@@ -68,7 +68,7 @@ broadcast timed per call from a barrier took ~0.8 ms on the non-root rank, ~35 u
 to back).
 
 On CPU every worker first asks glibc to keep freed memory for reuse (as
-benchmarks/kernels.py does, see ``_common.retain_freed_memory``) so that every engine reuses
+benchmarks/kernels.py does, see ``retain_freed_memory``) so that every engine reuses
 its output buffers instead of faulting in fresh pages for each call; ``--fresh-pages``
 keeps glibc's default. ``OMP_NUM_THREADS`` is set to the cores per rank (at least 1,
 as torchrun does) unless already set: with every rank's torch using all the cores,
@@ -136,8 +136,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import _common
+import harness.machine
+import harness.results
 import numpy as np
+from harness.machine import cores, retain_freed_memory
+from harness.options import add_out_option, add_subset_option
+from harness.results import finish_meta, header_lines, run_meta
+
+from bagua_common.job.local_launch import free_port, mpiexec
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
@@ -608,7 +614,7 @@ def run_worker(args: argparse.Namespace) -> None:
     """One rank of one engine: measure every primitive and size, appending JSON lines to the
     result file (rank 0 its measurements, every rank its errors); does not return."""
     if args.device == "cpu" and not args.fresh_pages:
-        _common.retain_freed_memory()
+        retain_freed_memory()
     engine = make_engine(args.worker, args.device, args.ranks, args.comm_timeout)
     if engine.size != args.ranks:
         raise RuntimeError(f"{engine.name}: {engine.size} ranks, expected {args.ranks}")
@@ -673,7 +679,7 @@ def intra_op_threads(ranks: int) -> int:
     so with every rank using all the cores they starve the other ranks' communication
     threads: on 2 cores and 2 ranks gloo's 256 KiB allreduce took ~15 ms instead of ~0.5 ms.
     """
-    return max(1, _common.cores() // max(1, ranks))
+    return max(1, cores() // max(1, ranks))
 
 
 class Output:
@@ -738,7 +744,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
         "PYTHONUNBUFFERED": "1",
         "BAGUA_COMM_TIMEOUT": str(args.comm_timeout),
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_common.free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(args.ranks),
     }
     env.setdefault("OMP_NUM_THREADS", str(intra_op_threads(args.ranks)))
@@ -750,7 +756,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
     procs: list[subprocess.Popen] = []
     try:
         if engine.startswith("native") and args.device == "cpu":
-            command = [_common.mpiexec(), "-n", str(args.ranks), *worker]
+            command = [mpiexec(), "-n", str(args.ranks), *worker]
             procs.append(
                 subprocess.Popen(
                     command, env=env, stdin=subprocess.DEVNULL, stdout=write_fd, stderr=write_fd, start_new_session=True
@@ -979,9 +985,9 @@ def print_tables(
 def device_info(device: str, outcomes: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The machine the run measured, with the GPU the workers reported on a GPU run."""
     if device != "gpu":
-        return _common.device_info(device)
+        return harness.machine.device_info(device)
     names = [o["info"].get("device_name") for o in outcomes.values() if o["info"].get("device_name")]
-    return _common.device_info(device, names[0] if names else "unknown GPU")
+    return harness.machine.device_info(device, names[0] if names else "unknown GPU")
 
 
 def write_results(
@@ -998,7 +1004,7 @@ def write_results(
     md = [
         f"# Bagua collectives: {meta['device']['kind'].upper()}, {n} rank{'s' if n > 1 else ''}",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         (
             f"- ranks: {n}, one process each on this machine; float32 messages of "
             f"{format_size(sizes[0])} to {format_size(sizes[-1])}"
@@ -1045,7 +1051,7 @@ def write_results(
             ]
     md.append("")
     payload = {**meta, "engine_outcomes": outcomes, "rows": list(rows), "measurements": list(measurements)}
-    return _common.write_results(out_dir, stem, md, payload)
+    return harness.results.write_results(out_dir, stem, md, payload)
 
 
 # --------------------------------------------------------------------------- command line
@@ -1076,8 +1082,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=None,
         help="largest size (default 64M on cpu, 256M on gpu, 256K with --quick)",
     )
-    _common.add_subset_option(parser, "--engines", ENGINES, "engines to run (default: all)")
-    _common.add_subset_option(parser, "--primitives", PRIMITIVES, "primitives to measure (default: all)")
+    add_subset_option(parser, "--engines", ENGINES, "engines to run (default: all)")
+    add_subset_option(parser, "--primitives", PRIMITIVES, "primitives to measure (default: all)")
     parser.add_argument(
         "--target-seconds",
         type=float,
@@ -1098,7 +1104,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help=f"seconds per collective inside the communicators (default {COMM_TIMEOUT_SECONDS:g})",
     )
     parser.add_argument("--quick", action="store_true", help="smoke run: 4 KiB to 256 KiB, short measurements")
-    _common.add_out_option(parser)
+    add_out_option(parser)
     parser.add_argument(
         "--fresh-pages",
         action="store_true",
@@ -1141,10 +1147,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv_used = sys.argv[1:] if argv is None else list(argv)
     start = time.perf_counter()
     # The device is filled in once the workers have reported it (the GPU's name).
-    meta = _common.run_meta(
-        argv_used,
-        {},
+    meta = run_meta(
         ("jax", "jaxlib", "torch", "numpy"),
+        argv=argv_used,
+        device={},
         ranks=args.ranks,
         sizes=args.sizes,
         engines=args.engines,
@@ -1188,7 +1194,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     meta["seconds"] = time.perf_counter() - start
-    _common.finish_meta(meta)
+    finish_meta(meta)
     meta["device"] = device_info(args.device, outcomes)
     rows = build_rows(args.primitives, args.sizes, args.engines, measurements, outcomes)
     print_tables(args.primitives, rows, args.engines, args.ranks, outcomes)

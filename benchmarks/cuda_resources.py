@@ -23,7 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _common
+from harness.options import add_out_option
+from harness.results import finish_meta, header_lines, run_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 SOURCE = ROOT / "xla_ffi" / "kernels_cuda.cu"
@@ -73,21 +74,21 @@ def parse(report: str) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--archs", nargs="+", default=["80", "90"])
-    _common.add_out_option(parser)
+    add_out_option(parser)
     args = parser.parse_args(argv)
     if shutil.which("nvcc") is None:
         print("cuda_resources: nvcc not found")
         return 2
     version = subprocess.run(["nvcc", "--version"], check=True, capture_output=True, text=True)
     nvcc_version = version.stdout.strip().splitlines()[-1]
-    meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), [], nvcc=nvcc_version)
+    meta = run_meta([], argv=sys.argv[1:] if argv is None else argv, nvcc=nvcc_version)
     rows = [row for arch in args.archs for row in parse(compile_usage(arch))]
-    _common.finish_meta(meta)
+    finish_meta(meta)
     bad = [r for r in rows if r.get("stack") or r.get("spill_st") or r.get("spill_ld")]
     lines = [
         "# CUDA kernel resources",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- nvcc: {nvcc_version}",
         "",
         f"{len(rows)} kernels; {len(bad)} spill registers or use local memory.",
@@ -100,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{r.get('stack', 0)} | {r.get('spill_st', 0)} / {r.get('spill_ld', 0)} |"
         for r in rows
     ]
-    md_path, _ = _common.write_results(args.out, "cuda-resources", [*lines, ""], {**meta, "kernels": rows})
+    md_path, _ = write_results(args.out, "cuda-resources", [*lines, ""], {**meta, "kernels": rows})
     print(f"wrote {md_path}: {len(rows)} kernels, {len(bad)} with spills or local memory")
     return 1 if bad else 0
 

@@ -19,7 +19,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-import _common
+from harness.results import RESULTS, finish_meta, header_lines, run_meta, write_results
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from elastic_harness import Job  # noqa: E402
@@ -57,9 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument("--kill-at", type=int, default=15, help="the step at which the second node dies")
     parser.add_argument("--grow-at", type=int, default=35, help="the step at which 2 workers wait for the new node")
-    parser.add_argument("--out", type=Path, default=_common.RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ["torch", "jax"], **vars(args) | {"out": None})
+    meta = run_meta(["torch", "jax"], argv=sys.argv[1:], **vars(args) | {"out": None})
     folder = Path(tempfile.mkdtemp(prefix="bagua-elastic-timeline-"))
     settings = {"BAGUA_TEST_STEP_SECONDS": str(args.step_seconds), "BAGUA_TEST_GROW_AT": str(args.grow_at)}
     job = Job(folder, args.framework, args.steps, **settings)
@@ -79,11 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         job.close()
         shutil.rmtree(folder, ignore_errors=True)
-    _common.finish_meta(meta)
+    finish_meta(meta)
     markdown = [
         f"# Elastic timeline ({args.framework}): a node dies at step {args.kill_at}, another joins",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- agents' exit codes: {codes}",
         "- the machine is shared with other engineers' jobs: the seconds below include their load",
         f"- 2 workers wait at step {args.grow_at} for the joining node: that wait is in the last row's seconds lost",
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
             f"| {r['restart']} | {r['world']} | {r['resumed_step']} | {r['last_step']} | {r['first_step_s']} | "
             f"{r.get('seconds_lost', '')} | {r.get('steps_trained_again', '')} |"
         )
-    md, _ = _common.write_results(args.out, f"elastic-timeline-{args.framework}", markdown, {**meta, "rows": rows})
+    md, _ = write_results(args.out, f"elastic-timeline-{args.framework}", markdown, {**meta, "rows": rows})
     print(md.read_text())
     return 0 if codes == [0, 0] else 1
 

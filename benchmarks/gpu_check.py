@@ -39,7 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 
-import _common
+from harness.machine import cores, device_info
+from harness.options import add_out_option, add_subset_option
+from harness.results import finish_meta, header_lines, run_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -100,10 +102,10 @@ def gpu_description() -> str | None:
 
 
 def versions_after_build(before: dict) -> dict:
-    """The versions :func:`_common.versions` gives, read in a fresh interpreter (the build step may
+    """The versions :func:`versions` gives, read in a fresh interpreter (the build step may
     have replaced the native module this process would report); ``before``, those read at the
     start, where that interpreter cannot import the package (a failed build)."""
-    probe = f"import _common, json; print(json.dumps(_common.versions({list(PACKAGES)!r})))"
+    probe = f"import json; from harness.machine import versions; print(json.dumps(versions({list(PACKAGES)!r})))"
     result = subprocess.run([PY, "-c", probe], check=False, cwd=Path(__file__).parent, capture_output=True, text=True)
     return json.loads(result.stdout.splitlines()[-1]) if result.returncode == 0 else before
 
@@ -128,7 +130,7 @@ def step_environment(name: str) -> dict[str, str]:
     """The environment of one step: the build is for this GPU's architecture, on every core."""
     env = dict(os.environ, **STEP_ENVIRONMENT)
     if name == "build":
-        env.update(BAGUA_CUDA="ON", BAGUA_NCCL="ON", CMAKE_BUILD_PARALLEL_LEVEL=str(_common.cores()))
+        env.update(BAGUA_CUDA="ON", BAGUA_NCCL="ON", CMAKE_BUILD_PARALLEL_LEVEL=str(cores()))
         architecture = gpu_architecture()
         if architecture is not None:
             env["CMAKE_ARGS"] = f"{env.get('CMAKE_ARGS', '')} -DCMAKE_CUDA_ARCHITECTURES={architecture}".strip()
@@ -200,7 +202,7 @@ def report_lines(meta: dict, outcomes: list[dict]) -> list[str]:
     lines = [
         "# GPU check",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- nvcc: {meta['nvcc']}",
         "",
         "| step | status | seconds |",
@@ -223,10 +225,10 @@ def report_lines(meta: dict, outcomes: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    _common.add_subset_option(parser, "--steps", list(STEPS), "steps to run (default: all, in order)")
+    add_subset_option(parser, "--steps", list(STEPS), "steps to run (default: all, in order)")
     parser.add_argument("--skip-build", action="store_true", help="use the installed build")
     parser.add_argument("--timeout", type=float, default=3600, help="seconds per step (side-by-side steps: together)")
-    _common.add_out_option(parser)
+    add_out_option(parser)
     args = parser.parse_args(argv)
     device = gpu_description()
     if device is None:
@@ -234,15 +236,15 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     steps = [s for s in args.steps if not (args.skip_build and s == "build")]
     gpus = "; ".join(device.splitlines())
-    meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("gpu", gpus), PACKAGES)
+    meta = run_meta(PACKAGES, argv=sys.argv[1:] if argv is None else argv, device=device_info("gpu", gpus))
     log_dir = args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     outcomes = run_steps(steps, args.timeout, log_dir)
     log = log_dir / "gpu-check.log"
     log.write_text("".join(f"===== {o['name']}: {o['command']}\n{o.pop('output')}\n" for o in outcomes))
-    _common.finish_meta(meta)
+    finish_meta(meta)
     meta.update(versions=versions_after_build(meta["versions"]), nvcc=nvcc_version())
-    report, _ = _common.write_results(args.out, "gpu-check", report_lines(meta, outcomes), {**meta, "steps": outcomes})
+    report, _ = write_results(args.out, "gpu-check", report_lines(meta, outcomes), {**meta, "steps": outcomes})
     print(f"wrote {report}")
     return 0 if all(o["status"] == 0 for o in outcomes) else 1
 

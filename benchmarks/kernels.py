@@ -92,10 +92,14 @@ except ImportError:  # not on Windows; page faults are then reported as 0
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # leave GPU memory to torch too
 
-import _common
+import harness.results
 import jax
 import jax.numpy as jnp
 import numpy as np
+from harness.console import Progress
+from harness.machine import device_info, retain_freed_memory
+from harness.options import add_out_option, add_subset_option
+from harness.results import finish_meta, header_lines, run_meta
 from native_kernels import AXPY_A, KERNELS, jitted_native_kernels, kernel_call
 
 from bagua_jax import ops as bagua_ops
@@ -491,7 +495,7 @@ def measure_size(
     rng: np.random.Generator,
     repeats: int | None,
     max_repeats: int,
-    progress: _common.Progress,
+    progress: Progress,
 ) -> list[Measurement]:
     """Time every kernel, and the copies, of every implementation at one size.
 
@@ -671,7 +675,7 @@ def write_results(
     md = [
         f"# Bagua kernel throughput: {meta['device']['name']}",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- chunks k = {meta['k']}; async_average ranks = k; axpy a = {AXPY_A}",
         f"- timed calls per measurement: {meta['repeats']}; host memory: {meta['host_memory']}",
         "",
@@ -703,7 +707,7 @@ def write_results(
         "ratios": list(rows),
         "measurements": [{**asdict(m), "gbps": m.gbps} for m in measurements],
     }
-    return _common.write_results(out_dir, stem, md, payload)
+    return harness.results.write_results(out_dir, stem, md, payload)
 
 
 # --------------------------------------------------------------------------- command line
@@ -729,8 +733,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--repeats", type=int, default=None, help="timed calls per measurement (default: adaptive, 3 to 100)"
     )
-    _common.add_out_option(parser)
-    _common.add_subset_option(
+    add_out_option(parser)
+    add_subset_option(
         parser, "--frameworks", FRAMEWORKS, "baselines to run (default: jax torch numpy; numpy only on cpu)"
     )
     parser.add_argument(
@@ -788,15 +792,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         sizes = args.sizes or (QUICK_SIZES_MIB if args.quick else CPU_SIZES_MIB)
         kernels_release.compare(args.against, sizes, args.k, args.repeats or 20, args.out, argv_used)
         return {}
-    retained = args.device != "gpu" and not args.fresh_pages and _common.retain_freed_memory()
+    retained = args.device != "gpu" and not args.fresh_pages and retain_freed_memory()
     resolve_defaults(args)
     retained = retained and args.device == "cpu"
     gpu = jax.devices("gpu")[0].device_kind if args.device == "gpu" else None
     packages = ["jax", "jaxlib", "numpy", *(["torch"] if "torch" in args.frameworks else [])]
-    meta = _common.run_meta(
-        argv_used,
-        _common.device_info(args.device, gpu),
+    meta = run_meta(
         packages,
+        argv=argv_used,
+        device=device_info(args.device, gpu),
         k=args.k,
         sizes_mib=args.sizes,
         frameworks=args.frameworks,
@@ -826,7 +830,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
     impls = implementations(args.frameworks, counts[0], args.k, args.device)
     per_size = len(KERNELS) * len(impls) + sum(i.copy is not None for i in impls)
-    progress = _common.Progress(per_size * len(counts))
+    progress = Progress(per_size * len(counts))
     max_repeats = QUICK_MAX_REPEATS if args.quick else MAX_REPEATS
     measurements: list[Measurement] = []
     for size, n in zip(args.sizes, counts, strict=True):
@@ -834,7 +838,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         measurements += measure_size(impls, size, n, args.k, rng, args.repeats, max_repeats, progress)
         del impls
 
-    _common.finish_meta(meta)
+    finish_meta(meta)
     rows = ratio_rows(measurements)
     verdict = criteria(args.device, rows)
     print_ratios(rows, measurements)

@@ -50,7 +50,7 @@ WARMUP_CALLS = 3
 RELEASE_PREFIX = "release_"
 SIDES = ("this tree", "release")
 # The worker keeps freed memory for reuse, as kernels.py does with mallopt (see
-# _common.retain_freed_memory): one arena, no mmap for large blocks, no trimming. Its OpenMP
+# harness.machine.retain_freed_memory): one arena, no mmap for large blocks, no trimming. Its OpenMP
 # threads sleep rather than spin between kernels, so the CPU time of a call is its own. NumPy's
 # huge-page advice on its large arrays outlives them in the heap, and XLA's buffers landing there or
 # not moved the kernels' times by process: without it every buffer has ordinary pages.
@@ -203,14 +203,12 @@ def median_interval(ratios: Sequence[Sequence[float]], rng: np.random.Generator)
 
 def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir: Path, argv: Sequence[str]) -> Path:
     """Run the comparison, print the ratio table and write ``kernels-cpu-vs-<ref>.md`` and ``.json``."""
-    import _common
     import kernels as bench
+    from harness.results import finish_meta, header_lines, run_meta, write_results
 
     commit = release_commit(ref)
     site = build_release(commit)
-    meta = _common.run_meta(
-        argv, _common.device_info("cpu"), ["jax", "jaxlib", "numpy"], release=commit, k=k, processes=PROCESSES
-    )
+    meta = run_meta(["jax", "jaxlib", "numpy"], argv=argv, release=commit, k=k, processes=PROCESSES)
     meta["uptime_before"] = _uptime()
     results = []
     for p in range(PROCESSES):
@@ -251,12 +249,12 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
                 f"page faults {row['page_faults']:g} vs {row['release_page_faults']:g}",
                 flush=True,
             )
-    _common.finish_meta(meta)
+    finish_meta(meta)
     meta["uptime_after"] = _uptime()
     lines = [
         f"# Native CPU kernels: this tree against {ref} ({commit[:12]})",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- uptime before: `{meta['uptime_before']}`; after: `{meta['uptime_after']}`",
         f"- chunks k = {k}; {PROCESSES} worker processes one after the other, each timing both libraries "
         f"with {repeats} interleaved calls per kernel and side",
@@ -280,7 +278,7 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
         "",
     ]
     stem = f"kernels-cpu-vs-{ref.replace('/', '-')}"
-    md, _ = _common.write_results(out_dir, stem, lines, {**meta, "rows": rows})
+    md, _ = write_results(out_dir, stem, lines, {**meta, "rows": rows})
     print(f"wrote {md}")
     return md
 

@@ -1,6 +1,6 @@
 """The LM study: every algorithm of both front ends and the peers on the workload's GPT, over shaped links.
 
-4 ranks, one network namespace each (:mod:`network_harness`: veth pairs to a bridge, bandwidth shaped by the
+4 ranks, one network namespace each (:mod:`harness.links`: veth pairs to a bridge, bandwidth shaped by the
 kernel's ``tbf`` on both ends of every pair; no latency where the kernel lacks ``sch_netem``), the ``small`` GPT,
 ``--batch`` windows of 128+1 corpus bytes per rank and step. One job per variant (4 processes; two side by side
 with ``--pairs``): torch over gloo, bagua_jax algorithms in ``DataParallel`` over the native MPI engine, plain JAX
@@ -30,7 +30,7 @@ with the same settings skips the variants already there, so partial runs add up.
     python benchmarks/lm_study.py --only torch/ddp jax/pmean --steps 200
     python benchmarks/lm_study.py --pairs qadam powersgd --repeats 5   # JAX/torch step time, side by side
     python benchmarks/lm_study.py --report                          # md + png from the json
-    python benchmarks/network_harness.py --cleanup                  # leftovers of a killed run
+    python benchmarks/harness/links.py --cleanup                  # leftovers of a killed run
 """
 
 from __future__ import annotations
@@ -47,10 +47,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common  # noqa: E402
 import lm_study_report  # noqa: E402
-import network_harness as nh  # noqa: E402
-from network_study import child_env  # noqa: E402
+from harness import links as nh  # noqa: E402
+from harness.jobs import child_env  # noqa: E402
+from harness.machine import load_average  # noqa: E402
+from harness.options import add_out_option  # noqa: E402
+from harness.results import finish_meta, run_meta  # noqa: E402
+
+from bagua_common.job.local_launch import free_port  # noqa: E402
 
 NRANKS, SIZE, SEED = 4, "small", 0
 DEFAULT_LINKS = ["none", "1gbit", "100mbit"]
@@ -200,10 +204,10 @@ def run_variants(
             if variants[i]["front_end"] == "jax" and variants[i]["algorithm"] != "pmean":
                 codes[i] = net.run_mpi(argv, timeout, base_env=child_env(), stdout=log)
             else:
-                codes[i] = net.run_all(argv, _common.free_port(), timeout, base_env=child_env(), stdout=log)
+                codes[i] = net.run_all(argv, free_port(), timeout, base_env=child_env(), stdout=log)
 
     launchers = [threading.Thread(target=launch, args=(i,)) for i in range(len(variants))]
-    load_before, start = _common.load_average(), time.perf_counter()
+    load_before, start = load_average(), time.perf_counter()
     control.start()
     for launcher in launchers:
         launcher.start()
@@ -212,7 +216,7 @@ def run_variants(
     control.stop.set()
     control.join()
     common = {"wall_s": round(time.perf_counter() - start, 1), "load_before": load_before}
-    common["load_after"] = _common.load_average()
+    common["load_after"] = load_average()
     names = [variant["name"] for variant in variants]
     return [
         _row(variant, folder, codes[i], {**common, **({"interleaved_with": names[1 - i]} if len(names) == 2 else {})})
@@ -274,7 +278,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--study-timeout", type=float, default=3300, help="start no variant after this many seconds")
     p.add_argument("--name", default="lm-study")
     p.add_argument("--report", action="store_true", help="only rewrite md + png from the json")
-    _common.add_out_option(p)
+    add_out_option(p)
     return p.parse_args(argv)
 
 
@@ -287,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     nh.require_root()
     if data is None or data["settings"] != settings(args):
-        meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), ("torch", "jax"))
+        meta = run_meta(("torch", "jax"), argv=sys.argv[1:] if argv is None else argv)
         meta["netem"] = bool(nh.probe().get("netem"))
         data = {"meta": meta, "settings": settings(args), "rows": {}, "load_samples": []}
     todo = _todo(args, data["rows"])
@@ -301,11 +305,11 @@ def main(argv: list[str] | None = None) -> int:
             if time.perf_counter() - start > args.study_timeout:
                 print(f"study timeout: {len(todo) - i} jobs left", flush=True)
                 break
-            data["load_samples"].append([time.strftime("%H:%M:%S"), _common.load_average()])
+            data["load_samples"].append([time.strftime("%H:%M:%S"), load_average()])
             for row in run_variants(args, net, unit, Path(tmp)):
                 data["rows"][row["name"]] = row
                 print(f"[{i + 1}/{len(todo)}] {lm_study_report.one_line(row)}", flush=True)
-            _common.finish_meta(data["meta"])
+            finish_meta(data["meta"])
             args.out.mkdir(parents=True, exist_ok=True)
             json_path.write_text(json.dumps(data, indent=1) + "\n")
     lm_study_report.write(args.out, args.name, data)

@@ -8,7 +8,8 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-import _common
+from harness import plots
+from harness.results import header_lines, write_results
 
 BASELINE = "torch/ddp"
 REPORT_LINK = "100mbit"
@@ -232,11 +233,13 @@ def bar_lines(rows: dict[str, dict[str, Any]], links: list[str], steps: int) -> 
 def plot(rows: dict[str, dict[str, Any]], path: Path) -> Path | None:
     """Held-out loss against wall-clock time at 100 Mbit/s (warm-ups at DDP's time per step) and against bytes sent
     per rank."""
-    plt = _common.pyplot()
-    if plt is None:
+    drawn = plots.figure(1, 2, size=(7.5, 6.5))
+    if drawn is None:
         return None
-    fig, (by_time, by_bytes) = plt.subplots(1, 2, figsize=(15, 6.5))
-    colors = plt.get_cmap("tab20")
+    fig, ((by_time, by_bytes),) = drawn
+    from matplotlib import colormaps
+
+    colors = colormaps["tab20"]
     base = rows.get(BASELINE)
     for i, row in enumerate(r for r in rows.values() if r["status"] == "ok"):
         steps = [s for s, _ in row["curve"]]
@@ -253,7 +256,7 @@ def plot(rows: dict[str, dict[str, Any]], path: Path) -> Path | None:
         ax.grid(alpha=0.3)
     by_bytes.legend(fontsize=6, ncol=2)
     fig.suptitle("small GPT (3.26M), 4 ranks, CPU: held-out loss (torch solid, JAX dashed)")
-    return _common.save_figure(fig, path, dpi=100)
+    return plots.save(fig, path, dpi=100)
 
 
 def write(out: Path, name: str, data: dict[str, Any] | None) -> None:
@@ -267,7 +270,7 @@ def write(out: Path, name: str, data: dict[str, Any] | None) -> None:
     lines = [
         "# LM study: every algorithm on the small GPT over shaped links",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         *(f"- pairs rerun side by side: `{run['command']}` ({run['date']} UTC)" for run in meta.get("pair_runs", [])),
         f"- 1-minute load average before each variant: min {min(loads, default=0)}, "
         f"median {round(statistics.median(loads), 2) if loads else 0}, max {max(loads, default=0)} "
@@ -287,12 +290,12 @@ def write(out: Path, name: str, data: dict[str, Any] | None) -> None:
         *bar_lines(rows, links, cfg["steps"]),
         "",
     ]
-    _common.write_results(out, name, lines, data)
+    write_results(out, name, lines, data)
     plot(rows, out / f"{name}.png")
 
 
 def _link_order(link: str) -> float:
-    from network_harness import parse_rate
+    from harness.links import parse_rate
 
     rate = parse_rate(link)
     return -(rate or float("inf"))

@@ -1,6 +1,6 @@
 """One rank of one variant of the LM study (``benchmarks/lm_study.py``): train the workload's GPT, then time steps.
 
-Started once per rank inside the rank's network namespace (``network_harness``), with the path of a job file
+Started once per rank inside the rank's network namespace (``harness.links``), with the path of a job file
 (JSON, written by the study) as its only argument. The job runs in *phases*; before phase ``k`` the rank writes
 ``ready-<k>-<rank>`` into the job's folder and waits for ``go-<k>``, which the study writes once every rank is
 ready and it has set the link of that phase (waiting, asynchronous averaging is paused: with ``--pairs`` the twin
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import _common
 import numpy as np
+from harness.links import bytes_sent
 
 from bagua_common.workload import gpt_config, init_gpt_params, load_corpus
 
@@ -256,7 +256,7 @@ def main(job_path: str) -> None:
     trained = build_job(job, job["options"])
     _enter_phase(folder, 0, rank, job["phase_wait_s"])
     curve = [[0, trained.heldout_loss(heldout)]] if rank == 0 else []
-    sent, start = _common.bytes_sent(), time.perf_counter()
+    sent, start = bytes_sent(), time.perf_counter()
     for t in range(job["steps"]):
         trained.step(tokens(t))
         if rank == 0 and (t + 1) % job["eval_every"] == 0:
@@ -265,7 +265,7 @@ def main(job_path: str) -> None:
         "rank": rank,
         "curve": curve,
         "train_s": time.perf_counter() - start,
-        "train_bytes": _common.bytes_sent() - sent,
+        "train_bytes": bytes_sent() - sent,
         "phases": [],
     }
     timed = trained
@@ -280,13 +280,13 @@ def main(job_path: str) -> None:
         for _ in range(round_steps):
             timed.step(tokens(t))
             t += 1
-        sent, times = _common.bytes_sent(), []
+        sent, times = bytes_sent(), []
         for _ in range(round_steps * job["timed_rounds"]):
             begin = time.perf_counter()
             timed.step(tokens(t))
             times.append(time.perf_counter() - begin)
             t += 1
-        result["phases"].append({"link": job["links"][phase], "step_s": times, "bytes": _common.bytes_sent() - sent})
+        result["phases"].append({"link": job["links"][phase], "step_s": times, "bytes": bytes_sent() - sent})
     timed.finish()
     (folder / f"rank{rank}.json").write_text(json.dumps(result) + "\n")
     if job["front_end"] == "torch":

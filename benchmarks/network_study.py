@@ -2,7 +2,7 @@
 
 For each rank count (``--ranks``, default 4 and 2) and each per-rank link rate
 (``--rates``, default 100 Mbit/s, 300 Mbit/s, 1 Gbit/s, 10 Gbit/s and unshaped (the bare
-veth, well above 10 Gbit/s)) the study builds the emulated network of :mod:`network_harness` (one
+veth, well above 10 Gbit/s)) the study builds the emulated network of :mod:`harness.links` (one
 namespace per rank, veth pairs to a bridge, ``tbf`` shaping on both ends of every pair),
 then runs, one job at a time, the synthetic benchmark's worker
 (``benchmarks/synthetic.py --worker``) on its communication-heavy ``mlp`` model in every
@@ -15,7 +15,7 @@ rank's namespace:
   over ``jax.distributed`` with gloo CPU collectives) and every ``bagua_jax`` algorithm in
   ``DataParallel`` over the native MPI engine: ``bagua-launch --mpi`` runs in rank 0's
   namespace and hydra reaches the other namespaces through the harness
-  (:meth:`network_harness.Network.run_mpi`). ``--jax-comm gloo`` runs them in
+  (:meth:`harness.links.Network.run_mpi`). ``--jax-comm gloo`` runs them in
   ``DataParallel(mesh=...)`` over ``jax.distributed`` + gloo instead (without ``async``,
   whose background averager needs the native engine).
 
@@ -45,14 +45,13 @@ an interrupted study keeps what it measured), ``.md`` and ``.png``.
     python benchmarks/network_study.py                                 # the whole grid
     python benchmarks/network_study.py --ranks 4 --rates 100mbit 1gbit
     python benchmarks/network_study.py --replot                        # md + png from the json
-    python benchmarks/network_harness.py --cleanup                     # leftovers of a killed run
+    python benchmarks/harness/links.py --cleanup                     # leftovers of a killed run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
 import statistics
 import sys
@@ -64,9 +63,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common  # noqa: E402
-import network_harness as nh  # noqa: E402
 import synthetic  # noqa: E402
+from harness import links as nh  # noqa: E402
+from harness import plots  # noqa: E402
+from harness.jobs import child_env  # noqa: E402
+from harness.machine import cores  # noqa: E402
+from harness.options import add_out_option, add_timeout_options  # noqa: E402
+from harness.results import finish_meta, run_meta  # noqa: E402
 
 ALGORITHMS = [
     "gradient_allreduce",
@@ -110,7 +113,7 @@ def add_job_options(parser: argparse.ArgumentParser, job_timeout: float) -> None
     parser.add_argument("--warmup-iters", type=int, default=2, help="untimed iterations per job")
     parser.add_argument("--iters", type=int, default=3, help="timed iterations per job")
     parser.add_argument("--batches-per-iter", type=int, default=2, help="steps per iteration")
-    _common.add_timeout_options(parser, comm=90, job=job_timeout)
+    add_timeout_options(parser, comm=90, job=job_timeout)
     parser.add_argument("--tail-lines", type=int, default=8, help="last lines of a failed job's log kept in its row")
 
 
@@ -140,21 +143,6 @@ def worker_argv(args, framework: str, algorithm: str, result: Path, model: str, 
         convergence_steps=args.convergence_steps if convergence else 0,
     )
     return [sys.executable, synthetic.__file__, *synthetic.worker_arguments(framework, algorithm, result, options)]
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env.pop("XLA_FLAGS", None)
-    env.update(
-        JAX_PLATFORMS="cpu",
-        CUDA_VISIBLE_DEVICES="",
-        OMP_NUM_THREADS="1",
-        MKL_NUM_THREADS="1",
-        XLA_PYTHON_CLIENT_PREALLOCATE="false",
-        PYTHONUNBUFFERED="1",
-    )
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(HERE.parent), env.get("PYTHONPATH", "")) if p)
-    return env
 
 
 def run_job(
@@ -436,7 +424,7 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
         "",
         f"Machine: {meta['machine']}; {meta['cores']} CPU cores, no GPU; torch {meta['versions'].get('torch')}, "
         f"jax {meta['versions'].get('jax')}. Each rank is a process in its own network namespace "
-        "(benchmarks/network_harness.py): veth pair to a bridge in a separate namespace, token-bucket (tbf) "
+        "(benchmarks/harness/links.py): veth pair to a bridge in a separate namespace, token-bucket (tbf) "
         "shaping of each rank's link in both directions at the given rate; 'unshaped' is the bare veth "
         "(well above 10 Gbit/s).",
         "",
@@ -484,16 +472,16 @@ def write_results(args, meta: dict[str, Any], rows: list[dict[str, Any]], final:
 
 def plot(args, meta, rows, path: Path) -> Path | None:
     ok = [r for r in rows if r.get("status") == "ok"]
-    plt = _common.pyplot() if ok else None  # nothing to chart without a finished job
-    if plt is None:
+    if not ok:  # nothing to chart without a finished job
         return None
     panels = [
         (m, k) for m in dict.fromkeys(r.get("model", "mlp") for r in ok) for k in sorted({r["ranks"] for r in ok})
     ]
     frameworks = [fw for fw in FRAMEWORKS if any(r["framework"] == fw for r in ok)]
-    fig, axes = plt.subplots(
-        len(frameworks), len(panels), figsize=(6 * len(panels), 4.5 * len(frameworks)), squeeze=False
-    )
+    drawn = plots.figure(len(frameworks), len(panels))
+    if drawn is None:
+        return None
+    fig, axes = drawn
     for row, fw in enumerate(frameworks):
         for col, (model, ranks) in enumerate(panels):
             ax = axes[row][col]
@@ -512,7 +500,7 @@ def plot(args, meta, rows, path: Path) -> Path | None:
             ax.set_title(f"{fw}, {ranks} ranks, {model} ({parameter_count(model) / 1e6:.2f} M params), CPU, {engine}")
             ax.legend(fontsize=7)
     fig.suptitle("Bagua algorithms over shaped links (tbf, network namespaces)")
-    return _common.save_figure(fig, path, dpi=110)
+    return plots.save(fig, path, dpi=110)
 
 
 def parse_args(argv=None):
@@ -564,7 +552,7 @@ def parse_args(argv=None):
     p.add_argument("--batch-size", type=int, default=32)
     add_job_options(p, job_timeout=150)
     p.add_argument("--study-timeout", type=float, default=7200, help="stop starting jobs after this many seconds")
-    _common.add_out_option(p)
+    add_out_option(p)
     p.add_argument("--name", default="network-study")
     p.add_argument("--append", action="store_true", help="add to the rows of an existing json (same settings)")
     p.add_argument("--replot", action="store_true", help="only rewrite md + png from the json")
@@ -606,19 +594,17 @@ def main(argv=None) -> int:
             "with several buckets its callback-issued allreduces interleave differently across ranks on gloo "
             "and the job fails ('Received data size doesn't match expected size')."
         )
-    cores = _common.cores()
-    if max(args.ranks) > cores:
+    count = cores()
+    if max(args.ranks) > count:
         notes.append(
-            f"{max(args.ranks)} ranks on {cores} cores: the CPU is oversubscribed (compute and "
+            f"{max(args.ranks)} ranks on {count} cores: the CPU is oversubscribed (compute and "
             "compression of the ranks take turns)."
         )
-    meta = _common.run_meta(
-        sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), ("torch", "jax", "numpy")
-    )
+    meta = run_meta(("torch", "jax", "numpy"), argv=sys.argv[1:] if argv is None else argv)
     meta.update(
         {
             "machine": platform.processor() or platform.machine(),
-            "cores": cores,
+            "cores": count,
             "kernel": platform.release(),
             "probe": probe,
             "parameters": {m: parameter_count(m) for m in args.models},
@@ -702,7 +688,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted; writing what was measured", file=sys.stderr)
     meta["total_s"] = round(time.monotonic() - start, 1)
-    _common.finish_meta(meta)
+    finish_meta(meta)
     for path in write_results(args, meta, rows, final=True):
         print(f"wrote {path}")
     return 0

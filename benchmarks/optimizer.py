@@ -51,11 +51,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import _common
 import numpy as np
 import torch
+from harness.console import Progress
+from harness.results import RESULTS, finish_meta, header_lines, run_meta, write_results
 from torch import nn
 
+from bagua_common.job.local_launch import free_port
 from bagua_torch.fused_optimizer import fuse_optimizer
 
 COLUMNS = ["for-loop", "foreach", "fused", "wrapper", "wrapper+fused", "wrapper copies"]
@@ -175,7 +177,7 @@ def cells() -> list[tuple[str, str]]:
 
 
 def measure_steps(
-    make_params: Callable[[], list[nn.Parameter]], rounds: int, steps: int, progress: _common.Progress
+    make_params: Callable[[], list[nn.Parameter]], rounds: int, steps: int, progress: Progress
 ) -> dict[tuple[str, str], list[float]]:
     """Per-step CPU times (seconds, this thread's) of every cell, from interleaved rounds.
 
@@ -250,13 +252,13 @@ def e2e_rank(rounds: int, steps: int) -> None:
         model.close()
 
 
-def measure_e2e(rounds: int, steps: int, progress: _common.Progress) -> dict:
+def measure_e2e(rounds: int, steps: int, progress: Progress) -> dict:
     """Run :func:`e2e_rank` on 2 local processes; rank 0's per-round times per row."""
     env = {
         **os.environ,
         "WORLD_SIZE": "2",
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_common.free_port()),
+        "MASTER_PORT": str(free_port()),
         "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]),
     }
     command = [sys.executable, __file__, "--e2e-rank", "--e2e-rounds", str(rounds), "--e2e-steps", str(steps)]
@@ -346,20 +348,18 @@ def main() -> None:
     parser.add_argument("--e2e-rounds", type=int, default=9)
     parser.add_argument("--e2e-steps", type=int, default=5)
     parser.add_argument("--e2e-rank", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", type=Path, default=_common.RESULTS)
+    parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     if args.e2e_rank:
         e2e_rank(args.e2e_rounds, args.e2e_steps)
         return
     torch.set_num_threads(1)
-    meta = _common.run_meta(
-        sys.argv[1:], _common.device_info("cpu"), ["torch"], rounds=args.rounds, steps=args.steps, threads=1
-    )
+    meta = run_meta(["torch"], argv=sys.argv[1:], rounds=args.rounds, steps=args.steps, threads=1)
     workloads = {
         "400 tensors (16-4096 elements)": tensors_400,
         "24-block MLP (192 tensors)": lambda: list(mlp_24_blocks().parameters()),
     }
-    progress = _common.Progress(len(workloads) * args.rounds + 1)
+    progress = Progress(len(workloads) * args.rounds + 1)
     body, payload = [], {}
     for name, make_params in workloads.items():
         lines, payload[name] = step_tables(name, measure_steps(make_params, args.rounds, args.steps, progress))
@@ -367,17 +367,17 @@ def main() -> None:
     e2e = measure_e2e(args.e2e_rounds, args.e2e_steps, progress)
     body += e2e_table(e2e, args.e2e_rounds, args.e2e_steps)
     payload["end to end"] = e2e
-    _common.finish_meta(meta)
+    finish_meta(meta)
     markdown = [
         "# Fused optimizer on CPU: step and end to end",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         "- the machine was shared with other engineers' jobs and busy during the run (see the load averages)",
         f"- step: median CPU time of one thread over {args.rounds} interleaved rounds of {args.steps} steps",
         "",
         *body,
     ]
-    md_path, _ = _common.write_results(args.out, "optimizer-cpu", markdown, {**meta, "results": payload})
+    md_path, _ = write_results(args.out, "optimizer-cpu", markdown, {**meta, "results": payload})
     print("\n".join(markdown))
     print(f"written: {md_path}", file=sys.stderr)
 

@@ -1,6 +1,6 @@
 """PowerSGD's bar: ours against DDP's ``powerSGD_hook``, rank 4, over shaped links, interleaved and repeated.
 
-On the network study's emulated links (:mod:`network_harness`: one namespace per rank, ``tbf`` at
+On the network study's emulated links (:mod:`harness.links`: one namespace per rank, ``tbf`` at
 ``--rate``, 4 ranks by default) each repeat runs, one job at a time and in a rotated order, the
 synthetic benchmark's worker (as :mod:`network_study` does) for:
 
@@ -45,9 +45,12 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common  # noqa: E402
-import network_harness as nh  # noqa: E402
 import network_study  # noqa: E402
+from harness import links as nh  # noqa: E402
+from harness.machine import cores, load_average  # noqa: E402
+from harness.options import add_out_option  # noqa: E402
+from harness.repeats import rotated  # noqa: E402
+from harness.results import finish_meta, header_lines, run_meta, write_results  # noqa: E402
 
 HOOK = ("torch", "ddp_powersgd_rank4")
 OURS = {"torch": ("torch", "powersgd_rank4"), "jax": ("jax", "powersgd_rank4")}
@@ -77,11 +80,11 @@ def run_jobs(args: argparse.Namespace) -> list[dict[str, Any]]:
     port = 29700
     with tempfile.TemporaryDirectory(prefix="bagua-powersgd-bar-") as tmp, nh.Network(args.ranks, args.rate) as net:
         for repeat in range(args.repeats):
-            order = _common.rotated(VARIANTS, repeat)
+            order = rotated(VARIANTS, repeat)
             for model in args.models:
                 for framework, algorithm in order if repeat % 2 == 0 else order[::-1]:
                     port += 1
-                    load = _common.load_average()
+                    load = load_average()
                     row = network_study.run_job(
                         job_args(args, model), net, framework, algorithm, port, Path(tmp), model, False
                     )
@@ -191,7 +194,7 @@ def report_lines(args: argparse.Namespace, meta: dict[str, Any], rows: list[dict
     lines = [
         f"# PowerSGD rank 4 against DDP's powerSGD_hook rank 4: {args.ranks} ranks at {args.rate}",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         f"- 1-minute load average before each job: median {statistics.median(loads):.1f}, range "
         f"[{min(loads):.1f}, {max(loads):.1f}] on {meta['cores']} cores shared with other engineers' work",
         f"- {args.repeats} repeats, variants interleaved in a rotated order; per job {args.warmup_iters} untimed + "
@@ -219,11 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         nh.require_root()
         wait_for_harness(args.wait)
-        meta = _common.run_meta(
-            sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), ("torch", "jax"), cores=_common.cores()
-        )
+        meta = run_meta(("torch", "jax"), argv=sys.argv[1:] if argv is None else argv, cores=cores())
         rows = run_jobs(args)
-        _common.finish_meta(meta)
+        finish_meta(meta)
         summary = summarize(rows, args.models)
         breakdowns = [
             line
@@ -234,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     lines = report_lines(args, meta, rows) + breakdowns
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "name", "replot")}
     payload = {"meta": meta, "settings": settings, "summary": summarize(rows, args.models), "rows": rows}
-    for path in _common.write_results(args.out, args.name, lines, {**payload, "breakdowns": breakdowns}):
+    for path in write_results(args.out, args.name, lines, {**payload, "breakdowns": breakdowns}):
         print(f"wrote {path}")
     print("\n".join(lines))
     return 0
@@ -249,7 +250,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="images per rank and step (mlp)")
     network_study.add_job_options(p, job_timeout=300)
     p.add_argument("--wait", type=float, default=600, help="seconds to wait for the harness if another run holds it")
-    _common.add_out_option(p)
+    add_out_option(p)
     p.add_argument("--name", default="powersgd-bar")
     p.add_argument("--replot", action="store_true", help="only rewrite the report from --name's JSON")
     return p.parse_args(argv)

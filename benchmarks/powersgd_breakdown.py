@@ -1,6 +1,6 @@
 """Where a PowerSGD step's time goes on the network study's links: compute, compression, waiting, wire.
 
-Each rank (4 by default, one per network namespace of :mod:`network_harness`, the same models
+Each rank (4 by default, one per network namespace of :mod:`harness.links`, the same models
 as :mod:`network_study`) runs the pieces of a PowerSGD step one after the other, timing each:
 
 * compute: forward, backward and the SGD update of the model, no communication;
@@ -38,10 +38,11 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common  # noqa: E402
-import network_harness as nh  # noqa: E402
 import network_study  # noqa: E402
 import synthetic  # noqa: E402
+from harness import links as nh  # noqa: E402
+from harness.jobs import child_env  # noqa: E402
+from harness.results import finish_meta, header_lines, run_meta, write_results  # noqa: E402
 
 PIECES = ("compute", "compression", "waiting", "wire")
 
@@ -204,7 +205,7 @@ def time_orthogonalization(args: argparse.Namespace) -> None:
     from bagua_torch.algorithms.powersgd import orthogonalize_all
 
     torch.set_num_threads(1)
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ("torch", "jax"))
+    meta = run_meta(("torch", "jax"), argv=sys.argv[1:])
     rng = np.random.default_rng(0)
     jax_loop = jax.jit(lambda ps: [jax_orthogonalize(p) for p in ps])
     jax_batched = jax.jit(jax_orthogonalize_all)
@@ -233,11 +234,11 @@ def time_orthogonalization(args: argparse.Namespace) -> None:
                          "loop_s": loop, "batched_s": batched, "speedup": loop / batched})  # fmt: skip
             print(f"{model:>10} {framework:>5}: loop {loop * 1e3:8.3f} ms  batched {batched * 1e3:8.3f} ms  "
                   f"{loop / batched:5.2f}x", flush=True)  # fmt: skip
-    _common.finish_meta(meta)
+    finish_meta(meta)
     lines = [
         f"# PowerSGD rank {args.rank}: orthogonalizing one step's P factors, per-matrix loop against batched",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         "- The machine is a 2-core box heavily loaded by other engineers' builds and tests (see the load "
         "average): the ratios, measured side by side, carry more than the absolute times.",
         f"- Per variant the median of {args.rounds} interleaved rounds of {args.steps} calls (one torch thread); "
@@ -252,7 +253,7 @@ def time_orthogonalization(args: argparse.Namespace) -> None:
         ),
         "",
     ]
-    for path in _common.write_results(args.out, "powersgd-orthogonalize", lines, {"meta": meta, "rows": rows}):
+    for path in write_results(args.out, "powersgd-orthogonalize", lines, {"meta": meta, "rows": rows}):
         print(f"wrote {path}")
 
 
@@ -263,7 +264,7 @@ def worker_main(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
-    meta = _common.run_meta(sys.argv[1:], _common.device_info("cpu"), ("torch", "jax"))
+    meta = run_meta(("torch", "jax"), argv=sys.argv[1:])
     rows = []
     study = {}
     if args.study and args.study.exists():
@@ -280,7 +281,7 @@ def run(args: argparse.Namespace) -> None:
                         argv = [sys.executable, __file__, "--worker", "--framework", framework, "--model", model,
                                 "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup),
                                 "--batch-size", str(args.batch_size), "--result", str(result)]  # fmt: skip
-                        env = network_study.child_env()
+                        env = child_env()
                         with open(Path(tmp) / f"{result.name}.log", "w") as log:
                             if framework == "jax":
                                 net.run_mpi(argv, args.job_timeout, base_env=env, stdout=log)
@@ -306,13 +307,13 @@ def run(args: argparse.Namespace) -> None:
                             + " ".join(f"{k} {row[k] * 1e3:6.1f} ms" for k in PIECES),
                             flush=True,
                         )
-    _common.finish_meta(meta)
+    finish_meta(meta)
     lines = [
         f"# PowerSGD rank {args.rank}: where the step's time goes ({args.ranks} ranks)",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         "- The machine is a 2-core box shared with other engineers' builds and tests: see the load average.",
-        f"- {args.ranks} ranks, one per network namespace (benchmarks/network_harness.py); per rank the "
+        f"- {args.ranks} ranks, one per network namespace (benchmarks/harness/links.py); per rank the "
         f"median of {args.steps} steps after {args.warmup}, then the mean over the ranks. torch: gloo; JAX: the "
         "native MPI engine (as in the study).",
         "",
@@ -328,7 +329,7 @@ def run(args: argparse.Namespace) -> None:
             + f" | {total * 1e3:.1f} | {study_cell} |"
         )
     lines.append("")
-    for path in _common.write_results(args.out, f"{args.name}", lines, {"meta": meta, "rows": rows}):
+    for path in write_results(args.out, f"{args.name}", lines, {"meta": meta, "rows": rows}):
         print(f"wrote {path}")
     print("\n".join(lines))
 

@@ -5,7 +5,7 @@ cost extra small allreduces before they rode in the gradients' allreduce
 (:mod:`bagua_jax.step_means`); on a latency-bound link each costs a round trip. This study runs the
 same job with this tree and with ``--baseline`` (a git revision, extracted to a temporary folder),
 one after the other, repeated and interleaved (the order rotates each round), 2 ranks each in its
-own network namespace of :mod:`network_harness` under the native MPI engine, at each ``--rates``
+own network namespace of :mod:`harness.links` under the native MPI engine, at each ``--rates``
 (default unshaped and 100 Mbit/s; no latency is added where the kernel lacks ``sch_netem``). The
 model is small (a ``--width`` MLP, gradient allreduce, one bucket) so the step is latency-bound.
 
@@ -17,7 +17,7 @@ this tree / baseline of the median step time of each round's pair, the median an
 rounds, and the machine's load around the run. Needs root (the namespaces)::
 
     python benchmarks/step_messages.py --baseline d480175 --repeats 5
-    python benchmarks/network_harness.py --cleanup   # leftovers of a killed run
+    python benchmarks/harness/links.py --cleanup   # leftovers of a killed run
 """
 
 from __future__ import annotations
@@ -37,8 +37,11 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 os.environ.setdefault("BAGUA_NETNS_PREFIX", "msg-")  # beside another study's namespaces
 
-import _common  # noqa: E402
-import network_harness as nh  # noqa: E402
+from harness import links as nh  # noqa: E402
+from harness.links import packets_sent  # noqa: E402
+from harness.options import add_out_option, add_timeout_options  # noqa: E402
+from harness.repeats import rotated  # noqa: E402
+from harness.results import finish_meta, header_lines, run_meta, write_results  # noqa: E402
 
 CASES = ("loss", "loss_aux_state")
 """``loss``: the loss only; ``loss_aux_state``: the loss, an aux value and a model state averaged over the ranks."""
@@ -79,14 +82,14 @@ def worker(args: argparse.Namespace) -> None:
         jax.block_until_ready(value)
     calls = counter.calls_by_op
     calls["allgather"] = calls.get("allgather", 0) - 1  # the first step's check that the batches differ
-    per_step, packets_before = [], _common.packets_sent()
+    per_step, packets_before = [], packets_sent()
     for _ in range(args.iters):
         start = time.perf_counter()
         for _ in range(args.steps):
             state, value = dp.step(state, batch)
             jax.block_until_ready(value)
         per_step.append((time.perf_counter() - start) / args.steps)
-    packets = (_common.packets_sent() - packets_before) / (args.iters * args.steps)
+    packets = (packets_sent() - packets_before) / (args.iters * args.steps)
     result = {"calls": {op: n for op, n in calls.items() if n}, "step_s": per_step, "packets_per_step": packets}
     Path(f"{args.result}.rank{rank}").write_text(json.dumps(result))
 
@@ -140,15 +143,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per job")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per job")
     parser.add_argument("--steps", type=int, default=100, help="steps per timed iteration")
-    _common.add_timeout_options(parser, comm=60, job=240)
-    _common.add_out_option(parser)
+    add_timeout_options(parser, comm=60, job=240)
+    add_out_option(parser)
     args = parser.parse_args(argv)
     if args.worker:
         worker(args)
         return 0
     if not args.baseline:
         parser.error("--baseline REVISION is required")
-    meta = _common.run_meta(sys.argv[1:] if argv is None else argv, _common.device_info("cpu"), ("jax", "numpy"))
+    meta = run_meta(("jax", "numpy"), argv=sys.argv[1:] if argv is None else argv)
     rows = []
     with tempfile.TemporaryDirectory(prefix="step-messages-") as tmp_name:
         tmp = Path(tmp_name)
@@ -158,14 +161,14 @@ def main(argv: list[str] | None = None) -> int:
                 for case in args.cases:
                     for repeat in range(args.repeats):
                         pair = {}
-                        for label in _common.rotated(list(trees), repeat):
+                        for label in rotated(list(trees), repeat):
                             pair[label] = run_job(args, net, trees[label], case, tmp, label)
                         ratio = pair["this"]["step_s"] / pair["baseline"]["step_s"]
                         row = {"rate": nh.rate_label(net.rate), "case": case, "repeat": repeat, "ratio": ratio, **pair}
                         rows.append(row)
                         print(json.dumps(row), flush=True)
-    _common.finish_meta(meta)
-    lines = [*_common.header_lines(meta), "", f"Baseline: `{args.baseline}`.", ""]
+    finish_meta(meta)
+    lines = [*header_lines(meta), "", f"Baseline: `{args.baseline}`.", ""]
     lines.append(
         "| rate | case | collectives per step (this / baseline) | packets per step (this / baseline) "
         "| step ms (this / baseline, medians) | ratio this / baseline: median [min, max] |"
@@ -184,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             spread = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
             lines.append(f"| {rate} | {case} | {calls} | {packets} | {ms} | {spread} |")
-    md_path, json_path = _common.write_results(args.out, "step-messages", lines, {"meta": meta, "rows": rows})
+    md_path, json_path = write_results(args.out, "step-messages", lines, {"meta": meta, "rows": rows})
     print("\n".join(lines))
     print(f"wrote {md_path} and {json_path}")
     return 0

@@ -2,7 +2,7 @@
 
 The same training (an MLP of ``--layers`` x ``--width`` x ``--width`` matrices, AdamW inside, DiLoCo
 outside with ``fragments`` P, ``sync_every`` H and the largest delay ``tau = H // P - 1``) runs on
-``--ranks`` ranks over the emulated network of :mod:`network_harness` (``--rate`` per rank, MPI
+``--ranks`` ranks over the emulated network of :mod:`harness.links` (``--rate`` per rank, MPI
 over TCP), in two modes:
 
 * ``in_step``: the exchanges run inside the applying step (the communicator handed to
@@ -39,9 +39,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common  # noqa: E402
-import network_harness as nh  # noqa: E402
-import network_study  # noqa: E402
+from harness import links as nh  # noqa: E402
+from harness.jobs import child_env  # noqa: E402
+from harness.links import bytes_sent  # noqa: E402
+from harness.machine import load_average  # noqa: E402
+from harness.options import add_out_option, add_timeout_options  # noqa: E402
+from harness.repeats import rotated  # noqa: E402
+from harness.results import finish_meta, header_lines, run_meta, write_results  # noqa: E402
 
 MODES = ("in_step", "overlapped", "local")
 
@@ -100,12 +104,12 @@ def worker(job_path: str) -> None:
     # The timed steps start right after a fragment was applied: no exchange is on the wire, in either mode.
     for _ in range(job["warmup_rounds"] * h + h // p - 1):
         state = jax.block_until_ready(step(*state))[:2]
-    times, sent = [], _common.bytes_sent()
+    times, sent = [], bytes_sent()
     for _ in range(job["rounds"] * h):
         start = time.perf_counter()
         state = jax.block_until_ready(step(*state))[:2]
         times.append(time.perf_counter() - start)
-    sent = (_common.bytes_sent() - sent) / len(times)
+    sent = (bytes_sent() - sent) / len(times)
     Path(f"{job['result']}.rank{rank}").write_text(json.dumps({"step_s": times, "bytes_sent_per_step": sent}))
 
 
@@ -121,11 +125,9 @@ def run_job(args, net: nh.Network, mode: str, fragments: int, tmp: Path) -> dict
     }
     job_path = tmp / f"{result.name}.json"
     job_path.write_text(json.dumps(job))
-    row: dict[str, Any] = {"mode": mode, "fragments": fragments, "load_average_before": _common.load_average()}
+    row: dict[str, Any] = {"mode": mode, "fragments": fragments, "load_average_before": load_average()}
     with open(tmp / f"{result.name}.log", "w") as log:
-        codes = net.run_mpi(
-            [sys.executable, __file__, "--worker", str(job_path)], args.job_timeout, network_study.child_env(), log
-        )
+        codes = net.run_mpi([sys.executable, __file__, "--worker", str(job_path)], args.job_timeout, child_env(), log)
     ranks = [
         json.loads(Path(f"{result}.rank{r}").read_text())
         for r in range(net.ranks)
@@ -152,7 +154,7 @@ def run_job(args, net: nh.Network, mode: str, fragments: int, tmp: Path) -> dict
 
 def table_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
     lines = ["# JAX Streaming DiLoCo: exchanges in the step vs overlapped with the next steps", ""]
-    lines += _common.header_lines(meta)
+    lines += header_lines(meta)
     lines += [
         f"- {meta['ranks']} ranks, {meta['rate']} per rank (MPI over TCP), MLP {meta['layers']} x "
         f"{meta['width']}x{meta['width']} ({meta['parameters'] / 1e6:.2f}M parameters), batch {meta['batch']}, "
@@ -204,8 +206,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
-    _common.add_timeout_options(parser, comm=120, job=300)
-    _common.add_out_option(parser)
+    add_timeout_options(parser, comm=120, job=300)
+    add_out_option(parser)
     return parser.parse_args(argv)
 
 
@@ -214,10 +216,9 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args.worker)
         return 0
-    meta = _common.run_meta(
-        sys.argv[1:] if argv is None else argv,
-        _common.device_info("cpu"),
+    meta = run_meta(
         ("jax", "optax"),
+        argv=sys.argv[1:] if argv is None else argv,
         ranks=args.ranks,
         rate=args.rate,
         parameters=args.layers * args.width**2,
@@ -228,13 +229,13 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="streaming-overlap-") as tmp, nh.Network(args.ranks, args.rate) as net:
         for repeat in range(args.repeats):
             for fragments in args.fragments:
-                for mode in _common.rotated(MODES, repeat):
+                for mode in rotated(MODES, repeat):
                     row = run_job(args, net, mode, fragments, Path(tmp))
                     rows.append({**row, "repeat": repeat})
                     print(json.dumps(rows[-1]), flush=True)
-    _common.finish_meta(meta)
+    finish_meta(meta)
     stem = f"streaming-overlap-{args.ranks}ranks"
-    md, js = _common.write_results(args.out, stem, table_lines(meta, rows), {"meta": meta, "rows": rows})
+    md, js = write_results(args.out, stem, table_lines(meta, rows), {"meta": meta, "rows": rows})
     print(f"wrote {md} and {js}")
     return 0
 

@@ -96,8 +96,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import _common
+import harness.results
 import numpy as np
+from harness import plots
+from harness.console import Progress
+from harness.links import bytes_sent
+from harness.machine import cores, device_info
+from harness.options import add_out_option
+from harness.results import finish_meta, header_lines, run_meta
 
 FRAMEWORKS = ("jax", "torch")
 # "gpt-<size>": the project's GPT (bagua_common.workload) of that size on windows of its corpus.
@@ -634,13 +640,13 @@ def _time_loop(args, rank: int, size: int, run, state) -> tuple[dict[str, Any], 
     if rank == 0:
         print(f"warm-up done in {warmup_s:.1f} s", flush=True)
     rates = []
-    sent_before = _common.bytes_sent()
+    sent_before = bytes_sent()
     for i in range(args.iters):
         t0 = time.perf_counter()
         state = run(args.batches_per_iter, state)
         rates.append(args.batch_size * args.batches_per_iter / (time.perf_counter() - t0))
         _rate_line(rank, i, args.iters, rates[-1])
-    sent = (_common.bytes_sent() - sent_before) / (args.iters * args.batches_per_iter)
+    sent = (bytes_sent() - sent_before) / (args.iters * args.batches_per_iter)
     result = {"rank": rank, "size": size, "algorithm": args.algorithm, "rates": rates, "warmup_s": warmup_s}
     return {**result, "bytes_sent_per_step": sent}, state
 
@@ -701,7 +707,7 @@ def worker_arguments(framework: str, algorithm: str, result: Path, options: dict
     return argv
 
 
-def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: _common.Progress, done: int) -> dict[str, Any]:
+def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: Progress, done: int) -> dict[str, Any]:
     """Launch one algorithm's job, follow its progress; its row of results."""
     result = tmp / f"{algorithm}.json"
     log = tmp / f"{algorithm}.log"
@@ -857,7 +863,7 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
     md = [
         f"# Bagua synthetic benchmark: {args.framework}, {args.nproc} processes, {args.model}",
         "",
-        *_common.header_lines(meta),
+        *header_lines(meta),
         (
             f"- model: {args.model} ({meta['parameters']:,} parameters, {meta['parameters'] * 4 / 1e6:.1f} MB fp32 "
             f"gradient); batch {s['batch_size']} per process of {s['image_size']}x{s['image_size']}x3 random images"
@@ -904,7 +910,7 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
             if r.get("retried_after")
         ]
         md.append("")
-    paths = list(_common.write_results(args.out, stem, md, {**meta, "results": rows}))
+    paths = list(harness.results.write_results(args.out, stem, md, {**meta, "results": rows}))
     if args.plot:
         png = plot(args, rows, args.out / f"{stem}.png", meta)
         if png:
@@ -914,14 +920,14 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
 
 def plot(args: argparse.Namespace, rows: Sequence[dict[str, Any]], path: Path, meta: dict[str, Any]) -> Path | None:
     ok = [r for r in rows if r.get("status") == "ok"]
-    plt = _common.pyplot() if ok else None  # nothing to chart without a finished job
-    if plt is None:
+    drawn = plots.figure(size=(max(6.0, 1.1 * len(ok) + 2), 4.5)) if ok else None  # nothing to chart without a job
+    if drawn is None:
         return None
     names = [r["algorithm"] for r in ok]
     colors = [
         "tab:gray" if n == BASELINES[args.framework] else "tab:blue" if n == REFERENCE else "tab:orange" for n in names
     ]
-    fig, ax = plt.subplots(figsize=(max(6.0, 1.1 * len(ok) + 2), 4.5))
+    fig, ax = drawn[0], drawn[1][0][0]
     bars = ax.bar(names, [r["total"] for r in ok], yerr=[r["total_ci95"] for r in ok], capsize=4, color=colors)
     for bar, r in zip(bars, ok):
         if r.get("vs_baseline"):
@@ -941,8 +947,10 @@ def plot(args: argparse.Namespace, rows: Sequence[dict[str, Any]], path: Path, m
         f"{meta['device']['kind']} cores{over}\nratios vs {BASELINE_LABELS[BASELINES[args.framework]]}",
         fontsize=10,
     )
-    plt.setp(ax.get_xticklabels(), rotation=30, ha="right")
-    return _common.save_figure(fig, path, dpi=110)
+    ax.tick_params(axis="x", labelrotation=30)
+    for label in ax.get_xticklabels():
+        label.set_horizontalalignment("right")
+    return plots.save(fig, path, dpi=110)
 
 
 def select_algorithms(args: argparse.Namespace) -> tuple[list[str], list[str]]:
@@ -1023,7 +1031,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--job-timeout", type=float, default=300, help="seconds per algorithm's job (default 300)")
     parser.add_argument("--comm-timeout", type=float, default=120, help="collective timeout in seconds")
-    _common.add_out_option(parser)
+    add_out_option(parser)
     parser.add_argument("--plot", action="store_true", help="also write a PNG bar chart (needs matplotlib)")
     parser.add_argument("--keep-logs", action="store_true", help="keep every job's output under <out>/logs")
     parser.add_argument("--tail-lines", type=int, default=20, help=argparse.SUPPRESS)
@@ -1038,7 +1046,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.warmup_iters < 1:
         parser.error("--warmup-iters must be at least 1 (the first iteration compiles)")
     if args.threads is None:
-        args.threads = max(1, _common.cores() // args.nproc)
+        args.threads = max(1, cores() // args.nproc)
     if args.worker:
         args.algorithm = args.algorithm[0]
     return args
@@ -1053,12 +1061,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
     jobs, notes = select_algorithms(args)
     for note in notes:
         print(f"note: {note}", file=sys.stderr)
-    device = _common.device_info(args.device, "GPU (one per process)" if args.device == "gpu" else None)
+    device = device_info(args.device, "GPU (one per process)" if args.device == "gpu" else None)
     packages = ("numpy", "jax", "jaxlib", "optax") if args.framework == "jax" else ("numpy", "torch")
-    meta = _common.run_meta(
-        argv_used,
-        device,
+    meta = run_meta(
         packages,
+        argv=argv_used,
+        device=device,
         framework=args.framework,
         nproc=args.nproc,
         baseline=BASELINES[args.framework],
@@ -1076,7 +1084,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
         flush=True,
     )
     rows: list[dict[str, Any]] = []
-    bar = _common.Progress(len(jobs))
+    bar = Progress(len(jobs))
     start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bagua-synthetic-") as tmp:
         for i, name in enumerate(jobs):
@@ -1106,7 +1114,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]] | None:
         bar.show(len(jobs), "done", force=True)
         bar.clear()
     meta["total_s"] = round(time.perf_counter() - start, 1)
-    _common.finish_meta(meta)
+    finish_meta(meta)
     add_ratios(rows, args.framework)
     print_table(rows, args.framework, args.nproc)
     for path in write_results(args, meta, rows):

@@ -98,7 +98,7 @@ def _export(commit: str, into: Path) -> Path:
 def _start(tree: Path, engine: str, args: argparse.Namespace, result: Path) -> list[subprocess.Popen]:
     """Start a 2-rank job importing ``tree``; its ranks write to ``result``.0 and .1 and meet the other tree's job
     in ``result``'s folder."""
-    from _common import free_port, mpiexec
+    from bagua_common.job.local_launch import free_port, mpiexec
 
     command = [
         sys.executable,
@@ -153,14 +153,15 @@ def _ratio_interval(old: list[float], new: list[float], draws: int = 10000) -> t
 
 def main(args: argparse.Namespace, argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT))  # this checkout's packages, before any installed copy
-    import _common
     import numpy as np
+    from harness.console import Progress, Transcript
+    from harness.results import finish_meta, run_meta, write_results
 
     configs = [(e, a, b) for e in args.engines for a in args.algorithms for b in args.bucket_bytes]
-    meta = _common.run_meta(argv, _common.device_info("cpu"), ["torch"], baseline=args.baseline)
+    meta = run_meta(["torch"], argv=argv, baseline=args.baseline)
     meta["uptime_before"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     times: dict[tuple[str, str, int], dict[str, list[float]]] = {c: {"old": [], "new": []} for c in configs}
-    progress = _common.Progress(args.repeats * len(args.engines))
+    progress = Progress(args.repeats * len(args.engines))
     with tempfile.TemporaryDirectory(prefix="bagua-torch-step-") as tmp:
         trees = {"old": _export(args.baseline, Path(tmp)), "new": ROOT}
         for repeat in range(args.repeats):
@@ -174,9 +175,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
                         for which in trees:
                             t[which].append(measured[which][f"{algorithm} {bucket}"])
                 progress.line(f"repeat {repeat + 1}: {engine}")
-    _common.finish_meta(meta)
+    finish_meta(meta)
     meta["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
-    transcript = _common.Transcript()
+    transcript = Transcript()
     transcript.say(f"{'engine':6} {'algorithm':19} {'bucket B':>9} {'old ms':>8} {'new ms':>8}  new/old [95% interval]")
     rows = []
     for (engine, algorithm, bucket), t in times.items():
@@ -189,7 +190,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
                      "interval": [low, high]})  # fmt: skip
     lines = transcript.markdown(f"bagua_torch time per step, this tree against {args.baseline}", meta)
     lines[2:2] = [f"- uptime before: `{meta['uptime_before']}`", f"- uptime after: `{meta['uptime_after']}`"]
-    paths = _common.write_results(args.out, args.stem, lines, {**meta, "rows": rows})
+    paths = write_results(args.out, args.stem, lines, {**meta, "rows": rows})
     print(f"wrote {paths[0]} and {paths[1]}", file=sys.stderr)
 
 
@@ -216,6 +217,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
 if __name__ == "__main__":
     arguments = parse(sys.argv[1:])
     if arguments.worker:
-        worker(arguments)  # imports only torch and the tree under test, which may predate _common's imports
+        worker(arguments)  # imports only torch and the tree under test, which may predate the harness
     else:
         main(arguments, sys.argv[1:])

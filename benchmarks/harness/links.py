@@ -1,4 +1,4 @@
-"""An emulated network of ranks on one machine: one network namespace per rank, shaped links.
+"""The shaped links: an emulated network of ranks on one machine, one network namespace per rank.
 
 What it builds (root only; nothing is attached to the host's interfaces, and the host's
 own namespace, routes and addresses are never touched):
@@ -30,9 +30,9 @@ named ``bagua-br`` or ``bagua-r<N>`` (the harness's own names, nothing else) and
 
 Command line::
 
-    python benchmarks/network_harness.py --check                 # what this kernel supports
-    python benchmarks/network_harness.py --cleanup               # remove leftovers
-    python benchmarks/network_harness.py --ranks 2 --rate 100mbit -- python -c "import os; print(os.environ['RANK'])"
+    python benchmarks/harness/links.py --check                 # what this kernel supports
+    python benchmarks/harness/links.py --cleanup               # remove leftovers
+    python benchmarks/harness/links.py --ranks 2 --rate 100mbit -- python -c "import os; print(os.environ['RANK'])"
 
 The last form runs the command once per rank, inside the rank's namespace, with
 ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK=0``, ``LOCAL_WORLD_SIZE=1``, ``NODE_RANK``,
@@ -62,7 +62,7 @@ PREFIX = os.environ.get("BAGUA_NETNS_PREFIX", "bagua-")
 """The namespaces' names start with this: a second study on the same machine runs beside the first with its own
 (e.g. ``BAGUA_NETNS_PREFIX=lm-``); letters, digits and dashes only."""
 if not re.fullmatch(r"[a-z0-9-]{1,8}", PREFIX):
-    raise SystemExit(f"network_harness: BAGUA_NETNS_PREFIX must be 1-8 of a-z, 0-9, '-', got {PREFIX!r}")
+    raise SystemExit(f"links: BAGUA_NETNS_PREFIX must be 1-8 of a-z, 0-9, '-', got {PREFIX!r}")
 BRIDGE_NS = f"{PREFIX}br"
 RANK_NS = f"{PREFIX}r{{}}"
 OUR_NS = re.compile(rf"^{re.escape(PREFIX)}(br|r\d+)$")
@@ -91,6 +91,18 @@ def parse_rate(text: str | None) -> int | None:
     return int(value)
 
 
+def link_name(text: str | int | None) -> str:
+    """A link rate's one spelling, as ``--links`` takes it: ``100mbit``, ``2.5gbit``, ``none`` (unshaped), from any
+    spelling :func:`parse_rate` reads or a number of bits per second."""
+    bits = parse_rate(text) if isinstance(text, str) or text is None else int(text)
+    if bits is None:
+        return "none"
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if bits >= scale:
+            return f"{bits / scale:g}{unit}"
+    return f"{bits}bit"
+
+
 def rate_label(bits: int | None) -> str:
     if bits is None:
         return "unshaped"
@@ -98,6 +110,27 @@ def rate_label(bits: int | None) -> str:
         if bits >= scale:
             return f"{bits / scale:g} {unit}"
     return f"{bits} bit/s"
+
+
+def _sent(column: int) -> int:
+    total = 0
+    with open("/proc/net/dev") as f:
+        for line in f.readlines()[2:]:
+            interface, counters = line.split(":", 1)
+            if interface.strip() != "lo":
+                total += int(counters.split()[column])
+    return total
+
+
+def bytes_sent() -> int:
+    """Bytes this network namespace sent so far on its interfaces other than loopback (from ``/proc/net/dev``): in a
+    :class:`Network` each rank has its own namespace, so this is the rank's traffic."""
+    return _sent(8)
+
+
+def packets_sent() -> int:
+    """Packets this network namespace sent so far on its interfaces other than loopback, as :func:`bytes_sent`."""
+    return _sent(9)
 
 
 def add_link_options(parser: argparse.ArgumentParser) -> None:
@@ -118,14 +151,12 @@ def _run(argv: Sequence[str], check: bool = True, timeout: float = 30) -> subpro
 def require_root() -> None:
     if os.geteuid() != 0:
         sys.exit(
-            "network_harness: creating network namespaces, veth pairs and tc qdiscs needs root "
+            "links: creating network namespaces, veth pairs and tc qdiscs needs root "
             "(CAP_NET_ADMIN). Run it as root (e.g. with sudo), or run the benchmarks without "
             "network emulation (benchmarks/synthetic.py)."
         )
     if shutil.which("ip") is None or shutil.which("tc") is None:
-        sys.exit(
-            "network_harness: the `ip` and `tc` commands are missing; install iproute2 (apt-get install -y iproute2)"
-        )
+        sys.exit("links: the `ip` and `tc` commands are missing; install iproute2 (apt-get install -y iproute2)")
 
 
 def list_namespaces() -> list[str]:
@@ -279,7 +310,7 @@ class Network:
         if stale:
             raise HarnessError(
                 f"namespaces of an earlier run are still there ({', '.join(stale)}); "
-                "remove them with: python benchmarks/network_harness.py --cleanup"
+                "remove them with: python benchmarks/harness/links.py --cleanup"
             )
         _run(["ip", "netns", "add", BRIDGE_NS])
         self.created.append(BRIDGE_NS)
