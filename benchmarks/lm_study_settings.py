@@ -9,7 +9,7 @@ schedule; the Adam-type algorithms (QAdam, 1-bit Adam) with a schedule of their 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 RANKS = 4
@@ -17,9 +17,9 @@ RANKS = 4
 
 @dataclass(frozen=True)
 class Schedule:
-    """The learning rate at update ``s`` (0 for the first): ``peak * s+1 / warmup`` during the linear warm-up, then
-    ``peak`` (``constant``) or a cosine from ``peak`` down to ``final_ratio * peak`` at update ``total - 1``
-    (``cosine``)."""
+    """The learning rate at update ``s`` (0 for the first), optax's ``warmup_cosine_decay_schedule`` (``cosine``) or
+    its warm-up alone (``constant``): ``peak * s / warmup`` during the linear warm-up, then ``peak``, or a cosine
+    from ``peak`` down to ``final_ratio * peak`` at update ``total``."""
 
     peak: float
     warmup: int
@@ -33,42 +33,30 @@ class Schedule:
         if self.kind not in ("cosine", "constant"):
             raise ValueError(f"schedule: kind must be 'cosine' or 'constant', got {self.kind!r}")
 
-    def factor(self, step: Any, xp: Any = math) -> Any:
-        """The learning rate at update ``step`` over ``peak``; ``xp`` is ``math`` for a Python int, ``jax.numpy``
-        for a traced count (optax's)."""
-        warm = (step + 1) / self.warmup if self.warmup else 1.0
+    def factor(self, step: int) -> float:
+        """The learning rate at update ``step`` over ``peak`` (torch's ``LambdaLR`` takes this)."""
+        if step < self.warmup:
+            return step / self.warmup
         if self.kind == "constant":
-            return _minimum(xp, warm, 1.0)
-        span = max(1, self.total - 1 - self.warmup)
-        progress = _minimum(xp, _maximum(xp, (step - self.warmup) / span, 0.0), 1.0)
-        cosine = self.final_ratio + (1 - self.final_ratio) * 0.5 * (1 + xp.cos(math.pi * progress))
-        return _minimum(xp, warm, cosine) if self.warmup else cosine
-
-    def rate(self, step: Any, xp: Any = math) -> Any:
-        """The learning rate at update ``step``."""
-        return self.peak * self.factor(step, xp)
+            return 1.0
+        progress = min(1.0, (step - self.warmup) / (self.total - self.warmup))
+        return self.final_ratio + (1 - self.final_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
     def optax(self) -> Any:
-        """This schedule as an optax schedule (a function of the update count)."""
-        import jax.numpy as jnp
+        """This schedule as optax's own schedule function (of the update count)."""
+        import optax
 
-        return lambda count: self.rate(count, jnp)
-
-
-def _minimum(xp: Any, a: Any, b: Any) -> Any:
-    return min(a, b) if xp is math else xp.minimum(a, b)
-
-
-def _maximum(xp: Any, a: Any, b: Any) -> Any:
-    return max(a, b) if xp is math else xp.maximum(a, b)
+        if self.kind == "constant":
+            return optax.linear_schedule(0.0, self.peak, self.warmup)
+        return optax.warmup_cosine_decay_schedule(0.0, self.peak, self.warmup, self.total, self.final_ratio * self.peak)
 
 
 @dataclass(frozen=True)
 class Settings:
     """What every variant of the study trains with. ``windows``: windows of ``context + 1`` corpus bytes per rank
     and step; ``steps``: the budget; ``schedule`` AdamW's (betas ``betas``, decoupled ``weight_decay``) and
-    ``adam_schedule`` the Adam-type algorithms' (their own Adam, no weight decay); ``heldout_windows`` held-out
-    windows evaluated every ``eval_every`` steps on rank 0's model."""
+    ``adam_schedule`` the Adam-type algorithms' (their own Adam, betas ``adam_betas``, no weight decay);
+    ``heldout_windows`` held-out windows evaluated every ``eval_every`` steps on rank 0's model."""
 
     size: str
     windows: int
@@ -77,6 +65,7 @@ class Settings:
     adam_schedule: Schedule
     betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = 0.1
+    adam_betas: tuple[float, float] = (0.9, 0.999)
     seed: int = 0
     ranks: int = RANKS
     heldout_windows: int = 128
@@ -85,18 +74,8 @@ class Settings:
     def as_dict(self) -> dict[str, Any]:
         """The settings as JSON-able values (what a kept result must share with a rerun)."""
         out = asdict(self)
-        out["betas"] = list(self.betas)
+        out["betas"], out["adam_betas"] = list(self.betas), list(self.adam_betas)
         return out
-
-    def with_steps(self, steps: int) -> Settings:
-        """The same settings over ``steps`` steps, both schedules stretched to them (a shorter run for checks)."""
-        return replace(
-            self,
-            steps=steps,
-            schedule=replace(self.schedule, total=steps, warmup=min(self.schedule.warmup, steps // 4)),
-            adam_schedule=replace(self.adam_schedule, total=steps, warmup=min(self.adam_schedule.warmup, steps // 4)),
-            eval_every=max(1, min(self.eval_every, steps // 10)),
-        )
 
     @property
     def tokens_per_step(self) -> int:
@@ -104,3 +83,13 @@ class Settings:
         from bagua_common.workload import gpt_config
 
         return self.ranks * self.windows * gpt_config(self.size).context
+
+
+STUDY = Settings(
+    size="small",
+    windows=2,
+    steps=1500,
+    schedule=Schedule(peak=2e-3, warmup=100, total=1500),
+    adam_schedule=Schedule(peak=2e-3, warmup=100, total=1500),
+)
+"""The study's settings (placeholder until the search settles them)."""

@@ -114,6 +114,8 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         scheduler.step()
         if (step + 1) % run["eval_every"] == 0 or step + 1 == schedule.total:
             curve.append([step + 1, evaluate()])
+            if len(curve) % 10 == 1:
+                print(f"  step {step + 1}: {curve[-1][1]:.4f} ({time.perf_counter() - start:.0f} s)", flush=True)
             if not np.isfinite(curve[-1][1]):
                 break
     return {
@@ -140,6 +142,60 @@ def _keep(path: Path, section: str, key: str, value: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
+def report(out: Path) -> None:
+    """``lm-study-sweep.md`` and ``.png``: the throughput table, every run's figures, the curves with the held-out
+    text's unigram and bigram entropies."""
+    from harness import plots
+    from harness.results import table, write_results
+    from lm_study_report import steps_to
+
+    from bagua_common.workload import load_corpus
+
+    data = json.loads((out / f"{NAME}.json").read_text())
+    entropies = load_corpus().heldout_entropies()
+    lines = ["# LM study: the settings search", "", __doc__.split("\n\n")[1].replace("\n", " "), ""]
+    lines += [f"Held-out text: unigram entropy {entropies.unigram:.4f}, bigram conditional entropy "
+              f"{entropies.bigram:.4f} nats/byte.", ""]  # fmt: skip
+    if data.get("throughput"):
+        lines += ["## Throughput: one process, forward + backward + AdamW", ""]
+        rows = data["throughput"].values()
+        head = ["size", "parameters", "windows", "threads", "ms/step", "tokens/s", "1-min load"]
+        lines += table(head, [[r[k] for k in ("size", "parameters", "windows", "threads", "step_ms",
+                                                "tokens_per_s", "load")] for r in rows]) + [""]  # fmt: skip
+    runs = data.get("runs", {})
+    goals = {"bigram": entropies.bigram, "2.0": 2.0, "1.9": 1.9}
+    head = ["run", "tokens/step", "final loss", "best loss", *(f"steps to {g}" for g in goals), "wall s", "load"]
+    cells = []
+    for name, run in runs.items():
+        tokens = run["windows"] * run["ranks"] * gpt_size(run["size"]).context
+        cells.append([name, tokens, f"{run['final_loss']:.4f}", f"{min(x for _, x in run['curve']):.4f}",
+                      *(_steps(steps_to(run["curve"], g)) for g in goals.values()), run["wall_s"],
+                      "-".join(f"{x:.1f}" for x in run["load"])])  # fmt: skip
+    lines += ["## Runs (DDP fp32's math in one process)", "", *table(head, cells), "", f"![curves]({NAME}.png)"]
+    write_results(out, NAME, lines, data)
+    sizes = sorted({run["size"] for run in runs.values()})
+    drawn = plots.figure(1, max(1, len(sizes)), size=(7, 5))
+    if drawn is None or not sizes:
+        return
+    fig, axes = drawn
+    for ax, size in zip(axes[0], sizes):
+        mine = {n: r for n, r in runs.items() if r["size"] == size}
+        plots.curves(ax, {n.removeprefix(size + "-"): ([p[0] * r["windows"] * r["ranks"] * gpt_size(size).context
+                                                       / 1e6 for p in r["curve"]], [p[1] for p in r["curve"]])
+                          for n, r in mine.items()})  # fmt: skip
+        plots.references(ax, {"unigram entropy": entropies.unigram, "bigram entropy": entropies.bigram})
+        ax.set_ylim(1.6, 3.6)
+        ax.set_xlabel("tokens (millions)")
+        ax.set_ylabel("held-out loss (nats per byte)")
+        ax.set_title(f"GPT {size}")
+        ax.legend(fontsize=6)
+    plots.save(fig, out / f"{NAME}.png")
+
+
+def _steps(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__)
     p.add_argument("--out", type=Path, default=RESULTS)
@@ -163,8 +219,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--heldout-windows", type=int, default=128)
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--seed", type=int, default=0)
+    sub.add_parser("report", help="md + png from the json")
     args = p.parse_args(argv)
     path = args.out / f"{NAME}.json"
+    if args.command == "report":
+        report(args.out)
+        return 0
     if args.command == "throughput":
         for size in args.sizes:
             for windows in args.windows:
