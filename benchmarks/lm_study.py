@@ -8,9 +8,10 @@ JAX (``lax.pmean`` in ``shard_map``) over ``jax.distributed`` with gloo. The stu
 
 ``train``: one job per variant trains the whole budget unshaped (rank 0 evaluates its model on the held-out windows
 every ``eval_every`` steps; each rank counts the bytes it sent). Losses do not depend on the load, so this half runs
-whenever the machine allows. Where JAX computes the same numbers as torch for an algorithm, its job trains only the
-first ``--check-fraction`` of the budget, and the report uses torch's curve once JAX's matched it at every
-evaluation of that part (within ``CHECK_TOLERANCE``); it says so in the table.
+whenever the machine allows; suspending the study (Ctrl-Z, SIGSTOP) suspends its ranks at their next step. Where
+JAX computes the same numbers as torch for an algorithm, its job trains only the first ``--check-fraction`` of the
+budget, and the report uses torch's curve once JAX's matched it at every evaluation of that part (within
+``CHECK_TOLERANCE``); it says so in the table.
 
 ``time``: the time per step of every variant at every link, on an idle machine: jobs of ``--group`` variants at a
 time, each job's ranks alive through all its phases (one untimed, then ``--repeats`` rounds of every link); the
@@ -42,8 +43,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -145,7 +148,8 @@ def train(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
     with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
         for i, variant in enumerate(todo):
             steps = STUDY.steps if twin(variant) is None else max(1, round(args.check_fraction * STUDY.steps))
-            job = {"settings": STUDY.as_dict(), **_fields(variant), "mode": "train", "steps": steps}
+            job = {"settings": STUDY.as_dict(), **_fields(variant), "mode": "train", "steps": steps,
+                   "study_pid": os.getpid()}  # fmt: skip
             path = _jobfile(Path(tmp) / variant["name"].replace("/", "-"), job)
             started = time.strftime("%F %T")
             outcome = run_ranks(net, _argv(path), path.parent / "result", mpi=_mpi(variant), timeout=args.job_timeout)
@@ -200,12 +204,13 @@ def _time_group(
         jobs.append(PhasedJob(paths[-1].parent, links, timed))
     runner = PhaseRunner(net, jobs, gate)
     outcomes: list[Any] = [None] * len(group)
+    aborted = threading.Lock()
 
     def launch(i: int) -> None:
         outcomes[i] = run_ranks(net, _argv(paths[i]), paths[i].parent / "result", mpi=_mpi(group[i]),
                                 timeout=args.job_timeout)  # fmt: skip
-
-    import threading
+        if outcomes[i].status != "ok" and aborted.acquire(blocking=False):
+            runner.abort()  # the group's other jobs would wait for phases this one never reaches
 
     launchers = [threading.Thread(target=launch, args=(i,)) for i in range(len(group))]
     runner.start()
@@ -249,7 +254,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--timed-steps", type=int, default=5, help="timed steps per phase (DiLoCo: 2 rounds)")
     p.add_argument("--max-load", type=float, default=None, help="the load gate's limit (default 0.75 per core)")
     p.add_argument("--attempts", type=int, default=3, help="runs of a phase whose load keeps it from being published")
-    p.add_argument("--job-timeout", type=float, default=3600)
+    p.add_argument("--job-timeout", type=float, default=None,
+                   help="seconds a job may run (default: 6 hours to train, paused or not; 1 hour to time)")  # fmt: skip
     p.add_argument("--name", default="lm-study")
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
     return p.parse_args(argv)
@@ -257,6 +263,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.job_timeout is None:
+        args.job_timeout = 6 * 3600 if args.command == "train" else 3600
     json_path = args.out / f"{args.name}.json"
     data = json.loads(json_path.read_text()) if json_path.exists() else None
     if args.command == "report":

@@ -86,10 +86,11 @@ class Settings:
 
 
 STUDY = Settings(
-    size="small",
+    size="mini",
     windows=2,
-    steps=1500,
-    schedule=Schedule(peak=2e-3, warmup=100, total=1500),
-    adam_schedule=Schedule(peak=2e-3, warmup=100, total=1500),
+    steps=3000,
+    schedule=Schedule(peak=2e-3, warmup=100, total=3000),
+    adam_schedule=Schedule(peak=2e-3, warmup=100, total=3000),
+    eval_every=75,
 )
-"""The study's settings (placeholder until the search settles them)."""
+"""The study's settings (provisional until the search settles them)."""

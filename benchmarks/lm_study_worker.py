@@ -46,7 +46,9 @@ JAX_PEERS = ("pmean",)
 ADAM_TYPE = ("qadam", "onebit_adam")
 ADAM_OPTIMIZER_OPTIONS = ("warmup_steps",)
 """The options of an Adam-type variant that torch gives its optimizer (bagua_jax takes them all in the algorithm)."""
-COMM_TIMEOUT_S = 600
+COMM_TIMEOUT_S = {"train": 6 * 3600, "time": 600, "async": 600}
+"""How long a collective waits for its peers, by mode: a training job may be paused whole (SIGSTOP) while the machine
+is measured, for longer than a timed job should ever wait."""
 
 
 @dataclass
@@ -77,12 +79,13 @@ def _torch_world(job: dict[str, Any]) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    timeout = COMM_TIMEOUT_S[job["mode"]]
     if job["algorithm"] in TORCH_PEERS:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=COMM_TIMEOUT_S))
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
     else:
         import bagua_torch
 
-        bagua_torch.init_process_group("gloo", timeout=COMM_TIMEOUT_S)
+        bagua_torch.init_process_group("gloo", timeout=timeout)
 
 
 def _torch_job(job: dict[str, Any], options: dict[str, Any]) -> RankJob:
@@ -170,6 +173,7 @@ def _jax_world(job: dict[str, Any]) -> None:
             coordinator_address=f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
             num_processes=int(os.environ["WORLD_SIZE"]),
             process_id=int(os.environ["RANK"]),
+            heartbeat_timeout_seconds=COMM_TIMEOUT_S[job["mode"]],
         )
 
 
@@ -253,12 +257,13 @@ def _jax_bagua_job(job: dict[str, Any], options: dict[str, Any]) -> RankJob:
         optimizer = None
     else:
         algorithm, optimizer = make_algorithm(name, **options), _adamw(job)
-    comm = NativeCommunicator.world(timeout=COMM_TIMEOUT_S)
+    timeout = COMM_TIMEOUT_S[job["mode"]]
+    comm = NativeCommunicator.world(timeout=timeout)
     trainer = DataParallel(gpt_loss_fn(settings["size"]), optimizer, algorithm, communicator=comm)
     state = [trainer.init(init_gpt_params(settings["size"], settings["seed"]))]
     averager = None
     if isinstance(algorithm, AsyncModelAverage):
-        averager = algorithm.averager(state[0].params, NativeCommunicator.mpi_world(timeout=COMM_TIMEOUT_S))
+        averager = algorithm.averager(state[0].params, NativeCommunicator.mpi_world(timeout=timeout))
     host_copy, heldout_loss = _jax_evaluation(job)
 
     def step(tokens: np.ndarray) -> None:
@@ -298,6 +303,14 @@ class Tokens:
         return self.corpus.batch(self.seed, step, self.rank, self.windows, self.length)
 
 
+def wait_while_stopped(pid: int) -> None:
+    """Return once process ``pid`` (the study) is not stopped: a rank runs in a session of its own, so suspending the
+    study (Ctrl-Z, SIGSTOP to its process group) does not reach it; between steps it follows the study instead."""
+    stat = Path(f"/proc/{pid}/stat")
+    while stat.exists() and stat.read_text().rpartition(")")[2].split()[0] in ("T", "t"):
+        time.sleep(1.0)
+
+
 def train(job: dict[str, Any], rank: int) -> dict[str, Any]:
     """``train`` mode (the module docstring): rank 0's held-out curve ``[step, loss]``, this rank's bytes sent at
     each evaluation ``[step, bytes]``, its wall time."""
@@ -306,6 +319,7 @@ def train(job: dict[str, Any], rank: int) -> dict[str, Any]:
     curve = [[0, trained.heldout_loss(trained.params(), tokens.heldout)]] if rank == 0 else []
     sent, start, first = [[0, 0]], time.perf_counter(), bytes_sent()
     for t in range(job["steps"]):
+        wait_while_stopped(job["study_pid"])
         trained.step(tokens(t))
         if (t + 1) % every == 0 or t + 1 == job["steps"]:
             sent.append([t + 1, bytes_sent() - first])

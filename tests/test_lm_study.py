@@ -46,7 +46,7 @@ def _run_worker(tmp_path: Path, job: dict) -> subprocess.CompletedProcess:
 
 def test_one_rank_trains_and_evaluates(tmp_path):
     job = {"settings": _settings(4), "front_end": "torch", "algorithm": "ddp", "options": {}, "mode": "train",
-           "steps": 4}  # fmt: skip
+           "steps": 4, "study_pid": os.getpid()}  # fmt: skip
     done = _run_worker(tmp_path, job)
     assert done.returncode == 0, done.stderr[-2000:]
     summary = lm_study_report.summarize_training([json.loads((tmp_path / "result.rank0").read_text())])
