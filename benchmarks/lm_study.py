@@ -106,6 +106,19 @@ def variants() -> list[dict[str, Any]]:
     return listed
 
 
+OUTER_SEARCH = [(20, 0.7, 0.9), (20, 1.0, 0.0), (20, 1.0, 0.5), (100, 0.7, 0.9), (100, 1.0, 0.0), (100, 1.0, 0.5)]
+"""DiLoCo's outer (H, learning rate, momentum) searched for its ``default_outer_settings``."""
+
+
+def search_variants() -> list[dict[str, Any]]:
+    """The runs the algorithms' defaults were chosen from (torch, trained only, not timed): ByteGrad without error
+    feedback, and DiLoCo's outer optimizer over :data:`OUTER_SEARCH`."""
+    out = [_variant("torch", "bytegrad", "bytegrad_no_error_feedback", error_feedback=False)]
+    out += [_variant("torch", "diloco", f"diloco_h{h}_outer_lr{lr:g}_m{mu:g}", sync_every=h, outer_learning_rate=lr,
+                     outer_momentum=mu) for h, lr, mu in OUTER_SEARCH]  # fmt: skip
+    return out
+
+
 def twin(variant: dict[str, Any]) -> str | None:
     """The torch variant whose curve a JAX variant uses (checked on a part of the budget), or None: torch's
     variants, and the algorithms whose numbers depend on timing, train their own."""
@@ -232,7 +245,7 @@ def _time_group(
 
 
 def _selected(args: argparse.Namespace) -> list[dict[str, Any]]:
-    every = variants()
+    every = variants() + (search_variants() if args.command == "train" else [])
     names = {v["name"] for v in every}
     unknown = sorted(set(args.only or ()) - names)
     if unknown:

@@ -171,7 +171,8 @@ def report(out: Path) -> None:
         cells.append([name, tokens, f"{run['final_loss']:.4f}", f"{min(x for _, x in run['curve']):.4f}",
                       *(_steps(steps_to(run["curve"], g)) for g in goals.values()), run["wall_s"],
                       "-".join(f"{x:.1f}" for x in run["load"])])  # fmt: skip
-    lines += ["## Runs (DDP fp32's math in one process)", "", *table(head, cells), "", f"![curves]({NAME}.png)"]
+    lines += ["## Runs (DDP fp32's math in one process)", "", *table(head, cells), "", *_ddp_check(out, runs), "",
+              f"![curves]({NAME}.png)"]  # fmt: skip
     write_results(out, NAME, lines, data)
     sizes = sorted({run["size"] for run in runs.values()})
     drawn = plots.figure(1, max(1, len(sizes)), size=(7, 5))
@@ -190,6 +191,26 @@ def report(out: Path) -> None:
         ax.set_title(f"GPT {size}")
         ax.legend(fontsize=6)
     plots.save(fig, out / f"{NAME}.png")
+
+
+def _ddp_check(out: Path, runs: dict[str, Any]) -> list[str]:
+    """The one check that one process computes DDP's numbers: the study's DDP fp32 run on 4 ranks against the run
+    here with the same settings, at every evaluation."""
+    from lm_study_report import check_gap
+
+    study = out / "lm-study.json"
+    ddp = json.loads(study.read_text())["train"].get("torch/ddp") if study.exists() else None
+    if not ddp or ddp.get("status") != "ok":
+        return ["(the study's DDP fp32 run is not there yet: no check of one process against 4 ranks)"]
+    settings = json.loads(study.read_text())["settings"]
+    keys = ("size", "windows", "ranks", "schedule", "betas", "weight_decay", "heldout_windows", "eval_every", "seed")
+    for name, run in runs.items():
+        if all(run[k] == settings[k] for k in keys):
+            gap = check_gap(run["curve"], ddp["curve"])
+            return [f"Check: DDP fp32 on 4 ranks (the study's `torch/ddp`) against `{name}` in one process: largest "
+                    f"gap {gap:.2g} nats/byte over {len(run['curve']) - 1} evaluations (final {ddp['final_loss']:.4f} "
+                    f"against {run['final_loss']:.4f})."]  # fmt: skip
+    return ["(no run here has the study's settings: no check of one process against 4 ranks)"]
 
 
 def _steps(value: float | None) -> str:

@@ -6,13 +6,14 @@ written by the study) as its only argument. The job's ``mode``:
 * ``train``: ``steps`` steps from the initial parameters with the study's settings (:mod:`lm_study_settings`: the
   batch, AdamW's schedule, or the Adam-type algorithms' own); rank 0 evaluates its own model on the held-out windows
   every ``eval_every`` steps, and every rank notes the bytes its namespace sent so far at those steps;
-* ``time``: phases given by the study (:func:`harness.phases.phases`): phase 0 builds the variant and runs a round
-  untimed (compilation, first buckets); each later phase runs one round untimed, then ``timed_rounds`` rounds, each
-  step blocked on and timed alone, at that phase's link. A round is one step for the algorithms that communicate
-  every step; for DiLoCo it is ``timing_round`` steps of the variant with that (short) round, so that each timed
-  window holds whole rounds (the study's docstring says how the time per step at the trained round follows);
+* ``time``: phases given by the study (:func:`harness.phases.phases`): phase 0 builds the variant and runs
+  ``UNTIMED_STEPS`` steps untimed (compilation, first buckets, exact first steps); each later phase runs one round
+  untimed, then ``timed_rounds`` rounds, each step blocked on and timed alone, at that phase's link. A round is one
+  step for the algorithms that communicate every step; for DiLoCo it is ``timing_round`` steps of the variant with
+  that (short) round, so that each timed window holds whole rounds (the study's docstring says how the time per step
+  at the trained round follows);
 * ``async``: asynchronous averaging trains at the link: each timed phase trains ``steps`` steps from the initial
-  parameters at its link; rank 0 keeps a copy of its parameters and the wall time since the start at every
+  parameters at its link; rank 0 keeps a copy of its parameters and the wall time since its first step at every
   ``eval_every`` steps and evaluates the copies once the steps are done (evaluating inline would stop rank 0 while
   the others train on).
 
@@ -46,6 +47,8 @@ JAX_PEERS = ("pmean",)
 ADAM_TYPE = ("qadam", "onebit_adam")
 ADAM_OPTIMIZER_OPTIONS = ("warmup_steps",)
 """The options of an Adam-type variant that torch gives its optimizer (bagua_jax takes them all in the algorithm)."""
+UNTIMED_STEPS = 12
+"""Steps of the untimed first phase: compilation, first buckets, and DDP's PowerSGD hook's 10 exact steps."""
 COMM_TIMEOUT_S = {"train": 6 * 3600, "time": 600, "async": 600}
 """How long a collective waits for its peers, by mode: a training job may be paused whole (SIGSTOP) while the machine
 is measured, for longer than a timed job should ever wait."""
@@ -340,7 +343,7 @@ def time_steps(job: dict[str, Any], rank: int, folder: Path) -> dict[str, Any]:
     round_steps, t, recorded = h_t or 1, 0, []
     for seq, phase in phases(folder, rank, job["phase_wait_s"]):
         timed.resume()
-        for _ in range(round_steps):
+        for _ in range(round_steps if job["timed"][phase] else max(round_steps, UNTIMED_STEPS)):
             timed.step(tokens(t))
             t += 1
         times, sent = [], bytes_sent()
@@ -356,13 +359,16 @@ def time_steps(job: dict[str, Any], rank: int, folder: Path) -> dict[str, Any]:
 
 
 def train_at_link(job: dict[str, Any], rank: int, folder: Path) -> dict[str, Any]:
-    """``async`` mode (the module docstring): per phase given, its link, rank 0's curve ``[step, seconds, loss]``
-    (seconds of training since the phase's first step) and this rank's bytes sent."""
+    """``async`` mode (the module docstring): per phase given, its link, rank 0's curve ``[step, seconds, loss]`` and
+    this rank's bytes sent. The clock starts when the first step is done, leaving its compilation out (one step of a
+    run of thousands)."""
     tokens, every, recorded = Tokens(job, rank), job["settings"]["eval_every"], []
     for seq, phase in phases(folder, rank, job["phase_wait_s"]):
         trained = build_job(job, job["options"])
-        kept, first, start = [[0, 0.0, trained.params()]], bytes_sent(), time.perf_counter()
-        for t in range(job["steps"] if job["timed"][phase] else 1):
+        kept, first = [[0, 0.0, trained.params()]], bytes_sent()
+        trained.step(tokens(0))
+        start = time.perf_counter()
+        for t in range(1, job["steps"]):
             trained.step(tokens(t))
             if rank == 0 and ((t + 1) % every == 0 or t + 1 == job["steps"]):
                 kept.append([t + 1, time.perf_counter() - start, trained.params()])
