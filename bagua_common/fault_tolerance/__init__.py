@@ -1,0 +1,45 @@
+"""Training that survives a lost member without a restart: the part both front ends share.
+
+* :mod:`.membership`: this process's membership: heartbeats, commit by agreement, recovery, joining;
+* :mod:`.epoch`: an epoch's members and its records; :mod:`.formation`: forming the next one;
+* :mod:`.kv_store`: the store every member hosts (framework-free);
+* :mod:`.decision`: the epoch's decision register;
+* :mod:`.data_position`: the exact re-partition of the data among the members;
+* :mod:`.replica_hash`: the check that replicas are bit-identical;
+* :mod:`.settings`: heartbeat period, dead timeout, quorum wait, hash interval;
+* :mod:`.errors`: what is raised when the members change or the replicas differ.
+
+``bagua_torch.fault_tolerance`` builds the torch front end on it; ``docs/guides/fault_tolerance.md``
+is the user's guide.
+"""
+
+from bagua_common.fault_tolerance.data_position import DataPosition
+from bagua_common.fault_tolerance.decision import Decision
+from bagua_common.fault_tolerance.epoch import Epoch, Member, Recovery
+from bagua_common.fault_tolerance.errors import Evicted, MembershipChanged, NoQuorum, ReplicaMismatch
+from bagua_common.fault_tolerance.kv_store import KVClient, KVServer, StoreUnreachable
+from bagua_common.fault_tolerance.membership import Membership
+from bagua_common.fault_tolerance.replica_hash import ReplicaDigest, check_digests
+from bagua_common.fault_tolerance.settings import ENV_FAULT_TOLERANCE, ENV_JOIN, ENV_PEERS, FaultToleranceSettings
+
+__all__ = [
+    "ENV_FAULT_TOLERANCE",
+    "ENV_JOIN",
+    "ENV_PEERS",
+    "DataPosition",
+    "Decision",
+    "Epoch",
+    "Evicted",
+    "FaultToleranceSettings",
+    "KVClient",
+    "KVServer",
+    "Member",
+    "Membership",
+    "MembershipChanged",
+    "NoQuorum",
+    "Recovery",
+    "ReplicaDigest",
+    "ReplicaMismatch",
+    "StoreUnreachable",
+    "check_digests",
+]

@@ -1,0 +1,68 @@
+"""The epoch's decision register: which transactions committed, and whether the epoch is still open.
+
+One key per epoch in the coordinator's store, changed only by compare-and-set, holds
+``"T <state>"``: ``T`` is the last committed transaction and ``state`` is
+
+* ``open``: transaction ``T + 1`` may commit;
+* ``drain``: ``T + 1`` may commit, and the epoch then ends (a joiner waits to be admitted);
+* ``ended``: closed after a commit, nothing was lost (the next epoch admits the joiners);
+* ``closed``: closed by a failure; nothing after ``T`` commits in this epoch.
+
+Transaction ``t`` commits when its last vote turns ``"t-1 open"`` into ``"t open"`` (or
+``"t-1 drain"`` into ``"t ended"``); closing turns any open state into ``"T closed"``. Since both
+are compare-and-set on one key, every member reads the same outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["Decision"]
+
+State = Literal["open", "drain", "ended", "closed"]
+_STATES = ("open", "drain", "ended", "closed")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A value of the register: the last committed transaction and the epoch's state."""
+
+    committed: int
+    state: State = "open"
+
+    def __post_init__(self) -> None:
+        if self.state not in _STATES:
+            raise ValueError(f"unknown decision state {self.state!r}")
+
+    def encode(self) -> bytes:
+        """The register's bytes."""
+        return f"{self.committed} {self.state}".encode()
+
+    @classmethod
+    def decode(cls, raw: bytes | None) -> Decision:
+        """The register read from the store (a ValueError for anything this module did not write)."""
+        try:
+            committed, state = (raw or b"").decode().split(" ")
+            return cls(int(committed), state)  # type: ignore[arg-type]
+        except (ValueError, UnicodeDecodeError):
+            raise ValueError(f"not a decision register: {raw!r}") from None
+
+    @property
+    def final(self) -> bool:
+        """Whether the epoch is over (no transaction commits in it any more)."""
+        return self.state in ("ended", "closed")
+
+    def after_last_vote(self, transaction: int) -> Decision | None:
+        """The value committing ``transaction`` once all its votes are in; None if the epoch no longer allows it."""
+        if self.final or transaction != self.committed + 1:
+            return None
+        return Decision(transaction, "ended" if self.state == "drain" else "open")
+
+    def closed(self) -> Decision:
+        """This value with the epoch closed by a failure (unchanged if the epoch is already over)."""
+        return self if self.final else Decision(self.committed, "closed")
+
+    def draining(self) -> Decision:
+        """This value asking the epoch to end after its next commit (unchanged unless open)."""
+        return Decision(self.committed, "drain") if self.state == "open" else self

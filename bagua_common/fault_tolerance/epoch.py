@@ -1,0 +1,143 @@
+"""An epoch of a fault-tolerant job: its members in rank order, and its records in the coordinator's store.
+
+Keys (see :mod:`bagua_common.fault_tolerance.membership`): ``ft/epoch/<E>`` the record of epoch ``E``,
+``ft/after/<E>`` the number of the epoch formed after ``E`` (or ``noquorum``), ``ft/admit/<id>`` the
+epoch that admits a joiner, and under ``ft/e<E>/`` the epoch's own keys: ``decision`` (the register of
+:mod:`.decision`), ``votes/<t>``, ``done/<t>``, ``closed`` (why it closed, and the suspects),
+``hb/<id>`` (heartbeats) and the prefixes of its communicators.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bagua_common.fault_tolerance.decision import Decision
+from bagua_common.fault_tolerance.errors import Evicted
+from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
+
+__all__ = ["Epoch", "Member", "Recovery", "close_epoch", "publish_epoch", "read_epoch"]
+
+
+@dataclass(frozen=True)
+class Member:
+    """A member process: its unique ``id`` and the address of its store."""
+
+    id: str
+    host: str
+    port: int
+
+    def as_json(self) -> list[Any]:
+        return [self.id, self.host, self.port]
+
+    @classmethod
+    def from_json(cls, value: Any) -> Member:
+        member_id, host, port = value
+        if not (isinstance(member_id, str) and isinstance(host, str) and isinstance(port, int)):
+            raise ValueError(f"not a member record: {value!r}")
+        return cls(member_id, host, port)
+
+
+@dataclass(eq=False)
+class Epoch:
+    """One agreed membership: ``members`` in rank order (``members[0]`` coordinates), this process's ``rank``,
+    ``committed`` (the last transaction committed when it formed), ``joined`` (the ids admitted by it, who need
+    state), ``store`` (this epoch's client to the coordinator's store, for the training thread) and ``closed``
+    (set when the epoch ends: waits on its communicators give up)."""
+
+    number: int
+    members: tuple[Member, ...]
+    rank: int
+    committed: int
+    joined: tuple[str, ...] = ()
+    store: KVClient | None = None
+    closed: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def size(self) -> int:
+        """The number of members."""
+        return len(self.members)
+
+    @property
+    def coordinator(self) -> Member:
+        """The member whose store holds the epoch's keys."""
+        return self.members[0]
+
+    def prefix(self, purpose: str = "") -> str:
+        """The store prefix of this epoch's keys for ``purpose`` (a communicator's rendezvous, say)."""
+        return f"ft/e{self.number}/{purpose}"
+
+    def is_joiner(self, rank: int | None = None) -> bool:
+        """Whether member ``rank`` (default this one) was admitted by this epoch and still needs the job's state."""
+        return self.members[self.rank if rank is None else rank].id in self.joined
+
+    def record(self) -> bytes:
+        return json.dumps(
+            {
+                "epoch": self.number,
+                "members": [m.as_json() for m in self.members],
+                "committed": self.committed,
+                "joined": list(self.joined),
+            }
+        ).encode()
+
+    @classmethod
+    def from_record(cls, raw: bytes, me: str) -> Epoch:
+        data = json.loads(raw)
+        members = tuple(Member.from_json(m) for m in data["members"])
+        ids = [m.id for m in members]
+        if me not in ids:
+            raise Evicted(
+                f"the job formed epoch {data['epoch']} without this member ({me}); it was taken for dead and can "
+                "only come back as a joiner"
+            )
+        return cls(int(data["epoch"]), members, ids.index(me), int(data["committed"]), tuple(data["joined"]))
+
+
+@dataclass(frozen=True)
+class Recovery:
+    """The epoch formed after a change, and the last transaction the survivors committed (every member applies
+    exactly the transactions up to it)."""
+
+    epoch: Epoch
+    committed: int
+
+
+def publish_epoch(store: KVClient, epoch: Epoch, after: Sequence[int]) -> None:
+    """Write ``epoch``'s record and its open decision register, then tell the members leaving the epochs ``after``
+    and the joiners it admits."""
+    store.set(f"ft/epoch/{epoch.number}", epoch.record())
+    store.set(f"{epoch.prefix()}decision", Decision(epoch.committed).encode())
+    for number in after:
+        store.set(f"ft/after/{number}", str(epoch.number))
+    for member_id in epoch.joined:
+        store.set(f"ft/admit/{member_id}", str(epoch.number))
+
+
+def read_epoch(store: KVClient, number: bytes, me: str) -> Epoch:
+    """The epoch numbered ``number`` (as ``ft/after/<E>`` or ``ft/admit/<id>`` hold it) as member ``me`` sees it
+    (:class:`~bagua_common.fault_tolerance.Evicted` if it was formed without ``me``)."""
+    record = store.check(f"ft/epoch/{int(number)}")
+    if record is None:
+        raise StoreUnreachable(store.address, f"has no record of epoch {int(number)}")
+    return Epoch.from_record(record, me)
+
+
+def close_epoch(store: KVClient, epoch: Epoch, closure: dict[str, Any]) -> None:
+    """Close ``epoch``: the register to ``T closed`` (unless it is already over), then wake every waiter."""
+    key = f"{epoch.prefix()}decision"
+    while True:
+        current = store.check(key)
+        decision = Decision.decode(current)
+        if decision.final or store.compare_set(key, current, decision.closed().encode()) == decision.closed().encode():
+            break
+    store.set(f"{epoch.prefix()}done/{decision.committed + 1}", b"")
+    mark_closed(store, epoch, closure)
+
+
+def mark_closed(store: KVClient, epoch: Epoch, closure: dict[str, Any]) -> None:
+    """Set ``epoch``'s ``closed`` key (the first reason stays), waking every member's monitor."""
+    store.compare_set(f"{epoch.prefix()}closed", b"", json.dumps(closure))

@@ -1,0 +1,38 @@
+"""What a fault-tolerant job raises when its membership changes or its replicas disagree."""
+
+from __future__ import annotations
+
+__all__ = ["Evicted", "MembershipChanged", "NoQuorum", "ReplicaMismatch"]
+
+
+class MembershipChanged(RuntimeError):
+    """The transaction in flight (a step, an outer exchange) was abandoned because the members changed.
+
+    Raised inside a step; the front end's step scope catches it, waits for the next epoch and
+    runs the step again with the survivors. Nothing of the abandoned transaction was applied.
+    """
+
+
+class Evicted(RuntimeError):
+    """The other members formed an epoch without this process (it was taken for dead, e.g. after a long stop).
+
+    Its state may be behind the job's: it can only come back as a joiner, receiving state from a member.
+    """
+
+
+class NoQuorum(RuntimeError):
+    """The survivors reachable from here are not a majority of the last epoch's members that may be alive.
+
+    Either the others are dead but not confirmed (hung, or cut off by a partition) or this side is
+    the minority of a partition; continuing could split the job in two. The process stops; the
+    launcher may restart it as a joiner.
+    """
+
+
+class ReplicaMismatch(RuntimeError):
+    """The replicated state (parameters, optimizer or algorithm state) differs between members.
+
+    Raised on every member after a hash check (after each membership change and every
+    ``hash_every`` transactions); the message names the ranks that differ from the majority and the
+    parts that differ. It is never averaged away.
+    """

@@ -1,0 +1,172 @@
+"""Forming the next epoch after a change: the survivors gather at the first member whose store answers.
+
+Each survivor writes a join record (``ft/join/<id>``: its address, the epoch it leaves, the last
+transaction it applied) at the candidate coordinator, the first member of the leaving epoch, in
+order and skipping the suspects, whose store answers. The candidate, when it is this member,
+waits for the survivors (not for suspects, dead or silent members, nor longer than
+``dead_after``), checks the quorum (more than half of the leaving epoch's members not confirmed
+dead), and publishes the epoch: the survivors in their order, then the joiners whose requests
+wait in its store, ``committed`` the largest the survivors applied.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+from bagua_common.fault_tolerance.epoch import Epoch, Member, publish_epoch, read_epoch
+from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
+from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable, wait_for
+from bagua_common.fault_tolerance.settings import FaultToleranceSettings
+
+__all__ = ["Formation", "probe"]
+
+_PROBE_SECONDS = 1.0
+"""The longest a probe waits for a member's store to answer (a hung store looks like a lost one)."""
+
+
+class Formation:
+    """How member ``me`` (whose own store ``local`` reaches) forms epochs with the others; ``stopping`` ends it."""
+
+    def __init__(self, settings: FaultToleranceSettings, me: Member, local: KVClient, stopping: threading.Event):
+        self.settings, self.me, self._local, self._stopping = settings, me, local, stopping
+        self._requests_seen = 0
+
+    def requests_waiting(self, store: KVClient) -> bool:
+        """Whether joiners asked to be admitted since the last epoch this member formed (``store``: its own)."""
+        return int(store.check("ft/requests") or b"0") > self._requests_seen
+
+    def form_next(self, leaving: Epoch, suspects: set[str], record: dict[str, Any]) -> Epoch:
+        """Join the survivors of ``leaving`` at the first member whose store answers, and return the epoch formed
+        there (coordinating the formation when that member is this one)."""
+        while not self._stopping.is_set():
+            candidate, client = self._first_answering(leaving, suspects)
+            try:
+                client.set(f"ft/join/{self.me.id}", json.dumps(record))
+                if candidate == self.me:
+                    self._gather(client, leaving, suspects)
+                raw = wait_for(
+                    client, f"ft/after/{leaving.number}", self.settings.quorum_timeout + 2 * self.settings.dead_after
+                )
+                if raw == b"noquorum":
+                    raise NoQuorum(
+                        f"fault tolerance: the members reachable at {candidate.id} are not a majority of epoch "
+                        f"{leaving.number}'s {leaving.size} members that may be alive; stopping rather than splitting "
+                        "the job"
+                    )
+                return read_epoch(client, raw, self.me.id)
+            except (StoreUnreachable, TimeoutError):
+                suspects.add(candidate.id)
+            finally:
+                if client is not self._local:
+                    client.close()
+        raise Evicted("fault tolerance: this member is closing")
+
+    def _first_answering(self, leaving: Epoch, suspects: set[str]) -> tuple[Member, KVClient]:
+        for member in leaving.members:
+            if member == self.me:
+                return member, self._local
+            if member.id in suspects:
+                continue
+            try:
+                client = KVClient(member.host, member.port, _PROBE_SECONDS)
+                client.ping()
+                client.timeout = self.settings.dead_after
+                return member, client
+            except StoreUnreachable:
+                suspects.add(member.id)
+        raise Evicted(f"fault tolerance: this member ({self.me.id}) was not a member of epoch {leaving.number}")
+
+    def _gather(self, store: KVClient, leaving: Epoch, suspects: set[str]) -> None:
+        """As the new coordinator: wait for the survivors' join records, check the quorum, publish the epoch.
+
+        A member of ``leaving`` is waited for until it joins, unless it is a suspect (the closure named it),
+        its store refuses connections (dead), does not answer (hung or cut off), or ``dead_after`` passed.
+        The quorum: more than half of ``leaving``'s members not confirmed dead.
+        """
+        start, period = time.monotonic(), self.settings.heartbeat_period
+        joined: dict[str, dict[str, Any]] = {self.me.id: _json(store.check(f"ft/join/{self.me.id}"))}
+        others = {m.id: m for m in leaving.members if m != self.me}
+        dead: set[str] = set()
+        probed: dict[str, tuple[str, float]] = {}
+
+        def state(member_id: str) -> str:
+            seen, when = probed.get(member_id, ("", -period))
+            if time.monotonic() - when >= period:
+                seen, current = probe(others[member_id])
+                if current is not None and current > leaving.number:  # they went on without this member
+                    raise Evicted(
+                        f"fault tolerance: the job formed epoch {current} without this member ({self.me.id}); it was "
+                        "taken for dead and can only come back as a joiner"
+                    )
+                when = time.monotonic()
+                probed[member_id] = (seen, when)
+            return seen
+
+        while True:
+            for member_id in set(others) - set(joined) - dead:
+                join = _json(store.check(f"ft/join/{member_id}"))
+                if join is not None and join["last_epoch"] >= leaving.number:
+                    joined[member_id] = join
+            elapsed = time.monotonic() - start
+            missing = set(others) - set(joined) - dead
+            waiting = {
+                m for m in missing if m not in suspects and elapsed < self.settings.dead_after and state(m) == "alive"
+            }
+            dead |= {m for m in missing - waiting if probed.get(m, ("",))[0] == "refused"}
+            if not waiting:
+                if 2 * len(joined) > leaving.size - len(dead):
+                    break
+                dead |= {m for m in missing - dead if state(m) == "refused"}  # the quorum needs to know: look
+                if 2 * len(joined) > leaving.size - len(dead):
+                    break
+                if elapsed > self.settings.quorum_timeout:
+                    store.set(f"ft/after/{leaving.number}", b"noquorum")
+                    return
+            time.sleep(0.005 if waiting else period)
+        members = [m for m in leaving.members if m.id in joined]
+        joiners = self._admissible_requests(store, {m.id for m in members})
+        epoch = Epoch(
+            max(int(j["last_epoch"]) for j in joined.values()) + 1,
+            tuple(members + joiners),
+            0,
+            max(int(j["committed"]) for j in joined.values()),
+            tuple(m.id for m in joiners),
+        )
+        publish_epoch(store, epoch, after=sorted({int(j["last_epoch"]) for j in joined.values()}))
+        for member_id in joined:
+            store.delete(f"ft/join/{member_id}")
+
+    def _admissible_requests(self, store: KVClient, members: set[str]) -> list[Member]:
+        count = int(store.check("ft/requests") or b"0")
+        joiners = []
+        for index in range(self._requests_seen + 1, count + 1):
+            raw = store.check(f"ft/request/{index}")
+            if raw is None:
+                continue
+            try:
+                member = Member.from_json(json.loads(raw))
+            except (ValueError, TypeError):
+                continue
+            if member.id not in members:
+                joiners.append(member)
+        self._requests_seen = count
+        return joiners
+
+
+def probe(member: Member) -> tuple[str, int | None]:
+    """``"alive"``, ``"refused"`` (nothing listens: its process is gone) or ``"silent"`` (hung or cut off), and the
+    epoch the member is in (None unless alive)."""
+    try:
+        client = KVClient(member.host, member.port, _PROBE_SECONDS)
+        current = _json(client.check("ft/current"))
+        client.close()
+        return "alive", None if current is None else int(current["epoch"])
+    except StoreUnreachable as error:
+        return ("refused" if error.refused else "silent"), None
+
+
+def _json(raw: bytes | None) -> Any:
+    return None if raw is None else json.loads(raw)

@@ -1,0 +1,273 @@
+"""The key-value store every member of a fault-tolerant job hosts: a small TCP server and its client.
+
+Framework-free (no torch, no jax), so both front ends share it and a member's store lives as
+long as its process. Values are bytes; nothing is ever unpickled. Operations: ``set``, ``get``
+(waiting server-side up to a timeout for the key to appear), ``add`` (an integer counter),
+``compare_set``, ``delete``, ``ping`` and ``hello`` (registers the connection as a member's:
+when it closes, the server's ``on_disconnect`` is called with the member's id at once, which is
+how a killed member is noticed within milliseconds).
+
+Wire format, both directions: a frame is ``!BII`` (operation or status, key length, value
+length), then the key and the value. ``get``'s value is its wait in seconds (``!d``),
+``add``'s the amount (``!q``), ``compare_set``'s ``!I`` + expected + desired.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from collections.abc import Callable
+
+__all__ = ["KVClient", "KVServer", "StoreUnreachable", "connect", "wait_for"]
+
+_HEADER = struct.Struct("!BII")
+_SET, _GET, _ADD, _CAS, _DELETE, _PING, _HELLO, _CHECK = range(1, 9)
+_OK, _MISSING = 0, 1
+_MAX_FRAME = 1 << 30
+
+
+class StoreUnreachable(ConnectionError):
+    """A member's store did not answer (refused, closed, or silent past the timeout)."""
+
+    def __init__(self, address: tuple[str, int], why: str, refused: bool = False):
+        super().__init__(f"the store at {address[0]}:{address[1]} {why}")
+        self.address = address
+        self.refused = refused
+        """True when nothing listens there: its process is gone (not merely hung or cut off)."""
+
+
+def _receive_exactly(sock: socket.socket, count: int) -> bytes:
+    chunks, left = [], count
+    while left:
+        chunk = sock.recv(min(left, 1 << 20))
+        if not chunk:
+            raise EOFError
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _receive_frame(sock: socket.socket) -> tuple[int, bytes, bytes]:
+    kind, key_length, value_length = _HEADER.unpack(_receive_exactly(sock, _HEADER.size))
+    if key_length > _MAX_FRAME or value_length > _MAX_FRAME:
+        raise EOFError  # not our protocol: drop the connection
+    key = _receive_exactly(sock, key_length)
+    return kind, key, _receive_exactly(sock, value_length)
+
+
+def _frame(kind: int, key: bytes, value: bytes) -> bytes:
+    return _HEADER.pack(kind, len(key), len(value)) + key + value
+
+
+class KVServer:
+    """A store served on ``host:port`` (port 0: a free one, see :attr:`port`) by one thread per connection.
+
+    ``on_disconnect(member_id)`` is called (on the connection's thread) when a connection that
+    said ``hello`` closes. :meth:`close` stops it; it also stops when the process ends.
+    """
+
+    def __init__(self, host: str = "", port: int = 0, on_disconnect: Callable[[str], None] | None = None):
+        self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
+        self.port: int = self._listener.getsockname()[1]
+        self.on_disconnect = on_disconnect
+        self._data: dict[bytes, bytes] = {}
+        self._changed = threading.Condition()
+        self._closing = False
+        self._connections: set[socket.socket] = set()
+        self._thread = threading.Thread(target=self._accept, name=f"bagua-kv:{self.port}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                sock, _ = self._listener.accept()
+            except OSError:
+                return
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._changed:
+                if self._closing:
+                    sock.close()
+                    return
+                self._connections.add(sock)
+            threading.Thread(target=self._serve, args=(sock,), name=f"bagua-kv:{self.port}:conn", daemon=True).start()
+
+    def _serve(self, sock: socket.socket) -> None:
+        member = None
+        try:
+            while True:
+                kind, key, value = _receive_frame(sock)
+                if kind == _HELLO:
+                    member = key.decode()
+                    status, reply = _OK, b""
+                else:
+                    status, reply = self._apply(kind, key, value)
+                sock.sendall(_frame(status, b"", reply))
+        except (EOFError, OSError, struct.error, ValueError):
+            pass
+        finally:
+            with self._changed:
+                self._connections.discard(sock)
+                closing = self._closing
+            sock.close()
+            if member is not None and not closing and self.on_disconnect is not None:
+                self.on_disconnect(member)
+
+    def _apply(self, kind: int, key: bytes, value: bytes) -> tuple[int, bytes]:
+        with self._changed:
+            if kind == _SET:
+                self._data[key] = value
+                self._changed.notify_all()
+                return _OK, b""
+            if kind == _GET:
+                (wait,) = struct.unpack("!d", value)
+                deadline = time.monotonic() + wait
+                while key not in self._data and not self._closing:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        return _MISSING, b""
+                    self._changed.wait(left)
+                return (_OK, self._data[key]) if key in self._data else (_MISSING, b"")
+            if kind == _CHECK:
+                return (_OK, self._data[key]) if key in self._data else (_MISSING, b"")
+            if kind == _ADD:
+                (amount,) = struct.unpack("!q", value)
+                total = int(self._data.get(key, b"0")) + amount
+                self._data[key] = str(total).encode()
+                self._changed.notify_all()
+                return _OK, struct.pack("!q", total)
+            if kind == _CAS:
+                (length,) = struct.unpack("!I", value[:4])
+                expected, desired = value[4 : 4 + length], value[4 + length :]
+                if self._data.get(key, b"") == expected:
+                    self._data[key] = desired
+                    self._changed.notify_all()
+                return _OK, self._data.get(key, b"")
+            if kind == _DELETE:
+                return (_OK if self._data.pop(key, None) is not None else _MISSING), b""
+            if kind == _PING:
+                return _OK, b""
+        raise ValueError(f"unknown store operation {kind}")
+
+    def close(self) -> None:
+        """Stop serving: close the listener and every connection (no ``on_disconnect`` calls)."""
+        with self._changed:
+            self._closing = True
+            connections = list(self._connections)
+            self._changed.notify_all()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        for sock in connections:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
+class KVClient:
+    """One connection to a :class:`KVServer`; thread-safe (one request at a time).
+
+    ``timeout`` bounds connecting and each request's answer beyond a ``get``'s own wait; a store
+    that does not answer, refuses or closes raises :class:`StoreUnreachable`, and the client is
+    then closed. ``member`` registers the connection as that member's (see :class:`KVServer`).
+    """
+
+    def __init__(self, host: str, port: int, timeout: float, member: str | None = None):
+        self.address = (host, int(port))
+        self.timeout = float(timeout)
+        self._lock = threading.Lock()
+        try:
+            self._sock: socket.socket | None = socket.create_connection(self.address, timeout=self.timeout)
+        except ConnectionRefusedError:
+            raise StoreUnreachable(self.address, "refused the connection (nothing listens)", refused=True) from None
+        except OSError as error:
+            raise StoreUnreachable(self.address, f"could not be reached ({error})") from None
+        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if member is not None:
+            self._request(_HELLO, member.encode(), b"")
+
+    def _request(self, kind: int, key: bytes, value: bytes, wait: float = 0.0) -> tuple[int, bytes]:
+        with self._lock:
+            sock = self._sock
+            if sock is None:
+                raise StoreUnreachable(self.address, "was closed by this client")
+            try:
+                sock.settimeout(self.timeout + wait)
+                sock.sendall(_frame(kind, key, value))
+                status, _, reply = _receive_frame(sock)
+                return status, reply
+            except (OSError, EOFError, struct.error) as error:
+                self._sock = None
+                sock.close()
+                why = "timed out" if isinstance(error, TimeoutError) else f"closed the connection ({error!r})"
+                raise StoreUnreachable(self.address, why) from None
+
+    def set(self, key: str, value: bytes | str) -> None:
+        """Store ``value`` under ``key`` (waking every ``get`` waiting for it)."""
+        self._request(_SET, key.encode(), value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key: str, wait: float = 0.0) -> bytes | None:
+        """The value of ``key``, waiting up to ``wait`` seconds for it to be set; None if it is not."""
+        status, reply = self._request(_GET, key.encode(), struct.pack("!d", max(0.0, wait)), wait=max(0.0, wait))
+        return reply if status == _OK else None
+
+    def check(self, key: str) -> bytes | None:
+        """The value of ``key`` now, or None."""
+        status, reply = self._request(_CHECK, key.encode(), b"")
+        return reply if status == _OK else None
+
+    def add(self, key: str, amount: int = 1) -> int:
+        """Add ``amount`` to the integer counter ``key`` (0 if unset); return the new total."""
+        return struct.unpack("!q", self._request(_ADD, key.encode(), struct.pack("!q", amount))[1])[0]
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (b"" matches an unset key); return its value after."""
+        expected = expected.encode() if isinstance(expected, str) else bytes(expected)
+        desired = desired.encode() if isinstance(desired, str) else bytes(desired)
+        return self._request(_CAS, key.encode(), struct.pack("!I", len(expected)) + expected + desired)[1]
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; whether it was there."""
+        return self._request(_DELETE, key.encode(), b"")[0] == _OK
+
+    def ping(self) -> None:
+        """Return once the store answers (raises :class:`StoreUnreachable` otherwise)."""
+        self._request(_PING, b"", b"")
+
+    def close(self) -> None:
+        """Close the connection (a member's registered connection then counts as gone); a request waiting on
+        another thread raises :class:`StoreUnreachable`."""
+        sock = self._sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        with self._lock:
+            if self._sock is not None:
+                self._sock.close()
+                self._sock = None
+
+
+def connect(host: str, port: int, timeout: float, member: str | None = None) -> KVClient:
+    """A client to ``host:port``, retrying refusals for ``timeout`` seconds (the store may not listen yet)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return KVClient(host, port, timeout, member)
+        except StoreUnreachable as error:
+            if not error.refused or time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def wait_for(store: KVClient, key: str, timeout: float) -> bytes:
+    """The value of ``key``, waiting up to ``timeout`` seconds for it (a TimeoutError if it is not set)."""
+    value = store.get(key, wait=timeout)
+    if value is None:
+        raise TimeoutError(f"fault tolerance: {key} was not set within {timeout:g} s")
+    return value

@@ -1,0 +1,393 @@
+"""Who the members of a fault-tolerant job are: epochs, heartbeats, commit by agreement, recovery, joining.
+
+The protocol is described in ``docs/guides/fault_tolerance.md`` (and, for developers, in the
+design notes): every member hosts a :class:`~bagua_common.fault_tolerance.kv_store.KVServer`;
+an *epoch* is an agreed, ordered member list whose first member is its *coordinator* and
+holds the epoch's keys (``ft/e<E>/...``: the decision register, votes, heartbeats, the
+communicators' rendezvous). A *transaction* (a step, an outer exchange) commits when the last
+of its votes turns the register from ``T`` to ``T+1`` (:mod:`.decision`); closing the epoch
+turns it to ``T closed``; both are compare-and-set, so every member sees the same outcome.
+
+Each member runs one monitor thread: it waits on the epoch's ``closed`` key (a blocking get,
+woken at once by a closure), sends heartbeats, and on the coordinator also watches the others'
+heartbeats and the joiners' requests. A member whose connection to the coordinator's store
+drops is gone at once (its process ended); one whose heartbeats stop for ``dead_after`` is
+taken for gone. On a closure the monitor forms the next epoch with the survivors at the first
+member whose store answers (so the coordinator's role moves when the coordinator dies); the
+training thread only waits for it (:meth:`Membership.recover`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+import os
+import secrets
+import socket
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bagua_common.fault_tolerance.decision import Decision
+from bagua_common.fault_tolerance.epoch import (
+    Epoch,
+    Member,
+    Recovery,
+    close_epoch,
+    mark_closed,
+    publish_epoch,
+    read_epoch,
+)
+from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
+from bagua_common.fault_tolerance.formation import Formation
+from bagua_common.fault_tolerance.kv_store import KVClient, KVServer, StoreUnreachable, connect, wait_for
+from bagua_common.fault_tolerance.settings import ENV_PEERS, FaultToleranceSettings
+
+__all__ = ["Membership", "advertised_host"]
+
+
+def advertised_host(toward: str) -> str:
+    """This machine's address as seen from ``toward`` (127.0.0.1 when that is this machine's loopback)."""
+    try:
+        infos = socket.getaddrinfo(toward, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return socket.gethostname()
+    family, _, _, _, address = infos[0]
+    if ipaddress.ip_address(address[0]).is_loopback:
+        return "127.0.0.1"
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address[0], 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostname()
+
+
+class Membership:
+    """This process's membership of a fault-tolerant job (see the module docstring).
+
+    Build it with :meth:`start` (the launcher's ranks, together) or :meth:`join` (a process joining a
+    running job). The training thread reads :attr:`epoch`, votes with :meth:`commit`, reports a failed
+    collective with :meth:`fail` and, after a change, takes the next epoch from :meth:`recover`.
+    """
+
+    def __init__(self, settings: FaultToleranceSettings, host: str, port: int = 0):
+        self.settings = settings
+        self._server = KVServer("", port, on_disconnect=self._member_disconnected)
+        self.me = Member(f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}", host, self._server.port)
+        self._local = KVClient("127.0.0.1", self._server.port, settings.dead_after)
+        self._lock = threading.Condition()
+        self._epoch: Epoch | None = None  # the monitor's current epoch (the training thread keeps its own)
+        self._failure: BaseException | None = None  # NoQuorum or Evicted, raised by recover()
+        self._committed = 0  # the last transaction this member applied (for the join records)
+        self._voted: int | None = None  # a transaction voted for and not yet decided
+        self._recovering = 0  # training-thread calls waiting in recover()
+        self._heartbeats: dict[str, tuple[int, float]] = {}
+        self._stopping = threading.Event()
+        self._formation = Formation(settings, self.me, self._local, self._stopping)
+        self._monitor_client: KVClient | None = None
+        self._monitor: threading.Thread | None = None
+
+    # --- starting ----------------------------------------------------------------------
+
+    @classmethod
+    def start(
+        cls,
+        settings: FaultToleranceSettings,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        timeout: float = 300.0,
+    ) -> Membership:
+        """Form epoch 0 from the launcher's ``world_size`` ranks (every rank calls it; rank 0's store listens on
+        ``master_addr:master_port``, where the others register within ``timeout`` seconds)."""
+        if not 0 <= rank < world_size:
+            raise ValueError(f"fault tolerance: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        self = cls(settings, advertised_host(master_addr), master_port if rank == 0 else 0)
+        try:
+            coordinator = self._local if rank == 0 else connect(master_addr, master_port, timeout)
+            coordinator.set(f"ft/start/{rank}", json.dumps(self.me.as_json()))
+            if rank == 0:
+                members = []
+                for r in range(world_size):
+                    raw = coordinator.get(f"ft/start/{r}", wait=timeout)
+                    if raw is None:
+                        raise TimeoutError(f"fault tolerance: rank {r} did not register within {timeout:g} s")
+                    members.append(Member.from_json(json.loads(raw)))
+                epoch = Epoch(0, tuple(members), 0, 0)
+                publish_epoch(coordinator, epoch, after=[-1])
+            raw = wait_for(coordinator, "ft/after/-1", timeout)
+            epoch = read_epoch(coordinator, raw, self.me.id)
+            if rank:
+                coordinator.close()
+        except BaseException:
+            self.close()
+            raise
+        self._adopt(epoch)
+        return self
+
+    @classmethod
+    def join(
+        cls,
+        settings: FaultToleranceSettings,
+        master_addr: str,
+        master_port: int,
+        peers: Sequence[str] | None = None,
+        timeout: float = 300.0,
+    ) -> Membership:
+        """Join a running job: ask a live member's store (``master_addr:master_port``, then ``peers``, default
+        ``BAGUA_FT_PEERS``) where the job's coordinator is, request admission there and wait (up to ``timeout``
+        seconds, asking again when the coordinator changes) for the epoch that admits this process. The returned
+        membership's epoch lists this process in :attr:`Epoch.joined`: it needs the job's state from a member."""
+        if peers is None:
+            peers = [p for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
+        addresses = [(master_addr, int(master_port))]
+        for peer in peers:
+            host, _, port = peer.strip().rpartition(":")
+            addresses.append((host, int(port)))
+        self = cls(settings, advertised_host(master_addr))
+        deadline = time.monotonic() + timeout
+        requested_at = None
+        try:
+            while True:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"fault tolerance: not admitted to the job within {timeout:g} s")
+                coordinator = self._find_coordinator(addresses)
+                if coordinator is None:
+                    time.sleep(settings.heartbeat_period)
+                    continue
+                try:
+                    if coordinator.address != requested_at:  # ask once per coordinator
+                        index = coordinator.add("ft/requests", 1)
+                        coordinator.set(f"ft/request/{index}", json.dumps(self.me.as_json()))
+                        requested_at = coordinator.address
+                    raw = coordinator.get(f"ft/admit/{self.me.id}", wait=settings.dead_after)
+                    if raw is not None:
+                        epoch = read_epoch(coordinator, raw, self.me.id)
+                        break
+                except StoreUnreachable:
+                    continue
+                finally:
+                    coordinator.close()
+        except BaseException:
+            self.close()
+            raise
+        self._adopt(epoch)
+        return self
+
+    def _find_coordinator(self, addresses: Sequence[tuple[str, int]]) -> KVClient | None:
+        """A client to the current coordinator's store, as a live member's ``ft/current`` says; None if none
+        answers."""
+        for host, port in addresses:
+            try:
+                client = KVClient(host, port, self.settings.heartbeat_period + 1.0)
+                raw = client.check("ft/current")
+                current = None if raw is None else json.loads(raw)
+                client.close()
+                if current is None:
+                    continue
+                return KVClient(current["host"], current["port"], self.settings.dead_after)
+            except (StoreUnreachable, ValueError, KeyError, TypeError):
+                continue
+        return None
+
+    # --- the training thread's side ------------------------------------------------------
+
+    @property
+    def epoch(self) -> Epoch:
+        """The latest epoch the monitor knows (the training thread uses the one :meth:`recover` gave it)."""
+        assert self._epoch is not None
+        return self._epoch
+
+    def commit(self, epoch: Epoch, transaction: int) -> bool:
+        """Vote for ``transaction`` (the next one: ``committed + 1``) in ``epoch`` once this member's collectives
+        for it completed, and return whether it committed: True, apply it; False, abandon it (the epoch closed
+        first) and take the next epoch from :meth:`recover`. When the coordinator's store is gone before the
+        outcome is known, waits for the next epoch, whose agreed ``committed`` decides."""
+        store, prefix = epoch.store, epoch.prefix()
+        assert store is not None
+        with self._lock:
+            self._voted = transaction
+        try:
+            if store.add(f"{prefix}votes/{transaction}", 1) == epoch.size:
+                while True:  # the coordinator may turn "open" into "drain" meanwhile: try again
+                    current = store.check(f"{prefix}decision")
+                    desired = Decision.decode(current).after_last_vote(transaction)
+                    if desired is None or store.compare_set(f"{prefix}decision", current, desired.encode()) == (
+                        desired.encode()
+                    ):
+                        break
+                if desired is not None and desired.final:
+                    mark_closed(store, epoch, {"reason": "ended", "suspects": []})
+                store.set(f"{prefix}done/{transaction}", b"")
+            else:
+                while store.get(f"{prefix}done/{transaction}", wait=self.settings.heartbeat_period) is None:
+                    pass
+            decision = Decision.decode(store.check(f"{prefix}decision"))
+            committed = decision.committed >= transaction
+            if decision.final:
+                epoch.closed.set()
+        except StoreUnreachable:
+            committed = self.recover(epoch).committed >= transaction
+        with self._lock:
+            self._voted = None
+            if committed:
+                self._committed = max(self._committed, transaction)
+            self._lock.notify_all()
+        return committed
+
+    def fail(self, epoch: Epoch, reason: str) -> None:
+        """Close ``epoch`` because something failed on this member (a collective raised, a peer hung)."""
+        epoch.closed.set()
+        try:
+            assert epoch.store is not None
+            close_epoch(epoch.store, epoch, {"reason": f"{self.me.id}: {reason}", "suspects": []})
+        except StoreUnreachable:
+            pass  # the coordinator is gone: the monitor sees it too
+
+    def recover(self, after: Epoch, timeout: float | None = None) -> Recovery:
+        """Wait for the epoch after ``after`` and return it (raises :class:`NoQuorum` or :class:`Evicted` when
+        the monitor could not form one with this member)."""
+        limit = self.settings.quorum_timeout + 4 * self.settings.dead_after if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._lock:
+            self._recovering += 1
+            self._lock.notify_all()
+            try:
+                while self._failure is None and self._epoch is not None and self._epoch.number <= after.number:
+                    if not self._lock.wait(timeout=max(0.0, deadline - time.monotonic())):
+                        raise TimeoutError(f"fault tolerance: no epoch after {after.number} within {limit:g} s")
+            finally:
+                self._recovering -= 1
+            if self._failure is not None:
+                raise self._failure
+            assert self._epoch is not None
+            epoch = self._epoch
+        if after.store is not None:
+            after.store.close()  # the training thread is done with the old epoch
+        return Recovery(epoch, epoch.committed)
+
+    def applied(self, transaction: int) -> None:
+        """Record that this member applied ``transaction`` by other means (a joiner given the state at it)."""
+        with self._lock:
+            self._committed = transaction
+
+    # --- the monitor ---------------------------------------------------------------------
+
+    def _adopt(self, epoch: Epoch) -> None:
+        """Make ``epoch`` current: a training client to its coordinator, the pointer in this member's store, and
+        the monitor (started on the first epoch)."""
+        epoch.store = connect(epoch.coordinator.host, epoch.coordinator.port, self.settings.dead_after)
+        if self._stopping.is_set():
+            epoch.store.close()
+            return
+        self._local.set("ft/current", json.dumps({"epoch": epoch.number, **_address(epoch.coordinator)}))
+        with self._lock:
+            self._epoch = epoch
+            self._committed = max(self._committed, epoch.committed)
+            self._heartbeats = {}
+            self._lock.notify_all()
+        if self._monitor is None:
+            self._monitor = threading.Thread(target=self._watch, name="bagua-ft-monitor", daemon=True)
+            self._monitor.start()
+
+    def _watch(self) -> None:
+        period = self.settings.heartbeat_period
+        while not self._stopping.is_set():
+            epoch = self.epoch
+            suspects: list[str] = []
+            try:
+                client = self._monitor_client = connect(
+                    epoch.coordinator.host,
+                    epoch.coordinator.port,
+                    self.settings.dead_after,
+                    f"{epoch.number}:{self.me.id}",
+                )
+                prefix = epoch.prefix()
+                while not self._stopping.is_set():
+                    closure = client.get(f"{prefix}closed", wait=period)
+                    if closure is not None:
+                        suspects = list(json.loads(closure).get("suspects", []))
+                        break
+                    client.add(f"{prefix}hb/{self.me.id}", 1)
+                    if epoch.rank == 0:
+                        self._coordinate(client, epoch)
+            except StoreUnreachable:
+                if self._stopping.is_set():
+                    return
+                suspects = [epoch.coordinator.id]
+            finally:
+                if self._monitor_client is not None:
+                    self._monitor_client.close()
+            if self._stopping.is_set():
+                return
+            epoch.closed.set()
+            try:
+                formed = self._formation.form_next(epoch, set(suspects) - {self.me.id}, self._join_record(epoch))
+            except (NoQuorum, Evicted) as failure:
+                with self._lock:
+                    self._failure = failure
+                    self._lock.notify_all()
+                return
+            self._adopt(formed)
+
+    def _coordinate(self, client: KVClient, epoch: Epoch) -> None:
+        """The coordinator's duties each heartbeat: close the epoch when a member's heartbeats stopped, and ask it
+        to end after its next commit when a joiner waits."""
+        now, prefix, stale = time.monotonic(), epoch.prefix(), []
+        for member in epoch.members[1:]:
+            count = int(client.check(f"{prefix}hb/{member.id}") or b"0")
+            last, since = self._heartbeats.get(member.id, (-1, now))
+            if count != last:
+                self._heartbeats[member.id] = (count, now)
+            elif now - since > self.settings.dead_after:
+                stale.append(member.id)
+        if stale:
+            why = f"no heartbeat for {self.settings.dead_after:g} s"
+            close_epoch(client, epoch, {"reason": why, "suspects": stale})
+            return
+        if self._formation.requests_waiting(client):
+            current = client.check(f"{prefix}decision")
+            client.compare_set(f"{prefix}decision", current, Decision.decode(current).draining().encode())
+
+    def _member_disconnected(self, tag: str) -> None:
+        """The store's report that a member's registered connection closed: on the coordinator, close the epoch."""
+        number, _, member_id = tag.partition(":")
+        epoch = self._epoch
+        if (
+            epoch is None
+            or self._stopping.is_set()
+            or epoch.rank != 0
+            or str(epoch.number) != number
+            or member_id not in [m.id for m in epoch.members]
+        ):
+            return
+        try:
+            close_epoch(self._local, epoch, {"reason": f"{member_id} disconnected", "suspects": [member_id]})
+        except StoreUnreachable:
+            pass
+
+    def _join_record(self, leaving: Epoch) -> dict[str, Any]:
+        """This member's join record for the epoch after ``leaving``: a vote in flight is decided within a round
+        trip once the epoch closed (or the training thread waits for the next epoch), so its outcome is in."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._voted is None or self._recovering, timeout=self.settings.dead_after)
+            return {"member": self.me.as_json(), "last_epoch": leaving.number, "committed": self._committed}
+
+    # --- ending ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the monitor and the store (the other members see this member leave)."""
+        self._stopping.set()
+        for client in (self._monitor_client, self._local, self._epoch.store if self._epoch else None):
+            if client is not None:
+                client.close()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=self.settings.dead_after)
+        self._server.close()
+
+
+def _address(member: Member) -> dict[str, Any]:
+    return {"host": member.host, "port": member.port}

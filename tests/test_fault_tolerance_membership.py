@@ -1,0 +1,234 @@
+"""The shared fault-tolerance core: the members' store, the decision register, epochs, commit and recovery.
+
+Members run as threads of this process (each with its own store on a real socket); a member
+"dies" when its store and connections close, as they do when its process ends, which the
+coordinator sees at once. The hang (a stopped process, only heartbeats tell) runs members as
+processes and stops one with SIGSTOP (``fault_tolerance_member.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from multiprocess import TESTS, free_port
+
+from bagua_common.fault_tolerance import (
+    Decision,
+    FaultToleranceSettings,
+    KVClient,
+    KVServer,
+    Membership,
+    StoreUnreachable,
+)
+
+FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
+
+
+def together(calls):
+    """Run the calls on threads at once; return their results in order (re-raising the first error)."""
+    results, errors = [None] * len(calls), []
+
+    def run(i, call):
+        try:
+            results[i] = call()
+        except BaseException as error:  # noqa: BLE001 (reported to the test's thread)
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i, c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    if errors:
+        raise errors[0]
+    return results
+
+
+@pytest.fixture
+def members(request):
+    """``members(n)``: n members forming epoch 0 together; closed at the end."""
+    made = []
+
+    def make(n: int, settings: FaultToleranceSettings = FAST) -> list[Membership]:
+        port = free_port()
+        group = together(
+            [lambda r=r: Membership.start(settings, r, n, "127.0.0.1", port, timeout=20) for r in range(n)]
+        )
+        made.extend(group)
+        return group
+
+    yield make
+    for m in made:
+        m.close()
+
+
+def commit_all(group, transaction):
+    return together([lambda m=m: m.commit(m.epoch, transaction) for m in group])
+
+
+# --- the store ---------------------------------------------------------------------------
+
+
+def test_store_operations_and_a_waiting_get():
+    server = KVServer("127.0.0.1")
+    client = KVClient("127.0.0.1", server.port, 5)
+    try:
+        assert client.get("k") is None
+        assert client.add("n", 2) == 2 and client.add("n", -5) == -3
+        assert client.compare_set("c", b"", b"one") == b"one"
+        assert client.compare_set("c", b"zero", b"two") == b"one"  # expected value differs: unchanged
+        assert client.compare_set("c", b"one", b"two") == b"two"
+        threading.Timer(0.2, lambda: KVClient("127.0.0.1", server.port, 5).set("late", b"x")).start()
+        started = time.monotonic()
+        assert client.get("late", wait=5) == b"x"
+        assert time.monotonic() - started < 2  # woken by the set, not by the wait's end
+        assert client.delete("c") and client.check("c") is None
+    finally:
+        client.close()
+        server.close()
+
+
+def test_a_closed_store_refuses_and_a_registered_connection_is_reported():
+    gone = []
+    server = KVServer("127.0.0.1", on_disconnect=gone.append)
+    member = KVClient("127.0.0.1", server.port, 5, member="7:someone")
+    member.close()
+    deadline = time.monotonic() + 5
+    while not gone and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert gone == ["7:someone"]
+    port = server.port
+    server.close()
+    with pytest.raises(StoreUnreachable) as caught:
+        KVClient("127.0.0.1", port, 1)
+    assert caught.value.refused
+
+
+# --- the decision register ---------------------------------------------------------------
+
+
+def test_decision_register_transitions():
+    opened = Decision(4)
+    assert Decision.decode(opened.encode()) == opened
+    assert opened.after_last_vote(5) == Decision(5) and opened.after_last_vote(6) is None
+    assert opened.draining().after_last_vote(5) == Decision(5, "ended")
+    assert opened.closed() == Decision(4, "closed") and opened.closed().after_last_vote(5) is None
+    assert Decision(5, "ended").closed() == Decision(5, "ended")  # an ended epoch stays ended
+    with pytest.raises(ValueError, match="not a decision register"):
+        Decision.decode(b"garbage")
+
+
+# --- epochs, commits, recovery -------------------------------------------------------------
+
+
+def test_members_commit_together_and_survive_a_death(members):
+    group = members(3)
+    assert [m.epoch.rank for m in group] == [0, 1, 2]
+    assert commit_all(group, 1) == [True, True, True]
+    leaving = [m.epoch for m in group]  # each member's own (a front end's training thread keeps it)
+    started = time.monotonic()
+    group[2].close()  # as its process ending does: its store and connections close
+    recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[:2], leaving)])
+    seconds = time.monotonic() - started
+    assert [r.epoch.size for r in recovered] == [2, 2] and [r.epoch.rank for r in recovered] == [0, 1]
+    assert [r.committed for r in recovered] == [1, 1]
+    assert seconds < 1.0, f"recovery took {seconds:.2f} s"
+    assert commit_all(group[:2], 2) == [True, True]
+
+
+def test_the_coordinators_death_moves_its_role_to_the_next_member(members):
+    group = members(3)
+    assert commit_all(group, 1) == [True, True, True]
+    leaving = [m.epoch for m in group]
+    group[0].close()
+    recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[1:], leaving[1:])])
+    assert [r.epoch.coordinator.id for r in recovered] == [group[1].me.id] * 2
+    assert commit_all(group[1:], 2) == [True, True]
+
+
+def test_a_transaction_in_flight_when_a_member_dies_is_abandoned_by_all(members):
+    group = members(3)
+    leaving = [m.epoch for m in group]
+    votes = together([lambda m=m, e=e: m.commit(e, 1) for m, e in zip(group[:2], leaving)] + [group[2].close])
+    assert votes[:2] == [False, False]  # the third vote never came: nobody applies transaction 1
+    recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[:2], leaving)])
+    assert [r.committed for r in recovered] == [0, 0]
+
+
+def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(members):
+    group = members(2)
+    epochs = [m.epoch for m in group]  # each member's training thread keeps its own, as a front end does
+    port = epochs[0].coordinator.port
+    joiner = []
+    thread = threading.Thread(target=lambda: joiner.append(Membership.join(FAST, "127.0.0.1", port, timeout=20)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    transaction = 0
+    while epochs[0].number == 0 and time.monotonic() < deadline:  # the members keep committing meanwhile
+        transaction += 1
+        assert together([lambda m=m, e=e: m.commit(e, transaction) for m, e in zip(group, epochs)]) == [True, True]
+        if epochs[0].closed.is_set():  # ended after this commit: the next epoch admits the joiner
+            epochs = [r.epoch for r in together([lambda m=m, e=e: m.recover(e) for m, e in zip(group, epochs)])]
+    thread.join(20)
+    try:
+        new = joiner[0].epoch
+        assert new.size == 3 and new.rank == 2 and new.is_joiner() and new.committed == transaction
+        assert [e.members for e in epochs] == [new.members] * 2
+        everyone = [*group, joiner[0]]
+        assert (
+            together([lambda m=m, e=e: m.commit(e, transaction + 1) for m, e in zip(everyone, [*epochs, new])])
+            == [True] * 3
+        )
+    finally:
+        for j in joiner:
+            j.close()
+
+
+# --- a hung member (a stopped process) -------------------------------------------------------
+
+MEMBER = str(TESTS / "fault_tolerance_member.py")
+
+
+def member_processes(n: int, port: int):
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    return [
+        subprocess.Popen(
+            [sys.executable, MEMBER, str(r), str(n), str(port)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for r in range(n)
+    ]
+
+
+def test_stopped_members_are_left_behind_after_dead_after_and_evicted_when_back():
+    procs = member_processes(4, free_port())
+    try:
+        lines = [json.loads(p.stdout.readline()) for p in procs]  # each: {"epoch": 0, ...} once started
+        assert [line["epoch"] for line in lines] == [0, 0, 0, 0]
+        for victim, survivors, size in ((2, (0, 1, 3), 3), (0, (1, 3), 2)):  # a member, then the coordinator
+            procs[victim].send_signal(signal.SIGSTOP)
+            stopped = time.monotonic()
+            events = [json.loads(procs[i].stdout.readline()) for i in survivors]
+            seconds = time.monotonic() - stopped
+            assert [e["size"] for e in events] == [size] * len(survivors), events
+            assert len({e["committed"] for e in events}) == 1
+            # detection takes dead_after (0.6 s) of missed heartbeats, then the survivors go on at once
+            assert seconds < 0.6 + 2.0, f"{seconds:.2f} s"
+        for victim in (2, 0):
+            procs[victim].send_signal(signal.SIGCONT)  # back, but the job went on without them
+        assert [json.loads(procs[v].stdout.readline()) for v in (2, 0)] == [{"evicted": True}] * 2
+    finally:
+        for p in procs:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.communicate()
