@@ -111,9 +111,9 @@ OUTER_SEARCH = [(20, 0.7, 0.9), (20, 1.0, 0.0), (20, 1.0, 0.5), (100, 0.7, 0.9),
 
 
 def search_variants() -> list[dict[str, Any]]:
-    """The runs the algorithms' defaults were chosen from (torch, trained only, not timed): ByteGrad without error
-    feedback, and DiLoCo's outer optimizer over :data:`OUTER_SEARCH`."""
-    out = [_variant("torch", "bytegrad", "bytegrad_no_error_feedback", error_feedback=False)]
+    """The runs the algorithms' defaults were chosen from (torch, trained only, not timed): ByteGrad with error
+    feedback (its default has none), and DiLoCo's outer optimizer over :data:`OUTER_SEARCH`."""
+    out = [_variant("torch", "bytegrad", "bytegrad_error_feedback", error_feedback=True)]
     out += [_variant("torch", "diloco", f"diloco_h{h}_outer_lr{lr:g}_m{mu:g}", sync_every=h, outer_learning_rate=lr,
                      outer_momentum=mu) for h, lr, mu in OUTER_SEARCH]  # fmt: skip
     return out
@@ -160,7 +160,8 @@ def train(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
     todo = [v for v in _selected(args) if v["name"] not in data["train"] and v["algorithm"] not in OWN_CURVE]
     with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
         for i, variant in enumerate(todo):
-            steps = STUDY.steps if twin(variant) is None else max(1, round(args.check_fraction * STUDY.steps))
+            budget = args.steps or STUDY.steps
+            steps = budget if twin(variant) is None else max(1, round(args.check_fraction * budget))
             job = {"settings": STUDY.as_dict(), **_fields(variant), "mode": "train", "steps": steps,
                    "study_pid": os.getpid()}  # fmt: skip
             path = _jobfile(Path(tmp) / variant["name"].replace("/", "-"), job)
@@ -261,6 +262,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these variants (front/label)")
     p.add_argument("--check-fraction", type=float, default=CHECK_FRACTION,
                    help="the part of the budget a JAX variant trains to check its torch twin's curve")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help="train the first STEPS steps of the schedule (default: all)")  # fmt: skip
     p.add_argument("--links", nargs="+", default=LINKS, type=link_name, help="per-rank links timed; 'none': unshaped")
     p.add_argument("--repeats", type=int, default=3, help="timing phases per link and variant, interleaved")
     p.add_argument("--group", type=int, default=4, help="variants whose timing phases are interleaved")

@@ -41,11 +41,6 @@ DEFAULT_OUTER_MOMENTUM = 0.9
 """The default outer optimizer: Nesterov SGD with these settings (DiLoCo's and OpenDiLoCo's)."""
 
 
-def default_outer_settings(sync_every: int) -> tuple[float, float]:
-    """The default outer optimizer's (learning rate, momentum) for rounds of ``sync_every`` inner steps."""
-    return DEFAULT_OUTER_LEARNING_RATE, DEFAULT_OUTER_MOMENTUM
-
-
 _INTS = (int, np.integer)
 
 
@@ -65,7 +60,7 @@ class DiLoCoConfig(AlgorithmConfig):
     """DiLoCo's options (see the module docstring).
 
     ``sync_every``: H, inner steps per round. ``outer_optimizer``: None for Nesterov SGD with
-    ``outer_learning_rate`` and ``outer_momentum`` (None: :func:`default_outer_settings` of H),
+    ``outer_learning_rate`` and ``outer_momentum`` (None: 0.7 and 0.9, DiLoCo's),
     else the front end's optimizer (an optax transformation; for torch a callable that makes a
     ``torch.optim.Optimizer`` from a list of tensors). ``outer_exchange``:
     the pseudo-gradients' format on the wire; ``error_feedback`` carries each rank's compression
@@ -131,12 +126,11 @@ class DiLoCoConfig(AlgorithmConfig):
 
     @property
     def outer_settings(self) -> tuple[float, float]:
-        """The default outer optimizer's (learning rate, momentum): the options, else :func:`default_outer_settings`
-        of ``sync_every``."""
-        lr, momentum = default_outer_settings(self.sync_every)
+        """The default outer optimizer's (learning rate, momentum): the options, else DiLoCo's 0.7 and 0.9."""
+        lr, momentum = self.outer_learning_rate, self.outer_momentum
         return (
-            lr if self.outer_learning_rate is None else float(self.outer_learning_rate),
-            momentum if self.outer_momentum is None else float(self.outer_momentum),
+            DEFAULT_OUTER_LEARNING_RATE if lr is None else float(lr),
+            DEFAULT_OUTER_MOMENTUM if momentum is None else float(momentum),
         )
 
     def fragment_offset(self, fragment: int) -> int:
