@@ -29,8 +29,11 @@ from bagua_jax.trainer import DataParallel
 __all__ = ["OWN", "PARTS", "REPLICATED", "RESET", "carry_over", "replicated_leaves", "roles"]
 
 REPLICATED = "replicated"
+"""The role of a leaf identical on every member: kept on a change, hashed, sent to a joiner."""
 RESET = "reset"
+"""The role of a leaf laid out per rank (error-feedback residuals): taken from a fresh state on a change."""
 OWN = "own"
+"""The role of a leaf that is the member's own (an unaveraged model state): kept, never compared."""
 
 PARTS = {"params": "parameters", "opt_state": "optimizer", "step": "step", "model_state": "model state"}
 """The parts of the replica check, by :class:`~bagua_jax.train_state.TrainState` field."""
