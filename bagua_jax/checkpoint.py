@@ -196,8 +196,7 @@ def restore_rows(
             value = np.stack(rows) if rank_axis else rows[ranks[0] if trainer.mesh is None else 0]
         else:
             fresh_row = _rows(fresh, ranks)[ranks[0]]
-            leaf_rule = _leaf_rule(rule, key, rows[0].dtype)
-            value = reshard_rows(leaf_rule, rows, trainer.size if rank_axis else 1, fresh_row)
+            value = reshard_rows(leaf_rule(rule, key, rows[0].dtype), rows, trainer.size if rank_axis else 1, fresh_row)
             value = value if rank_axis else value[0]
         if value.shape != fresh.shape or value.dtype != fresh.dtype:
             raise ValueError(
@@ -210,8 +209,9 @@ def restore_rows(
     return rewrap_state(template if not isinstance(template, TrainState) else None, state)
 
 
-def _leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:
-    """The rule of the leaf at ``key`` of a :class:`TrainState`: parameters and model state are never reset."""
+def leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:
+    """The rule of the leaf at ``key`` (its key path) of a :class:`TrainState` when the world size changes: parameters
+    and model state are never reset."""
     if key.startswith((".params", ".model_state")):
         return rule.parameter_rule(dtype)
     return rule.rule_for(key, dtype)
@@ -234,7 +234,7 @@ def _restart_from_saved_params(
     def start(path, leaf):
         key = jax.tree_util.keystr(path)
         rows = saved_rows(path, leaf)
-        return reshard_rows(_leaf_rule(rule, key, rows[0].dtype), rows, 1)[0]
+        return reshard_rows(leaf_rule(rule, key, rows[0].dtype), rows, 1)[0]
 
     params = jax.tree_util.tree_map_with_path(start, TrainState(own.params, None, None)).params
     return trainer.init(params, model_state=model_state)
