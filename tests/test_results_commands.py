@@ -20,9 +20,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from harness import results  # noqa: E402
 
 # A path component the repository has at its top level (benchmarks/, bagua_jax/, ...), after some absolute prefix.
-CHECKOUT_PATH = re.compile(
-    r"(?:^|[\s=`'\"])/\S*?/(?:" + "|".join(re.escape(p.name) for p in ROOT.iterdir() if not p.name.startswith(".")) + r")/"
-)
+TOP_LEVEL = "|".join(re.escape(p.name) for p in ROOT.iterdir() if not p.name.startswith("."))
+CHECKOUT_PATH = re.compile(r"(?:^|[\s=`'\"])/\S*?/(?:" + TOP_LEVEL + r")/")
 
 
 def commands(value: object) -> Iterator[str]:
