@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         sys.stderr.buffer.write(prefix + f"cannot start {command[0]!r}: {e}\n".encode())
         sys.stderr.flush()
-        code = 127
+        code, ended = 127, time.time()
     else:
         for sig in pending:
             forward(sig, None)
@@ -144,11 +144,12 @@ def main(argv: list[str] | None = None) -> int:
         for t in readers:
             t.start()
         code = child.wait()
+        ended = time.time()  # the rank's end, not the output's: a process it started may hold that open for long
         for t in readers:
             t.join(timeout=2.0)
     if status_dir:
         try:
-            _write_json(os.path.join(status_dir, f"rank{rank}.json"), {"code": code, "time": time.time()})
+            _write_json(os.path.join(status_dir, f"rank{rank}.json"), {"code": code, "time": ended})
         except OSError:
             pass
     return exit_status(code)
