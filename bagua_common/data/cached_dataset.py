@@ -46,6 +46,8 @@ _log = logging.getLogger(__name__)
 
 
 class MapDataset(Sized, Protocol):
+    """What the cache wraps: a dataset with a length whose samples are read by index (``len(d)``, ``d[i]``)."""
+
     def __getitem__(self, index: int) -> Any: ...
 
 
