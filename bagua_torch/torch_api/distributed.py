@@ -76,7 +76,7 @@ class AlgorithmImplHandle:
         return getattr(self.impl, name)
 
 
-class BaguaBucket:
+class ModelBucket:
     """One of ``model.bagua_buckets``: the project's bucket (:class:`bagua_torch.bucketing.Bucket`), and the copies the
     decentralized algorithms keep of it under Bagua's names, which Bagua's own tests read: ``_peer_weight`` (the
     weights of the last averaging, decentralized), ``_weight``, ``_left_peer_weight``, ``_right_peer_weight``
@@ -121,9 +121,9 @@ class BaguaAttributes:
         return list(self.optimizers)
 
     @property
-    def bagua_buckets(self) -> list[BaguaBucket]:
-        """The communication buckets, in launch order, with the algorithm's copies of them (:class:`BaguaBucket`)."""
-        return [BaguaBucket(bucket, self.algorithm_impl, i) for i, bucket in enumerate(self.buckets)]
+    def bagua_buckets(self) -> list[ModelBucket]:
+        """The communication buckets, in launch order, with the algorithm's copies of them (:class:`ModelBucket`)."""
+        return [ModelBucket(bucket, self.algorithm_impl, i) for i, bucket in enumerate(self.buckets)]
 
     @property
     def bagua_module_name(self) -> str:
@@ -216,4 +216,4 @@ def install() -> None:
     nn.Module.with_bagua = with_bagua
 
 
-__all__ = ["AlgorithmImplHandle", "BaguaAttributes", "BaguaBucket", "BaguaModule", "install", "with_bagua", "wrap"]
+__all__ = ["AlgorithmImplHandle", "BaguaAttributes", "BaguaModule", "ModelBucket", "install", "with_bagua", "wrap"]

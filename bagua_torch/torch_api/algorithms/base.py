@@ -234,7 +234,10 @@ class _ProjectAlgorithm(project.Algorithm):
 
 def as_project_algorithm(algorithm: Any, **options: Any) -> project.Algorithm:
     """The project's :class:`bagua_torch.algorithms.Algorithm` for ``algorithm``: a built-in or a Bagua-style one,
-    or a name with its ``options`` (:func:`bagua_torch.algorithms.get_algorithm`, as every entry point takes it)."""
+    or a name with its ``options``, built as every entry point builds it (:func:`bagua_torch.algorithms.get_algorithm`);
+    a name that Bagua's spelling registers gets that class, as ``Algorithm.init(name, **options)`` does."""
+    if isinstance(algorithm, str) and algorithm in REGISTRY.names():  # Bagua's spelling of it, as Algorithm.init
+        algorithm, options = build_algorithm(REGISTRY.by_name(algorithm), options), {}
     if isinstance(algorithm, Algorithm):
         if options:
             raise TypeError(f"options {sorted(options)} can only be given with an algorithm's name")
