@@ -148,7 +148,7 @@ def read_state(path: str | os.PathLike, step: int | None = None) -> Any:
     restores to NumPy targets built from the step's metadata, so the saving job's device count and
     mesh do not matter: a 4-device checkpoint reads on a laptop's one CPU.
     """
-    folder = Path(path)
+    folder = Path(path).absolute()  # orbax finds no metadata under a relative path
     if not (folder / STATE).is_dir():
         sealed = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / MANIFEST).exists()]
         if step is None and not sealed:

@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         sys.stderr.buffer.write(prefix + f"cannot start {command[0]!r}: {e}\n".encode())
         sys.stderr.flush()
-        code, ended = 127, time.time()
+        code = 127
     else:
         for sig in pending:
             forward(sig, None)
@@ -145,12 +145,11 @@ def main(argv: list[str] | None = None) -> int:
         for t in readers:
             t.start()
         code = child.wait()
-        ended = time.time()  # the rank's end, not the output's: a process it started may hold that open for long
         for t in readers:
             t.join(timeout=2.0)
     if status_dir:
         try:
-            _write_json(os.path.join(status_dir, f"rank{rank}.json"), {"code": code, "time": ended})
+            _write_json(os.path.join(status_dir, f"rank{rank}.json"), {"code": code, "time": time.time()})
         except OSError:
             pass
     return exit_status(code)
