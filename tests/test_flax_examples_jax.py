@@ -23,18 +23,16 @@ from multiprocess import ONE_CPU_DEVICE, run_ranks
 
 import bagua_jax
 from bagua_jax import DataParallel, rank_slice
-from bagua_jax.algorithms import is_optimizer, make_algorithm
+from bagua_jax.algorithms import make_algorithm
 from bagua_jax.native_data_parallel import world
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "flax_mnist"
-# Every algorithm that chains the user's optax optimizer on the NNX example, the harder one (BatchNorm, dropout); the
-# linen example with one of each kind, to keep the job short. QAdam replaces the examples' SGD by name in both, as
-# `offline.py --algorithm qadam` does (1-bit Adam takes the same path: test_algorithms_by_name_jax).
+# Every algorithm that chains the user's optax optimizer (QAdam and OneBitAdam replace it: README) on the NNX
+# example, the harder one (BatchNorm, dropout); the linen example with one of each kind, to keep the job short.
 ALGORITHMS = {
-    "nnx": ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "powersgd", "diloco"]
-    + ["qadam"],
-    "linen": ["gradient_allreduce", "bytegrad", "decentralized", "qadam"],
+    "nnx": ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "powersgd", "diloco"],
+    "linen": ["gradient_allreduce", "bytegrad", "decentralized"],
 }
 # DiLoCo's default round (100 steps) is longer than the whole run: a round of 5 steps makes it communicate.
 OPTIONS = {"diloco": {"sync_every": 5}}
@@ -77,20 +75,12 @@ def bytegrad_steps(communicator=None, mesh=None) -> list[np.ndarray]:
     return history
 
 
-def configured(name: str) -> tuple:
-    """``(algorithm, learning_rate)`` for :func:`offline.run`: the Adam-type algorithms by name at offline.py's Adam
-    learning rate, as its ``--algorithm`` gives them; the others as objects with their :data:`OPTIONS`."""
-    if is_optimizer(name):
-        return name, offline().ADAM_LEARNING_RATE
-    return make_algorithm(name, **OPTIONS.get(name, {})), None
-
-
 def worker(algorithms: dict[str, list[str]], epochs: int) -> dict:
     """Each example with each algorithm, data-parallel on this rank, and :func:`bytegrad_steps` in native mode;
     then rank r runs the r-th upstream example alone (one each: neither rank waits for the other's)."""
     run = offline().run
     results = {
-        (example, name): run(example, True, epochs, *configured(name))[-1]
+        (example, name): run(example, True, epochs, make_algorithm(name, **OPTIONS.get(name, {})))[-1]
         for example in algorithms
         for name in algorithms[example]
     }
