@@ -4,7 +4,8 @@
 process writes the rows of the ranks it holds: parameters, the algorithm's optimizer state,
 the step, the model state), waits for every process, and rank 0 commits the manifest (see
 :mod:`bagua_common.job.checkpoint`: a half-written checkpoint is never loaded).
-``restore(root, trainer, params)`` loads the newest committed checkpoint into a state for
+:func:`read_state` reads one as NumPy arrays in any process, with no trainer and whatever its
+devices. ``restore(root, trainer, params)`` loads the newest committed checkpoint into a state for
 ``trainer``'s world size: the same world size gets every rank's own state back bit for
 bit; another one follows the algorithm's rule (:mod:`bagua_common.job.reshard`): identical
 state carries over, drifted parameters start from their mean, error-feedback residuals
@@ -150,10 +151,7 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
     """
     directory = checkpoint_to_restore(root)
     manifest = read_manifest(directory)
-    saved = [
-        load_arrays(verified_shard(directory, manifest, shard_path(directory, r, _SUFFIX).name))
-        for r in range(manifest.world_size)
-    ]
+    saved = read_state(directory)
 
     def saved_rows(path: KeyPath, fresh: jax.Array) -> list[np.ndarray]:
         key = jax.tree_util.keystr(path)
@@ -162,6 +160,22 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
         return [shard[key] for shard in saved]
 
     return restore_rows(manifest, saved_rows, trainer, params, model_state=model_state)
+
+
+def read_state(root: str | os.PathLike) -> list[dict[str, np.ndarray]]:
+    """Each saved rank's arrays by key path (``".params['w']"``), as NumPy arrays, in a process with any devices.
+
+    ``root`` is a checkpoint folder or the root holding them (its newest committed one). The
+    files are checked against the manifest first (a
+    :class:`~bagua_common.job.checkpoint.DamagedCheckpointError` names a bad one). The list holds
+    one dict per rank of the saving job, in rank order; leaves shared by the ranks appear in each.
+    """
+    directory = checkpoint_to_restore(root)
+    manifest = read_manifest(directory)
+    return [
+        load_arrays(verified_shard(directory, manifest, shard_path(directory, r, _SUFFIX).name))
+        for r in range(manifest.world_size)
+    ]
 
 
 def restore_rows(
