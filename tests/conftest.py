@@ -1,13 +1,26 @@
+import atexit
 import os
 import secrets
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
 import pytest
 from background_jobs import BackgroundJob
 
+from bagua_common.fault_tolerance.settings import write_job_secret
+
 # Four simulated CPU devices for the shard_map tests; must be set before jax loads.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+
+# The members of the tests' fault-tolerant jobs prove the job's secret to each other's stores, as under bagua-launch
+# --fault-tolerant; their processes inherit the variable.
+if not os.environ.get("BAGUA_FT_SECRET_FILE"):
+    _secret_directory = tempfile.mkdtemp(prefix="bagua-test-secret-")
+    atexit.register(shutil.rmtree, _secret_directory, True)
+    os.environ["BAGUA_FT_SECRET_FILE"] = write_job_secret(_secret_directory)
 
 SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
 
