@@ -72,7 +72,7 @@ def test_bad_parameters_are_refused():
         torch_gpt.GPT("tiny", params)
     with pytest.raises(ValueError, match="missing: \\['wpe'\\]"):
         jax_gpt.GPT("tiny", {k: v for k, v in params.items() if k != "wpe"})
-    with pytest.raises(ValueError, match="sizes: tiny, small, gpt2"):
+    with pytest.raises(ValueError, match="sizes: tiny, mini, small, gpt2"):
         gpt_config("huge")
 
 
