@@ -8,6 +8,7 @@ import zlib
 import numpy as np
 import pytest
 from background_jobs import BackgroundJob
+from extended import is_extended
 
 from bagua_common.fault_tolerance.settings import write_job_secret
 
@@ -40,6 +41,12 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "background_job(name): reads the job of background_jobs.JOBS named so, started at collection"
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_itemcollected(item):
+    if is_extended(item.nodeid):
+        item.add_marker(pytest.mark.extended)
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m deselected what will not run
