@@ -44,11 +44,13 @@ def socket_inodes(pid: int) -> set[str]:
 
 
 def gone(pid: int, within_s: float) -> bool:
+    """Whether process ``pid`` ended within ``within_s`` seconds: reaped, or a zombie none of whose threads still
+    runs (a killed redis-server's leader turns zombie first; its other threads hold its sockets until they end)."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
         try:
             with open(f"/proc/{pid}/stat") as f:
-                if f.read().split(")")[-1].split()[0] == "Z":
+                if f.read().split(")")[-1].split()[0] == "Z" and os.listdir(f"/proc/{pid}/task") == [str(pid)]:
                     return True
         except FileNotFoundError:
             return True
