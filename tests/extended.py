@@ -58,6 +58,8 @@ EXTENDED: dict[str, str] = {
     r"test_gradient_allreduce_bytegrad_torch\.py::.*\[(gloo|mpi)-4ranks-2nodes": "two gloo ranks stay quick, two "
     "nodes in JAX's tests",
     r"test_decentralized_torch\.py::.*\[(gloo|mpi)-4ranks-2nodes": "two ranks stay quick, two nodes in JAX's tests",
+    r"test_(decentralized|gradient_allreduce_bytegrad)_torch\.py::test_jobs_use_the_intended_communicators": "it "
+    "checks the two-node jobs above (each runs them)",
     r"test_qadam_onebit_torch\.py::.*\[(gloo|mpi)-4ranks-2nodes": "two gloo ranks stay quick, two nodes in JAX's tests",
     r"test_autotune_torch\.py::": "torch's autotuned jobs (47 s); JAX's jobs between nodes and the tuner's own "
     "tests stay quick",
