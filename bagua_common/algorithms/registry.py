@@ -136,7 +136,7 @@ def build_algorithm(cls: type[T], options: dict[str, Any]) -> T:
     try:
         return cls(**options)
     except TypeError as error:
-        if str(error).startswith(f"{name}"):
+        if str(error).startswith(name):
             raise
         raise TypeError(f"algorithm {name!r}: {error}") from error
 
