@@ -48,7 +48,7 @@ from pathlib import Path
 
 from harness.machine import cores, device_info
 from harness.options import add_out_option, add_subset_option
-from harness.results import finish_meta, header_lines, run_meta, write_results
+from harness.results import command_line, finish_meta, header_lines, run_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -184,7 +184,7 @@ class Step:
         print(f"{self.name}: {'ok' if status == 0 else f'FAILED ({status})'} in {seconds:.0f} s", flush=True)
         return {
             "name": self.name,
-            "command": " ".join(self.command),
+            "command": command_line(self.command),
             "status": status,
             "seconds": seconds,
             "tail": "\n".join(output.splitlines()[-TAIL_LINES:]),
