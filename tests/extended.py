@@ -20,6 +20,8 @@ EXTENDED: dict[str, str] = {
     r"test_cuda_shim\.py::test_cuda_kernels_under_the_shim_"
     r"(match_the_cpu_kernels|with_address_and_ub_sanitizers)": "the whole kernel suite under the shim and its "
     "sanitizer build; the shim against the reference stays quick",
+    r"test_cuda_resources\.py::": "nvcc's registers and occupancy of every kernel (compiles them for sm_90, 130 s); "
+    "the package build fails on any spill already",
     r"test_bagua_net\.py::(test_every_version_resolves|test_sanitized\[tsan\]|test_launcher_flag_points_every_rank_"
     r"at_the_plugin\[elastic\])": "every NCCL version's header, the thread sanitizer, the elastic launcher; the "
     "contract, the fuzzers, ASan and the local launcher stay quick",
