@@ -316,6 +316,21 @@ __global__ void __launch_bounds__(kThreads) sign_init_kernel(Chunking chunking, 
     store_global(reinterpret_cast<uint4*>(out + chunking.slot_offset(i)), make_uint4(0, 0, 0, 0));
 }
 
+// Calls body(tile, step) for each tile of [first, end) of the sign codec's
+// chunks that the block strides over, its next tiles requested first.
+template <int U, typename T, bool kFeedback, typename Body>
+__device__ void for_each_sign_tile(const Source<T, kFeedback>& src, const Chunking& chunking,
+                                   int64_t first, int64_t end, Body&& body) {
+  for (int64_t t = first + blockIdx.x; t < end; t += gridDim.x) {
+    prefetch_ahead(t, first + blockIdx.x, end, gridDim.x, [&](int64_t next) {
+      const Piece tile = chunking.piece(next, kTileElements);
+      src.prefetch(tile.first, tile.length);
+    });
+    const Piece tile = chunking.piece(t, kTileElements);
+    body(tile, tile_step<U>(tile.length));
+  }
+}
+
 // Tiles [first, end) of the sign codec's chunks: sums |y| into each chunk's
 // header and writes the bits, which do not depend on the scale.
 template <int U, typename T, bool kFeedback>
@@ -323,13 +338,7 @@ __global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 3)
     sign_stats_kernel(Source<T, kFeedback> src, Chunking shape, int64_t first, int64_t end,
                       uint8_t* out) {
   const Chunking chunking = with_format(shape, Format::kSign);
-  for (int64_t t = first + blockIdx.x; t < end; t += gridDim.x) {
-    prefetch_ahead(t, first + blockIdx.x, end, gridDim.x, [&](int64_t next) {
-      const Piece tile = chunking.piece(next, kTileElements);
-      src.prefetch(tile.first, tile.length);
-    });
-    const Piece tile = chunking.piece(t, kTileElements);
-    const Step<U> step = tile_step<U>(tile.length);
+  for_each_sign_tile<U>(src, chunking, first, end, [&](const Piece& tile, const Step<U>& step) {
     float v[kPerLane];
     src.load(tile.first, step, v);
     SignSum sum;
@@ -350,7 +359,7 @@ __global__ void __launch_bounds__(kThreads, kFeedback ? 2 : 3)
     store_sign_word<U>(header + kHeaderBytes, offset + step.base, offset + tile.length,
                        gather_sign_word<U>(bits));
     sum.commit(header);
-  }
+  });
 }
 
 // With error feedback, a second pass over tiles [first, end): residual_out =
@@ -360,13 +369,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     sign_feedback_kernel(Source<T, true> src, Chunking shape, int64_t first, int64_t end,
                          const uint8_t* out, float* residual_out) {
   const Chunking chunking = with_format(shape, Format::kSign);
-  for (int64_t t = first + blockIdx.x; t < end; t += gridDim.x) {
-    prefetch_ahead(t, first + blockIdx.x, end, gridDim.x, [&](int64_t next) {
-      const Piece tile = chunking.piece(next, kTileElements);
-      src.prefetch(tile.first, tile.length);
-    });
-    const Piece tile = chunking.piece(t, kTileElements);
-    const Step<U> step = tile_step<U>(tile.length);
+  for_each_sign_tile<U>(src, chunking, first, end, [&](const Piece& tile, const Step<U>& step) {
     const float scale =
         sign_scale(out + chunking.slot_offset(tile.chunk), chunking.length(tile.chunk));
     float v[kPerLane];
@@ -378,7 +381,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int j = 0; j < Step<U>::kSlots; ++j)
       store_slot<float, U>(residual_out + tile.first + step.at(j), step.count(j),
                            pack<float, U>(v + j * U));
-  }
+  });
 }
 
 // Turns each header's sum into the scale, and zeroes the payload's padding
