@@ -525,15 +525,13 @@ template <typename Decoder, typename T>
 Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k, bool average,
                          T* out) {
   const Chunking chunking{format, m * k, k};
-  std::vector<Decoder> groups;
-  {
-    const IeeeSubnormals ieee;  // the grids' constants, from headers that may be subnormal
-    groups.reserve(chunking.group_count());
-    for (int64_t g = 0; g < chunking.group_count(); ++g) groups.emplace_back(in, chunking.group(g));
-  }
   constexpr int64_t kTile = 4096;
   static_assert(kMinMaxGroupElements % kTile == 0, "a tile lies in one group of each input");
-  const int64_t tiles = ceil_div(m, kTile), per_input = groups_of(format, m);
+  // A task is a segment of the output that lies in one group of each input
+  // (a min-max group, or a tile of a sign chunk): it computes its k decoders
+  // (their grids) itself, so that they are computed once and in parallel.
+  const int64_t segment = format == Format::kSign ? kTile : kMinMaxGroupElements;
+  const int64_t per_input = groups_of(format, m);
   // The k chunks are k streams of codes, read a tile at a time: each tile of a
   // chunk starts on a page the hardware prefetcher has not followed to, and the
   // loads waited on memory. So each chunk's tile asks for the chunk's next tile,
@@ -541,33 +539,38 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
   // where the all-to-all that delivered them wrote them; asking cost 7% there).
   constexpr int64_t kPrefetchAbove = int64_t{4} << 20;  // bytes of codes
   const bool prefetch = chunking.slot_offset(k) > kPrefetchAbove;
-  parallel_for(tiles, m * k, [&](int64_t t) {
-    const int64_t begin = t * kTile, end = std::min(begin + kTile, m);
-    const int64_t group = begin / group_elements(format);
-    const auto peer = [&](int64_t j) -> const Decoder& { return groups[j * per_input + group]; };
-    float acc[kTile] = {};
-    for (int64_t j = 0; j < k; ++j) {
-      if (prefetch) peer(j).prefetch(j * m + end, j * m + end + kTile);
-      peer(j).decode(j * m + begin, j * m + end,
-                     [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
-    }
-    // The average rides along with the stores; a tile that overflowed (rarely)
-    // is averaged in place, summed again where needed and stored again.
-    const auto store_tile = [&](const auto& share) {
-      uint32_t largest = 0;
-      for (int64_t i = begin; i < end; ++i) {
-        const float v = share(acc[i - begin]);
-        out[i] = from_float<T>(v);
-        largest = std::max(largest, exponent_field(v));
+  parallel_for(ceil_div(m, segment), m * k, [&](int64_t s) {
+    const int64_t group = s * segment / group_elements(format);
+    std::vector<Decoder> peers;
+    peers.reserve(k);
+    for (int64_t j = 0; j < k; ++j) peers.emplace_back(in, chunking.group(j * per_input + group));
+    const auto peer = [&](int64_t j) -> const Decoder& { return peers[j]; };
+    for (int64_t begin = s * segment; begin < std::min((s + 1) * segment, m); begin += kTile) {
+      const int64_t end = std::min(begin + kTile, m);
+      float acc[kTile] = {};
+      for (int64_t j = 0; j < k; ++j) {
+        if (prefetch) peer(j).prefetch(j * m + end, j * m + end + kTile);
+        peer(j).decode(j * m + begin, j * m + end,
+                       [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
       }
-      return largest;
-    };
-    with_share(average, static_cast<float>(k), [&](const auto& share) {
-      if (store_tile(share) != kExponentBits) return;
-      for (int64_t i = 0; i < end - begin; ++i) acc[i] = share(acc[i]);
-      resum_scaled(peer, k, m, begin, end, average, acc);
-      store_tile([](float v) { return v; });
-    });
+      // The average rides along with the stores; a tile that overflowed (rarely)
+      // is averaged in place, summed again where needed and stored again.
+      const auto store_tile = [&](const auto& share) {
+        uint32_t largest = 0;
+        for (int64_t i = begin; i < end; ++i) {
+          const float v = share(acc[i - begin]);
+          out[i] = from_float<T>(v);
+          largest = std::max(largest, exponent_field(v));
+        }
+        return largest;
+      };
+      with_share(average, static_cast<float>(k), [&](const auto& share) {
+        if (store_tile(share) != kExponentBits) return;
+        for (int64_t i = 0; i < end - begin; ++i) acc[i] = share(acc[i]);
+        resum_scaled(peer, k, m, begin, end, average, acc);
+        store_tile([](float v) { return v; });
+      });
+    }
   });
   return {};
 }
