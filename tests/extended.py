@@ -30,6 +30,9 @@ EXTENDED: dict[str, str] = {
     r"test_adam_convergence_jax\.py::.*\[(cnn-qadam|transformer-qadam|transformer-onebit_adam)\]": "1-bit Adam on "
     "the CNN stays quick",
     r"test_adam_convergence_torch\.py::.*\[cnn-qadam\]": "QAdam on the transformer stays quick",
+    r"test_bagua_upstream_torch\.py::": "Bagua's own three decentralized tests (45-95 s each: each of their runs "
+    "spawns its ranks anew, each importing torch); Bagua's spelling against Bagua's reference stays quick "
+    "(test_bagua_compat_torch)",
     r"test_bagua_migration_torch\.py::test_digits_script_trains_on_every_rank\[qadam\]": "the fused gradient "
     "allreduce run of the same script stays quick",
     # fault handling: one fault of each kind per front end stays quick
