@@ -50,7 +50,7 @@ EXTENDED: dict[str, str] = {
     "MPI engine's dead peer stays quick",
     r"test_process_group\.py::test_a_timed_out_run_kills_every_process_of_its_group\[rank 1\]": "rank 0's case "
     "stays quick",
-    r"test_clean_exit_torch\.py::": "a gloo job's clean exit (17 s)",
+    r"test_clean_exit_torch\.py::": "a gloo job's clean exit and a DCP job's (22 s and 36 s, 3 launched jobs each)",
     r"test_nccl_engine_host\.py::test_nccl_engine_host_logic_under_thread_sanitizer": "the NCCL engine's host "
     "logic under the thread sanitizer (its build)",
     # the same scenarios on a larger job of the same kind
