@@ -80,8 +80,8 @@ EXTENDED: dict[str, str] = {
     r"test_cached_dataset_torch\.py::.*\[spawn\]": "forked workers stay quick",
     r"test_ddp_hooks_torch\.py::.*\[mpiexec": "the hooks under the python launcher stay quick",
     r"test_distributed_checkpoint_torch\.py::test_restore_into_one_rank": "the restore into two ranks stays quick",
-    # the documentation's heaviest pages (each runs real training jobs): the README and the getting-started pages
-    # stay quick
+    # the documentation's heaviest pages (each runs real training jobs, 90 s in all): the README and the
+    # getting-started pages stay quick, and CI runs these right after the quick suite (.ci/run)
     r"test_docs_examples\.py::.*\[docs/guides/(workload|ddp_hooks|lightning|low_communication|checkpoints|"
     r"from_bagua|fused_optimizer|flax_nnx|choosing_an_algorithm|autotuning)\.md\]": "the guides that train jobs",
 }
