@@ -25,6 +25,9 @@ if not os.environ.get("BAGUA_FT_SECRET_FILE"):
 
 SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
 
+# Bagua's own tests, run by test_bagua_upstream_torch.py in processes of their own (tests/bagua_upstream/README.md).
+collect_ignore = ["bagua_upstream"]
+
 
 SEED_FIXTURES = ("rng", "seed")
 """The fixtures through which a test's data depends on SEED; conftest marks the tests that use one ``seeded``."""
