@@ -29,7 +29,7 @@ to a target is read off its own clock (``time`` with ``--only torch/async jax/as
 
 Time to a target = the steps a variant needs to reach it (linear between evaluations) x its time per step at the
 link. The targets: DDP fp32's held-out loss at 80% of its budget, and the fixed ``FIXED_TARGET``. Results are kept
-in ``lm-study.json`` as each job finishes; a rerun with the same settings skips what is there.
+in ``lm-study.json`` as each job finishes; a rerun with the same settings skips what finished there.
 
     python benchmarks/lm_study.py train                                   # every variant not yet trained
     python benchmarks/lm_study.py train --only torch/ddp
@@ -157,7 +157,9 @@ def _mpi(variant: dict[str, Any]) -> bool:
 
 def train(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
     """The ``train`` half (the module docstring): one job per variant not yet trained."""
-    todo = [v for v in _selected(args) if v["name"] not in data["train"] and v["algorithm"] not in OWN_CURVE]
+    # A job that failed (a timeout, a crash) is run again; only a finished one is kept.
+    done = {name for name, row in data["train"].items() if row.get("status") == "ok"}
+    todo = [v for v in _selected(args) if v["name"] not in done and v["algorithm"] not in OWN_CURVE]
     with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
         for i, variant in enumerate(todo):
             budget = args.steps or STUDY.steps
