@@ -16,7 +16,13 @@ is the user's guide.
 from bagua_common.fault_tolerance.data_position import DataPosition
 from bagua_common.fault_tolerance.decision import Decision
 from bagua_common.fault_tolerance.epoch import Epoch, Member, Recovery
-from bagua_common.fault_tolerance.errors import Evicted, MembershipChanged, NoQuorum, ReplicaMismatch
+from bagua_common.fault_tolerance.errors import (
+    Evicted,
+    ExchangeInterrupted,
+    MembershipChanged,
+    NoQuorum,
+    ReplicaMismatch,
+)
 from bagua_common.fault_tolerance.kv_store import KVClient, KVServer, StoreUnreachable
 from bagua_common.fault_tolerance.membership import Membership
 from bagua_common.fault_tolerance.replica_hash import ReplicaDigest, check_digests
@@ -30,6 +36,7 @@ __all__ = [
     "Decision",
     "Epoch",
     "Evicted",
+    "ExchangeInterrupted",
     "FaultToleranceSettings",
     "KVClient",
     "KVServer",

@@ -128,12 +128,18 @@ class Formation:
             time.sleep(0.005 if waiting else period)
         members = [m for m in leaving.members if m.id in joined]
         joiners = self._admissible_requests(store, {m.id for m in members})
+        committed = max(int(j["committed"]) for j in joined.values())
+        # A survivor behind the others (a joiner whose state never arrived) gets the state like a joiner; one that
+        # voted for the last commit but never saw it applies it (its vote was counted) and is not behind.
+        behind = [
+            m for m in members if max(int(joined[m.id]["committed"]), int(joined[m.id]["voted"] or 0)) < committed
+        ]
         epoch = Epoch(
             max(int(j["last_epoch"]) for j in joined.values()) + 1,
             tuple(members + joiners),
             0,
-            max(int(j["committed"]) for j in joined.values()),
-            tuple(m.id for m in joiners),
+            committed,
+            tuple(m.id for m in behind + joiners),
         )
         publish_epoch(store, epoch, after=sorted({int(j["last_epoch"]) for j in joined.values()}))
         for member_id in joined:

@@ -42,7 +42,7 @@ from bagua_common.fault_tolerance.epoch import (
 from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
 from bagua_common.fault_tolerance.formation import Formation
 from bagua_common.fault_tolerance.kv_store import KVClient, KVServer, StoreUnreachable, connect, wait_for
-from bagua_common.fault_tolerance.settings import ENV_PEERS, FaultToleranceSettings
+from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ENV_PEERS, FaultToleranceSettings
 
 __all__ = ["Membership", "advertised_host"]
 
@@ -83,7 +83,7 @@ class Membership:
         self._committed = 0  # the last transaction this member applied (for the join records)
         self._voted: int | None = None  # a transaction voted for and not yet decided
         self._recovering = 0  # training-thread calls waiting in recover()
-        self._heartbeats: dict[str, tuple[int, float]] = {}
+        self._heartbeats: dict[str, tuple[int, float, int]] = {}
         self._stopping = threading.Event()
         self._formation = Formation(settings, self.me, self._local, self._stopping)
         self._monitor_client: KVClient | None = None
@@ -143,6 +143,8 @@ class Membership:
         membership's epoch lists this process in :attr:`Epoch.joined`: it needs the job's state from a member."""
         if peers is None:
             peers = [p for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
+        directory = os.environ.get(ENV_DIRECTORY, "").strip()
+        peers = [directory, *peers] if directory else peers
         addresses = [(master_addr, int(master_port))]
         for peer in peers:
             host, _, port = peer.strip().rpartition(":")
@@ -283,15 +285,31 @@ class Membership:
         if self._stopping.is_set():
             epoch.store.close()
             return
-        self._local.set("ft/current", json.dumps({"epoch": epoch.number, **_address(epoch.coordinator)}))
+        pointer = json.dumps({"epoch": epoch.number, **_address(epoch.coordinator)})
+        self._local.set("ft/current", pointer)
+        self._tell_directory(pointer)
         with self._lock:
             self._epoch = epoch
-            self._committed = max(self._committed, epoch.committed)
+            if not epoch.is_joiner():  # a joiner has applied nothing until it is given the state
+                self._committed = max(self._committed, epoch.committed)
             self._heartbeats = {}
             self._lock.notify_all()
         if self._monitor is None:
             self._monitor = threading.Thread(target=self._watch, name="bagua-ft-monitor", daemon=True)
             self._monitor.start()
+
+    def _tell_directory(self, pointer: str) -> None:
+        """Write where the job is into the launcher's directory of this node (``BAGUA_FT_DIRECTORY``), if any."""
+        directory = os.environ.get(ENV_DIRECTORY, "").strip()
+        if not directory:
+            return
+        host, _, port = directory.rpartition(":")
+        try:
+            client = KVClient(host, int(port), self.settings.dead_after)
+            client.set("ft/current", pointer)
+            client.close()
+        except StoreUnreachable:
+            pass  # the launcher is gone: nobody will start replacements here
 
     def _watch(self) -> None:
         period = self.settings.heartbeat_period
@@ -337,13 +355,18 @@ class Membership:
         """The coordinator's duties each heartbeat: close the epoch when a member's heartbeats stopped, and ask it
         to end after its next commit when a joiner waits."""
         now, prefix, stale = time.monotonic(), epoch.prefix(), []
+        # Stale: no new heartbeat for dead_after, over as many of this monitor's own looks as fit in it (a monitor
+        # starved by a loaded machine looks less often and waits longer rather than blaming the others).
+        looks = self.settings.dead_after / self.settings.heartbeat_period
         for member in epoch.members[1:]:
             count = int(client.check(f"{prefix}hb/{member.id}") or b"0")
-            last, since = self._heartbeats.get(member.id, (-1, now))
+            last, since, seen = self._heartbeats.get(member.id, (-1, now, 0))
             if count != last:
-                self._heartbeats[member.id] = (count, now)
-            elif now - since > self.settings.dead_after:
+                self._heartbeats[member.id] = (count, now, 0)
+            elif now - since > self.settings.dead_after and seen >= looks:
                 stale.append(member.id)
+            else:
+                self._heartbeats[member.id] = (count, since, seen + 1)
         if stale:
             why = f"no heartbeat for {self.settings.dead_after:g} s"
             close_epoch(client, epoch, {"reason": why, "suspects": stale})
@@ -374,7 +397,12 @@ class Membership:
         trip once the epoch closed (or the training thread waits for the next epoch), so its outcome is in."""
         with self._lock:
             self._lock.wait_for(lambda: self._voted is None or self._recovering, timeout=self.settings.dead_after)
-            return {"member": self.me.as_json(), "last_epoch": leaving.number, "committed": self._committed}
+            return {
+                "member": self.me.as_json(),
+                "last_epoch": leaving.number,
+                "committed": self._committed,
+                "voted": self._voted,
+            }
 
     # --- ending ---------------------------------------------------------------------------
 

@@ -6,13 +6,16 @@ import math
 import os
 from dataclasses import dataclass, fields
 
-__all__ = ["ENV_FAULT_TOLERANCE", "ENV_JOIN", "ENV_PEERS", "FaultToleranceSettings"]
+__all__ = ["ENV_DIRECTORY", "ENV_FAULT_TOLERANCE", "ENV_JOIN", "ENV_PEERS", "FaultToleranceSettings"]
 
 ENV_FAULT_TOLERANCE = "BAGUA_FAULT_TOLERANCE"
 """Set to 1 to make a front end's ``init_process_group`` start a fault-tolerant job."""
 
 ENV_JOIN = "BAGUA_FT_JOIN"
 """Set to 1 in a process that joins a running job instead of starting one with the other ranks."""
+ENV_DIRECTORY = "BAGUA_FT_DIRECTORY"
+"""``host:port`` of a store the launcher hosts on each node: members write there where the job's coordinator is,
+so a replacement started on that node finds the job even when rank 0 is gone."""
 ENV_PEERS = "BAGUA_FT_PEERS"
 """Comma-separated ``host:port`` of members' stores a joiner may ask where the job is (beside MASTER_ADDR:PORT)."""
 
