@@ -29,20 +29,16 @@ aborted where torch can (``abort()`` of its backend). Not run here: no GPU.
 
 from __future__ import annotations
 
-import ctypes
 import inspect
 import os
-import threading
 import time
 from collections.abc import Iterator
-from datetime import timedelta
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup
 
 from bagua_common.comm.topology import Communicators
 from bagua_common.fault_tolerance import (
@@ -54,7 +50,6 @@ from bagua_common.fault_tolerance import (
     Evicted,
     ExchangeInterrupted,
     FaultToleranceSettings,
-    KVClient,
     Membership,
     MembershipChanged,
     Recovery,
@@ -63,6 +58,7 @@ from bagua_common.fault_tolerance import (
 )
 from bagua_torch.broadcast import broadcast_structure, broadcast_tensors
 from bagua_torch.communicator import CommunicationError, ProcessGroupCommunicator
+from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, pair_communicator, solo_communicator
 
 if TYPE_CHECKING:
     from bagua_torch.bagua_module import BaguaModule
@@ -70,94 +66,7 @@ if TYPE_CHECKING:
 __all__ = ["ENV_FAULT_TOLERANCE", "FaultTolerance", "Step", "start_fault_tolerance"]
 
 _PARTS = ("position", "parameters", "optimizer", "algorithm")
-_STORE_POLL_S = 0.1  # how often a group's rendezvous looks whether its epoch closed meanwhile
 """The parts of the replicated state the replica check hashes (and names when they differ)."""
-
-
-class _StoreForTorch(dist.Store):
-    """A member's :class:`~bagua_common.fault_tolerance.KVClient` as a ``torch.distributed`` store (for gloo's and
-    NCCL's rendezvous)."""
-
-    def __init__(self, client: KVClient, timeout: float, closed: threading.Event):
-        super().__init__()
-        self._client, self._timeout, self._closed = client, timeout, closed
-
-    def set(self, key: str, value: Any) -> None:
-        self._client.set(key, bytes(value) if not isinstance(value, str) else value)
-
-    def get(self, key: str) -> bytes:
-        """The value of ``key``, waiting for it; MembershipChanged once the epoch closes (a member died while the
-        group was being made)."""
-        deadline = time.monotonic() + self._timeout
-        while True:
-            value = self._client.get(key, wait=min(_STORE_POLL_S, max(0.0, deadline - time.monotonic())))
-            if value is not None:
-                return value
-            if self._closed.is_set():
-                raise MembershipChanged(f"the group was not made: the members changed while waiting for {key!r}")
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"fault tolerance: the store key {key!r} was not set within {self._timeout:g} s")
-
-    def add(self, key: str, amount: int) -> int:
-        return self._client.add(key, amount)
-
-    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
-        return self._client.compare_set(key, expected, desired)
-
-    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        for key in keys:
-            self.get(key)
-
-    def check(self, keys: list[str]) -> bool:
-        return all(self._client.check(key) is not None for key in keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self._client.delete(key)
-
-    def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout = timeout.total_seconds()
-
-    def num_keys(self) -> int:  # torch requires the method; gloo and NCCL never count keys
-        raise RuntimeError("the fault-tolerance store does not count its keys")
-
-
-def _epoch_communicator(
-    epoch: Epoch, purpose: str, backend: str, device: torch.device, timeout: float, made: list[Any]
-) -> ProcessGroupCommunicator:
-    """A communicator of ``epoch``'s members (collective: every member makes it), named ``purpose``; its waits give
-    up with MembershipChanged when the epoch closes. Dedicated communicators made from it
-    (:func:`~bagua_torch.communicator.dedicated_communicator`) are further groups of the same epoch."""
-    comm = _group_on_store(epoch, purpose, epoch.rank, epoch.size, backend, timeout)
-    made.append(comm.group)
-    comm.dedicated = lambda name: _epoch_communicator(epoch, f"{purpose}/{name}", backend, device, timeout, made)
-    return comm
-
-
-def _group_on_store(
-    epoch: Epoch, purpose: str, rank: int, size: int, backend: str, timeout: float
-) -> ProcessGroupCommunicator:
-    """A gloo or NCCL group of ``size`` ranks made on ``epoch``'s store under the prefix of ``purpose``."""
-    assert epoch.store is not None
-    adapter = _StoreForTorch(epoch.store, timeout, epoch.closed)
-    store = dist.PrefixStore(epoch.prefix(purpose), adapter)
-    # torch.distributed's collectives take a ProcessGroup holding the backend (as new_group builds it)
-    group = ProcessGroup(store, rank, size)
-    try:
-        if backend == "nccl":
-            kind, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
-            engine: Any = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
-        else:
-            kind, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
-            engine = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
-    except MembershipChanged:
-        raise
-    except RuntimeError as error:  # a member gone while the group connected
-        raise CommunicationError(f"the group {purpose!r} of epoch {epoch.number} could not connect: {error}") from error
-    group._set_default_backend(kind)
-    group._register_backend(device, kind, engine)
-    comm = ProcessGroupCommunicator(group, timeout=timeout, name=f"ft{epoch.number}/{purpose}", abandon=epoch.closed)
-    comm.store_in_use = adapter  # torch keeps only the C++ side: the Python methods must outlive the group
-    return comm
 
 
 class Step:
@@ -217,22 +126,16 @@ class FaultTolerance:
         self._groups: list[Any] = []  # the current epoch's process groups
         self._entered = False
         self._checked = -1  # the step at which the replicas were last checked
-        self.world = self._solo()  # until the loop starts: the models wrap alone, then are rebuilt in the epoch
+        self.world = solo_communicator(
+            self.timeout
+        )  # until the loop starts: the models wrap alone, then are rebuilt in the epoch
         self.group: Any = None
         """The ``BaguaProcessGroup`` whose ``fault_tolerance`` this is (its rank, size and communicators follow
         the epochs)."""
 
     def _communicator(self, purpose: str) -> ProcessGroupCommunicator:
         assert self.epoch is not None
-        return _epoch_communicator(self.epoch, purpose, self.backend, self.device, self.timeout, self._groups)
-
-    def _solo(self) -> ProcessGroupCommunicator:
-        """A joiner's communicator until it is admitted: itself alone (its models wrap without collectives)."""
-        group = ProcessGroup(dist.HashStore(), 0, 1)
-        group._set_default_backend(ProcessGroup.BackendType.GLOO)
-        engine = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=self.timeout))
-        group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, engine)
-        return ProcessGroupCommunicator(group, timeout=self.timeout, name="joiner")
+        return epoch_communicator(self.epoch, purpose, self.backend, self.device, self.timeout, self._groups)
 
     @property
     def communicators(self) -> Communicators:
@@ -283,12 +186,12 @@ class FaultTolerance:
         while self.step < total:
             assert self.epoch is not None
             every = self.settings.hash_every
-            if not self.epoch.closed.is_set() and every and self.step % every == 0 and self._checked != self.step:
+            if not self.epoch.over and every and self.step % every == 0 and self._checked != self.step:
                 try:
                     self._check_replicas(f"at step {self.step}")
                 except (MembershipChanged, CommunicationError) as error:
                     self._fail(error)
-            if self.epoch.closed.is_set():  # ended after a commit (a joiner waits) or closed meanwhile
+            if self.epoch.over:  # ended after a commit (a joiner waits) or closed meanwhile
                 self._change_epoch(lost_step=False)
             yield Step(self, self.step + 1)
 
@@ -384,7 +287,7 @@ class FaultTolerance:
         (rank 0's before the first commit, else the first member's sent to the joiners), and checked."""
         for module in self.modules:
             module.reducer.discard()
-        _leak(self._groups)  # a gloo group destroyed with an operation pending aborts the process
+        leak(self._groups)  # a gloo group destroyed with an operation pending aborts the process
         self._groups = []
         self.epoch = epoch
         self.world = self._communicator("world")
@@ -412,7 +315,7 @@ class FaultTolerance:
         for joiner_rank in [r for r in range(epoch.size) if epoch.is_joiner(r)]:
             if epoch.rank not in (0, joiner_rank):
                 continue
-            pair = _pair_communicator(epoch, joiner_rank, self.backend, self.timeout)
+            pair = pair_communicator(epoch, joiner_rank, self.backend, self.timeout)
             self._groups.append(pair.group)
             received = broadcast_structure(self._state_for_joiner() if epoch.rank == 0 else None, pair, self.device)
             broadcast_tensors(pair, self._replicated_tensors())
@@ -476,14 +379,6 @@ class FaultTolerance:
             self.membership.close()
 
 
-def _leak(groups: list[Any]) -> None:
-    """Never destroy ``groups``: an epoch's groups may hold abandoned operations (gloo cannot cancel them), and
-    destroying a gloo group with an operation pending throws from its threads, which aborts the process. A
-    group costs a few threads and sockets; a job leaks one set per change of members."""
-    for group in groups:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-
-
 def _caused_by_a_change(error: BaseException) -> bool:
     """Whether ``error`` (or what caused it: a background thread's error is raised again wrapped) is a lost
     member's doing: an abandoned or failed collective."""
@@ -501,11 +396,6 @@ def _tensors_of(module: BaguaModule) -> list[torch.Tensor]:
 def _bytes(tensor: torch.Tensor) -> np.ndarray:
     flat = tensor.detach().to("cpu").contiguous().reshape(-1)
     return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
-
-
-def _pair_communicator(epoch: Epoch, joiner_rank: int, backend: str, timeout: float) -> ProcessGroupCommunicator:
-    """A group of the epoch's first member (rank 0 in it) and the joiner ``joiner_rank`` (rank 1)."""
-    return _group_on_store(epoch, f"transfer/{joiner_rank}", 0 if epoch.rank == 0 else 1, 2, backend, timeout)
 
 
 def start_fault_tolerance(

@@ -1,5 +1,8 @@
+import atexit
 import os
 import secrets
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
@@ -7,6 +10,21 @@ import pytest
 
 # Four simulated CPU devices for the shard_map tests; must be set before jax loads.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
+
+def _fault_tolerance_secret() -> str:
+    """The members of the tests' fault-tolerant jobs prove this secret to each other's stores (a file of mode 0600,
+    as bagua-launch --fault-tolerant makes one); their processes inherit the variable."""
+    directory = tempfile.mkdtemp(prefix="bagua-test-secret-")
+    atexit.register(shutil.rmtree, directory, True)
+    path = os.path.join(directory, "secret")
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(secrets.token_hex(32))
+    return path
+
+
+if not os.environ.get("BAGUA_FT_SECRET_FILE"):
+    os.environ["BAGUA_FT_SECRET_FILE"] = _fault_tolerance_secret()
 
 SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
 

@@ -33,7 +33,7 @@ SAMPLES, FEATURES = 96, 6
 
 
 def report(**fields) -> None:
-    print(json.dumps({"pid": os.getpid(), **fields}), flush=True)
+    print(json.dumps({"pid": os.getpid(), "t": round(time.time(), 3), **fields}), flush=True)
 
 
 def fault(faults: list[dict], rank: int | None, step: int, where: str) -> None:
@@ -101,8 +101,10 @@ def main() -> None:
     data_y = data_x.sum(dim=1, keepdim=True).sin()
     data = DataPosition(SAMPLES, batch_per_rank=4, seed=3)
     net[0].weight.register_hook(lambda g: fault(faults, rank, step_hook["step"], "backward"))
+    settled = None  # the first step with the wanted world (the same on every member: epochs change between steps)
     for step in job.steps(10**9, data):
-        if job.step >= steps and job.epoch.size == world_wanted:
+        settled = (job.step if settled is None else settled) if job.epoch.size == world_wanted else None
+        if settled is not None and job.step >= max(steps, settled + 2):  # 2 steps together: a joiner trains too
             break
         step_hook["step"] = step.number
         with step:

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -105,12 +106,8 @@ class Job:
             time.sleep(0.05)
 
     def finish(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
+        """Wait for every process to exit (or stop: a stopped one never will), then kill what is left."""
+        self.wait_until(lambda: all(p.poll() is not None or _stopped(p.pid) for p in self.procs), timeout)
         self.close()
         for thread in self._threads:
             thread.join(5)
@@ -124,7 +121,17 @@ class Job:
             proc.wait()
 
     def output(self) -> str:
-        return "".join(line[:400] + "\n" for line in self.text[-60:])
+        """The lines that are not steps, and the last steps."""
+        others = [line for line in self.text if '"event": "step"' not in line]
+        steps = [line for line in self.text if '"event": "step"' in line]
+        return "".join(line[:400].rstrip("\n") + "\n" for line in others[-80:] + steps[-8:])
+
+
+def _stopped(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
 
 
 @pytest.fixture
@@ -140,10 +147,10 @@ def jobs():
         job.close()
 
 
-def check_every_sample_once(job: Job, died_in_a_step: int = 0) -> None:
+def check_every_sample_once(job: Job, lost_parts: int = 0) -> None:
     """The committed steps' samples, over the ranks in rank order, are the epoch's order: none twice, none skipped.
-    ``died_in_a_step`` ranks may be missing from a step (DiLoCo: a step whose exchange a rank died in counts for
-    the survivors; the dead rank's part of it is lost with it)."""
+    ``lost_parts`` (rank, step) parts may be missing (DiLoCo: the steps count for the survivors until they notice
+    a death, and the dead rank's parts of them are lost with its pseudo-gradient)."""
     steps: dict[int, dict[int, list[int]]] = {}
     worlds: dict[int, int] = {}
     for e in list(job.events):
@@ -159,7 +166,7 @@ def check_every_sample_once(job: Job, died_in_a_step: int = 0) -> None:
         for rank, indices in steps[step].items():
             assert indices == parts[rank].tolist(), f"step {step}, rank {rank}"
         reference.advance(world)
-    assert missing <= died_in_a_step
+    assert missing <= lost_parts
     assert sorted(steps) == list(range(1, max(steps) + 1))
 
 
@@ -179,7 +186,8 @@ def test_gradient_allreduce_survives_a_kill_a_death_in_recovery_and_a_slow_rank_
     assert len({e[0]["digest"] for e in ends}) == 1  # bit-identical replicas, the replacements' too
     for pid in survivors:
         recoveries = job.of(pid, "end")[0]["recoveries"]
-        assert [r["size"] for r in recoveries][:2] == [3, 2] and recoveries[-1]["size"] == 4, recoveries
+        sizes = [r["size"] for r in recoveries]  # 4 -> 3 -> 2, or 4 -> 2 when both deaths fall in one recovery
+        assert sizes[: sizes.index(2) + 1] in ([3, 2], [2]) and sizes[-1] == 4, recoveries
         assert all(r["seconds"] < RESUME_BAR for r in recoveries), recoveries
         assert sum(r["steps_lost"] for r in recoveries) == 1  # the step in flight, run again
         assert [e["step"] for e in job.of(pid, "retry")] == [3]
@@ -233,7 +241,7 @@ def test_streaming_diloco_retries_an_overlapped_exchange_among_the_survivors_and
         failure, joined = job.of(pid, "end")[0]["recoveries"]
         assert failure["size"] == 2 and failure["steps_lost"] == 0 and failure["seconds"] < RESUME_BAR, failure
         assert joined["size"] == 3 and joined["joined"] == 1 and joined["seconds"] < 1.0, joined
-    check_every_sample_once(job, died_in_a_step=1)
+    check_every_sample_once(job, lost_parts=2)  # rank 2's parts of step 6 (it died in) and 7 (its death noticed)
 
 
 @pytest.mark.parametrize(

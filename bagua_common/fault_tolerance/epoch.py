@@ -45,8 +45,9 @@ class Member:
 class Epoch:
     """One agreed membership: ``members`` in rank order (``members[0]`` coordinates), this process's ``rank``,
     ``committed`` (the last transaction committed when it formed), ``joined`` (the ids admitted by it, who need
-    state), ``store`` (this epoch's client to the coordinator's store, for the training thread) and ``closed``
-    (set when the epoch ends: waits on its communicators give up)."""
+    state), ``store`` (this epoch's client to the coordinator's store, for the training thread), ``closed`` (set
+    when a failure ends the epoch: waits on its communicators give up) and ``ended`` (set when it ends after a
+    commit, to admit joiners)."""
 
     number: int
     members: tuple[Member, ...]
@@ -55,6 +56,13 @@ class Epoch:
     joined: tuple[str, ...] = ()
     store: KVClient | None = None
     closed: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def over(self) -> bool:
+        """Whether the epoch is over: ``closed`` by a failure (waits on its communicators give up), or ``ended``
+        after a commit (its communicators still work; the members move to the next epoch at their next boundary)."""
+        return self.closed.is_set() or self.ended.is_set()
 
     @property
     def size(self) -> int:

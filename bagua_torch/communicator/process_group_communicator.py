@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from bagua_common.comm.timeout import timeout_seconds
 from bagua_common.fault_tolerance.errors import MembershipChanged
+from bagua_torch.communicator.abandon import wait_or_abandon
 from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
     CommunicationError,
@@ -34,7 +35,6 @@ _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.re
 # that is still running (never waited for) or on a gloo barrier left pending on a shared group.
 _RELEASE_POLL_S = 1e-4
 _RELEASE_LIMIT_S = 1.0
-_ABANDON_POLL_S = 0.05  # how often a wait looks whether its collective was abandoned (fault tolerance)
 
 _still_held_by_gloo: list[weakref.ref] = []
 """The lent aliases of collectives waited for while a gloo thread still held them."""
@@ -118,7 +118,8 @@ class _TorchWork:
     def _wait_works(self) -> None:
         timeout = timedelta(seconds=self._comm.timeout)
         if self._comm.abandon is not None:
-            self._wait_or_abandon(self._comm.abandon)
+            comm = self._comm
+            wait_or_abandon(self._works, comm.abandon, comm.timeout, comm.group, comm.backend, comm._where(self._op))
         for work in self._works:
             self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
         self._works = []  # finished: only torch's own references to them are left
@@ -127,37 +128,6 @@ class _TorchWork:
             if held:  # a worker thread has yet to let go: await_gloo_releases waits for it at exit
                 with _still_held_lock:
                     _still_held_by_gloo[:] = [ref for ref in _still_held_by_gloo if ref() is not None] + held
-
-    def _wait_or_abandon(self, abandon: threading.Event) -> None:
-        """Wait until every work completed (or failed), or raise MembershipChanged once ``abandon`` is set.
-
-        An abandoned work is left to its backend (gloo cannot cancel it); its group is not used again.
-        """
-        deadline = time.monotonic() + self._comm.timeout
-        finished = threading.Event()
-        left = [len(self._works)]
-        lock = threading.Lock()
-
-        def one_done(_future: Any) -> None:
-            with lock:
-                left[0] -= 1
-                if left[0] <= 0:
-                    finished.set()
-
-        polled = []
-        for work in self._works:
-            try:
-                work.get_future().add_done_callback(one_done)
-            except RuntimeError:  # some point-to-point works have no future: looked at in the loop
-                polled.append(work)
-                one_done(None)
-        while not (finished.wait(_ABANDON_POLL_S) and all(w.is_completed() for w in polled)):
-            if abandon.is_set():
-                if self._comm.backend == "nccl":  # NCCL can cancel its kernels: abort the group (not run here)
-                    getattr(self._comm.group, "abort", lambda: None)()
-                raise MembershipChanged(f"{self._comm._where(self._op)} was abandoned: the members changed")
-            if time.monotonic() > deadline:
-                return  # the timed wait below raises the timeout as usual
 
     def is_completed(self) -> bool:
         return self._done or all(work.is_completed() for work in self._works)
@@ -444,10 +414,13 @@ class ProcessGroupCommunicator(CommunicatorBase):
             for i, peer in enumerate(peers):
                 # The i-th exchange with a given peer uses tag i on both sides (repeated peers pair in order).
                 tag = peers[:i].count(peer)
-                where = self._peer("peer", peer)
-                ops.append(dist.P2POp(dist.irecv, lend(out[i]), group=self._group, tag=tag, **where))
-                ops.append(dist.P2POp(dist.isend, lend(x), group=self._group, tag=tag, **where))
-            return dist.batch_isend_irecv(ops)
+                if self._standalone:  # torch.distributed's point-to-point calls need a registered group
+                    ops += [self._group.recv([lend(out[i])], peer, tag), self._group.send([lend(x)], peer, tag)]
+                    continue
+                global_peer = self._peer("peer", peer)["peer"]
+                ops.append(dist.P2POp(dist.irecv, lend(out[i]), global_peer, self._group, tag))
+                ops.append(dist.P2POp(dist.isend, lend(x), global_peer, self._group, tag))
+            return ops if self._standalone else dist.batch_isend_irecv(ops)
 
         return self._issue("send_recv", exchange, out)
 
