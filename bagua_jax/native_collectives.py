@@ -104,3 +104,17 @@ send_recv_p = _collective("send_recv", _per_peer)
 send_p = _collective("send", None)
 recv_p = _collective("recv", lambda peer, *, shape, dtype, **_: core.ShapedArray(shape, dtype))
 barrier_p = _collective("barrier", None)
+# The rank is read at run time from the communicator the handle holds now, so a handle rebound after a
+# membership change gives a compiled program the new rank.
+rank_p = _collective("rank", lambda **_: core.ShapedArray((), np.int32))
+
+
+def forget_failed_calls() -> None:
+    """Drop the ordering tokens left by a computation whose collective failed (a revoked communicator): each later
+    ordered call takes the last one's token as input, so an errored token would fail every collective after it.
+    Waits for what is still running first."""
+    try:
+        jax.effects_barrier()
+    except Exception:  # noqa: BLE001 - the failure was already reported by the call that raised it
+        pass
+    dispatch.runtime_tokens.clear()

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 from types import ModuleType
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bagua_common.comm import mpi_rendezvous
 from bagua_common.comm.engines import MpiSettings, mpi_ring_min_bytes
 from bagua_common.comm.timeout import timeout_seconds
 from bagua_jax import native_collectives as nc
@@ -30,6 +32,10 @@ class NativeCommunicator(MpiSettings):
     engine's integer handle of this communicator; ``engine``, the engine module (``_bagua_mpi``
     or ``_bagua_nccl``) for calls outside ``jit``; ``kind``, ``"mpi"`` (host buffers) or
     ``"nccl"`` (device buffers).
+
+    The handle is a slot: after a membership change :meth:`shrink` and :meth:`grow` put the new
+    communicator in it, so a step compiled before the change runs on the new ranks without being
+    compiled again wherever its shapes do not depend on ``size`` (:meth:`rank` is read at run time).
     """
 
     def __init__(self, handle: int, engine_kind: str):
@@ -73,6 +79,82 @@ class NativeCommunicator(MpiSettings):
             return cls.nccl_world(timeout)
         return cls.mpi_world(timeout)
 
+    @classmethod
+    def mpi_through_store(
+        cls, store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
+    ) -> NativeCommunicator:
+        """A world of ``size`` ranks built through ``store`` (under the unused key ``prefix``) instead of
+        ``MPI_COMM_WORLD``, for CPU arrays: each rank is its own ``mpiexec -n 1`` job, so a rank killed by a signal
+        ends only its own job and the others can :meth:`shrink` to the survivors and go on (see
+        :mod:`bagua_common.comm.mpi_rendezvous`). Every rank calls it with its rank and the same ``prefix`` and
+        ``size``; MPI must not have started before (it selects MPICH's ofi netmod over TCP, whose ports work).
+        """
+        mpi_rendezvous.use_port_environment()
+        mpi, timeout = engine("mpi"), timeout_seconds(timeout)
+        return cls(mpi_rendezvous.assemble(mpi, store, prefix, rank, size, None, 0, "world", timeout), "mpi")
+
+    def revoke(self, reason: str) -> None:
+        """Make the collective in flight on this communicator (blocked in a compiled step, say) and every later one
+        fail at once with an error naming ``reason``: call it from another thread when the job's membership
+        changed. Local and never waiting; :meth:`shrink` or :meth:`grow` then install the new communicator.
+        """
+        self.engine.revoke(self.handle, str(reason))
+
+    def shrink(self, members: Sequence[int]) -> None:
+        """Keep only the ranks ``members`` (ascending; member i becomes rank i), in place: the survivors of a
+        membership change call it with the same list, the others never. MPI builds the survivors' communicator
+        from this one (``MPI_Comm_create_group``), NCCL shrinks it (``ncclCommShrink``, NCCL 2.27); either way a
+        rank that died meanwhile makes it raise instead of hang.
+        """
+        members = [int(m) for m in members]
+        if members != sorted(set(members)) or not members or not 0 <= members[0] <= members[-1] < self.size:
+            raise ValueError(f"shrink: members must be ascending ranks of this {self.size}-rank communicator")
+        if self.kind == "mpi":
+            shrunk = mpi_rendezvous.shrink(self.engine, self.handle, members, "world")
+        else:
+            shrunk = self.engine.shrink(self.handle, sorted(set(range(self.size)) - set(members)), "world")
+        self._install(shrunk)
+
+    def grow(self, store: mpi_rendezvous.KeyValueStore, prefix: str, size: int, timeout: float | None = None) -> None:
+        """Admit ``size - self.size`` newcomers (MPI), which call :meth:`mpi_join` with the same ``prefix`` and
+        ``size``; they become the last ranks. Every rank of this communicator calls it."""
+        if self.kind != "mpi":
+            raise ValueError("grow: only the MPI engine admits newcomers in place (NCCL: build a new communicator)")
+        grown = mpi_rendezvous.assemble(
+            self.engine,
+            store,
+            prefix,
+            self._rank,
+            size,
+            self.handle_copy(),
+            self.size,
+            "world",
+            timeout_seconds(timeout),
+        )
+        self._install(grown)
+
+    @classmethod
+    def mpi_join(
+        cls, store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
+    ) -> NativeCommunicator:
+        """This newcomer's place (``rank``) in a communicator of ``size`` ranks whose members call :meth:`grow`."""
+        mpi_rendezvous.use_port_environment()
+        mpi, timeout = engine("mpi"), timeout_seconds(timeout)
+        return cls(mpi_rendezvous.assemble(mpi, store, prefix, rank, size, None, rank, "world", timeout), "mpi")
+
+    def handle_copy(self) -> int:
+        """A second handle of the communicator this one holds (destroying either leaves the other)."""
+        return self.engine.share(self.handle)
+
+    def _install(self, handle: int) -> None:
+        """Put the engine communicator ``handle`` in this communicator's slot, once the calls on the old one ended
+        (a revoked call's error must not reach the next computations through JAX's ordering tokens)."""
+        nc.forget_failed_calls()
+        if not self.engine.rebind(self.handle, handle):
+            raise RuntimeError(f"communicator handle {self.handle} or {handle} is unknown to the engine")
+        self.size = self.engine.size(self.handle)
+        self._rank = self.engine.rank(self.handle)
+
     def split(self, color: int, key: int, name: str) -> NativeCommunicator:
         """The ranks with the same ``color``, ordered by ``key`` (e.g. one per node for the
         intra-node group of a hierarchical algorithm). Every rank must call it."""
@@ -97,8 +179,8 @@ class NativeCommunicator(MpiSettings):
         self.engine.destroy(self.handle)
 
     def rank(self) -> jax.Array:
-        """This rank's index as an int32 scalar."""
-        return jnp.int32(self._rank)
+        """This rank's index as an int32 scalar, read at run time from the communicator the handle holds."""
+        return nc.rank_p.bind(comm=self.handle)
 
     def _op(self, op: ReduceOp) -> int:
         if op not in REDUCE_OPS:
@@ -182,7 +264,7 @@ class NativeCommunicator(MpiSettings):
         """``send_recv`` with this rank's peers of round ``round_index % rounds`` of the static table
         ``schedule`` (see :meth:`Communicator.send_recv_scheduled`)."""
         table = jnp.asarray(check_schedule(schedule, self.size))
-        return self.send_recv(x, table[jnp.asarray(round_index, jnp.int32) % table.shape[0], self._rank])
+        return self.send_recv(x, table[jnp.asarray(round_index, jnp.int32) % table.shape[0], self.rank()])
 
     def send(self, x: jax.Array, peer: jax.Array | int) -> None:
         """Send ``x`` to rank ``peer`` (chosen at run time); it must meet a matching ``recv``.

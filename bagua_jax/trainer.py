@@ -82,8 +82,9 @@ class DataParallel:
       ``nnx.Rngs`` of the rank's own; the model's ``nnx.BatchStat`` variables (BatchNorm's
       statistics) are averaged across ranks after every step.
 
-    The loss :meth:`step` returns (and ``aux``) is the mean over the ranks in both modes. In native
-    mode the first step checks that the processes' batches differ and raises a ``ValueError`` when
+    The loss :meth:`step` returns (and ``aux``) is the mean over the ranks, except in native mode under
+    the decentralized, asynchronous and DiLoCo algorithms, which return each rank's own (see :meth:`step`).
+    In native mode the first step checks that the processes' batches differ and raises a ``ValueError`` when
     every process passes the same one (the whole global batch instead of its part).
 
     ``autotune`` (``off``, ``once`` or ``cached``; default ``BAGUA_AUTOTUNE``, off when unset)
@@ -146,6 +147,11 @@ class DataParallel:
         self._steps: dict[tuple[bool, bool], Callable] = {}
         self._nnx_step: Callable | None = None
         self._init = jax.jit(self._sharded(self._tx.init, (True,)) if self._mesh is not None else self._tx.init)
+
+    def recompile(self) -> None:
+        """Drop the compiled steps, so that the next :meth:`step` is traced again: call it after the communicator's
+        world size changed (a fault-tolerant job's membership), for an algorithm whose buffers follow it."""
+        self._use(self._algorithm)
 
     @property
     def algorithm(self) -> Algorithm:

@@ -25,7 +25,6 @@ import argparse
 import ipaddress
 import math
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -34,7 +33,13 @@ from pathlib import Path
 
 from bagua_common.comm.engines import ENV_ELASTIC
 from bagua_common.fault_tolerance.kv_store import KVServer
-from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ENV_FAULT_TOLERANCE, ENV_SECRET_FILE, job_secret
+from bagua_common.fault_tolerance.settings import (
+    ENV_DIRECTORY,
+    ENV_FAULT_TOLERANCE,
+    ENV_SECRET_FILE,
+    job_secret,
+    write_job_secret,
+)
 from bagua_common.job.local_launch import free_port
 from bagua_launch.output import NAME, describe_exit, exit_status, summary
 from bagua_launch.parsed_config import config_from_namespace
@@ -226,16 +231,6 @@ def _summary(error, log_dir: str, tail_lines: int) -> str:
     return summary(f"rank {rank} failed ({describe_exit(first.exitcode)})", others, f"rank {rank}", tail)
 
 
-def _write_secret(directory: str) -> str:
-    """A new secret for a one-node fault-tolerant job, in a file of mode 0600 under ``directory`` (private to the
-    launcher, removed when it ends); its path."""
-    path = os.path.join(directory, "fault-tolerance-secret")
-    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w") as file:
-        file.write(secrets.token_hex(32))
-    return path
-
-
 def run(config: ElasticConfig) -> int:
     """Run this node's agent until the job ends; returns the exit status (the failed rank's, 128+N for signal N)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -275,7 +270,7 @@ def run(config: ElasticConfig) -> int:
                 )
                 shutil.rmtree(log_dir, ignore_errors=True)
                 return 2
-            os.environ[ENV_SECRET_FILE] = _write_secret(log_dir)
+            os.environ[ENV_SECRET_FILE] = write_job_secret(log_dir)
         # where this node's ranks say where the job is, for the replacements
         directory = KVServer("127.0.0.1", secret=job_secret())
         os.environ.update({ENV_FAULT_TOLERANCE: "1", ENV_DIRECTORY: f"127.0.0.1:{directory.port}"})

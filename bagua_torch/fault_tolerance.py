@@ -186,12 +186,12 @@ class FaultTolerance:
         while self.step < total:
             assert self.epoch is not None
             every = self.settings.hash_every
-            if not self.epoch.over and every and self.step % every == 0 and self._checked != self.step:
+            if not self.epoch.closed.is_set() and every and self.step % every == 0 and self._checked != self.step:
                 try:
                     self._check_replicas(f"at step {self.step}")
                 except (MembershipChanged, CommunicationError) as error:
                     self._fail(error)
-            if self.epoch.over:  # ended after a commit (a joiner waits) or closed meanwhile
+            if self.epoch.closed.is_set():  # ended after a commit (a joiner waits) or closed meanwhile
                 self._change_epoch(lost_step=False)
             yield Step(self, self.step + 1)
 
@@ -221,7 +221,7 @@ class FaultTolerance:
 
     def _fail(self, error: BaseException) -> None:
         assert self.membership is not None and self.epoch is not None
-        if not self.epoch.closed.is_set():
+        if not self.epoch.failed.is_set():
             self.membership.fail(self.epoch, f"{type(error).__name__}: {error}")
 
     def _change_epoch(self, lost_step: bool) -> None:

@@ -7,24 +7,20 @@ import zlib
 
 import numpy as np
 import pytest
+from background_jobs import BackgroundJob
+
+from bagua_common.fault_tolerance.settings import write_job_secret
 
 # Four simulated CPU devices for the shard_map tests; must be set before jax loads.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 
-def _fault_tolerance_secret() -> str:
-    """The members of the tests' fault-tolerant jobs prove this secret to each other's stores (a file of mode 0600,
-    as bagua-launch --fault-tolerant makes one); their processes inherit the variable."""
-    directory = tempfile.mkdtemp(prefix="bagua-test-secret-")
-    atexit.register(shutil.rmtree, directory, True)
-    path = os.path.join(directory, "secret")
-    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
-        file.write(secrets.token_hex(32))
-    return path
-
-
+# The members of the tests' fault-tolerant jobs prove the job's secret to each other's stores, as under bagua-launch
+# --fault-tolerant; their processes inherit the variable.
 if not os.environ.get("BAGUA_FT_SECRET_FILE"):
-    os.environ["BAGUA_FT_SECRET_FILE"] = _fault_tolerance_secret()
+    _secret_directory = tempfile.mkdtemp(prefix="bagua-test-secret-")
+    atexit.register(shutil.rmtree, _secret_directory, True)
+    os.environ["BAGUA_FT_SECRET_FILE"] = write_job_secret(_secret_directory)
 
 SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
 
@@ -41,14 +37,42 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "seeded: its data depends on BAGUA_TEST_SEED (marked by conftest); run these under many seeds"
     )
+    config.addinivalue_line(
+        "markers", "background_job(name): reads the job of background_jobs.JOBS named so, started at collection"
+    )
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m deselected what will not run
 def pytest_collection_modifyitems(config, items):
     for item in items:
         # A test's own parameter of the same name (a fixed range of seeds) is not the run's seed.
         parameters = item.callspec.params if hasattr(item, "callspec") else {}
         if any(name in item.fixturenames and name not in parameters for name in SEED_FIXTURES):
             item.add_marker(pytest.mark.seeded)
+    # The background jobs of the selected tests start now; their tests run last (background_jobs.py).
+    jobs = config.stash.setdefault(_BACKGROUND_JOBS, {})
+    waiting = [item for item in items if item.get_closest_marker("background_job")]
+    if config.option.collectonly:
+        return
+    for item in waiting:
+        name = item.get_closest_marker("background_job").args[0]
+        if name not in jobs:
+            jobs[name] = BackgroundJob.start(name)
+    items[:] = [item for item in items if item not in waiting] + waiting
+
+
+_BACKGROUND_JOBS = pytest.StashKey[dict]()
+
+
+def pytest_unconfigure(config):
+    for job in config.stash.get(_BACKGROUND_JOBS, {}).values():
+        job.stop()
+
+
+@pytest.fixture
+def background_job(request) -> BackgroundJob:
+    """The background job the test is marked with (``@pytest.mark.background_job(name)``)."""
+    return request.config.stash[_BACKGROUND_JOBS][request.node.get_closest_marker("background_job").args[0]]
 
 
 @pytest.fixture

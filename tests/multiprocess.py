@@ -1,7 +1,8 @@
 """Run a test function in N processes and collect what each rank returns.
 
 ``run_ranks("module:function", n)`` starts n Python processes (or one
-``mpiexec -n n`` job), each calling ``function(*args)`` from this tests folder
+``mpiexec -n n`` job, or one ``mpiexec -n 1`` job per rank, so that a rank killed by a signal ends only its own
+job), each calling ``function(*args)`` from this tests folder
 with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (under
 mpiexec the rank comes from the MPI launcher). The values returned are pickled
 back. If a rank fails or the job outlives its timeout, every process is killed
@@ -18,6 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -50,12 +52,16 @@ def run_ranks(
     target: str,
     nprocs: int,
     *args: Any,
-    launcher: Literal["python", "mpiexec"] = "python",
+    launcher: Literal["python", "mpiexec", "mpiexec-per-rank"] = "python",
     timeout: float = 300.0,
     env: dict[str, str] | None = None,
     check: bool = True,
+    watch: Callable[[list[int | None]], None] | None = None,
 ) -> list[RankResult]:
-    """Run ``target`` on ``nprocs`` ranks; with ``check``, fail unless all succeed and return values."""
+    """Run ``target`` on ``nprocs`` ranks; with ``check``, fail unless all succeed and return values.
+
+    ``watch``, if given, is called with the processes' exit codes (None while running) every 50 ms until all
+    ended: a test reacts to a rank's end there."""
     workdir = Path(tempfile.mkdtemp(prefix="bagua-ranks-"))
     (workdir / "args.pkl").write_bytes(pickle.dumps(args))
     base_env = {
@@ -84,9 +90,10 @@ def run_ranks(
                 )
             ]
         else:
+            prefix = [mpiexec(), "-n", "1"] if launcher == "mpiexec-per-rank" else []
             procs = [
                 subprocess.Popen(
-                    command,
+                    [*prefix, *command],
                     env={**base_env, "RANK": str(r), "LOCAL_RANK": str(r)},
                     stdout=logs[r],
                     stderr=subprocess.STDOUT,
@@ -94,7 +101,7 @@ def run_ranks(
                 )
                 for r in range(nprocs)
             ]
-        codes = _wait_all(procs, timeout, stop_on_failure=check)
+        codes = _wait_all(procs, timeout, stop_on_failure=check, watch=watch)
         results = _collect(workdir, nprocs, codes, logs, launcher)
     finally:
         for log in logs:
@@ -112,10 +119,17 @@ def run_ranks(
     return results
 
 
-def _wait_all(procs: list[subprocess.Popen], timeout: float, stop_on_failure: bool) -> list[int | None]:
+def _wait_all(
+    procs: list[subprocess.Popen],
+    timeout: float,
+    stop_on_failure: bool,
+    watch: Callable[[list[int | None]], None] | None = None,
+) -> list[int | None]:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         codes = [p.poll() for p in procs]
+        if watch is not None:
+            watch(codes)
         if all(c is not None for c in codes):
             return codes
         if stop_on_failure and any(c not in (None, 0) for c in codes):

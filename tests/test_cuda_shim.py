@@ -1,7 +1,6 @@
 """The CUDA kernels executed on the CPU under tests/cuda_shim: against the CPU kernels built
 from the same tree (tests/cuda_shim/kernel_suite.cc), and against tests/kernels_reference.py."""
 
-import os
 import re
 import subprocess
 
@@ -22,17 +21,21 @@ def suite(tmp_path_factory):
     return build_kernel_suite(tmp_path_factory.mktemp("cuda_shim"))
 
 
-def _run(exe, *args, env=None):
+def _run(exe, *args):
     result = subprocess.run(
         [str(exe), *args],
         check=False,
         capture_output=True,
         text=True,
         timeout=TIMEOUT_S,
-        env=env,
     )
-    summary = re.search(r"(\d+) passed, (\d+) failed", result.stdout)
-    assert result.returncode == 0 and summary, result.stdout[-4000:] + result.stderr[-4000:]
+    return _summary(result.returncode, result.stdout, result.stderr)
+
+
+def _summary(returncode, stdout, stderr):
+    """(passed, failed) of a kernel suite's run, which must have exited with status 0."""
+    summary = re.search(r"(\d+) passed, (\d+) failed", stdout)
+    assert returncode == 0 and summary, stdout[-4000:] + stderr[-4000:]
     passed, failed = map(int, summary.groups())
     return passed, failed
 
@@ -87,11 +90,11 @@ def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
             np.testing.assert_array_equal(load("sign_residual", np.float32), (y - decoded).astype(np.float32))
 
 
-def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(tmp_path):
-    exe = build_kernel_suite(tmp_path / "asan", sanitize=True)
-    # Fibers switch stacks with swapcontext, which ASan follows but cannot check returns across.
-    env = dict(os.environ, ASAN_OPTIONS="detect_stack_use_after_return=0:detect_leaks=1")
-    passed, failed = _run(exe, "--quick", env=env)
+@pytest.mark.background_job("sanitized_kernel_suite")
+def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(background_job):
+    # Built and run by cuda_shim_build.run_sanitized_suite while the rest of the suite runs (background_jobs.py).
+    returncode, output = background_job.result(timeout=TIMEOUT_S)
+    passed, failed = _summary(returncode, output, "")
     assert failed == 0 and passed >= 1788
 
 

@@ -106,6 +106,25 @@ void bind(nb::module_& m, const char* doc) {
   m.def(
       "destroy", [](int64_t h) { return CommunicatorRegistry::instance().remove(h); },
       "Forget a communicator; it is freed when no call uses it any more.");
+  m.def(
+      "share",
+      [](int64_t h) {
+        lookup(h);
+        return CommunicatorRegistry::instance().share(h);
+      },
+      nb::arg("handle"),
+      "A second handle of the same communicator; destroying either leaves the other.");
+  m.def(
+      "rebind",
+      [](int64_t h, int64_t from) { return CommunicatorRegistry::instance().rebind(h, from); },
+      nb::arg("handle"), nb::arg("source"),
+      "Put the communicator of handle `source` in `handle`'s slot and forget `source` (programs "
+      "that name `handle` use it from their next call on); False if either handle is unknown.");
+  m.def(
+      "revoke", [](int64_t h, const std::string& reason) { lookup(h)->revoke(reason); },
+      nb::arg("handle"), nb::arg("reason"),
+      "Make the calls in flight on the communicator, and every later one, fail at once with an "
+      "error naming `reason`; local and never waiting.");
 
   def_collective<int>(
       m, device_type, "allreduce", Blocks::kSame,

@@ -234,6 +234,17 @@ ffi::Error Barrier(ffi::Token, ffi::Result<ffi::Token>, int64_t handle, Exec exe
   return to_error(comm->barrier(stream_of(exec)));
 }
 
+// This rank's index in the communicator the slot holds now: a run-time value, so
+// that rebinding the slot after a membership change compiles nothing again.
+template <typename Exec>
+ffi::Error Rank(ffi::Token, ffi::Result<ffi::Buffer<ffi::S32>> y, ffi::Result<ffi::Token>,
+                int64_t handle, Exec exec) {
+  auto comm = CommunicatorRegistry::instance().get(handle);
+  if (!comm) return ffi::Error::InvalidArgument("bagua rank: " + unknown_handle_message(handle));
+  const int32_t rank = comm->rank();
+  return to_error(copy_from_host(exec, y->typed_data(), &rank, sizeof rank));
+}
+
 // The collective FFI targets: X(name, implementation, binding without the
 // device). Each takes and returns an ordering token and names its communicator.
 // BAGUA_COLLECTIVE_BIND_AFTER(operands) binds the operands, then the token in, the
@@ -258,7 +269,8 @@ ffi::Error Barrier(ffi::Token, ffi::Result<ffi::Token>, int64_t handle, Exec exe
     Ffi::Bind().Arg<AnyBuffer>().Arg<Int32s>().Arg<Token>().Ret<Token>().Attr<int64_t>("comm")) \
   X(recv, Recv<Exec>,                                                                           \
     Ffi::Bind().Arg<Int32s>().Arg<Token>().Ret<AnyBuffer>().Ret<Token>().Attr<int64_t>("comm")) \
-  X(barrier, Barrier<Exec>, Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"))
+  X(barrier, Barrier<Exec>, Ffi::Bind().Arg<Token>().Ret<Token>().Attr<int64_t>("comm"))        \
+  X(rank, Rank<Exec>, Ffi::Bind().Arg<Token>().Ret<Int32s>().Ret<Token>().Attr<int64_t>("comm"))
 
 // Every collective FFI target for one device, by target name.
 template <typename Exec>

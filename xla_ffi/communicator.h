@@ -92,6 +92,12 @@ class Communicator {
   virtual Status send(const void* buffer, int64_t count, DType type, int peer, void* stream) = 0;
   virtual Status recv(void* buffer, int64_t count, DType type, int peer, void* stream) = 0;
   virtual Status barrier(void* stream) = 0;
+
+  // Makes the operations in flight and every later one fail at once with an error naming
+  // `reason` (the membership changed: a peer died or hangs). Local: the other ranks learn of the
+  // change from the job's membership, not from this call. Thread-safe and never waits, so a
+  // watchdog may call it while another thread is blocked in a collective.
+  virtual void revoke(const std::string& reason) = 0;
 };
 
 // Memory moves the collective handlers need around the engine calls, for the
@@ -101,8 +107,12 @@ class Communicator {
 Status device_copy(Cpu, void* dst, const void* src, int64_t bytes);
 Status device_zero(Cpu, void* dst, int64_t bytes);
 Status copy_to_host(Cpu, void* dst, const void* src, int64_t bytes);
+// A few host bytes into device memory, ordered with the device's work; `src` may be reused as soon
+// as it returns.
+Status copy_from_host(Cpu, void* dst, const void* src, int64_t bytes);
 Status device_copy(Cuda, void* dst, const void* src, int64_t bytes);
 Status device_zero(Cuda, void* dst, int64_t bytes);
 Status copy_to_host(Cuda, void* dst, const void* src, int64_t bytes);
+Status copy_from_host(Cuda, void* dst, const void* src, int64_t bytes);
 
 }  // namespace bagua

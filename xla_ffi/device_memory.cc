@@ -43,4 +43,12 @@ Status copy_to_host(Cuda device, void* dst, const void* src, int64_t bytes) {
   return cuda_status("stream synchronize", cudaStreamSynchronize(stream_of(device)));
 }
 
+// From pageable host memory the copy is staged before cudaMemcpyAsync returns, so `src` may be a
+// local variable of the caller.
+Status copy_from_host(Cuda device, void* dst, const void* src, int64_t bytes) {
+  if (bytes == 0) return {};
+  return cuda_status("copy from host",
+                     cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream_of(device)));
+}
+
 }  // namespace bagua

@@ -20,4 +20,9 @@ Status copy_to_host(Cpu, void* dst, const void* src, int64_t bytes) {
   return {};
 }
 
+Status copy_from_host(Cpu, void* dst, const void* src, int64_t bytes) {
+  std::memcpy(dst, src, bytes);
+  return {};
+}
+
 }  // namespace bagua

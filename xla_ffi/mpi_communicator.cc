@@ -4,168 +4,38 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
-#include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <future>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <thread>
 #include <type_traits>
 #include <vector>
 
-#include "numerics.h"
+#include "mpi_runtime.h"
 
 namespace bagua {
 namespace {
 
-std::atomic<bool> any_broken{false};
-bool initialized_here = false;
-std::mutex serialize;  // taken around MPI calls when MPI lacks MPI_THREAD_MULTIPLE
-bool thread_multiple = false;
-
-std::unique_lock<std::mutex> lock_mpi() {
-  std::unique_lock<std::mutex> lock(serialize, std::defer_lock);
-  if (!thread_multiple) lock.lock();
-  return lock;
-}
-
-// MPI has no 16-bit float types: they travel as 2-byte opaque elements with
-// user-defined reductions computed in float32.
-MPI_Datatype half_type, bfloat16_type;
-MPI_Op half_ops[3], bfloat16_ops[3];  // sum, min, max
-
-template <typename T, int kOp>
-void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    const float x = to_float(a[i]), y = to_float(b[i]);
-    const float r = kOp == 0 ? x + y : kOp == 1 ? (x < y ? x : y) : (x > y ? x : y);
-    b[i] = from_float<T>(r);
-  }
-}
-
-void ensure_initialized() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    int ready = 0;
-    MPI_Initialized(&ready);
-    int provided = MPI_THREAD_SINGLE;
-    if (!ready) {
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      initialized_here = true;
-    } else {
-      MPI_Query_thread(&provided);
-    }
-    thread_multiple = provided == MPI_THREAD_MULTIPLE;
-    MPI_Type_contiguous(2, MPI_BYTE, &half_type);
-    MPI_Type_commit(&half_type);
-    MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type);
-    MPI_Type_commit(&bfloat16_type);
-    MPI_Op_create(&reduce16<Half, 0>, 1, &half_ops[0]);
-    MPI_Op_create(&reduce16<Half, 1>, 1, &half_ops[1]);
-    MPI_Op_create(&reduce16<Half, 2>, 1, &half_ops[2]);
-    MPI_Op_create(&reduce16<BFloat16, 0>, 1, &bfloat16_ops[0]);
-    MPI_Op_create(&reduce16<BFloat16, 1>, 1, &bfloat16_ops[1]);
-    MPI_Op_create(&reduce16<BFloat16, 2>, 1, &bfloat16_ops[2]);
-  });
-}
-
-MPI_Datatype mpi_type(DType t) {
-#define BAGUA_DTYPE_TO_MPI(enumerator, name, bits, dlpack, xla, nccl, mpi) \
-  if (t == DType::enumerator) return mpi;
-  BAGUA_DTYPES(BAGUA_DTYPE_TO_MPI)
-  return MPI_DATATYPE_NULL;
-}
-
-// Averages are sums divided by the rank count afterwards.
-MPI_Op mpi_op(DType t, ReduceOp op) {
-  const int index = op == ReduceOp::kMin ? 1 : op == ReduceOp::kMax ? 2 : 0;
-  if (t == DType::kF16) return half_ops[index];
-  if (t == DType::kBF16) return bfloat16_ops[index];
-  return index == 1 ? MPI_MIN : index == 2 ? MPI_MAX : MPI_SUM;
-}
-
-template <typename T>
-void divide(void* data, int64_t count, int ranks) {
-  T* p = static_cast<T*>(data);
-  for (int64_t i = 0; i < count; ++i)
-    p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
-}
-
-void divide_in_place(void* data, int64_t count, DType t, int ranks) {
-  switch (t) {
-    case DType::kF32:
-      divide<float>(data, count, ranks);
-      break;
-    case DType::kF16:
-      divide<Half>(data, count, ranks);
-      break;
-    case DType::kBF16:
-      divide<BFloat16>(data, count, ranks);
-      break;
-    case DType::kF64: {
-      double* p = static_cast<double*>(data);
-      for (int64_t i = 0; i < count; ++i) p[i] /= ranks;
-      break;
-    }
-    default:
-      break;
-  }
-}
-
-std::string mpi_error(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(code, text, &length);
-  return std::string(text, length);
-}
-
-// Whether the ranks of `comm` span more than one node (MPI's view: shared memory).
-bool ranks_span_nodes(MPI_Comm comm, int size) {
-  MPI_Comm node;
-  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
-    return false;
-  int node_size = size;
-  MPI_Comm_size(node, &node_size);
-  MPI_Comm_free(&node);
-  return node_size < size;
-}
-
-// Allreduces of at least this many bytes between nodes take the ring, unless
-// BAGUA_MPI_RING_MIN_BYTES or set_mpi_ring_min_bytes says otherwise.
-constexpr int64_t kDefaultRingMinBytes = 1 << 20;
-
-void check_ring_min_bytes(int64_t bytes) {
-  if (bytes < 0)
-    throw std::invalid_argument("the MPI ring threshold must be >= 0 bytes, got " +
-                                std::to_string(bytes));
-}
-
-int64_t ring_min_bytes_from_environment() {
-  const char* text = std::getenv("BAGUA_MPI_RING_MIN_BYTES");
-  if (text == nullptr || *text == '\0') return kDefaultRingMinBytes;
-  char* end = nullptr;
-  errno = 0;
-  const long long bytes = std::strtoll(text, &end, 10);
-  if (*end != '\0' || errno == ERANGE || bytes < 0 ||
-      !std::isdigit(static_cast<unsigned char>(*text)))
-    throw std::invalid_argument(
-        std::string("BAGUA_MPI_RING_MIN_BYTES must be a whole number of bytes >= 0, got '") + text +
-        "'");
-  return bytes;
-}
+// MPI_Comm_create_group's tag for a shrink to the survivors.
+constexpr int kShrinkTag = 4242;
 
 class MpiCommunicator final : public Communicator {
  public:
-  MpiCommunicator(MPI_Comm comm, std::string name, double timeout_seconds, int64_t ring_min_bytes)
+  // `abandonable`: the communicator belongs to a membership that may change, so an operation may be
+  // abandoned with live peers still sending to it; see staged().
+  MpiCommunicator(MPI_Comm comm, std::string name, double timeout_seconds, int64_t ring_min_bytes,
+                  bool abandonable = false)
       : comm_(comm),
         name_(std::move(name)),
         timeout_(timeout_seconds),
-        ring_min_bytes_(ring_min_bytes) {
+        ring_min_bytes_(ring_min_bytes),
+        abandonable_(abandonable) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
@@ -191,141 +61,192 @@ class MpiCommunicator final : public Communicator {
 
   Status allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                    void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type))
-      return fail("allreduce", "avg needs a float type");
-    Status s = spans_nodes_ && count * dtype_bytes(type) >= ring_min_bytes_
-                   ? ring_allreduce(send, recv, count, type, op)
-                   : run("allreduce", [&](MPI_Request* r) {
-                       return MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send, recv, count,
-                                               mpi_type(type), mpi_op(type, op), comm_, r);
-                     });
-    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
-    return s;
+    return staged(send, count * dtype_bytes(type), recv, count * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (op == ReduceOp::kAvg && !is_floating_point(type))
+                      return fail("allreduce", "avg needs a float type");
+                    Status s = spans_nodes_ && count * dtype_bytes(type) >= ring_min_bytes_
+                                   ? ring_allreduce(send, recv, count, type, op)
+                                   : run("allreduce", [&](MPI_Request* r) {
+                                       return MPI_Iallreduce_c(send == recv ? MPI_IN_PLACE : send,
+                                                               recv, count, mpi_type(type),
+                                                               mpi_op(type, op), comm_, r);
+                                     });
+                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
+                    return s;
+                  });
   }
 
   Status reduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op, int root,
                 void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type))
-      return fail("reduce", "avg needs a float type");
-    if (Status s = check_root("reduce", root); !s.ok()) return s;
-    const bool in_place = send == recv && rank_ == root;
-    Status s = run("reduce", [&](MPI_Request* r) {
-      return MPI_Ireduce_c(in_place ? MPI_IN_PLACE : send, recv, count, mpi_type(type),
-                           mpi_op(type, op), root, comm_, r);
-    });
-    if (s.ok() && op == ReduceOp::kAvg && rank_ == root) divide_in_place(recv, count, type, size_);
-    return s;
+    return staged(send, count * dtype_bytes(type), recv, count * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (op == ReduceOp::kAvg && !is_floating_point(type))
+                      return fail("reduce", "avg needs a float type");
+                    if (Status s = check_root("reduce", root); !s.ok()) return s;
+                    const bool in_place = send == recv && rank_ == root;
+                    Status s = run("reduce", [&](MPI_Request* r) {
+                      return MPI_Ireduce_c(in_place ? MPI_IN_PLACE : send, recv, count,
+                                           mpi_type(type), mpi_op(type, op), root, comm_, r);
+                    });
+                    if (s.ok() && op == ReduceOp::kAvg && rank_ == root)
+                      divide_in_place(recv, count, type, size_);
+                    return s;
+                  });
   }
 
   Status broadcast(void* buffer, int64_t count, DType type, int root, void*) override {
     if (Status s = check_root("broadcast", root); !s.ok()) return s;
-    return run("broadcast", [&](MPI_Request* r) {
-      return MPI_Ibcast_c(buffer, count, mpi_type(type), root, comm_, r);
+    const int64_t bytes = count * dtype_bytes(type);
+    return staged(buffer, bytes, buffer, bytes, [&](const void*, void* staged_buffer) {
+      return run("broadcast", [&](MPI_Request* r) {
+        return MPI_Ibcast_c(staged_buffer, count, mpi_type(type), root, comm_, r);
+      });
     });
   }
 
   Status reduce_scatter(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                         void*) override {
-    if (op == ReduceOp::kAvg && !is_floating_point(type))
-      return fail("reduce_scatter", "avg needs a float type");
-    Status s = run("reduce_scatter", [&](MPI_Request* r) {
-      return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type), mpi_op(type, op), comm_,
-                                         r);
-    });
-    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
-    return s;
+    return staged(send, count * size_ * dtype_bytes(type), recv, count * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (op == ReduceOp::kAvg && !is_floating_point(type))
+                      return fail("reduce_scatter", "avg needs a float type");
+                    Status s = run("reduce_scatter", [&](MPI_Request* r) {
+                      return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type),
+                                                         mpi_op(type, op), comm_, r);
+                    });
+                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
+                    return s;
+                  });
   }
 
   Status allgather(const void* send, void* recv, int64_t count, DType type, void*) override {
-    return run("allgather", [&](MPI_Request* r) {
-      return MPI_Iallgather_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_, r);
-    });
+    return staged(send, count * dtype_bytes(type), recv, count * size_ * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    return run("allgather", [&](MPI_Request* r) {
+                      return MPI_Iallgather_c(send, count, mpi_type(type), recv, count,
+                                              mpi_type(type), comm_, r);
+                    });
+                  });
   }
 
   Status gather(const void* send, void* recv, int64_t count, DType type, int root, void*) override {
-    if (Status s = check_root("gather", root); !s.ok()) return s;
-    return run("gather", [&](MPI_Request* r) {
-      return MPI_Igather_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_,
-                           r);
-    });
+    return staged(send, count * dtype_bytes(type), recv, count * size_ * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (Status s = check_root("gather", root); !s.ok()) return s;
+                    return run("gather", [&](MPI_Request* r) {
+                      return MPI_Igather_c(send, count, mpi_type(type), recv, count, mpi_type(type),
+                                           root, comm_, r);
+                    });
+                  });
   }
 
   Status scatter(const void* send, void* recv, int64_t count, DType type, int root,
                  void*) override {
-    if (Status s = check_root("scatter", root); !s.ok()) return s;
-    return run("scatter", [&](MPI_Request* r) {
-      return MPI_Iscatter_c(send, count, mpi_type(type), recv, count, mpi_type(type), root, comm_,
-                            r);
-    });
+    return staged(send, count * size_ * dtype_bytes(type), recv, count * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    if (Status s = check_root("scatter", root); !s.ok()) return s;
+                    return run("scatter", [&](MPI_Request* r) {
+                      return MPI_Iscatter_c(send, count, mpi_type(type), recv, count,
+                                            mpi_type(type), root, comm_, r);
+                    });
+                  });
   }
 
   Status alltoall(const void* send, void* recv, int64_t count, DType type, void*) override {
-    return run("alltoall", [&](MPI_Request* r) {
-      return MPI_Ialltoall_c(send, count, mpi_type(type), recv, count, mpi_type(type), comm_, r);
-    });
+    return staged(send, count * size_ * dtype_bytes(type), recv, count * size_ * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    return run("alltoall", [&](MPI_Request* r) {
+                      return MPI_Ialltoall_c(send, count, mpi_type(type), recv, count,
+                                             mpi_type(type), comm_, r);
+                    });
+                  });
   }
 
   Status alltoall_v(const void* send, const int64_t* send_counts, void* recv,
                     const int64_t* recv_counts, DType type, void*) override {
-    std::vector<MPI_Count> sc(size_), rc(size_);
-    std::vector<MPI_Aint> sd(size_), rd(size_);
-    MPI_Aint send_offset = 0, recv_offset = 0;
-    for (int j = 0; j < size_; ++j) {
-      if (send_counts[j] < 0 || recv_counts[j] < 0)
-        return fail("alltoall_v", "counts must be non-negative");
-      sc[j] = send_counts[j];
-      sd[j] = send_offset;
-      send_offset += send_counts[j];
-      rc[j] = recv_counts[j];
-      rd[j] = recv_offset;
-      recv_offset += recv_counts[j];
-    }
-    return run("alltoall_v", [&](MPI_Request* r) {
-      return MPI_Ialltoallv_c(send, sc.data(), sd.data(), mpi_type(type), recv, rc.data(),
-                              rd.data(), mpi_type(type), comm_, r);
-    });
+    return staged(send, total(send_counts, size_) * dtype_bytes(type), recv,
+                  total(recv_counts, size_) * dtype_bytes(type),
+                  [&](const void* send, void* recv) -> Status {
+                    std::vector<MPI_Count> sc(size_), rc(size_);
+                    std::vector<MPI_Aint> sd(size_), rd(size_);
+                    MPI_Aint send_offset = 0, recv_offset = 0;
+                    for (int j = 0; j < size_; ++j) {
+                      if (send_counts[j] < 0 || recv_counts[j] < 0)
+                        return fail("alltoall_v", "counts must be non-negative");
+                      sc[j] = send_counts[j];
+                      sd[j] = send_offset;
+                      send_offset += send_counts[j];
+                      rc[j] = recv_counts[j];
+                      rd[j] = recv_offset;
+                      recv_offset += recv_counts[j];
+                    }
+                    return run("alltoall_v", [&](MPI_Request* r) {
+                      return MPI_Ialltoallv_c(send, sc.data(), sd.data(), mpi_type(type), recv,
+                                              rc.data(), rd.data(), mpi_type(type), comm_, r);
+                    });
+                  });
   }
 
   Status send_recv(const void* send, void* recv, int64_t count, DType type, const int32_t* peers,
                    int num_peers, void*) override {
-    for (int i = 0; i < num_peers; ++i)
-      if (peers[i] < 0 || peers[i] >= size_ || peers[i] == rank_)
-        return fail("send_recv", "peer " + std::to_string(peers[i]) + " is not another rank of " +
-                                     std::to_string(size_));
-    std::vector<MPI_Request> requests(2 * num_peers, MPI_REQUEST_NULL);
-    const int64_t bytes = count * dtype_bytes(type);
-    return run_many("send_recv", requests, [&](MPI_Request* r) {
-      // The i-th exchange with a given peer uses tag i on both sides, so
-      // repeated peers (a ring of two ranks) pair up in order.
-      for (int i = 0; i < num_peers; ++i) {
-        int tag = 0;
-        for (int j = 0; j < i; ++j) tag += peers[j] == peers[i];
-        int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type), peers[i],
-                             tag, comm_, &r[2 * i]);
-        if (rc != MPI_SUCCESS) return rc;
-        rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag, comm_, &r[2 * i + 1]);
-        if (rc != MPI_SUCCESS) return rc;
-      }
-      return MPI_SUCCESS;
-    });
+    return staged(
+        send, count * dtype_bytes(type), recv, count * num_peers * dtype_bytes(type),
+        [&](const void* send, void* recv) -> Status {
+          for (int i = 0; i < num_peers; ++i)
+            if (peers[i] < 0 || peers[i] >= size_ || peers[i] == rank_)
+              return fail("send_recv", "peer " + std::to_string(peers[i]) +
+                                           " is not another rank of " + std::to_string(size_));
+          std::vector<MPI_Request> requests(2 * num_peers, MPI_REQUEST_NULL);
+          const int64_t bytes = count * dtype_bytes(type);
+          return run_many("send_recv", requests, [&](MPI_Request* r) {
+            // The i-th exchange with a given peer uses tag i on both sides, so
+            // repeated peers (a ring of two ranks) pair up in order.
+            for (int i = 0; i < num_peers; ++i) {
+              int tag = 0;
+              for (int j = 0; j < i; ++j) tag += peers[j] == peers[i];
+              int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type),
+                                   peers[i], tag, comm_, &r[2 * i]);
+              if (rc != MPI_SUCCESS) return rc;
+              rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag, comm_, &r[2 * i + 1]);
+              if (rc != MPI_SUCCESS) return rc;
+            }
+            return MPI_SUCCESS;
+          });
+        });
   }
 
   Status send(const void* buffer, int64_t count, DType type, int peer, void*) override {
     if (Status s = check_peer("send", peer); !s.ok()) return s;
-    return run("send", [&](MPI_Request* r) {
-      return MPI_Isend_c(buffer, count, mpi_type(type), peer, kPointToPointTag, comm_, r);
-    });
+    return staged(buffer, count * dtype_bytes(type), nullptr, 0,
+                  [&](const void* staged_buffer, void*) {
+                    return run("send", [&](MPI_Request* r) {
+                      return MPI_Isend_c(staged_buffer, count, mpi_type(type), peer,
+                                         kPointToPointTag, comm_, r);
+                    });
+                  });
   }
 
   Status recv(void* buffer, int64_t count, DType type, int peer, void*) override {
     if (Status s = check_peer("recv", peer); !s.ok()) return s;
-    return run("recv", [&](MPI_Request* r) {
-      return MPI_Irecv_c(buffer, count, mpi_type(type), peer, kPointToPointTag, comm_, r);
-    });
+    return staged(nullptr, 0, buffer, count * dtype_bytes(type),
+                  [&](const void*, void* staged_buffer) {
+                    return run("recv", [&](MPI_Request* r) {
+                      return MPI_Irecv_c(staged_buffer, count, mpi_type(type), peer,
+                                         kPointToPointTag, comm_, r);
+                    });
+                  });
   }
 
   Status barrier(void*) override {
     return run("barrier", [&](MPI_Request* r) { return MPI_Ibarrier(comm_, r); });
+  }
+
+  void revoke(const std::string& reason) override {
+    std::lock_guard<std::mutex> lock(revoke_mutex_);
+    if (revoked_) return;
+    revoke_reason_ = reason;
+    revoked_.store(true, std::memory_order_release);
   }
 
  private:
@@ -352,7 +273,7 @@ class MpiCommunicator final : public Communicator {
     };
     auto length = [&](int chunk) { return first(chunk + 1) - first(chunk); };
     auto wrap = [&](int chunk) { return ((chunk % size_) + size_) % size_; };
-    std::vector<char> incoming(length(0) * element);
+    std::unique_ptr<char[]> incoming(new char[std::max<int64_t>(length(0) * element, 1)]);
     const int next = wrap(rank_ + 1), prev = wrap(rank_ - 1);
     const auto until = deadline();
     std::vector<MPI_Request> requests(2, MPI_REQUEST_NULL);
@@ -364,16 +285,19 @@ class MpiCommunicator final : public Communicator {
       const int outgoing = wrap(rank_ - s + (reducing ? 0 : 1)), arriving = wrap(outgoing - 1);
       char* target = out + first(arriving) * element;
       Status status = run_until("allreduce", requests, until, [&](MPI_Request* r) {
-        int rc = MPI_Irecv_c(reducing ? incoming.data() : target, length(arriving), mpi_type(type),
+        int rc = MPI_Irecv_c(reducing ? incoming.get() : target, length(arriving), mpi_type(type),
                              prev, kRingTag, comm_, &r[0]);
         if (rc != MPI_SUCCESS) return rc;
         return MPI_Isend_c(out + first(outgoing) * element, length(outgoing), mpi_type(type), next,
                            kRingTag, comm_, &r[1]);
       });
-      if (!status.ok()) return status;
+      if (!status.ok()) {
+        keep_forever(std::move(incoming));  // a live peer may still write into it
+        return status;
+      }
       if (reducing) {
         const auto lock = lock_mpi();
-        const int rc = MPI_Reduce_local_c(incoming.data(), target, length(arriving), mpi_type(type),
+        const int rc = MPI_Reduce_local_c(incoming.get(), target, length(arriving), mpi_type(type),
                                           mpi_op(type, op));
         if (rc != MPI_SUCCESS) return fail("allreduce", mpi_error(rc));
       }
@@ -412,10 +336,12 @@ class MpiCommunicator final : public Communicator {
                std::chrono::duration<double>(timeout_));
   }
 
-  // Starts the non-blocking calls, then polls them until done or the deadline.
+  // Starts the non-blocking calls, then polls them until done, the deadline, or a revoke (whose
+  // requests are abandoned: ch4 never completes an operation with a dead peer).
   template <typename Start>
   Status run_until(const char* op, std::vector<MPI_Request>& requests,
                    std::chrono::steady_clock::time_point until, Start&& start) {
+    if (revoked_.load(std::memory_order_acquire)) return revoked(op);
     if (broken_) return fail(op, "the communicator is unusable after an earlier failure");
     auto lock = lock_mpi();
     int rc = start(requests.data());
@@ -429,6 +355,10 @@ class MpiCommunicator final : public Communicator {
         return fail(op, mpi_error(rc));
       }
       if (done) return {};
+      if (revoked_.load(std::memory_order_acquire)) {
+        mark_broken();
+        return revoked(op);
+      }
       if (std::chrono::steady_clock::now() > until) {
         mark_broken();
         char seconds[32];
@@ -439,14 +369,54 @@ class MpiCommunicator final : public Communicator {
       if (polls > 1000) {
         if (lock.owns_lock()) lock.unlock();
         std::this_thread::sleep_for(std::chrono::microseconds(100));
-        if (!thread_multiple) lock.lock();
+        if (!thread_multiple()) lock.lock();
       }
     }
   }
 
   void mark_broken() {
     broken_ = true;
-    any_broken = true;
+    forbid_finalize();
+  }
+
+  // Runs `body(send', recv')` with the buffers MPI should use. On an abandonable communicator those
+  // are engine memory holding copies of `send` and `recv` (copied back to `recv` on success): an
+  // abandoned operation's receive may still be written by a live peer's late message long after the
+  // caller's buffer is gone, so the memory of an operation that failed with its requests pending is
+  // kept until the process ends. Elsewhere MPI uses the caller's buffers.
+  template <typename Body>
+  Status staged(const void* send, int64_t send_bytes, void* recv, int64_t recv_bytes, Body&& body) {
+    if (!abandonable_) return body(send, recv);
+    const bool in_place = send != nullptr && send == recv;
+    std::unique_ptr<char[]> in, out;
+    if (send && !in_place) {
+      in.reset(new char[std::max<int64_t>(send_bytes, 1)]);
+      std::memcpy(in.get(), send, send_bytes);
+    }
+    if (recv) {  // preloaded: MPI leaves some of it as it was (a reduce's non-root ranks, in place)
+      out.reset(new char[std::max<int64_t>(recv_bytes, 1)]);
+      std::memcpy(out.get(), recv, recv_bytes);
+    }
+    const bool was_broken = broken_;
+    Status s = body(in_place ? out.get() : in.get(), out.get());
+    if (broken_ && !was_broken) {
+      keep_forever(std::move(in));
+      keep_forever(std::move(out));
+    } else if (s.ok() && recv) {
+      std::memcpy(recv, out.get(), recv_bytes);
+    }
+    return s;
+  }
+
+  static int64_t total(const int64_t* counts, int n) {
+    int64_t sum = 0;
+    for (int j = 0; j < n; ++j) sum += counts[j] > 0 ? counts[j] : 0;
+    return sum;
+  }
+
+  Status revoked(const char* op) {
+    std::lock_guard<std::mutex> lock(revoke_mutex_);
+    return fail(op, "the communicator was revoked: " + revoke_reason_);
   }
 
   MPI_Comm comm_;
@@ -457,6 +427,10 @@ class MpiCommunicator final : public Communicator {
   // Atomic: torch sets it from its thread while collectives run on the communicator's worker.
   std::atomic<int64_t> ring_min_bytes_;
   bool broken_ = false;
+  const bool abandonable_;
+  std::atomic<bool> revoked_{false};
+  std::mutex revoke_mutex_;  // guards revoke_reason_
+  std::string revoke_reason_;
 };
 
 // `comm` as the MPI engine's communicator (const if `comm` is).
@@ -502,6 +476,138 @@ std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key
                                            mpi_parent.ring_min_bytes());
 }
 
+namespace {
+
+// An MPI_Info with MPICH's "timeout" key (whole seconds, at least 1) for connect and accept.
+struct TimeoutInfo {
+  explicit TimeoutInfo(double seconds) {
+    MPI_Info_create(&info);
+    const std::string text = std::to_string(std::max(1L, std::lround(std::ceil(seconds))));
+    MPI_Info_set(info, "timeout", text.c_str());
+  }
+  ~TimeoutInfo() { MPI_Info_free(&info); }
+  MPI_Info info;
+};
+
+// Runs `make` (which creates an MPI communicator and may wait for peers without a deadline of its
+// own) on a helper thread and waits for it until `timeout_seconds`. A peer that died meanwhile
+// leaves the helper blocked in MPI for good: the caller gets an error instead, and the process
+// should leave the job (the elastic launcher restarts it).
+template <typename Make>
+MPI_Comm within_deadline(const std::string& what, double timeout_seconds, Make make) {
+  if (!thread_multiple()) {  // no second thread may call MPI: wait without a deadline
+    auto lock = lock_mpi();
+    return make();
+  }
+  auto task = std::make_shared<std::packaged_task<MPI_Comm()>>(std::move(make));
+  std::future<MPI_Comm> made = task->get_future();
+  std::thread([task] { (*task)(); }).detach();
+  if (made.wait_for(std::chrono::duration<double>(timeout_seconds)) != std::future_status::ready) {
+    forbid_finalize();  // MPI_Finalize would wait for the blocked helper
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%g", timeout_seconds);
+    throw std::runtime_error(what + " did not complete within " + seconds +
+                             " s; a member may have died meanwhile");
+  }
+  return made.get();
+}
+
+}  // namespace
+
+std::shared_ptr<Communicator> mpi_self(const std::string& name, double timeout_seconds) {
+  const int64_t ring_min_bytes = ring_min_bytes_from_environment();
+  ensure_initialized();
+  MPI_Comm comm;
+  MPI_Comm_dup(MPI_COMM_SELF, &comm);
+  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes, true);
+}
+
+std::shared_ptr<Communicator> mpi_shrink(Communicator& parent, const std::vector<int>& members,
+                                         const std::string& name) {
+  const MpiCommunicator& mpi_parent = as_mpi(parent, "mpi_shrink");
+  const std::string what =
+      "MPI shrink of communicator '" + mpi_parent.name() + "' to '" + name + "'";
+  if (members.empty()) throw std::invalid_argument(what + ": no members");
+  for (int m : members)
+    if (m < 0 || m >= mpi_parent.size())
+      throw std::invalid_argument(what + ": member " + std::to_string(m) + " is not a rank of " +
+                                  std::to_string(mpi_parent.size()));
+  if (std::find(members.begin(), members.end(), mpi_parent.rank()) == members.end())
+    throw std::invalid_argument(what + ": this rank (" + std::to_string(mpi_parent.rank()) +
+                                ") is not among the members");
+  const MPI_Comm old = mpi_parent.comm();
+  MPI_Comm comm = within_deadline(what, mpi_parent.timeout(), [old, members] {
+    MPI_Group all, kept;
+    MPI_Comm_group(old, &all);
+    MPI_Group_incl(all, static_cast<int>(members.size()), members.data(), &kept);
+    MPI_Comm made = MPI_COMM_NULL;
+    // Only the members take part (ULFM's MPIX_Comm_shrink is a stub in MPICH's ch4).
+    if (MPI_Comm_create_group(old, kept, kShrinkTag, &made) != MPI_SUCCESS) made = MPI_COMM_NULL;
+    MPI_Group_free(&kept);
+    MPI_Group_free(&all);
+    return made;
+  });
+  if (comm == MPI_COMM_NULL) throw std::runtime_error(what + " failed");
+  return std::make_shared<MpiCommunicator>(comm, name, mpi_parent.timeout(),
+                                           mpi_parent.ring_min_bytes(), true);
+}
+
+std::string mpi_open_port() {
+  ensure_initialized();
+  char port[MPI_MAX_PORT_NAME] = {};
+  const int rc = MPI_Open_port(MPI_INFO_NULL, port);
+  if (rc != MPI_SUCCESS)
+    throw std::runtime_error(
+        "MPI_Open_port failed (MPICH's UCX netmod writes an address longer than a port name holds: "
+        "set MPIR_CVAR_CH4_NETMOD=ofi and FI_PROVIDER=tcp before MPI starts): " +
+        mpi_error(rc));
+  return port;
+}
+
+void mpi_close_port(const std::string& port) { MPI_Close_port(port.c_str()); }
+
+std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string& port,
+                                         const std::string& name) {
+  const MpiCommunicator& mpi_group = as_mpi(group, "mpi_accept");
+  const MPI_Comm local = mpi_group.comm();
+  const double timeout = mpi_group.timeout();
+  const std::string what = "MPI accept into '" + name + "'";
+  MPI_Comm comm = within_deadline(what, timeout + 1, [local, port, timeout] {
+    TimeoutInfo info(timeout);
+    MPI_Comm inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
+    if (MPI_Comm_accept(port.c_str(), info.info, 0, local, &inter) != MPI_SUCCESS)
+      return MPI_COMM_NULL;
+    MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
+    if (MPI_Intercomm_merge(inter, 0, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
+    MPI_Comm_free(&inter);
+    return merged;
+  });
+  if (comm == MPI_COMM_NULL)
+    throw std::runtime_error(what + " failed: nobody connected to the port in time");
+  return std::make_shared<MpiCommunicator>(comm, name, timeout, mpi_group.ring_min_bytes(), true);
+}
+
+std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::string& name,
+                                          double timeout_seconds) {
+  const int64_t ring_min_bytes = ring_min_bytes_from_environment();
+  ensure_initialized();
+  const std::string what = "MPI connect into '" + name + "'";
+  MPI_Comm comm = within_deadline(what, timeout_seconds + 1, [port, timeout_seconds] {
+    TimeoutInfo info(timeout_seconds);
+    MPI_Comm inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
+    MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
+    if (MPI_Comm_connect(port.c_str(), info.info, 0, MPI_COMM_SELF, &inter) != MPI_SUCCESS)
+      return MPI_COMM_NULL;
+    MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
+    if (MPI_Intercomm_merge(inter, 1, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
+    MPI_Comm_free(&inter);
+    return merged;
+  });
+  if (comm == MPI_COMM_NULL)
+    throw std::runtime_error(what + " failed: nobody accepted on the port in time");
+  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes, true);
+}
+
 bool mpi_spans_nodes(const Communicator& comm) {
   return as_mpi(comm, "mpi_spans_nodes").spans_nodes();
 }
@@ -512,13 +618,6 @@ int64_t mpi_ring_min_bytes(const Communicator& comm) {
 
 void set_mpi_ring_min_bytes(Communicator& comm, int64_t bytes) {
   as_mpi(comm, "set_mpi_ring_min_bytes").set_ring_min_bytes(bytes);
-}
-
-void mpi_finalize() {
-  int ready = 0, finalized = 0;
-  MPI_Initialized(&ready);
-  MPI_Finalized(&finalized);
-  if (ready && !finalized && initialized_here && !any_broken) MPI_Finalize();
 }
 
 }  // namespace bagua

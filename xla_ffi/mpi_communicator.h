@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "communicator.h"
 
@@ -20,6 +21,30 @@ std::shared_ptr<Communicator> mpi_world(const std::string& name, double timeout_
 std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key,
                                         const std::string& name);
 
+// This process alone (MPI_COMM_SELF duplicated): the group a store-built world
+// starts from.
+std::shared_ptr<Communicator> mpi_self(const std::string& name, double timeout_seconds);
+
+// The ranks `members` of `parent` (in that order: member i becomes rank i),
+// over MPI_Comm_create_group, so only the members take part: the survivors of a
+// membership change, whatever became of the others. Every member calls it with
+// the same list; it fails instead of waiting past the parent's timeout.
+std::shared_ptr<Communicator> mpi_shrink(Communicator& parent, const std::vector<int>& members,
+                                         const std::string& name);
+
+// Growing a communicator by one process, e.g. building a world through the
+// job's store with every rank its own `mpiexec -n 1` job (so a rank killed by a
+// signal ends only its own job): rank 0 of `group` opens a port and publishes
+// it, every rank of `group` accepts, and the newcomer connects; the result is
+// `group`'s ranks followed by the newcomer. Both sides fail instead of waiting
+// past their timeout.
+std::string mpi_open_port();
+void mpi_close_port(const std::string& port);
+std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string& port,
+                                         const std::string& name);
+std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::string& name,
+                                          double timeout_seconds);
+
 // Whether the ranks of `comm` span more than one node (MPI's view of shared
 // memory): only then does the ring threshold matter.
 bool mpi_spans_nodes(const Communicator& comm);
@@ -29,9 +54,5 @@ bool mpi_spans_nodes(const Communicator& comm);
 // allreduce fails at the timeout); it applies to collectives started after it.
 int64_t mpi_ring_min_bytes(const Communicator& comm);
 void set_mpi_ring_min_bytes(Communicator& comm, int64_t bytes);
-
-// Finalizes MPI if this library initialized it and no communicator is stuck in
-// a failed collective (MPI_Finalize would wait for it forever).
-void mpi_finalize();
 
 }  // namespace bagua

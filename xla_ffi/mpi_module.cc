@@ -2,9 +2,11 @@
 // collectives for the CPU platform, and the same collectives on DLPack tensors.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "collective_bindings.h"
 #include "mpi_communicator.h"
+#include "mpi_runtime.h"
 
 NB_MODULE(_bagua_mpi, m) {
   using namespace bagua;
@@ -26,6 +28,61 @@ NB_MODULE(_bagua_mpi, m) {
       },
       nb::arg("parent"), nb::arg("color"), nb::arg("key"), nb::arg("name"),
       "Split a communicator: ranks with the same color form one, ordered by key.");
+
+  m.def(
+      "self",
+      [](const std::string& name, double timeout_seconds) {
+        return CommunicatorRegistry::instance().add(mpi_self(name, timeout_seconds));
+      },
+      nb::arg("name"), nb::arg("timeout_seconds"),
+      "A communicator of this process alone (initializes MPI); returns its handle.");
+
+  // Shrinking, accepting and connecting wait for other processes: without the GIL.
+  m.def(
+      "shrink",
+      [](int64_t parent, const std::vector<int>& members, const std::string& name) {
+        auto comm = collective_bindings::lookup(parent);
+        std::shared_ptr<Communicator> shrunk;
+        {
+          nb::gil_scoped_release release;
+          shrunk = mpi_shrink(*comm, members, name);
+        }
+        return CommunicatorRegistry::instance().add(std::move(shrunk));
+      },
+      nb::arg("parent"), nb::arg("members"), nb::arg("name"),
+      "A communicator of the parent's ranks `members` (member i becomes rank i); only the members "
+      "call it.");
+
+  m.def("open_port", &mpi_open_port, "Open an MPI port for mpi accept; returns its name.");
+  m.def("close_port", &mpi_close_port, nb::arg("port"), "Close a port from open_port.");
+
+  m.def(
+      "accept",
+      [](int64_t group, const std::string& port, const std::string& name) {
+        auto comm = collective_bindings::lookup(group);
+        std::shared_ptr<Communicator> grown;
+        {
+          nb::gil_scoped_release release;
+          grown = mpi_accept(*comm, port, name);
+        }
+        return CommunicatorRegistry::instance().add(std::move(grown));
+      },
+      nb::arg("group"), nb::arg("port"), nb::arg("name"),
+      "Every rank of `group`: the group and the process that connects to `port` (rank 0's), as "
+      "one communicator; returns its handle.");
+
+  m.def(
+      "connect",
+      [](const std::string& port, const std::string& name, double timeout_seconds) {
+        std::shared_ptr<Communicator> grown;
+        {
+          nb::gil_scoped_release release;
+          grown = mpi_connect(port, name, timeout_seconds);
+        }
+        return CommunicatorRegistry::instance().add(std::move(grown));
+      },
+      nb::arg("port"), nb::arg("name"), nb::arg("timeout_seconds"),
+      "Join the group accepting on `port` as its last rank; returns the communicator's handle.");
 
   m.def(
       "spans_nodes", [](int64_t h) { return mpi_spans_nodes(*collective_bindings::lookup(h)); },

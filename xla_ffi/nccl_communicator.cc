@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 #include <nccl.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -161,7 +162,9 @@ class NcclCommunicator final : public Communicator {
     wake_.notify_all();
     watchdog_.join();
     DeviceGuard guard(device_);
-    if (comm_) {
+    if (comm_ && revoke_done_) {
+      ncclCommDestroy(comm_);  // quiescent after the revoke; finalize is invalid then
+    } else if (comm_) {
       // Finalize completes the outstanding operations with the peers; one that
       // never completes (a dead peer) must not hang the destructor.
       ncclResult_t r = ncclCommFinalize(comm_);
@@ -295,6 +298,60 @@ class NcclCommunicator final : public Communicator {
     });
   }
 
+  // Stops the operations in flight at the watchdog's next look (within kWatchInterval): NCCL
+  // 2.28's ncclCommRevoke keeps the communicator for a shrink; older NCCLs abort it.
+  void revoke(const std::string& reason) override {
+    {
+      std::lock_guard<std::mutex> lock(revoke_mutex_);
+      if (revoked_) return;
+      revoke_reason_ = reason;
+      revoked_.store(true, std::memory_order_release);
+    }
+    wake_.notify_all();
+  }
+
+  // The ranks of this communicator but `excluded` (ncclCommShrink, NCCL 2.27): only the
+  // survivors call it, with the same list; a revoked communicator shrinks as it is, a live one
+  // first stops its operations in flight. Throws on failure.
+  std::shared_ptr<Communicator> shrink(const std::vector<int>& excluded, const std::string& name) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 27, 0)
+    for (int r : excluded)
+      if (r < 0 || r >= size_ || r == rank_)
+        throw std::invalid_argument(
+            invalid("shrink", "cannot exclude rank " + std::to_string(r)).message);
+    DeviceGuard guard(device_);
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (revoked_.load(std::memory_order_acquire) && !revoke_done_) revoke_locked();
+    if (!comm_) throw std::runtime_error(unusable("shrink").message);
+    const auto deadline = deadline_after(timeout_);
+    std::vector<int> list(excluded);
+    ncclComm_t child = nullptr;
+    ncclResult_t r =
+        ncclCommShrink(comm_, list.data(), static_cast<int>(list.size()), &child, nullptr,
+                       revoke_done_ ? NCCL_SHRINK_DEFAULT : NCCL_SHRINK_ABORT);
+    if (r == ncclInProgress) r = wait_ready(comm_, deadline);
+    ncclComm_t ready = nullptr;
+    if (r == ncclSuccess) {
+      ready = wait_for_child(&child, deadline);
+      r = ready ? wait_ready(ready, deadline) : ncclInProgress;
+    }
+    if (r != ncclSuccess) {
+      const std::string what = r == ncclInProgress ? "did not complete within " + seconds(timeout_)
+                                                   : describe(r, ready ? ready : comm_);
+      if (ncclComm_t created = __atomic_load_n(&child, __ATOMIC_ACQUIRE)) ncclCommAbort(created);
+      throw std::runtime_error(abort_locked("shrink", what).message);
+    }
+    return std::make_shared<NcclCommunicator>(ready, device_, name, timeout_);
+#else
+    (void)excluded;
+    (void)name;
+    throw std::runtime_error(
+        invalid("shrink", "needs NCCL 2.27 or newer (ncclCommShrink); this build has " +
+                              std::to_string(NCCL_VERSION_CODE))
+            .message);
+#endif
+  }
+
   // ncclCommSplit on this communicator; throws on failure.
   std::shared_ptr<Communicator> split(int color, int key, const std::string& name) {
     if (color < 0)
@@ -404,6 +461,7 @@ class NcclCommunicator final : public Communicator {
   // of compute ahead of it.
   template <typename Calls>
   Status enqueue(const char* op, int64_t elements, void* stream, Calls&& calls) {
+    if (revoked_.load(std::memory_order_acquire)) return revoked(op);
     DeviceGuard guard(device_);
     std::lock_guard<std::mutex> lock(mutex_);
     if (!comm_) return unusable(op);
@@ -447,8 +505,35 @@ class NcclCommunicator final : public Communicator {
     std::unique_lock<std::mutex> lock(mutex_);
     while (!stopping_ && comm_) {
       wake_.wait_for(lock, kWatchInterval);
-      if (!stopping_ && comm_) check_locked();
+      if (stopping_ || !comm_) break;
+      if (revoked_.load(std::memory_order_acquire) && !revoke_done_)
+        revoke_locked();
+      else if (!revoke_done_)
+        check_locked();
     }
+  }
+
+  // Stops the operations in flight; their kernels return and the streams move on.
+  void revoke_locked() {
+    revoke_done_ = true;
+    const std::string reason = revoked("communication").message;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+    failure_ = reason;
+    const ncclResult_t r = ncclCommRevoke(comm_, NCCL_REVOKE_DEFAULT);
+    if (r == ncclSuccess || r == ncclInProgress) {
+      if (wait_ready(comm_, deadline_after(timeout_)) == ncclSuccess) {
+        for (const Pending& p : pending_) recycle(p);
+        pending_.clear();
+        return;
+      }
+    }
+#endif
+    abort_locked("communication", reason);
+  }
+
+  Status revoked(const char* op) {
+    std::lock_guard<std::mutex> lock(revoke_mutex_);
+    return fail(op, "the communicator was revoked: " + revoke_reason_);
   }
 
   void check_locked() {
@@ -522,6 +607,10 @@ class NcclCommunicator final : public Communicator {
   std::vector<cudaEvent_t> spare_events_;
   std::string failure_;
   bool stopping_ = false;
+  bool revoke_done_ = false;  // the watchdog stopped the operations of a revoke
+  std::atomic<bool> revoked_{false};
+  std::mutex revoke_mutex_;  // guards revoke_reason_
+  std::string revoke_reason_;
   std::thread watchdog_;
 };
 
@@ -574,6 +663,13 @@ std::shared_ptr<Communicator> nccl_create(const std::string& unique_id, int rank
     throw std::runtime_error(where + what);
   }
   return std::make_shared<NcclCommunicator>(comm, device, name, timeout_seconds);
+}
+
+std::shared_ptr<Communicator> nccl_shrink(Communicator& parent, const std::vector<int>& excluded,
+                                          const std::string& name) {
+  auto* nccl_parent = dynamic_cast<NcclCommunicator*>(&parent);
+  if (!nccl_parent) throw std::invalid_argument("nccl_shrink needs an NCCL communicator as parent");
+  return nccl_parent->shrink(excluded, name);
 }
 
 std::shared_ptr<Communicator> nccl_split(Communicator& parent, int color, int key,

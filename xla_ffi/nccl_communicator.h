@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "communicator.h"
 
@@ -26,5 +27,12 @@ std::shared_ptr<Communicator> nccl_create(const std::string& unique_id, int rank
 // (ncclCommSplit). `parent` must be an NCCL communicator; every rank calls it.
 std::shared_ptr<Communicator> nccl_split(Communicator& parent, int color, int key,
                                          const std::string& name);
+
+// The ranks of `parent` but `excluded`, renumbered in order (ncclCommShrink,
+// NCCL 2.27; throws on older NCCLs): the survivors of a membership change, each
+// calling it with the same list. Revoke the parent first where its operations
+// may be waiting for an excluded rank.
+std::shared_ptr<Communicator> nccl_shrink(Communicator& parent, const std::vector<int>& excluded,
+                                          const std::string& name);
 
 }  // namespace bagua

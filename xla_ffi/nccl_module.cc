@@ -2,6 +2,7 @@
 // collectives for the CUDA platform, and the same collectives on DLPack tensors.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
 
 #include "collective_bindings.h"
 #include "nccl_communicator.h"
@@ -50,6 +51,20 @@ NB_MODULE(_bagua_nccl, m) {
       },
       nb::arg("parent"), nb::arg("color"), nb::arg("key"), nb::arg("name"),
       "Split a communicator: ranks with the same color (>= 0) form one, ordered by key.");
+
+  m.def(
+      "shrink",
+      [](int64_t parent, const std::vector<int>& excluded, const std::string& name) {
+        auto comm = collective_bindings::lookup(parent);
+        std::shared_ptr<Communicator> shrunk;
+        {
+          nb::gil_scoped_release release;
+          shrunk = nccl_shrink(*comm, excluded, name);
+        }
+        return CommunicatorRegistry::instance().add(std::move(shrunk));
+      },
+      nb::arg("parent"), nb::arg("excluded"), nb::arg("name"),
+      "The parent's ranks but `excluded` (ncclCommShrink, NCCL 2.27); only the survivors call it.");
 
   m.def(
       "finalize",

@@ -223,7 +223,7 @@ class Membership:
             decision = Decision.decode(store.check(f"{prefix}decision"))
             committed = decision.committed >= transaction
             if decision.final:
-                (epoch.ended if decision.state == "ended" else epoch.closed).set()
+                epoch.mark_ended() if decision.state == "ended" else epoch.mark_failed()
         except StoreUnreachable:
             committed = self.recover(epoch).committed >= transaction
         with self._lock:
@@ -235,7 +235,7 @@ class Membership:
 
     def fail(self, epoch: Epoch, reason: str) -> None:
         """Close ``epoch`` because something failed on this member (a collective raised, a peer hung)."""
-        epoch.closed.set()
+        epoch.mark_failed()
         try:
             assert epoch.store is not None
             close_epoch(epoch.store, epoch, {"reason": f"{self.me.id}: {reason}", "suspects": []})
@@ -341,10 +341,10 @@ class Membership:
             if self._stopping.is_set():
                 return
             if ended:  # after a commit: the epoch's communicators stay usable until its members move on
-                epoch.ended.set()
+                epoch.mark_ended()
             else:  # a failure: waits in this epoch and in any older one still in use give up
                 for older in [*self._older, epoch]:
-                    older.closed.set()
+                    older.mark_failed()
                 self._older = []
             self._older.append(epoch)
             try:

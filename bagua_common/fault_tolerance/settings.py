@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 from dataclasses import dataclass, field, fields
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ENV_SECRET_FILE",
     "FaultToleranceSettings",
     "job_secret",
+    "write_job_secret",
 ]
 
 ENV_FAULT_TOLERANCE = "BAGUA_FAULT_TOLERANCE"
@@ -53,6 +55,16 @@ def job_secret() -> bytes:
     if len(secret) < 16:
         raise ValueError(f"fault tolerance: the secret in {path} is shorter than 16 bytes")
     return secret
+
+
+def write_job_secret(directory: str) -> str:
+    """Write a new job secret into a file of mode 0600 under ``directory`` (created private if missing) and return
+    its path, for ``BAGUA_FT_SECRET_FILE`` (what ``bagua-launch --fault-tolerant`` does for a one-node job)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    path = os.path.join(directory, "fault-tolerance-secret")
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(secrets.token_hex(32))
+    return path
 
 
 _ENVIRONMENT = {

@@ -99,7 +99,7 @@ def _group_on_store(
 ) -> ProcessGroupCommunicator:
     """A gloo or NCCL group of ``size`` ranks made on ``epoch``'s store under the prefix of ``purpose``."""
     assert epoch.store is not None
-    adapter = _StoreForTorch(epoch.store, timeout, epoch.closed)
+    adapter = _StoreForTorch(epoch.store, timeout, epoch.failed)
     store = dist.PrefixStore(epoch.prefix(purpose), adapter)
     # torch.distributed's collectives take a ProcessGroup holding the backend (as new_group builds it)
     group = ProcessGroup(store, rank, size)
@@ -116,7 +116,7 @@ def _group_on_store(
         raise CommunicationError(f"the group {purpose!r} of epoch {epoch.number} could not connect: {error}") from error
     group._set_default_backend(kind)
     group._register_backend(device, kind, engine)
-    comm = ProcessGroupCommunicator(group, timeout=timeout, name=f"ft{epoch.number}/{purpose}", abandon=epoch.closed)
+    comm = ProcessGroupCommunicator(group, timeout=timeout, name=f"ft{epoch.number}/{purpose}", abandon=epoch.failed)
     comm.store_in_use = adapter  # torch keeps only the C++ side: the Python methods must outlive the group
     return comm
 

@@ -271,6 +271,53 @@ void split_hands_out_the_child_or_aborts_both() {
          "a split that never completes aborts the parent and the half-made child: " + error);
 }
 
+void revoke_stops_the_operation_in_flight_and_shrink_renumbers() {
+  fake_nccl::reset();
+  fake_nccl::Script script;
+  script.hold_collectives = true;  // a peer died: the collective never completes
+  fake_nccl::set_script(script);
+  auto comm = create(30.0, 2, 4);  // far beyond the test: only the revoke can stop it
+  ncclComm_t fake = fake_nccl::comms().at(0);
+  cudaStream_t stream;
+  cudaStreamCreate(&stream);
+  float buffer[4] = {};
+  expect(comm->allreduce(buffer, buffer, 4, DType::kF32, ReduceOp::kSum, stream).ok(),
+         "a collective is enqueued");
+  const auto start = Clock::now();
+  comm->revoke("rank 1 left the job");
+  const bool released = eventually([&] { return cuda_shim::pending_on(stream) == 0; });
+  const double elapsed = seconds_since(start);
+  expect(
+      released && elapsed < 1.0 && fake_nccl::state(fake).revoked &&
+          !fake_nccl::state(fake).aborted,
+      "a revoke releases the stream at once, without an abort (" + std::to_string(elapsed) + " s)");
+  const Status later = comm->allreduce(buffer, buffer, 4, DType::kF32, ReduceOp::kSum, stream);
+  expect(!later.ok() && contains(later.message, "revoked: rank 1 left the job"),
+         "every later call fails naming the reason: " + later.message);
+  fake_nccl::set_script(fake_nccl::Script{});
+  auto shrunk = bagua::nccl_shrink(*comm, {1}, "survivors");
+  const fake_nccl::CommState st = fake_nccl::state(fake);
+  expect(shrunk->rank() == 1 && shrunk->size() == 3 && st.excluded == std::vector<int>{1} &&
+             st.shrink_flags == NCCL_SHRINK_DEFAULT &&
+             shrunk->allreduce(buffer, buffer, 4, DType::kF32, ReduceOp::kSum, stream).ok(),
+         "the survivors' communicator renumbers the ranks and works; a revoked parent shrinks "
+         "without another abort");
+  const std::string self =
+      thrown<std::invalid_argument>([&] { bagua::nccl_shrink(*comm, {2}, "x"); });
+  expect(contains(self, "cannot exclude rank 2"), "a rank cannot exclude itself: " + self);
+  auto live = create(30.0, 0, 2);
+  ncclComm_t fake_live = fake_nccl::comms().back();
+  bagua::nccl_shrink(*live, {1}, "alone");
+  expect(fake_nccl::state(fake_live).shrink_flags == NCCL_SHRINK_ABORT,
+         "a communicator that was not revoked first stops its operations in the shrink");
+  comm.reset();
+  expect(fake_nccl::state(fake).destroyed && !fake_nccl::state(fake).finalized,
+         "a revoked communicator is destroyed without ncclCommFinalize (invalid after a revoke)");
+  shrunk.reset();  // its watchdog looks at events on the stream until then
+  live.reset();
+  cudaStreamDestroy(stream);
+}
+
 }  // namespace
 
 int main() {
@@ -281,5 +328,6 @@ int main() {
   creation_waits_then_times_out();
   unique_id_reaches_every_rank();
   split_hands_out_the_child_or_aborts_both();
+  revoke_stops_the_operation_in_flight_and_shrink_renumbers();
   return tally::summary();
 }

@@ -177,6 +177,32 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   return ncclSuccess;
 }
 
+// As 2.28's revoke: the operations in flight stop (their streams move on) and the communicator
+// stays, quiescent, for a shrink or a destroy.
+ncclResult_t ncclCommRevoke(ncclComm_t comm, int) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  comm->state.revoked = true;
+  comm->polls_left = 1;
+  for (cudaStream_t s : comm->held) cuda_shim::release(s);
+  comm->held.clear();
+  return ncclInProgress;
+}
+
+// The child's rank is the parent's less the excluded ranks below it, as NCCL renumbers.
+ncclResult_t ncclCommShrink(ncclComm_t comm, int* excluded, int count, ncclComm_t* child,
+                            ncclConfig_t*, int flags) {
+  std::lock_guard<std::mutex> lock(g_mutex);
+  int below = 0;
+  for (int i = 0; i < count; ++i) below += excluded[i] < comm->state.rank;
+  ncclComm_t created = fake_nccl::create(comm->state.rank - below, comm->state.size - count);
+  comm->state.child = created;
+  comm->state.excluded.assign(excluded, excluded + count);
+  comm->state.shrink_flags = flags;
+  comm->polls_left = g_script.split_polls;
+  __atomic_store_n(child, created, __ATOMIC_RELEASE);
+  return ncclInProgress;
+}
+
 ncclResult_t ncclGroupStart() { return ncclSuccess; }
 ncclResult_t ncclGroupEnd() { return ncclSuccess; }
 

@@ -36,7 +36,10 @@ struct CommState {
   ncclDataType_t last_type = ncclInt8;
   ncclRedOp_t last_op = ncclProd;
   size_t last_count = 0;
-  ncclComm_t child = nullptr;  // the last ncclCommSplit's
+  ncclComm_t child = nullptr;  // the last ncclCommSplit's or ncclCommShrink's
+  bool revoked = false;
+  std::vector<int> excluded;  // the last ncclCommShrink's list
+  int shrink_flags = -1;      // and its flags
 };
 
 void set_script(const Script& script);

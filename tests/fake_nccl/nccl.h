@@ -10,7 +10,10 @@
 #include "cuda_runtime.h"
 
 #define NCCL_VERSION(X, Y, Z) ((X)*10000 + (Y)*100 + (Z))
-#define NCCL_VERSION_CODE NCCL_VERSION(2, 21, 5)
+#define NCCL_VERSION_CODE NCCL_VERSION(2, 28, 3)
+#define NCCL_SHRINK_DEFAULT 0x00
+#define NCCL_SHRINK_ABORT 0x01
+#define NCCL_REVOKE_DEFAULT 0x00
 #define NCCL_UNIQUE_ID_BYTES 128
 
 enum ncclResult_t {
@@ -61,6 +64,9 @@ ncclResult_t ncclCommCount(ncclComm_t comm, int* count);
 ncclResult_t ncclCommFinalize(ncclComm_t comm);
 ncclResult_t ncclCommDestroy(ncclComm_t comm);
 ncclResult_t ncclCommAbort(ncclComm_t comm);
+ncclResult_t ncclCommRevoke(ncclComm_t comm, int revokeFlags);
+ncclResult_t ncclCommShrink(ncclComm_t comm, int* excludeRanksList, int excludeRanksCount,
+                            ncclComm_t* newcomm, ncclConfig_t* config, int shrinkFlags);
 ncclResult_t ncclGroupStart();
 ncclResult_t ncclGroupEnd();
 ncclResult_t ncclAllReduce(const void* send, void* recv, size_t count, ncclDataType_t type,

@@ -1,0 +1,106 @@
+"""MPI communicators whose membership can change: built through a key-value store, shrunk to the survivors.
+
+The installed MPICH cannot do this with ULFM: in its ch4 device ``MPIX_Comm_revoke``, ``MPIX_Comm_shrink`` and
+``MPIX_Comm_agree`` abort the process (``MPIR_Assert(0)`` stubs in ``src/mpid/ch4/src/ch4_comm.c``), and hydra kills
+the other ranks of a node when one of them is killed by a signal, whatever ``-disable-auto-cleanup`` says
+(``src/pm/hydra/proxy/pmip.c``). So every rank of a job that must survive a death runs as its own
+``mpiexec -n 1`` job, and the ranks find each other through the job's store:
+
+* :func:`assemble`: ranks ``start..size-1`` join the ``start`` ranks already in a communicator one at a time
+  (``MPI_Comm_accept`` on the group, ``MPI_Comm_connect`` on the newcomer, then a merge), the port's name passed
+  through the store; with ``start=0`` this builds a world, with the survivors' communicator it admits joiners;
+* :func:`shrink`: the survivors alone build their communicator from the old one (``MPI_Comm_create_group``, which
+  only the members take part in), whatever became of the others.
+
+Ports need MPICH's ofi netmod over TCP: the UCX netmod's address does not fit in ``MPI_MAX_PORT_NAME``
+(:data:`PORT_ENVIRONMENT`, set before MPI starts). Each function works on the engine module's integer handles;
+the front ends wrap them (``bagua_jax.NativeCommunicator``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Protocol
+
+__all__ = ["PORT_ENVIRONMENT", "KeyValueStore", "assemble", "shrink", "use_port_environment"]
+
+PORT_ENVIRONMENT = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+"""MPICH settings under which ``MPI_Open_port`` works (read when MPI starts)."""
+
+
+class KeyValueStore(Protocol):
+    """What :func:`assemble` needs of a store: ``bagua_common.fault_tolerance.KVClient`` has it."""
+
+    def set(self, key: str, value: bytes | str) -> None:
+        """Store ``value`` under ``key``."""
+
+    def get(self, key: str, wait: float = 0.0) -> bytes | None:
+        """The value of ``key``, waiting up to ``wait`` seconds for it to appear; None if it did not."""
+
+
+def use_port_environment() -> None:
+    """Select MPICH's ofi netmod over TCP unless the environment chose otherwise: call before MPI starts."""
+    for name, value in PORT_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
+
+
+def assemble(
+    mpi: ModuleType,
+    store: KeyValueStore,
+    prefix: str,
+    rank: int,
+    size: int,
+    group: int | None,
+    start: int,
+    name: str,
+    timeout: float,
+) -> int:
+    """The handle of a communicator of ``size`` ranks: ranks ``0..start-1`` bring ``group`` (their communicator,
+    in rank order; None on the newcomers), ranks ``start..size-1`` join it in that order. Every rank calls it with
+    the same ``prefix`` (a store prefix no earlier call used), ``size`` and ``start``; ``group`` is destroyed.
+
+    ``start=0`` builds a world (rank 0 starts from a communicator of itself alone). A newcomer waits up to
+    ``timeout`` seconds for the group's port; each step fails rather than wait past ``timeout``.
+    """
+    if not 0 <= start <= size or not 0 <= rank < size:
+        raise ValueError(f"assemble: need 0 <= start <= size and 0 <= rank < size, got {start=}, {size=}, {rank=}")
+    if (group is None) != (rank >= start):
+        raise ValueError(f"assemble: ranks below start={start} bring their communicator, the others none ({rank=})")
+    if start == 0:
+        start = 1
+        if rank == 0:
+            group = mpi.self(name, timeout)
+    for newcomer in range(start, size):
+        key = f"{prefix}port/{newcomer}"
+        if rank < newcomer:
+            port = ""
+            if mpi.rank(group) == 0:
+                port = mpi.open_port()
+                store.set(key, port)
+            grown = mpi.accept(group, port, name)
+            if port:
+                mpi.close_port(port)
+            mpi.destroy(group)
+            group = grown
+        elif rank == newcomer:
+            port = store.get(key, wait=timeout)
+            if port is None:
+                raise TimeoutError(f"assemble: rank {rank} found no MPI port under {key!r} within {timeout} s")
+            group = mpi.connect(port.decode(), name, timeout)
+    if mpi.size(group) != size or mpi.rank(group) != rank:
+        raise RuntimeError(
+            f"assemble: built rank {mpi.rank(group)} of {mpi.size(group)} instead of {rank} of {size}: the ranks "
+            "disagreed on the order"
+        )
+    return group
+
+
+def shrink(mpi: ModuleType, handle: int, members: Sequence[int], name: str) -> int:
+    """The handle of a communicator of the ranks ``members`` of ``handle`` (member i becomes rank i).
+
+    Only the members call it, each with the same list (the survivors of a membership change, in the order the
+    job agreed); it fails instead of waiting past ``handle``'s timeout when a member died meanwhile.
+    """
+    return mpi.shrink(handle, [int(m) for m in members], name)

@@ -1,0 +1,244 @@
+"""Training that survives a lost rank without a restart: the JAX front end (native mode, MPI engine).
+
+:class:`FaultTolerantTrainer` drives a :class:`~bagua_jax.trainer.DataParallel` in native mode through the
+shared protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a
+transaction: the jitted step runs on this rank's part of the next samples, waits for its result, votes, and
+only a committed step replaces the state (a JAX step changes nothing in place, so an abandoned one costs nothing
+to roll back). When a member dies or hangs, the epoch closes; a thread waiting on it revokes the communicator, so
+the collective blocked in the compiled step fails at once; the survivors take the next epoch, shrink the
+communicator to themselves (new ranks in the agreed order), admit joiners (they get the state from rank 0 by
+broadcast over the same communicator), check that their replicated state is bit-identical, and run the step
+again on the new partition of the samples not yet trained on. The communicator's handle stays the same, so a
+step whose shapes do not depend on the world size (gradient allreduce, decentralized averaging over all) is not
+compiled again; one whose shapes do (ByteGrad and the compressed Adams: chunks per rank) is compiled once per new
+world size (:attr:`FaultTolerantTrainer.recoveries` records each recovery's time).
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bagua_common.fault_tolerance import (
+    DataPosition,
+    Epoch,
+    Membership,
+    MembershipChanged,
+    ReplicaDigest,
+    check_digests,
+)
+from bagua_jax.native_communicator import NativeCommunicator
+from bagua_jax.signature import check_ranks_agree
+from bagua_jax.train_state import TrainState, unwrap_state
+from bagua_jax.trainer import DataParallel
+
+__all__ = ["FaultTolerantTrainer"]
+
+# Errors of the native engines that mean "the communicator cannot finish this collective": the step is retried
+# in the next epoch. Anything else is the program's own error and is raised.
+_COMMUNICATION_FAILURES = ("was revoked", "did not complete within", "unusable after an earlier failure")
+_PARTS = ("parameters", "optimizer", "step", "position")
+
+
+def _communication_failure(error: Exception) -> bool:
+    """Whether ``error`` means the step cannot finish with these members (retried in the next epoch)."""
+    return isinstance(error, MembershipChanged) or any(text in str(error) for text in _COMMUNICATION_FAILURES)
+
+
+class FaultTolerantTrainer:
+    """A native-mode :class:`DataParallel` (MPI engine) whose steps survive a lost or added member.
+
+    ``membership`` is this process's :class:`~bagua_common.fault_tolerance.Membership` (its first epoch's ranks
+    must be the communicator's); ``data`` the job's :class:`~bagua_common.fault_tolerance.DataPosition`;
+    ``hash_every`` compares the replicas' digests every that many committed steps (default: the membership's
+    settings), besides after every recovery. :meth:`init` gives the state (a joiner receives it from rank 0),
+    :meth:`step` runs one committed step. Algorithms whose replicas are identical (``replicas_identical``) only.
+    """
+
+    def __init__(
+        self,
+        trainer: DataParallel,
+        membership: Membership,
+        data: DataPosition,
+        hash_every: int | None = None,
+    ):
+        communicator = trainer.communicator
+        if not isinstance(communicator, NativeCommunicator) or communicator.kind != "mpi":
+            raise ValueError("FaultTolerantTrainer needs a DataParallel over the native MPI engine (communicator=)")
+        if not getattr(trainer.algorithm, "replicas_identical", False):
+            raise ValueError(
+                f"FaultTolerantTrainer: {trainer.algorithm} keeps different replicas on each rank; use an algorithm "
+                "whose replicas are identical (gradient allreduce, ByteGrad, QAdam, 1-bit Adam, PowerSGD)"
+            )
+        self.trainer, self.membership, self.data = trainer, membership, data
+        self.communicator: NativeCommunicator = communicator
+        self.hash_every = membership.settings.hash_every if hash_every is None else int(hash_every)
+        self.epoch: Epoch = membership.epoch
+        if (self.epoch.rank, self.epoch.size) != (int(communicator.rank()), communicator.size):
+            raise ValueError(
+                f"FaultTolerantTrainer: the communicator is rank {int(communicator.rank())} of {communicator.size} "
+                f"but the membership's epoch has this member as rank {self.epoch.rank} of {self.epoch.size}"
+            )
+        self.committed = self.epoch.committed
+        # Gradient allreduce's native step has no buffer laid out per rank (the engine averages over its current
+        # size): it runs on every world size as compiled. Other algorithms are compiled again after a change.
+        self._world_size_free = trainer.algorithm.config.name == "gradient_allreduce"
+        self.recoveries: list[dict[str, Any]] = []
+        """One record per recovery: epoch, size, seconds from the failed step to the retried step's start."""
+        self._watch(self.epoch)
+
+    def init(self, params: Any) -> Any:
+        """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from rank 0."""
+        state = self.trainer.init(params)  # checks with the members that everyone trains the same job
+        if self.epoch.is_joiner():
+            state = self._receive_state(state)
+            self.trainer._batches_checked = True  # the members checked their batches before this one came
+        return state
+
+    def step(self, state: Any, batch_of: Callable[[np.ndarray], Any]) -> tuple[Any, Any]:
+        """One committed step: ``batch_of(indices)`` builds this rank's batch from the sample indices
+        :attr:`data` assigns it; returns the new state and the step's result as :meth:`DataParallel.step` does.
+
+        A step abandoned by a membership change is run again, on the new members' partition of the same samples,
+        from the last committed state.
+        """
+        failed_at = None
+        while True:
+            epoch, transaction = self.epoch, self.committed + 1
+            if failed_at is not None:
+                self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
+            batch = batch_of(self.data.indices(epoch.rank, epoch.size))
+            try:
+                if epoch.closed.is_set():
+                    raise MembershipChanged(f"epoch {epoch.number} closed")
+                new_state, result = self.trainer.step(state, batch)
+                jax.block_until_ready((new_state, result))
+            except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
+                if not _communication_failure(error):
+                    raise
+                failed_at = time.monotonic() if failed_at is None else failed_at
+                if not epoch.closed.is_set():
+                    self.membership.fail(epoch, str(error).splitlines()[0])
+                state = self._recover(state, None)
+                continue
+            if self.membership.commit(epoch, transaction):
+                self._apply(epoch)
+                if self.hash_every and self.committed % self.hash_every == 0 and not epoch.closed.is_set():
+                    try:
+                        self.check_replicas(new_state, f"at step {self.committed}")
+                    except Exception as error:  # noqa: BLE001 - as above; the recovery checks the replicas
+                        if not _communication_failure(error):
+                            raise
+                        if not epoch.closed.is_set():
+                            self.membership.fail(epoch, str(error).splitlines()[0])
+                        new_state = self._recover(new_state, None)
+                return new_state, result
+            failed_at = time.monotonic() if failed_at is None else failed_at
+            state = self._recover(state, (transaction, new_state))
+
+    def check_replicas(self, state: Any, what: str) -> None:
+        """Raise :class:`~bagua_common.fault_tolerance.ReplicaMismatch` on every member unless the parameters,
+        optimizer state, step and data position are bit-identical across the members."""
+        own = unwrap_state(state)
+        digest = ReplicaDigest(_PARTS)
+        for part, tree in (("parameters", own.params), ("optimizer", own.opt_state), ("step", own.step)):
+            for leaf in jax.tree.leaves(jax.device_get(tree)):
+                digest.add(part, np.asarray(leaf))
+        digest.add("position", np.asarray(self.data.state(), np.int64))
+        gathered = self.communicator.allgather(jnp.asarray(digest.digest()))
+        check_digests(_PARTS, np.asarray(gathered), what)
+
+    def _apply(self, epoch: Epoch) -> None:
+        self.committed += 1
+        self.data.advance(epoch.size)
+
+    def _watch(self, epoch: Epoch) -> None:
+        """Revoke this epoch's communicator the moment the epoch closes, from a thread: the training thread may be
+        blocked in a collective with a member that will never arrive. The thread holds its own handle of this
+        epoch's communicator, so a late wake-up never revokes the next epoch's."""
+        own = self.communicator.handle_copy()
+        engine = self.communicator.engine
+
+        def revoke_when_closed() -> None:
+            epoch.closed.wait()
+            engine.revoke(own, f"the job's membership changed (epoch {epoch.number} closed)")
+            engine.destroy(own)
+
+        threading.Thread(target=revoke_when_closed, name=f"bagua-ft-revoke-{epoch.number}", daemon=True).start()
+
+    def _recover(self, state: Any, pending: tuple[int, Any] | None) -> Any:
+        """Take the next epoch and rebuild the communicator for it; returns the state to go on from (``pending``'s
+        when the survivors committed that transaction after all)."""
+        started = time.monotonic()
+        old = self.epoch
+        recovery = self.membership.recover(old)
+        new = recovery.epoch
+        if pending is not None and recovery.committed >= pending[0] > self.committed:
+            state = pending[1]
+            self._apply(old)
+        old_ids = [m.id for m in old.members]
+        survivors = [old_ids.index(m.id) for m in new.members if m.id in old_ids]
+        if len(survivors) < old.size:
+            self.communicator.shrink(survivors)
+        if new.size > len(survivors):
+            self.communicator.grow(new.store, new.prefix("mpi/"), new.size)
+        self.epoch = new
+        self._watch(new)
+        if new.size != old.size and not self._world_size_free:
+            self._recompile_for(state)
+        if new.joined:
+            check_ranks_agree(unwrap_state(state).params, self.trainer.algorithm, self.communicator)
+            self._send_state(state, new)
+        self.check_replicas(state, f"after the recovery to epoch {new.number}")
+        self.recoveries.append({"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started})
+        return state
+
+    def _recompile_for(self, state: Any) -> None:
+        """The algorithm lays its buffers out per rank: its step is compiled again for the new world size. Its
+        state must not depend on the world size (resetting per-rank state is not implemented yet)."""
+        self.trainer.recompile()
+        own = unwrap_state(state)
+        wanted = jax.eval_shape(self.trainer._init, own.params)  # the transformation's init alone
+        if jax.tree.structure(wanted) != jax.tree.structure(own.opt_state) or [
+            (a.shape, a.dtype) for a in jax.tree.leaves(wanted)
+        ] != [(jnp.shape(a), jnp.asarray(a).dtype) for a in jax.tree.leaves(own.opt_state)]:
+            raise ValueError(
+                f"fault tolerance: {self.trainer.algorithm}'s state is laid out for the world size, and resetting "
+                "it on a membership change is not implemented; train with gradient_allreduce, or ByteGrad without "
+                "error feedback"
+            )
+
+    def _send_state(self, state: Any, epoch: Epoch) -> None:
+        """Rank 0 sends the committed state to the joiners by broadcast (everyone takes part); the data position
+        and the transaction number travel in the epoch's store."""
+        if epoch.rank == 0:
+            record = {"committed": self.committed, "position": self.data.state()}
+            epoch.store.set(epoch.prefix("transfer"), json.dumps(record))
+        self._broadcast_state(state)
+
+    def _receive_state(self, template: Any) -> Any:
+        epoch = self.epoch
+        raw = epoch.store.get(epoch.prefix("transfer"), wait=self.membership.settings.quorum_timeout)
+        if raw is None:
+            raise TimeoutError(f"fault tolerance: no state record for the joiners of epoch {epoch.number}")
+        record = json.loads(raw)
+        state = self._broadcast_state(template)
+        self.committed = int(record["committed"])
+        self.data.load_state(record["position"])
+        self.membership.applied(self.committed)
+        self.check_replicas(state, f"after joining in epoch {epoch.number}")
+        return state
+
+    def _broadcast_state(self, state: Any) -> Any:
+        own = unwrap_state(state)
+        received = jax.tree.map(
+            lambda leaf: self.communicator.broadcast(leaf, 0), (own.params, own.opt_state, own.step)
+        )
+        return TrainState(*received, own.model_state)

@@ -1,0 +1,196 @@
+"""The JAX front end's fault tolerance, measured: the fault-free overhead, and the resume after a SIGKILL.
+
+Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined through the fault-tolerant membership
+(``bagua_jax.fault_tolerance``), training a ``--width`` MLP with gradient allreduce.
+
+* ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
+  fault-tolerant ones (a commit by agreement per step, the replica digests every ``--hash-every``) on the same
+  communicator, the order swapped each round; the table gives the ratio of the medians per round and over rounds.
+* ``kill``: rank ``ranks-1`` is SIGKILLed while the others are blocked in a step's allreduce; the table gives the
+  seconds from the kill to the survivors' retried step, and the steps lost.
+
+Run it on a quiet machine (``/work/bin/measure`` here)::
+
+    python benchmarks/fault_tolerance_jax.py overhead --ranks 2 --width 1024 --steps 20 --rounds 5
+    python benchmarks/fault_tolerance_jax.py kill --ranks 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+from harness.results import RESULTS, finish_meta, header_lines, run_meta, table, write_results  # noqa: E402
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One rank: train and write ``rank<r>.json`` to ``args.workdir``."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
+    from bagua_jax import DataParallel, NativeCommunicator
+    from bagua_jax.fault_tolerance import FaultTolerantTrainer
+
+    rank = int(os.environ["RANK"])
+    settings = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, hash_every=args.hash_every)
+    membership = Membership.start(settings, rank, args.ranks, "127.0.0.1", args.port, timeout=120)
+    comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, args.ranks, timeout=120)
+    rng = np.random.default_rng(0)
+    samples = 64 * args.ranks * (args.steps * 2 * args.rounds + 8)
+    x = rng.standard_normal((samples, args.width)).astype(np.float32)
+    y = rng.standard_normal((samples, 1)).astype(np.float32)
+    params = {
+        "w1": jnp.asarray(rng.standard_normal((args.width, args.width)).astype(np.float32) / args.width**0.5),
+        "w2": jnp.asarray(rng.standard_normal((args.width, 1)).astype(np.float32) / args.width**0.5),
+    }
+
+    def loss_fn(p, batch):
+        features, targets = batch
+        return jnp.mean((jnp.tanh(features @ p["w1"]) @ p["w2"] - targets) ** 2)
+
+    trainer = DataParallel(loss_fn, optax.sgd(1e-3), "gradient_allreduce", communicator=comm)
+    data = DataPosition(samples, 64, seed=1)
+    ft = FaultTolerantTrainer(trainer, membership, data)
+    state = ft.init(params)
+    record: dict = {"rank": rank}
+
+    def batch_of(indices):
+        return x[indices], y[indices]
+
+    def plain_step(state):
+        new, loss = trainer.step(state, batch_of(data.indices(rank, args.ranks)))
+        jax.block_until_ready(new)
+        return new
+
+    def ft_step(state):
+        return ft.step(state, batch_of)[0]
+
+    for _ in range(2):  # compile, warm up
+        state = ft_step(plain_step(state))
+    if args.mode == "overhead":
+        rounds = []
+        for r in range(args.rounds):
+            times = {}
+            for name in ("plain", "ft") if r % 2 == 0 else ("ft", "plain"):
+                step = plain_step if name == "plain" else ft_step
+                durations = []
+                for _ in range(args.steps):
+                    started = time.perf_counter()
+                    state = step(state)
+                    durations.append(time.perf_counter() - started)
+                times[name] = statistics.median(durations)
+            rounds.append(times)
+        record["rounds"] = rounds
+    else:
+        victim = args.ranks - 1
+
+        attempts = []
+
+        def doomed(indices):
+            attempts.append((ft.committed + 1, time.time()))  # every attempt, retries included
+            if rank == victim and ft.committed + 1 == 5:
+                time.sleep(0.5)  # the others are blocked in the allreduce by now
+                Path(args.workdir, "kill-time").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            return batch_of(indices)
+
+        while ft.committed < 8:
+            state = ft.step(state, doomed)[0]
+        record.update(
+            attempts=attempts, recoveries=ft.recoveries, compiled=trainer._step_fn(False, False)._cache_size()
+        )
+    Path(args.workdir, f"rank{rank}.json").write_text(json.dumps(record))
+    membership.close()
+    os._exit(0)
+
+
+def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
+    """Start the ranks, each under its own ``mpiexec -n 1``; return their exit codes."""
+    from bagua_common.job.local_launch import free_port, mpiexec
+
+    port = free_port()
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+    env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
+    argv = [sys.argv[0], args.mode, "--worker", "--workdir", str(workdir), "--port", str(port)]
+    argv += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("ranks", "width", "steps", "rounds", "hash_every")]
+    procs = [
+        subprocess.Popen(
+            [mpiexec(), "-n", "1", sys.executable, *argv],
+            env={**env, "RANK": str(r)},
+            stdout=open(workdir / f"rank{r}.log", "w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        for r in range(args.ranks)
+    ]
+    return [p.wait(timeout=args.timeout) for p in procs]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("mode", choices=("overhead", "kill"))
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--hash-every", type=int, default=100)
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    meta = run_meta(["jax", "mpich"], ranks=args.ranks, width=args.width, steps=args.steps, rounds=args.rounds)
+    with tempfile.TemporaryDirectory(prefix="bagua-ft-bench-") as folder:
+        workdir = Path(folder)
+        codes = launch(args, workdir)
+        records = [json.loads(p.read_text()) for p in sorted(workdir.glob("rank*.json"))]
+        if not records:
+            sys.exit(
+                f"no rank finished (exit codes {codes}): see the logs\n" + (workdir / "rank0.log").read_text()[-3000:]
+            )
+        kill_time = float((workdir / "kill-time").read_text()) if args.mode == "kill" else None
+    finish_meta(meta)
+    lines = [f"# Fault tolerance, JAX native MPI engine: {args.mode}", "", *header_lines(meta), ""]
+    if args.mode == "overhead":
+        rows, ratios = [], []
+        for index, rounds in enumerate(zip(*(r["rounds"] for r in records))):
+            plain = max(t["plain"] for t in rounds)
+            ft = max(t["ft"] for t in rounds)
+            ratios.append(ft / plain)
+            rows.append([index, f"{plain * 1e3:.2f}", f"{ft * 1e3:.2f}", f"{ft / plain:.4f}"])
+        lines += table(["round", "plain step (ms)", "fault-tolerant step (ms)", "ratio"], rows)
+        lines += ["", f"median ratio {statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})"]
+        payload = {**meta, "exit_codes": codes, "ratios": ratios, "records": records}
+    else:
+        rows = []
+        for r in records:
+            retried = [t for step, t in r["attempts"] if step == 5]
+            rows.append([r["rank"], f"{retried[-1] - kill_time:.2f}", len(retried) - 1, r["compiled"]])
+        lines += table(["rank", "resumed after the kill (s)", "steps lost", "step compilations"], rows)
+        payload = {**meta, "exit_codes": codes, "kill_time": kill_time, "records": records}
+    print("\n".join(lines))
+    write_results(args.out, f"fault-tolerance-jax-{args.mode}", lines, payload)
+
+
+if __name__ == "__main__":
+    main()
