@@ -5,7 +5,8 @@
 worker slot instead of the command itself. The slot runs the command; when it exits with an error
 or is killed, the slot starts it again with ``BAGUA_FT_JOIN=1``, so the new process joins the
 running job (a member sends it the state) instead of the agent restarting every worker. A clean
-exit ends the slot; so does the agent's SIGTERM (passed on to the rank), and running out of
+exit ends the slot; so does the agent's SIGTERM (passed on to the rank), the agent's end (a SIGTERM to the slot
+and to its rank when their parent dies, so that nothing outlives a killed launcher), and running out of
 ``BAGUA_FT_REPLACEMENTS`` replacements (default 100).
 
 Replacements find the job through ``BAGUA_FT_PEERS``: the launcher on each node hosts a small
@@ -14,6 +15,7 @@ store (a directory) where the node's members write where the job's coordinator i
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
@@ -27,6 +29,17 @@ __all__ = ["ENV_REPLACEMENTS", "main"]
 
 ENV_REPLACEMENTS = "BAGUA_FT_REPLACEMENTS"
 """How many replacements a slot starts before it gives up (and the agent's own restart policy applies)."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminated_with_parent() -> None:
+    """Ask Linux for a SIGTERM when this process's parent ends (elsewhere: nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
 
 
 def main(command: list[str]) -> int:
@@ -47,9 +60,13 @@ def main(command: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    parent = os.getppid()
+    _terminated_with_parent()
+    if os.getppid() != parent:  # the agent ended before the request took effect
+        return 1
     while True:
         started = time.monotonic()
-        rank = subprocess.Popen(command, env=env)
+        rank = subprocess.Popen(command, env=env, preexec_fn=_terminated_with_parent)
         code = rank.wait()
         if code == 0 or stopping or left <= 0:
             return 128 - code if code < 0 else code

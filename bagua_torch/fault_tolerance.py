@@ -15,7 +15,7 @@ wrap the model as usual, and run the steps through :meth:`FaultTolerance.steps`:
 Each epoch of members gets its own gloo process groups, built on the coordinator's store under the
 epoch's prefix (no ``torch.distributed.init_process_group``: the default group could not change
 size). When a member dies, the survivors' collectives are abandoned (their waits watch the
-epoch's ``closed`` event), the step is not applied anywhere, and at the step's end the
+epoch's ``failed`` event), the step is not applied anywhere, and at the step's end the
 survivors take the next epoch, rebuild the wrapper's buckets and algorithm for the new size
 (carrying the algorithm's committed state by its rule, see ``docs/guides/fault_tolerance.md``),
 check that the replicas are bit-identical and run the step again. A process started with
@@ -63,7 +63,12 @@ from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, pair
 if TYPE_CHECKING:
     from bagua_torch.bagua_module import BaguaModule
 
-__all__ = ["ENV_FAULT_TOLERANCE", "FaultTolerance", "Step", "start_fault_tolerance"]
+__all__ = ["CARRIED_ALGORITHMS", "ENV_FAULT_TOLERANCE", "FaultTolerance", "Step", "start_fault_tolerance"]
+
+CARRIED_ALGORITHMS = ("gradient_allreduce", "powersgd", "diloco", "onebit_adam", "decentralized")
+"""The algorithms a fault-tolerant job trains: those whose state is carried across a change of members by its rule
+and tested by killing, stopping or failing a rank (``tests/test_fault_tolerance_torch.py``); the others are
+refused when wrapped, naming the elastic restart."""
 
 _PARTS = ("position", "parameters", "optimizer", "algorithm")
 """The parts of the replicated state the replica check hashes (and names when they differ)."""
@@ -146,7 +151,15 @@ class FaultTolerance:
 
     def attach(self, module: BaguaModule) -> None:
         """Train ``module`` (a wrapper made on this job's group) fault-tolerantly: commit its steps, rebuild it on
-        a change. Called by the wrapper."""
+        a change. Called by the wrapper. An algorithm not in :data:`CARRIED_ALGORITHMS` is refused (ValueError)."""
+        name = module.algorithm.name
+        if name not in CARRIED_ALGORITHMS:
+            raise ValueError(
+                f"fault tolerance: {name or type(module.algorithm).__name__} cannot continue in-process after a change "
+                f"of members yet (it can: {', '.join(CARRIED_ALGORITHMS)}); train it without fault tolerance and "
+                "restart from a checkpoint when a rank is lost (the elastic restart: bagua-launch --nnodes MIN:MAX "
+                "--max-restarts N)"
+            )
         self.modules.append(module)
         last = module.optimizers[-1] if module.optimizers else None
         if last is not None and module.algorithm_impl.transaction_per_step:

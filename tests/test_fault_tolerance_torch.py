@@ -266,3 +266,11 @@ def test_a_death_before_the_vote_puts_the_algorithms_state_back(jobs, algorithm)
         assert recovery["size"] == 3 and recovery["steps_lost"] == 1 and recovery["seconds"] < RESUME_BAR
         assert [e["step"] for e in job.of(pid, "retry")] == [4]
     check_every_sample_once(job)
+
+
+def test_an_algorithm_whose_state_is_not_carried_is_refused_naming_the_elastic_restart(jobs):
+    job = jobs(1, "bytegrad", [], steps=1, world=1)
+    job.finish()
+    text = "".join(job.text)
+    assert job.procs[0].returncode != 0, text
+    assert "fault tolerance: bytegrad cannot continue in-process" in text and "the elastic restart" in text, text

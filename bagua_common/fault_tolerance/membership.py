@@ -315,12 +315,9 @@ class Membership:
             previous = self._monitor_client
             try:
                 # Registered before the last epoch's connection closes: a member is gone when its last one does.
+                at, settings = epoch.coordinator, self.settings
                 client = self._monitor_client = connect(
-                    epoch.coordinator.host,
-                    epoch.coordinator.port,
-                    self.settings.dead_after,
-                    self.me.id,
-                    secret=self.settings.secret,
+                    at.host, at.port, settings.dead_after, self.me.id, secret=settings.secret
                 )
                 if previous is not None:
                     previous.close()

@@ -9,6 +9,8 @@ from typing import Any
 
 from bagua_common.fault_tolerance.errors import MembershipChanged
 
+__all__ = ["wait_or_abandon"]
+
 _POLL_S = 0.05  # how often a wait looks whether its collective was abandoned
 
 
