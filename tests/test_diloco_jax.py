@@ -247,3 +247,19 @@ def test_streaming_exchanges_overlap_the_next_steps_with_the_same_bits(mpi_job):
     assert finished[0] < began[0] and finished[1] < began[1], (finished, began)
     error = results[0].value["dead_peer"]
     assert "'diloco/outer_exchange'" in error and "did not complete within 3 s" in error, error
+
+
+@pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
+def test_streaming_behind_a_counting_communicator_still_overlaps(mpi_job):
+    """A wrapper (a CountingCommunicator) over the MPI engine keeps the exchanges on the background thread, with the
+    same bits, and counts the bytes the thread sends."""
+    _, steps, wire, results = mpi_job
+    for result in results:
+        counted = result.value["counted"]
+        assert counted["on_the_thread"], f"rank {result.rank}: the exchanges run inside the step"
+        assert counted["bytes"] > 0
+        for t in range(steps):
+            for k in ref.SHAPES:
+                np.testing.assert_array_equal(
+                    counted["params"][t][k], result.value["overlapped"][t][k], err_msg=f"{wire} {t + 1} {k}"
+                )

@@ -165,9 +165,11 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         mean, residual = EXCHANGE.average(padded_flat, comm, outer_exchange, residual if error_feedback else None)
         return mean[:size], (residual if error_feedback else jnp.zeros([0], jnp.float32))
 
-    # Streaming on the MPI engine: the exchanges run on a thread of their own while the next tau steps compute.
-    overlapped = delay > 0 and isinstance(world, NativeCommunicator) and world.kind == "mpi"
-    background = BackgroundExchange(world, average, config.name) if overlapped else None
+    # Streaming on the MPI engine (under any wrapper, e.g. a CountingCommunicator): the exchanges run on a thread of
+    # their own while the next tau steps compute.
+    engine = innermost(world)
+    overlapped = delay > 0 and isinstance(engine, NativeCommunicator) and engine.kind == "mpi"
+    background = BackgroundExchange(engine, average, config.name) if overlapped else None
 
     def outer_step(anchor: list, local: list, outer_state: Any, mean: jax.Array) -> tuple[list, list, Any]:
         """The outer optimizer's step on the fragment's round-start parameters, and the mixed local ones."""
@@ -227,6 +229,8 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
                 flat = pseudo_gradient([anchors[i] for i in part], local(updates))
                 if background is not None:
                     background.start(p, step, flat, residuals[p])
+                    if world is not engine:  # a wrapper sees the exchange the thread will make, traced not run
+                        jax.eval_shape(functools.partial(average, comm=world), flat, residuals[p])
                 return varying_like(flat, updates)
 
             def apply(operands):

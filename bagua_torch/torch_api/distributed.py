@@ -157,18 +157,20 @@ def with_bagua(
     algorithm: Algorithm,
     process_group: Any = None,
     do_flatten: bool = True,
+    **options: Any,
 ) -> BaguaModule:
     """Train this model data-parallel with ``algorithm`` (Bagua's ``with_bagua``; see the module docstring).
 
     ``optimizers`` are the model's optimizers; ``algorithm`` a Bagua algorithm (the classes in
-    :mod:`bagua_torch.torch_api.algorithms`, or your own subclass of its ``Algorithm``);
+    :mod:`bagua_torch.torch_api.algorithms`, or your own subclass of its ``Algorithm``), or a name
+    with its ``options`` as for :func:`bagua_torch.with_bagua` (``"diloco", sync_every=5``);
     ``process_group`` a :class:`~bagua_torch.torch_api.communication.BaguaProcessGroup` (default:
     the job's world). Collective: every rank of the group calls it, in the same order. Returns the
     wrapper to train through (``model = model.with_bagua(...)``).
     """
     if not isinstance(do_flatten, bool):
         raise TypeError(f"with_bagua: do_flatten must be a bool, got {do_flatten!r}")
-    project_algorithm = as_project_algorithm(algorithm)
+    project_algorithm = as_project_algorithm(algorithm, **options)
 
     def build(module: nn.Module, optimizers: list[torch.optim.Optimizer], process_group: Any) -> BaguaModule:
         return BaguaModule(
