@@ -60,7 +60,7 @@ def replicated_leaves(role_tree: TrainState, state: TrainState) -> list[tuple[st
     """The replicated leaves of ``state`` on the host, in tree order, each with its part of the replica check
     (:data:`PARTS`)."""
     out = []
-    for field in TrainState._fields:
+    for field in PARTS:  # TrainState's fields, in order
         leaves = jax.tree.leaves(getattr(state, field))
         kinds = jax.tree.leaves(getattr(role_tree, field))
         if len(leaves) != len(kinds):

@@ -6,8 +6,8 @@ On a machine with an NVIDIA GPU, CUDA (nvcc) and NCCL this:
    (``BAGUA_CUDA=ON BAGUA_NCCL=ON pip install --no-build-isolation --no-deps .``);
 2. times the CUDA kernels alone (``benchmarks/kernel_bandwidth.py``: CUDA events, the L2 cache
    flushed between repeats, bytes read plus written, k = 8, 64 and 512 chunks, float32 and
-   bfloat16, against cudaMemcpy, a 16-byte copy kernel and the theoretical peak;
-   Nsight Compute's memory metrics where ``ncu`` is present), into
+   bfloat16, against cudaMemcpy, a 16-byte copy kernel, the theoretical peak and the design's
+   prediction; Nsight Compute's memory metrics where ``ncu`` is present), into
    ``kernel-bandwidth-<device>.md``; it builds what it needs itself, so ``--steps bandwidth``
    runs it alone (about 2 minutes);
 3. runs real NCCL with Bagua-Net as its network in a 2-rank job on the one GPU

@@ -1,4 +1,4 @@
-"""The CUDA kernels' bandwidth on this machine's GPU, against a copy and the theoretical peak.
+"""The CUDA kernels' bandwidth on this machine's GPU, against a copy, the theoretical peak and the design's prediction.
 
 Builds ``benchmarks/kernel_bandwidth.cu`` with the kernels (one nvcc command, for this GPU's architecture, with
 the build's ptxas checks), runs it at 64 MiB and 1 GiB of float32 and bfloat16 input (min-max codecs at k = 8,
@@ -6,8 +6,8 @@ the build's ptxas checks), runs it at 64 MiB and 1 GiB of float32 and bfloat16 i
 DRAM bytes, DRAM throughput, active warps and instructions. Every kernel is timed alone between CUDA events with
 the L2 cache flushed before each repeat; its bandwidth counts the bytes it reads plus those it writes. The
 report gives each kernel's bandwidth over ``cudaMemcpy`` device to device, over our 16-byte copy kernel and over
-the peak (2 x memory clock x bus width), and the targets of issue 43; the JSON keeps ptxas's registers of
-every kernel. It writes ``kernel-bandwidth-<device>.md`` and ``.json`` to ``--out``
+the peak (2 x memory clock x bus width), the fraction of a copy ``cuda_design.py`` predicts from ptxas's
+registers, and the targets of issue 43. It writes ``kernel-bandwidth-<device>.md`` and ``.json`` to ``--out``
 (default ``benchmarks/results/``). Without a GPU or nvcc it says what is missing and exits 2.
 
 How to run (from the repository root; about 2 minutes)::
@@ -29,6 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cuda_design
 import cuda_resources
 from harness.machine import device_info
 from harness.options import add_out_option
@@ -56,6 +57,13 @@ TARGETS = {
     "minmax_uint4_decompress_reduce": 0.75,
     "minmax_uint8_compress": 0.8,
     "minmax_uint4_compress": 0.8,
+}
+DTYPE_NAMES = {"float32": "float", "bfloat16": "bagua::BFloat16"}
+# The kernel instantiations each case runs (vector slots: the inputs are aligned), and what they read per pass.
+FORMAT_KERNELS = {
+    "minmax_uint8": ("MinMaxCodec<8>", 8),
+    "minmax_uint4": ("MinMaxCodec<4>", 4),
+    "sign": ("SignCodec", 1),
 }
 
 
@@ -108,8 +116,46 @@ def profile(exe: Path) -> dict[str, dict[str, float]]:
     return metrics
 
 
+def instantiations(case: dict) -> list[str]:
+    """The kernels a case runs (their names as ptxas gives them, up to the parameter list); the inputs are
+    aligned, so every kernel has vector slots (U = 16 / element bytes)."""
+    t, kernel = DTYPE_NAMES[case["dtype"]], case["kernel"]
+    u = 16 // (4 if t == "float" else 2)
+    if kernel in ("memcpy", "copy16"):
+        return []
+    if kernel in ("axpy", "async_average"):
+        functor, inputs = ("Axpy", 2) if kernel == "axpy" else ("AsyncAverage", 3)
+        return [f"void elementwise_kernel<{t}, {u}, {inputs}, {functor}>"]
+    codec, operation = re.fullmatch(r"(minmax_uint8|minmax_uint4|sign)_(.*)", kernel).groups()
+    template, bits = FORMAT_KERNELS[codec]
+    if operation in ("decompress", "decompress_reduce"):
+        return [f"void {operation}_kernel<{template}, {u}, {t}>"]
+    feedback = operation == "compress_feedback"
+    if codec != "sign":
+        return [f"void minmax_compress_kernel<{bits}, {u}, {t}, {str(feedback).lower()}>"]
+    stats = f"void sign_stats_kernel<{u}, {t}, {str(feedback).lower()}>"
+    return [stats, f"void sign_feedback_kernel<{u}, {t}>"] if feedback else [stats]
+
+
+def predicted(case: dict, resources: dict[str, dict]) -> float | None:
+    """cuda_design's predicted fraction of a copy for the case: for kernels run one after the other, the
+    case's bytes over the sum of each kernel's bytes at its own predicted bandwidth."""
+    k = case["k"] or 8
+    parts = []
+    for prefix in instantiations(case):
+        row = next((r for name, r in resources.items() if name.startswith(prefix + "(")), None)
+        kernel = cuda_design.parse_kernel(row["kernel"]) if row else None
+        if kernel is None:
+            return None
+        read, written = cuda_design.traffic(kernel, k=k)
+        parts.append((read + written, cuda_design.predicted_fraction(kernel, row["registers"], row["smem"], k=k)))
+    if not parts:
+        return None
+    return sum(b for b, _ in parts) / sum(b / f for b, f in parts)
+
+
 def report(meta: dict, device: dict, rows: list[dict], ncu: dict | None) -> list[str]:
-    """The Markdown report: per size, every case against the references and the target."""
+    """The Markdown report: per size, every case against the references and the prediction."""
     lines = [
         f"# Kernel bandwidth: {device['device']}",
         "",
@@ -119,7 +165,8 @@ def report(meta: dict, device: dict, rows: list[dict], ncu: dict | None) -> list
         "",
         "Each kernel alone between CUDA events, L2 flushed before each of 15 repeats (median); GB/s counts bytes "
         "read plus written. `/memcpy`, `/copy16`, `/peak`: over cudaMemcpy device to device, our 16-byte copy "
-        "kernel and the theoretical peak on the same input size; `target`: issue 43's bar at 1 GiB.",
+        "kernel and the theoretical peak on the same input size; `predicted`: cuda_design.py's fraction of a copy "
+        "from ptxas's registers; `target`: issue 43's bar at 1 GiB.",
         "",
     ]
     for size in sorted({r["input_bytes"] for r in rows}):
@@ -128,17 +175,18 @@ def report(meta: dict, device: dict, rows: list[dict], ncu: dict | None) -> list
         lines += [
             f"## {size >> 20} MiB of input",
             "",
-            "| kernel | dtype | k | GB/s | /memcpy | /copy16 | /peak | target |",
-            "|---|---|---|---|---|---|---|---|",
+            "| kernel | dtype | k | GB/s | /memcpy | /copy16 | /peak | predicted | target |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in at:
             memcpy = refs.get(("memcpy", r["dtype"]), 0)
             target = TARGETS.get(r["kernel"]) if size >= 1 << 30 else None
+            prediction = "" if r.get("predicted") is None else f"{r['predicted']:.2f}"
             verdict = "" if target is None else ("met" if r["gbps"] / memcpy >= target else "NOT met") + f" ({target})"
             lines.append(
                 f"| {r['kernel']} | {r['dtype']} | {r['k'] or ''} | {r['gbps']:.0f} | "
                 f"{r['gbps'] / memcpy:.2f} | {r['gbps'] / refs.get(('copy16', r['dtype']), 1):.2f} | "
-                f"{r['gbps'] / device['peak_gbps']:.2f} | {verdict} |"
+                f"{r['gbps'] / device['peak_gbps']:.2f} | {prediction} | {verdict} |"
             )
         lines.append("")
     if ncu:
@@ -175,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
         meta["device"] = device_info("gpu", gpu=device["device"])
         ncu = profile(exe) if shutil.which("ncu") and not args.no_ncu else None
     finish_meta(meta)
+    for r in rows:
+        r["predicted"] = predicted(r, resources)
     stem = "kernel-bandwidth-" + re.sub(r"[^a-z0-9]+", "-", device["device"].lower()).strip("-")
     lines = report(meta, device, rows, ncu)
     md, _ = write_results(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import socket
 import stat
@@ -243,42 +244,71 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
 MEMBER = str(TESTS / "fault_tolerance_member.py")
 
 
-def member_processes(n: int, port: int):
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
-    return [
-        subprocess.Popen(
-            [sys.executable, MEMBER, str(r), str(n), str(port)],
+class MemberProcess:
+    """A member started as a process, its JSON lines read by a thread so that a test can wait for one with a
+    timeout (a test that waits forever is a hung CI)."""
+
+    def __init__(self, rank: int, n: int, port: int):
+        env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+        self.rank = rank
+        self.process = subprocess.Popen(
+            [sys.executable, MEMBER, str(rank), str(n), str(port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
-        for r in range(n)
-    ]
+        self.output: list[str] = []
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.output.append(line)
+            self._lines.put(line)
+
+    def next_event(self, timeout: float = 60.0) -> dict:
+        """The member's next JSON line, within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"member {self.rank} printed no event within {timeout:g} s; its output: {''.join(self.output)}"
+                ) from None
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def end(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.process.kill()
+        self.process.wait()
 
 
 def test_stopped_members_are_left_behind_after_dead_after_and_evicted_when_back():
-    procs = member_processes(4, free_port())
+    port = free_port()
+    members = [MemberProcess(r, 4, port) for r in range(4)]
     try:
-        lines = [json.loads(p.stdout.readline()) for p in procs]  # each: {"epoch": 0, ...} once started
-        assert [line["epoch"] for line in lines] == [0, 0, 0, 0]
+        assert [m.next_event()["epoch"] for m in members] == [0, 0, 0, 0]  # each once started
         for victim, survivors, size in ((2, (0, 1, 3), 3), (0, (1, 3), 2)):  # a member, then the coordinator
-            procs[victim].send_signal(signal.SIGSTOP)
+            members[victim].signal(signal.SIGSTOP)
             stopped = time.monotonic()
-            events = [json.loads(procs[i].stdout.readline()) for i in survivors]
+            events = [members[i].next_event() for i in survivors]
             seconds = time.monotonic() - stopped
             assert [e["size"] for e in events] == [size] * len(survivors), events
             assert len({e["committed"] for e in events}) == 1
             # detection takes dead_after (0.6 s) of missed heartbeats, then the survivors go on at once
             assert seconds < 0.6 + 2.0, f"{seconds:.2f} s"
         for victim in (2, 0):
-            procs[victim].send_signal(signal.SIGCONT)  # back, but the job went on without them
-        assert [json.loads(procs[v].stdout.readline()) for v in (2, 0)] == [{"evicted": True}] * 2
+            members[victim].signal(signal.SIGCONT)  # back, but the job went on without them
+        assert [members[v].next_event() for v in (2, 0)] == [{"evicted": True}] * 2
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-            p.communicate()
+        for m in members:
+            m.end()
 
 
 def test_members_that_leave_together_are_not_taken_for_failures(members):

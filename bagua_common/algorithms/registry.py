@@ -129,12 +129,15 @@ def build_algorithm(cls: type[T], options: dict[str, Any]) -> T:
     """``cls(**options)``, the registered algorithm class ``cls``, the same in every entry point of both front ends.
 
     An option ``cls`` does not take raises a TypeError naming the algorithm and its options (:func:`option_names`);
-    any other TypeError (a value of the wrong type) is raised again with the algorithm's name in front.
+    any other TypeError (a value of the wrong type) is raised again with the algorithm's name in front, unless its
+    message starts with the name already.
     """
     name = check_options(cls, options)
     try:
         return cls(**options)
     except TypeError as error:
+        if str(error).startswith(name):
+            raise
         raise TypeError(f"algorithm {name!r}: {error}") from error
 
 

@@ -1,12 +1,11 @@
 """Who the members of a fault-tolerant job are: epochs, heartbeats, commit by agreement, recovery, joining.
 
-The protocol is described in ``docs/guides/fault_tolerance.md`` (and, for developers, in the
-design notes): every member hosts a :class:`~bagua_common.fault_tolerance.kv_store.KVServer`;
-an *epoch* is an agreed, ordered member list whose first member is its *coordinator* and
-holds the epoch's keys (``ft/e<E>/...``: the decision register, votes, heartbeats, the
-communicators' rendezvous). A *transaction* (a step, an outer exchange) commits when the last
-of its votes turns the register from ``T`` to ``T+1`` (:mod:`.decision`); closing the epoch
-turns it to ``T closed``; both are compare-and-set, so every member sees the same outcome.
+The protocol is described in ``docs/guides/fault_tolerance.md`` (and, for developers, in the design notes): every
+member hosts a :class:`~bagua_common.fault_tolerance.kv_store.KVServer`; an *epoch* is an agreed, ordered member
+list whose first member is its *coordinator* and holds the epoch's keys (``ft/e<E>/...``: the decision register,
+votes, heartbeats, the communicators' rendezvous). A *transaction* (a step, an outer exchange) commits when the last
+of its votes turns the register from ``T`` to ``T+1`` (:mod:`.decision`); closing the epoch turns it to
+``T closed``; both are compare-and-set, so every member sees the same outcome.
 
 Each member runs one monitor thread: it waits on the epoch's ``closed`` key (a blocking get,
 woken at once by a closure), sends heartbeats, and on the coordinator also watches the others'
@@ -200,7 +199,8 @@ class Membership:
         """Vote for ``transaction`` (the next one: ``committed + 1``) in ``epoch`` once this member's collectives
         for it completed, and return whether it committed: True, apply it; False, abandon it (the epoch closed
         first) and take the next epoch from :meth:`recover`. When the coordinator's store is gone before the
-        outcome is known, waits for the next epoch, whose agreed ``committed`` decides."""
+        outcome is known, waits for the next epoch, whose agreed ``committed`` decides. Raises what :meth:`recover`
+        would when the monitor finds the job gone on without this member (stopped past ``dead_after``)."""
         store, prefix = epoch.store, epoch.prefix()
         assert store is not None
         with self._lock:
@@ -219,7 +219,8 @@ class Membership:
                 store.set(f"{prefix}done/{transaction}", b"")
             else:
                 while store.get(f"{prefix}done/{transaction}", wait=self.settings.heartbeat_period) is None:
-                    pass
+                    if self._failure is not None:
+                        raise self._failure
             decision = Decision.decode(store.check(f"{prefix}decision"))
             committed = decision.committed >= transaction
             if decision.final:

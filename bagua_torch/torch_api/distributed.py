@@ -76,6 +76,33 @@ class AlgorithmImplHandle:
         return getattr(self.impl, name)
 
 
+class ModelBucket:
+    """One of ``model.bagua_buckets``: the project's bucket (:class:`bagua_torch.bucketing.Bucket`), and the copies the
+    decentralized algorithms keep of it under Bagua's names, which Bagua's own tests read: ``_peer_weight`` (the
+    weights of the last averaging, decentralized), ``_weight``, ``_left_peer_weight``, ``_right_peer_weight``
+    (``w``, ``L`` and ``R``, low-precision decentralized). Flat, in the bucket's order, without padding."""
+
+    _COPIES = {
+        "_peer_weight": "peer_weights",
+        "_weight": "weights",
+        "_left_peer_weight": "left",
+        "_right_peer_weight": "right",
+    }
+
+    def __init__(self, bucket: Any, impl: Any, index: int):
+        self._bucket, self._impl, self._index = bucket, impl, index
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._COPIES:
+            copies = getattr(self._impl, self._COPIES[name], None)
+            if copies is None:
+                raise AttributeError(
+                    f"{type(self._impl).__name__} keeps no {name} (Bagua's decentralized algorithms do)"
+                )
+            return copies[self._index]
+        return getattr(self._bucket, name)
+
+
 class BaguaAttributes:
     """Bagua's attributes and the model's face, for the two wrapper classes below."""
 
@@ -94,9 +121,9 @@ class BaguaAttributes:
         return list(self.optimizers)
 
     @property
-    def bagua_buckets(self) -> list[Any]:
-        """The communication buckets, in launch order."""
-        return list(self.buckets)
+    def bagua_buckets(self) -> list[ModelBucket]:
+        """The communication buckets, in launch order, with the algorithm's copies of them (:class:`ModelBucket`)."""
+        return [ModelBucket(bucket, self.algorithm_impl, i) for i, bucket in enumerate(self.buckets)]
 
     @property
     def bagua_module_name(self) -> str:
@@ -189,4 +216,4 @@ def install() -> None:
     nn.Module.with_bagua = with_bagua
 
 
-__all__ = ["AlgorithmImplHandle", "BaguaAttributes", "BaguaModule", "install", "with_bagua", "wrap"]
+__all__ = ["AlgorithmImplHandle", "BaguaAttributes", "BaguaModule", "ModelBucket", "install", "with_bagua", "wrap"]
