@@ -7,14 +7,19 @@ namespace per rank on links of that rate (``harness.links``, root only):
   (``init_process_group(fault_tolerance=True)``: a vote per step in the coordinator's store,
   heartbeats, the replica check every ``BAGUA_FT_HASH_EVERY`` steps), alternated ``--repeats``
   times (A B, B A, ...); reported: the median step time of each and their ratio, per run.
+* ``kill``: ``--ranks`` plain processes train fault-tolerantly; at step ``--kill-step`` the last rank SIGKILLs
+  itself in its backward pass (a gradient hook of the first layer: the others wait in the step's allreduce).
+  Reported per survivor: the seconds from the kill to the retried step starting, and the steps lost.
 * ``chaos``: ``bagua-launch --fault-tolerant`` runs the job for ``--minutes``; every ``--every``
   seconds a random rank is killed (SIGKILL) and its slot starts a replacement that joins the
   running job. A fault-free run of the same length is the reference. Reported: the held-out
   loss against tokens of both, every failure's seconds to resume and steps lost (from the ranks'
   logs), each replacement's seconds from asking to be admitted to training.
 
-Commands (results under ``benchmarks/results/fault_tolerance-<study>.{json,md}``)::
+Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``; timings on a quiet
+machine, ``/work/bin/measure`` here)::
 
+    python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5
     python benchmarks/fault_tolerance.py overhead --ranks 4 --steps 60 --repeats 3 [--rate 100mbit]
     python benchmarks/fault_tolerance.py chaos --ranks 4 --minutes 20 --every 60 [--rate 100mbit]
 
@@ -37,6 +42,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+
+from harness.results import RESULTS, finish_meta, header_lines, run_meta, table, write_results  # noqa: E402
+
 HASH_EVERY = 50
 
 
@@ -64,8 +72,19 @@ def rank_main(job_file: str) -> None:
     length = model.config.context + 1
     heldout = torch.from_numpy(corpus.heldout_batch(32, length))
     ft = group.fault_tolerance
+    record(event="start", rank=group.rank)
+    in_flight = {"step": 0}
+    if job.get("kill_step") and group.rank == group.size - 1:  # the kill study's victim: dies in its backward pass
+
+        def die(gradient: torch.Tensor) -> None:
+            if in_flight["step"] == job["kill_step"]:
+                (Path(job["folder"]) / "kill-time").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        next(model.parameters()).register_hook(die)
 
     def train(step: int, rank: int, world: int) -> float:
+        in_flight["step"] = step
         tokens = torch.from_numpy(corpus.batch(job["seed"], step, rank, job["batch"], length))
         loss = next_token_loss(wrapped(tokens[:, :-1]), tokens)
         loss.backward()
@@ -89,6 +108,7 @@ def rank_main(job_file: str) -> None:
             if deadline is not None and time.monotonic() > deadline:
                 break
             started = time.perf_counter()
+            record(event="attempt", step=step.number)
             with step:
                 loss = train(step.number, step.rank, step.world_size)
             if ft.step == step.number:
@@ -100,7 +120,9 @@ def rank_main(job_file: str) -> None:
         ft.close()
 
 
-def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, seconds: float = 0) -> Path:
+def job_file(
+    folder: Path, args: argparse.Namespace, fault_tolerant: bool, seconds: float = 0, kill_step: int = 0
+) -> Path:
     path = folder / "job.json"
     path.write_text(
         json.dumps(
@@ -115,6 +137,7 @@ def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, secon
                 "seconds": seconds,
                 "eval_every": args.eval_every,
                 "fault_tolerant": fault_tolerant,
+                "kill_step": kill_step,
             }
         )
     )
@@ -165,6 +188,40 @@ def overhead(args: argparse.Namespace) -> dict:
     on = statistics.median(r["step_s"] for r in runs if r["fault_tolerant"])
     off = statistics.median(r["step_s"] for r in runs if not r["fault_tolerant"])
     return {"runs": runs, "step_s_off": off, "step_s_on": on, "overhead": on / off - 1}
+
+
+def kill(args: argparse.Namespace) -> dict:
+    """The last of ``--ranks`` plain processes SIGKILLs itself in step ``--kill-step``'s backward pass; per
+    survivor, the seconds from the kill to the retried step starting (and the job's own measure: from the failure
+    seen there to the step running again) and the steps lost."""
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+    from bagua_common.job.local_launch import free_port
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        job = job_file(folder, args, True, kill_step=args.kill_step)
+        where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks)}
+        env = environment(**where, **{ENV_SECRET_FILE: write_job_secret(folder)})
+        command = [sys.executable, str(Path(__file__).resolve()), "rank", str(job)]
+        ranks = [subprocess.Popen(command, env={**env, "RANK": str(r)}) for r in range(args.ranks)]
+        codes = [rank.wait(timeout=600) for rank in ranks]
+        killed_at = float((folder / "kill-time").read_text())
+        logs = lines(folder)
+    survivors = []
+    for log in logs.values():
+        end = [e for e in log if e["event"] == "end"]
+        if not end:
+            continue  # the victim
+        retried = [e["time"] for e in log if e["event"] == "attempt" and e["step"] == args.kill_step]
+        survivors.append(
+            {
+                "rank": next(e["rank"] for e in log if e["event"] == "start"),
+                "resumed_after_kill_s": retried[-1] - killed_at,
+                "steps_lost": sum(r["steps_lost"] for r in end[0]["recoveries"]),
+                "recoveries": end[0]["recoveries"],
+            }
+        )
+    return {"exit_codes": codes, "kill_time": killed_at, "survivors": sorted(survivors, key=lambda s: s["rank"])}
 
 
 def chaos(args: argparse.Namespace) -> dict:
@@ -221,7 +278,7 @@ def _worker_pids(launcher: int) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("study", choices=("overhead", "chaos", "rank"))
+    parser.add_argument("study", choices=("kill", "overhead", "chaos", "rank"))
     parser.add_argument("job", nargs="?", help="(rank) the job's settings")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--size", default="small", help="the GPT (bagua_common.workload.gpt_spec)")
@@ -231,6 +288,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--kill-step", type=int, default=5, help="(kill) the step the last rank dies in")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--minutes", type=float, default=20)
     parser.add_argument("--every", type=float, default=60)
@@ -239,15 +297,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.study == "rank":
         rank_main(args.job)
         return
-    result = overhead(args) if args.study == "overhead" else chaos(args)
-    out = ROOT / "benchmarks" / "results" / f"fault_tolerance-{args.study}.json"
-    out.write_text(
-        json.dumps(
-            {"command": " ".join(["python", "benchmarks/fault_tolerance.py", *sys.argv[1:]]), "result": result},
-            indent=1,
+    meta = run_meta(["torch"], argv=argv, ranks=args.ranks, size=args.size, algorithm=args.algorithm)
+    result = {"kill": kill, "overhead": overhead, "chaos": chaos}[args.study](args)
+    finish_meta(meta)
+    lines = [f"# Fault tolerance, torch over gloo: {args.study}", "", *header_lines(meta), ""]
+    if args.study == "kill":
+        lines.append(
+            f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}; the last rank SIGKILLed in step "
+            f"{args.kill_step}'s backward pass; default heartbeat (0.5 s) and dead_after (5 s): the kill is seen by "
+            "its store connection closing"
         )
-    )
-    print(json.dumps(result)[:2000])
+        lines.append("")
+        rows = [
+            [s["rank"], f"{s['resumed_after_kill_s']:.2f}", f"{s['recoveries'][0]['seconds']:.2f}", s["steps_lost"]]
+            for s in result["survivors"]
+        ]
+        head = ["rank", "resumed after the kill (s)", "from the failure seen here (s)", "steps lost"]
+        lines += table(head, rows)
+    else:
+        lines += ["```json", json.dumps(result, indent=1)[:4000], "```"]
+    print("\n".join(lines))
+    write_results(RESULTS, f"fault-tolerance-torch-{args.study}", lines, {**meta, "result": result})
 
 
 if __name__ == "__main__":

@@ -117,10 +117,16 @@ class _TorchWork:
 
     def _wait_works(self) -> None:
         timeout = timedelta(seconds=self._comm.timeout)
+        works = self._works
         if self._comm.abandon is not None:
             comm = self._comm
-            wait_or_abandon(self._works, comm.abandon, comm.timeout, comm.group, comm.backend, comm._where(self._op))
-        for work in self._works:
+            where = comm._where(self._op)
+            works = comm._guard(
+                self._op,
+                lambda: wait_or_abandon(works, comm.abandon, comm.timeout, comm.group, comm.backend, where),
+                waiting=True,
+            )
+        for work in works:
             self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
         self._works = []  # finished: only torch's own references to them are left
         if self._comm.backend == "gloo":
@@ -214,6 +220,8 @@ class ProcessGroupCommunicator(CommunicatorBase):
     def _guard(self, op: str, call: Callable[[], Any], waiting: bool = False) -> Any:
         try:
             return call()
+        except MembershipChanged:  # abandoned: not a failure of this communicator
+            raise
         except RuntimeError as error:  # DistBackendError, gloo and timeout errors
             note = (
                 f" (waited at most {self.timeout:g} s; a peer may have died or not entered the same collective)"
