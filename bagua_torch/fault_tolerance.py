@@ -56,6 +56,7 @@ from bagua_common.fault_tolerance import (
     ReplicaDigest,
     check_digests,
 )
+from bagua_torch.algorithms import algorithm_class, available_algorithms
 from bagua_torch.broadcast import broadcast_structure, broadcast_tensors
 from bagua_torch.communicator import CommunicationError, ProcessGroupCommunicator
 from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, pair_communicator, solo_communicator
@@ -63,12 +64,15 @@ from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, pair
 if TYPE_CHECKING:
     from bagua_torch.bagua_module import BaguaModule
 
-__all__ = ["CARRIED_ALGORITHMS", "ENV_FAULT_TOLERANCE", "FaultTolerance", "Step", "start_fault_tolerance"]
+__all__ = ["ENV_FAULT_TOLERANCE", "FaultTolerance", "Step", "carried_algorithms", "start_fault_tolerance"]
 
-CARRIED_ALGORITHMS = ("gradient_allreduce", "powersgd", "diloco", "onebit_adam", "decentralized")
-"""The algorithms a fault-tolerant job trains: those whose state is carried across a change of members by its rule
-and tested by killing, stopping or failing a rank (``tests/test_fault_tolerance_torch.py``); the others are
-refused when wrapped, naming the elastic restart."""
+
+def carried_algorithms() -> list[str]:
+    """The algorithms a fault-tolerant job trains, by name: those declaring ``fault_tolerant`` (their state is
+    carried across a change of members by its rule, and tested); the others are refused when wrapped, naming the
+    elastic restart."""
+    return [name for name in available_algorithms() if algorithm_class(name).fault_tolerant]
+
 
 _PARTS = ("position", "parameters", "optimizer", "algorithm")
 """The parts of the replicated state the replica check hashes (and names when they differ)."""
@@ -151,12 +155,12 @@ class FaultTolerance:
 
     def attach(self, module: BaguaModule) -> None:
         """Train ``module`` (a wrapper made on this job's group) fault-tolerantly: commit its steps, rebuild it on
-        a change. Called by the wrapper. An algorithm not in :data:`CARRIED_ALGORITHMS` is refused (ValueError)."""
+        a change. Called by the wrapper. An algorithm not in :func:`carried_algorithms` is refused (ValueError)."""
         name = module.algorithm.name
-        if name not in CARRIED_ALGORITHMS:
+        if not type(module.algorithm).fault_tolerant:
             raise ValueError(
                 f"fault tolerance: {name or type(module.algorithm).__name__} cannot continue in-process after a change "
-                f"of members yet (it can: {', '.join(CARRIED_ALGORITHMS)}); train it without fault tolerance and "
+                f"of members yet (it can: {', '.join(carried_algorithms())}); train it without fault tolerance and "
                 "restart from a checkpoint when a rank is lost (the elastic restart: bagua-launch --nnodes MIN:MAX "
                 "--max-restarts N)"
             )

@@ -150,6 +150,11 @@ class Algorithm:
     config_class: ClassVar[type | None] = None
     """The shared configuration class of a registered algorithm (set by ``@implements``)."""
 
+    fault_tolerant: ClassVar[bool] = False
+    """Whether a fault-tolerant job (:mod:`bagua_torch.fault_tolerance`) trains it: its impl carries its state
+    across a change of members by its rule, tested by killing, stopping or failing a rank
+    (``tests/test_fault_tolerance_torch.py``); any other is refused when wrapped, naming the elastic restart."""
+
     def __init__(self, *args: Any, **options: Any):
         if self.config_class is None:
             if args or options:

@@ -113,6 +113,8 @@ class DecentralizedAlgorithm(Algorithm):
     optimizer(s) passed to the wrapper.
     """
 
+    fault_tolerant = True
+
     def reify(self, context: AlgorithmContext) -> DecentralizedImpl:
         return DecentralizedImpl(context, self.config)
 

@@ -67,6 +67,8 @@ class DiLoCoAlgorithm(Algorithm):
     wrapper.
     """
 
+    fault_tolerant = True
+
     def reify(self, context: AlgorithmContext) -> DiLoCoImpl:
         return DiLoCoImpl(context, self.config)
 

@@ -45,6 +45,8 @@ class PowerSGDAlgorithm(Algorithm):
     matrices; the fields are :class:`bagua_common.algorithms.configs.PowerSGDConfig`'s.
     """
 
+    fault_tolerant = True
+
     def reify(self, context: AlgorithmContext) -> PowerSGDImpl:
         return PowerSGDImpl(context, self.config)
 

@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import ProcessGroup
 
 from bagua_common.fault_tolerance import Epoch, KVClient, MembershipChanged, StoreUnreachable
 from bagua_torch.communicator.process_group_communicator import ProcessGroupCommunicator
@@ -102,13 +101,13 @@ def _group_on_store(
     adapter = _StoreForTorch(epoch.store, timeout, epoch.failed)
     store = dist.PrefixStore(epoch.prefix(purpose), adapter)
     # torch.distributed's collectives take a ProcessGroup holding the backend (as new_group builds it)
-    group = ProcessGroup(store, rank, size)
+    group = dist.ProcessGroup(store, rank, size)
     try:
         if backend == "nccl":
-            kind, device = ProcessGroup.BackendType.NCCL, torch.device("cuda")
+            kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
             engine: Any = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
         else:
-            kind, device = ProcessGroup.BackendType.GLOO, torch.device("cpu")
+            kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
             engine = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
     except MembershipChanged:
         raise
@@ -128,10 +127,10 @@ def pair_communicator(epoch: Epoch, joiner_rank: int, backend: str, timeout: flo
 
 def solo_communicator(timeout: float) -> ProcessGroupCommunicator:
     """This process alone (a model wraps without collectives before its job's loop starts)."""
-    group = ProcessGroup(dist.HashStore(), 0, 1)
-    group._set_default_backend(ProcessGroup.BackendType.GLOO)
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
     engine = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=timeout))
-    group._register_backend(torch.device("cpu"), ProcessGroup.BackendType.GLOO, engine)
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, engine)
     comm = ProcessGroupCommunicator(group, timeout=timeout, name="alone")
     comm.dedicated = lambda purpose: solo_communicator(timeout)
     return comm
