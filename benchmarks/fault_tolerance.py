@@ -19,7 +19,7 @@ namespace per rank on links of that rate (``harness.links``, root only):
 Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``; timings on a quiet
 machine, ``/work/bin/measure`` here)::
 
-    python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5
+    python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
     python benchmarks/fault_tolerance.py overhead --ranks 4 --steps 60 --repeats 3 [--rate 100mbit]
     python benchmarks/fault_tolerance.py chaos --ranks 4 --minutes 20 --every 60 [--rate 100mbit]
 
@@ -90,7 +90,7 @@ def rank_main(job_file: str) -> None:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        return float(loss)
+        return float(loss.detach())
 
     def evaluate(step: int, world: int) -> None:
         with torch.no_grad():
@@ -191,6 +191,11 @@ def overhead(args: argparse.Namespace) -> dict:
 
 
 def kill(args: argparse.Namespace) -> dict:
+    """``--repeats`` runs of :func:`kill_once`."""
+    return {"runs": [kill_once(args) for _ in range(args.repeats)]}
+
+
+def kill_once(args: argparse.Namespace) -> dict:
     """The last of ``--ranks`` plain processes SIGKILLs itself in step ``--kill-step``'s backward pass; per
     survivor, the seconds from the kill to the retried step starting (and the job's own measure: from the failure
     seen there to the step running again) and the steps lost."""
@@ -289,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--kill-step", type=int, default=5, help="(kill) the step the last rank dies in")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
     parser.add_argument("--minutes", type=float, default=20)
     parser.add_argument("--every", type=float, default=60)
     parser.add_argument("--rate", default=None, help="(overhead) shaped links, e.g. 100mbit (harness.links, root)")
@@ -308,11 +313,12 @@ def main(argv: list[str] | None = None) -> None:
             "its store connection closing"
         )
         lines.append("")
-        rows = [
-            [s["rank"], f"{s['resumed_after_kill_s']:.2f}", f"{s['recoveries'][0]['seconds']:.2f}", s["steps_lost"]]
-            for s in result["survivors"]
-        ]
-        head = ["rank", "resumed after the kill (s)", "from the failure seen here (s)", "steps lost"]
+        rows = []
+        for run, job in enumerate(result["runs"]):
+            for s in job["survivors"]:
+                seen = s["recoveries"][0]["seconds"]
+                rows.append([run, s["rank"], f"{s['resumed_after_kill_s']:.2f}", f"{seen:.2f}", s["steps_lost"]])
+        head = ["run", "rank", "resumed after the kill (s)", "from the failure seen here (s)", "steps lost"]
         lines += table(head, rows)
     else:
         lines += ["```json", json.dumps(result, indent=1)[:4000], "```"]
