@@ -142,8 +142,26 @@ def _counted_step(
     if mesh is not None:
         step = jax.shard_map(step, mesh=mesh, in_specs=P(), out_specs=P(mesh.axis_names), check_vma=False)
     traced = jax.make_jaxpr(step)(params, params)
-    wire = {level: Wire(c.bytes_sent, sum(c.calls_by_op.values())) for level, c in counters.items()}
+    wire = {
+        level: Wire(
+            c.bytes_sent, sum(c.calls_by_op.values()), {op: (n, c.bytes_by_op[op]) for op, n in c.calls_by_op.items()}
+        )
+        for level, c in counters.items()
+    }
     return wire, codec_bytes(traced.jaxpr)
+
+
+def _without(wire: Wire, warmup: Wire) -> Wire:
+    # What a step sends beyond its traced warm-up branch, in all and per collective.
+    by_op = {
+        op: (calls - warmup.by_op.get(op, (0, 0.0))[0], sent - warmup.by_op.get(op, (0, 0.0))[1])
+        for op, (calls, sent) in wire.by_op.items()
+    }
+    return Wire(
+        wire.bytes_sent - warmup.bytes_sent,
+        wire.messages - warmup.messages,
+        {op: counts for op, counts in by_op.items() if counts[0]},
+    )
 
 
 def measure_traffic(
@@ -164,14 +182,23 @@ def measure_traffic(
     if candidate not in table:
         raise ValueError(f"unknown candidate {candidate!r} on this topology; choose one of {sorted(table)}")
     name, options = table[candidate]
+    return algorithm_traffic(name, options, params, comms, mesh=mesh)
+
+
+def algorithm_traffic(
+    name: str, options: Mapping[str, Any], params: Any, comms: Communicators | Communicator, *, mesh: Mesh | None = None
+) -> Traffic:
+    """:func:`measure_traffic` of any registered algorithm ``name`` with ``options`` (advised or not: PowerSGD,
+    DiLoCo), traced, not run. QAdam's and 1-bit Adam's warm-up, a gradient allreduce traced beside their steady
+    state, is subtracted; any other branch a step traces is counted (PowerSGD's exact warm-up, one allreduce of the
+    whole gradient, with its two factor allreduces); an algorithm that communicates every few steps (DiLoCo) is
+    counted for the step that communicates."""
+    comms = check_communicators(comms, "algorithm_traffic")
     wire, coded = _counted_step(name, options, params, comms, mesh)
     if CONFIGS[name].is_optimizer:  # its warm-up is traced beside the steady state (lax.cond)
-        hierarchy = {"hierarchical": options["hierarchical"]}
+        hierarchy = {key: options[key] for key in ("hierarchical",) if key in options}
         warmup_wire, warmup_coded = _counted_step(GradientAllReduceConfig.name, hierarchy, params, comms, mesh)
-        wire = {
-            level: Wire(w.bytes_sent - warmup_wire[level].bytes_sent, w.messages - warmup_wire[level].messages)
-            for level, w in wire.items()
-        }
+        wire = {level: _without(w, warmup_wire[level]) for level, w in wire.items()}
         coded = {codec: nbytes - warmup_coded.get(codec, 0.0) for codec, nbytes in coded.items()}
     wire = {level: w for level, w in wire.items() if w.messages}
     return Traffic(

@@ -17,6 +17,7 @@ from bagua_common.data.balanced_plan import BalancedPlan
 __all__ = ["DEFAULT_PAD_TO", "balanced_batches"]
 
 DEFAULT_PAD_TO = (64, 128, 256, 512, 1024, 2048)
+"""The lengths :func:`balanced_batches` pads a batch to by default: the smallest one that holds its longest sample."""
 
 
 def balanced_batches(

@@ -82,8 +82,9 @@ class DataParallel:
       ``nnx.Rngs`` of the rank's own; the model's ``nnx.BatchStat`` variables (BatchNorm's
       statistics) are averaged across ranks after every step.
 
-    The loss :meth:`step` returns (and ``aux``) is the mean over the ranks in both modes. In native
-    mode the first step checks that the processes' batches differ and raises a ``ValueError`` when
+    The loss :meth:`step` returns (and ``aux``) is the mean over the ranks, except in native mode under
+    the decentralized, asynchronous and DiLoCo algorithms, which return each rank's own (see :meth:`step`).
+    In native mode the first step checks that the processes' batches differ and raises a ``ValueError`` when
     every process passes the same one (the whole global batch instead of its part).
 
     ``autotune`` (``off``, ``once`` or ``cached``; default ``BAGUA_AUTOTUNE``, off when unset)

@@ -86,6 +86,7 @@ def _write_json(path: str, value: dict) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one rank: ``argv`` is ``[--module | --no-python] [--] target [args ...]``; returns its exit code."""
     _, command = _parse(sys.argv[1:] if argv is None else argv)
     try:
         variables = mpi_rank_environment()

@@ -128,6 +128,7 @@ def _views(flat: torch.Tensor, params: list[torch.nn.Parameter]) -> Iterable[tor
 
 
 def slice_ptr(bucket: Bucket, first: int) -> int:
+    """The address of member ``first``'s gradient inside ``bucket``'s flat gradient (to check a chunk shares it)."""
     return bucket.grad.data_ptr() + bucket.offsets[first] * bucket.grad.element_size()
 
 
@@ -139,6 +140,7 @@ def member_value(chunk: Chunk, i: int, value: Any) -> Any:
 
 
 def check_state_shapes(p: torch.Tensor, state: dict[str, Any]) -> None:
+    """Raise ``ValueError`` unless every tensor of ``state`` but scalars is shaped like the parameter ``p``."""
     for key, value in state.items():
         if torch.is_tensor(value) and value.dim() > 0 and value.shape != p.shape:
             raise ValueError(

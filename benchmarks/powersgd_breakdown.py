@@ -1,27 +1,21 @@
 """Where a PowerSGD step's time goes on the network study's links: compute, compression, waiting, wire.
 
-Each rank (4 by default, one per network namespace of :mod:`harness.links`, the same models
-as :mod:`network_study`) runs the pieces of a PowerSGD step one after the other, timing each:
+Each rank (4 by default, one per namespace of the harness's links, the same models as :mod:`network_study`) runs
+the pieces of a PowerSGD step one after the other, timing each:
 
 * compute: forward, backward and the SGD update of the model, no communication;
-* compression: PowerSGD's arithmetic on those gradients (``M = G + residual``, ``P = M Q``,
-  orthogonalization, ``Q = M^T P``, ``P Q^T`` and the new residual), no communication;
+* compression: PowerSGD's arithmetic on those gradients (``M = G + residual``, ``P = M Q``, orthogonalization,
+  ``Q = M^T P``, ``P Q^T`` and the new residual), no communication;
 * waiting: a barrier (the time this rank waits for the slowest one);
-* wire: the step's two allreduces (every P with the uncompressed gradients, then every Q) of
-  the sizes the algorithm sends, started together after the barrier.
+* wire: the step's two allreduces (every P with the uncompressed gradients, then every Q) of the sizes the
+  algorithm sends, started together after the barrier.
 
-torch runs over gloo (as ``bagua_torch``'s PowerSGD in the study), JAX over the native MPI
-engine (as ``bagua_jax``'s). The table gives the mean over the ranks of each piece's median
-and the study's step time beside it when ``--study`` names its JSON.
+torch runs over gloo (as ``bagua_torch``'s PowerSGD in the study), JAX over the native MPI engine (as
+``bagua_jax``'s). Per rank the median of each piece over ``--steps`` steps after ``--warmup``, then the mean over
+the ranks; the table gives the median over the repeats, and the study's step time beside it when ``--study``
+names its JSON. (The orthogonalization alone, without a network: ``benchmarks/powersgd_orthogonalize.py``.)
 
-    python benchmarks/powersgd_breakdown.py --rates 100mbit none --models mlp matrices
-
-``--orthogonalize`` (no network, no root) instead times the orthogonalization of one step's
-``P`` factors alone: the previous per-matrix, per-column loop against the batched
-``orthogonalize_all`` of each front end, interleaved and repeated, on the study's models and
-the GPT sizes of ``--gpt-sizes``:
-
-    python benchmarks/powersgd_breakdown.py --orthogonalize --models mlp matrices --gpt-sizes small gpt2
+    python benchmarks/powersgd_breakdown.py --links 100mbit none --models mlp matrices
 """
 
 from __future__ import annotations
@@ -31,23 +25,26 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import network_study  # noqa: E402
 import synthetic  # noqa: E402
-from harness import links as nh  # noqa: E402
-from harness.jobs import child_env  # noqa: E402
-from harness.results import finish_meta, header_lines, run_meta, write_results  # noqa: E402
+from harness import results, study  # noqa: E402
+from harness.jobs import run_ranks, write_rank_result  # noqa: E402
+from harness.links import link_name, parse_rate, rate_label  # noqa: E402
 
 PIECES = ("compute", "compression", "waiting", "wire")
+MODELS = [*network_study.MODELS, *network_study.GPT_MODELS]
 
 
-def _layout(shapes: list[tuple[int, ...]], rank: int) -> tuple[list[tuple[int, tuple[int, int], int]], list[int]]:
+def factor_layout(shapes: list[tuple[int, ...]], rank: int) -> tuple[list[tuple[int, tuple[int, int], int]], list[int]]:
+    """The factors PowerSGD of ``rank`` makes of tensors of ``shapes``: (index, matrix view, rank) of each compressed
+    one, and the indices of those sent whole."""
     from bagua_common.algorithms.configs import PowerSGDConfig, matrix_view
 
     config = PowerSGDConfig(rank=rank)
@@ -57,7 +54,7 @@ def _layout(shapes: list[tuple[int, ...]], rank: int) -> tuple[list[tuple[int, t
     return compressed, [i for i in range(len(shapes)) if i not in done]
 
 
-def _synthetic_model(model: str) -> tuple[str, list, int]:
+def synthetic_model(model: str) -> tuple[str, list, int]:
     """The synthetic benchmark's name of ``model``, its initial parameters and its image side (0 for a GPT)."""
     if model in network_study.GPT_MODELS:
         return model, synthetic.init_params(model, 0, 0, 0), 0
@@ -74,14 +71,14 @@ def worker_torch(args: argparse.Namespace) -> dict[str, list[float]]:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    name, arrays, image_size = _synthetic_model(args.model)
+    name, arrays, image_size = synthetic_model(args.model)
     net = synthetic.torch_model(name, arrays)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
     batch = synthetic.random_batch(args.batch_size, image_size, dist.get_rank(), name)
     x, y = (torch.from_numpy(a) for a in batch)
     y = y.long()
     params = list(net.parameters())
-    compressed, plain = _layout([tuple(p.shape) for p in params], args.rank)
+    compressed, plain = factor_layout([tuple(p.shape) for p in params], args.rank)
     generator = torch.Generator().manual_seed(0)
     qs = [torch.randn(view[1], r, generator=generator) for _, view, r in compressed]
     residuals = [torch.zeros(view) for _, view, _ in compressed]
@@ -121,13 +118,13 @@ def worker_jax(args: argparse.Namespace) -> dict[str, list[float]]:
     from bagua_jax.algorithms.powersgd import orthogonalize_all
 
     comm = NativeCommunicator.world(timeout=120)
-    name, arrays, image_size = _synthetic_model(args.model)
+    name, arrays, image_size = synthetic_model(args.model)
     params = [jnp.asarray(p) for p in arrays]
     loss_fn = synthetic.jax_model(name)
     optimizer = optax.sgd(0.01, momentum=0.9)
     rank = int(os.environ["RANK"])
     batch = tuple(jnp.asarray(a) for a in synthetic.random_batch(args.batch_size, image_size, rank, name))
-    compressed, plain = _layout([tuple(p.shape) for p in params], args.rank)
+    compressed, plain = factor_layout([tuple(p.shape) for p in params], args.rank)
 
     @jax.jit
     def compute(params, opt_state):
@@ -167,207 +164,140 @@ def worker_jax(args: argparse.Namespace) -> dict[str, list[float]]:
     return times
 
 
-def orthogonalize_per_matrix(p):
-    """The torch orthogonalization before batching (one matrix, one column pair at a time): the baseline."""
-    import torch
-
-    for i in range(p.shape[1]):
-        column = p[:, i]
-        for j in range(i):
-            column -= torch.dot(p[:, j], column) * p[:, j]
-        norm = torch.linalg.vector_norm(column)
-        if norm > 0:
-            column /= norm
-    return p
-
-
-def p_shapes(args: argparse.Namespace) -> dict[str, list[tuple[int, int]]]:
-    """Per model, the ``(n, r)`` of every ``P`` factor PowerSGD of rank ``args.rank`` orthogonalizes in a step."""
-    from bagua_common.workload.gpt_spec import gpt_config
-
-    shapes = {}
-    for model in args.models:
-        shapes[model] = [tuple(p.shape) for p in _synthetic_model(model)[1]]
-    for size in args.gpt_sizes:
-        shapes[f"gpt-{size}"] = list(gpt_config(size).parameter_shapes().values())
-    return {name: [(view[0], r) for _, view, r in _layout(s, args.rank)[0]] for name, s in shapes.items()}
-
-
-def time_orthogonalization(args: argparse.Namespace) -> None:
-    """The ``--orthogonalize`` mode: per-matrix loop against one batched call, per front end and model."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    import torch
-
-    from bagua_jax.algorithms.powersgd import orthogonalize as jax_orthogonalize
-    from bagua_jax.algorithms.powersgd import orthogonalize_all as jax_orthogonalize_all
-    from bagua_torch.algorithms.powersgd import orthogonalize_all
-
-    torch.set_num_threads(1)
-    meta = run_meta(("torch", "jax"), argv=sys.argv[1:])
-    rng = np.random.default_rng(0)
-    jax_loop = jax.jit(lambda ps: [jax_orthogonalize(p) for p in ps])
-    jax_batched = jax.jit(jax_orthogonalize_all)
-    rows = []
-    for model, shapes in p_shapes(args).items():
-        arrays = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-        tensors, jax_arrays = [torch.from_numpy(a) for a in arrays], [jnp.asarray(a) for a in arrays]
-        variants = {
-            ("torch", "loop"): lambda: [orthogonalize_per_matrix(t.clone()) for t in tensors],
-            ("torch", "batched"): lambda: orthogonalize_all(tensors),
-            ("jax", "loop"): lambda: jax.block_until_ready(jax_loop(jax_arrays)),
-            ("jax", "batched"): lambda: jax.block_until_ready(jax_batched(jax_arrays)),
-        }
-        times: dict[tuple[str, str], list[float]] = {key: [] for key in variants}
-        for round_ in range(args.rounds + 1):  # round 0 warms up (and compiles)
-            order = list(variants) if round_ % 2 else list(reversed(variants))
-            for key in order:
-                for _ in range(args.steps):
-                    t0 = time.perf_counter()
-                    variants[key]()
-                    if round_:
-                        times[key].append(time.perf_counter() - t0)
-        for framework in ("torch", "jax"):
-            loop, batched = (statistics.median(times[(framework, v)]) for v in ("loop", "batched"))
-            rows.append({"model": model, "matrices": len(shapes), "framework": framework,
-                         "loop_s": loop, "batched_s": batched, "speedup": loop / batched})  # fmt: skip
-            print(f"{model:>10} {framework:>5}: loop {loop * 1e3:8.3f} ms  batched {batched * 1e3:8.3f} ms  "
-                  f"{loop / batched:5.2f}x", flush=True)  # fmt: skip
-    finish_meta(meta)
-    lines = [
-        f"# PowerSGD rank {args.rank}: orthogonalizing one step's P factors, per-matrix loop against batched",
-        "",
-        *header_lines(meta),
-        "- The machine is a 2-core box heavily loaded by other engineers' builds and tests (see the load "
-        "average): the ratios, measured side by side, carry more than the absolute times.",
-        f"- Per variant the median of {args.rounds} interleaved rounds of {args.steps} calls (one torch thread); "
-        "the JAX columns are each jitted once, the loop as one graph of per-matrix operations.",
-        "",
-        "| model | matrices | front end | loop ms | batched ms | loop / batched |",
-        "|---|---:|---|---:|---:|---:|",
-        *(
-            f"| {r['model']} | {r['matrices']} | {r['framework']} | {r['loop_s'] * 1e3:.3f} | "
-            f"{r['batched_s'] * 1e3:.3f} | {r['speedup']:.2f}x |"
-            for r in rows
-        ),
-        "",
-    ]
-    for path in write_results(args.out, "powersgd-orthogonalize", lines, {"meta": meta, "rows": rows}):
-        print(f"wrote {path}")
-
-
-def worker_main(args: argparse.Namespace) -> None:
+def worker(argv: list[str]) -> None:
+    """One rank: ``--framework``, ``--model``, ``--rank``, ``--steps``, ``--warmup``, ``--batch-size`` and
+    ``--result`` as :func:`measure` passes them; writes the pieces' times."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--framework", choices=("torch", "jax"))
+    p.add_argument("--model", choices=MODELS)
+    for name in ("rank", "steps", "warmup", "batch-size"):
+        p.add_argument(f"--{name}", type=int)
+    p.add_argument("--result")
+    args = p.parse_args(argv)
     times = worker_jax(args) if args.framework == "jax" else worker_torch(args)
-    rank = int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0")))
-    Path(f"{args.result}.rank{rank}").write_text(json.dumps(times))
+    write_rank_result(args.result, int(os.environ.get("RANK", os.environ.get("PMI_RANK", "0"))), times)
 
 
-def run(args: argparse.Namespace) -> None:
-    meta = run_meta(("torch", "jax"), argv=sys.argv[1:])
-    rows = []
-    study = {}
-    if args.study and args.study.exists():
-        merged = network_study.merged(json.loads(args.study.read_text())["rows"])
-        study = {network_study._key(r): r["step_s"] for r in merged if r.get("status") == "ok"}
-    port = 29900
-    with tempfile.TemporaryDirectory(prefix="bagua-breakdown-") as tmp:
-        for rate in args.rates:
-            with nh.Network(args.ranks, rate) as net:
-                for model in args.models:
-                    for framework in ("torch", "jax"):
-                        port += 1
-                        result = Path(tmp) / f"{framework}-{model}-{port}"
-                        argv = [sys.executable, __file__, "--worker", "--framework", framework, "--model", model,
-                                "--rank", str(args.rank), "--steps", str(args.steps), "--warmup", str(args.warmup),
-                                "--batch-size", str(args.batch_size), "--result", str(result)]  # fmt: skip
-                        env = child_env()
-                        with open(Path(tmp) / f"{result.name}.log", "w") as log:
-                            if framework == "jax":
-                                net.run_mpi(argv, args.job_timeout, base_env=env, stdout=log)
-                            else:
-                                net.run_all(argv, port, args.job_timeout, base_env=env, stdout=log)
-                        per_rank = [Path(f"{result}.rank{r}") for r in range(args.ranks)]
-                        if not all(p.exists() for p in per_rank):
-                            tail = (Path(tmp) / f"{result.name}.log").read_text(errors="replace")[-600:]
-                            print(f"{framework} {model} {rate}: failed: {tail}", flush=True)
-                            continue
-                        loaded = [json.loads(p.read_text()) for p in per_rank]
-                        row = {
-                            "framework": framework,
-                            "model": model,
-                            "rate": nh.rate_label(net.rate),
-                            **{k: statistics.fmean(statistics.median(t[k]) for t in loaded) for k in PIECES},
-                        }
-                        algorithm = f"powersgd_rank{args.rank}"
-                        row["study_step_s"] = study.get((model, args.ranks, row["rate"], framework, algorithm))
-                        rows.append(row)
-                        print(
-                            f"{row['rate']:>12} {model:>8} {framework:>5}: "
-                            + " ".join(f"{k} {row[k] * 1e3:6.1f} ms" for k in PIECES),
-                            flush=True,
-                        )
-    finish_meta(meta)
-    lines = [
-        f"# PowerSGD rank {args.rank}: where the step's time goes ({args.ranks} ranks)",
-        "",
-        *header_lines(meta),
-        "- The machine is a 2-core box shared with other engineers' builds and tests: see the load average.",
-        f"- {args.ranks} ranks, one per network namespace (benchmarks/harness/links.py); per rank the "
-        f"median of {args.steps} steps after {args.warmup}, then the mean over the ranks. torch: gloo; JAX: the "
-        "native MPI engine (as in the study).",
-        "",
-        "| rate | model | front end | compute ms | compression ms | waiting ms | wire ms | sum ms | study step ms |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for r in rows:
-        total = sum(r[k] for k in PIECES)
-        study_cell = "" if r["study_step_s"] is None else f"{r['study_step_s'] * 1e3:.0f}"
-        lines.append(
-            f"| {r['rate']} | {r['model']} | {r['framework']} | "
-            + " | ".join(f"{r[k] * 1e3:.1f}" for k in PIECES)
-            + f" | {total * 1e3:.1f} | {study_cell} |"
-        )
-    lines.append("")
-    for path in write_results(args.out, f"{args.name}", lines, {"meta": meta, "rows": rows}):
-        print(f"wrote {path}")
-    print("\n".join(lines))
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rates", nargs="+", default=["100mbit", "none"])
-    p.add_argument(
-        "--models",
-        nargs="+",
-        default=list(network_study.MODELS),
-        choices=[*network_study.MODELS, *network_study.GPT_MODELS],
-    )
-    p.add_argument("--ranks", type=int, default=4)
+def add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--models", nargs="+", default=list(network_study.MODELS), choices=MODELS)
     p.add_argument("--rank", type=int, default=4, help="PowerSGD's rank")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--job-timeout", type=float, default=180)
-    p.add_argument("--study", type=Path, default=HERE / "results" / "network-study-peers.json")
-    p.add_argument("--out", type=Path, default=HERE / "results")
-    p.add_argument("--name", default="network-study-powersgd-breakdown")
-    p.add_argument("--orthogonalize", action="store_true", help="time the orthogonalization alone (no network)")
-    p.add_argument("--gpt-sizes", nargs="*", default=["small"], help="GPT sizes for --orthogonalize")
-    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds for --orthogonalize")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--framework", choices=("torch", "jax"), help=argparse.SUPPRESS)
-    p.add_argument("--model", choices=[*network_study.MODELS, *network_study.GPT_MODELS], help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    p.add_argument(
+        "--study",
+        default=str(HERE / "results" / "network-study-peers.json"),
+        help="the network study's JSON of the PowerSGD times shown beside ('none': none)",
+    )
+
+
+def variants(args: argparse.Namespace) -> list[study.Variant]:
+    return [
+        study.Variant(f"{fw} {model}", {"framework": fw, "model": model})
+        for model in args.models
+        for fw in ("torch", "jax")
+    ]
+
+
+def measure(trial: study.Trial) -> dict[str, Any]:
+    """One job: each piece's time (mean over the ranks of each rank's median), and their sum as ``step_s``."""
+    args, result = trial.args, trial.scratch()
+    argv = [
+        sys.executable,
+        __file__,
+        "--worker",
+        "--framework",
+        trial.variant["framework"],
+        "--model",
+        trial.variant["model"],
+        "--rank",
+        str(args.rank),
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--batch-size",
+        str(args.batch_size),
+        "--result",
+        str(result),
+    ]
+    outcome = run_ranks(trial.net, argv, result, mpi=trial.variant["framework"] == "jax", timeout=args.job_timeout)
+    row = outcome.row()
+    if outcome.ranks is not None:
+        row.update({k: statistics.fmean(statistics.median(t[k]) for t in outcome.ranks) for k in PIECES})
+        row["step_s"] = sum(row[k] for k in PIECES)
+    return row
+
+
+def _upgraded(row: dict[str, Any], ranks: int) -> dict[str, Any]:
+    """A row of a results file written before the harness: one job per link, its label as ``rate``."""
+    if "variant" in row:
+        return row
+    name = f"{row['framework']} {row['model']}"
+    return {
+        **row,
+        "variant": name,
+        "link": link_name(row["rate"]),
+        "ranks": ranks,
+        "status": "ok",
+        "step_s": sum(row[k] for k in PIECES),
+    }
+
+
+def report(data: dict[str, Any]) -> list[str]:
+    settings = data.get("settings", {})
+    ranks = settings.get("ranks", [4])
+    rows = [_upgraded(r, ranks[0]) for r in data["rows"]]
+    rank = settings.get("rank", 4)
+    path = settings.get("study")
+    figures = (
+        network_study.Figures(json.loads(Path(path).read_text())["rows"])
+        if path and path != "none" and Path(path).exists()
+        else None
+    )
+    pieces = {k: study.summary(rows, k) for k in (*PIECES, "step_s")}
+    head = ["link", "model", "front end", *(f"{k} ms" for k in PIECES), "sum ms", "study step ms"]
+    cells = []
+    for n, link in sorted({(r["ranks"], r["link"]) for r in rows}, key=lambda x: (x[0], study.link_order(x[1]))):
+        for name in dict.fromkeys(r["variant"] for r in rows):
+            framework, model = name.split(" ", 1)
+            key = (name, n, link)
+            if key not in pieces["step_s"]:
+                continue
+            theirs = figures.step(model, n, link, framework, f"powersgd_rank{rank}") if figures else None
+            recorded = [
+                r["study_step_s"] for r in rows if r["variant"] == name and r["link"] == link and r.get("study_step_s")
+            ]  # results written before the harness kept it per row
+            study_ms = theirs.scaled(1e3).format(".0f") if theirs else f"{recorded[0] * 1e3:.0f}" if recorded else ""
+            times = [pieces[k][key].scaled(1e3).format(".1f") for k in (*PIECES, "step_s")]
+            cells.append([rate_label(parse_rate(link)), model, framework, *times, study_ms])
+    return [
+        f"PowerSGD rank {rank}, {'/'.join(map(str, ranks))} ranks, one per network namespace "
+        f"(benchmarks/harness/links.py); per rank the median of {settings.get('steps', 10)} steps after "
+        f"{settings.get('warmup', 3)}, then the mean over the ranks; median over the repeats [min, max]. torch: "
+        "gloo; JAX: the native MPI engine (as in the study).",
+        "",
+        *results.table(head, cells, "lll" + "r" * 6),
+        "",
+    ]
+
+
+STUDY = study.Study(
+    name="network-study-powersgd-breakdown",
+    title="PowerSGD: where the step's time goes",
+    description=__doc__,
+    variants=variants,
+    measure=measure,
+    links=("100mbit", "none"),
+    ranks=(4,),
+    repeats=1,
+    add_options=add_options,
+    report=report,
+    plot=False,
+    worker=worker,
+)
 
 
 if __name__ == "__main__":
-    arguments = parse_args()
-    if arguments.worker:
-        worker_main(arguments)
-    elif arguments.orthogonalize:
-        time_orthogonalization(arguments)
-    else:
-        nh.require_root()
-        run(arguments)
+    sys.exit(study.main(STUDY))

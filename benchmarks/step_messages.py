@@ -1,32 +1,26 @@
 """Native-mode step time and messages per step, this tree against an earlier revision, over emulated links.
 
-The ranks' mean loss (and aux, and the averaged model state) of a native-mode ``DataParallel.step``
-cost extra small allreduces before they rode in the gradients' allreduce
-(:mod:`bagua_jax.step_means`); on a latency-bound link each costs a round trip. This study runs the
-same job with this tree and with ``--baseline`` (a git revision, extracted to a temporary folder),
-one after the other, repeated and interleaved (the order rotates each round), 2 ranks each in its
-own network namespace of :mod:`harness.links` under the native MPI engine, at each ``--rates``
-(default unshaped and 100 Mbit/s; no latency is added where the kernel lacks ``sch_netem``). The
-model is small (a ``--width`` MLP, gradient allreduce, one bucket) so the step is latency-bound.
+The ranks' mean loss (and aux, and the averaged model state) of a native-mode ``DataParallel.step`` cost extra
+small allreduces before they rode in the gradients' allreduce (:mod:`bagua_jax.step_means`); on a latency-bound
+link each costs a round trip. This study runs the same job with this tree and with ``--baseline`` (a git revision,
+extracted to a temporary folder), interleaved, 2 ranks each in its own network namespace (the harness's links)
+under the native MPI engine, at each ``--links`` (default unshaped and 100 Mbit/s). The model is small (a
+``--width`` MLP, gradient allreduce, one bucket) so the step is latency-bound.
 
-Each job reports, per rank: the collectives one step traces (a
-:class:`~bagua_jax.counting.CountingCommunicator` around the world), the packets its namespace sent
-per step (``/proc/net/dev``), and the median time per step over ``--iters`` timed iterations of
-``--steps`` steps (each step waits for its result). The table gives, per rate and case, the ratio
-this tree / baseline of the median step time of each round's pair, the median and the range over
-rounds, and the machine's load around the run. Needs root (the namespaces)::
+Each job reports, per rank: the collectives one step traces (a :class:`~bagua_jax.counting.CountingCommunicator`
+around the world), the packets its namespace sent per step (``/proc/net/dev``), and the median time per step over
+``--iters`` timed iterations of ``--steps`` steps (each step waits for its result). The table gives, per link and
+case, the ratio this tree / baseline of each repeat's pair, its median and range. Needs root (the namespaces)::
 
     python benchmarks/step_messages.py --baseline d480175 --repeats 5
-    python benchmarks/harness/links.py --cleanup   # leftovers of a killed run
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import functools
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,17 +28,18 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
 os.environ.setdefault("BAGUA_NETNS_PREFIX", "msg-")  # beside another study's namespaces
 
-from harness import links as nh  # noqa: E402
-from harness.links import packets_sent  # noqa: E402
-from harness.options import add_out_option, add_timeout_options  # noqa: E402
-from harness.repeats import rotated  # noqa: E402
-from harness.results import finish_meta, header_lines, run_meta, write_results  # noqa: E402
+from harness import results, study  # noqa: E402
+from harness.jobs import child_env, export_tree, run_ranks, write_rank_result  # noqa: E402
+from harness.links import packets_sent, parse_rate, rate_label  # noqa: E402
+from harness.options import add_timeout_options  # noqa: E402
+from harness.repeats import paired_ratios  # noqa: E402
 
 CASES = ("loss", "loss_aux_state")
 """``loss``: the loss only; ``loss_aux_state``: the loss, an aux value and a model state averaged over the ranks."""
+TREES = ("this", "baseline")
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -91,107 +86,141 @@ def worker(args: argparse.Namespace) -> None:
         per_step.append((time.perf_counter() - start) / args.steps)
     packets = (packets_sent() - packets_before) / (args.iters * args.steps)
     result = {"calls": {op: n for op, n in calls.items() if n}, "step_s": per_step, "packets_per_step": packets}
-    Path(f"{args.result}.rank{rank}").write_text(json.dumps(result))
+    write_rank_result(args.result, rank, result)
 
 
-def baseline_tree(revision: str, into: Path) -> Path:
-    """``revision`` of this repository extracted into ``into`` (the Python packages only need their sources; the
-    native modules come from the installed package)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision], check=True, capture_output=True)
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
-    return into
+@functools.cache
+def _baseline(revision: str) -> Path:
+    """``revision``'s tree, extracted once per run (removed at exit with its temporary folder)."""
+    return export_tree(revision, Path(tempfile.mkdtemp(prefix="step-messages-")))
 
 
-def run_job(args, net: nh.Network, tree: Path, case: str, tmp: Path, label: str) -> dict[str, Any]:
-    """One job of ``tree``'s code on ``net``; the ranks' results and the median time per step (mean over ranks)."""
-    result = tmp / f"{label}-{case}-{time.monotonic_ns()}"
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.pop("XLA_FLAGS", None)
-    env["PYTHONPATH"] = str(tree)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--case", case]  # bagua from tree
-    argv += ["--result", str(result), "--width", str(args.width), "--warmup", str(args.warmup)]
-    argv += ["--iters", str(args.iters), "--steps", str(args.steps), "--comm-timeout", str(args.comm_timeout)]
-    # A job whose ranks did not all write their results is tried once more; one whose ranks did stands even
-    # when mpiexec then failed on the way out (seen under load: hydra's "Broken pipe" to its exited proxies).
-    paths = [Path(f"{result}.rank{r}") for r in range(net.ranks)]
-    for attempt in (1, 2):
-        for path in paths:
-            path.unlink(missing_ok=True)
-        with open(f"{result}.log", "w") as log:
-            codes = net.run_mpi(argv, args.job_timeout, base_env=env, stdout=log)
-        if all(path.exists() for path in paths):
-            break
-        tail = Path(f"{result}.log").read_text(errors="replace").splitlines()[-30:]
-        print(f"step_messages: {label} {case}, attempt {attempt}, exit codes {codes}:\n" + "\n".join(tail), flush=True)
-    else:
-        raise SystemExit(f"step_messages: {label} {case} failed twice")
-    ranks = [json.loads(path.read_text()) for path in paths]
-    step = statistics.median(statistics.fmean(r["step_s"][i] for r in ranks) for i in range(args.iters))
-    return {"calls": ranks[0]["calls"], "packets_per_step": ranks[0]["packets_per_step"], "step_s": step}
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
+def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--baseline", help="the git revision to compare with (e.g. the commit before the change)")
-    parser.add_argument("--rates", nargs="+", default=["max", "100mbit"], help="link rates ('max': unshaped)")
     parser.add_argument("--cases", nargs="+", choices=CASES, default=list(CASES))
-    parser.add_argument("--repeats", type=int, default=3, help="rounds of every job, interleaved")
     parser.add_argument("--width", type=int, default=64, help="the MLP's width (width**2 + width parameters)")
     parser.add_argument("--warmup", type=int, default=20, help="untimed steps per job")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations per job")
     parser.add_argument("--steps", type=int, default=100, help="steps per timed iteration")
     add_timeout_options(parser, comm=60, job=240)
-    add_out_option(parser)
-    args = parser.parse_args(argv)
-    if args.worker:
-        worker(args)
-        return 0
-    if not args.baseline:
-        parser.error("--baseline REVISION is required")
-    meta = run_meta(("jax", "numpy"), argv=sys.argv[1:] if argv is None else argv)
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="step-messages-") as tmp_name:
-        tmp = Path(tmp_name)
-        trees = {"this": ROOT, "baseline": baseline_tree(args.baseline, Path(tempfile.mkdtemp(dir=tmp)))}
-        for rate in args.rates:
-            with nh.Network(2, rate, verbose=False) as net:
-                for case in args.cases:
-                    for repeat in range(args.repeats):
-                        pair = {}
-                        for label in rotated(list(trees), repeat):
-                            pair[label] = run_job(args, net, trees[label], case, tmp, label)
-                        ratio = pair["this"]["step_s"] / pair["baseline"]["step_s"]
-                        row = {"rate": nh.rate_label(net.rate), "case": case, "repeat": repeat, "ratio": ratio, **pair}
-                        rows.append(row)
-                        print(json.dumps(row), flush=True)
-    finish_meta(meta)
-    lines = [*header_lines(meta), "", f"Baseline: `{args.baseline}`.", ""]
-    lines.append(
-        "| rate | case | collectives per step (this / baseline) | packets per step (this / baseline) "
-        "| step ms (this / baseline, medians) | ratio this / baseline: median [min, max] |"
-    )
-    lines.append("|---|---|---|---|---|---|")
-    for rate in dict.fromkeys(r["rate"] for r in rows):
-        for case in args.cases:
-            mine = [r for r in rows if r["rate"] == rate and r["case"] == case]
-            ratios = [r["ratio"] for r in mine]
-            calls = " / ".join(str(mine[0][k]["calls"]) for k in ("this", "baseline"))
-            packets = " / ".join(
-                f"{statistics.median(r[k]['packets_per_step'] for r in mine):.1f}" for k in ("this", "baseline")
+
+
+def variants(args: argparse.Namespace) -> list[study.Variant]:
+    if not (args.baseline or args.report):
+        raise SystemExit("step_messages: --baseline REVISION is required")
+    return [study.Variant(f"{tree} {case}", {"tree": tree, "case": case}) for case in args.cases for tree in TREES]
+
+
+def measure(trial: study.Trial) -> dict[str, Any]:
+    """One job of the variant's tree; tried once more when a rank wrote no result (seen under load: hydra's "Broken
+    pipe" to its exited proxies), standing when every rank wrote its result even if mpiexec then failed."""
+    args, result = trial.args, trial.scratch()
+    tree = results.ROOT if trial.variant["tree"] == "this" else _baseline(args.baseline)
+    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--case", trial.variant["case"]]
+    argv += ["--result", str(result), "--width", str(args.width), "--warmup", str(args.warmup)]
+    argv += ["--iters", str(args.iters), "--steps", str(args.steps), "--comm-timeout", str(args.comm_timeout)]
+    for _ in range(2):
+        outcome = run_ranks(
+            trial.net, argv, result, mpi=True, timeout=args.job_timeout, env=child_env(tree), tail_lines=30
+        )
+        if outcome.ranks is not None:
+            break
+    row = outcome.row()
+    if outcome.ranks is not None:
+        ranks = outcome.ranks
+        step = statistics.median(statistics.fmean(r["step_s"][i] for r in ranks) for i in range(args.iters))
+        row.update(calls=ranks[0]["calls"], packets_per_step=ranks[0]["packets_per_step"], step_s=step)
+    return row
+
+
+def _rows(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The rows, those of a results file written before the harness (a row per pair) split in two."""
+    out = []
+    for row in data["rows"]:
+        if "variant" in row:
+            out.append(row)
+            continue
+        link = "none" if row["rate"] == "unshaped" else row["rate"].replace(" ", "").replace("/s", "").lower()
+        for tree in TREES:
+            out.append(
+                {
+                    **row[tree],
+                    "variant": f"{tree} {row['case']}",
+                    "tree": tree,
+                    "case": row["case"],
+                    "link": link,
+                    "ranks": 2,
+                    "repeat": row["repeat"],
+                    "status": "ok",
+                }
             )
-            ms = " / ".join(
-                f"{1e3 * statistics.median(r[k]['step_s'] for r in mine):.3f}" for k in ("this", "baseline")
+    return out
+
+
+def report(data: dict[str, Any]) -> list[str]:
+    rows = [r for r in _rows(data) if r["status"] == "ok" and r.get("load", {}).get("published", True)]
+    revision = (data.get("settings") or {}).get("baseline") or data["meta"]["command"].split("--baseline ")[1].split()[
+        0
+    ]
+    head = [
+        "link",
+        "case",
+        "collectives per step (this / baseline)",
+        "packets per step (this / baseline)",
+        "step ms (this / baseline, medians)",
+        "ratio this / baseline: median [min, max]",
+    ]
+    cells = []
+    for link in sorted({r["link"] for r in rows}, key=study.link_order):
+        for case in dict.fromkeys(r["case"] for r in rows):
+            mine = {
+                tree: {r["repeat"]: r for r in rows if (r["link"], r["case"], r["tree"]) == (link, case, tree)}
+                for tree in TREES
+            }
+            common = sorted(set(mine["this"]) & set(mine["baseline"]))
+            if not common:
+                continue
+            pairs = {tree: [mine[tree][k] for k in common] for tree in TREES}
+            ratio = paired_ratios([r["step_s"] for r in pairs["this"]], [r["step_s"] for r in pairs["baseline"]])
+            cells.append(
+                [
+                    rate_label(parse_rate(link)),
+                    case,
+                    " / ".join(str(pairs[t][0]["calls"]) for t in TREES),
+                    " / ".join(f"{statistics.median(r['packets_per_step'] for r in pairs[t]):.1f}" for t in TREES),
+                    " / ".join(f"{1e3 * statistics.median(r['step_s'] for r in pairs[t]):.3f}" for t in TREES),
+                    ratio.format(".3f"),
+                ]
             )
-            spread = f"{statistics.median(ratios):.3f} [{min(ratios):.3f}, {max(ratios):.3f}]"
-            lines.append(f"| {rate} | {case} | {calls} | {packets} | {ms} | {spread} |")
-    md_path, json_path = write_results(args.out, "step-messages", lines, {"meta": meta, "rows": rows})
-    print("\n".join(lines))
-    print(f"wrote {md_path} and {json_path}")
-    return 0
+    return [f"Baseline: `{revision}`.", "", *results.table(head, cells, "llllll"), ""]
+
+
+def worker_main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=CASES)
+    parser.add_argument("--result")
+    for name in ("width", "warmup", "iters", "steps"):
+        parser.add_argument(f"--{name}", type=int)
+    parser.add_argument("--comm-timeout", type=float)
+    worker(parser.parse_args(argv))
+
+
+STUDY = study.Study(
+    name="step-messages",
+    title="Native-mode step: messages per step and step time, this tree against a baseline",
+    description=__doc__,
+    variants=variants,
+    measure=measure,
+    links=("none", "100mbit"),
+    ranks=(2,),
+    repeats=3,
+    packages=("jax", "numpy"),
+    add_options=add_options,
+    report=report,
+    plot=False,
+    worker=worker_main,
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(study.main(STUDY))

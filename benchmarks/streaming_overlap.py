@@ -1,25 +1,20 @@
 """Does JAX Streaming DiLoCo hide its exchanges behind the inner steps? Step times over shaped links.
 
-The same training (an MLP of ``--layers`` x ``--width`` x ``--width`` matrices, AdamW inside, DiLoCo
-outside with ``fragments`` P, ``sync_every`` H and the largest delay ``tau = H // P - 1``) runs on
-``--ranks`` ranks over the emulated network of :mod:`harness.links` (``--rate`` per rank, MPI
-over TCP), in two modes:
+The same training (an MLP of ``--layers`` x ``--width`` x ``--width`` matrices, AdamW inside, DiLoCo outside with
+``fragments`` P, ``sync_every`` H and the largest delay ``tau = H // P - 1``) runs on ``--ranks`` ranks over the
+harness's links (``--links``, 100 Mbit/s per rank by default; MPI over TCP), in three modes:
 
 * ``in_step``: the exchanges run inside the applying step (the communicator handed to
-  :func:`bagua_jax.algorithms.diloco.diloco` behind a plain wrapper, which is what a mesh or NCCL
-  gets, and what JAX did for every communicator before the background exchange): every
+  :func:`bagua_jax.algorithms.diloco.diloco` behind a plain wrapper, which is what a mesh or NCCL gets): every
   ``H // P``-th step waits for a fragment's whole wire time;
-* ``overlapped``: the NativeCommunicator itself, so each exchange runs on the transform's thread
-  during the next tau steps;
-* ``local``: the inner optimizer alone, no DiLoCo and no communication: the floor that a perfect
-  overlap reaches (on a machine with cores to spare for the exchanges).
+* ``overlapped``: the NativeCommunicator itself, so each exchange runs on the transform's thread during the next
+  tau steps;
+* ``local``: the inner optimizer alone, no DiLoCo and no communication: the floor a perfect overlap reaches.
 
-Jobs alternate between the modes and fragment counts, ``--repeats`` times, so both see the same
-machine. Each job trains ``--warmup-rounds`` rounds of H steps untimed, then ``--rounds`` timed
-rounds; a step's time is its wall time (``block_until_ready``) averaged over the ranks. The table
-gives per job the mean step time (every step of whole rounds, the exchanges' share included), the
-median (a step without waiting), the mean of the applying steps, the bytes each rank sent per
-step (``/proc/net/dev`` of its namespace) and the load average before the job.
+Each job trains ``--warmup-rounds`` rounds of H steps untimed, then ``--rounds`` timed rounds; a step's time is its
+wall time (``block_until_ready``) averaged over the ranks. Per job: the mean step time (every step of whole
+rounds, the exchanges' share included: the table's figure), the median (a step without waiting), the mean of the
+applying steps and the bytes each rank sent per step; the repeats interleave the modes and fragment counts.
 
     python benchmarks/streaming_overlap.py                         # 4 ranks, 100 Mbit/s, P = 2 and 4
     BAGUA_NETNS_PREFIX=bso- python benchmarks/streaming_overlap.py --repeats 3   # next to another study
@@ -31,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -39,15 +33,14 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from harness import links as nh  # noqa: E402
-from harness.jobs import child_env  # noqa: E402
+from harness import results, study  # noqa: E402
+from harness.jobs import run_ranks, write_rank_result  # noqa: E402
 from harness.links import bytes_sent  # noqa: E402
-from harness.machine import load_average  # noqa: E402
-from harness.options import add_out_option, add_timeout_options  # noqa: E402
-from harness.repeats import rotated  # noqa: E402
-from harness.results import finish_meta, header_lines, run_meta, write_results  # noqa: E402
+from harness.options import add_timeout_options  # noqa: E402
+from harness.repeats import spread  # noqa: E402
 
 MODES = ("in_step", "overlapped", "local")
+JOB_FIELDS = ("sync_every", "outer_exchange", "layers", "width", "batch", "comm_timeout", "warmup_rounds", "rounds")
 
 
 class InStepCommunicator:
@@ -61,7 +54,7 @@ class InStepCommunicator:
 
 
 def worker(job_path: str) -> None:
-    """One rank of a job (under ``bagua-launch --mpi``): train, time every step, write ``<result>.rank<r>``."""
+    """One rank of a job (under ``bagua-launch --mpi``): train, time every step, write its result."""
     import jax
     import jax.numpy as jnp
     import optax
@@ -109,94 +102,10 @@ def worker(job_path: str) -> None:
         start = time.perf_counter()
         state = jax.block_until_ready(step(*state))[:2]
         times.append(time.perf_counter() - start)
-    sent = (bytes_sent() - sent) / len(times)
-    Path(f"{job['result']}.rank{rank}").write_text(json.dumps({"step_s": times, "bytes_sent_per_step": sent}))
+    write_rank_result(job["result"], rank, {"step_s": times, "bytes_sent_per_step": (bytes_sent() - sent) / len(times)})
 
 
-def run_job(args, net: nh.Network, mode: str, fragments: int, tmp: Path) -> dict[str, Any]:
-    """One job on ``net``; its row: the timings averaged over the ranks, or why it failed."""
-    result = tmp / f"{mode}-p{fragments}-{time.monotonic_ns()}"
-    job = {
-        "mode": mode,
-        "fragments": fragments,
-        "result": str(result),
-        **{k: getattr(args, k) for k in ("sync_every", "outer_exchange", "layers", "width", "batch", "comm_timeout")},
-        **{k: getattr(args, k) for k in ("warmup_rounds", "rounds")},
-    }
-    job_path = tmp / f"{result.name}.json"
-    job_path.write_text(json.dumps(job))
-    row: dict[str, Any] = {"mode": mode, "fragments": fragments, "load_average_before": load_average()}
-    with open(tmp / f"{result.name}.log", "w") as log:
-        codes = net.run_mpi([sys.executable, __file__, "--worker", str(job_path)], args.job_timeout, child_env(), log)
-    ranks = [
-        json.loads(Path(f"{result}.rank{r}").read_text())
-        for r in range(net.ranks)
-        if Path(f"{result}.rank{r}").exists()
-    ]
-    if len(ranks) != net.ranks:
-        row.update(status="failed", exit_codes=codes, log_tail=(tmp / f"{result.name}.log").read_text()[-1500:])
-        return row
-    steps = [statistics.fmean(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
-    # Timed step i is inner step warmup_rounds * H + period + i, and fragment p is applied after the steps t with
-    # t - tau - p * period a multiple of H (tau = period - 1): the last of every period steps.
-    period = args.sync_every // fragments
-    applying = steps[period - 1 :: period]
-    row.update(
-        status="ok",
-        step_s_mean=statistics.fmean(steps),
-        step_s_median=statistics.median(steps),
-        applying_step_s_mean=statistics.fmean(applying),
-        bytes_sent_per_step=statistics.fmean(r["bytes_sent_per_step"] for r in ranks),
-        step_s_all=[round(s, 4) for s in steps],
-    )
-    return row
-
-
-def table_lines(meta: dict[str, Any], rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["# JAX Streaming DiLoCo: exchanges in the step vs overlapped with the next steps", ""]
-    lines += header_lines(meta)
-    lines += [
-        f"- {meta['ranks']} ranks, {meta['rate']} per rank (MPI over TCP), MLP {meta['layers']} x "
-        f"{meta['width']}x{meta['width']} ({meta['parameters'] / 1e6:.2f}M parameters), batch {meta['batch']}, "
-        f"AdamW inside, H = {meta['sync_every']}, tau = H/P - 1, outer exchange {meta['outer_exchange']}",
-        "",
-        "| P | repeat | mode | mean step (s) | median step (s) | applying step (s) | sent/step (MB) | load before |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for row in rows:
-        head = f"| {row['fragments']} | {row['repeat']} | {row['mode']} |"
-        if row["status"] != "ok":
-            lines.append(f"{head} {row['status']} | | | | {row['load_average_before']} |")
-            continue
-        lines.append(
-            f"{head} {row['step_s_mean']:.3f} | {row['step_s_median']:.3f} | {row['applying_step_s_mean']:.3f} | "
-            f"{row['bytes_sent_per_step'] / 1e6:.2f} | {row['load_average_before']} |"
-        )
-    lines += [
-        "",
-        "Per repeat: mean step time of overlapped and of local over in-step's, and the share of the exchanges' time"
-        " hidden, (in-step - overlapped) / (in-step - local):",
-        "",
-    ]
-    for p in meta["fragments"]:
-        cells = []
-        for repeat in range(meta["repeats"]):
-            jobs = {
-                r["mode"]: r["step_s_mean"]
-                for r in rows
-                if r["fragments"] == p and r["repeat"] == repeat and r["status"] == "ok"
-            }
-            if len(jobs) == len(MODES):
-                base, over, local = jobs["in_step"], jobs["overlapped"], jobs["local"]
-                cells.append(f"{over / base:.2f} / {local / base:.2f} / {(base - over) / (base - local):.0%}")
-        lines.append(f"- P = {p}: " + "; ".join(cells))
-    return lines + [""]
-
-
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    nh.add_link_options(parser)
+def add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fragments", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--outer-exchange", default="fp32", choices=("fp32", "bf16", "uint8", "uint4"))
@@ -205,40 +114,119 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--warmup-rounds", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=2)
     add_timeout_options(parser, comm=120, job=300)
-    add_out_option(parser)
-    return parser.parse_args(argv)
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    if args.worker:
-        worker(args.worker)
-        return 0
-    meta = run_meta(
-        ("jax", "optax"),
-        argv=sys.argv[1:] if argv is None else argv,
-        ranks=args.ranks,
-        rate=args.rate,
-        parameters=args.layers * args.width**2,
-        **{k: getattr(args, k) for k in ("fragments", "sync_every", "outer_exchange", "layers", "width", "batch")},
-        repeats=args.repeats,
+def variants(args: argparse.Namespace) -> list[study.Variant]:
+    return [study.Variant(f"P={p} {mode}", {"fragments": p, "mode": mode}) for p in args.fragments for mode in MODES]
+
+
+def measure(trial: study.Trial) -> dict[str, Any]:
+    """One job: the step times averaged over the ranks, or why it failed."""
+    args, result = trial.args, trial.scratch()
+    job = {
+        "mode": trial.variant["mode"],
+        "fragments": trial.variant["fragments"],
+        "result": str(result),
+        **{k: getattr(args, k) for k in JOB_FIELDS},
+    }
+    job_path = Path(f"{result}.job.json")
+    job_path.write_text(json.dumps(job))
+    outcome = run_ranks(
+        trial.net,
+        [sys.executable, __file__, "--worker", str(job_path)],
+        result,
+        mpi=True,
+        timeout=args.job_timeout,
+        tail_lines=30,
     )
-    rows: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory(prefix="streaming-overlap-") as tmp, nh.Network(args.ranks, args.rate) as net:
-        for repeat in range(args.repeats):
-            for fragments in args.fragments:
-                for mode in rotated(MODES, repeat):
-                    row = run_job(args, net, mode, fragments, Path(tmp))
-                    rows.append({**row, "repeat": repeat})
-                    print(json.dumps(rows[-1]), flush=True)
-    finish_meta(meta)
-    stem = f"streaming-overlap-{args.ranks}ranks"
-    md, js = write_results(args.out, stem, table_lines(meta, rows), {"meta": meta, "rows": rows})
-    print(f"wrote {md} and {js}")
-    return 0
+    row = outcome.row()
+    if outcome.ranks is None:
+        return row
+    ranks = outcome.ranks
+    steps = [statistics.fmean(r["step_s"][i] for r in ranks) for i in range(len(ranks[0]["step_s"]))]
+    # Timed step i is inner step warmup_rounds * H + period + i, and fragment p is applied after the steps t with
+    # t - tau - p * period a multiple of H (tau = period - 1): the last of every period steps.
+    period = args.sync_every // trial.variant["fragments"]
+    row.update(
+        step_s=statistics.fmean(steps),
+        step_s_median=statistics.median(steps),
+        applying_step_s_mean=statistics.fmean(steps[period - 1 :: period]),
+        bytes_sent_per_step=statistics.fmean(r["bytes_sent_per_step"] for r in ranks),
+        step_s_all=[round(s, 4) for s in steps],
+    )
+    return row
+
+
+def _upgraded(row: dict[str, Any]) -> dict[str, Any]:
+    """A row of a results file written before the harness."""
+    if "variant" in row or row["status"] != "ok":
+        return {"variant": f"P={row['fragments']} {row['mode']}", **row}
+    return {**row, "variant": f"P={row['fragments']} {row['mode']}", "step_s": row["step_s_mean"]}
+
+
+def report(data: dict[str, Any]) -> list[str]:
+    rows = [_upgraded(r) for r in data["rows"]]
+    settings = data.get("settings") or data["meta"]
+    fragments = settings["fragments"]
+    lines = [
+        f"- MLP {settings['layers']} x {settings['width']}x{settings['width']} "
+        f"({settings['layers'] * settings['width'] ** 2 / 1e6:.2f}M parameters), batch {settings['batch']}, AdamW "
+        f"inside, H = {settings['sync_every']}, tau = H/P - 1, outer exchange {settings['outer_exchange']}; "
+        "seconds per step, median over the repeats [min, max]",
+        "",
+    ]
+    ok = [r for r in rows if r["status"] == "ok" and r.get("load", {}).get("published", True)]
+    cells = []
+    for p in fragments:
+        for mode in MODES:
+            mine = [r for r in ok if (r["fragments"], r["mode"]) == (p, mode)]
+            if mine:
+                cells.append(
+                    [
+                        p,
+                        mode,
+                        *(
+                            spread(r[k] for r in mine).format(".3f")
+                            for k in ("step_s", "step_s_median", "applying_step_s_mean")
+                        ),
+                        f"{statistics.median(r['bytes_sent_per_step'] for r in mine) / 1e6:.2f}",
+                    ]
+                )
+    head = ["P", "mode", "mean step (s)", "median step (s)", "applying step (s)", "sent/step (MB)"]
+    lines += [*results.table(head, cells, "llrrrr"), ""]
+    lines += [
+        "Per repeat: mean step time of overlapped and of local over in-step's, and the share of the exchanges' time "
+        "hidden, (in-step - overlapped) / (in-step - local):",
+        "",
+    ]
+    for p in fragments:
+        cells = []
+        for repeat in sorted({r["repeat"] for r in ok}):
+            jobs = {r["mode"]: r["step_s"] for r in ok if r["fragments"] == p and r["repeat"] == repeat}
+            if len(jobs) == len(MODES):
+                base, over, local = jobs["in_step"], jobs["overlapped"], jobs["local"]
+                cells.append(f"{over / base:.2f} / {local / base:.2f} / {(base - over) / (base - local):.0%}")
+        lines.append(f"- P = {p}: " + "; ".join(cells))
+    return lines + [""]
+
+
+STUDY = study.Study(
+    name="streaming-overlap",
+    title="JAX Streaming DiLoCo: exchanges in the step vs overlapped with the next steps",
+    description=__doc__,
+    variants=variants,
+    measure=measure,
+    metric_label="mean time per step",
+    links=("100mbit",),
+    ranks=(4,),
+    repeats=2,
+    packages=("jax", "optax"),
+    add_options=add_options,
+    report=report,
+    worker=lambda argv: worker(argv[0]),
+)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(study.main(STUDY))

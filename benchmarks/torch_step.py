@@ -5,7 +5,8 @@ archive`` into a temporary folder; each job's ranks import either it or this che
 ``PYTHONPATH`` of the ranks names one tree alone; both use the installed native library). Per
 repeat, each engine runs one job with each tree, both at once, so that whatever else loads the
 machine falls on both alike (a shared machine's load drifts over the minutes between jobs run
-one after the other). A job is one 2-rank run that wraps an MLP with ``with_bagua`` once per
+one after the other); each such pair runs behind the harness's load gate (again when it met
+load). A job is one 2-rank run that wraps an MLP with ``with_bagua`` once per
 algorithm and bucket size (SGD, fixed random data) and times ``--steps`` steps after
 ``--warmup``; a configuration's time per step is the slower rank's median step (a median, since
 on a loaded machine a few steps wait for a core).
@@ -86,15 +87,6 @@ def _meet(folder: Path, config: str) -> None:
         time.sleep(0.01)
 
 
-def _export(commit: str, into: Path) -> Path:
-    """``commit``'s tree of this repository, written under ``into`` (no worktree is registered)."""
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, check=True).stdout
-    tree = into / commit
-    tree.mkdir()
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
-    return tree
-
-
 def _start(tree: Path, engine: str, args: argparse.Namespace, result: Path) -> list[subprocess.Popen]:
     """Start a 2-rank job importing ``tree``; its ranks write to ``result``.0 and .1 and meet the other tree's job
     in ``result``'s folder."""
@@ -155,32 +147,46 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
     sys.path.insert(0, str(ROOT))  # this checkout's packages, before any installed copy
     import numpy as np
     from harness.console import Progress, Transcript
-    from harness.results import finish_meta, run_meta, write_results
+    from harness.jobs import export_tree
+    from harness.load import LoadGate
+    from harness.results import finish_meta, load_lines, run_meta, write_results
 
     configs = [(e, a, b) for e in args.engines for a in args.algorithms for b in args.bucket_bytes]
     meta = run_meta(["torch"], argv=argv, baseline=args.baseline)
-    meta["uptime_before"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     times: dict[tuple[str, str, int], dict[str, list[float]]] = {c: {"old": [], "new": []} for c in configs}
+    loads = []
     progress = Progress(args.repeats * len(args.engines))
+    gate = LoadGate(args.max_load)
     with tempfile.TemporaryDirectory(prefix="bagua-torch-step-") as tmp:
-        trees = {"old": _export(args.baseline, Path(tmp)), "new": ROOT}
+        trees = {"old": export_tree(args.baseline, Path(tmp)), "new": ROOT}
+
+        def pair(engine: str) -> dict[str, dict[str, float]]:
+            with tempfile.TemporaryDirectory(dir=tmp) as work:
+                results = {which: Path(work) / which for which in trees}
+                jobs = {which: _start(tree, engine, args, results[which]) for which, tree in trees.items()}
+                return {which: _finish(jobs[which], trees[which], results[which]) for which in trees}
+
         for repeat in range(args.repeats):
             for engine in args.engines:
-                with tempfile.TemporaryDirectory(dir=tmp) as work:
-                    results = {which: Path(work) / which for which in trees}
-                    jobs = {which: _start(tree, engine, args, results[which]) for which, tree in trees.items()}
-                    measured = {which: _finish(jobs[which], trees[which], results[which]) for which in trees}
+                measured, load, aside = gate.measure(lambda engine=engine: pair(engine), f"{engine} repeat {repeat}")
+                loads += [load.as_dict(), *(x.as_dict() for x in aside)]
+                if not load.published:
+                    progress.line(f"repeat {repeat + 1}: {engine}: not published ({load.describe()})")
+                    continue
                 for (e, algorithm, bucket), t in times.items():
                     if e == engine:
                         for which in trees:
                             t[which].append(measured[which][f"{algorithm} {bucket}"])
                 progress.line(f"repeat {repeat + 1}: {engine}")
+    gate.close()
     finish_meta(meta)
-    meta["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
     transcript = Transcript()
     transcript.say(f"{'engine':6} {'algorithm':19} {'bucket B':>9} {'old ms':>8} {'new ms':>8}  new/old [95% interval]")
     rows = []
     for (engine, algorithm, bucket), t in times.items():
+        if len(t["old"]) < 2:
+            transcript.say(f"{engine:6} {algorithm:19} {bucket:9d} fewer than 2 published repeats")
+            continue
         ratio, low, high = _ratio_interval(t["old"], t["new"])
         old_ms, new_ms = 1e3 * float(np.median(t["old"])), 1e3 * float(np.median(t["new"]))
         transcript.say(
@@ -189,8 +195,9 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
         rows.append({"engine": engine, "algorithm": algorithm, "bucket_bytes": bucket, **t, "ratio": ratio,
                      "interval": [low, high]})  # fmt: skip
     lines = transcript.markdown(f"bagua_torch time per step, this tree against {args.baseline}", meta)
-    lines[2:2] = [f"- uptime before: `{meta['uptime_before']}`", f"- uptime after: `{meta['uptime_after']}`"]
-    paths = write_results(args.out, args.stem, lines, {**meta, "rows": rows})
+    at = lines.index("```") - 1  # after the header list
+    lines[at:at] = load_lines(loads)
+    paths = write_results(args.out, args.stem, lines, {**meta, "loads": loads, "rows": rows})
     print(f"wrote {paths[0]} and {paths[1]}", file=sys.stderr)
 
 
@@ -207,6 +214,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=8, help="the MLP's layers")
     parser.add_argument("--batch", type=int, default=32, help="samples per rank and step")
     parser.add_argument("--stem", default="torch-step-2ranks", help="the results files' name")
+    parser.add_argument("--max-load", type=float, default=None, help="the load gate's limit (default 0.75 per core)")
     parser.add_argument("--out", type=Path, default=HERE / "results", help="results directory")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)

@@ -10,9 +10,9 @@ features a user combines them with, and each cell says, for torch and for JAX, o
 * :class:`Skipped` — no assertion runs for the cell yet, and why.
 
 ``tests/test_composition_matrix.py`` checks the table covers every cell, that every test it cites
-exists, and that the README embeds :func:`markdown` as generated. Run
-``python -m tests.composition_matrix --markdown`` to print the README's table, ``--update-readme`` to
-write it there.
+exists, and that ``docs/guides/combinations.md`` embeds :func:`markdown` as generated. Run
+``python -m tests.composition_matrix --markdown`` to print the table, ``--update-docs`` to write it
+there.
 """
 
 from __future__ import annotations
@@ -313,27 +313,27 @@ def markdown() -> str:
     return "\n".join(lines) + "\n"
 
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "guides" / "combinations.md"
 BEGIN, END = "<!-- composition-matrix:begin -->\n", "<!-- composition-matrix:end -->"
 
 
-def embedded_in_readme() -> str:
-    """The table the README holds between its composition-matrix markers."""
-    return README.read_text().split(BEGIN)[1].split(END)[0]
+def embedded_in_docs() -> str:
+    """The table the documentation's page holds between its composition-matrix markers."""
+    return PAGE.read_text().split(BEGIN)[1].split(END)[0]
 
 
-def update_readme() -> None:
-    """Replace the README's table with :func:`markdown`'s."""
-    text = README.read_text()
-    README.write_text(text.replace(BEGIN + embedded_in_readme() + END, BEGIN + markdown() + END))
+def update_docs() -> None:
+    """Replace the documentation's table with :func:`markdown`'s."""
+    text = PAGE.read_text()
+    PAGE.write_text(text.replace(BEGIN + embedded_in_docs() + END, BEGIN + markdown() + END))
 
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     action = parser.add_mutually_exclusive_group(required=True)
-    action.add_argument("--markdown", action="store_true", help="print the README's table")
-    action.add_argument("--update-readme", action="store_true", help="write it into README.md")
-    if parser.parse_args().update_readme:
-        update_readme()
+    action.add_argument("--markdown", action="store_true", help="print the table")
+    action.add_argument("--update-docs", action="store_true", help="write it into docs/guides/combinations.md")
+    if parser.parse_args().update_docs:
+        update_docs()
     else:
         print(markdown(), end="")

@@ -71,6 +71,13 @@ def test_counted_traffic_matches_the_cost_model():
     assert traffic["qadam"].bytes_sent / allreduce == pytest.approx(1 / 4, abs=2e-3)
     assert traffic["onebit_adam"].bytes_sent / allreduce == pytest.approx(1 / 32, abs=2e-3)
     assert not traffic["async"].blocking and traffic["async"].bytes_sent == 0
+    for name, counted in traffic.items():  # each collective's share adds up to the level's figures
+        for wire in counted.wire.values():
+            assert sum(calls for calls, _ in wire.by_op.values()) == wire.messages, name
+            assert sum(sent for _, sent in wire.by_op.values()) == pytest.approx(wire.bytes_sent), name
+    by_op = traffic["bytegrad"].wire[WORLD].by_op
+    assert set(by_op) == {"alltoall", "allgather"} and by_op["alltoall"][1] == pytest.approx(allreduce / 8, rel=2e-3)
+    assert set(traffic["gradient_allreduce"].wire[WORLD].by_op) == {"allreduce"}
 
 
 def two_level_job() -> tuple[Communicators, Mesh]:

@@ -1,5 +1,5 @@
 """The composition matrix (tests/composition_matrix.py): a cell for every algorithm, feature and front end, every
-cited test real, and the README's table the one generated from it."""
+cited test real, and the documentation's table the one generated from it."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from composition_matrix import (
     FEATURES,
     FRONT_ENDS,
     MATRIX,
-    README,
+    PAGE,
     Refuses,
     Skipped,
     Works,
-    embedded_in_readme,
+    embedded_in_docs,
     markdown,
 )
 
@@ -59,7 +59,7 @@ def test_every_cited_test_exists(algorithm):
                 assert function in functions_in(path), f"{algorithm}, {feature}, {front_end}: no {cell.test}"
 
 
-def test_the_readme_embeds_the_generated_table():
-    readme = README.read_text()
-    assert readme.count(BEGIN) == 1 and readme.count(END) == 1
-    assert embedded_in_readme() == markdown(), "regenerate it: python -m tests.composition_matrix --update-readme"
+def test_the_docs_embed_the_generated_table():
+    page = PAGE.read_text()
+    assert page.count(BEGIN) == 1 and page.count(END) == 1
+    assert embedded_in_docs() == markdown(), "regenerate it: python -m tests.composition_matrix --update-docs"

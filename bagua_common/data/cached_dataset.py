@@ -34,6 +34,8 @@ _ON_ERROR = ("warn", "raise")
 
 
 class MapDataset(Sized, Protocol):
+    """What the cache wraps: a dataset with a length whose samples are read by index (``len(d)``, ``d[i]``)."""
+
     def __getitem__(self, index: int) -> Any: ...
 
 

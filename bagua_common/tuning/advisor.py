@@ -53,10 +53,13 @@ bytes counted as :attr:`Traffic.codec_bytes` counts them."""
 
 @dataclasses.dataclass(frozen=True)
 class Wire:
-    """What one step puts on one topology level, per rank: ``bytes_sent`` in ``messages`` collectives."""
+    """What one step puts on one topology level, per rank: ``bytes_sent`` in ``messages`` collectives; ``by_op``
+    splits them by collective (``allreduce``, ``alltoall``, ...) into (calls, bytes sent), for a cost model that
+    prices each collective by its own algorithm (ring, tree, all-to-all)."""
 
     bytes_sent: float
     messages: int
+    by_op: Mapping[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import site
 import subprocess
 import time
 from collections.abc import Sequence
@@ -108,9 +109,17 @@ def run_ranks(
 
 def export_tree(revision: str, into: Path) -> Path:
     """``revision`` of this repository extracted into a new folder under ``into`` (``git archive``; no worktree is
-    registered). Its Python packages import from their sources; the native library is the installed one."""
+    registered). Its Python packages import from their sources when the tree is first on ``PYTHONPATH``
+    (:func:`child_env`); the native library is the installed one.
+
+    An editable install (``pip install -e``) imports the packages through a finder that takes precedence over
+    ``PYTHONPATH``, started by a ``.pth`` file's ``import _editable_...``: the tree gets an empty module of each such
+    name, which that import then finds first, so the finder is never installed in the tree's processes."""
     tree = into / revision.replace("/", "-")
     tree.mkdir(parents=True)
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision], check=True, capture_output=True)
     subprocess.run(["tar", "-x", "-C", str(tree)], input=archive.stdout, check=True)
+    for site_packages in site.getsitepackages():
+        for finder in Path(site_packages).glob("_editable_*.py"):
+            (tree / finder.name).write_text('"""Stands in for the editable install\'s finder: see export_tree."""\n')
     return tree

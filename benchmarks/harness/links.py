@@ -77,10 +77,11 @@ class HarnessError(RuntimeError):
 
 
 def parse_rate(text: str | None) -> int | None:
-    """'100mbit', '1gbit', '300Mbit', '2.5gbit', '500kbit' -> bits/s; None / 'none' / 'max' -> None (unshaped)."""
-    if text is None or str(text).lower() in ("", "none", "max", "unlimited", "inf"):
+    """'100mbit', '1gbit', '300Mbit', '2.5gbit', '500kbit', and :func:`rate_label`'s '100 Mbit/s' -> bits/s;
+    None / 'none' / 'max' / 'unshaped' -> None (unshaped)."""
+    if text is None or str(text).lower() in ("", "none", "max", "unlimited", "inf", "unshaped"):
         return None
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)?\s*", str(text).lower())
+    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmg]?)(bit|bps)?\s*", str(text).lower().replace("bit/s", "bit"))
     if not m:
         raise ValueError(f"cannot read the rate {text!r} (e.g. 100mbit, 1gbit, none)")
     value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]

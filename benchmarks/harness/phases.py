@@ -41,8 +41,10 @@ class PhasedJob:
 
     def __post_init__(self) -> None:
         if len(self.links) != len(self.timed):
-            raise ValueError(f"a PhasedJob needs a link and a timed flag per phase, got {len(self.links)} links and "
-                             f"{len(self.timed)} flags")  # fmt: skip
+            raise ValueError(
+                f"a PhasedJob needs a link and a timed flag per phase, got {len(self.links)} links and "
+                f"{len(self.timed)} flags"
+            )
 
 
 def schedule(jobs: Sequence[PhasedJob]) -> list[tuple[int, int]]:
@@ -141,6 +143,13 @@ def kept(recorded: Sequence[dict[str, Any]], records: Sequence[dict[str, Any]], 
         attempts = [r for r in mine if r["phase"] == phase]
         last = attempts[-1]
         aside = [r["load"] for r in attempts[:-1]]
-        out.append({**by_seq[last["seq"]], "phase": phase, "attempt": last["attempt"], "load": last["load"],
-                    "set_aside": aside})  # fmt: skip
+        out.append(
+            {
+                **by_seq[last["seq"]],
+                "phase": phase,
+                "attempt": last["attempt"],
+                "load": last["load"],
+                "set_aside": aside,
+            }
+        )
     return out

@@ -4,6 +4,7 @@
 optional, the results files are written anyway); :func:`spreads` draws a figure per variant against a category
 axis (the links) as the median with its [min, max] as an error bar; :func:`curves` draws lines (loss against
 steps, time or bytes); :func:`references` draws horizontal reference lines (a corpus's entropies, a bar);
+:func:`rectangle` a cell;
 :func:`save` lays the figure out, writes it and frees it.
 """
 
@@ -76,11 +77,19 @@ def references(ax: Any, lines: Mapping[str, float]) -> None:
         ax.axhline(y, linestyle=":", color=f"C{7 + i % 3}", linewidth=1.2, label=label)
 
 
-def save(fig: Any, path: Path, dpi: int = DPI) -> Path:
-    """Lay out ``fig``, write it to ``path`` at ``dpi`` and free it; return ``path``."""
+def rectangle(xy: tuple[float, float], width: float, height: float, **style: Any) -> Any:
+    """A filled rectangle patch (for a grid of cells: ``ax.add_patch``, or a legend handle)."""
+    from matplotlib.patches import Rectangle
+
+    return Rectangle(xy, width, height, **style)
+
+
+def save(fig: Any, path: Path, dpi: int = DPI, bottom: float = 0.0) -> Path:
+    """Lay out ``fig`` (leaving the ``bottom`` fraction free, for a figure legend), write it to ``path`` at ``dpi``
+    and free it; return ``path``."""
     import matplotlib.pyplot as plt
 
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, bottom, 1, 1))
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path

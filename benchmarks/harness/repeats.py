@@ -80,6 +80,7 @@ def spread(values: Iterable[float]) -> Spread:
 def paired_ratios(numerators: Sequence[float], denominators: Sequence[float]) -> Spread:
     """The ratios of two variants' figures repeat by repeat (each pair ran next to each other), as a spread."""
     if len(numerators) != len(denominators):
-        raise ValueError(f"paired_ratios needs as many numerators as denominators, got {len(numerators)} and "
-                         f"{len(denominators)}")  # fmt: skip
+        raise ValueError(
+            f"paired_ratios needs as many numerators as denominators, got {len(numerators)} and {len(denominators)}"
+        )
     return spread(a / b for a, b in zip(numerators, denominators))

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import sys
 import tempfile
@@ -81,7 +82,11 @@ class Study:
     """A study's declaration (see the module docstring). ``metric`` names the figure of a row that the table and
     chart give (seconds; shown as ``unit`` after multiplying by ``scale``); ``variants`` is a list, or a function
     of the options that makes one; ``links`` and ``ranks`` are the defaults of ``--links`` and ``--ranks``;
-    ``packages`` the versions recorded."""
+    ``packages`` the versions recorded; ``prepare`` adds to the data (its ``meta``: notes, settings in words)
+    before the run and before a ``--report``, ``finish`` after the run (a follow-up measurement); ``report``
+    gives the Markdown after the header (default :func:`table_lines`); ``plot`` draws the study's own chart
+    (``plot(data, path)``), or the default one (True), or none; ``worker`` is what the study's own processes run
+    (``python <study>.py --worker ARGS...``: :func:`main` hands it ``ARGS``)."""
 
     name: str
     title: str
@@ -99,7 +104,10 @@ class Study:
     packages: Sequence[str] = ("torch", "jax", "numpy")
     add_options: Callable[[argparse.ArgumentParser], None] | None = None
     report: Callable[[dict[str, Any]], list[str]] | None = None
-    plot: bool = True
+    prepare: Callable[[argparse.Namespace, dict[str, Any]], None] | None = None
+    finish: Callable[[argparse.Namespace, dict[str, Any]], None] | None = None
+    worker: Callable[[list[str]], None] | None = None
+    plot: bool | Callable[[dict[str, Any], Path], Path | None] = True
 
     def variant_list(self, args: argparse.Namespace) -> list[Variant]:
         """The variants of this run: all, or those ``--only`` names, in declaration order."""
@@ -119,12 +127,29 @@ def parser(study: Study) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=study.repeats, help="rounds of every variant, interleaved")
     p.add_argument("--ranks", type=int, nargs="+", default=list(study.ranks), help="rank counts")
     if study.network:
-        p.add_argument("--links", "--rates", nargs="+", default=list(study.links), type=link_name,
-                       help="per-rank link rates (e.g. 100mbit, 1gbit); 'none': unshaped")  # fmt: skip
-    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only the variants these name (a name"
-                   " or a field's value, e.g. an algorithm)")  # fmt: skip
-    p.add_argument("--repeat-only", nargs="+", default=None, metavar="NAME", help="in the repeats after the first, "
-                   "run only the variants these name")  # fmt: skip
+        p.add_argument(
+            "--links",
+            "--rates",
+            nargs="+",
+            default=list(study.links),
+            type=link_name,
+            help="per-rank link rates (e.g. 100mbit, 1gbit); 'none': unshaped",
+        )
+        p.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency per link (needs netem)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="run only the variants these name (a name or a field's value, e.g. an algorithm)",
+    )
+    p.add_argument(
+        "--repeat-only",
+        nargs="+",
+        default=None,
+        metavar="NAME",
+        help="in the repeats after the first, run only the variants these name",
+    )
     p.add_argument("--max-load", type=float, default=None, help="the load gate's limit (default 0.75 per core)")
     p.add_argument("--attempts", type=int, default=3, help="runs of a trial whose load keeps it from being published")
     p.add_argument("--out", type=Path, default=results.RESULTS, help="results directory (default benchmarks/results)")
@@ -165,9 +190,10 @@ def table_lines(study: Study, data: dict[str, Any]) -> list[str]:
                 failed = [r.get("status", "") for r in mine]
                 row.append(got.scaled(study.scale).format(".4g") if got else (failed[-1] if failed else ""))
             cells.append(row)
-        head = ["variant", *(rate_label(parse_rate(link)) for link in links)]
+        head = ["variant", *(rate_label(parse_rate(link)) if study.network else study.metric_label for link in links)]
+        where = f"{ranks} ranks: " if study.network else ""
         lines += [
-            f"### {ranks} ranks: {study.metric_label} ({study.unit}), median [min, max] over the published repeats",
+            f"### {where}{study.metric_label} ({study.unit}), median [min, max] over the published repeats",
             "",
             *results.table(head, cells),
             "",
@@ -183,13 +209,14 @@ def write_report(study: Study, data: dict[str, Any], out: Path, stem: str) -> li
     lines += study.report(data) if study.report else table_lines(study, data)
     paths = list(results.write_results(out, stem, lines, data))
     if study.plot and data["rows"]:
-        chart = _plot(study, data, out / f"{stem}.png")
+        draw = study.plot if callable(study.plot) else functools.partial(_plot, study=study)
+        chart = draw(data, out / f"{stem}.png")
         if chart:
             paths.append(chart)
     return paths
 
 
-def _plot(study: Study, data: dict[str, Any], path: Path) -> Path | None:
+def _plot(data: dict[str, Any], path: Path, study: Study) -> Path | None:
     spreads = summary(data["rows"], study.metric)
     counts = sorted({ranks for _, ranks, _ in spreads})
     drawn = plots.figure(1, len(counts)) if counts else None
@@ -212,11 +239,11 @@ def _plot(study: Study, data: dict[str, Any], path: Path) -> Path | None:
 
 
 @contextlib.contextmanager
-def _network(study: Study, ranks: int) -> Iterator[Network | None]:
+def _network(study: Study, ranks: int, args: argparse.Namespace) -> Iterator[Network | None]:
     if not study.network:
         yield None
         return
-    with Network(ranks, None, verbose=False) as net:
+    with Network(ranks, None, delay_ms=args.delay_ms, verbose=False) as net:
         yield net
 
 
@@ -230,7 +257,7 @@ def run(study: Study, args: argparse.Namespace, data: dict[str, Any], json_path:
         with tempfile.TemporaryDirectory(prefix=f"{study.name}-") as tmp:
             for repeat in range(args.repeats):
                 for ranks in args.ranks:
-                    with _network(study, ranks) as net:
+                    with _network(study, ranks, args) as net:
                         for link in links:
                             if net is not None and parse_rate(link) != net.rate:
                                 net.reshape(link)
@@ -280,11 +307,16 @@ def _describe(study: Study, row: dict[str, Any]) -> str:
 def main(study: Study, argv: Sequence[str] | None = None) -> int:
     """Run ``study`` from the command line ``argv`` (default ``sys.argv[1:]``) and write its results."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["--worker"] and study.worker:
+        study.worker(argv[1:])
+        return 0
     args = parser(study).parse_args(argv)
     study.variant_list(args)  # unknown names fail before anything runs
     json_path = args.out / f"{args.name}.json"
     if args.report:
         data = json.loads(json_path.read_text())
+        if study.prepare:
+            study.prepare(args, data)
     else:
         if study.network:
             require_root()
@@ -293,8 +325,12 @@ def main(study: Study, argv: Sequence[str] | None = None) -> int:
         if study.network:
             meta["netem"] = bool(probe().get("netem"))
         data = {"meta": meta, "settings": settings, "rows": []}
+        if study.prepare:
+            study.prepare(args, data)
         run(study, args, data, json_path)
         results.finish_meta(data["meta"])
+        if study.finish:
+            study.finish(args, data)
     for path in write_report(study, data, args.out, args.name):
         print(f"wrote {path}")
     return 0
