@@ -4,8 +4,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cctype>
-#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -19,161 +17,13 @@
 #include <type_traits>
 #include <vector>
 
-#include "numerics.h"
+#include "mpi_runtime.h"
 
 namespace bagua {
 namespace {
 
-std::atomic<bool> any_broken{false};
-
-// Memory an abandoned MPI operation may still write into (a live peer's message arriving late): it
-// is never freed.
-void keep_forever(std::unique_ptr<char[]> memory) {
-  static std::mutex guard;
-  static std::vector<std::unique_ptr<char[]>>* kept = new std::vector<std::unique_ptr<char[]>>;
-  if (!memory) return;
-  std::lock_guard<std::mutex> lock(guard);
-  kept->push_back(std::move(memory));
-}
-bool initialized_here = false;
-std::mutex serialize;  // taken around MPI calls when MPI lacks MPI_THREAD_MULTIPLE
-bool thread_multiple = false;
-
-std::unique_lock<std::mutex> lock_mpi() {
-  std::unique_lock<std::mutex> lock(serialize, std::defer_lock);
-  if (!thread_multiple) lock.lock();
-  return lock;
-}
-
-// MPI has no 16-bit float types: they travel as 2-byte opaque elements with
-// user-defined reductions computed in float32.
-MPI_Datatype half_type, bfloat16_type;
-MPI_Op half_ops[3], bfloat16_ops[3];  // sum, min, max
-
-template <typename T, int kOp>
-void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    const float x = to_float(a[i]), y = to_float(b[i]);
-    const float r = kOp == 0 ? x + y : kOp == 1 ? (x < y ? x : y) : (x > y ? x : y);
-    b[i] = from_float<T>(r);
-  }
-}
-
-void ensure_initialized() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    int ready = 0;
-    MPI_Initialized(&ready);
-    int provided = MPI_THREAD_SINGLE;
-    if (!ready) {
-      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      initialized_here = true;
-    } else {
-      MPI_Query_thread(&provided);
-    }
-    thread_multiple = provided == MPI_THREAD_MULTIPLE;
-    MPI_Type_contiguous(2, MPI_BYTE, &half_type);
-    MPI_Type_commit(&half_type);
-    MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type);
-    MPI_Type_commit(&bfloat16_type);
-    MPI_Op_create(&reduce16<Half, 0>, 1, &half_ops[0]);
-    MPI_Op_create(&reduce16<Half, 1>, 1, &half_ops[1]);
-    MPI_Op_create(&reduce16<Half, 2>, 1, &half_ops[2]);
-    MPI_Op_create(&reduce16<BFloat16, 0>, 1, &bfloat16_ops[0]);
-    MPI_Op_create(&reduce16<BFloat16, 1>, 1, &bfloat16_ops[1]);
-    MPI_Op_create(&reduce16<BFloat16, 2>, 1, &bfloat16_ops[2]);
-  });
-}
-
-MPI_Datatype mpi_type(DType t) {
-#define BAGUA_DTYPE_TO_MPI(enumerator, name, bits, dlpack, xla, nccl, mpi) \
-  if (t == DType::enumerator) return mpi;
-  BAGUA_DTYPES(BAGUA_DTYPE_TO_MPI)
-  return MPI_DATATYPE_NULL;
-}
-
-// Averages are sums divided by the rank count afterwards.
-MPI_Op mpi_op(DType t, ReduceOp op) {
-  const int index = op == ReduceOp::kMin ? 1 : op == ReduceOp::kMax ? 2 : 0;
-  if (t == DType::kF16) return half_ops[index];
-  if (t == DType::kBF16) return bfloat16_ops[index];
-  return index == 1 ? MPI_MIN : index == 2 ? MPI_MAX : MPI_SUM;
-}
-
-template <typename T>
-void divide(void* data, int64_t count, int ranks) {
-  T* p = static_cast<T*>(data);
-  for (int64_t i = 0; i < count; ++i)
-    p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
-}
-
-void divide_in_place(void* data, int64_t count, DType t, int ranks) {
-  switch (t) {
-    case DType::kF32:
-      divide<float>(data, count, ranks);
-      break;
-    case DType::kF16:
-      divide<Half>(data, count, ranks);
-      break;
-    case DType::kBF16:
-      divide<BFloat16>(data, count, ranks);
-      break;
-    case DType::kF64: {
-      double* p = static_cast<double*>(data);
-      for (int64_t i = 0; i < count; ++i) p[i] /= ranks;
-      break;
-    }
-    default:
-      break;
-  }
-}
-
-std::string mpi_error(int code) {
-  char text[MPI_MAX_ERROR_STRING];
-  int length = 0;
-  MPI_Error_string(code, text, &length);
-  return std::string(text, length);
-}
-
-// Whether the ranks of `comm` span more than one node (MPI's view: shared memory).
-bool ranks_span_nodes(MPI_Comm comm, int size) {
-  MPI_Comm node;
-  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
-    return false;
-  int node_size = size;
-  MPI_Comm_size(node, &node_size);
-  MPI_Comm_free(&node);
-  return node_size < size;
-}
-
-// Allreduces of at least this many bytes between nodes take the ring, unless
-// BAGUA_MPI_RING_MIN_BYTES or set_mpi_ring_min_bytes says otherwise.
-constexpr int64_t kDefaultRingMinBytes = 1 << 20;
-
 // MPI_Comm_create_group's tag for a shrink to the survivors.
 constexpr int kShrinkTag = 4242;
-
-void check_ring_min_bytes(int64_t bytes) {
-  if (bytes < 0)
-    throw std::invalid_argument("the MPI ring threshold must be >= 0 bytes, got " +
-                                std::to_string(bytes));
-}
-
-int64_t ring_min_bytes_from_environment() {
-  const char* text = std::getenv("BAGUA_MPI_RING_MIN_BYTES");
-  if (text == nullptr || *text == '\0') return kDefaultRingMinBytes;
-  char* end = nullptr;
-  errno = 0;
-  const long long bytes = std::strtoll(text, &end, 10);
-  if (*end != '\0' || errno == ERANGE || bytes < 0 ||
-      !std::isdigit(static_cast<unsigned char>(*text)))
-    throw std::invalid_argument(
-        std::string("BAGUA_MPI_RING_MIN_BYTES must be a whole number of bytes >= 0, got '") + text +
-        "'");
-  return bytes;
-}
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -519,14 +369,14 @@ class MpiCommunicator final : public Communicator {
       if (polls > 1000) {
         if (lock.owns_lock()) lock.unlock();
         std::this_thread::sleep_for(std::chrono::microseconds(100));
-        if (!thread_multiple) lock.lock();
+        if (!thread_multiple()) lock.lock();
       }
     }
   }
 
   void mark_broken() {
     broken_ = true;
-    any_broken = true;
+    forbid_finalize();
   }
 
   // Runs `body(send', recv')` with the buffers MPI should use. On an abandonable communicator those
@@ -645,7 +495,7 @@ struct TimeoutInfo {
 // should leave the job (the elastic launcher restarts it).
 template <typename Make>
 MPI_Comm within_deadline(const std::string& what, double timeout_seconds, Make make) {
-  if (!thread_multiple) {  // no second thread may call MPI: wait without a deadline
+  if (!thread_multiple()) {  // no second thread may call MPI: wait without a deadline
     auto lock = lock_mpi();
     return make();
   }
@@ -653,7 +503,7 @@ MPI_Comm within_deadline(const std::string& what, double timeout_seconds, Make m
   std::future<MPI_Comm> made = task->get_future();
   std::thread([task] { (*task)(); }).detach();
   if (made.wait_for(std::chrono::duration<double>(timeout_seconds)) != std::future_status::ready) {
-    any_broken = true;  // MPI_Finalize would wait for the blocked helper
+    forbid_finalize();  // MPI_Finalize would wait for the blocked helper
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, "%g", timeout_seconds);
     throw std::runtime_error(what + " did not complete within " + seconds +
@@ -768,13 +618,6 @@ int64_t mpi_ring_min_bytes(const Communicator& comm) {
 
 void set_mpi_ring_min_bytes(Communicator& comm, int64_t bytes) {
   as_mpi(comm, "set_mpi_ring_min_bytes").set_ring_min_bytes(bytes);
-}
-
-void mpi_finalize() {
-  int ready = 0, finalized = 0;
-  MPI_Initialized(&ready);
-  MPI_Finalized(&finalized);
-  if (ready && !finalized && initialized_here && !any_broken) MPI_Finalize();
 }
 
 }  // namespace bagua

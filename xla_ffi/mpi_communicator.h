@@ -55,8 +55,4 @@ bool mpi_spans_nodes(const Communicator& comm);
 int64_t mpi_ring_min_bytes(const Communicator& comm);
 void set_mpi_ring_min_bytes(Communicator& comm, int64_t bytes);
 
-// Finalizes MPI if this library initialized it and no communicator is stuck in
-// a failed collective (MPI_Finalize would wait for it forever).
-void mpi_finalize();
-
 }  // namespace bagua

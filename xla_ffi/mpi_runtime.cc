@@ -1,0 +1,175 @@
+#include "mpi_runtime.h"
+
+#include <cctype>
+#include <cerrno>
+#include <cstdlib>
+#include <stdexcept>
+#include <vector>
+
+#include "numerics.h"
+
+namespace bagua {
+namespace {
+
+std::atomic<bool> any_broken{false};
+bool initialized_here = false;
+std::mutex serialize;  // taken around MPI calls when MPI lacks MPI_THREAD_MULTIPLE
+bool multiple = false;
+
+// MPI has no 16-bit float types: they travel as 2-byte opaque elements with
+// user-defined reductions computed in float32.
+MPI_Datatype half_type, bfloat16_type;
+MPI_Op half_ops[3], bfloat16_ops[3];  // sum, min, max
+
+template <typename T, int kOp>
+void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
+  const T* a = static_cast<const T*>(in);
+  T* b = static_cast<T*>(inout);
+  for (int i = 0; i < *len; ++i) {
+    const float x = to_float(a[i]), y = to_float(b[i]);
+    const float r = kOp == 0 ? x + y : kOp == 1 ? (x < y ? x : y) : (x > y ? x : y);
+    b[i] = from_float<T>(r);
+  }
+}
+
+template <typename T>
+void divide(void* data, int64_t count, int ranks) {
+  T* p = static_cast<T*>(data);
+  for (int64_t i = 0; i < count; ++i)
+    p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
+}
+
+}  // namespace
+
+// Memory an abandoned MPI operation may still write into (a live peer's message arriving late): it
+// is never freed.
+void keep_forever(std::unique_ptr<char[]> memory) {
+  static std::mutex guard;
+  static std::vector<std::unique_ptr<char[]>>* kept = new std::vector<std::unique_ptr<char[]>>;
+  if (!memory) return;
+  std::lock_guard<std::mutex> lock(guard);
+  kept->push_back(std::move(memory));
+}
+
+std::unique_lock<std::mutex> lock_mpi() {
+  std::unique_lock<std::mutex> lock(serialize, std::defer_lock);
+  if (!multiple) lock.lock();
+  return lock;
+}
+
+bool thread_multiple() { return multiple; }
+
+void forbid_finalize() { any_broken = true; }
+
+void ensure_initialized() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    int ready = 0;
+    MPI_Initialized(&ready);
+    int provided = MPI_THREAD_SINGLE;
+    if (!ready) {
+      MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
+      initialized_here = true;
+    } else {
+      MPI_Query_thread(&provided);
+    }
+    multiple = provided == MPI_THREAD_MULTIPLE;
+    MPI_Type_contiguous(2, MPI_BYTE, &half_type);
+    MPI_Type_commit(&half_type);
+    MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type);
+    MPI_Type_commit(&bfloat16_type);
+    MPI_Op_create(&reduce16<Half, 0>, 1, &half_ops[0]);
+    MPI_Op_create(&reduce16<Half, 1>, 1, &half_ops[1]);
+    MPI_Op_create(&reduce16<Half, 2>, 1, &half_ops[2]);
+    MPI_Op_create(&reduce16<BFloat16, 0>, 1, &bfloat16_ops[0]);
+    MPI_Op_create(&reduce16<BFloat16, 1>, 1, &bfloat16_ops[1]);
+    MPI_Op_create(&reduce16<BFloat16, 2>, 1, &bfloat16_ops[2]);
+  });
+}
+
+MPI_Datatype mpi_type(DType t) {
+#define BAGUA_DTYPE_TO_MPI(enumerator, name, bits, dlpack, xla, nccl, mpi) \
+  if (t == DType::enumerator) return mpi;
+  BAGUA_DTYPES(BAGUA_DTYPE_TO_MPI)
+  return MPI_DATATYPE_NULL;
+}
+
+// Averages are sums divided by the rank count afterwards.
+MPI_Op mpi_op(DType t, ReduceOp op) {
+  const int index = op == ReduceOp::kMin ? 1 : op == ReduceOp::kMax ? 2 : 0;
+  if (t == DType::kF16) return half_ops[index];
+  if (t == DType::kBF16) return bfloat16_ops[index];
+  return index == 1 ? MPI_MIN : index == 2 ? MPI_MAX : MPI_SUM;
+}
+
+void divide_in_place(void* data, int64_t count, DType t, int ranks) {
+  switch (t) {
+    case DType::kF32:
+      divide<float>(data, count, ranks);
+      break;
+    case DType::kF16:
+      divide<Half>(data, count, ranks);
+      break;
+    case DType::kBF16:
+      divide<BFloat16>(data, count, ranks);
+      break;
+    case DType::kF64: {
+      double* p = static_cast<double*>(data);
+      for (int64_t i = 0; i < count; ++i) p[i] /= ranks;
+      break;
+    }
+    default:
+      break;
+  }
+}
+
+std::string mpi_error(int code) {
+  char text[MPI_MAX_ERROR_STRING];
+  int length = 0;
+  MPI_Error_string(code, text, &length);
+  return std::string(text, length);
+}
+
+// Whether the ranks of `comm` span more than one node (MPI's view: shared memory).
+bool ranks_span_nodes(MPI_Comm comm, int size) {
+  MPI_Comm node;
+  if (MPI_Comm_split_type(comm, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &node) != MPI_SUCCESS)
+    return false;
+  int node_size = size;
+  MPI_Comm_size(node, &node_size);
+  MPI_Comm_free(&node);
+  return node_size < size;
+}
+
+// Allreduces of at least this many bytes between nodes take the ring, unless
+// BAGUA_MPI_RING_MIN_BYTES or set_mpi_ring_min_bytes says otherwise.
+constexpr int64_t kDefaultRingMinBytes = 1 << 20;
+
+void check_ring_min_bytes(int64_t bytes) {
+  if (bytes < 0)
+    throw std::invalid_argument("the MPI ring threshold must be >= 0 bytes, got " +
+                                std::to_string(bytes));
+}
+
+int64_t ring_min_bytes_from_environment() {
+  const char* text = std::getenv("BAGUA_MPI_RING_MIN_BYTES");
+  if (text == nullptr || *text == '\0') return kDefaultRingMinBytes;
+  char* end = nullptr;
+  errno = 0;
+  const long long bytes = std::strtoll(text, &end, 10);
+  if (*end != '\0' || errno == ERANGE || bytes < 0 ||
+      !std::isdigit(static_cast<unsigned char>(*text)))
+    throw std::invalid_argument(
+        std::string("BAGUA_MPI_RING_MIN_BYTES must be a whole number of bytes >= 0, got '") + text +
+        "'");
+  return bytes;
+}
+
+void mpi_finalize() {
+  int ready = 0, finalized = 0;
+  MPI_Initialized(&ready);
+  MPI_Finalized(&finalized);
+  if (ready && !finalized && initialized_here && !any_broken) MPI_Finalize();
+}
+
+}  // namespace bagua

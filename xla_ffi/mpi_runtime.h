@@ -1,0 +1,53 @@
+// MPI's process-wide side for the MPI engine: initialization and thread level,
+// the lock MPI calls take without MPI_THREAD_MULTIPLE, datatypes and reductions
+// for every dtype (16-bit floats included), and the ring threshold's parsing.
+#pragma once
+
+#include <mpi.h>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "communicator.h"
+#include "dtypes.h"
+
+namespace bagua {
+
+// Initializes MPI (MPI_THREAD_MULTIPLE asked) once, unless the program did.
+void ensure_initialized();
+
+// Whether MPI grants MPI_THREAD_MULTIPLE; without it every MPI call holds lock_mpi().
+bool thread_multiple();
+std::unique_lock<std::mutex> lock_mpi();
+
+// A collective failed with MPI work still pending: MPI_Finalize would wait for it forever.
+void forbid_finalize();
+
+// Memory an abandoned MPI operation may still write into (a live peer's message
+// arriving late): it is never freed.
+void keep_forever(std::unique_ptr<char[]> memory);
+
+MPI_Datatype mpi_type(DType t);
+
+// Averages are sums divided by the rank count afterwards (divide_in_place).
+MPI_Op mpi_op(DType t, ReduceOp op);
+void divide_in_place(void* data, int64_t count, DType t, int ranks);
+
+std::string mpi_error(int code);
+
+// Whether the ranks of `comm` span more than one node (MPI's view: shared memory).
+bool ranks_span_nodes(MPI_Comm comm, int size);
+
+void check_ring_min_bytes(int64_t bytes);
+
+// BAGUA_MPI_RING_MIN_BYTES, or 1 MiB when unset; throws on a malformed value.
+int64_t ring_min_bytes_from_environment();
+
+// Finalizes MPI if this library initialized it and no communicator is stuck in
+// a failed collective.
+void mpi_finalize();
+
+}  // namespace bagua
