@@ -5,7 +5,8 @@ frequencies alone give, about as well as gradient allreduce with AdamW does at e
 and little else (:func:`pretrained`, held-out loss at least START_FLOOR), then STEPS steps of 16 windows of 64
 corpus bytes, in JAX on 2 ranks, in torch on 2 nodes of 2 ranks (its hierarchical algorithms train on both levels),
 AdamW with a warm-up and a cosine decay (the Adam-type algorithms: Adam with the same schedule). Each algorithm's
-model is judged on 64 held-out windows, every rank's own model (decentralized and asynchronous replicas differ), by :func:`verdict`:
+model is judged on 64 held-out windows, every rank's own model (decentralized and asynchronous replicas differ),
+by :func:`verdict`:
 
 * its held-out loss at or below BAR (2.5 nats per byte, 0.8 below the held-out text's unigram entropy of 3.31):
   the model predicts bytes from the bytes before them, not only from how often each occurs;
