@@ -4,7 +4,8 @@
 process writes the rows of the ranks it holds: parameters, the algorithm's optimizer state,
 the step, the model state), waits for every process, and rank 0 commits the manifest (see
 :mod:`bagua_common.job.checkpoint`: a half-written checkpoint is never loaded).
-``restore(root, trainer, params)`` loads the newest committed checkpoint into a state for
+:func:`read_state` reads one as NumPy arrays in any process, with no trainer and whatever its
+devices. ``restore(root, trainer, params)`` loads the newest committed checkpoint into a state for
 ``trainer``'s world size: the same world size gets every rank's own state back bit for
 bit; another one follows the algorithm's rule (:mod:`bagua_common.job.reshard`): identical
 state carries over, drifted parameters start from their mean, error-feedback residuals
@@ -150,10 +151,7 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
     """
     directory = checkpoint_to_restore(root)
     manifest = read_manifest(directory)
-    saved = [
-        load_arrays(verified_shard(directory, manifest, shard_path(directory, r, _SUFFIX).name))
-        for r in range(manifest.world_size)
-    ]
+    saved = read_state(directory)
 
     def saved_rows(path: KeyPath, fresh: jax.Array) -> list[np.ndarray]:
         key = jax.tree_util.keystr(path)
@@ -162,6 +160,22 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
         return [shard[key] for shard in saved]
 
     return restore_rows(manifest, saved_rows, trainer, params, model_state=model_state)
+
+
+def read_state(root: str | os.PathLike) -> list[dict[str, np.ndarray]]:
+    """Each saved rank's arrays by key path (``".params['w']"``), as NumPy arrays, in a process with any devices.
+
+    ``root`` is a checkpoint folder or the root holding them (its newest committed one). The
+    files are checked against the manifest first (a
+    :class:`~bagua_common.job.checkpoint.DamagedCheckpointError` names a bad one). The list holds
+    one dict per rank of the saving job, in rank order; leaves shared by the ranks appear in each.
+    """
+    directory = checkpoint_to_restore(root)
+    manifest = read_manifest(directory)
+    return [
+        load_arrays(verified_shard(directory, manifest, shard_path(directory, r, _SUFFIX).name))
+        for r in range(manifest.world_size)
+    ]
 
 
 def restore_rows(
@@ -196,8 +210,7 @@ def restore_rows(
             value = np.stack(rows) if rank_axis else rows[ranks[0] if trainer.mesh is None else 0]
         else:
             fresh_row = _rows(fresh, ranks)[ranks[0]]
-            leaf_rule = _leaf_rule(rule, key, rows[0].dtype)
-            value = reshard_rows(leaf_rule, rows, trainer.size if rank_axis else 1, fresh_row)
+            value = reshard_rows(leaf_rule(rule, key, rows[0].dtype), rows, trainer.size if rank_axis else 1, fresh_row)
             value = value if rank_axis else value[0]
         if value.shape != fresh.shape or value.dtype != fresh.dtype:
             raise ValueError(
@@ -210,8 +223,9 @@ def restore_rows(
     return rewrap_state(template if not isinstance(template, TrainState) else None, state)
 
 
-def _leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:
-    """The rule of the leaf at ``key`` of a :class:`TrainState`: parameters and model state are never reset."""
+def leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:
+    """The rule of the leaf at ``key`` (its key path) of a :class:`TrainState` when the world size changes: parameters
+    and model state are never reset."""
     if key.startswith((".params", ".model_state")):
         return rule.parameter_rule(dtype)
     return rule.rule_for(key, dtype)
@@ -234,7 +248,7 @@ def _restart_from_saved_params(
     def start(path, leaf):
         key = jax.tree_util.keystr(path)
         rows = saved_rows(path, leaf)
-        return reshard_rows(_leaf_rule(rule, key, rows[0].dtype), rows, 1)[0]
+        return reshard_rows(leaf_rule(rule, key, rows[0].dtype), rows, 1)[0]
 
     params = jax.tree_util.tree_map_with_path(start, TrainState(own.params, None, None)).params
     return trainer.init(params, model_state=model_state)

@@ -34,9 +34,10 @@ from bagua_common.fault_tolerance import (
     ReplicaDigest,
     check_digests,
 )
+from bagua_jax import state_rules
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import check_ranks_agree
-from bagua_jax.train_state import TrainState, unwrap_state
+from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 
 __all__ = ["FaultTolerantTrainer"]
@@ -44,12 +45,27 @@ __all__ = ["FaultTolerantTrainer"]
 # Errors of the native engines that mean "the communicator cannot finish this collective": the step is retried
 # in the next epoch. Anything else is the program's own error and is raised.
 _COMMUNICATION_FAILURES = ("was revoked", "did not complete within", "unusable after an earlier failure")
-_PARTS = ("parameters", "optimizer", "step", "position")
+_PARTS = (*state_rules.PARTS.values(), "position")
 
 
 def _communication_failure(error: Exception) -> bool:
     """Whether ``error`` means the step cannot finish with these members (retried in the next epoch)."""
     return isinstance(error, MembershipChanged) or any(text in str(error) for text in _COMMUNICATION_FAILURES)
+
+
+def _refuse_unsurvivable(trainer: DataParallel) -> None:
+    """Raise ValueError naming the fallback unless ``trainer``'s algorithm keeps its replicas identical: the
+    decentralized ones and asynchronous averaging let them drift by design, and DiLoCo's exchange is not yet
+    retried among survivors here, so no step leaves every member with a state to go on from together."""
+    algorithm = trainer.algorithm
+    if not getattr(algorithm, "replicas_identical", False):
+        raise ValueError(
+            f"FaultTolerantTrainer cannot continue {algorithm.config.name} after a lost member: its replicas "
+            "differ between the ranks' steps, so there is no state every member holds to go on from. Train it with "
+            "the elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new "
+            "world size), or use an algorithm that survives a loss in place: gradient_allreduce, bytegrad, qadam, "
+            "onebit_adam, powersgd"
+        )
 
 
 class FaultTolerantTrainer:
@@ -69,14 +85,10 @@ class FaultTolerantTrainer:
         data: DataPosition,
         hash_every: int | None = None,
     ):
+        _refuse_unsurvivable(trainer)
         communicator = trainer.communicator
         if not isinstance(communicator, NativeCommunicator) or communicator.kind != "mpi":
             raise ValueError("FaultTolerantTrainer needs a DataParallel over the native MPI engine (communicator=)")
-        if not getattr(trainer.algorithm, "replicas_identical", False):
-            raise ValueError(
-                f"FaultTolerantTrainer: {trainer.algorithm} keeps different replicas on each rank; use an algorithm "
-                "whose replicas are identical (gradient allreduce, ByteGrad, QAdam, 1-bit Adam, PowerSGD)"
-            )
         self.trainer, self.membership, self.data = trainer, membership, data
         self.communicator: NativeCommunicator = communicator
         self.hash_every = membership.settings.hash_every if hash_every is None else int(hash_every)
@@ -90,6 +102,7 @@ class FaultTolerantTrainer:
         # Gradient allreduce's native step has no buffer laid out per rank (the engine averages over its current
         # size): it runs on every world size as compiled. Other algorithms are compiled again after a change.
         self._world_size_free = trainer.algorithm.config.name == "gradient_allreduce"
+        self._roles: TrainState | None = None
         self.recoveries: list[dict[str, Any]] = []
         """One record per recovery: epoch, size, seconds from the failed step to the retried step's start."""
         self._watch(self.epoch)
@@ -97,6 +110,7 @@ class FaultTolerantTrainer:
     def init(self, params: Any) -> Any:
         """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from rank 0."""
         state = self.trainer.init(params)  # checks with the members that everyone trains the same job
+        self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         if self.epoch.is_joiner():
             state = self._receive_state(state)
             self.trainer._batches_checked = True  # the members checked their batches before this one came
@@ -144,13 +158,12 @@ class FaultTolerantTrainer:
             state = self._recover(state, (transaction, new_state))
 
     def check_replicas(self, state: Any, what: str) -> None:
-        """Raise :class:`~bagua_common.fault_tolerance.ReplicaMismatch` on every member unless the parameters,
-        optimizer state, step and data position are bit-identical across the members."""
-        own = unwrap_state(state)
+        """Raise :class:`~bagua_common.fault_tolerance.ReplicaMismatch` on every member unless the replicated state
+        (:mod:`bagua_jax.state_rules`: all but error-feedback residuals and an unaveraged model state), the step
+        and the data position are bit-identical across the members."""
         digest = ReplicaDigest(_PARTS)
-        for part, tree in (("parameters", own.params), ("optimizer", own.opt_state), ("step", own.step)):
-            for leaf in jax.tree.leaves(jax.device_get(tree)):
-                digest.add(part, np.asarray(leaf))
+        for part, leaf in state_rules.replicated_leaves(self._roles, jax.device_get(unwrap_state(state))):
+            digest.add(part, leaf)
         digest.add("position", np.asarray(self.data.state(), np.int64))
         gathered = self.communicator.allgather(jnp.asarray(digest.digest()))
         check_digests(_PARTS, np.asarray(gathered), what)
@@ -191,8 +204,7 @@ class FaultTolerantTrainer:
             self.communicator.grow(new.store, new.prefix("mpi/"), new.size)
         self.epoch = new
         self._watch(new)
-        if new.size != old.size and not self._world_size_free:
-            self._recompile_for(state)
+        state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
         if new.joined:
             check_ranks_agree(unwrap_state(state).params, self.trainer.algorithm, self.communicator)
             self._send_state(state, new)
@@ -200,20 +212,16 @@ class FaultTolerantTrainer:
         self.recoveries.append({"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started})
         return state
 
-    def _recompile_for(self, state: Any) -> None:
-        """The algorithm lays its buffers out per rank: its step is compiled again for the new world size. Its
-        state must not depend on the world size (resetting per-rank state is not implemented yet)."""
-        self.trainer.recompile()
+    def _carry_over(self, state: Any, recompile: bool) -> Any:
+        """``state`` for the new members by the algorithm's rules (:mod:`bagua_jax.state_rules`): the per-rank
+        leaves (error-feedback residuals) from a fresh state, the rest kept; the step is compiled again first when
+        its buffers are laid out for the world size."""
+        if recompile:
+            self.trainer.recompile()
         own = unwrap_state(state)
-        wanted = jax.eval_shape(self.trainer._init, own.params)  # the transformation's init alone
-        if jax.tree.structure(wanted) != jax.tree.structure(own.opt_state) or [
-            (a.shape, a.dtype) for a in jax.tree.leaves(wanted)
-        ] != [(jnp.shape(a), jnp.asarray(a).dtype) for a in jax.tree.leaves(own.opt_state)]:
-            raise ValueError(
-                f"fault tolerance: {self.trainer.algorithm}'s state is laid out for the world size, and resetting "
-                "it on a membership change is not implemented; train with gradient_allreduce, or ByteGrad without "
-                "error feedback"
-            )
+        fresh = TrainState(own.params, self.trainer._init(own.params), own.step, own.model_state)
+        carried = state_rules.carry_over(self._roles, own, fresh)
+        return rewrap_state(None if isinstance(state, TrainState) else state, carried)
 
     def _send_state(self, state: Any, epoch: Epoch) -> None:
         """Rank 0 sends the committed state to the joiners by broadcast (everyone takes part); the data position

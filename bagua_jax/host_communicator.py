@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.comm.collectives import ReduceOp
+from bagua_jax.communicator import innermost
 from bagua_jax.native_communicator import NativeCommunicator
 
 
@@ -37,6 +38,7 @@ class HostCommunicator:
     """
 
     def __init__(self, comm: NativeCommunicator) -> None:
+        comm = innermost(comm)  # a wrapper's (e.g. a CountingCommunicator's) engine: host calls are not traced
         if not isinstance(comm, NativeCommunicator) or comm.kind != "mpi":
             raise ValueError(f"a host communicator needs a NativeCommunicator over MPI, got {comm!r}")
         self._engine, self._handle = comm.engine, comm.handle

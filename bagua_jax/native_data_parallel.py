@@ -11,15 +11,19 @@ inside ``optimizer.update`` over :class:`~bagua_jax.NativeCommunicator`'s world.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 
+from bagua_common.algorithms.registry import algorithm_facts
 from bagua_jax.algorithms import make_algorithm
 from bagua_jax.algorithms.base import Algorithm
 from bagua_jax.native_communicator import NativeCommunicator
+
+_log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -32,18 +36,32 @@ def data_parallel_optimizer(
     optimizer: optax.GradientTransformation | None,
     algorithm: Algorithm | str = "gradient_allreduce",
     communicator: NativeCommunicator | None = None,
+    *,
+    learning_rate: float | None = None,
+    **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """``optimizer`` made data-parallel with ``algorithm`` (an algorithm or a registry name) over ``communicator``.
 
     The result is an optax transformation for this process's rank: local gradients in, updates out,
     communicating inside ``update`` (so ``update`` needs ``params``, as ``nnx.Optimizer`` and flax's
-    ``TrainState.apply_gradients`` give it). ``communicator`` defaults to :func:`world`. The algorithms
-    that are optimizers themselves (QAdam, OneBitAdam) take ``optimizer=None`` and an algorithm object
-    built with their learning rate (and a ``warmup_steps`` shorter than the run).
+    ``TrainState.apply_gradients`` give it). ``communicator`` defaults to :func:`world`. A name takes the
+    algorithm's ``options`` as keywords (:func:`~bagua_jax.algorithms.make_algorithm`). The algorithms that are
+    optimizers themselves (QAdam, OneBitAdam) replace ``optimizer``: by name they take ``learning_rate`` (ignored
+    by the others, so a script passes its configuration's rate whatever the name), and a line is logged
+    saying that ``optimizer`` is replaced when one was given.
     """
-    if isinstance(algorithm, str):
-        algorithm = make_algorithm(algorithm)
-    return algorithm.transformation(optimizer, communicator if communicator is not None else world())
+    algorithm = make_algorithm(algorithm, learning_rate, **options)
+    communicator = communicator if communicator is not None else world()
+    name = getattr(algorithm, "name", "")
+    if optimizer is not None and algorithm_facts(name).is_optimizer:
+        _log.warning(
+            "bagua_jax: %s is an optimizer itself (Adam with averaged momentum, learning rate %s): it replaces the "
+            "optimizer given to data_parallel_optimizer",
+            name,
+            algorithm.learning_rate,
+        )
+        optimizer = None
+    return algorithm.transformation(optimizer, communicator)
 
 
 def rank_slice(batch: Any, communicator: NativeCommunicator | None = None) -> Any:

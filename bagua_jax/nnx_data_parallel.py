@@ -31,7 +31,8 @@ class DataParallelOptimizer(nnx.Optimizer):
     weights) as ``nnx.Optimizer`` does and averages ``model``'s ``nnx.BatchStat`` variables over the
     ranks, in the same message as the gradients where the algorithm can. ``communicator`` defaults
     to :func:`bagua_jax.native_data_parallel.world`.
-    QAdam and OneBitAdam take ``tx=None`` (see :func:`~bagua_jax.data_parallel_optimizer`).
+    A name takes the algorithm's ``options`` as keywords; QAdam and OneBitAdam replace ``tx`` and take
+    ``learning_rate`` (see :func:`~bagua_jax.data_parallel_optimizer`).
     """
 
     def __init__(
@@ -42,9 +43,12 @@ class DataParallelOptimizer(nnx.Optimizer):
         *,
         communicator: Communicator | None = None,
         wrt: Any = nnx.Param,
+        learning_rate: float | None = None,
+        **options: Any,
     ):
         communicator = communicator if communicator is not None else world()
-        super().__init__(model, data_parallel_optimizer(tx, algorithm, communicator), wrt=wrt)
+        transformation = data_parallel_optimizer(tx, algorithm, communicator, learning_rate=learning_rate, **options)
+        super().__init__(model, transformation, wrt=wrt)
         self.communicator = communicator
 
     def update(self, model: nnx.Module, grads: Any, /, **kwargs) -> optax.Updates:

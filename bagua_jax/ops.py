@@ -29,9 +29,9 @@ def compressed_size(n: int, k: int, format: Format = "minmax_uint8") -> int:
     """Return the size in bytes of ``n`` elements compressed into ``k`` chunks.
 
     ``format`` is ``"minmax_uint8"`` (one byte per element plus a 16-byte header per
-    chunk), ``"minmax_uint4"`` (half a byte per element plus the header) or ``"sign"``
-    (one bit per element plus the header); each chunk's slot is padded to a multiple of
-    16 bytes.
+    group of 8192 elements of a chunk), ``"minmax_uint4"`` (half a byte per element plus
+    the headers) or ``"sign"`` (one bit per element plus one header per chunk); each group
+    is padded to a multiple of 16 bytes (docs/formats.md).
     """
     return int(library.compressed_bytes(format, int(n), int(k)))
 

@@ -4,9 +4,11 @@ Each step is an orbax checkpoint with one item, ``state``: the train state as it
 mesh (per-rank rows of decentralized parameters, residuals and the like keep their rank axis).
 Once orbax has committed it, process 0 adds the project's ``manifest.json`` (world size,
 algorithm, configuration, model, and each file's size and SHA-256, which orbax does not keep:
-without them a file copied from another step or altered loads silently). orbax's own tools
-read it (``StandardCheckpointer().restore(path / "state")``; leaves of zero size, which orbax
-cannot store, are saved as None and hold nothing). orbax writes it asynchronously and commits
+without them a file copied from another step or altered loads silently). :func:`read_state` reads
+a step as NumPy arrays in any process, whatever its devices (orbax's own
+``StandardCheckpointer().restore(path / "state")`` rebuilds the arrays on the saving topology and
+refuses a process with another device count); leaves of zero size, which orbax cannot store, are
+saved as None and hold nothing. orbax writes it asynchronously and commits
 it atomically, and a step is restored only once sealed by its manifest, written last: the
 project's rule. :meth:`OrbaxCheckpoints.restore` puts it into a
 trainer of any world size by the rules of :mod:`bagua_common.job.reshard`, like
@@ -133,6 +135,33 @@ class OrbaxCheckpoints:
         """Wait for the pending save, seal it and release orbax's resources."""
         self.wait_until_finished()
         self.manager.close()
+
+
+def read_state(path: str | os.PathLike, step: int | None = None) -> Any:
+    """The train state saved by :class:`OrbaxCheckpoints`, as NumPy arrays, in a process with any devices.
+
+    ``path`` is the checkpoints' directory (its newest sealed step, or ``step``) or one step's
+    folder. The state is the tree orbax stored: a dict per named tuple (``params``, ``opt_state``,
+    ``step``, ``model_state``), leaves of per-rank state with the saved ranks along their first axis,
+    zero-size leaves as None. The step's manifest and every file's size and digest are checked
+    first (a :class:`~bagua_common.job.checkpoint.DamagedCheckpointError` names a bad file). orbax
+    restores to NumPy targets built from the step's metadata, so the saving job's device count and
+    mesh do not matter: a 4-device checkpoint reads on a laptop's one CPU.
+    """
+    folder = Path(path).absolute()  # orbax finds no metadata under a relative path
+    if not (folder / STATE).is_dir():
+        sealed = [int(p.name) for p in folder.iterdir() if p.name.isdigit() and (p / MANIFEST).exists()]
+        if step is None and not sealed:
+            raise FileNotFoundError(f"no sealed orbax checkpoint under {folder}")
+        folder = folder / str(max(sealed) if step is None else step)
+    verify_files(folder, read_manifest(folder))
+    try:
+        with ocp.StandardCheckpointer() as checkpointer:
+            metadata = checkpointer.metadata(folder / STATE).item_metadata.tree
+            target = jax.tree.map(lambda leaf: np.zeros(leaf.shape, leaf.dtype), metadata)
+            return checkpointer.restore(folder / STATE, target)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise DamagedCheckpointError(f"{folder} is not a readable orbax checkpoint: {type(e).__name__}: {e}") from e
 
 
 def _names(path: KeyPath) -> tuple[str, ...]:

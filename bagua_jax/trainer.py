@@ -57,7 +57,9 @@ class DataParallel:
     ``optimizer`` is an optax transformation (``None`` for algorithms that are
     optimizers themselves, QAdam and OneBitAdam). ``algorithm`` is an
     :class:`~bagua_jax.algorithms.base.Algorithm` or a registry name (``"bytegrad"``, one of
-    :func:`bagua_jax.algorithms.algorithm_names`) for that algorithm with its defaults. Give exactly one of ``mesh``
+    :func:`bagua_jax.algorithms.algorithm_names`), whose options follow as keywords
+    (``DataParallel(loss_fn, optax.sgd(0.1), "diloco", sync_every=5, mesh=mesh)``; QAdam and OneBitAdam
+    take ``learning_rate``; see :func:`~bagua_jax.algorithms.make_algorithm`). Give exactly one of ``mesh``
     (mesh mode; the batch's leading axis is split across all devices) or
     ``communicator`` (native mode; each process passes its own batch).
 
@@ -108,6 +110,7 @@ class DataParallel:
         has_aux: bool = False,
         average_model_state: bool = True,
         autotune: str | None = None,
+        **algorithm_options: Any,
     ):
         if (mesh is None) == (communicator is None):
             raise ValueError("give exactly one of mesh= (JAX collectives) or communicator= (native engine)")
@@ -137,7 +140,7 @@ class DataParallel:
         self._autotune = autotune_mode(autotune)
         self.bucket_tuning: BucketTuning | None = None
         self._batches_checked = communicator is None or not self._checks_batches
-        self._use(make_algorithm(algorithm) if isinstance(algorithm, str) else algorithm)
+        self._use(make_algorithm(algorithm, **algorithm_options))
 
     def _use(self, algorithm: Algorithm) -> None:
         """Build the per-rank update of ``algorithm``; steps compiled for another one are dropped."""

@@ -130,6 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr.buffer.write(prefix + f"cannot start {command[0]!r}: {e}\n".encode())
         sys.stderr.flush()
         code = 127
+        _report_status(status_dir, rank, code)
     else:
         for sig in pending:
             forward(sig, None)
@@ -145,14 +146,21 @@ def main(argv: list[str] | None = None) -> int:
         for t in readers:
             t.start()
         code = child.wait()
+        # Reported at once, before the output is drained: a process the rank started may hold that open for long,
+        # and mpiexec may kill this wrapper meanwhile once a peer has failed in turn.
+        _report_status(status_dir, rank, code)
         for t in readers:
             t.join(timeout=2.0)
+    return exit_status(code)
+
+
+def _report_status(status_dir: str | None, rank: int, code: int) -> None:
+    """Write the rank's return code and the time for the launcher (``status_dir`` None: nobody listens)."""
     if status_dir:
         try:
             _write_json(os.path.join(status_dir, f"rank{rank}.json"), {"code": code, "time": time.time()})
         except OSError:
             pass
-    return exit_status(code)
 
 
 if __name__ == "__main__":

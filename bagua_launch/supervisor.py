@@ -336,7 +336,8 @@ class Launcher:
                     settle_until = time.monotonic() + SETTLE_S
             now = time.monotonic()
             settled = settle_until is not None and (now >= settle_until or not running)
-            if settled and self.stop_reason is None and not self._ended_unnoticed():
+            unreported = self.reports is not None and self.reports.ended_unreported()  # MPI's _ended_unnoticed
+            if settled and self.stop_reason is None and not self._ended_unnoticed() and not unreported:
                 self._stop_for_failure(failures)
             if self.config.timeout is not None and self.stop_reason is None and now - start > self.config.timeout:
                 self._begin_stop("timeout")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -85,11 +86,34 @@ class WrapperReports:
             self.poll_statuses()  # it writes its status just before it exits
             self.statuses.setdefault(rank, {"code": None, "time": now})
 
+    def ended_unreported(self) -> bool:
+        """Whether a rank of this node has ended whose wrapper, still running, has not written its status yet.
+
+        A loaded machine may run a peer's wrapper, and the peer's failure, before it. Only where
+        ``/proc`` tells whether a process has ended (a zombie or gone); elsewhere False.
+        """
+        if not os.path.exists("/proc/self/stat"):
+            return False
+        for rank, info in self.pid_files().items():
+            if rank in self.statuses or not _ended(info["child"]):
+                continue
+            try:
+                os.kill(info["pid"], 0)
+                return True
+            except ProcessLookupError:
+                continue  # the wrapper is gone too: check_gone counts it
+            except PermissionError:
+                return True
+        return False
+
     def failure(self, stopped_at: float | None) -> tuple[int, int | None] | None:
         """The rank whose failure before ``stopped_at`` ended the job and its return code; None if none (or unknown).
 
         Of the ranks that failed within :data:`~bagua_launch.root_cause.SETTLE_S` of the first, as
-        :func:`~bagua_launch.root_cause.root_cause` chooses.
+        :func:`~bagua_launch.root_cause.root_cause` chooses, and the ranks SIGKILLed before
+        ``stopped_at`` whose wrappers reported it: neither mpiexec (which kills the wrappers) nor the
+        launcher before its stop kills a rank so, the OOM killer or a user does, and then its
+        wrapper's stamp may come late on a loaded machine, after the failures it caused.
         """
         bad = sorted(
             (s["time"], r, s.get("code"))
@@ -98,9 +122,18 @@ class WrapperReports:
         )
         if not bad:
             return None
-        rank, code = root_cause([(r, c) for t, r, c in bad if t <= bad[0][0] + SETTLE_S])
+        rank, code = root_cause([(r, c) for t, r, c in bad if t <= bad[0][0] + SETTLE_S or c == -signal.SIGKILL])
         together = [r for t, r, c in bad if c is None and t == self.statuses[rank]["time"]]
         if code is None and len(together) > 1:
             self.lost = sorted(together)
             return None
         return rank, code
+
+
+def _ended(pid: int) -> bool:
+    """Whether process ``pid`` has ended: a zombie, or gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] in (b"Z", b"X")
+    except OSError:
+        return True

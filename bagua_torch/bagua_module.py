@@ -44,6 +44,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from bagua_common.algorithms.registry import algorithm_facts
 from bagua_common.comm.bucket_plan import check_bucket_bytes
 from bagua_common.comm.topology import Communicators
 from bagua_common.job.signature import JobSignature, algorithm_config, check_same_job
@@ -84,7 +85,8 @@ def wrapper_of(optimizer: torch.optim.Optimizer) -> BaguaModule | None:
 class BaguaModule(nn.Module):
     """A model trained data-parallel with a Bagua algorithm (see the module docstring).
 
-    Build it with :func:`with_bagua` or :class:`DistributedDataParallel`. Attributes:
+    Build it with :func:`with_bagua` or :class:`DistributedDataParallel`; a named ``algorithm`` takes its
+    options as further keywords (``algorithm_options``, see :func:`with_bagua`). Attributes:
     ``module`` (the user's model), ``algorithm`` (the configuration),
     ``algorithm_impl`` (its :class:`~bagua_torch.algorithms.AlgorithmImpl`),
     ``buckets`` (launch order), ``reducer`` (their launch state, a
@@ -103,6 +105,7 @@ class BaguaModule(nn.Module):
         sync_point: SyncPoint = "backward",
         broadcast_buffers: bool = False,
         autotune: str | None = None,
+        **algorithm_options: Any,
     ):
         super().__init__()
         if not isinstance(module, nn.Module):
@@ -117,7 +120,9 @@ class BaguaModule(nn.Module):
         for opt in optimizers:
             if not isinstance(opt, torch.optim.Optimizer):
                 raise TypeError(f"optimizers must be torch.optim.Optimizer instances, got {type(opt).__name__}")
-        algorithm = get_algorithm(algorithm)
+        if isinstance(algorithm, str) and algorithm_facts(algorithm).is_optimizer and len(optimizers) == 1:
+            algorithm_options.setdefault("optimizer", optimizers[0])  # QAdam's and 1-bit Adam's own optimizer
+        algorithm = get_algorithm(algorithm, **algorithm_options)
         check_bucket_bytes(bucket_bytes, "BaguaModule")
         if sync_point not in ("backward", "step"):
             raise ValueError(f"sync_point must be 'backward' or 'step', got {sync_point!r}")
@@ -393,8 +398,11 @@ def with_bagua(
     Bagua's ``model.with_bagua(optimizers, algorithm)`` as a function (torch classes are
     not patched): ``model = bagua_torch.with_bagua(model, [optimizer], algorithm)``, then
     train with ``model(x)``, ``loss.backward()``, ``optimizer.step()`` as usual. Collective:
-    every rank must call it, with the same model, in the same order. ``options`` are
-    :class:`BaguaModule`'s keywords: ``process_group`` (default: the one from
+    every rank must call it, with the same model, in the same order. With a name, the
+    algorithm's options follow as keywords: ``with_bagua(model, [optimizer], "diloco", sync_every=5)``
+    (an unknown one raises a TypeError listing the algorithm's options; QAdam and 1-bit Adam,
+    named, take the one optimizer given, which must be their own). The other
+    ``options`` are :class:`BaguaModule`'s keywords: ``process_group`` (default: the one from
     :func:`bagua_torch.init_process_group`), ``bucket_bytes`` (default 10 MiB) bounding each
     communication bucket, ``sync_point`` and ``broadcast_buffers`` (each forward; buffers are
     always broadcast once on wrap), and ``autotune`` (``off``, ``once``, ``cached``; default

@@ -112,11 +112,11 @@ def load_rank(directory: str | os.PathLike, rank: int) -> dict[str, Any]:
         raise DamagedCheckpointError(f"{directory} holds no state of rank {rank} (no {key})")
     state = loaded[ITEM][rank_key(rank)]
     # DCP names entries by dotted strings: the integer keys of optimizer states (parameter
-    # indices) come back as strings.
-    state["optimizers"] = [_integer_keys(o) for o in state["optimizers"]]
-    extra = state["model"].get(EXTRA_STATE)
-    if extra is not None:
-        extra["algorithm_state"] = _integer_keys(extra["algorithm_state"])
+    # indices) come back as strings. It also drops empty containers: a stateless optimizer's
+    # (plain SGD's) "state" and a stateless algorithm's (gradient allreduce's) state come back missing.
+    state["optimizers"] = [{"state": {}} | _integer_keys(o) for o in state["optimizers"]]
+    extra = state["model"].setdefault(EXTRA_STATE, {})
+    extra["algorithm_state"] = _integer_keys(extra.get("algorithm_state", {}))
     return state
 
 

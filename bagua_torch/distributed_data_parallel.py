@@ -23,7 +23,8 @@ class DistributedDataParallel(BaguaModule):
     """``torch.nn.parallel.DistributedDataParallel``'s arguments, Bagua's algorithms underneath.
 
     ``DistributedDataParallel(model)`` averages gradients in full precision as torch's
-    DDP does (GradientAllReduce); ``algorithm=`` picks another (by name or instance).
+    DDP does (GradientAllReduce); ``algorithm=`` picks another (by name or instance), a name with its
+    options as further keywords: ``DistributedDataParallel(model, algorithm="bytegrad", error_feedback=True)``.
     Buffers are broadcast from rank 0 at every forward (``broadcast_buffers=True``, as in
     DDP). ``bucket_cap_mb`` sets the bucket size (default 10 MiB). Unused parameters are
     always handled, so ``find_unused_parameters`` is accepted for compatibility only, as
@@ -51,6 +52,7 @@ class DistributedDataParallel(BaguaModule):
         algorithm: str | Algorithm = "gradient_allreduce",
         optimizers: Optimizers = (),
         sync_point: SyncPoint = "backward",
+        **algorithm_options: Any,
     ):
         if not isinstance(module, nn.Module):
             raise TypeError(f"the model must be a torch.nn.Module, got {type(module).__name__}")
@@ -90,4 +92,5 @@ class DistributedDataParallel(BaguaModule):
             bucket_bytes=bucket_bytes,
             sync_point=sync_point,
             broadcast_buffers=broadcast_buffers,
+            **algorithm_options,
         )

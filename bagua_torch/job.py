@@ -21,6 +21,7 @@ communicators the algorithms use:
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import itertools
 import os
@@ -103,6 +104,19 @@ def _argument_or_environment(name: str, value: Any, key: str) -> int | None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"init_process_group: {name} must be an int, got {value!r}")
     return value
+
+
+def _destroy_at_exit(world: dist.ProcessGroup) -> None:
+    """At exit: destroy torch.distributed's groups if ``world``, made by :func:`init_process_group`, is the default.
+
+    A gloo group left for the interpreter's finalization aborts the process ("terminate called
+    without an active exception") when one of its worker threads drops the last reference to a
+    collective's tensors then: releasing them needs the GIL of a finalizing interpreter. DCP's
+    own collectives on the default group leave such references. Destroying the groups here, while
+    the interpreter is alive, ends those threads first (it does not wait for a peer, live or gone).
+    """
+    if dist.is_initialized() and dist.group.WORLD is world:
+        dist.destroy_process_group()
 
 
 def init_process_group(
@@ -217,6 +231,7 @@ def init_process_group(
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=max(seconds, 30))
         )
+        atexit.register(_destroy_at_exit, dist.group.WORLD)
 
     if use_native and engine == "nccl" and store is None:
         if native:

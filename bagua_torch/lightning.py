@@ -23,7 +23,6 @@ as the saved one would have, decentralized replicas and error-feedback residuals
 
 from __future__ import annotations
 
-import inspect
 import io
 from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
@@ -38,7 +37,8 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 
 import bagua_torch
-from bagua_torch.algorithms import Algorithm, algorithm_class, get_algorithm
+from bagua_common.algorithms.registry import check_options
+from bagua_torch.algorithms import Algorithm, algorithm_class
 from bagua_torch.bagua_module import BaguaModule, SyncPoint
 from bagua_torch.broadcast import broadcast_tensors
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES
@@ -70,7 +70,7 @@ class BaguaStrategy(DDPStrategy):
         **options: Any,
     ):
         if isinstance(algorithm, str):
-            algorithm_class(algorithm)  # an unknown name fails here, not in the spawned processes
+            check_options(algorithm_class(algorithm), options)  # an unknown name or option fails here, not in the ranks
         elif options:
             raise TypeError(f"BaguaStrategy: options {sorted(options)} can only be given with an algorithm name")
         super().__init__(
@@ -113,9 +113,10 @@ class BaguaStrategy(DDPStrategy):
             self.model = self._wrapped = BaguaModule(
                 self.model,
                 self.optimizers,
-                self._built_algorithm(),
+                self._algorithm,
                 bucket_bytes=self._bucket_bytes,
                 sync_point=self._sync_point,
+                **self._options,
             )
         else:
             world = bagua_torch.get_process_group().world
@@ -123,20 +124,6 @@ class BaguaStrategy(DDPStrategy):
         self.setup_precision_plugin()
         if fitting:
             _optimizers_to_device(self.optimizers, self.root_device)
-
-    def _built_algorithm(self) -> Algorithm:
-        if not isinstance(self._algorithm, str):
-            return self._algorithm
-        options = dict(self._options)
-        if "optimizer" in inspect.signature(algorithm_class(self._algorithm)).parameters:
-            # QAdam and 1-bit Adam communicate inside their own optimizer's step.
-            if len(self.optimizers) != 1:
-                raise ValueError(
-                    f"BaguaStrategy: {self._algorithm!r} needs exactly one optimizer from configure_optimizers, "
-                    f"got {len(self.optimizers)}"
-                )
-            options["optimizer"] = self.optimizers[0]
-        return get_algorithm(self._algorithm, **options)
 
     def optimizer_step(
         self,

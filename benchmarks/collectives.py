@@ -122,7 +122,6 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
 import signal
 import statistics
@@ -820,7 +819,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
     outcome: dict[str, Any] = {
         "engine": engine,
         "description": ENGINE_DESCRIPTIONS[args.device][engine],
-        "command": shlex.join(command),
+        "command": harness.results.command_line(command),
         "returncodes": codes,
         "seconds": round(seconds, 1),
         "info": info,

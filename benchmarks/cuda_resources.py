@@ -1,11 +1,11 @@
-"""Per-kernel register, shared-memory, stack and spill use of xla_ffi/kernels_cuda.cu.
+"""Per-kernel registers, shared memory, spills and occupancy of xla_ffi/kernels_cuda.cu, against each kernel's design.
 
-Compiles the kernels with nvcc (no GPU needed) for each architecture the build targets,
-with ``--resource-usage`` and ptxas's spill and local-memory warnings, and writes the table
-to ``cuda-resources.md`` and ``cuda-resources.json`` in ``--out`` (default ``benchmarks/results/``),
-with the machine, versions and nvcc that made it. Exits 1 if any kernel spills
-registers or uses local memory (a stack frame), which on these bandwidth-bound kernels means a
-register array was not unrolled or the register budget is too tight.
+Compiles the kernels with nvcc (no GPU needed) for each architecture asked, with ``--resource-usage`` and
+ptxas's spill and local-memory warnings, and writes the table to ``cuda-resources.md`` and
+``cuda-resources.json`` in ``--out`` (default ``benchmarks/results/``), with the machine, versions and nvcc
+that made it. For sm_90 each row also gives the warps an H200 multiprocessor holds of the kernel, the warps
+its design needs for its loads in flight, and the fraction of a copy that predicts (``cuda_design.py``).
+Exits 1 if any kernel spills registers, uses local memory (a stack frame), or holds fewer warps than it needs.
 
 How to run::
 
@@ -23,6 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import cuda_design
 from harness.options import add_out_option
 from harness.results import finish_meta, header_lines, run_meta, write_results
 
@@ -35,12 +36,13 @@ _USED = re.compile(r"Used (\d+) registers")
 _SMEM = re.compile(r"(\d+) bytes smem")
 
 
-def compile_usage(arch: str) -> str:
-    """nvcc's resource report of every kernel for one architecture."""
+def compile_usage(arch: str, out: Path | None = None) -> str:
+    """nvcc's resource report of every kernel for one architecture, with the flags of the build
+    (CMakeLists.txt); the object goes to ``out`` if given."""
     with tempfile.TemporaryDirectory() as tmp:
         command = [
             "nvcc", "-std=c++17", f"-arch=sm_{arch}", f"-I{ROOT / 'xla_ffi'}", "-c", str(SOURCE),
-            "-o", str(Path(tmp) / "kernels.o"), "--resource-usage",
+            "-o", str(out or Path(tmp) / "kernels.o"), "--resource-usage",
             "-Xptxas=-warn-spills,-warn-lmem-usage",
         ]  # fmt: skip
         result = subprocess.run(command, check=True, capture_output=True, text=True)
@@ -71,6 +73,37 @@ def parse(report: str) -> list[dict]:
     return rows
 
 
+def with_occupancy(rows: list[dict]) -> list[dict]:
+    """``rows`` with, for sm_90 kernels that move bulk data, the resident and needed warps and the predicted
+    fraction of a copy (cuda_design.py)."""
+    for row in rows:
+        kernel = cuda_design.parse_kernel(row["kernel"])
+        if row["arch"] != "sm_90" or kernel is None:
+            continue
+        row.update(
+            resident_warps=cuda_design.resident_warps(row.get("registers", 0), row.get("smem", 0)),
+            needed_warps=cuda_design.needed_warps(kernel),
+            loads_per_warp=cuda_design.loads_per_warp(kernel),
+            predicted=round(cuda_design.predicted_fraction(kernel, row.get("registers", 0), row.get("smem", 0)), 2),
+        )
+    return rows
+
+
+def problems(rows: list[dict]) -> list[str]:
+    """What fails the check: spills, a stack frame, too few resident warps."""
+    out = []
+    for r in rows:
+        if r.get("stack") or r.get("spill_st") or r.get("spill_ld"):
+            out.append(f"{r['arch']} {r['kernel']}: spills or uses local memory")
+        if r.get("resident_warps", 1) < r.get("needed_warps", 0):
+            out.append(
+                f"{r['arch']} {r['kernel']}: {r['resident_warps']} resident warps (at {r['registers']} registers) "
+                f"keep {r['resident_warps'] * r['loads_per_warp'] // 1024} KiB of loads in flight; "
+                f"its traffic needs {r['needed_warps']} warps"
+            )
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--archs", nargs="+", default=["80", "90"])
@@ -82,27 +115,33 @@ def main(argv: list[str] | None = None) -> int:
     version = subprocess.run(["nvcc", "--version"], check=True, capture_output=True, text=True)
     nvcc_version = version.stdout.strip().splitlines()[-1]
     meta = run_meta([], argv=sys.argv[1:] if argv is None else argv, nvcc=nvcc_version)
-    rows = [row for arch in args.archs for row in parse(compile_usage(arch))]
+    rows = with_occupancy([row for arch in args.archs for row in parse(compile_usage(arch))])
     finish_meta(meta)
-    bad = [r for r in rows if r.get("stack") or r.get("spill_st") or r.get("spill_ld")]
+    bad = problems(rows)
     lines = [
         "# CUDA kernel resources",
         "",
         *header_lines(meta),
         f"- nvcc: {nvcc_version}",
         "",
-        f"{len(rows)} kernels; {len(bad)} spill registers or use local memory.",
+        f"{len(rows)} kernels; {len(bad)} problems.",
+        *(f"- {p}" for p in bad),
         "",
-        "| arch | kernel | registers | smem bytes | stack bytes | spill stores / loads |",
-        "|---|---|---|---|---|---|",
+        "For sm_90: the warps an H200 multiprocessor holds at these registers, the warps the kernel's loads in",
+        "flight need (`cuda_design.py`), and the fraction of a device-to-device copy that predicts.",
+        "",
+        "| arch | kernel | registers | smem bytes | stack bytes | spill stores / loads | resident warps | "
+        "needed warps | predicted / copy |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     lines += [
         f"| {r['arch']} | `{r['kernel']}` | {r.get('registers', '?')} | {r.get('smem', 0)} | "
-        f"{r.get('stack', 0)} | {r.get('spill_st', 0)} / {r.get('spill_ld', 0)} |"
+        f"{r.get('stack', 0)} | {r.get('spill_st', 0)} / {r.get('spill_ld', 0)} | {r.get('resident_warps', '')} | "
+        f"{r.get('needed_warps', '')} | {r.get('predicted', '')} |"
         for r in rows
     ]
     md_path, _ = write_results(args.out, "cuda-resources", [*lines, ""], {**meta, "kernels": rows})
-    print(f"wrote {md_path}: {len(rows)} kernels, {len(bad)} with spills or local memory")
+    print(f"wrote {md_path}: {len(rows)} kernels, {len(bad)} problems")
     return 1 if bad else 0
 
 

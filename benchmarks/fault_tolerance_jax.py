@@ -123,7 +123,10 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     from bagua_common.job.local_launch import free_port, mpiexec
 
     port = free_port()
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+    env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
     argv = [sys.argv[0], args.mode, "--worker", "--workdir", str(workdir), "--port", str(port)]
     argv += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("ranks", "width", "steps", "rounds", "hash_every")]
     procs = [

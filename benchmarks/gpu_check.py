@@ -4,15 +4,21 @@ On a machine with an NVIDIA GPU, CUDA (nvcc) and NCCL this:
 
 1. builds the package against the machine's jax and NCCL, for its GPU's architecture only
    (``BAGUA_CUDA=ON BAGUA_NCCL=ON pip install --no-build-isolation --no-deps .``);
-2. runs real NCCL with Bagua-Net as its network in a 2-rank job on the one GPU
+2. times the CUDA kernels alone (``benchmarks/kernel_bandwidth.py``: CUDA events, the L2 cache
+   flushed between repeats, bytes read plus written, k = 8, 64 and 512 chunks, float32 and
+   bfloat16, against cudaMemcpy, a 16-byte copy kernel, the theoretical peak and the design's
+   prediction; Nsight Compute's memory metrics where ``ncu`` is present), into
+   ``kernel-bandwidth-<device>.md``; it builds what it needs itself, so ``--steps bandwidth``
+   runs it alone (about 2 minutes);
+3. runs real NCCL with Bagua-Net as its network in a 2-rank job on the one GPU
    (``tests/bagua_net_nccl_job.py``: NCCL's debug output, the allreduce's result, bandwidth);
-3. runs ``benchmarks/kernels.py --device gpu`` (every kernel against a device-to-device copy
-   in the same run);
-4. runs the GPU tests (the files that mark tests ``gpu``, and the build's), which include the NCCL engine tests
+4. runs ``benchmarks/kernels.py --device gpu`` (every kernel against a device-to-device copy
+   and XLA-fused jnp in the same run);
+5. runs the GPU tests (the files that mark tests ``gpu``, and the build's), which include the NCCL engine tests
    (tests/test_nccl_engine.py), and the CUDA kernel tests under compute-sanitizer's memcheck
    and racecheck tools.
 
-The steps that time something (2, 3) run alone, one after the other; the steps of 4 time
+The steps that time something (2-4) run alone, one after the other; the steps of 5 time
 nothing, so they run side by side to fit a lent machine's minutes. It writes
 ``gpu-check.md`` and ``gpu-check.json`` (device, driver, versions, load average, and per
 step the command, exit status, time and the tail of its output) to ``--out`` (default
@@ -23,6 +29,7 @@ anything.
 How to run (from the repository root)::
 
     python benchmarks/gpu_check.py
+    python benchmarks/gpu_check.py --steps bandwidth
     python benchmarks/gpu_check.py --skip-build --steps tests memcheck
 """
 
@@ -41,7 +48,7 @@ from pathlib import Path
 
 from harness.machine import cores, device_info
 from harness.options import add_out_option, add_subset_option
-from harness.results import finish_meta, header_lines, run_meta, write_results
+from harness.results import command_line, finish_meta, header_lines, run_meta, write_results
 
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
@@ -72,6 +79,7 @@ def gpu_test_files() -> list[str]:
 
 STEPS = {
     "build": [PY, "-m", "pip", "install", "--no-build-isolation", "--no-deps", "."],
+    "bandwidth": [PY, "benchmarks/kernel_bandwidth.py"],
     "bagua-net": [PY, "tests/bagua_net_nccl_job.py", "--baseline"],
     "kernels": [PY, "benchmarks/kernels.py", "--device", "gpu"],
     "tests": [PY, "-m", "pytest", "-q", *gpu_test_files()],
@@ -80,6 +88,8 @@ STEPS = {
 }
 # Steps that measure nothing: they may share the machine with each other.
 SIDE_BY_SIDE = ("tests", "memcheck", "racecheck")
+# Steps that write result files of their own: they get the run's --out.
+WRITES_RESULTS = ("bandwidth",)
 # JAX would take most of the GPU's memory at start, for each of the processes side by side.
 STEP_ENVIRONMENT = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
 TAIL_LINES = 40
@@ -140,8 +150,8 @@ def step_environment(name: str) -> dict[str, str]:
 class Step:
     """One step's process, its output going to a file until it is collected."""
 
-    def __init__(self, name: str, log_dir: Path):
-        self.name, self.command = name, STEPS[name]
+    def __init__(self, name: str, log_dir: Path, out: Path):
+        self.name, self.command = name, STEPS[name] + (["--out", str(out)] if name in WRITES_RESULTS else [])
         self.output = tempfile.TemporaryFile("w+", dir=log_dir)
         self.start = time.monotonic()
         try:
@@ -174,7 +184,7 @@ class Step:
         print(f"{self.name}: {'ok' if status == 0 else f'FAILED ({status})'} in {seconds:.0f} s", flush=True)
         return {
             "name": self.name,
-            "command": " ".join(self.command),
+            "command": command_line(self.command),
             "status": status,
             "seconds": seconds,
             "tail": "\n".join(output.splitlines()[-TAIL_LINES:]),
@@ -182,17 +192,17 @@ class Step:
         }
 
 
-def run_steps(names: list[str], timeout_s: float, log_dir: Path) -> list[dict]:
+def run_steps(names: list[str], timeout_s: float, log_dir: Path, out: Path) -> list[dict]:
     """Run the steps in order, those of :data:`SIDE_BY_SIDE` together at the end; a failed
     build ends the run, since every later step would test the previous build."""
     alone = [n for n in names if n not in SIDE_BY_SIDE]
     together = [n for n in names if n in SIDE_BY_SIDE]
     outcomes = []
     for name in alone:
-        outcomes.append(Step(name, log_dir).collect(time.monotonic() + timeout_s))
+        outcomes.append(Step(name, log_dir, out).collect(time.monotonic() + timeout_s))
         if name == "build" and outcomes[-1]["status"] != 0:
             return outcomes
-    started = [Step(name, log_dir) for name in together]
+    started = [Step(name, log_dir, out) for name in together]
     deadline = time.monotonic() + timeout_s
     return outcomes + [step.collect(deadline) for step in started]
 
@@ -239,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     meta = run_meta(PACKAGES, argv=sys.argv[1:] if argv is None else argv, device=device_info("gpu", gpus))
     log_dir = args.out / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
-    outcomes = run_steps(steps, args.timeout, log_dir)
+    outcomes = run_steps(steps, args.timeout, log_dir, args.out)
     log = log_dir / "gpu-check.log"
     log.write_text("".join(f"===== {o['name']}: {o['command']}\n{o.pop('output')}\n" for o in outcomes))
     finish_meta(meta)

@@ -8,7 +8,7 @@ plainly in jitted ``jax.numpy``, in ``torch`` and in NumPy (CPU only). A plain m
 copy of the input runs on the same device in the same run (``jax.jit(jnp.copy)``,
 ``dst.copy_(src)``, ``np.copyto``); the copy reference is the fastest of them.
 
-    minmax_compress           n float32 -> k chunks of 8-bit min-max codes
+    minmax_compress           n float32 -> k chunks of 8-bit min-max codes (groups of 8192)
     minmax_decompress         k chunks of codes -> n float32
     minmax_decompress_reduce  k single-chunk buffers of m = n/k codes -> mean, m float32
     sign_compress             n float32 -> k chunks of sign bits + mean(|x|) scales
@@ -117,9 +117,13 @@ WARMUP_CALLS, MIN_REPEATS, MAX_REPEATS, QUICK_MAX_REPEATS, TARGET_SECONDS = 3, 3
 # --------------------------------------------------------------------------- plain math
 
 
+MINMAX_GROUP = 8192  # elements of a min-max group (xla_ffi/layout.h); the sizes here make chunks of whole groups
+
+
 def xp_minmax_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any, Any]:
-    """Chunked 8-bit min-max codes: ``(codes[k, c], lo[k, 1], hi[k, 1])``, in NumPy or ``jax.numpy`` (``xp``)."""
-    chunks = x.reshape(k, -1)
+    """8-bit min-max codes of ``k`` chunks in groups: ``(codes[g, s], lo[g, 1], hi[g, 1])`` for ``g`` groups of
+    ``s`` elements, in NumPy or ``jax.numpy`` (``xp``)."""
+    chunks = x.reshape(-1, min(MINMAX_GROUP, x.size // k))
     lo = chunks.min(axis=1, keepdims=True)
     hi = chunks.max(axis=1, keepdims=True)
     z, scale, base = xp_minmax_grid(xp, lo, hi)
@@ -145,8 +149,8 @@ def xp_minmax_decompress(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
     return xp_minmax_decode(xp, compressed).reshape(-1)
 
 
-def xp_minmax_decompress_reduce(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
-    return xp_minmax_decode(xp, compressed).mean(axis=0)
+def xp_minmax_decompress_reduce(xp: Any, compressed: tuple[Any, Any, Any], k: int) -> Any:
+    return xp_minmax_decode(xp, compressed).reshape(k, -1).mean(axis=0)
 
 
 def xp_sign_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any]:
@@ -167,7 +171,7 @@ def xp_sign_decompress(xp: Any, compressed: tuple[Any, Any]) -> Any:
 def torch_minmax_compress(x: Any, k: int) -> tuple[Any, Any, Any]:
     import torch
 
-    chunks = x.view(k, -1)
+    chunks = x.view(-1, min(MINMAX_GROUP, x.numel() // k))
     lo, hi = torch.aminmax(chunks, dim=1, keepdim=True)
     z, scale, base = torch_minmax_grid(lo, hi)
     codes = (torch.round((chunks - z) * scale) - base).clamp_(0, 255).to(torch.uint8)
@@ -192,8 +196,8 @@ def torch_minmax_decompress(compressed: tuple[Any, Any, Any]) -> Any:
     return torch_minmax_decode(compressed).view(-1)
 
 
-def torch_minmax_decompress_reduce(compressed: tuple[Any, Any, Any]) -> Any:
-    return torch_minmax_decode(compressed).mean(dim=0)
+def torch_minmax_decompress_reduce(compressed: tuple[Any, Any, Any], k: int) -> Any:
+    return torch_minmax_decode(compressed).view(k, -1).mean(dim=0)
 
 
 def _bit_shifts(device: Any) -> Any:
@@ -281,7 +285,7 @@ class Jnp(_JaxImplementation):
         super().__init__(n, k, device)
         self.minmax_compress = jax.jit(partial(xp_minmax_compress, jnp, k=k))
         self.minmax_decompress = jax.jit(partial(xp_minmax_decompress, jnp))
-        self.minmax_decompress_reduce = jax.jit(partial(xp_minmax_decompress_reduce, jnp))
+        self.minmax_decompress_reduce = jax.jit(partial(xp_minmax_decompress_reduce, jnp, k=k))
         self.sign_compress = jax.jit(partial(xp_sign_compress, jnp, k=k))
         self.sign_decompress = jax.jit(partial(xp_sign_decompress, jnp))
         self.axpy = jax.jit(lambda x, y: x + AXPY_A * y)
@@ -338,7 +342,7 @@ class Torch(_TorchImplementation):
         super().__init__(n, k, device)
         self.minmax_compress = partial(torch_minmax_compress, k=k)
         self.minmax_decompress = torch_minmax_decompress
-        self.minmax_decompress_reduce = torch_minmax_decompress_reduce
+        self.minmax_decompress_reduce = partial(torch_minmax_decompress_reduce, k=k)
         self.sign_compress = partial(torch_sign_compress, k=k)
         self.sign_decompress = torch_sign_decompress
         self.axpy = lambda x, y: x + AXPY_A * y
@@ -362,7 +366,7 @@ class NumPy(Implementation):
         super().__init__(n, k, device)
         self.minmax_compress = partial(xp_minmax_compress, np, k=k)
         self.minmax_decompress = partial(xp_minmax_decompress, np)
-        self.minmax_decompress_reduce = partial(xp_minmax_decompress_reduce, np)
+        self.minmax_decompress_reduce = partial(xp_minmax_decompress_reduce, np, k=k)
         self.sign_compress = partial(xp_sign_compress, np, k=k)
         self.sign_decompress = partial(xp_sign_decompress, np)
         self.axpy = lambda x, y: x + np.float32(AXPY_A) * y

@@ -39,6 +39,7 @@ import tarfile
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -103,9 +104,9 @@ def build_release(commit: str) -> Path:
     return site
 
 
-def load_release_library(site: Path) -> Path:
+def load_release_library(site: Path) -> ModuleType:
     """Load the release's native library from ``site`` beside this tree's and register its FFI
-    targets under ``RELEASE_PREFIX``; return its path."""
+    targets under ``RELEASE_PREFIX``; return the module."""
     import jax
 
     path = next(site.glob("_bagua_ffi*.so"))
@@ -115,20 +116,24 @@ def load_release_library(site: Path) -> Path:
     for platform, targets in module.registrations().items():
         for name, capsule in targets.items():
             jax.ffi.register_ffi_target(RELEASE_PREFIX + name, capsule, platform=platform)
-    return path
+    return module
 
 
 @contextlib.contextmanager
-def release_targets() -> Iterator[None]:
-    """While tracing in this context, ``bagua_jax.ops`` calls the release's FFI targets."""
+def release_targets(release: ModuleType) -> Iterator[None]:
+    """While tracing in this context, ``bagua_jax.ops`` calls the release's FFI targets and sizes its buffers by
+    the release's library (``release``), so that a release of another compressed layout compares too."""
     import jax
 
-    ffi_call = jax.ffi.ffi_call
+    from bagua_jax import ops
+
+    ffi_call, library = jax.ffi.ffi_call, ops.library
     jax.ffi.ffi_call = lambda target, *args, **kwargs: ffi_call(RELEASE_PREFIX + target, *args, **kwargs)
+    ops.library = release
     try:
         yield
     finally:
-        jax.ffi.ffi_call = ffi_call
+        jax.ffi.ffi_call, ops.library = ffi_call, library
 
 
 def serve(k: int, site: Path, sizes_mib: Sequence[float], repeats: int, seed: int) -> None:
@@ -146,7 +151,8 @@ def serve(k: int, site: Path, sizes_mib: Sequence[float], repeats: int, seed: in
 
     from bagua_jax import ops
 
-    libraries = {SIDES[0]: _bagua_ffi.__file__, SIDES[1]: str(load_release_library(site))}
+    release = load_release_library(site)
+    libraries = {SIDES[0]: _bagua_ffi.__file__, SIDES[1]: release.__file__}
     order = random.Random(seed)
     times: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
     for size in sizes_mib:
@@ -155,7 +161,7 @@ def serve(k: int, site: Path, sizes_mib: Sequence[float], repeats: int, seed: in
         data = [jax.device_put(rng.standard_normal(n, dtype=np.float32)) for _ in range(3)]
         calls = {}
         for side in SIDES:
-            with release_targets() if side == SIDES[1] else contextlib.nullcontext():
+            with release_targets(release) if side == SIDES[1] else contextlib.nullcontext():
                 impl = SimpleNamespace(**jitted_native_kernels(ops, n, k), sync=jax.block_until_ready)
                 calls[side] = {kernel: kernel_call(impl, kernel, data) for kernel in KERNELS}
                 for fn, fn_args in calls[side].values():

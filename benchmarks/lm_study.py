@@ -1,42 +1,49 @@
-"""The LM study: every algorithm of both front ends and the peers on the workload's GPT, over shaped links.
+"""The LM study: every algorithm of both front ends and the peers a user would pick instead, trained where learning
+happens, and timed to a target loss over shaped links on an idle machine.
 
-4 ranks, one network namespace each (:mod:`harness.links`: veth pairs to a bridge, bandwidth shaped by the
-kernel's ``tbf`` on both ends of every pair; no latency where the kernel lacks ``sch_netem``), the ``small`` GPT,
-``--batch`` windows of 128+1 corpus bytes per rank and step. One job per variant (4 processes; two side by side
-with ``--pairs``): torch over gloo, bagua_jax algorithms in ``DataParallel`` over the native MPI engine, plain JAX
-(``lax.pmean`` in ``shard_map``) over ``jax.distributed`` with gloo. A job (``lm_study_worker.py``):
+Every variant trains the workload's GPT with the study's settings (:mod:`lm_study_settings`: the model, the batch,
+the schedule and the token budget, chosen by ``lm_study_sweep.py``) on 4 ranks, each in its own network namespace
+(:mod:`harness.links`): torch over gloo, bagua_jax algorithms in ``DataParallel`` over the native MPI engine, plain
+JAX (``lax.pmean`` in ``shard_map``) over ``jax.distributed`` with gloo. The study has two halves:
 
-1. trains ``--steps`` steps once, unshaped (asynchronous averaging, whose progress depends on the link, at
-   ``--async-link``); rank 0 evaluates its own model on the held-out windows every ``--eval-every`` steps, and
-   each rank's bytes sent over the whole run give the bytes per step;
-2. times steps at every link of ``--links``, ``--repeats`` times, interleaved (the study changes the link between
-   phases while the ranks wait): the median over the repeats of each phase's mean step time. DiLoCo's rounds
-   are timed on a fresh copy with a short round of ``h_t`` steps (4, or 2P for Streaming) so that every timed
-   window holds whole rounds; its time per step at the trained H is ``local + (round_mean - local) * h_t / H``
-   (``local``: the median step, ``round_mean``: the mean over whole rounds), since a round's exchange costs the
-   same whatever H.
+``train``: one job per variant trains the whole budget unshaped (rank 0 evaluates its model on the held-out windows
+every ``eval_every`` steps; each rank counts the bytes it sent). Losses do not depend on the load, so this half runs
+whenever the machine allows; suspending the study (Ctrl-Z, SIGSTOP) suspends its ranks at their next step. Where
+JAX computes the same numbers as torch for an algorithm, its job trains only the first ``--check-fraction`` of the
+budget, and the report uses torch's curve once JAX's matched it at every evaluation of that part (within
+``CHECK_TOLERANCE``); it says so in the table.
 
-``--pairs LABEL`` runs torch/LABEL and jax/LABEL as two jobs side by side, one phase at a time: both train in
-turn, then their timing phases alternate (A B, B A, ...; the idle job's ranks wait, asynchronous averaging paused),
-so that both meet the same load, which on a shared machine drifts over minutes. Each repeat's JAX/torch ratio
-pairs two adjacent phases; the report gives their median and range.
+``time``: the time per step of every variant at every link, on an idle machine: jobs of ``--group`` variants at a
+time, each job's ranks alive through all its phases (one untimed, then ``--repeats`` rounds of every link); the
+phases go out one at a time, the variants of a link interleaved (A B C, C B A, ...), each behind the load gate of
+:mod:`harness.load` (the 1-minute load before and after, the runnable threads that are not the study's own sampled
+from ``/proc`` during the phase; a phase that met a foreign load above the limit is run again). A round is one step,
+or for DiLoCo ``h_t`` steps of a copy with that short round (4, or 2P for Streaming), so that every timed window
+holds whole rounds; its time per step at the trained H is ``local + (round - local) * h_t / H`` (``local``: the
+median step, ``round``: the mean over whole rounds), since a round's exchange costs the same whatever H. The steps an
+algorithm runs uncompressed first (QAdam's and 1-bit Adam's warm-up, PowerSGD's exact steps) take the time per step
+of the same front end's gradient allreduce (DDP's for its PowerSGD hook); the timed copies skip them.
 
-Time to DDP fp32's final held-out loss at a link = the steps a variant needs to reach it (linear between
-evaluations, from its one training run) x its time per step at that link: for the synchronous algorithms the
-steps do not depend on the link. Each variant's result is kept in ``<name>.json`` as soon as it is done; a rerun
-with the same settings skips the variants already there, so partial runs add up.
+Asynchronous averaging's progress depends on the link, so it trains at each link inside a timed phase, and its time
+to a target is read off its own clock (``time`` with ``--only torch/async jax/async``).
 
-    python benchmarks/lm_study.py                                   # every variant not yet done
-    python benchmarks/lm_study.py --only torch/ddp jax/pmean --steps 200
-    python benchmarks/lm_study.py --pairs qadam powersgd --repeats 5   # JAX/torch step time, side by side
-    python benchmarks/lm_study.py --report                          # md + png from the json
-    python benchmarks/harness/links.py --cleanup                  # leftovers of a killed run
+Time to a target = the steps a variant needs to reach it (linear between evaluations) x its time per step at the
+link. The targets: DDP fp32's held-out loss at 80% of its budget, and the fixed ``FIXED_TARGET``. Results are kept
+in ``lm-study.json`` as each job finishes; a rerun with the same settings skips what is there.
+
+    python benchmarks/lm_study.py train                                   # every variant not yet trained
+    python benchmarks/lm_study.py train --only torch/ddp
+    python benchmarks/lm_study.py time --repeats 3                        # every variant's step, every link
+    python benchmarks/lm_study.py time --only torch/async jax/async       # asynchronous averaging at each link
+    python benchmarks/lm_study.py report                                  # md + png (and the docs page)
+    python benchmarks/harness/links.py --cleanup                          # leftovers of a killed run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import threading
@@ -48,67 +55,77 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import lm_study_report  # noqa: E402
-from harness import links as nh  # noqa: E402
-from harness.jobs import child_env  # noqa: E402
-from harness.machine import load_average  # noqa: E402
-from harness.options import add_out_option  # noqa: E402
-from harness.results import finish_meta, run_meta  # noqa: E402
+from harness.jobs import run_ranks  # noqa: E402
+from harness.links import Network, link_name, probe, require_root  # noqa: E402
+from harness.load import LoadGate  # noqa: E402
+from harness.phases import PhasedJob, PhaseRunner, kept  # noqa: E402
+from harness.results import RESULTS, finish_meta, run_meta  # noqa: E402
+from lm_study_settings import STUDY, Schedule  # noqa: E402
 
-from bagua_common.job.local_launch import free_port  # noqa: E402
-
-NRANKS, SIZE, SEED = 4, "small", 0
-DEFAULT_LINKS = ["none", "1gbit", "100mbit"]
-
-
-def _variant(front_end: str, algorithm: str, label: str | None = None, **options: Any) -> dict[str, Any]:
-    return {
-        "name": f"{front_end}/{label or algorithm}",
-        "front_end": front_end,
-        "algorithm": algorithm,
-        "options": options,
-    }
+LINKS = ["none", "1gbit", "100mbit"]
+ASYNC_LINKS = LINKS
+CHECK_FRACTION = 0.2
+JAX_TWIN = {"pmean": "ddp"}
+"""JAX variants whose torch twin has another name (``lax.pmean`` computes DDP's numbers)."""
+OWN_CURVE = ("async",)
+"""Algorithms whose numbers depend on timing: each front end trains its own curve (at the link)."""
+DILOCO_ROUNDS = [(20, "uint8")]
+"""DiLoCo variants beside its defaults: (H, outer exchange)."""
+STREAMING_ROUNDS = [(4, 20, "uint4")]
+"""Streaming DiLoCo variants: (P, H, outer exchange), tau = 1."""
 
 
-def _diloco(h: int, exchange: str, fragments: int = 1, front_end: str = "torch") -> dict[str, Any]:
+def _variant(
+    front_end: str, algorithm: str, label: str | None = None, schedule: Schedule | None = None, **options: Any
+) -> dict[str, Any]:
+    variant = {"name": f"{front_end}/{label or algorithm}", "front_end": front_end, "algorithm": algorithm,
+               "options": options}  # fmt: skip
+    return {**variant, "schedule": vars(schedule)} if schedule else variant
+
+
+def _diloco(front_end: str, h: int, exchange: str, fragments: int = 1) -> dict[str, Any]:
     if fragments == 1:
         return _variant(front_end, "diloco", f"diloco_h{h}_{exchange}", sync_every=h, outer_exchange=exchange)
-    return _variant(
-        front_end,
-        "diloco",
-        f"streaming_p{fragments}_h{h}_{exchange}",
-        sync_every=h,
-        outer_exchange=exchange,
-        fragments=fragments,
-        fragment_sync_delay=1,
-    )
+    return _variant(front_end, "diloco", f"streaming_p{fragments}_h{h}_{exchange}", sync_every=h,
+                    outer_exchange=exchange, fragments=fragments, fragment_sync_delay=1)  # fmt: skip
 
 
 def variants() -> list[dict[str, Any]]:
-    """Every variant, in the order they run: the baseline, the likely best, the rest; then any registered algorithm
-    not named here, with its defaults (so a new algorithm joins the study by itself)."""
+    """Every variant, in the order they run: the baselines, every registered algorithm with its defaults in each
+    front end (so a new algorithm joins the study by itself), then DiLoCo at the round lengths and exchanges of
+    :data:`DILOCO_ROUNDS` and Streaming DiLoCo at :data:`STREAMING_ROUNDS`."""
     from bagua_jax.algorithms import algorithm_names as jax_names
     from bagua_torch.algorithms import available_algorithms as torch_names
 
-    listed = [
-        _variant("torch", "ddp"),
-        _diloco(50, "uint8"),
-        _diloco(50, "uint4", fragments=4),
-        *(_variant("torch", name) for name in ("bytegrad", "onebit_adam", "powersgd")),
-        _variant("jax", "bytegrad"),
-        _diloco(50, "uint8", front_end="jax"),
-        *(_variant("jax", name) for name in ("onebit_adam", "powersgd")),
-        _variant("torch", "ddp_powersgd_rank4"),
-        _variant("jax", "pmean"),
-        _diloco(50, "uint4", fragments=2),
-        _diloco(50, "fp32"),
-        _diloco(50, "uint4"),
-        *(_diloco(h, exchange) for h in (10, 200) for exchange in ("fp32", "uint8", "uint4")),
-        _variant("torch", "ddp_fp16"),
-        _diloco(50, "uint4", fragments=4, front_end="jax"),
-    ]
-    registered = [("torch", name) for name in torch_names()] + [("jax", name) for name in jax_names()]
-    done = {(v["front_end"], v["algorithm"]) for v in listed}
-    return listed + [_variant(fe, name) for fe, name in registered if (fe, name) not in done]
+    listed = [_variant("torch", name) for name in ("ddp", "ddp_fp16", "ddp_powersgd_rank4")]
+    listed.append(_variant("jax", "pmean"))
+    for front_end, names in (("torch", torch_names()), ("jax", jax_names())):
+        listed += [_variant(front_end, name) for name in names]
+        listed += [_diloco(front_end, h, exchange) for h, exchange in DILOCO_ROUNDS]
+        listed += [_diloco(front_end, h, exchange, p) for p, h, exchange in STREAMING_ROUNDS]
+    return listed
+
+
+OUTER_SEARCH = [(20, 0.7, 0.9), (20, 1.0, 0.0), (20, 1.0, 0.5), (100, 0.7, 0.9), (100, 1.0, 0.0), (100, 1.0, 0.5)]
+"""DiLoCo's outer (H, learning rate, momentum) searched for its ``default_outer_settings``."""
+
+
+def search_variants() -> list[dict[str, Any]]:
+    """The runs the algorithms' defaults were chosen from (torch, trained only, not timed): ByteGrad with error
+    feedback (its default has none), and DiLoCo's outer optimizer over :data:`OUTER_SEARCH`."""
+    out = [_variant("torch", "bytegrad", "bytegrad_error_feedback", error_feedback=True)]
+    out += [_variant("torch", "diloco", f"diloco_h{h}_outer_lr{lr:g}_m{mu:g}", sync_every=h, outer_learning_rate=lr,
+                     outer_momentum=mu) for h, lr, mu in OUTER_SEARCH]  # fmt: skip
+    return out
+
+
+def twin(variant: dict[str, Any]) -> str | None:
+    """The torch variant whose curve a JAX variant uses (checked on a part of the budget), or None: torch's
+    variants, and the algorithms whose numbers depend on timing, train their own."""
+    if variant["front_end"] != "jax" or variant["algorithm"] in OWN_CURVE:
+        return None
+    label = variant["name"].split("/", 1)[1]
+    return f"torch/{JAX_TWIN.get(label, label)}"
 
 
 def timing_round(variant: dict[str, Any]) -> int:
@@ -118,200 +135,172 @@ def timing_round(variant: dict[str, Any]) -> int:
     return max(4, 2 * variant["options"].get("fragments", 1))
 
 
-def settings(args: argparse.Namespace) -> dict[str, Any]:
-    """What a cached result must share with this run to be kept."""
-    return {
-        "size": SIZE,
-        "ranks": NRANKS,
-        "seed": SEED,
-        "steps": args.steps,
-        "batch": args.batch,
-        "lr": args.lr,
-        "weight_decay": args.weight_decay,
-        "eval_every": args.eval_every,
-        "heldout_windows": args.heldout_windows,
-        "async_link": args.async_link,
-    }
+TIMING_OPTIONS = {"qadam": {"warmup_steps": 1}, "onebit_adam": {"warmup_steps": 1}, "powersgd": {"start_iter": 0}}
+"""What the timed copies change so that every timed step is the algorithm's own (the report times the uncompressed
+first steps as gradient allreduce's)."""
 
 
-class PhaseControl(threading.Thread):
-    """Starts the phases of one or more jobs, one phase at a time: the next phase of ``schedule`` once every job is
-    idle (each rank waits for its job's next phase, or has written its result), after setting the phase's link."""
-
-    def __init__(self, net: nh.Network, jobs: list[tuple[Path, list[str]]]):
-        super().__init__(daemon=True)
-        self.net, self.jobs = net, jobs
-        self.stop = threading.Event()
-
-    def schedule(self) -> list[tuple[int, int]]:
-        """(job, phase) in the order they run: every job's training, then the timing phases, the jobs alternating
-        which goes first (A B, B A, ...) so that a drift in the machine's load falls on both alike."""
-        order = [(j, 0) for j in range(len(self.jobs))]
-        for phase in range(1, max(len(links) for _, links in self.jobs)):
-            jobs = range(len(self.jobs)) if phase % 2 else reversed(range(len(self.jobs)))
-            order += [(j, phase) for j in jobs if phase < len(self.jobs[j][1])]
-        return order
-
-    def _idle(self, job: int, next_phase: int) -> bool:
-        folder, links = self.jobs[job]
-        marker = f"ready-{next_phase}-{{}}" if next_phase < len(links) else "rank{}.json"
-        return all((folder / marker.format(r)).exists() for r in range(self.net.ranks))
-
-    def run(self) -> None:
-        next_phase = [0] * len(self.jobs)
-        for job, phase in self.schedule():
-            while not all(self._idle(j, next_phase[j]) for j in range(len(self.jobs))):
-                if self.stop.wait(0.05):
-                    return
-            folder, links = self.jobs[job]
-            if nh.parse_rate(links[phase]) != self.net.rate:
-                self.net.reshape(links[phase])
-            (folder / f"go-{phase}").touch()
-            next_phase[job] = phase + 1
+def _jobfile(folder: Path, job: dict[str, Any]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / "job.json"
+    path.write_text(json.dumps({**job, "result": str(folder / "result")}))
+    return path
 
 
-def _job_file(args: argparse.Namespace, variant: dict[str, Any], tmp: Path) -> tuple[Path, list[str]]:
-    """Write a variant's job file into a fresh folder; the folder and the job's links (phase 0 trains)."""
-    folder = Path(tempfile.mkdtemp(prefix=variant["name"].replace("/", "-") + "-", dir=tmp))
-    train_link = args.async_link if variant["algorithm"] == "async" else "none"
-    links = [train_link] + [link for _ in range(args.repeats) for link in args.links]
-    h_t = timing_round(variant)
-    job = {
-        **settings(args),
-        **{k: variant[k] for k in ("front_end", "algorithm", "options")},
-        "links": links,
-        "timing_sync_every": h_t,
-        "timed_rounds": 4 if not h_t else max(1, 8 // h_t),
-        "phase_wait_s": args.job_timeout,  # a twin's whole job at most
-    }
-    (folder / "job.json").write_text(json.dumps(job))
-    return folder, links
+def _argv(path: Path) -> list[str]:
+    return [sys.executable, str(HERE / "lm_study_worker.py"), str(path)]
 
 
-def run_variants(
-    args: argparse.Namespace, net: nh.Network, variants: list[dict[str, Any]], tmp: Path
+def _mpi(variant: dict[str, Any]) -> bool:
+    return variant["front_end"] == "jax" and variant["algorithm"] not in ("pmean",)
+
+
+def train(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
+    """The ``train`` half (the module docstring): one job per variant not yet trained."""
+    todo = [v for v in _selected(args) if v["name"] not in data["train"] and v["algorithm"] not in OWN_CURVE]
+    with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
+        for i, variant in enumerate(todo):
+            budget = args.steps or STUDY.steps
+            steps = budget if twin(variant) is None else max(1, round(args.check_fraction * budget))
+            job = {"settings": STUDY.as_dict(), **_fields(variant), "mode": "train", "steps": steps,
+                   "study_pid": os.getpid()}  # fmt: skip
+            path = _jobfile(Path(tmp) / variant["name"].replace("/", "-"), job)
+            started = time.strftime("%F %T")
+            outcome = run_ranks(net, _argv(path), path.parent / "result", mpi=_mpi(variant), timeout=args.job_timeout)
+            row = {**variant, "steps": steps, "started": started, **outcome.row()}
+            if outcome.status == "ok":
+                row.update(lm_study_report.summarize_training(outcome.ranks))
+            data["train"][variant["name"]] = row
+            save()
+            print(f"[{i + 1}/{len(todo)}] {lm_study_report.train_line(row)}", flush=True)
+
+
+def _fields(variant: dict[str, Any]) -> dict[str, Any]:
+    """What a job file takes of a variant: its front end, algorithm, options, and its own schedule if it has one."""
+    return {k: variant[k] for k in ("front_end", "algorithm", "options", "schedule") if k in variant}
+
+
+def time_steps(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
+    """The ``time`` half (the module docstring): groups of ``--group`` variants, their phases interleaved, each timed
+    phase behind the load gate; asynchronous averaging trains at each link."""
+    todo = [v for v in _selected(args) if v["name"] not in data["timing"]]
+    gate = LoadGate(args.max_load, attempts=args.attempts)
+    try:
+        with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
+            for start in range(0, len(todo), args.group):
+                group = todo[start : start + args.group]
+                for variant, row in zip(group, _time_group(args, net, gate, group, Path(tmp))):
+                    data["timing"][variant["name"]] = row
+                    print(lm_study_report.timing_line(row), flush=True)
+                save()
+    finally:
+        gate.close()
+
+
+def _time_group(
+    args: argparse.Namespace, net: Network, gate: LoadGate, group: list[dict[str, Any]], tmp: Path
 ) -> list[dict[str, Any]]:
-    """Run the variants' jobs side by side, their phases interleaved (:class:`PhaseControl`); each variant's row (the
-    ranks' raw results, or the log's tail when it failed). Two variants are a pair, each timed against the other."""
-    jobs = [_job_file(args, variant, tmp) for variant in variants]
-    control = PhaseControl(net, jobs)
-    codes: list[list[int | None]] = [[] for _ in variants]
+    jobs, paths = [], []
+    for variant in group:
+        h_t = timing_round(variant)
+        if variant["algorithm"] in OWN_CURVE:
+            links, timed = list(args.links), [True] * len(args.links)
+            job = {"mode": "async", "steps": STUDY.steps}
+        else:
+            links = ["none"] + [link for _ in range(args.repeats) for link in args.links]
+            timed = [False] + [True] * (len(links) - 1)
+            options = {**variant["options"], **TIMING_OPTIONS.get(variant["algorithm"], {})}
+            variant = {**variant, "options": options}
+            job = {"mode": "time", "timing_round": h_t, "timed_rounds": args.timed_steps if not h_t else 2}
+        job = {"settings": STUDY.as_dict(), **_fields(variant), **job, "links": links, "timed": timed,
+               "phase_wait_s": args.job_timeout}  # fmt: skip
+        paths.append(_jobfile(tmp / variant["name"].replace("/", "-"), job))
+        jobs.append(PhasedJob(paths[-1].parent, links, timed))
+    runner = PhaseRunner(net, jobs, gate)
+    outcomes: list[Any] = [None] * len(group)
+    aborted = threading.Lock()
 
     def launch(i: int) -> None:
-        argv = [sys.executable, str(HERE / "lm_study_worker.py"), str(jobs[i][0] / "job.json")]
-        timeout = args.job_timeout * len(variants)
-        with open(jobs[i][0] / "log", "w") as log:
-            if variants[i]["front_end"] == "jax" and variants[i]["algorithm"] != "pmean":
-                codes[i] = net.run_mpi(argv, timeout, base_env=child_env(), stdout=log)
-            else:
-                codes[i] = net.run_all(argv, free_port(), timeout, base_env=child_env(), stdout=log)
+        outcomes[i] = run_ranks(net, _argv(paths[i]), paths[i].parent / "result", mpi=_mpi(group[i]),
+                                timeout=args.job_timeout)  # fmt: skip
+        if outcomes[i].status != "ok" and aborted.acquire(blocking=False):
+            runner.abort()  # the group's other jobs would wait for phases this one never reaches
 
-    launchers = [threading.Thread(target=launch, args=(i,)) for i in range(len(variants))]
-    load_before, start = load_average(), time.perf_counter()
-    control.start()
-    for launcher in launchers:
-        launcher.start()
-    for launcher in launchers:
-        launcher.join()
-    control.stop.set()
-    control.join()
-    common = {"wall_s": round(time.perf_counter() - start, 1), "load_before": load_before}
-    common["load_after"] = load_average()
-    names = [variant["name"] for variant in variants]
-    return [
-        _row(variant, folder, codes[i], {**common, **({"interleaved_with": names[1 - i]} if len(names) == 2 else {})})
-        for i, (variant, (folder, _)) in enumerate(zip(variants, jobs))
-    ]
+    launchers = [threading.Thread(target=launch, args=(i,)) for i in range(len(group))]
+    runner.start()
+    for thread in launchers:
+        thread.start()
+    for thread in launchers:
+        thread.join()
+    runner.stop.set()
+    runner.join()
+    rows = []
+    for i, (variant, outcome) in enumerate(zip(group, outcomes)):
+        row = {**variant, "timing_round": timing_round(variant), "date": time.strftime("%F %T"), **outcome.row(),
+               "interleaved_with": [v["name"] for v in group if v is not variant]}  # fmt: skip
+        if outcome.status == "ok":
+            ranks = [{**r, "phases": kept(r["phases"], runner.records, i)} for r in outcome.ranks]
+            row.update(lm_study_report.summarize_timing(ranks, row))
+        rows.append(row)
+    return rows
 
 
-def _row(variant: dict[str, Any], folder: Path, codes: list[int | None], common: dict[str, Any]) -> dict[str, Any]:
-    job = json.loads((folder / "job.json").read_text())
-    row = {
-        **variant,
-        "train_link": job["links"][0],
-        "timing_sync_every": job["timing_sync_every"],
-        **common,
-        "exit_codes": codes,
-    }
-    ranks = [json.loads(p.read_text()) for p in sorted(folder.glob("rank*.json"))]
-    if len(ranks) != len(codes):
-        tail = (folder / "log").read_text(errors="replace").strip().splitlines()[-40:]
-        return {**row, "status": "timeout" if None in codes else "failed", "log_tail": tail}
-    return {**row, "status": "ok", **lm_study_report.summarize(ranks, job)}
-
-
-def _todo(args: argparse.Namespace, rows: dict[str, dict[str, Any]]) -> list[list[dict[str, Any]]]:
-    """The jobs to run, each one variant or (``--pairs``) a torch variant and its JAX twin; without the variants already
-    done (a pair: done side by side)."""
-    by_name = {v["name"]: v for v in variants()}
-    if args.pairs:
-        pairs = [[by_name[f"torch/{label}"], by_name[f"jax/{label}"]] for label in args.pairs]
-        done = {name for name, row in rows.items() if row["status"] == "ok" and row.get("interleaved_with")}
-        return [pair for pair in pairs if not all(v["name"] in done for v in pair)]
-    todo = [v for v in by_name.values() if (args.only is None or v["name"] in args.only)]
-    return [[v] for v in todo if rows.get(v["name"], {}).get("status") != "ok"]
+def _selected(args: argparse.Namespace) -> list[dict[str, Any]]:
+    every = variants() + (search_variants() if args.command == "train" else [])
+    names = {v["name"] for v in every}
+    unknown = sorted(set(args.only or ()) - names)
+    if unknown:
+        raise SystemExit(f"lm_study: unknown variants {unknown}; the variants: {sorted(names)}")
+    return [v for v in every if args.only is None or v["name"] in args.only]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="run only these variants (front/label)")
-    p.add_argument(
-        "--pairs",
-        nargs="+",
-        default=None,
-        metavar="LABEL",
-        help="run torch/LABEL and jax/LABEL as one job, their phases interleaved, for the JAX/torch step time ratio "
-        "(rerun unless already run so)",
-    )
-    p.add_argument("--steps", type=int, default=200, help="training steps per variant (default 200)")
-    p.add_argument("--batch", type=int, default=1, help="windows of 129 bytes per rank and step (default 1)")
-    p.add_argument("--lr", type=float, default=1e-3)
-    p.add_argument("--weight-decay", type=float, default=0.01)
-    p.add_argument("--eval-every", type=int, default=25)
-    p.add_argument("--heldout-windows", type=int, default=32)
-    p.add_argument("--links", nargs="+", default=DEFAULT_LINKS, help="per-rank link rates timed; 'none' = unshaped")
-    p.add_argument("--async-link", default="100mbit", help="the link asynchronous averaging trains at")
-    p.add_argument("--repeats", type=int, default=2, help="timing phases per link, interleaved")
-    p.add_argument("--job-timeout", type=float, default=900)
-    p.add_argument("--study-timeout", type=float, default=3300, help="start no variant after this many seconds")
+    p.add_argument("command", choices=["train", "time", "report"])
+    p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these variants (front/label)")
+    p.add_argument("--check-fraction", type=float, default=CHECK_FRACTION,
+                   help="the part of the budget a JAX variant trains to check its torch twin's curve")  # fmt: skip
+    p.add_argument("--steps", type=int, default=None,
+                   help="train the first STEPS steps of the schedule (default: all)")  # fmt: skip
+    p.add_argument("--links", nargs="+", default=LINKS, type=link_name, help="per-rank links timed; 'none': unshaped")
+    p.add_argument("--repeats", type=int, default=3, help="timing phases per link and variant, interleaved")
+    p.add_argument("--group", type=int, default=4, help="variants whose timing phases are interleaved")
+    p.add_argument("--timed-steps", type=int, default=5, help="timed steps per phase (DiLoCo: 2 rounds)")
+    p.add_argument("--max-load", type=float, default=None, help="the load gate's limit (default 0.75 per core)")
+    p.add_argument("--attempts", type=int, default=3, help="runs of a phase whose load keeps it from being published")
+    p.add_argument("--job-timeout", type=float, default=None,
+                   help="seconds a job may run (default: 6 hours to train, paused or not; 1 hour to time)")  # fmt: skip
     p.add_argument("--name", default="lm-study")
-    p.add_argument("--report", action="store_true", help="only rewrite md + png from the json")
-    add_out_option(p)
+    p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.job_timeout is None:
+        args.job_timeout = 6 * 3600 if args.command == "train" else 3600
     json_path = args.out / f"{args.name}.json"
     data = json.loads(json_path.read_text()) if json_path.exists() else None
-    if args.report:
+    if args.command == "report":
         lm_study_report.write(args.out, args.name, data)
         return 0
-    nh.require_root()
-    if data is None or data["settings"] != settings(args):
+    require_root()
+    if data is None or data["settings"] != STUDY.as_dict():
         meta = run_meta(("torch", "jax"), argv=sys.argv[1:] if argv is None else argv)
-        meta["netem"] = bool(nh.probe().get("netem"))
-        data = {"meta": meta, "settings": settings(args), "rows": {}, "load_samples": []}
-    todo = _todo(args, data["rows"])
-    if args.pairs:
-        data["meta"].setdefault("pair_runs", []).append(
-            {"command": " ".join(["python", "benchmarks/lm_study.py", *sys.argv[1:]]), "date": time.strftime("%F %T")}
-        )
-    start = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, nh.Network(NRANKS, None) as net:
-        for i, unit in enumerate(todo):
-            if time.perf_counter() - start > args.study_timeout:
-                print(f"study timeout: {len(todo) - i} jobs left", flush=True)
-                break
-            data["load_samples"].append([time.strftime("%H:%M:%S"), load_average()])
-            for row in run_variants(args, net, unit, Path(tmp)):
-                data["rows"][row["name"]] = row
-                print(f"[{i + 1}/{len(todo)}] {lm_study_report.one_line(row)}", flush=True)
-            finish_meta(data["meta"])
-            args.out.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps(data, indent=1) + "\n")
+        data = {"meta": meta, "settings": STUDY.as_dict(), "train": {}, "timing": {}, "commands": []}
+    data["meta"]["netem"] = bool(probe().get("netem"))
+    command = " ".join(["python", "benchmarks/lm_study.py", *(sys.argv[1:] if argv is None else argv)])
+    data["commands"].append({"command": command, "date": time.strftime("%F %T")})
+
+    def save() -> None:
+        finish_meta(data["meta"])
+        args.out.mkdir(parents=True, exist_ok=True)
+        json_path.write_text(json.dumps(data, indent=1) + "\n")
+
+    (train if args.command == "train" else time_steps)(args, data, save)
+    save()
     lm_study_report.write(args.out, args.name, data)
     return 0
 

@@ -1,301 +1,536 @@
-"""The LM study's figures from its ranks' raw results: time per step per link, bytes, time to DDP's loss, the bars;
-its Markdown tables and its plots (``benchmarks/lm_study.py`` runs the jobs)."""
+"""The LM study's figures from its jobs' raw results: the curves, the time per step per link, the time to each
+target, the bars; its Markdown (``benchmarks/results/lm-study.md`` and the docs page) and its plots
+(``benchmarks/lm_study.py`` runs the jobs; its docstring says what each figure means)."""
 
 from __future__ import annotations
 
 import dataclasses
 import statistics
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from harness import plots
-from harness.results import header_lines, write_results
+from harness.links import parse_rate, rate_label
+from harness.repeats import Spread, spread
+from harness.results import ROOT, header_lines, load_lines, table, write_results
 
 BASELINE = "torch/ddp"
 REPORT_LINK = "100mbit"
+FIXED_TARGET = 2.0
+BASELINE_FRACTION = 0.8
+"""Target (a): DDP fp32's held-out loss at this fraction of its budget."""
+CHECK_TOLERANCE = 0.02
+"""Largest gap (nats/byte) at any evaluation of the checked part for a JAX variant to use its torch twin's curve."""
 PEERS = ("ddp", "ddp_fp16", "ddp_powersgd_rank4", "pmean")
-NEAR = 1.01
-"""The looser target: DDP's final held-out loss plus 1%. At the study's budget the loss is on a plateau where it
-moves by about 1% between evaluations, so "reached DDP's loss exactly" is partly chance."""
+DOCS_PAGE = ROOT / "docs" / "results" / "lm_study.md"
 
 
-def summarize(ranks: list[dict[str, Any]], job: dict[str, Any]) -> dict[str, Any]:
-    """A variant's figures from every rank's result: rank 0's held-out curve, the bytes each rank sent per training
-    step (mean over ranks), and per link the time per step (median over the repeats; see lm_study's docstring for
-    DiLoCo's rounds)."""
+# --- the jobs' raw results -> rows --------------------------------------------------------------------------------
+
+
+def summarize_training(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """A trained variant's figures: rank 0's held-out curve, the bytes sent per rank (mean over the ranks) at each
+    evaluation, and per step over the run."""
     rank0 = next(r for r in ranks if r["rank"] == 0)
-    steps, h_t = job["steps"], job["timing_sync_every"]
-    phases: dict[str, list[list[float]]] = {}
-    phase_bytes: dict[str, list[float]] = {}
-    for i, first in enumerate(rank0["phases"]):
-        per_step = [statistics.fmean(r["phases"][i]["step_s"][j] for r in ranks) for j in range(len(first["step_s"]))]
-        phases.setdefault(first["link"], []).append(per_step)
-        phase_bytes.setdefault(first["link"], []).append(
-            statistics.fmean(r["phases"][i]["bytes"] for r in ranks) / len(per_step)
-        )
-    timing = {}
-    for link, repeats in phases.items():
-        round_ms = statistics.median(1e3 * statistics.fmean(times) for times in repeats)
-        entry = {"phase_ms": [round(1e3 * statistics.fmean(t), 2) for t in repeats], "round_ms": round_ms}
-        if h_t:
-            local_ms = 1e3 * statistics.median(t for times in repeats for t in times)
-            entry["local_ms"] = local_ms
-            entry["ms_per_step"] = _at_trained_round(local_ms, round_ms, h_t, job)
-            entry["phase_ms_per_step"] = [
-                round(_at_trained_round(1e3 * statistics.median(t), 1e3 * statistics.fmean(t), h_t, job), 2)
-                for t in repeats
-            ]
-        else:
-            entry["ms_per_step"] = round_ms
-        entry["timed_bytes_per_step"] = statistics.median(phase_bytes[link])
-        timing[link] = entry
+    steps = [s for s, _ in ranks[0]["sent"]]
+    sent = [[s, statistics.fmean(dict(r["sent"])[s] for r in ranks)] for s in steps]
     return {
         "curve": rank0["curve"],
         "final_loss": rank0["curve"][-1][1],
-        "bytes_per_step": statistics.fmean(r["train_bytes"] for r in ranks) / steps,
-        "train_s": max(r["train_s"] for r in ranks),
-        "ms_per_step": {link: round(entry["ms_per_step"], 2) for link, entry in timing.items()},
-        "timing": timing,
+        "sent": sent,
+        "bytes_per_step": sent[-1][1] / max(1, sent[-1][0]),
+        "train_s": round(max(r["train_s"] for r in ranks), 1),
     }
 
 
-def _at_trained_round(local_ms: float, round_ms: float, h_t: int, job: dict[str, Any]) -> float:
-    """DiLoCo's time per step at its trained round length from one timed with rounds of ``h_t`` steps."""
-    return local_ms + (round_ms - local_ms) * h_t / job["options"]["sync_every"]
+def summarize_timing(ranks: list[dict[str, Any]], row: dict[str, Any]) -> dict[str, Any]:
+    """A timed variant's figures per link: each phase (repeat) kept with its load; from the published ones the time
+    per step (see lm_study's docstring for DiLoCo's rounds) and the bytes per step; for asynchronous averaging, each
+    phase's training curve at the link."""
+    rank0 = next(r for r in ranks if r["rank"] == 0)
+    links: dict[str, dict[str, Any]] = {}
+    for i, first in enumerate(rank0["phases"]):
+        if first["load"] is None:
+            continue  # the untimed phase
+        entry = links.setdefault(first["link"], {"phases": []})
+        phase = {"load": first["load"], "set_aside": first["set_aside"]}
+        if "curve" in first:  # asynchronous averaging: a training run at the link
+            phase.update(curve=first["curve"], wall_s=round(first["wall_s"], 2))
+            phase["bytes_per_step"] = statistics.fmean(r["phases"][i]["bytes"] for r in ranks) / first["curve"][-1][0]
+        else:
+            count = len(first["step_s"])
+            per_step = [statistics.fmean(r["phases"][i]["step_s"][j] for r in ranks) for j in range(count)]
+            phase["ms_per_step"] = round(_per_step_ms(per_step, row), 3)
+            phase["bytes_per_step"] = statistics.fmean(r["phases"][i]["bytes"] for r in ranks) / len(per_step)
+        entry["phases"].append(phase)
+    for entry in links.values():
+        published = [p for p in entry["phases"] if p["load"]["published"]] or entry["phases"]
+        entry["published"] = all(p["load"]["published"] for p in published)
+        entry["bytes_per_step"] = statistics.median(p["bytes_per_step"] for p in published)
+        if "ms_per_step" in published[0]:
+            entry["ms_per_step"] = spread(p["ms_per_step"] for p in published).as_dict()
+    return {"links": links}
 
 
-def repeat_ms(row: dict[str, Any], link: str) -> list[float]:
-    """A variant's time per step at ``link`` in each timing phase (repeat), in the order they ran."""
-    entry = row["timing"][link]
-    return entry.get("phase_ms_per_step", entry["phase_ms"])
+def _per_step_ms(step_s: list[float], row: dict[str, Any]) -> float:
+    """A phase's time per step: the mean step, or for DiLoCo timed with rounds of ``h_t`` steps the time per step
+    at its trained H, ``local + (round - local) * h_t / H``."""
+    mean = 1e3 * statistics.fmean(step_s)
+    h_t = row["timing_round"]
+    if not h_t:
+        return mean
+    local = 1e3 * statistics.median(step_s)
+    return local + (mean - local) * h_t / sync_every(row)
 
 
-def step_time_ratios(jax_row: dict[str, Any], torch_row: dict[str, Any], link: str) -> tuple[float, float, float]:
-    """JAX/torch time per step at ``link``: (median, min, max) over the repeats, each the ratio of the two phases
-    that ran next to each other when the two were a pair (``--pairs``); else the ratio of the medians, thrice."""
-    if jax_row.get("interleaved_with") != torch_row["name"]:
-        ratio = jax_row["ms_per_step"][link] / torch_row["ms_per_step"][link]
-        return ratio, ratio, ratio
-    ratios = [j / t for j, t in zip(repeat_ms(jax_row, link), repeat_ms(torch_row, link))]
-    return statistics.median(ratios), min(ratios), max(ratios)
+def sync_every(row: dict[str, Any]) -> int:
+    """DiLoCo's H: its option, else its configuration's default."""
+    return int(row["options"].get("sync_every", _defaults(row["algorithm"]).get("sync_every", 1)))
 
 
-def steps_to(curve: list[list[float]], target: float) -> float | None:
-    """The first step at which the held-out ``curve`` reaches ``target`` (linear between evaluations), or None."""
-    for i, (step, loss) in enumerate(curve):
-        if loss <= target:
-            if i == 0:
-                return float(step)
-            s0, l0 = curve[i - 1]
-            return s0 + (l0 - target) / (l0 - loss) * (step - s0)
-    return None
-
-
-def one_line(row: dict[str, Any]) -> str:
-    """A row as one progress line."""
-    if row["status"] != "ok":
-        return f"{row['name']}: {row['status']} ({row['wall_s']} s): " + " / ".join(row.get("log_tail", [])[-3:])
-    ms = ", ".join(f"{k} {v:.0f} ms" for k, v in row["ms_per_step"].items())
-    return (
-        f"{row['name']}: loss {row['final_loss']:.4f}, {row['bytes_per_step'] / 1e6:.3f} MB/step, {ms} "
-        f"({row['wall_s']} s, load {row['load_before']} -> {row['load_after']})"
-    )
-
-
-def full_precision_steps(row: dict[str, Any]) -> int:
-    """The steps an algorithm runs uncompressed before its own steps: QAdam's and 1-bit Adam's warm-up, PowerSGD's
-    exact steps, asynchronous averaging's allreduce warm-up (its options, else its configuration's default); 0 for
-    the others."""
+def _defaults(algorithm: str) -> dict[str, Any]:
     from bagua_common.algorithms import configs  # noqa: F401 (importing it registers the configurations)
     from bagua_common.algorithms.registry import CONFIGS
 
-    config = CONFIGS.get(row["algorithm"])
-    defaults = {field.name: field.default for field in dataclasses.fields(config)} if config else {}
+    config = CONFIGS.get(algorithm)
+    return {f.name: f.default for f in dataclasses.fields(config)} if config else {}
+
+
+def uncompressed_steps(row: dict[str, Any]) -> int:
+    """The steps an algorithm runs as a plain gradient allreduce before its own: QAdam's and 1-bit Adam's warm-up,
+    PowerSGD's exact steps (ours and DDP's hook), asynchronous averaging's warm-up; 0 for the others."""
+    if row["algorithm"] == "ddp_powersgd_rank4":
+        return 10
+    defaults = _defaults(row["algorithm"])
     key = next((k for k in ("warmup_steps", "start_iter") if k in defaults), None)
     return int(row["options"].get(key, defaults[key])) if key else 0
 
 
-def _time_to(row: dict[str, Any], link: str, target: float, base: dict[str, Any]) -> float | None:
-    """Seconds to reach ``target`` at ``link`` (:func:`elapsed` of the steps needed); asynchronous averaging only at
-    the link it trained at."""
-    steps = steps_to(row["curve"], target)
-    if steps is None or link not in row["ms_per_step"]:
-        return None
-    if row["algorithm"] == "async" and link != row["train_link"]:
-        return None
-    return elapsed(row, steps, link, base)
+def uncompressed_twin(row: dict[str, Any]) -> str:
+    """The variant whose time per step the uncompressed first steps take: the same front end's gradient allreduce
+    (DDP for torch's PowerSGD hook)."""
+    return BASELINE if row["algorithm"] == "ddp_powersgd_rank4" else f"{row['front_end']}/gradient_allreduce"
 
 
-def elapsed(row: dict[str, Any], steps: float, link: str, base: dict[str, Any]) -> float:
-    """Seconds a variant's first ``steps`` steps take at ``link``: its time per step there, the uncompressed first
-    steps (:func:`full_precision_steps`) at DDP fp32's (``base``)."""
-    uncompressed = min(steps, full_precision_steps(row))
-    return (uncompressed * base["ms_per_step"][link] + (steps - uncompressed) * row["ms_per_step"][link]) / 1e3
+# --- curves and targets ----------------------------------------------------------------------------------------
 
 
-def _run_time(row: dict[str, Any], link: str) -> float:
-    """Seconds of a variant's whole training run at ``link``."""
-    return row["curve"][-1][0] * row["ms_per_step"][link] / 1e3
+def steps_to(curve: Sequence[Sequence[float]], target: float) -> float | None:
+    """The first step at which the held-out ``curve`` ([step, loss, ...] points) reaches ``target`` (linear between
+    evaluations), or None."""
+    for i, (step, loss, *_) in enumerate(curve):
+        if loss <= target:
+            if i == 0:
+                return float(step)
+            s0, l0 = curve[i - 1][0], curve[i - 1][1]
+            return s0 + (l0 - target) / (l0 - loss) * (step - s0)
+    return None
 
 
-def _fmt(value: float | None, spec: str = ".1f", missing: str = "not reached") -> str:
-    return missing if value is None else format(value, spec)
+def loss_at(curve: Sequence[Sequence[float]], step: float) -> float:
+    """The held-out loss at ``step`` (linear between evaluations)."""
+    for (s0, l0, *_), (s1, l1, *_) in zip(curve, curve[1:]):
+        if s0 <= step <= s1:
+            return l0 + (l1 - l0) * (step - s0) / (s1 - s0)
+    raise ValueError(f"step {step} is outside the curve ({curve[0][0]}-{curve[-1][0]})")
 
 
-def table_lines(rows: dict[str, dict[str, Any]], links: list[str]) -> list[str]:
-    """The main table: every variant that finished, against DDP fp32."""
-    base = rows.get(BASELINE)
-    target = base["final_loss"] if base else None
-    head = ["variant", "held-out loss", "vs DDP", "bytes/step/rank", "DDP/bytes"]
-    head += [f"ms/step {link}" for link in links] + ["steps to DDP loss", "steps to DDP loss +1%"]
-    head += [f"s to DDP loss @{link}" for link in links]
-    head += [f"vs DDP's run @{REPORT_LINK}", "same, to DDP loss +1%"]
-    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    ddp_time = _run_time(base, REPORT_LINK) if base else None
-    for row in rows.values():
-        if row["status"] != "ok":
-            lines.append(f"| {row['name']} | {row['status']} |" + " |" * (len(head) - 2))
-            continue
-        cells = [row["name"], f"{row['final_loss']:.4f}"]
-        cells.append(f"{100 * (row['final_loss'] / target - 1):+.1f}%" if target else "")
-        cells.append(f"{row['bytes_per_step'] / 1e6:.4f} MB")
-        cells.append(f"{base['bytes_per_step'] / row['bytes_per_step']:.0f}x" if base and row["bytes_per_step"] else "")
-        cells += [_fmt(row["ms_per_step"].get(link), ".0f", "") for link in links]
-        cells += [_fmt(steps_to(row["curve"], goal) if target else None, ".0f") for goal in (target, NEAR * target)]
-        times = {link: _time_to(row, link, target, base) if target else None for link in links}
-        cells += [_fmt(times[link], ".1f", "-") for link in links]
-        for goal in (target, NEAR * target):
-            mine = _time_to(row, REPORT_LINK, goal, base) if target else None
-            cells.append(f"{mine / ddp_time:.2f}" if mine is not None and ddp_time else "not reached")
-        lines.append("| " + " | ".join(cells) + " |")
-    return lines
-
-
-def bar_lines(rows: dict[str, dict[str, Any]], links: list[str], steps: int) -> list[str]:
-    """The issues' bars, each with its figures and whether it is met."""
-    ok = {k: r for k, r in rows.items() if r["status"] == "ok"}
-    base = ok.get(BASELINE)
-    if base is None or REPORT_LINK not in base["ms_per_step"]:
-        return ["(no DDP fp32 result at 100 Mbit/s: no bars)"]
-    target, ddp_time = base["final_loss"], _run_time(base, REPORT_LINK)
-    out = [f"DDP fp32: final held-out loss {target:.4f} after {steps} steps, {ddp_time:.1f} s at 100 Mbit/s.", ""]
-    for fe in ("torch", "jax"):
-        for goal, what in ((target, "DDP's loss"), (NEAR * target, "DDP's loss +1%")):
-            mine = [
-                (t / ddp_time, r["name"])
-                for r in ok.values()
-                if r["front_end"] == fe and r["algorithm"] not in PEERS
-                for t in [_time_to(r, REPORT_LINK, goal, base)]
-                if t is not None
-            ]
-            if mine:
-                ratio, name = min(mine)
-                verdict = "met" if ratio <= 1 / 3 else "missed"
-                out.append(
-                    f"- {fe}: fastest to {what} at 100 Mbit/s: {name}, {ratio:.2f}x DDP's run (bar <= 0.33): {verdict}"
-                )
-            else:
-                out.append(f"- {fe}: no algorithm reached {what} within {steps} steps: missed")
-    pairs = sorted({r["name"].split("/", 1)[1] for r in ok.values() if r["front_end"] == "jax"})
-    for label in pairs:
-        torch_row, jax_row = ok.get(f"torch/{label}"), ok.get(f"jax/{label}")
-        if torch_row and jax_row:
-            ratios = {link: step_time_ratios(jax_row, torch_row, link) for link in links}
-            worst = max(max(r, 1 / r) for r, _, _ in ratios.values())
-            if jax_row.get("interleaved_with") == torch_row["name"]:
-                how = f"side by side, median [range] of {len(repeat_ms(jax_row, links[0]))} interleaved repeats"
-                text = ", ".join(f"{link} {r:.2f} [{lo:.2f}-{hi:.2f}]" for link, (r, lo, hi) in ratios.items())
-            else:
-                how = "separate jobs"
-                text = ", ".join(f"{link} {r:.2f}" for link, (r, _, _) in ratios.items())
-            out.append(
-                f"- {label}: JAX/torch step time {text} ({how}; bar within 1.3x): {'met' if worst <= 1.3 else 'missed'}"
-            )
-    for row in ok.values():
-        if row["algorithm"] != "diloco":
-            continue
-        gap = row["final_loss"] / target - 1
-        fewer = base["bytes_per_step"] / row["bytes_per_step"] if row["bytes_per_step"] else float("inf")
-        time_ratio = row["ms_per_step"][REPORT_LINK] / base["ms_per_step"][REPORT_LINK]
-        if row["options"].get("fragments", 1) > 1:
-            met = gap <= 0.03 and fewer >= 400
-            bar = "loss within 3%, >= 400x fewer bytes"
-        else:
-            met = gap <= 0.02 and fewer >= 100 and time_ratio <= 0.2
-            bar = "loss within 2%, >= 100x fewer bytes, <= 1/5 of DDP's time for the same tokens"
-        out.append(
-            f"- {row['name']}: loss {100 * gap:+.1f}% vs DDP at equal tokens, {fewer:.0f}x fewer bytes, "
-            f"{time_ratio:.2f}x DDP's time per step at 100 Mbit/s (bar: {bar}): {'met' if met else 'missed'}"
+def targets(data: dict[str, Any]) -> dict[str, float]:
+    """The two targets (lm_study's docstring), by label; (a) only once DDP fp32 has trained."""
+    out = {}
+    base = data["train"].get(BASELINE)
+    if base and base.get("status") == "ok":
+        out[f"DDP's loss at {BASELINE_FRACTION:.0%} of its budget"] = loss_at(
+            base["curve"], BASELINE_FRACTION * base["steps"]
         )
+    out[f"fixed {FIXED_TARGET}"] = FIXED_TARGET
     return out
 
 
-def plot(rows: dict[str, dict[str, Any]], path: Path) -> Path | None:
-    """Held-out loss against wall-clock time at 100 Mbit/s (warm-ups at DDP's time per step) and against bytes sent
-    per rank."""
-    drawn = plots.figure(1, 2, size=(7.5, 6.5))
-    if drawn is None:
-        return None
-    fig, ((by_time, by_bytes),) = drawn
-    from matplotlib import colormaps
+def curve_of(data: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, str]:
+    """(the training row whose curve stands for variant ``name``, how it was obtained): its own full run, or its
+    torch twin's once the JAX run's checked part matched (see :data:`CHECK_TOLERANCE`)."""
+    import lm_study
 
-    colors = colormaps["tab20"]
-    base = rows.get(BASELINE)
-    for i, row in enumerate(r for r in rows.values() if r["status"] == "ok"):
-        steps = [s for s, _ in row["curve"]]
-        losses = [loss for _, loss in row["curve"]]
-        style = dict(color=colors(i % 20), linestyle="--" if row["front_end"] == "jax" else "-", label=row["name"])
-        if base and REPORT_LINK in row["ms_per_step"]:
-            by_time.plot([elapsed(row, s, REPORT_LINK, base) for s in steps], losses, **style)
-        by_bytes.plot([s * row["bytes_per_step"] / 1e6 for s in steps[1:]], losses[1:], **style)
-    by_time.set_xlabel("wall-clock time at 100 Mbit/s (s)")
-    by_bytes.set_xlabel("bytes sent per rank (MB, log)")
-    by_bytes.set_xscale("log")
-    for ax in (by_time, by_bytes):
-        ax.set_ylabel("held-out loss (nats per byte)")
-        ax.grid(alpha=0.3)
-    by_bytes.legend(fontsize=6, ncol=2)
-    fig.suptitle("small GPT (3.26M), 4 ranks, CPU: held-out loss (torch solid, JAX dashed)")
-    return plots.save(fig, path, dpi=100)
+    row = data["train"].get(name)
+    if row is None or row.get("status") != "ok":
+        return None, "not trained"
+    variant = next((v for v in lm_study.variants() if v["name"] == name), row)
+    twin = lm_study.twin(variant)
+    if twin is None:
+        return row, "own run"
+    source = data["train"].get(twin)
+    if source is None or source.get("status") != "ok":
+        return None, f"{twin} not trained"
+    gap = check_gap(row["curve"], source["curve"])
+    if gap > CHECK_TOLERANCE:
+        return None, f"differs from {twin} by {gap:.3f} in its first {row['steps']} steps"
+    return source, f"{twin}'s, checked on its first {row['steps']} steps (largest gap {gap:.3f})"
 
 
-def write(out: Path, name: str, data: dict[str, Any] | None) -> None:
-    """Write ``<name>.md`` and ``<name>.png`` from the study's data (the JSON it keeps)."""
-    if data is None:
-        raise SystemExit(f"no {name}.json in {out}: run the study first")
-    meta, cfg, rows = data["meta"], data["settings"], data["rows"]
-    links = sorted({link for r in rows.values() for link in r.get("ms_per_step", {})}, key=_link_order)
-    tokens = cfg["ranks"] * cfg["batch"] * 128
-    loads = [sample[1][0] for sample in data["load_samples"]]
-    lines = [
-        "# LM study: every algorithm on the small GPT over shaped links",
-        "",
-        *header_lines(meta),
-        *(f"- pairs rerun side by side: `{run['command']}` ({run['date']} UTC)" for run in meta.get("pair_runs", [])),
-        f"- 1-minute load average before each variant: min {min(loads, default=0)}, "
-        f"median {round(statistics.median(loads), 2) if loads else 0}, max {max(loads, default=0)} "
-        "(samples in the JSON)",
-        f"- {cfg['ranks']} ranks, GPT {cfg['size']}, {cfg['batch']} windows of 128 predicted bytes per rank and step "
-        f"({tokens} tokens per step), {cfg['steps']} steps ({cfg['steps'] * tokens} tokens) per variant; AdamW lr "
-        f"{cfg['lr']} (QAdam / 1-bit Adam: their own Adam, same lr, default warm-up); held-out loss of rank 0's model "
-        f"on {cfg['heldout_windows']} windows every {cfg['eval_every']} steps",
-        "- links: per-rank bandwidth shaped by the kernel's tbf on both ends of each veth pair "
-        + ("(netem available, not used)" if meta.get("netem") else "(the kernel has no sch_netem: no latency added)")
-        + "; torch and plain JAX over gloo, bagua_jax over the native MPI engine",
-        "",
-        *table_lines(rows, links),
-        "",
-        "## Bars",
-        "",
-        *bar_lines(rows, links, cfg["steps"]),
-        "",
-    ]
-    write_results(out, name, lines, data)
-    plot(rows, out / f"{name}.png")
+def check_gap(part: Sequence[Sequence[float]], full: Sequence[Sequence[float]]) -> float:
+    """The largest |loss difference| between a checked part of a run and the full run it should follow, at the
+    evaluations they share after the first."""
+    theirs = {s: loss for s, loss, *_ in full}
+    return max((abs(loss - theirs[s]) for s, loss, *_ in part[1:] if s in theirs), default=float("inf"))
+
+
+@dataclasses.dataclass
+class TimeToTarget:
+    """A variant's time to a target at a link: ``seconds`` (median, min, max over the timed repeats), or why not
+    (``missing``), with the ``final_loss`` when the target was never reached."""
+
+    seconds: Spread | None = None
+    steps: float | None = None
+    missing: str = ""
+    final_loss: float | None = None
+
+    def format(self) -> str:
+        if self.seconds is not None:
+            return self.seconds.format(".1f")
+        if self.final_loss is not None:
+            return f"not reached (final {self.final_loss:.3f})"
+        return self.missing or "-"
+
+
+def time_to(data: dict[str, Any], name: str, link: str, target: float) -> TimeToTarget:
+    """Variant ``name``'s time to ``target`` at ``link``: steps to target x time per step there (the uncompressed
+    first steps at :func:`uncompressed_twin`'s), or for asynchronous averaging its own clock at the link."""
+    timing = data["timing"].get(name, {})
+    entry = timing.get("links", {}).get(link)
+    if entry is None:
+        return TimeToTarget(missing="not timed")
+    if "ms_per_step" not in entry:  # trained at the link: each phase's own clock
+        times, finals = [], []
+        for phase in entry["phases"]:
+            steps = steps_to(phase["curve"], target)
+            finals.append(phase["curve"][-1][2])
+            if steps is not None:
+                times.append(_clock_at(phase["curve"], steps))
+        if not times:
+            return TimeToTarget(final_loss=statistics.median(finals))
+        return TimeToTarget(spread(times))
+    row, how = curve_of(data, name)
+    if row is None:
+        return TimeToTarget(missing=how)
+    steps = steps_to(row["curve"], target)
+    if steps is None:
+        return TimeToTarget(final_loss=row["final_loss"])
+    ms = entry["ms_per_step"]
+    warm = min(steps, uncompressed_steps(timing))
+    base = data["timing"].get(uncompressed_twin(timing), {}).get("links", {}).get(link, {}).get("ms_per_step")
+    if warm and base is None:
+        return TimeToTarget(missing=f"{uncompressed_twin(timing)} not timed")
+    seconds = [(warm * (base[key] if warm else 0) + (steps - warm) * ms[key]) / 1e3 for key in ("median", "min", "max")]
+    return TimeToTarget(Spread(tuple(seconds)), steps)
+
+
+def _clock_at(curve: Sequence[Sequence[float]], step: float) -> float:
+    for (s0, t0, _), (s1, t1, _) in zip(curve, curve[1:]):
+        if s0 <= step <= s1:
+            return t0 + (t1 - t0) * (step - s0) / (s1 - s0)
+    return curve[-1][1]
+
+
+# --- progress lines ---------------------------------------------------------------------------------------------
+
+
+def train_line(row: dict[str, Any]) -> str:
+    """A trained row as one progress line."""
+    if row["status"] != "ok":
+        return f"{row['name']}: {row['status']} ({row['wall_s']} s): " + " / ".join(row.get("log_tail", [])[-3:])
+    return (
+        f"{row['name']}: {row['steps']} steps, held-out loss {row['final_loss']:.4f}, "
+        f"{row['bytes_per_step'] / 1e6:.3f} MB/step/rank ({row['wall_s']} s)"
+    )
+
+
+def timing_line(row: dict[str, Any]) -> str:
+    """A timed row as one progress line."""
+    if row["status"] != "ok":
+        return f"{row['name']}: {row['status']} ({row['wall_s']} s): " + " / ".join(row.get("log_tail", [])[-3:])
+    parts = []
+    for link, entry in row["links"].items():
+        if "ms_per_step" in entry:
+            parts.append(f"{link} {Spread(tuple(entry['ms_per_step']['values'])).format('.0f')} ms")
+        else:
+            parts.append(f"{link} {statistics.median(p['wall_s'] for p in entry['phases']):.0f} s trained")
+        if not entry["published"]:
+            parts[-1] += " (load too high: not published)"
+    return f"{row['name']}: " + ", ".join(parts)
+
+
+# --- the report -------------------------------------------------------------------------------------------------
 
 
 def _link_order(link: str) -> float:
-    from harness.links import parse_rate
+    return -(parse_rate(link) or float("inf"))
 
-    rate = parse_rate(link)
-    return -(rate or float("inf"))
+
+def _links(data: dict[str, Any]) -> list[str]:
+    return sorted({link for row in data["timing"].values() for link in row.get("links", {})}, key=_link_order)
+
+
+def _names(data: dict[str, Any]) -> list[str]:
+    import lm_study
+
+    seen = set(data["train"]) | set(data["timing"])
+    return [v["name"] for v in lm_study.variants() if v["name"] in seen]
+
+
+def settings_lines(data: dict[str, Any]) -> list[str]:
+    """The settings every variant trained with, the corpus's entropies and the targets, in words."""
+    from bagua_common.workload import gpt_config, load_corpus
+
+    s = data["settings"]
+    config = gpt_config(s["size"])
+    tokens = s["ranks"] * s["windows"] * config.context
+    entropies = load_corpus().heldout_entropies()
+
+    def schedule(x: dict[str, Any]) -> str:
+        shape = f"cosine to {x['final_ratio']:g}x" if x["kind"] == "cosine" else "constant"
+        return f"peak lr {x['peak']:g}, {x['warmup']} warm-up steps, then {shape}"
+
+    return [
+        f"- model: GPT `{s['size']}` ({config.parameter_count:,} parameters: {config.layers} layers, width "
+        f"{config.width}, {config.heads} heads, context {config.context}); {s['ranks']} ranks, {s['windows']} windows "
+        f"of {config.context} predicted bytes per rank and step ({tokens} tokens per step), {s['steps']} steps "
+        f"({s['steps'] * tokens:,} tokens)",
+        f"- AdamW (betas {tuple(s['betas'])}, weight decay {s['weight_decay']}): {schedule(s['schedule'])}; QAdam and "
+        f"1-bit Adam (their own Adam, betas {tuple(s['adam_betas'])}): {schedule(s['adam_schedule'])}",
+        f"- held-out loss of rank 0's model on {s['heldout_windows']} windows every {s['eval_every']} steps; the "
+        f"held-out text's unigram entropy {entropies.unigram:.3f} and bigram conditional entropy "
+        f"{entropies.bigram:.3f} nats/byte (`Corpus.heldout_entropies()`)",
+        "- targets: " + "; ".join(f"{label}: {value:.4f}" for label, value in targets(data).items()),
+    ]
+
+
+def training_lines(data: dict[str, Any]) -> list[str]:
+    """Every variant's loss at equal tokens against gradient allreduce, its bytes and its steps to each target."""
+    goals = targets(data)
+    reference = data["train"].get("torch/gradient_allreduce")
+    head = ["variant", "curve", "held-out loss", "vs gradient allreduce", "bytes/step/rank"]
+    head += [f"steps to {label}" for label in goals]
+    cells = []
+    for name in _names(data):
+        row, how = curve_of(data, name)
+        if row is None:
+            own = data["train"].get(name)
+            if own is not None or name in data["timing"]:
+                cells.append([name, how] + [""] * (len(head) - 2))
+            continue
+        gap = f"{100 * (row['final_loss'] / reference['final_loss'] - 1):+.1f}%" if reference else ""
+        own = data["train"][name]
+        cells.append(
+            [name, how, f"{row['final_loss']:.4f}", gap, f"{own['bytes_per_step'] / 1e6:.3f} MB"]
+            + [_fmt(steps_to(row["curve"], goal), ".0f", "not reached") for goal in goals.values()]
+        )
+    async_rows = [(n, r) for n, r in data["timing"].items() if r.get("algorithm") in ("async",)]
+    for name, row in async_rows:
+        for link, entry in row.get("links", {}).items():
+            final = statistics.median(p["curve"][-1][2] for p in entry["phases"])
+            bytes_per_step = entry["bytes_per_step"]
+            gap = f"{100 * (final / reference['final_loss'] - 1):+.1f}%" if reference else ""
+            steps = [steps_to(entry["phases"][0]["curve"], goal) for goal in goals.values()]
+            cells.append(
+                [f"{name} @{link}", "own run at the link", f"{final:.4f}", gap, f"{bytes_per_step / 1e6:.3f} MB"]
+                + [_fmt(s, ".0f", "not reached") for s in steps]
+            )
+    return table(head, cells)
+
+
+def _fmt(value: float | None, spec: str, missing: str) -> str:
+    return missing if value is None else format(value, spec)
+
+
+def step_lines(data: dict[str, Any]) -> list[str]:
+    """Time per step per link, median [min, max] over the published repeats, and bytes per step."""
+    links = _links(data)
+    head = ["variant", *(f"ms/step {rate_label(parse_rate(link))}" for link in links), "bytes/step/rank (timed)"]
+    cells = []
+    for name in _names(data):
+        row = data["timing"].get(name)
+        if row is None or row.get("status") != "ok":
+            if row is not None:
+                cells.append([name, row["status"]] + [""] * len(links))
+            continue
+        line = [name]
+        for link in links:
+            entry = row["links"].get(link)
+            if entry is None or "ms_per_step" not in entry:
+                line.append("trained at the link" if entry else "")
+                continue
+            text = Spread(tuple(entry["ms_per_step"]["values"])).format(".0f")
+            line.append(text if entry["published"] else f"{text} (not published)")
+        first = next(iter(row["links"].values()))
+        line.append(f"{first['bytes_per_step'] / 1e6:.3f} MB")
+        cells.append(line)
+    return table(head, cells)
+
+
+def target_lines(data: dict[str, Any]) -> list[str]:
+    """Every variant's time to each target at each link, and at the report link as a fraction of DDP's."""
+    links, goals, lines = _links(data), targets(data), []
+    for label, goal in goals.items():
+        head = ["variant", *(f"s @{rate_label(parse_rate(link))}" for link in links), f"vs DDP @{REPORT_LINK}"]
+        ddp = time_to(data, BASELINE, REPORT_LINK, goal)
+        cells = []
+        for name in _names(data):
+            got = {link: time_to(data, name, link, goal) for link in links}
+            mine = got.get(REPORT_LINK)
+            ratio = (
+                f"{mine.seconds.median / ddp.seconds.median:.2f}"
+                if mine is not None and mine.seconds and ddp.seconds
+                else ""
+            )
+            cells.append([name, *(got[link].format() for link in links), ratio])
+        lines += [f"### Time to {label} ({goal:.4f}), seconds: median [min, max] over the timed repeats", "",
+                  *table(head, cells), ""]  # fmt: skip
+    return lines
+
+
+def bar_lines(data: dict[str, Any]) -> list[str]:
+    """Issue 41's bars with their figures: DDP fp32's final loss; at the report link the best per-step algorithm of
+    each front end within 1/3 of DDP's time to each target and DiLoCo within 1/5."""
+    base = data["train"].get(BASELINE)
+    if not base or base.get("status") != "ok":
+        return ["(DDP fp32 has not trained: no bars)"]
+    verdict = "met" if base["final_loss"] <= 1.9 else "missed"
+    out = [f"- DDP fp32 reaches {base['final_loss']:.4f} (bar <= 1.9): {verdict}"]
+    for label, goal in targets(data).items():
+        ddp = time_to(data, BASELINE, REPORT_LINK, goal).seconds
+        if ddp is None:
+            out.append(f"- {label}: DDP fp32 not timed at {REPORT_LINK}")
+            continue
+        for front_end in ("torch", "jax"):
+            for kind, bar in (("per-step", 1 / 3), ("diloco", 1 / 5)):
+                best = []
+                for name in _names(data):
+                    row = data["timing"].get(name) or data["train"].get(name)
+                    if row["front_end"] != front_end or row["algorithm"] in PEERS:
+                        continue
+                    if (row["algorithm"] == "diloco") != (kind == "diloco"):
+                        continue
+                    got = time_to(data, name, REPORT_LINK, goal).seconds
+                    if got is not None:
+                        best.append((got.median / ddp.median, name))
+                if not best:
+                    out.append(f"- {label}, {front_end} {kind}: none reached it: missed")
+                    continue
+                ratio, name = min(best)
+                verdict = "met" if ratio <= bar else "missed"
+                out.append(f"- {label}, {front_end} {kind}: {name} in {ratio:.2f}x DDP's time at {REPORT_LINK} "
+                           f"(bar <= {bar:.2f}): {verdict}")  # fmt: skip
+    return out
+
+
+def plot(data: dict[str, Any], path: Path) -> Path | None:
+    """Held-out loss against tokens, against wall-clock time at the report link, and against bytes sent per rank;
+    the held-out text's unigram and bigram entropies as reference lines on each."""
+    from bagua_common.workload import load_corpus
+
+    drawn = plots.figure(1, 3, size=(6.5, 5.5))
+    if drawn is None:
+        return None
+    fig, axes = drawn
+    by_tokens, by_time, by_bytes = axes[0]
+    tokens = data["settings"]["ranks"] * data["settings"]["windows"] * _context(data)
+    goal = next(iter(targets(data).values()))
+    for i, name in enumerate(_names(data)):
+        row, _ = curve_of(data, name)
+        if row is None:
+            continue
+        style = {"color": plots_color(i), "linestyle": "--" if name.startswith("jax/") else "-"}
+        steps, losses = [p[0] for p in row["curve"]], [p[1] for p in row["curve"]]
+        plots.curves(by_tokens, {name: ([s * tokens / 1e6 for s in steps], losses)}, {name: style})
+        sent = dict((s, b) for s, b in data["train"][name]["sent"])
+        mine = [(sent[s] / 1e6, loss) for s, loss in zip(steps, losses) if s in sent and sent[s] > 0]
+        if mine and data["train"][name] is row:
+            plots.curves(by_bytes, {name: ([b for b, _ in mine], [x for _, x in mine])}, {name: style})
+        seconds = _seconds_at_link(data, name, steps)
+        if seconds:
+            plots.curves(by_time, {name: (seconds, losses)}, {name: style})
+    entropies = load_corpus().heldout_entropies()
+    for ax in (by_tokens, by_time, by_bytes):
+        plots.references(ax, {"unigram entropy": entropies.unigram, "bigram entropy": entropies.bigram,
+                              f"target {goal:.3f}": goal})  # fmt: skip
+        ax.set_ylabel("held-out loss (nats per byte)")
+        ax.set_ylim(1.5, 4.0)
+    by_tokens.set_xlabel("tokens (millions)")
+    by_time.set_xlabel(f"wall-clock time at {rate_label(parse_rate(REPORT_LINK))} (s, log)")
+    by_time.set_xscale("log")
+    by_bytes.set_xlabel("bytes sent per rank (MB, log)")
+    by_bytes.set_xscale("log")
+    by_tokens.legend(fontsize=6, ncol=2)
+    fig.suptitle(f"GPT {data['settings']['size']}, {data['settings']['ranks']} ranks: held-out loss "
+                 "(torch solid, JAX dashed)")  # fmt: skip
+    return plots.save(fig, path)
+
+
+def plots_color(i: int) -> Any:
+    import matplotlib
+
+    return matplotlib.colormaps["tab20"](i % 20)
+
+
+def _context(data: dict[str, Any]) -> int:
+    from bagua_common.workload import gpt_config
+
+    return gpt_config(data["settings"]["size"]).context
+
+
+def _seconds_at_link(data: dict[str, Any], name: str, steps: list[float]) -> list[float] | None:
+    entry = data["timing"].get(name, {}).get("links", {}).get(REPORT_LINK)
+    if entry is None or "ms_per_step" not in entry:
+        return None
+    timing = data["timing"][name]
+    warm = uncompressed_steps(timing)
+    base = data["timing"].get(uncompressed_twin(timing), {}).get("links", {}).get(REPORT_LINK, {}).get("ms_per_step")
+    ms = entry["ms_per_step"]["median"]
+    if warm and base is None:
+        return None
+    return [max(1e-3, (min(s, warm) * (base["median"] if warm else 0) + max(0, s - warm) * ms) / 1e3) for s in steps]
+
+
+def write(out: Path, name: str, data: dict[str, Any] | None) -> None:
+    """Write ``<name>.md`` and ``<name>.png`` from the study's data, and, for the study itself (``lm-study`` in
+    ``benchmarks/results``, not a run kept elsewhere), the docs page from the same lines."""
+    if data is None:
+        raise SystemExit(f"no {name}.json in {out}: run the study first")
+    loads = [p["load"] for row in data["timing"].values() for e in row.get("links", {}).values() for p in e["phases"]]
+    loads += [a for row in data["timing"].values() for e in row.get("links", {}).values() for p in e["phases"]
+              for a in p["set_aside"]]  # fmt: skip
+    body = [
+        *settings_lines(data),
+        *load_lines(loads),
+        "- timed phases: the 1-minute load average before and after each, and the runnable threads of other "
+        "processes sampled from /proc every 0.5 s during it (`harness.load`); a phase whose foreign load exceeded "
+        "the limit before or during it was run again, and is kept only as 'set aside'",
+        *(f"- `{c['command']}` ({c['date']})" for c in data.get("commands", [])),
+        "",
+        "## Held-out loss at equal tokens",
+        "",
+        *training_lines(data),
+        "",
+        "## Time per step",
+        "",
+        *step_lines(data),
+        "",
+        "## Time to a target",
+        "",
+        *target_lines(data),
+        "## Bars",
+        "",
+        *bar_lines(data),
+        "",
+    ]
+    title = "# LM study: every algorithm trained where learning happens, timed to a target loss"
+    write_results(out, name, [title, "", *header_lines(data["meta"]), *body, f"![curves]({name}.png)"], data)
+    chart = plot(data, out / f"{name}.png")
+    if chart and name == "lm-study" and out.resolve() == (ROOT / "benchmarks" / "results").resolve():
+        DOCS_PAGE.parent.mkdir(exist_ok=True)
+        (DOCS_PAGE.parent / "lm_study.png").write_bytes(chart.read_bytes())
+        generated = "<!-- generated by `python benchmarks/lm_study.py report`: edit lm_study_report.py instead -->"
+        DOCS_PAGE.write_text("\n".join([generated, title, "", *header_lines(data["meta"]), *body,
+                                        "![curves](lm_study.png)", ""]))  # fmt: skip

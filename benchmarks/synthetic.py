@@ -86,7 +86,6 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -737,7 +736,11 @@ def run_job(args: argparse.Namespace, algorithm: str, tmp: Path, bar: Progress, 
                 proc.kill()
                 proc.wait()
     wall = time.perf_counter() - start
-    row: dict[str, Any] = {"algorithm": algorithm, "wall_s": round(wall, 1), "command": shlex.join(cmd)}
+    row: dict[str, Any] = {
+        "algorithm": algorithm,
+        "wall_s": round(wall, 1),
+        "command": harness.results.command_line(cmd),
+    }
     ranks = []
     for r in range(args.nproc):
         path = Path(f"{result}.rank{r}")

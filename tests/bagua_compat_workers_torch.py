@@ -204,6 +204,8 @@ def _primitives(bagua, out: dict, seed: int) -> None:
     x = torch.ones(2) * (rank + 1)
     bagua.allreduce_inplace(x, comm=pair.get_global_communicator())
     out["new_group all ranks"] = (_np(x), _np(torch.ones(2) * sum(range(1, n + 1))))
+    outside = [bagua.communication._rank_not_in_group(g) for g in (singles, pair, None)]
+    out["new_group _rank_not_in_group"] = (outside, [rank != 0, False, False])
     torch_group = dist.new_group(list(range(n)))
     from_torch = bagua.communication.from_torch_group(torch_group)
     x = torch.ones(2) * (rank + 1)

@@ -1,15 +1,32 @@
+import atexit
 import os
 import secrets
+import shutil
+import tempfile
 import zlib
 
 import numpy as np
 import pytest
 from background_jobs import BackgroundJob
+from extended import is_extended
+
+from bagua_common.fault_tolerance.settings import write_job_secret
 
 # Four simulated CPU devices for the shard_map tests; must be set before jax loads.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
+
+# The members of the tests' fault-tolerant jobs prove the job's secret to each other's stores, as under bagua-launch
+# --fault-tolerant; their processes inherit the variable.
+if not os.environ.get("BAGUA_FT_SECRET_FILE"):
+    _secret_directory = tempfile.mkdtemp(prefix="bagua-test-secret-")
+    atexit.register(shutil.rmtree, _secret_directory, True)
+    os.environ["BAGUA_FT_SECRET_FILE"] = write_job_secret(_secret_directory)
+
 SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
+
+# Bagua's own tests, run by test_bagua_upstream_torch.py in processes of their own (tests/bagua_upstream/README.md).
+collect_ignore = ["bagua_upstream"]
 
 
 SEED_FIXTURES = ("rng", "seed")
@@ -27,6 +44,12 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "background_job(name): reads the job of background_jobs.JOBS named so, started at collection"
     )
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by marker
+def pytest_itemcollected(item):
+    if is_extended(item.nodeid):
+        item.add_marker(pytest.mark.extended)
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m deselected what will not run

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,42 +35,57 @@ SANITIZERS = [
 ]
 
 
+@dataclass(frozen=True)
+class ShimPrograms:
+    """The programs that run the CUDA kernels under the shim."""
+
+    suite: Path  # tests/cuda_shim/kernel_suite.cc: against the CPU kernels
+    audit: Path | None  # tests/cuda_shim/access_audit.cc: the kernels' memory accesses (not in a sanitized build)
+
+
+def _compile_two_at_a_time(commands: list[list[str]]) -> None:
+    """Run the compile commands two at a time, as the 2-core CI machine allows, each starting as soon as a core
+    is free (the list's order is the start order: largest first)."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        results = list(pool.map(lambda command: subprocess.run(command, text=True, stderr=subprocess.PIPE), commands))
+    for result in results:
+        if result.returncode != 0:
+            raise RuntimeError(f"g++ failed:\n{result.stderr}")
+
+
 def build_kernel_suite(
     out_dir: Path,
     sanitize: bool = False,
     kernels_cuda: Path = KERNELS / "kernels_cuda.cu",
-) -> Path:
-    """Compile the kernel suite into `out_dir` and return the executable's path.
+) -> ShimPrograms:
+    """Compile the kernel suite and, unless `sanitize`, the access audit into `out_dir`.
 
     `kernels_cuda` is the CUDA source to run (a mutated copy in the mutation check); with
-    `sanitize`, everything is built with AddressSanitizer and UBSan. The four translation units
-    compile two at a time, as the 2-core CI machine allows.
+    `sanitize`, everything is built with AddressSanitizer and UBSan, and the audit (which checks
+    access patterns, not memory safety) is left out.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     flags = _FLAGS + (SANITIZERS if sanitize else [])
-    units = [
-        (["-x", "c++", str(kernels_cuda)], "kernels_cuda.o"),
-        (["-DBAGUA_CPU_ISA=generic", str(KERNELS / "kernels_cpu.cc")], "kernels_cpu.o"),
-        ([str(SHIM / "scheduler.cc")], "scheduler.o"),
-        ([str(SHIM / "kernel_suite.cc")], "kernel_suite.o"),
-    ]
-    for pair in (units[:2], units[2:]):
-        jobs = [
-            subprocess.Popen(
-                ["g++", *flags, "-c", *src, "-o", str(out_dir / obj)],
-                text=True,
-                stderr=subprocess.PIPE,
-            )
-            for src, obj in pair
-        ]
-        errors = [job.communicate()[1] for job in jobs]
-        for job, err in zip(jobs, errors):
-            if job.returncode != 0:
-                raise RuntimeError(f"g++ failed:\n{err}")
-    exe = out_dir / "kernel_suite"
-    objects = [str(out_dir / obj) for _, obj in units]
-    subprocess.run(["g++", *flags, *objects, "-pthread", "-o", str(exe)], check=True)
-    return exe
+    # object -> its sources, largest compile first
+    units = {
+        "kernels_cuda.o": ["-x", "c++", str(kernels_cuda)],
+        "kernels_cpu.o": ["-DBAGUA_CPU_ISA=generic", str(KERNELS / "kernels_cpu.cc")],
+        "kernel_suite.o": [str(SHIM / "kernel_suite.cc")],
+        "access_audit.o": [str(SHIM / "access_audit.cc")],
+        "scheduler.o": [str(SHIM / "scheduler.cc")],
+    }
+    if sanitize:
+        del units["access_audit.o"]
+    _compile_two_at_a_time([["g++", *flags, "-c", *src, "-o", str(out_dir / obj)] for obj, src in units.items()])
+    programs = ShimPrograms(out_dir / "kernel_suite", None if sanitize else out_dir / "access_audit")
+    link = {programs.suite: ["kernels_cuda.o", "kernels_cpu.o", "scheduler.o", "kernel_suite.o"]}
+    if programs.audit is not None:
+        link[programs.audit] = ["kernels_cuda.o", "scheduler.o", "access_audit.o"]
+    for exe, objects in link.items():
+        subprocess.run(
+            ["g++", *flags, *(str(out_dir / obj) for obj in objects), "-pthread", "-o", str(exe)], check=True
+        )
+    return programs
 
 
 def build_geometry_test(out_dir: Path) -> Path:
@@ -125,7 +142,7 @@ returns across."""
 def run_sanitized_suite(out_dir: Path) -> int:
     """Build the kernel suite with AddressSanitizer and UBSan in ``out_dir`` and run its quick case list, its
     output on stdout; the suite's exit status."""
-    exe = build_kernel_suite(out_dir / "asan", sanitize=True)
+    exe = build_kernel_suite(out_dir / "asan", sanitize=True).suite
     sys.stdout.flush()
     return subprocess.run([str(exe), "--quick"], env={**os.environ, **SANITIZED_ENV}, check=False).returncode
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import optax
 
 from bagua_jax.algorithms.diloco import diloco
+from bagua_jax.counting import CountingCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 
 STREAMING = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "round_start_memory": "device"}
@@ -60,9 +61,11 @@ def streaming_ranks(seed: int, wire: str, steps: int, late_s: float) -> dict:
     """Streaming DiLoCo with ``wire`` exchanges (error feedback where compressed), on two ranks.
 
     Returns rank r's parameters after every step with the exchanges on the background thread
-    (``overlapped``) and inside the step (``inline``), and the background run resumed from a copy of
-    its state taken while fragment 1 was on the wire (``resumed``, steps STARTS_FRAGMENT_1 + 1 on; the
-    thread has already handed that exchange's result out, as a restarted process never had it).
+    (``overlapped``), inside the step (``inline``), behind a CountingCommunicator (``counted``: the
+    parameters, whether the step hands the exchanges to the thread, the bytes counted), and the background run
+    resumed from a copy of its state taken while fragment 1 was on the wire (``resumed``, steps
+    STARTS_FRAGMENT_1 + 1 on; the thread has already handed that exchange's result out, as a restarted process
+    never had it).
     Rank 1 begins steps STARTS_FRAGMENT_1 and STARTS_FRAGMENT_1 + 1 (which applies fragment 1) ``late_s``
     seconds late; ``times`` says when rank 0 finished each of them and when rank 1 began it. Then rank 1
     leaves and rank 0 returns the error of its next exchange (``dead_peer``).
@@ -87,7 +90,12 @@ def streaming_ranks(seed: int, wire: str, steps: int, late_s: float) -> dict:
     _, resumed = train(step, jax.device_put(saved), seed, rank, STARTS_FRAGMENT_1 + 1, steps)
     tx, step = make_step(InlineCommunicator(comm), options)
     _, inline = train(step, (params, tx.init(params)), seed, rank, 1, steps)
+    counter = CountingCommunicator(comm)
+    tx, step = make_step(counter, options)
+    program = str(jax.make_jaxpr(step)(params, tx.init(params), ref.target(seed, 1, rank)))
+    _, counted = train(step, (params, tx.init(params)), seed, rank, 1, steps)
     out = {"overlapped": overlapped + rest, "resumed": resumed, "inline": inline, "times": times}
+    out["counted"] = {"params": counted, "on_the_thread": "io_callback" in program, "bytes": counter.bytes_sent}
 
     short = NativeCommunicator.mpi_world(timeout=3)
     tx, step = make_step(short, options)

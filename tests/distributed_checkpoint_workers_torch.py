@@ -11,7 +11,8 @@ from checkpoint_workers_torch import report
 from gradient_allreduce_bytegrad_workers_torch import SMALL_BUCKET, make_mlp, setup, train
 
 LR = 0.05
-ALGORITHMS = ("bytegrad", "decentralized", "diloco")
+# gradient_allreduce trains with plain SGD: an optimizer without state, whose empty state dict DCP does not save.
+ALGORITHMS = ("bytegrad", "decentralized", "diloco", "gradient_allreduce")
 
 
 def build(name: str, seed: int):
@@ -20,8 +21,12 @@ def build(name: str, seed: int):
     from bagua_torch import algorithms as A
 
     model = make_mlp(seed)
-    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    if name == "gradient_allreduce":
+        optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    else:
+        optimizer = torch.optim.Adam(model.parameters(), lr=LR)
     algorithm = {
+        "gradient_allreduce": lambda: A.GradientAllReduceAlgorithm(hierarchical=False),
         "bytegrad": lambda: A.ByteGradAlgorithm(hierarchical=False, error_feedback=True),
         "decentralized": lambda: A.DecentralizedAlgorithm(hierarchical=False),
         "diloco": lambda: A.DiLoCoAlgorithm(sync_every=3),

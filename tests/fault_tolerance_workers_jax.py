@@ -1,11 +1,11 @@
-"""Ranks of the JAX trainer's fault-tolerance test (test_fault_tolerance_jax.py).
+"""Ranks of the JAX trainer's fault-tolerance tests (test_fault_tolerance_jax.py).
 
-Three members train a linear model with gradient allreduce over the native MPI engine, each its own
-``mpiexec -n 1`` job joined through the fault-tolerant membership (rank 0's store on MASTER_PORT). ``FAULT``
-happens to member ``VICTIM`` while the others are blocked in step ``FAULT_STEP``'s allreduce: ``kill``
-(SIGKILL), ``raise`` (an exception ends the process) or ``stop`` (SIGSTOP: a hang, found by heartbeats). A fourth
-process joins the running job once the survivors committed that step, and trains to the end with them.
-Every member records, per committed step, the sample indices it trained on, its loss, and the times.
+The first members train with the native MPI engine, each its own ``mpiexec -n 1`` job joined through the
+fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults
+are ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective,
+by ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats) or ``raise`` (an exception ends the
+process). Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times) and
+its final state.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import numpy as np
 
 from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
 
-SAMPLES, FEATURES, BATCH_PER_RANK, STEPS, LR = 120, 5, 4, 10, 0.1
-SETTINGS = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, quorum_timeout=30.0, hash_every=2)
+SAMPLES, FEATURES, BATCH_PER_RANK, LR = 120, 5, 4, 0.1
+SETTINGS = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.5, quorum_timeout=30.0, hash_every=2)
 
 
 def dataset() -> tuple[np.ndarray, np.ndarray]:
@@ -30,27 +30,43 @@ def dataset() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
-def train(victim: int, fault: str, fault_step: int, start_size: int) -> dict:
-    """Train to STEPS committed steps; returns this member's record (the victim never returns)."""
-    import jax.numpy as jnp
-    import optax
+def _signal(name: str) -> str:
+    return os.path.join(os.environ["BAGUA_TEST_SIGNALS"], name)
 
+
+def _touch(name: str, text: str = "") -> None:
+    with open(_signal(name) + ".part", "w") as f:
+        f.write(text)
+    os.replace(_signal(name) + ".part", _signal(name))
+
+
+def _wait_for(name: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(_signal(name)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _fail(kind: str, step: int) -> None:
+    time.sleep(0.5)  # the others are blocked in the step's collective by now
+    _touch(f"fault-time-{step}", repr(time.time()))
+    if kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if kind == "stop":
+        os.kill(os.getpid(), signal.SIGSTOP)
+    raise RuntimeError("the victim fails on purpose")
+
+
+def _start(start_size: int, make_trainer, data: DataPosition, params):
+    """This process's FaultTolerantTrainer, its state, and when it was admitted: a first member, or
+    (rank >= start_size) a joiner."""
     from bagua_jax.fault_tolerance import FaultTolerantTrainer
     from bagua_jax.native_communicator import NativeCommunicator
-    from bagua_jax.trainer import DataParallel
 
     rank = int(os.environ["RANK"])
-    signals = os.environ["BAGUA_TEST_SIGNALS"]  # files the test and the members exchange
-    with open(os.path.join(signals, f"pid{rank}"), "w") as f:
-        f.write(str(os.getpid()))
     master = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
-    joiner = rank >= start_size
-    started = time.time()
-    if joiner:
-        while not os.path.exists(os.path.join(signals, "start-joiner")):
-            time.sleep(0.05)
-        with open(os.path.join(signals, "joiner-asks"), "w"):
-            pass
+    _touch(f"pid{rank}", str(os.getpid()))
+    if rank >= start_size:
+        _wait_for("start-joiner")
         membership = Membership.join(SETTINGS, *master, timeout=60)
         epoch = membership.epoch
         comm = NativeCommunicator.mpi_join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout=60)
@@ -58,20 +74,43 @@ def train(victim: int, fault: str, fault_step: int, start_size: int) -> dict:
         membership = Membership.start(SETTINGS, rank, start_size, *master, timeout=60)
         comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, start_size, timeout=60)
     admitted = time.time()
+    ft = FaultTolerantTrainer(make_trainer(comm), membership, data)
+    return ft, ft.init(params), admitted
+
+
+def train(faults: dict[int, tuple[int, str]], start_size: int, final_size: int, steps: int) -> dict:
+    """Gradient allreduce on a linear model until ``steps`` committed steps and ``final_size`` members (a joiner
+    starts once the last fault's step committed; the members wait a little each step until it is admitted).
+    Returns this member's record (a victim never returns)."""
+    import jax.numpy as jnp
+    import optax
+
+    from bagua_jax.trainer import DataParallel
+
+    rank = int(os.environ["RANK"])
     x, y = dataset()
 
     def loss_fn(params, batch):
         features, targets = batch
         return jnp.mean((features @ params["w"] + params["b"] - targets) ** 2)
 
-    trainer = DataParallel(loss_fn, optax.sgd(LR), "gradient_allreduce", communicator=comm)
-    ft = FaultTolerantTrainer(trainer, membership, DataPosition(SAMPLES, BATCH_PER_RANK, seed=3))
-    state = ft.init({"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)})
-    steps = []
+    def make_trainer(comm):
+        return DataParallel(loss_fn, optax.sgd(LR), "gradient_allreduce", communicator=comm)
+
+    data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    started = time.time()
+    ft, state, admitted = _start(start_size, make_trainer, data, params)
+    last_fault = max(faults)
+    attempts = []
 
     def batch_of(indices):
         transaction = ft.committed + 1
-        steps.append(
+        if transaction in faults and faults[transaction][0] == rank:
+            _fail(faults[transaction][1], transaction)
+        if transaction > last_fault and ft.epoch.size < final_size:
+            time.sleep(0.05)  # the joiner asks meanwhile; the commit after its request admits it
+        attempts.append(
             {
                 "transaction": transaction,
                 "epoch": ft.epoch.number,
@@ -81,39 +120,21 @@ def train(victim: int, fault: str, fault_step: int, start_size: int) -> dict:
                 "start": time.time(),
             }
         )
-        if rank == victim and transaction == fault_step:
-            time.sleep(0.5)  # the others are blocked in the step's allreduce by now
-            with open(os.path.join(signals, "fault-time"), "w") as f:
-                f.write(repr(time.time()))
-            if fault == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            if fault == "stop":
-                os.kill(os.getpid(), signal.SIGSTOP)
-            raise RuntimeError("the victim fails on purpose")
-        if transaction > fault_step and ft.epoch.size < start_size:  # give the joiner's request time to arrive
-            deadline = time.monotonic() + 60
-            while not os.path.exists(os.path.join(signals, "joiner-asks")) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.3)
         return x[indices], y[indices]
 
-    first_commit = None
-    while ft.committed < STEPS:
+    while ft.committed < steps or ft.epoch.size < final_size:
         state, loss = ft.step(state, batch_of)
-        steps[-1].update(committed=ft.committed, loss=float(loss), end=time.time())
-        first_commit = first_commit or time.time()
-        if ft.committed == fault_step and ft.epoch.rank == 0:  # the survivors went on: let the joiner come
-            with open(os.path.join(signals, "start-joiner"), "w"):
-                pass
+        attempts[-1].update(committed=ft.committed, loss=float(loss), end=time.time())
+        if ft.committed == last_fault and ft.epoch.rank == 0:
+            _touch("start-joiner")
     params = {k: np.asarray(v) for k, v in state.params.items()}
-    membership.close()
+    ft.membership.close()
     return {
-        "steps": [s for s in steps if "committed" in s],
-        "attempts": steps,
+        "steps": [a for a in attempts if "committed" in a],
+        "attempts": attempts,
         "params": params,
         "recoveries": ft.recoveries,
         "started": started,
         "admitted": admitted,
-        "first_commit": first_commit,
-        "compiled": trainer._step_fn(False, False)._cache_size(),
+        "compiled": ft.trainer._step_fn(False, False)._cache_size(),
     }

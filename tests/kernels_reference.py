@@ -11,12 +11,23 @@ import numpy as np
 
 HEADER_BYTES = 16
 SLOT_ALIGNMENT = 16
+MINMAX_GROUP_ELEMENTS = 8192
 F32 = np.float32
 
 
 def chunk_bounds(n: int, k: int) -> list[tuple[int, int]]:
     c = -(-n // k) if n else 0
     return [(min(i * c, n), min((i + 1) * c, n)) for i in range(k)]
+
+
+def group_bounds(n: int, k: int, format: str) -> list[tuple[int, int]]:
+    """The groups of every chunk in order: min-max chunks in groups of MINMAX_GROUP_ELEMENTS from the chunk's
+    start (the last one shorter), a sign chunk whole; an empty chunk is one empty group."""
+    size = n if format == "sign" else MINMAX_GROUP_ELEMENTS
+    groups = []
+    for b, e in chunk_bounds(n, k):
+        groups += [(g, min(g + size, e)) for g in range(b, e, max(size, 1))] or [(b, b)]
+    return groups
 
 
 def _slot(header: np.ndarray, payload: np.ndarray) -> np.ndarray:
@@ -34,7 +45,8 @@ def payload_size(elements: int, format: str) -> int:
 
 def compressed_size(n: int, k: int, format: str) -> int:
     return sum(
-        HEADER_BYTES + -(-payload_size(e - b, format) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT for b, e in chunk_bounds(n, k)
+        HEADER_BYTES + -(-payload_size(e - b, format) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        for b, e in group_bounds(n, k, format)
     )
 
 
@@ -54,12 +66,19 @@ def minmax_steps(bits: int) -> int:
     return (1 << bits) - 2
 
 
+def _order_keys(bits: np.ndarray) -> np.ndarray:
+    """int32 keys with the order of the float32 values whose bits these are, and -0 < +0 (its own inverse)."""
+    return bits ^ ((bits >> 31) & np.int32(0x7FFFFFFF))
+
+
 def minmax_bounds(seg: np.ndarray) -> tuple[np.float32, np.float32]:
+    """A group's lo and hi: its least and greatest value, with -0 below +0; NaN for both if it holds NaN."""
     if seg.size == 0:
         return F32(0), F32(0)
-    lo, hi = F32(np.min(seg)), F32(np.max(seg))
-    if np.isnan(lo) or np.isnan(hi):
+    if np.isnan(seg).any():
         return F32(np.nan), F32(np.nan)
+    keys = _order_keys(seg.astype(F32).view(np.int32))
+    lo, hi = _order_keys(np.array([keys.min(), keys.max()], np.int32)).view(F32)
     return lo, hi
 
 
@@ -143,7 +162,7 @@ def minmax_compress(
     """Return (compressed bytes, new residual y - decode) for y = x (+ residual), with 8- or 4-bit codes."""
     y = _with_residual(x, residual)
     slots, new_residual = [], np.empty_like(y)
-    for b, e in chunk_bounds(y.size, k):
+    for b, e in group_bounds(y.size, k, f"minmax_uint{bits}"):
         seg = y[b:e]
         lo, hi = minmax_bounds(seg)
         q = minmax_encode(seg, lo, hi, bits)
@@ -154,8 +173,9 @@ def minmax_compress(
 
 
 def _slots(buffer: np.ndarray, n: int, k: int, format: str):
+    """(first, end, header, payload) of every group in order."""
     offset = 0
-    for b, e in chunk_bounds(n, k):
+    for b, e in group_bounds(n, k, format):
         header = buffer[offset : offset + 8].view(F32)
         payload = payload_size(e - b, format)
         yield b, e, header, buffer[offset + HEADER_BYTES : offset + HEADER_BYTES + payload]

@@ -18,14 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bagua_common.fault_tolerance import KVClient
+from bagua_common.fault_tolerance import KVClient, job_secret
 from bagua_jax.native_communicator import NativeCommunicator
 
 TIMEOUT = 60.0
 
 
 def _store() -> KVClient:
-    return KVClient("127.0.0.1", int(os.environ["BAGUA_TEST_STORE_PORT"]), TIMEOUT)
+    return KVClient("127.0.0.1", int(os.environ["BAGUA_TEST_STORE_PORT"]), TIMEOUT, secret=job_secret())
 
 
 def shrink_and_grow(victim: int) -> dict:

@@ -208,7 +208,10 @@ def errors(rank: int) -> dict:
     double = make_mlp(0, torch.float64)
     dopt = QAdamOptimizer(double.parameters())
     found["float64"] = raised(lambda: bagua_torch.with_bagua(double, [dopt], QAdamAlgorithm(dopt)))
-    found["by_name_without_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [opt], "qadam"))
+    # By name, the one optimizer given is the algorithm's own: none, or another kind, is a clear error.
+    found["by_name_without_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [], "qadam"))
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    found["by_name_with_another_optimizer"] = raised(lambda: bagua_torch.with_bagua(model, [sgd], "qadam"))
 
     # A 1-bit Adam checkpoint whose residuals do not fit this model.
     wrapped, _ = _wrap("onebit_adam", make_mlp(0), 1)

@@ -76,7 +76,8 @@ def test_counted_traffic_matches_the_cost_model():
             assert sum(calls for calls, _ in wire.by_op.values()) == wire.messages, name
             assert sum(sent for _, sent in wire.by_op.values()) == pytest.approx(wire.bytes_sent), name
     by_op = traffic["bytegrad"].wire[WORLD].by_op
-    assert set(by_op) == {"alltoall", "allgather"} and by_op["alltoall"][1] == pytest.approx(allreduce / 8, rel=2e-3)
+    # an eighth, plus the min-max headers: 16 bytes a chunk and a group of 8192 elements (0.2%)
+    assert set(by_op) == {"alltoall", "allgather"} and by_op["alltoall"][1] == pytest.approx(allreduce / 8, rel=4e-3)
     assert set(traffic["gradient_allreduce"].wire[WORLD].by_op) == {"allreduce"}
 
 

@@ -22,7 +22,7 @@ from bagua_common.data.cache_stores import (
     parse_capacity,
     shard_of,
 )
-from bagua_common.data.cached_dataset import CachedDataset, CacheLoader
+from bagua_common.data.cached_dataset import CachedDataset, CacheLoader, fingerprint_positions
 from bagua_common.data.private_files import job_directory, private_directory
 
 
@@ -57,7 +57,7 @@ def test_second_pass_hits_and_returns_the_same_samples(store, tmp_path):
     for _ in range(2):
         for i in range(20):
             np.testing.assert_array_equal(data[i], expected(i))
-    assert reads(log) == 20
+    assert reads(log) == len(fingerprint_positions(20)) + 20  # the fingerprint's reads, then each sample once
     stats = data.stats()
     assert (stats["hits"], stats["misses"], stats["puts"], stats["errors"]) == (
         20,
@@ -98,13 +98,14 @@ def test_loader_threads_open_a_new_lmdb_store_at_once(tmp_path):
 def test_version_name_and_dataset_change_invalidate(tmp_path):
     store = LmdbStore(str(tmp_path / "lmdb"), capacity_bytes=1 << 24)
     log = str(tmp_path / "reads")
-    CachedDataset(CountingDataset(5, log), store, name="a")[0]
-    CachedDataset(CountingDataset(5, log), store, name="a")[0]
-    assert reads(log) == 1
-    CachedDataset(CountingDataset(5, log), store, name="a", version="2")[0]
-    CachedDataset(CountingDataset(5, log), store, name="b")[0]
-    CachedDataset(CountingDataset(6, log), store, name="a")[0]
-    assert reads(log) == 4
+
+    def misses(n: int = 5, **scope: str) -> int:
+        data = CachedDataset(CountingDataset(n, log), store, **scope)
+        data[0]
+        return data.stats()["misses"]
+
+    assert misses(name="a") == 1 and misses(name="a") == 0
+    assert misses(name="a", version="2") == 1 and misses(name="b") == 1 and misses(6, name="a") == 1
     with pytest.raises(ValueError, match="name must be a non-empty string"):
         CachedDataset(CountingDataset(5, log), store, name="")
     with pytest.raises(ValueError, match="on_error"):
@@ -273,13 +274,15 @@ def test_default_store_is_one_lmdb_environment_per_dataset_in_the_node_directory
     def path(name, version="", n=4):
         return CachedDataset(CountingDataset(n, log), name=name, version=version).loader.store.path
 
-    assert path("a") == path("a") != path("b")
-    assert len({path("a"), path("a", "2"), path("a", n=5), path("b"), path("a/../b")}) == 5
+    assert path("a") == path("a") == path("a", n=5) != path("b")  # a changed dataset: its fingerprint tells it apart
+    assert len({path("a"), path("a", "2"), path("b"), path("a/../b")}) == 4
     assert {os.path.dirname(p) for p in (path("a"), path("a/../b"))} == {str(tmp_path / "job")}
     assert all(stat.S_IMODE(os.stat(p).st_mode) == 0o700 for p in (tmp_path / "job", path("a")))
-    CachedDataset(CountingDataset(4, log), name="a")[0]
-    CachedDataset(CountingDataset(4, log), name="a")[0]  # another process of the node: the same environment
-    assert reads(log) == 1
+    first = CachedDataset(CountingDataset(4, log), name="a")
+    first[0]
+    again = CachedDataset(CountingDataset(4, log), name="a")  # another process of the node: the same environment
+    again[0]
+    assert first.stats()["misses"] == 1 and again.stats()["hits"] == 1
     monkeypatch.delenv(cache_stores.ENV_CACHE_DIR)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     assert cache_stores.default_cache_directory() == str(tmp_path / f"bagua-cache-{os.getuid()}")

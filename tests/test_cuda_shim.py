@@ -1,8 +1,11 @@
-"""The CUDA kernels executed on the CPU under tests/cuda_shim: against the CPU kernels built
-from the same tree (tests/cuda_shim/kernel_suite.cc), and against tests/kernels_reference.py."""
+"""The CUDA kernels executed on the CPU under tests/cuda_shim: against the CPU kernels built from the same tree
+(tests/cuda_shim/kernel_suite.cc) on devices of several shapes, against tests/kernels_reference.py, and their
+memory accesses against each kernel's design (tests/cuda_shim/access_audit.cc, benchmarks/cuda_design.py)."""
 
 import re
 import subprocess
+import sys
+from pathlib import Path
 
 import kernels_reference as ref
 import ml_dtypes
@@ -10,14 +13,18 @@ import numpy as np
 import pytest
 from cuda_shim_build import build_kernel_suite, build_shim_selftest
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+import cuda_design  # noqa: E402
+
 # Generous: the suite takes about 15 s of CPU time (ASan: about a minute); shared machines are slow.
 TIMEOUT_S = 1800
 DTYPES = {"f32": np.float32, "f16": np.float16, "bf16": ml_dtypes.bfloat16}
 SIGN_SCALE_RTOL = 2e-6  # the GPU sums |x| in another order (SPEC section 2)
+PASSED, PASSED_QUICK = 4334, 2864  # the kernel suite's checks, full and --quick
 
 
 @pytest.fixture(scope="module")
-def suite(tmp_path_factory):
+def shim(tmp_path_factory):
     return build_kernel_suite(tmp_path_factory.mktemp("cuda_shim"))
 
 
@@ -40,15 +47,15 @@ def _summary(returncode, stdout, stderr):
     return passed, failed
 
 
-def test_cuda_kernels_under_the_shim_match_the_cpu_kernels(suite):
-    passed, failed = _run(suite)
-    # 3 dtypes x 8 sizes, and the extremes: compress + decompress, elementwise and
-    # decompress_reduce cases (kernel_suite.cc lists them).
-    assert failed == 0 and passed >= 2688
+def test_cuda_kernels_under_the_shim_match_the_cpu_kernels(shim):
+    passed, failed = _run(shim.suite)
+    # 3 dtypes x 11 sizes on 4 device shapes, and each dtype's extremes: compress + decompress,
+    # elementwise and decompress_reduce cases (kernel_suite.cc lists them).
+    assert failed == 0 and passed >= PASSED
 
 
-def test_cuda_kernels_under_the_shim_match_the_reference(suite, tmp_path):
-    subprocess.run([str(suite), "--dump", str(tmp_path)], check=True, timeout=TIMEOUT_S)
+def test_cuda_kernels_under_the_shim_match_the_reference(shim, tmp_path):
+    subprocess.run([str(shim.suite), "--dump", str(tmp_path)], check=True, timeout=TIMEOUT_S)
     cases = (tmp_path / "cases.txt").read_text().split("\n")
     cases = [line.split() for line in cases if line]
     assert len(cases) == 54
@@ -95,7 +102,15 @@ def test_cuda_kernels_under_the_shim_with_address_and_ub_sanitizers(background_j
     # Built and run by cuda_shim_build.run_sanitized_suite while the rest of the suite runs (background_jobs.py).
     returncode, output = background_job.result(timeout=TIMEOUT_S)
     passed, failed = _summary(returncode, output, "")
-    assert failed == 0 and passed >= 1788
+    assert failed == 0 and passed >= PASSED_QUICK
+
+
+def test_cuda_kernels_move_each_byte_as_their_design_says(shim):
+    """Each input byte read once (twice for the two-pass sign compress with error feedback), each output byte
+    written once, tensors in 16-byte accesses, every warp access one contiguous run."""
+    audit = subprocess.run([str(shim.audit)], check=True, capture_output=True, text=True, timeout=TIMEOUT_S)
+    mismatches = cuda_design.audit_mismatches(audit.stdout)
+    assert not mismatches, "\n".join(mismatches)
 
 
 @pytest.fixture(scope="module")

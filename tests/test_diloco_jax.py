@@ -60,8 +60,9 @@ def make(algorithm, ranks: int = RANKS) -> DataParallel:
         {"sync_every": 3},
         {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.25},
         {"sync_every": 3, "fragments": 3, "round_start_memory": "device"},
+        {"sync_every": 3, "outer_learning_rate": 1.0, "outer_momentum": 0.5},
     ],
-    ids=["diloco", "streaming-delay-alpha", "streaming-3"],
+    ids=["diloco", "streaming-delay-alpha", "streaming-3", "outer-settings"],
 )
 def test_outer_steps_match_the_numpy_simulation(options, rng):
     seed, steps = int(rng.integers(2**20)), 9
@@ -75,7 +76,9 @@ def test_outer_steps_match_the_numpy_simulation(options, rng):
         fragments=options.get("fragments", 1),
         delay=options.get("fragment_sync_delay", 0),
         alpha=options.get("fragment_update_alpha", 0.0),
-    )
+        **({"outer_lr": options["outer_learning_rate"], "momentum": options["outer_momentum"]}
+           if "outer_learning_rate" in options else {}),
+    )  # fmt: skip
     for t in range(steps):
         for r in range(RANKS):
             for k in ref.SHAPES:
@@ -149,6 +152,9 @@ def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule
         ({"outer_exchange": "int8"}, "outer_exchange must be one of fp32, bf16, uint8, uint4"),
         ({"error_feedback": True}, "error_feedback needs a compressed outer_exchange"),
         ({"round_start_memory": "disk"}, "round_start_memory must be 'host' or 'device'"),
+        ({"outer_learning_rate": 0.0}, r"outer_learning_rate must be a float > 0"),
+        ({"outer_momentum": 1.0}, r"outer_momentum must be a float in \[0, 1\)"),
+        ({"outer_optimizer": optax.sgd(1.0), "outer_momentum": 0.5}, "give them to your outer_optimizer"),
     ],
 )
 def test_bad_options_are_clear_errors(options, error):
@@ -247,3 +253,19 @@ def test_streaming_exchanges_overlap_the_next_steps_with_the_same_bits(mpi_job):
     assert finished[0] < began[0] and finished[1] < began[1], (finished, began)
     error = results[0].value["dead_peer"]
     assert "'diloco/outer_exchange'" in error and "did not complete within 3 s" in error, error
+
+
+@pytest.mark.skipif(not bagua_jax.build_info()["mpi"], reason="built without the MPI engine")
+def test_streaming_behind_a_counting_communicator_still_overlaps(mpi_job):
+    """A wrapper (a CountingCommunicator) over the MPI engine keeps the exchanges on the background thread, with the
+    same bits, and counts the bytes the thread sends."""
+    _, steps, wire, results = mpi_job
+    for result in results:
+        counted = result.value["counted"]
+        assert counted["on_the_thread"], f"rank {result.rank}: the exchanges run inside the step"
+        assert counted["bytes"] > 0
+        for t in range(steps):
+            for k in ref.SHAPES:
+                np.testing.assert_array_equal(
+                    counted["params"][t][k], result.value["overlapped"][t][k], err_msg=f"{wire} {t + 1} {k}"
+                )

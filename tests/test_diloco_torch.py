@@ -89,3 +89,16 @@ def test_restore_into_another_world_size_follows_the_rule():
     assert [r.size for r in saved[0]["residuals"]] == [16, 10]
     assert [r.size for r in restored["residuals"]] == [15, 10] and not any(np.any(r) for r in restored["residuals"])
     assert all(np.all(np.isfinite(v)) for v in results[0]["reshard"]["trained_on"].values())
+
+
+@pytest.mark.parametrize(
+    "options, want", [({}, (0.7, 0.9, True)), ({"outer_learning_rate": 1.0, "outer_momentum": 0.0}, (1.0, 0.0, False))]
+)
+def test_outer_learning_rate_and_momentum_make_the_default_outer_optimizer(options, want):
+    import torch
+
+    from bagua_common.algorithms.diloco import DiLoCoConfig
+    from bagua_torch.algorithms.diloco import default_outer_optimizer
+
+    group = default_outer_optimizer(DiLoCoConfig(sync_every=4, **options))([torch.zeros(2)]).param_groups[0]
+    assert (group["lr"], group["momentum"], group["nesterov"]) == want

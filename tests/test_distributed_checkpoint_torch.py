@@ -1,10 +1,10 @@
 """bagua_torch.distributed_checkpoint: the wrapped model's state through torch.distributed.checkpoint.
 
-One 2-rank gloo job per test run: for ByteGrad with error feedback, decentralized and DiLoCo
-(saved mid-round), a run resumed from a DCP checkpoint continues bit for bit; DCP's own API
-(``dcp.load`` into plain tensors, no project code, one process) reads every rank's
-parameters back as saved; damaged copies (a truncated, emptied or foreign shard, truncated
-DCP metadata, no manifest) are refused naming the file and the damage; one rank restoring the
+One 2-rank gloo job per test run: for ByteGrad with error feedback, decentralized, DiLoCo (saved mid-round)
+and gradient allreduce with plain SGD (no optimizer or algorithm state at all), a run resumed from a DCP
+checkpoint continues bit for bit; DCP's own API (``dcp.load`` into plain tensors, no project code, one
+process) reads every rank's parameters back as saved; damaged copies (a truncated, emptied or foreign shard,
+truncated DCP metadata, no manifest) are refused naming the file and the damage; one rank restoring the
 2-rank checkpoints, and two ranks restoring a one-rank checkpoint, follow each algorithm's reshard rule.
 """
 
@@ -34,7 +34,7 @@ def test_resume_is_bit_for_bit(job, name):
         result = rank.value[name]
         assert result["step"] == 4
         assert_tree_equal(result["resumed"], result["want"], f"{name} rank {rank.rank}")
-    if name != "bytegrad":  # the ranks' parameters drift apart inside a round
+    if name in ("decentralized", "diloco"):  # the ranks' parameters drift apart inside a round
         a, b = (r.value[name]["saved"]["params"] for r in ranks)
         assert any(not np.array_equal(a[k], b[k]) for k in a), name
 

@@ -119,18 +119,23 @@ def test_launcher_imports_no_framework_outside_elastic_mode():
     subprocess.run([sys.executable, "-c", code], check=True, env=_env(), timeout=300)
 
 
-def test_the_native_mpi_engine_refuses_an_elastic_job():
+def test_the_native_mpi_engine_runs_in_an_elastic_job_only_with_fault_tolerance():
     code = (
         "from bagua_common.comm.engines import load_engine\n"
         "try:\n"
-        "    load_engine('mpi')\n"
+        "    print('loaded', load_engine('mpi').__name__)\n"
         "except RuntimeError as e:\n"
         "    print(e)\n"
     )
-    run = subprocess.run(
-        [sys.executable, "-c", code], env=_env(BAGUA_ELASTIC="1"), capture_output=True, text=True, timeout=300
-    )
-    assert "cannot run in an elastic job" in run.stdout, run.stdout + run.stderr
+    for extra, expected in (({}, "only with fault tolerance"), ({"BAGUA_FAULT_TOLERANCE": "1"}, "loaded _bagua_mpi")):
+        run = subprocess.run(
+            [sys.executable, "-c", code],
+            env=_env(BAGUA_ELASTIC="1", **extra),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert expected in run.stdout, run.stdout + run.stderr
 
 
 def test_an_unreachable_rendezvous_is_reported_not_hung(tmp_path):

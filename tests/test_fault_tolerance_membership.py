@@ -10,7 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
+import socket
+import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -26,9 +30,11 @@ from bagua_common.fault_tolerance import (
     KVServer,
     Membership,
     StoreUnreachable,
+    job_secret,
 )
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
+SECRET = job_secret()  # conftest's, inherited by the members started as processes
 
 
 def together(calls):
@@ -65,8 +71,17 @@ def members(request):
         return group
 
     yield make
-    for m in made:
+    for m in reversed(made):  # the coordinator last: it waits for the others to leave
         m.close()
+
+
+def die(member: Membership) -> None:
+    """End ``member`` as its process ending does: its store and connections close, without leaving (close())."""
+    member._stopping.set()
+    for client in (member._monitor_client, member._local, member.epoch.store):
+        if client is not None:
+            client.close()
+    member._server.close()
 
 
 def commit_all(group, transaction):
@@ -77,15 +92,15 @@ def commit_all(group, transaction):
 
 
 def test_store_operations_and_a_waiting_get():
-    server = KVServer("127.0.0.1")
-    client = KVClient("127.0.0.1", server.port, 5)
+    server = KVServer("127.0.0.1", secret=SECRET)
+    client = KVClient("127.0.0.1", server.port, 5, secret=SECRET)
     try:
         assert client.get("k") is None
         assert client.add("n", 2) == 2 and client.add("n", -5) == -3
         assert client.compare_set("c", b"", b"one") == b"one"
         assert client.compare_set("c", b"zero", b"two") == b"one"  # expected value differs: unchanged
         assert client.compare_set("c", b"one", b"two") == b"two"
-        threading.Timer(0.2, lambda: KVClient("127.0.0.1", server.port, 5).set("late", b"x")).start()
+        threading.Timer(0.2, lambda: KVClient("127.0.0.1", server.port, 5, secret=SECRET).set("late", b"x")).start()
         started = time.monotonic()
         assert client.get("late", wait=5) == b"x"
         assert time.monotonic() - started < 2  # woken by the set, not by the wait's end
@@ -97,8 +112,8 @@ def test_store_operations_and_a_waiting_get():
 
 def test_a_closed_store_refuses_and_a_registered_connection_is_reported():
     gone = []
-    server = KVServer("127.0.0.1", on_disconnect=gone.append)
-    member = KVClient("127.0.0.1", server.port, 5, member="7:someone")
+    server = KVServer("127.0.0.1", on_disconnect=gone.append, secret=SECRET)
+    member = KVClient("127.0.0.1", server.port, 5, member="7:someone", secret=SECRET)
     member.close()
     deadline = time.monotonic() + 5
     while not gone and time.monotonic() < deadline:
@@ -107,8 +122,41 @@ def test_a_closed_store_refuses_and_a_registered_connection_is_reported():
     port = server.port
     server.close()
     with pytest.raises(StoreUnreachable) as caught:
-        KVClient("127.0.0.1", port, 1)
+        KVClient("127.0.0.1", port, 1, secret=SECRET)
     assert caught.value.refused
+
+
+def test_a_store_serves_only_clients_that_prove_the_jobs_secret(tmp_path, monkeypatch):
+    server = KVServer("127.0.0.1", secret=SECRET)
+    member = KVClient("127.0.0.1", server.port, 5, secret=SECRET)
+    try:
+        assert server._listener.getsockname()[0] == "127.0.0.1"  # the job's address only, not every interface
+        member.set("ft/current", b"the job")
+        with pytest.raises(StoreUnreachable, match="does not hold the job's secret"):
+            KVClient("127.0.0.1", server.port, 5, secret=b"another job's secret").set("ft/current", b"forged")
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as raw:  # a request without the proof
+            raw.recv(4096)  # the store's greeting
+            raw.sendall(struct.pack("!BII", 1, len(b"ft/current"), 6) + b"ft/current" + b"forged")
+            assert raw.recv(9)[:1] == b"\x02" and raw.recv(9) == b""  # denied, then closed
+        assert member.check("ft/current") == b"the job"
+        impostor = KVServer("127.0.0.1", secret=b"another job's secret")  # a process on a member's port
+        with pytest.raises(StoreUnreachable, match="refused this client"):
+            KVClient("127.0.0.1", impostor.port, 5, secret=SECRET)
+        impostor.close()
+    finally:
+        member.close()
+        server.close()
+    path = tmp_path / "secret"
+    path.write_text("x" * 32)
+    monkeypatch.setenv("BAGUA_FT_SECRET_FILE", str(path))
+    path.chmod(0o644)
+    with pytest.raises(ValueError, match="readable by others"):
+        job_secret()
+    path.chmod(stat.S_IRUSR | stat.S_IWUSR)
+    assert job_secret() == b"x" * 32
+    monkeypatch.delenv("BAGUA_FT_SECRET_FILE")
+    with pytest.raises(ValueError, match="BAGUA_FT_SECRET_FILE is not set"):
+        FaultToleranceSettings()
 
 
 # --- the decision register ---------------------------------------------------------------
@@ -134,7 +182,7 @@ def test_members_commit_together_and_survive_a_death(members):
     assert commit_all(group, 1) == [True, True, True]
     leaving = [m.epoch for m in group]  # each member's own (a front end's training thread keeps it)
     started = time.monotonic()
-    group[2].close()  # as its process ending does: its store and connections close
+    die(group[2])
     recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[:2], leaving)])
     seconds = time.monotonic() - started
     assert [r.epoch.size for r in recovered] == [2, 2] and [r.epoch.rank for r in recovered] == [0, 1]
@@ -147,7 +195,7 @@ def test_the_coordinators_death_moves_its_role_to_the_next_member(members):
     group = members(3)
     assert commit_all(group, 1) == [True, True, True]
     leaving = [m.epoch for m in group]
-    group[0].close()
+    die(group[0])
     recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[1:], leaving[1:])])
     assert [r.epoch.coordinator.id for r in recovered] == [group[1].me.id] * 2
     assert commit_all(group[1:], 2) == [True, True]
@@ -156,7 +204,7 @@ def test_the_coordinators_death_moves_its_role_to_the_next_member(members):
 def test_a_transaction_in_flight_when_a_member_dies_is_abandoned_by_all(members):
     group = members(3)
     leaving = [m.epoch for m in group]
-    votes = together([lambda m=m, e=e: m.commit(e, 1) for m, e in zip(group[:2], leaving)] + [group[2].close])
+    votes = together([lambda m=m, e=e: m.commit(e, 1) for m, e in zip(group[:2], leaving)] + [lambda: die(group[2])])
     assert votes[:2] == [False, False]  # the third vote never came: nobody applies transaction 1
     recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[:2], leaving)])
     assert [r.committed for r in recovered] == [0, 0]
@@ -174,7 +222,7 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
     while epochs[0].number == 0 and time.monotonic() < deadline:  # the members keep committing meanwhile
         transaction += 1
         assert together([lambda m=m, e=e: m.commit(e, transaction) for m, e in zip(group, epochs)]) == [True, True]
-        if epochs[0].closed.is_set():  # ended after this commit: the next epoch admits the joiner
+        if epochs[0].ended.is_set():  # ended after this commit: the next epoch admits the joiner
             epochs = [r.epoch for r in together([lambda m=m, e=e: m.recover(e) for m, e in zip(group, epochs)])]
     thread.join(20)
     try:
@@ -196,39 +244,80 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
 MEMBER = str(TESTS / "fault_tolerance_member.py")
 
 
-def member_processes(n: int, port: int):
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
-    return [
-        subprocess.Popen(
-            [sys.executable, MEMBER, str(r), str(n), str(port)],
+class MemberProcess:
+    """A member started as a process, its JSON lines read by a thread so that a test can wait for one with a
+    timeout (a test that waits forever is a hung CI)."""
+
+    def __init__(self, rank: int, n: int, port: int):
+        env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+        self.rank = rank
+        self.process = subprocess.Popen(
+            [sys.executable, MEMBER, str(rank), str(n), str(port)],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
             env=env,
         )
-        for r in range(n)
-    ]
+        self.output: list[str] = []
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.output.append(line)
+            self._lines.put(line)
+
+    def next_event(self, timeout: float = 60.0) -> dict:
+        """The member's next JSON line, within ``timeout`` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                line = self._lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise AssertionError(
+                    f"member {self.rank} printed no event within {timeout:g} s; its output: {''.join(self.output)}"
+                ) from None
+            if line.startswith("{"):
+                return json.loads(line)
+
+    def signal(self, sig: int) -> None:
+        self.process.send_signal(sig)
+
+    def end(self) -> None:
+        self.process.send_signal(signal.SIGCONT)
+        self.process.kill()
+        self.process.wait()
 
 
 def test_stopped_members_are_left_behind_after_dead_after_and_evicted_when_back():
-    procs = member_processes(4, free_port())
+    port = free_port()
+    members = [MemberProcess(r, 4, port) for r in range(4)]
     try:
-        lines = [json.loads(p.stdout.readline()) for p in procs]  # each: {"epoch": 0, ...} once started
-        assert [line["epoch"] for line in lines] == [0, 0, 0, 0]
+        assert [m.next_event()["epoch"] for m in members] == [0, 0, 0, 0]  # each once started
         for victim, survivors, size in ((2, (0, 1, 3), 3), (0, (1, 3), 2)):  # a member, then the coordinator
-            procs[victim].send_signal(signal.SIGSTOP)
+            members[victim].signal(signal.SIGSTOP)
             stopped = time.monotonic()
-            events = [json.loads(procs[i].stdout.readline()) for i in survivors]
+            events = [members[i].next_event() for i in survivors]
             seconds = time.monotonic() - stopped
             assert [e["size"] for e in events] == [size] * len(survivors), events
             assert len({e["committed"] for e in events}) == 1
             # detection takes dead_after (0.6 s) of missed heartbeats, then the survivors go on at once
             assert seconds < 0.6 + 2.0, f"{seconds:.2f} s"
         for victim in (2, 0):
-            procs[victim].send_signal(signal.SIGCONT)  # back, but the job went on without them
-        assert [json.loads(procs[v].stdout.readline()) for v in (2, 0)] == [{"evicted": True}] * 2
+            members[victim].signal(signal.SIGCONT)  # back, but the job went on without them
+        assert [members[v].next_event() for v in (2, 0)] == [{"evicted": True}] * 2
     finally:
-        for p in procs:
-            p.send_signal(signal.SIGCONT)
-            p.kill()
-            p.communicate()
+        for m in members:
+            m.end()
+
+
+def test_members_that_leave_together_are_not_taken_for_failures(members):
+    group = members(3)
+    assert commit_all(group, 1) == [True, True, True]
+    epochs = [m.epoch for m in group]
+    group[2].close()  # leaves on purpose, first
+    time.sleep(3 * FAST.heartbeat_period)
+    assert not any(e.closed.is_set() for e in epochs[:2])  # the others' epoch goes on
+    started = time.monotonic()
+    together([group[0].close, group[1].close])  # the coordinator waits for the last one to leave
+    assert time.monotonic() - started < FAST.dead_after

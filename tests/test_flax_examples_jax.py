@@ -23,16 +23,17 @@ from multiprocess import ONE_CPU_DEVICE, run_ranks
 
 import bagua_jax
 from bagua_jax import DataParallel, rank_slice
-from bagua_jax.algorithms import make_algorithm
+from bagua_jax.algorithms import is_optimizer, make_algorithm
 from bagua_jax.native_data_parallel import world
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "flax_mnist"
-# Every algorithm that chains the user's optax optimizer (QAdam and OneBitAdam replace it: README) on the NNX
-# example, the harder one (BatchNorm, dropout); the linen example with one of each kind, to keep the job short.
+# Every algorithm that chains the user's optax optimizer on the NNX example, the harder one (BatchNorm, dropout);
+# the linen example with one of each kind, and QAdam and 1-bit Adam by name, as offline.py's --algorithm passes them
+# (they replace flax's SGD with Adam at offline.ADAM_LEARNING_RATE).
 ALGORITHMS = {
     "nnx": ["gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "powersgd", "diloco"],
-    "linen": ["gradient_allreduce", "bytegrad", "decentralized"],
+    "linen": ["gradient_allreduce", "bytegrad", "decentralized", "qadam", "onebit_adam"],
 }
 # DiLoCo's default round (100 steps) is longer than the whole run: a round of 5 steps makes it communicate.
 OPTIONS = {"diloco": {"sync_every": 5}}
@@ -78,12 +79,15 @@ def bytegrad_steps(communicator=None, mesh=None) -> list[np.ndarray]:
 def worker(algorithms: dict[str, list[str]], epochs: int) -> dict:
     """Each example with each algorithm, data-parallel on this rank, and :func:`bytegrad_steps` in native mode;
     then rank r runs the r-th upstream example alone (one each: neither rank waits for the other's)."""
-    run = offline().run
-    results = {
-        (example, name): run(example, True, epochs, make_algorithm(name, **OPTIONS.get(name, {})))[-1]
-        for example in algorithms
-        for name in algorithms[example]
-    }
+    example_module = offline()
+
+    def data_parallel(example: str, name: str) -> float:
+        if is_optimizer(name):
+            return example_module.run(example, True, epochs, name, example_module.ADAM_LEARNING_RATE)[-1]
+        return example_module.run(example, True, epochs, make_algorithm(name, **OPTIONS.get(name, {})))[-1]
+
+    results = {(example, name): data_parallel(example, name) for example in algorithms for name in algorithms[example]}
+    run = example_module.run
     results["bytegrad_steps"] = bytegrad_steps(communicator=world())
     rank, size = int(world().rank()), world().size
     results.update({(example, None): run(example, False, epochs)[-1] for example in list(algorithms)[rank::size]})

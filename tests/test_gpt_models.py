@@ -37,6 +37,7 @@ def test_sizes_have_the_gpt_shapes(size):
     assert config.parameter_count == v * d + t * d + n * (12 * d * d + 13 * d) + 2 * d
     expected = {
         "tiny": (2, 64, 64, 0.1e6, 0.3e6),
+        "mini": (4, 128, 128, 0.8e6, 0.9e6),
         "small": (4, 256, 128, 2.5e6, 3.5e6),
         "gpt2": (12, 768, 1024, 124e6, 125e6),
     }
@@ -46,7 +47,7 @@ def test_sizes_have_the_gpt_shapes(size):
 
 
 def test_initializer_gives_the_shapes_in_float32():
-    for size in ("tiny", "small"):  # gpt2's 124M draws take seconds; its shapes come from the same code
+    for size in ("tiny", "mini", "small"):  # gpt2's 124M draws take seconds; its shapes come from the same code
         params = init_gpt_params(size, seed=1)
         assert {k: v.shape for k, v in params.items()} == gpt_config(size).parameter_shapes()
         assert all(v.dtype == np.float32 for v in params.values())
@@ -71,7 +72,7 @@ def test_bad_parameters_are_refused():
         torch_gpt.GPT("tiny", params)
     with pytest.raises(ValueError, match="missing: \\['wpe'\\]"):
         jax_gpt.GPT("tiny", {k: v for k, v in params.items() if k != "wpe"})
-    with pytest.raises(ValueError, match="sizes: tiny, small, gpt2"):
+    with pytest.raises(ValueError, match="sizes: tiny, mini, small, gpt2"):
         gpt_config("huge")
 
 

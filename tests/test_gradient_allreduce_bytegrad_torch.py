@@ -102,9 +102,11 @@ def test_registry_by_name_and_by_class():
 
 
 def test_registry_and_options_errors():
-    with pytest.raises(TypeError, match="algorithm 'bytegrad'.*unexpected keyword argument 'hierarchal'"):
+    with pytest.raises(TypeError, match="algorithm 'bytegrad' has no option 'hierarchal'; its options: hierarchical"):
         algorithms.get_algorithm("bytegrad", hierarchal=True)
-    with pytest.raises(TypeError, match="only be given with an algorithm name"):
+    with pytest.raises(TypeError, match="^bytegrad: hierarchical must be a bool"):
+        algorithms.get_algorithm("bytegrad", hierarchical="yes")
+    with pytest.raises(TypeError, match="only be given with an algorithm's name"):
         algorithms.get_algorithm(ByteGradAlgorithm(), average=False)
     with pytest.raises(TypeError, match="algorithm must be a name"):
         algorithms.get_algorithm(3)

@@ -41,6 +41,16 @@ def test_minmax_roundtrip_matches_reference(rng, n, k, dtype):
     ref.assert_within_minmax_bound(x, np.asarray(ops.minmax_uint8_decompress(compressed, n, k)), k)
 
 
+def test_a_group_holding_both_zeros_has_minus_zero_for_lo():
+    """A group's lo and hi order -0 below +0 on every device (the CUDA kernels reduce order-preserving integer
+    keys), whatever the order of its values: its header, the only byte the sign of a zero changes, agrees."""
+    x = np.array([1.5, 0.0, -0.0, 2.0] * 4 + [-0.0, 0.0, 3.0] * 3, np.float32)
+    for values in (x, x[::-1].copy()):
+        compressed = np.asarray(ops.minmax_uint8_compress(values, 1))
+        np.testing.assert_array_equal(compressed, ref.minmax_compress(values, 1)[0])
+        assert np.signbit(compressed[:4].view(np.float32)[0])
+
+
 @each_size_chunking_and_dtype
 def test_sign_roundtrip_matches_reference(rng, n, k, dtype):
     x = as_input(random_values(rng, n), dtype)

@@ -427,17 +427,21 @@ import os, stat, sys, time
 from bagua_common.data.cached_dataset import CachedDataset
 
 class Squares:
+    counting = False  # wrapping reads items for the dataset's fingerprint: only the reads after it count
+
     def __len__(self):
         return 8
 
     def __getitem__(self, i):
-        print("READ", i, flush=True)
+        if Squares.counting:
+            print("READ", i, flush=True)
         return i * i
 
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 directory = os.environ["BAGUA_CACHE_DIR"]
 print("DIR", directory, oct(stat.S_IMODE(os.stat(directory).st_mode)))
 data = CachedDataset(Squares(), name="squares")
+Squares.counting = True
 assert [data[i] for i in range(rank, 8, world)] == [i * i for i in range(rank, 8, world)]
 open(os.path.join(directory, f"done-{rank}"), "w").close()
 while not all(os.path.exists(os.path.join(directory, f"done-{r}")) for r in range(world)):

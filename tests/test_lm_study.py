@@ -1,5 +1,6 @@
-"""benchmarks/lm_study.py: one rank of a job runs end to end (the ``tiny`` GPT, one process), and the study's
-figures follow from the ranks' raw results as its docstring says (checked against sums written out here)."""
+"""benchmarks/lm_study.py: one rank of a job trains and times end to end (the ``tiny`` GPT, one process), the study's
+schedule is optax's, and the figures follow from the ranks' raw results as the study's docstring says (checked
+against sums written out here)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import math
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -17,114 +17,99 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-import lm_study  # noqa: E402
 import lm_study_report  # noqa: E402
+from harness.load import LoadGate  # noqa: E402
+from harness.phases import PhasedJob, PhaseRunner, kept  # noqa: E402
+from lm_study_settings import Schedule, Settings  # noqa: E402
 
 
 class _OneRankNetwork:
-    """What PhaseControl needs of a network: one rank, a link left unshaped."""
+    """What PhaseRunner needs of a network: one rank, a link left unshaped."""
 
     ranks, rate = 1, None
 
 
-def test_one_rank_trains_evaluates_and_times(tmp_path, seed):
+def _settings(steps: int) -> dict:
+    schedule = Schedule(3e-3, 1, steps)
+    return Settings("tiny", 2, steps, schedule, schedule, eval_every=2, heldout_windows=4).as_dict()
+
+
+def _run_worker(tmp_path: Path, job: dict) -> subprocess.CompletedProcess:
     from bagua_common.job.local_launch import free_port
 
-    job = {
-        "size": "tiny", "ranks": 1, "seed": seed, "steps": 4, "batch": 2, "lr": 3e-3, "weight_decay": 0.01,
-        "eval_every": 2, "heldout_windows": 4, "async_link": "none", "front_end": "torch", "algorithm": "ddp",
-        "options": {}, "links": ["none", "none", "none"], "timing_sync_every": 0, "timed_rounds": 2,
-        "phase_wait_s": 120,
-    }  # fmt: skip
-    (tmp_path / "job.json").write_text(json.dumps(job))
-    control = lm_study.PhaseControl(_OneRankNetwork(), [(tmp_path, job["links"])])
-    control.start()
+    (tmp_path / "job.json").write_text(json.dumps({**job, "result": str(tmp_path / "result")}))
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     worker = [sys.executable, str(ROOT / "benchmarks" / "lm_study_worker.py"), str(tmp_path / "job.json")]
-    done = subprocess.run(worker, env=env, capture_output=True, text=True, timeout=300)
-    control.stop.set()
+    return subprocess.run(worker, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_one_rank_trains_and_evaluates(tmp_path):
+    job = {"settings": _settings(4), "front_end": "torch", "algorithm": "ddp", "options": {}, "mode": "train",
+           "steps": 4, "study_pid": os.getpid()}  # fmt: skip
+    done = _run_worker(tmp_path, job)
     assert done.returncode == 0, done.stderr[-2000:]
-    summary = lm_study_report.summarize([json.loads((tmp_path / "rank0.json").read_text())], job)
+    summary = lm_study_report.summarize_training([json.loads((tmp_path / "result.rank0").read_text())])
     assert [step for step, _ in summary["curve"]] == [0, 2, 4]
     # GPT-2's initialization gives small logits: the untrained loss is close to a uniform guess over 256 bytes
     assert summary["curve"][0][1] == pytest.approx(math.log(256), abs=0.15)
     assert summary["final_loss"] < summary["curve"][0][1] - 0.05
-    assert len(summary["timing"]["none"]["phase_ms"]) == 2 and summary["ms_per_step"]["none"] > 0
+    assert [step for step, _ in summary["sent"]] == [0, 2, 4]
 
 
-def _wait_for(path: Path, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} did not appear"
-        time.sleep(0.01)
+def test_one_rank_times_its_phases_behind_the_gate(tmp_path):
+    links, timed = ["none", "none", "none"], [False, True, True]
+    job = {"settings": _settings(4), "front_end": "torch", "algorithm": "ddp", "options": {}, "mode": "time",
+           "timing_round": 0, "timed_rounds": 3, "links": links, "timed": timed, "phase_wait_s": 120}  # fmt: skip
+    runner = PhaseRunner(_OneRankNetwork(), [PhasedJob(tmp_path, links, timed)], LoadGate(limit=1e9))
+    runner.start()
+    done = _run_worker(tmp_path, job)
+    runner.stop.set()
+    runner.join()
+    runner.gate.close()
+    assert done.returncode == 0, done.stderr[-2000:]
+    rank = json.loads((tmp_path / "result.rank0").read_text())
+    phases = kept(rank["phases"], runner.records, 0)
+    assert [len(p["step_s"]) for p in phases] == [0, 3, 3] and [p["load"] is None for p in phases] == [1, 0, 0]
+    summary = lm_study_report.summarize_timing([{**rank, "phases": phases}], {"timing_round": 0})
+    expected = sorted(1e3 * np.mean(p["step_s"]) for p in phases[1:])
+    assert sorted(summary["links"]["none"]["ms_per_step"]["values"]) == pytest.approx(expected, abs=1e-3)
 
 
-def test_a_pair_runs_one_phase_at_a_time_alternating(tmp_path):
-    """Two one-rank jobs: each phase starts only once the other job is idle, in the order A B, B A, A B."""
-    folders = [tmp_path / "a", tmp_path / "b"]
-    for folder in folders:
-        folder.mkdir()
-    links = ["none"] * 3
-    control = lm_study.PhaseControl(_OneRankNetwork(), [(folder, links) for folder in folders])
-    control.start()
-    expected = [(0, 0), (1, 0), (0, 1), (1, 1), (1, 2), (0, 2)]
-    try:
-        for folder in folders:
-            (folder / "ready-0-0").touch()
-        for job, phase in expected:
-            _wait_for(folders[job] / f"go-{phase}")
-            time.sleep(0.15)  # three of the control's polls: nothing else may start while this phase runs
-            started = sorted((f.name, p.name) for f in folders for p in f.glob("go-*"))
-            assert len(started) == expected.index((job, phase)) + 1, started
-            (folders[job] / ("rank0.json" if phase == 2 else f"ready-{phase + 1}-0")).touch()
-    finally:
-        control.stop.set()
-        control.join()
+@pytest.mark.parametrize("kind", ["cosine", "constant"])
+def test_the_schedule_is_optaxs(kind):
+    schedule = Schedule(3e-3, 7, 40, kind, final_ratio=0.1)
+    steps = np.arange(60)
+    expected = np.asarray(schedule.optax()(steps))
+    assert [schedule.peak * schedule.factor(int(s)) for s in steps] == pytest.approx(expected, rel=1e-6, abs=1e-12)
 
 
-def test_pair_ratio_per_repeat(rng):
-    """A pair's JAX/torch ratio: median and range of the ratios of the phases that ran next to each other."""
-    torch_ms, jax_ms = rng.uniform(100, 900, 5), rng.uniform(100, 900, 5)
-    torch_row = {"name": "torch/x", "timing": {"none": {"phase_ms": torch_ms.tolist()}}, "interleaved_with": "jax/x"}
-    jax_row = {"name": "jax/x", "timing": {"none": {"phase_ms": jax_ms.tolist()}}, "interleaved_with": "torch/x"}
-    ratios = jax_ms / torch_ms
-    got = lm_study_report.step_time_ratios(jax_row, torch_row, "none")
-    assert got == pytest.approx((np.median(ratios), ratios.min(), ratios.max()))
-
-
-def _ranks(rng: np.random.Generator, links: list[str], steps_per_phase: int, nranks: int) -> list[dict]:
-    return [
-        {
-            "rank": r,
-            "curve": [[0, 5.5], [10, 4.0]],
-            "train_s": float(rng.uniform(1, 2)),
-            "train_bytes": int(rng.integers(1_000, 10_000)),
-            "phases": [
-                {
-                    "link": link,
-                    "step_s": rng.uniform(0.1, 1.0, steps_per_phase).tolist(),
-                    "bytes": int(rng.integers(1e5)),
-                }
-                for link in links
-            ],
-        }
-        for r in range(nranks)
-    ]
+def _phase(step_s: list[float], link: str, nbytes: int, published: bool = True) -> dict:
+    return {"link": link, "step_s": step_s, "bytes": nbytes, "load": {"published": published}, "set_aside": []}
 
 
 def test_diloco_time_per_step_from_whole_short_rounds(rng):
-    links, h_t, sync_every = ["none", "100mbit", "none", "100mbit", "none", "100mbit"], 4, 50
-    ranks = _ranks(rng, links, 2 * h_t, 3)
-    job = {"steps": 10, "timing_sync_every": h_t, "options": {"sync_every": sync_every}}
-    summary = lm_study_report.summarize(ranks, job)
+    links, h_t, sync_every = ["none", "100mbit"] * 3, 4, 50
+    ranks = [
+        {"rank": r, "phases": [_phase(rng.uniform(0.1, 1.0, 2 * h_t).tolist(), link, 1000) for link in links]}
+        for r in range(3)
+    ]
+    row = {"timing_round": h_t, "options": {"sync_every": sync_every}, "algorithm": "diloco"}
+    summary = lm_study_report.summarize_timing(ranks, row)
     times = np.array([[p["step_s"] for p in r["phases"]] for r in ranks]).mean(0)  # phase x step, mean over ranks
     for offset, link in enumerate(["none", "100mbit"]):
         mine = times[offset::2]
-        local, rounds = np.median(mine), np.median(mine.mean(1))
+        local, rounds = np.median(mine, axis=1), mine.mean(1)
         expected = 1e3 * (local + (rounds - local) * h_t / sync_every)
-        assert summary["ms_per_step"][link] == pytest.approx(expected, abs=0.01)
-    assert summary["bytes_per_step"] == pytest.approx(np.mean([r["train_bytes"] for r in ranks]) / 10)
+        assert summary["links"][link]["ms_per_step"]["median"] == pytest.approx(np.median(expected), abs=1e-3)
+        assert summary["links"][link]["bytes_per_step"] == pytest.approx(1000 / (2 * h_t))
+
+
+def test_a_phase_over_the_load_limit_is_left_out(rng):
+    fast, slow = [0.1] * 4, [0.9] * 4
+    ranks = [{"rank": 0, "phases": [_phase(fast, "none", 0), _phase(slow, "none", 0, published=False)]}]
+    summary = lm_study_report.summarize_timing(ranks, {"timing_round": 0})
+    assert list(summary["links"]["none"]["ms_per_step"]["values"]) == [pytest.approx(100.0)]
 
 
 def test_steps_to_a_loss_between_evaluations(rng):
@@ -133,19 +118,27 @@ def test_steps_to_a_loss_between_evaluations(rng):
     curve = [[0, 5.6], [20, l0], [40, l1]]
     assert lm_study_report.steps_to(curve, target) == pytest.approx(20 + 20 * (l0 - target) / (l0 - l1))
     assert lm_study_report.steps_to(curve, l1 - 0.01) is None
+    assert lm_study_report.loss_at(curve, 30) == pytest.approx((l0 + l1) / 2)
 
 
-def test_uncompressed_first_steps_take_ddps_time(rng):
+def test_uncompressed_first_steps_take_gradient_allreduces_time(rng):
     from bagua_common.algorithms.configs import OneBitAdamConfig
 
     warmup = OneBitAdamConfig(learning_rate=1e-3).warmup_steps
     fast, slow = sorted(rng.uniform(100, 2000, 2))
     reached = warmup + float(rng.uniform(10, 50))
     curve = [[0, 5.0], [int(reached), 3.0]]  # the target 3.0 is reached at ``reached`` steps
-    base = {"ms_per_step": {"100mbit": slow}}
-    row = {"algorithm": "onebit_adam", "options": {}, "curve": curve, "ms_per_step": {"100mbit": fast}}
-    expected = (warmup * slow + (int(reached) - warmup) * fast) / 1e3
-    assert lm_study_report._time_to(row, "100mbit", 3.0, base) == pytest.approx(expected)
-    assert lm_study_report._time_to({**row, "algorithm": "bytegrad"}, "100mbit", 3.0, base) == pytest.approx(
-        int(reached) * fast / 1e3
-    )
+
+    def timed(ms: float) -> dict:
+        return {"status": "ok", "links": {"100mbit": {"ms_per_step": {"median": ms, "min": ms, "max": ms}}}}
+
+    data = {
+        "train": {"torch/onebit_adam": {"status": "ok", "curve": curve, "final_loss": 3.0, "steps": int(reached)}},
+        "timing": {
+            "torch/onebit_adam": {"algorithm": "onebit_adam", "front_end": "torch", "options": {}, **timed(fast)},
+            "torch/gradient_allreduce": timed(slow),
+        },
+    }
+    got = lm_study_report.time_to(data, "torch/onebit_adam", "100mbit", 3.0)
+    assert got.seconds.median == pytest.approx((warmup * slow + (int(reached) - warmup) * fast) / 1e3)
+    assert "not reached (final 3.000)" == lm_study_report.time_to(data, "torch/onebit_adam", "100mbit", 2.0).format()

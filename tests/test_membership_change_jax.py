@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
-from bagua_common.fault_tolerance import KVClient, KVServer
+from bagua_common.fault_tolerance import KVClient, KVServer, job_secret
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
 
@@ -21,8 +21,8 @@ VICTIM = 1
 
 
 def test_a_killed_rank_is_revoked_shrunk_away_and_replaced():
-    server = KVServer("127.0.0.1")
-    client = KVClient("127.0.0.1", server.port, 10.0)
+    server = KVServer("127.0.0.1", secret=job_secret())
+    client = KVClient("127.0.0.1", server.port, 10.0, secret=job_secret())
 
     def victim_gone(codes):
         if codes[VICTIM] is not None:

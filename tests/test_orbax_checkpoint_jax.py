@@ -20,6 +20,7 @@ import numpy as np
 import optax
 import orbax.checkpoint as ocp
 import pytest
+from fresh_interpreter import run_json
 from jax.sharding import Mesh
 from multiprocess import ONE_CPU_DEVICE, run_ranks
 from test_checkpoint_jax import LR, batch, host, initial_params, loss_fn
@@ -95,13 +96,19 @@ def test_resume_is_bit_for_bit_and_plain_orbax_reads_it(name, tmp_path, rng):
     assert_trees_equal(resumed, want)
 
 
-def test_another_world_size_follows_the_rule_like_the_projects_format(tmp_path, rng):
+def saved_in_both_formats(tmp_path, rng):
+    """3 decentralized steps on 4 devices, saved under ``tmp_path`` by orbax and in the project's format."""
     dp = trainer("decentralized", 4)
     state = trained(dp, rng, 3)
     checkpoints = OrbaxCheckpoints(tmp_path / "orbax", dp)
     checkpoints.save(state)
     checkpoints.close()
     save(tmp_path / "own", state, dp)
+    return state
+
+
+def test_another_world_size_follows_the_rule_like_the_projects_format(tmp_path, rng):
+    state = saved_in_both_formats(tmp_path, rng)
     smaller = trainer("decentralized", 2)
     reader = OrbaxCheckpoints(tmp_path / "orbax", smaller)
     got = host(reader.restore(initial_params(rng)))
@@ -184,3 +191,40 @@ def test_no_process_returns_from_a_save_before_it_is_sealed(tmp_path, rng):
     for result in results:
         assert result.value["sealed"], f"rank {result.rank} returned from the save before the step was sealed"
         assert_trees_equal(result.value["restored"], result.value["saved"])
+
+
+READ_ON_ONE_DEVICE = """
+import json, sys
+import jax, numpy as np, orbax.checkpoint as ocp
+from bagua_jax.checkpoint import read_state as read_own
+from bagua_jax.orbax_checkpoint import read_state
+
+orbax_root, own_root = sys.argv[1], sys.argv[2]
+try:
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.restore(f"{orbax_root}/3/state")
+    plain = "read"
+except ValueError as error:
+    plain = str(error)
+name = lambda k: str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k))))
+leaves = jax.tree_util.tree_leaves_with_path(read_state(orbax_root))
+print(json.dumps({
+    "devices": jax.device_count(),
+    "plain orbax": plain,
+    "orbax": {"/".join(map(name, path)): np.asarray(leaf).tolist() for path, leaf in leaves},
+    "own": [{key: value.tolist() for key, value in rank.items()} for rank in read_own(own_root)],
+}))
+"""
+
+
+def test_a_four_device_state_is_read_in_a_one_device_process(tmp_path, rng):
+    """The documented route (docs/guides/checkpoints.md): ``read_state`` of either format, in a process with one
+    device, gives the arrays a 4-device mesh job saved; orbax's own restore there refuses the topology."""
+    state = saved_in_both_formats(tmp_path, rng)
+    read = run_json(READ_ON_ONE_DEVICE, str(tmp_path / "orbax"), str(tmp_path / "own"), env=ONE_CPU_DEVICE)
+    assert read["devices"] == 1 and "Topology mismatch" in read["plain orbax"], read["plain orbax"]
+    assert read["orbax"] == {"/".join(path): value for path, value in by_name(state._asdict()).items()}
+    assert len(read["own"]) == 4
+    for rank, arrays in enumerate(read["own"]):
+        for leaf in ("w", "b"):
+            assert arrays[f".params['{leaf}']"] == np.asarray(state.params[leaf][rank]).tolist(), (rank, leaf)

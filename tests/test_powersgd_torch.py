@@ -3,8 +3,10 @@
 Two gloo ranks, one job for every test (``powersgd_workers_torch.every_run``). Tolerance against the
 reference: float32 products and Gram-Schmidt against float64 over eight steps stay within 1e-4 of the
 gradients' scale (a wrong step is off by order one). Against torch's hook the random starting ``Q`` differs
-(each library seeds its own), so the two are compared by their loss curves: equal during the exact steps,
-within 5% over the compressed ones.
+(each library seeds its own), so the two are compared by their loss curves: equal during the exact steps, and
+over the last 16 steps within 15% of each other and below 0.75 of the first loss. Over 30 seeds the starting ``Q``
+alone moved the late loss by up to 5.5% and the ratio reached 0.65; without error feedback ours was 42-60% off and
+its ratio 0.79-0.87.
 """
 
 from __future__ import annotations
@@ -66,5 +68,5 @@ def test_trains_like_torch_powersgd_hook(ranks):
     ours, theirs = ranks[0]["bagua"], ranks[0]["ddp"]
     np.testing.assert_allclose(ours[:2], theirs[:2], rtol=1e-6)  # exact allreduce while warming up
     late_ours, late_theirs = np.mean(ours[-16:]), np.mean(theirs[-16:])
-    assert abs(late_ours - late_theirs) <= 0.05 * late_theirs, (late_ours, late_theirs)
-    assert late_ours < 0.6 * ours[0]
+    assert abs(late_ours - late_theirs) <= 0.15 * late_theirs, (late_ours, late_theirs)
+    assert late_ours < 0.75 * ours[0], (late_ours, ours[0])

@@ -122,7 +122,7 @@ def test_configuration_errors():
         QAdamAlgorithm(OneBitAdamOptimizer(params))
     with pytest.raises(
         TypeError,
-        match=r"algorithm 'qadam': qadam needs its QAdamOptimizer: QAdamAlgorithm\(optimizer\) "
+        match=r"^qadam needs its QAdamOptimizer: QAdamAlgorithm\(optimizer\) "
         r"or get_algorithm\('qadam', optimizer=optimizer\)",
     ):
         get_algorithm("qadam")
@@ -419,6 +419,8 @@ def test_wrap_time_errors():
         assert "the optimizer holds 2, 2 of them" in e["optimizer_with_some_parameters"]
         assert e["float64"].startswith("TypeError: qadam: parameter 4.bias has dtype torch.float64")
         assert "qadam needs its QAdamOptimizer" in e["by_name_without_optimizer"]
+        another = e["by_name_with_another_optimizer"]
+        assert another == "TypeError: qadam: the optimizer must be a bagua_torch QAdamOptimizer, got SGD"  # named once
         assert e["bad_residuals"].startswith("ValueError: onebit_adam: the checkpoint's 'server_residuals' has sizes")
         assert e["step_without_algorithm"].startswith(
             "RuntimeError: QAdamOptimizer: after its 1 warm-up steps the momentum must be averaged"

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import math
 import os
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -72,3 +74,32 @@ def test_bad_batch_arguments_are_refused(bad):
     arguments = {"seed": 0, "step": 0, "rank": 0, "batch_size": 2, "length": 8, **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):
         load_corpus().batch(**arguments)
+
+
+def _entropies_by_counting(data: bytes) -> tuple[float, float]:
+    """Unigram entropy and bigram conditional entropy, written out from Python counts: ``-sum p(a) log p(a)`` and
+    ``-sum p(a, b) log p(b | a)`` over the overlapping pairs."""
+    singles, pairs = Counter(data), Counter(zip(data, data[1:]))
+    firsts = Counter(data[:-1])
+    n, m = len(data), len(data) - 1
+    unigram = -sum(c / n * math.log(c / n) for c in singles.values())
+    bigram = -sum(c / m * math.log(c / firsts[a]) for (a, _), c in pairs.items())
+    return unigram, bigram
+
+
+def test_byte_entropies_match_a_count_of_the_text(rng):
+    corpus = load_corpus()
+    start = int(rng.integers(corpus.heldout.size - 200_000))
+    part = corpus.heldout[start : start + 200_000]
+    got = corpus_module.byte_entropies(np.asarray(part))
+    assert (got.unigram, got.bigram) == pytest.approx(_entropies_by_counting(bytes(part)), rel=1e-9)
+    whole = corpus.heldout_entropies()  # the issue's count of the held-out text: 3.31 and 2.38 nats/byte
+    assert round(whole.unigram, 2) == 3.31 and round(whole.bigram, 2) == 2.38
+    uniform = corpus_module.byte_entropies(rng.integers(0, 256, 1 << 20).astype(np.uint8))
+    assert uniform.unigram == pytest.approx(math.log(256), abs=1e-3) and uniform.bigram < uniform.unigram
+
+
+@pytest.mark.parametrize("bad", [np.zeros(1, np.uint8), np.zeros(8, np.int32), np.zeros((2, 4), np.uint8)])
+def test_byte_entropies_refuse_what_is_not_bytes(bad):
+    with pytest.raises(ValueError, match="byte_entropies"):
+        corpus_module.byte_entropies(bad)

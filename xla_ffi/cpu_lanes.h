@@ -62,6 +62,12 @@ f32x8 widen(const Half* p) {
 
 f32x8 splat(float x) { return f32x8{x, x, x, x, x, x, x, x}; }
 
+// math::float_key, lane by lane.
+i32x8 float_keys(f32x8 v) {
+  const i32x8 bits = reinterpret_cast<i32x8>(v);
+  return bits ^ ((bits >> 31) & 0x7fffffff);
+}
+
 // math::clamp, clamp_or_zero and round_half_even, lane by lane.
 constexpr float kRoundingMagic = 12582912.0f;  // 1.5 * 2^23, as in math::round_half_even
 

@@ -1,8 +1,9 @@
-// What each codec does on the device: per-chunk statistics reduced into the chunk
-// header (min/max keys, the sum of |x|), and the encoders and decoders of one warp
-// step, all through bagua::math (numerics.h). Device code for kernels_cuda.cu.
+// What each codec does on the device: a group's statistics (min/max keys, the
+// sum of |x|), the encoding of a slot, and each format's decoding of a slot, all
+// through bagua::math (numerics.h). Device code for kernels_cuda.cu.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda_lanes.h"
@@ -12,240 +13,182 @@
 namespace bagua::kernels {
 namespace {
 
-// ---- Per-chunk statistics, accumulated in the chunk header ------------------
-
-// A signed integer with the order of the floats (-0 < +0), so that integer
-// atomicMin/atomicMax reduce floats. The map is its own inverse.
-__device__ int32_t ordered(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
-__device__ int32_t float_key(float f) { return ordered(static_cast<int32_t>(float_bits(f))); }
-__device__ float key_float(int32_t key) { return bits_float(static_cast<uint32_t>(ordered(key))); }
+// ---- Min-max statistics -----------------------------------------------------
 
 constexpr uint32_t kQuietNaN = 0x7fc00000u;  // the NaN the CPU kernels write
 
-// MinMaxUInt8: header words 0 and 1 hold the keys of lo and hi while reducing.
-// A NaN sets lo = INT32_MIN and hi = INT32_MAX, keys no other float has (they
-// are NaN bit patterns), so NaN wins both reductions.
-struct MinMaxStats {
+// A thread's minimum and maximum keys of the values it saw, and whether one was
+// NaN. A NaN makes the bounds INT32_MIN and INT32_MAX, keys no other float has
+// (they are NaN bit patterns), so NaN wins both reductions.
+struct MinMaxKeys {
   int32_t lo = INT32_MAX, hi = INT32_MIN;
   bool nan = false;
 
-  static __device__ void init(uint8_t* header) {
-    *reinterpret_cast<uint4*>(header) =
-        make_uint4(static_cast<uint32_t>(INT32_MAX), static_cast<uint32_t>(INT32_MIN), 0, 0);
-  }
-
   __device__ void add(float v) {
-    const int32_t key = float_key(v);
+    const int32_t key = math::float_key(v);
     lo = min(lo, key);
     hi = max(hi, key);
     nan |= v != v;
   }
 
-  // Called by every thread of the block.
-  __device__ void commit(uint8_t* header) {
-    if (nan) {
-      lo = INT32_MIN;
-      hi = INT32_MAX;
-    }
-    lo = block_reduce(lo, [](int32_t a, int32_t b) { return min(a, b); });
-    hi = block_reduce(hi, [](int32_t a, int32_t b) { return max(a, b); });
-    if (threadIdx.x == 0) {
-      atomicMin(reinterpret_cast<int32_t*>(header), lo);
-      atomicMax(reinterpret_cast<int32_t*>(header) + 1, hi);
-    }
-  }
-
-  // The chunk's final lo and hi, from the reduced keys.
-  static __device__ float2 bounds(const uint8_t* header, int64_t length) {
-    const int32_t* keys = reinterpret_cast<const int32_t*>(header);
+  // The group's lo and hi (an empty group's are 0), reduced over the block:
+  // every thread calls this and gets them.
+  __device__ float2 block_bounds(int64_t length) const {
+    int32_t l = nan ? INT32_MIN : lo, h = nan ? INT32_MAX : hi;
+    block_min_max(l, h);
     if (length == 0) return make_float2(0.0f, 0.0f);
-    if (keys[0] == INT32_MIN) return make_float2(bits_float(kQuietNaN), bits_float(kQuietNaN));
-    return make_float2(key_float(keys[0]), key_float(keys[1]));
-  }
-
-  // Bytes 8..15 are still the zeros init wrote.
-  static __device__ void finalize(uint8_t* header, int64_t length) {
-    *reinterpret_cast<float2*>(header) = bounds(header, length);
+    if (l == INT32_MIN) return make_float2(bits_float(kQuietNaN), bits_float(kQuietNaN));
+    return make_float2(math::key_float(l), math::key_float(h));
   }
 };
 
-// Sign: header bytes 8..15 accumulate sum |x| as a double while reducing;
-// each thread sums in double too, so no finite chunk's sum overflows.
-struct SignStats {
-  double sum = 0.0;
+// ---- Min-max codes ----------------------------------------------------------
 
-  static __device__ void init(uint8_t* header) {
-    *reinterpret_cast<uint4*>(header) = make_uint4(0, 0, 0, 0);
-  }
-
-  __device__ void add(float v) { sum = math::add_rn(sum, static_cast<double>(fabsf(v))); }
-
-  __device__ void commit(uint8_t* header) {
-    const double total = block_reduce(sum, [](double a, double b) { return a + b; });
-    if (threadIdx.x == 0) atomicAdd(reinterpret_cast<double*>(header + 8), total);
-  }
-
-  // scale = mean |x| rounded from double, as on the CPU; a NaN gets the CPU's
-  // bits rather than the GPU's canonical NaN.
-  static __device__ float scale(const uint8_t* header, int64_t length) {
-    if (length == 0) return 0.0f;
-    const double total = *reinterpret_cast<const double*>(header + 8);
-    const float mean = static_cast<float>(total / static_cast<double>(length));
-    return mean == mean ? mean : bits_float(kQuietNaN);
-  }
-
-  static __device__ void finalize(uint8_t* header, int64_t length) {
-    *reinterpret_cast<uint4*>(header) = make_uint4(float_bits(scale(header, length)), 0, 0, 0);
-  }
-};
-
-// ---- Encoders and decoders of one warp step ---------------------------------
-
-// Encodes the V values of one slot into kBits-bit codes, packed from bit 0 of
+// Encodes the U values of one slot into kBits-bit codes, packed from bit 0 of
 // the word it returns, and replaces each value y by its residual y - decode(code)
-// (in place: a second array would cost registers). Sub-byte codes past the
-// chunk's end (u >= count) stay 0; store_codes writes only the chunk's bytes.
-template <int kBits, int V, typename Encode, typename Decode>
-__device__ uint32_t encode_slot(float* v, int count, Encode&& encode_one, Decode&& decode_one) {
-  uint32_t word = 0;
+// (in place: a second array would cost registers; unused, it costs nothing).
+// Codes past the group's end (u >= count) stay 0.
+template <int kBits, int U, typename Encode, typename Decode>
+__device__ CodeWord<kBits, U> encode_slot(float* v, int count, Encode&& encode_one,
+                                          Decode&& decode_one) {
+  CodeWord<kBits, U> word = 0;
 #pragma unroll
-  for (int u = 0; u < V; ++u) {
+  for (int u = 0; u < U; ++u) {
     const auto code = encode_one(v[u]);
-    if (kBits == 8 || u < count) word |= uint32_t{code} << (kBits * u);
+    if (u < count) word |= CodeWord<kBits, U>{code} << (kBits * u);
     v[u] = math::sub_rn(v[u], decode_one(code));
   }
   return word;
 }
 
+// ---- Decoders ---------------------------------------------------------------
+//
+// What the decoding kernels need of a format: the parameters of a group from
+// its 16-byte header; the codes of a lane's step of E elements, loaded at once
+// (load: `payload` the group's, `offset` the step range's first element in it);
+// and the values of slot j of them (decode). All lanes of a warp call decode.
+
+// Decompress-reduce takes kReducePerLane elements a lane, in slots of L, and
+// loads the codes of kReduceInFlight<L> inputs before it adds any, with at least
+// kReduceBlocks blocks resident (128 registers a thread). Min-max lanes hold few
+// elements, so that many lanes share a short output: 192 bytes of codes in
+// flight, in at most 64 registers (each slot's load takes registers of its own
+// until it is used).
 template <int kBits>
-struct MinMaxEncoder {
-  using Stats = MinMaxStats;
-  math::MinMaxGrid grid;
-  uint8_t* codes;
+struct MinMaxCodec {
+  static constexpr Format kFormat = kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4;
+  static constexpr int kCodeBits = kBits;
+  static constexpr int kReducePerLane = 8, kReduceBlocks = 2;
+  template <int L>
+  static constexpr int kReduceInFlight = std::min(192 / (kReducePerLane * kBits / 8),
+                                                  64 / (kReducePerLane / L *
+                                                        ((kBits * L + 31) / 32)));
+  using Params = math::MinMaxGrid;
+  // A lane's E codes packed from bit 0 of words[0], code i at bit kBits * i,
+  // whatever the slot width: a register per 32 bits of codes (a word a code
+  // with U = 1 held 32 codes of 16 inputs in 128 registers, and spilled).
+  template <int U, int E>
+  struct Codes {
+    static_assert(E * kBits % 32 == 0, "whole words of codes");
+    uint32_t words[E * kBits / 32];
+  };
 
-  __device__ MinMaxEncoder(uint8_t* slot, int64_t length) {
-    const float2 b = Stats::bounds(slot, length);
-    grid = math::minmax_grid<kBits>(b.x, b.y);
-    codes = slot + kHeaderBytes;
+  static __device__ Params params(const uint4& header) {
+    return math::minmax_grid<kBits>(bits_float(header.x), bits_float(header.y));
   }
 
-  // Writes the codes of the step and replaces each value by its residual. The
-  // float32 and the wide grid are separate loops, so that the common one
-  // carries none of the other's registers.
-  template <int V>
-  __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
+  template <int U, int E>
+  static __device__ Codes<U, E> load(const uint8_t* payload, int64_t offset,
+                                     const Step<U, E>& step) {
+    Codes<U, E> c{};
+#pragma unroll
+    for (int j = 0; j < E / U; ++j) {
+      const CodeWord<kBits, U> word =
+          load_codes<kBits, U>(payload, offset + step.at(j), step.count(j));
+      constexpr int kSlotBits = kBits * U;
+      const int bit = kSlotBits * j;
+      c.words[bit / 32] |= static_cast<uint32_t>(word) << (bit % 32);
+      if constexpr (kSlotBits == 64) c.words[bit / 32 + 1] = static_cast<uint32_t>(word >> 32);
+    }
+    return c;
+  }
+
+  // Code i of a lane's codes (i a constant once loops unroll).
+  template <int U, int E>
+  static __device__ uint8_t code(const Codes<U, E>& codes, int i) {
+    const int bit = kBits * i;
+    return static_cast<uint8_t>(codes.words[bit / 32] >> (bit % 32) & ((1u << kBits) - 1));
+  }
+
+  // One loop per form, so that the float32 one carries no per-element choice.
+  template <int U, int E>
+  static __device__ void decode(const Params& grid, const Codes<U, E>& codes, int j, float* v) {
     if (grid.wide) {
-      const double scale = math::minmax_wide_scale<kBits>(grid);
-      encode<V>(
-          s, v, [&](float x) { return math::minmax_encode_wide<kBits>(x, grid, scale); },
-          [&](uint8_t q) { return math::minmax_decode_wide(q, grid); });
+#pragma unroll
+      for (int u = 0; u < U; ++u) v[u] = math::minmax_decode_wide(code(codes, U * j + u), grid);
     } else {
-      encode<V>(
-          s, v, [&](float x) { return math::minmax_encode_f32<kBits>(x, grid); },
-          [&](uint8_t q) { return math::minmax_decode_f32(q, grid); });
-    }
-  }
-
-  template <int V, typename Encode, typename Decode>
-  __device__ void encode(const Step<V>& s, float (&v)[kPerLane], Encode&& encode_one,
-                         Decode&& decode_one) const {
 #pragma unroll
-    for (int j = 0; j < Step<V>::kSlots; ++j) {
-      const int count = s.count(j);
-      const uint32_t word = encode_slot<kBits, V>(v + j * V, count, encode_one, decode_one);
-      store_codes<kBits, V>(codes, s.at(j), count, word);
+      for (int u = 0; u < U; ++u) v[u] = math::minmax_decode_f32(code(codes, U * j + u), grid);
     }
   }
 };
 
-struct SignEncoder {
-  using Stats = SignStats;
-  float scale;
-  uint8_t* bits;
+// Sign bits: a lane loads one 32-bit word of a step's bits (cuda_lanes.h), so a
+// step is 32 elements a lane; slot j's bits come from the word's lane by a
+// shuffle.
+struct SignCodec {
+  static constexpr Format kFormat = Format::kSign;
+  static constexpr int kCodeBits = 1;
+  static constexpr int kReducePerLane = 32, kReduceBlocks = 2;
+  template <int L>
+  static constexpr int kReduceInFlight = 16;
+  using Params = float;  // the chunk's scale
+  template <int U, int E>
+  struct Codes {
+    static_assert(E == 32, "a lane's word holds 32 bits");
+    uint32_t word;
+  };
 
-  __device__ SignEncoder(uint8_t* slot, int64_t length)
-      : scale(Stats::scale(slot, length)), bits(slot + kHeaderBytes) {}
+  static __device__ Params params(const uint4& header) { return bits_float(header.x); }
 
-  // A byte of bits spans 8 / V lanes: they OR their bits together and the
-  // first of them stores the byte. Bits past the chunk's end stay 0. All
-  // lanes of the warp must call this (shuffles). Like MinMaxEncoder, replaces
-  // each value by its residual.
-  template <int V>
-  __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
-    constexpr int kLanesPerByte = 8 / V;
+  template <int U, int E>
+  static __device__ Codes<U, E> load(const uint8_t* payload, int64_t offset,
+                                     const Step<U, E>& step) {
+    return {load_sign_word<U>(payload, offset + step.base, offset + step.length)};
+  }
+
+  template <int U, int E>
+  static __device__ void decode(float scale, const Codes<U, E>& codes, int j, float* v) {
+    const uint32_t bits = scatter_sign_bits<U>(codes.word, j);
 #pragma unroll
-    for (int j = 0; j < Step<V>::kSlots; ++j) {
-      const int count = s.count(j);
-      uint32_t byte = encode_slot<1, V>(
-          v + j * V, count, [](float x) { return math::sign_bit(x); },
-          [&](bool bit) { return math::sign_decode(bit, scale); });
-      if constexpr (V == 1) {
-        // One ballot gathers the warp's 32 bits; lanes 0, 8, 16 and 24 store a byte each.
-        byte = __ballot_sync(kFullMask, byte != 0) >> (lane_id() & ~7);
-      } else {
-        byte <<= V * (lane_id() % kLanesPerByte);
-#pragma unroll
-        for (int offset = 1; offset < kLanesPerByte; offset *= 2)
-          byte |= __shfl_xor_sync(kFullMask, byte, offset);
-      }
-      if (lane_id() % kLanesPerByte == 0 && count > 0)
-        bits[s.at(j) / 8] = static_cast<uint8_t>(byte);
-    }
+    for (int u = 0; u < U; ++u) v[u] = math::sign_decode((bits >> u & 1u) != 0, scale);
   }
 };
 
-template <int kBits>
-struct MinMaxDecoder {
-  math::MinMaxGrid grid;
-  const uint8_t* codes;
+// ---- Sign statistics --------------------------------------------------------
 
-  __device__ explicit MinMaxDecoder(const uint8_t* slot) {
-    const float* h = reinterpret_cast<const float*>(slot);
-    grid = math::minmax_grid<kBits>(h[0], h[1]);
-    codes = slot + kHeaderBytes;
-  }
+// Header bytes 8..15 accumulate sum |y| as a double while a chunk is reduced;
+// each thread sums in double too, so no finite chunk's sum overflows.
+struct SignSum {
+  double sum = 0.0;
 
-  template <int V>
-  __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
-    if (grid.wide) {
-      decode<V>(s, v, [&](uint8_t q) { return math::minmax_decode_wide(q, grid); });
-    } else {
-      decode<V>(s, v, [&](uint8_t q) { return math::minmax_decode_f32(q, grid); });
-    }
-  }
+  __device__ void add(float v) { sum = math::add_rn(sum, static_cast<double>(fabsf(v))); }
 
-  template <int V, typename Decode>
-  __device__ void decode(const Step<V>& s, float (&v)[kPerLane], Decode&& decode_one) const {
-    constexpr uint32_t kMask = (1u << kBits) - 1;
-#pragma unroll
-    for (int j = 0; j < Step<V>::kSlots; ++j) {
-      const uint32_t word = load_codes<kBits, V>(codes, s.at(j), s.count(j));
-#pragma unroll
-      for (int u = 0; u < V; ++u)
-        v[j * V + u] = decode_one(static_cast<uint8_t>((word >> (kBits * u)) & kMask));
-    }
+  // Called by every thread of the block.
+  __device__ void commit(uint8_t* header) const {
+    const double total = block_reduce(sum, [](double a, double b) { return a + b; });
+    if (threadIdx.x == 0) atomic_add_global(reinterpret_cast<double*>(header + 8), total);
   }
 };
 
-struct SignDecoder {
-  float scale;
-  const uint8_t* bits;
-
-  __device__ explicit SignDecoder(const uint8_t* slot)
-      : scale(reinterpret_cast<const float*>(slot)[0]), bits(slot + kHeaderBytes) {}
-
-  // A slot's V bits lie inside one byte (V divides 8).
-  template <int V>
-  __device__ void operator()(const Step<V>& s, float (&v)[kPerLane]) const {
-#pragma unroll
-    for (int j = 0; j < Step<V>::kSlots; ++j) {
-      const int64_t at = s.at(j);
-      const uint32_t byte = s.count(j) > 0 ? bits[at / 8] >> (at % 8) : 0;
-#pragma unroll
-      for (int u = 0; u < V; ++u) v[j * V + u] = math::sign_decode((byte >> u) & 1u, scale);
-    }
-  }
-};
+// scale = mean |y| rounded from double, as on the CPU; a NaN gets the CPU's bits
+// rather than the GPU's canonical NaN.
+__device__ float sign_scale(const uint8_t* header, int64_t length) {
+  if (length == 0) return 0.0f;
+  const double total = load_global(reinterpret_cast<const double*>(header + 8));
+  const float mean = math::narrow_rn(math::div_rn(total, static_cast<double>(length)));
+  return mean == mean ? mean : bits_float(kQuietNaN);
+}
 
 }  // namespace
 }  // namespace bagua::kernels

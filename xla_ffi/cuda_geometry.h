@@ -1,7 +1,7 @@
-// The host-side arithmetic of the CUDA kernels' launches: block shape, grid
-// size, tiles and compress batches, all in 64-bit sizes. It needs no CUDA
-// header, so tests call it alone with sizes far beyond what they could
-// allocate.
+// The host-side arithmetic of the CUDA kernels' launches: block shape, the work
+// a block and a lane take, grid sizes and the sign codec's compress batches, all
+// in 64-bit sizes. It needs no CUDA header, so tests call it alone with sizes far
+// beyond what they could allocate.
 #pragma once
 
 #include <algorithm>
@@ -13,8 +13,12 @@ namespace bagua::cuda_geometry {
 
 inline constexpr int kThreads = 256;  // threads per block; block_reduce relies on it
 inline constexpr int kWarps = kThreads / 32;
-inline constexpr int kPerLane = 8;           // elements a lane holds per step
-inline constexpr int kStep = 32 * kPerLane;  // elements a warp handles per step
+inline constexpr int kPerLane = 32;          // elements a lane holds in a warp step
+inline constexpr int kStep = 32 * kPerLane;  // elements of a warp step
+// A block's tile: one warp step per warp. Tiles cut chunks from their start, so a
+// min-max tile is exactly one group, held in the block's registers.
+inline constexpr int64_t kTileElements = int64_t{kWarps} * kStep;
+static_assert(kTileElements == kMinMaxGroupElements, "a block holds one min-max group");
 
 // What the launch arithmetic needs to know of the device.
 struct DeviceInfo {
@@ -28,34 +32,10 @@ inline int grid_size(int64_t work_blocks, int64_t resident) {
   return static_cast<int>(std::clamp<int64_t>(work_blocks, 1, resident));
 }
 
-// Chunks [first_chunk, first_chunk + chunks) are each cut into per_chunk tiles
-// of tile_steps warp steps; tile t is segment t % per_chunk of chunk
-// first_chunk + t / per_chunk. A tile never spans two chunks, so a block
-// reduces it and updates one header.
-struct Tiles {
-  Chunking chunking;
-  int64_t first_chunk;
-  int64_t chunks;
-  int64_t per_chunk;
-  int64_t tile_steps;
-
-  BAGUA_HD int64_t count() const { return chunks * per_chunk; }
-};
-
-// At most one tile per resident block (tiles are equal, so a second round
-// would double the time), and at least one step per warp in a tile.
-inline Tiles make_tiles(const Chunking& chunking, int64_t first_chunk, int64_t chunks,
-                        int64_t resident) {
-  const int64_t steps = ceil_div(chunking.chunk_elements(), kStep);
-  const int64_t per_chunk =
-      std::max<int64_t>(1, std::min(resident / chunks, ceil_div(steps, kWarps)));
-  const int64_t tile_steps = std::max<int64_t>(1, ceil_div(steps, per_chunk));
-  return {chunking, first_chunk, chunks, per_chunk, tile_steps};
-}
-
-// How many chunks a stats + encode batch covers: as many as fit in half the L2
-// cache, so that encode rereads them from it. A chunk that does not fit in the
-// cache gains nothing from batching; then one batch takes all chunks.
+// How many chunks a sign compress batch with error feedback covers (its two
+// passes read each chunk twice): as many as fit in half the L2 cache, so that
+// the second pass rereads them from it. A chunk that does not fit in the cache
+// gains nothing from batching; then one batch takes all chunks.
 inline int64_t chunks_per_batch(const DeviceInfo& info, const Chunking& chunking,
                                 int64_t element_bytes) {
   const int64_t chunk_bytes = chunking.chunk_elements() * element_bytes;

@@ -30,6 +30,7 @@ namespace bagua::kernels::BAGUA_CPU_ISA {
 namespace {
 
 constexpr int64_t kBlock = int64_t{1} << 16;  // elements per parallel task; a multiple of 8
+static_assert(kBlock % kMinMaxGroupElements == 0, "a task starts on a group boundary");
 constexpr int64_t kParallelThreshold = int64_t{1} << 15;
 
 // XLA's CPU runtime runs its threads with flush-to-zero and denormals-are-zero
@@ -89,11 +90,23 @@ struct ChunkBlocks {
     const int64_t c = chunk(t);
     return std::min(begin(t) + kBlock, chunking.begin(c + 1));
   }
-};
 
-const float* header(const uint8_t* buffer, const Chunking& chunking, int64_t i) {
-  return reinterpret_cast<const float*>(buffer + chunking.slot_offset(i));
-}
+  // Calls f(group) for each group holding elements of task t (a task starts on a
+  // group boundary: kBlock is a multiple of a group). An empty chunk's one group
+  // goes to the chunk's first task.
+  template <typename F>
+  void for_each_group(int64_t t, F&& f) const {
+    const int64_t c = chunk(t);
+    const int64_t index =
+        chunking.group_index(c) + (begin(t) - chunking.begin(c)) / group_elements(chunking.format);
+    if (chunking.length(c) == 0 && t % per_chunk == 0) f(chunking.group(index));
+    for (int64_t g = index, i = begin(t); i < end(t); ++g) {
+      const Group group = chunking.group(g);
+      f(group);
+      i = group.first + group.length;
+    }
+  }
+};
 
 // The value a compressor encodes: x, or x + residual with error feedback.
 template <typename T, bool kWithFeedback>
@@ -117,33 +130,36 @@ struct Range {
   float lo, hi;
 };
 
+// The least and the greatest value of [begin, end) by math::float_key (so -0 <
+// +0, as on the GPU), NaN for both if one is NaN.
 template <typename Src>
 Range min_max(const Src& src, int64_t begin, int64_t end) {
-  const float inf = std::numeric_limits<float>::infinity();
-  f32x8 lo = {inf, inf, inf, inf, inf, inf, inf, inf}, hi = -lo;
-  i32x8 nan = {};
+  constexpr int32_t kMax = std::numeric_limits<int32_t>::max(), kMin = -kMax - 1;
+  i32x8 lo = {kMax, kMax, kMax, kMax, kMax, kMax, kMax, kMax}, hi = ~lo, nan = {};
   int64_t i = begin;
   for (; i + 8 <= end; i += 8) {
     const f32x8 v = src.load8(i);
-    lo = v < lo ? v : lo;
-    hi = v > hi ? v : hi;
+    const i32x8 key = float_keys(v);
+    lo = key < lo ? key : lo;
+    hi = key > hi ? key : hi;
     nan |= v != v;
   }
-  Range r{inf, -inf};
+  int32_t l = kMax, h = kMin;
   bool any_nan = false;
-  for (int l = 0; l < 8; ++l) {
-    r.lo = std::min(r.lo, lo[l]);
-    r.hi = std::max(r.hi, hi[l]);
-    any_nan |= nan[l] != 0;
+  for (int j = 0; j < 8; ++j) {
+    l = std::min(l, lo[j]);
+    h = std::max(h, hi[j]);
+    any_nan |= nan[j] != 0;
   }
   for (; i < end; ++i) {
     const float v = src(i);
-    r.lo = std::min(r.lo, v);
-    r.hi = std::max(r.hi, v);
+    l = std::min(l, math::float_key(v));
+    h = std::max(h, math::float_key(v));
     any_nan |= v != v;
   }
-  if (any_nan) r.lo = r.hi = std::numeric_limits<float>::quiet_NaN();
-  return r;
+  if (any_nan)
+    return {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::quiet_NaN()};
+  return {math::key_float(l), math::key_float(h)};
 }
 
 // In double, so that no finite chunk's sum overflows (SPEC section 2). Lane l
@@ -165,37 +181,37 @@ double abs_sum(const Src& src, int64_t begin, int64_t end) {
   return total;
 }
 
-// Writes a chunk's 16-byte header and zeroes the slot's padding, so equal inputs
-// always give equal bytes on the wire.
-void write_header(uint8_t* out, const Chunking& chunking, int64_t c, float a, float b) {
-  uint8_t* slot = out + chunking.slot_offset(c);
+// Writes a group's 16-byte header and zeroes its padding, so equal inputs always
+// give equal bytes on the wire.
+void write_header(uint8_t* out, Format format, const Group& group, float a, float b) {
+  uint8_t* at = out + group.offset;
   const float header[4] = {a, b, 0.0f, 0.0f};
-  std::memcpy(slot, header, sizeof header);
-  const int64_t used = kHeaderBytes + payload_bytes(chunking.format, chunking.length(c));
-  std::memset(slot + used, 0, chunking.slot_offset(c + 1) - chunking.slot_offset(c) - used);
+  std::memcpy(at, header, sizeof header);
+  const int64_t used = kHeaderBytes + payload_bytes(format, group.length);
+  std::memset(at + used, 0, group_bytes(format, group.length) - used);
 }
 
-// Compressors read each chunk twice: for its header (min and max, or mean |x|),
-// then to encode it. All threads measure a group of chunks and then encode it
-// while the group is still in the last-level cache; measuring the whole tensor
-// first would read it all from memory again. A group is kGroupBytes of input, or
-// one chunk if larger. `measure(t)` gives task t's partial statistic;
-// `encode(t, partials)` gets its chunk's partials (one per block), and the
-// chunk's first task writes the header. One barrier per group.
-constexpr int64_t kGroupBytes = int64_t{8} << 20;
+// The sign compressor reads each chunk twice: for its header (mean |x|), then to
+// encode it. All threads measure a batch of chunks and then encode it while the
+// batch is still in the last-level cache; measuring the whole tensor first would
+// read it all from memory again. A batch is kBatchBytes of input, or one chunk if
+// larger. `measure(t)` gives task t's partial statistic; `encode(t, partials)`
+// gets its chunk's partials (one per block), and the chunk's first task writes
+// the header. One barrier per batch.
+constexpr int64_t kBatchBytes = int64_t{8} << 20;
 
 template <typename T, typename Measure, typename Encode>
 void measure_then_encode(const ChunkBlocks& blocks, Measure&& measure, Encode&& encode) {
   const Chunking& chunking = blocks.chunking;
   const int64_t chunk_bytes = std::max<int64_t>(1, chunking.chunk_elements() * sizeof(T));
-  const int64_t group = std::max<int64_t>(1, kGroupBytes / chunk_bytes);
+  const int64_t batch = std::max<int64_t>(1, kBatchBytes / chunk_bytes);
   std::vector<decltype(measure(int64_t{}))> partial(blocks.tasks());
 #pragma omp parallel if (chunking.n >= kParallelThreshold && blocks.tasks() > 1)
   {
     const IeeeSubnormals ieee;
-    for (int64_t first = 0; first < chunking.k; first += group) {
+    for (int64_t first = 0; first < chunking.k; first += batch) {
       const int64_t begin = first * blocks.per_chunk;
-      const int64_t end = std::min(first + group, chunking.k) * blocks.per_chunk;
+      const int64_t end = std::min(first + batch, chunking.k) * blocks.per_chunk;
 #pragma omp for schedule(static)
       for (int64_t t = begin; t < end; ++t) partial[t] = measure(t);
 #pragma omp for schedule(static) nowait
@@ -205,67 +221,69 @@ void measure_then_encode(const ChunkBlocks& blocks, Measure&& measure, Encode&& 
   }
 }
 
+// Each group is measured and then encoded while it is still in the cache: one
+// pass over memory.
 template <int kBits, typename Src>
-void minmax_compress_impl(const Src& src, int64_t n, int64_t k, uint8_t* out, float* residual_out) {
+void minmax_compress_group(const Src& src, const Group& group, uint8_t* out, float* residual_out) {
   constexpr float kTop = math::MinMaxCodes<kBits>::kTop;
   constexpr bool kFeedback = Src::kFeedback;
+  constexpr Format format = kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4;
+  // Local copies: the code stores could alias the captured ones, which the loops
+  // would then reload at every step.
+  const Src values = src;
+  float* const residuals = residual_out;
+  const int64_t first = group.first, end = group.first + group.length;
+  Range r = min_max(values, first, end);
+  if (group.length == 0) r.lo = r.hi = 0.0f;
+  write_header(out, format, group, r.lo, r.hi);
+  const math::MinMaxGrid grid = math::minmax_grid<kBits>(r.lo, r.hi);
+  uint8_t* codes = out + group.offset + kHeaderBytes;
+  // math::minmax_encode and minmax_decode, eight lanes at a time (the byte stores
+  // could alias the input, so the compiler would not vectorize the scalar loop).
+  const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base),
+              step8 = splat(grid.step);
+  int64_t i = first;
+  const auto encode8 = [&](auto&& quantize) {
+    for (; i + 8 <= end; i += 8) {
+      const f32x8 v = values.load8(i);
+      const f32x8 q = quantize(v);
+      put_codes8<kBits>(codes, i - first, __builtin_convertvector(q, i32x8));
+      if constexpr (kFeedback) {
+        const f32x8 residual = v - (z8 + (q + base8) * step8);
+        std::memcpy(residuals + i, &residual, sizeof residual);
+      }
+    }
+  };
+  const float range = math::sub_rn(grid.hi, grid.lo);
+  if (!grid.wide && math::is_finite(range) && range > 0.0f) {
+    // A finite, non-constant float32 group: |(x - z) * scale| <= S (1 + 2^-24)^2 < S + 1,
+    // so neither a NaN nor the first clamp can occur, and subtracting the integer base
+    // from the rounding constant first is exact: the same codes in fewer steps.
+    const f32x8 magic8 = splat(kRoundingMagic), offset8 = splat(kRoundingMagic + grid.base);
+    encode8([&](f32x8 v) { return clamp(((v - z8) * scale8 + magic8) - offset8, 0.0f, kTop); });
+  } else if (!grid.wide) {  // constant groups, NaN and infinities
+    encode8([&](f32x8 v) {
+      return clamp_or_zero(round_half_even(clamp_or_zero((v - z8) * scale8, -kTop, kTop)) - base8,
+                           0.0f, kTop);
+    });
+  }
+  for (; i < end; ++i) {
+    const float v = values(i);
+    const uint8_t q = math::minmax_encode<kBits>(v, grid);
+    put_code<kBits>(codes, i - first, q);
+    if constexpr (kFeedback) residuals[i] = math::sub_rn(v, math::minmax_decode(q, grid));
+  }
+}
+
+template <int kBits, typename Src>
+void minmax_compress_impl(const Src& src, int64_t n, int64_t k, uint8_t* out, float* residual_out) {
   const Chunking chunking{kBits == 8 ? Format::kMinMaxUInt8 : Format::kMinMaxUInt4, n, k};
   const ChunkBlocks blocks(chunking);
-  const auto measure = [&](int64_t t) { return min_max(src, blocks.begin(t), blocks.end(t)); };
-  measure_then_encode<typename Src::Element>(
-      blocks, measure, [&](int64_t t, const Range* partials) {
-        // Local copies: the code stores could alias the captured ones, which the loops
-        // would then reload at every step.
-        const Src values = src;
-        float* const residuals = residual_out;
-        const int64_t c = blocks.chunk(t);
-        float lo = std::numeric_limits<float>::infinity(), hi = -lo;
-        for (int64_t b = 0; b < blocks.per_chunk; ++b) {
-          lo = math::nan_min(lo, partials[b].lo);
-          hi = math::nan_max(hi, partials[b].hi);
-        }
-        if (chunking.length(c) == 0) lo = hi = 0.0f;
-        if (t % blocks.per_chunk == 0) write_header(out, chunking, c, lo, hi);
-        const math::MinMaxGrid grid = math::minmax_grid<kBits>(lo, hi);
-        const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
-        uint8_t* codes = out + chunking.slot_offset(c) + kHeaderBytes;
-        // math::minmax_encode and minmax_decode, eight lanes at a time (the byte stores
-        // could alias the input, so the compiler would not vectorize the scalar loop).
-        const f32x8 z8 = splat(grid.z), scale8 = splat(grid.scale), base8 = splat(grid.base),
-                    step8 = splat(grid.step);
-        int64_t i = begin;
-        const auto encode8 = [&](auto&& quantize) {
-          for (; i + 8 <= end; i += 8) {
-            const f32x8 v = values.load8(i);
-            const f32x8 q = quantize(v);
-            put_codes8<kBits>(codes, i - first, __builtin_convertvector(q, i32x8));
-            if constexpr (kFeedback) {
-              const f32x8 residual = v - (z8 + (q + base8) * step8);
-              std::memcpy(residuals + i, &residual, sizeof residual);
-            }
-          }
-        };
-        const float range = math::sub_rn(grid.hi, grid.lo);
-        if (!grid.wide && math::is_finite(range) && range > 0.0f) {
-          // A finite, non-constant float32 chunk: |(x - z) * scale| <= S (1 + 2^-24)^2 < S + 1,
-          // so neither a NaN nor the first clamp can occur, and subtracting the integer base
-          // from the rounding constant first is exact: the same codes in fewer steps.
-          const f32x8 magic8 = splat(kRoundingMagic), offset8 = splat(kRoundingMagic + grid.base);
-          encode8(
-              [&](f32x8 v) { return clamp(((v - z8) * scale8 + magic8) - offset8, 0.0f, kTop); });
-        } else if (!grid.wide) {  // constant chunks, NaN and infinities
-          encode8([&](f32x8 v) {
-            return clamp_or_zero(
-                round_half_even(clamp_or_zero((v - z8) * scale8, -kTop, kTop)) - base8, 0.0f, kTop);
-          });
-        }
-        for (; i < end; ++i) {
-          const float v = values(i);
-          const uint8_t q = math::minmax_encode<kBits>(v, grid);
-          put_code<kBits>(codes, i - first, q);
-          if constexpr (kFeedback) residuals[i] = math::sub_rn(v, math::minmax_decode(q, grid));
-        }
-      });
+  parallel_for(blocks.tasks(), n, [&](int64_t t) {
+    blocks.for_each_group(t, [&](const Group& group) {
+      minmax_compress_group<kBits>(src, group, out, residual_out);
+    });
+  });
 }
 
 // Bits are packed a byte (8 elements) at a time; every block but a chunk's last
@@ -285,7 +303,8 @@ void sign_compress_impl(const Src& src, int64_t n, int64_t k, uint8_t* out, floa
         for (int64_t b = 0; b < blocks.per_chunk; ++b) sum += partials[b];
         const int64_t len = chunking.length(c);
         const float scale = len > 0 ? static_cast<float>(sum / static_cast<double>(len)) : 0.0f;
-        if (t % blocks.per_chunk == 0) write_header(out, chunking, c, scale, 0.0f);
+        if (t % blocks.per_chunk == 0)
+          write_header(out, chunking.format, chunking.group(c), scale, 0.0f);
         uint8_t* bits = out + chunking.slot_offset(c) + kHeaderBytes;
         const int64_t first = chunking.begin(c), begin = blocks.begin(t), end = blocks.end(t);
         auto encode = [&](int64_t i) {
@@ -351,22 +370,26 @@ Status sign_compress(Cpu, const T* x, const float* residual_in, int64_t n, int64
 
 namespace {
 
-// Chunk c of a compressed buffer, ready to decode: its header is read and its
+// One group of a compressed buffer, ready to decode: its header is read and its
 // constants computed once, however many ranges of it are decoded (a reduction
-// decodes each chunk a tile at a time, and recomputing the grid for every tile
-// cost about as much as decoding it). decode(begin, end, emit) decodes elements
-// [begin, end) of the tensor; `emit` receives (element index, decoded float).
-// prefetch(begin, end) asks for the cache lines of those elements' codes.
+// decodes each group a tile at a time). decode(begin, end, emit) decodes elements
+// [begin, end) of the tensor, which the group holds; `emit` receives (element
+// index, decoded float). prefetch(begin, end) asks for the cache lines of those
+// elements' codes.
 template <int kBits>
-struct MinMaxChunk {
+struct MinMaxGroup {
   math::MinMaxGrid grid;
   const uint8_t* codes;
   int64_t first;
 
-  MinMaxChunk(const uint8_t* in, const Chunking& chunking, int64_t c)
-      : grid(math::minmax_grid<kBits>(header(in, chunking, c)[0], header(in, chunking, c)[1])),
-        codes(in + chunking.slot_offset(c) + kHeaderBytes),
-        first(chunking.begin(c)) {}
+  MinMaxGroup(const uint8_t* in, const Group& group)
+      : grid(math::minmax_grid<kBits>(bounds(in, group)[0], bounds(in, group)[1])),
+        codes(in + group.offset + kHeaderBytes),
+        first(group.first) {}
+
+  static const float* bounds(const uint8_t* in, const Group& group) {
+    return reinterpret_cast<const float*>(in + group.offset);
+  }
 
   template <typename Emit>
   void decode(int64_t begin, int64_t end, Emit&& emit) const {
@@ -392,17 +415,17 @@ struct MinMaxChunk {
   }
 };
 
-// The same for a Sign chunk, except that each whole byte of bits reaches `emit`
-// as (index of its first element, f32x8 of its eight decoded values).
-struct SignChunk {
+// The same for a Sign group (a whole chunk), except that each whole byte of bits
+// reaches `emit` as (index of its first element, f32x8 of its eight decoded values).
+struct SignGroup {
   float scale;
   const uint8_t* bits;
   int64_t first;
 
-  SignChunk(const uint8_t* in, const Chunking& chunking, int64_t c)
-      : scale(header(in, chunking, c)[0]),
-        bits(in + chunking.slot_offset(c) + kHeaderBytes),
-        first(chunking.begin(c)) {}
+  SignGroup(const uint8_t* in, const Group& group)
+      : scale(reinterpret_cast<const float*>(in + group.offset)[0]),
+        bits(in + group.offset + kHeaderBytes),
+        first(group.first) {}
 
   template <typename Emit>
   void decode(int64_t begin, int64_t end, Emit&& emit) const {
@@ -428,12 +451,15 @@ struct SignChunk {
   }
 };
 
-template <typename Chunk, typename T>
+template <typename Decoder, typename T>
 Status decompress(const uint8_t* in, const Chunking& chunking, T* out) {
   const ChunkBlocks blocks(chunking);
   parallel_for(blocks.tasks(), chunking.n, [&](int64_t t) {
-    Chunk(in, chunking, blocks.chunk(t))
-        .decode(blocks.begin(t), blocks.end(t), [&](int64_t i, auto v) { store(out + i, v); });
+    blocks.for_each_group(t, [&](const Group& group) {
+      Decoder(in, group).decode(std::max(blocks.begin(t), group.first),
+                                std::min(blocks.end(t), group.first + group.length),
+                                [&](int64_t i, auto v) { store(out + i, v); });
+    });
   });
   return {};
 }
@@ -456,14 +482,14 @@ void resum_add(float* p, f32x8 v) {
 // Elements [begin, end) whose float32 sum (or average) overflowed are summed
 // again, scaled (math::resum_add), so that finite inputs give a finite average
 // (SPEC section 2); the others keep their bits.
-template <typename Chunk>
-void resum_scaled(const std::vector<Chunk>& chunks, int64_t m, int64_t begin, int64_t end,
-                  bool average, float* acc) {
-  const int64_t k = static_cast<int64_t>(chunks.size());
+// `peer(j)` is the decoder of input j's group that holds the range.
+template <typename Peer>
+void resum_scaled(const Peer& peer, int64_t k, int64_t m, int64_t begin, int64_t end, bool average,
+                  float* acc) {
   std::vector<float> scaled(end - begin);
   for (int64_t j = 0; j < k; ++j) {
-    chunks[j].decode(j * m + begin, j * m + end,
-                     [&](int64_t i, auto v) { resum_add(scaled.data() + (i - j * m - begin), v); });
+    peer(j).decode(j * m + begin, j * m + end,
+                   [&](int64_t i, auto v) { resum_add(scaled.data() + (i - j * m - begin), v); });
   }
   const float ranks = static_cast<float>(k);
   for (int64_t i = 0; i < end - begin; ++i)
@@ -495,18 +521,17 @@ void with_share(bool average, float ranks, F&& f) {
 // The k inputs are single-chunk buffers of m elements each, laid end to end:
 // exactly the layout of m*k elements in k chunks, so chunk j's element i is
 // element j*m + i of that tensor.
-template <typename Chunk, typename T>
+template <typename Decoder, typename T>
 Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k, bool average,
                          T* out) {
   const Chunking chunking{format, m * k, k};
-  std::vector<Chunk> chunks;
-  {
-    const IeeeSubnormals ieee;  // the grids' constants, from headers that may be subnormal
-    chunks.reserve(k);
-    for (int64_t j = 0; j < k; ++j) chunks.emplace_back(in, chunking, j);
-  }
   constexpr int64_t kTile = 4096;
-  const int64_t tiles = ceil_div(m, kTile);
+  static_assert(kMinMaxGroupElements % kTile == 0, "a tile lies in one group of each input");
+  // A task is a segment of the output that lies in one group of each input
+  // (a min-max group, or a tile of a sign chunk): it computes its k decoders
+  // (their grids) itself, so that they are computed once and in parallel.
+  const int64_t segment = format == Format::kSign ? kTile : kMinMaxGroupElements;
+  const int64_t per_input = groups_of(format, m);
   // The k chunks are k streams of codes, read a tile at a time: each tile of a
   // chunk starts on a page the hardware prefetcher has not followed to, and the
   // loads waited on memory. So each chunk's tile asks for the chunk's next tile,
@@ -514,31 +539,38 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
   // where the all-to-all that delivered them wrote them; asking cost 7% there).
   constexpr int64_t kPrefetchAbove = int64_t{4} << 20;  // bytes of codes
   const bool prefetch = chunking.slot_offset(k) > kPrefetchAbove;
-  parallel_for(tiles, m * k, [&](int64_t t) {
-    const int64_t begin = t * kTile, end = std::min(begin + kTile, m);
-    float acc[kTile] = {};
-    for (int64_t j = 0; j < k; ++j) {
-      if (prefetch) chunks[j].prefetch(j * m + end, j * m + end + kTile);
-      chunks[j].decode(j * m + begin, j * m + end,
+  parallel_for(ceil_div(m, segment), m * k, [&](int64_t s) {
+    const int64_t group = s * segment / group_elements(format);
+    std::vector<Decoder> peers;
+    peers.reserve(k);
+    for (int64_t j = 0; j < k; ++j) peers.emplace_back(in, chunking.group(j * per_input + group));
+    const auto peer = [&](int64_t j) -> const Decoder& { return peers[j]; };
+    for (int64_t begin = s * segment; begin < std::min((s + 1) * segment, m); begin += kTile) {
+      const int64_t end = std::min(begin + kTile, m);
+      float acc[kTile] = {};
+      for (int64_t j = 0; j < k; ++j) {
+        if (prefetch) peer(j).prefetch(j * m + end, j * m + end + kTile);
+        peer(j).decode(j * m + begin, j * m + end,
                        [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
-    }
-    // The average rides along with the stores; a tile that overflowed (rarely)
-    // is averaged in place, summed again where needed and stored again.
-    const auto store_tile = [&](const auto& share) {
-      uint32_t largest = 0;
-      for (int64_t i = begin; i < end; ++i) {
-        const float v = share(acc[i - begin]);
-        out[i] = from_float<T>(v);
-        largest = std::max(largest, exponent_field(v));
       }
-      return largest;
-    };
-    with_share(average, static_cast<float>(k), [&](const auto& share) {
-      if (store_tile(share) != kExponentBits) return;
-      for (int64_t i = 0; i < end - begin; ++i) acc[i] = share(acc[i]);
-      resum_scaled(chunks, m, begin, end, average, acc);
-      store_tile([](float v) { return v; });
-    });
+      // The average rides along with the stores; a tile that overflowed (rarely)
+      // is averaged in place, summed again where needed and stored again.
+      const auto store_tile = [&](const auto& share) {
+        uint32_t largest = 0;
+        for (int64_t i = begin; i < end; ++i) {
+          const float v = share(acc[i - begin]);
+          out[i] = from_float<T>(v);
+          largest = std::max(largest, exponent_field(v));
+        }
+        return largest;
+      };
+      with_share(average, static_cast<float>(k), [&](const auto& share) {
+        if (store_tile(share) != kExponentBits) return;
+        for (int64_t i = 0; i < end - begin; ++i) acc[i] = share(acc[i]);
+        resum_scaled(peer, k, m, begin, end, average, acc);
+        store_tile([](float v) { return v; });
+      });
+    }
   });
   return {};
 }
@@ -585,34 +617,34 @@ Status elementwise(int64_t n, T* out, F&& f, const In*... in) {
 
 template <typename T>
 Status minmax_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
-  return decompress<MinMaxChunk<8>>(in, Chunking{Format::kMinMaxUInt8, n, k}, out);
+  return decompress<MinMaxGroup<8>>(in, Chunking{Format::kMinMaxUInt8, n, k}, out);
 }
 
 template <typename T>
 Status minmax_uint4_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
-  return decompress<MinMaxChunk<4>>(in, Chunking{Format::kMinMaxUInt4, n, k}, out);
+  return decompress<MinMaxGroup<4>>(in, Chunking{Format::kMinMaxUInt4, n, k}, out);
 }
 
 template <typename T>
 Status sign_decompress(Cpu, const uint8_t* in, int64_t n, int64_t k, T* out) {
-  return decompress<SignChunk>(in, Chunking{Format::kSign, n, k}, out);
+  return decompress<SignGroup>(in, Chunking{Format::kSign, n, k}, out);
 }
 
 template <typename T>
 Status minmax_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average,
                                 T* out) {
-  return decompress_reduce<MinMaxChunk<8>>(in, Format::kMinMaxUInt8, m, k, average, out);
+  return decompress_reduce<MinMaxGroup<8>>(in, Format::kMinMaxUInt8, m, k, average, out);
 }
 
 template <typename T>
 Status minmax_uint4_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average,
                                       T* out) {
-  return decompress_reduce<MinMaxChunk<4>>(in, Format::kMinMaxUInt4, m, k, average, out);
+  return decompress_reduce<MinMaxGroup<4>>(in, Format::kMinMaxUInt4, m, k, average, out);
 }
 
 template <typename T>
 Status sign_decompress_reduce(Cpu, const uint8_t* in, int64_t m, int64_t k, bool average, T* out) {
-  return decompress_reduce<SignChunk>(in, Format::kSign, m, k, average, out);
+  return decompress_reduce<SignGroup>(in, Format::kSign, m, k, average, out);
 }
 
 template <typename T>

@@ -53,10 +53,12 @@ BAGUA_HD float narrow_rn(double v) {
 
 BAGUA_HD bool is_finite(float v) { return sub_rn(v, v) == 0.0f; }
 
-// NaN-propagating min and max: a chunk holding NaN gets NaN bounds, so it
-// decodes to NaN instead of finite garbage.
-BAGUA_HD float nan_min(float a, float b) { return (b < a || b != b) ? b : a; }
-BAGUA_HD float nan_max(float a, float b) { return (b > a || b != b) ? b : a; }
+// A signed integer with the order of the floats and -0 < +0; the map is its own
+// inverse. A min-max group's lo and hi are its values of the least and the
+// greatest key (SPEC section 2), which every device finds exactly, in any order.
+BAGUA_HD int32_t order_key(int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
+BAGUA_HD int32_t float_key(float f) { return order_key(static_cast<int32_t>(float_bits(f))); }
+BAGUA_HD float key_float(int32_t key) { return bits_float(static_cast<uint32_t>(order_key(key))); }
 
 // ---- Min-max codes (MinMaxUInt8, MinMaxUInt4) ----------------------------
 //

@@ -24,6 +24,7 @@ Bagua's ``Algorithm.init("diloco")``) and by configuration class.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterable
 from typing import Any, ClassVar, TypeVar
 
@@ -101,13 +102,64 @@ def as_config(config_class: type, *args: Any, **options: Any) -> Any:
     return config_class(*args, **options)
 
 
+def option_names(cls: type) -> list[str]:
+    """The keyword options the algorithm class ``cls`` takes: its constructor's named parameters, and the fields of
+    its configuration (``config_class``) where the constructor passes its keywords on to it."""
+    parameters = list(inspect.signature(cls).parameters.values())
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    config_class = getattr(cls, "config_class", None)
+    if any(p.kind is p.VAR_KEYWORD for p in parameters) and dataclasses.is_dataclass(config_class):
+        names += [field.name for field in dataclasses.fields(config_class) if field.name not in names]
+    return names
+
+
+def check_options(cls: type, options: Iterable[str]) -> str:
+    """Raise a TypeError naming the algorithm class ``cls`` and its options (:func:`option_names`) unless it takes
+    every option in ``options``; return its name."""
+    name = getattr(cls, "name", "") or cls.__name__
+    valid = option_names(cls)
+    unknown = [key for key in options if key not in valid]
+    if unknown:
+        listed = ", ".join(valid) or "none"
+        raise TypeError(f"algorithm {name!r} has no option {', '.join(map(repr, unknown))}; its options: {listed}")
+    return name
+
+
 def build_algorithm(cls: type[T], options: dict[str, Any]) -> T:
-    """``cls(**options)``, the registered algorithm class ``cls``; a TypeError (an unknown option or a value of the
-    wrong type) is raised again with the algorithm's name in front, the same in every front end."""
+    """``cls(**options)``, the registered algorithm class ``cls``, the same in every entry point of both front ends.
+
+    An option ``cls`` does not take raises a TypeError naming the algorithm and its options (:func:`option_names`);
+    any other TypeError (a value of the wrong type) is raised again with the algorithm's name in front, unless its
+    message starts with the name already.
+    """
+    name = check_options(cls, options)
     try:
         return cls(**options)
     except TypeError as error:
-        raise TypeError(f"algorithm {cls.name!r}: {error}") from error
+        if str(error).startswith(name):
+            raise
+        raise TypeError(f"algorithm {name!r}: {error}") from error
+
+
+def algorithm_from(spec: Any, options: dict[str, Any], *, base: type, by_name: Callable[[str], type]) -> Any:
+    """The algorithm ``spec`` is or names, taken the same way by every entry point of both front ends.
+
+    An instance of ``base`` is returned as it is (``options`` must then be empty); a subclass of ``base``, or a
+    name that ``by_name`` looks up, is built with ``options`` by :func:`build_algorithm`, so an unknown option's
+    error names the algorithm and its options wherever the name was given.
+    """
+    if isinstance(spec, str):
+        return build_algorithm(by_name(spec), options)
+    if isinstance(spec, type) and issubclass(spec, base):
+        return build_algorithm(spec, options)
+    if isinstance(spec, base) and not isinstance(spec, type):
+        if options:
+            raise TypeError(
+                f"options {sorted(options)} can only be given with an algorithm's name, not with an algorithm object "
+                f"({type(spec).__name__}): set them when building it"
+            )
+        return spec
+    raise TypeError(f"algorithm must be a name or a {base.__module__}.{base.__qualname__}, got {type(spec).__name__}")
 
 
 class AlgorithmRegistry:

@@ -14,12 +14,19 @@ import os
 from types import ModuleType
 
 from bagua_common.comm.engine_exit import finalize_at_exit
+from bagua_common.fault_tolerance.settings import ENV_FAULT_TOLERANCE, ENV_JOIN
 
 ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
 """Engine name -> its extension module."""
 
 ENV_ELASTIC = "BAGUA_ELASTIC"
 """Set to 1 in the workers of an elastic job (``bagua-launch --nnodes MIN:MAX``)."""
+
+
+def fault_tolerant_job() -> bool:
+    """Whether this process belongs to a fault-tolerant job (``BAGUA_FAULT_TOLERANCE=1``, or ``BAGUA_FT_JOIN=1``
+    in a process joining one), whose communicators change members in place."""
+    return os.environ.get(ENV_FAULT_TOLERANCE) == "1" or os.environ.get(ENV_JOIN) == "1"
 
 
 @functools.cache
@@ -31,10 +38,12 @@ def load_engine(kind: str) -> ModuleType:
     """
     if kind not in ENGINE_MODULES:
         raise ValueError(f"unknown engine {kind!r}; use 'mpi' or 'nccl'")
-    if kind == "mpi" and os.environ.get(ENV_ELASTIC) == "1":
+    if kind == "mpi" and os.environ.get(ENV_ELASTIC) == "1" and not fault_tolerant_job():
         raise RuntimeError(
-            "the native MPI engine cannot run in an elastic job: an MPI world cannot change size; use torch's "
-            "gloo/NCCL, JAX over jax.distributed or the native NCCL engine"
+            "the native MPI engine runs in an elastic job only with fault tolerance (BAGUA_FAULT_TOLERANCE=1): "
+            "MPI_COMM_WORLD cannot change size, but a world built through the job's store can shrink and grow "
+            "(bagua_jax.fault_tolerance.FaultTolerantTrainer, every rank its own `mpiexec -n 1` job); otherwise use "
+            "torch's gloo/NCCL, JAX over jax.distributed or the native NCCL engine"
         )
     import _bagua_ffi
 

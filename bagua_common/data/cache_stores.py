@@ -35,10 +35,16 @@ ENV_CACHE_KEY_FILE = "BAGUA_CACHE_KEY_FILE"
 ENV_CACHE_DIR = "BAGUA_CACHE_DIR"
 _SERVER_ENTRY_BYTES = 1024  # one rank's {"url", "password", "key"} in sharded_store's exchange
 DEFAULT_RAM_FRACTION = 0.25
+FINGERPRINT_RECORD = b"#fingerprint"  # after a key scope: never a value's key, whose scope ends in a hex digest
 
 
 class Store(Protocol):
-    """What the cached dataset needs of a store."""
+    """What the cached dataset needs of a store.
+
+    A store whose values outlive the job may also define ``adopt_fingerprint(scope, fingerprint)``
+    (see :meth:`LmdbStore.adopt_fingerprint`) to drop the values of a dataset whose source changed;
+    without it, those values are only never served again.
+    """
 
     digest_key: bytes  # the secret every process that writes to the store signs values with
 
@@ -135,7 +141,9 @@ class LmdbStore:
     writable by nobody else (:func:`private_directory`); its digest key lives in it
     (:func:`digest_key_in`), so a directory kept between jobs serves the next one.
     ``capacity_bytes`` (default a quarter of RAM) is LMDB's map size: once it is full, puts
-    return False and nothing is evicted.
+    return False and nothing is evicted. Values outlive the job, so the store records each
+    dataset's fingerprint (:meth:`adopt_fingerprint`) and drops the values of a dataset whose
+    source changed.
     """
 
     def __init__(self, path: str, capacity_bytes: int | None = None) -> None:
@@ -183,6 +191,30 @@ class LmdbStore:
             return False
         return True
 
+    def adopt_fingerprint(self, scope: bytes, fingerprint: bytes) -> int | None:
+        """Record ``fingerprint`` for the keys starting with ``scope``; return None if it was already recorded (or
+        none was), else delete every key under ``scope`` and return how many values went.
+
+        One write transaction: of the ranks and workers of a node that open a changed dataset at
+        once, the first drops the old values and records the new fingerprint, and the others find
+        it recorded.
+        """
+        record = scope + FINGERPRINT_RECORD
+        with self._open().begin(write=True) as txn:
+            recorded = txn.get(record)
+            if recorded == fingerprint:
+                return None
+            dropped = 0
+            if recorded is not None:
+                cursor = txn.cursor()
+                found = cursor.set_range(scope)
+                while found and cursor.key().startswith(scope):
+                    dropped += cursor.key() != record
+                    found = cursor.delete()
+            txn.put(record, fingerprint)
+        self._full = False
+        return None if recorded is None else dropped
+
     def close(self) -> None:
         """Close this process's environment."""
         if self._env is not None and self._pid == os.getpid():
@@ -196,12 +228,18 @@ _lmdb_environments: dict[tuple[int, str], Any] = {}
 _lmdb_environments_lock = threading.Lock()
 
 
-def _fresh_lock_in_child() -> None:
+def _fresh_environments_in_child() -> None:
+    # The parent's environments are unusable here, and lmdb refuses to open one of them again while it is open
+    # (a DataLoader worker forked after the parent read the cache, or recorded its fingerprint, failed every read).
+    # Closing them here releases nothing of the parent's: its locks and reader slots are its own.
     global _lmdb_environments_lock
     _lmdb_environments_lock = threading.Lock()
+    for environment in _lmdb_environments.values():
+        environment.close()
+    _lmdb_environments.clear()
 
 
-os.register_at_fork(after_in_child=_fresh_lock_in_child)
+os.register_at_fork(after_in_child=_fresh_environments_in_child)
 
 
 def _lmdb_environment(path: str, capacity_bytes: int) -> Any:

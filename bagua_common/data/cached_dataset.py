@@ -12,12 +12,21 @@ unpickled: it is counted in ``stats()["damaged"]`` and read from the dataset aga
 process holding the key can write a value that is served, so the key must stay with the job
 (the defaults keep it in 0600 files in the store's private directory). A store that fails never
 yields wrong data either: the sample is read from the dataset instead.
+
+A :class:`CachedDataset` also keys its values by the dataset's *fingerprint*
+(:func:`dataset_fingerprint`: its class, its length and a digest of a few items at fixed
+positions, read from the dataset whenever it is wrapped), so a dataset whose source changed
+between two runs (new preprocessing, a fixed label) misses instead of getting the old values
+back. A store that keeps values between jobs (LMDB) records the fingerprint of each dataset name
+and version, and drops that dataset's values when another one arrives, saying so in one logged
+line. A change that no sampled item shows needs a new ``version``, the explicit way.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import operator
 import pickle
 import warnings
@@ -30,7 +39,10 @@ KEY_PREFIX = b"bg1:"
 FORMAT_VERSION = b"\x02"  # 1: an unsigned pickle
 DIGEST_BYTES = 16
 HEADER_BYTES = len(FORMAT_VERSION) + DIGEST_BYTES
+FINGERPRINT_SAMPLES = 8
+"""Items read from the dataset for its fingerprint each time it is wrapped: evenly spaced, the first and last."""
 _ON_ERROR = ("warn", "raise")
+_log = logging.getLogger(__name__)
 
 
 class MapDataset(Sized, Protocol):
@@ -43,7 +55,10 @@ class CacheLoader:
     """Returns cached values by key, loading and writing through on a miss.
 
     Keys are scoped by ``name`` (required, non-empty) and ``version``: change the version and
-    no value from an earlier version is served. ``store`` None is
+    no value from an earlier version is served. ``fingerprint`` (bytes, see :func:`dataset_fingerprint`)
+    scopes them further to one content of the source: where the store records fingerprints
+    (``adopt_fingerprint``, as :class:`~bagua_common.data.cache_stores.LmdbStore` does), the values
+    of another fingerprint under this name and version are dropped, with one logged line. ``store`` None is
     :func:`~bagua_common.data.cache_stores.store_from_environment` for that name and version. When
     the store is full new values are not admitted (nothing is evicted). A store error warns once
     per process, is counted in :meth:`stats`, and the value is loaded instead; a value that fails
@@ -57,22 +72,40 @@ class CacheLoader:
         name: str,
         version: str = "",
         *,
+        fingerprint: bytes = b"",
         on_error: str = "warn",
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
         if not isinstance(version, str):
             raise TypeError(f"version must be a string, got {version!r}")
+        if not isinstance(fingerprint, bytes):
+            raise TypeError(f"fingerprint must be bytes, got {fingerprint!r}")
         if on_error not in _ON_ERROR:
             raise ValueError(f"on_error must be one of {_ON_ERROR}, got {on_error!r}")
         self.store = store_from_environment(name, version) if store is None else store
         self.name, self.version, self.on_error = name, version, on_error
-        self._prefix = KEY_PREFIX + self._scope(name.encode(), version.encode()) + b":"
+        scope = KEY_PREFIX + self._scope(name.encode(), version.encode()) + b":"
+        self._prefix = scope + fingerprint.hex().encode() + b":" if fingerprint else scope
         self._reset_counters()
+        if fingerprint:
+            self._adopt(scope, fingerprint)
 
     def _scope(self, name: bytes, version: bytes) -> bytes:
         digest = hashlib.blake2b(version, digest_size=4, person=b"bagua-cache").hexdigest()
         return name + b":" + digest.encode()
+
+    def _adopt(self, scope: bytes, fingerprint: bytes) -> None:
+        adopt = getattr(self.store, "adopt_fingerprint", None)
+        dropped = None if adopt is None else self._call("adopt", adopt, scope, fingerprint)
+        if dropped is not None:
+            _log.warning(
+                "bagua cache: dataset %r (version %r) changed since its values were cached (its class, length or "
+                "sampled items differ): dropped %d cached values, reading the dataset again",
+                self.name,
+                self.version,
+                dropped,
+            )
 
     def _reset_counters(self) -> None:
         self._stats = dict.fromkeys(("hits", "misses", "puts", "rejected", "damaged", "errors", "bytes"), 0)
@@ -169,18 +202,37 @@ class CacheLoader:
 _MISSING = object()
 
 
-def dataset_scope(dataset: MapDataset, version: str) -> str:
-    """Return the cache version of ``dataset``: ``version`` with the dataset's length and type."""
-    return f"{version}|{len(dataset)}|{type(dataset).__module__}.{type(dataset).__qualname__}"
+def fingerprint_positions(length: int, count: int = FINGERPRINT_SAMPLES) -> list[int]:
+    """Return the indices a fingerprint reads: ``count`` evenly spaced ones, the first and the last included."""
+    if length <= count:
+        return list(range(length))
+    return sorted({round(i * (length - 1) / (count - 1)) for i in range(count)})
+
+
+def dataset_fingerprint(dataset: MapDataset) -> bytes:
+    """Return a 16-byte digest of ``dataset``'s class, length and items at :func:`fingerprint_positions`.
+
+    The items are read from ``dataset`` itself (a few reads, the same positions in every process)
+    and digested as their pickles, so equal values give equal fingerprints in every process.
+    """
+    cls, length = type(dataset), len(dataset)
+    digest = hashlib.blake2b(digest_size=16, person=b"bagua-source")
+    digest.update(f"{cls.__module__}.{cls.__qualname__}\0{length}".encode())
+    for index in fingerprint_positions(length):
+        payload = pickle.dumps(dataset[index], protocol=5)
+        digest.update(index.to_bytes(8, "little") + len(payload).to_bytes(8, "little") + payload)
+    return digest.digest()
 
 
 class CachedDataset:
     """``dataset`` with each sample cached after its first read (see :class:`CacheLoader`).
 
-    ``store`` defaults to :func:`~bagua_common.data.cache_stores.store_from_environment`. The key
-    scope (and so the default store's LMDB environment) also covers the dataset's length and
-    type, so a changed dataset misses. ``transform``
-    runs after the cache on every read: cache deterministic decoding, augment in ``transform``.
+    ``store`` defaults to :func:`~bagua_common.data.cache_stores.store_from_environment` (one LMDB
+    environment per ``name`` and ``version``). The keys also carry the dataset's
+    :func:`dataset_fingerprint`, computed here, so a dataset whose class, length or sampled items
+    changed since its values were cached misses, and the store drops the old values (see the
+    module docstring). ``transform`` runs after the cache on every read: cache deterministic
+    decoding, augment in ``transform``.
     """
 
     def __init__(
@@ -195,7 +247,8 @@ class CachedDataset:
     ) -> None:
         self.dataset = dataset
         self.transform = transform
-        self.loader = CacheLoader(store, name, dataset_scope(dataset, version), on_error=on_error)
+        fingerprint = dataset_fingerprint(dataset)
+        self.loader = CacheLoader(store, name, version, fingerprint=fingerprint, on_error=on_error)
 
     def __len__(self) -> int:
         return len(self.dataset)

@@ -1,9 +1,10 @@
 """A private Redis server for the cache: a child process on a 0700 unix socket, no TCP.
 
 ``bagua-launch --cache-server redis`` starts one per node and passes its address to the ranks
-in ``BAGUA_CACHE_URL``. The server listens on no TCP port, keeps nothing on disk, refuses
-writes when full (``noeviction``) and dies with its parent. Only this user can reach the
-socket, which is what makes it safe for the cache to unpickle what it reads.
+in ``BAGUA_CACHE_URL``; without the launcher, :func:`node_redis_store` starts one per node from
+the job's first rank there (Bagua's ``backend="redis"``). The server listens on no TCP port,
+keeps nothing on disk, refuses writes when full (``noeviction``) and dies with its parent. Only
+this user can reach the socket, which is what makes it safe for the cache to unpickle what it reads.
 
 For a cache sharded over the nodes (``bagua-launch --cache-bind ADDR``) the server also
 listens on TCP at ``ADDR`` and requires a password it generates itself. The password is never
@@ -14,6 +15,7 @@ generated at start too, in the 0600 file named in ``BAGUA_CACHE_KEY_FILE``.
 
 from __future__ import annotations
 
+import atexit
 import ipaddress
 import os
 import secrets
@@ -28,16 +30,25 @@ from bagua_common.data.cache_stores import (
     ENV_CACHE_KEY_FILE,
     ENV_CACHE_PASSWORD_FILE,
     ENV_CACHE_URL,
+    RedisStore,
     checked_capacity,
     connect_redis,
 )
-from bagua_common.data.private_files import DIGEST_KEY_FILE, digest_key_in, write_private_file
+from bagua_common.data.private_files import (
+    DIGEST_KEY_FILE,
+    digest_key_in,
+    private_directory,
+    read_private_file,
+    write_private_file,
+)
 from bagua_common.job.child_process import die_with_parent
+from bagua_common.job.signature import AllGather, gather_bytes
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
 DIRECTORY_PREFIX = "bagua-redis-"
 STALE_AFTER_S = 60.0
 INSTALL_HINT = "install it with 'apt-get install redis-server' or set BAGUA_REDIS_SERVER"
+_DIRECTORY_ENTRY_BYTES = 4096  # one rank's server directory in node_redis_store's exchange
 
 
 def find_redis_server() -> str:
@@ -222,3 +233,35 @@ def remove_stale_directories() -> None:
             pass  # unsure: leave it
         finally:
             probe.close()
+
+
+_node_server: RedisServer | None = None
+_node_store: RedisStore | None = None
+
+
+def node_redis_store(allgather: AllGather | None, rank: int = 0, local_size: int = 1) -> RedisStore:
+    """A :class:`RedisStore` on this node's private server for the job, started on first use (Bagua's
+    ``backend="redis"`` without ``bagua-launch --cache-server redis``).
+
+    The node's first rank (world rank ``rank - rank % local_size``, ranks laid out node by node)
+    starts a :class:`RedisServer` (a 0700 unix socket, no TCP, no disk), which dies with that
+    process and is stopped at its exit; the node's other ranks learn its directory through
+    ``allgather`` (every rank of the job calls this, the first time, at the same point; None for a
+    job of one process) and read its socket and digest key there, files that must be this user's
+    alone. Later calls return the same store.
+    """
+    global _node_server, _node_store
+    if _node_store is not None:
+        return _node_store
+    first = rank - rank % local_size == rank
+    if first:
+        _node_server = RedisServer().start()
+        atexit.register(_node_server.stop)
+    mine = _node_server.directory.encode() if first else b""
+    if len(mine) > _DIRECTORY_ENTRY_BYTES:
+        raise ValueError(f"the cache server's directory path is too long: {mine!r}")
+    rows = [mine] if allgather is None else gather_bytes(allgather, mine, _DIRECTORY_ENTRY_BYTES)
+    directory = private_directory(rows[rank - rank % local_size].rstrip(b"\0").decode())
+    key = read_private_file(os.path.join(directory, DIGEST_KEY_FILE))
+    _node_store = RedisStore("unix://" + os.path.join(directory, "redis.sock"), digest_key=key)
+    return _node_store

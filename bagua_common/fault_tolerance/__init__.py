@@ -16,20 +16,35 @@ is the user's guide.
 from bagua_common.fault_tolerance.data_position import DataPosition
 from bagua_common.fault_tolerance.decision import Decision
 from bagua_common.fault_tolerance.epoch import Epoch, Member, Recovery
-from bagua_common.fault_tolerance.errors import Evicted, MembershipChanged, NoQuorum, ReplicaMismatch
+from bagua_common.fault_tolerance.errors import (
+    Evicted,
+    ExchangeInterrupted,
+    MembershipChanged,
+    NoQuorum,
+    ReplicaMismatch,
+)
 from bagua_common.fault_tolerance.kv_store import KVClient, KVServer, StoreUnreachable
 from bagua_common.fault_tolerance.membership import Membership
 from bagua_common.fault_tolerance.replica_hash import ReplicaDigest, check_digests
-from bagua_common.fault_tolerance.settings import ENV_FAULT_TOLERANCE, ENV_JOIN, ENV_PEERS, FaultToleranceSettings
+from bagua_common.fault_tolerance.settings import (
+    ENV_FAULT_TOLERANCE,
+    ENV_JOIN,
+    ENV_PEERS,
+    ENV_SECRET_FILE,
+    FaultToleranceSettings,
+    job_secret,
+)
 
 __all__ = [
     "ENV_FAULT_TOLERANCE",
     "ENV_JOIN",
     "ENV_PEERS",
+    "ENV_SECRET_FILE",
     "DataPosition",
     "Decision",
     "Epoch",
     "Evicted",
+    "ExchangeInterrupted",
     "FaultToleranceSettings",
     "KVClient",
     "KVServer",
@@ -42,4 +57,5 @@ __all__ = [
     "ReplicaMismatch",
     "StoreUnreachable",
     "check_digests",
+    "job_secret",
 ]

@@ -45,8 +45,10 @@ class Member:
 class Epoch:
     """One agreed membership: ``members`` in rank order (``members[0]`` coordinates), this process's ``rank``,
     ``committed`` (the last transaction committed when it formed), ``joined`` (the ids admitted by it, who need
-    state), ``store`` (this epoch's client to the coordinator's store, for the training thread) and ``closed``
-    (set when the epoch ends: waits on its communicators give up)."""
+    state), ``store`` (this epoch's client to the coordinator's store, for the training thread) and three events:
+    ``closed`` (the epoch is over: its members move to the next one at their next boundary), set together with
+    ``failed`` (a failure ended it: waits on its communicators give up) or ``ended`` (it ended after a commit, to
+    admit joiners: its communicators keep working until the members move on)."""
 
     number: int
     members: tuple[Member, ...]
@@ -55,6 +57,18 @@ class Epoch:
     joined: tuple[str, ...] = ()
     store: KVClient | None = None
     closed: threading.Event = field(default_factory=threading.Event)
+    failed: threading.Event = field(default_factory=threading.Event)
+    ended: threading.Event = field(default_factory=threading.Event)
+
+    def mark_failed(self) -> None:
+        """A failure ended the epoch: ``failed`` (before ``closed``, so that whoever wakes on it sees why)."""
+        self.failed.set()
+        self.closed.set()
+
+    def mark_ended(self) -> None:
+        """The epoch ended after a commit: ``ended``, then ``closed``."""
+        self.ended.set()
+        self.closed.set()
 
     @property
     def size(self) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Evicted", "MembershipChanged", "NoQuorum", "ReplicaMismatch"]
+__all__ = ["Evicted", "ExchangeInterrupted", "MembershipChanged", "NoQuorum", "ReplicaMismatch"]
 
 
 class MembershipChanged(RuntimeError):
@@ -10,6 +10,14 @@ class MembershipChanged(RuntimeError):
 
     Raised inside a step; the front end's step scope catches it, waits for the next epoch and
     runs the step again with the survivors. Nothing of the abandoned transaction was applied.
+    """
+
+
+class ExchangeInterrupted(MembershipChanged):
+    """An outer exchange (DiLoCo's) was interrupted by a change of members after the step's own work was done.
+
+    The step counts: the survivors take the next epoch and retry the exchange among themselves with
+    their own pseudo-gradients, so no completed inner step is lost.
     """
 
 

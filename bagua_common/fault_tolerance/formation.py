@@ -28,10 +28,14 @@ _PROBE_SECONDS = 1.0
 
 
 class Formation:
-    """How member ``me`` (whose own store ``local`` reaches) forms epochs with the others; ``stopping`` ends it."""
+    """How member ``me`` (whose own store ``local`` reaches) forms epochs with the others; ``stopping`` ends it,
+    ``gone`` holds the members whose process ended."""
 
-    def __init__(self, settings: FaultToleranceSettings, me: Member, local: KVClient, stopping: threading.Event):
+    def __init__(
+        self, settings: FaultToleranceSettings, me: Member, local: KVClient, stopping: threading.Event, gone: set[str]
+    ):
         self.settings, self.me, self._local, self._stopping = settings, me, local, stopping
+        self._gone = gone  # members whose process ended (their connections to this member's store closed)
         self._requests_seen = 0
 
     def requests_waiting(self, store: KVClient) -> bool:
@@ -71,7 +75,7 @@ class Formation:
             if member.id in suspects:
                 continue
             try:
-                client = KVClient(member.host, member.port, _PROBE_SECONDS)
+                client = KVClient(member.host, member.port, _PROBE_SECONDS, secret=self.settings.secret)
                 client.ping()
                 client.timeout = self.settings.dead_after
                 return member, client
@@ -95,7 +99,7 @@ class Formation:
         def state(member_id: str) -> str:
             seen, when = probed.get(member_id, ("", -period))
             if time.monotonic() - when >= period:
-                seen, current = probe(others[member_id])
+                seen, current = probe(others[member_id], self.settings.secret)
                 if current is not None and current > leaving.number:  # they went on without this member
                     raise Evicted(
                         f"fault tolerance: the job formed epoch {current} without this member ({self.me.id}); it was "
@@ -106,6 +110,9 @@ class Formation:
             return seen
 
         while True:
+            dead |= self._gone & set(others)
+            for member_id in dead & set(joined):  # joined, then its process ended
+                del joined[member_id]
             for member_id in set(others) - set(joined) - dead:
                 join = _json(store.check(f"ft/join/{member_id}"))
                 if join is not None and join["last_epoch"] >= leaving.number:
@@ -128,12 +135,18 @@ class Formation:
             time.sleep(0.005 if waiting else period)
         members = [m for m in leaving.members if m.id in joined]
         joiners = self._admissible_requests(store, {m.id for m in members})
+        committed = max(int(j["committed"]) for j in joined.values())
+        # A survivor behind the others (a joiner whose state never arrived) gets the state like a joiner; one that
+        # voted for the last commit but never saw it applies it (its vote was counted) and is not behind.
+        behind = [
+            m for m in members if max(int(joined[m.id]["committed"]), int(joined[m.id]["voted"] or 0)) < committed
+        ]
         epoch = Epoch(
             max(int(j["last_epoch"]) for j in joined.values()) + 1,
             tuple(members + joiners),
             0,
-            max(int(j["committed"]) for j in joined.values()),
-            tuple(m.id for m in joiners),
+            committed,
+            tuple(m.id for m in behind + joiners),
         )
         publish_epoch(store, epoch, after=sorted({int(j["last_epoch"]) for j in joined.values()}))
         for member_id in joined:
@@ -156,11 +169,11 @@ class Formation:
         return joiners
 
 
-def probe(member: Member) -> tuple[str, int | None]:
+def probe(member: Member, secret: bytes) -> tuple[str, int | None]:
     """``"alive"``, ``"refused"`` (nothing listens: its process is gone) or ``"silent"`` (hung or cut off), and the
-    epoch the member is in (None unless alive)."""
+    epoch the member is in (None unless alive); ``secret`` is the job's."""
     try:
-        client = KVClient(member.host, member.port, _PROBE_SECONDS)
+        client = KVClient(member.host, member.port, _PROBE_SECONDS, secret=secret)
         current = _json(client.check("ft/current"))
         client.close()
         return "alive", None if current is None else int(current["epoch"])

@@ -5,7 +5,16 @@ long as its process. Values are bytes; nothing is ever unpickled. Operations: ``
 (waiting server-side up to a timeout for the key to appear), ``add`` (an integer counter),
 ``compare_set``, ``delete``, ``ping`` and ``hello`` (registers the connection as a member's:
 when it closes, the server's ``on_disconnect`` is called with the member's id at once, which is
-how a killed member is noticed within milliseconds).
+how a killed member is noticed within milliseconds; with several connections registered under one
+id, when the last of them closes).
+
+Only the job's processes may use a store: both sides hold the job's secret (see
+:func:`~bagua_common.fault_tolerance.settings.job_secret`) and prove it before the first request,
+without sending it. The server sends a random nonce; the client answers with its own nonce and
+HMAC-SHA256(secret, "client" + server nonce); the server checks it (a wrong or missing proof is
+answered ``denied`` and the connection closed, before any operation) and answers
+HMAC-SHA256(secret, "server" + client nonce), which the client checks (a process squatting on a
+member's port is not taken for the member).
 
 Wire format, both directions: a frame is ``!BII`` (operation or status, key length, value
 length), then the key and the value. ``get``'s value is its wait in seconds (``!d``),
@@ -14,18 +23,26 @@ length), then the key and the value. ``get``'s value is its wait in seconds (``!
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
+import secrets
 import socket
 import struct
 import threading
 import time
 from collections.abc import Callable
 
-__all__ = ["KVClient", "KVServer", "StoreUnreachable", "connect", "wait_for"]
+__all__ = ["KVClient", "KVServer", "StoreUnreachable", "advertised_host", "connect", "wait_for"]
 
 _HEADER = struct.Struct("!BII")
-_SET, _GET, _ADD, _CAS, _DELETE, _PING, _HELLO, _CHECK = range(1, 9)
-_OK, _MISSING = 0, 1
+_SET, _GET, _ADD, _CAS, _DELETE, _PING, _HELLO, _CHECK, _AUTH = range(1, 10)
+_OK, _MISSING, _DENIED = 0, 1, 2
 _MAX_FRAME = 1 << 30
+_NONCE_BYTES = 32
+_AUTH_FRAME = 64  # the longest key or value of a frame before the client proved the secret
+_AUTH_SECONDS = 10.0  # how long a new connection may take to prove it
+_MIN_SECRET_BYTES = 16
 
 
 class StoreUnreachable(ConnectionError):
@@ -49,9 +66,9 @@ def _receive_exactly(sock: socket.socket, count: int) -> bytes:
     return b"".join(chunks)
 
 
-def _receive_frame(sock: socket.socket) -> tuple[int, bytes, bytes]:
+def _receive_frame(sock: socket.socket, limit: int = _MAX_FRAME) -> tuple[int, bytes, bytes]:
     kind, key_length, value_length = _HEADER.unpack(_receive_exactly(sock, _HEADER.size))
-    if key_length > _MAX_FRAME or value_length > _MAX_FRAME:
+    if key_length > limit or value_length > limit:
         raise EOFError  # not our protocol: drop the connection
     key = _receive_exactly(sock, key_length)
     return kind, key, _receive_exactly(sock, value_length)
@@ -61,14 +78,26 @@ def _frame(kind: int, key: bytes, value: bytes) -> bytes:
     return _HEADER.pack(kind, len(key), len(value)) + key + value
 
 
-class KVServer:
-    """A store served on ``host:port`` (port 0: a free one, see :attr:`port`) by one thread per connection.
+def _proof(secret: bytes, side: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, side + nonce, hashlib.sha256).digest()
 
-    ``on_disconnect(member_id)`` is called (on the connection's thread) when a connection that
-    said ``hello`` closes. :meth:`close` stops it; it also stops when the process ends.
+
+def _checked_secret(secret: bytes) -> bytes:
+    if not isinstance(secret, (bytes, bytearray)) or len(secret) < _MIN_SECRET_BYTES:
+        raise ValueError(f"fault tolerance: the job's secret must be at least {_MIN_SECRET_BYTES} bytes")
+    return bytes(secret)
+
+
+class KVServer:
+    """A store served on ``host:port`` (port 0: a free one, see :attr:`port`) by one thread per connection, to
+    clients that prove they hold ``secret`` (the job's; see the module docstring).
+
+    ``on_disconnect(member_id)`` is called (on the connection's thread) when the last open connection that said
+    ``hello`` with that id closes. :meth:`close` stops it; it also stops when the process ends.
     """
 
-    def __init__(self, host: str = "", port: int = 0, on_disconnect: Callable[[str], None] | None = None):
+    def __init__(self, host: str, port: int = 0, on_disconnect: Callable[[str], None] | None = None, *, secret: bytes):
+        self._secret = _checked_secret(secret)
         self._listener = socket.create_server((host, port), reuse_port=False, backlog=128)
         self.port: int = self._listener.getsockname()[1]
         self.on_disconnect = on_disconnect
@@ -76,6 +105,7 @@ class KVServer:
         self._changed = threading.Condition()
         self._closing = False
         self._connections: set[socket.socket] = set()
+        self._registered: dict[str, int] = {}  # member id -> its open registered connections
         self._thread = threading.Thread(target=self._accept, name=f"bagua-kv:{self.port}", daemon=True)
         self._thread.start()
 
@@ -96,10 +126,14 @@ class KVServer:
     def _serve(self, sock: socket.socket) -> None:
         member = None
         try:
+            if not self._admit(sock):
+                return
             while True:
                 kind, key, value = _receive_frame(sock)
                 if kind == _HELLO:
                     member = key.decode()
+                    with self._changed:
+                        self._registered[member] = self._registered.get(member, 0) + 1
                     status, reply = _OK, b""
                 else:
                     status, reply = self._apply(kind, key, value)
@@ -110,9 +144,26 @@ class KVServer:
             with self._changed:
                 self._connections.discard(sock)
                 closing = self._closing
+                last = member is not None and self._registered.get(member) == 1
+                if member is not None:
+                    self._registered[member] -= 1
             sock.close()
-            if member is not None and not closing and self.on_disconnect is not None:
+            if last and not closing and self.on_disconnect is not None:
                 self.on_disconnect(member)
+
+    def _admit(self, sock: socket.socket) -> bool:
+        """Whether the client on ``sock`` proved the secret (answered with this store's own proof); a client that
+        did not is answered ``denied``."""
+        nonce = secrets.token_bytes(_NONCE_BYTES)
+        sock.settimeout(_AUTH_SECONDS)
+        sock.sendall(_frame(_AUTH, b"", nonce))
+        kind, their_nonce, proof = _receive_frame(sock, limit=_AUTH_FRAME)
+        if kind != _AUTH or not hmac.compare_digest(proof, _proof(self._secret, b"client", nonce)):
+            sock.sendall(_frame(_DENIED, b"", b""))
+            return False
+        sock.settimeout(None)
+        sock.sendall(_frame(_OK, b"", _proof(self._secret, b"server", their_nonce)))
+        return True
 
     def _apply(self, kind: int, key: bytes, value: bytes) -> tuple[int, bytes]:
         with self._changed:
@@ -173,10 +224,13 @@ class KVClient:
 
     ``timeout`` bounds connecting and each request's answer beyond a ``get``'s own wait; a store
     that does not answer, refuses or closes raises :class:`StoreUnreachable`, and the client is
-    then closed. ``member`` registers the connection as that member's (see :class:`KVServer`).
+    then closed. ``member`` registers the connection as that member's (see :class:`KVServer`). Client and store
+    prove to each other that they hold ``secret`` first: a store that does not (not this job's) raises
+    :class:`StoreUnreachable`, and so does a store that refuses this client's proof.
     """
 
-    def __init__(self, host: str, port: int, timeout: float, member: str | None = None):
+    def __init__(self, host: str, port: int, timeout: float, member: str | None = None, *, secret: bytes):
+        secret = _checked_secret(secret)
         self.address = (host, int(port))
         self.timeout = float(timeout)
         self._lock = threading.Lock()
@@ -187,8 +241,29 @@ class KVClient:
         except OSError as error:
             raise StoreUnreachable(self.address, f"could not be reached ({error})") from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._authenticate(secret)
         if member is not None:
             self._request(_HELLO, member.encode(), b"")
+
+    def _authenticate(self, secret: bytes) -> None:
+        sock = self._sock
+        assert sock is not None
+        try:
+            kind, _, nonce = _receive_frame(sock, limit=_AUTH_FRAME)
+        except (OSError, EOFError, struct.error) as error:
+            self.close()
+            raise StoreUnreachable(self.address, f"did not greet as a store does ({error!r})") from None
+        if kind != _AUTH:
+            self.close()
+            raise StoreUnreachable(self.address, "did not greet as a store does")
+        mine = secrets.token_bytes(_NONCE_BYTES)
+        status, proof = self._request(_AUTH, mine, _proof(secret, b"client", nonce))
+        if status == _DENIED:
+            self.close()
+            raise StoreUnreachable(self.address, "refused this client: it does not hold the job's secret")
+        if not hmac.compare_digest(proof, _proof(secret, b"server", mine)):
+            self.close()
+            raise StoreUnreachable(self.address, "did not prove the job's secret: it is not this job's store")
 
     def _request(self, kind: int, key: bytes, value: bytes, wait: float = 0.0) -> tuple[int, bytes]:
         with self._lock:
@@ -253,12 +328,12 @@ class KVClient:
                 self._sock = None
 
 
-def connect(host: str, port: int, timeout: float, member: str | None = None) -> KVClient:
+def connect(host: str, port: int, timeout: float, member: str | None = None, *, secret: bytes) -> KVClient:
     """A client to ``host:port``, retrying refusals for ``timeout`` seconds (the store may not listen yet)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
-            return KVClient(host, port, timeout, member)
+            return KVClient(host, port, timeout, member, secret=secret)
         except StoreUnreachable as error:
             if not error.refused or time.monotonic() > deadline:
                 raise
@@ -271,3 +346,21 @@ def wait_for(store: KVClient, key: str, timeout: float) -> bytes:
     if value is None:
         raise TimeoutError(f"fault tolerance: {key} was not set within {timeout:g} s")
     return value
+
+
+def advertised_host(toward: str) -> str:
+    """This machine's address as seen from ``toward`` (``toward``'s own address when it is a loopback one): where
+    this member's store listens, and only there."""
+    try:
+        infos = socket.getaddrinfo(toward, None, type=socket.SOCK_DGRAM)
+    except OSError:
+        return socket.gethostname()
+    family, _, _, _, address = infos[0]
+    if ipaddress.ip_address(address[0]).is_loopback:
+        return address[0]
+    with socket.socket(family, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect((address[0], 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return socket.gethostname()

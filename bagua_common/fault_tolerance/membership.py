@@ -1,12 +1,11 @@
 """Who the members of a fault-tolerant job are: epochs, heartbeats, commit by agreement, recovery, joining.
 
-The protocol is described in ``docs/guides/fault_tolerance.md`` (and, for developers, in the
-design notes): every member hosts a :class:`~bagua_common.fault_tolerance.kv_store.KVServer`;
-an *epoch* is an agreed, ordered member list whose first member is its *coordinator* and
-holds the epoch's keys (``ft/e<E>/...``: the decision register, votes, heartbeats, the
-communicators' rendezvous). A *transaction* (a step, an outer exchange) commits when the last
-of its votes turns the register from ``T`` to ``T+1`` (:mod:`.decision`); closing the epoch
-turns it to ``T closed``; both are compare-and-set, so every member sees the same outcome.
+The protocol is described in ``docs/guides/fault_tolerance.md`` (and, for developers, in the design notes): every
+member hosts a :class:`~bagua_common.fault_tolerance.kv_store.KVServer`; an *epoch* is an agreed, ordered member
+list whose first member is its *coordinator* and holds the epoch's keys (``ft/e<E>/...``: the decision register,
+votes, heartbeats, the communicators' rendezvous). A *transaction* (a step, an outer exchange) commits when the last
+of its votes turns the register from ``T`` to ``T+1`` (:mod:`.decision`); closing the epoch turns it to
+``T closed``; both are compare-and-set, so every member sees the same outcome.
 
 Each member runs one monitor thread: it waits on the epoch's ``closed`` key (a blocking get,
 woken at once by a closure), sends heartbeats, and on the coordinator also watches the others'
@@ -19,7 +18,6 @@ training thread only waits for it (:meth:`Membership.recover`).
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import os
 import secrets
@@ -40,28 +38,18 @@ from bagua_common.fault_tolerance.epoch import (
     read_epoch,
 )
 from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
-from bagua_common.fault_tolerance.formation import Formation
-from bagua_common.fault_tolerance.kv_store import KVClient, KVServer, StoreUnreachable, connect, wait_for
-from bagua_common.fault_tolerance.settings import ENV_PEERS, FaultToleranceSettings
+from bagua_common.fault_tolerance.formation import Formation, probe
+from bagua_common.fault_tolerance.kv_store import (
+    KVClient,
+    KVServer,
+    StoreUnreachable,
+    advertised_host,
+    connect,
+    wait_for,
+)
+from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ENV_PEERS, FaultToleranceSettings
 
-__all__ = ["Membership", "advertised_host"]
-
-
-def advertised_host(toward: str) -> str:
-    """This machine's address as seen from ``toward`` (127.0.0.1 when that is this machine's loopback)."""
-    try:
-        infos = socket.getaddrinfo(toward, None, type=socket.SOCK_DGRAM)
-    except OSError:
-        return socket.gethostname()
-    family, _, _, _, address = infos[0]
-    if ipaddress.ip_address(address[0]).is_loopback:
-        return "127.0.0.1"
-    with socket.socket(family, socket.SOCK_DGRAM) as probe:
-        try:
-            probe.connect((address[0], 9))
-            return probe.getsockname()[0]
-        except OSError:
-            return socket.gethostname()
+__all__ = ["Membership"]
 
 
 class Membership:
@@ -74,18 +62,20 @@ class Membership:
 
     def __init__(self, settings: FaultToleranceSettings, host: str, port: int = 0):
         self.settings = settings
-        self._server = KVServer("", port, on_disconnect=self._member_disconnected)
+        self._server = KVServer(host, port, on_disconnect=self._member_disconnected, secret=settings.secret)
         self.me = Member(f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}", host, self._server.port)
-        self._local = KVClient("127.0.0.1", self._server.port, settings.dead_after)
+        self._local = KVClient(host, self._server.port, settings.dead_after, secret=settings.secret)
         self._lock = threading.Condition()
         self._epoch: Epoch | None = None  # the monitor's current epoch (the training thread keeps its own)
         self._failure: BaseException | None = None  # NoQuorum or Evicted, raised by recover()
         self._committed = 0  # the last transaction this member applied (for the join records)
         self._voted: int | None = None  # a transaction voted for and not yet decided
         self._recovering = 0  # training-thread calls waiting in recover()
-        self._heartbeats: dict[str, tuple[int, float]] = {}
+        self._older: list[Epoch] = []  # epochs that ended after a commit, whose groups may still be in use
+        self._heartbeats: dict[str, tuple[int, float, int]] = {}
         self._stopping = threading.Event()
-        self._formation = Formation(settings, self.me, self._local, self._stopping)
+        self._gone: set[str] = set()  # members whose connections to this member's store all closed
+        self._formation = Formation(settings, self.me, self._local, self._stopping, self._gone)
         self._monitor_client: KVClient | None = None
         self._monitor: threading.Thread | None = None
 
@@ -107,7 +97,9 @@ class Membership:
             raise ValueError(f"fault tolerance: need 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
         self = cls(settings, advertised_host(master_addr), master_port if rank == 0 else 0)
         try:
-            coordinator = self._local if rank == 0 else connect(master_addr, master_port, timeout)
+            coordinator = (
+                self._local if rank == 0 else connect(master_addr, master_port, timeout, secret=settings.secret)
+            )
             coordinator.set(f"ft/start/{rank}", json.dumps(self.me.as_json()))
             if rank == 0:
                 members = []
@@ -143,6 +135,8 @@ class Membership:
         membership's epoch lists this process in :attr:`Epoch.joined`: it needs the job's state from a member."""
         if peers is None:
             peers = [p for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
+        directory = os.environ.get(ENV_DIRECTORY, "").strip()
+        peers = [directory, *peers] if directory else peers
         addresses = [(master_addr, int(master_port))]
         for peer in peers:
             host, _, port = peer.strip().rpartition(":")
@@ -182,13 +176,13 @@ class Membership:
         answers."""
         for host, port in addresses:
             try:
-                client = KVClient(host, port, self.settings.heartbeat_period + 1.0)
+                client = KVClient(host, port, self.settings.heartbeat_period + 1.0, secret=self.settings.secret)
                 raw = client.check("ft/current")
                 current = None if raw is None else json.loads(raw)
                 client.close()
                 if current is None:
                     continue
-                return KVClient(current["host"], current["port"], self.settings.dead_after)
+                return KVClient(current["host"], current["port"], self.settings.dead_after, secret=self.settings.secret)
             except (StoreUnreachable, ValueError, KeyError, TypeError):
                 continue
         return None
@@ -205,7 +199,8 @@ class Membership:
         """Vote for ``transaction`` (the next one: ``committed + 1``) in ``epoch`` once this member's collectives
         for it completed, and return whether it committed: True, apply it; False, abandon it (the epoch closed
         first) and take the next epoch from :meth:`recover`. When the coordinator's store is gone before the
-        outcome is known, waits for the next epoch, whose agreed ``committed`` decides."""
+        outcome is known, waits for the next epoch, whose agreed ``committed`` decides. Raises what :meth:`recover`
+        would when the monitor finds the job gone on without this member (stopped past ``dead_after``)."""
         store, prefix = epoch.store, epoch.prefix()
         assert store is not None
         with self._lock:
@@ -224,11 +219,12 @@ class Membership:
                 store.set(f"{prefix}done/{transaction}", b"")
             else:
                 while store.get(f"{prefix}done/{transaction}", wait=self.settings.heartbeat_period) is None:
-                    pass
+                    if self._failure is not None:
+                        raise self._failure
             decision = Decision.decode(store.check(f"{prefix}decision"))
             committed = decision.committed >= transaction
             if decision.final:
-                epoch.closed.set()
+                epoch.mark_ended() if decision.state == "ended" else epoch.mark_failed()
         except StoreUnreachable:
             committed = self.recover(epoch).committed >= transaction
         with self._lock:
@@ -240,7 +236,7 @@ class Membership:
 
     def fail(self, epoch: Epoch, reason: str) -> None:
         """Close ``epoch`` because something failed on this member (a collective raised, a peer hung)."""
-        epoch.closed.set()
+        epoch.mark_failed()
         try:
             assert epoch.store is not None
             close_epoch(epoch.store, epoch, {"reason": f"{self.me.id}: {reason}", "suspects": []})
@@ -279,37 +275,59 @@ class Membership:
     def _adopt(self, epoch: Epoch) -> None:
         """Make ``epoch`` current: a training client to its coordinator, the pointer in this member's store, and
         the monitor (started on the first epoch)."""
-        epoch.store = connect(epoch.coordinator.host, epoch.coordinator.port, self.settings.dead_after)
+        coordinator = epoch.coordinator
+        epoch.store = connect(coordinator.host, coordinator.port, self.settings.dead_after, secret=self.settings.secret)
         if self._stopping.is_set():
             epoch.store.close()
             return
-        self._local.set("ft/current", json.dumps({"epoch": epoch.number, **_address(epoch.coordinator)}))
+        pointer = json.dumps({"epoch": epoch.number, **_address(epoch.coordinator)})
+        self._local.set("ft/current", pointer)
+        self._tell_directory(pointer)
         with self._lock:
             self._epoch = epoch
-            self._committed = max(self._committed, epoch.committed)
+            if not epoch.is_joiner():  # a joiner has applied nothing until it is given the state
+                self._committed = max(self._committed, epoch.committed)
             self._heartbeats = {}
             self._lock.notify_all()
+        self._close_for_the_gone()  # a member lost while this epoch formed
         if self._monitor is None:
             self._monitor = threading.Thread(target=self._watch, name="bagua-ft-monitor", daemon=True)
             self._monitor.start()
+
+    def _tell_directory(self, pointer: str) -> None:
+        """Write where the job is into the launcher's directory of this node (``BAGUA_FT_DIRECTORY``), if any."""
+        directory = os.environ.get(ENV_DIRECTORY, "").strip()
+        if not directory:
+            return
+        host, _, port = directory.rpartition(":")
+        try:
+            client = KVClient(host, int(port), self.settings.dead_after, secret=self.settings.secret)
+            client.set("ft/current", pointer)
+            client.close()
+        except StoreUnreachable:
+            pass  # the launcher is gone: nobody will start replacements here
 
     def _watch(self) -> None:
         period = self.settings.heartbeat_period
         while not self._stopping.is_set():
             epoch = self.epoch
             suspects: list[str] = []
+            ended = False
+            previous = self._monitor_client
             try:
+                # Registered before the last epoch's connection closes: a member is gone when its last one does.
+                at, settings = epoch.coordinator, self.settings
                 client = self._monitor_client = connect(
-                    epoch.coordinator.host,
-                    epoch.coordinator.port,
-                    self.settings.dead_after,
-                    f"{epoch.number}:{self.me.id}",
+                    at.host, at.port, settings.dead_after, self.me.id, secret=settings.secret
                 )
+                if previous is not None:
+                    previous.close()
                 prefix = epoch.prefix()
                 while not self._stopping.is_set():
                     closure = client.get(f"{prefix}closed", wait=period)
                     if closure is not None:
-                        suspects = list(json.loads(closure).get("suspects", []))
+                        closure = json.loads(closure)
+                        suspects, ended = list(closure.get("suspects", [])), closure.get("reason") == "ended"
                         break
                     client.add(f"{prefix}hb/{self.me.id}", 1)
                     if epoch.rank == 0:
@@ -318,12 +336,15 @@ class Membership:
                 if self._stopping.is_set():
                     return
                 suspects = [epoch.coordinator.id]
-            finally:
-                if self._monitor_client is not None:
-                    self._monitor_client.close()
             if self._stopping.is_set():
                 return
-            epoch.closed.set()
+            if ended:  # after a commit: the epoch's communicators stay usable until its members move on
+                epoch.mark_ended()
+            else:  # a failure: waits in this epoch and in any older one still in use give up
+                for older in [*self._older, epoch]:
+                    older.mark_failed()
+                self._older = []
+            self._older.append(epoch)
             try:
                 formed = self._formation.form_next(epoch, set(suspects) - {self.me.id}, self._join_record(epoch))
             except (NoQuorum, Evicted) as failure:
@@ -337,13 +358,18 @@ class Membership:
         """The coordinator's duties each heartbeat: close the epoch when a member's heartbeats stopped, and ask it
         to end after its next commit when a joiner waits."""
         now, prefix, stale = time.monotonic(), epoch.prefix(), []
-        for member in epoch.members[1:]:
+        # Stale: no new heartbeat for dead_after, over as many of this monitor's own looks as fit in it (a monitor
+        # starved by a loaded machine looks less often and waits longer rather than blaming the others).
+        looks = self.settings.dead_after / self.settings.heartbeat_period
+        for member in (m for m in epoch.members[1:] if not self._left(epoch, m.id)):
             count = int(client.check(f"{prefix}hb/{member.id}") or b"0")
-            last, since = self._heartbeats.get(member.id, (-1, now))
+            last, since, seen = self._heartbeats.get(member.id, (-1, now, 0))
             if count != last:
-                self._heartbeats[member.id] = (count, now)
-            elif now - since > self.settings.dead_after:
+                self._heartbeats[member.id] = (count, now, 0)
+            elif now - since > self.settings.dead_after and seen >= looks:
                 stale.append(member.id)
+            else:
+                self._heartbeats[member.id] = (count, since, seen + 1)
         if stale:
             why = f"no heartbeat for {self.settings.dead_after:g} s"
             close_epoch(client, epoch, {"reason": why, "suspects": stale})
@@ -352,34 +378,65 @@ class Membership:
             current = client.check(f"{prefix}decision")
             client.compare_set(f"{prefix}decision", current, Decision.decode(current).draining().encode())
 
-    def _member_disconnected(self, tag: str) -> None:
-        """The store's report that a member's registered connection closed: on the coordinator, close the epoch."""
-        number, _, member_id = tag.partition(":")
+    def _member_disconnected(self, member_id: str) -> None:
+        """The store's report that a member's last registered connection closed. If its store refuses connections
+        too, its process ended: remember it, and as the coordinator close the epoch it is in (one formed meanwhile
+        is closed when adopted). A member whose store answers only gave up on this one (this process was stopped)."""
         epoch = self._epoch
-        if (
-            epoch is None
-            or self._stopping.is_set()
-            or epoch.rank != 0
-            or str(epoch.number) != number
-            or member_id not in [m.id for m in epoch.members]
-        ):
+        member = next((m for m in epoch.members if m.id == member_id), None) if epoch is not None else None
+        if member is None or self._left(epoch, member_id) or probe(member, self.settings.secret)[0] != "refused":
             return
+        self._gone.add(member_id)
+        self._close_for_the_gone()
+
+    def _left(self, epoch: Epoch, member_id: str) -> bool:
+        """Whether ``member_id`` left ``epoch`` on purpose (:meth:`close`), as this member's store says."""
         try:
-            close_epoch(self._local, epoch, {"reason": f"{member_id} disconnected", "suspects": [member_id]})
+            return self._local.check(f"{epoch.prefix()}left/{member_id}") is not None
         except StoreUnreachable:
-            pass
+            return False
+
+    def _close_for_the_gone(self) -> None:
+        epoch = self._epoch
+        if epoch is None or self._stopping.is_set() or epoch.rank != 0:
+            return
+        gone = sorted(self._gone & {m.id for m in epoch.members})
+        if gone:
+            try:
+                close_epoch(self._local, epoch, {"reason": f"{', '.join(gone)} disconnected", "suspects": gone})
+            except StoreUnreachable:
+                pass
 
     def _join_record(self, leaving: Epoch) -> dict[str, Any]:
         """This member's join record for the epoch after ``leaving``: a vote in flight is decided within a round
         trip once the epoch closed (or the training thread waits for the next epoch), so its outcome is in."""
         with self._lock:
             self._lock.wait_for(lambda: self._voted is None or self._recovering, timeout=self.settings.dead_after)
-            return {"member": self.me.as_json(), "last_epoch": leaving.number, "committed": self._committed}
+            return {
+                "member": self.me.as_json(),
+                "last_epoch": leaving.number,
+                "committed": self._committed,
+                "voted": self._voted,
+            }
 
     # --- ending ---------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Stop the monitor and the store (the other members see this member leave)."""
+        """Leave the job: say so in the coordinator's store (a member that left is not a failure), stop the monitor
+        and the store. The coordinator waits up to ``dead_after`` for the others to leave first, so that members
+        ending together do not take each other's departure for a failure."""
+        epoch = self._epoch
+        if epoch is not None and epoch.store is not None and not self._stopping.is_set():
+            try:
+                epoch.store.set(f"{epoch.prefix()}left/{self.me.id}", b"")
+                others = [f"{epoch.prefix()}left/{m.id}" for m in epoch.members if m != self.me]
+                deadline = time.monotonic() + self.settings.dead_after
+                while epoch.rank == 0 and time.monotonic() < deadline:
+                    if all(epoch.store.check(key) is not None for key in others):
+                        break
+                    time.sleep(self.settings.heartbeat_period)
+            except StoreUnreachable:
+                pass
         self._stopping.set()
         for client in (self._monitor_client, self._local, self._epoch.store if self._epoch else None):
             if client is not None:

@@ -1,20 +1,71 @@
-"""How a fault-tolerant job watches its members: heartbeat period, dead timeout, quorum wait, hash interval."""
+"""How a fault-tolerant job watches its members (heartbeat period, dead timeout, quorum wait, hash interval) and the
+secret that keeps its members' stores to its own processes."""
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass, fields
+import secrets
+from dataclasses import dataclass, field, fields
 
-__all__ = ["ENV_FAULT_TOLERANCE", "ENV_JOIN", "ENV_PEERS", "FaultToleranceSettings"]
+__all__ = [
+    "ENV_DIRECTORY",
+    "ENV_FAULT_TOLERANCE",
+    "ENV_JOIN",
+    "ENV_PEERS",
+    "ENV_SECRET_FILE",
+    "FaultToleranceSettings",
+    "job_secret",
+    "write_job_secret",
+]
 
 ENV_FAULT_TOLERANCE = "BAGUA_FAULT_TOLERANCE"
 """Set to 1 to make a front end's ``init_process_group`` start a fault-tolerant job."""
 
 ENV_JOIN = "BAGUA_FT_JOIN"
 """Set to 1 in a process that joins a running job instead of starting one with the other ranks."""
+ENV_DIRECTORY = "BAGUA_FT_DIRECTORY"
+"""``host:port`` of a store the launcher hosts on each node: members write there where the job's coordinator is,
+so a replacement started on that node finds the job even when rank 0 is gone."""
 ENV_PEERS = "BAGUA_FT_PEERS"
 """Comma-separated ``host:port`` of members' stores a joiner may ask where the job is (beside MASTER_ADDR:PORT)."""
+
+ENV_SECRET_FILE = "BAGUA_FT_SECRET_FILE"
+"""Path of a file (mode 0600) holding the job's secret: every member's store serves only clients that prove they
+hold it. ``bagua-launch --fault-tolerant`` generates one for a one-node job."""
+
+
+def job_secret() -> bytes:
+    """The job's secret, read from the file named by ``BAGUA_FT_SECRET_FILE`` (a ValueError when it is not set,
+    unreadable, shorter than 16 bytes, or readable by other users)."""
+    path = os.environ.get(ENV_SECRET_FILE, "").strip()
+    if not path:
+        raise ValueError(
+            f"fault tolerance: {ENV_SECRET_FILE} is not set: every member needs the job's secret (a file of mode "
+            "0600, the same on every node; bagua-launch --fault-tolerant makes one for a one-node job)"
+        )
+    try:
+        mode = os.stat(path).st_mode
+        with open(path, "rb") as file:
+            secret = file.read().strip()
+    except OSError as error:
+        raise ValueError(f"fault tolerance: cannot read the job's secret from {ENV_SECRET_FILE}={path}: {error}")
+    if mode & 0o077:
+        raise ValueError(f"fault tolerance: the secret file {path} is readable by others (mode {mode & 0o777:o})")
+    if len(secret) < 16:
+        raise ValueError(f"fault tolerance: the secret in {path} is shorter than 16 bytes")
+    return secret
+
+
+def write_job_secret(directory: str) -> str:
+    """Write a new job secret into a file of mode 0600 under ``directory`` (created private if missing) and return
+    its path, for ``BAGUA_FT_SECRET_FILE`` (what ``bagua-launch --fault-tolerant`` does for a one-node job)."""
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    path = os.path.join(directory, "fault-tolerance-secret")
+    with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
+        file.write(secrets.token_hex(32))
+    return path
+
 
 _ENVIRONMENT = {
     "heartbeat_period": "BAGUA_FT_HEARTBEAT",
@@ -35,12 +86,15 @@ class FaultToleranceSettings:
       before it stops with :class:`~bagua_common.fault_tolerance.NoQuorum` (60).
     * ``hash_every``: committed transactions between two checks that the replicas are
       bit-identical (100; they are also checked after every membership change); 0 checks only then.
+    * ``secret``: the job's secret (:func:`job_secret` by default): a member's store serves only the clients
+      that prove they hold it.
     """
 
     heartbeat_period: float = 0.5
     dead_after: float = 5.0
     quorum_timeout: float = 60.0
     hash_every: int = 100
+    secret: bytes = field(default_factory=job_secret, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("heartbeat_period", "dead_after", "quorum_timeout"):

@@ -14,6 +14,10 @@ as one file that every process memory-maps.
 
 Batches are deterministic in ``(seed, step, rank)``: every run, every rank count and every
 algorithm trained with the same seed sees the same tokens.
+
+:func:`byte_entropies` gives the yardsticks a loss is read against: the held-out text's unigram
+entropy (what a model that learned only byte frequencies reaches) and its bigram conditional
+entropy (only the previous byte), in nats per byte like the models' loss.
 """
 
 from __future__ import annotations
@@ -115,6 +119,37 @@ class Corpus:
         same evaluation set for every run."""
         starts = np.linspace(0, self.heldout.size - _checked_length(length, self.heldout), batch_size)
         return _windows(self.heldout, starts.astype(np.int64), length)
+
+    def heldout_entropies(self) -> ByteEntropies:
+        """The held-out text's unigram and bigram entropies (:func:`byte_entropies`): the losses of a model that
+        learned only byte frequencies, and only the previous byte."""
+        return byte_entropies(self.heldout)
+
+
+@dataclass(frozen=True)
+class ByteEntropies:
+    """A text's empirical entropies in nats per byte: ``unigram``, ``H(X)`` of its byte frequencies, and ``bigram``,
+    ``H(X_t | X_{t-1})`` of its byte pairs."""
+
+    unigram: float
+    bigram: float
+
+
+def byte_entropies(text: np.ndarray) -> ByteEntropies:
+    """The unigram entropy and bigram conditional entropy of ``text`` (bytes as a ``uint8`` array of at least two),
+    from its own counts: ``-sum p(a) log p(a)``, and ``H(pairs) - H(first bytes of the pairs)`` over its ``n - 1``
+    overlapping pairs."""
+    text = np.asarray(text)
+    if text.dtype != np.uint8 or text.ndim != 1 or text.size < 2:
+        raise ValueError(f"byte_entropies: need a 1-d uint8 array of at least 2 bytes, got {text.dtype} {text.shape}")
+    pairs = np.bincount(text[:-1].astype(np.int64) * 256 + text[1:], minlength=256 * 256)
+    first = pairs.reshape(256, 256).sum(axis=1)
+    return ByteEntropies(unigram=_entropy(np.bincount(text, minlength=256)), bigram=_entropy(pairs) - _entropy(first))
+
+
+def _entropy(counts: np.ndarray) -> float:
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
 
 
 def _checked_length(length: int, text: np.ndarray) -> int:

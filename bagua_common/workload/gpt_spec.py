@@ -140,11 +140,13 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     config.name: config
     for config in (
         GPTConfig("tiny", layers=2, width=64, heads=4, context=64),  # 120,576 parameters: tests
+        GPTConfig("mini", layers=4, width=128, heads=4, context=128),  # 842,496: the LM study
         GPTConfig("small", layers=4, width=256, heads=8, context=128),  # 3.26M: CPU studies
         GPTConfig("gpt2", layers=12, width=768, heads=12, context=1024, vocab=50257),  # 124.4M: GPT-2 small's shape
     )
 }
-"""The sizes by name. ``gpt2`` keeps GPT-2's vocabulary of 50257 tokens (byte tokens use the first 256)."""
+"""The sizes by name. ``mini`` is the LM study's (``benchmarks/lm_study_settings.py`` says why). ``gpt2`` keeps
+GPT-2's vocabulary of 50257 tokens (byte tokens use the first 256)."""
 
 
 def gpt_config(size: str | GPTConfig) -> GPTConfig:

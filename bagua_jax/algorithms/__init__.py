@@ -12,10 +12,9 @@ and the bucket size as ``bucket_bytes``.
 from __future__ import annotations
 
 import warnings
-from dataclasses import fields
 from typing import Any
 
-from bagua_common.algorithms.registry import build_algorithm
+from bagua_common.algorithms.registry import algorithm_facts, algorithm_from
 from bagua_common.comm.topology import Communicators
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager, async_model_average
 from bagua_jax.algorithms.base import REGISTRY, Algorithm, ConfiguredAlgorithm, implements
@@ -34,20 +33,31 @@ def algorithm_names() -> list[str]:
     return REGISTRY.names()
 
 
-def make_algorithm(name: str, learning_rate: float | None = None, **options: Any) -> ConfiguredAlgorithm:
-    """Build the algorithm called ``name`` (one of :func:`algorithm_names`) with ``options``.
+def make_algorithm(
+    spec: str | Algorithm, learning_rate: float | None = None, **options: Any
+) -> Algorithm | ConfiguredAlgorithm:
+    """The algorithm ``spec`` names (one of :func:`algorithm_names`), built with ``options``; an algorithm object
+    is returned as it is (:func:`bagua_common.algorithms.registry.algorithm_from`, as every entry point takes it).
 
-    ``learning_rate`` is used by the algorithms whose configuration has one (QAdam and
-    OneBitAdam, which are optimizers themselves) and ignored by the others (whose optimizer
-    is the user's). ``bucket_bytes`` sets the bucket size; the other options are the
-    configuration's fields.
+    ``options`` are the configuration's fields and ``bucket_bytes``; an unknown one raises a TypeError naming the
+    algorithm and its options. ``learning_rate`` is used by the algorithms that are optimizers themselves (QAdam
+    and OneBitAdam, which replace the user's optimizer) and ignored by the others (whose optimizer is the user's).
     """
-    cls = REGISTRY.by_name(name)
-    if "learning_rate" in {field.name for field in fields(cls.config_class)}:
-        if learning_rate is None:
-            raise ValueError(f"{name} is an optimizer itself and needs learning_rate")
+    if isinstance(spec, str) and learning_rate is not None and is_optimizer(spec):
         options["learning_rate"] = learning_rate
-    return build_algorithm(cls, options)
+    if isinstance(spec, str) and is_optimizer(spec) and "learning_rate" not in options:
+        raise ValueError(
+            f"{spec} is an optimizer itself and needs learning_rate (Adam with averaged momentum, it replaces the "
+            f"optimizer): make_algorithm({spec!r}, learning_rate=1e-3), or learning_rate=... in DataParallel, "
+            "data_parallel_optimizer or DataParallelOptimizer"
+        )
+    return algorithm_from(spec, options, base=Algorithm, by_name=REGISTRY.by_name)
+
+
+def is_optimizer(name: str) -> bool:
+    """Whether the algorithm registered as ``name`` is an optimizer itself (QAdam, OneBitAdam): it replaces the
+    user's optimizer and takes its learning rate."""
+    return algorithm_facts(name).is_optimizer
 
 
 def __getattr__(name: str) -> Any:
@@ -86,6 +96,7 @@ __all__ = [
     "diloco",
     "gradient_allreduce",
     "implements",
+    "is_optimizer",
     "low_precision_decentralized",
     "make_algorithm",
     "onebit_adam",

@@ -54,6 +54,7 @@ from bagua_jax.algorithms.base import (
 )
 from bagua_jax.algorithms.gradient_allreduce import gradient_allreduce
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
+from bagua_jax.communicator import innermost
 from bagua_jax.native_communicator import NativeCommunicator
 
 
@@ -148,6 +149,7 @@ class AsyncModelAverager(RoundsControl):
                     f"{name}: parameter {jax.tree_util.keystr(path)} has dtype {jnp.asarray(leaf).dtype}; "
                     "asynchronous averaging takes float32, float16 or bfloat16 parameters"
                 )
+        comm = innermost(comm)  # a wrapper's (e.g. a CountingCommunicator's) engine: the rounds run on the host
         if not isinstance(comm, NativeCommunicator):
             raise TypeError(
                 f"{name}: comm must be a NativeCommunicator over MPI (e.g. a second "

@@ -20,6 +20,7 @@ dead peer makes the communicator's timeout fire: the finishing step raises its e
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -59,9 +60,19 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
-def _shut_down(thread: ThreadPoolExecutor, comm: NativeCommunicator) -> None:
-    thread.shutdown(wait=True)
-    comm.close()
+def _shut_down(thread: ThreadPoolExecutor, comm: NativeCommunicator, workers: list[threading.Thread]) -> None:
+    """Release ``thread`` and ``comm`` after the exchanges in flight, called from any thread.
+
+    A garbage collection, which runs on whatever thread allocates, may find the exchange garbage
+    on ``thread``'s own worker (one of ``workers``), which cannot join itself: there the
+    communicator is closed by a last task of the thread's, after the exchange it is running.
+    """
+    if threading.current_thread() in workers:
+        thread.submit(comm.close)
+        thread.shutdown(wait=False)
+    else:
+        thread.shutdown(wait=True)
+        comm.close()
 
 
 class BackgroundExchange:
@@ -78,9 +89,14 @@ class BackgroundExchange:
         comm = world.split(0, int(world.rank()), f"{name}/outer_exchange")
         self._comm = HostCommunicator(comm)
         self._average = average
-        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-outer-exchange")
+        workers: list[threading.Thread] = []
+        self._thread = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=f"{name}-outer-exchange",
+            initializer=lambda: workers.append(threading.current_thread()),
+        )
         self._in_flight: dict[int, _Exchange] = {}
-        weakref.finalize(self, _shut_down, self._thread, comm)
+        weakref.finalize(self, _shut_down, self._thread, comm, workers)
 
     def start(self, fragment: int, step: jax.Array, pseudo_gradient: jax.Array, residual: jax.Array) -> None:
         """(Inside ``jit``) queue fragment ``fragment``'s exchange, started after inner step ``step``."""

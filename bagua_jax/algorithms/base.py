@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -33,8 +33,9 @@ implements = REGISTRY.implements
 :mod:`bagua_common.algorithms.registry` for how a new algorithm registers)."""
 
 
+@runtime_checkable
 class Algorithm(Protocol):
-    """A data-parallel training algorithm (see the module docstring)."""
+    """A data-parallel training algorithm (see the module docstring): any object with :meth:`transformation`."""
 
     def transformation(
         self, optimizer: optax.GradientTransformation | None, comms: Communicators

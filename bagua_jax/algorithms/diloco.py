@@ -41,8 +41,6 @@ import optax
 from jax import lax
 
 from bagua_common.algorithms.diloco import (
-    DEFAULT_OUTER_LEARNING_RATE,
-    DEFAULT_OUTER_MOMENTUM,
     DiLoCoConfig,
     fragment_plan,
 )
@@ -81,9 +79,11 @@ class DiLoCoState(NamedTuple):
     """Per fragment, the error-feedback residual of its compressed exchange (float32, padded to the ranks)."""
 
 
-def default_outer_optimizer() -> optax.GradientTransformation:
-    """Nesterov SGD with DiLoCo's settings (learning rate 0.7, momentum 0.9)."""
-    return optax.sgd(DEFAULT_OUTER_LEARNING_RATE, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
+def default_outer_optimizer(config: DiLoCoConfig) -> optax.GradientTransformation:
+    """Nesterov SGD with ``config``'s outer learning rate and momentum
+    (:attr:`~bagua_common.algorithms.diloco.DiLoCoConfig.outer_settings`)."""
+    learning_rate, momentum = config.outer_settings
+    return optax.sgd(learning_rate, momentum=momentum or None, nesterov=momentum > 0)
 
 
 def _to_memory(tree: Any, memory: str) -> Any:
@@ -117,7 +117,7 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
     config = as_config(DiLoCoConfig, *config, **options)
     comms = check_communicators(comms, config.name)
     world = comms.world
-    outer = config.outer_optimizer if config.outer_optimizer is not None else default_outer_optimizer()
+    outer = config.outer_optimizer if config.outer_optimizer is not None else default_outer_optimizer(config)
     delay, alpha = config.fragment_sync_delay, float(config.fragment_update_alpha)
     outer_exchange, error_feedback = config.outer_exchange, config.error_feedback
     round_start_memory = config.round_start_memory
@@ -165,9 +165,11 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         mean, residual = EXCHANGE.average(padded_flat, comm, outer_exchange, residual if error_feedback else None)
         return mean[:size], (residual if error_feedback else jnp.zeros([0], jnp.float32))
 
-    # Streaming on the MPI engine: the exchanges run on a thread of their own while the next tau steps compute.
-    overlapped = delay > 0 and isinstance(world, NativeCommunicator) and world.kind == "mpi"
-    background = BackgroundExchange(world, average, config.name) if overlapped else None
+    # Streaming on the MPI engine (under any wrapper, e.g. a CountingCommunicator): the exchanges run on a thread of
+    # their own while the next tau steps compute.
+    engine = innermost(world)
+    overlapped = delay > 0 and isinstance(engine, NativeCommunicator) and engine.kind == "mpi"
+    background = BackgroundExchange(engine, average, config.name) if overlapped else None
 
     def outer_step(anchor: list, local: list, outer_state: Any, mean: jax.Array) -> tuple[list, list, Any]:
         """The outer optimizer's step on the fragment's round-start parameters, and the mixed local ones."""
@@ -227,6 +229,8 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
                 flat = pseudo_gradient([anchors[i] for i in part], local(updates))
                 if background is not None:
                     background.start(p, step, flat, residuals[p])
+                    if world is not engine:  # a wrapper sees the exchange the thread will make, traced not run
+                        jax.eval_shape(functools.partial(average, comm=world), flat, residuals[p])
                 return varying_like(flat, updates)
 
             def apply(operands):

@@ -17,7 +17,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from bagua_common.algorithms.registry import build_algorithm, unknown_algorithm
+from bagua_common.algorithms.registry import algorithm_from, unknown_algorithm
 from bagua_common.comm.topology import Communicators
 from bagua_torch.algorithms.async_model_average import AsyncModelAverageAlgorithm
 from bagua_torch.algorithms.base import (
@@ -69,19 +69,9 @@ def algorithm_class(name: str) -> type[Algorithm]:
 
 
 def get_algorithm(spec: str | Algorithm, **options: Any) -> Algorithm:
-    """An :class:`Algorithm` from a name (with keyword ``options``) or an instance (returned as is)."""
-    if isinstance(spec, Algorithm):
-        if options:
-            raise TypeError(f"options {sorted(options)} can only be given with an algorithm name, not an instance")
-        return spec
-    if isinstance(spec, type) and issubclass(spec, Algorithm):
-        return spec(**options)
-    if not isinstance(spec, str):
-        raise TypeError(
-            f"algorithm must be a name (one of {', '.join(available_algorithms())}) or a "
-            f"bagua_torch.algorithms.Algorithm, got {type(spec).__name__}"
-        )
-    return build_algorithm(algorithm_class(spec), options)
+    """An :class:`Algorithm` from a name (with keyword ``options``, the configuration's fields) or an instance
+    (returned as is), as every entry point takes it (:func:`bagua_common.algorithms.registry.algorithm_from`)."""
+    return algorithm_from(spec, options, base=Algorithm, by_name=algorithm_class)
 
 
 def __getattr__(name: str) -> Any:

@@ -28,8 +28,6 @@ from typing import Any
 import torch
 
 from bagua_common.algorithms.diloco import (
-    DEFAULT_OUTER_LEARNING_RATE,
-    DEFAULT_OUTER_MOMENTUM,
     DiLoCoConfig,
     fragment_plan,
 )
@@ -43,9 +41,11 @@ EXCHANGE = OuterExchange(ops, lambda x, dtype: x.to(getattr(torch, dtype)))
 """The pseudo-gradient averages on torch tensors."""
 
 
-def default_outer_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
-    """Nesterov SGD with DiLoCo's settings (learning rate 0.7, momentum 0.9) over ``params``."""
-    return torch.optim.SGD(params, lr=DEFAULT_OUTER_LEARNING_RATE, momentum=DEFAULT_OUTER_MOMENTUM, nesterov=True)
+def default_outer_optimizer(config: DiLoCoConfig) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    """Nesterov SGD with ``config``'s outer learning rate and momentum
+    (:attr:`~bagua_common.algorithms.diloco.DiLoCoConfig.outer_settings`), as a callable of the tensors it steps."""
+    learning_rate, momentum = config.outer_settings
+    return lambda params: torch.optim.SGD(params, lr=learning_rate, momentum=momentum, nesterov=momentum > 0)
 
 
 @implements(DiLoCoConfig)
@@ -85,7 +85,9 @@ class DiLoCoImpl(AlgorithmImpl):
         self.sizes = [sum(self.params[i].numel() for i in part) for part in self.plan]
         memory = torch.device("cpu") if config.round_start_memory == "host" else context.device
         self.round_start = [p.detach().to(memory, copy=True) for p in self.params]
-        make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = config.outer_optimizer or default_outer_optimizer
+        make: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = config.outer_optimizer or default_outer_optimizer(
+            config
+        )
         self.outer = [make([self.round_start[i] for i in part]) for part in self.plan]
         # Exchanges overlapping the next steps run on the worker thread: a communicator nothing else uses.
         self.comm = dedicated_communicator(self.world, name) if config.fragment_sync_delay else self.world

@@ -76,6 +76,33 @@ class AlgorithmImplHandle:
         return getattr(self.impl, name)
 
 
+class ModelBucket:
+    """One of ``model.bagua_buckets``: the project's bucket (:class:`bagua_torch.bucketing.Bucket`), and the copies the
+    decentralized algorithms keep of it under Bagua's names, which Bagua's own tests read: ``_peer_weight`` (the
+    weights of the last averaging, decentralized), ``_weight``, ``_left_peer_weight``, ``_right_peer_weight``
+    (``w``, ``L`` and ``R``, low-precision decentralized). Flat, in the bucket's order, without padding."""
+
+    _COPIES = {
+        "_peer_weight": "peer_weights",
+        "_weight": "weights",
+        "_left_peer_weight": "left",
+        "_right_peer_weight": "right",
+    }
+
+    def __init__(self, bucket: Any, impl: Any, index: int):
+        self._bucket, self._impl, self._index = bucket, impl, index
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._COPIES:
+            copies = getattr(self._impl, self._COPIES[name], None)
+            if copies is None:
+                raise AttributeError(
+                    f"{type(self._impl).__name__} keeps no {name} (Bagua's decentralized algorithms do)"
+                )
+            return copies[self._index]
+        return getattr(self._bucket, name)
+
+
 class BaguaAttributes:
     """Bagua's attributes and the model's face, for the two wrapper classes below."""
 
@@ -94,9 +121,9 @@ class BaguaAttributes:
         return list(self.optimizers)
 
     @property
-    def bagua_buckets(self) -> list[Any]:
-        """The communication buckets, in launch order."""
-        return list(self.buckets)
+    def bagua_buckets(self) -> list[ModelBucket]:
+        """The communication buckets, in launch order, with the algorithm's copies of them (:class:`ModelBucket`)."""
+        return [ModelBucket(bucket, self.algorithm_impl, i) for i, bucket in enumerate(self.buckets)]
 
     @property
     def bagua_module_name(self) -> str:
@@ -157,18 +184,20 @@ def with_bagua(
     algorithm: Algorithm,
     process_group: Any = None,
     do_flatten: bool = True,
+    **options: Any,
 ) -> BaguaModule:
     """Train this model data-parallel with ``algorithm`` (Bagua's ``with_bagua``; see the module docstring).
 
     ``optimizers`` are the model's optimizers; ``algorithm`` a Bagua algorithm (the classes in
-    :mod:`bagua_torch.torch_api.algorithms`, or your own subclass of its ``Algorithm``);
+    :mod:`bagua_torch.torch_api.algorithms`, or your own subclass of its ``Algorithm``), or a name
+    with its ``options`` as for :func:`bagua_torch.with_bagua` (``"diloco", sync_every=5``);
     ``process_group`` a :class:`~bagua_torch.torch_api.communication.BaguaProcessGroup` (default:
     the job's world). Collective: every rank of the group calls it, in the same order. Returns the
     wrapper to train through (``model = model.with_bagua(...)``).
     """
     if not isinstance(do_flatten, bool):
         raise TypeError(f"with_bagua: do_flatten must be a bool, got {do_flatten!r}")
-    project_algorithm = as_project_algorithm(algorithm)
+    project_algorithm = as_project_algorithm(algorithm, **options)
 
     def build(module: nn.Module, optimizers: list[torch.optim.Optimizer], process_group: Any) -> BaguaModule:
         return BaguaModule(
@@ -187,4 +216,4 @@ def install() -> None:
     nn.Module.with_bagua = with_bagua
 
 
-__all__ = ["AlgorithmImplHandle", "BaguaAttributes", "BaguaModule", "install", "with_bagua", "wrap"]
+__all__ = ["AlgorithmImplHandle", "BaguaAttributes", "BaguaModule", "ModelBucket", "install", "with_bagua", "wrap"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -81,9 +82,21 @@ class PhaseRunner(threading.Thread):
 
     def _give(self, job: int, order: dict[str, Any]) -> int:
         seq = self._seq[job]
-        (self.jobs[job].folder / f"go-{seq}").write_text(json.dumps(order))
+        go = self.jobs[job].folder / f"go-{seq}"
+        # Written whole, then renamed: a rank polling for the file never reads it half written.
+        partial = go.with_name(go.name + ".partial")
+        partial.write_text(json.dumps(order))
+        os.replace(partial, go)
         self._seq[job] += 1
         return seq
+
+    def abort(self) -> None:
+        """Stop giving phases and end every job at its next phase (when a job of the group failed, the others would
+        otherwise wait for a phase that never comes)."""
+        self.stop.set()
+        self.join()
+        for job in range(len(self.jobs)):
+            self._give(job, {"end": True})
 
     def run(self) -> None:
         for job, phase in schedule(self.jobs):

@@ -44,6 +44,15 @@ def command(argv: Sequence[str] | None = None, script: str | None = None) -> str
     return shlex.join(["python", _relative(os.path.abspath(script or sys.argv[0])), *map(_relative, argv)])
 
 
+def command_line(argv: Sequence[str]) -> str:
+    """A command a study ran (a worker's ``argv``) as a results file records it, by :func:`command`'s rules: this
+    interpreter as ``python``, another program by its name, every absolute path inside the repository relative."""
+    shown = ["python" if arg == sys.executable else _relative(arg) for arg in argv]
+    if shown and os.path.isabs(shown[0]):
+        shown[0] = os.path.basename(shown[0])
+    return shlex.join(shown)
+
+
 def run_meta(
     packages: Sequence[str],
     *,

@@ -7,7 +7,9 @@ stands in for each of them, replaces the example's ``get_datasets`` with the dig
 scaled up to MNIST's 28x28), and reads the test accuracy from what the example writes to its
 summary writer. Run one example: ``python examples/flax_mnist/offline.py linen --epochs 3``, or
 data-parallel on two processes: ``mpiexec -n 2 python examples/flax_mnist/offline.py nnx
---data-parallel --algorithm bytegrad``.
+--data-parallel --algorithm bytegrad``. Every name of ``bagua_jax.algorithms.algorithm_names()`` runs;
+``qadam`` and ``onebit_adam`` replace the example's SGD with Adam, at the configuration's learning
+rate (``--learning-rate``, 0.003 for them unless given).
 """
 
 from __future__ import annotations
@@ -22,8 +24,12 @@ from typing import Any
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+ADAM_LEARNING_RATE = 0.003
+"""The configuration's learning rate for the algorithms that replace flax's SGD with Adam (QAdam, 1-bit Adam)."""
 sys.path.insert(0, str(HERE.parent))
 import digits_data  # noqa: E402  (examples/digits_data.py, beside this folder)
+
+from bagua_jax.algorithms import is_optimizer  # noqa: E402
 
 
 class ConfigDict(dict):
@@ -185,14 +191,19 @@ def load(example: str, data_parallel: bool) -> tuple[types.ModuleType, types.Mod
     return train, default
 
 
-def run(example: str, data_parallel: bool, epochs: int, algorithm: Any = None) -> list[float]:
+def run(
+    example: str, data_parallel: bool, epochs: int, algorithm: Any = None, learning_rate: float | None = None
+) -> list[float]:
     """Train ``example`` for ``epochs`` with flax's default configuration (``algorithm``: a name or an algorithm
-    object, for the data-parallel version); its test accuracy (a fraction) per epoch."""
+    object, for the data-parallel version; ``learning_rate`` in place of flax's 0.1); its test accuracy (a
+    fraction) per epoch."""
     train, default = load(example, data_parallel)
     config = default.get_config()
     config.num_epochs = epochs
     if algorithm is not None:
         config.algorithm = algorithm
+    if learning_rate is not None:
+        config.learning_rate = learning_rate
     with stand_ins():
         train.train_and_evaluate(config, workdir="")
     return WRITERS[-1].scalars["test_accuracy"]
@@ -204,8 +215,18 @@ def main() -> None:
     parser.add_argument("--data-parallel", action="store_true", help="the changed example (run it under mpiexec)")
     parser.add_argument("--algorithm", default=None, help="the algorithm's registry name (with --data-parallel)")
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="the configuration's learning rate (default: flax's 0.1, which suits its SGD; 0.003 for qadam and "
+        "onebit_adam, which replace the optimizer with Adam and take the configuration's rate)",
+    )
     args = parser.parse_args()
-    accuracies = run(args.example, args.data_parallel, args.epochs, args.algorithm)
+    learning_rate = args.learning_rate
+    if learning_rate is None and args.algorithm is not None and is_optimizer(args.algorithm):
+        learning_rate = ADAM_LEARNING_RATE
+    accuracies = run(args.example, args.data_parallel, args.epochs, args.algorithm, learning_rate)
     print("test accuracy per epoch:", " ".join(f"{a:.3f}" for a in accuracies))
 
 

@@ -2,14 +2,12 @@
 // g++ compiles xla_ffi/kernels_cuda.cu as C++ and runs its kernels on the host.
 //
 // Blocks run on a pool of OS threads (so atomics race across blocks); the
-// threads of a block are ucontext fibers, each run to its next synchronization
+// threads of a block are fibers, each run to its next synchronization
 // point (__syncthreads, a shuffle, or its end) in forward or reverse order.
 // __syncthreads reports a divergent barrier and deadlock, shuffles are
 // warp-scoped and report lanes that never arrive, vector types assert their
 // alignment, and the device attributes come from the test (cuda_shim::device()).
 #pragma once
-
-#include <ucontext.h>
 
 #include <cmath>
 #include <cstdint>
@@ -18,6 +16,7 @@
 #include <cstring>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #define __global__
 #define __device__
@@ -139,9 +138,25 @@ struct Coordinates {
 };
 const Coordinates& coordinates();
 
-// Synchronization points, implemented by the scheduler.
+// Synchronization points, implemented by the scheduler: a shuffle returns the
+// value of lane `source` of the warp.
 void sync_block();
-uint64_t shuffle_xor(unsigned mask, uint64_t value, int offset);
+uint64_t shuffle(unsigned mask, uint64_t value, int source);
+uint32_t ballot(unsigned mask, bool predicate);  // bit l: lane l's predicate
+
+// Every global access of the kernels (xla_ffi/cuda_lanes.h) is checked for its
+// natural alignment and, while a log is set, appended to it: launch number (one
+// per launch since the start), block, thread, the thread's access number,
+// address, size, and whether it writes. An inactive access (a lane's predicate
+// off) only takes its access number, as a lane's share of a warp instruction.
+struct Access {
+  uint32_t launch, block, thread, sequence;
+  uintptr_t address;
+  uint32_t bytes;
+  bool write;
+};
+void record_access(const void* p, std::size_t bytes, bool write, bool active);
+void set_access_log(std::vector<Access>* log);  // nullptr stops logging
 
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), int grid, int block, cudaStream_t, Args&&... args) {
@@ -169,22 +184,26 @@ void launch(void (*kernel)(Params...), int grid, int block, cudaStream_t, Args&&
 inline void __syncthreads() { cuda_shim::sync_block(); }
 
 template <typename T>
-T __shfl_xor_sync(unsigned mask, T value, int offset) {
+T __shfl_sync(unsigned mask, T value, int source) {
   static_assert(sizeof(T) <= 8, "a shuffle moves at most 8 bytes");
   uint64_t bits = 0;
   std::memcpy(&bits, &value, sizeof(T));
-  bits = cuda_shim::shuffle_xor(mask, bits, offset);
+  bits = cuda_shim::shuffle(mask, bits, source % 32);
   std::memcpy(&value, &bits, sizeof(T));
   return value;
 }
 
-// The OR of every lane's bit, gathered by a butterfly of shuffles, so that the
-// shuffles' checks (mask, lanes that never arrive) cover ballots too.
-inline unsigned __ballot_sync(unsigned mask, int predicate) {
-  unsigned bits = predicate ? 1u << (threadIdx.x % 32) : 0u;
-  for (int offset = 16; offset > 0; offset /= 2) bits |= __shfl_xor_sync(mask, bits, offset);
-  return bits;
+template <typename T>
+T __shfl_xor_sync(unsigned mask, T value, int offset) {
+  return __shfl_sync(mask, value, static_cast<int>(threadIdx.x % 32) ^ offset);
 }
+
+// One warp operation, with the shuffles' checks (mask, lanes that never arrive).
+inline unsigned __ballot_sync(unsigned mask, int predicate) {
+  return cuda_shim::ballot(mask, predicate != 0);
+}
+
+inline int __any_sync(unsigned mask, int predicate) { return __ballot_sync(mask, predicate) != 0; }
 
 namespace cuda_shim {
 // Applies `update` to *p atomically (a CAS loop, as CUDA does for these types).

@@ -90,14 +90,23 @@ bool same_bytes(const std::string& name, const char* what, const Buffer<T>& a, c
 }
 
 // Gradient-like values; with an amplitude, uniform in [-amplitude, amplitude]
-// instead (subnormal, tiny or near the float32 limit: SPEC section 2's edges).
+// instead (subnormal, tiny or near the float32 limit: SPEC section 2's edges);
+// with a negative one, in [0, -amplitude) with a third of them -0 or +0 (groups
+// whose least value is zero of both signs: lo is -0 on every device).
 template <typename T>
 void random_fill(Buffer<T>& b, std::mt19937& rng, float amplitude = 0.0f) {
   std::normal_distribution<float> normal(0.0f, 3.0f);
   std::uniform_real_distribution<double> uniform(-1.0, 1.0);
-  for (int64_t i = 0; i < b.size(); ++i)
-    b[i] = bagua::from_float<T>(amplitude > 0.0f ? static_cast<float>(uniform(rng) * amplitude)
-                                                 : normal(rng));
+  for (int64_t i = 0; i < b.size(); ++i) {
+    float v = normal(rng);
+    if (amplitude > 0.0f) v = static_cast<float>(uniform(rng) * amplitude);
+    if (amplitude < 0.0f) {
+      const double u = uniform(rng);
+      v = std::fabs(u) < 1.0 / 3 ? (u < 0 ? -0.0f : 0.0f)
+                                 : static_cast<float>(std::fabs(u) * -amplitude);
+    }
+    b[i] = bagua::from_float<T>(v);
+  }
 }
 
 // A device as the test wants it: grids from SMs x blocks per SM, compress
@@ -108,10 +117,12 @@ struct DeviceShape {
 };
 
 const DeviceShape kShapes[] = {
-    {"tiny-grid", {1, 1 << 20, 1, 2, false}},     // grid-stride loops iterate
-    {"huge-grid", {132, 50 << 20, 16, 2, true}},  // many empty tiles, reverse fibers
-    {"small-l2", {4, 4096, 2, 2, false}},         // many stats/encode batches
+    {"tiny-grid", {1, 1 << 20, 1, 2, false}},     // one block: every loop strides over all tiles
+    {"huge-grid", {132, 50 << 20, 16, 2, true}},  // more blocks than tiles, reverse fibers
+    {"small-l2", {4, 4096, 2, 2, false}},         // sign feedback: a batch per chunk
+    {"odd-grid", {3, 3 << 20, 3, 2, true}},       // 9 blocks: tiles shared unevenly
 };
+constexpr int kShapeCount = sizeof(kShapes) / sizeof(kShapes[0]);
 
 template <typename T>
 const char* dtype_name() {
@@ -312,28 +323,31 @@ void check_elementwise(int64_t n, int64_t offset, std::mt19937& rng, const std::
 // (n < 8) empty chunks. Besides, one-element chunks (k = n) at n = 7 and 31,
 // and at n = 257 a header grid of two blocks (k > kThreads); the latter is
 // dtype-independent and costs a block per chunk under the shim, so float32 only.
+// At n = 20001, two chunks of a full and a partial group each.
 template <typename T>
 std::vector<int64_t> chunk_counts(int64_t n) {
   std::vector<int64_t> ks = {1, 3, 8};
   if (n == 7 || n == 31 || (n == 257 && std::is_same_v<T, float>)) ks.push_back(n);
+  if (n == 20001) ks.push_back(2);
   return ks;
 }
 
 // Sizes: a single element; less than a warp; below, at and above a block of
-// kThreads; 1000 (V = 4 with a partial step); 4099 (several steps per tile,
-// several tiles per chunk, grid-stride loops and compress batches on the small
-// devices). Larger sizes take no other path; --dump checks 65549 against NumPy.
+// kThreads; 1000 (slots of 4 or 8 with a partial step); 4099 (several warp steps
+// in a tile); a tile (one min-max group of 8192) and one past it; 20001 (several
+// groups and tiles per chunk, a partial last one). Larger sizes take no other
+// path; --dump checks 65549 against NumPy.
 template <typename T>
 void run_dtype(bool quick, int& shape_turn) {
   const std::vector<int64_t> sizes =
-      quick ? std::vector<int64_t>{1, 7, 257, 1000, 4099}
-            : std::vector<int64_t>{1, 7, 31, 255, 256, 257, 1000, 4099};
+      quick ? std::vector<int64_t>{1, 7, 257, 1000, 4099, 20001}
+            : std::vector<int64_t>{1, 7, 31, 255, 256, 257, 1000, 4099, 8192, 8193, 20001};
   for (const int64_t n : sizes) {
     for (const int64_t k : chunk_counts<T>(n)) {
       for (const int64_t offset : {0, 1}) {
         for (const bool feedback : {false, true}) {
           for (const Format format : kFormats) {
-            const DeviceShape& shape = kShapes[shape_turn++ % 3];
+            const DeviceShape& shape = kShapes[shape_turn++ % kShapeCount];
             cuda_shim::device() = shape.device;
             std::mt19937 rng(static_cast<unsigned>(n * 7919 + k * 31 + offset * 7 + feedback));
             const std::string name = std::string(format_name(format)) + " " + dtype_name<T>() +
@@ -346,7 +360,7 @@ void run_dtype(bool quick, int& shape_turn) {
       }
     }
     for (const int64_t offset : {0, 1}) {
-      const DeviceShape& shape = kShapes[shape_turn++ % 3];
+      const DeviceShape& shape = kShapes[shape_turn++ % kShapeCount];
       cuda_shim::device() = shape.device;
       std::mt19937 rng(static_cast<unsigned>(n + offset));
       check_elementwise<T>(n, offset, rng,
@@ -354,10 +368,13 @@ void run_dtype(bool quick, int& shape_turn) {
                                " n=" + std::to_string(n) + " offset=" + std::to_string(offset) +
                                " [" + shape.name + "]");
     }
-    for (const int64_t k : {1, 3}) {
+    // More inputs than a block computes parameters for at once (kThreads) at n = 31.
+    const std::vector<int64_t> inputs =
+        n == 31 ? std::vector<int64_t>{1, 3, 300} : std::vector<int64_t>{1, 3};
+    for (const int64_t k : inputs) {
       for (const bool average : {false, true}) {
         for (const Format format : kFormats) {
-          const DeviceShape& shape = kShapes[shape_turn++ % 3];
+          const DeviceShape& shape = kShapes[shape_turn++ % kShapeCount];
           cuda_shim::device() = shape.device;
           std::mt19937 rng(static_cast<unsigned>(n * 3 + k));
           check_decompress_reduce<T>(format, n, k, average, rng,
@@ -371,32 +388,34 @@ void run_dtype(bool quick, int& shape_turn) {
   }
 }
 
-// float32 chunks whose grid float32 alone cannot compute (subnormal and tiny
-// ranges, values near the float32 limit), sign scales whose sum overflows, and
-// elementwise helpers whose intermediates overflow.
-void run_extremes(int& shape_turn) {
-  for (const float amplitude : {1e-40f, 1e-37f, 3.4e38f}) {
-    const std::string range = " amplitude=" + std::to_string(amplitude);
-    for (const int64_t n : {257, 4099}) {
+// Chunks whose grid float32 alone cannot compute (subnormal and tiny ranges,
+// values near the float32 limit), sign scales whose sum overflows, elementwise
+// helpers whose intermediates overflow, 16-bit subnormals and signed zeros: for
+// each dtype, amplitudes that reach its edges (random_fill).
+template <typename T>
+void run_extremes(const std::vector<float>& amplitudes, int& shape_turn) {
+  for (const float amplitude : amplitudes) {
+    const std::string range =
+        std::string(" ") + dtype_name<T>() + " amplitude=" + std::to_string(amplitude);
+    for (const int64_t n : {257, 8193}) {  // one group; a full group and one element
       std::mt19937 elementwise_rng(static_cast<unsigned>(n));
-      check_elementwise<float>(n, 1, elementwise_rng,
-                               "elementwise f32 n=" + std::to_string(n) + range, amplitude);
+      check_elementwise<T>(n, 1, elementwise_rng, "elementwise n=" + std::to_string(n) + range,
+                           amplitude);
       for (const int64_t k : {1, 3}) {
         for (const bool feedback : {false, true}) {
           for (const Format format : kFormats) {
-            cuda_shim::device() = kShapes[shape_turn++ % 3].device;
+            cuda_shim::device() = kShapes[shape_turn++ % kShapeCount].device;
             std::mt19937 rng(static_cast<unsigned>(n * 5 + k + feedback));
-            check_compress<float>(format, n, k, 0, feedback, rng,
-                                  std::string(format_name(format)) + " f32 n=" + std::to_string(n) +
-                                      " k=" + std::to_string(k) + (feedback ? " feedback" : "") +
-                                      range,
-                                  amplitude);
+            check_compress<T>(format, n, k, 0, feedback, rng,
+                              std::string(format_name(format)) + " n=" + std::to_string(n) +
+                                  " k=" + std::to_string(k) + (feedback ? " feedback" : "") + range,
+                              amplitude);
             for (const bool average : {false, true}) {
-              check_decompress_reduce<float>(format, n, 3, average, rng,
-                                             std::string(format_name(format)) +
-                                                 " decompress_reduce f32 m=" + std::to_string(n) +
-                                                 (average ? " average" : " sum") + range,
-                                             amplitude);
+              check_decompress_reduce<T>(format, n, 3, average, rng,
+                                         std::string(format_name(format)) +
+                                             " decompress_reduce m=" + std::to_string(n) +
+                                             (average ? " average" : " sum") + range,
+                                         amplitude);
             }
           }
         }
@@ -465,6 +484,8 @@ int main(int argc, char** argv) {
   run_dtype<float>(quick, shape_turn);
   run_dtype<Half>(quick, shape_turn);
   run_dtype<BFloat16>(quick, shape_turn);
-  run_extremes(shape_turn);
+  run_extremes<float>({1e-40f, 1e-37f, 3.4e38f, -1.0f}, shape_turn);
+  run_extremes<BFloat16>({1e-40f, 3.3e38f, -1.0f}, shape_turn);
+  run_extremes<Half>({1e-6f, 6e4f, -1.0f}, shape_turn);
   return tally::summary();
 }

@@ -5,11 +5,59 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstring>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
 
 #include "cuda_runtime.h"
+
+#if defined(__SANITIZE_ADDRESS__)
+#include <sanitizer/common_interface_defs.h>
+#endif
+#if !defined(__x86_64__)
+#include <ucontext.h>
+#endif
+
+#if defined(__x86_64__)
+// Saves the callee-saved registers, the floating-point control words and the
+// stack pointer on the current stack and in *save, then loads them from `load`:
+// the System V ABI's whole state across a call. glibc's swapcontext also saves
+// and restores the signal mask, a system call per switch that took most of the
+// shim's time.
+extern "C" void cuda_shim_switch(void** save, void* load);
+asm(R"(
+  .text
+  .globl cuda_shim_switch
+  .type cuda_shim_switch, @function
+cuda_shim_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  subq $8, %rsp
+  stmxcsr (%rsp)
+  fnstcw 4(%rsp)
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  ldmxcsr (%rsp)
+  fldcw 4(%rsp)
+  addq $8, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size cuda_shim_switch, .-cuda_shim_switch
+  .section .note.GNU-stack,"",@progbits
+  .text
+)");
+#endif
 
 namespace cuda_shim {
 namespace {
@@ -25,13 +73,24 @@ constexpr unsigned kMaxBlockThreads = 1024;
 constexpr unsigned kMaxGrid = 0x7fffffffu;
 
 enum class State { kReady, kBarrier, kShuffle, kExited };
+constexpr int kBallot = -1;  // a warp operation that ORs each lane's predicate into bit `lane`
+
+// Where a suspended fiber (or the scheduler) resumes.
+struct Context {
+#if defined(__x86_64__)
+  void* sp = nullptr;
+#else
+  ucontext_t context;
+#endif
+};
 
 struct Fiber {
-  ucontext_t context;
+  Context context;
   Coordinates coordinates;
   State state = State::kReady;
   unsigned mask = 0;
-  int offset = 0;
+  int source = 0;         // the lane a shuffle reads; kBallot for a ballot
+  uint32_t accesses = 0;  // global accesses so far (the access log's sequence)
   uint64_t value = 0;
 };
 
@@ -39,7 +98,9 @@ struct Fiber {
 struct Block {
   std::vector<Fiber> fibers;
   std::unique_ptr<char[]> stacks;
-  ucontext_t scheduler;
+  Context scheduler;
+  const void* thread_stack = nullptr;  // the OS thread's stack, for ASan's switch notes
+  std::size_t thread_stack_bytes = 0;
   Fiber* current = nullptr;
   Body body = nullptr;
   void* context = nullptr;
@@ -47,6 +108,9 @@ struct Block {
 
 thread_local Block* t_block = nullptr;
 thread_local cudaError_t t_error = cudaSuccess;
+std::atomic<std::vector<Access>*> g_log{nullptr};
+std::mutex g_log_mutex;
+std::atomic<uint32_t> g_launches{0};
 
 Block& block_of_caller(const char* what) {
   if (t_block == nullptr || t_block->current == nullptr) {
@@ -56,16 +120,75 @@ Block& block_of_caller(const char* what) {
   return *t_block;
 }
 
+char* stack_of(Block& block, const Fiber& f) {
+  return block.stacks.get() + (&f - block.fibers.data()) * kStackBytes;
+}
+
+// Switches from `from` to `to`, whose stack is [stack, stack + bytes); tells
+// AddressSanitizer, which must know which stack runs.
+void switch_context(Context& from, Context& to, const void* stack, std::size_t bytes) {
+#if defined(__SANITIZE_ADDRESS__)
+  void* fake_stack = nullptr;
+  __sanitizer_start_switch_fiber(&fake_stack, stack, bytes);
+#else
+  (void)stack, (void)bytes;
+#endif
+#if defined(__x86_64__)
+  cuda_shim_switch(&from.sp, to.sp);
+#else
+  swapcontext(&from.context, &to.context);
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(fake_stack, nullptr, nullptr);
+#endif
+}
+
+void to_scheduler(Block& block, Fiber& self) {
+  switch_context(self.context, block.scheduler, block.thread_stack, block.thread_stack_bytes);
+}
+
 void fiber_main() {
-  t_block->body(t_block->context);
-  t_block->current->state = State::kExited;
+  Block& block = *t_block;
+#if defined(__SANITIZE_ADDRESS__)
+  __sanitizer_finish_switch_fiber(nullptr, &block.thread_stack, &block.thread_stack_bytes);
+#endif
+  block.body(block.context);
+  block.current->state = State::kExited;
+  to_scheduler(block, *block.current);
+  fail("an exited fiber ran again");
+}
+
+// A fiber that starts in fiber_main on its own stack.
+void start_fiber(Block& block, Fiber& f) {
+  char* stack = stack_of(block, f);
+#if defined(__x86_64__)
+  // What cuda_shim_switch pops, from the stack's top down: a zero return address
+  // for fiber_main (entered as if called, the stack 16-byte aligned minus 8),
+  // fiber_main as the address `ret` goes to, six zero registers, and the
+  // caller's floating-point control words.
+  auto* sp = reinterpret_cast<uint64_t*>((reinterpret_cast<uintptr_t>(stack) + kStackBytes) &
+                                         ~uintptr_t{15});
+  *--sp = 0;
+  *--sp = reinterpret_cast<uint64_t>(&fiber_main);
+  for (int r = 0; r < 6; ++r) *--sp = 0;
+  uint32_t control[2] = {};
+  asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(control[0]), "=m"(control[1]));
+  std::memcpy(--sp, control, sizeof control);
+  f.context.sp = sp;
+#else
+  getcontext(&f.context.context);
+  f.context.context.uc_stack.ss_sp = stack;
+  f.context.context.uc_stack.ss_size = kStackBytes;
+  f.context.context.uc_link = nullptr;
+  makecontext(&f.context.context, fiber_main, 0);
+#endif
 }
 
 // Suspends the calling fiber at a synchronization point.
 void wait_at(Block& block, State state) {
   Fiber& self = *block.current;
   self.state = state;
-  swapcontext(&self.context, &block.scheduler);
+  to_scheduler(block, self);
 }
 
 const char* describe(State state) {
@@ -122,10 +245,21 @@ bool resolve_shuffles(Block& block) {
       complete &= lanes[l].state == State::kShuffle;
     }
     if (!complete) continue;
-    uint64_t result[32];
+    uint64_t result[32], ballot = 0;
+    int kind = 0;  // 1 for shuffles, 2 for ballots
     for (std::size_t l = 0; l < width; ++l) {
       if (lanes[l].state != State::kShuffle) continue;
-      const std::size_t source = l ^ static_cast<unsigned>(lanes[l].offset);
+      if ((kind |= lanes[l].source == kBallot ? 2 : 1) == 3)
+        fail_in_block(block, "lanes of a warp meet at a shuffle and a ballot");
+      if (lanes[l].value != 0) ballot |= uint64_t{1} << l;
+    }
+    for (std::size_t l = 0; l < width; ++l) {
+      if (lanes[l].state != State::kShuffle) continue;
+      if (lanes[l].source == kBallot) {
+        result[l] = ballot;
+        continue;
+      }
+      const std::size_t source = static_cast<unsigned>(lanes[l].source);
       if (source >= 32 || (mask >> source & 1u) == 0)
         fail_in_block(block, "a shuffle reads a lane outside its mask");
       result[l] = lanes[source].value;
@@ -159,11 +293,7 @@ void run_block(Block& block, dim3 grid, dim3 shape, unsigned block_index) {
     Fiber& f = block.fibers[t];
     f = Fiber{};
     f.coordinates = {{t, 0, 0}, {block_index, 0, 0}, {shape.x, 1, 1}, {grid.x, 1, 1}};
-    getcontext(&f.context);
-    f.context.uc_stack.ss_sp = block.stacks.get() + t * kStackBytes;
-    f.context.uc_stack.ss_size = kStackBytes;
-    f.context.uc_link = &block.scheduler;
-    makecontext(&f.context, fiber_main, 0);
+    start_fiber(block, f);
   }
   const bool reverse = device().reverse;
   for (;;) {
@@ -172,7 +302,7 @@ void run_block(Block& block, dim3 grid, dim3 shape, unsigned block_index) {
       Fiber& f = block.fibers[reverse ? threads - 1 - i : i];
       if (f.state != State::kReady) continue;
       block.current = &f;
-      swapcontext(&block.scheduler, &f.context);
+      switch_context(block.scheduler, f.context, stack_of(block, f), kStackBytes);
       block.current = nullptr;
     }
     for (const Fiber& f : block.fibers) live |= f.state != State::kExited;
@@ -203,21 +333,49 @@ const Coordinates& coordinates() { return block_of_caller("threadIdx").current->
 
 void sync_block() { wait_at(block_of_caller("__syncthreads"), State::kBarrier); }
 
-uint64_t shuffle_xor(unsigned mask, uint64_t value, int offset) {
-  Block& block = block_of_caller("__shfl_xor_sync");
+uint64_t shuffle(unsigned mask, uint64_t value, int source) {
+  Block& block = block_of_caller("__shfl_*_sync");
   Fiber& self = *block.current;
   self.mask = mask;
-  self.offset = offset;
+  self.source = source;
   self.value = value;
   wait_at(block, State::kShuffle);
   return self.value;
 }
+
+uint32_t ballot(unsigned mask, bool predicate) {
+  return static_cast<uint32_t>(shuffle(mask, predicate ? 1 : 0, kBallot));
+}
+
+void record_access(const void* p, std::size_t bytes, bool write, bool active) {
+  if (active && reinterpret_cast<uintptr_t>(p) % bytes != 0) {
+    std::fprintf(stderr, "cuda_shim: misaligned %zu-byte access at %p\n", bytes, p);
+    fail("misaligned access");
+  }
+  std::vector<Access>* log = g_log.load();
+  if (log == nullptr) return;
+  Fiber& self = *block_of_caller("a global access").current;
+  const uint32_t sequence = self.accesses++;
+  if (!active) return;
+  const Access access{g_launches.load(),
+                      self.coordinates.block_idx.x,
+                      self.coordinates.thread_idx.x,
+                      sequence,
+                      reinterpret_cast<uintptr_t>(p),
+                      static_cast<uint32_t>(bytes),
+                      write};
+  std::lock_guard<std::mutex> lock(g_log_mutex);
+  log->push_back(access);
+}
+
+void set_access_log(std::vector<Access>* log) { g_log.store(log); }
 
 void run_grid(dim3 grid, dim3 shape, Body body, void* context) {
   if (grid.x == 0 || grid.x > kMaxGrid || shape.x == 0 || shape.x > kMaxBlockThreads) {
     set_error(cudaErrorInvalidConfiguration);
     return;
   }
+  ++g_launches;
   std::atomic<unsigned> next{0};
   const auto work = [&] {
     Block block;

@@ -34,9 +34,10 @@ from typing import Any
 
 import torch
 
-from bagua_common.algorithms.registry import AlgorithmRegistry
+from bagua_common.algorithms.registry import AlgorithmRegistry, build_algorithm
 from bagua_torch import compressed_allreduce
 from bagua_torch.algorithms import base as project
+from bagua_torch.algorithms import get_algorithm
 from bagua_torch.bucketing import Bucket
 from bagua_torch.communicator import Work
 from bagua_torch.torch_api.communication.groups import group_of
@@ -98,7 +99,7 @@ class Algorithm:
         if name not in REGISTRY.names():
             known = ", ".join(sorted(REGISTRY.names()))
             raise KeyError(f"'{name}' not found in registry. Available names: {known}")
-        return REGISTRY.by_name(name)(**kwargs)
+        return build_algorithm(REGISTRY.by_name(name), kwargs)
 
     def reify(self, process_group: Any) -> AlgorithmImpl:
         raise NotImplementedError(f"{type(self).__name__} must implement reify(process_group)")
@@ -231,12 +232,18 @@ class _ProjectAlgorithm(project.Algorithm):
         return _BaguaStyleImpl(context, impl, group)
 
 
-def as_project_algorithm(algorithm: Any) -> project.Algorithm:
-    """The project's :class:`bagua_torch.algorithms.Algorithm` for ``algorithm`` (a built-in or a Bagua-style one)."""
-    if isinstance(algorithm, project.Algorithm):
-        return algorithm
+def as_project_algorithm(algorithm: Any, **options: Any) -> project.Algorithm:
+    """The project's :class:`bagua_torch.algorithms.Algorithm` for ``algorithm``: a built-in or a Bagua-style one,
+    or a name with its ``options``, built as every entry point builds it (:func:`bagua_torch.algorithms.get_algorithm`);
+    a name that Bagua's spelling registers gets that class, as ``Algorithm.init(name, **options)`` does."""
+    if isinstance(algorithm, str) and algorithm in REGISTRY.names():  # Bagua's spelling of it, as Algorithm.init
+        algorithm, options = build_algorithm(REGISTRY.by_name(algorithm), options), {}
     if isinstance(algorithm, Algorithm):
+        if options:
+            raise TypeError(f"options {sorted(options)} can only be given with an algorithm's name")
         return _ProjectAlgorithm(algorithm)
+    if isinstance(algorithm, (str, project.Algorithm)):
+        return get_algorithm(algorithm, **options)
     raise TypeError(
         "algorithm must be a bagua_torch.torch_api.algorithms algorithm or a subclass of its Algorithm, got "
         f"{type(algorithm).__name__}"

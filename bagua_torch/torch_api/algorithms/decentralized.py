@@ -5,21 +5,22 @@ reference and SPEC section 3 all define it: after the local step, ``z = x + L/3 
 8-bit min-max codes of ``z`` to both ring neighbours, ``L += deQ(from left)``, ``R += deQ(from
 right)``, ``x = w + deQ(Q(z))``, ``w = x``. What differs is the codec:
 
-* ``codec="project"`` (the default) uses the project's (SPEC section 2): codes rounded to the
-  nearest level of a grid anchored at the minimum, so every element errs by at most
-  ``(max - min) / 510``; the same bytes from the CPU and CUDA kernels and from the JAX side.
-* ``codec="bagua"`` reproduces Bagua's (``scale = 255 / (max - min + 1e-7)``, levels counted down
-  from ``round(max * scale)``), to compare with runs made under Bagua: its error reaches a
-  whole level at the low end. It runs as plain torch operations. Bagua's codec could produce a
-  code of -1 (stored as 255) for the minimum when ``round`` went below the lowest level; here
-  codes are clamped to 0..255.
+* ``codec="bagua"`` (the default: Bagua's spelling runs Bagua's algorithm) reproduces Bagua's
+  (``scale = 255 / (max - min + 1e-7)``, levels counted down from ``round(max * scale)``), so a
+  script that changed only its import gets Bagua's numbers: its error reaches a whole level at the
+  low end. It runs as plain torch operations. Bagua's codec could produce a code of -1 (stored as
+  255) for the minimum when ``round`` went below the lowest level; here codes are clamped to 0..255.
+  With ``hierarchical=True`` on a single node it does what Bagua did: the node's average at full
+  precision, then the round of a ring of one (each neighbour is the node itself), the same on
+  every rank.
+* ``codec="project"`` is the project's algorithm (:class:`bagua_torch.algorithms.LowPrecisionDecentralizedAlgorithm`)
+  and codec (SPEC section 2): codes rounded to the nearest level of a grid anchored at the minimum, so
+  every element errs by at most ``(max - min) / 510``; the same bytes from the CPU and CUDA kernels
+  and from the JAX side. With ``hierarchical=True`` on a single node the ring runs over all ranks
+  (the project treats one node as flat for every hierarchical algorithm).
 
 Either way the weights agree with Bagua's reference within the codecs' error; with
 ``codec="bagua"`` to float rounding (Bagua's ``test_compare`` tolerance, 1e-5).
-
-With ``hierarchical=True`` on a single node, the ring runs over all ranks (the project treats
-one node as flat for every hierarchical algorithm); Bagua averaged the node at full precision
-instead, which leaves no decentralized step at all on one node.
 """
 
 from __future__ import annotations
@@ -70,6 +71,20 @@ class DecentralizedAlgorithm(_decentralized.DecentralizedAlgorithm):
             hierarchical=hierarchical,
         )
 
+    def reify(self, context: AlgorithmContext) -> _decentralized.DecentralizedImpl:
+        return _PeerWeightsImpl(context, self.config)
+
+
+class _PeerWeightsImpl(_decentralized.DecentralizedImpl):
+    """Decentralized SGD keeping each bucket's weights of the last averaging, Bagua's ``bucket._peer_weight``."""
+
+    peer_weights: list[torch.Tensor] = []
+
+    def average(self, round_index: int) -> None:
+        super().average(round_index)
+        with torch.no_grad():
+            self.peer_weights = [b.flatten_params()[: b.numel].clone() for b in self.buckets]
+
 
 @implements(LowPrecisionDecentralizedConfig)
 class LowPrecisionDecentralizedAlgorithm(_low_precision.LowPrecisionDecentralizedAlgorithm):
@@ -77,7 +92,7 @@ class LowPrecisionDecentralizedAlgorithm(_low_precision.LowPrecisionDecentralize
     picks the project's or Bagua's 8-bit codes (see the module docstring). ``codec`` is an attribute of the
     algorithm beside its configuration, so the cross-rank check and the checkpoint manifest compare it too."""
 
-    def __init__(self, hierarchical: bool = True, communication_interval: int = 1, *, codec: str = "project"):
+    def __init__(self, hierarchical: bool = True, communication_interval: int = 1, *, codec: str = "bagua"):
         if codec not in CODECS:
             raise ValueError(f"LowPrecisionDecentralizedAlgorithm: codec must be one of {CODECS}, got {codec!r}")
         super().__init__(communication_interval=communication_interval, hierarchical=hierarchical)
@@ -90,7 +105,18 @@ class LowPrecisionDecentralizedAlgorithm(_low_precision.LowPrecisionDecentralize
 
 
 class _BaguaCodecImpl(_low_precision.LowPrecisionDecentralizedImpl):
-    """The ring round with Bagua's codec and Bagua's order of operations."""
+    """Bagua's ring round (its codec, its order of operations), and Bagua's round on one node when hierarchical."""
+
+    def exchange(self) -> None:
+        if not (self.config.hierarchical and self.levels is None and self.world.size > 1):
+            return super().exchange()
+        for i, bucket in enumerate(self.buckets):
+            with torch.no_grad():
+                x = self.world.allreduce(bucket.flatten_params()[: bucket.numel].to(torch.float32), "avg")
+            w, left, right = self.weights[i], self.left[i], self.right[i]
+            change = bagua_minmax_decompress(bagua_minmax_compress(x + left * (1 / 3) + right * (1 / 3) - w * (5 / 3)))
+            self.weights[i], self.left[i], self.right[i] = w + change, left + change, right + change
+            bucket.unflatten_to_params(self.weights[i])
 
     @staticmethod
     def _ring(

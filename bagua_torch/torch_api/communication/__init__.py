@@ -46,6 +46,16 @@ from bagua_torch.torch_api.communication.groups import (
 _get_default_group = get_default_group
 """Bagua's private name for :func:`get_default_group`, which Bagua's examples call."""
 
+
+def _rank_not_in_group(group: BaguaProcessGroup | None = None) -> bool:
+    """Whether this process is not a member of ``group`` (None: the default group, of which every rank is).
+
+    Bagua's private name, which Bagua's own tests import (``test_decentralized``,
+    ``test_low_precision_decentralized``) to leave out the ranks a :func:`new_group` does not hold.
+    """
+    return group is not None and group.communicators is None
+
+
 __all__ = [
     *_collectives,
     "BaguaProcessGroup",

@@ -7,10 +7,12 @@
   (``complexity_fn`` takes the index, not the decoded sample), and
   :class:`LoadBalancingDistributedBatchSampler` over it with Bagua's ``batch_fn``.
 * :class:`CachedDataset` / :class:`CacheLoader`: :mod:`bagua_common.data.cached_dataset` with
-  Bagua's arguments. ``backend="redis"`` is the server of ``bagua-launch --cache-server redis``,
-  ``"lmdb"`` the node's LMDB cache; both are shared by every dataset of the job, so they need a
-  ``dataset_name``. Bagua's Redis host options are refused: the cache's values are signed with
-  the job's own key, and its servers are the job's own.
+  Bagua's arguments. ``backend="redis"`` (the default, as in Bagua) is the server of
+  ``bagua-launch --cache-server redis``, or else, where ``redis-server`` is installed, a private
+  one per node that the node's first rank starts for the job (a unix socket only, gone with the
+  job), as Bagua started its own; ``"lmdb"`` is the node's LMDB cache. Both are shared by every
+  dataset of the job, so they need a ``dataset_name``. Bagua's Redis host options are refused:
+  the cache's values are signed with the job's own key, and its servers are the job's own.
 * ``sync_batchnorm.SyncBatchNorm``: torch's ``torch.nn.SyncBatchNorm`` (CUDA tensors).
 """
 
@@ -20,10 +22,13 @@ import os
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
 
 from bagua_common.data import cache_stores as _stores
 from bagua_common.data import cached_dataset as _cached
+from bagua_common.data import redis_server as _redis
+from bagua_torch import job
 from bagua_torch.data import LoadBalancingDistributedSampler
 from bagua_torch.fused_optimizer import FusedOptimizer
 from bagua_torch.torch_api.contrib import sync_batchnorm
@@ -114,16 +119,34 @@ def _store(backend: str, dataset_name: str, version: str, kwargs: dict[str, Any]
             f"dataset_name is required with backend={backend!r}: the store is shared by every dataset of the "
             "job, and unnamed datasets would read each other's samples"
         )
-    if backend == "redis" and not os.environ.get(_stores.ENV_CACHE_URL):
-        raise ValueError(
-            "backend='redis' needs the job's Redis server: start the job with bagua-launch --cache-server redis, "
-            "or use backend='lmdb' for the node's LMDB cache"
-        )
     return _BACKENDS[backend](dataset_name, version)
 
 
+def _job_redis_store() -> _stores.RedisStore:
+    """The launcher's server (``bagua-launch --cache-server redis``), else a private one per node started here, as
+    Bagua did: the node's first rank starts it (:func:`bagua_common.data.redis_server.node_redis_store`)."""
+    if os.environ.get(_stores.ENV_CACHE_URL, "").strip():
+        return _stores.redis_store_from_environment()
+    try:
+        _redis.find_redis_server()
+    except FileNotFoundError:
+        raise ValueError(
+            "backend='redis' needs a Redis server: install redis-server (apt-get install redis-server) and the job "
+            "starts a private one per node, or start the job with bagua-launch --cache-server redis; "
+            "backend='lmdb' is the node's LMDB cache, with no server"
+        ) from None
+    if not job.is_initialized():
+        return _redis.node_redis_store(None)
+    group = job.get_process_group()
+
+    def allgather(x: np.ndarray) -> np.ndarray:
+        return group.world.allgather(torch.from_numpy(x).to(group.device)).cpu().numpy()
+
+    return _redis.node_redis_store(allgather if group.size > 1 else None, group.rank, group.local_size)
+
+
 _BACKENDS: dict[str, Callable[[str, str], _stores.Store]] = {
-    "redis": lambda name, version: _stores.redis_store_from_environment(),
+    "redis": lambda name, version: _job_redis_store(),
     "lmdb": _stores.node_lmdb_store,
     "memory": lambda name, version: _stores.MemoryStore(),
 }
@@ -134,13 +157,14 @@ def CachedDataset(  # noqa: N802 (Bagua's class name)
 ) -> _cached.CachedDataset:
     """Bagua's ``CachedDataset(dataset, backend, dataset_name, writer_buffer_size)``: each sample cached on first read.
 
-    ``backend`` is ``"redis"`` (the server of ``bagua-launch --cache-server redis``), ``"lmdb"``
-    (the node's LMDB cache) or ``"memory"`` (per process). ``writer_buffer_size`` has no effect:
+    ``backend`` is ``"redis"`` (the server of ``bagua-launch --cache-server redis``, else a private
+    one per node started for the job: see the module docstring), ``"lmdb"`` (the node's LMDB cache)
+    or ``"memory"`` (per process). With ``"redis"`` the first call is collective when the job is
+    initialized (every rank calls it at the same point). ``writer_buffer_size`` has no effect:
     values are written through as they are read.
     """
     name = dataset_name or "dataset"
-    version = _cached.dataset_scope(dataset, "")
-    return _cached.CachedDataset(dataset, _store(backend, dataset_name, version, kwargs), name=name)
+    return _cached.CachedDataset(dataset, _store(backend, dataset_name, "", kwargs), name=name)
 
 
 def CacheLoader(  # noqa: N802 (Bagua's class name)

@@ -18,7 +18,6 @@ from torch import nn
 from bagua_torch import distributed_data_parallel as _ddp
 from bagua_torch.torch_api import distributed as _compat
 from bagua_torch.torch_api.algorithms.base import as_project_algorithm
-from bagua_torch.torch_api.algorithms.gradient_allreduce import GradientAllReduceAlgorithm
 
 __all__ = ["DistributedDataParallel"]
 
@@ -40,14 +39,16 @@ def DistributedDataParallel(  # noqa: N802 (Bagua's name for a function)
     gradient_as_bucket_view: bool = True,
     optimizers: Sequence[torch.optim.Optimizer] = (),
     algorithm: Any = None,
+    **options: Any,
 ) -> nn.Module:
-    """Wrap ``module`` for data-parallel training (Bagua's signature; ``algorithm`` defaults to gradient allreduce).
+    """Wrap ``module`` for data-parallel training (Bagua's signature; ``algorithm`` defaults to gradient allreduce,
+    and may be a name with its ``options`` as for :func:`bagua_torch.with_bagua`).
 
     Collective. Wrapping a model that is already wrapped switches its algorithm (the previous
     wrapper is closed first). Parameters, buffers and the optimizers' state are broadcast from
     rank 0.
     """
-    project_algorithm = as_project_algorithm(GradientAllReduceAlgorithm() if algorithm is None else algorithm)
+    project_algorithm = as_project_algorithm("gradient_allreduce" if algorithm is None else algorithm, **options)
 
     def build(inner: nn.Module, optimizers: list[torch.optim.Optimizer], communicators: Any) -> nn.Module:
         return _DistributedDataParallel(

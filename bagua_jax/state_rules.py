@@ -1,0 +1,86 @@
+"""What a change of members does to each leaf of a fault-tolerant JAX job's state (``docs/guides/fault_tolerance.md``,
+"Each algorithm's state").
+
+Every leaf of a :class:`~bagua_jax.train_state.TrainState` has one role, from the algorithm's declared facts
+(:class:`~bagua_common.algorithms.registry.AlgorithmConfig`: ``replicated``, ``world_sized_state``, read through the
+rule of :mod:`bagua_common.job.reshard`, the same rule a checkpoint restored into another world size follows):
+
+* :data:`REPLICATED`: identical on every member (parameters, optimizer state, QAdam's and 1-bit Adam's moments,
+  PowerSGD's ``Q``, the step counters). The replica check hashes it, a change keeps it, a joiner receives it.
+* :data:`RESET`: restarts at the value a fresh state for the new members has: the error-feedback residuals
+  (ByteGrad, 1-bit Adam, PowerSGD), laid out per rank and meaningful only for the ranks they were made with.
+* :data:`OWN`: this member's own, kept and never compared: a model state the trainer does not average.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bagua_common.job.reshard import RESET as RESHARD_RESET
+from bagua_common.job.reshard import config_rule
+from bagua_jax.checkpoint import leaf_rule
+from bagua_jax.train_state import TrainState
+from bagua_jax.trainer import DataParallel
+
+__all__ = ["OWN", "PARTS", "REPLICATED", "RESET", "carry_over", "replicated_leaves", "roles"]
+
+REPLICATED = "replicated"
+"""The role of a leaf identical on every member: kept on a change, hashed, sent to a joiner."""
+RESET = "reset"
+"""The role of a leaf laid out per rank (error-feedback residuals): taken from a fresh state on a change."""
+OWN = "own"
+"""The role of a leaf that is the member's own (an unaveraged model state): kept, never compared."""
+
+PARTS = {"params": "parameters", "opt_state": "optimizer", "step": "step", "model_state": "model state"}
+"""The parts of the replica check, by :class:`~bagua_jax.train_state.TrainState` field."""
+
+
+def roles(trainer: DataParallel, state: TrainState) -> TrainState:
+    """``state``'s structure with each leaf's role (:data:`REPLICATED`, :data:`RESET` or :data:`OWN`) in place of
+    the leaf, for ``trainer``'s algorithm (one whose replicas are identical)."""
+    rule = config_rule(trainer.algorithm.config_class)
+    shared_model_state = trainer._average_model_state
+
+    def role(path: Any, leaf: Any) -> str:
+        key = jax.tree_util.keystr(path)
+        if leaf_rule(rule, key, np.asarray(leaf).dtype) == RESHARD_RESET:
+            return RESET
+        if key.startswith(".model_state") and not shared_model_state:
+            return OWN
+        return REPLICATED
+
+    return jax.tree_util.tree_map_with_path(role, state)
+
+
+def replicated_leaves(role_tree: TrainState, state: TrainState) -> list[tuple[str, np.ndarray]]:
+    """The replicated leaves of ``state`` on the host, in tree order, each with its part of the replica check
+    (:data:`PARTS`)."""
+    out = []
+    for field in PARTS:  # TrainState's fields, in order
+        leaves = jax.tree.leaves(getattr(state, field))
+        kinds = jax.tree.leaves(getattr(role_tree, field))
+        if len(leaves) != len(kinds):
+            raise ValueError(f"fault tolerance: the state's {field} does not have the layout of its algorithm")
+        out += [(PARTS[field], np.asarray(leaf)) for kind, leaf in zip(kinds, leaves) if kind == REPLICATED]
+    return out
+
+
+def carry_over(role_tree: TrainState, state: TrainState, fresh: TrainState) -> TrainState:
+    """``state`` after a change of members: its :data:`RESET` leaves from ``fresh`` (a state made for the new
+    members), the others kept. A kept leaf whose shape or dtype the new members change is an error."""
+
+    def pick(kind: str, own: Any, new: Any) -> Any:
+        if kind == RESET:
+            return new
+        if jnp.shape(own) != jnp.shape(new) or jnp.asarray(own).dtype != jnp.asarray(new).dtype:
+            raise ValueError(
+                f"fault tolerance: a {kind} state leaf of {jnp.asarray(own).dtype}{list(jnp.shape(own))} would have "
+                f"to become {jnp.asarray(new).dtype}{list(jnp.shape(new))} with the new members"
+            )
+        return own
+
+    return jax.tree.map(pick, role_tree, state, fresh)

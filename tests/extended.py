@@ -1,0 +1,97 @@
+"""The tests the quick suite (``python -m pytest``) leaves to the extended run (``python -m pytest -m extended``).
+
+The quick suite is what CI and every change run: it keeps each behaviour at least once in each front end, on
+the cheapest job that shows it (two ranks rather than four, one launcher rather than each). The extended run
+adds the rest of the matrix (more ranks, the two-node layouts again under another backend, every launcher and
+fault kind, the examples' accuracy for every algorithm) and the long studies (the GPT convergence gate, the
+sanitizer builds). conftest.py marks every test whose node id matches a pattern here ``extended``; pyproject's
+``addopts`` deselects them unless ``-m`` asks otherwise (``-m "extended or not extended"`` runs everything).
+"""
+
+from __future__ import annotations
+
+import re
+
+EXTENDED: dict[str, str] = {
+    # the long studies
+    r"test_gpt_convergence_gate\.py::": "the convergence gate: every algorithm's GPT run (140 s)",
+    r"test_flax_examples_jax\.py::test_every_algorithm_reaches": "every algorithm on flax's MNIST example (170 s); "
+    "the examples' five-line diffs stay quick",
+    r"test_cuda_shim\.py::test_cuda_kernels_under_the_shim_"
+    r"(match_the_cpu_kernels|with_address_and_ub_sanitizers)": "the whole kernel suite under the shim and its "
+    "sanitizer build; the shim against the reference stays quick",
+    r"test_cuda_resources\.py::": "nvcc's registers and occupancy of every kernel (compiles them for sm_90, 130 s); "
+    "the package build fails on any spill already",
+    r"test_bagua_net\.py::(test_every_version_resolves|test_sanitized\[tsan\]|test_launcher_flag_points_every_rank_"
+    r"at_the_plugin\[elastic\])": "every NCCL version's header, the thread sanitizer, the elastic launcher; the "
+    "contract, the fuzzers, ASan and the local launcher stay quick",
+    # the examples: one algorithm per front end stays quick (the README's job trains JAX's digits with ByteGrad)
+    r"test_examples\.py::.*\[(jax-(bytegrad|onebit_adam|async)|torch-(onebit_adam|async))\]": "torch's ByteGrad "
+    "example stays quick",
+    r"test_framework_examples_jax\.py::test_(flax_cnn|equinox_mlp)_trains": "the flax and equinox examples' runs",
+    r"test_adam_convergence_jax\.py::.*\[(cnn-qadam|transformer-qadam|transformer-onebit_adam)\]": "1-bit Adam on "
+    "the CNN stays quick",
+    r"test_adam_convergence_torch\.py::.*\[cnn-qadam\]": "QAdam on the transformer stays quick",
+    r"test_bagua_upstream_torch\.py::": "Bagua's own three decentralized tests (45-95 s each: each of their runs "
+    "spawns its ranks anew, each importing torch); Bagua's spelling against Bagua's reference stays quick "
+    "(test_bagua_compat_torch)",
+    r"test_bagua_migration_torch\.py::test_digits_script_trains_on_every_rank\[qadam\]": "the fused gradient "
+    "allreduce run of the same script stays quick",
+    # fault handling: one fault of each kind per front end stays quick
+    r"test_elastic_agent\.py::test_a_(node_dies|node_joins|worker_dies.*torch)": "torch's elastic agent: a worker "
+    "dies (JAX) stays quick; the node scenarios and torch's run the same agent",
+    r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"
+    r"plain_processes\[hang\]|test_mpi_launcher_names_the_rank_that_raised\[torch\]|test_mpi_raising_rank_exits_"
+    r"under_plain_mpiexec\[torch\])": "the native communicators' own dead-peer tests stay quick",
+    r"test_lax_communicator_processes_jax\.py::test_(collectives_across_processes\[4\]|a_dead_peer_fails_the_"
+    r"survivors_within_a_bound\[(exits-before-first-collective|hangs-alive)\])": "two processes and the other "
+    "dead-peer cases stay quick",
+    r"test_communicators_torch\.py::test_(every_primitive_matches_numpy\[gloo-4ranks\]|a_dead_or_stalled_peer_"
+    r"raises_within_the_timeout\[(gloo|mpi)-stall\])": "two ranks and a dead peer per engine stay quick",
+    r"test_native_communicator_jax\.py::test_a_dead_peer_raises_on_the_survivors_within_the_timeout\[ring": "the "
+    "MPI engine's dead peer stays quick",
+    r"test_process_group\.py::test_a_timed_out_run_kills_every_process_of_its_group\[rank 1\]": "rank 0's case "
+    "stays quick",
+    r"test_clean_exit_torch\.py::": "a gloo job's clean exit and a DCP job's (22 s and 36 s, 3 launched jobs each)",
+    r"test_nccl_engine_host\.py::test_nccl_engine_host_logic_under_thread_sanitizer": "the NCCL engine's host "
+    "logic under the thread sanitizer (its build)",
+    # the same scenarios on a larger job of the same kind
+    r"test_async_model_average_torch\.py::.*\[gloo-4\]": "two gloo ranks and two MPI ranks stay quick",
+    r"test_async_model_average_torch\.py::test_warmup_equals_synchronous_allreduce_sgd\[gloo-2\]": "the MPI job's "
+    "case stays quick",
+    r"test_async_model_average_jax\.py::.*\[mpi-4\]": "two ranks stay quick",
+    r"test_gradient_allreduce_bytegrad_torch\.py::.*\[(gloo|mpi)-4ranks-2nodes": "two gloo ranks stay quick, two "
+    "nodes in JAX's tests",
+    r"test_decentralized_torch\.py::.*\[(gloo|mpi)-4ranks-2nodes": "two ranks stay quick, two nodes in JAX's tests",
+    r"test_(decentralized|gradient_allreduce_bytegrad)_torch\.py::test_jobs_use_the_intended_communicators": "it "
+    "checks the two-node jobs above (each runs them)",
+    r"test_qadam_onebit_torch\.py::.*\[(gloo|mpi)-4ranks-2nodes": "two gloo ranks stay quick, two nodes in JAX's tests",
+    r"test_autotune_torch\.py::": "torch's autotuned jobs (47 s); JAX's jobs between nodes and the tuner's own "
+    "tests stay quick",
+    r"test_advisor_probe_jax\.py::test_the_command_line_probes": "the probe of injected levels stays quick",
+    r"test_checkpoint_jax\.py::test_restore_into_another_world_size_follows_the_rule\[.*-4-2\]": "from two to four "
+    "ranks stays quick",
+    r"test_checkpoint_torch\.py::test_restore_into_another_world_size": "torch's DCP restores into other sizes "
+    "stay quick (test_distributed_checkpoint_torch.py)",
+    r"test_diloco_jax\.py::test_native_communicator_matches": "the simulation's other communicators stay quick",
+    r"test_mpi_ring_min_bytes\.py::test_(torch_threshold|one_node_does_not_span)": "JAX's threshold stays quick",
+    r"test_elastic_launch\.py::test_(jax_coordinator_gets_a_port|an_unreachable_rendezvous)": "the launcher's "
+    "restarts and summaries stay quick",
+    r"test_lightning_torch\.py::test_lightning_launcher_every_algorithm_resumes": "bagua-launch starting the "
+    "trainer stays quick",
+    r"test_cached_dataset_torch\.py::.*\[spawn\]": "forked workers stay quick",
+    r"test_ddp_hooks_torch\.py::.*\[mpiexec": "the hooks under the python launcher stay quick",
+    r"test_distributed_checkpoint_torch\.py::test_restore_into_one_rank": "the restore into two ranks stays quick",
+    # the documentation's heaviest pages (each runs real training jobs, 90 s in all): the README and the
+    # getting-started pages stay quick, and CI runs these right after the quick suite (.ci/run)
+    r"test_docs_examples\.py::.*\[docs/guides/(workload|ddp_hooks|lightning|low_communication|checkpoints|"
+    r"from_bagua|fused_optimizer|flax_nnx|choosing_an_algorithm|autotuning)\.md\]": "the guides that train jobs",
+}
+"""Node-id pattern (matched at the start of the id relative to tests/) -> what it holds, what stays quick."""
+
+_PATTERN = re.compile("^(?:" + "|".join(f"(?:{p})" for p in EXTENDED) + ")")
+
+
+def is_extended(nodeid: str) -> bool:
+    """Whether the test ``nodeid`` (``tests/test_x.py::name[id]``) belongs to the extended run only."""
+    return _PATTERN.search(nodeid.removeprefix("tests/")) is not None

@@ -1,0 +1,83 @@
+"""What a change of members does to a fault-tolerant JAX job's state (bagua_jax/state_rules.py), and the
+algorithms FaultTolerantTrainer refuses (they fall back to the elastic restart).
+
+In one process on a mesh of 2 CPU devices: ByteGrad with error feedback trains until its residuals are not
+zero; after a change the residuals (found by their type, ByteGradState, not by the rule's name matching) come
+from a fresh state and every other leaf is kept bit for bit; the replica check hashes all but the residuals.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+from bagua_common.fault_tolerance import DataPosition
+from bagua_jax import DataParallel
+from bagua_jax.algorithms import ByteGrad, DiLoCo
+from bagua_jax.algorithms.bytegrad import ByteGradState
+from bagua_jax.fault_tolerance import FaultTolerantTrainer
+from bagua_jax.state_rules import REPLICATED, RESET, carry_over, replicated_leaves, roles
+from bagua_jax.train_state import TrainState
+
+
+def loss_fn(params, batch):
+    x, y = batch
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+
+
+def mesh() -> Mesh:
+    return Mesh(jax.devices()[:2], ("r",))
+
+
+def residual_flags(state: TrainState) -> list[bool]:
+    """Per leaf of ``state`` in tree order: whether it is a ByteGrad residual (found by its container's type)."""
+    is_bytegrad = lambda node: isinstance(node, ByteGradState)  # noqa: E731
+    flags = []
+    for field in TrainState._fields:
+        for node in jax.tree.leaves(getattr(state, field), is_leaf=is_bytegrad):
+            flags += [True] * len(jax.tree.leaves(node.residuals)) if is_bytegrad(node) else [False]
+    return flags
+
+
+def test_a_change_resets_the_error_feedback_residuals_and_keeps_the_rest():
+    trainer = DataParallel(loss_fn, optax.adam(0.05), ByteGrad(error_feedback=True, hierarchical=False), mesh=mesh())
+    rng = np.random.default_rng(0)
+    params = {"w": jnp.asarray(rng.normal(size=(300,)), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    state = trainer.init(params)
+    for _ in range(2):
+        batch = (rng.normal(size=(8, 300)).astype(np.float32), rng.normal(size=(8,)).astype(np.float32))
+        state, _ = trainer.step(state, batch)
+    is_residual = residual_flags(state)
+    leaves = jax.tree.leaves(state)
+    assert 0 < sum(is_residual) < len(leaves)
+    assert all(np.any(np.asarray(leaf) != 0) for leaf, r in zip(leaves, is_residual) if r)
+
+    role_tree = roles(trainer, state)
+    assert jax.tree.leaves(role_tree) == [RESET if r else REPLICATED for r in is_residual]
+    fresh = trainer.init(params)
+    carried = carry_over(role_tree, state, fresh)
+    for leaf, new, start, residual in zip(leaves, jax.tree.leaves(carried), jax.tree.leaves(fresh), is_residual):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(start if residual else leaf))
+    hashed = replicated_leaves(role_tree, state)
+    kept = [np.asarray(leaf) for leaf, r in zip(leaves, is_residual) if not r]
+    assert len(hashed) == len(kept) and all(np.array_equal(h, k) for (_, h), k in zip(hashed, kept))
+    assert {part for part, _ in hashed} == {"parameters", "optimizer", "step"}
+
+    shrunk = jax.tree.map(lambda leaf: leaf[:1] if jnp.ndim(leaf) else leaf, fresh)  # a kept leaf changes shape
+    with pytest.raises(ValueError, match="would have to become"):
+        carry_over(role_tree, state, shrunk)
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    ["decentralized", "async", DiLoCo(sync_every=2)],
+    ids=["decentralized", "async", "diloco"],
+)
+def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(algorithm):
+    trainer = DataParallel(loss_fn, optax.sgd(0.1), algorithm, mesh=mesh())
+    with pytest.raises(ValueError, match=r"elastic restart instead \(bagua-launch --nnodes MIN:MAX"):
+        FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0))
