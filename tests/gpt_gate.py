@@ -1,12 +1,12 @@
 """The convergence gate's run, shared by both front ends: what every algorithm trains, and how it is judged.
 
-Every algorithm starts from one model: the ``tiny`` GPT after PRETRAIN_STEPS steps of plain AdamW in one process,
-PRETRAIN_WINDOWS windows per step, its lr rising linearly from 0 to PRETRAIN_LR over those steps
-(test_gpt_convergence_gate.pretrained, 77K tokens). That model has learned byte frequencies and little context: its
-held-out loss is near the unigram plateau (2.9-3.0 nats per byte) and at least START_FLOOR, so each algorithm must
-cross BAR itself. Trained from scratch every algorithm would pay for the same first steps (a plateau that every
-optimizer that averages gradients or models passes alike); the shared warm-up leaves each of them the part where
-context is learned.
+The model is MODEL: the ``tiny`` GPT (2 blocks of 64 channels) at half its context, 32 bytes, which costs half as
+much per step and, per step, learns nearly as much (single process, 16 windows per step: held-out 2.49 after 300
+steps against 2.41 with 64 bytes). Every algorithm starts from one model: MODEL after PRETRAIN_STEPS steps of plain
+AdamW in one process, PRETRAIN_WINDOWS windows per step, its lr rising linearly from 0 to PRETRAIN_LR over those
+steps (test_gpt_convergence_gate.pretrained). That model has left the unigram plateau but stays above BAR (held-out
+2.56-2.65 nats per byte; at least START_FLOOR): each algorithm crosses the bar itself, while none pays again for
+the first steps, which every optimizer that averages gradients or models passes alike.
 From the start each algorithm trains STEPS steps of NRANKS x BATCH windows of the corpus (each rank's tokens from
 ``(seed, PRETRAIN_STEPS + step, rank)``): JAX on a mesh of NRANKS devices, BATCH windows per rank; torch on
 TORCH_NODES nodes of NRANKS ranks (``local_world_size=NRANKS``), BATCH // TORCH_NODES windows per rank, so that its
@@ -23,24 +23,31 @@ import math
 
 import numpy as np
 
-SIZE, NRANKS, TORCH_NODES = "tiny", 2, 2
-PRETRAIN_STEPS, PRETRAIN_WINDOWS, PRETRAIN_LR = 75, 16, 5e-3
-STEPS, BATCH, LR, WARMUP, FINAL_LR_FRACTION = 250, 8, 5e-3, 10, 0.1
+from bagua_common.workload import GPTConfig
+
+MODEL = GPTConfig("gate", layers=2, width=64, heads=4, context=32)
+"""The ``tiny`` GPT at half its context: per step it learns about as much as ``tiny`` with 64 and costs half."""
+NRANKS, TORCH_NODES = 2, 2
+PRETRAIN_STEPS, PRETRAIN_WINDOWS, PRETRAIN_LR = 250, 16, 5e-3
+STEPS, BATCH, LR, WARMUP, FINAL_LR_FRACTION = 200, 8, 5e-3, 10, 0.1
 B2, WEIGHT_DECAY = 0.95, 0.01
 HELDOUT_WINDOWS = 64
 BAR = 2.5
 """The held-out loss (nats per byte) every algorithm must end at or below: 0.8 below the held-out text's unigram
 entropy (3.31), which byte frequencies alone cannot reach."""
-START_FLOOR = 2.8
-"""The shared start's held-out loss is at least this (0.3 above BAR): every algorithm crosses the bar itself."""
+START_FLOOR = 2.55
+"""The shared start's held-out loss is at least this (above BAR): every algorithm crosses the bar itself."""
 
 OPTIONS: dict[str, dict] = {
     "qadam": {"warmup_steps": 30},
     "onebit_adam": {"warmup_steps": 30},
     "async": {"sync_interval_ms": 5, "warmup_steps": 30},
-    "diloco": {"sync_every": 50},
+    "diloco": {"sync_every": 10, "outer_learning_rate": 1.0, "outer_momentum": 0.0},
 }
-"""Registry name -> options other than the defaults; a name without an entry runs with its defaults."""
+"""Registry name -> options other than the defaults; a name without an entry runs with its defaults. DiLoCo: 20
+rounds whose outer step is the ranks' mean (lr 1, no momentum). Its default Nesterov step (lr 0.7, momentum 0.9)
+is tuned for hundreds of inner steps per round; here, at 25 steps per round, it ended 0.12 above allreduce
+(seed 1: 2.554 against 2.430 after 150 steps), with plain averaging every 10 steps 0.02 above."""
 
 
 def learning_rate(step: int) -> float:

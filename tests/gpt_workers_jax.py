@@ -26,7 +26,7 @@ def async_gate(seed: int, start: dict) -> dict:
     import jax
     import numpy as np
     import optax
-    from gpt_gate import BATCH, HELDOUT_WINDOWS, OPTIONS, PRETRAIN_STEPS, SIZE, STEPS, summary
+    from gpt_gate import BATCH, HELDOUT_WINDOWS, OPTIONS, PRETRAIN_STEPS, MODEL, STEPS, summary
 
     from bagua_common.workload import gpt_config, load_corpus
     from bagua_jax.algorithms import Communicators, make_algorithm
@@ -37,7 +37,7 @@ def async_gate(seed: int, start: dict) -> dict:
     rank = int(world.rank())
     algorithm = make_algorithm("async", **OPTIONS["async"])
     tx = algorithm.transformation(gate_adamw(), Communicators(world))
-    loss_fn = gpt_loss_fn(SIZE)
+    loss_fn = gpt_loss_fn(MODEL)
 
     @jax.jit
     def step(params, opt_state, tokens):
@@ -48,7 +48,7 @@ def async_gate(seed: int, start: dict) -> dict:
     params = jax.tree.map(jax.numpy.asarray, start)
     opt_state = tx.init(params)
     averager = algorithm.averager(params, NativeCommunicator.mpi_world(timeout=60))
-    corpus, length = load_corpus(), gpt_config(SIZE).context + 1
+    corpus, length = load_corpus(), gpt_config(MODEL).context + 1
     for t in range(STEPS):
         params, opt_state = step(params, opt_state, corpus.batch(seed, PRETRAIN_STEPS + t, rank, BATCH, length))
         params = averager.apply(params)

@@ -62,7 +62,7 @@ def _algorithm(name: str, model: torch.nn.Module):
 def gate(names: list[str], seed: int, start: dict) -> dict:
     """Train the ``tiny`` GPT from the parameters ``start`` with each algorithm of ``names`` in turn, on the gate's
     nodes of NRANKS ranks; this rank's gate summary of each."""
-    from gpt_gate import BATCH, HELDOUT_WINDOWS, NRANKS, PRETRAIN_STEPS, SIZE, STEPS, TORCH_NODES, summary
+    from gpt_gate import BATCH, HELDOUT_WINDOWS, NRANKS, PRETRAIN_STEPS, MODEL, STEPS, TORCH_NODES, summary
 
     import bagua_torch
 
@@ -72,7 +72,7 @@ def gate(names: list[str], seed: int, start: dict) -> dict:
     corpus = load_corpus()
     out = {"rank": rank, "hierarchical": group.communicators.hierarchical}
     for name in names:
-        model = GPT(SIZE, start)
+        model = GPT(MODEL, start)
         flat_start = torch.cat([p.detach().flatten() for p in model.parameters()])
         optimizer, algorithm, schedule = _algorithm(name, model)
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm)
