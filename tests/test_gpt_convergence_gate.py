@@ -11,9 +11,8 @@ by :func:`verdict`:
 * its held-out loss at or below BAR (2.5 nats per byte, 0.8 below the held-out text's unigram entropy of 3.31):
   the model predicts bytes from the bytes before them, not only from how often each occurs;
 * its held-out loss at most MARGIN above gradient allreduce's in the same front end (MARGINS for the algorithms
-  that average models rather than gradients). Allreduce itself must end LEARNT below the start, at least any
-  margin: an algorithm that stops learning where it started falls behind by more than its margin. The start is
-  at least START_FLOOR, above BAR: every algorithm crosses the bar itself;
+  that average models rather than gradients). The start is at least START_FLOOR, above BAR: every algorithm
+  crosses the bar itself, and one that stops learning where it started fails the bar;
 * every parameter finite, and each parameter tensor's largest magnitude at most 3x the same tensor's under AdamW
   (plus 0.05; plus lr x steps for the tensors that start at zero, the biases: AdamW keeps some tiny while any
   optimizer may move a coordinate by about lr per step). With Bagua's unbounded QAdam / 1-bit Adam step
@@ -76,8 +75,6 @@ MARGINS = {
     ("torch", "async"): 0.15,
 }
 """Held-out loss (nats per byte) a (front end, algorithm) may trail gradient allreduce by (see the module docstring)."""
-LEARNT = 0.15
-"""How far below the start gradient allreduce must end: at least any margin."""
 MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
 REPLICA_SPREAD = 0.1
 """The largest distance of a torch rank's parameters from the ranks' mean, over how far the mean moved, for the
@@ -254,10 +251,8 @@ def test_algorithm_learns_like_gradient_allreduce_with_adamw(runs, front_end, na
     if name not in trained:
         pytest.skip(f"{front_end} {name} did not run here (see test_every_registered_algorithm_is_gated)")
     ranks = trained[name]
-    # The gate's steps are where learning happens: the start is well above the bar, and allreduce gains at least
-    # any margin, so an algorithm that stops learning at the start falls behind by more than its margin.
+    # The gate's steps are where the bar is crossed: an algorithm that stops learning at the start fails it.
     assert runs["start"] >= START_FLOOR, runs["start"]
-    assert trained["gradient_allreduce"][0]["heldout_loss"] <= runs["start"] - LEARNT, runs["start"]
     failures = verdict(ranks, trained["gradient_allreduce"][0], MARGINS.get((front_end, name), MARGIN))
     assert not failures, failures
     if name == "async":
