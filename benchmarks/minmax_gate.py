@@ -2,8 +2,8 @@
 
 A change to the min-max format changes the bytes these algorithms exchange. This script runs the GPT
 convergence gate's training (``tests/gpt_gate.py``: its GPT from the shared AdamW start; JAX on a 2-device mesh,
-torch on 2 nodes of 2 ranks) for ByteGrad, QAdam, low-precision decentralized and DiLoCo with a ``uint8`` outer exchange,
-over several seeds, and records every rank's held-out loss under ``--label``. Run it once on each build; the
+torch on 2 nodes of 2 ranks) for ByteGrad, QAdam, low-precision decentralized and DiLoCo with a ``uint8`` outer
+exchange, over several seeds, and records every rank's held-out loss under ``--label``. Run it once on each build; the
 report puts the labels side by side, with the seed-to-seed spread as the yardstick.
 
 How to run::

@@ -26,7 +26,7 @@ def async_gate(seed: int, start: dict) -> dict:
     import jax
     import numpy as np
     import optax
-    from gpt_gate import BATCH, HELDOUT_WINDOWS, OPTIONS, PRETRAIN_STEPS, MODEL, STEPS, summary
+    from gpt_gate import BATCH, HELDOUT_WINDOWS, MODEL, OPTIONS, PRETRAIN_STEPS, STEPS, summary
 
     from bagua_common.workload import gpt_config, load_corpus
     from bagua_jax.algorithms import Communicators, make_algorithm

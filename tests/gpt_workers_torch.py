@@ -60,9 +60,9 @@ def _algorithm(name: str, model: torch.nn.Module):
 
 
 def gate(names: list[str], seed: int, start: dict) -> dict:
-    """Train the ``tiny`` GPT from the parameters ``start`` with each algorithm of ``names`` in turn, on the gate's
+    """Train the gate's GPT from the parameters ``start`` with each algorithm of ``names`` in turn, on the gate's
     nodes of NRANKS ranks; this rank's gate summary of each."""
-    from gpt_gate import BATCH, HELDOUT_WINDOWS, NRANKS, PRETRAIN_STEPS, MODEL, STEPS, TORCH_NODES, summary
+    from gpt_gate import BATCH, HELDOUT_WINDOWS, MODEL, NRANKS, PRETRAIN_STEPS, STEPS, TORCH_NODES, summary
 
     import bagua_torch
 
