@@ -3,9 +3,9 @@
 The quick suite is what CI and every change run: it keeps each behaviour at least once in each front end, on
 the cheapest job that shows it (two ranks rather than four, one launcher rather than each). The extended run
 adds the rest of the matrix (more ranks, the two-node layouts again under another backend, every launcher and
-fault kind, the examples' accuracy for every algorithm) and the long studies (the sanitizer builds).
-conftest.py marks every test whose node id matches a pattern here ``extended``; pyproject's ``addopts`` deselects
-them unless ``-m`` asks otherwise (``-m "extended or not extended"`` runs everything).
+fault kind, the examples' accuracy for every algorithm) and the long studies (the GPT convergence gate, the
+sanitizer builds). conftest.py marks every test whose node id matches a pattern here ``extended``; pyproject's
+``addopts`` deselects them unless ``-m`` asks otherwise (``-m "extended or not extended"`` runs everything).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ import re
 
 EXTENDED: dict[str, str] = {
     # the long studies
+    r"test_gpt_convergence_gate\.py::": "the convergence gate: 19 GPT runs that each cross the 2.5 nats/byte bar "
+    "(182 s at load 1.5, over the 150 s the quick suite can pay)",
     r"test_flax_examples_jax\.py::test_every_algorithm_reaches": "every algorithm on flax's MNIST example (170 s); "
     "the examples' five-line diffs stay quick",
     r"test_cuda_shim\.py::test_cuda_kernels_under_the_shim_"

@@ -41,7 +41,7 @@ START_FLOOR = 2.52
 OPTIONS: dict[str, dict] = {
     "qadam": {"warmup_steps": 30},
     "onebit_adam": {"warmup_steps": 30},
-    "async": {"sync_interval_ms": 5, "warmup_steps": 30},
+    "async": {"sync_interval_ms": 1, "warmup_steps": 30},  # 5 ms: too few rounds per step on an idle machine
     "diloco": {"sync_every": 10, "outer_learning_rate": 1.0, "outer_momentum": 0.0},
 }
 """Registry name -> options other than the defaults; a name without an entry runs with its defaults. DiLoCo: 20
