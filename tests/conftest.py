@@ -74,6 +74,15 @@ def pytest_collection_modifyitems(config, items):
 _BACKGROUND_JOBS = pytest.StashKey[dict]()
 
 
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    # `pytest -q` prints no report header: a failing seeded test names the seed that replays it.
+    report = yield
+    if report.failed and item.get_closest_marker("seeded"):
+        report.sections.append(("random data seed", f"replay with BAGUA_TEST_SEED={SEED}"))
+    return report
+
+
 def pytest_unconfigure(config):
     for job in config.stash.get(_BACKGROUND_JOBS, {}).values():
         job.stop()

@@ -12,7 +12,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 import cuda_design  # noqa: E402
 import cuda_resources  # noqa: E402
 
-pytestmark = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc, which compiles without a GPU")
+pytestmark = [
+    pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc, which compiles without a GPU"),
+    # The fixture compiles every kernel: 130 s on 2 quiet cores, and CI machines may take twice that.
+    pytest.mark.timeout(1200),
+]
 
 # Every kernel template that moves bulk data, by the name cuda_design gives it.
 TEMPLATES = {"minmax_compress", "decompress", "decompress_reduce", "sign_stats", "sign_feedback", "elementwise"}

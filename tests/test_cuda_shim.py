@@ -47,6 +47,7 @@ def _summary(returncode, stdout, stderr):
     return passed, failed
 
 
+@pytest.mark.timeout(TIMEOUT_S)  # the first test of the run to use the shim pays its build (g++, minutes)
 def test_cuda_kernels_under_the_shim_match_the_cpu_kernels(shim):
     passed, failed = _run(shim.suite)
     # 3 dtypes x 11 sizes on 4 device shapes, and each dtype's extremes: compress + decompress,
