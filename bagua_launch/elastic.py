@@ -4,8 +4,10 @@
 ``torchrun`` spells them) runs ``torch.distributed.launcher.api.elastic_launch`` with the
 c10d rendezvous on every node: the agents agree on the membership, start this node's
 workers, restart all of them (spending one of ``--max-restarts``) when a worker or a node
-fails, and restart them without spending one when a node joins. Workers get torchrun's
-variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
+fails, and restart them without spending one when a node joins. With ``--fault-tolerant`` a worker
+that dies is replaced alone by a process joining the running job
+(:mod:`bagua_launch.replacements`); the agent's own restarts are then for what that cannot handle.
+Workers get torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RESTART_COUNT``, ...) plus ``BAGUA_ELASTIC=1`` (and Bagua-Net's variables with
 ``--enable-bagua-net``); a worker resumes from its last checkpoint.
 
@@ -30,6 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bagua_common.comm.engines import ENV_ELASTIC
+from bagua_common.fault_tolerance.kv_store import KVServer
+from bagua_common.fault_tolerance.settings import (
+    ENV_DIRECTORY,
+    ENV_FAULT_TOLERANCE,
+    ENV_SECRET_FILE,
+    job_secret,
+    write_job_secret,
+)
 from bagua_common.job.local_launch import free_port
 from bagua_launch.output import NAME, describe_exit, exit_status, summary
 from bagua_launch.parsed_config import config_from_namespace
@@ -84,6 +94,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the job's id, the same on every node (default: bagua)",
     )
     group.add_argument(
+        "--fault-tolerant",
+        action="store_true",
+        help="a rank that dies is replaced by a process that joins the running job (BAGUA_FT_JOIN=1), instead "
+        "of every worker restarting; the script must use fault tolerance (bagua_torch.init_process_group("
+        "fault_tolerance=True)); see docs/guides/fault_tolerance.md",
+    )
+    group.add_argument(
         "--rdzv-conf",
         "--rdzv_conf",
         default="",
@@ -109,12 +126,13 @@ class ElasticConfig:
     tail_lines: int
     grace: float
     nccl_net: dict[str, str] = field(default_factory=dict)  # --enable-bagua-net: NCCL's plugin variables
+    fault_tolerant: bool = False
 
 
 def requested(ns: argparse.Namespace) -> bool:
     """Whether the command line asks for elastic mode."""
     low, high = ns.nnodes
-    return low != high or ns.max_restarts is not None or ns.rdzv_endpoint is not None
+    return low != high or ns.max_restarts is not None or ns.rdzv_endpoint is not None or ns.fault_tolerant
 
 
 def _rdzv_conf(text: str) -> dict[str, str]:
@@ -243,7 +261,21 @@ def run(config: ElasticConfig) -> int:
         local_addr="127.0.0.1" if _is_loopback(host) else None,
         shutdown_timeout=math.ceil(config.grace),
     )
-    if config.mode == "program":
+    if config.fault_tolerant:  # each worker slot replaces its rank when it dies (bagua_launch.replacements)
+        if not os.environ.get(ENV_SECRET_FILE, "").strip():
+            if config.max_nodes > 1:
+                sys.stderr.write(
+                    f"{NAME}: --fault-tolerant over several nodes needs {ENV_SECRET_FILE}: the path of a file of "
+                    "mode 0600 holding the job's secret (at least 16 bytes), the same on every node\n"
+                )
+                shutil.rmtree(log_dir, ignore_errors=True)
+                return 2
+            os.environ[ENV_SECRET_FILE] = write_job_secret(log_dir)
+        # where this node's ranks say where the job is, for the replacements
+        directory = KVServer("127.0.0.1", secret=job_secret())
+        os.environ.update({ENV_FAULT_TOLERANCE: "1", ENV_DIRECTORY: f"127.0.0.1:{directory.port}"})
+        entrypoint, args = sys.executable, ["-m", "bagua_launch.replacements", *config.command]
+    elif config.mode == "program":
         entrypoint, args = config.command[0], config.command[1:]
     else:
         entrypoint, args = sys.executable, config.command[1:]

@@ -58,7 +58,7 @@ from bagua_torch.algorithms.base import (
 from bagua_torch.autotune import set_mpi_ring_min_bytes, tuner_for
 from bagua_torch.broadcast import broadcast_optimizer_state, broadcast_tensors
 from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES, Bucket, make_buckets
-from bagua_torch.job import communicators_from
+from bagua_torch.job import communicators_from, fault_tolerance_of
 from bagua_torch.reducer import Reducer
 
 __getattr__ = moved_names(__name__)  # DistributedDataParallel, now in bagua_torch.distributed_data_parallel
@@ -137,7 +137,7 @@ class BaguaModule(nn.Module):
         self.sync_point: SyncPoint = sync_point
         self.broadcast_buffers = broadcast_buffers
         self.communicators: Communicators = communicators_from(process_group)
-        world = self.communicators.world
+        fault_tolerance = self._fault_tolerance = fault_tolerance_of(process_group)
 
         named = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
         for name, p in module.named_parameters():
@@ -163,15 +163,10 @@ class BaguaModule(nn.Module):
         leaves += [(f"buffer {n}", b.shape, b.dtype) for n, b in module.named_buffers()]
         config = algorithm_config(algorithm, bucket_bytes=bucket_bytes, sync_point=sync_point)
 
-        def allgather(x: np.ndarray) -> np.ndarray:
-            return world.allgather(torch.from_numpy(x).to(self.device)).cpu().numpy()
-
-        signature = JobSignature.of(leaves, config)
-        check_same_job(signature, allgather)
-
-        broadcast_tensors(world, [p for _, p in module.named_parameters()] + [b for _, b in module.named_buffers()])
-        for optimizer in optimizers:
-            broadcast_optimizer_state(optimizer, world, self.device)
+        signature = self._signature = JobSignature.of(leaves, config)
+        # A fault-tolerant job wraps alone and synchronizes when its loop starts, where a lost rank is survived.
+        if fault_tolerance is None:
+            self.synchronize_replicas()
 
         self._named = tuple(named)
         self.bucket_tuner = tuner_for(
@@ -191,6 +186,21 @@ class BaguaModule(nn.Module):
         self._step_hooks = [self._hook_steps(opt, opt) for opt in optimizers]
         for opt in optimizers:
             _WRAPPER_OF[opt] = self
+        if fault_tolerance is not None:
+            fault_tolerance.attach(self)
+
+    def synchronize_replicas(self) -> None:
+        """Check that every rank wraps the same model with the same algorithm and settings, then overwrite the
+        parameters, buffers and optimizers' state with rank 0's (collective; the wrapper does it when it wraps)."""
+        world = self.communicators.world
+
+        def allgather(x: np.ndarray) -> np.ndarray:
+            return world.allgather(torch.from_numpy(x).to(self.device)).cpu().numpy()
+
+        check_same_job(self._signature, allgather)
+        broadcast_tensors(world, [p for _, p in self.module.named_parameters()] + list(self.module.buffers()))
+        for optimizer in self.optimizers:
+            broadcast_optimizer_state(optimizer, world, self.device)
 
     def _build(self, bucket_bytes: int) -> None:
         """Group the trainable parameters into buckets of at most ``bucket_bytes``; build the algorithm and reducer."""
@@ -206,6 +216,7 @@ class BaguaModule(nn.Module):
             named_parameters=self._named,
             device=self.device,
             bucket_bytes=bucket_bytes,
+            fault_tolerance=self._fault_tolerance,
         )
         impl = self.algorithm.reify(context)
         if not isinstance(impl, AlgorithmImpl):
@@ -237,6 +248,23 @@ class BaguaModule(nn.Module):
         self.algorithm = algorithm
         self._build(bucket_bytes)
         self.reducer.events = events
+
+    def rebuild(self, communicators: Communicators) -> None:
+        """Rebuild the buckets, algorithm and reducer for ``communicators`` (the members of a fault-tolerant job
+        changed): the iteration in flight is dropped, the algorithm keeps its carried state (as of the last
+        commit) and restarts the rest by its rule, and the gradients are cleared."""
+        carried = self.algorithm_impl.carried_state()
+        events = self.reducer.events
+        self.reducer.discard()
+        try:
+            self.algorithm_impl.close()
+        except RuntimeError:  # its threads' last collectives were abandoned with the old members
+            pass
+        self.communicators = communicators
+        self._build(self.bucket_bytes)
+        self.algorithm_impl.load_carried_state(carried)
+        self.reducer.events = events
+        self.module.zero_grad(set_to_none=True)
 
     @property
     def events(self) -> list[tuple[str, int, float]] | None:

@@ -2,8 +2,9 @@
 
 :func:`broadcast_tensors` overwrites a list of tensors with rank 0's values in one broadcast of
 their bytes. :func:`broadcast_optimizer_state` does the same for an optimizer's ``state_dict()``
-(moments, step counts, hyper-parameters): its structure travels as JSON and its tensors as raw
-bytes, so nothing a peer sends is unpickled.
+(moments, step counts, hyper-parameters), and :func:`broadcast_structure` any nested state (what a
+fault-tolerant job sends a joiner): structures travel as JSON and tensors as raw bytes, so nothing
+a peer sends is unpickled.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 
 from bagua_torch.communicator import Communicator
 
-__all__ = ["broadcast_optimizer_state", "broadcast_tensors"]
+__all__ = ["broadcast_optimizer_state", "broadcast_structure", "broadcast_tensors"]
 
 
 def broadcast_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], root: int = 0) -> None:
@@ -37,30 +38,43 @@ def broadcast_tensors(comm: Communicator, tensors: Sequence[torch.Tensor], root:
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, world: Communicator, device: torch.device) -> None:
     """Overwrite ``optimizer``'s state and hyper-parameters on every rank with rank 0's (collective).
 
-    Three broadcasts: the size of the JSON structure, the structure, then every state tensor's
-    bytes in one buffer. Where rank 0's state holds a value JSON cannot carry (an arbitrary
-    object), every rank raises a TypeError.
+    Its ``state_dict()`` travels by :func:`broadcast_structure`; where rank 0's state holds a value
+    JSON cannot carry (an arbitrary object), every rank raises a TypeError.
+    """
+    try:
+        state = broadcast_structure(optimizer.state_dict() if world.rank == 0 else None, world, device)
+    except TypeError as error:
+        raise TypeError(f"{type(optimizer).__name__}'s state on rank 0 cannot be broadcast: {error}") from None
+    if world.rank != 0:  # on the CPU, as a loaded checkpoint: the optimizer places its state itself
+        optimizer.load_state_dict(state)
+
+
+def broadcast_structure(value: Any, world: Communicator, device: torch.device, root: int = 0) -> Any:
+    """``root``'s ``value`` (dicts, lists, tuples, numbers, strings, None and tensors, nested) on every rank
+    (collective; other ranks pass anything, e.g. None). Tensors arrive on the CPU.
+
+    Three broadcasts: the size of the JSON structure, the structure, then every tensor's bytes in
+    one buffer. Where ``root``'s value holds something JSON cannot carry, every rank raises a TypeError.
     """
     tensors: list[torch.Tensor] = []
     payload, error = b"", None
-    if world.rank == 0:
+    if world.rank == root:
         try:
-            payload = json.dumps(_encode(optimizer.state_dict(), tensors)).encode()
+            payload = json.dumps(_encode(value, tensors)).encode()
         except TypeError as caught:
             error = caught
-    size = int(world.broadcast(torch.tensor([-1 if error else len(payload)], dtype=torch.int64, device=device), 0))
+    size = int(world.broadcast(torch.tensor([-1 if error else len(payload)], dtype=torch.int64, device=device), root))
     if size < 0:
-        raise TypeError(f"{type(optimizer).__name__}'s state on rank 0 cannot be broadcast: {error or 'see rank 0'}")
+        raise TypeError(str(error) if error else f"rank {root}'s value cannot be broadcast (see rank {root})")
     buffer = torch.zeros(size, dtype=torch.uint8, device=device)
-    if world.rank == 0:
+    if world.rank == root:
         buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-    data = json.loads(bytes(world.broadcast(buffer, 0).cpu().numpy()).decode())
-    if world.rank != 0:
+    data = json.loads(bytes(world.broadcast(buffer, root).cpu().numpy()).decode())
+    if world.rank != root:
         tensors = [torch.zeros(shape, dtype=dtype, device=device) for dtype, shape in _tensor_specs(data)]
     staged = [t.to(device) for t in tensors]
-    broadcast_tensors(world, staged)
-    if world.rank != 0:  # on the CPU, as a loaded checkpoint: the optimizer places its state itself
-        optimizer.load_state_dict(_decode(data, [t.cpu() for t in staged]))
+    broadcast_tensors(world, staged, root)
+    return _decode(data, [t.cpu() for t in staged])
 
 
 def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
@@ -80,7 +94,7 @@ def _encode(value: Any, tensors: list[torch.Tensor]) -> Any:
         return [_encode(v, tensors) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    raise TypeError(f"cannot broadcast an optimizer state holding a {type(value).__name__} ({value!r})")
+    raise TypeError(f"cannot broadcast a state holding a {type(value).__name__} ({value!r})")
 
 
 def _decode(data: Any, tensors: list[torch.Tensor]) -> Any:

@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from bagua_common.comm.timeout import timeout_seconds
 from bagua_common.comm.topology import Communicators
+from bagua_common.fault_tolerance.settings import ENV_FAULT_TOLERANCE, ENV_JOIN
 from bagua_common.job.rank_environment import environment_int, started_by_mpi
 from bagua_torch.communicator import (
     Communicator,
@@ -68,6 +69,9 @@ class BaguaProcessGroup:
     store: Any = None
     ranks: Sequence[int] = ()
     name: str = "default"
+    fault_tolerance: Any = None
+    """The :class:`~bagua_torch.fault_tolerance.FaultTolerance` of a fault-tolerant job (its members, the
+    training loop's steps), else None."""
 
     def __post_init__(self) -> None:
         self.ranks: list[int] = list(self.ranks) or list(range(self.size))
@@ -130,6 +134,7 @@ def init_process_group(
     master_port: int | None = None,
     timeout: float | timedelta | None = None,
     native: bool | None = None,
+    fault_tolerance: bool | None = None,
 ) -> BaguaProcessGroup:
     """Initialize the job (every process calls it once, before wrapping models) and return its communicators.
 
@@ -143,6 +148,11 @@ def init_process_group(
       complete raises instead of hanging; default ``BAGUA_COMM_TIMEOUT`` or 300.
     * ``native``: None uses the native engine when available (MPI under ``mpiexec`` for
       CPU, NCCL for GPU), True requires it, False never uses it.
+    * ``fault_tolerance``: True starts a job that survives a lost rank without a restart (default
+      ``BAGUA_FAULT_TOLERANCE=1``; with ``BAGUA_FT_JOIN=1`` this process joins a running one): the
+      group's ``fault_tolerance`` runs the training loop (:mod:`bagua_torch.fault_tolerance`). It uses
+      ``torch.distributed``'s gloo or nccl groups of its own, never the native engines, and does not
+      initialize ``torch.distributed``'s default group.
 
     If ``torch.distributed`` is already initialized it is reused (its rank and size must
     match). The result is also kept as the default for :func:`bagua_torch.with_bagua`
@@ -156,6 +166,13 @@ def init_process_group(
     if native is not None and not isinstance(native, bool):
         raise TypeError(f"init_process_group: native must be None or a bool, got {native!r}")
     seconds = timeout_seconds(timeout)
+    if fault_tolerance is None:
+        fault_tolerance = os.environ.get(ENV_FAULT_TOLERANCE) == "1" or os.environ.get(ENV_JOIN) == "1"
+    if fault_tolerance:
+        if native:
+            raise ValueError("init_process_group: fault tolerance runs over gloo/nccl groups, not the native engines")
+        _default = _fault_tolerant_group(backend, rank, world_size, master_addr, master_port, seconds)
+        return _default
 
     rank = _argument_or_environment("rank", rank, "RANK")
     world_size = _argument_or_environment("world_size", world_size, "WORLD_SIZE")
@@ -289,6 +306,47 @@ def init_process_group(
     return _default
 
 
+def _fault_tolerant_group(
+    backend: str | None,
+    rank: int | None,
+    world_size: int | None,
+    master_addr: str | None,
+    master_port: int | None,
+    seconds: float,
+) -> BaguaProcessGroup:
+    """Start or join a fault-tolerant job (see :mod:`bagua_torch.fault_tolerance`): the group of its first epoch."""
+    from bagua_torch.fault_tolerance import start_fault_tolerance
+
+    master_addr = master_addr if master_addr is not None else os.environ.get("MASTER_ADDR")
+    master_port = _argument_or_environment("master_port", master_port, "MASTER_PORT")
+    if master_addr is None or master_port is None:
+        raise ValueError("init_process_group: a fault-tolerant job needs MASTER_ADDR and MASTER_PORT (or master_addr=)")
+    use_cuda = backend == "nccl" if backend is not None else torch.cuda.is_available()
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    job = start_fault_tolerance(
+        _argument_or_environment("rank", rank, "RANK"),
+        _argument_or_environment("world_size", world_size, "WORLD_SIZE"),
+        master_addr,
+        master_port,
+        "nccl" if use_cuda else "gloo",
+        device,
+        seconds,
+    )
+    group = BaguaProcessGroup(
+        communicators=job.communicators,
+        rank=0 if job.epoch is None else job.epoch.rank,
+        size=1 if job.epoch is None else job.epoch.size,
+        local_rank=0,
+        local_size=1,
+        device=device,
+        backend=job.backend,
+        native=False,
+        fault_tolerance=job,
+    )
+    job.group = group
+    return group
+
+
 def is_initialized() -> bool:
     """Whether :func:`init_process_group` has been called in this process."""
     return _default is not None
@@ -335,6 +393,13 @@ def from_torch_group(group: dist.ProcessGroup) -> BaguaProcessGroup:
     communicators = Communicators(ProcessGroupCommunicator(group, name=name))
     ranks = dist.get_process_group_ranks(group)
     return dataclasses.replace(get_process_group(), communicators=communicators, store=None, ranks=ranks, name=name)
+
+
+def fault_tolerance_of(process_group: Any) -> Any:
+    """The :class:`~bagua_torch.fault_tolerance.FaultTolerance` of ``process_group`` (None: the default group),
+    or None when it is not a fault-tolerant job's group."""
+    group = _default if process_group is None else process_group
+    return group.fault_tolerance if isinstance(group, BaguaProcessGroup) else None
 
 
 def communicators_from(process_group: Any) -> Communicators:

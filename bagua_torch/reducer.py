@@ -239,6 +239,17 @@ class Reducer:
             if self._in_iteration:
                 self._finish()
 
+    def discard(self) -> None:
+        """Drop the iteration in flight without waiting for its work (abandoned: the members of a fault-tolerant
+        job changed) and remove the gradient hooks; this reducer is not used again."""
+        with self._lock:
+            self._in_iteration = False
+            self._backward_done = False
+            self._works = [None] * len(self.buckets)
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def close(self) -> None:
         """Finish pending work and remove the gradient hooks."""
         self.wait()

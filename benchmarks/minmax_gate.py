@@ -1,9 +1,9 @@
 """The convergence gate's algorithms that send min-max codes, trained under a label, so that two builds compare.
 
 A change to the min-max format changes the bytes these algorithms exchange. This script runs the GPT
-convergence gate's training (``tests/gpt_gate.py``: the ``tiny`` GPT, 150 steps; JAX on a 2-device mesh, torch on
-2 nodes of 2 ranks) for ByteGrad, QAdam, low-precision decentralized and DiLoCo with a ``uint8`` outer exchange,
-over several seeds, and records every rank's held-out loss under ``--label``. Run it once on each build; the
+convergence gate's training (``tests/gpt_gate.py``: its GPT from the shared AdamW start; JAX on a 2-device mesh,
+torch on 2 nodes of 2 ranks) for ByteGrad, QAdam, low-precision decentralized and DiLoCo with a ``uint8`` outer
+exchange, over several seeds, and records every rank's held-out loss under ``--label``. Run it once on each build; the
 report puts the labels side by side, with the seed-to-seed spread as the yardstick.
 
 How to run::
@@ -46,27 +46,28 @@ def _use_minmax_options() -> None:
         gpt_gate.OPTIONS[name] = {**gpt_gate.OPTIONS.get(name, {}), **options}
 
 
-def torch_gate(names: list[str], seed: int) -> dict:
-    """Rank body: the gate's torch run of ``names`` with :data:`MINMAX_OPTIONS`."""
+def torch_gate(names: list[str], seed: int, start: dict) -> dict:
+    """Rank body: the gate's torch run of ``names`` from the parameters ``start`` with :data:`MINMAX_OPTIONS`."""
     _use_minmax_options()
     from gpt_workers_torch import gate
 
-    return gate(names, seed)
+    return gate(names, seed, start)
 
 
 def run_seed(seed: int) -> dict[str, dict[str, list[float]]]:
     """front end -> algorithm -> every rank's held-out loss, for one seed."""
     from multiprocess import run_ranks
-    from test_gpt_convergence_gate import _jax_mesh_run
+    from test_gpt_convergence_gate import _jax_mesh_run, pretrained
 
     _use_minmax_options()
     from gpt_gate import NRANKS, TORCH_NODES
 
     os.environ["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
     losses: dict[str, dict[str, list[float]]] = {"jax": {}, "torch": {}}
+    start = pretrained(seed)
     for name in ALGORITHMS:
-        losses["jax"][name] = [r["heldout_loss"] for r in _jax_mesh_run(name, seed)]
-    ranks = run_ranks("minmax_gate:torch_gate", NRANKS * TORCH_NODES, list(ALGORITHMS), seed, timeout=900)
+        losses["jax"][name] = [r["heldout_loss"] for r in _jax_mesh_run(name, seed, start)]
+    ranks = run_ranks("minmax_gate:torch_gate", NRANKS * TORCH_NODES, list(ALGORITHMS), seed, start, timeout=900)
     ranks = sorted((r.value for r in ranks), key=lambda v: v["rank"])
     for name in ALGORITHMS:
         losses["torch"][name] = [r[name]["heldout_loss"] for r in ranks]
@@ -80,7 +81,7 @@ def report(runs: dict[str, dict]) -> list[str]:
     lines = [
         "# Min-max algorithms on the gate's GPT, by build",
         "",
-        "Held-out loss (nats per byte) after the convergence gate's 150 steps, mean over ranks; per seed "
+        "Held-out loss (nats per byte) after the convergence gate's steps, mean over ranks; per seed "
         f"({', '.join(str(s) for s in SEEDS)}) and their mean.",
         "",
         "| front end | algorithm | " + " | ".join(f"{label} (per seed)" for label in labels) + " | "

@@ -40,23 +40,29 @@ def allreduce_losses(size: str, seed: int, steps: int, batch: int, lr: float, we
 
 def _algorithm(name: str, model: torch.nn.Module):
     """(optimizer, algorithm) of ``name`` for the gate: AdamW and the registry's algorithm with the gate's options,
-    or, for an algorithm that is an optimizer itself, its own optimizer."""
-    from gpt_gate import LR, OPTIONS, WEIGHT_DECAY
+    or, for an algorithm that is an optimizer itself, its own optimizer; the optimizer's lr follows the gate's
+    schedule through a LambdaLR."""
+    from gpt_gate import B2, LR, OPTIONS, WEIGHT_DECAY, learning_rate
 
     from bagua_torch.algorithms import algorithm_class, get_algorithm
 
     options = dict(OPTIONS.get(name, {}))
     optimizer_class = getattr(algorithm_class(name), "optimizer_class", None)
     if optimizer_class is not None:
-        optimizer = optimizer_class(model.parameters(), lr=LR, warmup_steps=options.pop("warmup_steps"))
-        return optimizer, get_algorithm(name, optimizer=optimizer, **options)
-    return adamw(model, LR, WEIGHT_DECAY), get_algorithm(name, **options)
+        optimizer = optimizer_class(
+            model.parameters(), lr=LR, warmup_steps=options.pop("warmup_steps"), betas=(0.9, B2)
+        )
+        algorithm = get_algorithm(name, optimizer=optimizer, **options)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, B2), eps=1e-8, weight_decay=WEIGHT_DECAY)
+        algorithm = get_algorithm(name, **options)
+    return optimizer, algorithm, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: learning_rate(step) / LR)
 
 
-def gate(names: list[str], seed: int) -> dict:
-    """Train a fresh ``tiny`` GPT with each algorithm of ``names`` in turn, on the gate's nodes of NRANKS ranks;
-    this rank's gate summary of each."""
-    from gpt_gate import BATCH, HELDOUT_WINDOWS, NRANKS, SIZE, STEPS, TORCH_NODES, summary
+def gate(names: list[str], seed: int, start: dict) -> dict:
+    """Train the gate's GPT from the parameters ``start`` with each algorithm of ``names`` in turn, on the gate's
+    nodes of NRANKS ranks; this rank's gate summary of each."""
+    from gpt_gate import BATCH, HELDOUT_WINDOWS, MODEL, NRANKS, PRETRAIN_STEPS, STEPS, TORCH_NODES, summary
 
     import bagua_torch
 
@@ -66,16 +72,17 @@ def gate(names: list[str], seed: int) -> dict:
     corpus = load_corpus()
     out = {"rank": rank, "hierarchical": group.communicators.hierarchical}
     for name in names:
-        model = GPT(SIZE, init_gpt_params(SIZE, seed))
-        start = torch.cat([p.detach().flatten() for p in model.parameters()])
-        optimizer, algorithm = _algorithm(name, model)
+        model = GPT(MODEL, start)
+        flat_start = torch.cat([p.detach().flatten() for p in model.parameters()])
+        optimizer, algorithm, schedule = _algorithm(name, model)
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm)
         length = model.config.context + 1
         for step in range(STEPS):
-            tokens = torch.from_numpy(corpus.batch(seed, step, rank, BATCH // TORCH_NODES, length))
+            tokens = torch.from_numpy(corpus.batch(seed, PRETRAIN_STEPS + step, rank, BATCH // TORCH_NODES, length))
             optimizer.zero_grad()
             next_token_loss(wrapped(tokens[:, :-1]), tokens).backward()
             optimizer.step()
+            schedule.step()
         wrapped.close()
         heldout = torch.from_numpy(corpus.heldout_batch(HELDOUT_WINDOWS, length))
         with torch.no_grad():
@@ -84,7 +91,7 @@ def gate(names: list[str], seed: int) -> dict:
         if name == "async":
             out[name]["rounds"] = wrapped.algorithm_impl.rounds
         if name in REPLICAS_AVERAGED_EVERY_STEP:
-            out[name]["replica_spread"] = _replica_spread(model, start, group.world)
+            out[name]["replica_spread"] = _replica_spread(model, flat_start, group.world)
     return out
 
 

@@ -1,30 +1,30 @@
-"""The convergence gate: every registered algorithm of both front ends trains the workload's GPT about as well as
-gradient allreduce with AdamW does, at equal tokens.
+"""The convergence gate: every registered algorithm of both front ends trains the workload's GPT past what byte
+frequencies alone give, about as well as gradient allreduce with AdamW does at equal tokens.
 
-``gpt_gate.py`` defines the run: the ``tiny`` GPT, 150 steps of 8 windows of 64 corpus bytes (77K tokens in all),
-in JAX on 2 ranks, in torch on 2 nodes of 2 ranks (its hierarchical algorithms train on both levels), AdamW at
-lr 3e-3 (the Adam-type algorithms: Adam at the same lr after a 40-step warm-up).
-Each algorithm's model is judged on 32 held-out windows, every rank's own model (decentralized and asynchronous
-replicas differ):
+``gpt_gate.py`` defines the run: a small GPT, started from one AdamW model that has left the unigram plateau but
+not crossed the bar (:func:`pretrained`, held-out loss at least START_FLOOR), then STEPS steps of 16 windows of 32
+corpus bytes, in JAX on 2 ranks, in torch on 2 nodes of 2 ranks (its hierarchical algorithms train on both levels),
+AdamW with a warm-up and a cosine decay (the Adam-type algorithms: Adam with the same schedule). Each algorithm's
+model is judged on 64 held-out windows, every rank's own model (decentralized and asynchronous replicas differ),
+by :func:`verdict`:
 
-* its held-out loss at most MARGIN (0.25 nats per byte) above gradient allreduce's in the same front end. At step
-  150 the loss (about 2.8-3.2 from 5.5) still falls by 0.1-0.2 per 50 steps, and algorithms that are equivalent
-  in expectation end up to 0.15 apart from the same seed (a plateau left a few steps earlier or later), so 0.25 is
-  about 75 steps' progress: an algorithm passes if it reaches allreduce's loss within about 1.5x the tokens.
-  DiLoCo, which synchronizes 3 times in the run (``sync_every=50``), trails by about 0.3 on 2 ranks and gets 0.45;
-  on torch's 4 ranks of 2 windows each its workers drift further between rounds (0.26-0.46 over 4 seeds): 0.6;
-  torch's decentralized replicas, 0.45 (see MARGINS), with a check that they averaged;
+* its held-out loss at or below BAR (2.5 nats per byte, 0.8 below the held-out text's unigram entropy of 3.31):
+  the model predicts bytes from the bytes before them, not only from how often each occurs;
+* its held-out loss at most MARGIN above gradient allreduce's in the same front end (MARGINS for the algorithms
+  that average models rather than gradients). The start is at least START_FLOOR, above BAR: every algorithm
+  crosses the bar itself, and one that stops learning where it started fails the bar;
 * every parameter finite, and each parameter tensor's largest magnitude at most 3x the same tensor's under AdamW
-  (plus 0.05). A tensor that starts at zero (the biases) holds only how far it moved, which AdamW keeps tiny on
-  some (0.04 on a LayerNorm bias) while any optimizer may move a coordinate by about lr per step, and DiLoCo's
-  Nesterov outer step by more (0.17 there): its bound adds lr x steps instead. With Bagua's unbounded
-  QAdam / 1-bit Adam step (``step_bound=None``) 1-bit Adam reached 4.6x on an MLP projection here.
+  (plus 0.05; plus lr x steps for the tensors that start at zero, the biases: AdamW keeps some tiny while any
+  optimizer may move a coordinate by about lr per step). With Bagua's unbounded QAdam / 1-bit Adam step
+  (``step_bound=None``) 1-bit Adam reached 4.6x on an MLP projection.
 
-Where the time goes (about 130 s of CPU in all, so about 65 s on 2 idle cores): the JAX algorithms train on a
-2-device mesh in this process, one compilation each (~5 s of the ~7 s of CPU each takes); asynchronous averaging in
-JAX runs its rounds between steps over the native engine, so it runs in a 2-process MPI job (~17 s of CPU); the
-torch algorithms run one after the other in one 4-process gloo job (~50 s of CPU, 5-6 s per algorithm). Both jobs
-run while the mesh trains.
+An algorithm that cannot learn fails: :func:`test_the_gate_rejects_an_algorithm_that_cannot_learn` trains gradient
+allreduce whose averaged gradients reach AdamW STALE_STEPS steps late, from the same start.
+
+Where the time goes: the pretraining in this process, then the JAX algorithms on a 2-device mesh in this process,
+one compilation each; asynchronous averaging in JAX runs its rounds between steps over the native engine, so it
+runs in a 2-process MPI job; the torch algorithms run one after the other in one 4-process gloo job. Both jobs
+start when the pretraining ends and run while the mesh trains.
 """
 
 from __future__ import annotations
@@ -37,7 +37,26 @@ import jax
 import numpy as np
 import optax
 import pytest
-from gpt_gate import BATCH, HELDOUT_WINDOWS, LR, NRANKS, OPTIONS, SIZE, STEPS, TORCH_NODES, WEIGHT_DECAY, summary
+from gpt_gate import (
+    B2,
+    BAR,
+    BATCH,
+    HELDOUT_WINDOWS,
+    LR,
+    MODEL,
+    NRANKS,
+    OPTIONS,
+    PRETRAIN_LR,
+    PRETRAIN_STEPS,
+    PRETRAIN_WINDOWS,
+    START_FLOOR,
+    STEPS,
+    TORCH_NODES,
+    WEIGHT_DECAY,
+    learning_rate,
+    summary,
+)
+from gpt_workers_jax import gate_adamw, gate_schedule
 from jax.sharding import Mesh
 from multiprocess import has_mpiexec, run_ranks
 
@@ -48,24 +67,22 @@ from bagua_jax.models.gpt import gpt_loss_fn
 from bagua_jax.trainer import DataParallel
 from bagua_torch.algorithms import available_algorithms as torch_algorithms
 
-MARGIN = 0.25
-# DiLoCo averages every H steps; torch's asynchronous averaging mixes models on a clock, so on torch's 2x2 job a
-# rank may average only a few times (one ended 0.27 behind on an idle CI machine). Torch's decentralized replicas
-# (4, each averaging with one peer per step) leave allreduce's trajectory: over 11 seeds they ended 0.26 below to
-# 0.31 above it (BAGUA_TEST_SEED=502430402), as far as replicas that never average (0.22-0.27 there); whether
-# they averaged is REPLICA_SPREAD's check.
+MARGIN = 0.1
 MARGINS = {
-    ("jax", "diloco"): 0.45,
-    ("torch", "diloco"): 0.6,
-    ("torch", "async"): 0.45,
-    ("torch", "decentralized"): 0.45,
+    ("jax", "diloco"): 0.15,
+    ("torch", "diloco"): 0.15,
+    ("jax", "async"): 0.2,
+    ("torch", "async"): 0.2,
 }
-"""Held-out loss (nats per byte) a (front end, algorithm) may trail gradient allreduce by (see the module docstring)."""
+"""Held-out loss (nats per byte) a (front end, algorithm) may trail gradient allreduce by (see the module docstring).
+Seeds 1-5 under load: at most 0.049 (DiLoCo 0.076, asynchronous averaging 0.067). Asynchronous averaging depends on
+the machine's timing, rounds per step: on an idle machine, averaging every 5 ms, one torch rank trailed by 0.153."""
 MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
 REPLICA_SPREAD = 0.1
 """The largest distance of a torch rank's parameters from the ranks' mean, over how far the mean moved, for the
-algorithms that average every step (gpt_workers_torch.py): 0.014 for decentralized and 0.007 for its low-precision
-form; 0.46 when decentralized's replicas never average."""
+algorithms that average every step (gpt_workers_torch.py); about 0.5 when decentralized's replicas never average."""
+STALE_STEPS = 10
+"""How late the broken variant's averaged gradients reach the optimizer."""
 
 JAX_NATIVE_ONLY = ("async",)  # its rounds run between steps over the native engine, not on a mesh
 
@@ -73,22 +90,49 @@ JAX_NATIVE_ONLY = ("async",)  # its rounds run between steps over the native eng
 @functools.cache
 def _heldout_loss():
     """The jitted loss that judges every algorithm's parameters (NumPy arrays): compiled once, not per algorithm."""
-    return jax.jit(gpt_loss_fn(SIZE))
+    return jax.jit(gpt_loss_fn(MODEL))
 
 
-def _jax_mesh_run(name: str, seed: int) -> list[dict]:
-    algorithm = jax_algorithms.make_algorithm(name, learning_rate=LR, **OPTIONS.get(name, {}))
-    optimizer = None if hasattr(algorithm, "learning_rate") else optax.adamw(LR, weight_decay=WEIGHT_DECAY)
+def heldout() -> dict:
+    return {"tokens": load_corpus().heldout_batch(HELDOUT_WINDOWS, gpt_config(MODEL).context + 1)}
+
+
+def pretrained(seed: int) -> dict[str, np.ndarray]:
+    """The model every algorithm starts from: ``init_gpt_params(seed)`` after PRETRAIN_STEPS steps of plain AdamW
+    (one process, PRETRAIN_WINDOWS windows of ``(seed, step, 0)`` per step, lr rising linearly to PRETRAIN_LR)."""
+
+    loss_fn = gpt_loss_fn(MODEL)
+    tx = optax.adamw(optax.linear_schedule(0.0, PRETRAIN_LR, PRETRAIN_STEPS), b2=B2, weight_decay=WEIGHT_DECAY)
+
+    @jax.jit
+    def step(params, opt_state, tokens):
+        grads = jax.grad(loss_fn)(params, {"tokens": tokens})
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = jax.tree.map(jax.numpy.asarray, init_gpt_params(MODEL, seed))
+    opt_state = tx.init(params)
+    corpus, length = load_corpus(), gpt_config(MODEL).context + 1
+    for t in range(PRETRAIN_STEPS):
+        params, opt_state = step(params, opt_state, corpus.batch(seed, t, 0, PRETRAIN_WINDOWS, length))
+    return {k: np.asarray(v) for k, v in params.items()}
+
+
+def _jax_mesh_run(name: str, seed: int, start: dict, optimizer: optax.GradientTransformation | None = None) -> list:
+    options = dict(OPTIONS.get(name, {}))
+    if name in ("qadam", "onebit_adam"):
+        options["b2"] = B2
+    algorithm = jax_algorithms.make_algorithm(name, learning_rate=gate_schedule(), **options)
+    if optimizer is None and not hasattr(algorithm, "learning_rate"):
+        optimizer = gate_adamw()
     mesh = Mesh(np.array(jax.devices()[:NRANKS]), ("ranks",))
-    loss_fn = gpt_loss_fn(SIZE)
-    trainer = DataParallel(loss_fn, optimizer, algorithm, mesh=mesh)
-    state = trainer.init(init_gpt_params(SIZE, seed))
-    corpus, length = load_corpus(), gpt_config(SIZE).context + 1
+    trainer = DataParallel(gpt_loss_fn(MODEL), optimizer, algorithm, mesh=mesh)
+    state = trainer.init(start)
+    corpus, length = load_corpus(), gpt_config(MODEL).context + 1
     for step in range(STEPS):
-        tokens = np.concatenate([corpus.batch(seed, step, r, BATCH, length) for r in range(NRANKS)])
+        tokens = np.concatenate([corpus.batch(seed, PRETRAIN_STEPS + step, r, BATCH, length) for r in range(NRANKS)])
         state, _ = trainer.step(state, {"tokens": tokens})
-    heldout = {"tokens": corpus.heldout_batch(HELDOUT_WINDOWS, length)}
-    evaluate = _heldout_loss()
+    evaluate, batch = _heldout_loss(), heldout()
     per_rank = []
     for r in range(NRANKS):
         params = (
@@ -97,7 +141,7 @@ def _jax_mesh_run(name: str, seed: int) -> list[dict]:
             else jax.tree.map(lambda p: p[r], state.params)
         )
         params = {k: np.asarray(v) for k, v in params.items()}
-        per_rank.append(summary(params, float(evaluate(params, heldout))))
+        per_rank.append(summary(params, float(evaluate(params, batch))))
     return per_rank
 
 
@@ -116,18 +160,35 @@ def _in_thread(target, *args, **kwargs) -> tuple[threading.Thread, dict]:
 
 
 @pytest.fixture(scope="module")
-def runs(seed) -> dict[str, dict[str, list[dict]]]:
-    """front end -> algorithm -> every rank's summary, and "torch_hierarchical": whether every torch rank had
-    two levels; trained once per session."""
-    seed = zlib.crc32(f"{seed}:gpt-gate".encode())
+def gate_seed(seed) -> int:
+    return zlib.crc32(f"{seed}:gpt-gate".encode())
+
+
+@pytest.fixture(scope="module")
+def start(gate_seed) -> dict[str, np.ndarray]:
+    return pretrained(gate_seed)
+
+
+@pytest.fixture(scope="module")
+def runs(gate_seed, start) -> dict[str, dict[str, list[dict]]]:
+    """front end -> algorithm -> every rank's summary, "torch_hierarchical": whether every torch rank had two
+    levels, and "start": the pretrained model's held-out loss; trained once per session."""
+    seed = gate_seed
     torch_ranks = NRANKS * TORCH_NODES
     jobs = {
-        "torch": _in_thread(run_ranks, "gpt_workers_torch:gate", torch_ranks, torch_algorithms(), seed, timeout=600)
+        "torch": _in_thread(
+            run_ranks, "gpt_workers_torch:gate", torch_ranks, torch_algorithms(), seed, start, timeout=600
+        )
     }
     if bagua_jax.build_info()["mpi"] and has_mpiexec():
-        jobs["jax"] = _in_thread(run_ranks, "gpt_workers_jax:async_gate", NRANKS, seed, launcher="mpiexec", timeout=600)
-    trained = {"jax": {n: _jax_mesh_run(n, seed) for n in jax_algorithms.algorithm_names() if n not in JAX_NATIVE_ONLY}}
-    trained["torch"] = {}
+        jobs["jax"] = _in_thread(
+            run_ranks, "gpt_workers_jax:async_gate", NRANKS, seed, start, launcher="mpiexec", timeout=600
+        )
+    trained = {
+        "jax": {n: _jax_mesh_run(n, seed, start) for n in jax_algorithms.algorithm_names() if n not in JAX_NATIVE_ONLY},
+        "torch": {},
+        "start": float(_heldout_loss()(start, heldout())),
+    }
     for front_end, (thread, box) in jobs.items():
         thread.join()
         if "error" in box:
@@ -140,11 +201,39 @@ def runs(seed) -> dict[str, dict[str, list[dict]]]:
     return trained
 
 
+def verdict(ranks: list[dict], reference: dict, margin: float) -> list[str]:
+    """Why the gate rejects an algorithm whose ranks ended as ``ranks`` (their summaries), against gradient
+    allreduce's ``reference``: an empty list if it passes."""
+    slack = {k: LR * STEPS if not v.any() else MAGNITUDE_SLACK for k, v in init_gpt_params(MODEL, 0).items()}
+    bound = {k: MAGNITUDE_FACTOR * v + slack[k] for k, v in reference["max_abs"].items()}
+    failures = []
+    for rank, result in enumerate(ranks):
+        loss = result["heldout_loss"]
+        if not result["finite"]:
+            failures.append(f"rank {rank}: a parameter is not finite")
+        if not loss <= BAR:
+            failures.append(f"rank {rank}: held-out loss {loss:.3f} above the bar {BAR}")
+        if not loss <= reference["heldout_loss"] + margin:
+            failures.append(
+                f"rank {rank}: held-out loss {loss:.3f} more than {margin} above gradient allreduce's "
+                f"{reference['heldout_loss']:.3f}"
+            )
+        grown = {k: (v, bound[k]) for k, v in result["max_abs"].items() if not v <= bound[k]}
+        if grown:
+            failures.append(f"rank {rank}: largest magnitudes beyond 3x AdamW's: {grown}")
+    return failures
+
+
 def registered(front_end: str) -> list[str]:
     return jax_algorithms.algorithm_names() if front_end == "jax" else torch_algorithms()
 
 
 CASES = [(front_end, name) for front_end in ("jax", "torch") for name in registered(front_end)]
+
+
+def test_both_front_ends_schedule_the_same_learning_rate():
+    optax_rates = np.asarray(gate_schedule()(np.arange(STEPS + 1)))
+    np.testing.assert_allclose([learning_rate(step) for step in range(STEPS + 1)], optax_rates, rtol=1e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("front_end", ["jax", "torch"])
@@ -159,22 +248,38 @@ def test_every_registered_algorithm_is_gated(runs, front_end):
 
 
 @pytest.mark.parametrize(("front_end", "name"), CASES)
-def test_algorithm_trains_like_gradient_allreduce_with_adamw(runs, front_end, name):
+def test_algorithm_learns_like_gradient_allreduce_with_adamw(runs, front_end, name):
     trained = runs[front_end]
     if name not in trained:
         pytest.skip(f"{front_end} {name} did not run here (see test_every_registered_algorithm_is_gated)")
-    reference, ranks = trained["gradient_allreduce"][0], trained[name]
-    margin = MARGINS.get((front_end, name), MARGIN)
-    start = float(np.log(gpt_config(SIZE).vocab))
-    assert reference["heldout_loss"] < start - 1.0, reference  # the baseline learnt something
-    slack = {k: LR * STEPS if not v.any() else MAGNITUDE_SLACK for k, v in init_gpt_params(SIZE, 0).items()}
-    for rank, result in enumerate(ranks):
-        assert result["finite"], (rank, result)
-        assert result["heldout_loss"] <= reference["heldout_loss"] + margin, (rank, result["heldout_loss"], reference)
-        bound = {k: MAGNITUDE_FACTOR * v + slack[k] for k, v in reference["max_abs"].items()}
-        grown = {k: (v, bound[k]) for k, v in result["max_abs"].items() if v > bound[k]}
-        assert not grown, (rank, grown)
+    ranks = trained[name]
+    # The gate's steps are where the bar is crossed: an algorithm that stops learning at the start fails it.
+    assert runs["start"] >= START_FLOOR, runs["start"]
+    failures = verdict(ranks, trained["gradient_allreduce"][0], MARGINS.get((front_end, name), MARGIN))
+    assert not failures, failures
     if name == "async":
         assert all(r["rounds"] >= 1 for r in ranks), [r["rounds"] for r in ranks]  # it did average
     if "replica_spread" in ranks[0]:
         assert ranks[0]["replica_spread"] <= REPLICA_SPREAD, ranks[0]["replica_spread"]  # they did average
+
+
+def stale(steps: int) -> optax.GradientTransformation:
+    """Passes on each step's updates ``steps`` steps late (zeros until then): averaged gradients gone stale."""
+
+    def init_fn(params):
+        return tuple(jax.tree.map(jax.numpy.zeros_like, params) for _ in range(steps))
+
+    def update_fn(updates, state, params=None):
+        del params
+        return state[0], (*state[1:], updates)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def test_the_gate_rejects_an_algorithm_that_cannot_learn(runs, gate_seed, start):
+    """Gradient allreduce whose averaged gradients reach AdamW STALE_STEPS steps late, a bucket read before its
+    allreduce was refreshed: from the same start it stays near the byte frequencies' loss, which a gate that
+    stops at the unigram plateau passed."""
+    broken = _jax_mesh_run("gradient_allreduce", gate_seed, start, optax.chain(stale(STALE_STEPS), gate_adamw()))
+    failures = verdict(broken, runs["jax"]["gradient_allreduce"][0], MARGIN)
+    assert any("above the bar" in f for f in failures), (broken[0]["heldout_loss"], failures)

@@ -37,6 +37,7 @@ class Formation:
         self.settings, self.me, self._local, self._stopping = settings, me, local, stopping
         self._gone = gone  # members whose process ended (their connections to this member's store closed)
         self._requests_seen = 0
+        self._unwritten: dict[int, float] = {}  # requests counted, not yet written: when first seen so
 
     def requests_waiting(self, store: KVClient) -> bool:
         """Whether joiners asked to be admitted since the last epoch this member formed (``store``: its own)."""
@@ -153,19 +154,27 @@ class Formation:
             store.delete(f"ft/join/{member_id}")
 
     def _admissible_requests(self, store: KVClient, members: set[str]) -> list[Member]:
+        """The joiners that asked since the last formation, in the order they asked. A request counted but not yet
+        written (its joiner is between the two calls) ends the list: it and those after it wait for the next
+        formation (the count stays ahead, so the coordinator drains again), unless it stays unwritten for
+        ``dead_after`` (its joiner died there)."""
         count = int(store.check("ft/requests") or b"0")
-        joiners = []
-        for index in range(self._requests_seen + 1, count + 1):
-            raw = store.check(f"ft/request/{index}")
+        joiners, index = [], self._requests_seen
+        while index < count:
+            raw = store.check(f"ft/request/{index + 1}")
             if raw is None:
-                continue
-            try:
-                member = Member.from_json(json.loads(raw))
-            except (ValueError, TypeError):
-                continue
-            if member.id not in members:
-                joiners.append(member)
-        self._requests_seen = count
+                first_seen = self._unwritten.setdefault(index + 1, time.monotonic())
+                if time.monotonic() - first_seen < self.settings.dead_after:
+                    break
+            else:
+                try:
+                    member = Member.from_json(json.loads(raw))
+                    if member.id not in members:
+                        joiners.append(member)
+                except (ValueError, TypeError):
+                    pass
+            index += 1
+        self._requests_seen = index
         return joiners
 
 

@@ -327,20 +327,38 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.optimizer or self.optimizer.in_warmup:
             return
-        self.optimizer.local_momentum()
+        # Fault tolerance: the momentum of the last commit, restored if this step does not commit.
+        committed = None
+        if self.fault_tolerance is not None:
+            committed = [m.clone() for bucket in self.buckets for m in map(self.optimizer.momentum, bucket.params)]
+        try:
+            self.optimizer.local_momentum()
+            with torch.no_grad():
+                still = self.optimizer.unused() if self.hold_unused else {}
+                averages = []
+                for bucket in self.buckets:  # launch order, identical on every rank
+                    flat = torch.zeros(bucket.size, dtype=bucket.dtype, device=bucket.device)
+                    momenta = [self.optimizer.momentum(p) for p in bucket.params]
+                    held = [still[p] for p in bucket.params] if self.hold_unused else []
+                    for m, unused in zip(momenta, held):
+                        m.masked_fill_(unused, 0)
+                    for view, m in zip(bucket.views(flat), momenta):
+                        view.copy_(m)
+                    averages.append(self.average_momentum(bucket, flat))
+                self.commit()
+        except BaseException:
+            if committed is not None:
+                with torch.no_grad():
+                    momenta = [self.optimizer.momentum(p) for bucket in self.buckets for p in bucket.params]
+                    for m, saved in zip(momenta, committed):
+                        m.copy_(saved)
+            raise
         with torch.no_grad():
-            still = self.optimizer.unused() if self.hold_unused else {}
-            for bucket in self.buckets:  # launch order, identical on every rank
-                flat = torch.zeros(bucket.size, dtype=bucket.dtype, device=bucket.device)
+            for bucket, averaged in zip(self.buckets, averages):
                 momenta = [self.optimizer.momentum(p) for p in bucket.params]
-                held = [still[p] for p in bucket.params] if self.hold_unused else []
-                for m, unused in zip(momenta, held):
-                    m.masked_fill_(unused, 0)
-                for view, m in zip(bucket.views(flat), momenta):
-                    view.copy_(m)
-                averaged = self.average_momentum(bucket, flat)
                 for view, m in zip(bucket.views(averaged), momenta):
                     m.copy_(view)
-                for m, unused in zip(momenta, held):
-                    m.masked_fill_(unused, 0)
+                if self.hold_unused:
+                    for m, p in zip(momenta, bucket.params):
+                        m.masked_fill_(still[p], 0)
         self.optimizer.mark_momentum_averaged()

@@ -113,6 +113,7 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
             allreduce_sum=self._allreduce_sum,
             apply=self._apply_round,
         )
+        self._committed_steps = 0
 
     # --- what the wrapper reads ---------------------------------------------------------
 
@@ -161,6 +162,18 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
         if self.context.device.type == "cuda":
             torch.cuda.current_stream(self.context.device).synchronize()  # sums complete before handed over
         return sums
+
+    # --- fault tolerance: the step count carries; the averaging thread restarts on the new members' communicator
+
+    def on_commit(self) -> None:
+        self._committed_steps = self._protocol.steps + 1  # committed in the step's pre-hook, before it is counted
+
+    def carried_state(self) -> dict[str, Any]:
+        return {"steps": self._committed_steps}
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        self._protocol.restore_steps(int(state["steps"]))
+        self._committed_steps = int(state["steps"])
 
     # --- checkpoints and lifetime ---------------------------------------------------------
 

@@ -111,6 +111,8 @@ class AlgorithmContext:
     * ``ordered_worker``: the thread the impl's asynchronous jobs run on, when several impls must
       issue their collectives in one order (the impls of one DDP communication hook state);
       None: the world's own (a native communicator) or one of the impl's.
+    * ``fault_tolerance``: the :class:`~bagua_torch.fault_tolerance.FaultTolerance` of a fault-tolerant
+      job, None otherwise.
     """
 
     module: torch.nn.Module
@@ -121,6 +123,7 @@ class AlgorithmContext:
     device: torch.device
     bucket_bytes: int = DEFAULT_BUCKET_BYTES
     ordered_worker: OrderedWorker | None = None
+    fault_tolerance: Any = None
 
     @property
     def world(self) -> Communicator:
@@ -146,6 +149,11 @@ class Algorithm:
 
     config_class: ClassVar[type | None] = None
     """The shared configuration class of a registered algorithm (set by ``@implements``)."""
+
+    fault_tolerant: ClassVar[bool] = False
+    """Whether a fault-tolerant job (:mod:`bagua_torch.fault_tolerance`) trains it: its impl carries its state
+    across a change of members by its rule, tested by killing, stopping or failing a rank
+    (``tests/test_fault_tolerance_torch.py``); any other is refused when wrapped, naming the elastic restart."""
 
     def __init__(self, *args: Any, **options: Any):
         if self.config_class is None:
@@ -211,8 +219,17 @@ class AlgorithmImpl:
     of copying it.
     """
 
+    transaction_per_step: bool = True
+    """Whether, in a fault-tolerant job, each step is one transaction committed by agreement in the last
+    optimizer's step pre-hook (after the gradients are reduced, before anything replicated changes); False for an
+    algorithm that delimits its own transactions (DiLoCo's outer exchanges, through :attr:`fault_tolerance`).
+    An algorithm that changes replicated state in its step hooks calls :meth:`commit` between its last collective
+    and its first change."""
+
     def __init__(self, context: AlgorithmContext):
         self.context = context
+        self.fault_tolerance = context.fault_tolerance
+        """The :class:`~bagua_torch.fault_tolerance.FaultTolerance` of a fault-tolerant job (None otherwise)."""
         # The context's thread if given; else the world's own where it has one (a native communicator), so that
         # the pipelines' collectives run inline there; over torch.distributed, which issues from any thread, one
         # of this impl's own.
@@ -303,6 +320,35 @@ class AlgorithmImpl:
         size); raise a ValueError naming what does not match."""
         if state:
             raise ValueError(f"{type(self).__name__} has no state, but the checkpoint holds {sorted(state)}")
+
+    def commit(self) -> None:
+        """In a fault-tolerant job, vote for the step in flight now (its collectives are done, nothing replicated
+        has changed yet) and raise MembershipChanged unless it committed; nothing otherwise. Once per step: the
+        wrapper votes after the step pre-hooks if the algorithm did not."""
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.commit_step()
+
+    def on_commit(self) -> None:
+        """Called in a fault-tolerant job after each commit: keep what :meth:`carried_state` must return."""
+
+    def carried_state(self) -> dict[str, Any]:
+        """What a rebuild for other members keeps (and a joiner receives), as of the last commit: tensors, lists of
+        tensors, ints. Leaves the algorithm's rule resets (error-feedback residuals, copies of the neighbours'
+        weights) are left out. Default: nothing."""
+        return {}
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        """Take what :meth:`carried_state` returned, on an impl freshly built for the new members."""
+        if state:
+            raise ValueError(f"{type(self).__name__} carries no state, but was given {sorted(state)}")
+
+    def resume(self) -> None:
+        """After a change of members, once rebuilt: finish what the change interrupted (DiLoCo retries its
+        exchanges among the survivors). Collective over the new members. Default: nothing."""
+
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        """The algorithm's own tensors that are identical on every rank (hashed by the replica check)."""
+        return []
 
     def close(self) -> None:
         """Release threads and other resources (the wrapper's ``close()`` calls it). Idempotent."""

@@ -113,6 +113,8 @@ class DecentralizedAlgorithm(Algorithm):
     optimizer(s) passed to the wrapper.
     """
 
+    fault_tolerant = True
+
     def reify(self, context: AlgorithmContext) -> DecentralizedImpl:
         return DecentralizedImpl(context, self.config)
 
@@ -128,9 +130,10 @@ class DecentralizedImpl(AlgorithmImpl):
         self.config = config
         self.levels = weight_averaging_levels(context, config, SUPPORTED_FLOATS, "weights are averaged in")
         self.group: Communicator = self.levels[1] if self.levels else self.world
-        if config.peer_selection_mode == "shift_one":
+        # A fault-tolerant job may be left with an odd number of ranks: those rounds average over all instead.
+        if config.peer_selection_mode == "shift_one" and context.fault_tolerance is None:
             check_pairable(self.group.size, name, self.levels is not None)
-        self.step = 0
+        self.step = self._step_in_flight = self._committed_step = 0
         self.last_peer: int | None = None
         """The peer of the last ``shift_one`` exchange (in ``group``: nodes when hierarchical), for inspection."""
 
@@ -148,27 +151,40 @@ class DecentralizedImpl(AlgorithmImpl):
     def average(self, round_index: int) -> None:
         """Replace the weights by their average for communication round ``round_index`` (collective)."""
         peer = None
-        if self.config.peer_selection_mode == "shift_one" and self.group.size > 1:
+        if self.config.peer_selection_mode == "shift_one" and self.group.size > 1 and self.group.size % 2 == 0:
             peer = shift_one_peer(self.group.rank, round_index, self.group.size)
             self.last_peer = peer
+        averages = []
         for bucket in self.buckets:
             flat = bucket.flatten_params()
             if self.levels is None:
-                averaged = self._exchange(flat, self.world, peer)
+                averages.append(self._exchange(flat, self.world, peer))
             else:
                 intra, inter = self.levels
-                averaged = hierarchical_exchange(
-                    lambda mine, comm: self._exchange(mine, comm, peer), flat, intra, inter
+                averages.append(
+                    hierarchical_exchange(lambda mine, comm: self._exchange(mine, comm, peer), flat, intra, inter)
                 )
+        self.commit()  # fault tolerance: every rank writes its average, or none does
+        for bucket, averaged in zip(self.buckets, averages):
             bucket.unflatten_to_params(averaged)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.context.optimizers[0]:
             return
         interval = self.config.communication_interval
+        self._step_in_flight = self.step
         if self.step % interval == 0:  # the same counter on every rank: all communicate, or none
             self.average(self.step // interval)
         self.step += 1
+
+    def on_commit(self) -> None:
+        self._committed_step = self._step_in_flight + 1
+
+    def carried_state(self) -> dict[str, Any]:
+        return {"step": self._committed_step}
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        self.step = self._committed_step = int(state["step"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step}

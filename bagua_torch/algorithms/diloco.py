@@ -32,10 +32,17 @@ from bagua_common.algorithms.diloco import (
     fragment_plan,
 )
 from bagua_common.algorithms.outer_exchange import OuterExchange
+from bagua_common.fault_tolerance.errors import ExchangeInterrupted, MembershipChanged
 from bagua_torch import ops
 from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, AlgorithmImpl, check_tensor_list, implements
 from bagua_torch.algorithms.decentralized import load_step
-from bagua_torch.communicator import SUPPORTED_FLOATS, NativeCommunicator, Work, dedicated_communicator
+from bagua_torch.communicator import (
+    SUPPORTED_FLOATS,
+    CommunicationError,
+    NativeCommunicator,
+    Work,
+    dedicated_communicator,
+)
 
 EXCHANGE = OuterExchange(ops, lambda x, dtype: x.to(getattr(torch, dtype)))
 """The pseudo-gradient averages on torch tensors."""
@@ -60,6 +67,8 @@ class DiLoCoAlgorithm(Algorithm):
     wrapper.
     """
 
+    fault_tolerant = True
+
     def reify(self, context: AlgorithmContext) -> DiLoCoImpl:
         return DiLoCoImpl(context, self.config)
 
@@ -70,6 +79,7 @@ class DiLoCoImpl(AlgorithmImpl):
     ``residuals`` (error feedback), empty tensors where unused."""
 
     need_gradient_hooks = False
+    transaction_per_step = False  # fault tolerance: each outer exchange is a transaction, not each inner step
 
     def __init__(self, context: AlgorithmContext, config: DiLoCoConfig):
         super().__init__(context)
@@ -97,6 +107,9 @@ class DiLoCoImpl(AlgorithmImpl):
             torch.zeros(padded if config.error_feedback else 0, device=context.device) for padded in self.padded
         ]
         self.pending: list[Work | torch.Tensor | None] = [None] * config.fragments
+        self.own: dict[int, torch.Tensor] = {}
+        """Fault tolerance: each exchange not yet applied, by fragment: this rank's pseudo-gradient (float32, not
+        padded), retried among the survivors if the members change before it is applied."""
         self.step = 0
         self._ticker = context.optimizers[-1]
 
@@ -105,14 +118,39 @@ class DiLoCoImpl(AlgorithmImpl):
             return
         self.step += 1
         delay = self.config.fragment_sync_delay
-        for p in self.config.exchanges_after(self.step):
-            flat = self._pseudo_gradient(p)
-            if delay:
-                self.pending[p] = self.run_async(lambda p=p, flat=flat: self._average(p, flat))
+        try:
+            for p in self.config.exchanges_after(self.step):
+                flat = self._pseudo_gradient(p)
+                if self.fault_tolerance is not None:
+                    self.own[p] = flat[: self.sizes[p]]
+                if delay:
+                    self.pending[p] = self.run_async(lambda p=p, flat=flat: self._average(p, flat))
+                else:
+                    self._commit_and_apply(p, self._average(p, flat))
+            for p in self.config.applies_after(self.step) if delay else ():
+                self._commit_and_apply(p, self._result(p))
+        except (MembershipChanged, CommunicationError) as error:
+            if self.fault_tolerance is None:
+                raise
+            raise ExchangeInterrupted(f"{self.config.name}: an outer exchange was interrupted ({error})") from error
+
+    def _commit_and_apply(self, p: int, mean: torch.Tensor) -> None:
+        """Apply fragment ``p``'s average; in a fault-tolerant job once every member agreed (a transaction)."""
+        if self.fault_tolerance is not None:
+            if not self.fault_tolerance.commit():
+                raise MembershipChanged(f"{self.config.name}: fragment {p}'s exchange did not commit")
+            self.own.pop(p, None)
+        self._apply(p, mean)
+
+    def resume(self) -> None:
+        """After a change of members: exchange again, among the survivors, every pseudo-gradient not yet applied
+        (the step's inner work is kept), then apply each once all agree."""
+        for p, own in sorted(self.own.items()):
+            flat = torch.nn.functional.pad(own.to(self.context.device), (0, self.padded[p] - self.sizes[p]))
+            if self.config.fragment_sync_delay and p not in self.config.applies_after(self.step):
+                self.pending[p] = self.run_async(lambda p=p, flat=flat: self._average(p, flat))  # still overlapping
             else:
-                self._apply(p, self._average(p, flat))
-        for p in self.config.applies_after(self.step) if delay else ():
-            self._apply(p, self._result(p))
+                self._commit_and_apply(p, self._average(p, flat))
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         device = self.context.device
@@ -154,6 +192,30 @@ class DiLoCoImpl(AlgorithmImpl):
                 param.copy_(anchor)
             else:
                 param.copy_(alpha * param + (1.0 - alpha) * anchor.to(param.device))
+
+    # --- fault tolerance: what a change of members keeps ------------------------------------
+
+    def carried_state(self) -> dict[str, Any]:
+        """The step, the round start, the outer optimizers' state (all the same on every rank) and this rank's
+        pseudo-gradients not yet applied (retried after the change); error-feedback residuals restart at zero."""
+        return {
+            "step": self.step,
+            "round_start": list(self.round_start),
+            "outer": [o.state_dict() for o in self.outer],
+            "own": {str(p): t for p, t in self.own.items()},
+        }
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        with torch.no_grad():
+            for anchor, value in zip(self.round_start, state["round_start"]):
+                anchor.copy_(value)
+        for optimizer, saved in zip(self.outer, state["outer"]):
+            optimizer.load_state_dict(saved)
+        self.own = {int(p): t for p, t in state["own"].items()}
+
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        return list(self.round_start)
 
     # --- checkpoints ---------------------------------------------------------------------
 

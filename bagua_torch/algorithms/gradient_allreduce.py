@@ -38,6 +38,8 @@ class GradientAllReduceAlgorithm(Algorithm):
     decentralized algorithm when gradient communication dominates the step time.
     """
 
+    fault_tolerant = True
+
     def reify(self, context: AlgorithmContext) -> GradientAllReduceImpl:
         return GradientAllReduceImpl(context, self.config)
 

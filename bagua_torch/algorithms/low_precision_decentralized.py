@@ -97,7 +97,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self.weights = [t.clone() for t in initial]
         self.left = [t.clone() for t in initial]
         self.right = [t.clone() for t in initial]
-        self.step = 0
+        self.step = self._committed_step = 0
 
     @staticmethod
     def _ring(
@@ -149,6 +149,17 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         if self.step % self.config.communication_interval == 0:  # the same counter on every rank
             self.exchange()
         self.step += 1
+
+    # --- fault tolerance: the step carries; the copies restart as a new wrap makes them (w = L = R = x)
+
+    def on_commit(self) -> None:
+        self._committed_step = self.step + 1  # committed in the step's pre-hook, before after_step counts it
+
+    def carried_state(self) -> dict[str, Any]:
+        return {"step": self._committed_step}
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        self.step = self._committed_step = int(state["step"])
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -113,5 +113,7 @@ class OneBitAdamAlgorithm(AdamWithAveragedMomentumAlgorithm):
     carry each step's error into the next, so none is lost).
     """
 
+    fault_tolerant = True
+
     optimizer_class = OneBitAdamOptimizer
     impl_class = OneBitAdamImpl

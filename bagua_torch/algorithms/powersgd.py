@@ -45,6 +45,8 @@ class PowerSGDAlgorithm(Algorithm):
     matrices; the fields are :class:`bagua_common.algorithms.configs.PowerSGDConfig`'s.
     """
 
+    fault_tolerant = True
+
     def reify(self, context: AlgorithmContext) -> PowerSGDImpl:
         return PowerSGDImpl(context, self.config)
 
@@ -130,6 +132,7 @@ class PowerSGDImpl(AlgorithmImpl):
         self.qs = self._random_qs(shapes, 0)
         self.residuals = [torch.zeros(view, dtype=self.dtype, device=context.device) for view, _ in shapes]
         self.step = 0
+        self._carried = {"step": 0, "qs": list(self.qs)}
         # Per bucket of the step so far: its matrices M and its P factors summed over the ranks.
         self._summed: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         self._exchange: Work | None = None
@@ -211,6 +214,22 @@ class PowerSGDImpl(AlgorithmImpl):
             shapes = [(m.shape, q.shape[1]) for m, q in zip(matrices, qs)]
             self.qs = self._random_qs(shapes, self.step)
         self._summed.clear()
+
+    # --- fault tolerance: Q and the step carry over a change of members (as of the last commit), residuals restart
+
+    def on_commit(self) -> None:
+        self._carried = {"step": self.step, "qs": list(self.qs)}  # each step makes new Q tensors: no copy needed
+
+    def carried_state(self) -> dict[str, Any]:
+        return dict(self._carried)
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.qs = [q.to(self.context.device).view_as(old).clone() for q, old in zip(state["qs"], self.qs)]
+        self.on_commit()
+
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        return list(self.qs)
 
     def state_dict(self) -> dict[str, Any]:
         return {

@@ -25,6 +25,8 @@ def dedicated_communicator(world: Communicator, purpose: str) -> Communicator:
     """
     if isinstance(world, NativeCommunicator):
         return world.split(0, world.rank, name=f"{world.name}/{purpose}")
+    if isinstance(world, ProcessGroupCommunicator) and world.dedicated is not None:
+        return world.dedicated(purpose)  # a fault-tolerant job's epoch makes its own groups
     if isinstance(world, ProcessGroupCommunicator):
         group = world.group
         ranks = None if group is None else dist.get_process_group_ranks(group)

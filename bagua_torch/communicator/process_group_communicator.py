@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.comm.timeout import timeout_seconds
+from bagua_common.fault_tolerance.errors import MembershipChanged
+from bagua_torch.communicator.abandon import wait_or_abandon
 from bagua_torch.communicator.base import CommunicatorBase
 from bagua_torch.communicator.protocol import (
     CommunicationError,
@@ -76,6 +78,11 @@ def await_gloo_releases() -> None:
 atexit.register(await_gloo_releases)
 
 
+def _registered(group: dist.ProcessGroup) -> bool:
+    """Whether ``group`` was made by ``torch.distributed`` (``new_group``), not built directly on a store."""
+    return dist.is_available() and dist.is_initialized() and group in dist.distributed_c10d._world.pg_map
+
+
 def _torch_op(op: str) -> Any:
     return {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}[op]
 
@@ -110,7 +117,16 @@ class _TorchWork:
 
     def _wait_works(self) -> None:
         timeout = timedelta(seconds=self._comm.timeout)
-        for work in self._works:
+        works = self._works
+        if self._comm.abandon is not None:
+            comm = self._comm
+            where = comm._where(self._op)
+            works = comm._guard(
+                self._op,
+                lambda: wait_or_abandon(works, comm.abandon, comm.timeout, comm.group, comm.backend, where),
+                waiting=True,
+            )
+        for work in works:
             self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
         self._works = []  # finished: only torch's own references to them are left
         if self._comm.backend == "gloo":
@@ -147,20 +163,33 @@ class ProcessGroupCommunicator(CommunicatorBase):
         group: dist.ProcessGroup | None = None,
         timeout: float | timedelta | None = None,
         name: str | None = None,
+        *,
+        abandon: threading.Event | None = None,
     ):
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("ProcessGroupCommunicator needs torch.distributed; call dist.init_process_group() first")
+        self._standalone = group is not None and not _registered(group)
+        if self._standalone:  # a group of a fault-tolerant job's epoch, made outside torch.distributed's registry
+            self._backend, self._rank, self._size = group.name(), group.rank(), group.size()
+        else:
+            if not dist.is_available() or not dist.is_initialized():
+                raise RuntimeError(
+                    "ProcessGroupCommunicator needs torch.distributed; call dist.init_process_group() first"
+                )
+            self._backend = str(dist.get_backend(group))
+            self._rank = dist.get_rank(group)
+            if self._rank < 0:
+                raise ValueError("this process is not a member of the given process group")
+            self._size = dist.get_world_size(group)
         self._group = group
-        self._backend = str(dist.get_backend(group))
-        self._rank = dist.get_rank(group)
-        if self._rank < 0:
-            raise ValueError("this process is not a member of the given process group")
-        self._size = dist.get_world_size(group)
         if name is None:
             name = "world" if group is None else f"group {getattr(group, 'group_name', '') or id(group)}"
         self._name = name
         self._kind = f"torch.distributed {self._backend}"
         self.timeout = timeout_seconds(timeout)
+        self.abandon = abandon
+        """Set when the members of a fault-tolerant job change: a wait then raises ``MembershipChanged``."""
+        self.dedicated: Callable[[str], ProcessGroupCommunicator] | None = None
+        """How to make a group of the same ranks for a purpose, for a group made outside torch.distributed's
+        registry (see :func:`~bagua_torch.communicator.dedicated_communicator`)."""
         # None: unknown, found out on the first reduce_scatter.
         self._has_reduce_scatter: bool | None = None
         self._native_avg = self._backend == "nccl"
@@ -181,12 +210,18 @@ class ProcessGroupCommunicator(CommunicatorBase):
         if self._backend == "gloo" and x.device.type != "cpu":
             raise ValueError(f"{op}: this communicator's gloo backend is used for CPU tensors, got {x.device}")
 
-    def _global(self, rank: int) -> int:
-        return rank if self._group is None else dist.get_global_rank(self._group, rank)
+    def _peer(self, keyword: str, rank: int) -> dict[str, int]:
+        """``{keyword: global rank}`` naming group rank ``rank`` to ``torch.distributed`` (``dst``, ``src``), or
+        ``{group_<keyword>: rank}`` for a group outside its registry."""
+        if self._standalone:
+            return {f"group_{keyword}": rank}
+        return {keyword: rank if self._group is None else dist.get_global_rank(self._group, rank)}
 
     def _guard(self, op: str, call: Callable[[], Any], waiting: bool = False) -> Any:
         try:
             return call()
+        except MembershipChanged:  # abandoned: not a failure of this communicator
+            raise
         except RuntimeError as error:  # DistBackendError, gloo and timeout errors
             note = (
                 f" (waited at most {self.timeout:g} s; a peer may have died or not entered the same collective)"
@@ -201,6 +236,8 @@ class ProcessGroupCommunicator(CommunicatorBase):
         ``lend(t)`` is a fresh alias of ``t`` that nothing of ours keeps, so that the returned
         work can tell when torch has let go of it (see :func:`await_gloo_releases`).
         """
+        if self.abandon is not None and self.abandon.is_set():
+            raise MembershipChanged(f"{self._where(op)} was not issued: the members changed")
         lend, lent = _lender()
         work = self._guard(op, lambda: call(lend))
         works = work if isinstance(work, list) else [work]
@@ -244,7 +281,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         return self._issue(
             "reduce",
             lambda lend: dist.reduce(
-                lend(out), self._global(root), op=self._sum_op(op), group=self._group, async_op=True
+                lend(out), op=self._sum_op(op), group=self._group, async_op=True, **self._peer("dst", root)
             ),
             out,
             finish,
@@ -257,7 +294,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         out = x.clone()
         return self._issue(
             "broadcast",
-            lambda lend: dist.broadcast(lend(out), self._global(root), group=self._group, async_op=True),
+            lambda lend: dist.broadcast(lend(out), group=self._group, async_op=True, **self._peer("src", root)),
             out,
         )
 
@@ -314,18 +351,19 @@ class ProcessGroupCommunicator(CommunicatorBase):
         x = self._tensor("gather", x)
         root = self._root("gather", root)
         out = torch.zeros((self._size, *x.shape), dtype=x.dtype, device=x.device)
-        return self._issue_rooted("gather", dist.gather, root, x, out, out=out)
+        return self._issue_rooted("gather", dist.gather, "dst", root, x, out, out=out)
 
     def scatter_async(self, x: torch.Tensor, root: int) -> Work:
         """Issue :meth:`scatter`; ``wait()`` returns its result."""
         rows = self._rows("scatter", self._tensor("scatter", x))
         out = torch.empty(rows.shape[1:], dtype=rows.dtype, device=rows.device)
-        return self._issue_rooted("scatter", dist.scatter, self._root("scatter", root), out, rows, out=out)
+        return self._issue_rooted("scatter", dist.scatter, "src", self._root("scatter", root), out, rows, out=out)
 
     def _issue_rooted(
         self,
         name: str,
         collective: Callable[..., Any],
+        keyword: str,
         root: int,
         tensor: torch.Tensor,
         rows: torch.Tensor,
@@ -338,7 +376,7 @@ class ProcessGroupCommunicator(CommunicatorBase):
         return self._issue(
             name,
             lambda lend: collective(
-                lend(tensor), _lend_rows(lend, root_rows), self._global(root), group=self._group, async_op=True
+                lend(tensor), _lend_rows(lend, root_rows), group=self._group, async_op=True, **self._peer(keyword, root)
             ),
             out,
         )
@@ -384,9 +422,13 @@ class ProcessGroupCommunicator(CommunicatorBase):
             for i, peer in enumerate(peers):
                 # The i-th exchange with a given peer uses tag i on both sides (repeated peers pair in order).
                 tag = peers[:i].count(peer)
-                ops.append(dist.P2POp(dist.irecv, lend(out[i]), self._global(peer), self._group, tag))
-                ops.append(dist.P2POp(dist.isend, lend(x), self._global(peer), self._group, tag))
-            return dist.batch_isend_irecv(ops)
+                if self._standalone:  # torch.distributed's point-to-point calls need a registered group
+                    ops += [self._group.recv([lend(out[i])], peer, tag), self._group.send([lend(x)], peer, tag)]
+                    continue
+                global_peer = self._peer("peer", peer)["peer"]
+                ops.append(dist.P2POp(dist.irecv, lend(out[i]), global_peer, self._group, tag))
+                ops.append(dist.P2POp(dist.isend, lend(x), global_peer, self._group, tag))
+            return ops if self._standalone else dist.batch_isend_irecv(ops)
 
         return self._issue("send_recv", exchange, out)
 

@@ -1,0 +1,84 @@
+"""A rank slot of a fault-tolerant job: run the rank, and when it dies, start a replacement that joins the job.
+
+``bagua-launch --fault-tolerant`` (with torch's elastic agent: ``--nnodes MIN:MAX`` or
+``--max-restarts``) has the agent start ``python -m bagua_launch.replacements COMMAND...`` in each
+worker slot instead of the command itself. The slot runs the command; when it exits with an error
+or is killed, the slot starts it again with ``BAGUA_FT_JOIN=1``, so the new process joins the
+running job (a member sends it the state) instead of the agent restarting every worker. A clean
+exit ends the slot; so does the agent's SIGTERM (passed on to the rank), the agent's end (a SIGTERM to the slot
+and to its rank when their parent dies, so that nothing outlives a killed launcher), and running out of
+``BAGUA_FT_REPLACEMENTS`` replacements (default 100).
+
+Replacements find the job through ``BAGUA_FT_PEERS``: the launcher on each node hosts a small
+store (a directory) where the node's members write where the job's coordinator is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from bagua_common.fault_tolerance.settings import ENV_JOIN
+from bagua_launch.output import NAME, describe_exit
+
+__all__ = ["ENV_REPLACEMENTS", "main"]
+
+ENV_REPLACEMENTS = "BAGUA_FT_REPLACEMENTS"
+"""How many replacements a slot starts before it gives up (and the agent's own restart policy applies)."""
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _terminated_with_parent() -> None:
+    """Ask Linux for a SIGTERM when this process's parent ends (elsewhere: nothing)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def main(command: list[str]) -> int:
+    """Run ``command`` (a rank) and its replacements; return the exit status the agent sees."""
+    if not command:
+        print(f"{NAME}: usage: python -m bagua_launch.replacements COMMAND...", file=sys.stderr)
+        return 2
+    left = int(os.environ.get(ENV_REPLACEMENTS, "100"))
+    env = dict(os.environ)
+    stopping = False
+    rank: subprocess.Popen | None = None
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+        if rank is not None and rank.poll() is None:
+            rank.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    parent = os.getppid()
+    _terminated_with_parent()
+    if os.getppid() != parent:  # the agent ended before the request took effect
+        return 1
+    while True:
+        started = time.monotonic()
+        rank = subprocess.Popen(command, env=env, preexec_fn=_terminated_with_parent)
+        code = rank.wait()
+        if code == 0 or stopping or left <= 0:
+            return 128 - code if code < 0 else code
+        left -= 1
+        print(
+            f"{NAME}: rank {env.get('RANK', '?')} ended ({describe_exit(code)}) after {time.monotonic() - started:.1f} "
+            "s; starting a replacement that joins the running job",
+            file=sys.stderr,
+            flush=True,
+        )
+        env[ENV_JOIN] = "1"
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,144 @@
+"""Process groups of a fault-tolerant job's epoch, built on the coordinator's store (not torch.distributed's registry).
+
+Every communicator of an epoch (the world, a dedicated one for a background thread, the pair that
+sends a joiner the state) is a ``ProcessGroup`` holding a gloo (or NCCL) backend made on the
+epoch's store under its own prefix; its waits give up with ``MembershipChanged`` once the epoch
+closes. Such groups are never destroyed (:func:`leak`): one may hold an abandoned operation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bagua_common.fault_tolerance import Epoch, KVClient, MembershipChanged, StoreUnreachable
+from bagua_torch.communicator.process_group_communicator import ProcessGroupCommunicator
+from bagua_torch.communicator.protocol import CommunicationError
+
+__all__ = ["epoch_communicator", "leak", "pair_communicator", "solo_communicator"]
+
+_STORE_POLL_S = 0.1  # how often a group's rendezvous looks whether its epoch closed meanwhile
+
+
+class _StoreForTorch(dist.Store):
+    """A member's :class:`~bagua_common.fault_tolerance.KVClient` as a ``torch.distributed`` store (for gloo's and
+    NCCL's rendezvous)."""
+
+    def __init__(self, client: KVClient, timeout: float, closed: threading.Event):
+        super().__init__()
+        self._client, self._timeout, self._closed = client, timeout, closed
+
+    def _call(self, operation: Callable[[], Any]) -> Any:
+        try:
+            return operation()
+        except StoreUnreachable as error:  # the coordinator is gone: so is its epoch
+            raise MembershipChanged(f"the group was not made: {error}") from error
+
+    def set(self, key: str, value: Any) -> None:
+        self._call(lambda: self._client.set(key, bytes(value) if not isinstance(value, str) else value))
+
+    def get(self, key: str) -> bytes:
+        """The value of ``key``, waiting for it; MembershipChanged once the epoch closes (a member died while the
+        group was being made) or its coordinator's store is gone."""
+        deadline = time.monotonic() + self._timeout
+        while True:
+            wait = min(_STORE_POLL_S, max(0.0, deadline - time.monotonic()))
+            value = self._call(lambda: self._client.get(key, wait=wait))
+            if value is not None:
+                return value
+            if self._closed.is_set():
+                raise MembershipChanged(f"the group was not made: the members changed while waiting for {key!r}")
+            if time.monotonic() >= deadline:
+                raise RuntimeError(f"fault tolerance: the store key {key!r} was not set within {self._timeout:g} s")
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call(lambda: self._client.add(key, amount))
+
+    def compare_set(self, key: str, expected: Any, desired: Any) -> bytes:
+        return self._call(lambda: self._client.compare_set(key, expected, desired))
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        for key in keys:
+            self.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        return all(self._call(lambda key=key: self._client.check(key)) is not None for key in keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self._call(lambda: self._client.delete(key))
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout = timeout.total_seconds()
+
+    def num_keys(self) -> int:  # torch requires the method; gloo and NCCL never count keys
+        raise RuntimeError("the fault-tolerance store does not count its keys")
+
+
+def epoch_communicator(
+    epoch: Epoch, purpose: str, backend: str, device: torch.device, timeout: float, made: list[Any]
+) -> ProcessGroupCommunicator:
+    """A communicator of ``epoch``'s members (collective: every member makes it), named ``purpose``; its waits give
+    up with MembershipChanged when the epoch closes. Dedicated communicators made from it
+    (:func:`~bagua_torch.communicator.dedicated_communicator`) are further groups of the same epoch."""
+    comm = _group_on_store(epoch, purpose, epoch.rank, epoch.size, backend, timeout)
+    made.append(comm.group)
+    comm.dedicated = lambda name: epoch_communicator(epoch, f"{purpose}/{name}", backend, device, timeout, made)
+    return comm
+
+
+def _group_on_store(
+    epoch: Epoch, purpose: str, rank: int, size: int, backend: str, timeout: float
+) -> ProcessGroupCommunicator:
+    """A gloo or NCCL group of ``size`` ranks made on ``epoch``'s store under the prefix of ``purpose``."""
+    assert epoch.store is not None
+    adapter = _StoreForTorch(epoch.store, timeout, epoch.failed)
+    store = dist.PrefixStore(epoch.prefix(purpose), adapter)
+    # torch.distributed's collectives take a ProcessGroup holding the backend (as new_group builds it)
+    group = dist.ProcessGroup(store, rank, size)
+    try:
+        if backend == "nccl":
+            kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+            engine: Any = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        else:
+            kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+            engine = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
+    except MembershipChanged:
+        raise
+    except RuntimeError as error:  # a member gone while the group connected
+        raise CommunicationError(f"the group {purpose!r} of epoch {epoch.number} could not connect: {error}") from error
+    group._set_default_backend(kind)
+    group._register_backend(device, kind, engine)
+    comm = ProcessGroupCommunicator(group, timeout=timeout, name=f"ft{epoch.number}/{purpose}", abandon=epoch.failed)
+    comm.store_in_use = adapter  # torch keeps only the C++ side: the Python methods must outlive the group
+    return comm
+
+
+def pair_communicator(epoch: Epoch, joiner_rank: int, backend: str, timeout: float) -> ProcessGroupCommunicator:
+    """A group of the epoch's first member (rank 0 in it) and the joiner ``joiner_rank`` (rank 1)."""
+    return _group_on_store(epoch, f"transfer/{joiner_rank}", 0 if epoch.rank == 0 else 1, 2, backend, timeout)
+
+
+def solo_communicator(timeout: float) -> ProcessGroupCommunicator:
+    """This process alone (a model wraps without collectives before its job's loop starts)."""
+    group = dist.ProcessGroup(dist.HashStore(), 0, 1)
+    group._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    engine = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, timedelta(seconds=timeout))
+    group._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, engine)
+    comm = ProcessGroupCommunicator(group, timeout=timeout, name="alone")
+    comm.dedicated = lambda purpose: solo_communicator(timeout)
+    return comm
+
+
+def leak(groups: list[Any]) -> None:
+    """Never destroy ``groups``: an epoch's groups may hold abandoned operations (gloo cannot cancel them), and
+    destroying a gloo group with an operation pending throws from its threads, which aborts the process. A
+    group costs a few threads and sockets; a job leaks one set per change of members."""
+    for group in groups:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

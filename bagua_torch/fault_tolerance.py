@@ -1,0 +1,437 @@
+"""Training that survives a lost rank without a restart, for PyTorch (protocol: :mod:`bagua_common.fault_tolerance`).
+
+Turn it on with ``bagua_torch.init_process_group(fault_tolerance=True)`` (or ``BAGUA_FAULT_TOLERANCE=1``),
+wrap the model as usual, and run the steps through :meth:`FaultTolerance.steps`::
+
+    group = bagua_torch.init_process_group(fault_tolerance=True)
+    model = bagua_torch.with_bagua(net, [optimizer], "bytegrad")
+    data = DataPosition(len(dataset), batch_per_rank=32)
+    for step in group.fault_tolerance.steps(total_steps, data):
+        with step:                                   # a lost member ends the attempt; it runs again
+            x, y = dataset[step.indices]
+            loss_fn(model(x), y).backward()
+            optimizer.step()                         # commits by agreement in its pre-hook
+
+Each epoch of members gets its own gloo process groups, built on the coordinator's store under the
+epoch's prefix (no ``torch.distributed.init_process_group``: the default group could not change
+size). When a member dies, the survivors' collectives are abandoned (their waits watch the
+epoch's ``failed`` event), the step is not applied anywhere, and at the step's end the
+survivors take the next epoch, rebuild the wrapper's buckets and algorithm for the new size
+(carrying the algorithm's committed state by its rule, see ``docs/guides/fault_tolerance.md``),
+check that the replicas are bit-identical and run the step again. A process started with
+``BAGUA_FT_JOIN=1`` joins the running job: the members admit it after their next commit and the
+first member sends it the parameters, the optimizers' and the algorithm's state and the data
+position over a process group of the two (never a file).
+
+NCCL: the same, with ``ProcessGroupNCCL`` built on the epoch's store; the abandoned group is
+aborted where torch can (``abort()`` of its backend). Not run here: no GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from collections.abc import Iterator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from bagua_common.comm.topology import Communicators
+from bagua_common.fault_tolerance import (
+    ENV_FAULT_TOLERANCE,
+    ENV_JOIN,
+    ENV_PEERS,
+    DataPosition,
+    Epoch,
+    Evicted,
+    ExchangeInterrupted,
+    FaultToleranceSettings,
+    Membership,
+    MembershipChanged,
+    Recovery,
+    ReplicaDigest,
+    check_digests,
+)
+from bagua_torch.algorithms import algorithm_class, available_algorithms
+from bagua_torch.broadcast import broadcast_structure, broadcast_tensors
+from bagua_torch.communicator import CommunicationError, ProcessGroupCommunicator
+from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, pair_communicator, solo_communicator
+
+if TYPE_CHECKING:
+    from bagua_torch.bagua_module import BaguaModule
+
+__all__ = ["ENV_FAULT_TOLERANCE", "FaultTolerance", "Step", "carried_algorithms", "start_fault_tolerance"]
+
+
+def carried_algorithms() -> list[str]:
+    """The algorithms a fault-tolerant job trains, by name: those declaring ``fault_tolerant`` (their state is
+    carried across a change of members by its rule, and tested); the others are refused when wrapped, naming the
+    elastic restart."""
+    return [name for name in available_algorithms() if algorithm_class(name).fault_tolerant]
+
+
+_PARTS = ("position", "parameters", "optimizer", "algorithm")
+"""The parts of the replicated state the replica check hashes (and names when they differ)."""
+
+
+class Step:
+    """One attempt at a training step (a context manager; see :meth:`FaultTolerance.steps`).
+
+    ``number`` is the step (from 1), ``indices`` this rank's samples (when the loop was given a
+    :class:`~bagua_common.fault_tolerance.DataPosition`), ``rank`` and ``world_size`` the members now.
+    """
+
+    def __init__(self, job: FaultTolerance, number: int):
+        self._job = job
+        self.number = number
+        self.rank = job.epoch.rank
+        self.world_size = job.epoch.size
+        self.indices = None if job.data is None else job.data.indices(self.rank, self.world_size)
+
+    def __enter__(self) -> Step:
+        self._job._attempt_started()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> bool:
+        return self._job._attempt_ended(error)
+
+
+class FaultTolerance:
+    """This process's side of a fault-tolerant job: its membership, the epoch's communicators, the wrapped models.
+
+    Made by ``init_process_group(fault_tolerance=True)``; reach it as ``group.fault_tolerance``. See the module
+    docstring for the training loop. A joiner (``membership`` None) wraps its models alone and asks to be admitted
+    when its loop starts, so the members wait for nothing but the state they send it.
+    """
+
+    def __init__(
+        self,
+        settings: FaultToleranceSettings,
+        membership: Membership | None,
+        join_at: tuple[str, int],
+        backend: str,
+        device: torch.device,
+        timeout: float,
+    ):
+        self.settings, self.membership, self._join_at = settings, membership, join_at
+        self.backend, self.device, self.timeout = backend, device, timeout
+        self.modules: list[BaguaModule] = []
+        self.data: DataPosition | None = None
+        self.epoch: Epoch | None = None if membership is None else membership.epoch
+        self.step = self.committed = 0 if self.epoch is None else self.epoch.committed
+        """``step``: steps completed; ``committed``: transactions committed by agreement (steps, or DiLoCo's outer
+        exchanges); the same on every member."""
+        self.recoveries: list[dict[str, float]] = []
+        """Per change of members: ``epoch``, ``size``, ``seconds`` (from the failure seen here, or the change
+        noticed, to the step running again), ``steps_lost`` (0 or 1), ``joined`` (members admitted)."""
+        self._voted_this_attempt = self._committed_this_attempt = False
+        self._failure_seen: float | None = None
+        self._groups: list[Any] = []  # the current epoch's process groups
+        self._entered = False
+        self._checked = -1  # the step at which the replicas were last checked
+        self.world = solo_communicator(
+            self.timeout
+        )  # until the loop starts: the models wrap alone, then are rebuilt in the epoch
+        self.group: Any = None
+        """The ``BaguaProcessGroup`` whose ``fault_tolerance`` this is (its rank, size and communicators follow
+        the epochs)."""
+
+    def _communicator(self, purpose: str) -> ProcessGroupCommunicator:
+        assert self.epoch is not None
+        return epoch_communicator(self.epoch, purpose, self.backend, self.device, self.timeout, self._groups)
+
+    @property
+    def communicators(self) -> Communicators:
+        """The current epoch's communicators."""
+        return Communicators(self.world)
+
+    # --- the models ------------------------------------------------------------------
+
+    def attach(self, module: BaguaModule) -> None:
+        """Train ``module`` (a wrapper made on this job's group) fault-tolerantly: commit its steps, rebuild it on
+        a change. Called by the wrapper. An algorithm not in :func:`carried_algorithms` is refused (ValueError)."""
+        name = module.algorithm.name
+        if not type(module.algorithm).fault_tolerant:
+            raise ValueError(
+                f"fault tolerance: {name or type(module.algorithm).__name__} cannot continue in-process after a change "
+                f"of members yet (it can: {', '.join(carried_algorithms())}); train it without fault tolerance and "
+                "restart from a checkpoint when a rank is lost (the elastic restart: bagua-launch --nnodes MIN:MAX "
+                "--max-restarts N)"
+            )
+        self.modules.append(module)
+        last = module.optimizers[-1] if module.optimizers else None
+        if last is not None and module.algorithm_impl.transaction_per_step:
+            last.register_step_pre_hook(lambda optimizer, args, kwargs: self.commit_step())
+
+    def commit_step(self) -> None:
+        """Vote for the step in flight (its collectives are done); raise MembershipChanged if it did not commit.
+        Once per attempt: a later call in the same step does nothing."""
+        if self._voted_this_attempt:
+            return
+        if not self.commit():
+            raise MembershipChanged(f"step {self.step + 1} was not committed: the members changed")
+
+    def commit(self) -> bool:
+        """Vote for a transaction the algorithm itself delimits (DiLoCo's outer exchange); whether it committed."""
+        assert self.membership is not None and self.epoch is not None
+        transaction = self.committed + 1
+        self._voted_this_attempt = True
+        if not self.membership.commit(self.epoch, transaction):
+            return False
+        self.committed = transaction
+        self._committed_this_attempt = True
+        for module in self.modules:
+            module.algorithm_impl.on_commit()
+        return True
+
+    # --- the loop --------------------------------------------------------------------
+
+    def steps(self, total: int, data: DataPosition | None = None) -> Iterator[Step]:
+        """Yield an attempt at each step until ``total`` steps are done; a step interrupted by a membership change
+        is yielded again (with the new members' sample split)."""
+        self.data = data
+        if self.membership is None:
+            self._join()
+        elif not self._entered:  # the loop starts: the models are rebuilt in the first epoch
+            self._enter_or_recover(self.epoch)
+        while self.step < total:
+            assert self.epoch is not None
+            every = self.settings.hash_every
+            if not self.epoch.closed.is_set() and every and self.step % every == 0 and self._checked != self.step:
+                try:
+                    self._check_replicas(f"at step {self.step}")
+                except (MembershipChanged, CommunicationError) as error:
+                    self._fail(error)
+            if self.epoch.closed.is_set():  # ended after a commit (a joiner waits) or closed meanwhile
+                self._change_epoch(lost_step=False)
+            yield Step(self, self.step + 1)
+
+    def _attempt_started(self) -> None:
+        self._voted_this_attempt = self._committed_this_attempt = False
+
+    def _attempt_ended(self, error: BaseException | None) -> bool:
+        assert self.membership is not None and self.epoch is not None
+        if error is None:
+            self.step += 1
+            if self.data is not None:
+                self.data.advance(self.epoch.size)
+            return False
+        if not _caused_by_a_change(error):
+            return False
+        self._failure_seen = time.monotonic()
+        self._fail(error)
+        # A failure after the step committed (in the optimizer's post-hook: low-precision decentralized's exchange,
+        # the async averager), or in DiLoCo's exchange, leaves the step's own work done: it counts.
+        interrupted = self._committed_this_attempt or isinstance(error, ExchangeInterrupted)
+        if interrupted:
+            self.step += 1
+            if self.data is not None:
+                self.data.advance(self.epoch.size)
+        self._change_epoch(lost_step=not interrupted)
+        return True
+
+    def _fail(self, error: BaseException) -> None:
+        assert self.membership is not None and self.epoch is not None
+        if not self.epoch.failed.is_set():
+            self.membership.fail(self.epoch, f"{type(error).__name__}: {error}")
+
+    def _change_epoch(self, lost_step: bool) -> None:
+        """Take the next epoch after the current one closed (again, should a member be lost meanwhile)."""
+        assert self.membership is not None and self.epoch is not None
+        started = self._failure_seen or time.monotonic()
+        recovery = self._recover()
+        if recovery is not None:
+            self.committed = recovery.committed
+            self._enter_or_recover(recovery.epoch)
+        self.recoveries.append(
+            {
+                "epoch": self.epoch.number,
+                "size": self.epoch.size,
+                "seconds": time.monotonic() - started,
+                "steps_lost": int(lost_step),
+                "joined": len(self.epoch.joined),
+            }
+        )
+        self._failure_seen = None
+
+    def _join(self, peers: list[str] | None = None) -> None:
+        """Ask to be admitted (the models are wrapped: nobody waits for this process to start), then take the
+        epoch that admits it and the job's state from its first member. ``peers``: stores to ask beside
+        ``MASTER_ADDR:MASTER_PORT`` and ``BAGUA_FT_PEERS``."""
+        started = time.monotonic()
+        if peers is not None:
+            peers += [p for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
+        self.membership = Membership.join(self.settings, *self._join_at, peers=peers, timeout=self.timeout)
+        self.epoch = self.membership.epoch
+        self.committed = self.epoch.committed
+        self._enter_or_recover(self.epoch)
+        self.joined_after = time.monotonic() - started
+        """Seconds from asking to be admitted to being ready to train (a joiner)."""
+
+    def _enter_or_recover(self, epoch: Epoch) -> None:
+        """Enter ``epoch``, or the next one (and so on) should a member be lost meanwhile."""
+        while True:
+            try:
+                self._enter(epoch)
+                return
+            except (MembershipChanged, CommunicationError) as error:
+                self._fail(error)
+                recovery = self._recover()
+                if recovery is None:
+                    return  # joined again
+                epoch, self.committed = recovery.epoch, recovery.committed
+
+    def _recover(self) -> Recovery | None:
+        """The next epoch; or, when the others went on without this process (it was taken for dead), join the job
+        again as a new member given the state (returns None then)."""
+        assert self.membership is not None and self.epoch is not None
+        try:
+            return self.membership.recover(self.epoch)
+        except Evicted:
+            self.membership.close()
+            self.membership = None
+            self._join([f"{m.host}:{m.port}" for m in self.epoch.members])  # where the others may still be
+            return None
+
+    def _enter(self, epoch: Epoch) -> None:
+        """Make ``epoch`` current: its communicators, the models rebuilt for its size, the replicas made equal
+        (rank 0's before the first commit, else the first member's sent to the joiners), and checked."""
+        for module in self.modules:
+            module.reducer.discard()
+        leak(self._groups)  # a gloo group destroyed with an operation pending aborts the process
+        self._groups = []
+        self.epoch = epoch
+        self.world = self._communicator("world")
+        if self.group is not None:
+            self.group.communicators, self.group.rank, self.group.size = self.communicators, epoch.rank, epoch.size
+        for module in self.modules:
+            module.rebuild(self.communicators)
+        if self.committed == 0:  # nothing trained yet: every rank, joiners too, takes rank 0's replicas
+            for module in self.modules:
+                module.synchronize_replicas()
+            self.membership.applied(0)
+        elif epoch.joined:
+            self._receive_or_send_state()
+        self._entered = True
+        for module in self.modules:
+            module.algorithm_impl.resume()
+        self._check_replicas(f"after the change to epoch {epoch.number} ({epoch.size} members)")
+
+    # --- joiners ---------------------------------------------------------------------
+
+    def _receive_or_send_state(self) -> None:
+        """The first member sends each joiner of the epoch the job's state over a group of the two."""
+        epoch = self.epoch
+        assert epoch is not None and self.membership is not None
+        for joiner_rank in [r for r in range(epoch.size) if epoch.is_joiner(r)]:
+            if epoch.rank not in (0, joiner_rank):
+                continue
+            pair = pair_communicator(epoch, joiner_rank, self.backend, self.timeout)
+            self._groups.append(pair.group)
+            received = broadcast_structure(self._state_for_joiner() if epoch.rank == 0 else None, pair, self.device)
+            broadcast_tensors(pair, self._replicated_tensors())
+            if epoch.rank == joiner_rank:
+                self._load_joiner_state(received)
+                self.membership.applied(self.committed)
+
+    def _state_for_joiner(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "committed": self.committed,
+            "position": None if self.data is None else self.data.state(),
+            "modules": [
+                {
+                    "optimizers": [opt.state_dict() for opt in m.optimizers],
+                    "algorithm": m.algorithm_impl.carried_state(),
+                }
+                for m in self.modules
+            ],
+        }
+
+    def _load_joiner_state(self, state: dict[str, Any]) -> None:
+        self.step, self.committed = int(state["step"]), int(state["committed"])
+        if self.data is not None and state["position"] is not None:
+            self.data.load_state(state["position"])
+        for module, saved in zip(self.modules, state["modules"]):
+            for optimizer, optimizer_state in zip(module.optimizers, saved["optimizers"]):
+                optimizer.load_state_dict(optimizer_state)
+            module.algorithm_impl.load_carried_state(saved["algorithm"])
+
+    def _replicated_tensors(self) -> list[torch.Tensor]:
+        """Every model's parameters and buffers, in a fixed order."""
+        return [t for module in self.modules for t in _tensors_of(module)]
+
+    # --- replica checks -----------------------------------------------------------------
+
+    def _check_replicas(self, when: str) -> None:
+        """Hash the replicated state and compare it across the members (ReplicaMismatch on every member if any
+        part differs)."""
+        digest = ReplicaDigest(_PARTS)
+        digest.add("position", np.array([self.step, self.committed, *(self.data.state() if self.data else [])]))
+        for module in self.modules:
+            config = module.algorithm.config_class
+            if config is not None and config.replicated:
+                for tensor in _tensors_of(module):
+                    digest.add("parameters", _bytes(tensor))
+                for optimizer in module.optimizers:
+                    for state in optimizer.state_dict()["state"].values():
+                        for value in state.values():
+                            if isinstance(value, torch.Tensor):
+                                digest.add("optimizer", _bytes(value))
+            for tensor in module.algorithm_impl.replicated_tensors():
+                digest.add("algorithm", _bytes(tensor))
+        gathered = self.world.allgather(torch.from_numpy(digest.digest()).to(self.device)).cpu().numpy()
+        check_digests(_PARTS, gathered, when)
+        self._checked = self.step
+
+    def close(self) -> None:
+        """Leave the job (the others see this member go)."""
+        if self.membership is not None:
+            self.membership.close()
+
+
+def _caused_by_a_change(error: BaseException) -> bool:
+    """Whether ``error`` (or what caused it: a background thread's error is raised again wrapped) is a lost
+    member's doing: an abandoned or failed collective."""
+    while error is not None:
+        if isinstance(error, (MembershipChanged, CommunicationError)):
+            return True
+        error = error.__cause__
+    return False
+
+
+def _tensors_of(module: BaguaModule) -> list[torch.Tensor]:
+    return [p for _, p in module.module.named_parameters()] + [b for _, b in module.module.named_buffers()]
+
+
+def _bytes(tensor: torch.Tensor) -> np.ndarray:
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
+
+
+def start_fault_tolerance(
+    rank: int | None,
+    world_size: int | None,
+    master_addr: str,
+    master_port: int,
+    backend: str,
+    device: torch.device,
+    timeout: float,
+) -> FaultTolerance:
+    """Start (every launcher rank, together) or join (``BAGUA_FT_JOIN=1``) a fault-tolerant job; called by
+    ``init_process_group(fault_tolerance=True)``."""
+    if not hasattr(dist, "ProcessGroupGloo") or "group_src" not in inspect.signature(dist.broadcast).parameters:
+        raise RuntimeError("fault tolerance needs torch >= 2.6 (process groups addressed by group rank)")
+    settings = FaultToleranceSettings.from_environment()
+    membership = None
+    if os.environ.get(ENV_JOIN) != "1":
+        if rank is None or world_size is None:
+            raise ValueError("fault tolerance: the rank and world size are unknown (set RANK and WORLD_SIZE)")
+        membership = Membership.start(settings, rank, world_size, master_addr, master_port, timeout=timeout)
+    return FaultTolerance(settings, membership, (master_addr, master_port), backend, device, timeout)

@@ -1,0 +1,330 @@
+"""Fault tolerance on the GPT workload (issue 42): the fault-free overhead, and a chaos run with replacements.
+
+Two studies, both torch over gloo, plain processes on this machine or, with ``--rate``, one network
+namespace per rank on links of that rate (``harness.links``, root only):
+
+* ``overhead``: the same job with fault tolerance off (``init_process_group()``) and on
+  (``init_process_group(fault_tolerance=True)``: a vote per step in the coordinator's store,
+  heartbeats, the replica check every ``BAGUA_FT_HASH_EVERY`` steps), alternated ``--repeats``
+  times (A B, B A, ...); reported: the median step time of each and their ratio, per run.
+* ``kill``: ``--ranks`` plain processes train fault-tolerantly; at step ``--kill-step`` the last rank SIGKILLs
+  itself in its backward pass (a gradient hook of the first layer: the others wait in the step's allreduce).
+  Reported per survivor: the seconds from the kill to the retried step starting, and the steps lost.
+* ``chaos``: ``bagua-launch --fault-tolerant`` runs the job for ``--minutes``; every ``--every``
+  seconds a random rank is killed (SIGKILL) and its slot starts a replacement that joins the
+  running job. A fault-free run of the same length is the reference. Reported: the held-out
+  loss against tokens of both, every failure's seconds to resume and steps lost (from the ranks'
+  logs), each replacement's seconds from asking to be admitted to training.
+
+Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``; timings on a quiet
+machine, ``/work/bin/measure`` here)::
+
+    python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
+    python benchmarks/fault_tolerance.py overhead --ranks 4 --steps 60 --repeats 3 [--rate 100mbit]
+    python benchmarks/fault_tolerance.py chaos --ranks 4 --minutes 20 --every 60 [--rate 100mbit]
+
+A rank of either is ``python benchmarks/fault_tolerance.py rank JOB.json`` (``JOB.json``: the
+settings; it appends JSON lines to ``<folder>/rank-<pid>.jsonl``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+from harness.results import RESULTS, finish_meta, header_lines, run_meta, table, write_results  # noqa: E402
+
+HASH_EVERY = 50
+
+
+def rank_main(job_file: str) -> None:
+    """One rank: train the GPT ``size`` with ``algorithm``; log every step (time, loss, world) and, on the first
+    member, the held-out loss every ``eval_every`` steps."""
+    import torch
+
+    import bagua_torch
+    from bagua_common.workload import load_corpus
+    from bagua_torch.models.gpt import GPT, next_token_loss
+
+    job = json.loads(Path(job_file).read_text())
+    log = open(Path(job["folder"]) / f"rank-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 (whole run)
+
+    def record(**fields: object) -> None:
+        log.write(json.dumps({"time": time.time(), **fields}) + "\n")
+
+    torch.set_num_threads(1)
+    group = bagua_torch.init_process_group("gloo", fault_tolerance=job["fault_tolerant"], timeout=300)
+    model = GPT(job["size"], seed=job["seed"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
+    wrapped = bagua_torch.with_bagua(model, [optimizer], job["algorithm"])
+    corpus = load_corpus()
+    length = model.config.context + 1
+    heldout = torch.from_numpy(corpus.heldout_batch(32, length))
+    ft = group.fault_tolerance
+    record(event="start", rank=group.rank)
+    in_flight = {"step": 0}
+    if job.get("kill_step") and group.rank == group.size - 1:  # the kill study's victim: dies in its backward pass
+
+        def die(gradient: torch.Tensor) -> None:
+            if in_flight["step"] == job["kill_step"]:
+                (Path(job["folder"]) / "kill-time").write_text(repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        next(model.parameters()).register_hook(die)
+
+    def train(step: int, rank: int, world: int) -> float:
+        in_flight["step"] = step
+        tokens = torch.from_numpy(corpus.batch(job["seed"], step, rank, job["batch"], length))
+        loss = next_token_loss(wrapped(tokens[:, :-1]), tokens)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        return float(loss.detach())
+
+    def evaluate(step: int, world: int) -> None:
+        with torch.no_grad():
+            loss = float(next_token_loss(model(heldout[:, :-1]), heldout))
+        record(event="heldout", step=step, tokens=step * world * job["batch"] * (length - 1), loss=loss)
+
+    deadline = time.monotonic() + job["seconds"] if job["seconds"] else None
+    if ft is None:
+        for step in range(1, job["steps"] + 1):
+            started = time.perf_counter()
+            loss = train(step, group.rank, group.size)
+            record(event="step", step=step, world=group.size, seconds=time.perf_counter() - started, loss=loss)
+    else:
+        for step in ft.steps(job["steps"] or 10**9):
+            if deadline is not None and time.monotonic() > deadline:
+                break
+            started = time.perf_counter()
+            record(event="attempt", step=step.number)
+            with step:
+                loss = train(step.number, step.rank, step.world_size)
+            if ft.step == step.number:
+                seconds = time.perf_counter() - started
+                record(event="step", step=step.number, world=step.world_size, seconds=seconds, loss=loss)
+                if step.rank == 0 and step.number % job["eval_every"] == 0:
+                    evaluate(step.number, step.world_size)
+        record(event="end", recoveries=ft.recoveries, joined=getattr(ft, "joined_after", None))
+        ft.close()
+
+
+def job_file(
+    folder: Path, args: argparse.Namespace, fault_tolerant: bool, seconds: float = 0, kill_step: int = 0
+) -> Path:
+    path = folder / "job.json"
+    path.write_text(
+        json.dumps(
+            {
+                "folder": str(folder),
+                "size": args.size,
+                "algorithm": args.algorithm,
+                "lr": args.lr,
+                "batch": args.batch,
+                "seed": args.seed,
+                "steps": args.steps if not seconds else 0,
+                "seconds": seconds,
+                "eval_every": args.eval_every,
+                "fault_tolerant": fault_tolerant,
+                "kill_step": kill_step,
+            }
+        )
+    )
+    return path
+
+
+def environment(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BAGUA_FT_HASH_EVERY": str(HASH_EVERY), **extra}
+
+
+def launch(ranks: int, job: Path, fault_tolerant: bool) -> subprocess.Popen:
+    """The job's ranks under ``bagua-launch`` (``--fault-tolerant``: a slot replaces its rank when it dies)."""
+    command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(ranks)]
+    command += ["--fault-tolerant"] if fault_tolerant else []
+    command += [str(Path(__file__).resolve()), "rank", str(job)]
+    return subprocess.Popen(command, env=environment(), start_new_session=True)
+
+
+def run_ranks(ranks: int, job: Path, rate: str | None) -> None:
+    """Run the job's ranks to the end: local processes, or one per network namespace on links of ``rate``."""
+    if rate is None:
+        launch(ranks, job, False).wait()
+        return
+    from harness.links import Network
+
+    from bagua_common.job.local_launch import free_port
+
+    with Network(ranks, rate) as net:
+        net.run_all([sys.executable, str(Path(__file__).resolve()), "rank", str(job)], free_port(), 3600, environment())
+
+
+def lines(folder: Path) -> dict[str, list[dict]]:
+    return {p.name: [json.loads(line) for line in p.read_text().splitlines()] for p in folder.glob("rank-*.jsonl")}
+
+
+def overhead(args: argparse.Namespace) -> dict:
+    runs = []
+    for repeat in range(args.repeats):
+        for fault_tolerant in (False, True) if repeat % 2 == 0 else (True, False):
+            with tempfile.TemporaryDirectory() as scratch:
+                folder = Path(scratch)
+                run_ranks(args.ranks, job_file(folder, args, fault_tolerant), args.rate)
+                steps = [e["seconds"] for log in lines(folder).values() for e in log if e["event"] == "step"]
+                steps = steps[len(steps) // 5 :]  # the first fifth warms up
+                runs.append({"fault_tolerant": fault_tolerant, "repeat": repeat, "step_s": statistics.median(steps)})
+                print(json.dumps(runs[-1]), flush=True)
+    on = statistics.median(r["step_s"] for r in runs if r["fault_tolerant"])
+    off = statistics.median(r["step_s"] for r in runs if not r["fault_tolerant"])
+    return {"runs": runs, "step_s_off": off, "step_s_on": on, "overhead": on / off - 1}
+
+
+def kill(args: argparse.Namespace) -> dict:
+    """``--repeats`` runs of :func:`kill_once`."""
+    return {"runs": [kill_once(args) for _ in range(args.repeats)]}
+
+
+def kill_once(args: argparse.Namespace) -> dict:
+    """The last of ``--ranks`` plain processes SIGKILLs itself in step ``--kill-step``'s backward pass; per
+    survivor, the seconds from the kill to the retried step starting (and the job's own measure: from the failure
+    seen there to the step running again) and the steps lost."""
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+    from bagua_common.job.local_launch import free_port
+
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        job = job_file(folder, args, True, kill_step=args.kill_step)
+        where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks)}
+        env = environment(**where, **{ENV_SECRET_FILE: write_job_secret(folder)})
+        command = [sys.executable, str(Path(__file__).resolve()), "rank", str(job)]
+        ranks = [subprocess.Popen(command, env={**env, "RANK": str(r)}) for r in range(args.ranks)]
+        codes = [rank.wait(timeout=600) for rank in ranks]
+        killed_at = float((folder / "kill-time").read_text())
+        logs = lines(folder)
+    survivors = []
+    for log in logs.values():
+        end = [e for e in log if e["event"] == "end"]
+        if not end:
+            continue  # the victim
+        retried = [e["time"] for e in log if e["event"] == "attempt" and e["step"] == args.kill_step]
+        survivors.append(
+            {
+                "rank": next(e["rank"] for e in log if e["event"] == "start"),
+                "resumed_after_kill_s": retried[-1] - killed_at,
+                "steps_lost": sum(r["steps_lost"] for r in end[0]["recoveries"]),
+                "recoveries": end[0]["recoveries"],
+            }
+        )
+    return {"exit_codes": codes, "kill_time": killed_at, "survivors": sorted(survivors, key=lambda s: s["rank"])}
+
+
+def chaos(args: argparse.Namespace) -> dict:
+    result: dict = {}
+    for name, kill in (("fault_free", False), ("chaos", True)):
+        with tempfile.TemporaryDirectory() as scratch:
+            folder = Path(scratch)
+            proc = launch(args.ranks, job_file(folder, args, True, args.minutes * 60), True)
+            kills, started = [], time.monotonic()
+            while proc.poll() is None:
+                time.sleep(args.every if kill else 1)
+                if not kill or proc.poll() is not None:
+                    continue
+                ranks = _worker_pids(proc.pid)
+                if ranks:
+                    victim = random.choice(ranks)
+                    os.kill(victim, signal.SIGKILL)
+                    kills.append({"pid": victim, "seconds": time.monotonic() - started})
+            logs = lines(folder)
+            result[name] = {
+                "kills": kills,
+                "heldout": sorted(
+                    (e for log in logs.values() for e in log if e["event"] == "heldout"), key=lambda e: e["step"]
+                ),
+                "recoveries": [e["recoveries"] for log in logs.values() for e in log if e["event"] == "end"],
+                "joined": [e["joined"] for log in logs.values() for e in log if e["event"] == "end" and e["joined"]],
+            }
+    return result
+
+
+def _worker_pids(launcher: int) -> list[int]:
+    """The training processes under the launcher (processes running this file's ``rank``, descendants of it)."""
+    parents, ranks = {}, []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        pid = int(stat.parent.name)
+        parents[pid] = int(fields[1])
+        if b"rank" in argv and any(a.endswith(b"fault_tolerance.py") for a in argv) and b"bagua_launch" not in argv:
+            ranks.append(pid)
+
+    def descends(pid: int) -> bool:
+        while pid > 1:
+            if pid == launcher:
+                return True
+            pid = parents.get(pid, 1)
+        return False
+
+    return [pid for pid in ranks if descends(pid)]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("study", choices=("kill", "overhead", "chaos", "rank"))
+    parser.add_argument("job", nargs="?", help="(rank) the job's settings")
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--size", default="small", help="the GPT (bagua_common.workload.gpt_spec)")
+    parser.add_argument("--algorithm", default="gradient_allreduce")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--eval-every", type=int, default=20)
+    parser.add_argument("--kill-step", type=int, default=5, help="(kill) the step the last rank dies in")
+    parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
+    parser.add_argument("--minutes", type=float, default=20)
+    parser.add_argument("--every", type=float, default=60)
+    parser.add_argument("--rate", default=None, help="(overhead) shaped links, e.g. 100mbit (harness.links, root)")
+    args = parser.parse_args(argv)
+    if args.study == "rank":
+        rank_main(args.job)
+        return
+    meta = run_meta(["torch"], argv=argv, ranks=args.ranks, size=args.size, algorithm=args.algorithm)
+    result = {"kill": kill, "overhead": overhead, "chaos": chaos}[args.study](args)
+    finish_meta(meta)
+    lines = [f"# Fault tolerance, torch over gloo: {args.study}", "", *header_lines(meta), ""]
+    if args.study == "kill":
+        lines.append(
+            f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}; the last rank SIGKILLed in step "
+            f"{args.kill_step}'s backward pass; default heartbeat (0.5 s) and dead_after (5 s): the kill is seen by "
+            "its store connection closing"
+        )
+        lines.append("")
+        rows = []
+        for run, job in enumerate(result["runs"]):
+            for s in job["survivors"]:
+                seen = s["recoveries"][0]["seconds"]
+                rows.append([run, s["rank"], f"{s['resumed_after_kill_s']:.2f}", f"{seen:.2f}", s["steps_lost"]])
+        head = ["run", "rank", "resumed after the kill (s)", "from the failure seen here (s)", "steps lost"]
+        lines += table(head, rows)
+    else:
+        lines += ["```json", json.dumps(result, indent=1)[:4000], "```"]
+    print("\n".join(lines))
+    write_results(RESULTS, f"fault-tolerance-torch-{args.study}", lines, {**meta, "result": result})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""A rank of a fault-tolerant torch job (started by test_fault_tolerance_torch.py), printing JSON lines.
+
+Environment: the launcher's (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; BAGUA_FT_JOIN=1 for a
+joiner), ``FT_ALGORITHM`` (a registry name, then optionally its options as JSON), ``FT_STEPS``
+(stop after this step once ``FT_WORLD`` members train together), ``FT_FAULTS`` (JSON list of
+``{"rank", "step", "where", "kind"}``). At that step, in ``forward``, ``backward`` (in a gradient
+hook), ``before_vote`` (the optimizer's step begins), ``vote`` (the step's collectives done, about
+to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo's outer exchange),
+the rank ``kill``s itself (SIGKILL), ``stop``s (SIGSTOP), ``raise``s or is ``slow`` (0.3 s).
+Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices), ``retry``
+per abandoned attempt, and ``end`` (a digest of the parameters and of the algorithm's replicated
+state, the recoveries, a joiner's seconds from asking to be admitted to being ready).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import time
+
+import torch
+
+import bagua_torch
+from bagua_common.fault_tolerance import DataPosition
+from bagua_torch.algorithms import get_algorithm
+from bagua_torch.algorithms.diloco import DiLoCoImpl
+from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
+from bagua_torch.fault_tolerance import FaultTolerance
+
+SAMPLES, FEATURES = 96, 6
+
+
+def report(**fields) -> None:
+    print(json.dumps({"pid": os.getpid(), "t": round(time.time(), 3), **fields}), flush=True)
+
+
+def fault(faults: list[dict], rank: int | None, step: int, where: str) -> None:
+    for f in faults:
+        if f["rank"] == rank and f["step"] == step and f["where"] == where:
+            kind = f["kind"]
+            report(event="fault", kind=kind, where=where, step=step, time=time.time())
+            if kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif kind == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif kind == "raise":
+                raise RuntimeError(f"rank {rank} fails on purpose at step {step} ({where})")
+            elif kind == "slow":
+                time.sleep(0.3)
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    joiner = os.environ.get("BAGUA_FT_JOIN") == "1"
+    rank = None if joiner else int(os.environ["RANK"])
+    faults = json.loads(os.environ.get("FT_FAULTS", "[]"))
+    steps, world_wanted = int(os.environ["FT_STEPS"]), int(os.environ["FT_WORLD"])
+
+    original_change = FaultTolerance._change_epoch
+
+    def change_epoch(self: FaultTolerance, lost_step: bool) -> None:
+        fault(faults, rank, self.step + 1, "recovery")
+        original_change(self, lost_step)
+
+    FaultTolerance._change_epoch = change_epoch  # the "mid-recovery" fault point
+    original_average = DiLoCoImpl._average
+
+    def average(self: DiLoCoImpl, p: int, flat: torch.Tensor) -> torch.Tensor:
+        fault(faults, rank, self.step, "exchange")
+        return original_average(self, p, flat)
+
+    DiLoCoImpl._average = average  # the "mid-exchange" fault point
+    original_commit = FaultTolerance.commit
+
+    def commit(self: FaultTolerance) -> bool:
+        fault(faults, rank, self.step + 1, "vote")
+        return original_commit(self)
+
+    FaultTolerance.commit = commit  # the "collectives done, state changed, vote not cast" fault point
+
+    group = bagua_torch.init_process_group(fault_tolerance=True)
+    job = group.fault_tolerance
+    report(event="start", joiner=joiner, rank=rank)
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    name, _, options = os.environ["FT_ALGORITHM"].partition(" ")
+    options = json.loads(options or "{}")
+    if name == "onebit_adam":  # an optimizer of its own, whose momentum the algorithm averages after a warm-up
+        optimizer = OneBitAdamOptimizer(net.parameters(), lr=0.01, warmup_steps=options.pop("warmup_steps"))
+        algorithm = OneBitAdamAlgorithm(optimizer, **options)
+    else:
+        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        algorithm = get_algorithm(name, **options)
+    step_hook = {"step": 0}
+    # registered first: runs before the wrapper's pre-hooks, after the backward's collectives, before the vote
+    optimizer.register_step_pre_hook(lambda *_: fault(faults, rank, step_hook["step"], "before_vote"))
+    model = bagua_torch.with_bagua(net, [optimizer], algorithm)
+    data_x = torch.randn(SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
+    data_y = data_x.sum(dim=1, keepdim=True).sin()
+    data = DataPosition(SAMPLES, batch_per_rank=4, seed=3)
+    net[0].weight.register_hook(lambda g: fault(faults, rank, step_hook["step"], "backward"))
+    settled = None  # the first step with the wanted world (the same on every member: epochs change between steps)
+    for step in job.steps(10**9, data):
+        settled = (job.step if settled is None else settled) if job.epoch.size == world_wanted else None
+        if settled is not None and job.step >= max(steps, settled + 2):  # 2 steps together: a joiner trains too
+            break
+        step_hook["step"] = step.number
+        with step:
+            fault(faults, rank, step.number, "forward")
+            x, y = data_x[step.indices], data_y[step.indices]
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if job.step == step.number:
+            report(event="step", step=step.number, world=step.world_size, rank=step.rank, indices=step.indices.tolist())
+        else:
+            report(event="retry", step=step.number)
+        if job.step >= steps and job.epoch.size != world_wanted:
+            time.sleep(0.05)  # wait for a joiner, training meanwhile
+    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
+    replicated = model.algorithm_impl.replicated_tensors()  # DiLoCo's round start: equal where parameters drift
+    replicated = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in replicated)).hexdigest()
+    joined = getattr(job, "joined_after", None)
+    report(
+        event="end",
+        step=job.step,
+        world=job.epoch.size,
+        digest=digest,
+        replicated=replicated,
+        recoveries=job.recoveries,
+        joined=joined,
+    )
+    job.close()
+
+
+if __name__ == "__main__":
+    main()
