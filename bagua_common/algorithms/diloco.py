@@ -41,7 +41,9 @@ DEFAULT_OUTER_MOMENTUM = 0.9
 """The default outer optimizer: Nesterov SGD with these settings (DiLoCo's and OpenDiLoCo's)."""
 # The LM study (docs/results/lm_study.md) found DiLoCo at H = 20 8.4% above gradient allreduce's held-out loss at
 # 1000 of 4000 steps with these, and 8.3% with lr 1.0 and no momentum: the gap is the rounds' drift, which the outer
-# settings tried do not close, so DiLoCo's published ones stay.
+# settings tried do not close, so DiLoCo's published ones stay. Its defaults as a whole (H = 100, these) end the
+# study's 4000 steps at 2.093 against gradient allreduce's 1.600 (+31% at equal tokens, sending 1/100 of the bytes):
+# 40 rounds, where the papers run thousands. DiLoCo buys bytes with tokens; the defaults stay the published ones.
 
 
 _INTS = (int, np.integer)
