@@ -10,9 +10,10 @@ namespace per rank on links of that rate (``harness.links``, root only):
 * ``kill``: ``--ranks`` plain processes train fault-tolerantly; at step ``--kill-step`` the last rank SIGKILLs
   itself in its backward pass (a gradient hook of the first layer: the others wait in the step's allreduce).
   Reported per survivor: the seconds from the kill to the retried step starting, and the steps lost.
-* ``chaos``: ``bagua-launch --fault-tolerant`` runs the job for ``--minutes``; every ``--every``
+* ``chaos``: ``bagua-launch --fault-tolerant`` runs the job for ``--steps`` steps; every ``--every``
   seconds a random rank is killed (SIGKILL) and its slot starts a replacement that joins the
-  running job. A fault-free run of the same length is the reference. Reported: the held-out
+  running job. A fault-free run of the same steps is the reference (the steps are the members' agreed end:
+  a time limit would be each rank's own, and a rank leaving mid-step is a failure). Reported: the held-out
   loss against tokens of both, every failure's seconds to resume and steps lost (from the ranks'
   logs), each replacement's seconds from asking to be admitted to training.
 
@@ -21,7 +22,7 @@ machine, ``/work/bin/measure`` here)::
 
     python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
     python benchmarks/fault_tolerance.py overhead --ranks 4 --steps 60 --repeats 3 [--rate 100mbit]
-    python benchmarks/fault_tolerance.py chaos --ranks 4 --minutes 20 --every 60 [--rate 100mbit]
+    python benchmarks/fault_tolerance.py chaos --ranks 4 --size mini --steps 3000 --every 60
 
 A rank of either is ``python benchmarks/fault_tolerance.py rank JOB.json`` (``JOB.json``: the
 settings; it appends JSON lines to ``<folder>/rank-<pid>.jsonl``).
@@ -97,7 +98,6 @@ def rank_main(job_file: str) -> None:
             loss = float(next_token_loss(model(heldout[:, :-1]), heldout))
         record(event="heldout", step=step, tokens=step * world * job["batch"] * (length - 1), loss=loss)
 
-    deadline = time.monotonic() + job["seconds"] if job["seconds"] else None
     if ft is None:
         for step in range(1, job["steps"] + 1):
             started = time.perf_counter()
@@ -105,8 +105,6 @@ def rank_main(job_file: str) -> None:
             record(event="step", step=step, world=group.size, seconds=time.perf_counter() - started, loss=loss)
     else:
         for step in ft.steps(job["steps"] or 10**9):
-            if deadline is not None and time.monotonic() > deadline:
-                break
             started = time.perf_counter()
             record(event="attempt", step=step.number)
             with step:
@@ -120,9 +118,7 @@ def rank_main(job_file: str) -> None:
         ft.close()
 
 
-def job_file(
-    folder: Path, args: argparse.Namespace, fault_tolerant: bool, seconds: float = 0, kill_step: int = 0
-) -> Path:
+def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, kill_step: int = 0) -> Path:
     path = folder / "job.json"
     path.write_text(
         json.dumps(
@@ -133,8 +129,7 @@ def job_file(
                 "lr": args.lr,
                 "batch": args.batch,
                 "seed": args.seed,
-                "steps": args.steps if not seconds else 0,
-                "seconds": seconds,
+                "steps": args.steps,
                 "eval_every": args.eval_every,
                 "fault_tolerant": fault_tolerant,
                 "kill_step": kill_step,
@@ -149,25 +144,30 @@ def environment(**extra: str) -> dict[str, str]:
     return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BAGUA_FT_HASH_EVERY": str(HASH_EVERY), **extra}
 
 
-def launch(ranks: int, job: Path, fault_tolerant: bool) -> subprocess.Popen:
+def launch(ranks: int, job: Path, fault_tolerant: bool, **extra: str) -> subprocess.Popen:
     """The job's ranks under ``bagua-launch`` (``--fault-tolerant``: a slot replaces its rank when it dies)."""
     command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(ranks)]
     command += ["--fault-tolerant"] if fault_tolerant else []
     command += [str(Path(__file__).resolve()), "rank", str(job)]
-    return subprocess.Popen(command, env=environment(), start_new_session=True)
+    return subprocess.Popen(command, env=environment(**extra), start_new_session=True)
 
 
 def run_ranks(ranks: int, job: Path, rate: str | None) -> None:
-    """Run the job's ranks to the end: local processes, or one per network namespace on links of ``rate``."""
+    """Run the job's ranks to the end: local processes, or one per network namespace on links of ``rate``. Every
+    rank gets the job's secret (a fault-tolerant member needs it; :mod:`bagua_common.fault_tolerance.settings`)."""
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+
+    secret = {ENV_SECRET_FILE: write_job_secret(str(job.parent))}
     if rate is None:
-        launch(ranks, job, False).wait()
+        launch(ranks, job, False, **secret).wait()
         return
     from harness.links import Network
 
     from bagua_common.job.local_launch import free_port
 
+    command = [sys.executable, str(Path(__file__).resolve()), "rank", str(job)]
     with Network(ranks, rate) as net:
-        net.run_all([sys.executable, str(Path(__file__).resolve()), "rank", str(job)], free_port(), 3600, environment())
+        net.run_all(command, free_port(), 3600, environment(**secret))
 
 
 def lines(folder: Path) -> dict[str, list[dict]]:
@@ -234,7 +234,7 @@ def chaos(args: argparse.Namespace) -> dict:
     for name, kill in (("fault_free", False), ("chaos", True)):
         with tempfile.TemporaryDirectory() as scratch:
             folder = Path(scratch)
-            proc = launch(args.ranks, job_file(folder, args, True, args.minutes * 60), True)
+            proc = launch(args.ranks, job_file(folder, args, True), True)
             kills, started = [], time.monotonic()
             while proc.poll() is None:
                 time.sleep(args.every if kill else 1)
@@ -244,17 +244,117 @@ def chaos(args: argparse.Namespace) -> dict:
                 if ranks:
                     victim = random.choice(ranks)
                     os.kill(victim, signal.SIGKILL)
-                    kills.append({"pid": victim, "seconds": time.monotonic() - started})
+                    kills.append({"pid": victim, "seconds": time.monotonic() - started, "time": time.time()})
             logs = lines(folder)
             result[name] = {
+                "wall_s": time.monotonic() - started,
                 "kills": kills,
-                "heldout": sorted(
-                    (e for log in logs.values() for e in log if e["event"] == "heldout"), key=lambda e: e["step"]
-                ),
+                "heldout": _heldout_by_tokens(logs, args.batch, gpt_context(args.size)),
                 "recoveries": [e["recoveries"] for log in logs.values() for e in log if e["event"] == "end"],
                 "joined": [e["joined"] for log in logs.values() for e in log if e["event"] == "end" and e["joined"]],
             }
     return result
+
+
+def gpt_context(size: str) -> int:
+    from bagua_common.workload import gpt_config
+
+    return gpt_config(size).context
+
+
+def _heldout_by_tokens(logs: dict[str, list[dict]], batch: int, context: int) -> list[dict]:
+    """The held-out evaluations in step order, each with the tokens trained up to its step: the sum over the
+    committed steps of the world that trained each (the world shrinks at a death and grows at an admission)."""
+    world = {e["step"]: e["world"] for log in logs.values() for e in log if e["event"] == "step"}
+    evaluations = sorted((e for log in logs.values() for e in log if e["event"] == "heldout"), key=lambda e: e["step"])
+    out = []
+    for e in evaluations:
+        tokens = sum(world.get(step, 0) for step in range(1, e["step"] + 1)) * batch * context
+        out.append(
+            {"step": e["step"], "time": e["time"], "tokens": tokens, "loss": e["loss"], "world": world.get(e["step"])}
+        )
+    return out
+
+
+def chaos_lines(result: dict, out: Path, every: float) -> list[str]:
+    """The chaos run's report: every kill with the survivors' recovery (seconds until training again, steps lost),
+    every joiner's seconds from asking to training, and the held-out loss against tokens of both runs (a table at
+    the chaos run's evaluations, and a chart beside the results)."""
+    lines = []
+    recoveries = [r for member in result["chaos"]["recoveries"] for r in member]
+    lines.append(
+        f"{len(result['chaos']['kills'])} ranks killed (SIGKILL) at random, each slot restarted by `bagua-launch "
+        f"--fault-tolerant` into the running job. The members that finished saw {len(recoveries)} membership "
+        f"changes (counted per member) and lost {sum(r['steps_lost'] for r in recoveries)} steps in all."
+    )
+    for kind, chosen in (("a death", [r for r in recoveries if not r["joined"]]),
+                         ("an admission", [r for r in recoveries if r["joined"]])):  # fmt: skip
+        seconds = sorted(r["seconds"] for r in chosen)
+        if seconds:
+            lines.append(
+                f"At {kind}: {len(seconds)} changes, seconds from the change seen to training again: median "
+                f"{statistics.median(seconds):.2f}, max {seconds[-1]:.2f}; steps lost "
+                f"{sum(r['steps_lost'] for r in chosen)}."
+            )
+    joined = sorted(result["chaos"]["joined"])
+    if joined:
+        lines.append(
+            f"Joiners that finished: {len(joined)}; seconds from asking to be admitted to training: median "
+            f"{statistics.median(joined):.2f}, max {joined[-1]:.2f}."
+        )
+    lines.append("")
+    reference = result["fault_free"]["heldout"]
+    rows = []
+    for e in result["chaos"]["heldout"]:
+        same = _loss_at(reference, e["tokens"])
+        diff = "" if same is None else f"{e['loss'] - same:+.4f}"
+        rows.append([e["step"], f"{e['tokens'] / 1e6:.3f}", e["world"], f"{e['loss']:.4f}", _fmt(same), diff])
+    head = ["step", "tokens (M)", "world", "held-out (chaos)", "held-out (fault-free, same tokens)", "difference"]
+    lines += table(head, rows)
+    _chart(result, out, every)
+    return lines
+
+
+def _fmt(value: float | None) -> str:
+    return "" if value is None else f"{value:.4f}"
+
+
+def _loss_at(curve: list[dict], tokens: float) -> float | None:
+    """The curve's held-out loss at ``tokens``, linear between its evaluations (None outside them)."""
+    for a, b in zip(curve, curve[1:]):
+        if a["tokens"] <= tokens <= b["tokens"]:
+            t = (tokens - a["tokens"]) / max(b["tokens"] - a["tokens"], 1)
+            return a["loss"] + t * (b["loss"] - a["loss"])
+    return None
+
+
+def _chart(result: dict, out: Path, every: float) -> None:
+    from harness import plots
+
+    drawn = plots.figure()
+    if drawn is None:
+        return
+    fig, axes = drawn
+    ax = axes[0][0]
+    plots.curves(
+        ax,
+        {
+            label: ([e["tokens"] / 1e6 for e in result[key]["heldout"]], [e["loss"] for e in result[key]["heldout"]])
+            for key, label in (("fault_free", "fault-free"), ("chaos", f"a rank killed every {every:g} s"))
+        },
+    )
+    for kill in result["chaos"]["kills"]:
+        ax.axvline(_tokens_at(result["chaos"]["heldout"], kill), color="C3", alpha=0.2, linewidth=1)
+    ax.set_xlabel("tokens trained (M)")
+    ax.set_ylabel("held-out loss (nats/byte)")
+    ax.legend()
+    plots.save(fig, out)
+
+
+def _tokens_at(curve: list[dict], kill: dict) -> float:
+    """Where a kill falls on the tokens axis: at the evaluation closest before it in time."""
+    before = [e for e in curve if e["time"] <= kill["time"]] or curve[:1]
+    return before[-1]["tokens"] / 1e6 if before else 0.0
 
 
 def _worker_pids(launcher: int) -> list[int]:
@@ -268,7 +368,8 @@ def _worker_pids(launcher: int) -> list[int]:
             continue
         pid = int(stat.parent.name)
         parents[pid] = int(fields[1])
-        if b"rank" in argv and any(a.endswith(b"fault_tolerance.py") for a in argv) and b"bagua_launch" not in argv:
+        # a rank runs ``python .../fault_tolerance.py rank JOB``; its slot (bagua_launch.replacements) is not one
+        if len(argv) > 2 and argv[1].endswith(b"fault_tolerance.py") and argv[2] == b"rank":
             ranks.append(pid)
 
     def descends(pid: int) -> bool:
@@ -295,7 +396,6 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--eval-every", type=int, default=20)
     parser.add_argument("--kill-step", type=int, default=5, help="(kill) the step the last rank dies in")
     parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
-    parser.add_argument("--minutes", type=float, default=20)
     parser.add_argument("--every", type=float, default=60)
     parser.add_argument("--rate", default=None, help="(overhead) shaped links, e.g. 100mbit (harness.links, root)")
     args = parser.parse_args(argv)
@@ -320,8 +420,30 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append([run, s["rank"], f"{s['resumed_after_kill_s']:.2f}", f"{seen:.2f}", s["steps_lost"]])
         head = ["run", "rank", "resumed after the kill (s)", "from the failure seen here (s)", "steps lost"]
         lines += table(head, rows)
+    elif args.study == "overhead":
+        lines.append(
+            f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}, {args.batch} windows per rank, "
+            f"{args.steps} steps a run (the first fifth not counted), link {args.rate or 'unshaped'}; "
+            f"the replica check every {HASH_EVERY} steps; runs alternated off/on"
+        )
+        lines.append("")
+        rows = [
+            [r["repeat"], "on" if r["fault_tolerant"] else "off", f"{r['step_s'] * 1e3:.1f}"] for r in result["runs"]
+        ]
+        lines += table(["repeat", "fault tolerance", "median step (ms)"], rows)
+        lines += [
+            "",
+            f"Median over runs: off {result['step_s_off'] * 1e3:.1f} ms, on {result['step_s_on'] * 1e3:.1f} ms: "
+            f"overhead {result['overhead'] * 100:+.2f}%.",
+        ]
     else:
-        lines += ["```json", json.dumps(result, indent=1)[:4000], "```"]
+        lines.append(
+            f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}, {args.batch} windows per rank, lr {args.lr}; "
+            f"{args.steps} steps fault-free, then {args.steps} steps with a rank killed every "
+            f"{args.every:g} s; unshaped links; the replica check every {HASH_EVERY} steps"
+        )
+        lines += ["", *chaos_lines(result, RESULTS / f"fault-tolerance-torch-{args.study}.png", args.every), "",
+                  f"![held-out loss against tokens](fault-tolerance-torch-{args.study}.png)"]  # fmt: skip
     print("\n".join(lines))
     write_results(RESULTS, f"fault-tolerance-torch-{args.study}", lines, {**meta, "result": result})
 

@@ -36,6 +36,7 @@ in ``lm-study.json`` as each job finishes; a rerun with the same settings skips 
     python benchmarks/lm_study.py time --repeats 3                        # every variant's step, every link
     python benchmarks/lm_study.py time --only torch/async jax/async       # asynchronous averaging at each link
     python benchmarks/lm_study.py report                                  # md + png (and the docs page)
+    python benchmarks/lm_study.py merge --from A/lm-study.json B/lm-study.json   # runs kept apart, into one
     python benchmarks/harness/links.py --cleanup                          # leftovers of a killed run
 """
 
@@ -185,7 +186,9 @@ def _fields(variant: dict[str, Any]) -> dict[str, Any]:
 def time_steps(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
     """The ``time`` half (the module docstring): groups of ``--group`` variants, their phases interleaved, each timed
     phase behind the load gate; asynchronous averaging trains at each link."""
-    todo = [v for v in _selected(args) if v["name"] not in data["timing"]]
+    # A variant whose job failed, or was ended because a job timed beside it failed, is timed again.
+    done = {name for name, row in data["timing"].items() if row.get("status") == "ok"}
+    todo = [v for v in _selected(args) if v["name"] not in done]
     gate = LoadGate(args.max_load, attempts=args.attempts)
     try:
         with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
@@ -240,7 +243,9 @@ def _time_group(
     for i, (variant, outcome) in enumerate(zip(group, outcomes)):
         row = {**variant, "timing_round": timing_round(variant), "date": time.strftime("%F %T"), **outcome.row(),
                "interleaved_with": [v["name"] for v in group if v is not variant]}  # fmt: skip
-        if outcome.status == "ok":
+        if outcome.status == "ok" and aborted.locked():
+            row["status"] = "aborted"  # ended at its next phase: a job of its group failed
+        if row["status"] == "ok":
             ranks = [{**r, "phases": kept(r["phases"], runner.records, i)} for r in outcome.ranks]
             row.update(lm_study_report.summarize_timing(ranks, row))
         rows.append(row)
@@ -256,11 +261,25 @@ def _selected(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [v for v in every if args.only is None or v["name"] in args.only]
 
 
+def merge(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
+    """The ``merge`` command: the finished rows of studies run apart (each with its own ``--out``, e.g. trained
+    side by side) into this one, which must have been run with the same settings; a later file's row wins."""
+    for source in args.sources:
+        other = json.loads(source.read_text())
+        if other["settings"] != data["settings"]:
+            raise SystemExit(f"lm_study merge: {source} was run with other settings than {args.out / args.name}")
+        for half in ("train", "timing"):
+            data[half].update({k: row for k, row in other[half].items() if row.get("status") == "ok"})
+        data["commands"] += [c for c in other["commands"] if c not in data["commands"]]
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], epilog=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    p.add_argument("command", choices=["train", "time", "report"])
+    p.add_argument("command", choices=["train", "time", "report", "merge"])
+    p.add_argument("--from", dest="sources", nargs="+", type=Path, default=[], metavar="JSON",
+                   help="(merge) results files of studies run apart")  # fmt: skip
     p.add_argument("--only", nargs="+", default=None, metavar="NAME", help="only these variants (front/label)")
     p.add_argument("--check-fraction", type=float, default=CHECK_FRACTION,
                    help="the part of the budget a JAX variant trains to check its torch twin's curve")  # fmt: skip
@@ -288,11 +307,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         lm_study_report.write(args.out, args.name, data)
         return 0
-    require_root()
     if data is None or data["settings"] != STUDY.as_dict():
-        meta = run_meta(("torch", "jax"), argv=sys.argv[1:] if argv is None else argv)
+        if args.command == "merge" and args.sources:  # the machine and versions the first study ran with
+            meta = json.loads(args.sources[0].read_text())["meta"]
+        else:
+            meta = run_meta(("torch", "jax"), argv=sys.argv[1:] if argv is None else argv)
         data = {"meta": meta, "settings": STUDY.as_dict(), "train": {}, "timing": {}, "commands": []}
-    data["meta"]["netem"] = bool(probe().get("netem"))
+    if args.command != "merge":
+        require_root()
+        data["meta"]["netem"] = bool(probe().get("netem"))
     command = " ".join(["python", "benchmarks/lm_study.py", *(sys.argv[1:] if argv is None else argv)])
     data["commands"].append({"command": command, "date": time.strftime("%F %T")})
 
@@ -301,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(data, indent=1) + "\n")
 
-    (train if args.command == "train" else time_steps)(args, data, save)
+    {"train": train, "time": time_steps, "merge": merge}[args.command](args, data, save)
     save()
     lm_study_report.write(args.out, args.name, data)
     return 0

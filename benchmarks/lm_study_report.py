@@ -185,10 +185,14 @@ class TimeToTarget:
     steps: float | None = None
     missing: str = ""
     final_loss: float | None = None
+    trained_steps: int | None = None
+    """Set when the run trained only the first ``trained_steps`` of the schedule: not reached there."""
 
     def format(self) -> str:
         if self.seconds is not None:
             return self.seconds.format(".1f")
+        if self.final_loss is not None and self.trained_steps is not None:
+            return f"not reached in the {self.trained_steps} steps trained ({self.final_loss:.3f})"
         if self.final_loss is not None:
             return f"not reached (final {self.final_loss:.3f})"
         return self.missing or "-"
@@ -216,7 +220,7 @@ def time_to(data: dict[str, Any], name: str, link: str, target: float) -> TimeTo
         return TimeToTarget(missing=how)
     steps = steps_to(row["curve"], target)
     if steps is None:
-        return TimeToTarget(final_loss=row["final_loss"])
+        return TimeToTarget(final_loss=row["final_loss"], trained_steps=_partial(data, row))
     ms = entry["ms_per_step"]
     warm = min(steps, uncompressed_steps(timing))
     base = data["timing"].get(uncompressed_twin(timing), {}).get("links", {}).get(link, {}).get("ms_per_step")
@@ -224,6 +228,12 @@ def time_to(data: dict[str, Any], name: str, link: str, target: float) -> TimeTo
         return TimeToTarget(missing=f"{uncompressed_twin(timing)} not timed")
     seconds = [(warm * (base[key] if warm else 0) + (steps - warm) * ms[key]) / 1e3 for key in ("median", "min", "max")]
     return TimeToTarget(Spread(tuple(seconds)), steps)
+
+
+def _partial(data: dict[str, Any], row: dict[str, Any]) -> int | None:
+    """The steps a run trained when it stopped before the end of the schedule (``train --steps``), else None."""
+    trained = int(row["curve"][-1][0])
+    return trained if trained < data["settings"]["steps"] else None
 
 
 def _clock_at(curve: Sequence[Sequence[float]], step: float) -> float:
@@ -320,11 +330,16 @@ def training_lines(data: dict[str, Any]) -> list[str]:
             if own is not None or name in data["timing"]:
                 cells.append([name, how] + [""] * (len(head) - 2))
             continue
-        gap = f"{100 * (row['final_loss'] / reference['final_loss'] - 1):+.1f}%" if reference else ""
+        # at equal tokens: gradient allreduce's loss at this run's last step (a run may stop early: --steps)
+        last = row["curve"][-1][0]
+        gap = f"{100 * (row['final_loss'] / loss_at(reference['curve'], last) - 1):+.1f}%" if reference else ""
         own = data["train"][name]
+        partial = _partial(data, row)
+        unreached = "not reached" if partial is None else f"not reached in {partial} steps"
+        loss = f"{row['final_loss']:.4f}" + ("" if partial is None else f" (step {partial})")
         cells.append(
-            [name, how, f"{row['final_loss']:.4f}", gap, f"{own['bytes_per_step'] / 1e6:.3f} MB"]
-            + [_fmt(steps_to(row["curve"], goal), ".0f", "not reached") for goal in goals.values()]
+            [name, how, loss, gap, f"{own['bytes_per_step'] / 1e6:.3f} MB"]
+            + [_fmt(steps_to(row["curve"], goal), ".0f", unreached) for goal in goals.values()]
         )
     async_rows = [(n, r) for n, r in data["timing"].items() if r.get("algorithm") in ("async",)]
     for name, row in async_rows:

@@ -133,6 +133,7 @@ def test_uncompressed_first_steps_take_gradient_allreduces_time(rng):
         return {"status": "ok", "links": {"100mbit": {"ms_per_step": {"median": ms, "min": ms, "max": ms}}}}
 
     data = {
+        "settings": {"steps": int(reached)},
         "train": {"torch/onebit_adam": {"status": "ok", "curve": curve, "final_loss": 3.0, "steps": int(reached)}},
         "timing": {
             "torch/onebit_adam": {"algorithm": "onebit_adam", "front_end": "torch", "options": {}, **timed(fast)},
@@ -142,3 +143,33 @@ def test_uncompressed_first_steps_take_gradient_allreduces_time(rng):
     got = lm_study_report.time_to(data, "torch/onebit_adam", "100mbit", 3.0)
     assert got.seconds.median == pytest.approx((warmup * slow + (int(reached) - warmup) * fast) / 1e3)
     assert "not reached (final 3.000)" == lm_study_report.time_to(data, "torch/onebit_adam", "100mbit", 2.0).format()
+    # a run that stopped before the end of its schedule (train --steps) says so
+    data["settings"]["steps"] = 2 * int(reached)
+    expected = f"not reached in the {int(reached)} steps trained (3.000)"
+    assert lm_study_report.time_to(data, "torch/onebit_adam", "100mbit", 2.0).format() == expected
+
+
+def test_merge_takes_finished_rows_of_studies_with_the_same_settings(tmp_path):
+    import argparse
+
+    import lm_study
+
+    def study(folder: str, rows: dict, settings: dict) -> Path:
+        path = tmp_path / folder / "lm-study.json"
+        path.parent.mkdir()
+        data = {"settings": settings, "train": rows, "timing": {}, "commands": [{"command": folder}]}
+        path.write_text(json.dumps(data))
+        return path
+
+    ok, failed = {"status": "ok", "final_loss": 1.6}, {"status": "failed"}
+    same = lm_study.STUDY.as_dict()
+    a = study("a", {"torch/ddp": ok, "torch/bytegrad": failed}, same)
+    b = study("b", {"torch/powersgd": ok, "torch/ddp": {**ok, "final_loss": 1.5}}, same)
+    merged = {"settings": same, "train": {}, "timing": {}, "commands": []}
+    lm_study.merge(argparse.Namespace(sources=[a, b], out=tmp_path, name="merged"), merged, lambda: None)
+    assert sorted(merged["train"]) == ["torch/ddp", "torch/powersgd"]
+    assert merged["train"]["torch/ddp"]["final_loss"] == 1.5  # the later file's row
+    assert [c["command"] for c in merged["commands"]] == ["a", "b"]
+    other = study("c", {"torch/qadam": ok}, {**same, "steps": same["steps"] + 1})
+    with pytest.raises(SystemExit, match="other settings"):
+        lm_study.merge(argparse.Namespace(sources=[other], out=tmp_path, name="merged"), merged, lambda: None)
