@@ -177,9 +177,11 @@ class Membership:
         for host, port in addresses:
             try:
                 client = KVClient(host, port, self.settings.heartbeat_period + 1.0, secret=self.settings.secret)
-                raw = client.check("ft/current")
+                try:
+                    raw = client.check("ft/current")
+                finally:  # also when the store went away meanwhile: an unclosed socket is a ResourceWarning
+                    client.close()
                 current = None if raw is None else json.loads(raw)
-                client.close()
                 if current is None:
                     continue
                 return KVClient(current["host"], current["port"], self.settings.dead_after, secret=self.settings.secret)
