@@ -25,6 +25,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import closing
 from typing import Any
 
 from bagua_common.fault_tolerance.decision import Decision
@@ -172,15 +173,12 @@ class Membership:
         return self
 
     def _find_coordinator(self, addresses: Sequence[tuple[str, int]]) -> KVClient | None:
-        """A client to the current coordinator's store, as a live member's ``ft/current`` says; None if none
-        answers."""
+        """A client to the current coordinator's store, as a live member's ``ft/current`` says; None if none answers."""
         for host, port in addresses:
             try:
-                client = KVClient(host, port, self.settings.heartbeat_period + 1.0, secret=self.settings.secret)
-                try:
-                    raw = client.check("ft/current")
-                finally:  # also when the store went away meanwhile: an unclosed socket is a ResourceWarning
-                    client.close()
+                timeout = self.settings.heartbeat_period + 1.0
+                with closing(KVClient(host, port, timeout, secret=self.settings.secret)) as client:
+                    raw = client.check("ft/current")  # closed also when the store goes away meanwhile
                 current = None if raw is None else json.loads(raw)
                 if current is None:
                     continue
