@@ -5,9 +5,10 @@
 worker slot instead of the command itself. The slot runs the command; when it exits with an error
 or is killed, the slot starts it again with ``BAGUA_FT_JOIN=1``, so the new process joins the
 running job (a member sends it the state) instead of the agent restarting every worker. A clean
-exit ends the slot; so does the agent's SIGTERM (passed on to the rank), the agent's end (a SIGTERM to the slot
-and to its rank when their parent dies, so that nothing outlives a killed launcher), and running out of
-``BAGUA_FT_REPLACEMENTS`` replacements (default 100).
+exit ends the slot; so does a rank ending after the job finished (its last step committed: status 0, as
+nothing is left to train), the agent's SIGTERM (passed on to the rank), the agent's end (a SIGTERM to the
+slot and to its rank when their parent dies, so that nothing outlives a killed launcher), and running out
+of ``BAGUA_FT_REPLACEMENTS`` replacements (default 100).
 
 Replacements find the job through ``BAGUA_FT_PEERS``: the launcher on each node hosts a small
 store (a directory) where the node's members write where the job's coordinator is.
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import time
 
+from bagua_common.fault_tolerance.node_directory import job_finished
 from bagua_common.fault_tolerance.settings import ENV_JOIN
 from bagua_launch.output import NAME, describe_exit
 
@@ -70,6 +72,14 @@ def main(command: list[str]) -> int:
         code = rank.wait()
         if code == 0 or stopping or left <= 0:
             return 128 - code if code < 0 else code
+        if job_finished():
+            print(
+                f"{NAME}: rank {env.get('RANK', '?')} ended ({describe_exit(code)}) after the job finished: "
+                "not replaced",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 0
         left -= 1
         print(
             f"{NAME}: rank {env.get('RANK', '?')} ended ({describe_exit(code)}) after {time.monotonic() - started:.1f} "

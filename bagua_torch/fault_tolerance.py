@@ -194,7 +194,8 @@ class FaultTolerance:
 
     def steps(self, total: int, data: DataPosition | None = None) -> Iterator[Step]:
         """Yield an attempt at each step until ``total`` steps are done; a step interrupted by a membership change
-        is yielded again (with the new members' sample split)."""
+        is yielded again (with the new members' sample split). Once done, the job is marked finished: a replacement
+        started afterwards exits (status 0) instead of waiting to join, and so does a joiner of a finished job."""
         self.data = data
         if self.membership is None:
             self._join()
@@ -211,6 +212,7 @@ class FaultTolerance:
             if self.epoch.closed.is_set():  # ended after a commit (a joiner waits) or closed meanwhile
                 self._change_epoch(lost_step=False)
             yield Step(self, self.step + 1)
+        self.membership.finished()
 
     def _attempt_started(self) -> None:
         self._voted_this_attempt = self._committed_this_attempt = False

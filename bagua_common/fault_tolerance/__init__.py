@@ -19,6 +19,7 @@ from bagua_common.fault_tolerance.epoch import Epoch, Member, Recovery
 from bagua_common.fault_tolerance.errors import (
     Evicted,
     ExchangeInterrupted,
+    JobFinished,
     MembershipChanged,
     NoQuorum,
     ReplicaMismatch,
@@ -46,6 +47,7 @@ __all__ = [
     "Evicted",
     "ExchangeInterrupted",
     "FaultToleranceSettings",
+    "JobFinished",
     "KVClient",
     "KVServer",
     "Member",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["Evicted", "ExchangeInterrupted", "MembershipChanged", "NoQuorum", "ReplicaMismatch"]
+__all__ = ["Evicted", "ExchangeInterrupted", "JobFinished", "MembershipChanged", "NoQuorum", "ReplicaMismatch"]
 
 
 class MembershipChanged(RuntimeError):
@@ -26,6 +26,18 @@ class Evicted(RuntimeError):
 
     Its state may be behind the job's: it can only come back as a joiner, receiving state from a member.
     """
+
+
+class JobFinished(SystemExit):
+    """The job this process asked to join has finished: its members trained every step and left.
+
+    A ``SystemExit`` with status 0: a replacement started as the job ended exits cleanly, without running
+    the training script's code after its loop on a model it never trained (the message is printed first).
+    """
+
+    def __init__(self, message: str):
+        super().__init__(0)
+        self.message = message
 
 
 class NoQuorum(RuntimeError):

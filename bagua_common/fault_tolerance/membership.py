@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from contextlib import closing
 from typing import Any
 
+from bagua_common.fault_tolerance import node_directory
 from bagua_common.fault_tolerance.decision import Decision
 from bagua_common.fault_tolerance.epoch import (
     Epoch,
@@ -48,7 +49,7 @@ from bagua_common.fault_tolerance.kv_store import (
     connect,
     wait_for,
 )
-from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ENV_PEERS, FaultToleranceSettings
+from bagua_common.fault_tolerance.settings import ENV_PEERS, FaultToleranceSettings
 
 __all__ = ["Membership"]
 
@@ -133,12 +134,14 @@ class Membership:
         """Join a running job: ask a live member's store (``master_addr:master_port``, then ``peers``, default
         ``BAGUA_FT_PEERS``) where the job's coordinator is, request admission there and wait (up to ``timeout``
         seconds, asking again when the coordinator changes) for the epoch that admits this process. The returned
-        membership's epoch lists this process in :attr:`Epoch.joined`: it needs the job's state from a member."""
+        membership's epoch lists this process in :attr:`Epoch.joined`: it needs the job's state from a member.
+        Raises :class:`~bagua_common.fault_tolerance.errors.JobFinished` (exit status 0) when a store asked says the
+        job has finished."""
         if peers is None:
             peers = [p for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
-        directory = os.environ.get(ENV_DIRECTORY, "").strip()
-        peers = [directory, *peers] if directory else peers
-        addresses = [(master_addr, int(master_port))]
+        directory = node_directory.address()
+        addresses = [directory] if directory else []
+        addresses.append((master_addr, int(master_port)))
         for peer in peers:
             host, _, port = peer.strip().rpartition(":")
             addresses.append((host, int(port)))
@@ -178,7 +181,8 @@ class Membership:
             try:
                 timeout = self.settings.heartbeat_period + 1.0
                 with closing(KVClient(host, port, timeout, secret=self.settings.secret)) as client:
-                    raw = client.check("ft/current")  # closed also when the store goes away meanwhile
+                    node_directory.raise_if_finished(client)
+                    raw = client.check(node_directory.CURRENT)  # closed also when the store goes away meanwhile
                 current = None if raw is None else json.loads(raw)
                 if current is None:
                     continue
@@ -281,8 +285,8 @@ class Membership:
             epoch.store.close()
             return
         pointer = json.dumps({"epoch": epoch.number, **_address(epoch.coordinator)})
-        self._local.set("ft/current", pointer)
-        self._tell_directory(pointer)
+        self._local.set(node_directory.CURRENT, pointer)
+        node_directory.tell(self.settings, node_directory.CURRENT, pointer)
         with self._lock:
             self._epoch = epoch
             if not epoch.is_joiner():  # a joiner has applied nothing until it is given the state
@@ -293,19 +297,6 @@ class Membership:
         if self._monitor is None:
             self._monitor = threading.Thread(target=self._watch, name="bagua-ft-monitor", daemon=True)
             self._monitor.start()
-
-    def _tell_directory(self, pointer: str) -> None:
-        """Write where the job is into the launcher's directory of this node (``BAGUA_FT_DIRECTORY``), if any."""
-        directory = os.environ.get(ENV_DIRECTORY, "").strip()
-        if not directory:
-            return
-        host, _, port = directory.rpartition(":")
-        try:
-            client = KVClient(host, int(port), self.settings.dead_after, secret=self.settings.secret)
-            client.set("ft/current", pointer)
-            client.close()
-        except StoreUnreachable:
-            pass  # the launcher is gone: nobody will start replacements here
 
     def _watch(self) -> None:
         period = self.settings.heartbeat_period
@@ -420,6 +411,15 @@ class Membership:
             }
 
     # --- ending ---------------------------------------------------------------------------
+
+    def finished(self) -> None:
+        """Record that the job's last transaction committed (called by every member as its loop ends): a process
+        asking to join from now on, at this member's store or this node's launcher, exits with ``JobFinished``
+        instead of waiting to be admitted, and the launcher starts no replacement for a rank that ends."""
+        with self._lock:
+            committed = str(self._committed)
+        self._local.set(node_directory.FINISHED, committed)
+        node_directory.tell(self.settings, node_directory.FINISHED, committed)
 
     def close(self) -> None:
         """Leave the job: say so in the coordinator's store (a member that left is not a failure), stop the monitor

@@ -12,7 +12,8 @@ from bagua_common.fault_tolerance.errors import MembershipChanged
 
 __all__ = ["wait_or_abandon"]
 
-_POLL_S = 0.05  # how often a wait looks whether its collective was abandoned
+_FIRST_POLL_S = 2e-4  # the first look whether a collective completed; each next one waits twice as long...
+_POLL_S = 2e-3  # ...up to this: the most a completed collective waits to be noticed
 
 
 def wait_or_abandon(
@@ -24,41 +25,36 @@ def wait_or_abandon(
     whose ``is_completed()`` stays False until waited for) is waited for here, on a thread of its own, and its
     error is raised here; it is aborted when abandoned. Other abandoned works are left to their backend (gloo
     cannot cancel a collective) and their group is not used again; an NCCL ``group`` is aborted (not run here: no
-    GPU)."""
-    finished = threading.Event()
-    left = [len(works)]
+    GPU).
+
+    The works with a future are polled, never given a completion callback: an abandoned gloo collective completes
+    (fails) only when a peer's process ends, which may be while this process is finalizing its interpreter, and a
+    callback's Python code would then take the GIL on gloo's thread, which aborts the process (SIGABRT).
+    """
     errors: list[BaseException] = []
     waited: list[Any] = []
     lock = threading.Lock()
-
-    def one_done(_future: Any = None) -> None:
-        with lock:
-            left[0] -= 1
-            if left[0] <= 0:
-                finished.set()
 
     def wait_for(work: Any) -> None:
         try:
             work.wait(timedelta(seconds=timeout))
         except BaseException as error:  # noqa: BLE001 -- raised again by the caller's thread
             errors.append(error)
-        waited.append(work)
-        one_done()
+        with lock:
+            waited.append(work)
 
     with_future, without_future = [], []
     for work in works:
         try:
-            future = work.get_future()
+            work.get_future()
         except RuntimeError:  # point-to-point works have no future
             without_future.append(work)
             threading.Thread(target=wait_for, args=(work,), name=f"wait {what}", daemon=True).start()
             continue
         with_future.append(work)
-        future.add_done_callback(one_done)
-    if not works:
-        finished.set()
     deadline = time.monotonic() + timeout
-    while not finished.wait(_POLL_S):
+    pause = _FIRST_POLL_S
+    while len(waited) < len(without_future) or not all(work.is_completed() for work in with_future):
         if abandon.is_set():
             for work in without_future:
                 work.abort()
@@ -67,6 +63,8 @@ def wait_or_abandon(
             raise MembershipChanged(f"{what} was abandoned: the members changed")
         if time.monotonic() > deadline:
             break
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S)
     if errors:
         raise errors[0]
     if len(waited) < len(without_future):

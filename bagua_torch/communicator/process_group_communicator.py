@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import ctypes
 import threading
 import time
 import weakref
@@ -39,6 +40,11 @@ _RELEASE_LIMIT_S = 1.0
 _still_held_by_gloo: list[weakref.ref] = []
 """The lent aliases of collectives waited for while a gloo thread still held them."""
 _still_held_lock = threading.Lock()  # collectives are waited for on several threads (e.g. ordered workers)
+_abandoned_for_good: list[torch.Tensor] = []
+"""The lent aliases of collectives a fault-tolerant job abandoned, never freed (one step's buckets per change of
+members). Gloo finishes such a collective only when a peer's process ends, maybe while this one finalizes its
+interpreter; were their Python objects freed then, gloo's thread would take the GIL and abort the process."""
+ctypes.pythonapi.Py_IncRef(ctypes.py_object(_abandoned_for_good))
 
 Lend = Callable[[torch.Tensor], torch.Tensor]
 
@@ -106,6 +112,12 @@ class _TorchWork:
         self._comm, self._op, self._works = comm, op, works
         self._result, self._finish, self._lent = result, finish, lent
         self._done = False
+        # A fault-tolerant job's collective may be abandoned: its tensors are kept until it is seen finished.
+        self._kept = [t for t in (ref() for ref in lent) if t is not None] if comm.abandon is not None else []
+
+    def __del__(self) -> None:
+        if self._kept:  # never seen finished (abandoned, or dropped by a reducer): gloo may finish it any time
+            _abandoned_for_good.extend(self._kept)
 
     def wait(self) -> torch.Tensor | None:
         if not self._done:
@@ -129,6 +141,7 @@ class _TorchWork:
         for work in works:
             self._comm._guard(self._op, lambda work=work: work.wait(timeout), waiting=True)
         self._works = []  # finished: only torch's own references to them are left
+        self._kept = []
         if self._comm.backend == "gloo":
             held = [ref for ref in self._lent if ref() is not None]
             if held:  # a worker thread has yet to let go: await_gloo_releases waits for it at exit

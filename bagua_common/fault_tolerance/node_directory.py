@@ -1,0 +1,71 @@
+"""The launcher's directory on a node (``BAGUA_FT_DIRECTORY``): where the job is, and whether it finished.
+
+``bagua-launch --fault-tolerant`` hosts a small store on each node for as long as the job runs. The members
+write into it where the job's coordinator is (``ft/current``) and, when their last step committed, that the job
+finished (``ft/finished``). A replacement asks it first: where to join, or that nothing is left to join; the
+launcher's slot asks it whether a rank that ended still needs a replacement.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from bagua_common.fault_tolerance.errors import JobFinished
+from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
+from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, FaultToleranceSettings
+
+__all__ = ["CURRENT", "FINISHED", "address", "job_finished", "raise_if_finished", "tell"]
+
+CURRENT = "ft/current"
+"""Key of the pointer to the job's coordinator (a JSON object: ``epoch``, ``host``, ``port``)."""
+FINISHED = "ft/finished"
+"""Key set once the job's last step committed (its value: the number of transactions committed)."""
+
+
+def address() -> tuple[str, int] | None:
+    """This node's directory (``BAGUA_FT_DIRECTORY``), or None outside ``bagua-launch --fault-tolerant``."""
+    directory = os.environ.get(ENV_DIRECTORY, "").strip()
+    if not directory:
+        return None
+    host, _, port = directory.rpartition(":")
+    return host, int(port)
+
+
+def tell(settings: FaultToleranceSettings, key: str, value: str) -> None:
+    """Write ``key`` into this node's directory, if there is one (nothing when the launcher is gone)."""
+    where = address()
+    if where is None:
+        return
+    try:
+        client = KVClient(*where, settings.dead_after, secret=settings.secret)
+        client.set(key, value)
+        client.close()
+    except StoreUnreachable:
+        pass  # the launcher is gone: nobody will start replacements here
+
+
+def job_finished() -> bool:
+    """Whether this node's directory says the job finished (False without a directory, or when it is gone)."""
+    where = address()
+    if where is None:
+        return False
+    settings = FaultToleranceSettings.from_environment()
+    try:
+        client = KVClient(*where, settings.dead_after, secret=settings.secret)
+        try:
+            return client.check(FINISHED) is not None
+        finally:
+            client.close()
+    except StoreUnreachable:
+        return False
+
+
+def raise_if_finished(store: KVClient) -> None:
+    """Raise :class:`JobFinished` (saying so on stderr) when ``store`` (a member's, or a directory) says the job
+    finished."""
+    finished = store.check(FINISHED)
+    if finished is not None:
+        message = f"the job has finished ({finished.decode()} steps committed): nothing is left to join"
+        print(f"bagua fault tolerance: {message}", file=sys.stderr, flush=True)
+        raise JobFinished(message)
