@@ -45,6 +45,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 from harness.results import RESULTS, finish_meta, header_lines, run_meta, table, write_results  # noqa: E402
+from lm_study_report import loss_at  # noqa: E402
+
+from bagua_common.workload import gpt_config  # noqa: E402
 
 HASH_EVERY = 50
 
@@ -249,17 +252,11 @@ def chaos(args: argparse.Namespace) -> dict:
             result[name] = {
                 "wall_s": time.monotonic() - started,
                 "kills": kills,
-                "heldout": _heldout_by_tokens(logs, args.batch, gpt_context(args.size)),
+                "heldout": _heldout_by_tokens(logs, args.batch, gpt_config(args.size).context),
                 "recoveries": [e["recoveries"] for log in logs.values() for e in log if e["event"] == "end"],
                 "joined": [e["joined"] for log in logs.values() for e in log if e["event"] == "end" and e["joined"]],
             }
     return result
-
-
-def gpt_context(size: str) -> int:
-    from bagua_common.workload import gpt_config
-
-    return gpt_config(size).context
 
 
 def _heldout_by_tokens(logs: dict[str, list[dict]], batch: int, context: int) -> list[dict]:
@@ -321,11 +318,10 @@ def _fmt(value: float | None) -> str:
 
 def _loss_at(curve: list[dict], tokens: float) -> float | None:
     """The curve's held-out loss at ``tokens``, linear between its evaluations (None outside them)."""
-    for a, b in zip(curve, curve[1:]):
-        if a["tokens"] <= tokens <= b["tokens"]:
-            t = (tokens - a["tokens"]) / max(b["tokens"] - a["tokens"], 1)
-            return a["loss"] + t * (b["loss"] - a["loss"])
-    return None
+    try:
+        return loss_at([(e["tokens"], e["loss"]) for e in curve], tokens)
+    except (ValueError, IndexError):  # outside the curve, or no curve
+        return None
 
 
 def _chart(result: dict, out: Path, every: float) -> None:

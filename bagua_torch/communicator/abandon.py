@@ -33,15 +33,13 @@ def wait_or_abandon(
     """
     errors: list[BaseException] = []
     waited: list[Any] = []
-    lock = threading.Lock()
 
     def wait_for(work: Any) -> None:
         try:
             work.wait(timedelta(seconds=timeout))
         except BaseException as error:  # noqa: BLE001 -- raised again by the caller's thread
             errors.append(error)
-        with lock:
-            waited.append(work)
+        waited.append(work)
 
     with_future, without_future = [], []
     for work in works:
