@@ -75,7 +75,8 @@ class FaultTolerantTrainer:
     must be the communicator's); ``data`` the job's :class:`~bagua_common.fault_tolerance.DataPosition`;
     ``hash_every`` compares the replicas' digests every that many committed steps (default: the membership's
     settings), besides after every recovery. :meth:`init` gives the state (a joiner receives it from rank 0),
-    :meth:`step` runs one committed step. Algorithms whose replicas are identical (``replicas_identical``) only.
+    :meth:`step` runs one committed step, :meth:`finished` marks the job finished after the last one. Algorithms whose
+    replicas are identical (``replicas_identical``) only.
     """
 
     def __init__(
@@ -156,6 +157,12 @@ class FaultTolerantTrainer:
                 return new_state, result
             failed_at = time.monotonic() if failed_at is None else failed_at
             state = self._recover(state, (transaction, new_state))
+
+    def finished(self) -> None:
+        """Mark the job finished; every member calls it once its last step committed (after its loop). A
+        replacement or joiner started afterwards then exits with status 0 instead of waiting to join a job that is
+        gone, and ``bagua-launch --fault-tolerant`` starts no replacement for a rank that ends."""
+        self.membership.finished()
 
     def check_replicas(self, state: Any, what: str) -> None:
         """Raise :class:`~bagua_common.fault_tolerance.ReplicaMismatch` on every member unless the replicated state

@@ -4,7 +4,9 @@
 ``--max-restarts``) has the agent start ``python -m bagua_launch.replacements COMMAND...`` in each
 worker slot instead of the command itself. The slot runs the command; when it exits with an error
 or is killed, the slot starts it again with ``BAGUA_FT_JOIN=1``, so the new process joins the
-running job (a member sends it the state) instead of the agent restarting every worker. A clean
+running job (a member sends it the state) instead of the agent restarting every worker. A rank lost
+before the job formed its first epoch is started again as the same rank instead (the others are still
+waiting for it to register: there is no running job to join yet). A clean
 exit ends the slot; so does a rank ending after the job finished (its last step committed: status 0, as
 nothing is left to train), the agent's SIGTERM (passed on to the rank), the agent's end (a SIGTERM to the
 slot and to its rank when their parent dies, so that nothing outlives a killed launcher), and running out
@@ -23,7 +25,7 @@ import subprocess
 import sys
 import time
 
-from bagua_common.fault_tolerance.node_directory import job_finished
+from bagua_common.fault_tolerance.node_directory import job_finished, job_formed
 from bagua_common.fault_tolerance.settings import ENV_JOIN
 from bagua_launch.output import NAME, describe_exit
 
@@ -81,13 +83,17 @@ def main(command: list[str]) -> int:
             )
             return 0
         left -= 1
+        if env.get(ENV_JOIN) != "1" and not job_formed():
+            how = "starting it again: the job had not formed yet"
+        else:
+            how = "starting a replacement that joins the running job"
+            env[ENV_JOIN] = "1"
         print(
             f"{NAME}: rank {env.get('RANK', '?')} ended ({describe_exit(code)}) after {time.monotonic() - started:.1f} "
-            "s; starting a replacement that joins the running job",
+            f"s; {how}",
             file=sys.stderr,
             flush=True,
         )
-        env[ENV_JOIN] = "1"
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ namespace per rank on links of that rate (``harness.links``, root only):
   loss against tokens of both, every failure's seconds to resume and steps lost (from the ranks'
   logs), each replacement's seconds from asking to be admitted to training.
 
-Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``; timings on a quiet
+Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``, or ``--out``; timings on a quiet
 machine, ``/work/bin/measure`` here)::
 
     python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
@@ -394,6 +394,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
     parser.add_argument("--every", type=float, default=60)
     parser.add_argument("--rate", default=None, help="(overhead) shaped links, e.g. 100mbit (harness.links, root)")
+    parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
     if args.study == "rank":
         rank_main(args.job)
@@ -438,10 +439,10 @@ def main(argv: list[str] | None = None) -> None:
             f"{args.steps} steps fault-free, then {args.steps} steps with a rank killed every "
             f"{args.every:g} s; unshaped links; the replica check every {HASH_EVERY} steps"
         )
-        lines += ["", *chaos_lines(result, RESULTS / f"fault-tolerance-torch-{args.study}.png", args.every), "",
+        lines += ["", *chaos_lines(result, args.out / f"fault-tolerance-torch-{args.study}.png", args.every), "",
                   f"![held-out loss against tokens](fault-tolerance-torch-{args.study}.png)"]  # fmt: skip
     print("\n".join(lines))
-    write_results(RESULTS, f"fault-tolerance-torch-{args.study}", lines, {**meta, "result": result})
+    write_results(args.out, f"fault-tolerance-torch-{args.study}", lines, {**meta, "result": result})
 
 
 if __name__ == "__main__":

@@ -243,7 +243,7 @@ def _time_group(
     for i, (variant, outcome) in enumerate(zip(group, outcomes)):
         row = {**variant, "timing_round": timing_round(variant), "date": time.strftime("%F %T"), **outcome.row(),
                "interleaved_with": [v["name"] for v in group if v is not variant]}  # fmt: skip
-        if outcome.status == "ok" and aborted.locked():
+        if outcome.status == "ok" and aborted.locked() and not runner.completed(i):
             row["status"] = "aborted"  # ended at its next phase: a job of its group failed
         if row["status"] == "ok":
             ranks = [{**r, "phases": kept(r["phases"], runner.records, i)} for r in outcome.ranks]

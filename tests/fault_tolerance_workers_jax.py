@@ -128,6 +128,7 @@ def train(faults: dict[int, tuple[int, str]], start_size: int, final_size: int, 
         if ft.committed == last_fault and ft.epoch.rank == 0:
             _touch("start-joiner")
     params = {k: np.asarray(v) for k, v in state.params.items()}
+    ft.finished()
     ft.membership.close()
     return {
         "steps": [a for a in attempts if "committed" in a],

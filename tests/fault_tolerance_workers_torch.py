@@ -6,7 +6,9 @@ joiner), ``FT_ALGORITHM`` (a registry name, then optionally its options as JSON)
 ``{"rank", "step", "where", "kind"}``). At that step, in ``forward``, ``backward`` (in a gradient
 hook), ``before_vote`` (the optimizer's step begins), ``vote`` (the step's collectives done, about
 to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo's outer exchange),
-the rank ``kill``s itself (SIGKILL), ``stop``s (SIGSTOP), ``raise``s or is ``slow`` (0.3 s).
+or at step 0 in ``formation`` (before it registers with the others), the rank ``kill``s itself
+(SIGKILL), ``stop``s (SIGSTOP), ``raise``s or is ``slow`` (0.3 s). A fault fires once per rank and
+place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
 Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices), ``retry``
 per abandoned attempt, and ``end`` (a digest of the parameters and of the algorithm's replicated
 state, the recoveries, a joiner's seconds from asking to be admitted to being ready).
@@ -19,6 +21,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import torch
 
@@ -39,6 +42,10 @@ def report(**fields) -> None:
 def fault(faults: list[dict], rank: int | None, step: int, where: str) -> None:
     for f in faults:
         if f["rank"] == rank and f["step"] == step and f["where"] == where:
+            fired = Path(os.environ["FT_MARKS"]) / f"{rank}-{step}-{where}"
+            if fired.exists():
+                continue
+            fired.touch()
             kind = f["kind"]
             report(event="fault", kind=kind, where=where, step=step, time=time.time())
             if kind == "kill":
@@ -80,6 +87,7 @@ def main() -> None:
 
     FaultTolerance.commit = commit  # the "collectives done, state changed, vote not cast" fault point
 
+    fault(faults, rank, 0, "formation")
     group = bagua_torch.init_process_group(fault_tolerance=True)
     job = group.fault_tolerance
     report(event="start", joiner=joiner, rank=rank)

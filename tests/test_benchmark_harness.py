@@ -136,6 +136,7 @@ def test_phases_are_given_in_turn_and_a_loaded_one_again(tmp_path):
         folder.mkdir()
         jobs.append(phases.PhasedJob(folder, ["none", "none", "none"], [False, True, True]))
     runner = phases.PhaseRunner(_OneRank(), jobs, gate)
+    assert not runner.completed(0)
     ran: list[tuple[int, int]] = []
     recorded: list[list[dict]] = [[], []]
     loaded = {(0, 1)}
@@ -157,10 +158,13 @@ def test_phases_are_given_in_turn_and_a_loaded_one_again(tmp_path):
         thread.join(30)
     runner.join(30)
     assert ran == [(0, 0), (1, 0), (0, 1), (0, 1), (1, 1), (1, 2), (0, 2)]
+    assert runner.completed(0) and runner.completed(1)
     kept = phases.kept(recorded[0], runner.records, 0)
     assert [k["phase"] for k in kept] == [0, 1, 2] and [k["attempt"] for k in kept] == [0, 1, 0]
     assert kept[0]["load"] is None and kept[1]["load"]["published"] and len(kept[1]["set_aside"]) == 1
     assert [k["seq"] for k in kept] == [0, 2, 3]
+    runner.records.pop()  # job 0's last phase not recorded: as if the group was aborted before it
+    assert not runner.completed(0) and runner.completed(1)
 
 
 def test_spread_and_paired_ratios(rng):

@@ -5,7 +5,7 @@ missed heartbeats) and member 1 raises, each while the others are blocked in a s
 process joins the one survivor. Checked against a NumPy replay of the same transactions: every step committed
 once, each abandoned one retried on the survivors' re-partition of the same samples (none twice, none skipped),
 the average taken over the new world size, the step never compiled again, the replicas bit-identical, the joiner
-trained from the survivor's state.
+trained from the survivor's state, and the job marked finished in the launcher's directory at the end.
 """
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import pytest
 from fault_tolerance_workers_jax import BATCH_PER_RANK, FEATURES, LR, SAMPLES, dataset
 from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
-from bagua_common.fault_tolerance import DataPosition
+from bagua_common.fault_tolerance import DataPosition, KVClient, KVServer, job_secret
+from bagua_common.fault_tolerance.node_directory import FINISHED
+from bagua_common.fault_tolerance.settings import ENV_DIRECTORY
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
 
@@ -54,19 +56,29 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int((tmp_path / f"pid{stopped}").read_text()), signal.SIGKILL)
 
-    results = run_ranks(
-        "fault_tolerance_workers_jax:train",
-        START + 1,
-        FAULTS,
-        START,
-        FINAL,
-        STEPS,
-        launcher="mpiexec-per-rank",
-        timeout=240,
-        env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path)},
-        check=False,
-        watch=react,
-    )
+    directory = KVServer("127.0.0.1", secret=job_secret())  # the launcher's, on the node (bagua-launch hosts one)
+    try:
+        results = run_ranks(
+            "fault_tolerance_workers_jax:train",
+            START + 1,
+            FAULTS,
+            START,
+            FINAL,
+            STEPS,
+            launcher="mpiexec-per-rank",
+            timeout=240,
+            env={
+                **ONE_CPU_DEVICE,
+                "BAGUA_TEST_SIGNALS": str(tmp_path),
+                ENV_DIRECTORY: f"127.0.0.1:{directory.port}",
+            },
+            check=False,
+            watch=react,
+        )
+        with contextlib.closing(KVClient("127.0.0.1", directory.port, 5.0, secret=job_secret())) as client:
+            finished = client.check(FINISHED)
+    finally:
+        directory.close()
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     victims = [rank for rank, _ in FAULTS.values()]
     assert all(results[v].returncode != 0 and results[v].value is None for v in victims), outputs
@@ -78,6 +90,7 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
         for step in result.value["steps"]:
             assert sizes.setdefault(step["transaction"], step["size"]) == step["size"], outputs
     assert sorted(sizes) == list(range(1, len(sizes) + 1)) and len(sizes) >= STEPS
+    assert finished is not None and int(finished) == len(sizes)  # ft.finished(): a replacement now exits
     assert [sizes[t] for t in (2, 3, 4, 5, 6, 7, 8)] == [4, 3, 3, 2, 2, 1, 1], sizes
     reference = replay(sizes)
     position = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)

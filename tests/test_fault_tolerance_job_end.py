@@ -21,7 +21,7 @@ from bagua_common.fault_tolerance import (
     Membership,
     job_secret,
 )
-from bagua_common.fault_tolerance.node_directory import FINISHED, job_finished
+from bagua_common.fault_tolerance.node_directory import CURRENT, FINISHED, job_finished
 from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ENV_JOIN
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
@@ -82,30 +82,49 @@ def test_a_joiner_of_a_finished_job_exits_with_status_0_at_a_member_or_at_the_la
     assert time.monotonic() - started < 2  # at once, not after the join's timeout
 
 
-def run_slot(folder, exit_status: int) -> tuple[int, int, str]:
-    """The launcher's slot (``python -m bagua_launch.replacements``) running a rank that counts its starts in a file
-    and exits with ``exit_status``; return the slot's status, the rank's starts and the slot's stderr."""
+def run_slot(folder, exit_status: int) -> tuple[int, str, str]:
+    """The launcher's slot (``python -m bagua_launch.replacements``) running a rank that records each start in a
+    file (``j`` when started to join the running job, ``r`` when started as itself) and exits with
+    ``exit_status``; return the slot's status, the rank's starts and the slot's stderr."""
     folder.mkdir()
-    counter = folder / "starts"
-    rank = f"import sys; open({str(counter)!r}, 'a').write('x'); sys.exit({exit_status})"
+    starts = folder / "starts"
+    rank = (
+        f"import os, sys; open({str(starts)!r}, 'a').write('j' if os.environ.get({ENV_JOIN!r}) == '1' else 'r'); "
+        f"sys.exit({exit_status})"
+    )
     environment = {k: v for k, v in os.environ.items() if k != ENV_JOIN}
     slot = subprocess.run(
         [sys.executable, "-m", "bagua_launch.replacements", sys.executable, "-c", rank],
-        env={**environment, "BAGUA_FT_REPLACEMENTS": "1", "RANK": "3"},
+        env={**environment, "BAGUA_FT_REPLACEMENTS": "2", "RANK": "3"},
         capture_output=True,
         text=True,
         timeout=60,
     )
-    return slot.returncode, len(counter.read_text()), slot.stderr
+    return slot.returncode, starts.read_text(), slot.stderr
 
 
-def test_the_launchers_slot_replaces_a_dead_rank_only_while_the_job_runs(directory, tmp_path):
-    code, starts, stderr = run_slot(tmp_path / "running", 3)
-    assert (code, starts) == (3, 2), stderr  # replaced once (BAGUA_FT_REPLACEMENTS=1), then the agent's policy
-
+def tell_directory(directory: KVServer, key: str, value: str) -> None:
     client = KVClient("127.0.0.1", directory.port, 5.0, secret=job_secret())
-    client.set(FINISHED, "40")
+    client.set(key, value)
     client.close()
+
+
+def test_the_launchers_slot_restarts_a_rank_lost_before_the_job_formed_as_itself_then_replaces_it_by_a_joiner(
+    directory, tmp_path
+):
+    code, starts, stderr = run_slot(tmp_path / "forming", 3)
+    assert (code, starts) == (3, "rrr"), stderr  # twice again as rank 3 (BAGUA_FT_REPLACEMENTS=2), then the agent's
+    assert "rank 3 ended (exit code 3) after" in stderr and "starting it again: the job had not formed yet" in stderr
+
+    tell_directory(directory, CURRENT, '{"epoch": 0, "host": "127.0.0.1", "port": 1}')
+    code, starts, stderr = run_slot(tmp_path / "running", 3)
+    assert (code, starts) == (3, "rjj"), stderr
+    assert "starting a replacement that joins the running job" in stderr
+
+
+def test_the_launchers_slot_replaces_no_rank_after_the_job_finished(directory, tmp_path):
+    tell_directory(directory, CURRENT, '{"epoch": 0, "host": "127.0.0.1", "port": 1}')
+    tell_directory(directory, FINISHED, "40")
     code, starts, stderr = run_slot(tmp_path / "finished", 3)
-    assert (code, starts) == (0, 1), stderr
+    assert (code, starts) == (0, "r"), stderr
     assert "rank 3 ended (exit code 3) after the job finished: not replaced" in stderr

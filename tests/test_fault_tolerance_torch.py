@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -49,6 +51,7 @@ class Job:
             "FT_STEPS": str(steps),
             "FT_WORLD": str(world),
             "FT_FAULTS": json.dumps(faults),
+            "FT_MARKS": tempfile.mkdtemp(prefix="bagua-ft-faults-"),
             "OMP_NUM_THREADS": "1",
         }
         self.procs: list[subprocess.Popen] = []
@@ -119,6 +122,7 @@ class Job:
             except ProcessLookupError:
                 pass
             proc.wait()
+        shutil.rmtree(self.env["FT_MARKS"], ignore_errors=True)
 
     def output(self) -> str:
         """The lines that are not steps, and the last steps."""
@@ -212,6 +216,20 @@ def test_gradient_allreduce_survives_a_kill_a_death_in_recovery_and_a_slow_rank_
         before = [e["step"] for e in job.of(survivors[0], "step") if e["step"] < first["step"]]
         assert first["step"] == max(before) + 1  # it trains the step after it was admitted
         assert job.of(pid, "end")[0]["joined"] < 5.0  # from asking to be admitted to ready
+    check_every_sample_once(job)
+
+
+def test_a_rank_lost_before_the_job_formed_is_started_again_as_itself_by_the_launcher(jobs):
+    # rank 2 dies before it registers: the others wait for it, so its slot starts it again as rank 2, not as a
+    # joiner of a job that does not exist yet (which waited for its timeout while the others waited for rank 2)
+    faults = [{"rank": 2, "step": 0, "where": "formation", "kind": "kill"}]
+    job = jobs(3, "gradient_allreduce", faults, steps=3, world=3, launcher=True)
+    job.finish(timeout=60)
+    assert not job.pids(joiner=True) and len(job.pids(rank=2)) == 1, job.output()
+    ends = [job.of(pid, "end") for pid in job.pids()]
+    assert len(ends) == 3 and all(ends), job.output()
+    assert all(e[0]["step"] == 3 and e[0]["recoveries"] == [] for e in ends), ends
+    assert "rank 2 ended (killed by SIGKILL)" in "".join(job.text) and "the job had not formed yet" in "".join(job.text)
     check_every_sample_once(job)
 
 

@@ -15,7 +15,7 @@ from bagua_common.fault_tolerance.errors import JobFinished
 from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
 from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, FaultToleranceSettings
 
-__all__ = ["CURRENT", "FINISHED", "address", "job_finished", "raise_if_finished", "tell"]
+__all__ = ["CURRENT", "FINISHED", "address", "job_finished", "job_formed", "raise_if_finished", "tell"]
 
 CURRENT = "ft/current"
 """Key of the pointer to the job's coordinator (a JSON object: ``epoch``, ``host``, ``port``)."""
@@ -45,8 +45,18 @@ def tell(settings: FaultToleranceSettings, key: str, value: str) -> None:
         pass  # the launcher is gone: nobody will start replacements here
 
 
+def job_formed() -> bool:
+    """Whether this node's directory says the job formed its first epoch (a member wrote where its coordinator is):
+    a rank lost before that is started again as the same rank, one lost after it joins the running job."""
+    return _directory_has(CURRENT)
+
+
 def job_finished() -> bool:
     """Whether this node's directory says the job finished (False without a directory, or when it is gone)."""
+    return _directory_has(FINISHED)
+
+
+def _directory_has(key: str) -> bool:
     where = address()
     if where is None:
         return False
@@ -54,7 +64,7 @@ def job_finished() -> bool:
     try:
         client = KVClient(*where, settings.dead_after, secret=settings.secret)
         try:
-            return client.check(FINISHED) is not None
+            return client.check(key) is not None
         finally:
             client.close()
     except StoreUnreachable:

@@ -90,6 +90,19 @@ class PhaseRunner(threading.Thread):
         self._seq[job] += 1
         return seq
 
+    def completed(self, job: int) -> bool:
+        """Whether every phase of ``job`` ran to its end: given, and if timed, published or out of attempts (a job
+        of an aborted group that had finished before the abort keeps its figures)."""
+        last: dict[int, dict[str, Any]] = {}
+        for record in self.records:
+            if record["job"] == job:
+                last[record["phase"]] = record
+        return all(
+            phase in last
+            and (not timed or last[phase]["load"]["published"] or last[phase]["attempt"] + 1 >= self.gate.attempts)
+            for phase, timed in enumerate(self.jobs[job].timed)
+        )
+
     def abort(self) -> None:
         """Stop giving phases and end every job at its next phase (when a job of the group failed, the others would
         otherwise wait for a phase that never comes)."""
