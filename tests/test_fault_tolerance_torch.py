@@ -219,17 +219,19 @@ def test_gradient_allreduce_survives_a_kill_a_death_in_recovery_and_a_slow_rank_
     check_every_sample_once(job)
 
 
-def test_a_rank_lost_before_the_job_formed_is_started_again_as_itself_by_the_launcher(jobs):
-    # rank 2 dies before it registers: the others wait for it, so its slot starts it again as rank 2, not as a
-    # joiner of a job that does not exist yet (which waited for its timeout while the others waited for rank 2)
-    faults = [{"rank": 2, "step": 0, "where": "formation", "kind": "kill"}]
+@pytest.mark.parametrize("lost", [2, 0])  # 0: the rank whose store the others register at
+def test_a_rank_lost_before_the_job_formed_is_started_again_as_itself_by_the_launcher(jobs, lost):
+    # the rank dies before it registers: the others wait for it, so its slot starts it again as the same rank, not
+    # as a joiner of a job that does not exist yet (which waited for its timeout while the others waited for it)
+    faults = [{"rank": lost, "step": 0, "where": "formation", "kind": "kill"}]
     job = jobs(3, "gradient_allreduce", faults, steps=3, world=3, launcher=True)
-    job.finish(timeout=60)
-    assert not job.pids(joiner=True) and len(job.pids(rank=2)) == 1, job.output()
+    job.finish()
+    assert not job.pids(joiner=True) and len(job.pids(rank=lost)) == 1, job.output()
     ends = [job.of(pid, "end") for pid in job.pids()]
     assert len(ends) == 3 and all(ends), job.output()
     assert all(e[0]["step"] == 3 and e[0]["recoveries"] == [] for e in ends), ends
-    assert "rank 2 ended (killed by SIGKILL)" in "".join(job.text) and "the job had not formed yet" in "".join(job.text)
+    text = "".join(job.text)
+    assert f"rank {lost} ended (killed by SIGKILL)" in text and "the job had not formed yet" in text
     check_every_sample_once(job)
 
 
