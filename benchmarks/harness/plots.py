@@ -86,10 +86,11 @@ def rectangle(xy: tuple[float, float], width: float, height: float, **style: Any
 
 def save(fig: Any, path: Path, dpi: int = DPI, bottom: float = 0.0) -> Path:
     """Lay out ``fig`` (leaving the ``bottom`` fraction free, for a figure legend), write it to ``path`` at ``dpi``
-    and free it; return ``path``."""
+    (creating its folder) and free it; return ``path``."""
     import matplotlib.pyplot as plt
 
     fig.tight_layout(rect=(0, bottom, 1, 1))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     return path
