@@ -17,11 +17,11 @@ namespace per rank on links of that rate (``harness.links``, root only):
   loss against tokens of both, every failure's seconds to resume and steps lost (from the ranks'
   logs), each replacement's seconds from asking to be admitted to training.
 
-Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``, or ``--out``; timings on a quiet
-machine, ``/work/bin/measure`` here)::
+Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``, or ``--out``; timings with
+nothing else running: the header records the load before and after)::
 
     python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
-    python benchmarks/fault_tolerance.py overhead --ranks 4 --steps 60 --repeats 3 [--rate 100mbit]
+    python benchmarks/fault_tolerance.py overhead --ranks 4 --size mini --steps 60 --repeats 5 [--rate 100mbit]
     python benchmarks/fault_tolerance.py chaos --ranks 4 --size mini --steps 3000 --every 60
 
 A rank of either is ``python benchmarks/fault_tolerance.py rank JOB.json`` (``JOB.json``: the
@@ -103,18 +103,19 @@ def rank_main(job_file: str) -> None:
 
     if ft is None:
         for step in range(1, job["steps"] + 1):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             loss = train(step, group.rank, group.size)
-            record(event="step", step=step, world=group.size, seconds=time.perf_counter() - started, loss=loss)
+            seconds = time.perf_counter() - started
+            record(event="step", step=step, world=group.size, seconds=seconds, cpu=time.process_time() - cpu, loss=loss)
     else:
         for step in ft.steps(job["steps"] or 10**9):
-            started = time.perf_counter()
+            started, cpu = time.perf_counter(), time.process_time()
             record(event="attempt", step=step.number)
             with step:
                 loss = train(step.number, step.rank, step.world_size)
             if ft.step == step.number:
-                seconds = time.perf_counter() - started
-                record(event="step", step=step.number, world=step.world_size, seconds=seconds, loss=loss)
+                seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+                record(event="step", step=step.number, world=step.world_size, seconds=seconds, cpu=cpu, loss=loss)
                 if step.rank == 0 and step.number % job["eval_every"] == 0:
                     evaluate(step.number, step.world_size)
         record(event="end", recoveries=ft.recoveries, joined=getattr(ft, "joined_after", None))
@@ -184,13 +185,24 @@ def overhead(args: argparse.Namespace) -> dict:
             with tempfile.TemporaryDirectory() as scratch:
                 folder = Path(scratch)
                 run_ranks(args.ranks, job_file(folder, args, fault_tolerant), args.rate)
-                steps = [e["seconds"] for log in lines(folder).values() for e in log if e["event"] == "step"]
-                steps = steps[len(steps) // 5 :]  # the first fifth warms up
-                runs.append({"fault_tolerant": fault_tolerant, "repeat": repeat, "step_s": statistics.median(steps)})
+                steps = [e for log in lines(folder).values() for e in log[len(log) // 5 :] if e["event"] == "step"]
+                runs.append(
+                    {
+                        "fault_tolerant": fault_tolerant,
+                        "repeat": repeat,
+                        "step_s": statistics.median(e["seconds"] for e in steps),  # the first fifth warms up
+                        "cpu_s": statistics.median(e["cpu"] for e in steps),
+                    }
+                )
                 print(json.dumps(runs[-1]), flush=True)
     on = statistics.median(r["step_s"] for r in runs if r["fault_tolerant"])
     off = statistics.median(r["step_s"] for r in runs if not r["fault_tolerant"])
-    return {"runs": runs, "step_s_off": off, "step_s_on": on, "overhead": on / off - 1}
+    paired = [
+        next(r["step_s"] for r in runs if r["repeat"] == repeat and r["fault_tolerant"])
+        / next(r["step_s"] for r in runs if r["repeat"] == repeat and not r["fault_tolerant"])
+        for repeat in range(args.repeats)
+    ]
+    return {"runs": runs, "step_s_off": off, "step_s_on": on, "overhead": on / off - 1, "paired_ratios": paired}
 
 
 def kill(args: argparse.Namespace) -> dict:
@@ -425,13 +437,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         lines.append("")
         rows = [
-            [r["repeat"], "on" if r["fault_tolerant"] else "off", f"{r['step_s'] * 1e3:.1f}"] for r in result["runs"]
+            [r["repeat"], "on" if r["fault_tolerant"] else "off", f"{r['step_s'] * 1e3:.1f}", f"{r['cpu_s'] * 1e3:.1f}"]
+            for r in result["runs"]
         ]
-        lines += table(["repeat", "fault tolerance", "median step (ms)"], rows)
+        lines += table(["repeat", "fault tolerance", "median step (ms)", "median CPU per step and rank (ms)"], rows)
+        paired = result["paired_ratios"]
         lines += [
             "",
             f"Median over runs: off {result['step_s_off'] * 1e3:.1f} ms, on {result['step_s_on'] * 1e3:.1f} ms: "
-            f"overhead {result['overhead'] * 100:+.2f}%.",
+            f"overhead {result['overhead'] * 100:+.2f}%. Each repeat's on/off ratio: median "
+            f"{statistics.median(paired):.4f} [{min(paired):.4f}, {max(paired):.4f}].",
         ]
     else:
         lines.append(

@@ -9,7 +9,7 @@ Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined throug
 * ``kill``: rank ``ranks-1`` is SIGKILLed while the others are blocked in a step's allreduce; the table gives the
   seconds from the kill to the survivors' retried step, and the steps lost.
 
-Run it on a quiet machine (``/work/bin/measure`` here)::
+Run it with nothing else running (the results' header records the load before and after)::
 
     python benchmarks/fault_tolerance_jax.py overhead --ranks 2 --width 1024 --steps 20 --rounds 5
     python benchmarks/fault_tolerance_jax.py kill --ranks 3

@@ -32,6 +32,7 @@ from bagua_common.fault_tolerance import (
     StoreUnreachable,
     job_secret,
 )
+from bagua_common.fault_tolerance.decision import commit_transaction
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
 SECRET = job_secret()  # conftest's, inherited by the members started as processes
@@ -171,6 +172,28 @@ def test_decision_register_transitions():
     assert Decision(5, "ended").closed() == Decision(5, "ended")  # an ended epoch stays ended
     with pytest.raises(ValueError, match="not a decision register"):
         Decision.decode(b"garbage")
+
+
+def test_the_last_vote_commits_in_one_round_trip_unless_the_epoch_drains_or_closed():
+    server = KVServer("127.0.0.1", secret=SECRET)
+    client = KVClient("127.0.0.1", server.port, 5, secret=SECRET)
+    round_trips = []
+    compare_set = client.compare_set
+    client.compare_set = lambda *args: round_trips.append(args) or compare_set(*args)
+    try:
+        for before, after, trips in (
+            (Decision(4), Decision(5), 1),
+            (Decision(4, "drain"), Decision(5, "ended"), 2),  # the coordinator asked it to drain: it ends
+            (Decision(4, "closed"), Decision(4, "closed"), 1),  # closed by a failure: 5 does not commit
+            (Decision(5), Decision(5), 1),  # a register already past 4 is left as it is
+        ):
+            client.set("decision", before.encode())
+            round_trips.clear()
+            assert commit_transaction(client, "decision", 5) == after
+            assert Decision.decode(client.check("decision")) == after and len(round_trips) == trips
+    finally:
+        client.close()
+        server.close()
 
 
 # --- epochs, commits, recovery -------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import pytest
 from multiprocess import has_mpiexec
+
+from bagua_common.job.local_launch import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -322,6 +325,7 @@ def test_mpi_rank_variables(tmp_path, nproc):
 
 JAX_SCRIPT = """
 import os
+import random
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
@@ -342,6 +346,7 @@ jax.distributed.shutdown()
 
 TORCH_SCRIPT = """
 import os
+import random
 import torch
 import torch.distributed as dist
 
@@ -494,3 +499,14 @@ def test_environment_int_reads_the_launcher_then_mpi():
     assert environment_int("MASTER_PORT", hydra) is None
     with pytest.raises(ValueError, match="RANK='zero' is not an integer"):
         environment_int("RANK", {"RANK": "zero"})
+
+
+def test_a_free_port_is_drawn_below_the_range_outgoing_connections_take():
+    """The master's port (``free_port``) must not be one the kernel may hand to a rank's outgoing connection before
+    the store binds it, and two processes that seeded ``random`` alike must not draw the same ports."""
+    first_outgoing = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    random.seed(0)
+    drawn = [free_port() for _ in range(5)]
+    random.seed(0)
+    again = [free_port() for _ in range(5)]
+    assert all(10000 <= port < first_outgoing for port in drawn + again) and drawn != again

@@ -42,6 +42,7 @@ from bagua_common.data.private_files import (
     write_private_file,
 )
 from bagua_common.job.child_process import die_with_parent
+from bagua_common.job.local_launch import free_port
 from bagua_common.job.signature import AllGather, gather_bytes
 
 ENV_BINARY = "BAGUA_REDIS_SERVER"
@@ -75,13 +76,6 @@ def checked_bind_address(address: str) -> str:
         except OSError as e:
             raise ValueError(f"cache bind address {address!r} is not an address of this node: {e.strerror}") from None
     return address
-
-
-def _free_port(address: str) -> int:
-    family = socket.AF_INET6 if ":" in address else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as probe:
-        probe.bind((address, 0))
-        return probe.getsockname()[1]
 
 
 class RedisServer:
@@ -151,7 +145,7 @@ class RedisServer:
             # The config file comes first on redis-server's command line; the options after it
             # are added to it. The password stays in files only this user can read.
             self.password = secrets.token_hex(32)
-            self.port = _free_port(self.bind)
+            self.port = free_port(self.bind)
             config = os.path.join(self.directory, "redis.conf")
             write_private_file(config, f"bind {self.bind}\nport {self.port}\nrequirepass {self.password}\n".encode())
             write_private_file(self.password_file, self.password.encode())

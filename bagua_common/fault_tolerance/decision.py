@@ -16,9 +16,12 @@ are compare-and-set on one key, every member reads the same outcome.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-__all__ = ["Decision"]
+if TYPE_CHECKING:
+    from bagua_common.fault_tolerance.kv_store import KVClient
+
+__all__ = ["Decision", "commit_transaction"]
 
 State = Literal["open", "drain", "ended", "closed"]
 _STATES = ("open", "drain", "ended", "closed")
@@ -66,3 +69,18 @@ class Decision:
     def draining(self) -> Decision:
         """This value asking the epoch to end after its next commit (unchanged unless open)."""
         return Decision(self.committed, "drain") if self.state == "open" else self
+
+
+def commit_transaction(store: KVClient, key: str, transaction: int) -> Decision:
+    """Turn the register at ``key`` from ``transaction - 1`` to ``transaction`` (the last vote is in) unless the
+    epoch no longer allows it; return its value after. The first try expects it open, which it is unless the
+    coordinator asked the epoch to drain or closed it: one round trip in steady state."""
+    current = Decision(transaction - 1).encode()
+    while True:
+        desired = Decision.decode(current).after_last_vote(transaction)
+        if desired is None:
+            return Decision.decode(current)
+        after = store.compare_set(key, current, desired.encode())
+        if after == desired.encode():
+            return desired
+        current = after

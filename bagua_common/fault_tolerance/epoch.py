@@ -3,8 +3,8 @@
 Keys (see :mod:`bagua_common.fault_tolerance.membership`): ``ft/epoch/<E>`` the record of epoch ``E``,
 ``ft/after/<E>`` the number of the epoch formed after ``E`` (or ``noquorum``), ``ft/admit/<id>`` the
 epoch that admits a joiner, and under ``ft/e<E>/`` the epoch's own keys: ``decision`` (the register of
-:mod:`.decision`), ``votes/<t>``, ``done/<t>``, ``closed`` (why it closed, and the suspects),
-``hb/<id>`` (heartbeats) and the prefixes of its communicators.
+:mod:`.decision`), ``votes/<t>``, ``done/<t>`` (the register's value once ``t`` is decided), ``closed``
+(why it closed, and the suspects), ``hb/<id>`` (heartbeats) and the prefixes of its communicators.
 """
 
 from __future__ import annotations
@@ -148,7 +148,8 @@ def close_epoch(store: KVClient, epoch: Epoch, closure: dict[str, Any]) -> None:
         decision = Decision.decode(current)
         if decision.final or store.compare_set(key, current, decision.closed().encode()) == decision.closed().encode():
             break
-    store.set(f"{epoch.prefix()}done/{decision.committed + 1}", b"")
+    # The next transaction's voters wake to the register's final value: it did not commit.
+    store.set(f"{epoch.prefix()}done/{decision.committed + 1}", decision.closed().encode())
     mark_closed(store, epoch, closure)
 
 

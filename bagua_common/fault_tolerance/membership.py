@@ -29,7 +29,7 @@ from contextlib import closing
 from typing import Any
 
 from bagua_common.fault_tolerance import node_directory
-from bagua_common.fault_tolerance.decision import Decision
+from bagua_common.fault_tolerance.decision import Decision, commit_transaction
 from bagua_common.fault_tolerance.epoch import (
     Epoch,
     Member,
@@ -211,21 +211,15 @@ class Membership:
             self._voted = transaction
         try:
             if store.add(f"{prefix}votes/{transaction}", 1) == epoch.size:
-                while True:  # the coordinator may turn "open" into "drain" meanwhile: try again
-                    current = store.check(f"{prefix}decision")
-                    desired = Decision.decode(current).after_last_vote(transaction)
-                    if desired is None or store.compare_set(f"{prefix}decision", current, desired.encode()) == (
-                        desired.encode()
-                    ):
-                        break
-                if desired is not None and desired.final:
+                decision = commit_transaction(store, f"{prefix}decision", transaction)
+                if decision.committed == transaction and decision.final:
                     mark_closed(store, epoch, {"reason": "ended", "suspects": []})
-                store.set(f"{prefix}done/{transaction}", b"")
+                store.set(f"{prefix}done/{transaction}", decision.encode())
             else:
-                while store.get(f"{prefix}done/{transaction}", wait=self.settings.heartbeat_period) is None:
+                while (done := store.get(f"{prefix}done/{transaction}", wait=self.settings.heartbeat_period)) is None:
                     if self._failure is not None:
                         raise self._failure
-            decision = Decision.decode(store.check(f"{prefix}decision"))
+                decision = Decision.decode(done)
             committed = decision.committed >= transaction
             if decision.final:
                 epoch.mark_ended() if decision.state == "ended" else epoch.mark_failed()

@@ -6,13 +6,15 @@ import threading
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from bagua_common.fault_tolerance.errors import MembershipChanged
 
 __all__ = ["wait_or_abandon"]
 
-_FIRST_POLL_S = 2e-4  # the first look whether a collective completed; each next one waits twice as long...
+_ABANDON_CHECK_S = 0.2  # the longest a wait sleeps before it looks again whether its step was abandoned
+_FIRST_POLL_S = 2e-4  # NCCL: the first look whether a collective completed; each next one waits twice as long...
 _POLL_S = 2e-3  # ...up to this: the most a completed collective waits to be noticed
 
 
@@ -27,44 +29,71 @@ def wait_or_abandon(
     cannot cancel a collective) and their group is not used again; an NCCL ``group`` is aborted (not run here: no
     GPU).
 
-    The works with a future are polled, never given a completion callback: an abandoned gloo collective completes
-    (fails) only when a peer's process ends, which may be while this process is finalizing its interpreter, and a
-    callback's Python code would then take the GIL on gloo's thread, which aborts the process (SIGABRT).
+    A gloo work is waited for in its own ``wait`` (woken at completion, and every ``_ABANDON_CHECK_S`` to look at
+    ``abandon``): polling its ``is_completed()`` every few milliseconds took 23 ms of CPU per second waited, which
+    the ranks still computing lose when ranks share cores. No work is given a completion callback: an abandoned
+    gloo collective completes (fails) only when a peer's process ends, which may be while this process is
+    finalizing its interpreter, and a callback's Python code would then take the GIL on gloo's thread, which
+    aborts the process (SIGABRT).
     """
     errors: list[BaseException] = []
-    waited: list[Any] = []
-
-    def wait_for(work: Any) -> None:
-        try:
-            work.wait(timedelta(seconds=timeout))
-        except BaseException as error:  # noqa: BLE001 -- raised again by the caller's thread
-            errors.append(error)
-        waited.append(work)
-
-    with_future, without_future = [], []
+    with_future, without_future, waits, threads_done = [], [], [], []
     for work in works:
         try:
             work.get_future()
         except RuntimeError:  # point-to-point works have no future
             without_future.append(work)
-            threading.Thread(target=wait_for, args=(work,), name=f"wait {what}", daemon=True).start()
+            finished = threading.Event()
+            threading.Thread(
+                target=_wait_on_thread, args=(work, timeout, errors, finished), name=f"wait {what}", daemon=True
+            ).start()
+            waits.append(finished.wait)
+            threads_done.append(finished)
             continue
         with_future.append(work)
+        waits.append(partial(_blocking_wait if backend == "gloo" else _polled_wait, work))
     deadline = time.monotonic() + timeout
-    pause = _FIRST_POLL_S
-    while len(waited) < len(without_future) or not all(work.is_completed() for work in with_future):
-        if abandon.is_set():
-            for work in without_future:
-                work.abort()
-            if backend == "nccl":  # NCCL can cancel its kernels
-                getattr(group, "abort", lambda: None)()
-            raise MembershipChanged(f"{what} was abandoned: the members changed")
-        if time.monotonic() > deadline:
-            break
-        time.sleep(pause)
-        pause = min(2 * pause, _POLL_S)
+    timed_out = False
+    for wait in waits:
+        while not timed_out and not wait(min(_ABANDON_CHECK_S, max(1e-3, deadline - time.monotonic()))):
+            if abandon.is_set():
+                for work in without_future:
+                    work.abort()
+                if backend == "nccl":  # NCCL can cancel its kernels
+                    getattr(group, "abort", lambda: None)()
+                raise MembershipChanged(f"{what} was abandoned: the members changed")
+            timed_out = time.monotonic() > deadline
     if errors:
         raise errors[0]
-    if len(waited) < len(without_future):
+    if not all(finished.is_set() for finished in threads_done):
         raise RuntimeError(f"{what} did not complete within {timeout:g} s")
     return with_future
+
+
+def _wait_on_thread(work: Any, timeout: float, errors: list[BaseException], finished: threading.Event) -> None:
+    """Wait for a work without a future; its error goes to ``errors`` (raised again by the caller's thread)."""
+    try:
+        work.wait(timedelta(seconds=timeout))
+    except BaseException as error:  # noqa: BLE001
+        errors.append(error)
+    finished.set()
+
+
+def _blocking_wait(work: Any, seconds: float) -> bool:
+    """Whether a gloo ``work`` completed (or failed: its own ``wait`` raises that again) within ``seconds``."""
+    try:
+        work.wait(timedelta(seconds=seconds))
+    except RuntimeError:  # timed out, or failed
+        return bool(work.is_completed())
+    return True
+
+
+def _polled_wait(work: Any, seconds: float) -> bool:
+    """Whether ``work`` completed within ``seconds``, looking at ``is_completed()`` ever less often."""
+    end, pause = time.monotonic() + seconds, _FIRST_POLL_S
+    while not work.is_completed():
+        if time.monotonic() >= end:
+            return False
+        time.sleep(pause)
+        pause = min(2 * pause, _POLL_S)
+    return True
