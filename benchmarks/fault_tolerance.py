@@ -106,7 +106,8 @@ def rank_main(job_file: str) -> None:
             started, cpu = time.perf_counter(), time.process_time()
             loss = train(step, group.rank, group.size)
             seconds = time.perf_counter() - started
-            record(event="step", step=step, world=group.size, seconds=seconds, cpu=time.process_time() - cpu, loss=loss)
+            cpu = time.process_time() - cpu
+            record(event="step", step=step, world=group.size, seconds=seconds, cpu=cpu, loss=loss, ended=time.time())
     else:
         for step in ft.steps(job["steps"] or 10**9):
             started, cpu = time.perf_counter(), time.process_time()
@@ -115,7 +116,16 @@ def rank_main(job_file: str) -> None:
                 loss = train(step.number, step.rank, step.world_size)
             if ft.step == step.number:
                 seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
-                record(event="step", step=step.number, world=step.world_size, seconds=seconds, cpu=cpu, loss=loss)
+                ended = time.time()
+                record(
+                    event="step",
+                    step=step.number,
+                    world=step.world_size,
+                    seconds=seconds,
+                    cpu=cpu,
+                    loss=loss,
+                    ended=ended,
+                )
                 if step.rank == 0 and step.number % job["eval_every"] == 0:
                     evaluate(step.number, step.world_size)
         record(event="end", recoveries=ft.recoveries, joined=getattr(ft, "joined_after", None))
@@ -184,7 +194,8 @@ def overhead(args: argparse.Namespace) -> dict:
         for fault_tolerant in (False, True) if repeat % 2 == 0 else (True, False):
             with tempfile.TemporaryDirectory() as scratch:
                 folder = Path(scratch)
-                run_ranks(args.ranks, job_file(folder, args, fault_tolerant), args.rate)
+                no_evaluation = argparse.Namespace(**{**vars(args), "eval_every": args.steps + 1})  # as off does
+                run_ranks(args.ranks, job_file(folder, no_evaluation, fault_tolerant), args.rate)
                 steps = [e for log in lines(folder).values() for e in log[len(log) // 5 :] if e["event"] == "step"]
                 runs.append(
                     {
@@ -192,6 +203,7 @@ def overhead(args: argparse.Namespace) -> dict:
                         "repeat": repeat,
                         "step_s": statistics.median(e["seconds"] for e in steps),  # the first fifth warms up
                         "cpu_s": statistics.median(e["cpu"] for e in steps),
+                        "end_spread_s": end_spread(steps),
                     }
                 )
                 print(json.dumps(runs[-1]), flush=True)
@@ -203,6 +215,15 @@ def overhead(args: argparse.Namespace) -> dict:
         for repeat in range(args.repeats)
     ]
     return {"runs": runs, "step_s_off": off, "step_s_on": on, "overhead": on / off - 1, "paired_ratios": paired}
+
+
+def end_spread(steps: list[dict]) -> float:
+    """The median over steps of the time between the first and the last rank ending it (fault tolerance's vote
+    makes every rank wait for the last one's collectives to complete; without it, a rank goes on)."""
+    ends: dict[int, list[float]] = {}
+    for e in steps:
+        ends.setdefault(e["step"], []).append(e["ended"])
+    return statistics.median(max(t) - min(t) for t in ends.values() if len(t) > 1)
 
 
 def kill(args: argparse.Namespace) -> dict:
@@ -437,10 +458,18 @@ def main(argv: list[str] | None = None) -> None:
         )
         lines.append("")
         rows = [
-            [r["repeat"], "on" if r["fault_tolerant"] else "off", f"{r['step_s'] * 1e3:.1f}", f"{r['cpu_s'] * 1e3:.1f}"]
+            [r["repeat"], "on" if r["fault_tolerant"] else "off"]
+            + [f"{r[key] * 1e3:.1f}" for key in ("step_s", "cpu_s", "end_spread_s")]
             for r in result["runs"]
         ]
-        lines += table(["repeat", "fault tolerance", "median step (ms)", "median CPU per step and rank (ms)"], rows)
+        head = [
+            "repeat",
+            "fault tolerance",
+            "median step (ms)",
+            "CPU per step and rank (ms)",
+            "ranks' step ends apart (ms)",
+        ]
+        lines += table(head, rows)
         paired = result["paired_ratios"]
         lines += [
             "",
