@@ -10,7 +10,8 @@ import pytest
 from background_jobs import BackgroundJob
 from extended import is_extended
 
-from bagua_common.fault_tolerance.settings import write_job_secret
+from bagua_common.fault_tolerance import KVServer, job_secret
+from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, write_job_secret
 
 # Four simulated CPU devices for the shard_map tests; must be set before jax loads.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -86,6 +87,16 @@ def pytest_runtest_makereport(item, call):
 def pytest_unconfigure(config):
     for job in config.stash.get(_BACKGROUND_JOBS, {}).values():
         job.stop()
+
+
+@pytest.fixture
+def launcher_directory(monkeypatch):
+    """A node's launcher directory (``bagua-launch --fault-tolerant`` hosts one), named in this process's
+    environment, which the ranks a test starts inherit."""
+    server = KVServer("127.0.0.1", secret=job_secret())
+    monkeypatch.setenv(ENV_DIRECTORY, f"127.0.0.1:{server.port}")
+    yield server
+    server.close()
 
 
 @pytest.fixture

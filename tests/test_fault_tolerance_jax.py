@@ -20,9 +20,8 @@ import pytest
 from fault_tolerance_workers_jax import BATCH_PER_RANK, FEATURES, LR, SAMPLES, dataset
 from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
-from bagua_common.fault_tolerance import DataPosition, KVClient, KVServer, job_secret
+from bagua_common.fault_tolerance import DataPosition, KVClient, job_secret
 from bagua_common.fault_tolerance.node_directory import FINISHED
-from bagua_common.fault_tolerance.settings import ENV_DIRECTORY
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
 
@@ -48,7 +47,7 @@ def replay(sizes: dict[int, int]) -> dict[str, np.ndarray]:
     return {"w": w, "b": np.asarray(b)}
 
 
-def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(tmp_path: Path):
+def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(tmp_path: Path, launcher_directory):
     stopped = FAULTS[5][0]
 
     def react(codes):  # the hung member never ends by itself: end it once the others did (its mpiexec sees it later)
@@ -56,29 +55,21 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
             with contextlib.suppress(ProcessLookupError):
                 os.kill(int((tmp_path / f"pid{stopped}").read_text()), signal.SIGKILL)
 
-    directory = KVServer("127.0.0.1", secret=job_secret())  # the launcher's, on the node (bagua-launch hosts one)
-    try:
-        results = run_ranks(
-            "fault_tolerance_workers_jax:train",
-            START + 1,
-            FAULTS,
-            START,
-            FINAL,
-            STEPS,
-            launcher="mpiexec-per-rank",
-            timeout=240,
-            env={
-                **ONE_CPU_DEVICE,
-                "BAGUA_TEST_SIGNALS": str(tmp_path),
-                ENV_DIRECTORY: f"127.0.0.1:{directory.port}",
-            },
-            check=False,
-            watch=react,
-        )
-        with contextlib.closing(KVClient("127.0.0.1", directory.port, 5.0, secret=job_secret())) as client:
-            finished = client.check(FINISHED)
-    finally:
-        directory.close()
+    results = run_ranks(
+        "fault_tolerance_workers_jax:train",
+        START + 1,
+        FAULTS,
+        START,
+        FINAL,
+        STEPS,
+        launcher="mpiexec-per-rank",
+        timeout=240,
+        env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path)},
+        check=False,
+        watch=react,
+    )
+    with contextlib.closing(KVClient("127.0.0.1", launcher_directory.port, 5.0, secret=job_secret())) as client:
+        finished = client.check(FINISHED)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     victims = [rank for rank, _ in FAULTS.values()]
     assert all(results[v].returncode != 0 and results[v].value is None for v in victims), outputs

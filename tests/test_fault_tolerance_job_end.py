@@ -27,15 +27,6 @@ from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ENV_JOIN
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
 
 
-@pytest.fixture
-def directory(monkeypatch):
-    """A node's launcher directory (``bagua-launch --fault-tolerant`` hosts one), named in the environment."""
-    server = KVServer("127.0.0.1", secret=job_secret())
-    monkeypatch.setenv(ENV_DIRECTORY, f"127.0.0.1:{server.port}")
-    yield server
-    server.close()
-
-
 def start(n: int) -> list[Membership]:
     """``n`` members forming epoch 0 together (each on a thread, as each rank's process would)."""
     port, made = free_port(), {}
@@ -51,7 +42,7 @@ def start(n: int) -> list[Membership]:
 
 
 def test_a_joiner_of_a_finished_job_exits_with_status_0_at_a_member_or_at_the_launchers_directory(
-    directory, monkeypatch
+    launcher_directory, monkeypatch
 ):
     group = start(2)
     try:
@@ -75,7 +66,7 @@ def test_a_joiner_of_a_finished_job_exits_with_status_0_at_a_member_or_at_the_la
         for member in reversed(group):  # the members leave; the launcher's directory stays as long as the job
             member.close()
 
-    monkeypatch.setenv(ENV_DIRECTORY, f"127.0.0.1:{directory.port}")
+    monkeypatch.setenv(ENV_DIRECTORY, f"127.0.0.1:{launcher_directory.port}")
     started = time.monotonic()
     with pytest.raises(JobFinished):
         Membership.join(FAST, "127.0.0.1", port, timeout=5)
@@ -110,21 +101,21 @@ def tell_directory(directory: KVServer, key: str, value: str) -> None:
 
 
 def test_the_launchers_slot_restarts_a_rank_lost_before_the_job_formed_as_itself_then_replaces_it_by_a_joiner(
-    directory, tmp_path
+    launcher_directory, tmp_path
 ):
     code, starts, stderr = run_slot(tmp_path / "forming", 3)
     assert (code, starts) == (3, "rrr"), stderr  # twice again as rank 3 (BAGUA_FT_REPLACEMENTS=2), then the agent's
     assert "rank 3 ended (exit code 3) after" in stderr and "starting it again: the job had not formed yet" in stderr
 
-    tell_directory(directory, CURRENT, '{"epoch": 0, "host": "127.0.0.1", "port": 1}')
+    tell_directory(launcher_directory, CURRENT, '{"epoch": 0, "host": "127.0.0.1", "port": 1}')
     code, starts, stderr = run_slot(tmp_path / "running", 3)
     assert (code, starts) == (3, "rjj"), stderr
     assert "starting a replacement that joins the running job" in stderr
 
 
-def test_the_launchers_slot_replaces_no_rank_after_the_job_finished(directory, tmp_path):
-    tell_directory(directory, CURRENT, '{"epoch": 0, "host": "127.0.0.1", "port": 1}')
-    tell_directory(directory, FINISHED, "40")
+def test_the_launchers_slot_replaces_no_rank_after_the_job_finished(launcher_directory, tmp_path):
+    tell_directory(launcher_directory, CURRENT, '{"epoch": 0, "host": "127.0.0.1", "port": 1}')
+    tell_directory(launcher_directory, FINISHED, "40")
     code, starts, stderr = run_slot(tmp_path / "finished", 3)
     assert (code, starts) == (0, "r"), stderr
     assert "rank 3 ended (exit code 3) after the job finished: not replaced" in stderr

@@ -225,6 +225,10 @@ class LoadGate:
             record.foreign_top = names.most_common(3)
             record.published = record.foreign_before <= self.limit and record.foreign_mean <= self.limit
 
+    def settled(self, published: bool, attempts_made: int) -> bool:
+        """Whether a phase is run no more: its last attempt was published, or it had its ``attempts``."""
+        return published or attempts_made >= self.attempts
+
     def measure(self, run: Callable[[], T], label: str = "phase") -> tuple[T, PhaseLoad, list[PhaseLoad]]:
         """Run ``run`` once the machine is quiet, again (up to ``attempts`` times) while its load keeps it from being
         published; return the last result, its load, and the loads of the attempts set aside."""
@@ -233,7 +237,7 @@ class LoadGate:
             self.quiet()
             with self.phase() as load:
                 result = run()
-            if load.published or len(rejected) + 1 >= self.attempts:
+            if self.settled(load.published, len(rejected) + 1):
                 return result, load, rejected
             rejected.append(load)
             self.say(f"load gate: {label}: {load.describe()}; again")

@@ -99,7 +99,7 @@ class PhaseRunner(threading.Thread):
                 last[record["phase"]] = record
         return all(
             phase in last
-            and (not timed or last[phase]["load"]["published"] or last[phase]["attempt"] + 1 >= self.gate.attempts)
+            and (not timed or self.gate.settled(last[phase]["load"]["published"], last[phase]["attempt"] + 1))
             for phase, timed in enumerate(self.jobs[job].timed)
         )
 
@@ -132,7 +132,7 @@ class PhaseRunner(threading.Thread):
                 record = {"job": job, "phase": phase, "seq": seq, "attempt": attempt, "load": load.as_dict()}
                 self.records.append(record)
                 attempt += 1
-                if load.published or attempt >= self.gate.attempts:
+                if self.gate.settled(load.published, attempt):
                     break
                 self.gate.say(f"load gate: job {job} phase {phase} ({link}): {load.describe()}; again")
         if self._wait_idle():
