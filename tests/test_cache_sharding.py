@@ -13,6 +13,8 @@ import numpy as np
 import pytest
 import redis
 from cache_datasets import REDIS_SERVER_MARKS
+from redis.backoff import NoBackoff
+from redis.retry import Retry
 
 from bagua_common.data.cache_stores import (
     ENV_CACHE_KEY_FILE,
@@ -82,10 +84,12 @@ def test_password_is_generated_private_and_required(two_nodes):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert Path(first.password_file).read_text() == first.password
     assert listening_addresses(first.pid) == {("127.0.0.1", first.port)}  # there, and only there
+    # redis-py retries an AuthenticationError (a ConnectionError) 3 times with backoff by default (5 s): ask once.
+    once = Retry(NoBackoff(), 0)
     with pytest.raises(redis.exceptions.AuthenticationError):
-        redis.Redis(port=first.port, socket_timeout=5).ping()
+        redis.Redis(port=first.port, socket_timeout=5, retry=once).ping()
     with pytest.raises(redis.exceptions.AuthenticationError):
-        redis.Redis(port=first.port, password=second.password, socket_timeout=5).ping()
+        redis.Redis(port=first.port, password=second.password, socket_timeout=5, retry=once).ping()
     with pytest.raises(ConnectionError, match="cannot reach the Redis cache"):
         RedisStore(first.url, digest_key=first.digest_key)
     assert redis.Redis(port=first.port, password=first.password, socket_timeout=5).ping()
