@@ -2,13 +2,15 @@
 
 :class:`FaultTolerantTrainer` drives a :class:`~bagua_jax.trainer.DataParallel` in native mode through the
 shared protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a
-transaction: the jitted step runs on this rank's part of the next samples, waits for its result, votes, and
-only a committed step replaces the state (a JAX step changes nothing in place, so an abandoned one costs nothing
-to roll back). When a member dies or hangs, the epoch closes; a thread waiting on it revokes the communicator, so
-the collective blocked in the compiled step fails at once; the survivors take the next epoch, shrink the
-communicator to themselves (new ranks in the agreed order), admit joiners (they get the state from rank 0 by
-broadcast over the same communicator), check that their replicated state is bit-identical, and run the step
-again on the new partition of the samples not yet trained on. The communicator's handle stays the same, so a
+transaction: the jitted step runs on this rank's part of the next samples, waits for its result, votes ahead
+(:meth:`~bagua_common.fault_tolerance.Membership.vote_ahead`: without waiting for the others' votes) and takes
+the new state (a JAX step changes nothing in place, so an abandoned one costs nothing to roll back). When a
+member dies or hangs, the epoch closes; a thread waiting on it revokes the communicator, so the collective
+blocked in the compiled step fails at once; the survivors take the next epoch, shrink the communicator to
+themselves (new ranks in the agreed order), admit joiners, give the state of the first member that has it to
+the joiners and to any survivor that had not applied the last step (by broadcast over the same communicator),
+check that their replicated state is bit-identical, and run the step again on the new partition of the samples
+not yet trained on. The communicator's handle stays the same, so a
 step whose shapes do not depend on the world size (gradient allreduce, decentralized averaging over all) is not
 compiled again; one whose shapes do (ByteGrad and the compressed Adams: chunks per rank) is compiled once per new
 world size (:attr:`FaultTolerantTrainer.recoveries` records each recovery's time).
@@ -74,9 +76,9 @@ class FaultTolerantTrainer:
     ``membership`` is this process's :class:`~bagua_common.fault_tolerance.Membership` (its first epoch's ranks
     must be the communicator's); ``data`` the job's :class:`~bagua_common.fault_tolerance.DataPosition`;
     ``hash_every`` compares the replicas' digests every that many committed steps (default: the membership's
-    settings), besides after every recovery. :meth:`init` gives the state (a joiner receives it from rank 0),
-    :meth:`step` runs one committed step, :meth:`finished` marks the job finished after the last one. Algorithms whose
-    replicas are identical (``replicas_identical``) only.
+    settings), besides after every recovery. :meth:`init` gives the state (a joiner receives it from a member),
+    :meth:`step` runs one committed step, :meth:`finished` marks the job finished after the last one. Algorithms
+    whose replicas are identical (``replicas_identical``) only.
     """
 
     def __init__(
@@ -113,7 +115,8 @@ class FaultTolerantTrainer:
         state = self.trainer.init(params)  # checks with the members that everyone trains the same job
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         if self.epoch.is_joiner():
-            state = self._receive_state(state)
+            state = self._share_state(state, self.epoch)
+            self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
             self.trainer._batches_checked = True  # the members checked their batches before this one came
         return state
 
@@ -141,9 +144,9 @@ class FaultTolerantTrainer:
                 failed_at = time.monotonic() if failed_at is None else failed_at
                 if not epoch.closed.is_set():
                     self.membership.fail(epoch, str(error).splitlines()[0])
-                state = self._recover(state, None)
+                state = self._recover(state)
                 continue
-            if self.membership.commit(epoch, transaction):
+            if self.membership.vote_ahead(epoch, transaction):
                 self._apply(epoch)
                 if self.hash_every and self.committed % self.hash_every == 0 and not epoch.closed.is_set():
                     try:
@@ -153,10 +156,10 @@ class FaultTolerantTrainer:
                             raise
                         if not epoch.closed.is_set():
                             self.membership.fail(epoch, str(error).splitlines()[0])
-                        new_state = self._recover(new_state, None)
+                        new_state = self._recover(new_state)
                 return new_state, result
             failed_at = time.monotonic() if failed_at is None else failed_at
-            state = self._recover(state, (transaction, new_state))
+            state = self._recover(state)
 
     def finished(self) -> None:
         """Mark the job finished; every member calls it once its last step committed (after its loop). A
@@ -193,16 +196,12 @@ class FaultTolerantTrainer:
 
         threading.Thread(target=revoke_when_closed, name=f"bagua-ft-revoke-{epoch.number}", daemon=True).start()
 
-    def _recover(self, state: Any, pending: tuple[int, Any] | None) -> Any:
-        """Take the next epoch and rebuild the communicator for it; returns the state to go on from (``pending``'s
-        when the survivors committed that transaction after all)."""
+    def _recover(self, state: Any) -> Any:
+        """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
+        that had not applied a step another one applied is given that one's state)."""
         started = time.monotonic()
         old = self.epoch
-        recovery = self.membership.recover(old)
-        new = recovery.epoch
-        if pending is not None and recovery.committed >= pending[0] > self.committed:
-            state = pending[1]
-            self._apply(old)
+        new = self.membership.recover(old).epoch
         old_ids = [m.id for m in old.members]
         survivors = [old_ids.index(m.id) for m in new.members if m.id in old_ids]
         if len(survivors) < old.size:
@@ -214,7 +213,7 @@ class FaultTolerantTrainer:
         state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
         if new.joined:
             check_ranks_agree(unwrap_state(state).params, self.trainer.algorithm, self.communicator)
-            self._send_state(state, new)
+            state = self._share_state(state, new)
         self.check_replicas(state, f"after the recovery to epoch {new.number}")
         self.recoveries.append({"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started})
         return state
@@ -230,30 +229,28 @@ class FaultTolerantTrainer:
         carried = state_rules.carry_over(self._roles, own, fresh)
         return rewrap_state(None if isinstance(state, TrainState) else state, carried)
 
-    def _send_state(self, state: Any, epoch: Epoch) -> None:
-        """Rank 0 sends the committed state to the joiners by broadcast (everyone takes part); the data position
-        and the transaction number travel in the epoch's store."""
-        if epoch.rank == 0:
-            record = {"committed": self.committed, "position": self.data.state()}
-            epoch.store.set(epoch.prefix("transfer"), json.dumps(record))
-        self._broadcast_state(state)
-
-    def _receive_state(self, template: Any) -> Any:
-        epoch = self.epoch
-        raw = epoch.store.get(epoch.prefix("transfer"), wait=self.membership.settings.quorum_timeout)
+    def _share_state(self, state: Any, epoch: Epoch) -> Any:
+        """The first member that has the committed state (:attr:`Epoch.state_holder`) broadcasts it (everyone takes
+        part) to those that need it: the joiners, and survivors that had not applied the last step. The data
+        position and the transaction number travel in the epoch's store. Returns the state to go on from."""
+        holder, key = epoch.state_holder, epoch.prefix("transfer")
+        if epoch.rank == holder:
+            epoch.store.set(key, json.dumps({"committed": self.committed, "position": self.data.state()}))
+        received = self._broadcast_state(state, holder)
+        if not epoch.is_joiner():
+            return state
+        raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
         if raw is None:
             raise TimeoutError(f"fault tolerance: no state record for the joiners of epoch {epoch.number}")
         record = json.loads(raw)
-        state = self._broadcast_state(template)
         self.committed = int(record["committed"])
         self.data.load_state(record["position"])
         self.membership.applied(self.committed)
-        self.check_replicas(state, f"after joining in epoch {epoch.number}")
-        return state
+        return received
 
-    def _broadcast_state(self, state: Any) -> Any:
+    def _broadcast_state(self, state: Any, root: int) -> Any:
         own = unwrap_state(state)
         received = jax.tree.map(
-            lambda leaf: self.communicator.broadcast(leaf, 0), (own.params, own.opt_state, own.step)
+            lambda leaf: self.communicator.broadcast(leaf, root), (own.params, own.opt_state, own.step)
         )
         return TrainState(*received, own.model_state)

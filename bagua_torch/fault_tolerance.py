@@ -14,11 +14,13 @@ wrap the model as usual, and run the steps through :meth:`FaultTolerance.steps`:
 
 Each epoch of members gets its own gloo process groups, built on the coordinator's store under the
 epoch's prefix (no ``torch.distributed.init_process_group``: the default group could not change
-size). When a member dies, the survivors' collectives are abandoned (their waits watch the
-epoch's ``failed`` event), the step is not applied anywhere, and at the step's end the
-survivors take the next epoch, rebuild the wrapper's buckets and algorithm for the new size
-(carrying the algorithm's committed state by its rule, see ``docs/guides/fault_tolerance.md``),
-check that the replicas are bit-identical and run the step again. A process started with
+size). A rank applies each step as soon as its own collectives completed (it votes ahead, without
+waiting for the others' votes). When a member dies, the survivors' collectives are abandoned
+(their waits watch the epoch's ``failed`` event), and at the step's end the survivors take the
+next epoch, rebuild the wrapper's buckets and algorithm for the new size (carrying the
+algorithm's committed state by its rule, see ``docs/guides/fault_tolerance.md``); a survivor
+that had not applied a step another survivor applied is given that one's state, as a joiner is;
+they check that the replicas are bit-identical and run the step in flight again. A process started with
 ``BAGUA_FT_JOIN=1`` joins the running job: the members admit it after their next commit and the
 first member sends it the parameters, the optimizers' and the algorithm's state and the data
 position over a process group of the two (never a file).
@@ -36,7 +38,6 @@ from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -53,13 +54,12 @@ from bagua_common.fault_tolerance import (
     Membership,
     MembershipChanged,
     Recovery,
-    ReplicaDigest,
-    check_digests,
 )
 from bagua_torch.algorithms import algorithm_class, available_algorithms
 from bagua_torch.broadcast import broadcast_structure, broadcast_tensors
 from bagua_torch.communicator import CommunicationError, ProcessGroupCommunicator
 from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, pair_communicator, solo_communicator
+from bagua_torch.replica_check import check_replicas, model_tensors
 
 if TYPE_CHECKING:
     from bagua_torch.bagua_module import BaguaModule
@@ -72,10 +72,6 @@ def carried_algorithms() -> list[str]:
     carried across a change of members by its rule, and tested); the others are refused when wrapped, naming the
     elastic restart."""
     return [name for name in available_algorithms() if algorithm_class(name).fault_tolerant]
-
-
-_PARTS = ("position", "parameters", "optimizer", "algorithm")
-"""The parts of the replicated state the replica check hashes (and names when they differ)."""
 
 
 class Step:
@@ -170,25 +166,40 @@ class FaultTolerance:
             last.register_step_pre_hook(lambda optimizer, args, kwargs: self.commit_step())
 
     def commit_step(self) -> None:
-        """Vote for the step in flight (its collectives are done); raise MembershipChanged if it did not commit.
-        Once per attempt: a later call in the same step does nothing."""
+        """Vote for the step in flight (its collectives are done) and let it apply: without waiting for the others'
+        votes (:meth:`~bagua_common.fault_tolerance.Membership.vote_ahead`) when the replicas are identical, else
+        once every vote is in; raise MembershipChanged if it did not commit (voting ahead: if this member already
+        told the next epoch's formation it had not applied it). Once per attempt: a later call in the same step
+        does nothing."""
         if self._voted_this_attempt:
             return
-        if not self.commit():
+        assert self.membership is not None and self.epoch is not None
+        self._voted_this_attempt = True
+        # A rank's collectives completing shows that every rank contributed only where each collective spans all
+        # ranks (replicated algorithms); a decentralized exchange completes with one peer: it waits for every vote.
+        vote = self.membership.vote_ahead if self._replicas_identical() else self.membership.commit
+        if not vote(self.epoch, self.committed + 1):
             raise MembershipChanged(f"step {self.step + 1} was not committed: the members changed")
+        self._transaction_committed()
+
+    def _replicas_identical(self) -> bool:
+        return all(m.algorithm.config_class is not None and m.algorithm.config_class.replicated for m in self.modules)
 
     def commit(self) -> bool:
-        """Vote for a transaction the algorithm itself delimits (DiLoCo's outer exchange); whether it committed."""
+        """Vote for a transaction the algorithm itself delimits (DiLoCo's outer exchange) and wait for its outcome:
+        whether it committed."""
         assert self.membership is not None and self.epoch is not None
-        transaction = self.committed + 1
         self._voted_this_attempt = True
-        if not self.membership.commit(self.epoch, transaction):
+        if not self.membership.commit(self.epoch, self.committed + 1):
             return False
-        self.committed = transaction
+        self._transaction_committed()
+        return True
+
+    def _transaction_committed(self) -> None:
+        self.committed += 1
         self._committed_this_attempt = True
         for module in self.modules:
             module.algorithm_impl.on_commit()
-        return True
 
     # --- the loop --------------------------------------------------------------------
 
@@ -246,7 +257,7 @@ class FaultTolerance:
     def _change_epoch(self, lost_step: bool) -> None:
         """Take the next epoch after the current one closed (again, should a member be lost meanwhile)."""
         assert self.membership is not None and self.epoch is not None
-        started = self._failure_seen or time.monotonic()
+        started, attempted = self._failure_seen or time.monotonic(), self.step + 1
         recovery = self._recover()
         if recovery is not None:
             self.committed = recovery.committed
@@ -256,7 +267,7 @@ class FaultTolerance:
                 "epoch": self.epoch.number,
                 "size": self.epoch.size,
                 "seconds": time.monotonic() - started,
-                "steps_lost": int(lost_step),
+                "steps_lost": int(lost_step and self.step < attempted),  # not when given a survivor's state at it
                 "joined": len(self.epoch.joined),
             }
         )
@@ -328,15 +339,18 @@ class FaultTolerance:
     # --- joiners ---------------------------------------------------------------------
 
     def _receive_or_send_state(self) -> None:
-        """The first member sends each joiner of the epoch the job's state over a group of the two."""
+        """The first member that has the job's state sends it to each one that needs it (a joiner, or a survivor
+        that had not applied the last step) over a group of the two."""
         epoch = self.epoch
         assert epoch is not None and self.membership is not None
+        holder = epoch.state_holder
         for joiner_rank in [r for r in range(epoch.size) if epoch.is_joiner(r)]:
-            if epoch.rank not in (0, joiner_rank):
+            if epoch.rank not in (holder, joiner_rank):
                 continue
-            pair = pair_communicator(epoch, joiner_rank, self.backend, self.timeout)
+            pair = pair_communicator(epoch, holder, joiner_rank, self.backend, self.timeout)
             self._groups.append(pair.group)
-            received = broadcast_structure(self._state_for_joiner() if epoch.rank == 0 else None, pair, self.device)
+            state = self._state_for_joiner() if epoch.rank == holder else None
+            received = broadcast_structure(state, pair, self.device)
             broadcast_tensors(pair, self._replicated_tensors())
             if epoch.rank == joiner_rank:
                 self._load_joiner_state(received)
@@ -367,29 +381,14 @@ class FaultTolerance:
 
     def _replicated_tensors(self) -> list[torch.Tensor]:
         """Every model's parameters and buffers, in a fixed order."""
-        return [t for module in self.modules for t in _tensors_of(module)]
+        return [t for module in self.modules for t in model_tensors(module)]
 
     # --- replica checks -----------------------------------------------------------------
 
     def _check_replicas(self, when: str) -> None:
-        """Hash the replicated state and compare it across the members (ReplicaMismatch on every member if any
-        part differs)."""
-        digest = ReplicaDigest(_PARTS)
-        digest.add("position", np.array([self.step, self.committed, *(self.data.state() if self.data else [])]))
-        for module in self.modules:
-            config = module.algorithm.config_class
-            if config is not None and config.replicated:
-                for tensor in _tensors_of(module):
-                    digest.add("parameters", _bytes(tensor))
-                for optimizer in module.optimizers:
-                    for state in optimizer.state_dict()["state"].values():
-                        for value in state.values():
-                            if isinstance(value, torch.Tensor):
-                                digest.add("optimizer", _bytes(value))
-            for tensor in module.algorithm_impl.replicated_tensors():
-                digest.add("algorithm", _bytes(tensor))
-        gathered = self.world.allgather(torch.from_numpy(digest.digest()).to(self.device)).cpu().numpy()
-        check_digests(_PARTS, gathered, when)
+        """Compare the replicated state across the members (ReplicaMismatch on every member if any part differs)."""
+        position = [self.step, self.committed, *(self.data.state() if self.data else [])]
+        check_replicas(self.world, self.device, self.modules, position, when)
         self._checked = self.step
 
     def close(self) -> None:
@@ -406,15 +405,6 @@ def _caused_by_a_change(error: BaseException) -> bool:
             return True
         error = error.__cause__
     return False
-
-
-def _tensors_of(module: BaguaModule) -> list[torch.Tensor]:
-    return [p for _, p in module.module.named_parameters()] + [b for _, b in module.module.named_buffers()]
-
-
-def _bytes(tensor: torch.Tensor) -> np.ndarray:
-    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy() if flat.numel() else np.zeros(0, np.uint8)
 
 
 def start_fault_tolerance(

@@ -29,11 +29,13 @@ EXTENDED: dict[str, str] = {
     "allreduce run of the same script stays quick",
     # fault handling: one fault of each kind per front end stays quick
     r"test_fault_tolerance_torch\.py::test_(gradient_allreduce|powersgd|streaming_diloco|a_death_before_the_vote|"
-    r"a_rank_lost_before_the_job_formed)": (
+    r"a_rank_lost_before_the_job_formed|a_survivor_goes_on_alone)": (
         "torch's in-process recovery matrix: 3-4 ranks, several faults and replacements per job (30-80 s each under "
-        "load); a survivor going on after a SIGKILL (2 ranks) and the refusal stay quick, and so do the launcher's "
-        "slot's decisions (test_fault_tolerance_job_end)"
+        "load); survivors going on after a SIGKILL, one of them given the other's state, and the refusal stay "
+        "quick, and so do the launcher's slot's decisions (test_fault_tolerance_job_end)"
     ),
+    r"test_fault_tolerance_jax\.py::test_a_survivor_that_had_not_applied": "JAX's survivor given another's state "
+    "(torch's stays quick, and JAX's joiner receives the state the same way in the quick kill/hang/exception job)",
     r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"
     r"plain_processes\[hang\]|test_mpi_launcher_names_the_rank_that_raised\[torch\]|test_mpi_raising_rank_exits_"
     r"under_plain_mpiexec\[torch\])": "the native communicators' own dead-peer tests stay quick",

@@ -4,8 +4,9 @@ The first members train with the native MPI engine, each its own ``mpiexec -n 1`
 fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults
 are ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective,
 by ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats) or ``raise`` (an exception ends the
-process). Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times) and
-its final state.
+process), or, once the step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes
+that member vote after it saw the epoch close (a death closes it). Every member records each
+attempt of a step (its transaction, epoch, rank, sample indices, times) and its final state.
 """
 
 from __future__ import annotations
@@ -78,7 +79,29 @@ def _start(start_size: int, make_trainer, data: DataPosition, params):
     return ft, ft.init(params), admitted
 
 
-def train(faults: dict[int, tuple[int, str]], start_size: int, final_size: int, steps: int) -> dict:
+def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:
+    """Make ``membership``'s votes fail as ``faults`` (``kill-before-vote``) and ``late_vote`` say for ``rank``."""
+    vote_ahead = membership.vote_ahead
+
+    def voting(epoch, transaction):
+        if faults.get(transaction) == (rank, "kill-before-vote"):
+            _touch(f"fault-time-{transaction}", repr(time.time()))
+            os.kill(os.getpid(), signal.SIGKILL)
+        if late_vote == (rank, transaction):  # once this member saw the epoch close
+            epoch.closed.wait(60)
+            time.sleep(0.5)
+        return vote_ahead(epoch, transaction)
+
+    membership.vote_ahead = voting
+
+
+def train(
+    faults: dict[int, tuple[int, str]],
+    start_size: int,
+    final_size: int,
+    steps: int,
+    late_vote: tuple[int, int] | None = None,
+) -> dict:
     """Gradient allreduce on a linear model until ``steps`` committed steps and ``final_size`` members (a joiner
     starts once the last fault's step committed; the members wait a little each step until it is admitted).
     Returns this member's record (a victim never returns)."""
@@ -103,10 +126,11 @@ def train(faults: dict[int, tuple[int, str]], start_size: int, final_size: int, 
     ft, state, admitted = _start(start_size, make_trainer, data, params)
     last_fault = max(faults)
     attempts = []
+    _vote_with_faults(ft.membership, rank, faults, late_vote)
 
     def batch_of(indices):
         transaction = ft.committed + 1
-        if transaction in faults and faults[transaction][0] == rank:
+        if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] != "kill-before-vote":
             _fail(faults[transaction][1], transaction)
         if transaction > last_fault and ft.epoch.size < final_size:
             time.sleep(0.05)  # the joiner asks meanwhile; the commit after its request admits it

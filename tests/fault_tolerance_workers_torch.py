@@ -7,7 +7,8 @@ joiner), ``FT_ALGORITHM`` (a registry name, then optionally its options as JSON)
 hook), ``before_vote`` (the optimizer's step begins), ``vote`` (the step's collectives done, about
 to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo's outer exchange),
 or at step 0 in ``formation`` (before it registers with the others), the rank ``kill``s itself
-(SIGKILL), ``stop``s (SIGSTOP), ``raise``s or is ``slow`` (0.3 s). A fault fires once per rank and
+(SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow`` (0.3 s) or, at a vote, ``late`` (it votes after
+its epoch closed). A fault fires once per rank and
 place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
 Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices), ``retry``
 per abandoned attempt, and ``end`` (a digest of the parameters and of the algorithm's replicated
@@ -39,7 +40,7 @@ def report(**fields) -> None:
     print(json.dumps({"pid": os.getpid(), "t": round(time.time(), 3), **fields}), flush=True)
 
 
-def fault(faults: list[dict], rank: int | None, step: int, where: str) -> None:
+def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=None) -> None:
     for f in faults:
         if f["rank"] == rank and f["step"] == step and f["where"] == where:
             fired = Path(os.environ["FT_MARKS"]) / f"{rank}-{step}-{where}"
@@ -56,6 +57,9 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str) -> None:
                 raise RuntimeError(f"rank {rank} fails on purpose at step {step} ({where})")
             elif kind == "slow":
                 time.sleep(0.3)
+            elif kind == "late":  # once this member saw the epoch close (and told the next one what it applied)
+                epoch.closed.wait(60)
+                time.sleep(0.5)
 
 
 def main() -> None:
@@ -79,13 +83,19 @@ def main() -> None:
         return original_average(self, p, flat)
 
     DiLoCoImpl._average = average  # the "mid-exchange" fault point
-    original_commit = FaultTolerance.commit
+    original_commit, original_commit_step = FaultTolerance.commit, FaultTolerance.commit_step
 
     def commit(self: FaultTolerance) -> bool:
-        fault(faults, rank, self.step + 1, "vote")
+        fault(faults, rank, self.step + 1, "vote", self.epoch)
         return original_commit(self)
 
-    FaultTolerance.commit = commit  # the "collectives done, state changed, vote not cast" fault point
+    def commit_step(self: FaultTolerance) -> None:
+        if not self._voted_this_attempt:
+            fault(faults, rank, self.step + 1, "vote", self.epoch)
+        original_commit_step(self)
+
+    # the "collectives done, state changed, vote not cast" fault point, of an exchange and of a step
+    FaultTolerance.commit, FaultTolerance.commit_step = commit, commit_step
 
     fault(faults, rank, 0, "formation")
     group = bagua_torch.init_process_group(fault_tolerance=True)

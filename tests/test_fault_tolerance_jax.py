@@ -108,3 +108,34 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
     first = joiner["steps"][0]["transaction"]
     assert sizes[first - 1] == 1 and sizes[first] == 2, (first, sizes)
     print(f"joiner: first step committed {joiner['steps'][0]['end'] - joiner['admitted']:.2f} s after admission")
+
+
+def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_state(tmp_path: Path):
+    # Step 3's allreduce completes on all three members. Member 0 votes ahead and goes on; member 2 dies before its
+    # vote; member 1 votes after the epoch closed, having told the next epoch it applied step 2 only.
+    faults = {3: (2, "kill-before-vote")}
+    results = run_ranks(
+        "fault_tolerance_workers_jax:train",
+        3,
+        faults,
+        3,
+        2,
+        6,
+        (1, 3),
+        launcher="mpiexec-per-rank",
+        timeout=180,
+        env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path)},
+        check=False,
+    )
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert results[2].returncode != 0 and [r.returncode for r in results[:2]] == [0, 0], outputs
+    applied, behind = results[0].value, results[1].value
+    sizes = {s["transaction"]: s["size"] for s in applied["steps"]}
+    assert sizes == {1: 3, 2: 3, 3: 3, 4: 2, 5: 2, 6: 2}, sizes  # step 3 counts: member 0 applied it
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(applied["params"][name], value, rtol=2e-5, atol=1e-6)
+        np.testing.assert_array_equal(behind["params"][name], applied["params"][name])  # bit-identical
+    assert [a["transaction"] for a in applied["attempts"]] == [1, 2, 3, 4, 4, 5, 6]  # step 4 in flight: again
+    # member 1 did not apply step 3 and was given member 0's state at it: nothing run twice, nothing lost
+    assert [a["transaction"] for a in behind["attempts"]] == [1, 2, 3, 4, 5, 6]
+    assert [s["transaction"] for s in behind["steps"]] == [1, 2, 4, 5, 6]

@@ -168,6 +168,11 @@ def test_decision_register_transitions():
     assert Decision.decode(opened.encode()) == opened
     assert opened.after_last_vote(5) == Decision(5) and opened.after_last_vote(6) is None
     assert opened.draining().after_last_vote(5) == Decision(5, "ended")
+    wound = opened.draining(ahead=True)  # members voting ahead may be computing 6 when 5 commits: they end after 6
+    assert wound.after_last_vote(5) == Decision(5, "drain") and wound.after_last_vote(5).after_last_vote(6) == Decision(
+        6, "ended"
+    )
+    assert wound.closed() == Decision(4, "closed") and Decision(4, "drain").draining(ahead=True) == Decision(4, "drain")
     assert opened.closed() == Decision(4, "closed") and opened.closed().after_last_vote(5) is None
     assert Decision(5, "ended").closed() == Decision(5, "ended")  # an ended epoch stays ended
     with pytest.raises(ValueError, match="not a decision register"):
@@ -178,8 +183,8 @@ def test_the_last_vote_commits_in_one_round_trip_unless_the_epoch_drains_or_clos
     server = KVServer("127.0.0.1", secret=SECRET)
     client = KVClient("127.0.0.1", server.port, 5, secret=SECRET)
     round_trips = []
-    compare_set = client.compare_set
-    client.compare_set = lambda *args: round_trips.append(args) or compare_set(*args)
+    request = client._request
+    client._request = lambda kind, *args, **kwargs: round_trips.append(kind) or request(kind, *args, **kwargs)
     try:
         for before, after, trips in (
             (Decision(4), Decision(5), 1),
@@ -190,7 +195,8 @@ def test_the_last_vote_commits_in_one_round_trip_unless_the_epoch_drains_or_clos
             client.set("decision", before.encode())
             round_trips.clear()
             assert commit_transaction(client, "decision", 5) == after
-            assert Decision.decode(client.check("decision")) == after and len(round_trips) == trips
+            assert len(round_trips) == trips, f"{before} -> {after}: {len(round_trips)} requests to the store"
+            assert Decision.decode(client.check("decision")) == after
     finally:
         client.close()
         server.close()
@@ -233,6 +239,51 @@ def test_a_transaction_in_flight_when_a_member_dies_is_abandoned_by_all(members)
     assert [r.committed for r in recovered] == [0, 0]
 
 
+def test_a_vote_ahead_applies_at_once_and_the_survivors_behind_get_the_state_of_one_that_applied(members):
+    for applied_by in (0, 1):  # the coordinator applied the step, then a member that is not the coordinator
+        group = members(3)
+        leaving = [m.epoch for m in group]
+        started = time.monotonic()
+        assert group[applied_by].vote_ahead(leaving[applied_by], 1)  # its collectives completed: it applies at once
+        assert time.monotonic() - started < FAST.dead_after  # without waiting for the two votes that never come
+        die(group[2])  # the other survivor's collectives for step 1 fail: it never votes
+        recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[:2], leaving)])
+        assert [r.committed for r in recovered] == [1, 1]  # applied by a survivor: it counts, for both
+        behind = group[1 - applied_by]
+        assert [r.epoch.joined for r in recovered] == [(behind.me.id,)] * 2
+        assert [r.epoch.state_holder for r in recovered] == [applied_by] * 2
+        for m in group[:2]:
+            m.close()
+
+
+def test_a_vote_ahead_costs_one_round_trip_and_the_last_one_two(members):
+    group = members(2)
+    requests = []
+    for m in group:
+        request = m.epoch.store._request
+        m.epoch.store._request = lambda kind, *a, request=request, m=m, **k: (
+            requests.append(m) or request(kind, *a, **k)
+        )
+    for transaction in (1, 2):
+        requests.clear()
+        assert group[0].vote_ahead(group[0].epoch, transaction)  # counted
+        assert requests == [group[0]]
+        assert group[1].vote_ahead(group[1].epoch, transaction)  # counted, then the register advanced
+        assert requests == [group[0], group[1], group[1]]
+    assert Decision.decode(group[0].epoch.store.check(f"{group[0].epoch.prefix()}decision")) == Decision(2)
+
+
+def test_a_vote_ahead_after_this_members_record_went_out_is_refused(members):
+    group = members(3)
+    leaving = [m.epoch for m in group]
+    die(group[2])
+    recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[:2], leaving)])
+    assert [r.committed for r in recovered] == [0, 0]
+    # a collective that completed after the record said "applied 0" must not be applied: the others went on at 0
+    assert group[0].vote_ahead(leaving[0], 1) is False
+    assert together([lambda m=m, r=r: m.vote_ahead(r.epoch, 1) for m, r in zip(group[:2], recovered)]) == [True] * 2
+
+
 def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(members):
     group = members(2)
     epochs = [m.epoch for m in group]  # each member's training thread keeps its own, as a front end does
@@ -250,6 +301,7 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
     thread.join(20)
     try:
         new = joiner[0].epoch
+        # every member applied exactly the transactions up to the new epoch's: none past the end of the old one
         assert new.size == 3 and new.rank == 2 and new.is_joiner() and new.committed == transaction
         assert [e.members for e in epochs] == [new.members] * 2
         everyone = [*group, joiner[0]]
@@ -257,6 +309,34 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
             together([lambda m=m, e=e: m.commit(e, transaction + 1) for m, e in zip(everyone, [*epochs, new])])
             == [True] * 3
         )
+    finally:
+        for j in joiner:
+            j.close()
+
+
+def test_members_voting_ahead_admit_a_joiner_one_step_later_so_that_none_applies_past_the_end(members):
+    group = members(2)
+    epochs = [m.epoch for m in group]
+    register = f"{epochs[0].prefix()}decision"
+    assert group[0].vote_ahead(epochs[0], 1)  # the first vote: this member goes on to step 2 at once
+    joiner = []
+    port = epochs[0].coordinator.port
+    thread = threading.Thread(target=lambda: joiner.append(Membership.join(FAST, "127.0.0.1", port, timeout=20)))
+    thread.start()
+    deadline = time.monotonic() + 10
+    while Decision.decode(epochs[0].store.check(register)).state == "open" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    # The coordinator asks to end the epoch while step 1's last vote is out and member 0 computes step 2 already.
+    assert Decision.decode(epochs[0].store.check(register)) == Decision(0, "wind")
+    assert group[1].vote_ahead(epochs[1], 1) and not epochs[1].closed.is_set()  # step 1 does not end it: 2 runs
+    assert together([lambda m=m, e=e: m.vote_ahead(e, 2) for m, e in zip(group, epochs)]) == [True, True]
+    assert [e.ended.is_set() for e in epochs] == [True, True]  # step 2, voted by everyone, ends it
+    recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group, epochs)])
+    thread.join(20)
+    try:
+        assert [r.committed for r in recovered] == [2, 2] and joiner[0].epoch.committed == 2
+        assert [r.epoch.joined for r in recovered] == [(joiner[0].me.id,)] * 2  # no member behind: nothing to heal
+        assert recovered[0].epoch.state_holder == 0
     finally:
         for j in joiner:
             j.close()

@@ -219,6 +219,27 @@ def test_gradient_allreduce_survives_a_kill_a_death_in_recovery_and_a_slow_rank_
     check_every_sample_once(job)
 
 
+def test_a_survivor_that_had_not_applied_a_step_another_applied_gets_its_state_and_loses_nothing(jobs):
+    # Step 4's collectives complete everywhere. Rank 0 votes ahead and applies it at once; rank 2 dies before its
+    # vote; rank 1's vote comes after the epoch closed, its record saying it applied step 3 only.
+    faults = [
+        {"rank": 2, "step": 4, "where": "vote", "kind": "kill"},
+        {"rank": 1, "step": 4, "where": "vote", "kind": "late"},
+    ]
+    job = jobs(3, "gradient_allreduce", faults, steps=6, world=2)
+    job.finish()
+    (applied,), (behind,) = job.pids(rank=0), job.pids(rank=1)
+    ends = [job.of(pid, "end") for pid in (applied, behind)]
+    assert all(ends), job.output()
+    assert ends[0][0]["digest"] == ends[1][0]["digest"] and ends[0][0]["step"] == ends[1][0]["step"] == 6
+    (failed_next,) = ends[0][0]["recoveries"]  # rank 0 was in step 5 when it saw the death: it runs 5 again
+    assert failed_next["steps_lost"] == 1 and [e["step"] for e in job.of(applied, "retry")] == [5]
+    (given,) = ends[1][0]["recoveries"]  # rank 1 is given rank 0's state at step 4: it loses no step
+    assert given["steps_lost"] == 0 and given["seconds"] < RESUME_BAR, given
+    assert not job.of(behind, "retry") and [e["step"] for e in job.of(behind, "step")] == [1, 2, 3, 4, 5, 6]
+    check_every_sample_once(job, lost_parts=1)  # rank 2 trained its part of step 4, and died before reporting it
+
+
 @pytest.mark.parametrize("lost", [2, 0])  # 0: the rank whose store the others register at
 def test_a_rank_lost_before_the_job_formed_is_started_again_as_itself_by_the_launcher(jobs, lost):
     # the rank dies before it registers: the others wait for it, so its slot starts it again as the same rank, not
@@ -252,7 +273,9 @@ def test_powersgd_survives_a_hang_and_the_coordinators_exception(jobs):
         assert hang["seconds"] < DEAD_AFTER + RESUME_BAR, hang
         assert error["seconds"] < RESUME_BAR, error
     assert "rank 0 fails on purpose" in "".join(job.text)
-    check_every_sample_once(job)
+    # rank 0 raised after its collectives of step 6: the survivors applied step 6 with its gradient averaged in,
+    # and it died before reporting its part
+    check_every_sample_once(job, lost_parts=1)
 
 
 def test_streaming_diloco_retries_an_overlapped_exchange_among_the_survivors_and_takes_a_joiner(jobs):
@@ -288,7 +311,9 @@ def test_streaming_diloco_retries_an_overlapped_exchange_among_the_survivors_and
     ],
 )
 def test_a_death_before_the_vote_puts_the_algorithms_state_back(jobs, algorithm):
-    job = jobs(4, algorithm, [{"rank": 3, "step": 4, "where": "vote", "kind": "kill"}], steps=7, world=3)
+    # rank 3 dies before its vote, and the others' votes come after the epoch closed: nobody applies step 4
+    late = [{"rank": r, "step": 4, "where": "vote", "kind": "late"} for r in range(3)]
+    job = jobs(4, algorithm, [{"rank": 3, "step": 4, "where": "vote", "kind": "kill"}, *late], steps=7, world=3)
     job.finish()
     survivors = job.pids(rank=0) + job.pids(rank=1) + job.pids(rank=2)
     ends = [job.of(pid, "end") for pid in survivors]

@@ -505,8 +505,12 @@ def test_a_free_port_is_drawn_below_the_range_outgoing_connections_take():
     """The master's port (``free_port``) must not be one the kernel may hand to a rank's outgoing connection before
     the store binds it, and two processes that seeded ``random`` alike must not draw the same ports."""
     first_outgoing = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    random.seed(0)
-    drawn = [free_port() for _ in range(5)]
-    random.seed(0)
-    again = [free_port() for _ in range(5)]
+    seeded = random.getstate()  # this test's seeding must not change what other tests draw
+    try:
+        random.seed(0)
+        drawn = [free_port() for _ in range(5)]
+        random.seed(0)
+        again = [free_port() for _ in range(5)]
+    finally:
+        random.setstate(seeded)
     assert all(10000 <= port < first_outgoing for port in drawn + again) and drawn != again

@@ -1,6 +1,7 @@
 """Training that survives a lost member without a restart: the part both front ends share.
 
 * :mod:`.membership`: this process's membership: heartbeats, commit by agreement, recovery, joining;
+* :mod:`.admission`: how a joining process finds the coordinator and waits to be admitted;
 * :mod:`.epoch`: an epoch's members and its records; :mod:`.formation`: forming the next one;
 * :mod:`.kv_store`: the store every member hosts (framework-free);
 * :mod:`.decision`: the epoch's decision register;

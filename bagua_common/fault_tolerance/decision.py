@@ -5,12 +5,16 @@ One key per epoch in the coordinator's store, changed only by compare-and-set, h
 
 * ``open``: transaction ``T + 1`` may commit;
 * ``drain``: ``T + 1`` may commit, and the epoch then ends (a joiner waits to be admitted);
+* ``wind``: ``T + 1`` may commit, and the register then turns to ``drain``: members that apply a
+  transaction before its outcome is known (:meth:`~bagua_common.fault_tolerance.Membership.vote_ahead`)
+  may be computing ``T + 2`` already when ``T + 1`` commits, so their epoch ends one transaction later;
 * ``ended``: closed after a commit, nothing was lost (the next epoch admits the joiners);
-* ``closed``: closed by a failure; nothing after ``T`` commits in this epoch.
+* ``closed``: closed by a failure; no vote after ``T`` commits in this epoch (a transaction voted ahead and
+  applied by a survivor still counts: the survivors' join records decide, see :mod:`.formation`).
 
 Transaction ``t`` commits when its last vote turns ``"t-1 open"`` into ``"t open"`` (or
-``"t-1 drain"`` into ``"t ended"``); closing turns any open state into ``"T closed"``. Since both
-are compare-and-set on one key, every member reads the same outcome.
+``"t-1 wind"`` into ``"t drain"``, ``"t-1 drain"`` into ``"t ended"``); closing turns any open
+state into ``"T closed"``. Since both are compare-and-set on one key, every member reads the same outcome.
 """
 
 from __future__ import annotations
@@ -23,8 +27,9 @@ if TYPE_CHECKING:
 
 __all__ = ["Decision", "commit_transaction"]
 
-State = Literal["open", "drain", "ended", "closed"]
-_STATES = ("open", "drain", "ended", "closed")
+State = Literal["open", "wind", "drain", "ended", "closed"]
+_STATES = ("open", "wind", "drain", "ended", "closed")
+_AFTER_COMMIT: dict[str, State] = {"open": "open", "wind": "drain", "drain": "ended"}
 
 
 @dataclass(frozen=True)
@@ -60,15 +65,16 @@ class Decision:
         """The value committing ``transaction`` once all its votes are in; None if the epoch no longer allows it."""
         if self.final or transaction != self.committed + 1:
             return None
-        return Decision(transaction, "ended" if self.state == "drain" else "open")
+        return Decision(transaction, _AFTER_COMMIT[self.state])
 
     def closed(self) -> Decision:
         """This value with the epoch closed by a failure (unchanged if the epoch is already over)."""
         return self if self.final else Decision(self.committed, "closed")
 
-    def draining(self) -> Decision:
-        """This value asking the epoch to end after its next commit (unchanged unless open)."""
-        return Decision(self.committed, "drain") if self.state == "open" else self
+    def draining(self, ahead: bool = False) -> Decision:
+        """This value asking the epoch to end after its next commit, or after the one after it when the members
+        vote ``ahead`` (unchanged unless open)."""
+        return Decision(self.committed, "wind" if ahead else "drain") if self.state == "open" else self
 
 
 def commit_transaction(store: KVClient, key: str, transaction: int) -> Decision:

@@ -15,11 +15,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bagua_common.fault_tolerance.decision import Decision
+from bagua_common.fault_tolerance.decision import Decision, commit_transaction
 from bagua_common.fault_tolerance.errors import Evicted
 from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
 
-__all__ = ["Epoch", "Member", "Recovery", "close_epoch", "publish_epoch", "read_epoch"]
+__all__ = ["Epoch", "Member", "Recovery", "close_epoch", "count_vote", "publish_epoch", "read_epoch"]
 
 
 @dataclass(frozen=True)
@@ -88,6 +88,12 @@ class Epoch:
         """Whether member ``rank`` (default this one) was admitted by this epoch and still needs the job's state."""
         return self.members[self.rank if rank is None else rank].id in self.joined
 
+    @property
+    def state_holder(self) -> int:
+        """The rank that gives the job's state to those that need it (:attr:`joined`): the first member that has
+        it, which is not the coordinator when the coordinator survived a change behind the others."""
+        return next(rank for rank, member in enumerate(self.members) if member.id not in self.joined)
+
     def record(self) -> bytes:
         return json.dumps(
             {
@@ -138,6 +144,33 @@ def read_epoch(store: KVClient, number: bytes, me: str) -> Epoch:
     if record is None:
         raise StoreUnreachable(store.address, f"has no record of epoch {int(number)}")
     return Epoch.from_record(record, me)
+
+
+ENDS_EPOCH = 1 << 40
+"""Added to ``votes/<t>`` when the register turns to ``drain`` at ``t - 1`` (transaction ``t`` will end the epoch).
+It is added by ``t - 1``'s last vote, before any member can vote for ``t``. Members voting ahead learn the end
+of the epoch from their own vote's count, without reading the register."""
+
+
+def count_vote(store: KVClient, epoch: Epoch, transaction: int, waiters: bool = True) -> tuple[bool, Decision | None]:
+    """Count a member's vote for ``transaction`` in ``epoch``. Returns whether the transaction ends the epoch (see
+    :data:`ENDS_EPOCH`) and, for the last vote, the register's value after it (None for the others). The last
+    vote commits the transaction (:func:`commit_transaction`) and ends the epoch when the register asked for that.
+    It publishes the register's value in ``done/<t>`` for the members waiting on it: always with ``waiters``,
+    else only when the epoch is over (members voting ahead wait for nothing else)."""
+    prefix = epoch.prefix()
+    count = store.add(f"{prefix}votes/{transaction}", 1)
+    ends_epoch = count >= ENDS_EPOCH
+    if count % ENDS_EPOCH != epoch.size:
+        return ends_epoch, None
+    decision = commit_transaction(store, f"{prefix}decision", transaction)
+    if decision.committed == transaction and decision.state == "drain":
+        store.add(f"{prefix}votes/{transaction + 1}", ENDS_EPOCH)
+    if decision.committed == transaction and decision.final:
+        mark_closed(store, epoch, {"reason": "ended", "suspects": []})
+    if waiters or decision.final:
+        store.set(f"{prefix}done/{transaction}", decision.encode())
+    return ends_epoch, decision
 
 
 def close_epoch(store: KVClient, epoch: Epoch, closure: dict[str, Any]) -> None:

@@ -6,7 +6,9 @@ order and skipping the suspects, whose store answers. The candidate, when it is 
 waits for the survivors (not for suspects, dead or silent members, nor longer than
 ``dead_after``), checks the quorum (more than half of the leaving epoch's members not confirmed
 dead), and publishes the epoch: the survivors in their order, then the joiners whose requests
-wait in its store, ``committed`` the largest the survivors applied.
+wait in its store, ``committed`` the largest the survivors applied. A survivor that applied less (its
+collectives failed where another's completed, the step being voted ahead) is listed with the joiners: it gets
+the job's state from the first member that has it (:attr:`Epoch.state_holder`).
 """
 
 from __future__ import annotations

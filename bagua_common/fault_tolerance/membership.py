@@ -5,7 +5,10 @@ member hosts a :class:`~bagua_common.fault_tolerance.kv_store.KVServer`; an *epo
 list whose first member is its *coordinator* and holds the epoch's keys (``ft/e<E>/...``: the decision register,
 votes, heartbeats, the communicators' rendezvous). A *transaction* (a step, an outer exchange) commits when the last
 of its votes turns the register from ``T`` to ``T+1`` (:mod:`.decision`); closing the epoch turns it to
-``T closed``; both are compare-and-set, so every member sees the same outcome.
+``T closed``; both are compare-and-set, so every member sees the same outcome. A per-step transaction is voted
+*ahead* (:meth:`Membership.vote_ahead`): applied as soon as this member's collectives completed, without waiting
+for the last vote, so no member waits for the slowest one's collectives every step; after a failure, the
+survivors that had not applied it get the state of one that had.
 
 Each member runs one monitor thread: it waits on the epoch's ``closed`` key (a blocking get,
 woken at once by a closure), sends heartbeats, and on the coordinator also watches the others'
@@ -25,17 +28,17 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from contextlib import closing
 from typing import Any
 
 from bagua_common.fault_tolerance import node_directory
-from bagua_common.fault_tolerance.decision import Decision, commit_transaction
+from bagua_common.fault_tolerance.admission import await_admission, stores_to_ask
+from bagua_common.fault_tolerance.decision import Decision
 from bagua_common.fault_tolerance.epoch import (
     Epoch,
     Member,
     Recovery,
     close_epoch,
-    mark_closed,
+    count_vote,
     publish_epoch,
     read_epoch,
 )
@@ -49,7 +52,7 @@ from bagua_common.fault_tolerance.kv_store import (
     connect,
     wait_for,
 )
-from bagua_common.fault_tolerance.settings import ENV_PEERS, FaultToleranceSettings
+from bagua_common.fault_tolerance.settings import FaultToleranceSettings
 
 __all__ = ["Membership"]
 
@@ -72,6 +75,10 @@ class Membership:
         self._failure: BaseException | None = None  # NoQuorum or Evicted, raised by recover()
         self._committed = 0  # the last transaction this member applied (for the join records)
         self._voted: int | None = None  # a transaction voted for and not yet decided
+        self._recorded = -1  # the last epoch this member's join record left: nothing is applied in it any more
+        # Whether the members apply a transaction before its outcome (vote_ahead: the epoch drains a transaction
+        # later) or wait for it (commit); unknown until this member's first vote, and no joiner is admitted before.
+        self.votes_ahead: bool | None = None
         self._recovering = 0  # training-thread calls waiting in recover()
         self._older: list[Epoch] = []  # epochs that ended after a commit, whose groups may still be in use
         self._heartbeats: dict[str, tuple[int, float, int]] = {}
@@ -137,59 +144,14 @@ class Membership:
         membership's epoch lists this process in :attr:`Epoch.joined`: it needs the job's state from a member.
         Raises :class:`~bagua_common.fault_tolerance.errors.JobFinished` (exit status 0) when a store asked says the
         job has finished."""
-        if peers is None:
-            peers = [p for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
-        directory = node_directory.address()
-        addresses = [directory] if directory else []
-        addresses.append((master_addr, int(master_port)))
-        for peer in peers:
-            host, _, port = peer.strip().rpartition(":")
-            addresses.append((host, int(port)))
         self = cls(settings, advertised_host(master_addr))
-        deadline = time.monotonic() + timeout
-        requested_at = None
         try:
-            while True:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"fault tolerance: not admitted to the job within {timeout:g} s")
-                coordinator = self._find_coordinator(addresses)
-                if coordinator is None:
-                    time.sleep(settings.heartbeat_period)
-                    continue
-                try:
-                    if coordinator.address != requested_at:  # ask once per coordinator
-                        index = coordinator.add("ft/requests", 1)
-                        coordinator.set(f"ft/request/{index}", json.dumps(self.me.as_json()))
-                        requested_at = coordinator.address
-                    raw = coordinator.get(f"ft/admit/{self.me.id}", wait=settings.dead_after)
-                    if raw is not None:
-                        epoch = read_epoch(coordinator, raw, self.me.id)
-                        break
-                except StoreUnreachable:
-                    continue
-                finally:
-                    coordinator.close()
+            epoch = await_admission(settings, self.me, stores_to_ask(master_addr, master_port, peers), timeout)
         except BaseException:
             self.close()
             raise
         self._adopt(epoch)
         return self
-
-    def _find_coordinator(self, addresses: Sequence[tuple[str, int]]) -> KVClient | None:
-        """A client to the current coordinator's store, as a live member's ``ft/current`` says; None if none answers."""
-        for host, port in addresses:
-            try:
-                timeout = self.settings.heartbeat_period + 1.0
-                with closing(KVClient(host, port, timeout, secret=self.settings.secret)) as client:
-                    node_directory.raise_if_finished(client)
-                    raw = client.check(node_directory.CURRENT)  # closed also when the store goes away meanwhile
-                current = None if raw is None else json.loads(raw)
-                if current is None:
-                    continue
-                return KVClient(current["host"], current["port"], self.settings.dead_after, secret=self.settings.secret)
-            except (StoreUnreachable, ValueError, KeyError, TypeError):
-                continue
-        return None
 
     # --- the training thread's side ------------------------------------------------------
 
@@ -205,24 +167,13 @@ class Membership:
         first) and take the next epoch from :meth:`recover`. When the coordinator's store is gone before the
         outcome is known, waits for the next epoch, whose agreed ``committed`` decides. Raises what :meth:`recover`
         would when the monitor finds the job gone on without this member (stopped past ``dead_after``)."""
-        store, prefix = epoch.store, epoch.prefix()
-        assert store is not None
+        assert epoch.store is not None
         with self._lock:
-            self._voted = transaction
+            self._voted, self.votes_ahead = transaction, False
         try:
-            if store.add(f"{prefix}votes/{transaction}", 1) == epoch.size:
-                decision = commit_transaction(store, f"{prefix}decision", transaction)
-                if decision.committed == transaction and decision.final:
-                    mark_closed(store, epoch, {"reason": "ended", "suspects": []})
-                store.set(f"{prefix}done/{transaction}", decision.encode())
-            else:
-                while (done := store.get(f"{prefix}done/{transaction}", wait=self.settings.heartbeat_period)) is None:
-                    if self._failure is not None:
-                        raise self._failure
-                decision = Decision.decode(done)
+            decision = count_vote(epoch.store, epoch, transaction)[1] or self._outcome(epoch, transaction)
             committed = decision.committed >= transaction
-            if decision.final:
-                epoch.mark_ended() if decision.state == "ended" else epoch.mark_failed()
+            self._mark_final(epoch, decision)
         except StoreUnreachable:
             committed = self.recover(epoch).committed >= transaction
         with self._lock:
@@ -231,6 +182,43 @@ class Membership:
                 self._committed = max(self._committed, transaction)
             self._lock.notify_all()
         return committed
+
+    def vote_ahead(self, epoch: Epoch, transaction: int) -> bool:
+        """Vote for ``transaction`` once this member's collectives for it completed, and apply it without waiting
+        for the others' votes (a per-step transaction: a step applied by any survivor counts, and the survivors
+        that did not apply it get the state of one that did at the recovery, see :class:`Formation`). Returns
+        True, apply it; False only when this member's record for the next epoch went out without it (abandon it
+        then, and take the next epoch from :meth:`recover`). Waits for the outcome only when the transaction ends
+        the epoch (to admit a joiner)."""
+        assert epoch.store is not None
+        with self._lock:
+            self.votes_ahead = True
+            if self._recorded >= epoch.number:
+                return False
+            self._committed = max(self._committed, transaction)
+        try:
+            ends_epoch, decision = count_vote(epoch.store, epoch, transaction, waiters=False)
+            if decision is None and ends_epoch:
+                decision = self._outcome(epoch, transaction)
+            if decision is not None:
+                self._mark_final(epoch, decision)
+        except StoreUnreachable:
+            pass  # the coordinator is gone: the monitor closes the epoch, and the survivors' records decide
+        return True
+
+    def _outcome(self, epoch: Epoch, transaction: int) -> Decision:
+        """The register's value once ``transaction``'s last vote is in, or the epoch closed before it."""
+        assert epoch.store is not None
+        key, period = f"{epoch.prefix()}done/{transaction}", self.settings.heartbeat_period
+        while (done := epoch.store.get(key, wait=period)) is None:
+            if self._failure is not None:
+                raise self._failure
+        return Decision.decode(done)
+
+    @staticmethod
+    def _mark_final(epoch: Epoch, decision: Decision) -> None:
+        if decision.final:
+            epoch.mark_ended() if decision.state == "ended" else epoch.mark_failed()
 
     def fail(self, epoch: Epoch, reason: str) -> None:
         """Close ``epoch`` because something failed on this member (a collective raised, a peer hung)."""
@@ -359,9 +347,10 @@ class Membership:
             why = f"no heartbeat for {self.settings.dead_after:g} s"
             close_epoch(client, epoch, {"reason": why, "suspects": stale})
             return
-        if self._formation.requests_waiting(client):
+        if self.votes_ahead is not None and self._formation.requests_waiting(client):
             current = client.check(f"{prefix}decision")
-            client.compare_set(f"{prefix}decision", current, Decision.decode(current).draining().encode())
+            draining = Decision.decode(current).draining(self.votes_ahead)
+            client.compare_set(f"{prefix}decision", current, draining.encode())
 
     def _member_disconnected(self, member_id: str) -> None:
         """The store's report that a member's last registered connection closed. If its store refuses connections
@@ -397,6 +386,7 @@ class Membership:
         trip once the epoch closed (or the training thread waits for the next epoch), so its outcome is in."""
         with self._lock:
             self._lock.wait_for(lambda: self._voted is None or self._recovering, timeout=self.settings.dead_after)
+            self._recorded = leaving.number
             return {
                 "member": self.me.as_json(),
                 "last_epoch": leaving.number,

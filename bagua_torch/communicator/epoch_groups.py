@@ -120,9 +120,12 @@ def _group_on_store(
     return comm
 
 
-def pair_communicator(epoch: Epoch, joiner_rank: int, backend: str, timeout: float) -> ProcessGroupCommunicator:
-    """A group of the epoch's first member (rank 0 in it) and the joiner ``joiner_rank`` (rank 1)."""
-    return _group_on_store(epoch, f"transfer/{joiner_rank}", 0 if epoch.rank == 0 else 1, 2, backend, timeout)
+def pair_communicator(
+    epoch: Epoch, holder_rank: int, joiner_rank: int, backend: str, timeout: float
+) -> ProcessGroupCommunicator:
+    """A group of the member ``holder_rank`` that sends the job's state (rank 0 in it) and the joiner
+    ``joiner_rank`` that receives it (rank 1)."""
+    return _group_on_store(epoch, f"transfer/{joiner_rank}", 0 if epoch.rank == holder_rank else 1, 2, backend, timeout)
 
 
 def solo_communicator(timeout: float) -> ProcessGroupCommunicator:

@@ -1,0 +1,80 @@
+"""Admission of a process joining a running job: finding the job's coordinator and waiting to be let in.
+
+A joiner asks the stores it knows (this node's launcher directory, ``MASTER_ADDR:MASTER_PORT``, the peers
+given) where the coordinator is (``ft/current``), writes a request there (``ft/request/<n>``) and waits for
+``ft/admit/<id>``, the epoch that admits it; the coordinator admits it at the epoch's next boundary
+(:mod:`.formation`). When the coordinator changes meanwhile, it asks the new one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Sequence
+from contextlib import closing
+
+from bagua_common.fault_tolerance import node_directory
+from bagua_common.fault_tolerance.epoch import Epoch, Member, read_epoch
+from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
+from bagua_common.fault_tolerance.settings import ENV_PEERS, FaultToleranceSettings
+
+__all__ = ["await_admission", "stores_to_ask"]
+
+
+def stores_to_ask(master_addr: str, master_port: int, peers: Sequence[str] | None) -> list[tuple[str, int]]:
+    """Where a joiner asks for the coordinator, in order: this node's directory, ``master_addr:master_port``, then
+    ``peers`` (``host:port``; default ``BAGUA_FT_PEERS``, comma-separated)."""
+    if peers is None:
+        peers = [p for p in os.environ.get(ENV_PEERS, "").split(",") if p.strip()]
+    directory = node_directory.address()
+    addresses = [directory] if directory else []
+    addresses.append((master_addr, int(master_port)))
+    for peer in peers:
+        host, _, port = peer.strip().rpartition(":")
+        addresses.append((host, int(port)))
+    return addresses
+
+
+def await_admission(
+    settings: FaultToleranceSettings, me: Member, addresses: Sequence[tuple[str, int]], timeout: float
+) -> Epoch:
+    """Request admission for ``me`` at the coordinator the ``addresses`` point to (once per coordinator) and return
+    the epoch that admits it; TimeoutError after ``timeout`` seconds, JobFinished when a store says the job ended."""
+    deadline = time.monotonic() + timeout
+    requested_at = None
+    while True:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"fault tolerance: not admitted to the job within {timeout:g} s")
+        coordinator = _find_coordinator(settings, addresses)
+        if coordinator is None:
+            time.sleep(settings.heartbeat_period)
+            continue
+        try:
+            if coordinator.address != requested_at:
+                index = coordinator.add("ft/requests", 1)
+                coordinator.set(f"ft/request/{index}", json.dumps(me.as_json()))
+                requested_at = coordinator.address
+            raw = coordinator.get(f"ft/admit/{me.id}", wait=settings.dead_after)
+            if raw is not None:
+                return read_epoch(coordinator, raw, me.id)
+        except StoreUnreachable:
+            continue
+        finally:
+            coordinator.close()
+
+
+def _find_coordinator(settings: FaultToleranceSettings, addresses: Sequence[tuple[str, int]]) -> KVClient | None:
+    """A client to the current coordinator's store, as a live member's ``ft/current`` says; None if none answers."""
+    for host, port in addresses:
+        try:
+            with closing(KVClient(host, port, settings.heartbeat_period + 1.0, secret=settings.secret)) as client:
+                node_directory.raise_if_finished(client)
+                raw = client.check(node_directory.CURRENT)  # closed also when the store goes away meanwhile
+            current = None if raw is None else json.loads(raw)
+            if current is None:
+                continue
+            return KVClient(current["host"], current["port"], settings.dead_after, secret=settings.secret)
+        except (StoreUnreachable, ValueError, KeyError, TypeError):
+            continue
+    return None
