@@ -16,13 +16,13 @@ Workers get torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``
 bind it themselves. Output lines keep the ``[rank N] line`` format, and a failed run ends
 with a summary naming the failed rank, its exit code and its last lines.
 
-torch is imported only here, and only when elastic mode runs.
+torch is imported only here (and by the relay of the nodes' directories, :mod:`bagua_launch.directory_relay`), and only
+when elastic mode runs.
 """
 
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import math
 import os
 import shutil
@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bagua_common.comm.engines import ENV_ELASTIC
-from bagua_common.fault_tolerance.kv_store import KVServer
+from bagua_common.fault_tolerance.kv_store import KVServer, advertised_host
 from bagua_common.fault_tolerance.settings import (
     ENV_DIRECTORY,
     ENV_FAULT_TOLERANCE,
@@ -41,6 +41,7 @@ from bagua_common.fault_tolerance.settings import (
     write_job_secret,
 )
 from bagua_common.job.local_launch import free_port
+from bagua_launch.directory_relay import DirectoryRelay
 from bagua_launch.output import NAME, describe_exit, exit_status, summary
 from bagua_launch.parsed_config import config_from_namespace
 
@@ -200,13 +201,6 @@ def config_from(
     )
 
 
-def _is_loopback(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host.strip("[]")).is_loopback
-    except ValueError:
-        return host == "localhost"
-
-
 def _last_lines(log_dir: str, local_rank: int, count: int) -> list[str]:
     """The failed worker's last output lines, from the agent's log files of the last attempt."""
     attempts = sorted(Path(log_dir).glob("*/attempt_*"), key=lambda p: int(p.name.split("_")[1]))
@@ -258,9 +252,13 @@ def run(config: ElasticConfig) -> int:
         start_method="spawn",
         log_line_prefix_template="[rank ${rank}] ",
         logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
-        local_addr="127.0.0.1" if _is_loopback(host) else None,
+        # The workers' MASTER_ADDR when this node's agent is rank 0: its address toward the rendezvous, which every
+        # node reaches. torch's default, this machine's FQDN, may name another address elsewhere or only here
+        # ("localhost" where /etc/hosts says so).
+        local_addr=advertised_host(host.strip("[]")),
         shutdown_timeout=math.ceil(config.grace),
     )
+    relay = None
     if config.fault_tolerant:  # each worker slot replaces its rank when it dies (bagua_launch.replacements)
         if not os.environ.get(ENV_SECRET_FILE, "").strip():
             if config.max_nodes > 1:
@@ -274,6 +272,11 @@ def run(config: ElasticConfig) -> int:
         # where this node's ranks say where the job is, for the replacements
         directory = KVServer("127.0.0.1", secret=job_secret())
         os.environ.update({ENV_FAULT_TOLERANCE: "1", ENV_DIRECTORY: f"127.0.0.1:{directory.port}"})
+        if config.max_nodes > 1:  # and what the other nodes' ranks said, for a node whose ranks all died
+            port = int(config.rdzv_endpoint.rsplit(":", 1)[1])
+            relay = DirectoryRelay(
+                ("127.0.0.1", directory.port), (host.strip("[]"), port), config.rdzv_id, job_secret()
+            )
         entrypoint, args = sys.executable, ["-m", "bagua_launch.replacements", *config.command]
     elif config.mode == "program":
         entrypoint, args = config.command[0], config.command[1:]
@@ -289,5 +292,7 @@ def run(config: ElasticConfig) -> int:
         sys.stderr.write(f"{NAME}: the rendezvous at {config.rdzv_endpoint} failed: {e}\n")
         return 1
     finally:
+        if relay is not None:
+            relay.stop()
         shutil.rmtree(log_dir, ignore_errors=True)
     return 0

@@ -1,7 +1,8 @@
 """Fault tolerance on the GPT workload (issue 42): the fault-free overhead, and a chaos run with replacements.
 
-Two studies, both torch over gloo, plain processes on this machine or, with ``--rate``, one network
-namespace per rank on links of that rate (``harness.links``, root only):
+Three studies, all torch over gloo, plain processes on this machine or, with ``--rate`` (overhead, chaos), one
+network namespace per rank on links of that rate (``harness.links``, root only; under chaos, each namespace is a
+node with its own launcher):
 
 * ``overhead``: the same job with fault tolerance off (``init_process_group()``) and on
   (``init_process_group(fault_tolerance=True)``: a vote per step in the coordinator's store,
@@ -22,7 +23,7 @@ nothing else running: the header records the load before and after)::
 
     python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
     python benchmarks/fault_tolerance.py overhead --ranks 4 --size mini --steps 60 --repeats 5 [--rate 100mbit]
-    python benchmarks/fault_tolerance.py chaos --ranks 4 --size mini --steps 3000 --every 60
+    python benchmarks/fault_tolerance.py chaos --ranks 4 --size mini --steps 1500 --every 60 [--rate 100mbit]
 
 A rank of either is ``python benchmarks/fault_tolerance.py rank JOB.json`` (``JOB.json``: the
 settings; it appends JSON lines to ``<folder>/rank-<pid>.jsonl``).
@@ -31,6 +32,7 @@ settings; it appends JSON lines to ``<folder>/rank-<pid>.jsonl``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -40,6 +42,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -270,17 +273,17 @@ def chaos(args: argparse.Namespace) -> dict:
     for name, kill in (("fault_free", False), ("chaos", True)):
         with tempfile.TemporaryDirectory() as scratch:
             folder = Path(scratch)
-            proc = launch(args.ranks, job_file(folder, args, True), True)
-            kills, started = [], time.monotonic()
-            while proc.poll() is None:
-                time.sleep(args.every if kill else 1)
-                if not kill or proc.poll() is not None:
-                    continue
-                ranks = _worker_pids(proc.pid)
-                if ranks:
-                    victim = random.choice(ranks)
-                    os.kill(victim, signal.SIGKILL)
-                    kills.append({"pid": victim, "seconds": time.monotonic() - started, "time": time.time()})
+            with fault_tolerant_job(args.ranks, job_file(folder, args, True), args.rate) as launchers:
+                kills, started = [], time.monotonic()
+                while any(launcher.poll() is None for launcher in launchers):
+                    time.sleep(args.every if kill else 1)
+                    if not kill or all(launcher.poll() is not None for launcher in launchers):
+                        continue
+                    ranks = [pid for launcher in launchers for pid in _worker_pids(launcher.pid)]
+                    if ranks:
+                        victim = random.choice(ranks)
+                        os.kill(victim, signal.SIGKILL)
+                        kills.append({"pid": victim, "seconds": time.monotonic() - started, "time": time.time()})
             logs = lines(folder)
             result[name] = {
                 "wall_s": time.monotonic() - started,
@@ -290,6 +293,28 @@ def chaos(args: argparse.Namespace) -> dict:
                 "joined": [e["joined"] for log in logs.values() for e in log if e["event"] == "end" and e["joined"]],
             }
     return result
+
+
+@contextlib.contextmanager
+def fault_tolerant_job(ranks: int, job: Path, rate: str | None) -> Iterator[list[subprocess.Popen]]:
+    """The job under ``bagua-launch --fault-tolerant``, as its launchers: one launching every rank on this machine,
+    or, with ``rate``, one node per network namespace (``harness.links``) with one rank each, meeting at a
+    rendezvous in the first namespace as the nodes of a real job do; the namespaces go when the block ends."""
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+
+    if rate is None:
+        yield [launch(ranks, job, True)]
+        return
+    from harness.links import RANK_IF, Network
+
+    from bagua_common.job.local_launch import free_port
+
+    env = environment(**{ENV_SECRET_FILE: write_job_secret(str(job.parent)), "GLOO_SOCKET_IFNAME": RANK_IF})
+    with Network(ranks, rate) as net:
+        endpoint = f"{net.master_addr}:{free_port()}"
+        command = [sys.executable, "-m", "bagua_launch", "--nnodes", str(ranks), "--nproc-per-node", "1"]
+        command += ["--rdzv-endpoint", endpoint, "--fault-tolerant", str(Path(__file__).resolve()), "rank", str(job)]
+        yield [net.popen(node, command, env) for node in range(ranks)]
 
 
 def _heldout_by_tokens(logs: dict[str, list[dict]], batch: int, context: int) -> list[dict]:
@@ -426,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-step", type=int, default=5, help="(kill) the step the last rank dies in")
     parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
     parser.add_argument("--every", type=float, default=60)
-    parser.add_argument("--rate", default=None, help="(overhead) shaped links, e.g. 100mbit (harness.links, root)")
+    parser.add_argument("--rate", default=None, help="(overhead, chaos) shaped links, e.g. 100mbit (harness.links, root)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
     if args.study == "rank":
@@ -481,7 +506,7 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(
             f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}, {args.batch} windows per rank, lr {args.lr}; "
             f"{args.steps} steps fault-free, then {args.steps} steps with a rank killed every "
-            f"{args.every:g} s; unshaped links; the replica check every {HASH_EVERY} steps"
+            f"{args.every:g} s; links {args.rate or 'unshaped'}; the replica check every {HASH_EVERY} steps"
         )
         lines += ["", *chaos_lines(result, args.out / f"fault-tolerance-torch-{args.study}.png", args.every), "",
                   f"![held-out loss against tokens](fault-tolerance-torch-{args.study}.png)"]  # fmt: skip

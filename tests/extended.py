@@ -109,6 +109,9 @@ EXTENDED: dict[str, str] = {
     r"test_gpt_models\.py::test_jax_and_torch_train_the_same_losses": "the two front ends' GPTs training the same "
     "losses (13 s); their forward pass against the reference stays quick, and the convergence gate (.ci/run) trains "
     "both",
+    r"test_qadam_onebit_jax\.py::(.*\[(qadam-|onebit-)?4\]|test_with_default_compiler_flags_fused_multiply_adds_"
+    r"only_round_differently\[onebit\])": "QAdam's and 1-bit Adam's exact runs on 4 flat ranks (the 2x2 mesh has 4 "
+    "ranks and stays quick, with 2 flat ranks) and 1-bit Adam with FMA (QAdam's stays quick: the same warm-up)",
     r"test_async_model_average_torch\.py::.*\[mpi-2\]": "torch's asynchronous averaging over the MPI engine (a "
     "2-rank job, 6 s): the same scenarios on two gloo ranks stay quick, and JAX's averaging over the same engine",
     r"test_composition_matrix_jax\.py::test_(a_two_level_mesh_trains_as_the_flat_one\[(diloco|async)\]|bf16_"

@@ -122,7 +122,7 @@ def outcome(result: RankResult) -> str:
 DEAD_PEER_CASES = {
     "exits-after-first-collective": (2, 1, True, 100, 0, "", "raised", 30),
     "exits-before-first-collective": (4, 2, False, 3, 0, "", None, 30),
-    "coordinator-exits": (4, 0, True, 100, 0, "", None, 30),
+    "coordinator-exits": (2, 0, True, 100, 0, "", None, 30),
     "hangs-alive": (2, 1, True, 100, 60, "--xla_cpu_collective_timeout_seconds=3", "raised", 30),
 }
 

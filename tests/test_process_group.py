@@ -22,7 +22,7 @@ rank_1 += "open(sys.argv[1] + '.done', 'w').close()"
 subprocess.Popen([sys.executable, "-c", rank_1, sys.argv[1], sys.argv[2]])
 time.sleep(float(sys.argv[3]))
 """
-TIMEOUT_S = 6.0
+TIMEOUT_S = 3.0
 
 
 def _running(pid: int) -> bool:

@@ -232,7 +232,6 @@ def communicators(n: int, two_level: bool) -> tuple[Mesh, Communicators, object]
     return Mesh(np.array(jax.devices()[:n]), ("ranks",)), Communicators(LaxCommunicator("ranks", n)), "ranks"
 
 
-@functools.cache
 def stepper(
     algorithm: str,
     n: int,
@@ -244,7 +243,14 @@ def stepper(
 ):
     """``(tx, step)``: the algorithm's transform and one jitted shard_map step over all ranks (``bare``: built on
     the world communicator alone, as the README shows, instead of :class:`Communicators`; ``bagua_formula``:
-    ``step_bound=None``)."""
+    ``step_bound=None``). Compiled once per process and variant, however the flags are spelled."""
+    return _stepper(algorithm, n, two_level, hierarchical, schedule, bare, bagua_formula)
+
+
+@functools.cache
+def _stepper(
+    algorithm: str, n: int, two_level: bool, hierarchical: bool, schedule: bool, bare: bool, bagua_formula: bool
+):
     mesh, comms, axes = communicators(n, two_level)
     options = {"step_bound": None} if bagua_formula else {}
     tx = ALGORITHMS[algorithm](
@@ -316,22 +322,35 @@ LAYOUT_IDS = ["2", "4", "2x2"]
 EXACT_XLA_FLAGS = "--xla_force_host_platform_device_count=4 --xla_cpu_max_isa=SSE4_2"
 
 
-def exact_worker(seed: int) -> dict:
-    """Every JAX run the exact tests inspect, in one process started with EXACT_XLA_FLAGS (module docstring)."""
+def exact_worker(seed: int, layouts: list[tuple[int, bool]]) -> dict:
+    """Every JAX run the exact tests inspect, for ``layouts``, in one process started with EXACT_XLA_FLAGS (module
+    docstring)."""
     return {
-        "runs": {(a, n, two): run(a, n, seed, two_level=two) for a in ALGORITHMS for n, two in LAYOUTS},
+        "runs": {(a, n, two): run(a, n, seed, two_level=two) for a in ALGORITHMS for n, two in layouts},
         "flat": run("qadam", 2, seed, hierarchical=False),
         "bagua_formula": run("qadam", 2, seed, bagua_formula=True),
-        "adam": {(n, two): adam_history(seed, n, two) for n, two in LAYOUTS},
+        "adam": {(n, two): adam_history(seed, n, two) for n, two in layouts},
         "restored": {a: restored_run(a, 2, seed) for a in ALGORITHMS},
         "schedule": run("qadam", 2, seed, schedule=True),
         "adam_schedule": adam_history(seed, 2, False, True),
     }
 
 
+def selected_layouts(request: pytest.FixtureRequest) -> list[tuple[int, bool]]:
+    """The layouts this module's selected tests read: the 2-rank one (the tests without a layout parameter read
+    it) and those of the parametrized tests (the quick suite leaves the flat 4-rank one to the extended run)."""
+    layouts = {(2, False)}
+    for item in request.session.items:
+        params = item.callspec.params if hasattr(item, "callspec") else {}
+        if item.module is request.module and "n" in params:
+            layouts.add((params["n"], params.get("two_level", False)))
+    return sorted(layouts)
+
+
 @pytest.fixture(scope="module")
-def exact(seed) -> dict:
-    [result] = run_ranks("test_qadam_onebit_jax:exact_worker", 1, seed, env={"XLA_FLAGS": EXACT_XLA_FLAGS}, timeout=300)
+def exact(request, seed) -> dict:
+    env = {"XLA_FLAGS": EXACT_XLA_FLAGS}
+    [result] = run_ranks("test_qadam_onebit_jax:exact_worker", 1, seed, selected_layouts(request), env=env, timeout=300)
     return result.value
 
 
