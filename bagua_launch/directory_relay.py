@@ -40,9 +40,10 @@ class DirectoryRelay:
         self._thread.start()
 
     def stop(self) -> None:
-        """Stop relaying (the job ended on this node)."""
+        """Stop relaying (the job ended on this node). The thread ends after its exchange in flight; it is a daemon,
+        so a rendezvous store that no longer answers does not hold the launcher."""
         self._stopped.set()
-        self._thread.join()
+        self._thread.join(timeout=2 * PERIOD_S)
 
     def _run(self) -> None:
         from torch.distributed import TCPStore

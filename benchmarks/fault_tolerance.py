@@ -451,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill-step", type=int, default=5, help="(kill) the step the last rank dies in")
     parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
     parser.add_argument("--every", type=float, default=60)
-    parser.add_argument("--rate", default=None, help="(overhead, chaos) shaped links, e.g. 100mbit (harness.links, root)")
+    parser.add_argument("--rate", default=None, help="(overhead, chaos) link rate, e.g. 100mbit (root)")
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
     args = parser.parse_args(argv)
     if args.study == "rank":

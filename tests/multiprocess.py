@@ -65,6 +65,8 @@ def run_ranks(
     workdir = Path(tempfile.mkdtemp(prefix="bagua-ranks-"))
     (workdir / "args.pkl").write_bytes(pickle.dumps(args))
     base_env = {
+        # bagua-launch's and torchrun's share of the cores per rank: more intra-op threads than cores only spin
+        "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // nprocs)),
         **os.environ,
         **(env or {}),
         "WORLD_SIZE": str(nprocs),
