@@ -7,25 +7,26 @@ no longer is, or wait to join a job that has ended (and the agents of the other 
 their exit barrier, with it). The relay copies both between the directories through the rendezvous store, which
 every node's launcher reaches: the coordinator pointer of the newest epoch, and the end.
 
-The rendezvous store takes writes from anyone who reaches it, so what the relay puts there carries an HMAC of the
-job's secret, and a value without a valid one is ignored.
+The rendezvous store takes writes from anyone who reaches it, so what the relay puts there carries a tag of the
+job's secret (:mod:`bagua_common.job.message_tag`), and a value without a valid one is ignored.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import threading
 from datetime import timedelta
 
 from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
 from bagua_common.fault_tolerance.node_directory import CURRENT, FINISHED
+from bagua_common.job.message_tag import TAG_BYTES, message_tag, tag_matches
 
 __all__ = ["DirectoryRelay"]
 
 PERIOD_S = 0.5
 """How often the relay compares this node's directory with the rendezvous store."""
+
+_PURPOSE = b"directory relay"
 
 
 class DirectoryRelay:
@@ -65,21 +66,18 @@ class DirectoryRelay:
 
     def _exchange(self, key: str, local: KVClient, shared) -> None:
         mine = local.check(key)
-        theirs = self._verified(shared.get(self._prefix + key)) if shared.check([self._prefix + key]) else None
+        theirs = self._verified(key, shared.get(self._prefix + key)) if shared.check([self._prefix + key]) else None
         newest = _newest(key, mine, theirs)
         if newest is None:
             return
         if newest != mine:
             local.set(key, newest)
         if newest != theirs:
-            shared.set(self._prefix + key, self._tag(newest) + newest)
+            shared.set(self._prefix + key, message_tag(self._secret, _PURPOSE, key.encode(), newest) + newest)
 
-    def _tag(self, value: bytes) -> bytes:
-        return hmac.new(self._secret, value, hashlib.sha256).hexdigest().encode() + b":"
-
-    def _verified(self, stored: bytes) -> bytes | None:
-        tag, _, value = stored.partition(b":")
-        return value if hmac.compare_digest(tag + b":", self._tag(value)) else None
+    def _verified(self, key: str, stored: bytes) -> bytes | None:
+        tag, value = stored[:TAG_BYTES], stored[TAG_BYTES:]
+        return value if tag_matches(tag, self._secret, _PURPOSE, key.encode(), value) else None
 
 
 def _newest(key: str, mine: bytes | None, theirs: bytes | None) -> bytes | None:

@@ -7,6 +7,7 @@ back, the damage is counted, and the repaired value is served from then on.
 """
 
 import hashlib
+import hmac
 import os
 import pickle
 
@@ -59,9 +60,8 @@ def flip_bit(store, key: bytes, bit: int) -> None:
 
 def signed(digest_key: bytes, store_key: bytes, payload: bytes) -> bytes:
     """The documented value format, written independently of the cache's code."""
-    digest = hashlib.blake2b(key=digest_key, digest_size=16, person=b"bagua-cache")
-    digest.update(b"\x02" + len(store_key).to_bytes(8, "little") + store_key + payload)
-    return b"\x02" + digest.digest() + payload
+    message = b"".join(len(part).to_bytes(8, "little") + part for part in (b"bagua-cache", b"\x03", store_key, payload))
+    return b"\x03" + hmac.new(digest_key, message, hashlib.sha256).digest()[:16] + payload
 
 
 class WritesAFile:

@@ -24,6 +24,7 @@ from bagua_common.data.cache_stores import (
 )
 from bagua_common.data.cached_dataset import CachedDataset, CacheLoader, fingerprint_positions
 from bagua_common.data.private_files import job_directory, private_directory
+from bagua_common.job.message_tag import message_tag
 
 
 @pytest.fixture
@@ -130,7 +131,9 @@ def test_unreadable_signed_value_is_a_miss_warned_once_and_overwritten(tmp_path)
     data = CachedDataset(CountingDataset(3, str(tmp_path / "r")), store, name="c")
     for i in range(3):
         payload = b"not a pickle"
-        store.put(data.loader.key(i), b"\x02" + data.loader._digest(data.loader.key(i), payload) + payload)
+        key = data.loader.key(i)
+        tag = message_tag(store.digest_key, b"bagua-cache", b"\x03", key, payload, size=16)
+        store.put(key, b"\x03" + tag + payload)
     with pytest.warns(RuntimeWarning, match="does not unpickle") as caught:
         values = [data[i] for i in range(3)]
     assert len(caught) == 1

@@ -3,13 +3,11 @@
 Two directories (the KVServers each node's launcher hosts) and a torch TCPStore standing for the agents'
 rendezvous store, in this process: what a member writes into one directory reaches the other, the newer
 coordinator pointer wins over an older one, the end reaches a node nobody told, and a value written into the
-rendezvous store without the job's HMAC is ignored.
+rendezvous store without the tag of the job's secret is ignored.
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import time
 from datetime import timedelta
@@ -18,6 +16,7 @@ import pytest
 
 from bagua_common.fault_tolerance.kv_store import KVClient, KVServer
 from bagua_common.fault_tolerance.node_directory import CURRENT, FINISHED
+from bagua_common.job.message_tag import message_tag
 
 torch_distributed = pytest.importorskip("torch.distributed")
 
@@ -51,8 +50,8 @@ def test_directories_agree_on_the_newest_pointer_and_the_end_and_ignore_forgerie
         assert eventually(lambda: b.check(CURRENT), pointer(3)) == pointer(3)
         assert a.check(CURRENT) == pointer(3)
         forged = pointer(99)
-        tag = hmac.new(b"not the job's secret", forged, hashlib.sha256).hexdigest().encode()
-        rendezvous.set(f"bagua/{RUN_ID}/directory/{CURRENT}", tag + b":" + forged)
+        tag = message_tag(b"not the job's secret", b"directory relay", CURRENT.encode(), forged)
+        rendezvous.set(f"bagua/{RUN_ID}/directory/{CURRENT}", tag + forged)
         b.set(FINISHED, b"17")
         assert eventually(lambda: a.check(FINISHED), b"17") == b"17"
         time.sleep(3 * PERIOD_S)  # both relays have read the forged pointer meanwhile

@@ -5,10 +5,10 @@ write it through and return it. :class:`CachedDataset` applies it to ``dataset[i
 works anywhere an object with ``__getitem__`` and ``__len__`` does (a torch ``DataLoader``
 with fork or spawn workers, a JAX input pipeline, a grain data source).
 
-Every value carries a header: the format version and a blake2b digest, keyed with the store's
-``digest_key``, of the store key (dataset name, version, index) and the payload. A value whose
-digest does not match (a flipped bit, a truncation, another index's or dataset's value) is never
-unpickled: it is counted in ``stats()["damaged"]`` and read from the dataset again. Only a
+Every value carries a header: the format version and a tag (:mod:`bagua_common.job.message_tag`), under the store's
+``digest_key``, of the format version, the store key (dataset name, version, index) and the payload. A value whose
+digest does not match (a flipped bit, a truncation, another index's or dataset's value) is never unpickled: it is
+counted in ``stats()["damaged"]`` and read from the dataset again. Only a
 process holding the key can write a value that is served, so the key must stay with the job
 (the defaults keep it in 0600 files in the store's private directory). A store that fails never
 yields wrong data either: the sample is read from the dataset instead.
@@ -25,7 +25,6 @@ line. A change that no sampled item shows needs a new ``version``, the explicit 
 from __future__ import annotations
 
 import hashlib
-import hmac
 import logging
 import operator
 import pickle
@@ -34,15 +33,21 @@ from collections.abc import Callable, Hashable, Sized
 from typing import Any, Protocol
 
 from bagua_common.data.cache_stores import Store, store_from_environment
+from bagua_common.job.message_tag import message_tag, tag_matches
 
 KEY_PREFIX = b"bg1:"
-FORMAT_VERSION = b"\x02"  # 1: an unsigned pickle
-DIGEST_BYTES = 16
-HEADER_BYTES = len(FORMAT_VERSION) + DIGEST_BYTES
+FORMAT_VERSION = b"\x03"  # 1: an unsigned pickle; 2: a blake2b digest
+TAG_BYTES = 16
+HEADER_BYTES = len(FORMAT_VERSION) + TAG_BYTES
 FINGERPRINT_SAMPLES = 8
 """Items read from the dataset for its fingerprint each time it is wrapped: evenly spaced, the first and last."""
 _ON_ERROR = ("warn", "raise")
 _log = logging.getLogger(__name__)
+
+
+def _signed(store_key: bytes, payload: bytes | memoryview) -> tuple[bytes | memoryview, ...]:
+    """A value's purpose and parts for its tag."""
+    return b"bagua-cache", FORMAT_VERSION, store_key, payload
 
 
 class MapDataset(Sized, Protocol):
@@ -162,15 +167,10 @@ class CacheLoader:
             )
             return None
 
-    def _digest(self, store_key: bytes, payload: memoryview | bytes) -> bytes:
-        digest = hashlib.blake2b(key=self.store.digest_key, digest_size=DIGEST_BYTES, person=b"bagua-cache")
-        digest.update(FORMAT_VERSION + len(store_key).to_bytes(8, "little") + store_key)
-        digest.update(payload)
-        return digest.digest()
-
     def _encoded(self, store_key: bytes, value: Any) -> bytes:
         payload = pickle.dumps(value, protocol=5)
-        return FORMAT_VERSION + self._digest(store_key, payload) + payload
+        tag = message_tag(self.store.digest_key, *_signed(store_key, payload), size=TAG_BYTES)
+        return FORMAT_VERSION + tag + payload
 
     def _decoded(self, raw: bytes, store_key: bytes, key: Hashable) -> Any:
         view = memoryview(raw)
@@ -178,7 +178,7 @@ class CacheLoader:
         intact = (
             len(raw) >= HEADER_BYTES
             and raw[:1] == FORMAT_VERSION
-            and hmac.compare_digest(view[1:HEADER_BYTES], self._digest(store_key, payload))
+            and tag_matches(view[1:HEADER_BYTES], self.store.digest_key, *_signed(store_key, payload), size=TAG_BYTES)
         )
         if intact:
             try:

@@ -9,12 +9,11 @@ how a killed member is noticed within milliseconds; with several connections reg
 id, when the last of them closes).
 
 Only the job's processes may use a store: both sides hold the job's secret (see
-:func:`~bagua_common.fault_tolerance.settings.job_secret`) and prove it before the first request,
-without sending it. The server sends a random nonce; the client answers with its own nonce and
-HMAC-SHA256(secret, "client" + server nonce); the server checks it (a wrong or missing proof is
-answered ``denied`` and the connection closed, before any operation) and answers
-HMAC-SHA256(secret, "server" + client nonce), which the client checks (a process squatting on a
-member's port is not taken for the member).
+:func:`~bagua_common.fault_tolerance.settings.job_secret`) and prove it before the first request, without sending
+it. The server sends a random nonce; the client answers with its own nonce and the tag of the server's nonce for the
+purpose "kv-store client" (see :mod:`bagua_common.job.message_tag`); the server checks it (a wrong or missing proof
+is answered ``denied`` and the connection closed, before any operation) and answers the tag of the client's nonce
+for "kv-store server", which the client checks (a process squatting on a member's port is not taken for the member).
 
 Wire format, both directions: a frame is ``!BII`` (operation or status, key length, value
 length), then the key and the value. ``get``'s value is its wait in seconds (``!d``),
@@ -23,8 +22,6 @@ length), then the key and the value. ``get``'s value is its wait in seconds (``!
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import ipaddress
 import secrets
 import socket
@@ -32,6 +29,8 @@ import struct
 import threading
 import time
 from collections.abc import Callable
+
+from bagua_common.job.message_tag import message_tag, tag_matches
 
 __all__ = ["KVClient", "KVServer", "StoreUnreachable", "advertised_host", "connect", "wait_for"]
 
@@ -76,10 +75,6 @@ def _receive_frame(sock: socket.socket, limit: int = _MAX_FRAME) -> tuple[int, b
 
 def _frame(kind: int, key: bytes, value: bytes) -> bytes:
     return _HEADER.pack(kind, len(key), len(value)) + key + value
-
-
-def _proof(secret: bytes, side: bytes, nonce: bytes) -> bytes:
-    return hmac.new(secret, side + nonce, hashlib.sha256).digest()
 
 
 def _checked_secret(secret: bytes) -> bytes:
@@ -158,11 +153,11 @@ class KVServer:
         sock.settimeout(_AUTH_SECONDS)
         sock.sendall(_frame(_AUTH, b"", nonce))
         kind, their_nonce, proof = _receive_frame(sock, limit=_AUTH_FRAME)
-        if kind != _AUTH or not hmac.compare_digest(proof, _proof(self._secret, b"client", nonce)):
+        if kind != _AUTH or not tag_matches(proof, self._secret, b"kv-store client", nonce):
             sock.sendall(_frame(_DENIED, b"", b""))
             return False
         sock.settimeout(None)
-        sock.sendall(_frame(_OK, b"", _proof(self._secret, b"server", their_nonce)))
+        sock.sendall(_frame(_OK, b"", message_tag(self._secret, b"kv-store server", their_nonce)))
         return True
 
     def _apply(self, kind: int, key: bytes, value: bytes) -> tuple[int, bytes]:
@@ -257,11 +252,11 @@ class KVClient:
             self.close()
             raise StoreUnreachable(self.address, "did not greet as a store does")
         mine = secrets.token_bytes(_NONCE_BYTES)
-        status, proof = self._request(_AUTH, mine, _proof(secret, b"client", nonce))
+        status, proof = self._request(_AUTH, mine, message_tag(secret, b"kv-store client", nonce))
         if status == _DENIED:
             self.close()
             raise StoreUnreachable(self.address, "refused this client: it does not hold the job's secret")
-        if not hmac.compare_digest(proof, _proof(secret, b"server", mine)):
+        if not tag_matches(proof, secret, b"kv-store server", mine):
             self.close()
             raise StoreUnreachable(self.address, "did not prove the job's secret: it is not this job's store")
 
