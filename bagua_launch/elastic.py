@@ -41,6 +41,7 @@ from bagua_common.fault_tolerance.settings import (
     write_job_secret,
 )
 from bagua_common.job.local_launch import free_port
+from bagua_common.job.rank_environment import threads_per_rank
 from bagua_launch.directory_relay import DirectoryRelay
 from bagua_launch.output import NAME, describe_exit, exit_status, summary
 from bagua_launch.parsed_config import config_from_namespace
@@ -237,8 +238,9 @@ def run(config: ElasticConfig) -> int:
     os.environ[ENV_ELASTIC] = "1"
     os.environ.update(config.nccl_net)
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // config.nproc_per_node)))
-    host = config.rdzv_endpoint.rsplit(":", 1)[0]
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads_per_rank(config.nproc_per_node)))
+    host, _, port = config.rdzv_endpoint.rpartition(":")
+    host = host.strip("[]")  # an IPv6 address's brackets
     log_dir = tempfile.mkdtemp(prefix="bagua-elastic-")
     launch = LaunchConfig(
         min_nodes=config.min_nodes,
@@ -255,7 +257,7 @@ def run(config: ElasticConfig) -> int:
         # The workers' MASTER_ADDR when this node's agent is rank 0: its address toward the rendezvous, which every
         # node reaches. torch's default, this machine's FQDN, may name another address elsewhere or only here
         # ("localhost" where /etc/hosts says so).
-        local_addr=advertised_host(host.strip("[]")),
+        local_addr=advertised_host(host),
         shutdown_timeout=math.ceil(config.grace),
     )
     relay = None
@@ -270,13 +272,11 @@ def run(config: ElasticConfig) -> int:
                 return 2
             os.environ[ENV_SECRET_FILE] = write_job_secret(log_dir)
         # where this node's ranks say where the job is, for the replacements
-        directory = KVServer("127.0.0.1", secret=job_secret())
+        secret = job_secret()
+        directory = KVServer("127.0.0.1", secret=secret)
         os.environ.update({ENV_FAULT_TOLERANCE: "1", ENV_DIRECTORY: f"127.0.0.1:{directory.port}"})
         if config.max_nodes > 1:  # and what the other nodes' ranks said, for a node whose ranks all died
-            port = int(config.rdzv_endpoint.rsplit(":", 1)[1])
-            relay = DirectoryRelay(
-                ("127.0.0.1", directory.port), (host.strip("[]"), port), config.rdzv_id, job_secret()
-            )
+            relay = DirectoryRelay(("127.0.0.1", directory.port), (host, int(port)), config.rdzv_id, secret)
         entrypoint, args = sys.executable, ["-m", "bagua_launch.replacements", *config.command]
     elif config.mode == "program":
         entrypoint, args = config.command[0], config.command[1:]

@@ -47,7 +47,7 @@ from bagua_common.data.private_files import job_directory
 from bagua_common.data.redis_server import RedisServer
 from bagua_common.job.child_process import die_with_parent
 from bagua_common.job.local_launch import is_hydra
-from bagua_common.job.rank_environment import NPROC_VARIABLE
+from bagua_common.job.rank_environment import NPROC_VARIABLE, threads_per_rank
 from bagua_launch.output import NAME, RankOutput, describe_exit, exit_status, rank_ranges, signal_name, summary
 from bagua_launch.rank_variables import RANK_VARIABLES, rank_environment
 from bagua_launch.root_cause import SETTLE_S, root_cause
@@ -124,7 +124,7 @@ class Launcher:
         env.setdefault("PYTHONUNBUFFERED", "1")
         # Each rank's OpenMP pool (the native kernels, torch) would otherwise take every core,
         # oversubscribing the node nproc-per-node times over; the user's setting wins.
-        env.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // self.config.nproc_per_node)))
+        env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(self.config.nproc_per_node)))
         env["MASTER_ADDR"] = self.config.master_addr
         env["MASTER_PORT"] = str(self.config.master_port)
         if self.cache_server is not None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from bagua_common.job.local_launch import free_port, mpiexec
+from bagua_common.job.rank_environment import threads_per_rank
 
 TESTS = Path(__file__).resolve().parent
 ONE_CPU_DEVICE = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
@@ -65,8 +66,7 @@ def run_ranks(
     workdir = Path(tempfile.mkdtemp(prefix="bagua-ranks-"))
     (workdir / "args.pkl").write_bytes(pickle.dumps(args))
     base_env = {
-        # bagua-launch's and torchrun's share of the cores per rank: more intra-op threads than cores only spin
-        "OMP_NUM_THREADS": str(max(1, len(os.sched_getaffinity(0)) // nprocs)),
+        "OMP_NUM_THREADS": str(threads_per_rank(nprocs)),  # what bagua-launch gives its ranks
         **os.environ,
         **(env or {}),
         "WORLD_SIZE": str(nprocs),

@@ -7,6 +7,7 @@ Every job runs the real launcher (``python -m bagua_launch``) with the c10d rend
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -21,7 +22,8 @@ RESTART_SCRIPT = """
 import os, sys
 restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 print(f"START rank={os.environ['RANK']} world={os.environ['WORLD_SIZE']} restart={restart} "
-      f"elastic={os.environ.get('BAGUA_ELASTIC')} master={os.environ['MASTER_ADDR']}", flush=True)
+      f"elastic={os.environ.get('BAGUA_ELASTIC')} master={os.environ['MASTER_ADDR']} "
+      f"omp={os.environ.get('OMP_NUM_THREADS')}", flush=True)
 print("to stderr", file=sys.stderr, flush=True)
 if restart == 0 and os.environ["RANK"] == "1":
     print("distinctive failure okapi-7", file=sys.stderr, flush=True)
@@ -60,18 +62,21 @@ def this_machines_address() -> str:
 
 def test_restart_after_a_failure_keeps_the_output_format(tmp_path):
     """Also: the ranks' MASTER_ADDR is the address the rendezvous was reached at, not this machine's name (which
-    may resolve to 127.0.0.1, as "localhost", where other nodes would look for it on themselves)."""
+    may resolve to 127.0.0.1, as "localhost", where other nodes would look for it on themselves); OMP_NUM_THREADS
+    shares the cores this launcher may run on between its ranks."""
     script = write(tmp_path, "restart.py", RESTART_SCRIPT)
     address = this_machines_address()
     # is_host: this agent serves the rendezvous (torch looks for the endpoint among the addresses of this machine's
     # name, which may list 127.0.0.1 alone)
     endpoint = ("--rdzv-endpoint", f"{address}:{free_port()}", "--rdzv-conf", "is_host=1")
-    result = launch("--nproc-per-node", "2", "--max-restarts", "1", *endpoint, str(script), timeout=300)
+    env = {name: value for name, value in _env().items() if name != "OMP_NUM_THREADS"}
+    result = launch("--nproc-per-node", "2", "--max-restarts", "1", *endpoint, str(script), env=env, timeout=300)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = by_rank(result.stdout)
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
     for rank in (0, 1):
         starts = [line for line in lines[rank] if line.startswith("START")]
-        assert starts[-1] == f"START rank={rank} world=2 restart=1 elastic=1 master={address}", starts
+        assert starts[-1] == f"START rank={rank} world=2 restart=1 elastic=1 master={address} omp={threads}", starts
     assert "[rank 1] distinctive failure okapi-7" in result.stderr
 
 

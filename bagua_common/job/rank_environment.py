@@ -70,6 +70,13 @@ def mpi_rank_environment(environ: Mapping[str, str] = os.environ) -> dict[str, s
     }
 
 
+def threads_per_rank(ranks_on_node: int) -> int:
+    """The intra-op threads each of ``ranks_on_node`` ranks gets (its ``OMP_NUM_THREADS``, as torchrun sets it):
+    the cores this process may run on (its CPU affinity, which a container or ``taskset`` narrows) divided among
+    the ranks, at least 1. More threads than cores only spin against each other."""
+    return max(1, len(os.sched_getaffinity(0)) // ranks_on_node)
+
+
 def environment_int(key: str, environ: Mapping[str, str] = os.environ) -> int | None:
     """The integer value of the environment variable ``key``, or None when it is unset or blank.
 
