@@ -118,6 +118,7 @@ class FaultTolerance:
         self.settings, self.membership, self._join_at = settings, membership, join_at
         self.backend, self.device, self.timeout = backend, device, timeout
         self.modules: list[BaguaModule] = []
+        self._replicas_identical = True  # every model's algorithm keeps its replicas identical: votes go ahead
         self.data: DataPosition | None = None
         self.epoch: Epoch | None = None if membership is None else membership.epoch
         self.step = self.committed = 0 if self.epoch is None else self.epoch.committed
@@ -161,6 +162,8 @@ class FaultTolerance:
                 "--max-restarts N)"
             )
         self.modules.append(module)
+        config = module.algorithm.config_class
+        self._replicas_identical &= config is not None and config.replicated
         last = module.optimizers[-1] if module.optimizers else None
         if last is not None and module.algorithm_impl.transaction_per_step:
             last.register_step_pre_hook(lambda optimizer, args, kwargs: self.commit_step())
@@ -177,13 +180,10 @@ class FaultTolerance:
         self._voted_this_attempt = True
         # A rank's collectives completing shows that every rank contributed only where each collective spans all
         # ranks (replicated algorithms); a decentralized exchange completes with one peer: it waits for every vote.
-        vote = self.membership.vote_ahead if self._replicas_identical() else self.membership.commit
+        vote = self.membership.vote_ahead if self._replicas_identical else self.membership.commit
         if not vote(self.epoch, self.committed + 1):
             raise MembershipChanged(f"step {self.step + 1} was not committed: the members changed")
         self._transaction_committed()
-
-    def _replicas_identical(self) -> bool:
-        return all(m.algorithm.config_class is not None and m.algorithm.config_class.replicated for m in self.modules)
 
     def commit(self) -> bool:
         """Vote for a transaction the algorithm itself delimits (DiLoCo's outer exchange) and wait for its outcome:
