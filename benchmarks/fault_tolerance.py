@@ -36,6 +36,7 @@ import contextlib
 import json
 import os
 import random
+import shlex
 import signal
 import statistics
 import subprocess
@@ -156,9 +157,20 @@ def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, kill_
     return path
 
 
-def environment(**extra: str) -> dict[str, str]:
+def environment(job: Path, **extra: str) -> dict[str, str]:
+    """The ranks' environment: this process's without the rank variables, the repository on the path, one thread
+    per rank, the replica check's interval and the job's secret (a fault-tolerant member needs it; written beside
+    ``job``), then ``extra``."""
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    return {**env, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BAGUA_FT_HASH_EVERY": str(HASH_EVERY), **extra}
+    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BAGUA_FT_HASH_EVERY": str(HASH_EVERY)}
+    return {**env, ENV_SECRET_FILE: write_job_secret(str(job.parent)), **extra}
+
+
+def with_changes(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
+    """A copy of ``args`` with ``changes``."""
+    return argparse.Namespace(**{**vars(args), **changes})
 
 
 def launch(ranks: int, job: Path, fault_tolerant: bool, **extra: str) -> subprocess.Popen:
@@ -166,17 +178,13 @@ def launch(ranks: int, job: Path, fault_tolerant: bool, **extra: str) -> subproc
     command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(ranks)]
     command += ["--fault-tolerant"] if fault_tolerant else []
     command += [str(Path(__file__).resolve()), "rank", str(job)]
-    return subprocess.Popen(command, env=environment(**extra), start_new_session=True)
+    return subprocess.Popen(command, env=environment(job, **extra), start_new_session=True)
 
 
 def run_ranks(ranks: int, job: Path, rate: str | None) -> None:
-    """Run the job's ranks to the end: local processes, or one per network namespace on links of ``rate``. Every
-    rank gets the job's secret (a fault-tolerant member needs it; :mod:`bagua_common.fault_tolerance.settings`)."""
-    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
-
-    secret = {ENV_SECRET_FILE: write_job_secret(str(job.parent))}
+    """Run the job's ranks to the end: local processes, or one per network namespace on links of ``rate``."""
     if rate is None:
-        launch(ranks, job, False, **secret).wait()
+        launch(ranks, job, False).wait()
         return
     from harness.links import Network
 
@@ -184,7 +192,7 @@ def run_ranks(ranks: int, job: Path, rate: str | None) -> None:
 
     command = [sys.executable, str(Path(__file__).resolve()), "rank", str(job)]
     with Network(ranks, rate) as net:
-        net.run_all(command, free_port(), 3600, environment(**secret))
+        net.run_all(command, free_port(), 3600, environment(job))
 
 
 def lines(folder: Path) -> dict[str, list[dict]]:
@@ -197,7 +205,7 @@ def overhead(args: argparse.Namespace) -> dict:
         for fault_tolerant in (False, True) if repeat % 2 == 0 else (True, False):
             with tempfile.TemporaryDirectory() as scratch:
                 folder = Path(scratch)
-                no_evaluation = argparse.Namespace(**{**vars(args), "eval_every": args.steps + 1})  # as off does
+                no_evaluation = with_changes(args, eval_every=args.steps + 1)  # as off does
                 run_ranks(args.ranks, job_file(folder, no_evaluation, fault_tolerant), args.rate)
                 steps = [e for log in lines(folder).values() for e in log[len(log) // 5 :] if e["event"] == "step"]
                 runs.append(
@@ -238,14 +246,13 @@ def kill_once(args: argparse.Namespace) -> dict:
     """The last of ``--ranks`` plain processes SIGKILLs itself in step ``--kill-step``'s backward pass; per
     survivor, the seconds from the kill to the retried step starting (and the job's own measure: from the failure
     seen there to the step running again) and the steps lost."""
-    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
     from bagua_common.job.local_launch import free_port
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = Path(scratch)
         job = job_file(folder, args, True, kill_step=args.kill_step)
         where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks)}
-        env = environment(**where, **{ENV_SECRET_FILE: write_job_secret(folder)})
+        env = environment(job, **where)
         command = [sys.executable, str(Path(__file__).resolve()), "rank", str(job)]
         ranks = [subprocess.Popen(command, env={**env, "RANK": str(r)}) for r in range(args.ranks)]
         codes = [rank.wait(timeout=600) for rank in ranks]
@@ -269,30 +276,48 @@ def kill_once(args: argparse.Namespace) -> dict:
 
 
 def chaos(args: argparse.Namespace) -> dict:
-    result: dict = {}
-    for name, kill in (("fault_free", False), ("chaos", True)):
-        with tempfile.TemporaryDirectory() as scratch:
-            folder = Path(scratch)
-            with fault_tolerant_job(args.ranks, job_file(folder, args, True), args.rate) as launchers:
-                kills, started = [], time.monotonic()
-                while any(launcher.poll() is None for launcher in launchers):
-                    time.sleep(args.every if kill else 1)
-                    if not kill or all(launcher.poll() is not None for launcher in launchers):
-                        continue
-                    ranks = [pid for launcher in launchers for pid in _worker_pids(launcher.pid)]
-                    if ranks:
-                        victim = random.choice(ranks)
-                        os.kill(victim, signal.SIGKILL)
-                        kills.append({"pid": victim, "seconds": time.monotonic() - started, "time": time.time()})
-            logs = lines(folder)
-            result[name] = {
-                "wall_s": time.monotonic() - started,
-                "kills": kills,
-                "heldout": _heldout_by_tokens(logs, args.batch, gpt_config(args.size).context),
-                "recoveries": [e["recoveries"] for log in logs.values() for e in log if e["event"] == "end"],
-                "joined": [e["joined"] for log in logs.values() for e in log if e["event"] == "end" and e["joined"]],
-            }
-    return result
+    return {"fault_free": _launched_run(args, kill=False), "chaos": _launched_run(args, kill=True)}
+
+
+def spread(args: argparse.Namespace) -> dict:
+    """Fault-free runs at each of ``--seeds`` (the model's initialization and the data's order), beside the chaos
+    study's runs read from ``--out``: the run-to-run spread the chaos run's curve is judged against."""
+    chaos_file = args.out / "fault-tolerance-torch-chaos.json"
+    published = json.loads(chaos_file.read_text())
+    theirs = build_parser().parse_args(shlex.split(published["command"])[2:])
+    settings = ("ranks", "size", "algorithm", "lr", "batch", "steps", "eval_every", "rate")
+    differ = [key for key in settings if getattr(theirs, key) != getattr(args, key)]
+    if differ or theirs.seed in args.seeds:
+        raise SystemExit(f"spread: {chaos_file} ran seed {theirs.seed}: give the same {differ} and other seeds")
+    runs = {seed: _launched_run(with_changes(args, seed=seed), kill=False) for seed in args.seeds}
+    fault_free = {theirs.seed: published["result"]["fault_free"], **runs}
+    return {"chaos_command": published["command"], "fault_free": fault_free, "chaos": published["result"]["chaos"]}
+
+
+def _launched_run(args: argparse.Namespace, kill: bool) -> dict:
+    """One run under ``bagua-launch --fault-tolerant``; with ``kill``, a random rank SIGKILLed every ``--every``
+    seconds."""
+    with tempfile.TemporaryDirectory() as scratch:
+        folder = Path(scratch)
+        with fault_tolerant_job(args.ranks, job_file(folder, args, True), args.rate) as launchers:
+            kills, started = [], time.monotonic()
+            while any(launcher.poll() is None for launcher in launchers):
+                time.sleep(args.every if kill else 1)
+                if not kill or all(launcher.poll() is not None for launcher in launchers):
+                    continue
+                ranks = [pid for launcher in launchers for pid in _worker_pids(launcher.pid)]
+                if ranks:
+                    victim = random.choice(ranks)
+                    os.kill(victim, signal.SIGKILL)
+                    kills.append({"pid": victim, "seconds": time.monotonic() - started, "time": time.time()})
+        logs = lines(folder)
+        return {
+            "wall_s": time.monotonic() - started,
+            "kills": kills,
+            "heldout": _heldout_by_tokens(logs, args.batch, gpt_config(args.size).context),
+            "recoveries": [e["recoveries"] for log in logs.values() for e in log if e["event"] == "end"],
+            "joined": [e["joined"] for log in logs.values() for e in log if e["event"] == "end" and e["joined"]],
+        }
 
 
 @contextlib.contextmanager
@@ -300,8 +325,6 @@ def fault_tolerant_job(ranks: int, job: Path, rate: str | None) -> Iterator[list
     """The job under ``bagua-launch --fault-tolerant``, as its launchers: one launching every rank on this machine,
     or, with ``rate``, one node per network namespace (``harness.links``) with one rank each, meeting at a
     rendezvous in the first namespace as the nodes of a real job do; the namespaces go when the block ends."""
-    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
-
     if rate is None:
         yield [launch(ranks, job, True)]
         return
@@ -309,7 +332,7 @@ def fault_tolerant_job(ranks: int, job: Path, rate: str | None) -> Iterator[list
 
     from bagua_common.job.local_launch import free_port
 
-    env = environment(**{ENV_SECRET_FILE: write_job_secret(str(job.parent)), "GLOO_SOCKET_IFNAME": RANK_IF})
+    env = environment(job, GLOO_SOCKET_IFNAME=RANK_IF)
     with Network(ranks, rate) as net:
         endpoint = f"{net.master_addr}:{free_port()}"
         command = [sys.executable, "-m", "bagua_launch", "--nnodes", str(ranks), "--nproc-per-node", "1"]
@@ -370,6 +393,46 @@ def chaos_lines(result: dict, out: Path, every: float) -> list[str]:
     return lines
 
 
+def spread_lines(result: dict, out: Path) -> list[str]:
+    """The spread study's report: at each of the chaos run's evaluations, the fault-free runs' held-out loss at
+    the same tokens, seed by seed, their range, and the chaos run's difference from the run it was compared with
+    against the other seeds' differences from that run (the chart beside the results draws every curve)."""
+    seeds = list(result["fault_free"])
+    rows, chaos_gaps, seed_gaps, inside = [], [], [], 0
+    for e in result["chaos"]["heldout"]:
+        same = [_loss_at(result["fault_free"][seed]["heldout"], e["tokens"]) for seed in seeds]
+        if None in same:
+            continue
+        low, high = min(same), max(same)
+        inside += low <= e["loss"] <= high
+        chaos_gaps.append(abs(e["loss"] - same[0]))
+        seed_gaps.append(max(abs(loss - same[0]) for loss in same[1:]))
+        rows.append([e["step"], f"{e['tokens'] / 1e6:.3f}", f"{e['loss']:.4f}", *(f"{loss:.4f}" for loss in same),
+                     f"{high - low:.4f}", "yes" if low <= e["loss"] <= high else "no"])  # fmt: skip
+    lines = [
+        f"At {len(rows)} evaluations at equal tokens: the chaos run lies within the fault-free runs' range at "
+        f"{inside}. Its largest distance from the fault-free run of seed {seeds[0]} is {max(chaos_gaps):.4f} (median "
+        f"{statistics.median(chaos_gaps):.4f}); the other seeds' largest distance from that run is "
+        f"{max(seed_gaps):.4f} (median {statistics.median(seed_gaps):.4f}).",
+        "",
+    ]
+    head = [
+        "step",
+        "tokens (M)",
+        "held-out (chaos)",
+        *(f"fault-free, seed {seed}" for seed in seeds),
+        "range",
+        "inside",
+    ]
+    lines += table(head, rows)
+    final = {seed: run["heldout"][-1]["loss"] for seed, run in result["fault_free"].items()}
+    lines += ["", "Final held-out loss, fault-free: " + ", ".join(f"seed {k} {v:.4f}" for k, v in final.items())
+              + f"; chaos {result['chaos']['heldout'][-1]['loss']:.4f}."]  # fmt: skip
+    _curves_chart({**{f"fault-free, seed {seed}": run["heldout"] for seed, run in result["fault_free"].items()},
+                   "chaos (seed 0)": result["chaos"]["heldout"]}, [], out)  # fmt: skip
+    return lines
+
+
 def _fmt(value: float | None) -> str:
     return "" if value is None else f"{value:.4f}"
 
@@ -383,6 +446,16 @@ def _loss_at(curve: list[dict], tokens: float) -> float | None:
 
 
 def _chart(result: dict, out: Path, every: float) -> None:
+    kills = [_tokens_at(result["chaos"]["heldout"], kill) for kill in result["chaos"]["kills"]]
+    _curves_chart(
+        {"fault-free": result["fault_free"]["heldout"], f"a rank killed every {every:g} s": result["chaos"]["heldout"]},
+        kills,
+        out,
+    )
+
+
+def _curves_chart(curves: dict[str, list[dict]], kills: list[float], out: Path) -> None:
+    """Held-out loss against tokens for each curve, with a faint line at each kill's tokens."""
     from harness import plots
 
     drawn = plots.figure()
@@ -390,15 +463,9 @@ def _chart(result: dict, out: Path, every: float) -> None:
         return
     fig, axes = drawn
     ax = axes[0][0]
-    plots.curves(
-        ax,
-        {
-            label: ([e["tokens"] / 1e6 for e in result[key]["heldout"]], [e["loss"] for e in result[key]["heldout"]])
-            for key, label in (("fault_free", "fault-free"), ("chaos", f"a rank killed every {every:g} s"))
-        },
-    )
-    for kill in result["chaos"]["kills"]:
-        ax.axvline(_tokens_at(result["chaos"]["heldout"], kill), color="C3", alpha=0.2, linewidth=1)
+    plots.curves(ax, {label: ([e["tokens"] / 1e6 for e in c], [e["loss"] for e in c]) for label, c in curves.items()})
+    for tokens in kills:
+        ax.axvline(tokens, color="C3", alpha=0.2, linewidth=1)
     ax.set_xlabel("tokens trained (M)")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.legend()
@@ -436,9 +503,9 @@ def _worker_pids(launcher: int) -> list[int]:
     return [pid for pid in ranks if descends(pid)]
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("study", choices=("kill", "overhead", "chaos", "rank"))
+    parser.add_argument("study", choices=("kill", "overhead", "chaos", "spread", "rank"))
     parser.add_argument("job", nargs="?", help="(rank) the job's settings")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--size", default="small", help="the GPT (bagua_common.workload.gpt_spec)")
@@ -452,13 +519,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
     parser.add_argument("--every", type=float, default=60)
     parser.add_argument("--rate", default=None, help="(overhead, chaos) link rate, e.g. 100mbit (root)")
+    parser.add_argument("--seeds", type=lambda text: [int(seed) for seed in text.split(",")], default=[1, 2],
+                        help="(spread) the fault-free runs' seeds, comma-separated")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
     if args.study == "rank":
         rank_main(args.job)
         return
     meta = run_meta(["torch"], argv=argv, ranks=args.ranks, size=args.size, algorithm=args.algorithm)
-    result = {"kill": kill, "overhead": overhead, "chaos": chaos}[args.study](args)
+    result = {"kill": kill, "overhead": overhead, "chaos": chaos, "spread": spread}[args.study](args)
     finish_meta(meta)
     lines = [f"# Fault tolerance, torch over gloo: {args.study}", "", *header_lines(meta), ""]
     if args.study == "kill":
@@ -502,6 +575,14 @@ def main(argv: list[str] | None = None) -> None:
             f"overhead {result['overhead'] * 100:+.2f}%. Each repeat's on/off ratio: median "
             f"{statistics.median(paired):.4f} [{min(paired):.4f}, {max(paired):.4f}].",
         ]
+    elif args.study == "spread":
+        lines.append(
+            f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}, {args.batch} windows per rank, lr {args.lr}, "
+            f"{args.steps} steps, links {args.rate or 'unshaped'}: fault-free runs at seeds {args.seeds} beside the "
+            f"chaos study's runs (`{result['chaos_command']}`)"
+        )
+        lines += ["", *spread_lines(result, args.out / f"fault-tolerance-torch-{args.study}.png"), "",
+                  f"![held-out loss against tokens](fault-tolerance-torch-{args.study}.png)"]  # fmt: skip
     else:
         lines.append(
             f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}, {args.batch} windows per rank, lr {args.lr}; "
