@@ -1,6 +1,6 @@
 """Fault tolerance on the GPT workload (issue 42): the fault-free overhead, and a chaos run with replacements.
 
-Three studies, all torch over gloo, plain processes on this machine or, with ``--rate`` (overhead, chaos), one
+Four studies, all torch over gloo, plain processes on this machine or, with ``--rate`` (overhead, chaos), one
 network namespace per rank on links of that rate (``harness.links``, root only; under chaos, each namespace is a
 node with its own launcher):
 
@@ -17,6 +17,9 @@ node with its own launcher):
   a time limit would be each rank's own, and a rank leaving mid-step is a failure). Reported: the held-out
   loss against tokens of both, every failure's seconds to resume and steps lost (from the ranks'
   logs), each replacement's seconds from asking to be admitted to training.
+* ``spread``: fault-free runs of the chaos study's settings at other ``--seeds`` (initialization and data order),
+  beside the chaos study's runs (read from ``--out``): the run-to-run spread the chaos run's curve is judged
+  against, at equal tokens.
 
 Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``, or ``--out``; timings with
 nothing else running: the header records the load before and after)::
@@ -24,6 +27,7 @@ nothing else running: the header records the load before and after)::
     python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
     python benchmarks/fault_tolerance.py overhead --ranks 4 --size mini --steps 60 --repeats 5 [--rate 100mbit]
     python benchmarks/fault_tolerance.py chaos --ranks 4 --size mini --steps 1500 --every 60 [--rate 100mbit]
+    python benchmarks/fault_tolerance.py spread --ranks 4 --size mini --steps 1500 --seeds 1,2 [--rate 100mbit]
 
 A rank of either is ``python benchmarks/fault_tolerance.py rank JOB.json`` (``JOB.json``: the
 settings; it appends JSON lines to ``<folder>/rank-<pid>.jsonl``).
