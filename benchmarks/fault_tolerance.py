@@ -1,6 +1,6 @@
 """Fault tolerance on the GPT workload (issue 42): the fault-free overhead, and a chaos run with replacements.
 
-Four studies, all torch over gloo, plain processes on this machine or, with ``--rate`` (overhead, chaos), one
+Four studies, all torch over gloo, plain processes on this machine or, with ``--rate`` (overhead, chaos, spread), one
 network namespace per rank on links of that rate (``harness.links``, root only; under chaos, each namespace is a
 node with its own launcher):
 
@@ -522,7 +522,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kill-step", type=int, default=5, help="(kill) the step the last rank dies in")
     parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
     parser.add_argument("--every", type=float, default=60)
-    parser.add_argument("--rate", default=None, help="(overhead, chaos) link rate, e.g. 100mbit (root)")
+    parser.add_argument("--rate", default=None, help="(overhead, chaos, spread) link rate, e.g. 100mbit (root)")
     parser.add_argument("--seeds", type=lambda text: [int(seed) for seed in text.split(",")], default=[1, 2],
                         help="(spread) the fault-free runs' seeds, comma-separated")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
