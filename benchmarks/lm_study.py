@@ -11,7 +11,8 @@ every ``eval_every`` steps; each rank counts the bytes it sent). Losses do not d
 whenever the machine allows; suspending the study (Ctrl-Z, SIGSTOP) suspends its ranks at their next step. Where
 JAX computes the same numbers as torch for an algorithm, its job trains only the first ``--check-fraction`` of the
 budget, and the report uses torch's curve once JAX's matched it at every evaluation of that part (within
-``CHECK_TOLERANCE``); it says so in the table.
+``CHECK_TOLERANCE``); it says so in the table. With ``--check-fraction 1`` a JAX variant trains the whole budget
+(again, when only its check was trained) and the report uses its own curve.
 
 ``time``: the time per step of every variant at every link, on an idle machine: jobs of ``--group`` variants at a
 time, each job's ranks alive through all its phases (one untimed, then ``--repeats`` rounds of every link); the
@@ -158,13 +159,23 @@ def _mpi(variant: dict[str, Any]) -> bool:
 
 def train(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
     """The ``train`` half (the module docstring): one job per variant not yet trained."""
-    # A job that failed (a timeout, a crash) is run again; only a finished one is kept.
+    budget = args.steps or STUDY.steps
+
+    def steps_of(variant: dict[str, Any]) -> int:
+        return budget if twin(variant) is None else max(1, round(args.check_fraction * budget))
+
+    # A job that failed (a timeout, a crash) is run again, and so is one shorter than this run's (a JAX check
+    # trained again with a larger --check-fraction); only a finished one is kept.
     done = {name for name, row in data["train"].items() if row.get("status") == "ok"}
-    todo = [v for v in _selected(args) if v["name"] not in done and v["algorithm"] not in OWN_CURVE]
+    todo = [
+        v
+        for v in _selected(args)
+        if v["algorithm"] not in OWN_CURVE
+        and (v["name"] not in done or data["train"][v["name"]]["steps"] < steps_of(v))
+    ]
     with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
         for i, variant in enumerate(todo):
-            budget = args.steps or STUDY.steps
-            steps = budget if twin(variant) is None else max(1, round(args.check_fraction * budget))
+            steps = steps_of(variant)
             job = {"settings": STUDY.as_dict(), **_fields(variant), "mode": "train", "steps": steps,
                    "study_pid": os.getpid()}  # fmt: skip
             path = _jobfile(Path(tmp) / variant["name"].replace("/", "-"), job)

@@ -150,7 +150,8 @@ def targets(data: dict[str, Any]) -> dict[str, float]:
 
 def curve_of(data: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, str]:
     """(the training row whose curve stands for variant ``name``, how it was obtained): its own full run, or its
-    torch twin's once the JAX run's checked part matched (see :data:`CHECK_TOLERANCE`)."""
+    torch twin's once the JAX run's checked part matched (see :data:`CHECK_TOLERANCE`); a JAX run over the whole
+    budget is its own."""
     import lm_study
 
     row = data["train"].get(name)
@@ -158,7 +159,7 @@ def curve_of(data: dict[str, Any], name: str) -> tuple[dict[str, Any] | None, st
         return None, "not trained"
     variant = next((v for v in lm_study.variants() if v["name"] == name), row)
     twin = lm_study.twin(variant)
-    if twin is None:
+    if twin is None or row["steps"] >= data["settings"]["steps"]:
         return row, "own run"
     source = data["train"].get(twin)
     if source is None or source.get("status") != "ok":

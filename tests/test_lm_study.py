@@ -173,3 +173,20 @@ def test_merge_takes_finished_rows_of_studies_with_the_same_settings(tmp_path):
     other = study("c", {"torch/qadam": ok}, {**same, "steps": same["steps"] + 1})
     with pytest.raises(SystemExit, match="other settings"):
         lm_study.merge(argparse.Namespace(sources=[other], out=tmp_path, name="merged"), merged, lambda: None)
+
+
+def test_a_jax_variant_uses_its_twins_curve_when_checked_and_its_own_over_the_whole_budget():
+    torch_curve = [[0, 5.0], [100, 3.0], [200, 2.0]]
+    near = [[0, 5.0], [100, 3.0 + lm_study_report.CHECK_TOLERANCE / 2]]
+    far = [[0, 5.0], [100, 3.0 + 2 * lm_study_report.CHECK_TOLERANCE], [200, 2.2]]
+
+    def data(jax_curve: list, steps: int) -> dict:
+        rows = {"torch/bytegrad": {"status": "ok", "curve": torch_curve, "steps": 200}}
+        rows["jax/bytegrad"] = {"status": "ok", "curve": jax_curve, "steps": steps}
+        return {"settings": {"steps": 200}, "train": rows}
+
+    row, how = lm_study_report.curve_of(data(near, 100), "jax/bytegrad")
+    assert row["curve"] == torch_curve and how.startswith("torch/bytegrad's, checked")
+    assert lm_study_report.curve_of(data(far[:2], 100), "jax/bytegrad")[0] is None  # the check failed
+    row, how = lm_study_report.curve_of(data(far, 200), "jax/bytegrad")  # trained the whole budget: its own
+    assert row["curve"] == far and how == "own run"
