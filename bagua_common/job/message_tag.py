@@ -13,6 +13,7 @@ import hmac
 __all__ = ["TAG_BYTES", "message_tag", "tag_matches"]
 
 TAG_BYTES = 32
+"""The length of a full tag (HMAC-SHA256's); a shorter one is its prefix."""
 
 
 def message_tag(key: bytes, purpose: bytes, *parts: bytes | memoryview, size: int = TAG_BYTES) -> bytes:
