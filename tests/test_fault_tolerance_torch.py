@@ -38,7 +38,16 @@ class Job:
     """One job's processes (plain ones, or ``bagua-launch --fault-tolerant``) and the JSON lines its ranks print,
     by process id (a replacement is a new process)."""
 
-    def __init__(self, ranks: int, algorithm: str, faults: list[dict], steps: int, world: int, launcher: bool = False):
+    def __init__(
+        self,
+        ranks: int,
+        algorithm: str,
+        faults: list[dict],
+        steps: int,
+        world: int,
+        launcher: bool = False,
+        nodes: int = 1,
+    ):
         self.env = {
             **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
             "PYTHONPATH": str(TESTS.parent),
@@ -58,8 +67,13 @@ class Job:
         self.events: list[dict] = []
         self.text: list[str] = []
         self._threads: list[threading.Thread] = []
-        if launcher:
-            self._start([sys.executable, "-m", "bagua_launch", "--fault-tolerant", "--nproc-per-node", str(ranks)], {})
+        if launcher:  # one per node, meeting at a rendezvous on this machine as a multi-node job's launchers do
+            command = [sys.executable, "-m", "bagua_launch", "--fault-tolerant"]
+            command += ["--nproc-per-node", str(ranks // nodes)]
+            if nodes > 1:
+                command += ["--nnodes", str(nodes), "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
+            for _ in range(nodes):
+                self._start(command, {})
         else:
             self.where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}
             for rank in range(ranks):
@@ -238,6 +252,21 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_gets_its_state_a
     assert given["steps_lost"] == 0 and given["seconds"] < RESUME_BAR, given
     assert not job.of(behind, "retry") and [e["step"] for e in job.of(behind, "step")] == [1, 2, 3, 4, 5, 6]
     check_every_sample_once(job, lost_parts=1)  # rank 2 trained its part of step 4, and died before reporting it
+
+
+def test_a_node_whose_only_rank_died_gets_a_replacement_that_finds_where_the_coordinator_went(jobs):
+    """Two nodes' launchers (bagua-launch --nnodes 2 --nproc-per-node 1): rank 0, the coordinator, dies; its node's
+    directory was written only by it, so its replacement learns where the coordinator went (rank 1's node) from the
+    other launcher, through the rendezvous store (bagua_launch.directory_relay), and joins."""
+    faults = [{"rank": 0, "step": 3, "where": "backward", "kind": "kill"}]
+    job = jobs(2, "gradient_allreduce", faults, steps=8, world=2, launcher=True, nodes=2)
+    job.finish()
+    assert [p.returncode for p in job.procs] == [0, 0], job.output()
+    replacements = job.pids(joiner=True)
+    assert len(replacements) == 1, job.output()
+    ends = [job.of(pid, "end") for pid in job.pids(rank=1) + replacements]
+    assert all(ends) and len({e[0]["digest"] for e in ends}) == 1, job.output()
+    check_every_sample_once(job)
 
 
 @pytest.mark.parametrize("lost", [2, 0])  # 0: the rank whose store the others register at
