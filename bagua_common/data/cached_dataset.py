@@ -7,11 +7,10 @@ with fork or spawn workers, a JAX input pipeline, a grain data source).
 
 Every value carries a header: the format version and a tag (:mod:`bagua_common.job.message_tag`), under the store's
 ``digest_key``, of the format version, the store key (dataset name, version, index) and the payload. A value whose
-digest does not match (a flipped bit, a truncation, another index's or dataset's value) is never unpickled: it is
-counted in ``stats()["damaged"]`` and read from the dataset again. Only a
-process holding the key can write a value that is served, so the key must stay with the job
-(the defaults keep it in 0600 files in the store's private directory). A store that fails never
-yields wrong data either: the sample is read from the dataset instead.
+tag does not match (a flipped bit, a truncation, another index's or dataset's value) is never unpickled: it is
+counted in ``stats()["damaged"]`` and read from the dataset again. Only a process holding the key can write a value
+that is served, so the key must stay with the job (the defaults keep it in 0600 files in the store's private
+directory). A store that fails never yields wrong data either: the sample is read from the dataset instead.
 
 A :class:`CachedDataset` also keys its values by the dataset's *fingerprint*
 (:func:`dataset_fingerprint`: its class, its length and a digest of a few items at fixed
