@@ -429,9 +429,11 @@ def spread_lines(result: dict, out: Path) -> list[str]:
         "inside",
     ]
     lines += table(head, rows)
-    final = {seed: run["heldout"][-1]["loss"] for seed, run in result["fault_free"].items()}
-    lines += ["", "Final held-out loss, fault-free: " + ", ".join(f"seed {k} {v:.4f}" for k, v in final.items())
-              + f"; chaos {result['chaos']['heldout'][-1]['loss']:.4f}."]  # fmt: skip
+    ends = {f"fault-free seed {seed}": run["heldout"][-1] for seed, run in result["fault_free"].items()}
+    ends["chaos"] = result["chaos"]["heldout"][-1]
+    lines += ["", "Each run's last evaluation (the chaos run trained fewer tokens in its steps: a smaller world after "
+              "each death): " + "; ".join(f"{name} {e['loss']:.4f} at {e['tokens'] / 1e6:.3f}M tokens"
+                                          for name, e in ends.items()) + "."]  # fmt: skip
     _curves_chart({**{f"fault-free, seed {seed}": run["heldout"] for seed, run in result["fault_free"].items()},
                    "chaos (seed 0)": result["chaos"]["heldout"]}, [], out)  # fmt: skip
     return lines
