@@ -34,7 +34,10 @@ def listening_addresses(pid: int) -> set[tuple[str, int]]:
     """(IPv4 address, port) of every TCP socket ``pid`` listens on (IPv6 ones as ('v6', port))."""
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed since the listing (the server opens and closes files as it starts)
+            continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     found = set()
