@@ -50,19 +50,23 @@ class DirectoryRelay:
         from torch.distributed import TCPStore
 
         shared = local = None
-        while not self._stopped.wait(PERIOD_S):
-            try:
-                if shared is None:
-                    host, port = self._rendezvous
-                    shared = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
-                if local is None:
-                    local = KVClient(*self._directory, 5.0, secret=self._secret)
-                for key in (FINISHED, CURRENT):
-                    self._exchange(key, local, shared)
-            except StoreUnreachable:
-                local = None  # the launcher is closing its directory
-            except RuntimeError:  # torch's store errors: the rendezvous's host is gone or restarting
-                shared = None
+        try:
+            while not self._stopped.wait(PERIOD_S):
+                try:
+                    if shared is None:
+                        host, port = self._rendezvous
+                        shared = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=5))
+                    if local is None:
+                        local = KVClient(*self._directory, 5.0, secret=self._secret)
+                    for key in (FINISHED, CURRENT):
+                        self._exchange(key, local, shared)
+                except StoreUnreachable:
+                    local = None  # the launcher is closing its directory
+                except RuntimeError:  # torch's store errors: the rendezvous's host is gone or restarting
+                    shared = None
+        finally:
+            if local is not None:
+                local.close()
 
     def _exchange(self, key: str, local: KVClient, shared) -> None:
         mine = local.check(key)

@@ -71,7 +71,7 @@ class WritesAFile:
         self.path = path
 
     def __reduce__(self):
-        return (open, (self.path, "w"))
+        return (os.mkdir, (self.path,))
 
 
 @pytest.mark.parametrize("damage", DAMAGES)

@@ -124,6 +124,8 @@ def launch(tmp_path):
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=30)
+        proc.stdout.close()
+        proc.stderr.close()
 
 
 def launch_job(tmp_path, mode: str) -> subprocess.Popen:

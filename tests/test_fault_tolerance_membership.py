@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import closing
 
 import pytest
 from multiprocess import TESTS, free_port
@@ -101,7 +102,12 @@ def test_store_operations_and_a_waiting_get():
         assert client.compare_set("c", b"", b"one") == b"one"
         assert client.compare_set("c", b"zero", b"two") == b"one"  # expected value differs: unchanged
         assert client.compare_set("c", b"one", b"two") == b"two"
-        threading.Timer(0.2, lambda: KVClient("127.0.0.1", server.port, 5, secret=SECRET).set("late", b"x")).start()
+
+        def set_late() -> None:
+            with closing(KVClient("127.0.0.1", server.port, 5, secret=SECRET)) as late:
+                late.set("late", b"x")
+
+        threading.Timer(0.2, set_late).start()
         started = time.monotonic()
         assert client.get("late", wait=5) == b"x"
         assert time.monotonic() - started < 2  # woken by the set, not by the wait's end
@@ -366,9 +372,10 @@ class MemberProcess:
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.process.stdout:
-            self.output.append(line)
-            self._lines.put(line)
+        with self.process.stdout:  # closed at the member's end
+            for line in self.process.stdout:
+                self.output.append(line)
+                self._lines.put(line)
 
     def next_event(self, timeout: float = 60.0) -> dict:
         """The member's next JSON line, within ``timeout`` seconds."""

@@ -286,7 +286,7 @@ class Membership:
             epoch = self.epoch
             suspects: list[str] = []
             ended = False
-            previous = self._monitor_client
+            previous, client = self._monitor_client, None
             try:
                 # Registered before the last epoch's connection closes: a member is gone when its last one does.
                 at, settings = epoch.coordinator, self.settings
@@ -306,10 +306,10 @@ class Membership:
                     if epoch.rank == 0:
                         self._coordinate(client, epoch)
             except StoreUnreachable:
-                if self._stopping.is_set():
-                    return
                 suspects = [epoch.coordinator.id]
             if self._stopping.is_set():
+                if client is not None:  # connected after close() closed the monitor's client
+                    client.close()
                 return
             if ended:  # after a commit: the epoch's communicators stay usable until its members move on
                 epoch.mark_ended()
