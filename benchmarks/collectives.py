@@ -72,8 +72,8 @@ benchmarks/kernels.py does, see ``retain_freed_memory``) so that every engine re
 its output buffers instead of faulting in fresh pages for each call; ``--fresh-pages``
 keeps glibc's default. ``OMP_NUM_THREADS`` is set to the cores per rank (at least 1,
 as torchrun does) unless already set: with every rank's torch using all the cores,
-spinning OpenMP threads starve the other ranks' communication (see
-``intra_op_threads``).
+spinning OpenMP threads starve the other ranks' communication (on 2 cores and 2 ranks
+gloo's 256 KiB allreduce took ~15 ms instead of ~0.5 ms).
 
 Robustness: every engine's process group runs under a time limit (``--timeout``,
 seconds per engine) and is killed as a whole when it runs over; a rank that exits
@@ -138,11 +138,12 @@ from typing import Any
 import harness.machine
 import harness.results
 import numpy as np
-from harness.machine import cores, retain_freed_memory
+from harness.machine import retain_freed_memory
 from harness.options import add_out_option, add_subset_option
 from harness.results import finish_meta, header_lines, run_meta
 
 from bagua_common.job.local_launch import free_port, mpiexec
+from bagua_common.job.rank_environment import threads_per_rank
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
@@ -671,16 +672,6 @@ def run_worker(args: argparse.Namespace) -> None:
 # --------------------------------------------------------------------------- launching
 
 
-def intra_op_threads(ranks: int) -> int:
-    """OpenMP threads per rank: the cores shared out among the ranks, at least one (as torchrun does).
-
-    torch's OpenMP threads spin after parallel regions (the input copies of a collective),
-    so with every rank using all the cores they starve the other ranks' communication
-    threads: on 2 cores and 2 ranks gloo's 256 KiB allreduce took ~15 ms instead of ~0.5 ms.
-    """
-    return max(1, cores() // max(1, ranks))
-
-
 class Output:
     """Relays a group's merged output line by line (prefixed with the time) and keeps the tail."""
 
@@ -746,7 +737,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
         "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": str(args.ranks),
     }
-    env.setdefault("OMP_NUM_THREADS", str(intra_op_threads(args.ranks)))
+    env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.ranks)))
     if args.device == "cpu":
         env |= {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per process
     else:
@@ -1156,7 +1147,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         primitives=args.primitives,
         target_seconds=args.target_seconds,
         calls={"warmup": WARMUP_CALLS, "min": MIN_CALLS, "max": MAX_CALLS, "max_batches": MAX_BATCHES},
-        omp_num_threads=os.environ.get("OMP_NUM_THREADS", str(intra_op_threads(args.ranks))),
+        omp_num_threads=os.environ.get("OMP_NUM_THREADS", str(threads_per_rank(args.ranks))),
         engine_timeout_s=args.timeout,
         comm_timeout_s=args.comm_timeout,
         host_memory=(

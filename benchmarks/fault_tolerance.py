@@ -141,6 +141,9 @@ def rank_main(job_file: str) -> None:
 
 
 def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, kill_step: int = 0) -> Path:
+    """The job's settings, written into ``folder`` with a new job secret beside them (every member needs it)."""
+    from bagua_common.fault_tolerance.settings import write_job_secret
+
     path = folder / "job.json"
     path.write_text(
         json.dumps(
@@ -155,21 +158,24 @@ def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, kill_
                 "eval_every": args.eval_every,
                 "fault_tolerant": fault_tolerant,
                 "kill_step": kill_step,
+                "secret_file": write_job_secret(str(folder)),
             }
         )
     )
     return path
 
 
-def environment(job: Path, **extra: str) -> dict[str, str]:
-    """The ranks' environment: this process's without the rank variables, the repository on the path, one thread
-    per rank, the replica check's interval and the job's secret (a fault-tolerant member needs it; written beside
-    ``job``), then ``extra``."""
-    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+def environment(job: Path, ranks: int, **extra: str) -> dict[str, str]:
+    """The ranks' environment: this process's without the rank variables, the repository on the path, the job's
+    secret, the replica check's interval, and the cores shared among all ``ranks`` (each runs on this machine, in a
+    network namespace or not, so a launcher's own share per node would oversubscribe them), then ``extra``."""
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE
+    from bagua_common.job.rank_environment import threads_per_rank
 
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env |= {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "BAGUA_FT_HASH_EVERY": str(HASH_EVERY)}
-    return {**env, ENV_SECRET_FILE: write_job_secret(str(job.parent)), **extra}
+    env |= {"PYTHONPATH": str(ROOT), ENV_SECRET_FILE: json.loads(job.read_text())["secret_file"]}
+    env |= {"OMP_NUM_THREADS": str(threads_per_rank(ranks)), "BAGUA_FT_HASH_EVERY": str(HASH_EVERY)}
+    return {**env, **extra}
 
 
 def with_changes(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
@@ -182,7 +188,7 @@ def launch(ranks: int, job: Path, fault_tolerant: bool, **extra: str) -> subproc
     command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(ranks)]
     command += ["--fault-tolerant"] if fault_tolerant else []
     command += [str(Path(__file__).resolve()), "rank", str(job)]
-    return subprocess.Popen(command, env=environment(job, **extra), start_new_session=True)
+    return subprocess.Popen(command, env=environment(job, ranks, **extra), start_new_session=True)
 
 
 def run_ranks(ranks: int, job: Path, rate: str | None) -> None:
@@ -196,7 +202,7 @@ def run_ranks(ranks: int, job: Path, rate: str | None) -> None:
 
     command = [sys.executable, str(Path(__file__).resolve()), "rank", str(job)]
     with Network(ranks, rate) as net:
-        net.run_all(command, free_port(), 3600, environment(job))
+        net.run_all(command, free_port(), 3600, environment(job, ranks))
 
 
 def lines(folder: Path) -> dict[str, list[dict]]:
@@ -256,7 +262,7 @@ def kill_once(args: argparse.Namespace) -> dict:
         folder = Path(scratch)
         job = job_file(folder, args, True, kill_step=args.kill_step)
         where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(args.ranks)}
-        env = environment(job, **where)
+        env = environment(job, args.ranks, **where)
         command = [sys.executable, str(Path(__file__).resolve()), "rank", str(job)]
         ranks = [subprocess.Popen(command, env={**env, "RANK": str(r)}) for r in range(args.ranks)]
         codes = [rank.wait(timeout=600) for rank in ranks]
@@ -336,7 +342,7 @@ def fault_tolerant_job(ranks: int, job: Path, rate: str | None) -> Iterator[list
 
     from bagua_common.job.local_launch import free_port
 
-    env = environment(job, GLOO_SOCKET_IFNAME=RANK_IF)
+    env = environment(job, ranks, GLOO_SOCKET_IFNAME=RANK_IF)
     with Network(ranks, rate) as net:
         endpoint = f"{net.master_addr}:{free_port()}"
         command = [sys.executable, "-m", "bagua_launch", "--nnodes", str(ranks), "--nproc-per-node", "1"]

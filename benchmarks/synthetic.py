@@ -100,7 +100,7 @@ import numpy as np
 from harness import plots
 from harness.console import Progress
 from harness.links import bytes_sent
-from harness.machine import cores, device_info
+from harness.machine import device_info
 from harness.options import add_out_option
 from harness.results import finish_meta, header_lines, run_meta
 
@@ -1049,7 +1049,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.warmup_iters < 1:
         parser.error("--warmup-iters must be at least 1 (the first iteration compiles)")
     if args.threads is None:
-        args.threads = max(1, cores() // args.nproc)
+        from bagua_common.job.rank_environment import threads_per_rank
+
+        args.threads = threads_per_rank(args.nproc)
     if args.worker:
         args.algorithm = args.algorithm[0]
     return args

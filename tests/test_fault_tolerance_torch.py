@@ -26,6 +26,7 @@ import pytest
 from multiprocess import TESTS, free_port
 
 from bagua_common.fault_tolerance import DataPosition
+from bagua_common.job.rank_environment import threads_per_rank
 
 pytest.importorskip("torch")
 
@@ -61,7 +62,8 @@ class Job:
             "FT_WORLD": str(world),
             "FT_FAULTS": json.dumps(faults),
             "FT_MARKS": tempfile.mkdtemp(prefix="bagua-ft-faults-"),
-            "OMP_NUM_THREADS": "1",
+            # every node's ranks run on this machine: the cores are shared among all of them
+            "OMP_NUM_THREADS": str(threads_per_rank(ranks)),
         }
         self.procs: list[subprocess.Popen] = []
         self.events: list[dict] = []
@@ -98,13 +100,14 @@ class Job:
         self._threads.append(thread)
 
     def _read(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            self.text.append(line)
-            body = line.split("] ", 1)[1] if line.startswith("[rank ") else line
-            try:
-                self.events.append(json.loads(body))
-            except json.JSONDecodeError:
-                pass
+        with proc.stdout:  # closed at the process's end
+            for line in proc.stdout:
+                self.text.append(line)
+                body = line.split("] ", 1)[1] if line.startswith("[rank ") else line
+                try:
+                    self.events.append(json.loads(body))
+                except json.JSONDecodeError:
+                    pass
 
     def of(self, pid: int, kind: str) -> list[dict]:
         return [e for e in list(self.events) if e["pid"] == pid and e["event"] == kind]
