@@ -37,8 +37,9 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_jax\.py::test_a_survivor_that_had_not_applied": "JAX's survivor given another's state "
     "(torch's stays quick, and JAX's joiner receives the state the same way in the quick kill/hang/exception job)",
     r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"
-    r"plain_processes\[hang\]|test_mpi_launcher_names_the_rank_that_raised\[torch\]|test_mpi_raising_rank_exits_"
-    r"under_plain_mpiexec\[torch\])": "the native communicators' own dead-peer tests stay quick",
+    r"plain_processes|test_mpi_launcher_names_the_rank_that_raised\[torch\]|test_mpi_raising_rank_exits_"
+    r"under_plain_mpiexec)": "the native communicators' own dead-peer tests stay quick, and so do the launcher's "
+    "cases of a killed and a raising rank (the ranks' side is the same without it)",
     r"test_lax_communicator_processes_jax\.py::test_(collectives_across_processes\[4\]|a_dead_peer_fails_the_"
     r"survivors_within_a_bound\[(exits-before-first-collective|hangs-alive)\])": "two processes and the other "
     "dead-peer cases stay quick",
@@ -54,6 +55,15 @@ EXTENDED: dict[str, str] = {
     # the same scenarios on a larger job of the same kind
     r"test_async_model_average_torch\.py::.*\[gloo-4\]": "two gloo ranks stay quick",
     r"test_async_model_average_jax\.py::.*\[mpi-4\]": "two ranks stay quick",
+    r"test_async_model_average_jax\.py::test_warmup_equals_synchronous_allreduce_sgd\[mpi-2\]": "the transform's "
+    "warm-up allreduce in one process (test_transform_allreduces_during_warmup_then_steps_locally) and torch's "
+    "warm-up against synchronous SGD on two gloo ranks stay quick",
+    r"test_(qadam_onebit_jax\.py::test_two_mpi_processes_match|decentralized_jax\.py::test_two_processes_with_the_"
+    r"native_mpi)": "QAdam's, 1-bit Adam's and decentralized's steps over two MPI processes (5 s each): their exact "
+    "runs against the NumPy simulation stay quick in one process, every primitive they call on the MPI engine in "
+    "test_native_communicator_jax, and gradient allreduce and ByteGrad over two MPI processes end to end",
+    r"test_launcher\.py::test_torch_distributed_gloo_job": "torch's gloo jobs under bagua-launch stay quick in "
+    "test_lightning_torch, test_bagua_migration_torch and test_elastic_launch",
     r"test_gradient_allreduce_bytegrad_torch\.py::.*\[(gloo|mpi)-4ranks-2nodes": "two gloo ranks stay quick, two "
     "nodes in JAX's tests",
     r"test_decentralized_torch\.py::.*\[(gloo|mpi)-4ranks-2nodes": "two ranks stay quick, two nodes in JAX's tests",

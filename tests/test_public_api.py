@@ -9,47 +9,16 @@ change, where a reviewer sees it.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-from fresh_interpreter import run_json
-
-LISTED = Path(__file__).resolve().parent / "public_api.txt"
-
-PROBE = r"""
-import importlib, json, sys, warnings
-found = {}
-for line in dict.fromkeys(sys.stdin.read().split()):
-    module, _, name = line.partition(":")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        try:
-            value = importlib.import_module(module)
-            if name:
-                value = getattr(value, name)
-        except (ImportError, AttributeError) as error:
-            found[line] = ["missing", f"{type(error).__name__}: {error}"]
-            continue
-    moved = [
-        str(w.message) for w in caught if issubclass(w.category, DeprecationWarning) and " moved to " in str(w.message)
-    ]
-    found[line] = ["moved", moved[0]] if moved else ["here", ""]
-print(json.dumps(found))
-"""
-
-
-def probe(lines: list[str]) -> dict[str, list[str]]:
-    """Each line's fate in a fresh interpreter: ``here``, ``moved`` (with the warning) or ``missing``."""
-    return run_json(PROBE, stdin="\n".join(lines))
-
-
-DEMO = ["bagua_torch:with_bagua", "bagua_torch:no_such_name", "bagua_common.elastic_sampler"]
+from package_probe import LISTED, package_of, package_report
 
 
 @pytest.fixture(scope="module")
 def found() -> dict[str, list[str]]:
-    """The fate of every listed line and of :data:`DEMO`'s, from one interpreter."""
-    return probe(DEMO + LISTED.read_text().split())  # DEMO first: a moved module warns on its first import
+    """The fate of every listed line and of the probe's controls, from one fresh interpreter per package (the
+    import rules' test reads the same ones)."""
+    packages = {package_of(line) for line in LISTED.read_text().split()}
+    return {line: fate for package in sorted(packages) for line, fate in package_report(package)["found"].items()}
 
 
 def test_every_listed_public_name_imports_or_warns_where_it_went(found):
