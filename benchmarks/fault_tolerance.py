@@ -29,6 +29,8 @@ nothing else running: the header records the load before and after)::
     python benchmarks/fault_tolerance.py chaos --ranks 4 --size mini --steps 1500 --every 60 [--rate 100mbit]
     python benchmarks/fault_tolerance.py spread --ranks 4 --size mini --steps 1500 --seeds 1,2 [--rate 100mbit]
 
+``python benchmarks/fault_tolerance.py report STUDY`` writes a study's Markdown and chart again from its JSON.
+
 A rank of either is ``python benchmarks/fault_tolerance.py rank JOB.json`` (``JOB.json``: the
 settings; it appends JSON lines to ``<folder>/rank-<pid>.jsonl``).
 """
@@ -58,6 +60,7 @@ from lm_study_report import loss_at  # noqa: E402
 from bagua_common.workload import gpt_config  # noqa: E402
 
 HASH_EVERY = 50
+STUDIES = ("kill", "overhead", "chaos", "spread")
 
 
 def rank_main(job_file: str) -> None:
@@ -517,8 +520,8 @@ def _worker_pids(launcher: int) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("study", choices=("kill", "overhead", "chaos", "spread", "rank"))
-    parser.add_argument("job", nargs="?", help="(rank) the job's settings")
+    parser.add_argument("study", choices=(*STUDIES, "rank", "report"))
+    parser.add_argument("job", nargs="?", help="(rank) the job's settings; (report) the study to write again")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--size", default="small", help="the GPT (bagua_common.workload.gpt_spec)")
     parser.add_argument("--algorithm", default="gradient_allreduce")
@@ -542,9 +545,26 @@ def main(argv: list[str] | None = None) -> None:
     if args.study == "rank":
         rank_main(args.job)
         return
+    if args.study == "report":
+        report(args)
+        return
     meta = run_meta(["torch"], argv=argv, ranks=args.ranks, size=args.size, algorithm=args.algorithm)
     result = {"kill": kill, "overhead": overhead, "chaos": chaos, "spread": spread}[args.study](args)
     finish_meta(meta)
+    publish(args, meta, result)
+
+
+def report(args: argparse.Namespace) -> None:
+    """Write a study's Markdown (and chart) again from its JSON under ``--out``, with the settings it ran with."""
+    if args.job not in STUDIES:
+        raise SystemExit(f"report: which study? one of {', '.join(STUDIES)}")
+    saved = json.loads((args.out / f"fault-tolerance-torch-{args.job}.json").read_text())
+    ran = with_changes(build_parser().parse_args(shlex.split(saved["command"])[2:]), out=args.out)
+    publish(ran, {k: v for k, v in saved.items() if k != "result"}, saved["result"])
+
+
+def publish(args: argparse.Namespace, meta: dict, result: dict) -> None:
+    """Print and write the results of the study ``args`` ran: ``fault-tolerance-torch-<study>.{md,json}``."""
     lines = [f"# Fault tolerance, torch over gloo: {args.study}", "", *header_lines(meta), ""]
     if args.study == "kill":
         lines.append(
