@@ -23,7 +23,9 @@ that had not applied a step another survivor applied is given that one's state, 
 they check that the replicas are bit-identical and run the step in flight again. A process started with
 ``BAGUA_FT_JOIN=1`` joins the running job: the members admit it after their next commit and the
 first member sends it the parameters, the optimizers' and the algorithm's state and the data
-position over a process group of the two (never a file).
+position over a process group of the two (never a file, :mod:`bagua_torch.state_transfer`). Under
+DiLoCo the joiner sits out the round in flight while a copy of the state travels, and joins its
+exchange with a zero pseudo-gradient that is not counted: its peers do not wait for it.
 
 NCCL: the same, with ``ProcessGroupNCCL`` built on the epoch's store; the abandoned group is
 aborted where torch can (``abort()`` of its backend). Not run here: no GPU.
@@ -55,11 +57,11 @@ from bagua_common.fault_tolerance import (
     MembershipChanged,
     Recovery,
 )
+from bagua_torch import state_transfer
 from bagua_torch.algorithms import algorithm_class, available_algorithms
-from bagua_torch.broadcast import broadcast_structure, broadcast_tensors
 from bagua_torch.communicator import CommunicationError, ProcessGroupCommunicator
-from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, pair_communicator, solo_communicator
-from bagua_torch.replica_check import check_replicas, model_tensors
+from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, solo_communicator
+from bagua_torch.replica_check import check_replicas
 
 if TYPE_CHECKING:
     from bagua_torch.bagua_module import BaguaModule
@@ -78,14 +80,15 @@ class Step:
     """One attempt at a training step (a context manager; see :meth:`FaultTolerance.steps`).
 
     ``number`` is the step (from 1), ``indices`` this rank's samples (when the loop was given a
-    :class:`~bagua_common.fault_tolerance.DataPosition`), ``rank`` and ``world_size`` the members now.
+    :class:`~bagua_common.fault_tolerance.DataPosition`), ``rank`` and ``world_size`` this member's place
+    among the members training the step: all of them, except during a DiLoCo joiner's first round, which it
+    sits out.
     """
 
     def __init__(self, job: FaultTolerance, number: int):
         self._job = job
         self.number = number
-        self.rank = job.epoch.rank
-        self.world_size = job.epoch.size
+        self.rank, self.world_size = job.training_place()
         self.indices = None if job.data is None else job.data.indices(self.rank, self.world_size)
 
     def __enter__(self) -> Step:
@@ -132,6 +135,8 @@ class FaultTolerance:
         self._groups: list[Any] = []  # the current epoch's process groups
         self._entered = False
         self._checked = -1  # the step at which the replicas were last checked
+        self._sitting_out: tuple[int, ...] = ()  # the ranks given the state in the background, until they commit
+        self._check_due = False  # the replicas are checked at the next step: those ranks have the state now
         self.world = solo_communicator(
             self.timeout
         )  # until the loop starts: the models wrap alone, then are rebuilt in the epoch
@@ -198,6 +203,8 @@ class FaultTolerance:
     def _transaction_committed(self) -> None:
         self.committed += 1
         self._committed_this_attempt = True
+        if self._sitting_out:
+            self._sitting_out, self._check_due = (), True
         for module in self.modules:
             module.algorithm_impl.on_commit()
 
@@ -215,7 +222,8 @@ class FaultTolerance:
         while self.step < total:
             assert self.epoch is not None
             every = self.settings.hash_every
-            if not self.epoch.closed.is_set() and every and self.step % every == 0 and self._checked != self.step:
+            due = self._check_due or (every and self.step % every == 0 and self._checked != self.step)
+            if due and not self._sitting_out and not self.epoch.closed.is_set():
                 try:
                     self._check_replicas(f"at step {self.step}")
                 except (MembershipChanged, CommunicationError) as error:
@@ -231,9 +239,7 @@ class FaultTolerance:
     def _attempt_ended(self, error: BaseException | None) -> bool:
         assert self.membership is not None and self.epoch is not None
         if error is None:
-            self.step += 1
-            if self.data is not None:
-                self.data.advance(self.epoch.size)
+            self._step_done()
             return False
         if not _caused_by_a_change(error):
             return False
@@ -243,11 +249,21 @@ class FaultTolerance:
         # the async averager), or in DiLoCo's exchange, leaves the step's own work done: it counts.
         interrupted = self._committed_this_attempt or isinstance(error, ExchangeInterrupted)
         if interrupted:
-            self.step += 1
-            if self.data is not None:
-                self.data.advance(self.epoch.size)
+            self._step_done()
         self._change_epoch(lost_step=not interrupted)
         return True
+
+    def _step_done(self) -> None:
+        self.step += 1
+        if self.data is not None:
+            self.data.advance(self.training_place()[1])
+
+    def training_place(self) -> tuple[int, int]:
+        """This member's rank among the members training the current step, and their number: every member but
+        those sitting out their first DiLoCo round (:meth:`_receive_or_send_state`)."""
+        assert self.epoch is not None
+        training = [rank for rank in range(self.epoch.size) if rank not in self._sitting_out]
+        return training.index(self.epoch.rank) if self.epoch.rank in training else 0, len(training)
 
     def _fail(self, error: BaseException) -> None:
         assert self.membership is not None and self.epoch is not None
@@ -325,6 +341,7 @@ class FaultTolerance:
             self.group.communicators, self.group.rank, self.group.size = self.communicators, epoch.rank, epoch.size
         for module in self.modules:
             module.rebuild(self.communicators)
+        self._sitting_out, self._check_due = (), False
         if self.committed == 0:  # nothing trained yet: every rank, joiners too, takes rank 0's replicas
             for module in self.modules:
                 module.synchronize_replicas()
@@ -334,54 +351,43 @@ class FaultTolerance:
         self._entered = True
         for module in self.modules:
             module.algorithm_impl.resume()
-        self._check_replicas(f"after the change to epoch {epoch.number} ({epoch.size} members)")
+        if not self._sitting_out:  # else checked once they took part in their first exchange
+            self._check_replicas(f"after the change to epoch {epoch.number} ({epoch.size} members)")
 
     # --- joiners ---------------------------------------------------------------------
 
     def _receive_or_send_state(self) -> None:
         """The first member that has the job's state sends it to each one that needs it (a joiner, or a survivor
-        that had not applied the last step) over a group of the two."""
+        that had not applied the last step): :mod:`bagua_torch.state_transfer`.
+
+        Under DiLoCo (one fragment) the receivers sit out the round in flight (:attr:`_sitting_out`), as
+        INTELLECT-1's joiners do: the state is a copy taken now, sent by a thread while the others train, and a
+        receiver joins the round's exchange with a zero pseudo-gradient the average does not count, which gives
+        it the replicas' new round start. Its peers wait for nothing unless the state takes longer than the round.
+        Otherwise the members wait while the state is sent."""
         epoch = self.epoch
         assert epoch is not None and self.membership is not None
-        holder = epoch.state_holder
-        for joiner_rank in [r for r in range(epoch.size) if epoch.is_joiner(r)]:
-            if epoch.rank not in (holder, joiner_rank):
-                continue
-            pair = pair_communicator(epoch, holder, joiner_rank, self.backend, self.timeout)
-            self._groups.append(pair.group)
-            state = self._state_for_joiner() if epoch.rank == holder else None
-            received = broadcast_structure(state, pair, self.device)
-            broadcast_tensors(pair, self._replicated_tensors())
-            if epoch.rank == joiner_rank:
-                self._load_joiner_state(received)
+        receivers = tuple(r for r in range(epoch.size) if epoch.is_joiner(r))
+        link = (self.backend, self.device, self.timeout, self._groups)
+        sit_out = state_transfer.steps_to_sit_out(self.modules)
+        if epoch.rank == epoch.state_holder:
+            state = state_transfer.job_state(self.step, self.committed, self.data, self.modules)
+            send = state_transfer.send_state if sit_out is None else state_transfer.send_state_in_background
+            send(epoch, receivers, state, state_transfer.replicated_tensors(self.modules), *link)
+        elif epoch.rank in receivers:
+            received = state_transfer.receive_state(epoch, self.modules, *link)
+            self.step, self.committed = state_transfer.load_job_state(received, self.data, self.modules)
+            sit_out = state_transfer.steps_to_sit_out(self.modules)  # as the holder's state has it
+            if sit_out is None:
                 self.membership.applied(self.committed)
-
-    def _state_for_joiner(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "committed": self.committed,
-            "position": None if self.data is None else self.data.state(),
-            "modules": [
-                {
-                    "optimizers": [opt.state_dict() for opt in m.optimizers],
-                    "algorithm": m.algorithm_impl.carried_state(),
-                }
-                for m in self.modules
-            ],
-        }
-
-    def _load_joiner_state(self, state: dict[str, Any]) -> None:
-        self.step, self.committed = int(state["step"]), int(state["committed"])
-        if self.data is not None and state["position"] is not None:
-            self.data.load_state(state["position"])
-        for module, saved in zip(self.modules, state["modules"]):
-            for optimizer, optimizer_state in zip(module.optimizers, saved["optimizers"]):
-                optimizer.load_state_dict(optimizer_state)
-            module.algorithm_impl.load_carried_state(saved["algorithm"])
-
-    def _replicated_tensors(self) -> list[torch.Tensor]:
-        """Every model's parameters and buffers, in a fixed order."""
-        return [t for module in self.modules for t in model_tensors(module)]
+            else:  # applied once its first exchange commits: a change before then gives it the state again
+                self._sitting_out = receivers
+                for _ in range(sit_out):
+                    self._step_done()
+                for module in self.modules:
+                    module.algorithm_impl.sit_out(sit_out)
+        if sit_out is not None:
+            self._sitting_out = receivers
 
     # --- replica checks -----------------------------------------------------------------
 
@@ -389,7 +395,7 @@ class FaultTolerance:
         """Compare the replicated state across the members (ReplicaMismatch on every member if any part differs)."""
         position = [self.step, self.committed, *(self.data.state() if self.data else [])]
         check_replicas(self.world, self.device, self.modules, position, when)
-        self._checked = self.step
+        self._checked, self._check_due = self.step, False
 
     def close(self) -> None:
         """Leave the job (the others see this member go)."""

@@ -6,13 +6,14 @@ joiner), ``FT_ALGORITHM`` (a registry name, then optionally its options as JSON)
 ``{"rank", "step", "where", "kind"}``). At that step, in ``forward``, ``backward`` (in a gradient
 hook), ``before_vote`` (the optimizer's step begins), ``vote`` (the step's collectives done, about
 to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo's outer exchange),
-or at step 0 in ``formation`` (before it registers with the others), the rank ``kill``s itself
-(SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow`` (0.3 s) or, at a vote, ``late`` (it votes after
-its epoch closed). A fault fires once per rank and
+or at step 0 in ``formation`` (before it registers with the others) or ``state`` (before it sends a
+joiner the state), the rank ``kill``s itself (SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow``
+(``seconds``, default 0.3) or, at a vote, ``late`` (it votes after its epoch closed).
+``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time). A fault fires once per rank and
 place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
 Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices), ``retry``
 per abandoned attempt, and ``end`` (a digest of the parameters and of the algorithm's replicated
-state, the recoveries, a joiner's seconds from asking to be admitted to being ready).
+state, that state's values, the recoveries, a joiner's seconds from asking to be admitted to being ready).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import torch
 
 import bagua_torch
 from bagua_common.fault_tolerance import DataPosition
+from bagua_torch import state_transfer
 from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.diloco import DiLoCoImpl
 from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
@@ -56,7 +58,7 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
             elif kind == "raise":
                 raise RuntimeError(f"rank {rank} fails on purpose at step {step} ({where})")
             elif kind == "slow":
-                time.sleep(0.3)
+                time.sleep(f.get("seconds", 0.3))
             elif kind == "late":  # once this member saw the epoch close (and told the next one what it applied)
                 epoch.closed.wait(60)
                 time.sleep(0.5)
@@ -68,6 +70,7 @@ def main() -> None:
     rank = None if joiner else int(os.environ["RANK"])
     faults = json.loads(os.environ.get("FT_FAULTS", "[]"))
     steps, world_wanted = int(os.environ["FT_STEPS"]), int(os.environ["FT_WORLD"])
+    step_seconds = float(os.environ.get("FT_STEP_SECONDS", "0"))
 
     original_change = FaultTolerance._change_epoch
 
@@ -76,6 +79,13 @@ def main() -> None:
         original_change(self, lost_step)
 
     FaultTolerance._change_epoch = change_epoch  # the "mid-recovery" fault point
+    original_send = state_transfer.send_state
+
+    def send_state(*args) -> None:
+        fault(faults, rank, 0, "state")
+        original_send(*args)
+
+    state_transfer.send_state = send_state  # a joiner's state over a slow link
     original_average = DiLoCoImpl._average
 
     def average(self: DiLoCoImpl, p: int, flat: torch.Tensor) -> torch.Tensor:
@@ -121,12 +131,14 @@ def main() -> None:
     net[0].weight.register_hook(lambda g: fault(faults, rank, step_hook["step"], "backward"))
     settled = None  # the first step with the wanted world (the same on every member: epochs change between steps)
     for step in job.steps(10**9, data):
-        settled = (job.step if settled is None else settled) if job.epoch.size == world_wanted else None
+        training = job.training_place()[1]  # a DiLoCo joiner sits out its first round
+        settled = (job.step if settled is None else settled) if training == world_wanted else None
         if settled is not None and job.step >= max(steps, settled + 2):  # 2 steps together: a joiner trains too
             break
         step_hook["step"] = step.number
         with step:
             fault(faults, rank, step.number, "forward")
+            time.sleep(step_seconds)
             x, y = data_x[step.indices], data_y[step.indices]
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
@@ -139,6 +151,7 @@ def main() -> None:
             time.sleep(0.05)  # wait for a joiner, training meanwhile
     digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
     replicated = model.algorithm_impl.replicated_tensors()  # DiLoCo's round start: equal where parameters drift
+    values = [v for t in replicated for v in t.detach().reshape(-1).tolist()]
     replicated = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in replicated)).hexdigest()
     joined = getattr(job, "joined_after", None)
     report(
@@ -147,6 +160,7 @@ def main() -> None:
         world=job.epoch.size,
         digest=digest,
         replicated=replicated,
+        replicated_values=values,
         recoveries=job.recoveries,
         joined=joined,
     )

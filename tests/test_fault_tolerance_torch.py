@@ -48,6 +48,7 @@ class Job:
         world: int,
         launcher: bool = False,
         nodes: int = 1,
+        step_seconds: float = 0.0,
     ):
         self.env = {
             **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
@@ -60,6 +61,7 @@ class Job:
             "FT_ALGORITHM": algorithm,
             "FT_STEPS": str(steps),
             "FT_WORLD": str(world),
+            "FT_STEP_SECONDS": str(step_seconds),
             "FT_FAULTS": json.dumps(faults),
             "FT_MARKS": tempfile.mkdtemp(prefix="bagua-ft-faults-"),
             # every node's ranks run on this machine: the cores are shared among all of them
@@ -310,6 +312,18 @@ def test_powersgd_survives_a_hang_and_the_coordinators_exception(jobs):
     check_every_sample_once(job, lost_parts=1)
 
 
+def finish_with_a_joiner_on_one_round_start(job: Job) -> tuple[list[int], list[int], list[list[dict]]]:
+    """Start a joiner, wait for the job's end; returns ranks 0 and 1's processes, the joiner's, and the end events of
+    each (asserted: every one ended, all on the same DiLoCo round start, the joiner's too)."""
+    job.join()
+    job.finish()
+    members, joiner = job.pids(rank=0) + job.pids(rank=1), job.pids(joiner=True)
+    ends = [job.of(pid, "end") for pid in members + joiner]
+    assert all(ends), job.output()
+    assert len({e[0]["replicated"] for e in ends}) == 1
+    return members, joiner, ends
+
+
 def test_streaming_diloco_retries_an_overlapped_exchange_among_the_survivors_and_takes_a_joiner(jobs):
     # Fragment 1 is exchanged after steps 2, 6, 10 (on the worker thread, applied a step later), fragment 0 after
     # 4, 8: rank 2 dies inside fragment 1's overlapped exchange of step 6.
@@ -317,12 +331,7 @@ def test_streaming_diloco_retries_an_overlapped_exchange_among_the_survivors_and
     faults = [{"rank": 2, "step": 6, "where": "exchange", "kind": "kill"}]
     job = jobs(3, f"diloco {json.dumps(options)}", faults, steps=12, world=3)
     job.wait_until(lambda: any(e.get("step", 0) >= 9 for e in list(job.events)))
-    job.join()
-    job.finish()
-    survivors, joiner = job.pids(rank=0) + job.pids(rank=1), job.pids(joiner=True)
-    ends = [job.of(pid, "end") for pid in survivors + joiner]
-    assert all(ends), job.output()
-    assert len({e[0]["replicated"] for e in ends}) == 1  # the round start, the joiner's too
+    survivors, joiner, ends = finish_with_a_joiner_on_one_round_start(job)
     for pid in survivors:
         assert not job.of(pid, "retry")  # no completed inner step lost
         steps = [e["step"] for e in job.of(pid, "step")]
@@ -331,6 +340,30 @@ def test_streaming_diloco_retries_an_overlapped_exchange_among_the_survivors_and
         assert failure["size"] == 2 and failure["steps_lost"] == 0 and failure["seconds"] < RESUME_BAR, failure
         assert joined["size"] == 3 and joined["joined"] == 1 and joined["seconds"] < 1.0, joined
     check_every_sample_once(job, lost_parts=2)  # rank 2's parts of step 6 (it died in) and 7 (its death noticed)
+
+
+def test_a_diloco_joiner_sits_out_its_first_round_while_its_state_arrives_and_its_peers_wait_for_nothing(jobs):
+    # Rounds of 20 steps of 0.1 s; the joiner's state takes 1 s more to leave rank 0 (a slow link), yet the peers
+    # train on: the state is a copy sent in the background, and the joiner joins the round's exchange with a zero
+    # pseudo-gradient that is not counted, which gives it the new round start.
+    faults = [{"rank": 0, "step": 0, "where": "state", "kind": "slow", "seconds": 1.0}]
+    job = jobs(2, 'diloco {"sync_every": 20}', faults, steps=50, world=3, step_seconds=0.1)
+    peers, joiner, ends = finish_with_a_joiner_on_one_round_start(job)
+    assert job.of(peers[0], "fault")  # the slow transfer happened
+    first = job.of(joiner[0], "step")[0]["step"]
+    assert first > 20 and first % 20 == 1, first  # it trains from the round after the one it sat out
+    for pid in peers:
+        (joined,) = job.of(pid, "end")[0]["recoveries"]
+        assert joined["size"] == 3 and joined["joined"] == 1 and joined["seconds"] < 0.5, joined
+        times = [e["t"] for e in job.of(pid, "step")]
+        assert max(b - a for a, b in zip(times, times[1:])) < 0.6, times  # no step waited for the state
+    check_every_sample_once(job)  # the round sat out is split between the two that trained it
+    # The exchange the joiner sat out averaged the two that trained, as a job of those two alone does (up to the
+    # rounding of the rescaled mean): the job ended in the round after it, on the round start it gave.
+    alone = jobs(2, 'diloco {"sync_every": 20}', [], steps=first - 1, world=2)
+    alone.finish()
+    (reference,) = alone.of(alone.pids(rank=0)[0], "end")
+    np.testing.assert_allclose(ends[0][0]["replicated_values"], reference["replicated_values"], rtol=1e-5, atol=1e-7)
 
 
 @pytest.mark.parametrize(

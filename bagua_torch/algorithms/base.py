@@ -346,6 +346,16 @@ class AlgorithmImpl:
         """After a change of members, once rebuilt: finish what the change interrupted (DiLoCo retries its
         exchanges among the survivors). Collective over the new members. Default: nothing."""
 
+    def steps_to_next_exchange(self) -> int | None:
+        """In a fault-tolerant job, for a rank given the state now: how many steps it can sit out, then join the
+        algorithm's next exchange without having trained (DiLoCo's round), so that its peers need not wait for the
+        state; None when it needs the state before the next step (its peers wait while it is sent). Default: None."""
+        return None
+
+    def sit_out(self, steps: int) -> None:
+        """Skip ``steps`` steps (:meth:`steps_to_next_exchange`) and contribute nothing to the exchange after them."""
+        raise NotImplementedError(f"{type(self).__name__} has no exchange to join without having trained")
+
     def replicated_tensors(self) -> list[torch.Tensor]:
         """The algorithm's own tensors that are identical on every rank (hashed by the replica check)."""
         return []

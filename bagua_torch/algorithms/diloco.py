@@ -110,6 +110,9 @@ class DiLoCoImpl(AlgorithmImpl):
         self.own: dict[int, torch.Tensor] = {}
         """Fault tolerance: each exchange not yet applied, by fragment: this rank's pseudo-gradient (float32, not
         padded), retried among the survivors if the members change before it is applied."""
+        self.silent: set[int] = set()
+        """Fault tolerance: the fragments whose next exchange this rank sits out (it was given the state and has
+        not trained: its pseudo-gradient is zero and the average divides by the ranks that trained)."""
         self.step = 0
         self._ticker = context.optimizers[-1]
 
@@ -140,6 +143,7 @@ class DiLoCoImpl(AlgorithmImpl):
             if not self.fault_tolerance.commit():
                 raise MembershipChanged(f"{self.config.name}: fragment {p}'s exchange did not commit")
             self.own.pop(p, None)
+            self.silent.discard(p)
         self._apply(p, mean)
 
     def resume(self) -> None:
@@ -151,6 +155,27 @@ class DiLoCoImpl(AlgorithmImpl):
                 self.pending[p] = self.run_async(lambda p=p, flat=flat: self._average(p, flat))  # still overlapping
             else:
                 self._commit_and_apply(p, self._average(p, flat))
+
+    def steps_to_next_exchange(self) -> int | None:
+        """The steps before the exchange a rank given the state now can join without having trained: none when an
+        exchange is pending (retried after a change), else the rest of the round. None for Streaming DiLoCo (its
+        fragments' rounds overlap: a joiner receives the state while its peers wait)."""
+        if self.config.fragments != 1 or self.config.fragment_sync_delay:
+            return None
+        if self.own:
+            return 0
+        steps = 1
+        while not self.config.exchanges_after(self.step + steps):
+            steps += 1
+        return steps
+
+    def sit_out(self, steps: int) -> None:
+        """Skip ``steps`` inner steps and join the exchange after them without having trained, as INTELLECT-1's
+        joiners do: a zero pseudo-gradient the average does not count. Applying that exchange gives this rank the
+        replicas' round start."""
+        self.step += steps
+        self.own = {0: torch.zeros(self.sizes[0], device=self.context.device)}
+        self.silent = {0}
 
     def _pseudo_gradient(self, p: int) -> torch.Tensor:
         device = self.context.device
@@ -167,6 +192,10 @@ class DiLoCoImpl(AlgorithmImpl):
         mean, residual = EXCHANGE.average(flat, self.comm, self.config.outer_exchange, residual)
         if residual is not None:
             self.residuals[p] = residual
+        if self.fault_tolerance is not None:  # a rank sitting out its first round sent zeros: not counted
+            trained = float(self.comm.allreduce(torch.tensor([float(p not in self.silent)], device=flat.device)))
+            if trained != self.comm.size:  # none trained (those that did were lost): zero, the same on every rank
+                mean = mean * (self.comm.size / max(trained, 1.0))
         return mean[: self.sizes[p]]
 
     def _result(self, p: int) -> torch.Tensor:
@@ -197,12 +226,14 @@ class DiLoCoImpl(AlgorithmImpl):
 
     def carried_state(self) -> dict[str, Any]:
         """The step, the round start, the outer optimizers' state (all the same on every rank) and this rank's
-        pseudo-gradients not yet applied (retried after the change); error-feedback residuals restart at zero."""
+        pseudo-gradients not yet applied (retried after the change; the fragments among them it sits out);
+        error-feedback residuals restart at zero."""
         return {
             "step": self.step,
             "round_start": list(self.round_start),
             "outer": [o.state_dict() for o in self.outer],
             "own": {str(p): t for p, t in self.own.items()},
+            "silent": sorted(self.silent),
         }
 
     def load_carried_state(self, state: dict[str, Any]) -> None:
@@ -213,6 +244,7 @@ class DiLoCoImpl(AlgorithmImpl):
         for optimizer, saved in zip(self.outer, state["outer"]):
             optimizer.load_state_dict(saved)
         self.own = {int(p): t for p, t in state["own"].items()}
+        self.silent = {int(p) for p in state["silent"]}
 
     def replicated_tensors(self) -> list[torch.Tensor]:
         return list(self.round_start)
