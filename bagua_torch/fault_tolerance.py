@@ -228,10 +228,18 @@ class FaultTolerance:
                     self._check_replicas(f"at step {self.step}")
                 except (MembershipChanged, CommunicationError) as error:
                     self._fail(error)
-            if self.epoch.closed.is_set():  # ended after a commit (a joiner waits) or closed meanwhile
+            if self.epoch.closed.is_set() and self._may_leave_the_epoch():
                 self._change_epoch(lost_step=False)
             yield Step(self, self.step + 1)
         self.membership.finished()
+
+    def _may_leave_the_epoch(self) -> bool:
+        """Whether this member takes the next epoch before the next step, its epoch being closed: when it ended after
+        a commit (to admit joiners), or where every step is a transaction. A DiLoCo round's inner steps communicate
+        nothing, so its members would notice a failure at different steps: they train on to the round's exchange,
+        which fails on every one of them at the same step, and the survivors retry it there."""
+        assert self.epoch is not None
+        return self.epoch.ended.is_set() or all(m.algorithm_impl.transaction_per_step for m in self.modules)
 
     def _attempt_started(self) -> None:
         self._voted_this_attempt = self._committed_this_attempt = False

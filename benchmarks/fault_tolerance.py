@@ -21,15 +21,17 @@ node with its own launcher):
   beside the chaos study's runs (read from ``--out``): the run-to-run spread the chaos run's curve is judged
   against, at equal tokens.
 
-Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>.{json,md}``, or ``--out``; timings with
-nothing else running: the header records the load before and after)::
+Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>[-<algorithm>].{json,md}``, or ``--out``;
+timings with nothing else running: the header records the load before and after; ``--algorithm`` is a name, then
+optionally its options as JSON, e.g. ``'diloco {"sync_every": 20}'``)::
 
     python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
     python benchmarks/fault_tolerance.py overhead --ranks 4 --size mini --steps 60 --repeats 5 [--rate 100mbit]
     python benchmarks/fault_tolerance.py chaos --ranks 4 --size mini --steps 1500 --every 60 [--rate 100mbit]
     python benchmarks/fault_tolerance.py spread --ranks 4 --size mini --steps 1500 --seeds 1,2 [--rate 100mbit]
 
-``python benchmarks/fault_tolerance.py report STUDY`` writes a study's Markdown and chart again from its JSON.
+``python benchmarks/fault_tolerance.py report STUDY[-ALGORITHM]`` writes a study's Markdown and chart again from its
+JSON.
 
 A rank of either is ``python benchmarks/fault_tolerance.py rank JOB.json`` (``JOB.json``: the
 settings; it appends JSON lines to ``<folder>/rank-<pid>.jsonl``).
@@ -70,6 +72,7 @@ def rank_main(job_file: str) -> None:
 
     import bagua_torch
     from bagua_common.workload import load_corpus
+    from bagua_torch.algorithms import get_algorithm
     from bagua_torch.models.gpt import GPT, next_token_loss
 
     job = json.loads(Path(job_file).read_text())
@@ -82,7 +85,8 @@ def rank_main(job_file: str) -> None:
     group = bagua_torch.init_process_group("gloo", fault_tolerance=job["fault_tolerant"], timeout=300)
     model = GPT(job["size"], seed=job["seed"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
-    wrapped = bagua_torch.with_bagua(model, [optimizer], job["algorithm"])
+    name, _, options = job["algorithm"].partition(" ")
+    wrapped = bagua_torch.with_bagua(model, [optimizer], get_algorithm(name, **json.loads(options or "{}")))
     corpus = load_corpus()
     length = model.config.context + 1
     heldout = torch.from_numpy(corpus.heldout_batch(32, length))
@@ -295,7 +299,7 @@ def chaos(args: argparse.Namespace) -> dict:
 def spread(args: argparse.Namespace) -> dict:
     """Fault-free runs at each of ``--seeds`` (the model's initialization and the data's order), beside the chaos
     study's runs read from ``--out``: the run-to-run spread the chaos run's curve is judged against."""
-    chaos_file = args.out / "fault-tolerance-torch-chaos.json"
+    chaos_file = args.out / f"{results_name(with_changes(args, study='chaos'))}.json"
     published = json.loads(chaos_file.read_text())
     theirs = build_parser().parse_args(shlex.split(published["command"])[2:])
     settings = ("ranks", "size", "algorithm", "lr", "batch", "steps", "eval_every", "rate")
@@ -524,7 +528,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("job", nargs="?", help="(rank) the job's settings; (report) the study to write again")
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--size", default="small", help="the GPT (bagua_common.workload.gpt_spec)")
-    parser.add_argument("--algorithm", default="gradient_allreduce")
+    parser.add_argument("--algorithm", default="gradient_allreduce", help="a name, then its options as JSON")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
@@ -556,15 +560,24 @@ def main(argv: list[str] | None = None) -> None:
 
 def report(args: argparse.Namespace) -> None:
     """Write a study's Markdown (and chart) again from its JSON under ``--out``, with the settings it ran with."""
-    if args.job not in STUDIES:
-        raise SystemExit(f"report: which study? one of {', '.join(STUDIES)}")
+    if args.job is None or args.job.split("-")[0] not in STUDIES:
+        raise SystemExit(f"report: which study? one of {', '.join(STUDIES)}, then -ALGORITHM for another algorithm's")
     saved = json.loads((args.out / f"fault-tolerance-torch-{args.job}.json").read_text())
     ran = with_changes(build_parser().parse_args(shlex.split(saved["command"])[2:]), out=args.out)
     publish(ran, {k: v for k, v in saved.items() if k != "result"}, saved["result"])
 
 
+def results_name(args: argparse.Namespace) -> str:
+    """The results' file name (no suffix): ``fault-tolerance-torch-<study>``, then ``-<algorithm>`` unless the
+    algorithm is gradient allreduce."""
+    algorithm = args.algorithm.partition(" ")[0]
+    return f"fault-tolerance-torch-{args.study}" + ("" if algorithm == "gradient_allreduce" else f"-{algorithm}")
+
+
 def publish(args: argparse.Namespace, meta: dict, result: dict) -> None:
-    """Print and write the results of the study ``args`` ran: ``fault-tolerance-torch-<study>.{md,json}``."""
+    """Print and write the results of the study ``args`` ran under :func:`results_name`: ``.md``, ``.json`` and
+    for the chaos and spread studies ``.png``."""
+    name = results_name(args)
     lines = [f"# Fault tolerance, torch over gloo: {args.study}", "", *header_lines(meta), ""]
     if args.study == "kill":
         lines.append(
@@ -613,18 +626,18 @@ def publish(args: argparse.Namespace, meta: dict, result: dict) -> None:
             f"{args.steps} steps, links {args.rate or 'unshaped'}: fault-free runs at seeds {args.seeds} beside the "
             f"chaos study's runs (`{result['chaos_command']}`)"
         )
-        lines += ["", *spread_lines(result, args.out / f"fault-tolerance-torch-{args.study}.png"), "",
-                  f"![held-out loss against tokens](fault-tolerance-torch-{args.study}.png)"]  # fmt: skip
+        lines += ["", *spread_lines(result, args.out / f"{name}.png"), "",
+                  f"![held-out loss against tokens]({name}.png)"]  # fmt: skip
     else:
         lines.append(
             f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}, {args.batch} windows per rank, lr {args.lr}; "
             f"{args.steps} steps fault-free, then {args.steps} steps with a rank killed every "
             f"{args.every:g} s; links {args.rate or 'unshaped'}; the replica check every {HASH_EVERY} steps"
         )
-        lines += ["", *chaos_lines(result, args.out / f"fault-tolerance-torch-{args.study}.png", args.every), "",
-                  f"![held-out loss against tokens](fault-tolerance-torch-{args.study}.png)"]  # fmt: skip
+        lines += ["", *chaos_lines(result, args.out / f"{name}.png", args.every), "",
+                  f"![held-out loss against tokens]({name}.png)"]  # fmt: skip
     print("\n".join(lines))
-    write_results(args.out, f"fault-tolerance-torch-{args.study}", lines, {**meta, "result": result})
+    write_results(args.out, name, lines, {**meta, "result": result})
 
 
 if __name__ == "__main__":

@@ -342,6 +342,26 @@ def test_streaming_diloco_retries_an_overlapped_exchange_among_the_survivors_and
     check_every_sample_once(job, lost_parts=2)  # rank 2's parts of step 6 (it died in) and 7 (its death noticed)
 
 
+def test_diloco_survivors_train_on_to_the_rounds_exchange_after_a_death_in_an_inner_step(jobs):
+    # Rank 1 lags by 0.3 s (6 steps) from step 3; rank 2 dies in step 4's forward pass. The others notice at
+    # different inner steps (they communicate nothing), train on to the exchange after step 10, which fails on
+    # both, and retry it between the two of them.
+    faults = [{"rank": 1, "step": 3, "where": "forward", "kind": "slow"}]
+    faults += [{"rank": 2, "step": 4, "where": "forward", "kind": "kill"}]
+    job = jobs(3, 'diloco {"sync_every": 10}', faults, steps=20, world=2, step_seconds=0.05)
+    job.finish()
+    survivors = job.pids(rank=0) + job.pids(rank=1)
+    ends = [job.of(pid, "end") for pid in survivors]
+    assert all(ends), job.output()
+    assert ends[0][0]["replicated"] == ends[1][0]["replicated"]
+    for pid in survivors:
+        assert not job.of(pid, "retry")  # no completed inner step lost
+        assert [e["step"] for e in job.of(pid, "step")] == list(range(1, 21))
+        (failure,) = job.of(pid, "end")[0]["recoveries"]
+        assert failure["size"] == 2 and failure["steps_lost"] == 0, failure
+    check_every_sample_once(job, lost_parts=7)  # rank 2's parts of steps 4 to 10, gone with its pseudo-gradient
+
+
 def test_a_diloco_joiner_sits_out_its_first_round_while_its_state_arrives_and_its_peers_wait_for_nothing(jobs):
     # Rounds of 20 steps of 0.1 s; the joiner's state takes 1 s more to leave rank 0 (a slow link), yet the peers
     # train on: the state is a copy sent in the background, and the joiner joins the round's exchange with a zero
