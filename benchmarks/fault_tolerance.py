@@ -125,7 +125,7 @@ def rank_main(job_file: str) -> None:
             record(event="step", step=step, world=group.size, seconds=seconds, cpu=cpu, loss=loss, ended=time.time())
     else:
         for step in ft.steps(job["steps"] or 10**9):
-            started, cpu = time.perf_counter(), time.process_time()
+            started, cpu, members = time.perf_counter(), time.process_time(), ft.epoch.size
             record(event="attempt", step=step.number)
             with step:
                 loss = train(step.number, step.rank, step.world_size)
@@ -136,12 +136,14 @@ def rank_main(job_file: str) -> None:
                     event="step",
                     step=step.number,
                     world=step.world_size,
+                    members=members,
                     seconds=seconds,
                     cpu=cpu,
                     loss=loss,
                     ended=ended,
                 )
-                if step.rank == 0 and step.number % job["eval_every"] == 0:
+                # after any recovery the step ended in (DiLoCo's exchange retried): the first member then evaluates
+                if ft.training_place()[0] == 0 and step.number % job["eval_every"] == 0:
                     evaluate(step.number, step.world_size)
         record(event="end", recoveries=ft.recoveries, joined=getattr(ft, "joined_after", None))
         ft.close()
@@ -328,13 +330,31 @@ def _launched_run(args: argparse.Namespace, kill: bool) -> dict:
                     os.kill(victim, signal.SIGKILL)
                     kills.append({"pid": victim, "seconds": time.monotonic() - started, "time": time.time()})
         logs = lines(folder)
-        return {
+        run = {
             "wall_s": time.monotonic() - started,
             "kills": kills,
             "heldout": _heldout_by_tokens(logs, args.batch, gpt_config(args.size).context),
             "recoveries": [e["recoveries"] for log in logs.values() for e in log if e["event"] == "end"],
             "joined": [e["joined"] for log in logs.values() for e in log if e["event"] == "end" and e["joined"]],
         }
+        name, _, options = args.algorithm.partition(" ")
+        if name == "diloco":
+            run["exchange_steps"] = _exchange_steps(logs, json.loads(options or "{}").get("sync_every", 100))
+        return run
+
+
+def _exchange_steps(logs: dict[str, list[dict]], sync_every: int) -> dict[str, list[float]]:
+    """DiLoCo's exchange steps (every ``sync_every``-th), each member's seconds: those ending a round a joiner sat out
+    (some step trained by fewer than the members) and the others. A joiner's state arriving after the round's
+    end would show in the first: the members wait for it in the exchange."""
+    out: dict[str, list[float]] = {"sat_out": [], "other": []}
+    for log in logs.values():
+        steps = {e["step"]: e for e in log if e["event"] == "step"}
+        for number in (n for n in steps if n % sync_every == 0):
+            sat_out = any(steps[n]["world"] < steps[n]["members"] for n in range(number - sync_every + 1, number + 1)
+                          if n in steps)  # fmt: skip
+            out["sat_out" if sat_out else "other"].append(steps[number]["seconds"])
+    return out
 
 
 @contextlib.contextmanager
@@ -396,6 +416,14 @@ def chaos_lines(result: dict, out: Path, every: float) -> list[str]:
         lines.append(
             f"Joiners that finished: {len(joined)}; seconds from asking to be admitted to training: median "
             f"{statistics.median(joined):.2f}, max {joined[-1]:.2f}."
+        )
+    exchanges = result["chaos"].get("exchange_steps")
+    if exchanges and exchanges["sat_out"] and exchanges["other"]:
+        sat_out, other = sorted(exchanges["sat_out"]), sorted(exchanges["other"])
+        lines.append(
+            f"Exchange steps (the members' seconds) ending a round a joiner sat out: median "
+            f"{statistics.median(sat_out):.2f}, max {sat_out[-1]:.2f} ({len(sat_out)}); the other exchange steps: "
+            f"median {statistics.median(other):.2f}, max {other[-1]:.2f} ({len(other)})."
         )
     lines.append("")
     reference = result["fault_free"]["heldout"]
