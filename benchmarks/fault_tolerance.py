@@ -187,6 +187,11 @@ def environment(job: Path, ranks: int, **extra: str) -> dict[str, str]:
     return {**env, **extra}
 
 
+def settings_of(published: dict) -> argparse.Namespace:
+    """The settings a published study ran with, parsed from the command its results record."""
+    return build_parser().parse_args(shlex.split(published["command"])[2:])
+
+
 def with_changes(args: argparse.Namespace, **changes: object) -> argparse.Namespace:
     """A copy of ``args`` with ``changes``."""
     return argparse.Namespace(**{**vars(args), **changes})
@@ -303,7 +308,7 @@ def spread(args: argparse.Namespace) -> dict:
     study's runs read from ``--out``: the run-to-run spread the chaos run's curve is judged against."""
     chaos_file = args.out / f"{results_name(with_changes(args, study='chaos'))}.json"
     published = json.loads(chaos_file.read_text())
-    theirs = build_parser().parse_args(shlex.split(published["command"])[2:])
+    theirs = settings_of(published)
     settings = ("ranks", "size", "algorithm", "lr", "batch", "steps", "eval_every", "rate")
     differ = [key for key in settings if getattr(theirs, key) != getattr(args, key)]
     if differ or theirs.seed in args.seeds:
@@ -591,7 +596,7 @@ def report(args: argparse.Namespace) -> None:
     if args.job is None or args.job.split("-")[0] not in STUDIES:
         raise SystemExit(f"report: which study? one of {', '.join(STUDIES)}, then -ALGORITHM for another algorithm's")
     saved = json.loads((args.out / f"fault-tolerance-torch-{args.job}.json").read_text())
-    ran = with_changes(build_parser().parse_args(shlex.split(saved["command"])[2:]), out=args.out)
+    ran = with_changes(settings_of(saved), out=args.out)
     publish(ran, {k: v for k, v in saved.items() if k != "result"}, saved["result"])
 
 

@@ -331,7 +331,8 @@ def main(argv: list[str] | None = None) -> int:
     data["commands"].append({"command": command, "date": time.strftime("%F %T")})
 
     def save() -> None:
-        finish_meta(data["meta"])
+        if args.command != "merge":  # a merge measures nothing: the load after stays the studies' own
+            finish_meta(data["meta"])
         args.out.mkdir(parents=True, exist_ok=True)
         json_path.write_text(json.dumps(data, indent=1) + "\n")
 

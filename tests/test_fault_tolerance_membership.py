@@ -27,6 +27,7 @@ from multiprocess import TESTS, free_port
 from bagua_common.fault_tolerance import (
     Decision,
     FaultToleranceSettings,
+    InProcessClient,
     KVClient,
     KVServer,
     Membership,
@@ -93,9 +94,11 @@ def commit_all(group, transaction):
 # --- the store ---------------------------------------------------------------------------
 
 
-def test_store_operations_and_a_waiting_get():
+@pytest.mark.parametrize("reached", ["over a socket", "in-process"])
+def test_store_operations_and_a_waiting_get(reached):
     server = KVServer("127.0.0.1", secret=SECRET)
-    client = KVClient("127.0.0.1", server.port, 5, secret=SECRET)
+    client = KVClient("127.0.0.1", server.port, 5, secret=SECRET) if reached == "over a socket" else None
+    client = client or server.in_process_client()
     try:
         assert client.get("k") is None
         assert client.add("n", 2) == 2 and client.add("n", -5) == -3
@@ -126,11 +129,13 @@ def test_a_closed_store_refuses_and_a_registered_connection_is_reported():
     while not gone and time.monotonic() < deadline:
         time.sleep(0.01)
     assert gone == ["7:someone"]
-    port = server.port
+    port, own = server.port, server.in_process_client()
     server.close()
     with pytest.raises(StoreUnreachable) as caught:
         KVClient("127.0.0.1", port, 1, secret=SECRET)
     assert caught.value.refused
+    with pytest.raises(StoreUnreachable):
+        own.check("k")
 
 
 def test_a_store_serves_only_clients_that_prove_the_jobs_secret(tmp_path, monkeypatch):
@@ -233,6 +238,8 @@ def test_the_coordinators_death_moves_its_role_to_the_next_member(members):
     die(group[0])
     recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[1:], leaving[1:])])
     assert [r.epoch.coordinator.id for r in recovered] == [group[1].me.id] * 2
+    # the coordinator reaches its own store in-process, the others over a socket
+    assert [type(r.epoch.store) for r in recovered] == [InProcessClient, KVClient]
     assert commit_all(group[1:], 2) == [True, True]
 
 

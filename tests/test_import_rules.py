@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 from fresh_interpreter import ROOT
-from package_probe import package_report
+from package_probe import WATCHED, package_report
 
 FORBIDDEN = {
     "bagua_common": ("jax", "torch", "bagua_launch"),
@@ -33,8 +33,10 @@ def test_package_loads_no_forbidden_framework(package):
 
 
 def test_probe_reports_what_a_package_loads():
-    """The probe can fail: bagua_common does load NumPy, and the probe says so."""
+    """The probe can fail: bagua_common does load NumPy, and the probe says so. It reports only the modules it
+    watches, so every forbidden one must be among them."""
     assert "numpy" in package_report("bagua_common")["loaded"]
+    assert {module for modules in FORBIDDEN.values() for module in modules} <= set(WATCHED)
 
 
 # --------------------------------------------------------------------------- private names

@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 from bagua_common.job.message_tag import message_tag, tag_matches
 
-__all__ = ["KVClient", "KVServer", "StoreUnreachable", "advertised_host", "connect", "wait_for"]
+__all__ = ["InProcessClient", "KVClient", "KVServer", "StoreUnreachable", "advertised_host", "connect", "wait_for"]
 
 _HEADER = struct.Struct("!BII")
 _SET, _GET, _ADD, _CAS, _DELETE, _PING, _HELLO, _CHECK, _AUTH = range(1, 10)
@@ -196,6 +196,11 @@ class KVServer:
                 return _OK, b""
         raise ValueError(f"unknown store operation {kind}")
 
+    def in_process_client(self) -> InProcessClient:
+        """A client of this store for its own process: the same operations as :class:`KVClient`, without a socket
+        (the coordinator reads and writes its own store at every heartbeat and vote)."""
+        return InProcessClient(self)
+
     def close(self) -> None:
         """Stop serving: close the listener and every connection (no ``on_disconnect`` calls)."""
         with self._changed:
@@ -321,6 +326,24 @@ class KVClient:
             if self._sock is not None:
                 self._sock.close()
                 self._sock = None
+
+
+class InProcessClient(KVClient):
+    """:meth:`KVServer.in_process_client`: :class:`KVClient`'s operations applied to the server's data directly. Any
+    number of threads may use it at once; once the server is closed it raises :class:`StoreUnreachable`."""
+
+    def __init__(self, server: KVServer):
+        self._server = server
+        self.address = ("in-process", server.port)
+        self.timeout = 0.0
+
+    def _request(self, kind: int, key: bytes, value: bytes, wait: float = 0.0) -> tuple[int, bytes]:
+        if self._server._closing:
+            raise StoreUnreachable(self.address, "was closed")
+        return self._server._apply(kind, key, value)
+
+    def close(self) -> None:
+        """Nothing to close: the server's owner closes the server."""
 
 
 def connect(host: str, port: int, timeout: float, member: str | None = None, *, secret: bytes) -> KVClient:

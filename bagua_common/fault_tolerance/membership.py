@@ -69,7 +69,7 @@ class Membership:
         self.settings = settings
         self._server = KVServer(host, port, on_disconnect=self._member_disconnected, secret=settings.secret)
         self.me = Member(f"{socket.gethostname()}:{os.getpid()}:{secrets.token_hex(4)}", host, self._server.port)
-        self._local = KVClient(host, self._server.port, settings.dead_after, secret=settings.secret)
+        self._local = self._server.in_process_client()
         self._lock = threading.Condition()
         self._epoch: Epoch | None = None  # the monitor's current epoch (the training thread keeps its own)
         self._failure: BaseException | None = None  # NoQuorum or Evicted, raised by recover()
@@ -261,8 +261,7 @@ class Membership:
     def _adopt(self, epoch: Epoch) -> None:
         """Make ``epoch`` current: a training client to its coordinator, the pointer in this member's store, and
         the monitor (started on the first epoch)."""
-        coordinator = epoch.coordinator
-        epoch.store = connect(coordinator.host, coordinator.port, self.settings.dead_after, secret=self.settings.secret)
+        epoch.store = self._client_of(epoch.coordinator)
         if self._stopping.is_set():
             epoch.store.close()
             return
@@ -280,6 +279,16 @@ class Membership:
             self._monitor = threading.Thread(target=self._watch, name="bagua-ft-monitor", daemon=True)
             self._monitor.start()
 
+    def _client_of(self, member: Member, registered: bool = False) -> KVClient:
+        """A client to ``member``'s store: in-process when it is this member's own (the coordinator reads and writes
+        its store at every heartbeat and vote); ``registered``, a connection whose closing tells the other end that
+        this member is gone."""
+        if member.id == self.me.id:
+            return self._server.in_process_client()
+        settings = self.settings
+        who = self.me.id if registered else None
+        return connect(member.host, member.port, settings.dead_after, who, secret=settings.secret)
+
     def _watch(self) -> None:
         period = self.settings.heartbeat_period
         while not self._stopping.is_set():
@@ -289,10 +298,7 @@ class Membership:
             previous, client = self._monitor_client, None
             try:
                 # Registered before the last epoch's connection closes: a member is gone when its last one does.
-                at, settings = epoch.coordinator, self.settings
-                client = self._monitor_client = connect(
-                    at.host, at.port, settings.dead_after, self.me.id, secret=settings.secret
-                )
+                client = self._monitor_client = self._client_of(epoch.coordinator, registered=True)
                 if previous is not None:
                     previous.close()
                 prefix = epoch.prefix()
