@@ -175,6 +175,21 @@ def test_merge_takes_finished_rows_of_studies_with_the_same_settings(tmp_path):
         lm_study.merge(argparse.Namespace(sources=[other], out=tmp_path, name="merged"), merged, lambda: None)
 
 
+def test_the_merge_command_keeps_the_load_the_studies_recorded(tmp_path, monkeypatch):
+    import lm_study
+
+    meta = {"command": "train", "date": "then", "load_average_after": [0.25, 0.5, 0.75]}
+    row = {"status": "ok", "final_loss": 1.6}
+    for name, rows in (("study", {}), ("part", {"torch/ddp": row})):
+        data = {"meta": meta, "settings": lm_study.STUDY.as_dict(), "train": rows, "timing": {}, "commands": []}
+        (tmp_path / f"{name}.json").write_text(json.dumps(data))
+    monkeypatch.setattr(lm_study.lm_study_report, "write", lambda *args: None)
+    lm_study.main(["merge", "--from", str(tmp_path / "part.json"), "--name", "study", "--out", str(tmp_path)])
+    merged = json.loads((tmp_path / "study.json").read_text())
+    assert merged["train"] == {"torch/ddp": row}
+    assert merged["meta"]["load_average_after"] == [0.25, 0.5, 0.75]  # a merge measures nothing
+
+
 def test_a_jax_variant_uses_its_twins_curve_when_checked_and_its_own_over_the_whole_budget():
     torch_curve = [[0, 5.0], [100, 3.0], [200, 2.0]]
     near = [[0, 5.0], [100, 3.0 + lm_study_report.CHECK_TOLERANCE / 2]]
