@@ -131,8 +131,8 @@ def main() -> None:
     net[0].weight.register_hook(lambda g: fault(faults, rank, step_hook["step"], "backward"))
     settled = None  # the first step with the wanted world (the same on every member: epochs change between steps)
     for step in job.steps(10**9, data):
-        training = job.training_place()[1]  # a DiLoCo joiner sits out its first round
-        settled = (job.step if settled is None else settled) if training == world_wanted else None
+        together = job.epoch.size == job.training_place()[1] == world_wanted  # not while a DiLoCo joiner sits out
+        settled = (job.step if settled is None else settled) if together else None
         if settled is not None and job.step >= max(steps, settled + 2):  # 2 steps together: a joiner trains too
             break
         step_hook["step"] = step.number

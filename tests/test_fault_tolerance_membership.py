@@ -31,6 +31,7 @@ from bagua_common.fault_tolerance import (
     KVClient,
     KVServer,
     Membership,
+    NoQuorum,
     StoreUnreachable,
     job_secret,
 )
@@ -322,6 +323,32 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
             together([lambda m=m, e=e: m.commit(e, transaction + 1) for m, e in zip(everyone, [*epochs, new])])
             == [True] * 3
         )
+    finally:
+        for j in joiner:
+            j.close()
+
+
+def test_a_joiner_left_without_anyone_holding_the_state_stops_rather_than_training_from_scratch(members):
+    group = members(2)
+    epochs = [m.epoch for m in group]
+    joiner = []
+    port = epochs[0].coordinator.port
+    thread = threading.Thread(target=lambda: joiner.append(Membership.join(FAST, "127.0.0.1", port, timeout=20)))
+    thread.start()
+    transaction, deadline = 0, time.monotonic() + 10
+    while epochs[0].number == 0 and time.monotonic() < deadline:
+        transaction += 1
+        assert together([lambda m=m, e=e: m.commit(e, transaction) for m, e in zip(group, epochs)]) == [True, True]
+        if epochs[0].ended.is_set():
+            epochs = [r.epoch for r in together([lambda m=m, e=e: m.recover(e) for m, e in zip(group, epochs)])]
+    thread.join(20)
+    try:
+        admitted = joiner[0].epoch
+        assert admitted.is_joiner() and admitted.committed == transaction > 0
+        for m in group:  # both members go before the joiner was given the state
+            die(m)
+        with pytest.raises(NoQuorum, match="holds the job's state"):
+            joiner[0].recover(admitted)
     finally:
         for j in joiner:
             j.close()

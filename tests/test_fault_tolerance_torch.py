@@ -386,6 +386,28 @@ def test_a_diloco_joiner_sits_out_its_first_round_while_its_state_arrives_and_it
     np.testing.assert_allclose(ends[0][0]["replicated_values"], reference["replicated_values"], rtol=1e-5, atol=1e-7)
 
 
+def test_a_diloco_joiner_whose_state_holder_dies_while_sending_is_given_the_state_again(jobs):
+    # Rank 0 (the coordinator, holding the state) dies in its sending thread: the others train on to the round's
+    # exchange, the joiner's transfer fails; in the next epoch rank 1 gives the joiner the state at the exchange,
+    # and the joiner sits out that exchange (the retried one) with a zero pseudo-gradient.
+    faults = [{"rank": 0, "step": 0, "where": "state", "kind": "kill"}]
+    job = jobs(3, 'diloco {"sync_every": 20}', faults, steps=50, world=3, step_seconds=0.05)
+    job.join()
+    job.finish()
+    survivors, joiner = job.pids(rank=1) + job.pids(rank=2), job.pids(joiner=True)
+    ends = [job.of(pid, "end") for pid in survivors + joiner]
+    assert all(ends), job.output()
+    assert len({e[0]["replicated"] for e in ends}) == 1
+    for pid in survivors:
+        assert not job.of(pid, "retry")  # no completed inner step lost
+        steps = [e["step"] for e in job.of(pid, "step")]
+        assert steps == list(range(1, len(steps) + 1))
+        admission, failure = job.of(pid, "end")[0]["recoveries"]
+        assert admission["size"] == 4 and admission["joined"] == 1, admission
+        assert failure["size"] == 3 and failure["joined"] == 1 and failure["steps_lost"] == 0, failure
+    check_every_sample_once(job, lost_parts=20)  # rank 0's parts of the round it died in
+
+
 @pytest.mark.parametrize(
     "algorithm",
     [

@@ -1,7 +1,7 @@
 """An epoch of a fault-tolerant job: its members in rank order, and its records in the coordinator's store.
 
 Keys (see :mod:`bagua_common.fault_tolerance.membership`): ``ft/epoch/<E>`` the record of epoch ``E``,
-``ft/after/<E>`` the number of the epoch formed after ``E`` (or ``noquorum``), ``ft/admit/<id>`` the
+``ft/after/<E>`` the number of the epoch formed after ``E`` (or ``noquorum``, or ``stateless``), ``ft/admit/<id>`` the
 epoch that admits a joiner, and under ``ft/e<E>/`` the epoch's own keys: ``decision`` (the register of
 :mod:`.decision`), ``votes/<t>``, ``done/<t>`` (the register's value once ``t`` is decided), ``closed``
 (why it closed, and the suspects), ``hb/<id>`` (heartbeats) and the prefixes of its communicators.

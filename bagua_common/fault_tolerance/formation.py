@@ -63,6 +63,12 @@ class Formation:
                         f"{leaving.number}'s {leaving.size} members that may be alive; stopping rather than splitting "
                         "the job"
                     )
+                if raw == b"stateless":
+                    raise NoQuorum(
+                        f"fault tolerance: none of epoch {leaving.number}'s members reachable at {candidate.id} holds "
+                        "the job's state (they joined and were still to be given it, and every member that had it is "
+                        "gone or finished); stopping rather than training from scratch"
+                    )
                 return read_epoch(client, raw, self.me.id)
             except (StoreUnreachable, TimeoutError):
                 suspects.add(candidate.id)
@@ -137,8 +143,11 @@ class Formation:
                     return
             time.sleep(0.005 if waiting else period)
         members = [m for m in leaving.members if m.id in joined]
-        joiners = self._admissible_requests(store, {m.id for m in members})
         committed = max(int(j["committed"]) for j in joined.values())
+        if committed < leaving.committed:  # only members still waiting to be given the state are left
+            store.set(f"ft/after/{leaving.number}", b"stateless")
+            return
+        joiners = self._admissible_requests(store, {m.id for m in members})
         # A survivor behind the others (a joiner whose state never arrived) gets the state like a joiner; one that
         # voted for the last commit but never saw it applies it (its vote was counted) and is not behind.
         behind = [
