@@ -312,12 +312,14 @@ def test_powersgd_survives_a_hang_and_the_coordinators_exception(jobs):
     check_every_sample_once(job, lost_parts=1)
 
 
-def finish_with_a_joiner_on_one_round_start(job: Job) -> tuple[list[int], list[int], list[list[dict]]]:
-    """Start a joiner, wait for the job's end; returns ranks 0 and 1's processes, the joiner's, and the end events of
+def finish_with_a_joiner_on_one_round_start(
+    job: Job, ranks: tuple[int, ...] = (0, 1)
+) -> tuple[list[int], list[int], list[list[dict]]]:
+    """Start a joiner, wait for the job's end; returns the processes of ``ranks``, the joiner's, and the end events of
     each (asserted: every one ended, all on the same DiLoCo round start, the joiner's too)."""
     job.join()
     job.finish()
-    members, joiner = job.pids(rank=0) + job.pids(rank=1), job.pids(joiner=True)
+    members, joiner = [pid for rank in ranks for pid in job.pids(rank=rank)], job.pids(joiner=True)
     ends = [job.of(pid, "end") for pid in members + joiner]
     assert all(ends), job.output()
     assert len({e[0]["replicated"] for e in ends}) == 1
@@ -392,12 +394,7 @@ def test_a_diloco_joiner_whose_state_holder_dies_while_sending_is_given_the_stat
     # and the joiner sits out that exchange (the retried one) with a zero pseudo-gradient.
     faults = [{"rank": 0, "step": 0, "where": "state", "kind": "kill"}]
     job = jobs(3, 'diloco {"sync_every": 20}', faults, steps=50, world=3, step_seconds=0.05)
-    job.join()
-    job.finish()
-    survivors, joiner = job.pids(rank=1) + job.pids(rank=2), job.pids(joiner=True)
-    ends = [job.of(pid, "end") for pid in survivors + joiner]
-    assert all(ends), job.output()
-    assert len({e[0]["replicated"] for e in ends}) == 1
+    survivors, _, _ = finish_with_a_joiner_on_one_round_start(job, ranks=(1, 2))
     for pid in survivors:
         assert not job.of(pid, "retry")  # no completed inner step lost
         steps = [e["step"] for e in job.of(pid, "step")]
