@@ -57,6 +57,9 @@ EXTENDED: dict[str, str] = {
     # the same scenarios on a larger job of the same kind
     r"test_async_model_average_torch\.py::.*\[gloo-4\]": "two gloo ranks stay quick",
     r"test_async_model_average_jax\.py::.*\[mpi-4\]": "two ranks stay quick",
+    r"test_async_model_average_jax\.py::test_background_averaging_keeps_replicas_together_and_trains\[mpi-2\]": "the "
+    "200-step training job over MPI (torch's stays quick; JAX's one round, abort and resume and never-waits jobs over "
+    "MPI stay quick)",
     r"test_async_model_average_jax\.py::test_warmup_equals_synchronous_allreduce_sgd\[mpi-2\]": "the transform's "
     "warm-up allreduce in one process (test_transform_allreduces_during_warmup_then_steps_locally) and torch's "
     "warm-up against synchronous SGD on two gloo ranks stay quick",

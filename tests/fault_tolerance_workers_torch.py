@@ -11,7 +11,8 @@ joiner the state), the rank ``kill``s itself (SIGKILL), ``stop``s (SIGSTOP), ``r
 (``seconds``, default 0.3) or, at a vote, ``late`` (it votes after its epoch closed).
 ``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time). A fault fires once per rank and
 place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
-Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices), ``retry``
+Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices; at DiLoCo's exchange
+steps the round start after it), ``retry``
 per abandoned attempt, and ``end`` (a digest of the parameters and of the algorithm's replicated
 state, that state's values, the recoveries, a joiner's seconds from asking to be admitted to being ready).
 """
@@ -115,6 +116,7 @@ def main() -> None:
     net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     name, _, options = os.environ["FT_ALGORITHM"].partition(" ")
     options = json.loads(options or "{}")
+    exchange_every = options.get("sync_every", 100) if name == "diloco" else 0
     if name == "onebit_adam":  # an optimizer of its own, whose momentum the algorithm averages after a warm-up
         optimizer = OneBitAdamOptimizer(net.parameters(), lr=0.01, warmup_steps=options.pop("warmup_steps"))
         algorithm = OneBitAdamAlgorithm(optimizer, **options)
@@ -144,7 +146,13 @@ def main() -> None:
             optimizer.step()
             optimizer.zero_grad()
         if job.step == step.number:
-            report(event="step", step=step.number, world=step.world_size, rank=step.rank, indices=step.indices.tolist())
+            fields = {}
+            if exchange_every and step.number % exchange_every == 0:  # DiLoCo's round start after this exchange
+                fields["round_start"] = [
+                    v for t in model.algorithm_impl.replicated_tensors() for v in t.detach().reshape(-1).tolist()
+                ]
+            indices = step.indices.tolist()
+            report(event="step", step=step.number, world=step.world_size, rank=step.rank, indices=indices, **fields)
         else:
             report(event="retry", step=step.number)
         if job.step >= steps and job.epoch.size != world_wanted:

@@ -111,10 +111,12 @@ def test_store_operations_and_a_waiting_get(reached):
             with closing(KVClient("127.0.0.1", server.port, 5, secret=SECRET)) as late:
                 late.set("late", b"x")
 
-        threading.Timer(0.2, set_late).start()
+        setter = threading.Timer(0.2, set_late)
+        setter.start()
         started = time.monotonic()
         assert client.get("late", wait=5) == b"x"
         assert time.monotonic() - started < 2  # woken by the set, not by the wait's end
+        setter.join(5)  # its reply is on the way: the store closes after it
         assert client.delete("c") and client.check("c") is None
     finally:
         client.close()
