@@ -60,7 +60,7 @@ from bagua_common.fault_tolerance import (
 from bagua_torch import state_transfer
 from bagua_torch.algorithms import algorithm_class, available_algorithms
 from bagua_torch.communicator import CommunicationError, ProcessGroupCommunicator
-from bagua_torch.communicator.epoch_groups import epoch_communicator, leak, solo_communicator
+from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator
 from bagua_torch.replica_check import check_replicas
 
 if TYPE_CHECKING:
@@ -132,7 +132,6 @@ class FaultTolerance:
         noticed, to the step running again), ``steps_lost`` (0 or 1), ``joined`` (members admitted)."""
         self._voted_this_attempt = self._committed_this_attempt = False
         self._failure_seen: float | None = None
-        self._groups: list[Any] = []  # the current epoch's process groups
         self._entered = False
         self._checked = -1  # the step at which the replicas were last checked
         self._sitting_out: tuple[int, ...] = ()  # the ranks given the state in the background, until they commit
@@ -146,7 +145,7 @@ class FaultTolerance:
 
     def _communicator(self, purpose: str) -> ProcessGroupCommunicator:
         assert self.epoch is not None
-        return epoch_communicator(self.epoch, purpose, self.backend, self.device, self.timeout, self._groups)
+        return epoch_communicator(self.epoch, purpose, self.backend, self.device, self.timeout)
 
     @property
     def communicators(self) -> Communicators:
@@ -341,8 +340,6 @@ class FaultTolerance:
         (rank 0's before the first commit, else the first member's sent to the joiners), and checked."""
         for module in self.modules:
             module.reducer.discard()
-        leak(self._groups)  # a gloo group destroyed with an operation pending aborts the process
-        self._groups = []
         self.epoch = epoch
         self.world = self._communicator("world")
         if self.group is not None:
@@ -376,7 +373,7 @@ class FaultTolerance:
         epoch = self.epoch
         assert epoch is not None and self.membership is not None
         receivers = tuple(r for r in range(epoch.size) if epoch.is_joiner(r))
-        link = (self.backend, self.device, self.timeout, self._groups)
+        link = (self.backend, self.device, self.timeout)
         sit_out = state_transfer.steps_to_sit_out(self.modules)
         if epoch.rank == epoch.state_holder:
             state = state_transfer.job_state(self.step, self.committed, self.data, self.modules)

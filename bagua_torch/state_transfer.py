@@ -81,13 +81,11 @@ def send_state(
     backend: str,
     device: torch.device,
     timeout: float,
-    groups: list[Any],
 ) -> None:
     """Send ``state`` and ``tensors`` (:func:`replicated_tensors`) to each of ``receivers`` in turn, from this
-    member (the epoch's state holder), each over a group of the two (appended to ``groups``)."""
+    member (the epoch's state holder), each over a group of the two."""
     for receiver in receivers:
         pair = pair_communicator(epoch, epoch.rank, receiver, backend, timeout)
-        groups.append(pair.group)
         broadcast_structure(state, pair, device)
         broadcast_tensors(pair, tensors)
 
@@ -96,7 +94,7 @@ def send_state_in_background(
     epoch: Epoch, receivers: Sequence[int], state: dict[str, Any], tensors: list[torch.Tensor], *link: Any
 ) -> None:
     """:func:`send_state` of a copy of ``state`` and ``tensors`` taken now, from a thread; a lost member ends it
-    quietly (the epoch failed: the next one gives the state again). ``link``: send_state's last four arguments."""
+    quietly (the epoch failed: the next one gives the state again). ``link``: send_state's last three arguments."""
     snapshot = copy.deepcopy(state), [t.detach().clone() for t in tensors]
 
     def send() -> None:
@@ -109,12 +107,11 @@ def send_state_in_background(
 
 
 def receive_state(
-    epoch: Epoch, modules: Sequence[BaguaModule], backend: str, device: torch.device, timeout: float, groups: list[Any]
+    epoch: Epoch, modules: Sequence[BaguaModule], backend: str, device: torch.device, timeout: float
 ) -> dict[str, Any]:
     """Receive the state from the epoch's holder: the models' tensors are overwritten; returns the rest, for
     :func:`load_job_state`."""
     pair = pair_communicator(epoch, epoch.state_holder, epoch.rank, backend, timeout)
-    groups.append(pair.group)
     state = broadcast_structure(None, pair, device)
     broadcast_tensors(pair, replicated_tensors(modules))
     return state

@@ -3,7 +3,8 @@
 Every communicator of an epoch (the world, a dedicated one for a background thread, the pair that
 sends a joiner the state) is a ``ProcessGroup`` holding a gloo (or NCCL) backend made on the
 epoch's store under its own prefix; its waits give up with ``MembershipChanged`` once the epoch
-closes. Such groups are never destroyed (:func:`leak`): one may hold an abandoned operation.
+closes. Such groups are never destroyed (:func:`_never_destroy`, as each is made): one may hold an abandoned
+operation, and a thread may still be using one (the state sent in the background) when its epoch is left.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from bagua_common.fault_tolerance import Epoch, KVClient, MembershipChanged, Sto
 from bagua_torch.communicator.process_group_communicator import ProcessGroupCommunicator
 from bagua_torch.communicator.protocol import CommunicationError
 
-__all__ = ["epoch_communicator", "leak", "pair_communicator", "solo_communicator"]
+__all__ = ["epoch_communicator", "pair_communicator", "solo_communicator"]
 
 _STORE_POLL_S = 0.1  # how often a group's rendezvous looks whether its epoch closed meanwhile
 
@@ -82,14 +83,13 @@ class _StoreForTorch(dist.Store):
 
 
 def epoch_communicator(
-    epoch: Epoch, purpose: str, backend: str, device: torch.device, timeout: float, made: list[Any]
+    epoch: Epoch, purpose: str, backend: str, device: torch.device, timeout: float
 ) -> ProcessGroupCommunicator:
     """A communicator of ``epoch``'s members (collective: every member makes it), named ``purpose``; its waits give
     up with MembershipChanged when the epoch closes. Dedicated communicators made from it
     (:func:`~bagua_torch.communicator.dedicated_communicator`) are further groups of the same epoch."""
     comm = _group_on_store(epoch, purpose, epoch.rank, epoch.size, backend, timeout)
-    made.append(comm.group)
-    comm.dedicated = lambda name: epoch_communicator(epoch, f"{purpose}/{name}", backend, device, timeout, made)
+    comm.dedicated = lambda name: epoch_communicator(epoch, f"{purpose}/{name}", backend, device, timeout)
     return comm
 
 
@@ -102,6 +102,7 @@ def _group_on_store(
     store = dist.PrefixStore(epoch.prefix(purpose), adapter)
     # torch.distributed's collectives take a ProcessGroup holding the backend (as new_group builds it)
     group = dist.ProcessGroup(store, rank, size)
+    _never_destroy(group)
     try:
         if backend == "nccl":
             kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
@@ -139,9 +140,8 @@ def solo_communicator(timeout: float) -> ProcessGroupCommunicator:
     return comm
 
 
-def leak(groups: list[Any]) -> None:
-    """Never destroy ``groups``: an epoch's groups may hold abandoned operations (gloo cannot cancel them), and
-    destroying a gloo group with an operation pending throws from its threads, which aborts the process. A
-    group costs a few threads and sockets; a job leaks one set per change of members."""
-    for group in groups:
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+def _never_destroy(group: Any) -> None:
+    """Keep ``group`` alive for the process's life: an epoch's groups may hold abandoned operations (gloo cannot
+    cancel them), and destroying a gloo group with an operation pending throws from its threads, which aborts the
+    process. A group costs a few threads and sockets; a job leaks one set per change of members."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

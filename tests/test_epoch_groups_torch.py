@@ -1,0 +1,50 @@
+"""The process groups of a fault-tolerant job's epoch outlive every reference to them.
+
+A group may still hold an abandoned operation, or be in use by the thread that sends a joiner the state, when
+its epoch is left; destroying a gloo group then throws from its threads, which aborts the process. So each group
+is kept alive as it is made, not when the epoch is left (a thread's group made after that would escape).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import torch
+
+from bagua_common.fault_tolerance import Epoch
+from bagua_common.fault_tolerance.epoch import Member
+from bagua_common.fault_tolerance.kv_store import KVServer
+from bagua_torch.communicator import epoch_groups
+
+
+def _threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def test_a_pair_group_with_an_operation_pending_is_never_destroyed():
+    server = KVServer("127.0.0.1", secret=b"s" * 32)
+    try:
+        members = (Member("holder", "127.0.0.1", server.port), Member("joiner", "127.0.0.1", server.port))
+        epochs = [Epoch(1, members, rank, 1, store=server.in_process_client()) for rank in range(2)]
+        made: dict[int, object] = {}
+
+        def make(rank: int) -> None:
+            made[rank] = epoch_groups.pair_communicator(epochs[rank], 0, 1, "gloo", 30.0)
+
+        before = _threads()
+        makers = [threading.Thread(target=make, args=(rank,)) for rank in range(2)]
+        for maker in makers:
+            maker.start()
+        for maker in makers:
+            maker.join()
+        with_groups = _threads()
+        assert with_groups > before  # gloo's own threads, one set per group
+        pending = made[1].group.allreduce([torch.ones(4)])  # the holder never takes part: left pending
+        del pending
+        made.clear()
+        gc.collect()
+        assert _threads() == with_groups  # destroyed groups would have stopped their threads
+    finally:
+        server.close()
