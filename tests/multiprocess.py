@@ -1,6 +1,7 @@
 """Run a test function in N processes and collect what each rank returns.
 
-``run_ranks("module:function", n)`` starts n Python processes (or one
+``run_ranks("module:function", n)`` starts n Python processes (forked from :mod:`fork_server`, which has
+imported torch already, for a module named ``*_torch``; or one
 ``mpiexec -n n`` job, or one ``mpiexec -n 1`` job per rank, so that a rank killed by a signal ends only its own
 job), each calling ``function(*args)`` from this tests folder
 with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (under
@@ -23,6 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
+
+from fork_server import start_rank
 
 from bagua_common.job.local_launch import free_port, mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
@@ -91,6 +94,11 @@ def run_ranks(
                     start_new_session=True,
                 )
             ]
+        elif launcher == "python" and target.split(":")[0].endswith("_torch"):
+            procs = [
+                start_rank(command[2:], {**base_env, "RANK": str(r), "LOCAL_RANK": str(r)}, Path(logs[r].name))
+                for r in range(nprocs)
+            ]
         else:
             prefix = [mpiexec(), "-n", "1"] if launcher == "mpiexec-per-rank" else []
             procs = [
@@ -122,7 +130,7 @@ def run_ranks(
 
 
 def _wait_all(
-    procs: list[subprocess.Popen],
+    procs: list[Any],
     timeout: float,
     stop_on_failure: bool,
     watch: Callable[[list[int | None]], None] | None = None,
