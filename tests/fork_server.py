@@ -1,11 +1,12 @@
 """Start torch test ranks by forking a server that has imported torch already.
 
-Importing torch costs about 2.5 s of CPU here, and every rank :func:`multiprocess.run_ranks` starts pays it: the
-quick suite's torch jobs spend a large part of their time importing. :func:`start_rank` forks the rank from one
-server process per test session instead, which has imported torch and started no thread. A forked rank is what
-``python -m rank_main TARGET`` would be: a session of its own, exactly the environment it is given, its output in
-its log file, fresh random seeds, the thread count of ``OMP_NUM_THREADS``. Only for targets that import torch and
-not JAX (modules named ``*_torch``): JAX reads its settings when imported, and must not find torch loaded.
+Importing torch costs about 2.5 s of CPU here, and every rank a test starts pays it: the quick suite's torch jobs
+spend a large part of their time importing. :func:`start_rank` forks the rank from one server process per test
+session instead, which has imported torch and started no thread. A forked rank is what its ``python`` command
+line would be: a session of its own, exactly the environment it is given, its output in its log file (or a FIFO
+the test reads), fresh random seeds, the thread count of ``OMP_NUM_THREADS``. Used by
+:func:`multiprocess.run_ranks` for modules named ``*_torch`` and by the fault-tolerant torch jobs' ranks; only for
+programs that import torch and not JAX (JAX reads its settings when imported, and must not find torch loaded).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class _Client:
             [sys.executable, "-c", code],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
-            env={**os.environ, "PYTHONPATH": pythonpath},
+            env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), pythonpath])},
         )
         self._lock, self._changed = threading.Lock(), threading.Condition()
         self._started: list[int] = []
@@ -96,7 +97,8 @@ _client: _Client | None = None
 
 
 def start_rank(argv: list[str], env: dict[str, str], log: Path) -> ForkedRank:
-    """Fork a rank running ``python -m`` ``argv`` with exactly ``env``, its output appended to ``log``."""
+    """Fork a rank that runs ``python *argv`` (``["-m", module, ...]`` or ``[script, ...]``) with exactly ``env``,
+    its output appended to ``log`` (a file, or a FIFO the caller reads)."""
     global _client
     if _client is None or _client._proc.poll() is not None:
         _client = _Client(env.get("PYTHONPATH", ""))
@@ -139,7 +141,7 @@ def _reap() -> None:
 
 
 def _become_rank(request: dict[str, Any]) -> None:
-    """In the forked child: become ``python -m rank_main TARGET`` as run_ranks would start it; never returns."""
+    """In the forked child: become the ``python`` command ``request["argv"]`` gives; never returns."""
     code = 1
     try:
         os.setsid()
@@ -162,8 +164,14 @@ def _become_rank(request: dict[str, Any]) -> None:
 
         numpy.random.seed()
         torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))
-        sys.argv = list(request["argv"])
-        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+        argv = list(request["argv"])
+        if argv[0] == "-m":
+            sys.argv = argv[1:]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as end:
         code = end.code if isinstance(end.code, int) else (0 if end.code is None else 1)

@@ -96,7 +96,7 @@ def run_ranks(
             ]
         elif launcher == "python" and target.split(":")[0].endswith("_torch"):
             procs = [
-                start_rank(command[2:], {**base_env, "RANK": str(r), "LOCAL_RANK": str(r)}, Path(logs[r].name))
+                start_rank(command[1:], {**base_env, "RANK": str(r), "LOCAL_RANK": str(r)}, Path(logs[r].name))
                 for r in range(nprocs)
             ]
         else:

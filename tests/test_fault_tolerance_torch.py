@@ -1,6 +1,7 @@
 """Fault-tolerant torch jobs over gloo: ranks die, hang, raise or lag, and the survivors go on without a restart.
 
-Each job runs ``fault_tolerance_workers_torch.py`` in plain processes (RANK, WORLD_SIZE, MASTER_ADDR,
+Each job runs ``fault_tolerance_workers_torch.py`` in plain processes (forked with torch imported,
+:mod:`fork_server`; RANK, WORLD_SIZE, MASTER_ADDR,
 MASTER_PORT, ``BAGUA_FAULT_TOLERANCE=1``) with short heartbeats (50 ms, dead after 1 s), several
 faults per job, and a joiner started while it runs. Asserted, per failure: the survivors' seconds
 from the failure seen to the step running again, at most one step lost, every sample of the epoch
@@ -19,10 +20,13 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TextIO
 
 import numpy as np
 import pytest
+from fork_server import ForkedRank, start_rank
 from multiprocess import TESTS, free_port
 
 from bagua_common.fault_tolerance import DataPosition
@@ -67,7 +71,7 @@ class Job:
             # every node's ranks run on this machine: the cores are shared among all of them
             "OMP_NUM_THREADS": str(threads_per_rank(ranks)),
         }
-        self.procs: list[subprocess.Popen] = []
+        self.procs: list[subprocess.Popen | ForkedRank] = []
         self.events: list[dict] = []
         self.text: list[str] = []
         self._threads: list[threading.Thread] = []
@@ -88,22 +92,29 @@ class Job:
         self._start([sys.executable], {**self.where, "BAGUA_FT_JOIN": "1"})
 
     def _start(self, command: list[str], extra: dict[str, str]) -> None:
-        proc = subprocess.Popen(
-            [*command, WORKER],
-            env={**self.env, **extra},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            start_new_session=True,  # its group: a launcher's workers and slots go with it
-        )
-        self.procs.append(proc)
-        thread = threading.Thread(target=self._read, args=(proc,), daemon=True)
+        if command == [sys.executable]:  # a rank: forked with torch imported already
+            output = Path(self.env["FT_MARKS"]) / f"output-{len(self.procs)}"
+            os.mkfifo(output)
+            self.procs.append(start_rank([str(WORKER)], {**self.env, **extra}, output))
+            lines: Callable[[], TextIO] = lambda: open(output)  # noqa: E731 - opened by the reader: it blocks
+        else:
+            proc = subprocess.Popen(
+                [*command, WORKER],
+                env={**self.env, **extra},
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+                start_new_session=True,  # its group: a launcher's workers and slots go with it
+            )
+            self.procs.append(proc)
+            lines = lambda: proc.stdout  # noqa: E731
+        thread = threading.Thread(target=self._read, args=(lines,), daemon=True)
         thread.start()
         self._threads.append(thread)
 
-    def _read(self, proc: subprocess.Popen) -> None:
-        with proc.stdout:  # closed at the process's end
-            for line in proc.stdout:
+    def _read(self, lines: Callable[[], TextIO]) -> None:
+        with lines() as output:  # closed at the process's end
+            for line in output:
                 self.text.append(line)
                 body = line.split("] ", 1)[1] if line.startswith("[rank ") else line
                 try:
