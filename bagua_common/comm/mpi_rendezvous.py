@@ -31,7 +31,7 @@ PORT_ENVIRONMENT = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 
 
 class KeyValueStore(Protocol):
-    """What :func:`assemble` needs of a store: ``bagua_common.fault_tolerance.KVClient`` has it."""
+    """What :func:`assemble` needs of a store: ``bagua_common.fault_tolerance.StoreClient`` has it."""
 
     def set(self, key: str, value: bytes | str) -> None:
         """Store ``value`` under ``key``."""

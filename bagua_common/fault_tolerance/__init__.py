@@ -25,7 +25,7 @@ from bagua_common.fault_tolerance.errors import (
     NoQuorum,
     ReplicaMismatch,
 )
-from bagua_common.fault_tolerance.kv_store import InProcessClient, KVClient, KVServer, StoreUnreachable
+from bagua_common.fault_tolerance.kv_store import InProcessClient, KVClient, KVServer, StoreClient, StoreUnreachable
 from bagua_common.fault_tolerance.membership import Membership
 from bagua_common.fault_tolerance.replica_hash import ReplicaDigest, check_digests
 from bagua_common.fault_tolerance.settings import (
@@ -59,6 +59,7 @@ __all__ = [
     "Recovery",
     "ReplicaDigest",
     "ReplicaMismatch",
+    "StoreClient",
     "StoreUnreachable",
     "check_digests",
     "job_secret",

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from bagua_common.fault_tolerance.kv_store import KVClient
+    from bagua_common.fault_tolerance.kv_store import StoreClient
 
 __all__ = ["Decision", "commit_transaction"]
 
@@ -77,7 +77,7 @@ class Decision:
         return Decision(self.committed, "wind" if ahead else "drain") if self.state == "open" else self
 
 
-def commit_transaction(store: KVClient, key: str, transaction: int) -> Decision:
+def commit_transaction(store: StoreClient, key: str, transaction: int) -> Decision:
     """Turn the register at ``key`` from ``transaction - 1`` to ``transaction`` (the last vote is in) unless the
     epoch no longer allows it; return its value after. The first try expects it open, which it is unless the
     coordinator asked the epoch to drain or closed it: one round trip in steady state."""

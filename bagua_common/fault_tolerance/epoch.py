@@ -17,7 +17,7 @@ from typing import Any
 
 from bagua_common.fault_tolerance.decision import Decision, commit_transaction
 from bagua_common.fault_tolerance.errors import Evicted
-from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
+from bagua_common.fault_tolerance.kv_store import StoreClient, StoreUnreachable
 
 __all__ = ["Epoch", "Member", "Recovery", "close_epoch", "count_vote", "publish_epoch", "read_epoch"]
 
@@ -55,7 +55,7 @@ class Epoch:
     rank: int
     committed: int
     joined: tuple[str, ...] = ()
-    store: KVClient | None = None
+    store: StoreClient | None = None
     closed: threading.Event = field(default_factory=threading.Event)
     failed: threading.Event = field(default_factory=threading.Event)
     ended: threading.Event = field(default_factory=threading.Event)
@@ -126,7 +126,7 @@ class Recovery:
     committed: int
 
 
-def publish_epoch(store: KVClient, epoch: Epoch, after: Sequence[int]) -> None:
+def publish_epoch(store: StoreClient, epoch: Epoch, after: Sequence[int]) -> None:
     """Write ``epoch``'s record and its open decision register, then tell the members leaving the epochs ``after``
     and the joiners it admits."""
     store.set(f"ft/epoch/{epoch.number}", epoch.record())
@@ -137,7 +137,7 @@ def publish_epoch(store: KVClient, epoch: Epoch, after: Sequence[int]) -> None:
         store.set(f"ft/admit/{member_id}", str(epoch.number))
 
 
-def read_epoch(store: KVClient, number: bytes, me: str) -> Epoch:
+def read_epoch(store: StoreClient, number: bytes, me: str) -> Epoch:
     """The epoch numbered ``number`` (as ``ft/after/<E>`` or ``ft/admit/<id>`` hold it) as member ``me`` sees it
     (:class:`~bagua_common.fault_tolerance.Evicted` if it was formed without ``me``)."""
     record = store.check(f"ft/epoch/{int(number)}")
@@ -152,7 +152,9 @@ It is added by ``t - 1``'s last vote, before any member can vote for ``t``. Memb
 of the epoch from their own vote's count, without reading the register."""
 
 
-def count_vote(store: KVClient, epoch: Epoch, transaction: int, waiters: bool = True) -> tuple[bool, Decision | None]:
+def count_vote(
+    store: StoreClient, epoch: Epoch, transaction: int, waiters: bool = True
+) -> tuple[bool, Decision | None]:
     """Count a member's vote for ``transaction`` in ``epoch``. Returns whether the transaction ends the epoch (see
     :data:`ENDS_EPOCH`) and, for the last vote, the register's value after it (None for the others). The last
     vote commits the transaction (:func:`commit_transaction`) and ends the epoch when the register asked for that.
@@ -173,7 +175,7 @@ def count_vote(store: KVClient, epoch: Epoch, transaction: int, waiters: bool = 
     return ends_epoch, decision
 
 
-def close_epoch(store: KVClient, epoch: Epoch, closure: dict[str, Any]) -> None:
+def close_epoch(store: StoreClient, epoch: Epoch, closure: dict[str, Any]) -> None:
     """Close ``epoch``: the register to ``T closed`` (unless it is already over), then wake every waiter."""
     key = f"{epoch.prefix()}decision"
     while True:
@@ -186,6 +188,6 @@ def close_epoch(store: KVClient, epoch: Epoch, closure: dict[str, Any]) -> None:
     mark_closed(store, epoch, closure)
 
 
-def mark_closed(store: KVClient, epoch: Epoch, closure: dict[str, Any]) -> None:
+def mark_closed(store: StoreClient, epoch: Epoch, closure: dict[str, Any]) -> None:
     """Set ``epoch``'s ``closed`` key (the first reason stays), waking every member's monitor."""
     store.compare_set(f"{epoch.prefix()}closed", b"", json.dumps(closure))

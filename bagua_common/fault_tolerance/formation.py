@@ -20,7 +20,7 @@ from typing import Any
 
 from bagua_common.fault_tolerance.epoch import Epoch, Member, publish_epoch, read_epoch
 from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
-from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable, wait_for
+from bagua_common.fault_tolerance.kv_store import KVClient, StoreClient, StoreUnreachable, wait_for
 from bagua_common.fault_tolerance.settings import FaultToleranceSettings
 
 __all__ = ["Formation", "probe"]
@@ -34,14 +34,19 @@ class Formation:
     ``gone`` holds the members whose process ended."""
 
     def __init__(
-        self, settings: FaultToleranceSettings, me: Member, local: KVClient, stopping: threading.Event, gone: set[str]
+        self,
+        settings: FaultToleranceSettings,
+        me: Member,
+        local: StoreClient,
+        stopping: threading.Event,
+        gone: set[str],
     ):
         self.settings, self.me, self._local, self._stopping = settings, me, local, stopping
         self._gone = gone  # members whose process ended (their connections to this member's store closed)
         self._requests_seen = 0
         self._unwritten: dict[int, float] = {}  # requests counted, not yet written: when first seen so
 
-    def requests_waiting(self, store: KVClient) -> bool:
+    def requests_waiting(self, store: StoreClient) -> bool:
         """Whether joiners asked to be admitted since the last epoch this member formed (``store``: its own)."""
         return int(store.check("ft/requests") or b"0") > self._requests_seen
 
@@ -77,7 +82,7 @@ class Formation:
                     client.close()
         raise Evicted("fault tolerance: this member is closing")
 
-    def _first_answering(self, leaving: Epoch, suspects: set[str]) -> tuple[Member, KVClient]:
+    def _first_answering(self, leaving: Epoch, suspects: set[str]) -> tuple[Member, StoreClient]:
         for member in leaving.members:
             if member == self.me:
                 return member, self._local
@@ -92,7 +97,7 @@ class Formation:
                 suspects.add(member.id)
         raise Evicted(f"fault tolerance: this member ({self.me.id}) was not a member of epoch {leaving.number}")
 
-    def _gather(self, store: KVClient, leaving: Epoch, suspects: set[str]) -> None:
+    def _gather(self, store: StoreClient, leaving: Epoch, suspects: set[str]) -> None:
         """As the new coordinator: wait for the survivors' join records, check the quorum, publish the epoch.
 
         A member of ``leaving`` is waited for until it joins, unless it is a suspect (the closure named it),
@@ -164,7 +169,7 @@ class Formation:
         for member_id in joined:
             store.delete(f"ft/join/{member_id}")
 
-    def _admissible_requests(self, store: KVClient, members: set[str]) -> list[Member]:
+    def _admissible_requests(self, store: StoreClient, members: set[str]) -> list[Member]:
         """The joiners that asked since the last formation, in the order they asked. A request counted but not yet
         written (its joiner is between the two calls) ends the list: it and those after it wait for the next
         formation (the count stays ahead, so the coordinator drains again), unless it stays unwritten for

@@ -32,7 +32,16 @@ from collections.abc import Callable
 
 from bagua_common.job.message_tag import message_tag, tag_matches
 
-__all__ = ["InProcessClient", "KVClient", "KVServer", "StoreUnreachable", "advertised_host", "connect", "wait_for"]
+__all__ = [
+    "InProcessClient",
+    "KVClient",
+    "KVServer",
+    "StoreClient",
+    "StoreUnreachable",
+    "advertised_host",
+    "connect",
+    "wait_for",
+]
 
 _HEADER = struct.Struct("!BII")
 _SET, _GET, _ADD, _CAS, _DELETE, _PING, _HELLO, _CHECK, _AUTH = range(1, 10)
@@ -219,7 +228,53 @@ class KVServer:
                 pass
 
 
-class KVClient:
+class StoreClient:
+    """The operations on a :class:`KVServer`'s data, whichever way the store is reached: :class:`KVClient` over a
+    socket, :class:`InProcessClient` from the server's own process. ``address`` names the store in errors; a store
+    that cannot be reached raises :class:`StoreUnreachable`."""
+
+    address: tuple[str, int]
+
+    def _request(self, kind: int, key: bytes, value: bytes, wait: float = 0.0) -> tuple[int, bytes]:
+        raise NotImplementedError
+
+    def set(self, key: str, value: bytes | str) -> None:
+        """Store ``value`` under ``key`` (waking every ``get`` waiting for it)."""
+        self._request(_SET, key.encode(), value.encode() if isinstance(value, str) else bytes(value))
+
+    def get(self, key: str, wait: float = 0.0) -> bytes | None:
+        """The value of ``key``, waiting up to ``wait`` seconds for it to be set; None if it is not."""
+        status, reply = self._request(_GET, key.encode(), struct.pack("!d", max(0.0, wait)), wait=max(0.0, wait))
+        return reply if status == _OK else None
+
+    def check(self, key: str) -> bytes | None:
+        """The value of ``key`` now, or None."""
+        status, reply = self._request(_CHECK, key.encode(), b"")
+        return reply if status == _OK else None
+
+    def add(self, key: str, amount: int = 1) -> int:
+        """Add ``amount`` to the integer counter ``key`` (0 if unset); return the new total."""
+        return struct.unpack("!q", self._request(_ADD, key.encode(), struct.pack("!q", amount))[1])[0]
+
+    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (b"" matches an unset key); return its value after."""
+        expected = expected.encode() if isinstance(expected, str) else bytes(expected)
+        desired = desired.encode() if isinstance(desired, str) else bytes(desired)
+        return self._request(_CAS, key.encode(), struct.pack("!I", len(expected)) + expected + desired)[1]
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``; whether it was there."""
+        return self._request(_DELETE, key.encode(), b"")[0] == _OK
+
+    def ping(self) -> None:
+        """Return once the store answers (raises :class:`StoreUnreachable` otherwise)."""
+        self._request(_PING, b"", b"")
+
+    def close(self) -> None:
+        """Let go of the store (a client that needs no closing does nothing)."""
+
+
+class KVClient(StoreClient):
     """One connection to a :class:`KVServer`; thread-safe (one request at a time).
 
     ``timeout`` bounds connecting and each request's answer beyond a ``get``'s own wait; a store
@@ -281,38 +336,6 @@ class KVClient:
                 why = "timed out" if isinstance(error, TimeoutError) else f"closed the connection ({error!r})"
                 raise StoreUnreachable(self.address, why) from None
 
-    def set(self, key: str, value: bytes | str) -> None:
-        """Store ``value`` under ``key`` (waking every ``get`` waiting for it)."""
-        self._request(_SET, key.encode(), value.encode() if isinstance(value, str) else bytes(value))
-
-    def get(self, key: str, wait: float = 0.0) -> bytes | None:
-        """The value of ``key``, waiting up to ``wait`` seconds for it to be set; None if it is not."""
-        status, reply = self._request(_GET, key.encode(), struct.pack("!d", max(0.0, wait)), wait=max(0.0, wait))
-        return reply if status == _OK else None
-
-    def check(self, key: str) -> bytes | None:
-        """The value of ``key`` now, or None."""
-        status, reply = self._request(_CHECK, key.encode(), b"")
-        return reply if status == _OK else None
-
-    def add(self, key: str, amount: int = 1) -> int:
-        """Add ``amount`` to the integer counter ``key`` (0 if unset); return the new total."""
-        return struct.unpack("!q", self._request(_ADD, key.encode(), struct.pack("!q", amount))[1])[0]
-
-    def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
-        """Set ``key`` to ``desired`` if it holds ``expected`` (b"" matches an unset key); return its value after."""
-        expected = expected.encode() if isinstance(expected, str) else bytes(expected)
-        desired = desired.encode() if isinstance(desired, str) else bytes(desired)
-        return self._request(_CAS, key.encode(), struct.pack("!I", len(expected)) + expected + desired)[1]
-
-    def delete(self, key: str) -> bool:
-        """Remove ``key``; whether it was there."""
-        return self._request(_DELETE, key.encode(), b"")[0] == _OK
-
-    def ping(self) -> None:
-        """Return once the store answers (raises :class:`StoreUnreachable` otherwise)."""
-        self._request(_PING, b"", b"")
-
     def close(self) -> None:
         """Close the connection (a member's registered connection then counts as gone); a request waiting on
         another thread raises :class:`StoreUnreachable`."""
@@ -328,22 +351,18 @@ class KVClient:
                 self._sock = None
 
 
-class InProcessClient(KVClient):
-    """:meth:`KVServer.in_process_client`: :class:`KVClient`'s operations applied to the server's data directly. Any
-    number of threads may use it at once; once the server is closed it raises :class:`StoreUnreachable`."""
+class InProcessClient(StoreClient):
+    """:meth:`KVServer.in_process_client`: the store's operations applied to the server's data directly. Any number
+    of threads may use it at once; once the server is closed it raises :class:`StoreUnreachable`."""
 
     def __init__(self, server: KVServer):
         self._server = server
         self.address = ("in-process", server.port)
-        self.timeout = 0.0
 
     def _request(self, kind: int, key: bytes, value: bytes, wait: float = 0.0) -> tuple[int, bytes]:
         if self._server._closing:
             raise StoreUnreachable(self.address, "was closed")
         return self._server._apply(kind, key, value)
-
-    def close(self) -> None:
-        """Nothing to close: the server's owner closes the server."""
 
 
 def connect(host: str, port: int, timeout: float, member: str | None = None, *, secret: bytes) -> KVClient:

@@ -45,8 +45,8 @@ from bagua_common.fault_tolerance.epoch import (
 from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
 from bagua_common.fault_tolerance.formation import Formation, probe
 from bagua_common.fault_tolerance.kv_store import (
-    KVClient,
     KVServer,
+    StoreClient,
     StoreUnreachable,
     advertised_host,
     connect,
@@ -85,7 +85,7 @@ class Membership:
         self._stopping = threading.Event()
         self._gone: set[str] = set()  # members whose connections to this member's store all closed
         self._formation = Formation(settings, self.me, self._local, self._stopping, self._gone)
-        self._monitor_client: KVClient | None = None
+        self._monitor_client: StoreClient | None = None
         self._monitor: threading.Thread | None = None
 
     # --- starting ----------------------------------------------------------------------
@@ -279,7 +279,7 @@ class Membership:
             self._monitor = threading.Thread(target=self._watch, name="bagua-ft-monitor", daemon=True)
             self._monitor.start()
 
-    def _client_of(self, member: Member, registered: bool = False) -> KVClient:
+    def _client_of(self, member: Member, registered: bool = False) -> StoreClient:
         """A client to ``member``'s store: in-process when it is this member's own (the coordinator reads and writes
         its store at every heartbeat and vote); ``registered``, a connection whose closing tells the other end that
         this member is gone."""
@@ -333,7 +333,7 @@ class Membership:
                 return
             self._adopt(formed)
 
-    def _coordinate(self, client: KVClient, epoch: Epoch) -> None:
+    def _coordinate(self, client: StoreClient, epoch: Epoch) -> None:
         """The coordinator's duties each heartbeat: close the epoch when a member's heartbeats stopped, and ask it
         to end after its next commit when a joiner waits."""
         now, prefix, stale = time.monotonic(), epoch.prefix(), []

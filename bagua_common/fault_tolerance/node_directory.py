@@ -12,7 +12,7 @@ import os
 import sys
 
 from bagua_common.fault_tolerance.errors import JobFinished
-from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
+from bagua_common.fault_tolerance.kv_store import KVClient, StoreClient, StoreUnreachable
 from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, FaultToleranceSettings
 
 __all__ = ["CURRENT", "FINISHED", "address", "job_finished", "job_formed", "raise_if_finished", "tell"]
@@ -71,7 +71,7 @@ def _directory_has(key: str) -> bool:
         return False
 
 
-def raise_if_finished(store: KVClient) -> None:
+def raise_if_finished(store: StoreClient) -> None:
     """Raise :class:`JobFinished` (saying so on stderr) when ``store`` (a member's, or a directory) says the job
     finished."""
     finished = store.check(FINISHED)

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bagua_common.fault_tolerance import Epoch, KVClient, MembershipChanged, StoreUnreachable
+from bagua_common.fault_tolerance import Epoch, MembershipChanged, StoreClient, StoreUnreachable
 from bagua_torch.communicator.process_group_communicator import ProcessGroupCommunicator
 from bagua_torch.communicator.protocol import CommunicationError
 
@@ -29,10 +29,10 @@ _STORE_POLL_S = 0.1  # how often a group's rendezvous looks whether its epoch cl
 
 
 class _StoreForTorch(dist.Store):
-    """A member's :class:`~bagua_common.fault_tolerance.KVClient` as a ``torch.distributed`` store (for gloo's and
+    """A member's :class:`~bagua_common.fault_tolerance.StoreClient` as a ``torch.distributed`` store (for gloo's and
     NCCL's rendezvous)."""
 
-    def __init__(self, client: KVClient, timeout: float, closed: threading.Event):
+    def __init__(self, client: StoreClient, timeout: float, closed: threading.Event):
         super().__init__()
         self._client, self._timeout, self._closed = client, timeout, closed
 
