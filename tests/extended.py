@@ -30,7 +30,7 @@ EXTENDED: dict[str, str] = {
     # fault handling: one fault of each kind per front end stays quick
     r"test_fault_tolerance_torch\.py::test_(gradient_allreduce|powersgd|streaming_diloco|a_death_before_the_vote|"
     r"a_rank_lost_before_the_job_formed|a_survivor_goes_on_alone|a_node_whose_only_rank_died|"
-    r"a_diloco_joiner_whose_state_holder_dies)": (
+    r"a_diloco_joiner_whose_state_holder_dies|a_diloco_joiner_sits_out_with_the_fused)": (
         "torch's in-process recovery matrix: 3-4 ranks, several faults and replacements per job (30-80 s each under "
         "load); survivors going on after a SIGKILL, one of them given the other's state, DiLoCo's survivors training "
         "on to the exchange and its joiner sitting out a round, and the refusal stay quick, and so do the launcher's "

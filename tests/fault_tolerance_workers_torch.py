@@ -9,7 +9,8 @@ to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo'
 or at step 0 in ``formation`` (before it registers with the others) or ``state`` (before it sends a
 joiner the state), the rank ``kill``s itself (SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow``
 (``seconds``, default 0.3) or, at a vote, ``late`` (it votes after its epoch closed).
-``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time). A fault fires once per rank and
+``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time); ``FT_FUSED=1``: the optimizer
+is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`). A fault fires once per rank and
 place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
 Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices; at DiLoCo's exchange
 steps the round start after it), ``retry``
@@ -127,6 +128,9 @@ def main() -> None:
     # registered first: runs before the wrapper's pre-hooks, after the backward's collectives, before the vote
     optimizer.register_step_pre_hook(lambda *_: fault(faults, rank, step_hook["step"], "before_vote"))
     model = bagua_torch.with_bagua(net, [optimizer], algorithm)
+    if os.environ.get("FT_FUSED") == "1":  # stepped over the model's buckets, whose layout follows the epochs
+        optimizer = bagua_torch.fuse_optimizer(optimizer, module=model)
+        optimizer.register_step_pre_hook(lambda *_: fault(faults, rank, step_hook["step"], "before_vote"))
     data_x = torch.randn(SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
     data_y = data_x.sum(dim=1, keepdim=True).sin()
     data = DataPosition(SAMPLES, batch_per_rank=4, seed=3)
