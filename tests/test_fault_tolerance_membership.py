@@ -36,6 +36,8 @@ from bagua_common.fault_tolerance import (
     job_secret,
 )
 from bagua_common.fault_tolerance.decision import commit_transaction
+from bagua_common.fault_tolerance.epoch import Member
+from bagua_common.fault_tolerance.formation import probe, process_ended
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
 SECRET = job_secret()  # conftest's, inherited by the members started as processes
@@ -467,3 +469,36 @@ def test_members_that_leave_together_are_not_taken_for_failures(members):
     started = time.monotonic()
     together([group[0].close, group[1].close])  # the coordinator waits for the last one to leave
     assert time.monotonic() - started < FAST.dead_after
+
+
+def test_a_member_whose_store_drops_connections_while_its_process_ends_is_taken_for_ended():
+    # A SIGKILLed member's connections close before its store's listener: a probe in between completes the
+    # connection and is dropped without a greeting ("silent"). Taken for alive, the member's departure waited for
+    # its heartbeats (3 s in a test job) instead of being noticed at once.
+    listener = socket.create_server(("127.0.0.1", 0))
+    member = Member("dying", "127.0.0.1", listener.getsockname()[1])
+    listener.settimeout(0.02)
+
+    def drop_connections_then_close() -> None:
+        deadline = time.monotonic() + 0.2
+        while time.monotonic() < deadline:
+            try:
+                listener.accept()[0].close()
+            except TimeoutError:
+                pass
+        listener.close()
+
+    ending = threading.Thread(target=drop_connections_then_close)
+    ending.start()
+    try:
+        assert probe(member, SECRET)[0] == "silent"  # what one probe says meanwhile
+        assert process_ended(member, SECRET)
+    finally:
+        ending.join()
+    server = KVServer("127.0.0.1", secret=SECRET)
+    try:
+        assert not process_ended(Member("alive", "127.0.0.1", server.port), SECRET)
+    finally:
+        server.close()
+    with socket.create_server(("127.0.0.1", 0)) as stopped:  # connections complete, nobody answers: a stopped one
+        assert not process_ended(Member("stopped", "127.0.0.1", stopped.getsockname()[1]), SECRET)

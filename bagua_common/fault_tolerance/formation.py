@@ -23,10 +23,13 @@ from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
 from bagua_common.fault_tolerance.kv_store import KVClient, StoreClient, StoreUnreachable, wait_for
 from bagua_common.fault_tolerance.settings import FaultToleranceSettings
 
-__all__ = ["Formation", "probe"]
+__all__ = ["Formation", "probe", "process_ended"]
 
 _PROBE_SECONDS = 1.0
 """The longest a probe waits for a member's store to answer (a hung store looks like a lost one)."""
+_ENDING_SECONDS = 0.5
+"""How long :func:`process_ended` probes again a store that dropped the connection: a process being killed closes
+its connections before its store's listener, which meanwhile still completes new connections and drops them."""
 
 
 class Formation:
@@ -204,6 +207,18 @@ def probe(member: Member, secret: bytes) -> tuple[str, int | None]:
         return "alive", None if current is None else int(current["epoch"])
     except StoreUnreachable as error:
         return ("refused" if error.refused else "silent"), None
+
+
+def process_ended(member: Member, secret: bytes) -> bool:
+    """Whether ``member``'s process ended (its store refuses connections), asked when its connection to this
+    member's store closed: a store that neither answers nor refuses is probed again for :data:`_ENDING_SECONDS`
+    (a process being killed), then taken for alive (stopped, or cut off: its heartbeats decide)."""
+    deadline = time.monotonic() + _ENDING_SECONDS
+    while True:
+        seen, _ = probe(member, secret)
+        if seen != "silent" or time.monotonic() >= deadline:
+            return seen == "refused"
+        time.sleep(0.02)
 
 
 def _json(raw: bytes | None) -> Any:

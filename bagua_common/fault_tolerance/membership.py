@@ -43,7 +43,7 @@ from bagua_common.fault_tolerance.epoch import (
     read_epoch,
 )
 from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
-from bagua_common.fault_tolerance.formation import Formation, probe
+from bagua_common.fault_tolerance.formation import Formation, process_ended
 from bagua_common.fault_tolerance.kv_store import (
     KVServer,
     StoreClient,
@@ -364,7 +364,7 @@ class Membership:
         is closed when adopted). A member whose store answers only gave up on this one (this process was stopped)."""
         epoch = self._epoch
         member = next((m for m in epoch.members if m.id == member_id), None) if epoch is not None else None
-        if member is None or self._left(epoch, member_id) or probe(member, self.settings.secret)[0] != "refused":
+        if member is None or self._left(epoch, member_id) or not process_ended(member, self.settings.secret):
             return
         self._gone.add(member_id)
         self._close_for_the_gone()
