@@ -130,6 +130,7 @@ def main() -> None:
     model = bagua_torch.with_bagua(net, [optimizer], algorithm)
     if os.environ.get("FT_FUSED") == "1":  # stepped over the model's buckets, whose layout follows the epochs
         optimizer = bagua_torch.fuse_optimizer(optimizer, module=model)
+        # the fused optimizer takes the wrapper's pre-hooks first: its "before_vote" point runs after them
         optimizer.register_step_pre_hook(lambda *_: fault(faults, rank, step_hook["step"], "before_vote"))
     data_x = torch.randn(SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
     data_y = data_x.sum(dim=1, keepdim=True).sin()

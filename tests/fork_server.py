@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import random
 import runpy
 import select
@@ -54,7 +55,7 @@ class _Client:
             env={**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parent), pythonpath])},
         )
         self._lock, self._changed = threading.Lock(), threading.Condition()
-        self._started: list[int] = []
+        self._started: queue.Queue[int] = queue.Queue()  # each request's pid, in order; -1 once the server is gone
         self._exits: dict[int, int] = {}
         threading.Thread(target=self._read, name="fork-server-reader", daemon=True).start()
 
@@ -62,26 +63,25 @@ class _Client:
         assert self._proc.stdout is not None
         for line in self._proc.stdout:
             message = json.loads(line)
+            if "started" in message:
+                self._started.put(message["started"])
+                continue
             with self._changed:
-                if "started" in message:
-                    self._started.append(message["started"])
-                else:
-                    self._exits[message["exited"]] = message["code"]
+                self._exits[message["exited"]] = message["code"]
                 self._changed.notify_all()
+        self._started.put(-1)  # the server is gone: a request waiting for its pid must not wait forever
         with self._changed:
-            self._started.append(-1)  # the server is gone: whoever waits must not wait forever
             self._changed.notify_all()
 
     def start(self, argv: list[str], env: dict[str, str], log: str) -> ForkedRank:
         assert self._proc.stdin is not None
         with self._lock:  # one request at a time: its pid is the next one back
-            with self._changed:
-                self._started.clear()
             self._proc.stdin.write((json.dumps({"argv": argv, "env": env, "log": log}) + "\n").encode())
             self._proc.stdin.flush()
-            with self._changed:
-                self._changed.wait_for(lambda: self._started, timeout=60)
-                pid = self._started.pop(0) if self._started else -1
+            try:
+                pid = self._started.get(timeout=60)
+            except queue.Empty:
+                pid = -1
         if pid < 0:
             raise RuntimeError("the fork server did not start the rank (it ended; see the test output)")
         return ForkedRank(self, pid)

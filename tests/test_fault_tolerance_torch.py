@@ -20,7 +20,6 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TextIO
 
@@ -94,11 +93,11 @@ class Job:
         self._start([sys.executable], {**self.where, "BAGUA_FT_JOIN": "1"})
 
     def _start(self, command: list[str], extra: dict[str, str]) -> None:
+        output: Path | TextIO
         if command == [sys.executable]:  # a rank: forked with torch imported already
             output = Path(self.env["FT_MARKS"]) / f"output-{len(self.procs)}"
             os.mkfifo(output)
             self.procs.append(start_rank([str(WORKER)], {**self.env, **extra}, output))
-            lines: Callable[[], TextIO] = lambda: open(output)  # noqa: E731 - opened by the reader: it blocks
         else:
             proc = subprocess.Popen(
                 [*command, WORKER],
@@ -109,13 +108,15 @@ class Job:
                 start_new_session=True,  # its group: a launcher's workers and slots go with it
             )
             self.procs.append(proc)
-            lines = lambda: proc.stdout  # noqa: E731
-        thread = threading.Thread(target=self._read, args=(lines,), daemon=True)
+            output = proc.stdout
+        thread = threading.Thread(target=self._read, args=(output,), daemon=True)
         thread.start()
         self._threads.append(thread)
 
-    def _read(self, lines: Callable[[], TextIO]) -> None:
-        with lines() as output:  # closed at the process's end
+    def _read(self, source: Path | TextIO) -> None:
+        """Collect a process's lines from its FIFO (opened here: opening blocks until the rank opens it too) or its
+        stdout pipe, until the process ends."""
+        with open(source) if isinstance(source, Path) else source as output:
             for line in output:
                 self.text.append(line)
                 body = line.split("] ", 1)[1] if line.startswith("[rank ") else line
