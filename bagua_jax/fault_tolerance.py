@@ -14,6 +14,13 @@ not yet trained on. The communicator's handle stays the same, so a
 step whose shapes do not depend on the world size (gradient allreduce, decentralized averaging over all) is not
 compiled again; one whose shapes do (ByteGrad and the compressed Adams: chunks per rank) is compiled once per new
 world size (:attr:`FaultTolerantTrainer.recoveries` records each recovery's time).
+
+Under DiLoCo each outer exchange is the transaction, and it commits once every member voted (a round commits rarely;
+its retry rests on every member knowing the outcome). The inner steps communicate nothing, so the members notice a
+death at different inner steps: each trains on to the round's exchange, which fails on every survivor at the same
+step, and the survivors run that step again among themselves, with their own pseudo-gradients: no completed inner
+step is lost, and the dead member's samples of the round go with its pseudo-gradient. Joiners are admitted at a
+round's end; the members wait while the state travels (torch's joiner sits the round out instead).
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.fault_tolerance import (
     DataPosition,
     Epoch,
@@ -56,17 +64,27 @@ def _communication_failure(error: Exception) -> bool:
 
 
 def _refuse_unsurvivable(trainer: DataParallel) -> None:
-    """Raise ValueError naming the fallback unless ``trainer``'s algorithm keeps its replicas identical: the
-    decentralized ones and asynchronous averaging let them drift by design, and DiLoCo's exchange is not yet
-    retried among survivors here, so no step leaves every member with a state to go on from together."""
+    """Raise ValueError naming the fallback unless ``trainer``'s algorithm keeps its replicas identical, or is DiLoCo
+    without an overlapped exchange: the decentralized ones and asynchronous averaging let the replicas drift with
+    nothing every member holds to go on from, and an overlapped exchange runs on a communicator of its own that a
+    change of members does not rebuild."""
     algorithm = trainer.algorithm
-    if not getattr(algorithm, "replicas_identical", False):
+    config = algorithm.config
+    if isinstance(config, DiLoCoConfig) and config.fragment_sync_delay:
         raise ValueError(
-            f"FaultTolerantTrainer cannot continue {algorithm.config.name} after a lost member: its replicas "
+            f"FaultTolerantTrainer cannot continue {config.name} with fragment_sync_delay="
+            f"{config.fragment_sync_delay} after a lost member: the overlapped exchange runs on a communicator of its "
+            "own, which a change of members does not rebuild. Use fragment_sync_delay=0, or train it with the "
+            "elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new world "
+            "size)"
+        )
+    if not getattr(algorithm, "replicas_identical", False) and not isinstance(config, DiLoCoConfig):
+        raise ValueError(
+            f"FaultTolerantTrainer cannot continue {config.name} after a lost member: its replicas "
             "differ between the ranks' steps, so there is no state every member holds to go on from. Train it with "
             "the elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new "
             "world size), or use an algorithm that survives a loss in place: gradient_allreduce, bytegrad, qadam, "
-            "onebit_adam, powersgd"
+            "onebit_adam, powersgd, diloco"
         )
 
 
@@ -77,8 +95,9 @@ class FaultTolerantTrainer:
     must be the communicator's); ``data`` the job's :class:`~bagua_common.fault_tolerance.DataPosition`;
     ``hash_every`` compares the replicas' digests every that many committed steps (default: the membership's
     settings), besides after every recovery. :meth:`init` gives the state (a joiner receives it from a member),
-    :meth:`step` runs one committed step, :meth:`finished` marks the job finished after the last one. Algorithms
-    whose replicas are identical (``replicas_identical``) only.
+    :meth:`step` runs one step (committed, or a DiLoCo inner step), :meth:`finished` marks the job finished after
+    the last one. Algorithms whose replicas are identical (``replicas_identical``), and DiLoCo with
+    ``fragment_sync_delay=0``.
     """
 
     def __init__(
@@ -105,6 +124,8 @@ class FaultTolerantTrainer:
         # Gradient allreduce's native step has no buffer laid out per rank (the engine averages over its current
         # size): it runs on every world size as compiled. Other algorithms are compiled again after a change.
         self._world_size_free = trainer.algorithm.config.name == "gradient_allreduce"
+        config = trainer.algorithm.config
+        self._diloco: DiLoCoConfig | None = config if isinstance(config, DiLoCoConfig) else None
         self._roles: TrainState | None = None
         self.recoveries: list[dict[str, Any]] = []
         """One record per recovery: epoch, size, seconds from the failed step to the retried step's start."""
@@ -121,20 +142,23 @@ class FaultTolerantTrainer:
         return state
 
     def step(self, state: Any, batch_of: Callable[[np.ndarray], Any]) -> tuple[Any, Any]:
-        """One committed step: ``batch_of(indices)`` builds this rank's batch from the sample indices
-        :attr:`data` assigns it; returns the new state and the step's result as :meth:`DataParallel.step` does.
+        """One step: ``batch_of(indices)`` builds this rank's batch from the sample indices :attr:`data` assigns it;
+        returns the new state and the step's result as :meth:`DataParallel.step` does.
 
-        A step abandoned by a membership change is run again, on the new members' partition of the same samples,
-        from the last committed state.
+        A step that is a transaction (every step; under DiLoCo, each step that ends with an outer exchange) commits
+        by agreement; one abandoned by a membership change is run again, on the new members' partition of the same
+        samples, from the last committed state. A DiLoCo inner step runs in a closed epoch too: it communicates
+        nothing, and the round's exchange is where the survivors recover.
         """
         failed_at = None
         while True:
             epoch, transaction = self.epoch, self.committed + 1
+            exchange = self._is_transaction(state)
             if failed_at is not None:
                 self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
             batch = batch_of(self.data.indices(epoch.rank, epoch.size))
             try:
-                if epoch.closed.is_set():
+                if epoch.closed.is_set() and (exchange or epoch.ended.is_set()):
                     raise MembershipChanged(f"epoch {epoch.number} closed")
                 new_state, result = self.trainer.step(state, batch)
                 jax.block_until_ready((new_state, result))
@@ -146,7 +170,11 @@ class FaultTolerantTrainer:
                     self.membership.fail(epoch, str(error).splitlines()[0])
                 state = self._recover(state)
                 continue
-            if self.membership.vote_ahead(epoch, transaction):
+            if not exchange:
+                self.data.advance(epoch.size)
+                return new_state, result
+            vote = self.membership.commit if self._diloco is not None else self.membership.vote_ahead
+            if vote(epoch, transaction):
                 self._apply(epoch)
                 if self.hash_every and self.committed % self.hash_every == 0 and not epoch.closed.is_set():
                     try:
@@ -177,6 +205,12 @@ class FaultTolerantTrainer:
         digest.add("position", np.asarray(self.data.state(), np.int64))
         gathered = self.communicator.allgather(jnp.asarray(digest.digest()))
         check_digests(_PARTS, np.asarray(gathered), what)
+
+    def _is_transaction(self, state: Any) -> bool:
+        """Whether the next step of ``state`` is a transaction: every step, or one that ends with DiLoCo's exchange."""
+        if self._diloco is None:
+            return True
+        return bool(self._diloco.exchanges_after(int(unwrap_state(state).step) + 1))
 
     def _apply(self, epoch: Epoch) -> None:
         self.committed += 1

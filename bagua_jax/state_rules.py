@@ -10,6 +10,10 @@ rule of :mod:`bagua_common.job.reshard`, the same rule a checkpoint restored int
 * :data:`RESET`: restarts at the value a fresh state for the new members has: the error-feedback residuals
   (ByteGrad, 1-bit Adam, PowerSGD), laid out per rank and meaningful only for the ranks they were made with.
 * :data:`OWN`: this member's own, kept and never compared: a model state the trainer does not average.
+
+DiLoCo's replicas drift inside a round, so there the parameters and the inner optimizer's state are :data:`OWN`; the
+round start, the outer optimizer's state and the step counters are :data:`REPLICATED` (equal on every member at
+every step: they change only at an exchange), and its residuals :data:`RESET`.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import numpy as np
 
 from bagua_common.job.reshard import RESET as RESHARD_RESET
 from bagua_common.job.reshard import config_rule
+from bagua_jax.algorithms.diloco import DiLoCoState
 from bagua_jax.checkpoint import leaf_rule
 from bagua_jax.train_state import TrainState
 from bagua_jax.trainer import DataParallel
@@ -41,7 +46,7 @@ PARTS = {"params": "parameters", "opt_state": "optimizer", "step": "step", "mode
 
 def roles(trainer: DataParallel, state: TrainState) -> TrainState:
     """``state``'s structure with each leaf's role (:data:`REPLICATED`, :data:`RESET` or :data:`OWN`) in place of
-    the leaf, for ``trainer``'s algorithm (one whose replicas are identical)."""
+    the leaf, for ``trainer``'s algorithm: one whose replicas are identical, or DiLoCo."""
     rule = config_rule(trainer.algorithm.config_class)
     shared_model_state = trainer._average_model_state
 
@@ -53,7 +58,41 @@ def roles(trainer: DataParallel, state: TrainState) -> TrainState:
             return OWN
         return REPLICATED
 
-    return jax.tree_util.tree_map_with_path(role, state)
+    role_tree = jax.tree_util.tree_map_with_path(role, state)
+    if not _has_diloco_state(state.opt_state):
+        return role_tree
+    return role_tree._replace(params=_all(OWN, state.params), opt_state=_diloco_roles(state.opt_state))
+
+
+def _is_diloco(node: Any) -> bool:
+    return isinstance(node, DiLoCoState)
+
+
+def _has_diloco_state(opt_state: Any) -> bool:
+    return any(_is_diloco(node) for node in jax.tree.leaves(opt_state, is_leaf=_is_diloco))
+
+
+def _all(kind: str, tree: Any) -> Any:
+    return jax.tree.map(lambda _: kind, tree)
+
+
+def _diloco_roles(opt_state: Any) -> Any:
+    """The roles of DiLoCo's optimizer state: the inner optimizer's leaves are the member's own (they drift with its
+    parameters); DiLoCo's round start, outer states and step are replicated, its residuals reset, and the
+    pseudo-gradients awaiting an overlapped exchange (empty without one) its own."""
+
+    def of(node: Any) -> Any:
+        if not _is_diloco(node):
+            return _all(OWN, node)
+        return DiLoCoState(
+            step=REPLICATED,
+            round_start=_all(REPLICATED, node.round_start),
+            outer_states=_all(REPLICATED, node.outer_states),
+            pending=_all(OWN, node.pending),
+            residuals=_all(RESET, node.residuals),
+        )
+
+    return jax.tree.map(of, opt_state, is_leaf=_is_diloco)
 
 
 def replicated_leaves(role_tree: TrainState, state: TrainState) -> list[tuple[str, np.ndarray]]:

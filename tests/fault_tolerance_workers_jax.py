@@ -31,6 +31,14 @@ def dataset() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def linear_loss(params, batch):
+    """The linear model's mean squared error on ``batch`` (features, targets)."""
+    import jax.numpy as jnp
+
+    features, targets = batch
+    return jnp.mean((features @ params["w"] + params["b"] - targets) ** 2)
+
+
 def _signal(name: str) -> str:
     return os.path.join(os.environ["BAGUA_TEST_SIGNALS"], name)
 
@@ -113,12 +121,8 @@ def train(
     rank = int(os.environ["RANK"])
     x, y = dataset()
 
-    def loss_fn(params, batch):
-        features, targets = batch
-        return jnp.mean((features @ params["w"] + params["b"] - targets) ** 2)
-
     def make_trainer(comm):
-        return DataParallel(loss_fn, optax.sgd(LR), "gradient_allreduce", communicator=comm)
+        return DataParallel(linear_loss, optax.sgd(LR), "gradient_allreduce", communicator=comm)
 
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
@@ -162,4 +166,65 @@ def train(
         "started": started,
         "admitted": admitted,
         "compiled": ft.trainer._step_fn(False, False)._cache_size(),
+    }
+
+
+DILOCO_ROUND = 4
+
+
+def train_diloco(
+    faults: dict[int, tuple[int, str]], start_size: int, final_size: int, steps: int, fragments: int
+) -> dict:
+    """DiLoCo (H = ``DILOCO_ROUND``, ``fragments`` of the parameters, SGD inside, the default outer Nesterov SGD) on the
+    linear model until at least ``steps`` inner steps, ``final_size`` members and a round's end. ``faults`` are keyed
+    by inner step: member ``rank`` fails as it starts that step (mid-round, or in an exchange while the others are
+    blocked in it). A joiner starts once the last fault's step is done; the members wait a little each step until it
+    is admitted. Returns this member's record (a victim never returns)."""
+    import jax.numpy as jnp
+    import optax
+
+    from bagua_jax.algorithms import DiLoCo
+    from bagua_jax.trainer import DataParallel
+
+    rank = int(os.environ["RANK"])
+    x, y = dataset()
+
+    def make_trainer(comm):
+        algorithm = DiLoCo(sync_every=DILOCO_ROUND, fragments=fragments)
+        return DataParallel(linear_loss, optax.sgd(LR), algorithm, communicator=comm)
+
+    data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    ft, state, admitted = _start(start_size, make_trainer, data, params)
+    last_fault = max(faults)
+    attempts = []
+
+    def batch_of(indices, step):
+        if faults.get(step, (None,))[0] == rank:
+            _fail(faults[step][1], step)
+        if step > last_fault and ft.epoch.size < final_size:
+            time.sleep(0.1)  # the joiner asks meanwhile; the exchange after its request admits it
+        attempts.append(
+            {"step": step, "epoch": ft.epoch.number, "size": ft.epoch.size, "rank": ft.epoch.rank}
+            | {"indices": indices.tolist(), "start": time.time()}
+        )
+        return x[indices], y[indices]
+
+    done = int(state.step)
+    while done < steps or ft.epoch.size < final_size or done % DILOCO_ROUND:
+        state, loss = ft.step(state, lambda indices: batch_of(indices, done + 1))
+        done = int(state.step)
+        attempts[-1].update(committed=ft.committed, loss=float(loss), end=time.time())
+        if done == last_fault and ft.epoch.rank == 0:
+            _touch("start-joiner")
+    ft.finished()
+    ft.membership.close()
+    return {
+        "steps": [a for a in attempts if "end" in a],
+        "attempts": attempts,
+        "params": {k: np.asarray(v) for k, v in state.params.items()},
+        "round_start": {k: np.asarray(v) for k, v in state.opt_state[1].round_start.items()},
+        "committed": ft.committed,
+        "recoveries": ft.recoveries,
+        "admitted": admitted,
     }

@@ -1,11 +1,13 @@
-"""The JAX trainer survives lost members without a restart (native MPI engine, gradient allreduce).
+"""The JAX trainer survives lost members without a restart (native MPI engine, gradient allreduce and DiLoCo).
 
 Four members, each its own ``mpiexec -n 1`` job. Member 3 is SIGKILLed, member 2 SIGSTOPped (a hang: found by
 missed heartbeats) and member 1 raises, each while the others are blocked in a step's allreduce; then a fifth
 process joins the one survivor. Checked against a NumPy replay of the same transactions: every step committed
 once, each abandoned one retried on the survivors' re-partition of the same samples (none twice, none skipped),
 the average taken over the new world size, the step never compiled again, the replicas bit-identical, the joiner
-trained from the survivor's state, and the job marked finished in the launcher's directory at the end.
+trained from the survivor's state, and the job marked finished in the launcher's directory at the end. Under
+DiLoCo, a member killed mid-round and one hung in a round's exchange cost the survivors no completed inner step:
+checked against a NumPy replay of the rounds.
 """
 
 from __future__ import annotations
@@ -17,13 +19,36 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_tolerance_workers_jax import BATCH_PER_RANK, FEATURES, LR, SAMPLES, dataset
+from fault_tolerance_workers_jax import BATCH_PER_RANK, DILOCO_ROUND, FEATURES, LR, SAMPLES, dataset
 from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
+from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.fault_tolerance import DataPosition, KVClient, job_secret
 from bagua_common.fault_tolerance.node_directory import FINISHED
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
+
+
+def run_members(tmp_path: Path, function: str, count: int, *args, hung: int | None = None, timeout: float = 240):
+    """``fault_tolerance_workers_jax.function(*args)`` on ``count`` members, each its own ``mpiexec -n 1`` job. The
+    member ``hung`` (SIGSTOPped) never ends by itself: it is killed once the others ended."""
+
+    def react(codes):
+        if all(c is not None for r, c in enumerate(codes) if r != hung) and codes[hung] is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int((tmp_path / f"pid{hung}").read_text()), signal.SIGKILL)
+
+    return run_ranks(
+        f"fault_tolerance_workers_jax:{function}",
+        count,
+        *args,
+        launcher="mpiexec-per-rank",
+        timeout=timeout,
+        env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path)},
+        check=False,
+        watch=None if hung is None else react,
+    )
+
 
 START, FINAL, STEPS = 4, 2, 12
 FAULTS = {3: (3, "kill"), 5: (2, "stop"), 7: (1, "raise")}
@@ -48,26 +73,7 @@ def replay(sizes: dict[int, int]) -> dict[str, np.ndarray]:
 
 
 def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(tmp_path: Path, launcher_directory):
-    stopped = FAULTS[5][0]
-
-    def react(codes):  # the hung member never ends by itself: end it once the others did (its mpiexec sees it later)
-        if all(c is not None for r, c in enumerate(codes) if r != stopped) and codes[stopped] is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(int((tmp_path / f"pid{stopped}").read_text()), signal.SIGKILL)
-
-    results = run_ranks(
-        "fault_tolerance_workers_jax:train",
-        START + 1,
-        FAULTS,
-        START,
-        FINAL,
-        STEPS,
-        launcher="mpiexec-per-rank",
-        timeout=240,
-        env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path)},
-        check=False,
-        watch=react,
-    )
+    results = run_members(tmp_path, "train", START + 1, FAULTS, START, FINAL, STEPS, hung=FAULTS[5][0])
     with contextlib.closing(KVClient("127.0.0.1", launcher_directory.port, 5.0, secret=job_secret())) as client:
         finished = client.check(FINISHED)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
@@ -114,19 +120,7 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
     # Step 3's allreduce completes on all three members. Member 0 votes ahead and goes on; member 2 dies before its
     # vote; member 1 votes after the epoch closed, having told the next epoch it applied step 2 only.
     faults = {3: (2, "kill-before-vote")}
-    results = run_ranks(
-        "fault_tolerance_workers_jax:train",
-        3,
-        faults,
-        3,
-        2,
-        6,
-        (1, 3),
-        launcher="mpiexec-per-rank",
-        timeout=180,
-        env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path)},
-        check=False,
-    )
+    results = run_members(tmp_path, "train", 3, faults, 3, 2, 6, (1, 3), timeout=180)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert results[2].returncode != 0 and [r.returncode for r in results[:2]] == [0, 0], outputs
     applied, behind = results[0].value, results[1].value
@@ -139,3 +133,81 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
     # member 1 did not apply step 3 and was given member 0's state at it: nothing run twice, nothing lost
     assert [a["transaction"] for a in behind["attempts"]] == [1, 2, 3, 4, 5, 6]
     assert [s["transaction"] for s in behind["steps"]] == [1, 2, 4, 5, 6]
+
+
+def replay_diloco(sizes: dict[int, int], config: DiLoCoConfig) -> tuple[dict[str, np.ndarray], list[dict]]:
+    """DiLoCo's round start and each rank's parameters after the steps ``sizes`` gives (each with the number of ranks
+    whose partition it trained), in float64: SGD inside, Nesterov SGD (0.7, 0.9) on the ranks' mean pseudo-gradient
+    of each fragment due (fragment 0 is ``b``, 1 is ``w``: the leaves in tree order); a rank that appears takes rank
+    0's parameters (a joiner given the state)."""
+    x, y = (a.astype(np.float64) for a in dataset())
+    start = {"w": np.zeros(FEATURES), "b": np.zeros(())}
+    fragments = [["b", "w"]] if config.fragments == 1 else [["b"], ["w"]]
+    momentum = {k: np.zeros_like(v) for k, v in start.items()}
+    models = {0: dict(start)}
+    position = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    for t in range(1, len(sizes) + 1):
+        n = sizes[t]
+        models = {r: models[r] if r in models else dict(models[0]) for r in range(n)}
+        for model, r in zip(models.values(), range(n)):
+            i = position.indices(r, n)
+            error = x[i] @ model["w"] + model["b"] - y[i]
+            model["w"] = model["w"] - LR * 2 * x[i].T @ error / len(i)
+            model["b"] = model["b"] - LR * 2 * error.mean()
+        position.advance(n)
+        for k in (k for p in config.exchanges_after(t) for k in fragments[p]):
+            delta = np.mean([start[k] - model[k] for model in models.values()], axis=0)
+            momentum[k] = delta + 0.9 * momentum[k]
+            start[k] = start[k] - 0.7 * (delta + 0.9 * momentum[k])
+            for model in models.values():
+                model[k] = start[k]
+    return start, list(models.values())
+
+
+@pytest.mark.parametrize("fragments", [1, 2], ids=["diloco", "streaming"])
+def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_inner_step(
+    tmp_path: Path, fragments: int
+):
+    # Member 2 hangs at inner step 5 (found by its missed heartbeats): members 0 and 1 train on to the next exchange
+    # (DiLoCo: step 8; Streaming, its second fragment: step 6), which fails there and is retried by the two. Member
+    # 1 is killed in the exchange of step 12: member 0 retries it alone. A joiner starts then and is admitted after an
+    # exchange.
+    config = DiLoCoConfig(sync_every=DILOCO_ROUND, fragments=fragments)
+    faults = {5: (2, "stop"), 12: (1, "kill")}
+    noticed = next(t for t in range(5, 13) if config.exchanges_after(t))
+
+    results = run_members(tmp_path, "train_diloco", 4, faults, 3, 2, 20, fragments, hung=faults[5][0])
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert results[0].returncode == 0 and results[3].returncode == 0, outputs
+    assert results[1].returncode != 0 and results[2].returncode != 0, outputs
+    survivor, joiner = results[0].value, results[3].value
+    sizes = {s["step"]: s["size"] for s in survivor["steps"]}
+    assert list(sizes) == list(range(1, len(sizes) + 1)), sizes  # every inner step done once: none lost
+    assert [sizes[t] for t in range(1, 13)] == [3] * (noticed - 1) + [2] * (12 - noticed) + [1], sizes
+    admitted_at = min(s["step"] for s in joiner["steps"])
+    assert config.exchanges_after(admitted_at - 1), admitted_at  # admitted after an exchange
+    assert all(sizes[t] == (1 if t < admitted_at else 2) for t in range(13, len(sizes) + 1)), sizes
+    failed = [a["step"] for a in survivor["attempts"] if "end" not in a]
+    assert failed[:2] == [noticed, 12] and set(failed[2:]) <= {admitted_at}, failed  # only exchanges ran again
+    exchanges = sum(bool(config.exchanges_after(t)) for t in sizes)
+    assert survivor["committed"] == joiner["committed"] == exchanges
+    position = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    expected = {}
+    for t in range(1, len(sizes) + 1):
+        expected[t] = [position.indices(r, sizes[t]).tolist() for r in range(sizes[t])]
+        position.advance(sizes[t])
+    for seen in (survivor, joiner):
+        for step in seen["steps"]:
+            assert step["indices"] == expected[step["step"]][step["rank"]], step
+    start, models = replay_diloco(sizes, config)
+    for name in start:
+        np.testing.assert_allclose(survivor["round_start"][name], start[name], rtol=2e-5, atol=1e-6)
+        np.testing.assert_array_equal(joiner["round_start"][name], survivor["round_start"][name])  # bit-identical
+        for seen in (survivor, joiner):  # Streaming's last step leaves its second fragment mid-round: each its own
+            model = models[seen["steps"][-1]["rank"]]
+            np.testing.assert_allclose(seen["params"][name], model[name], rtol=2e-5, atol=1e-6)
+    for fault_step, exchange in ((5, noticed), (12, 12)):
+        tries = [a for a in survivor["attempts"] if a["step"] == exchange]
+        resume = tries[1]["start"] - float((tmp_path / f"fault-time-{fault_step}").read_text())
+        assert 0 < resume < 20, resume
+        print(f"{faults[fault_step][1]} at step {fault_step}: the survivors' exchange ran again {resume:.2f} s later")

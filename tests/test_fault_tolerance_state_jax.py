@@ -1,5 +1,5 @@
 """What a change of members does to a fault-tolerant JAX job's state (bagua_jax/state_rules.py), and the
-algorithms FaultTolerantTrainer refuses (they fall back to the elastic restart).
+algorithms FaultTolerantTrainer refuses (they fall back to the elastic restart), and DiLoCo's roles.
 
 In one process on a mesh of 2 CPU devices: ByteGrad with error feedback trains until its residuals are not
 zero; after a change the residuals (found by their type, ByteGradState, not by the rule's name matching) come
@@ -20,7 +20,7 @@ from bagua_jax import DataParallel
 from bagua_jax.algorithms import ByteGrad, DiLoCo
 from bagua_jax.algorithms.bytegrad import ByteGradState
 from bagua_jax.fault_tolerance import FaultTolerantTrainer
-from bagua_jax.state_rules import REPLICATED, RESET, carry_over, replicated_leaves, roles
+from bagua_jax.state_rules import OWN, REPLICATED, RESET, carry_over, replicated_leaves, roles
 from bagua_jax.train_state import TrainState
 
 
@@ -74,10 +74,37 @@ def test_a_change_resets_the_error_feedback_residuals_and_keeps_the_rest():
 
 @pytest.mark.parametrize(
     "algorithm",
-    ["decentralized", "async", DiLoCo(sync_every=2)],
-    ids=["decentralized", "async", "diloco"],
+    ["decentralized", "async", DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1)],
+    ids=["decentralized", "async", "streaming-diloco-overlapped"],
 )
 def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(algorithm):
     trainer = DataParallel(loss_fn, optax.sgd(0.1), algorithm, mesh=mesh())
     with pytest.raises(ValueError, match=r"elastic restart instead \(bagua-launch --nnodes MIN:MAX"):
         FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0))
+
+
+def test_diloco_keeps_each_members_parameters_and_inner_state_and_hashes_its_round_start_and_outer_state():
+    config = DiLoCo(sync_every=2, outer_exchange="uint8", error_feedback=True)
+    trainer = DataParallel(loss_fn, optax.adam(0.05), config, mesh=mesh())
+    rng = np.random.default_rng(1)
+    params = {"w": jnp.asarray(rng.normal(size=(300,)), jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    state = trainer.init(params)
+    for _ in range(3):  # one exchange: the residuals are not zero, and the round start has moved
+        batch = (rng.normal(size=(8, 300)).astype(np.float32), rng.normal(size=(8,)).astype(np.float32))
+        state, _ = trainer.step(state, batch)
+    inner, diloco = state.opt_state
+    role_tree = roles(trainer, state)
+    assert set(jax.tree.leaves(role_tree.params)) == set(jax.tree.leaves(role_tree.opt_state[0])) == {OWN}
+    kinds = role_tree.opt_state[1]
+    assert set(jax.tree.leaves((kinds.step, kinds.round_start, kinds.outer_states))) == {REPLICATED}
+    assert set(jax.tree.leaves(kinds.residuals)) == {RESET} and set(jax.tree.leaves(kinds.pending)) <= {OWN}
+    assert role_tree.step == REPLICATED
+    assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(diloco.residuals))
+
+    hashed = [leaf for _, leaf in replicated_leaves(role_tree, state)]
+    expected = [state.step, diloco.step, *jax.tree.leaves((diloco.round_start, diloco.outer_states))]
+    assert sorted(h.tobytes() for h in hashed) == sorted(np.asarray(e).tobytes() for e in expected)
+    fresh = trainer.init(params)
+    carried = carry_over(role_tree, state, fresh)
+    for leaf, new, start, kind in zip(*map(jax.tree.leaves, (state, carried, fresh, role_tree))):
+        np.testing.assert_array_equal(np.asarray(new), np.asarray(start if kind == RESET else leaf))
