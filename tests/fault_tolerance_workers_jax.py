@@ -173,9 +173,9 @@ DILOCO_ROUND = 4
 
 
 def train_diloco(
-    faults: dict[int, tuple[int, str]], start_size: int, final_size: int, steps: int, fragments: int
+    faults: dict[int, tuple[int, str]], start_size: int, final_size: int, steps: int, options: dict
 ) -> dict:
-    """DiLoCo (H = ``DILOCO_ROUND``, ``fragments`` of the parameters, SGD inside, the default outer Nesterov SGD) on the
+    """DiLoCo (H = ``DILOCO_ROUND``, its other ``options``, SGD inside, the default outer Nesterov SGD) on the
     linear model until at least ``steps`` inner steps, ``final_size`` members and a round's end. ``faults`` are keyed
     by inner step: member ``rank`` fails as it starts that step (mid-round, or in an exchange while the others are
     blocked in it). A joiner starts once the last fault's step is done; the members wait a little each step until it
@@ -190,7 +190,7 @@ def train_diloco(
     x, y = dataset()
 
     def make_trainer(comm):
-        algorithm = DiLoCo(sync_every=DILOCO_ROUND, fragments=fragments)
+        algorithm = DiLoCo(sync_every=DILOCO_ROUND, **options)
         return DataParallel(linear_loss, optax.sgd(LR), algorithm, communicator=comm)
 
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
