@@ -34,6 +34,7 @@ in ``lm-study.json`` as each job finishes; a rerun with the same settings skips 
 
     python benchmarks/lm_study.py train                                   # every variant not yet trained
     python benchmarks/lm_study.py train --only torch/ddp
+    python benchmarks/lm_study.py train --seed 1 --name lm-study-seed1     # another initialization and data order
     python benchmarks/lm_study.py time --repeats 3                        # every variant's step, every link
     python benchmarks/lm_study.py time --only torch/async jax/async       # asynchronous averaging at each link
     python benchmarks/lm_study.py report                                  # md + png (and the docs page)
@@ -44,6 +45,7 @@ in ``lm-study.json`` as each job finishes; a rerun with the same settings skips 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -159,7 +161,7 @@ def _mpi(variant: dict[str, Any]) -> bool:
 
 def train(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
     """The ``train`` half (the module docstring): one job per variant not yet trained."""
-    budget = args.steps or STUDY.steps
+    budget = args.steps or args.settings.steps
 
     def steps_of(variant: dict[str, Any]) -> int:
         return budget if twin(variant) is None else max(1, round(args.check_fraction * budget))
@@ -173,10 +175,10 @@ def train(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
         if v["algorithm"] not in OWN_CURVE
         and (v["name"] not in done or data["train"][v["name"]]["steps"] < steps_of(v))
     ]
-    with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
+    with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(args.settings.ranks, None, verbose=False) as net:
         for i, variant in enumerate(todo):
             steps = steps_of(variant)
-            job = {"settings": STUDY.as_dict(), **_fields(variant), "mode": "train", "steps": steps,
+            job = {"settings": args.settings.as_dict(), **_fields(variant), "mode": "train", "steps": steps,
                    "study_pid": os.getpid()}  # fmt: skip
             path = _jobfile(Path(tmp) / variant["name"].replace("/", "-"), job)
             started = time.strftime("%F %T")
@@ -202,7 +204,7 @@ def time_steps(args: argparse.Namespace, data: dict[str, Any], save: Any) -> Non
     todo = [v for v in _selected(args) if v["name"] not in done]
     gate = LoadGate(args.max_load, attempts=args.attempts)
     try:
-        with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(STUDY.ranks, None, verbose=False) as net:
+        with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(args.settings.ranks, None, verbose=False) as net:
             for start in range(0, len(todo), args.group):
                 group = todo[start : start + args.group]
                 for variant, row in zip(group, _time_group(args, net, gate, group, Path(tmp))):
@@ -221,14 +223,14 @@ def _time_group(
         h_t = timing_round(variant)
         if variant["algorithm"] in OWN_CURVE:
             links, timed = list(args.links), [True] * len(args.links)
-            job = {"mode": "async", "steps": STUDY.steps}
+            job = {"mode": "async", "steps": args.settings.steps}
         else:
             links = ["none"] + [link for _ in range(args.repeats) for link in args.links]
             timed = [False] + [True] * (len(links) - 1)
             options = {**variant["options"], **TIMING_OPTIONS.get(variant["algorithm"], {})}
             variant = {**variant, "options": options}
             job = {"mode": "time", "timing_round": h_t, "timed_rounds": args.timed_steps if not h_t else 2}
-        job = {"settings": STUDY.as_dict(), **_fields(variant), **job, "links": links, "timed": timed,
+        job = {"settings": args.settings.as_dict(), **_fields(variant), **job, "links": links, "timed": timed,
                "phase_wait_s": args.job_timeout}  # fmt: skip
         paths.append(_jobfile(tmp / variant["name"].replace("/", "-"), job))
         jobs.append(PhasedJob(paths[-1].parent, links, timed))
@@ -304,6 +306,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--attempts", type=int, default=3, help="runs of a phase whose load keeps it from being published")
     p.add_argument("--job-timeout", type=float, default=None,
                    help="seconds a job may run (default: 6 hours to train, paused or not; 1 hour to time)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=STUDY.seed, help="the model's initialization and the data's order")
     p.add_argument("--name", default="lm-study")
     p.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
     return p.parse_args(argv)
@@ -311,6 +314,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.settings = dataclasses.replace(STUDY, seed=args.seed)
     if args.job_timeout is None:
         args.job_timeout = 6 * 3600 if args.command == "train" else 3600
     json_path = args.out / f"{args.name}.json"
@@ -318,12 +322,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "report":
         lm_study_report.write(args.out, args.name, data)
         return 0
-    if data is None or data["settings"] != STUDY.as_dict():
+    if data is None or data["settings"] != args.settings.as_dict():
         if args.command == "merge" and args.sources:  # the machine and versions the first study ran with
             meta = json.loads(args.sources[0].read_text())["meta"]
         else:
             meta = run_meta(("torch", "jax"), argv=sys.argv[1:] if argv is None else argv)
-        data = {"meta": meta, "settings": STUDY.as_dict(), "train": {}, "timing": {}, "commands": []}
+        data = {"meta": meta, "settings": args.settings.as_dict(), "train": {}, "timing": {}, "commands": []}
     if args.command != "merge":
         require_root()
         data["meta"]["netem"] = bool(probe().get("netem"))
