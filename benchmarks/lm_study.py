@@ -114,12 +114,19 @@ OUTER_SEARCH = [(20, 0.7, 0.9), (20, 1.0, 0.0), (20, 1.0, 0.5), (100, 0.7, 0.9),
 """DiLoCo's outer (H, learning rate, momentum) searched for its ``default_outer_settings``."""
 
 
+ADAM_SEARCH = (1e-3, 4e-3)
+"""The Adam-type algorithms' peak learning rates searched beside the study's (their schedule's ``peak``)."""
+
+
 def search_variants() -> list[dict[str, Any]]:
     """The runs the algorithms' defaults were chosen from (torch, trained only, not timed): ByteGrad with error
-    feedback (its default has none), and DiLoCo's outer optimizer over :data:`OUTER_SEARCH`."""
+    feedback (its default has none), DiLoCo's outer optimizer over :data:`OUTER_SEARCH`, and QAdam's and 1-bit Adam's
+    peak learning rate over :data:`ADAM_SEARCH`."""
     out = [_variant("torch", "bytegrad", "bytegrad_error_feedback", error_feedback=True)]
     out += [_variant("torch", "diloco", f"diloco_h{h}_outer_lr{lr:g}_m{mu:g}", sync_every=h, outer_learning_rate=lr,
                      outer_momentum=mu) for h, lr, mu in OUTER_SEARCH]  # fmt: skip
+    out += [_variant("torch", name, f"{name}_lr{peak:g}", dataclasses.replace(STUDY.adam_schedule, peak=peak))
+            for name in ("qadam", "onebit_adam") for peak in ADAM_SEARCH]  # fmt: skip
     return out
 
 
@@ -175,7 +182,10 @@ def train(args: argparse.Namespace, data: dict[str, Any], save: Any) -> None:
         if v["algorithm"] not in OWN_CURVE
         and (v["name"] not in done or data["train"][v["name"]]["steps"] < steps_of(v))
     ]
-    with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(args.settings.ranks, None, verbose=False) as net:
+    with (
+        tempfile.TemporaryDirectory(prefix="lm-study-") as tmp,
+        Network(args.settings.ranks, None, verbose=False) as net,
+    ):
         for i, variant in enumerate(todo):
             steps = steps_of(variant)
             job = {"settings": args.settings.as_dict(), **_fields(variant), "mode": "train", "steps": steps,
@@ -204,7 +214,10 @@ def time_steps(args: argparse.Namespace, data: dict[str, Any], save: Any) -> Non
     todo = [v for v in _selected(args) if v["name"] not in done]
     gate = LoadGate(args.max_load, attempts=args.attempts)
     try:
-        with tempfile.TemporaryDirectory(prefix="lm-study-") as tmp, Network(args.settings.ranks, None, verbose=False) as net:
+        with (
+            tempfile.TemporaryDirectory(prefix="lm-study-") as tmp,
+            Network(args.settings.ranks, None, verbose=False) as net,
+        ):
             for start in range(0, len(todo), args.group):
                 group = todo[start : start + args.group]
                 for variant, row in zip(group, _time_group(args, net, gate, group, Path(tmp))):
