@@ -1,18 +1,22 @@
 """The JAX front end's fault tolerance, measured: the fault-free overhead, and the resume after a SIGKILL.
 
 Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined through the fault-tolerant membership
-(``bagua_jax.fault_tolerance``), training a ``--width`` MLP with gradient allreduce.
+(``bagua_jax.fault_tolerance``), training a ``--width`` MLP with gradient allreduce, or with DiLoCo
+(``--algorithm diloco``, ``--sync-every`` H).
 
 * ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
-  fault-tolerant ones (a commit by agreement per step, the replica digests every ``--hash-every``) on the same
-  communicator, the order swapped each round; the table gives the ratio of the medians per round and over rounds.
-* ``kill``: rank ``ranks-1`` is SIGKILLed while the others are blocked in a step's allreduce; the table gives the
-  seconds from the kill to the survivors' retried step, and the steps lost.
+  fault-tolerant ones (a commit by agreement per transaction, the replica digests every ``--hash-every``) on the same
+  communicator, the order swapped each round; the table gives the ratio per round and over rounds of the steps'
+  median (gradient allreduce), or of the block's mean (DiLoCo: its exchanges are a few steps of the block).
+* ``kill``: rank ``ranks-1`` is SIGKILLed as step ``KILLED_STEP`` starts, while the others are blocked in its
+  allreduce (gradient allreduce), or mid-round (DiLoCo, H = 8: the others train on to the round's exchange); the
+  table gives the seconds from the kill to the survivors' retried step, and the steps run again.
 
 Run it with nothing else running (the results' header records the load before and after)::
 
     python benchmarks/fault_tolerance_jax.py overhead --ranks 2 --width 1024 --steps 20 --rounds 5
     python benchmarks/fault_tolerance_jax.py kill --ranks 3
+    python benchmarks/fault_tolerance_jax.py kill --ranks 3 --algorithm diloco --sync-every 8
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ ROOT = HERE.parent
 
 from harness.results import RESULTS, finish_meta, header_lines, run_meta, table, write_results  # noqa: E402
 
+KILLED_STEP = 5
+"""The step (counted from 1) the victim dies at."""
+
 
 def worker(args: argparse.Namespace) -> None:
     """One rank: train and write ``rank<r>.json`` to ``args.workdir``."""
@@ -43,6 +50,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
     from bagua_jax import DataParallel, NativeCommunicator
+    from bagua_jax.algorithms import DiLoCo
     from bagua_jax.fault_tolerance import FaultTolerantTrainer
 
     rank = int(os.environ["RANK"])
@@ -62,7 +70,8 @@ def worker(args: argparse.Namespace) -> None:
         features, targets = batch
         return jnp.mean((jnp.tanh(features @ p["w1"]) @ p["w2"] - targets) ** 2)
 
-    trainer = DataParallel(loss_fn, optax.sgd(1e-3), "gradient_allreduce", communicator=comm)
+    algorithm = DiLoCo(sync_every=args.sync_every) if args.algorithm == "diloco" else args.algorithm
+    trainer = DataParallel(loss_fn, optax.sgd(1e-3), algorithm, communicator=comm)
     data = DataPosition(samples, 64, seed=1)
     ft = FaultTolerantTrainer(trainer, membership, data)
     state = ft.init(params)
@@ -92,7 +101,8 @@ def worker(args: argparse.Namespace) -> None:
                     started = time.perf_counter()
                     state = step(state)
                     durations.append(time.perf_counter() - started)
-                times[name] = statistics.median(durations)
+                summary = statistics.fmean if args.algorithm == "diloco" else statistics.median
+                times[name] = summary(durations)
             rounds.append(times)
         record["rounds"] = rounds
     else:
@@ -100,16 +110,18 @@ def worker(args: argparse.Namespace) -> None:
 
         attempts = []
 
-        def doomed(indices):
-            attempts.append((ft.committed + 1, time.time()))  # every attempt, retries included
-            if rank == victim and ft.committed + 1 == 5:
-                time.sleep(0.5)  # the others are blocked in the allreduce by now
+        def doomed(indices, step):
+            attempts.append((step, time.time()))  # every attempt, retries included
+            if rank == victim and step == KILLED_STEP:
+                time.sleep(0.5)  # the others are blocked in the allreduce (or a round's inner steps) by now
                 Path(args.workdir, "kill-time").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             return batch_of(indices)
 
-        while ft.committed < 8:
-            state = ft.step(state, doomed)[0]
+        start = int(state.step)
+        while int(state.step) < start + 16:
+            upcoming = int(state.step) + 1 - start
+            state = ft.step(state, lambda indices: doomed(indices, upcoming))[0]
         record.update(
             attempts=attempts, recoveries=ft.recoveries, compiled=trainer._step_fn(False, False)._cache_size()
         )
@@ -128,7 +140,8 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
     env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
     argv = [sys.argv[0], args.mode, "--worker", "--workdir", str(workdir), "--port", str(port)]
-    argv += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in ("ranks", "width", "steps", "rounds", "hash_every")]
+    options = ("ranks", "width", "steps", "rounds", "hash_every", "algorithm", "sync_every")
+    argv += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in options]
     procs = [
         subprocess.Popen(
             [mpiexec(), "-n", "1", sys.executable, *argv],
@@ -150,6 +163,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hash-every", type=int, default=100)
+    parser.add_argument("--algorithm", choices=("gradient_allreduce", "diloco"), default="gradient_allreduce")
+    parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo's H")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -159,7 +174,10 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
-    meta = run_meta(["jax", "mpich"], ranks=args.ranks, width=args.width, steps=args.steps, rounds=args.rounds)
+    meta = run_meta(
+        ["jax", "mpich"], ranks=args.ranks, width=args.width, steps=args.steps, rounds=args.rounds,
+        algorithm=args.algorithm, sync_every=args.sync_every if args.algorithm == "diloco" else None,
+    )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bagua-ft-bench-") as folder:
         workdir = Path(folder)
         codes = launch(args, workdir)
@@ -170,7 +188,7 @@ def main() -> None:
             )
         kill_time = float((workdir / "kill-time").read_text()) if args.mode == "kill" else None
     finish_meta(meta)
-    lines = [f"# Fault tolerance, JAX native MPI engine: {args.mode}", "", *header_lines(meta), ""]
+    lines = [f"# Fault tolerance, JAX native MPI engine, {args.algorithm}: {args.mode}", "", *header_lines(meta), ""]
     if args.mode == "overhead":
         rows, ratios = [], []
         for index, rounds in enumerate(zip(*(r["rounds"] for r in records))):
@@ -184,12 +202,15 @@ def main() -> None:
     else:
         rows = []
         for r in records:
-            retried = [t for step, t in r["attempts"] if step == 5]
-            rows.append([r["rank"], f"{retried[-1] - kill_time:.2f}", len(retried) - 1, r["compiled"]])
-        lines += table(["rank", "resumed after the kill (s)", "steps lost", "step compilations"], rows)
+            steps = [step for step, _ in r["attempts"]]
+            again = sorted({step for step in steps if steps.count(step) > 1})
+            retried = [t for step, t in r["attempts"] if step == again[0]]
+            rows.append([r["rank"], f"{retried[-1] - kill_time:.2f}", ", ".join(map(str, again)), r["compiled"]])
+        lines += table(["rank", "resumed after the kill (s)", "steps run again", "step compilations"], rows)
         payload = {**meta, "exit_codes": codes, "kill_time": kill_time, "records": records}
     print("\n".join(lines))
-    write_results(args.out, f"fault-tolerance-jax-{args.mode}", lines, payload)
+    suffix = "" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}"
+    write_results(args.out, f"fault-tolerance-jax-{args.mode}{suffix}", lines, payload)
 
 
 if __name__ == "__main__":
