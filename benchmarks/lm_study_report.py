@@ -287,7 +287,7 @@ def _names(data: dict[str, Any]) -> list[str]:
     import lm_study
 
     seen = set(data["train"]) | set(data["timing"])
-    return [v["name"] for v in lm_study.variants() if v["name"] in seen]
+    return [v["name"] for v in lm_study.variants() + lm_study.search_variants() if v["name"] in seen]
 
 
 def settings_lines(data: dict[str, Any]) -> list[str]:
@@ -307,7 +307,7 @@ def settings_lines(data: dict[str, Any]) -> list[str]:
         f"- model: GPT `{s['size']}` ({config.parameter_count:,} parameters: {config.layers} layers, width "
         f"{config.width}, {config.heads} heads, context {config.context}); {s['ranks']} ranks, {s['windows']} windows "
         f"of {config.context} predicted bytes per rank and step ({tokens} tokens per step), {s['steps']} steps "
-        f"({s['steps'] * tokens:,} tokens)",
+        f"({s['steps'] * tokens:,} tokens); seed {s['seed']} (the initialization and the data's order)",
         f"- AdamW (betas {tuple(s['betas'])}, weight decay {s['weight_decay']}): {schedule(s['schedule'])}; QAdam and "
         f"1-bit Adam (their own Adam, betas {tuple(s['adam_betas'])}): {schedule(s['adam_schedule'])}",
         f"- held-out loss of rank 0's model on {s['heldout_windows']} windows every {s['eval_every']} steps; the "
