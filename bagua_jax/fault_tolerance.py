@@ -93,8 +93,8 @@ class FaultTolerantTrainer:
 
     ``membership`` is this process's :class:`~bagua_common.fault_tolerance.Membership` (its first epoch's ranks
     must be the communicator's); ``data`` the job's :class:`~bagua_common.fault_tolerance.DataPosition`;
-    ``hash_every`` compares the replicas' digests every that many committed steps (default: the membership's
-    settings), besides after every recovery. :meth:`init` gives the state (a joiner receives it from a member),
+    ``hash_every`` compares the replicas' digests every that many committed transactions (steps; under DiLoCo,
+    exchanges; default: the membership's settings), besides after every recovery. :meth:`init` gives the state (a joiner receives it from a member),
     :meth:`step` runs one step (committed, or a DiLoCo inner step), :meth:`finished` marks the job finished after
     the last one. Algorithms whose replicas are identical (``replicas_identical``), and DiLoCo with
     ``fragment_sync_delay=0``.
@@ -123,8 +123,8 @@ class FaultTolerantTrainer:
         self.committed = self.epoch.committed
         # Gradient allreduce's native step has no buffer laid out per rank (the engine averages over its current
         # size): it runs on every world size as compiled. Other algorithms are compiled again after a change.
-        self._world_size_free = trainer.algorithm.config.name == "gradient_allreduce"
         config = trainer.algorithm.config
+        self._world_size_free = config.name == "gradient_allreduce"
         self._diloco: DiLoCoConfig | None = config if isinstance(config, DiLoCoConfig) else None
         self._roles: TrainState | None = None
         self.recoveries: list[dict[str, Any]] = []
