@@ -94,10 +94,10 @@ class FaultTolerantTrainer:
     ``membership`` is this process's :class:`~bagua_common.fault_tolerance.Membership` (its first epoch's ranks
     must be the communicator's); ``data`` the job's :class:`~bagua_common.fault_tolerance.DataPosition`;
     ``hash_every`` compares the replicas' digests every that many committed transactions (steps; under DiLoCo,
-    exchanges; default: the membership's settings), besides after every recovery. :meth:`init` gives the state (a joiner receives it from a member),
-    :meth:`step` runs one step (committed, or a DiLoCo inner step), :meth:`finished` marks the job finished after
-    the last one. Algorithms whose replicas are identical (``replicas_identical``), and DiLoCo with
-    ``fragment_sync_delay=0``.
+    exchanges; default: the membership's settings), besides after every recovery. :meth:`init` gives the state (a
+    joiner receives it from a member), :meth:`step` runs one step (committed, or a DiLoCo inner step),
+    :meth:`finished` marks the job finished after the last one. Algorithms whose replicas are identical
+    (``replicas_identical``), and DiLoCo with ``fragment_sync_delay=0``.
     """
 
     def __init__(
