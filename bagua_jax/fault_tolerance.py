@@ -20,15 +20,20 @@ its retry rests on every member knowing the outcome). The inner steps communicat
 death at different inner steps: each trains on to the round's exchange, which fails on every survivor at the same
 step, and the survivors run that step again among themselves, with their own pseudo-gradients: no completed inner
 step is lost, and the dead member's samples of the round go with its pseudo-gradient. Joiners are admitted at a
-round's end; the members wait while the state travels (torch's joiner sits the round out instead).
+round's end, or at a retried exchange. Under DiLoCo with one fragment a joiner then sits out the round in flight, as
+INTELLECT-1's joiners do: the members train its inner steps on their own partition of the samples while the joiner
+compiles, and the joiner takes part in the round's exchange with a zero pseudo-gradient that the average does not
+count (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`), which gives it the replicas' new round start.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import jax
@@ -44,9 +49,12 @@ from bagua_common.fault_tolerance import (
     ReplicaDigest,
     check_digests,
 )
+from bagua_common.job.signature import check_same_job
 from bagua_jax import state_rules
+from bagua_jax.algorithms.diloco import DiLoCoState
+from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
-from bagua_jax.signature import check_ranks_agree
+from bagua_jax.signature import job_signature
 from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 
@@ -121,11 +129,20 @@ class FaultTolerantTrainer:
                 f"but the membership's epoch has this member as rank {self.epoch.rank} of {self.epoch.size}"
             )
         self.committed = self.epoch.committed
-        # Gradient allreduce's native step has no buffer laid out per rank (the engine averages over its current
-        # size): it runs on every world size as compiled. Other algorithms are compiled again after a change.
+        # Gradient allreduce's and DiLoCo's float32 exchange lay out no buffer per rank (the engine averages over its
+        # current size): their steps run on every world size as compiled. Others are compiled again after a change.
         config = trainer.algorithm.config
-        self._world_size_free = config.name == "gradient_allreduce"
         self._diloco: DiLoCoConfig | None = config if isinstance(config, DiLoCoConfig) else None
+        fp32_diloco = self._diloco is not None and self._diloco.outer_exchange == "fp32"
+        self._world_size_free = config.name == "gradient_allreduce" or fp32_diloco
+        self._sits_out = self._diloco is not None and self._diloco.fragments == 1
+        if self._sits_out:  # a joiner's zero pseudo-gradient is not counted
+            trainer._use(trainer.algorithm.counting_trainers())
+        self._sitting_out: frozenset[str] = frozenset()
+        """The members (ids) sitting out the round in flight (joiners given the state), until its exchange commits."""
+        self._transfer: Future | None = None
+        """The state's broadcast to joiners sitting out the round, running while the members train it."""
+        self._check_due = False
         self._roles: TrainState | None = None
         self.recoveries: list[dict[str, Any]] = []
         """One record per recovery: epoch, size, seconds from the failed step to the retried step's start."""
@@ -136,8 +153,9 @@ class FaultTolerantTrainer:
         state = self.trainer.init(params)  # checks with the members that everyone trains the same job
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         if self.epoch.is_joiner():
-            state = self._share_state(state, self.epoch)
-            self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
+            state = self._share_state(state, self.epoch, check_job=False)
+            if not self._sitting_out:  # else checked once the joiners took part in their first exchange
+                self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
             self.trainer._batches_checked = True  # the members checked their batches before this one came
         return state
 
@@ -156,10 +174,14 @@ class FaultTolerantTrainer:
             exchange = self._is_transaction(state)
             if failed_at is not None:
                 self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
-            batch = batch_of(self.data.indices(epoch.rank, epoch.size))
+            place, trainers = self._training_place(epoch)
+            batch = batch_of(self.data.indices(place, trainers))
             try:
                 if epoch.closed.is_set() and (exchange or epoch.ended.is_set()):
                     raise MembershipChanged(f"epoch {epoch.number} closed")
+                if exchange and self._transfer is not None:  # the joiners have the state before the exchange
+                    transfer, self._transfer = self._transfer, None
+                    transfer.result()
                 new_state, result = self.trainer.step(state, batch)
                 jax.block_until_ready((new_state, result))
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
@@ -171,12 +193,14 @@ class FaultTolerantTrainer:
                 state = self._recover(state)
                 continue
             if not exchange:
-                self.data.advance(epoch.size)
+                self.data.advance(trainers)
                 return new_state, result
             vote = self.membership.commit if self._diloco is not None else self.membership.vote_ahead
             if vote(epoch, transaction):
-                self._apply(epoch)
-                if self.hash_every and self.committed % self.hash_every == 0 and not epoch.closed.is_set():
+                self._apply(trainers)
+                due = self._check_due or (self.hash_every and self.committed % self.hash_every == 0)
+                if due and not epoch.closed.is_set():
+                    self._check_due = False
                     try:
                         self.check_replicas(new_state, f"at step {self.committed}")
                     except Exception as error:  # noqa: BLE001 - as above; the recovery checks the replicas
@@ -212,9 +236,17 @@ class FaultTolerantTrainer:
             return True
         return bool(self._diloco.exchanges_after(int(unwrap_state(state).step) + 1))
 
-    def _apply(self, epoch: Epoch) -> None:
+    def _apply(self, trainers: int) -> None:
         self.committed += 1
-        self.data.advance(epoch.size)
+        self.data.advance(trainers)
+        if self._sitting_out:  # the joiners took part in an exchange: they hold the replicated state now
+            self._sitting_out, self._check_due = frozenset(), True
+
+    def _training_place(self, epoch: Epoch) -> tuple[int, int]:
+        """This member's place among the members that train the step, and their number: all but those sitting out
+        the round (which compute the step on the first one's samples, weighed zero)."""
+        trainers = [rank for rank, member in enumerate(epoch.members) if member.id not in self._sitting_out]
+        return (trainers.index(epoch.rank) if epoch.rank in trainers else 0), len(trainers)
 
     def _watch(self, epoch: Epoch) -> None:
         """Revoke this epoch's communicator the moment the epoch closes, from a thread: the training thread may be
@@ -234,6 +266,10 @@ class FaultTolerantTrainer:
         """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
         that had not applied a step another one applied is given that one's state)."""
         started = time.monotonic()
+        if self._transfer is not None:  # over (the old communicator is revoked) before the communicator changes
+            with contextlib.suppress(Exception):
+                self._transfer.result()
+            self._transfer = None
         old = self.epoch
         new = self.membership.recover(old).epoch
         old_ids = [m.id for m in old.members]
@@ -245,10 +281,11 @@ class FaultTolerantTrainer:
         self.epoch = new
         self._watch(new)
         state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
+        self._sitting_out &= {member.id for member in new.members}
         if new.joined:
-            check_ranks_agree(unwrap_state(state).params, self.trainer.algorithm, self.communicator)
-            state = self._share_state(state, new)
-        self.check_replicas(state, f"after the recovery to epoch {new.number}")
+            state = self._share_state(state, new, check_job=True)
+        if not self._sitting_out:  # else checked once the joiners took part in their first exchange
+            self.check_replicas(state, f"after the recovery to epoch {new.number}")
         self.recoveries.append({"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started})
         return state
 
@@ -263,28 +300,102 @@ class FaultTolerantTrainer:
         carried = state_rules.carry_over(self._roles, own, fresh)
         return rewrap_state(None if isinstance(state, TrainState) else state, carried)
 
-    def _share_state(self, state: Any, epoch: Epoch) -> Any:
+    def _share_state(self, state: Any, epoch: Epoch, check_job: bool) -> Any:
         """The first member that has the committed state (:attr:`Epoch.state_holder`) broadcasts it (everyone takes
-        part) to those that need it: the joiners, and survivors that had not applied the last step. The data
-        position and the transaction number travel in the epoch's store. Returns the state to go on from."""
+        part) to those that need it: the joiners, and survivors that had not applied the last step, after checking
+        with them that everyone trains the same job (``check_job``; a joiner's first check is its trainer's). The
+        data position, the transaction number and who sits out the round travel in the epoch's store. Where the
+        receivers sit out the round, the members train it meanwhile: the broadcast runs on a thread until the
+        round's exchange. Returns the state to go on from."""
         holder, key = epoch.state_holder, epoch.prefix("transfer")
+        if self._sits_out:
+            self._sitting_out |= {member.id for rank, member in enumerate(epoch.members) if epoch.is_joiner(rank)}
         if epoch.rank == holder:
-            epoch.store.set(key, json.dumps({"committed": self.committed, "position": self.data.state()}))
-        received = self._broadcast_state(state, holder)
+            record = {
+                "committed": self.committed,
+                "position": self.data.state(),
+                "sitting_out": sorted(self._sitting_out),
+            }
+            epoch.store.set(key, json.dumps(record))
+        host = HostCommunicator(self.communicator)
+
+        def transfer() -> np.ndarray:
+            if check_job:
+                signature = job_signature(unwrap_state(state).params, self.trainer.algorithm)
+                check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
+            return _broadcast_bytes(host, state, holder)
+
         if not epoch.is_joiner():
+            if self._sitting_out:
+                self._transfer = _in_background(transfer, f"bagua-ft-transfer-{epoch.number}")
+            else:
+                transfer()
             return state
+        received = _state_from_bytes(transfer(), state)
         raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
         if raw is None:
             raise TimeoutError(f"fault tolerance: no state record for the joiners of epoch {epoch.number}")
         record = json.loads(raw)
         self.committed = int(record["committed"])
         self.data.load_state(record["position"])
+        self._sitting_out = frozenset(record["sitting_out"])
+        if self._sitting_out:  # applied once its first exchange commits: a change before then gives it the state again
+            return self._sit_out(received)
         self.membership.applied(self.committed)
         return received
 
-    def _broadcast_state(self, state: Any, root: int) -> Any:
-        own = unwrap_state(state)
-        received = jax.tree.map(
-            lambda leaf: self.communicator.broadcast(leaf, root), (own.params, own.opt_state, own.step)
-        )
-        return TrainState(*received, own.model_state)
+    def _sit_out(self, state: TrainState) -> TrainState:
+        """``state`` (a member's, just received) at the step before the round's exchange, marked as not trained
+        (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`), the data past the inner steps it skips."""
+        step = int(state.step)
+        skipped = next(k for k in range(self._diloco.sync_every) if self._diloco.exchanges_after(step + k + 1))
+        for _ in range(skipped):
+            self.data.advance(self._training_place(self.epoch)[1])
+
+        def skip(node: Any) -> Any:
+            if not isinstance(node, DiLoCoState):
+                return node
+            return node._replace(step=node.step + skipped, trained=jnp.zeros_like(node.trained))
+
+        opt_state = jax.tree.map(skip, state.opt_state, is_leaf=lambda node: isinstance(node, DiLoCoState))
+        return state._replace(opt_state=opt_state, step=state.step + skipped)
+
+
+def _transferred_leaves(state: Any) -> tuple[list[np.ndarray], Any]:
+    """The leaves a joiner receives (parameters, optimizer state, step) on the host, and their tree."""
+    own = unwrap_state(state)
+    leaves, tree = jax.tree.flatten((own.params, own.opt_state, own.step))
+    return [np.asarray(leaf) for leaf in leaves], tree
+
+
+def _broadcast_bytes(host: HostCommunicator, state: Any, root: int) -> np.ndarray:
+    """Rank ``root``'s transferred leaves of ``state``, their bytes concatenated: one broadcast of host buffers
+    (nothing to compile, and callable from a thread while the members train)."""
+    leaves, _ = _transferred_leaves(state)
+    flat = np.concatenate([leaf.reshape(-1).view(np.uint8) for leaf in leaves])
+    return np.asarray(host.broadcast(flat, root))
+
+
+def _state_from_bytes(received: np.ndarray, state: Any) -> TrainState:
+    """The :class:`TrainState` whose transferred leaves are ``received`` (:func:`_broadcast_bytes`), laid out as
+    ``state``'s, with ``state``'s own model state."""
+    leaves, tree = _transferred_leaves(state)
+    values, offset = [], 0
+    for leaf in leaves:
+        values.append(jnp.asarray(received[offset : offset + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)))
+        offset += leaf.nbytes
+    return TrainState(*jax.tree.unflatten(tree, values), unwrap_state(state).model_state)
+
+
+def _in_background(work: Callable[[], Any], name: str) -> Future:
+    """``work()`` on a daemon thread (one stuck in a collective never holds up the process's exit)."""
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the result
+            future.set_exception(error)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    return future

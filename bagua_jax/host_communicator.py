@@ -29,7 +29,8 @@ def _bytes(x: np.ndarray) -> np.ndarray:
 
 
 class HostCommunicator:
-    """``comm``'s MPI engine on host buffers: the collectives an outer exchange needs, for a background thread.
+    """``comm``'s MPI engine on host buffers, for a background thread: the collectives an outer exchange needs, and
+    the broadcast a fault-tolerant job's state travels by.
 
     ``comm`` should be used by nothing else (e.g. a split of the world made for the thread): MPI
     needs one communicator's collectives in the same order on every rank, and a thread's calls
@@ -59,6 +60,12 @@ class HostCommunicator:
         recv = np.empty_like(send)
         self._engine.alltoall(self._handle, _bytes(send), _bytes(recv))
         return jnp.asarray(recv)
+
+    def broadcast(self, x: jax.typing.ArrayLike, root: int) -> jax.Array:
+        """Rank ``root``'s ``x`` on every rank (the others pass a buffer of its shape and dtype)."""
+        buffer = _host(x).copy()
+        self._engine.broadcast(self._handle, _bytes(buffer), int(root))
+        return jnp.asarray(buffer)
 
     def allgather(self, x: jax.typing.ArrayLike) -> jax.Array:
         """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""

@@ -79,7 +79,7 @@ def _all(kind: str, tree: Any) -> Any:
 def _diloco_roles(opt_state: Any) -> Any:
     """The roles of DiLoCo's optimizer state: the inner optimizer's leaves are the member's own (they drift with its
     parameters); DiLoCo's round start, outer states and step are replicated, its residuals reset, and the
-    pseudo-gradients awaiting an overlapped exchange (empty without one) its own."""
+    pseudo-gradients awaiting an overlapped exchange (empty without one) and whether it trains the round its own."""
 
     def of(node: Any) -> Any:
         if not _is_diloco(node):
@@ -90,6 +90,7 @@ def _diloco_roles(opt_state: Any) -> Any:
             outer_states=_all(REPLICATED, node.outer_states),
             pending=_all(OWN, node.pending),
             residuals=_all(RESET, node.residuals),
+            trained=OWN,
         )
 
     return jax.tree.map(of, opt_state, is_leaf=_is_diloco)

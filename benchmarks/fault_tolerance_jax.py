@@ -11,12 +11,18 @@ Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined throug
 * ``kill``: rank ``ranks-1`` is SIGKILLed as step ``KILLED_STEP`` starts, while the others are blocked in its
   allreduce (gradient allreduce), or mid-round (DiLoCo, H = 8: the others train on to the round's exchange); the
   table gives the seconds from the kill to the survivors' retried step, and the steps run again.
+* ``join``: ``ranks-1`` members train ``--rounds`` DiLoCo rounds; rank ``ranks-1`` starts as a new process after
+  ``JOIN_AFTER_ROUNDS`` of them and joins the running job (it sits out the round in flight). The table gives each
+  member's pause at the admission (from the attempt the admission interrupted to its retry), the round the joiner
+  was admitted into against the round before it, and the first exchange step with the joiner against the later
+  ones; then the joiner's seconds from asking to be admitted to the end of its first exchange.
 
 Run it with nothing else running (the results' header records the load before and after)::
 
     python benchmarks/fault_tolerance_jax.py overhead --ranks 2 --width 1024 --steps 20 --rounds 5
     python benchmarks/fault_tolerance_jax.py kill --ranks 3
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --algorithm diloco --sync-every 8
+    python benchmarks/fault_tolerance_jax.py join --ranks 3 --algorithm diloco --sync-every 64 --rounds 6
 """
 
 from __future__ import annotations
@@ -39,6 +45,8 @@ from harness.results import RESULTS, finish_meta, header_lines, run_meta, table,
 
 KILLED_STEP = 5
 """The step (counted from 1) the victim dies at."""
+JOIN_AFTER_ROUNDS = 2
+"""The DiLoCo rounds the first members train before the joiner starts (``join``)."""
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -53,10 +61,6 @@ def worker(args: argparse.Namespace) -> None:
     from bagua_jax.algorithms import DiLoCo
     from bagua_jax.fault_tolerance import FaultTolerantTrainer
 
-    rank = int(os.environ["RANK"])
-    settings = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, hash_every=args.hash_every)
-    membership = Membership.start(settings, rank, args.ranks, "127.0.0.1", args.port, timeout=120)
-    comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, args.ranks, timeout=120)
     rng = np.random.default_rng(0)
     samples = 64 * args.ranks * (args.steps * 2 * args.rounds + 8)
     x = rng.standard_normal((samples, args.width)).astype(np.float32)
@@ -65,6 +69,21 @@ def worker(args: argparse.Namespace) -> None:
         "w1": jnp.asarray(rng.standard_normal((args.width, args.width)).astype(np.float32) / args.width**0.5),
         "w2": jnp.asarray(rng.standard_normal((args.width, 1)).astype(np.float32) / args.width**0.5),
     }
+    rank = int(os.environ["RANK"])
+    settings = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, hash_every=args.hash_every)
+    members = args.ranks - 1 if args.mode == "join" else args.ranks
+    record: dict = {"rank": rank}
+    if rank < members:
+        membership = Membership.start(settings, rank, members, "127.0.0.1", args.port, timeout=120)
+        comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, members, timeout=120)
+    else:  # the joiner
+        while not Path(args.workdir, "start-joiner").exists():
+            time.sleep(0.01)
+        record["asked"] = time.time()
+        membership = Membership.join(settings, "127.0.0.1", args.port, timeout=120)
+        epoch = membership.epoch
+        comm = NativeCommunicator.mpi_join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout=120)
+        record["admitted"] = time.time()
 
     def loss_fn(p, batch):
         features, targets = batch
@@ -75,7 +94,7 @@ def worker(args: argparse.Namespace) -> None:
     data = DataPosition(samples, 64, seed=1)
     ft = FaultTolerantTrainer(trainer, membership, data)
     state = ft.init(params)
-    record: dict = {"rank": rank}
+    record["ready"] = time.time()
 
     def batch_of(indices):
         return x[indices], y[indices]
@@ -88,6 +107,19 @@ def worker(args: argparse.Namespace) -> None:
     def ft_step(state):
         return ft.step(state, batch_of)[0]
 
+    if args.mode == "join":
+        steps = []
+        while int(state.step) < args.rounds * args.sync_every:
+            started = time.time()
+            state = ft_step(state)
+            steps.append({"step": int(state.step), "start": started, "end": time.time(), "size": ft.epoch.size})
+            if rank == 0 and int(state.step) == JOIN_AFTER_ROUNDS * args.sync_every:
+                Path(args.workdir, "start-joiner").write_text("")
+        ft.finished()
+        record.update(steps=steps, recoveries=ft.recoveries)
+        Path(args.workdir, f"rank{rank}.json").write_text(json.dumps(record))
+        membership.close()
+        os._exit(0)
     for _ in range(2):  # compile, warm up
         state = ft_step(plain_step(state))
     if args.mode == "overhead":
@@ -155,9 +187,39 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     return [p.wait(timeout=args.timeout) for p in procs]
 
 
+def join_table(records: list[dict], sync_every: int) -> list[str]:
+    """The ``join`` table: each member's pause at the admission, the round the joiner was admitted into against the
+    round before it (a round: from one exchange's end to the next one's), and the first exchange with the joiner
+    against the later ones; then the joiner's timeline from asking to be admitted."""
+    *members, joiner = records
+    first_exchange = next(s for s in joiner["steps"] if s["step"] % sync_every == 0)
+    joint = first_exchange["step"]
+    rows = []
+    for r in members:
+        ends = {s["step"]: s["end"] for s in r["steps"] if s["step"] % sync_every == 0}
+        exchange_steps = {s["step"]: s["end"] - s["start"] for s in r["steps"] if s["step"] % sync_every == 0}
+        later = [exchange_steps[step] for step in exchange_steps if step > joint]
+        rows.append([
+            r["rank"], f"{r['recoveries'][0]['resume_seconds']:.3f}", f"{ends[joint] - ends[joint - sync_every]:.2f}",
+            f"{ends[joint - sync_every] - ends[joint - 2 * sync_every]:.2f}", f"{exchange_steps[joint] * 1e3:.0f}",
+            f"{statistics.median(later) * 1e3:.0f}" if later else "-",
+        ])  # fmt: skip
+    lines = table(["member", "paused at the admission (s)", "round with the admission (s)", "round before (s)",
+                   "first joint exchange step (ms)", "later exchange steps (ms, median)"], rows)  # fmt: skip
+    asked = joiner["asked"]
+    lines += [
+        "",
+        f"joiner: admitted {joiner['admitted'] - asked:.2f} s after it asked (at the next exchange), into the round"
+        f" ending at step {joint}; had the state {joiner['ready'] - asked:.2f} s, started its first"
+        f" step {joiner['steps'][0]['start'] - asked:.2f} s and ended that exchange {first_exchange['end'] - asked:.2f}"
+        f" s after it asked ({len(joiner['steps'])} steps run)",
+    ]
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("mode", choices=("overhead", "kill"))
+    parser.add_argument("mode", choices=("overhead", "kill", "join"))
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=20)
@@ -199,6 +261,9 @@ def main() -> None:
         lines += table(["round", "plain step (ms)", "fault-tolerant step (ms)", "ratio"], rows)
         lines += ["", f"median ratio {statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})"]
         payload = {**meta, "exit_codes": codes, "ratios": ratios, "records": records}
+    elif args.mode == "join":
+        lines += join_table(records, args.sync_every)
+        payload = {**meta, "exit_codes": codes, "records": records}
     else:
         rows = []
         for r in records:

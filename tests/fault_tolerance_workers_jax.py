@@ -179,7 +179,8 @@ def train_diloco(
     linear model until at least ``steps`` inner steps, ``final_size`` members and a round's end. ``faults`` are keyed
     by inner step: member ``rank`` fails as it starts that step (mid-round, or in an exchange while the others are
     blocked in it). A joiner starts once the last fault's step is done; the members wait a little each step until it
-    is admitted. Returns this member's record (a victim never returns)."""
+    is admitted. Returns this member's record (a victim never returns): each attempt's place among the ranks that
+    train it (``rank``, 0 for one sitting the round out) and their number (``trainers``)."""
     import jax.numpy as jnp
     import optax
 
@@ -204,8 +205,9 @@ def train_diloco(
             _fail(faults[step][1], step)
         if step > last_fault and ft.epoch.size < final_size:
             time.sleep(0.1)  # the joiner asks meanwhile; the exchange after its request admits it
+        place, trainers = ft._training_place(ft.epoch)
         attempts.append(
-            {"step": step, "epoch": ft.epoch.number, "size": ft.epoch.size, "rank": ft.epoch.rank}
+            {"step": step, "epoch": ft.epoch.number, "size": ft.epoch.size, "rank": place, "trainers": trainers}
             | {"indices": indices.tolist(), "start": time.time()}
         )
         return x[indices], y[indices]

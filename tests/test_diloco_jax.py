@@ -106,6 +106,23 @@ def test_h1_with_plain_sgd_outside_is_gradient_allreduce(rng):
                 np.testing.assert_allclose(got[t][k][r], want[t][k], rtol=0, atol=atol, err_msg=f"{t} {k}")
 
 
+def test_counting_trainers_leaves_out_a_rank_that_sat_the_round_out(rng):
+    # One round of one step, the outer step plain SGD (lr 1): the new round start is the mean of the parameters of
+    # the ranks that trained. Rank 0 is marked as sitting the round out (trained = 0): ranks 1-3 make the mean.
+    seed = int(rng.integers(2**20))
+    trainer = make(DiLoCo(sync_every=1, outer_optimizer=optax.sgd(1.0)).counting_trainers())
+    state = trainer.init(ref.initial(seed))
+    inner, diloco = state.opt_state
+    state = state._replace(opt_state=(inner, diloco._replace(trained=diloco.trained.at[0].set(0.0))))
+    state, _ = trainer.step(state, targets(seed, 1))
+    start, goal = ref.initial(seed), targets(seed, 1)
+    for k in ref.SHAPES:
+        trained = [start[k] - ref.INNER_LR * (start[k] - goal[k][r]) for r in range(1, RANKS)]
+        for r in range(RANKS):
+            np.testing.assert_allclose(np.asarray(state.params[k])[r], np.mean(trained, axis=0), rtol=2e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(state.opt_state[1].trained), np.ones(RANKS))  # each trains the next
+
+
 def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule(rng, tmp_path):
     seed = int(rng.integers(2**20))
     algorithm = DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8", error_feedback=True)

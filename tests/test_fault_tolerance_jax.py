@@ -137,9 +137,9 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
 
 def replay_diloco(sizes: dict[int, int], config: DiLoCoConfig) -> tuple[dict[str, np.ndarray], list[dict]]:
     """DiLoCo's round start and each rank's parameters after the steps ``sizes`` gives (each with the number of ranks
-    whose partition it trained), in float64: SGD inside, Nesterov SGD (0.7, 0.9) on the ranks' mean pseudo-gradient
-    of each fragment due (fragment 0 is ``b``, 1 is ``w``: the leaves in tree order); a rank that appears takes rank
-    0's parameters (a joiner given the state)."""
+    that trained it on their partition), in float64: SGD inside, Nesterov SGD (0.7, 0.9) on the trainers' mean
+    pseudo-gradient of each fragment due (fragment 0 is ``b``, 1 is ``w``: the leaves in tree order); a rank that
+    appears takes rank 0's parameters (a joiner that sat out the round: the round start)."""
     x, y = (a.astype(np.float64) for a in dataset())
     start = {"w": np.zeros(FEATURES), "b": np.zeros(())}
     fragments = [["b", "w"]] if config.fragments == 1 else [["b"], ["w"]]
@@ -178,7 +178,7 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
     # Member 2 hangs at inner step 5 (found by its missed heartbeats): members 0 and 1 train on to the next exchange
     # (DiLoCo: step 8; Streaming, its second fragment: step 6), which fails there and is retried by the two. Member
     # 1 is killed in the exchange of step 12: member 0 retries it alone. A joiner starts then and is admitted after an
-    # exchange.
+    # exchange; under DiLoCo it sits out the round (member 0 trains it alone) and joins its exchange contributing zero.
     config = DiLoCoConfig(sync_every=DILOCO_ROUND, **options)
     faults = {5: (2, "stop"), 12: (1, "kill")}
     noticed = next(t for t in range(5, 13) if config.exchanges_after(t))
@@ -188,12 +188,21 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
     assert results[0].returncode == 0 and results[3].returncode == 0, outputs
     assert results[1].returncode != 0 and results[2].returncode != 0, outputs
     survivor, joiner = results[0].value, results[3].value
-    sizes = {s["step"]: s["size"] for s in survivor["steps"]}
+    sizes = {s["step"]: s["trainers"] for s in survivor["steps"]}
+    members = {s["step"]: s["size"] for s in survivor["steps"]}
     assert list(sizes) == list(range(1, len(sizes) + 1)), sizes  # every inner step done once: none lost
     assert [sizes[t] for t in range(1, 13)] == [3] * (noticed - 1) + [2] * (12 - noticed) + [1], sizes
-    admitted_at = min(s["step"] for s in joiner["steps"])
+    admitted_at = min(t for t in members if t > 12 and members[t] == 2)
     assert config.exchanges_after(admitted_at - 1), admitted_at  # admitted after an exchange
-    assert all(sizes[t] == (1 if t < admitted_at else 2) for t in range(13, len(sizes) + 1)), sizes
+    assert all(members[t] == (1 if t < admitted_at else 2) for t in range(13, len(sizes) + 1)), members
+    sits_out = config.fragments == 1
+    first = min(s["step"] for s in joiner["steps"])
+    trains_from = admitted_at + config.sync_every if sits_out else admitted_at
+    if sits_out:  # it computed only the round's exchange step, on member 0's samples, weighed zero
+        assert first == trains_from - 1 and [s["trainers"] for s in joiner["steps"]][:1] == [1], joiner["steps"]
+    else:
+        assert first == admitted_at
+    assert all(sizes[t] == (1 if t < trains_from else 2) for t in range(13, len(sizes) + 1)), sizes
     failed = [a["step"] for a in survivor["attempts"] if "end" not in a]
     assert failed[:2] == [noticed, 12] and set(failed[2:]) <= {admitted_at}, failed  # only exchanges ran again
     exchanges = sum(bool(config.exchanges_after(t)) for t in sizes)
@@ -218,3 +227,20 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
         resume = tries[1]["start"] - float((tmp_path / f"fault-time-{fault_step}").read_text())
         assert 0 < resume < 20, resume
         print(f"{faults[fault_step][1]} at step {fault_step}: the survivors' exchange ran again {resume:.2f} s later")
+
+
+def test_diloco_joiner_admitted_at_a_retried_exchange_contributes_nothing_to_it(tmp_path: Path):
+    # Member 2 is killed at inner step 6; the joiner starts then. Members 0 and 1 notice at the exchange of step 8,
+    # whose recovery also admits the joiner: it joins the retried exchange at once, with a zero pseudo-gradient.
+    config = DiLoCoConfig(sync_every=DILOCO_ROUND)
+    results = run_members(tmp_path, "train_diloco", 4, {6: (2, "kill")}, 3, 3, 16, {})
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [True, True, False, True], outputs
+    survivor, joiner = results[0].value, results[3].value
+    sizes = {s["step"]: s["trainers"] for s in survivor["steps"]}
+    assert [sizes[t] for t in range(1, 13)] == [3] * 7 + [2] + [3] * 4, sizes
+    assert [s["step"] for s in joiner["steps"]][:2] == [8, 9] and joiner["steps"][0]["trainers"] == 2
+    start, models = replay_diloco(sizes, config)
+    for name in start:
+        np.testing.assert_allclose(survivor["round_start"][name], start[name], rtol=2e-5, atol=1e-6)
+        np.testing.assert_array_equal(joiner["round_start"][name], survivor["round_start"][name])

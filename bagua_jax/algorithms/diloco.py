@@ -77,6 +77,10 @@ class DiLoCoState(NamedTuple):
     """Per fragment, its pseudo-gradient (float32, flat) whose exchange is started but not yet applied (tau > 0)."""
     residuals: tuple
     """Per fragment, the error-feedback residual of its compressed exchange (float32, padded to the ranks)."""
+    trained: jax.Array
+    """1.0 (float32), or 0.0 while this rank sits out the round in flight (a fault-tolerant job's joiner, given the
+    state mid-round): where the ranks that trained are counted, its pseudo-gradient weighs nothing. Back to 1.0 after
+    the exchange."""
 
 
 def default_outer_optimizer(config: DiLoCoConfig) -> optax.GradientTransformation:
@@ -101,7 +105,9 @@ def _when(predicate: jax.Array, fn: Any, operands: Any) -> Any:
     return operands
 
 
-def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.GradientTransformationExtraArgs:
+def diloco(
+    comms: Communicators, *config: Any, counts_trainers: bool = False, **options: Any
+) -> optax.GradientTransformationExtraArgs:
     """DiLoCo as an optax transform to chain *after* the inner optimizer, with ``params``.
 
     After inner step ``t`` (counted from 1), for each fragment ``p`` due (see
@@ -112,7 +118,9 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
     fragment in the wire format (4 bytes an element for fp32 down to about half a byte for
     uint4), and nothing on the other steps: divide DDP's traffic by ``sync_every`` and by the
     bytes saved per element. Choose it on slow links, where communicating every step dominates. The options are
-    :class:`~bagua_common.algorithms.diloco.DiLoCoConfig`'s, given as one or as its fields.
+    :class:`~bagua_common.algorithms.diloco.DiLoCoConfig`'s, given as one or as its fields. With ``counts_trainers``
+    (a fault-tolerant job's, one fragment) each pseudo-gradient is weighed by :attr:`DiLoCoState.trained` and the
+    average divides by the ranks that trained, counted in one more (two-element) allreduce per exchange.
     """
     config = as_config(DiLoCoConfig, *config, **options)
     comms = check_communicators(comms, config.name)
@@ -152,6 +160,7 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
             outer_states=tuple(outer.init([leaves[i] for i in part]) for part in plan),
             pending=tuple(jnp.zeros([size if delay else 0], jnp.float32) for size in sizes),
             residuals=tuple(jnp.zeros([padded(size) if error_feedback else 0], jnp.float32) for size in sizes),
+            trained=jnp.ones([], jnp.float32),
         )
 
     def pseudo_gradient(anchor: list, local: list) -> jax.Array:
@@ -164,6 +173,13 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         padded_flat = jnp.pad(flat, (0, padded(size) - size))
         mean, residual = EXCHANGE.average(padded_flat, comm, outer_exchange, residual if error_feedback else None)
         return mean[:size], (residual if error_feedback else jnp.zeros([0], jnp.float32))
+
+    def average_of_trainers(flat: jax.Array, residual: jax.Array, trained: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """:func:`average` over the world with this rank's ``flat`` weighed by ``trained`` (1 or 0), divided by the
+        ranks that trained instead of all (none trained: zero, the same on every rank)."""
+        mean, residual = average(flat * trained, residual, world)
+        trainers, ranks = world.allreduce(jnp.stack([trained, jnp.ones_like(trained)]))
+        return mean * (ranks / jnp.maximum(trainers, 1.0)), residual
 
     # Streaming on the MPI engine (under any wrapper, e.g. a CountingCommunicator): the exchanges run on a thread of
     # their own while the next tau steps compute.
@@ -193,7 +209,7 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         offsets = [config.fragment_offset(p) for p in range(config.fragments)]
         return functools.reduce(operator.or_, [due(step, o) | due(step - delay, o) for o in offsets])
 
-    def synchronize(step: jax.Array, params: Any, operands: tuple) -> tuple:
+    def synchronize(step: jax.Array, params: Any, trained: jax.Array, operands: tuple) -> tuple:
         """The inner updates and state parts after step ``step``, with the fragments due synchronized.
 
         Each fragment's work runs in a loop run once or not at all (:func:`_when`), whose carry is what that work
@@ -220,7 +236,11 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
             def sync(operands):
                 anchor, updates, outer_state, residual = operands
                 mine = local(updates)
-                mean, residual = average(pseudo_gradient(anchor, mine), residual, world)
+                flat = pseudo_gradient(anchor, mine)
+                if counts_trainers:
+                    mean, residual = average_of_trainers(flat, residual, trained)
+                else:
+                    mean, residual = average(flat, residual, world)
                 anchor, mixed, outer_state = outer_step(anchor, mine, outer_state, mean)
                 return varying_like((anchor, synchronized(mixed, updates), outer_state, residual), updates)
 
@@ -262,11 +282,13 @@ def diloco(comms: Communicators, *config: Any, **options: Any) -> optax.Gradient
         anchors = _to_memory(state.round_start, "device")
         operands = (updates, anchors, state.outer_states, state.pending, state.residuals)
         # Off-round steps (most of them) skip the per-fragment work: the inner updates pass through as they are.
+        synchronizing = any_fragment_due(step)
         new_updates, anchors, outer_states, pending, residuals = _when(
-            any_fragment_due(step), functools.partial(synchronize, step, params), operands
+            synchronizing, functools.partial(synchronize, step, params, state.trained), operands
         )
         round_start = _to_memory(anchors, round_start_memory)
-        return new_updates, DiLoCoState(step, round_start, outer_states, pending, residuals)
+        trained = jnp.where(synchronizing, jnp.ones_like(state.trained), state.trained)
+        return new_updates, DiLoCoState(step, round_start, outer_states, pending, residuals, trained)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -285,7 +307,16 @@ class DiLoCo(ConfiguredAlgorithm):
     """
 
     after_optimizer = True
+    counts_trainers = False
+    """Whether the exchange divides by the ranks that trained the round (:meth:`counting_trainers`)."""
 
     def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
         """:func:`diloco` with this configuration."""
-        return diloco(comms, self.config)
+        return diloco(comms, self.config, counts_trainers=self.counts_trainers)
+
+    def counting_trainers(self) -> DiLoCo:
+        """A copy whose exchange weighs each rank's pseudo-gradient by :attr:`DiLoCoState.trained` and divides by the
+        ranks that trained: a fault-tolerant job's, whose joiner sits out its first round contributing zero."""
+        copy = type(self)(self.config, bucket_bytes=self.bucket_bytes)
+        object.__setattr__(copy, "counts_trainers", True)
+        return copy
