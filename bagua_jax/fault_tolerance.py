@@ -55,7 +55,7 @@ from bagua_jax.algorithms.diloco import DiLoCoState
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
-from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
+from bagua_jax.train_state import TrainState, is_nnx_module, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 
 __all__ = ["FaultTolerantTrainer"]
@@ -149,7 +149,13 @@ class FaultTolerantTrainer:
         self._watch(self.epoch)
 
     def init(self, params: Any) -> Any:
-        """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from rank 0."""
+        """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from rank 0.
+        ``params`` is a pytree of parameters or a flax ``TrainState`` (the same class comes back)."""
+        if is_nnx_module(params):
+            raise TypeError(
+                "FaultTolerantTrainer takes a pytree of parameters or a flax TrainState; an NNX model changes in "
+                "place, which an abandoned step could not roll back: split it (nnx.split) and pass its parameters"
+            )
         state = self.trainer.init(params)  # checks with the members that everyone trains the same job
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         if self.epoch.is_joiner():
@@ -227,7 +233,7 @@ class FaultTolerantTrainer:
         for part, leaf in state_rules.replicated_leaves(self._roles, jax.device_get(unwrap_state(state))):
             digest.add(part, leaf)
         digest.add("position", np.asarray(self.data.state(), np.int64))
-        gathered = self.communicator.allgather(jnp.asarray(digest.digest()))
+        gathered = HostCommunicator(self.communicator).allgather(digest.digest())  # nothing to compile
         check_digests(_PARTS, np.asarray(gathered), what)
 
     def _is_transaction(self, state: Any) -> bool:
@@ -332,6 +338,7 @@ class FaultTolerantTrainer:
                 transfer()
             return state
         received = _state_from_bytes(transfer(), state)
+        user_state = None if isinstance(state, TrainState) else state  # a flax TrainState comes back as one
         raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
         if raw is None:
             raise TimeoutError(f"fault tolerance: no state record for the joiners of epoch {epoch.number}")
@@ -340,9 +347,9 @@ class FaultTolerantTrainer:
         self.data.load_state(record["position"])
         self._sitting_out = frozenset(record["sitting_out"])
         if self._sitting_out:  # applied once its first exchange commits: a change before then gives it the state again
-            return self._sit_out(received)
+            return rewrap_state(user_state, self._sit_out(received))
         self.membership.applied(self.committed)
-        return received
+        return rewrap_state(user_state, received)
 
     def _sit_out(self, state: TrainState) -> TrainState:
         """``state`` (a member's, just received) at the step before the round's exchange, marked as not trained

@@ -110,7 +110,10 @@ def variants() -> list[dict[str, Any]]:
     return listed
 
 
-OUTER_SEARCH = [(20, 0.7, 0.9), (20, 1.0, 0.0), (20, 1.0, 0.5), (100, 0.7, 0.9), (100, 1.0, 0.0), (100, 1.0, 0.5)]
+OUTER_SEARCH = [
+    (20, 0.7, 0.9), (20, 1.0, 0.0), (20, 1.0, 0.5), (50, 0.7, 0.9), (50, 1.0, 0.5),
+    (100, 0.7, 0.9), (100, 1.0, 0.0), (100, 1.0, 0.5),
+]  # fmt: skip
 """DiLoCo's outer (H, learning rate, momentum) searched for its ``default_outer_settings``."""
 
 

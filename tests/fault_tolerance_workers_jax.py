@@ -173,14 +173,20 @@ DILOCO_ROUND = 4
 
 
 def train_diloco(
-    faults: dict[int, tuple[int, str]], start_size: int, final_size: int, steps: int, options: dict
+    faults: dict[int, tuple[int, str]],
+    start_size: int,
+    final_size: int,
+    steps: int,
+    options: dict,
+    flax_state: bool = False,
 ) -> dict:
     """DiLoCo (H = ``DILOCO_ROUND``, its other ``options``, SGD inside, the default outer Nesterov SGD) on the
     linear model until at least ``steps`` inner steps, ``final_size`` members and a round's end. ``faults`` are keyed
     by inner step: member ``rank`` fails as it starts that step (mid-round, or in an exchange while the others are
     blocked in it). A joiner starts once the last fault's step is done; the members wait a little each step until it
-    is admitted. Returns this member's record (a victim never returns): each attempt's place among the ranks that
-    train it (``rank``, 0 for one sitting the round out) and their number (``trainers``)."""
+    is admitted. With ``flax_state`` the state is a flax ``TrainState``. Returns this member's record (a victim never
+    returns): each attempt's place among the ranks that train it (``rank``, 0 for one sitting the round out) and their
+    number (``trainers``), and the class of the state it ended with."""
     import jax.numpy as jnp
     import optax
 
@@ -196,6 +202,10 @@ def train_diloco(
 
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    if flax_state:
+        from flax.training import train_state
+
+        params = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(LR))
     ft, state, admitted = _start(start_size, make_trainer, data, params)
     last_fault = max(faults)
     attempts = []
@@ -229,4 +239,5 @@ def train_diloco(
         "committed": ft.committed,
         "recoveries": ft.recoveries,
         "admitted": admitted,
+        "state_class": type(state).__module__ + "." + type(state).__name__,
     }

@@ -231,15 +231,17 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
 
 def test_diloco_joiner_admitted_at_a_retried_exchange_contributes_nothing_to_it(tmp_path: Path):
     # Member 2 is killed at inner step 6; the joiner starts then. Members 0 and 1 notice at the exchange of step 8,
-    # whose recovery also admits the joiner: it joins the retried exchange at once, with a zero pseudo-gradient.
+    # whose recovery also admits the joiner: it joins the retried exchange at once, with a zero pseudo-gradient. The
+    # state is a flax TrainState, which the joiner gets back as one.
     config = DiLoCoConfig(sync_every=DILOCO_ROUND)
-    results = run_members(tmp_path, "train_diloco", 4, {6: (2, "kill")}, 3, 3, 16, {})
+    results = run_members(tmp_path, "train_diloco", 4, {6: (2, "kill")}, 3, 3, 16, {}, True)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode == 0 for r in results] == [True, True, False, True], outputs
     survivor, joiner = results[0].value, results[3].value
     sizes = {s["step"]: s["trainers"] for s in survivor["steps"]}
     assert [sizes[t] for t in range(1, 13)] == [3] * 7 + [2] + [3] * 4, sizes
     assert [s["step"] for s in joiner["steps"]][:2] == [8, 9] and joiner["steps"][0]["trainers"] == 2
+    assert survivor["state_class"] == joiner["state_class"] == "flax.training.train_state.TrainState"
     start, models = replay_diloco(sizes, config)
     for name in start:
         np.testing.assert_allclose(survivor["round_start"][name], start[name], rtol=2e-5, atol=1e-6)

@@ -83,6 +83,14 @@ def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(
         FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0))
 
 
+def test_an_nnx_model_is_refused_with_what_to_pass_instead():
+    from flax import nnx
+
+    ft = object.__new__(FaultTolerantTrainer)  # init refuses before it uses the job's members
+    with pytest.raises(TypeError, match=r"NNX model changes in place.*nnx\.split"):
+        ft.init(nnx.Linear(2, 1, rngs=nnx.Rngs(0)))
+
+
 def test_diloco_keeps_each_members_parameters_and_inner_state_and_hashes_its_round_start_and_outer_state():
     config = DiLoCo(sync_every=2, outer_exchange="uint8", error_feedback=True)
     trainer = DataParallel(loss_fn, optax.adam(0.05), config, mesh=mesh())
@@ -98,6 +106,7 @@ def test_diloco_keeps_each_members_parameters_and_inner_state_and_hashes_its_rou
     kinds = role_tree.opt_state[1]
     assert set(jax.tree.leaves((kinds.step, kinds.round_start, kinds.outer_states))) == {REPLICATED}
     assert set(jax.tree.leaves(kinds.residuals)) == {RESET} and set(jax.tree.leaves(kinds.pending)) <= {OWN}
+    assert kinds.trained == OWN  # 0 while a joiner sits a round out: never compared
     assert role_tree.step == REPLICATED
     assert any(np.any(np.asarray(leaf) != 0) for leaf in jax.tree.leaves(diloco.residuals))
 
