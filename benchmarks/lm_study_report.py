@@ -209,7 +209,7 @@ def time_to(data: dict[str, Any], name: str, link: str, target: float) -> TimeTo
     if "ms_per_step" not in entry:  # trained at the link: each phase's own clock
         times, finals = [], []
         for phase in entry["phases"]:
-            steps = steps_to(phase["curve"], target)
+            steps = steps_to(_loss_curve(phase["curve"]), target)
             finals.append(phase["curve"][-1][2])
             if steps is not None:
                 times.append(_clock_at(phase["curve"], steps))
@@ -235,6 +235,11 @@ def _partial(data: dict[str, Any], row: dict[str, Any]) -> int | None:
     """The steps a run trained when it stopped before the end of the schedule (``train --steps``), else None."""
     trained = int(row["curve"][-1][0])
     return trained if trained < data["settings"]["steps"] else None
+
+
+def _loss_curve(curve: Sequence[Sequence[float]]) -> list[list[float]]:
+    """A run at the link's ``[step, seconds, loss]`` curve as the ``[step, loss]`` points :func:`steps_to` reads."""
+    return [[step, loss] for step, _, loss in curve]
 
 
 def _clock_at(curve: Sequence[Sequence[float]], step: float) -> float:
@@ -348,7 +353,7 @@ def training_lines(data: dict[str, Any]) -> list[str]:
             final = statistics.median(p["curve"][-1][2] for p in entry["phases"])
             bytes_per_step = entry["bytes_per_step"]
             gap = f"{100 * (final / reference['final_loss'] - 1):+.1f}%" if reference else ""
-            steps = [steps_to(entry["phases"][0]["curve"], goal) for goal in goals.values()]
+            steps = [steps_to(_loss_curve(entry["phases"][0]["curve"]), goal) for goal in goals.values()]
             cells.append(
                 [f"{name} @{link}", "own run at the link", f"{final:.4f}", gap, f"{bytes_per_step / 1e6:.3f} MB"]
                 + [_fmt(s, ".0f", "not reached") for s in steps]
@@ -467,6 +472,17 @@ def plot(data: dict[str, Any], path: Path) -> Path | None:
         seconds = _seconds_at_link(data, name, steps)
         if seconds:
             plots.curves(by_time, {name: (seconds, losses)}, {name: style})
+    trained_at_link = [(n, r) for n, r in data["timing"].items() if REPORT_LINK in r.get("links", {})]
+    for i, (name, row) in enumerate(trained_at_link, start=len(_names(data))):
+        entry = row["links"][REPORT_LINK]
+        if "phases" not in entry or "ms_per_step" in entry:
+            continue
+        curve = entry["phases"][0]["curve"]  # asynchronous averaging: its own run at the link
+        label = f"{name} @{REPORT_LINK}"
+        style = {"color": plots_color(i), "linestyle": "--" if name.startswith("jax/") else "-"}
+        losses = [p[2] for p in curve]
+        plots.curves(by_tokens, {label: ([p[0] * tokens / 1e6 for p in curve], losses)}, {label: style})
+        plots.curves(by_time, {label: ([max(p[1], 1e-3) for p in curve], losses)}, {label: style})
     entropies = load_corpus().heldout_entropies()
     for ax in (by_tokens, by_time, by_bytes):
         plots.references(ax, {"unigram entropy": entropies.unigram, "bigram entropy": entropies.bigram,

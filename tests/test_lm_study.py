@@ -149,6 +149,18 @@ def test_uncompressed_first_steps_take_gradient_allreduces_time(rng):
     assert lm_study_report.time_to(data, "torch/onebit_adam", "100mbit", 2.0).format() == expected
 
 
+def test_a_run_at_the_link_reads_its_own_clock(rng):
+    # Asynchronous averaging's curve is [step, seconds, loss]: the target is crossed between two evaluations, and the
+    # time is its clock there, interpolated the same way.
+    seconds = sorted(rng.uniform(1, 100, 2))
+    curve = [[0, 0.0, 5.0], [100, seconds[0], 3.0], [200, seconds[1], 2.0]]
+    data = {"settings": {"steps": 200}, "train": {},
+            "timing": {"torch/async": {"links": {"100mbit": {"phases": [{"curve": curve}]}}}}}  # fmt: skip
+    got = lm_study_report.time_to(data, "torch/async", "100mbit", 2.5)
+    assert got.seconds.median == pytest.approx((seconds[0] + seconds[1]) / 2)
+    assert lm_study_report.time_to(data, "torch/async", "100mbit", 1.0).format() == "not reached (final 2.000)"
+
+
 def test_merge_takes_finished_rows_of_studies_with_the_same_settings(tmp_path):
     import argparse
 
