@@ -121,6 +121,7 @@ def test_counting_trainers_leaves_out_a_rank_that_sat_the_round_out(rng):
         for r in range(RANKS):
             np.testing.assert_allclose(np.asarray(state.params[k])[r], np.mean(trained, axis=0), rtol=2e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(state.opt_state[1].trained), np.ones(RANKS))  # each trains the next
+    assert trainer.algorithm.replace(bucket_bytes=1 << 20).counts_trainers  # as the bucket autotuner makes it
 
 
 def test_resume_mid_round_is_bit_identical_and_a_new_world_size_follows_the_rule(rng, tmp_path):

@@ -320,3 +320,10 @@ class DiLoCo(ConfiguredAlgorithm):
         copy = type(self)(self.config, bucket_bytes=self.bucket_bytes)
         object.__setattr__(copy, "counts_trainers", True)
         return copy
+
+    def replace(self, **changes: Any) -> DiLoCo:
+        """A copy with ``changes`` (:meth:`ConfiguredAlgorithm.replace`) that still counts the ranks that trained if
+        this one does (the bucket autotuner replaces the algorithm it was given)."""
+        copy = super().replace(**changes)
+        object.__setattr__(copy, "counts_trainers", self.counts_trainers)
+        return copy
