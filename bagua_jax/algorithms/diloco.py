@@ -287,7 +287,9 @@ def diloco(
             synchronizing, functools.partial(synchronize, step, params, state.trained), operands
         )
         round_start = _to_memory(anchors, round_start_memory)
-        trained = jnp.where(synchronizing, jnp.ones_like(state.trained), state.trained)
+        trained = state.trained  # changes only where a joiner sits a round out (counts_trainers)
+        if counts_trainers:
+            trained = jnp.where(synchronizing, jnp.ones_like(trained), trained)
         return new_updates, DiLoCoState(step, round_start, outer_states, pending, residuals, trained)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -317,7 +319,7 @@ class DiLoCo(ConfiguredAlgorithm):
     def counting_trainers(self) -> DiLoCo:
         """A copy whose exchange weighs each rank's pseudo-gradient by :attr:`DiLoCoState.trained` and divides by the
         ranks that trained: a fault-tolerant job's, whose joiner sits out its first round contributing zero."""
-        copy = type(self)(self.config, bucket_bytes=self.bucket_bytes)
+        copy = ConfiguredAlgorithm.replace(self)
         object.__setattr__(copy, "counts_trainers", True)
         return copy
 
