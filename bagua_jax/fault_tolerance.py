@@ -13,7 +13,9 @@ check that their replicated state is bit-identical, and run the step again on th
 not yet trained on. The communicator's handle stays the same, so a
 step whose shapes do not depend on the world size (gradient allreduce, decentralized averaging over all) is not
 compiled again; one whose shapes do (ByteGrad and the compressed Adams: chunks per rank) is compiled once per new
-world size (:attr:`FaultTolerantTrainer.recoveries` records each recovery's time).
+world size (:attr:`FaultTolerantTrainer.recoveries` records each recovery's time). A joiner
+(:meth:`FaultTolerantTrainer.joiner`) compiles its step alone before it asks to be admitted, then takes the job's
+communicator in the same slot: its peers wait for its state, never for its compilation.
 
 Under DiLoCo each outer exchange is the transaction, and it commits once every member voted (a round commits rarely;
 its retry rests on every member knowing the outcome). The inner steps communicate nothing, so the members notice a
@@ -21,9 +23,10 @@ death at different inner steps: each trains on to the round's exchange, which fa
 step, and the survivors run that step again among themselves, with their own pseudo-gradients: no completed inner
 step is lost, and the dead member's samples of the round go with its pseudo-gradient. Joiners are admitted at a
 round's end, or at a retried exchange. Under DiLoCo with one fragment a joiner then sits out the round in flight, as
-INTELLECT-1's joiners do: the members train its inner steps on their own partition of the samples while the joiner
-compiles, and the joiner takes part in the round's exchange with a zero pseudo-gradient that the average does not
-count (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`), which gives it the replicas' new round start.
+INTELLECT-1's joiners do: the members train its inner steps on their own partition of the samples while the
+joiner receives the state, and the joiner takes part in the round's exchange with a zero pseudo-gradient that the
+average does not count (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`), which gives it the replicas' new
+round start.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.fault_tolerance import (
     DataPosition,
     Epoch,
+    FaultToleranceSettings,
     Membership,
     MembershipChanged,
     ReplicaDigest,
@@ -55,6 +59,7 @@ from bagua_jax.algorithms.diloco import DiLoCoState
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
+from bagua_jax.state_transfer import broadcast_state, in_background, state_from_bytes
 from bagua_jax.train_state import TrainState, is_nnx_module, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 
@@ -100,12 +105,12 @@ class FaultTolerantTrainer:
     """A native-mode :class:`DataParallel` (MPI engine) whose steps survive a lost or added member.
 
     ``membership`` is this process's :class:`~bagua_common.fault_tolerance.Membership` (its first epoch's ranks
-    must be the communicator's); ``data`` the job's :class:`~bagua_common.fault_tolerance.DataPosition`;
-    ``hash_every`` compares the replicas' digests every that many committed transactions (steps; under DiLoCo,
-    exchanges; default: the membership's settings), besides after every recovery. :meth:`init` gives the state (a
-    joiner receives it from a member), :meth:`step` runs one step (committed, or a DiLoCo inner step),
-    :meth:`finished` marks the job finished after the last one. Algorithms whose replicas are identical
-    (``replicas_identical``), and DiLoCo with ``fragment_sync_delay=0``.
+    must be the communicator's; a process that joins a running job is made by :meth:`joiner` instead); ``data`` the
+    job's :class:`~bagua_common.fault_tolerance.DataPosition`; ``hash_every`` compares the replicas' digests every
+    that many committed transactions (steps; under DiLoCo, exchanges; default: the membership's settings), besides
+    after every recovery. :meth:`init` gives the state (a joiner receives it from a member), :meth:`step` runs one
+    step (committed, or a DiLoCo inner step), :meth:`finished` marks the job finished after the last one.
+    Algorithms whose replicas are identical (``replicas_identical``), and DiLoCo with ``fragment_sync_delay=0``.
     """
 
     def __init__(
@@ -116,19 +121,45 @@ class FaultTolerantTrainer:
         hash_every: int | None = None,
     ):
         _refuse_unsurvivable(trainer)
+        if membership.epoch.is_joiner():
+            raise ValueError(
+                "FaultTolerantTrainer: this process joins a running job: make it with FaultTolerantTrainer.joiner "
+                "(over NativeCommunicator.mpi_self()), which compiles the step before asking to join"
+            )
+        self._prepare(trainer, data, membership.settings, hash_every)
+        self._admitted(membership)
+
+    @classmethod
+    def joiner(
+        cls,
+        trainer: DataParallel,
+        data: DataPosition,
+        settings: FaultToleranceSettings,
+        master: tuple[str, int],
+        hash_every: int | None = None,
+        timeout: float = 300.0,
+    ) -> FaultTolerantTrainer:
+        """The trainer of a process that joins a running job (a replacement, or one more rank): ``trainer``'s
+        communicator is this process alone (:meth:`NativeCommunicator.mpi_self`) until :meth:`init` has compiled the
+        step, asked a live member's store at ``master`` (host, port) to be admitted (waiting up to ``timeout``
+        seconds) and put the job's communicator in its slot, so its peers never wait for its compilation."""
+        _refuse_unsurvivable(trainer)
+        if trainer.communicator is None or trainer.communicator.size != 1:
+            raise ValueError("FaultTolerantTrainer.joiner needs a DataParallel over NativeCommunicator.mpi_self()")
+        joiner = cls.__new__(cls)
+        joiner._prepare(trainer, data, settings, hash_every)
+        joiner._join_at = (settings, master, timeout)
+        return joiner
+
+    def _prepare(
+        self, trainer: DataParallel, data: DataPosition, settings: FaultToleranceSettings, hash_every: int | None
+    ) -> None:
+        """What does not depend on the members: the trainer, the data, the algorithm's rules."""
         communicator = trainer.communicator
         if not isinstance(communicator, NativeCommunicator) or communicator.kind != "mpi":
             raise ValueError("FaultTolerantTrainer needs a DataParallel over the native MPI engine (communicator=)")
-        self.trainer, self.membership, self.data = trainer, membership, data
-        self.communicator: NativeCommunicator = communicator
-        self.hash_every = membership.settings.hash_every if hash_every is None else int(hash_every)
-        self.epoch: Epoch = membership.epoch
-        if (self.epoch.rank, self.epoch.size) != (int(communicator.rank()), communicator.size):
-            raise ValueError(
-                f"FaultTolerantTrainer: the communicator is rank {int(communicator.rank())} of {communicator.size} "
-                f"but the membership's epoch has this member as rank {self.epoch.rank} of {self.epoch.size}"
-            )
-        self.committed = self.epoch.committed
+        self.trainer, self.data, self.communicator = trainer, data, communicator
+        self.hash_every = settings.hash_every if hash_every is None else int(hash_every)
         # Gradient allreduce's and DiLoCo's float32 exchange lay out no buffer per rank (the engine averages over its
         # current size): their steps run on every world size as compiled. Others are compiled again after a change.
         config = trainer.algorithm.config
@@ -144,26 +175,58 @@ class FaultTolerantTrainer:
         """The state's broadcast to joiners sitting out the round, running while the members train it."""
         self._check_due = False
         self._roles: TrainState | None = None
+        self.membership: Membership | None = None
+        self.admission: dict[str, float] | None = None
+        """A joiner's: when it ``asked`` to be admitted (its step compiled) and was ``admitted`` (``time.time()``)."""
         self.recoveries: list[dict[str, Any]] = []
         """One record per recovery: epoch, size, seconds from the failed step to the retried step's start."""
+
+    def _admitted(self, membership: Membership) -> None:
+        """Take ``membership``'s epoch, whose ranks must be the communicator's."""
+        self.membership, self.epoch = membership, membership.epoch
+        rank = self.communicator.engine.rank(self.communicator.handle)  # on the host: nothing to compile
+        if (self.epoch.rank, self.epoch.size) != (rank, self.communicator.size):
+            raise ValueError(
+                f"FaultTolerantTrainer: the communicator is rank {rank} of {self.communicator.size} but the "
+                f"membership's epoch has this member as rank {self.epoch.rank} of {self.epoch.size}"
+            )
+        self.committed = self.epoch.committed
         self._watch(self.epoch)
 
-    def init(self, params: Any) -> Any:
-        """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from rank 0.
-        ``params`` is a pytree of parameters or a flax ``TrainState`` (the same class comes back)."""
+    def init(self, params: Any, example_batch: Any = None) -> Any:
+        """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from a member.
+        ``params`` is a pytree of parameters or a flax ``TrainState`` (the same class comes back). A joiner
+        (:meth:`joiner`) first compiles the step for ``example_batch`` (a batch of this rank's shapes), so that its
+        peers never wait for its compilation, then asks to be admitted."""
         if is_nnx_module(params):
             raise TypeError(
                 "FaultTolerantTrainer takes a pytree of parameters or a flax TrainState; an NNX model changes in "
                 "place, which an abandoned step could not roll back: split it (nnx.split) and pass its parameters"
             )
-        state = self.trainer.init(params)  # checks with the members that everyone trains the same job
+        state = self.trainer.init(params)  # the first members check with each other that they train the same job
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
-        if self.epoch.is_joiner():
-            state = self._share_state(state, self.epoch, check_job=False)
+        if self.membership is None:
+            state = self._join(state, example_batch)
+            state = self._share_state(state, self.epoch, check_job=True)
             if not self._sitting_out:  # else checked once the joiners took part in their first exchange
                 self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
             self.trainer._batches_checked = True  # the members checked their batches before this one came
         return state
+
+    def _join(self, state: Any, example_batch: Any) -> Any:
+        """Compile the step alone, then ask to be admitted and take the epoch's communicator in the same slot (the
+        step compiled for one rank runs on it where its shapes do not depend on the world size); returns ``state``
+        laid out for the epoch's world size."""
+        if example_batch is not None:
+            self.trainer.compile(state, example_batch)
+        settings, master, timeout = self._join_at
+        asked = time.time()
+        membership = Membership.join(settings, *master, timeout=timeout)
+        self.admission = {"asked": asked, "admitted": time.time()}
+        epoch = membership.epoch
+        self.communicator.join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout)
+        self._admitted(membership)
+        return self._carry_over(state, recompile=not self._world_size_free)
 
     def step(self, state: Any, batch_of: Callable[[np.ndarray], Any]) -> tuple[Any, Any]:
         """One step: ``batch_of(indices)`` builds this rank's batch from the sample indices :attr:`data` assigns it;
@@ -251,8 +314,7 @@ class FaultTolerantTrainer:
     def _training_place(self, epoch: Epoch) -> tuple[int, int]:
         """This member's place among the members that train the step, and their number: all but those sitting out
         the round (which compute the step on the first one's samples, weighed zero)."""
-        trainers = [rank for rank, member in enumerate(epoch.members) if member.id not in self._sitting_out]
-        return (trainers.index(epoch.rank) if epoch.rank in trainers else 0), len(trainers)
+        return epoch.training_place([rank for rank, m in enumerate(epoch.members) if m.id in self._sitting_out])
 
     def _watch(self, epoch: Epoch) -> None:
         """Revoke this epoch's communicator the moment the epoch closes, from a thread: the training thread may be
@@ -329,15 +391,15 @@ class FaultTolerantTrainer:
             if check_job:
                 signature = job_signature(unwrap_state(state).params, self.trainer.algorithm)
                 check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
-            return _broadcast_bytes(host, state, holder)
+            return broadcast_state(host, state, holder)
 
         if not epoch.is_joiner():
             if self._sitting_out:
-                self._transfer = _in_background(transfer, f"bagua-ft-transfer-{epoch.number}")
+                self._transfer = in_background(transfer, f"bagua-ft-transfer-{epoch.number}")
             else:
                 transfer()
             return state
-        received = _state_from_bytes(transfer(), state)
+        received = state_from_bytes(transfer(), state)
         user_state = None if isinstance(state, TrainState) else state  # a flax TrainState comes back as one
         raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
         if raw is None:
@@ -354,8 +416,7 @@ class FaultTolerantTrainer:
     def _sit_out(self, state: TrainState) -> TrainState:
         """``state`` (a member's, just received) at the step before the round's exchange, marked as not trained
         (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`), the data past the inner steps it skips."""
-        step = int(state.step)
-        skipped = next(k for k in range(self._diloco.sync_every) if self._diloco.exchanges_after(step + k + 1))
+        skipped = self._diloco.steps_to_exchange(int(state.step)) - 1
         for _ in range(skipped):
             self.data.advance(self._training_place(self.epoch)[1])
 
@@ -366,43 +427,3 @@ class FaultTolerantTrainer:
 
         opt_state = jax.tree.map(skip, state.opt_state, is_leaf=lambda node: isinstance(node, DiLoCoState))
         return state._replace(opt_state=opt_state, step=state.step + skipped)
-
-
-def _transferred_leaves(state: Any) -> tuple[list[np.ndarray], Any]:
-    """The leaves a joiner receives (parameters, optimizer state, step) on the host, and their tree."""
-    own = unwrap_state(state)
-    leaves, tree = jax.tree.flatten((own.params, own.opt_state, own.step))
-    return [np.asarray(leaf) for leaf in leaves], tree
-
-
-def _broadcast_bytes(host: HostCommunicator, state: Any, root: int) -> np.ndarray:
-    """Rank ``root``'s transferred leaves of ``state``, their bytes concatenated: one broadcast of host buffers
-    (nothing to compile, and callable from a thread while the members train)."""
-    leaves, _ = _transferred_leaves(state)
-    flat = np.concatenate([leaf.reshape(-1).view(np.uint8) for leaf in leaves])
-    return np.asarray(host.broadcast(flat, root))
-
-
-def _state_from_bytes(received: np.ndarray, state: Any) -> TrainState:
-    """The :class:`TrainState` whose transferred leaves are ``received`` (:func:`_broadcast_bytes`), laid out as
-    ``state``'s, with ``state``'s own model state."""
-    leaves, tree = _transferred_leaves(state)
-    values, offset = [], 0
-    for leaf in leaves:
-        values.append(jnp.asarray(received[offset : offset + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)))
-        offset += leaf.nbytes
-    return TrainState(*jax.tree.unflatten(tree, values), unwrap_state(state).model_state)
-
-
-def _in_background(work: Callable[[], Any], name: str) -> Future:
-    """``work()`` on a daemon thread (one stuck in a collective never holds up the process's exit)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the result
-            future.set_exception(error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future

@@ -5,13 +5,12 @@ JAX threads one token through every computation that uses them: a collective iss
 background thread would wait for the training step in flight, and the step for it. The engine's
 DLPack bindings take NumPy buffers instead, release the GIL and wait on MPI alone, which is what a
 thread that communicates while the training loop runs needs. Results come back as JAX arrays
-(host memory), so the front end's kernels and casts apply to them unchanged.
+(host memory; placed, which compiles nothing), so the front end's kernels and casts apply to them unchanged.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.comm.collectives import ReduceOp
@@ -32,10 +31,12 @@ class HostCommunicator:
     """``comm``'s MPI engine on host buffers, for a background thread: the collectives an outer exchange needs, and
     the broadcast a fault-tolerant job's state travels by.
 
-    ``comm`` should be used by nothing else (e.g. a split of the world made for the thread): MPI
-    needs one communicator's collectives in the same order on every rank, and a thread's calls
-    interleave with the training loop's differently on each rank. ``comm``'s timeout bounds every
-    wait, so a dead peer raises an error naming the communicator instead of hanging.
+    MPI needs one communicator's collectives in the same order on every rank, and a thread's calls
+    interleave with the training loop's differently on each rank: give it a communicator nothing
+    else uses meanwhile (e.g. a split of the world made for the thread), or call it while the loop
+    makes no collective on ``comm`` (a fault-tolerant job's state transfer runs during a DiLoCo
+    round's inner steps, and the loop waits for it before the exchange). ``comm``'s timeout bounds
+    every wait, so a dead peer raises an error naming the communicator instead of hanging.
     """
 
     def __init__(self, comm: NativeCommunicator) -> None:
@@ -50,7 +51,7 @@ class HostCommunicator:
         send = _host(x)
         recv = np.empty_like(send)
         self._engine.allreduce(self._handle, send.reshape(-1), recv.reshape(-1), ReduceOp(op).code)
-        return jnp.asarray(recv)
+        return jax.device_put(recv)
 
     def alltoall(self, x: jax.typing.ArrayLike) -> jax.Array:
         """``x`` is ``[size, *s]``; row j goes to rank j, row j of the result came from rank j."""
@@ -59,17 +60,17 @@ class HostCommunicator:
             raise ValueError(f"alltoall needs x of shape [size={self.size}, ...], got {list(send.shape)}")
         recv = np.empty_like(send)
         self._engine.alltoall(self._handle, _bytes(send), _bytes(recv))
-        return jnp.asarray(recv)
+        return jax.device_put(recv)
 
     def broadcast(self, x: jax.typing.ArrayLike, root: int) -> jax.Array:
         """Rank ``root``'s ``x`` on every rank (the others pass a buffer of its shape and dtype)."""
         buffer = _host(x).copy()
         self._engine.broadcast(self._handle, _bytes(buffer), int(root))
-        return jnp.asarray(buffer)
+        return jax.device_put(buffer)
 
     def allgather(self, x: jax.typing.ArrayLike) -> jax.Array:
         """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""
         send = _host(x)
         recv = np.empty((self.size, *send.shape), send.dtype)
         self._engine.allgather(self._handle, _bytes(send), _bytes(recv))
-        return jnp.asarray(recv)
+        return jax.device_put(recv)

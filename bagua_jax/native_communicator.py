@@ -139,8 +139,25 @@ class NativeCommunicator(MpiSettings):
     ) -> NativeCommunicator:
         """This newcomer's place (``rank``) in a communicator of ``size`` ranks whose members call :meth:`grow`."""
         mpi_rendezvous.use_port_environment()
-        mpi, timeout = engine("mpi"), timeout_seconds(timeout)
-        return cls(mpi_rendezvous.assemble(mpi, store, prefix, rank, size, None, rank, "world", timeout), "mpi")
+        return cls(_newcomer(store, prefix, rank, size, timeout), "mpi")
+
+    @classmethod
+    def mpi_self(cls, timeout: float | None = None) -> NativeCommunicator:
+        """This process alone, for CPU arrays: a fault-tolerant joiner's communicator until it is admitted, when
+        :meth:`join` puts the job's communicator in its slot, so the steps compiled on it meanwhile run in the job.
+        MPI must not have started before, as for :meth:`mpi_through_store`."""
+        mpi_rendezvous.use_port_environment()
+        return cls(engine("mpi").self("world", timeout_seconds(timeout)), "mpi")
+
+    def join(
+        self, store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
+    ) -> None:
+        """Take place ``rank`` in the communicator of ``size`` ranks whose members call :meth:`grow` with ``prefix``,
+        in this communicator's slot (one of :meth:`mpi_self`): what :meth:`mpi_join` builds, without compiling
+        the steps again wherever their shapes do not depend on ``size``."""
+        if self.kind != "mpi":
+            raise ValueError("join: only the MPI engine admits newcomers in place (NCCL: build a new communicator)")
+        self._install(_newcomer(store, prefix, rank, size, timeout))
 
     def handle_copy(self) -> int:
         """A second handle of the communicator this one holds (destroying either leaves the other)."""
@@ -283,3 +300,11 @@ class NativeCommunicator(MpiSettings):
         """Return ``x`` once every rank has reached this point."""
         nc.barrier_p.bind(comm=self.handle)
         return x
+
+
+def _newcomer(store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None) -> int:
+    """The engine handle of this newcomer's place ``rank`` in the communicator of ``size`` ranks that the members
+    build with :meth:`NativeCommunicator.grow` under ``prefix``."""
+    return mpi_rendezvous.assemble(
+        engine("mpi"), store, prefix, rank, size, None, rank, "world", timeout_seconds(timeout)
+    )

@@ -389,6 +389,16 @@ class DataParallel:
 
         return jax.tree.map(place, batch)
 
+    def compile(self, state: Any, batch: Any, rng: Any = None) -> None:
+        """Compile the step for ``state``'s, ``batch``'s and ``rng``'s shapes without running it: the first
+        :meth:`step` on such arguments then runs at once (a fault-tolerant joiner compiles before it asks to join)."""
+        if isinstance(state, NnxTrainState):
+            raise TypeError("DataParallel.compile takes the state of a pytree of parameters, not an NNX model's")
+        own = unwrap_state(state)
+        batch = self.shard_batch(batch) if self._mesh is not None else batch
+        step_fn = self._step_fn(own.model_state is not None, rng is not None)
+        step_fn.lower(own.params, own.opt_state, own.step, own.model_state, batch, rng).compile()
+
     def step(self, state: Any, batch: Any, rng: Any = None) -> tuple[Any, Any]:
         """One training step on every rank; returns the new state and the ranks' mean loss.
 

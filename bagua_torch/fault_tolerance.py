@@ -269,8 +269,7 @@ class FaultTolerance:
         """This member's rank among the members training the current step, and their number: every member but
         those sitting out their first DiLoCo round (:meth:`_receive_or_send_state`)."""
         assert self.epoch is not None
-        training = [rank for rank in range(self.epoch.size) if rank not in self._sitting_out]
-        return training.index(self.epoch.rank) if self.epoch.rank in training else 0, len(training)
+        return self.epoch.training_place(self._sitting_out)
 
     def _fail(self, error: BaseException) -> None:
         assert self.membership is not None and self.epoch is not None

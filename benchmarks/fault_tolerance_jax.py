@@ -11,8 +11,9 @@ Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined throug
 * ``kill``: rank ``ranks-1`` is SIGKILLed as step ``KILLED_STEP`` starts, while the others are blocked in its
   allreduce (gradient allreduce), or mid-round (DiLoCo, H = 8: the others train on to the round's exchange); the
   table gives the seconds from the kill to the survivors' retried step, and the steps run again.
-* ``join``: ``ranks-1`` members train ``--rounds`` DiLoCo rounds; rank ``ranks-1`` starts as a new process after
-  ``JOIN_AFTER_ROUNDS`` of them and joins the running job (it sits out the round in flight). The table gives each
+* ``join``: ``ranks-1`` members train ``--rounds`` DiLoCo rounds (gradient allreduce: steps); rank ``ranks-1`` starts
+  as a new process after ``JOIN_AFTER_ROUNDS`` of them, compiles its step and joins the running job (under DiLoCo it
+  sits out the round in flight). The table gives each
   member's pause at the admission (from the attempt the admission interrupted to its retry), the round the joiner
   was admitted into against the round before it, and the first exchange step with the joiner against the later
   ones; then the joiner's seconds from asking to be admitted to the end of its first exchange.
@@ -23,6 +24,7 @@ Run it with nothing else running (the results' header records the load before an
     python benchmarks/fault_tolerance_jax.py kill --ranks 3
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --algorithm diloco --sync-every 8
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --algorithm diloco --sync-every 64 --rounds 6
+    python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40
 """
 
 from __future__ import annotations
@@ -73,31 +75,33 @@ def worker(args: argparse.Namespace) -> None:
     settings = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, hash_every=args.hash_every)
     members = args.ranks - 1 if args.mode == "join" else args.ranks
     record: dict = {"rank": rank}
+    period = args.sync_every if args.algorithm == "diloco" else 1  # steps per transaction
     if rank < members:
         membership = Membership.start(settings, rank, members, "127.0.0.1", args.port, timeout=120)
         comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, members, timeout=120)
     else:  # the joiner
         while not Path(args.workdir, "start-joiner").exists():
             time.sleep(0.01)
-        record["asked"] = time.time()
-        membership = Membership.join(settings, "127.0.0.1", args.port, timeout=120)
-        epoch = membership.epoch
-        comm = NativeCommunicator.mpi_join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout=120)
-        record["admitted"] = time.time()
+        record["started"] = time.time()
+        comm = NativeCommunicator.mpi_self(timeout=120)
 
     def loss_fn(p, batch):
         features, targets = batch
         return jnp.mean((jnp.tanh(features @ p["w1"]) @ p["w2"] - targets) ** 2)
 
+    def batch_of(indices):
+        return x[indices], y[indices]
+
     algorithm = DiLoCo(sync_every=args.sync_every) if args.algorithm == "diloco" else args.algorithm
     trainer = DataParallel(loss_fn, optax.sgd(1e-3), algorithm, communicator=comm)
     data = DataPosition(samples, 64, seed=1)
-    ft = FaultTolerantTrainer(trainer, membership, data)
-    state = ft.init(params)
-    record["ready"] = time.time()
-
-    def batch_of(indices):
-        return x[indices], y[indices]
+    if rank < members:
+        ft = FaultTolerantTrainer(trainer, membership, data)
+    else:
+        ft = FaultTolerantTrainer.joiner(trainer, data, settings, ("127.0.0.1", args.port), timeout=120)
+    state = ft.init(params, batch_of(data.indices(0, 1)))
+    membership = ft.membership
+    record.update(ft.admission or {}, ready=time.time())
 
     def plain_step(state):
         new, loss = trainer.step(state, batch_of(data.indices(rank, args.ranks)))
@@ -108,12 +112,14 @@ def worker(args: argparse.Namespace) -> None:
         return ft.step(state, batch_of)[0]
 
     if args.mode == "join":
-        steps = []
-        while int(state.step) < args.rounds * args.sync_every:
+        steps, joint = [], None  # joint: the first transaction with the joiner, the same step on every rank
+        while joint is None or int(state.step) < max(args.rounds, joint // period + args.rounds - 3) * period:
             started = time.time()
             state = ft_step(state)
             steps.append({"step": int(state.step), "start": started, "end": time.time(), "size": ft.epoch.size})
-            if rank == 0 and int(state.step) == JOIN_AFTER_ROUNDS * args.sync_every:
+            if joint is None and ft.epoch.size == args.ranks and int(state.step) % period == 0:
+                joint = int(state.step)
+            if rank == 0 and int(state.step) == JOIN_AFTER_ROUNDS * period:
                 Path(args.workdir, "start-joiner").write_text("")
         ft.finished()
         record.update(steps=steps, recoveries=ft.recoveries)
@@ -209,7 +215,8 @@ def join_table(records: list[dict], sync_every: int) -> list[str]:
     asked = joiner["asked"]
     lines += [
         "",
-        f"joiner: admitted {joiner['admitted'] - asked:.2f} s after it asked (at the next exchange), into the round"
+        f"joiner: asked to be admitted {asked - joiner['started']:.2f} s after it started (its step compiled);"
+        f" admitted {joiner['admitted'] - asked:.2f} s after it asked (at the next exchange), into the round"
         f" ending at step {joint}; had the state {joiner['ready'] - asked:.2f} s, started its first"
         f" step {joiner['steps'][0]['start'] - asked:.2f} s and ended that exchange {first_exchange['end'] - asked:.2f}"
         f" s after it asked ({len(joiner['steps'])} steps run)",
@@ -262,7 +269,7 @@ def main() -> None:
         lines += ["", f"median ratio {statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})"]
         payload = {**meta, "exit_codes": codes, "ratios": ratios, "records": records}
     elif args.mode == "join":
-        lines += join_table(records, args.sync_every)
+        lines += join_table(records, args.sync_every if args.algorithm == "diloco" else 1)
         payload = {**meta, "exit_codes": codes, "records": records}
     else:
         rows = []

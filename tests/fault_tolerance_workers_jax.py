@@ -57,6 +57,9 @@ def _wait_for(name: str, timeout: float = 120.0) -> None:
 
 def _fail(kind: str, step: int) -> None:
     time.sleep(0.5)  # the others are blocked in the step's collective by now
+    if kind == "kill-once-asked":  # the joiner's request is in before this death is noticed
+        _wait_for("joiner-asked")
+        kind = "kill"
     _touch(f"fault-time-{step}", repr(time.time()))
     if kind == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
@@ -65,9 +68,28 @@ def _fail(kind: str, step: int) -> None:
     raise RuntimeError("the victim fails on purpose")
 
 
-def _start(start_size: int, make_trainer, data: DataPosition, params):
+def _compilations() -> list[tuple[float, str, float]]:
+    """From now on, each XLA compilation in this process: when it ended, the function and its seconds."""
+    import logging
+
+    import jax
+
+    jax.config.update("jax_log_compiles", True)
+    done: list[tuple[float, str, float]] = []
+
+    class Record(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            words = record.getMessage().split()
+            if words[:4] == ["Finished", "XLA", "compilation", "of"]:
+                done.append((time.time(), words[4], float(words[6])))
+
+    logging.getLogger("jax._src.dispatch").addHandler(Record())
+    return done
+
+
+def _start(start_size: int, make_trainer, data: DataPosition, params, example_batch):
     """This process's FaultTolerantTrainer, its state, and when it was admitted: a first member, or
-    (rank >= start_size) a joiner."""
+    (rank >= start_size) a joiner, which compiles its step for ``example_batch`` before it asks."""
     from bagua_jax.fault_tolerance import FaultTolerantTrainer
     from bagua_jax.native_communicator import NativeCommunicator
 
@@ -76,15 +98,21 @@ def _start(start_size: int, make_trainer, data: DataPosition, params):
     _touch(f"pid{rank}", str(os.getpid()))
     if rank >= start_size:
         _wait_for("start-joiner")
-        membership = Membership.join(SETTINGS, *master, timeout=60)
-        epoch = membership.epoch
-        comm = NativeCommunicator.mpi_join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout=60)
-    else:
-        membership = Membership.start(SETTINGS, rank, start_size, *master, timeout=60)
-        comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, start_size, timeout=60)
-    admitted = time.time()
+        join = Membership.join
+
+        def asking(*args, **kwargs):  # the members wait for the request (the joiner compiles first)
+            _touch("joiner-asked")
+            return join(*args, **kwargs)
+
+        Membership.join = asking
+        trainer = make_trainer(NativeCommunicator.mpi_self(timeout=60))
+        ft = FaultTolerantTrainer.joiner(trainer, data, SETTINGS, master, timeout=60)
+        state = ft.init(params, example_batch)
+        return ft, state, ft.admission["admitted"]
+    membership = Membership.start(SETTINGS, rank, start_size, *master, timeout=60)
+    comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, start_size, timeout=60)
     ft = FaultTolerantTrainer(make_trainer(comm), membership, data)
-    return ft, ft.init(params), admitted
+    return ft, ft.init(params), time.time()
 
 
 def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:
@@ -127,7 +155,8 @@ def train(
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     started = time.time()
-    ft, state, admitted = _start(start_size, make_trainer, data, params)
+    compilations = _compilations()
+    ft, state, admitted = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))
     last_fault = max(faults)
     attempts = []
     _vote_with_faults(ft.membership, rank, faults, late_vote)
@@ -137,7 +166,8 @@ def train(
         if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] != "kill-before-vote":
             _fail(faults[transaction][1], transaction)
         if transaction > last_fault and ft.epoch.size < final_size:
-            time.sleep(0.05)  # the joiner asks meanwhile; the commit after its request admits it
+            _wait_for("joiner-asked")
+            time.sleep(0.05)  # the commit after the joiner's request admits it
         attempts.append(
             {
                 "transaction": transaction,
@@ -150,8 +180,10 @@ def train(
         )
         return x[indices], y[indices]
 
-    while ft.committed < steps or ft.epoch.size < final_size:
+    last_size = None  # the members' step that admits the joiner is retried with it: every rank ends there
+    while ft.committed < steps or last_size != final_size:
         state, loss = ft.step(state, batch_of)
+        last_size = ft.epoch.size
         attempts[-1].update(committed=ft.committed, loss=float(loss), end=time.time())
         if ft.committed == last_fault and ft.epoch.rank == 0:
             _touch("start-joiner")
@@ -166,6 +198,7 @@ def train(
         "started": started,
         "admitted": admitted,
         "compiled": ft.trainer._step_fn(False, False)._cache_size(),
+        "compilations": compilations,
     }
 
 
@@ -206,7 +239,7 @@ def train_diloco(
         from flax.training import train_state
 
         params = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(LR))
-    ft, state, admitted = _start(start_size, make_trainer, data, params)
+    ft, state, admitted = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))
     last_fault = max(faults)
     attempts = []
 
@@ -214,7 +247,8 @@ def train_diloco(
         if faults.get(step, (None,))[0] == rank:
             _fail(faults[step][1], step)
         if step > last_fault and ft.epoch.size < final_size:
-            time.sleep(0.1)  # the joiner asks meanwhile; the exchange after its request admits it
+            _wait_for("joiner-asked")
+            time.sleep(0.1)  # the exchange after the joiner's request admits it
         place, trainers = ft._training_place(ft.epoch)
         attempts.append(
             {"step": step, "epoch": ft.epoch.number, "size": ft.epoch.size, "rank": place, "trainers": trainers}

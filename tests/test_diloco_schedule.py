@@ -41,3 +41,15 @@ def test_each_fragment_is_exchanged_once_a_round_and_applied_tau_steps_later(syn
     events = sorted([(t, 1) for ts in exchanged.values() for t in ts] + [(t, 0) for ts in applied.values() for t in ts])
     in_flight = np.cumsum([1 if start else -1 for _, start in events])
     assert in_flight.max() <= 1
+
+
+@pytest.mark.parametrize("sync_every, fragments", [(1, 1), (4, 1), (8, 4), (10, 3)])
+def test_steps_to_exchange_reach_the_next_exchange_and_no_earlier_one(sync_every, fragments):
+    config = DiLoCoConfig(sync_every=sync_every, fragments=fragments)
+    every = sync_every // fragments if sync_every % fragments == 0 else None
+    for step in range(0, 3 * sync_every):
+        steps = config.steps_to_exchange(step)
+        assert config.exchanges_after(step + steps), (step, steps)
+        assert not any(config.exchanges_after(step + k) for k in range(1, steps)), (step, steps)
+        if every is not None and step >= 1:  # fragments evenly spaced: an exchange every sync_every/fragments steps
+            assert steps == every - step % every, (step, steps)

@@ -36,7 +36,7 @@ from bagua_common.fault_tolerance import (
     job_secret,
 )
 from bagua_common.fault_tolerance.decision import commit_transaction
-from bagua_common.fault_tolerance.epoch import Member
+from bagua_common.fault_tolerance.epoch import Epoch, Member
 from bagua_common.fault_tolerance.formation import probe, process_ended
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
@@ -502,3 +502,10 @@ def test_a_member_whose_store_drops_connections_while_its_process_ends_is_taken_
         server.close()
     with socket.create_server(("127.0.0.1", 0)) as stopped:  # connections complete, nobody answers: a stopped one
         assert not process_ended(Member("stopped", "127.0.0.1", stopped.getsockname()[1]), SECRET)
+
+
+def test_a_members_training_place_leaves_out_the_ranks_sitting_out():
+    members = tuple(Member(f"m{r}", "127.0.0.1", 1000 + r) for r in range(5))
+    places = [Epoch(1, members, rank, 0).training_place({1, 3}) for rank in range(5)]
+    assert places == [(0, 3), (0, 3), (1, 3), (0, 3), (2, 3)]  # ranks 0, 2, 4 train; 1 and 3 sit out at place 0
+    assert [Epoch(1, members, rank, 0).training_place() for rank in range(5)] == [(r, 5) for r in range(5)]

@@ -8,6 +8,8 @@ from a fresh state and every other leaf is kept bit for bit; the replica check h
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -15,7 +17,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
-from bagua_common.fault_tolerance import DataPosition
+from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings
 from bagua_jax import DataParallel
 from bagua_jax.algorithms import ByteGrad, DiLoCo
 from bagua_jax.algorithms.bytegrad import ByteGradState
@@ -81,6 +83,15 @@ def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(
     trainer = DataParallel(loss_fn, optax.sgd(0.1), algorithm, mesh=mesh())
     with pytest.raises(ValueError, match=r"elastic restart instead \(bagua-launch --nnodes MIN:MAX"):
         FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0))
+
+
+def test_a_joiner_needs_a_communicator_of_its_own_and_its_own_constructor():
+    trainer = DataParallel(loss_fn, optax.sgd(0.1), "gradient_allreduce", mesh=mesh())
+    with pytest.raises(ValueError, match=r"joiner needs a DataParallel over NativeCommunicator\.mpi_self\(\)"):
+        FaultTolerantTrainer.joiner(trainer, DataPosition(16, 2, seed=0), FaultToleranceSettings(), ("127.0.0.1", 1))
+    joining = SimpleNamespace(epoch=SimpleNamespace(is_joiner=lambda: True))  # a Membership.join's
+    with pytest.raises(ValueError, match=r"make it with FaultTolerantTrainer\.joiner"):
+        FaultTolerantTrainer(trainer, joining, DataPosition(16, 2, seed=0))
 
 
 def test_an_nnx_model_is_refused_with_what_to_pass_instead():

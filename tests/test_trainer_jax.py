@@ -175,3 +175,35 @@ def test_bad_flags_and_states_raise():
     dp = DataParallel(lambda p, b: jnp.sum(p["w"]), optax.sgd(LR), GradientAllReduce(), mesh=mesh())
     with pytest.raises(TypeError, match="what init\\(\\) returned"):
         dp.step({"w": np.zeros(2, np.float32)}, {"x": np.zeros((4, 1), np.float32)})
+
+
+@pytest.mark.parametrize("compiled_first", [True, False], ids=["compiled", "not-compiled"])
+def test_compile_ahead_leaves_the_first_step_nothing_to_compile(rng, compiled_first):
+    """``DataParallel.compile`` compiles the step without running it: the first step then compiles nothing (without
+    it, that step compiles), and steps as a trainer that never compiled ahead does."""
+
+    def loss_fn(params, batch):
+        return jnp.mean((batch["x"] @ params["w"] - batch["y"]) ** 2)
+
+    batch = {k: rng.standard_normal((16, d)).astype(np.float32) for k, d in (("x", 6), ("y", 3))}
+    params = {"w": rng.standard_normal((6, 3)).astype(np.float32)}
+    dp, plain = (DataParallel(loss_fn, optax.sgd(LR), "gradient_allreduce", mesh=mesh()) for _ in range(2))
+    state = dp.init(params)
+    compiles: list[str] = []
+
+    def record(event: str, seconds: float, **_) -> None:
+        if event.endswith("backend_compile_duration"):
+            compiles.append(event)
+
+    jax.monitoring.register_event_duration_secs_listener(record)
+    try:
+        if compiled_first:
+            dp.compile(state, batch)
+            compiles.clear()
+        stepped, _ = dp.step(state, batch)
+        jax.block_until_ready(stepped)
+    finally:
+        jax.monitoring.unregister_event_duration_listener(record)
+    assert (compiles == []) == compiled_first, compiles
+    expected, _ = plain.step(plain.init(params), batch)
+    np.testing.assert_array_equal(stepped.params["w"], expected.params["w"])

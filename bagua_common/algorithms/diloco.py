@@ -151,6 +151,14 @@ class DiLoCoConfig(AlgorithmConfig):
             p for p in range(self.fragments) if step >= 1 and (step - self.fragment_offset(p)) % self.sync_every == 0
         ]
 
+    def steps_to_exchange(self, step: int) -> int:
+        """The inner steps after ``step`` up to the next one that ends with an exchange, that one included (a
+        fault-tolerant joiner sits out all but the last: it joins that exchange without having trained)."""
+        steps = 1
+        while not self.exchanges_after(step + steps):
+            steps += 1
+        return steps
+
     def applies_after(self, step: int) -> list[int]:
         """The fragments whose averaged pseudo-gradients are applied after inner step ``step`` (tau steps later)."""
         return self.exchanges_after(step - self.fragment_sync_delay)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +87,13 @@ class Epoch:
     def is_joiner(self, rank: int | None = None) -> bool:
         """Whether member ``rank`` (default this one) was admitted by this epoch and still needs the job's state."""
         return self.members[self.rank if rank is None else rank].id in self.joined
+
+    def training_place(self, sitting_out: Collection[int] = ()) -> tuple[int, int]:
+        """This member's place among the members that train the current step, and their number: every member but
+        the ranks ``sitting_out`` (joiners sitting out their first DiLoCo round, which compute the step on the first
+        trainer's samples, weighed zero: place 0)."""
+        training = [rank for rank in range(self.size) if rank not in sitting_out]
+        return (training.index(self.rank) if self.rank in training else 0), len(training)
 
     @property
     def state_holder(self) -> int:

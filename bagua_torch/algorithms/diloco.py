@@ -164,10 +164,7 @@ class DiLoCoImpl(AlgorithmImpl):
             return None
         if self.own:
             return 0
-        steps = 1
-        while not self.config.exchanges_after(self.step + steps):
-            steps += 1
-        return steps
+        return self.config.steps_to_exchange(self.step)
 
     def sit_out(self, steps: int) -> None:
         """Skip ``steps`` inner steps and join the exchange after them without having trained, as INTELLECT-1's
