@@ -33,10 +33,12 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -54,7 +56,7 @@ from bagua_common.fault_tolerance import (
     check_digests,
 )
 from bagua_common.job.signature import check_same_job
-from bagua_jax import state_rules
+from bagua_jax import checkpoint, state_rules
 from bagua_jax.algorithms.diloco import DiLoCoState
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
@@ -281,6 +283,21 @@ class FaultTolerantTrainer:
                 return new_state, result
             failed_at = time.monotonic() if failed_at is None else failed_at
             state = self._recover(state)
+
+    def save(self, root: str | os.PathLike, state: Any) -> Path | None:
+        """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart
+        of the whole job; returns its folder. None when a member was lost meanwhile: the checkpoint is not committed
+        (rank 0 commits it once every member wrote its part, so a committed one is whole) and the next :meth:`step`
+        recovers, as after a loss in a step."""
+        epoch = self.epoch
+        try:
+            return checkpoint.save(root, state, self.trainer)
+        except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
+            if not _communication_failure(error):
+                raise
+            if not epoch.closed.is_set():
+                self.membership.fail(epoch, str(error).splitlines()[0])
+            return None
 
     def finished(self) -> None:
         """Mark the job finished; every member calls it once its last step committed (after its loop). A

@@ -135,7 +135,6 @@ class DataParallel:
         else:
             comms = Communicators(world=communicator)
         self._world = comms.world
-        self.size = comms.world.size
         self._optimizer, self._comms = optimizer, comms
         self._autotune = autotune_mode(autotune)
         self.bucket_tuning: BucketTuning | None = None
@@ -152,9 +151,13 @@ class DataParallel:
         self._init = jax.jit(self._sharded(self._tx.init, (True,)) if self._mesh is not None else self._tx.init)
 
     def recompile(self) -> None:
-        """Drop the compiled steps, so that the next :meth:`step` is traced again: call it after the communicator's
-        world size changed (a fault-tolerant job's membership), for an algorithm whose buffers follow it."""
+        """Drop the compiled steps (the next :meth:`step` is traced again): after the world size changed."""
         self._use(self._algorithm)
+
+    @property
+    def size(self) -> int:
+        """The number of ranks (native mode: the communicator's now, which follow a fault-tolerant job's members)."""
+        return self._world.size
 
     @property
     def algorithm(self) -> Algorithm:
@@ -269,12 +272,10 @@ class DataParallel:
     def init(self, params: Any, *, model_state: Any = None) -> Any:
         """The initial state: every rank starts from ``params`` (pass the same on every process).
 
-        ``params`` may also be a flax ``TrainState``: the same class comes back, its
-        ``opt_state`` replaced by the algorithm's state (its ``batch_stats``, if it has that
-        field, is the model state). Otherwise a :class:`TrainState` is returned. First checks
-        that every rank trains the same tree of shapes and dtypes with the same algorithm
-        configuration, and raises a ``ValueError`` naming each difference if not.
-        """
+        ``params`` may also be a flax ``TrainState``: the same class comes back, its ``opt_state`` replaced by the
+        algorithm's state (its ``batch_stats``, if it has that field, is the model state). Otherwise a
+        :class:`TrainState` is returned. First checks that every rank trains the same tree of shapes and dtypes
+        with the same algorithm configuration, and raises a ``ValueError`` naming each difference if not."""
         if is_nnx_module(params):
             return self._init_nnx(params)
         user_state = params if is_flax_state(params) else None
@@ -406,10 +407,8 @@ class DataParallel:
         DiLoCo) returns each rank's own loss and aux, as torch's step does: their mean would make every rank
         wait for every other at each step, the synchronization these algorithms exist to avoid.
 
-        With ``has_aux=True`` the second result is ``(loss, aux)``. ``rng`` (the same key on
-        every rank; for an NNX model, also an ``nnx.Rngs``) gives ``loss_fn`` a per-rank key;
-        ``state`` is what :meth:`init` returned.
-        """
+        With ``has_aux=True`` the second result is ``(loss, aux)``. ``rng`` (the same key on every rank; for an NNX
+        model, also an ``nnx.Rngs``) gives ``loss_fn`` a per-rank key; ``state`` is what :meth:`init` returned."""
         if not self._batches_checked:
             check_batches_differ(batch, self._communicator)
             self._batches_checked = True

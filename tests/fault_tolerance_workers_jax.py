@@ -144,6 +144,7 @@ def train(
     import jax.numpy as jnp
     import optax
 
+    from bagua_jax.checkpoint import save
     from bagua_jax.trainer import DataParallel
 
     rank = int(os.environ["RANK"])
@@ -188,6 +189,7 @@ def train(
         if ft.committed == last_fault and ft.epoch.rank == 0:
             _touch("start-joiner")
     params = {k: np.asarray(v) for k, v in state.params.items()}
+    save(_signal("checkpoints"), state, ft.trainer)  # the members' checkpoint after the changes of members
     ft.finished()
     ft.membership.close()
     return {
@@ -200,6 +202,38 @@ def train(
         "compiled": ft.trainer._step_fn(False, False)._cache_size(),
         "compilations": compilations,
     }
+
+
+def train_and_save(start_size: int, steps: int, victim: int) -> dict:
+    """Gradient allreduce on the linear model, every member saving a checkpoint (``FaultTolerantTrainer.save``)
+    after step 2 and after the last; ``victim`` dies in the first save, having written its part. Returns the saves'
+    folders (None: not committed), the steps' sizes and the final parameters."""
+    import jax.numpy as jnp
+    import optax
+
+    from bagua_jax import checkpoint
+    from bagua_jax.trainer import DataParallel
+
+    rank = int(os.environ["RANK"])
+    x, y = dataset()
+    if rank == victim:
+        checkpoint._wait_for_every_rank = lambda trainer, what: os.kill(os.getpid(), signal.SIGKILL)
+
+    def make_trainer(comm):
+        return DataParallel(linear_loss, optax.sgd(LR), "gradient_allreduce", communicator=comm)
+
+    params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    ft, state, _ = _start(start_size, make_trainer, DataPosition(SAMPLES, BATCH_PER_RANK, seed=3), params, None)
+    root, saved, sizes = _signal("checkpoints"), [], {}
+    while ft.committed < steps:
+        state, _ = ft.step(state, lambda indices: (x[indices], y[indices]))
+        sizes[ft.committed] = ft.epoch.size
+        if ft.committed in (2, steps):
+            folder = ft.save(root, state)
+            saved.append(None if folder is None else str(folder))
+    ft.finished()
+    ft.membership.close()
+    return {"saved": saved, "sizes": sizes, "params": {k: np.asarray(v) for k, v in state.params.items()}}
 
 
 DILOCO_ROUND = 4

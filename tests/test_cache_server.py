@@ -37,7 +37,10 @@ def listening_tcp_inodes() -> set[str]:
 def socket_inodes(pid: int) -> set[str]:
     inodes = set()
     for fd in os.listdir(f"/proc/{pid}/fd"):
-        target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except FileNotFoundError:  # closed since the listing: not one of its sockets any more
+            continue
         if target.startswith("socket:["):
             inodes.add(target[8:-1])
     return inodes

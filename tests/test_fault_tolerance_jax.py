@@ -25,6 +25,8 @@ from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.fault_tolerance import DataPosition, KVClient, job_secret
 from bagua_common.fault_tolerance.node_directory import FINISHED
+from bagua_common.job.checkpoint import checkpoint_to_restore, read_manifest
+from bagua_jax.checkpoint import read_state
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
 
@@ -109,6 +111,11 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
         resume = retried[1]["start"] - float((tmp_path / f"fault-time-{fault_step}").read_text())
         assert 0 < resume < 20, resume
         print(f"{kind}: the survivor resumed {resume:.2f} s after the fault")
+    directory = checkpoint_to_restore(tmp_path / "checkpoints")  # saved by the last members, after the changes
+    assert read_manifest(directory).world_size == FINAL and len(read_state(directory)) == FINAL
+    for shard in read_state(directory):
+        for name, value in survivor["params"].items():
+            np.testing.assert_array_equal(shard[f".params['{name}']"], value)
     assert survivor["compiled"] == 1  # no membership change compiled anything
     assert joiner["compiled"] == 1
     steps_compiled = [when for when, name, _ in joiner["compilations"] if name == "jit(_rank_step)"]
@@ -117,9 +124,10 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
     ]  # before it asked
     first = joiner["steps"][0]["transaction"]
     assert sizes[first - 1] == 1 and sizes[first] == 2, (first, sizes)
-    later = sum(seconds for when, _, seconds in joiner["compilations"] if when > joiner["admitted"])
+    first_end = joiner["steps"][0]["end"]
+    later = sum(seconds for when, _, seconds in joiner["compilations"] if joiner["admitted"] < when < first_end)
     print(
-        f"joiner: first step committed {joiner['steps'][0]['end'] - joiner['admitted']:.2f} s after admission, "
+        f"joiner: first step committed {first_end - joiner['admitted']:.2f} s after admission, "
         f"{later:.3f} s of it compiling"
     )
 
@@ -141,6 +149,25 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
     # member 1 did not apply step 3 and was given member 0's state at it: nothing run twice, nothing lost
     assert [a["transaction"] for a in behind["attempts"]] == [1, 2, 3, 4, 5, 6]
     assert [s["transaction"] for s in behind["steps"]] == [1, 2, 4, 5, 6]
+
+
+def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_the_survivors_save_the_next_one(tmp_path: Path):
+    results = run_members(tmp_path, "train_and_save", 3, 3, 4, 2, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [True, True, False], outputs
+    survivors = [r.value for r in results[:2]]
+    sizes = {int(t): n for t, n in survivors[0]["sizes"].items()}
+    assert sizes == {1: 3, 2: 3, 3: 2, 4: 2}, sizes
+    assert [s["saved"][0] for s in survivors] == [None, None]  # the member died in it: not committed
+    with pytest.raises(FileNotFoundError):
+        read_manifest(tmp_path / "checkpoints" / "step_000000002")
+    last = Path(survivors[0]["saved"][1])
+    assert survivors[1]["saved"][1] == str(last) and read_manifest(last).world_size == 2
+    reference = replay(sizes)
+    for shard in read_state(last):
+        for name, value in reference.items():
+            np.testing.assert_allclose(shard[f".params['{name}']"], value, rtol=2e-5, atol=1e-6)
+            np.testing.assert_array_equal(shard[f".params['{name}']"], survivors[0]["params"][name])
 
 
 def replay_diloco(sizes: dict[int, int], config: DiLoCoConfig) -> tuple[dict[str, np.ndarray], list[dict]]:
