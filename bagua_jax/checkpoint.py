@@ -47,6 +47,9 @@ from bagua_jax.trainer import DataParallel
 
 _SUFFIX = ".npz"
 KeyPath = tuple[Any, ...]
+ADDED_LEAVES = {".trained": "DiLoCo's weight of a rank's pseudo-gradient (2026-12-01): 1, as every rank trained"}
+"""Leaves of the optimizer state newer than checkpoints written before them, by the end of their key path: such a
+checkpoint restores them with a fresh state's value (what the checkpoint's job had, unwritten)."""
 
 
 def per_rank(leaf: jax.Array) -> bool:
@@ -156,7 +159,7 @@ def restore(root: str | os.PathLike, trainer: DataParallel, params: Any, *, mode
     def saved_rows(path: KeyPath, fresh: jax.Array) -> list[np.ndarray]:
         key = jax.tree_util.keystr(path)
         if key not in saved[0]:
-            raise ValueError(f"the checkpoint {directory} has no {key}")
+            return rows_of_added_leaf(key, fresh, manifest.world_size, directory)
         return [shard[key] for shard in saved]
 
     return restore_rows(manifest, saved_rows, trainer, params, model_state=model_state)
@@ -176,6 +179,15 @@ def read_state(root: str | os.PathLike) -> list[dict[str, np.ndarray]]:
         load_arrays(verified_shard(directory, manifest, shard_path(directory, r, _SUFFIX).name))
         for r in range(manifest.world_size)
     ]
+
+
+def rows_of_added_leaf(key: str, fresh: jax.Array, world_size: int, directory: Path) -> list[np.ndarray]:
+    """The saved rows of ``key``, a leaf the checkpoint in ``directory`` lacks: ``fresh``'s (the leaf in a fresh
+    state) on each of its ``world_size`` ranks where :data:`ADDED_LEAVES` names it, else a ValueError."""
+    if not (key.startswith(".opt_state") and key.endswith(tuple(ADDED_LEAVES))):
+        raise ValueError(f"the checkpoint {directory} has no {key}")
+    row = np.asarray(fresh.addressable_shards[0].data)
+    return [row[0] if per_rank(fresh) else row] * world_size
 
 
 def restore_rows(

@@ -30,7 +30,7 @@ import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
 from bagua_common.job.checkpoint import MANIFEST, DamagedCheckpointError, Manifest, commit, read_manifest, verify_files
-from bagua_jax.checkpoint import KeyPath, manifest_for, per_rank, restore_rows
+from bagua_jax.checkpoint import KeyPath, manifest_for, per_rank, restore_rows, rows_of_added_leaf
 from bagua_jax.train_state import unwrap_state
 from bagua_jax.trainer import DataParallel
 
@@ -125,7 +125,7 @@ class OrbaxCheckpoints:
             if fresh.size == 0:  # saved as None (see save)
                 return [np.zeros(fresh.shape[1:] if rank_axis else fresh.shape, fresh.dtype)] * manifest.world_size
             if _names(path) not in leaves:
-                raise ValueError(f"the checkpoint {folder} has no {jax.tree_util.keystr(path)}")
+                return rows_of_added_leaf(jax.tree_util.keystr(path), fresh, manifest.world_size, folder)
             value = leaves[_names(path)]
             return list(value) if rank_axis else [value] * manifest.world_size
 

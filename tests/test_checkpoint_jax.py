@@ -11,6 +11,8 @@ parameters, the step is kept.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,6 +33,8 @@ from bagua_jax.algorithms import (
     QAdam,
 )
 from bagua_jax.checkpoint import restore, save
+from bagua_jax.checkpoint import restore as restore_npz
+from bagua_jax.checkpoint import save as save_npz
 
 LR = 0.05
 
@@ -209,3 +213,54 @@ def test_native_mode_restores_each_ranks_own_state(tmp_path, seed):
     for result in results:
         for got, want in zip(result.value["restored"], result.value["saved"]):
             np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("fmt", ["npz", "orbax"])
+def test_a_diloco_checkpoint_older_than_its_trained_weight_restores_with_every_rank_trained(tmp_path, rng, fmt):
+    """A DiLoCo checkpoint written before ``DiLoCoState.trained`` existed (the same state without that leaf)
+    restores, in either format: ``trained`` is 1 on every rank, every other leaf is the saved one. A checkpoint
+    missing any other leaf still names it."""
+    from collections import namedtuple
+
+    from bagua_jax.algorithms import DiLoCo
+    from bagua_jax.algorithms.diloco import DiLoCoState
+    from bagua_jax.orbax_checkpoint import OrbaxCheckpoints
+
+    def save(folder, state, trainer):
+        if fmt == "npz":
+            return save_npz(folder, state, trainer)
+        with contextlib.closing(OrbaxCheckpoints(folder, trainer)) as checkpoints:
+            checkpoints.save(state)
+
+    def restore(folder, trainer, params):
+        if fmt == "npz":
+            return restore_npz(folder, trainer, params)
+        with contextlib.closing(OrbaxCheckpoints(folder, trainer)) as checkpoints:
+            return checkpoints.restore(params)
+
+    def as_old(state, fields):
+        """``state`` with its DiLoCo state laid out with ``fields`` only."""
+        layout = namedtuple("DiLoCoState", fields)  # noqa: PYI024 - a layout of a release before
+
+        def older(node):
+            return layout(*(getattr(node, f) for f in fields)) if isinstance(node, DiLoCoState) else node
+
+        is_diloco = lambda node: isinstance(node, DiLoCoState)  # noqa: E731
+        return state._replace(opt_state=jax.tree.map(older, state.opt_state, is_leaf=is_diloco))
+
+    old_fields = [f for f in DiLoCoState._fields if f != "trained"]
+    before = trainer(DiLoCo(sync_every=2), optax.sgd(LR), 2)
+    params = initial_params(rng)
+    state = before.init(params)
+    for _ in range(3):
+        state, _ = before.step(state, batch(rng))
+    save(tmp_path / "old", as_old(state, old_fields), before)
+    restored = restore(tmp_path / "old", trainer(DiLoCo(sync_every=2), optax.sgd(LR), 2), params)
+    np.testing.assert_array_equal(np.asarray(restored.opt_state[1].trained), np.ones(2, np.float32))
+    for field in old_fields:
+        saved, got = (host(getattr(s.opt_state[1], field)) for s in (state, restored))
+        jax.tree.map(np.testing.assert_array_equal, got, saved)
+    jax.tree.map(np.testing.assert_array_equal, host(restored.params), host(state.params))
+    save(tmp_path / "damaged", as_old(state, [f for f in old_fields if f != "round_start"]), before)
+    with pytest.raises(ValueError, match=r"has no \.opt_state\[1\]\.round_start"):
+        restore(tmp_path / "damaged", trainer(DiLoCo(sync_every=2), optax.sgd(LR), 2), params)
