@@ -198,8 +198,8 @@ class FaultTolerantTrainer:
     def init(self, params: Any, example_batch: Any = None) -> Any:
         """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from a member.
         ``params`` is a pytree of parameters or a flax ``TrainState`` (the same class comes back). A joiner
-        (:meth:`joiner`) first compiles the step for ``example_batch`` (a batch of this rank's shapes), so that its
-        peers never wait for its compilation, then asks to be admitted."""
+        (:meth:`joiner`) first compiles the step for ``example_batch`` (a batch of this rank's shapes; required of a
+        joiner, unused by the others), so that its peers never wait for its compilation, then asks to be admitted."""
         if is_nnx_module(params):
             raise TypeError(
                 "FaultTolerantTrainer takes a pytree of parameters or a flax TrainState; an NNX model changes in "
@@ -209,7 +209,7 @@ class FaultTolerantTrainer:
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         if self.membership is None:
             state = self._join(state, example_batch)
-            state = self._share_state(state, self.epoch, check_job=True)
+            state = self._share_state(state, self.epoch)
             if not self._sitting_out:  # else checked once the joiners took part in their first exchange
                 self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
             self.trainer._batches_checked = True  # the members checked their batches before this one came
@@ -219,8 +219,12 @@ class FaultTolerantTrainer:
         """Compile the step alone, then ask to be admitted and take the epoch's communicator in the same slot (the
         step compiled for one rank runs on it where its shapes do not depend on the world size); returns ``state``
         laid out for the epoch's world size."""
-        if example_batch is not None:
-            self.trainer.compile(state, example_batch)
+        if example_batch is None:
+            raise ValueError(
+                "FaultTolerantTrainer.init: a joiner compiles its step before it asks to join, so that its peers never "
+                "wait for it: pass example_batch, a batch of this rank's shapes"
+            )
+        self.trainer.compile(state, example_batch)
         settings, master, timeout = self._join_at
         asked = time.time()
         membership = Membership.join(settings, *master, timeout=timeout)
@@ -368,7 +372,7 @@ class FaultTolerantTrainer:
         state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
         self._sitting_out &= {member.id for member in new.members}
         if new.joined:
-            state = self._share_state(state, new, check_job=True)
+            state = self._share_state(state, new)
         if not self._sitting_out:  # else checked once the joiners took part in their first exchange
             self.check_replicas(state, f"after the recovery to epoch {new.number}")
         self.recoveries.append({"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started})
@@ -385,10 +389,10 @@ class FaultTolerantTrainer:
         carried = state_rules.carry_over(self._roles, own, fresh)
         return rewrap_state(None if isinstance(state, TrainState) else state, carried)
 
-    def _share_state(self, state: Any, epoch: Epoch, check_job: bool) -> Any:
+    def _share_state(self, state: Any, epoch: Epoch) -> Any:
         """The first member that has the committed state (:attr:`Epoch.state_holder`) broadcasts it (everyone takes
         part) to those that need it: the joiners, and survivors that had not applied the last step, after checking
-        with them that everyone trains the same job (``check_job``; a joiner's first check is its trainer's). The
+        with them that everyone trains the same job (on host buffers: nothing to compile). The
         data position, the transaction number and who sits out the round travel in the epoch's store. Where the
         receivers sit out the round, the members train it meanwhile: the broadcast runs on a thread until the
         round's exchange. Returns the state to go on from."""
@@ -405,9 +409,8 @@ class FaultTolerantTrainer:
         host = HostCommunicator(self.communicator)
 
         def transfer() -> np.ndarray:
-            if check_job:
-                signature = job_signature(unwrap_state(state).params, self.trainer.algorithm)
-                check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
+            signature = job_signature(unwrap_state(state).params, self.trainer.algorithm)
+            check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
             return broadcast_state(host, state, holder)
 
         if not epoch.is_joiner():

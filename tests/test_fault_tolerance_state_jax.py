@@ -92,6 +92,10 @@ def test_a_joiner_needs_a_communicator_of_its_own_and_its_own_constructor():
     joining = SimpleNamespace(epoch=SimpleNamespace(is_joiner=lambda: True))  # a Membership.join's
     with pytest.raises(ValueError, match=r"make it with FaultTolerantTrainer\.joiner"):
         FaultTolerantTrainer(trainer, joining, DataPosition(16, 2, seed=0))
+    ft = object.__new__(FaultTolerantTrainer)  # a joiner's, before it asks: init refuses before joining
+    ft.trainer, ft.membership = trainer, None
+    with pytest.raises(ValueError, match=r"joiner compiles its step before it asks to join.*pass example_batch"):
+        ft.init({"w": jnp.zeros(3, jnp.float32)})
 
 
 def test_an_nnx_model_is_refused_with_what_to_pass_instead():
