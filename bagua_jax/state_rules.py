@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.job.reshard import RESET as RESHARD_RESET
 from bagua_common.job.reshard import config_rule
 from bagua_jax.algorithms.diloco import DiLoCoState
@@ -59,17 +60,13 @@ def roles(trainer: DataParallel, state: TrainState) -> TrainState:
         return REPLICATED
 
     role_tree = jax.tree_util.tree_map_with_path(role, state)
-    if not _has_diloco_state(state.opt_state):
+    if not isinstance(trainer.algorithm.config, DiLoCoConfig):
         return role_tree
     return role_tree._replace(params=_all(OWN, state.params), opt_state=_diloco_roles(state.opt_state))
 
 
 def _is_diloco(node: Any) -> bool:
     return isinstance(node, DiLoCoState)
-
-
-def _has_diloco_state(opt_state: Any) -> bool:
-    return any(_is_diloco(node) for node in jax.tree.leaves(opt_state, is_leaf=_is_diloco))
 
 
 def _all(kind: str, tree: Any) -> Any:

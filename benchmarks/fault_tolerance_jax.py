@@ -1,8 +1,8 @@
 """The JAX front end's fault tolerance, measured: the fault-free overhead, and the resume after a SIGKILL.
 
 Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined through the fault-tolerant membership
-(``bagua_jax.fault_tolerance``), training a ``--width`` MLP with gradient allreduce, or with DiLoCo
-(``--algorithm diloco``, ``--sync-every`` H).
+(``bagua_jax.fault_tolerance``), training a ``--width`` MLP (or a GPT on the corpus, ``--model tiny|mini|small``:
+8 windows per rank, AdamW) with gradient allreduce, or with DiLoCo (``--algorithm diloco``, ``--sync-every`` H).
 
 * ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
   fault-tolerant ones (a commit by agreement per transaction, the replica digests every ``--hash-every``) on the same
@@ -25,6 +25,7 @@ Run it with nothing else running (the results' header records the load before an
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --algorithm diloco --sync-every 8
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --algorithm diloco --sync-every 64 --rounds 6
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40
+    python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40 --model mini
 """
 
 from __future__ import annotations
@@ -63,14 +64,36 @@ def worker(args: argparse.Namespace) -> None:
     from bagua_jax.algorithms import DiLoCo
     from bagua_jax.fault_tolerance import FaultTolerantTrainer
 
-    rng = np.random.default_rng(0)
-    samples = 64 * args.ranks * (args.steps * 2 * args.rounds + 8)
-    x = rng.standard_normal((samples, args.width)).astype(np.float32)
-    y = rng.standard_normal((samples, 1)).astype(np.float32)
-    params = {
-        "w1": jnp.asarray(rng.standard_normal((args.width, args.width)).astype(np.float32) / args.width**0.5),
-        "w2": jnp.asarray(rng.standard_normal((args.width, 1)).astype(np.float32) / args.width**0.5),
-    }
+    if args.model == "mlp":
+        rng = np.random.default_rng(0)
+        per_rank, samples = 64, 64 * args.ranks * (args.steps * 2 * args.rounds + 8)
+        x = rng.standard_normal((samples, args.width)).astype(np.float32)
+        y = rng.standard_normal((samples, 1)).astype(np.float32)
+        params = {
+            "w1": jnp.asarray(rng.standard_normal((args.width, args.width)).astype(np.float32) / args.width**0.5),
+            "w2": jnp.asarray(rng.standard_normal((args.width, 1)).astype(np.float32) / args.width**0.5),
+        }
+        optimizer = optax.sgd(1e-3)
+
+        def loss_fn(p, batch):
+            features, targets = batch
+            return jnp.mean((jnp.tanh(features @ p["w1"]) @ p["w2"] - targets) ** 2)
+
+        def batch_of(indices):
+            return x[indices], y[indices]
+
+    else:  # a GPT on the corpus, 8 windows per rank, AdamW
+        from bagua_common.workload.corpus import load_corpus
+        from bagua_common.workload.gpt_spec import gpt_config
+        from bagua_jax.models.gpt import GPT, gpt_loss_fn, gpt_params
+
+        per_rank, samples = 8, 8 * args.ranks * (args.rounds * 10 + 400)
+        tokens = load_corpus().batch(0, 0, 0, samples, gpt_config(args.model).context + 1)
+        params, loss_fn, optimizer = gpt_params(GPT(args.model)), gpt_loss_fn(args.model), optax.adamw(1e-3)
+
+        def batch_of(indices):
+            return {"tokens": tokens[indices]}
+
     rank = int(os.environ["RANK"])
     settings = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, hash_every=args.hash_every)
     members = args.ranks - 1 if args.mode == "join" else args.ranks
@@ -85,16 +108,9 @@ def worker(args: argparse.Namespace) -> None:
         record["started"] = time.time()
         comm = NativeCommunicator.mpi_self(timeout=120)
 
-    def loss_fn(p, batch):
-        features, targets = batch
-        return jnp.mean((jnp.tanh(features @ p["w1"]) @ p["w2"] - targets) ** 2)
-
-    def batch_of(indices):
-        return x[indices], y[indices]
-
     algorithm = DiLoCo(sync_every=args.sync_every) if args.algorithm == "diloco" else args.algorithm
-    trainer = DataParallel(loss_fn, optax.sgd(1e-3), algorithm, communicator=comm)
-    data = DataPosition(samples, 64, seed=1)
+    trainer = DataParallel(loss_fn, optimizer, algorithm, communicator=comm)
+    data = DataPosition(samples, per_rank, seed=1)
     if rank < members:
         ft = FaultTolerantTrainer(trainer, membership, data)
     else:
@@ -178,7 +194,7 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
     env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
     argv = [sys.argv[0], args.mode, "--worker", "--workdir", str(workdir), "--port", str(port)]
-    options = ("ranks", "width", "steps", "rounds", "hash_every", "algorithm", "sync_every")
+    options = ("ranks", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
     argv += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in options]
     procs = [
         subprocess.Popen(
@@ -228,7 +244,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("overhead", "kill", "join"))
     parser.add_argument("--ranks", type=int, default=2)
-    parser.add_argument("--width", type=int, default=1024)
+    parser.add_argument("--width", type=int, default=1024, help="the MLP's width")
+    parser.add_argument("--model", choices=("mlp", "tiny", "mini", "small"), default="mlp", help="an MLP, or a GPT")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hash-every", type=int, default=100)
@@ -244,7 +261,7 @@ def main() -> None:
         worker(args)
         return
     meta = run_meta(
-        ["jax", "mpich"], ranks=args.ranks, width=args.width, steps=args.steps, rounds=args.rounds,
+        ["jax", "mpich"], ranks=args.ranks, model=args.model, width=args.width, steps=args.steps, rounds=args.rounds,
         algorithm=args.algorithm, sync_every=args.sync_every if args.algorithm == "diloco" else None,
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bagua-ft-bench-") as folder:
@@ -281,7 +298,9 @@ def main() -> None:
         lines += table(["rank", "resumed after the kill (s)", "steps run again", "step compilations"], rows)
         payload = {**meta, "exit_codes": codes, "kill_time": kill_time, "records": records}
     print("\n".join(lines))
-    suffix = "" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}"
+    suffix = ("" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}") + (
+        "" if args.model == "mlp" else f"-gpt-{args.model}"
+    )
     write_results(args.out, f"fault-tolerance-jax-{args.mode}{suffix}", lines, payload)
 
 
