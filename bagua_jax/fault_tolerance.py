@@ -199,7 +199,8 @@ class FaultTolerantTrainer:
         """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from a member.
         ``params`` is a pytree of parameters or a flax ``TrainState`` (the same class comes back). A joiner
         (:meth:`joiner`) first compiles the step for ``example_batch`` (a batch of this rank's shapes; required of a
-        joiner, unused by the others), so that its peers never wait for its compilation, then asks to be admitted."""
+        joiner, unused by the others) where the step's shapes do not depend on the world size, so that its peers never
+        wait for its compilation, then asks to be admitted."""
         if is_nnx_module(params):
             raise TypeError(
                 "FaultTolerantTrainer takes a pytree of parameters or a flax TrainState; an NNX model changes in "
@@ -224,7 +225,8 @@ class FaultTolerantTrainer:
                 "FaultTolerantTrainer.init: a joiner compiles its step before it asks to join, so that its peers never "
                 "wait for it: pass example_batch, a batch of this rank's shapes"
             )
-        self.trainer.compile(state, example_batch)
+        if self._world_size_free:  # else its buffers follow the world size: compiled again once admitted
+            self.trainer.compile(state, example_batch)
         settings, master, timeout = self._join_at
         asked = time.time()
         membership = Membership.join(settings, *master, timeout=timeout)
@@ -260,11 +262,8 @@ class FaultTolerantTrainer:
                 new_state, result = self.trainer.step(state, batch)
                 jax.block_until_ready((new_state, result))
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
-                if not _communication_failure(error):
-                    raise
+                self._failed(epoch, error)
                 failed_at = time.monotonic() if failed_at is None else failed_at
-                if not epoch.closed.is_set():
-                    self.membership.fail(epoch, str(error).splitlines()[0])
                 state = self._recover(state)
                 continue
             if not exchange:
@@ -279,10 +278,7 @@ class FaultTolerantTrainer:
                     try:
                         self.check_replicas(new_state, f"at step {self.committed}")
                     except Exception as error:  # noqa: BLE001 - as above; the recovery checks the replicas
-                        if not _communication_failure(error):
-                            raise
-                        if not epoch.closed.is_set():
-                            self.membership.fail(epoch, str(error).splitlines()[0])
+                        self._failed(epoch, error)
                         new_state = self._recover(new_state)
                 return new_state, result
             failed_at = time.monotonic() if failed_at is None else failed_at
@@ -297,11 +293,16 @@ class FaultTolerantTrainer:
         try:
             return checkpoint.save(root, state, self.trainer)
         except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
-            if not _communication_failure(error):
-                raise
-            if not epoch.closed.is_set():
-                self.membership.fail(epoch, str(error).splitlines()[0])
+            self._failed(epoch, error)
             return None
+
+    def _failed(self, epoch: Epoch, error: Exception) -> None:
+        """Raise ``error`` unless it is a communication failure; else close ``epoch`` as failed, if nobody has yet
+        (the next epoch is where the work is retried)."""
+        if not _communication_failure(error):
+            raise error
+        if not epoch.closed.is_set():
+            self.membership.fail(epoch, str(error).splitlines()[0])
 
     def finished(self) -> None:
         """Mark the job finished; every member calls it once its last step committed (after its loop). A

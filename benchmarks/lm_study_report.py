@@ -472,12 +472,13 @@ def plot(data: dict[str, Any], path: Path) -> Path | None:
         seconds = _seconds_at_link(data, name, steps)
         if seconds:
             plots.curves(by_time, {name: (seconds, losses)}, {name: style})
-    trained_at_link = [(n, r) for n, r in data["timing"].items() if REPORT_LINK in r.get("links", {})]
-    for i, (name, row) in enumerate(trained_at_link, start=len(_names(data))):
-        entry = row["links"][REPORT_LINK]
-        if "phases" not in entry or "ms_per_step" in entry:
-            continue
-        curve = entry["phases"][0]["curve"]  # asynchronous averaging: its own run at the link
+    trained_at_link = [  # asynchronous averaging: its own run at the link
+        (name, row["links"][REPORT_LINK])
+        for name, row in data["timing"].items()
+        if "phases" in row.get("links", {}).get(REPORT_LINK, {}) and "ms_per_step" not in row["links"][REPORT_LINK]
+    ]
+    for i, (name, entry) in enumerate(trained_at_link, start=len(_names(data))):
+        curve = entry["phases"][0]["curve"]
         label = f"{name} @{REPORT_LINK}"
         style = {"color": plots_color(i), "linestyle": "--" if name.startswith("jax/") else "-"}
         losses = [p[2] for p in curve]

@@ -144,7 +144,6 @@ def train(
     import jax.numpy as jnp
     import optax
 
-    from bagua_jax.checkpoint import save
     from bagua_jax.trainer import DataParallel
 
     rank = int(os.environ["RANK"])
@@ -189,7 +188,7 @@ def train(
         if ft.committed == last_fault and ft.epoch.rank == 0:
             _touch("start-joiner")
     params = {k: np.asarray(v) for k, v in state.params.items()}
-    save(_signal("checkpoints"), state, ft.trainer)  # the members' checkpoint after the changes of members
+    ft.save(_signal("checkpoints"), state)  # the members' checkpoint after the changes of members
     ft.finished()
     ft.membership.close()
     return {

@@ -319,7 +319,7 @@ class DiLoCo(ConfiguredAlgorithm):
     def counting_trainers(self) -> DiLoCo:
         """A copy whose exchange weighs each rank's pseudo-gradient by :attr:`DiLoCoState.trained` and divides by the
         ranks that trained: a fault-tolerant job's, whose joiner sits out its first round contributing zero."""
-        copy = ConfiguredAlgorithm.replace(self)
+        copy = self.replace()
         object.__setattr__(copy, "counts_trainers", True)
         return copy
 
