@@ -18,7 +18,8 @@ the rows of its devices) and a native communicator (each process is one rank).
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -120,10 +121,11 @@ def manifest_for(trainer: DataParallel, state: Any) -> Manifest:
     )
 
 
-def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
+def save(root: str | os.PathLike, state: Any, trainer: DataParallel, metadata: Mapping[str, Any] | None = None) -> Path:
     """Write the checkpoint of ``state`` (what ``trainer.init``/``step`` returned) under ``root``; returns its folder.
 
-    Every process calls it; it returns once the checkpoint is committed.
+    Every process calls it; it returns once the checkpoint is committed. ``metadata`` (JSON values, rank 0's) is
+    recorded in its manifest (:attr:`~bagua_common.job.checkpoint.Manifest.metadata`).
     """
     own = unwrap_state(state)
     ranks = _own_ranks(trainer)
@@ -137,7 +139,7 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel) -> Path:
         save_arrays(shard_path(directory, rank, _SUFFIX), arrays)
     _wait_for_every_rank(trainer, f"bagua checkpoint {step} written")
     if 0 in ranks:
-        commit(directory, manifest_for(trainer, own))
+        commit(directory, replace(manifest_for(trainer, own), metadata=dict(metadata or {})))
     _wait_for_every_rank(trainer, f"bagua checkpoint {step} committed")
     return directory
 

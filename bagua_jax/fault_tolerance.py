@@ -2,31 +2,24 @@
 
 :class:`FaultTolerantTrainer` drives a :class:`~bagua_jax.trainer.DataParallel` in native mode through the
 shared protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a
-transaction: the jitted step runs on this rank's part of the next samples, waits for its result, votes ahead
-(:meth:`~bagua_common.fault_tolerance.Membership.vote_ahead`: without waiting for the others' votes) and takes
-the new state (a JAX step changes nothing in place, so an abandoned one costs nothing to roll back). When a
-member dies or hangs, the epoch closes; a thread waiting on it revokes the communicator, so the collective
-blocked in the compiled step fails at once; the survivors take the next epoch, shrink the communicator to
-themselves (new ranks in the agreed order), admit joiners, give the state of the first member that has it to
-the joiners and to any survivor that had not applied the last step (by broadcast over the same communicator),
-check that their replicated state is bit-identical, and run the step again on the new partition of the samples
-not yet trained on. The communicator's handle stays the same, so a
-step whose shapes do not depend on the world size (gradient allreduce, decentralized averaging over all) is not
-compiled again; one whose shapes do (ByteGrad and the compressed Adams: chunks per rank) is compiled once per new
-world size (:attr:`FaultTolerantTrainer.recoveries` records each recovery's time). A joiner
-(:meth:`FaultTolerantTrainer.joiner`) compiles its step alone before it asks to be admitted, then takes the job's
-communicator in the same slot: its peers wait for its state, never for its compilation.
+transaction: the jitted step runs on this rank's part of the next samples, waits for its result, votes without
+waiting for the others' votes (:meth:`~bagua_common.fault_tolerance.Membership.vote_ahead`) and takes the new state
+(a JAX step changes nothing in place, so an abandoned one costs nothing to roll back). When a member dies or hangs,
+the epoch closes; a thread waiting on it revokes the communicator, so the collective blocked in the compiled step
+fails at once; the survivors take the next epoch, shrink the communicator to themselves, admit joiners, give the
+state of the first member that has it to those that need it (by broadcast over the same communicator), check that
+their replicated state is bit-identical, and run the step again on the new partition of the samples not yet trained
+on. The communicator's handle stays the same, so a step whose shapes do not depend on the world size is not
+compiled again (:attr:`FaultTolerantTrainer.recoveries` records each recovery's time). A joiner
+(:meth:`FaultTolerantTrainer.joiner`) compiles its step alone before it asks to be admitted: its peers wait for its
+state, never for its compilation.
 
-Under DiLoCo each outer exchange is the transaction, and it commits once every member voted (a round commits rarely;
-its retry rests on every member knowing the outcome). The inner steps communicate nothing, so the members notice a
-death at different inner steps: each trains on to the round's exchange, which fails on every survivor at the same
-step, and the survivors run that step again among themselves, with their own pseudo-gradients: no completed inner
-step is lost, and the dead member's samples of the round go with its pseudo-gradient. Joiners are admitted at a
-round's end, or at a retried exchange. Under DiLoCo with one fragment a joiner then sits out the round in flight, as
-INTELLECT-1's joiners do: the members train its inner steps on their own partition of the samples while the
-joiner receives the state, and the joiner takes part in the round's exchange with a zero pseudo-gradient that the
-average does not count (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`), which gives it the replicas' new
-round start.
+Under DiLoCo each outer exchange is the transaction, committed once every member voted. The inner steps
+communicate nothing, so each member trains on to the round's exchange, which fails on every survivor at the same
+step; the survivors run it again among themselves, with their own pseudo-gradients: no completed inner step is
+lost. Under DiLoCo with one fragment a joiner sits out the round in flight, as INTELLECT-1's joiners do: the members
+train it while the joiner receives the state, and the joiner takes part in the round's exchange with a zero
+pseudo-gradient that the average does not count (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`).
 """
 
 from __future__ import annotations
@@ -55,6 +48,7 @@ from bagua_common.fault_tolerance import (
     ReplicaDigest,
     check_digests,
 )
+from bagua_common.job.checkpoint import checkpoint_to_restore, read_manifest
 from bagua_common.job.signature import check_same_job
 from bagua_jax import checkpoint, state_rules
 from bagua_jax.algorithms.diloco import DiLoCoState
@@ -78,31 +72,6 @@ def _communication_failure(error: Exception) -> bool:
     return isinstance(error, MembershipChanged) or any(text in str(error) for text in _COMMUNICATION_FAILURES)
 
 
-def _refuse_unsurvivable(trainer: DataParallel) -> None:
-    """Raise ValueError naming the fallback unless ``trainer``'s algorithm keeps its replicas identical, or is DiLoCo
-    without an overlapped exchange: the decentralized ones and asynchronous averaging let the replicas drift with
-    nothing every member holds to go on from, and an overlapped exchange runs on a communicator of its own that a
-    change of members does not rebuild."""
-    algorithm = trainer.algorithm
-    config = algorithm.config
-    if isinstance(config, DiLoCoConfig) and config.fragment_sync_delay:
-        raise ValueError(
-            f"FaultTolerantTrainer cannot continue {config.name} with fragment_sync_delay="
-            f"{config.fragment_sync_delay} after a lost member: the overlapped exchange runs on a communicator of its "
-            "own, which a change of members does not rebuild. Use fragment_sync_delay=0, or train it with the "
-            "elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new world "
-            "size)"
-        )
-    if not getattr(algorithm, "replicas_identical", False) and not isinstance(config, DiLoCoConfig):
-        raise ValueError(
-            f"FaultTolerantTrainer cannot continue {config.name} after a lost member: its replicas "
-            "differ between the ranks' steps, so there is no state every member holds to go on from. Train it with "
-            "the elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new "
-            "world size), or use an algorithm that survives a loss in place: gradient_allreduce, bytegrad, qadam, "
-            "onebit_adam, powersgd, diloco"
-        )
-
-
 class FaultTolerantTrainer:
     """A native-mode :class:`DataParallel` (MPI engine) whose steps survive a lost or added member.
 
@@ -122,7 +91,7 @@ class FaultTolerantTrainer:
         data: DataPosition,
         hash_every: int | None = None,
     ):
-        _refuse_unsurvivable(trainer)
+        state_rules.refuse_unsurvivable(trainer)
         if membership.epoch.is_joiner():
             raise ValueError(
                 "FaultTolerantTrainer: this process joins a running job: make it with FaultTolerantTrainer.joiner "
@@ -145,7 +114,7 @@ class FaultTolerantTrainer:
         communicator is this process alone (:meth:`NativeCommunicator.mpi_self`) until :meth:`init` has compiled the
         step, asked a live member's store at ``master`` (host, port) to be admitted (waiting up to ``timeout``
         seconds) and put the job's communicator in its slot, so its peers never wait for its compilation."""
-        _refuse_unsurvivable(trainer)
+        state_rules.refuse_unsurvivable(trainer)
         if trainer.communicator is None or trainer.communicator.size != 1:
             raise ValueError("FaultTolerantTrainer.joiner needs a DataParallel over NativeCommunicator.mpi_self()")
         joiner = cls.__new__(cls)
@@ -288,13 +257,29 @@ class FaultTolerantTrainer:
         """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart
         of the whole job; returns its folder. None when a member was lost meanwhile: the checkpoint is not committed
         (rank 0 commits it once every member wrote its part, so a committed one is whole) and the next :meth:`step`
-        recovers, as after a loss in a step."""
+        recovers, as after a loss in a step. The checkpoint records :attr:`data`'s position for :meth:`restore`."""
         epoch = self.epoch
         try:
-            return checkpoint.save(root, state, self.trainer)
+            return checkpoint.save(root, state, self.trainer, metadata={"data_position": self.data.record()})
         except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
             self._failed(epoch, error)
             return None
+
+    def restore(self, root: str | os.PathLike, params: Any) -> Any:
+        """The state of the newest committed checkpoint under ``root`` (:meth:`save`'s, of any world size:
+        :func:`bagua_jax.checkpoint.restore`'s rules), :attr:`data` moved to the position it recorded: the first
+        members of a restarted job call it instead of :meth:`init` (its joiners' :meth:`init` receives this state)."""
+        if self.membership is None:
+            raise ValueError("FaultTolerantTrainer.restore: a joiner receives the members' state: call init")
+        directory = checkpoint_to_restore(root)
+        position = read_manifest(directory).metadata.get("data_position")
+        if position is None:
+            raise ValueError(f"{directory} records no data position: it was not written by FaultTolerantTrainer.save")
+        self.data.resume(position)
+        state = checkpoint.restore(directory, self.trainer, params)
+        self._roles = state_rules.roles(self.trainer, unwrap_state(state))
+        self.check_replicas(state, f"after restoring {directory}")
+        return state
 
     def _failed(self, epoch: Epoch, error: Exception) -> None:
         """Raise ``error`` unless it is a communication failure; else close ``epoch`` as failed, if nobody has yet

@@ -11,6 +11,8 @@ rule of :mod:`bagua_common.job.reshard`, the same rule a checkpoint restored int
   (ByteGrad, 1-bit Adam, PowerSGD), laid out per rank and meaningful only for the ranks they were made with.
 * :data:`OWN`: this member's own, kept and never compared: a model state the trainer does not average.
 
+:func:`refuse_unsurvivable` refuses the algorithms whose replicas drift with no state every member holds.
+
 DiLoCo's replicas drift inside a round, so there the parameters and the inner optimizer's state are :data:`OWN`; the
 round start, the outer optimizer's state and the step counters are :data:`REPLICATED` (equal on every member at
 every step: they change only at an exchange), and its residuals :data:`RESET`.
@@ -32,7 +34,7 @@ from bagua_jax.checkpoint import leaf_rule
 from bagua_jax.train_state import TrainState
 from bagua_jax.trainer import DataParallel
 
-__all__ = ["OWN", "PARTS", "REPLICATED", "RESET", "carry_over", "replicated_leaves", "roles"]
+__all__ = ["OWN", "PARTS", "REPLICATED", "RESET", "carry_over", "refuse_unsurvivable", "replicated_leaves", "roles"]
 
 REPLICATED = "replicated"
 """The role of a leaf identical on every member: kept on a change, hashed, sent to a joiner."""
@@ -43,6 +45,31 @@ OWN = "own"
 
 PARTS = {"params": "parameters", "opt_state": "optimizer", "step": "step", "model_state": "model state"}
 """The parts of the replica check, by :class:`~bagua_jax.train_state.TrainState` field."""
+
+
+def refuse_unsurvivable(trainer: DataParallel) -> None:
+    """Raise ValueError naming the fallback unless ``trainer``'s algorithm keeps its replicas identical, or is DiLoCo
+    without an overlapped exchange: the decentralized ones and asynchronous averaging let the replicas drift with
+    nothing every member holds to go on from, and an overlapped exchange runs on a communicator of its own that a
+    change of members does not rebuild."""
+    algorithm = trainer.algorithm
+    config = algorithm.config
+    if isinstance(config, DiLoCoConfig) and config.fragment_sync_delay:
+        raise ValueError(
+            f"FaultTolerantTrainer cannot continue {config.name} with fragment_sync_delay="
+            f"{config.fragment_sync_delay} after a lost member: the overlapped exchange runs on a communicator of its "
+            "own, which a change of members does not rebuild. Use fragment_sync_delay=0, or train it with the "
+            "elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new world "
+            "size)"
+        )
+    if not getattr(algorithm, "replicas_identical", False) and not isinstance(config, DiLoCoConfig):
+        raise ValueError(
+            f"FaultTolerantTrainer cannot continue {config.name} after a lost member: its replicas "
+            "differ between the ranks' steps, so there is no state every member holds to go on from. Train it with "
+            "the elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new "
+            "world size), or use an algorithm that survives a loss in place: gradient_allreduce, bytegrad, qadam, "
+            "onebit_adam, powersgd, diloco"
+        )
 
 
 def roles(trainer: DataParallel, state: TrainState) -> TrainState:

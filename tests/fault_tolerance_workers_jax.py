@@ -87,9 +87,10 @@ def _compilations() -> list[tuple[float, str, float]]:
     return done
 
 
-def _start(start_size: int, make_trainer, data: DataPosition, params, example_batch):
-    """This process's FaultTolerantTrainer, its state, and when it was admitted: a first member, or
-    (rank >= start_size) a joiner, which compiles its step for ``example_batch`` before it asks."""
+def _start(start_size: int, make_trainer, data: DataPosition, params, example_batch, restore_from=None):
+    """This process's FaultTolerantTrainer, its state, and when it was admitted: a first member (its state restored
+    from the newest checkpoint under ``restore_from``, if given), or (rank >= start_size) a joiner, which compiles its
+    step for ``example_batch`` before it asks."""
     from bagua_jax.fault_tolerance import FaultTolerantTrainer
     from bagua_jax.native_communicator import NativeCommunicator
 
@@ -112,7 +113,8 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
     membership = Membership.start(SETTINGS, rank, start_size, *master, timeout=60)
     comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, start_size, timeout=60)
     ft = FaultTolerantTrainer(make_trainer(comm), membership, data)
-    return ft, ft.init(params), time.time()
+    state = ft.init(params) if restore_from is None else ft.restore(restore_from, params)
+    return ft, state, time.time()
 
 
 def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:
@@ -203,10 +205,11 @@ def train(
     }
 
 
-def train_and_save(start_size: int, steps: int, victim: int) -> dict:
-    """Gradient allreduce on the linear model, every member saving a checkpoint (``FaultTolerantTrainer.save``)
-    after step 2 and after the last; ``victim`` dies in the first save, having written its part. Returns the saves'
-    folders (None: not committed), the steps' sizes and the final parameters."""
+def train_and_save(start_size: int, steps: int, victim: int, restart: bool = False) -> dict:
+    """Gradient allreduce on the linear model until state step ``steps``, every member saving a checkpoint
+    (``FaultTolerantTrainer.save``) after step 2 and after the last; ``victim`` dies in the first save, having written
+    its part. ``restart``: the members start from the newest checkpoint (``FaultTolerantTrainer.restore``) instead.
+    Returns the saves' folders (None: not committed), the steps' sizes and the final parameters."""
     import jax.numpy as jnp
     import optax
 
@@ -222,12 +225,14 @@ def train_and_save(start_size: int, steps: int, victim: int) -> dict:
         return DataParallel(linear_loss, optax.sgd(LR), "gradient_allreduce", communicator=comm)
 
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
-    ft, state, _ = _start(start_size, make_trainer, DataPosition(SAMPLES, BATCH_PER_RANK, seed=3), params, None)
-    root, saved, sizes = _signal("checkpoints"), [], {}
-    while ft.committed < steps:
+    root = _signal("checkpoints")
+    data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    ft, state, _ = _start(start_size, make_trainer, data, params, None, restore_from=root if restart else None)
+    saved, sizes = [], {}
+    while int(state.step) < steps:
         state, _ = ft.step(state, lambda indices: (x[indices], y[indices]))
-        sizes[ft.committed] = ft.epoch.size
-        if ft.committed in (2, steps):
+        sizes[int(state.step)] = ft.epoch.size
+        if int(state.step) in (2, steps):
             folder = ft.save(root, state)
             saved.append(None if folder is None else str(folder))
     ft.finished()

@@ -56,6 +56,14 @@ START, FINAL, STEPS = 4, 2, 12
 FAULTS = {3: (3, "kill"), 5: (2, "stop"), 7: (1, "raise")}
 
 
+def replayed_position(sizes: dict[int, int]) -> DataPosition:
+    """The data position after the committed transactions, each over its world size."""
+    position = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    for t in range(1, len(sizes) + 1):
+        position.advance(sizes[t])
+    return position
+
+
 def replay(sizes: dict[int, int]) -> dict[str, np.ndarray]:
     """The parameters after the committed transactions, each over its world size, in float64."""
     x, y = (a.astype(np.float64) for a in dataset())
@@ -151,7 +159,7 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
     assert [s["transaction"] for s in behind["steps"]] == [1, 2, 4, 5, 6]
 
 
-def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_the_survivors_save_the_next_one(tmp_path: Path):
+def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_on_from_the_next_one(tmp_path: Path):
     results = run_members(tmp_path, "train_and_save", 3, 3, 4, 2, timeout=120)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode == 0 for r in results] == [True, True, False], outputs
@@ -168,6 +176,22 @@ def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_the_survivors_s
         for name, value in reference.items():
             np.testing.assert_allclose(shard[f".params['{name}']"], value, rtol=2e-5, atol=1e-6)
             np.testing.assert_array_equal(shard[f".params['{name}']"], survivors[0]["params"][name])
+
+    # the whole job restarts from it with 3 ranks: the data goes on where the 2 survivors left it
+    restarted = run_members(tmp_path, "train_and_save", 3, 3, 7, -1, True, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in restarted)
+    assert [r.returncode for r in restarted] == [0, 0, 0], outputs
+    sizes |= {int(t): n for t, n in restarted[0].value["sizes"].items()}
+    assert sizes == {1: 3, 2: 3, 3: 2, 4: 2, 5: 3, 6: 3, 7: 3}, sizes
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(restarted[0].value["params"][name], value, rtol=2e-5, atol=1e-6)
+        for member in restarted[1:]:
+            np.testing.assert_array_equal(member.value["params"][name], restarted[0].value["params"][name])
+    assert read_manifest(checkpoint_to_restore(tmp_path / "checkpoints")).metadata["data_position"] == {
+        "num_samples": SAMPLES,
+        "seed": 3,
+        **dict(zip(("epoch", "offset"), replayed_position(sizes).state())),
+    }
 
 
 def replay_diloco(sizes: dict[int, int], config: DiLoCoConfig) -> tuple[dict[str, np.ndarray], list[dict]]:

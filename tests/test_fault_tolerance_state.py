@@ -39,6 +39,20 @@ def test_an_abandoned_step_leaves_the_position_for_the_survivors():
         restored.load_state([0, 40])
 
 
+def test_a_restart_takes_up_the_recorded_position_with_another_batch_and_refuses_other_data():
+    data = DataPosition(40, batch_per_rank=4, seed=1)
+    for world_size in (3, 3, 2):
+        data.advance(world_size)
+    restarted = DataPosition(40, batch_per_rank=5, seed=1)  # the position counts samples, not steps
+    restarted.resume(data.record())
+    assert restarted.state() == data.state() == [0, 32]
+    seen = set(data.order()[:32])
+    assert not seen & set(restarted.step_samples(2)) and len(seen | set(restarted.step_samples(2))) == 40
+    for other in (DataPosition(41, batch_per_rank=4, seed=1), DataPosition(40, batch_per_rank=4, seed=2)):
+        with pytest.raises(ValueError, match="restart with the data the checkpoint was trained on"):
+            other.resume(data.record())
+
+
 def test_replica_check_names_the_part_and_the_ranks_that_differ():
     parts = ("parameters", "optimizer")
     rows = []

@@ -98,6 +98,21 @@ def test_a_joiner_needs_a_communicator_of_its_own_and_its_own_constructor():
         ft.init({"w": jnp.zeros(3, jnp.float32)})
 
 
+def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_any(tmp_path):
+    from bagua_jax import checkpoint
+
+    trainer = DataParallel(loss_fn, optax.sgd(0.1), "gradient_allreduce", mesh=mesh())
+    params = {"w": jnp.zeros(3, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    checkpoint.save(tmp_path, trainer.init(params), trainer)  # not FaultTolerantTrainer.save's: no data position
+    ft = object.__new__(FaultTolerantTrainer)  # restore refuses before it uses the job's members
+    ft.trainer, ft.membership = trainer, SimpleNamespace()
+    with pytest.raises(ValueError, match=r"records no data position: it was not written by FaultTolerantTrainer\.save"):
+        ft.restore(tmp_path, params)
+    ft.membership = None  # a joiner's, before it asked
+    with pytest.raises(ValueError, match=r"a joiner receives the members' state: call init"):
+        ft.restore(tmp_path, params)
+
+
 def test_an_nnx_model_is_refused_with_what_to_pass_instead():
     from flax import nnx
 

@@ -12,6 +12,7 @@ sent to a joiner and hashed).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,6 +65,21 @@ class DataPosition:
     def state(self) -> list[int]:
         """``[epoch, offset]``: what a joiner receives and the replica hash covers."""
         return [self.epoch, self.offset]
+
+    def record(self) -> dict[str, int]:
+        """The position and what identifies its data (``num_samples``, ``seed``), for a checkpoint: a restarted job
+        takes up the same order where it stopped (:meth:`resume`)."""
+        return {"num_samples": self.num_samples, "seed": self.seed, "epoch": self.epoch, "offset": self.offset}
+
+    def resume(self, record: Mapping[str, int]) -> None:
+        """Go on from :meth:`record`'s position; a ValueError if it is another data's (number of samples or seed: its
+        order would not be this one). The batch per rank may differ: the position counts samples."""
+        if (record["num_samples"], record["seed"]) != (self.num_samples, self.seed):
+            raise ValueError(
+                f"DataPosition: the position recorded is in {record['num_samples']} samples with seed {record['seed']},"
+                f" not {self.num_samples} with seed {self.seed}: restart with the data the checkpoint was trained on"
+            )
+        self.load_state([record["epoch"], record["offset"]])
 
     def load_state(self, state: list[int]) -> None:
         """Restore :meth:`state` (a ValueError if it is not a position of this data)."""

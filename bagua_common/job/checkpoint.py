@@ -21,6 +21,7 @@ import zipfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -47,7 +48,8 @@ class Manifest:
 
     ``model`` is the ``(path, shape, dtype)`` of each model tensor; ``shards`` maps each file of
     the checkpoint (its path relative to the folder) to its :class:`ShardRecord`, filled in by
-    :func:`commit`.
+    :func:`commit`; ``metadata`` is what the trainer recorded beside its state, as JSON (a fault-tolerant job's
+    data position).
     """
 
     step: int
@@ -58,6 +60,7 @@ class Manifest:
     model: list[tuple[str, tuple[int, ...], str]]
     shards: dict[str, ShardRecord] = field(default_factory=dict)
     format: int = FORMAT
+    metadata: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1, sort_keys=True)
