@@ -48,7 +48,8 @@ from bagua_common.fault_tolerance import (
     ReplicaDigest,
     check_digests,
 )
-from bagua_common.job.checkpoint import checkpoint_to_restore, read_manifest
+from bagua_common.fault_tolerance.data_position import RECORD_KEY, recorded_position
+from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_common.job.signature import check_same_job
 from bagua_jax import checkpoint, state_rules
 from bagua_jax.algorithms.diloco import DiLoCoState
@@ -260,7 +261,7 @@ class FaultTolerantTrainer:
         recovers, as after a loss in a step. The checkpoint records :attr:`data`'s position for :meth:`restore`."""
         epoch = self.epoch
         try:
-            return checkpoint.save(root, state, self.trainer, metadata={"data_position": self.data.record()})
+            return checkpoint.save(root, state, self.trainer, metadata={RECORD_KEY: self.data.record()})
         except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
             self._failed(epoch, error)
             return None
@@ -272,10 +273,7 @@ class FaultTolerantTrainer:
         if self.membership is None:
             raise ValueError("FaultTolerantTrainer.restore: a joiner receives the members' state: call init")
         directory = checkpoint_to_restore(root)
-        position = read_manifest(directory).metadata.get("data_position")
-        if position is None:
-            raise ValueError(f"{directory} records no data position: it was not written by FaultTolerantTrainer.save")
-        self.data.resume(position)
+        self.data.resume(recorded_position(directory))
         state = checkpoint.restore(directory, self.trainer, params)
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         self.check_replicas(state, f"after restoring {directory}")

@@ -16,7 +16,8 @@ copies restart equal to the parameters, in buckets planned for the new world siz
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +58,18 @@ def _model(model: BaguaModule) -> list[tuple[str, tuple[int, ...], str]]:
     return [(name, tuple(p.shape), str(p.dtype)) for name, p in model.module.named_parameters()]
 
 
-def save(root: str | os.PathLike, model: BaguaModule, optimizers: Optimizers = (), *, step: int) -> Path:
+def save(
+    root: str | os.PathLike,
+    model: BaguaModule,
+    optimizers: Optimizers = (),
+    *,
+    step: int,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
     """Write step ``step``'s checkpoint of ``model`` and ``optimizers`` under ``root``; returns its folder.
 
-    Every rank calls it; it returns once the checkpoint is committed.
+    Every rank calls it; it returns once the checkpoint is committed. ``metadata`` (JSON values, rank 0's) is
+    recorded in its manifest (:attr:`~bagua_common.job.checkpoint.Manifest.metadata`).
     """
     state = rank_state(model, optimizers, step)
     return save_committed(
@@ -70,21 +79,27 @@ def save(root: str | os.PathLike, model: BaguaModule, optimizers: Optimizers = (
         lambda directory, rank: write_atomically(
             shard_path(directory, rank, _SUFFIX), lambda tmp: torch.save(state, tmp)
         ),
+        metadata=metadata,
     )
 
 
 def save_committed(
-    root: str | os.PathLike, model: BaguaModule, step: int, write: Callable[[Path, int], None], **commit_options: Any
+    root: str | os.PathLike,
+    model: BaguaModule,
+    step: int,
+    write: Callable[[Path, int], None],
+    metadata: Mapping[str, Any] | None = None,
+    **commit_options: Any,
 ) -> Path:
     """Step ``step``'s checkpoint folder under ``root``: every rank writes its part (``write(folder, rank)``), then
-    rank 0 commits the manifest (with ``commit_options``, see :func:`~bagua_common.job.checkpoint.commit`) once all
-    have; returns the folder."""
+    rank 0 commits the manifest (recording ``metadata``; with ``commit_options``, see
+    :func:`~bagua_common.job.checkpoint.commit`) once all have; returns the folder."""
     world = model.communicators.world
     directory = checkpoint_dir(root, step)
     write(directory, world.rank)
     world.barrier()
     if world.rank == 0:
-        commit(directory, manifest_for(model, step), **commit_options)
+        commit(directory, replace(manifest_for(model, step), metadata=dict(metadata or {})), **commit_options)
     world.barrier()
     return directory
 

@@ -12,23 +12,13 @@ wrap the model as usual, and run the steps through :meth:`FaultTolerance.steps`:
             loss_fn(model(x), y).backward()
             optimizer.step()                         # commits by agreement in its pre-hook
 
-Each epoch of members gets its own gloo process groups, built on the coordinator's store under the
-epoch's prefix (no ``torch.distributed.init_process_group``: the default group could not change
-size). A rank applies each step as soon as its own collectives completed (it votes ahead, without
-waiting for the others' votes). When a member dies, the survivors' collectives are abandoned
-(their waits watch the epoch's ``failed`` event), and at the step's end the survivors take the
-next epoch, rebuild the wrapper's buckets and algorithm for the new size (carrying the
-algorithm's committed state by its rule, see ``docs/guides/fault_tolerance.md``); a survivor
-that had not applied a step another survivor applied is given that one's state, as a joiner is;
-they check that the replicas are bit-identical and run the step in flight again. A process started with
-``BAGUA_FT_JOIN=1`` joins the running job: the members admit it after their next commit and the
-first member sends it the parameters, the optimizers' and the algorithm's state and the data
-position over a process group of the two (never a file, :mod:`bagua_torch.state_transfer`). Under
-DiLoCo the joiner sits out the round in flight while a copy of the state travels, and joins its
-exchange with a zero pseudo-gradient that is not counted: its peers do not wait for it.
-
-NCCL: the same, with ``ProcessGroupNCCL`` built on the epoch's store; the abandoned group is
-aborted where torch can (``abort()`` of its backend). Not run here: no GPU.
+Each epoch of members gets its own gloo (or NCCL) process groups, built on the coordinator's store under the
+epoch's prefix. A rank applies each step as soon as its own collectives completed. When a member dies, the
+survivors' collectives are abandoned, and the survivors take the next epoch, rebuild the wrapper's buckets and
+algorithm for the new size (carrying the algorithm's committed state by its rule, ``docs/guides/fault_tolerance.md``),
+check that the replicas are bit-identical and run the step in flight again. A process started with
+``BAGUA_FT_JOIN=1`` joins the running job and receives the state from a member (:mod:`bagua_torch.state_transfer`);
+under DiLoCo it sits out the round in flight, so its peers do not wait for it. NCCL is not run here: no GPU.
 """
 
 from __future__ import annotations
@@ -37,6 +27,7 @@ import inspect
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +47,11 @@ from bagua_common.fault_tolerance import (
     Membership,
     MembershipChanged,
     Recovery,
+    recorded_position,
 )
-from bagua_torch import state_transfer
+from bagua_common.fault_tolerance.data_position import RECORD_KEY
+from bagua_common.job.checkpoint import checkpoint_to_restore
+from bagua_torch import checkpoint, state_transfer
 from bagua_torch.algorithms import algorithm_class, available_algorithms
 from bagua_torch.communicator import CommunicationError, ProcessGroupCommunicator
 from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator
@@ -70,20 +64,16 @@ __all__ = ["ENV_FAULT_TOLERANCE", "FaultTolerance", "Step", "carried_algorithms"
 
 
 def carried_algorithms() -> list[str]:
-    """The algorithms a fault-tolerant job trains, by name: those declaring ``fault_tolerant`` (their state is
-    carried across a change of members by its rule, and tested); the others are refused when wrapped, naming the
-    elastic restart."""
+    """The algorithms a fault-tolerant job trains, by name: those declaring ``fault_tolerant`` (their state is carried
+    across a change of members by its rule, and tested); the others are refused, naming the elastic restart."""
     return [name for name in available_algorithms() if algorithm_class(name).fault_tolerant]
 
 
 class Step:
-    """One attempt at a training step (a context manager; see :meth:`FaultTolerance.steps`).
-
-    ``number`` is the step (from 1), ``indices`` this rank's samples (when the loop was given a
-    :class:`~bagua_common.fault_tolerance.DataPosition`), ``rank`` and ``world_size`` this member's place
-    among the members training the step: all of them, except during a DiLoCo joiner's first round, which it
-    sits out.
-    """
+    """One attempt at a training step (a context manager; see :meth:`FaultTolerance.steps`): ``number`` is the step
+    (from 1), ``indices`` this rank's samples (given a :class:`~bagua_common.fault_tolerance.DataPosition`), ``rank``
+    and ``world_size`` this member's place among the members training the step (all but DiLoCo joiners sitting out
+    their first round)."""
 
     def __init__(self, job: FaultTolerance, number: int):
         self._job = job
@@ -103,11 +93,10 @@ class Step:
 
 class FaultTolerance:
     """This process's side of a fault-tolerant job: its membership, the epoch's communicators, the wrapped models.
-
-    Made by ``init_process_group(fault_tolerance=True)``; reach it as ``group.fault_tolerance``. See the module
-    docstring for the training loop. A joiner (``membership`` None) wraps its models alone and asks to be admitted
-    when its loop starts, so the members wait for nothing but the state they send it.
-    """
+    Made by ``init_process_group(fault_tolerance=True)``; reach it as ``group.fault_tolerance`` (the module docstring
+    shows the loop). A joiner (``membership`` None) wraps its models alone and asks to be admitted when its loop
+    starts, so the members wait for nothing but the state they send it; :meth:`save` and :meth:`restore` restart the
+    whole job from a checkpoint."""
 
     def __init__(
         self,
@@ -136,9 +125,7 @@ class FaultTolerance:
         self._checked = -1  # the step at which the replicas were last checked
         self._sitting_out: tuple[int, ...] = ()  # the ranks given the state in the background, until they commit
         self._check_due = False  # the replicas are checked at the next step: those ranks have the state now
-        self.world = solo_communicator(
-            self.timeout
-        )  # until the loop starts: the models wrap alone, then are rebuilt in the epoch
+        self.world = solo_communicator(self.timeout)  # until the loop starts: the models wrap alone, then are rebuilt
         self.group: Any = None
         """The ``BaguaProcessGroup`` whose ``fault_tolerance`` this is (its rank, size and communicators follow
         the epochs)."""
@@ -173,11 +160,8 @@ class FaultTolerance:
             last.register_step_pre_hook(lambda optimizer, args, kwargs: self.commit_step())
 
     def commit_step(self) -> None:
-        """Vote for the step in flight (its collectives are done) and let it apply: without waiting for the others'
-        votes (:meth:`~bagua_common.fault_tolerance.Membership.vote_ahead`) when the replicas are identical, else
-        once every vote is in; raise MembershipChanged if it did not commit (voting ahead: if this member already
-        told the next epoch's formation it had not applied it). Once per attempt: a later call in the same step
-        does nothing."""
+        """Vote for the step in flight (its collectives are done) and let it apply: voting ahead where the replicas are
+        identical, else once every vote is in; raise MembershipChanged if it did not commit. Once per attempt."""
         if self._voted_this_attempt:
             return
         assert self.membership is not None and self.epoch is not None
@@ -234,9 +218,8 @@ class FaultTolerance:
 
     def _may_leave_the_epoch(self) -> bool:
         """Whether this member takes the next epoch before the next step, its epoch being closed: when it ended after
-        a commit (to admit joiners), or where every step is a transaction. A DiLoCo round's inner steps communicate
-        nothing, so its members would notice a failure at different steps: they train on to the round's exchange,
-        which fails on every one of them at the same step, and the survivors retry it there."""
+        a commit (to admit joiners), or where every step is a transaction (DiLoCo's inner steps communicate nothing:
+        its members train on to the round's exchange, which fails on all of them at the same step)."""
         assert self.epoch is not None
         return self.epoch.ended.is_set() or all(m.algorithm_impl.transaction_per_step for m in self.modules)
 
@@ -362,13 +345,9 @@ class FaultTolerance:
 
     def _receive_or_send_state(self) -> None:
         """The first member that has the job's state sends it to each one that needs it (a joiner, or a survivor
-        that had not applied the last step): :mod:`bagua_torch.state_transfer`.
-
-        Under DiLoCo (one fragment) the receivers sit out the round in flight (:attr:`_sitting_out`), as
-        INTELLECT-1's joiners do: the state is a copy taken now, sent by a thread while the others train, and a
-        receiver joins the round's exchange with a zero pseudo-gradient the average does not count, which gives
-        it the replicas' new round start. Its peers wait for nothing unless the state takes longer than the round.
-        Otherwise the members wait while the state is sent."""
+        that had not applied the last step): :mod:`bagua_torch.state_transfer`. Under DiLoCo (one fragment) the
+        receivers sit out the round in flight (:attr:`_sitting_out`) while a copy of the state travels from a thread,
+        and join its exchange with an uncounted zero pseudo-gradient; otherwise the members wait for the transfer."""
         epoch = self.epoch
         assert epoch is not None and self.membership is not None
         receivers = tuple(r for r in range(epoch.size) if epoch.is_joiner(r))
@@ -392,6 +371,38 @@ class FaultTolerance:
                     module.algorithm_impl.sit_out(sit_out)
         if sit_out is not None:
             self._sitting_out = receivers
+
+    # --- checkpoints for a restart of the whole job --------------------------------------
+
+    def save(self, root: str | os.PathLike) -> Path | None:
+        """:func:`bagua_torch.checkpoint.save` of the wrapped model and its optimizers at :attr:`step` with the data
+        position, by the members between steps, for :meth:`restore`; returns its folder. None when a member was lost
+        meanwhile: not committed (rank 0 commits once every member wrote its part), and the next step recovers."""
+        model = self._checkpointed_model("save")
+        metadata = None if self.data is None else {RECORD_KEY: self.data.record()}
+        try:
+            return checkpoint.save(root, model, model.optimizers, step=self.step, metadata=metadata)
+        except (MembershipChanged, CommunicationError) as error:
+            self._fail(error)
+            return None
+
+    def restore(self, root: str | os.PathLike, data: DataPosition) -> int:
+        """The first members of a restarted job call it before :meth:`steps`: the newest committed checkpoint under
+        ``root`` (:meth:`save`'s, of any world size: :func:`bagua_torch.checkpoint.restore`'s rules) is loaded,
+        ``data`` goes on from the position it recorded and the loop from its step (returned)."""
+        if self.membership is None:
+            raise ValueError("FaultTolerance.restore: a joiner receives the members' state: call steps() alone")
+        model, directory = self._checkpointed_model("restore"), checkpoint_to_restore(root)
+        data.resume(recorded_position(directory))
+        if not self._entered:  # the models are rebuilt for the epoch's members first
+            self._enter_or_recover(self.epoch)
+        self.data, self.step, self._check_due = data, checkpoint.restore(directory, model, model.optimizers), True
+        return self.step
+
+    def _checkpointed_model(self, what: str) -> BaguaModule:
+        if len(self.modules) != 1:
+            raise ValueError(f"FaultTolerance.{what} checkpoints one wrapped model; this job has {len(self.modules)}")
+        return self.modules[0]
 
     # --- replica checks -----------------------------------------------------------------
 

@@ -10,7 +10,10 @@ or at step 0 in ``formation`` (before it registers with the others) or ``state``
 joiner the state), the rank ``kill``s itself (SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow``
 (``seconds``, default 0.3) or, at a vote, ``late`` (it votes after its epoch closed).
 ``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time); ``FT_FUSED=1``: the optimizer
-is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`). A fault fires once per rank and
+is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`). ``FT_CHECKPOINTS``: a folder where the
+members save a checkpoint (``FaultTolerance.save``) after each step in ``FT_SAVE_AT`` (comma-separated; the fault
+point ``save``: its part written, before the commit), and from which the first members restart when it holds one
+(``FaultTolerance.restore``, printing ``restored``). A fault fires once per rank and
 place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
 Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices; at DiLoCo's exchange
 steps the round start after it), ``retry``
@@ -31,7 +34,8 @@ import torch
 
 import bagua_torch
 from bagua_common.fault_tolerance import DataPosition
-from bagua_torch import state_transfer
+from bagua_common.job.checkpoint import latest
+from bagua_torch import checkpoint, state_transfer
 from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.diloco import DiLoCoImpl
 from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
@@ -64,6 +68,10 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
             elif kind == "late":  # once this member saw the epoch close (and told the next one what it applied)
                 epoch.closed.wait(60)
                 time.sleep(0.5)
+
+
+def digest_of(net: torch.nn.Module) -> str:
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
 
 
 def main() -> None:
@@ -109,6 +117,17 @@ def main() -> None:
     # the "collectives done, state changed, vote not cast" fault point, of an exchange and of a step
     FaultTolerance.commit, FaultTolerance.commit_step = commit, commit_step
 
+    original_save = checkpoint.save_committed
+
+    def save_committed(root, model, step, write, *args, **kwargs):
+        def writing(directory, rank_of_shard):
+            write(directory, rank_of_shard)
+            fault(faults, rank, step, "save")
+
+        return original_save(root, model, step, writing, *args, **kwargs)
+
+    checkpoint.save_committed = save_committed  # the "mid-checkpoint" fault point
+
     fault(faults, rank, 0, "formation")
     group = bagua_torch.init_process_group(fault_tolerance=True)
     job = group.fault_tolerance
@@ -136,6 +155,11 @@ def main() -> None:
     data_y = data_x.sum(dim=1, keepdim=True).sin()
     data = DataPosition(SAMPLES, batch_per_rank=4, seed=3)
     net[0].weight.register_hook(lambda g: fault(faults, rank, step_hook["step"], "backward"))
+    checkpoints = os.environ.get("FT_CHECKPOINTS")
+    save_at = {int(s) for s in os.environ.get("FT_SAVE_AT", "").split(",") if s}
+    if checkpoints and not joiner and latest(checkpoints):
+        job.restore(checkpoints, data)
+        report(event="restored", step=job.step, digest=digest_of(net), position=data.state())
     settled = None  # the first step with the wanted world (the same on every member: epochs change between steps)
     for step in job.steps(10**9, data):
         together = job.epoch.size == job.training_place()[1] == world_wanted  # not while a DiLoCo joiner sits out
@@ -158,11 +182,14 @@ def main() -> None:
                 ]
             indices = step.indices.tolist()
             report(event="step", step=step.number, world=step.world_size, rank=step.rank, indices=indices, **fields)
+            if step.number in save_at:
+                folder = job.save(checkpoints)
+                report(event="saved", step=step.number, folder=None if folder is None else str(folder))
         else:
             report(event="retry", step=step.number)
         if job.step >= steps and job.epoch.size != world_wanted:
             time.sleep(0.05)  # wait for a joiner, training meanwhile
-    digest = hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
+    digest = digest_of(net)
     replicated = model.algorithm_impl.replicated_tensors()  # DiLoCo's round start: equal where parameters drift
     values = [v for t in replicated for v in t.detach().reshape(-1).tolist()]
     replicated = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in replicated)).hexdigest()

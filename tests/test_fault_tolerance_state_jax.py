@@ -105,8 +105,10 @@ def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_
     params = {"w": jnp.zeros(3, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     checkpoint.save(tmp_path, trainer.init(params), trainer)  # not FaultTolerantTrainer.save's: no data position
     ft = object.__new__(FaultTolerantTrainer)  # restore refuses before it uses the job's members
-    ft.trainer, ft.membership = trainer, SimpleNamespace()
-    with pytest.raises(ValueError, match=r"records no data position: it was not written by FaultTolerantTrainer\.save"):
+    ft.trainer, ft.membership, ft.data = trainer, SimpleNamespace(), DataPosition(16, 2, seed=0)
+    with pytest.raises(
+        ValueError, match=r"records no data position: it was not written by a fault-tolerant job's save"
+    ):
         ft.restore(tmp_path, params)
     ft.membership = None  # a joiner's, before it asked
     with pytest.raises(ValueError, match=r"a joiner receives the members' state: call init"):

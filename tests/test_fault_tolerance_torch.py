@@ -29,6 +29,7 @@ from fork_server import ForkedRank, start_rank
 from multiprocess import TESTS, free_port
 
 from bagua_common.fault_tolerance import DataPosition
+from bagua_common.job.checkpoint import checkpoint_dir, read_manifest
 from bagua_common.job.rank_environment import threads_per_rank
 
 pytest.importorskip("torch")
@@ -53,6 +54,7 @@ class Job:
         nodes: int = 1,
         step_seconds: float = 0.0,
         fused: bool = False,
+        env: dict[str, str] | None = None,
     ):
         self.env = {
             **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
@@ -71,6 +73,7 @@ class Job:
             "FT_MARKS": tempfile.mkdtemp(prefix="bagua-ft-faults-"),
             # every node's ranks run on this machine: the cores are shared among all of them
             "OMP_NUM_THREADS": str(threads_per_rank(ranks)),
+            **(env or {}),
         }
         self.procs: list[subprocess.Popen | ForkedRank] = []
         self.events: list[dict] = []
@@ -184,13 +187,14 @@ def jobs():
         job.close()
 
 
-def check_every_sample_once(job: Job, lost_parts: int = 0) -> None:
-    """The committed steps' samples, over the ranks in rank order, are the epoch's order: none twice, none skipped.
-    ``lost_parts`` (rank, step) parts may be missing (DiLoCo: the steps count for the survivors until they notice
-    a death, and the dead rank's parts of them are lost with its pseudo-gradient)."""
+def check_every_sample_once(*runs: Job, lost_parts: int = 0) -> None:
+    """The committed steps' samples of the job's ``runs`` (one, or a run and its restart), over the ranks in rank
+    order, are the epoch's order: none twice, none skipped. ``lost_parts`` (rank, step) parts may be missing (DiLoCo:
+    the steps count for the survivors until they notice a death, and the dead rank's parts of them are lost with its
+    pseudo-gradient)."""
     steps: dict[int, dict[int, list[int]]] = {}
     worlds: dict[int, int] = {}
-    for e in list(job.events):
+    for e in [e for job in runs for e in list(job.events)]:
         if e["event"] == "step":
             steps.setdefault(e["step"], {})[e["rank"]] = e["indices"]
             worlds[e["step"]] = e["world"]
@@ -273,6 +277,36 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_gets_its_state_a
     assert given["steps_lost"] == 0 and given["seconds"] < RESUME_BAR, given
     assert not job.of(behind, "retry") and [e["step"] for e in job.of(behind, "step")] == [1, 2, 3, 4, 5, 6]
     check_every_sample_once(job, lost_parts=1)  # rank 2 trained its part of step 4, and died before reporting it
+
+
+def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_on_from_the_next_one(jobs, tmp_path):
+    # 3 ranks save after steps 2 and 4; rank 2 dies in the first save, its part written: the survivors' save is not
+    # committed, they recover and commit the next one, with 2 members; the whole job restarts from it with 3
+    kill = [{"rank": 2, "step": 2, "where": "save", "kind": "kill"}]
+    first = jobs(
+        3, "gradient_allreduce", kill, steps=4, world=2, env={"FT_CHECKPOINTS": str(tmp_path), "FT_SAVE_AT": "2,4"}
+    )
+    first.finish()
+    survivors = first.pids(rank=0) + first.pids(rank=1)
+    last = checkpoint_dir(tmp_path, 4)
+    for pid in survivors:
+        assert [e["folder"] for e in first.of(pid, "saved")] == [None, str(last)], first.output()
+    with pytest.raises(FileNotFoundError):
+        read_manifest(checkpoint_dir(tmp_path, 2))
+    assert read_manifest(last).world_size == 2
+    ends = [first.of(pid, "end")[0] for pid in survivors]
+    assert [e["step"] for e in ends] == [4, 4] and ends[0]["digest"] == ends[1]["digest"]
+
+    restarted = jobs(3, "gradient_allreduce", [], steps=7, world=3, env={"FT_CHECKPOINTS": str(tmp_path)})
+    restarted.finish()
+    members = restarted.pids()
+    assert len(members) == 3
+    for pid in members:
+        (restored,) = restarted.of(pid, "restored")
+        assert restored["step"] == 4 and restored["digest"] == ends[0]["digest"], restored
+        assert restarted.of(pid, "end")[0]["step"] == 7
+    assert len({restarted.of(pid, "end")[0]["digest"] for pid in members}) == 1
+    check_every_sample_once(first, restarted)
 
 
 def test_a_node_whose_only_rank_died_gets_a_replacement_that_finds_where_the_coordinator_went(jobs):
@@ -481,3 +515,27 @@ def test_an_algorithm_whose_state_is_not_carried_is_refused_naming_the_elastic_r
     net = torch.nn.Linear(4, 1)
     with pytest.raises(ValueError, match=r"^fault tolerance: bytegrad cannot continue in-process.*the elastic restart"):
         bagua_torch.with_bagua(net, [torch.optim.SGD(net.parameters(), lr=0.1)], "bytegrad", process_group=group)
+
+
+def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_any(monkeypatch, tmp_path):
+    import torch
+
+    import bagua_torch
+    from bagua_torch import checkpoint
+    from bagua_torch.fault_tolerance import start_fault_tolerance
+    from bagua_torch.job import BaguaProcessGroup
+
+    monkeypatch.setenv("BAGUA_FT_JOIN", "1")  # a joiner's group: nothing reaches the network before its loop starts
+    cpu = torch.device("cpu")
+    job = start_fault_tolerance(None, None, "127.0.0.1", free_port(), "gloo", cpu, 10.0)
+    group = BaguaProcessGroup(job.communicators, 0, 1, 0, 1, cpu, "gloo", False, fault_tolerance=job)
+    net = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
+    model = bagua_torch.with_bagua(net, [optimizer], "gradient_allreduce", process_group=group)
+    data = DataPosition(16, batch_per_rank=2)
+    with pytest.raises(ValueError, match=r"a joiner receives the members' state: call steps\(\) alone"):
+        job.restore(tmp_path, data)
+    checkpoint.save(tmp_path, model, [optimizer], step=1)  # bagua_torch.checkpoint's own: no data position
+    job.membership = object()  # a first member's, from here on
+    with pytest.raises(ValueError, match=r"records no data position: it was not written by a fault-tolerant job"):
+        job.restore(tmp_path, data)

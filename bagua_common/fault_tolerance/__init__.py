@@ -14,7 +14,7 @@
 is the user's guide.
 """
 
-from bagua_common.fault_tolerance.data_position import DataPosition
+from bagua_common.fault_tolerance.data_position import DataPosition, recorded_position
 from bagua_common.fault_tolerance.decision import Decision
 from bagua_common.fault_tolerance.epoch import Epoch, Member, Recovery
 from bagua_common.fault_tolerance.errors import (
@@ -63,4 +63,5 @@ __all__ = [
     "StoreUnreachable",
     "check_digests",
     "job_secret",
+    "recorded_position",
 ]

@@ -12,12 +12,18 @@ sent to a joiner and hashed).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["DataPosition"]
+from bagua_common.job.checkpoint import read_manifest
+
+__all__ = ["RECORD_KEY", "DataPosition", "recorded_position"]
+
+RECORD_KEY = "data_position"
+"""The key of :meth:`DataPosition.record` in a fault-tolerant job's checkpoint (its manifest's ``metadata``)."""
 
 
 @dataclass
@@ -87,3 +93,15 @@ class DataPosition:
         if epoch < 0 or not 0 <= offset < self.num_samples:
             raise ValueError(f"DataPosition: no sample at epoch {epoch}, offset {offset}")
         self.epoch, self.offset = epoch, offset
+
+
+def recorded_position(directory: str | os.PathLike) -> dict[str, int]:
+    """The data position that the committed checkpoint ``directory`` recorded (a fault-tolerant job's ``save``); a
+    ValueError naming it if it has none."""
+    position = read_manifest(directory).metadata.get(RECORD_KEY)
+    if position is None:
+        raise ValueError(
+            f"{directory} records no data position: it was not written by a fault-tolerant job's save (of a loop given "
+            "a DataPosition), so a restart from it would not know which samples were trained"
+        )
+    return position
