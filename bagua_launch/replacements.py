@@ -10,7 +10,9 @@ waiting for it to register: there is no running job to join yet). A clean
 exit ends the slot; so does a rank ending after the job finished (its last step committed: status 0, as
 nothing is left to train), the agent's SIGTERM (passed on to the rank), the agent's end (a SIGTERM to the
 slot and to its rank when their parent dies, so that nothing outlives a killed launcher), and running out
-of ``BAGUA_FT_REPLACEMENTS`` replacements (default 100).
+of ``BAGUA_FT_REPLACEMENTS`` replacements (default 100). A replacement that finds no member of the job left
+(every rank died: ``NoJobToJoin``) ends the slot with its status, so the agent restarts the whole job (its
+``--max-restarts``), whose ranks go on from their last checkpoint.
 
 Replacements find the job through ``BAGUA_FT_PEERS``: the launcher on each node hosts a small
 store (a directory) where the node's members write where the job's coordinator is.
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import time
 
+from bagua_common.fault_tolerance.errors import NO_JOB_STATUS
 from bagua_common.fault_tolerance.node_directory import job_finished, job_formed
 from bagua_common.fault_tolerance.settings import ENV_JOIN
 from bagua_launch.output import NAME, describe_exit
@@ -74,6 +77,14 @@ def main(command: list[str]) -> int:
         code = rank.wait()
         if code == 0 or stopping or left <= 0:
             return 128 - code if code < 0 else code
+        if code == NO_JOB_STATUS and env.get(ENV_JOIN) == "1":
+            print(
+                f"{NAME}: rank {env.get('RANK', '?')}'s replacement found no member of the job left: ending the slot, "
+                "so that the launcher restarts the whole job (within --max-restarts), from its last checkpoint",
+                file=sys.stderr,
+                flush=True,
+            )
+            return code
         if job_finished():
             print(
                 f"{NAME}: rank {env.get('RANK', '?')} ended ({describe_exit(code)}) after the job finished: "

@@ -37,6 +37,7 @@ from bagua_common.fault_tolerance import (
 )
 from bagua_common.fault_tolerance.decision import commit_transaction
 from bagua_common.fault_tolerance.epoch import Epoch, Member
+from bagua_common.fault_tolerance.errors import NO_JOB_STATUS, NoJobToJoin
 from bagua_common.fault_tolerance.formation import probe, process_ended
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
@@ -330,6 +331,32 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
     finally:
         for j in joiner:
             j.close()
+
+
+def test_a_joiner_waits_out_a_job_slow_to_admit_it_and_gives_up_only_when_no_member_is_left(members):
+    group = members(2)
+    epochs = [m.epoch for m in group]
+    port = epochs[0].coordinator.port
+    joiner = []
+    thread = threading.Thread(target=lambda: joiner.append(Membership.join(FAST, "127.0.0.1", port, timeout=20)))
+    thread.start()
+    time.sleep(FAST.quorum_timeout + 0.5)  # no commit for longer than the quorum timeout: the coordinator answers
+    assert thread.is_alive() and not joiner
+    transaction = 0
+    while epochs[0].number == 0:
+        transaction += 1
+        assert together([lambda m=m, e=e: m.commit(e, transaction) for m, e in zip(group, epochs)]) == [True, True]
+        if epochs[0].ended.is_set():
+            epochs = [r.epoch for r in together([lambda m=m, e=e: m.recover(e) for m, e in zip(group, epochs)])]
+    thread.join(20)
+    assert joiner[0].epoch.is_joiner()
+    for member in [*joiner, *group]:
+        die(member)  # every member gone at once
+    started = time.monotonic()
+    with pytest.raises(NoJobToJoin) as gone:
+        Membership.join(FAST, "127.0.0.1", port, timeout=20)
+    assert gone.value.code == NO_JOB_STATUS == 75 and "no member of the job answered for 3 s" in gone.value.message
+    assert FAST.quorum_timeout <= time.monotonic() - started < FAST.quorum_timeout + 3
 
 
 def test_a_joiner_left_without_anyone_holding_the_state_stops_rather_than_training_from_scratch(members):

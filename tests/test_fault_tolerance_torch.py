@@ -55,6 +55,7 @@ class Job:
         step_seconds: float = 0.0,
         fused: bool = False,
         env: dict[str, str] | None = None,
+        max_restarts: int = 0,
     ):
         self.env = {
             **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
@@ -81,7 +82,7 @@ class Job:
         self._threads: list[threading.Thread] = []
         if launcher:  # one per node, meeting at a rendezvous on this machine as a multi-node job's launchers do
             command = [sys.executable, "-m", "bagua_launch", "--fault-tolerant"]
-            command += ["--nproc-per-node", str(ranks // nodes)]
+            command += ["--nproc-per-node", str(ranks // nodes), "--max-restarts", str(max_restarts)]
             if nodes > 1:
                 command += ["--nnodes", str(nodes), "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
             for _ in range(nodes):
@@ -307,6 +308,24 @@ def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_
         assert restarted.of(pid, "end")[0]["step"] == 7
     assert len({restarted.of(pid, "end")[0]["digest"] for pid in members}) == 1
     check_every_sample_once(first, restarted)
+
+
+def test_when_every_rank_dies_the_launcher_restarts_the_job_from_its_last_checkpoint(jobs, tmp_path):
+    # both ranks SIGKILLed in step 12: their replacements find no member to join within the quorum timeout, the
+    # slots end, and torch's agent restarts the job (one of --max-restarts), whose ranks restore step 10's checkpoint
+    kills = [{"rank": r, "step": 12, "where": "forward", "kind": "kill"} for r in range(2)]
+    saves = {"FT_CHECKPOINTS": str(tmp_path), "FT_SAVE_AT": "5,10", "BAGUA_FT_QUORUM_TIMEOUT": "2"}
+    job = jobs(2, "gradient_allreduce", kills, steps=16, world=2, launcher=True, env=saves, max_restarts=1)
+    job.finish(timeout=180)
+    assert job.procs[0].returncode == 0, job.output()
+    assert len(job.pids(joiner=True)) == 2 and "found no member of the job left" in "".join(job.text), job.output()
+    restarted = job.pids(rank=0)[1:] + job.pids(rank=1)[1:]
+    assert len(restarted) == 2, job.output()
+    restored = [job.of(pid, "restored")[0] for pid in restarted]
+    assert [r["step"] for r in restored] == [10, 10] and restored[0]["digest"] == restored[1]["digest"]
+    ends = [job.of(pid, "end")[0] for pid in restarted]
+    assert [e["step"] for e in ends] == [16, 16] and ends[0]["digest"] == ends[1]["digest"]
+    check_every_sample_once(job)  # steps 11 and 12 again, on the same samples: the data went on from step 10
 
 
 def test_a_node_whose_only_rank_died_gets_a_replacement_that_finds_where_the_coordinator_went(jobs):

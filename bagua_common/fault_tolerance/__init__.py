@@ -22,6 +22,7 @@ from bagua_common.fault_tolerance.errors import (
     ExchangeInterrupted,
     JobFinished,
     MembershipChanged,
+    NoJobToJoin,
     NoQuorum,
     ReplicaMismatch,
 )
@@ -55,6 +56,7 @@ __all__ = [
     "Member",
     "Membership",
     "MembershipChanged",
+    "NoJobToJoin",
     "NoQuorum",
     "Recovery",
     "ReplicaDigest",

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Sequence
 from contextlib import closing
 
 from bagua_common.fault_tolerance import node_directory
 from bagua_common.fault_tolerance.epoch import Epoch, Member, read_epoch
+from bagua_common.fault_tolerance.errors import NoJobToJoin
 from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
 from bagua_common.fault_tolerance.settings import ENV_PEERS, FaultToleranceSettings
 
@@ -40,12 +42,23 @@ def await_admission(
     settings: FaultToleranceSettings, me: Member, addresses: Sequence[tuple[str, int]], timeout: float
 ) -> Epoch:
     """Request admission for ``me`` at the coordinator the ``addresses`` point to (once per coordinator) and return
-    the epoch that admits it; TimeoutError after ``timeout`` seconds, JobFinished when a store says the job ended."""
-    deadline = time.monotonic() + timeout
+    the epoch that admits it; TimeoutError after ``timeout`` seconds, JobFinished when a store says the job ended,
+    NoJobToJoin when no coordinator answered for the settings' ``quorum_timeout`` (every member is gone)."""
+    started = time.monotonic()
+    answered = started  # when a coordinator last answered
     requested_at = None
     while True:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - started > timeout:
             raise TimeoutError(f"fault tolerance: not admitted to the job within {timeout:g} s")
+        if now - answered > settings.quorum_timeout:
+            where = ", ".join(f"{host}:{port}" for host, port in addresses)
+            message = (
+                f"no member of the job answered for {settings.quorum_timeout:g} s (asked {where}): every member is "
+                "gone, so there is no running job to join; restart the whole job from its last checkpoint"
+            )
+            print(f"bagua fault tolerance: {message}", file=sys.stderr, flush=True)
+            raise NoJobToJoin(message)
         coordinator = _find_coordinator(settings, addresses)
         if coordinator is None:
             time.sleep(settings.heartbeat_period)
@@ -56,6 +69,7 @@ def await_admission(
                 coordinator.set(f"ft/request/{index}", json.dumps(me.as_json()))
                 requested_at = coordinator.address
             raw = coordinator.get(f"ft/admit/{me.id}", wait=settings.dead_after)
+            answered = time.monotonic()
             if raw is not None:
                 return read_epoch(coordinator, raw, me.id)
         except StoreUnreachable:

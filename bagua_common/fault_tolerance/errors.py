@@ -2,7 +2,20 @@
 
 from __future__ import annotations
 
-__all__ = ["Evicted", "ExchangeInterrupted", "JobFinished", "MembershipChanged", "NoQuorum", "ReplicaMismatch"]
+__all__ = [
+    "NO_JOB_STATUS",
+    "Evicted",
+    "ExchangeInterrupted",
+    "JobFinished",
+    "MembershipChanged",
+    "NoJobToJoin",
+    "NoQuorum",
+    "ReplicaMismatch",
+]
+
+NO_JOB_STATUS = 75
+"""The exit status of a joiner that found no member left (:class:`NoJobToJoin`; ``EX_TEMPFAIL``): its launcher slot
+then ends with it, so that the launcher restarts the whole job."""
 
 
 class MembershipChanged(RuntimeError):
@@ -37,6 +50,19 @@ class JobFinished(SystemExit):
 
     def __init__(self, message: str):
         super().__init__(0)
+        self.message = message
+
+
+class NoJobToJoin(SystemExit):
+    """No member of the job this process asked to join answered for ``quorum_timeout`` seconds: every member is gone.
+
+    A ``SystemExit`` with status :data:`NO_JOB_STATUS` (the message is printed first). Under ``bagua-launch
+    --fault-tolerant`` the slot ends with it instead of starting another joiner, so the launcher restarts the whole
+    job (the elastic restart, within ``--max-restarts``), whose first members go on from their last checkpoint.
+    """
+
+    def __init__(self, message: str):
+        super().__init__(NO_JOB_STATUS)
         self.message = message
 
 

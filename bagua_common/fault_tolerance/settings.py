@@ -83,7 +83,8 @@ class FaultToleranceSettings:
     * ``dead_after``: seconds without a heartbeat after which a member counts as gone (5, torchft's
       default); a member whose process ends is noticed at once, whatever this is.
     * ``quorum_timeout``: seconds a survivor without a majority of the last members waits for them
-      before it stops with :class:`~bagua_common.fault_tolerance.NoQuorum` (60).
+      before it stops with :class:`~bagua_common.fault_tolerance.NoQuorum`, and a joiner that no member
+      answers before it exits with :class:`~bagua_common.fault_tolerance.NoJobToJoin` (60).
     * ``hash_every``: committed transactions between two checks that the replicas are
       bit-identical (100; they are also checked after every membership change); 0 checks only then.
     * ``secret``: the job's secret (:func:`job_secret` by default): a member's store serves only the clients
