@@ -88,7 +88,7 @@ class Step:
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> bool:
-        return self._job._attempt_ended(error)
+        return self._job._attempt_ended(error, self.world_size)
 
 
 class FaultTolerance:
@@ -114,21 +114,19 @@ class FaultTolerance:
         self.data: DataPosition | None = None
         self.epoch: Epoch | None = None if membership is None else membership.epoch
         self.step = self.committed = 0 if self.epoch is None else self.epoch.committed
-        """``step``: steps completed; ``committed``: transactions committed by agreement (steps, or DiLoCo's outer
-        exchanges); the same on every member."""
+        """Steps completed; transactions committed by agreement (steps, or DiLoCo's exchanges): equal on all members."""
         self.recoveries: list[dict[str, float]] = []
         """Per change of members: ``epoch``, ``size``, ``seconds`` (from the failure seen here, or the change
         noticed, to the step running again), ``steps_lost`` (0 or 1), ``joined`` (members admitted)."""
         self._voted_this_attempt = self._committed_this_attempt = False
         self._failure_seen: float | None = None
         self._entered = False
-        self._checked = -1  # the step at which the replicas were last checked
+        self._checked = self._sat_out_through = -1  # the last step the replicas were checked; a joiner sat out
         self._sitting_out: tuple[int, ...] = ()  # the ranks given the state in the background, until they commit
         self._check_due = False  # the replicas are checked at the next step: those ranks have the state now
         self.world = solo_communicator(self.timeout)  # until the loop starts: the models wrap alone, then are rebuilt
         self.group: Any = None
-        """The ``BaguaProcessGroup`` whose ``fault_tolerance`` this is (its rank, size and communicators follow
-        the epochs)."""
+        """The ``BaguaProcessGroup`` whose ``fault_tolerance`` this is (rank, size, communicators follow the epochs)."""
 
     def _communicator(self, purpose: str) -> ProcessGroupCommunicator:
         assert self.epoch is not None
@@ -186,7 +184,8 @@ class FaultTolerance:
     def _transaction_committed(self) -> None:
         self.committed += 1
         self._committed_this_attempt = True
-        if self._sitting_out:
+        if self._sitting_out:  # joiners took this exchange from their sit-out: their loop does not run its step
+            self._sat_out_through = -1 if self.epoch.rank in self._sitting_out else self.step + 1
             self._sitting_out, self._check_due = (), True
         for module in self.modules:
             module.algorithm_impl.on_commit()
@@ -226,27 +225,27 @@ class FaultTolerance:
     def _attempt_started(self) -> None:
         self._voted_this_attempt = self._committed_this_attempt = False
 
-    def _attempt_ended(self, error: BaseException | None) -> bool:
+    def _attempt_ended(self, error: BaseException | None, trainers: int) -> bool:
         assert self.membership is not None and self.epoch is not None
         if error is None:
-            self._step_done()
+            self._step_done(trainers)
             return False
         if not _caused_by_a_change(error):
             return False
         self._failure_seen = time.monotonic()
         self._fail(error)
-        # A failure after the step committed (in the optimizer's post-hook: low-precision decentralized's exchange,
-        # the async averager), or in DiLoCo's exchange, leaves the step's own work done: it counts.
+        # A failure after the step committed (in an optimizer post-hook's exchange) or in DiLoCo's exchange: it counts.
         interrupted = self._committed_this_attempt or isinstance(error, ExchangeInterrupted)
         if interrupted:
-            self._step_done()
+            self._step_done(trainers)
         self._change_epoch(lost_step=not interrupted)
         return True
 
-    def _step_done(self) -> None:
+    def _step_done(self, trainers: int | None = None) -> None:
+        """Count a step trained by ``trainers`` members (its attempt's: a sit-out may end inside it; default: now's)."""
         self.step += 1
         if self.data is not None:
-            self.data.advance(self.training_place()[1])
+            self.data.advance(self.training_place()[1] if trainers is None else trainers)
 
     def training_place(self) -> tuple[int, int]:
         """This member's rank among the members training the current step, and their number: every member but
@@ -376,9 +375,11 @@ class FaultTolerance:
 
     def save(self, root: str | os.PathLike) -> Path | None:
         """:func:`bagua_torch.checkpoint.save` of the wrapped model and its optimizers at :attr:`step` with the data
-        position, by the members between steps, for :meth:`restore`; returns its folder. None when a member was lost
-        meanwhile: not committed (rank 0 commits once every member wrote its part), and the next step recovers."""
+        position, by the members between steps, for :meth:`restore`; its folder, or None: a member was lost meanwhile
+        (not committed: the next step recovers), or a DiLoCo joiner sits out the round (inside its exchange)."""
         model = self._checkpointed_model("save")
+        if self._sitting_out or self.step == self._sat_out_through:  # a joiner would not take part
+            return None
         metadata = None if self.data is None else {RECORD_KEY: self.data.record()}
         try:
             return checkpoint.save(root, model, model.optimizers, step=self.step, metadata=metadata)
@@ -387,9 +388,8 @@ class FaultTolerance:
             return None
 
     def restore(self, root: str | os.PathLike, data: DataPosition) -> int:
-        """The first members of a restarted job call it before :meth:`steps`: the newest committed checkpoint under
-        ``root`` (:meth:`save`'s, of any world size: :func:`bagua_torch.checkpoint.restore`'s rules) is loaded,
-        ``data`` goes on from the position it recorded and the loop from its step (returned)."""
+        """Called by a restarted job's first members before :meth:`steps`: loads the newest committed checkpoint under
+        ``root`` (:meth:`save`'s, any world size); ``data`` and the loop go on from its position and step (returned)."""
         if self.membership is None:
             raise ValueError("FaultTolerance.restore: a joiner receives the members' state: call steps() alone")
         model, directory = self._checkpointed_model("restore"), checkpoint_to_restore(root)
@@ -400,9 +400,9 @@ class FaultTolerance:
         return self.step
 
     def _checkpointed_model(self, what: str) -> BaguaModule:
-        if len(self.modules) != 1:
-            raise ValueError(f"FaultTolerance.{what} checkpoints one wrapped model; this job has {len(self.modules)}")
-        return self.modules[0]
+        if len(self.modules) == 1:
+            return self.modules[0]
+        raise ValueError(f"FaultTolerance.{what} checkpoints one wrapped model; this job has {len(self.modules)}")
 
     # --- replica checks -----------------------------------------------------------------
 

@@ -467,6 +467,26 @@ def test_a_diloco_joiner_sits_out_its_first_round_while_its_state_arrives_and_it
     np.testing.assert_allclose(ends[0][0]["replicated_values"], rounds[first - 1], rtol=1e-5, atol=1e-7)
 
 
+def test_a_diloco_joiner_sitting_out_the_round_leaves_every_checkpoint_and_sample_where_they_belong(jobs, tmp_path):
+    # Rounds of 7 steps; the members save after every step. While the joiner sits out a round (inside its exchange),
+    # their saves write nothing; the exchange step it joined from its sit-out is counted as trained by the members
+    # alone, on every member (its data position stays the joiner's, checked by the job's replica check after it).
+    # An epoch of the data is 12 steps of the two: no exchange before step 84 ends one, where the count would not show.
+    saves = {"FT_CHECKPOINTS": str(tmp_path), "FT_SAVE_AT": ",".join(str(s) for s in range(1, 80))}
+    job = jobs(2, 'diloco {"sync_every": 7}', [], steps=30, world=3, step_seconds=0.05, env=saves)
+    job.wait_until(lambda: any(e.get("step", 0) >= 3 for e in list(job.events)))
+    members, (joiner,), ends = finish_with_a_joiner_on_one_round_start(job)
+    first = job.of(joiner, "step")[0]["step"]  # the step after the exchange it joined
+    assert first % 7 == 1 and first < 84, first
+    for pid in members:
+        (joined,) = job.of(pid, "end")[0]["recoveries"]  # the admission only: no failure
+        unsaved = [e["step"] for e in job.of(pid, "saved") if e["folder"] is None]
+        assert unsaved and unsaved == list(range(unsaved[0], first)) and first - unsaved[0] <= 7, unsaved
+    assert all(e["folder"] for e in job.of(joiner, "saved"))
+    assert read_manifest(checkpoint_dir(tmp_path, first)).world_size == 3
+    check_every_sample_once(job)
+
+
 def test_a_diloco_joiner_sits_out_with_the_fused_optimizer_and_an_8_bit_exchange(jobs):
     # The sit-out above, with the optimizer fused over the buckets and the pseudo-gradients sent as 8-bit min-max
     # chunks: the joiner's zeros encode exactly, and the average still counts the two that trained. Against the job
