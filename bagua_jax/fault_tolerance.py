@@ -258,10 +258,11 @@ class FaultTolerantTrainer:
         """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart
         of the whole job; returns its folder. None when a member was lost meanwhile: the checkpoint is not committed
         (rank 0 commits it once every member wrote its part, so a committed one is whole) and the next :meth:`step`
-        recovers, as after a loss in a step; None also while a DiLoCo joiner sits out the round (nothing written: it
-        waits inside the round's exchange). The checkpoint records :attr:`data`'s position for :meth:`restore`."""
+        recovers, as after a loss in a step; None also, with nothing written, while the members change (the next step
+        admits a joiner) and while a DiLoCo joiner sits out the round (it waits inside the round's exchange). The
+        checkpoint records :attr:`data`'s position for :meth:`restore`."""
         epoch = self.epoch
-        if self._sitting_out:  # the joiners wait inside the round's exchange: none until it is applied
+        if self._sitting_out or epoch.closed.is_set():  # joiners inside the round's exchange; members changing
             return None
         try:
             return checkpoint.save(root, state, self.trainer, metadata={RECORD_KEY: self.data.record()})

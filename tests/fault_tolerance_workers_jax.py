@@ -313,3 +313,39 @@ def train_diloco(
         "admitted": admitted,
         "state_class": type(state).__module__ + "." + type(state).__name__,
     }
+
+
+def train_diloco_saving(start_size: int, final_size: int, steps: int) -> dict:
+    """DiLoCo (H = ``DILOCO_ROUND``) on the linear model, every member saving a checkpoint
+    (``FaultTolerantTrainer.save``) after every step; a joiner starts after step 2 and sits out the round it is
+    admitted in. Runs until at least ``steps`` inner steps, ``final_size`` members and a round's end. Returns each
+    save's step and folder (None: not written) and each step's member count."""
+    import jax.numpy as jnp
+    import optax
+
+    from bagua_jax.algorithms import DiLoCo
+    from bagua_jax.trainer import DataParallel
+
+    x, y = dataset()
+
+    def make_trainer(comm):
+        return DataParallel(linear_loss, optax.sgd(LR), DiLoCo(sync_every=DILOCO_ROUND), communicator=comm)
+
+    data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    ft, state, _ = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))
+    root, saves, sizes = _signal("checkpoints"), [], {}
+    done = int(state.step)
+    while done < steps or ft.epoch.size < final_size or done % DILOCO_ROUND:
+        if done >= 2 and ft.epoch.size < final_size:
+            _wait_for("joiner-asked")
+        state, _ = ft.step(state, lambda indices: (x[indices], y[indices]))
+        done = int(state.step)
+        sizes[done] = ft.epoch.size
+        folder = ft.save(root, state)
+        saves.append((done, None if folder is None else str(folder)))
+        if done == 2 and ft.epoch.rank == 0:
+            _touch("start-joiner")
+    ft.finished()
+    ft.membership.close()
+    return {"saves": saves, "sizes": sizes}

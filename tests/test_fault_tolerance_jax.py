@@ -289,6 +289,21 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
         print(f"{faults[fault_step][1]} at step {fault_step}: the survivors' exchange ran again {resume:.2f} s later")
 
 
+def test_saves_while_a_diloco_joiner_sits_out_write_nothing_and_the_exchange_it_joins_saves_everyone(tmp_path: Path):
+    results = run_members(tmp_path, "train_diloco_saving", 2, 1, 2, 6, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0], outputs
+    member, joiner = results[0].value, results[1].value
+    admitted = min(int(t) for t, n in member["sizes"].items() if n == 2)
+    joined = admitted + DILOCO_ROUND - 1  # the round's exchange, its first step
+    assert admitted % DILOCO_ROUND == 1, member["sizes"]
+    for step, folder in member["saves"]:  # nothing while it sat out; everyone's from its exchange on
+        if step != admitted - 1:  # after the step that ends the epoch to admit it: written or not, by its timing
+            assert (folder is None) == (admitted <= step < joined), member["saves"]
+    assert [step for step, _ in joiner["saves"]][0] == joined and all(f for _, f in joiner["saves"]), joiner["saves"]
+    assert read_manifest(Path(joiner["saves"][0][1])).world_size == 2
+
+
 def test_diloco_joiner_admitted_at_a_retried_exchange_contributes_nothing_to_it(tmp_path: Path):
     # Member 2 is killed at inner step 6, once the joiner asked. Members 0 and 1 notice at the exchange of step 8,
     # whose recovery also admits the joiner: it joins the retried exchange at once, with a zero pseudo-gradient. The
