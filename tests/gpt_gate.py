@@ -41,16 +41,23 @@ START_FLOOR = 2.52
 OPTIONS: dict[str, dict] = {
     "qadam": {"warmup_steps": 30},
     "onebit_adam": {"warmup_steps": 30},
-    "async": {"sync_interval_ms": 1, "warmup_steps": 90},  # 5 ms: too few rounds per step on an idle machine
+    "async": {"sync_interval_ms": 1, "warmup_steps": 30},
     "diloco": {"sync_every": 10, "outer_learning_rate": 1.0, "outer_momentum": 0.0},
 }
 """Registry name -> options other than the defaults; a name without an entry runs with its defaults. DiLoCo: 20
 rounds whose outer step is the ranks' mean (lr 1, no momentum). Its default Nesterov step (lr 0.7, momentum 0.9)
 is tuned for hundreds of inner steps per round; here, at 25 steps per round, it ended 0.12 above allreduce
 (seed 1: 2.554 against 2.430 after 150 steps), with plain averaging every 10 steps 0.02 above. Asynchronous
-averaging: 90 warm-up steps of gradient allreduce; its rounds per step depend on the machine's speed: after 30, they
-left torch's ranks at 2.504-2.526, above BAR, in 2 of 3 runs on a slower machine (2026-11-30), and after 60 one torch
-rank at 2.548 in 1 of 2 runs on a faster one (2026-12-01, CI from a fresh clone; 0.225 above allreduce's 2.323)."""
+averaging: 30 warm-up steps of gradient allreduce, then rounds as often as they can run (a round every 1 ms at
+most); torch's steps last ASYNC_STEP_SECONDS."""
+
+ASYNC_STEP_SECONDS = 0.03
+"""The least time a torch step of asynchronous averaging takes (the gate's loop sleeps the rest), as a step whose
+compute runs on an accelerator does while its host thread waits. The gate's 4 torch ranks share 2 cores and compute
+a step in about 8 ms; without it the averaging threads got so little CPU that a round took 100-500 ms: 1-3 rounds
+in 110 steps after a 90-step warm-up, local steps of 4 windows per rank averaged every ~40 steps, which left ranks
+at 2.41-2.55 (2026-12-01, one at 2.509 in CI). With it: 55-71 rounds in the 170 steps after the warm-up, every rank
+within 0.04 of gradient allreduce, beside two busy processes too. JAX's 2 ranks need none (63 rounds)."""
 
 
 def learning_rate(step: int) -> float:

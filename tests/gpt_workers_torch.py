@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import torch
 
@@ -62,7 +63,17 @@ def _algorithm(name: str, model: torch.nn.Module):
 def gate(names: list[str], seed: int, start: dict) -> dict:
     """Train the gate's GPT from the parameters ``start`` with each algorithm of ``names`` in turn, on the gate's
     nodes of NRANKS ranks; this rank's gate summary of each."""
-    from gpt_gate import BATCH, HELDOUT_WINDOWS, MODEL, NRANKS, PRETRAIN_STEPS, STEPS, TORCH_NODES, summary
+    from gpt_gate import (
+        ASYNC_STEP_SECONDS,
+        BATCH,
+        HELDOUT_WINDOWS,
+        MODEL,
+        NRANKS,
+        PRETRAIN_STEPS,
+        STEPS,
+        TORCH_NODES,
+        summary,
+    )
 
     import bagua_torch
 
@@ -78,11 +89,14 @@ def gate(names: list[str], seed: int, start: dict) -> dict:
         wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm)
         length = model.config.context + 1
         for step in range(STEPS):
+            began = time.monotonic()
             tokens = torch.from_numpy(corpus.batch(seed, PRETRAIN_STEPS + step, rank, BATCH // TORCH_NODES, length))
             optimizer.zero_grad()
             next_token_loss(wrapped(tokens[:, :-1]), tokens).backward()
             optimizer.step()
             schedule.step()
+            if name == "async":  # the host's wait for an accelerator's step (see ASYNC_STEP_SECONDS)
+                time.sleep(max(0.0, ASYNC_STEP_SECONDS - (time.monotonic() - began)))
         wrapped.close()
         heldout = torch.from_numpy(corpus.heldout_batch(HELDOUT_WINDOWS, length))
         with torch.no_grad():

@@ -75,12 +75,11 @@ MARGIN = 0.1
 MARGINS = {
     ("jax", "diloco"): 0.15,
     ("torch", "diloco"): 0.15,
-    ("jax", "async"): 0.2,
-    ("torch", "async"): 0.2,
 }
 """Held-out loss (nats per byte) a (front end, algorithm) may trail gradient allreduce by (see the module docstring).
-Seeds 1-5 under load: at most 0.049 (DiLoCo 0.076, asynchronous averaging 0.067). Asynchronous averaging depends on
-the machine's timing, rounds per step: on an idle machine, averaging every 5 ms, one torch rank trailed by 0.153."""
+Seeds 1-5 under load: at most 0.049 (DiLoCo 0.076); asynchronous averaging 0.04 (gpt_gate.ASYNC_STEP_SECONDS)."""
+ASYNC_ROUNDS_PER_STEP = 0.1
+"""Asynchronous averaging averaged at least this often after its warm-up (0.32-0.42 measured, under load too)."""
 MAGNITUDE_FACTOR, MAGNITUDE_SLACK = 3.0, 0.05
 REPLICA_SPREAD = 0.1
 """The largest distance of a torch rank's parameters from the ranks' mean, over how far the mean moved, for the
@@ -259,10 +258,11 @@ def test_algorithm_learns_like_gradient_allreduce_with_adamw(runs, front_end, na
     ranks = trained[name]
     # The gate's steps are where the bar is crossed: an algorithm that stops learning at the start fails it.
     assert runs["start"] >= START_FLOOR, runs["start"]
+    if name == "async":  # it did average, as often as the verdict assumes
+        after_warmup = STEPS - OPTIONS["async"]["warmup_steps"]
+        assert all(r["rounds"] >= ASYNC_ROUNDS_PER_STEP * after_warmup for r in ranks), [r["rounds"] for r in ranks]
     failures = verdict(ranks, trained["gradient_allreduce"][0], MARGINS.get((front_end, name), MARGIN))
     assert not failures, failures
-    if name == "async":
-        assert all(r["rounds"] >= 1 for r in ranks), [r["rounds"] for r in ranks]  # it did average
     if "replica_spread" in ranks[0]:
         assert ranks[0]["replica_spread"] <= REPLICA_SPREAD, ranks[0]["replica_spread"]  # they did average
 
