@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -139,7 +138,7 @@ def save(root: str | os.PathLike, state: Any, trainer: DataParallel, metadata: M
         save_arrays(shard_path(directory, rank, _SUFFIX), arrays)
     _wait_for_every_rank(trainer, f"bagua checkpoint {step} written")
     if 0 in ranks:
-        commit(directory, replace(manifest_for(trainer, own), metadata=dict(metadata or {})))
+        commit(directory, manifest_for(trainer, own), metadata=metadata)
     _wait_for_every_rank(trainer, f"bagua checkpoint {step} committed")
     return directory
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -99,7 +98,7 @@ def save_committed(
     write(directory, world.rank)
     world.barrier()
     if world.rank == 0:
-        commit(directory, replace(manifest_for(model, step), metadata=dict(metadata or {})), **commit_options)
+        commit(directory, manifest_for(model, step), metadata=metadata, **commit_options)
     world.barrier()
     return directory
 

@@ -148,6 +148,15 @@ def test_same_world_size_restores_every_rank_exactly(tmp_path, rng):
         np.testing.assert_array_equal(a, b)
 
 
+def test_a_manifest_records_the_metadata_saved_with_it(tmp_path, rng):
+    dp = trainer(GradientAllReduce(), optax.sgd(LR), 2)
+    state = dp.init(initial_params(rng))
+    plain = save(tmp_path / "plain", state, dp)
+    noted = save(tmp_path / "noted", state, dp, metadata={"epoch": 3, "note": ["a", 1.5]})
+    assert read_manifest(plain).metadata == {}
+    assert read_manifest(noted).metadata == {"epoch": 3, "note": ["a", 1.5]}
+
+
 def test_half_written_checkpoint_is_never_loaded(tmp_path, rng):
     dp = trainer(GradientAllReduce(), optax.sgd(LR), 2)
     state = dp.init(initial_params(rng))

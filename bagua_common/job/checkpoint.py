@@ -125,12 +125,17 @@ def _record(path: Path) -> ShardRecord:
     return ShardRecord(path.stat().st_size, digest.hexdigest())
 
 
-def commit(directory: str | os.PathLike, manifest: Manifest, shard_pattern: str = "rank_{rank}.*") -> None:
+def commit(
+    directory: str | os.PathLike,
+    manifest: Manifest,
+    shard_pattern: str = "rank_{rank}.*",
+    metadata: Mapping[str, Any] | None = None,
+) -> None:
     """Write the manifest (rank 0, after every rank's files are written): the checkpoint becomes loadable.
 
     Every rank must have a file matching ``shard_pattern`` (a glob with ``{rank}``); the manifest
     records the size and digest of every file in the folder (the project's ``rank_<r>.*`` shards,
-    or the files torch.distributed.checkpoint wrote there).
+    or the files torch.distributed.checkpoint wrote there), and ``metadata`` (JSON values) when given.
     """
     directory = Path(directory)
     missing = [r for r in range(manifest.world_size) if not any(directory.glob(shard_pattern.format(rank=r)))]
@@ -138,6 +143,8 @@ def commit(directory: str | os.PathLike, manifest: Manifest, shard_pattern: str 
         raise RuntimeError(f"cannot commit {directory}: the shards of ranks {missing} are missing")
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST and ".tmp" not in p.name)
     shards = {p.relative_to(directory).as_posix(): _record(p) for p in files}
+    if metadata is not None:
+        manifest = replace(manifest, metadata=dict(metadata))
     write_atomically(directory / MANIFEST, lambda tmp: tmp.write_text(replace(manifest, shards=shards).to_json()))
 
 
