@@ -317,8 +317,8 @@ class FaultTolerance:
             return None
 
     def _enter(self, epoch: Epoch) -> None:
-        """Make ``epoch`` current: its communicators, the models rebuilt for its size, the replicas made equal
-        (rank 0's before the first commit, else the first member's sent to the joiners), and checked."""
+        """Make ``epoch`` current: its communicators, the models rebuilt for its size, the replicas made equal (the
+        first member's sent to the joiners; rank 0's when nobody joins before the first commit), and checked."""
         for module in self.modules:
             module.reducer.discard()
         self.epoch = epoch
@@ -328,12 +328,12 @@ class FaultTolerance:
         for module in self.modules:
             module.rebuild(self.communicators)
         self._sitting_out, self._check_due = (), False
-        if self.committed == 0:  # nothing trained yet: every rank, joiners too, takes rank 0's replicas
+        if epoch.joined:  # the members' state, which a restored checkpoint's step, data and optimizer are part of
+            self._receive_or_send_state()
+        elif self.committed == 0:  # nothing trained yet: every rank takes rank 0's replicas
             for module in self.modules:
                 module.synchronize_replicas()
             self.membership.applied(0)
-        elif epoch.joined:
-            self._receive_or_send_state()
         self._entered = True
         for module in self.modules:
             module.algorithm_impl.resume()

@@ -205,15 +205,17 @@ def train(
     }
 
 
-def train_and_save(start_size: int, steps: int, victim: int, restart: bool = False) -> dict:
-    """Gradient allreduce on the linear model until state step ``steps``, every member saving a checkpoint
-    (``FaultTolerantTrainer.save``) after step 2 and after the last; ``victim`` dies in the first save, having written
-    its part. ``restart``: the members start from the newest checkpoint (``FaultTolerantTrainer.restore``) instead.
-    Returns the saves' folders (None: not committed), the steps' sizes and the final parameters."""
+def train_and_save(start_size: int, steps: int, victim: int, restart: bool = False, diloco: bool = False) -> dict:
+    """Gradient allreduce (``diloco``: DiLoCo, H = 2) on the linear model until state step ``steps``, every member
+    saving a checkpoint (``FaultTolerantTrainer.save``) after step 2 and after the last; ``victim`` dies in the first
+    save, having written its part. ``restart``: the members start from the newest checkpoint
+    (``FaultTolerantTrainer.restore``) instead. Returns the saves' folders (None: not committed), the steps' sizes,
+    the final parameters and, under DiLoCo, the round start."""
     import jax.numpy as jnp
     import optax
 
     from bagua_jax import checkpoint
+    from bagua_jax.algorithms import DiLoCo
     from bagua_jax.trainer import DataParallel
 
     rank = int(os.environ["RANK"])
@@ -222,7 +224,8 @@ def train_and_save(start_size: int, steps: int, victim: int, restart: bool = Fal
         checkpoint._wait_for_every_rank = lambda trainer, what: os.kill(os.getpid(), signal.SIGKILL)
 
     def make_trainer(comm):
-        return DataParallel(linear_loss, optax.sgd(LR), "gradient_allreduce", communicator=comm)
+        algorithm = DiLoCo(sync_every=2) if diloco else "gradient_allreduce"
+        return DataParallel(linear_loss, optax.sgd(LR), algorithm, communicator=comm)
 
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     root = _signal("checkpoints")
@@ -237,7 +240,10 @@ def train_and_save(start_size: int, steps: int, victim: int, restart: bool = Fal
             saved.append(None if folder is None else str(folder))
     ft.finished()
     ft.membership.close()
-    return {"saved": saved, "sizes": sizes, "params": {k: np.asarray(v) for k, v in state.params.items()}}
+    result = {"saved": saved, "sizes": sizes, "params": {k: np.asarray(v) for k, v in state.params.items()}}
+    if diloco:
+        result["round_start"] = {k: np.asarray(v) for k, v in state.opt_state[1].round_start.items()}
+    return result
 
 
 DILOCO_ROUND = 4

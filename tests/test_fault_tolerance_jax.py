@@ -25,7 +25,7 @@ from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.fault_tolerance import DataPosition, KVClient, job_secret
 from bagua_common.fault_tolerance.node_directory import FINISHED
-from bagua_common.job.checkpoint import checkpoint_to_restore, read_manifest
+from bagua_common.job.checkpoint import checkpoint_dir, checkpoint_to_restore, read_manifest
 from bagua_jax.checkpoint import read_state
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
@@ -221,6 +221,26 @@ def replay_diloco(sizes: dict[int, int], config: DiLoCoConfig) -> tuple[dict[str
             for model in models.values():
                 model[k] = start[k]
     return start, list(models.values())
+
+
+def test_a_diloco_job_restarted_from_its_checkpoints_trains_on_as_if_never_stopped(tmp_path: Path):
+    # 2 members train 2 rounds of 2 steps and save after each; the whole job restarts from the last with 3, which
+    # train on into the middle of their second round: the round start, the outer momentum and the data position
+    # carry over (checked against a float64 replay of all 7 steps), each member's inner steps drift on its own
+    first = run_members(tmp_path, "train_and_save", 2, 2, 4, -1, False, True, timeout=120)
+    assert [r.returncode for r in first] == [0, 0], [r.output[-3000:] for r in first]
+    assert first[0].value["saved"] == [str(checkpoint_dir(tmp_path / "checkpoints", s)) for s in (2, 4)]
+    restarted = run_members(tmp_path, "train_and_save", 3, 3, 7, -1, True, True, timeout=120)
+    assert [r.returncode for r in restarted] == [0, 0, 0], [r.output[-3000:] for r in restarted]
+    sizes = {1: 2, 2: 2, 3: 2, 4: 2} | {int(t): n for t, n in restarted[0].value["sizes"].items()}
+    assert sizes == {1: 2, 2: 2, 3: 2, 4: 2, 5: 3, 6: 3, 7: 3}, sizes
+    start, models = replay_diloco(sizes, DiLoCoConfig(sync_every=2))
+    for name in start:
+        for rank, member in enumerate(restarted):
+            np.testing.assert_allclose(member.value["round_start"][name], start[name], rtol=2e-5, atol=1e-6)
+            np.testing.assert_allclose(member.value["params"][name], models[rank][name], rtol=2e-5, atol=1e-6)
+            np.testing.assert_array_equal(member.value["round_start"][name], restarted[0].value["round_start"][name])
+        assert not np.allclose(models[1][name], models[2][name])  # mid-round: the members' own parameters differ
 
 
 @pytest.mark.parametrize(

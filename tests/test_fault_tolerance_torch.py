@@ -320,6 +320,29 @@ def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_
     check_every_sample_once(first, restarted, lost_parts=lost_parts)
 
 
+def test_a_joiner_admitted_before_a_restarted_jobs_first_commit_is_given_the_restored_state(jobs, tmp_path):
+    # the first run ends with step 4's checkpoint; its restart of 3 ranks loses rank 2 in step 5 (slow, then killed)
+    # while a joiner waits: the survivors' next epoch admits it before anything was committed since the restore, and
+    # it must be given the restored state (step, optimizer, data position), not rank 0's parameters alone
+    saves = {"FT_CHECKPOINTS": str(tmp_path), "FT_SAVE_AT": "4"}
+    first = jobs(2, "gradient_allreduce", [], steps=4, world=2, env=saves)
+    first.finish()
+    faults = [
+        {"rank": 2, "step": 5, "where": "forward", "kind": "slow", "seconds": 4},
+        {"rank": 2, "step": 5, "where": "backward", "kind": "kill"},
+    ]
+    restarted = jobs(3, "gradient_allreduce", faults, steps=8, world=3, env={"FT_CHECKPOINTS": str(tmp_path)})
+    restarted.join()
+    restarted.finish()
+    (joiner,) = restarted.pids(joiner=True)
+    trained = [e["step"] for e in restarted.of(joiner, "step")]
+    assert trained[:1] == [5], restarted.output()  # admitted before step 5 committed
+    members = restarted.pids(rank=0) + restarted.pids(rank=1) + [joiner]
+    ends = [restarted.of(pid, "end")[0] for pid in members]
+    assert len({(e["step"], e["digest"]) for e in ends}) == 1 and ends[0]["step"] >= 8, restarted.output()
+    check_every_sample_once(first, restarted)
+
+
 def test_when_every_rank_dies_the_launcher_restarts_the_job_from_its_last_checkpoint(jobs, tmp_path):
     # both ranks SIGKILLed in step 12: their replacements find no member to join within the quorum timeout, the
     # slots end, and torch's agent restarts the job (one of --max-restarts), whose ranks restore step 10's checkpoint
