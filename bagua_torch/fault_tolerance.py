@@ -318,7 +318,7 @@ class FaultTolerance:
 
     def _enter(self, epoch: Epoch) -> None:
         """Make ``epoch`` current: its communicators, the models rebuilt for its size, the replicas made equal (the
-        first member's sent to the joiners; rank 0's when nobody joins before the first commit), and checked."""
+        first member's sent to the joiners; rank 0's when the job's first members enter), and checked."""
         for module in self.modules:
             module.reducer.discard()
         self.epoch = epoch
@@ -330,7 +330,7 @@ class FaultTolerance:
         self._sitting_out, self._check_due = (), False
         if epoch.joined:  # the members' state, which a restored checkpoint's step, data and optimizer are part of
             self._receive_or_send_state()
-        elif self.committed == 0:  # nothing trained yet: every rank takes rank 0's replicas
+        elif not self._entered:  # the job's first epoch: every rank takes rank 0's replicas (not again: DiLoCo's drift)
             for module in self.modules:
                 module.synchronize_replicas()
             self.membership.applied(0)

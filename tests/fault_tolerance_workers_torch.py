@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -44,8 +45,12 @@ from bagua_torch.fault_tolerance import FaultTolerance
 SAMPLES, FEATURES = 96, 6
 
 
+_REPORTING = threading.Lock()  # reports come from the exchange's thread too: one line at a time
+
+
 def report(**fields) -> None:
-    print(json.dumps({"pid": os.getpid(), "t": round(time.time(), 3), **fields}), flush=True)
+    with _REPORTING:
+        print(json.dumps({"pid": os.getpid(), "t": round(time.time(), 3), **fields}), flush=True)
 
 
 def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=None) -> None:
@@ -100,6 +105,16 @@ def main() -> None:
 
     def average(self: DiLoCoImpl, p: int, flat: torch.Tensor) -> torch.Tensor:
         fault(faults, rank, self.step, "exchange")
+        momenta = [
+            s["momentum_buffer"] for o in self.context.optimizers for s in o.state.values() if "momentum_buffer" in s
+        ]
+        inner = hashlib.sha256(b"".join(m.numpy().tobytes() for m in momenta)).hexdigest()  # the inner optimizer's
+        report(
+            event="exchange",
+            step=self.step,
+            pseudo_gradient=hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
+            inner=inner,
+        )
         return original_average(self, p, flat)
 
     DiLoCoImpl._average = average  # the "mid-exchange" fault point

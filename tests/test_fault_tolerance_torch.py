@@ -472,6 +472,13 @@ def test_diloco_survivors_train_on_to_the_rounds_exchange_after_a_death_in_an_in
         (failure,) = job.of(pid, "end")[0]["recoveries"]
         assert failure["size"] == 2 and failure["steps_lost"] == 0, failure
     check_every_sample_once(job, lost_parts=7)  # rank 2's parts of steps 4 to 10, gone with its pseudo-gradient
+    # the retried first exchange carries each survivor's own inner steps and inner optimizer state (the recovery
+    # before the job's first commit gave none another's)
+    exchanges = [job.of(pid, "exchange") for pid in survivors]
+    first = min(e["step"] for e in exchanges[0])
+    retried = [[e for e in events if e["step"] == first][-1] for events in exchanges]
+    for kept in ("pseudo_gradient", "inner"):
+        assert retried[0][kept] != retried[1][kept], kept
 
 
 def test_a_diloco_joiner_sits_out_its_first_round_while_its_state_arrives_and_its_peers_wait_for_nothing(jobs):
