@@ -12,13 +12,12 @@ wrap the model as usual, and run the steps through :meth:`FaultTolerance.steps`:
             loss_fn(model(x), y).backward()
             optimizer.step()                         # commits by agreement in its pre-hook
 
-Each epoch of members gets its own gloo (or NCCL) process groups, built on the coordinator's store under the
-epoch's prefix. A rank applies each step as soon as its own collectives completed. When a member dies, the
-survivors' collectives are abandoned, and the survivors take the next epoch, rebuild the wrapper's buckets and
-algorithm for the new size (carrying the algorithm's committed state by its rule, ``docs/guides/fault_tolerance.md``),
-check that the replicas are bit-identical and run the step in flight again. A process started with
-``BAGUA_FT_JOIN=1`` joins the running job and receives the state from a member (:mod:`bagua_torch.state_transfer`);
-under DiLoCo it sits out the round in flight, so its peers do not wait for it. NCCL is not run here: no GPU.
+Each epoch of members gets its own gloo (or NCCL) process groups on the coordinator's store. A rank applies each
+step as soon as its own collectives completed. When a member dies, the survivors abandon their collectives, take the
+next epoch, rebuild the wrapper for the new size (the algorithm's state carried by its rule,
+``docs/guides/fault_tolerance.md``), check that the replicas are bit-identical and run the step in flight again. A
+process started with ``BAGUA_FT_JOIN=1`` joins the running job, its state sent by a member while its peers train
+(:mod:`bagua_torch.state_transfer`). NCCL is not run here: no GPU.
 """
 
 from __future__ import annotations
@@ -53,8 +52,9 @@ from bagua_common.fault_tolerance.data_position import RECORD_KEY
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_torch import checkpoint, state_transfer
 from bagua_torch.algorithms import algorithm_class, available_algorithms
-from bagua_torch.communicator import CommunicationError, ProcessGroupCommunicator
-from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator
+from bagua_torch.communicator import CommunicationError
+from bagua_torch.communicator.abandon import caused_by_a_change
+from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator, trainers_communicator
 from bagua_torch.replica_check import check_replicas
 
 if TYPE_CHECKING:
@@ -95,8 +95,7 @@ class FaultTolerance:
     """This process's side of a fault-tolerant job: its membership, the epoch's communicators, the wrapped models.
     Made by ``init_process_group(fault_tolerance=True)``; reach it as ``group.fault_tolerance`` (the module docstring
     shows the loop). A joiner (``membership`` None) wraps its models alone and asks to be admitted when its loop
-    starts, so the members wait for nothing but the state they send it; :meth:`save` and :meth:`restore` restart the
-    whole job from a checkpoint."""
+    starts; :meth:`save` and :meth:`restore` restart the whole job from a checkpoint."""
 
     def __init__(
         self,
@@ -120,17 +119,13 @@ class FaultTolerance:
         noticed, to the step running again), ``steps_lost`` (0 or 1), ``joined`` (members admitted)."""
         self._voted_this_attempt = self._committed_this_attempt = False
         self._failure_seen: float | None = None
-        self._entered = False
         self._checked = self._sat_out_through = -1  # the last step the replicas were checked; a joiner sat out
         self._sitting_out: tuple[int, ...] = ()  # the ranks given the state in the background, until they commit
-        self._check_due = False  # the replicas are checked at the next step: those ranks have the state now
+        self._incoming: state_transfer.IncomingState | None = None  # this joiner's state, weighed out of its step
+        self._entered = self._check_due = False  # an epoch was entered; the replicas are checked at the next step
         self.world = solo_communicator(self.timeout)  # until the loop starts: the models wrap alone, then are rebuilt
         self.group: Any = None
         """The ``BaguaProcessGroup`` whose ``fault_tolerance`` this is (rank, size, communicators follow the epochs)."""
-
-    def _communicator(self, purpose: str) -> ProcessGroupCommunicator:
-        assert self.epoch is not None
-        return epoch_communicator(self.epoch, purpose, self.backend, self.device, self.timeout)
 
     @property
     def communicators(self) -> Communicators:
@@ -164,6 +159,9 @@ class FaultTolerance:
             return
         assert self.membership is not None and self.epoch is not None
         self._voted_this_attempt = True
+        if self._incoming is not None:  # a joiner weighed out of this step: its state, before its optimizer applies
+            self._incoming.load()
+            self._incoming = None
         # A rank's collectives completing shows that every rank contributed only where each collective spans all
         # ranks (replicated algorithms); a decentralized exchange completes with one peer: it waits for every vote.
         vote = self.membership.vote_ahead if self._replicas_identical else self.membership.commit
@@ -184,9 +182,11 @@ class FaultTolerance:
     def _transaction_committed(self) -> None:
         self.committed += 1
         self._committed_this_attempt = True
-        if self._sitting_out:  # joiners took this exchange from their sit-out: their loop does not run its step
-            self._sat_out_through = -1 if self.epoch.rank in self._sitting_out else self.step + 1
-            self._sitting_out, self._check_due = (), True
+        if self._sitting_out:  # joiners took part: weighed out, or from their sit-out (their loop skips its step)
+            skipped = self.epoch.rank not in self._sitting_out and not any(m.reducer.weighed_out for m in self.modules)
+            self._sat_out_through, self._sitting_out, self._check_due = self.step + 1 if skipped else -1, (), True
+            for module in self.modules:
+                module.reducer.weighed_out = None
         for module in self.modules:
             module.algorithm_impl.on_commit()
 
@@ -212,13 +212,14 @@ class FaultTolerance:
                     self._fail(error)
             if self.epoch.closed.is_set() and self._may_leave_the_epoch():
                 self._change_epoch(lost_step=False)
+            if not self._sitting_out and self.group is not None:
+                self.group.use(self.world)  # a sit-out's exchange step is over: every member trains
             yield Step(self, self.step + 1)
         self.membership.finished()
 
     def _may_leave_the_epoch(self) -> bool:
         """Whether this member takes the next epoch before the next step, its epoch being closed: when it ended after
-        a commit (to admit joiners), or where every step is a transaction (DiLoCo's inner steps communicate nothing:
-        its members train on to the round's exchange, which fails on all of them at the same step)."""
+        a commit (admitting joiners), or where every step is a transaction (DiLoCo: members train to the exchange)."""
         assert self.epoch is not None
         return self.epoch.ended.is_set() or all(m.algorithm_impl.transaction_per_step for m in self.modules)
 
@@ -230,7 +231,7 @@ class FaultTolerance:
         if error is None:
             self._step_done(trainers)
             return False
-        if not _caused_by_a_change(error):
+        if not caused_by_a_change(error):
             return False
         self._failure_seen = time.monotonic()
         self._fail(error)
@@ -322,12 +323,12 @@ class FaultTolerance:
         for module in self.modules:
             module.reducer.discard()
         self.epoch = epoch
-        self.world = self._communicator("world")
+        self.world = epoch_communicator(epoch, "world", self.backend, self.device, self.timeout)
         if self.group is not None:
-            self.group.communicators, self.group.rank, self.group.size = self.communicators, epoch.rank, epoch.size
+            self.group.use(self.world)
         for module in self.modules:
             module.rebuild(self.communicators)
-        self._sitting_out, self._check_due = (), False
+        self._sitting_out, self._check_due, self._incoming = (), False, None
         if epoch.joined:  # the members' state, which a restored checkpoint's step, data and optimizer are part of
             self._receive_or_send_state()
         elif not self._entered:  # the job's first epoch: every rank takes rank 0's replicas (not again: DiLoCo's drift)
@@ -344,20 +345,24 @@ class FaultTolerance:
 
     def _receive_or_send_state(self) -> None:
         """The first member that has the job's state sends it to each one that needs it (a joiner, or a survivor
-        that had not applied the last step): :mod:`bagua_torch.state_transfer`. Under DiLoCo (one fragment) the
-        receivers sit out the round in flight (:attr:`_sitting_out`) while a copy of the state travels from a thread,
-        and join its exchange with an uncounted zero pseudo-gradient; otherwise the members wait for the transfer."""
+        that had not applied the last step): :mod:`bagua_torch.state_transfer`. Under gradient allreduce a receiver
+        takes part in the next step weighed out while the state travels; under DiLoCo (one fragment) it sits out the
+        round in flight and joins its exchange with an uncounted zero pseudo-gradient (both: :attr:`_sitting_out`);
+        otherwise the members wait for the transfer."""
         epoch = self.epoch
         assert epoch is not None and self.membership is not None
         receivers = tuple(r for r in range(epoch.size) if epoch.is_joiner(r))
         link = (self.backend, self.device, self.timeout)
         sit_out = state_transfer.steps_to_sit_out(self.modules)
+        scales = state_transfer.weighed_out_scales(self.modules, epoch.size - len(receivers))
         if epoch.rank == epoch.state_holder:
             state = state_transfer.job_state(self.step, self.committed, self.data, self.modules)
-            send = state_transfer.send_state if sit_out is None else state_transfer.send_state_in_background
-            send(epoch, receivers, state, state_transfer.replicated_tensors(self.modules), *link)
+            state_transfer.send(epoch, receivers, state, self.modules, *link, sit_out=sit_out, weighed_out=bool(scales))
+        elif epoch.rank in receivers and scales:  # its state arrives during its first step
+            self._incoming = state_transfer.IncomingState(epoch, self.modules, *link)
+            self.step, self.committed = state_transfer.load_job_state(self._incoming.position, self.data, ())
         elif epoch.rank in receivers:
-            received = state_transfer.receive_state(epoch, self.modules, *link)
+            received = state_transfer.receive_state(epoch, state_transfer.replicated_tensors(self.modules), *link)
             self.step, self.committed = state_transfer.load_job_state(received, self.data, self.modules)
             sit_out = state_transfer.steps_to_sit_out(self.modules)  # as the holder's state has it
             if sit_out is None:
@@ -368,8 +373,12 @@ class FaultTolerance:
                     self._step_done()
                 for module in self.modules:
                     module.algorithm_impl.sit_out(sit_out)
-        if sit_out is not None:
+        if scales or sit_out is not None:
             self._sitting_out = receivers
+        for module, scale in zip(self.modules, scales or ()):
+            module.reducer.weighed_out = (epoch.rank not in receivers, scale)
+        if sit_out and epoch.rank not in receivers and self.group is not None:  # the loop's collectives: the trainers'
+            self.group.use(trainers_communicator(epoch, receivers, self.backend, self.timeout))
 
     # --- checkpoints for a restart of the whole job --------------------------------------
 
@@ -416,16 +425,6 @@ class FaultTolerance:
         """Leave the job (the others see this member go)."""
         if self.membership is not None:
             self.membership.close()
-
-
-def _caused_by_a_change(error: BaseException) -> bool:
-    """Whether ``error`` (or what caused it: a background thread's error is raised again wrapped) is a lost
-    member's doing: an abandoned or failed collective."""
-    while error is not None:
-        if isinstance(error, (MembershipChanged, CommunicationError)):
-            return True
-        error = error.__cause__
-    return False
 
 
 def start_fault_tolerance(

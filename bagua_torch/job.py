@@ -80,6 +80,11 @@ class BaguaProcessGroup:
     def world(self) -> Communicator:
         return self.communicators.world
 
+    def use(self, world: Communicator) -> None:
+        """Make ``world`` this group's communicator, its rank and size (a fault-tolerant job's epoch changed, or
+        joiners sit out a DiLoCo round outside the loop: its collectives span the members training it)."""
+        self.communicators, self.rank, self.size = Communicators(world), world.rank, world.size
+
     @property
     def node_rank(self) -> int:
         return self.rank // self.local_size

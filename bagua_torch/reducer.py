@@ -59,6 +59,10 @@ class Reducer:
         self.enabled = bool(algorithm_impl.need_gradient_hooks)
         self.events: list[tuple[str, int, float]] | None = None
         self.gradients_in_buckets = False
+        self.weighed_out: tuple[bool, float] | None = None
+        """While a fault-tolerant job's joiner takes part in a step without its state (set and cleared by
+        :class:`~bagua_torch.fault_tolerance.FaultTolerance`): whether this rank's gradients count, and the factor
+        that makes the algorithm's average over every rank the average over those that count."""
         self._grad_views = [bucket.views(bucket.grad) for bucket in self.buckets]
         self._slot: dict[int, tuple[int, int]] = {
             id(p): (bucket.index, i) for bucket in self.buckets for i, p in enumerate(bucket.params)
@@ -158,6 +162,8 @@ class Reducer:
             k = self._next_launch
             bucket = self.buckets[k]
             bucket.grad[bucket.numel :].zero_()
+            if self.weighed_out is not None and not self.weighed_out[0]:
+                bucket.grad.zero_()
             self._record("launch", k)
             work = self.algorithm_impl.reduce_bucket(bucket)
             if work is None or not hasattr(work, "wait"):
@@ -199,6 +205,8 @@ class Reducer:
         try:
             for k, work in enumerate(self._works):
                 result = work.wait() if work is not None else None
+                if self.weighed_out is not None:
+                    result = (self.buckets[k].grad if result is None else result) * self.weighed_out[1]
                 if result is not None:
                     self._write_result(self.buckets[k], result)
                 self._record("done", k)

@@ -5,7 +5,11 @@ The state: the step, the transactions committed, the data position and, per wrap
 parameters and buffers, its optimizers' state and its algorithm's carried state. The holder sends
 it while the others wait, or, where the algorithm lets the receiver sit out until its next exchange
 (DiLoCo's round, :meth:`~bagua_torch.algorithms.base.AlgorithmImpl.steps_to_next_exchange`), sends a
-copy from a thread while the others train.
+copy from a thread while the others train. Where the algorithm can leave a rank's gradients out of
+the average (:meth:`~bagua_torch.algorithms.base.AlgorithmImpl.weighed_out_scale`), the holder
+sends the position (step, transactions, data) at once and the rest from a thread: the receiver
+takes part in the next step, weighed out, and loads the rest before its optimizer applies it
+(:class:`IncomingState`).
 """
 
 from __future__ import annotations
@@ -27,14 +31,20 @@ if TYPE_CHECKING:
     from bagua_torch.bagua_module import BaguaModule
 
 __all__ = [
+    "IncomingState",
     "job_state",
     "load_job_state",
     "receive_state",
     "replicated_tensors",
     "send_state",
+    "send",
+    "send_position_then_state",
     "send_state_in_background",
     "steps_to_sit_out",
+    "weighed_out_scales",
 ]
+
+_POSITION = ("step", "committed", "position")
 
 
 def job_state(step: int, committed: int, data: DataPosition | None, modules: Sequence[BaguaModule]) -> dict[str, Any]:
@@ -51,10 +61,11 @@ def job_state(step: int, committed: int, data: DataPosition | None, modules: Seq
 
 
 def load_job_state(state: dict[str, Any], data: DataPosition | None, modules: Sequence[BaguaModule]) -> tuple[int, int]:
-    """Load :func:`job_state`'s ``state`` into ``data`` and ``modules``; returns its step and transactions committed."""
+    """Load :func:`job_state`'s ``state`` (its position, its models' part where it has one) into ``data`` and
+    ``modules``; returns its step and transactions committed."""
     if data is not None and state["position"] is not None:
         data.load_state(state["position"])
-    for module, saved in zip(modules, state["modules"]):
+    for module, saved in zip(modules, state.get("modules", ())):
         for optimizer, optimizer_state in zip(module.optimizers, saved["optimizers"]):
             optimizer.load_state_dict(optimizer_state)
         module.algorithm_impl.load_carried_state(saved["algorithm"])
@@ -71,6 +82,13 @@ def steps_to_sit_out(modules: Sequence[BaguaModule]) -> int | None:
     (the same for every wrapped model), or None: the algorithm needs the state before the next step."""
     steps = {module.algorithm_impl.steps_to_next_exchange() for module in modules}
     return steps.pop() if len(steps) == 1 and None not in steps else None
+
+
+def weighed_out_scales(modules: Sequence[BaguaModule], trainers: int) -> list[float] | None:
+    """Per wrapped model, the factor that averages its reduced gradients over ``trainers`` ranks, the others
+    contributing zeros; None unless every model's algorithm can leave a rank out so."""
+    scales = [module.algorithm_impl.weighed_out_scale(trainers) for module in modules]
+    return None if None in scales else scales
 
 
 def send_state(
@@ -106,12 +124,77 @@ def send_state_in_background(
     threading.Thread(target=send, name="bagua-ft-state", daemon=True).start()
 
 
+def send_position_then_state(
+    epoch: Epoch, receivers: Sequence[int], state: dict[str, Any], tensors: list[torch.Tensor], *link: Any
+) -> None:
+    """For :class:`IncomingState`: send each of ``receivers`` the position of ``state`` now, then
+    :func:`send_state_in_background` the rest of it and ``tensors``. ``link``: send_state's last three arguments."""
+    backend, device, timeout = link
+    for receiver in receivers:
+        pair = pair_communicator(epoch, epoch.rank, receiver, backend, timeout, purpose="position")
+        broadcast_structure({key: state[key] for key in _POSITION}, pair, device)
+    send_state_in_background(epoch, receivers, {"modules": state["modules"]}, tensors, *link)
+
+
+def send(
+    epoch: Epoch,
+    receivers: Sequence[int],
+    state: dict[str, Any],
+    modules: Sequence[BaguaModule],
+    *link: Any,
+    sit_out: int | None,
+    weighed_out: bool,
+) -> None:
+    """Send ``receivers`` the job's ``state`` and the ``modules``' tensors as they take it: weighed out of their first
+    step (:func:`send_position_then_state`), sitting out ``sit_out`` steps (:func:`send_state_in_background`), or
+    else while the others wait (:func:`send_state`)."""
+    if weighed_out:
+        how = send_position_then_state
+    else:
+        how = send_state if sit_out is None else send_state_in_background
+    how(epoch, receivers, state, replicated_tensors(modules), *link)
+
+
+class IncomingState:
+    """What :func:`send_position_then_state` sends this joiner: ``position`` (step, transactions, data) at once, and
+    the rest received from a thread into copies of the models' tensors while the joiner's first step runs;
+    :meth:`load` waits for it and loads it."""
+
+    def __init__(
+        self, epoch: Epoch, modules: Sequence[BaguaModule], backend: str, device: torch.device, timeout: float
+    ):
+        pair = pair_communicator(epoch, epoch.state_holder, epoch.rank, backend, timeout, purpose="position")
+        self.position: dict[str, Any] = broadcast_structure(None, pair, device)
+        self._modules, self._copies = modules, [t.detach().clone() for t in replicated_tensors(modules)]
+        self._rest: dict[str, Any] = {}
+        self._error: BaseException | None = None
+        link = (epoch, self._copies, backend, device, timeout)
+        self._thread = threading.Thread(target=self._receive, args=link, name="bagua-ft-state", daemon=True)
+        self._thread.start()
+
+    def _receive(self, *link: Any) -> None:
+        try:
+            self._rest = receive_state(*link)
+        except BaseException as error:  # raised again by load(), in the training thread
+            self._error = error
+
+    def load(self) -> None:
+        """Wait for the rest of the state and load it into the models (MembershipChanged if it did not arrive)."""
+        self._thread.join()
+        if self._error is not None:
+            raise MembershipChanged(f"the joiner's state did not arrive: {self._error}") from self._error
+        with torch.no_grad():
+            for tensor, received in zip(replicated_tensors(self._modules), self._copies):
+                tensor.copy_(received)
+        load_job_state({**self.position, "position": None, **self._rest}, None, self._modules)
+
+
 def receive_state(
-    epoch: Epoch, modules: Sequence[BaguaModule], backend: str, device: torch.device, timeout: float
+    epoch: Epoch, tensors: list[torch.Tensor], backend: str, device: torch.device, timeout: float
 ) -> dict[str, Any]:
-    """Receive the state from the epoch's holder: the models' tensors are overwritten; returns the rest, for
-    :func:`load_job_state`."""
+    """Receive the state from the epoch's holder: ``tensors`` (:func:`replicated_tensors`) are overwritten; returns
+    the rest, for :func:`load_job_state`."""
     pair = pair_communicator(epoch, epoch.state_holder, epoch.rank, backend, timeout)
     state = broadcast_structure(None, pair, device)
-    broadcast_tensors(pair, replicated_tensors(modules))
+    broadcast_tensors(pair, tensors)
     return state

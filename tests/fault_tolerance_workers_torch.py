@@ -10,13 +10,16 @@ or at step 0 in ``formation`` (before it registers with the others) or ``state``
 joiner the state), the rank ``kill``s itself (SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow``
 (``seconds``, default 0.3) or, at a vote, ``late`` (it votes after its epoch closed).
 ``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time); ``FT_FUSED=1``: the optimizer
-is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`). ``FT_CHECKPOINTS``: a folder where the
+is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`); ``FT_LOOP_ALLREDUCE=1``: each step ends with
+a collective of the loop's own (``bagua_torch.torch_api.allreduce`` of a one, on the default group), and its step
+report gives the sum as ``summed``; ``FT_REPORT_PARAMS=1``: each step report gives the parameters after it
+(``params``). ``FT_CHECKPOINTS``: a folder where the
 members save a checkpoint (``FaultTolerance.save``) after each step in ``FT_SAVE_AT`` (comma-separated; the fault
 point ``save``: its part written, before the commit), and from which the first members restart when it holds one
 (``FaultTolerance.restore``, printing ``restored``). A fault fires once per rank and
 place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
 Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices; at DiLoCo's exchange
-steps the round start after it), ``retry``
+steps the round start after it), ``state_loaded`` (a joiner weighed out of its first step loaded the state), ``retry``
 per abandoned attempt, and ``end`` (a digest of the parameters and of the algorithm's replicated
 state, that state's values, the recoveries, a joiner's seconds from asking to be admitted to being ready).
 """
@@ -41,6 +44,7 @@ from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.diloco import DiLoCoImpl
 from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
 from bagua_torch.fault_tolerance import FaultTolerance
+from bagua_torch.torch_api import allreduce_inplace
 
 SAMPLES, FEATURES = 96, 6
 
@@ -101,6 +105,13 @@ def main() -> None:
         original_send(*args)
 
     state_transfer.send_state = send_state  # a joiner's state over a slow link
+    original_load = state_transfer.IncomingState.load
+
+    def load(self: state_transfer.IncomingState) -> None:
+        original_load(self)
+        report(event="state_loaded", step=self.position["step"])
+
+    state_transfer.IncomingState.load = load  # a joiner weighed out of its first step has its state now
     original_average = DiLoCoImpl._average
 
     def average(self: DiLoCoImpl, p: int, flat: torch.Tensor) -> torch.Tensor:
@@ -175,6 +186,7 @@ def main() -> None:
     if checkpoints and not joiner and latest(checkpoints):
         job.restore(checkpoints, data)
         report(event="restored", step=job.step, digest=digest_of(net), position=data.state())
+    loop_allreduce = os.environ.get("FT_LOOP_ALLREDUCE") == "1"
     settled = None  # the first step with the wanted world (the same on every member: epochs change between steps)
     for step in job.steps(10**9, data):
         together = job.epoch.size == job.training_place()[1] == world_wanted  # not while a DiLoCo joiner sits out
@@ -189,8 +201,13 @@ def main() -> None:
             torch.nn.functional.mse_loss(model(x), y).backward()
             optimizer.step()
             optimizer.zero_grad()
+            if loop_allreduce:  # after the commit: a failure in it is the next step's
+                summed = torch.ones(1)
+                allreduce_inplace(summed)
         if job.step == step.number:
-            fields = {}
+            fields = {"summed": int(summed.item())} if loop_allreduce else {}
+            if os.environ.get("FT_REPORT_PARAMS") == "1":
+                fields["params"] = [v for p in net.parameters() for v in p.detach().reshape(-1).tolist()]
             if exchange_every and step.number % exchange_every == 0:  # DiLoCo's round start after this exchange
                 fields["round_start"] = [
                     v for t in model.algorithm_impl.replicated_tensors() for v in t.detach().reshape(-1).tolist()

@@ -352,6 +352,13 @@ class AlgorithmImpl:
         state; None when it needs the state before the next step (its peers wait while it is sent). Default: None."""
         return None
 
+    def weighed_out_scale(self, trainers: int) -> float | None:
+        """In a fault-tolerant job: the factor that makes this algorithm's reduced gradients the average over
+        ``trainers`` ranks when the others contributed zeros (joiners taking part in their first step while their
+        state arrives), or None: a rank given the state needs it before the next step (its peers wait). Default:
+        None."""
+        return None
+
     def sit_out(self, steps: int) -> None:
         """Skip ``steps`` steps (:meth:`steps_to_next_exchange`) and contribute nothing to the exchange after them."""
         raise NotImplementedError(f"{type(self).__name__} has no exchange to join without having trained")

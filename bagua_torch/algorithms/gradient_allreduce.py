@@ -58,3 +58,6 @@ class GradientAllReduceImpl(AlgorithmImpl):
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
         return self.allreduce_async(bucket.grad, self.levels, self.op)
+
+    def weighed_out_scale(self, trainers: int) -> float:
+        return self.world.size / trainers if self.op == "avg" else 1.0

@@ -10,8 +10,9 @@ from functools import partial
 from typing import Any
 
 from bagua_common.fault_tolerance.errors import MembershipChanged
+from bagua_torch.communicator.protocol import CommunicationError
 
-__all__ = ["wait_or_abandon"]
+__all__ = ["caused_by_a_change", "wait_or_abandon"]
 
 _ABANDON_CHECK_S = 0.2  # the longest a wait sleeps before it looks again whether its step was abandoned
 _FIRST_POLL_S = 2e-4  # NCCL: the first look whether a collective completed; each next one waits twice as long...
@@ -97,3 +98,13 @@ def _polled_wait(work: Any, seconds: float) -> bool:
         time.sleep(pause)
         pause = min(2 * pause, _POLL_S)
     return True
+
+
+def caused_by_a_change(error: BaseException | None) -> bool:
+    """Whether ``error`` (or what caused it: a background thread's error is raised again wrapped) is a lost
+    member's doing: an abandoned or failed collective."""
+    while error is not None:
+        if isinstance(error, (MembershipChanged, CommunicationError)):
+            return True
+        error = error.__cause__
+    return False

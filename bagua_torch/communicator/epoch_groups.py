@@ -12,7 +12,7 @@ from __future__ import annotations
 import ctypes
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +23,7 @@ from bagua_common.fault_tolerance import Epoch, MembershipChanged, StoreClient, 
 from bagua_torch.communicator.process_group_communicator import ProcessGroupCommunicator
 from bagua_torch.communicator.protocol import CommunicationError
 
-__all__ = ["epoch_communicator", "pair_communicator", "solo_communicator"]
+__all__ = ["epoch_communicator", "pair_communicator", "solo_communicator", "trainers_communicator"]
 
 _STORE_POLL_S = 0.1  # how often a group's rendezvous looks whether its epoch closed meanwhile
 
@@ -122,11 +122,22 @@ def _group_on_store(
 
 
 def pair_communicator(
-    epoch: Epoch, holder_rank: int, joiner_rank: int, backend: str, timeout: float
+    epoch: Epoch, holder_rank: int, joiner_rank: int, backend: str, timeout: float, purpose: str = "transfer"
 ) -> ProcessGroupCommunicator:
     """A group of the member ``holder_rank`` that sends the job's state (rank 0 in it) and the joiner
-    ``joiner_rank`` that receives it (rank 1)."""
-    return _group_on_store(epoch, f"transfer/{joiner_rank}", 0 if epoch.rank == holder_rank else 1, 2, backend, timeout)
+    ``joiner_rank`` that receives it (rank 1), for ``purpose`` (one group per purpose and joiner)."""
+    rank = 0 if epoch.rank == holder_rank else 1
+    return _group_on_store(epoch, f"{purpose}/{joiner_rank}", rank, 2, backend, timeout)
+
+
+def trainers_communicator(
+    epoch: Epoch, sitting_out: Collection[int], backend: str, timeout: float
+) -> ProcessGroupCommunicator:
+    """A group of ``epoch``'s members but those ``sitting_out`` (collective over them: each made it), ranked by
+    :meth:`~bagua_common.fault_tolerance.Epoch.training_place`: the training loop's own collectives while joiners sit
+    out a DiLoCo round inside its exchange."""
+    rank, size = epoch.training_place(sitting_out)
+    return _group_on_store(epoch, f"trainers/{','.join(map(str, sorted(sitting_out)))}", rank, size, backend, timeout)
 
 
 def solo_communicator(timeout: float) -> ProcessGroupCommunicator:
