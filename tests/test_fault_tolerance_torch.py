@@ -434,8 +434,8 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
     # they waited for the whole transfer first). The loop's own collective (a logged loss) spans all three.
     faults = [{"rank": 0, "step": 0, "where": "state", "kind": "slow", "seconds": 0.6}]
     env = {"FT_LOOP_ALLREDUCE": "1", "FT_REPORT_PARAMS": "1"}
-    job = jobs(2, "gradient_allreduce", faults, steps=8, world=3, step_seconds=1.0, env=env)
-    job.wait_until(lambda: any(e.get("step", 0) >= 2 for e in list(job.events)))
+    job = jobs(2, "gradient_allreduce", faults, steps=4, world=3, step_seconds=1.0, env=env)
+    job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
     job.join()
     job.finish()
     members, (joiner,) = job.pids(rank=0) + job.pids(rank=1), job.pids(joiner=True)
