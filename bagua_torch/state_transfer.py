@@ -24,6 +24,7 @@ import torch
 from bagua_common.fault_tolerance import DataPosition, Epoch, MembershipChanged
 from bagua_torch.broadcast import broadcast_structure, broadcast_tensors
 from bagua_torch.communicator import CommunicationError
+from bagua_torch.communicator.abandon import caused_by_a_change
 from bagua_torch.communicator.epoch_groups import pair_communicator
 from bagua_torch.replica_check import model_tensors
 
@@ -36,9 +37,9 @@ __all__ = [
     "load_job_state",
     "receive_state",
     "replicated_tensors",
-    "send_state",
     "send",
     "send_position_then_state",
+    "send_state",
     "send_state_in_background",
     "steps_to_sit_out",
     "weighed_out_scales",
@@ -175,14 +176,17 @@ class IncomingState:
     def _receive(self, *link: Any) -> None:
         try:
             self._rest = receive_state(*link)
-        except BaseException as error:  # raised again by load(), in the training thread
+        except Exception as error:  # raised again by load(), in the training thread
             self._error = error
 
     def load(self) -> None:
-        """Wait for the rest of the state and load it into the models (MembershipChanged if it did not arrive)."""
+        """Wait for the rest of the state and load it into the models (MembershipChanged if a lost member stopped
+        it; any other error is raised as it was)."""
         self._thread.join()
-        if self._error is not None:
+        if self._error is not None and caused_by_a_change(self._error):
             raise MembershipChanged(f"the joiner's state did not arrive: {self._error}") from self._error
+        if self._error is not None:
+            raise self._error
         with torch.no_grad():
             for tensor, received in zip(replicated_tensors(self._modules), self._copies):
                 tensor.copy_(received)
