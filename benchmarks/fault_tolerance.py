@@ -345,7 +345,24 @@ def _launched_run(args: argparse.Namespace, kill: bool) -> dict:
         name, _, options = args.algorithm.partition(" ")
         if name == "diloco":
             run["exchange_steps"] = _exchange_steps(logs, json.loads(options or "{}").get("sync_every", 100))
+        else:
+            run["admission_steps"] = _admission_steps(logs)
         return run
+
+
+def _admission_steps(logs: dict[str, list[dict]]) -> dict[str, list[float]]:
+    """Each member's seconds from the end of a step to the end of the second one after it: across an admission
+    (the first of the two had more members than the step before) and the others (the same members throughout). The
+    first holds the members' wait for the joiner's state, however the state travels."""
+    out: dict[str, list[float]] = {"admission": [], "other": []}
+    for log in logs.values():
+        steps = {e["step"]: e for e in log if e["event"] == "step"}
+        for n in (n for n in steps if n - 1 in steps and n + 1 in steps):
+            members = [steps[m]["members"] for m in (n - 1, n, n + 1)]
+            kind = "admission" if members[1] > members[0] else "other" if len(set(members)) == 1 else None
+            if kind:
+                out[kind].append(steps[n + 1]["ended"] - steps[n - 1]["ended"])
+    return out
 
 
 def _exchange_steps(logs: dict[str, list[dict]], sync_every: int) -> dict[str, list[float]]:
@@ -422,14 +439,19 @@ def chaos_lines(result: dict, out: Path, every: float) -> list[str]:
             f"Joiners that finished: {len(joined)}; seconds from asking to be admitted to training: median "
             f"{statistics.median(joined):.2f}, max {joined[-1]:.2f}."
         )
-    exchanges = result["chaos"].get("exchange_steps")
-    if exchanges and exchanges["sat_out"] and exchanges["other"]:
-        sat_out, other = sorted(exchanges["sat_out"]), sorted(exchanges["other"])
-        lines.append(
-            f"Exchange steps (the members' seconds) ending a round a joiner sat out: median "
-            f"{statistics.median(sat_out):.2f}, max {sat_out[-1]:.2f} ({len(sat_out)}); the other exchange steps: "
-            f"median {statistics.median(other):.2f}, max {other[-1]:.2f} ({len(other)})."
-        )
+    for key, kind, what, others in (
+        ("exchange_steps", "sat_out", "Exchange steps (the members' seconds) ending a round a joiner sat out", "the "
+         "other exchange steps"),
+        ("admission_steps", "admission", "Two steps in a row (the members' seconds, end to end) across an admission",
+         "with the same members"),
+    ):  # fmt: skip
+        times = result["chaos"].get(key)
+        if times and times[kind] and times["other"]:
+            chosen, other = sorted(times[kind]), sorted(times["other"])
+            lines.append(
+                f"{what}: median {statistics.median(chosen):.2f}, max {chosen[-1]:.2f} ({len(chosen)}); {others}: "
+                f"median {statistics.median(other):.2f}, max {other[-1]:.2f} ({len(other)})."
+            )
     lines.append("")
     reference = result["fault_free"]["heldout"]
     rows = []

@@ -119,17 +119,25 @@ OUTER_SEARCH = [
 
 ADAM_SEARCH = (1e-3, 4e-3)
 """The Adam-type algorithms' peak learning rates searched beside the study's (their schedule's ``peak``)."""
+ADAM_WARMUP_SEARCH = (50, 400)
+"""Their full-precision warm-up steps searched beside the default 100 (``warmup_steps``)."""
+ADAM_B2_SEARCH = (0.95,)
+"""Their second-moment decay searched beside the study's 0.999 (``b2``; AdamW's is 0.95)."""
 
 
 def search_variants() -> list[dict[str, Any]]:
     """The runs the algorithms' defaults were chosen from (torch, trained only, not timed): ByteGrad with error
     feedback (its default has none), DiLoCo's outer optimizer over :data:`OUTER_SEARCH`, and QAdam's and 1-bit Adam's
-    peak learning rate over :data:`ADAM_SEARCH`."""
+    peak learning rate, warm-up and second-moment decay over :data:`ADAM_SEARCH`, :data:`ADAM_WARMUP_SEARCH` and
+    :data:`ADAM_B2_SEARCH`."""
     out = [_variant("torch", "bytegrad", "bytegrad_error_feedback", error_feedback=True)]
     out += [_variant("torch", "diloco", f"diloco_h{h}_outer_lr{lr:g}_m{mu:g}", sync_every=h, outer_learning_rate=lr,
                      outer_momentum=mu) for h, lr, mu in OUTER_SEARCH]  # fmt: skip
-    out += [_variant("torch", name, f"{name}_lr{peak:g}", dataclasses.replace(STUDY.adam_schedule, peak=peak))
-            for name in ("qadam", "onebit_adam") for peak in ADAM_SEARCH]  # fmt: skip
+    for name in ("qadam", "onebit_adam"):
+        out += [_variant("torch", name, f"{name}_lr{peak:g}", dataclasses.replace(STUDY.adam_schedule, peak=peak))
+                for peak in ADAM_SEARCH]  # fmt: skip
+        out += [_variant("torch", name, f"{name}_warmup{n}", warmup_steps=n) for n in ADAM_WARMUP_SEARCH]
+        out += [_variant("torch", name, f"{name}_b2_{b2:g}", b2=b2) for b2 in ADAM_B2_SEARCH]
     return out
 
 

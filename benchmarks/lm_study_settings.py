@@ -95,4 +95,6 @@ STUDY = Settings(
 )
 """The study's settings: the sweep's best run (``benchmarks/results/lm-study-sweep.md``: held-out 1.606 nats/byte
 after 2.05M tokens at peak lr 2e-3, 1.664 at 1e-3). The Adam-type algorithms' schedule is AdamW's: their own search
-(``ADAM_SEARCH`` in ``lm_study.py``: peak 1e-3 and 4e-3) ended higher at both."""
+(``ADAM_SEARCH`` in ``lm_study.py``: peak 1e-3 and 4e-3) ended higher at both. Their warm-up and ``b2`` searched
+beside it (``ADAM_WARMUP_SEARCH``, ``ADAM_B2_SEARCH``) moved neither's ending by more than the seed does
+(``docs/results/lm_study.md``): the study keeps the algorithms' defaults."""

@@ -47,6 +47,15 @@ JAX_PEERS = ("pmean",)
 ADAM_TYPE = ("qadam", "onebit_adam")
 ADAM_OPTIMIZER_OPTIONS = ("warmup_steps",)
 """The options of an Adam-type variant that torch gives its optimizer (bagua_jax takes them all in the algorithm)."""
+
+
+def adam_betas(job: dict[str, Any], options: dict[str, Any]) -> tuple[float, float]:
+    """The Adam-type algorithms' betas: the variant's ``b1`` and ``b2`` options (taken out of ``options``), else the
+    study's ``adam_betas``."""
+    b1, b2 = job["settings"]["adam_betas"]
+    return float(options.pop("b1", b1)), float(options.pop("b2", b2))
+
+
 UNTIMED_STEPS = 12
 """Steps of the untimed first phase: compilation, first buckets, and DDP's PowerSGD hook's 10 exact steps."""
 COMM_TIMEOUT_S = {"train": 6 * 3600, "time": 600, "async": 600}
@@ -120,9 +129,8 @@ def _torch_job(job: dict[str, Any], options: dict[str, Any]) -> RankJob:
 
         if name in ADAM_TYPE:
             own = {k: options.pop(k) for k in ADAM_OPTIMIZER_OPTIONS if k in options}
-            optimizer = algorithm_class(name).optimizer_class(
-                model.parameters(), lr=schedule.peak, betas=tuple(settings["adam_betas"]), **own
-            )
+            betas = adam_betas(job, options)
+            optimizer = algorithm_class(name).optimizer_class(model.parameters(), lr=schedule.peak, betas=betas, **own)
             algorithm = get_algorithm(name, optimizer=optimizer, **options)
         else:
             optimizer, algorithm = adamw(), get_algorithm(name, **options)
@@ -255,7 +263,8 @@ def _jax_bagua_job(job: dict[str, Any], options: dict[str, Any]) -> RankJob:
 
     settings, name = job["settings"], job["algorithm"]
     if name in ADAM_TYPE:
-        b1, b2 = settings["adam_betas"]
+        options = dict(options)
+        b1, b2 = adam_betas(job, options)
         algorithm = make_algorithm(name, learning_rate=schedule_of(job).optax(), b1=b1, b2=b2, **options)
         optimizer = None
     else:
