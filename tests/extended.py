@@ -36,6 +36,12 @@ EXTENDED: dict[str, str] = {
         "on to the exchange and its joiner sitting out a round, and the refusal stay quick, and so do the launcher's "
         "slot's decisions (test_fault_tolerance_job_end)"
     ),
+    r"test_fault_tolerance_jax\.py::test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_"
+    r"inner_step\[(diloco-uint8|streaming-uint8)\]": "the 8-bit and Streaming variants of JAX's DiLoCo survivors "
+    "(10 s each; the full-precision case stays quick)",
+    r"test_fault_tolerance_torch\.py::test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_"
+    r"on_from_the_next_one\[diloco\]": "DiLoCo's lost checkpoint (7-10 s; gradient allreduce's stays quick, and "
+    "JAX's DiLoCo restart is quick)",
     r"test_fault_tolerance_jax\.py::test_a_survivor_that_had_not_applied": "JAX's survivor given another's state "
     "(torch's stays quick, and JAX's joiner receives the state the same way in the quick kill/hang/exception job)",
     r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"
