@@ -355,6 +355,8 @@ class FaultTolerance:
         link = (self.backend, self.device, self.timeout)
         sit_out = state_transfer.steps_to_sit_out(self.modules)
         scales = state_transfer.weighed_out_scales(self.modules, epoch.size - len(receivers))
+        if sit_out and epoch.rank not in receivers and self.group is not None:  # the loop's collectives: the trainers'
+            self.group.use(trainers_communicator(epoch, receivers, self.backend, self.timeout))  # before the state goes
         if epoch.rank == epoch.state_holder:
             state = state_transfer.job_state(self.step, self.committed, self.data, self.modules)
             state_transfer.send(epoch, receivers, state, self.modules, *link, sit_out=sit_out, weighed_out=bool(scales))
@@ -377,8 +379,6 @@ class FaultTolerance:
             self._sitting_out = receivers
         for module, scale in zip(self.modules, scales or ()):
             module.reducer.weighed_out = (epoch.rank not in receivers, scale)
-        if sit_out and epoch.rank not in receivers and self.group is not None:  # the loop's collectives: the trainers'
-            self.group.use(trainers_communicator(epoch, receivers, self.backend, self.timeout))
 
     # --- checkpoints for a restart of the whole job --------------------------------------
 

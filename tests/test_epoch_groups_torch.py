@@ -10,13 +10,16 @@ from __future__ import annotations
 import gc
 import os
 import threading
+import time
 
+import pytest
 import torch
 
-from bagua_common.fault_tolerance import Epoch
+from bagua_common.fault_tolerance import Epoch, MembershipChanged
 from bagua_common.fault_tolerance.epoch import Member
 from bagua_common.fault_tolerance.kv_store import KVServer
 from bagua_torch.communicator import epoch_groups
+from bagua_torch.communicator.protocol import CommunicationError
 
 
 def _threads() -> set[str]:
@@ -40,8 +43,11 @@ def test_a_pair_group_with_an_operation_pending_is_never_destroyed():
             maker.start()
         for maker in makers:
             maker.join()
-        # a joined thread may linger in the process's list for a moment: the makers' own are not the groups'
-        groups_threads = _threads() - before - {str(maker.native_id) for maker in makers}
+        # a joined thread may linger in the process's list for a moment (the makers', the connecting ones): the
+        # groups' threads are those still there a moment later
+        made_now = _threads()
+        time.sleep(0.5)
+        groups_threads = (made_now & _threads()) - before - {str(maker.native_id) for maker in makers}
         assert groups_threads  # gloo's own threads, one set per group
         pending = made[1].group.allreduce([torch.ones(4)])  # the holder never takes part: left pending
         del pending
@@ -50,3 +56,26 @@ def test_a_pair_group_with_an_operation_pending_is_never_destroyed():
         assert groups_threads <= _threads()  # destroyed groups would have stopped their threads
     finally:
         server.close()
+
+
+def test_a_group_whose_peer_died_after_the_rendezvous_gives_up_when_the_epoch_fails():
+    # gloo's connect to a peer that published its address and died waits out the group's whole timeout: the epoch's
+    # failure must end it (the survivors then recover instead of hanging in the group's construction)
+    epoch = Epoch(1, (Member("survivor", "127.0.0.1", 1), Member("dead", "127.0.0.1", 2)), 0, 1)
+    never = threading.Event()
+    threading.Timer(0.3, epoch.mark_failed).start()
+    started = time.monotonic()
+    with pytest.raises(MembershipChanged, match="changed while it connected"):
+        epoch_groups._connect(epoch, "trainers/1", never.wait)
+    assert time.monotonic() - started < 2.0
+    never.set()
+
+
+def test_a_group_that_could_not_connect_is_a_communication_error_naming_it():
+    epoch = Epoch(1, (Member("survivor", "127.0.0.1", 1), Member("dead", "127.0.0.1", 2)), 0, 1)
+
+    def refused():
+        raise RuntimeError("Connection refused")
+
+    with pytest.raises(CommunicationError, match="'trainers/1' of epoch 1 could not connect: Connection refused"):
+        epoch_groups._connect(epoch, "trainers/1", refused)

@@ -103,22 +103,46 @@ def _group_on_store(
     # torch.distributed's collectives take a ProcessGroup holding the backend (as new_group builds it)
     group = dist.ProcessGroup(store, rank, size)
     _never_destroy(group)
-    try:
-        if backend == "nccl":
-            kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
-            engine: Any = dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
-        else:
-            kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
-            engine = dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout))
-    except MembershipChanged:
-        raise
-    except RuntimeError as error:  # a member gone while the group connected
-        raise CommunicationError(f"the group {purpose!r} of epoch {epoch.number} could not connect: {error}") from error
+    if backend == "nccl":
+        kind, device = dist.ProcessGroup.BackendType.NCCL, torch.device("cuda")
+        engine: Any = _connect(
+            epoch, purpose, lambda: dist.ProcessGroupNCCL(store, rank, size, dist.ProcessGroupNCCL.Options())
+        )
+    else:
+        kind, device = dist.ProcessGroup.BackendType.GLOO, torch.device("cpu")
+        engine = _connect(epoch, purpose, lambda: dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout)))
     group._set_default_backend(kind)
     group._register_backend(device, kind, engine)
     comm = ProcessGroupCommunicator(group, timeout=timeout, name=f"ft{epoch.number}/{purpose}", abandon=epoch.failed)
     comm.store_in_use = adapter  # torch keeps only the C++ side: the Python methods must outlive the group
     return comm
+
+
+def _connect(epoch: Epoch, purpose: str, make_backend: Callable[[], Any]) -> Any:
+    """``make_backend()`` run on a thread, given up with MembershipChanged once ``epoch`` fails: a member that dies
+    after the rendezvous leaves the others in the backend's connect, which only its timeout would end."""
+    made: dict[str, Any] = {}
+    done = threading.Event()
+
+    def connect() -> None:
+        try:
+            made["backend"] = make_backend()
+        except BaseException as error:  # noqa: BLE001 - raised by the waiting caller
+            made["error"] = error
+        done.set()
+
+    connecting = threading.Thread(target=connect, name=f"bagua-ft-connect-{epoch.number}", daemon=True)
+    connecting.start()
+    while not done.wait(_STORE_POLL_S):
+        if epoch.failed.is_set():
+            raise MembershipChanged(f"the group {purpose!r} was not made: the members changed while it connected")
+    connecting.join()
+    error = made.get("error")
+    if isinstance(error, RuntimeError) and not isinstance(error, MembershipChanged):  # a member gone meanwhile
+        raise CommunicationError(f"the group {purpose!r} of epoch {epoch.number} could not connect: {error}") from error
+    if error is not None:
+        raise error
+    return made["backend"]
 
 
 def pair_communicator(
