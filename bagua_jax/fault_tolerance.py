@@ -1,25 +1,16 @@
 """Training that survives a lost rank without a restart: the JAX front end (native mode, MPI engine).
 
-:class:`FaultTolerantTrainer` drives a :class:`~bagua_jax.trainer.DataParallel` in native mode through the
-shared protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a
-transaction: the jitted step runs on this rank's part of the next samples, waits for its result, votes without
-waiting for the others' votes (:meth:`~bagua_common.fault_tolerance.Membership.vote_ahead`) and takes the new state
-(a JAX step changes nothing in place, so an abandoned one costs nothing to roll back). When a member dies or hangs,
-the epoch closes; a thread waiting on it revokes the communicator, so the collective blocked in the compiled step
-fails at once; the survivors take the next epoch, shrink the communicator to themselves, admit joiners, give the
-state of the first member that has it to those that need it (by broadcast over the same communicator), check that
-their replicated state is bit-identical, and run the step again on the new partition of the samples not yet trained
-on. The communicator's handle stays the same, so a step whose shapes do not depend on the world size is not
-compiled again (:attr:`FaultTolerantTrainer.recoveries` records each recovery's time). A joiner
-(:meth:`FaultTolerantTrainer.joiner`) compiles its step alone before it asks to be admitted: its peers wait for its
-state, never for its compilation.
-
-Under DiLoCo each outer exchange is the transaction, committed once every member voted. The inner steps
-communicate nothing, so each member trains on to the round's exchange, which fails on every survivor at the same
-step; the survivors run it again among themselves, with their own pseudo-gradients: no completed inner step is
-lost. Under DiLoCo with one fragment a joiner sits out the round in flight, as INTELLECT-1's joiners do: the members
-train it while the joiner receives the state, and the joiner takes part in the round's exchange with a zero
-pseudo-gradient that the average does not count (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`).
+:class:`FaultTolerantTrainer` drives a :class:`~bagua_jax.trainer.DataParallel` in native mode through the shared
+protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a transaction
+that votes without waiting for the others' votes; a JAX step changes nothing in place, so an abandoned one costs
+nothing to roll back. When a member dies or hangs, a thread revokes the communicator, the survivors shrink it to
+themselves in the same handle (a step whose shapes do not depend on the world size is not compiled again), check
+that their replicas are bit-identical and run the step again on the new partition of the samples not yet trained
+on. A joiner compiles its step before it asks to be admitted; under gradient allreduce it takes its first step
+weighed out while its state travels (:mod:`bagua_jax.weighed_out_step`). Under DiLoCo each outer exchange is the
+transaction: the survivors train on to it and retry it among themselves, losing no inner step, and a joiner sits out
+the round in flight with a zero pseudo-gradient (INTELLECT-1's rule). The guide,
+``docs/guides/fault_tolerance.md``, has the rules of every algorithm's state.
 """
 
 from __future__ import annotations
@@ -27,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -35,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.algorithms.diloco import DiLoCoConfig
@@ -52,13 +41,19 @@ from bagua_common.fault_tolerance.data_position import RECORD_KEY, recorded_posi
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_common.job.signature import check_same_job
 from bagua_jax import checkpoint, state_rules
-from bagua_jax.algorithms.diloco import DiLoCoState
+from bagua_jax.algorithms.diloco import skip_untrained
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
-from bagua_jax.state_transfer import broadcast_state, in_background, state_from_bytes
+from bagua_jax.state_transfer import (
+    broadcast_state,
+    in_background,
+    state_from_bytes,
+    transfer_over_pair,
+)
 from bagua_jax.train_state import TrainState, is_nnx_module, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
+from bagua_jax.weighed_out_step import WeighedOutStep, weighs_out
 
 __all__ = ["FaultTolerantTrainer"]
 
@@ -141,11 +136,15 @@ class FaultTolerantTrainer:
         self._sits_out = self._diloco is not None and self._diloco.fragments == 1
         if self._sits_out:  # a joiner's zero pseudo-gradient is not counted
             trainer._use(trainer.algorithm.counting_trainers())
+        self._weighed_out_step = WeighedOutStep(trainer) if weighs_out(trainer) else None
         self._sitting_out: frozenset[str] = frozenset()
-        """The members (ids) sitting out the round in flight (joiners given the state), until its exchange commits."""
-        self._transfer: Future | None = None
-        """The state's broadcast to joiners sitting out the round, running while the members train it."""
-        self._check_due = False
+        """The members (ids) given the state that sit out the round in flight, or are weighed out of the step in flight
+        (the next one), until it commits."""
+        self._transfer: Future | None = None  # the state's sending to those sitting out, while the members train
+        self._incoming: Future | None = None  # a member weighed out of the step in flight: its state on the way
+        # The transaction after which the replicas are compared next, instead of every hash_every: the first one every
+        # member trained after those given the state took part (weighed out: the one after their first step).
+        self._check_after: int | None = None
         self._roles: TrainState | None = None
         self.membership: Membership | None = None
         self.admission: dict[str, float] | None = None
@@ -163,7 +162,9 @@ class FaultTolerantTrainer:
                 f"membership's epoch has this member as rank {self.epoch.rank} of {self.epoch.size}"
             )
         self.committed = self.epoch.committed
-        self._watch(self.epoch)
+        self.communicator.revoke_when(
+            self.epoch.closed, f"the job's membership changed (epoch {self.epoch.number} closed)"
+        )
 
     def init(self, params: Any, example_batch: Any = None) -> Any:
         """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from a member.
@@ -178,6 +179,8 @@ class FaultTolerantTrainer:
             )
         state = self.trainer.init(params)  # the first members check with each other that they train the same job
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
+        if unwrap_state(state).model_state is not None:  # averaged with the gradients: no weighed-out step
+            self._weighed_out_step = None
         if self.membership is None:
             state = self._join(state, example_batch)
             state = self._share_state(state, self.epoch)
@@ -197,6 +200,8 @@ class FaultTolerantTrainer:
             )
         if self._world_size_free:  # else its buffers follow the world size: compiled again once admitted
             self.trainer.compile(state, example_batch)
+        if self._weighed_out_step is not None:
+            self._weighed_out_step.compile(unwrap_state(state), example_batch)
         settings, master, timeout = self._join_at
         asked = time.time()
         membership = Membership.join(settings, *master, timeout=timeout)
@@ -223,14 +228,22 @@ class FaultTolerantTrainer:
                 self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
             place, trainers = self._training_place(epoch)
             batch = batch_of(self.data.indices(place, trainers))
+            weighed = self._weighed_out_step is not None and bool(self._sitting_out)
             try:
                 if epoch.closed.is_set() and (exchange or epoch.ended.is_set()):
                     raise MembershipChanged(f"epoch {epoch.number} closed")
-                if exchange and self._transfer is not None:  # the joiners have the state before the exchange
-                    transfer, self._transfer = self._transfer, None
+                if exchange and self._transfer is not None and (self._sits_out or not weighed):
+                    transfer, self._transfer = self._transfer, None  # the receivers have it before the exchange
                     transfer.result()
-                new_state, result = self.trainer.step(state, batch)
+                if weighed:  # the joiners send zeros: the average is the members' that trained
+                    self.communicator.set_mpi_average_divisor(trainers)
+                if self._incoming is not None:
+                    new_state, result = self._weighed_out_step.take(state, batch, self._incoming, epoch)
+                else:
+                    new_state, result = self.trainer.step(state, batch)
                 jax.block_until_ready((new_state, result))
+                if weighed:
+                    self.communicator.set_mpi_average_divisor(None)
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
                 self._failed(epoch, error)
                 failed_at = time.monotonic() if failed_at is None else failed_at
@@ -242,9 +255,12 @@ class FaultTolerantTrainer:
             vote = self.membership.commit if self._diloco is not None else self.membership.vote_ahead
             if vote(epoch, transaction):
                 self._apply(trainers)
-                due = self._check_due or (self.hash_every and self.committed % self.hash_every == 0)
+                pending = self._check_after
+                due = (
+                    self.committed >= pending if pending else self.hash_every and self.committed % self.hash_every == 0
+                )
                 if due and not epoch.closed.is_set():
-                    self._check_due = False
+                    self._check_after = None
                     try:
                         self.check_replicas(new_state, f"at step {self.committed}")
                     except Exception as error:  # noqa: BLE001 - as above; the recovery checks the replicas
@@ -308,6 +324,11 @@ class FaultTolerantTrainer:
         gathered = HostCommunicator(self.communicator).allgather(digest.digest())  # nothing to compile
         check_digests(_PARTS, np.asarray(gathered), what)
 
+    @property
+    def trainers(self) -> int:
+        """The members that train the next step, among which its samples are split: all but those given the state."""
+        return self._training_place(self.epoch)[1]
+
     def _is_transaction(self, state: Any) -> bool:
         """Whether the next step of ``state`` is a transaction: every step, or one that ends with DiLoCo's exchange."""
         if self._diloco is None:
@@ -317,27 +338,15 @@ class FaultTolerantTrainer:
     def _apply(self, trainers: int) -> None:
         self.committed += 1
         self.data.advance(trainers)
-        if self._sitting_out:  # the joiners took part in an exchange: they hold the replicated state now
-            self._sitting_out, self._check_due = frozenset(), True
+        self._incoming = None
+        if self._sitting_out:  # the joiners took part in an exchange or a step: they hold the replicated state now
+            self._sitting_out = frozenset()  # compared once a step of theirs overlapped the state's travel, if weighed
+            self._check_after = self.committed + (self._weighed_out_step is not None)
 
     def _training_place(self, epoch: Epoch) -> tuple[int, int]:
         """This member's place among the members that train the step, and their number: all but those sitting out
         the round (which compute the step on the first one's samples, weighed zero)."""
         return epoch.training_place([rank for rank, m in enumerate(epoch.members) if m.id in self._sitting_out])
-
-    def _watch(self, epoch: Epoch) -> None:
-        """Revoke this epoch's communicator the moment the epoch closes, from a thread: the training thread may be
-        blocked in a collective with a member that will never arrive. The thread holds its own handle of this
-        epoch's communicator, so a late wake-up never revokes the next epoch's."""
-        own = self.communicator.handle_copy()
-        engine = self.communicator.engine
-
-        def revoke_when_closed() -> None:
-            epoch.closed.wait()
-            engine.revoke(own, f"the job's membership changed (epoch {epoch.number} closed)")
-            engine.destroy(own)
-
-        threading.Thread(target=revoke_when_closed, name=f"bagua-ft-revoke-{epoch.number}", daemon=True).start()
 
     def _recover(self, state: Any) -> Any:
         """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
@@ -347,6 +356,8 @@ class FaultTolerantTrainer:
             with contextlib.suppress(Exception):
                 self._transfer.result()
             self._transfer = None
+        self._incoming = None
+        self.communicator.engine.set_average_divisor(self.communicator.handle, 0)  # its step abandoned
         old = self.epoch
         new = self.membership.recover(old).epoch
         old_ids = [m.id for m in old.members]
@@ -356,7 +367,7 @@ class FaultTolerantTrainer:
         if new.size > len(survivors):
             self.communicator.grow(new.store, new.prefix("mpi/"), new.size)
         self.epoch = new
-        self._watch(new)
+        self.communicator.revoke_when(new.closed, f"the job's membership changed (epoch {new.number} closed)")
         state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
         self._sitting_out &= {member.id for member in new.members}
         if new.joined:
@@ -378,15 +389,15 @@ class FaultTolerantTrainer:
         return rewrap_state(None if isinstance(state, TrainState) else state, carried)
 
     def _share_state(self, state: Any, epoch: Epoch) -> Any:
-        """The first member that has the committed state (:attr:`Epoch.state_holder`) broadcasts it (everyone takes
-        part) to those that need it: the joiners, and survivors that had not applied the last step, after checking
-        with them that everyone trains the same job (on host buffers: nothing to compile). The
-        data position, the transaction number and who sits out the round travel in the epoch's store. Where the
-        receivers sit out the round, the members train it meanwhile: the broadcast runs on a thread until the
-        round's exchange. Returns the state to go on from."""
+        """The first member that has the committed state (:attr:`Epoch.state_holder`) gives it to the joiners and the
+        survivors behind, having checked they train the same job; the position and who sits out go through the store.
+        Under gradient allreduce it goes over a pair each while they take the next step weighed out; under DiLoCo with
+        one fragment, by broadcast while the members train the round they sit out; else while everyone waits."""
         holder, key = epoch.state_holder, epoch.prefix("transfer")
-        if self._sits_out:
-            self._sitting_out |= {member.id for rank, member in enumerate(epoch.members) if epoch.is_joiner(rank)}
+        receivers = [rank for rank in range(epoch.size) if epoch.is_joiner(rank)]
+        weighed = self._weighed_out_step is not None
+        if self._sits_out or weighed:
+            self._sitting_out |= {epoch.members[rank].id for rank in receivers}
         if epoch.rank == holder:
             record = {
                 "committed": self.committed,
@@ -395,43 +406,45 @@ class FaultTolerantTrainer:
             }
             epoch.store.set(key, json.dumps(record))
         host = HostCommunicator(self.communicator)
+        signature = job_signature(unwrap_state(state).params, self.trainer.algorithm)
 
-        def transfer() -> np.ndarray:
-            signature = job_signature(unwrap_state(state).params, self.trainer.algorithm)
+        def broadcast() -> np.ndarray:
             check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
             return broadcast_state(host, state, holder)
 
+        def over_pairs(ranks: list[int]) -> np.ndarray:
+            return [transfer_over_pair(epoch, rank, state, signature) for rank in ranks][-1]
+
         if not epoch.is_joiner():
-            if self._sitting_out:
-                self._transfer = in_background(transfer, f"bagua-ft-transfer-{epoch.number}")
-            else:
-                transfer()
+            if weighed and epoch.rank == holder:
+                self._transfer = in_background(lambda: over_pairs(receivers), f"bagua-ft-transfer-{epoch.number}")
+            elif self._sits_out:
+                self._transfer = in_background(broadcast, f"bagua-ft-transfer-{epoch.number}")
+            elif not weighed:
+                broadcast()
             return state
-        received = state_from_bytes(transfer(), state)
-        user_state = None if isinstance(state, TrainState) else state  # a flax TrainState comes back as one
+        if weighed:
+            self._incoming = in_background(lambda: over_pairs([epoch.rank]), f"bagua-ft-state-{epoch.number}")
+        else:
+            received = state_from_bytes(broadcast(), state)
         raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
         if raw is None:
             raise TimeoutError(f"fault tolerance: no state record for the joiners of epoch {epoch.number}")
-        record = json.loads(raw)
+        record, user_state = json.loads(raw), None if isinstance(state, TrainState) else state  # flax's comes back
         self.committed = int(record["committed"])
         self.data.load_state(record["position"])
         self._sitting_out = frozenset(record["sitting_out"])
+        if weighed:  # applied once its first step commits: a change before then gives it the state again
+            return state
         if self._sitting_out:  # applied once its first exchange commits: a change before then gives it the state again
             return rewrap_state(user_state, self._sit_out(received))
         self.membership.applied(self.committed)
         return rewrap_state(user_state, received)
 
     def _sit_out(self, state: TrainState) -> TrainState:
-        """``state`` (a member's, just received) at the step before the round's exchange, marked as not trained
-        (:attr:`~bagua_jax.algorithms.diloco.DiLoCoState.trained`), the data past the inner steps it skips."""
+        """``state`` (a member's, just received) at the step before the round's exchange, marked as not trained, the
+        data past the inner steps it skips."""
         skipped = self._diloco.steps_to_exchange(int(state.step)) - 1
         for _ in range(skipped):
             self.data.advance(self._training_place(self.epoch)[1])
-
-        def skip(node: Any) -> Any:
-            if not isinstance(node, DiLoCoState):
-                return node
-            return node._replace(step=node.step + skipped, trained=jnp.zeros_like(node.trained))
-
-        opt_state = jax.tree.map(skip, state.opt_state, is_leaf=lambda node: isinstance(node, DiLoCoState))
-        return state._replace(opt_state=opt_state, step=state.step + skipped)
+        return state._replace(opt_state=skip_untrained(state.opt_state, skipped), step=state.step + skipped)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import threading
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -159,6 +160,19 @@ class NativeCommunicator(MpiSettings):
             raise ValueError("join: only the MPI engine admits newcomers in place (NCCL: build a new communicator)")
         self._install(_newcomer(store, prefix, rank, size, timeout))
 
+    def revoke_when(self, event: threading.Event, reason: str) -> None:
+        """Revoke (:meth:`revoke`) the communicator this one holds now, from a thread, the moment ``event`` is set:
+        the training thread may be blocked in a collective with a member that will never arrive. The thread holds a
+        handle of its own (:meth:`handle_copy`), so a late wake-up never revokes the communicator installed later."""
+        own, engine = self.handle_copy(), self.engine
+
+        def revoke_when_set() -> None:
+            event.wait()
+            engine.revoke(own, reason)
+            engine.destroy(own)
+
+        threading.Thread(target=revoke_when_set, name="bagua-revoke", daemon=True).start()
+
     def handle_copy(self) -> int:
         """A second handle of the communicator this one holds (destroying either leaves the other)."""
         return self.engine.share(self.handle)
@@ -190,6 +204,19 @@ class NativeCommunicator(MpiSettings):
         value = mpi_ring_min_bytes(value, self.kind, f"communicator handle {self.handle}")
         jax.effects_barrier()
         self.engine.set_ring_min_bytes(self.handle, value)
+
+    def set_mpi_average_divisor(self, ranks: int | None) -> None:
+        """Make ``"avg"`` reductions divide by ``ranks`` instead of the size (None: the size again), for the
+        collectives dispatched after this call (those already dispatched first complete, as for
+        :meth:`set_mpi_ring_min_bytes`). Run-time state: recompiles nothing. A fault-tolerant job's joiner sends zeros
+        in the step it takes weighed out, and every rank divides by the members that trained it. Every rank must set
+        the same value at the same point."""
+        if self.kind != "mpi":
+            raise ValueError("set_mpi_average_divisor: only the MPI engine's averages take a divisor")
+        if ranks is not None and not 1 <= ranks <= self.size:
+            raise ValueError(f"set_mpi_average_divisor: ranks must be 1..{self.size} (the size) or None, got {ranks}")
+        jax.effects_barrier()
+        self.engine.set_average_divisor(self.handle, 0 if ranks is None else int(ranks))
 
     def close(self) -> None:
         """Release the communicator (it is freed once no call uses it)."""

@@ -3,23 +3,39 @@ behind the others) over the job's own communicator, never through a file.
 
 The transferred leaves (parameters, optimizer state with the algorithm's, step) travel as their bytes in one
 broadcast of host buffers: nothing to compile, so it may run from a thread while the members train (DiLoCo's round
-that a joiner sits out), and the joiner lays the bytes out as its own state's leaves.
+that a joiner sits out), and the joiner lays the bytes out as its own state's leaves. While the members take steps
+that use the job's communicator (a joiner weighed out of its first step), it travels over a communicator of the
+holder and the receiver alone (:func:`transfer_over_pair`).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import jax
 import numpy as np
 
+from bagua_common.fault_tolerance import Epoch, MembershipChanged
+from bagua_common.job.signature import check_same_job
 from bagua_jax.host_communicator import HostCommunicator
+from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.train_state import TrainState, unwrap_state
 
-__all__ = ["broadcast_state", "in_background", "state_from_bytes", "transferred_leaves"]
+__all__ = [
+    "broadcast_state",
+    "in_background",
+    "state_from_bytes",
+    "transfer_over_pair",
+    "transferred_leaves",
+    "wait_in_epoch",
+]
+
+_POLL_S = 0.05  # how often a wait for the state looks whether its epoch closed meanwhile
 
 
 def transferred_leaves(state: Any) -> tuple[list[np.ndarray], Any]:
@@ -60,3 +76,52 @@ def in_background(work: Callable[[], Any], name: str) -> Future:
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return future
+
+
+def transfer_over_pair(epoch: Epoch, receiver: int, state: Any, signature: np.ndarray) -> np.ndarray:
+    """The state's holder (:attr:`Epoch.state_holder`) sends ``state``'s transferred leaves to member ``receiver``
+    over a communicator of the two alone, built through the epoch's store, after checking with it that both train
+    the same job (``signature``); both call it (from a thread: the members may meanwhile train on the job's
+    communicator), and the receiver gets the bytes (:func:`state_from_bytes`). The pair's collectives fail at once
+    when the epoch closes."""
+    rank = 0 if epoch.rank == epoch.state_holder else 1
+    store = _PollingStore(epoch)
+    pair = NativeCommunicator.mpi_through_store(store, epoch.prefix(f"state-pair/{receiver}/"), rank, 2)
+    pair.revoke_when(epoch.closed, f"the job's membership changed (epoch {epoch.number} closed)")
+    try:
+        host = HostCommunicator(pair)
+        check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
+        return broadcast_state(host, state, 0)
+    finally:
+        pair.close()
+
+
+class _PollingStore:
+    """``epoch``'s store for a thread: its waits poll, so they never hold the store's connection from the training
+    thread for long, and they give up with MembershipChanged once the epoch closes."""
+
+    def __init__(self, epoch: Epoch):
+        self._epoch = epoch
+
+    def set(self, key: str, value: bytes | str) -> None:
+        self._epoch.store.set(key, value)
+
+    def get(self, key: str, wait: float = 0.0) -> bytes | None:
+        deadline = time.monotonic() + wait
+        while True:
+            value = self._epoch.store.get(key, wait=min(_POLL_S, max(0.0, deadline - time.monotonic())))
+            if value is not None or time.monotonic() >= deadline:
+                return value
+            if self._epoch.closed.is_set():
+                raise MembershipChanged(f"epoch {self._epoch.number} closed while the state's pair was being made")
+
+
+def wait_in_epoch(future: Future, epoch: Epoch) -> Any:
+    """``future``'s result, given up with MembershipChanged once ``epoch`` closes (the thread behind it may be
+    blocked on a member that died)."""
+    while True:
+        try:
+            return future.result(timeout=_POLL_S)
+        except FutureTimeout:
+            if epoch.closed.is_set():
+                raise MembershipChanged(f"epoch {epoch.number} closed while the state was on its way") from None

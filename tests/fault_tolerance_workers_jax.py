@@ -117,6 +117,22 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
     return ft, state, time.time()
 
 
+def _delay_the_state(seconds: float) -> None:
+    """Make the state's holder start sending it to a joiner ``seconds`` late (a slow link)."""
+    if not seconds:
+        return
+    from bagua_jax import fault_tolerance
+
+    transfer = fault_tolerance.transfer_over_pair
+
+    def late(epoch, receiver, *args):
+        if epoch.rank == epoch.state_holder:
+            time.sleep(seconds)
+        return transfer(epoch, receiver, *args)
+
+    fault_tolerance.transfer_over_pair = late
+
+
 def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:
     """Make ``membership``'s votes fail as ``faults`` (``kill-before-vote``) and ``late_vote`` say for ``rank``."""
     vote_ahead = membership.vote_ahead
@@ -154,12 +170,13 @@ def train(
     def make_trainer(comm):
         return DataParallel(linear_loss, optax.sgd(LR), "gradient_allreduce", communicator=comm)
 
+    _delay_the_state(float(os.environ.get("FT_STATE_DELAY", "0")))
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     started = time.time()
     compilations = _compilations()
     ft, state, admitted = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))
-    last_fault = max(faults)
+    last_fault = max(faults, default=1)
     attempts = []
     _vote_with_faults(ft.membership, rank, faults, late_vote)
 
@@ -174,7 +191,7 @@ def train(
             {
                 "transaction": transaction,
                 "epoch": ft.epoch.number,
-                "size": ft.epoch.size,
+                "size": ft.trainers,
                 "rank": ft.epoch.rank,
                 "indices": indices.tolist(),
                 "start": time.time(),

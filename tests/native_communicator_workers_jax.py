@@ -128,3 +128,27 @@ def job(seed: int, scenarios: list[Scenario], local_world_size: None = None) -> 
     from bagua_jax.native_communicator import NativeCommunicator
 
     return {"rank": int(NativeCommunicator.mpi_world(timeout=60).rank()), **scenario.run(scenarios, seed=seed)}
+
+
+def weighed_average(seed: int, count: int) -> dict:
+    """The last rank sends zeros in an average that divides by the others, then in one over all; through one jitted
+    function (the divisor is run-time state); and the divisor's refusals."""
+    import jax
+
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    comm = NativeCommunicator.mpi_world(timeout=60)
+    rank, size = int(comm.rank()), comm.size
+    mean = jax.jit(lambda v: comm.allreduce(v, "avg"))
+    data = rank_data(rank, seed, (count,))
+    comm.set_mpi_average_divisor(size - 1)
+    out = {"weighed": np.asarray(mean(data if rank < size - 1 else np.zeros_like(data)))}
+    comm.set_mpi_average_divisor(None)
+    out["all"], out["compiles"] = np.asarray(mean(data)), mean._cache_size()
+    for bad in (0, size + 1):
+        try:
+            comm.set_mpi_average_divisor(bad)
+            out[f"bad {bad}"] = "accepted"
+        except ValueError as error:
+            out[f"bad {bad}"] = str(error)
+    return out

@@ -31,9 +31,12 @@ from bagua_jax.checkpoint import read_state
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
 
 
-def run_members(tmp_path: Path, function: str, count: int, *args, hung: int | None = None, timeout: float = 240):
-    """``fault_tolerance_workers_jax.function(*args)`` on ``count`` members, each its own ``mpiexec -n 1`` job. The
-    member ``hung`` (SIGSTOPped) never ends by itself: it is killed once the others ended."""
+def run_members(
+    tmp_path: Path, function: str, count: int, *args, hung: int | None = None, timeout: float = 240, env=None
+):
+    """``fault_tolerance_workers_jax.function(*args)`` on ``count`` members, each its own ``mpiexec -n 1`` job, with
+    ``env`` added to their environment. The member ``hung`` (SIGSTOPped) never ends by itself: it is killed once the
+    others ended."""
 
     def react(codes):
         if all(c is not None for r, c in enumerate(codes) if r != hung) and codes[hung] is None:
@@ -46,7 +49,7 @@ def run_members(tmp_path: Path, function: str, count: int, *args, hung: int | No
         *args,
         launcher="mpiexec-per-rank",
         timeout=timeout,
-        env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path)},
+        env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path), **(env or {})},
         check=False,
         watch=None if hung is None else react,
     )
@@ -108,7 +111,8 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
     survivor, joiner = (r.value for r in members)
     for seen in (survivor, joiner):
         for step in seen["steps"]:  # each rank trained on exactly its part of the re-partition
-            assert step["indices"] == expected[step["transaction"]][step["rank"]], step
+            t = step["transaction"]  # a rank weighed out of the step is handed the first trainer's samples
+            assert step["indices"] == expected[t][step["rank"] if step["rank"] < sizes[t] else 0], step
         for name, value in reference.items():
             np.testing.assert_allclose(seen["params"][name], value, rtol=2e-5, atol=1e-6)
             np.testing.assert_array_equal(seen["params"][name], survivor["params"][name])  # bit-identical
@@ -130,8 +134,9 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
     assert len(steps_compiled) == 1 and steps_compiled[0] < joiner["admitted"], joiner[
         "compilations"
     ]  # before it asked
-    first = joiner["steps"][0]["transaction"]
-    assert sizes[first - 1] == 1 and sizes[first] == 2, (first, sizes)
+    first = joiner["steps"][0]["transaction"]  # weighed out while its state arrived: the survivor alone trained it
+    assert sizes[first - 1] == 1 and sizes[first] == 1 and sizes[first + 1] == 2, (first, sizes)
+    assert joiner["steps"][0]["rank"] == 1 and joiner["steps"][1]["rank"] == 1
     first_end = joiner["steps"][0]["end"]
     later = sum(seconds for when, _, seconds in joiner["compilations"] if joiner["admitted"] < when < first_end)
     print(
@@ -149,7 +154,8 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
     assert results[2].returncode != 0 and [r.returncode for r in results[:2]] == [0, 0], outputs
     applied, behind = results[0].value, results[1].value
     sizes = {s["transaction"]: s["size"] for s in applied["steps"]}
-    assert sizes == {1: 3, 2: 3, 3: 3, 4: 2, 5: 2, 6: 2}, sizes  # step 3 counts: member 0 applied it
+    # step 3 counts: member 0 applied it; member 1, given the state at it, is weighed out of step 4 meanwhile
+    assert sizes == {1: 3, 2: 3, 3: 3, 4: 1, 5: 2, 6: 2}, sizes
     for name, value in replay(sizes).items():
         np.testing.assert_allclose(applied["params"][name], value, rtol=2e-5, atol=1e-6)
         np.testing.assert_array_equal(behind["params"][name], applied["params"][name])  # bit-identical
@@ -157,6 +163,28 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
     # member 1 did not apply step 3 and was given member 0's state at it: nothing run twice, nothing lost
     assert [a["transaction"] for a in behind["attempts"]] == [1, 2, 3, 4, 5, 6]
     assert [s["transaction"] for s in behind["steps"]] == [1, 2, 4, 5, 6]
+
+
+def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_path: Path):
+    # Two members, then a joiner whose state the holder starts sending a second late: the members train the next
+    # step on their own samples without waiting for it; the joiner sends zeros in it, keeps the members' average
+    # and applies it to the state once it arrived.
+    delay = 1.0
+    results = run_members(tmp_path, "train", 3, {}, 2, 3, 5, env={"FT_STATE_DELAY": str(delay)}, timeout=180)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0], outputs
+    holder, other, joiner = (r.value for r in results)
+    sizes = {s["transaction"]: s["size"] for s in holder["steps"]}
+    first = joiner["steps"][0]["transaction"]
+    assert sizes[first] == 2 and all(sizes[t] == 3 for t in sizes if t > first), sizes  # weighed out of `first`
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(joiner["params"][name], value, rtol=2e-5, atol=1e-6)
+        for member in (holder, other):
+            np.testing.assert_array_equal(member["params"][name], joiner["params"][name])  # bit-identical
+    for member in (holder, other):  # the members' step did not wait for the state
+        step = next(s for s in member["steps"] if s["transaction"] == first)
+        assert step["end"] - step["start"] < delay / 2, step
+    assert joiner["steps"][0]["end"] - joiner["admitted"] > delay  # its step was applied to the state, once there
 
 
 def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_on_from_the_next_one(tmp_path: Path):

@@ -157,3 +157,26 @@ def test_opposite_send_recv_orders_do_not_deadlock():
     n = OPPOSITE_ORDERS.options["n"]
     np.testing.assert_array_equal(ranks[0][OPPOSITE_ORDERS.label], np.full(n, 20.0, np.float32))
     np.testing.assert_array_equal(ranks[1][OPPOSITE_ORDERS.label], np.full(n, 1.0, np.float32))
+
+
+@pytest.mark.parametrize("count", [1000, RING_MIN_BYTES // 4 * 2], ids=["mpi-allreduce", "ring-allreduce"])
+def test_an_average_divides_by_the_ranks_set_at_run_time(count):
+    # A fault-tolerant joiner sends zeros in the step it is weighed out of: the average is the others'.
+    size, seed = 3, 11
+    runs = run_ranks(
+        "native_communicator_workers_jax:weighed_average",
+        size,
+        seed,
+        count,
+        launcher="mpiexec",
+        timeout=300,
+        env=BETWEEN_NODES,
+    )
+    results = [r.value for r in runs]
+    data = [rank_data(rank, seed, (count,)) for rank in range(size)]
+    for res in results:
+        np.testing.assert_allclose(res["weighed"], (data[0] + data[1]) / 2, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(res["all"], sum(data) / 3, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(res["weighed"], results[0]["weighed"])
+        assert res["compiles"] == 1
+        assert "must be 1..3 (the size) or None, got 0" in res["bad 0"] and "got 4" in res["bad 4"]

@@ -58,6 +58,13 @@ class MpiCommunicator final : public Communicator {
     check_ring_min_bytes(bytes);
     ring_min_bytes_ = bytes;
   }
+  int average_divisor() const { return average_divisor_ > 0 ? average_divisor_.load() : size_; }
+  void set_average_divisor(int ranks) {
+    if (ranks < 0 || ranks > size_)
+      throw std::invalid_argument("the ranks an average divides by must be 1.." + std::to_string(size_) +
+                                  " (0: all), got " + std::to_string(ranks));
+    average_divisor_ = ranks;
+  }
 
   Status allreduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op,
                    void*) override {
@@ -72,7 +79,7 @@ class MpiCommunicator final : public Communicator {
                                                                recv, count, mpi_type(type),
                                                                mpi_op(type, op), comm_, r);
                                      });
-                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
+                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, average_divisor());
                     return s;
                   });
   }
@@ -90,7 +97,7 @@ class MpiCommunicator final : public Communicator {
                                            mpi_type(type), mpi_op(type, op), root, comm_, r);
                     });
                     if (s.ok() && op == ReduceOp::kAvg && rank_ == root)
-                      divide_in_place(recv, count, type, size_);
+                      divide_in_place(recv, count, type, average_divisor());
                     return s;
                   });
   }
@@ -115,7 +122,7 @@ class MpiCommunicator final : public Communicator {
                       return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type),
                                                          mpi_op(type, op), comm_, r);
                     });
-                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, size_);
+                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, average_divisor());
                     return s;
                   });
   }
@@ -426,6 +433,7 @@ class MpiCommunicator final : public Communicator {
   bool spans_nodes_ = false;
   // Atomic: torch sets it from its thread while collectives run on the communicator's worker.
   std::atomic<int64_t> ring_min_bytes_;
+  std::atomic<int> average_divisor_{0};  // 0: the size
   bool broken_ = false;
   const bool abandonable_;
   std::atomic<bool> revoked_{false};
@@ -618,6 +626,10 @@ int64_t mpi_ring_min_bytes(const Communicator& comm) {
 
 void set_mpi_ring_min_bytes(Communicator& comm, int64_t bytes) {
   as_mpi(comm, "set_mpi_ring_min_bytes").set_ring_min_bytes(bytes);
+}
+
+void set_mpi_average_divisor(Communicator& comm, int ranks) {
+  as_mpi(comm, "set_mpi_average_divisor").set_average_divisor(ranks);
 }
 
 }  // namespace bagua

@@ -55,4 +55,10 @@ bool mpi_spans_nodes(const Communicator& comm);
 int64_t mpi_ring_min_bytes(const Communicator& comm);
 void set_mpi_ring_min_bytes(Communicator& comm, int64_t bytes);
 
+// The number of ranks that "avg" reductions divide by, for collectives started after it: `ranks`
+// (1..size), or the size for 0. Every rank sets the same value between the same two collectives. A
+// fault-tolerant job's joiner sends zeros in the step it takes weighed out, and the average is the
+// members' that trained it.
+void set_mpi_average_divisor(Communicator& comm, int ranks);
+
 }  // namespace bagua

@@ -329,3 +329,15 @@ class DiLoCo(ConfiguredAlgorithm):
         copy = super().replace(**changes)
         object.__setattr__(copy, "counts_trainers", self.counts_trainers)
         return copy
+
+
+def skip_untrained(opt_state: Any, steps: int) -> Any:
+    """``opt_state`` with each :class:`DiLoCoState` in it ``steps`` inner steps on and marked as not trained: a
+    fault-tolerant joiner's, which sits out the round in flight and joins its exchange with a zero pseudo-gradient."""
+
+    def skip(node: Any) -> Any:
+        if not isinstance(node, DiLoCoState):
+            return node
+        return node._replace(step=node.step + steps, trained=jnp.zeros_like(node.trained))
+
+    return jax.tree.map(skip, opt_state, is_leaf=lambda node: isinstance(node, DiLoCoState))
