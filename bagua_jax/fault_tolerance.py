@@ -21,6 +21,7 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -40,17 +41,11 @@ from bagua_common.fault_tolerance import (
 from bagua_common.fault_tolerance.data_position import RECORD_KEY, recorded_position
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_common.job.signature import check_same_job
-from bagua_jax import checkpoint, state_rules
+from bagua_jax import checkpoint, state_rules, state_transfer
 from bagua_jax.algorithms.diloco import skip_untrained
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
-from bagua_jax.state_transfer import (
-    broadcast_state,
-    in_background,
-    state_from_bytes,
-    transfer_over_pair,
-)
 from bagua_jax.train_state import TrainState, is_nnx_module, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 from bagua_jax.weighed_out_step import WeighedOutStep, weighs_out
@@ -200,7 +195,7 @@ class FaultTolerantTrainer:
             )
         if self._world_size_free:  # else its buffers follow the world size: compiled again once admitted
             self.trainer.compile(state, example_batch)
-        if self._weighed_out_step is not None:
+        if self._weighed_out_step is not None:  # its first step
             self._weighed_out_step.compile(unwrap_state(state), example_batch)
         settings, master, timeout = self._join_at
         asked = time.time()
@@ -234,14 +229,16 @@ class FaultTolerantTrainer:
                     raise MembershipChanged(f"epoch {epoch.number} closed")
                 if exchange and self._transfer is not None and (self._sits_out or not weighed):
                     transfer, self._transfer = self._transfer, None  # the receivers have it before the exchange
-                    transfer.result()
+                    state_transfer.wait_in_epoch(transfer, epoch)
                 if weighed:  # the joiners send zeros: the average is the members' that trained
                     self.communicator.set_mpi_average_divisor(trainers)
-                if self._incoming is not None:
-                    new_state, result = self._weighed_out_step.take(state, batch, self._incoming, epoch)
+                if weighed:  # every rank runs the step's two halves, so that the joiners' update is the members'
+                    new_state, result = self._weighed_out_step.step(state, batch, self._incoming, epoch)
                 else:
                     new_state, result = self.trainer.step(state, batch)
                 jax.block_until_ready((new_state, result))
+                if self._weighed_out_step is not None:  # compiled from a thread, long before a joiner comes
+                    self._weighed_out_step.compile_in_background(unwrap_state(state), batch)
                 if weighed:
                     self.communicator.set_mpi_average_divisor(None)
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
@@ -352,11 +349,10 @@ class FaultTolerantTrainer:
         """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
         that had not applied a step another one applied is given that one's state)."""
         started = time.monotonic()
-        if self._transfer is not None:  # over (the old communicator is revoked) before the communicator changes
-            with contextlib.suppress(Exception):
+        if self._transfer is not None and self._weighed_out_step is None:  # a broadcast on the old communicator: over
+            with contextlib.suppress(Exception):  # (revoked) before it changes; a pair's own thread is left to end
                 self._transfer.result()
-            self._transfer = None
-        self._incoming = None
+        self._transfer = self._incoming = None
         self.communicator.engine.set_average_divisor(self.communicator.handle, 0)  # its step abandoned
         old = self.epoch
         new = self.membership.recover(old).epoch
@@ -410,23 +406,24 @@ class FaultTolerantTrainer:
 
         def broadcast() -> np.ndarray:
             check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
-            return broadcast_state(host, state, holder)
-
-        def over_pairs(ranks: list[int]) -> np.ndarray:
-            return [transfer_over_pair(epoch, rank, state, signature) for rank in ranks][-1]
+            return state_transfer.broadcast_state(host, state, holder)
 
         if not epoch.is_joiner():
             if weighed and epoch.rank == holder:
-                self._transfer = in_background(lambda: over_pairs(receivers), f"bagua-ft-transfer-{epoch.number}")
+                self._transfer = state_transfer.in_background(
+                    partial(state_transfer.send_to_each, epoch, receivers, state, signature), "bagua-ft-state"
+                )
             elif self._sits_out:
-                self._transfer = in_background(broadcast, f"bagua-ft-transfer-{epoch.number}")
+                self._transfer = state_transfer.in_background(broadcast, f"bagua-ft-transfer-{epoch.number}")
             elif not weighed:
                 broadcast()
             return state
         if weighed:
-            self._incoming = in_background(lambda: over_pairs([epoch.rank]), f"bagua-ft-state-{epoch.number}")
+            self._incoming = state_transfer.in_background(
+                partial(state_transfer.transfer_over_pair, epoch, epoch.rank, state, signature), "bagua-ft-state"
+            )
         else:
-            received = state_from_bytes(broadcast(), state)
+            received = state_transfer.state_from_bytes(broadcast(), state)
         raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
         if raw is None:
             raise TimeoutError(f"fault tolerance: no state record for the joiners of epoch {epoch.number}")

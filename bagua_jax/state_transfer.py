@@ -29,6 +29,7 @@ from bagua_jax.train_state import TrainState, unwrap_state
 __all__ = [
     "broadcast_state",
     "in_background",
+    "send_to_each",
     "state_from_bytes",
     "transfer_over_pair",
     "transferred_leaves",
@@ -114,6 +115,12 @@ class _PollingStore:
                 return value
             if self._epoch.closed.is_set():
                 raise MembershipChanged(f"epoch {self._epoch.number} closed while the state's pair was being made")
+
+
+def send_to_each(epoch: Epoch, receivers: list[int], state: Any, signature: np.ndarray) -> None:
+    """The holder's side of :func:`transfer_over_pair` with each of ``receivers`` in turn."""
+    for receiver in receivers:
+        transfer_over_pair(epoch, receiver, state, signature)
 
 
 def wait_in_epoch(future: Future, epoch: Epoch) -> Any:

@@ -121,6 +121,7 @@ class FaultTolerance:
         self._failure_seen: float | None = None
         self._checked = self._sat_out_through = -1  # the last step the replicas were checked; a joiner sat out
         self._sitting_out: tuple[int, ...] = ()  # the ranks given the state in the background, until they commit
+        self._weighed_out = False  # whether those take part in the step in flight weighed out, not sitting out a round
         self._incoming: state_transfer.IncomingState | None = None  # this joiner's state, weighed out of its step
         self._entered = self._check_due = False  # an epoch was entered; the replicas are checked at the next step
         self.world = solo_communicator(self.timeout)  # until the loop starts: the models wrap alone, then are rebuilt
@@ -183,10 +184,8 @@ class FaultTolerance:
         self.committed += 1
         self._committed_this_attempt = True
         if self._sitting_out:  # joiners took part: weighed out, or from their sit-out (their loop skips its step)
-            skipped = self.epoch.rank not in self._sitting_out and not any(m.reducer.weighed_out for m in self.modules)
+            skipped = self.epoch.rank not in self._sitting_out and not self._weighed_out
             self._sat_out_through, self._sitting_out, self._check_due = self.step + 1 if skipped else -1, (), True
-            for module in self.modules:
-                module.reducer.weighed_out = None
         for module in self.modules:
             module.algorithm_impl.on_commit()
 
@@ -328,7 +327,7 @@ class FaultTolerance:
             self.group.use(self.world)
         for module in self.modules:
             module.rebuild(self.communicators)
-        self._sitting_out, self._check_due, self._incoming = (), False, None
+        self._sitting_out, self._weighed_out, self._check_due, self._incoming = (), False, False, None
         if epoch.joined:  # the members' state, which a restored checkpoint's step, data and optimizer are part of
             self._receive_or_send_state()
         elif not self._entered:  # the job's first epoch: every rank takes rank 0's replicas (not again: DiLoCo's drift)
@@ -376,7 +375,7 @@ class FaultTolerance:
                 for module in self.modules:
                     module.algorithm_impl.sit_out(sit_out)
         if scales or sit_out is not None:
-            self._sitting_out = receivers
+            self._sitting_out, self._weighed_out = receivers, bool(scales)
         for module, scale in zip(self.modules, scales or ()):
             module.reducer.weighed_out = (epoch.rank not in receivers, scale)
 

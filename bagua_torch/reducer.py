@@ -60,9 +60,10 @@ class Reducer:
         self.events: list[tuple[str, int, float]] | None = None
         self.gradients_in_buckets = False
         self.weighed_out: tuple[bool, float] | None = None
-        """While a fault-tolerant job's joiner takes part in a step without its state (set and cleared by
-        :class:`~bagua_torch.fault_tolerance.FaultTolerance`): whether this rank's gradients count, and the factor
-        that makes the algorithm's average over every rank the average over those that count."""
+        """For the next step, while a fault-tolerant job's joiner takes part in it without its state (set by
+        :class:`~bagua_torch.fault_tolerance.FaultTolerance`, cleared once the step's results are written): whether
+        this rank's gradients count, and the factor that makes the algorithm's average over every rank the average
+        over those that count."""
         self._grad_views = [bucket.views(bucket.grad) for bucket in self.buckets]
         self._slot: dict[int, tuple[int, int]] = {
             id(p): (bucket.index, i) for bucket in self.buckets for i, p in enumerate(bucket.params)
@@ -214,6 +215,7 @@ class Reducer:
             self._in_iteration = False
             self._backward_done = False
             self._works = [None] * len(self.buckets)
+            self.weighed_out = None
 
     def _write_result(self, bucket: Bucket, result: torch.Tensor) -> None:
         if not self.gradients_in_buckets:

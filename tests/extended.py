@@ -30,11 +30,12 @@ EXTENDED: dict[str, str] = {
     # fault handling: one fault of each kind per front end stays quick
     r"test_fault_tolerance_torch\.py::test_(gradient_allreduce|powersgd|streaming_diloco|a_death_before_the_vote|"
     r"a_rank_lost_before_the_job_formed|a_survivor_goes_on_alone|a_node_whose_only_rank_died|"
-    r"a_diloco_joiner_whose_state_holder_dies|a_diloco_joiner_sits_out_with_the_fused)": (
+    r"a_diloco_joiner_whose_state_holder_dies|a_diloco_joiner_sits_out_with_the_fused|"
+    r"a_joiner_lost_in_the_step_it_is_weighed_out_of)": (
         "torch's in-process recovery matrix: 3-4 ranks, several faults and replacements per job (30-80 s each under "
         "load); survivors going on after a SIGKILL, one of them given the other's state, DiLoCo's survivors training "
         "on to the exchange and its joiner sitting out a round, and the refusal stay quick, and so do the launcher's "
-        "slot's decisions (test_fault_tolerance_job_end)"
+        "slot's decisions (test_fault_tolerance_job_end); so does a joiner weighed out of its first step"
     ),
     r"test_fault_tolerance_jax\.py::test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_"
     r"inner_step\[(diloco-uint8|streaming-uint8)\]": "the 8-bit and Streaming variants of JAX's DiLoCo survivors "
@@ -53,8 +54,8 @@ EXTENDED: dict[str, str] = {
     "dead-peer cases stay quick",
     r"test_communicators_torch\.py::test_(every_primitive_matches_numpy\[gloo-4ranks\]|a_dead_or_stalled_peer_"
     r"raises_within_the_timeout\[(gloo|mpi)-stall\])": "two ranks and a dead peer per engine stay quick",
-    r"test_native_communicator_jax\.py::test_a_dead_peer_raises_on_the_survivors_within_the_timeout\[ring": "the "
-    "MPI engine's dead peer stays quick",
+    r"test_native_communicator_jax\.py::test_(a_dead_peer_raises_on_the_survivors_within_the_timeout|an_average_"
+    r"divides_by_the_ranks_set_at_run_time)\[ring": "the MPI engine's dead peer and its run-time divisor stay quick",
     r"test_process_group\.py::test_a_timed_out_run_kills_every_process_of_its_group\[rank 1\]": "rank 0's case "
     "stays quick",
     r"test_clean_exit_torch\.py::": "a gloo job's clean exit and a DCP job's (22 s and 36 s, 3 launched jobs each)",

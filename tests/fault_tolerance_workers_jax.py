@@ -121,16 +121,16 @@ def _delay_the_state(seconds: float) -> None:
     """Make the state's holder start sending it to a joiner ``seconds`` late (a slow link)."""
     if not seconds:
         return
-    from bagua_jax import fault_tolerance
+    from bagua_jax import state_transfer
 
-    transfer = fault_tolerance.transfer_over_pair
+    transfer = state_transfer.transfer_over_pair
 
     def late(epoch, receiver, *args):
         if epoch.rank == epoch.state_holder:
             time.sleep(seconds)
         return transfer(epoch, receiver, *args)
 
-    fault_tolerance.transfer_over_pair = late
+    state_transfer.transfer_over_pair = late
 
 
 def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:
@@ -217,7 +217,6 @@ def train(
         "recoveries": ft.recoveries,
         "started": started,
         "admitted": admitted,
-        "compiled": ft.trainer._step_fn(False, False)._cache_size(),
         "compilations": compilations,
     }
 

@@ -6,9 +6,10 @@ joiner), ``FT_ALGORITHM`` (a registry name, then optionally its options as JSON)
 ``{"rank", "step", "where", "kind"}``). At that step, in ``forward``, ``backward`` (in a gradient
 hook), ``before_vote`` (the optimizer's step begins), ``vote`` (the step's collectives done, about
 to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo's outer exchange),
-or at step 0 in ``formation`` (before it registers with the others) or ``state`` (before it sends a
-joiner the state), the rank ``kill``s itself (SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow``
-(``seconds``, default 0.3) or, at a vote, ``late`` (it votes after its epoch closed).
+or at step 0 in ``formation`` (before it registers with the others), ``state`` (before it sends a
+joiner the state) or ``joiner_forward`` (a joiner's first step; rank null), the rank ``kill``s itself
+(SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow`` (``seconds``, default 0.3) or, at a vote, ``late`` (it
+votes after its epoch closed).
 ``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time); ``FT_FUSED=1``: the optimizer
 is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`); ``FT_LOOP_ALLREDUCE=1``: each step ends with
 a collective of the loop's own (``bagua_torch.torch_api.allreduce`` of a one, on the default group), and its step
@@ -196,6 +197,8 @@ def main() -> None:
         step_hook["step"] = step.number
         with step:
             fault(faults, rank, step.number, "forward")
+            if joiner:  # fires in the first joiner's first step only (once per place)
+                fault(faults, rank, 0, "joiner_forward")
             time.sleep(step_seconds)
             x, y = data_x[step.indices], data_y[step.indices]
             torch.nn.functional.mse_loss(model(x), y).backward()

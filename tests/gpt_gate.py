@@ -49,7 +49,7 @@ rounds whose outer step is the ranks' mean (lr 1, no momentum). Its default Nest
 is tuned for hundreds of inner steps per round; here, at 25 steps per round, it ended 0.12 above allreduce
 (seed 1: 2.554 against 2.430 after 150 steps), with plain averaging every 10 steps 0.02 above. Asynchronous
 averaging: 30 warm-up steps of gradient allreduce, then rounds as often as they can run (a round every 1 ms at
-most); torch's steps last ASYNC_STEP_SECONDS."""
+most); its steps last ASYNC_STEP_SECONDS in both front ends."""
 
 ASYNC_STEP_SECONDS = 0.03
 """The least time a torch step of asynchronous averaging takes (the gate's loop sleeps the rest), as a step whose
@@ -57,7 +57,9 @@ compute runs on an accelerator does while its host thread waits. The gate's 4 to
 a step in about 8 ms; without it the averaging threads got so little CPU that a round took 100-500 ms: 1-3 rounds
 in 110 steps after a 90-step warm-up, local steps of 4 windows per rank averaged every ~40 steps, which left ranks
 at 2.41-2.55 (2026-12-01, one at 2.509 in CI). With it: 55-71 rounds in the 170 steps after the warm-up, every rank
-within 0.04 of gradient allreduce, beside two busy processes too. JAX's 2 ranks need none (63 rounds)."""
+within 0.04 of gradient allreduce, beside two busy processes too. JAX's 2 ranks take the same floor: without it a
+CI run (2026-12-02) had 14 rounds in those 170 steps, under the 17 the gate asks, and a rerun 35; with it 59 (steps
+of 25-30 ms)."""
 
 
 def learning_rate(step: int) -> float:

@@ -3,6 +3,8 @@ the convergence gate's asynchronous model averaging, whose rounds run between st
 
 from __future__ import annotations
 
+import time
+
 
 def gate_schedule():
     """The gate's learning rate as an optax schedule (gpt_gate.learning_rate)."""
@@ -26,7 +28,7 @@ def async_gate(seed: int, start: dict) -> dict:
     import jax
     import numpy as np
     import optax
-    from gpt_gate import BATCH, HELDOUT_WINDOWS, MODEL, OPTIONS, PRETRAIN_STEPS, STEPS, summary
+    from gpt_gate import ASYNC_STEP_SECONDS, BATCH, HELDOUT_WINDOWS, MODEL, OPTIONS, PRETRAIN_STEPS, STEPS, summary
 
     from bagua_common.workload import gpt_config, load_corpus
     from bagua_jax.algorithms import Communicators, make_algorithm
@@ -49,10 +51,17 @@ def async_gate(seed: int, start: dict) -> dict:
     opt_state = tx.init(params)
     averager = algorithm.averager(params, NativeCommunicator.mpi_world(timeout=60))
     corpus, length = load_corpus(), gpt_config(MODEL).context + 1
+    steps_took = []
     for t in range(STEPS):
+        began = time.monotonic()
         params, opt_state = step(params, opt_state, corpus.batch(seed, PRETRAIN_STEPS + t, rank, BATCH, length))
-        params = averager.apply(params)
+        params = averager.apply(jax.block_until_ready(params))
+        steps_took.append(time.monotonic() - began)
+        time.sleep(max(0.0, ASYNC_STEP_SECONDS - steps_took[-1]))  # the host's wait for an accelerator's step
     averager.abort()
     heldout_loss = jax.jit(loss_fn)(params, {"tokens": corpus.heldout_batch(HELDOUT_WINDOWS, length)})
     result = summary({k: np.asarray(v) for k, v in params.items()}, float(heldout_loss))
-    return {"rank": rank, "async": {**result, "rounds": averager.rounds}}
+    return {
+        "rank": rank,
+        "async": {**result, "rounds": averager.rounds, "step_ms": 1000 * float(np.median(steps_took))},
+    }

@@ -464,6 +464,32 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
         np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-7)
 
 
+def test_a_joiner_lost_in_the_step_it_is_weighed_out_of_leaves_the_next_steps_unscaled(jobs):
+    # The first joiner dies in its first step, before that step's allreduce completes: the members abandon it and
+    # retry it on their own, unweighed (the reducers' factor lasts one step, and an epoch's change rebuilds them). A
+    # second joiner is then weighed out of its first step. Every step the two members trained matches a job of those
+    # two alone.
+    faults = [{"rank": None, "step": 0, "where": "joiner_forward", "kind": "kill"}]
+    env = {"FT_REPORT_PARAMS": "1"}
+    job = jobs(2, "gradient_allreduce", faults, steps=6, world=3, step_seconds=0.2, env=env)
+    job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
+    job.join()
+    job.wait_until(lambda: any(e.get("event") == "fault" for e in list(job.events)))
+    job.join()
+    job.finish()
+    members = job.pids(rank=0) + job.pids(rank=1)
+    assert all(job.of(pid, "end") for pid in members), job.output()
+    trained_by_two = [e for e in job.of(members[0], "step") if e["world"] == 2]
+    last = trained_by_two[-1]["step"]
+    assert any(e["step"] > last for e in job.of(members[0], "step"))  # the second joiner trained with them
+    alone = jobs(2, "gradient_allreduce", [], steps=last, world=2, env=env)
+    alone.finish()
+    expected = {e["step"]: e["params"] for e in alone.of(alone.pids(rank=0)[0], "step")}
+    for pid in members:
+        for event in (e for e in job.of(pid, "step") if e["world"] == 2):
+            np.testing.assert_allclose(event["params"], expected[event["step"]], rtol=1e-5, atol=1e-7)
+
+
 def finish_with_a_joiner_on_one_round_start(
     job: Job, ranks: tuple[int, ...] = (0, 1)
 ) -> tuple[list[int], list[int], list[list[dict]]]:
