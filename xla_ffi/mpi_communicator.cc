@@ -61,8 +61,9 @@ class MpiCommunicator final : public Communicator {
   int average_divisor() const { return average_divisor_ > 0 ? average_divisor_.load() : size_; }
   void set_average_divisor(int ranks) {
     if (ranks < 0 || ranks > size_)
-      throw std::invalid_argument("the ranks an average divides by must be 1.." + std::to_string(size_) +
-                                  " (0: all), got " + std::to_string(ranks));
+      throw std::invalid_argument("the ranks an average divides by must be 1.." +
+                                  std::to_string(size_) + " (0: all), got " +
+                                  std::to_string(ranks));
     average_divisor_ = ranks;
   }
 
@@ -79,7 +80,8 @@ class MpiCommunicator final : public Communicator {
                                                                recv, count, mpi_type(type),
                                                                mpi_op(type, op), comm_, r);
                                      });
-                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, average_divisor());
+                    if (s.ok() && op == ReduceOp::kAvg)
+                      divide_in_place(recv, count, type, average_divisor());
                     return s;
                   });
   }
@@ -122,7 +124,8 @@ class MpiCommunicator final : public Communicator {
                       return MPI_Ireduce_scatter_block_c(send, recv, count, mpi_type(type),
                                                          mpi_op(type, op), comm_, r);
                     });
-                    if (s.ok() && op == ReduceOp::kAvg) divide_in_place(recv, count, type, average_divisor());
+                    if (s.ok() && op == ReduceOp::kAvg)
+                      divide_in_place(recv, count, type, average_divisor());
                     return s;
                   });
   }
