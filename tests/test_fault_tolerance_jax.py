@@ -176,10 +176,10 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
 
 
 def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_path: Path):
-    # Two members, then a joiner whose state the holder starts sending a second late: the members train the next
-    # step on their own samples without waiting for it; the joiner sends zeros in it, keeps the members' average
-    # and applies it to the state once it arrived.
-    delay = 1.0
+    # Two members, then a joiner whose state the holder starts sending 3 s late: the members train the next step on
+    # their own samples without waiting for it (under CI's load their step took 0.5 s: the joiner's start-up); the
+    # joiner sends zeros in it, keeps the members' average and applies it to the state once it arrived.
+    delay = 3.0
     results = run_members(tmp_path, "train", 3, {}, 2, 3, 5, env={"FT_STATE_DELAY": str(delay)}, timeout=180)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode for r in results] == [0, 0, 0], outputs
