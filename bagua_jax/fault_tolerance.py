@@ -38,6 +38,7 @@ from bagua_common.fault_tolerance import (
     ReplicaDigest,
     check_digests,
 )
+from bagua_common.fault_tolerance.background import in_background, wait_unless
 from bagua_common.fault_tolerance.data_position import RECORD_KEY, recorded_position
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_common.job.signature import check_same_job
@@ -196,7 +197,7 @@ class FaultTolerantTrainer:
         if self._world_size_free:  # else its buffers follow the world size: compiled again once admitted
             self.trainer.compile(state, example_batch)
         if self._weighed_out_step is not None:  # its first step
-            self._weighed_out_step.compile(unwrap_state(state), example_batch)
+            self._weighed_out_step.compile(state, example_batch)
         settings, master, timeout = self._join_at
         asked = time.time()
         membership = Membership.join(settings, *master, timeout=timeout)
@@ -229,16 +230,15 @@ class FaultTolerantTrainer:
                     raise MembershipChanged(f"epoch {epoch.number} closed")
                 if exchange and self._transfer is not None and (self._sits_out or not weighed):
                     transfer, self._transfer = self._transfer, None  # the receivers have it before the exchange
-                    state_transfer.wait_in_epoch(transfer, epoch)
-                if weighed:  # the joiners send zeros: the average is the members' that trained
-                    self.communicator.set_mpi_average_divisor(trainers)
-                if weighed:  # every rank runs the step's two halves, so that the joiners' update is the members'
+                    wait_unless(transfer, epoch.closed, f"epoch {epoch.number} closed while the state was on its way")
+                if weighed:  # the joiners send zeros, the average divides by the members; every rank runs the two
+                    self.communicator.set_mpi_average_divisor(trainers)  # halves: the joiners' update is the members'
                     new_state, result = self._weighed_out_step.step(state, batch, self._incoming, epoch)
                 else:
                     new_state, result = self.trainer.step(state, batch)
                 jax.block_until_ready((new_state, result))
                 if self._weighed_out_step is not None:  # compiled from a thread, long before a joiner comes
-                    self._weighed_out_step.compile_in_background(unwrap_state(state), batch)
+                    self._weighed_out_step.compile_in_background(state, batch)
                 if weighed:
                     self.communicator.set_mpi_average_divisor(None)
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
@@ -410,16 +410,16 @@ class FaultTolerantTrainer:
 
         if not epoch.is_joiner():
             if weighed and epoch.rank == holder:
-                self._transfer = state_transfer.in_background(
+                self._transfer = in_background(
                     partial(state_transfer.send_to_each, epoch, receivers, state, signature), "bagua-ft-state"
                 )
             elif self._sits_out:
-                self._transfer = state_transfer.in_background(broadcast, f"bagua-ft-transfer-{epoch.number}")
+                self._transfer = in_background(broadcast, f"bagua-ft-transfer-{epoch.number}")
             elif not weighed:
                 broadcast()
             return state
         if weighed:
-            self._incoming = state_transfer.in_background(
+            self._incoming = in_background(
                 partial(state_transfer.transfer_over_pair, epoch, epoch.rank, state, signature), "bagua-ft-state"
             )
         else:

@@ -10,17 +10,13 @@ holder and the receiver alone (:func:`transfer_over_pair`).
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import jax
 import numpy as np
 
-from bagua_common.fault_tolerance import Epoch, MembershipChanged
+from bagua_common.fault_tolerance import Epoch
+from bagua_common.fault_tolerance.background import get_unless, in_background
 from bagua_common.job.signature import check_same_job
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
@@ -33,10 +29,7 @@ __all__ = [
     "state_from_bytes",
     "transfer_over_pair",
     "transferred_leaves",
-    "wait_in_epoch",
 ]
-
-_POLL_S = 0.05  # how often a wait for the state looks whether its epoch closed meanwhile
 
 
 def transferred_leaves(state: Any) -> tuple[list[np.ndarray], Any]:
@@ -65,20 +58,6 @@ def state_from_bytes(received: np.ndarray, state: Any) -> TrainState:
     return TrainState(*jax.tree.unflatten(tree, values), unwrap_state(state).model_state)
 
 
-def in_background(work: Callable[[], Any], name: str) -> Future:
-    """``work()`` on a daemon thread (one stuck in a collective never holds up the process's exit)."""
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(work())
-        except BaseException as error:  # noqa: BLE001 - handed to whoever waits for the result
-            future.set_exception(error)
-
-    threading.Thread(target=run, name=name, daemon=True).start()
-    return future
-
-
 def transfer_over_pair(epoch: Epoch, receiver: int, state: Any, signature: np.ndarray) -> np.ndarray:
     """The state's holder (:attr:`Epoch.state_holder`) sends ``state``'s transferred leaves to member ``receiver``
     over a communicator of the two alone, built through the epoch's store, after checking with it that both train
@@ -98,8 +77,7 @@ def transfer_over_pair(epoch: Epoch, receiver: int, state: Any, signature: np.nd
 
 
 class _PollingStore:
-    """``epoch``'s store for a thread: its waits poll, so they never hold the store's connection from the training
-    thread for long, and they give up with MembershipChanged once the epoch closes."""
+    """``epoch``'s store for the pair's rendezvous on a thread (:func:`get_unless`)."""
 
     def __init__(self, epoch: Epoch):
         self._epoch = epoch
@@ -108,27 +86,11 @@ class _PollingStore:
         self._epoch.store.set(key, value)
 
     def get(self, key: str, wait: float = 0.0) -> bytes | None:
-        deadline = time.monotonic() + wait
-        while True:
-            value = self._epoch.store.get(key, wait=min(_POLL_S, max(0.0, deadline - time.monotonic())))
-            if value is not None or time.monotonic() >= deadline:
-                return value
-            if self._epoch.closed.is_set():
-                raise MembershipChanged(f"epoch {self._epoch.number} closed while the state's pair was being made")
+        why = f"epoch {self._epoch.number} closed while the state's pair was being made"
+        return get_unless(self._epoch.store, key, wait, self._epoch.closed, why)
 
 
 def send_to_each(epoch: Epoch, receivers: list[int], state: Any, signature: np.ndarray) -> None:
     """The holder's side of :func:`transfer_over_pair` with each of ``receivers`` in turn."""
     for receiver in receivers:
         transfer_over_pair(epoch, receiver, state, signature)
-
-
-def wait_in_epoch(future: Future, epoch: Epoch) -> Any:
-    """``future``'s result, given up with MembershipChanged once ``epoch`` closes (the thread behind it may be
-    blocked on a member that died)."""
-    while True:
-        try:
-            return future.result(timeout=_POLL_S)
-        except FutureTimeout:
-            if epoch.closed.is_set():
-                raise MembershipChanged(f"epoch {epoch.number} closed while the state was on its way") from None

@@ -25,8 +25,9 @@ import jax.numpy as jnp
 import optax
 
 from bagua_common.fault_tolerance import Epoch
+from bagua_common.fault_tolerance.background import in_background, wait_unless
 from bagua_jax.signature import check_batches_differ
-from bagua_jax.state_transfer import in_background, state_from_bytes, wait_in_epoch
+from bagua_jax.state_transfer import state_from_bytes
 from bagua_jax.step_means import StepMeans
 from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
@@ -85,18 +86,23 @@ class WeighedOutStep:
         updates, inner = self._trainer._optimizer.update(averaged, inner, state.params)
         return TrainState(optax.apply_updates(state.params, updates), (reduce_state, inner), state.step + 1, None)
 
-    def compile(self, state: TrainState, batch: Any) -> None:
-        """Compile both halves (the average as a contributing rank and as one weighed out) for ``state``'s and
-        ``batch``'s shapes without running them: a joiner does before it asks to be admitted."""
+    def compile_in_background(self, state: Any, batch: Any) -> None:
+        """Compile both halves (the average as a contributing rank and as one weighed out) for ``state``'s (what
+        :meth:`DataParallel.step` takes) and ``batch``'s shapes on a thread, without running them; once (later calls
+        do nothing). :meth:`step` waits for it."""
+        if self._compiled is None:
+            self._compiled = in_background(lambda: self._compile(unwrap_state(state), batch), "bagua-ft-compile")
+
+    def compile(self, state: Any, batch: Any) -> None:
+        """:meth:`compile_in_background`, waited for: a joiner compiles before it asks to be admitted."""
+        self.compile_in_background(state, batch)
+        self._compiled.result()
+
+    def _compile(self, state: TrainState, batch: Any) -> None:
         averaged = jax.eval_shape(functools.partial(self._averaged, contributes=True), state.params, batch)[0]
         for contributes in (False, True):
             self._average.lower(state.params, batch, contributes=contributes).compile()
         self._apply.lower(state, averaged).compile()
-
-    def compile_in_background(self, state: TrainState, batch: Any) -> None:
-        """:meth:`compile` on a thread, once (later calls do nothing); :meth:`step` waits for it."""
-        if self._compiled is None:
-            self._compiled = in_background(lambda: self.compile(state, batch), "bagua-ft-compile")
 
     def step(
         self, state: Any, batch: Any, incoming: Future | None = None, epoch: Epoch | None = None
@@ -114,5 +120,5 @@ class WeighedOutStep:
         own = unwrap_state(state)
         averaged, result = self._average(own.params, batch, contributes=incoming is None)
         if incoming is not None:
-            own = state_from_bytes(wait_in_epoch(incoming, epoch), state)
+            own = state_from_bytes(wait_unless(incoming, epoch.closed, f"epoch {epoch.number} closed first"), state)
         return rewrap_state(None if isinstance(state, TrainState) else state, self._apply(own, averaged)), result

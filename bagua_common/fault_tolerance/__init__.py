@@ -7,6 +7,7 @@
 * :mod:`.decision`: the epoch's decision register;
 * :mod:`.data_position`: the exact re-partition of the data among the members;
 * :mod:`.replica_hash`: the check that replicas are bit-identical;
+* :mod:`.background`: waits (for a thread's work, a store key) that give up once the epoch changes;
 * :mod:`.settings`: heartbeat period, dead timeout, quorum wait, hash interval;
 * :mod:`.errors`: what is raised when the members change or the replicas differ.
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import threading
-import time
 from collections.abc import Callable, Collection
 from datetime import timedelta
 from typing import Any
@@ -20,12 +19,11 @@ import torch
 import torch.distributed as dist
 
 from bagua_common.fault_tolerance import Epoch, MembershipChanged, StoreClient, StoreUnreachable
+from bagua_common.fault_tolerance.background import get_unless, in_background, wait_unless
 from bagua_torch.communicator.process_group_communicator import ProcessGroupCommunicator
 from bagua_torch.communicator.protocol import CommunicationError
 
 __all__ = ["epoch_communicator", "pair_communicator", "solo_communicator", "trainers_communicator"]
-
-_STORE_POLL_S = 0.1  # how often a group's rendezvous looks whether its epoch closed meanwhile
 
 
 class _StoreForTorch(dist.Store):
@@ -48,16 +46,11 @@ class _StoreForTorch(dist.Store):
     def get(self, key: str) -> bytes:
         """The value of ``key``, waiting for it; MembershipChanged once the epoch closes (a member died while the
         group was being made) or its coordinator's store is gone."""
-        deadline = time.monotonic() + self._timeout
-        while True:
-            wait = min(_STORE_POLL_S, max(0.0, deadline - time.monotonic()))
-            value = self._call(lambda: self._client.get(key, wait=wait))
-            if value is not None:
-                return value
-            if self._closed.is_set():
-                raise MembershipChanged(f"the group was not made: the members changed while waiting for {key!r}")
-            if time.monotonic() >= deadline:
-                raise RuntimeError(f"fault tolerance: the store key {key!r} was not set within {self._timeout:g} s")
+        why = f"the group was not made: the members changed while waiting for {key!r}"
+        value = self._call(lambda: get_unless(self._client, key, self._timeout, self._closed, why))
+        if value is None:
+            raise RuntimeError(f"fault tolerance: the store key {key!r} was not set within {self._timeout:g} s")
+        return value
 
     def add(self, key: str, amount: int) -> int:
         return self._call(lambda: self._client.add(key, amount))
@@ -121,28 +114,15 @@ def _group_on_store(
 def _connect(epoch: Epoch, purpose: str, make_backend: Callable[[], Any]) -> Any:
     """``make_backend()`` run on a thread, given up with MembershipChanged once ``epoch`` fails: a member that dies
     after the rendezvous leaves the others in the backend's connect, which only its timeout would end."""
-    made: dict[str, Any] = {}
-    done = threading.Event()
-
-    def connect() -> None:
-        try:
-            made["backend"] = make_backend()
-        except BaseException as error:  # noqa: BLE001 - raised by the waiting caller
-            made["error"] = error
-        done.set()
-
-    connecting = threading.Thread(target=connect, name=f"bagua-ft-connect-{epoch.number}", daemon=True)
-    connecting.start()
-    while not done.wait(_STORE_POLL_S):
-        if epoch.failed.is_set():
-            raise MembershipChanged(f"the group {purpose!r} was not made: the members changed while it connected")
-    connecting.join()
-    error = made.get("error")
-    if isinstance(error, RuntimeError) and not isinstance(error, MembershipChanged):  # a member gone meanwhile
+    connecting = in_background(make_backend, f"bagua-ft-connect-{epoch.number}")
+    try:
+        return wait_unless(
+            connecting, epoch.failed, f"the group {purpose!r} was not made: the members changed while it connected"
+        )
+    except MembershipChanged:
+        raise
+    except RuntimeError as error:  # a member gone while the group connected
         raise CommunicationError(f"the group {purpose!r} of epoch {epoch.number} could not connect: {error}") from error
-    if error is not None:
-        raise error
-    return made["backend"]
 
 
 def pair_communicator(
