@@ -116,14 +116,17 @@ def main() -> None:
     original_average = DiLoCoImpl._average
 
     def average(self: DiLoCoImpl, p: int, flat: torch.Tensor) -> torch.Tensor:
-        fault(faults, rank, self.step, "exchange")
+        # Streaming DiLoCo's overlapped exchange runs on a thread while the loop's next step may have begun: it is
+        # the exchange started after the last step that exchanges fragment p.
+        step = next(s for s in range(self.step, 0, -1) if p in self.config.exchanges_after(s))
+        fault(faults, rank, step, "exchange")
         momenta = [
             s["momentum_buffer"] for o in self.context.optimizers for s in o.state.values() if "momentum_buffer" in s
         ]
         inner = hashlib.sha256(b"".join(m.numpy().tobytes() for m in momenta)).hexdigest()  # the inner optimizer's
         report(
             event="exchange",
-            step=self.step,
+            step=step,
             pseudo_gradient=hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
             inner=inner,
         )
