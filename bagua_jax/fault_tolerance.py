@@ -44,6 +44,7 @@ from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_common.job.signature import check_same_job
 from bagua_jax import checkpoint, state_rules, state_transfer
 from bagua_jax.algorithms.diloco import skip_untrained
+from bagua_jax.epoch_communicator import fail_epoch, follow_members
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.signature import job_signature
@@ -53,15 +54,7 @@ from bagua_jax.weighed_out_step import WeighedOutStep, weighs_out
 
 __all__ = ["FaultTolerantTrainer"]
 
-# Errors of the native engines that mean "the communicator cannot finish this collective": the step is retried
-# in the next epoch. Anything else is the program's own error and is raised.
-_COMMUNICATION_FAILURES = ("was revoked", "did not complete within", "unusable after an earlier failure")
 _PARTS = (*state_rules.PARTS.values(), "position")
-
-
-def _communication_failure(error: Exception) -> bool:
-    """Whether ``error`` means the step cannot finish with these members (retried in the next epoch)."""
-    return isinstance(error, MembershipChanged) or any(text in str(error) for text in _COMMUNICATION_FAILURES)
 
 
 class FaultTolerantTrainer:
@@ -242,7 +235,7 @@ class FaultTolerantTrainer:
                 if weighed:
                     self.communicator.set_mpi_average_divisor(None)
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
-                self._failed(epoch, error)
+                fail_epoch(self.membership, epoch, error)
                 failed_at = time.monotonic() if failed_at is None else failed_at
                 state = self._recover(state)
                 continue
@@ -261,7 +254,7 @@ class FaultTolerantTrainer:
                     try:
                         self.check_replicas(new_state, f"at step {self.committed}")
                     except Exception as error:  # noqa: BLE001 - as above; the recovery checks the replicas
-                        self._failed(epoch, error)
+                        fail_epoch(self.membership, epoch, error)
                         new_state = self._recover(new_state)
                 return new_state, result
             failed_at = time.monotonic() if failed_at is None else failed_at
@@ -280,7 +273,7 @@ class FaultTolerantTrainer:
         try:
             return checkpoint.save(root, state, self.trainer, metadata={RECORD_KEY: self.data.record()})
         except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
-            self._failed(epoch, error)
+            fail_epoch(self.membership, epoch, error)
             return None
 
     def restore(self, root: str | os.PathLike, params: Any) -> Any:
@@ -295,14 +288,6 @@ class FaultTolerantTrainer:
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         self.check_replicas(state, f"after restoring {directory}")
         return state
-
-    def _failed(self, epoch: Epoch, error: Exception) -> None:
-        """Raise ``error`` unless it is a communication failure; else close ``epoch`` as failed, if nobody has yet
-        (the next epoch is where the work is retried)."""
-        if not _communication_failure(error):
-            raise error
-        if not epoch.closed.is_set():
-            self.membership.fail(epoch, str(error).splitlines()[0])
 
     def finished(self) -> None:
         """Mark the job finished; every member calls it once its last step committed (after its loop). A
@@ -355,14 +340,7 @@ class FaultTolerantTrainer:
         self._transfer = self._incoming = None
         self.communicator.engine.set_average_divisor(self.communicator.handle, 0)  # its step abandoned
         old = self.epoch
-        new = self.membership.recover(old).epoch
-        old_ids = [m.id for m in old.members]
-        survivors = [old_ids.index(m.id) for m in new.members if m.id in old_ids]
-        if len(survivors) < old.size:
-            self.communicator.shrink(survivors)
-        if new.size > len(survivors):
-            self.communicator.grow(new.store, new.prefix("mpi/"), new.size)
-        self.epoch = new
+        new = self.epoch = follow_members(self.communicator, self.membership, old)
         self.communicator.revoke_when(new.closed, f"the job's membership changed (epoch {new.number} closed)")
         state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
         self._sitting_out &= {member.id for member in new.members}

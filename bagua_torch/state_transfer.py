@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bagua_common.fault_tolerance import DataPosition, Epoch, MembershipChanged
+from bagua_common.fault_tolerance.background import in_background, wait_unless
 from bagua_torch.broadcast import broadcast_structure, broadcast_tensors
 from bagua_torch.communicator import CommunicationError
 from bagua_torch.communicator.abandon import caused_by_a_change
@@ -166,31 +167,29 @@ class IncomingState:
     ):
         pair = pair_communicator(epoch, epoch.state_holder, epoch.rank, backend, timeout, purpose="position")
         self.position: dict[str, Any] = broadcast_structure(None, pair, device)
-        self._modules, self._copies = modules, [t.detach().clone() for t in replicated_tensors(modules)]
-        self._rest: dict[str, Any] = {}
-        self._error: BaseException | None = None
-        link = (epoch, self._copies, backend, device, timeout)
-        self._thread = threading.Thread(target=self._receive, args=link, name="bagua-ft-state", daemon=True)
-        self._thread.start()
-
-    def _receive(self, *link: Any) -> None:
-        try:
-            self._rest = receive_state(*link)
-        except Exception as error:  # raised again by load(), in the training thread
-            self._error = error
+        self._epoch, self._modules = epoch, modules
+        self._copies = [t.detach().clone() for t in replicated_tensors(modules)]
+        self._rest = in_background(
+            lambda: receive_state(epoch, self._copies, backend, device, timeout), f"bagua-ft-state-{epoch.number}"
+        )
 
     def load(self) -> None:
-        """Wait for the rest of the state and load it into the models (MembershipChanged if a lost member stopped
-        it; any other error is raised as it was)."""
-        self._thread.join()
-        if self._error is not None and caused_by_a_change(self._error):
-            raise MembershipChanged(f"the joiner's state did not arrive: {self._error}") from self._error
-        if self._error is not None:
-            raise self._error
+        """Wait for the rest of the state and load it into the models: MembershipChanged if a lost member stopped
+        it, or once the epoch failed (a holder that hangs holds the transfer up to its timeout); any other error is
+        raised as it was."""
+        why = "the joiner's state did not arrive: the members changed"
+        try:
+            rest = wait_unless(self._rest, self._epoch.failed, why)
+        except MembershipChanged:
+            raise
+        except Exception as error:
+            if caused_by_a_change(error):
+                raise MembershipChanged(f"the joiner's state did not arrive: {error}") from error
+            raise
         with torch.no_grad():
             for tensor, received in zip(replicated_tensors(self._modules), self._copies):
                 tensor.copy_(received)
-        load_job_state({**self.position, "position": None, **self._rest}, None, self._modules)
+        load_job_state({**self.position, "position": None, **rest}, None, self._modules)
 
 
 def receive_state(

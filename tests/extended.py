@@ -31,7 +31,7 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_torch\.py::test_(gradient_allreduce|powersgd|streaming_diloco|a_death_before_the_vote|"
     r"a_rank_lost_before_the_job_formed|a_survivor_goes_on_alone|a_node_whose_only_rank_died|"
     r"a_diloco_joiner_whose_state_holder_dies|a_diloco_joiner_sits_out_with_the_fused|"
-    r"a_joiner_lost_in_the_step_it_is_weighed_out_of)": (
+    r"a_joiner_lost_in_the_step_it_is_weighed_out_of|a_joiner_weighed_out_while_its_state_holder_hangs)": (
         "torch's in-process recovery matrix: 3-4 ranks, several faults and replacements per job (30-80 s each under "
         "load); survivors going on after a SIGKILL, one of them given the other's state, DiLoCo's survivors training "
         "on to the exchange and its joiner sitting out a round, and the refusal stay quick, and so do the launcher's "
@@ -43,6 +43,10 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_torch\.py::test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_"
     r"on_from_the_next_one\[diloco\]": "DiLoCo's lost checkpoint (7-10 s; gradient allreduce's stays quick, and "
     "JAX's DiLoCo restart is quick)",
+    r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_shrink": "JAX's death during a recovery "
+    "(10 s; its stop after the shrink's timeout is the MPI engine's own dead-peer bound, which stays quick)",
+    r"test_fault_tolerance_torch\.py::test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives"
+    r"\[bytegrad\]": "ByteGrad's weighed-out joiner (12 s; gradient allreduce's stays quick)",
     r"test_fault_tolerance_jax\.py::test_a_survivor_that_had_not_applied": "JAX's survivor given another's state "
     "(torch's stays quick, and JAX's joiner receives the state the same way in the quick kill/hang/exception job)",
     r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"

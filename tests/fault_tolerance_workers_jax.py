@@ -5,7 +5,10 @@ fault-tolerant membership (rank 0's store on MASTER_PORT); the last process join
 are ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective,
 by ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats) or ``raise`` (an exception ends the
 process), or, once the step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes
-that member vote after it saw the epoch close (a death closes it). Every member records each
+that member vote after it saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder
+start sending a joiner's state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then;
+``FT_KILL_IN_SHRINK`` (a rank) kills that member in its first recovery's shrink, and ``FT_COMM_TIMEOUT`` (seconds,
+60 by default) bounds the communicator's waits. Every member records each
 attempt of a step (its transaction, epoch, rank, sample indices, times) and its final state.
 """
 
@@ -111,14 +114,16 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
         state = ft.init(params, example_batch)
         return ft, state, ft.admission["admitted"]
     membership = Membership.start(SETTINGS, rank, start_size, *master, timeout=60)
-    comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, start_size, timeout=60)
+    seconds = float(os.environ.get("FT_COMM_TIMEOUT", "60"))  # a collective's, and a shrink's, longest wait
+    comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, start_size, timeout=seconds)
     ft = FaultTolerantTrainer(make_trainer(comm), membership, data)
     state = ft.init(params) if restore_from is None else ft.restore(restore_from, params)
     return ft, state, time.time()
 
 
-def _delay_the_state(seconds: float) -> None:
-    """Make the state's holder start sending it to a joiner ``seconds`` late (a slow link)."""
+def _delay_the_state(seconds: float, then_die: bool) -> None:
+    """Make the state's holder start sending it to a joiner ``seconds`` late (a slow link); ``then_die``: the first
+    holder is SIGKILLed instead of sending it (the joiner is waiting for it)."""
     if not seconds:
         return
     from bagua_jax import state_transfer
@@ -128,9 +133,22 @@ def _delay_the_state(seconds: float) -> None:
     def late(epoch, receiver, *args):
         if epoch.rank == epoch.state_holder:
             time.sleep(seconds)
+            if then_die and not os.path.exists(_signal("holder-died")):
+                _touch("holder-died")
+                os.kill(os.getpid(), signal.SIGKILL)
         return transfer(epoch, receiver, *args)
 
     state_transfer.transfer_over_pair = late
+
+
+def _die_in_the_first_shrink() -> None:
+    """SIGKILL this member inside its first shrink of the communicator (a death during a recovery)."""
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    def dying(self, members):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    NativeCommunicator.shrink = dying
 
 
 def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:
@@ -170,7 +188,10 @@ def train(
     def make_trainer(comm):
         return DataParallel(linear_loss, optax.sgd(LR), "gradient_allreduce", communicator=comm)
 
-    _delay_the_state(float(os.environ.get("FT_STATE_DELAY", "0")))
+    if os.environ.get("FT_KILL_IN_SHRINK") == os.environ["RANK"]:
+        _die_in_the_first_shrink()
+    holder_dies = os.environ.get("FT_STATE_HOLDER_DIES") == "1"
+    _delay_the_state(float(os.environ.get("FT_STATE_DELAY", "0")), holder_dies)
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     started = time.time()
@@ -184,7 +205,7 @@ def train(
         transaction = ft.committed + 1
         if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] != "kill-before-vote":
             _fail(faults[transaction][1], transaction)
-        if transaction > last_fault and ft.epoch.size < final_size:
+        if transaction > last_fault and (ft.epoch.size < final_size or holder_dies):  # the holder's death keeps it
             _wait_for("joiner-asked")
             time.sleep(0.05)  # the commit after the joiner's request admits it
         attempts.append(

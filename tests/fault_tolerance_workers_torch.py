@@ -7,9 +7,10 @@ joiner), ``FT_ALGORITHM`` (a registry name, then optionally its options as JSON)
 hook), ``before_vote`` (the optimizer's step begins), ``vote`` (the step's collectives done, about
 to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo's outer exchange),
 or at step 0 in ``formation`` (before it registers with the others), ``state`` (before it sends a
-joiner the state) or ``joiner_forward`` (a joiner's first step; rank null), the rank ``kill``s itself
-(SIGKILL), ``stop``s (SIGSTOP), ``raise``s, is ``slow`` (``seconds``, default 0.3) or, at a vote, ``late`` (it
-votes after its epoch closed).
+joiner the state), ``state_tensors`` (connected to the joiner, before the tensors) or
+``joiner_forward`` (a joiner's first step; rank null), the rank ``kill``s itself
+(SIGKILL), ``stop``s (SIGSTOP; ``after`` seconds, default 0), ``raise``s, is ``slow`` (``seconds``, default
+0.3) or, at a vote, ``late`` (it votes after its epoch closed).
 ``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time); ``FT_FUSED=1``: the optimizer
 is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`); ``FT_LOOP_ALLREDUCE=1``: each step ends with
 a collective of the loop's own (``bagua_torch.torch_api.allreduce`` of a one, on the default group), and its step
@@ -43,7 +44,8 @@ from bagua_common.job.checkpoint import latest
 from bagua_torch import checkpoint, state_transfer
 from bagua_torch.algorithms import get_algorithm
 from bagua_torch.algorithms.diloco import DiLoCoImpl
-from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm, OneBitAdamOptimizer
+from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm
+from bagua_torch.algorithms.qadam import QAdamAlgorithm
 from bagua_torch.fault_tolerance import FaultTolerance
 from bagua_torch.torch_api import allreduce_inplace
 
@@ -70,6 +72,7 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "stop":
+                time.sleep(f.get("after", 0.0))
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "raise":
                 raise RuntimeError(f"rank {rank} fails on purpose at step {step} ({where})")
@@ -106,6 +109,13 @@ def main() -> None:
         original_send(*args)
 
     state_transfer.send_state = send_state  # a joiner's state over a slow link
+    original_tensors = state_transfer.broadcast_tensors
+
+    def broadcast_tensors(group, tensors, root=0) -> None:
+        fault(faults, rank, 0, "state_tensors")
+        original_tensors(group, tensors, root)
+
+    state_transfer.broadcast_tensors = broadcast_tensors  # the holder lost once connected to the joiner
     original_load = state_transfer.IncomingState.load
 
     def load(self: state_transfer.IncomingState) -> None:
@@ -167,9 +177,10 @@ def main() -> None:
     name, _, options = os.environ["FT_ALGORITHM"].partition(" ")
     options = json.loads(options or "{}")
     exchange_every = options.get("sync_every", 100) if name == "diloco" else 0
-    if name == "onebit_adam":  # an optimizer of its own, whose momentum the algorithm averages after a warm-up
-        optimizer = OneBitAdamOptimizer(net.parameters(), lr=0.01, warmup_steps=options.pop("warmup_steps"))
-        algorithm = OneBitAdamAlgorithm(optimizer, **options)
+    adam = {"onebit_adam": OneBitAdamAlgorithm, "qadam": QAdamAlgorithm}.get(name)
+    if adam:  # an optimizer of its own, whose momentum the algorithm averages after a warm-up
+        optimizer = adam.optimizer_class(net.parameters(), lr=0.01, warmup_steps=options.pop("warmup_steps"))
+        algorithm = adam(optimizer, **options)
     else:
         optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
         algorithm = get_algorithm(name, **options)
@@ -232,8 +243,14 @@ def main() -> None:
     values = [v for t in replicated for v in t.detach().reshape(-1).tolist()]
     replicated = hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in replicated)).hexdigest()
     joined = getattr(job, "joined_after", None)
+    copies = {}  # low-precision decentralized: its copies of its neighbours' weights and its own
+    if name == "low_precision_decentralized":
+        held = {k: getattr(model.algorithm_impl, k) for k in ("weights", "left", "right")}
+        copies = {k: hashlib.sha256(b"".join(t.numpy().tobytes() for t in ts)).hexdigest() for k, ts in held.items()}
     report(
         event="end",
+        rank=job.epoch.rank,
+        copies=copies,
         step=job.step,
         world=job.epoch.size,
         digest=digest,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import time
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,40 @@ def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_p
         step = next(s for s in member["steps"] if s["transaction"] == first)
         assert step["end"] - step["start"] < delay / 2, step
     assert joiner["steps"][0]["end"] - joiner["admitted"] > delay  # its step was applied to the state, once there
+
+
+def test_a_joiner_whose_state_holder_dies_before_sending_is_given_the_state_by_the_next_one(tmp_path: Path):
+    # Three members, then a joiner weighed out of its first step; the holder is SIGKILLed a second into the admission,
+    # before it sent the state. The joiner's wait for it gives up when the survivors close the epoch, and the next
+    # epoch's holder sends it: the three end bit-identical, as the replay of the committed steps.
+    env = {"FT_STATE_DELAY": "1", "FT_STATE_HOLDER_DIES": "1"}
+    results = run_members(tmp_path, "train", 4, {}, 3, 3, 8, env=env, timeout=180)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [False, True, True, True], outputs
+    assert (tmp_path / "holder-died").exists()
+    survivor, other, joiner = (r.value for r in results[1:])
+    sizes = {s["transaction"]: s["size"] for s in survivor["steps"]}
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(joiner["params"][name], value, rtol=2e-5, atol=1e-6)
+        for member in (survivor, other):
+            np.testing.assert_array_equal(member["params"][name], joiner["params"][name])  # bit-identical
+    assert [r["size"] for r in survivor["recoveries"]] == [4, 3], survivor["recoveries"]  # the admission, the death
+    assert joiner["steps"][0]["size"] == 2, joiner["steps"]  # weighed out again, of the survivors' step
+
+
+def test_a_member_lost_while_the_survivors_shrink_the_communicator_stops_them_naming_it(tmp_path: Path):
+    # Rank 3 is killed in step 3; rank 2 dies inside the survivors' shrink to ranks 0-2. MPI cannot tell a dead peer,
+    # and MPICH can neither abandon the pending shrink nor build another communicator past it: the others wait for
+    # the communicator's timeout (5 s here), then stop with an error that names the shrink, instead of hanging.
+    timeout = 5
+    env = {"FT_KILL_IN_SHRINK": "2", "FT_COMM_TIMEOUT": str(timeout)}
+    started = time.monotonic()
+    results = run_members(tmp_path, "train", 4, {3: (3, "kill")}, 4, 2, 6, env=env, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert all(r.returncode not in (0, None) for r in results), outputs
+    for survivor in results[:2]:
+        assert f"MPI shrink of communicator 'world' to 'world' did not complete within {timeout} s" in survivor.output
+    assert time.monotonic() - started < 60, outputs
 
 
 def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_on_from_the_next_one(tmp_path: Path):

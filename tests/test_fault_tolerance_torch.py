@@ -426,22 +426,30 @@ def test_powersgd_survives_a_hang_and_the_coordinators_exception(jobs):
     check_every_sample_once(job, lost_parts=1)
 
 
-def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives(jobs):
-    # Gradient allreduce, steps of 1 s; the joiner's state takes 0.6 s more to leave rank 0 (a slow link). The joiner
+def finish_with_a_joiner_after_the_first_step(job: Job, ranks: tuple[int, ...]) -> tuple[list[int], int]:
+    """Start a joiner once a step was reported, wait for the job's end; returns the processes of ``ranks`` and the
+    joiner's (asserted: all of them ended on the same step with bit-identical parameters)."""
+    job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
+    job.join()
+    job.finish()
+    members, (joiner,) = [pid for rank in ranks for pid in job.pids(rank=rank)], job.pids(joiner=True)
+    ends = [job.of(pid, "end") for pid in [*members, joiner]]
+    assert all(ends), job.output()
+    assert len({e[0]["digest"] for e in ends}) == 1 and len({e[0]["step"] for e in ends}) == 1
+    return members, joiner
+
+
+@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad"])
+def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives(jobs, algorithm):
+    # Steps of 1 s; the joiner's state takes 0.6 s more to leave rank 0 (a slow link). The joiner
     # is sent the step and data position at once, takes part in the next step with zero gradients that the average
     # leaves out, and loads the rest of the state before its optimizer applies that step: the state travels while
     # the step computes, so that step takes the members no longer than the 0.6 s the transfer was slowed by (before,
     # they waited for the whole transfer first). The loop's own collective (a logged loss) spans all three.
     faults = [{"rank": 0, "step": 0, "where": "state", "kind": "slow", "seconds": 0.6}]
     env = {"FT_LOOP_ALLREDUCE": "1", "FT_REPORT_PARAMS": "1"}
-    job = jobs(2, "gradient_allreduce", faults, steps=4, world=3, step_seconds=1.0, env=env)
-    job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
-    job.join()
-    job.finish()
-    members, (joiner,) = job.pids(rank=0) + job.pids(rank=1), job.pids(joiner=True)
-    ends = [job.of(pid, "end") for pid in [*members, joiner]]
-    assert all(ends), job.output()
-    assert len({e[0]["digest"] for e in ends}) == 1 and len({e[0]["step"] for e in ends}) == 1
+    job = jobs(2, algorithm, faults, steps=4, world=3, step_seconds=1.0, env=env)
+    members, joiner = finish_with_a_joiner_after_the_first_step(job, (0, 1))
     assert job.of(members[0], "fault")  # the slow transfer happened
     (loaded,) = job.of(joiner, "state_loaded")
     first = job.of(joiner, "step")[0]
@@ -454,14 +462,39 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
     steps = [e for pid in job.pids() for e in job.of(pid, "step")]
     assert all(e["summed"] == len(job.pids()) or e["step"] < first["step"] for e in steps)
     check_every_sample_once(job)  # the joiner's first step is split between the two that trained it
-    # That step averaged the two that trained it, as a job of those two alone does (up to the rescaled mean's
-    # rounding), and the joiner applied it to the state it loaded: all three hold the same parameters after it.
-    alone = jobs(2, "gradient_allreduce", [], steps=first["step"], world=2, env={"FT_REPORT_PARAMS": "1"})
+    # That step averaged the two that trained it, as a job of those two alone does, and the joiner applied it to the
+    # state it loaded: all three hold the same parameters after it. Up to the rescaled mean's rounding; ByteGrad's
+    # 8-bit codes, chunked by 3 ranks rather than 2, move it by less than 5% of the step's largest change (the
+    # joiner's zeros left in the average moved it by 9%).
+    alone = jobs(2, algorithm, [], steps=first["step"], world=2, env={"FT_REPORT_PARAMS": "1"})
     alone.finish()
-    (expected,) = [e["params"] for e in alone.of(alone.pids(rank=0)[0], "step") if e["step"] == first["step"]]
+    before, expected = (
+        np.array([e["params"] for e in alone.of(alone.pids(rank=0)[0], "step") if e["step"] == step][0])
+        for step in (first["step"] - 1, first["step"])
+    )
     for pid in [*members, joiner]:
         (after,) = [e["params"] for e in job.of(pid, "step") if e["step"] == first["step"]]
-        np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-7)
+        if algorithm == "bytegrad":
+            assert np.abs(after - expected).max() <= 0.05 * np.abs(expected - before).max()
+        else:
+            np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-7)
+
+
+def test_a_joiner_weighed_out_while_its_state_holder_hangs_stops_waiting_when_the_epoch_fails(jobs):
+    # Rank 0, the state's holder, is SIGSTOPped once connected to the joiner, half a second before sending the
+    # tensors: the step the joiner is weighed out of has completed, and the joiner waits for the state before
+    # applying it. Missed heartbeats fail the epoch; the joiner's wait gives up then, not at its transfer's 60-s
+    # timeout, and rank 1 gives the joiner the state in the next epoch.
+    faults = [{"rank": 0, "step": 0, "where": "state_tensors", "kind": "stop", "after": 0.5}]
+    job = jobs(3, "gradient_allreduce", faults, steps=60, world=3, step_seconds=0.05)
+    survivors, joiner = finish_with_a_joiner_after_the_first_step(job, (1, 2))
+    (stopped,) = job.of(job.pids(rank=0)[0], "fault")
+    first = job.of(joiner, "step")[0]
+    assert first["t"] - (stopped["time"] + 0.5) < DEAD_AFTER + 2 * RESUME_BAR, (stopped, first)
+    for pid in survivors:
+        *_, failure = job.of(pid, "end")[0]["recoveries"]
+        assert failure["size"] == 3 and failure["seconds"] < DEAD_AFTER + RESUME_BAR, failure
+    check_every_sample_once(job)
 
 
 def test_a_joiner_lost_in_the_step_it_is_weighed_out_of_leaves_the_next_steps_unscaled(jobs):
@@ -643,8 +676,13 @@ def test_a_diloco_joiner_whose_state_holder_dies_while_sending_is_given_the_stat
     [
         # the momentum was averaged and written, then the step did not commit: put back, then the step again
         'onebit_adam {"warmup_steps": 2}',
+        'qadam {"warmup_steps": 2}',
+        # the residuals restart at zero (they are laid out per rank)
+        'bytegrad {"error_feedback": true}',
         # shift_one left with 3 ranks: those rounds average over all
         'decentralized {"peer_selection_mode": "shift_one"}',
+        # the copies of the neighbours' weights start again from the new neighbours'
+        "low_precision_decentralized",
     ],
 )
 def test_a_death_before_the_vote_puts_the_algorithms_state_back(jobs, algorithm):
@@ -655,8 +693,13 @@ def test_a_death_before_the_vote_puts_the_algorithms_state_back(jobs, algorithm)
     survivors = job.pids(rank=0) + job.pids(rank=1) + job.pids(rank=2)
     ends = [job.of(pid, "end") for pid in survivors]
     assert all(ends), job.output()
-    if algorithm.startswith("onebit"):  # replicated: parameters and Adam's moments checked equal by the job too
+    if "decentralized" not in algorithm:  # replicated: parameters (and Adam's moments) checked equal too
         assert len({e[0]["digest"] for e in ends}) == 1
+    if algorithm == "low_precision_decentralized":  # each copy is the bits its neighbour holds, on the new ring
+        copies = {e[0]["rank"]: e[0]["copies"] for e in ends}
+        for rank, held in copies.items():
+            assert held["left"] == copies[(rank - 1) % 3]["weights"], rank
+            assert held["right"] == copies[(rank + 1) % 3]["weights"], rank
     for pid in survivors:
         (recovery,) = job.of(pid, "end")[0]["recoveries"]
         assert recovery["size"] == 3 and recovery["steps_lost"] == 1 and recovery["seconds"] < RESUME_BAR
@@ -676,8 +719,8 @@ def test_an_algorithm_whose_state_is_not_carried_is_refused_naming_the_elastic_r
     job = start_fault_tolerance(None, None, "127.0.0.1", free_port(), "gloo", cpu, 10.0)
     group = BaguaProcessGroup(job.communicators, 0, 1, 0, 1, cpu, "gloo", False, fault_tolerance=job)
     net = torch.nn.Linear(4, 1)
-    with pytest.raises(ValueError, match=r"^fault tolerance: bytegrad cannot continue in-process.*the elastic restart"):
-        bagua_torch.with_bagua(net, [torch.optim.SGD(net.parameters(), lr=0.1)], "bytegrad", process_group=group)
+    with pytest.raises(ValueError, match=r"^fault tolerance: async cannot continue in-process.*the elastic restart"):
+        bagua_torch.with_bagua(net, [torch.optim.SGD(net.parameters(), lr=0.1)], "async", process_group=group)
 
 
 def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_any(monkeypatch, tmp_path):

@@ -50,8 +50,12 @@ class ByteGradAlgorithm(Algorithm):
     chunk); the per-element error is at most ``(hi-lo)/508`` of each chunk, twice, plus
     float32 rounding. ``error_feedback`` carries the first compression's error into the
     next step. Choose it when gradient allreduce is bandwidth-bound, in particular
-    between nodes; parameters must be float32, float16 or bfloat16.
+    between nodes; parameters must be float32, float16 or bfloat16. In a fault-tolerant job the residuals restart
+    at zero when the members change (they are laid out per rank), and a joiner takes part in its first step weighed
+    out, as under gradient allreduce.
     """
+
+    fault_tolerant = True
 
     def reify(self, context: AlgorithmContext) -> ByteGradImpl:
         return ByteGradImpl(context, self.config)
@@ -92,6 +96,10 @@ class ByteGradImpl(AlgorithmImpl):
         residual = self.residuals[bucket.index] if self.residuals is not None else None
         flat = bucket.grad
         return self.run_async(lambda: self._allreduce(flat, residual))
+
+    def weighed_out_scale(self, trainers: int) -> float:
+        # A rank weighed out sends zeros, which the 8-bit codes carry exactly (a chunk of zeros has lo = hi = 0).
+        return self.world.size / trainers if self.config.average else 1.0
 
     def state_dict(self) -> dict[str, Any]:
         if self.residuals is None:

@@ -61,11 +61,22 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     per ``B`` fp32 bytes of weights, about a quarter of a ring allreduce) and mixes its
     weights with theirs. ``hierarchical`` averages inside each node at full precision first
     and runs the ring across nodes. Parameters must be float32, float16 or bfloat16; the
-    optimizer(s) must be passed to the wrapper. Choose it on the slowest networks.
+    optimizer(s) must be passed to the wrapper. Choose it on the slowest networks. In a fault-tolerant job each rank
+    keeps its own weights when the members change, and the copies start again from them
+    (:meth:`LowPrecisionDecentralizedImpl.resume`).
     """
+
+    fault_tolerant = True
 
     def reify(self, context: AlgorithmContext) -> LowPrecisionDecentralizedImpl:
         return LowPrecisionDecentralizedImpl(context, self.config)
+
+
+def _ring_peers(ring: Communicator) -> list[int]:
+    """The ranks a rank sends to on ``ring`` (``size >= 2``): its left and right neighbours; with two ranks both are
+    the same rank, sent to once."""
+    left, right = ring_neighbours(ring.rank, ring.size)
+    return [left] if ring.size == 2 else [left, right]
 
 
 def _padded_rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -104,12 +115,9 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         x: torch.Tensor, w: torch.Tensor, left: torch.Tensor, right: torch.Tensor, ring: Communicator
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One ring round on one float32 buffer (``ring.size >= 2``): the new ``x`` (= new ``w``), ``L``, ``R``."""
-        n, r, m = ring.size, ring.rank, x.numel()
-        left_peer, right_peer = ring_neighbours(r, n)
-        # With two ranks both neighbours are the same rank and get the same Q(z): one message serves both.
-        peers = [left_peer] if n == 2 else [left_peer, right_peer]
+        n, m = ring.size, x.numel()
         packed = ops.minmax_uint8_compress(ops.lowprec_decentralized_diff(x, w, left, right), 1)
-        received = ring.send_recv(packed, peers)  # row i came from peers[i]
+        received = ring.send_recv(packed, _ring_peers(ring))  # row i came from peers[i]
         from_left = ops.minmax_uint8_decompress(received[0], m, 1)
         from_right = ops.minmax_uint8_decompress(received[-1], m, 1) if n > 2 else from_left
         new_x = w + ops.minmax_uint8_decompress(packed, m, 1)
@@ -150,7 +158,33 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             self.exchange()
         self.step += 1
 
-    # --- fault tolerance: the step carries; the copies restart as a new wrap makes them (w = L = R = x)
+    # --- fault tolerance: the step carries; the copies restart from the weights, the neighbours' exchanged once
+
+    def resume(self) -> None:
+        """After a change of members (collective over the new ones): ``w`` becomes this rank's weights and ``L``,
+        ``R`` its new neighbours', sent once in full precision, so that each copy is again the bits its neighbour
+        holds (the weights drift apart between exchanges, and the neighbours are others). When hierarchical, on this
+        rank's slice of the node's average, over the ring of nodes."""
+        for i, bucket in enumerate(self.buckets):
+            with torch.no_grad():
+                x = bucket.flatten_params()[: bucket.numel].to(torch.float32)
+            if self.levels is None:
+                self.weights[i], self.left[i], self.right[i] = (x.clone(), *self._neighbours(x, self.world))
+                continue
+            intra, inter = self.levels
+            mine = intra.reduce_scatter(_padded_rows(x, intra.size), "avg")
+            for copies, row in zip((self.weights, self.left, self.right), (mine, *self._neighbours(mine, inter))):
+                rows = _padded_rows(copies[i], intra.size)
+                rows[intra.rank] = row
+                copies[i] = rows.view(-1)[: x.numel()].clone()
+
+    @staticmethod
+    def _neighbours(x: torch.Tensor, ring: Communicator) -> tuple[torch.Tensor, torch.Tensor]:
+        """The left and the right neighbour's ``x`` on ``ring`` (``x`` itself on a ring of one)."""
+        if ring.size == 1:
+            return x.clone(), x.clone()
+        received = ring.send_recv(x, _ring_peers(ring))
+        return received[0].clone(), received[-1].clone()
 
     def on_commit(self) -> None:
         self._committed_step = self.step + 1  # committed in the step's pre-hook, before after_step counts it

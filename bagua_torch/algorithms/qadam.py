@@ -86,8 +86,11 @@ class QAdamAlgorithm(AdamWithAveragedMomentumAlgorithm):
     momentum averaged through 8-bit min-max compression (~1/4 of an fp32 allreduce; with ``hierarchical`` and a job
     spanning several nodes, full precision inside the node and compressed only between nodes). Parameters must be
     float32, float16 or bfloat16. Choose it for Adam training whose gradient exchange is bandwidth-bound; keep the
-    warm-up long enough for ``v`` to settle.
+    warm-up long enough for ``v`` to settle. In a fault-tolerant job the moments carry across a change of members,
+    as the last step committed them.
     """
+
+    fault_tolerant = True
 
     optimizer_class = QAdamOptimizer
     impl_class = QAdamImpl

@@ -1,0 +1,49 @@
+"""The native communicator follows the job's members from epoch to epoch, in place.
+
+When an epoch closes, the survivors shrink the communicator to themselves and grow it by the epoch's joiners, in
+the same handle (a step whose shapes do not depend on the world size is not compiled again). The torch front end
+builds its groups per epoch instead (:mod:`bagua_torch.communicator.epoch_groups`).
+"""
+
+from __future__ import annotations
+
+from bagua_common.fault_tolerance import Epoch, Membership, MembershipChanged, StoreUnreachable
+from bagua_jax.native_communicator import NativeCommunicator
+
+__all__ = ["communication_failure", "fail_epoch", "follow_members"]
+
+# Errors of the native engines that mean "the communicator cannot finish this collective": the step is retried
+# in the next epoch. Anything else is the program's own error and is raised.
+_COMMUNICATION_FAILURES = ("was revoked", "did not complete within", "unusable after an earlier failure")
+
+
+def communication_failure(error: Exception) -> bool:
+    """Whether ``error`` means the work cannot finish with these members (retried in the next epoch): a membership
+    change, a failed collective, or the coordinator's store gone with its process."""
+    if isinstance(error, (MembershipChanged, StoreUnreachable)):
+        return True
+    return any(text in str(error) for text in _COMMUNICATION_FAILURES)
+
+
+def fail_epoch(membership: Membership, epoch: Epoch, error: Exception) -> None:
+    """Raise ``error`` unless it is a :func:`communication_failure`; else close ``epoch`` as failed, if nobody has
+    yet (the next epoch is where the work is retried)."""
+    if not communication_failure(error):
+        raise error
+    if not epoch.closed.is_set():
+        membership.fail(epoch, str(error).splitlines()[0])
+
+
+def follow_members(communicator: NativeCommunicator, membership: Membership, closed: Epoch) -> Epoch:
+    """The epoch after ``closed`` (whose members ``communicator`` spans), with ``communicator`` shrunk to its
+    survivors and grown by its joiners. A survivor lost meanwhile makes the others' shrink raise once the
+    communicator's timeout passed: MPICH cannot abandon a pending ``MPI_Comm_create_group``, and every later
+    communicator waits for it, so they stop there, naming it (the job restarts from its last checkpoint)."""
+    new = membership.recover(closed).epoch
+    spanned = [member.id for member in closed.members]
+    kept = [spanned.index(member.id) for member in new.members if member.id in spanned]
+    if len(kept) < len(spanned):
+        communicator.shrink(kept)
+    if new.size > len(kept):
+        communicator.grow(new.store, new.prefix("mpi/"), new.size)
+    return new
