@@ -52,6 +52,7 @@ from bagua_common.fault_tolerance.data_position import RECORD_KEY
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_torch import checkpoint, state_transfer
 from bagua_torch.algorithms import algorithm_class, available_algorithms
+from bagua_torch.algorithms.base import WeighedOut
 from bagua_torch.communicator import CommunicationError
 from bagua_torch.communicator.abandon import caused_by_a_change
 from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator, trainers_communicator
@@ -361,7 +362,7 @@ class FaultTolerance:
             state_transfer.send(epoch, receivers, state, self.modules, *link, sit_out=sit_out, weighed_out=bool(scales))
         elif epoch.rank in receivers and scales:  # its state arrives during its first step
             self._incoming = state_transfer.IncomingState(epoch, self.modules, *link)
-            self.step, self.committed = state_transfer.load_job_state(self._incoming.position, self.data, ())
+            self.step, self.committed = state_transfer.load_job_state(self._incoming.position, self.data, self.modules)
         elif epoch.rank in receivers:
             received = state_transfer.receive_state(epoch, state_transfer.replicated_tensors(self.modules), *link)
             self.step, self.committed = state_transfer.load_job_state(received, self.data, self.modules)
@@ -377,7 +378,7 @@ class FaultTolerance:
         if scales or sit_out is not None:
             self._sitting_out, self._weighed_out = receivers, bool(scales)
         for module, scale in zip(self.modules, scales or ()):
-            module.reducer.weighed_out = (epoch.rank not in receivers, scale)
+            module.algorithm_impl.weighed_out = WeighedOut(epoch.rank not in receivers, scale)
 
     # --- checkpoints for a restart of the whole job --------------------------------------
 

@@ -59,11 +59,6 @@ class Reducer:
         self.enabled = bool(algorithm_impl.need_gradient_hooks)
         self.events: list[tuple[str, int, float]] | None = None
         self.gradients_in_buckets = False
-        self.weighed_out: tuple[bool, float] | None = None
-        """For the next step, while a fault-tolerant job's joiner takes part in it without its state (set by
-        :class:`~bagua_torch.fault_tolerance.FaultTolerance`, cleared once the step's results are written): whether
-        this rank's gradients count, and the factor that makes the algorithm's average over every rank the average
-        over those that count."""
         self._grad_views = [bucket.views(bucket.grad) for bucket in self.buckets]
         self._slot: dict[int, tuple[int, int]] = {
             id(p): (bucket.index, i) for bucket in self.buckets for i, p in enumerate(bucket.params)
@@ -163,7 +158,8 @@ class Reducer:
             k = self._next_launch
             bucket = self.buckets[k]
             bucket.grad[bucket.numel :].zero_()
-            if self.weighed_out is not None and not self.weighed_out[0]:
+            weighed_out = self.algorithm_impl.weighed_out
+            if weighed_out is not None and not weighed_out.contributes:
                 bucket.grad.zero_()
             self._record("launch", k)
             work = self.algorithm_impl.reduce_bucket(bucket)
@@ -203,11 +199,12 @@ class Reducer:
     def _finish(self) -> None:
         """Wait for every bucket in order and write the results into ``.grad``."""
         self._fill_missing()
+        weighed_out = self.algorithm_impl.weighed_out
         try:
             for k, work in enumerate(self._works):
                 result = work.wait() if work is not None else None
-                if self.weighed_out is not None:
-                    result = (self.buckets[k].grad if result is None else result) * self.weighed_out[1]
+                if weighed_out is not None:
+                    result = (self.buckets[k].grad if result is None else result) * weighed_out.scale
                 if result is not None:
                     self._write_result(self.buckets[k], result)
                 self._record("done", k)
@@ -215,7 +212,7 @@ class Reducer:
             self._in_iteration = False
             self._backward_done = False
             self._works = [None] * len(self.buckets)
-            self.weighed_out = None
+            self.algorithm_impl.weighed_out = None
 
     def _write_result(self, bucket: Bucket, result: torch.Tensor) -> None:
         if not self.gradients_in_buckets:

@@ -7,9 +7,9 @@ it while the others wait, or, where the algorithm lets the receiver sit out unti
 (DiLoCo's round, :meth:`~bagua_torch.algorithms.base.AlgorithmImpl.steps_to_next_exchange`), sends a
 copy from a thread while the others train. Where the algorithm can leave a rank's gradients out of
 the average (:meth:`~bagua_torch.algorithms.base.AlgorithmImpl.weighed_out_scale`), the holder
-sends the position (step, transactions, data) at once and the rest from a thread: the receiver
-takes part in the next step, weighed out, and loads the rest before its optimizer applies it
-(:class:`IncomingState`).
+sends the position (step, transactions, data) and the algorithms' carried state at once, and the
+rest from a thread: the receiver takes part in the next step, weighed out, and loads the rest
+before its optimizer applies it (:class:`IncomingState`).
 """
 
 from __future__ import annotations
@@ -46,7 +46,9 @@ __all__ = [
     "weighed_out_scales",
 ]
 
-_POSITION = ("step", "committed", "position")
+_POSITION = ("step", "committed", "position", "algorithms")
+"""What a joiner weighed out of its first step needs before that step: where the job is, and the algorithms' carried
+state, which decides what the step computes (PowerSGD's step count and ``Q``: a few kB)."""
 
 
 def job_state(step: int, committed: int, data: DataPosition | None, modules: Sequence[BaguaModule]) -> dict[str, Any]:
@@ -55,23 +57,26 @@ def job_state(step: int, committed: int, data: DataPosition | None, modules: Seq
         "step": step,
         "committed": committed,
         "position": None if data is None else data.state(),
-        "modules": [
-            {"optimizers": [opt.state_dict() for opt in m.optimizers], "algorithm": m.algorithm_impl.carried_state()}
-            for m in modules
-        ],
+        "algorithms": [m.algorithm_impl.carried_state() for m in modules],
+        "optimizers": [[opt.state_dict() for opt in m.optimizers] for m in modules],
     }
 
 
 def load_job_state(state: dict[str, Any], data: DataPosition | None, modules: Sequence[BaguaModule]) -> tuple[int, int]:
-    """Load :func:`job_state`'s ``state`` (its position, its models' part where it has one) into ``data`` and
-    ``modules``; returns its step and transactions committed."""
+    """Load :func:`job_state`'s ``state`` into ``data`` and ``modules``: its data position, algorithms' and optimizers'
+    state, each where it has one; returns its step and transactions committed."""
     if data is not None and state["position"] is not None:
         data.load_state(state["position"])
-    for module, saved in zip(modules, state.get("modules", ())):
-        for optimizer, optimizer_state in zip(module.optimizers, saved["optimizers"]):
-            optimizer.load_state_dict(optimizer_state)
-        module.algorithm_impl.load_carried_state(saved["algorithm"])
+    _load_models_state(state, modules)
     return int(state["step"]), int(state["committed"])
+
+
+def _load_models_state(state: dict[str, Any], modules: Sequence[BaguaModule]) -> None:
+    for module, carried in zip(modules, state.get("algorithms", ())):
+        module.algorithm_impl.load_carried_state(carried)
+    for module, optimizers_state in zip(modules, state.get("optimizers", ())):
+        for optimizer, optimizer_state in zip(module.optimizers, optimizers_state):
+            optimizer.load_state_dict(optimizer_state)
 
 
 def replicated_tensors(modules: Sequence[BaguaModule]) -> list[torch.Tensor]:
@@ -129,13 +134,14 @@ def send_state_in_background(
 def send_position_then_state(
     epoch: Epoch, receivers: Sequence[int], state: dict[str, Any], tensors: list[torch.Tensor], *link: Any
 ) -> None:
-    """For :class:`IncomingState`: send each of ``receivers`` the position of ``state`` now, then
-    :func:`send_state_in_background` the rest of it and ``tensors``. ``link``: send_state's last three arguments."""
+    """For :class:`IncomingState`: send each of ``receivers`` the position of ``state`` and its algorithms' state now,
+    then :func:`send_state_in_background` the optimizers' state and ``tensors``. ``link``: send_state's last three
+    arguments."""
     backend, device, timeout = link
     for receiver in receivers:
         pair = pair_communicator(epoch, epoch.rank, receiver, backend, timeout, purpose="position")
         broadcast_structure({key: state[key] for key in _POSITION}, pair, device)
-    send_state_in_background(epoch, receivers, {"modules": state["modules"]}, tensors, *link)
+    send_state_in_background(epoch, receivers, {"optimizers": state["optimizers"]}, tensors, *link)
 
 
 def send(
@@ -158,9 +164,9 @@ def send(
 
 
 class IncomingState:
-    """What :func:`send_position_then_state` sends this joiner: ``position`` (step, transactions, data) at once, and
-    the rest received from a thread into copies of the models' tensors while the joiner's first step runs;
-    :meth:`load` waits for it and loads it."""
+    """What :func:`send_position_then_state` sends this joiner: ``position`` (step, transactions, data, the algorithms'
+    state; for :func:`load_job_state` before the step) at once, and the rest received from a thread into copies of
+    the models' tensors while the joiner's first step runs; :meth:`load` waits for it and loads it."""
 
     def __init__(
         self, epoch: Epoch, modules: Sequence[BaguaModule], backend: str, device: torch.device, timeout: float
@@ -189,7 +195,7 @@ class IncomingState:
         with torch.no_grad():
             for tensor, received in zip(replicated_tensors(self._modules), self._copies):
                 tensor.copy_(received)
-        load_job_state({**self.position, "position": None, **rest}, None, self._modules)
+        _load_models_state(rest, self._modules)
 
 
 def receive_state(

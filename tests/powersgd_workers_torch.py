@@ -34,13 +34,21 @@ def loss_of(model: nn.Module, seed: int, step: int, rank: int) -> torch.Tensor:
     return nn.functional.cross_entropy(model(x), y)
 
 
+def by_name(wrapped, matrices: list[torch.Tensor]) -> dict:
+    """Each of a PowerSGD impl's per-matrix tensors (``Q``, residuals: in its buckets' order) by parameter name."""
+    names = [
+        bucket.names[i] for bucket, layout in zip(wrapped.buckets, wrapped.algorithm_impl.layout) for i, _, _ in layout
+    ]
+    return {name: matrix.numpy().copy() for name, matrix in zip(names, matrices)}
+
+
 def bagua_gradients(seed: int, config: dict, bucket_sizes: list[int]) -> list[dict]:
     """Per bucket size, each step: this rank's local gradients (at the shared parameters) and the gradients
     PowerSGD applied, from the same initial model."""
     return [_bagua_run(seed, config, bucket_bytes) for bucket_bytes in bucket_sizes]
 
 
-def _bagua_run(seed: int, config: dict, bucket_bytes: int) -> dict:
+def _bagua_run(seed: int, config: dict, bucket_bytes: int, weighing=None) -> dict:
     import bagua_torch
     from bagua_torch.algorithms.powersgd import PowerSGDAlgorithm
 
@@ -48,19 +56,14 @@ def _bagua_run(seed: int, config: dict, bucket_bytes: int) -> dict:
     model = make_model(seed)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     wrapped = bagua_torch.with_bagua(model, [optimizer], PowerSGDAlgorithm(**config), bucket_bytes=bucket_bytes)
-    impl = wrapped.algorithm_impl
     names = [name for name, _ in model.named_parameters()]
-    initial_qs = {}
-    k = 0
-    for bucket, layout in zip(wrapped.buckets, impl.layout):
-        for i, _, _ in layout:
-            initial_qs[bucket.names[i]] = impl.qs[k].numpy().copy()
-            k += 1
+    initial_qs = by_name(wrapped, wrapped.algorithm_impl.qs)
     local, applied = [], []
     for step in range(STEPS):
         grads = torch.autograd.grad(loss_of(model, seed, step, rank), list(model.parameters()))
         local.append([g.numpy().copy() for g in grads])
         optimizer.zero_grad()
+        wrapped.algorithm_impl.weighed_out = weighing
         loss_of(wrapped, seed, step, rank).backward()
         applied.append([p.grad.numpy().copy() for p in model.parameters()])
         optimizer.step()
@@ -72,6 +75,7 @@ def _bagua_run(seed: int, config: dict, bucket_bytes: int) -> dict:
         "local": local,
         "applied": applied,
         "params": [p.detach().numpy().copy() for p in model.parameters()],
+        "residuals": by_name(wrapped, wrapped.algorithm_impl.residuals),
     }
 
 
@@ -153,3 +157,16 @@ def every_run(seed: int, config: dict, bucket_sizes: list[int], steps: int) -> d
         "resume": resume(seed, config),
         **{kind: losses(kind, seed, config, steps) for kind in ("bagua", "ddp")},
     }
+
+
+def weighed_out(seed: int, config: dict) -> dict:
+    """Every step with the last rank weighed out (a fault-tolerant job's joiner: its gradients replaced by zeros, the
+    others' average rescaled to theirs): :func:`_bagua_run`'s record, with this rank's residuals."""
+    import bagua_torch
+    from bagua_torch.algorithms.base import WeighedOut
+    from bagua_torch.bucketing import DEFAULT_BUCKET_BYTES
+
+    torch.set_num_threads(1)
+    bagua_torch.init_process_group(timeout=60)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return _bagua_run(seed, config, DEFAULT_BUCKET_BYTES, WeighedOut(rank < world - 1, world / (world - 1)))

@@ -61,11 +61,12 @@ def _wrap(algo: str, model: nn.Module, warmup_steps: int, hierarchical: bool = T
     return bagua_torch.with_bagua(model, [opt], algorithm, bucket_bytes=SMALL_BUCKET), opt
 
 
-def _train(wrapped, opt, seed: int, steps, rank: int, after_step=None) -> list[bool]:
+def _train(wrapped, opt, seed: int, steps, rank: int, after_step=None, weighed_out=None) -> list[bool]:
     hooks = []
     for step in steps:
         x, y = batch(seed, step, rank)
         opt.zero_grad()
+        wrapped.algorithm_impl.weighed_out = weighed_out
         hooks.append(bool(wrapped.algorithm_impl.need_gradient_hooks))
         loss_fn(wrapped, x, y).backward()
         opt.step()
@@ -117,9 +118,12 @@ def warmup(seed: int, rank: int, hierarchical: bool) -> dict:
 
 
 @scenario
-def run(seed: int, rank: int, algo: str, hierarchical: bool) -> dict:
+def run(seed: int, rank: int, algo: str, hierarchical: bool, weighed_out: bool = False) -> dict:
     """RUN_WARMUP warm-up steps then compressed ones: the state at the warm-up boundary, the final state, and what
-    the test needs to simulate the compressed steps (bucket layout, residual sizes)."""
+    the test needs to simulate the compressed steps (bucket layout, residual sizes). ``weighed_out``: the last rank
+    is weighed out of every step (a fault-tolerant job's joiner: its gradients, then its momentum, left out)."""
+    from bagua_torch.algorithms.base import WeighedOut
+
     model = make_mlp(seed)
     wrapped, opt = _wrap(algo, model, RUN_WARMUP, hierarchical)
     snapshot = {}
@@ -128,7 +132,9 @@ def run(seed: int, rank: int, algo: str, hierarchical: bool) -> dict:
         if step == RUN_WARMUP - 1:
             snapshot.update(params=params_of(model), state=opt_state(model, opt))
 
-    hooks = _train(wrapped, opt, seed, range(RUN_STEPS), rank, at_boundary)
+    world = wrapped.algorithm_impl.world.size
+    weighing = WeighedOut(rank < world - 1, world / (world - 1)) if weighed_out else None
+    hooks = _train(wrapped, opt, seed, range(RUN_STEPS), rank, at_boundary, weighing)
     impl = wrapped.algorithm_impl
     out = {
         "boundary": snapshot,

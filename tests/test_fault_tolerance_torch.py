@@ -439,7 +439,20 @@ def finish_with_a_joiner_after_the_first_step(job: Job, ranks: tuple[int, ...]) 
     return members, joiner
 
 
-@pytest.mark.parametrize("algorithm", ["gradient_allreduce", "bytegrad"])
+# PowerSGD compresses the first layer (16 x 6) after two exact steps; without error feedback, whose residuals restart
+# at the admission in this job but not in the job of two alone (test_powersgd_torch.py checks them weighed out).
+POWERSGD_WEIGHED_OUT = 'powersgd {"rank": 1, "min_compression_rate": 1, "start_iter": 2, "error_feedback": false}'
+
+
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        "gradient_allreduce",
+        "bytegrad",
+        pytest.param(POWERSGD_WEIGHED_OUT, id="powersgd"),
+        pytest.param('qadam {"warmup_steps": 2}', id="qadam"),  # its momentum averaged after the warm-up
+    ],
+)
 def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives(jobs, algorithm):
     # Steps of 1 s; the joiner's state takes 0.6 s more to leave rank 0 (a slow link). The joiner
     # is sent the step and data position at once, takes part in the next step with zero gradients that the average
@@ -454,6 +467,7 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
     (loaded,) = job.of(joiner, "state_loaded")
     first = job.of(joiner, "step")[0]
     assert first["step"] == loaded["step"] + 1 and first["world"] == 2 and first["summed"] == 3, first
+    assert first["step"] > 2  # past PowerSGD's exact steps and QAdam's warm-up: the joiner was given the count first
     for pid in members:
         (admitted,) = job.of(pid, "end")[0]["recoveries"]
         assert admitted["joined"] == 1 and admitted["seconds"] < 0.5, admitted
@@ -465,7 +479,8 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
     # That step averaged the two that trained it, as a job of those two alone does, and the joiner applied it to the
     # state it loaded: all three hold the same parameters after it. Up to the rescaled mean's rounding; ByteGrad's
     # 8-bit codes, chunked by 3 ranks rather than 2, move it by less than 5% of the step's largest change (the
-    # joiner's zeros left in the average moved it by 9%).
+    # joiner's zeros left in the average moved it by 9%). QAdam's 8-bit momentum, divided by the frozen variance's
+    # root, moves the step by 7% of its norm (the joiner's zeros left in it: 30%).
     alone = jobs(2, algorithm, [], steps=first["step"], world=2, env={"FT_REPORT_PARAMS": "1"})
     alone.finish()
     before, expected = (
@@ -474,8 +489,10 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
     )
     for pid in [*members, joiner]:
         (after,) = [e["params"] for e in job.of(pid, "step") if e["step"] == first["step"]]
-        if algorithm == "bytegrad":
+        if algorithm.startswith("bytegrad"):
             assert np.abs(after - expected).max() <= 0.05 * np.abs(expected - before).max()
+        elif algorithm.startswith("qadam"):
+            assert np.linalg.norm(after - expected) <= 0.15 * np.linalg.norm(expected - before)
         else:
             np.testing.assert_allclose(after, expected, rtol=1e-5, atol=1e-7)
 

@@ -70,3 +70,24 @@ def test_trains_like_torch_powersgd_hook(ranks):
     late_ours, late_theirs = np.mean(ours[-16:]), np.mean(theirs[-16:])
     assert abs(late_ours - late_theirs) <= 0.15 * late_theirs, (late_ours, late_theirs)
     assert late_ours < 0.75 * ours[0], (late_ours, ours[0])
+
+
+def test_a_rank_weighed_out_leaves_the_others_step_and_residuals_those_of_a_job_without_it(seed):
+    """Three ranks, the last weighed out of every step (a fault-tolerant job's joiner while its state arrives): each
+    applies what the reference applies for the other two alone, with error feedback over compressed steps, and the
+    two keep the reference's residuals; the weighed-out rank's stay zero (it contributed nothing to carry)."""
+    config = {**CONFIG, "start_iter": 1}
+    ranks = [r.value for r in run_ranks("powersgd_workers_torch:weighed_out", 3, seed, config, timeout=120)]
+    shapes = [a.shape for a in ranks[0]["local"][0]]
+    names = [n for n, s in zip(ranks[0]["names"], shapes) if PowerSGDConfig(**config).compressed_rank(s) is not None]
+    assert len(names) >= 2
+    reference = PowerSGDReference(shapes, 2, PowerSGDConfig(**config), [ranks[0]["initial_qs"][n] for n in names])
+    for step in range(len(ranks[0]["local"])):
+        expected = reference.step([r["local"][step] for r in ranks[:2]])
+        for rank in ranks:
+            for want, got in zip(expected, rank["applied"][step]):
+                np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max(), err_msg=f"{step}")
+    for rank, residuals in zip(ranks[:2], reference.residuals):
+        for name, want in zip(names, residuals):
+            np.testing.assert_allclose(rank["residuals"][name], want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert all(not np.any(r) for r in ranks[2]["residuals"].values())

@@ -52,8 +52,9 @@ def warmup(hierarchical: bool) -> Scenario:
     return Scenario("warmup", {"hierarchical": hierarchical})
 
 
-def run(algo: str, hierarchical: bool) -> Scenario:
-    return Scenario("run", {"algo": algo, "hierarchical": hierarchical})
+def run(algo: str, hierarchical: bool, weighed_out: bool = False) -> Scenario:
+    options = {"algo": algo, "hierarchical": hierarchical}
+    return Scenario("run", {**options, "weighed_out": True} if weighed_out else options)
 
 
 JOBS = JobTable(
@@ -62,7 +63,14 @@ JOBS = JobTable(
         "gloo-2ranks": Job(
             2,
             "python",
-            (warmup(True), run("qadam", True), run("onebit_adam", True), Scenario("checkpoint"), Scenario("errors")),
+            (
+                warmup(True),
+                run("qadam", True),
+                run("onebit_adam", True),
+                run("qadam", True, weighed_out=True),
+                Scenario("checkpoint"),
+                Scenario("errors"),
+            ),
         ),
         "gloo-4ranks-2nodes": Job(
             4,
@@ -73,6 +81,7 @@ JOBS = JobTable(
                 run("onebit_adam", True),
                 run("qadam", False),
                 run("onebit_adam", False),
+                run("qadam", True, weighed_out=True),
             ),
             2,
         ),
@@ -297,10 +306,13 @@ def _allreduce(xs: list[torch.Tensor], exchange, residuals, local: int | None) -
     return [torch.cat([between[l][node] for l in range(local)]) for node in range(nodes) for _ in range(local)]
 
 
-def simulate(seed: int, n: int, algo: str, boundary: dict, layout, local: int | None, steps: range):
+def simulate(
+    seed: int, n: int, algo: str, boundary: dict, layout, local: int | None, steps: range, weighed_out: bool = False
+):
     """All n ranks in one process, from the state at the warm-up boundary (identical on every rank): local
     gradients by plain torch, torch Adam's momentum update, the compression pipeline through bagua_torch.ops, the
-    frozen-v update with torch Adam's operations. Returns (params, state, residuals)."""
+    frozen-v update with torch Adam's operations. ``weighed_out``: the last rank sends zeros, and the average is
+    rescaled to the others'. Returns (params, state, residuals)."""
     beta1, beta2 = BETAS
     with _Threads():
         model = make_mlp(seed)
@@ -327,8 +339,12 @@ def simulate(seed: int, n: int, algo: str, boundary: dict, layout, local: int | 
             for b, (bucket_names, size) in enumerate(layout):
                 flats = [torch.cat([momenta[r][k].reshape(-1) for k in bucket_names]) for r in range(n)]
                 flats = [torch.cat([f, torch.zeros(size - f.numel())]) for f in flats]
+                if weighed_out:
+                    flats[-1] = torch.zeros(size)
                 per_bucket = [(w[b], s[b]) for w, s in residuals]
                 results = _allreduce(flats, exchange, per_bucket, local)
+                if weighed_out:
+                    results = [r.mul(n / (n - 1)) for r in results]
                 for res in results[1:]:
                     assert torch.equal(res, results[0])
                 offset = 0
@@ -368,7 +384,9 @@ def test_after_warmup_matches_single_process_simulation_exactly(name, scenario):
         assert_tree_equal(v[scenario.label]["params"], first["params"], f"rank {v['rank']} params")
         assert_tree_equal(v[scenario.label]["state"], first["state"], f"rank {v['rank']} state")
     layout = first["layout"]
-    params, state, residuals = simulate(seed, n, algo, first["boundary"], layout, local, range(RUN_WARMUP, RUN_STEPS))
+    steps = range(RUN_WARMUP, RUN_STEPS)
+    weighed_out = scenario.options.get("weighed_out", False)
+    params, state, residuals = simulate(seed, n, algo, first["boundary"], layout, local, steps, weighed_out)
     assert_tree_equal(first["params"], params, "params vs the simulation")
     assert_tree_equal(first["state"], state, "optimizer state vs the simulation")
     # v stayed frozen after the warm-up; the momentum moved.

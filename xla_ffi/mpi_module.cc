@@ -107,9 +107,8 @@ NB_MODULE(_bagua_mpi, m) {
       "set_average_divisor",
       [](int64_t h, int ranks) { set_mpi_average_divisor(*collective_bindings::lookup(h), ranks); },
       nb::arg("handle"), nb::arg("ranks"),
-      "Set the ranks that averages divide by (1..size; 0: the size) for the collectives started "
-      "after "
-      "it; every rank must set the same value between the same two collectives.");
+      "Set the ranks that averages divide by (1..size; 0: the size) for the collectives "
+      "started after it; every rank must set the same value between the same two collectives.");
 
   m.def(
       "finalize",

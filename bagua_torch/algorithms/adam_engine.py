@@ -303,6 +303,16 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
                     f"world size {self.world.size}"
                 )
 
+    # --- fault tolerance: the optimizer keeps the moments; a joiner is given the phase (the step count) before its
+    # first step, whose gradients (in the warm-up) or momentum (after it) it is weighed out of where the exchange
+    # carries its zeros exactly (weighed_out_scale)
+
+    def carried_state(self) -> dict[str, Any]:
+        return {"step_id": self.optimizer.step_id}
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        self.optimizer.step_id = int(state["step_id"])
+
     @property
     def need_gradient_hooks(self) -> bool:  # type: ignore[override]
         """Gradients are averaged in the backward pass during the warm-up only."""
@@ -327,6 +337,8 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.optimizer or self.optimizer.in_warmup:
             return
+        # A step joiners are weighed out of: the reducer, which does not run after the warm-up, leaves it to this.
+        weighed_out, self.weighed_out = self.weighed_out, None
         # Fault tolerance: the momentum of the last commit, restored if this step does not commit.
         committed = None
         if self.fault_tolerance is not None:
@@ -342,9 +354,11 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
                     held = [still[p] for p in bucket.params] if self.hold_unused else []
                     for m, unused in zip(momenta, held):
                         m.masked_fill_(unused, 0)
-                    for view, m in zip(bucket.views(flat), momenta):
-                        view.copy_(m)
-                    averages.append(self.average_momentum(bucket, flat))
+                    if weighed_out is None or weighed_out.contributes:
+                        for view, m in zip(bucket.views(flat), momenta):
+                            view.copy_(m)
+                    averaged = self.average_momentum(bucket, flat)
+                    averages.append(averaged if weighed_out is None else averaged.mul_(weighed_out.scale))
                 self.commit()
         except BaseException:
             if committed is not None:

@@ -63,7 +63,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import torch
 
@@ -84,6 +84,7 @@ __all__ = [
     "Bucket",
     "Communicators",
     "DoneWork",
+    "WeighedOut",
     "check_flags",
     "implements",
 ]
@@ -195,6 +196,16 @@ class Algorithm:
         raise NotImplementedError(f"{type(self).__name__} must implement reify()")
 
 
+class WeighedOut(NamedTuple):
+    """How a fault-tolerant job's step in flight weighs this rank: joiners take part in it while their state arrives,
+    contributing zeros (:meth:`AlgorithmImpl.weighed_out_scale`)."""
+
+    contributes: bool
+    """False on a joiner: its gradients are replaced by zeros before they are reduced."""
+    scale: float
+    """The factor applied to every reduced bucket, which makes the average one over the ranks that contribute."""
+
+
 class AlgorithmImpl:
     """An algorithm running on one wrapped model; the wrapper calls its hooks (see the module docstring).
 
@@ -236,6 +247,9 @@ class AlgorithmImpl:
         shared = context.ordered_worker or getattr(context.communicators.world, "ordered_worker", None)
         self._owns_worker = shared is None
         self._worker = OrderedWorker(type(self).__name__, context.device) if shared is None else shared
+        self.weighed_out: WeighedOut | None = None
+        """Set by a fault-tolerant job for the step in flight when joiners take part in it weighed out; the reducer
+        applies it and clears it when the step's reduction is done."""
 
     # --- conveniences ---------------------------------------------------------------
 
@@ -358,6 +372,11 @@ class AlgorithmImpl:
         state arrives), or None: a rank given the state needs it before the next step (its peers wait). Default:
         None."""
         return None
+
+    def mean_over(self, trainers: int) -> float:
+        """The factor that turns a mean over the world into one over ``trainers`` ranks, the others contributing
+        zeros: what :meth:`weighed_out_scale` returns for an algorithm that averages."""
+        return self.world.size / trainers
 
     def sit_out(self, steps: int) -> None:
         """Skip ``steps`` steps (:meth:`steps_to_next_exchange`) and contribute nothing to the exchange after them."""

@@ -99,7 +99,7 @@ class ByteGradImpl(AlgorithmImpl):
 
     def weighed_out_scale(self, trainers: int) -> float:
         # A rank weighed out sends zeros, which the 8-bit codes carry exactly (a chunk of zeros has lo = hi = 0).
-        return self.world.size / trainers if self.config.average else 1.0
+        return self.mean_over(trainers) if self.config.average else 1.0
 
     def state_dict(self) -> dict[str, Any]:
         if self.residuals is None:

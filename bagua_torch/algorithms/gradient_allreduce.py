@@ -60,4 +60,4 @@ class GradientAllReduceImpl(AlgorithmImpl):
         return self.allreduce_async(bucket.grad, self.levels, self.op)
 
     def weighed_out_scale(self, trainers: int) -> float:
-        return self.world.size / trainers if self.op == "avg" else 1.0
+        return self.mean_over(trainers) if self.op == "avg" else 1.0

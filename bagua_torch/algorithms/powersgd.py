@@ -27,6 +27,7 @@ from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
     AlgorithmImpl,
+    WeighedOut,
     check_dtypes,
     check_tensor_list,
     implements,
@@ -196,6 +197,9 @@ class PowerSGDImpl(AlgorithmImpl):
                 self.world.allreduce(torch.cat([q.reshape(-1) for q in qs]), "avg").split([q.numel() for q in qs]), qs
             )
         ]
+        # A step that joiners are weighed out of applies every approximation scaled (by the reducer); a joiner
+        # contributes no M, so its residual stays the zeros it started from.
+        weighed_out = self.weighed_out or WeighedOut(contributes=True, scale=1.0)
         k = 0
         for bucket, layout in zip(self.buckets, self.layout):
             views = bucket.views(bucket.grad)
@@ -205,8 +209,8 @@ class PowerSGDImpl(AlgorithmImpl):
                 else:
                     approximation = ps[k] @ qs[k].T
                     views[i].copy_(approximation.view_as(views[i]))
-                if self.config.error_feedback:
-                    matrices[k].sub_(approximation)  # the residual's buffer: M - P Q^T
+                if self.config.error_feedback and weighed_out.contributes:
+                    matrices[k].sub_(approximation, alpha=weighed_out.scale)  # the residual's buffer: M - P Q^T
                 k += 1
         if self.config.warm_start:
             self.qs = qs
@@ -215,7 +219,11 @@ class PowerSGDImpl(AlgorithmImpl):
             self.qs = self._random_qs(shapes, self.step)
         self._summed.clear()
 
-    # --- fault tolerance: Q and the step carry over a change of members (as of the last commit), residuals restart
+    # --- fault tolerance: Q and the step carry over a change of members (as of the last commit), residuals restart;
+    # a joiner is weighed out of its first step, given Q and the step before it
+
+    def weighed_out_scale(self, trainers: int) -> float:
+        return self.mean_over(trainers)
 
     def on_commit(self) -> None:
         self._carried = {"step": self.step, "qs": list(self.qs)}  # each step makes new Q tensors: no copy needed

@@ -12,8 +12,8 @@ The warm-up, the frozen second moment, its floor and the update are the Adam eng
 (:mod:`bagua_torch.algorithms.adam_engine`, shared with 1-bit Adam). QAdam's own part is the
 exchange after the warm-up: each bucket of momentum goes through the ByteGrad pipeline
 (:func:`bagua_common.algorithms.compressed_allreduce.CompressedAllreduce.minmax_allreduce`;
-hierarchical: full precision inside the node, compressed between nodes). Its algorithm state
-is empty; the Adam state is the optimizer's.
+hierarchical: full precision inside the node, compressed between nodes). The Adam state is the
+optimizer's.
 """
 
 from __future__ import annotations
@@ -73,10 +73,14 @@ class QAdamOptimizer(AdamWithAveragedMomentum):
 
 
 class QAdamImpl(AdamWithAveragedMomentumImpl):
-    """QAdam on one wrapped model: the momentum averaged with 8-bit min-max codes. Stateless."""
+    """QAdam on one wrapped model: the momentum averaged with 8-bit min-max codes. Its state is the optimizer's."""
 
     def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
         return PIPELINES.minmax_allreduce(flat, self.world, levels=self.levels)[0]
+
+    def weighed_out_scale(self, trainers: int) -> float:
+        # A joiner's zero momentum crosses the 8-bit codes exactly (a chunk of zeros has lo = hi = 0).
+        return self.mean_over(trainers)
 
 
 @implements(QAdamConfig)
