@@ -18,6 +18,9 @@ Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined throug
   was admitted into against the round before it, and the first exchange step with the joiner against the later
   ones; then the joiner's seconds from asking to be admitted to the end of its first exchange.
 
+With ``--rate R`` (root) each rank runs in its own network namespace on a link of rate R in each direction
+(``benchmarks/harness/links.py``), its MPI traffic and its store's on that link.
+
 Run it with nothing else running (the results' header records the load before and after)::
 
     python benchmarks/fault_tolerance_jax.py overhead --ranks 2 --width 1024 --steps 20 --rounds 5
@@ -26,6 +29,7 @@ Run it with nothing else running (the results' header records the load before an
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --algorithm diloco --sync-every 64 --rounds 6
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40 --model mini
+    python benchmarks/fault_tolerance_jax.py overhead --ranks 4 --model mini --steps 10 --rounds 10 --rate 100mbit
 """
 
 from __future__ import annotations
@@ -94,13 +98,13 @@ def worker(args: argparse.Namespace) -> None:
         def batch_of(indices):
             return {"tokens": tokens[indices]}
 
-    rank = int(os.environ["RANK"])
+    rank, master = int(os.environ["RANK"]), os.environ.get("MASTER_ADDR", "127.0.0.1")
     settings = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, hash_every=args.hash_every)
     members = args.ranks - 1 if args.mode == "join" else args.ranks
     record: dict = {"rank": rank}
     period = args.sync_every if args.algorithm == "diloco" else 1  # steps per transaction
     if rank < members:
-        membership = Membership.start(settings, rank, members, "127.0.0.1", args.port, timeout=120)
+        membership = Membership.start(settings, rank, members, master, args.port, timeout=120)
         comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, members, timeout=120)
     else:  # the joiner
         while not Path(args.workdir, "start-joiner").exists():
@@ -114,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
     if rank < members:
         ft = FaultTolerantTrainer(trainer, membership, data)
     else:
-        ft = FaultTolerantTrainer.joiner(trainer, data, settings, ("127.0.0.1", args.port), timeout=120)
+        ft = FaultTolerantTrainer.joiner(trainer, data, settings, (master, args.port), timeout=120)
     state = ft.init(params, batch_of(data.indices(0, 1)))
     membership = ft.membership
     record.update(ft.admission or {}, ready=time.time())
@@ -185,28 +189,34 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
-    """Start the ranks, each under its own ``mpiexec -n 1``; return their exit codes."""
+    """Start the ranks, each under its own ``mpiexec -n 1`` (with ``--rate``, each in its own network namespace, on
+    links of that rate: ``benchmarks/harness/links.py``); return their exit codes."""
+    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
     from bagua_common.job.local_launch import free_port, mpiexec
 
     port = free_port()
-    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
-
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
     env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
-    argv = [sys.argv[0], args.mode, "--worker", "--workdir", str(workdir), "--port", str(port)]
-    options = ("ranks", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
-    argv += [f"--{k.replace('_', '-')}={getattr(args, k)}" for k in options]
-    procs = [
-        subprocess.Popen(
-            [mpiexec(), "-n", "1", sys.executable, *argv],
-            env={**env, "RANK": str(r)},
-            stdout=open(workdir / f"rank{r}.log", "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        for r in range(args.ranks)
-    ]
-    return [p.wait(timeout=args.timeout) for p in procs]
+    argv = [mpiexec(), "-n", "1", sys.executable, sys.argv[0], args.mode, "--worker", "--workdir", str(workdir)]
+    options = ("port", "ranks", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
+    argv += [f"--{k.replace('_', '-')}={getattr(args, k) if k != 'port' else port}" for k in options]
+    logs = [open(workdir / f"rank{r}.log", "w") for r in range(args.ranks)]
+    if args.rate is None:
+        procs = [
+            subprocess.Popen(
+                argv, env={**env, "RANK": str(r)}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+            for r, log in enumerate(logs)
+        ]
+        return [p.wait(timeout=args.timeout) for p in procs]
+    from harness.links import Network, mpi_environment
+
+    with Network(args.ranks, args.rate) as net:
+        procs = [
+            net.popen(r, argv, {**net.env(r, port, env), **mpi_environment()}, stdout=log, stderr=subprocess.STDOUT)
+            for r, log in enumerate(logs)
+        ]
+        return [p.wait(timeout=args.timeout) for p in procs]
 
 
 def join_table(records: list[dict], sync_every: int) -> list[str]:
@@ -252,6 +262,7 @@ def main() -> None:
     parser.add_argument("--algorithm", choices=("gradient_allreduce", "diloco"), default="gradient_allreduce")
     parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo's H")
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--rate", help="each rank on a link of this rate (e.g. 100mbit; root): the harness's network")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
@@ -262,7 +273,7 @@ def main() -> None:
         return
     meta = run_meta(
         ["jax", "mpich"], ranks=args.ranks, model=args.model, width=args.width, steps=args.steps, rounds=args.rounds,
-        algorithm=args.algorithm, sync_every=args.sync_every if args.algorithm == "diloco" else None,
+        algorithm=args.algorithm, sync_every=args.sync_every if args.algorithm == "diloco" else None, rate=args.rate,
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bagua-ft-bench-") as folder:
         workdir = Path(folder)
@@ -298,8 +309,10 @@ def main() -> None:
         lines += table(["rank", "resumed after the kill (s)", "steps run again", "step compilations"], rows)
         payload = {**meta, "exit_codes": codes, "kill_time": kill_time, "records": records}
     print("\n".join(lines))
-    suffix = ("" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}") + (
-        "" if args.model == "mlp" else f"-gpt-{args.model}"
+    suffix = (
+        ("" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}")
+        + ("" if args.model == "mlp" else f"-gpt-{args.model}")
+        + ("" if args.rate is None else f"-{args.rate}")
     )
     write_results(args.out, f"fault-tolerance-jax-{args.mode}{suffix}", lines, payload)
 

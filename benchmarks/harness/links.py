@@ -255,6 +255,20 @@ def probe() -> dict[str, Any]:
     return info
 
 
+def mpi_environment() -> dict[str, str]:
+    """MPICH's settings that keep a rank's traffic on its shaped link: no shared memory between the ranks (the
+    namespaces share one kernel and hostname), UCX over TCP on the rank's interface only, every message sent eagerly
+    (:meth:`Network.run_mpi` says why), and libfabric's TCP provider (a fault-tolerant job's ports) on that
+    interface too."""
+    return {
+        "MPIR_CVAR_NOLOCAL": "1",
+        "UCX_TLS": "tcp,self",
+        "UCX_NET_DEVICES": RANK_IF,
+        "UCX_RNDV_THRESH": "inf",
+        "FI_TCP_IFACE": RANK_IF,
+    }
+
+
 def tbf_args(rate: int) -> list[str]:
     # The bucket must hold at least one GSO super-packet (64 KiB) and a few timer ticks of traffic.
     burst = max(256 * 1024, int(rate / 8 * 0.004))
@@ -479,13 +493,7 @@ class Network:
         env = self.env(0, 0, base_env)
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "NODE_RANK"):
             env.pop(key)  # rank_env sets them from MPI's
-        env.update(
-            BAGUA_NETNS_HOSTS=",".join(f"{a}={self.ns(i)}" for i, a in enumerate(addrs)),
-            MPIR_CVAR_NOLOCAL="1",
-            UCX_TLS="tcp,self",
-            UCX_NET_DEVICES=RANK_IF,
-            UCX_RNDV_THRESH="inf",
-        )
+        env.update(BAGUA_NETNS_HOSTS=",".join(f"{a}={self.ns(i)}" for i, a in enumerate(addrs)), **mpi_environment())
         with tempfile.TemporaryDirectory(prefix=f"{PREFIX}ssh-") as tmp:
             shim = os.path.join(tmp, "netns-ssh")
             with open(shim, "w") as f:
