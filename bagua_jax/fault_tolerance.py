@@ -338,7 +338,7 @@ class FaultTolerantTrainer:
             with contextlib.suppress(Exception):  # (revoked) before it changes; a pair's own thread is left to end
                 self._transfer.result()
         self._transfer = self._incoming = None
-        self.communicator.engine.set_average_divisor(self.communicator.handle, 0)  # its step abandoned
+        self.communicator.set_mpi_average_divisor(None)  # its step abandoned
         old = self.epoch
         new = self.epoch = follow_members(self.communicator, self.membership, old)
         self.communicator.revoke_when(new.closed, f"the job's membership changed (epoch {new.number} closed)")

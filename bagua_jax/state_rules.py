@@ -51,9 +51,16 @@ def refuse_unsurvivable(trainer: DataParallel) -> None:
     """Raise ValueError naming the fallback unless ``trainer``'s algorithm keeps its replicas identical, or is DiLoCo
     without an overlapped exchange: the decentralized ones and asynchronous averaging let the replicas drift with
     nothing every member holds to go on from, and an overlapped exchange runs on a communicator of its own that a
-    change of members does not rebuild."""
+    change of members does not rebuild. Autotuning is refused too: a joiner would tune alone."""
     algorithm = trainer.algorithm
     config = algorithm.config
+    if trainer._autotune != "off":
+        raise ValueError(
+            "FaultTolerantTrainer cannot autotune: a process that joins the job initializes alone, before it is "
+            "admitted, and would choose its own bucket size. Tune in a run without fault tolerance, then pass the "
+            "bucket size it chose (trainer.bucket_tuning.bucket_bytes) as DataParallel(..., bucket_bytes=...), with "
+            "autotune='off' (BAGUA_AUTOTUNE=off)"
+        )
     if isinstance(config, DiLoCoConfig) and config.fragment_sync_delay:
         raise ValueError(
             f"FaultTolerantTrainer cannot continue {config.name} with fragment_sync_delay="

@@ -138,7 +138,8 @@ class FaultTolerance:
 
     def attach(self, module: BaguaModule) -> None:
         """Train ``module`` (a wrapper made on this job's group) fault-tolerantly: commit its steps, rebuild it on
-        a change. Called by the wrapper. An algorithm not in :func:`carried_algorithms` is refused (ValueError)."""
+        a change. Called by the wrapper. An algorithm not in :func:`carried_algorithms`, and autotuning, are refused
+        (ValueError)."""
         name = module.algorithm.name
         if not type(module.algorithm).fault_tolerant:
             raise ValueError(
@@ -146,6 +147,13 @@ class FaultTolerance:
                 f"of members yet (it can: {', '.join(carried_algorithms())}); train it without fault tolerance and "
                 "restart from a checkpoint when a rank is lost (the elastic restart: bagua-launch --nnodes MIN:MAX "
                 "--max-restarts N)"
+            )
+        if module.bucket_tuner is not None:
+            raise ValueError(
+                "fault tolerance: autotune cannot tune a fault-tolerant job: each member wraps its model alone, before "
+                "the job forms, and so does a member that joins later, so each would bucket the gradients its own "
+                "way. Tune in a run without fault tolerance, then pass the bucket size it chose "
+                "(model.bucket_tuner.current['bucket_bytes']) as bucket_bytes, with autotune off (BAGUA_AUTOTUNE=off)"
             )
         self.modules.append(module)
         config = module.algorithm.config_class

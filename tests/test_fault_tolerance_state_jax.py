@@ -85,6 +85,17 @@ def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(
         FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0))
 
 
+def test_autotune_is_refused_naming_the_bucket_size_to_pass_instead():
+    # A joiner initializes alone (over its own mpi_self communicator) and would tune its buckets alone.
+    trainer = DataParallel(loss_fn, optax.sgd(0.1), "gradient_allreduce", mesh=mesh(), autotune="once")
+    for make in (
+        lambda: FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0)),
+        lambda: FaultTolerantTrainer.joiner(trainer, DataPosition(16, 2, seed=0), FaultToleranceSettings(), ("", 1)),
+    ):
+        with pytest.raises(ValueError, match=r"cannot autotune.*bucket_tuning\.bucket_bytes"):
+            make()
+
+
 def test_a_joiner_needs_a_communicator_of_its_own_and_its_own_constructor():
     trainer = DataParallel(loss_fn, optax.sgd(0.1), "gradient_allreduce", mesh=mesh())
     with pytest.raises(ValueError, match=r"joiner needs a DataParallel over NativeCommunicator\.mpi_self\(\)"):

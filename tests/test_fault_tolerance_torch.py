@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 import numpy as np
 import pytest
@@ -724,20 +724,39 @@ def test_a_death_before_the_vote_puts_the_algorithms_state_back(jobs, algorithm)
     check_every_sample_once(job)
 
 
-def test_an_algorithm_whose_state_is_not_carried_is_refused_naming_the_elastic_restart(monkeypatch):
+def joiners_group(monkeypatch) -> tuple[Any, Any]:
+    """A fault-tolerant job's :class:`FaultTolerance` and group as a joiner has them before its loop starts (nothing
+    reaches the network), to wrap models on in this process."""
     import torch
 
-    import bagua_torch
     from bagua_torch.fault_tolerance import start_fault_tolerance
     from bagua_torch.job import BaguaProcessGroup
 
-    monkeypatch.setenv("BAGUA_FT_JOIN", "1")  # a joiner's group: nothing reaches the network before its loop starts
+    monkeypatch.setenv("BAGUA_FT_JOIN", "1")
     cpu = torch.device("cpu")
     job = start_fault_tolerance(None, None, "127.0.0.1", free_port(), "gloo", cpu, 10.0)
-    group = BaguaProcessGroup(job.communicators, 0, 1, 0, 1, cpu, "gloo", False, fault_tolerance=job)
+    return job, BaguaProcessGroup(job.communicators, 0, 1, 0, 1, cpu, "gloo", False, fault_tolerance=job)
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "options", "refusal"),
+    [
+        ("async", {}, r"^fault tolerance: async cannot continue in-process.*the elastic restart"),
+        # Each member wraps its model alone before the job forms: its tuner's broadcasts would reach itself only.
+        ("gradient_allreduce", {"autotune": "once"}, r"^fault tolerance: autotune cannot tune.*bucket_tuner\.current"),
+    ],
+)
+def test_what_cannot_continue_in_process_is_refused_naming_what_to_do(monkeypatch, algorithm, options, refusal):
+    import torch
+
+    import bagua_torch
+
+    _, group = joiners_group(monkeypatch)
     net = torch.nn.Linear(4, 1)
-    with pytest.raises(ValueError, match=r"^fault tolerance: async cannot continue in-process.*the elastic restart"):
-        bagua_torch.with_bagua(net, [torch.optim.SGD(net.parameters(), lr=0.1)], "async", process_group=group)
+    with pytest.raises(ValueError, match=refusal):
+        bagua_torch.with_bagua(
+            net, [torch.optim.SGD(net.parameters(), lr=0.1)], algorithm, process_group=group, **options
+        )
 
 
 def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_any(monkeypatch, tmp_path):
@@ -745,13 +764,8 @@ def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_
 
     import bagua_torch
     from bagua_torch import checkpoint
-    from bagua_torch.fault_tolerance import start_fault_tolerance
-    from bagua_torch.job import BaguaProcessGroup
 
-    monkeypatch.setenv("BAGUA_FT_JOIN", "1")  # a joiner's group: nothing reaches the network before its loop starts
-    cpu = torch.device("cpu")
-    job = start_fault_tolerance(None, None, "127.0.0.1", free_port(), "gloo", cpu, 10.0)
-    group = BaguaProcessGroup(job.communicators, 0, 1, 0, 1, cpu, "gloo", False, fault_tolerance=job)
+    job, group = joiners_group(monkeypatch)
     net = torch.nn.Linear(4, 1)
     optimizer = torch.optim.SGD(net.parameters(), lr=0.1)
     model = bagua_torch.with_bagua(net, [optimizer], "gradient_allreduce", process_group=group)

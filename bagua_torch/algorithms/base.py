@@ -369,8 +369,8 @@ class AlgorithmImpl:
     def weighed_out_scale(self, trainers: int) -> float | None:
         """In a fault-tolerant job: the factor that makes this algorithm's reduced gradients the average over
         ``trainers`` ranks when the others contributed zeros (joiners taking part in their first step while their
-        state arrives), or None: a rank given the state needs it before the next step (its peers wait). Default:
-        None."""
+        state arrives), or None: a rank given the state needs it before the next step (its peers wait). Every rank
+        asks it before the joiner has any state, so the answer must not depend on the impl's state. Default: None."""
         return None
 
     def mean_over(self, trainers: int) -> float:
