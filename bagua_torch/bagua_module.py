@@ -134,6 +134,7 @@ class BaguaModule(nn.Module):
         self.module = module
         self.algorithm: Algorithm = algorithm
         self.optimizers: tuple[torch.optim.Optimizer, ...] = optimizers
+        self._stepping = list(optimizers)  # each, or what replaced it (replace_optimizer)
         self.sync_point: SyncPoint = sync_point
         self.broadcast_buffers = broadcast_buffers
         self.communicators: Communicators = communicators_from(process_group)
@@ -199,7 +200,7 @@ class BaguaModule(nn.Module):
 
         check_same_job(self._signature, allgather)
         broadcast_tensors(world, [p for _, p in self.module.named_parameters()] + list(self.module.buffers()))
-        for optimizer in self.optimizers:
+        for optimizer in self.stepping_optimizers:
             broadcast_optimizer_state(optimizer, world, self.device)
 
     def _build(self, bucket_bytes: int) -> None:
@@ -324,11 +325,15 @@ class BaguaModule(nn.Module):
     # --- optimizer step ---------------------------------------------------------------
 
     def _hook_steps(self, stepping: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> list[Any]:
-        """Hook ``stepping``'s steps as steps of ``wrapped`` (the optimizer the algorithm was built with)."""
+        """Hook ``stepping``'s steps as steps of ``wrapped`` (the optimizer the algorithm was built with); a
+        fault-tolerant job votes in the last one's, unless the algorithm did (:meth:`AlgorithmImpl.commit`)."""
 
         def before(_optimizer: Any, args: Any, kwargs: Any) -> None:
             self.wait_gradients()
             self.algorithm_impl.before_step(wrapped)
+            job = self._fault_tolerance
+            if job is not None and wrapped is self.optimizers[-1] and self.algorithm_impl.transaction_per_step:
+                job.commit_step()
 
         def after(_optimizer: Any, args: Any, kwargs: Any) -> None:
             self.algorithm_impl.after_step(wrapped)
@@ -336,13 +341,10 @@ class BaguaModule(nn.Module):
         return [stepping.register_step_pre_hook(before), stepping.register_step_post_hook(after)]
 
     def replace_optimizer(self, original: torch.optim.Optimizer, replacement: torch.optim.Optimizer) -> None:
-        """Step ``replacement`` in the place of ``original``, one of the optimizers given to the wrapper.
-
-        The step hooks move from ``original`` to ``replacement``, whose steps the algorithm sees as
-        ``original``'s (the optimizer it was built with), so weight-communicating algorithms keep
-        averaging when, for one, a fused optimizer (:func:`bagua_torch.fuse_optimizer`) takes over.
-        ``replacement`` must hold the same parameters; ``original`` is not stepped again.
-        """
+        """Step ``replacement`` (the same parameters; a fused optimizer, :func:`bagua_torch.fuse_optimizer`) in the
+        place of ``original``, one of the optimizers given to the wrapper, never stepped again: the step hooks move to
+        it, and the algorithm sees its steps as ``original``'s (the optimizer it was built with), so
+        weight-communicating algorithms keep averaging; its state is the training's (:attr:`stepping_optimizers`)."""
         index = next((i for i, opt in enumerate(self.optimizers) if opt is original), None)
         if index is None:
             raise ValueError("replace_optimizer: the original optimizer was not given to this wrapper")
@@ -354,8 +356,14 @@ class BaguaModule(nn.Module):
         for handle in self._step_hooks[index]:
             handle.remove()
         self._step_hooks[index] = self._hook_steps(replacement, original)
+        self._stepping[index] = replacement
         _WRAPPER_OF.pop(original, None)
         _WRAPPER_OF[replacement] = self
+
+    @property
+    def stepping_optimizers(self) -> tuple[torch.optim.Optimizer, ...]:
+        """The optimizers that step the model (their state is the training's): the wrapper's, or what replaced each."""
+        return tuple(self._stepping)
 
     # --- checkpoints ------------------------------------------------------------------
 

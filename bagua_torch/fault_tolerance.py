@@ -51,23 +51,17 @@ from bagua_common.fault_tolerance import (
 from bagua_common.fault_tolerance.data_position import RECORD_KEY
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_torch import checkpoint, state_transfer
-from bagua_torch.algorithms import algorithm_class, available_algorithms
 from bagua_torch.algorithms.base import WeighedOut
 from bagua_torch.communicator import CommunicationError
 from bagua_torch.communicator.abandon import caused_by_a_change
 from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator, trainers_communicator
 from bagua_torch.replica_check import check_replicas
+from bagua_torch.survivable import carried_algorithms, refuse_unsurvivable
 
 if TYPE_CHECKING:
     from bagua_torch.bagua_module import BaguaModule
 
 __all__ = ["ENV_FAULT_TOLERANCE", "FaultTolerance", "Step", "carried_algorithms", "start_fault_tolerance"]
-
-
-def carried_algorithms() -> list[str]:
-    """The algorithms a fault-tolerant job trains, by name: those declaring ``fault_tolerant`` (their state is carried
-    across a change of members by its rule, and tested); the others are refused, naming the elastic restart."""
-    return [name for name in available_algorithms() if algorithm_class(name).fault_tolerant]
 
 
 class Step:
@@ -138,29 +132,11 @@ class FaultTolerance:
 
     def attach(self, module: BaguaModule) -> None:
         """Train ``module`` (a wrapper made on this job's group) fault-tolerantly: commit its steps, rebuild it on
-        a change. Called by the wrapper. An algorithm not in :func:`carried_algorithms`, and autotuning, are refused
-        (ValueError)."""
-        name = module.algorithm.name
-        if not type(module.algorithm).fault_tolerant:
-            raise ValueError(
-                f"fault tolerance: {name or type(module.algorithm).__name__} cannot continue in-process after a change "
-                f"of members yet (it can: {', '.join(carried_algorithms())}); train it without fault tolerance and "
-                "restart from a checkpoint when a rank is lost (the elastic restart: bagua-launch --nnodes MIN:MAX "
-                "--max-restarts N)"
-            )
-        if module.bucket_tuner is not None:
-            raise ValueError(
-                "fault tolerance: autotune cannot tune a fault-tolerant job: each member wraps its model alone, before "
-                "the job forms, and so does a member that joins later, so each would bucket the gradients its own "
-                "way. Tune in a run without fault tolerance, then pass the bucket size it chose "
-                "(model.bucket_tuner.current['bucket_bytes']) as bucket_bytes, with autotune off (BAGUA_AUTOTUNE=off)"
-            )
+        a change. Called by the wrapper; what cannot continue in-process is refused (:func:`refuse_unsurvivable`)."""
+        refuse_unsurvivable(module)
         self.modules.append(module)
         config = module.algorithm.config_class
         self._replicas_identical &= config is not None and config.replicated
-        last = module.optimizers[-1] if module.optimizers else None
-        if last is not None and module.algorithm_impl.transaction_per_step:
-            last.register_step_pre_hook(lambda optimizer, args, kwargs: self.commit_step())
 
     def commit_step(self) -> None:
         """Vote for the step in flight (its collectives are done) and let it apply: voting ahead where the replicas are
@@ -399,7 +375,7 @@ class FaultTolerance:
             return None
         metadata = None if self.data is None else {RECORD_KEY: self.data.record()}
         try:
-            return checkpoint.save(root, model, model.optimizers, step=self.step, metadata=metadata)
+            return checkpoint.save(root, model, model.stepping_optimizers, step=self.step, metadata=metadata)
         except (MembershipChanged, CommunicationError) as error:
             self._fail(error)
             return None
@@ -413,7 +389,11 @@ class FaultTolerance:
         data.resume(recorded_position(directory))
         if not self._entered:  # the models are rebuilt for the epoch's members first
             self._enter_or_recover(self.epoch)
-        self.data, self.step, self._check_due = data, checkpoint.restore(directory, model, model.optimizers), True
+        self.data, self.step, self._check_due = (
+            data,
+            checkpoint.restore(directory, model, model.stepping_optimizers),
+            True,
+        )
         return self.step
 
     def _checkpointed_model(self, what: str) -> BaguaModule:

@@ -45,7 +45,7 @@ def check_replicas(
         if config is not None and config.replicated:
             for tensor in model_tensors(module):
                 digest.add("parameters", _bytes(tensor))
-            for optimizer in module.optimizers:
+            for optimizer in module.stepping_optimizers:
                 for state in optimizer.state_dict()["state"].values():
                     for value in state.values():
                         if isinstance(value, torch.Tensor):

@@ -58,7 +58,7 @@ def job_state(step: int, committed: int, data: DataPosition | None, modules: Seq
         "committed": committed,
         "position": None if data is None else data.state(),
         "algorithms": [m.algorithm_impl.carried_state() for m in modules],
-        "optimizers": [[opt.state_dict() for opt in m.optimizers] for m in modules],
+        "optimizers": [[opt.state_dict() for opt in m.stepping_optimizers] for m in modules],
     }
 
 
@@ -75,7 +75,7 @@ def _load_models_state(state: dict[str, Any], modules: Sequence[BaguaModule]) ->
     for module, carried in zip(modules, state.get("algorithms", ())):
         module.algorithm_impl.load_carried_state(carried)
     for module, optimizers_state in zip(modules, state.get("optimizers", ())):
-        for optimizer, optimizer_state in zip(module.optimizers, optimizers_state):
+        for optimizer, optimizer_state in zip(module.stepping_optimizers, optimizers_state):
             optimizer.load_state_dict(optimizer_state)
 
 

@@ -445,15 +445,19 @@ POWERSGD_WEIGHED_OUT = 'powersgd {"rank": 1, "min_compression_rate": 1, "start_i
 
 
 @pytest.mark.parametrize(
-    "algorithm",
+    ("algorithm", "fused"),
     [
-        "gradient_allreduce",
-        "bytegrad",
-        pytest.param(POWERSGD_WEIGHED_OUT, id="powersgd"),
-        pytest.param('qadam {"warmup_steps": 2}', id="qadam"),  # its momentum averaged after the warm-up
+        pytest.param("gradient_allreduce", False, id="gradient_allreduce"),
+        # The optimizer fused onto the buckets (bagua_torch.fuse_optimizer) steps in the wrapped one's place: the vote
+        # and the optimizer state sent, loaded and hashed must be the fused one's (neither was: its members never
+        # voted, so never admitted the joiner, and the joiner's momentum stayed zero).
+        pytest.param("gradient_allreduce", True, id="gradient_allreduce-fused"),
+        pytest.param("bytegrad", False, id="bytegrad"),
+        pytest.param(POWERSGD_WEIGHED_OUT, False, id="powersgd"),
+        pytest.param('qadam {"warmup_steps": 2}', False, id="qadam"),  # its momentum averaged after the warm-up
     ],
 )
-def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives(jobs, algorithm):
+def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives(jobs, algorithm, fused):
     # Steps of 1 s; the joiner's state takes 0.6 s more to leave rank 0 (a slow link). The joiner
     # is sent the step and data position at once, takes part in the next step with zero gradients that the average
     # leaves out, and loads the rest of the state before its optimizer applies that step: the state travels while
@@ -461,7 +465,7 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
     # they waited for the whole transfer first). The loop's own collective (a logged loss) spans all three.
     faults = [{"rank": 0, "step": 0, "where": "state", "kind": "slow", "seconds": 0.6}]
     env = {"FT_LOOP_ALLREDUCE": "1", "FT_REPORT_PARAMS": "1"}
-    job = jobs(2, algorithm, faults, steps=4, world=3, step_seconds=1.0, env=env)
+    job = jobs(2, algorithm, faults, steps=4, world=3, step_seconds=1.0, env=env, fused=fused)
     members, joiner = finish_with_a_joiner_after_the_first_step(job, (0, 1))
     assert job.of(members[0], "fault")  # the slow transfer happened
     (loaded,) = job.of(joiner, "state_loaded")
@@ -481,7 +485,7 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
     # 8-bit codes, chunked by 3 ranks rather than 2, move it by less than 5% of the step's largest change (the
     # joiner's zeros left in the average moved it by 9%). QAdam's 8-bit momentum, divided by the frozen variance's
     # root, moves the step by 7% of its norm (the joiner's zeros left in it: 30%).
-    alone = jobs(2, algorithm, [], steps=first["step"], world=2, env={"FT_REPORT_PARAMS": "1"})
+    alone = jobs(2, algorithm, [], steps=first["step"], world=2, env={"FT_REPORT_PARAMS": "1"}, fused=fused)
     alone.finish()
     before, expected = (
         np.array([e["params"] for e in alone.of(alone.pids(rank=0)[0], "step") if e["step"] == step][0])
