@@ -763,6 +763,32 @@ def test_what_cannot_continue_in_process_is_refused_naming_what_to_do(monkeypatc
         )
 
 
+@pytest.mark.parametrize("algorithm", ["powersgd", "decentralized", "low_precision_decentralized"])
+def test_a_loaded_checkpoint_is_what_a_change_of_members_carries(monkeypatch, algorithm):
+    # A restarted job loads its checkpoint before its first commit; a change of members before that commit carries
+    # the algorithm's state as of the last commit, which must be the checkpoint's (it was the fresh wrap's: step 0).
+    import torch
+
+    import bagua_torch
+
+    _, group = joiners_group(monkeypatch)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 1))
+    options = {"min_compression_rate": 1} if algorithm == "powersgd" else {}
+    model = bagua_torch.with_bagua(
+        net, [torch.optim.SGD(net.parameters(), lr=0.1)], algorithm, process_group=group, **options
+    )
+    impl = model.algorithm_impl
+    saved = impl.state_dict()
+    saved["step"] = 7
+    if algorithm == "powersgd":
+        saved["qs"] = [q + 1 for q in saved["qs"]]
+    impl.load_state_dict(saved)
+    carried = impl.carried_state()
+    assert carried["step"] == 7
+    if algorithm == "powersgd":
+        assert all(torch.equal(q.reshape(-1), s) for q, s in zip(carried["qs"], saved["qs"]))
+
+
 def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_any(monkeypatch, tmp_path):
     import torch
 

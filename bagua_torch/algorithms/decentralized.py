@@ -190,4 +190,4 @@ class DecentralizedImpl(AlgorithmImpl):
         return {"step": self.step}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.step = load_step(state, self.config.name)
+        self.step = self._committed_step = load_step(state, self.config.name)  # committed: a change carries it

@@ -208,7 +208,7 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         step = load_step(state, name)
         loaded = {key: check_tensor_list(state, key, self.sizes, name) for key in ("weights", "left", "right")}
         device = self.context.device
-        self.step = step
+        self.step = self._committed_step = step  # committed: a change before the next commit carries it
         self.weights, self.left, self.right = (
             [t.detach().to(device).clone() for t in loaded[key]] for key in ("weights", "left", "right")
         )

@@ -257,3 +257,4 @@ class PowerSGDImpl(AlgorithmImpl):
         self.step = step
         self.qs = [q.to(self.context.device).view_as(old).clone() for q, old in zip(qs, self.qs)]
         self.residuals = [r.to(self.context.device).view_as(old).clone() for r, old in zip(residuals, self.residuals)]
+        self.on_commit()  # a restored checkpoint is committed state: a change before the next commit carries it
