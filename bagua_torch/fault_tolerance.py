@@ -389,11 +389,8 @@ class FaultTolerance:
         data.resume(recorded_position(directory))
         if not self._entered:  # the models are rebuilt for the epoch's members first
             self._enter_or_recover(self.epoch)
-        self.data, self.step, self._check_due = (
-            data,
-            checkpoint.restore(directory, model, model.stepping_optimizers),
-            True,
-        )
+        self.step = checkpoint.restore(directory, model, model.stepping_optimizers)
+        self.data, self._check_due = data, True
         return self.step
 
     def _checkpointed_model(self, what: str) -> BaguaModule:
