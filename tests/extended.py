@@ -48,9 +48,9 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_shrink": "JAX's death during a recovery "
     "(10 s; its stop after the shrink's timeout is the MPI engine's own dead-peer bound, which stays quick)",
     r"test_fault_tolerance_torch\.py::test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives"
-    r"\[(bytegrad|powersgd|qadam)\]": "ByteGrad's, PowerSGD's and QAdam's weighed-out joiners (10-12 s each; "
-    "gradient allreduce's stays quick, and so does PowerSGD's weighed-out step against its reference, in "
-    "test_powersgd_torch.py)",
+    r"\[(bytegrad|powersgd|qadam|onebit_adam)\]": "ByteGrad's, PowerSGD's, QAdam's and 1-bit Adam's weighed-out "
+    "joiners (10-12 s each; gradient allreduce's stays quick, and so do PowerSGD's weighed-out step against its "
+    "reference, in test_powersgd_torch.py, and 1-bit Adam's against its simulation, in test_qadam_onebit_torch.py)",
     r"test_fault_tolerance_jax\.py::test_a_survivor_that_had_not_applied": "JAX's survivor given another's state "
     "(torch's stays quick, and JAX's joiner receives the state the same way in the quick kill/hang/exception job)",
     r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"

@@ -455,6 +455,7 @@ POWERSGD_WEIGHED_OUT = 'powersgd {"rank": 1, "min_compression_rate": 1, "start_i
         pytest.param("bytegrad", False, id="bytegrad"),
         pytest.param(POWERSGD_WEIGHED_OUT, False, id="powersgd"),
         pytest.param('qadam {"warmup_steps": 2}', False, id="qadam"),  # its momentum averaged after the warm-up
+        pytest.param('onebit_adam {"warmup_steps": 2}', False, id="onebit_adam"),
     ],
 )
 def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives(jobs, algorithm, fused):
@@ -484,7 +485,11 @@ def test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arriv
     # state it loaded: all three hold the same parameters after it. Up to the rescaled mean's rounding; ByteGrad's
     # 8-bit codes, chunked by 3 ranks rather than 2, move it by less than 5% of the step's largest change (the
     # joiner's zeros left in the average moved it by 9%). QAdam's 8-bit momentum, divided by the frozen variance's
-    # root, moves the step by 7% of its norm (the joiner's zeros left in it: 30%).
+    # root, moves the step by 7% of its norm (the joiner's zeros left in it: 30%). 1-bit signs chunked by 3 ranks are
+    # another code (each element its chunk's mean magnitude), 138% of the norm away from the two's: its weighing is
+    # checked bit for bit against a simulation (test_qadam_onebit_torch.py), here that the three hold the same state.
+    if algorithm.startswith("onebit_adam"):
+        return
     alone = jobs(2, algorithm, [], steps=first["step"], world=2, env={"FT_REPORT_PARAMS": "1"}, fused=fused)
     alone.finish()
     before, expected = (

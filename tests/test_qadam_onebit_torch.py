@@ -23,6 +23,7 @@ through the native MPI communicator (2 x 2). The tests check:
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import numpy as np
 import pytest
@@ -68,6 +69,7 @@ JOBS = JobTable(
                 run("qadam", True),
                 run("onebit_adam", True),
                 run("qadam", True, weighed_out=True),
+                run("onebit_adam", True, weighed_out=True),
                 Scenario("checkpoint"),
                 Scenario("errors"),
             ),
@@ -82,6 +84,7 @@ JOBS = JobTable(
                 run("qadam", False),
                 run("onebit_adam", False),
                 run("qadam", True, weighed_out=True),
+                run("onebit_adam", True, weighed_out=True),
             ),
             2,
         ),
@@ -275,11 +278,12 @@ def _minmax_exchange(xs: list[torch.Tensor], ranks: list[int], residuals) -> lis
     return [ops.minmax_uint8_decompress(gathered, n * m, n, xs[0].dtype)] * n
 
 
-def _sign_exchange(xs: list[torch.Tensor], ranks: list[int], residuals) -> list[torch.Tensor]:
-    """compressed_allreduce.sign_allreduce simulated; ``residuals[r]`` = (worker, server) of world rank r."""
+def _sign_exchange(xs: list[torch.Tensor], ranks: list[int], residuals, scale: float = 1.0) -> list[torch.Tensor]:
+    """compressed_allreduce.sign_allreduce simulated; ``residuals[r]`` = (worker, server) of world rank r; each
+    reduced chunk times ``scale`` before the server compresses it."""
     n, m = len(xs), xs[0].numel() // len(xs)
     rows = [ops.sign_compress_ef(x, residuals[r][0], n)[0].view(n, -1) for x, r in zip(xs, ranks)]
-    mine = [ops.sign_decompress_reduce(torch.cat([rows[i][j] for i in range(n)]), m, n) for j in range(n)]
+    mine = [ops.sign_decompress_reduce(torch.cat([rows[i][j] for i in range(n)]), m, n) * scale for j in range(n)]
     gathered = torch.cat([ops.sign_compress_ef(c, residuals[r][1], 1)[0] for c, r in zip(mine, ranks)])
     return [ops.sign_decompress(gathered, n * m, n, xs[0].dtype)] * n
 
@@ -312,7 +316,8 @@ def simulate(
     """All n ranks in one process, from the state at the warm-up boundary (identical on every rank): local
     gradients by plain torch, torch Adam's momentum update, the compression pipeline through bagua_torch.ops, the
     frozen-v update with torch Adam's operations. ``weighed_out``: the last rank sends zeros, and the average is
-    rescaled to the others'. Returns (params, state, residuals)."""
+    rescaled to the others' (QAdam's after the exchange, 1-bit Adam's before the server compresses it). Returns
+    (params, state, residuals)."""
     beta1, beta2 = BETAS
     with _Threads():
         model = make_mlp(seed)
@@ -329,7 +334,8 @@ def simulate(
             ([torch.zeros(size // share) for _, size in layout], [torch.zeros(size // n) for _, size in layout])
             for _ in range(n)
         ]
-        exchange = _minmax_exchange if algo == "qadam" else _sign_exchange
+        scale = n / (n - 1) if weighed_out else 1.0
+        exchange = _minmax_exchange if algo == "qadam" else partial(_sign_exchange, scale=scale)
         for step in steps:
             momenta = []
             for r in range(n):
@@ -343,8 +349,8 @@ def simulate(
                     flats[-1] = torch.zeros(size)
                 per_bucket = [(w[b], s[b]) for w, s in residuals]
                 results = _allreduce(flats, exchange, per_bucket, local)
-                if weighed_out:
-                    results = [r.mul(n / (n - 1)) for r in results]
+                if algo == "qadam" and weighed_out:
+                    results = [r.mul(scale) for r in results]
                 for res in results[1:]:
                     assert torch.equal(res, results[0])
                 offset = 0
@@ -399,7 +405,11 @@ def test_after_warmup_matches_single_process_simulation_exactly(name, scenario):
             workers, servers = residuals[v["rank"]]
             assert_tree_equal(got["worker_residuals"], [w.numpy() for w in workers], "worker residuals")
             assert_tree_equal(got["server_residuals"], [s.numpy() for s in servers], "server residuals")
-            assert any(np.abs(w).max() > 0 for w in got["worker_residuals"])
+            if weighed_out and local is None and v["rank"] == n - 1:  # its zeros crossed the signs exactly: a scale
+                # of 0 (in two levels it compresses its node's average)
+                assert all(np.abs(w).max() == 0 for w in got["worker_residuals"])
+            else:
+                assert any(np.abs(w).max() > 0 for w in got["worker_residuals"])
     else:
         assert first["algorithm_state"] == {}
 

@@ -151,6 +151,7 @@ class CompressedAllreduce:
         *,
         levels: Levels = None,
         average: bool = True,
+        scale: float = 1.0,
     ) -> tuple[Array, Array, Array]:
         """Allreduce ``bucket`` over ``comm`` with 1-bit signs and error feedback on both sides (1-bit Adam).
 
@@ -158,12 +159,17 @@ class CompressedAllreduce:
         bucket before the all-to-all; ``server_residual`` (float32, one chunk) the error of
         compressing this rank's reduced chunk before the allgather. Returns the result and both
         new residuals. With ``levels``, the averaging two-level form over them instead of ``comm``
-        (the world): the worker residual is then this rank's intra-node slice's.
+        (the world): the worker residual is then this rank's intra-node slice's. ``scale`` multiplies
+        the reduced chunk before the server compresses it (a fault-tolerant step's weighing: the mean
+        over the ranks that contributed, the others having sent zeros), so that the server residual
+        is what the scaled result left out.
         """
         if levels is not None:
             intra, inter = levels
             result, (worker_residual, server_residual) = _two_level(
-                lambda mine, node_comm: self.sign_allreduce(mine, node_comm, worker_residual, server_residual),
+                lambda mine, node_comm: self.sign_allreduce(
+                    mine, node_comm, worker_residual, server_residual, scale=scale
+                ),
                 bucket,
                 intra,
                 inter,
@@ -174,6 +180,8 @@ class CompressedAllreduce:
         packed, worker_residual = ops.sign_compress_ef(bucket, worker_residual, n)
         received = comm.alltoall(packed.reshape(n, -1))
         mine = ops.sign_decompress_reduce(received.reshape(-1), m, n, average=average)
+        if scale != 1.0:
+            mine = mine * scale
         repacked, server_residual = ops.sign_compress_ef(mine, server_residual, 1)
         gathered = comm.allgather(repacked)
         result = ops.sign_decompress(gathered.reshape(-1), n * m, n, bucket.dtype)

@@ -330,9 +330,15 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
     moment is negligible (no gradient in the whole warm-up, or only rounding: :meth:`AdamWithAveragedMomentum.unused`):
     for an exchange that cannot send a zero (1-bit signs), so that those parameters never move."""
 
-    def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        """Average one bucket of momentum (padded, this rank's) over all ranks; returns a new tensor."""
+    def average_momentum(self, bucket: Bucket, flat: torch.Tensor, scale: float) -> torch.Tensor:
+        """Average one bucket of momentum (padded, this rank's) over all ranks, times ``scale`` (1, or a fault-tolerant
+        step's weighing: :meth:`weighed_out_scale`); returns a new tensor."""
         raise NotImplementedError(f"{type(self).__name__} must implement average_momentum()")
+
+    def weighed_out_scale(self, trainers: int) -> float:
+        # A joiner's zeros cross the exchange exactly, in either phase: the warm-up's gradients in full precision, and
+        # after it the momentum, whose chunks of zeros have lo = hi = 0 (8-bit codes) or a scale of 0 (1-bit signs).
+        return self.mean_over(trainers)
 
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.optimizer or self.optimizer.in_warmup:
@@ -357,9 +363,12 @@ class AdamWithAveragedMomentumImpl(AlgorithmImpl):
                     if weighed_out is None or weighed_out.contributes:
                         for view, m in zip(bucket.views(flat), momenta):
                             view.copy_(m)
-                    averaged = self.average_momentum(bucket, flat)
-                    averages.append(averaged if weighed_out is None else averaged.mul_(weighed_out.scale))
+                    averages.append(
+                        self.average_momentum(bucket, flat, 1.0 if weighed_out is None else weighed_out.scale)
+                    )
                 self.commit()
+                if self.hold_unused and weighed_out is not None and not weighed_out.contributes:
+                    still = self.optimizer.unused()  # a joiner's: of the second moment that arrived in the commit
         except BaseException:
             if committed is not None:
                 with torch.no_grad():

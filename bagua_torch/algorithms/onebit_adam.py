@@ -82,12 +82,12 @@ class OneBitAdamImpl(AdamWithAveragedMomentumImpl):
         self.worker_residuals = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.worker_sizes]
         self.server_residuals = [torch.zeros(s, dtype=torch.float32, device=device) for s in self.server_sizes]
 
-    def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
+    def average_momentum(self, bucket: Bucket, flat: torch.Tensor, scale: float) -> torch.Tensor:
         worker = self.worker_residuals[bucket.index]
         server = self.server_residuals[bucket.index]
-        return PIPELINES.sign_allreduce(flat, self.world, worker, server, levels=self.levels)[
-            0
-        ]  # residuals updated in place
+        # Scaled before the server's compression, so that its residual is what the applied average left out.
+        averaged, _, _ = PIPELINES.sign_allreduce(flat, self.world, worker, server, levels=self.levels, scale=scale)
+        return averaged  # the residuals are updated in place
 
     def state_dict(self) -> dict[str, Any]:
         return {

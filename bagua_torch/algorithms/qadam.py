@@ -75,12 +75,9 @@ class QAdamOptimizer(AdamWithAveragedMomentum):
 class QAdamImpl(AdamWithAveragedMomentumImpl):
     """QAdam on one wrapped model: the momentum averaged with 8-bit min-max codes. Its state is the optimizer's."""
 
-    def average_momentum(self, bucket: Bucket, flat: torch.Tensor) -> torch.Tensor:
-        return PIPELINES.minmax_allreduce(flat, self.world, levels=self.levels)[0]
-
-    def weighed_out_scale(self, trainers: int) -> float:
-        # A joiner's zero momentum crosses the 8-bit codes exactly (a chunk of zeros has lo = hi = 0).
-        return self.mean_over(trainers)
+    def average_momentum(self, bucket: Bucket, flat: torch.Tensor, scale: float) -> torch.Tensor:
+        averaged = PIPELINES.minmax_allreduce(flat, self.world, levels=self.levels)[0]
+        return averaged if scale == 1.0 else averaged.mul_(scale)
 
 
 @implements(QAdamConfig)
