@@ -63,6 +63,9 @@ from bagua_common.workload import gpt_config  # noqa: E402
 
 HASH_EVERY = 50
 STUDIES = ("kill", "overhead", "chaos", "spread")
+ADAM_TYPE = ("qadam", "onebit_adam")
+"""The algorithms that bring their optimizer (``warmup_steps`` among their options, 100 by default); the others
+train with AdamW."""
 
 
 def rank_main(job_file: str) -> None:
@@ -72,7 +75,7 @@ def rank_main(job_file: str) -> None:
 
     import bagua_torch
     from bagua_common.workload import load_corpus
-    from bagua_torch.algorithms import get_algorithm
+    from bagua_torch.algorithms import algorithm_class, get_algorithm
     from bagua_torch.models.gpt import GPT, next_token_loss
 
     job = json.loads(Path(job_file).read_text())
@@ -84,9 +87,18 @@ def rank_main(job_file: str) -> None:
     torch.set_num_threads(1)
     group = bagua_torch.init_process_group("gloo", fault_tolerance=job["fault_tolerant"], timeout=300)
     model = GPT(job["size"], seed=job["seed"])
-    optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
     name, _, options = job["algorithm"].partition(" ")
-    wrapped = bagua_torch.with_bagua(model, [optimizer], get_algorithm(name, **json.loads(options or "{}")))
+    options = json.loads(options or "{}")
+    adam = algorithm_class(name) if name in ADAM_TYPE else None
+    if adam:  # an optimizer of its own (Adam, weight decay 0), whose momentum the algorithm averages after a warm-up
+        optimizer = adam.optimizer_class(
+            model.parameters(), lr=job["lr"], warmup_steps=options.pop("warmup_steps", 100)
+        )
+        algorithm = adam(optimizer, **options)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=job["lr"])
+        algorithm = get_algorithm(name, **options)
+    wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm)
     corpus = load_corpus()
     length = model.config.context + 1
     heldout = torch.from_numpy(corpus.heldout_batch(32, length))
