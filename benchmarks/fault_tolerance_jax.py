@@ -2,7 +2,8 @@
 
 Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined through the fault-tolerant membership
 (``bagua_jax.fault_tolerance``), training a ``--width`` MLP (or a GPT on the corpus, ``--model tiny|mini|small``:
-8 windows per rank, AdamW) with gradient allreduce, or with DiLoCo (``--algorithm diloco``, ``--sync-every`` H).
+8 windows per rank, AdamW) with gradient allreduce, PowerSGD (``--algorithm powersgd``, its defaults) or DiLoCo
+(``--algorithm diloco``, ``--sync-every`` H).
 
 * ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
   fault-tolerant ones (a commit by agreement per transaction, the replica digests every ``--hash-every``) on the same
@@ -26,6 +27,7 @@ Run it with nothing else running (the results' header records the load before an
     python benchmarks/fault_tolerance_jax.py overhead --ranks 2 --width 1024 --steps 20 --rounds 5
     python benchmarks/fault_tolerance_jax.py kill --ranks 3
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --algorithm diloco --sync-every 8
+    python benchmarks/fault_tolerance_jax.py kill --ranks 3 --model mini --algorithm powersgd
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --algorithm diloco --sync-every 64 --rounds 6
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40 --model mini
@@ -259,7 +261,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hash-every", type=int, default=100)
-    parser.add_argument("--algorithm", choices=("gradient_allreduce", "diloco"), default="gradient_allreduce")
+    parser.add_argument(
+        "--algorithm", choices=("gradient_allreduce", "powersgd", "diloco"), default="gradient_allreduce"
+    )
     parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo's H")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--rate", help="each rank on a link of this rate (e.g. 100mbit; root): the harness's network")

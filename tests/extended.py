@@ -51,6 +51,9 @@ EXTENDED: dict[str, str] = {
     r"\[(bytegrad|powersgd|qadam|onebit_adam)\]": "ByteGrad's, PowerSGD's, QAdam's and 1-bit Adam's weighed-out "
     "joiners (10-12 s each; gradient allreduce's stays quick, and so do PowerSGD's weighed-out step against its "
     "reference, in test_powersgd_torch.py, and 1-bit Adam's against its simulation, in test_qadam_onebit_torch.py)",
+    r"test_fault_tolerance_jax\.py::test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner\[(powersgd|"
+    r"onebit_adam)\]": "JAX's PowerSGD and 1-bit Adam through a death and an admission (6 s each; ByteGrad's and "
+    "QAdam's stay quick)",
     r"test_fault_tolerance_jax\.py::test_a_survivor_that_had_not_applied": "JAX's survivor given another's state "
     "(torch's stays quick, and JAX's joiner receives the state the same way in the quick kill/hang/exception job)",
     r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"

@@ -8,12 +8,15 @@ process), or, once the step's collective completed, by ``kill-before-vote``; ``l
 that member vote after it saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder
 start sending a joiner's state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then;
 ``FT_KILL_IN_SHRINK`` (a rank) kills that member in its first recovery's shrink, and ``FT_COMM_TIMEOUT`` (seconds,
-60 by default) bounds the communicator's waits. Every member records each
+60 by default) bounds the communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the
+training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate). Every
+member records each
 attempt of a step (its transaction, epoch, rank, sample indices, times) and its final state.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -39,7 +42,10 @@ def linear_loss(params, batch):
     import jax.numpy as jnp
 
     features, targets = batch
-    return jnp.mean((features @ params["w"] + params["b"] - targets) ** 2)
+    loss = jnp.mean((features @ params["w"] + params["b"] - targets) ** 2)
+    if "hidden" in params:
+        loss = loss + 0.0 * jnp.mean(jnp.tanh(features @ params["hidden"]))
+    return loss
 
 
 def _signal(name: str) -> str:
@@ -174,19 +180,22 @@ def train(
     steps: int,
     late_vote: tuple[int, int] | None = None,
 ) -> dict:
-    """Gradient allreduce on a linear model until ``steps`` committed steps and ``final_size`` members (a joiner
-    starts once the last fault's step committed; the members wait a little each step until it is admitted).
-    Returns this member's record (a victim never returns)."""
+    """Gradient allreduce (or ``FT_ALGORITHM``) on a linear model until ``steps`` committed steps and ``final_size``
+    members (a joiner starts once the last fault's step committed; the members wait a little each step until it is
+    admitted). Returns this member's record (a victim never returns)."""
     import jax.numpy as jnp
     import optax
 
+    from bagua_jax.algorithms import is_optimizer, make_algorithm
     from bagua_jax.trainer import DataParallel
 
     rank = int(os.environ["RANK"])
     x, y = dataset()
 
     def make_trainer(comm):
-        return DataParallel(linear_loss, optax.sgd(LR), "gradient_allreduce", communicator=comm)
+        name, _, options = os.environ.get("FT_ALGORITHM", "gradient_allreduce").partition(" ")
+        algorithm = make_algorithm(name, **json.loads(options or "{}"))
+        return DataParallel(linear_loss, None if is_optimizer(name) else optax.sgd(LR), algorithm, communicator=comm)
 
     if os.environ.get("FT_KILL_IN_SHRINK") == os.environ["RANK"]:
         _die_in_the_first_shrink()
@@ -194,6 +203,8 @@ def train(
     _delay_the_state(float(os.environ.get("FT_STATE_DELAY", "0")), holder_dies)
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    if os.environ.get("FT_HIDDEN"):
+        params["hidden"] = jnp.zeros((FEATURES, int(os.environ["FT_HIDDEN"])), jnp.float32)
     started = time.time()
     compilations = _compilations()
     ft, state, admitted = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))

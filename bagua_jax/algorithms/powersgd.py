@@ -155,11 +155,13 @@ def powersgd(
             matrices = [m + e for m, e in zip(matrices, state.residuals)]
         ps = [m @ q for m, q in zip(matrices, state.qs)]
         plain = [leaves[i].astype(jnp.float32) for i in layout.plain]
-        # One allreduce for every P, the uncompressed gradients and the means (summed; the latter two averaged below).
+        # One allreduce averages every P, the uncompressed gradients and the means. Orthogonalizing ignores P's scale;
+        # an average, which the engine divides at run time, keeps the step's program free of the world size, so a
+        # fault-tolerant job runs it as compiled after a change of members.
         pieces = ps + plain + [means]
-        reduced = _split(world.allreduce(_flat(pieces), "sum"), [p.shape for p in pieces])
+        reduced = _split(world.allreduce(_flat(pieces), "avg"), [p.shape for p in pieces])
         ps = orthogonalize_all(reduced[: len(ps)])
-        plain, means = [g / world.size for g in reduced[len(ps) : -1]], reduced[-1] / world.size
+        plain, means = reduced[len(ps) : -1], reduced[-1]
         qs = [m.T @ p for m, p in zip(matrices, ps)]
         qs = _split(world.allreduce(_flat(qs), "avg"), [q.shape for q in qs])
         approximations = [p @ q.T for p, q in zip(ps, qs)]
