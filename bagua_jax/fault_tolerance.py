@@ -116,13 +116,13 @@ class FaultTolerantTrainer:
             raise ValueError("FaultTolerantTrainer needs a DataParallel over the native MPI engine (communicator=)")
         self.trainer, self.data, self.communicator = trainer, data, communicator
         self.hash_every = settings.hash_every if hash_every is None else int(hash_every)
-        # Gradient allreduce's, PowerSGD's and DiLoCo's float32 exchange lay out no buffer per rank (the engine
-        # averages over its current size): their steps run on every world size as compiled. Others are compiled again
-        # after a change.
+        # Steps whose collectives are averages laid out the same for every world size (the engine divides by its
+        # current size: gradient allreduce, PowerSGD, DiLoCo's float32 exchange) run on every world size as compiled.
+        # Others are compiled again after a change.
         config = trainer.algorithm.config
         self._diloco: DiLoCoConfig | None = config if isinstance(config, DiLoCoConfig) else None
         fp32_diloco = self._diloco is not None and self._diloco.outer_exchange == "fp32"
-        self._world_size_free = config.name in ("gradient_allreduce", "powersgd") or fp32_diloco
+        self._world_size_free = config.step_free_of_world_size or fp32_diloco
         self._sits_out = self._diloco is not None and self._diloco.fragments == 1
         if self._sits_out:  # a joiner's zero pseudo-gradient is not counted
             trainer._use(trainer.algorithm.counting_trainers())
@@ -339,11 +339,11 @@ class FaultTolerantTrainer:
             with contextlib.suppress(Exception):  # (revoked) before it changes; a pair's own thread is left to end
                 self._transfer.result()
         self._transfer = self._incoming = None
-        # Its step abandoned, the divisor goes back to the size without set_mpi_average_divisor's wait for the
-        # collectives dispatched before: they failed, and waiting on them raises their error again.
-        self.communicator.engine.set_average_divisor(self.communicator.handle, 0)
         old = self.epoch
         new = self.epoch = follow_members(self.communicator, self.membership, old)
+        # Its step abandoned, the divisor goes back to the size; only now, once the new members' communicator
+        # dropped the failed calls' ordering tokens: before, the divisor's wait for those calls raised their error.
+        self.communicator.set_mpi_average_divisor(None)
         self.communicator.revoke_when(new.closed, f"the job's membership changed (epoch {new.number} closed)")
         state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
         self._sitting_out &= {member.id for member in new.members}

@@ -35,7 +35,7 @@ class GradientAllReduceConfig(AlgorithmConfig):
     """Full-precision gradient averaging: ``hierarchical`` reduces inside the node first, ``average=False`` sums."""
 
     name: ClassVar[str] = "gradient_allreduce"
-    replicated = bucket_exact = hierarchical_exact = stateless = True
+    replicated = bucket_exact = hierarchical_exact = stateless = step_free_of_world_size = True
 
     hierarchical: bool = False
     average: bool = True
@@ -208,7 +208,7 @@ class PowerSGDConfig(AlgorithmConfig):
     with one step of power iteration per training step::
 
         M = grad + residual              (error feedback)
-        P = allreduce_sum(M Q)           (one flat allreduce for every matrix's P)
+        P = allreduce_sum(M Q)           (one flat allreduce for every matrix's P; or its mean: see below)
         P = orthogonalize(P)             (Gram-Schmidt on the columns)
         Q = allreduce_sum(M^T P) / n     (one flat allreduce for every matrix's Q)
         grad = P Q^T;  residual = M - P Q^T
@@ -217,11 +217,12 @@ class PowerSGDConfig(AlgorithmConfig):
     rank, so every rank computes the same ``P Q^T``. A matrix is compressed only when its ``n m`` elements are more
     than ``min_compression_rate`` times the ``(n + m) r`` its factors send; the others (vectors, small or thin
     matrices) are averaged uncompressed, riding in the same allreduce as the ``P`` factors. During the first
-    ``start_iter`` steps every gradient is averaged exactly.
+    ``start_iter`` steps every gradient is averaged exactly. Orthogonalizing ``P`` ignores its scale, so a front end
+    may average it instead of summing it (JAX does: its step then divides only through the engine, at run time).
     """
 
     name: ClassVar[str] = "powersgd"
-    replicated = True
+    replicated = step_free_of_world_size = True
     world_sized_state = ("residual",)
     advised = False
 

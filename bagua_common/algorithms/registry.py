@@ -53,6 +53,10 @@ class AlgorithmConfig:
     the autotuner may change the bucket size without changing the numbers."""
     hierarchical_exact: ClassVar[bool] = False
     """Whether its hierarchical form adds the same values as the flat one (in another order)."""
+    step_free_of_world_size: ClassVar[bool] = False
+    """Whether its flat step's collectives are full-precision averages over the world, with no buffer laid out per
+    rank, so the number of ranks enters only through the engine's division at run time: a step compiled once runs on
+    any world size (a fault-tolerant JAX job does not compile it again after a change of members)."""
     stateless: ClassVar[bool] = False
     """Whether it keeps no state between steps, so rebuilding it mid-run (re-bucketing) changes nothing."""
     is_optimizer: ClassVar[bool] = False
