@@ -9,8 +9,9 @@ that member vote after it saw the epoch close (a death closes it). ``FT_STATE_DE
 start sending a joiner's state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then;
 ``FT_KILL_IN_SHRINK`` (a rank) kills that member in its first recovery's shrink, and ``FT_COMM_TIMEOUT`` (seconds,
 60 by default) bounds the communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the
-training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate). Every
-member records each
+training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and
+``FT_HIDDEN`` (a width) adds an unused layer of that width beside the linear model: a larger step, with the same
+loss and zero gradients for the layer. Every member records each
 attempt of a step (its transaction, epoch, rank, sample indices, times) and its final state.
 """
 

@@ -95,8 +95,13 @@ def step_compilations(record: dict) -> dict[str, int]:
     return {name: names.count(name) for name in STEP_FUNCTIONS}
 
 
+# A 1.3-MB unused layer beside the linear model: a step whose failed collectives leave JAX's effects token failed, as
+# any model's larger than the linear one do (the recovery once waited on that token and raised the step's error).
+LARGE_STEP = {"FT_HIDDEN": "65536"}
+
+
 def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(tmp_path: Path, launcher_directory):
-    results = run_members(tmp_path, "train", START + 1, FAULTS, START, FINAL, STEPS, hung=FAULTS[5][0])
+    results = run_members(tmp_path, "train", START + 1, FAULTS, START, FINAL, STEPS, hung=FAULTS[5][0], env=LARGE_STEP)
     with contextlib.closing(KVClient("127.0.0.1", launcher_directory.port, 5.0, secret=job_secret())) as client:
         finished = client.check(FINISHED)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
@@ -214,9 +219,7 @@ def test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner(tmp_path: P
     # compressed Adams' layouts follow the world size (compiled again at each change); their state has per-rank
     # residuals (reset), QAdam's and 1-bit Adam's moments and PowerSGD's step (kept, and given to the joiner).
     # Gradient allreduce's joiner takes its first step weighed out.
-    env = {"FT_ALGORITHM": algorithm}
-    if algorithm == "gradient_allreduce":  # a step whose failed collectives leave JAX's effects token failed: a 1.3-MB
-        env["FT_HIDDEN"] = "65536"  # unused layer (the recovery waited on that token and raised the step's error)
+    env = {"FT_ALGORITHM": algorithm, **(LARGE_STEP if algorithm == "gradient_allreduce" else {})}
     results = run_members(tmp_path, "train", 4, {3: (2, "kill")}, 3, 3, 8, env=env)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert results[2].returncode != 0 and all(results[r].returncode == 0 for r in (0, 1, 3)), outputs
@@ -246,7 +249,7 @@ def test_a_joiner_whose_state_holder_dies_before_sending_is_given_the_state_by_t
     # Three members, then a joiner weighed out of its first step; the holder is SIGKILLed a second into the admission,
     # before it sent the state. The joiner's wait for it gives up when the survivors close the epoch, and the next
     # epoch's holder sends it: the three end bit-identical, as the replay of the committed steps.
-    env = {"FT_STATE_DELAY": "1", "FT_STATE_HOLDER_DIES": "1"}
+    env = {"FT_STATE_DELAY": "1", "FT_STATE_HOLDER_DIES": "1", **LARGE_STEP}
     results = run_members(tmp_path, "train", 4, {}, 3, 3, 8, env=env, timeout=180)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode == 0 for r in results] == [False, True, True, True], outputs
