@@ -63,9 +63,6 @@ from bagua_common.workload import gpt_config  # noqa: E402
 
 HASH_EVERY = 50
 STUDIES = ("kill", "overhead", "chaos", "spread")
-ADAM_TYPE = ("qadam", "onebit_adam")
-"""The algorithms that bring their optimizer (``warmup_steps`` among their options, 100 by default); the others
-train with AdamW."""
 
 
 def rank_main(job_file: str) -> None:
@@ -74,6 +71,7 @@ def rank_main(job_file: str) -> None:
     import torch
 
     import bagua_torch
+    from bagua_common.algorithms.registry import algorithm_facts
     from bagua_common.workload import load_corpus
     from bagua_torch.algorithms import algorithm_class, get_algorithm
     from bagua_torch.models.gpt import GPT, next_token_loss
@@ -89,8 +87,10 @@ def rank_main(job_file: str) -> None:
     model = GPT(job["size"], seed=job["seed"])
     name, _, options = job["algorithm"].partition(" ")
     options = json.loads(options or "{}")
-    adam = algorithm_class(name) if name in ADAM_TYPE else None
-    if adam:  # an optimizer of its own (Adam, weight decay 0), whose momentum the algorithm averages after a warm-up
+    # An algorithm that is an optimizer itself (QAdam, 1-bit Adam) brings its own (Adam, weight decay 0), warm-up steps
+    # among its options (100 by default); the others train with AdamW.
+    if algorithm_facts(name).is_optimizer:
+        adam = algorithm_class(name)
         optimizer = adam.optimizer_class(
             model.parameters(), lr=job["lr"], warmup_steps=options.pop("warmup_steps", 100)
         )
