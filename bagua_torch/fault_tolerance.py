@@ -343,7 +343,11 @@ class FaultTolerance:
             self.group.use(trainers_communicator(epoch, receivers, self.backend, self.timeout))  # before the state goes
         if epoch.rank == epoch.state_holder:
             state = state_transfer.job_state(self.step, self.committed, self.data, self.modules)
-            state_transfer.send(epoch, receivers, state, self.modules, *link, sit_out=sit_out, weighed_out=bool(scales))
+            if scales:  # the position first, the rest while they take their first step weighed out
+                send = state_transfer.send_position_then_state
+            else:  # while they sit out the round, or while everyone waits
+                send = state_transfer.send_state if sit_out is None else state_transfer.send_state_in_background
+            send(epoch, receivers, state, state_transfer.replicated_tensors(self.modules), *link)
         elif epoch.rank in receivers and scales:  # its state arrives during its first step
             self._incoming = state_transfer.IncomingState(epoch, self.modules, *link)
             self.step, self.committed = state_transfer.load_job_state(self._incoming.position, self.data, self.modules)

@@ -38,7 +38,6 @@ __all__ = [
     "load_job_state",
     "receive_state",
     "replicated_tensors",
-    "send",
     "send_position_then_state",
     "send_state",
     "send_state_in_background",
@@ -142,25 +141,6 @@ def send_position_then_state(
         pair = pair_communicator(epoch, epoch.rank, receiver, backend, timeout, purpose="position")
         broadcast_structure({key: state[key] for key in _POSITION}, pair, device)
     send_state_in_background(epoch, receivers, {"optimizers": state["optimizers"]}, tensors, *link)
-
-
-def send(
-    epoch: Epoch,
-    receivers: Sequence[int],
-    state: dict[str, Any],
-    modules: Sequence[BaguaModule],
-    *link: Any,
-    sit_out: int | None,
-    weighed_out: bool,
-) -> None:
-    """Send ``receivers`` the job's ``state`` and the ``modules``' tensors as they take it: weighed out of their first
-    step (:func:`send_position_then_state`), sitting out ``sit_out`` steps (:func:`send_state_in_background`), or
-    else while the others wait (:func:`send_state`)."""
-    if weighed_out:
-        how = send_position_then_state
-    else:
-        how = send_state if sit_out is None else send_state_in_background
-    how(epoch, receivers, state, replicated_tensors(modules), *link)
 
 
 class IncomingState:
