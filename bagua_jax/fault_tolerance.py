@@ -6,10 +6,10 @@ that votes without waiting for the others' votes; a JAX step changes nothing in 
 nothing to roll back. When a member dies or hangs, a thread revokes the communicator, the survivors shrink it to
 themselves in the same handle (a step whose shapes do not depend on the world size is not compiled again), check
 that their replicas are bit-identical and run the step again on the new partition of the samples not yet trained
-on. A joiner compiles its step before it asks to be admitted; under gradient allreduce it takes its first step
-weighed out while its state travels (:mod:`bagua_jax.weighed_out_step`). Under DiLoCo each outer exchange is the
-transaction: the survivors train on to it and retry it among themselves, losing no inner step, and a joiner sits out
-the round in flight with a zero pseudo-gradient (INTELLECT-1's rule). The guide,
+on. A joiner compiles its step before it asks to be admitted; under gradient allreduce and PowerSGD it takes its
+first step weighed out while its state travels (:mod:`bagua_jax.weighed_out_step`). Under DiLoCo each outer exchange
+is the transaction: the survivors train on to it and retry it among themselves, losing no inner step, and a joiner sits
+out the round in flight with a zero pseudo-gradient (INTELLECT-1's rule). The guide,
 ``docs/guides/fault_tolerance.md``, has the rules of every algorithm's state.
 """
 
@@ -368,14 +368,17 @@ class FaultTolerantTrainer:
     def _share_state(self, state: Any, epoch: Epoch) -> Any:
         """The first member that has the committed state (:attr:`Epoch.state_holder`) gives it to the joiners and the
         survivors behind, having checked they train the same job; the position and who sits out go through the store.
-        Under gradient allreduce it goes over a pair each while they take the next step weighed out; under DiLoCo with
-        one fragment, by broadcast while the members train the round they sit out; else while everyone waits."""
+        Under gradient allreduce and PowerSGD it goes over a pair each while they take the next step weighed out (given
+        the algorithm's replicated state first); under DiLoCo with one fragment, by broadcast while the members train
+        the round they sit out; else while everyone waits."""
         holder, key = epoch.state_holder, epoch.prefix("transfer")
         receivers = [rank for rank in range(epoch.size) if epoch.is_joiner(rank)]
         weighed = self._weighed_out_step is not None
         if self._sits_out or weighed:
             self._sitting_out |= {epoch.members[rank].id for rank in receivers}
-        if epoch.rank == holder:
+        if epoch.rank == holder:  # the algorithm's replicated state first: the record says both are there
+            if weighed:
+                epoch.store.set(f"{key}/algorithm", state_transfer.algorithm_state_bytes(self._roles, state))
             record = {
                 "committed": self.committed,
                 "position": self.data.state(),
@@ -413,7 +416,8 @@ class FaultTolerantTrainer:
         self.data.load_state(record["position"])
         self._sitting_out = frozenset(record["sitting_out"])
         if weighed:  # applied once its first step commits: a change before then gives it the state again
-            return state
+            algorithm = state_transfer.with_algorithm_state(epoch.store.get(f"{key}/algorithm"), self._roles, state)
+            return rewrap_state(user_state, algorithm)
         if self._sitting_out:  # applied once its first exchange commits: a change before then gives it the state again
             return rewrap_state(user_state, self._sit_out(received))
         self.membership.applied(self.committed)

@@ -5,7 +5,8 @@ The transferred leaves (parameters, optimizer state with the algorithm's, step) 
 broadcast of host buffers: nothing to compile, so it may run from a thread while the members train (DiLoCo's round
 that a joiner sits out), and the joiner lays the bytes out as its own state's leaves. While the members take steps
 that use the job's communicator (a joiner weighed out of its first step), it travels over a communicator of the
-holder and the receiver alone (:func:`transfer_over_pair`).
+holder and the receiver alone (:func:`transfer_over_pair`); the algorithm's replicated state, which it needs to take
+part at once, goes first through the job's store (:func:`algorithm_state_bytes`).
 """
 
 from __future__ import annotations
@@ -20,15 +21,18 @@ from bagua_common.fault_tolerance.background import get_unless, in_background
 from bagua_common.job.signature import check_same_job
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
+from bagua_jax.state_rules import REPLICATED
 from bagua_jax.train_state import TrainState, unwrap_state
 
 __all__ = [
+    "algorithm_state_bytes",
     "broadcast_state",
     "in_background",
     "send_to_each",
     "state_from_bytes",
     "transfer_over_pair",
     "transferred_leaves",
+    "with_algorithm_state",
 ]
 
 
@@ -94,3 +98,32 @@ def send_to_each(epoch: Epoch, receivers: list[int], state: Any, signature: np.n
     """The holder's side of :func:`transfer_over_pair` with each of ``receivers`` in turn."""
     for receiver in receivers:
         transfer_over_pair(epoch, receiver, state, signature)
+
+
+def algorithm_state_bytes(role_tree: TrainState, state: Any) -> bytes:
+    """The replicated leaves (by ``role_tree``, :func:`bagua_jax.state_rules.roles`) of the algorithm's own state in
+    ``state`` (the optimizer chain's first: PowerSGD's step count and ``Q``), their bytes concatenated: what a joiner
+    weighed out of its first step needs before the rest of the state arrives."""
+    kinds = jax.tree.leaves(role_tree.opt_state[0])
+    leaves = jax.tree.leaves(unwrap_state(state).opt_state[0])
+    return b"".join(np.asarray(leaf).tobytes() for kind, leaf in zip(kinds, leaves) if kind == REPLICATED)
+
+
+def with_algorithm_state(raw: bytes, role_tree: TrainState, state: Any) -> TrainState:
+    """``state`` whose algorithm's replicated leaves are ``raw`` (:func:`algorithm_state_bytes`), laid out as its own;
+    the rest kept."""
+    own = unwrap_state(state)
+    kinds = jax.tree.leaves(role_tree.opt_state[0])
+    leaves, tree = jax.tree.flatten(own.opt_state[0])
+    if len(kinds) != len(leaves):
+        raise ValueError("fault tolerance: the algorithm's state does not have the layout of its roles")
+    values, offset = [], 0
+    for kind, leaf in zip(kinds, leaves):
+        if kind == REPLICATED:
+            host = np.asarray(leaf)
+            leaf = jax.device_put(np.frombuffer(raw, host.dtype, host.size, offset).reshape(host.shape))
+            offset += host.nbytes
+        values.append(leaf)
+    if offset != len(raw):
+        raise ValueError(f"fault tolerance: the algorithm's state is {len(raw)} bytes, its layout here {offset}")
+    return own._replace(opt_state=(jax.tree.unflatten(tree, values), *own.opt_state[1:]))

@@ -11,7 +11,8 @@ start sending a joiner's state that late, and ``FT_STATE_HOLDER_DIES=1`` kills t
 60 by default) bounds the communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the
 training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and
 ``FT_HIDDEN`` (a width) adds an unused layer of that width beside the linear model: a larger step, with the same
-loss and zero gradients for the layer. Every member records each
+loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh layer of that width to the linear
+model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). Every member records each
 attempt of a step (its transaction, epoch, rank, sample indices, times) and its final state.
 """
 
@@ -38,12 +39,29 @@ def dataset() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def mlp_params(width: int) -> dict[str, np.ndarray]:
+    """``FT_MLP``'s layer: a seeded ``FEATURES x width`` matrix into tanh, and zero output weights."""
+    rng = np.random.default_rng(11)
+    return {
+        "mlp_in": (0.5 * rng.standard_normal((FEATURES, width))).astype(np.float32),
+        "mlp_out": np.zeros(width, np.float32),
+    }
+
+
+def prediction(params, features, xp=np):
+    """The model's prediction: linear, plus the tanh layer's where ``params`` has one (``xp``: NumPy or jnp)."""
+    out = features @ params["w"] + params["b"]
+    if "mlp_in" in params:
+        out = out + xp.tanh(features @ params["mlp_in"]) @ params["mlp_out"]
+    return out
+
+
 def linear_loss(params, batch):
-    """The linear model's mean squared error on ``batch`` (features, targets)."""
+    """The model's mean squared error on ``batch`` (features, targets)."""
     import jax.numpy as jnp
 
     features, targets = batch
-    loss = jnp.mean((features @ params["w"] + params["b"] - targets) ** 2)
+    loss = jnp.mean((prediction(params, features, jnp) - targets) ** 2)
     if "hidden" in params:
         loss = loss + 0.0 * jnp.mean(jnp.tanh(features @ params["hidden"]))
     return loss
@@ -206,6 +224,8 @@ def train(
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     if os.environ.get("FT_HIDDEN"):
         params["hidden"] = jnp.zeros((FEATURES, int(os.environ["FT_HIDDEN"])), jnp.float32)
+    if os.environ.get("FT_MLP"):
+        params.update({k: jnp.asarray(v) for k, v in mlp_params(int(os.environ["FT_MLP"])).items()})
     started = time.time()
     compilations = _compilations()
     ft, state, admitted = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))

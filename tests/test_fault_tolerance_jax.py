@@ -20,7 +20,16 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from fault_tolerance_workers_jax import BATCH_PER_RANK, DILOCO_ROUND, FEATURES, LR, SAMPLES, dataset
+from fault_tolerance_workers_jax import (
+    BATCH_PER_RANK,
+    DILOCO_ROUND,
+    FEATURES,
+    LR,
+    SAMPLES,
+    dataset,
+    mlp_params,
+    prediction,
+)
 from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
 from bagua_common.algorithms.diloco import DiLoCoConfig
@@ -208,7 +217,7 @@ def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_p
     [
         "gradient_allreduce",
         'bytegrad {"error_feedback": true}',
-        'powersgd {"start_iter": 2}',  # the linear model has no matrix: every gradient goes uncompressed
+        'powersgd {"start_iter": 2, "rank": 2}',  # with a tanh layer of 32: a 5 x 32 matrix compressed
         'qadam {"learning_rate": 0.2, "warmup_steps": 2}',
         'onebit_adam {"learning_rate": 0.2, "warmup_steps": 2}',
     ],
@@ -217,9 +226,12 @@ def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_p
 def test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner(tmp_path: Path, algorithm: str):
     # Three members; the last is SIGKILLed in step 3, a joiner is admitted once it committed. ByteGrad's and the
     # compressed Adams' layouts follow the world size (compiled again at each change); their state has per-rank
-    # residuals (reset), QAdam's and 1-bit Adam's moments and PowerSGD's step (kept, and given to the joiner).
-    # Gradient allreduce's joiner takes its first step weighed out.
+    # residuals (reset), QAdam's and 1-bit Adam's moments and PowerSGD's step and Q (kept, and given to the joiner).
+    # Gradient allreduce's and PowerSGD's joiners take their first step weighed out.
+    weighs_out = algorithm == "gradient_allreduce" or algorithm.startswith("powersgd")
     env = {"FT_ALGORITHM": algorithm, **(LARGE_STEP if algorithm == "gradient_allreduce" else {})}
+    if algorithm.startswith("powersgd"):
+        env["FT_MLP"] = "32"
     results = run_members(tmp_path, "train", 4, {3: (2, "kill")}, 3, 3, 8, env=env)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert results[2].returncode != 0 and all(results[r].returncode == 0 for r in (0, 1, 3)), outputs
@@ -236,10 +248,13 @@ def test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner(tmp_path: P
         for name, value in survivors[0]["params"].items():
             np.testing.assert_array_equal(seen["params"][name], value)
     x, y = dataset()
-    loss = np.mean((x @ survivors[0]["params"]["w"] + survivors[0]["params"]["b"] - y) ** 2)
+    loss = np.mean((prediction(survivors[0]["params"], x) - y) ** 2)
     assert loss < 0.5 * np.mean(y**2), loss  # it trained: below half the loss of the zero parameters it started at
-    if algorithm.startswith("powersgd"):  # averages only: its step, compiled once, runs on every world size
-        compiled_once = {"jit(_rank_step)": 1, "jit(_averaged)": 0, "jit(_applied)": 0}
+    if algorithm.startswith("powersgd"):
+        assert np.any(survivors[0]["params"]["mlp_in"] != mlp_params(32)["mlp_in"])  # the compressed matrix trained
+    if weighs_out:  # the survivors alone trained the joiner's first step; every step, compiled once, ran on every size
+        assert sizes[joiner["steps"][0]["transaction"]] == 2, (joiner["steps"][0], sizes)
+        compiled_once = {"jit(_rank_step)": 1, "jit(_averaged)": 2, "jit(_applied)": 1}
         for seen in (*survivors, joiner):
             assert step_compilations(seen) == compiled_once, seen["compilations"]
         assert all(when < joiner["admitted"] for when, name, _ in joiner["compilations"] if name in STEP_FUNCTIONS)
