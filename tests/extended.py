@@ -54,6 +54,10 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_jax\.py::test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner\[(powersgd|"
     r"onebit_adam)\]": "JAX's PowerSGD and 1-bit Adam through a death and an admission (6 s each; ByteGrad's and "
     "QAdam's stay quick)",
+    r"test_fault_tolerance_jax\.py::test_a_joiner_whose_state_holder_dies_before_sending_is_given_the_state_by_the_"
+    r"next_one\[powersgd\]": "JAX's PowerSGD joiner given the state again after its holder died (gradient "
+    "allreduce's stays quick, and PowerSGD's weighed-out step is checked against its reference in "
+    "test_weighed_out_step_jax.py)",
     r"test_fault_tolerance_jax\.py::test_a_survivor_that_had_not_applied": "JAX's survivor given another's state "
     "(torch's stays quick, and JAX's joiner receives the state the same way in the quick kill/hang/exception job)",
     r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"
