@@ -43,23 +43,33 @@ def transferred_leaves(state: Any) -> tuple[list[np.ndarray], Any]:
     return [np.asarray(leaf) for leaf in leaves], tree
 
 
+def _concatenated(leaves: list[np.ndarray]) -> np.ndarray:
+    """The bytes of ``leaves`` (host arrays), one after another."""
+    return np.concatenate([np.asarray(leaf).reshape(-1).view(np.uint8) for leaf in leaves] or [np.zeros(0, np.uint8)])
+
+
+def _laid_out(raw: np.ndarray, leaves: list[np.ndarray]) -> list[jax.Array]:
+    """:func:`_concatenated`'s bytes ``raw`` as arrays on the device, each laid out as its leaf of ``leaves``."""
+    values, offset = [], 0
+    for leaf in leaves:
+        values.append(jax.device_put(raw[offset : offset + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)))
+        offset += leaf.nbytes
+    if offset != raw.size:
+        raise ValueError(f"fault tolerance: {raw.size} bytes of state received, {offset} laid out here")
+    return values
+
+
 def broadcast_state(host: HostCommunicator, state: Any, root: int) -> np.ndarray:
     """Rank ``root``'s transferred leaves of ``state``, their bytes concatenated: one broadcast of host buffers
     (nothing to compile, and callable from a thread while the members train)."""
-    leaves, _ = transferred_leaves(state)
-    flat = np.concatenate([leaf.reshape(-1).view(np.uint8) for leaf in leaves])
-    return np.asarray(host.broadcast(flat, root))
+    return np.asarray(host.broadcast(_concatenated(transferred_leaves(state)[0]), root))
 
 
 def state_from_bytes(received: np.ndarray, state: Any) -> TrainState:
     """The :class:`TrainState` whose transferred leaves are ``received`` (:func:`broadcast_state`), laid out as
     ``state``'s, with ``state``'s own model state."""
     leaves, tree = transferred_leaves(state)
-    values, offset = [], 0
-    for leaf in leaves:
-        values.append(jax.device_put(received[offset : offset + leaf.nbytes].view(leaf.dtype).reshape(leaf.shape)))
-        offset += leaf.nbytes
-    return TrainState(*jax.tree.unflatten(tree, values), unwrap_state(state).model_state)
+    return TrainState(*jax.tree.unflatten(tree, _laid_out(received, leaves)), unwrap_state(state).model_state)
 
 
 def transfer_over_pair(epoch: Epoch, receiver: int, state: Any, signature: np.ndarray) -> np.ndarray:
@@ -100,30 +110,30 @@ def send_to_each(epoch: Epoch, receivers: list[int], state: Any, signature: np.n
         transfer_over_pair(epoch, receiver, state, signature)
 
 
+def _algorithm_leaves(role_tree: TrainState, state: Any) -> tuple[list[Any], list[bool], Any]:
+    """The leaves of the algorithm's own state in ``state`` (the optimizer chain's first), whether each is replicated
+    (by ``role_tree``, :func:`bagua_jax.state_rules.roles`), and their tree."""
+    kinds = jax.tree.leaves(role_tree.opt_state[0])
+    leaves, tree = jax.tree.flatten(unwrap_state(state).opt_state[0])
+    if len(kinds) != len(leaves):
+        raise ValueError("fault tolerance: the algorithm's state does not have the layout of its roles")
+    return leaves, [kind == REPLICATED for kind in kinds], tree
+
+
 def algorithm_state_bytes(role_tree: TrainState, state: Any) -> bytes:
     """The replicated leaves (by ``role_tree``, :func:`bagua_jax.state_rules.roles`) of the algorithm's own state in
     ``state`` (the optimizer chain's first: PowerSGD's step count and ``Q``), their bytes concatenated: what a joiner
     weighed out of its first step needs before the rest of the state arrives."""
-    kinds = jax.tree.leaves(role_tree.opt_state[0])
-    leaves = jax.tree.leaves(unwrap_state(state).opt_state[0])
-    return b"".join(np.asarray(leaf).tobytes() for kind, leaf in zip(kinds, leaves) if kind == REPLICATED)
+    leaves, replicated, _ = _algorithm_leaves(role_tree, state)
+    return _concatenated([np.asarray(leaf) for leaf, kept in zip(leaves, replicated) if kept]).tobytes()
 
 
 def with_algorithm_state(raw: bytes, role_tree: TrainState, state: Any) -> TrainState:
     """``state`` whose algorithm's replicated leaves are ``raw`` (:func:`algorithm_state_bytes`), laid out as its own;
     the rest kept."""
     own = unwrap_state(state)
-    kinds = jax.tree.leaves(role_tree.opt_state[0])
-    leaves, tree = jax.tree.flatten(own.opt_state[0])
-    if len(kinds) != len(leaves):
-        raise ValueError("fault tolerance: the algorithm's state does not have the layout of its roles")
-    values, offset = [], 0
-    for kind, leaf in zip(kinds, leaves):
-        if kind == REPLICATED:
-            host = np.asarray(leaf)
-            leaf = jax.device_put(np.frombuffer(raw, host.dtype, host.size, offset).reshape(host.shape))
-            offset += host.nbytes
-        values.append(leaf)
-    if offset != len(raw):
-        raise ValueError(f"fault tolerance: the algorithm's state is {len(raw)} bytes, its layout here {offset}")
+    leaves, replicated, tree = _algorithm_leaves(role_tree, own)
+    shared = [np.asarray(leaf) for leaf, kept in zip(leaves, replicated) if kept]
+    received = iter(_laid_out(np.frombuffer(raw, np.uint8), shared))
+    values = [next(received) if kept else leaf for leaf, kept in zip(leaves, replicated)]
     return own._replace(opt_state=(jax.tree.unflatten(tree, values), *own.opt_state[1:]))
