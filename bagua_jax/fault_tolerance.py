@@ -9,7 +9,8 @@ that their replicas are bit-identical and run the step again on the new partitio
 on. A joiner compiles its step before it asks to be admitted; under gradient allreduce and PowerSGD it takes its
 first step weighed out while its state travels (:mod:`bagua_jax.weighed_out_step`). Under DiLoCo each outer exchange
 is the transaction: the survivors train on to it and retry it among themselves, losing no inner step, and a joiner sits
-out the round in flight with a zero pseudo-gradient (INTELLECT-1's rule). The guide,
+out the round in flight with a zero pseudo-gradient (INTELLECT-1's rule). Decentralized training's replicas drift: each
+member keeps its own weights, and a step commits once every member voted. The guide,
 ``docs/guides/fault_tolerance.md``, has the rules of every algorithm's state.
 """
 
@@ -43,6 +44,7 @@ from bagua_common.fault_tolerance.data_position import RECORD_KEY, recorded_posi
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_common.job.signature import check_same_job
 from bagua_jax import checkpoint, state_rules, state_transfer
+from bagua_jax.algorithms.decentralized import Decentralized
 from bagua_jax.algorithms.diloco import skip_untrained
 from bagua_jax.epoch_communicator import fail_epoch, follow_members
 from bagua_jax.host_communicator import HostCommunicator
@@ -66,7 +68,7 @@ class FaultTolerantTrainer:
     that many committed transactions (steps; under DiLoCo, exchanges; default: the membership's settings), besides
     after every recovery. :meth:`init` gives the state (a joiner receives it from a member), :meth:`step` runs one
     step (committed, or a DiLoCo inner step), :meth:`finished` marks the job finished after the last one.
-    Algorithms whose replicas are identical (``replicas_identical``), and DiLoCo with ``fragment_sync_delay=0``.
+    The algorithms of :func:`bagua_jax.state_rules.carried_algorithms` (DiLoCo with ``fragment_sync_delay=0``).
     """
 
     def __init__(
@@ -126,6 +128,11 @@ class FaultTolerantTrainer:
         self._sits_out = self._diloco is not None and self._diloco.fragments == 1
         if self._sits_out:  # a joiner's zero pseudo-gradient is not counted
             trainer._use(trainer.algorithm.counting_trainers())
+        if isinstance(trainer.algorithm, Decentralized):  # a lost member may leave an odd number to pair
+            trainer._use(trainer.algorithm.averaging_all_when_odd())
+        # A step's collectives completing on a rank show every rank contributed only where each spans all ranks
+        # (identical replicas): a decentralized exchange completes with one peer, so it waits for every vote.
+        self._waits_for_votes = self._diloco is not None or not getattr(trainer.algorithm, "replicas_identical", False)
         self._weighed_out_step = WeighedOutStep(trainer) if weighs_out(trainer) else None
         self._sitting_out: frozenset[str] = frozenset()
         """The members (ids) given the state that sit out the round in flight, or are weighed out of the step in flight
@@ -243,7 +250,7 @@ class FaultTolerantTrainer:
             if not exchange:
                 self.data.advance(trainers)
                 return new_state, result
-            vote = self.membership.commit if self._diloco is not None else self.membership.vote_ahead
+            vote = self.membership.commit if self._waits_for_votes else self.membership.vote_ahead
             if vote(epoch, transaction):
                 self._apply(trainers)
                 pending = self._check_after

@@ -11,7 +11,10 @@ rule of :mod:`bagua_common.job.reshard`, the same rule a checkpoint restored int
   (ByteGrad, 1-bit Adam, PowerSGD), laid out per rank and meaningful only for the ranks they were made with.
 * :data:`OWN`: this member's own, kept and never compared: a model state the trainer does not average.
 
-:func:`refuse_unsurvivable` refuses the algorithms whose replicas drift with no state every member holds.
+:func:`refuse_unsurvivable` refuses the algorithms that do not declare ``fault_tolerant``.
+
+Decentralized training's replicas drift at every step, so there the parameters and the optimizer's state are
+:data:`OWN` (a joiner receives the first member's) and only the step counters :data:`REPLICATED`.
 
 DiLoCo's replicas drift inside a round, so there the parameters and the inner optimizer's state are :data:`OWN`; the
 round start, the outer optimizer's state and the step counters are :data:`REPLICATED` (equal on every member at
@@ -29,12 +32,23 @@ import numpy as np
 from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.job.reshard import RESET as RESHARD_RESET
 from bagua_common.job.reshard import config_rule
+from bagua_jax.algorithms import REGISTRY
 from bagua_jax.algorithms.diloco import DiLoCoState
 from bagua_jax.checkpoint import leaf_rule
 from bagua_jax.train_state import TrainState
 from bagua_jax.trainer import DataParallel
 
-__all__ = ["OWN", "PARTS", "REPLICATED", "RESET", "carry_over", "refuse_unsurvivable", "replicated_leaves", "roles"]
+__all__ = [
+    "OWN",
+    "PARTS",
+    "REPLICATED",
+    "RESET",
+    "carried_algorithms",
+    "carry_over",
+    "refuse_unsurvivable",
+    "replicated_leaves",
+    "roles",
+]
 
 REPLICATED = "replicated"
 """The role of a leaf identical on every member: kept on a change, hashed, sent to a joiner."""
@@ -47,11 +61,17 @@ PARTS = {"params": "parameters", "opt_state": "optimizer", "step": "step", "mode
 """The parts of the replica check, by :class:`~bagua_jax.train_state.TrainState` field."""
 
 
+def carried_algorithms() -> list[str]:
+    """The algorithms a fault-tolerant job trains on through a change of members, by name: those declaring
+    ``fault_tolerant`` (their state is carried by the rules of this module, and tested), as the torch front end's
+    :func:`bagua_torch.survivable.carried_algorithms`."""
+    return [name for name in REGISTRY.names() if REGISTRY.by_name(name).fault_tolerant]
+
+
 def refuse_unsurvivable(trainer: DataParallel) -> None:
-    """Raise ValueError naming the fallback unless ``trainer``'s algorithm keeps its replicas identical, or is DiLoCo
-    without an overlapped exchange: the decentralized ones and asynchronous averaging let the replicas drift with
-    nothing every member holds to go on from, and an overlapped exchange runs on a communicator of its own that a
-    change of members does not rebuild. Autotuning is refused too: a joiner would tune alone."""
+    """Raise ValueError naming the fallback unless ``trainer``'s algorithm is one of :func:`carried_algorithms`, and
+    for DiLoCo with an overlapped exchange (it runs on a communicator of its own that a change of members does not
+    rebuild). Autotuning is refused too: a joiner would tune alone."""
     algorithm = trainer.algorithm
     config = algorithm.config
     if trainer._autotune != "off":
@@ -69,19 +89,17 @@ def refuse_unsurvivable(trainer: DataParallel) -> None:
             "elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new world "
             "size)"
         )
-    if not getattr(algorithm, "replicas_identical", False) and not isinstance(config, DiLoCoConfig):
+    if not getattr(algorithm, "fault_tolerant", False):
         raise ValueError(
-            f"FaultTolerantTrainer cannot continue {config.name} after a lost member: its replicas "
-            "differ between the ranks' steps, so there is no state every member holds to go on from. Train it with "
-            "the elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new "
-            "world size), or use an algorithm that survives a loss in place: gradient_allreduce, bytegrad, qadam, "
-            "onebit_adam, powersgd, diloco"
+            f"FaultTolerantTrainer cannot continue {config.name} after a change of members yet (it can: "
+            f"{', '.join(carried_algorithms())}). Train it with the elastic restart instead (bagua-launch --nnodes "
+            "MIN:MAX, restoring the last checkpoint into the new world size)"
         )
 
 
 def roles(trainer: DataParallel, state: TrainState) -> TrainState:
     """``state``'s structure with each leaf's role (:data:`REPLICATED`, :data:`RESET` or :data:`OWN`) in place of
-    the leaf, for ``trainer``'s algorithm: one whose replicas are identical, or DiLoCo."""
+    the leaf, for ``trainer``'s algorithm (one of :func:`carried_algorithms`)."""
     rule = config_rule(trainer.algorithm.config_class)
     shared_model_state = trainer._average_model_state
 
@@ -94,9 +112,11 @@ def roles(trainer: DataParallel, state: TrainState) -> TrainState:
         return REPLICATED
 
     role_tree = jax.tree_util.tree_map_with_path(role, state)
-    if not isinstance(trainer.algorithm.config, DiLoCoConfig):
-        return role_tree
-    return role_tree._replace(params=_all(OWN, state.params), opt_state=_diloco_roles(state.opt_state))
+    if isinstance(trainer.algorithm.config, DiLoCoConfig):
+        return role_tree._replace(params=_all(OWN, state.params), opt_state=_diloco_roles(state.opt_state))
+    if not getattr(trainer.algorithm, "replicas_identical", False):  # decentralized: every step drifts them
+        return role_tree._replace(params=_all(OWN, state.params), opt_state=_all(OWN, state.opt_state))
+    return role_tree
 
 
 def _is_diloco(node: Any) -> bool:

@@ -418,6 +418,19 @@ def test_shift_one_with_an_odd_rank_count_is_an_error():
         shift_one_peer(jnp.int32(0), jnp.int32(0), 5)
 
 
+def test_shift_one_averaging_all_when_odd_averages_over_every_rank_of_an_odd_count(rng):
+    # A fault-tolerant job's copy (a lost member may leave an odd number of ranks): those rounds are "all"'s, on 3
+    # ranks as on 4 shift_one's own pairs; the copy's copies keep the rule.
+    seed = int(rng.integers(2**31))
+    tolerant = Decentralized("shift_one", communication_interval=2).averaging_all_when_odd()
+    assert tolerant.replace(bucket_bytes=SMALL_BUCKET_BYTES).average_all_when_odd
+    assert not Decentralized("shift_one").average_all_when_odd
+    got, _ = run_history(tolerant, 3, 4, seed)
+    assert_histories(got, reference_decentralized(3, 4, seed, "all", interval=2), exact=False)
+    got, _ = run_history(tolerant, 4, 4, seed)
+    assert_histories(got, reference_decentralized(4, 4, seed, "shift_one", interval=2))
+
+
 def test_configuration_errors():
     # The shared options' values are checked for both front ends in test_algorithm_configs.py.
     comms = Communicators(LaxCommunicator("ranks"))

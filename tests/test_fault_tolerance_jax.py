@@ -33,6 +33,7 @@ from fault_tolerance_workers_jax import (
 from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
 from bagua_common.algorithms.diloco import DiLoCoConfig
+from bagua_common.comm.topology import shift_one_schedule
 from bagua_common.fault_tolerance import DataPosition, KVClient, job_secret
 from bagua_common.fault_tolerance.node_directory import FINISHED
 from bagua_common.job.checkpoint import checkpoint_dir, checkpoint_to_restore, read_manifest
@@ -261,6 +262,64 @@ def test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner(tmp_path: P
         for seen in (*survivors, joiner):
             assert step_compilations(seen) == compiled_once, seen["compilations"]
         assert all(when < joiner["admitted"] for when, name, _ in joiner["compilations"] if name in STEP_FUNCTIONS)
+
+
+def replay_decentralized(records: dict[int, dict]) -> dict[int, tuple[np.ndarray, float]]:
+    """Each process's parameters (w, b) after the committed steps of decentralized SGD with shift_one, in float64:
+    every rank steps from the average of its own and its round's peer's weights (of every rank's, while their number
+    is odd), by its own gradient at its own weights. The ranks of each step are the processes' records (a rank no
+    record has is the lost member's); a process first seen in a step starts from that step's rank 0's weights."""
+    x, y = (a.astype(np.float64) for a in dataset())
+    places: dict[int, dict[int, int]] = {}
+    sizes: dict[int, int] = {}
+    for process, record in records.items():
+        for step in record["steps"]:
+            places.setdefault(step["transaction"], {})[step["rank"]] = process
+            sizes[step["transaction"]] = step["size"]
+    params: dict[int, tuple[np.ndarray, float]] = {}
+    position = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    for t in sorted(sizes):
+        n = sizes[t]
+        ranks = [places[t].get(r, -1) for r in range(n)]
+        for process in ranks:
+            params.setdefault(process, params.get(ranks[0], (np.zeros(FEATURES), 0.0)))
+        peers = shift_one_schedule(n)[(t - 1) % (n // 2)] if n % 2 == 0 else None
+        stepped = {}
+        for r, process in enumerate(ranks):
+            w, b = params[process]
+            i = position.indices(r, n)
+            error = x[i] @ w + b - y[i]
+            group = ranks if peers is None else [process, ranks[peers[r]]]
+            average_w = np.mean([params[q][0] for q in group], axis=0)
+            average_b = np.mean([params[q][1] for q in group])
+            stepped[process] = (average_w - LR * 2 * x[i].T @ error / len(i), average_b - LR * 2 * error.mean())
+        params.update(stepped)
+        position.advance(n)
+    return params
+
+
+def test_decentralized_survivors_of_a_kill_average_over_all_while_odd_and_a_joiner_starts_from_a_member(
+    tmp_path: Path,
+):
+    # Four members pair their weights (shift_one); the last is SIGKILLed in step 3, while its peer waits in their
+    # exchange and the other pair's completed: the step commits nowhere (it waits for every vote) and the three
+    # survivors retry it, averaging over all three (an odd number to pair); a joiner is then admitted with the first
+    # member's weights and the pairs start again. Every rank's weights drift their own way, each as the float64
+    # replay of its own steps says, and only the step is compared across the members.
+    env = {"FT_ALGORITHM": 'decentralized {"peer_selection_mode": "shift_one"}'}
+    results = run_members(tmp_path, "train", 5, {3: (3, "kill")}, 4, 4, 8, env=env)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [True, True, True, False, True], outputs
+    records = {r.rank: r.value for r in results if r.rank != 3}
+    sizes = {s["transaction"]: s["size"] for s in records[0]["steps"]}
+    assert [sizes[t] for t in range(1, 5)] == [4, 4, 3, 3] and sizes[max(sizes)] == 4, sizes
+    retried = [a for a in records[0]["attempts"] if a["transaction"] == 3]
+    assert len(retried) == 2 and "committed" not in retried[0], retried  # one step lost, retried once
+    replayed = replay_decentralized(records)
+    for process, record in records.items():
+        np.testing.assert_allclose(record["params"]["w"], replayed[process][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(record["params"]["b"], replayed[process][1], rtol=1e-5, atol=1e-6)
+    assert len({records[p]["params"]["w"].tobytes() for p in records}) == len(records)  # each drifted its own way
 
 
 @pytest.mark.parametrize("algorithm", ["gradient_allreduce", POWERSGD], ids=lambda a: a.partition(" ")[0])

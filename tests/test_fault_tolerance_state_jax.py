@@ -22,7 +22,7 @@ from bagua_jax import DataParallel
 from bagua_jax.algorithms import ByteGrad, DiLoCo
 from bagua_jax.algorithms.bytegrad import ByteGradState
 from bagua_jax.fault_tolerance import FaultTolerantTrainer
-from bagua_jax.state_rules import OWN, REPLICATED, RESET, carry_over, replicated_leaves, roles
+from bagua_jax.state_rules import OWN, REPLICATED, RESET, carried_algorithms, carry_over, replicated_leaves, roles
 from bagua_jax.train_state import TrainState
 
 
@@ -76,13 +76,26 @@ def test_a_change_resets_the_error_feedback_residuals_and_keeps_the_rest():
 
 @pytest.mark.parametrize(
     "algorithm",
-    ["decentralized", "async", DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1)],
-    ids=["decentralized", "async", "streaming-diloco-overlapped"],
+    ["low_precision_decentralized", "async", DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1)],
+    ids=["low_precision_decentralized", "async", "streaming-diloco-overlapped"],
 )
 def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(algorithm):
     trainer = DataParallel(loss_fn, optax.sgd(0.1), algorithm, mesh=mesh())
     with pytest.raises(ValueError, match=r"elastic restart instead \(bagua-launch --nnodes MIN:MAX"):
         FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0))
+    carried = ["bytegrad", "decentralized", "diloco", "gradient_allreduce", "onebit_adam", "powersgd", "qadam"]
+    assert sorted(carried_algorithms()) == carried
+
+
+def test_decentralized_keeps_each_members_parameters_and_optimizer_state_and_hashes_the_step():
+    # Every step drifts the replicas (shift_one pairs them): only the step is the same on every member.
+    trainer = DataParallel(loss_fn, optax.sgd(0.1, momentum=0.9), "decentralized", mesh=mesh())
+    params = {"w": jnp.ones(3, jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    state, _ = trainer.step(trainer.init(params), (np.ones((4, 3), np.float32), np.arange(4, dtype=np.float32)))
+    role_tree = roles(trainer, state)
+    assert set(jax.tree.leaves((role_tree.params, role_tree.opt_state))) == {OWN}
+    assert role_tree.step == REPLICATED
+    assert [leaf for _, leaf in replicated_leaves(role_tree, state)] == [np.asarray(state.step)]
 
 
 def test_autotune_is_refused_naming_the_bucket_size_to_pass_instead():

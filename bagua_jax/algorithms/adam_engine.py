@@ -199,6 +199,7 @@ class AdamWithAveragedMomentum(ConfiguredAlgorithm):
     :meth:`transformation` takes ``optimizer=None``.
     """
 
+    fault_tolerant = True
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
 

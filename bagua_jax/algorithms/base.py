@@ -60,6 +60,10 @@ class ConfiguredAlgorithm:
     name: ClassVar[str]
     config_class: ClassVar[type]
     after_optimizer: ClassVar[bool] = False
+    fault_tolerant: ClassVar[bool] = False
+    """Whether a fault-tolerant job (:class:`~bagua_jax.fault_tolerance.FaultTolerantTrainer`) trains it on through a
+    change of members, its state carried by the rules of :mod:`bagua_jax.state_rules` (tested); the others are refused,
+    naming the elastic restart. The torch front end's algorithms declare the same."""
     _transform: ClassVar[Callable[[Communicators, Any, int], optax.GradientTransformationExtraArgs]]
 
     config: Any

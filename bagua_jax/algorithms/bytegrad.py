@@ -136,6 +136,7 @@ class ByteGrad(ConfiguredAlgorithm):
     gradient communication is bandwidth-bound, in particular between nodes.
     """
 
+    fault_tolerant = True
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
 

@@ -68,6 +68,7 @@ def decentralized_average(
     peer_selection_mode: PeerSelectionMode = "all",
     hierarchical: bool = True,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    average_all_when_odd: bool = False,
 ) -> Any:
     """This rank's averaged weights for communication round ``round_index`` (a pytree like ``params``).
 
@@ -80,13 +81,17 @@ def decentralized_average(
     fp32 gradient allreduce), in ``"shift_one"`` ``B`` to one peer (``n / (2(n-1))`` of a ring
     allreduce). Hierarchical: an intra-node allreduce of ``B``
     plus the same exchange across nodes of ``B / k`` per rank (``k`` ranks per node), i.e. one
-    ``B`` per node in total. Choose it to average models explicitly, e.g. at the end of
+    ``B`` per node in total. An odd number of ranks (or nodes) to pair raises, or with ``average_all_when_odd`` (a
+    fault-tolerant job's, which a lost member may leave with an odd number) averages over all instead. Choose it to
+    average models explicitly, e.g. at the end of
     decentralized training, or to build a custom schedule.
     """
     check_peer_selection_mode(peer_selection_mode, DecentralizedConfig.name)
     across_nodes = hierarchical and comms.hierarchical
     group: Communicator = comms.inter if across_nodes else comms.world
     n = group.size
+    if peer_selection_mode == "shift_one" and n % 2 and average_all_when_odd:
+        peer_selection_mode = "all"
     if peer_selection_mode == "shift_one" and n > 1:
         check_pairable(n, DecentralizedConfig.name, across_nodes)
         # Every pairing of the n/2 rounds a shift_one cycle has, as a static table, so that JAX's
@@ -112,7 +117,11 @@ def decentralized_average(
 
 
 def decentralized(
-    comms: Communicators, *config: Any, bucket_bytes: int = DEFAULT_BUCKET_BYTES, **options: Any
+    comms: Communicators,
+    *config: Any,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    average_all_when_odd: bool = False,
+    **options: Any,
 ) -> optax.GradientTransformationExtraArgs:
     """Decentralized SGD as an optax transform to chain *after* the optimizer, with ``params``.
 
@@ -124,7 +133,8 @@ def decentralized(
     gradient allreduce, ``"shift_one"`` the weights once to one peer (about half of a ring
     allreduce for many ranks); averaged over steps, divide by the interval.
     Hierarchical communication falls back to ``comms.world`` when ``comms`` has no
-    ``intra``/``inter``. Choose it when allreduce latency dominates (many ranks, slow network)
+    ``intra``/``inter``; ``average_all_when_odd`` as in :func:`decentralized_average`. Choose it when allreduce
+    latency dominates (many ranks, slow network)
     and exact agreement of the replicas at every step is not required.
     """
     config = as_config(DecentralizedConfig, *config, **options)
@@ -147,6 +157,7 @@ def decentralized(
                 peer_selection_mode=peer_selection_mode,
                 hierarchical=hierarchical,
                 bucket_bytes=bucket_bytes,
+                average_all_when_odd=average_all_when_odd,
             )
             return jax.tree.map(lambda a, p: a - p, averaged, params)
 
@@ -180,5 +191,26 @@ class Decentralized(ConfiguredAlgorithm):
     global allreduce every step pays for slightly noisier replicas; see :func:`decentralized`.
     """
 
-    _transform = staticmethod(decentralized)
-    after_optimizer = True
+    after_optimizer = fault_tolerant = True
+    average_all_when_odd = False
+    """Whether ``shift_one`` averages over all ranks when their number is odd (:meth:`averaging_all_when_odd`)."""
+
+    def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
+        """:func:`decentralized` with this configuration."""
+        return decentralized(
+            comms, self.config, bucket_bytes=self.bucket_bytes, average_all_when_odd=self.average_all_when_odd
+        )
+
+    def averaging_all_when_odd(self) -> Decentralized:
+        """A copy whose ``shift_one`` rounds average over all ranks while their number is odd, as the torch front
+        end's do in a fault-tolerant job: one that a lost member leaves with an odd number goes on."""
+        copy = self.replace()
+        object.__setattr__(copy, "average_all_when_odd", True)
+        return copy
+
+    def replace(self, **changes: Any) -> Decentralized:
+        """A copy with ``changes`` (:meth:`ConfiguredAlgorithm.replace`) that averages over all ranks when their
+        number is odd if this one does."""
+        copy = super().replace(**changes)
+        object.__setattr__(copy, "average_all_when_odd", self.average_all_when_odd)
+        return copy

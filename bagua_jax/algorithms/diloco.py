@@ -308,7 +308,7 @@ class DiLoCo(ConfiguredAlgorithm):
     drift apart inside a round. See :func:`diloco`; it buckets nothing, so ``bucket_bytes`` has no effect.
     """
 
-    after_optimizer = True
+    after_optimizer = fault_tolerant = True
     counts_trainers = False
     """Whether the exchange divides by the ranks that trained the round (:meth:`counting_trainers`)."""
 

@@ -90,6 +90,7 @@ class GradientAllReduce(ConfiguredAlgorithm):
     gradient communication dominates the step time.
     """
 
+    fault_tolerant = True
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
 

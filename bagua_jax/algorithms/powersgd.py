@@ -208,6 +208,7 @@ class PowerSGD(ConfiguredAlgorithm):
     Its factors travel in one flat allreduce each, so ``bucket_bytes`` has no effect.
     """
 
+    fault_tolerant = True
     replicas_identical = True
     """Every rank applies the same update, so all replicas of the parameters stay bit-identical."""
 
