@@ -208,6 +208,7 @@ def restore_rows(
     """
     algorithm, _ = _algorithm(trainer)
     template = trainer.init(params, model_state=model_state)
+    user_state = None if isinstance(template, TrainState) else template  # a flax TrainState comes back as one
     check_restorable(manifest, algorithm=algorithm, model=_model(unwrap_state(template).params))
     same_world = manifest.world_size == trainer.size
     if not same_world:
@@ -233,7 +234,7 @@ def restore_rows(
 
     own = unwrap_state(template)
     state = jax.tree_util.tree_map_with_path(restored, own)
-    return rewrap_state(template if not isinstance(template, TrainState) else None, state)
+    return rewrap_state(user_state, state)
 
 
 def leaf_rule(rule: ReshardRule, key: str, dtype: np.dtype) -> str:

@@ -58,6 +58,10 @@ EXTENDED: dict[str, str] = {
     r"next_one\[powersgd\]": "JAX's PowerSGD joiner given the state again after its holder died (gradient "
     "allreduce's stays quick, and PowerSGD's weighed-out step is checked against its reference in "
     "test_weighed_out_step_jax.py)",
+    r"test_fault_tolerance_jax\.py::test_a_powersgd_job_restarted_from_its_checkpoint_admits_a_joiner": "JAX's "
+    "PowerSGD restart from a checkpoint with a flax TrainState, then a weighed-out joiner (two jobs, 15 s; a flax "
+    "state restored into another world size stays quick in test_checkpoint_jax.py, and PowerSGD's weighed-out step "
+    "against its reference in test_weighed_out_step_jax.py)",
     r"test_fault_tolerance_jax\.py::test_a_survivor_that_had_not_applied": "JAX's survivor given another's state "
     "(torch's stays quick, and JAX's joiner receives the state the same way in the quick kill/hang/exception job)",
     r"test_fault_paths\.py::(test_mpi_survivor_raises_within_the_timeout|test_mesh_fault_ends_every_process_under_"

@@ -12,8 +12,10 @@ start sending a joiner's state that late, and ``FT_STATE_HOLDER_DIES=1`` kills t
 training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and
 ``FT_HIDDEN`` (a width) adds an unused layer of that width beside the linear model: a larger step, with the same
 loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh layer of that width to the linear
-model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). Every member records each
-attempt of a step (its transaction, epoch, rank, sample indices, times) and its final state.
+model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax
+``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals folder (the last
+run's final save). Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times),
+its state's first and final parameters, and its state's class.
 """
 
 from __future__ import annotations
@@ -226,9 +228,16 @@ def train(
         params["hidden"] = jnp.zeros((FEATURES, int(os.environ["FT_HIDDEN"])), jnp.float32)
     if os.environ.get("FT_MLP"):
         params.update({k: jnp.asarray(v) for k, v in mlp_params(int(os.environ["FT_MLP"])).items()})
+    if os.environ.get("FT_FLAX") == "1":
+        from flax.training import train_state
+
+        params = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(LR))
     started = time.time()
     compilations = _compilations()
-    ft, state, admitted = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))
+    example = (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK])
+    restore_from = _signal("checkpoints") if os.environ.get("FT_RESTORE") == "1" else None
+    ft, state, admitted = _start(start_size, make_trainer, data, params, example, restore_from)
+    first_params = {k: np.asarray(v) for k, v in state.params.items()}
     last_fault = max(faults, default=1)
     attempts = []
     _vote_with_faults(ft.membership, rank, faults, late_vote)
@@ -267,6 +276,8 @@ def train(
         "steps": [a for a in attempts if "committed" in a],
         "attempts": attempts,
         "params": params,
+        "first_params": first_params,
+        "state_class": type(state).__module__ + "." + type(state).__name__,
         "recoveries": ft.recoveries,
         "started": started,
         "admitted": admitted,

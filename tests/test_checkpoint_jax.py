@@ -148,6 +148,24 @@ def test_same_world_size_restores_every_rank_exactly(tmp_path, rng):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("new", [4, 2])
+def test_a_flax_train_state_comes_back_as_one_in_any_world_size(new, tmp_path, rng):
+    # Into another world size the state is rebuilt from the restarted parameters: the user's class went with it once.
+    from flax.training import train_state
+
+    dp = trainer(GradientAllReduce(), optax.sgd(LR), 4)
+    user = train_state.TrainState.create(apply_fn=loss_fn, params=initial_params(rng), tx=optax.sgd(LR))
+    state = dp.init(user)
+    for _ in range(2):
+        state, _ = dp.step(state, batch(rng))
+    save(tmp_path, state, dp)
+    restored = restore(tmp_path, trainer(GradientAllReduce(), optax.sgd(LR), new), user)
+    assert type(restored) is train_state.TrainState and restored.apply_fn is loss_fn
+    assert int(restored.step) == 2
+    for a, b in zip(jax.tree.leaves(host(state.params)), jax.tree.leaves(host(restored.params)), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_manifest_records_the_metadata_saved_with_it(tmp_path, rng):
     dp = trainer(GradientAllReduce(), optax.sgd(LR), 2)
     state = dp.init(initial_params(rng))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -346,6 +347,41 @@ def test_a_joiner_whose_state_holder_dies_before_sending_is_given_the_state_by_t
             np.testing.assert_allclose(joiner["params"][name], value, rtol=2e-5, atol=1e-6)
     assert [r["size"] for r in survivor["recoveries"]] == [4, 3], survivor["recoveries"]  # the admission, the death
     assert joiner["steps"][0]["size"] == 2, joiner["steps"]  # weighed out again, of the survivors' step
+
+
+def test_a_powersgd_job_restarted_from_its_checkpoint_admits_a_joiner_weighed_out_on_a_flax_train_state(
+    tmp_path: Path,
+):
+    # Three members train PowerSGD (compressed from step 2) on a flax TrainState and save at the end. A job of two
+    # restarts from that checkpoint and admits a third process after its first step: the joiner is given the restored
+    # step count and Q first (its placeholder's would take the exact branch while the members take the compressed
+    # one) and is weighed out of the members' next step; all three end bit-identical, each with a flax TrainState.
+    env = {"FT_ALGORITHM": POWERSGD, "FT_FLAX": "1", **POWERSGD_MODEL}
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    results = run_members(first, "train", 3, {}, 3, 3, 4, env=env)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0], outputs
+    saved = results[0].value["params"]
+    second.mkdir()
+    shutil.copytree(first / "checkpoints", second / "checkpoints")
+    results = run_members(second, "train", 3, {}, 2, 3, 6, env={**env, "FT_RESTORE": "1"})
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0], outputs
+    *members, joiner = (r.value for r in results)
+    for member in members:  # restored into two members as saved by three
+        for name, value in saved.items():
+            np.testing.assert_array_equal(member["first_params"][name], value)
+    sizes = {s["transaction"]: s["size"] for s in members[0]["steps"]}
+    assert sizes[joiner["steps"][0]["transaction"]] == 2, (joiner["steps"][0], sizes)  # weighed out
+    assert [r["state_class"] for r in (*members, joiner)] == ["flax.training.train_state.TrainState"] * 3
+    for seen in (members[1], joiner):
+        for name, value in members[0]["params"].items():
+            np.testing.assert_array_equal(seen["params"][name], value)
+    assert np.any(members[0]["params"]["mlp_in"] != saved["mlp_in"])  # the compressed matrix trained on
+    x, y = dataset()
+    loss = np.mean((prediction(members[0]["params"], x) - y) ** 2)
+    assert loss < 0.5 * np.mean(y**2), loss
 
 
 def test_a_member_lost_while_the_survivors_shrink_the_communicator_stops_them_naming_it(tmp_path: Path):
