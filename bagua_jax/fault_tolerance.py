@@ -180,7 +180,7 @@ class FaultTolerantTrainer:
             self._weighed_out_step = None
         if self.membership is None:
             state = self._join(state, example_batch)
-            state = self._share_state(state, self.epoch)
+            state = self._resumed(self._share_state(state, self.epoch))
             if not self._sitting_out:  # else checked once the joiners took part in their first exchange
                 self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
             self.trainer._batches_checked = True  # the members checked their batches before this one came
@@ -356,6 +356,7 @@ class FaultTolerantTrainer:
         self._sitting_out &= {member.id for member in new.members}
         if new.joined:
             state = self._share_state(state, new)
+        state = self._resumed(state)
         if not self._sitting_out:  # else checked once the joiners took part in their first exchange
             self.check_replicas(state, f"after the recovery to epoch {new.number}")
         self.recoveries.append({"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started})
@@ -371,6 +372,12 @@ class FaultTolerantTrainer:
         fresh = TrainState(own.params, self.trainer._init(own.params), own.step, own.model_state)
         carried = state_rules.carry_over(self._roles, own, fresh)
         return rewrap_state(None if isinstance(state, TrainState) else state, carried)
+
+    def _resumed(self, state: Any) -> Any:
+        """``state`` with low-precision decentralized training's copies of the neighbours' weights taken again from
+        the new ring's (:func:`~bagua_jax.state_rules.ring_copies_resumed`); the others' as it is. Every member."""
+        gather = HostCommunicator(self.communicator).allgather  # nothing to compile
+        return state_rules.ring_copies_resumed(state, gather, self.epoch.rank)
 
     def _share_state(self, state: Any, epoch: Epoch) -> Any:
         """The first member that has the committed state (:attr:`Epoch.state_holder`) gives it to the joiners and the

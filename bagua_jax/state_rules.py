@@ -14,7 +14,9 @@ rule of :mod:`bagua_common.job.reshard`, the same rule a checkpoint restored int
 :func:`refuse_unsurvivable` refuses the algorithms that do not declare ``fault_tolerant``.
 
 Decentralized training's replicas drift at every step, so there the parameters and the optimizer's state are
-:data:`OWN` (a joiner receives the first member's) and only the step counters :data:`REPLICATED`.
+:data:`OWN` (a joiner receives the first member's) and only the step counters :data:`REPLICATED`; low-precision
+decentralized training's copies of its own and its ring neighbours' weights are :data:`RESET`, then
+:func:`ring_copies_resumed` gives each member its new neighbours'.
 
 DiLoCo's replicas drift inside a round, so there the parameters and the inner optimizer's state are :data:`OWN`; the
 round start, the outer optimizer's state and the step counters are :data:`REPLICATED` (equal on every member at
@@ -23,6 +25,7 @@ every step: they change only at an exchange), and its residuals :data:`RESET`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -34,8 +37,9 @@ from bagua_common.job.reshard import RESET as RESHARD_RESET
 from bagua_common.job.reshard import config_rule
 from bagua_jax.algorithms import REGISTRY
 from bagua_jax.algorithms.diloco import DiLoCoState
+from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralizedState
 from bagua_jax.checkpoint import leaf_rule
-from bagua_jax.train_state import TrainState
+from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 
 __all__ = [
@@ -47,6 +51,7 @@ __all__ = [
     "carry_over",
     "refuse_unsurvivable",
     "replicated_leaves",
+    "ring_copies_resumed",
     "roles",
 ]
 
@@ -115,12 +120,17 @@ def roles(trainer: DataParallel, state: TrainState) -> TrainState:
     if isinstance(trainer.algorithm.config, DiLoCoConfig):
         return role_tree._replace(params=_all(OWN, state.params), opt_state=_diloco_roles(state.opt_state))
     if not getattr(trainer.algorithm, "replicas_identical", False):  # decentralized: every step drifts them
-        return role_tree._replace(params=_all(OWN, state.params), opt_state=_all(OWN, state.opt_state))
+        own_but_reset = jax.tree.map(lambda kind: kind if kind == RESET else OWN, role_tree.opt_state)
+        return role_tree._replace(params=_all(OWN, state.params), opt_state=own_but_reset)
     return role_tree
 
 
 def _is_diloco(node: Any) -> bool:
     return isinstance(node, DiLoCoState)
+
+
+def _is_ring_copies(node: Any) -> bool:
+    return isinstance(node, LowPrecisionDecentralizedState)
 
 
 def _all(kind: str, tree: Any) -> Any:
@@ -175,3 +185,22 @@ def carry_over(role_tree: TrainState, state: TrainState, fresh: TrainState) -> T
         return own
 
     return jax.tree.map(pick, role_tree, state, fresh)
+
+
+def ring_copies_resumed(state: Any, gather: Callable[[np.ndarray], np.ndarray], rank: int) -> Any:
+    """``state`` (of member ``rank``, after :func:`carry_over`) with low-precision decentralized training's copies
+    started again on the new ring, as the torch front end's ``resume``: ``w`` stays this member's weights (a fresh
+    state's), ``L`` and ``R`` become its new neighbours' ``w``, gathered in full precision (``gather``: an allgather
+    over the members, called once per bucket on every member), so that each copy is again the bits its neighbour
+    holds. A state without such copies comes back as it is."""
+    own = unwrap_state(state)
+
+    def resumed(node: Any) -> Any:
+        if not isinstance(node, LowPrecisionDecentralizedState):
+            return node
+        every = [np.asarray(gather(np.asarray(w))) for w in node.weights]
+        left, right = (tuple(jnp.asarray(rows[(rank + d) % len(rows)]) for rows in every) for d in (-1, 1))
+        return node._replace(left=left, right=right)
+
+    opt_state = jax.tree.map(resumed, own.opt_state, is_leaf=_is_ring_copies)
+    return rewrap_state(None if isinstance(state, TrainState) else state, own._replace(opt_state=opt_state))

@@ -2,8 +2,9 @@
 
 Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined through the fault-tolerant membership
 (``bagua_jax.fault_tolerance``), training a ``--width`` MLP (or a GPT on the corpus, ``--model tiny|mini|small``:
-8 windows per rank, AdamW) with gradient allreduce, PowerSGD (``--algorithm powersgd``, its defaults) or DiLoCo
-(``--algorithm diloco``, ``--sync-every`` H).
+8 windows per rank, AdamW) with gradient allreduce, PowerSGD (``--algorithm powersgd``, its defaults), DiLoCo
+(``--algorithm diloco``, ``--sync-every`` H), decentralized SGD pairing the ranks (``decentralized``: shift_one) or
+low-precision decentralized SGD (``low_precision_decentralized``).
 
 * ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
   fault-tolerant ones (a commit by agreement per transaction, the replica digests every ``--hash-every``) on the same
@@ -28,6 +29,7 @@ Run it with nothing else running (the results' header records the load before an
     python benchmarks/fault_tolerance_jax.py kill --ranks 3
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --algorithm diloco --sync-every 8
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --model mini --algorithm powersgd
+    python benchmarks/fault_tolerance_jax.py kill --ranks 4 --model mini --algorithm decentralized
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --algorithm diloco --sync-every 64 --rounds 6
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40 --model mini
@@ -67,7 +69,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
     from bagua_jax import DataParallel, NativeCommunicator
-    from bagua_jax.algorithms import DiLoCo
+    from bagua_jax.algorithms import Decentralized, DiLoCo
     from bagua_jax.fault_tolerance import FaultTolerantTrainer
 
     if args.model == "mlp":
@@ -114,7 +116,11 @@ def worker(args: argparse.Namespace) -> None:
         record["started"] = time.time()
         comm = NativeCommunicator.mpi_self(timeout=120)
 
-    algorithm = DiLoCo(sync_every=args.sync_every) if args.algorithm == "diloco" else args.algorithm
+    algorithm = args.algorithm
+    if args.algorithm == "diloco":
+        algorithm = DiLoCo(sync_every=args.sync_every)
+    elif args.algorithm == "decentralized":
+        algorithm = Decentralized(peer_selection_mode="shift_one")
     trainer = DataParallel(loss_fn, optimizer, algorithm, communicator=comm)
     data = DataPosition(samples, per_rank, seed=1)
     if rank < members:
@@ -262,7 +268,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hash-every", type=int, default=100)
     parser.add_argument(
-        "--algorithm", choices=("gradient_allreduce", "powersgd", "diloco"), default="gradient_allreduce"
+        "--algorithm",
+        choices=("gradient_allreduce", "powersgd", "diloco", "decentralized", "low_precision_decentralized"),
+        default="gradient_allreduce",
     )
     parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo's H")
     parser.add_argument("--timeout", type=float, default=600)

@@ -58,6 +58,9 @@ EXTENDED: dict[str, str] = {
     r"next_one\[powersgd\]": "JAX's PowerSGD joiner given the state again after its holder died (gradient "
     "allreduce's stays quick, and PowerSGD's weighed-out step is checked against its reference in "
     "test_weighed_out_step_jax.py)",
+    r"test_fault_tolerance_jax\.py::test_low_precision_decentralized_copies_start_again": "JAX's low-precision "
+    "decentralized ring through a death and an admission (10 s; decentralized's job stays quick, and so does the "
+    "copies' restart against its definition in test_fault_tolerance_state_jax.py)",
     r"test_fault_tolerance_jax\.py::test_a_powersgd_job_restarted_from_its_checkpoint_admits_a_joiner": "JAX's "
     "PowerSGD restart from a checkpoint with a flax TrainState, then a weighed-out joiner (two jobs, 15 s; a flax "
     "state restored into another world size stays quick in test_checkpoint_jax.py, and PowerSGD's weighed-out step "

@@ -15,7 +15,8 @@ loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh 
 model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax
 ``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals folder (the last
 run's final save). Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times),
-its state's first and final parameters, and its state's class.
+its state's first and final parameters, its final rank and, under low-precision decentralized training, its copies
+of its own and its ring neighbours' weights.
 """
 
 from __future__ import annotations
@@ -269,6 +270,8 @@ def train(
         if ft.committed == last_fault and ft.epoch.rank == 0:
             _touch("start-joiner")
     params = {k: np.asarray(v) for k, v in state.params.items()}
+    ring = [node for node in state.opt_state if type(node).__name__ == "LowPrecisionDecentralizedState"]
+    copies = {k: [np.asarray(b) for b in getattr(ring[0], k)] for k in ("weights", "left", "right")} if ring else None
     ft.save(_signal("checkpoints"), state)  # the members' checkpoint after the changes of members
     ft.finished()
     ft.membership.close()
@@ -277,6 +280,8 @@ def train(
         "attempts": attempts,
         "params": params,
         "first_params": first_params,
+        "final_rank": ft.epoch.rank,
+        "ring_copies": copies,
         "state_class": type(state).__module__ + "." + type(state).__name__,
         "recoveries": ft.recoveries,
         "started": started,

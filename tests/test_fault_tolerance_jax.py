@@ -299,6 +299,20 @@ def replay_decentralized(records: dict[int, dict]) -> dict[int, tuple[np.ndarray
     return params
 
 
+def four_members_lose_one_then_admit_one(tmp_path: Path, algorithm: str) -> dict[int, dict]:
+    """The records (by process) of four members training ``algorithm`` whose last is SIGKILLed in step 3, and of the
+    process that joins the three survivors; checked to have lost that step once and ended with four members."""
+    results = run_members(tmp_path, "train", 5, {3: (3, "kill")}, 4, 4, 8, env={"FT_ALGORITHM": algorithm})
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [True, True, True, False, True], outputs
+    records = {r.rank: r.value for r in results if r.rank != 3}
+    sizes = {s["transaction"]: s["size"] for s in records[0]["steps"]}
+    assert [sizes[t] for t in range(1, 5)] == [4, 4, 3, 3] and sizes[max(sizes)] == 4, sizes
+    retried = [a for a in records[0]["attempts"] if a["transaction"] == 3]
+    assert len(retried) == 2 and "committed" not in retried[0], retried  # one step lost, retried once
+    return records
+
+
 def test_decentralized_survivors_of_a_kill_average_over_all_while_odd_and_a_joiner_starts_from_a_member(
     tmp_path: Path,
 ):
@@ -307,15 +321,7 @@ def test_decentralized_survivors_of_a_kill_average_over_all_while_odd_and_a_join
     # survivors retry it, averaging over all three (an odd number to pair); a joiner is then admitted with the first
     # member's weights and the pairs start again. Every rank's weights drift their own way, each as the float64
     # replay of its own steps says, and only the step is compared across the members.
-    env = {"FT_ALGORITHM": 'decentralized {"peer_selection_mode": "shift_one"}'}
-    results = run_members(tmp_path, "train", 5, {3: (3, "kill")}, 4, 4, 8, env=env)
-    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
-    assert [r.returncode == 0 for r in results] == [True, True, True, False, True], outputs
-    records = {r.rank: r.value for r in results if r.rank != 3}
-    sizes = {s["transaction"]: s["size"] for s in records[0]["steps"]}
-    assert [sizes[t] for t in range(1, 5)] == [4, 4, 3, 3] and sizes[max(sizes)] == 4, sizes
-    retried = [a for a in records[0]["attempts"] if a["transaction"] == 3]
-    assert len(retried) == 2 and "committed" not in retried[0], retried  # one step lost, retried once
+    records = four_members_lose_one_then_admit_one(tmp_path, 'decentralized {"peer_selection_mode": "shift_one"}')
     replayed = replay_decentralized(records)
     for process, record in records.items():
         np.testing.assert_allclose(record["params"]["w"], replayed[process][0], rtol=1e-5, atol=1e-6)
@@ -347,6 +353,27 @@ def test_a_joiner_whose_state_holder_dies_before_sending_is_given_the_state_by_t
             np.testing.assert_allclose(joiner["params"][name], value, rtol=2e-5, atol=1e-6)
     assert [r["size"] for r in survivor["recoveries"]] == [4, 3], survivor["recoveries"]  # the admission, the death
     assert joiner["steps"][0]["size"] == 2, joiner["steps"]  # weighed out again, of the survivors' step
+
+
+def test_low_precision_decentralized_copies_start_again_from_the_new_neighbours_after_a_kill_and_an_admission(
+    tmp_path: Path,
+):
+    # Four members on a ring; the last is SIGKILLed in step 3 and the three survivors' copies of their neighbours'
+    # weights start again from their new neighbours' (sent once in full precision); a joiner is then admitted with the
+    # first member's state and every copy starts again on the ring of four. Each exchange adds the same decoded
+    # difference to a copy as to the weights it copies, so a copy left from another ring would never match again: at
+    # the end each member's left and right copies are, bit for bit, its neighbours' own.
+    records = four_members_lose_one_then_admit_one(tmp_path, "low_precision_decentralized").values()
+    ring = {record["final_rank"]: record["ring_copies"] for record in records}
+    assert sorted(ring) == [0, 1, 2, 3]
+    for rank, copies in ring.items():
+        for bucket, (left, right) in enumerate(zip(copies["left"], copies["right"], strict=True)):
+            np.testing.assert_array_equal(left, ring[(rank - 1) % 4]["weights"][bucket], err_msg=f"rank {rank}")
+            np.testing.assert_array_equal(right, ring[(rank + 1) % 4]["weights"][bucket], err_msg=f"rank {rank}")
+    x, y = dataset()
+    for record in records:
+        loss = np.mean((prediction(record["params"], x) - y) ** 2)
+        assert loss < 0.5 * np.mean(y**2), loss  # every member trained
 
 
 def test_a_powersgd_job_restarted_from_its_checkpoint_admits_a_joiner_weighed_out_on_a_flax_train_state(

@@ -22,7 +22,16 @@ from bagua_jax import DataParallel
 from bagua_jax.algorithms import ByteGrad, DiLoCo
 from bagua_jax.algorithms.bytegrad import ByteGradState
 from bagua_jax.fault_tolerance import FaultTolerantTrainer
-from bagua_jax.state_rules import OWN, REPLICATED, RESET, carried_algorithms, carry_over, replicated_leaves, roles
+from bagua_jax.state_rules import (
+    OWN,
+    REPLICATED,
+    RESET,
+    carried_algorithms,
+    carry_over,
+    replicated_leaves,
+    ring_copies_resumed,
+    roles,
+)
 from bagua_jax.train_state import TrainState
 
 
@@ -76,26 +85,55 @@ def test_a_change_resets_the_error_feedback_residuals_and_keeps_the_rest():
 
 @pytest.mark.parametrize(
     "algorithm",
-    ["low_precision_decentralized", "async", DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1)],
-    ids=["low_precision_decentralized", "async", "streaming-diloco-overlapped"],
+    ["async", DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1)],
+    ids=["async", "streaming-diloco-overlapped"],
 )
 def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(algorithm):
     trainer = DataParallel(loss_fn, optax.sgd(0.1), algorithm, mesh=mesh())
     with pytest.raises(ValueError, match=r"elastic restart instead \(bagua-launch --nnodes MIN:MAX"):
         FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0))
-    carried = ["bytegrad", "decentralized", "diloco", "gradient_allreduce", "onebit_adam", "powersgd", "qadam"]
+    carried = ["bytegrad", "decentralized", "diloco", "gradient_allreduce", "low_precision_decentralized"]
+    carried += ["onebit_adam", "powersgd", "qadam"]
     assert sorted(carried_algorithms()) == carried
 
 
-def test_decentralized_keeps_each_members_parameters_and_optimizer_state_and_hashes_the_step():
-    # Every step drifts the replicas (shift_one pairs them): only the step is the same on every member.
-    trainer = DataParallel(loss_fn, optax.sgd(0.1, momentum=0.9), "decentralized", mesh=mesh())
+@pytest.mark.parametrize("algorithm", ["decentralized", "low_precision_decentralized"])
+def test_decentralized_keeps_each_members_parameters_and_optimizer_state_and_hashes_the_step(algorithm):
+    # Every step drifts the replicas: only the step is the same on every member. Low-precision decentralized
+    # training's copies of its own and its neighbours' weights restart (then ring_copies_resumed refills them).
+    trainer = DataParallel(loss_fn, optax.sgd(0.1, momentum=0.9), algorithm, mesh=mesh())
     params = {"w": jnp.ones(3, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     state, _ = trainer.step(trainer.init(params), (np.ones((4, 3), np.float32), np.arange(4, dtype=np.float32)))
     role_tree = roles(trainer, state)
-    assert set(jax.tree.leaves((role_tree.params, role_tree.opt_state))) == {OWN}
+    momentum, averaging = role_tree.opt_state
+    assert set(jax.tree.leaves((role_tree.params, momentum, averaging.step))) == {OWN}
+    if algorithm == "low_precision_decentralized":
+        assert set(jax.tree.leaves((averaging.weights, averaging.left, averaging.right))) == {RESET}
     assert role_tree.step == REPLICATED
     assert [leaf for _, leaf in replicated_leaves(role_tree, state)] == [np.asarray(state.step)]
+
+
+def test_ring_copies_resumed_takes_each_neighbours_weights_and_leaves_other_states_as_they_are():
+    params = {"w": jnp.arange(3, dtype=jnp.float32), "b": jnp.zeros((), jnp.float32)}
+    members = [{"w": params["w"] + 10 * r, "b": params["b"] + r} for r in range(3)]
+    states = [
+        DataParallel(loss_fn, optax.sgd(0.1), "low_precision_decentralized", mesh=mesh()).init(p) for p in members
+    ]
+    own = [np.asarray(s.opt_state[1].weights[0]) for s in states]  # each member's own weights, one bucket
+
+    def gather_of(states):
+        rows = [np.asarray(s.opt_state[1].weights[0]) for s in states]
+        return lambda w: np.stack(rows)
+
+    for rank, state in enumerate(states):
+        copies = ring_copies_resumed(state, gather_of(states), rank).opt_state[1]
+        np.testing.assert_array_equal(copies.weights[0], own[rank])
+        np.testing.assert_array_equal(copies.left[0], own[(rank - 1) % 3])
+        np.testing.assert_array_equal(copies.right[0], own[(rank + 1) % 3])
+    other = DataParallel(loss_fn, optax.sgd(0.1), "decentralized", mesh=mesh()).init(params)
+    kept = ring_copies_resumed(other, lambda w: pytest.fail("gathered"), 0)
+    assert jax.tree.structure(kept) == jax.tree.structure(other)
+    assert all(a is b for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(other)))
 
 
 def test_autotune_is_refused_naming_the_bucket_size_to_pass_instead():

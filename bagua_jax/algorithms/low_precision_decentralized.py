@@ -201,4 +201,4 @@ class LowPrecisionDecentralized(ConfiguredAlgorithm):
     """
 
     _transform = staticmethod(low_precision_decentralized)
-    after_optimizer = True
+    after_optimizer = fault_tolerant = True
