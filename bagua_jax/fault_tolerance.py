@@ -49,6 +49,7 @@ from bagua_jax.algorithms.diloco import skip_untrained
 from bagua_jax.epoch_communicator import fail_epoch, follow_members
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
+from bagua_jax.resized_steps import ResizedSteps
 from bagua_jax.signature import job_signature
 from bagua_jax.train_state import TrainState, is_nnx_module, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
@@ -119,8 +120,7 @@ class FaultTolerantTrainer:
         self.trainer, self.data, self.communicator = trainer, data, communicator
         self.hash_every = settings.hash_every if hash_every is None else int(hash_every)
         # Steps whose collectives are averages laid out the same for every world size (the engine divides by its
-        # current size: gradient allreduce, PowerSGD, DiLoCo's float32 exchange) run on every world size as compiled.
-        # Others are compiled again after a change.
+        # size: gradient allreduce, PowerSGD, DiLoCo's float32 exchange) run on every size as compiled; others not.
         config = trainer.algorithm.config
         self._diloco: DiLoCoConfig | None = config if isinstance(config, DiLoCoConfig) else None
         fp32_diloco = self._diloco is not None and self._diloco.outer_exchange == "fp32"
@@ -134,6 +134,7 @@ class FaultTolerantTrainer:
         # (identical replicas): a decentralized exchange completes with one peer, so it waits for every vote.
         self._waits_for_votes = self._diloco is not None or not getattr(trainer.algorithm, "replicas_identical", False)
         self._weighed_out_step = WeighedOutStep(trainer) if weighs_out(trainer) else None
+        self._resized = None if self._world_size_free else ResizedSteps(trainer)  # compiled for the next sizes
         self._sitting_out: frozenset[str] = frozenset()
         """The members (ids) given the state that sit out the round in flight, or are weighed out of the step in flight
         (the next one), until it commits."""
@@ -195,8 +196,10 @@ class FaultTolerantTrainer:
                 "FaultTolerantTrainer.init: a joiner compiles its step before it asks to join, so that its peers never "
                 "wait for it: pass example_batch, a batch of this rank's shapes"
             )
-        if self._world_size_free:  # else its buffers follow the world size: compiled again once admitted
+        if self._world_size_free:  # else its buffers follow the world size: compiled for one member more than the job's
             self.trainer.compile(state, example_batch)
+        else:
+            self._resized.compile_for_joining(state, example_batch, self._roles, *self._join_at[:2])
         if self._weighed_out_step is not None:  # its first step
             self._weighed_out_step.compile(state, example_batch)
         settings, master, timeout = self._join_at
@@ -240,6 +243,8 @@ class FaultTolerantTrainer:
                 jax.block_until_ready((new_state, result))
                 if self._weighed_out_step is not None:  # compiled from a thread, long before a joiner comes
                     self._weighed_out_step.compile_in_background(state, batch)
+                if self._resized is not None:  # the same, for the world sizes one change brings
+                    self._resized.compile_in_background(state, batch, self._roles)
                 if weighed:
                     self.communicator.set_mpi_average_divisor(None)
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
@@ -365,8 +370,8 @@ class FaultTolerantTrainer:
     def _carry_over(self, state: Any, recompile: bool) -> Any:
         """``state`` for the new members by the algorithm's rules (:mod:`bagua_jax.state_rules`): the per-rank
         leaves (error-feedback residuals) from a fresh state, the rest kept; the step is compiled again first when
-        its buffers are laid out for the world size."""
-        if recompile:
+        its buffers are laid out for the world size (unless it was, ahead: :mod:`bagua_jax.resized_steps`)."""
+        if recompile and not self._resized.adopt(self.trainer.size):
             self.trainer.recompile()
         own = unwrap_state(state)
         fresh = TrainState(own.params, self.trainer._init(own.params), own.step, own.model_state)
@@ -374,8 +379,7 @@ class FaultTolerantTrainer:
         return rewrap_state(None if isinstance(state, TrainState) else state, carried)
 
     def _resumed(self, state: Any) -> Any:
-        """``state`` with low-precision decentralized training's copies of the neighbours' weights taken again from
-        the new ring's (:func:`~bagua_jax.state_rules.ring_copies_resumed`); the others' as it is. Every member."""
+        """``state``'s copies of low-precision decentralized training taken again on the new ring (collective)."""
         gather = HostCommunicator(self.communicator).allgather  # nothing to compile
         return state_rules.ring_copies_resumed(state, gather, self.epoch.rank)
 

@@ -2,9 +2,9 @@
 
 Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined through the fault-tolerant membership
 (``bagua_jax.fault_tolerance``), training a ``--width`` MLP (or a GPT on the corpus, ``--model tiny|mini|small``:
-8 windows per rank, AdamW) with gradient allreduce, PowerSGD (``--algorithm powersgd``, its defaults), DiLoCo
-(``--algorithm diloco``, ``--sync-every`` H), decentralized SGD pairing the ranks (``decentralized``: shift_one) or
-low-precision decentralized SGD (``low_precision_decentralized``).
+8 windows per rank, AdamW) with gradient allreduce, ByteGrad or PowerSGD (``--algorithm bytegrad|powersgd``, their
+defaults), DiLoCo (``--algorithm diloco``, ``--sync-every`` H), decentralized SGD pairing the ranks
+(``decentralized``: shift_one) or low-precision decentralized SGD (``low_precision_decentralized``).
 
 * ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
   fault-tolerant ones (a commit by agreement per transaction, the replica digests every ``--hash-every``) on the same
@@ -12,7 +12,8 @@ low-precision decentralized SGD (``low_precision_decentralized``).
   median (gradient allreduce), or of the block's mean (DiLoCo: its exchanges are a few steps of the block).
 * ``kill``: rank ``ranks-1`` is SIGKILLed as step ``KILLED_STEP`` starts, while the others are blocked in its
   allreduce (gradient allreduce), or mid-round (DiLoCo, H = 8: the others train on to the round's exchange); the
-  table gives the seconds from the kill to the survivors' retried step, and the steps run again.
+  table gives the seconds from the kill to the survivors' retried step's start and end (a step compiled again for the
+  new world size compiles in between), and the steps run again.
 * ``join``: ``ranks-1`` members train ``--rounds`` DiLoCo rounds (gradient allreduce: steps); rank ``ranks-1`` starts
   as a new process after ``JOIN_AFTER_ROUNDS`` of them, compiles its step and joins the running job (under DiLoCo it
   sits out the round in flight). The table gives each
@@ -184,12 +185,16 @@ def worker(args: argparse.Namespace) -> None:
                 os.kill(os.getpid(), signal.SIGKILL)
             return batch_of(indices)
 
-        start = int(state.step)
+        start, ends = int(state.step), {}
         while int(state.step) < start + 16:
             upcoming = int(state.step) + 1 - start
             state = ft.step(state, lambda indices: doomed(indices, upcoming))[0]
+            ends[upcoming] = time.time()
         record.update(
-            attempts=attempts, recoveries=ft.recoveries, compiled=trainer._step_fn(False, False)._cache_size()
+            attempts=attempts,
+            ends=ends,
+            recoveries=ft.recoveries,
+            compiled=trainer._step_fn(False, False)._cache_size(),
         )
     Path(args.workdir, f"rank{rank}.json").write_text(json.dumps(record))
     membership.close()
@@ -269,7 +274,14 @@ def main() -> None:
     parser.add_argument("--hash-every", type=int, default=100)
     parser.add_argument(
         "--algorithm",
-        choices=("gradient_allreduce", "powersgd", "diloco", "decentralized", "low_precision_decentralized"),
+        choices=(
+            "gradient_allreduce",
+            "bytegrad",
+            "powersgd",
+            "diloco",
+            "decentralized",
+            "low_precision_decentralized",
+        ),
         default="gradient_allreduce",
     )
     parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo's H")
@@ -317,8 +329,11 @@ def main() -> None:
             steps = [step for step, _ in r["attempts"]]
             again = sorted({step for step in steps if steps.count(step) > 1})
             retried = [t for step, t in r["attempts"] if step == again[0]]
-            rows.append([r["rank"], f"{retried[-1] - kill_time:.2f}", ", ".join(map(str, again)), r["compiled"]])
-        lines += table(["rank", "resumed after the kill (s)", "steps run again", "step compilations"], rows)
+            done = r["ends"][str(again[0])] - kill_time
+            rows.append([r["rank"], f"{retried[-1] - kill_time:.2f}", f"{done:.2f}", ", ".join(map(str, again))])
+            rows[-1].append(r["compiled"])
+        header = ["rank", "resumed after the kill (s)", "its retried step done (s)", "steps run again"]
+        lines += table([*header, "step compilations"], rows)
         payload = {**meta, "exit_codes": codes, "kill_time": kill_time, "records": records}
     print("\n".join(lines))
     suffix = (

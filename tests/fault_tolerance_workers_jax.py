@@ -99,20 +99,20 @@ def _fail(kind: str, step: int) -> None:
     raise RuntimeError("the victim fails on purpose")
 
 
-def _compilations() -> list[tuple[float, str, float]]:
-    """From now on, each XLA compilation in this process: when it ended, the function and its seconds."""
+def _compilations() -> list[tuple[float, str, float, str]]:
+    """From now on, each XLA compilation in this process: when it ended, the function, its seconds and its thread."""
     import logging
 
     import jax
 
     jax.config.update("jax_log_compiles", True)
-    done: list[tuple[float, str, float]] = []
+    done: list[tuple[float, str, float, str]] = []
 
     class Record(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             words = record.getMessage().split()
             if words[:4] == ["Finished", "XLA", "compilation", "of"]:
-                done.append((time.time(), words[4], float(words[6])))
+                done.append((time.time(), words[4], float(words[6]), record.threadName))
 
     logging.getLogger("jax._src.dispatch").addHandler(Record())
     return done

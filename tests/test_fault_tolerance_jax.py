@@ -102,7 +102,7 @@ STEP_FUNCTIONS = ("jit(_rank_step)", "jit(_averaged)", "jit(_applied)")
 
 def step_compilations(record: dict) -> dict[str, int]:
     """How often a member compiled its step and the halves of the one a joiner is weighed out of."""
-    names = [name for _, name, _ in record["compilations"]]
+    names = [name for _, name, *_ in record["compilations"]]
     return {name: names.count(name) for name in STEP_FUNCTIONS}
 
 
@@ -163,12 +163,12 @@ def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(
     compiled_once = {"jit(_rank_step)": 1, "jit(_averaged)": 2, "jit(_applied)": 1}
     assert step_compilations(survivor) == compiled_once, survivor["compilations"]
     assert step_compilations(joiner) == compiled_once, joiner["compilations"]
-    assert all(when < joiner["admitted"] for when, name, _ in joiner["compilations"] if name in STEP_FUNCTIONS)
+    assert all(when < joiner["admitted"] for when, name, *_ in joiner["compilations"] if name in STEP_FUNCTIONS)
     first = joiner["steps"][0]["transaction"]  # weighed out while its state arrived: the survivor alone trained it
     assert sizes[first - 1] == 1 and sizes[first] == 1 and sizes[first + 1] == 2, (first, sizes)
     assert joiner["steps"][0]["rank"] == 1 and joiner["steps"][1]["rank"] == 1
     first_end = joiner["steps"][0]["end"]
-    later = sum(seconds for when, _, seconds in joiner["compilations"] if joiner["admitted"] < when < first_end)
+    later = sum(seconds for when, _, seconds, _ in joiner["compilations"] if joiner["admitted"] < when < first_end)
     print(
         f"joiner: first step committed {first_end - joiner['admitted']:.2f} s after admission, "
         f"{later:.3f} s of it compiling"
@@ -262,7 +262,7 @@ def test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner(tmp_path: P
         compiled_once = {"jit(_rank_step)": 1, "jit(_averaged)": 2, "jit(_applied)": 1}
         for seen in (*survivors, joiner):
             assert step_compilations(seen) == compiled_once, seen["compilations"]
-        assert all(when < joiner["admitted"] for when, name, _ in joiner["compilations"] if name in STEP_FUNCTIONS)
+        assert all(when < joiner["admitted"] for when, name, *_ in joiner["compilations"] if name in STEP_FUNCTIONS)
 
 
 def replay_decentralized(records: dict[int, dict]) -> dict[int, tuple[np.ndarray, float]]:
@@ -310,6 +310,11 @@ def four_members_lose_one_then_admit_one(tmp_path: Path, algorithm: str) -> dict
     assert [sizes[t] for t in range(1, 5)] == [4, 4, 3, 3] and sizes[max(sizes)] == 4, sizes
     retried = [a for a in records[0]["attempts"] if a["transaction"] == 3]
     assert len(retried) == 2 and "committed" not in retried[0], retried  # one step lost, retried once
+    for process, record in records.items():  # each compiled its step once in the loop, the sizes after ahead
+        in_loop = [c for c in record["compilations"] if c[1] == "jit(_rank_step)" and c[3] == "MainThread"]
+        assert len(in_loop) == 1, record["compilations"]
+        if process == 4:  # the joiner: for the job's size with it, before it asked
+            assert in_loop[0][0] < record["admitted"], (in_loop, record["admitted"])
     return records
 
 

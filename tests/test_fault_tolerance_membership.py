@@ -35,6 +35,7 @@ from bagua_common.fault_tolerance import (
     StoreUnreachable,
     job_secret,
 )
+from bagua_common.fault_tolerance.admission import job_size
 from bagua_common.fault_tolerance.decision import commit_transaction
 from bagua_common.fault_tolerance.epoch import Epoch, Member
 from bagua_common.fault_tolerance.errors import NO_JOB_STATUS, NoJobToJoin
@@ -307,6 +308,7 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
     group = members(2)
     epochs = [m.epoch for m in group]  # each member's training thread keeps its own, as a front end does
     port = epochs[0].coordinator.port
+    assert job_size(FAST, "127.0.0.1", port) == 2  # what a joiner compiles its step for (one more) before it asks
     joiner = []
     thread = threading.Thread(target=lambda: joiner.append(Membership.join(FAST, "127.0.0.1", port, timeout=20)))
     thread.start()
@@ -323,6 +325,7 @@ def test_a_joiner_is_admitted_after_the_next_commit_and_nothing_is_aborted(membe
         # every member applied exactly the transactions up to the new epoch's: none past the end of the old one
         assert new.size == 3 and new.rank == 2 and new.is_joiner() and new.committed == transaction
         assert [e.members for e in epochs] == [new.members] * 2
+        assert job_size(FAST, "127.0.0.1", port) == 3 and job_size(FAST, "127.0.0.1", free_port()) is None
         everyone = [*group, joiner[0]]
         assert (
             together([lambda m=m, e=e: m.commit(e, transaction + 1) for m, e in zip(everyone, [*epochs, new])])

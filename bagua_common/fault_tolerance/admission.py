@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import closing
 
 from bagua_common.fault_tolerance import node_directory
@@ -21,7 +21,7 @@ from bagua_common.fault_tolerance.errors import NoJobToJoin
 from bagua_common.fault_tolerance.kv_store import KVClient, StoreUnreachable
 from bagua_common.fault_tolerance.settings import ENV_PEERS, FaultToleranceSettings
 
-__all__ = ["await_admission", "stores_to_ask"]
+__all__ = ["await_admission", "job_size", "stores_to_ask"]
 
 
 def stores_to_ask(master_addr: str, master_port: int, peers: Sequence[str] | None) -> list[tuple[str, int]]:
@@ -78,17 +78,37 @@ def await_admission(
             coordinator.close()
 
 
+def job_size(
+    settings: FaultToleranceSettings, master_addr: str, master_port: int, peers: Sequence[str] | None = None
+) -> int | None:
+    """The number of members of the running job, as the first live member's store asked (:func:`stores_to_ask`)
+    says; None when none answers. A joiner compiles its step for one more before it asks to join."""
+    for current in _pointers(settings, stores_to_ask(master_addr, master_port, peers)):
+        if "size" in current:
+            return int(current["size"])
+    return None
+
+
 def _find_coordinator(settings: FaultToleranceSettings, addresses: Sequence[tuple[str, int]]) -> KVClient | None:
     """A client to the current coordinator's store, as a live member's ``ft/current`` says; None if none answers."""
+    for current in _pointers(settings, addresses):
+        try:
+            return KVClient(current["host"], current["port"], settings.dead_after, secret=settings.secret)
+        except (StoreUnreachable, KeyError, TypeError):
+            continue
+    return None
+
+
+def _pointers(settings: FaultToleranceSettings, addresses: Sequence[tuple[str, int]]) -> Iterator[dict]:
+    """Each live member's ``ft/current`` among ``addresses``, in order (its epoch, the epoch's size and its
+    coordinator's address). Raises JobFinished when a store says the job ended."""
     for host, port in addresses:
         try:
             with closing(KVClient(host, port, settings.heartbeat_period + 1.0, secret=settings.secret)) as client:
                 node_directory.raise_if_finished(client)
                 raw = client.check(node_directory.CURRENT)  # closed also when the store goes away meanwhile
             current = None if raw is None else json.loads(raw)
-            if current is None:
-                continue
-            return KVClient(current["host"], current["port"], settings.dead_after, secret=settings.secret)
-        except (StoreUnreachable, ValueError, KeyError, TypeError):
+        except (StoreUnreachable, ValueError):
             continue
-    return None
+        if isinstance(current, dict):
+            yield current

@@ -265,7 +265,7 @@ class Membership:
         if self._stopping.is_set():
             epoch.store.close()
             return
-        pointer = json.dumps({"epoch": epoch.number, **_address(epoch.coordinator)})
+        pointer = json.dumps({"epoch": epoch.number, "size": epoch.size, **_address(epoch.coordinator)})
         self._local.set(node_directory.CURRENT, pointer)
         node_directory.tell(self.settings, node_directory.CURRENT, pointer)
         with self._lock:
