@@ -4,7 +4,7 @@
 protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a transaction
 that votes without waiting for the others' votes; a JAX step changes nothing in place, so an abandoned one costs
 nothing to roll back. When a member dies or hangs, a thread revokes the communicator, the survivors shrink it to
-themselves in the same handle (a step whose shapes do not depend on the world size is not compiled again), check
+themselves in the same handle (a step whose shapes follow the world size was compiled ahead for it), check
 that their replicas are bit-identical and run the step again on the new partition of the samples not yet trained
 on. A joiner compiles its step before it asks to be admitted; under gradient allreduce and PowerSGD it takes its
 first step weighed out while its state travels (:mod:`bagua_jax.weighed_out_step`). Under DiLoCo each outer exchange

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 from concurrent.futures import Future
+from functools import partial
 from typing import Any
 
 from bagua_common.comm.topology import Communicators
@@ -46,19 +47,21 @@ class ResizedSteps:
     def __init__(self, trainer: DataParallel):
         self._trainer = trainer
         self._size: int | None = None  # the world size the sizes around were compiled for
-        self._ready: dict[int, DataParallel] = {}
-        self._compiling: Future | None = None
+        self._ready: dict[int, Future] = {}  # by size: the copy of the trainer compiled for it
 
     def compile_in_background(self, state: Any, batch: Any, role_tree: TrainState) -> None:
-        """Compile, from a thread, the step for ``batch``'s shapes and ``state``'s carried over by ``role_tree``'s
-        rules (:func:`~bagua_jax.state_rules.carry_over`) to each of the sizes around the trainer's; once per world
-        size (later calls do nothing)."""
+        """Compile, from a thread each, the step for ``batch``'s shapes and ``state``'s carried over by
+        ``role_tree``'s rules (:func:`~bagua_jax.state_rules.carry_over`) to one member fewer, then one more, than the
+        trainer has; once per world size (later calls do nothing)."""
         size = self._trainer.size
         if self._size == size:
             return
         self._size, self._ready = size, {}
-        sizes = [around for around in (size - 1, size + 1) if around >= 1]  # a death first: more common than a join
-        self._compiling = in_background(lambda: self._compile(sizes, state, batch, role_tree), "bagua-ft-resize")
+        previous = None
+        for around in (size - 1, size + 1):  # a death first: more common than an admission
+            if around >= 1:  # one after the other: the second would only slow the first
+                compile_it = partial(self._compiled, around, state, batch, role_tree, previous)
+                self._ready[around] = previous = in_background(compile_it, f"bagua-ft-resize-{around}")
 
     def compile_for_joining(
         self, state: Any, batch: Any, role_tree: TrainState, settings: FaultToleranceSettings, master: tuple[str, int]
@@ -67,23 +70,28 @@ class ResizedSteps:
         at ``master`` says (nothing when none answers: it compiles once admitted)."""
         size = job_size(settings, *master)
         if size is not None:
-            self._compile([size + 1], state, batch, role_tree)
+            self._ready = {size + 1: Future()}
+            self._ready[size + 1].set_result(self._compiled(size + 1, state, batch, role_tree))
 
-    def _compile(self, sizes: list[int], state: Any, batch: Any, role_tree: TrainState) -> None:
+    def _compiled(
+        self, size: int, state: Any, batch: Any, role_tree: TrainState, after: Future | None = None
+    ) -> DataParallel:
+        if after is not None:
+            after.exception()  # waits; its failure is its own
         own = unwrap_state(state)
-        for size in sizes:
-            twin = resized_trainer(self._trainer, size)
-            fresh = TrainState(own.params, twin._init(own.params), own.step, own.model_state)
-            twin.compile(state_rules.carry_over(role_tree, own, fresh), batch)
-            self._ready[size] = twin
+        twin = resized_trainer(self._trainer, size)
+        fresh = TrainState(own.params, twin._init(own.params), own.step, own.model_state)
+        twin.compile(state_rules.carry_over(role_tree, own, fresh), batch)
+        return twin
 
     def adopt(self, size: int) -> bool:
-        """Give the trainer its steps and fresh states compiled for ``size`` ranks, once the thread is done; False
-        (nothing changed) when there are none, or their compilation failed: the trainer then compiles them again."""
-        compiling, self._compiling = self._compiling, None
-        if (compiling is not None and compiling.exception() is not None) or size not in self._ready:
+        """Give the trainer its steps and fresh states compiled for ``size`` ranks, once they are (waiting for their
+        thread, which began before the change); False (nothing changed) when there are none, or their compilation
+        failed: the trainer then compiles them again."""
+        ready, self._ready = self._ready.get(size), {}
+        if ready is None or ready.exception() is not None:
             return False
-        twin = self._ready[size]
+        twin = ready.result()
         self._trainer._tx, self._trainer._steps, self._trainer._init = twin._tx, twin._steps, twin._init
         self._trainer._nnx_step = None
         return True

@@ -10,12 +10,12 @@ defaults), DiLoCo (``--algorithm diloco``, ``--sync-every`` H), decentralized SG
   fault-tolerant ones (a commit by agreement per transaction, the replica digests every ``--hash-every``) on the same
   communicator, the order swapped each round; the table gives the ratio per round and over rounds of the steps'
   median (gradient allreduce), or of the block's mean (DiLoCo: its exchanges are a few steps of the block).
-* ``kill``: rank ``ranks-1`` is SIGKILLed as step ``KILLED_STEP`` starts, while the others are blocked in its
+* ``kill``: rank ``ranks-1`` is SIGKILLed as step ``--kill-step`` starts, while the others are blocked in its
   allreduce (gradient allreduce), or mid-round (DiLoCo, H = 8: the others train on to the round's exchange); the
   table gives the seconds from the kill to the survivors' retried step's start and end (a step compiled again for the
   new world size compiles in between), and the steps run again.
 * ``join``: ``ranks-1`` members train ``--rounds`` DiLoCo rounds (gradient allreduce: steps); rank ``ranks-1`` starts
-  as a new process after ``JOIN_AFTER_ROUNDS`` of them, compiles its step and joins the running job (under DiLoCo it
+  as a new process after ``--join-after`` of them, compiles its step and joins the running job (under DiLoCo it
   sits out the round in flight). The table gives each
   member's pause at the admission (from the attempt the admission interrupted to its retry), the round the joiner
   was admitted into against the round before it, and the first exchange step with the joiner against the later
@@ -54,11 +54,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 
 from harness.results import RESULTS, finish_meta, header_lines, run_meta, table, write_results  # noqa: E402
-
-KILLED_STEP = 5
-"""The step (counted from 1) the victim dies at."""
-JOIN_AFTER_ROUNDS = 2
-"""The DiLoCo rounds the first members train before the joiner starts (``join``)."""
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -148,7 +143,7 @@ def worker(args: argparse.Namespace) -> None:
             steps.append({"step": int(state.step), "start": started, "end": time.time(), "size": ft.epoch.size})
             if joint is None and ft.epoch.size == args.ranks and int(state.step) % period == 0:
                 joint = int(state.step)
-            if rank == 0 and int(state.step) == JOIN_AFTER_ROUNDS * period:
+            if rank == 0 and int(state.step) == args.join_after * period:
                 Path(args.workdir, "start-joiner").write_text("")
         ft.finished()
         record.update(steps=steps, recoveries=ft.recoveries)
@@ -179,14 +174,14 @@ def worker(args: argparse.Namespace) -> None:
 
         def doomed(indices, step):
             attempts.append((step, time.time()))  # every attempt, retries included
-            if rank == victim and step == KILLED_STEP:
+            if rank == victim and step == args.kill_step:
                 time.sleep(0.5)  # the others are blocked in the allreduce (or a round's inner steps) by now
                 Path(args.workdir, "kill-time").write_text(repr(time.time()))
                 os.kill(os.getpid(), signal.SIGKILL)
             return batch_of(indices)
 
         start, ends = int(state.step), {}
-        while int(state.step) < start + 16:
+        while int(state.step) < start + args.kill_step + 11:
             upcoming = int(state.step) + 1 - start
             state = ft.step(state, lambda indices: doomed(indices, upcoming))[0]
             ends[upcoming] = time.time()
@@ -212,6 +207,7 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
     argv = [mpiexec(), "-n", "1", sys.executable, sys.argv[0], args.mode, "--worker", "--workdir", str(workdir)]
     options = ("port", "ranks", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
+    options += ("kill_step", "join_after")
     argv += [f"--{k.replace('_', '-')}={getattr(args, k) if k != 'port' else port}" for k in options]
     logs = [open(workdir / f"rank{r}.log", "w") for r in range(args.ranks)]
     if args.rate is None:
@@ -272,6 +268,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hash-every", type=int, default=100)
+    parser.add_argument("--kill-step", type=int, default=5, help="the step (from 1) the victim dies at (kill)")
+    parser.add_argument("--join-after", type=int, default=2, help="the rounds (steps) before the joiner starts (join)")
     parser.add_argument(
         "--algorithm",
         choices=(
@@ -298,6 +296,8 @@ def main() -> None:
     meta = run_meta(
         ["jax", "mpich"], ranks=args.ranks, model=args.model, width=args.width, steps=args.steps, rounds=args.rounds,
         algorithm=args.algorithm, sync_every=args.sync_every if args.algorithm == "diloco" else None, rate=args.rate,
+        kill_step=args.kill_step if args.mode == "kill" else None,
+        join_after=args.join_after if args.mode == "join" else None,
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="bagua-ft-bench-") as folder:
         workdir = Path(folder)
@@ -340,6 +340,8 @@ def main() -> None:
         ("" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}")
         + ("" if args.model == "mlp" else f"-gpt-{args.model}")
         + ("" if args.rate is None else f"-{args.rate}")
+        + ("" if args.mode != "kill" or args.kill_step == 5 else f"-step-{args.kill_step}")
+        + ("" if args.mode != "join" or args.join_after == 2 else f"-after-{args.join_after}")
     )
     write_results(args.out, f"fault-tolerance-jax-{args.mode}{suffix}", lines, payload)
 
