@@ -134,7 +134,7 @@ class FaultTolerantTrainer:
         # (identical replicas): a decentralized exchange completes with one peer, so it waits for every vote.
         self._waits_for_votes = self._diloco is not None or not getattr(trainer.algorithm, "replicas_identical", False)
         self._weighed_out_step = WeighedOutStep(trainer) if weighs_out(trainer) else None
-        self._resized = None if self._world_size_free else ResizedSteps(trainer)  # compiled for the next sizes
+        self._resized = ResizedSteps(trainer) if settings.compile_ahead and not self._world_size_free else None
         self._sitting_out: frozenset[str] = frozenset()
         """The members (ids) given the state that sit out the round in flight, or are weighed out of the step in flight
         (the next one), until it commits."""
@@ -198,7 +198,7 @@ class FaultTolerantTrainer:
             )
         if self._world_size_free:  # else its buffers follow the world size: compiled for one member more than the job's
             self.trainer.compile(state, example_batch)
-        else:
+        elif self._resized is not None:  # for the job's size with it, as a member's store says
             self._resized.compile_for_joining(state, example_batch, self._roles, *self._join_at[:2])
         if self._weighed_out_step is not None:  # its first step
             self._weighed_out_step.compile(state, example_batch)
@@ -371,7 +371,7 @@ class FaultTolerantTrainer:
         """``state`` for the new members by the algorithm's rules (:mod:`bagua_jax.state_rules`): the per-rank
         leaves (error-feedback residuals) from a fresh state, the rest kept; the step is compiled again first when
         its buffers are laid out for the world size (unless it was, ahead: :mod:`bagua_jax.resized_steps`)."""
-        if recompile and not self._resized.adopt(self.trainer.size):
+        if recompile and not (self._resized is not None and self._resized.adopt(self.trainer.size)):
             self.trainer.recompile()
         own = unwrap_state(state)
         fresh = TrainState(own.params, self.trainer._init(own.params), own.step, own.model_state)

@@ -181,6 +181,27 @@ def test_a_store_serves_only_clients_that_prove_the_jobs_secret(tmp_path, monkey
 # --- the decision register ---------------------------------------------------------------
 
 
+def test_settings_are_read_from_the_environment_and_bad_values_are_named(monkeypatch):
+    assert FaultToleranceSettings().compile_ahead and FaultToleranceSettings.from_environment().hash_every == 100
+    for variable, value in {
+        "BAGUA_FT_HASH_EVERY": "7",
+        "BAGUA_FT_DEAD_AFTER": "3",
+        "BAGUA_FT_COMPILE_AHEAD": "0",
+    }.items():
+        monkeypatch.setenv(variable, value)
+    settings = FaultToleranceSettings.from_environment()
+    assert (settings.hash_every, settings.dead_after, settings.compile_ahead) == (7, 3.0, False)
+    monkeypatch.setenv("BAGUA_FT_COMPILE_AHEAD", "yes")
+    with pytest.raises(ValueError, match="BAGUA_FT_COMPILE_AHEAD must be 0 or 1, got 'yes'"):
+        FaultToleranceSettings.from_environment()
+    monkeypatch.setenv("BAGUA_FT_COMPILE_AHEAD", "1")
+    monkeypatch.setenv("BAGUA_FT_HASH_EVERY", "often")
+    with pytest.raises(ValueError, match="BAGUA_FT_HASH_EVERY must be a number"):
+        FaultToleranceSettings.from_environment()
+    with pytest.raises(ValueError, match="compile_ahead must be a bool"):
+        FaultToleranceSettings(compile_ahead=1)
+
+
 def test_decision_register_transitions():
     opened = Decision(4)
     assert Decision.decode(opened.encode()) == opened

@@ -72,6 +72,7 @@ _ENVIRONMENT = {
     "dead_after": "BAGUA_FT_DEAD_AFTER",
     "quorum_timeout": "BAGUA_FT_QUORUM_TIMEOUT",
     "hash_every": "BAGUA_FT_HASH_EVERY",
+    "compile_ahead": "BAGUA_FT_COMPILE_AHEAD",
 }
 
 
@@ -87,6 +88,9 @@ class FaultToleranceSettings:
       answers before it exits with :class:`~bagua_common.fault_tolerance.NoJobToJoin` (60).
     * ``hash_every``: committed transactions between two checks that the replicas are
       bit-identical (100; they are also checked after every membership change); 0 checks only then.
+    * ``compile_ahead``: (JAX) compile, from a thread after a step, a step whose layout follows the world size for
+      one member fewer and one more, so that a change of members does not wait for its compilation (True). It
+      competes with the training for the cores meanwhile: off (0) on a host whose cores the ranks already fill.
     * ``secret``: the job's secret (:func:`job_secret` by default): a member's store serves only the clients
       that prove they hold it.
     """
@@ -95,6 +99,7 @@ class FaultToleranceSettings:
     dead_after: float = 5.0
     quorum_timeout: float = 60.0
     hash_every: int = 100
+    compile_ahead: bool = True
     secret: bytes = field(default_factory=job_secret, repr=False)
 
     def __post_init__(self) -> None:
@@ -109,16 +114,24 @@ class FaultToleranceSettings:
             )
         if isinstance(self.hash_every, bool) or not isinstance(self.hash_every, int) or self.hash_every < 0:
             raise ValueError(f"fault tolerance: hash_every must be an int >= 0, got {self.hash_every!r}")
+        if not isinstance(self.compile_ahead, bool):
+            raise ValueError(f"fault tolerance: compile_ahead must be a bool, got {self.compile_ahead!r}")
 
     @classmethod
     def from_environment(cls) -> FaultToleranceSettings:
         """The defaults, overridden by ``BAGUA_FT_HEARTBEAT``, ``BAGUA_FT_DEAD_AFTER``,
-        ``BAGUA_FT_QUORUM_TIMEOUT`` (seconds) and ``BAGUA_FT_HASH_EVERY`` (transactions) where set."""
-        values: dict[str, float | int] = {}
+        ``BAGUA_FT_QUORUM_TIMEOUT`` (seconds), ``BAGUA_FT_HASH_EVERY`` (transactions) and
+        ``BAGUA_FT_COMPILE_AHEAD`` (0 or 1) where set."""
+        values: dict[str, float | int | bool] = {}
         kinds = {f.name: f.type for f in fields(cls)}
         for name, variable in _ENVIRONMENT.items():
             text = os.environ.get(variable, "").strip()
             if not text:
+                continue
+            if kinds[name] in (bool, "bool"):
+                if text not in ("0", "1"):
+                    raise ValueError(f"{variable} must be 0 or 1, got {text!r}")
+                values[name] = text == "1"
                 continue
             try:
                 values[name] = int(text) if kinds[name] in (int, "int") else float(text)
