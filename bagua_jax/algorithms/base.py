@@ -83,9 +83,17 @@ class ConfiguredAlgorithm:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {key!r}")
 
     def replace(self, **changes: Any) -> ConfiguredAlgorithm:
-        """A copy with ``changes`` to the configuration's fields and ``bucket_bytes``."""
+        """A copy with ``changes`` to the configuration's fields and ``bucket_bytes``; the variant it was made with
+        (:meth:`_variant`) stays (the bucket autotuner replaces the algorithm it was given)."""
         bucket_bytes = changes.pop("bucket_bytes", self.bucket_bytes)
-        return type(self)(replace(self.config, **changes), bucket_bytes=bucket_bytes)
+        copy = type(self)(replace(self.config, **changes), bucket_bytes=bucket_bytes)
+        return copy._variant(**{k: v for k, v in vars(self).items() if k not in ("config", "bucket_bytes")})
+
+    def _variant(self, **flags: Any) -> ConfiguredAlgorithm:
+        """This algorithm with the class attributes ``flags`` set on it alone (a variant a fault-tolerant job uses)."""
+        for key, value in flags.items():
+            object.__setattr__(self, key, value)
+        return self
 
     def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
         """This algorithm's optax transform over ``comms``: ``_transform(comms, config, bucket_bytes=...)``."""

@@ -204,13 +204,4 @@ class Decentralized(ConfiguredAlgorithm):
     def averaging_all_when_odd(self) -> Decentralized:
         """A copy whose ``shift_one`` rounds average over all ranks while their number is odd, as the torch front
         end's do in a fault-tolerant job: one that a lost member leaves with an odd number goes on."""
-        copy = self.replace()
-        object.__setattr__(copy, "average_all_when_odd", True)
-        return copy
-
-    def replace(self, **changes: Any) -> Decentralized:
-        """A copy with ``changes`` (:meth:`ConfiguredAlgorithm.replace`) that averages over all ranks when their
-        number is odd if this one does."""
-        copy = super().replace(**changes)
-        object.__setattr__(copy, "average_all_when_odd", self.average_all_when_odd)
-        return copy
+        return self.replace()._variant(average_all_when_odd=True)

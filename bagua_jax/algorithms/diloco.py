@@ -319,16 +319,7 @@ class DiLoCo(ConfiguredAlgorithm):
     def counting_trainers(self) -> DiLoCo:
         """A copy whose exchange weighs each rank's pseudo-gradient by :attr:`DiLoCoState.trained` and divides by the
         ranks that trained: a fault-tolerant job's, whose joiner sits out its first round contributing zero."""
-        copy = self.replace()
-        object.__setattr__(copy, "counts_trainers", True)
-        return copy
-
-    def replace(self, **changes: Any) -> DiLoCo:
-        """A copy with ``changes`` (:meth:`ConfiguredAlgorithm.replace`) that still counts the ranks that trained if
-        this one does (the bucket autotuner replaces the algorithm it was given)."""
-        copy = super().replace(**changes)
-        object.__setattr__(copy, "counts_trainers", self.counts_trainers)
-        return copy
+        return self.replace()._variant(counts_trainers=True)
 
 
 def skip_untrained(opt_state: Any, steps: int) -> Any:
