@@ -32,7 +32,8 @@ EXTENDED: dict[str, str] = {
     r"a_death_before_the_vote_puts_the_algorithms_state_back\[(?!low_precision)|"
     r"a_rank_lost_before_the_job_formed|a_survivor_goes_on_alone|a_node_whose_only_rank_died|"
     r"a_diloco_joiner_whose_state_holder_dies|a_diloco_joiner_sits_out_with_the_fused|"
-    r"a_joiner_lost_in_the_step_it_is_weighed_out_of|a_joiner_weighed_out_while_its_state_holder_hangs)": (
+    r"a_joiner_lost_in_the_step_it_is_weighed_out_of|a_joiner_weighed_out_while_its_state_holder_hangs|"
+    r"decentralized_training_with_the_fused_optimizer)": (
         "torch's in-process recovery matrix: 3-4 ranks, several faults and replacements per job (30-80 s each under "
         "load); survivors going on after a SIGKILL, one of them given the other's state, DiLoCo's survivors training "
         "on to the exchange and its joiner sitting out a round, and the refusal stay quick, and so do the launcher's "
@@ -54,6 +55,9 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_jax\.py::test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner\[(powersgd|"
     r"onebit_adam)\]": "JAX's PowerSGD and 1-bit Adam through a death and an admission (6 s each; ByteGrad's and "
     "QAdam's stay quick)",
+    r"test_fault_tolerance_jax\.py::test_a_decentralized_job_restarted_from_its_checkpoint": "JAX's decentralized "
+    "restart into another world size on a flax TrainState with a joiner (16 s: eight processes; the flax restart's "
+    "rows stay quick, and so does decentralized training through a death and an admission)",
     r"test_fault_tolerance_jax\.py::test_a_joiner_whose_state_holder_dies_before_sending_is_given_the_state_by_the_"
     r"next_one\[powersgd\]": "JAX's PowerSGD joiner given the state again after its holder died (gradient "
     "allreduce's stays quick, and PowerSGD's weighed-out step is checked against its reference in "

@@ -265,11 +265,18 @@ def test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner(tmp_path: P
         assert all(when < joiner["admitted"] for when, name, *_ in joiner["compilations"] if name in STEP_FUNCTIONS)
 
 
-def replay_decentralized(records: dict[int, dict]) -> dict[int, tuple[np.ndarray, float]]:
+def replay_decentralized(
+    records: dict[int, dict],
+    start: tuple[np.ndarray, float] = (np.zeros(FEATURES), 0.0),
+    position: DataPosition | None = None,
+    rounds_before: int = 0,
+) -> dict[int, tuple[np.ndarray, float]]:
     """Each process's parameters (w, b) after the committed steps of decentralized SGD with shift_one, in float64:
     every rank steps from the average of its own and its round's peer's weights (of every rank's, while their number
     is odd), by its own gradient at its own weights. The ranks of each step are the processes' records (a rank no
-    record has is the lost member's); a process first seen in a step starts from that step's rank 0's weights."""
+    record has is the lost member's); a process first seen in a step starts from that step's rank 0's weights, or
+    ``start`` in the first step. A job restarted from a checkpoint passes its ``position`` and the steps it had
+    taken, ``rounds_before`` (the pairs' schedule goes on from there)."""
     x, y = (a.astype(np.float64) for a in dataset())
     places: dict[int, dict[int, int]] = {}
     sizes: dict[int, int] = {}
@@ -278,13 +285,13 @@ def replay_decentralized(records: dict[int, dict]) -> dict[int, tuple[np.ndarray
             places.setdefault(step["transaction"], {})[step["rank"]] = process
             sizes[step["transaction"]] = step["size"]
     params: dict[int, tuple[np.ndarray, float]] = {}
-    position = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
+    position = position or DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     for t in sorted(sizes):
         n = sizes[t]
         ranks = [places[t].get(r, -1) for r in range(n)]
         for process in ranks:
-            params.setdefault(process, params.get(ranks[0], (np.zeros(FEATURES), 0.0)))
-        peers = shift_one_schedule(n)[(t - 1) % (n // 2)] if n % 2 == 0 else None
+            params.setdefault(process, params.get(ranks[0], start))
+        peers = shift_one_schedule(n)[(rounds_before + t - 1) % (n // 2)] if n % 2 == 0 else None
         stepped = {}
         for r, process in enumerate(ranks):
             w, b = params[process]
@@ -414,6 +421,46 @@ def test_a_powersgd_job_restarted_from_its_checkpoint_admits_a_joiner_weighed_ou
     x, y = dataset()
     loss = np.mean((prediction(members[0]["params"], x) - y) ** 2)
     assert loss < 0.5 * np.mean(y**2), loss
+
+
+def test_a_decentralized_job_restarted_from_its_checkpoint_starts_from_the_mean_and_admits_a_joiner_on_flax(
+    tmp_path: Path,
+):
+    # Four members pair their weights (shift_one) on a flax TrainState, drift apart and save. A job of three restarts
+    # from that checkpoint: each member starts from the mean of the four saved weights (drifted parameters' rule), the
+    # data from the position saved, and averages over all three (an odd number to pair); a process admitted after
+    # its first step starts from the first member's weights and the pairs start again, going on with the schedule's
+    # round where the saved steps left it. Every member's weights end as the float64 replay of its own steps says,
+    # each its own, each in a flax TrainState.
+    env = {"FT_ALGORITHM": 'decentralized {"peer_selection_mode": "shift_one"}', "FT_FLAX": "1"}
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    results = run_members(first, "train", 4, {}, 4, 4, 3, env=env)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0, 0], outputs
+    saved = {r.rank: r.value for r in results}
+    np.testing.assert_allclose(saved[0]["params"]["w"], replay_decentralized(saved)[0][0], rtol=1e-5, atol=1e-6)
+    assert len({record["params"]["w"].tobytes() for record in saved.values()}) == 4  # each drifted its own way
+    second.mkdir()
+    shutil.copytree(first / "checkpoints", second / "checkpoints")
+    results = run_members(second, "train", 4, {}, 3, 4, 4, env={**env, "FT_RESTORE": "1"})
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0, 0], outputs
+    records = {r.rank: r.value for r in results}
+    mean = {name: np.mean([saved[p]["params"][name] for p in saved], axis=0) for name in ("w", "b")}
+    for process in range(3):  # restored into three members as saved by four
+        for name, value in mean.items():
+            np.testing.assert_allclose(records[process]["first_params"][name], value, rtol=1e-6, atol=1e-7)
+    sizes = {s["transaction"]: s["size"] for s in records[0]["steps"]}
+    assert sizes[1] == 3 and sizes[max(sizes)] == 4 and records[3]["steps"][0]["transaction"] > 1, sizes
+    saved_sizes = {s["transaction"]: s["size"] for s in saved[0]["steps"]}
+    start = (mean["w"].astype(np.float64), float(mean["b"]))
+    replayed = replay_decentralized(records, start, replayed_position(saved_sizes), rounds_before=len(saved_sizes))
+    for process, record in records.items():
+        np.testing.assert_allclose(record["params"]["w"], replayed[process][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(record["params"]["b"], replayed[process][1], rtol=1e-5, atol=1e-6)
+        assert record["state_class"] == "flax.training.train_state.TrainState"
+    assert len({records[p]["params"]["w"].tobytes() for p in records}) == 4  # each drifted its own way again
 
 
 def test_a_member_lost_while_the_survivors_shrink_the_communicator_stops_them_naming_it(tmp_path: Path):

@@ -697,6 +697,9 @@ def test_a_diloco_joiner_whose_state_holder_dies_while_sending_is_given_the_stat
     check_every_sample_once(job, lost_parts=20)  # rank 0's parts of the round it died in
 
 
+DECENTRALIZED_SHIFT_ONE = 'decentralized {"peer_selection_mode": "shift_one"}'
+
+
 @pytest.mark.parametrize(
     "algorithm",
     [
@@ -706,7 +709,7 @@ def test_a_diloco_joiner_whose_state_holder_dies_while_sending_is_given_the_stat
         # the residuals restart at zero (they are laid out per rank)
         'bytegrad {"error_feedback": true}',
         # shift_one left with 3 ranks: those rounds average over all
-        'decentralized {"peer_selection_mode": "shift_one"}',
+        DECENTRALIZED_SHIFT_ONE,
         # the copies of the neighbours' weights start again from the new neighbours'
         "low_precision_decentralized",
     ],
@@ -731,6 +734,29 @@ def test_a_death_before_the_vote_puts_the_algorithms_state_back(jobs, algorithm)
         assert recovery["size"] == 3 and recovery["steps_lost"] == 1 and recovery["seconds"] < RESUME_BAR
         assert [e["step"] for e in job.of(pid, "retry")] == [4]
     check_every_sample_once(job)
+
+
+def test_decentralized_training_with_the_fused_optimizer_carries_its_momentum_through_a_death(jobs):
+    # The death before the vote above, under decentralized SGD with momentum whose optimizer is fused over the
+    # buckets (bagua_torch.fuse_optimizer), which are laid out again for the survivors: each survivor keeps its own
+    # weights and the fused optimizer's momentum through the change and ends, bit for bit up to the fused update's
+    # rounding, where the same job with the plain optimizer ends.
+    late = [{"rank": r, "step": 4, "where": "vote", "kind": "late"} for r in range(3)]
+    faults = [{"rank": 3, "step": 4, "where": "vote", "kind": "kill"}, *late]
+    ends = {}
+    for fused in (True, False):
+        job = jobs(4, DECENTRALIZED_SHIFT_ONE, faults, steps=7, world=3, fused=fused, env={"FT_REPORT_PARAMS": "1"})
+        job.finish()
+        survivors = job.pids(rank=0) + job.pids(rank=1) + job.pids(rank=2)
+        assert all(job.of(pid, "end") for pid in survivors), job.output()
+        for pid in survivors:
+            (recovery,) = job.of(pid, "end")[0]["recoveries"]
+            assert recovery["size"] == 3 and recovery["steps_lost"] == 1, recovery
+        ends[fused] = {job.rank_of(pid): np.array(job.of(pid, "step")[-1]["params"]) for pid in survivors}
+        check_every_sample_once(job)
+    for rank, params in ends[False].items():
+        np.testing.assert_allclose(ends[True][rank], params, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}")
+    assert len({params.tobytes() for params in ends[True].values()}) == 3  # each drifted its own way
 
 
 def joiners_group(monkeypatch) -> tuple[Any, Any]:
