@@ -38,6 +38,8 @@ FEATURES = {
     "reshard": "reshard 4→2, 2→4",
     "autotune": "autotune (once)",
     "elastic": "elastic kill and join",
+    "rank_lost": "fault tolerance: a rank lost",
+    "joiner": "fault tolerance: a joiner",
     "sampler_cached": "balanced sampler + cached dataset",
     "bagua_net": "Bagua-Net",
 }
@@ -88,6 +90,80 @@ PLUGIN_ONLY = Skipped(
     "the plugin is tested alone through the dlopen harness (tests/test_bagua_net.py); a training run with it "
     "needs NCCL, hence a GPU"
 )
+
+FAULT_TOLERANCE_TORCH = "tests/test_fault_tolerance_torch.py"
+FAULT_TOLERANCE_JAX = "tests/test_fault_tolerance_jax.py"
+ASYNC_FAULT_TOLERANCE_REFUSAL = {
+    "torch": Refuses(
+        "its averaging rounds run on a thread and a communicator of their own, which a change of members does not "
+        "rebuild; the message names the elastic restart",
+        f"{FAULT_TOLERANCE_TORCH}::test_what_cannot_continue_in_process_is_refused_naming_what_to_do",
+    ),
+    "jax": Refuses(
+        "its averaging rounds run on a thread and a communicator of their own, which a change of members does not "
+        "rebuild; the message names the elastic restart",
+        "tests/test_fault_tolerance_state_jax.py::test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_"
+        "restart",
+    ),
+}
+PER_STEP_JAX = f"{FAULT_TOLERANCE_JAX}::test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner"
+RANK_LOST = {
+    "gradient_allreduce": (
+        "test_gradient_allreduce_survives_a_kill_a_death_in_recovery_and_a_slow_rank_and_replaces_them",
+        "test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains",
+    ),
+    "powersgd": ("test_powersgd_survives_a_hang_and_the_coordinators_exception", None),
+    "decentralized": (
+        None,
+        "test_decentralized_survivors_of_a_kill_average_over_all_while_odd_and_a_joiner_starts_from_a_member",
+    ),
+    "low_precision_decentralized": (
+        None,
+        "test_low_precision_decentralized_copies_start_again_from_the_new_neighbours_after_a_kill_and_an_admission",
+    ),
+    "diloco": (
+        "test_diloco_survivors_train_on_to_the_rounds_exchange_after_a_death_in_an_inner_step",
+        "test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_inner_step",
+    ),
+}
+"""Algorithm -> (torch test, JAX test) of its survivors going on after a lost rank; None: the front end's default
+(torch: a death before the vote, the algorithm's state put back; JAX: the per-step algorithms' kill and joiner)."""
+JOINER = {
+    "decentralized": (
+        "test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimizer_state",
+        "test_decentralized_survivors_of_a_kill_average_over_all_while_odd_and_a_joiner_starts_from_a_member",
+    ),
+    "low_precision_decentralized": (
+        "test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimizer_state",
+        "test_low_precision_decentralized_copies_start_again_from_the_new_neighbours_after_a_kill_and_an_admission",
+    ),
+    "diloco": (
+        "test_a_diloco_joiner_sits_out_its_first_round_while_its_state_arrives_and_its_peers_wait_for_nothing",
+        "test_diloco_joiner_admitted_at_a_retried_exchange_contributes_nothing_to_it",
+    ),
+}
+"""Algorithm -> (torch test, JAX test) of a joiner given the members' state; the others': torch's joiner weighed out
+of its first step, JAX's per-step algorithms' kill and joiner."""
+
+
+def _fault_tolerance(algorithm: str) -> dict[str, dict[str, Cell]]:
+    if algorithm == "async":
+        return {"rank_lost": ASYNC_FAULT_TOLERANCE_REFUSAL, "joiner": ASYNC_FAULT_TOLERANCE_REFUSAL}
+    torch_lost, jax_lost = RANK_LOST.get(algorithm, (None, None))
+    torch_joiner, jax_joiner = JOINER.get(algorithm, (None, None))
+    torch_lost = torch_lost or "test_a_death_before_the_vote_puts_the_algorithms_state_back"
+    torch_joiner = torch_joiner or "test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives"
+    return {
+        "rank_lost": {
+            "torch": Works(f"{FAULT_TOLERANCE_TORCH}::{torch_lost}"),
+            "jax": Works(f"{FAULT_TOLERANCE_JAX}::{jax_lost}" if jax_lost else PER_STEP_JAX),
+        },
+        "joiner": {
+            "torch": Works(f"{FAULT_TOLERANCE_TORCH}::{torch_joiner}"),
+            "jax": Works(f"{FAULT_TOLERANCE_JAX}::{jax_joiner}" if jax_joiner else PER_STEP_JAX),
+        },
+    }
+
 
 FUSED_REFUSAL = Refuses(
     "its optimizer does not step elementwise, so fusing would change its math",
@@ -269,6 +345,7 @@ def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
         "elastic": dict.fromkeys(
             FRONT_ENDS, ELASTIC_KILL if algorithm == "gradient_allreduce" else ELASTIC_GRADIENT_ALLREDUCE_ONLY
         ),
+        **_fault_tolerance(algorithm),
         "sampler_cached": dict.fromkeys(FRONT_ENDS, DATA_ONLY),
         "bagua_net": dict.fromkeys(FRONT_ENDS, PLUGIN_ONLY),
     }

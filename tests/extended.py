@@ -33,12 +33,13 @@ EXTENDED: dict[str, str] = {
     r"a_rank_lost_before_the_job_formed|a_survivor_goes_on_alone|a_node_whose_only_rank_died|"
     r"a_diloco_joiner_whose_state_holder_dies|a_diloco_joiner_sits_out_with_the_fused|"
     r"a_joiner_lost_in_the_step_it_is_weighed_out_of|a_joiner_weighed_out_while_its_state_holder_hangs|"
-    r"decentralized_training_with_the_fused_optimizer)": (
+    r"decentralized_training_with_the_fused_optimizer|"
+    r"a_decentralized_joiner_starts_from_the_first_members_weights_and_optimizer_state\[(decentralized-fused|low))": (
         "torch's in-process recovery matrix: 3-4 ranks, several faults and replacements per job (30-80 s each under "
         "load); survivors going on after a SIGKILL, one of them given the other's state, DiLoCo's survivors training "
         "on to the exchange and its joiner sitting out a round, and the refusal stay quick, and so do the launcher's "
         "slot's decisions (test_fault_tolerance_job_end); so does a joiner weighed out of its first step, and the "
-        "low-precision decentralized copies' restart (5 s)"
+        "low-precision decentralized copies' restart (5 s), and a decentralized joiner's state (6 s)"
     ),
     r"test_fault_tolerance_jax\.py::test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_"
     r"inner_step\[(diloco-uint8|streaming-uint8)\]": "the 8-bit and Streaming variants of JAX's DiLoCo survivors "

@@ -21,7 +21,9 @@ point ``save``: its part written, before the commit), and from which the first m
 (``FaultTolerance.restore``, printing ``restored``). A fault fires once per rank and
 place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
 Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices; at DiLoCo's exchange
-steps the round start after it), ``state_loaded`` (a joiner weighed out of its first step loaded the state), ``retry``
+steps the round start after it), ``state_loaded`` (a joiner weighed out of its first step loaded the state),
+``entered`` (each epoch that admitted a joiner: digests of the parameters and of the stepping optimizers' state as
+the epoch begins, and its state holder), ``retry``
 per abandoned attempt, and ``end`` (a digest of the parameters and of the algorithm's replicated
 state, that state's values, the recoveries, a joiner's seconds from asking to be admitted to being ready).
 """
@@ -87,6 +89,18 @@ def digest_of(net: torch.nn.Module) -> str:
     return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in net.parameters())).hexdigest()
 
 
+def optimizer_digest(optimizers) -> tuple[str, int]:
+    """A digest of ``optimizers``' state (in the unfused per-parameter layout) and how many tensors it holds."""
+    tensors = [
+        value
+        for optimizer in optimizers
+        for _, state in sorted(optimizer.state_dict()["state"].items())
+        for _, value in sorted(state.items())
+        if torch.is_tensor(value)
+    ]
+    return hashlib.sha256(b"".join(t.detach().numpy().tobytes() for t in tensors)).hexdigest(), len(tensors)
+
+
 def main() -> None:
     torch.set_num_threads(1)
     joiner = os.environ.get("BAGUA_FT_JOIN") == "1"
@@ -123,6 +137,25 @@ def main() -> None:
         report(event="state_loaded", step=self.position["step"])
 
     state_transfer.IncomingState.load = load  # a joiner weighed out of its first step has its state now
+    original_enter = FaultTolerance._enter
+
+    def enter(self: FaultTolerance, epoch) -> None:
+        original_enter(self, epoch)
+        if epoch.joined:  # the state every member, and the joiner given it, holds as the epoch begins
+            (module,) = self.modules
+            optimizer, tensors = optimizer_digest(module.stepping_optimizers)
+            params = digest_of(module.module)
+            report(
+                event="entered",
+                epoch=epoch.number,
+                holder=epoch.state_holder,
+                rank=epoch.rank,
+                params=params,
+                optimizer=optimizer,
+                optimizer_tensors=tensors,
+            )
+
+    FaultTolerance._enter = enter
     original_average = DiLoCoImpl._average
 
     def average(self: DiLoCoImpl, p: int, flat: torch.Tensor) -> torch.Tensor:

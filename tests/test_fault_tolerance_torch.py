@@ -759,6 +759,48 @@ def test_decentralized_training_with_the_fused_optimizer_carries_its_momentum_th
     assert len({params.tobytes() for params in ends[True].values()}) == 3  # each drifted its own way
 
 
+@pytest.mark.parametrize(
+    ("algorithm", "fused"),
+    [
+        pytest.param(DECENTRALIZED_SHIFT_ONE, False, id="decentralized"),
+        pytest.param(DECENTRALIZED_SHIFT_ONE, True, id="decentralized-fused"),
+        pytest.param("low_precision_decentralized", False, id="low_precision_decentralized"),
+    ],
+)
+def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimizer_state(jobs, algorithm, fused):
+    # Three members drift apart (shift_one averages over all three while their number is odd; the low-precision
+    # ring exchanges compressed differences); a fourth process joins after the first step. It enters with the
+    # state holder's weights and optimizer state (the fused optimizer's, where the optimizer is fused), bit for bit,
+    # trains the step after its admission on its share of the samples, and (low precision) every copy of a
+    # neighbour's weights on the ring of four is that neighbour's own at the end.
+    job = jobs(3, algorithm, [], steps=5, world=4, fused=fused)
+    job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
+    job.join()
+    job.finish()
+    (joiner,) = job.pids(joiner=True)
+    processes = [pid for rank in range(3) for pid in job.pids(rank=rank)] + [joiner]
+    ends = {pid: job.of(pid, "end") for pid in processes}
+    assert all(ends.values()), job.output()
+    assert len({e[0]["step"] for e in ends.values()}) == 1
+    (entered,) = job.of(joiner, "entered")
+    ((holding, holder),) = [
+        (pid, e)
+        for pid in processes[:3]
+        for e in job.of(pid, "entered")
+        if e["epoch"] == entered["epoch"] and e["rank"] == entered["holder"]
+    ]
+    assert entered["optimizer_tensors"] > 0  # momentum, from the steps the members took
+    assert (entered["params"], entered["optimizer"]) == (holder["params"], holder["optimizer"])
+    before = max(e["step"] for e in job.of(holding, "step") if e["t"] <= holder["t"])
+    assert job.of(joiner, "step")[0]["step"] == before + 1  # the step after its admission
+    if algorithm == "low_precision_decentralized":
+        copies = {e[0]["rank"]: e[0]["copies"] for e in ends.values()}
+        for rank, held in copies.items():
+            assert held["left"] == copies[(rank - 1) % 4]["weights"], rank
+            assert held["right"] == copies[(rank + 1) % 4]["weights"], rank
+    check_every_sample_once(job)
+
+
 def joiners_group(monkeypatch) -> tuple[Any, Any]:
     """A fault-tolerant job's :class:`FaultTolerance` and group as a joiner has them before its loop starts (nothing
     reaches the network), to wrap models on in this process."""
