@@ -36,12 +36,23 @@ def build(name: str, seed: int):
             "bytegrad": lambda: A.ByteGradAlgorithm(hierarchical=False, error_feedback=True),
             "decentralized": lambda: A.DecentralizedAlgorithm(hierarchical=False),
             "low_precision_decentralized": lambda: A.LowPrecisionDecentralizedAlgorithm(hierarchical=False),
+            "powersgd": lambda: A.PowerSGDAlgorithm(rank=1, start_iter=1, min_compression_rate=1.0),
+            "async": lambda: A.AsyncModelAverageAlgorithm(warmup_steps=1, sync_interval_ms=1),
         }[name]()
     wrapped = bagua_torch.with_bagua(model, [optimizer], algorithm, bucket_bytes=SMALL_BUCKET)
     return wrapped, optimizer
 
 
-ALGORITHMS = ("gradient_allreduce", "bytegrad", "qadam", "onebit_adam", "decentralized", "low_precision_decentralized")
+ALGORITHMS = (
+    "gradient_allreduce",
+    "bytegrad",
+    "qadam",
+    "onebit_adam",
+    "decentralized",
+    "low_precision_decentralized",
+    "powersgd",
+    "async",
+)
 
 
 def _numpy(value):

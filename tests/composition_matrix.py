@@ -23,7 +23,7 @@ from pathlib import Path
 
 import bagua_common.algorithms.configs  # noqa: F401  (registers the algorithms)
 import bagua_common.algorithms.diloco  # noqa: F401
-from bagua_common.algorithms.registry import CONFIGS
+from bagua_common.algorithms.registry import CONFIGS, algorithm_facts
 
 FRONT_ENDS = ("torch", "jax")
 
@@ -173,9 +173,11 @@ AUTOTUNE_REFUSAL_TORCH = Refuses(
     "it keeps state per bucket, which re-bucketing between steps would lose",
     "tests/test_composition_matrix_torch.py::test_autotune_is_refused_naming_the_algorithm",
 )
+AUTOTUNE_JAX_TEST = "tests/test_composition_matrix_jax.py::test_autotune_keeps_an_exact_algorithms_numbers"
 AUTOTUNE_REFUSAL_JAX = Refuses(
-    "a compressed algorithm's numbers depend on its bucket layout, which tuning would change",
-    "tests/test_autotune_jax.py::test_autotune_is_off_by_default_and_refused_for_compressed_algorithms",
+    "its numbers depend on its bucket layout (it quantizes per bucket, or is not known to be exact), which tuning "
+    "would change",
+    AUTOTUNE_JAX_TEST,
 )
 
 
@@ -194,6 +196,8 @@ def _fused_optimizer(algorithm: str) -> dict[str, Cell]:
 
 
 CHECKPOINT_RESUME_JAX = {
+    "gradient_allreduce": "tests/test_checkpoint_jax.py::test_same_world_size_restores_every_rank_exactly",
+    "powersgd": "tests/test_checkpoint_jax.py::test_same_world_size_restores_every_rank_exactly",
     "bytegrad": "tests/test_gradient_allreduce_bytegrad_jax.py::"
     "test_bytegrad_error_feedback_state_restored_from_a_checkpoint_continues_identically",
     "decentralized": "tests/test_decentralized_jax.py::test_checkpoint_restore_continues_the_same_run",
@@ -214,6 +218,8 @@ RESHARD_TORCH = (
     "onebit_adam",
     "decentralized",
     "low_precision_decentralized",
+    "powersgd",
+    "async",
 )
 RESHARD_JAX = (
     "gradient_allreduce",
@@ -223,6 +229,7 @@ RESHARD_JAX = (
     "powersgd",
     "decentralized",
     "low_precision_decentralized",
+    "async",
 )
 FROZEN_JAX = ("gradient_allreduce", "bytegrad", "decentralized", "low_precision_decentralized", "qadam", "onebit_adam")
 
@@ -296,9 +303,9 @@ def _row(algorithm: str) -> dict[str, dict[str, Cell]]:
     autotune_jax: Cell = (
         Works("tests/test_autotune_jax.py::test_switching_bucket_size_mid_run_gives_bit_identical_parameters")
         if algorithm == "gradient_allreduce"
+        else Works(AUTOTUNE_JAX_TEST)
+        if algorithm_facts(algorithm).bucket_exact
         else AUTOTUNE_REFUSAL_JAX
-        if algorithm in ("bytegrad",)
-        else NOT_YET
     )
     return {
         "fused_optimizer": _fused_optimizer(algorithm),

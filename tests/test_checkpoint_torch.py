@@ -17,7 +17,7 @@ from multiprocess import run_ranks
 
 pytest.importorskip("torch")
 
-MEAN_ALGORITHMS = ("decentralized", "low_precision_decentralized")
+MEAN_ALGORITHMS = ("decentralized", "low_precision_decentralized", "async")
 
 
 def mean(rows):
@@ -51,6 +51,9 @@ def check_restored(name, restored, saved):
     for key in ("step", "step_id"):
         if key in old_state:
             assert state[key] == old_state[key], (name, key)
+    if name == "powersgd":  # Q is the same on every rank: it carries over as saved
+        for q, want in zip(state["qs"], old_state["qs"], strict=True):
+            np.testing.assert_array_equal(q, want, err_msg="powersgd qs")
     if name == "low_precision_decentralized":
         values = np.sort(np.concatenate([v.ravel() for v in params.values()]))
         for key in ("weights", "left", "right"):

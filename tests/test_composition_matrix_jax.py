@@ -16,7 +16,9 @@ import optax
 import pytest
 from composition_matrix import MATRIX
 from jax.sharding import Mesh
+from tuning_clock import cost_tuning_steps
 
+from bagua_common.algorithms.registry import algorithm_facts
 from bagua_jax import DataParallel
 from bagua_jax.algorithms import AsyncModelAverage, DiLoCo, OneBitAdam, PowerSGD, QAdam, make_algorithm
 
@@ -139,3 +141,43 @@ def test_a_group_at_rate_zero_and_an_unused_leaf_never_move(algorithm, rng):
         replicas = value.reshape(-1, *initial[name].shape)  # one copy, or one per rank
         moved = [not np.array_equal(replica, initial[name]) for replica in replicas]
         assert all(moved) if labels[name] != "frozen" and name != "unused" else not any(moved), (name, moved)
+
+
+@pytest.mark.parametrize("algorithm", citing("test_autotune_keeps_an_exact_algorithms_numbers", "autotune"))
+def test_autotune_keeps_an_exact_algorithms_numbers(algorithm, rng, tmp_path, monkeypatch):
+    """Autotuning (``once``) an algorithm whose numbers do not depend on its buckets moves it from 1-kB buckets to
+    the one that holds the model (the fake clock makes that one the fastest) and trains bit for bit as the untuned
+    run; one whose numbers do depend on them is refused, naming why."""
+    monkeypatch.setenv("BAGUA_AUTOTUNE_CACHE", str(tmp_path / "autotune.json"))
+    cost_tuning_steps(lambda candidate: 2.0**-9 if candidate.bucket_bytes > 1024 else 2.0**-8, monkeypatch.setattr)
+    initial = {
+        "w1": rng.standard_normal((8, 160)).astype(np.float32),
+        "b1": (rng.standard_normal(160) * 0.1).astype(np.float32),
+        "w2": (rng.standard_normal((160, 2)) * 0.3).astype(np.float32),
+    }
+    batches = [
+        {k: rng.standard_normal((4 * RANKS, n)).astype(np.float32) for k, n in (("x", 8), ("y", 2))}
+        for _ in range(STEPS)
+    ]
+    mesh = Mesh(np.array(jax.devices()[:RANKS]), ("ranks",))
+
+    def trainer_for(autotune: str) -> DataParallel:
+        alg, optimizer = algorithm_and_optimizer(algorithm)
+        return DataParallel(loss_fn, optimizer, alg.replace(bucket_bytes=1024), mesh=mesh, autotune=autotune)
+
+    if not algorithm_facts(algorithm).bucket_exact:
+        with pytest.raises(ValueError, match=f"{algorithm}'s numbers depend on its bucket layout"):
+            trainer_for("once").init(initial)
+        return
+    finals = []
+    for autotune in ("off", "once"):
+        trainer = trainer_for(autotune)
+        state = trainer.init(initial)
+        for batch in batches:
+            state, _ = trainer.step(state, batch)
+        finals.append(jax.tree.map(np.asarray, state.params))
+    assert trainer.algorithm.bucket_bytes > 1024, trainer.bucket_tuning
+    untuned, tuned = finals
+    for name in initial:
+        assert not np.array_equal(untuned[name], np.broadcast_to(initial[name], untuned[name].shape)), name
+        np.testing.assert_array_equal(tuned[name], untuned[name], err_msg=name)
