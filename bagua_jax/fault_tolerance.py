@@ -9,9 +9,10 @@ that their replicas are bit-identical and run the step again on the new partitio
 on. A joiner compiles its step before it asks to be admitted; under gradient allreduce and PowerSGD it takes its
 first step weighed out while its state travels (:mod:`bagua_jax.weighed_out_step`). Under DiLoCo each outer exchange
 is the transaction: the survivors train on to it and retry it among themselves, losing no inner step, and a joiner sits
-out the round in flight with a zero pseudo-gradient (INTELLECT-1's rule). Decentralized training's replicas drift: each
-member keeps its own weights, and a step commits once every member voted. The guide,
-``docs/guides/fault_tolerance.md``, has the rules of every algorithm's state.
+out the round in flight with a zero pseudo-gradient (INTELLECT-1's rule); an exchange overlapping the next steps
+(Streaming DiLoCo) commits with the step that applies it. Decentralized training's replicas drift: each member keeps
+its own weights, and a step commits once every member voted. The guide, ``docs/guides/fault_tolerance.md``, has the
+rules of every algorithm's state.
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class FaultTolerantTrainer:
     that many committed transactions (steps; under DiLoCo, exchanges; default: the membership's settings), besides
     after every recovery. :meth:`init` gives the state (a joiner receives it from a member), :meth:`step` runs one
     step (committed, or a DiLoCo inner step), :meth:`finished` marks the job finished after the last one.
-    The algorithms of :func:`bagua_jax.state_rules.carried_algorithms` (DiLoCo with ``fragment_sync_delay=0``).
+    The algorithms of :func:`bagua_jax.state_rules.carried_algorithms` (DiLoCo's overlapped exchange in float32).
     """
 
     def __init__(
@@ -125,7 +126,7 @@ class FaultTolerantTrainer:
         self._diloco: DiLoCoConfig | None = config if isinstance(config, DiLoCoConfig) else None
         fp32_diloco = self._diloco is not None and self._diloco.outer_exchange == "fp32"
         self._world_size_free = config.step_free_of_world_size or fp32_diloco
-        self._sits_out = self._diloco is not None and self._diloco.fragments == 1
+        self._sits_out = self._diloco is not None and not self._diloco.fragment_sync_delay and config.fragments == 1
         if self._sits_out:  # a joiner's zero pseudo-gradient is not counted
             trainer._use(trainer.algorithm.counting_trainers())
         if isinstance(trainer.algorithm, Decentralized):  # a lost member may leave an odd number to pair
@@ -303,9 +304,8 @@ class FaultTolerantTrainer:
         return state
 
     def finished(self) -> None:
-        """Mark the job finished; every member calls it once its last step committed (after its loop). A
-        replacement or joiner started afterwards then exits with status 0 instead of waiting to join a job that is
-        gone, and ``bagua-launch --fault-tolerant`` starts no replacement for a rank that ends."""
+        """Mark the job finished; every member calls it once its last step committed. A replacement or joiner started
+        afterwards then exits with status 0, and ``bagua-launch --fault-tolerant`` starts no replacement for a rank."""
         self.membership.finished()
 
     def check_replicas(self, state: Any, what: str) -> None:
@@ -325,10 +325,10 @@ class FaultTolerantTrainer:
         return self._training_place(self.epoch)[1]
 
     def _is_transaction(self, state: Any) -> bool:
-        """Whether the next step of ``state`` is a transaction: every step, or one that ends with DiLoCo's exchange."""
+        """Whether the next step of ``state`` is a transaction: every step, or one that applies DiLoCo's exchange."""
         if self._diloco is None:
             return True
-        return bool(self._diloco.exchanges_after(int(unwrap_state(state).step) + 1))
+        return bool(self._diloco.applies_after(int(unwrap_state(state).step) + 1))
 
     def _apply(self, trainers: int) -> None:
         self.committed += 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import threading
+import weakref
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -37,6 +38,7 @@ class NativeCommunicator(MpiSettings):
     The handle is a slot: after a membership change :meth:`shrink` and :meth:`grow` put the new
     communicator in it, so a step compiled before the change runs on the new ranks without being
     compiled again wherever its shapes do not depend on ``size`` (:meth:`rank` is read at run time).
+    ``generation`` counts the communicators put in the slot since the first.
     """
 
     def __init__(self, handle: int, engine_kind: str):
@@ -45,6 +47,9 @@ class NativeCommunicator(MpiSettings):
         self.kind = engine_kind
         self.size = self.engine.size(handle)
         self._rank = self.engine.rank(handle)
+        self.generation = 0
+        self._companions: list[tuple[weakref.ref[NativeCommunicator], str]] = []
+        self._closed = False
 
     @classmethod
     def mpi_world(cls, timeout: float | None = None) -> NativeCommunicator:
@@ -161,21 +166,28 @@ class NativeCommunicator(MpiSettings):
         self._install(_newcomer(store, prefix, rank, size, timeout))
 
     def revoke_when(self, event: threading.Event, reason: str) -> None:
-        """Revoke (:meth:`revoke`) the communicator this one holds now, from a thread, the moment ``event`` is set:
-        the training thread may be blocked in a collective with a member that will never arrive. The thread holds a
-        handle of its own (:meth:`handle_copy`), so a late wake-up never revokes the communicator installed later."""
-        own, engine = self.handle_copy(), self.engine
+        """Revoke (:meth:`revoke`) the communicator this one holds now, and its companions' (:meth:`companion`),
+        from a thread, the moment ``event`` is set: the training thread may be blocked in a collective with a member
+        that will never arrive. The thread holds handles of its own (:meth:`handle_copy`), so a late wake-up never
+        revokes the communicators installed later."""
+        owned, engine = [self.handle_copy(), *(c.handle_copy() for c, _ in self._live_companions())], self.engine
 
         def revoke_when_set() -> None:
             event.wait()
-            engine.revoke(own, reason)
-            engine.destroy(own)
+            for own in owned:
+                engine.revoke(own, reason)
+                engine.destroy(own)
 
         threading.Thread(target=revoke_when_set, name="bagua-revoke", daemon=True).start()
 
     def handle_copy(self) -> int:
         """A second handle of the communicator this one holds (destroying either leaves the other)."""
         return self.engine.share(self.handle)
+
+    def pinned(self) -> NativeCommunicator:
+        """A communicator on the one this slot holds now, in a handle of its own (:meth:`handle_copy`): a later
+        change of members does not move it (it fails once revoked). Close it after use."""
+        return NativeCommunicator(self.handle_copy(), self.kind)
 
     def _install(self, handle: int) -> None:
         """Put the engine communicator ``handle`` in this communicator's slot, once the calls on the old one ended
@@ -185,11 +197,31 @@ class NativeCommunicator(MpiSettings):
             raise RuntimeError(f"communicator handle {self.handle} or {handle} is unknown to the engine")
         self.size = self.engine.size(self.handle)
         self._rank = self.engine.rank(self.handle)
+        self.generation += 1
+        for companion, name in self._live_companions():  # collective, as every change of members is
+            companion._install(self.engine.split(self.handle, 0, self._rank, name))
 
     def split(self, color: int, key: int, name: str) -> NativeCommunicator:
         """The ranks with the same ``color``, ordered by ``key`` (e.g. one per node for the
         intra-node group of a hierarchical algorithm). Every rank must call it."""
         return NativeCommunicator(self.engine.split(self.handle, int(color), int(key), name), self.kind)
+
+    def companion(self, name: str) -> NativeCommunicator:
+        """A communicator of the same ranks in a slot of its own, for collectives made beside this one's (an outer
+        exchange on a thread: MPI needs each communicator's collectives in one order on every rank), which follows
+        this one through a change of members: :meth:`shrink`, :meth:`grow` and :meth:`join` build it again over the
+        new ranks in its slot, and :meth:`revoke_when` revokes it with this one. Every rank makes it at the same point,
+        and keeps it for as long as the others do."""
+        companion = self.split(0, self._rank, name)
+        self._companions.append((weakref.ref(companion), name))
+        return companion
+
+    def _live_companions(self) -> list[tuple[NativeCommunicator, str]]:
+        """The companions (:meth:`companion`) not yet released, with their names."""
+        live = [(ref(), name) for ref, name in self._companions]
+        live = [(companion, name) for companion, name in live if companion is not None and not companion._closed]
+        self._companions = [(weakref.ref(companion), name) for companion, name in live]
+        return live
 
     def _engine_state(self) -> tuple[str, ModuleType, int, str]:
         return self.kind, self.engine, self.handle, f"communicator handle {self.handle}"
@@ -220,6 +252,7 @@ class NativeCommunicator(MpiSettings):
 
     def close(self) -> None:
         """Release the communicator (it is freed once no call uses it)."""
+        self._closed = True
         self.engine.destroy(self.handle)
 
     def rank(self) -> jax.Array:

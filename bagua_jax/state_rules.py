@@ -75,8 +75,9 @@ def carried_algorithms() -> list[str]:
 
 def refuse_unsurvivable(trainer: DataParallel) -> None:
     """Raise ValueError naming the fallback unless ``trainer``'s algorithm is one of :func:`carried_algorithms`, and
-    for DiLoCo with an overlapped exchange (it runs on a communicator of its own that a change of members does not
-    rebuild). Autotuning is refused too: a joiner would tune alone."""
+    for DiLoCo with an overlapped exchange of compressed pseudo-gradients (its step follows the world size, and a copy
+    compiled ahead for another would make its exchange's communicator from a thread). Autotuning is refused too: a
+    joiner would tune alone."""
     algorithm = trainer.algorithm
     config = algorithm.config
     if trainer._autotune != "off":
@@ -86,11 +87,12 @@ def refuse_unsurvivable(trainer: DataParallel) -> None:
             "bucket size it chose (trainer.bucket_tuning.bucket_bytes) as DataParallel(..., bucket_bytes=...), with "
             "autotune='off' (BAGUA_AUTOTUNE=off)"
         )
-    if isinstance(config, DiLoCoConfig) and config.fragment_sync_delay:
+    if isinstance(config, DiLoCoConfig) and config.fragment_sync_delay and config.outer_exchange != "fp32":
         raise ValueError(
             f"FaultTolerantTrainer cannot continue {config.name} with fragment_sync_delay="
-            f"{config.fragment_sync_delay} after a lost member: the overlapped exchange runs on a communicator of its "
-            "own, which a change of members does not rebuild. Use fragment_sync_delay=0, or train it with the "
+            f"{config.fragment_sync_delay} and outer_exchange={config.outer_exchange!r} after a lost member: the "
+            "overlapped exchange of compressed pseudo-gradients is laid out for the world size, and its step cannot "
+            "be compiled ahead for another. Use outer_exchange='fp32' or fragment_sync_delay=0, or train it with the "
             "elastic restart instead (bagua-launch --nnodes MIN:MAX, restoring the last checkpoint into the new world "
             "size)"
         )

@@ -14,7 +14,8 @@ training's gradient allreduce and SGD (an algorithm that is an optimizer itself 
 loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh layer of that width to the linear
 model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax
 ``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals folder (the last
-run's final save). Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times),
+run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch
+closed. Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times),
 its state's first and final parameters, its final rank and, under low-precision decentralized training, its copies
 of its own and its ring neighbours' weights.
 """
@@ -371,10 +372,13 @@ def train_diloco(
     ft, state, admitted = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))
     last_fault = max(faults)
     attempts = []
+    await_close = int(os.environ.get("FT_AWAIT_CLOSE_AT", "0"))
 
     def batch_of(indices, step):
         if faults.get(step, (None,))[0] == rank:
             _fail(faults[step][1], step)
+        if step == await_close and ft.epoch.number == 0:  # the step then starts in a closed epoch: it is not run
+            ft.epoch.closed.wait(60)
         if step > last_fault and ft.epoch.size < final_size:
             _wait_for("joiner-asked")
             time.sleep(0.1)  # the exchange after the joiner's request admits it

@@ -18,26 +18,38 @@ from bagua_jax.algorithms.background_exchange import BackgroundExchange
 
 
 class _Split:
-    """The world's split: records on which thread it is closed, after which exchanges."""
+    """The world's companion: records on which thread it is closed, after which exchanges."""
+
+    generation = 0
 
     def __init__(self) -> None:
         self.exchanges_done = 0
         self.closed_after: int | None = None
         self.closed = threading.Event()
 
+    def pinned(self) -> _Pinned:
+        return _Pinned(self)
+
     def close(self) -> None:
         self.closed_after = self.exchanges_done
         self.closed.set()
+
+
+class _Pinned:
+    """The companion's communicator an exchange runs on."""
+
+    def __init__(self, split: _Split) -> None:
+        self.split = split
+
+    def close(self) -> None:
+        pass
 
 
 class _World:
     def __init__(self) -> None:
         self.split_made = _Split()
 
-    def rank(self) -> int:
-        return 0
-
-    def split(self, color: int, key: int, name: str) -> _Split:
+    def companion(self, name: str) -> _Split:
         return self.split_made
 
 
@@ -49,10 +61,10 @@ def test_collected_on_its_own_thread_it_closes_the_communicator_after_the_exchan
     holder: list[BackgroundExchange] = []
     dropped_here = threading.Event()
 
-    def average(pseudo_gradient: np.ndarray, residual: np.ndarray, comm: _Split) -> tuple[np.ndarray, np.ndarray]:
+    def average(pseudo_gradient: np.ndarray, residual: np.ndarray, comm: _Pinned) -> tuple[np.ndarray, np.ndarray]:
         dropped_here.wait(timeout=5)
         holder.clear()  # the last reference to the exchange goes on its own thread: its finalizer runs here
-        comm.exchanges_done += 1
+        comm.split.exchanges_done += 1
         return pseudo_gradient / 2, residual
 
     exchange = BackgroundExchange(world, average, "test")

@@ -515,14 +515,16 @@ def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_
 
 def replay_diloco(sizes: dict[int, int], config: DiLoCoConfig) -> tuple[dict[str, np.ndarray], list[dict]]:
     """DiLoCo's round start and each rank's parameters after the steps ``sizes`` gives (each with the number of ranks
-    that trained it on their partition), in float64: SGD inside, Nesterov SGD (0.7, 0.9) on the trainers' mean
-    pseudo-gradient of each fragment due (fragment 0 is ``b``, 1 is ``w``: the leaves in tree order); a rank that
-    appears takes rank 0's parameters (a joiner that sat out the round: the round start)."""
+    that trained it on their partition), in float64: SGD inside, Nesterov SGD (0.7, 0.9) on the mean pseudo-gradient
+    of each fragment due (fragment 0 is ``b``, 1 is ``w``: the leaves in tree order), taken when its exchange starts
+    and averaged over the ranks that apply it ``fragment_sync_delay`` steps later (a rank lost meanwhile counts no
+    more); a rank that appears takes rank 0's parameters (a joiner that sat out the round: the round start)."""
     x, y = (a.astype(np.float64) for a in dataset())
     start = {"w": np.zeros(FEATURES), "b": np.zeros(())}
     fragments = [["b", "w"]] if config.fragments == 1 else [["b"], ["w"]]
     momentum = {k: np.zeros_like(v) for k, v in start.items()}
     models = {0: dict(start)}
+    pending: dict[str, list[np.ndarray]] = {}  # by parameter: each rank's pseudo-gradient, in rank order
     position = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     for t in range(1, len(sizes) + 1):
         n = sizes[t]
@@ -534,7 +536,9 @@ def replay_diloco(sizes: dict[int, int], config: DiLoCoConfig) -> tuple[dict[str
             model["b"] = model["b"] - LR * 2 * error.mean()
         position.advance(n)
         for k in (k for p in config.exchanges_after(t) for k in fragments[p]):
-            delta = np.mean([start[k] - model[k] for model in models.values()], axis=0)
+            pending[k] = [start[k] - model[k] for model in models.values()]
+        for k in (k for p in config.applies_after(t) for k in fragments[p]):
+            delta = np.mean(pending.pop(k)[:n], axis=0)
             momentum[k] = delta + 0.9 * momentum[k]
             start[k] = start[k] - 0.7 * (delta + 0.9 * momentum[k])
             for model in models.values():
@@ -626,6 +630,46 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
         resume = tries[1]["start"] - float((tmp_path / f"fault-time-{fault_step}").read_text())
         assert 0 < resume < 20, resume
         print(f"{faults[fault_step][1]} at step {fault_step}: the survivors' exchange ran again {resume:.2f} s later")
+
+
+def test_streaming_diloco_survivors_retry_an_overlapped_exchange_among_themselves_and_admit_a_joiner(tmp_path: Path):
+    # Fragment 1 (w) is exchanged after steps 2, 6, 10, ... on a thread while the next step computes, and applied
+    # after 3, 7, 11; fragment 0 (b) after 4, 8, 12, applied after 5, 9, 13. Member 2 dies as it starts step 6: the
+    # exchange the others start there waits for it on the thread until the epoch closes, which revokes the thread's
+    # communicator with the world's. Step 7 applies it: the two survivors rebuild both communicators and run that
+    # exchange again among themselves, with the pseudo-gradients they took at step 6 (no inner step lost). A joiner
+    # is then admitted at an exchange's application and trains from the next step; the round start ends bit-identical.
+    # The survivors start step 7 once they saw the epoch close: it is not run there, so the exchange they queued at
+    # step 6 is still theirs to drop (it ran among members that are gone), not to wait for again.
+    options = {"fragments": 2, "fragment_sync_delay": 1}
+    config = DiLoCoConfig(sync_every=DILOCO_ROUND, **options)
+    env = {"FT_AWAIT_CLOSE_AT": "7"}
+    results = run_members(tmp_path, "train_diloco", 4, {6: (2, "kill")}, 3, 3, 16, options, env=env)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [True, True, False, True], outputs
+    survivor, other, joiner = results[0].value, results[1].value, results[3].value
+    sizes = {s["step"]: s["trainers"] for s in survivor["steps"]}
+    assert list(sizes) == list(range(1, len(sizes) + 1)), sizes  # every inner step done once: none lost
+    admitted_at = min(s["step"] for s in joiner["steps"])
+    assert config.applies_after(admitted_at - 1), admitted_at  # admitted by an exchange's application
+    assert [sizes[t] for t in range(1, len(sizes) + 1)] == [3] * 6 + [2] * (admitted_at - 7) + [3] * (
+        len(sizes) - admitted_at + 1
+    ), sizes
+    failed = [a["step"] for a in survivor["attempts"] if "end" not in a]
+    assert failed[:1] == [7] and set(failed[1:]) <= {admitted_at}, failed  # only applications ran again
+    assert survivor["committed"] == joiner["committed"] == sum(bool(config.applies_after(t)) for t in sizes)
+    start, models = replay_diloco(sizes, config)
+    for name in start:
+        np.testing.assert_allclose(survivor["round_start"][name], start[name], rtol=2e-5, atol=1e-6)
+        for seen in (other, joiner):
+            np.testing.assert_array_equal(seen["round_start"][name], survivor["round_start"][name])  # bit-identical
+        for seen in (survivor, other, joiner):
+            model = models[seen["steps"][-1]["rank"]]
+            np.testing.assert_allclose(seen["params"][name], model[name], rtol=2e-5, atol=1e-6)
+    retried = [a for a in survivor["attempts"] if a["step"] == 7][1]
+    resumed = retried["end"] - float((tmp_path / "fault-time-6").read_text())
+    assert 0 < resumed < 20, resumed  # not revoked with the world, the exchange's wait lasted the 60-s timeout
+    print(f"a kill while an overlapped exchange waited for it: the survivors had applied it {resumed:.2f} s later")
 
 
 def test_saves_while_a_diloco_joiner_sits_out_write_nothing_and_the_exchange_it_joins_saves_everyone(tmp_path: Path):

@@ -85,8 +85,8 @@ def test_a_change_resets_the_error_feedback_residuals_and_keeps_the_rest():
 
 @pytest.mark.parametrize(
     "algorithm",
-    ["async", DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1)],
-    ids=["async", "streaming-diloco-overlapped"],
+    ["async", DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8")],
+    ids=["async", "streaming-diloco-overlapped-uint8"],
 )
 def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(algorithm):
     trainer = DataParallel(loss_fn, optax.sgd(0.1), algorithm, mesh=mesh())

@@ -16,6 +16,12 @@ queues it then and waits for it, and the parameters come out bit for bit as if n
 stopped. Every rank restores the same step, so all take that path together. The thread runs
 exchanges one at a time in the order the steps started them, the same order on every rank. A
 dead peer makes the communicator's timeout fire: the finishing step raises its error.
+
+The communicator is the world's companion (:meth:`~bagua_jax.NativeCommunicator.companion`): in a fault-tolerant
+job it follows the members, and is revoked with the world when they change. Each exchange runs on the communicator
+of the members that started it (a handle of its own), so one abandoned by a change fails at once instead of reaching
+the new members; the step that applies it finds it started by other members and runs it again among the new ones,
+each with its own inputs (the survivors' pseudo-gradients: no inner step is lost).
 """
 
 from __future__ import annotations
@@ -39,17 +45,21 @@ Average = Callable[[jax.Array, jax.Array, HostCommunicator], tuple[jax.Array, ja
 
 
 class _Exchange(NamedTuple):
-    """One fragment's exchange handed to the thread: its inputs (host copies) and its result to come."""
+    """One fragment's exchange handed to the thread: its inputs (host copies), the communicator's generation it runs
+    on, and its result to come."""
 
     step: int
     pseudo_gradient: np.ndarray
     residual: np.ndarray
+    generation: int
     result: Future
 
-    def has_inputs(self, step: int, pseudo_gradient: np.ndarray, residual: np.ndarray) -> bool:
-        """Whether this exchange was started at ``step`` from these exact bits (NaNs included)."""
+    def has_inputs(self, step: int, pseudo_gradient: np.ndarray, residual: np.ndarray, generation: int) -> bool:
+        """Whether this exchange was started at ``step`` from these exact bits (NaNs included), by the members of the
+        communicator's ``generation``."""
         return (
             self.step == step
+            and self.generation == generation
             and _same_bits(self.pseudo_gradient, pseudo_gradient)
             and _same_bits(self.residual, residual)
         )
@@ -76,9 +86,9 @@ def _shut_down(thread: ThreadPoolExecutor, comm: NativeCommunicator, workers: li
 
 
 class BackgroundExchange:
-    """Outer exchanges over a split of ``world`` (a NativeCommunicator over MPI) on a thread of their own.
+    """Outer exchanges over a companion of ``world`` (a NativeCommunicator over MPI) on a thread of their own.
 
-    Collective over ``world`` (it splits it): every rank makes one at the same point. ``average``
+    Collective over ``world`` (it makes the companion): every rank makes one at the same point. ``average``
     is the exchange itself, run on the thread with a :class:`~bagua_jax.host_communicator.HostCommunicator`;
     call :meth:`start` in the jitted step that starts a fragment's exchange and :meth:`finish` in
     the step that applies it, with the same inputs. Its thread and communicator are released when
@@ -86,8 +96,7 @@ class BackgroundExchange:
     """
 
     def __init__(self, world: NativeCommunicator, average: Average, name: str) -> None:
-        comm = world.split(0, int(world.rank()), f"{name}/outer_exchange")
-        self._comm = HostCommunicator(comm)
+        self._comm = comm = world.companion(f"{name}/outer_exchange")
         self._average = average
         workers: list[threading.Thread] = []
         self._thread = ThreadPoolExecutor(
@@ -116,8 +125,16 @@ class BackgroundExchange:
     def _submit(self, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray) -> _Exchange:
         # The callback's arguments may alias XLA's buffers: the thread gets its own copies.
         pseudo_gradient, residual = np.array(pseudo_gradient, copy=True), np.array(residual, copy=True)
-        result = self._thread.submit(self._average, pseudo_gradient, residual, self._comm)
-        return _Exchange(int(step), pseudo_gradient, residual, result)
+        result = self._thread.submit(self._run, self._comm.pinned(), pseudo_gradient, residual)
+        return _Exchange(int(step), pseudo_gradient, residual, self._comm.generation, result)
+
+    def _run(
+        self, members: NativeCommunicator, pseudo_gradient: np.ndarray, residual: np.ndarray
+    ) -> tuple[jax.Array, jax.Array]:
+        try:
+            return self._average(pseudo_gradient, residual, HostCommunicator(members))
+        finally:
+            members.close()
 
     def _start(self, fragment: int, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray) -> None:
         self._in_flight[fragment] = self._submit(step, pseudo_gradient, residual)
@@ -126,7 +143,7 @@ class BackgroundExchange:
         self, fragment: int, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray
     ) -> tuple[np.ndarray, np.ndarray]:
         exchange = self._in_flight.pop(fragment, None)
-        if exchange is None or not exchange.has_inputs(int(step), pseudo_gradient, residual):
+        if exchange is None or not exchange.has_inputs(int(step), pseudo_gradient, residual, self._comm.generation):
             exchange = self._submit(step, pseudo_gradient, residual)
         mean, new_residual = exchange.result.result()
         return np.asarray(mean, np.float32), np.asarray(new_residual, np.float32)
