@@ -3,7 +3,8 @@
 Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined through the fault-tolerant membership
 (``bagua_jax.fault_tolerance``), training a ``--width`` MLP (or a GPT on the corpus, ``--model tiny|mini|small``:
 8 windows per rank, AdamW) with gradient allreduce, ByteGrad or PowerSGD (``--algorithm bytegrad|powersgd``, their
-defaults), DiLoCo (``--algorithm diloco``, ``--sync-every`` H), decentralized SGD pairing the ranks
+defaults), DiLoCo (``--algorithm diloco``, ``--sync-every`` H; Streaming DiLoCo with ``--fragments`` P and
+``--fragment-sync-delay`` tau, its exchanges overlapping tau steps on a thread), decentralized SGD pairing the ranks
 (``decentralized``: shift_one) or low-precision decentralized SGD (``low_precision_decentralized``).
 
 * ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
@@ -29,6 +30,8 @@ Run it with nothing else running (the results' header records the load before an
     python benchmarks/fault_tolerance_jax.py overhead --ranks 2 --width 1024 --steps 20 --rounds 5
     python benchmarks/fault_tolerance_jax.py kill --ranks 3
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --algorithm diloco --sync-every 8
+    python benchmarks/fault_tolerance_jax.py kill --ranks 3 --model mini --algorithm diloco --sync-every 8 \
+        --fragments 2 --fragment-sync-delay 3 --kill-step 5
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --model mini --algorithm powersgd
     python benchmarks/fault_tolerance_jax.py kill --ranks 4 --model mini --algorithm decentralized
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --algorithm diloco --sync-every 64 --rounds 6
@@ -114,7 +117,9 @@ def worker(args: argparse.Namespace) -> None:
 
     algorithm = args.algorithm
     if args.algorithm == "diloco":
-        algorithm = DiLoCo(sync_every=args.sync_every)
+        algorithm = DiLoCo(
+            sync_every=args.sync_every, fragments=args.fragments, fragment_sync_delay=args.fragment_sync_delay
+        )
     elif args.algorithm == "decentralized":
         algorithm = Decentralized(peer_selection_mode="shift_one")
     trainer = DataParallel(loss_fn, optimizer, algorithm, communicator=comm)
@@ -207,7 +212,7 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
     argv = [mpiexec(), "-n", "1", sys.executable, sys.argv[0], args.mode, "--worker", "--workdir", str(workdir)]
     options = ("port", "ranks", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
-    options += ("kill_step", "join_after")
+    options += ("kill_step", "join_after", "fragments", "fragment_sync_delay")
     argv += [f"--{k.replace('_', '-')}={getattr(args, k) if k != 'port' else port}" for k in options]
     logs = [open(workdir / f"rank{r}.log", "w") for r in range(args.ranks)]
     if args.rate is None:
@@ -283,6 +288,8 @@ def main() -> None:
         default="gradient_allreduce",
     )
     parser.add_argument("--sync-every", type=int, default=8, help="DiLoCo's H")
+    parser.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo's P")
+    parser.add_argument("--fragment-sync-delay", type=int, default=0, help="Streaming DiLoCo's tau (overlapped)")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--rate", help="each rank on a link of this rate (e.g. 100mbit; root): the harness's network")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -296,6 +303,8 @@ def main() -> None:
     meta = run_meta(
         ["jax", "mpich"], ranks=args.ranks, model=args.model, width=args.width, steps=args.steps, rounds=args.rounds,
         algorithm=args.algorithm, sync_every=args.sync_every if args.algorithm == "diloco" else None, rate=args.rate,
+        fragments=args.fragments if args.algorithm == "diloco" else None,
+        fragment_sync_delay=args.fragment_sync_delay if args.algorithm == "diloco" else None,
         kill_step=args.kill_step if args.mode == "kill" else None,
         join_after=args.join_after if args.mode == "join" else None,
     )  # fmt: skip
@@ -338,6 +347,7 @@ def main() -> None:
     print("\n".join(lines))
     suffix = (
         ("" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}")
+        + ("" if args.fragment_sync_delay == 0 else f"-overlapped-{args.fragments}x{args.fragment_sync_delay}")
         + ("" if args.model == "mlp" else f"-gpt-{args.model}")
         + ("" if args.rate is None else f"-{args.rate}")
         + ("" if args.mode != "kill" or args.kill_step == 5 else f"-step-{args.kill_step}")
