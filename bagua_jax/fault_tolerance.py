@@ -127,7 +127,7 @@ class FaultTolerantTrainer:
         fp32_diloco = self._diloco is not None and self._diloco.outer_exchange == "fp32"
         self._world_size_free = config.step_free_of_world_size or fp32_diloco
         self._sits_out = self._diloco is not None and not self._diloco.fragment_sync_delay and config.fragments == 1
-        if self._sits_out:  # a joiner's zero pseudo-gradient is not counted
+        if self._diloco is not None:  # a joiner sitting out an exchange (_share_state) adds an uncounted zero
             trainer._use(trainer.algorithm.counting_trainers())
         if isinstance(trainer.algorithm, Decentralized):  # a lost member may leave an odd number to pair
             trainer._use(trainer.algorithm.averaging_all_when_odd())
@@ -388,11 +388,11 @@ class FaultTolerantTrainer:
         survivors behind, having checked they train the same job; the position and who sits out go through the store.
         Under gradient allreduce and PowerSGD it goes over a pair each while they take the next step weighed out (given
         the algorithm's replicated state first); under DiLoCo with one fragment, by broadcast while the members train
-        the round they sit out; else while everyone waits."""
+        the round they sit out; else while everyone waits (Streaming DiLoCo's sit out a step applying an exchange)."""
         holder, key = epoch.state_holder, epoch.prefix("transfer")
         receivers = [rank for rank in range(epoch.size) if epoch.is_joiner(rank)]
         weighed = self._weighed_out_step is not None
-        if self._sits_out or weighed:
+        if self._sits_out or weighed or (self._diloco is not None and self._is_transaction(state)):
             self._sitting_out |= {epoch.members[rank].id for rank in receivers}
         if epoch.rank == holder:  # the algorithm's replicated state first: the record says both are there
             if weighed:
@@ -442,9 +442,9 @@ class FaultTolerantTrainer:
         return rewrap_state(user_state, received)
 
     def _sit_out(self, state: TrainState) -> TrainState:
-        """``state`` (a member's, just received) at the step before the round's exchange, marked as not trained, the
-        data past the inner steps it skips."""
-        skipped = self._diloco.steps_to_exchange(int(state.step)) - 1
+        """``state`` (a member's, just received) at the step before the exchange it joins (the round's, or the one
+        the next step applies), marked as not trained, the data past the inner steps it skips."""
+        skipped = 0 if self._is_transaction(state) else self._diloco.steps_to_exchange(int(state.step)) - 1
         for _ in range(skipped):
             self.data.advance(self._training_place(self.epoch)[1])
         return state._replace(opt_state=skip_untrained(state.opt_state, skipped), step=state.step + skipped)

@@ -73,6 +73,7 @@ def load_job_state(state: dict[str, Any], data: DataPosition | None, modules: Se
 def _load_models_state(state: dict[str, Any], modules: Sequence[BaguaModule]) -> None:
     for module, carried in zip(modules, state.get("algorithms", ())):
         module.algorithm_impl.load_carried_state(carried)
+        module.algorithm_impl.received()
     for module, optimizers_state in zip(modules, state.get("optimizers", ())):
         for optimizer, optimizer_state in zip(module.stepping_optimizers, optimizers_state):
             optimizer.load_state_dict(optimizer_state)

@@ -47,12 +47,17 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_torch\.py::test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_"
     r"on_from_the_next_one\[diloco\]": "DiLoCo's lost checkpoint (7-10 s; gradient allreduce's stays quick, and "
     "JAX's DiLoCo restart is quick)",
+    r"test_fault_tolerance_jax\.py::test_streaming_diloco_survivors_retry_an_overlapped_exchange_among_themselves_"
+    r"and_admit_a_joiner\[after\]": "JAX's Streaming joiner that asks once the recovery is over (11 s; the one that asks "
+    "before it, admitted where the overlapped exchange is retried, stays quick)",
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_shrink": "JAX's death during a recovery "
     "(10 s; its stop after the shrink's timeout is the MPI engine's own dead-peer bound, which stays quick)",
     r"test_fault_tolerance_torch\.py::test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives"
-    r"\[(bytegrad|powersgd|qadam|onebit_adam)\]": "ByteGrad's, PowerSGD's, QAdam's and 1-bit Adam's weighed-out "
-    "joiners (10-12 s each; gradient allreduce's stays quick, and so do PowerSGD's weighed-out step against its "
-    "reference, in test_powersgd_torch.py, and 1-bit Adam's against its simulation, in test_qadam_onebit_torch.py)",
+    r"\[(bytegrad|powersgd|qadam|onebit_adam|gradient_allreduce-fused)\]": "ByteGrad's, PowerSGD's, QAdam's and 1-bit "
+    "Adam's weighed-out joiners, and gradient allreduce's with the fused optimizer (10-12 s each; gradient "
+    "allreduce's stays quick, and so do a survivor's fused optimizer laid out again, PowerSGD's weighed-out step "
+    "against its reference, in test_powersgd_torch.py, and 1-bit Adam's against its simulation, in "
+    "test_qadam_onebit_torch.py)",
     r"test_fault_tolerance_jax\.py::test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner\[(powersgd|"
     r"onebit_adam)\]": "JAX's PowerSGD and 1-bit Adam through a death and an admission (6 s each; ByteGrad's and "
     "QAdam's stay quick)",

@@ -15,7 +15,8 @@ loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh 
 model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax
 ``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals folder (the last
 run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch
-closed. Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times),
+closed, and ``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's
+step. Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times),
 its state's first and final parameters, its final rank and, under low-precision decentralized training, its copies
 of its own and its ring neighbours' weights.
 """
@@ -371,6 +372,7 @@ def train_diloco(
         params = train_state.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(LR))
     ft, state, admitted = _start(start_size, make_trainer, data, params, (x[:BATCH_PER_RANK], y[:BATCH_PER_RANK]))
     last_fault = max(faults)
+    start_joiner_after = int(os.environ.get("FT_START_JOINER_AFTER", last_fault))
     attempts = []
     await_close = int(os.environ.get("FT_AWAIT_CLOSE_AT", "0"))
 
@@ -379,7 +381,7 @@ def train_diloco(
             _fail(faults[step][1], step)
         if step == await_close and ft.epoch.number == 0:  # the step then starts in a closed epoch: it is not run
             ft.epoch.closed.wait(60)
-        if step > last_fault and ft.epoch.size < final_size:
+        if step > start_joiner_after and ft.epoch.size < final_size:
             _wait_for("joiner-asked")
             time.sleep(0.1)  # the exchange after the joiner's request admits it
         place, trainers = ft._training_place(ft.epoch)
@@ -394,7 +396,7 @@ def train_diloco(
         state, loss = ft.step(state, lambda indices: batch_of(indices, done + 1))
         done = int(state.step)
         attempts[-1].update(committed=ft.committed, loss=float(loss), end=time.time())
-        if done == last_fault and ft.epoch.rank == 0:
+        if done == start_joiner_after and ft.epoch.rank == 0:
             _touch("start-joiner")
     ft.finished()
     ft.membership.close()

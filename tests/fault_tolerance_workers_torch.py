@@ -9,13 +9,14 @@ to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo'
 or at step 0 in ``formation`` (before it registers with the others), ``state`` (before it sends a
 joiner the state), ``state_tensors`` (connected to the joiner, before the tensors) or
 ``joiner_forward`` (a joiner's first step; rank null), the rank ``kill``s itself
-(SIGKILL), ``stop``s (SIGSTOP; ``after`` seconds, default 0), ``raise``s, is ``slow`` (``seconds``, default
-0.3) or, at a vote, ``late`` (it votes after its epoch closed).
+(SIGKILL; ``kill-once-asked``: once a joiner asked to be admitted), ``stop``s (SIGSTOP; ``after`` seconds, default
+0), ``raise``s, is ``slow`` (``seconds``, default 0.3) or, at a vote, ``late`` (it votes after its epoch closed).
 ``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time); ``FT_FUSED=1``: the optimizer
 is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`); ``FT_LOOP_ALLREDUCE=1``: each step ends with
 a collective of the loop's own (``bagua_torch.torch_api.allreduce`` of a one, on the default group), and its step
 report gives the sum as ``summed``; ``FT_REPORT_PARAMS=1``: each step report gives the parameters after it
-(``params``). ``FT_CHECKPOINTS``: a folder where the
+(``params``), and each DiLoCo exchange report this rank's pseudo-gradient and the mean (``values``, ``mean``).
+``FT_CHECKPOINTS``: a folder where the
 members save a checkpoint (``FaultTolerance.save``) after each step in ``FT_SAVE_AT`` (comma-separated; the fault
 point ``save``: its part written, before the commit), and from which the first members restart when it holds one
 (``FaultTolerance.restore``, printing ``restored``). A fault fires once per rank and
@@ -41,7 +42,7 @@ from pathlib import Path
 import torch
 
 import bagua_torch
-from bagua_common.fault_tolerance import DataPosition
+from bagua_common.fault_tolerance import DataPosition, Membership
 from bagua_common.job.checkpoint import latest
 from bagua_torch import checkpoint, state_transfer
 from bagua_torch.algorithms import get_algorithm
@@ -71,6 +72,13 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
             fired.touch()
             kind = f["kind"]
             report(event="fault", kind=kind, where=where, step=step, time=time.time())
+            if kind == "kill-once-asked":  # the joiner's request is in before this death is noticed
+                asked = Path(os.environ["FT_MARKS"]) / "joiner-asked"
+                deadline = time.monotonic() + 60
+                while not asked.exists() and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.3)
+                kind = "kill"
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "stop":
@@ -130,6 +138,13 @@ def main() -> None:
         original_tensors(group, tensors, root)
 
     state_transfer.broadcast_tensors = broadcast_tensors  # the holder lost once connected to the joiner
+    original_join = Membership.join
+
+    def join(*args, **kwargs):
+        (Path(os.environ["FT_MARKS"]) / "joiner-asked").touch()
+        return original_join(*args, **kwargs)
+
+    Membership.join = join  # the point a kill-once-asked victim waits for
     original_load = state_transfer.IncomingState.load
 
     def load(self: state_transfer.IncomingState) -> None:
@@ -167,13 +182,18 @@ def main() -> None:
             s["momentum_buffer"] for o in self.context.optimizers for s in o.state.values() if "momentum_buffer" in s
         ]
         inner = hashlib.sha256(b"".join(m.numpy().tobytes() for m in momenta)).hexdigest()  # the inner optimizer's
+        values = {"values": flat[: self.sizes[p]].tolist()} if os.environ.get("FT_REPORT_PARAMS") == "1" else {}
         report(
             event="exchange",
             step=step,
             pseudo_gradient=hashlib.sha256(flat.numpy().tobytes()).hexdigest(),
             inner=inner,
+            **values,
         )
-        return original_average(self, p, flat)
+        mean = original_average(self, p, flat)
+        if values:
+            report(event="exchanged", step=step, mean=mean.tolist())
+        return mean
 
     DiLoCoImpl._average = average  # the "mid-exchange" fault point
     original_commit, original_commit_step = FaultTolerance.commit, FaultTolerance.commit_step

@@ -61,14 +61,16 @@ def test_collected_on_its_own_thread_it_closes_the_communicator_after_the_exchan
     holder: list[BackgroundExchange] = []
     dropped_here = threading.Event()
 
-    def average(pseudo_gradient: np.ndarray, residual: np.ndarray, comm: _Pinned) -> tuple[np.ndarray, np.ndarray]:
+    def average(
+        pseudo_gradient: np.ndarray, residual: np.ndarray, trained: np.ndarray, comm: _Pinned
+    ) -> tuple[np.ndarray, np.ndarray]:
         dropped_here.wait(timeout=5)
         holder.clear()  # the last reference to the exchange goes on its own thread: its finalizer runs here
         comm.split.exchanges_done += 1
         return pseudo_gradient / 2, residual
 
     exchange = BackgroundExchange(world, average, "test")
-    exchange._start(0, np.int32(1), np.ones(3, np.float32), np.zeros(0, np.float32))
+    exchange._start(0, np.int32(1), np.ones(3, np.float32), np.zeros(0, np.float32), np.float32(1.0))
     result = exchange._in_flight[0].result
     holder.append(exchange)
     del exchange

@@ -632,28 +632,40 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
         print(f"{faults[fault_step][1]} at step {fault_step}: the survivors' exchange ran again {resume:.2f} s later")
 
 
-def test_streaming_diloco_survivors_retry_an_overlapped_exchange_among_themselves_and_admit_a_joiner(tmp_path: Path):
+@pytest.mark.parametrize("asks", ["after", "before"])
+def test_streaming_diloco_survivors_retry_an_overlapped_exchange_among_themselves_and_admit_a_joiner(
+    tmp_path: Path, asks: str
+):
     # Fragment 1 (w) is exchanged after steps 2, 6, 10, ... on a thread while the next step computes, and applied
     # after 3, 7, 11; fragment 0 (b) after 4, 8, 12, applied after 5, 9, 13. Member 2 dies as it starts step 6: the
     # exchange the others start there waits for it on the thread until the epoch closes, which revokes the thread's
     # communicator with the world's. Step 7 applies it: the two survivors rebuild both communicators and run that
-    # exchange again among themselves, with the pseudo-gradients they took at step 6 (no inner step lost). A joiner
-    # is then admitted at an exchange's application and trains from the next step; the round start ends bit-identical.
-    # The survivors start step 7 once they saw the epoch close: it is not run there, so the exchange they queued at
-    # step 6 is still theirs to drop (it ran among members that are gone), not to wait for again.
+    # exchange again among themselves, with the pseudo-gradients they took at step 6 (no inner step lost). The
+    # survivors start step 7 once they saw the epoch close: it is not run there, so the exchange they queued at
+    # step 6 is still theirs to drop (it ran among members that are gone), not to wait for again. A joiner that asks
+    # after that recovery is admitted once an exchange was applied and trains from the next step; one that asked
+    # before it is admitted by it and sits out step 7 (computing member 0's, weighed zero): it did not start the
+    # exchange applied there, and adds nothing to it (given member 0's pseudo-gradient with the state, it would count
+    # member 0 twice). The round start ends bit-identical.
     options = {"fragments": 2, "fragment_sync_delay": 1}
     config = DiLoCoConfig(sync_every=DILOCO_ROUND, **options)
-    env = {"FT_AWAIT_CLOSE_AT": "7"}
-    results = run_members(tmp_path, "train_diloco", 4, {6: (2, "kill")}, 3, 3, 16, options, env=env)
+    env = {"FT_AWAIT_CLOSE_AT": "7"} | ({"FT_START_JOINER_AFTER": "7"} if asks == "after" else {})
+    faults = {6: (2, "kill" if asks == "after" else "kill-once-asked")}
+    results = run_members(tmp_path, "train_diloco", 4, faults, 3, 3, 16, options, env=env)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode == 0 for r in results] == [True, True, False, True], outputs
     survivor, other, joiner = results[0].value, results[1].value, results[3].value
     sizes = {s["step"]: s["trainers"] for s in survivor["steps"]}
     assert list(sizes) == list(range(1, len(sizes) + 1)), sizes  # every inner step done once: none lost
     admitted_at = min(s["step"] for s in joiner["steps"])
-    assert config.applies_after(admitted_at - 1), admitted_at  # admitted by an exchange's application
-    assert [sizes[t] for t in range(1, len(sizes) + 1)] == [3] * 6 + [2] * (admitted_at - 7) + [3] * (
-        len(sizes) - admitted_at + 1
+    if asks == "before":
+        assert admitted_at == 7 and joiner["steps"][0]["trainers"] == 2 and joiner["steps"][0]["rank"] == 0
+        trains_from = 8
+    else:  # admitted by an exchange's application
+        assert admitted_at > 7 and config.applies_after(admitted_at - 1), admitted_at
+        trains_from = admitted_at
+    assert [sizes[t] for t in range(1, len(sizes) + 1)] == [3] * 6 + [2] * (trains_from - 7) + [3] * (
+        len(sizes) - trains_from + 1
     ), sizes
     failed = [a["step"] for a in survivor["attempts"] if "end" not in a]
     assert failed[:1] == [7] and set(failed[1:]) <= {admitted_at}, failed  # only applications ran again

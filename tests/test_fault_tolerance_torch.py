@@ -581,6 +581,28 @@ def test_streaming_diloco_retries_an_overlapped_exchange_among_the_survivors_and
     check_every_sample_once(job, lost_parts=2)  # rank 2's parts of step 6 (it died in) and 7 (its death noticed)
 
 
+def test_a_streaming_diloco_joiner_admitted_where_an_exchange_is_retried_adds_nothing_to_it(jobs):
+    # Rank 2 dies inside fragment 1's overlapped exchange of step 6 once a joiner asked: the survivors' recovery
+    # admits the joiner, and the exchange retried there is the two survivors' mean. The joiner, given rank 0's state
+    # with rank 0's pseudo-gradient in it, sends zeros for that exchange, uncounted: not rank 0's a second time.
+    options = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1}
+    faults = [{"rank": 2, "step": 6, "where": "exchange", "kind": "kill-once-asked"}]
+    job = jobs(3, f"diloco {json.dumps(options)}", faults, steps=12, world=3, env={"FT_REPORT_PARAMS": "1"})
+    job.wait_until(lambda: any(e.get("event") == "fault" for e in list(job.events)))
+    survivors, joiner, ends = finish_with_a_joiner_on_one_round_start(job)
+    for end in ends[:2]:
+        (change,) = end[0]["recoveries"]  # the death and the admission in one recovery
+        assert change["size"] == 3 and change["joined"] == 1 and change["steps_lost"] == 0, change
+    tried = [[e for e in job.of(pid, "exchange") if e["step"] == 6] for pid in survivors + joiner]
+    assert [len(t) for t in tried] == [2, 2, 1], tried  # the survivors' first try, then everyone's retry
+    own = [np.asarray(t[-1]["values"], np.float32) for t in tried]
+    np.testing.assert_array_equal(own[0], tried[0][0]["values"])  # each survivor retries its own pseudo-gradient
+    assert not own[2].any() and own[0].any() and own[1].any()
+    for pid in survivors + joiner:
+        (mean,) = [e["mean"] for e in job.of(pid, "exchanged") if e["step"] == 6]  # the first try never ended
+        np.testing.assert_allclose(mean, (own[0] + own[1]) / 2, rtol=1e-6, atol=1e-7)
+
+
 def test_diloco_survivors_train_on_to_the_rounds_exchange_after_a_death_in_an_inner_step(jobs):
     # Rank 1 lags by 0.3 s (6 steps) from step 3; rank 2 dies in step 4's forward pass. The others notice at
     # different inner steps (they communicate nothing), train on to the exchange after step 10, which fails on

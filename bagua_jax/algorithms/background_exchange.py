@@ -40,8 +40,9 @@ from jax.experimental import io_callback
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 
-Average = Callable[[jax.Array, jax.Array, HostCommunicator], tuple[jax.Array, jax.Array]]
-"""``average(pseudo_gradient, residual, comm)``: the ranks' mean pseudo-gradient over ``comm`` and the new residual."""
+Average = Callable[[jax.Array, jax.Array, jax.Array, HostCommunicator], tuple[jax.Array, jax.Array]]
+"""``average(pseudo_gradient, residual, trained, comm)``: the ranks' mean pseudo-gradient over ``comm`` and the new
+residual; ``trained`` is this rank's weight (a float32 scalar, 1.0 or 0.0: :attr:`DiLoCoState.trained`)."""
 
 
 class _Exchange(NamedTuple):
@@ -51,17 +52,16 @@ class _Exchange(NamedTuple):
     step: int
     pseudo_gradient: np.ndarray
     residual: np.ndarray
+    trained: np.ndarray
     generation: int
     result: Future
 
-    def has_inputs(self, step: int, pseudo_gradient: np.ndarray, residual: np.ndarray, generation: int) -> bool:
-        """Whether this exchange was started at ``step`` from these exact bits (NaNs included), by the members of the
-        communicator's ``generation``."""
+    def has_inputs(self, step: int, inputs: tuple[np.ndarray, np.ndarray, np.ndarray], generation: int) -> bool:
+        """Whether this exchange was started at ``step`` from these exact bits (NaNs included) of its pseudo-gradient,
+        residual and weight, by the members of the communicator's ``generation``."""
+        mine = (self.pseudo_gradient, self.residual, self.trained)
         return (
-            self.step == step
-            and self.generation == generation
-            and _same_bits(self.pseudo_gradient, pseudo_gradient)
-            and _same_bits(self.residual, residual)
+            self.step == step and self.generation == generation and all(_same_bits(a, b) for a, b in zip(mine, inputs))
         )
 
 
@@ -107,12 +107,15 @@ class BackgroundExchange:
         self._in_flight: dict[int, _Exchange] = {}
         weakref.finalize(self, _shut_down, self._thread, comm, workers)
 
-    def start(self, fragment: int, step: jax.Array, pseudo_gradient: jax.Array, residual: jax.Array) -> None:
-        """(Inside ``jit``) queue fragment ``fragment``'s exchange, started after inner step ``step``."""
-        io_callback(partial(self._start, fragment), None, step, pseudo_gradient, residual, ordered=True)
+    def start(
+        self, fragment: int, step: jax.Array, pseudo_gradient: jax.Array, residual: jax.Array, trained: jax.Array
+    ) -> None:
+        """(Inside ``jit``) queue fragment ``fragment``'s exchange, started after inner step ``step``, this rank's
+        pseudo-gradient weighed by ``trained``."""
+        io_callback(partial(self._start, fragment), None, step, pseudo_gradient, residual, trained, ordered=True)
 
     def finish(
-        self, fragment: int, step: jax.Array, pseudo_gradient: jax.Array, residual: jax.Array
+        self, fragment: int, step: jax.Array, pseudo_gradient: jax.Array, residual: jax.Array, trained: jax.Array
     ) -> tuple[jax.Array, jax.Array]:
         """(Inside ``jit``) the mean pseudo-gradient and new residual of the exchange :meth:`start` queued
         with these arguments, waiting for it if it is still on the wire (or running it now if it never was)."""
@@ -120,30 +123,28 @@ class BackgroundExchange:
             jax.ShapeDtypeStruct(pseudo_gradient.shape, np.float32),
             jax.ShapeDtypeStruct(residual.shape, np.float32),
         )
-        return io_callback(partial(self._finish, fragment), shapes, step, pseudo_gradient, residual, ordered=True)
+        return io_callback(
+            partial(self._finish, fragment), shapes, step, pseudo_gradient, residual, trained, ordered=True
+        )
 
-    def _submit(self, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray) -> _Exchange:
+    def _submit(self, step: np.ndarray, *inputs: np.ndarray) -> _Exchange:
         # The callback's arguments may alias XLA's buffers: the thread gets its own copies.
-        pseudo_gradient, residual = np.array(pseudo_gradient, copy=True), np.array(residual, copy=True)
-        result = self._thread.submit(self._run, self._comm.pinned(), pseudo_gradient, residual)
-        return _Exchange(int(step), pseudo_gradient, residual, self._comm.generation, result)
+        pseudo_gradient, residual, trained = (np.array(x, copy=True) for x in inputs)
+        result = self._thread.submit(self._run, self._comm.pinned(), pseudo_gradient, residual, trained)
+        return _Exchange(int(step), pseudo_gradient, residual, trained, self._comm.generation, result)
 
-    def _run(
-        self, members: NativeCommunicator, pseudo_gradient: np.ndarray, residual: np.ndarray
-    ) -> tuple[jax.Array, jax.Array]:
+    def _run(self, members: NativeCommunicator, *inputs: np.ndarray) -> tuple[jax.Array, jax.Array]:
         try:
-            return self._average(pseudo_gradient, residual, HostCommunicator(members))
+            return self._average(*inputs, HostCommunicator(members))
         finally:
             members.close()
 
-    def _start(self, fragment: int, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray) -> None:
-        self._in_flight[fragment] = self._submit(step, pseudo_gradient, residual)
+    def _start(self, fragment: int, step: np.ndarray, *inputs: np.ndarray) -> None:
+        self._in_flight[fragment] = self._submit(step, *inputs)
 
-    def _finish(
-        self, fragment: int, step: np.ndarray, pseudo_gradient: np.ndarray, residual: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def _finish(self, fragment: int, step: np.ndarray, *inputs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         exchange = self._in_flight.pop(fragment, None)
-        if exchange is None or not exchange.has_inputs(int(step), pseudo_gradient, residual, self._comm.generation):
-            exchange = self._submit(step, pseudo_gradient, residual)
+        if exchange is None or not exchange.has_inputs(int(step), inputs, self._comm.generation):
+            exchange = self._submit(step, *inputs)
         mean, new_residual = exchange.result.result()
         return np.asarray(mean, np.float32), np.asarray(new_residual, np.float32)

@@ -119,8 +119,9 @@ def diloco(
     uint4), and nothing on the other steps: divide DDP's traffic by ``sync_every`` and by the
     bytes saved per element. Choose it on slow links, where communicating every step dominates. The options are
     :class:`~bagua_common.algorithms.diloco.DiLoCoConfig`'s, given as one or as its fields. With ``counts_trainers``
-    (a fault-tolerant job's, one fragment) each pseudo-gradient is weighed by :attr:`DiLoCoState.trained` and the
-    average divides by the ranks that trained, counted in one more (two-element) allreduce per exchange.
+    (a fault-tolerant job's) each pseudo-gradient is weighed by :attr:`DiLoCoState.trained` (an overlapped exchange's
+    by its value when the exchange is applied) and the average divides by the ranks that trained, counted in one more
+    (two-element) allreduce per exchange.
     """
     config = as_config(DiLoCoConfig, *config, **options)
     comms = check_communicators(comms, config.name)
@@ -174,18 +175,23 @@ def diloco(
         mean, residual = EXCHANGE.average(padded_flat, comm, outer_exchange, residual if error_feedback else None)
         return mean[:size], (residual if error_feedback else jnp.zeros([0], jnp.float32))
 
-    def average_of_trainers(flat: jax.Array, residual: jax.Array, trained: jax.Array) -> tuple[jax.Array, jax.Array]:
-        """:func:`average` over the world with this rank's ``flat`` weighed by ``trained`` (1 or 0), divided by the
-        ranks that trained instead of all (none trained: zero, the same on every rank)."""
-        mean, residual = average(flat * trained, residual, world)
-        trainers, ranks = world.allreduce(jnp.stack([trained, jnp.ones_like(trained)]))
+    def weighed_average(
+        flat: jax.Array, residual: jax.Array, trained: jax.Array, comm: Any
+    ) -> tuple[jax.Array, jax.Array]:
+        """:func:`average` over ``comm``; with ``counts_trainers``, this rank's ``flat`` weighed by ``trained`` (1 or
+        0) and the mean divided by the ranks that trained instead of all (none trained: zero, the same on every
+        rank)."""
+        if not counts_trainers:
+            return average(flat, residual, comm)
+        mean, residual = average(flat * trained, residual, comm)
+        trainers, ranks = comm.allreduce(jnp.stack([trained, jnp.ones_like(trained)]))
         return mean * (ranks / jnp.maximum(trainers, 1.0)), residual
 
     # Streaming on the MPI engine (under any wrapper, e.g. a CountingCommunicator): the exchanges run on a thread of
     # their own while the next tau steps compute.
     engine = innermost(world)
     overlapped = delay > 0 and isinstance(engine, NativeCommunicator) and engine.kind == "mpi"
-    background = BackgroundExchange(engine, average, config.name) if overlapped else None
+    background = BackgroundExchange(engine, weighed_average, config.name) if overlapped else None
 
     def outer_step(anchor: list, local: list, outer_state: Any, mean: jax.Array) -> tuple[list, list, Any]:
         """The outer optimizer's step on the fragment's round-start parameters, and the mixed local ones."""
@@ -236,11 +242,7 @@ def diloco(
             def sync(operands):
                 anchor, updates, outer_state, residual = operands
                 mine = local(updates)
-                flat = pseudo_gradient(anchor, mine)
-                if counts_trainers:
-                    mean, residual = average_of_trainers(flat, residual, trained)
-                else:
-                    mean, residual = average(flat, residual, world)
+                mean, residual = weighed_average(pseudo_gradient(anchor, mine), residual, trained, world)
                 anchor, mixed, outer_state = outer_step(anchor, mine, outer_state, mean)
                 return varying_like((anchor, synchronized(mixed, updates), outer_state, residual), updates)
 
@@ -248,17 +250,17 @@ def diloco(
                 updates = [inner[i] for i in part]
                 flat = pseudo_gradient([anchors[i] for i in part], local(updates))
                 if background is not None:
-                    background.start(p, step, flat, residuals[p])
+                    background.start(p, step, flat, residuals[p], trained)
                     if world is not engine:  # a wrapper sees the exchange the thread will make, traced not run
-                        jax.eval_shape(functools.partial(average, comm=world), flat, residuals[p])
+                        jax.eval_shape(functools.partial(weighed_average, comm=world), flat, residuals[p], trained)
                 return varying_like(flat, updates)
 
             def apply(operands):
                 anchor, updates, outer_state, residual = operands
                 if background is not None:
-                    mean, residual = background.finish(p, step - delay, pending[p], residual)
+                    mean, residual = background.finish(p, step - delay, pending[p], residual, trained)
                 else:
-                    mean, residual = average(pending[p], residual, world)
+                    mean, residual = weighed_average(pending[p], residual, trained, world)
                 anchor, mixed, outer_state = outer_step(anchor, local(updates), outer_state, mean)
                 return varying_like((anchor, synchronized(mixed, updates), outer_state, residual), updates)
 
@@ -318,13 +320,15 @@ class DiLoCo(ConfiguredAlgorithm):
 
     def counting_trainers(self) -> DiLoCo:
         """A copy whose exchange weighs each rank's pseudo-gradient by :attr:`DiLoCoState.trained` and divides by the
-        ranks that trained: a fault-tolerant job's, whose joiner sits out its first round contributing zero."""
+        ranks that trained: a fault-tolerant job's, whose joiner contributes zero to the exchanges it sits out (its
+        first round under DiLoCo; the step that applies an exchange started before it came, under Streaming DiLoCo)."""
         return self.replace()._variant(counts_trainers=True)
 
 
 def skip_untrained(opt_state: Any, steps: int) -> Any:
     """``opt_state`` with each :class:`DiLoCoState` in it ``steps`` inner steps on and marked as not trained: a
-    fault-tolerant joiner's, which sits out the round in flight and joins its exchange with a zero pseudo-gradient."""
+    fault-tolerant joiner's, which sits out the steps up to the next exchange (or the one it is given the state in)
+    and joins it with a zero pseudo-gradient."""
 
     def skip(node: Any) -> Any:
         if not isinstance(node, DiLoCoState):

@@ -243,6 +243,12 @@ class DiLoCoImpl(AlgorithmImpl):
         self.own = {int(p): t for p, t in state["own"].items()}
         self.silent = {int(p) for p in state["silent"]}
 
+    def received(self) -> None:
+        """The pseudo-gradients not yet applied that came with the state are the sender's: their exchanges (retried
+        after the change) get zeros from this rank, uncounted, as from one that sat the round out."""
+        self.own = {p: torch.zeros_like(own) for p, own in self.own.items()}
+        self.silent |= set(self.own)
+
     def replicated_tensors(self) -> list[torch.Tensor]:
         return list(self.round_start)
 
