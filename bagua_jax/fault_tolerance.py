@@ -1,19 +1,17 @@
 """Training that survives a lost rank without a restart: the JAX front end (native mode, MPI engine).
 
 :class:`FaultTolerantTrainer` drives a :class:`~bagua_jax.trainer.DataParallel` in native mode through the shared
-protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a transaction
-that votes without waiting for the others' votes; a JAX step changes nothing in place, so an abandoned one costs
-nothing to roll back. When a member dies or hangs, a thread revokes the communicator, the survivors shrink it to
-themselves in the same handle (a step whose shapes follow the world size was compiled ahead for it), check
-that their replicas are bit-identical and run the step again on the new partition of the samples not yet trained
-on. A joiner compiles its step before it asks to be admitted; under gradient allreduce and PowerSGD it takes its
-first step weighed out while its state travels (:mod:`bagua_jax.weighed_out_step`). Under DiLoCo each outer exchange
-is the transaction: the survivors train on to it and retry it among themselves, losing no inner step, and a joiner sits
-out the round in flight with a zero pseudo-gradient (INTELLECT-1's rule); an exchange overlapping the next steps
-(Streaming DiLoCo) commits with the step that applies it. Decentralized training's replicas drift: each member keeps
-its own weights, and a step commits once every member voted. The guide, ``docs/guides/fault_tolerance.md``, has the
-rules of every algorithm's state.
-"""
+protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a transaction; a
+JAX step changes nothing in place, so an abandoned one costs nothing to roll back. When a member dies or hangs, a
+thread revokes the communicator, the survivors shrink it to themselves in the same handle (a step whose shapes follow
+the world size was compiled ahead for it), check that their replicas are bit-identical and run the step again on the
+new partition of the samples not yet trained on. A joiner compiles its step before it asks to be admitted and does not
+make its peers wait for its state: it takes its first step weighed out (gradient allreduce, PowerSGD:
+:mod:`bagua_jax.weighed_out_step`), sits it out (decentralized: :mod:`bagua_jax.unaveraged_step`), or sits out the
+DiLoCo round in flight with a zero pseudo-gradient (INTELLECT-1's rule). Under DiLoCo each outer exchange is the
+transaction: the survivors train on to it and retry it among themselves, losing no inner step; one overlapping the
+next steps (Streaming DiLoCo) commits with the step that applies it. The guide, ``docs/guides/fault_tolerance.md``,
+has the rules of every algorithm's state."""
 
 from __future__ import annotations
 
@@ -54,6 +52,7 @@ from bagua_jax.resized_steps import ResizedSteps
 from bagua_jax.signature import job_signature
 from bagua_jax.train_state import TrainState, is_nnx_module, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
+from bagua_jax.unaveraged_step import UnaveragedStep, counted_on
 from bagua_jax.weighed_out_step import WeighedOutStep, weighs_out
 
 __all__ = ["FaultTolerantTrainer"]
@@ -74,11 +73,7 @@ class FaultTolerantTrainer:
     """
 
     def __init__(
-        self,
-        trainer: DataParallel,
-        membership: Membership,
-        data: DataPosition,
-        hash_every: int | None = None,
+        self, trainer: DataParallel, membership: Membership, data: DataPosition, hash_every: int | None = None
     ):
         state_rules.refuse_unsurvivable(trainer)
         if membership.epoch.is_joiner():
@@ -120,8 +115,7 @@ class FaultTolerantTrainer:
             raise ValueError("FaultTolerantTrainer needs a DataParallel over the native MPI engine (communicator=)")
         self.trainer, self.data, self.communicator = trainer, data, communicator
         self.hash_every = settings.hash_every if hash_every is None else int(hash_every)
-        # Steps whose collectives are averages laid out the same for every world size (the engine divides by its
-        # size: gradient allreduce, PowerSGD, DiLoCo's float32 exchange) run on every size as compiled; others not.
+        # Averages laid out alike for every size (gradient allreduce, PowerSGD, DiLoCo's float32) run as compiled.
         config = trainer.algorithm.config
         self._diloco: DiLoCoConfig | None = config if isinstance(config, DiLoCoConfig) else None
         fp32_diloco = self._diloco is not None and self._diloco.outer_exchange == "fp32"
@@ -131,18 +125,16 @@ class FaultTolerantTrainer:
             trainer._use(trainer.algorithm.counting_trainers())
         if isinstance(trainer.algorithm, Decentralized):  # a lost member may leave an odd number to pair
             trainer._use(trainer.algorithm.averaging_all_when_odd())
-        # A step's collectives completing on a rank show every rank contributed only where each spans all ranks
-        # (identical replicas): a decentralized exchange completes with one peer, so it waits for every vote.
+        # A decentralized exchange completes with one peer: its step waits for every vote (identical replicas: ahead).
         self._waits_for_votes = self._diloco is not None or not getattr(trainer.algorithm, "replicas_identical", False)
         self._weighed_out_step = WeighedOutStep(trainer) if weighs_out(trainer) else None
+        self._unaveraged_step = UnaveragedStep(trainer) if isinstance(trainer.algorithm, Decentralized) else None
         self._resized = ResizedSteps(trainer) if settings.compile_ahead and not self._world_size_free else None
         self._sitting_out: frozenset[str] = frozenset()
-        """The members (ids) given the state that sit out the round in flight, or are weighed out of the step in flight
-        (the next one), until it commits."""
+        """The members (ids) given the state that sit out (or are weighed out of) the round or step in flight."""
         self._transfer: Future | None = None  # the state's sending to those sitting out, while the members train
         self._incoming: Future | None = None  # a member weighed out of the step in flight: its state on the way
-        # The transaction after which the replicas are compared next, instead of every hash_every: the first one every
-        # member trained after those given the state took part (weighed out: the one after their first step).
+        # The transaction the replicas are compared after (not hash_every): the first all trained once joiners were in.
         self._check_after: int | None = None
         self._roles: TrainState | None = None
         self.membership: Membership | None = None
@@ -178,8 +170,8 @@ class FaultTolerantTrainer:
             )
         state = self.trainer.init(params)  # the first members check with each other that they train the same job
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
-        if unwrap_state(state).model_state is not None:  # averaged with the gradients: no weighed-out step
-            self._weighed_out_step = None
+        if unwrap_state(state).model_state is not None:  # averaged: no weighed-out or unaveraged step
+            self._weighed_out_step = self._unaveraged_step = None
         if self.membership is None:
             state = self._join(state, example_batch)
             state = self._resumed(self._share_state(state, self.epoch))
@@ -189,9 +181,8 @@ class FaultTolerantTrainer:
         return state
 
     def _join(self, state: Any, example_batch: Any) -> Any:
-        """Compile the step alone, then ask to be admitted and take the epoch's communicator in the same slot (the
-        step compiled for one rank runs on it where its shapes do not depend on the world size); returns ``state``
-        laid out for the epoch's world size."""
+        """Compile the step alone (for the job's size where its shapes follow it), ask to be admitted and take the
+        epoch's communicator in the same slot; returns ``state`` laid out for the epoch's world size."""
         if example_batch is None:
             raise ValueError(
                 "FaultTolerantTrainer.init: a joiner compiles its step before it asks to join, so that its peers never "
@@ -203,6 +194,8 @@ class FaultTolerantTrainer:
             self._resized.compile_for_joining(state, example_batch, self._roles, *self._join_at[:2])
         if self._weighed_out_step is not None:  # its first step
             self._weighed_out_step.compile(state, example_batch)
+        if self._unaveraged_step is not None:  # the loss of the first step, which it sits out
+            self._unaveraged_step.compile_loss(state, example_batch)
         settings, master, timeout = self._join_at
         asked = time.time()
         membership = Membership.join(settings, *master, timeout=timeout)
@@ -214,13 +207,13 @@ class FaultTolerantTrainer:
 
     def step(self, state: Any, batch_of: Callable[[np.ndarray], Any]) -> tuple[Any, Any]:
         """One step: ``batch_of(indices)`` builds this rank's batch from the sample indices :attr:`data` assigns it;
-        returns the new state and the step's result as :meth:`DataParallel.step` does.
+        returns the new state and the step's result as :meth:`DataParallel.step` does (a decentralized joiner's first
+        step, which it sits out: the loss of the state it was given, :mod:`bagua_jax.unaveraged_step`).
 
         A step that is a transaction (every step; under DiLoCo, each step that ends with an outer exchange) commits
         by agreement; one abandoned by a membership change is run again, on the new members' partition of the same
         samples, from the last committed state. A DiLoCo inner step runs in a closed epoch too: it communicates
-        nothing, and the round's exchange is where the survivors recover.
-        """
+        nothing, and the round's exchange is where the survivors recover."""
         failed_at = None
         while True:
             epoch, transaction = self.epoch, self.committed + 1
@@ -228,23 +221,28 @@ class FaultTolerantTrainer:
             if failed_at is not None:
                 self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
             place, trainers = self._training_place(epoch)
+            unaveraged = self._unaveraged_step is not None and bool(self._sitting_out)
+            sat_out = unaveraged and epoch.members[epoch.rank].id in self._sitting_out  # a joiner: the members train
             batch = batch_of(self.data.indices(place, trainers))
             weighed = self._weighed_out_step is not None and bool(self._sitting_out)
             try:
                 if epoch.closed.is_set() and (exchange or epoch.ended.is_set()):
                     raise MembershipChanged(f"epoch {epoch.number} closed")
-                if exchange and self._transfer is not None and (self._sits_out or not weighed):
+                if exchange and self._transfer is not None and (self._sits_out or not (weighed or unaveraged)):
                     transfer, self._transfer = self._transfer, None  # the receivers have it before the exchange
                     wait_unless(transfer, epoch.closed, f"epoch {epoch.number} closed while the state was on its way")
-                if weighed:  # the joiners send zeros, the average divides by the members; every rank runs the two
+                if sat_out:  # it votes for the step the members train, its state one step on (unaveraged_step)
+                    new_state, result = counted_on(state), None
+                elif weighed:  # the joiners send zeros, the average divides by the members; every rank runs the two
                     self.communicator.set_mpi_average_divisor(trainers)  # halves: the joiners' update is the members'
                     new_state, result = self._weighed_out_step.step(state, batch, self._incoming, epoch)
                 else:
-                    new_state, result = self.trainer.step(state, batch)
+                    new_state, result = (self._unaveraged_step if unaveraged else self.trainer).step(state, batch)
                 jax.block_until_ready((new_state, result))
-                if self._weighed_out_step is not None:  # compiled from a thread, long before a joiner comes
-                    self._weighed_out_step.compile_in_background(state, batch)
-                if self._resized is not None:  # the same, for the world sizes one change brings
+                for ahead in (self._weighed_out_step, self._unaveraged_step):  # compiled from a thread, long before a
+                    if ahead is not None:  # joiner comes (and for the world sizes one change brings)
+                        ahead.compile_in_background(state, batch)
+                if self._resized is not None:
                     self._resized.compile_in_background(state, batch, self._roles)
                 if weighed:
                     self.communicator.set_mpi_average_divisor(None)
@@ -270,6 +268,8 @@ class FaultTolerantTrainer:
                     except Exception as error:  # noqa: BLE001 - as above; the recovery checks the replicas
                         fail_epoch(self.membership, epoch, error)
                         new_state = self._recover(new_state)
+                if sat_out:  # the loss of the state it was given, on the first member's samples, once it voted
+                    result = self._unaveraged_step.loss(state, batch)
                 return new_state, result
             failed_at = time.monotonic() if failed_at is None else failed_at
             state = self._recover(state)
@@ -279,10 +279,9 @@ class FaultTolerantTrainer:
         of the whole job; returns its folder. None when a member was lost meanwhile: the checkpoint is not committed
         (rank 0 commits it once every member wrote its part, so a committed one is whole) and the next :meth:`step`
         recovers, as after a loss in a step; None also, with nothing written, while the members change (the next step
-        admits a joiner) and while a DiLoCo joiner sits out the round (it waits inside the round's exchange). The
-        checkpoint records :attr:`data`'s position for :meth:`restore`."""
+        admits a joiner) and while a joiner sits out. It records :attr:`data`'s position for :meth:`restore`."""
         epoch = self.epoch
-        if self._sitting_out or epoch.closed.is_set():  # joiners inside the round's exchange; members changing
+        if self._sitting_out or epoch.closed.is_set():  # joiners not training (in a round's exchange); members changing
             return None
         try:
             return checkpoint.save(root, state, self.trainer, metadata={RECORD_KEY: self.data.record()})
@@ -347,8 +346,8 @@ class FaultTolerantTrainer:
         """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
         that had not applied a step another one applied is given that one's state)."""
         started = time.monotonic()
-        if self._transfer is not None and self._weighed_out_step is None:  # a broadcast on the old communicator: over
-            with contextlib.suppress(Exception):  # (revoked) before it changes; a pair's own thread is left to end
+        if self._transfer is not None and self._sits_out:  # a broadcast on the old communicator: over (revoked)
+            with contextlib.suppress(Exception):  # before it changes; a pair's own thread is left to end
                 self._transfer.result()
         self._transfer = self._incoming = None
         old = self.epoch
@@ -368,9 +367,8 @@ class FaultTolerantTrainer:
         return state
 
     def _carry_over(self, state: Any, recompile: bool) -> Any:
-        """``state`` for the new members by the algorithm's rules (:mod:`bagua_jax.state_rules`): the per-rank
-        leaves (error-feedback residuals) from a fresh state, the rest kept; the step is compiled again first when
-        its buffers are laid out for the world size (unless it was, ahead: :mod:`bagua_jax.resized_steps`)."""
+        """``state`` for the new members by :mod:`bagua_jax.state_rules` (per-rank leaves fresh, the rest kept), the
+        step compiled again first where its buffers follow the world size (unless ahead: ``resized_steps``)."""
         if recompile and not (self._resized is not None and self._resized.adopt(self.trainer.size)):
             self.trainer.recompile()
         own = unwrap_state(state)
@@ -384,15 +382,16 @@ class FaultTolerantTrainer:
         return state_rules.ring_copies_resumed(state, gather, self.epoch.rank)
 
     def _share_state(self, state: Any, epoch: Epoch) -> Any:
-        """The first member that has the committed state (:attr:`Epoch.state_holder`) gives it to the joiners and the
-        survivors behind, having checked they train the same job; the position and who sits out go through the store.
-        Under gradient allreduce and PowerSGD it goes over a pair each while they take the next step weighed out (given
-        the algorithm's replicated state first); under DiLoCo with one fragment, by broadcast while the members train
-        the round they sit out; else while everyone waits (Streaming DiLoCo's sit out a step applying an exchange)."""
+        """The state's holder (:attr:`Epoch.state_holder`) gives the committed state to joiners and survivors behind,
+        having checked they train the same job (position, who sits out: through the store). Over a pair each while they
+        take the next step weighed out (gradient allreduce, PowerSGD: the algorithm's replicated state first) or
+        sit it out (decentralized); by broadcast while the members train the DiLoCo round they sit out (one fragment);
+        else while everyone waits (Streaming DiLoCo's sit out a step applying an exchange)."""
         holder, key = epoch.state_holder, epoch.prefix("transfer")
         receivers = [rank for rank in range(epoch.size) if epoch.is_joiner(rank)]
         weighed = self._weighed_out_step is not None
-        if self._sits_out or weighed or (self._diloco is not None and self._is_transaction(state)):
+        paired = weighed or self._unaveraged_step is not None  # sent over a pair while the members train
+        if self._sits_out or paired or (self._diloco is not None and self._is_transaction(state)):
             self._sitting_out |= {epoch.members[rank].id for rank in receivers}
         if epoch.rank == holder:  # the algorithm's replicated state first: the record says both are there
             if weighed:
@@ -411,13 +410,13 @@ class FaultTolerantTrainer:
             return state_transfer.broadcast_state(host, state, holder)
 
         if not epoch.is_joiner():
-            if weighed and epoch.rank == holder:
+            if paired and epoch.rank == holder:
                 self._transfer = in_background(
                     partial(state_transfer.send_to_each, epoch, receivers, state, signature), "bagua-ft-state"
                 )
             elif self._sits_out:
                 self._transfer = in_background(broadcast, f"bagua-ft-transfer-{epoch.number}")
-            elif not weighed:
+            elif not paired:
                 broadcast()
             return state
         if weighed:
@@ -425,7 +424,8 @@ class FaultTolerantTrainer:
                 partial(state_transfer.transfer_over_pair, epoch, epoch.rank, state, signature), "bagua-ft-state"
             )
         else:
-            received = state_transfer.state_from_bytes(broadcast(), state)
+            sent = state_transfer.transfer_over_pair(epoch, epoch.rank, state, signature) if paired else broadcast()
+            received = state_transfer.state_from_bytes(sent, state)
         raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
         if raw is None:
             raise TimeoutError(f"fault tolerance: no state record for the joiners of epoch {epoch.number}")

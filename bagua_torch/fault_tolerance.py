@@ -331,16 +331,20 @@ class FaultTolerance:
         """The first member that has the job's state sends it to each one that needs it (a joiner, or a survivor
         that had not applied the last step): :mod:`bagua_torch.state_transfer`. Under gradient allreduce a receiver
         takes part in the next step weighed out while the state travels; under DiLoCo (one fragment) it sits out the
-        round in flight and joins its exchange with an uncounted zero pseudo-gradient (both: :attr:`_sitting_out`);
-        otherwise the members wait for the transfer."""
+        round in flight and joins its exchange with an uncounted zero pseudo-gradient; under decentralized training it
+        sits out the next step, which the members train without averaging (both: :attr:`_sitting_out`); otherwise the
+        members wait for the transfer."""
         epoch = self.epoch
         assert epoch is not None and self.membership is not None
         receivers = tuple(r for r in range(epoch.size) if epoch.is_joiner(r))
         link = (self.backend, self.device, self.timeout)
         sit_out = state_transfer.steps_to_sit_out(self.modules)
         scales = state_transfer.weighed_out_scales(self.modules, epoch.size - len(receivers))
-        if sit_out and epoch.rank not in receivers and self.group is not None:  # the loop's collectives: the trainers'
-            self.group.use(trainers_communicator(epoch, receivers, self.backend, self.timeout))  # before the state goes
+        if sit_out and epoch.rank not in receivers:
+            for module in self.modules:
+                module.algorithm_impl.others_sit_out(sit_out)
+            if self.group is not None:  # the loop's collectives: the trainers', before the state goes
+                self.group.use(trainers_communicator(epoch, receivers, self.backend, self.timeout))
         if epoch.rank == epoch.state_holder:
             state = state_transfer.job_state(self.step, self.committed, self.data, self.modules)
             if scales:  # the position first, the rest while they take their first step weighed out
@@ -367,6 +371,10 @@ class FaultTolerance:
             self._sitting_out, self._weighed_out = receivers, bool(scales)
         for module, scale in zip(self.modules, scales or ()):
             module.algorithm_impl.weighed_out = WeighedOut(epoch.rank not in receivers, scale)
+        if sit_out and epoch.rank in receivers and all(m.algorithm_impl.transaction_per_step for m in self.modules):
+            for _ in range(sit_out):  # decentralized: the members commit the step it sat out once it voted
+                if not self.commit():
+                    raise MembershipChanged(f"step {self.committed + 1} was not committed: the members changed")
 
     # --- checkpoints for a restart of the whole job --------------------------------------
 

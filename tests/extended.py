@@ -34,12 +34,12 @@ EXTENDED: dict[str, str] = {
     r"a_diloco_joiner_whose_state_holder_dies|a_diloco_joiner_sits_out_with_the_fused|"
     r"a_joiner_lost_in_the_step_it_is_weighed_out_of|a_joiner_weighed_out_while_its_state_holder_hangs|"
     r"decentralized_training_with_the_fused_optimizer|"
-    r"a_decentralized_joiner_starts_from_the_first_members_weights_and_optimizer_state\[(decentralized-fused|low))": (
+    r"a_decentralized_joiner_starts_from_the_first_members_weights_and_optimizer_state\[(decentralized|low))": (
         "torch's in-process recovery matrix: 3-4 ranks, several faults and replacements per job (30-80 s each under "
         "load); survivors going on after a SIGKILL, one of them given the other's state, DiLoCo's survivors training "
         "on to the exchange and its joiner sitting out a round, and the refusal stay quick, and so do the launcher's "
         "slot's decisions (test_fault_tolerance_job_end); so does a joiner weighed out of its first step, and the "
-        "low-precision decentralized copies' restart (5 s), and a decentralized joiner's state (6 s)"
+        "low-precision decentralized copies' restart (5 s), and a decentralized joiner sitting out its first step (7 s)"
     ),
     r"test_fault_tolerance_jax\.py::test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_"
     r"inner_step\[(diloco-uint8|streaming-uint8)\]": "the 8-bit and Streaming variants of JAX's DiLoCo survivors "
@@ -48,8 +48,8 @@ EXTENDED: dict[str, str] = {
     r"on_from_the_next_one\[diloco\]": "DiLoCo's lost checkpoint (7-10 s; gradient allreduce's stays quick, and "
     "JAX's DiLoCo restart is quick)",
     r"test_fault_tolerance_jax\.py::test_streaming_diloco_survivors_retry_an_overlapped_exchange_among_themselves_"
-    r"and_admit_a_joiner\[after\]": "JAX's Streaming joiner that asks once the recovery is over (11 s; the one that asks "
-    "before it, admitted where the overlapped exchange is retried, stays quick)",
+    r"and_admit_a_joiner\[after\]": "JAX's Streaming joiner that asks once the recovery is over (11 s; the one that "
+    "asks before it, admitted where the overlapped exchange is retried, stays quick)",
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_shrink": "JAX's death during a recovery "
     "(10 s; its stop after the shrink's timeout is the MPI engine's own dead-peer bound, which stays quick)",
     r"test_fault_tolerance_torch\.py::test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives"

@@ -16,7 +16,9 @@ model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX
 ``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals folder (the last
 run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch
 closed, and ``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's
-step. Every member records each attempt of a step (its transaction, epoch, rank, sample indices, times),
+step. ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step after the joiner's admission compute that much
+longer. Every member records each attempt of a step (its transaction, epoch, rank, the
+members training it and all the members, sample indices, times),
 its state's first and final parameters, its final rank and, under low-precision decentralized training, its copies
 of its own and its ring neighbours' weights.
 """
@@ -171,6 +173,24 @@ def _delay_the_state(seconds: float, then_die: bool) -> None:
     state_transfer.transfer_over_pair = late
 
 
+def _slow_the_admitting_step(seconds: float, ft, final_size: int) -> None:
+    """Make a first member's step after the joiner's admission (the first with ``final_size`` members) compute
+    ``seconds`` longer."""
+    if not seconds:
+        return
+    from bagua_jax.trainer import DataParallel
+
+    step, slowed = DataParallel.step, []
+
+    def slow(self, *args, **kwargs):
+        if ft.admission is None and ft.epoch.size == final_size and not slowed:
+            slowed.append(True)
+            time.sleep(seconds)
+        return step(self, *args, **kwargs)
+
+    DataParallel.step = slow
+
+
 def _die_in_the_first_shrink() -> None:
     """SIGKILL this member inside its first shrink of the communicator (a death during a recovery)."""
     from bagua_jax.native_communicator import NativeCommunicator
@@ -245,6 +265,8 @@ def train(
     attempts = []
     _vote_with_faults(ft.membership, rank, faults, late_vote)
 
+    _slow_the_admitting_step(float(os.environ.get("FT_ADMITTING_STEP_SECONDS", "0")), ft, final_size)
+
     def batch_of(indices):
         transaction = ft.committed + 1
         if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] != "kill-before-vote":
@@ -257,6 +279,7 @@ def train(
                 "transaction": transaction,
                 "epoch": ft.epoch.number,
                 "size": ft.trainers,
+                "members": ft.epoch.size,
                 "rank": ft.epoch.rank,
                 "indices": indices.tolist(),
                 "start": time.time(),

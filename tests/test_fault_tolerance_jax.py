@@ -265,6 +265,9 @@ def test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner(tmp_path: P
         assert all(when < joiner["admitted"] for when, name, *_ in joiner["compilations"] if name in STEP_FUNCTIONS)
 
 
+DECENTRALIZED = 'decentralized {"peer_selection_mode": "shift_one"}'
+
+
 def replay_decentralized(
     records: dict[int, dict],
     start: tuple[np.ndarray, float] = (np.zeros(FEATURES), 0.0),
@@ -275,29 +278,38 @@ def replay_decentralized(
     every rank steps from the average of its own and its round's peer's weights (of every rank's, while their number
     is odd), by its own gradient at its own weights. The ranks of each step are the processes' records (a rank no
     record has is the lost member's); a process first seen in a step starts from that step's rank 0's weights, or
-    ``start`` in the first step. A job restarted from a checkpoint passes its ``position`` and the steps it had
-    taken, ``rounds_before`` (the pairs' schedule goes on from there)."""
+    ``start`` in the first step. A step some members sat out (a joiner's first) is trained by the others from their
+    own weights, without averaging, and the joiner starts from rank 0's weights before it. A job restarted from a
+    checkpoint passes its ``position`` and the steps it had taken, ``rounds_before`` (the pairs' schedule goes on from
+    there)."""
     x, y = (a.astype(np.float64) for a in dataset())
     places: dict[int, dict[int, int]] = {}
     sizes: dict[int, int] = {}
+    sat_out: set[int] = set()
     for process, record in records.items():
         for step in record["steps"]:
             places.setdefault(step["transaction"], {})[step["rank"]] = process
             sizes[step["transaction"]] = step["size"]
+            if step["members"] > step["size"]:
+                sat_out.add(step["transaction"])
     params: dict[int, tuple[np.ndarray, float]] = {}
+    entering = params  # the weights a process first seen starts from (rank 0's), before a step a joiner sat out
     position = position or DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     for t in sorted(sizes):
         n = sizes[t]
         ranks = [places[t].get(r, -1) for r in range(n)]
         for process in ranks:
-            params.setdefault(process, params.get(ranks[0], start))
+            params.setdefault(process, entering.get(ranks[0], start))
+        entering = dict(params) if t in sat_out else params
+        for process in places[t].values():  # one sitting t out holds rank 0's weights from before it
+            params.setdefault(process, entering.get(ranks[0], start))
         peers = shift_one_schedule(n)[(rounds_before + t - 1) % (n // 2)] if n % 2 == 0 else None
         stepped = {}
         for r, process in enumerate(ranks):
             w, b = params[process]
             i = position.indices(r, n)
             error = x[i] @ w + b - y[i]
-            group = ranks if peers is None else [process, ranks[peers[r]]]
+            group = [process] if t in sat_out else ranks if peers is None else [process, ranks[peers[r]]]
             average_w = np.mean([params[q][0] for q in group], axis=0)
             average_b = np.mean([params[q][1] for q in group])
             stepped[process] = (average_w - LR * 2 * x[i].T @ error / len(i), average_b - LR * 2 * error.mean())
@@ -314,7 +326,7 @@ def four_members_lose_one_then_admit_one(tmp_path: Path, algorithm: str) -> dict
     assert [r.returncode == 0 for r in results] == [True, True, True, False, True], outputs
     records = {r.rank: r.value for r in results if r.rank != 3}
     sizes = {s["transaction"]: s["size"] for s in records[0]["steps"]}
-    assert [sizes[t] for t in range(1, 5)] == [4, 4, 3, 3] and sizes[max(sizes)] == 4, sizes
+    assert [sizes[t] for t in range(1, 5)] == [4, 4, 3, 3] and records[0]["steps"][-1]["members"] == 4, sizes
     retried = [a for a in records[0]["attempts"] if a["transaction"] == 3]
     assert len(retried) == 2 and "committed" not in retried[0], retried  # one step lost, retried once
     for process, record in records.items():  # each compiled its step once in the loop, the sizes after ahead
@@ -333,12 +345,46 @@ def test_decentralized_survivors_of_a_kill_average_over_all_while_odd_and_a_join
     # survivors retry it, averaging over all three (an odd number to pair); a joiner is then admitted with the first
     # member's weights and the pairs start again. Every rank's weights drift their own way, each as the float64
     # replay of its own steps says, and only the step is compared across the members.
-    records = four_members_lose_one_then_admit_one(tmp_path, 'decentralized {"peer_selection_mode": "shift_one"}')
+    records = four_members_lose_one_then_admit_one(tmp_path, DECENTRALIZED)
     replayed = replay_decentralized(records)
     for process, record in records.items():
         np.testing.assert_allclose(record["params"]["w"], replayed[process][0], rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(record["params"]["b"], replayed[process][1], rtol=1e-5, atol=1e-6)
     assert len({records[p]["params"]["w"].tobytes() for p in records}) == len(records)  # each drifted its own way
+
+
+def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_its_peers_do_not_wait(tmp_path: Path):
+    # Three members pair their weights (shift_one; over all three while odd). The holder starts sending a joiner's
+    # state 2 s late (a slow link) and the members' step after the admission computes 2 s longer. They train that step
+    # on all its samples without averaging (the joiner has no weights to exchange yet) while the state travels, so it
+    # ends about 2 s after the step before (2.5 s here), not 4 (the transfer, then the step: 4.2 s when the holder
+    # waits for its transfer first). The joiner votes for it, its state one step on, and trains from the next step on
+    # the ring of four; every rank's weights are the float64 replay's of its own steps.
+    delay = 2.0
+    env = {"FT_ALGORITHM": DECENTRALIZED, "FT_STATE_DELAY": str(delay), "FT_ADMITTING_STEP_SECONDS": str(delay)}
+    results = run_members(tmp_path, "train", 4, {}, 3, 4, 6, env=env, timeout=180)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0, 0], outputs
+    records = {r.rank: r.value for r in results}
+    sat_out, trained = records[3]["steps"][:2]  # its first step's result: its state's loss on the first one's samples
+    assert (sat_out["size"], sat_out["members"], trained["size"]) == (3, 4, 4), records[3]["steps"]
+    t = sat_out["transaction"]
+    assert sat_out["indices"] == next(s["indices"] for s in records[0]["steps"] if s["transaction"] == t)
+    before = {p: {**r, "steps": [s for s in r["steps"] if s["transaction"] < t]} for p, r in records.items()}
+    w, b = replay_decentralized(before)[0]  # the first member's weights as it was admitted
+    x, y = (a.astype(np.float64) for a in dataset())
+    i = np.asarray(sat_out["indices"])
+    np.testing.assert_allclose(sat_out["loss"], np.mean((x[i] @ w + b - y[i]) ** 2), rtol=1e-5)
+    for member in (0, 1, 2):  # their first step with the joiner a member: the one it sat out, not waited for
+        steps = records[member]["steps"]
+        admitting = next(i for i, step in enumerate(steps) if step["members"] == 4)
+        before, members_step = steps[admitting - 1], steps[admitting]
+        assert members_step["end"] - before["end"] < 2 * delay - 0.5, (before, members_step)
+        assert (members_step["transaction"], members_step["size"]) == (sat_out["transaction"], 3), members_step
+    replayed = replay_decentralized(records)
+    for process, record in records.items():
+        np.testing.assert_allclose(record["params"]["w"], replayed[process][0], rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(record["params"]["b"], replayed[process][1], rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("algorithm", ["gradient_allreduce", POWERSGD], ids=lambda a: a.partition(" ")[0])
@@ -432,7 +478,7 @@ def test_a_decentralized_job_restarted_from_its_checkpoint_starts_from_the_mean_
     # its first step starts from the first member's weights and the pairs start again, going on with the schedule's
     # round where the saved steps left it. Every member's weights end as the float64 replay of its own steps says,
     # each its own, each in a flax TrainState.
-    env = {"FT_ALGORITHM": 'decentralized {"peer_selection_mode": "shift_one"}', "FT_FLAX": "1"}
+    env = {"FT_ALGORITHM": DECENTRALIZED, "FT_FLAX": "1"}
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     results = run_members(first, "train", 4, {}, 4, 4, 3, env=env)
@@ -452,7 +498,7 @@ def test_a_decentralized_job_restarted_from_its_checkpoint_starts_from_the_mean_
         for name, value in mean.items():
             np.testing.assert_allclose(records[process]["first_params"][name], value, rtol=1e-6, atol=1e-7)
     sizes = {s["transaction"]: s["size"] for s in records[0]["steps"]}
-    assert sizes[1] == 3 and sizes[max(sizes)] == 4 and records[3]["steps"][0]["transaction"] > 1, sizes
+    assert sizes[1] == 3 and records[0]["steps"][-1]["members"] == 4 and records[3]["steps"][0]["transaction"] > 1
     saved_sizes = {s["transaction"]: s["size"] for s in saved[0]["steps"]}
     start = (mean["w"].astype(np.float64), float(mean["b"]))
     replayed = replay_decentralized(records, start, replayed_position(saved_sizes), rounds_before=len(saved_sizes))

@@ -781,6 +781,22 @@ def test_decentralized_training_with_the_fused_optimizer_carries_its_momentum_th
     assert len({params.tobytes() for params in ends[True].values()}) == 3  # each drifted its own way
 
 
+def test_decentralized_survivors_of_a_hang_mid_exchange_go_on(jobs):
+    # Rank 3 hangs (SIGSTOP) in its backward pass at step 3: its shift_one peer waits for its weights in their
+    # exchange (gloo's send and recv, which torch cannot abort) until the missed heartbeats close the epoch, and gives
+    # up there (it failed on the work's missing abort()); the three survivors retry the step, averaging over all three.
+    hang = {"rank": 3, "step": 3, "where": "backward", "kind": "stop"}
+    job = jobs(4, DECENTRALIZED_SHIFT_ONE, [hang], steps=6, world=3)
+    job.finish()
+    survivors = [pid for rank in range(3) for pid in job.pids(rank=rank)]
+    ends = [job.of(pid, "end") for pid in survivors]
+    assert all(ends), job.output()
+    for pid in survivors:
+        (recovery,) = job.of(pid, "end")[0]["recoveries"]
+        assert recovery["size"] == 3 and recovery["steps_lost"] == 1 and recovery["seconds"] < RESUME_BAR, recovery
+    check_every_sample_once(job)
+
+
 @pytest.mark.parametrize(
     ("algorithm", "fused"),
     [
@@ -793,8 +809,9 @@ def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimi
     # Three members drift apart (shift_one averages over all three while their number is odd; the low-precision
     # ring exchanges compressed differences); a fourth process joins after the first step. It enters with the
     # state holder's weights and optimizer state (the fused optimizer's, where the optimizer is fused), bit for bit,
-    # trains the step after its admission on its share of the samples, and (low precision) every copy of a
-    # neighbour's weights on the ring of four is that neighbour's own at the end.
+    # trains on its share of the samples from the step after its admission (decentralized: from the one after that,
+    # the step it sits out while the state travels), and (low precision) every copy of a neighbour's weights on the
+    # ring of four is that neighbour's own at the end.
     job = jobs(3, algorithm, [], steps=5, world=4, fused=fused)
     job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
     job.join()
@@ -814,13 +831,42 @@ def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimi
     assert entered["optimizer_tensors"] > 0  # momentum, from the steps the members took
     assert (entered["params"], entered["optimizer"]) == (holder["params"], holder["optimizer"])
     before = max(e["step"] for e in job.of(holding, "step") if e["t"] <= holder["t"])
-    assert job.of(joiner, "step")[0]["step"] == before + 1  # the step after its admission
+    sat_out = algorithm != "low_precision_decentralized"
+    assert job.of(joiner, "step")[0]["step"] == before + 1 + sat_out
     if algorithm == "low_precision_decentralized":
         copies = {e[0]["rank"]: e[0]["copies"] for e in ends.values()}
         for rank, held in copies.items():
             assert held["left"] == copies[(rank - 1) % 4]["weights"], rank
             assert held["right"] == copies[(rank + 1) % 4]["weights"], rank
     check_every_sample_once(job)
+
+
+def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_its_peers_do_not_wait(jobs):
+    # Steps of 1 s; the joiner's state takes 0.6 s more to leave rank 0 (a slow link). The three members train the
+    # step after the admission on all its samples without averaging (the joiner has no weights to exchange yet) while
+    # the state travels, so that step takes them no longer than the 0.6 s the transfer was slowed by (before, they
+    # waited for the whole transfer first). The joiner votes for it once it has the state and trains from the next
+    # step, paired on the ring of four (shift_one).
+    faults = [{"rank": 0, "step": 0, "where": "state", "kind": "slow", "seconds": 0.6}]
+    job = jobs(3, DECENTRALIZED_SHIFT_ONE, faults, steps=4, world=4, step_seconds=1.0)
+    job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
+    job.join()
+    job.finish()
+    members, (joiner,) = [pid for rank in range(3) for pid in job.pids(rank=rank)], job.pids(joiner=True)
+    ends = {pid: job.of(pid, "end") for pid in [*members, joiner]}
+    assert all(ends.values()), job.output()
+    assert len({e[0]["step"] for e in ends.values()}) == 1
+    assert job.of(members[0], "fault")  # the slow transfer happened
+    (entered,) = job.of(joiner, "entered")
+    first = job.of(joiner, "step")[0]
+    assert first["world"] == 4, first
+    for pid in members:
+        (admitted,) = job.of(pid, "end")[0]["recoveries"]
+        assert admitted["joined"] == 1 and admitted["seconds"] < 0.5, admitted
+        before, sat_out = [e for e in job.of(pid, "step") if e["step"] in (first["step"] - 2, first["step"] - 1)]
+        assert sat_out["world"] == 3 and before["t"] < entered["t"], (before, entered)
+        assert sat_out["t"] < before["t"] + 1.0 + 0.6, (before, sat_out, entered)
+    check_every_sample_once(job)  # the step it sat out is split among the three members
 
 
 def joiners_group(monkeypatch) -> tuple[Any, Any]:

@@ -178,6 +178,22 @@ def decentralized(
     return optax.GradientTransformationExtraArgs(step_counter_init(DecentralizedState), update_fn)
 
 
+def _counted(updates: Any, state: DecentralizedState, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+    """``updates`` as they are, one step counted."""
+    del params, extra_args
+    return updates, DecentralizedState(step=optax.safe_int32_increment(state.step))
+
+
+def skip_steps(opt_state: Any, steps: int) -> Any:
+    """``opt_state`` with each :class:`DecentralizedState` in it ``steps`` steps on: a fault-tolerant joiner's, which
+    sat them out (the pairs' schedule goes on from the members' step)."""
+
+    def skip(node: Any) -> Any:
+        return node._replace(step=node.step + steps) if isinstance(node, DecentralizedState) else node
+
+    return jax.tree.map(skip, opt_state, is_leaf=lambda node: isinstance(node, DecentralizedState))
+
+
 @implements(DecentralizedConfig)
 class Decentralized(ConfiguredAlgorithm):
     """Decentralized SGD (SPEC section 3): ``optax.chain(optimizer, decentralized(...))``.
@@ -194,12 +210,22 @@ class Decentralized(ConfiguredAlgorithm):
     after_optimizer = fault_tolerant = True
     average_all_when_odd = False
     """Whether ``shift_one`` averages over all ranks when their number is odd (:meth:`averaging_all_when_odd`)."""
+    averages = True
+    """Whether the steps average the weights at all (:meth:`without_averaging`)."""
 
     def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
-        """:func:`decentralized` with this configuration."""
+        """:func:`decentralized` with this configuration (a transform that only counts the steps, without
+        averaging)."""
+        if not self.averages:
+            return optax.GradientTransformationExtraArgs(step_counter_init(DecentralizedState), _counted)
         return decentralized(
             comms, self.config, bucket_bytes=self.bucket_bytes, average_all_when_odd=self.average_all_when_odd
         )
+
+    def without_averaging(self) -> Decentralized:
+        """A copy whose steps average nothing and count themselves, so that the pairs' schedule goes on: the step a
+        fault-tolerant job's members train while a joiner, with no weights to exchange yet, sits it out."""
+        return self.replace()._variant(averages=False)
 
     def averaging_all_when_odd(self) -> Decentralized:
         """A copy whose ``shift_one`` rounds average over all ranks while their number is odd, as the torch front

@@ -386,6 +386,11 @@ class AlgorithmImpl:
         """Skip ``steps`` steps (:meth:`steps_to_next_exchange`) and contribute nothing to the exchange after them."""
         raise NotImplementedError(f"{type(self).__name__} has no exchange to join without having trained")
 
+    def others_sit_out(self, steps: int) -> None:
+        """On a member, when the ranks given the state sit out the next ``steps`` steps
+        (:meth:`steps_to_next_exchange`): train those steps without them. Default: nothing (DiLoCo's exchange counts
+        the ranks that trained)."""
+
     def replicated_tensors(self) -> list[torch.Tensor]:
         """The algorithm's own tensors that are identical on every rank (hashed by the replica check)."""
         return []

@@ -134,6 +134,7 @@ class DecentralizedImpl(AlgorithmImpl):
         if config.peer_selection_mode == "shift_one" and context.fault_tolerance is None:
             check_pairable(self.group.size, name, self.levels is not None)
         self.step = self._step_in_flight = self._committed_step = 0
+        self._averages_from = 0  # a fault-tolerant job's members train the step a joiner sits out without averaging
         self.last_peer: int | None = None
         """The peer of the last ``shift_one`` exchange (in ``group``: nodes when hierarchical), for inspection."""
 
@@ -173,12 +174,26 @@ class DecentralizedImpl(AlgorithmImpl):
             return
         interval = self.config.communication_interval
         self._step_in_flight = self.step
-        if self.step % interval == 0:  # the same counter on every rank: all communicate, or none
+        if self.step % interval == 0 and self.step >= self._averages_from:  # the same on every rank trained
             self.average(self.step // interval)
         self.step += 1
 
     def on_commit(self) -> None:
         self._committed_step = self._step_in_flight + 1
+
+    def steps_to_next_exchange(self) -> int:
+        """One: a rank given the state sits out the next step while it arrives, which the members train without
+        averaging (so that none waits for it), and exchanges from the step after with the weights it was given."""
+        return 1
+
+    def sit_out(self, steps: int) -> None:
+        """Count ``steps`` steps this rank did not train (it votes for them: each is a transaction)."""
+        self._step_in_flight = self.step + steps - 1
+        self.step += steps
+
+    def others_sit_out(self, steps: int) -> None:
+        """Average nothing in the next ``steps`` steps: a rank sitting them out has no weights to exchange yet."""
+        self._averages_from = self.step + steps
 
     def carried_state(self) -> dict[str, Any]:
         return {"step": self._committed_step}

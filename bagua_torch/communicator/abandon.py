@@ -26,9 +26,9 @@ def wait_or_abandon(
     passed; raise MembershipChanged once ``abandon`` is set. Return the works the caller still waits for with their
     own ``wait()`` (which raises their error): those with a future. A work without one (gloo's send and recv,
     whose ``is_completed()`` stays False until waited for) is waited for here, on a thread of its own, and its
-    error is raised here; it is aborted when abandoned. Other abandoned works are left to their backend (gloo
-    cannot cancel a collective) and their group is not used again; an NCCL ``group`` is aborted (not run here: no
-    GPU).
+    error is raised here. Abandoned works are left to their backend (torch 2.13's works have no ``abort``, and gloo
+    cannot cancel a collective: a point-to-point work's thread ends when the peer's process does, or at ``timeout``)
+    and their group is not used again; an NCCL ``group`` is aborted (not run here: no GPU).
 
     A gloo work is waited for in its own ``wait`` (woken at completion, and every ``_ABANDON_CHECK_S`` to look at
     ``abandon``): polling its ``is_completed()`` every few milliseconds took 23 ms of CPU per second waited, which
@@ -38,12 +38,11 @@ def wait_or_abandon(
     aborts the process (SIGABRT).
     """
     errors: list[BaseException] = []
-    with_future, without_future, waits, threads_done = [], [], [], []
+    with_future, waits, threads_done = [], [], []
     for work in works:
         try:
             work.get_future()
         except RuntimeError:  # point-to-point works have no future
-            without_future.append(work)
             finished = threading.Event()
             threading.Thread(
                 target=_wait_on_thread, args=(work, timeout, errors, finished), name=f"wait {what}", daemon=True
@@ -58,8 +57,6 @@ def wait_or_abandon(
     for wait in waits:
         while not timed_out and not wait(min(_ABANDON_CHECK_S, max(1e-3, deadline - time.monotonic()))):
             if abandon.is_set():
-                for work in without_future:
-                    work.abort()
                 if backend == "nccl":  # NCCL can cancel its kernels
                     getattr(group, "abort", lambda: None)()
                 raise MembershipChanged(f"{what} was abandoned: the members changed")

@@ -1,0 +1,74 @@
+"""The step a fault-tolerant decentralized job's members train while a joiner sits it out: their step, averaging
+nothing.
+
+A joiner has no weights to exchange until its state arrives, and a pair's exchange would wait for it. So the members
+train the step after its admission without it: each steps from its own weights by its own gradient, on all the step's
+samples, the step counted (the pairs' schedule goes on); the first member sends the joiner its state meanwhile, and the
+joiner votes for that step once the state is there, counts it as sat out (:func:`counted_on`), returns the loss of
+the state it was given on the first member's samples (:meth:`UnaveragedStep.loss`, compiled before it asked to be
+admitted) and trains from the next step. The members wait for the joiner only where the state takes longer than
+that step to arrive.
+
+That step is a second compiled step: a copy of the trainer whose algorithm averages nothing
+(:meth:`~bagua_jax.algorithms.decentralized.Decentralized.without_averaging`). It communicates nothing, so it runs on
+any number of members as compiled; the members compile it from a thread after their first step, long before a
+joiner comes (:meth:`UnaveragedStep.compile_in_background`).
+"""
+
+from __future__ import annotations
+
+import copy
+from concurrent.futures import Future
+from typing import Any
+
+import jax
+
+from bagua_common.fault_tolerance.background import in_background
+from bagua_jax.algorithms.decentralized import Decentralized, skip_steps
+from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
+from bagua_jax.trainer import DataParallel
+
+__all__ = ["UnaveragedStep", "counted_on"]
+
+
+class UnaveragedStep:
+    """``trainer``'s step (decentralized training, without a model state, which would be averaged) averaging
+    nothing."""
+
+    def __init__(self, trainer: DataParallel):
+        if not isinstance(trainer.algorithm, Decentralized) or not trainer.algorithm.averages:
+            raise ValueError("UnaveragedStep: only decentralized training's step has an unaveraged variant")
+        self._trainer = copy.copy(trainer)
+        self._trainer._use(trainer.algorithm.without_averaging())
+        self._trainer._batches_checked = True  # a collective: the members checked their batches in their first step
+        self._compiled: Future | None = None
+        self._loss = jax.jit(trainer._loss_fn)
+
+    def compile_in_background(self, state: Any, batch: Any) -> None:
+        """Compile the step for ``state``'s and ``batch``'s shapes on a thread, once (later calls do nothing);
+        :meth:`step` waits for it."""
+        if self._compiled is None:
+            self._compiled = in_background(lambda: self._trainer.compile(state, batch), "bagua-ft-compile")
+
+    def compile_loss(self, state: Any, batch: Any) -> None:
+        """Compile :meth:`loss` for ``state``'s and ``batch``'s shapes without running it (a joiner, before it asks)."""
+        self._loss.lower(unwrap_state(state).params, batch).compile()
+
+    def loss(self, state: Any, batch: Any) -> Any:
+        """The loss (and aux, as :meth:`DataParallel.step` returns them) of ``state``'s parameters on ``batch``, no
+        gradient taken: what a joiner sitting out the step returns for it."""
+        return self._loss(unwrap_state(state).params, batch)
+
+    def step(self, state: Any, batch: Any) -> tuple[Any, Any]:
+        """One step without averaging, as :meth:`DataParallel.step` returns it (each member's own loss)."""
+        if self._compiled is not None:
+            self._compiled.result()
+        return self._trainer.step(state, batch)
+
+
+def counted_on(state: Any) -> Any:
+    """``state`` (a joiner's, as the first member sent it) one step on without training: its step, and the
+    decentralized step counter the pairs' schedule reads."""
+    own = unwrap_state(state)
+    counted = TrainState(own.params, skip_steps(own.opt_state, 1), own.step + 1, own.model_state)
+    return rewrap_state(None if isinstance(state, TrainState) else state, counted)
