@@ -331,9 +331,9 @@ class FaultTolerance:
         """The first member that has the job's state sends it to each one that needs it (a joiner, or a survivor
         that had not applied the last step): :mod:`bagua_torch.state_transfer`. Under gradient allreduce a receiver
         takes part in the next step weighed out while the state travels; under DiLoCo (one fragment) it sits out the
-        round in flight and joins its exchange with an uncounted zero pseudo-gradient; under decentralized training it
-        sits out the next step, which the members train without averaging (both: :attr:`_sitting_out`); otherwise the
-        members wait for the transfer."""
+        round in flight and joins its exchange with an uncounted zero pseudo-gradient; under (low-precision)
+        decentralized training it sits out the next step, which the members train without exchanging weights (both:
+        :attr:`_sitting_out`); otherwise the members wait for the transfer."""
         epoch = self.epoch
         assert epoch is not None and self.membership is not None
         receivers = tuple(r for r in range(epoch.size) if epoch.is_joiner(r))

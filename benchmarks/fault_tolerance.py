@@ -473,8 +473,12 @@ def chaos_lines(result: dict, out: Path, every: float) -> list[str]:
         rows.append([e["step"], f"{e['tokens'] / 1e6:.3f}", e["world"], f"{e['loss']:.4f}", _fmt(same), diff])
     head = ["step", "tokens (M)", "world", "held-out (chaos)", "held-out (fault-free, same tokens)", "difference"]
     lines += table(head, rows)
-    _chart(result, out, every)
-    return lines
+    kills = [_tokens_at(result["chaos"]["heldout"], kill) for kill in result["chaos"]["kills"]]
+    curves = {
+        "fault-free": result["fault_free"]["heldout"],
+        f"a rank killed every {every:g} s": result["chaos"]["heldout"],
+    }
+    return lines + _curves_chart(curves, kills, out)
 
 
 def spread_lines(result: dict, out: Path) -> list[str]:
@@ -514,9 +518,8 @@ def spread_lines(result: dict, out: Path) -> list[str]:
     lines += ["", "Each run's last evaluation (the chaos run trained fewer tokens in its steps: a smaller world after "
               "each death): " + "; ".join(f"{name} {e['loss']:.4f} at {e['tokens'] / 1e6:.3f}M tokens"
                                           for name, e in ends.items()) + "."]  # fmt: skip
-    _curves_chart({**{f"fault-free, seed {seed}": run["heldout"] for seed, run in result["fault_free"].items()},
-                   "chaos (seed 0)": result["chaos"]["heldout"]}, [], out)  # fmt: skip
-    return lines
+    curves = {f"fault-free, seed {seed}": run["heldout"] for seed, run in result["fault_free"].items()}
+    return lines + _curves_chart({**curves, "chaos (seed 0)": result["chaos"]["heldout"]}, [], out)
 
 
 def _fmt(value: float | None) -> str:
@@ -531,22 +534,14 @@ def _loss_at(curve: list[dict], tokens: float) -> float | None:
         return None
 
 
-def _chart(result: dict, out: Path, every: float) -> None:
-    kills = [_tokens_at(result["chaos"]["heldout"], kill) for kill in result["chaos"]["kills"]]
-    _curves_chart(
-        {"fault-free": result["fault_free"]["heldout"], f"a rank killed every {every:g} s": result["chaos"]["heldout"]},
-        kills,
-        out,
-    )
-
-
-def _curves_chart(curves: dict[str, list[dict]], kills: list[float], out: Path) -> None:
-    """Held-out loss against tokens for each curve, with a faint line at each kill's tokens."""
+def _curves_chart(curves: dict[str, list[dict]], kills: list[float], out: Path) -> list[str]:
+    """Held-out loss against tokens for each curve, with a faint line at each kill's tokens, saved at ``out``; the
+    report's lines that show it (none where matplotlib is missing and nothing was drawn)."""
     from harness import plots
 
     drawn = plots.figure()
     if drawn is None:
-        return
+        return []
     fig, axes = drawn
     ax = axes[0][0]
     plots.curves(ax, {label: ([e["tokens"] / 1e6 for e in c], [e["loss"] for e in c]) for label, c in curves.items()})
@@ -556,6 +551,7 @@ def _curves_chart(curves: dict[str, list[dict]], kills: list[float], out: Path) 
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.legend()
     plots.save(fig, out)
+    return ["", f"![held-out loss against tokens]({out.name})"]
 
 
 def _tokens_at(curve: list[dict], kill: dict) -> float:
@@ -693,16 +689,14 @@ def publish(args: argparse.Namespace, meta: dict, result: dict) -> None:
             f"{args.steps} steps, links {args.rate or 'unshaped'}: fault-free runs at seeds {args.seeds} beside the "
             f"chaos study's runs (`{result['chaos_command']}`)"
         )
-        lines += ["", *spread_lines(result, args.out / f"{name}.png"), "",
-                  f"![held-out loss against tokens]({name}.png)"]  # fmt: skip
+        lines += ["", *spread_lines(result, args.out / f"{name}.png")]
     else:
         lines.append(
             f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}, {args.batch} windows per rank, lr {args.lr}; "
             f"{args.steps} steps fault-free, then {args.steps} steps with a rank killed every "
             f"{args.every:g} s; links {args.rate or 'unshaped'}; the replica check every {HASH_EVERY} steps"
         )
-        lines += ["", *chaos_lines(result, args.out / f"{name}.png", args.every), "",
-                  f"![held-out loss against tokens]({name}.png)"]  # fmt: skip
+        lines += ["", *chaos_lines(result, args.out / f"{name}.png", args.every)]
     print("\n".join(lines))
     write_results(args.out, name, lines, {**meta, "result": result})
 

@@ -1,6 +1,7 @@
 """benchmarks/harness: the load gate's count of foreign threads (a /proc written out here, and this process's own
 busy child), its verdicts and retries, the phase protocol with a retried phase, the medians with [min, max], the
-command recorded relative to the repository, and a whole study without a network, checked against NumPy."""
+command recorded relative to the repository, a whole study without a network, checked against NumPy, and a chaos
+report written without matplotlib."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from harness import load, phases, repeats, results, study  # noqa: E402
+from harness.results import RESULTS  # noqa: E402
 
 
 def _task(proc: Path, pid: int, tid: int, name: str, state: str, ppid: int) -> None:
@@ -221,3 +223,23 @@ def test_a_study_without_a_network_reports_medians_of_published_repeats(tmp_path
         ms = 1e3 * np.array(drawn[name])
         assert f"| {name} | {np.median(ms):.4g} [{ms.min():.4g}, {ms.max():.4g}] |" in md
     assert "rows: 8" in md and "8 published, 0 set aside" in md
+
+
+def test_a_chaos_report_links_its_chart_only_where_one_was_drawn(tmp_path, monkeypatch):
+    # A published run's report, written again from its results: without matplotlib no chart is drawn, and the
+    # report must not link to one (it did: every chaos report written without a chart showed a broken image).
+    import fault_tolerance
+    from harness import plots
+
+    name = "fault-tolerance-torch-chaos-low_precision_decentralized"
+    saved = RESULTS / "fault-tolerance-torch-join-low_precision_decentralized-new-1.json"
+    (tmp_path / f"{name}.json").write_text(saved.read_text())
+    monkeypatch.setattr(plots, "figure", lambda *args, **kwargs: None)
+    fault_tolerance.report(
+        fault_tolerance.build_parser().parse_args(
+            ["report", "chaos-low_precision_decentralized", "--out", str(tmp_path)]
+        )
+    )
+    report = (tmp_path / f"{name}.md").read_text()
+    assert "| 120 | 0.473 | 3 | 2.7771 | 2.7363 | +0.0408 |" in report  # the report itself is written
+    assert not (tmp_path / f"{name}.png").exists() and ".png" not in report

@@ -809,9 +809,9 @@ def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimi
     # Three members drift apart (shift_one averages over all three while their number is odd; the low-precision
     # ring exchanges compressed differences); a fourth process joins after the first step. It enters with the
     # state holder's weights and optimizer state (the fused optimizer's, where the optimizer is fused), bit for bit,
-    # trains on its share of the samples from the step after its admission (decentralized: from the one after that,
-    # the step it sits out while the state travels), and (low precision) every copy of a neighbour's weights on the
-    # ring of four is that neighbour's own at the end.
+    # trains on its share of the samples from the second step after its admission (it sits out the first while the
+    # state travels), and (low precision) every copy of a neighbour's weights on the ring of four is that
+    # neighbour's own at the end: the members restarted theirs when the joiner had its weights.
     job = jobs(3, algorithm, [], steps=5, world=4, fused=fused)
     job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
     job.join()
@@ -831,24 +831,33 @@ def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimi
     assert entered["optimizer_tensors"] > 0  # momentum, from the steps the members took
     assert (entered["params"], entered["optimizer"]) == (holder["params"], holder["optimizer"])
     before = max(e["step"] for e in job.of(holding, "step") if e["t"] <= holder["t"])
-    sat_out = algorithm != "low_precision_decentralized"
-    assert job.of(joiner, "step")[0]["step"] == before + 1 + sat_out
+    assert job.of(joiner, "step")[0]["step"] == before + 2
     if algorithm == "low_precision_decentralized":
-        copies = {e[0]["rank"]: e[0]["copies"] for e in ends.values()}
-        for rank, held in copies.items():
-            assert held["left"] == copies[(rank - 1) % 4]["weights"], rank
-            assert held["right"] == copies[(rank + 1) % 4]["weights"], rank
+        check_ring_copies(ends)
     check_every_sample_once(job)
 
 
-def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_its_peers_do_not_wait(jobs):
+def check_ring_copies(ends: dict[int, list[dict]]) -> None:
+    """Low-precision decentralized training's invariant at the end of a job of four: every rank's copy of a
+    neighbour's weights is the bits that neighbour holds as its own."""
+    copies = {e[0]["rank"]: e[0]["copies"] for e in ends.values()}
+    for rank, held in copies.items():
+        assert held["left"] == copies[(rank - 1) % 4]["weights"], rank
+        assert held["right"] == copies[(rank + 1) % 4]["weights"], rank
+
+
+@pytest.mark.parametrize(
+    "algorithm", [DECENTRALIZED_SHIFT_ONE, "low_precision_decentralized"], ids=["decentralized", "low"]
+)
+def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_its_peers_do_not_wait(jobs, algorithm):
     # Steps of 1 s; the joiner's state takes 0.6 s more to leave rank 0 (a slow link). The three members train the
-    # step after the admission on all its samples without averaging (the joiner has no weights to exchange yet) while
-    # the state travels, so that step takes them no longer than the 0.6 s the transfer was slowed by (before, they
-    # waited for the whole transfer first). The joiner votes for it once it has the state and trains from the next
-    # step, paired on the ring of four (shift_one).
+    # step after the admission on all its samples without exchanging weights (the joiner has none to exchange yet)
+    # while the state travels, so that step takes them no longer than the 0.6 s the transfer was slowed by (before,
+    # they waited for the whole transfer first). The joiner votes for it once it has the state and trains from the
+    # next step: paired on the ring of four (shift_one), or (low precision) on the ring whose copies of the
+    # neighbours' weights everyone restarts at that step's start.
     faults = [{"rank": 0, "step": 0, "where": "state", "kind": "slow", "seconds": 0.6}]
-    job = jobs(3, DECENTRALIZED_SHIFT_ONE, faults, steps=4, world=4, step_seconds=1.0)
+    job = jobs(3, algorithm, faults, steps=4, world=4, step_seconds=1.0)
     job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
     job.join()
     job.finish()
@@ -866,6 +875,8 @@ def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_it
         before, sat_out = [e for e in job.of(pid, "step") if e["step"] in (first["step"] - 2, first["step"] - 1)]
         assert sat_out["world"] == 3 and before["t"] < entered["t"], (before, entered)
         assert sat_out["t"] < before["t"] + 1.0 + 0.6, (before, sat_out, entered)
+    if algorithm == "low_precision_decentralized":
+        check_ring_copies(ends)
     check_every_sample_once(job)  # the step it sat out is split among the three members
 
 

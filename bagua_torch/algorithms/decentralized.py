@@ -50,7 +50,7 @@ from bagua_torch.algorithms.base import (
 )
 from bagua_torch.communicator import SUPPORTED_FLOATS, Communicator
 
-__all__ = ["DecentralizedAlgorithm", "DecentralizedImpl", "shift_one_peer"]
+__all__ = ["DecentralizedAlgorithm", "DecentralizedImpl", "JoinerSitsOutOneStep", "shift_one_peer"]
 
 """The float dtypes the native kernels take (the others are averaged in torch)."""
 
@@ -119,7 +119,48 @@ class DecentralizedAlgorithm(Algorithm):
         return DecentralizedImpl(context, self.config)
 
 
-class DecentralizedImpl(AlgorithmImpl):
+class JoinerSitsOutOneStep(AlgorithmImpl):
+    """What the two algorithms that exchange weights (decentralized, low-precision decentralized) do when a fault-
+    tolerant job admits a rank: it sits out the step after its admission while its state (the first member's
+    weights and optimizer state) travels, and the members train that step without exchanging (the joiner has no
+    weights to exchange yet), so that none waits for the transfer. Counts ``step`` (iterations), ``_step_in_flight``
+    (the one its vote is for) and ``_committed_step`` (what a change carries)."""
+
+    step: int
+    _step_in_flight: int
+    _committed_step: int
+    _exchanges_from: int = 0
+
+    def steps_to_next_exchange(self) -> int:
+        """One: a rank given the state sits out the next step, and exchanges from the step after with the weights it
+        was given."""
+        return 1
+
+    def sit_out(self, steps: int) -> None:
+        """Count ``steps`` steps this rank did not train (it votes for them: each is a transaction)."""
+        self._step_in_flight = self.step + steps - 1
+        self.step += steps
+
+    def others_sit_out(self, steps: int) -> None:
+        """Exchange nothing in the next ``steps`` steps: a rank sitting them out has no weights to exchange yet."""
+        self._exchanges_from = self.step + steps
+
+    def exchanges_now(self) -> bool:
+        """Whether this iteration exchanges weights: a communicating one (the same counter on every rank) that no
+        member given the state sits out."""
+        return self.step % self.config.communication_interval == 0 and self.step >= self._exchanges_from
+
+    def on_commit(self) -> None:
+        self._committed_step = self._step_in_flight + 1
+
+    def carried_state(self) -> dict[str, Any]:
+        return {"step": self._committed_step}
+
+    def load_carried_state(self, state: dict[str, Any]) -> None:
+        self.step = self._committed_step = int(state["step"])
+
+
+class DecentralizedImpl(JoinerSitsOutOneStep):
     """Decentralized SGD on one wrapped model; its state is ``{"step": iterations counted so far}``."""
 
     need_gradient_hooks = False
@@ -134,7 +175,6 @@ class DecentralizedImpl(AlgorithmImpl):
         if config.peer_selection_mode == "shift_one" and context.fault_tolerance is None:
             check_pairable(self.group.size, name, self.levels is not None)
         self.step = self._step_in_flight = self._committed_step = 0
-        self._averages_from = 0  # a fault-tolerant job's members train the step a joiner sits out without averaging
         self.last_peer: int | None = None
         """The peer of the last ``shift_one`` exchange (in ``group``: nodes when hierarchical), for inspection."""
 
@@ -172,34 +212,10 @@ class DecentralizedImpl(AlgorithmImpl):
     def before_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.context.optimizers[0]:
             return
-        interval = self.config.communication_interval
         self._step_in_flight = self.step
-        if self.step % interval == 0 and self.step >= self._averages_from:  # the same on every rank trained
-            self.average(self.step // interval)
+        if self.exchanges_now():
+            self.average(self.step // self.config.communication_interval)
         self.step += 1
-
-    def on_commit(self) -> None:
-        self._committed_step = self._step_in_flight + 1
-
-    def steps_to_next_exchange(self) -> int:
-        """One: a rank given the state sits out the next step while it arrives, which the members train without
-        averaging (so that none waits for it), and exchanges from the step after with the weights it was given."""
-        return 1
-
-    def sit_out(self, steps: int) -> None:
-        """Count ``steps`` steps this rank did not train (it votes for them: each is a transaction)."""
-        self._step_in_flight = self.step + steps - 1
-        self.step += steps
-
-    def others_sit_out(self, steps: int) -> None:
-        """Average nothing in the next ``steps`` steps: a rank sitting them out has no weights to exchange yet."""
-        self._averages_from = self.step + steps
-
-    def carried_state(self) -> dict[str, Any]:
-        return {"step": self._committed_step}
-
-    def load_carried_state(self, state: dict[str, Any]) -> None:
-        self.step = self._committed_step = int(state["step"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"step": self.step}

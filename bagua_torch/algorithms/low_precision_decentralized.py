@@ -39,11 +39,11 @@ from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,
     AlgorithmContext,
-    AlgorithmImpl,
     check_tensor_list,
     implements,
 )
 from bagua_torch.algorithms.decentralized import (
+    JoinerSitsOutOneStep,
     load_step,
     weight_averaging_levels,
 )
@@ -63,7 +63,8 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
     and runs the ring across nodes. Parameters must be float32, float16 or bfloat16; the
     optimizer(s) must be passed to the wrapper. Choose it on the slowest networks. In a fault-tolerant job each rank
     keeps its own weights when the members change, and the copies start again from them
-    (:meth:`LowPrecisionDecentralizedImpl.resume`).
+    (:meth:`LowPrecisionDecentralizedImpl.resume`); a joiner sits out the step after its admission, which the
+    members train without the ring's exchange.
     """
 
     fault_tolerant = True
@@ -86,7 +87,7 @@ def _padded_rows(t: torch.Tensor, k: int) -> torch.Tensor:
     return out.view(k, -1)
 
 
-class LowPrecisionDecentralizedImpl(AlgorithmImpl):
+class LowPrecisionDecentralizedImpl(JoinerSitsOutOneStep):
     """LowPrecisionDecentralized on one wrapped model.
 
     State: ``step`` (iterations counted) and, per bucket, float32 tensors of the bucket's
@@ -108,7 +109,8 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
         self.weights = [t.clone() for t in initial]
         self.left = [t.clone() for t in initial]
         self.right = [t.clone() for t in initial]
-        self.step = self._committed_step = 0
+        self.step = self._step_in_flight = self._committed_step = 0
+        self._copies_due = False  # restart the copies at the next step's start: after a joiner's sit-out
 
     @staticmethod
     def _ring(
@@ -151,20 +153,45 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
                 copies[i] = rows.view(-1)[: x.numel()].clone()
         return intra.allgather(mine).view(-1)[: x.numel()]
 
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is not self.context.optimizers[0]:
+            return
+        self._step_in_flight = self.step
+        if self._copies_due and self.step >= self._exchanges_from:  # before any optimizer moves the weights
+            self._copies_due = False
+            self._restart_copies()
+
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is not self.context.optimizers[-1]:
             return
-        if self.step % self.config.communication_interval == 0:  # the same counter on every rank
+        if self.exchanges_now():
             self.exchange()
         self.step += 1
 
     # --- fault tolerance: the step carries; the copies restart from the weights, the neighbours' exchanged once
 
     def resume(self) -> None:
-        """After a change of members (collective over the new ones): ``w`` becomes this rank's weights and ``L``,
-        ``R`` its new neighbours', sent once in full precision, so that each copy is again the bits its neighbour
-        holds (the weights drift apart between exchanges, and the neighbours are others). When hierarchical, on this
-        rank's slice of the node's average, over the ring of nodes."""
+        """After a change of members (collective over the new ones): restart the copies
+        (:meth:`_restart_copies`). Where ranks given the state sit out the next step while it travels, every rank
+        restarts them at the start of the step after it instead (in :meth:`before_step`, the optimizers not having
+        moved the weights yet), once those ranks have weights: the members there, the ranks given the state too
+        (:meth:`sit_out`), since the replica check at the step boundary before it is collective."""
+        if self._copies_due or self.step < self._exchanges_from:
+            self._copies_due = True
+        else:
+            self._restart_copies()
+
+    def sit_out(self, steps: int) -> None:
+        """Count ``steps`` steps this rank did not train, and restart the copies at the start of the next one, with
+        the members'."""
+        super().sit_out(steps)
+        self._copies_due = True
+
+    def _restart_copies(self) -> None:
+        """``w`` becomes this rank's weights and ``L``, ``R`` its neighbours', sent once in full precision, so that
+        each copy is again the bits its neighbour holds (the weights drift apart between exchanges, and the
+        neighbours are others). When hierarchical, on this rank's slice of the node's average, over the ring of
+        nodes. Collective over the members."""
         for i, bucket in enumerate(self.buckets):
             with torch.no_grad():
                 x = bucket.flatten_params()[: bucket.numel].to(torch.float32)
@@ -185,15 +212,6 @@ class LowPrecisionDecentralizedImpl(AlgorithmImpl):
             return x.clone(), x.clone()
         received = ring.send_recv(x, _ring_peers(ring))
         return received[0].clone(), received[-1].clone()
-
-    def on_commit(self) -> None:
-        self._committed_step = self.step + 1  # committed in the step's pre-hook, before after_step counts it
-
-    def carried_state(self) -> dict[str, Any]:
-        return {"step": self._committed_step}
-
-    def load_carried_state(self, state: dict[str, Any]) -> None:
-        self.step = self._committed_step = int(state["step"])
 
     def state_dict(self) -> dict[str, Any]:
         return {
