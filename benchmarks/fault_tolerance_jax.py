@@ -317,6 +317,12 @@ def main() -> None:
                 f"no rank finished (exit codes {codes}): see the logs\n" + (workdir / "rank0.log").read_text()[-3000:]
             )
         kill_time = float((workdir / "kill-time").read_text()) if args.mode == "kill" else None
+        for rank, code in enumerate(codes):  # a rank that failed is named, with the end of its log
+            if code != 0:
+                print(
+                    f"rank {rank} exited with {code}:\n" + (workdir / f"rank{rank}.log").read_text()[-3000:],
+                    file=sys.stderr,
+                )
     finish_meta(meta)
     lines = [f"# Fault tolerance, JAX native MPI engine, {args.algorithm}: {args.mode}", "", *header_lines(meta), ""]
     if args.mode == "overhead":
