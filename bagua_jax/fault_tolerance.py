@@ -2,15 +2,15 @@
 
 :class:`FaultTolerantTrainer` drives a :class:`~bagua_jax.trainer.DataParallel` in native mode through the shared
 protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agreement). Each step is a transaction; a
-JAX step changes nothing in place, so an abandoned one costs nothing to roll back. When a member dies or hangs, a
-thread revokes the communicator, the survivors shrink it to themselves in the same handle (a step whose shapes follow
-the world size was compiled ahead for it), check that their replicas are bit-identical and run the step again on the
-new partition of the samples not yet trained on. A joiner compiles its step before it asks to be admitted and does not
-make its peers wait for its state: it takes its first step weighed out (gradient allreduce, PowerSGD:
-:mod:`bagua_jax.weighed_out_step`), sits it out (decentralized: :mod:`bagua_jax.unaveraged_step`), or sits out the
-DiLoCo round in flight with a zero pseudo-gradient (INTELLECT-1's rule). Under DiLoCo each outer exchange is the
-transaction: the survivors train on to it and retry it among themselves, losing no inner step; one overlapping the
-next steps (Streaming DiLoCo) commits with the step that applies it. The guide, ``docs/guides/fault_tolerance.md``,
+JAX step changes nothing in place, so an abandoned one costs nothing to roll back. When a member dies or hangs, a thread
+revokes the communicator, the survivors shrink it to themselves in the same handle (a step whose shapes follow the world
+size was compiled ahead for it), check that their replicas are bit-identical and run the step again on the new partition
+of the samples not yet trained on. A joiner compiles its step before it asks to be admitted and does not make its peers
+wait for its state: it takes its first step weighed out (gradient allreduce, PowerSGD:
+:mod:`bagua_jax.weighed_out_step`), sits it out ((low-precision) decentralized: :mod:`bagua_jax.unaveraged_step`), or
+sits out the DiLoCo round in flight with a zero pseudo-gradient (INTELLECT-1's rule). Under DiLoCo each outer exchange
+is the transaction: the survivors train on to it and retry it among themselves, losing no inner step; one overlapping
+the next steps (Streaming DiLoCo) commits with the step that applies it. The guide, ``docs/guides/fault_tolerance.md``,
 has the rules of every algorithm's state."""
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ from bagua_common.fault_tolerance import (
     FaultToleranceSettings,
     Membership,
     MembershipChanged,
-    ReplicaDigest,
     check_digests,
 )
 from bagua_common.fault_tolerance.background import in_background, wait_unless
@@ -43,8 +42,9 @@ from bagua_common.fault_tolerance.data_position import RECORD_KEY, recorded_posi
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_common.job.signature import check_same_job
 from bagua_jax import checkpoint, state_rules, state_transfer
-from bagua_jax.algorithms.decentralized import Decentralized
+from bagua_jax.algorithms.decentralized import Decentralized, WithoutAveraging
 from bagua_jax.algorithms.diloco import skip_untrained
+from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralized
 from bagua_jax.epoch_communicator import fail_epoch, follow_members
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
@@ -56,8 +56,6 @@ from bagua_jax.unaveraged_step import UnaveragedStep, counted_on
 from bagua_jax.weighed_out_step import WeighedOutStep, weighs_out
 
 __all__ = ["FaultTolerantTrainer"]
-
-_PARTS = (*state_rules.PARTS.values(), "position")
 
 
 class FaultTolerantTrainer:
@@ -128,7 +126,8 @@ class FaultTolerantTrainer:
         # A decentralized exchange completes with one peer: its step waits for every vote (identical replicas: ahead).
         self._waits_for_votes = self._diloco is not None or not getattr(trainer.algorithm, "replicas_identical", False)
         self._weighed_out_step = WeighedOutStep(trainer) if weighs_out(trainer) else None
-        self._unaveraged_step = UnaveragedStep(trainer) if isinstance(trainer.algorithm, Decentralized) else None
+        self._unaveraged_step = UnaveragedStep(trainer) if isinstance(trainer.algorithm, WithoutAveraging) else None
+        self._copies_due = False  # the ring copies' restart, deferred to the next step's start by a joiner's sit-out
         self._resized = ResizedSteps(trainer) if settings.compile_ahead and not self._world_size_free else None
         self._sitting_out: frozenset[str] = frozenset()
         """The members (ids) given the state that sit out (or are weighed out of) the round or step in flight."""
@@ -207,8 +206,8 @@ class FaultTolerantTrainer:
 
     def step(self, state: Any, batch_of: Callable[[np.ndarray], Any]) -> tuple[Any, Any]:
         """One step: ``batch_of(indices)`` builds this rank's batch from the sample indices :attr:`data` assigns it;
-        returns the new state and the step's result as :meth:`DataParallel.step` does (a decentralized joiner's first
-        step, which it sits out: the loss of the state it was given, :mod:`bagua_jax.unaveraged_step`).
+        returns the new state and the step's result as :meth:`DataParallel.step` does (for a step a joiner sits out, the
+        loss of its state: :mod:`bagua_jax.unaveraged_step`).
 
         A step that is a transaction (every step; under DiLoCo, each step that ends with an outer exchange) commits
         by agreement; one abandoned by a membership change is run again, on the new members' partition of the same
@@ -228,6 +227,8 @@ class FaultTolerantTrainer:
             try:
                 if epoch.closed.is_set() and (exchange or epoch.ended.is_set()):
                     raise MembershipChanged(f"epoch {epoch.number} closed")
+                if self._copies_due and not self._sitting_out:  # the joiners have weights now: restart the copies
+                    state = self._resumed(self._carry_over(state, recompile=False))
                 if exchange and self._transfer is not None and (self._sits_out or not (weighed or unaveraged)):
                     transfer, self._transfer = self._transfer, None  # the receivers have it before the exchange
                     wait_unless(transfer, epoch.closed, f"epoch {epoch.number} closed while the state was on its way")
@@ -275,13 +276,12 @@ class FaultTolerantTrainer:
             state = self._recover(state)
 
     def save(self, root: str | os.PathLike, state: Any) -> Path | None:
-        """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart
-        of the whole job; returns its folder. None when a member was lost meanwhile: the checkpoint is not committed
-        (rank 0 commits it once every member wrote its part, so a committed one is whole) and the next :meth:`step`
-        recovers, as after a loss in a step; None also, with nothing written, while the members change (the next step
-        admits a joiner) and while a joiner sits out. It records :attr:`data`'s position for :meth:`restore`."""
+        """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart of
+        the whole job; returns its folder. None when a member was lost meanwhile (the checkpoint is not committed: rank
+        0 commits it once every member wrote its part; the next :meth:`step` recovers), and, with nothing written, while
+        the members change or a joiner sits out. It records :attr:`data`'s position for :meth:`restore`."""
         epoch = self.epoch
-        if self._sitting_out or epoch.closed.is_set():  # joiners not training (in a round's exchange); members changing
+        if self._sitting_out or self._copies_due or epoch.closed.is_set():  # joiners not training; members changing
             return None
         try:
             return checkpoint.save(root, state, self.trainer, metadata={RECORD_KEY: self.data.record()})
@@ -311,12 +311,9 @@ class FaultTolerantTrainer:
         """Raise :class:`~bagua_common.fault_tolerance.ReplicaMismatch` on every member unless the replicated state
         (:mod:`bagua_jax.state_rules`: all but error-feedback residuals and an unaveraged model state), the step
         and the data position are bit-identical across the members."""
-        digest = ReplicaDigest(_PARTS)
-        for part, leaf in state_rules.replicated_leaves(self._roles, jax.device_get(unwrap_state(state))):
-            digest.add(part, leaf)
-        digest.add("position", np.asarray(self.data.state(), np.int64))
-        gathered = HostCommunicator(self.communicator).allgather(digest.digest())  # nothing to compile
-        check_digests(_PARTS, np.asarray(gathered), what)
+        digest = state_rules.replica_digest(self._roles, jax.device_get(unwrap_state(state)), self.data.state())
+        gathered = HostCommunicator(self.communicator).allgather(digest)  # nothing to compile
+        check_digests(state_rules.DIGEST_PARTS, np.asarray(gathered), what)
 
     @property
     def trainers(self) -> int:
@@ -377,9 +374,12 @@ class FaultTolerantTrainer:
         return rewrap_state(None if isinstance(state, TrainState) else state, carried)
 
     def _resumed(self, state: Any) -> Any:
-        """``state``'s copies of low-precision decentralized training taken again on the new ring (collective)."""
+        """``state``'s copies of low-precision decentralized training taken again on the new ring (collective); while
+        joiners sit out the step (and have no weights), at the next step's start instead (on every member)."""
+        ring = isinstance(self.trainer.algorithm, LowPrecisionDecentralized) and self._unaveraged_step is not None
+        self._copies_due = ring and bool(self._sitting_out)
         gather = HostCommunicator(self.communicator).allgather  # nothing to compile
-        return state_rules.ring_copies_resumed(state, gather, self.epoch.rank)
+        return state if self._copies_due else state_rules.ring_copies_resumed(state, gather, self.epoch.rank)
 
     def _share_state(self, state: Any, epoch: Epoch) -> Any:
         """The state's holder (:attr:`Epoch.state_holder`) gives the committed state to joiners and survivors behind,

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.algorithms.diloco import DiLoCoConfig
+from bagua_common.fault_tolerance import ReplicaDigest
 from bagua_common.job.reshard import RESET as RESHARD_RESET
 from bagua_common.job.reshard import config_rule
 from bagua_jax.algorithms import REGISTRY
@@ -44,12 +45,14 @@ from bagua_jax.trainer import DataParallel
 
 __all__ = [
     "OWN",
+    "DIGEST_PARTS",
     "PARTS",
     "REPLICATED",
     "RESET",
     "carried_algorithms",
     "carry_over",
     "refuse_unsurvivable",
+    "replica_digest",
     "replicated_leaves",
     "ring_copies_resumed",
     "roles",
@@ -64,6 +67,8 @@ OWN = "own"
 
 PARTS = {"params": "parameters", "opt_state": "optimizer", "step": "step", "model_state": "model state"}
 """The parts of the replica check, by :class:`~bagua_jax.train_state.TrainState` field."""
+DIGEST_PARTS = (*PARTS.values(), "position")
+"""The parts a member's :func:`replica_digest` hashes: the state's, then the data position."""
 
 
 def carried_algorithms() -> list[str]:
@@ -157,6 +162,16 @@ def _diloco_roles(opt_state: Any) -> Any:
         )
 
     return jax.tree.map(of, opt_state, is_leaf=_is_diloco)
+
+
+def replica_digest(role_tree: TrainState, state: TrainState, position: Any) -> np.ndarray:
+    """This member's digest of ``state``'s replicated leaves (on the host) and of the data ``position``, part by part
+    (:data:`DIGEST_PARTS`), to compare across the members (:func:`~bagua_common.fault_tolerance.check_digests`)."""
+    digest = ReplicaDigest(DIGEST_PARTS)
+    for part, leaf in replicated_leaves(role_tree, state):
+        digest.add(part, leaf)
+    digest.add("position", np.asarray(position, np.int64))
+    return digest.digest()
 
 
 def replicated_leaves(role_tree: TrainState, state: TrainState) -> list[tuple[str, np.ndarray]]:

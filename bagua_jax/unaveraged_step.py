@@ -1,16 +1,18 @@
-"""The step a fault-tolerant decentralized job's members train while a joiner sits it out: their step, averaging
-nothing.
+"""The step a fault-tolerant (low-precision) decentralized job's members train while a joiner sits it out: their step,
+exchanging nothing.
 
-A joiner has no weights to exchange until its state arrives, and a pair's exchange would wait for it. So the members
-train the step after its admission without it: each steps from its own weights by its own gradient, on all the step's
-samples, the step counted (the pairs' schedule goes on); the first member sends the joiner its state meanwhile, and the
-joiner votes for that step once the state is there, counts it as sat out (:func:`counted_on`), returns the loss of
-the state it was given on the first member's samples (:meth:`UnaveragedStep.loss`, compiled before it asked to be
-admitted) and trains from the next step. The members wait for the joiner only where the state takes longer than
-that step to arrive.
+A joiner has no weights to exchange until its state arrives, and a pair's or the ring's exchange would wait for it. So
+the members train the step after its admission without it: each steps from its own weights by its own gradient, on all
+the step's samples, the step counted (the exchanges' schedule goes on); the first member sends the joiner its state
+meanwhile, and the joiner votes for that step once the state is there, counts it as sat out (:func:`counted_on`),
+returns the loss of the state it was given on the first member's samples (:meth:`UnaveragedStep.loss`, compiled before
+it asked to be admitted) and trains from the next step. The members wait for the joiner only where the state takes
+longer than that step to arrive.
 
-That step is a second compiled step: a copy of the trainer whose algorithm averages nothing
-(:meth:`~bagua_jax.algorithms.decentralized.Decentralized.without_averaging`). It communicates nothing, so it runs on
+That step is a second compiled step: a copy of the trainer whose algorithm exchanges nothing
+(:class:`~bagua_jax.algorithms.decentralized.WithoutAveraging`; low-precision decentralized training's copies of the
+neighbours' weights stay as they are, and restart at the next step's start on every member:
+:meth:`bagua_jax.fault_tolerance.FaultTolerantTrainer.step`). It communicates nothing, so it runs on
 any number of members as compiled; the members compile it from a thread after their first step, long before a
 joiner comes (:meth:`UnaveragedStep.compile_in_background`).
 """
@@ -24,7 +26,8 @@ from typing import Any
 import jax
 
 from bagua_common.fault_tolerance.background import in_background
-from bagua_jax.algorithms.decentralized import Decentralized, skip_steps
+from bagua_jax.algorithms.decentralized import DecentralizedState, WithoutAveraging
+from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralizedState
 from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 
@@ -32,12 +35,12 @@ __all__ = ["UnaveragedStep", "counted_on"]
 
 
 class UnaveragedStep:
-    """``trainer``'s step (decentralized training, without a model state, which would be averaged) averaging
-    nothing."""
+    """``trainer``'s step ((low-precision) decentralized training, without a model state, which would be averaged)
+    exchanging nothing."""
 
     def __init__(self, trainer: DataParallel):
-        if not isinstance(trainer.algorithm, Decentralized) or not trainer.algorithm.averages:
-            raise ValueError("UnaveragedStep: only decentralized training's step has an unaveraged variant")
+        if not isinstance(trainer.algorithm, WithoutAveraging) or not trainer.algorithm.averages:
+            raise ValueError("UnaveragedStep: only (low-precision) decentralized training has an unaveraged step")
         self._trainer = copy.copy(trainer)
         self._trainer._use(trainer.algorithm.without_averaging())
         self._trainer._batches_checked = True  # a collective: the members checked their batches in their first step
@@ -68,7 +71,17 @@ class UnaveragedStep:
 
 def counted_on(state: Any) -> Any:
     """``state`` (a joiner's, as the first member sent it) one step on without training: its step, and the
-    decentralized step counter the pairs' schedule reads."""
+    algorithm's step counter the exchanges' schedule reads."""
     own = unwrap_state(state)
-    counted = TrainState(own.params, skip_steps(own.opt_state, 1), own.step + 1, own.model_state)
+    counted = TrainState(own.params, _skip_one_step(own.opt_state), own.step + 1, own.model_state)
     return rewrap_state(None if isinstance(state, TrainState) else state, counted)
+
+
+def _skip_one_step(opt_state: Any) -> Any:
+    """``opt_state`` with the algorithm's state in it one step on."""
+    counters = (DecentralizedState, LowPrecisionDecentralizedState)
+
+    def skip(node: Any) -> Any:
+        return node._replace(step=node.step + 1) if isinstance(node, counters) else node
+
+    return jax.tree.map(skip, opt_state, is_leaf=lambda node: isinstance(node, counters))

@@ -12,6 +12,7 @@ the optimizer's ``updates`` into ``(avg(params) - params) + updates``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -178,24 +179,32 @@ def decentralized(
     return optax.GradientTransformationExtraArgs(step_counter_init(DecentralizedState), update_fn)
 
 
-def _counted(updates: Any, state: DecentralizedState, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
-    """``updates`` as they are, one step counted."""
-    del params, extra_args
-    return updates, DecentralizedState(step=optax.safe_int32_increment(state.step))
+def counting_only(init: Callable[[Any], Any]) -> optax.GradientTransformationExtraArgs:
+    """A transform with ``init``'s state (a named tuple with a ``step``) that leaves the updates as they are and
+    counts the step: a weight-exchanging algorithm's step without its exchange (:class:`WithoutAveraging`)."""
+
+    def update_fn(updates: Any, state: Any, params: Any = None, **extra_args: Any) -> tuple[Any, Any]:
+        del params, extra_args
+        return updates, state._replace(step=optax.safe_int32_increment(state.step))
+
+    return optax.GradientTransformationExtraArgs(init, update_fn)
 
 
-def skip_steps(opt_state: Any, steps: int) -> Any:
-    """``opt_state`` with each :class:`DecentralizedState` in it ``steps`` steps on: a fault-tolerant joiner's, which
-    sat them out (the pairs' schedule goes on from the members' step)."""
+class WithoutAveraging:
+    """A variant of the algorithms that exchange weights (decentralized, low-precision decentralized) whose steps
+    exchange nothing and count themselves, so that the exchanges' schedule goes on: the step a fault-tolerant job's
+    members train while a joiner, with no weights to exchange yet, sits it out (:mod:`bagua_jax.unaveraged_step`)."""
 
-    def skip(node: Any) -> Any:
-        return node._replace(step=node.step + steps) if isinstance(node, DecentralizedState) else node
+    averages = True
+    """Whether the steps exchange the weights at all (:meth:`without_averaging`)."""
 
-    return jax.tree.map(skip, opt_state, is_leaf=lambda node: isinstance(node, DecentralizedState))
+    def without_averaging(self) -> Any:
+        """A copy whose steps exchange nothing and count themselves."""
+        return self.replace()._variant(averages=False)
 
 
 @implements(DecentralizedConfig)
-class Decentralized(ConfiguredAlgorithm):
+class Decentralized(WithoutAveraging, ConfiguredAlgorithm):
     """Decentralized SGD (SPEC section 3): ``optax.chain(optimizer, decentralized(...))``.
 
     Every ``communication_interval`` steps the weights are averaged with all ranks
@@ -210,22 +219,15 @@ class Decentralized(ConfiguredAlgorithm):
     after_optimizer = fault_tolerant = True
     average_all_when_odd = False
     """Whether ``shift_one`` averages over all ranks when their number is odd (:meth:`averaging_all_when_odd`)."""
-    averages = True
-    """Whether the steps average the weights at all (:meth:`without_averaging`)."""
 
     def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
         """:func:`decentralized` with this configuration (a transform that only counts the steps, without
         averaging)."""
         if not self.averages:
-            return optax.GradientTransformationExtraArgs(step_counter_init(DecentralizedState), _counted)
+            return counting_only(step_counter_init(DecentralizedState))
         return decentralized(
             comms, self.config, bucket_bytes=self.bucket_bytes, average_all_when_odd=self.average_all_when_odd
         )
-
-    def without_averaging(self) -> Decentralized:
-        """A copy whose steps average nothing and count themselves, so that the pairs' schedule goes on: the step a
-        fault-tolerant job's members train while a joiner, with no weights to exchange yet, sits it out."""
-        return self.replace()._variant(averages=False)
 
     def averaging_all_when_odd(self) -> Decentralized:
         """A copy whose ``shift_one`` rounds average over all ranks while their number is odd, as the torch front

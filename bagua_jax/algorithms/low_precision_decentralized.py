@@ -31,6 +31,7 @@ from bagua_jax.algorithms.base import (
     check_weights_given,
     implements,
 )
+from bagua_jax.algorithms.decentralized import WithoutAveraging, counting_only
 from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import Communicator
 
@@ -189,7 +190,7 @@ def _rows(bucket: jax.Array, k: int) -> jax.Array:
 
 
 @implements(LowPrecisionDecentralizedConfig)
-class LowPrecisionDecentralized(ConfiguredAlgorithm):
+class LowPrecisionDecentralized(WithoutAveraging, ConfiguredAlgorithm):
     """Low-precision decentralized SGD (SPEC section 3): ``optax.chain(optimizer, transform)``.
 
     After each local optimizer step, every ``communication_interval`` steps, each rank sends
@@ -202,3 +203,9 @@ class LowPrecisionDecentralized(ConfiguredAlgorithm):
 
     _transform = staticmethod(low_precision_decentralized)
     after_optimizer = fault_tolerant = True
+
+    def transform(self, comms: Communicators) -> optax.GradientTransformationExtraArgs:
+        """:func:`low_precision_decentralized` with this configuration (one that only counts the steps, its copies
+        left as they are, without averaging)."""
+        exchanging = low_precision_decentralized(comms, self.config, bucket_bytes=self.bucket_bytes)
+        return exchanging if self.averages else counting_only(exchanging.init)
