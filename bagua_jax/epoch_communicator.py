@@ -36,13 +36,14 @@ def fail_epoch(membership: Membership, epoch: Epoch, error: Exception) -> None:
 
 def follow_members(communicator: NativeCommunicator, membership: Membership, closed: Epoch) -> Epoch:
     """The epoch after ``closed`` (whose members ``communicator`` spans), with ``communicator`` shrunk to its
-    survivors and grown by its joiners. A survivor lost meanwhile makes the others' shrink raise once the
+    survivors (rebuilt over all of them where a failure lost nobody: a slow collective timed out, say) and grown by
+    its joiners. A survivor lost meanwhile makes the others' shrink raise once the
     communicator's timeout passed: MPICH cannot abandon a pending ``MPI_Comm_create_group``, and every later
     communicator waits for it, so they stop there, naming it (the job restarts from its last checkpoint)."""
     new = membership.recover(closed).epoch
     spanned = [member.id for member in closed.members]
     kept = [spanned.index(member.id) for member in new.members if member.id in spanned]
-    if len(kept) < len(spanned):
+    if len(kept) < len(spanned) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
         communicator.shrink(kept)
     if new.size > len(kept):
         communicator.grow(new.store, new.prefix("mpi/"), new.size)

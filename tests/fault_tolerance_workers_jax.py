@@ -1,26 +1,26 @@
 """Ranks of the JAX trainer's fault-tolerance tests (test_fault_tolerance_jax.py).
 
 The first members train with the native MPI engine, each its own ``mpiexec -n 1`` job joined through the
-fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults
-are ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective,
-by ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats) or ``raise`` (an exception ends the
-process), or, once the step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes
-that member vote after it saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder
-start sending a joiner's state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then;
-``FT_KILL_IN_SHRINK`` (a rank) kills that member in its first recovery's shrink, and ``FT_COMM_TIMEOUT`` (seconds,
-60 by default) bounds the communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the
-training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and
-``FT_HIDDEN`` (a width) adds an unused layer of that width beside the linear model: a larger step, with the same
-loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh layer of that width to the linear
-model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax
-``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals folder (the last
-run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch
-closed, and ``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's
-step. ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step after the joiner's admission compute that much
-longer. Every member records each attempt of a step (its transaction, epoch, rank, the
-members training it and all the members, sample indices, times),
-its state's first and final parameters, its final rank and, under low-precision decentralized training, its copies
-of its own and its ring neighbours' weights.
+fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults are
+``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective, by
+``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats), ``raise`` (an exception ends the
+process) or ``slow`` (it starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive), or, once the
+step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
+saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's
+state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills
+that member in its first recovery's shrink, and ``FT_COMM_TIMEOUT`` (seconds, 60 by default) bounds the
+communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the training's gradient allreduce
+and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and ``FT_HIDDEN`` (a width) adds an
+unused layer of that width beside the linear model: a larger step, with the same loss and zero gradients for the
+layer. ``FT_MLP`` (a width) adds a trained tanh layer of that width to the linear model's prediction (a matrix
+PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax ``TrainState``; ``FT_RESTORE=1``
+starts the first members from the newest checkpoint in the signals folder (the last run's final save).
+``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch closed, and
+``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's step.
+``FT_ADMITTING_STEP_SECONDS`` makes the first members' step after the joiner's admission compute that much longer.
+Every member records each attempt of a step (its transaction, epoch, rank, the members training it and all the
+members, sample indices, times), its state's first and final parameters, its final rank and, under low-precision
+decentralized training, its copies of its own and its ring neighbours' weights.
 """
 
 from __future__ import annotations
@@ -91,6 +91,11 @@ def _wait_for(name: str, timeout: float = 120.0) -> None:
 
 
 def _fail(kind: str, step: int) -> None:
+    if kind == "slow":  # alive, its heartbeats going on, past the others' collective timeout (the first attempt)
+        if not os.path.exists(_signal(f"slow-{step}")):
+            _touch(f"slow-{step}")
+            time.sleep(float(os.environ["FT_COMM_TIMEOUT"]) + 1.5)
+        return
     time.sleep(0.5)  # the others are blocked in the step's collective by now
     if kind == "kill-once-asked":  # the joiner's request is in before this death is noticed
         _wait_for("joiner-asked")

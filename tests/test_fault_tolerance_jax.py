@@ -196,6 +196,25 @@ def test_a_survivor_that_had_not_applied_a_step_another_applied_is_given_its_sta
     assert [s["transaction"] for s in behind["steps"]] == [1, 2, 4, 5, 6]
 
 
+def test_members_whose_step_timed_out_on_a_slow_member_go_on_together(tmp_path: Path):
+    # Member 1 starts step 3 past the collective timeout, alive: member 0's allreduce times out and closes the epoch
+    # with nobody lost, and the next epoch has the same members. Its communicator must be a new one: the closed
+    # epoch's is revoked (every later collective failed, and both members aborted).
+    results = run_members(tmp_path, "train", 2, {3: (1, "slow")}, 2, 2, 6, env={"FT_COMM_TIMEOUT": "4"}, timeout=180)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0], outputs
+    first, second = (r.value for r in results)
+    sizes = {s["transaction"]: s["size"] for s in first["steps"]}
+    assert sizes == dict.fromkeys(range(1, 7), 2), sizes
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(first["params"][name], value, rtol=2e-5, atol=1e-6)
+        np.testing.assert_array_equal(second["params"][name], first["params"][name])  # bit-identical
+    for seen in (first, second):
+        retried = [a for a in seen["attempts"] if a["transaction"] == 3]
+        assert len(retried) >= 2 and "committed" not in retried[0], retried  # the timed-out step, run again
+        assert seen["recoveries"] and all(r["size"] == 2 for r in seen["recoveries"]), seen["recoveries"]
+
+
 def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_path: Path):
     # Two members, then a joiner whose state the holder starts sending 3 s late: the members train the next step on
     # their own samples without waiting for it (under CI's load their step took 0.5 s: the joiner's start-up); the
