@@ -240,10 +240,10 @@ class FaultTolerantTrainer:
                 else:
                     new_state, result = (self._unaveraged_step if unaveraged else self.trainer).step(state, batch)
                 jax.block_until_ready((new_state, result))
-                for ahead in (self._weighed_out_step, self._unaveraged_step):  # compiled from a thread, long before a
-                    if ahead is not None:  # joiner comes (and for the world sizes one change brings)
+                for ahead in () if sat_out else (self._weighed_out_step, self._unaveraged_step):  # from a thread, long
+                    if ahead is not None:  # before a joiner comes; not during a joiner's first step: every member waits
                         ahead.compile_in_background(state, batch)
-                if self._resized is not None:
+                if self._resized is not None and not sat_out:  # and for the world sizes one change brings
                     self._resized.compile_in_background(state, batch, self._roles)
                 if weighed:
                     self.communicator.set_mpi_average_divisor(None)

@@ -102,7 +102,10 @@ def worker(args: argparse.Namespace) -> None:
             return {"tokens": tokens[indices]}
 
     rank, master = int(os.environ["RANK"]), os.environ.get("MASTER_ADDR", "127.0.0.1")
-    settings = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.0, hash_every=args.hash_every)
+    # A join loses nobody: the default heartbeats. 1 s without one took members compiling in the background on the
+    # shared cores for dead (a third of the GPT runs under low-precision decentralized training lost one).
+    beats = {} if args.mode == "join" else {"heartbeat_period": 0.1, "dead_after": 1.0}
+    settings = FaultToleranceSettings(**beats, hash_every=args.hash_every)
     members = args.ranks - 1 if args.mode == "join" else args.ranks
     record: dict = {"rank": rank}
     period = args.sync_every if args.algorithm == "diloco" else 1  # steps per transaction
@@ -235,11 +238,13 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
 
 def join_table(records: list[dict], sync_every: int) -> list[str]:
     """The ``join`` table: each member's pause at the admission, the round the joiner was admitted into against the
-    round before it (a round: from one exchange's end to the next one's), and the first exchange with the joiner
-    against the later ones; then the joiner's timeline from asking to be admitted."""
+    round before it (a round: from one exchange's end to the next one's), that round and the next against the two
+    before (where a joiner sits out the first, the second pays what it deferred), and the first exchange with the
+    joiner against the later ones; then the joiner's timeline from asking to be admitted."""
     *members, joiner = records
     first_exchange = next(s for s in joiner["steps"] if s["step"] % sync_every == 0)
     joint = first_exchange["step"]
+    next_exchange = next(s for s in joiner["steps"] if s["step"] == joint + sync_every)
     rows = []
     for r in members:
         ends = {s["step"]: s["end"] for s in r["steps"] if s["step"] % sync_every == 0}
@@ -247,11 +252,14 @@ def join_table(records: list[dict], sync_every: int) -> list[str]:
         later = [exchange_steps[step] for step in exchange_steps if step > joint]
         rows.append([
             r["rank"], f"{r['recoveries'][0]['resume_seconds']:.3f}", f"{ends[joint] - ends[joint - sync_every]:.2f}",
-            f"{ends[joint - sync_every] - ends[joint - 2 * sync_every]:.2f}", f"{exchange_steps[joint] * 1e3:.0f}",
+            f"{ends[joint - sync_every] - ends[joint - 2 * sync_every]:.2f}",
+            f"{ends[joint + sync_every] - ends[joint - sync_every]:.2f}",
+            f"{ends[joint - sync_every] - ends[joint - 3 * sync_every]:.2f}", f"{exchange_steps[joint] * 1e3:.0f}",
             f"{statistics.median(later) * 1e3:.0f}" if later else "-",
         ])  # fmt: skip
     lines = table(["member", "paused at the admission (s)", "round with the admission (s)", "round before (s)",
-                   "first joint exchange step (ms)", "later exchange steps (ms, median)"], rows)  # fmt: skip
+                   "it and the next (s)", "two before (s)", "first joint exchange step (ms)",
+                   "later exchange steps (ms, median)"], rows)  # fmt: skip
     asked = joiner["asked"]
     lines += [
         "",
@@ -259,7 +267,7 @@ def join_table(records: list[dict], sync_every: int) -> list[str]:
         f" admitted {joiner['admitted'] - asked:.2f} s after it asked (at the next exchange), into the round"
         f" ending at step {joint}; had the state {joiner['ready'] - asked:.2f} s, started its first"
         f" step {joiner['steps'][0]['start'] - asked:.2f} s and ended that exchange {first_exchange['end'] - asked:.2f}"
-        f" s after it asked ({len(joiner['steps'])} steps run)",
+        f" s and the next {next_exchange['end'] - asked:.2f} s after it asked ({len(joiner['steps'])} steps run)",
     ]
     return lines
 
