@@ -7,7 +7,7 @@ builds its groups per epoch instead (:mod:`bagua_torch.communicator.epoch_groups
 
 from __future__ import annotations
 
-from bagua_common.fault_tolerance import Epoch, Membership, MembershipChanged, StoreUnreachable
+from bagua_common.fault_tolerance import Epoch, Evicted, Membership, MembershipChanged, StoreUnreachable
 from bagua_jax.native_communicator import NativeCommunicator
 
 __all__ = ["communication_failure", "fail_epoch", "follow_members"]
@@ -34,17 +34,35 @@ def fail_epoch(membership: Membership, epoch: Epoch, error: Exception) -> None:
         membership.fail(epoch, str(error).splitlines()[0])
 
 
-def follow_members(communicator: NativeCommunicator, membership: Membership, closed: Epoch) -> Epoch:
+def follow_members(communicator: NativeCommunicator, membership: Membership, closed: Epoch) -> tuple[Membership, Epoch]:
     """The epoch after ``closed`` (whose members ``communicator`` spans), with ``communicator`` shrunk to its
     survivors (rebuilt over all of them where a failure lost nobody: a slow collective timed out, say) and grown by
-    its joiners. A survivor lost meanwhile makes the others' shrink raise once the
-    communicator's timeout passed: MPICH cannot abandon a pending ``MPI_Comm_create_group``, and every later
-    communicator waits for it, so they stop there, naming it (the job restarts from its last checkpoint)."""
-    new = membership.recover(closed).epoch
+    its joiners, and the membership it is an epoch of: ``membership``, unless the others went on without this member
+    (it was stopped, cut off or starved past ``dead_after``), which then joins the job again as a new member (an
+    epoch that lists it among its joiners, to be given the state), over the stores of ``closed``'s other members.
+    A survivor lost meanwhile makes the others' shrink raise once the communicator's timeout passed: MPICH cannot
+    abandon a pending ``MPI_Comm_create_group``, and every later communicator waits for it, so they stop there,
+    naming it (the job restarts from its last checkpoint)."""
+    try:
+        new = membership.recover(closed).epoch
+    except Evicted:
+        membership = _rejoined(communicator, membership, closed)
+        return membership, membership.epoch
     spanned = [member.id for member in closed.members]
     kept = [spanned.index(member.id) for member in new.members if member.id in spanned]
     if len(kept) < len(spanned) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
         communicator.shrink(kept)
     if new.size > len(kept):
         communicator.grow(new.store, new.prefix("mpi/"), new.size)
-    return new
+    return membership, new
+
+
+def _rejoined(communicator: NativeCommunicator, evicted: Membership, closed: Epoch) -> Membership:
+    settings, me = evicted.settings, evicted.me.id
+    evicted.close()
+    first, *others = [member for member in closed.members if member.id != me]
+    peers = [f"{member.host}:{member.port}" for member in others]
+    membership = Membership.join(settings, first.host, first.port, peers, timeout=settings.quorum_timeout)
+    epoch = membership.epoch
+    communicator.join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, settings.quorum_timeout)
+    return membership

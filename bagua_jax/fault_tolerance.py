@@ -5,13 +5,13 @@ protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agre
 JAX step changes nothing in place, so an abandoned one costs nothing to roll back. When a member dies or hangs, a thread
 revokes the communicator, the survivors shrink it to themselves in the same handle (a step whose shapes follow the world
 size was compiled ahead for it), check that their replicas are bit-identical and run the step again on the new partition
-of the samples not yet trained on. A joiner compiles its step before it asks to be admitted and does not make its peers
-wait for its state: it takes its first step weighed out (gradient allreduce, PowerSGD:
-:mod:`bagua_jax.weighed_out_step`), sits it out ((low-precision) decentralized: :mod:`bagua_jax.unaveraged_step`), or
-sits out the DiLoCo round in flight with a zero pseudo-gradient (INTELLECT-1's rule). Under DiLoCo each outer exchange
-is the transaction: the survivors train on to it and retry it among themselves, losing no inner step; one overlapping
-the next steps (Streaming DiLoCo) commits with the step that applies it. The guide, ``docs/guides/fault_tolerance.md``,
-has the rules of every algorithm's state."""
+of the samples not yet trained on; one they took for dead (stopped or cut off past ``dead_after``) joins again. A
+joiner compiles its step before it asks to be admitted and does not make its peers wait for its state: it takes its
+first step weighed out (gradient allreduce, PowerSGD: :mod:`bagua_jax.weighed_out_step`), sits it out ((low-precision)
+decentralized: :mod:`bagua_jax.unaveraged_step`), or sits out the DiLoCo round in flight with a zero pseudo-gradient
+(INTELLECT-1's rule). Under DiLoCo each outer exchange is the transaction: the survivors train on to it and retry it
+among themselves, losing no inner step; one overlapping the next steps (Streaming DiLoCo) commits with the step that
+applies it. The guide, ``docs/guides/fault_tolerance.md``, has the rules of every algorithm's state."""
 
 from __future__ import annotations
 
@@ -322,9 +322,7 @@ class FaultTolerantTrainer:
 
     def _is_transaction(self, state: Any) -> bool:
         """Whether the next step of ``state`` is a transaction: every step, or one that applies DiLoCo's exchange."""
-        if self._diloco is None:
-            return True
-        return bool(self._diloco.applies_after(int(unwrap_state(state).step) + 1))
+        return self._diloco is None or bool(self._diloco.applies_after(int(unwrap_state(state).step) + 1))
 
     def _apply(self, trainers: int) -> None:
         self.committed += 1
@@ -348,7 +346,8 @@ class FaultTolerantTrainer:
                 self._transfer.result()
         self._transfer = self._incoming = None
         old = self.epoch
-        new = self.epoch = follow_members(self.communicator, self.membership, old)
+        self.membership, new = follow_members(self.communicator, self.membership, old)  # a new one if evicted
+        self.epoch = new
         # Its step abandoned, the divisor goes back to the size; only now, once the new members' communicator
         # dropped the failed calls' ordering tokens: before, the divisor's wait for those calls raised their error.
         self.communicator.set_mpi_average_divisor(None)

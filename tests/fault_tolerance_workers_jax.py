@@ -3,9 +3,10 @@
 The first members train with the native MPI engine, each its own ``mpiexec -n 1`` job joined through the
 fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults are
 ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective, by
-``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats), ``raise`` (an exception ends the
-process) or ``slow`` (it starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive), or, once the
-step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
+``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats), ``pause`` (SIGSTOP, then SIGCONT
+``PAUSE_SECONDS`` later: taken for dead, it joins again), ``raise`` (an exception ends the process) or ``slow`` (it
+starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive), or, once the step's collective completed,
+by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
 saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's
 state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills
 that member in its first recovery's shrink, and ``FT_COMM_TIMEOUT`` (seconds, 60 by default) bounds the
@@ -28,6 +29,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
 import numpy as np
@@ -36,6 +38,7 @@ from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, M
 
 SAMPLES, FEATURES, BATCH_PER_RANK, LR = 120, 5, 4, 0.1
 SETTINGS = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.5, quorum_timeout=30.0, hash_every=2)
+PAUSE_SECONDS = SETTINGS.dead_after + 3.0
 
 
 def dataset() -> tuple[np.ndarray, np.ndarray]:
@@ -105,7 +108,24 @@ def _fail(kind: str, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if kind == "stop":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if kind == "pause":  # stopped past dead_after, then on again: the others went on without it, and it joins again
+        subprocess.Popen(["sh", "-c", f"sleep {PAUSE_SECONDS}; kill -CONT {os.getpid()}"])
+        _say_when_asking_to_join()
+        os.kill(os.getpid(), signal.SIGSTOP)
+        return
     raise RuntimeError("the victim fails on purpose")
+
+
+def _say_when_asking_to_join() -> None:
+    """Signal ``joiner-asked`` as this process asks to be admitted: the members wait for the request (a joiner
+    compiles first; a member taken for dead asks once it went on)."""
+    join = Membership.join
+
+    def asking(*args, **kwargs):
+        _touch("joiner-asked")
+        return join(*args, **kwargs)
+
+    Membership.join = asking
 
 
 def _compilations() -> list[tuple[float, str, float, str]]:
@@ -139,13 +159,7 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
     _touch(f"pid{rank}", str(os.getpid()))
     if rank >= start_size:
         _wait_for("start-joiner")
-        join = Membership.join
-
-        def asking(*args, **kwargs):  # the members wait for the request (the joiner compiles first)
-            _touch("joiner-asked")
-            return join(*args, **kwargs)
-
-        Membership.join = asking
+        _say_when_asking_to_join()
         trainer = make_trainer(NativeCommunicator.mpi_self(timeout=60))
         ft = FaultTolerantTrainer.joiner(trainer, data, SETTINGS, master, timeout=60)
         state = ft.init(params, example_batch)

@@ -215,6 +215,34 @@ def test_members_whose_step_timed_out_on_a_slow_member_go_on_together(tmp_path: 
         assert seen["recoveries"] and all(r["size"] == 2 for r in seen["recoveries"]), seen["recoveries"]
 
 
+def test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on(tmp_path: Path):
+    # Member 2 is stopped in step 3 past dead_after, then goes on: the others went on without it. It joins the job
+    # again as a new member, is given their state (weighed out of its first step) and trains to the end with them;
+    # it exited with Evicted before.
+    results = run_members(tmp_path, "train", 3, {3: (2, "pause")}, 3, 3, 8, timeout=180)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0], outputs
+    first, second, back = (r.value for r in results)
+    sizes = {s["transaction"]: s["size"] for s in first["steps"]}
+    assert sizes[1] == sizes[2] == 3 and sizes[3] == 2, sizes  # step 3 retried by the two
+    # Back, its step 3 may complete against the others' abandoned first attempt (MPI matches the calls) and be
+    # applied here alone: the state it is given on joining again replaces it.
+    (again,) = back["recoveries"]  # its one recovery: the epoch that admitted it again
+    back_steps = [s for s in back["steps"] if s["epoch"] >= again["epoch"]]
+    rejoined = back_steps[0]["transaction"]  # weighed out of it, then trained by all three
+    assert [(s["transaction"], s["epoch"]) for s in back["steps"][:2]] == [(1, 0), (2, 0)], back["steps"]
+    assert rejoined > 3 and [s["transaction"] for s in back_steps] == list(range(rejoined, len(sizes) + 1))
+    assert sizes[rejoined] == 2 and all(sizes[t] == 3 for t in sizes if t > rejoined), sizes
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(back["params"][name], value, rtol=2e-5, atol=1e-6)
+        for member in (first, second):
+            np.testing.assert_array_equal(member["params"][name], back["params"][name])  # bit-identical
+    retried = [a for a in first["attempts"] if a["transaction"] == 3]
+    resume = retried[-1]["start"] - float((tmp_path / "fault-time-3").read_text())
+    assert len(retried) == 2 and 0 < resume < 10, (retried, resume)  # dead_after (1.5 s), then at once
+    print(f"pause: the others resumed {resume:.2f} s after it stopped; it trained again from step {rejoined}")
+
+
 def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_path: Path):
     # Two members, then a joiner whose state the holder starts sending 3 s late: the members train the next step on
     # their own samples without waiting for it (under CI's load their step took 0.5 s: the joiner's start-up); the

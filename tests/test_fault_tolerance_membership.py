@@ -37,8 +37,8 @@ from bagua_common.fault_tolerance import (
 )
 from bagua_common.fault_tolerance.admission import job_size
 from bagua_common.fault_tolerance.decision import commit_transaction
-from bagua_common.fault_tolerance.epoch import Epoch, Member
-from bagua_common.fault_tolerance.errors import NO_JOB_STATUS, NoJobToJoin
+from bagua_common.fault_tolerance.epoch import Epoch, Member, close_epoch
+from bagua_common.fault_tolerance.errors import NO_JOB_STATUS, Evicted, NoJobToJoin
 from bagua_common.fault_tolerance.formation import probe, process_ended
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
@@ -295,6 +295,34 @@ def test_a_vote_ahead_applies_at_once_and_the_survivors_behind_get_the_state_of_
         assert [r.epoch.state_holder for r in recovered] == [applied_by] * 2
         for m in group[:2]:
             m.close()
+
+
+def test_a_coordinator_starved_past_the_others_patience_is_evicted_not_given_an_epoch_of_its_own(members):
+    # The others wrote their join records at the coordinator's store (its server thread answers), waited for the epoch
+    # as long as they do, then formed it at the next member; the coordinator's monitor, starved meanwhile, gathered
+    # later. It counted the records left behind and published an epoch of the same number with all three: two epochs
+    # 1, and the coordinator lost. A record counts only while its writer still waits at that store.
+    settings = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.3, quorum_timeout=0.6)
+    group = members(3, settings)
+    assert commit_all(group, 1) == [True, True, True]
+    leaving = [m.epoch for m in group]
+    patience = settings.quorum_timeout + 2 * settings.dead_after  # how long a member waits at a candidate
+    formed_elsewhere = threading.Event()
+    gather = group[0]._formation._gather
+
+    def starved_gather(*args):
+        formed_elsewhere.wait(10 * patience)
+        time.sleep(0.1)  # the two adopt the epoch they formed
+        gather(*args)
+
+    group[0]._formation._gather = starved_gather
+    close_epoch(group[0]._local, leaving[0], {"reason": "a step timed out", "suspects": []})  # nobody lost
+    recovered = together([lambda m=m, e=e: m.recover(e, timeout=10 * patience) for m, e in zip(group[1:], leaving[1:])])
+    formed_elsewhere.set()
+    assert [(r.epoch.number, r.epoch.size, r.epoch.coordinator.id) for r in recovered] == [(1, 2, group[1].me.id)] * 2
+    with pytest.raises(Evicted, match="without this member"):
+        group[0].recover(leaving[0], timeout=10 * patience)
+    assert commit_all(group[1:], 2) == [True, True]
 
 
 def test_a_vote_ahead_costs_one_round_trip_and_the_last_one_two(members):

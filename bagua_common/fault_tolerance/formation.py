@@ -8,7 +8,9 @@ waits for the survivors (not for suspects, dead or silent members, nor longer th
 dead), and publishes the epoch: the survivors in their order, then the joiners whose requests
 wait in its store, ``committed`` the largest the survivors applied. A survivor that applied less (its
 collectives failed where another's completed, the step being voted ahead) is listed with the joiners: it gets
-the job's state from the first member that has it (:attr:`Epoch.state_holder`).
+the job's state from the first member that has it (:attr:`Epoch.state_holder`). A record counts only while its
+writer still waits at that candidate, as the writer's own store says (``ft/waiting-at``): a candidate too slow for the
+others' patience finds they left, and the quorum stays a majority of members waiting at one place.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ from bagua_common.fault_tolerance.kv_store import KVClient, StoreClient, StoreUn
 from bagua_common.fault_tolerance.settings import FaultToleranceSettings
 
 __all__ = ["Formation", "probe", "process_ended"]
+
+WAITING_AT = "ft/waiting-at"
+"""Key in a member's own store: the candidate it last wrote its join record at, and the epoch it was leaving."""
 
 _PROBE_SECONDS = 1.0
 """The longest a probe waits for a member's store to answer (a hung store looks like a lost one)."""
@@ -59,6 +64,7 @@ class Formation:
         while not self._stopping.is_set():
             candidate, client = self._first_answering(leaving, suspects)
             try:
+                self._local.set(WAITING_AT, json.dumps({"member": candidate.id, "leaving": leaving.number}))
                 client.set(f"ft/join/{self.me.id}", json.dumps(record))
                 if candidate == self.me:
                     self._gather(client, leaving, suspects)
@@ -141,11 +147,16 @@ class Formation:
             }
             dead |= {m for m in missing - waiting if probed.get(m, ("",))[0] == "refused"}
             if not waiting:
+                if 2 * len(joined) <= leaving.size - len(dead):
+                    dead |= {m for m in missing - dead if state(m) == "refused"}  # the quorum needs to know: look
                 if 2 * len(joined) > leaving.size - len(dead):
-                    break
-                dead |= {m for m in missing - dead if state(m) == "refused"}  # the quorum needs to know: look
-                if 2 * len(joined) > leaving.size - len(dead):
-                    break
+                    moved = self._gone_elsewhere(others, joined, leaving)
+                    if not moved:
+                        break
+                    for member_id in moved:
+                        del joined[member_id]
+                        store.delete(f"ft/join/{member_id}")
+                    continue
                 if elapsed > self.settings.quorum_timeout:
                     store.set(f"ft/after/{leaving.number}", b"noquorum")
                     return
@@ -171,6 +182,33 @@ class Formation:
         publish_epoch(store, epoch, after=sorted({int(j["last_epoch"]) for j in joined.values()}))
         for member_id in joined:
             store.delete(f"ft/join/{member_id}")
+
+    def _gone_elsewhere(self, others: dict[str, Member], joined: dict[str, Any], leaving: Epoch) -> list[str]:
+        """The members whose join records here are stale: each one's own store says it now waits at another member
+        (it gave up on this one, starved or cut off, past its patience) or has ended. A record counts only while its
+        writer waits here, so that two candidates never both count a member, and two majorities cannot form. One
+        that went on to an epoch formed elsewhere formed it without this member: this member is evicted."""
+        moved = []
+        for member_id in set(joined) - {self.me.id}:
+            here = {"member": self.me.id, "leaving": int(joined[member_id]["last_epoch"])}
+            try:
+                client = KVClient(
+                    others[member_id].host, others[member_id].port, _PROBE_SECONDS, secret=self.settings.secret
+                )
+                waiting_at, current = _json(client.check(WAITING_AT)), _json(client.check("ft/current"))
+                client.close()
+            except StoreUnreachable as error:
+                if error.refused:  # ended: gone from every candidate
+                    moved.append(member_id)
+                continue  # silent (hung, or too loaded to answer): counted, as a member that joined and hung is
+            if waiting_at != here:
+                if current is not None and int(current["epoch"]) > here["leaving"]:
+                    raise Evicted(
+                        f"fault tolerance: the job formed epoch {current['epoch']} without this member ({self.me.id}) "
+                        "while it was too slow to coordinate; it can only come back as a joiner"
+                    )
+                moved.append(member_id)
+        return moved
 
     def _admissible_requests(self, store: StoreClient, members: set[str]) -> list[Member]:
         """The joiners that asked since the last formation, in the order they asked. A request counted but not yet

@@ -414,9 +414,10 @@ class Membership:
     def close(self) -> None:
         """Leave the job: say so in the coordinator's store (a member that left is not a failure), stop the monitor
         and the store. The coordinator waits up to ``dead_after`` for the others to leave first, so that members
-        ending together do not take each other's departure for a failure."""
+        ending together do not take each other's departure for a failure. A member the others went on without
+        (:meth:`recover` raised) has no epoch to leave."""
         epoch = self._epoch
-        if epoch is not None and epoch.store is not None and not self._stopping.is_set():
+        if epoch is not None and epoch.store is not None and not self._stopping.is_set() and self._failure is None:
             try:
                 epoch.store.set(f"{epoch.prefix()}left/{self.me.id}", b"")
                 others = [f"{epoch.prefix()}left/{m.id}" for m in epoch.members if m != self.me]
