@@ -377,8 +377,8 @@ class FaultTolerantTrainer:
         joiners sit out the step (and have no weights), at the next step's start instead (on every member)."""
         ring = isinstance(self.trainer.algorithm, LowPrecisionDecentralized) and self._unaveraged_step is not None
         self._copies_due = ring and bool(self._sitting_out)
-        gather = HostCommunicator(self.communicator).allgather  # nothing to compile
-        return state if self._copies_due else state_rules.ring_copies_resumed(state, gather, self.epoch.rank)
+        exchange, resumed = HostCommunicator(self.communicator).send_recv, state_rules.ring_copies_resumed
+        return state if self._copies_due else resumed(state, exchange, self.epoch.rank, self.epoch.size)
 
     def _share_state(self, state: Any, epoch: Epoch) -> Any:
         """The state's holder (:attr:`Epoch.state_holder`) gives the committed state to joiners and survivors behind,

@@ -10,6 +10,8 @@ thread that communicates while the training loop runs needs. Results come back a
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import numpy as np
 
@@ -67,6 +69,14 @@ class HostCommunicator:
         buffer = _host(x).copy()
         self._engine.broadcast(self._handle, _bytes(buffer), int(root))
         return jax.device_put(buffer)
+
+    def send_recv(self, x: jax.typing.ArrayLike, peers: Sequence[int]) -> jax.Array:
+        """Send ``x`` to each rank of ``peers`` and receive ``[len(peers), *x.shape]``: row j from ``peers[j]``
+        (each of them calls it with this rank among its peers, as often)."""
+        send = _host(x)
+        recv = np.empty((len(peers), *send.shape), send.dtype)
+        self._engine.send_recv(self._handle, _bytes(send), _bytes(recv), [int(p) for p in peers])
+        return jax.device_put(recv)
 
     def allgather(self, x: jax.typing.ArrayLike) -> jax.Array:
         """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.algorithms.diloco import DiLoCoConfig
+from bagua_common.comm.topology import ring_peers
 from bagua_common.fault_tolerance import ReplicaDigest
 from bagua_common.job.reshard import RESET as RESHARD_RESET
 from bagua_common.job.reshard import config_rule
@@ -204,19 +205,24 @@ def carry_over(role_tree: TrainState, state: TrainState, fresh: TrainState) -> T
     return jax.tree.map(pick, role_tree, state, fresh)
 
 
-def ring_copies_resumed(state: Any, gather: Callable[[np.ndarray], np.ndarray], rank: int) -> Any:
-    """``state`` (of member ``rank``, after :func:`carry_over`) with low-precision decentralized training's copies
-    started again on the new ring, as the torch front end's ``resume``: ``w`` stays this member's weights (a fresh
-    state's), ``L`` and ``R`` become its new neighbours' ``w``, gathered in full precision (``gather``: an allgather
-    over the members, called once per bucket on every member), so that each copy is again the bits its neighbour
-    holds. A state without such copies comes back as it is."""
+def ring_copies_resumed(
+    state: Any, exchange: Callable[[np.ndarray, list[int]], np.ndarray], rank: int, size: int
+) -> Any:
+    """``state`` (of member ``rank`` of ``size``, after :func:`carry_over`) with low-precision decentralized training's
+    copies started again on the new ring, as the torch front end's ``resume``: ``w`` stays this member's weights (a
+    fresh state's), ``L`` and ``R`` become its new neighbours' ``w``, sent in full precision by the neighbours alone
+    (``exchange(w, peers)``: row j from ``peers[j]``, as :meth:`HostCommunicator.send_recv`, called once per bucket on
+    every member), so that each copy is again the bits its neighbour holds (its own on a ring of one, never read). A
+    state without such copies comes back as it is."""
     own = unwrap_state(state)
 
     def resumed(node: Any) -> Any:
         if not isinstance(node, LowPrecisionDecentralizedState):
             return node
-        every = [np.asarray(gather(np.asarray(w))) for w in node.weights]
-        left, right = (tuple(jnp.asarray(rows[(rank + d) % len(rows)]) for rows in every) for d in (-1, 1))
+        if size == 1:
+            return node._replace(left=node.weights, right=node.weights)
+        rows = [np.asarray(exchange(np.asarray(w), ring_peers(rank, size))) for w in node.weights]
+        left, right = (tuple(jnp.asarray(r[end]) for r in rows) for end in (0, -1))  # the right's is row 0 of two
         return node._replace(left=left, right=right)
 
     opt_state = jax.tree.map(resumed, own.opt_state, is_leaf=_is_ring_copies)

@@ -142,6 +142,7 @@ from harness.machine import retain_freed_memory
 from harness.options import add_out_option, add_subset_option
 from harness.results import finish_meta, header_lines, run_meta
 
+from bagua_common.comm import topology
 from bagua_common.job.local_launch import free_port, mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
 
@@ -199,12 +200,8 @@ FACTOR_TEXT = {
 
 
 def ring_peers(rank: int, n: int) -> list[int] | None:
-    """send_recv's peers: the other rank of two, else both ring neighbours; None on one rank."""
-    if n < 2:
-        return None
-    if n == 2:
-        return [1 - rank]
-    return [(rank + 1) % n, (rank - 1) % n]
+    """send_recv's peers, as Bagua's ring algorithms take them; None on one rank."""
+    return None if n < 2 else topology.ring_peers(rank, n)
 
 
 def element_count(primitive: str, nbytes: int, n: int) -> int:

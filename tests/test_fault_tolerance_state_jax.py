@@ -115,23 +115,30 @@ def test_decentralized_keeps_each_members_parameters_and_optimizer_state_and_has
 
 def test_ring_copies_resumed_takes_each_neighbours_weights_and_leaves_other_states_as_they_are():
     params = {"w": jnp.arange(3, dtype=jnp.float32), "b": jnp.zeros((), jnp.float32)}
-    members = [{"w": params["w"] + 10 * r, "b": params["b"] + r} for r in range(3)]
-    states = [
-        DataParallel(loss_fn, optax.sgd(0.1), "low_precision_decentralized", mesh=mesh()).init(p) for p in members
-    ]
-    own = [np.asarray(s.opt_state[1].weights[0]) for s in states]  # each member's own weights, one bucket
+    for size in (3, 2, 1):
+        members = [{"w": params["w"] + 10 * r, "b": params["b"] + r} for r in range(size)]
+        states = [
+            DataParallel(loss_fn, optax.sgd(0.1), "low_precision_decentralized", mesh=mesh()).init(p) for p in members
+        ]
+        own = [np.asarray(s.opt_state[1].weights[0]) for s in states]  # each member's own weights, one bucket
+        asked = []
 
-    def gather_of(states):
-        rows = [np.asarray(s.opt_state[1].weights[0]) for s in states]
-        return lambda w: np.stack(rows)
+        def exchange(w, peers, rank):  # what send_recv gives: row j is peers[j]'s weights
+            np.testing.assert_array_equal(w, own[rank])
+            asked.append((rank, list(peers)))
+            return np.stack([own[p] for p in peers])
 
-    for rank, state in enumerate(states):
-        copies = ring_copies_resumed(state, gather_of(states), rank).opt_state[1]
-        np.testing.assert_array_equal(copies.weights[0], own[rank])
-        np.testing.assert_array_equal(copies.left[0], own[(rank - 1) % 3])
-        np.testing.assert_array_equal(copies.right[0], own[(rank + 1) % 3])
+        for rank, state in enumerate(states):
+            resumed = ring_copies_resumed(state, lambda w, peers, rank=rank: exchange(w, peers, rank), rank, size)
+            copies = resumed.opt_state[1]
+            np.testing.assert_array_equal(copies.weights[0], own[rank])
+            np.testing.assert_array_equal(copies.left[0], own[(rank - 1) % size])
+            np.testing.assert_array_equal(copies.right[0], own[(rank + 1) % size])
+        # only the neighbours send, each once (with two, the other member is both); a ring of one sends nothing
+        expected = {3: [(0, [2, 1]), (1, [0, 2]), (2, [1, 0])], 2: [(0, [1]), (1, [0])], 1: []}
+        assert asked == expected[size]
     other = DataParallel(loss_fn, optax.sgd(0.1), "decentralized", mesh=mesh()).init(params)
-    kept = ring_copies_resumed(other, lambda w: pytest.fail("gathered"), 0)
+    kept = ring_copies_resumed(other, lambda w, peers: pytest.fail("exchanged"), 0, 3)
     assert jax.tree.structure(kept) == jax.tree.structure(other)
     assert all(a is b for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(other)))
 

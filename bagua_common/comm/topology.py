@@ -64,6 +64,13 @@ def ring_neighbours(rank: int, size: int) -> tuple[int, int]:
     return (rank - 1) % size, (rank + 1) % size
 
 
+def ring_peers(rank: int, size: int) -> list[int]:
+    """The ranks ``rank`` exchanges with on a ring of ``size >= 2``: its left and right neighbours, or with two ranks
+    the other one, once (both neighbours are that rank)."""
+    left, right = ring_neighbours(rank, size)
+    return [left] if size == 2 else [left, right]
+
+
 class Communicators(NamedTuple):
     """The communicators of a run: everyone, and for hierarchical algorithms the two levels.
 

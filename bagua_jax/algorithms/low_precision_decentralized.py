@@ -22,7 +22,7 @@ from jax import lax
 from bagua_common.algorithms.configs import LowPrecisionDecentralizedConfig
 from bagua_common.algorithms.option_checks import check_bucket_bytes
 from bagua_common.algorithms.registry import as_config
-from bagua_common.comm.topology import Communicators
+from bagua_common.comm.topology import Communicators, ring_peers
 from bagua_jax import ops
 from bagua_jax.algorithms.base import (
     ConfiguredAlgorithm,
@@ -138,11 +138,9 @@ def _float32_buckets(plan: BucketPlan, tree: Any) -> Buckets:
 def _ring_exchange(x: Buckets, copies: Copies, ring: Communicator) -> tuple[Buckets, Copies]:
     """One ring round on every bucket (``ring.size >= 2``): the new ``x`` and ``(w, L, R)``."""
     n = ring.size
-    ranks = np.arange(n)
     # With two ranks both neighbours are the same rank, and every rank sends the same Q(z) to
     # both, so one message serves as both the left and the right one: half the bytes.
-    neighbours = [(ranks - 1) % n] if n == 2 else [(ranks - 1) % n, (ranks + 1) % n]
-    schedule = np.stack(neighbours, axis=-1)[None]
+    schedule = np.array([ring_peers(rank, n) for rank in range(n)])[None]
     new_x, new_left, new_right = [], [], []
     for xb, wb, lb, rb in zip(x, *copies):
         m = xb.size

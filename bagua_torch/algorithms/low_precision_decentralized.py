@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from bagua_common.algorithms.configs import LowPrecisionDecentralizedConfig
-from bagua_common.comm.topology import ring_neighbours
+from bagua_common.comm.topology import ring_peers
 from bagua_torch import ops
 from bagua_torch.algorithms.base import (
     Algorithm,
@@ -71,13 +71,6 @@ class LowPrecisionDecentralizedAlgorithm(Algorithm):
 
     def reify(self, context: AlgorithmContext) -> LowPrecisionDecentralizedImpl:
         return LowPrecisionDecentralizedImpl(context, self.config)
-
-
-def _ring_peers(ring: Communicator) -> list[int]:
-    """The ranks a rank sends to on ``ring`` (``size >= 2``): its left and right neighbours; with two ranks both are
-    the same rank, sent to once."""
-    left, right = ring_neighbours(ring.rank, ring.size)
-    return [left] if ring.size == 2 else [left, right]
 
 
 def _padded_rows(t: torch.Tensor, k: int) -> torch.Tensor:
@@ -119,7 +112,7 @@ class LowPrecisionDecentralizedImpl(JoinerSitsOutOneStep):
         """One ring round on one float32 buffer (``ring.size >= 2``): the new ``x`` (= new ``w``), ``L``, ``R``."""
         n, m = ring.size, x.numel()
         packed = ops.minmax_uint8_compress(ops.lowprec_decentralized_diff(x, w, left, right), 1)
-        received = ring.send_recv(packed, _ring_peers(ring))  # row i came from peers[i]
+        received = ring.send_recv(packed, ring_peers(ring.rank, ring.size))  # row i came from peers[i]
         from_left = ops.minmax_uint8_decompress(received[0], m, 1)
         from_right = ops.minmax_uint8_decompress(received[-1], m, 1) if n > 2 else from_left
         new_x = w + ops.minmax_uint8_decompress(packed, m, 1)
@@ -210,7 +203,7 @@ class LowPrecisionDecentralizedImpl(JoinerSitsOutOneStep):
         """The left and the right neighbour's ``x`` on ``ring`` (``x`` itself on a ring of one)."""
         if ring.size == 1:
             return x.clone(), x.clone()
-        received = ring.send_recv(x, _ring_peers(ring))
+        received = ring.send_recv(x, ring_peers(ring.rank, ring.size))
         return received[0].clone(), received[-1].clone()
 
     def state_dict(self) -> dict[str, Any]:
