@@ -740,6 +740,38 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
         print(f"{faults[fault_step][1]} at step {fault_step}: the survivors' exchange ran again {resume:.2f} s later")
 
 
+def test_a_diloco_member_taken_for_dead_mid_round_joins_again_and_sits_out_a_round(tmp_path: Path):
+    # Member 2 is stopped at inner step 5 past dead_after, then goes on: the two others retried the round's exchange
+    # (step 8) without it. It trains its own inner steps to that exchange, finds there that they went on, joins again
+    # and sits out the round it is admitted into (contributing zero to its exchange), then trains with them.
+    config = DiLoCoConfig(sync_every=DILOCO_ROUND)
+    results = run_members(tmp_path, "train_diloco", 3, {5: (2, "pause")}, 3, 3, 20, {}, timeout=180)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0], outputs
+    first, second, back = (r.value for r in results)
+    sizes = {s["step"]: s["trainers"] for s in first["steps"]}
+    members = {s["step"]: s["size"] for s in first["steps"]}
+    assert list(sizes) == list(range(1, len(sizes) + 1)), sizes  # every inner step done once: none lost
+    assert [sizes[t] for t in range(1, 9)] == [3] * 7 + [2], sizes  # the exchange of step 8 retried by the two
+    admitted_at = min(t for t in members if t > 8 and members[t] == 3)
+    trains_from = admitted_at + DILOCO_ROUND
+    assert config.exchanges_after(admitted_at - 1) and trains_from <= len(sizes), (admitted_at, sizes)
+    assert all(sizes[t] == (2 if t < trains_from else 3) for t in range(9, len(sizes) + 1)), sizes
+    (again,) = back["recoveries"]  # its one recovery: the epoch that admitted it again
+    back_steps = [s for s in back["steps"] if s["epoch"] >= again["epoch"]]
+    # Its first step back is the exchange of the round it sits out, on the first member's samples, weighed zero
+    # (recorded under the step it was at when it called: the rejoin happened inside that call).
+    assert (back_steps[0]["trainers"], back_steps[0]["rank"]) == (2, 0), back_steps
+    assert [s["step"] for s in back_steps[1:]] == list(range(trains_from, len(sizes) + 1))
+    assert first["committed"] == second["committed"] == back["committed"]
+    start, _ = replay_diloco(sizes, config)
+    for name in start:
+        np.testing.assert_allclose(first["round_start"][name], start[name], rtol=1e-5, atol=1e-6)
+        for seen in (second, back):
+            np.testing.assert_array_equal(seen["round_start"][name], first["round_start"][name])  # bit-identical
+            np.testing.assert_array_equal(seen["params"][name], first["params"][name])  # the last step exchanged
+
+
 @pytest.mark.parametrize("asks", ["after", "before"])
 def test_streaming_diloco_survivors_retry_an_overlapped_exchange_among_themselves_and_admit_a_joiner(
     tmp_path: Path, asks: str
