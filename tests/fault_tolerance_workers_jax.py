@@ -4,9 +4,9 @@ The first members train with the native MPI engine, each its own ``mpiexec -n 1`
 fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults are
 ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective, by
 ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats), ``pause`` (SIGSTOP, then SIGCONT
-``PAUSE_SECONDS`` later: taken for dead, it joins again), ``raise`` (an exception ends the process) or ``slow`` (it
-starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive), or, once the step's collective completed,
-by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
+``PAUSE_SECONDS`` later: taken for dead, it joins again), ``raise`` (an exception ends the process), ``slow`` (it
+starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive) or ``stalls`` (every attempt), or, once the
+step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
 saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's
 state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills
 that member in its first recovery's shrink, and ``FT_COMM_TIMEOUT`` (seconds, 60 by default) bounds the
@@ -94,8 +94,8 @@ def _wait_for(name: str, timeout: float = 120.0) -> None:
 
 
 def _fail(kind: str, step: int) -> None:
-    if kind == "slow":  # alive, its heartbeats going on, past the others' collective timeout (the first attempt)
-        if not os.path.exists(_signal(f"slow-{step}")):
+    if kind in ("slow", "stalls"):  # alive, heartbeats going on, past the others' collective timeout (slow: once)
+        if kind == "stalls" or not os.path.exists(_signal(f"slow-{step}")):
             _touch(f"slow-{step}")
             time.sleep(float(os.environ["FT_COMM_TIMEOUT"]) + 1.5)
         return

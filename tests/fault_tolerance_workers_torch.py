@@ -20,7 +20,8 @@ report gives the sum as ``summed``; ``FT_REPORT_PARAMS=1``: each step report giv
 members save a checkpoint (``FaultTolerance.save``) after each step in ``FT_SAVE_AT`` (comma-separated; the fault
 point ``save``: its part written, before the commit), and from which the first members restart when it holds one
 (``FaultTolerance.restore``, printing ``restored``). A fault fires once per rank and
-place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on.
+place (a file in ``FT_MARKS`` remembers it): a rank started again as the same rank goes on; one with ``"every": true``
+fires at every attempt of its step.
 Printed: ``start``, one ``step`` per committed step (world, this rank's sample indices; at DiLoCo's exchange
 steps the round start after it), ``state_loaded`` (a joiner weighed out of its first step loaded the state),
 ``entered`` (each epoch that admitted a joiner: digests of the parameters and of the stepping optimizers' state as
@@ -67,7 +68,7 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
     for f in faults:
         if f["rank"] == rank and f["step"] == step and f["where"] == where:
             fired = Path(os.environ["FT_MARKS"]) / f"{rank}-{step}-{where}"
-            if fired.exists():
+            if fired.exists() and not f.get("every"):
                 continue
             fired.touch()
             kind = f["kind"]

@@ -215,6 +215,21 @@ def test_members_whose_step_timed_out_on_a_slow_member_go_on_together(tmp_path: 
         assert seen["recoveries"] and all(r["size"] == 2 for r in seen["recoveries"]), seen["recoveries"]
 
 
+def test_members_whose_step_times_out_at_every_attempt_stop_naming_the_timeout(tmp_path: Path):
+    # Member 1 starts step 3 past the 2-s collective timeout at every attempt, alive: every retry times out alike, and
+    # the job retried forever without training. The third failure of the step with nobody lost stops both members,
+    # each naming the step, the timeout and what to do.
+    started = time.monotonic()
+    results = run_members(tmp_path, "train", 2, {3: (1, "stalls")}, 2, 2, 6, env={"FT_COMM_TIMEOUT": "2"}, timeout=120)
+    seconds = time.monotonic() - started
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert all(r.returncode not in (0, None) for r in results), outputs
+    for result in results:
+        assert "NoProgress: fault tolerance: transaction 3 failed 3 times in a row" in result.output, outputs
+        assert "BAGUA_COMM_TIMEOUT" in result.output, outputs
+    assert seconds < 60, seconds  # three attempts of about 2-3.5 s each, then both stop
+
+
 def test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on(tmp_path: Path):
     # Member 2 is stopped in step 3 past dead_after, then goes on: the others went on without it. It joins the job
     # again as a new member, is given their state (weighed out of its first step) and trains to the end with them;

@@ -31,6 +31,7 @@ from bagua_common.fault_tolerance import (
     KVClient,
     KVServer,
     Membership,
+    NoProgress,
     NoQuorum,
     StoreUnreachable,
     job_secret,
@@ -40,6 +41,7 @@ from bagua_common.fault_tolerance.decision import commit_transaction
 from bagua_common.fault_tolerance.epoch import Epoch, Member, close_epoch
 from bagua_common.fault_tolerance.errors import NO_JOB_STATUS, Evicted, NoJobToJoin
 from bagua_common.fault_tolerance.formation import probe, process_ended
+from bagua_common.fault_tolerance.progress import RETRIES_WITHOUT_PROGRESS
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
 SECRET = job_secret()  # conftest's, inherited by the members started as processes
@@ -323,6 +325,31 @@ def test_a_coordinator_starved_past_the_others_patience_is_evicted_not_given_an_
     with pytest.raises(Evicted, match="without this member"):
         group[0].recover(leaving[0], timeout=10 * patience)
     assert commit_all(group[1:], 2) == [True, True]
+
+
+def test_the_same_members_failing_the_same_transaction_again_and_again_stop_naming_the_timeout(members):
+    # A collective that times out with nobody lost (a member slower than the timeout, alive) closes the epoch and the
+    # same members retry; one slower at every attempt made the job loop forever without training. A commit between
+    # two such failures starts the count again.
+    group = members(2)
+    epochs = [m.epoch for m in group]
+    why = "bagua MPI allreduce on communicator 'world' (rank 0 of 2): did not complete within 4 s"
+
+    def fail_and_recover(epochs):
+        group[0].fail(epochs[0], why)
+        return [r.epoch for r in together([lambda m=m, e=e: m.recover(e) for m, e in zip(group, epochs)])]
+
+    for transaction in (1, 2):
+        for _ in range(RETRIES_WITHOUT_PROGRESS - 1):
+            epochs = fail_and_recover(epochs)
+            assert [(e.size, e.committed) for e in epochs] == [(2, transaction - 1)] * 2
+        assert commit_all(group, transaction) == [True, True]
+    for _ in range(RETRIES_WITHOUT_PROGRESS - 1):
+        epochs = fail_and_recover(epochs)
+    group[0].fail(epochs[0], why)
+    for member, epoch in zip(group, epochs):
+        with pytest.raises(NoProgress, match=r"transaction 3 failed 3 times in a row.*within 4 s.*BAGUA_COMM_TIMEOUT"):
+            member.recover(epoch)
 
 
 def test_a_vote_ahead_costs_one_round_trip_and_the_last_one_two(members):

@@ -259,6 +259,18 @@ def test_gradient_allreduce_survives_a_kill_a_death_in_recovery_and_a_slow_rank_
     check_every_sample_once(job)
 
 
+def test_ranks_whose_step_times_out_at_every_attempt_stop_naming_the_timeout(jobs):
+    # Rank 1 starts step 3 past the 2-s collective timeout at every attempt, alive: every retry times out alike, and the
+    # job retried forever without training. The third failure of the step with nobody lost stops both ranks.
+    faults = [{"rank": 1, "step": 3, "where": "forward", "kind": "slow", "seconds": 3.5, "every": True}]
+    job = jobs(2, "gradient_allreduce", faults, steps=6, world=2, env={"BAGUA_COMM_TIMEOUT": "2"})
+    job.finish(timeout=60)
+    assert all(p.returncode not in (0, None) for p in job.procs), job.output()
+    text = "".join(job.text)
+    assert text.count("NoProgress: fault tolerance: transaction 3 failed 3 times in a row") == 2, job.output()
+    assert "BAGUA_COMM_TIMEOUT" in text and not job.of(job.pids(rank=0)[0], "end"), job.output()
+
+
 def test_a_survivor_that_had_not_applied_a_step_another_applied_gets_its_state_and_loses_nothing(jobs):
     # Step 4's collectives complete everywhere. Rank 0 votes ahead and applies it at once; rank 2 dies before its
     # vote; rank 1's vote comes after the epoch closed, its record saying it applied step 3 only.

@@ -24,6 +24,7 @@ from bagua_common.fault_tolerance.errors import (
     JobFinished,
     MembershipChanged,
     NoJobToJoin,
+    NoProgress,
     NoQuorum,
     ReplicaMismatch,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "Membership",
     "MembershipChanged",
     "NoJobToJoin",
+    "NoProgress",
     "NoQuorum",
     "Recovery",
     "ReplicaDigest",

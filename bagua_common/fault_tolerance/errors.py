@@ -9,6 +9,7 @@ __all__ = [
     "JobFinished",
     "MembershipChanged",
     "NoJobToJoin",
+    "NoProgress",
     "NoQuorum",
     "ReplicaMismatch",
 ]
@@ -72,6 +73,14 @@ class NoQuorum(RuntimeError):
     Either the others are dead but not confirmed (hung, or cut off by a partition) or this side is
     the minority of a partition; continuing could split the job in two. The process stops; the
     launcher may restart it as a joiner.
+    """
+
+
+class NoProgress(RuntimeError):
+    """The same members failed the same transaction several times in a row, nobody lost: it cannot complete as it is.
+
+    A member slower than the collective timeout at every attempt makes every retry time out alike. Every member
+    raises it at the same recovery (they see the same epochs); the message names the last failure and the timeout.
     """
 
 

@@ -42,7 +42,7 @@ from bagua_common.fault_tolerance.epoch import (
     publish_epoch,
     read_epoch,
 )
-from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
+from bagua_common.fault_tolerance.errors import Evicted, NoProgress, NoQuorum
 from bagua_common.fault_tolerance.formation import Formation, process_ended
 from bagua_common.fault_tolerance.kv_store import (
     KVServer,
@@ -52,6 +52,7 @@ from bagua_common.fault_tolerance.kv_store import (
     connect,
     wait_for,
 )
+from bagua_common.fault_tolerance.progress import ProgressWatch
 from bagua_common.fault_tolerance.settings import FaultToleranceSettings
 
 __all__ = ["Membership"]
@@ -72,7 +73,8 @@ class Membership:
         self._local = self._server.in_process_client()
         self._lock = threading.Condition()
         self._epoch: Epoch | None = None  # the monitor's current epoch (the training thread keeps its own)
-        self._failure: BaseException | None = None  # NoQuorum or Evicted, raised by recover()
+        self._failure: BaseException | None = None  # NoQuorum, Evicted or NoProgress, raised by recover()
+        self._progress = ProgressWatch()  # recoveries that change nothing
         self._committed = 0  # the last transaction this member applied (for the join records)
         self._voted: int | None = None  # a transaction voted for and not yet decided
         self._recorded = -1  # the last epoch this member's join record left: nothing is applied in it any more
@@ -294,7 +296,7 @@ class Membership:
         while not self._stopping.is_set():
             epoch = self.epoch
             suspects: list[str] = []
-            ended = False
+            ended, why = False, ""
             previous, client = self._monitor_client, None
             try:
                 # Registered before the last epoch's connection closes: a member is gone when its last one does.
@@ -306,13 +308,14 @@ class Membership:
                     closure = client.get(f"{prefix}closed", wait=period)
                     if closure is not None:
                         closure = json.loads(closure)
-                        suspects, ended = list(closure.get("suspects", [])), closure.get("reason") == "ended"
+                        suspects, why = list(closure.get("suspects", [])), str(closure.get("reason", ""))
+                        ended = why == "ended"
                         break
                     client.add(f"{prefix}hb/{self.me.id}", 1)
                     if epoch.rank == 0:
                         self._coordinate(client, epoch)
             except StoreUnreachable:
-                suspects = [epoch.coordinator.id]
+                suspects, why = [epoch.coordinator.id], f"{epoch.coordinator.id}'s store is unreachable"
             if self._stopping.is_set():
                 if client is not None:  # connected after close() closed the monitor's client
                     client.close()
@@ -326,7 +329,8 @@ class Membership:
             self._older.append(epoch)
             try:
                 formed = self._formation.form_next(epoch, set(suspects) - {self.me.id}, self._join_record(epoch))
-            except (NoQuorum, Evicted) as failure:
+                self._progress.recovered(epoch, formed, None if ended else why)  # every member counts every epoch
+            except (NoQuorum, Evicted, NoProgress) as failure:
                 with self._lock:
                     self._failure = failure
                     self._lock.notify_all()
