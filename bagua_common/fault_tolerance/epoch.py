@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -198,3 +199,19 @@ def close_epoch(store: StoreClient, epoch: Epoch, closure: dict[str, Any]) -> No
 def mark_closed(store: StoreClient, epoch: Epoch, closure: dict[str, Any]) -> None:
     """Set ``epoch``'s ``closed`` key (the first reason stays), waking every member's monitor."""
     store.compare_set(f"{epoch.prefix()}closed", b"", json.dumps(closure))
+
+
+def leave_epoch(store: StoreClient, epoch: Epoch, me: str, patience: float, period: float) -> None:
+    """Say in ``epoch``'s store that member ``me`` leaves it on purpose (not a failure). Its coordinator (rank 0) waits
+    up to ``patience`` seconds, looking every ``period``, for the others to leave first: its store, which they read,
+    must outlive their reading it. A store gone meanwhile ends the wait."""
+    try:
+        store.set(f"{epoch.prefix()}left/{me}", b"")
+        others = [f"{epoch.prefix()}left/{m.id}" for m in epoch.members if m.id != me]
+        deadline = time.monotonic() + patience
+        while epoch.rank == 0 and time.monotonic() < deadline:
+            if all(store.check(key) is not None for key in others):
+                return
+            time.sleep(period)
+    except StoreUnreachable:
+        pass

@@ -21,6 +21,7 @@ training thread only waits for it (:meth:`Membership.recover`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -28,6 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from contextlib import closing
 from typing import Any
 
 from bagua_common.fault_tolerance import node_directory
@@ -39,6 +41,7 @@ from bagua_common.fault_tolerance.epoch import (
     Recovery,
     close_epoch,
     count_vote,
+    leave_epoch,
     publish_epoch,
     read_epoch,
 )
@@ -331,6 +334,9 @@ class Membership:
                 formed = self._formation.form_next(epoch, set(suspects) - {self.me.id}, self._join_record(epoch))
                 self._progress.recovered(epoch, formed, None if ended else why)  # every member counts every epoch
             except (NoQuorum, Evicted, NoProgress) as failure:
+                if isinstance(failure, NoProgress):  # all stop: the others read the epoch before its coordinator ends
+                    with contextlib.suppress(StoreUnreachable), closing(self._client_of(formed.coordinator)) as store:
+                        leave_epoch(store, formed, self.me.id, self.settings.dead_after, self.settings.heartbeat_period)
                 with self._lock:
                     self._failure = failure
                     self._lock.notify_all()
@@ -422,16 +428,7 @@ class Membership:
         (:meth:`recover` raised) has no epoch to leave."""
         epoch = self._epoch
         if epoch is not None and epoch.store is not None and not self._stopping.is_set() and self._failure is None:
-            try:
-                epoch.store.set(f"{epoch.prefix()}left/{self.me.id}", b"")
-                others = [f"{epoch.prefix()}left/{m.id}" for m in epoch.members if m != self.me]
-                deadline = time.monotonic() + self.settings.dead_after
-                while epoch.rank == 0 and time.monotonic() < deadline:
-                    if all(epoch.store.check(key) is not None for key in others):
-                        break
-                    time.sleep(self.settings.heartbeat_period)
-            except StoreUnreachable:
-                pass
+            leave_epoch(epoch.store, epoch, self.me.id, self.settings.dead_after, self.settings.heartbeat_period)
         self._stopping.set()
         for client in (self._monitor_client, self._local, self._epoch.store if self._epoch else None):
             if client is not None:
