@@ -18,11 +18,13 @@ from __future__ import annotations
 import json
 import threading
 import time
+from contextlib import closing
 from typing import Any
 
 from bagua_common.fault_tolerance.epoch import Epoch, Member, publish_epoch, read_epoch
 from bagua_common.fault_tolerance.errors import Evicted, NoQuorum
 from bagua_common.fault_tolerance.kv_store import KVClient, StoreClient, StoreUnreachable, wait_for
+from bagua_common.fault_tolerance.node_directory import CURRENT
 from bagua_common.fault_tolerance.settings import FaultToleranceSettings
 
 __all__ = ["Formation", "probe", "process_ended"]
@@ -192,11 +194,7 @@ class Formation:
         for member_id in set(joined) - {self.me.id}:
             here = {"member": self.me.id, "leaving": int(joined[member_id]["last_epoch"])}
             try:
-                client = KVClient(
-                    others[member_id].host, others[member_id].port, _PROBE_SECONDS, secret=self.settings.secret
-                )
-                waiting_at, current = _json(client.check(WAITING_AT)), _json(client.check("ft/current"))
-                client.close()
+                waiting_at, current = _read_own(others[member_id], self.settings.secret, WAITING_AT, CURRENT)
             except StoreUnreachable as error:
                 if error.refused:  # ended: gone from every candidate
                     moved.append(member_id)
@@ -239,9 +237,7 @@ def probe(member: Member, secret: bytes) -> tuple[str, int | None]:
     """``"alive"``, ``"refused"`` (nothing listens: its process is gone) or ``"silent"`` (hung or cut off), and the
     epoch the member is in (None unless alive); ``secret`` is the job's."""
     try:
-        client = KVClient(member.host, member.port, _PROBE_SECONDS, secret=secret)
-        current = _json(client.check("ft/current"))
-        client.close()
+        (current,) = _read_own(member, secret, CURRENT)
         return "alive", None if current is None else int(current["epoch"])
     except StoreUnreachable as error:
         return ("refused" if error.refused else "silent"), None
@@ -257,6 +253,12 @@ def process_ended(member: Member, secret: bytes) -> bool:
         if seen != "silent" or time.monotonic() >= deadline:
             return seen == "refused"
         time.sleep(0.02)
+
+
+def _read_own(member: Member, secret: bytes, *keys: str) -> list[Any]:
+    """``keys`` (JSON, None where unset) from ``member``'s own store, waiting at most :data:`_PROBE_SECONDS` for it."""
+    with closing(KVClient(member.host, member.port, _PROBE_SECONDS, secret=secret)) as client:
+        return [_json(client.check(key)) for key in keys]
 
 
 def _json(raw: bytes | None) -> Any:
