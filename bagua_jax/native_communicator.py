@@ -93,9 +93,10 @@ class NativeCommunicator(MpiSettings):
         ``MPI_COMM_WORLD``, for CPU arrays: each rank is its own ``mpiexec -n 1`` job, so a rank killed by a signal
         ends only its own job and the others can :meth:`shrink` to the survivors and go on (see
         :mod:`bagua_common.comm.mpi_rendezvous`). Every rank calls it with its rank and the same ``prefix`` and
-        ``size``; MPI must not have started before (it selects MPICH's ofi netmod over TCP, whose ports work).
+        ``size``; MPI must not have started before (it selects MPICH's ofi netmod over TCP, whose ports work), and a
+        process that no ``mpiexec`` started is refused with a ``RuntimeError`` naming how to start it.
         """
-        mpi_rendezvous.use_port_environment()
+        mpi_rendezvous.prepare_rank()
         mpi, timeout = engine("mpi"), timeout_seconds(timeout)
         return cls(mpi_rendezvous.assemble(mpi, store, prefix, rank, size, None, 0, "world", timeout), "mpi")
 
@@ -144,7 +145,7 @@ class NativeCommunicator(MpiSettings):
         cls, store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
     ) -> NativeCommunicator:
         """This newcomer's place (``rank``) in a communicator of ``size`` ranks whose members call :meth:`grow`."""
-        mpi_rendezvous.use_port_environment()
+        mpi_rendezvous.prepare_rank()
         return cls(_newcomer(store, prefix, rank, size, timeout), "mpi")
 
     @classmethod
@@ -152,7 +153,7 @@ class NativeCommunicator(MpiSettings):
         """This process alone, for CPU arrays: a fault-tolerant joiner's communicator until it is admitted, when
         :meth:`join` puts the job's communicator in its slot, so the steps compiled on it meanwhile run in the job.
         MPI must not have started before, as for :meth:`mpi_through_store`."""
-        mpi_rendezvous.use_port_environment()
+        mpi_rendezvous.prepare_rank()
         return cls(engine("mpi").self("world", timeout_seconds(timeout)), "mpi")
 
     def join(

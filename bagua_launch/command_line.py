@@ -139,7 +139,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mpi",
         action="store_true",
         help="start the ranks as one 'mpiexec -n NNODES*NPROC' job (for the MPI engine); run the "
-        "launcher once, on node 0, and place ranks on hosts with --mpi-args",
+        "launcher once, on node 0, and place ranks on hosts with --mpi-args. With --fault-tolerant: each rank "
+        "its own 'mpiexec -n 1' job, on every node",
     )
     mpi.add_argument(
         "--mpiexec",

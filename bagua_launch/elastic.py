@@ -6,7 +6,9 @@ c10d rendezvous on every node: the agents agree on the membership, start this no
 workers, restart all of them (spending one of ``--max-restarts``) when a worker or a node
 fails, and restart them without spending one when a node joins. With ``--fault-tolerant`` a worker
 that dies is replaced alone by a process joining the running job
-(:mod:`bagua_launch.replacements`); the agent's own restarts are then for what that cannot handle.
+(:mod:`bagua_launch.replacements`); the agent's own restarts are then for what that cannot handle. With
+``--fault-tolerant --mpi`` each rank and each replacement runs as its own ``mpiexec -n 1`` job (JAX's native MPI
+engine: a world built through the job's store, which shrinks and grows).
 Workers get torchrun's variables (``RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``,
 ``TORCHELASTIC_RESTART_COUNT``, ...) plus ``BAGUA_ELASTIC=1`` (and Bagua-Net's variables with
 ``--enable-bagua-net``); a worker resumes from its last checkpoint.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -41,6 +44,7 @@ from bagua_common.fault_tolerance.settings import (
     write_job_secret,
 )
 from bagua_common.job.local_launch import free_port
+from bagua_common.job.local_launch import mpiexec as find_mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
 from bagua_launch.directory_relay import DirectoryRelay
 from bagua_launch.output import NAME, describe_exit, exit_status, summary
@@ -100,7 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a rank that dies is replaced by a process that joins the running job (BAGUA_FT_JOIN=1), instead "
         "of every worker restarting; the script must use fault tolerance (bagua_torch.init_process_group("
-        "fault_tolerance=True)); see docs/guides/fault_tolerance.md",
+        "fault_tolerance=True), or bagua_jax.fault_tolerance with --mpi); see docs/guides/fault_tolerance.md",
     )
     group.add_argument(
         "--rdzv-conf",
@@ -155,11 +159,22 @@ def config_from(
     nccl_net: dict[str, str],
 ) -> ElasticConfig:
     """The elastic configuration of a parsed command line, or a usage error (``parser.error``)."""
-    if ns.mpi:
+    if ns.mpi and not ns.fault_tolerant:
         parser.error(
-            "--mpi cannot be elastic: an MPI world cannot change size; drop --mpi (torch's gloo/NCCL, JAX over "
-            "jax.distributed and the native NCCL engine are elastic) or the elastic options"
+            "--mpi cannot be elastic: an MPI world cannot change size; add --fault-tolerant (each rank its own "
+            "`mpiexec -n 1` job, in a world the job's store shrinks and grows: bagua_jax.fault_tolerance), or drop "
+            "--mpi (torch's gloo/NCCL, JAX over jax.distributed and the native NCCL engine are elastic) or the "
+            "elastic options"
         )
+    if ns.mpi:  # each rank, and each replacement, is its own MPI job (see bagua_common.comm.mpi_rendezvous)
+        try:
+            mpiexec = ns.mpiexec or find_mpiexec()
+        except RuntimeError:
+            parser.error("--mpi: no mpiexec found beside this Python or on PATH (give one with --mpiexec)")
+        try:
+            command, mode = [mpiexec, "-n", "1", *shlex.split(ns.mpi_args), *command], "program"
+        except ValueError as e:
+            parser.error(f"--mpi-args: {e}")
     if ns.cache_server is not None:
         parser.error("--cache-server is not available in elastic mode")
     if ns.cache_dir is not None:

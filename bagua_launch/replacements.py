@@ -12,7 +12,10 @@ nothing is left to train), the agent's SIGTERM (passed on to the rank), the agen
 slot and to its rank when their parent dies, so that nothing outlives a killed launcher), and running out
 of ``BAGUA_FT_REPLACEMENTS`` replacements (default 100). A replacement that finds no member of the job left
 (every rank died: ``NoJobToJoin``) ends the slot with its status, so the agent restarts the whole job (its
-``--max-restarts``), whose ranks go on from their last checkpoint.
+``--max-restarts``), whose ranks go on from their last checkpoint. So do :data:`STARTS_THAT_NEVER_JOINED` starts in a
+row that ended before they took part in the job (a replacement the job never admitted, a rank started again that
+ended before the job formed): the next would most likely fail alike (an error in the script, a wrong setting), and
+the summary names the error once instead of after a hundred replacements.
 
 Replacements find the job through ``BAGUA_FT_PEERS``: the launcher on each node hosts a small
 store (a directory) where the node's members write where the job's coordinator is.
@@ -22,20 +25,24 @@ from __future__ import annotations
 
 import ctypes
 import os
+import secrets
 import signal
 import subprocess
 import sys
 import time
 
 from bagua_common.fault_tolerance.errors import NO_JOB_STATUS
-from bagua_common.fault_tolerance.node_directory import job_finished, job_formed
+from bagua_common.fault_tolerance.node_directory import ENV_REPLACEMENT, admitted, job_finished, job_formed
 from bagua_common.fault_tolerance.settings import ENV_JOIN
 from bagua_launch.output import NAME, describe_exit
 
-__all__ = ["ENV_REPLACEMENTS", "main"]
+__all__ = ["ENV_REPLACEMENTS", "STARTS_THAT_NEVER_JOINED", "main"]
 
 ENV_REPLACEMENTS = "BAGUA_FT_REPLACEMENTS"
 """How many replacements a slot starts before it gives up (and the agent's own restart policy applies)."""
+STARTS_THAT_NEVER_JOINED = 3
+"""Starts in a row ending before they took part in the job that end the slot: a replacement killed once before its
+admission is replaced again, one that fails the same way every time is not started forever."""
 
 
 _PR_SET_PDEATHSIG = 1
@@ -55,8 +62,8 @@ def main(command: list[str]) -> int:
         print(f"{NAME}: usage: python -m bagua_launch.replacements COMMAND...", file=sys.stderr)
         return 2
     left = int(os.environ.get(ENV_REPLACEMENTS, "100"))
-    env = dict(os.environ)
-    stopping = False
+    env = {k: v for k, v in os.environ.items() if k != ENV_REPLACEMENT}
+    stopping, never_joined = False, 0
     rank: subprocess.Popen | None = None
 
     def stop(signum: int, _frame: object) -> None:
@@ -93,12 +100,22 @@ def main(command: list[str]) -> int:
                 flush=True,
             )
             return 0
+        took_part = admitted(env[ENV_REPLACEMENT]) if ENV_REPLACEMENT in env else job_formed()
+        never_joined = 0 if took_part else never_joined + 1
+        if never_joined >= STARTS_THAT_NEVER_JOINED:
+            print(
+                f"{NAME}: rank {env.get('RANK', '?')} ended ({describe_exit(code)}) before it took part in the job, "
+                f"{never_joined} times in a row: ending the slot rather than starting it again to fail alike",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 128 - code if code < 0 else code
         left -= 1
         if env.get(ENV_JOIN) != "1" and not job_formed():
             how = "starting it again: the job had not formed yet"
         else:
             how = "starting a replacement that joins the running job"
-            env[ENV_JOIN] = "1"
+            env[ENV_JOIN], env[ENV_REPLACEMENT] = "1", secrets.token_hex(8)
         print(
             f"{NAME}: rank {env.get('RANK', '?')} ended ({describe_exit(code)}) after {time.monotonic() - started:.1f} "
             f"s; {how}",

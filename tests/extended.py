@@ -142,8 +142,9 @@ EXTENDED: dict[str, str] = {
     "engine's dead peer stays quick in JAX's tests (the same engine); gloo's here",
     r"test_adam_convergence_(torch|jax)\.py::": "QAdam and 1-bit Adam training like Adam (25 s); the convergence gate "
     "(.ci/run) trains both in both front ends past 2.5 nats/byte",
-    r"test_examples\.py::": "the examples' accuracy; the README's job (.ci/run) trains JAX's digits with ByteGrad and "
-    "test_bagua_migration_torch trains torch's digits script",
+    r"test_examples\.py::(?!test_a_fault_tolerant_jax_job)": "the examples' accuracy; the README's job (.ci/run) "
+    "trains JAX's digits with ByteGrad and test_bagua_migration_torch trains torch's digits script (the fault-tolerant "
+    "JAX job under bagua-launch, 25 s, stays quick: the only run of JAX's replacements through the launcher)",
     r"test_elastic_agent\.py::": "torch's elastic agent restarting a JAX job (17 s); bagua-launch's elastic restart "
     "stays quick in test_elastic_launch",
     r"test_qadam_onebit_torch\.py::test_native_mpi_communicator_used": "the native MPI communicator stays quick in "

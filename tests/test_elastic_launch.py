@@ -18,6 +18,7 @@ import pytest
 from multiprocess import free_port
 from test_launcher import _env, by_rank, launch, write
 
+from bagua_common.job.local_launch import mpiexec as find_mpiexec
 from bagua_launch.command_line import parse_args
 
 pytest.importorskip("torch")
@@ -53,6 +54,14 @@ def test_usage_errors():
     assert "not available in elastic mode" in usage_error("--max-restarts", "1", "--master-port", "29999", "x.py")
     assert "--timeout is not available" in usage_error("--max-restarts", "1", "--timeout", "60", "x.py")
     assert "--cache-dir is not available" in usage_error("--max-restarts", "1", "--cache-dir", "/tmp", "x.py")
+    unclosed = usage_error("--fault-tolerant", "--mpi", "--mpi-args", "'-genv", "x.py")
+    assert "--mpi-args: No closing quotation" in unclosed
+
+
+def test_a_fault_tolerant_mpi_job_runs_each_rank_as_its_own_mpiexec_job():
+    config = parse_args(["--fault-tolerant", "--mpi", "--mpi-args", "-bind-to none", "--nproc-per-node", "3", "x.py"])
+    assert config.command == [find_mpiexec(), "-n", "1", "-bind-to", "none", sys.executable, "x.py"]
+    assert (config.mode, config.fault_tolerant, config.nproc_per_node) == ("program", True, 3)
 
 
 def this_machines_address() -> str:

@@ -73,20 +73,23 @@ def test_a_joiner_of_a_finished_job_exits_with_status_0_at_a_member_or_at_the_la
     assert time.monotonic() - started < 2  # at once, not after the join's timeout
 
 
-def run_slot(folder, exit_status: int) -> tuple[int, str, str]:
-    """The launcher's slot (``python -m bagua_launch.replacements``) running a rank that records each start in a
-    file (``j`` when started to join the running job, ``r`` when started as itself) and exits with
+def run_slot(folder, exit_status: int, replacements: int = 2, admitted: bool = False) -> tuple[int, str, str]:
+    """The launcher's slot (``python -m bagua_launch.replacements``, starting at most ``replacements`` replacements)
+    running a rank that records each start in a file (``j`` when started to join the running job, ``r`` when started
+    as itself), says it was admitted into the job when ``admitted`` (as a joiner's membership does), and exits with
     ``exit_status``; return the slot's status, the rank's starts and the slot's stderr."""
     folder.mkdir()
     starts = folder / "starts"
     rank = (
-        f"import os, sys; open({str(starts)!r}, 'a').write('j' if os.environ.get({ENV_JOIN!r}) == '1' else 'r'); "
-        f"sys.exit({exit_status})"
+        "import os, sys; from bagua_common.fault_tolerance import FaultToleranceSettings; "
+        "from bagua_common.fault_tolerance.node_directory import tell_admitted; "
+        f"joiner = os.environ.get({ENV_JOIN!r}) == '1'; open({str(starts)!r}, 'a').write('j' if joiner else 'r'); "
+        f"joiner and {admitted} and tell_admitted(FaultToleranceSettings.from_environment()); sys.exit({exit_status})"
     )
     environment = {k: v for k, v in os.environ.items() if k != ENV_JOIN}
     slot = subprocess.run(
         [sys.executable, "-m", "bagua_launch.replacements", sys.executable, "-c", rank],
-        env={**environment, "BAGUA_FT_REPLACEMENTS": "2", "RANK": "3"},
+        env={**environment, "BAGUA_FT_REPLACEMENTS": str(replacements), "RANK": "3"},
         capture_output=True,
         text=True,
         timeout=60,
@@ -111,6 +114,23 @@ def test_the_launchers_slot_restarts_a_rank_lost_before_the_job_formed_as_itself
     code, starts, stderr = run_slot(tmp_path / "running", 3)
     assert (code, starts) == (3, "rjj"), stderr
     assert "starting a replacement that joins the running job" in stderr
+
+
+def test_the_launchers_slot_ends_after_three_starts_in_a_row_that_never_took_part_in_the_job(
+    launcher_directory, tmp_path
+):
+    code, starts, stderr = run_slot(tmp_path / "forming", 3, replacements=100)
+    assert (code, starts) == (3, "rrr"), stderr  # the job never formed: the third start as itself ends the slot
+    assert "ended (exit code 3) before it took part in the job, 3 times in a row: ending the slot" in stderr
+
+    tell_directory(launcher_directory, CURRENT, '{"epoch": 0, "host": "127.0.0.1", "port": 1}')
+    code, starts, stderr = run_slot(tmp_path / "never-admitted", 3, replacements=100)
+    assert (code, starts) == (3, "rjjj"), stderr  # the rank took part; three replacements the job never admitted
+    assert "ended (exit code 3) before it took part in the job, 3 times in a row: ending the slot" in stderr
+
+    code, starts, stderr = run_slot(tmp_path / "admitted", 3, replacements=5, admitted=True)
+    assert (code, starts) == (3, "rjjjjj"), stderr  # each admitted before it ended: replaced until none is left
+    assert "before it took part" not in stderr
 
 
 def test_the_launchers_slot_replaces_no_rank_after_the_job_finished(launcher_directory, tmp_path):

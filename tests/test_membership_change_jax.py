@@ -65,3 +65,17 @@ def test_a_killed_rank_is_revoked_shrunk_away_and_replaced():
     assert newcomer["rank"] == 2 and newcomer["size"] == 3
     np.testing.assert_array_equal(newcomer["state"], np.arange(5, dtype=np.float32))
     np.testing.assert_array_equal(newcomer["third"], np.full(4, (0 + 2 + 3) / 3, np.float32))
+
+
+@pytest.mark.parametrize("build", ["mpi_self", "mpi_through_store", "mpi_join"])
+def test_a_process_that_no_mpiexec_started_is_refused_naming_how_to_start_it(monkeypatch, build):
+    # Started without mpiexec, MPI gives every process the same identity and their MPI_Comm_connect fails ("both
+    # contain process 0"): refused before MPI starts, with the launcher's command.
+    from bagua_common.comm.mpi_rendezvous import PROCESS_MANAGER_VARIABLES
+    from bagua_jax import NativeCommunicator
+
+    for name in PROCESS_MANAGER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    arguments = () if build == "mpi_self" else (None, "world/", 1, 2)
+    with pytest.raises(RuntimeError, match=r"own `mpiexec -n 1` job.*`bagua-launch --fault-tolerant --mpi \.\.\.`"):
+        getattr(NativeCommunicator, build)(*arguments)

@@ -583,18 +583,18 @@ std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string&
   const MPI_Comm local = mpi_group.comm();
   const double timeout = mpi_group.timeout();
   const std::string what = "MPI accept into '" + name + "'";
-  MPI_Comm comm = within_deadline(what, timeout + 1, [local, port, timeout] {
+  MPI_Comm comm = within_deadline(what, timeout + 1, [local, port, timeout, what] {
     TimeoutInfo info(timeout);
     MPI_Comm inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
-    if (MPI_Comm_accept(port.c_str(), info.info, 0, local, &inter) != MPI_SUCCESS)
-      return MPI_COMM_NULL;
+    const int rc = MPI_Comm_accept(port.c_str(), info.info, 0, local, &inter);
+    if (rc != MPI_SUCCESS) throw std::runtime_error(what + " failed: " + mpi_error(rc));
     MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
     if (MPI_Intercomm_merge(inter, 0, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
     MPI_Comm_free(&inter);
     return merged;
   });
   if (comm == MPI_COMM_NULL)
-    throw std::runtime_error(what + " failed: nobody connected to the port in time");
+    throw std::runtime_error(what + " failed: the merge with the newcomer failed");
   return std::make_shared<MpiCommunicator>(comm, name, timeout, mpi_group.ring_min_bytes(), true);
 }
 
@@ -603,19 +603,19 @@ std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::st
   const int64_t ring_min_bytes = ring_min_bytes_from_environment();
   ensure_initialized();
   const std::string what = "MPI connect into '" + name + "'";
-  MPI_Comm comm = within_deadline(what, timeout_seconds + 1, [port, timeout_seconds] {
+  MPI_Comm comm = within_deadline(what, timeout_seconds + 1, [port, timeout_seconds, what] {
     TimeoutInfo info(timeout_seconds);
     MPI_Comm inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
     MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
-    if (MPI_Comm_connect(port.c_str(), info.info, 0, MPI_COMM_SELF, &inter) != MPI_SUCCESS)
-      return MPI_COMM_NULL;
+    const int rc = MPI_Comm_connect(port.c_str(), info.info, 0, MPI_COMM_SELF, &inter);
+    if (rc != MPI_SUCCESS) throw std::runtime_error(what + " failed: " + mpi_error(rc));
     MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
     if (MPI_Intercomm_merge(inter, 1, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
     MPI_Comm_free(&inter);
     return merged;
   });
   if (comm == MPI_COMM_NULL)
-    throw std::runtime_error(what + " failed: nobody accepted on the port in time");
+    throw std::runtime_error(what + " failed: the merge with the group failed");
   return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes, true);
 }
 

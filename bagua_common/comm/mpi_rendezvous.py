@@ -13,8 +13,10 @@ the other ranks of a node when one of them is killed by a signal, whatever ``-di
   only the members take part in), whatever became of the others.
 
 Ports need MPICH's ofi netmod over TCP: the UCX netmod's address does not fit in ``MPI_MAX_PORT_NAME``
-(:data:`PORT_ENVIRONMENT`, set before MPI starts). Each function works on the engine module's integer handles;
-the front ends wrap them (``bagua_jax.NativeCommunicator``).
+(:data:`PORT_ENVIRONMENT`, set before MPI starts). And each rank needs an ``mpiexec`` of its own: MPI started
+without one (a singleton) gives every such process the same identity, so two of them cannot connect
+(``MPIDI_check_disjoint_lpids``: "both contain process 0"); :func:`prepare_rank` checks both before MPI starts. Each
+function works on the engine module's integer handles; the front ends wrap them (``bagua_jax.NativeCommunicator``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol
 
-__all__ = ["PORT_ENVIRONMENT", "KeyValueStore", "assemble", "shrink", "use_port_environment"]
+__all__ = ["PORT_ENVIRONMENT", "PROCESS_MANAGER_VARIABLES", "KeyValueStore", "assemble", "prepare_rank", "shrink"]
 
 PORT_ENVIRONMENT = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 """MPICH settings under which ``MPI_Open_port`` works (read when MPI starts)."""
@@ -40,8 +42,23 @@ class KeyValueStore(Protocol):
         """The value of ``key``, waiting up to ``wait`` seconds for it to appear; None if it did not."""
 
 
-def use_port_environment() -> None:
-    """Select MPICH's ofi netmod over TCP unless the environment chose otherwise: call before MPI starts."""
+PROCESS_MANAGER_VARIABLES = ("PMI_FD", "PMI_PORT", "PMIX_RANK")
+"""Variables ``mpiexec`` gives the processes it starts (MPICH's hydra: ``PMI_FD`` or ``PMI_PORT``; PMIx launchers:
+``PMIX_RANK``): a process with none of them would start MPI as a singleton."""
+
+
+def prepare_rank() -> None:
+    """Before MPI starts in a rank of a world built through a store: refuse a process that no ``mpiexec`` started
+    (a ``RuntimeError`` naming how to start it), and select MPICH's ofi netmod over TCP unless the environment chose
+    otherwise."""
+    if not any(os.environ.get(name) for name in PROCESS_MANAGER_VARIABLES):
+        raise RuntimeError(
+            "the MPI engine's fault-tolerant world needs every rank to run as its own `mpiexec -n 1` job, and this "
+            "process was not started by mpiexec: MPI started without one gives every such process the same "
+            "identity, so they cannot connect to each other. Start the ranks with `bagua-launch --fault-tolerant "
+            "--mpi ...` (each rank and each replacement under its own `mpiexec -n 1`), or each with "
+            "`mpiexec -n 1 python ...`"
+        )
     for name, value in PORT_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
 

@@ -156,6 +156,7 @@ class Membership:
             self.close()
             raise
         self._adopt(epoch)
+        node_directory.tell_admitted(settings)
         return self
 
     # --- the training thread's side ------------------------------------------------------

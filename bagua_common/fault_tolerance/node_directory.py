@@ -15,12 +15,30 @@ from bagua_common.fault_tolerance.errors import JobFinished
 from bagua_common.fault_tolerance.kv_store import KVClient, StoreClient, StoreUnreachable
 from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, FaultToleranceSettings
 
-__all__ = ["CURRENT", "FINISHED", "address", "job_finished", "job_formed", "raise_if_finished", "tell"]
+__all__ = [
+    "ADMITTED",
+    "CURRENT",
+    "ENV_REPLACEMENT",
+    "FINISHED",
+    "address",
+    "admitted",
+    "job_finished",
+    "job_formed",
+    "raise_if_finished",
+    "tell",
+    "tell_admitted",
+]
 
 CURRENT = "ft/current"
 """Key of the pointer to the job's coordinator (a JSON object: ``epoch``, ``host``, ``port``)."""
 FINISHED = "ft/finished"
 """Key set once the job's last step committed (its value: the number of transactions committed)."""
+ADMITTED = "ft/admitted/"
+"""Prefix of the keys a replacement sets once the running job admitted it (the key ends with its
+:data:`ENV_REPLACEMENT`)."""
+ENV_REPLACEMENT = "BAGUA_FT_REPLACEMENT"
+"""Set by the launcher's slot in each replacement it starts: the id under which the replacement says it was
+admitted (:func:`tell_admitted`), so that the slot can tell a replacement that failed before joining."""
 
 
 def address() -> tuple[str, int] | None:
@@ -43,6 +61,19 @@ def tell(settings: FaultToleranceSettings, key: str, value: str) -> None:
         client.close()
     except StoreUnreachable:
         pass  # the launcher is gone: nobody will start replacements here
+
+
+def tell_admitted(settings: FaultToleranceSettings) -> None:
+    """Say in this node's directory that the running job admitted this process, when the launcher's slot started it
+    as a replacement (nothing otherwise)."""
+    replacement = os.environ.get(ENV_REPLACEMENT, "").strip()
+    if replacement:
+        tell(settings, ADMITTED + replacement, "1")
+
+
+def admitted(replacement: str) -> bool:
+    """Whether this node's directory says the replacement ``replacement`` was admitted into the running job."""
+    return _directory_has(ADMITTED + replacement)
 
 
 def job_formed() -> bool:
