@@ -7,10 +7,20 @@ builds its groups per epoch instead (:mod:`bagua_torch.communicator.epoch_groups
 
 from __future__ import annotations
 
-from bagua_common.fault_tolerance import Epoch, Evicted, Membership, MembershipChanged, StoreUnreachable
+from collections.abc import Sequence
+
+from bagua_common.fault_tolerance import (
+    Epoch,
+    Evicted,
+    FaultToleranceSettings,
+    Membership,
+    MembershipChanged,
+    StoreUnreachable,
+)
+from bagua_jax.native_collectives import forget_failed_calls
 from bagua_jax.native_communicator import NativeCommunicator
 
-__all__ = ["communication_failure", "fail_epoch", "follow_members"]
+__all__ = ["communication_failure", "fail_epoch", "follow_members", "join_members"]
 
 # Errors of the native engines that mean "the communicator cannot finish this collective": the step is retried
 # in the next epoch. Anything else is the program's own error and is raised.
@@ -48,6 +58,9 @@ def follow_members(communicator: NativeCommunicator, membership: Membership, clo
     except Evicted:
         membership = _rejoined(communicator, membership, closed)
         return membership, membership.epoch
+    except BaseException:  # the job stops (NoProgress, NoQuorum): JAX's exit would raise the abandoned step's error
+        forget_failed_calls()  # again, from the ordering tokens it waits for, burying this one
+        raise
     spanned = [member.id for member in closed.members]
     kept = [spanned.index(member.id) for member in new.members if member.id in spanned]
     if len(kept) < len(spanned) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
@@ -57,12 +70,25 @@ def follow_members(communicator: NativeCommunicator, membership: Membership, clo
     return membership, new
 
 
+def join_members(
+    communicator: NativeCommunicator,
+    settings: FaultToleranceSettings,
+    master: tuple[str, int],
+    peers: Sequence[str] | None,
+    timeout: float,
+) -> Membership:
+    """Ask a live member's store at ``master`` (host, port), then ``peers``, to be admitted into the running job,
+    waiting up to ``timeout`` seconds, and take the admitting epoch's communicator in ``communicator``'s slot (one of
+    :meth:`NativeCommunicator.mpi_self`, or of an epoch this process was taken out of); returns the membership."""
+    membership = Membership.join(settings, *master, peers, timeout=timeout)
+    epoch = membership.epoch
+    communicator.join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout)
+    return membership
+
+
 def _rejoined(communicator: NativeCommunicator, evicted: Membership, closed: Epoch) -> Membership:
     settings, me = evicted.settings, evicted.me.id
     evicted.close()
     first, *others = [member for member in closed.members if member.id != me]
     peers = [f"{member.host}:{member.port}" for member in others]
-    membership = Membership.join(settings, first.host, first.port, peers, timeout=settings.quorum_timeout)
-    epoch = membership.epoch
-    communicator.join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, settings.quorum_timeout)
-    return membership
+    return join_members(communicator, settings, (first.host, first.port), peers, settings.quorum_timeout)

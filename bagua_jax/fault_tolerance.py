@@ -45,7 +45,7 @@ from bagua_jax import checkpoint, state_rules, state_transfer
 from bagua_jax.algorithms.decentralized import Decentralized, WithoutAveraging
 from bagua_jax.algorithms.diloco import skip_untrained
 from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralized
-from bagua_jax.epoch_communicator import fail_epoch, follow_members
+from bagua_jax.epoch_communicator import fail_epoch, follow_members, join_members
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.resized_steps import ResizedSteps
@@ -138,7 +138,8 @@ class FaultTolerantTrainer:
         self._roles: TrainState | None = None
         self.membership: Membership | None = None
         self.admission: dict[str, float] | None = None
-        """A joiner's: when it ``asked`` to be admitted (its step compiled) and was ``admitted`` (``time.time()``)."""
+        """A joiner's: when it ``asked`` to be admitted (its step compiled) and was ``admitted``, the job's communicator
+        in its slot (``time.time()``)."""
         self.recoveries: list[dict[str, Any]] = []
         """One record per recovery: epoch, size, seconds from the failed step to the retried step's start."""
 
@@ -197,10 +198,8 @@ class FaultTolerantTrainer:
             self._unaveraged_step.compile_loss(state, example_batch)
         settings, master, timeout = self._join_at
         asked = time.time()
-        membership = Membership.join(settings, *master, timeout=timeout)
+        membership = join_members(self.communicator, settings, master, None, timeout)
         self.admission = {"asked": asked, "admitted": time.time()}
-        epoch = membership.epoch
-        self.communicator.join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout)
         self._admitted(membership)
         return self._carry_over(state, recompile=not self._world_size_free)
 

@@ -15,7 +15,9 @@ of ``BAGUA_FT_REPLACEMENTS`` replacements (default 100). A replacement that find
 ``--max-restarts``), whose ranks go on from their last checkpoint. So do :data:`STARTS_THAT_NEVER_JOINED` starts in a
 row that ended before they took part in the job (a replacement the job never admitted, a rank started again that
 ended before the job formed): the next would most likely fail alike (an error in the script, a wrong setting), and
-the summary names the error once instead of after a hundred replacements.
+the summary names the error once instead of after a hundred replacements. Nor is a rank replaced once the members
+stopped the job on an error its replacements would meet too (``NoProgress``: a step that times out at every attempt);
+the slot ends with the rank's status (and the agent's ``--max-restarts`` apply).
 
 Replacements find the job through ``BAGUA_FT_PEERS``: the launcher on each node hosts a small
 store (a directory) where the node's members write where the job's coordinator is.
@@ -32,7 +34,13 @@ import sys
 import time
 
 from bagua_common.fault_tolerance.errors import NO_JOB_STATUS
-from bagua_common.fault_tolerance.node_directory import ENV_REPLACEMENT, admitted, job_finished, job_formed
+from bagua_common.fault_tolerance.node_directory import (
+    ENV_REPLACEMENT,
+    admitted,
+    job_finished,
+    job_formed,
+    job_stopped,
+)
 from bagua_common.fault_tolerance.settings import ENV_JOIN
 from bagua_launch.output import NAME, describe_exit
 
@@ -100,6 +108,14 @@ def main(command: list[str]) -> int:
                 flush=True,
             )
             return 0
+        if job_stopped():
+            print(
+                f"{NAME}: rank {env.get('RANK', '?')} ended ({describe_exit(code)}) after the members stopped the "
+                "job on an error a replacement would meet too (NoProgress, above): not replaced",
+                file=sys.stderr,
+                flush=True,
+            )
+            return 128 - code if code < 0 else code
         took_part = admitted(env[ENV_REPLACEMENT]) if ENV_REPLACEMENT in env else job_formed()
         never_joined = 0 if took_part else never_joined + 1
         if never_joined >= STARTS_THAT_NEVER_JOINED:

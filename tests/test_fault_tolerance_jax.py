@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -32,7 +35,7 @@ from fault_tolerance_workers_jax import (
     mlp_params,
     prediction,
 )
-from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
+from multiprocess import ONE_CPU_DEVICE, TESTS, has_mpiexec, run_ranks
 
 from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.comm.topology import shift_one_schedule
@@ -227,6 +230,24 @@ def test_members_whose_step_times_out_at_every_attempt_stop_naming_the_timeout(t
     for result in results:
         assert "NoProgress: fault tolerance: transaction 3 failed 3 times in a row" in result.output, outputs
         assert "BAGUA_COMM_TIMEOUT" in result.output, outputs
+    assert seconds < 60, seconds  # three attempts of about 2-3.5 s each, then both stop
+
+
+def test_members_that_stop_with_no_progress_under_the_launcher_end_the_job_naming_why():
+    # Their slots start no replacement (each would wait for a job that is gone, then end the slot anyway), and the
+    # launcher's summary ends with NoProgress: JAX's exit no longer raises the abandoned step's error again from the
+    # ordering tokens it waits for (two tracebacks in the summary's last lines, NoProgress scrolled out).
+    launch = [sys.executable, "-m", "bagua_launch", "--fault-tolerant", "--mpi", "--nproc-per-node", "2"]
+    env = {**os.environ, **ONE_CPU_DEVICE, "BAGUA_COMM_TIMEOUT": "2"}
+    started = time.monotonic()
+    result = subprocess.run([*launch, str(TESTS / "stalling_job_jax.py")], capture_output=True, text=True, env=env)
+    seconds, output = time.monotonic() - started, result.stdout + result.stderr
+    assert result.returncode == 1, output
+    assert "after the members stopped the job on an error a replacement would meet too" in output, output
+    assert "starting a replacement" not in output, output
+    last_lines = result.stderr.rpartition("last lines of rank")[2]
+    assert re.search(r"NoProgress: fault tolerance: transaction \d+ failed 3 times in a row", last_lines), output
+    assert "Exception ignored in atexit callback" not in output, output
     assert seconds < 60, seconds  # three attempts of about 2-3.5 s each, then both stop
 
 

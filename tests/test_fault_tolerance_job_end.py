@@ -21,7 +21,7 @@ from bagua_common.fault_tolerance import (
     Membership,
     job_secret,
 )
-from bagua_common.fault_tolerance.node_directory import CURRENT, FINISHED, job_finished
+from bagua_common.fault_tolerance.node_directory import CURRENT, FINISHED, STOPPED, job_finished
 from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ENV_JOIN
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
@@ -139,3 +139,12 @@ def test_the_launchers_slot_replaces_no_rank_after_the_job_finished(launcher_dir
     code, starts, stderr = run_slot(tmp_path / "finished", 3)
     assert (code, starts) == (0, "r"), stderr
     assert "rank 3 ended (exit code 3) after the job finished: not replaced" in stderr
+
+
+def test_the_launchers_slot_replaces_no_rank_after_the_members_stopped_the_job(launcher_directory, tmp_path):
+    # NoProgress: a replacement would wait quorum_timeout for members that are gone, then end the slot anyway.
+    tell_directory(launcher_directory, CURRENT, '{"epoch": 0, "host": "127.0.0.1", "port": 1}')
+    tell_directory(launcher_directory, STOPPED, "NoProgress")
+    code, starts, stderr = run_slot(tmp_path / "stopped", 1)
+    assert (code, starts) == (1, "r"), stderr
+    assert "rank 3 ended (exit code 1) after the members stopped the job" in stderr and "not replaced" in stderr

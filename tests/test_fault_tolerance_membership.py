@@ -41,6 +41,7 @@ from bagua_common.fault_tolerance.decision import commit_transaction
 from bagua_common.fault_tolerance.epoch import Epoch, Member, close_epoch
 from bagua_common.fault_tolerance.errors import NO_JOB_STATUS, Evicted, NoJobToJoin
 from bagua_common.fault_tolerance.formation import probe, process_ended
+from bagua_common.fault_tolerance.node_directory import job_stopped
 from bagua_common.fault_tolerance.progress import RETRIES_WITHOUT_PROGRESS
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
@@ -327,10 +328,13 @@ def test_a_coordinator_starved_past_the_others_patience_is_evicted_not_given_an_
     assert commit_all(group[1:], 2) == [True, True]
 
 
-def test_the_same_members_failing_the_same_transaction_again_and_again_stop_naming_the_timeout(members):
+def test_the_same_members_failing_the_same_transaction_again_and_again_stop_naming_the_timeout(
+    members, launcher_directory
+):
     # A collective that times out with nobody lost (a member slower than the timeout, alive) closes the epoch and the
     # same members retry; one slower at every attempt made the job loop forever without training. A commit between
-    # two such failures starts the count again.
+    # two such failures starts the count again. The members say so in the launcher's directory, whose slots then
+    # start no replacement (each would wait for a job that is gone).
     group = members(2)
     epochs = [m.epoch for m in group]
     why = "bagua MPI allreduce on communicator 'world' (rank 0 of 2): did not complete within 4 s"
@@ -346,10 +350,12 @@ def test_the_same_members_failing_the_same_transaction_again_and_again_stop_nami
         assert commit_all(group, transaction) == [True, True]
     for _ in range(RETRIES_WITHOUT_PROGRESS - 1):
         epochs = fail_and_recover(epochs)
+    assert not job_stopped()
     group[0].fail(epochs[0], why)
     for member, epoch in zip(group, epochs):
         with pytest.raises(NoProgress, match=r"transaction 3 failed 3 times in a row.*within 4 s.*BAGUA_COMM_TIMEOUT"):
             member.recover(epoch)
+    assert job_stopped()
 
 
 def test_a_vote_ahead_costs_one_round_trip_and_the_last_one_two(members):

@@ -336,6 +336,7 @@ class Membership:
                 self._progress.recovered(epoch, formed, None if ended else why)  # every member counts every epoch
             except (NoQuorum, Evicted, NoProgress) as failure:
                 if isinstance(failure, NoProgress):  # all stop: the others read the epoch before its coordinator ends
+                    node_directory.tell(self.settings, node_directory.STOPPED, type(failure).__name__)  # no replacing
                     with contextlib.suppress(StoreUnreachable), closing(self._client_of(formed.coordinator)) as store:
                         leave_epoch(store, formed, self.me.id, self.settings.dead_after, self.settings.heartbeat_period)
                 with self._lock:

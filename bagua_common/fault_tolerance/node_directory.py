@@ -1,9 +1,10 @@
 """The launcher's directory on a node (``BAGUA_FT_DIRECTORY``): where the job is, and whether it finished.
 
 ``bagua-launch --fault-tolerant`` hosts a small store on each node for as long as the job runs. The members
-write into it where the job's coordinator is (``ft/current``) and, when their last step committed, that the job
-finished (``ft/finished``). A replacement asks it first: where to join, or that nothing is left to join; the
-launcher's slot asks it whether a rank that ended still needs a replacement.
+write into it where the job's coordinator is (``ft/current``), when their last step committed that the job finished
+(``ft/finished``), and when they stopped it on an error that a replacement would meet too (``ft/stopped``); a
+replacement, that the job admitted it (``ft/admitted/<id>``). A replacement asks it first: where to join, or that
+nothing is left to join; the launcher's slot asks it whether a rank that ended still needs a replacement.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ __all__ = [
     "CURRENT",
     "ENV_REPLACEMENT",
     "FINISHED",
+    "STOPPED",
     "address",
     "admitted",
     "job_finished",
     "job_formed",
+    "job_stopped",
     "raise_if_finished",
     "tell",
     "tell_admitted",
@@ -33,6 +36,9 @@ CURRENT = "ft/current"
 """Key of the pointer to the job's coordinator (a JSON object: ``epoch``, ``host``, ``port``)."""
 FINISHED = "ft/finished"
 """Key set once the job's last step committed (its value: the number of transactions committed)."""
+STOPPED = "ft/stopped"
+"""Key set when the members stopped the job on an error its replacements would meet too (its value: the error's
+name, ``NoProgress``)."""
 ADMITTED = "ft/admitted/"
 """Prefix of the keys a replacement sets once the running job admitted it (the key ends with its
 :data:`ENV_REPLACEMENT`)."""
@@ -85,6 +91,11 @@ def job_formed() -> bool:
 def job_finished() -> bool:
     """Whether this node's directory says the job finished (False without a directory, or when it is gone)."""
     return _directory_has(FINISHED)
+
+
+def job_stopped() -> bool:
+    """Whether this node's directory says the members stopped the job on an error (False without a directory)."""
+    return _directory_has(STOPPED)
 
 
 def _directory_has(key: str) -> bool:
