@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh
 from test_checkpoint_jax import LR, batch, initial_params, loss_fn
 
-from bagua_common.job.checkpoint import MANIFEST, DamagedCheckpointError
+from bagua_common.job.checkpoint import MANIFEST, DamagedCheckpointError, Manifest, commit
 from bagua_jax import DataParallel
 from bagua_jax.algorithms import ByteGrad
 from bagua_jax.checkpoint import restore, save
@@ -65,3 +65,12 @@ def test_damaged_shard_is_refused_naming_the_file(tmp_path, rng):
             restore(copy, dp, initial_params(rng))
         message = str(raised.value)
         assert str(path) in message and what in message, message
+
+
+def test_a_commit_missing_a_ranks_shard_says_the_folder_must_be_shared(tmp_path):
+    # A multi-node job saving into a folder each node has its own copy of: rank 0 finds only its own shard.
+    (tmp_path / "rank_0.npz").write_bytes(b"rank 0's part")
+    manifest = Manifest(step=10, world_size=2, local_world_size=1, algorithm="gradient_allreduce", config={}, model=[])
+    with pytest.raises(RuntimeError, match=r"shards of ranks \[1\] are missing.*filesystem they all share"):
+        commit(tmp_path, manifest)
+    assert not (tmp_path / MANIFEST).exists()

@@ -140,7 +140,10 @@ def commit(
     directory = Path(directory)
     missing = [r for r in range(manifest.world_size) if not any(directory.glob(shard_pattern.format(rank=r)))]
     if missing:
-        raise RuntimeError(f"cannot commit {directory}: the shards of ranks {missing} are missing")
+        raise RuntimeError(
+            f"cannot commit {directory}: the shards of ranks {missing} are missing (every rank writes its shard into "
+            "this folder: over several nodes it must be on a filesystem they all share)"
+        )
     files = sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST and ".tmp" not in p.name)
     shards = {p.relative_to(directory).as_posix(): _record(p) for p in files}
     if metadata is not None:
