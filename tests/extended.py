@@ -50,6 +50,9 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_jax\.py::test_streaming_diloco_survivors_retry_an_overlapped_exchange_among_themselves_"
     r"and_admit_a_joiner\[after\]": "JAX's Streaming joiner that asks once the recovery is over (11 s; the one that "
     "asks before it, admitted where the overlapped exchange is retried, stays quick)",
+    r"test_fault_tolerance_jax\.py::test_a_member_taken_for_dead_joins_again_under_each_per_step_algorithm": "JAX's "
+    "member taken for dead joining again under ByteGrad, PowerSGD, QAdam and 1-bit Adam (10 s each); gradient "
+    "allreduce's and DiLoCo's stay quick",
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_shrink": "JAX's death during a recovery "
     "(10 s; its stop after the shrink's timeout is the MPI engine's own dead-peer bound, which stays quick)",
     r"test_fault_tolerance_torch\.py::test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives"

@@ -279,6 +279,36 @@ def test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on(tmp_path:
     print(f"pause: the others resumed {resume:.2f} s after it stopped; it trained again from step {rejoined}")
 
 
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        'bytegrad {"error_feedback": true}',
+        POWERSGD,
+        'qadam {"learning_rate": 0.2, "warmup_steps": 2}',
+        'onebit_adam {"learning_rate": 0.2, "warmup_steps": 2}',
+    ],
+    ids=lambda algorithm: algorithm.partition(" ")[0],
+)
+def test_a_member_taken_for_dead_joins_again_under_each_per_step_algorithm(tmp_path: Path, algorithm: str):
+    # As above, with the algorithms whose state a change of members touches: ByteGrad's and the compressed Adams'
+    # residuals laid out per rank (reset, and their steps compiled for another world size), PowerSGD's Q and the Adams'
+    # moments (kept, and given to the member joining again). All three end bit-identical, having trained.
+    env = {"FT_ALGORITHM": algorithm, **(POWERSGD_MODEL if algorithm == POWERSGD else {})}
+    results = run_members(tmp_path, "train", 3, {3: (2, "pause")}, 3, 3, 8, timeout=180, env=env)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0], outputs
+    first, second, back = (r.value for r in results)
+    sizes = {s["transaction"]: s["size"] for s in first["steps"]}
+    assert sizes[3] == 2 and sizes[max(sizes)] == 3, sizes  # step 3 retried by the two, then three again
+    assert len(back["recoveries"]) == 1 and back["steps"][-1]["transaction"] == max(sizes), back["recoveries"]
+    for member in (second, back):
+        for name, value in first["params"].items():
+            np.testing.assert_array_equal(member["params"][name], value)  # bit-identical
+    x, y = dataset()
+    loss = np.mean((prediction(first["params"], x) - y) ** 2)
+    assert loss < 0.5 * np.mean(y**2), loss  # it trained: below half the loss of the zero parameters it started at
+
+
 def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_path: Path):
     # Two members, then a joiner whose state the holder starts sending 3 s late: the members train the next step on
     # their own samples without waiting for it (under CI's load their step took 0.5 s: the joiner's start-up); the
