@@ -141,7 +141,8 @@ class FaultTolerantTrainer:
         """A joiner's: when it ``asked`` to be admitted (its step compiled) and was ``admitted``, the job's communicator
         in its slot (``time.time()``)."""
         self.recoveries: list[dict[str, Any]] = []
-        """One record per recovery: epoch, size, seconds from the failed step to the retried step's start."""
+        """One record per recovery: epoch, size, joiners admitted, seconds to rebuild and from the failed step to the
+        retried step's start."""
 
     def _admitted(self, membership: Membership) -> None:
         """Take ``membership``'s epoch, whose ranks must be the communicator's."""
@@ -358,7 +359,8 @@ class FaultTolerantTrainer:
         state = self._resumed(state)
         if not self._sitting_out:  # else checked once the joiners took part in their first exchange
             self.check_replicas(state, f"after the recovery to epoch {new.number}")
-        self.recoveries.append({"epoch": new.number, "size": new.size, "rebuild_seconds": time.monotonic() - started})
+        record = {"epoch": new.number, "size": new.size, "joined": len(new.joined)}
+        self.recoveries.append({**record, "rebuild_seconds": time.monotonic() - started})
         return state
 
     def _carry_over(self, state: Any, recompile: bool) -> Any:

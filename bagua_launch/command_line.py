@@ -149,7 +149,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="the mpiexec to use (default: the one beside this Python, else the one on PATH)",
     )
     mpi.add_argument(
-        "--mpi-args", default="", metavar="'ARGS'", help="extra mpiexec arguments, e.g. '-hosts a,b -ppn 2'"
+        "--mpi-args",
+        default="",
+        metavar="'ARGS'",
+        help="extra mpiexec arguments, e.g. '-hosts a,b -ppn 2' (with --fault-tolerant, given to each rank's own "
+        "mpiexec, e.g. '-bind-to none')",
     )
     cache = parser.add_argument_group("dataset cache")
     cache.add_argument(

@@ -1,8 +1,10 @@
 """Fault tolerance on the GPT workload (issue 42): the fault-free overhead, and a chaos run with replacements.
 
-Four studies, all torch over gloo, plain processes on this machine or, with ``--rate`` (overhead, chaos, spread), one
+Four studies, torch over gloo, plain processes on this machine or, with ``--rate`` (overhead, chaos, spread), one
 network namespace per rank on links of that rate (``harness.links``, root only; under chaos, each namespace is a
-node with its own launcher):
+node with its own launcher). ``--front-end jax`` runs the chaos and spread studies with JAX ranks on the native MPI
+engine instead, under ``bagua-launch --fault-tolerant --mpi`` (``benchmarks/fault_tolerance_jax.py`` has JAX's other
+studies):
 
 * ``overhead``: the same job with fault tolerance off (``init_process_group()``) and on
   (``init_process_group(fault_tolerance=True)``: a vote per step in the coordinator's store,
@@ -21,13 +23,14 @@ node with its own launcher):
   beside the chaos study's runs (read from ``--out``): the run-to-run spread the chaos run's curve is judged
   against, at equal tokens.
 
-Commands (results under ``benchmarks/results/fault-tolerance-torch-<study>[-<algorithm>].{json,md}``, or ``--out``;
-timings with nothing else running: the header records the load before and after; ``--algorithm`` is a name, then
-optionally its options as JSON, e.g. ``'diloco {"sync_every": 20}'``)::
+Commands (results under ``benchmarks/results/fault-tolerance-<front end>-<study>[-<algorithm>].{json,md}``, or
+``--out``; timings with nothing else running: the header records the load before and after; ``--algorithm`` is a
+name, then optionally its options as JSON, e.g. ``'diloco {"sync_every": 20}'``)::
 
     python benchmarks/fault_tolerance.py kill --ranks 3 --steps 8 --kill-step 5 --repeats 3
     python benchmarks/fault_tolerance.py overhead --ranks 4 --size mini --steps 60 --repeats 5 [--rate 100mbit]
     python benchmarks/fault_tolerance.py chaos --ranks 4 --size mini --steps 1500 --every 60 [--rate 100mbit]
+    python benchmarks/fault_tolerance.py chaos --front-end jax --ranks 4 --size mini --steps 1500 --every 60
     python benchmarks/fault_tolerance.py spread --ranks 4 --size mini --steps 1500 --seeds 1,2 [--rate 100mbit]
 
 ``python benchmarks/fault_tolerance.py report STUDY[-ALGORITHM]`` writes a study's Markdown and chart again from its
@@ -51,7 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -68,6 +71,17 @@ STUDIES = ("kill", "overhead", "chaos", "spread")
 def rank_main(job_file: str) -> None:
     """One rank: train the GPT ``size`` with ``algorithm``; log every step (time, loss, world) and, on the first
     member, the held-out loss every ``eval_every`` steps."""
+    job = json.loads(Path(job_file).read_text())
+    log = open(Path(job["folder"]) / f"rank-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 (whole run)
+
+    def record(**fields: object) -> None:
+        log.write(json.dumps({"time": time.time(), **fields}) + "\n")
+
+    (jax_rank if job.get("front_end") == "jax" else torch_rank)(job, record)
+
+
+def torch_rank(job: dict, record: Callable[..., None]) -> None:
+    """A torch rank over gloo (:func:`rank_main`)."""
     import torch
 
     import bagua_torch
@@ -75,12 +89,6 @@ def rank_main(job_file: str) -> None:
     from bagua_common.workload import load_corpus
     from bagua_torch.algorithms import algorithm_class, get_algorithm
     from bagua_torch.models.gpt import GPT, next_token_loss
-
-    job = json.loads(Path(job_file).read_text())
-    log = open(Path(job["folder"]) / f"rank-{os.getpid()}.jsonl", "a", buffering=1)  # noqa: SIM115 (whole run)
-
-    def record(**fields: object) -> None:
-        log.write(json.dumps({"time": time.time(), **fields}) + "\n")
 
     torch.set_num_threads(1)
     group = bagua_torch.init_process_group("gloo", fault_tolerance=job["fault_tolerant"], timeout=300)
@@ -161,6 +169,80 @@ def rank_main(job_file: str) -> None:
         ft.close()
 
 
+def jax_rank(job: dict, record: Callable[..., None]) -> None:
+    """A JAX rank on the native MPI engine (:func:`rank_main`), fault-tolerant (``FaultTolerantTrainer``; a
+    replacement, ``BAGUA_FT_JOIN=1``, joins the running job): the same log as a torch rank's. Its samples are a fixed
+    set of windows, re-partitioned among the members at every change (``DataPosition``)."""
+    import jax
+    import optax
+
+    from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
+    from bagua_common.workload import load_corpus
+    from bagua_jax import DataParallel, NativeCommunicator
+    from bagua_jax.algorithms import is_optimizer, make_algorithm
+    from bagua_jax.fault_tolerance import FaultTolerantTrainer
+    from bagua_jax.models.gpt import GPT, gpt_loss_fn, gpt_params
+
+    corpus, length = load_corpus(), gpt_config(job["size"]).context + 1
+    windows = corpus.batch(job["seed"], 0, 0, job["batch"] * job["ranks"] * job["steps"], length)
+    heldout = {"tokens": corpus.heldout_batch(32, length)}
+    loss_fn = gpt_loss_fn(job["size"])
+    settings = FaultToleranceSettings.from_environment()
+    master = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    data = DataPosition(len(windows), job["batch"], seed=job["seed"])
+
+    attempt = {}  # the members and those among them training, at the step's last attempt (the committed one)
+
+    def batch_of(indices):
+        attempt.update(members=ft.epoch.size, world=ft.trainers)
+        return {"tokens": windows[indices]}
+
+    name, _, options = job["algorithm"].partition(" ")
+
+    def trainer_over(communicator):  # an algorithm that is an optimizer itself (QAdam, 1-bit Adam) brings its own
+        optimizer = None if is_optimizer(name) else optax.adamw(job["lr"])
+        algorithm = make_algorithm(name, **json.loads(options or "{}"))
+        return DataParallel(loss_fn, optimizer, algorithm, communicator=communicator)
+
+    if os.environ.get("BAGUA_FT_JOIN") == "1":
+        ft = FaultTolerantTrainer.joiner(trainer_over(NativeCommunicator.mpi_self()), data, settings, master)
+    else:
+        rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        membership = Membership.start(settings, rank, size, *master)
+        communicator = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, size)
+        ft = FaultTolerantTrainer(trainer_over(communicator), membership, data)
+    state = ft.init(gpt_params(GPT(job["size"], seed=job["seed"])), {"tokens": windows[data.indices(0, 1)]})
+    evaluate = jax.jit(loss_fn)
+    record(event="start", rank=ft.epoch.rank)
+    first_ended = None
+    while int(state.step) < job["steps"]:
+        started, cpu = time.perf_counter(), time.process_time()
+        record(event="attempt", step=int(state.step) + 1)
+        state, loss = ft.step(state, batch_of)
+        step, world = int(state.step), attempt["world"]
+        seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+        first_ended = first_ended or time.time()
+        record(event="step", step=step, world=world, members=attempt["members"], seconds=seconds, cpu=cpu,
+               loss=float(loss), ended=time.time())  # fmt: skip
+        if ft.epoch.rank == 0 and step % job["eval_every"] == 0:
+            loss = float(evaluate(state.params, heldout))
+            record(event="heldout", step=step, tokens=step * world * job["batch"] * (length - 1), loss=loss)
+    ft.finished()
+    joined = ft.admission and first_ended - ft.admission["asked"]  # a joiner's seconds from asking to training
+    record(event="end", recoveries=[_as_torch_recovery(r) for r in ft.recoveries], joined=joined)
+    ft.membership.close()
+
+
+def _as_torch_recovery(recovery: dict) -> dict:
+    """A JAX recovery record in a torch one's terms: the seconds from the failure seen to the retried step's start,
+    and the steps lost: the step in flight at a death (the protocol abandons it; tests/test_fault_tolerance_jax.py
+    checks that one is), none at an admission (between two steps)."""
+    seconds = recovery.get("resume_seconds", recovery["rebuild_seconds"])
+    lost = 0 if recovery["joined"] else 1
+    return {"epoch": recovery["epoch"], "size": recovery["size"], "seconds": seconds, "steps_lost": lost,
+            "joined": recovery["joined"]}  # fmt: skip
+
+
 def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, kill_step: int = 0) -> Path:
     """The job's settings, written into ``folder`` with a new job secret beside them (every member needs it)."""
     from bagua_common.fault_tolerance.settings import write_job_secret
@@ -179,6 +261,8 @@ def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, kill_
                 "eval_every": args.eval_every,
                 "fault_tolerant": fault_tolerant,
                 "kill_step": kill_step,
+                "front_end": args.front_end,
+                "ranks": args.ranks,
                 "secret_file": write_job_secret(str(folder)),
             }
         )
@@ -209,10 +293,17 @@ def with_changes(args: argparse.Namespace, **changes: object) -> argparse.Namesp
     return argparse.Namespace(**{**vars(args), **changes})
 
 
+def launch_options(job: Path, fault_tolerant: bool) -> list[str]:
+    """``bagua-launch``'s options for the job: ``--fault-tolerant`` (a slot replaces its rank when it dies), and for JAX
+    ranks ``--mpi`` (each rank its own ``mpiexec -n 1`` job)."""
+    options = ["--fault-tolerant"] if fault_tolerant else []
+    return options + (["--mpi"] if json.loads(job.read_text())["front_end"] == "jax" else [])
+
+
 def launch(ranks: int, job: Path, fault_tolerant: bool, **extra: str) -> subprocess.Popen:
-    """The job's ranks under ``bagua-launch`` (``--fault-tolerant``: a slot replaces its rank when it dies)."""
+    """The job's ranks under ``bagua-launch`` (:func:`launch_options`)."""
     command = [sys.executable, "-m", "bagua_launch", "--nproc-per-node", str(ranks)]
-    command += ["--fault-tolerant"] if fault_tolerant else []
+    command += launch_options(job, fault_tolerant)
     command += [str(Path(__file__).resolve()), "rank", str(job)]
     return subprocess.Popen(command, env=environment(job, ranks, **extra), start_new_session=True)
 
@@ -399,15 +490,17 @@ def fault_tolerant_job(ranks: int, job: Path, rate: str | None) -> Iterator[list
     if rate is None:
         yield [launch(ranks, job, True)]
         return
-    from harness.links import RANK_IF, Network
+    from harness.links import RANK_IF, Network, mpi_environment
 
     from bagua_common.job.local_launch import free_port
 
     env = environment(job, ranks, GLOO_SOCKET_IFNAME=RANK_IF)
+    env |= mpi_environment() if "--mpi" in launch_options(job, True) else {}  # MPI's traffic on the shaped link too
     with Network(ranks, rate) as net:
         endpoint = f"{net.master_addr}:{free_port()}"
         command = [sys.executable, "-m", "bagua_launch", "--nnodes", str(ranks), "--nproc-per-node", "1"]
-        command += ["--rdzv-endpoint", endpoint, "--fault-tolerant", str(Path(__file__).resolve()), "rank", str(job)]
+        command += ["--rdzv-endpoint", endpoint, *launch_options(job, True)]
+        command += [str(Path(__file__).resolve()), "rank", str(job)]
         yield [net.popen(node, command, env) for node in range(ranks)]
 
 
@@ -601,6 +694,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--repeats", type=int, default=3, help="(kill, overhead) how many runs")
     parser.add_argument("--every", type=float, default=60)
     parser.add_argument("--rate", default=None, help="(overhead, chaos, spread) link rate, e.g. 100mbit (root)")
+    parser.add_argument("--front-end", choices=("torch", "jax"), default="torch",
+                        help="(chaos, spread) jax: JAX ranks, each its own mpiexec -n 1 job")  # fmt: skip
     parser.add_argument("--seeds", type=lambda text: [int(seed) for seed in text.split(",")], default=[1, 2],
                         help="(spread) the fault-free runs' seeds, comma-separated")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
@@ -615,7 +710,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.study == "report":
         report(args)
         return
-    meta = run_meta(["torch"], argv=argv, ranks=args.ranks, size=args.size, algorithm=args.algorithm)
+    if args.front_end == "jax" and args.study not in ("chaos", "spread"):
+        raise SystemExit(f"{args.study}: torch only (benchmarks/fault_tolerance_jax.py measures JAX's)")
+    meta = run_meta([args.front_end], argv=argv, ranks=args.ranks, size=args.size, algorithm=args.algorithm)
     result = {"kill": kill, "overhead": overhead, "chaos": chaos, "spread": spread}[args.study](args)
     finish_meta(meta)
     publish(args, meta, result)
@@ -625,23 +722,25 @@ def report(args: argparse.Namespace) -> None:
     """Write a study's Markdown (and chart) again from its JSON under ``--out``, with the settings it ran with."""
     if args.job is None or args.job.split("-")[0] not in STUDIES:
         raise SystemExit(f"report: which study? one of {', '.join(STUDIES)}, then -ALGORITHM for another algorithm's")
-    saved = json.loads((args.out / f"fault-tolerance-torch-{args.job}.json").read_text())
+    saved = json.loads((args.out / f"fault-tolerance-{args.front_end}-{args.job}.json").read_text())
     ran = with_changes(settings_of(saved), out=args.out)
     publish(ran, {k: v for k, v in saved.items() if k != "result"}, saved["result"])
 
 
 def results_name(args: argparse.Namespace) -> str:
-    """The results' file name (no suffix): ``fault-tolerance-torch-<study>``, then ``-<algorithm>`` unless the
+    """The results' file name (no suffix): ``fault-tolerance-<front end>-<study>``, then ``-<algorithm>`` unless the
     algorithm is gradient allreduce."""
     algorithm = args.algorithm.partition(" ")[0]
-    return f"fault-tolerance-torch-{args.study}" + ("" if algorithm == "gradient_allreduce" else f"-{algorithm}")
+    name = f"fault-tolerance-{args.front_end}-{args.study}"
+    return name + ("" if algorithm == "gradient_allreduce" else f"-{algorithm}")
 
 
 def publish(args: argparse.Namespace, meta: dict, result: dict) -> None:
     """Print and write the results of the study ``args`` ran under :func:`results_name`: ``.md``, ``.json`` and
     for the chaos and spread studies ``.png``."""
     name = results_name(args)
-    lines = [f"# Fault tolerance, torch over gloo: {args.study}", "", *header_lines(meta), ""]
+    engine = "JAX on the native MPI engine" if args.front_end == "jax" else "torch over gloo"
+    lines = [f"# Fault tolerance, {engine}: {args.study}", "", *header_lines(meta), ""]
     if args.study == "kill":
         lines.append(
             f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}; the last rank SIGKILLed in step "
