@@ -42,7 +42,7 @@ from bagua_common.fault_tolerance.node_directory import (
     job_stopped,
 )
 from bagua_common.fault_tolerance.settings import ENV_JOIN
-from bagua_launch.output import NAME, describe_exit
+from bagua_launch.output import NAME, describe_exit, exit_status
 
 __all__ = ["ENV_REPLACEMENTS", "STARTS_THAT_NEVER_JOINED", "main"]
 
@@ -91,7 +91,7 @@ def main(command: list[str]) -> int:
         rank = subprocess.Popen(command, env=env, preexec_fn=_terminated_with_parent)
         code = rank.wait()
         if code == 0 or stopping or left <= 0:
-            return 128 - code if code < 0 else code
+            return exit_status(code)
         if code == NO_JOB_STATUS and env.get(ENV_JOIN) == "1":
             print(
                 f"{NAME}: rank {env.get('RANK', '?')}'s replacement found no member of the job left: ending the slot, "
@@ -115,7 +115,7 @@ def main(command: list[str]) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            return 128 - code if code < 0 else code
+            return exit_status(code)
         took_part = admitted(env[ENV_REPLACEMENT]) if ENV_REPLACEMENT in env else job_formed()
         never_joined = 0 if took_part else never_joined + 1
         if never_joined >= STARTS_THAT_NEVER_JOINED:
@@ -125,7 +125,7 @@ def main(command: list[str]) -> int:
                 file=sys.stderr,
                 flush=True,
             )
-            return 128 - code if code < 0 else code
+            return exit_status(code)
         left -= 1
         if env.get(ENV_JOIN) != "1" and not job_formed():
             how = "starting it again: the job had not formed yet"

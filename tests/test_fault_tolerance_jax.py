@@ -116,6 +116,13 @@ LARGE_STEP = {"FT_HIDDEN": "65536"}
 # PowerSGD on the linear model with a tanh layer of 32 beside it: its 5 x 32 matrix is compressed at rank 2.
 POWERSGD = 'powersgd {"start_iter": 2, "rank": 2}'
 POWERSGD_MODEL = {"FT_MLP": "32"}
+# The per-step algorithms with state a change of members touches (residuals laid out per rank, Q, the Adams' moments).
+STATEFUL_PER_STEP = [
+    'bytegrad {"error_feedback": true}',
+    POWERSGD,
+    'qadam {"learning_rate": 0.2, "warmup_steps": 2}',
+    'onebit_adam {"learning_rate": 0.2, "warmup_steps": 2}',
+]
 
 
 def test_survivors_of_a_kill_a_hang_and_an_exception_resume_and_a_joiner_trains(tmp_path: Path, launcher_directory):
@@ -279,16 +286,7 @@ def test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on(tmp_path:
     print(f"pause: the others resumed {resume:.2f} s after it stopped; it trained again from step {rejoined}")
 
 
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        'bytegrad {"error_feedback": true}',
-        POWERSGD,
-        'qadam {"learning_rate": 0.2, "warmup_steps": 2}',
-        'onebit_adam {"learning_rate": 0.2, "warmup_steps": 2}',
-    ],
-    ids=lambda algorithm: algorithm.partition(" ")[0],
-)
+@pytest.mark.parametrize("algorithm", STATEFUL_PER_STEP, ids=lambda algorithm: algorithm.partition(" ")[0])
 def test_a_member_taken_for_dead_joins_again_under_each_per_step_algorithm(tmp_path: Path, algorithm: str):
     # As above, with the algorithms whose state a change of members touches: ByteGrad's and the compressed Adams'
     # residuals laid out per rank (reset, and their steps compiled for another world size), PowerSGD's Q and the Adams'
@@ -332,15 +330,7 @@ def test_a_joiner_takes_its_first_step_weighed_out_while_its_state_arrives(tmp_p
 
 
 @pytest.mark.parametrize(
-    "algorithm",
-    [
-        "gradient_allreduce",
-        'bytegrad {"error_feedback": true}',
-        POWERSGD,
-        'qadam {"learning_rate": 0.2, "warmup_steps": 2}',
-        'onebit_adam {"learning_rate": 0.2, "warmup_steps": 2}',
-    ],
-    ids=lambda algorithm: algorithm.partition(" ")[0],
+    "algorithm", ["gradient_allreduce", *STATEFUL_PER_STEP], ids=lambda algorithm: algorithm.partition(" ")[0]
 )
 def test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner(tmp_path: Path, algorithm: str):
     # Three members; the last is SIGKILLed in step 3, a joiner is admitted once it committed. ByteGrad's and the
