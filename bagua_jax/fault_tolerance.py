@@ -383,16 +383,15 @@ class FaultTolerantTrainer:
 
     def _share_state(self, state: Any, epoch: Epoch) -> Any:
         """The state's holder (:attr:`Epoch.state_holder`) gives the committed state to joiners and survivors behind,
-        having checked they train the same job (position, who sits out: through the store). Over a pair each while they
-        take the next step weighed out (gradient allreduce, PowerSGD: the algorithm's replicated state first) or
-        sit it out (decentralized); by broadcast while the members train the DiLoCo round they sit out (one fragment);
-        else while everyone waits (Streaming DiLoCo's sit out a step applying an exchange)."""
+        having checked they train the same job (position, who sits out: through the store). Over a communicator of the
+        holder and the joiners while they take the next step weighed out (gradient allreduce, PowerSGD: the
+        algorithm's replicated state first) or sit it out (decentralized); by broadcast while the members train the
+        DiLoCo round they sit out (one fragment); else while everyone waits (Streaming DiLoCo's sit out a step)."""
         holder, key = epoch.state_holder, epoch.prefix("transfer")
-        receivers = [rank for rank in range(epoch.size) if epoch.is_joiner(rank)]
         weighed = self._weighed_out_step is not None
-        paired = weighed or self._unaveraged_step is not None  # sent over a pair while the members train
+        paired = weighed or self._unaveraged_step is not None  # sent over a group while the members train
         if self._sits_out or paired or (self._diloco is not None and self._is_transaction(state)):
-            self._sitting_out |= {epoch.members[rank].id for rank in receivers}
+            self._sitting_out |= {member.id for rank, member in enumerate(epoch.members) if epoch.is_joiner(rank)}
         if epoch.rank == holder:  # the algorithm's replicated state first: the record says both are there
             if weighed:
                 epoch.store.set(f"{key}/algorithm", state_transfer.algorithm_state_bytes(self._roles, state))
@@ -409,10 +408,11 @@ class FaultTolerantTrainer:
             check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
             return state_transfer.broadcast_state(host, state, holder)
 
+        group = state_transfer.transfer_group(self.communicator, epoch) if paired else None
         if not epoch.is_joiner():
-            if paired and epoch.rank == holder:
+            if group is not None:  # the holder
                 self._transfer = in_background(
-                    partial(state_transfer.send_to_each, epoch, receivers, state, signature), "bagua-ft-state"
+                    partial(state_transfer.transfer_in_group, group, epoch, state, signature), "bagua-ft-state"
                 )
             elif self._sits_out:
                 self._transfer = in_background(broadcast, f"bagua-ft-transfer-{epoch.number}")
@@ -421,10 +421,10 @@ class FaultTolerantTrainer:
             return state
         if weighed:
             self._incoming = in_background(
-                partial(state_transfer.transfer_over_pair, epoch, epoch.rank, state, signature), "bagua-ft-state"
+                partial(state_transfer.transfer_in_group, group, epoch, state, signature), "bagua-ft-state"
             )
         else:
-            sent = state_transfer.transfer_over_pair(epoch, epoch.rank, state, signature) if paired else broadcast()
+            sent = state_transfer.transfer_in_group(group, epoch, state, signature) if paired else broadcast()
             received = state_transfer.state_from_bytes(sent, state)
         raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
         if raw is None:

@@ -5,7 +5,7 @@ The transferred leaves (parameters, optimizer state with the algorithm's, step) 
 broadcast of host buffers: nothing to compile, so it may run from a thread while the members train (DiLoCo's round
 that a joiner sits out), and the joiner lays the bytes out as its own state's leaves. While the members take steps
 that use the job's communicator (a joiner weighed out of its first step), it travels over a communicator of the
-holder and the receiver alone (:func:`transfer_over_pair`); the algorithm's replicated state, which it needs to take
+holder and the joiners alone (:func:`transfer_in_group`); the algorithm's replicated state, which it needs to take
 part at once, goes first through the job's store (:func:`algorithm_state_bytes`).
 """
 
@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from bagua_common.fault_tolerance import Epoch
-from bagua_common.fault_tolerance.background import get_unless, in_background
+from bagua_common.fault_tolerance.background import in_background
 from bagua_common.job.signature import check_same_job
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
@@ -28,9 +28,9 @@ __all__ = [
     "algorithm_state_bytes",
     "broadcast_state",
     "in_background",
-    "send_to_each",
     "state_from_bytes",
-    "transfer_over_pair",
+    "transfer_group",
+    "transfer_in_group",
     "transferred_leaves",
     "with_algorithm_state",
 ]
@@ -72,42 +72,33 @@ def state_from_bytes(received: np.ndarray, state: Any) -> TrainState:
     return TrainState(*jax.tree.unflatten(tree, _laid_out(received, leaves)), unwrap_state(state).model_state)
 
 
-def transfer_over_pair(epoch: Epoch, receiver: int, state: Any, signature: np.ndarray) -> np.ndarray:
-    """The state's holder (:attr:`Epoch.state_holder`) sends ``state``'s transferred leaves to member ``receiver``
-    over a communicator of the two alone, built through the epoch's store, after checking with it that both train
-    the same job (``signature``); both call it (from a thread: the members may meanwhile train on the job's
-    communicator), and the receiver gets the bytes (:func:`state_from_bytes`). The pair's collectives fail at once
-    when the epoch closes."""
-    rank = 0 if epoch.rank == epoch.state_holder else 1
-    store = _PollingStore(epoch)
-    pair = NativeCommunicator.mpi_through_store(store, epoch.prefix(f"state-pair/{receiver}/"), rank, 2)
-    pair.revoke_when(epoch.closed, f"the job's membership changed (epoch {epoch.number} closed)")
+def transfer_group(communicator: NativeCommunicator, epoch: Epoch) -> NativeCommunicator | None:
+    """The communicator of ``epoch``'s state holder (:attr:`Epoch.state_holder`, its rank 0) and joiners, split
+    from ``communicator`` (the job's) by every member at the same point; None on the other members. Built in the
+    training thread while every member is there: a communicator accepted on a thread instead (``MPI_Comm_accept``)
+    holds MPICH's lock, and the holder's collectives on the job's communicator, until its peer connects."""
+    holder = epoch.rank == epoch.state_holder
+    takes_part = holder or epoch.is_joiner()
+    group = communicator.split(0 if takes_part else 1, 0 if holder else epoch.rank + 1, "state")
+    if takes_part:
+        return group
+    group.close()
+    return None
+
+
+def transfer_in_group(group: NativeCommunicator, epoch: Epoch, state: Any, signature: np.ndarray) -> np.ndarray:
+    """The holder (``group``'s rank 0, :func:`transfer_group`) sends ``state``'s transferred leaves to the joiners
+    (its other ranks), having checked with them that they train the same job (``signature``); every rank of
+    ``group`` calls it (from a thread: the members may meanwhile train on the job's communicator), and the joiners
+    get the bytes (:func:`state_from_bytes`). The group's collectives fail at once when the epoch closes; the group
+    is closed on return."""
+    group.revoke_when(epoch.closed, f"the job's membership changed (epoch {epoch.number} closed)")
     try:
-        host = HostCommunicator(pair)
+        host = HostCommunicator(group)
         check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
         return broadcast_state(host, state, 0)
     finally:
-        pair.close()
-
-
-class _PollingStore:
-    """``epoch``'s store for the pair's rendezvous on a thread (:func:`get_unless`)."""
-
-    def __init__(self, epoch: Epoch):
-        self._epoch = epoch
-
-    def set(self, key: str, value: bytes | str) -> None:
-        self._epoch.store.set(key, value)
-
-    def get(self, key: str, wait: float = 0.0) -> bytes | None:
-        why = f"epoch {self._epoch.number} closed while the state's pair was being made"
-        return get_unless(self._epoch.store, key, wait, self._epoch.closed, why)
-
-
-def send_to_each(epoch: Epoch, receivers: list[int], state: Any, signature: np.ndarray) -> None:
-    """The holder's side of :func:`transfer_over_pair` with each of ``receivers`` in turn."""
-    for receiver in receivers:
-        transfer_over_pair(epoch, receiver, state, signature)
+        group.close()
 
 
 def _algorithm_leaves(role_tree: TrainState, state: Any) -> tuple[list[Any], list[bool], Any]:

@@ -121,7 +121,7 @@ class WeighedOutStep:
     ) -> tuple[Any, Any]:
         """One step, as :meth:`DataParallel.step` returns it (the new state, the ranks' mean loss). With
         ``incoming`` (the state's bytes on their way to a rank weighed out of the step, from
-        :func:`~bagua_jax.state_transfer.transfer_over_pair`), the rank sends zeros, then applies the averaged
+        :func:`~bagua_jax.state_transfer.transfer_in_group`), the rank sends zeros, then applies the averaged
         gradients to the state received, laid out as ``state`` (MembershipChanged if ``epoch`` closes first), its
         per-rank leaves kept as they were; ``state`` then holds the algorithm's replicated state
         (:func:`~bagua_jax.state_transfer.with_algorithm_state`)."""

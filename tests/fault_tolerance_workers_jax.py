@@ -30,6 +30,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 
 import numpy as np
@@ -179,17 +180,42 @@ def _delay_the_state(seconds: float, then_die: bool) -> None:
         return
     from bagua_jax import state_transfer
 
-    transfer = state_transfer.transfer_over_pair
+    transfer = state_transfer.transfer_in_group
 
-    def late(epoch, receiver, *args):
+    def late(group, epoch, *args):
         if epoch.rank == epoch.state_holder:
             time.sleep(seconds)
             if then_die and not os.path.exists(_signal("holder-died")):
                 _touch("holder-died")
                 os.kill(os.getpid(), signal.SIGKILL)
-        return transfer(epoch, receiver, *args)
+        return transfer(group, epoch, *args)
 
-    state_transfer.transfer_over_pair = late
+    state_transfer.transfer_in_group = late
+
+
+def _kill_while_the_state_travels(victim: int, seconds: float) -> None:
+    """Make the joiner start its side of the state's transfer ``seconds`` late, and member ``victim`` SIGKILL itself
+    meanwhile (a death while the holder waits for the joiner on their pair)."""
+    from bagua_jax import state_transfer
+
+    transfer = state_transfer.transfer_in_group
+
+    def late(group, epoch, *args):
+        if epoch.is_joiner() and not os.path.exists(_signal("receiver-late")):
+            _touch("receiver-late")
+            time.sleep(seconds)
+        return transfer(group, epoch, *args)
+
+    state_transfer.transfer_in_group = late
+    if int(os.environ["RANK"]) == victim:
+
+        def die_then() -> None:
+            _wait_for("receiver-late", timeout=600)
+            time.sleep(0.2)
+            _touch("victim-died")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=die_then, daemon=True).start()
 
 
 def _slow_the_admitting_step(seconds: float, ft, final_size: int) -> None:
@@ -264,6 +290,9 @@ def train(
         _die_in_the_first_shrink()
     holder_dies = os.environ.get("FT_STATE_HOLDER_DIES") == "1"
     _delay_the_state(float(os.environ.get("FT_STATE_DELAY", "0")), holder_dies)
+    if os.environ.get("FT_KILL_WHILE_STATE_TRAVELS"):
+        _kill_while_the_state_travels(int(os.environ["FT_KILL_WHILE_STATE_TRAVELS"]), 1.5)
+    death_in_admission = holder_dies or bool(os.environ.get("FT_KILL_WHILE_STATE_TRAVELS"))
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     if os.environ.get("FT_HIDDEN"):
@@ -290,7 +319,7 @@ def train(
         transaction = ft.committed + 1
         if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] != "kill-before-vote":
             _fail(faults[transaction][1], transaction)
-        if transaction > last_fault and (ft.epoch.size < final_size or holder_dies):  # the holder's death keeps it
+        if transaction > last_fault and (ft.epoch.size < final_size or death_in_admission):  # keeps it at final_size
             _wait_for("joiner-asked")
             time.sleep(0.05)  # the commit after the joiner's request admits it
         attempts.append(

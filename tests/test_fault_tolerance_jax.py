@@ -912,3 +912,25 @@ def test_diloco_joiner_admitted_at_a_retried_exchange_contributes_nothing_to_it(
     for name in start:
         np.testing.assert_allclose(survivor["round_start"][name], start[name], rtol=2e-5, atol=1e-6)
         np.testing.assert_array_equal(joiner["round_start"][name], survivor["round_start"][name])
+
+
+def test_a_member_lost_while_a_joiner_is_late_for_its_state_costs_the_others_one_recovery(tmp_path: Path):
+    # Three members, then a joiner weighed out of its first step starts its side of the state's transfer 1.5 s late,
+    # and member 1 is SIGKILLed meanwhile. The chaos run at 100 Mbit/s found the holder blocked in its step for the
+    # joiner (the transfer's communicator was accepted on a thread, which holds MPICH's lock) and the survivors'
+    # shrink hanging until the communicator's timeout (20 s here); now the three go on together at once.
+    env = {"FT_KILL_WHILE_STATE_TRAVELS": "1", "FT_COMM_TIMEOUT": "20"}
+    started = time.monotonic()
+    results = run_members(tmp_path, "train", 4, {}, 3, 3, 8, env=env, timeout=180)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert (tmp_path / "victim-died").exists()
+    assert [r.returncode == 0 for r in results] == [True, False, True, True], outputs
+    assert time.monotonic() - started < 20, outputs  # no wait for the communicator's timeout
+    holder, other, joiner = (r.value for r in (results[0], results[2], results[3]))
+    for name, value in holder["params"].items():
+        for member in (other, joiner):
+            np.testing.assert_array_equal(member["params"][name], value)  # bit-identical
+    sizes = {s["transaction"]: s["size"] for s in holder["steps"]}
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(joiner["params"][name], value, rtol=2e-5, atol=1e-6)
+    assert [r["size"] for r in holder["recoveries"]] == [4, 3], holder["recoveries"]  # the admission, the death
