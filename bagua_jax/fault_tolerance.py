@@ -66,9 +66,8 @@ class FaultTolerantTrainer:
     job's :class:`~bagua_common.fault_tolerance.DataPosition`; ``hash_every`` compares the replicas' digests every
     that many committed transactions (steps; under DiLoCo, exchanges; default: the membership's settings), besides
     after every recovery. :meth:`init` gives the state (a joiner receives it from a member), :meth:`step` runs one
-    step (committed, or a DiLoCo inner step), :meth:`finished` marks the job finished after the last one.
-    The algorithms of :func:`bagua_jax.state_rules.carried_algorithms` (DiLoCo's overlapped exchange in float32).
-    """
+    step (committed, or a DiLoCo inner step), :meth:`finished` marks the job finished after the last one. It takes
+    the algorithms of :func:`bagua_jax.state_rules.carried_algorithms` (DiLoCo's overlapped exchange in float32)."""
 
     def __init__(
         self, trainer: DataParallel, membership: Membership, data: DataPosition, hash_every: int | None = None
@@ -92,10 +91,9 @@ class FaultTolerantTrainer:
         hash_every: int | None = None,
         timeout: float = 300.0,
     ) -> FaultTolerantTrainer:
-        """The trainer of a process that joins a running job (a replacement, or one more rank): ``trainer``'s
-        communicator is this process alone (:meth:`NativeCommunicator.mpi_self`) until :meth:`init` has compiled the
-        step, asked a live member's store at ``master`` (host, port) to be admitted (waiting up to ``timeout``
-        seconds) and put the job's communicator in its slot, so its peers never wait for its compilation."""
+        """The trainer of a process that joins a running job (a replacement, one more rank): ``trainer``'s communicator
+        is this process alone (:meth:`NativeCommunicator.mpi_self`) until :meth:`init` compiled the step, asked a live
+        member's store at ``master`` (host, port) to admit it (up to ``timeout`` s) and put the job's in its slot."""
         state_rules.refuse_unsurvivable(trainer)
         if trainer.communicator is None or trainer.communicator.size != 1:
             raise ValueError("FaultTolerantTrainer.joiner needs a DataParallel over NativeCommunicator.mpi_self()")
@@ -133,6 +131,7 @@ class FaultTolerantTrainer:
         """The members (ids) given the state that sit out (or are weighed out of) the round or step in flight."""
         self._transfer: Future | None = None  # the state's sending to those sitting out, while the members train
         self._incoming: Future | None = None  # a member weighed out of the step in flight: its state on the way
+        self._state_group: NativeCommunicator | None = None  # the holder's and joiners', split at their admission
         # The transaction the replicas are compared after (not hash_every): the first all trained once joiners were in.
         self._check_after: int | None = None
         self._roles: TrainState | None = None
@@ -161,9 +160,8 @@ class FaultTolerantTrainer:
     def init(self, params: Any, example_batch: Any = None) -> Any:
         """The state to train from: ``trainer.init(params)`` on the first members; a joiner's comes from a member.
         ``params`` is a pytree of parameters or a flax ``TrainState`` (the same class comes back). A joiner
-        (:meth:`joiner`) first compiles the step for ``example_batch`` (a batch of this rank's shapes; required of a
-        joiner, unused by the others) where the step's shapes do not depend on the world size, so that its peers never
-        wait for its compilation, then asks to be admitted."""
+        (:meth:`joiner`) first compiles the step for ``example_batch`` (a batch of this rank's shapes; unused by the
+        others), so that its peers never wait for its compilation, then asks to be admitted."""
         if is_nnx_module(params):
             raise TypeError(
                 "FaultTolerantTrainer takes a pytree of parameters or a flax TrainState; an NNX model changes in "
@@ -182,8 +180,7 @@ class FaultTolerantTrainer:
         return state
 
     def _join(self, state: Any, example_batch: Any) -> Any:
-        """Compile the step alone (for the job's size where its shapes follow it), ask to be admitted and take the
-        epoch's communicator in the same slot; returns ``state`` laid out for the epoch's world size."""
+        """Compile the step, ask to be admitted, take the epoch's communicator; returns ``state`` for its world size."""
         if example_batch is None:
             raise ValueError(
                 "FaultTolerantTrainer.init: a joiner compiles its step before it asks to join, so that its peers never "
@@ -202,6 +199,7 @@ class FaultTolerantTrainer:
         membership = join_members(self.communicator, settings, master, None, timeout)
         self.admission = {"asked": asked, "admitted": time.time()}
         self._admitted(membership)
+        self._split_state_group(self.epoch)
         return self._carry_over(state, recompile=not self._world_size_free)
 
     def step(self, state: Any, batch_of: Callable[[np.ndarray], Any]) -> tuple[Any, Any]:
@@ -277,9 +275,9 @@ class FaultTolerantTrainer:
 
     def save(self, root: str | os.PathLike, state: Any) -> Path | None:
         """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart of
-        the whole job; returns its folder. None when a member was lost meanwhile (the checkpoint is not committed: rank
-        0 commits it once every member wrote its part; the next :meth:`step` recovers), and, with nothing written, while
-        the members change or a joiner sits out. It records :attr:`data`'s position for :meth:`restore`."""
+        the whole job, with :attr:`data`'s position for :meth:`restore`; returns its folder. None when a member was lost
+        meanwhile (rank 0 commits it once every member wrote its part; the next :meth:`step` recovers), and, with
+        nothing written, while the members change or a joiner sits out."""
         epoch = self.epoch
         if self._sitting_out or self._copies_due or epoch.closed.is_set():  # joiners not training; members changing
             return None
@@ -290,9 +288,8 @@ class FaultTolerantTrainer:
             return None
 
     def restore(self, root: str | os.PathLike, params: Any) -> Any:
-        """The state of the newest committed checkpoint under ``root`` (:meth:`save`'s, of any world size:
-        :func:`bagua_jax.checkpoint.restore`'s rules), :attr:`data` moved to the position it recorded: the first
-        members of a restarted job call it instead of :meth:`init` (its joiners' :meth:`init` receives this state)."""
+        """The state of the newest committed checkpoint under ``root`` (:meth:`save`'s, any world size), :attr:`data`
+        at the position it recorded: a restarted job's first members call it instead of :meth:`init`."""
         if self.membership is None:
             raise ValueError("FaultTolerantTrainer.restore: a joiner receives the members' state: call init")
         directory = checkpoint_to_restore(root)
@@ -309,8 +306,8 @@ class FaultTolerantTrainer:
 
     def check_replicas(self, state: Any, what: str) -> None:
         """Raise :class:`~bagua_common.fault_tolerance.ReplicaMismatch` on every member unless the replicated state
-        (:mod:`bagua_jax.state_rules`: all but error-feedback residuals and an unaveraged model state), the step
-        and the data position are bit-identical across the members."""
+        (:mod:`bagua_jax.state_rules`: all but error-feedback residuals and an unaveraged model state), the step and
+        the data position are bit-identical across the members."""
         digest = state_rules.replica_digest(self._roles, jax.device_get(unwrap_state(state)), self.data.state())
         gathered = HostCommunicator(self.communicator).allgather(digest)  # nothing to compile
         check_digests(state_rules.DIGEST_PARTS, np.asarray(gathered), what)
@@ -333,8 +330,7 @@ class FaultTolerantTrainer:
             self._check_after = self.committed + (self._weighed_out_step is not None)
 
     def _training_place(self, epoch: Epoch) -> tuple[int, int]:
-        """This member's place among the members that train the step, and their number: all but those sitting out
-        the round (which compute the step on the first one's samples, weighed zero)."""
+        """This member's place among those training the step, and their number (those sitting out weigh zero)."""
         return epoch.training_place([rank for rank, m in enumerate(epoch.members) if m.id in self._sitting_out])
 
     def _recover(self, state: Any) -> Any:
@@ -348,6 +344,7 @@ class FaultTolerantTrainer:
         old = self.epoch
         self.membership, new = follow_members(self.communicator, self.membership, old)  # a new one if evicted
         self.epoch = new
+        self._split_state_group(new)
         # Its step abandoned, the divisor goes back to the size; only now, once the new members' communicator
         # dropped the failed calls' ordering tokens: before, the divisor's wait for those calls raised their error.
         self.communicator.set_mpi_average_divisor(None)
@@ -381,6 +378,10 @@ class FaultTolerantTrainer:
         exchange, resumed = HostCommunicator(self.communicator).send_recv, state_rules.ring_copies_resumed
         return state if self._copies_due else resumed(state, exchange, self.epoch.rank, self.epoch.size)
 
+    def _split_state_group(self, epoch: Epoch) -> None:  # at an admission, on every rank before it compiles anything
+        paired = epoch.joined and (self._weighed_out_step is not None or self._unaveraged_step is not None)
+        self._state_group = state_transfer.transfer_group(self.communicator, epoch) if paired else None
+
     def _share_state(self, state: Any, epoch: Epoch) -> Any:
         """The state's holder (:attr:`Epoch.state_holder`) gives the committed state to joiners and survivors behind,
         having checked they train the same job (position, who sits out: through the store). Over a communicator of the
@@ -408,7 +409,7 @@ class FaultTolerantTrainer:
             check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
             return state_transfer.broadcast_state(host, state, holder)
 
-        group = state_transfer.transfer_group(self.communicator, epoch) if paired else None
+        group, self._state_group = self._state_group, None
         if not epoch.is_joiner():
             if group is not None:  # the holder
                 self._transfer = in_background(
@@ -442,8 +443,7 @@ class FaultTolerantTrainer:
         return rewrap_state(user_state, received)
 
     def _sit_out(self, state: TrainState) -> TrainState:
-        """``state`` (a member's, just received) at the step before the exchange it joins (the round's, or the one
-        the next step applies), marked as not trained, the data past the inner steps it skips."""
+        """``state`` (just received) at the step before the exchange it joins, marked untrained, the data past it."""
         skipped = 0 if self._is_transaction(state) else self._diloco.steps_to_exchange(int(state.step)) - 1
         for _ in range(skipped):
             self.data.advance(self._training_place(self.epoch)[1])

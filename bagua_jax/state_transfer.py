@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from bagua_common.fault_tolerance import Epoch
-from bagua_common.fault_tolerance.background import in_background
+from bagua_common.fault_tolerance.background import in_background, wait_unless
 from bagua_common.job.signature import check_same_job
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
@@ -74,12 +74,16 @@ def state_from_bytes(received: np.ndarray, state: Any) -> TrainState:
 
 def transfer_group(communicator: NativeCommunicator, epoch: Epoch) -> NativeCommunicator | None:
     """The communicator of ``epoch``'s state holder (:attr:`Epoch.state_holder`, its rank 0) and joiners, split
-    from ``communicator`` (the job's) by every member at the same point; None on the other members. Built in the
-    training thread while every member is there: a communicator accepted on a thread instead (``MPI_Comm_accept``)
-    holds MPICH's lock, and the holder's collectives on the job's communicator, until its peer connects."""
+    from ``communicator`` (the job's) by every member at the same point, the training thread waiting for it
+    (MembershipChanged if the epoch closes first); None on the other members. Split while every member is there: a
+    communicator accepted on a thread instead (``MPI_Comm_accept``) holds MPICH's lock, and with it the holder's
+    collectives on the job's communicator, until its peer connects."""
     holder = epoch.rank == epoch.state_holder
     takes_part = holder or epoch.is_joiner()
-    group = communicator.split(0 if takes_part else 1, 0 if holder else epoch.rank + 1, "state")
+    key = 0 if holder else epoch.rank + 1
+    splitting = in_background(lambda: communicator.split(0 if takes_part else 1, key, "state"), "bagua-ft-split")
+    why = f"epoch {epoch.number} closed while the state's communicator was being split (a member died)"
+    group = wait_unless(splitting, epoch.closed, why)  # MPI_Comm_split never returns once a member died
     if takes_part:
         return group
     group.close()

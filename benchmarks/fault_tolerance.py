@@ -48,6 +48,7 @@ import json
 import os
 import random
 import shlex
+import shutil
 import signal
 import statistics
 import subprocess
@@ -173,6 +174,7 @@ def jax_rank(job: dict, record: Callable[..., None]) -> None:
     """A JAX rank on the native MPI engine (:func:`rank_main`), fault-tolerant (``FaultTolerantTrainer``; a
     replacement, ``BAGUA_FT_JOIN=1``, joins the running job): the same log as a torch rank's. Its samples are a fixed
     set of windows, re-partitioned among the members at every change (``DataPosition``)."""
+    record(event="launched")
     import jax
     import optax
 
@@ -438,7 +440,13 @@ def _launched_run(args: argparse.Namespace, kill: bool) -> dict:
                     os.kill(victim, signal.SIGKILL)
                     kills.append({"pid": victim, "seconds": time.monotonic() - started, "time": time.time()})
         logs = lines(folder)
+        last = max((e["step"] for log in logs.values() for e in log if e["event"] == "step"), default=0)
+        if last < args.steps:  # the job ended early: its ranks' logs say why
+            kept = args.out / f"chaos-logs-{'chaos' if kill else 'fault-free'}-{time.strftime('%Y%m%dT%H%M%S')}"
+            shutil.copytree(folder, kept)
+            print(f"[chaos] the job ended at step {last} of {args.steps}; its ranks' logs: {kept}", file=sys.stderr)
         run = {
+            "last_step": last,
             "wall_s": time.monotonic() - started,
             "kills": kills,
             "heldout": _heldout_by_tokens(logs, args.batch, gpt_config(args.size).context),
@@ -523,6 +531,9 @@ def chaos_lines(result: dict, out: Path, every: float) -> list[str]:
     every joiner's seconds from asking to training, and the held-out loss against tokens of both runs (a table at
     the chaos run's evaluations, and a chart beside the results)."""
     lines = []
+    last, planned = result["chaos"].get("last_step"), result["fault_free"].get("last_step")
+    if last is not None and last < planned:
+        lines.append(f"**The chaos run's job ended at step {last} of {planned}.**\n")
     recoveries = [r for member in result["chaos"]["recoveries"] for r in member]
     lines.append(
         f"{len(result['chaos']['kills'])} ranks killed (SIGKILL) at random, each slot restarted by `bagua-launch "
