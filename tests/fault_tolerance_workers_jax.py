@@ -9,7 +9,8 @@ starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive) or ``st
 step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
 saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's
 state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills
-that member in its first recovery's shrink, and ``FT_COMM_TIMEOUT`` (seconds, 60 by default) bounds the
+that member in its first recovery's shrink, ``FT_KILL_IN_STATE_SPLIT`` (a rank) as the members split the state's
+communicator at an admission, and ``FT_COMM_TIMEOUT`` (seconds, 60 by default) bounds the
 communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the training's gradient allreduce
 and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and ``FT_HIDDEN`` (a width) adds an
 unused layer of that width beside the linear model: a larger step, with the same loss and zero gradients for the
@@ -236,6 +237,16 @@ def _slow_the_admitting_step(seconds: float, ft, final_size: int) -> None:
     DataParallel.step = slow
 
 
+def _die_in_the_state_split() -> None:
+    """SIGKILL this member as the members split the state's communicator at an admission (a death in it)."""
+    from bagua_jax import state_transfer
+
+    def dying(communicator, epoch):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    state_transfer.transfer_group = dying
+
+
 def _die_in_the_first_shrink() -> None:
     """SIGKILL this member inside its first shrink of the communicator (a death during a recovery)."""
     from bagua_jax.native_communicator import NativeCommunicator
@@ -288,6 +299,8 @@ def train(
 
     if os.environ.get("FT_KILL_IN_SHRINK") == os.environ["RANK"]:
         _die_in_the_first_shrink()
+    if os.environ.get("FT_KILL_IN_STATE_SPLIT") == os.environ["RANK"]:
+        _die_in_the_state_split()
     holder_dies = os.environ.get("FT_STATE_HOLDER_DIES") == "1"
     _delay_the_state(float(os.environ.get("FT_STATE_DELAY", "0")), holder_dies)
     if os.environ.get("FT_KILL_WHILE_STATE_TRAVELS"):

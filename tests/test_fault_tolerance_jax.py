@@ -934,3 +934,19 @@ def test_a_member_lost_while_a_joiner_is_late_for_its_state_costs_the_others_one
     for name, value in replay(sizes).items():
         np.testing.assert_allclose(joiner["params"][name], value, rtol=2e-5, atol=1e-6)
     assert [r["size"] for r in holder["recoveries"]] == [4, 3], holder["recoveries"]  # the admission, the death
+
+
+def test_a_member_lost_while_the_state_communicator_is_split_stops_the_others_naming_it_instead_of_hanging(
+    tmp_path: Path,
+):
+    # Three members admit a joiner weighed out of its first step; member 1 dies as they split the communicator the
+    # state travels over. MPI_Comm_split never returns then: the others give it up once the epoch closes (a
+    # heartbeat's dead_after, 1.5 s) and stop naming it, instead of waiting for good.
+    env = {"FT_KILL_IN_STATE_SPLIT": "1", "FT_COMM_TIMEOUT": "20"}
+    started = time.monotonic()
+    results = run_members(tmp_path, "train", 4, {}, 3, 4, 8, env=env, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert all(r.returncode not in (0, None) for r in results), outputs
+    for other in (results[0], results[2], results[3]):
+        assert "closed while the state's communicator was being split" in other.output, outputs
+    assert time.monotonic() - started < 60, outputs

@@ -20,11 +20,17 @@ NB_MODULE(_bagua_mpi, m) {
       nb::arg("name"), nb::arg("timeout_seconds"),
       "A communicator over MPI_COMM_WORLD (initializes MPI); returns its handle.");
 
+  // Splitting waits for every rank (for good if one died: a thread waits for it): without the GIL.
   m.def(
       "split",
       [](int64_t parent, int color, int key, const std::string& name) {
-        return CommunicatorRegistry::instance().add(
-            mpi_split(*collective_bindings::lookup(parent), color, key, name));
+        auto comm = collective_bindings::lookup(parent);
+        std::shared_ptr<Communicator> made;
+        {
+          nb::gil_scoped_release release;
+          made = mpi_split(*comm, color, key, name);
+        }
+        return CommunicatorRegistry::instance().add(std::move(made));
       },
       nb::arg("parent"), nb::arg("color"), nb::arg("key"), nb::arg("name"),
       "Split a communicator: ranks with the same color form one, ordered by key.");
