@@ -6,7 +6,8 @@ JAX step changes nothing in place, so an abandoned one costs nothing to roll bac
 revokes the communicator, the survivors shrink it to themselves in the same handle (a step whose shapes follow the world
 size was compiled ahead for it), check that their replicas are bit-identical and run the step again on the new partition
 of the samples not yet trained on; one they took for dead (stopped or cut off past ``dead_after``) joins again. A
-joiner compiles its step before it asks to be admitted and does not make its peers wait for its state: it takes its
+joiner compiles its step before it asks to be admitted and does not make its peers wait for its state
+(:mod:`bagua_jax.state_sharing`): it takes its
 first step weighed out (gradient allreduce, PowerSGD: :mod:`bagua_jax.weighed_out_step`), sits it out ((low-precision)
 decentralized: :mod:`bagua_jax.unaveraged_step`), or sits out the DiLoCo round in flight with a zero pseudo-gradient
 (INTELLECT-1's rule). Under DiLoCo each outer exchange is the transaction: the survivors train on to it and retry it
@@ -16,12 +17,10 @@ applies it. The guide, ``docs/guides/fault_tolerance.md``, has the rules of ever
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -37,19 +36,17 @@ from bagua_common.fault_tolerance import (
     MembershipChanged,
     check_digests,
 )
-from bagua_common.fault_tolerance.background import in_background, wait_unless
+from bagua_common.fault_tolerance.background import wait_unless
 from bagua_common.fault_tolerance.data_position import RECORD_KEY, recorded_position
 from bagua_common.job.checkpoint import checkpoint_to_restore
-from bagua_common.job.signature import check_same_job
-from bagua_jax import checkpoint, state_rules, state_transfer
+from bagua_jax import checkpoint, state_rules
 from bagua_jax.algorithms.decentralized import Decentralized, WithoutAveraging
-from bagua_jax.algorithms.diloco import skip_untrained
 from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralized
 from bagua_jax.epoch_communicator import fail_epoch, follow_members, join_members
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.resized_steps import ResizedSteps
-from bagua_jax.signature import job_signature
+from bagua_jax.state_sharing import StateSharing
 from bagua_jax.train_state import TrainState, is_nnx_module, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 from bagua_jax.unaveraged_step import UnaveragedStep, counted_on
@@ -58,7 +55,7 @@ from bagua_jax.weighed_out_step import WeighedOutStep, weighs_out
 __all__ = ["FaultTolerantTrainer"]
 
 
-class FaultTolerantTrainer:
+class FaultTolerantTrainer(StateSharing):
     """A native-mode :class:`DataParallel` (MPI engine) whose steps survive a lost or added member.
 
     ``membership`` is this process's :class:`~bagua_common.fault_tolerance.Membership` (its first epoch's ranks
@@ -377,74 +374,3 @@ class FaultTolerantTrainer:
         self._copies_due = ring and bool(self._sitting_out)
         exchange, resumed = HostCommunicator(self.communicator).send_recv, state_rules.ring_copies_resumed
         return state if self._copies_due else resumed(state, exchange, self.epoch.rank, self.epoch.size)
-
-    def _split_state_group(self, epoch: Epoch) -> None:  # at an admission, on every rank before it compiles anything
-        paired = epoch.joined and (self._weighed_out_step is not None or self._unaveraged_step is not None)
-        self._state_group = state_transfer.transfer_group(self.communicator, epoch) if paired else None
-
-    def _share_state(self, state: Any, epoch: Epoch) -> Any:
-        """The state's holder (:attr:`Epoch.state_holder`) gives the committed state to joiners and survivors behind,
-        having checked they train the same job (position, who sits out: through the store). Over a communicator of the
-        holder and the joiners while they take the next step weighed out (gradient allreduce, PowerSGD: the
-        algorithm's replicated state first) or sit it out (decentralized); by broadcast while the members train the
-        DiLoCo round they sit out (one fragment); else while everyone waits (Streaming DiLoCo's sit out a step)."""
-        holder, key = epoch.state_holder, epoch.prefix("transfer")
-        weighed = self._weighed_out_step is not None
-        paired = weighed or self._unaveraged_step is not None  # sent over a group while the members train
-        if self._sits_out or paired or (self._diloco is not None and self._is_transaction(state)):
-            self._sitting_out |= {member.id for rank, member in enumerate(epoch.members) if epoch.is_joiner(rank)}
-        if epoch.rank == holder:  # the algorithm's replicated state first: the record says both are there
-            if weighed:
-                epoch.store.set(f"{key}/algorithm", state_transfer.algorithm_state_bytes(self._roles, state))
-            record = {
-                "committed": self.committed,
-                "position": self.data.state(),
-                "sitting_out": sorted(self._sitting_out),
-            }
-            epoch.store.set(key, json.dumps(record))
-        host = HostCommunicator(self.communicator)
-        signature = job_signature(unwrap_state(state).params, self.trainer.algorithm)
-
-        def broadcast() -> np.ndarray:
-            check_same_job(signature, lambda x: np.asarray(host.allgather(x)))
-            return state_transfer.broadcast_state(host, state, holder)
-
-        group, self._state_group = self._state_group, None
-        if not epoch.is_joiner():
-            if group is not None:  # the holder
-                self._transfer = in_background(
-                    partial(state_transfer.transfer_in_group, group, epoch, state, signature), "bagua-ft-state"
-                )
-            elif self._sits_out:
-                self._transfer = in_background(broadcast, f"bagua-ft-transfer-{epoch.number}")
-            elif not paired:
-                broadcast()
-            return state
-        if weighed:
-            self._incoming = in_background(
-                partial(state_transfer.transfer_in_group, group, epoch, state, signature), "bagua-ft-state"
-            )
-        else:
-            sent = state_transfer.transfer_in_group(group, epoch, state, signature) if paired else broadcast()
-            received = state_transfer.state_from_bytes(sent, state)
-        raw = epoch.store.get(key, wait=self.membership.settings.quorum_timeout)
-        if raw is None:
-            raise TimeoutError(f"fault tolerance: no state record for the joiners of epoch {epoch.number}")
-        record, user_state = json.loads(raw), None if isinstance(state, TrainState) else state  # flax's comes back
-        self.committed = int(record["committed"])
-        self.data.load_state(record["position"])
-        self._sitting_out = frozenset(record["sitting_out"])
-        if weighed:  # applied once its first step commits: a change before then gives it the state again
-            algorithm = state_transfer.with_algorithm_state(epoch.store.get(f"{key}/algorithm"), self._roles, state)
-            return rewrap_state(user_state, algorithm)
-        if self._sitting_out:  # applied once its first exchange commits: a change before then gives it the state again
-            return rewrap_state(user_state, self._sit_out(received))
-        self.membership.applied(self.committed)
-        return rewrap_state(user_state, received)
-
-    def _sit_out(self, state: TrainState) -> TrainState:
-        """``state`` (just received) at the step before the exchange it joins, marked untrained, the data past it."""
-        skipped = 0 if self._is_transaction(state) else self._diloco.steps_to_exchange(int(state.step)) - 1
-        for _ in range(skipped):
-            self.data.advance(self._training_place(self.epoch)[1])
-        return state._replace(opt_state=skip_untrained(state.opt_state, skipped), step=state.step + skipped)

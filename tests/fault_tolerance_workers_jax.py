@@ -174,49 +174,43 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
     return ft, state, time.time()
 
 
-def _delay_the_state(seconds: float, then_die: bool) -> None:
-    """Make the state's holder start sending it to a joiner ``seconds`` late (a slow link); ``then_die``: the first
-    holder is SIGKILLed instead of sending it (the joiner is waiting for it)."""
-    if not seconds:
+def _hold_up_the_state(holder_seconds: float, holder_dies: bool, joiner_seconds: float) -> None:
+    """Make the state's holder start sending it to a joiner ``holder_seconds`` late (a slow link; ``holder_dies``: the
+    first holder is SIGKILLed instead of sending it, the joiner waiting for it), and the first joiner start its side
+    ``joiner_seconds`` late."""
+    if not (holder_seconds or joiner_seconds):
         return
     from bagua_jax import state_transfer
 
     transfer = state_transfer.transfer_in_group
 
     def late(group, epoch, *args):
-        if epoch.rank == epoch.state_holder:
-            time.sleep(seconds)
-            if then_die and not os.path.exists(_signal("holder-died")):
+        if holder_seconds and epoch.rank == epoch.state_holder:
+            time.sleep(holder_seconds)
+            if holder_dies and not os.path.exists(_signal("holder-died")):
                 _touch("holder-died")
                 os.kill(os.getpid(), signal.SIGKILL)
-        return transfer(group, epoch, *args)
-
-    state_transfer.transfer_in_group = late
-
-
-def _kill_while_the_state_travels(victim: int, seconds: float) -> None:
-    """Make the joiner start its side of the state's transfer ``seconds`` late, and member ``victim`` SIGKILL itself
-    meanwhile (a death while the holder waits for the joiner on their pair)."""
-    from bagua_jax import state_transfer
-
-    transfer = state_transfer.transfer_in_group
-
-    def late(group, epoch, *args):
-        if epoch.is_joiner() and not os.path.exists(_signal("receiver-late")):
+        if joiner_seconds and epoch.is_joiner() and not os.path.exists(_signal("receiver-late")):
             _touch("receiver-late")
-            time.sleep(seconds)
+            time.sleep(joiner_seconds)
         return transfer(group, epoch, *args)
 
     state_transfer.transfer_in_group = late
-    if int(os.environ["RANK"]) == victim:
 
-        def die_then() -> None:
-            _wait_for("receiver-late", timeout=600)
-            time.sleep(0.2)
-            _touch("victim-died")
-            os.kill(os.getpid(), signal.SIGKILL)
 
-        threading.Thread(target=die_then, daemon=True).start()
+def _die_while_a_joiner_is_late(victim: int) -> None:
+    """Make member ``victim`` SIGKILL itself while the first joiner is late for its state (:func:`_hold_up_the_state`):
+    a death while the holder waits for the joiner on their group."""
+    if int(os.environ["RANK"]) != victim:
+        return
+
+    def die_then() -> None:
+        _wait_for("receiver-late", timeout=600)
+        time.sleep(0.2)
+        _touch("victim-died")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=die_then, daemon=True).start()
 
 
 def _slow_the_admitting_step(seconds: float, ft, final_size: int) -> None:
@@ -302,10 +296,11 @@ def train(
     if os.environ.get("FT_KILL_IN_STATE_SPLIT") == os.environ["RANK"]:
         _die_in_the_state_split()
     holder_dies = os.environ.get("FT_STATE_HOLDER_DIES") == "1"
-    _delay_the_state(float(os.environ.get("FT_STATE_DELAY", "0")), holder_dies)
-    if os.environ.get("FT_KILL_WHILE_STATE_TRAVELS"):
-        _kill_while_the_state_travels(int(os.environ["FT_KILL_WHILE_STATE_TRAVELS"]), 1.5)
-    death_in_admission = holder_dies or bool(os.environ.get("FT_KILL_WHILE_STATE_TRAVELS"))
+    victim_while_late = os.environ.get("FT_KILL_WHILE_STATE_TRAVELS")
+    _hold_up_the_state(float(os.environ.get("FT_STATE_DELAY", "0")), holder_dies, 1.5 if victim_while_late else 0.0)
+    if victim_while_late:
+        _die_while_a_joiner_is_late(int(victim_while_late))
+    death_in_admission = holder_dies or bool(victim_while_late)
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     if os.environ.get("FT_HIDDEN"):
