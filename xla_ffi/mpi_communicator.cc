@@ -25,6 +25,19 @@ namespace {
 // MPI_Comm_create_group's tag for a shrink to the survivors.
 constexpr int kShrinkTag = 4242;
 
+// MPICH's ofi netmod retries a send its provider cannot issue (-FI_EAGAIN) forever, and the TCP
+// provider answers a send to a peer that died with exactly that while it reconnects, refused each
+// time: the call never returns, so a revoke never reaches it, and the survivors wait for this rank
+// in their shrink. With the "eagain" hint the retries stop after MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY
+// (bagua_common.comm.mpi_rendezvous sets it) and the call fails with MPIX_ERR_EAGAIN.
+void give_up_retrying_a_dead_peer(MPI_Comm comm) {
+  MPI_Info info;
+  MPI_Info_create(&info);
+  MPI_Info_set(info, "eagain", "true");
+  MPI_Comm_set_info(comm, info);
+  MPI_Info_free(&info);
+}
+
 class MpiCommunicator final : public Communicator {
  public:
   // `abandonable`: the communicator belongs to a membership that may change, so an operation may be
@@ -37,6 +50,7 @@ class MpiCommunicator final : public Communicator {
         ring_min_bytes_(ring_min_bytes),
         abandonable_(abandonable) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
+    if (abandonable_) give_up_retrying_a_dead_peer(comm_);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     spans_nodes_ = ranks_span_nodes(comm_, size_);

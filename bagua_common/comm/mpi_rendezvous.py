@@ -28,8 +28,14 @@ from typing import Protocol
 
 __all__ = ["PORT_ENVIRONMENT", "PROCESS_MANAGER_VARIABLES", "KeyValueStore", "assemble", "prepare_rank", "shrink"]
 
-PORT_ENVIRONMENT = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
-"""MPICH settings under which ``MPI_Open_port`` works (read when MPI starts)."""
+PORT_ENVIRONMENT = {
+    "MPIR_CVAR_CH4_NETMOD": "ofi",
+    "FI_PROVIDER": "tcp",
+    "MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY": "100000",
+}
+"""MPICH settings (read when MPI starts) under which ``MPI_Open_port`` works, and a send to a peer that died gives up
+instead of retrying the refused connection forever (on the engine's communicators of a membership that may change:
+``xla_ffi/mpi_communicator.cc``)."""
 
 
 class KeyValueStore(Protocol):
