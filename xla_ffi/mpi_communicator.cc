@@ -29,11 +29,13 @@ constexpr int kShrinkTag = 4242;
 // provider answers a send to a peer that died with exactly that while it reconnects, refused each
 // time: the call never returns, so a revoke never reaches it, and the survivors wait for this rank
 // in their shrink. With the "eagain" hint the retries stop after MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY
-// (bagua_common.comm.mpi_rendezvous sets it) and the call fails with MPIX_ERR_EAGAIN.
-void give_up_retrying_a_dead_peer(MPI_Comm comm) {
+// (bagua_common.comm.mpi_rendezvous sets it) and the call fails with MPIX_ERR_EAGAIN; inside one of
+// MPICH's own collectives it aborts the process instead (ofi_send.h asserts): a death the others
+// recover from, except while they build a communicator with this rank, so those builds clear it.
+void give_up_on_a_dead_peer(MPI_Comm comm, bool give_up) {
   MPI_Info info;
   MPI_Info_create(&info);
-  MPI_Info_set(info, "eagain", "true");
+  MPI_Info_set(info, "eagain", give_up ? "true" : "false");
   MPI_Comm_set_info(comm, info);
   MPI_Info_free(&info);
 }
@@ -50,7 +52,7 @@ class MpiCommunicator final : public Communicator {
         ring_min_bytes_(ring_min_bytes),
         abandonable_(abandonable) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-    if (abandonable_) give_up_retrying_a_dead_peer(comm_);
+    if (abandonable_) give_up_on_a_dead_peer(comm_, true);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     spans_nodes_ = ranks_span_nodes(comm_, size_);
@@ -66,6 +68,7 @@ class MpiCommunicator final : public Communicator {
   const std::string& name() const override { return name_; }
   MPI_Comm comm() const { return comm_; }
   double timeout() const { return timeout_; }
+  bool abandonable() const { return abandonable_; }
   bool spans_nodes() const { return spans_nodes_; }
   int64_t ring_min_bytes() const { return ring_min_bytes_; }
   void set_ring_min_bytes(int64_t bytes) {
@@ -495,7 +498,9 @@ std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key
                                         const std::string& name) {
   const MpiCommunicator& mpi_parent = as_mpi(parent, "mpi_split");
   MPI_Comm comm;
+  if (mpi_parent.abandonable()) give_up_on_a_dead_peer(mpi_parent.comm(), false);
   const int rc = MPI_Comm_split(mpi_parent.comm(), color, key, &comm);
+  if (mpi_parent.abandonable()) give_up_on_a_dead_peer(mpi_parent.comm(), true);
   if (rc != MPI_SUCCESS) throw std::runtime_error("MPI_Comm_split failed: " + mpi_error(rc));
   return std::make_shared<MpiCommunicator>(comm, name, mpi_parent.timeout(),
                                            mpi_parent.ring_min_bytes());
@@ -561,6 +566,7 @@ std::shared_ptr<Communicator> mpi_shrink(Communicator& parent, const std::vector
     throw std::invalid_argument(what + ": this rank (" + std::to_string(mpi_parent.rank()) +
                                 ") is not among the members");
   const MPI_Comm old = mpi_parent.comm();
+  give_up_on_a_dead_peer(old, false);  // unusable afterwards either way
   MPI_Comm comm = within_deadline(what, mpi_parent.timeout(), [old, members] {
     MPI_Group all, kept;
     MPI_Comm_group(old, &all);
@@ -596,6 +602,7 @@ std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string&
   const MpiCommunicator& mpi_group = as_mpi(group, "mpi_accept");
   const MPI_Comm local = mpi_group.comm();
   const double timeout = mpi_group.timeout();
+  give_up_on_a_dead_peer(local, false);  // replaced by the merged communicator
   const std::string what = "MPI accept into '" + name + "'";
   MPI_Comm comm = within_deadline(what, timeout + 1, [local, port, timeout, what] {
     TimeoutInfo info(timeout);
