@@ -24,7 +24,13 @@ __all__ = ["communication_failure", "fail_epoch", "follow_members", "join_member
 
 # Errors of the native engines that mean "the communicator cannot finish this collective": the step is retried
 # in the next epoch. Anything else is the program's own error and is raised.
-_COMMUNICATION_FAILURES = ("was revoked", "did not complete within", "unusable after an earlier failure")
+_COMMUNICATION_FAILURES = (
+    "was revoked",
+    "did not complete within",
+    "unusable after an earlier failure",
+    "closed its connection",  # the TCP engine's: a peer died, or its own collective failed
+    "the connection to rank",
+)
 
 
 def communication_failure(error: Exception) -> bool:

@@ -5,14 +5,14 @@ protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agre
 JAX step changes nothing in place, so an abandoned one costs nothing to roll back. When a member dies or hangs, a thread
 revokes the communicator, the survivors shrink it to themselves in the same handle (a step whose shapes follow the world
 size was compiled ahead for it), check that their replicas are bit-identical and run the step again on the new partition
-of the samples not yet trained on; one they took for dead (stopped or cut off past ``dead_after``) joins again. A
-joiner compiles its step before it asks to be admitted and does not make its peers wait for its state
-(:mod:`bagua_jax.state_sharing`): it takes its
-first step weighed out (gradient allreduce, PowerSGD: :mod:`bagua_jax.weighed_out_step`), sits it out ((low-precision)
-decentralized: :mod:`bagua_jax.unaveraged_step`), or sits out the DiLoCo round in flight with a zero pseudo-gradient
-(INTELLECT-1's rule). Under DiLoCo each outer exchange is the transaction: the survivors train on to it and retry it
-among themselves, losing no inner step; one overlapping the next steps (Streaming DiLoCo) commits with the step that
-applies it. The guide, ``docs/guides/fault_tolerance.md``, has the rules of every algorithm's state."""
+of the samples not yet trained on; one they took for dead (stopped or cut off past ``dead_after``) joins again. A joiner
+compiles its step before it asks to be admitted and does not make its peers wait for its state
+(:mod:`bagua_jax.state_sharing`): it takes its first step weighed out (gradient allreduce, PowerSGD:
+:mod:`bagua_jax.weighed_out_step`), sits it out ((low-precision) decentralized: :mod:`bagua_jax.unaveraged_step`), or
+sits out the DiLoCo round in flight with a zero pseudo-gradient (INTELLECT-1's rule). Under DiLoCo each outer exchange
+is the transaction: the survivors train on to it and retry it among themselves, losing no inner step; one overlapping
+the next steps (Streaming DiLoCo) commits with the step that applies it. The guide, ``docs/guides/fault_tolerance.md``,
+has the rules of every algorithm's state."""
 
 from __future__ import annotations
 
@@ -104,8 +104,11 @@ class FaultTolerantTrainer(StateSharing):
     ) -> None:
         """What does not depend on the members: the trainer, the data, the algorithm's rules."""
         communicator = trainer.communicator
-        if not isinstance(communicator, NativeCommunicator) or communicator.kind != "mpi":
-            raise ValueError("FaultTolerantTrainer needs a DataParallel over the native MPI engine (communicator=)")
+        if not isinstance(communicator, NativeCommunicator) or communicator.kind not in ("tcp", "mpi"):
+            raise ValueError(
+                "FaultTolerantTrainer needs a DataParallel over a native host engine (communicator=: "
+                "NativeCommunicator.tcp_through_store or mpi_through_store)"
+            )
         self.trainer, self.data, self.communicator = trainer, data, communicator
         self.hash_every = settings.hash_every if hash_every is None else int(hash_every)
         # Averages laid out alike for every size (gradient allreduce, PowerSGD, DiLoCo's float32) run as compiled.
@@ -219,18 +222,19 @@ class FaultTolerantTrainer(StateSharing):
             sat_out = unaveraged and epoch.members[epoch.rank].id in self._sitting_out  # a joiner: the members train
             batch = batch_of(self.data.indices(place, trainers))
             weighed = self._weighed_out_step is not None and bool(self._sitting_out)
+            joiners_in_this_step = weighed or unaveraged  # they take it while their state travels
             try:
                 if epoch.closed.is_set() and (exchange or epoch.ended.is_set()):
                     raise MembershipChanged(f"epoch {epoch.number} closed")
                 if self._copies_due and not self._sitting_out:  # the joiners have weights now: restart the copies
                     state = self._resumed(self._carry_over(state, recompile=False))
-                if exchange and self._transfer is not None and (self._sits_out or not (weighed or unaveraged)):
+                if exchange and self._transfer is not None and (self._sits_out or not joiners_in_this_step):
                     transfer, self._transfer = self._transfer, None  # the receivers have it before the exchange
                     wait_unless(transfer, epoch.closed, f"epoch {epoch.number} closed while the state was on its way")
                 if sat_out:  # it votes for the step the members train, its state one step on (unaveraged_step)
                     new_state, result = counted_on(state), None
                 elif weighed:  # the joiners send zeros, the average divides by the members; every rank runs the two
-                    self.communicator.set_mpi_average_divisor(trainers)  # halves: the joiners' update is the members'
+                    self.communicator.set_average_divisor(trainers)  # halves: the joiners' update is the members'
                     new_state, result = self._weighed_out_step.step(state, batch, self._incoming, epoch)
                 else:
                     new_state, result = (self._unaveraged_step if unaveraged else self.trainer).step(state, batch)
@@ -241,7 +245,7 @@ class FaultTolerantTrainer(StateSharing):
                 if self._resized is not None and not sat_out:  # and for the world sizes one change brings
                     self._resized.compile_in_background(state, batch, self._roles)
                 if weighed:
-                    self.communicator.set_mpi_average_divisor(None)
+                    self.communicator.set_average_divisor(None)
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
                 fail_epoch(self.membership, epoch, error)
                 failed_at = time.monotonic() if failed_at is None else failed_at
@@ -344,7 +348,7 @@ class FaultTolerantTrainer(StateSharing):
         self._split_state_group(new)
         # Its step abandoned, the divisor goes back to the size; only now, once the new members' communicator
         # dropped the failed calls' ordering tokens: before, the divisor's wait for those calls raised their error.
-        self.communicator.set_mpi_average_divisor(None)
+        self.communicator.set_average_divisor(None)
         self.communicator.revoke_when(new.closed, f"the job's membership changed (epoch {new.number} closed)")
         state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
         self._sitting_out &= {member.id for member in new.members}

@@ -1,9 +1,9 @@
-"""The MPI engine's collectives on host buffers, callable from any thread, outside ``jax.jit``.
+"""A host engine's (MPI, TCP) collectives on host buffers, callable from any thread, outside ``jax.jit``.
 
 A :class:`~bagua_jax.NativeCommunicator`'s methods bind primitives with JAX's ordered effect, so
 JAX threads one token through every computation that uses them: a collective issued from a
 background thread would wait for the training step in flight, and the step for it. The engine's
-DLPack bindings take NumPy buffers instead, release the GIL and wait on MPI alone, which is what a
+DLPack bindings take NumPy buffers instead, release the GIL and wait on the engine alone, which is what a
 thread that communicates while the training loop runs needs. Results come back as JAX arrays
 (host memory; placed, which compiles nothing), so the front end's kernels and casts apply to them unchanged.
 """
@@ -30,10 +30,10 @@ def _bytes(x: np.ndarray) -> np.ndarray:
 
 
 class HostCommunicator:
-    """``comm``'s MPI engine on host buffers, for a background thread: the collectives an outer exchange needs, and
+    """``comm``'s host engine on host buffers, for a background thread: the collectives an outer exchange needs, and
     the broadcast a fault-tolerant job's state travels by.
 
-    MPI needs one communicator's collectives in the same order on every rank, and a thread's calls
+    The engines need one communicator's collectives in the same order on every rank, and a thread's calls
     interleave with the training loop's differently on each rank: give it a communicator nothing
     else uses meanwhile (e.g. a split of the world made for the thread), or call it while the loop
     makes no collective on ``comm`` (a fault-tolerant job's state transfer runs during a DiLoCo
@@ -43,8 +43,8 @@ class HostCommunicator:
 
     def __init__(self, comm: NativeCommunicator) -> None:
         comm = innermost(comm)  # a wrapper's (e.g. a CountingCommunicator's) engine: host calls are not traced
-        if not isinstance(comm, NativeCommunicator) or comm.kind != "mpi":
-            raise ValueError(f"a host communicator needs a NativeCommunicator over MPI, got {comm!r}")
+        if not isinstance(comm, NativeCommunicator) or not comm.on_host:
+            raise ValueError(f"a host communicator needs a host engine's NativeCommunicator (MPI, TCP), got {comm!r}")
         self._engine, self._handle = comm.engine, comm.handle
         self.size = comm.size
 

@@ -41,10 +41,11 @@ for _kind in (
 _SHAPE_ONLY = ("size", "out_size", "shape", "dtype")
 
 
-def _lowering(target: str) -> Callable:
-    ffi_rule = jax.ffi.ffi_lowering(target, has_side_effect=True)
+def _lowering(name: str) -> Callable:
+    """The lowering of ``name`` to the FFI target ``bagua_<engine>_<name>`` of the communicator's engine."""
 
-    def rule(ctx: mlir.LoweringRuleContext, *operands, **params):
+    def rule(ctx: mlir.LoweringRuleContext, *operands, engine: str, **params):
+        ffi_rule = jax.ffi.ffi_lowering(f"bagua_{engine}_{name}", has_side_effect=True)
         token = ctx.tokens_in.get(collective_effect)
         with_token = ctx.replace(
             avals_in=[*ctx.avals_in, core.abstract_token],
@@ -69,7 +70,7 @@ def _collective(name: str, output: Callable[..., core.ShapedArray] | None) -> Pr
         return ([] if output is None else output(*avals, **params)), {collective_effect}
 
     primitive.def_effectful_abstract_eval(abstract_eval)
-    mlir.register_lowering(primitive, _lowering(f"bagua_{name}"))
+    mlir.register_lowering(primitive, _lowering(name))
     return primitive
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import secrets
 import threading
 import weakref
 from collections.abc import Sequence
@@ -12,8 +13,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bagua_common.comm import mpi_rendezvous
-from bagua_common.comm.engines import MpiSettings, mpi_ring_min_bytes
+from bagua_common.comm import mpi_rendezvous, tcp_rendezvous
+from bagua_common.comm.engines import HOST_ENGINES, MpiSettings, mpi_ring_min_bytes
 from bagua_common.comm.timeout import timeout_seconds
 from bagua_jax import native_collectives as nc
 from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
@@ -100,6 +101,39 @@ class NativeCommunicator(MpiSettings):
         mpi, timeout = engine("mpi"), timeout_seconds(timeout)
         return cls(mpi_rendezvous.assemble(mpi, store, prefix, rank, size, None, 0, "world", timeout), "mpi")
 
+    @classmethod
+    def tcp_through_store(
+        cls,
+        store: mpi_rendezvous.KeyValueStore,
+        prefix: str,
+        rank: int,
+        size: int,
+        host: str,
+        timeout: float | None = None,
+    ) -> NativeCommunicator:
+        """A world of ``size`` ranks over the TCP engine, for CPU arrays, built through ``store`` (under the unused
+        key ``prefix``; only the job's processes may write it): each rank listens on ``host``, the address the job
+        uses, and connects to every other. No MPI: a rank that dies fails the others' operation in flight at once,
+        and they can :meth:`shrink` to the survivors (see :mod:`bagua_common.comm.tcp_rendezvous`). Every rank calls
+        it with its rank and the same ``prefix`` and ``size``."""
+        tcp, timeout = engine("tcp"), timeout_seconds(timeout)
+        address = tcp.listen(host)
+        return cls(tcp_rendezvous.assemble(tcp, store, prefix, rank, size, address, None, 0, "world", timeout), "tcp")
+
+    @classmethod
+    def tcp_self(cls, host: str, timeout: float | None = None) -> NativeCommunicator:
+        """This process alone over the TCP engine, listening on ``host``: a fault-tolerant joiner's communicator
+        until :meth:`join` puts the job's in its slot."""
+        tcp = engine("tcp")
+        handle = tcp.build(secrets.token_hex(16), 0, [tcp.listen(host)], "world", timeout_seconds(timeout))
+        return cls(handle, "tcp")
+
+    @property
+    def on_host(self) -> bool:
+        """Whether the engine communicates host buffers (MPI, TCP), which its DLPack bindings take from any thread
+        (:class:`~bagua_jax.host_communicator.HostCommunicator`), and whose averages take a divisor at run time."""
+        return self.kind in HOST_ENGINES
+
     def revoke(self, reason: str) -> None:
         """Make the collective in flight on this communicator (blocked in a compiled step, say) and every later one
         fail at once with an error naming ``reason``: call it from another thread when the job's membership
@@ -118,15 +152,32 @@ class NativeCommunicator(MpiSettings):
             raise ValueError(f"shrink: members must be ascending ranks of this {self.size}-rank communicator")
         if self.kind == "mpi":
             shrunk = mpi_rendezvous.shrink(self.engine, self.handle, members, "world")
+        elif self.kind == "tcp":
+            shrunk = self.engine.shrink(self.handle, members, "world")
         else:
             shrunk = self.engine.shrink(self.handle, sorted(set(range(self.size)) - set(members)), "world")
         self._install(shrunk)
 
     def grow(self, store: mpi_rendezvous.KeyValueStore, prefix: str, size: int, timeout: float | None = None) -> None:
-        """Admit ``size - self.size`` newcomers (MPI), which call :meth:`mpi_join` with the same ``prefix`` and
-        ``size``; they become the last ranks. Every rank of this communicator calls it."""
+        """Admit ``size - self.size`` newcomers (MPI, TCP), which call :meth:`join` (or :meth:`mpi_join`) with the
+        same ``prefix`` and ``size``; they become the last ranks. Every rank of this communicator calls it."""
+        if self.kind == "tcp":
+            grown = tcp_rendezvous.assemble(
+                self.engine,
+                store,
+                prefix,
+                self._rank,
+                size,
+                None,
+                self.handle_copy(),
+                self.size,
+                "world",
+                timeout_seconds(timeout),
+            )
+            self._install(grown)
+            return
         if self.kind != "mpi":
-            raise ValueError("grow: only the MPI engine admits newcomers in place (NCCL: build a new communicator)")
+            raise ValueError("grow: only the host engines admit newcomers in place (NCCL: build a new communicator)")
         grown = mpi_rendezvous.assemble(
             self.engine,
             store,
@@ -162,8 +213,16 @@ class NativeCommunicator(MpiSettings):
         """Take place ``rank`` in the communicator of ``size`` ranks whose members call :meth:`grow` with ``prefix``,
         in this communicator's slot (one of :meth:`mpi_self`): what :meth:`mpi_join` builds, without compiling
         the steps again wherever their shapes do not depend on ``size``."""
+        if self.kind == "tcp":
+            address = self.engine.addresses(self.handle)[0]
+            self._install(
+                tcp_rendezvous.assemble(
+                    self.engine, store, prefix, rank, size, address, None, rank, "world", timeout_seconds(timeout)
+                )
+            )
+            return
         if self.kind != "mpi":
-            raise ValueError("join: only the MPI engine admits newcomers in place (NCCL: build a new communicator)")
+            raise ValueError("join: only the host engines admit newcomers in place (NCCL: build a new communicator)")
         self._install(_newcomer(store, prefix, rank, size, timeout))
 
     def revoke_when(self, event: threading.Event, reason: str) -> None:
@@ -238,16 +297,16 @@ class NativeCommunicator(MpiSettings):
         jax.effects_barrier()
         self.engine.set_ring_min_bytes(self.handle, value)
 
-    def set_mpi_average_divisor(self, ranks: int | None) -> None:
+    def set_average_divisor(self, ranks: int | None) -> None:
         """Make ``"avg"`` reductions divide by ``ranks`` instead of the size (None: the size again), for the
         collectives dispatched after this call (those already dispatched first complete, as for
         :meth:`set_mpi_ring_min_bytes`). Run-time state: recompiles nothing. A fault-tolerant job's joiner sends zeros
         in the step it takes weighed out, and every rank divides by the members that trained it. Every rank must set
         the same value at the same point."""
-        if self.kind != "mpi":
-            raise ValueError("set_mpi_average_divisor: only the MPI engine's averages take a divisor")
+        if not self.on_host:
+            raise ValueError("set_average_divisor: only the host engines' (MPI, TCP) averages take a divisor")
         if ranks is not None and not 1 <= ranks <= self.size:
-            raise ValueError(f"set_mpi_average_divisor: ranks must be 1..{self.size} (the size) or None, got {ranks}")
+            raise ValueError(f"set_average_divisor: ranks must be 1..{self.size} (the size) or None, got {ranks}")
         jax.effects_barrier()
         self.engine.set_average_divisor(self.handle, 0 if ranks is None else int(ranks))
 
@@ -258,7 +317,7 @@ class NativeCommunicator(MpiSettings):
 
     def rank(self) -> jax.Array:
         """This rank's index as an int32 scalar, read at run time from the communicator the handle holds."""
-        return nc.rank_p.bind(comm=self.handle)
+        return nc.rank_p.bind(comm=self.handle, engine=self.kind)
 
     def _op(self, op: ReduceOp) -> int:
         if op not in REDUCE_OPS:
@@ -279,46 +338,50 @@ class NativeCommunicator(MpiSettings):
     def allreduce(self, x: jax.Array, op: ReduceOp = "sum") -> jax.Array:
         """Reduce ``x`` over all ranks; every rank gets the result."""
         x = jnp.asarray(x)
-        return nc.allreduce_p.bind(x.ravel(), comm=self.handle, op=self._op(op)).reshape(x.shape)
+        return nc.allreduce_p.bind(x.ravel(), comm=self.handle, engine=self.kind, op=self._op(op)).reshape(x.shape)
 
     def reduce(self, x: jax.Array, root: int, op: ReduceOp = "sum") -> jax.Array:
         """Reduce ``x`` over all ranks onto ``root``; other ranks get zeros."""
         x = jnp.asarray(x)
-        flat = nc.reduce_p.bind(x.ravel(), comm=self.handle, op=self._op(op), root=self._root(root))
+        flat = nc.reduce_p.bind(x.ravel(), comm=self.handle, engine=self.kind, op=self._op(op), root=self._root(root))
         return flat.reshape(x.shape)
 
     def broadcast(self, x: jax.Array, root: int) -> jax.Array:
         """Every rank gets ``root``'s ``x``."""
         x = jnp.asarray(x)
-        return nc.broadcast_p.bind(x.ravel(), comm=self.handle, root=self._root(root)).reshape(x.shape)
+        return nc.broadcast_p.bind(x.ravel(), comm=self.handle, engine=self.kind, root=self._root(root)).reshape(
+            x.shape
+        )
 
     def reduce_scatter(self, x: jax.Array, op: ReduceOp = "sum") -> jax.Array:
         """``x`` is ``[size, *s]``; rank r gets row r reduced over ranks."""
         x = self._rows(x, "reduce_scatter")
-        flat = nc.reduce_scatter_p.bind(x.ravel(), comm=self.handle, op=self._op(op), size=self.size)
+        flat = nc.reduce_scatter_p.bind(x.ravel(), comm=self.handle, engine=self.kind, op=self._op(op), size=self.size)
         return flat.reshape(x.shape[1:])
 
     def allgather(self, x: jax.Array) -> jax.Array:
         """Every rank gets ``[size, *x.shape]``: row j is rank j's ``x``."""
         x = jnp.asarray(x)
-        return nc.allgather_p.bind(x.ravel(), comm=self.handle, size=self.size).reshape(self.size, *x.shape)
+        return nc.allgather_p.bind(x.ravel(), comm=self.handle, engine=self.kind, size=self.size).reshape(
+            self.size, *x.shape
+        )
 
     def gather(self, x: jax.Array, root: int) -> jax.Array:
         """``root`` gets ``[size, *x.shape]``; other ranks get zeros."""
         x = jnp.asarray(x)
-        flat = nc.gather_p.bind(x.ravel(), comm=self.handle, root=self._root(root), size=self.size)
+        flat = nc.gather_p.bind(x.ravel(), comm=self.handle, engine=self.kind, root=self._root(root), size=self.size)
         return flat.reshape(self.size, *x.shape)
 
     def scatter(self, x: jax.Array, root: int) -> jax.Array:
         """``x`` is ``[size, *s]`` (read on ``root``); rank r gets ``root``'s row r."""
         x = self._rows(x, "scatter")
-        flat = nc.scatter_p.bind(x.ravel(), comm=self.handle, root=self._root(root), size=self.size)
+        flat = nc.scatter_p.bind(x.ravel(), comm=self.handle, engine=self.kind, root=self._root(root), size=self.size)
         return flat.reshape(x.shape[1:])
 
     def alltoall(self, x: jax.Array) -> jax.Array:
         """``x`` is ``[size, *s]``; row j goes to rank j, row j of the result came from rank j."""
         x = self._rows(x, "alltoall")
-        return nc.alltoall_p.bind(x.ravel(), comm=self.handle).reshape(x.shape)
+        return nc.alltoall_p.bind(x.ravel(), comm=self.handle, engine=self.kind).reshape(x.shape)
 
     def alltoall_v(self, x: jax.Array, send_counts: jax.Array, recv_counts: jax.Array, out_size: int) -> jax.Array:
         """Variable all-to-all of 1-D ``x`` with run-time int32 counts (see the protocol)."""
@@ -329,13 +392,13 @@ class NativeCommunicator(MpiSettings):
         for c in counts:
             if c.size != self.size:
                 raise ValueError(f"alltoall_v counts need {self.size} entries, got {c.size}")
-        return nc.alltoall_v_p.bind(x, *counts, comm=self.handle, out_size=int(out_size))
+        return nc.alltoall_v_p.bind(x, *counts, comm=self.handle, engine=self.kind, out_size=int(out_size))
 
     def send_recv(self, x: jax.Array, peers: jax.Array) -> jax.Array:
         """Send ``x`` to each rank in ``peers`` (run-time int32) and receive one ``x`` from each."""
         x = jnp.asarray(x)
         peers = jnp.asarray(peers, jnp.int32).reshape(-1)
-        flat = nc.send_recv_p.bind(x.ravel(), peers, comm=self.handle)
+        flat = nc.send_recv_p.bind(x.ravel(), peers, comm=self.handle, engine=self.kind)
         return flat.reshape(peers.shape[0], *x.shape)
 
     def send_recv_scheduled(self, x: jax.Array, schedule: np.ndarray, round_index: jax.Array) -> jax.Array:
@@ -350,16 +413,16 @@ class NativeCommunicator(MpiSettings):
         Point-to-point calls are ordered with the collectives, so two ranks that send and
         receive in opposite orders still meet.
         """
-        nc.send_p.bind(jnp.asarray(x), jnp.asarray(peer, jnp.int32).reshape(1), comm=self.handle)
+        nc.send_p.bind(jnp.asarray(x), jnp.asarray(peer, jnp.int32).reshape(1), comm=self.handle, engine=self.kind)
 
     def recv(self, shape: tuple[int, ...], dtype: jnp.dtype, peer: jax.Array | int) -> jax.Array:
         """Receive an array of ``shape`` and ``dtype`` sent by rank ``peer``."""
         peer = jnp.asarray(peer, jnp.int32).reshape(1)
-        return nc.recv_p.bind(peer, comm=self.handle, shape=tuple(shape), dtype=jnp.dtype(dtype))
+        return nc.recv_p.bind(peer, comm=self.handle, engine=self.kind, shape=tuple(shape), dtype=jnp.dtype(dtype))
 
     def barrier(self, x: jax.Array) -> jax.Array:
         """Return ``x`` once every rank has reached this point."""
-        nc.barrier_p.bind(comm=self.handle)
+        nc.barrier_p.bind(comm=self.handle, engine=self.kind)
         return x
 
 

@@ -4,7 +4,7 @@ of one.
 A joiner takes its first step while its state still travels: the members train the step on their samples, the
 joiner sends zeros in the step's messages (gradient allreduce's buckets with the loss and aux riding in them;
 PowerSGD's factors, linear in the gradients), and every rank's engine divides each average by the members that trained
-(:meth:`~bagua_jax.NativeCommunicator.set_mpi_average_divisor`): the step's average is the members' alone. The joiner
+(:meth:`~bagua_jax.NativeCommunicator.set_average_divisor`): the step's average is the members' alone. The joiner
 needs only the algorithm's replicated state to take part (PowerSGD's step count, which decides whether the step is
 compressed, and ``Q``: a few kB the state's holder sends first). It keeps the averaged gradients and the algorithm's new
 state, and once the rest of the state arrived it applies them with the optimizer; its per-rank leaves (PowerSGD's
@@ -42,8 +42,8 @@ __all__ = ["WeighedOutStep", "weighs_out"]
 
 def weighs_out(trainer: DataParallel) -> bool:
     """Whether a joiner of ``trainer``'s job can take its first step weighed out: a step whose collectives are
-    full-precision averages over the world (gradient allreduce averaging flat, PowerSGD) over the native MPI engine,
-    whose averages take a divisor at run time."""
+    full-precision averages over the world (gradient allreduce averaging flat, PowerSGD) over a native host engine (MPI,
+    TCP), whose averages take a divisor at run time."""
     config = trainer.algorithm.config
     communicator = trainer.communicator
     return (
@@ -51,7 +51,7 @@ def weighs_out(trainer: DataParallel) -> bool:
         and getattr(config, "average", True)
         and not getattr(config, "hierarchical", False)
         and communicator is not None
-        and communicator.kind == "mpi"
+        and communicator.on_host
     )
 
 
@@ -64,7 +64,7 @@ class WeighedOutStep:
         if not weighs_out(trainer):
             raise ValueError(
                 "WeighedOutStep: only a step of full-precision averages (gradient allreduce averaging flat, PowerSGD) "
-                "over the MPI engine weighs out"
+                "over a host engine (MPI, TCP) weighs out"
             )
         self._trainer = trainer
         self._transform = trainer.algorithm.transform(trainer._comms)

@@ -2,9 +2,9 @@
 
 Four studies, torch over gloo, plain processes on this machine or, with ``--rate`` (overhead, chaos, spread), one
 network namespace per rank on links of that rate (``harness.links``, root only; under chaos, each namespace is a
-node with its own launcher). ``--front-end jax`` runs the chaos and spread studies with JAX ranks on the native MPI
-engine instead, under ``bagua-launch --fault-tolerant --mpi`` (``benchmarks/fault_tolerance_jax.py`` has JAX's other
-studies):
+node with its own launcher). ``--front-end jax`` runs the chaos and spread studies with JAX ranks on a native host
+engine instead (``--engine``: TCP, or MPI under ``bagua-launch --fault-tolerant --mpi``;
+``benchmarks/fault_tolerance_jax.py`` has JAX's other studies):
 
 * ``overhead``: the same job with fault tolerance off (``init_process_group()``) and on
   (``init_process_group(fault_tolerance=True)``: a vote per step in the coordinator's store,
@@ -171,14 +171,16 @@ def torch_rank(job: dict, record: Callable[..., None]) -> None:
 
 
 def jax_rank(job: dict, record: Callable[..., None]) -> None:
-    """A JAX rank on the native MPI engine (:func:`rank_main`), fault-tolerant (``FaultTolerantTrainer``; a
-    replacement, ``BAGUA_FT_JOIN=1``, joins the running job): the same log as a torch rank's. Its samples are a fixed
+    """A JAX rank on a native host engine (:func:`rank_main`, the job's ``engine``), fault-tolerant
+    (``FaultTolerantTrainer``; a replacement, ``BAGUA_FT_JOIN=1``, joins the running job): the same log as a torch
+    rank's. Its samples are a fixed
     set of windows, re-partitioned among the members at every change (``DataPosition``)."""
     record(event="launched")
     import jax
     import optax
 
     from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
+    from bagua_common.fault_tolerance.kv_store import advertised_host
     from bagua_common.workload import load_corpus
     from bagua_jax import DataParallel, NativeCommunicator
     from bagua_jax.algorithms import is_optimizer, make_algorithm
@@ -206,12 +208,19 @@ def jax_rank(job: dict, record: Callable[..., None]) -> None:
         algorithm = make_algorithm(name, **json.loads(options or "{}"))
         return DataParallel(loss_fn, optimizer, algorithm, communicator=communicator)
 
+    tcp = job["engine"] == "tcp"
     if os.environ.get("BAGUA_FT_JOIN") == "1":
-        ft = FaultTolerantTrainer.joiner(trainer_over(NativeCommunicator.mpi_self()), data, settings, master)
+        alone = NativeCommunicator.tcp_self(advertised_host(master[0])) if tcp else NativeCommunicator.mpi_self()
+        ft = FaultTolerantTrainer.joiner(trainer_over(alone), data, settings, master)
     else:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         membership = Membership.start(settings, rank, size, *master)
-        communicator = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, size)
+        store = membership.epoch.store
+        communicator = (
+            NativeCommunicator.tcp_through_store(store, "world/", rank, size, membership.me.host)
+            if tcp
+            else NativeCommunicator.mpi_through_store(store, "world/", rank, size)
+        )
         ft = FaultTolerantTrainer(trainer_over(communicator), membership, data)
     state = ft.init(gpt_params(GPT(job["size"], seed=job["seed"])), {"tokens": windows[data.indices(0, 1)]})
     evaluate = jax.jit(loss_fn)
@@ -264,6 +273,7 @@ def job_file(folder: Path, args: argparse.Namespace, fault_tolerant: bool, kill_
                 "fault_tolerant": fault_tolerant,
                 "kill_step": kill_step,
                 "front_end": args.front_end,
+                "engine": args.engine,
                 "ranks": args.ranks,
                 "secret_file": write_job_secret(str(folder)),
             }
@@ -297,9 +307,10 @@ def with_changes(args: argparse.Namespace, **changes: object) -> argparse.Namesp
 
 def launch_options(job: Path, fault_tolerant: bool) -> list[str]:
     """``bagua-launch``'s options for the job: ``--fault-tolerant`` (a slot replaces its rank when it dies), and for JAX
-    ranks ``--mpi`` (each rank its own ``mpiexec -n 1`` job)."""
+    ranks on the MPI engine ``--mpi`` (each rank its own ``mpiexec -n 1`` job)."""
     options = ["--fault-tolerant"] if fault_tolerant else []
-    return options + (["--mpi"] if json.loads(job.read_text())["front_end"] == "jax" else [])
+    settings = json.loads(job.read_text())
+    return options + (["--mpi"] if settings["front_end"] == "jax" and settings["engine"] == "mpi" else [])
 
 
 def launch(ranks: int, job: Path, fault_tolerant: bool, **extra: str) -> subprocess.Popen:
@@ -706,7 +717,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--every", type=float, default=60)
     parser.add_argument("--rate", default=None, help="(overhead, chaos, spread) link rate, e.g. 100mbit (root)")
     parser.add_argument("--front-end", choices=("torch", "jax"), default="torch",
-                        help="(chaos, spread) jax: JAX ranks, each its own mpiexec -n 1 job")  # fmt: skip
+                        help="(chaos, spread) jax: JAX ranks on a native host engine (--engine)")  # fmt: skip
+    parser.add_argument("--engine", choices=("tcp", "mpi"), default="tcp",
+                        help="(jax) the native host engine; mpi: each rank its own mpiexec -n 1 job")  # fmt: skip
     parser.add_argument("--seeds", type=lambda text: [int(seed) for seed in text.split(",")], default=[1, 2],
                         help="(spread) the fault-free runs' seeds, comma-separated")  # fmt: skip
     parser.add_argument("--out", type=Path, default=RESULTS, help="results directory (default benchmarks/results)")
@@ -750,7 +763,7 @@ def publish(args: argparse.Namespace, meta: dict, result: dict) -> None:
     """Print and write the results of the study ``args`` ran under :func:`results_name`: ``.md``, ``.json`` and
     for the chaos and spread studies ``.png``."""
     name = results_name(args)
-    engine = "JAX on the native MPI engine" if args.front_end == "jax" else "torch over gloo"
+    engine = f"JAX on the native {args.engine.upper()} engine" if args.front_end == "jax" else "torch over gloo"
     lines = [f"# Fault tolerance, {engine}: {args.study}", "", *header_lines(meta), ""]
     if args.study == "kill":
         lines.append(

@@ -1,8 +1,8 @@
-"""Data-parallel training of the digits MLP that goes on when a rank dies (JAX, the native MPI engine).
+"""Data-parallel training of the digits MLP that goes on when a rank dies (JAX, the native TCP engine).
 
-Start it with the launcher, each rank its own MPI job, and a replacement for each rank that dies::
+Start it with the launcher, which starts a replacement for each rank that dies::
 
-    bagua-launch --fault-tolerant --mpi --nproc-per-node 3 examples/fault_tolerant_digits_jax.py
+    bagua-launch --fault-tolerant --nproc-per-node 3 examples/fault_tolerant_digits_jax.py
 
 Kill a rank (``kill -9``): the others abandon the step in flight and go on without it from the last committed
 step, over the samples it would have taken, and the launcher starts a replacement that compiles its step, joins the
@@ -21,6 +21,7 @@ from digits_data import init_mlp, load
 from train_digits_jax import logits, loss_fn  # the same MLP and loss as the example without fault tolerance
 
 from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
+from bagua_common.fault_tolerance.kv_store import advertised_host
 from bagua_common.job.checkpoint import latest
 from bagua_jax import DataParallel, NativeCommunicator
 from bagua_jax.fault_tolerance import FaultTolerantTrainer
@@ -41,13 +42,13 @@ def main() -> None:
     master = (os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
     joining = os.environ.get("BAGUA_FT_JOIN") == "1"  # a replacement started by the launcher
     if joining:  # alone until admitted: its step compiles before it asks to join
-        alone = NativeCommunicator.mpi_self()
+        alone = NativeCommunicator.tcp_self(advertised_host(master[0]))  # listening where the job can reach it
         trainer = DataParallel(loss_fn, optax.adam(args.lr), "gradient_allreduce", communicator=alone)
         ft = FaultTolerantTrainer.joiner(trainer, data, settings, master)
     else:
         rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         membership = Membership.start(settings, rank, size, *master)
-        comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, size)
+        comm = NativeCommunicator.tcp_through_store(membership.epoch.store, "world/", rank, size, membership.me.host)
         trainer = DataParallel(loss_fn, optax.adam(args.lr), "gradient_allreduce", communicator=comm)
         ft = FaultTolerantTrainer(trainer, membership, data)
 

@@ -136,6 +136,12 @@ EXTENDED: dict[str, str] = {
     # what CI runs in steps of its own right after the quick suite (.ci/run), each a build or a set of jobs
     r"test_docs_examples\.py::": "every code block of the README and the docs (about 130 s: most pages train jobs)",
     r"test_bagua_net\.py::": "Bagua-Net: the plugin's build, its contract, fuzzers and sanitizer builds (30 s)",
+    r"test_examples\.py::test_a_fault_tolerant_jax_job|test_fault_tolerance_jax\.py::test_members_that_stop_with_no_"
+    r"progress_under_the_launcher|test_fault_tolerance_torch\.py::test_when_every_rank_dies_the_launcher_restarts": (
+        "the fault-tolerant jobs under bagua-launch (about 55 s: JAX's replacements through the launcher, the "
+        "launcher's summary of members that stopped with no progress, torch's restart from a checkpoint when every "
+        "rank died); the ranks' side of each stays quick"
+    ),
     # the quick suite's 10-minute budget: the larger or repeated jobs of a behaviour the suite keeps once
     r"test_native_communicator_jax\.py::test_(every_primitive_matches|large_allreduces_match)_numpy\[[34]-": (
         "two ranks, on one node and between nodes, stay quick"
@@ -146,8 +152,7 @@ EXTENDED: dict[str, str] = {
     r"test_adam_convergence_(torch|jax)\.py::": "QAdam and 1-bit Adam training like Adam (25 s); the convergence gate "
     "(.ci/run) trains both in both front ends past 2.5 nats/byte",
     r"test_examples\.py::(?!test_a_fault_tolerant_jax_job)": "the examples' accuracy; the README's job (.ci/run) "
-    "trains JAX's digits with ByteGrad and test_bagua_migration_torch trains torch's digits script (the fault-tolerant "
-    "JAX job under bagua-launch, 25 s, stays quick: the only run of JAX's replacements through the launcher)",
+    "trains JAX's digits with ByteGrad and test_bagua_migration_torch trains torch's digits script",
     r"test_elastic_agent\.py::": "torch's elastic agent restarting a JAX job (17 s); bagua-launch's elastic restart "
     "stays quick in test_elastic_launch",
     r"test_qadam_onebit_torch\.py::test_native_mpi_communicator_used": "the native MPI communicator stays quick in "

@@ -37,8 +37,11 @@ import time
 import numpy as np
 
 from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
+from bagua_common.fault_tolerance.kv_store import advertised_host
 
 SAMPLES, FEATURES, BATCH_PER_RANK, LR = 120, 5, 4, 0.1
+ENGINE = os.environ.get("FT_ENGINE", "mpi")
+"""The members' engine: ``mpi`` (each its own ``mpiexec -n 1`` job) or ``tcp``."""
 SETTINGS = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.5, quorum_timeout=30.0, hash_every=2)
 PAUSE_SECONDS = SETTINGS.dead_after + 3.0
 
@@ -162,13 +165,23 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
     if rank >= start_size:
         _wait_for("start-joiner")
         _say_when_asking_to_join()
-        trainer = make_trainer(NativeCommunicator.mpi_self(timeout=60))
+        alone = (
+            NativeCommunicator.tcp_self(advertised_host(master[0]), timeout=60)
+            if ENGINE == "tcp"
+            else NativeCommunicator.mpi_self(timeout=60)
+        )
+        trainer = make_trainer(alone)
         ft = FaultTolerantTrainer.joiner(trainer, data, SETTINGS, master, timeout=60)
         state = ft.init(params, example_batch)
         return ft, state, ft.admission["admitted"]
     membership = Membership.start(SETTINGS, rank, start_size, *master, timeout=60)
     seconds = float(os.environ.get("FT_COMM_TIMEOUT", "60"))  # a collective's, and a shrink's, longest wait
-    comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, start_size, timeout=seconds)
+    store = membership.epoch.store
+    comm = (
+        NativeCommunicator.tcp_through_store(store, "world/", rank, start_size, membership.me.host, timeout=seconds)
+        if ENGINE == "tcp"
+        else NativeCommunicator.mpi_through_store(store, "world/", rank, start_size, timeout=seconds)
+    )
     ft = FaultTolerantTrainer(make_trainer(comm), membership, data)
     state = ft.init(params) if restore_from is None else ft.restore(restore_from, params)
     return ft, state, time.time()

@@ -3,56 +3,18 @@
 import os
 
 import numpy as np
-from lax_communicator_workers_jax import pairing_schedule
+from every_primitive import OPS, rank_data, run_every_primitive
 from scenarios import Registry, Scenario
 
 scenario = Registry()
 
-OPS = ("sum", "avg", "min", "max")
-
-
-def rank_data(rank: int, seed: int, shape=(3, 5)) -> np.ndarray:
-    return np.random.default_rng([seed, rank]).standard_normal(shape).astype(np.float32)
-
 
 @scenario
 def every_primitive(seed: int) -> dict:
-    """Run each collective once inside one jitted step; return the local results."""
-    import jax
-    import jax.numpy as jnp
-
+    """Run each collective of the MPI world once inside one jitted step; return the local results."""
     from bagua_jax.native_communicator import NativeCommunicator
 
-    comm = NativeCommunicator.mpi_world(timeout=60)
-    rank, size = int(comm.rank()), comm.size
-    x = jnp.asarray(rank_data(rank, seed))
-    rows = jnp.asarray(rank_data(rank, seed, (size, 4)))
-    # Rank r sends r+1 elements to every rank, so rank r receives j+1 from rank j.
-    send_counts = jnp.full(size, rank + 1, jnp.int32)
-    recv_counts = jnp.arange(1, size + 1, dtype=jnp.int32)
-    flat = jnp.arange(size * (rank + 1), dtype=jnp.float32) + 100 * rank
-    peers = jnp.array([(rank + 1) % size, (rank - 1) % size], jnp.int32)
-
-    @jax.jit
-    def step(x, rows, flat, send_counts, recv_counts, peers):
-        out = {f"allreduce_{op}": comm.allreduce(x, op) for op in OPS}
-        out["reduce_sum"] = comm.reduce(x, root=1, op="sum")
-        out["broadcast"] = comm.broadcast(x, root=size - 1)
-        out["reduce_scatter_sum"] = comm.reduce_scatter(rows, "sum")
-        out["allgather"] = comm.allgather(x)
-        out["gather"] = comm.gather(x, root=0)
-        out["scatter"] = comm.scatter(rows, root=1)
-        out["alltoall"] = comm.alltoall(rows)
-        out["alltoall_v"] = comm.alltoall_v(flat, send_counts, recv_counts, out_size=size * size + 3)
-        out["send_recv"] = comm.send_recv(x, peers)
-        out["send_recv_scheduled"] = comm.send_recv_scheduled(x, pairing_schedule(size), seed)
-        out["barrier"] = comm.barrier(x)
-        out["int_allreduce"] = comm.allreduce(jnp.arange(4, dtype=jnp.int32) * (rank + 1))
-        out["bf16_allreduce"] = comm.allreduce(x.astype(jnp.bfloat16), "max")
-        return out
-
-    result = step(x, rows, flat, send_counts, recv_counts, peers)
-    return {"rank": rank, "size": size, **{k: np.asarray(v) for k, v in result.items()}}
+    return run_every_primitive(NativeCommunicator.mpi_world(timeout=60), seed)
 
 
 @scenario
@@ -141,13 +103,13 @@ def weighed_average(seed: int, count: int) -> dict:
     rank, size = int(comm.rank()), comm.size
     mean = jax.jit(lambda v: comm.allreduce(v, "avg"))
     data = rank_data(rank, seed, (count,))
-    comm.set_mpi_average_divisor(size - 1)
+    comm.set_average_divisor(size - 1)
     out = {"weighed": np.asarray(mean(data if rank < size - 1 else np.zeros_like(data)))}
-    comm.set_mpi_average_divisor(None)
+    comm.set_average_divisor(None)
     out["all"], out["compiles"] = np.asarray(mean(data)), mean._cache_size()
     for bad in (0, size + 1):
         try:
-            comm.set_mpi_average_divisor(bad)
+            comm.set_average_divisor(bad)
             out[f"bad {bad}"] = "accepted"
         except ValueError as error:
             out[f"bad {bad}"] = str(error)

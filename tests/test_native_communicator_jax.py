@@ -8,9 +8,8 @@ their own.
 import ml_dtypes
 import numpy as np
 import pytest
-from lax_communicator_workers_jax import pairing_schedule
+from every_primitive import check_every_primitive, rank_data
 from multiprocess import run_ranks
-from native_communicator_workers_jax import rank_data
 from scenarios import Job, JobTable, Scenario, has_mpi
 
 import bagua_jax
@@ -44,50 +43,7 @@ JOBS = JobTable(
 @pytest.mark.parametrize("name", JOBS.jobs_with(EVERY_PRIMITIVE))
 def test_every_primitive_matches_numpy(name):
     seed, ranks = JOBS.run(name)
-    results = [{"rank": r["rank"], **r[EVERY_PRIMITIVE.label]} for r in ranks]
-    size = len(results)
-    xs = np.stack([rank_data(r, seed) for r in range(size)])
-    rows = np.stack([rank_data(r, seed, (size, 4)) for r in range(size)])
-    # Sums may be added in any order by MPI: allow float32 rounding relative to the operands.
-    close = dict(rtol=1e-6, atol=1e-6 * float(np.abs(xs).max()) * size)
-    for res in results:
-        rank = res["rank"]
-        np.testing.assert_allclose(res["allreduce_sum"], xs.sum(0), **close)
-        np.testing.assert_allclose(res["allreduce_avg"], xs.mean(0), **close)
-        np.testing.assert_array_equal(res["allreduce_min"], xs.min(0))
-        np.testing.assert_array_equal(res["allreduce_max"], xs.max(0))
-        np.testing.assert_allclose(res["reduce_sum"], xs.sum(0) if rank == 1 else 0 * xs[0], **close)
-        np.testing.assert_array_equal(res["broadcast"], xs[size - 1])
-        np.testing.assert_allclose(res["reduce_scatter_sum"], rows[:, rank].sum(0), **close)
-        np.testing.assert_array_equal(res["allgather"], xs)
-        np.testing.assert_array_equal(res["gather"], xs if rank == 0 else 0 * xs)
-        np.testing.assert_array_equal(res["scatter"], rows[1, rank])
-        np.testing.assert_array_equal(res["alltoall"], rows[:, rank])
-        expected_v = np.zeros(size * size + 3, np.float32)
-        expected_v[: size * (size + 1) // 2] = np.concatenate(
-            [
-                np.arange(size * (j + 1), dtype=np.float32)[rank * (j + 1) : (rank + 1) * (j + 1)] + 100 * j
-                for j in range(size)
-            ]
-        )
-        np.testing.assert_array_equal(res["alltoall_v"], expected_v)
-        np.testing.assert_array_equal(res["send_recv"], xs[[(rank + 1) % size, (rank - 1) % size]])
-        np.testing.assert_array_equal(res["send_recv_scheduled"], xs[pairing_schedule(size)[seed % 2, rank]])
-        np.testing.assert_array_equal(res["barrier"], xs[rank])
-        np.testing.assert_array_equal(res["int_allreduce"], np.arange(4) * sum(range(1, size + 1)))
-    # Every rank holds the same bits wherever every rank receives the same value.
-    for key in (
-        "allreduce_sum",
-        "allreduce_avg",
-        "allreduce_min",
-        "allreduce_max",
-        "allgather",
-        "broadcast",
-        "bf16_allreduce",
-    ):
-        first = results[0][key]
-        for other in results[1:]:
-            assert first.tobytes() == other[key].tobytes(), key
+    check_every_primitive([{"rank": r["rank"], **r[EVERY_PRIMITIVE.label]} for r in ranks], seed)
 
 
 def ring_sum(xs: np.ndarray) -> np.ndarray:

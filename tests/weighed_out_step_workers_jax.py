@@ -64,9 +64,9 @@ def weighed_out(seed: int, config: dict) -> dict:
             incoming.set_result(whole)
         start = state_transfer.state_from_bytes(whole, state) if joiner else state
         before = {name: np.asarray(leaf) for name, leaf in start.params.items()}
-        comm.set_mpi_average_divisor(size - 1)
+        comm.set_average_divisor(size - 1)
         state, _ = step.step(state, gradients(seed, t, rank), incoming, OPEN_EPOCH)
-        comm.set_mpi_average_divisor(None)
+        comm.set_average_divisor(None)
         applied.append({name: before[name] - np.asarray(state.params[name]) for name in SHAPES})
     reduce_state = state.opt_state[0]
     return {

@@ -7,6 +7,8 @@
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
+#include <deque>
 #include <initializer_list>
 #include <numeric>
 #include <string>
@@ -92,14 +94,45 @@ void def_collective(nb::module_& m, int device_type, const char* name, Blocks bl
       nb::arg("stream") = 0);
 }
 
-// Makes `m` an engine module for the device `Exec` (Cpu for MPI, Cuda for NCCL)
-// described by `doc`: the FFI handler capsules for XLA's platform, and the
-// same collectives on the DLPack tensors of that device.
+// Binds `name`(parent, args...) -> handle: `make(parent's communicator, args...)` builds a
+// communicator from the parent's ranks, waiting for the others without the GIL.
+template <typename... Args, typename Make, typename... Names>
+void def_derived(nb::module_& m, const char* name, Make make, const char* doc, Names... arg_names) {
+  m.def(
+      name,
+      [make](int64_t parent, Args... args) {
+        auto comm = lookup(parent);
+        std::shared_ptr<Communicator> made;
+        {
+          nb::gil_scoped_release release;
+          made = make(*comm, args...);
+        }
+        return CommunicatorRegistry::instance().add(std::move(made));
+      },
+      nb::arg("parent"), nb::arg(arg_names)..., doc);
+}
+
+// The engine's FFI targets: bagua_<engine>_<collective> (two engines may serve one platform).
+inline handler_util::HandlerTable engine_targets(const char* engine,
+                                                 const handler_util::HandlerTable& handlers) {
+  static std::deque<std::string> names;  // the table's keys, alive with the module
+  handler_util::HandlerTable renamed;
+  for (const auto& [target, handler] : handlers) {
+    names.push_back("bagua_" + std::string(engine) + "_" + (target + std::strlen("bagua_")));
+    renamed.emplace_back(names.back().c_str(), handler);
+  }
+  return renamed;
+}
+
+// Makes `m` the module of `engine` ("mpi", "tcp": Cpu; "nccl": Cuda) described by
+// `doc`: the FFI handler capsules for XLA's platform, and the same collectives on
+// the DLPack tensors of that device.
 template <typename Exec>
-void bind(nb::module_& m, const char* doc) {
+void bind(nb::module_& m, const char* engine, const char* doc) {
   m.doc() = doc;
   constexpr bool kCpu = std::is_same_v<Exec, Cpu>;
-  bind_registrations(m, {{kCpu ? "cpu" : "CUDA", collective_handlers::handlers<Exec>()}});
+  bind_registrations(
+      m, {{kCpu ? "cpu" : "CUDA", engine_targets(engine, collective_handlers::handlers<Exec>())}});
   const int device_type = kCpu ? nb::device::cpu::value : nb::device::cuda::value;
   m.def("rank", [](int64_t h) { return lookup(h)->rank(); });
   m.def("size", [](int64_t h) { return lookup(h)->size(); });

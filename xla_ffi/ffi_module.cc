@@ -42,6 +42,11 @@ NB_MODULE(_bagua_ffi, m) {
 #else
         info["mpi"] = false;
 #endif
+#ifdef BAGUA_WITH_TCP
+        info["tcp"] = true;
+#else
+        info["tcp"] = false;
+#endif
         info["jaxlib"] = BAGUA_BUILT_WITH_JAXLIB;
         info["xla_ffi_api"] =
             std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);

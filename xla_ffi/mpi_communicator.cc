@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "host_reduce.h"
 #include "mpi_runtime.h"
 
 namespace bagua {

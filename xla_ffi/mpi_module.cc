@@ -10,7 +10,7 @@
 
 NB_MODULE(_bagua_mpi, m) {
   using namespace bagua;
-  collective_bindings::bind<Cpu>(m, "Bagua's MPI engine: collectives on host buffers.");
+  collective_bindings::bind<Cpu>(m, "mpi", "Bagua's MPI engine: collectives on host buffers.");
 
   m.def(
       "world",
@@ -20,20 +20,11 @@ NB_MODULE(_bagua_mpi, m) {
       nb::arg("name"), nb::arg("timeout_seconds"),
       "A communicator over MPI_COMM_WORLD (initializes MPI); returns its handle.");
 
-  // Splitting waits for every rank (for good if one died: a thread waits for it): without the GIL.
-  m.def(
-      "split",
-      [](int64_t parent, int color, int key, const std::string& name) {
-        auto comm = collective_bindings::lookup(parent);
-        std::shared_ptr<Communicator> made;
-        {
-          nb::gil_scoped_release release;
-          made = mpi_split(*comm, color, key, name);
-        }
-        return CommunicatorRegistry::instance().add(std::move(made));
-      },
-      nb::arg("parent"), nb::arg("color"), nb::arg("key"), nb::arg("name"),
-      "Split a communicator: ranks with the same color form one, ordered by key.");
+  // Splitting waits for every rank (for good if one died: a thread waits for it).
+  collective_bindings::def_derived<int, int, const std::string&>(
+      m, "split", &mpi_split,
+      "Split a communicator: ranks with the same color form one, ordered by key.", "color", "key",
+      "name");
 
   m.def(
       "self",
@@ -44,38 +35,20 @@ NB_MODULE(_bagua_mpi, m) {
       "A communicator of this process alone (initializes MPI); returns its handle.");
 
   // Shrinking, accepting and connecting wait for other processes: without the GIL.
-  m.def(
-      "shrink",
-      [](int64_t parent, const std::vector<int>& members, const std::string& name) {
-        auto comm = collective_bindings::lookup(parent);
-        std::shared_ptr<Communicator> shrunk;
-        {
-          nb::gil_scoped_release release;
-          shrunk = mpi_shrink(*comm, members, name);
-        }
-        return CommunicatorRegistry::instance().add(std::move(shrunk));
-      },
-      nb::arg("parent"), nb::arg("members"), nb::arg("name"),
+  collective_bindings::def_derived<const std::vector<int>&, const std::string&>(
+      m, "shrink", &mpi_shrink,
       "A communicator of the parent's ranks `members` (member i becomes rank i); only the members "
-      "call it.");
+      "call it.",
+      "members", "name");
 
   m.def("open_port", &mpi_open_port, "Open an MPI port for mpi accept; returns its name.");
   m.def("close_port", &mpi_close_port, nb::arg("port"), "Close a port from open_port.");
 
-  m.def(
-      "accept",
-      [](int64_t group, const std::string& port, const std::string& name) {
-        auto comm = collective_bindings::lookup(group);
-        std::shared_ptr<Communicator> grown;
-        {
-          nb::gil_scoped_release release;
-          grown = mpi_accept(*comm, port, name);
-        }
-        return CommunicatorRegistry::instance().add(std::move(grown));
-      },
-      nb::arg("group"), nb::arg("port"), nb::arg("name"),
-      "Every rank of `group`: the group and the process that connects to `port` (rank 0's), as "
-      "one communicator; returns its handle.");
+  collective_bindings::def_derived<const std::string&, const std::string&>(
+      m, "accept", &mpi_accept,
+      "Every rank of `parent`: its ranks and the process that connects to `port` (rank 0's), as "
+      "one communicator; returns its handle.",
+      "port", "name");
 
   m.def(
       "connect",

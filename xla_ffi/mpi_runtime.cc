@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "numerics.h"
+#include "host_reduce.h"
 
 namespace bagua {
 namespace {
@@ -21,22 +21,9 @@ bool multiple = false;
 MPI_Datatype half_type, bfloat16_type;
 MPI_Op half_ops[3], bfloat16_ops[3];  // sum, min, max
 
-template <typename T, int kOp>
+template <typename T, ReduceOp kOp>
 void reduce16(void* in, void* inout, int* len, MPI_Datatype*) {
-  const T* a = static_cast<const T*>(in);
-  T* b = static_cast<T*>(inout);
-  for (int i = 0; i < *len; ++i) {
-    const float x = to_float(a[i]), y = to_float(b[i]);
-    const float r = kOp == 0 ? x + y : kOp == 1 ? (x < y ? x : y) : (x > y ? x : y);
-    b[i] = from_float<T>(r);
-  }
-}
-
-template <typename T>
-void divide(void* data, int64_t count, int ranks) {
-  T* p = static_cast<T*>(data);
-  for (int64_t i = 0; i < count; ++i)
-    p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
+  reduce_into<T>(in, inout, *len, kOp);
 }
 
 }  // namespace
@@ -78,12 +65,12 @@ void ensure_initialized() {
     MPI_Type_commit(&half_type);
     MPI_Type_contiguous(2, MPI_BYTE, &bfloat16_type);
     MPI_Type_commit(&bfloat16_type);
-    MPI_Op_create(&reduce16<Half, 0>, 1, &half_ops[0]);
-    MPI_Op_create(&reduce16<Half, 1>, 1, &half_ops[1]);
-    MPI_Op_create(&reduce16<Half, 2>, 1, &half_ops[2]);
-    MPI_Op_create(&reduce16<BFloat16, 0>, 1, &bfloat16_ops[0]);
-    MPI_Op_create(&reduce16<BFloat16, 1>, 1, &bfloat16_ops[1]);
-    MPI_Op_create(&reduce16<BFloat16, 2>, 1, &bfloat16_ops[2]);
+    MPI_Op_create(&reduce16<Half, ReduceOp::kSum>, 1, &half_ops[0]);
+    MPI_Op_create(&reduce16<Half, ReduceOp::kMin>, 1, &half_ops[1]);
+    MPI_Op_create(&reduce16<Half, ReduceOp::kMax>, 1, &half_ops[2]);
+    MPI_Op_create(&reduce16<BFloat16, ReduceOp::kSum>, 1, &bfloat16_ops[0]);
+    MPI_Op_create(&reduce16<BFloat16, ReduceOp::kMin>, 1, &bfloat16_ops[1]);
+    MPI_Op_create(&reduce16<BFloat16, ReduceOp::kMax>, 1, &bfloat16_ops[2]);
   });
 }
 
@@ -100,27 +87,6 @@ MPI_Op mpi_op(DType t, ReduceOp op) {
   if (t == DType::kF16) return half_ops[index];
   if (t == DType::kBF16) return bfloat16_ops[index];
   return index == 1 ? MPI_MIN : index == 2 ? MPI_MAX : MPI_SUM;
-}
-
-void divide_in_place(void* data, int64_t count, DType t, int ranks) {
-  switch (t) {
-    case DType::kF32:
-      divide<float>(data, count, ranks);
-      break;
-    case DType::kF16:
-      divide<Half>(data, count, ranks);
-      break;
-    case DType::kBF16:
-      divide<BFloat16>(data, count, ranks);
-      break;
-    case DType::kF64: {
-      double* p = static_cast<double*>(data);
-      for (int64_t i = 0; i < count; ++i) p[i] /= ranks;
-      break;
-    }
-    default:
-      break;
-  }
 }
 
 std::string mpi_error(int code) {

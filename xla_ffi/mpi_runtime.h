@@ -32,9 +32,8 @@ void keep_forever(std::unique_ptr<char[]> memory);
 
 MPI_Datatype mpi_type(DType t);
 
-// Averages are sums divided by the rank count afterwards (divide_in_place).
+// Averages are sums divided by the rank count afterwards (divide_in_place, host_reduce.h).
 MPI_Op mpi_op(DType t, ReduceOp op);
-void divide_in_place(void* data, int64_t count, DType t, int ranks);
 
 std::string mpi_error(int code);
 

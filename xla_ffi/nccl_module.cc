@@ -9,7 +9,8 @@
 
 NB_MODULE(_bagua_nccl, m) {
   using namespace bagua;
-  collective_bindings::bind<Cuda>(m, "Bagua's NCCL engine: collectives on CUDA device buffers.");
+  collective_bindings::bind<Cuda>(m, "nccl",
+                                  "Bagua's NCCL engine: collectives on CUDA device buffers.");
 
   m.def(
       "unique_id",

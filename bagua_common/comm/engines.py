@@ -1,7 +1,7 @@
 """The native collective engines: loading one, and the reduction codes they take.
 
-The engines are separate extension modules (``_bagua_mpi``, ``_bagua_nccl``) so that the
-kernels never need libmpi or libnccl to import; both front ends load them here, so a
+The engines are separate extension modules (``_bagua_mpi``, ``_bagua_nccl``, ``_bagua_tcp``) so
+that the kernels never need libmpi or libnccl to import; both front ends load them here, so a
 missing engine is reported the same way from either.
 """
 
@@ -16,8 +16,11 @@ from types import ModuleType
 from bagua_common.comm.engine_exit import finalize_at_exit
 from bagua_common.fault_tolerance.settings import ENV_FAULT_TOLERANCE, ENV_JOIN
 
-ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl"}
+ENGINE_MODULES = {"mpi": "_bagua_mpi", "nccl": "_bagua_nccl", "tcp": "_bagua_tcp"}
 """Engine name -> its extension module."""
+
+HOST_ENGINES = ("mpi", "tcp")
+"""The engines of host buffers (NCCL's are device buffers)."""
 
 ENV_ELASTIC = "BAGUA_ELASTIC"
 """Set to 1 in the workers of an elastic job (``bagua-launch --nnodes MIN:MAX``)."""
@@ -31,13 +34,13 @@ def fault_tolerant_job() -> bool:
 
 @functools.cache
 def load_engine(kind: str) -> ModuleType:
-    """The engine module ``"mpi"`` or ``"nccl"``, imported once and finalized at exit.
+    """The engine module ``"mpi"``, ``"nccl"`` or ``"tcp"``, imported once and finalized at exit.
 
     Raises a ValueError for another name and a RuntimeError naming the fix when this build
     of bagua has no such engine.
     """
     if kind not in ENGINE_MODULES:
-        raise ValueError(f"unknown engine {kind!r}; use 'mpi' or 'nccl'")
+        raise ValueError(f"unknown engine {kind!r}; use one of {sorted(ENGINE_MODULES)}")
     if kind == "mpi" and os.environ.get(ENV_ELASTIC) == "1" and not fault_tolerant_job():
         raise RuntimeError(
             "the native MPI engine runs in an elastic job only with fault tolerance (BAGUA_FAULT_TOLERANCE=1): "
@@ -50,7 +53,7 @@ def load_engine(kind: str) -> ModuleType:
     if not _bagua_ffi.build_info().get(kind):
         raise RuntimeError(
             f"bagua was built without the {kind.upper()} engine (see build_info()); "
-            + ("install mpich and rebuild" if kind == "mpi" else "install NCCL and rebuild with CUDA")
+            + {"mpi": "install mpich and rebuild", "nccl": "install NCCL and rebuild with CUDA"}.get(kind, "rebuild")
         )
     module = importlib.import_module(ENGINE_MODULES[kind])
     finalize_at_exit(module)

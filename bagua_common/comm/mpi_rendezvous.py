@@ -26,16 +26,23 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol
 
-__all__ = ["PORT_ENVIRONMENT", "PROCESS_MANAGER_VARIABLES", "KeyValueStore", "assemble", "prepare_rank", "shrink"]
+__all__ = [
+    "DEAD_PEER_ENVIRONMENT",
+    "PORT_ENVIRONMENT",
+    "PROCESS_MANAGER_VARIABLES",
+    "KeyValueStore",
+    "assemble",
+    "prepare_rank",
+    "shrink",
+]
 
-PORT_ENVIRONMENT = {
-    "MPIR_CVAR_CH4_NETMOD": "ofi",
-    "FI_PROVIDER": "tcp",
-    "MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY": "100000",
-}
-"""MPICH settings (read when MPI starts) under which ``MPI_Open_port`` works, and a send to a peer that died gives up
-instead of retrying the refused connection forever (on the engine's communicators of a membership that may change:
-``xla_ffi/mpi_communicator.cc``)."""
+PORT_ENVIRONMENT = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
+"""MPICH settings (read when MPI starts) under which ``MPI_Open_port`` works."""
+
+DEAD_PEER_ENVIRONMENT = {"MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY": "100000"}
+"""MPICH settings (read when MPI starts) under which a send to a peer that died gives up instead of retrying the
+refused connection forever, on the engine's communicators of a membership that may change
+(``xla_ffi/mpi_communicator.cc``)."""
 
 
 class KeyValueStore(Protocol):
@@ -55,8 +62,8 @@ PROCESS_MANAGER_VARIABLES = ("PMI_FD", "PMI_PORT", "PMIX_RANK")
 
 def prepare_rank() -> None:
     """Before MPI starts in a rank of a world built through a store: refuse a process that no ``mpiexec`` started
-    (a ``RuntimeError`` naming how to start it), and select MPICH's ofi netmod over TCP unless the environment chose
-    otherwise."""
+    (a ``RuntimeError`` naming how to start it), and select MPICH's ofi netmod over TCP and its bound on a send to
+    a dead peer, unless the environment chose otherwise."""
     if not any(os.environ.get(name) for name in PROCESS_MANAGER_VARIABLES):
         raise RuntimeError(
             "the MPI engine's fault-tolerant world needs every rank to run as its own `mpiexec -n 1` job, and this "
@@ -65,7 +72,7 @@ def prepare_rank() -> None:
             "--mpi ...` (each rank and each replacement under its own `mpiexec -n 1`), or each with "
             "`mpiexec -n 1 python ...`"
         )
-    for name, value in PORT_ENVIRONMENT.items():
+    for name, value in {**PORT_ENVIRONMENT, **DEAD_PEER_ENVIRONMENT}.items():
         os.environ.setdefault(name, value)
 
 

@@ -155,9 +155,9 @@ class AsyncModelAverager(RoundsControl):
                 f"{name}: comm must be a NativeCommunicator over MPI (e.g. a second "
                 f"NativeCommunicator.mpi_world()), got {type(comm).__name__}"
             )
-        # The thread communicates host buffers, which only the MPI engine takes.
-        if comm.kind != "mpi":
-            raise ValueError(f"{name}: the averaging rounds need an MPI communicator (host memory), got {comm.kind}")
+        # The thread communicates host buffers, which only the host engines take.
+        if not comm.on_host:
+            raise ValueError(f"{name}: the averaging rounds need a host engine (MPI, TCP), got {comm.kind}")
         if isinstance(steps_done, bool) or not isinstance(steps_done, (int, np.integer)) or steps_done < 0:
             raise ValueError(f"{name}: steps_done must be a non-negative int, got {steps_done!r}")
         self._engine, self._handle, self._size = comm.engine, comm.handle, comm.size

@@ -187,10 +187,10 @@ def diloco(
         trainers, ranks = comm.allreduce(jnp.stack([trained, jnp.ones_like(trained)]))
         return mean * (ranks / jnp.maximum(trainers, 1.0)), residual
 
-    # Streaming on the MPI engine (under any wrapper, e.g. a CountingCommunicator): the exchanges run on a thread of
+    # Streaming on a host engine (under any wrapper, e.g. a CountingCommunicator): the exchanges run on a thread of
     # their own while the next tau steps compute.
     engine = innermost(world)
-    overlapped = delay > 0 and isinstance(engine, NativeCommunicator) and engine.kind == "mpi"
+    overlapped = delay > 0 and isinstance(engine, NativeCommunicator) and engine.on_host
     background = BackgroundExchange(engine, weighed_average, config.name) if overlapped else None
 
     def outer_step(anchor: list, local: list, outer_state: Any, mean: jax.Array) -> tuple[list, list, Any]:
