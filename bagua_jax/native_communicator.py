@@ -211,8 +211,8 @@ class NativeCommunicator(MpiSettings):
         self, store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
     ) -> None:
         """Take place ``rank`` in the communicator of ``size`` ranks whose members call :meth:`grow` with ``prefix``,
-        in this communicator's slot (one of :meth:`mpi_self`): what :meth:`mpi_join` builds, without compiling
-        the steps again wherever their shapes do not depend on ``size``."""
+        in this communicator's slot (one of :meth:`tcp_self` or :meth:`mpi_self`): what :meth:`mpi_join` builds,
+        without compiling the steps again wherever their shapes do not depend on ``size``."""
         if self.kind == "tcp":
             address = self.engine.addresses(self.handle)[0]
             self._install(

@@ -72,7 +72,8 @@ def test_a_fault_tolerant_jax_job_trains_on_through_a_kill_and_takes_a_replaceme
         watchdog.cancel()
     text = "".join(output)
     assert code == 0 and killed, text
-    assert "rank 1 ended (killed by SIGKILL)" in text and "starting a replacement that joins the running job" in text, text
+    assert "rank 1 ended (killed by SIGKILL)" in text, text
+    assert "starting a replacement that joins the running job" in text, text
     sizes = [int(size) for size in re.findall(r"\[rank 0\] step\s+\d+\s+loss \S+\s+ranks (\d)", text)]
     assert sizes[0] == 3 and 2 in sizes and sizes[-1] == 3, sizes  # the survivors alone, then with the replacement
     accuracies = re.findall(r"\[rank (\d)\] test accuracy (\S+) after 3000 steps", text)
