@@ -65,7 +65,6 @@ class TcpCommunicator final : public Communicator {
   int size() const override { return static_cast<int>(fds_.size()); }
   const std::string& name() const override { return name_; }
   const std::vector<std::string>& addresses() const { return addresses_; }
-  const std::string& token() const { return token_; }
   double timeout() const { return timeout_; }
 
   // A token for a communicator built from some of these ranks, the `what`-th such build: the
@@ -594,10 +593,6 @@ std::shared_ptr<Communicator> tcp_split(Communicator& parent, int color, int key
 const std::vector<std::string>& tcp_addresses(const Communicator& comm) {
   return as_tcp(comm, "tcp_addresses").addresses();
 }
-
-const std::string& tcp_token(const Communicator& comm) { return as_tcp(comm, "tcp_token").token(); }
-
-double tcp_timeout(const Communicator& comm) { return as_tcp(comm, "tcp_timeout").timeout(); }
 
 void set_tcp_average_divisor(Communicator& comm, int ranks) {
   const_cast<TcpCommunicator&>(as_tcp(comm, "set_tcp_average_divisor")).set_average_divisor(ranks);

@@ -39,11 +39,9 @@ std::shared_ptr<Communicator> tcp_shrink(Communicator& parent, const std::vector
 std::shared_ptr<Communicator> tcp_split(Communicator& parent, int color, int key,
                                         const std::string& name);
 
-// The addresses a TCP communicator was built with, its token and timeout: what admitting
-// newcomers into a communicator of its ranks and theirs needs.
+// The addresses a TCP communicator was built with: what admitting newcomers into a communicator
+// of its ranks and theirs needs.
 const std::vector<std::string>& tcp_addresses(const Communicator& comm);
-const std::string& tcp_token(const Communicator& comm);
-double tcp_timeout(const Communicator& comm);
 
 // The number of ranks that "avg" reductions divide by, for collectives started after it: `ranks`
 // (1..size), or the size for 0 (as the MPI engine's set_mpi_average_divisor).

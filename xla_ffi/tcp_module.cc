@@ -14,7 +14,7 @@ NB_MODULE(_bagua_tcp, m) {
   m.def(
       "listen", &tcp_listen, nb::arg("host"),
       "Open this process's listening socket on `host` (an IPv4 address or name) once; returns its "
-      "\"host:port\".");
+      "\"address:port\".");
 
   // Building waits for the other ranks: without the GIL.
   m.def(
@@ -47,12 +47,6 @@ NB_MODULE(_bagua_tcp, m) {
   m.def(
       "addresses", [](int64_t h) { return tcp_addresses(*collective_bindings::lookup(h)); },
       nb::arg("handle"), "The ranks' addresses the communicator was built with.");
-  m.def(
-      "token", [](int64_t h) { return tcp_token(*collective_bindings::lookup(h)); },
-      nb::arg("handle"), "The token the communicator was built with.");
-  m.def(
-      "timeout", [](int64_t h) { return tcp_timeout(*collective_bindings::lookup(h)); },
-      nb::arg("handle"), "The communicator's timeout in seconds.");
 
   m.def(
       "set_average_divisor",
