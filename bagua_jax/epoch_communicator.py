@@ -30,7 +30,12 @@ _COMMUNICATION_FAILURES = (
     "unusable after an earlier failure",
     "closed its connection",  # the TCP engine's: a peer died, or its own collective failed
     "the connection to rank",
+    "was abandoned",  # the TCP engine's build: the members changed again while it connected them
 )
+
+
+_COMMUNICATOR_PREFIX = "communicator/"
+"""Where, in an epoch's store keys (:meth:`Epoch.prefix`), its communicator is built."""
 
 
 def communication_failure(error: Exception) -> bool:
@@ -51,29 +56,45 @@ def fail_epoch(membership: Membership, epoch: Epoch, error: Exception) -> None:
 
 
 def follow_members(communicator: NativeCommunicator, membership: Membership, closed: Epoch) -> tuple[Membership, Epoch]:
-    """The epoch after ``closed`` (whose members ``communicator`` spans), with ``communicator`` shrunk to its
-    survivors (rebuilt over all of them where a failure lost nobody: a slow collective timed out, say) and grown by
-    its joiners, and the membership it is an epoch of: ``membership``, unless the others went on without this member
-    (it was stopped, cut off or starved past ``dead_after``), which then joins the job again as a new member (an
-    epoch that lists it among its joiners, to be given the state), over the stores of ``closed``'s other members.
-    A survivor lost meanwhile makes the others' shrink raise once the communicator's timeout passed: MPICH cannot
-    abandon a pending ``MPI_Comm_create_group``, and every later communicator waits for it, so they stop there,
-    naming it (the job restarts from its last checkpoint)."""
-    try:
-        new = membership.recover(closed).epoch
-    except Evicted:
-        membership = _rejoined(communicator, membership, closed)
-        return membership, membership.epoch
-    except BaseException:  # the job stops (NoProgress, NoQuorum): JAX's exit would raise the abandoned step's error
-        forget_failed_calls()  # again, from the ordering tokens it waits for, burying this one
-        raise
+    """The epoch after ``closed`` (whose members ``communicator`` spans), with ``communicator`` the new members' (the
+    survivors', and its joiners), and the membership it is an epoch of: ``membership``, unless the others went on
+    without this member (it was stopped, cut off or starved past ``dead_after``), which then joins the job again as a
+    new member (an epoch that lists it among its joiners, to be given the state), over the stores of ``closed``'s
+    other members.
+
+    Over TCP the communicator is built afresh through the new epoch's store, and a member lost meanwhile closes that
+    epoch, abandons the build and makes the survivors take the next one. MPI shrinks the communicator to the
+    survivors (rebuilds it over all of them where a failure lost nobody: a slow collective timed out, say) and grows
+    it by the joiners; a survivor lost meanwhile makes the others' shrink raise once the communicator's timeout passed:
+    MPICH cannot abandon a pending ``MPI_Comm_create_group``, and every later communicator waits for it, so they stop
+    there, naming it (the job restarts from its last checkpoint)."""
+    while True:
+        try:
+            new = membership.recover(closed).epoch
+        except Evicted:
+            membership = _rejoined(communicator, membership, closed)
+            return membership, membership.epoch
+        except BaseException:  # the job stops (NoProgress, NoQuorum): JAX's exit would raise the abandoned step's error
+            forget_failed_calls()  # again, from the ordering tokens it waits for, burying this one
+            raise
+        if not communicator.can_rebuild:
+            _shrunk_and_grown(communicator, closed, new)
+            return membership, new
+        try:
+            communicator.rebuild(new.store, new.prefix(_COMMUNICATOR_PREFIX), new.rank, new.size, new.closed)
+            return membership, new
+        except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
+            fail_epoch(membership, new, error)
+            closed = new
+
+
+def _shrunk_and_grown(communicator: NativeCommunicator, closed: Epoch, new: Epoch) -> None:
     spanned = [member.id for member in closed.members]
     kept = [spanned.index(member.id) for member in new.members if member.id in spanned]
     if len(kept) < len(spanned) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
         communicator.shrink(kept)
     if new.size > len(kept):
-        communicator.grow(new.store, new.prefix("mpi/"), new.size)
-    return membership, new
+        communicator.grow(new.store, new.prefix(_COMMUNICATOR_PREFIX), new.size)
 
 
 def join_members(
@@ -85,10 +106,18 @@ def join_members(
 ) -> Membership:
     """Ask a live member's store at ``master`` (host, port), then ``peers``, to be admitted into the running job,
     waiting up to ``timeout`` seconds, and take the admitting epoch's communicator in ``communicator``'s slot (one of
-    :meth:`NativeCommunicator.mpi_self`, or of an epoch this process was taken out of); returns the membership."""
+    :meth:`NativeCommunicator.tcp_self` or :meth:`~NativeCommunicator.mpi_self`, or of an epoch this process was taken
+    out of); returns the membership."""
     membership = Membership.join(settings, *master, peers, timeout=timeout)
     epoch = membership.epoch
-    communicator.join(epoch.store, epoch.prefix("mpi/"), epoch.rank, epoch.size, timeout)
+    if not communicator.can_rebuild:
+        communicator.join(epoch.store, epoch.prefix(_COMMUNICATOR_PREFIX), epoch.rank, epoch.size, timeout)
+        return membership
+    try:
+        communicator.rebuild(epoch.store, epoch.prefix(_COMMUNICATOR_PREFIX), epoch.rank, epoch.size, epoch.closed)
+    except Exception as error:  # noqa: BLE001 - communication failures only: the admission goes on in the next epoch
+        fail_epoch(membership, epoch, error)
+        membership, _ = follow_members(communicator, membership, epoch)
     return membership
 
 

@@ -173,14 +173,22 @@ class FaultTolerantTrainer(StateSharing):
             self._weighed_out_step = self._unaveraged_step = None
         if self.membership is None:
             state = self._join(state, example_batch)
-            state = self._resumed(self._share_state(state, self.epoch))
-            if not self._sitting_out:  # else checked once the joiners took part in their first exchange
-                self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
+            try:
+                self._split_state_group(self.epoch)
+                state = self._carry_over(state, recompile=not self._world_size_free)
+                state = self._resumed(self._share_state(state, self.epoch))
+                if not self._sitting_out:  # else checked once the joiners took part in their first exchange
+                    self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
+            except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
+                if not self.communicator.can_rebuild:
+                    raise
+                fail_epoch(self.membership, self.epoch, error)  # a member lost meanwhile: it is given the state
+                state = self._recover(state)  # in the next epoch
             self.trainer._batches_checked = True  # the members checked their batches before this one came
         return state
 
     def _join(self, state: Any, example_batch: Any) -> Any:
-        """Compile the step, ask to be admitted, take the epoch's communicator; returns ``state`` for its world size."""
+        """Compile the step, ask to be admitted, take the epoch's communicator; returns ``state``."""
         if example_batch is None:
             raise ValueError(
                 "FaultTolerantTrainer.init: a joiner compiles its step before it asks to join, so that its peers never "
@@ -199,8 +207,7 @@ class FaultTolerantTrainer(StateSharing):
         membership = join_members(self.communicator, settings, master, None, timeout)
         self.admission = {"asked": asked, "admitted": time.time()}
         self._admitted(membership)
-        self._split_state_group(self.epoch)
-        return self._carry_over(state, recompile=not self._world_size_free)
+        return state
 
     def step(self, state: Any, batch_of: Callable[[np.ndarray], Any]) -> tuple[Any, Any]:
         """One step: ``batch_of(indices)`` builds this rank's batch from the sample indices :attr:`data` assigns it;
@@ -336,29 +343,45 @@ class FaultTolerantTrainer(StateSharing):
 
     def _recover(self, state: Any) -> Any:
         """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
-        that had not applied a step another one applied is given that one's state)."""
-        started = time.monotonic()
-        if self._transfer is not None and self._sits_out:  # a broadcast on the old communicator: over (revoked)
-            with contextlib.suppress(Exception):  # before it changes; a pair's own thread is left to end
-                self._transfer.result()
-        self._transfer = self._incoming = None
-        old = self.epoch
-        self.membership, new = follow_members(self.communicator, self.membership, old)  # a new one if evicted
-        self.epoch = new
-        self._split_state_group(new)
+        that had not applied a step another one applied is given that one's state). Over an engine that rebuilds its
+        communicator afresh (TCP), a member lost during the recovery makes the survivors take the epoch after."""
+        started, first, retried = time.monotonic(), self.epoch, False
+        while True:
+            if self._transfer is not None and self._sits_out:  # a broadcast on the old communicator: over (revoked)
+                with contextlib.suppress(Exception):  # before it changes; a pair's own thread is left to end
+                    self._transfer.result()
+            self._transfer = self._incoming = None
+            self.membership, new = follow_members(self.communicator, self.membership, self.epoch)  # evicted: a new one
+            self.epoch = new
+            # A failed attempt may have left the step compiled for its size: compiled again for the next one's.
+            recompile = (retried or new.size != first.size) and not self._world_size_free
+            try:
+                state = self._take_epoch(state, new, recompile)
+                break
+            except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
+                if not self.communicator.can_rebuild:
+                    raise
+                fail_epoch(self.membership, new, error)
+                retried = True
+        record = {"epoch": new.number, "size": new.size, "joined": len(new.joined)}
+        self.recoveries.append({**record, "rebuild_seconds": time.monotonic() - started})
+        return state
+
+    def _take_epoch(self, state: Any, new: Epoch, recompile: bool) -> Any:
+        """``state`` carried over to ``new``'s members, whose communicator this one now is: the state's group split,
+        the step compiled again (``recompile``), the state given to the joiners, the replicas compared."""
         # Its step abandoned, the divisor goes back to the size; only now, once the new members' communicator
         # dropped the failed calls' ordering tokens: before, the divisor's wait for those calls raised their error.
         self.communicator.set_average_divisor(None)
         self.communicator.revoke_when(new.closed, f"the job's membership changed (epoch {new.number} closed)")
-        state = self._carry_over(state, recompile=new.size != old.size and not self._world_size_free)
+        self._split_state_group(new)
+        state = self._carry_over(state, recompile)
         self._sitting_out &= {member.id for member in new.members}
         if new.joined:
             state = self._share_state(state, new)
         state = self._resumed(state)
         if not self._sitting_out:  # else checked once the joiners took part in their first exchange
             self.check_replicas(state, f"after the recovery to epoch {new.number}")
-        record = {"epoch": new.number, "size": new.size, "joined": len(new.joined)}
-        self.recoveries.append({**record, "rebuild_seconds": time.monotonic() - started})
         return state
 
     def _carry_over(self, state: Any, recompile: bool) -> Any:

@@ -1,4 +1,4 @@
-"""The native collectives (MPI or NCCL) behind the communicator protocol."""
+"""The native collectives (MPI, TCP or NCCL) behind the communicator protocol."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import numpy as np
 
 from bagua_common.comm import mpi_rendezvous, tcp_rendezvous
 from bagua_common.comm.engines import HOST_ENGINES, MpiSettings, mpi_ring_min_bytes
+from bagua_common.comm.key_value_store import KeyValueStore
 from bagua_common.comm.timeout import timeout_seconds
 from bagua_jax import native_collectives as nc
 from bagua_jax.communicator import REDUCE_OPS, ReduceOp, check_schedule
@@ -25,21 +26,22 @@ class NativeCommunicator(MpiSettings):
     """Collectives through Bagua's native engines, one device per process.
 
     CPU arrays go through the MPI engine (start the processes with ``mpiexec`` or
-    ``bagua-launch --mpi``), GPU arrays through NCCL. Every method lowers to an XLA
-    FFI custom call ordered by an effect token, so it may be used inside
-    ``jax.jit`` and keeps program order on every rank. A collective that does not
-    complete within ``timeout`` seconds (a dead peer, a rank that skipped it) raises
-    an error naming the communicator, the operation and the rank.
+    ``bagua-launch --mpi``) or the TCP engine (:meth:`tcp_through_store`), GPU arrays
+    through NCCL. Every method lowers to an XLA FFI custom call ordered by an effect
+    token, so it may be used inside ``jax.jit`` and keeps program order on every rank. A
+    collective that does not complete within ``timeout`` seconds (a dead peer, a rank that
+    skipped it) raises an error naming the communicator, the operation and the rank.
 
     Attributes (read them, do not set them): ``size``, the number of ranks; ``handle``, the
-    engine's integer handle of this communicator; ``engine``, the engine module (``_bagua_mpi``
-    or ``_bagua_nccl``) for calls outside ``jit``; ``kind``, ``"mpi"`` (host buffers) or
-    ``"nccl"`` (device buffers).
+    engine's integer handle of this communicator; ``engine``, the engine module (``_bagua_mpi``,
+    ``_bagua_tcp`` or ``_bagua_nccl``) for calls outside ``jit``; ``kind``, ``"mpi"`` or ``"tcp"``
+    (host buffers) or ``"nccl"`` (device buffers).
 
-    The handle is a slot: after a membership change :meth:`shrink` and :meth:`grow` put the new
-    communicator in it, so a step compiled before the change runs on the new ranks without being
-    compiled again wherever its shapes do not depend on ``size`` (:meth:`rank` is read at run time).
-    ``generation`` counts the communicators put in the slot since the first.
+    The handle is a slot: after a membership change :meth:`shrink` and :meth:`grow` (or
+    :meth:`rebuild`) put the new communicator in it, so a step compiled before the change
+    runs on the new ranks without being compiled again wherever its shapes do not depend on
+    ``size`` (:meth:`rank` is read at run time). ``generation`` counts the communicators put
+    in the slot since the first.
     """
 
     def __init__(self, handle: int, engine_kind: str):
@@ -88,7 +90,7 @@ class NativeCommunicator(MpiSettings):
 
     @classmethod
     def mpi_through_store(
-        cls, store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
+        cls, store: KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
     ) -> NativeCommunicator:
         """A world of ``size`` ranks built through ``store`` (under the unused key ``prefix``) instead of
         ``MPI_COMM_WORLD``, for CPU arrays: each rank is its own ``mpiexec -n 1`` job, so a rank killed by a signal
@@ -104,7 +106,7 @@ class NativeCommunicator(MpiSettings):
     @classmethod
     def tcp_through_store(
         cls,
-        store: mpi_rendezvous.KeyValueStore,
+        store: KeyValueStore,
         prefix: str,
         rank: int,
         size: int,
@@ -114,11 +116,11 @@ class NativeCommunicator(MpiSettings):
         """A world of ``size`` ranks over the TCP engine, for CPU arrays, built through ``store`` (under the unused
         key ``prefix``; only the job's processes may write it): each rank listens on ``host``, the address the job
         uses, and connects to every other. No MPI: a rank that dies fails the others' operation in flight at once,
-        and they can :meth:`shrink` to the survivors (see :mod:`bagua_common.comm.tcp_rendezvous`). Every rank calls
-        it with its rank and the same ``prefix`` and ``size``."""
+        and they can :meth:`rebuild` the communicator of the survivors (see :mod:`bagua_common.comm.tcp_rendezvous`).
+        Every rank calls it with its rank and the same ``prefix`` and ``size``."""
         tcp, timeout = engine("tcp"), timeout_seconds(timeout)
         address = tcp.listen(host)
-        return cls(tcp_rendezvous.assemble(tcp, store, prefix, rank, size, address, None, 0, "world", timeout), "tcp")
+        return cls(tcp_rendezvous.assemble(tcp, store, prefix, rank, size, address, "world", timeout), "tcp")
 
     @classmethod
     def tcp_self(cls, host: str, timeout: float | None = None) -> NativeCommunicator:
@@ -127,6 +129,34 @@ class NativeCommunicator(MpiSettings):
         tcp = engine("tcp")
         handle = tcp.build(secrets.token_hex(16), 0, [tcp.listen(host)], "world", timeout_seconds(timeout))
         return cls(handle, "tcp")
+
+    @property
+    def can_rebuild(self) -> bool:
+        """Whether :meth:`rebuild` can build the communicator of any members afresh, whatever this slot holds (TCP),
+        so that a change of members that failed as a rank died can be made again. MPI shrinks and grows the
+        communicator it holds instead, and cannot abandon a pending build."""
+        return self.kind == "tcp"
+
+    def rebuild(
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        rank: int,
+        size: int,
+        abandoned: threading.Event | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        """Put a communicator of ``size`` ranks built afresh through ``store`` (under the unused key ``prefix``) in this
+        slot, this process being ``rank`` (TCP, :attr:`can_rebuild`): the members of a membership, survivors and
+        newcomers alike, each call it with its place in it. Fails at once when ``abandoned`` is set (the members
+        changed again meanwhile: a rank died before connecting), and then, as after any failure, it may be called
+        again under another prefix. Its operations wait ``timeout`` seconds at most (None: as this one's)."""
+        if not self.can_rebuild:
+            raise ValueError(f"rebuild: the {self.kind} engine cannot build a communicator afresh (TCP can)")
+        tcp = self.engine
+        address = tcp.addresses(self.handle)[self._rank]
+        seconds = tcp.timeout(self.handle) if timeout is None else timeout_seconds(timeout)
+        self._install(tcp_rendezvous.assemble(tcp, store, prefix, rank, size, address, "world", seconds, abandoned))
 
     @property
     def on_host(self) -> bool:
@@ -152,48 +182,26 @@ class NativeCommunicator(MpiSettings):
             raise ValueError(f"shrink: members must be ascending ranks of this {self.size}-rank communicator")
         if self.kind == "mpi":
             shrunk = mpi_rendezvous.shrink(self.engine, self.handle, members, "world")
-        elif self.kind == "tcp":
+        elif self.kind == "tcp":  # on connections of its own, no store: rebuild() makes one through the store
             shrunk = self.engine.shrink(self.handle, members, "world")
         else:
             shrunk = self.engine.shrink(self.handle, sorted(set(range(self.size)) - set(members)), "world")
         self._install(shrunk)
 
-    def grow(self, store: mpi_rendezvous.KeyValueStore, prefix: str, size: int, timeout: float | None = None) -> None:
+    def grow(self, store: KeyValueStore, prefix: str, size: int, timeout: float | None = None) -> None:
         """Admit ``size - self.size`` newcomers (MPI, TCP), which call :meth:`join` (or :meth:`mpi_join`) with the
         same ``prefix`` and ``size``; they become the last ranks. Every rank of this communicator calls it."""
-        if self.kind == "tcp":
-            grown = tcp_rendezvous.assemble(
-                self.engine,
-                store,
-                prefix,
-                self._rank,
-                size,
-                None,
-                self.handle_copy(),
-                self.size,
-                "world",
-                timeout_seconds(timeout),
-            )
-            self._install(grown)
+        if self.can_rebuild:
+            self.rebuild(store, prefix, self._rank, size, timeout=timeout)
             return
         if self.kind != "mpi":
             raise ValueError("grow: only the host engines admit newcomers in place (NCCL: build a new communicator)")
-        grown = mpi_rendezvous.assemble(
-            self.engine,
-            store,
-            prefix,
-            self._rank,
-            size,
-            self.handle_copy(),
-            self.size,
-            "world",
-            timeout_seconds(timeout),
-        )
-        self._install(grown)
+        mpi, group, timeout = self.engine, self.handle_copy(), timeout_seconds(timeout)
+        self._install(mpi_rendezvous.assemble(mpi, store, prefix, self._rank, size, group, self.size, "world", timeout))
 
     @classmethod
     def mpi_join(
-        cls, store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
+        cls, store: KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
     ) -> NativeCommunicator:
         """This newcomer's place (``rank``) in a communicator of ``size`` ranks whose members call :meth:`grow`."""
         mpi_rendezvous.prepare_rank()
@@ -207,19 +215,12 @@ class NativeCommunicator(MpiSettings):
         mpi_rendezvous.prepare_rank()
         return cls(engine("mpi").self("world", timeout_seconds(timeout)), "mpi")
 
-    def join(
-        self, store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
-    ) -> None:
+    def join(self, store: KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None) -> None:
         """Take place ``rank`` in the communicator of ``size`` ranks whose members call :meth:`grow` with ``prefix``,
         in this communicator's slot (one of :meth:`tcp_self` or :meth:`mpi_self`): what :meth:`mpi_join` builds,
         without compiling the steps again wherever their shapes do not depend on ``size``."""
-        if self.kind == "tcp":
-            address = self.engine.addresses(self.handle)[0]
-            self._install(
-                tcp_rendezvous.assemble(
-                    self.engine, store, prefix, rank, size, address, None, rank, "world", timeout_seconds(timeout)
-                )
-            )
+        if self.can_rebuild:
+            self.rebuild(store, prefix, rank, size, timeout=timeout)
             return
         if self.kind != "mpi":
             raise ValueError("join: only the host engines admit newcomers in place (NCCL: build a new communicator)")
@@ -426,7 +427,7 @@ class NativeCommunicator(MpiSettings):
         return x
 
 
-def _newcomer(store: mpi_rendezvous.KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None) -> int:
+def _newcomer(store: KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None) -> int:
     """The engine handle of this newcomer's place ``rank`` in the communicator of ``size`` ranks that the members
     build with :meth:`NativeCommunicator.grow` under ``prefix``."""
     return mpi_rendezvous.assemble(

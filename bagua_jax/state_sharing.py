@@ -40,7 +40,10 @@ class StateSharing:
         return self._weighed_out_step is not None or self._unaveraged_step is not None
 
     def _split_state_group(self, epoch: Epoch) -> None:
-        """At an admission, on every rank before it compiles anything: the holder's and joiners' communicator."""
+        """At an admission, on every rank before it compiles anything: the holder's and joiners' communicator (that of
+        an admission whose members changed before the state went is closed)."""
+        if self._state_group is not None:
+            self._state_group.close()
         grouped = epoch.joined and self._state_travels_over_a_group
         self._state_group = state_transfer.transfer_group(self.communicator, epoch) if grouped else None
 

@@ -7,6 +7,9 @@ each its own group of processes (one process per rank, all on this machine):
 
     native-jax    bagua_jax.NativeCommunicator under jax.jit: the MPI engine
                   (``mpiexec -n N``) on CPU, the NCCL engine on GPU
+    native-jax-tcp  bagua_jax.NativeCommunicator under jax.jit over the TCP engine
+                  (``tcp_through_store``, the fault-tolerant JAX jobs' engine), CPU only:
+                  one process per rank, the world built through a store rank 0 serves
     native-torch  bagua_torch.NativeCommunicator: the MPI engine (``mpiexec -n N``) on
                   CPU, the NCCL engine on GPU
     lax           bagua_jax.LaxCommunicator inside jax.shard_map over a mesh of every
@@ -35,6 +38,8 @@ where nothing moves). GB/s is 1e9 bytes per second. The ratio columns are time
 ratios: ``native-jax/lax`` is lax's time over native-jax's and ``native-torch/torch``
 torch.distributed's time over native-torch's, so above 1 means the native engine is
 faster.
+
+``native-jax-tcp/native-jax`` is the MPI engine's time over the TCP engine's (CPU).
 
 Each engine is called through its communicator, as Bagua's algorithms call it: every
 call returns a new buffer (ProcessGroupCommunicator clones the input of allreduce and
@@ -143,18 +148,22 @@ from harness.options import add_out_option, add_subset_option
 from harness.results import finish_meta, header_lines, run_meta
 
 from bagua_common.comm import topology
+from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
 from bagua_common.job.local_launch import free_port, mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 GB = 1e9
-ENGINES = ("native-jax", "native-torch", "lax", "torch")
-PAIRS = (("native-jax", "lax"), ("native-torch", "torch"))  # (native, baseline) per front end
+ENGINES = ("native-jax", "native-jax-tcp", "native-torch", "lax", "torch")
+CPU_ONLY = ("native-jax-tcp",)
+# (native, baseline) per front end; the TCP engine against the MPI engine
+PAIRS = (("native-jax", "lax"), ("native-torch", "torch"), ("native-jax-tcp", "native-jax"))
 PRIMITIVES = ("allreduce", "allgather", "reduce_scatter", "alltoall", "broadcast", "send_recv")
 BLOCKED = ("allgather", "reduce_scatter", "alltoall")  # S is n blocks, one per rank
 ENGINE_DESCRIPTIONS = {
     "cpu": {
         "native-jax": "bagua_jax.NativeCommunicator, MPI engine (mpiexec), under jax.jit",
+        "native-jax-tcp": "bagua_jax.NativeCommunicator.tcp_through_store (TCP engine), under jax.jit",
         "native-torch": "bagua_torch.NativeCommunicator, MPI engine (mpiexec)",
         "lax": "bagua_jax.LaxCommunicator in jax.shard_map: XLA collectives over gloo (jax.distributed)",
         "torch": "bagua_torch.ProcessGroupCommunicator over torch.distributed gloo",
@@ -352,7 +361,7 @@ class NativeJaxEngine(Engine):
             )
             self.comm = NativeCommunicator.nccl_world(timeout)
         else:
-            self.comm = NativeCommunicator.mpi_world(timeout)
+            self.comm = self._cpu_world(timeout)
         self.jax, self.jnp = jax, jnp
         self.rank, self.size = int(self.comm.rank()), self.comm.size
         comm = self.comm
@@ -372,9 +381,34 @@ class NativeJaxEngine(Engine):
     def allmax(self, values):
         return np.asarray(self._max(self.jnp.asarray(np.asarray(values, np.float32))))
 
+    def _cpu_world(self, timeout: float) -> Any:
+        from bagua_jax.native_communicator import NativeCommunicator
+
+        return NativeCommunicator.mpi_world(timeout)
+
     def info(self):
         d = self.jax.devices()[0]
         return {"device_name": getattr(d, "device_kind", str(d)), "engine": "nccl" if self.device == "gpu" else "mpi"}
+
+
+class NativeJaxTcpEngine(NativeJaxEngine):
+    """bagua_jax.NativeCommunicator under jax.jit over the TCP engine (CPU): rank 0 serves the store the world is built
+    through, at MASTER_ADDR:MASTER_PORT, under the job's secret (``BAGUA_FT_SECRET_FILE``)."""
+
+    name = "native-jax-tcp"
+
+    def _cpu_world(self, timeout: float) -> Any:
+        from bagua_common.fault_tolerance import job_secret
+        from bagua_common.fault_tolerance.kv_store import KVServer, connect
+        from bagua_jax.native_communicator import NativeCommunicator
+
+        host, port, rank = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["RANK"])
+        self._server = KVServer(host, port, secret=job_secret()) if rank == 0 else None
+        store = connect(host, port, timeout, secret=job_secret())
+        return NativeCommunicator.tcp_through_store(store, "world/", rank, self.size, host, timeout)
+
+    def info(self):
+        return {**super().info(), "engine": "tcp"}
 
 
 class LaxEngine(Engine):
@@ -532,6 +566,8 @@ class TorchEngine(Engine):
 def make_engine(name: str, device: str, ranks: int, timeout: float) -> Engine:
     if name == "native-jax":
         return NativeJaxEngine(device, ranks, timeout)
+    if name == "native-jax-tcp":
+        return NativeJaxTcpEngine(device, ranks, timeout)
     if name == "lax":
         return LaxEngine(device, ranks, timeout)
     if name in ("native-torch", "torch"):
@@ -735,6 +771,8 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
         "WORLD_SIZE": str(args.ranks),
     }
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.ranks)))
+    secret = workdir / "fault-tolerance-secret"  # the TCP engine's store's, one per run
+    env[ENV_SECRET_FILE] = str(secret) if secret.exists() else write_job_secret(str(workdir))
     if args.device == "cpu":
         env |= {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per process
     else:
@@ -742,7 +780,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
     read_fd, write_fd = os.pipe()
     procs: list[subprocess.Popen] = []
     try:
-        if engine.startswith("native") and args.device == "cpu":
+        if engine in ("native-jax", "native-torch") and args.device == "cpu":
             command = [mpiexec(), "-n", str(args.ranks), *worker]
             procs.append(
                 subprocess.Popen(
@@ -1106,6 +1144,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error("--device gpu measures one rank; leave --ranks out or pass --ranks 1")
     if args.ranks < 1:
         parser.error("--ranks must be positive")
+    if args.device == "gpu":
+        if set(CPU_ONLY) & set(args.engines) and "--engines" in (argv if argv is not None else sys.argv):
+            parser.error(f"--device gpu: {', '.join(CPU_ONLY)} run(s) on the CPU only")
+        args.engines = [e for e in args.engines if e not in CPU_ONLY]
     if args.target_seconds is None:
         args.target_seconds = QUICK_TARGET_SECONDS if args.quick else TARGET_SECONDS
     if args.sizes is None:

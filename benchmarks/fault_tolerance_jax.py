@@ -1,11 +1,12 @@
 """The JAX front end's fault tolerance, measured: the fault-free overhead, and the resume after a SIGKILL.
 
-Ranks run the native MPI engine, each its own ``mpiexec -n 1`` job joined through the fault-tolerant membership
-(``bagua_jax.fault_tolerance``), training a ``--width`` MLP (or a GPT on the corpus, ``--model tiny|mini|small``:
-8 windows per rank, AdamW) with gradient allreduce, ByteGrad or PowerSGD (``--algorithm bytegrad|powersgd``, their
-defaults), DiLoCo (``--algorithm diloco``, ``--sync-every`` H; Streaming DiLoCo with ``--fragments`` P and
-``--fragment-sync-delay`` tau, its exchanges overlapping tau steps on a thread), decentralized SGD pairing the ranks
-(``decentralized``: shift_one) or low-precision decentralized SGD (``low_precision_decentralized``).
+Ranks run a native host engine (``--engine``: TCP, or MPI), each its own ``mpiexec -n 1`` job joined through the
+fault-tolerant membership (``bagua_jax.fault_tolerance``), training a ``--width`` MLP (or a GPT on the corpus,
+``--model tiny|mini|small``: 8 windows per rank, AdamW) with gradient allreduce, ByteGrad or PowerSGD (``--algorithm
+bytegrad|powersgd``, their defaults), DiLoCo (``--algorithm diloco``, ``--sync-every`` H; Streaming DiLoCo with
+``--fragments`` P and ``--fragment-sync-delay`` tau, its exchanges overlapping tau steps on a thread), decentralized
+SGD pairing the ranks (``decentralized``: shift_one) or low-precision decentralized SGD
+(``low_precision_decentralized``).
 
 * ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
   fault-tolerant ones (a commit by agreement per transaction, the replica digests every ``--hash-every``) on the same
@@ -67,6 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     import optax
 
     from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
+    from bagua_common.fault_tolerance.kv_store import advertised_host
     from bagua_jax import DataParallel, NativeCommunicator
     from bagua_jax.algorithms import Decentralized, DiLoCo
     from bagua_jax.fault_tolerance import FaultTolerantTrainer
@@ -111,12 +113,21 @@ def worker(args: argparse.Namespace) -> None:
     period = args.sync_every if args.algorithm == "diloco" else 1  # steps per transaction
     if rank < members:
         membership = Membership.start(settings, rank, members, master, args.port, timeout=120)
-        comm = NativeCommunicator.mpi_through_store(membership.epoch.store, "world/", rank, members, timeout=120)
+        store = membership.epoch.store
+        comm = (
+            NativeCommunicator.tcp_through_store(store, "world/", rank, members, membership.me.host, timeout=120)
+            if args.engine == "tcp"
+            else NativeCommunicator.mpi_through_store(store, "world/", rank, members, timeout=120)
+        )
     else:  # the joiner
         while not Path(args.workdir, "start-joiner").exists():
             time.sleep(0.01)
         record["started"] = time.time()
-        comm = NativeCommunicator.mpi_self(timeout=120)
+        comm = (
+            NativeCommunicator.tcp_self(advertised_host(master), timeout=120)
+            if args.engine == "tcp"
+            else NativeCommunicator.mpi_self(timeout=120)
+        )
 
     algorithm = args.algorithm
     if args.algorithm == "diloco":
@@ -214,7 +225,7 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
     env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
     argv = [mpiexec(), "-n", "1", sys.executable, sys.argv[0], args.mode, "--worker", "--workdir", str(workdir)]
-    options = ("port", "ranks", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
+    options = ("port", "ranks", "engine", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
     options += ("kill_step", "join_after", "fragments", "fragment_sync_delay")
     argv += [f"--{k.replace('_', '-')}={getattr(args, k) if k != 'port' else port}" for k in options]
     logs = [open(workdir / f"rank{r}.log", "w") for r in range(args.ranks)]
@@ -276,6 +287,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("mode", choices=("overhead", "kill", "join"))
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--engine", choices=("tcp", "mpi"), default="tcp", help="the native host engine")
     parser.add_argument("--width", type=int, default=1024, help="the MLP's width")
     parser.add_argument("--model", choices=("mlp", "tiny", "mini", "small"), default="mlp", help="an MLP, or a GPT")
     parser.add_argument("--steps", type=int, default=20)
@@ -309,7 +321,8 @@ def main() -> None:
         worker(args)
         return
     meta = run_meta(
-        ["jax", "mpich"], ranks=args.ranks, model=args.model, width=args.width, steps=args.steps, rounds=args.rounds,
+        ["jax", "mpich"], ranks=args.ranks, engine=args.engine, model=args.model, width=args.width, steps=args.steps,
+        rounds=args.rounds,
         algorithm=args.algorithm, sync_every=args.sync_every if args.algorithm == "diloco" else None, rate=args.rate,
         fragments=args.fragments if args.algorithm == "diloco" else None,
         fragment_sync_delay=args.fragment_sync_delay if args.algorithm == "diloco" else None,
@@ -332,7 +345,8 @@ def main() -> None:
                     file=sys.stderr,
                 )
     finish_meta(meta)
-    lines = [f"# Fault tolerance, JAX native MPI engine, {args.algorithm}: {args.mode}", "", *header_lines(meta), ""]
+    title = f"# Fault tolerance, JAX native {args.engine.upper()} engine, {args.algorithm}: {args.mode}"
+    lines = [title, "", *header_lines(meta), ""]
     if args.mode == "overhead":
         rows, ratios = [], []
         for index, rounds in enumerate(zip(*(r["rounds"] for r in records))):

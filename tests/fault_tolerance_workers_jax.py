@@ -1,6 +1,5 @@
-"""Ranks of the JAX trainer's fault-tolerance tests (test_fault_tolerance_jax.py).
-
-The first members train with the native MPI engine, each its own ``mpiexec -n 1`` job joined through the
+"""Ranks of the JAX trainer's fault-tolerance tests (test_fault_tolerance_jax.py). The first members train with the
+native TCP engine (``FT_ENGINE=mpi``: the MPI engine), each its own ``mpiexec -n 1`` job joined through the
 fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults are
 ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective, by
 ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats), ``pause`` (SIGSTOP, then SIGCONT
@@ -9,19 +8,20 @@ starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive) or ``st
 step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
 saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's
 state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills
-that member in its first recovery's shrink, ``FT_KILL_IN_STATE_SPLIT`` (a rank) as the members split the state's
-communicator at an admission, and ``FT_COMM_TIMEOUT`` (seconds, 60 by default) bounds the
-communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the training's gradient allreduce
-and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and ``FT_HIDDEN`` (a width) adds an
-unused layer of that width beside the linear model: a larger step, with the same loss and zero gradients for the
-layer. ``FT_MLP`` (a width) adds a trained tanh layer of that width to the linear model's prediction (a matrix
-PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax ``TrainState``; ``FT_RESTORE=1``
-starts the first members from the newest checkpoint in the signals folder (the last run's final save).
-``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch closed, and
-``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's step.
-``FT_ADMITTING_STEP_SECONDS`` makes the first members' step after the joiner's admission compute that much longer.
-Every member records each attempt of a step (its transaction, epoch, rank, the members training it and all the
-members, sample indices, times), its state's first and final parameters, its final rank and, under low-precision
+that member in its first recovery's shrink (MPI), ``FT_KILL_IN_REBUILD`` (``rank:start`` or ``rank:connect``) in its
+first recovery's rebuild (TCP: before it published its address, or as it connects), ``FT_KILL_IN_STATE_SPLIT`` (a
+rank) as the members split the state's communicator at an admission, and ``FT_COMM_TIMEOUT`` (seconds, 60 by
+default) bounds the communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the
+training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and
+``FT_HIDDEN`` (a width) adds an unused layer of that width beside the linear model: a larger step, with the same
+loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh layer of that width to the linear
+model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax
+``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals folder (the last
+run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch
+closed, and ``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's
+step. ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step after the joiner's admission compute that much
+longer. Every member records each attempt of a step (its transaction, epoch, rank, the members training it and all
+the members, sample indices, times), its state's first and final parameters, its final rank and, under low-precision
 decentralized training, its copies of its own and its ring neighbours' weights.
 """
 
@@ -40,8 +40,8 @@ from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, M
 from bagua_common.fault_tolerance.kv_store import advertised_host
 
 SAMPLES, FEATURES, BATCH_PER_RANK, LR = 120, 5, 4, 0.1
-ENGINE = os.environ.get("FT_ENGINE", "mpi")
-"""The members' engine: ``mpi`` (each its own ``mpiexec -n 1`` job) or ``tcp``."""
+ENGINE = os.environ.get("FT_ENGINE", "tcp")
+"""The members' engine: ``tcp`` or ``mpi`` (the processes run as their own ``mpiexec -n 1`` jobs either way)."""
 SETTINGS = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.5, quorum_timeout=30.0, hash_every=2)
 PAUSE_SECONDS = SETTINGS.dead_after + 3.0
 
@@ -264,6 +264,32 @@ def _die_in_the_first_shrink() -> None:
     NativeCommunicator.shrink = dying
 
 
+def _die_in_the_first_rebuild(where: str) -> None:
+    """SIGKILL this member in its first rebuild of the communicator (TCP), at its ``start`` (the others wait for its
+    address in the store) or as it would ``connect`` (the ranks above it connect to it, those below wait for it)."""
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    rebuild = NativeCommunicator.rebuild
+
+    class DyingAsItConnects:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+        def build(self, *args):
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def dying(self, *args, **kwargs):
+        if where == "start":
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.engine = DyingAsItConnects(self.engine)
+        rebuild(self, *args, **kwargs)
+
+    NativeCommunicator.rebuild = dying
+
+
 def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:
     """Make ``membership``'s votes fail as ``faults`` (``kill-before-vote``) and ``late_vote`` say for ``rank``."""
     vote_ahead = membership.vote_ahead
@@ -306,6 +332,9 @@ def train(
 
     if os.environ.get("FT_KILL_IN_SHRINK") == os.environ["RANK"]:
         _die_in_the_first_shrink()
+    victim, _, where = os.environ.get("FT_KILL_IN_REBUILD", "").partition(":")
+    if victim == os.environ["RANK"]:
+        _die_in_the_first_rebuild(where)
     if os.environ.get("FT_KILL_IN_STATE_SPLIT") == os.environ["RANK"]:
         _die_in_the_state_split()
     holder_dies = os.environ.get("FT_STATE_HOLDER_DIES") == "1"
@@ -313,7 +342,7 @@ def train(
     _hold_up_the_state(float(os.environ.get("FT_STATE_DELAY", "0")), holder_dies, 1.5 if victim_while_late else 0.0)
     if victim_while_late:
         _die_while_a_joiner_is_late(int(victim_while_late))
-    death_in_admission = holder_dies or bool(victim_while_late)
+    death_in_admission = holder_dies or bool(victim_while_late) or "FT_KILL_IN_STATE_SPLIT" in os.environ
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     if os.environ.get("FT_HIDDEN"):

@@ -96,3 +96,29 @@ def grow_by_one(port: int, secret: bytes) -> dict:
         comm.join(store, "grow/", 2, 3, 30)
     after = np.asarray(comm.allreduce(jnp.full(3, rank + 1.0)))
     return {"before": before, "after": after, "rank": int(comm.rank()), "size": comm.size}
+
+
+def abandoned_rebuild(port: int, secret: bytes) -> dict:
+    """Three ranks rebuild their communicator; rank 1 publishes its address and never builds (alive and listening),
+    so rank 0 waits for its connection and rank 2 for it to take one. Their build is abandoned after 0.5 s; then
+    ranks 0 and 2 rebuild the communicator of the two of them and allreduce."""
+    import jax.numpy as jnp
+
+    comm, store = _world(port, secret)
+    rank = int(comm.rank())
+    if rank == 1:
+        store.set("second/address/1", comm.engine.addresses(comm.handle)[1])
+        store.get("done", wait=30)
+        return {}
+    abandoned = threading.Event()
+    threading.Timer(0.5, abandoned.set).start()
+    started, error = time.monotonic(), "no error"
+    try:
+        comm.rebuild(store, "second/", rank, 3, abandoned)
+    except RuntimeError as failure:
+        error = str(failure)
+    seconds = time.monotonic() - started
+    comm.rebuild(store, "third/", rank // 2, 2)
+    after = np.asarray(comm.allreduce(jnp.full(3, rank + 1.0)))
+    store.set("done", "1")
+    return {"error": error, "seconds": seconds, "after": after, "size": comm.size}

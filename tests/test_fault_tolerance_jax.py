@@ -654,6 +654,34 @@ def test_a_member_lost_while_the_survivors_shrink_the_communicator_stops_them_na
     assert time.monotonic() - started < 60, outputs
 
 
+@pytest.mark.parametrize("where", ["start", "connect"])
+def test_a_member_lost_while_the_survivors_rebuild_the_communicator_costs_them_one_more_epoch(
+    tmp_path: Path, where: str
+):
+    # Rank 3 is killed in step 3; rank 2 dies in the survivors' rebuild of the communicator for ranks 0-2 over TCP:
+    # before it published its address (the others wait for it in the store), or as it would connect (rank 1 waits
+    # for its connection, and it never connects to rank 0 or 1). Its death closes that epoch, which abandons the
+    # build; ranks 0 and 1 take the next epoch and go on, long before the communicator's timeout (60 s here).
+    env = {"FT_KILL_IN_REBUILD": f"2:{where}", "FT_COMM_TIMEOUT": "60"}
+    results = run_members(tmp_path, "train", 4, {3: (3, "kill")}, 4, 2, 6, env=env, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [True, True, False, False], outputs
+    first, second = (r.value for r in results[:2])
+    sizes = {s["transaction"]: s["size"] for s in first["steps"]}
+    assert sizes == {s["transaction"]: s["size"] for s in second["steps"]}, outputs
+    assert [sizes[t] for t in sorted(sizes)] == [4, 4] + [2] * (len(sizes) - 2), sizes
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(first["params"][name], value, rtol=2e-5, atol=1e-6)
+        np.testing.assert_array_equal(second["params"][name], first["params"][name])  # bit-identical
+    retried = [a for a in first["attempts"] if a["transaction"] == 3]
+    assert len(retried) == 2 and "committed" not in retried[0], retried  # one step lost
+    resume = retried[1]["start"] - float((tmp_path / "fault-time-3").read_text())
+    assert resume < 15, resume  # not the communicator's timeout
+    [recovery] = first["recoveries"]  # one recovery, through two epochs: the one rank 2 died in, and the next
+    assert recovery["size"] == 2 and recovery["epoch"] == retried[0]["epoch"] + 2, first["recoveries"]
+    print(f"death in the rebuild ({where}): the survivors resumed {resume:.2f} s after the first death")
+
+
 def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_on_from_the_next_one(tmp_path: Path):
     results = run_members(tmp_path, "train_and_save", 3, 3, 4, 2, timeout=120)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
@@ -937,10 +965,18 @@ def test_a_member_lost_while_a_joiner_is_late_for_its_state_costs_the_others_one
     env = {"FT_KILL_WHILE_STATE_TRAVELS": "1", "FT_COMM_TIMEOUT": "20"}
     started = time.monotonic()
     results = run_members(tmp_path, "train", 4, {}, 3, 3, 8, env=env, timeout=180)
-    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert (tmp_path / "victim-died").exists()
+    holder, _ = two_members_and_the_joiner_trained_on(results)
+    assert time.monotonic() - started < 20  # no wait for the communicator's timeout
+    assert [r["size"] for r in holder["recoveries"]] == [4, 3], holder["recoveries"]  # the admission, the death
+
+
+def two_members_and_the_joiner_trained_on(results) -> tuple[dict, dict]:
+    """After member 1 of three died during a joiner's admission: members 0 and 2 and the joiner ended the job
+    together, bit-identical, the joiner's parameters those of the committed steps replayed. Returns the holder's
+    (member 0's) and the joiner's records."""
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode == 0 for r in results] == [True, False, True, True], outputs
-    assert time.monotonic() - started < 20, outputs  # no wait for the communicator's timeout
     holder, other, joiner = (r.value for r in (results[0], results[2], results[3]))
     for name, value in holder["params"].items():
         for member in (other, joiner):
@@ -948,7 +984,20 @@ def test_a_member_lost_while_a_joiner_is_late_for_its_state_costs_the_others_one
     sizes = {s["transaction"]: s["size"] for s in holder["steps"]}
     for name, value in replay(sizes).items():
         np.testing.assert_allclose(joiner["params"][name], value, rtol=2e-5, atol=1e-6)
-    assert [r["size"] for r in holder["recoveries"]] == [4, 3], holder["recoveries"]  # the admission, the death
+    return holder, joiner
+
+
+def test_a_member_lost_while_the_state_communicator_is_split_costs_the_others_one_more_epoch(tmp_path: Path):
+    # Three members admit a joiner weighed out of its first step; member 1 dies as they split the communicator the
+    # state travels over. Over TCP the split fails at once: the others, the joiner too, take the next epoch, where
+    # the joiner is given the state, and the three train on together.
+    env = {"FT_KILL_IN_STATE_SPLIT": "1", "FT_COMM_TIMEOUT": "20"}
+    started = time.monotonic()
+    results = run_members(tmp_path, "train", 4, {}, 3, 3, 8, env=env, timeout=120)
+    holder, joiner = two_members_and_the_joiner_trained_on(results)
+    assert time.monotonic() - started < 60
+    assert [r["size"] for r in holder["recoveries"]] == [3], holder["recoveries"]  # one: the admission, then the death
+    assert [r["size"] for r in joiner["recoveries"]] == [3], joiner["recoveries"]
 
 
 def test_a_member_lost_while_the_state_communicator_is_split_stops_the_others_naming_it_instead_of_hanging(

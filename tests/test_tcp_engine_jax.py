@@ -1,6 +1,6 @@
 """The JAX NativeCommunicator over the TCP engine: every collective against NumPy, and what a membership change
-needs of it (a dead peer failing the others at once, a revoke, shrinking to the survivors, admitting a newcomer, and
-ranks that call different collectives told so)."""
+needs of it (a dead peer failing the others at once, a revoke, shrinking to the survivors, admitting a newcomer, a build
+abandoned when the members change again, and ranks that call different collectives told so)."""
 
 import numpy as np
 import pytest
@@ -60,3 +60,12 @@ def test_a_newcomer_is_admitted_as_the_last_rank(store_port):
         np.testing.assert_array_equal(r["before"], np.full(3, 3.0))
     for r in results:
         np.testing.assert_array_equal(r["after"], np.full(3, 6.0))
+
+
+def test_a_build_waiting_for_a_rank_is_abandoned_at_once_and_the_others_build_again(store_port):
+    results = run_ranks("tcp_engine_workers_jax:abandoned_rebuild", 3, store_port, SECRET)
+    for waiting in (results[0].value, results[2].value):  # rank 0 accepting rank 1, rank 2 connecting to it
+        assert "tcp_build of 'world'" in waiting["error"] and "was abandoned" in waiting["error"], waiting
+        assert waiting["seconds"] < 3, waiting  # not the 30-s timeout
+        assert waiting["size"] == 2
+        np.testing.assert_array_equal(waiting["after"], np.full(3, 4.0))  # 1 + 3

@@ -15,19 +15,20 @@
 namespace bagua {
 
 // Every element type once: X(enumerator, name, bits, DLPack type code, XLA
-// element type, NCCL type, MPI type). The enum, the names and sizes below, and
-// the maps from XLA (handler_util.h) and DLPack (binding_util.h) and to the
-// engines' types (nccl_communicator.cc, mpi_communicator.cc) are all made from
-// this list. MPI has no 16-bit floats: its column names the derived types
-// mpi_communicator.cc makes for them.
-#define BAGUA_DTYPES(X)                                               \
-  X(kF32, "float32", 32, Float, F32, ncclFloat32, MPI_FLOAT)          \
-  X(kF16, "float16", 16, Float, F16, ncclFloat16, half_type)          \
-  X(kBF16, "bfloat16", 16, Bfloat, BF16, ncclBfloat16, bfloat16_type) \
-  X(kF64, "float64", 64, Float, F64, ncclFloat64, MPI_DOUBLE)         \
-  X(kU8, "uint8", 8, UInt, U8, ncclUint8, MPI_UINT8_T)                \
-  X(kI32, "int32", 32, Int, S32, ncclInt32, MPI_INT32_T)              \
-  X(kI64, "int64", 64, Int, S64, ncclInt64, MPI_INT64_T)
+// element type, NCCL type, MPI type, C++ type). The enum, the names and sizes
+// below, the maps from XLA (handler_util.h) and DLPack (binding_util.h) and to
+// the engines' types (nccl_communicator.cc, mpi_runtime.cc), and the host
+// reductions' dispatch (with_element_type) are all made from this list. MPI has
+// no 16-bit floats: its column names the derived types mpi_runtime.cc makes for
+// them.
+#define BAGUA_DTYPES(X)                                                         \
+  X(kF32, "float32", 32, Float, F32, ncclFloat32, MPI_FLOAT, float)             \
+  X(kF16, "float16", 16, Float, F16, ncclFloat16, half_type, Half)              \
+  X(kBF16, "bfloat16", 16, Bfloat, BF16, ncclBfloat16, bfloat16_type, BFloat16) \
+  X(kF64, "float64", 64, Float, F64, ncclFloat64, MPI_DOUBLE, double)           \
+  X(kU8, "uint8", 8, UInt, U8, ncclUint8, MPI_UINT8_T, uint8_t)                 \
+  X(kI32, "int32", 32, Int, S32, ncclInt32, MPI_INT32_T, int32_t)               \
+  X(kI64, "int64", 64, Int, S64, ncclInt64, MPI_INT64_T, int64_t)
 
 // For every X-list whose entries begin (enumerator, name, ...): the enum's
 // enumerators, and the name of `value` (inside a function of that parameter).
@@ -141,6 +142,16 @@ BAGUA_HD Half from_float<Half>(float f) {
   const uint32_t rebased = magnitude - (112u << 23);
   const uint32_t rounded = rebased + 0xfffu + ((rebased >> 13) & 1u);
   return Half{static_cast<uint16_t>(sign | (rounded >> 13))};
+}
+
+// Calls f(T{}) with the C++ element type T of `dtype` (Half and BFloat16 for
+// the 16-bit floats); nothing for an unsupported one.
+template <typename F>
+void with_element_type(DType dtype, F&& f) {
+#define BAGUA_DTYPE_CALL(enumerator, name, bits, dlpack, xla, nccl, mpi, type) \
+  if (dtype == DType::enumerator) return f(type{});
+  BAGUA_DTYPES(BAGUA_DTYPE_CALL)
+#undef BAGUA_DTYPE_CALL
 }
 
 }  // namespace bagua

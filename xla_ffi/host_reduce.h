@@ -37,49 +37,21 @@ void reduce_into(const void* in, void* inout, int64_t count, ReduceOp op) {
 }
 
 inline void reduce_into(const void* in, void* inout, int64_t count, DType type, ReduceOp op) {
-  switch (type) {
-    case DType::kF32:
-      return reduce_into<float>(in, inout, count, op);
-    case DType::kF16:
-      return reduce_into<Half>(in, inout, count, op);
-    case DType::kBF16:
-      return reduce_into<BFloat16>(in, inout, count, op);
-    case DType::kF64:
-      return reduce_into<double>(in, inout, count, op);
-    case DType::kU8:
-      return reduce_into<uint8_t>(in, inout, count, op);
-    case DType::kI32:
-      return reduce_into<int32_t>(in, inout, count, op);
-    case DType::kI64:
-      return reduce_into<int64_t>(in, inout, count, op);
-    default:
-      return;
-  }
+  with_element_type(type, [&](auto tag) { reduce_into<decltype(tag)>(in, inout, count, op); });
 }
 
 // An average is a sum divided by the ranks afterwards; integers are not divided.
 inline void divide_in_place(void* data, int64_t count, DType type, int ranks) {
-  auto divide = [&](auto* p) {
-    using T = std::remove_pointer_t<decltype(p)>;
-    for (int64_t i = 0; i < count; ++i) {
-      if constexpr (std::is_same_v<T, double>)
-        p[i] /= ranks;
-      else
+  with_element_type(type, [&](auto tag) {
+    using T = decltype(tag);
+    T* p = static_cast<T*>(data);
+    if constexpr (std::is_same_v<T, double>) {
+      for (int64_t i = 0; i < count; ++i) p[i] /= ranks;
+    } else if constexpr (!std::is_integral_v<T>) {
+      for (int64_t i = 0; i < count; ++i)
         p[i] = from_float<T>(to_float(p[i]) / static_cast<float>(ranks));
     }
-  };
-  switch (type) {
-    case DType::kF32:
-      return divide(static_cast<float*>(data));
-    case DType::kF16:
-      return divide(static_cast<Half*>(data));
-    case DType::kBF16:
-      return divide(static_cast<BFloat16*>(data));
-    case DType::kF64:
-      return divide(static_cast<double*>(data));
-    default:
-      return;
-  }
+  });
 }
 
 }  // namespace bagua

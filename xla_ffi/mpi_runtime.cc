@@ -75,7 +75,7 @@ void ensure_initialized() {
 }
 
 MPI_Datatype mpi_type(DType t) {
-#define BAGUA_DTYPE_TO_MPI(enumerator, name, bits, dlpack, xla, nccl, mpi) \
+#define BAGUA_DTYPE_TO_MPI(enumerator, name, bits, dlpack, xla, nccl, mpi, ...) \
   if (t == DType::enumerator) return mpi;
   BAGUA_DTYPES(BAGUA_DTYPE_TO_MPI)
   return MPI_DATATYPE_NULL;

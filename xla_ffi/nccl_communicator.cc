@@ -27,7 +27,7 @@ using Clock = std::chrono::steady_clock;
 constexpr auto kWatchInterval = std::chrono::milliseconds(10);
 
 ncclDataType_t nccl_type(DType t) {
-#define BAGUA_DTYPE_TO_NCCL(enumerator, name, bits, dlpack, xla, nccl, mpi) \
+#define BAGUA_DTYPE_TO_NCCL(enumerator, name, bits, dlpack, xla, nccl, mpi, ...) \
   if (t == DType::enumerator) return nccl;
   BAGUA_DTYPES(BAGUA_DTYPE_TO_NCCL)
   return ncclFloat32;

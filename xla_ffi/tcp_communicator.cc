@@ -69,14 +69,19 @@ class TcpCommunicator final : public Communicator {
 
   // A token for a communicator built from some of these ranks, the `what`-th such build: the
   // job's random root (the world's token up to its first '/') and a hash of this token, the
-  // build's count and `what`, so that tokens stay short and no two builds share one.
+  // build's count and `what`, so that tokens stay short and no two builds share one. Revoking this
+  // communicator abandons the builds (tcp::abandon): their members are changing.
   std::string derived_token(const std::string& what) const {
     uint64_t hash = 14695981039346656037ull;  // FNV-1a
     const std::string text = token_ + "/" + std::to_string(derivations_++) + "/" + what;
     for (char ch : text) hash = (hash ^ static_cast<unsigned char>(ch)) * 1099511628211ull;
     char hex[17];
     std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(hash));
-    return token_.substr(0, token_.find('/')) + "/" + hex;
+    std::string derived = token_.substr(0, token_.find('/')) + "/" + hex;
+    std::lock_guard<std::mutex> lock(revoke_mutex_);
+    derived_.push_back(derived);
+    if (revoked_) abandon(derived);
+    return derived;
   }
 
   void set_average_divisor(int ranks) {
@@ -94,22 +99,36 @@ class TcpCommunicator final : public Communicator {
     const int64_t element = dtype_bytes(type);
     char* out = static_cast<char*>(recv);
     if (send != recv) std::memcpy(out, send, count * element);
-    // Chunk c: count / size elements, one more for the first count % size chunks.
-    std::vector<int64_t> first(size() + 1);
-    for (int c = 0; c <= size(); ++c)
-      first[c] = count / size() * c + std::min<int64_t>(c, count % size());
+    const std::vector<int64_t> first = chunks(count);
     Status s = ring_reduce_scatter(run, out, first, type, op);
     if (s.ok()) s = ring_allgather(run, out, first, element);
     return finish_average(s, recv, count, type, op);
   }
 
   Status reduce(const void* send, void* recv, int64_t count, DType type, ReduceOp op, int root,
-                void* stream) override {
+                void*) override {
     if (Status s = check_rank("reduce", "root", root, true); !s.ok()) return s;
-    std::vector<char> all(count * dtype_bytes(type));
-    Status s = allreduce(send, all.data(), count, type, op, stream);
-    if (s.ok() && rank_ == root) std::memcpy(recv, all.data(), all.size());
-    return s;
+    if (Status s = check_average("reduce", type, op); !s.ok()) return s;
+    Operation run(*this, "reduce");
+    const int64_t element = dtype_bytes(type);
+    const char* in = static_cast<const char*>(send);
+    std::vector<char> work(in, in + count * element);
+    const std::vector<int64_t> first = chunks(count);
+    Status s = ring_reduce_scatter(run, work.data(), first, type, op);
+    // Then rank r sends the root chunk r, which it holds reduced.
+    auto chunk = [&](char* base, int c) {
+      return std::make_pair(base + first[c] * element, (first[c + 1] - first[c]) * element);
+    };
+    std::vector<Transfer> transfers;
+    const auto [mine, bytes] = chunk(work.data(), rank_);
+    transfers.push_back({root, true, mine, bytes});
+    if (rank_ == root)
+      for (int j = 0; j < size(); ++j) {
+        const auto [into, length] = chunk(static_cast<char*>(recv), j);
+        transfers.push_back({j, false, into, length});
+      }
+    if (s.ok()) s = run.exchange(transfers);
+    return rank_ == root ? finish_average(s, recv, count, type, op) : s;
   }
 
   Status broadcast(void* buffer, int64_t count, DType type, int root, void*) override {
@@ -131,8 +150,8 @@ class TcpCommunicator final : public Communicator {
     if (Status s = check_average("reduce_scatter", type, op); !s.ok()) return s;
     Operation run(*this, "reduce_scatter");
     const int64_t element = dtype_bytes(type);
-    std::vector<char> work(static_cast<const char*>(send),
-                           static_cast<const char*>(send) + count * size() * element);
+    const char* in = static_cast<const char*>(send);
+    std::vector<char> work(in, in + count * size() * element);
     std::vector<int64_t> first(size() + 1);
     for (int c = 0; c <= size(); ++c) first[c] = count * c;
     Status s = ring_reduce_scatter(run, work.data(), first, type, op);
@@ -159,9 +178,9 @@ class TcpCommunicator final : public Communicator {
     if (rank_ == root) {
       for (int j = 0; j < size(); ++j)
         transfers.push_back({j, false, static_cast<char*>(recv) + j * bytes, bytes});
-      transfers.push_back({rank_, true, const_cast<char*>(static_cast<const char*>(send)), bytes});
+      transfers.push_back({rank_, true, send_buffer(send), bytes});
     } else {
-      transfers.push_back({root, true, const_cast<char*>(static_cast<const char*>(send)), bytes});
+      transfers.push_back({root, true, send_buffer(send), bytes});
     }
     return run.exchange(transfers);
   }
@@ -174,8 +193,7 @@ class TcpCommunicator final : public Communicator {
     std::vector<Transfer> transfers{{root, false, static_cast<char*>(recv), bytes}};
     if (rank_ == root)
       for (int j = 0; j < size(); ++j)
-        transfers.push_back(
-            {j, true, const_cast<char*>(static_cast<const char*>(send)) + j * bytes, bytes});
+        transfers.push_back({j, true, send_buffer(send) + j * bytes, bytes});
     return run.exchange(transfers);
   }
 
@@ -193,8 +211,7 @@ class TcpCommunicator final : public Communicator {
     for (int j = 0; j < size(); ++j) {
       if (send_counts[j] < 0 || recv_counts[j] < 0)
         return fail("alltoall", "a block's count is negative");
-      transfers.push_back({j, true, const_cast<char*>(static_cast<const char*>(send)) + sent,
-                           send_counts[j] * element});
+      transfers.push_back({j, true, send_buffer(send) + sent, send_counts[j] * element});
       transfers.push_back(
           {j, false, static_cast<char*>(recv) + received, recv_counts[j] * element});
       sent += send_counts[j] * element;
@@ -210,8 +227,7 @@ class TcpCommunicator final : public Communicator {
     std::vector<Transfer> transfers;
     for (int i = 0; i < num_peers; ++i) {
       if (Status s = check_rank("send_recv", "peer", peers[i], true); !s.ok()) return s;
-      transfers.push_back(
-          {peers[i], true, const_cast<char*>(static_cast<const char*>(send)), bytes});
+      transfers.push_back({peers[i], true, send_buffer(send), bytes});
       transfers.push_back({peers[i], false, static_cast<char*>(recv) + i * bytes, bytes});
     }
     return run.exchange(transfers);
@@ -220,9 +236,7 @@ class TcpCommunicator final : public Communicator {
   Status send(const void* buffer, int64_t count, DType type, int peer, void*) override {
     if (Status s = check_rank("send", "peer", peer, false); !s.ok()) return s;
     Operation run(*this, "send");
-    std::vector<Transfer> transfers{{peer, true,
-                                     const_cast<char*>(static_cast<const char*>(buffer)),
-                                     count * dtype_bytes(type)}};
+    std::vector<Transfer> transfers{{peer, true, send_buffer(buffer), count * dtype_bytes(type)}};
     return run.exchange(transfers);
   }
 
@@ -253,6 +267,7 @@ class TcpCommunicator final : public Communicator {
     const uint64_t one = 1;
     (void)!::write(wake_, &one, sizeof one);  // wakes an operation waiting in poll
     end_connections();
+    for (const std::string& derived : derived_) abandon(derived);
   }
 
  private:
@@ -336,6 +351,20 @@ class TcpCommunicator final : public Communicator {
 
   int wrap(int r) const { return ((r % size()) + size()) % size(); }
 
+  // Where chunk c of `count` elements starts (first[size()] = count): count / size elements, one
+  // more for the first count % size chunks.
+  std::vector<int64_t> chunks(int64_t count) const {
+    std::vector<int64_t> first(size() + 1);
+    for (int c = 0; c <= size(); ++c)
+      first[c] = count / size() * c + std::min<int64_t>(c, count % size());
+    return first;
+  }
+
+  // A transfer's buffer from a collective's input: transfers that send only read it.
+  static char* send_buffer(const void* data) {
+    return const_cast<char*>(static_cast<const char*>(data));
+  }
+
   // After a failure or a revoke the connections are mid-message, so they are ended: a peer waiting
   // on one fails at once instead of at its timeout. The descriptors stay open (a number reused by
   // another connection must not be shut down by a late call) until the communicator is destroyed.
@@ -386,8 +415,9 @@ class TcpCommunicator final : public Communicator {
   std::mutex operation_mutex_;
   bool broken_ = false;  // a failed operation left the connections mid-message
   std::atomic<bool> revoked_{false};
-  std::mutex revoke_mutex_;  // guards revoke_reason_
+  mutable std::mutex revoke_mutex_;  // guards revoke_reason_ and derived_
   std::string revoke_reason_;
+  mutable std::vector<std::string> derived_;  // the tokens of the builds from these ranks
 };
 
 Status TcpCommunicator::Operation::exchange(const std::vector<Transfer>& transfers) {
@@ -522,6 +552,8 @@ const TcpCommunicator& as_tcp(const Communicator& comm, const char* op) {
 
 std::string tcp_listen(const std::string& host) { return tcp::listen(host); }
 
+void tcp_abandon(const std::string& token) { tcp::abandon(token); }
+
 std::shared_ptr<Communicator> tcp_build(const std::string& token, int rank,
                                         const std::vector<std::string>& addresses,
                                         const std::string& name, double timeout_seconds) {
@@ -537,6 +569,7 @@ std::shared_ptr<Communicator> tcp_build(const std::string& token, int rank,
   auto fail = [&](const std::string& what) {
     for (int fd : fds)
       if (fd >= 0) ::close(fd);
+    abandon(token);  // the connections other ranks made for it, parked here, are closed
     throw std::runtime_error("tcp_build of '" + name + "' (rank " + std::to_string(rank) + " of " +
                              std::to_string(size) + "): " + what);
   };
@@ -593,6 +626,8 @@ std::shared_ptr<Communicator> tcp_split(Communicator& parent, int color, int key
 const std::vector<std::string>& tcp_addresses(const Communicator& comm) {
   return as_tcp(comm, "tcp_addresses").addresses();
 }
+
+double tcp_timeout(const Communicator& comm) { return as_tcp(comm, "tcp_timeout").timeout(); }
 
 void set_tcp_average_divisor(Communicator& comm, int ranks) {
   const_cast<TcpCommunicator&>(as_tcp(comm, "set_tcp_average_divisor")).set_average_divisor(ranks);

@@ -13,8 +13,10 @@
 #include <cerrno>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <mutex>
+#include <set>
 #include <stdexcept>
 #include <utility>
 
@@ -35,7 +37,9 @@ std::string system_error(const std::string& what) { return what + ": " + std::st
 
 void set_nonblocking(int fd) { fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK); }
 
-bool move_all(int fd, char* data, size_t bytes, bool sending, Clock::time_point until) {
+bool Deadline::passed() const { return Clock::now() > until || (token && abandoned(*token)); }
+
+bool move_all(int fd, char* data, size_t bytes, bool sending, const Deadline& deadline) {
   size_t done = 0;
   while (done < bytes) {
     const ssize_t n = sending ? ::send(fd, data + done, bytes - done, MSG_NOSIGNAL)
@@ -46,7 +50,9 @@ bool move_all(int fd, char* data, size_t bytes, bool sending, Clock::time_point 
     }
     if (n == 0 || (errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR)) return false;
     pollfd p{fd, static_cast<short>(sending ? POLLOUT : POLLIN), 0};
-    if (::poll(&p, 1, millis_left(until, 1000)) == 0 && Clock::now() > until) return false;
+    if (::poll(&p, 1, millis_left(deadline.until, deadline.token ? 50 : 1000)) == 0 &&
+        deadline.passed())
+      return false;
   }
   return true;
 }
@@ -109,13 +115,14 @@ class Listener {
       {
         std::lock_guard<std::mutex> lock(mutex_);
         if (fd_ < 0) return {"the process does not listen (tcp_listen was not called)"};
+        if (abandoned_.count(token)) return {"the build was abandoned"};
         for (int j : ranks) {
           auto parked = waiting_.find({token, j});
           if (fds[j] < 0 && parked != waiting_.end()) {
             fds[j] = parked->second;
             waiting_.erase(parked);
             const char welcome = kWelcome;
-            if (!move_all(fds[j], const_cast<char*>(&welcome), 1, true, until)) {
+            if (!move_all(fds[j], const_cast<char*>(&welcome), 1, true, Deadline{until})) {
               ::close(fds[j]);
               fds[j] = -1;
             }
@@ -135,13 +142,28 @@ class Listener {
     }
   }
 
+  void abandon(const std::string& token) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    abandoned_.insert(token);
+    for (auto parked = waiting_.lower_bound({token, std::numeric_limits<int>::min()});
+         parked != waiting_.end() && parked->first.first == token;) {
+      ::close(parked->second);
+      parked = waiting_.erase(parked);
+    }
+  }
+
+  bool abandoned(const std::string& token) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return abandoned_.count(token) > 0;
+  }
+
  private:
   // Accepts one connection and parks it under the token and rank it brings (closed if it brings
   // none within a second, or a duplicate).
   void take_one(Clock::time_point until) {
     const int fd = ::accept4(fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
     if (fd < 0) return;  // another build's thread took it
-    const auto introduction = std::min(until, deadline_after(1.0));
+    const Deadline introduction{std::min(until, deadline_after(1.0))};
     uint32_t hello = 0, length = 0;
     int32_t rank = -1;
     std::string token;
@@ -155,13 +177,16 @@ class Listener {
            move_all(fd, reinterpret_cast<char*>(&rank), 4, false, introduction);
     }
     std::lock_guard<std::mutex> lock(mutex_);
-    if (!ok || !waiting_.emplace(std::make_pair(token, rank), fd).second) ::close(fd);
+    if (!ok || abandoned_.count(token) || !waiting_.emplace(std::make_pair(token, rank), fd).second)
+      ::close(fd);
   }
 
+ private:
   std::mutex mutex_;
   int fd_ = -1;
   std::string host_, address_;
   std::map<std::pair<std::string, int>, int> waiting_;
+  std::set<std::string> abandoned_;  // a few short tokens per change of members
 };
 
 }  // namespace
@@ -173,8 +198,13 @@ Status accept(const std::string& token, const std::vector<int>& ranks, std::vect
   return Listener::instance().accept(token, ranks, fds, until);
 }
 
+void abandon(const std::string& token) { Listener::instance().abandon(token); }
+
+bool abandoned(const std::string& token) { return Listener::instance().abandoned(token); }
+
 int connect(const std::string& address, const std::string& token, int rank, Clock::time_point until,
             std::string* error) {
+  const Deadline deadline{until, &token};
   const size_t colon = address.rfind(':');
   addrinfo hints{}, *found = nullptr;
   hints.ai_family = AF_INET;
@@ -190,7 +220,9 @@ int connect(const std::string& address, const std::string& token, int rank, Cloc
   freeaddrinfo(found);
   if (rc != 0 && errno == EINPROGRESS) {
     pollfd p{fd, POLLOUT, 0};
-    rc = ::poll(&p, 1, millis_left(until, 1 << 30)) == 1 ? 0 : -1;
+    while ((rc = ::poll(&p, 1, millis_left(until, 50))) == 0 && !deadline.passed()) {
+    }
+    rc = rc == 1 ? 0 : -1;
     int status = rc == 0 ? 0 : ETIMEDOUT;
     socklen_t length = sizeof status;
     if (rc == 0) getsockopt(fd, SOL_SOCKET, SO_ERROR, &status, &length);
@@ -198,7 +230,8 @@ int connect(const std::string& address, const std::string& token, int rank, Cloc
     rc = status == 0 ? 0 : -1;
   }
   if (rc != 0) {
-    *error = system_error("cannot connect to " + address);
+    *error =
+        abandoned(token) ? "the build was abandoned" : system_error("cannot connect to " + address);
     ::close(fd);
     return -1;
   }
@@ -212,9 +245,11 @@ int connect(const std::string& address, const std::string& token, int rank, Cloc
   std::memcpy(hello.data() + 8, token.data(), token.size());
   std::memcpy(hello.data() + 8 + token.size(), &from, 4);
   char welcome = 0;
-  if (!move_all(fd, hello.data(), hello.size(), true, until) ||
-      !move_all(fd, &welcome, 1, false, until) || welcome != kWelcome) {
-    *error = "the process at " + address + " did not take the connection in time";
+  if (!move_all(fd, hello.data(), hello.size(), true, deadline) ||
+      !move_all(fd, &welcome, 1, false, deadline) || welcome != kWelcome) {
+    *error = abandoned(token)
+                 ? "the build was abandoned"
+                 : "the process at " + address + " did not take the connection in time";
     ::close(fd);
     return -1;
   }

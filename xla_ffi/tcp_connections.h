@@ -20,8 +20,16 @@ int millis_left(Clock::time_point until, int cap);
 // `what`, then errno's text.
 std::string system_error(const std::string& what);
 void set_nonblocking(int fd);
-// Sends or receives exactly `bytes` on the non-blocking socket `fd` before `until`.
-bool move_all(int fd, char* data, size_t bytes, bool sending, Clock::time_point until);
+
+// When a wait of a build ends: at `until`, or as soon as the build's `token` is abandoned.
+struct Deadline {
+  Clock::time_point until;
+  const std::string* token = nullptr;  // none: only `until`
+  bool passed() const;
+};
+
+// Sends or receives exactly `bytes` on the non-blocking socket `fd` before the deadline.
+bool move_all(int fd, char* data, size_t bytes, bool sending, const Deadline& deadline);
 
 constexpr uint32_t kLongestToken = 256;
 
@@ -34,5 +42,10 @@ Status accept(const std::string& token, const std::vector<int>& ranks, std::vect
 // the connection; -1 with `error` set if it refused or did not take it before `until`.
 int connect(const std::string& address, const std::string& token, int rank, Clock::time_point until,
             std::string* error);
+// Makes this process's waits of the build `token` end at once (accept, connect: "abandoned"), now
+// and later, and closes the connections parked for it: a build whose members changed meanwhile, or
+// that failed (its other ranks' connections would wait for it forever).
+void abandon(const std::string& token);
+bool abandoned(const std::string& token);
 
 }  // namespace bagua::tcp

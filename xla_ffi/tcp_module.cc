@@ -33,6 +33,10 @@ NB_MODULE(_bagua_tcp, m) {
       "A communicator of the ranks listening at `addresses`, this process being `rank`; every "
       "rank passes the same `token`, unique to the build. Returns its handle.");
 
+  m.def("abandon", &tcp_abandon, nb::arg("token"),
+        "Make this process's build of `token` fail at once, whether it is in progress or to come "
+        "(the members it was for changed).");
+
   // Shrinking and splitting wait for other processes.
   collective_bindings::def_derived<const std::vector<int>&, const std::string&>(
       m, "shrink", &tcp_shrink,
@@ -47,6 +51,9 @@ NB_MODULE(_bagua_tcp, m) {
   m.def(
       "addresses", [](int64_t h) { return tcp_addresses(*collective_bindings::lookup(h)); },
       nb::arg("handle"), "The ranks' addresses the communicator was built with.");
+  m.def(
+      "timeout", [](int64_t h) { return tcp_timeout(*collective_bindings::lookup(h)); },
+      nb::arg("handle"), "The seconds the communicator's operations wait at most.");
 
   m.def(
       "set_average_divisor",

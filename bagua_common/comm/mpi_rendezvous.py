@@ -24,13 +24,13 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from types import ModuleType
-from typing import Protocol
+
+from bagua_common.comm.key_value_store import KeyValueStore
 
 __all__ = [
     "DEAD_PEER_ENVIRONMENT",
     "PORT_ENVIRONMENT",
     "PROCESS_MANAGER_VARIABLES",
-    "KeyValueStore",
     "assemble",
     "prepare_rank",
     "shrink",
@@ -43,16 +43,6 @@ DEAD_PEER_ENVIRONMENT = {"MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY": "100000"}
 """MPICH settings (read when MPI starts) under which a send to a peer that died gives up instead of retrying the
 refused connection forever, on the engine's communicators of a membership that may change
 (``xla_ffi/mpi_communicator.cc``)."""
-
-
-class KeyValueStore(Protocol):
-    """What :func:`assemble` needs of a store: ``bagua_common.fault_tolerance.StoreClient`` has it."""
-
-    def set(self, key: str, value: bytes | str) -> None:
-        """Store ``value`` under ``key``."""
-
-    def get(self, key: str, wait: float = 0.0) -> bytes | None:
-        """The value of ``key``, waiting up to ``wait`` seconds for it to appear; None if it did not."""
 
 
 PROCESS_MANAGER_VARIABLES = ("PMI_FD", "PMI_PORT", "PMIX_RANK")

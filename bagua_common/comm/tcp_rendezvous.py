@@ -1,21 +1,26 @@
-"""TCP communicators built through the job's key-value store: a world, and a group that admits newcomers.
+"""TCP communicators built through the job's key-value store: a world, and every membership after it.
 
 The TCP engine (``xla_ffi/tcp_communicator.h``) connects every pair of ranks directly, each process listening on
 one socket on the address the job uses. The store, which only the job's processes can write, carries each rank's
 address and a random token that introduces every connection of one build, so that a process outside the job cannot
-take a rank's place. Shrinking to the survivors and splitting need no store: the engine derives their tokens from
-the communicator's own. Each function works on the engine module's integer handles; the front ends wrap them
-(``bagua_jax.NativeCommunicator``).
+take a rank's place. Every membership's communicator is built afresh this way, whatever the communicator each rank
+held before, so a build that failed (a rank died before connecting) can be made again under another prefix; the
+engine's shrink and split need no store (their tokens derive from the communicator's own). Each function works on
+the engine module's integer handles; the front ends wrap them (``bagua_jax.NativeCommunicator``).
 """
 
 from __future__ import annotations
 
 import secrets
+import threading
+import time
 from types import ModuleType
 
-from bagua_common.comm.mpi_rendezvous import KeyValueStore
+from bagua_common.comm.key_value_store import KeyValueStore
 
 __all__ = ["assemble"]
+
+_POLL_SECONDS = 0.05  # how often a wait for the store looks at whether the build was abandoned
 
 
 def assemble(
@@ -24,41 +29,43 @@ def assemble(
     prefix: str,
     rank: int,
     size: int,
-    address: str | None,
-    group: int | None,
-    start: int,
+    address: str,
     name: str,
     timeout: float,
+    abandoned: threading.Event | None = None,
 ) -> int:
-    """The handle of a communicator of ``size`` ranks: ranks ``0..start-1`` bring ``group`` (their communicator,
-    in rank order), ranks ``start..size-1`` are newcomers that bring the ``address`` they listen at (the engine's
-    ``listen``). Every rank calls it with the same ``prefix`` (a store prefix no earlier call used), ``size`` and
-    ``start``; ``group`` is destroyed. ``start=0`` builds a world. Fails rather than wait past ``timeout`` seconds for
-    a rank.
+    """The handle of a communicator of ``size`` ranks, this process being ``rank`` and listening at ``address`` (the
+    engine's ``listen``). Every rank calls it with the same ``prefix`` (a store prefix no earlier call used) and
+    ``size``. Fails rather than wait past ``timeout`` seconds for a rank (for its address in the store, then for its
+    connection), and at once (an error saying the build was abandoned) when ``abandoned`` is set: the members it was
+    for changed meanwhile. The communicator's operations wait ``timeout`` seconds at most.
     """
-    if not 0 <= start <= size or not 0 <= rank < size:
-        raise ValueError(f"assemble: need 0 <= start <= size and 0 <= rank < size, got {start=}, {size=}, {rank=}")
-    if (group is None) != (rank >= start) or (address is None) != (rank < start):
-        raise ValueError(
-            f"assemble: ranks below start={start} bring their communicator, the others an address ({rank=})"
-        )
-    if address is not None:
-        store.set(f"{prefix}address/{rank}", address)
-    if rank == 0:  # the group's addresses for the newcomers, and the build's token
-        if group is not None:
-            for member, address in enumerate(tcp.addresses(group)):
-                store.set(f"{prefix}address/{member}", address)
+    if not 0 <= rank < size:
+        raise ValueError(f"assemble: need 0 <= rank < size, got {rank=}, {size=}")
+    store.set(f"{prefix}address/{rank}", address)
+    if rank == 0:
         store.set(f"{prefix}token", secrets.token_hex(16))
-    if group is not None:
-        tcp.destroy(group)
+    deadline = time.monotonic() + timeout
     token, *addresses = (
-        _wait(store, f"{prefix}{key}", timeout) for key in ["token", *map("address/{}".format, range(size))]
+        _wait(store, f"{prefix}{key}", deadline, abandoned) for key in ["token", *map("address/{}".format, range(size))]
     )
-    return tcp.build(token, rank, addresses, name, timeout)
+    if abandoned is not None:
+        threading.Thread(target=_abandon_when, args=(tcp, token, abandoned), name="bagua-abandon", daemon=True).start()
+    return tcp.build(token, rank, addresses, name, timeout)  # the communicator's operations wait as long
 
 
-def _wait(store: KeyValueStore, key: str, timeout: float) -> str:
-    value = store.get(key, wait=timeout)
-    if value is None:
-        raise TimeoutError(f"assemble: nothing under {key!r} in the job's store within {timeout} s")
-    return value.decode() if isinstance(value, bytes) else value
+def _abandon_when(tcp: ModuleType, token: str, abandoned: threading.Event) -> None:
+    abandoned.wait()
+    tcp.abandon(token)
+
+
+def _wait(store: KeyValueStore, key: str, deadline: float, abandoned: threading.Event | None) -> str:
+    while True:
+        left = deadline - time.monotonic()
+        value = store.get(key, wait=max(0.0, left if abandoned is None else min(left, _POLL_SECONDS)))
+        if value is not None:
+            return value.decode() if isinstance(value, bytes) else value
+        if abandoned is not None and abandoned.is_set():
+            raise RuntimeError(f"assemble: the build was abandoned while waiting for {key!r} in the job's store")
+        if left <= 0:
+            raise TimeoutError(f"assemble: nothing under {key!r} in the job's store before the build's timeout")
