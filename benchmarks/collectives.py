@@ -990,15 +990,15 @@ def print_tables(
             "ratios: baseline time / native time"
         )
         pairs = active_pairs(engines)
-        print(f"{'':>9}" + "".join(f"{e:>18}" for e in engines) + "".join(f"{a + '/':>14}" for a, _ in pairs))
-        print(f"{'size':>9}" + f"{'algbw':>9}{'busbw':>9}" * len(engines) + "".join(f"{b:>14}" for _, b in pairs))
+        print(f"{'':>9}" + "".join(f"{e:>18}" for e in engines) + "".join(f"{a + '/':>17}" for a, _ in pairs))
+        print(f"{'size':>9}" + f"{'algbw':>9}{'busbw':>9}" * len(engines) + "".join(f"{b:>17}" for _, b in pairs))
         for row in mine:
             cells = _cells(row, engines)
             k = 2 * len(engines)
             print(
                 f"{format_size(row['size']):>9}"
                 + "".join(f"{c:>9}" for c in cells[:k])
-                + "".join(f"{c:>14}" for c in cells[k:])
+                + "".join(f"{c:>17}" for c in cells[k:])
             )
     for engine, o in outcomes.items():
         if _died(o):

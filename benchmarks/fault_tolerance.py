@@ -601,13 +601,15 @@ def spread_lines(result: dict, out: Path) -> list[str]:
     the same tokens, seed by seed, their range, and the chaos run's difference from the run it was compared with
     against the other seeds' differences from that run (the chart beside the results draws every curve)."""
     seeds = list(result["fault_free"])
-    rows, chaos_gaps, seed_gaps, inside = [], [], [], 0
+    rows, chaos_gaps, seed_gaps, inside, above, below = [], [], [], 0, [], []
     for e in result["chaos"]["heldout"]:
         same = [_loss_at(result["fault_free"][seed]["heldout"], e["tokens"]) for seed in seeds]
         if None in same:
             continue
         low, high = min(same), max(same)
         inside += low <= e["loss"] <= high
+        above += [e["loss"] - high] if e["loss"] > high else []
+        below += [low - e["loss"]] if e["loss"] < low else []
         chaos_gaps.append(abs(e["loss"] - same[0]))
         seed_gaps.append(max(abs(loss - same[0]) for loss in same[1:]))
         rows.append([e["step"], f"{e['tokens'] / 1e6:.3f}", f"{e['loss']:.4f}", *(f"{loss:.4f}" for loss in same),
@@ -616,7 +618,9 @@ def spread_lines(result: dict, out: Path) -> list[str]:
         f"At {len(rows)} evaluations at equal tokens: the chaos run lies within the fault-free runs' range at "
         f"{inside}. Its largest distance from the fault-free run of seed {seeds[0]} is {max(chaos_gaps):.4f} (median "
         f"{statistics.median(chaos_gaps):.4f}); the other seeds' largest distance from that run is "
-        f"{max(seed_gaps):.4f} (median {statistics.median(seed_gaps):.4f}).",
+        f"{max(seed_gaps):.4f} (median {statistics.median(seed_gaps):.4f}). Outside the range, it is above it "
+        f"(a higher loss) at {len(above)}, by at most {max(above, default=0):.4f}, and below it at {len(below)}, by "
+        f"at most {max(below, default=0):.4f}.",
         "",
     ]
     head = [

@@ -373,8 +373,9 @@ def main() -> None:
         lines += table([*header, "step compilations"], rows)
         payload = {**meta, "exit_codes": codes, "kill_time": kill_time, "records": records}
     print("\n".join(lines))
-    suffix = (
-        ("" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}")
+    suffix = (  # the MPI engine's results, from before the TCP engine, carry no engine
+        ("" if args.engine == "mpi" else f"-{args.engine}")
+        + ("" if args.algorithm == "gradient_allreduce" else f"-{args.algorithm}")
         + ("" if args.fragment_sync_delay == 0 else f"-overlapped-{args.fragments}x{args.fragment_sync_delay}")
         + ("" if args.model == "mlp" else f"-gpt-{args.model}")
         + ("" if args.rate is None else f"-{args.rate}")
