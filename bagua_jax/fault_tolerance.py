@@ -73,7 +73,7 @@ class FaultTolerantTrainer(StateSharing):
         if membership.epoch.is_joiner():
             raise ValueError(
                 "FaultTolerantTrainer: this process joins a running job: make it with FaultTolerantTrainer.joiner "
-                "(over NativeCommunicator.mpi_self()), which compiles the step before asking to join"
+                "(over NativeCommunicator.tcp_self(host) or mpi_self()), which compiles the step before asking to join"
             )
         self._prepare(trainer, data, membership.settings, hash_every)
         self._admitted(membership)
@@ -89,11 +89,14 @@ class FaultTolerantTrainer(StateSharing):
         timeout: float = 300.0,
     ) -> FaultTolerantTrainer:
         """The trainer of a process that joins a running job (a replacement, one more rank): ``trainer``'s communicator
-        is this process alone (:meth:`NativeCommunicator.mpi_self`) until :meth:`init` compiled the step, asked a live
-        member's store at ``master`` (host, port) to admit it (up to ``timeout`` s) and put the job's in its slot."""
+        is this process alone (:meth:`NativeCommunicator.tcp_self` or :meth:`~NativeCommunicator.mpi_self`) until
+        :meth:`init` compiled the step, asked a live member's store at ``master`` (host, port) to admit it (up to
+        ``timeout`` s) and put the job's in its slot."""
         state_rules.refuse_unsurvivable(trainer)
         if trainer.communicator is None or trainer.communicator.size != 1:
-            raise ValueError("FaultTolerantTrainer.joiner needs a DataParallel over NativeCommunicator.mpi_self()")
+            raise ValueError(
+                "FaultTolerantTrainer.joiner needs a DataParallel over NativeCommunicator.tcp_self(host) or mpi_self()"
+            )
         joiner = cls.__new__(cls)
         joiner._prepare(trainer, data, settings, hash_every)
         joiner._join_at = (settings, master, timeout)

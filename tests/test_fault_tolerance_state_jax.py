@@ -144,7 +144,7 @@ def test_ring_copies_resumed_takes_each_neighbours_weights_and_leaves_other_stat
 
 
 def test_autotune_is_refused_naming_the_bucket_size_to_pass_instead():
-    # A joiner initializes alone (over its own mpi_self communicator) and would tune its buckets alone.
+    # A joiner initializes alone (over its own tcp_self or mpi_self communicator) and would tune its buckets alone.
     trainer = DataParallel(loss_fn, optax.sgd(0.1), "gradient_allreduce", mesh=mesh(), autotune="once")
     for make in (
         lambda: FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0)),
@@ -156,7 +156,8 @@ def test_autotune_is_refused_naming_the_bucket_size_to_pass_instead():
 
 def test_a_joiner_needs_a_communicator_of_its_own_and_its_own_constructor():
     trainer = DataParallel(loss_fn, optax.sgd(0.1), "gradient_allreduce", mesh=mesh())
-    with pytest.raises(ValueError, match=r"joiner needs a DataParallel over NativeCommunicator\.mpi_self\(\)"):
+    needs = r"joiner needs a DataParallel over NativeCommunicator\.tcp_self\(host\) or mpi_self\(\)"
+    with pytest.raises(ValueError, match=needs):
         FaultTolerantTrainer.joiner(trainer, DataPosition(16, 2, seed=0), FaultToleranceSettings(), ("127.0.0.1", 1))
     joining = SimpleNamespace(epoch=SimpleNamespace(is_joiner=lambda: True))  # a Membership.join's
     with pytest.raises(ValueError, match=r"make it with FaultTolerantTrainer\.joiner"):

@@ -46,11 +46,10 @@ def assemble(
     if rank == 0:
         store.set(f"{prefix}token", secrets.token_hex(16))
     deadline = time.monotonic() + timeout
-    token, *addresses = (
-        _wait(store, f"{prefix}{key}", deadline, abandoned) for key in ["token", *map("address/{}".format, range(size))]
-    )
-    if abandoned is not None:
+    token = _wait(store, f"{prefix}token", deadline, abandoned)
+    if abandoned is not None:  # from now on: the others may connect with the token, parked here until it goes
         threading.Thread(target=_abandon_when, args=(tcp, token, abandoned), name="bagua-abandon", daemon=True).start()
+    addresses = [_wait(store, f"{prefix}address/{r}", deadline, abandoned) for r in range(size)]
     return tcp.build(token, rank, addresses, name, timeout)  # the communicator's operations wait as long
 
 
