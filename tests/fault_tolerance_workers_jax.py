@@ -485,6 +485,9 @@ def train_diloco(
         algorithm = DiLoCo(sync_every=DILOCO_ROUND, **options)
         return DataParallel(linear_loss, optax.sgd(LR), algorithm, communicator=comm)
 
+    victim, _, where = os.environ.get("FT_KILL_IN_REBUILD", "").partition(":")
+    if victim == os.environ["RANK"]:
+        _die_in_the_first_rebuild(where)
     data = DataPosition(SAMPLES, BATCH_PER_RANK, seed=3)
     params = {"w": jnp.zeros(FEATURES, jnp.float32), "b": jnp.zeros((), jnp.float32)}
     if flax_state:

@@ -836,6 +836,27 @@ def test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_
         print(f"{faults[fault_step][1]} at step {fault_step}: the survivors' exchange ran again {resume:.2f} s later")
 
 
+def test_a_diloco_member_lost_while_the_survivors_rebuild_costs_no_inner_step(tmp_path: Path):
+    # Member 2 is killed in the exchange of step 8; member 1 dies in the rebuild that follows, as it would connect
+    # (TCP). Member 0 takes the epoch after and runs the exchange again alone: no inner step runs twice, and its round
+    # start is the replayed one.
+    config = DiLoCoConfig(sync_every=DILOCO_ROUND)
+    env = {"FT_KILL_IN_REBUILD": "1:connect"}
+    results = run_members(tmp_path, "train_diloco", 3, {8: (2, "kill")}, 3, 1, 12, {}, env=env, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [True, False, False], outputs
+    survivor = results[0].value
+    sizes = {s["step"]: s["trainers"] for s in survivor["steps"]}
+    assert list(sizes) == list(range(1, len(sizes) + 1)), sizes  # every inner step done once: none lost
+    assert [sizes[t] for t in sorted(sizes)] == [3] * 7 + [1] * (len(sizes) - 7), sizes
+    assert [a["step"] for a in survivor["attempts"] if "end" not in a] == [8]  # only the exchange ran again
+    [recovery] = survivor["recoveries"]  # through two epochs: the one member 1 died in, and the next
+    assert recovery["size"] == 1, survivor["recoveries"]
+    start, _ = replay_diloco(sizes, config)
+    for name in start:
+        np.testing.assert_allclose(survivor["round_start"][name], start[name], rtol=2e-5, atol=1e-6)
+
+
 def test_a_diloco_member_taken_for_dead_mid_round_joins_again_and_sits_out_a_round(tmp_path: Path):
     # Member 2 is stopped at inner step 5 past dead_after, then goes on: the two others retried the round's exchange
     # (step 8) without it. It trains its own inner steps to that exchange, finds there that they went on, joins again

@@ -181,7 +181,6 @@ class Listener {
       ::close(fd);
   }
 
- private:
   std::mutex mutex_;
   int fd_ = -1;
   std::string host_, address_;
