@@ -2,8 +2,10 @@ import atexit
 import os
 import secrets
 import shutil
+import sys
 import tempfile
 import zlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,6 +14,9 @@ from extended import is_extended
 
 from bagua_common.fault_tolerance import KVServer, job_secret
 from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, write_job_secret
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from harness import links  # noqa: E402  (the network harness: the partition tests' links)
 
 # Four simulated CPU devices for the shard_map tests; must be set before jax loads.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
@@ -97,6 +102,17 @@ def launcher_directory(monkeypatch):
     monkeypatch.setenv(ENV_DIRECTORY, f"127.0.0.1:{server.port}")
     yield server
     server.close()
+
+
+@pytest.fixture
+def network():
+    """Three ranks' namespaces and links (the network harness, ``benchmarks/harness/links.py``), removed afterwards;
+    a test of a network partition takes one rank's link down. Skipped without root and network namespaces."""
+    can = links.probe()
+    if not (can.get("netns") and can.get("veth") and can.get("bridge")):
+        pytest.skip(f"a network partition needs root and network namespaces: {can}")
+    with links.Network(3, verbose=False) as built:
+        yield built
 
 
 @pytest.fixture

@@ -41,6 +41,8 @@ EXTENDED: dict[str, str] = {
         "slot's decisions (test_fault_tolerance_job_end); so does a joiner weighed out of its first step, and the "
         "low-precision decentralized copies' restart (5 s), and a decentralized joiner sitting out its first step (7 s)"
     ),
+    r"test_fault_tolerance_torch\.py::test_a_rank_cut_off_for_good_stops_naming_the_partition": "a rank cut off by a "
+    "partition for good (10 s); the partitioned coordinator joining the majority again stays quick in both front ends",
     r"test_fault_tolerance_jax\.py::test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_"
     r"inner_step\[(diloco-uint8|streaming-uint8)\]": "the 8-bit and Streaming variants of JAX's DiLoCo survivors "
     "(10 s each; the full-precision case stays quick)",

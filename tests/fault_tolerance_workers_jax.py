@@ -3,7 +3,8 @@ native TCP engine (``FT_ENGINE=mpi``: the MPI engine), each its own ``mpiexec -n
 fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults are
 ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective, by
 ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats), ``pause`` (SIGSTOP, then SIGCONT
-``PAUSE_SECONDS`` later: taken for dead, it joins again), ``raise`` (an exception ends the process), ``slow`` (it
+``PAUSE_SECONDS`` later: taken for dead, it joins again), ``partition`` (run in the network harness's namespaces:
+its link down for ``PAUSE_SECONDS``, running; it joins again), ``raise`` (an exception ends the process), ``slow`` (it
 starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive) or ``stalls`` (every attempt), or, once the
 step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
 saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's
@@ -117,6 +118,11 @@ def _fail(kind: str, step: int) -> None:
         subprocess.Popen(["sh", "-c", f"sleep {PAUSE_SECONDS}; kill -CONT {os.getpid()}"])
         _say_when_asking_to_join()
         os.kill(os.getpid(), signal.SIGSTOP)
+        return
+    if kind == "partition":  # its link (the network harness's eth0) down past dead_after, running: then up again
+        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+        subprocess.Popen(["sh", "-c", f"sleep {PAUSE_SECONDS}; ip link set eth0 up"])
+        _say_when_asking_to_join()
         return
     raise RuntimeError("the victim fails on purpose")
 

@@ -10,7 +10,9 @@ or at step 0 in ``formation`` (before it registers with the others), ``state`` (
 joiner the state), ``state_tensors`` (connected to the joiner, before the tensors) or
 ``joiner_forward`` (a joiner's first step; rank null), the rank ``kill``s itself
 (SIGKILL; ``kill-once-asked``: once a joiner asked to be admitted), ``stop``s (SIGSTOP; ``after`` seconds, default
-0), ``raise``s, is ``slow`` (``seconds``, default 0.3) or, at a vote, ``late`` (it votes after its epoch closed).
+0), ``raise``s, is ``slow`` (``seconds``, default 0.3), is cut off by a ``partition`` (run in the network harness's
+namespaces: it takes its link down, for good or for ``seconds``) or, at a vote, ``late`` (it votes after its epoch
+closed).
 ``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time); ``FT_FUSED=1``: the optimizer
 is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`); ``FT_LOOP_ALLREDUCE=1``: each step ends with
 a collective of the loop's own (``bagua_torch.torch_api.allreduce`` of a one, on the default group), and its step
@@ -36,6 +38,7 @@ import hashlib
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -89,6 +92,11 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
                 raise RuntimeError(f"rank {rank} fails on purpose at step {step} ({where})")
             elif kind == "slow":
                 time.sleep(f.get("seconds", 0.3))
+            elif kind == "partition":  # this rank's link (the network harness's eth0) goes down, for good or a while
+                subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
+                if f.get("seconds"):
+                    up = ["ip", "link", "set", "eth0", "up"]
+                    threading.Timer(f["seconds"], subprocess.run, (up,), {"check": True}).start()
             elif kind == "late":  # once this member saw the epoch close (and told the next one what it applied)
                 epoch.closed.wait(60)
                 time.sleep(0.5)
@@ -256,11 +264,16 @@ def main() -> None:
         job.restore(checkpoints, data)
         report(event="restored", step=job.step, digest=digest_of(net), position=data.state())
     loop_allreduce = os.environ.get("FT_LOOP_ALLREDUCE") == "1"
-    settled = None  # the first step with the wanted world (the same on every member: epochs change between steps)
+    # The epoch and the first step of it with the wanted world: the same on every member (epochs change between
+    # steps), also on one that was away while the others trained (cut off, it comes back into a later epoch).
+    settled = None
     for step in job.steps(10**9, data):
         together = job.epoch.size == job.training_place()[1] == world_wanted  # not while a DiLoCo joiner sits out
-        settled = (job.step if settled is None else settled) if together else None
-        if settled is not None and job.step >= max(steps, settled + 2):  # 2 steps together: a joiner trains too
+        if not together:
+            settled = None
+        elif settled is None or settled[0] != job.epoch.number:
+            settled = (job.epoch.number, job.step)
+        if settled is not None and job.step >= max(steps, settled[1] + 2):  # 2 steps together: a joiner trains too
             break
         step_hook["step"] = step.number
         with step:

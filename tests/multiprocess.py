@@ -61,11 +61,13 @@ def run_ranks(
     env: dict[str, str] | None = None,
     check: bool = True,
     watch: Callable[[list[int | None]], None] | None = None,
+    network: Any = None,
 ) -> list[RankResult]:
     """Run ``target`` on ``nprocs`` ranks; with ``check``, fail unless all succeed and return values.
 
     ``watch``, if given, is called with the processes' exit codes (None while running) every 50 ms until all
-    ended: a test reacts to a rank's end there."""
+    ended: a test reacts to a rank's end there. ``network`` (the network harness's ``Network``, of at least
+    ``nprocs`` ranks) runs each rank of a per-rank launcher in its own namespace, behind its own link."""
     workdir = Path(tempfile.mkdtemp(prefix="bagua-ranks-"))
     (workdir / "args.pkl").write_bytes(pickle.dumps(args))
     base_env = {
@@ -73,7 +75,7 @@ def run_ranks(
         **os.environ,
         **(env or {}),
         "WORLD_SIZE": str(nprocs),
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": "127.0.0.1" if network is None else network.master_addr,
         "MASTER_PORT": str(free_port()),
         "BAGUA_TEST_WORKDIR": str(workdir),
         # The ranks import this checkout's packages and the test modules, whatever the cwd.
@@ -103,7 +105,7 @@ def run_ranks(
             prefix = [mpiexec(), "-n", "1"] if launcher == "mpiexec-per-rank" else []
             procs = [
                 subprocess.Popen(
-                    [*prefix, *command],
+                    [*([] if network is None else ["ip", "netns", "exec", network.ns(r)]), *prefix, *command],
                     env={**base_env, "RANK": str(r), "LOCAL_RANK": str(r)},
                     stdout=logs[r],
                     stderr=subprocess.STDOUT,

@@ -56,10 +56,11 @@ def run_members(
     timeout: float = 240,
     env=None,
     engine: str = "tcp",
+    network=None,
 ):
     """``fault_tolerance_workers_jax.function(*args)`` on ``count`` members over ``engine`` (TCP or MPI), each its own
-    ``mpiexec -n 1`` job, with ``env`` added to their environment. The member ``hung`` (SIGSTOPped) never ends by
-    itself: it is killed once the others ended."""
+    ``mpiexec -n 1`` job, with ``env`` added to their environment (and, given the network harness's ``network``, in
+    its own namespace). The member ``hung`` (SIGSTOPped) never ends by itself: it is killed once the others ended."""
 
     def react(codes):
         if all(c is not None for r, c in enumerate(codes) if r != hung) and codes[hung] is None:
@@ -75,6 +76,7 @@ def run_members(
         env={**ONE_CPU_DEVICE, "BAGUA_TEST_SIGNALS": str(tmp_path), "FT_ENGINE": engine, **(env or {})},
         check=False,
         watch=None if hung is None else react,
+        network=network,
     )
 
 
@@ -270,32 +272,39 @@ def test_members_that_stop_with_no_progress_under_the_launcher_end_the_job_namin
     assert seconds < 60, seconds  # three attempts of about 2-3.5 s each, then both stop
 
 
-def test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on(tmp_path: Path):
-    # Member 2 is stopped in step 3 past dead_after, then goes on: the others went on without it. It joins the job
-    # again as a new member, is given their state (weighed out of its first step) and trains to the end with them;
-    # it exited with Evicted before.
-    results = run_members(tmp_path, "train", 3, {3: (2, "pause")}, 3, 3, 8, timeout=180)
+@pytest.mark.parametrize(("kind", "member"), [("pause", 2), ("partition", 0)])
+def test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on(tmp_path: Path, request, kind: str, member: int):
+    # pause: member 2 is stopped in step 3 past dead_after, then goes on. partition: member 0, the coordinator, loses
+    # its link in step 3 for as long, running (each member in its own network namespace); alone, it is a minority and
+    # must train nothing by itself. Either way the others, a majority, went on without it, coordinated by one of
+    # them. It joins the job again as a new member, is given their state (weighed out of its first step) and trains
+    # to the end with them; it exited with Evicted before.
+    network = request.getfixturevalue("network") if kind == "partition" else None
+    results = run_members(tmp_path, "train", 3, {3: (member, kind)}, 3, 3, 8, timeout=180, network=network)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode for r in results] == [0, 0, 0], outputs
-    first, second, back = (r.value for r in results)
+    back = results[member].value
+    first, second = (r.value for r in results if r.rank != member)
     sizes = {s["transaction"]: s["size"] for s in first["steps"]}
     assert sizes[1] == sizes[2] == 3 and sizes[3] == 2, sizes  # step 3 retried by the two
-    # Back, its step 3 may complete against the others' abandoned first attempt (MPI matches the calls) and be
-    # applied here alone: the state it is given on joining again replaces it.
+    # Back from a pause, its step 3 may complete against the others' abandoned first attempt (MPI matches the calls)
+    # and be applied here alone: the state it is given on joining again replaces it. Cut off, it completes nothing.
     (again,) = back["recoveries"]  # its one recovery: the epoch that admitted it again
     back_steps = [s for s in back["steps"] if s["epoch"] >= again["epoch"]]
     rejoined = back_steps[0]["transaction"]  # weighed out of it, then trained by all three
     assert [(s["transaction"], s["epoch"]) for s in back["steps"][:2]] == [(1, 0), (2, 0)], back["steps"]
+    if kind == "partition":
+        assert len(back["steps"]) == 2 + len(back_steps), f"it trained alone: {back['steps']}"
     assert rejoined > 3 and [s["transaction"] for s in back_steps] == list(range(rejoined, len(sizes) + 1))
     assert sizes[rejoined] == 2 and all(sizes[t] == 3 for t in sizes if t > rejoined), sizes
     for name, value in replay(sizes).items():
         np.testing.assert_allclose(back["params"][name], value, rtol=2e-5, atol=1e-6)
-        for member in (first, second):
-            np.testing.assert_array_equal(member["params"][name], back["params"][name])  # bit-identical
+        for other in (first, second):
+            np.testing.assert_array_equal(other["params"][name], back["params"][name])  # bit-identical
     retried = [a for a in first["attempts"] if a["transaction"] == 3]
     resume = retried[-1]["start"] - float((tmp_path / "fault-time-3").read_text())
     assert len(retried) == 2 and 0 < resume < 10, (retried, resume)  # dead_after (1.5 s), then at once
-    print(f"pause: the others resumed {resume:.2f} s after it stopped; it trained again from step {rejoined}")
+    print(f"{kind}: the others resumed {resume:.2f} s after it; it trained again from step {rejoined}")
 
 
 @pytest.mark.parametrize("algorithm", STATEFUL_PER_STEP, ids=lambda algorithm: algorithm.partition(" ")[0])

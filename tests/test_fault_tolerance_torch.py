@@ -12,167 +12,19 @@ every change and every 5 steps, plus the final parameters' digests) bit-identica
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import signal
-import subprocess
-import sys
-import tempfile
-import threading
-import time
-from pathlib import Path
-from typing import Any, TextIO
+from typing import Any
 
 import numpy as np
 import pytest
-from fork_server import ForkedRank, start_rank
-from multiprocess import TESTS, free_port
+from fault_tolerance_job_torch import DEAD_AFTER, Job
+from multiprocess import free_port
 
 from bagua_common.fault_tolerance import DataPosition
 from bagua_common.job.checkpoint import checkpoint_dir, read_manifest
-from bagua_common.job.rank_environment import threads_per_rank
 
 pytest.importorskip("torch")
 
-WORKER = str(TESTS / "fault_tolerance_workers_torch.py")
-DEAD_AFTER = 3.0
 RESUME_BAR = 2.0  # seconds from a failure seen to the step running again (issue 42: <= 2 s after a SIGKILL)
-
-
-class Job:
-    """One job's processes (plain ones, or ``bagua-launch --fault-tolerant``) and the JSON lines its ranks print,
-    by process id (a replacement is a new process)."""
-
-    def __init__(
-        self,
-        ranks: int,
-        algorithm: str,
-        faults: list[dict],
-        steps: int,
-        world: int,
-        launcher: bool = False,
-        nodes: int = 1,
-        step_seconds: float = 0.0,
-        fused: bool = False,
-        env: dict[str, str] | None = None,
-        max_restarts: int = 0,
-    ):
-        self.env = {
-            **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
-            "PYTHONPATH": str(TESTS.parent),
-            "BAGUA_FAULT_TOLERANCE": "1",
-            "BAGUA_FT_HEARTBEAT": "0.05",
-            "BAGUA_FT_DEAD_AFTER": str(DEAD_AFTER),
-            "BAGUA_FT_HASH_EVERY": "5",
-            "BAGUA_COMM_TIMEOUT": "60",
-            "FT_ALGORITHM": algorithm,
-            "FT_STEPS": str(steps),
-            "FT_WORLD": str(world),
-            "FT_STEP_SECONDS": str(step_seconds),
-            "FT_FUSED": str(int(fused)),
-            "FT_FAULTS": json.dumps(faults),
-            "FT_MARKS": tempfile.mkdtemp(prefix="bagua-ft-faults-"),
-            # every node's ranks run on this machine: the cores are shared among all of them
-            "OMP_NUM_THREADS": str(threads_per_rank(ranks)),
-            **(env or {}),
-        }
-        self.procs: list[subprocess.Popen | ForkedRank] = []
-        self.events: list[dict] = []
-        self.text: list[str] = []
-        self._threads: list[threading.Thread] = []
-        if launcher:  # one per node, meeting at a rendezvous on this machine as a multi-node job's launchers do
-            command = [sys.executable, "-m", "bagua_launch", "--fault-tolerant"]
-            command += ["--nproc-per-node", str(ranks // nodes), "--max-restarts", str(max_restarts)]
-            if nodes > 1:
-                command += ["--nnodes", str(nodes), "--rdzv-endpoint", f"127.0.0.1:{free_port()}"]
-            for _ in range(nodes):
-                self._start(command, {})
-        else:
-            self.where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}
-            for rank in range(ranks):
-                self._start([sys.executable], {**self.where, "RANK": str(rank)})
-
-    def join(self) -> None:
-        """Start a process that joins the job (as a replacement does)."""
-        self._start([sys.executable], {**self.where, "BAGUA_FT_JOIN": "1"})
-
-    def _start(self, command: list[str], extra: dict[str, str]) -> None:
-        output: Path | TextIO
-        if command == [sys.executable]:  # a rank: forked with torch imported already
-            output = Path(self.env["FT_MARKS"]) / f"output-{len(self.procs)}"
-            os.mkfifo(output)
-            self.procs.append(start_rank([str(WORKER)], {**self.env, **extra}, output))
-        else:
-            proc = subprocess.Popen(
-                [*command, WORKER],
-                env={**self.env, **extra},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,  # its group: a launcher's workers and slots go with it
-            )
-            self.procs.append(proc)
-            output = proc.stdout
-        thread = threading.Thread(target=self._read, args=(output,), daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def _read(self, source: Path | TextIO) -> None:
-        """Collect a process's lines from its FIFO (opened here: opening blocks until the rank opens it too) or its
-        stdout pipe, until the process ends."""
-        with open(source) if isinstance(source, Path) else source as output:
-            for line in output:
-                self.text.append(line)
-                body = line.split("] ", 1)[1] if line.startswith("[rank ") else line
-                try:
-                    self.events.append(json.loads(body))
-                except json.JSONDecodeError:
-                    pass
-
-    def of(self, pid: int, kind: str) -> list[dict]:
-        return [e for e in list(self.events) if e["pid"] == pid and e["event"] == kind]
-
-    def pids(self, **match) -> list[int]:
-        """The processes whose ``start`` event has ``match``'s fields, in start order."""
-        return [e["pid"] for e in list(self.events) if e["event"] == "start" and match.items() <= e.items()]
-
-    def rank_of(self, pid: int) -> int:
-        return self.of(pid, "start")[0]["rank"]
-
-    def wait_until(self, condition, timeout: float = 90) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
-            assert time.monotonic() < deadline, self.output()
-            time.sleep(0.05)
-
-    def finish(self, timeout: float = 120) -> None:
-        """Wait for every process to exit (or stop: a stopped one never will), then kill what is left."""
-        self.wait_until(lambda: all(p.poll() is not None or _stopped(p.pid) for p in self.procs), timeout)
-        self.close()
-        for thread in self._threads:
-            thread.join(5)
-
-    def close(self) -> None:
-        for proc in self.procs:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-        shutil.rmtree(self.env["FT_MARKS"], ignore_errors=True)
-
-    def output(self) -> str:
-        """The lines that are not steps, and the last steps."""
-        others = [line for line in self.text if '"event": "step"' not in line]
-        steps = [line for line in self.text if '"event": "step"' in line]
-        return "".join(line[:400].rstrip("\n") + "\n" for line in others[-80:] + steps[-8:])
-
-
-def _stopped(pid: int) -> bool:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] == "T"
-    except (FileNotFoundError, ProcessLookupError):
-        return False
 
 
 @pytest.fixture
@@ -970,3 +822,49 @@ def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_
     job.membership = object()  # a first member's, from here on
     with pytest.raises(ValueError, match=r"records no data position: it was not written by a fault-tolerant job"):
         job.restore(tmp_path, data)
+
+
+def test_a_partitioned_coordinator_stops_training_and_joins_the_majority_again_once_its_link_is_back(jobs, network):
+    # Rank 0, the coordinator, loses its link in step 3's backward pass, for 4.5 s: to ranks 1 and 2 it is a hang (no
+    # heartbeat, no closed connection), so they take it for dead after dead_after, form the next epoch at rank 1 (a
+    # majority of the 3) and go on. Rank 0 alone is a minority: it must not train on by itself (a job split in two),
+    # and once its link is back it finds itself out of the job and joins it again, given the majority's state.
+    partition = [{"rank": 0, "step": 3, "where": "backward", "kind": "partition", "seconds": DEAD_AFTER + 1.5}]
+    job = jobs(3, "gradient_allreduce", partition, steps=8, world=3, step_seconds=0.1, network=network)
+    job.finish()
+    coordinator, majority = job.pids(rank=0)[0], job.pids(rank=1) + job.pids(rank=2)
+    ends = [job.of(pid, "end") for pid in (coordinator, *majority)]
+    assert all(ends), job.output()
+    assert len({e[0]["digest"] for e in ends}) == 1  # bit-identical replicas, the partitioned member's too
+    for pid in majority:
+        (lost, rejoined) = job.of(pid, "end")[0]["recoveries"]
+        assert lost["size"] == 2 and lost["steps_lost"] == 1 and lost["seconds"] < RESUME_BAR, lost
+        assert rejoined["size"] == 3 and rejoined["joined"] == 1, rejoined
+        assert [e["step"] for e in job.of(pid, "retry")] == [3]
+    # The coordinator trained steps 1 and 2, then nothing until it was admitted again: that step (weighed out while
+    # the state reached it) and the rest, all in the new epoch; the majority trained the steps between as two.
+    back = [e["step"] for e in job.of(coordinator, "step")]
+    readmitted = back[2]
+    assert back == [1, 2, *range(readmitted, ends[0][0]["step"] + 1)] and readmitted > 3, back
+    assert {e["world"] for e in job.of(majority[0], "step") if 3 <= e["step"] <= readmitted} == {2}
+    check_every_sample_once(job, lost_parts=0)
+
+
+def test_a_rank_cut_off_for_good_stops_naming_the_partition_and_the_majority_trains_on(jobs, network):
+    # Rank 2's link goes down in step 3's backward pass and stays down: ranks 1 and 0 go on without it; rank 2 waits
+    # for a majority for the quorum timeout (3 s here), then stops naming why, having trained nothing alone.
+    partition = [{"rank": 2, "step": 3, "where": "backward", "kind": "partition"}]
+    settings = {"BAGUA_FT_QUORUM_TIMEOUT": "3"}
+    job = jobs(3, "gradient_allreduce", partition, steps=8, world=2, env=settings, network=network)
+    job.finish(timeout=60)
+    cut_off = job.pids(rank=2)[0]
+    survivors = job.pids(rank=0) + job.pids(rank=1)
+    ends = [job.of(pid, "end") for pid in survivors]
+    assert all(ends) and len({e[0]["digest"] for e in ends}) == 1, job.output()
+    for pid in survivors:
+        (recovery,) = job.of(pid, "end")[0]["recoveries"]
+        assert recovery["size"] == 2 and recovery["steps_lost"] == 1 and recovery["seconds"] < RESUME_BAR, recovery
+    assert not job.of(cut_off, "end") and [e["step"] for e in job.of(cut_off, "step")] == [1, 2], job.output()
+    (process,) = [p for p in job.procs if p.pid == cut_off]
+    assert process.returncode != 0 and "NoQuorum: fault tolerance: the members reachable at" in "".join(job.text)
+    check_every_sample_once(job, lost_parts=1)
