@@ -27,6 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from harness.links import Network
@@ -146,31 +147,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     meta = run_meta(["torch"], argv=sys.argv[1:], **vars(args) | {"out": None})
-    gate = LoadGate()
-    cases, loads = [], []
     secrets = tempfile.mkdtemp(prefix="bagua-fault-matrix-")
     secret = write_job_secret(secrets)
     try:
-        for kind in args.kinds:
-            for where in args.wheres:
-                started = time.monotonic()
-                case, load, _ = gate.measure(
-                    lambda: run_case(kind, where, args.steps, args.timeout, secret), f"{kind}/{where}"
-                )
-                case |= {"load": load.as_dict(), "seconds": round(time.monotonic() - started, 1)}
-                cases.append(case)
-                loads.append(load.as_dict())
-                print(" | ".join(str(c) for c in row_of(case)), flush=True)
+        cases, loads = run_matrix(
+            [(kind, where) for kind in args.kinds for where in args.wheres],
+            lambda kind, where: run_case(kind, where, args.steps, args.timeout, secret),
+            row_of,
+        )
     finally:
-        gate.close()
         shutil.rmtree(secrets, ignore_errors=True)
     finish_meta(meta)
     resumes = [c["resume_s"] for c in cases if c["ended"] and c["resume_s"] is not None and c["kind"] == "kill"]
-    markdown = [
-        "# The fault matrix (torch, gloo): each fault kind at each point of a step",
-        "",
-        *header_lines(meta),
-        *load_lines(loads),
+    notes = [
         f"- 4 ranks, each in its own network namespace; rank {VICTIM} fails at step {STEP} (DiLoCo's exchange: step "
         f"{EXCHANGE_STEP}); at a recovery, rank 3 was SIGKILLed in that step's backward pass first. Heartbeats every "
         f"50 ms, dead after {DEAD_AFTER:g} s: a hang and a partition are found by the heartbeats, a death by its "
@@ -179,14 +168,54 @@ def main(argv: list[str] | None = None) -> int:
         f"{statistics.median(resumes) if resumes else '-'} s); steps lost: per survivor, the largest; joiner: seconds "
         f"from a replacement's request to being ready, or from a partitioned rank's link returning "
         f"({PARTITION_SECONDS:g} s after the fault) to its first step",
-        "",
-        *table(
-            ["fault", "where", "survivors resume (s)", "steps lost", "joiner ready (s)", "replicas bit-identical"],
-            [row_of(c) for c in cases],
-            "llrrrl",
-        ),
     ]
-    md, _ = write_results(args.out, "fault-matrix-torch", markdown, {**meta, "cases": cases})
+    head = ["fault", "where", "survivors resume (s)", "steps lost", "joiner ready (s)", "replicas bit-identical"]
+    title = "The fault matrix (torch, gloo): each fault kind at each point of a step"
+    return publish(args.out, "fault-matrix-torch", title, meta, loads, notes, head, cases, row_of)
+
+
+def run_matrix(
+    cases: list[tuple[str, str]], run: Callable[[str, str], dict], row_of: Callable[[dict], list]
+) -> tuple[list[dict], list[dict]]:
+    """Run each ``(kind, where)`` case once the machine is quiet (again, up to 3 times, where other work met it),
+    printing its row; return the cases, each with its load and seconds, and the loads."""
+    gate = LoadGate()
+    done, loads = [], []
+    try:
+        for kind, where in cases:
+            started = time.monotonic()
+            case, load, _ = gate.measure(lambda: run(kind, where), f"{kind}/{where}")
+            done.append(case | {"load": load.as_dict(), "seconds": round(time.monotonic() - started, 1)})
+            loads.append(load.as_dict())
+            print(" | ".join(str(c) for c in row_of(case)), flush=True)
+    finally:
+        gate.close()
+    return done, loads
+
+
+def publish(
+    out: Path,
+    stem: str,
+    title: str,
+    meta: dict,
+    loads: list[dict],
+    notes: list[str],
+    head: list[str],
+    cases: list[dict],
+    row_of: Callable[[dict], list],
+) -> int:
+    """Write the matrix's results (``stem``.md and .json under ``out``) and print them; the exit status: 0 when every
+    case ended with its replicas bit-identical."""
+    markdown = [
+        f"# {title}",
+        "",
+        *header_lines(meta),
+        *load_lines(loads),
+        *notes,
+        "",
+        *table(head, map(row_of, cases), "llrrrl"),
+    ]
+    md, _ = write_results(out, stem, markdown, {**meta, "cases": cases})
     print(md.read_text())
     return 0 if all(c["ended"] and c["identical"] for c in cases) else 1
 

@@ -105,6 +105,8 @@ def _fail(kind: str, step: int) -> None:
             _touch(f"slow-{step}")
             time.sleep(float(os.environ["FT_COMM_TIMEOUT"]) + 1.5)
         return
+    if os.path.exists(_signal(f"fault-time-{step}")):  # once: back from a pause or a partition, it may run it again
+        return
     time.sleep(0.5)  # the others are blocked in the step's collective by now
     if kind == "kill-once-asked":  # the joiner's request is in before this death is noticed
         _wait_for("joiner-asked")
