@@ -40,8 +40,8 @@ from bagua_common.fault_tolerance.settings import (
     ENV_DIRECTORY,
     ENV_FAULT_TOLERANCE,
     ENV_SECRET_FILE,
+    ensure_job_secret,
     job_secret,
-    write_job_secret,
 )
 from bagua_common.job.local_launch import free_port
 from bagua_common.job.local_launch import mpiexec as find_mpiexec
@@ -277,15 +277,14 @@ def run(config: ElasticConfig) -> int:
     )
     relay = None
     if config.fault_tolerant:  # each worker slot replaces its rank when it dies (bagua_launch.replacements)
-        if not os.environ.get(ENV_SECRET_FILE, "").strip():
-            if config.max_nodes > 1:
-                sys.stderr.write(
-                    f"{NAME}: --fault-tolerant over several nodes needs {ENV_SECRET_FILE}: the path of a file of "
-                    "mode 0600 holding the job's secret (at least 16 bytes), the same on every node\n"
-                )
-                shutil.rmtree(log_dir, ignore_errors=True)
-                return 2
-            os.environ[ENV_SECRET_FILE] = write_job_secret(log_dir)
+        if config.max_nodes > 1 and not os.environ.get(ENV_SECRET_FILE, "").strip():
+            sys.stderr.write(
+                f"{NAME}: --fault-tolerant over several nodes needs {ENV_SECRET_FILE}: the path of a file of "
+                "mode 0600 holding the job's secret (at least 16 bytes), the same on every node\n"
+            )
+            shutil.rmtree(log_dir, ignore_errors=True)
+            return 2
+        ensure_job_secret(log_dir)
         # where this node's ranks say where the job is, for the replacements
         secret = job_secret()
         directory = KVServer("127.0.0.1", secret=secret)

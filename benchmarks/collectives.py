@@ -148,7 +148,7 @@ from harness.options import add_out_option, add_subset_option
 from harness.results import finish_meta, header_lines, run_meta
 
 from bagua_common.comm import topology
-from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, ensure_job_secret
 from bagua_common.job.local_launch import free_port, mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
 
@@ -771,8 +771,7 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
         "WORLD_SIZE": str(args.ranks),
     }
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.ranks)))
-    secret = workdir / "fault-tolerance-secret"  # the TCP engine's store's, one per run
-    env[ENV_SECRET_FILE] = str(secret) if secret.exists() else write_job_secret(str(workdir))
+    env[ENV_SECRET_FILE] = ensure_job_secret(str(workdir))  # the TCP engine's store's, one per run
     if args.device == "cpu":
         env |= {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per process
     else:

@@ -22,19 +22,13 @@ compares their hashes after every change and every 5 steps, and stops on a misma
 from __future__ import annotations
 
 import argparse
-import shutil
 import statistics
 import sys
-import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 from harness.links import Network
-from harness.load import LoadGate
-from harness.results import RESULTS, finish_meta, header_lines, load_lines, run_meta, table, write_results
-
-from bagua_common.fault_tolerance.settings import write_job_secret
+from harness.matrix import lost_for_good, publish, run_matrix
+from harness.results import RESULTS, finish_meta, run_meta
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from fault_tolerance_job_torch import DEAD_AFTER, Job  # noqa: E402
@@ -57,21 +51,12 @@ def faults_of(kind: str, where: str) -> list[dict]:
     return [*first, fault]
 
 
-def lost_for_good(kind: str, where: str) -> int:
-    """How many ranks the case loses for good (each gets a replacement)."""
-    return int(kind in ("kill", "stop", "raise")) + int(where == "recovery")
-
-
-def run_case(kind: str, where: str, steps: int, timeout: float, secret: str) -> dict:
-    """One job with the case's faults (its members proving the job's ``secret`` file); its measures (or, where it
-    did not end in ``timeout`` seconds, why)."""
+def run_case(kind: str, where: str, steps: int, timeout: float) -> dict:
+    """One job with the case's faults; its measures (or, where it did not end in ``timeout`` seconds, why)."""
     algorithm = DILOCO if where == "exchange" else "gradient_allreduce"
     replacements = lost_for_good(kind, where)
     with Network(RANKS + replacements, verbose=False) as network:
-        settings = {"BAGUA_FT_SECRET_FILE": secret}
-        job = Job(
-            RANKS, algorithm, faults_of(kind, where), steps, RANKS, step_seconds=0.1, env=settings, network=network
-        )
+        job = Job(RANKS, algorithm, faults_of(kind, where), steps, RANKS, step_seconds=0.1, network=network)
         try:
             job.wait_until(lambda: len(job.pids(joiner=False)) == RANKS, timeout)
             first_members = {job.rank_of(pid): pid for pid in job.pids(joiner=False)}
@@ -147,16 +132,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
     meta = run_meta(["torch"], argv=sys.argv[1:], **vars(args) | {"out": None})
-    secrets = tempfile.mkdtemp(prefix="bagua-fault-matrix-")
-    secret = write_job_secret(secrets)
-    try:
-        cases, loads = run_matrix(
-            [(kind, where) for kind in args.kinds for where in args.wheres],
-            lambda kind, where: run_case(kind, where, args.steps, args.timeout, secret),
-            row_of,
-        )
-    finally:
-        shutil.rmtree(secrets, ignore_errors=True)
+    cases, loads = run_matrix(
+        [(kind, where) for kind in args.kinds for where in args.wheres],
+        lambda kind, where: run_case(kind, where, args.steps, args.timeout),
+        row_of,
+    )
     finish_meta(meta)
     resumes = [c["resume_s"] for c in cases if c["ended"] and c["resume_s"] is not None and c["kind"] == "kill"]
     notes = [
@@ -172,52 +152,6 @@ def main(argv: list[str] | None = None) -> int:
     head = ["fault", "where", "survivors resume (s)", "steps lost", "joiner ready (s)", "replicas bit-identical"]
     title = "The fault matrix (torch, gloo): each fault kind at each point of a step"
     return publish(args.out, "fault-matrix-torch", title, meta, loads, notes, head, cases, row_of)
-
-
-def run_matrix(
-    cases: list[tuple[str, str]], run: Callable[[str, str], dict], row_of: Callable[[dict], list]
-) -> tuple[list[dict], list[dict]]:
-    """Run each ``(kind, where)`` case once the machine is quiet (again, up to 3 times, where other work met it),
-    printing its row; return the cases, each with its load and seconds, and the loads."""
-    gate = LoadGate()
-    done, loads = [], []
-    try:
-        for kind, where in cases:
-            started = time.monotonic()
-            case, load, _ = gate.measure(lambda: run(kind, where), f"{kind}/{where}")
-            done.append(case | {"load": load.as_dict(), "seconds": round(time.monotonic() - started, 1)})
-            loads.append(load.as_dict())
-            print(" | ".join(str(c) for c in row_of(case)), flush=True)
-    finally:
-        gate.close()
-    return done, loads
-
-
-def publish(
-    out: Path,
-    stem: str,
-    title: str,
-    meta: dict,
-    loads: list[dict],
-    notes: list[str],
-    head: list[str],
-    cases: list[dict],
-    row_of: Callable[[dict], list],
-) -> int:
-    """Write the matrix's results (``stem``.md and .json under ``out``) and print them; the exit status: 0 when every
-    case ended with its replicas bit-identical."""
-    markdown = [
-        f"# {title}",
-        "",
-        *header_lines(meta),
-        *load_lines(loads),
-        *notes,
-        "",
-        *table(head, map(row_of, cases), "llrrrl"),
-    ]
-    md, _ = write_results(out, stem, markdown, {**meta, "cases": cases})
-    print(md.read_text())
-    return 0 if all(c["ended"] and c["identical"] for c in cases) else 1
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ its link's return), and whether the members' replicated state (DiLoCo: the round
 from __future__ import annotations
 
 import argparse
-import atexit
 import contextlib
 import os
 import shutil
@@ -31,18 +30,12 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
-from fault_matrix import publish, run_matrix
 from harness.links import Network
+from harness.matrix import lost_for_good, publish, run_matrix
 from harness.results import RESULTS, finish_meta, run_meta
 
-from bagua_common.fault_tolerance.settings import write_job_secret
-
-if not os.environ.get("BAGUA_FT_SECRET_FILE"):  # the members prove the job's secret to each other's stores
-    _SECRETS = tempfile.mkdtemp(prefix="bagua-fault-matrix-jax-secret-")
-    atexit.register(shutil.rmtree, _SECRETS, True)
-    os.environ["BAGUA_FT_SECRET_FILE"] = write_job_secret(_SECRETS)
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from fault_tolerance_workers_jax import DILOCO_ROUND, PAUSE_SECONDS, SETTINGS  # noqa: E402
+from fault_tolerance_workers_jax import DILOCO_ROUND, PAUSE_SECONDS, TIMING  # noqa: E402
 from multiprocess import ONE_CPU_DEVICE, run_ranks  # noqa: E402
 
 MEMBERS, VICTIM, STEP, STEPS = 3, 2, 3, 8
@@ -57,7 +50,7 @@ CASES = [
 
 def arguments(kind: str, where: str) -> tuple[str, int, tuple, dict[str, str]]:
     """The worker function, its process count, its arguments and the environment the case adds."""
-    lost = int(kind in ("kill", "stop", "raise")) + int(where == "recovery")
+    lost = lost_for_good(kind, where)
     if where == "exchange":
         faults = {EXCHANGE_STEP: (VICTIM, kind)}
         return "train_diloco", MEMBERS + lost, (faults, MEMBERS, MEMBERS, 16, {}), {}
@@ -157,8 +150,8 @@ def main(argv: list[str] | None = None) -> int:
     finish_meta(meta)
     notes = [
         f"- 3 members, each in its own network namespace; member {VICTIM} fails in step {STEP} (DiLoCo: in the "
-        f"exchange of inner step {EXCHANGE_STEP}); heartbeats every {SETTINGS.heartbeat_period:g} s, dead after "
-        f"{SETTINGS.dead_after:g} s; slow: past the others' 2-s collective timeout",
+        f"exchange of inner step {EXCHANGE_STEP}); heartbeats every {TIMING['heartbeat_period']:g} s, dead after "
+        f"{TIMING['dead_after']:g} s; slow: past the others' 2-s collective timeout",
         "- resume: seconds from the fault to survivor 0's step running again (slow: from the step's start; DiLoCo: to "
         "the round's exchange done among the survivors); again: the steps it ran again (DiLoCo: the exchange); "
         f"joiner: seconds from a joiner's request to its first step done, or from a partitioned member's link "

@@ -218,12 +218,12 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     """Start the ranks, each under its own ``mpiexec -n 1`` (with ``--rate``, each in its own network namespace, on
     links of that rate: ``benchmarks/harness/links.py``); return their exit codes."""
-    from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+    from bagua_common.fault_tolerance.settings import ensure_job_secret
     from bagua_common.job.local_launch import free_port, mpiexec
 
     port = free_port()
+    ensure_job_secret(str(workdir))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
-    env.setdefault(ENV_SECRET_FILE, write_job_secret(str(workdir)))
     argv = [mpiexec(), "-n", "1", sys.executable, sys.argv[0], args.mode, "--worker", "--workdir", str(workdir)]
     options = ("port", "ranks", "engine", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
     options += ("kill_step", "join_after", "fragments", "fragment_sync_delay")

@@ -13,7 +13,7 @@ from background_jobs import BackgroundJob
 from extended import is_extended
 
 from bagua_common.fault_tolerance import KVServer, job_secret
-from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, write_job_secret
+from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ensure_job_secret
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from harness import links  # noqa: E402  (the network harness: the partition tests' links)
@@ -24,10 +24,9 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 # The members of the tests' fault-tolerant jobs prove the job's secret to each other's stores, as under bagua-launch
 # --fault-tolerant; their processes inherit the variable.
-if not os.environ.get("BAGUA_FT_SECRET_FILE"):
-    _secret_directory = tempfile.mkdtemp(prefix="bagua-test-secret-")
-    atexit.register(shutil.rmtree, _secret_directory, True)
-    os.environ["BAGUA_FT_SECRET_FILE"] = write_job_secret(_secret_directory)
+_secret_directory = tempfile.mkdtemp(prefix="bagua-test-secret-")
+atexit.register(shutil.rmtree, _secret_directory, True)
+ensure_job_secret(_secret_directory)
 
 SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
 

@@ -43,6 +43,9 @@ EXTENDED: dict[str, str] = {
     ),
     r"test_fault_tolerance_torch\.py::test_a_rank_cut_off_for_good_stops_naming_the_partition": "a rank cut off by a "
     "partition for good (10 s); the partitioned coordinator joining the majority again stays quick in both front ends",
+    r"test_fault_tolerance_torch\.py::test_a_partitioned_coordinator_stops_training_and_joins_the_majority_again_once_"
+    r"its_link_is_back\[(?!gradient_allreduce\])": "the partitioned coordinator's return under the fused optimizer and "
+    "each stateful per-step algorithm (10 s each; gradient allreduce's stays quick)",
     r"test_fault_tolerance_jax\.py::test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_"
     r"inner_step\[(diloco-uint8|streaming-uint8)\]": "the 8-bit and Streaming variants of JAX's DiLoCo survivors "
     "(10 s each; the full-precision case stays quick)",
@@ -55,6 +58,23 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_jax\.py::test_a_member_taken_for_dead_joins_again_under_each_per_step_algorithm": "JAX's "
     "member taken for dead joining again under ByteGrad, PowerSGD, QAdam and 1-bit Adam (10 s each); gradient "
     "allreduce's and DiLoCo's stay quick",
+    r"test_fault_tolerance_torch\.py::test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_its_"
+    r"peers_do_not_wait\[low\]": "torch's low-precision decentralized joiner sitting out a step (8 s; its "
+    "decentralized one stays quick, and so does JAX's low-precision one)",
+    r"test_fault_tolerance_jax\.py::test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_its_"
+    r"peers_do_not_wait\[decentralized\]": "JAX's decentralized joiner sitting out a step (8 s; its low-precision one "
+    "stays quick, and so does torch's decentralized one)",
+    r"test_fault_tolerance_jax\.py::test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on\[pause-2\]": (
+        "JAX's member taken for dead after a SIGSTOP (8 s; the partitioned coordinator taken for dead stays quick)"
+    ),
+    r"test_fault_tolerance_jax\.py::test_a_diloco_member_taken_for_dead_mid_round_joins_again_and_sits_out_a_round": (
+        "JAX's DiLoCo member taken for dead (10 s; its DiLoCo joiner sitting out a round at a retried exchange and "
+        "its member taken for dead under gradient allreduce stay quick)"
+    ),
+    r"test_fault_tolerance_jax\.py::test_members_whose_step_times_out_at_every_attempt_stop_naming_the_timeout": (
+        "JAX's stop after a step timed out three times (13 s; the rule's own test in test_fault_tolerance_membership "
+        "and torch's job stay quick, and .ci/run runs JAX's stop under the launcher)"
+    ),
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_shrink": "JAX's death during a recovery "
     "(10 s; its stop after the shrink's timeout is the MPI engine's own dead-peer bound, which stays quick)",
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_rebuild_the_communicator_costs_them_one_"

@@ -39,12 +39,14 @@ import numpy as np
 
 from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
 from bagua_common.fault_tolerance.kv_store import advertised_host
+from benchmarks.harness.links import cut_own_link
 
 SAMPLES, FEATURES, BATCH_PER_RANK, LR = 120, 5, 4, 0.1
 ENGINE = os.environ.get("FT_ENGINE", "tcp")
 """The members' engine: ``tcp`` or ``mpi`` (the processes run as their own ``mpiexec -n 1`` jobs either way)."""
-SETTINGS = FaultToleranceSettings(heartbeat_period=0.1, dead_after=1.5, quorum_timeout=30.0, hash_every=2)
-PAUSE_SECONDS = SETTINGS.dead_after + 3.0
+TIMING = {"heartbeat_period": 0.1, "dead_after": 1.5, "quorum_timeout": 30.0, "hash_every": 2}
+"""The members' FaultToleranceSettings, less the job's secret (read where a member starts, not at import)."""
+PAUSE_SECONDS = TIMING["dead_after"] + 3.0
 
 
 def dataset() -> tuple[np.ndarray, np.ndarray]:
@@ -121,9 +123,8 @@ def _fail(kind: str, step: int) -> None:
         _say_when_asking_to_join()
         os.kill(os.getpid(), signal.SIGSTOP)
         return
-    if kind == "partition":  # its link (the network harness's eth0) down past dead_after, running: then up again
-        subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
-        subprocess.Popen(["sh", "-c", f"sleep {PAUSE_SECONDS}; ip link set eth0 up"])
+    if kind == "partition":  # its link down past dead_after, running: then up again
+        cut_own_link(PAUSE_SECONDS)
         _say_when_asking_to_join()
         return
     raise RuntimeError("the victim fails on purpose")
@@ -179,10 +180,10 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
             else NativeCommunicator.mpi_self(timeout=60)
         )
         trainer = make_trainer(alone)
-        ft = FaultTolerantTrainer.joiner(trainer, data, SETTINGS, master, timeout=60)
+        ft = FaultTolerantTrainer.joiner(trainer, data, FaultToleranceSettings(**TIMING), master, timeout=60)
         state = ft.init(params, example_batch)
         return ft, state, ft.admission["admitted"]
-    membership = Membership.start(SETTINGS, rank, start_size, *master, timeout=60)
+    membership = Membership.start(FaultToleranceSettings(**TIMING), rank, start_size, *master, timeout=60)
     seconds = float(os.environ.get("FT_COMM_TIMEOUT", "60"))  # a collective's, and a shrink's, longest wait
     store = membership.epoch.store
     comm = (

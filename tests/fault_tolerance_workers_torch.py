@@ -38,7 +38,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -55,6 +54,7 @@ from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm
 from bagua_torch.algorithms.qadam import QAdamAlgorithm
 from bagua_torch.fault_tolerance import FaultTolerance
 from bagua_torch.torch_api import allreduce_inplace
+from benchmarks.harness.links import cut_own_link
 
 SAMPLES, FEATURES = 96, 6
 
@@ -92,11 +92,8 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
                 raise RuntimeError(f"rank {rank} fails on purpose at step {step} ({where})")
             elif kind == "slow":
                 time.sleep(f.get("seconds", 0.3))
-            elif kind == "partition":  # this rank's link (the network harness's eth0) goes down, for good or a while
-                subprocess.run(["ip", "link", "set", "eth0", "down"], check=True)
-                if f.get("seconds"):
-                    up = ["ip", "link", "set", "eth0", "up"]
-                    threading.Timer(f["seconds"], subprocess.run, (up,), {"check": True}).start()
+            elif kind == "partition":  # this rank's link goes down, for good or a while
+                cut_own_link(f.get("seconds"))
             elif kind == "late":  # once this member saw the epoch close (and told the next one what it applied)
                 epoch.closed.wait(60)
                 time.sleep(0.5)

@@ -243,3 +243,29 @@ def test_a_chaos_report_links_its_chart_only_where_one_was_drawn(tmp_path, monke
     report = (tmp_path / f"{name}.md").read_text()
     assert "| 120 | 0.473 | 3 | 2.7771 | 2.7363 | +0.0408 |" in report  # the report itself is written
     assert not (tmp_path / f"{name}.png").exists() and ".png" not in report
+
+
+@pytest.mark.parametrize(
+    ("namespace", "cut"), [("", False), ("bagua-br", False), ("other-r1", False), ("bagua-r1", True)]
+)
+def test_a_rank_cuts_only_its_own_namespaces_link(monkeypatch, namespace, cut):
+    # The partition tests' ranks take eth0 down as root: run anywhere but in a rank's namespace, that would be the
+    # machine's own link. The commands are recorded here, never run.
+    from harness import links
+
+    commands = []
+
+    def run(argv, check=True, timeout=30):
+        commands.append(list(argv))
+        return subprocess.CompletedProcess(
+            argv, 0, stdout=namespace + "\n" if argv[:3] == ["ip", "netns", "identify"] else ""
+        )
+
+    monkeypatch.setattr(links, "_run", run)
+    monkeypatch.setattr(links, "PREFIX", "bagua-")
+    if cut:
+        links.cut_own_link()
+    else:
+        with pytest.raises(links.HarnessError, match="not in a rank's namespace"):
+            links.cut_own_link()
+    assert (["ip", "link", "set", "eth0", "down"] in commands) == cut, commands

@@ -824,13 +824,28 @@ def test_a_restart_is_refused_a_checkpoint_without_a_data_position_and_a_joiner_
         job.restore(tmp_path, data)
 
 
-def test_a_partitioned_coordinator_stops_training_and_joins_the_majority_again_once_its_link_is_back(jobs, network):
+@pytest.mark.parametrize(
+    ("algorithm", "fused"),
+    [
+        pytest.param("gradient_allreduce", False, id="gradient_allreduce"),
+        pytest.param("gradient_allreduce", True, id="gradient_allreduce-fused"),
+        # the state a member back from a partition must be given, not keep: its residuals, Q, momenta
+        pytest.param('bytegrad {"error_feedback": true}', False, id="bytegrad"),
+        pytest.param('powersgd {"rank": 1, "min_compression_rate": 1, "start_iter": 2}', False, id="powersgd"),
+        pytest.param('qadam {"warmup_steps": 2}', False, id="qadam"),
+        pytest.param('onebit_adam {"warmup_steps": 2}', False, id="onebit_adam"),
+    ],
+)
+def test_a_partitioned_coordinator_stops_training_and_joins_the_majority_again_once_its_link_is_back(
+    jobs, network, algorithm, fused
+):
     # Rank 0, the coordinator, loses its link in step 3's backward pass, for 4.5 s: to ranks 1 and 2 it is a hang (no
     # heartbeat, no closed connection), so they take it for dead after dead_after, form the next epoch at rank 1 (a
     # majority of the 3) and go on. Rank 0 alone is a minority: it must not train on by itself (a job split in two),
-    # and once its link is back it finds itself out of the job and joins it again, given the majority's state.
+    # and once its link is back it finds itself out of the job and joins it again, given the majority's state (the
+    # job compares every member's hash of it, the algorithm's and the optimizer's too, after each change).
     partition = [{"rank": 0, "step": 3, "where": "backward", "kind": "partition", "seconds": DEAD_AFTER + 1.5}]
-    job = jobs(3, "gradient_allreduce", partition, steps=8, world=3, step_seconds=0.1, network=network)
+    job = jobs(3, algorithm, partition, steps=8, world=3, step_seconds=0.1, fused=fused, network=network)
     job.finish()
     coordinator, majority = job.pids(rank=0)[0], job.pids(rank=1) + job.pids(rank=2)
     ends = [job.of(pid, "end") for pid in (coordinator, *majority)]

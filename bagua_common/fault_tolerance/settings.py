@@ -15,6 +15,7 @@ __all__ = [
     "ENV_PEERS",
     "ENV_SECRET_FILE",
     "FaultToleranceSettings",
+    "ensure_job_secret",
     "job_secret",
     "write_job_secret",
 ]
@@ -64,6 +65,15 @@ def write_job_secret(directory: str) -> str:
     path = os.path.join(directory, "fault-tolerance-secret")
     with os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as file:
         file.write(secrets.token_hex(32))
+    return path
+
+
+def ensure_job_secret(directory: str) -> str:
+    """The path of the job's secret file: ``BAGUA_FT_SECRET_FILE``'s where it is set, otherwise a new secret written
+    under ``directory`` (:func:`write_job_secret`) and set there, for this process and the processes it starts."""
+    path = os.environ.get(ENV_SECRET_FILE, "").strip()
+    if not path:
+        path = os.environ[ENV_SECRET_FILE] = write_job_secret(directory)
     return path
 
 

@@ -9,6 +9,8 @@ Its parts, one concept each:
 * :mod:`~harness.links`: the shaped links (a network namespace per rank, ``tbf`` on both ends of every pair);
 * :mod:`~harness.jobs`: a job's ranks on that network, each writing its result to a file;
 * :mod:`~harness.phases`: jobs whose ranks run phases (train, then time at each link) one at a time, gated;
+* :mod:`~harness.matrix`: the fault matrices' frame (the cases run one at a time, gated, under one job secret;
+  their table published);
 * :mod:`~harness.results`: one result format (JSON and Markdown: the command, the date, the machine, the loads);
 * :mod:`~harness.plots`: one plotting module;
 * :mod:`~harness.machine`: the machine in words, the versions, the load average;

@@ -149,6 +149,18 @@ def _run(argv: Sequence[str], check: bool = True, timeout: float = 30) -> subpro
     return proc
 
 
+def cut_own_link(seconds: float | None = None) -> None:
+    """Cut the calling rank off, as a network partition does: take its namespace's link down, for good or, given
+    ``seconds``, for that long (a shell of its own brings it back, whatever the rank does meanwhile). A HarnessError
+    outside a rank's namespace: the machine's own link is never touched."""
+    namespace = _run(["ip", "netns", "identify", str(os.getpid())], check=False).stdout.strip()
+    if not re.fullmatch(rf"{re.escape(PREFIX)}r\d+", namespace):
+        raise HarnessError(f"cut_own_link: this process is not in a rank's namespace (it is in {namespace!r})")
+    _run(["ip", "link", "set", RANK_IF, "down"])
+    if seconds:
+        subprocess.Popen(["sh", "-c", f"sleep {seconds}; ip link set {RANK_IF} up"])
+
+
 def require_root() -> None:
     if os.geteuid() != 0:
         sys.exit(
