@@ -109,10 +109,9 @@ def measures(results, kind: str, where: str, signals: Path) -> dict:
         began = fault_time if fault_time is not None else attempts[0]["start"]  # slow: from the step's start
         resume, again = attempts[-1]["start"] - began, len(attempts) - 1
     joiners = []
-    asked = signals / "joiner-asked"
     for rank, record in records.items():
-        if rank >= MEMBERS and asked.exists():
-            joiners.append(record["steps"][0]["end"] - asked.stat().st_mtime)
+        if rank >= MEMBERS and record["asked"] is not None:
+            joiners.append(record["steps"][0]["end"] - record["asked"])
         elif kind == "partition" and rank == VICTIM:  # its steps in the epoch that admitted it again
             first = [s for s in record["steps"] if s["epoch"] >= record["recoveries"][-1]["epoch"]]
             joiners.append(first[0]["end"] - fault_time - PAUSE_SECONDS if first else None)

@@ -418,6 +418,7 @@ def train(
         "recoveries": ft.recoveries,
         "started": started,
         "admitted": admitted,
+        "asked": ft.admission["asked"] if ft.admission else None,  # a joiner's request, its step compiled
         "compilations": compilations,
     }
 
@@ -541,6 +542,7 @@ def train_diloco(
         "committed": ft.committed,
         "recoveries": ft.recoveries,
         "admitted": admitted,
+        "asked": ft.admission["asked"] if ft.admission else None,  # a joiner's request, its step compiled
         "state_class": type(state).__module__ + "." + type(state).__name__,
     }
 
