@@ -90,9 +90,10 @@ def _signal(name: str) -> str:
 
 
 def _touch(name: str, text: str = "") -> None:
-    with open(_signal(name) + ".part", "w") as f:
+    part = f"{_signal(name)}.{os.getpid()}.part"  # two processes may mark the same name at once (joiners asking)
+    with open(part, "w") as f:
         f.write(text)
-    os.replace(_signal(name) + ".part", _signal(name))
+    os.replace(part, _signal(name))
 
 
 def _wait_for(name: str, timeout: float = 120.0) -> None:
