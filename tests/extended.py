@@ -46,6 +46,11 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_torch\.py::test_a_partitioned_coordinator_stops_training_and_joins_the_majority_again_once_"
     r"its_link_is_back\[(?!gradient_allreduce\])": "the partitioned coordinator's return under the fused optimizer and "
     "each stateful per-step algorithm (10 s each; gradient allreduce's stays quick)",
+    r"test_fault_tolerance_torch\.py::test_a_partitioned_decentralized_member_returns_with_a_members_weights|"
+    r"test_fault_tolerance_jax\.py::test_a_partitioned_decentralized_member_returns_with_a_members_weights\[low\]": (
+        "a decentralized member back from a partition: torch's (10 s each) and JAX's low-precision one (9 s); JAX's "
+        "decentralized one, checked against the float64 replay, stays quick"
+    ),
     r"test_fault_tolerance_jax\.py::test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_"
     r"inner_step\[(diloco-uint8|streaming-uint8)\]": "the 8-bit and Streaming variants of JAX's DiLoCo survivors "
     "(10 s each; the full-precision case stays quick)",

@@ -702,12 +702,12 @@ def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimi
 
 
 def check_ring_copies(ends: dict[int, list[dict]]) -> None:
-    """Low-precision decentralized training's invariant at the end of a job of four: every rank's copy of a
-    neighbour's weights is the bits that neighbour holds as its own."""
+    """Low-precision decentralized training's invariant at the end of a job: every rank's copy of a neighbour's
+    weights is the bits that neighbour holds as its own."""
     copies = {e[0]["rank"]: e[0]["copies"] for e in ends.values()}
     for rank, held in copies.items():
-        assert held["left"] == copies[(rank - 1) % 4]["weights"], rank
-        assert held["right"] == copies[(rank + 1) % 4]["weights"], rank
+        assert held["left"] == copies[(rank - 1) % len(copies)]["weights"], rank
+        assert held["right"] == copies[(rank + 1) % len(copies)]["weights"], rank
 
 
 @pytest.mark.parametrize(
@@ -863,6 +863,39 @@ def test_a_partitioned_coordinator_stops_training_and_joins_the_majority_again_o
     assert back == [1, 2, *range(readmitted, ends[0][0]["step"] + 1)] and readmitted > 3, back
     assert {e["world"] for e in job.of(majority[0], "step") if 3 <= e["step"] <= readmitted} == {2}
     check_every_sample_once(job, lost_parts=0)
+
+
+@pytest.mark.parametrize(
+    "algorithm", [DECENTRALIZED_SHIFT_ONE, "low_precision_decentralized"], ids=["decentralized", "low"]
+)
+def test_a_partitioned_decentralized_member_returns_with_a_members_weights(jobs, network, algorithm):
+    # Decentralized weights drift, so no hash can tell a member back from a partition that its own are stale. Rank 0 of
+    # 3 loses its link in step 3's backward pass for 4.5 s; ranks 1 and 2 go on as a pair (shift_one; the
+    # low-precision ring of two). Back, rank 0 enters the job again as a joiner: with its state holder's weights and
+    # optimizer state, bit for bit, not the ones it kept; it sits out one step, and (low precision) every copy of a
+    # neighbour's weights on the ring of three is that neighbour's own at the end.
+    partition = [{"rank": 0, "step": 3, "where": "backward", "kind": "partition", "seconds": DEAD_AFTER + 1.5}]
+    job = jobs(3, algorithm, partition, steps=8, world=3, step_seconds=0.1, network=network)
+    job.finish()
+    coordinator, majority = job.pids(rank=0)[0], job.pids(rank=1) + job.pids(rank=2)
+    ends = {pid: job.of(pid, "end") for pid in (coordinator, *majority)}
+    assert all(ends.values()), job.output()
+    for pid in majority:
+        (lost, rejoined) = ends[pid][0]["recoveries"]
+        assert lost["size"] == 2 and lost["steps_lost"] == 1 and lost["seconds"] < RESUME_BAR, lost
+        assert rejoined["size"] == 3 and rejoined["joined"] == 1, rejoined
+    (entered,) = job.of(coordinator, "entered")
+    (holder,) = [
+        e for pid in majority for e in job.of(pid, "entered") if (e["epoch"], e["rank"]) == (entered["epoch"], 0)
+    ]
+    assert entered["holder"] == 0 and entered["optimizer_tensors"] > 0  # momentum, from the steps the pair took
+    assert (entered["params"], entered["optimizer"]) == (holder["params"], holder["optimizer"])
+    back = [e["step"] for e in job.of(coordinator, "step")]
+    assert back[:2] == [1, 2] and back[2] > 4, back  # nothing trained alone; one step sat out after its admission
+    assert back[2:] == list(range(back[2], ends[coordinator][0]["step"] + 1)), back
+    if algorithm == "low_precision_decentralized":
+        check_ring_copies(ends)
+    check_every_sample_once(job)
 
 
 def test_a_rank_cut_off_for_good_stops_naming_the_partition_and_the_majority_trains_on(jobs, network):
