@@ -188,6 +188,38 @@ def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_
     check_every_sample_once(first, restarted, lost_parts=lost_parts)
 
 
+def test_a_coordinator_cut_off_in_a_checkpoint_commits_nothing_alone_and_a_restart_goes_on_from_the_majoritys(
+    jobs, tmp_path, network
+):
+    # The members save after every step; rank 0, the coordinator, which commits each save, loses its link for 4.5 s
+    # in the save after step 2, its part written. Alone it must commit nothing: ranks 1 and 2 leave that save
+    # uncommitted, go on as a majority (rank 1 committing their saves, of two ranks) and save with rank 0 again once it
+    # is back. The whole job then restarts from the last save, with the state every member ended with.
+    partition = [{"rank": 0, "step": 2, "where": "save", "kind": "partition", "seconds": DEAD_AFTER + 1.5}]
+    saves = {"FT_CHECKPOINTS": str(tmp_path), "FT_SAVE_AT": ",".join(map(str, range(2, 100)))}
+    first = jobs(3, "gradient_allreduce", partition, steps=8, world=3, step_seconds=0.1, env=saves, network=network)
+    first.finish()
+    coordinator, majority = first.pids(rank=0)[0], first.pids(rank=1) + first.pids(rank=2)
+    ends = [first.of(pid, "end") for pid in (coordinator, *majority)]
+    assert all(ends) and len({e[0]["digest"] for e in ends}) == 1, first.output()
+    end = ends[0][0]["step"]
+    with pytest.raises(FileNotFoundError):
+        read_manifest(checkpoint_dir(tmp_path, 2))
+    back = [e["step"] for e in first.of(coordinator, "saved") if e["folder"] is not None]
+    assert back and back[0] > 3 and back == list(range(back[0], end + 1)), first.of(coordinator, "saved")
+    for pid in majority:
+        saved = [e["step"] for e in first.of(pid, "saved") if e["folder"] is not None]
+        assert saved == list(range(3, end + 1)), first.of(pid, "saved")
+        worlds = [read_manifest(checkpoint_dir(tmp_path, step)).world_size for step in saved]
+        assert worlds == [2] * (back[0] - 3) + [3] * (end + 1 - back[0]), worlds
+    restarted = jobs(3, "gradient_allreduce", [], steps=end + 2, world=3, env={"FT_CHECKPOINTS": str(tmp_path)})
+    restarted.finish()
+    for pid in restarted.pids():
+        (restored,) = restarted.of(pid, "restored")
+        assert restored["step"] == end and restored["digest"] == ends[0][0]["digest"], restored
+    check_every_sample_once(first, restarted)
+
+
 def test_a_joiner_admitted_before_a_restarted_jobs_first_commit_is_given_the_restored_state(jobs, tmp_path):
     # the first run ends with step 4's checkpoint; its restart of 3 ranks loses rank 2 in step 5 (slow, then killed)
     # while a joiner waits: the survivors' next epoch admits it before anything was committed since the restore, and
