@@ -1,9 +1,7 @@
-import atexit
+import contextlib
 import os
 import secrets
-import shutil
 import sys
-import tempfile
 import zlib
 from pathlib import Path
 
@@ -13,7 +11,7 @@ from background_jobs import BackgroundJob
 from extended import is_extended
 
 from bagua_common.fault_tolerance import KVServer, job_secret
-from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, ensure_job_secret
+from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, temporary_job_secret
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from harness import links  # noqa: E402  (the network harness: the partition tests' links)
@@ -23,10 +21,8 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
 
 
 # The members of the tests' fault-tolerant jobs prove the job's secret to each other's stores, as under bagua-launch
-# --fault-tolerant; their processes inherit the variable.
-_secret_directory = tempfile.mkdtemp(prefix="bagua-test-secret-")
-atexit.register(shutil.rmtree, _secret_directory, True)
-ensure_job_secret(_secret_directory)
+# --fault-tolerant; their processes inherit the variable, set from pytest_configure to pytest_unconfigure.
+_job_secret = contextlib.ExitStack()
 
 SEED = int(os.environ.get("BAGUA_TEST_SEED", secrets.randbits(32)))
 
@@ -43,6 +39,7 @@ def pytest_report_header(config):
 
 
 def pytest_configure(config):
+    _job_secret.enter_context(temporary_job_secret())
     config.addinivalue_line(
         "markers", "seeded: its data depends on BAGUA_TEST_SEED (marked by conftest); run these under many seeds"
     )
@@ -91,6 +88,7 @@ def pytest_runtest_makereport(item, call):
 def pytest_unconfigure(config):
     for job in config.stash.get(_BACKGROUND_JOBS, {}).values():
         job.stop()
+    _job_secret.close()
 
 
 @pytest.fixture

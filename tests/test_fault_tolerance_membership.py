@@ -43,6 +43,7 @@ from bagua_common.fault_tolerance.errors import NO_JOB_STATUS, Evicted, NoJobToJ
 from bagua_common.fault_tolerance.formation import probe, process_ended
 from bagua_common.fault_tolerance.node_directory import job_stopped
 from bagua_common.fault_tolerance.progress import RETRIES_WITHOUT_PROGRESS
+from bagua_common.fault_tolerance.settings import temporary_job_secret
 
 FAST = FaultToleranceSettings(heartbeat_period=0.05, dead_after=0.6, quorum_timeout=3.0)
 SECRET = job_secret()  # conftest's, inherited by the members started as processes
@@ -179,6 +180,22 @@ def test_a_store_serves_only_clients_that_prove_the_jobs_secret(tmp_path, monkey
     monkeypatch.delenv("BAGUA_FT_SECRET_FILE")
     with pytest.raises(ValueError, match="BAGUA_FT_SECRET_FILE is not set"):
         FaultToleranceSettings()
+
+
+def test_a_temporary_job_secret_is_set_for_its_block_only_and_an_existing_one_is_kept(tmp_path, monkeypatch):
+    monkeypatch.delenv("BAGUA_FT_SECRET_FILE")
+    with temporary_job_secret() as path:
+        assert os.environ["BAGUA_FT_SECRET_FILE"] == path and len(job_secret()) == 64
+        assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) == 0o700
+    assert "BAGUA_FT_SECRET_FILE" not in os.environ and not os.path.exists(os.path.dirname(path))
+    own = tmp_path / "own-secret"
+    own.write_text("y" * 32)
+    own.chmod(0o600)
+    monkeypatch.setenv("BAGUA_FT_SECRET_FILE", str(own))
+    with temporary_job_secret() as path:
+        assert path == str(own)
+    assert os.environ["BAGUA_FT_SECRET_FILE"] == str(own) and own.exists()  # the user's: neither unset nor removed
 
 
 # --- the decision register ---------------------------------------------------------------

@@ -3,9 +3,13 @@ secret that keeps its members' stores to its own processes."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import secrets
+import shutil
+import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field, fields
 
 __all__ = [
@@ -17,6 +21,7 @@ __all__ = [
     "FaultToleranceSettings",
     "ensure_job_secret",
     "job_secret",
+    "temporary_job_secret",
     "write_job_secret",
 ]
 
@@ -75,6 +80,24 @@ def ensure_job_secret(directory: str) -> str:
     if not path:
         path = os.environ[ENV_SECRET_FILE] = write_job_secret(directory)
     return path
+
+
+@contextlib.contextmanager
+def temporary_job_secret() -> Iterator[str]:
+    """The path of the job's secret file for the processes started in the ``with`` block: ``BAGUA_FT_SECRET_FILE``'s
+    where it is set, otherwise a new secret in a private temporary directory, set for the block and removed, with the
+    variable, when it ends (a test session's or a benchmark's jobs)."""
+    path = os.environ.get(ENV_SECRET_FILE, "").strip()
+    if path:
+        yield path
+        return
+    directory = tempfile.mkdtemp(prefix="bagua-job-secret-")
+    try:
+        path = os.environ[ENV_SECRET_FILE] = write_job_secret(directory)
+        yield path
+    finally:
+        os.environ.pop(ENV_SECRET_FILE, None)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 _ENVIRONMENT = {

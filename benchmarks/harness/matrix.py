@@ -4,14 +4,11 @@ running the cases one at a time on a quiet machine under one job secret, and pub
 from __future__ import annotations
 
 import contextlib
-import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, write_job_secret
+from bagua_common.fault_tolerance.settings import temporary_job_secret
 from harness.load import LoadGate
 from harness.results import header_lines, load_lines, table, write_results
 
@@ -32,7 +29,7 @@ def run_matrix(
     printing its row; return the cases, each with its load and seconds, and the loads. The members of every case
     prove one job secret, set for the matrix where ``BAGUA_FT_SECRET_FILE`` names none."""
     done, loads = [], []
-    with _job_secret(), contextlib.closing(LoadGate()) as gate:
+    with temporary_job_secret(), contextlib.closing(LoadGate()) as gate:
         for kind, where in cases:
             started = time.monotonic()
             case, load, _ = gate.measure(lambda: run(kind, where), f"{kind}/{where}")
@@ -40,21 +37,6 @@ def run_matrix(
             loads.append(load.as_dict())
             print(" | ".join(str(c) for c in row_of(case)), flush=True)
     return done, loads
-
-
-@contextlib.contextmanager
-def _job_secret() -> Iterator[None]:
-    """A job secret for the members of the cases to come, where ``BAGUA_FT_SECRET_FILE`` names none."""
-    if os.environ.get(ENV_SECRET_FILE, "").strip():
-        yield
-        return
-    directory = tempfile.mkdtemp(prefix="bagua-fault-matrix-")
-    try:
-        os.environ[ENV_SECRET_FILE] = write_job_secret(directory)
-        yield
-    finally:
-        os.environ.pop(ENV_SECRET_FILE, None)
-        shutil.rmtree(directory, ignore_errors=True)
 
 
 def publish(
