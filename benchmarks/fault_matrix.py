@@ -70,9 +70,9 @@ def run_case(kind: str, where: str, steps: int, timeout: float) -> dict:
                 for _ in range(replacements):
                     job.join()
             job.finish(timeout)
-        except AssertionError:
+        except AssertionError as stuck:  # its output, and where each rank still running waited
             job.close()
-            return {"kind": kind, "where": where, "ended": False, "output": job.output()[-4000:]}
+            return {"kind": kind, "where": where, "ended": False, "output": str(stuck)}
     return {"kind": kind, "where": where, "ended": True, **measures(job, kind, first_members)}
 
 

@@ -94,7 +94,8 @@ def measures(results, kind: str, where: str, signals: Path) -> dict:
     records = {r.rank: r.value for r in results if r.returncode == 0 and r.value is not None}
     survivor = records.get(0)
     if survivor is None:
-        return {"ended": False, "output": "\n".join(r.output[-2000:] for r in results)}
+        # each rank's last lines: a rank still running at the timeout ends them with its threads' stacks
+        return {"ended": False, "output": "\n".join(f"--- rank {r.rank} ---\n{r.output[-8000:]}" for r in results)}
     fault_step = EXCHANGE_STEP if where == "exchange" else STEP
     fault_file = signals / f"fault-time-{fault_step}"
     fault_time = float(fault_file.read_text()) if fault_file.exists() else None

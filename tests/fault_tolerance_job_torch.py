@@ -18,6 +18,7 @@ from typing import TextIO
 
 from fork_server import ForkedRank, start_rank
 from multiprocess import TESTS, free_port
+from stack_dumps import request_dumps
 
 from bagua_common.job.rank_environment import threads_per_rank
 
@@ -130,9 +131,8 @@ class Job:
         with open(source) if isinstance(source, Path) else source as output:
             for line in output:
                 self.text.append(line)
-                body = line.split("] ", 1)[1] if line.startswith("[rank ") else line
                 try:
-                    self.events.append(json.loads(body))
+                    self.events.append(json.loads(_body(line)))
                 except json.JSONDecodeError:
                     pass
 
@@ -147,10 +147,25 @@ class Job:
         return self.of(pid, "start")[0]["rank"]
 
     def wait_until(self, condition, timeout: float = 90) -> None:
+        """Wait for ``condition``; past ``timeout`` seconds, fail with the output and every live rank's stacks."""
         deadline = time.monotonic() + timeout
         while not condition():
-            assert time.monotonic() < deadline, self.output()
+            if time.monotonic() > deadline:
+                raise AssertionError(self.output() + self.stacks())
             time.sleep(0.05)
+
+    def stacks(self) -> str:
+        """Every thread's stack in each of the job's ranks still running (:mod:`stack_dumps`), rank by rank: those
+        started that did not end (a rank a launcher started has no handle here: its end event alone tells)."""
+        dumps, handles = [], {proc.pid: proc for proc in self.procs}
+        for pid in self.pids():
+            if self.of(pid, "end") or (pid in handles and handles[pid].poll() is not None):
+                continue  # its pid may be another process's by now
+            mark = len(self.text)
+            request_dumps([pid])
+            dump = "".join(line for line in self.text[mark:] if not _body(line).startswith("{"))  # no events
+            dumps.append(f"--- stacks of process {pid} ---\n{dump}" if dump else "")
+        return "".join(dumps)
 
     def finish(self, timeout: float = 120) -> None:
         """Wait for every process to exit (or stop: a stopped one never will), then kill what is left."""
@@ -173,6 +188,11 @@ class Job:
         others = [line for line in self.text if '"event": "step"' not in line]
         steps = [line for line in self.text if '"event": "step"' in line]
         return "".join(line[:400].rstrip("\n") + "\n" for line in others[-80:] + steps[-8:])
+
+
+def _body(line: str) -> str:
+    """A rank's line without the ``[rank N]`` prefix bagua-launch gives it."""
+    return line.split("] ", 1)[1] if line.startswith("[rank ") else line
 
 
 def _stopped(pid: int) -> bool:

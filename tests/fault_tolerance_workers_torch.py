@@ -43,6 +43,7 @@ import time
 from pathlib import Path
 
 import torch
+from stack_dumps import dump_on_request
 
 import bagua_torch
 from bagua_common.fault_tolerance import DataPosition, Membership
@@ -116,6 +117,7 @@ def optimizer_digest(optimizers) -> tuple[str, int]:
 
 
 def main() -> None:
+    dump_on_request()
     torch.set_num_threads(1)
     joiner = os.environ.get("BAGUA_FT_JOIN") == "1"
     rank = None if joiner else int(os.environ["RANK"])

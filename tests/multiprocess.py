@@ -7,7 +7,7 @@ job), each calling ``function(*args)`` from this tests folder
 with RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT set (under
 mpiexec the rank comes from the MPI launcher). The values returned are pickled
 back. If a rank fails or the job outlives its timeout, every process is killed
-and the test fails with each rank's output.
+and the test fails with each rank's output (at a timeout, with the stacks of the ranks still running).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fork_server import start_rank
+from stack_dumps import request_dumps
 
 from bagua_common.job.local_launch import free_port, mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
@@ -113,7 +114,7 @@ def run_ranks(
                 )
                 for r in range(nprocs)
             ]
-        codes = _wait_all(procs, timeout, stop_on_failure=check, watch=watch)
+        codes = _wait_all(procs, timeout, workdir, stop_on_failure=check, watch=watch)
         results = _collect(workdir, nprocs, codes, logs, launcher)
     finally:
         for log in logs:
@@ -134,6 +135,7 @@ def run_ranks(
 def _wait_all(
     procs: list[Any],
     timeout: float,
+    workdir: Path,
     stop_on_failure: bool,
     watch: Callable[[list[int | None]], None] | None = None,
 ) -> list[int | None]:
@@ -147,12 +149,23 @@ def _wait_all(
         if stop_on_failure and any(c not in (None, 0) for c in codes):
             break
         time.sleep(0.05)
+    else:
+        _request_stacks(procs, workdir)
     codes = [p.poll() for p in procs]
     for p, c in zip(procs, codes):
         if c is None:
             os.killpg(p.pid, signal.SIGKILL)
             p.wait()
     return codes
+
+
+def _request_stacks(procs: list[Any], workdir: Path) -> None:
+    """At a timeout: ask each rank still running for its threads' stacks, by the pid rank_main wrote (a rank's own
+    process, or while one ``mpiexec`` job runs them all, each of its ranks; an ended rank's pid may be another's)."""
+    for path in sorted(workdir.glob("pid*")):
+        rank = int(path.name.removeprefix("pid"))
+        if (procs[0] if len(procs) == 1 else procs[rank]).poll() is None:
+            request_dumps([int(path.read_text())])
 
 
 def _collect(workdir: Path, nprocs: int, codes: list[int | None], logs, launcher: str) -> list[RankResult]:

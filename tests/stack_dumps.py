@@ -1,0 +1,30 @@
+"""Where a stuck rank waits: each test rank prints every thread's stack on SIGUSR2 (:func:`dump_on_request`), and a
+harness whose job outlived its timeout asks each live rank for them (:func:`request_dumps`) before it kills it, so
+that the failure shows where every rank was."""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import time
+from collections.abc import Iterable
+
+DUMP_SIGNAL = signal.SIGUSR2
+
+
+def dump_on_request() -> None:
+    """In a rank: print every thread's stack to stderr whenever the process receives SIGUSR2."""
+    faulthandler.register(DUMP_SIGNAL, all_threads=True)
+
+
+def request_dumps(pids: Iterable[int], settle: float = 0.5) -> None:
+    """Ask each of ``pids`` for its stacks, one after the other, waiting ``settle`` seconds each for them to reach its
+    output (a process that is gone is skipped; one that never called :func:`dump_on_request` ends, as it would have
+    by the kill that follows)."""
+    for pid in pids:
+        try:
+            os.kill(pid, DUMP_SIGNAL)
+        except ProcessLookupError:
+            continue
+        time.sleep(settle)
