@@ -21,13 +21,16 @@ model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX
 run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch
 closed, and ``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's
 step. ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step after the joiner's admission compute that much
-longer. Every member records each attempt of a step (its transaction, epoch, rank, the members training it and all
-the members, sample indices, times), its state's first and final parameters, its final rank and, under low-precision
-decentralized training, its copies of its own and its ring neighbours' weights.
+longer. ``FT_SLOW_EXIT`` (seconds) makes a first member's process take that much longer to end once its program
+ended (an exit handler that runs after the library's, as a GPU runtime's teardown may). Every member records each
+attempt of a step (its transaction, epoch, rank, the members training it and all the members, sample indices, times),
+its state's first and final parameters, its final rank and, under low-precision decentralized training, its copies of
+its own and its ring neighbours' weights.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -184,6 +187,8 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
         ft = FaultTolerantTrainer.joiner(trainer, data, FaultToleranceSettings(**TIMING), master, timeout=60)
         state = ft.init(params, example_batch)
         return ft, state, ft.admission["admitted"]
+    if "FT_SLOW_EXIT" in os.environ:  # registered before the membership's: runs after it
+        atexit.register(time.sleep, float(os.environ["FT_SLOW_EXIT"]))
     membership = Membership.start(FaultToleranceSettings(**TIMING), rank, start_size, *master, timeout=60)
     seconds = float(os.environ.get("FT_COMM_TIMEOUT", "60"))  # a collective's, and a shrink's, longest wait
     store = membership.epoch.store

@@ -18,6 +18,8 @@ is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`); ``FT_LOO
 a collective of the loop's own (``bagua_torch.torch_api.allreduce`` of a one, on the default group), and its step
 report gives the sum as ``summed``; ``FT_REPORT_PARAMS=1``: each step report gives the parameters after it
 (``params``), and each DiLoCo exchange report this rank's pseudo-gradient and the mean (``values``, ``mean``).
+``FT_SLOW_EXIT`` (seconds): the process takes that much longer to end once its program ended (an exit handler that
+runs after the library's, as a GPU runtime's teardown may; a rank started as a process of its own, not forked).
 ``FT_CHECKPOINTS``: a folder where the
 members save a checkpoint (``FaultTolerance.save``) after each step in ``FT_SAVE_AT`` (comma-separated; the fault
 point ``save``: its part written, before the commit), and from which the first members restart when it holds one
@@ -34,6 +36,7 @@ state, that state's values, the recoveries, a joiner's seconds from asking to be
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
@@ -118,6 +121,8 @@ def optimizer_digest(optimizers) -> tuple[str, int]:
 
 def main() -> None:
     dump_on_request()
+    if "FT_SLOW_EXIT" in os.environ:  # registered before the library's exit handlers: runs after them
+        atexit.register(time.sleep, float(os.environ["FT_SLOW_EXIT"]))
     torch.set_num_threads(1)
     joiner = os.environ.get("BAGUA_FT_JOIN") == "1"
     rank = None if joiner else int(os.environ["RANK"])

@@ -272,6 +272,19 @@ def test_members_that_stop_with_no_progress_under_the_launcher_end_the_job_namin
     assert seconds < 60, seconds  # three attempts of about 2-3.5 s each, then both stop
 
 
+def test_a_member_that_raises_is_taken_for_lost_as_the_exception_ends_its_program(tmp_path: Path):
+    # Member 2 raises in step 3's collective, and its process then takes 6 s more to end (an exit handler, as a GPU
+    # runtime's teardown may): alive meanwhile, its heartbeats and sockets would keep the others waiting in the
+    # collective. Its membership closes its connections and store as the exception ends the program, before that
+    # handler runs: the others resume at once, as after a SIGKILL.
+    results = run_members(tmp_path, "train", 3, {3: (2, "raise")}, 3, 2, 6, env={"FT_SLOW_EXIT": "6"}, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 1] and "fails on purpose" in results[2].output, outputs
+    retried = [a for a in results[0].value["attempts"] if a["transaction"] == 3]
+    resume = retried[-1]["start"] - float((tmp_path / "fault-time-3").read_text())
+    assert len(retried) == 2 and 0 < resume < 2, (retried, resume)
+
+
 @pytest.mark.parametrize(("kind", "member"), [("pause", 2), ("partition", 0)])
 def test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on(tmp_path: Path, request, kind: str, member: int):
     # pause: member 2 is stopped in step 3 past dead_after, then goes on. partition: member 0, the coordinator, loses

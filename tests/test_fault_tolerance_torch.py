@@ -930,6 +930,26 @@ def test_a_partitioned_decentralized_member_returns_with_a_members_weights(jobs,
     check_every_sample_once(job)
 
 
+def test_a_rank_that_raises_is_taken_for_lost_as_the_exception_ends_its_program(jobs, network):
+    # Rank 2 raises in step 3's backward pass, and its process then takes 6 s more to end (an exit handler, as a GPU
+    # runtime's teardown may; each rank a process of its own, in its namespace, not forked). Its membership closes
+    # its connections and store as the exception ends the program, before that handler and torch's own run: the
+    # others resume at once, as after a SIGKILL, not once the process has ended.
+    fault = [{"rank": 2, "step": 3, "where": "backward", "kind": "raise"}]
+    job = jobs(3, "gradient_allreduce", fault, steps=6, world=2, env={"FT_SLOW_EXIT": "6"}, network=network)
+    job.finish()
+    survivors = job.pids(rank=0) + job.pids(rank=1)
+    ends = [job.of(pid, "end") for pid in survivors]
+    assert all(ends) and len({e[0]["digest"] for e in ends}) == 1, job.output()
+    for end in ends:
+        (recovery,) = end[0]["recoveries"]
+        assert recovery["size"] == 2 and recovery["steps_lost"] == 1, recovery
+    (fault_seen,) = job.of(job.pids(rank=2)[0], "fault")
+    retried = min(e["t"] for pid in survivors for e in job.of(pid, "step") if e["step"] == 3)
+    assert retried - fault_seen["t"] < 2, (fault_seen, retried)
+    check_every_sample_once(job)
+
+
 def test_a_rank_cut_off_for_good_stops_naming_the_partition_and_the_majority_trains_on(jobs, network):
     # Rank 2's link goes down in step 3's backward pass and stays down: ranks 1 and 0 go on without it; rank 2 waits
     # for a majority for the quorum timeout (3 s here), then stops naming why, having trained nothing alone.
