@@ -71,6 +71,12 @@ class Epoch:
         self.ended.set()
         self.closed.set()
 
+    def mark_decided(self, decision: Decision) -> None:
+        """Where ``decision`` (the register's value, read after a vote) is final, mark the epoch so: ended after a
+        commit, failed otherwise."""
+        if decision.final:
+            self.mark_ended() if decision.state == "ended" else self.mark_failed()
+
     @property
     def size(self) -> int:
         """The number of members."""

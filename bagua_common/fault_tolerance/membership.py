@@ -182,7 +182,7 @@ class Membership:
         try:
             decision = count_vote(epoch.store, epoch, transaction)[1] or self._outcome(epoch, transaction)
             committed = decision.committed >= transaction
-            self._mark_final(epoch, decision)
+            epoch.mark_decided(decision)
         except StoreUnreachable:
             committed = self.recover(epoch).committed >= transaction
         with self._lock:
@@ -210,7 +210,7 @@ class Membership:
             if decision is None and ends_epoch:
                 decision = self._outcome(epoch, transaction)
             if decision is not None:
-                self._mark_final(epoch, decision)
+                epoch.mark_decided(decision)
         except StoreUnreachable:
             pass  # the coordinator is gone: the monitor closes the epoch, and the survivors' records decide
         return True
@@ -223,11 +223,6 @@ class Membership:
             if self._failure is not None:
                 raise self._failure
         return Decision.decode(done)
-
-    @staticmethod
-    def _mark_final(epoch: Epoch, decision: Decision) -> None:
-        if decision.final:
-            epoch.mark_ended() if decision.state == "ended" else epoch.mark_failed()
 
     def fail(self, epoch: Epoch, reason: str) -> None:
         """Close ``epoch`` because something failed on this member (a collective raised, a peer hung)."""
@@ -274,7 +269,8 @@ class Membership:
         if self._stopping.is_set():
             epoch.store.close()
             return
-        pointer = json.dumps({"epoch": epoch.number, "size": epoch.size, **_address(epoch.coordinator)})
+        host, port = epoch.coordinator.host, epoch.coordinator.port
+        pointer = json.dumps({"epoch": epoch.number, "size": epoch.size, "host": host, "port": port})
         self._local.set(node_directory.CURRENT, pointer)
         node_directory.tell(self.settings, node_directory.CURRENT, pointer)
         with self._lock:
@@ -435,25 +431,20 @@ class Membership:
         epoch = self._epoch
         if epoch is not None and epoch.store is not None and not self._stopping.is_set() and self._failure is None:
             leave_epoch(epoch.store, epoch, self.me.id, self.settings.dead_after, self.settings.heartbeat_period)
-        self._disconnect()
-        if self._monitor is not None and self._monitor is not threading.current_thread():
-            self._monitor.join(timeout=self.settings.dead_after)
-        self._server.close()
+        self._stop()
 
     def _abandon_on_uncaught_exception(self) -> None:
-        """At exit, where an exception ended the program: close this member's connections and store without
-        leaving, as its death would, so that the others go on now rather than once the interpreter and the engines
-        have shut down (0.6-0.9 s for a torch rank)."""
+        """At exit, where an exception ended the program: stop without leaving, as its death would, so that the
+        others go on now, not once the interpreter and the runtimes have shut down."""
         if exiting_on_uncaught_exception():
-            self._disconnect()
-            self._server.close()
+            self._stop()
 
-    def _disconnect(self) -> None:
+    def _stop(self) -> None:
+        """Close this member's connections and store (gone to the others, unless it left); let its monitor end."""
         self._stopping.set()
         for client in (self._monitor_client, self._local, self._epoch.store if self._epoch else None):
             if client is not None:
                 client.close()
-
-
-def _address(member: Member) -> dict[str, Any]:
-    return {"host": member.host, "port": member.port}
+        self._server.close()
+        if self._monitor is not None and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=self.settings.dead_after)
