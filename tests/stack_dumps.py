@@ -11,6 +11,8 @@ import time
 from collections.abc import Iterable
 
 DUMP_SIGNAL = signal.SIGUSR2
+SETTLE_SECONDS = 0.5
+"""How long a dump takes to reach a rank's output, through its pipe and the harness's reader."""
 
 
 def dump_on_request() -> None:
@@ -18,13 +20,13 @@ def dump_on_request() -> None:
     faulthandler.register(DUMP_SIGNAL, all_threads=True)
 
 
-def request_dumps(pids: Iterable[int], settle: float = 0.5) -> None:
-    """Ask each of ``pids`` for its stacks, one after the other, waiting ``settle`` seconds each for them to reach its
-    output (a process that is gone is skipped; one that never called :func:`dump_on_request` ends, as it would have
-    by the kill that follows)."""
+def request_dumps(pids: Iterable[int]) -> None:
+    """Ask each of ``pids`` for its stacks, one after the other, waiting :data:`SETTLE_SECONDS` each for them to reach
+    its output (a process that is gone is skipped; one that never called :func:`dump_on_request` ends, as it would
+    have by the kill that follows)."""
     for pid in pids:
         try:
             os.kill(pid, DUMP_SIGNAL)
         except ProcessLookupError:
             continue
-        time.sleep(settle)
+        time.sleep(SETTLE_SECONDS)
