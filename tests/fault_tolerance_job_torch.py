@@ -18,7 +18,7 @@ from typing import TextIO
 
 from fork_server import ForkedRank, start_rank
 from multiprocess import TESTS, free_port
-from stack_dumps import request_dumps
+from stack_dumps import request_dump
 
 from bagua_common.job.rank_environment import threads_per_rank
 
@@ -162,7 +162,7 @@ class Job:
             if self.of(pid, "end") or (pid in handles and handles[pid].poll() is not None):
                 continue  # its pid may be another process's by now
             mark = len(self.text)
-            request_dumps([pid])
+            request_dump(pid)
             dump = "".join(line for line in self.text[mark:] if not _body(line).startswith("{"))  # no events
             dumps.append(f"--- stacks of process {pid} ---\n{dump}" if dump else "")
         return "".join(dumps)

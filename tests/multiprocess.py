@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fork_server import start_rank
-from stack_dumps import request_dumps
+from stack_dumps import request_dump
 
 from bagua_common.job.local_launch import free_port, mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
@@ -165,7 +165,7 @@ def _request_stacks(procs: list[Any], workdir: Path) -> None:
     for path in sorted(workdir.glob("pid*")):
         rank = int(path.name.removeprefix("pid"))
         if (procs[0] if len(procs) == 1 else procs[rank]).poll() is None:
-            request_dumps([int(path.read_text())])
+            request_dump(int(path.read_text()))
 
 
 def _collect(workdir: Path, nprocs: int, codes: list[int | None], logs, launcher: str) -> list[RankResult]:

@@ -1,5 +1,5 @@
 """Where a stuck rank waits: each test rank prints every thread's stack on SIGUSR2 (:func:`dump_on_request`), and a
-harness whose job outlived its timeout asks each live rank for them (:func:`request_dumps`) before it kills it, so
+harness whose job outlived its timeout asks each live rank for them (:func:`request_dump`) before it kills it, so
 that the failure shows where every rank was."""
 
 from __future__ import annotations
@@ -8,7 +8,6 @@ import faulthandler
 import os
 import signal
 import time
-from collections.abc import Iterable
 
 DUMP_SIGNAL = signal.SIGUSR2
 SETTLE_SECONDS = 0.5
@@ -20,13 +19,12 @@ def dump_on_request() -> None:
     faulthandler.register(DUMP_SIGNAL, all_threads=True)
 
 
-def request_dumps(pids: Iterable[int]) -> None:
-    """Ask each of ``pids`` for its stacks, one after the other, waiting :data:`SETTLE_SECONDS` each for them to reach
-    its output (a process that is gone is skipped; one that never called :func:`dump_on_request` ends, as it would
-    have by the kill that follows)."""
-    for pid in pids:
-        try:
-            os.kill(pid, DUMP_SIGNAL)
-        except ProcessLookupError:
-            continue
-        time.sleep(SETTLE_SECONDS)
+def request_dump(pid: int) -> None:
+    """Ask process ``pid`` for its stacks and wait :data:`SETTLE_SECONDS` for them to reach its output (a process
+    that is gone is skipped; one that never called :func:`dump_on_request` ends, as it would have by the kill that
+    follows)."""
+    try:
+        os.kill(pid, DUMP_SIGNAL)
+    except ProcessLookupError:
+        return
+    time.sleep(SETTLE_SECONDS)
