@@ -42,6 +42,7 @@ from bagua_common.fault_tolerance.settings import (
     ENV_SECRET_FILE,
     ensure_job_secret,
     job_secret,
+    job_secret_file,
 )
 from bagua_common.job.local_launch import free_port
 from bagua_common.job.local_launch import mpiexec as find_mpiexec
@@ -277,7 +278,7 @@ def run(config: ElasticConfig) -> int:
     )
     relay = None
     if config.fault_tolerant:  # each worker slot replaces its rank when it dies (bagua_launch.replacements)
-        if config.max_nodes > 1 and not os.environ.get(ENV_SECRET_FILE, "").strip():
+        if config.max_nodes > 1 and job_secret_file() is None:
             sys.stderr.write(
                 f"{NAME}: --fault-tolerant over several nodes needs {ENV_SECRET_FILE}: the path of a file of "
                 "mode 0600 holding the job's secret (at least 16 bytes), the same on every node\n"

@@ -148,7 +148,7 @@ from harness.options import add_out_option, add_subset_option
 from harness.results import finish_meta, header_lines, run_meta
 
 from bagua_common.comm import topology
-from bagua_common.fault_tolerance.settings import ENV_SECRET_FILE, ensure_job_secret
+from bagua_common.fault_tolerance.settings import temporary_job_secret
 from bagua_common.job.local_launch import free_port, mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
 
@@ -771,7 +771,6 @@ def run_engine(engine: str, args: argparse.Namespace, workdir: Path, start: floa
         "WORLD_SIZE": str(args.ranks),
     }
     env.setdefault("OMP_NUM_THREADS", str(threads_per_rank(args.ranks)))
-    env[ENV_SECRET_FILE] = ensure_job_secret(str(workdir))  # the TCP engine's store's, one per run
     if args.device == "cpu":
         env |= {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}  # one CPU device per process
     else:
@@ -1209,16 +1208,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     measurements: list[dict[str, Any]] = []
     workdir = Path(tempfile.mkdtemp(prefix="bagua-collectives-"))
     try:
-        for engine in args.engines:
-            result = run_engine(engine, args, workdir, start)
-            o = result["outcome"]
-            outcomes[engine] = o
-            measurements += result["measurements"]
-            print(
-                f"{time.perf_counter() - start:6.0f}s  {engine}: {o['status']} in {o['seconds']:.0f} s, "
-                f"{len(result['measurements'])} measurements" + (f"; {o['error']}" if o["status"] != "ok" else ""),
-                flush=True,
-            )
+        with temporary_job_secret():  # the TCP engine's store's
+            for engine in args.engines:
+                result = run_engine(engine, args, workdir, start)
+                o = result["outcome"]
+                outcomes[engine] = o
+                measurements += result["measurements"]
+                print(
+                    f"{time.perf_counter() - start:6.0f}s  {engine}: {o['status']} in {o['seconds']:.0f} s, "
+                    f"{len(result['measurements'])} measurements" + (f"; {o['error']}" if o["status"] != "ok" else ""),
+                    flush=True,
+                )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     meta["seconds"] = time.perf_counter() - start

@@ -429,9 +429,26 @@ def spread(args: argparse.Namespace) -> dict:
     differ = [key for key in settings if getattr(theirs, key) != getattr(args, key)]
     if differ or theirs.seed in args.seeds:
         raise SystemExit(f"spread: {chaos_file} ran seed {theirs.seed}: give the same {differ} and other seeds")
-    runs = {seed: _launched_run(with_changes(args, seed=seed), kill=False) for seed in args.seeds}
+    earlier = _earlier_spread_runs(args)
+    runs = {seed: earlier.get(seed) or _launched_run(with_changes(args, seed=seed), kill=False) for seed in args.seeds}
     fault_free = {theirs.seed: published["result"]["fault_free"], **runs}
-    return {"chaos_command": published["command"], "fault_free": fault_free, "chaos": published["result"]["chaos"]}
+    read = sorted(seed for seed in args.seeds if seed in earlier)
+    chaos = published["result"]["chaos"]
+    return {"chaos_command": published["command"], "fault_free": fault_free, "chaos": chaos, "read_again": read}
+
+
+def _earlier_spread_runs(args: argparse.Namespace) -> dict[int, dict]:
+    """The fault-free runs an earlier spread study with these settings left in ``--out``, by seed: a seed added
+    later runs alone, and the report shows every seed (each run takes as long as the chaos study's fault-free one)."""
+    earlier_file = args.out / f"{results_name(args)}.json"
+    if not earlier_file.exists():
+        return {}
+    earlier = json.loads(earlier_file.read_text())
+    ran = settings_of(earlier)
+    settings = ("ranks", "size", "algorithm", "lr", "batch", "steps", "eval_every", "rate", "engine")
+    if any(getattr(ran, key) != getattr(args, key) for key in settings):
+        return {}
+    return {int(seed): run for seed, run in earlier["result"]["fault_free"].items()}
 
 
 def _launched_run(args: argparse.Namespace, kill: bool) -> dict:
@@ -815,6 +832,11 @@ def publish(args: argparse.Namespace, meta: dict, result: dict) -> None:
             f"{args.ranks} ranks, GPT {args.size}, {args.algorithm}, {args.batch} windows per rank, lr {args.lr}, "
             f"{args.steps} steps, links {args.rate or 'unshaped'}: fault-free runs at seeds {args.seeds} beside the "
             f"chaos study's runs (`{result['chaos_command']}`)"
+            + (
+                f"; seeds {result['read_again']} read from the spread study's earlier results in `--out`"
+                if result.get("read_again")
+                else ""
+            )
         )
         lines += ["", *spread_lines(result, args.out / f"{name}.png")]
     else:

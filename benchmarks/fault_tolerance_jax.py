@@ -218,11 +218,9 @@ def worker(args: argparse.Namespace) -> None:
 def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
     """Start the ranks, each under its own ``mpiexec -n 1`` (with ``--rate``, each in its own network namespace, on
     links of that rate: ``benchmarks/harness/links.py``); return their exit codes."""
-    from bagua_common.fault_tolerance.settings import ensure_job_secret
     from bagua_common.job.local_launch import free_port, mpiexec
 
     port = free_port()
-    ensure_job_secret(str(workdir))
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
     argv = [mpiexec(), "-n", "1", sys.executable, sys.argv[0], args.mode, "--worker", "--workdir", str(workdir)]
     options = ("port", "ranks", "engine", "width", "model", "steps", "rounds", "hash_every", "algorithm", "sync_every")
@@ -329,7 +327,9 @@ def main() -> None:
         kill_step=args.kill_step if args.mode == "kill" else None,
         join_after=args.join_after if args.mode == "join" else None,
     )  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="bagua-ft-bench-") as folder:
+    from bagua_common.fault_tolerance.settings import temporary_job_secret
+
+    with tempfile.TemporaryDirectory(prefix="bagua-ft-bench-") as folder, temporary_job_secret():
         workdir = Path(folder)
         codes = launch(args, workdir)
         records = [json.loads(p.read_text()) for p in sorted(workdir.glob("rank*.json"))]

@@ -29,7 +29,9 @@ DEAD_AFTER = 3.0
 class Job:
     """One job's processes (plain ones, ``bagua-launch --fault-tolerant``, or, given the network harness's
     ``network``, each rank in its own namespace behind its own link) and the JSON lines its ranks print, by process
-    id (a replacement is a new process)."""
+    id (a replacement is a new process). Plain ranks are forked from a process with torch imported, quick to start,
+    unless ``forked`` is False: each then starts an interpreter of its own, whose exit handlers run as it ends (a
+    forked rank ends with ``os._exit``)."""
 
     def __init__(
         self,
@@ -45,6 +47,7 @@ class Job:
         env: dict[str, str] | None = None,
         max_restarts: int = 0,
         network=None,
+        forked: bool = True,
     ):
         self.env = {
             **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
@@ -69,6 +72,7 @@ class Job:
         self.events: list[dict] = []
         self.text: list[str] = []
         self._threads: list[threading.Thread] = []
+        self.forked = forked
         if launcher:  # one per node, meeting at a rendezvous on this machine as a multi-node job's launchers do
             command = [sys.executable, "-m", "bagua_launch", "--fault-tolerant"]
             command += ["--nproc-per-node", str(ranks // nodes), "--max-restarts", str(max_restarts)]
@@ -84,14 +88,14 @@ class Job:
         else:
             self.where = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks)}
             for rank in range(ranks):
-                self._start([sys.executable], {**self.where, "RANK": str(rank)})
+                self._start_rank({**self.where, "RANK": str(rank)})
 
     def join(self) -> None:
         """Start a process that joins the job (as a replacement does; in the next free namespace of a network)."""
         if hasattr(self, "network"):
             self._start_in_namespace({"BAGUA_FT_JOIN": "1"})
         else:
-            self._start([sys.executable], {**self.where, "BAGUA_FT_JOIN": "1"})
+            self._start_rank({**self.where, "BAGUA_FT_JOIN": "1"})
 
     def _start_in_namespace(self, extra: dict[str, str]) -> None:
         namespace = next(self.namespaces)
@@ -103,21 +107,24 @@ class Job:
         )
         self._follow(proc, proc.stdout)
 
+    def _start_rank(self, extra: dict[str, str]) -> None:
+        if not self.forked:
+            self._start([sys.executable], extra)
+            return
+        output = Path(self.env["FT_MARKS"]) / f"output-{len(self.procs)}"
+        os.mkfifo(output)
+        self._follow(start_rank([str(WORKER)], {**self.env, **extra}, output), output)
+
     def _start(self, command: list[str], extra: dict[str, str]) -> None:
-        if command == [sys.executable]:  # a rank: forked with torch imported already
-            output = Path(self.env["FT_MARKS"]) / f"output-{len(self.procs)}"
-            os.mkfifo(output)
-            self._follow(start_rank([str(WORKER)], {**self.env, **extra}, output), output)
-        else:
-            proc = subprocess.Popen(
-                [*command, WORKER],
-                env={**self.env, **extra},
-                stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT,
-                text=True,
-                start_new_session=True,  # its group: a launcher's workers and slots go with it
-            )
-            self._follow(proc, proc.stdout)
+        proc = subprocess.Popen(
+            [*command, WORKER],
+            env={**self.env, **extra},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # its group: a launcher's workers and slots go with it
+        )
+        self._follow(proc, proc.stdout)
 
     def _follow(self, proc: subprocess.Popen | ForkedRank, output: Path | TextIO) -> None:
         self.procs.append(proc)

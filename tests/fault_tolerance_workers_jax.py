@@ -39,6 +39,7 @@ import threading
 import time
 
 import numpy as np
+from ring_copies import ring_digests
 
 from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
 from bagua_common.fault_tolerance.kv_store import advertised_host
@@ -241,6 +242,27 @@ def _die_while_a_joiner_is_late(victim: int) -> None:
     threading.Thread(target=die_then, daemon=True).start()
 
 
+def _cut_off_in_a_save(victim: int, step: int) -> None:
+    """Make member ``victim`` lose its link (for ``PAUSE_SECONDS``, running) in the save after ``step``, its part
+    written, before the others say theirs are (rank 0 commits each save once every part is): they wait for it to be
+    cut off first."""
+    from bagua_jax import checkpoint
+
+    wait, rank = checkpoint._wait_for_every_rank, int(os.environ["RANK"])
+
+    def cut_off_before_the_others_wrote(trainer, what: str) -> None:
+        if what == f"bagua checkpoint {step} written" and not os.path.exists(_signal("fault-time-save")):
+            if rank == victim:
+                cut_own_link(PAUSE_SECONDS)
+                _touch("fault-time-save", repr(time.time()))
+                _say_when_asking_to_join()
+            else:
+                _wait_for("fault-time-save")
+        wait(trainer, what)
+
+    checkpoint._wait_for_every_rank = cut_off_before_the_others_wrote
+
+
 def _slow_the_admitting_step(seconds: float, ft, final_size: int) -> None:
     """Make a first member's step after the joiner's admission (the first with ``final_size`` members) compute
     ``seconds`` longer."""
@@ -352,6 +374,10 @@ def train(
         _die_in_the_first_rebuild(where)
     if os.environ.get("FT_KILL_IN_STATE_SPLIT") == os.environ["RANK"]:
         _die_in_the_state_split()
+    cut_off, _, save_step = os.environ.get("FT_CUT_OFF_IN_SAVE", "").partition(":")
+    if cut_off:
+        _cut_off_in_a_save(int(cut_off), int(save_step))
+    save_every_step = os.environ.get("FT_SAVE_EVERY_STEP") == "1"
     holder_dies = os.environ.get("FT_STATE_HOLDER_DIES") == "1"
     victim_while_late = os.environ.get("FT_KILL_WHILE_STATE_TRAVELS")
     _hold_up_the_state(float(os.environ.get("FT_STATE_DELAY", "0")), holder_dies, 1.5 if victim_while_late else 0.0)
@@ -374,7 +400,8 @@ def train(
     restore_from = _signal("checkpoints") if os.environ.get("FT_RESTORE") == "1" else None
     ft, state, admitted = _start(start_size, make_trainer, data, params, example, restore_from)
     first_params = {k: np.asarray(v) for k, v in state.params.items()}
-    last_fault = max(faults, default=1)
+    # the others train two steps without a member cut off in a save before they wait for its return
+    last_fault = max([*faults, int(save_step) + 2 if cut_off else 1])
     attempts = []
     _vote_with_faults(ft.membership, rank, faults, late_vote)
 
@@ -400,17 +427,21 @@ def train(
         )
         return x[indices], y[indices]
 
-    last_size = None  # the members' step that admits the joiner is retried with it: every rank ends there
+    last_size, saves = None, []  # the members' step that admits the joiner is retried with it: every rank ends there
     while ft.committed < steps or last_size != final_size:
         state, loss = ft.step(state, batch_of)
         last_size = ft.epoch.size
         attempts[-1].update(committed=ft.committed, loss=float(loss), end=time.time())
         if ft.committed == last_fault and ft.epoch.rank == 0:
             _touch("start-joiner")
+        if save_every_step:
+            folder = ft.save(_signal("checkpoints"), state)
+            saves.append({"step": ft.committed, "folder": None if folder is None else str(folder)})
     params = {k: np.asarray(v) for k, v in state.params.items()}
     ring = [node for node in state.opt_state if type(node).__name__ == "LowPrecisionDecentralizedState"]
-    copies = {k: [np.asarray(b) for b in getattr(ring[0], k)] for k in ("weights", "left", "right")} if ring else None
-    ft.save(_signal("checkpoints"), state)  # the members' checkpoint after the changes of members
+    copies = ring_digests({k: getattr(ring[0], k) for k in ("weights", "left", "right")}) if ring else None
+    if not save_every_step:
+        ft.save(_signal("checkpoints"), state)  # the members' checkpoint after the changes of members
     ft.finished()
     ft.membership.close()
     return {
@@ -422,6 +453,7 @@ def train(
         "ring_copies": copies,
         "state_class": type(state).__module__ + "." + type(state).__name__,
         "recoveries": ft.recoveries,
+        "saves": saves,
         "started": started,
         "admitted": admitted,
         "asked": ft.admission["asked"] if ft.admission else None,  # a joiner's request, its step compiled

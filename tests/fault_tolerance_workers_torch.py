@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 
 import torch
+from ring_copies import ring_digests
 from stack_dumps import dump_on_request
 
 import bagua_torch
@@ -317,7 +318,7 @@ def main() -> None:
     copies = {}  # low-precision decentralized: its copies of its neighbours' weights and its own
     if name == "low_precision_decentralized":
         held = {k: getattr(model.algorithm_impl, k) for k in ("weights", "left", "right")}
-        copies = {k: hashlib.sha256(b"".join(t.numpy().tobytes() for t in ts)).hexdigest() for k, ts in held.items()}
+        copies = ring_digests(held)
     report(
         event="end",
         rank=job.epoch.rank,

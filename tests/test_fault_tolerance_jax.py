@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
 from pathlib import Path
 
 import numpy as np
@@ -36,6 +35,7 @@ from fault_tolerance_workers_jax import (
     prediction,
 )
 from multiprocess import ONE_CPU_DEVICE, TESTS, has_mpiexec, run_ranks
+from ring_copies import assert_ring_copies_are_the_neighbours_weights
 
 from bagua_common.algorithms.diloco import DiLoCoConfig
 from bagua_common.comm.topology import shift_one_schedule
@@ -320,6 +320,58 @@ def test_a_member_taken_for_dead_while_alive_joins_again_and_trains_on(tmp_path:
     print(f"{kind}: the others resumed {resume:.2f} s after it; it trained again from step {rejoined}")
 
 
+def test_a_coordinator_cut_off_in_a_checkpoint_commits_nothing_alone_and_a_restart_goes_on_from_the_last(
+    tmp_path: Path, network
+):
+    # The members save after every step; member 0, the coordinator, which commits each save, loses its link past
+    # dead_after in the save after step 2, its part written, before the others said theirs were (each member in its
+    # own network namespace). It must commit nothing it does not know whole, and the other two leave that save
+    # uncommitted too; they train and save steps 3 and 4 as two (member 1 committing), and save with member 0 again
+    # once it is back with their state. A restart of the whole job from the last save starts from the state all three
+    # ended with, the data where they left it.
+    env = {"FT_SAVE_EVERY_STEP": "1", "FT_CUT_OFF_IN_SAVE": "0:2"}
+    results = run_members(tmp_path, "train", 3, {}, 3, 3, 10, env=env, timeout=180, network=network)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0], outputs
+    back, *majority = (r.value for r in results)
+    sizes = {s["transaction"]: s["size"] for s in majority[0]["steps"]}
+    returned = back["steps"][2]["transaction"]  # weighed out of it, admitted at the commit before
+    trained = [s["transaction"] for s in back["steps"]]
+    assert trained == [1, 2, *range(returned, len(sizes) + 1)] and returned > 5, f"it trained alone: {back['steps']}"
+
+    def committed(member: dict) -> list[tuple[int, str]]:
+        return [(s["step"], s["folder"]) for s in member["saves"] if s["folder"] is not None]
+
+    with pytest.raises(FileNotFoundError):
+        read_manifest(checkpoint_dir(tmp_path / "checkpoints", 2))
+    # every step's save commits but the one it was cut off in and its admission's (it sits out the state's travel)
+    expected = [t for t in sizes if t not in (2, returned - 1)]
+    assert [step for step, _ in committed(majority[0])] == expected, majority[0]["saves"]
+    assert committed(majority[1]) == committed(majority[0])
+    assert [(step, folder) for step, folder in committed(back) if step != 2] == [
+        (step, folder) for step, folder in committed(majority[0]) if step < 2 or step >= returned
+    ]
+    worlds = {step: read_manifest(Path(folder)).world_size for step, folder in committed(majority[0])}
+    assert worlds == {t: 2 if 2 < t < returned else 3 for t in expected}, worlds
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(back["params"][name], value, rtol=2e-5, atol=1e-6)
+        for other in majority:
+            np.testing.assert_array_equal(other["params"][name], back["params"][name])
+
+    restart = tmp_path / "restart"
+    restart.mkdir()
+    shutil.copytree(tmp_path / "checkpoints", restart / "checkpoints")
+    restarted = run_members(restart, "train", 3, {}, 3, 3, 2, env={"FT_RESTORE": "1"}, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in restarted)
+    assert [r.returncode for r in restarted] == [0, 0, 0], outputs
+    for member in restarted:
+        for name, value in back["params"].items():
+            np.testing.assert_array_equal(member.value["first_params"][name], value)
+    sizes |= {len(sizes) + s["transaction"]: s["size"] for s in restarted[0].value["steps"]}
+    for name, value in replay(sizes).items():
+        np.testing.assert_allclose(restarted[0].value["params"][name], value, rtol=2e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("algorithm", STATEFUL_PER_STEP, ids=lambda algorithm: algorithm.partition(" ")[0])
 def test_a_member_taken_for_dead_joins_again_under_each_per_step_algorithm(tmp_path: Path, algorithm: str):
     # As above, with the algorithms whose state a change of members touches: ByteGrad's and the compressed Adams'
@@ -523,7 +575,7 @@ def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_it
         assert members_step["end"] - before["end"] < 2 * delay - 0.5, (before, members_step)
         assert (members_step["transaction"], members_step["size"]) == (sat_out["transaction"], 3), members_step
     if algorithm == "low_precision_decentralized":
-        assert_ring_copies_are_the_neighbours_weights(records.values())
+        assert_ring_copies_are_the_neighbours_weights({r["final_rank"]: r["ring_copies"] for r in records.values()})
         return
     before = {p: {**r, "steps": [s for s in r["steps"] if s["transaction"] < t]} for p, r in records.items()}
     w, b = replay_decentralized(before)[0]  # the first member's weights as it was admitted
@@ -553,7 +605,7 @@ def test_a_partitioned_decentralized_member_returns_with_a_members_weights(tmp_p
     sat_out = back[2]
     assert sat_out["transaction"] > 3 and (sat_out["size"], sat_out["members"]) == (2, 3), back
     if algorithm == "low_precision_decentralized":
-        assert_ring_copies_are_the_neighbours_weights(records.values())
+        assert_ring_copies_are_the_neighbours_weights({r["final_rank"]: r["ring_copies"] for r in records.values()})
         return
     replayed = replay_decentralized(records)
     for process, record in records.items():
@@ -596,23 +648,11 @@ def test_low_precision_decentralized_copies_start_again_from_the_new_neighbours_
     # difference to a copy as to the weights it copies, so a copy left from another ring would never match again: at
     # the end each member's left and right copies are, bit for bit, its neighbours' own.
     records = four_members_lose_one_then_admit_one(tmp_path, "low_precision_decentralized").values()
-    assert_ring_copies_are_the_neighbours_weights(records)
+    assert_ring_copies_are_the_neighbours_weights({r["final_rank"]: r["ring_copies"] for r in records})
     x, y = dataset()
     for record in records:
         loss = np.mean((prediction(record["params"], x) - y) ** 2)
         assert loss < 0.5 * np.mean(y**2), loss  # every member trained
-
-
-def assert_ring_copies_are_the_neighbours_weights(records: Iterable[dict]) -> None:
-    """Low-precision decentralized training's invariant at the end of a job: each member's left and right copies
-    are, bit for bit, its neighbours' own weights (``w``)."""
-    ring = {record["final_rank"]: record["ring_copies"] for record in records}
-    n = len(ring)
-    assert sorted(ring) == list(range(n))
-    for rank, copies in ring.items():
-        for bucket, (left, right) in enumerate(zip(copies["left"], copies["right"], strict=True)):
-            np.testing.assert_array_equal(left, ring[(rank - 1) % n]["weights"][bucket], err_msg=f"rank {rank}")
-            np.testing.assert_array_equal(right, ring[(rank + 1) % n]["weights"][bucket], err_msg=f"rank {rank}")
 
 
 def test_a_powersgd_job_restarted_from_its_checkpoint_admits_a_joiner_weighed_out_on_a_flax_train_state(

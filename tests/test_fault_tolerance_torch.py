@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from fault_tolerance_job_torch import DEAD_AFTER, Job
 from multiprocess import free_port
+from ring_copies import assert_ring_copies_are_the_neighbours_weights
 
 from bagua_common.fault_tolerance import DataPosition
 from bagua_common.job.checkpoint import checkpoint_dir, read_manifest
@@ -729,17 +730,8 @@ def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimi
     before = max(e["step"] for e in job.of(holding, "step") if e["t"] <= holder["t"])
     assert job.of(joiner, "step")[0]["step"] == before + 2
     if algorithm == "low_precision_decentralized":
-        check_ring_copies(ends)
+        assert_ring_copies_are_the_neighbours_weights({e[0]["rank"]: e[0]["copies"] for e in ends.values()})
     check_every_sample_once(job)
-
-
-def check_ring_copies(ends: dict[int, list[dict]]) -> None:
-    """Low-precision decentralized training's invariant at the end of a job: every rank's copy of a neighbour's
-    weights is the bits that neighbour holds as its own."""
-    copies = {e[0]["rank"]: e[0]["copies"] for e in ends.values()}
-    for rank, held in copies.items():
-        assert held["left"] == copies[(rank - 1) % len(copies)]["weights"], rank
-        assert held["right"] == copies[(rank + 1) % len(copies)]["weights"], rank
 
 
 @pytest.mark.parametrize(
@@ -772,7 +764,7 @@ def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_it
         assert sat_out["world"] == 3 and before["t"] < entered["t"], (before, entered)
         assert sat_out["t"] < before["t"] + 1.0 + 0.6, (before, sat_out, entered)
     if algorithm == "low_precision_decentralized":
-        check_ring_copies(ends)
+        assert_ring_copies_are_the_neighbours_weights({e[0]["rank"]: e[0]["copies"] for e in ends.values()})
     check_every_sample_once(job)  # the step it sat out is split among the three members
 
 
@@ -926,17 +918,17 @@ def test_a_partitioned_decentralized_member_returns_with_a_members_weights(jobs,
     assert back[:2] == [1, 2] and back[2] > 4, back  # nothing trained alone; one step sat out after its admission
     assert back[2:] == list(range(back[2], ends[coordinator][0]["step"] + 1)), back
     if algorithm == "low_precision_decentralized":
-        check_ring_copies(ends)
+        assert_ring_copies_are_the_neighbours_weights({e[0]["rank"]: e[0]["copies"] for e in ends.values()})
     check_every_sample_once(job)
 
 
-def test_a_rank_that_raises_is_taken_for_lost_as_the_exception_ends_its_program(jobs, network):
+def test_a_rank_that_raises_is_taken_for_lost_as_the_exception_ends_its_program(jobs):
     # Rank 2 raises in step 3's backward pass, and its process then takes 6 s more to end (an exit handler, as a GPU
-    # runtime's teardown may; each rank a process of its own, in its namespace, not forked). Its membership closes
+    # runtime's teardown may; each rank an interpreter of its own, not forked). Its membership closes
     # its connections and store as the exception ends the program, before that handler and torch's own run: the
     # others resume at once, as after a SIGKILL, not once the process has ended.
     fault = [{"rank": 2, "step": 3, "where": "backward", "kind": "raise"}]
-    job = jobs(3, "gradient_allreduce", fault, steps=6, world=2, env={"FT_SLOW_EXIT": "6"}, network=network)
+    job = jobs(3, "gradient_allreduce", fault, steps=6, world=2, env={"FT_SLOW_EXIT": "6"}, forked=False)
     job.finish()
     survivors = job.pids(rank=0) + job.pids(rank=1)
     ends = [job.of(pid, "end") for pid in survivors]

@@ -21,6 +21,7 @@ __all__ = [
     "FaultToleranceSettings",
     "ensure_job_secret",
     "job_secret",
+    "job_secret_file",
     "temporary_job_secret",
     "write_job_secret",
 ]
@@ -41,11 +42,16 @@ ENV_SECRET_FILE = "BAGUA_FT_SECRET_FILE"
 hold it. ``bagua-launch --fault-tolerant`` generates one for a one-node job."""
 
 
+def job_secret_file() -> str | None:
+    """The path ``BAGUA_FT_SECRET_FILE`` names, or None where it is unset or blank."""
+    return os.environ.get(ENV_SECRET_FILE, "").strip() or None
+
+
 def job_secret() -> bytes:
     """The job's secret, read from the file named by ``BAGUA_FT_SECRET_FILE`` (a ValueError when it is not set,
     unreadable, shorter than 16 bytes, or readable by other users)."""
-    path = os.environ.get(ENV_SECRET_FILE, "").strip()
-    if not path:
+    path = job_secret_file()
+    if path is None:
         raise ValueError(
             f"fault tolerance: {ENV_SECRET_FILE} is not set: every member needs the job's secret (a file of mode "
             "0600, the same on every node; bagua-launch --fault-tolerant makes one for a one-node job)"
@@ -76,8 +82,8 @@ def write_job_secret(directory: str) -> str:
 def ensure_job_secret(directory: str) -> str:
     """The path of the job's secret file: ``BAGUA_FT_SECRET_FILE``'s where it is set, otherwise a new secret written
     under ``directory`` (:func:`write_job_secret`) and set there, for this process and the processes it starts."""
-    path = os.environ.get(ENV_SECRET_FILE, "").strip()
-    if not path:
+    path = job_secret_file()
+    if path is None:
         path = os.environ[ENV_SECRET_FILE] = write_job_secret(directory)
     return path
 
@@ -87,8 +93,8 @@ def temporary_job_secret() -> Iterator[str]:
     """The path of the job's secret file for the processes started in the ``with`` block: ``BAGUA_FT_SECRET_FILE``'s
     where it is set, otherwise a new secret in a private temporary directory, set for the block and removed, with the
     variable, when it ends (a test session's or a benchmark's jobs)."""
-    path = os.environ.get(ENV_SECRET_FILE, "").strip()
-    if path:
+    path = job_secret_file()
+    if path is not None:
         yield path
         return
     directory = tempfile.mkdtemp(prefix="bagua-job-secret-")
