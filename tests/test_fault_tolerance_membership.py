@@ -180,6 +180,9 @@ def test_a_store_serves_only_clients_that_prove_the_jobs_secret(tmp_path, monkey
     monkeypatch.delenv("BAGUA_FT_SECRET_FILE")
     with pytest.raises(ValueError, match="BAGUA_FT_SECRET_FILE is not set"):
         FaultToleranceSettings()
+    monkeypatch.setenv("BAGUA_FT_SECRET_FILE", "  ")  # blank: as unset
+    with pytest.raises(ValueError, match="BAGUA_FT_SECRET_FILE is not set"):
+        job_secret()
 
 
 def test_a_temporary_job_secret_is_set_for_its_block_only_and_an_existing_one_is_kept(tmp_path, monkeypatch):
