@@ -618,26 +618,30 @@ def spread_lines(result: dict, out: Path) -> list[str]:
     the same tokens, seed by seed, their range, and the chaos run's difference from the run it was compared with
     against the other seeds' differences from that run (the chart beside the results draws every curve)."""
     seeds = list(result["fault_free"])
-    rows, chaos_gaps, seed_gaps, inside, above, below = [], [], [], 0, [], []
+    rows, chaos_gaps, seed_gaps, compared = [], [], [], []
     for e in result["chaos"]["heldout"]:
         same = [_loss_at(result["fault_free"][seed]["heldout"], e["tokens"]) for seed in seeds]
         if None in same:
             continue
         low, high = min(same), max(same)
-        inside += low <= e["loss"] <= high
-        above += [e["loss"] - high] if e["loss"] > high else []
-        below += [low - e["loss"]] if e["loss"] < low else []
+        compared.append((e["loss"], same))
         chaos_gaps.append(abs(e["loss"] - same[0]))
         seed_gaps.append(max(abs(loss - same[0]) for loss in same[1:]))
         rows.append([e["step"], f"{e['tokens'] / 1e6:.3f}", f"{e['loss']:.4f}", *(f"{loss:.4f}" for loss in same),
                      f"{high - low:.4f}", "yes" if low <= e["loss"] <= high else "no"])  # fmt: skip
+    at_steps = []  # each step the same samples per member: fewer tokens while the world is smaller
+    for e in result["chaos"]["heldout"]:
+        same = [next((f["loss"] for f in result["fault_free"][seed]["heldout"] if f["step"] == e["step"]), None)
+                for seed in seeds]  # fmt: skip
+        at_steps += [] if None in same else [(e["loss"], same)]
     lines = [
-        f"At {len(rows)} evaluations at equal tokens: the chaos run lies within the fault-free runs' range at "
-        f"{inside}. Its largest distance from the fault-free run of seed {seeds[0]} is {max(chaos_gaps):.4f} (median "
+        f"At {len(rows)} evaluations at equal tokens: the chaos run {_against_the_range(compared)} Its largest "
+        f"distance from the fault-free run of seed {seeds[0]} is {max(chaos_gaps):.4f} (median "
         f"{statistics.median(chaos_gaps):.4f}); the other seeds' largest distance from that run is "
-        f"{max(seed_gaps):.4f} (median {statistics.median(seed_gaps):.4f}). Outside the range, it is above it "
-        f"(a higher loss) at {len(above)}, by at most {max(above, default=0):.4f}, and below it at {len(below)}, by "
-        f"at most {max(below, default=0):.4f}.",
+        f"{max(seed_gaps):.4f} (median {statistics.median(seed_gaps):.4f}).",
+        "",
+        f"At {len(at_steps)} evaluations at equal steps instead (each step trains the same samples per member, so "
+        f"fewer tokens while the world is smaller): the chaos run {_against_the_range(at_steps)}",
         "",
     ]
     head = [
@@ -656,6 +660,18 @@ def spread_lines(result: dict, out: Path) -> list[str]:
                                           for name, e in ends.items()) + "."]  # fmt: skip
     curves = {f"fault-free, seed {seed}": run["heldout"] for seed, run in result["fault_free"].items()}
     return lines + _curves_chart({**curves, "chaos (seed 0)": result["chaos"]["heldout"]}, [], out)
+
+
+def _against_the_range(compared: list[tuple[float, list[float]]]) -> str:
+    """Where each of the chaos run's losses lies against the fault-free runs' range at the same point: how often
+    inside, above (a higher loss) and below it, and by how much at most."""
+    above = [loss - max(same) for loss, same in compared if loss > max(same)]
+    below = [min(same) - loss for loss, same in compared if loss < min(same)]
+    return (
+        f"lies within the fault-free runs' range at {len(compared) - len(above) - len(below)}, above it (a higher "
+        f"loss) at {len(above)}, by at most {max(above, default=0):.4f}, and below it at {len(below)}, by at most "
+        f"{max(below, default=0):.4f}."
+    )
 
 
 def _fmt(value: float | None) -> str:
