@@ -22,10 +22,13 @@ run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member star
 closed, and ``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's
 step. ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step after the joiner's admission compute that much
 longer. ``FT_SLOW_EXIT`` (seconds) makes a first member's process take that much longer to end once its program
-ended (an exit handler that runs after the library's, as a GPU runtime's teardown may). Every member records each
-attempt of a step (its transaction, epoch, rank, the members training it and all the members, sample indices, times),
-its state's first and final parameters, its final rank and, under low-precision decentralized training, its copies of
-its own and its ring neighbours' weights.
+ended (an exit handler that runs after the library's, as a GPU runtime's teardown may). ``FT_SAVE_EVERY_STEP=1``
+makes the members save a checkpoint after every step (not only at the end), and ``FT_CUT_OFF_IN_SAVE``
+(``rank:step``, run in the network harness's namespaces) cuts that member's link for ``PAUSE_SECONDS`` in the save
+after that step, its part written, before the others report theirs. Every member records each attempt of a step (its
+transaction, epoch, rank, the members training it and all the members, sample indices, times), its saves, its
+state's first and final parameters, its final rank and, under low-precision decentralized training, the digests of
+its copies of its own and its ring neighbours' weights.
 """
 
 from __future__ import annotations
