@@ -57,12 +57,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.2)
     parser.add_argument("--kill-at", type=int, default=15, help="the step at which the second node dies")
     parser.add_argument("--grow-at", type=int, default=35, help="the step at which 2 workers wait for the new node")
+    parser.add_argument("--seed", type=int, default=0, help="the model's initialization and the data's order")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args(argv)
-    meta = run_meta(["torch", "jax"], argv=sys.argv[1:], **vars(args) | {"out": None})
+    meta = run_meta(["torch", "jax"], argv=sys.argv[1:] if argv is None else argv, **vars(args) | {"out": None})
     folder = Path(tempfile.mkdtemp(prefix="bagua-elastic-timeline-"))
     settings = {"BAGUA_TEST_STEP_SECONDS": str(args.step_seconds), "BAGUA_TEST_GROW_AT": str(args.grow_at)}
-    job = Job(folder, args.framework, args.steps, **settings)
+    job = Job(folder, args.framework, args.steps, args.seed, **settings)
     try:
         survivor = job.start_agent("--nnodes", "1:2", "--max-restarts", "3")
         doomed = job.start_agent("--nnodes", "1:2", "--max-restarts", "3")
@@ -85,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
         "",
         *header_lines(meta),
         f"- agents' exit codes: {codes}",
-        "- the machine is shared with other engineers' jobs: the seconds below include their load",
         f"- 2 workers wait at step {args.grow_at} for the joining node: that wait is in the last row's seconds lost",
         "",
         "| restart | world | resumed step | last step | first step at (s) | seconds lost | steps trained again |",
