@@ -67,6 +67,8 @@ from bagua_common.workload import gpt_config  # noqa: E402
 
 HASH_EVERY = 50
 STUDIES = ("kill", "overhead", "chaos", "spread")
+SAME_RUN = ("ranks", "size", "algorithm", "lr", "batch", "steps", "eval_every", "rate", "engine")
+"""The settings two runs share for the spread study to set them side by side (all but the seed)."""
 
 
 def rank_main(job_file: str) -> None:
@@ -425,8 +427,7 @@ def spread(args: argparse.Namespace) -> dict:
     chaos_file = args.out / f"{results_name(with_changes(args, study='chaos'))}.json"
     published = json.loads(chaos_file.read_text())
     theirs = settings_of(published)
-    settings = ("ranks", "size", "algorithm", "lr", "batch", "steps", "eval_every", "rate")
-    differ = [key for key in settings if getattr(theirs, key) != getattr(args, key)]
+    differ = [key for key in SAME_RUN if getattr(theirs, key) != getattr(args, key)]
     if differ or theirs.seed in args.seeds:
         raise SystemExit(f"spread: {chaos_file} ran seed {theirs.seed}: give the same {differ} and other seeds")
     earlier = _earlier_spread_runs(args)
@@ -445,8 +446,7 @@ def _earlier_spread_runs(args: argparse.Namespace) -> dict[int, dict]:
         return {}
     earlier = json.loads(earlier_file.read_text())
     ran = settings_of(earlier)
-    settings = ("ranks", "size", "algorithm", "lr", "batch", "steps", "eval_every", "rate", "engine")
-    if any(getattr(ran, key) != getattr(args, key) for key in settings):
+    if any(getattr(ran, key) != getattr(args, key) for key in SAME_RUN):
         return {}
     return {int(seed): run for seed, run in earlier["result"]["fault_free"].items()}
 
