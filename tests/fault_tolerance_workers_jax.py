@@ -452,8 +452,8 @@ def train(
         "attempts": attempts,
         "params": params,
         "first_params": first_params,
-        "final_rank": ft.epoch.rank,
-        "ring_copies": copies,
+        "rank": ft.epoch.rank,  # at the end
+        "copies": copies,
         "state_class": type(state).__module__ + "." + type(state).__name__,
         "recoveries": ft.recoveries,
         "saves": saves,

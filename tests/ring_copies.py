@@ -15,8 +15,10 @@ def ring_digests(held: Mapping[str, Iterable[Any]]) -> dict[str, str]:
     return {k: hashlib.sha256(b"".join(np.asarray(b).tobytes() for b in held[k])).hexdigest() for k in held}
 
 
-def assert_ring_copies_are_the_neighbours_weights(ring: Mapping[int, Mapping[str, str]]) -> None:
-    """``ring``: each rank's :func:`ring_digests`, by its place on the ring at the end."""
+def assert_ring_copies_are_the_neighbours_weights(records: Iterable[Mapping[str, Any]]) -> None:
+    """``records``: each member's at the end of a job, with its ``rank`` (its place on the ring) and its ``copies``
+    (:func:`ring_digests`)."""
+    ring = {record["rank"]: record["copies"] for record in records}
     n = len(ring)
     assert sorted(ring) == list(range(n)), sorted(ring)
     for rank, held in ring.items():

@@ -730,7 +730,7 @@ def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimi
     before = max(e["step"] for e in job.of(holding, "step") if e["t"] <= holder["t"])
     assert job.of(joiner, "step")[0]["step"] == before + 2
     if algorithm == "low_precision_decentralized":
-        assert_ring_copies_are_the_neighbours_weights({e[0]["rank"]: e[0]["copies"] for e in ends.values()})
+        assert_ring_copies_are_the_neighbours_weights(e[0] for e in ends.values())
     check_every_sample_once(job)
 
 
@@ -764,7 +764,7 @@ def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_it
         assert sat_out["world"] == 3 and before["t"] < entered["t"], (before, entered)
         assert sat_out["t"] < before["t"] + 1.0 + 0.6, (before, sat_out, entered)
     if algorithm == "low_precision_decentralized":
-        assert_ring_copies_are_the_neighbours_weights({e[0]["rank"]: e[0]["copies"] for e in ends.values()})
+        assert_ring_copies_are_the_neighbours_weights(e[0] for e in ends.values())
     check_every_sample_once(job)  # the step it sat out is split among the three members
 
 
@@ -918,7 +918,7 @@ def test_a_partitioned_decentralized_member_returns_with_a_members_weights(jobs,
     assert back[:2] == [1, 2] and back[2] > 4, back  # nothing trained alone; one step sat out after its admission
     assert back[2:] == list(range(back[2], ends[coordinator][0]["step"] + 1)), back
     if algorithm == "low_precision_decentralized":
-        assert_ring_copies_are_the_neighbours_weights({e[0]["rank"]: e[0]["copies"] for e in ends.values()})
+        assert_ring_copies_are_the_neighbours_weights(e[0] for e in ends.values())
     check_every_sample_once(job)
 
 
