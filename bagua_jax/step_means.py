@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.flatten_util import ravel_pytree
 
+from bagua_jax.bucketing import BucketPlan
 from bagua_jax.communicator import Communicator
 
 
@@ -49,22 +50,24 @@ class StepMeans:
         """The floating leaves as one float32 vector (empty when there are none)."""
         self._mean: jax.Array | None = None
 
-    def averaged_with(self, buckets: list[jax.Array], average: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
-        """``average(bucket)`` of each of ``buckets``, :attr:`values` riding at the end of the smallest float32
-        bucket; ``average`` must be the algorithm's full-precision mean over the world, taken elementwise in one
-        message. Without a float32 bucket (or values) the values are left for :meth:`result`. Once per step.
+    def averaged_with(self, plan: BucketPlan, tree: Any, average: Callable[[jax.Array], jax.Array]) -> list[jax.Array]:
+        """``average(bucket)`` of each of ``plan``'s buckets of ``tree``, :attr:`values` riding at the end of the
+        smallest float32 bucket; ``average`` must be the algorithm's full-precision mean over the world, taken
+        elementwise in one message. Without a float32 bucket (or values) the values are left for :meth:`result`.
+        Once per step.
         """
-        candidates = [i for i, bucket in enumerate(buckets) if bucket.dtype == jnp.float32]
+        candidates = [i for i, bucket in enumerate(plan.buckets) if bucket.dtype == jnp.float32]
         if not self.values.size or not candidates:
-            return [average(bucket) for bucket in buckets]
-        carrier = min(candidates, key=lambda i: buckets[i].size)
-        size = buckets[carrier].size
-        # Written into a zeroed buffer, as BucketPlan.flatten does: XLA's CPU backend copies a concatenate
-        # element by element.
-        extended = jnp.zeros(size + self.values.size, jnp.float32)
-        extended = lax.dynamic_update_slice(extended, buckets[carrier], (0,))
-        extended = lax.dynamic_update_slice(extended, self.values, (size,))
-        averaged = [average(extended if i == carrier else bucket) for i, bucket in enumerate(buckets)]
+            return [average(bucket) for bucket in plan.flatten(tree)]
+        carrier = min(candidates, key=lambda i: plan.buckets[i].size)
+        size = plan.buckets[carrier].size
+        # The room is made while the bucket is built. Copied into a longer buffer afterwards, the finished bucket
+        # is padded, and XLA's CPU backend fuses the pad with the bucket's last slice update: a gradient reduced
+        # over the batch is then reduced again for every element of the bucket (a 17x slower step for a 1.8M-parameter
+        # MLP on 4 ranks).
+        buckets = plan.flatten(tree, room={carrier: self.values.size})
+        buckets[carrier] = lax.dynamic_update_slice(buckets[carrier], self.values, (size,))
+        averaged = [average(bucket) for bucket in buckets]
         self.deliver(averaged[carrier][size:])
         averaged[carrier] = averaged[carrier][:size]
         return averaged

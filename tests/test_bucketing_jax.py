@@ -63,3 +63,15 @@ def test_bad_arguments_raise():
         plan_buckets({"a": jnp.zeros(3)}, bucket_bytes=0)
     with pytest.raises(ValueError, match="pad_to must be an int >= 1"):
         plan_buckets({"a": jnp.zeros(3)}, pad_to=0)
+
+
+@pytest.mark.parametrize("bucket_bytes", [1 << 20, 80])
+def test_flatten_makes_room_at_the_end_of_the_buckets_named(rng, bucket_bytes):
+    tree = tree_of(rng)
+    plan = plan_buckets(tree, bucket_bytes, pad_to=4)
+    plain = jax.jit(plan.flatten)(tree)
+    room = {i: i + 2 for i in range(0, len(plan.buckets), 2)}
+    roomy = jax.jit(lambda t: plan.flatten(t, room=room))(tree)
+    for i, (bucket, without, got) in enumerate(zip(plan.buckets, plain, roomy)):
+        expected = np.concatenate([np.asarray(without), np.zeros(room.get(i, 0), bucket.dtype)])
+        assert got.dtype == bucket.dtype and np.asarray(got).tobytes() == expected.tobytes()

@@ -69,12 +69,11 @@ def gradient_allreduce(
         check_float_grads(updates, name)
         levels = comms.levels(hierarchical, name)
         plan = plan_buckets(updates, bucket_bytes, pad_to=levels[0].size if levels else 1)
-        buckets = plan.flatten(updates)
         step_means: StepMeans | None = extra_args.get("step_means")
         if step_means is not None and not levels and op == "avg":
-            reduced = step_means.averaged_with(buckets, lambda bucket: comms.world.allreduce(bucket, op))
+            reduced = step_means.averaged_with(plan, updates, lambda bucket: comms.world.allreduce(bucket, op))
         else:
-            reduced = [allreduce_over(bucket, comms.world, levels, op) for bucket in buckets]
+            reduced = [allreduce_over(bucket, comms.world, levels, op) for bucket in plan.flatten(updates)]
         return plan.unflatten(reduced), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
