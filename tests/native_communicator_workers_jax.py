@@ -114,3 +114,37 @@ def weighed_average(seed: int, count: int) -> dict:
         except ValueError as error:
             out[f"bad {bad}"] = str(error)
     return out
+
+
+def loopback_bytes_sent() -> int:
+    """The bytes this machine's loopback interface has sent (``/proc/net/dev``)."""
+    with open("/proc/net/dev") as f:
+        for line in f:
+            name, _, counters = line.partition(":")
+            if name.strip() == "lo":
+                return int(counters.split()[8])
+    raise RuntimeError("no loopback interface in /proc/net/dev")
+
+
+def late_peer(count: int, late_seconds: float) -> dict:
+    """Rank 0 enters a ``send_recv`` of ``count`` floats with rank 1 at once, rank 1 ``late_seconds`` later; rank 1
+    counts the loopback bytes sent while it waits (rank 0's data, had it not waited for rank 1's receive)."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    comm = NativeCommunicator.mpi_world(timeout=60)
+    rank = int(comm.rank())
+    exchange = jax.jit(lambda x: comm.send_recv(x, jnp.array([1 - rank], jnp.int32))[0])
+    mine = jnp.full(count, rank + 1.0, jnp.float32)
+    exchange.lower(mine).compile()
+    np.asarray(exchange(jnp.zeros(1, jnp.float32)))  # connects the two, and both leave it together
+    sent_while_late = None
+    if rank == 1:
+        before = loopback_bytes_sent()
+        time.sleep(late_seconds)
+        sent_while_late = loopback_bytes_sent() - before
+    return {"received": np.asarray(exchange(mine)), "sent_while_late": sent_while_late}

@@ -136,3 +136,21 @@ def test_an_average_divides_by_the_ranks_set_at_run_time(count):
         np.testing.assert_array_equal(res["weighed"], results[0]["weighed"])
         assert res["compiles"] == 1
         assert "must be 1..3 (the size) or None, got 0" in res["bad 0"] and "got 4" in res["bad 4"]
+
+
+def test_send_recv_sends_nothing_before_the_peer_is_ready():
+    # UCX over TCP, every message eager (as benchmarks/harness/links.py runs MPI): an eager send would push rank 0's
+    # data into rank 1's socket while rank 1 is still elsewhere (at a step, or receiving another peer's exchange).
+    count, late_seconds = 1 << 20, 1.5
+    ranks = run_ranks(
+        "native_communicator_workers_jax:late_peer",
+        2,
+        count,
+        late_seconds,
+        launcher="mpiexec",
+        timeout=300,
+        env={"MPIR_CVAR_NOLOCAL": "1", "UCX_TLS": "tcp,self", "UCX_RNDV_THRESH": "inf"},
+    )
+    for rank, result in enumerate(r.value for r in ranks):
+        np.testing.assert_array_equal(result["received"], np.full(count, 2.0 - rank, np.float32))
+    assert ranks[1].value["sent_while_late"] < 16384, ranks[1].value

@@ -216,6 +216,8 @@ class MpiCommunicator final : public Communicator {
                   });
   }
 
+  // Between nodes the data to a peer waits for its zero-byte "ready": sent eagerly, a rank done
+  // early pushed its next exchange into a busy peer, and the ranks drifted into sharing links.
   Status send_recv(const void* send, void* recv, int64_t count, DType type, const int32_t* peers,
                    int num_peers, void*) override {
     return staged(
@@ -225,22 +227,49 @@ class MpiCommunicator final : public Communicator {
             if (peers[i] < 0 || peers[i] >= size_ || peers[i] == rank_)
               return fail("send_recv", "peer " + std::to_string(peers[i]) +
                                            " is not another rank of " + std::to_string(size_));
-          std::vector<MPI_Request> requests(2 * num_peers, MPI_REQUEST_NULL);
+          // Per peer i: the data's receive, the data's send, the ready's receive, the ready's send.
+          const int n = num_peers;
+          std::vector<MPI_Request> requests(4 * n, MPI_REQUEST_NULL);
+          std::vector<bool> sending(n, false);
           const int64_t bytes = count * dtype_bytes(type);
-          return run_many("send_recv", requests, [&](MPI_Request* r) {
-            // The i-th exchange with a given peer uses tag i on both sides, so
-            // repeated peers (a ring of two ranks) pair up in order.
-            for (int i = 0; i < num_peers; ++i) {
-              int tag = 0;
-              for (int j = 0; j < i; ++j) tag += peers[j] == peers[i];
-              int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type),
-                                   peers[i], tag, comm_, &r[2 * i]);
-              if (rc != MPI_SUCCESS) return rc;
-              rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag, comm_, &r[2 * i + 1]);
-              if (rc != MPI_SUCCESS) return rc;
-            }
-            return MPI_SUCCESS;
-          });
+          // Tag i for the i-th exchange with a peer: repeated peers (a ring of two) pair in order.
+          auto tag = [&](int i) {
+            int t = 0;
+            for (int j = 0; j < i; ++j) t += peers[j] == peers[i];
+            return t;
+          };
+          return run_until(
+              "send_recv", requests, deadline(),
+              [&](MPI_Request* r) {
+                for (int i = 0; i < n; ++i) {
+                  int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type),
+                                       peers[i], tag(i), comm_, &r[i]);
+                  if (rc != MPI_SUCCESS) return rc;
+                  sending[i] = !spans_nodes_;
+                  rc = sending[i] ? MPI_Isend_c(send, count, mpi_type(type), peers[i], tag(i),
+                                                comm_, &r[n + i])
+                                  : MPI_Irecv(nullptr, 0, MPI_BYTE, peers[i], kReadyTag, comm_,
+                                              &r[2 * n + i]);
+                  if (rc == MPI_SUCCESS && !sending[i])
+                    rc = MPI_Isend(nullptr, 0, MPI_BYTE, peers[i], kReadyTag, comm_, &r[3 * n + i]);
+                  if (rc != MPI_SUCCESS) return rc;
+                }
+                return MPI_SUCCESS;
+              },
+              [&](MPI_Request* r, bool* all_started) {
+                for (int i = 0; i < n; ++i) {
+                  if (sending[i]) continue;
+                  int ready = 0;
+                  int rc = MPI_Test(&r[2 * n + i], &ready, MPI_STATUS_IGNORE);
+                  if (rc == MPI_SUCCESS && ready)
+                    rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag(i), comm_,
+                                     &r[n + i]);
+                  if (rc != MPI_SUCCESS) return rc;
+                  sending[i] = ready;
+                  *all_started = *all_started && ready;
+                }
+                return MPI_SUCCESS;
+              });
         });
   }
 
@@ -287,6 +316,7 @@ class MpiCommunicator final : public Communicator {
   // Tags below this are send_recv's per-peer sequence numbers.
   static constexpr int kPointToPointTag = 1 << 20;
   static constexpr int kRingTag = kPointToPointTag + 1;
+  static constexpr int kReadyTag = kPointToPointTag + 2;
 
   // Reduce-scatter then allgather around the ring, 2 (size - 1) steps of a size-th of the
   // buffer each. Between nodes MPI's own non-blocking allreduce (MPICH: recursive halving
@@ -364,25 +394,35 @@ class MpiCommunicator final : public Communicator {
                std::chrono::duration<double>(timeout_));
   }
 
-  // Starts the non-blocking calls, then polls them until done, the deadline, or a revoke (whose
-  // requests are abandoned: ch4 never completes an operation with a dead peer).
   template <typename Start>
   Status run_until(const char* op, std::vector<MPI_Request>& requests,
                    std::chrono::steady_clock::time_point until, Start&& start) {
+    return run_until(op, requests, until, start, [](MPI_Request*, bool*) { return MPI_SUCCESS; });
+  }
+
+  // Starts the non-blocking calls, then polls them until done, the deadline, or a revoke (whose
+  // requests are abandoned: ch4 never completes an operation with a dead peer). Before each poll
+  // `advance` may start calls in null requests, clearing its flag while some are still to start.
+  template <typename Start, typename Advance>
+  Status run_until(const char* op, std::vector<MPI_Request>& requests,
+                   std::chrono::steady_clock::time_point until, Start&& start, Advance&& advance) {
     if (revoked_.load(std::memory_order_acquire)) return revoked(op);
     if (broken_) return fail(op, "the communicator is unusable after an earlier failure");
     auto lock = lock_mpi();
     int rc = start(requests.data());
     if (rc != MPI_SUCCESS) return fail(op, mpi_error(rc));
     for (int polls = 0;; ++polls) {
+      bool all_started = true;
+      rc = advance(requests.data(), &all_started);
       int done = 0;
-      rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                       MPI_STATUSES_IGNORE);
+      if (rc == MPI_SUCCESS)
+        rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
+                         MPI_STATUSES_IGNORE);
       if (rc != MPI_SUCCESS) {
         mark_broken();
         return fail(op, mpi_error(rc));
       }
-      if (done) return {};
+      if (done && all_started) return {};
       if (revoked_.load(std::memory_order_acquire)) {
         mark_broken();
         return revoked(op);
