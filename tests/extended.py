@@ -42,10 +42,10 @@ EXTENDED: dict[str, str] = {
         "low-precision decentralized copies' restart (5 s), and a decentralized joiner sitting out its first step (7 s)"
     ),
     r"test_fault_tolerance_torch\.py::test_a_rank_cut_off_for_good_stops_naming_the_partition": "a rank cut off by a "
-    "partition for good (10 s); the partitioned coordinator joining the majority again stays quick in both front ends",
+    "partition for good (10 s); JAX's partitioned coordinator joining the majority again stays quick",
     r"test_fault_tolerance_torch\.py::test_a_partitioned_coordinator_stops_training_and_joins_the_majority_again_once_"
     r"its_link_is_back\[(?!gradient_allreduce\])": "the partitioned coordinator's return under the fused optimizer and "
-    "each stateful per-step algorithm (10 s each; gradient allreduce's stays quick)",
+    "each stateful per-step algorithm (10 s each; gradient allreduce's runs in CI's step of its own)",
     r"test_fault_tolerance_torch\.py::test_a_rank_that_raises_is_taken_for_lost_as_the_exception_ends": "torch's "
     "rank whose exit is slow after an exception (11 s; the membership's exit handler is shared, and JAX's test of it "
     "stays quick)",
@@ -77,7 +77,7 @@ EXTENDED: dict[str, str] = {
         "JAX's member taken for dead after a SIGSTOP (8 s; the partitioned coordinator taken for dead stays quick)"
     ),
     r"test_fault_tolerance_jax\.py::test_a_diloco_member_taken_for_dead_mid_round_joins_again_and_sits_out_a_round": (
-        "JAX's DiLoCo member taken for dead (10 s; its DiLoCo joiner sitting out a round at a retried exchange and "
+        "JAX's DiLoCo member taken for dead (10 s; its Streaming DiLoCo joiner admitted at a retried exchange and "
         "its member taken for dead under gradient allreduce stay quick)"
     ),
     r"test_fault_tolerance_jax\.py::test_members_whose_step_times_out_at_every_attempt_stop_naming_the_timeout": (
@@ -90,7 +90,8 @@ EXTENDED: dict[str, str] = {
     r"more_epoch\[start\]": "a death before its address reaches the store (12 s; the death as it would connect, "
     "whose build is abandoned, stays quick)",
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_state_communicator_is_split_stops_the_others": "the "
-    "MPI engine's stop at a death in the state's split (12 s; the TCP engine's recovery from it stays quick)",
+    "MPI engine's stop at a death in the state's split (12 s; the TCP engine's recovery from it runs in CI's step of "
+    "its own)",
     r"test_fault_tolerance_torch\.py::test_a_joiner_takes_part_in_its_first_step_weighed_out_while_its_state_arrives"
     r"\[(bytegrad|powersgd|qadam|onebit_adam|gradient_allreduce-fused)\]": "ByteGrad's, PowerSGD's, QAdam's and 1-bit "
     "Adam's weighed-out joiners, and gradient allreduce's with the fused optimizer (10-12 s each; gradient "
@@ -178,6 +179,19 @@ EXTENDED: dict[str, str] = {
         "launcher's summary of members that stopped with no progress, torch's restart from a checkpoint when every "
         "rank died); the ranks' side of each stays quick"
     ),
+    # the quick suite's 10-minute budget, run by CI in a step of its own (.ci/run): combinations and second cases
+    # of behaviours the suite keeps once (62 s)
+    r"test_fault_tolerance_torch\.py::test_(a_joiner_admitted_before_a_restarted_jobs_first_commit|a_diloco_joiner_"
+    r"sits_out_its_first_round_while_its_state_arrives|a_partitioned_coordinator_stops_training_and_joins_the_majority_"
+    r"again_once_its_link_is_back\[gradient_allreduce\])": "torch's joiner of a restarted job (a restart and a joiner "
+    "each stay quick), its DiLoCo joiner's round timed (the sit-out's checkpoints and samples stay quick), its "
+    "partitioned coordinator's return (JAX's stays quick)",
+    r"test_fault_tolerance_jax\.py::test_(a_member_lost_while_the_state_communicator_is_split_costs|a_member_lost_"
+    r"while_a_joiner_is_late_for_its_state|diloco_joiner_admitted_at_a_retried_exchange|survivors_of_a_kill_a_hang_"
+    r"and_an_exception_resume_and_a_joiner_trains\[mpi\])": "JAX's deaths in the state's split and in a late "
+    "joiner's transfer (a death while the survivors rebuild and a state holder's death stay quick), its DiLoCo joiner "
+    "at a retried exchange (the Streaming one stays quick, and torch's), the kill, hang and exception job over MPI "
+    "(over TCP it stays quick; MPI's revoke, shrink and replacement in test_membership_change_jax)",
     # the quick suite's 10-minute budget: the larger or repeated jobs of a behaviour the suite keeps once
     r"test_native_communicator_jax\.py::test_(every_primitive_matches|large_allreduces_match)_numpy\[[34]-": (
         "two ranks, on one node and between nodes, stay quick"

@@ -8,11 +8,11 @@ hook), ``before_vote`` (the optimizer's step begins), ``vote`` (the step's colle
 to vote), ``recovery`` (entering the next epoch) or ``exchange`` (inside DiLoCo's outer exchange),
 or at step 0 in ``formation`` (before it registers with the others), ``state`` (before it sends a
 joiner the state), ``state_tensors`` (connected to the joiner, before the tensors) or
-``joiner_forward`` (a joiner's first step; rank null), the rank ``kill``s itself
-(SIGKILL; ``kill-once-asked``: once a joiner asked to be admitted), ``stop``s (SIGSTOP; ``after`` seconds, default
-0), ``raise``s, is ``slow`` (``seconds``, default 0.3), is cut off by a ``partition`` (run in the network harness's
-namespaces: it takes its link down, for good or for ``seconds``) or, at a vote, ``late`` (it votes after its epoch
-closed).
+``joiner_forward`` (a joiner's first step; rank null), the rank ``kill``s itself (SIGKILL), ``stop``s
+(SIGSTOP), ``raise``s, is ``slow`` (``seconds``, default 0.3), is cut off by a ``partition`` (run in the network
+harness's namespaces: it takes its link down, for good or for ``seconds``) or, at a vote, ``late`` (it votes after
+its epoch closed). It does so ``after`` seconds (default 0), and once the marks listed in ``once`` are in
+``FT_MARKS``: other faults that fired (``"rank-step-where"``) or ``joiner-asked`` (a joiner asked to be admitted).
 ``FT_STEP_SECONDS``: each step also computes for that long (a model that takes time); ``FT_FUSED=1``: the optimizer
 is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`); ``FT_LOOP_ALLREDUCE=1``: each step ends with
 a collective of the loop's own (``bagua_torch.torch_api.allreduce`` of a one, on the default group), and its step
@@ -81,17 +81,11 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
             fired.touch()
             kind = f["kind"]
             report(event="fault", kind=kind, where=where, step=step, time=time.time())
-            if kind == "kill-once-asked":  # the joiner's request is in before this death is noticed
-                asked = Path(os.environ["FT_MARKS"]) / "joiner-asked"
-                deadline = time.monotonic() + 60
-                while not asked.exists() and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                time.sleep(0.3)
-                kind = "kill"
+            wait_for_marks(f.get("once", []))
+            time.sleep(f.get("after", 0.0))
             if kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
             elif kind == "stop":
-                time.sleep(f.get("after", 0.0))
                 os.kill(os.getpid(), signal.SIGSTOP)
             elif kind == "raise":
                 raise RuntimeError(f"rank {rank} fails on purpose at step {step} ({where})")
@@ -102,6 +96,14 @@ def fault(faults: list[dict], rank: int | None, step: int, where: str, epoch=Non
             elif kind == "late":  # once this member saw the epoch close (and told the next one what it applied)
                 epoch.closed.wait(60)
                 time.sleep(0.5)
+
+
+def wait_for_marks(marks: list[str], timeout: float = 60.0) -> None:
+    """Wait until each of ``marks`` is in ``FT_MARKS``: other faults fired (``rank-step-where``), or
+    ``joiner-asked``."""
+    folder, deadline = Path(os.environ["FT_MARKS"]), time.monotonic() + timeout
+    while not all((folder / mark).exists() for mark in marks) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def digest_of(net: torch.nn.Module) -> str:
@@ -158,7 +160,7 @@ def main() -> None:
         (Path(os.environ["FT_MARKS"]) / "joiner-asked").touch()
         return original_join(*args, **kwargs)
 
-    Membership.join = join  # the point a kill-once-asked victim waits for
+    Membership.join = join  # the mark a fault can wait for
     original_load = state_transfer.IncomingState.load
 
     def load(self: state_transfer.IncomingState) -> None:

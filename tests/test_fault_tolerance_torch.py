@@ -483,7 +483,7 @@ def test_a_streaming_diloco_joiner_admitted_where_an_exchange_is_retried_adds_no
     # admits the joiner, and the exchange retried there is the two survivors' mean. The joiner, given rank 0's state
     # with rank 0's pseudo-gradient in it, sends zeros for that exchange, uncounted: not rank 0's a second time.
     options = {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1}
-    faults = [{"rank": 2, "step": 6, "where": "exchange", "kind": "kill-once-asked"}]
+    faults = [{"rank": 2, "step": 6, "where": "exchange", "kind": "kill", "once": ["joiner-asked"], "after": 0.3}]
     job = jobs(3, f"diloco {json.dumps(options)}", faults, steps=12, world=3, env={"FT_REPORT_PARAMS": "1"})
     job.wait_until(lambda: any(e.get("event") == "fault" for e in list(job.events)))
     survivors, joiner, ends = finish_with_a_joiner_on_one_round_start(job)
@@ -619,6 +619,15 @@ def test_a_diloco_joiner_whose_state_holder_dies_while_sending_is_given_the_stat
 DECENTRALIZED_SHIFT_ONE = 'decentralized {"peer_selection_mode": "shift_one"}'
 
 
+def death_before_the_vote() -> list[dict]:
+    """Rank 3 dies before its vote at step 4, and ranks 0-2 vote once the epoch closed. Rank 3 dies once the others
+    reached their votes: a decentralized step has no collective before its vote, and a rank 3 ahead of a peer still
+    in step 3's exchange (after that step's commit) would end that exchange instead, losing no step."""
+    late = [{"rank": r, "step": 4, "where": "vote", "kind": "late"} for r in range(3)]
+    voting = [f"{r}-4-vote" for r in range(3)]
+    return [{"rank": 3, "step": 4, "where": "vote", "kind": "kill", "once": voting}, *late]
+
+
 @pytest.mark.parametrize(
     "algorithm",
     [
@@ -635,8 +644,7 @@ DECENTRALIZED_SHIFT_ONE = 'decentralized {"peer_selection_mode": "shift_one"}'
 )
 def test_a_death_before_the_vote_puts_the_algorithms_state_back(jobs, algorithm):
     # rank 3 dies before its vote, and the others' votes come after the epoch closed: nobody applies step 4
-    late = [{"rank": r, "step": 4, "where": "vote", "kind": "late"} for r in range(3)]
-    job = jobs(4, algorithm, [{"rank": 3, "step": 4, "where": "vote", "kind": "kill"}, *late], steps=7, world=3)
+    job = jobs(4, algorithm, death_before_the_vote(), steps=7, world=3)
     job.finish()
     survivors = job.pids(rank=0) + job.pids(rank=1) + job.pids(rank=2)
     ends = [job.of(pid, "end") for pid in survivors]
@@ -660,8 +668,7 @@ def test_decentralized_training_with_the_fused_optimizer_carries_its_momentum_th
     # buckets (bagua_torch.fuse_optimizer), which are laid out again for the survivors: each survivor keeps its own
     # weights and the fused optimizer's momentum through the change and ends, bit for bit up to the fused update's
     # rounding, where the same job with the plain optimizer ends.
-    late = [{"rank": r, "step": 4, "where": "vote", "kind": "late"} for r in range(3)]
-    faults = [{"rank": 3, "step": 4, "where": "vote", "kind": "kill"}, *late]
+    faults = death_before_the_vote()
     ends = {}
     for fused in (True, False):
         job = jobs(4, DECENTRALIZED_SHIFT_ONE, faults, steps=7, world=3, fused=fused, env={"FT_REPORT_PARAMS": "1"})
