@@ -227,7 +227,8 @@ class MpiCommunicator final : public Communicator {
             if (peers[i] < 0 || peers[i] >= size_ || peers[i] == rank_)
               return fail("send_recv", "peer " + std::to_string(peers[i]) +
                                            " is not another rank of " + std::to_string(size_));
-          // Per peer i: the data's receive, the data's send, the ready's receive, the ready's send.
+          // Per peer i: the data's receive, the data's send (in `advance`, once the peer is ready:
+          // at once within a node), the ready's receive, the ready's send.
           const int n = num_peers;
           std::vector<MPI_Request> requests(4 * n, MPI_REQUEST_NULL);
           std::vector<bool> sending(n, false);
@@ -244,13 +245,9 @@ class MpiCommunicator final : public Communicator {
                 for (int i = 0; i < n; ++i) {
                   int rc = MPI_Irecv_c(static_cast<char*>(recv) + i * bytes, count, mpi_type(type),
                                        peers[i], tag(i), comm_, &r[i]);
-                  if (rc != MPI_SUCCESS) return rc;
-                  sending[i] = !spans_nodes_;
-                  rc = sending[i] ? MPI_Isend_c(send, count, mpi_type(type), peers[i], tag(i),
-                                                comm_, &r[n + i])
-                                  : MPI_Irecv(nullptr, 0, MPI_BYTE, peers[i], kReadyTag, comm_,
-                                              &r[2 * n + i]);
-                  if (rc == MPI_SUCCESS && !sending[i])
+                  if (rc == MPI_SUCCESS && spans_nodes_)
+                    rc = MPI_Irecv(nullptr, 0, MPI_BYTE, peers[i], kReadyTag, comm_, &r[2 * n + i]);
+                  if (rc == MPI_SUCCESS && spans_nodes_)
                     rc = MPI_Isend(nullptr, 0, MPI_BYTE, peers[i], kReadyTag, comm_, &r[3 * n + i]);
                   if (rc != MPI_SUCCESS) return rc;
                 }
@@ -259,8 +256,9 @@ class MpiCommunicator final : public Communicator {
               [&](MPI_Request* r, bool* all_started) {
                 for (int i = 0; i < n; ++i) {
                   if (sending[i]) continue;
-                  int ready = 0;
-                  int rc = MPI_Test(&r[2 * n + i], &ready, MPI_STATUS_IGNORE);
+                  int ready = 1;
+                  int rc = spans_nodes_ ? MPI_Test(&r[2 * n + i], &ready, MPI_STATUS_IGNORE)
+                                        : MPI_SUCCESS;
                   if (rc == MPI_SUCCESS && ready)
                     rc = MPI_Isend_c(send, count, mpi_type(type), peers[i], tag(i), comm_,
                                      &r[n + i]);
