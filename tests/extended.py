@@ -180,7 +180,7 @@ EXTENDED: dict[str, str] = {
         "rank died); the ranks' side of each stays quick"
     ),
     # the quick suite's 10-minute budget, run by CI in a step of its own (.ci/run): combinations and second cases
-    # of behaviours the suite keeps once (62 s)
+    # of behaviours the suite keeps once (70 s)
     r"test_fault_tolerance_torch\.py::test_(a_joiner_admitted_before_a_restarted_jobs_first_commit|a_diloco_joiner_"
     r"sits_out_its_first_round_while_its_state_arrives|a_partitioned_coordinator_stops_training_and_joins_the_majority_"
     r"again_once_its_link_is_back\[gradient_allreduce\])": "torch's joiner of a restarted job (a restart and a joiner "
@@ -188,10 +188,12 @@ EXTENDED: dict[str, str] = {
     "partitioned coordinator's return (JAX's stays quick)",
     r"test_fault_tolerance_jax\.py::test_(a_member_lost_while_the_state_communicator_is_split_costs|a_member_lost_"
     r"while_a_joiner_is_late_for_its_state|diloco_joiner_admitted_at_a_retried_exchange|survivors_of_a_kill_a_hang_"
-    r"and_an_exception_resume_and_a_joiner_trains\[mpi\])": "JAX's deaths in the state's split and in a late "
-    "joiner's transfer (a death while the survivors rebuild and a state holder's death stay quick), its DiLoCo joiner "
-    "at a retried exchange (the Streaming one stays quick, and torch's), the kill, hang and exception job over MPI "
-    "(over TCP it stays quick; MPI's revoke, shrink and replacement in test_membership_change_jax)",
+    r"and_an_exception_resume_and_a_joiner_trains\[mpi\]|each_per_step_algorithm_survives_a_kill_and_admits_a_joiner"
+    r"\[gradient_allreduce\])": "JAX's deaths in the state's split and in a late joiner's transfer (a death while the "
+    "survivors rebuild and a state holder's death stay quick), its DiLoCo joiner at a retried exchange (the Streaming "
+    "one stays quick, and torch's), the kill, hang and exception job over MPI (over TCP it stays quick; MPI's revoke, "
+    "shrink and replacement in test_membership_change_jax), gradient allreduce's kill and joiner (the kill, hang and "
+    "exception job over TCP is gradient allreduce's, with a joiner)",
     # the quick suite's 10-minute budget: the larger or repeated jobs of a behaviour the suite keeps once
     r"test_native_communicator_jax\.py::test_(every_primitive_matches|large_allreduces_match)_numpy\[[34]-": (
         "two ranks, on one node and between nodes, stay quick"
