@@ -116,16 +116,6 @@ def weighed_average(seed: int, count: int) -> dict:
     return out
 
 
-def loopback_bytes_sent() -> int:
-    """The bytes this machine's loopback interface has sent (``/proc/net/dev``)."""
-    with open("/proc/net/dev") as f:
-        for line in f:
-            name, _, counters = line.partition(":")
-            if name.strip() == "lo":
-                return int(counters.split()[8])
-    raise RuntimeError("no loopback interface in /proc/net/dev")
-
-
 def late_peer(count: int, late_seconds: float) -> dict:
     """Rank 0 enters a ``send_recv`` of ``count`` floats with rank 1 at once, rank 1 ``late_seconds`` later; rank 1
     counts the loopback bytes sent while it waits (rank 0's data, had it not waited for rank 1's receive)."""
@@ -135,6 +125,7 @@ def late_peer(count: int, late_seconds: float) -> dict:
     import jax.numpy as jnp
 
     from bagua_jax.native_communicator import NativeCommunicator
+    from benchmarks.harness.links import bytes_sent
 
     comm = NativeCommunicator.mpi_world(timeout=60)
     rank = int(comm.rank())
@@ -144,7 +135,7 @@ def late_peer(count: int, late_seconds: float) -> dict:
     np.asarray(exchange(jnp.zeros(1, jnp.float32)))  # connects the two, and both leave it together
     sent_while_late = None
     if rank == 1:
-        before = loopback_bytes_sent()
+        before = bytes_sent(loopback=True)
         time.sleep(late_seconds)
-        sent_while_late = loopback_bytes_sent() - before
+        sent_while_late = bytes_sent(loopback=True) - before
     return {"received": np.asarray(exchange(mine)), "sent_while_late": sent_while_late}

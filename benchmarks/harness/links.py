@@ -113,25 +113,26 @@ def rate_label(bits: int | None) -> str:
     return f"{bits} bit/s"
 
 
-def _sent(column: int) -> int:
+def _sent(column: int, loopback: bool) -> int:
     total = 0
     with open("/proc/net/dev") as f:
         for line in f.readlines()[2:]:
             interface, counters = line.split(":", 1)
-            if interface.strip() != "lo":
+            if (interface.strip() == "lo") == loopback:
                 total += int(counters.split()[column])
     return total
 
 
-def bytes_sent() -> int:
+def bytes_sent(loopback: bool = False) -> int:
     """Bytes this network namespace sent so far on its interfaces other than loopback (from ``/proc/net/dev``): in a
-    :class:`Network` each rank has its own namespace, so this is the rank's traffic."""
-    return _sent(8)
+    :class:`Network` each rank has its own namespace, so this is the rank's traffic. With ``loopback``, the bytes sent
+    on loopback alone: the traffic between processes of one machine."""
+    return _sent(8, loopback)
 
 
 def packets_sent() -> int:
     """Packets this network namespace sent so far on its interfaces other than loopback, as :func:`bytes_sent`."""
-    return _sent(9)
+    return _sent(9, loopback=False)
 
 
 def add_link_options(parser: argparse.ArgumentParser) -> None:
