@@ -250,8 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         "Two network namespaces (`benchmarks/harness/links.py`), the sender's link shaped with htb/u32 "
         "(no netem on this kernel: no added latency, so no bandwidth-delay effects). NCCL-shaped traffic: "
         "2 channels x 8 steps of 512 KiB in flight. Mean and 95% interval over "
-        f"{args.repeats} interleaved runs of {args.seconds:g} s. The machine is shared with other work "
-        "while this runs (see the load averages): CPU figures are noisy.",
+        f"{args.repeats} interleaved runs of {args.seconds:g} s.",
         "",
         "| scenario | configuration | Gbit/s | ratio to 1 stream | CPU s/GB |",
         "|---|---|---|---|---|",

@@ -92,6 +92,9 @@ def build_release(commit: str) -> Path:
     site = home / "site"
     if any(site.glob("_bagua_ffi*.so")):
         return site
+    missing = [m for m in ("scikit_build_core", "nanobind") if importlib.util.find_spec(m) is None]
+    if missing:
+        raise SystemExit(f"building {commit[:12]} needs {' and '.join(missing)}: pip install '.[benchmarks]'")
     archive = subprocess.run(["git", "archive", "--format=tar", commit], cwd=ROOT, capture_output=True, check=True)
     with tempfile.TemporaryDirectory(prefix="bagua-release-") as source:
         with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:

@@ -372,7 +372,6 @@ def main() -> None:
         "# Fused optimizer on CPU: step and end to end",
         "",
         *header_lines(meta),
-        "- the machine was shared with other engineers' jobs and busy during the run (see the load averages)",
         f"- step: median CPU time of one thread over {args.rounds} interleaved rounds of {args.steps} steps",
         "",
         *body,

@@ -877,13 +877,10 @@ def write_results(args: argparse.Namespace, meta: dict[str, Any], rows: list[dic
         ),
         f"- total time {meta['total_s']:.0f} s",
     ]
-    if (
-        meta["load_average_before"][0] >= meta["device"]["cores"]
-        or meta["load_average_after"][0] >= meta["device"]["cores"]
-    ):
+    if meta["load_average_before"][0] >= meta["device"]["cores"]:  # after it, the load is mostly the run's own ranks
         md.append(
             f"- **busy machine**: the load average was at or above the core count ({meta['device']['cores']}) "
-            "during the run (other work on the machine), so the timings are noisy and ratios between "
+            "before the run (other work on the machine), so the timings are noisy and ratios between "
             "rows measured at different moments are uncertain beyond the intervals shown"
         )
     if meta["oversubscribed"]:

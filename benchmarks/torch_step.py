@@ -3,13 +3,14 @@
 The baseline tree (``--baseline``, a commit: the code before a change) is exported with ``git
 archive`` into a temporary folder; each job's ranks import either it or this checkout (the
 ``PYTHONPATH`` of the ranks names one tree alone; both use the installed native library). Per
-repeat, each engine runs one job with each tree, both at once, so that whatever else loads the
-machine falls on both alike (a shared machine's load drifts over the minutes between jobs run
-one after the other); each such pair runs behind the harness's load gate (again when it met
-load). A job is one 2-rank run that wraps an MLP with ``with_bagua`` once per
-algorithm and bucket size (SGD, fixed random data) and times ``--steps`` steps after
-``--warmup``; a configuration's time per step is the slower rank's median step (a median, since
-on a loaded machine a few steps wait for a core).
+repeat, each engine runs one job with each tree, one after the other and each alone on the
+machine (which goes first alternates between repeats), each behind the harness's load gate (again
+when it met load). Two jobs at once, as this study ran before 2026-12-06, measured which tree's
+ranks won the 2 cores rather than their speed: MPI ByteGrad of this tree against fca22f2 read 1.12x
+and 1.28x slower so, and 0.43x (faster in all of 10 rounds) with each job alone. A job is one 2-rank
+run that wraps an MLP with ``with_bagua`` once per algorithm and bucket size (SGD, fixed random
+data) and times ``--steps`` steps after ``--warmup``; a configuration's time per step is the slower
+rank's median step.
 
 The table gives, per configuration, the median time per step of each tree and the ratio
 new/old: the geometric mean of the repeats' ratios, with a 95% bootstrap interval over them.
@@ -63,8 +64,6 @@ def worker(args: argparse.Namespace) -> None:
 
         for _ in range(args.warmup):
             step()
-        if group.rank == 0:
-            _meet(Path(args.meet), f"{algorithm} {bucket_bytes}")
         group.world.barrier()
         times = []
         for _ in range(args.steps):
@@ -77,19 +76,8 @@ def worker(args: argparse.Namespace) -> None:
     Path(f"{args.result}.{group.rank}").write_text(json.dumps(result))
 
 
-def _meet(folder: Path, config: str) -> None:
-    """Wait until the other tree's job has reached ``config`` too, so that both time it at once."""
-    (folder / f"{config}.{os.getpid()}").touch()
-    deadline = time.monotonic() + 600
-    while len(list(folder.glob(f"{config}.*"))) < 2:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"the other tree's job never reached {config}")
-        time.sleep(0.01)
-
-
 def _start(tree: Path, engine: str, args: argparse.Namespace, result: Path) -> list[subprocess.Popen]:
-    """Start a 2-rank job importing ``tree``; its ranks write to ``result``.0 and .1 and meet the other tree's job
-    in ``result``'s folder."""
+    """Start a 2-rank job importing ``tree``; its ranks write to ``result``.0 and .1."""
     from bagua_common.job.local_launch import free_port, mpiexec
 
     command = [
@@ -98,8 +86,6 @@ def _start(tree: Path, engine: str, args: argparse.Namespace, result: Path) -> l
         "--worker",
         "--result",
         str(result),
-        "--meet",
-        str(result.parent),
         "--algorithms",
         *args.algorithms,
         "--bucket-bytes",
@@ -160,18 +146,23 @@ def main(args: argparse.Namespace, argv: list[str]) -> None:
     with tempfile.TemporaryDirectory(prefix="bagua-torch-step-") as tmp:
         trees = {"old": export_tree(args.baseline, Path(tmp)), "new": ROOT}
 
-        def pair(engine: str) -> dict[str, dict[str, float]]:
+        def job(which: str, engine: str) -> dict[str, float]:
             with tempfile.TemporaryDirectory(dir=tmp) as work:
-                results = {which: Path(work) / which for which in trees}
-                jobs = {which: _start(tree, engine, args, results[which]) for which, tree in trees.items()}
-                return {which: _finish(jobs[which], trees[which], results[which]) for which in trees}
+                result = Path(work) / which
+                return _finish(_start(trees[which], engine, args, result), trees[which], result)
 
         for repeat in range(args.repeats):
             for engine in args.engines:
-                measured, load, aside = gate.measure(lambda engine=engine: pair(engine), f"{engine} repeat {repeat}")
-                loads += [load.as_dict(), *(x.as_dict() for x in aside)]
-                if not load.published:
-                    progress.line(f"repeat {repeat + 1}: {engine}: not published ({load.describe()})")
+                measured = {}
+                for which in ("old", "new") if repeat % 2 == 0 else ("new", "old"):
+                    label = f"{engine} {which} repeat {repeat}"
+                    value, load, aside = gate.measure(lambda w=which, e=engine: job(w, e), label)
+                    loads += [load.as_dict(), *(x.as_dict() for x in aside)]
+                    if load.published:
+                        measured[which] = value
+                    else:
+                        progress.line(f"repeat {repeat + 1}: {engine} {which}: not published ({load.describe()})")
+                if len(measured) < len(trees):
                     continue
                 for (e, algorithm, bucket), t in times.items():
                     if e == engine:
@@ -218,7 +209,6 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=HERE / "results", help="results directory")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
-    parser.add_argument("--meet", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
 
 

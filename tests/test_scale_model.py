@@ -1,9 +1,10 @@
 """benchmarks/scale_model.py: each collective's cost against its formula worked out here, the traffic counted on 2
 ranks carried to 4 against a count on 4, and the step's parts (compute shared by cores, DiLoCo's exchange every H
-steps, asynchronous averaging off the step)."""
+steps, asynchronous averaging off the step), and the whole model run on the committed studies."""
 
 from __future__ import annotations
 
+import json
 import math
 import sys
 from pathlib import Path
@@ -78,3 +79,14 @@ def test_step_parts():
     hidden = scale_model.Step((("allreduce", 1, 4e6),), {}, every=10, overlap_steps=1)
     assert scale_model.step_s(hidden, 0.1, 4, link, {}) == pytest.approx(0.1 + max(0.0, wire - 0.1) / 10)
     assert math.isclose(scale_model.step_s(hidden, 1.0, 4, link, {}), 1.0)
+
+
+def test_the_committed_studies_give_a_model_and_a_recommendation(tmp_path):
+    # The README's command, on the committed inputs: every input it reads still has the fields it reads.
+    assert scale_model.main(["--out", str(tmp_path)]) == 0
+    written = json.loads((tmp_path / "scale-model.json").read_text())
+    lm = json.loads((scale_model.results.RESULTS / "lm-study.json").read_text())
+    baseline = lm["rows"][scale_model.lm_study_report.BASELINE]["final_loss"]
+    assert written["target"] == pytest.approx(baseline * 1.01)
+    assert len(written["recommendation"]) == 4 * 4 * 4
+    assert "## Which algorithm to pick" in (tmp_path / "scale-model.md").read_text()
