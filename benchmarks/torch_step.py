@@ -5,12 +5,10 @@ archive`` into a temporary folder; each job's ranks import either it or this che
 ``PYTHONPATH`` of the ranks names one tree alone; both use the installed native library). Per
 repeat, each engine runs one job with each tree, one after the other and each alone on the
 machine (which goes first alternates between repeats), each behind the harness's load gate (again
-when it met load). Two jobs at once, as this study ran before 2026-12-06, measured which tree's
-ranks won the 2 cores rather than their speed: MPI ByteGrad of this tree against fca22f2 read 1.12x
-and 1.28x slower so, and 0.43x (faster in all of 10 rounds) with each job alone. A job is one 2-rank
-run that wraps an MLP with ``with_bagua`` once per algorithm and bucket size (SGD, fixed random
-data) and times ``--steps`` steps after ``--warmup``; a configuration's time per step is the slower
-rank's median step.
+when it met load): two jobs at once on 2 cores would measure which tree's ranks win the cores
+rather than their speed. A job is one 2-rank run that wraps an MLP with ``with_bagua`` once per
+algorithm and bucket size (SGD, fixed random data) and times ``--steps`` steps after ``--warmup``;
+a configuration's time per step is the slower rank's median step.
 
 The table gives, per configuration, the median time per step of each tree and the ratio
 new/old: the geometric mean of the repeats' ratios, with a 95% bootstrap interval over them.
