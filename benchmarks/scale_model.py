@@ -28,9 +28,11 @@ points of the network study (shaped links: ``beta`` is the tbf rate less the hea
 study's own byte counts) and is then judged on every point, 2 and 4 ranks, both studies; the table gives each
 point's error and which points the fit saw.
 
-**Time to a target.** The steps each algorithm needed to reach the target loss in the LM study, times its
-predicted time per step (QAdam's, 1-bit Adam's and PowerSGD's uncompressed first steps at gradient allreduce's),
-assuming that the steps to the target do not change with the rank count (the global batch held fixed).
+**Time to a target.** The steps each algorithm needed in the LM study's 4000-step run (``lm-study-4000-steps.json``,
+the ``mini`` GPT) to reach its target (a): DDP fp32's held-out loss at 80% of its budget; times its predicted time
+per step (QAdam's, 1-bit Adam's and PowerSGD's uncompressed first steps at gradient allreduce's), assuming that the
+steps to the target do not change with the rank count (the global batch held fixed). Asynchronous averaging, which
+trains at the link rather than in steps of a fixed cost, is judged on the LM study's page by its own clock.
 
 **Which algorithm to pick.** For 8 to 1024 ranks, links of 1 to 400 Gbit/s and latencies of 0.1 to 100 ms: the
 algorithm with the shortest predicted time to the target, with its speed-up over gradient allreduce; a table and a
@@ -84,14 +86,14 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "diloco_uint4": ("diloco", {"sync_every": 1, "outer_exchange": "uint4"}),
 }
 """What is counted: each algorithm of the model by name, as the registry builds it (DiLoCo: one exchange)."""
-WORKLOADS = ("mlp", "gpt-small")
+WORKLOADS = ("mlp", "gpt-mini")
+LM_STUDY = "lm-study-4000-steps"
+"""The LM study whose timings the model is judged on and whose curves give the steps to the target."""
+GPT = "gpt-mini"
+"""The LM study's model, for which the recommendation is made."""
 LOCAL_STEPS = ("async", "diloco")
 """Algorithms whose steps are local steps (averaging in the background, or every H steps): judged by the time to the
 target only, since a local step and a synchronous one do not make the same progress."""
-UNCOMPRESSED_START = {"qadam": "warmup_steps", "onebit_adam": "warmup_steps", "powersgd": "start_iter"}
-TARGET_MARGIN = 1.01
-"""The target is DDP fp32's final held-out loss times this: the plateau study that ``lm-study.json`` holds ends where
-the loss moves by about 1% between evaluations."""
 
 RECOMMEND_RANKS = (8, 32, 128, 1024)
 RECOMMEND_GBITS = (1, 10, 100, 400)
@@ -103,10 +105,10 @@ RECOMMENDED = (
     "low_precision_decentralized",
     "qadam",
     "onebit_adam",
-    "async",
     "powersgd",
-    "diloco_h50_uint8",
-    "streaming_p4_h50_uint4",
+    "diloco",
+    "diloco_h20_uint8",
+    "streaming_p4_h20_uint4",
 )
 """The candidates of the recommendation: the LM study's torch variants of Bagua's algorithms by their labels (each
 needs the steps it took to the target there)."""
@@ -347,8 +349,9 @@ ENGINE = {"torch": "gloo", "jax": "mpi"}
 
 def measured_points(network: dict[str, Any], lm: dict[str, Any]) -> list[dict[str, Any]]:
     """Every measured step time at 2 and 4 ranks: study, front end, engine, model, algorithm, options, ranks, link,
-    ms and load. ``compute_ms``, where the study has one, is its asynchronous averaging's step on the unshaped link
-    at the same rank count: a step that waits for no communication, measured on the study's own machine."""
+    ms and load. ``compute_ms``, where the study has one, is its local step (:func:`is_local_step`) on the unshaped
+    link at the same rank count: a step that waits for (almost) no communication, measured on the study's own machine
+    the same day."""
     points = []
     for row in network["rows"]:
         row = network_study.upgraded(row)
@@ -366,7 +369,7 @@ def measured_points(network: dict[str, Any], lm: dict[str, Any]) -> list[dict[st
                     "load": None,
                 }
             )
-    for row in lm["rows"].values():
+    for row in lm["timing"].values():
         if row.get("status") == "ok":
             points += [
                 {
@@ -374,19 +377,16 @@ def measured_points(network: dict[str, Any], lm: dict[str, Any]) -> list[dict[st
                     "front_end": row["front_end"],
                     "model": f"gpt-{lm['settings']['size']}",
                     "algorithm": row["algorithm"],
-                    "options": row.get("options", {}),
+                    "options": row["options"],
                     "ranks": lm["settings"]["ranks"],
                     "link": link,
-                    "ms": ms,
-                    "load": row.get("load_before"),
+                    "ms": entry["ms_per_step"]["median"],
+                    "load": statistics.median(p["load"]["load_before"] for p in entry["phases"]),
                 }
-                for link, ms in row["ms_per_step"].items()
+                for link, entry in row["links"].items()
+                if "ms_per_step" in entry and entry["published"]
             ]
-    local = {
-        (p["study"], p["front_end"], p["model"], p["ranks"]): p["ms"]
-        for p in points
-        if p["algorithm"] == "async" and p["link"] == "none"
-    }
+    local = {(p["study"], p["front_end"], p["model"], p["ranks"]): p["ms"] for p in points if is_local_step(p)}
     for p in points:
         p["engine"] = "gloo" if p["front_end"] == "torch" or p["algorithm"] == "pmean" else "mpi"
         p["compute_ms"] = local.get((p["study"], p["front_end"], p["model"], p["ranks"]))
@@ -394,6 +394,14 @@ def measured_points(network: dict[str, Any], lm: dict[str, Any]) -> list[dict[st
 
 
 # ------------------------------------------------------------------ calibration, validation
+
+
+def is_local_step(point: dict[str, Any]) -> bool:
+    """Whether a measured point is a study's compute: asynchronous averaging (the network study), or DiLoCo with its
+    defaults (the LM study, which times no asynchronous step: one fp32 exchange every 100 steps, under 1% of a step
+    on the unshaped link), on the unshaped link."""
+    local = point["algorithm"] == "async" or (point["algorithm"] == "diloco" and not point["options"])
+    return local and point["link"] == "none"
 
 
 def link_of(link: str, unshaped: float, latency_s: float, payload_share: float) -> Link:
@@ -452,18 +460,15 @@ def calibrate(
 
 
 def target_steps(lm: dict[str, Any]) -> tuple[float, dict[str, tuple[float | None, str, dict[str, Any]]]]:
-    """The LM study's target (DDP fp32's final held-out loss plus 1%, its looser target: the committed study ends on
-    a plateau where the loss moves by about 1% between evaluations) and, per torch variant, the steps it needed
-    (None: not reached), its algorithm and options."""
-    rows = lm["rows"]
-    target = rows[lm_study_report.BASELINE]["final_loss"] * TARGET_MARGIN
+    """The LM study's target (a), DDP fp32's held-out loss at 80% of its budget, and per torch variant trained over
+    the whole budget, the steps it needed (None: not reached), its algorithm and options."""
+    target = lm_study_report.loss_at(
+        lm["train"][lm_study_report.BASELINE]["curve"],
+        lm_study_report.BASELINE_FRACTION * lm["train"][lm_study_report.BASELINE]["steps"],
+    )
     return target, {
-        name.split("/", 1)[1]: (
-            lm_study_report.steps_to(row["curve"], target),
-            row["algorithm"],
-            row.get("options", {}),
-        )
-        for name, row in rows.items()
+        name.split("/", 1)[1]: (lm_study_report.steps_to(row["curve"], target), row["algorithm"], row["options"])
+        for name, row in lm["train"].items()
         if row.get("status") == "ok" and row["front_end"] == "torch"
     }
 
@@ -481,13 +486,9 @@ def time_to_target(
     allreduce's."""
     needed, algorithm, options = variant
     own = step_s(algorithm_step(steps, algorithm, options), compute_s, n, link, codecs, cores)
-    start = UNCOMPRESSED_START.get(algorithm)
-    if start is None:
+    first = min(needed, lm_study_report.uncompressed_steps({"algorithm": algorithm, "options": options}))
+    if not first:
         return needed * own
-    from bagua_common.algorithms import configs  # noqa: F401 (registers the configurations)
-    from bagua_common.algorithms.registry import CONFIGS
-
-    first = min(needed, options.get(start, {f.name: f.default for f in dataclasses.fields(CONFIGS[algorithm])}[start]))
     exact = step_s(steps["gradient_allreduce"], compute_s, n, link, codecs, cores)
     return first * exact + (needed - first) * own
 
@@ -577,7 +578,7 @@ def validation_lines(points: list[dict[str, Any]], fitted_on: set[int]) -> list[
                 p["algorithm"] + _options(p["options"]),
                 p["ranks"],
                 p["link"],
-                "" if p["load"] is None else f"{p['load'][0]:g}",
+                "" if p["load"] is None else f"{p['load']:g}",
                 f"{p['ms']:.0f}",
                 f"{p['predicted_ms']:.0f}",
                 f"{100 * e:+.0f}%",
@@ -590,12 +591,12 @@ def validation_lines(points: list[dict[str, Any]], fitted_on: set[int]) -> list[
     return lines + [""]
 
 
-def _load_class(load: list[float] | None) -> str:
-    """The 1-minute load a point was measured at, in classes: not recorded, <= 8 (the idle-machine reruns of the
-    LM study, whose jobs are 4 ranks on 2 cores), above."""
+def _load_class(load: float | None) -> str:
+    """The 1-minute load a point was measured at, in classes: not recorded, <= 8 (the LM study's jobs are 4 ranks on
+    2 cores, timed on an otherwise idle machine), above."""
     if load is None:
         return "not recorded"
-    return "<= 8" if load[0] <= 8 else "> 8"
+    return "<= 8" if load <= 8 else "> 8"
 
 
 def _options(options: Mapping[str, Any]) -> str:
@@ -663,7 +664,7 @@ def plot(grid: list[dict[str, Any]], path: Path, title: str) -> Path | None:
 def load_inputs(args: argparse.Namespace) -> dict[str, Any]:
     read = {
         name: json.loads((args.results / f"{name}.json").read_text())
-        for name in ("network-study", "lm-study", "single-rank-step", "kernels-cpu")
+        for name in ("network-study", LM_STUDY, "single-rank-step", "kernels-cpu")
     }
     read["traffic"] = json.loads(TRAFFIC.read_text())
     return read
@@ -675,18 +676,16 @@ def model(args: argparse.Namespace) -> int:
     codecs = codec_throughput(inputs["kernels-cpu"])
     compute = computes(inputs["single-rank-step"])
     share = header_share(inputs["network-study"], steps["mlp"])
-    points = measured_points(inputs["network-study"], inputs["lm-study"])
+    points = measured_points(inputs["network-study"], inputs[LM_STUDY])
     points = [p for p in points if p["compute_ms"] is not None or (p["front_end"], p["model"]) in compute]
-    points = [p for p in points if not (p["algorithm"] == "async" and p["link"] == "none")]  # the compute itself
+    points = [p for p in points if not is_local_step(p)]  # the compute itself
     fit = [i for i, p in enumerate(points) if p["study"] == "network" and p["ranks"] == 2]
     engines = calibrate([points[i] for i in fit], steps, compute, codecs, share)
     for p in points:
         p["predicted_ms"] = predict(p, steps, compute, engines, codecs, share)
-    target, targets = target_steps(inputs["lm-study"])
-    gpt_compute = compute[("torch", "gpt-small")]
-    grid = recommend(
-        targets, steps["gpt-small"], gpt_compute, RECOMMEND_RANKS, RECOMMEND_GBITS, RECOMMEND_LATENCY_MS, codecs
-    )
+    target, targets = target_steps(inputs[LM_STUDY])
+    gpt_compute = compute[("torch", GPT)]
+    grid = recommend(targets, steps[GPT], gpt_compute, RECOMMEND_RANKS, RECOMMEND_GBITS, RECOMMEND_LATENCY_MS, codecs)
     meta = results.run_meta(("jax", "torch"), inputs=[f"benchmarks/results/{n}.json" for n in inputs])
     errors = [abs(p["predicted_ms"] / p["ms"] - 1) for p in points]
     lines = [
@@ -694,8 +693,9 @@ def model(args: argparse.Namespace) -> int:
         "",
         *results.header_lines(meta),
         "",
-        "- compute of a measured point: its study's asynchronous averaging step on the unshaped link at the same rank "
-        "count; the predictions' compute is the single-rank step (single-rank-step.json, measured on "
+        "- compute of a measured point: its study's local step on the unshaped link at the same rank count "
+        "(asynchronous averaging in the network study, DiLoCo with its defaults in the LM study); the predictions' "
+        "compute is the single-rank step (single-rank-step.json, measured on "
         f"{inputs['single-rank-step']['meta']['device']['name']})",
         f"- calibrated per engine on the network study's {len(fit)} 2-rank points: "
         + "; ".join(
@@ -708,13 +708,14 @@ def model(args: argparse.Namespace) -> int:
         + ", ".join(f"{fe} {m} {s * 1e3:.1f} ms" for (fe, m), s in sorted(compute.items())),
         f"- error over all {len(points)} points: median {100 * statistics.median(errors):.0f}%, "
         f"{sum(e <= 0.25 for e in errors)} within 25%, {sum(e <= 0.5 for e in errors)} within 50%",
-        f"- time to the target: the LM study's target {target:.4f} (DDP fp32's final held-out loss "
-        f"+ {TARGET_MARGIN - 1:.0%}, "
-        f"{inputs['lm-study']['settings']['steps']} steps of {inputs['lm-study']['settings']['batch']} window(s) per "
-        "rank), the steps each torch variant needed, held fixed at every rank count; did not reach it: "
-        + (", ".join(n for n in RECOMMENDED if targets.get(n, (None,))[0] is None) or "none"),
+        f"- time to the target: the LM study's target (a) {target:.4f} (DDP fp32's held-out loss at "
+        f"{lm_study_report.BASELINE_FRACTION:.0%} of its {inputs[LM_STUDY]['settings']['steps']} steps of "
+        f"{inputs[LM_STUDY]['settings']['windows']} window(s) per rank, {LM_STUDY}.json), the steps each torch "
+        "variant needed, held fixed at every rank count; did not reach it: "
+        + (", ".join(n for n in RECOMMENDED if targets[n][0] is None) or "none"),
         "",
-        f"## Which algorithm to pick: the GPT small ({inputs['traffic']['gpt-small']['parameters']:,} parameters), "
+        f"## Which algorithm to pick: the GPT {GPT.removeprefix('gpt-')} ({inputs['traffic'][GPT]['parameters']:,} "
+        "parameters), "
         f"{gpt_compute * 1e3:.0f} ms of compute per step (torch, one rank: single-rank-step.json)",
         "",
         *recommendation_lines(grid, "per_step"),
@@ -734,7 +735,11 @@ def model(args: argparse.Namespace) -> int:
     }
     for path in results.write_results(args.out, "scale-model", lines, payload):
         print(f"wrote {path}")
-    chart = plot(grid, args.out / "scale-model.png", "The fastest algorithm per step and to the target, GPT small")
+    chart = plot(
+        grid,
+        args.out / "scale-model.png",
+        f"The fastest algorithm per step and to the target, GPT {GPT.removeprefix('gpt-')}",
+    )
     if chart:
         print(f"wrote {chart}")
     return 0
@@ -743,9 +748,9 @@ def model(args: argparse.Namespace) -> int:
 def advise(args: argparse.Namespace) -> int:
     """``--params``: the ranking for one cluster and model."""
     inputs = load_inputs(args)
-    traffic = inputs["traffic"]["gpt-small"]
+    traffic = inputs["traffic"][GPT]
     steps = {name: s.scaled(args.params / traffic["parameters"]) for name, s in steps_of(traffic).items()}
-    _, targets = target_steps(inputs["lm-study"])
+    _, targets = target_steps(inputs[LM_STUDY])
     grid = recommend(
         targets,
         steps,

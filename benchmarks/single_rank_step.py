@@ -3,8 +3,8 @@
 Each trial starts a fresh process (one CPU thread, JAX on the CPU with one device, as a study's rank runs) that
 trains the network study's and the LM study's models with a plain optimizer, ``--warmup`` untimed steps then
 ``--steps`` timed ones, each waited for; its figure is the median step. Models: ``mlp`` (the network study's
-1.84M-parameter MLP, ``--batch-size`` images, SGD with momentum as the synthetic benchmark), ``gpt-small`` (the
-workload's GPT, ``--gpt-batch`` windows of 129 bytes, AdamW as the LM study).
+1.84M-parameter MLP, ``--batch-size`` images, SGD with momentum as the synthetic benchmark), ``gpt-mini`` (the
+LM study's GPT, ``--gpt-batch`` windows of 129 bytes, AdamW as the LM study).
 
     python benchmarks/single_rank_step.py                  # writes benchmarks/results/single-rank-step.{json,md}
 """
@@ -28,7 +28,7 @@ import synthetic  # noqa: E402
 from harness import study  # noqa: E402
 from harness.jobs import child_env  # noqa: E402
 
-MODELS = ("mlp", "gpt-small")
+MODELS = ("mlp", "gpt-mini")
 FRONT_ENDS = ("torch", "jax")
 
 
@@ -98,7 +98,7 @@ def worker(argv: list[str]) -> None:
 def add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
     p.add_argument("--batch-size", type=int, default=32, help="images per step (mlp)")
-    p.add_argument("--gpt-batch", type=int, default=1, help="windows of 129 bytes per step (gpt-small)")
+    p.add_argument("--gpt-batch", type=int, default=1, help="windows of 129 bytes per step (gpt-mini)")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--steps", type=int, default=20)
 

@@ -85,8 +85,13 @@ def test_the_committed_studies_give_a_model_and_a_recommendation(tmp_path):
     # The README's command, on the committed inputs: every input it reads still has the fields it reads.
     assert scale_model.main(["--out", str(tmp_path)]) == 0
     written = json.loads((tmp_path / "scale-model.json").read_text())
-    lm = json.loads((scale_model.results.RESULTS / "lm-study.json").read_text())
-    baseline = lm["rows"][scale_model.lm_study_report.BASELINE]["final_loss"]
-    assert written["target"] == pytest.approx(baseline * 1.01)
+    lm = json.loads((scale_model.results.RESULTS / "lm-study-4000-steps.json").read_text())
+    # The target is DDP's held-out loss at 80% of its 4000 steps: step 3200, an evaluation of its curve.
+    ddp = {step: loss for step, loss, *_ in lm["train"]["torch/ddp"]["curve"]}
+    assert written["target"] == ddp[3200]
+    for name, (steps, _, _) in written["targets"].items():
+        lowest = min(loss for _, loss, *_ in lm["train"][f"torch/{name}"]["curve"])
+        assert (steps is None) == (lowest > written["target"]), name
+    assert {p["model"] for p in written["points"] if p["study"] == "lm"} == {"gpt-mini"}
     assert len(written["recommendation"]) == 4 * 4 * 4
-    assert "## Which algorithm to pick" in (tmp_path / "scale-model.md").read_text()
+    assert "## Which algorithm to pick: the GPT mini" in (tmp_path / "scale-model.md").read_text()
