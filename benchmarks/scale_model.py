@@ -473,6 +473,11 @@ def target_steps(lm: dict[str, Any]) -> tuple[float, dict[str, tuple[float | Non
     }
 
 
+def unreached(targets: Mapping[str, tuple[float | None, str, dict[str, Any]]]) -> list[str]:
+    """The candidates of the recommendation that did not reach the target in the LM study's budget."""
+    return [name for name in RECOMMENDED if targets[name][0] is None]
+
+
 def time_to_target(
     variant: tuple[float, str, dict[str, Any]],
     steps: Mapping[str, Step],
@@ -712,7 +717,7 @@ def model(args: argparse.Namespace) -> int:
         f"{lm_study_report.BASELINE_FRACTION:.0%} of its {inputs[LM_STUDY]['settings']['steps']} steps of "
         f"{inputs[LM_STUDY]['settings']['windows']} window(s) per rank, {LM_STUDY}.json), the steps each torch "
         "variant needed, held fixed at every rank count; did not reach it: "
-        + (", ".join(n for n in RECOMMENDED if targets[n][0] is None) or "none"),
+        + (", ".join(unreached(targets)) or "none"),
         "",
         f"## Which algorithm to pick: the GPT {GPT.removeprefix('gpt-')} ({inputs['traffic'][GPT]['parameters']:,} "
         "parameters), "
@@ -770,6 +775,7 @@ def advise(args: argparse.Namespace) -> int:
         print(f"by {words}:")
         for name, seconds in ranking:
             print(f"  {name:<30} {base / seconds:6.2f}x")
+    print(f"did not reach the target in the LM study's budget: {', '.join(unreached(targets)) or 'none'}")
     return 0
 
 
