@@ -117,6 +117,13 @@ def weighed_average(seed: int, count: int) -> dict:
 
 
 def late_peer(count: int, late_seconds: float) -> dict:
+    """:func:`exchange_with_a_late_peer` over the MPI engine."""
+    from bagua_jax.native_communicator import NativeCommunicator
+
+    return exchange_with_a_late_peer(NativeCommunicator.mpi_world(timeout=60), count, late_seconds)
+
+
+def exchange_with_a_late_peer(comm, count: int, late_seconds: float) -> dict:
     """Rank 0 enters a ``send_recv`` of ``count`` floats with rank 1 at once, rank 1 ``late_seconds`` later; rank 1
     counts the loopback bytes sent while it waits (rank 0's data, had it not waited for rank 1's receive)."""
     import time
@@ -124,18 +131,17 @@ def late_peer(count: int, late_seconds: float) -> dict:
     import jax
     import jax.numpy as jnp
 
-    from bagua_jax.native_communicator import NativeCommunicator
     from benchmarks.harness.links import bytes_sent
 
-    comm = NativeCommunicator.mpi_world(timeout=60)
     rank = int(comm.rank())
     exchange = jax.jit(lambda x: comm.send_recv(x, jnp.array([1 - rank], jnp.int32))[0])
     mine = jnp.full(count, rank + 1.0, jnp.float32)
     exchange.lower(mine).compile()
-    np.asarray(exchange(jnp.zeros(1, jnp.float32)))  # connects the two, and both leave it together
+    np.asarray(exchange(jnp.zeros(1, jnp.float32)))  # connects the two
+    before = bytes_sent(loopback=True)
+    np.asarray(exchange(jnp.zeros(1, jnp.float32)))  # rank 0 goes on only once rank 1 has counted
     sent_while_late = None
     if rank == 1:
-        before = bytes_sent(loopback=True)
         time.sleep(late_seconds)
         sent_while_late = bytes_sent(loopback=True) - before
     return {"received": np.asarray(exchange(mine)), "sent_while_late": sent_while_late}

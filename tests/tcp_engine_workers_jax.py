@@ -7,23 +7,30 @@ import time
 
 import numpy as np
 from every_primitive import run_every_primitive
+from native_communicator_workers_jax import exchange_with_a_late_peer
 
 from bagua_common.fault_tolerance.kv_store import KVClient
 
 HOST = "127.0.0.1"
 
 
-def _world(port: int, secret: bytes, timeout: float = 30.0):
+def _world(port: int, secret: bytes, timeout: float = 30.0, host: str = HOST):
     from bagua_jax.native_communicator import NativeCommunicator
 
     store = KVClient(HOST, port, 10, secret=secret)
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return NativeCommunicator.tcp_through_store(store, "world/", rank, size, HOST, timeout), store
+    return NativeCommunicator.tcp_through_store(store, "world/", rank, size, host, timeout), store
 
 
 def every_primitive(port: int, secret: bytes, seed: int) -> dict:
     comm, _ = _world(port, secret)
     return run_every_primitive(comm, seed)
+
+
+def late_peer(port: int, secret: bytes, count: int, late_seconds: float, hosts: list[str]) -> dict:
+    """:func:`exchange_with_a_late_peer` over the TCP engine, rank r listening on ``hosts[r]``."""
+    comm, _ = _world(port, secret, host=hosts[int(os.environ["RANK"])])
+    return exchange_with_a_late_peer(comm, count, late_seconds)
 
 
 def survive_a_death(port: int, secret: bytes, victim: int) -> dict:

@@ -25,6 +25,22 @@ def test_every_primitive_matches_numpy(store_port, ranks):
     check_every_primitive([r.value for r in results], 7)
 
 
+@pytest.mark.parametrize(
+    ("hosts", "early"),
+    [(["127.0.0.1", "127.0.0.2"], False), (["127.0.0.1", "127.0.0.1"], True)],
+    ids=["two-hosts", "one-host"],
+)
+def test_send_recv_to_another_host_sends_nothing_before_the_peer_is_ready(store_port, hosts, early):
+    # Sent eagerly, rank 0's data would fill rank 1's socket while rank 1 is still elsewhere (at a step, or receiving
+    # another peer's exchange), and on slow links the ranks drift into sharing them. Two addresses of the loopback
+    # stand for two hosts; on one host (nothing shared but memory) the data goes at once.
+    count, late_seconds = 1 << 20, 1.5
+    ranks = run_ranks("tcp_engine_workers_jax:late_peer", 2, store_port, SECRET, count, late_seconds, hosts)
+    for rank, result in enumerate(r.value for r in ranks):
+        np.testing.assert_array_equal(result["received"], np.full(count, 2.0 - rank, np.float32))
+    assert (ranks[1].value["sent_while_late"] > 16384) == early, ranks[1].value
+
+
 def test_a_dead_peer_fails_the_survivors_at_once_and_they_shrink_to_themselves(store_port):
     results = run_ranks("tcp_engine_workers_jax:survive_a_death", 3, store_port, SECRET, 1, check=False)
     survivors = [results[0].value, results[2].value]
