@@ -206,10 +206,10 @@ def read_overhead(size: int, calls: int = 2000) -> dict[str, float]:
             times.append(time.perf_counter() - start)
         return statistics.median(times)
 
-    hit_s = median_s(lambda: loader.get(0, _never_loaded))
-    if loader.stats()["hits"] != calls:
-        raise RuntimeError(f"the read-overhead loader missed: {loader.stats()}")
-    return {"hit_s": hit_s, "unpickle_s": median_s(lambda: pickle.loads(payload))}
+    return {
+        "hit_s": median_s(lambda: loader.get(0, _never_loaded)),
+        "unpickle_s": median_s(lambda: pickle.loads(payload)),
+    }
 
 
 def _never_loaded(key: Any) -> Any:

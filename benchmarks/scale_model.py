@@ -86,11 +86,11 @@ ALGORITHMS: dict[str, tuple[str, dict[str, Any]]] = {
     "diloco_uint4": ("diloco", {"sync_every": 1, "outer_exchange": "uint4"}),
 }
 """What is counted: each algorithm of the model by name, as the registry builds it (DiLoCo: one exchange)."""
-WORKLOADS = ("mlp", "gpt-mini")
 LM_STUDY = "lm-study-4000-steps"
 """The LM study whose timings the model is judged on and whose curves give the steps to the target."""
 GPT = "gpt-mini"
 """The LM study's model, for which the recommendation is made."""
+WORKLOADS = ("mlp", GPT)
 LOCAL_STEPS = ("async", "diloco")
 """Algorithms whose steps are local steps (averaging in the background, or every H steps): judged by the time to the
 target only, since a local step and a synchronous one do not make the same progress."""
@@ -342,9 +342,6 @@ def header_share(network: dict[str, Any], steps: Mapping[str, Step]) -> float:
         and r.get("bytes_sent_per_step")
     ]
     return statistics.median(ratios) if ratios else 0.95
-
-
-ENGINE = {"torch": "gloo", "jax": "mpi"}
 
 
 def measured_points(network: dict[str, Any], lm: dict[str, Any]) -> list[dict[str, Any]]:
