@@ -5,7 +5,9 @@ protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agre
 JAX step changes nothing in place, so an abandoned one costs nothing to roll back. When a member dies or hangs, a thread
 revokes the communicator, the survivors shrink it to themselves in the same handle (a step whose shapes follow the world
 size was compiled ahead for it), check that their replicas are bit-identical and run the step again on the new partition
-of the samples not yet trained on; one they took for dead (stopped or cut off past ``dead_after``) joins again. A joiner
+of the samples not yet trained on (under (low-precision) decentralized training, a step voted one ahead: one whose
+exchange failed where the others' completed takes that step by itself, unaveraged, :mod:`bagua_jax.unaveraged_step`);
+one they took for dead (stopped or cut off past ``dead_after``) joins again. A joiner
 compiles its step before it asks to be admitted and does not make its peers wait for its state
 (:mod:`bagua_jax.state_sharing`): it takes its first step weighed out (gradient allreduce, PowerSGD:
 :mod:`bagua_jax.weighed_out_step`), sits it out ((low-precision) decentralized: :mod:`bagua_jax.unaveraged_step`), or
@@ -21,6 +23,8 @@ import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +57,18 @@ from bagua_jax.unaveraged_step import UnaveragedStep, counted_on
 from bagua_jax.weighed_out_step import WeighedOutStep, weighs_out
 
 __all__ = ["FaultTolerantTrainer"]
+
+
+@dataclass
+class _StepBehind:
+    """The step a member voting one ahead was on when the members changed, which the others may have applied
+    without it: ``take`` gives its state and result (its own, as computed; or trained alone, its exchange having
+    failed), ``trainers`` is the number of members its samples were split among; ``taken`` once taken."""
+
+    take: Callable[[], tuple[Any, Any]]
+    trainers: int
+    result: Any = None
+    taken: bool = False
 
 
 class FaultTolerantTrainer(StateSharing):
@@ -124,8 +140,8 @@ class FaultTolerantTrainer(StateSharing):
             trainer._use(trainer.algorithm.counting_trainers())
         if isinstance(trainer.algorithm, Decentralized):  # a lost member may leave an odd number to pair
             trainer._use(trainer.algorithm.averaging_all_when_odd())
-        # A decentralized exchange completes with one peer: its step waits for every vote (identical replicas: ahead).
-        self._waits_for_votes = self._diloco is not None or not getattr(trainer.algorithm, "replicas_identical", False)
+        # A rank's collectives completing shows that every rank contributed where the replicas are identical.
+        self._votes_ahead = self._diloco is None and getattr(trainer.algorithm, "replicas_identical", False)
         self._weighed_out_step = WeighedOutStep(trainer) if weighs_out(trainer) else None
         self._unaveraged_step = UnaveragedStep(trainer) if isinstance(trainer.algorithm, WithoutAveraging) else None
         self._copies_due = False  # the ring copies' restart, deferred to the next step's start by a joiner's sit-out
@@ -143,8 +159,9 @@ class FaultTolerantTrainer(StateSharing):
         """A joiner's: when it ``asked`` to be admitted (its step compiled) and was ``admitted``, the job's communicator
         in its slot (``time.time()``)."""
         self.recoveries: list[dict[str, Any]] = []
-        """One record per recovery: epoch, size, joiners admitted, seconds to rebuild and from the failed step to the
-        retried step's start."""
+        """One record per recovery: epoch, size, joiners admitted, whether this member ``caught_up`` (took the step
+        the others applied by itself), seconds to rebuild and from the failed step to the retried (or next) step's
+        start."""
 
     def _admitted(self, membership: Membership) -> None:
         """Take ``membership``'s epoch, whose ranks must be the communicator's."""
@@ -233,6 +250,9 @@ class FaultTolerantTrainer(StateSharing):
             batch = batch_of(self.data.indices(place, trainers))
             weighed = self._weighed_out_step is not None and bool(self._sitting_out)
             joiners_in_this_step = weighed or unaveraged  # they take it while their state travels
+            # Decentralized: voted one ahead where this member can train the step alone, should it fall one behind.
+            one_ahead = not self._votes_ahead and self._unaveraged_step is not None and not joiners_in_this_step
+            self.membership.catches_up = one_ahead
             try:
                 if epoch.closed.is_set() and (exchange or epoch.ended.is_set()):
                     raise MembershipChanged(f"epoch {epoch.number} closed")
@@ -259,12 +279,19 @@ class FaultTolerantTrainer(StateSharing):
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
                 fail_epoch(self.membership, epoch, error)
                 failed_at = time.monotonic() if failed_at is None else failed_at
-                state = self._recover(state)
+                alone = _StepBehind(partial(self._unaveraged_step.step, state, batch), trainers) if one_ahead else None
+                state = self._recover(state, alone)
+                if alone is not None and alone.taken:  # the others applied it; this member's exchange failed
+                    self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
+                    return state, alone.result
                 continue
             if not exchange:
                 self.data.advance(trainers)
                 return new_state, result
-            vote = self.membership.commit if self._waits_for_votes else self.membership.vote_ahead
+            if self._votes_ahead:
+                vote = self.membership.vote_ahead
+            else:
+                vote = self.membership.vote_one_ahead if one_ahead else self.membership.commit
             if vote(epoch, transaction):
                 self._apply(trainers)
                 pending = self._check_after
@@ -282,7 +309,10 @@ class FaultTolerantTrainer(StateSharing):
                     result = self._unaveraged_step.loss(state, batch)
                 return new_state, result
             failed_at = time.monotonic() if failed_at is None else failed_at
-            state = self._recover(state)
+            computed = _StepBehind(lambda: (new_state, result), trainers) if one_ahead else None
+            state = self._recover(state, computed)
+            if computed is not None and computed.taken:  # its record went out without it; the others applied it
+                return state, result
 
     def save(self, root: str | os.PathLike, state: Any) -> Path | None:
         """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart of
@@ -344,10 +374,11 @@ class FaultTolerantTrainer(StateSharing):
         """This member's place among those training the step, and their number (those sitting out weigh zero)."""
         return epoch.training_place([rank for rank, m in enumerate(epoch.members) if m.id in self._sitting_out])
 
-    def _recover(self, state: Any) -> Any:
+    def _recover(self, state: Any, behind: _StepBehind | None = None) -> Any:
         """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
-        that had not applied a step another one applied is given that one's state). Over an engine that rebuilds its
-        communicator afresh (TCP), a member lost during the recovery makes the survivors take the epoch after."""
+        that had not applied a step another one applied is given that one's state; voting one ahead, it takes
+        ``behind``, the step it was on, by itself). Over an engine that rebuilds its communicator afresh (TCP), a
+        member lost during the recovery makes the survivors take the epoch after."""
         started, first, retried = time.monotonic(), self.epoch, False
         while True:
             if self._transfer is not None and self._sits_out:  # a broadcast on the old communicator: over (revoked)
@@ -359,20 +390,26 @@ class FaultTolerantTrainer(StateSharing):
             # A failed attempt may have left the step compiled for its size: compiled again for the next one's.
             recompile = (retried or new.size != first.size) and not self._world_size_free
             try:
-                state = self._take_epoch(state, new, recompile)
+                state = self._take_epoch(state, new, recompile, behind)
                 break
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
                 if not self.communicator.can_rebuild:
                     raise
                 fail_epoch(self.membership, new, error)
                 retried = True
-        record = {"epoch": new.number, "size": new.size, "joined": len(new.joined)}
+        caught_up = behind is not None and behind.taken  # the step it was on taken by itself (one ahead)
+        record = {"epoch": new.number, "size": new.size, "joined": len(new.joined), "caught_up": caught_up}
         self.recoveries.append({**record, "rebuild_seconds": time.monotonic() - started})
         return state
 
-    def _take_epoch(self, state: Any, new: Epoch, recompile: bool) -> Any:
-        """``state`` carried over to ``new``'s members, whose communicator this one now is: the state's group split,
+    def _take_epoch(self, state: Any, new: Epoch, recompile: bool, behind: _StepBehind | None) -> Any:
+        """``state`` carried over to ``new``'s members, whose communicator this one now is: the step the others
+        applied first taken by itself where this member is one behind them (``behind``), the state's group split,
         the step compiled again (``recompile``), the state given to the joiners, the replicas compared."""
+        if behind is not None and self.committed < new.committed and not new.is_joiner():
+            state, behind.result = behind.take()
+            behind.taken = True
+            self._apply(behind.trainers)
         # Its step abandoned, the divisor goes back to the size; only now, once the new members' communicator
         # dropped the failed calls' ordering tokens: before, the divisor's wait for those calls raised their error.
         self.communicator.set_average_divisor(None)

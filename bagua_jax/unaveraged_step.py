@@ -1,5 +1,6 @@
 """The step a fault-tolerant (low-precision) decentralized job's members train while a joiner sits it out: their step,
-exchanging nothing.
+exchanging nothing. A member whose exchange failed where the others' completed (the step voted one ahead) takes that
+step by itself the same way, after the change (:meth:`bagua_jax.fault_tolerance.FaultTolerantTrainer.step`).
 
 A joiner has no weights to exchange until its state arrives, and a pair's or the ring's exchange would wait for it. So
 the members train the step after its admission without it: each steps from its own weights by its own gradient, on all

@@ -325,13 +325,14 @@ class BaguaModule(nn.Module):
     # --- optimizer step ---------------------------------------------------------------
 
     def _hook_steps(self, stepping: torch.optim.Optimizer, wrapped: torch.optim.Optimizer) -> list[Any]:
-        """Hook ``stepping``'s steps as steps of ``wrapped`` (the optimizer the algorithm was built with); a
-        fault-tolerant job votes in the last one's, unless the algorithm did (:meth:`AlgorithmImpl.commit`)."""
+        """Hook ``stepping``'s steps as ``wrapped``'s (a fault-tolerant job votes in the last unless the impl did)."""
 
         def before(_optimizer: Any, args: Any, kwargs: Any) -> None:
             self.wait_gradients()
-            self.algorithm_impl.before_step(wrapped)
             job = self._fault_tolerance
+            if job is not None:
+                job.optimizer_stepping()
+            self.algorithm_impl.before_step(wrapped)
             if job is not None and wrapped is self.optimizers[-1] and self.algorithm_impl.transaction_per_step:
                 job.commit_step()
 

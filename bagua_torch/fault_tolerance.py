@@ -13,9 +13,11 @@ wrap the model as usual, and run the steps through :meth:`FaultTolerance.steps`:
             optimizer.step()                         # commits by agreement in its pre-hook
 
 Each epoch of members gets its own gloo (or NCCL) process groups on the coordinator's store. A rank applies each
-step as soon as its own collectives completed. When a member dies, the survivors abandon their collectives, take the
-next epoch, rebuild the wrapper for the new size (the algorithm's state carried by its rule,
-``docs/guides/fault_tolerance.md``), check that the replicas are bit-identical and run the step in flight again. A
+step as soon as its own collectives completed (decentralized training: and every member completed the step before).
+When a member dies, the survivors abandon their collectives, take the next epoch, rebuild the wrapper for the new size
+(the algorithm's state carried by its rule, ``docs/guides/fault_tolerance.md``), check that the replicas are
+bit-identical and run the step in flight again; a decentralized survivor whose exchange failed where the others'
+completed takes that step by itself instead, its optimizer stepping the gradients it holds. A
 process started with ``BAGUA_FT_JOIN=1`` joins the running job, its state sent by a member while its peers train
 (:mod:`bagua_torch.state_transfer`). NCCL is not run here: no GPU.
 """
@@ -51,11 +53,12 @@ from bagua_common.fault_tolerance import (
 from bagua_common.fault_tolerance.data_position import RECORD_KEY
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_torch import checkpoint, state_transfer
-from bagua_torch.algorithms.base import WeighedOut
+from bagua_torch.algorithms.decentralized import JoinerSitsOutOneStep
 from bagua_torch.communicator import CommunicationError
 from bagua_torch.communicator.abandon import caused_by_a_change
-from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator, trainers_communicator
+from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator
 from bagua_torch.replica_check import check_replicas
+from bagua_torch.state_sharing import StateSharing
 from bagua_torch.survivable import carried_algorithms, refuse_unsurvivable
 
 if TYPE_CHECKING:
@@ -86,7 +89,7 @@ class Step:
         return self._job._attempt_ended(error, self.world_size)
 
 
-class FaultTolerance:
+class FaultTolerance(StateSharing):
     """This process's side of a fault-tolerant job: its membership, the epoch's communicators, the wrapped models.
     Made by ``init_process_group(fault_tolerance=True)``; reach it as ``group.fault_tolerance`` (the module docstring
     shows the loop). A joiner (``membership`` None) wraps its models alone and asks to be admitted when its loop
@@ -105,13 +108,15 @@ class FaultTolerance:
         self.backend, self.device, self.timeout = backend, device, timeout
         self.modules: list[BaguaModule] = []
         self._replicas_identical = True  # every model's algorithm keeps its replicas identical: votes go ahead
+        self._steps_alone = True  # else every model can take a step by itself (decentralized): votes go one ahead
         self.data: DataPosition | None = None
         self.epoch: Epoch | None = None if membership is None else membership.epoch
         self.step = self.committed = 0 if self.epoch is None else self.epoch.committed
         """Steps completed; transactions committed by agreement (steps, or DiLoCo's exchanges): equal on all members."""
         self.recoveries: list[dict[str, float]] = []
         """Per change of members: ``epoch``, ``size``, ``seconds`` (from the failure seen here, or the change
-        noticed, to the step running again), ``steps_lost`` (0 or 1), ``joined`` (members admitted)."""
+        noticed, to the step running again), ``steps_lost`` (0 or 1), ``caught_up`` (1: the step the others applied
+        taken by itself, :meth:`_change_epoch`), ``joined`` (members admitted)."""
         self._voted_this_attempt = self._committed_this_attempt = False
         self._failure_seen: float | None = None
         self._checked = self._sat_out_through = -1  # the last step the replicas were checked; a joiner sat out
@@ -137,10 +142,13 @@ class FaultTolerance:
         self.modules.append(module)
         config = module.algorithm.config_class
         self._replicas_identical &= config is not None and config.replicated
+        one_optimizer = len(module.optimizers) == 1  # a step by itself steps all: none may have stepped before
+        self._steps_alone &= isinstance(module.algorithm_impl, JoinerSitsOutOneStep) and one_optimizer
 
     def commit_step(self) -> None:
         """Vote for the step in flight (its collectives are done) and let it apply: voting ahead where the replicas are
-        identical, else once every vote is in; raise MembershipChanged if it did not commit. Once per attempt."""
+        identical, one ahead where they differ (decentralized: once every vote for the step before is in), else once
+        every vote is in; raise MembershipChanged if it did not commit. Once per attempt."""
         if self._voted_this_attempt:
             return
         assert self.membership is not None and self.epoch is not None
@@ -149,11 +157,25 @@ class FaultTolerance:
             self._incoming.load()
             self._incoming = None
         # A rank's collectives completing shows that every rank contributed only where each collective spans all
-        # ranks (replicated algorithms); a decentralized exchange completes with one peer: it waits for every vote.
-        vote = self.membership.vote_ahead if self._replicas_identical else self.membership.commit
+        # ranks (replicated algorithms); a decentralized exchange completes with one peer: it votes one ahead.
+        if self._replicas_identical:
+            vote = self.membership.vote_ahead
+        else:
+            vote = self.membership.vote_one_ahead if self._votes_one_ahead() else self.membership.commit
         if not vote(self.epoch, self.committed + 1):
             raise MembershipChanged(f"step {self.step + 1} was not committed: the members changed")
         self._transaction_committed()
+
+    def optimizer_stepping(self) -> None:
+        """Called by a wrapped model as its optimizer steps (its gradients complete): from now until the attempt ends,
+        this member, one behind the others at a change, can take the step by itself (:meth:`_votes_one_ahead`)."""
+        assert self.membership is not None
+        self.membership.catches_up = self._votes_one_ahead()
+
+    def _votes_one_ahead(self) -> bool:
+        """Whether this step is voted one ahead: every model's algorithm exchanges weights with peers (its replicas
+        differ) and can take a step by itself, and no member sits the step out."""
+        return not self._replicas_identical and self._steps_alone and not self._sitting_out
 
     def commit(self) -> bool:
         """Vote for a transaction the algorithm itself delimits (DiLoCo's outer exchange) and wait for its outcome:
@@ -209,6 +231,7 @@ class FaultTolerance:
 
     def _attempt_started(self) -> None:
         self._voted_this_attempt = self._committed_this_attempt = False
+        self.membership.catches_up = False  # until its gradients are complete
 
     def _attempt_ended(self, error: BaseException | None, trainers: int) -> bool:
         assert self.membership is not None and self.epoch is not None
@@ -223,7 +246,8 @@ class FaultTolerance:
         interrupted = self._committed_this_attempt or isinstance(error, ExchangeInterrupted)
         if interrupted:
             self._step_done(trainers)
-        self._change_epoch(lost_step=not interrupted)
+        alone = None if interrupted or not self.membership.catches_up else trainers
+        self._change_epoch(lost_step=not interrupted, alone=alone)
         return True
 
     def _step_done(self, trainers: int | None = None) -> None:
@@ -243,12 +267,23 @@ class FaultTolerance:
         if not self.epoch.failed.is_set():
             self.membership.fail(self.epoch, f"{type(error).__name__}: {error}")
 
-    def _change_epoch(self, lost_step: bool) -> None:
-        """Take the next epoch after the current one closed (again, should a member be lost meanwhile)."""
+    def _change_epoch(self, lost_step: bool, alone: int | None = None) -> None:
+        """Take the next epoch after the current one closed (again, should a member be lost meanwhile). Where the
+        others applied the step in flight, which this member did not (voting one ahead, its exchange failed), it
+        takes that step by itself first, its samples split among ``alone`` members, as in the attempt."""
         assert self.membership is not None and self.epoch is not None
         started, attempted = self._failure_seen or time.monotonic(), self.step + 1
         recovery = self._recover()
+        caught_up = False
         if recovery is not None:
+            if alone is not None and recovery.committed == self.committed + 1 and not recovery.epoch.is_joiner():
+                self._voted_this_attempt = caught_up = True  # the others committed it: the hooks vote for nothing
+                for module in self.modules:  # its gradients stepped, exchanging nothing; before the rebuild carries it
+                    module.algorithm_impl.step_alone()
+                    for optimizer in module.stepping_optimizers:
+                        optimizer.step()
+                    module.algorithm_impl.on_commit()
+                self._step_done(alone)
             self.committed = recovery.committed
             self._enter_or_recover(recovery.epoch)
         self.recoveries.append(
@@ -257,6 +292,7 @@ class FaultTolerance:
                 "size": self.epoch.size,
                 "seconds": time.monotonic() - started,
                 "steps_lost": int(lost_step and self.step < attempted),  # not when given a survivor's state at it
+                "caught_up": int(caught_up),
                 "joined": len(self.epoch.joined),
             }
         )
@@ -324,57 +360,6 @@ class FaultTolerance:
             module.algorithm_impl.resume()
         if not self._sitting_out:  # else checked once they took part in their first exchange
             self._check_replicas(f"after the change to epoch {epoch.number} ({epoch.size} members)")
-
-    # --- joiners ---------------------------------------------------------------------
-
-    def _receive_or_send_state(self) -> None:
-        """The first member that has the job's state sends it to each one that needs it (a joiner, or a survivor
-        that had not applied the last step): :mod:`bagua_torch.state_transfer`. Under gradient allreduce a receiver
-        takes part in the next step weighed out while the state travels; under DiLoCo (one fragment) it sits out the
-        round in flight and joins its exchange with an uncounted zero pseudo-gradient; under (low-precision)
-        decentralized training it sits out the next step, which the members train without exchanging weights (both:
-        :attr:`_sitting_out`); otherwise the members wait for the transfer."""
-        epoch = self.epoch
-        assert epoch is not None and self.membership is not None
-        receivers = tuple(r for r in range(epoch.size) if epoch.is_joiner(r))
-        link = (self.backend, self.device, self.timeout)
-        sit_out = state_transfer.steps_to_sit_out(self.modules)
-        scales = state_transfer.weighed_out_scales(self.modules, epoch.size - len(receivers))
-        if sit_out and epoch.rank not in receivers:
-            for module in self.modules:
-                module.algorithm_impl.others_sit_out(sit_out)
-            if self.group is not None:  # the loop's collectives: the trainers', before the state goes
-                self.group.use(trainers_communicator(epoch, receivers, self.backend, self.timeout))
-        if epoch.rank == epoch.state_holder:
-            state = state_transfer.job_state(self.step, self.committed, self.data, self.modules)
-            if scales:  # the position first, the rest while they take their first step weighed out
-                send = state_transfer.send_position_then_state
-            else:  # while they sit out the round, or while everyone waits
-                send = state_transfer.send_state if sit_out is None else state_transfer.send_state_in_background
-            send(epoch, receivers, state, state_transfer.replicated_tensors(self.modules), *link)
-        elif epoch.rank in receivers and scales:  # its state arrives during its first step
-            self._incoming = state_transfer.IncomingState(epoch, self.modules, *link)
-            self.step, self.committed = state_transfer.load_job_state(self._incoming.position, self.data, self.modules)
-        elif epoch.rank in receivers:
-            received = state_transfer.receive_state(epoch, state_transfer.replicated_tensors(self.modules), *link)
-            self.step, self.committed = state_transfer.load_job_state(received, self.data, self.modules)
-            sit_out = state_transfer.steps_to_sit_out(self.modules)  # as the holder's state has it
-            if sit_out is None:
-                self.membership.applied(self.committed)
-            else:  # applied once its first exchange commits: a change before then gives it the state again
-                self._sitting_out = receivers
-                for _ in range(sit_out):
-                    self._step_done()
-                for module in self.modules:
-                    module.algorithm_impl.sit_out(sit_out)
-        if scales or sit_out is not None:
-            self._sitting_out, self._weighed_out = receivers, bool(scales)
-        for module, scale in zip(self.modules, scales or ()):
-            module.algorithm_impl.weighed_out = WeighedOut(epoch.rank not in receivers, scale)
-        if sit_out and epoch.rank in receivers and all(m.algorithm_impl.transaction_per_step for m in self.modules):
-            for _ in range(sit_out):  # decentralized: the members commit the step it sat out once it voted
-                if not self.commit():
-                    raise MembershipChanged(f"step {self.committed + 1} was not committed: the members changed")
 
     # --- checkpoints for a restart of the whole job --------------------------------------
 

@@ -415,6 +415,8 @@ def train(
         if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] != "kill-before-vote":
             _fail(faults[transaction][1], transaction)
         if transaction > last_fault and (ft.epoch.size < final_size or death_in_admission):  # keeps it at final_size
+            if ft.epoch.rank == 0:  # the survivors of the last fault recovered: the joiner compiles for their size
+                _touch("start-joiner")
             _wait_for("joiner-asked")
             time.sleep(0.05)  # the commit after the joiner's request admits it
         attempts.append(
@@ -432,11 +434,11 @@ def train(
 
     last_size, saves = None, []  # the members' step that admits the joiner is retried with it: every rank ends there
     while ft.committed < steps or last_size != final_size:
+        recovered = len(ft.recoveries)
         state, loss = ft.step(state, batch_of)
         last_size = ft.epoch.size
-        attempts[-1].update(committed=ft.committed, loss=float(loss), end=time.time())
-        if ft.committed == last_fault and ft.epoch.rank == 0:
-            _touch("start-joiner")
+        alone = any(r["caught_up"] for r in ft.recoveries[recovered:])  # the step the others applied, by itself
+        attempts[-1].update(committed=ft.committed, loss=float(loss), end=time.time(), alone=alone)
         if save_every_step:
             folder = ft.save(_signal("checkpoints"), state)
             saves.append({"step": ft.committed, "folder": None if folder is None else str(folder)})

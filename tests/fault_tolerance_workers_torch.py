@@ -17,7 +17,8 @@ its epoch closed). It does so ``after`` seconds (default 0), and once the marks 
 is fused over the model's buckets (:func:`bagua_torch.fuse_optimizer`); ``FT_LOOP_ALLREDUCE=1``: each step ends with
 a collective of the loop's own (``bagua_torch.torch_api.allreduce`` of a one, on the default group), and its step
 report gives the sum as ``summed``; ``FT_REPORT_PARAMS=1``: each step report gives the parameters after it
-(``params``), and each DiLoCo exchange report this rank's pseudo-gradient and the mean (``values``, ``mean``).
+(``params``) and, under SGD, its momentum (``momentum``), and each DiLoCo exchange report this rank's
+pseudo-gradient and the mean (``values``, ``mean``).
 ``FT_SLOW_EXIT`` (seconds): the process takes that much longer to end once its program ended (an exit handler that
 runs after the library's, as a GPU runtime's teardown may; a rank started as a process of its own, not forked).
 ``FT_CHECKPOINTS``: a folder where the
@@ -135,9 +136,9 @@ def main() -> None:
 
     original_change = FaultTolerance._change_epoch
 
-    def change_epoch(self: FaultTolerance, lost_step: bool) -> None:
+    def change_epoch(self: FaultTolerance, lost_step: bool, alone: int | None = None) -> None:
         fault(faults, rank, self.step + 1, "recovery")
-        original_change(self, lost_step)
+        original_change(self, lost_step, alone)
 
     FaultTolerance._change_epoch = change_epoch  # the "mid-recovery" fault point
     original_send = state_transfer.send_state
@@ -299,6 +300,9 @@ def main() -> None:
             fields = {"summed": int(summed.item())} if loop_allreduce else {}
             if os.environ.get("FT_REPORT_PARAMS") == "1":
                 fields["params"] = [v for p in net.parameters() for v in p.detach().reshape(-1).tolist()]
+                buffers = [optimizer.state[p].get("momentum_buffer") for p in net.parameters()]
+                if not adam and all(b is not None for b in buffers):
+                    fields["momentum"] = [v for b in buffers for v in b.reshape(-1).tolist()]
             if exchange_every and step.number % exchange_every == 0:  # DiLoCo's round start after this exchange
                 fields["round_start"] = [
                     v for t in model.algorithm_impl.replicated_tensors() for v in t.detach().reshape(-1).tolist()

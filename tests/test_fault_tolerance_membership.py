@@ -111,7 +111,9 @@ def test_store_operations_and_a_waiting_get(reached):
     try:
         assert client.get("k") is None
         assert client.add("n", 2) == 2 and client.add("n", -5) == -3
+        assert client.add_and_check("n", 1, "c") == (-2, None)  # the counter, and another key as it was: unset
         assert client.compare_set("c", b"", b"one") == b"one"
+        assert client.add_and_check("n", 1, "c") == (-1, b"one")
         assert client.compare_set("c", b"zero", b"two") == b"one"  # expected value differs: unchanged
         assert client.compare_set("c", b"one", b"two") == b"two"
 
@@ -318,6 +320,31 @@ def test_a_vote_ahead_applies_at_once_and_the_survivors_behind_get_the_state_of_
         assert [r.epoch.state_holder for r in recovered] == [applied_by] * 2
         for m in group[:2]:
             m.close()
+
+
+def test_a_vote_one_ahead_applies_once_the_step_before_committed_and_a_survivor_one_behind_keeps_its_own_state(
+    members,
+):
+    # Decentralized averaging: a member applies step t once every member voted for step t - 1, so at a change the
+    # survivors are at most one step apart, and the one behind trains that step itself: it is not given another's.
+    group = members(4)
+    leaving = [m.epoch for m in group]
+    for m in group:
+        m.catches_up = True  # each can take a step by itself (JAX: its unaveraged step; torch: its own gradients)
+    assert together([lambda m=m, e=e: m.vote_one_ahead(e, 1) for m, e in zip(group, leaving)]) == [True] * 4
+    assert together([lambda m=m, e=e: m.vote_one_ahead(e, 2) for m, e in zip(group[:2], leaving)]) == [True] * 2
+    third = []  # member 0's step 3 waits for step 2's last votes: members 2 and 3 never give them
+    thread = threading.Thread(target=lambda: third.append(group[0].vote_one_ahead(leaving[0], 3)))
+    thread.start()
+    thread.join(0.3)
+    assert thread.is_alive()
+    die(group[3])  # member 2's exchange of step 2 failed with it
+    thread.join(10)
+    assert third == [False]  # the epoch closed before step 2 committed: member 0 stays at step 2
+    recovered = together([lambda m=m, e=e: m.recover(e) for m, e in zip(group[:3], leaving)])
+    assert [r.committed for r in recovered] == [2, 2, 2]  # applied by members 0 and 1
+    assert [r.epoch.joined for r in recovered] == [()] * 3  # member 2, one behind, trains step 2 itself
+    assert [r.epoch.state_holder for r in recovered] == [0] * 3
 
 
 def test_a_coordinator_starved_past_the_others_patience_is_evicted_not_given_an_epoch_of_its_own(members):

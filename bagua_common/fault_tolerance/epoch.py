@@ -168,17 +168,19 @@ of the epoch from their own vote's count, without reading the register."""
 
 def count_vote(
     store: StoreClient, epoch: Epoch, transaction: int, waiters: bool = True
-) -> tuple[bool, Decision | None]:
+) -> tuple[bool, Decision | None, Decision]:
     """Count a member's vote for ``transaction`` in ``epoch``. Returns whether the transaction ends the epoch (see
-    :data:`ENDS_EPOCH`) and, for the last vote, the register's value after it (None for the others). The last
-    vote commits the transaction (:func:`commit_transaction`) and ends the epoch when the register asked for that.
-    It publishes the register's value in ``done/<t>`` for the members waiting on it: always with ``waiters``,
-    else only when the epoch is over (members voting ahead wait for nothing else)."""
+    :data:`ENDS_EPOCH`), for the last vote the register's value after it (None for the others), and the register's
+    value as the vote was counted (read in the same round trip). The last vote commits the transaction
+    (:func:`commit_transaction`) and ends the epoch when the register asked for that. It publishes the register's
+    value in ``done/<t>`` for the members waiting on it: always with ``waiters``, else only when the epoch is over
+    (members voting ahead wait for nothing else)."""
     prefix = epoch.prefix()
-    count = store.add(f"{prefix}votes/{transaction}", 1)
+    count, seen = store.add_and_check(f"{prefix}votes/{transaction}", 1, f"{prefix}decision")
+    register = Decision.decode(seen)
     ends_epoch = count >= ENDS_EPOCH
     if count % ENDS_EPOCH != epoch.size:
-        return ends_epoch, None
+        return ends_epoch, None, register
     decision = commit_transaction(store, f"{prefix}decision", transaction)
     if decision.committed == transaction and decision.state == "drain":
         store.add(f"{prefix}votes/{transaction + 1}", ENDS_EPOCH)
@@ -186,7 +188,7 @@ def count_vote(
         mark_closed(store, epoch, {"reason": "ended", "suspects": []})
     if waiters or decision.final:
         store.set(f"{prefix}done/{transaction}", decision.encode())
-    return ends_epoch, decision
+    return ends_epoch, decision, register
 
 
 def close_epoch(store: StoreClient, epoch: Epoch, closure: dict[str, Any]) -> None:

@@ -8,9 +8,11 @@ waits for the survivors (not for suspects, dead or silent members, nor longer th
 dead), and publishes the epoch: the survivors in their order, then the joiners whose requests
 wait in its store, ``committed`` the largest the survivors applied. A survivor that applied less (its
 collectives failed where another's completed, the step being voted ahead) is listed with the joiners: it gets
-the job's state from the first member that has it (:attr:`Epoch.state_holder`). A record counts only while its
-writer still waits at that candidate, as the writer's own store says (``ft/waiting-at``): a candidate too slow for the
-others' patience finds they left, and the quorum stays a majority of members waiting at one place.
+the job's state from the first member that has it (:attr:`Epoch.state_holder`); one a single step behind whose
+replica is its own (voting one ahead: decentralized averaging) is not, and trains that step itself. A record
+counts only while its writer still waits at that candidate, as the writer's own store says (``ft/waiting-at``): a
+candidate too slow for the others' patience finds they left, and the quorum stays a majority of members waiting at
+one place.
 """
 
 from __future__ import annotations
@@ -170,10 +172,9 @@ class Formation:
             return
         joiners = self._admissible_requests(store, {m.id for m in members})
         # A survivor behind the others (a joiner whose state never arrived) gets the state like a joiner; one that
-        # voted for the last commit but never saw it applies it (its vote was counted) and is not behind.
-        behind = [
-            m for m in members if max(int(joined[m.id]["committed"]), int(joined[m.id]["voted"] or 0)) < committed
-        ]
+        # voted for the last commit but never saw it applies it (its vote was counted) and is not behind; one voting
+        # one ahead a step behind trains that step itself (its replica is its own, not the others').
+        behind = [m for m in members if _behind(joined[m.id], committed)]
         epoch = Epoch(
             max(int(j["last_epoch"]) for j in joined.values()) + 1,
             tuple(members + joiners),
@@ -231,6 +232,12 @@ class Formation:
             index += 1
         self._requests_seen = index
         return joiners
+
+
+def _behind(record: dict[str, Any], committed: int) -> bool:
+    """Whether the survivor of join record ``record`` needs another's state to reach ``committed``."""
+    applied = max(int(record["committed"]), int(record["voted"] or 0))
+    return applied < committed and not (record["catches_up"] and applied == committed - 1)
 
 
 def probe(member: Member, secret: bytes) -> tuple[str, int | None]:

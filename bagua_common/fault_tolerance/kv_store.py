@@ -2,7 +2,8 @@
 
 Framework-free (no torch, no jax), so both front ends share it and a member's store lives as
 long as its process. Values are bytes; nothing is ever unpickled. Operations: ``set``, ``get``
-(waiting server-side up to a timeout for the key to appear), ``add`` (an integer counter),
+(waiting server-side up to a timeout for the key to appear), ``add`` (an integer counter; it may also read
+another key in the same round trip),
 ``compare_set``, ``delete``, ``ping`` and ``hello`` (registers the connection as a member's:
 when it closes, the server's ``on_disconnect`` is called with the member's id at once, which is
 how a killed member is noticed within milliseconds; with several connections registered under one
@@ -17,7 +18,8 @@ for "kv-store server", which the client checks (a process squatting on a member'
 
 Wire format, both directions: a frame is ``!BII`` (operation or status, key length, value
 length), then the key and the value. ``get``'s value is its wait in seconds (``!d``),
-``add``'s the amount (``!q``), ``compare_set``'s ``!I`` + expected + desired.
+``add``'s the amount (``!q``) then the key to read, if any (its reply: the total, ``!q``, then, for that key, a byte
+1 and its value, or 0), ``compare_set``'s ``!I`` + expected + desired.
 """
 
 from __future__ import annotations
@@ -187,11 +189,14 @@ class KVServer:
             if kind == _CHECK:
                 return (_OK, self._data[key]) if key in self._data else (_MISSING, b"")
             if kind == _ADD:
-                (amount,) = struct.unpack("!q", value)
+                (amount,), other = struct.unpack("!q", value[:8]), value[8:]
                 total = int(self._data.get(key, b"0")) + amount
                 self._data[key] = str(total).encode()
                 self._changed.notify_all()
-                return _OK, struct.pack("!q", total)
+                if not other:
+                    return _OK, struct.pack("!q", total)
+                seen = b"\x01" + self._data[other] if other in self._data else b"\x00"
+                return _OK, struct.pack("!q", total) + seen
             if kind == _CAS:
                 (length,) = struct.unpack("!I", value[:4])
                 expected, desired = value[4 : 4 + length], value[4 + length :]
@@ -255,6 +260,13 @@ class StoreClient:
     def add(self, key: str, amount: int = 1) -> int:
         """Add ``amount`` to the integer counter ``key`` (0 if unset); return the new total."""
         return struct.unpack("!q", self._request(_ADD, key.encode(), struct.pack("!q", amount))[1])[0]
+
+    def add_and_check(self, key: str, amount: int, other: str) -> tuple[int, bytes | None]:
+        """:meth:`add`, and :meth:`check` of ``other`` as it was then, in one round trip: the new total and
+        ``other``'s value (None if unset)."""
+        reply = self._request(_ADD, key.encode(), struct.pack("!q", amount) + other.encode())[1]
+        (total,) = struct.unpack("!q", reply[:8])
+        return total, reply[9:] if reply[8:9] == b"\x01" else None
 
     def compare_set(self, key: str, expected: bytes | str, desired: bytes | str) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (b"" matches an unset key); return its value after."""

@@ -8,7 +8,10 @@ of its votes turns the register from ``T`` to ``T+1`` (:mod:`.decision`); closin
 ``T closed``; both are compare-and-set, so every member sees the same outcome. A per-step transaction is voted
 *ahead* (:meth:`Membership.vote_ahead`): applied as soon as this member's collectives completed, without waiting
 for the last vote, so no member waits for the slowest one's collectives every step; after a failure, the
-survivors that had not applied it get the state of one that had.
+survivors that had not applied it get the state of one that had. Where the replicas differ (decentralized
+averaging, whose exchange completes with one peer), a step is voted *one ahead* (:meth:`Membership.vote_one_ahead`):
+applied once the step before it committed, so the survivors are at most one step apart, and one behind trains that
+step itself.
 
 Each member runs one monitor thread: it waits on the epoch's ``closed`` key (a blocking get,
 woken at once by a closure), sends heartbeats, and on the coordinator also watches the others'
@@ -42,7 +45,6 @@ from bagua_common.fault_tolerance.epoch import (
     Member,
     Recovery,
     close_epoch,
-    count_vote,
     leave_epoch,
     publish_epoch,
     read_epoch,
@@ -59,11 +61,12 @@ from bagua_common.fault_tolerance.kv_store import (
 )
 from bagua_common.fault_tolerance.progress import ProgressWatch
 from bagua_common.fault_tolerance.settings import FaultToleranceSettings
+from bagua_common.fault_tolerance.voting import Voting
 
 __all__ = ["Membership"]
 
 
-class Membership:
+class Membership(Voting):
     """This process's membership of a fault-tolerant job (see the module docstring).
 
     Build it with :meth:`start` (the launcher's ranks, together) or :meth:`join` (a process joining a
@@ -86,6 +89,9 @@ class Membership:
         # Whether the members apply a transaction before its outcome (vote_ahead: the epoch drains a transaction
         # later) or wait for it (commit); unknown until this member's first vote, and no joiner is admitted before.
         self.votes_ahead: bool | None = None
+        self.catches_up = False
+        """Set by the front end voting one ahead (:meth:`vote_one_ahead`) while this member, one transaction behind
+        the others at a change, can take that transaction by itself from its own state; else it is given another's."""
         self._recovering = 0  # training-thread calls waiting in recover()
         self._older: list[Epoch] = []  # epochs that ended after a commit, whose groups may still be in use
         self._heartbeats: dict[str, tuple[int, float, int]] = {}
@@ -169,60 +175,6 @@ class Membership:
         """The latest epoch the monitor knows (the training thread uses the one :meth:`recover` gave it)."""
         assert self._epoch is not None
         return self._epoch
-
-    def commit(self, epoch: Epoch, transaction: int) -> bool:
-        """Vote for ``transaction`` (the next one: ``committed + 1``) in ``epoch`` once this member's collectives
-        for it completed, and return whether it committed: True, apply it; False, abandon it (the epoch closed
-        first) and take the next epoch from :meth:`recover`. When the coordinator's store is gone before the
-        outcome is known, waits for the next epoch, whose agreed ``committed`` decides. Raises what :meth:`recover`
-        would when the monitor finds the job gone on without this member (stopped past ``dead_after``)."""
-        assert epoch.store is not None
-        with self._lock:
-            self._voted, self.votes_ahead = transaction, False
-        try:
-            decision = count_vote(epoch.store, epoch, transaction)[1] or self._outcome(epoch, transaction)
-            committed = decision.committed >= transaction
-            epoch.mark_decided(decision)
-        except StoreUnreachable:
-            committed = self.recover(epoch).committed >= transaction
-        with self._lock:
-            self._voted = None
-            if committed:
-                self._committed = max(self._committed, transaction)
-            self._lock.notify_all()
-        return committed
-
-    def vote_ahead(self, epoch: Epoch, transaction: int) -> bool:
-        """Vote for ``transaction`` once this member's collectives for it completed, and apply it without waiting
-        for the others' votes (a per-step transaction: a step applied by any survivor counts, and the survivors
-        that did not apply it get the state of one that did at the recovery, see :class:`Formation`). Returns
-        True, apply it; False only when this member's record for the next epoch went out without it (abandon it
-        then, and take the next epoch from :meth:`recover`). Waits for the outcome only when the transaction ends
-        the epoch (to admit a joiner)."""
-        assert epoch.store is not None
-        with self._lock:
-            self.votes_ahead = True
-            if self._recorded >= epoch.number:
-                return False
-            self._committed = max(self._committed, transaction)
-        try:
-            ends_epoch, decision = count_vote(epoch.store, epoch, transaction, waiters=False)
-            if decision is None and ends_epoch:
-                decision = self._outcome(epoch, transaction)
-            if decision is not None:
-                epoch.mark_decided(decision)
-        except StoreUnreachable:
-            pass  # the coordinator is gone: the monitor closes the epoch, and the survivors' records decide
-        return True
-
-    def _outcome(self, epoch: Epoch, transaction: int) -> Decision:
-        """The register's value once ``transaction``'s last vote is in, or the epoch closed before it."""
-        assert epoch.store is not None
-        key, period = f"{epoch.prefix()}done/{transaction}", self.settings.heartbeat_period
-        while (done := epoch.store.get(key, wait=period)) is None:
-            if self._failure is not None:
-                raise self._failure
-        return Decision.decode(done)
 
     def fail(self, epoch: Epoch, reason: str) -> None:
         """Close ``epoch`` because something failed on this member (a collective raised, a peer hung)."""
@@ -409,6 +361,7 @@ class Membership:
                 "last_epoch": leaving.number,
                 "committed": self._committed,
                 "voted": self._voted,
+                "catches_up": self.catches_up,
             }
 
     # --- ending ---------------------------------------------------------------------------

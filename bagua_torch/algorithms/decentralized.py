@@ -123,8 +123,9 @@ class JoinerSitsOutOneStep(AlgorithmImpl):
     """What the two algorithms that exchange weights (decentralized, low-precision decentralized) do when a fault-
     tolerant job admits a rank: it sits out the step after its admission while its state (the first member's
     weights and optimizer state) travels, and the members train that step without exchanging (the joiner has no
-    weights to exchange yet), so that none waits for the transfer. Counts ``step`` (iterations), ``_step_in_flight``
-    (the one its vote is for) and ``_committed_step`` (what a change carries)."""
+    weights to exchange yet), so that none waits for the transfer; and when a rank's exchange failed where the
+    others' completed, it takes that step by itself (:meth:`step_alone`). Counts ``step`` (iterations),
+    ``_step_in_flight`` (the one its vote is for) and ``_committed_step`` (what a change carries)."""
 
     step: int
     _step_in_flight: int
@@ -144,6 +145,13 @@ class JoinerSitsOutOneStep(AlgorithmImpl):
     def others_sit_out(self, steps: int) -> None:
         """Exchange nothing in the next ``steps`` steps: a rank sitting them out has no weights to exchange yet."""
         self._exchanges_from = self.step + steps
+
+    def step_alone(self) -> None:
+        """Make the next iteration the one after the last committed, exchanging nothing: the step this rank takes by
+        itself, its optimizer stepping the gradients it holds (:class:`bagua_torch.fault_tolerance.FaultTolerance`; an
+        attempt that failed may have counted it already)."""
+        self.step = self._committed_step
+        self._exchanges_from = self.step + 1
 
     def exchanges_now(self) -> bool:
         """Whether this iteration exchanges weights: a communicating one (the same counter on every rank) that no
