@@ -292,7 +292,9 @@ class FaultTolerantTrainer(StateSharing):
                 vote = self.membership.vote_ahead
             else:
                 vote = self.membership.vote_one_ahead if one_ahead else self.membership.commit
-            if vote(epoch, transaction):
+            applied = vote(epoch, transaction)
+            self.membership.catches_up = False  # until the next step: one behind then, it has no batch to take it
+            if applied:
                 self._apply(trainers)
                 pending = self._check_after
                 due = (
@@ -312,6 +314,7 @@ class FaultTolerantTrainer(StateSharing):
             computed = _StepBehind(lambda: (new_state, result), trainers) if one_ahead else None
             state = self._recover(state, computed)
             if computed is not None and computed.taken:  # its record went out without it; the others applied it
+                self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
                 return state, result
 
     def save(self, root: str | os.PathLike, state: Any) -> Path | None:

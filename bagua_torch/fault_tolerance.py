@@ -164,11 +164,13 @@ class FaultTolerance(StateSharing):
             vote = self.membership.vote_one_ahead if self._votes_one_ahead() else self.membership.commit
         if not vote(self.epoch, self.committed + 1):
             raise MembershipChanged(f"step {self.step + 1} was not committed: the members changed")
+        self.membership.catches_up = False  # applied: one behind now is behind a step it has not begun
         self._transaction_committed()
 
     def optimizer_stepping(self) -> None:
-        """Called by a wrapped model as its optimizer steps (its gradients complete): from now until the attempt ends,
-        this member, one behind the others at a change, can take the step by itself (:meth:`_votes_one_ahead`)."""
+        """Called by a wrapped model as its optimizer steps (its gradients complete): from now until the step applies
+        or its attempt ends, this member, one behind the others at a change, can take the step by itself
+        (:meth:`_votes_one_ahead`); else, one behind, it is given the state."""
         assert self.membership is not None
         self.membership.catches_up = self._votes_one_ahead()
 
@@ -235,6 +237,7 @@ class FaultTolerance(StateSharing):
 
     def _attempt_ended(self, error: BaseException | None, trainers: int) -> bool:
         assert self.membership is not None and self.epoch is not None
+        catches_up, self.membership.catches_up = self.membership.catches_up, False  # no step in flight now
         if error is None:
             self._step_done(trainers)
             return False
@@ -246,7 +249,7 @@ class FaultTolerance(StateSharing):
         interrupted = self._committed_this_attempt or isinstance(error, ExchangeInterrupted)
         if interrupted:
             self._step_done(trainers)
-        alone = None if interrupted or not self.membership.catches_up else trainers
+        alone = None if interrupted or not catches_up else trainers
         self._change_epoch(lost_step=not interrupted, alone=alone)
         return True
 
@@ -283,6 +286,7 @@ class FaultTolerance(StateSharing):
                     for optimizer in module.stepping_optimizers:
                         optimizer.step()
                     module.algorithm_impl.on_commit()
+                self.membership.catches_up = False  # set again by the optimizers' hooks: no step is in flight
                 self._step_done(alone)
             self.committed = recovery.committed
             self._enter_or_recover(recovery.epoch)

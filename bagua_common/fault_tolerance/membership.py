@@ -91,7 +91,8 @@ class Membership(Voting):
         self.votes_ahead: bool | None = None
         self.catches_up = False
         """Set by the front end voting one ahead (:meth:`vote_one_ahead`) while this member, one transaction behind
-        the others at a change, can take that transaction by itself from its own state; else it is given another's."""
+        the others at a change, can take that transaction by itself from its own state (from a step's start, or its
+        gradients, until its vote applies it); else it is given another's."""
         self._recovering = 0  # training-thread calls waiting in recover()
         self._older: list[Epoch] = []  # epochs that ended after a commit, whose groups may still be in use
         self._heartbeats: dict[str, tuple[int, float, int]] = {}
