@@ -31,6 +31,7 @@ _COMMUNICATION_FAILURES = (
     "closed its connection",  # the TCP engine's: a peer died, or its own collective failed
     "the connection to rank",
     "was abandoned",  # the TCP engine's build: the members changed again while it connected them
+    "before the build's timeout",  # the TCP engine's build: a member, alive, reached it later (busy in its step)
 )
 
 

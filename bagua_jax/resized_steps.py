@@ -19,7 +19,7 @@ from typing import Any
 from bagua_common.comm.topology import Communicators
 from bagua_common.fault_tolerance import FaultToleranceSettings
 from bagua_common.fault_tolerance.admission import job_size
-from bagua_common.fault_tolerance.background import in_background
+from bagua_common.fault_tolerance.background import COMPILING_AHEAD, in_background
 from bagua_jax import state_rules
 from bagua_jax.train_state import TrainState, unwrap_state
 from bagua_jax.trainer import DataParallel
@@ -61,7 +61,7 @@ class ResizedSteps:
         for around in (size - 1, size + 1):  # a death first: more common than an admission
             if around >= 1:  # one after the other: the second would only slow the first
                 compile_it = partial(self._compiled, around, state, batch, role_tree, previous)
-                self._ready[around] = previous = in_background(compile_it, f"bagua-ft-resize-{around}")
+                self._ready[around] = previous = in_background(compile_it, f"{COMPILING_AHEAD}-resize-{around}")
 
     def compile_for_joining(
         self, state: Any, batch: Any, role_tree: TrainState, settings: FaultToleranceSettings, master: tuple[str, int]

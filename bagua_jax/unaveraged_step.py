@@ -26,7 +26,7 @@ from typing import Any
 
 import jax
 
-from bagua_common.fault_tolerance.background import in_background
+from bagua_common.fault_tolerance.background import COMPILING_AHEAD, in_background
 from bagua_jax.algorithms.decentralized import DecentralizedState, WithoutAveraging
 from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralizedState
 from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
@@ -52,7 +52,7 @@ class UnaveragedStep:
         """Compile the step for ``state``'s and ``batch``'s shapes on a thread, once (later calls do nothing);
         :meth:`step` waits for it."""
         if self._compiled is None:
-            self._compiled = in_background(lambda: self._trainer.compile(state, batch), "bagua-ft-compile")
+            self._compiled = in_background(lambda: self._trainer.compile(state, batch), COMPILING_AHEAD)
 
     def compile_loss(self, state: Any, batch: Any) -> None:
         """Compile :meth:`loss` for ``state``'s and ``batch``'s shapes without running it (a joiner, before it asks)."""

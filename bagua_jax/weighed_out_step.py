@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from bagua_common.fault_tolerance import Epoch
-from bagua_common.fault_tolerance.background import in_background, wait_unless
+from bagua_common.fault_tolerance.background import COMPILING_AHEAD, in_background, wait_unless
 from bagua_jax import state_rules
 from bagua_jax.signature import check_batches_differ
 from bagua_jax.state_transfer import state_from_bytes
@@ -101,7 +101,7 @@ class WeighedOutStep:
         :meth:`DataParallel.step` takes) and ``batch``'s shapes on a thread, without running them; once (later calls
         do nothing). :meth:`step` waits for it."""
         if self._compiled is None:
-            self._compiled = in_background(lambda: self._compile(unwrap_state(state), batch), "bagua-ft-compile")
+            self._compiled = in_background(lambda: self._compile(unwrap_state(state), batch), COMPILING_AHEAD)
 
     def compile(self, state: Any, batch: Any) -> None:
         """:meth:`compile_in_background`, waited for: a joiner compiles before it asks to be admitted."""

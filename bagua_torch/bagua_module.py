@@ -330,10 +330,9 @@ class BaguaModule(nn.Module):
         def before(_optimizer: Any, args: Any, kwargs: Any) -> None:
             self.wait_gradients()
             job = self._fault_tolerance
-            if job is not None:
-                job.optimizer_stepping()
+            votes = job is not None and job.optimizer_stepping()
             self.algorithm_impl.before_step(wrapped)
-            if job is not None and wrapped is self.optimizers[-1] and self.algorithm_impl.transaction_per_step:
+            if votes and wrapped is self.optimizers[-1] and self.algorithm_impl.transaction_per_step:
                 job.commit_step()
 
         def after(_optimizer: Any, args: Any, kwargs: Any) -> None:

@@ -118,6 +118,7 @@ class FaultTolerance(StateSharing):
         noticed, to the step running again), ``steps_lost`` (0 or 1), ``caught_up`` (1: the step the others applied
         taken by itself, :meth:`_change_epoch`), ``joined`` (members admitted)."""
         self._voted_this_attempt = self._committed_this_attempt = False
+        self._stepping_alone = False  # the optimizers step the step the others committed: their hooks vote for nothing
         self._failure_seen: float | None = None
         self._checked = self._sat_out_through = -1  # the last step the replicas were checked; a joiner sat out
         self._sitting_out: tuple[int, ...] = ()  # the ranks given the state in the background, until they commit
@@ -167,12 +168,16 @@ class FaultTolerance(StateSharing):
         self.membership.catches_up = False  # applied: one behind now is behind a step it has not begun
         self._transaction_committed()
 
-    def optimizer_stepping(self) -> None:
-        """Called by a wrapped model as its optimizer steps (its gradients complete): from now until the step applies
-        or its attempt ends, this member, one behind the others at a change, can take the step by itself
-        (:meth:`_votes_one_ahead`); else, one behind, it is given the state."""
+    def optimizer_stepping(self) -> bool:
+        """Called by a wrapped model as its optimizer steps (its gradients complete); returns whether the step is
+        voted for: not the step this member takes alone after a change (:meth:`_change_epoch`), which the others
+        committed. From a voted step's call until it applies or its attempt ends, this member, one behind the others
+        at a change, can take the step by itself (:meth:`_votes_one_ahead`); else, one behind, it is given the state."""
         assert self.membership is not None
+        if self._stepping_alone:
+            return False
         self.membership.catches_up = self._votes_one_ahead()
+        return True
 
     def _votes_one_ahead(self) -> bool:
         """Whether this step is voted one ahead: every model's algorithm exchanges weights with peers (its replicas
@@ -233,7 +238,6 @@ class FaultTolerance(StateSharing):
 
     def _attempt_started(self) -> None:
         self._voted_this_attempt = self._committed_this_attempt = False
-        self.membership.catches_up = False  # until its gradients are complete
 
     def _attempt_ended(self, error: BaseException | None, trainers: int) -> bool:
         assert self.membership is not None and self.epoch is not None
@@ -280,13 +284,15 @@ class FaultTolerance(StateSharing):
         caught_up = False
         if recovery is not None:
             if alone is not None and recovery.committed == self.committed + 1 and not recovery.epoch.is_joiner():
-                self._voted_this_attempt = caught_up = True  # the others committed it: the hooks vote for nothing
-                for module in self.modules:  # its gradients stepped, exchanging nothing; before the rebuild carries it
-                    module.algorithm_impl.step_alone()
-                    for optimizer in module.stepping_optimizers:
-                        optimizer.step()
-                    module.algorithm_impl.on_commit()
-                self.membership.catches_up = False  # set again by the optimizers' hooks: no step is in flight
+                self._stepping_alone = caught_up = True
+                try:
+                    for module in self.modules:  # its gradients stepped, exchanging nothing; before the rebuild
+                        module.algorithm_impl.step_alone()
+                        for optimizer in module.stepping_optimizers:
+                            optimizer.step()
+                        module.algorithm_impl.on_commit()
+                finally:
+                    self._stepping_alone = False
                 self._step_done(alone)
             self.committed = recovery.committed
             self._enter_or_recover(recovery.epoch)

@@ -252,12 +252,14 @@ def launch(args: argparse.Namespace, workdir: Path) -> list[int]:
 
 def compiles_ahead_waited() -> float:
     """Wait for the steps the fault-tolerant trainer compiles from threads after its first steps (a joiner's first
-    step: ``bagua-ft-compile``; the world sizes one change brings: ``bagua-ft-resize-N``); the seconds waited. They
+    step, the world sizes one change brings: the threads named from ``COMPILING_AHEAD``); the seconds waited. They
     share the cores with the training once, at the start and after each change (the fault-tolerance guide gives
     their cost), so the overhead's rounds begin after them and time the steady state."""
+    from bagua_common.fault_tolerance.background import COMPILING_AHEAD
+
     started = time.perf_counter()
     for thread in threading.enumerate():
-        if thread.name.startswith(("bagua-ft-compile", "bagua-ft-resize-")):
+        if thread.name.startswith(COMPILING_AHEAD):
             thread.join()
     return time.perf_counter() - started
 

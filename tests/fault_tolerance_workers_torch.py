@@ -63,6 +63,18 @@ from bagua_torch.torch_api import allreduce_inplace
 from benchmarks.harness.links import cut_own_link
 
 SAMPLES, FEATURES = 96, 6
+LEARNING_RATE, MOMENTUM = 0.05, 0.9  # the SGD the ranks train with (but under QAdam and 1-bit Adam)
+
+
+def regression_net() -> torch.nn.Module:
+    """The ranks' model, with the parameters torch's global generator gives it."""
+    return torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+
+def samples() -> tuple[torch.Tensor, torch.Tensor]:
+    """The job's inputs and targets, indexed by the samplers' indices."""
+    x = torch.randn(SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
+    return x, x.sum(dim=1, keepdim=True).sin()
 
 
 _REPORTING = threading.Lock()  # reports come from the exchange's thread too: one line at a time
@@ -243,7 +255,7 @@ def main() -> None:
     job = group.fault_tolerance
     report(event="start", joiner=joiner, rank=rank)
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    net = regression_net()
     name, _, options = os.environ["FT_ALGORITHM"].partition(" ")
     options = json.loads(options or "{}")
     exchange_every = options.get("sync_every", 100) if name == "diloco" else 0
@@ -252,7 +264,7 @@ def main() -> None:
         optimizer = adam.optimizer_class(net.parameters(), lr=0.01, warmup_steps=options.pop("warmup_steps"))
         algorithm = adam(optimizer, **options)
     else:
-        optimizer = torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
+        optimizer = torch.optim.SGD(net.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
         algorithm = get_algorithm(name, **options)
     step_hook = {"step": 0}
     # registered first: runs before the wrapper's pre-hooks, after the backward's collectives, before the vote
@@ -262,8 +274,7 @@ def main() -> None:
         optimizer = bagua_torch.fuse_optimizer(optimizer, module=model)
         # the fused optimizer takes the wrapper's pre-hooks first: its "before_vote" point runs after them
         optimizer.register_step_pre_hook(lambda *_: fault(faults, rank, step_hook["step"], "before_vote"))
-    data_x = torch.randn(SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
-    data_y = data_x.sum(dim=1, keepdim=True).sin()
+    data_x, data_y = samples()
     data = DataPosition(SAMPLES, batch_per_rank=4, seed=3)
     net[0].weight.register_hook(lambda g: fault(faults, rank, step_hook["step"], "backward"))
     checkpoints = os.environ.get("FT_CHECKPOINTS")
@@ -300,7 +311,8 @@ def main() -> None:
             fields = {"summed": int(summed.item())} if loop_allreduce else {}
             if os.environ.get("FT_REPORT_PARAMS") == "1":
                 fields["params"] = [v for p in net.parameters() for v in p.detach().reshape(-1).tolist()]
-                buffers = [optimizer.state[p].get("momentum_buffer") for p in net.parameters()]
+                state = optimizer.state_dict()["state"]  # per parameter, also the fused optimizer's
+                buffers = [state.get(i, {}).get("momentum_buffer") for i in range(len(list(net.parameters())))]
                 if not adam and all(b is not None for b in buffers):
                     fields["momentum"] = [v for b in buffers for v in b.reshape(-1).tolist()]
             if exchange_every and step.number % exchange_every == 0:  # DiLoCo's round start after this exchange

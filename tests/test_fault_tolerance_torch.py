@@ -686,20 +686,25 @@ def test_decentralized_training_with_the_fused_optimizer_carries_its_momentum_th
     assert len({params.tobytes() for params in ends[True].values()}) == 3  # each drifted its own way
 
 
-def test_decentralized_survivors_of_a_hang_mid_exchange_go_on(jobs):
+@pytest.mark.parametrize(
+    ("interval", "fused"), [(1, False), (1, True), (2, False)], ids=["plain", "fused", "every-second-step"]
+)
+def test_decentralized_survivors_of_a_hang_mid_exchange_go_on(jobs, interval, fused):
     # Rank 3 hangs (SIGSTOP) in its backward pass at step 3: its shift_one peer waits for its weights in their
     # exchange (gloo's send and recv, which torch cannot abort) until the missed heartbeats close the epoch, and gives
     # up there (it failed on the work's missing abort()). The other pair's exchange completed: voting one ahead (step
     # 2 had every vote), they applied step 3 and lose their attempt at step 4, blocked on the two others. The peer,
-    # one step behind them, takes step 3 by itself (its own gradient, its weights unaveraged): no survivor loses a
-    # step it trained, and the three go on, averaging over all three. Rank 3's part of step 3 is lost with it.
+    # one step behind them, takes step 3 by itself (its own gradient, its weights unaveraged; with its optimizer fused
+    # over the buckets too): no survivor loses a step it trained, and the three go on, averaging over all three.
+    # Rank 3's part of step 3 is lost with it. Exchanging every second step, step 3 (iteration 2) exchanges too.
     hang = {"rank": 3, "step": 3, "where": "backward", "kind": "stop"}
-    job = jobs(4, DECENTRALIZED_SHIFT_ONE, [hang], steps=6, world=3, env={"FT_REPORT_PARAMS": "1"})
+    algorithm = f'decentralized {{"peer_selection_mode": "shift_one", "communication_interval": {interval}}}'
+    job = jobs(4, algorithm, [hang], steps=6, world=3, fused=fused, env={"FT_REPORT_PARAMS": "1"})
     job.finish()
     survivors = [pid for rank in range(3) for pid in job.pids(rank=rank)]
     ends = [job.of(pid, "end") for pid in survivors]
     assert all(ends), job.output()
-    peer = shift_one_peer(3, 2, 4)  # step 3 is communication round 2
+    peer = shift_one_peer(3, 2 // interval, 4)  # step 3 is iteration 2
     for pid in survivors:
         (recovery,) = job.of(pid, "end")[0]["recoveries"]
         alone = job.rank_of(pid) == peer
@@ -712,19 +717,55 @@ def test_decentralized_survivors_of_a_hang_mid_exchange_go_on(jobs):
     check_every_sample_once(job, lost_parts=1)
 
 
-def sgd_step_alone(before: dict, indices: list[int]) -> np.ndarray:
-    """Plain torch's parameters after one step of the workers' model and SGD (momentum 0.9), unaveraged, on
-    ``indices``, from the parameters and momentum of step report ``before``."""
-    import torch
-    from fault_tolerance_workers_torch import FEATURES, SAMPLES
+def test_a_decentralized_member_one_behind_before_its_optimizer_steps_is_given_the_state(jobs):
+    # Exchanging every second step (steps 1, 3, 5, ...), the steps between vote one ahead and exchange nothing: ranks
+    # 0, 1 and 3 apply step 4 while rank 2 still computes its forward pass (slow), and rank 3 is killed as it starts
+    # step 5. Rank 2 is one step behind the others, and its join record says it cannot take that step by itself (its
+    # gradients were not complete): it abandons its attempt at step 4, is given the state holder's weights and
+    # optimizer state at step 4, bit for bit, takes no step alone and sits out step 5 while the state travels; ranks
+    # 0 and 1 lose their attempt at step 5. Rank 2's part of step 4 is lost, and rank 3's with its weights.
+    slow = DEAD_AFTER + 1  # the epoch closes while rank 2 is still in its forward pass (its heartbeats go on)
+    faults = [
+        {"rank": 2, "step": 4, "where": "forward", "kind": "slow", "seconds": slow},
+        {"rank": 3, "step": 5, "where": "forward", "kind": "kill"},
+    ]
+    algorithm = 'decentralized {"peer_selection_mode": "shift_one", "communication_interval": 2}'
+    job = jobs(4, algorithm, faults, steps=7, world=3)
+    job.finish()
+    survivors = [pid for rank in range(3) for pid in job.pids(rank=rank)]
+    assert all(job.of(pid, "end") for pid in survivors), job.output()
+    for pid in survivors:
+        (recovery,) = job.of(pid, "end")[0]["recoveries"]
+        behind = job.rank_of(pid) == 2
+        assert (recovery["size"], recovery["joined"], recovery["caught_up"]) == (3, 1, 0), (pid, recovery)
+        assert recovery["steps_lost"] == (0 if behind else 1), (pid, recovery)
+        # the others resume once rank 2 is out of its slow forward pass and takes part in the new epoch's groups
+        assert recovery["seconds"] < (RESUME_BAR if behind else slow + RESUME_BAR), (pid, recovery)
+        assert [e["step"] for e in job.of(pid, "retry")] == ([4] if behind else [5]), pid
+    entered = [e for pid in survivors for e in job.of(pid, "entered")]
+    (holder,) = [e for e in entered if e["rank"] == e["holder"]]
+    (given,) = [e for pid in job.pids(rank=2) for e in job.of(pid, "entered")]
+    assert (given["params"], given["optimizer"]) == (holder["params"], holder["optimizer"])
+    assert [(e["step"], e["world"]) for e in job.of(given["pid"], "step") if e["step"] > 3] == [(6, 3), (7, 3)]
+    check_every_sample_once(job, lost_parts=1)
 
-    net = torch.nn.Sequential(torch.nn.Linear(FEATURES, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+
+def sgd_step_alone(before: dict, indices: list[int]) -> np.ndarray:
+    """Plain torch's parameters after one step of the workers' model and SGD, unaveraged, on ``indices``, from the
+    parameters and momentum of step report ``before``."""
+    import torch
+    from fault_tolerance_workers_torch import LEARNING_RATE, MOMENTUM, regression_net, samples
+
+    net = regression_net()
     torch.nn.utils.vector_to_parameters(torch.tensor(before["params"]), net.parameters())
-    x = torch.randn(SAMPLES, FEATURES, generator=torch.Generator().manual_seed(1))
-    torch.nn.functional.mse_loss(net(x[indices]), x[indices].sum(dim=1, keepdim=True).sin()).backward()
-    gradient = torch.cat([p.grad.reshape(-1) for p in net.parameters()])
-    momentum = 0.9 * torch.tensor(before["momentum"]) + gradient
-    return (torch.tensor(before["params"]) - 0.05 * momentum).numpy()
+    x, y = samples()
+    optimizer = torch.optim.SGD(net.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
+    torch.nn.functional.mse_loss(net(x[indices]), y[indices]).backward()
+    params = list(net.parameters())
+    for p, buffer in zip(params, torch.tensor(before["momentum"]).split([p.numel() for p in params])):
+        optimizer.state[p]["momentum_buffer"] = buffer.view_as(p).clone()
+    optimizer.step()
+    return torch.nn.utils.parameters_to_vector(net.parameters()).detach().numpy()
 
 
 @pytest.mark.parametrize(

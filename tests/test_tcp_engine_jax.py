@@ -1,6 +1,7 @@
 """The JAX NativeCommunicator over the TCP engine: every collective against NumPy, and what a membership change
 needs of it (a dead peer failing the others at once, a revoke, shrinking to the survivors, admitting a newcomer, a build
-abandoned when the members change again, and ranks that call different collectives told so)."""
+abandoned when the members change again, one timed out taken for a change too, and ranks that call different
+collectives told so)."""
 
 import numpy as np
 import pytest
@@ -85,3 +86,21 @@ def test_a_build_waiting_for_a_rank_is_abandoned_at_once_and_the_others_build_ag
         assert waiting["seconds"] < 3, waiting  # not the 30-s timeout
         assert waiting["size"] == 2
         np.testing.assert_array_equal(waiting["after"], np.full(3, 4.0))  # 1 + 3
+
+
+def test_a_build_timed_out_waiting_for_a_rank_is_a_failure_the_next_epoch_retries():
+    # A member alive but still in its step (slower than the build's timeout) when the others rebuild after a change:
+    # the epoch fails and the survivors take the next one, as when a collective times out, instead of ending with
+    # the error (a member slow every time ends the job with NoProgress instead, as slow collectives do).
+    from bagua_common.comm import tcp_rendezvous
+    from bagua_jax.epoch_communicator import communication_failure
+
+    server = KVServer("127.0.0.1", secret=SECRET)
+    try:
+        with pytest.raises(TimeoutError) as timed_out:
+            tcp_rendezvous.assemble(None, server.in_process_client(), "e1/", 0, 2, "127.0.0.1:1", "world", 0.2)
+    finally:
+        server.close()
+    assert "'e1/address/1'" in str(timed_out.value)
+    assert communication_failure(timed_out.value)
+    assert not communication_failure(TimeoutError("a timeout of the user's own code"))

@@ -18,9 +18,13 @@ from typing import Any
 from bagua_common.fault_tolerance.errors import MembershipChanged
 from bagua_common.fault_tolerance.kv_store import StoreClient
 
-__all__ = ["get_unless", "in_background", "wait_unless"]
+__all__ = ["COMPILING_AHEAD", "get_unless", "in_background", "wait_unless"]
 
 _POLL_S = 0.05  # how often a wait looks whether its event was set meanwhile
+
+COMPILING_AHEAD = "bagua-ft-compile"
+"""The prefix of the names of the threads that compile steps before they are needed (JAX: a joiner's first step, the
+world sizes a change brings): a benchmark of the steady state waits for them first."""
 
 
 def in_background(work: Callable[[], Any], name: str) -> Future:

@@ -95,11 +95,9 @@ class Voting:
             # t - 1 committed, and the epoch did not end with it (closed after it, t counts: the records decide)
             ended_before = before.committed == transaction - 1 and before.state == "ended"
             applies = before.committed >= transaction - 1 and not ended_before
-            epoch.mark_decided(before)
             if applies and decision is None and ends_epoch:
                 decision = self._outcome(epoch, transaction)
-            if decision is not None:
-                epoch.mark_decided(decision)
+            epoch.mark_decided(decision or before)
         except StoreUnreachable:  # the coordinator is gone: the next epoch's committed counts this member's vote
             applies = self.recover(epoch).committed >= transaction
         return self._decided(transaction, applies)
