@@ -55,6 +55,9 @@ EXTENDED: dict[str, str] = {
         "a decentralized member back from a partition (9-10 s each; a partitioned member's return under gradient "
         "allreduce and a decentralized joiner's state stay quick in both front ends)"
     ),
+    r"test_fault_tolerance_torch\.py::test_decentralized_survivors_of_a_hang_mid_exchange_go_on\[(fused|every-"
+    r"second-step)\]": "the decentralized step taken alone with the optimizer fused, and exchanging every second "
+    "step (8 s each; the plain optimizer's stays quick)",
     r"test_fault_tolerance_jax\.py::test_diloco_survivors_of_a_hang_mid_round_and_a_kill_in_an_exchange_lose_no_"
     r"inner_step\[(diloco-uint8|streaming-uint8)\]": "the 8-bit and Streaming variants of JAX's DiLoCo survivors "
     "(10 s each; the full-precision case stays quick)",

@@ -51,7 +51,7 @@ class Job:
     ):
         self.env = {
             **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
-            "PYTHONPATH": str(TESTS.parent),
+            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS.parent / "benchmarks")]),  # and the harness
             "BAGUA_FAULT_TOLERANCE": "1",
             "BAGUA_FT_HEARTBEAT": "0.05",
             "BAGUA_FT_DEAD_AFTER": str(DEAD_AFTER),

@@ -42,11 +42,11 @@ import threading
 import time
 
 import numpy as np
+from harness.links import cut_own_link
 from ring_copies import ring_digests
 
 from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings, Membership
 from bagua_common.fault_tolerance.kv_store import advertised_host
-from benchmarks.harness.links import cut_own_link
 
 SAMPLES, FEATURES, BATCH_PER_RANK, LR = 120, 5, 4, 0.1
 ENGINE = os.environ.get("FT_ENGINE", "tcp")

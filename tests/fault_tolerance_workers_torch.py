@@ -47,6 +47,7 @@ import time
 from pathlib import Path
 
 import torch
+from harness.links import cut_own_link
 from ring_copies import ring_digests
 from stack_dumps import dump_on_request
 
@@ -60,7 +61,6 @@ from bagua_torch.algorithms.onebit_adam import OneBitAdamAlgorithm
 from bagua_torch.algorithms.qadam import QAdamAlgorithm
 from bagua_torch.fault_tolerance import FaultTolerance
 from bagua_torch.torch_api import allreduce_inplace
-from benchmarks.harness.links import cut_own_link
 
 SAMPLES, FEATURES = 96, 6
 LEARNING_RATE, MOMENTUM = 0.05, 0.9  # the SGD the ranks train with (but under QAdam and 1-bit Adam)

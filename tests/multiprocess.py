@@ -79,8 +79,10 @@ def run_ranks(
         "MASTER_ADDR": "127.0.0.1" if network is None else network.master_addr,
         "MASTER_PORT": str(free_port()),
         "BAGUA_TEST_WORKDIR": str(workdir),
-        # The ranks import this checkout's packages and the test modules, whatever the cwd.
-        "PYTHONPATH": os.pathsep.join([str(TESTS), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]),
+        # The ranks import this checkout's packages, the test modules and the benchmarks' harness, whatever the cwd.
+        "PYTHONPATH": os.pathsep.join(
+            [str(TESTS), str(TESTS.parent), str(TESTS.parent / "benchmarks"), os.environ.get("PYTHONPATH", "")]
+        ),
         "PYTHONUNBUFFERED": "1",
     }
     command = [sys.executable, "-m", "rank_main", target]

@@ -130,8 +130,7 @@ def exchange_with_a_late_peer(comm, count: int, late_seconds: float) -> dict:
 
     import jax
     import jax.numpy as jnp
-
-    from benchmarks.harness.links import bytes_sent
+    from harness.links import bytes_sent
 
     rank = int(comm.rank())
     exchange = jax.jit(lambda x: comm.send_recv(x, jnp.array([1 - rank], jnp.int32))[0])
