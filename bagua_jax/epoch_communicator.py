@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from bagua_common.comm.tcp_rendezvous import BuildIncomplete
 from bagua_common.fault_tolerance import (
     Epoch,
     Evicted,
@@ -31,7 +32,6 @@ _COMMUNICATION_FAILURES = (
     "closed its connection",  # the TCP engine's: a peer died, or its own collective failed
     "the connection to rank",
     "was abandoned",  # the TCP engine's build: the members changed again while it connected them
-    "before the build's timeout",  # the TCP engine's build: a member, alive, reached it later (busy in its step)
 )
 
 
@@ -42,7 +42,7 @@ _COMMUNICATOR_PREFIX = "communicator/"
 def communication_failure(error: Exception) -> bool:
     """Whether ``error`` means the work cannot finish with these members (retried in the next epoch): a membership
     change, a failed collective, or the coordinator's store gone with its process."""
-    if isinstance(error, (MembershipChanged, StoreUnreachable)):
+    if isinstance(error, (MembershipChanged, StoreUnreachable, BuildIncomplete)):
         return True
     return any(text in str(error) for text in _COMMUNICATION_FAILURES)
 

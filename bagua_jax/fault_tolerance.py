@@ -242,8 +242,6 @@ class FaultTolerantTrainer(StateSharing):
         while True:
             epoch, transaction = self.epoch, self.committed + 1
             exchange = self._is_transaction(state)
-            if failed_at is not None:
-                self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
             place, trainers = self._training_place(epoch)
             unaveraged = self._unaveraged_step is not None and bool(self._sitting_out)
             sat_out = unaveraged and epoch.members[epoch.rank].id in self._sitting_out  # a joiner: the members train
@@ -278,44 +276,45 @@ class FaultTolerantTrainer(StateSharing):
                     self.communicator.set_average_divisor(None)
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
                 fail_epoch(self.membership, epoch, error)
-                failed_at = time.monotonic() if failed_at is None else failed_at
-                alone = _StepBehind(partial(self._unaveraged_step.step, state, batch), trainers) if one_ahead else None
-                state = self._recover(state, alone)
-                if alone is not None and alone.taken:  # the others applied it; this member's exchange failed
-                    self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
-                    return state, alone.result
-                continue
-            if not exchange:
-                self.data.advance(trainers)
-                return new_state, result
-            if self._votes_ahead:
-                vote = self.membership.vote_ahead
+                # Should the others have applied it, this member's exchange having failed: it trains the step alone.
+                behind = _StepBehind(partial(self._unaveraged_step.step, state, batch), trainers) if one_ahead else None
             else:
-                vote = self.membership.vote_one_ahead if one_ahead else self.membership.commit
-            applied = vote(epoch, transaction)
-            self.membership.catches_up = False  # until the next step: one behind then, it has no batch to take it
-            if applied:
-                self._apply(trainers)
-                pending = self._check_after
-                due = (
-                    self.committed >= pending if pending else self.hash_every and self.committed % self.hash_every == 0
-                )
-                if due and not epoch.closed.is_set():
-                    self._check_after = None
-                    try:
-                        self.check_replicas(new_state, f"at step {self.committed}")
-                    except Exception as error:  # noqa: BLE001 - as above; the recovery checks the replicas
-                        fail_epoch(self.membership, epoch, error)
-                        new_state = self._recover(new_state)
-                if sat_out:  # the loss of the state it was given, on the first member's samples, once it voted
-                    result = self._unaveraged_step.loss(state, batch)
-                return new_state, result
+                if not exchange:
+                    self.data.advance(trainers)
+                    return new_state, result
+                if self._votes_ahead:
+                    vote = self.membership.vote_ahead
+                else:
+                    vote = self.membership.vote_one_ahead if one_ahead else self.membership.commit
+                applied = vote(epoch, transaction)
+                self.membership.catches_up = False  # until the next step: one behind then, it has no batch to take it
+                if applied:
+                    return self._applied(epoch, trainers, state, new_state, result, batch, sat_out)
+                # Should the others have applied it, its record having gone out without it: it takes its own step.
+                behind = _StepBehind(lambda: (new_state, result), trainers) if one_ahead else None
             failed_at = time.monotonic() if failed_at is None else failed_at
-            computed = _StepBehind(lambda: (new_state, result), trainers) if one_ahead else None
-            state = self._recover(state, computed)
-            if computed is not None and computed.taken:  # its record went out without it; the others applied it
-                self.recoveries[-1]["resume_seconds"] = time.monotonic() - failed_at
-                return state, result
+            state = self._recover(state, behind, failed_at)
+            if behind is not None and behind.taken:
+                return state, behind.result
+
+    def _applied(
+        self, epoch: Epoch, trainers: int, state: Any, new_state: Any, result: Any, batch: Any, sat_out: bool
+    ) -> tuple[Any, Any]:
+        """The step from ``state`` to ``new_state`` (its ``result``) applied: the data moves on, the replicas are
+        compared when due; a joiner that sat it out reports its given state's loss on ``batch``."""
+        self._apply(trainers)
+        pending = self._check_after
+        due = self.committed >= pending if pending else self.hash_every and self.committed % self.hash_every == 0
+        if due and not epoch.closed.is_set():
+            self._check_after = None
+            try:
+                self.check_replicas(new_state, f"at step {self.committed}")
+            except Exception as error:  # noqa: BLE001 - as in the step; the recovery checks the replicas
+                fail_epoch(self.membership, epoch, error)
+                new_state = self._recover(new_state)
+        if sat_out:  # the loss of the state it was given, on the first member's samples, once it voted
+            result = self._unaveraged_step.loss(state, batch)
+        return new_state, result
 
     def save(self, root: str | os.PathLike, state: Any) -> Path | None:
         """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart of
@@ -377,11 +376,12 @@ class FaultTolerantTrainer(StateSharing):
         """This member's place among those training the step, and their number (those sitting out weigh zero)."""
         return epoch.training_place([rank for rank, m in enumerate(epoch.members) if m.id in self._sitting_out])
 
-    def _recover(self, state: Any, behind: _StepBehind | None = None) -> Any:
+    def _recover(self, state: Any, behind: _StepBehind | None = None, failed_at: float | None = None) -> Any:
         """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
         that had not applied a step another one applied is given that one's state; voting one ahead, it takes
         ``behind``, the step it was on, by itself). Over an engine that rebuilds its communicator afresh (TCP), a
-        member lost during the recovery makes the survivors take the epoch after."""
+        member lost during the recovery makes the survivors take the epoch after. Its record gives the seconds since
+        ``failed_at`` (when the step first failed, by ``time.monotonic``) until this member trains again."""
         started, first, retried = time.monotonic(), self.epoch, False
         while True:
             if self._transfer is not None and self._sits_out:  # a broadcast on the old communicator: over (revoked)
@@ -402,7 +402,9 @@ class FaultTolerantTrainer(StateSharing):
                 retried = True
         caught_up = behind is not None and behind.taken  # the step it was on taken by itself (one ahead)
         record = {"epoch": new.number, "size": new.size, "joined": len(new.joined), "caught_up": caught_up}
-        self.recoveries.append({**record, "rebuild_seconds": time.monotonic() - started})
+        now = time.monotonic()
+        resumed = {} if failed_at is None else {"resume_seconds": now - failed_at}
+        self.recoveries.append({**record, "rebuild_seconds": now - started, **resumed})
         return state
 
     def _take_epoch(self, state: Any, new: Epoch, recompile: bool, behind: _StepBehind | None) -> Any:

@@ -97,10 +97,10 @@ def test_a_build_timed_out_waiting_for_a_rank_is_a_failure_the_next_epoch_retrie
 
     server = KVServer("127.0.0.1", secret=SECRET)
     try:
-        with pytest.raises(TimeoutError) as timed_out:
+        with pytest.raises(tcp_rendezvous.BuildIncomplete) as timed_out:
             tcp_rendezvous.assemble(None, server.in_process_client(), "e1/", 0, 2, "127.0.0.1:1", "world", 0.2)
     finally:
         server.close()
-    assert "'e1/address/1'" in str(timed_out.value)
+    assert "'e1/address/1'" in str(timed_out.value) and "timeout" in str(timed_out.value)
     assert communication_failure(timed_out.value)
-    assert not communication_failure(TimeoutError("a timeout of the user's own code"))
+    assert not communication_failure(TimeoutError("a timeout of the user's own code, before the build's timeout"))

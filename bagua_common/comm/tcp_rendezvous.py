@@ -18,9 +18,15 @@ from types import ModuleType
 
 from bagua_common.comm.key_value_store import KeyValueStore
 
-__all__ = ["assemble"]
+__all__ = ["BuildIncomplete", "assemble"]
 
 _POLL_SECONDS = 0.05  # how often a wait for the store looks at whether the build was abandoned
+
+
+class BuildIncomplete(ConnectionError):
+    """The communicator could not be built with these ranks: one did not reach the build within its timeout, or the
+    build was abandoned (the members it was for changed). Nothing is connected; the members may build again under
+    another prefix."""
 
 
 def assemble(
@@ -38,7 +44,8 @@ def assemble(
     engine's ``listen``). Every rank calls it with the same ``prefix`` (a store prefix no earlier call used) and
     ``size``. Fails rather than wait past ``timeout`` seconds for a rank (for its address in the store, then for its
     connection), and at once (an error saying the build was abandoned) when ``abandoned`` is set: the members it was
-    for changed meanwhile. The communicator's operations wait ``timeout`` seconds at most.
+    for changed meanwhile: :class:`BuildIncomplete` while it waits for the store, the engine's error once it connects.
+    The communicator's operations wait ``timeout`` seconds at most.
     """
     if not 0 <= rank < size:
         raise ValueError(f"assemble: need 0 <= rank < size, got {rank=}, {size=}")
@@ -65,6 +72,6 @@ def _wait(store: KeyValueStore, key: str, deadline: float, abandoned: threading.
         if value is not None:
             return value.decode() if isinstance(value, bytes) else value
         if abandoned is not None and abandoned.is_set():
-            raise RuntimeError(f"assemble: the build was abandoned while waiting for {key!r} in the job's store")
+            raise BuildIncomplete(f"assemble: the build was abandoned while waiting for {key!r} in the job's store")
         if left <= 0:
-            raise TimeoutError(f"assemble: nothing under {key!r} in the job's store before the build's timeout")
+            raise BuildIncomplete(f"assemble: nothing under {key!r} in the job's store before the build's timeout")
