@@ -43,9 +43,9 @@ def assemble(
     """The handle of a communicator of ``size`` ranks, this process being ``rank`` and listening at ``address`` (the
     engine's ``listen``). Every rank calls it with the same ``prefix`` (a store prefix no earlier call used) and
     ``size``. Fails rather than wait past ``timeout`` seconds for a rank (for its address in the store, then for its
-    connection), and at once (an error saying the build was abandoned) when ``abandoned`` is set: the members it was
-    for changed meanwhile: :class:`BuildIncomplete` while it waits for the store, the engine's error once it connects.
-    The communicator's operations wait ``timeout`` seconds at most.
+    connection), and at once when ``abandoned`` is set (the members it was for changed meanwhile): with
+    :class:`BuildIncomplete` while it waits for the store, with the engine's error once it connects. The
+    communicator's operations wait ``timeout`` seconds at most.
     """
     if not 0 <= rank < size:
         raise ValueError(f"assemble: need 0 <= rank < size, got {rank=}, {size=}")
