@@ -3,17 +3,17 @@ import os
 import secrets
 import sys
 import zlib
-from pathlib import Path
 
 import numpy as np
 import pytest
 from background_jobs import BackgroundJob
 from extended import is_extended
+from multiprocess import BENCHMARKS
 
 from bagua_common.fault_tolerance import KVServer, job_secret
 from bagua_common.fault_tolerance.settings import ENV_DIRECTORY, temporary_job_secret
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(BENCHMARKS))
 from harness import links  # noqa: E402  (the network harness: the partition tests' links)
 
 # Four simulated CPU devices for the shard_map tests; must be set before jax loads.

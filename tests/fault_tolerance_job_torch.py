@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TextIO
 
 from fork_server import ForkedRank, start_rank
-from multiprocess import TESTS, free_port
+from multiprocess import TESTS, free_port, rank_import_path
 from stack_dumps import request_dump
 
 from bagua_common.job.rank_environment import threads_per_rank
@@ -51,7 +51,7 @@ class Job:
     ):
         self.env = {
             **{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")},
-            "PYTHONPATH": os.pathsep.join([str(TESTS.parent), str(TESTS.parent / "benchmarks")]),  # and the harness
+            "PYTHONPATH": rank_import_path(),
             "BAGUA_FAULT_TOLERANCE": "1",
             "BAGUA_FT_HEARTBEAT": "0.05",
             "BAGUA_FT_DEAD_AFTER": str(DEAD_AFTER),

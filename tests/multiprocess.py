@@ -32,8 +32,17 @@ from bagua_common.job.local_launch import free_port, mpiexec
 from bagua_common.job.rank_environment import threads_per_rank
 
 TESTS = Path(__file__).resolve().parent
+BENCHMARKS = TESTS.parent / "benchmarks"
+"""Where the benchmarks' network harness is imported from, as ``harness`` (the partition tests' links)."""
 ONE_CPU_DEVICE = {"XLA_FLAGS": "", "JAX_PLATFORMS": "cpu"}
 """The environment of JAX ranks with one CPU device each, in place of conftest.py's four simulated devices."""
+
+
+def rank_import_path() -> str:
+    """The ``PYTHONPATH`` of the tests' ranks: the test modules, this checkout's packages and the benchmarks'
+    harness, whatever the cwd, before what this process was given."""
+    inherited = os.environ.get("PYTHONPATH", "")
+    return os.pathsep.join(p for p in [str(TESTS), str(TESTS.parent), str(BENCHMARKS), inherited] if p)
 
 
 @dataclass
@@ -79,10 +88,7 @@ def run_ranks(
         "MASTER_ADDR": "127.0.0.1" if network is None else network.master_addr,
         "MASTER_PORT": str(free_port()),
         "BAGUA_TEST_WORKDIR": str(workdir),
-        # The ranks import this checkout's packages, the test modules and the benchmarks' harness, whatever the cwd.
-        "PYTHONPATH": os.pathsep.join(
-            [str(TESTS), str(TESTS.parent), str(TESTS.parent / "benchmarks"), os.environ.get("PYTHONPATH", "")]
-        ),
+        "PYTHONPATH": rank_import_path(),
         "PYTHONUNBUFFERED": "1",
     }
     command = [sys.executable, "-m", "rank_main", target]
