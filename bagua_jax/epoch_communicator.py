@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from bagua_common.comm.tcp_rendezvous import BuildIncomplete
+from bagua_common.comm.key_value_store import BuildIncomplete, meet
 from bagua_common.fault_tolerance import (
     Epoch,
     Evicted,
@@ -66,9 +66,12 @@ def follow_members(communicator: NativeCommunicator, membership: Membership, clo
     Over TCP the communicator is built afresh through the new epoch's store, and a member lost meanwhile closes that
     epoch, abandons the build and makes the survivors take the next one. MPI shrinks the communicator to the
     survivors (rebuilds it over all of them where a failure lost nobody: a slow collective timed out, say) and grows
-    it by the joiners; a survivor lost meanwhile makes the others' shrink raise once the communicator's timeout passed:
-    MPICH cannot abandon a pending ``MPI_Comm_create_group``, and every later communicator waits for it, so they stop
-    there, naming it (the job restarts from its last checkpoint)."""
+    it by the joiners. MPICH cannot abandon a pending ``MPI_Comm_create_group``, and every later communicator waits
+    for it, so the survivors first meet in the epoch's store: a survivor lost before it arrives (or later than the
+    communicator's timeout) fails that epoch, and they take the next one; one lost inside the shrink makes the others'
+    shrink raise once the timeout passed, and they stop there, naming it (the job restarts from its last
+    checkpoint)."""
+    spanned = closed  # the epoch whose members the communicator spans (MPI: until it shrinks)
     while True:
         try:
             new = membership.recover(closed).epoch
@@ -78,21 +81,29 @@ def follow_members(communicator: NativeCommunicator, membership: Membership, clo
         except BaseException:  # the job stops (NoProgress, NoQuorum): JAX's exit would raise the abandoned step's error
             forget_failed_calls()  # again, from the ordering tokens it waits for, burying this one
             raise
-        if not communicator.can_rebuild:
-            _shrunk_and_grown(communicator, closed, new)
-            return membership, new
         try:
-            communicator.rebuild(new.store, new.prefix(_COMMUNICATOR_PREFIX), new.rank, new.size, new.closed)
+            if communicator.can_rebuild:
+                communicator.rebuild(new.store, new.prefix(_COMMUNICATOR_PREFIX), new.rank, new.size, new.closed)
+            else:
+                _shrunk_and_grown(communicator, spanned, new)
             return membership, new
         except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
+            if not (communicator.can_rebuild or isinstance(error, BuildIncomplete)):
+                raise  # MPI: past the survivors' meeting, where a shrink or grow that failed cannot be made again
             fail_epoch(membership, new, error)
             closed = new
 
 
-def _shrunk_and_grown(communicator: NativeCommunicator, closed: Epoch, new: Epoch) -> None:
-    spanned = [member.id for member in closed.members]
-    kept = [spanned.index(member.id) for member in new.members if member.id in spanned]
-    if len(kept) < len(spanned) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
+def _shrunk_and_grown(communicator: NativeCommunicator, spanned: Epoch, new: Epoch) -> None:
+    ids = [member.id for member in spanned.members]
+    survivors = [member for member in new.members if member.id in ids]
+    kept = [ids.index(member.id) for member in survivors]
+    if len(kept) < len(ids) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
+        # MPICH cannot abandon a shrink that a survivor never reaches (it died, or it is still in its step): they meet
+        # in the store first, where such a survivor fails this epoch instead and the next one is tried.
+        place = survivors.index(new.members[new.rank])
+        prefix = new.prefix(f"{_COMMUNICATOR_PREFIX}shrink/")
+        meet(new.store, prefix, place, len(survivors), communicator.timeout, new.closed)
         communicator.shrink(kept)
     if new.size > len(kept):
         communicator.grow(new.store, new.prefix(_COMMUNICATOR_PREFIX), new.size)

@@ -131,6 +131,13 @@ class NativeCommunicator(MpiSettings):
         return cls(handle, "tcp")
 
     @property
+    def timeout(self) -> float:
+        """The seconds this communicator's operations wait at most (the host engines: MPI, TCP)."""
+        if not self.on_host:
+            raise ValueError(f"timeout: the {self.kind} engine does not say its timeout (MPI and TCP do)")
+        return self.engine.timeout(self.handle)
+
+    @property
     def can_rebuild(self) -> bool:
         """Whether :meth:`rebuild` can build the communicator of any members afresh, whatever this slot holds (TCP),
         so that a change of members that failed as a rank died can be made again. MPI shrinks and grows the
@@ -155,7 +162,7 @@ class NativeCommunicator(MpiSettings):
             raise ValueError(f"rebuild: the {self.kind} engine cannot build a communicator afresh (TCP can)")
         tcp = self.engine
         address = tcp.addresses(self.handle)[self._rank]
-        seconds = tcp.timeout(self.handle) if timeout is None else timeout_seconds(timeout)
+        seconds = self.timeout if timeout is None else timeout_seconds(timeout)
         self._install(tcp_rendezvous.assemble(tcp, store, prefix, rank, size, address, "world", seconds, abandoned))
 
     @property

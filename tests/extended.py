@@ -90,8 +90,8 @@ EXTENDED: dict[str, str] = {
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_shrink": "JAX's death during a recovery "
     "(10 s; its stop after the shrink's timeout is the MPI engine's own dead-peer bound, which stays quick)",
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_survivors_rebuild_the_communicator_costs_them_one_"
-    r"more_epoch\[start\]": "a death before its address reaches the store (12 s; the death as it would connect, "
-    "whose build is abandoned, stays quick)",
+    r"more_epoch\[tcp-start\]": "a death before its address reaches the store (12 s; the death as it would connect, "
+    "whose build is abandoned, and MPI's death before the survivors' meeting stay quick)",
     r"test_fault_tolerance_jax\.py::test_a_member_lost_while_the_state_communicator_is_split_stops_the_others": "the "
     "MPI engine's stop at a death in the state's split (12 s; the TCP engine's recovery from it runs in CI's step of "
     "its own)",
@@ -199,8 +199,8 @@ EXTENDED: dict[str, str] = {
     "one stays quick, and torch's), the kill, hang and exception job over MPI (over TCP it stays quick; MPI's revoke, "
     "shrink and replacement in test_membership_change_jax), gradient allreduce's kill and joiner (the kill, hang and "
     "exception job over TCP is gradient allreduce's, with a joiner), its member whose exit is slow after an exception "
-    "(9 s; an exception stays quick in that job), its decentralized member one behind given the state (10 s; "
-    "torch's stays quick)",
+    "(9 s; an exception stays quick in that job), its decentralized member one behind given the state (10 s over "
+    "each engine; torch's stays quick)",
     # the quick suite's 10-minute budget: the larger or repeated jobs of a behaviour the suite keeps once
     r"test_native_communicator_jax\.py::test_(every_primitive_matches|large_allreduces_match)_numpy\[[34]-": (
         "two ranks, on one node and between nodes, stay quick"

@@ -10,7 +10,8 @@ step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, ste
 saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's
 state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills
 that member in its first recovery's shrink (MPI), ``FT_KILL_IN_REBUILD`` (``rank:start`` or ``rank:connect``) in its
-first recovery's rebuild (TCP: before it published its address, or as it connects), ``FT_KILL_IN_STATE_SPLIT`` (a
+first recovery's rebuild (TCP: before it published its address, or as it connects; MPI, ``rank:meeting``: before it
+arrived at the survivors' meeting before their shrink), ``FT_KILL_IN_STATE_SPLIT`` (a
 rank) as the members split the state's communicator at an admission, and ``FT_COMM_TIMEOUT`` (seconds, 60 by
 default) bounds the communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the
 training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and
@@ -305,9 +306,15 @@ def _die_in_the_first_shrink() -> None:
 
 
 def _die_in_the_first_rebuild(where: str) -> None:
-    """SIGKILL this member in its first rebuild of the communicator (TCP), at its ``start`` (the others wait for its
-    address in the store) or as it would ``connect`` (the ranks above it connect to it, those below wait for it)."""
+    """SIGKILL this member in its first rebuild of the communicator: TCP, at its ``start`` (the others wait for its
+    address in the store) or as it would ``connect`` (the ranks above it connect to it, those below wait for it);
+    MPI, as it would arrive at the ``meeting`` before the shrink (the others wait for it in the store)."""
+    from bagua_jax import epoch_communicator
     from bagua_jax.native_communicator import NativeCommunicator
+
+    if where == "meeting":
+        epoch_communicator.meet = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        return
 
     rebuild = NativeCommunicator.rebuild
 

@@ -569,16 +569,20 @@ def test_decentralized_survivors_of_a_kill_average_over_all_while_odd_and_a_join
     assert len({records[p]["params"]["w"].tobytes() for p in records}) == len(records)  # each drifted its own way
 
 
-def test_a_decentralized_member_one_behind_before_its_step_began_is_given_the_state(tmp_path: Path):
+@pytest.mark.parametrize("engine", ["tcp", "mpi"])
+def test_a_decentralized_member_one_behind_before_its_step_began_is_given_the_state(tmp_path: Path, engine: str):
     # Exchanging every third step (steps 1, 4, 7), the steps between vote one ahead and exchange nothing: the others
     # apply step 5 while member 2 has not begun it (it makes its batch, slowly), and member 3 is killed as step 6
     # starts (the replicas, checked every second step, are not checked in between: a check would wait for member 2).
-    # Member 2 is one step behind the others and its join record says it cannot take that step by itself (it had no
-    # batch): it is given the first member's weights at step 5 and sits out step 6 while they travel, taking no step
-    # alone. Every rank's weights are the float64 replay's of its own steps.
+    # The survivors wait for member 2 in their rebuild (TCP) or their meeting before the shrink (MPI) past the 3-s
+    # timeout, fail that epoch and take the next one, with member 2 in it. Member 2 is one step behind the others
+    # and its join record says it cannot take that step by itself (it had no batch): it is given the first member's
+    # weights at step 5 and sits out step 6 while they travel, taking no step alone. Every rank's weights are the
+    # float64 replay's of its own steps.
     algorithm = 'decentralized {"peer_selection_mode": "shift_one", "communication_interval": 3}'
     env = {"FT_ALGORITHM": algorithm, "FT_COMM_TIMEOUT": "3"}
-    results = run_members(tmp_path, "train", 4, {5: (2, "slow"), 6: (3, "kill")}, 4, 3, 8, env=env, timeout=180)
+    faults = {5: (2, "slow"), 6: (3, "kill")}
+    results = run_members(tmp_path, "train", 4, faults, 4, 3, 8, env=env, timeout=180, engine=engine)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode == 0 for r in results] == [True, True, True, False], outputs
     records = {r.rank: r.value for r in results if r.rank != 3}
@@ -793,16 +797,19 @@ def test_a_member_lost_while_the_survivors_shrink_the_communicator_stops_them_na
     assert time.monotonic() - started < 60, outputs
 
 
-@pytest.mark.parametrize("where", ["start", "connect"])
+@pytest.mark.parametrize(
+    ("engine", "where"), [("tcp", "start"), ("tcp", "connect"), ("mpi", "meeting")], ids=lambda p: p
+)
 def test_a_member_lost_while_the_survivors_rebuild_the_communicator_costs_them_one_more_epoch(
-    tmp_path: Path, where: str
+    tmp_path: Path, engine: str, where: str
 ):
-    # Rank 3 is killed in step 3; rank 2 dies in the survivors' rebuild of the communicator for ranks 0-2 over TCP:
+    # Rank 3 is killed in step 3; rank 2 dies in the survivors' rebuild of the communicator for ranks 0-2. Over TCP:
     # before it published its address (the others wait for it in the store), or as it would connect (rank 1 waits
-    # for its connection, and it never connects to rank 0 or 1). Its death closes that epoch, which abandons the
-    # build; ranks 0 and 1 take the next epoch and go on, long before the communicator's timeout (60 s here).
+    # for its connection, and it never connects to rank 0 or 1); over MPI, before it arrived at the survivors'
+    # meeting in the store, which comes before their shrink. Its death closes that epoch, which abandons the build
+    # (the meeting); ranks 0 and 1 take the next epoch and go on, long before the communicator's timeout (60 s here).
     env = {"FT_KILL_IN_REBUILD": f"2:{where}", "FT_COMM_TIMEOUT": "60"}
-    results = run_members(tmp_path, "train", 4, {3: (3, "kill")}, 4, 2, 6, env=env, timeout=120)
+    results = run_members(tmp_path, "train", 4, {3: (3, "kill")}, 4, 2, 6, env=env, timeout=120, engine=engine)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
     assert [r.returncode == 0 for r in results] == [True, True, False, False], outputs
     first, second = (r.value for r in results[:2])
@@ -818,7 +825,7 @@ def test_a_member_lost_while_the_survivors_rebuild_the_communicator_costs_them_o
     assert resume < 15, resume  # not the communicator's timeout
     [recovery] = first["recoveries"]  # one recovery, through two epochs: the one rank 2 died in, and the next
     assert recovery["size"] == 2 and recovery["epoch"] == retried[0]["epoch"] + 2, first["recoveries"]
-    print(f"death in the rebuild ({where}): the survivors resumed {resume:.2f} s after the first death")
+    print(f"death in the rebuild ({engine}, {where}): the survivors resumed {resume:.2f} s after the first death")
 
 
 def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_on_from_the_next_one(tmp_path: Path):

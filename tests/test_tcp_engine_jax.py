@@ -93,11 +93,12 @@ def test_a_build_timed_out_waiting_for_a_rank_is_a_failure_the_next_epoch_retrie
     # the epoch fails and the survivors take the next one, as when a collective times out, instead of ending with
     # the error (a member slow every time ends the job with NoProgress instead, as slow collectives do).
     from bagua_common.comm import tcp_rendezvous
+    from bagua_common.comm.key_value_store import BuildIncomplete
     from bagua_jax.epoch_communicator import communication_failure
 
     server = KVServer("127.0.0.1", secret=SECRET)
     try:
-        with pytest.raises(tcp_rendezvous.BuildIncomplete) as timed_out:
+        with pytest.raises(BuildIncomplete) as timed_out:
             tcp_rendezvous.assemble(None, server.in_process_client(), "e1/", 0, 2, "127.0.0.1:1", "world", 0.2)
     finally:
         server.close()

@@ -679,6 +679,8 @@ std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::st
   return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes, true);
 }
 
+double mpi_timeout(const Communicator& comm) { return as_mpi(comm, "mpi_timeout").timeout(); }
+
 bool mpi_spans_nodes(const Communicator& comm) {
   return as_mpi(comm, "mpi_spans_nodes").spans_nodes();
 }

@@ -45,6 +45,9 @@ std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string&
 std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::string& name,
                                           double timeout_seconds);
 
+// The seconds the communicator's operations wait at most.
+double mpi_timeout(const Communicator& comm);
+
 // Whether the ranks of `comm` span more than one node (MPI's view of shared
 // memory): only then does the ring threshold matter.
 bool mpi_spans_nodes(const Communicator& comm);

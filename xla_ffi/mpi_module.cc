@@ -64,6 +64,10 @@ NB_MODULE(_bagua_mpi, m) {
       "Join the group accepting on `port` as its last rank; returns the communicator's handle.");
 
   m.def(
+      "timeout", [](int64_t h) { return mpi_timeout(*collective_bindings::lookup(h)); },
+      nb::arg("handle"), "The seconds the communicator's operations wait at most.");
+
+  m.def(
       "spans_nodes", [](int64_t h) { return mpi_spans_nodes(*collective_bindings::lookup(h)); },
       nb::arg("handle"), "Whether the communicator's ranks span more than one node.");
 

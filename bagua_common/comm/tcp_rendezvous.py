@@ -16,17 +16,9 @@ import threading
 import time
 from types import ModuleType
 
-from bagua_common.comm.key_value_store import KeyValueStore
+from bagua_common.comm.key_value_store import KeyValueStore, wait_for
 
-__all__ = ["BuildIncomplete", "assemble"]
-
-_POLL_SECONDS = 0.05  # how often a wait for the store looks at whether the build was abandoned
-
-
-class BuildIncomplete(ConnectionError):
-    """The communicator could not be built with these ranks: one did not reach the build within its timeout, or the
-    build was abandoned (the members it was for changed). Nothing is connected; the members may build again under
-    another prefix."""
+__all__ = ["assemble"]
 
 
 def assemble(
@@ -44,8 +36,8 @@ def assemble(
     engine's ``listen``). Every rank calls it with the same ``prefix`` (a store prefix no earlier call used) and
     ``size``. Fails rather than wait past ``timeout`` seconds for a rank (for its address in the store, then for its
     connection), and at once when ``abandoned`` is set (the members it was for changed meanwhile): with
-    :class:`BuildIncomplete` while it waits for the store, with the engine's error once it connects. The
-    communicator's operations wait ``timeout`` seconds at most.
+    :class:`~bagua_common.comm.key_value_store.BuildIncomplete` while it waits for the store, with the engine's error
+    once it connects. The communicator's operations wait ``timeout`` seconds at most.
     """
     if not 0 <= rank < size:
         raise ValueError(f"assemble: need 0 <= rank < size, got {rank=}, {size=}")
@@ -53,25 +45,13 @@ def assemble(
     if rank == 0:
         store.set(f"{prefix}token", secrets.token_hex(16))
     deadline = time.monotonic() + timeout
-    token = _wait(store, f"{prefix}token", deadline, abandoned)
+    token = wait_for(store, f"{prefix}token", deadline, abandoned)
     if abandoned is not None:  # from now on: the others may connect with the token, parked here until it goes
         threading.Thread(target=_abandon_when, args=(tcp, token, abandoned), name="bagua-abandon", daemon=True).start()
-    addresses = [_wait(store, f"{prefix}address/{r}", deadline, abandoned) for r in range(size)]
+    addresses = [wait_for(store, f"{prefix}address/{r}", deadline, abandoned) for r in range(size)]
     return tcp.build(token, rank, addresses, name, timeout)  # the communicator's operations wait as long
 
 
 def _abandon_when(tcp: ModuleType, token: str, abandoned: threading.Event) -> None:
     abandoned.wait()
     tcp.abandon(token)
-
-
-def _wait(store: KeyValueStore, key: str, deadline: float, abandoned: threading.Event | None) -> str:
-    while True:
-        left = deadline - time.monotonic()
-        value = store.get(key, wait=max(0.0, left if abandoned is None else min(left, _POLL_SECONDS)))
-        if value is not None:
-            return value.decode() if isinstance(value, bytes) else value
-        if abandoned is not None and abandoned.is_set():
-            raise BuildIncomplete(f"assemble: the build was abandoned while waiting for {key!r} in the job's store")
-        if left <= 0:
-            raise BuildIncomplete(f"assemble: nothing under {key!r} in the job's store before the build's timeout")
