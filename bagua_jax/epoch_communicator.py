@@ -66,12 +66,19 @@ def follow_members(communicator: NativeCommunicator, membership: Membership, clo
     Over TCP the communicator is built afresh through the new epoch's store, and a member lost meanwhile closes that
     epoch, abandons the build and makes the survivors take the next one. MPI shrinks the communicator to the
     survivors (rebuilds it over all of them where a failure lost nobody: a slow collective timed out, say) and grows
-    it by the joiners. MPICH cannot abandon a pending ``MPI_Comm_create_group``, and every later communicator waits
-    for it, so the survivors first meet in the epoch's store: a survivor lost before it arrives (or later than the
-    communicator's timeout) fails that epoch, and they take the next one; one lost inside the shrink makes the others'
-    shrink raise once the timeout passed, and they stop there, naming it (the job restarts from its last
-    checkpoint)."""
-    spanned = closed  # the epoch whose members the communicator spans (MPI: until it shrinks)
+    it by the joiners. MPICH can abandon neither a pending ``MPI_Comm_create_group`` nor a pending accept, so every
+    member of the new epoch, joiners too, first meets the others in its store: a member lost before it arrives (or
+    later than the communicator's timeout) fails that epoch, and they take the next one; one lost inside the shrink or
+    the grow makes the others raise once the timeout passed, and they stop there, naming it (the job restarts from its
+    last checkpoint)."""
+    return _followed(communicator, membership, closed, closed)
+
+
+def _followed(
+    communicator: NativeCommunicator, membership: Membership, closed: Epoch, spanned: Epoch | None
+) -> tuple[Membership, Epoch]:
+    """:func:`follow_members`, where ``communicator`` spans the members of ``spanned`` (MPI: until it shrinks), or
+    none yet (None: a joiner's, of this process alone)."""
     while True:
         try:
             new = membership.recover(closed).epoch
@@ -82,31 +89,40 @@ def follow_members(communicator: NativeCommunicator, membership: Membership, clo
             forget_failed_calls()  # again, from the ordering tokens it waits for, burying this one
             raise
         try:
-            if communicator.can_rebuild:
-                communicator.rebuild(new.store, new.prefix(_COMMUNICATOR_PREFIX), new.rank, new.size, new.closed)
-            else:
-                _shrunk_and_grown(communicator, spanned, new)
+            _connected(communicator, spanned, new)
             return membership, new
         except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
-            if not (communicator.can_rebuild or isinstance(error, BuildIncomplete)):
-                raise  # MPI: past the survivors' meeting, where a shrink or grow that failed cannot be made again
-            fail_epoch(membership, new, error)
+            _fail_or_raise(communicator, membership, new, error)
             closed = new
 
 
-def _shrunk_and_grown(communicator: NativeCommunicator, spanned: Epoch, new: Epoch) -> None:
+def _connected(communicator: NativeCommunicator, spanned: Epoch | None, new: Epoch) -> None:
+    """Put the communicator of ``new``'s members in ``communicator``'s slot, which spans those of ``spanned`` (None: a
+    joiner's)."""
+    prefix = new.prefix(_COMMUNICATOR_PREFIX)
+    if communicator.can_rebuild:
+        communicator.rebuild(new.store, prefix, new.rank, new.size, new.closed)
+        return
+    # MPICH cannot abandon a shrink or an accept that a member never reaches (it died, or it is still in its step):
+    # they meet in the store first, where such a member fails this epoch instead and the next one is tried.
+    meet(new.store, new.prefix(f"{_COMMUNICATOR_PREFIX}meeting/"), new.rank, new.size, communicator.timeout, new.closed)
+    if spanned is None:
+        communicator.join(new.store, prefix, new.rank, new.size, abandoned=new.closed)
+        return
     ids = [member.id for member in spanned.members]
-    survivors = [member for member in new.members if member.id in ids]
-    kept = [ids.index(member.id) for member in survivors]
+    kept = [ids.index(member.id) for member in new.members if member.id in ids]
     if len(kept) < len(ids) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
-        # MPICH cannot abandon a shrink that a survivor never reaches (it died, or it is still in its step): they meet
-        # in the store first, where such a survivor fails this epoch instead and the next one is tried.
-        place = survivors.index(new.members[new.rank])
-        prefix = new.prefix(f"{_COMMUNICATOR_PREFIX}shrink/")
-        meet(new.store, prefix, place, len(survivors), communicator.timeout, new.closed)
         communicator.shrink(kept)
     if new.size > len(kept):
-        communicator.grow(new.store, new.prefix(_COMMUNICATOR_PREFIX), new.size)
+        communicator.grow(new.store, prefix, new.size)
+
+
+def _fail_or_raise(communicator: NativeCommunicator, membership: Membership, epoch: Epoch, error: Exception) -> None:
+    """Close ``epoch`` as failed for ``error`` if its change of members can be made again in the next one; else raise
+    it. MPI's cannot past the members' meeting, where a shrink or grow that failed cannot be made again."""
+    if not (communicator.can_rebuild or isinstance(error, BuildIncomplete)):
+        raise error
+    fail_epoch(membership, epoch, error)
 
 
 def join_members(
@@ -119,17 +135,16 @@ def join_members(
     """Ask a live member's store at ``master`` (host, port), then ``peers``, to be admitted into the running job,
     waiting up to ``timeout`` seconds, and take the admitting epoch's communicator in ``communicator``'s slot (one of
     :meth:`NativeCommunicator.tcp_self` or :meth:`~NativeCommunicator.mpi_self`, or of an epoch this process was taken
-    out of); returns the membership."""
+    out of); returns the membership. A member lost during the admission fails that epoch, and this process takes its
+    place in the next one's communicator instead."""
     membership = Membership.join(settings, *master, peers, timeout=timeout)
     epoch = membership.epoch
-    if not communicator.can_rebuild:
-        communicator.join(epoch.store, epoch.prefix(_COMMUNICATOR_PREFIX), epoch.rank, epoch.size, timeout)
-        return membership
     try:
-        communicator.rebuild(epoch.store, epoch.prefix(_COMMUNICATOR_PREFIX), epoch.rank, epoch.size, epoch.closed)
+        _connected(communicator, None, epoch)
+        return membership
     except Exception as error:  # noqa: BLE001 - communication failures only: the admission goes on in the next epoch
-        fail_epoch(membership, epoch, error)
-        membership, _ = follow_members(communicator, membership, epoch)
+        _fail_or_raise(communicator, membership, epoch, error)
+    membership, _ = _followed(communicator, membership, epoch, None)
     return membership
 
 

@@ -211,8 +211,9 @@ class NativeCommunicator(MpiSettings):
         cls, store: KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None
     ) -> NativeCommunicator:
         """This newcomer's place (``rank``) in a communicator of ``size`` ranks whose members call :meth:`grow`."""
-        mpi_rendezvous.prepare_rank()
-        return cls(_newcomer(store, prefix, rank, size, timeout), "mpi")
+        communicator = cls.mpi_self(timeout)
+        communicator.join(store, prefix, rank, size)
+        return communicator
 
     @classmethod
     def mpi_self(cls, timeout: float | None = None) -> NativeCommunicator:
@@ -222,16 +223,28 @@ class NativeCommunicator(MpiSettings):
         mpi_rendezvous.prepare_rank()
         return cls(engine("mpi").self("world", timeout_seconds(timeout)), "mpi")
 
-    def join(self, store: KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None = None) -> None:
+    def join(
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        rank: int,
+        size: int,
+        timeout: float | None = None,
+        abandoned: threading.Event | None = None,
+    ) -> None:
         """Take place ``rank`` in the communicator of ``size`` ranks whose members call :meth:`grow` with ``prefix``,
         in this communicator's slot (one of :meth:`tcp_self` or :meth:`mpi_self`): what :meth:`mpi_join` builds,
-        without compiling the steps again wherever their shapes do not depend on ``size``."""
+        without compiling the steps again wherever their shapes do not depend on ``size``. Waits ``timeout`` seconds
+        at most (None: as this one's operations) for the members, and gives up as soon as ``abandoned`` is set."""
         if self.can_rebuild:
-            self.rebuild(store, prefix, rank, size, timeout=timeout)
+            self.rebuild(store, prefix, rank, size, abandoned, timeout)
             return
         if self.kind != "mpi":
             raise ValueError("join: only the host engines admit newcomers in place (NCCL: build a new communicator)")
-        self._install(_newcomer(store, prefix, rank, size, timeout))
+        seconds = self.timeout if timeout is None else timeout_seconds(timeout)
+        self._install(
+            mpi_rendezvous.assemble(self.engine, store, prefix, rank, size, None, rank, "world", seconds, abandoned)
+        )
 
     def revoke_when(self, event: threading.Event, reason: str) -> None:
         """Revoke (:meth:`revoke`) the communicator this one holds now, and its companions' (:meth:`companion`),
@@ -432,11 +445,3 @@ class NativeCommunicator(MpiSettings):
         """Return ``x`` once every rank has reached this point."""
         nc.barrier_p.bind(comm=self.handle, engine=self.kind)
         return x
-
-
-def _newcomer(store: KeyValueStore, prefix: str, rank: int, size: int, timeout: float | None) -> int:
-    """The engine handle of this newcomer's place ``rank`` in the communicator of ``size`` ranks that the members
-    build with :meth:`NativeCommunicator.grow` under ``prefix``."""
-    return mpi_rendezvous.assemble(
-        engine("mpi"), store, prefix, rank, size, None, rank, "world", timeout_seconds(timeout)
-    )

@@ -3,33 +3,33 @@ native TCP engine (``FT_ENGINE=mpi``: the MPI engine), each its own ``mpiexec -n
 fault-tolerant membership (rank 0's store on MASTER_PORT); the last process joins the running job later. Faults are
 ``{step: (rank, kind)}``: member ``rank`` fails while the others are blocked in step ``step``'s collective, by
 ``kill`` (SIGKILL), ``stop`` (SIGSTOP: a hang, found by missed heartbeats), ``pause`` (SIGSTOP, then SIGCONT
-``PAUSE_SECONDS`` later: taken for dead, it joins again), ``partition`` (run in the network harness's namespaces:
-its link down for ``PAUSE_SECONDS``, running; it joins again), ``raise`` (an exception ends the process), ``slow`` (it
+``PAUSE_SECONDS`` later: taken for dead, it joins again), ``partition`` (run in the network harness's namespaces: its
+link down for ``PAUSE_SECONDS``, running; it joins again), ``raise`` (an exception ends the process), ``slow`` (it
 starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive) or ``stalls`` (every attempt), or, once the
 step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
-saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's
-state that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills
-that member in its first recovery's shrink (MPI), ``FT_KILL_IN_REBUILD`` (``rank:start`` or ``rank:connect``) in its
-first recovery's rebuild (TCP: before it published its address, or as it connects; MPI, ``rank:meeting``: before it
-arrived at the survivors' meeting before their shrink), ``FT_KILL_IN_STATE_SPLIT`` (a
-rank) as the members split the state's communicator at an admission, and ``FT_COMM_TIMEOUT`` (seconds, 60 by
-default) bounds the communicator's waits. ``FT_ALGORITHM`` (a name, then its options as JSON) replaces the
-training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes SGD's learning rate), and
-``FT_HIDDEN`` (a width) adds an unused layer of that width beside the linear model: a larger step, with the same
-loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh layer of that width to the linear
-model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes the state a flax
-``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals folder (the last
-run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its first epoch
-closed, and ``FT_START_JOINER_AFTER`` (a DiLoCo step) starts the joiner once it is done instead of the last fault's
-step. ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step after the joiner's admission compute that much
-longer. ``FT_SLOW_EXIT`` (seconds) makes a first member's process take that much longer to end once its program
-ended (an exit handler that runs after the library's, as a GPU runtime's teardown may). ``FT_SAVE_EVERY_STEP=1``
-makes the members save a checkpoint after every step (not only at the end), and ``FT_CUT_OFF_IN_SAVE``
-(``rank:step``, run in the network harness's namespaces) cuts that member's link for ``PAUSE_SECONDS`` in the save
-after that step, its part written, before the others report theirs. Every member records each attempt of a step (its
-transaction, epoch, rank, the members training it and all the members, sample indices, times), its saves, its
-state's first and final parameters, its final rank and, under low-precision decentralized training, the digests of
-its copies of its own and its ring neighbours' weights.
+saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's state
+that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills that
+member in its first recovery's shrink (MPI), ``FT_KILL_IN_REBUILD`` (``rank:start`` or ``rank:connect``) in its first
+recovery's rebuild (TCP: before it published its address, or as it connects; MPI, ``rank:meeting``: before it arrived
+at the members' meeting before their shrink and grow; the joiner's rank: in its admission),
+``FT_KILL_IN_STATE_SPLIT`` (a rank) as the members split the state's communicator at an admission, and
+``FT_COMM_TIMEOUT`` (seconds, 60 by default) bounds the communicator's waits. ``FT_ALGORITHM`` (a name, then its
+options as JSON) replaces the training's gradient allreduce and SGD (an algorithm that is an optimizer itself takes
+SGD's learning rate), and ``FT_HIDDEN`` (a width) adds an unused layer of that width beside the linear model: a
+larger step, with the same loss and zero gradients for the layer. ``FT_MLP`` (a width) adds a trained tanh layer of
+that width to the linear model's prediction (a matrix PowerSGD compresses; :func:`mlp_params`). ``FT_FLAX=1`` makes
+the state a flax ``TrainState``; ``FT_RESTORE=1`` starts the first members from the newest checkpoint in the signals
+folder (the last run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its
+first epoch closed, and ``FT_START_JOINER_AFTER`` (a step) starts the joiner once it is done instead of the last
+fault's step (``train``: even with no member missing). ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step
+after the joiner's admission compute that much longer. ``FT_SLOW_EXIT`` (seconds) makes a first member's process take
+that much longer to end once its program ended (an exit handler that runs after the library's, as a GPU runtime's
+teardown may). ``FT_SAVE_EVERY_STEP=1`` makes the members save a checkpoint after every step (not only at the end),
+and ``FT_CUT_OFF_IN_SAVE`` (``rank:step``, run in the network harness's namespaces) cuts that member's link for
+``PAUSE_SECONDS`` in the save after that step, its part written, before the others report theirs. Every member
+records each attempt of a step (its transaction, epoch, rank, the members training it and all the members, sample
+indices, times), its saves, its state's first and final parameters, its final rank and, under low-precision
+decentralized training, the digests of its copies of its own and its ring neighbours' weights.
 """
 
 from __future__ import annotations
@@ -121,6 +121,7 @@ def _fail(kind: str, step: int) -> None:
     time.sleep(0.5)  # the others are blocked in the step's collective by now
     if kind == "kill-once-asked":  # the joiner's request is in before this death is noticed
         _wait_for("joiner-asked")
+        time.sleep(0.3)  # its request reaches the coordinator
         kind = "kill"
     _touch(f"fault-time-{step}", repr(time.time()))
     if kind == "kill":
@@ -140,13 +141,15 @@ def _fail(kind: str, step: int) -> None:
 
 
 def _say_when_asking_to_join() -> None:
-    """Signal ``joiner-asked`` as this process asks to be admitted: the members wait for the request (a joiner
-    compiles first; a member taken for dead asks once it went on)."""
+    """Signal ``joiner-asked`` as this process asks to be admitted, and ``admitting-epoch`` (its number) once it was:
+    the members wait for the request (a joiner compiles first; a member taken for dead asks once it went on)."""
     join = Membership.join
 
     def asking(*args, **kwargs):
         _touch("joiner-asked")
-        return join(*args, **kwargs)
+        membership = join(*args, **kwargs)
+        _touch("admitting-epoch", str(membership.epoch.number))
+        return membership
 
     Membership.join = asking
 
@@ -308,7 +311,7 @@ def _die_in_the_first_shrink() -> None:
 def _die_in_the_first_rebuild(where: str) -> None:
     """SIGKILL this member in its first rebuild of the communicator: TCP, at its ``start`` (the others wait for its
     address in the store) or as it would ``connect`` (the ranks above it connect to it, those below wait for it);
-    MPI, as it would arrive at the ``meeting`` before the shrink (the others wait for it in the store)."""
+    MPI, as it would arrive at the ``meeting`` before the shrink and the grow (the others wait for it in the store)."""
     from bagua_jax import epoch_communicator
     from bagua_jax.native_communicator import NativeCommunicator
 
@@ -412,6 +415,8 @@ def train(
     first_params = {k: np.asarray(v) for k, v in state.params.items()}
     # the others train two steps without a member cut off in a save before they wait for its return
     last_fault = max([*faults, int(save_step) + 2 if cut_off else 1])
+    start_joiner_after = int(os.environ.get("FT_START_JOINER_AFTER", last_fault))
+    joins_early = "FT_START_JOINER_AFTER" in os.environ  # whatever the members' number
     attempts = []
     _vote_with_faults(ft.membership, rank, faults, late_vote)
 
@@ -421,7 +426,7 @@ def train(
         transaction = ft.committed + 1
         if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] != "kill-before-vote":
             _fail(faults[transaction][1], transaction)
-        if transaction > last_fault and (ft.epoch.size < final_size or death_in_admission):  # keeps it at final_size
+        if transaction > start_joiner_after and (ft.epoch.size < final_size or death_in_admission or joins_early):
             if ft.epoch.rank == 0:  # the survivors of the last fault recovered: the joiner compiles for their size
                 _touch("start-joiner")
             _wait_for("joiner-asked")

@@ -828,6 +828,56 @@ def test_a_member_lost_while_the_survivors_rebuild_the_communicator_costs_them_o
     print(f"death in the rebuild ({engine}, {where}): the survivors resumed {resume:.2f} s after the first death")
 
 
+@pytest.mark.parametrize(("engine", "victim"), [("mpi", "member"), ("mpi", "joiner"), ("tcp", "member")])
+def test_a_death_during_a_joiners_admission_costs_one_more_epoch_and_the_joiner_trains_in_it(
+    tmp_path: Path, engine: str, victim: str
+):
+    # member: four members, the joiner asking in step 3, in which member 3 is SIGKILLed: the survivors' recovery
+    # admits it, and member 2 dies there, before it arrived at the members' meeting (MPI) or published its address
+    # (TCP). joiner: three members admit the joiner after step 1, and it dies before it arrived at the meeting. Either
+    # death closes the admitting epoch; the others take the next one. Over MPI the joiner waited for the group's port
+    # under the failed epoch, past the communicator's timeout (60 s here), and the others' grow waited for it in vain;
+    # and a joiner dead before it connected left the others' accept waiting: both stopped the job.
+    where = "start" if engine == "tcp" else "meeting"
+    if victim == "member":
+        env, faults, start, final = (
+            {"FT_KILL_IN_REBUILD": f"2:{where}", "FT_START_JOINER_AFTER": "2"},
+            {3: (3, "kill-once-asked")},
+            4,
+            3,
+        )
+        expected = [True, True, False, False, True]
+    else:
+        env, faults, start, final = {"FT_KILL_IN_REBUILD": f"3:{where}", "FT_START_JOINER_AFTER": "1"}, {}, 3, 3
+        expected = [True, True, True, False]
+    env["FT_COMM_TIMEOUT"] = "60"
+    started = time.monotonic()
+    results = run_members(tmp_path, "train", start + 1, faults, start, final, 6, env=env, timeout=150, engine=engine)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == expected, outputs
+    trained = [r.value for r in results if r.returncode == 0]
+    first = trained[0]
+    admitting = int((tmp_path / "admitting-epoch").read_text())
+    [failed] = [a for a in first["attempts"] if "committed" not in a]  # the step the admitting epoch was to train
+    assert failed["epoch"] < admitting, (failed, admitting)
+    assert [r["epoch"] for r in first["recoveries"]] == [admitting + 1], first["recoveries"]  # through two epochs
+    sizes = {s["transaction"]: s["size"] for s in first["steps"]}
+    for seen in trained[1:]:  # the joiner's from its first step on
+        theirs = {s["transaction"]: s["size"] for s in seen["steps"]}
+        assert theirs == {t: sizes[t] for t in theirs}, (theirs, sizes)
+    if victim == "member":  # the joiner weighed out of its first step, in the epoch after the one that admitted it
+        joiner = trained[-1]
+        assert joiner["steps"][0]["transaction"] == 3 and joiner["steps"][0]["epoch"] == admitting + 1, joiner["steps"]
+        assert [sizes[t] for t in sorted(sizes)] == [4, 4, 2] + [3] * (len(sizes) - 3), sizes
+    else:
+        assert set(sizes.values()) == {3}, sizes
+    for name, value in replay(sizes).items():
+        for seen in trained:
+            np.testing.assert_allclose(seen["params"][name], value, rtol=2e-5, atol=1e-6)
+            np.testing.assert_array_equal(seen["params"][name], first["params"][name])  # bit-identical
+    assert time.monotonic() - started < 60, outputs  # no wait for the communicator's timeout
+
+
 def test_a_member_lost_in_a_checkpoint_leaves_it_uncommitted_and_a_restart_goes_on_from_the_next_one(tmp_path: Path):
     results = run_members(tmp_path, "train_and_save", 3, 3, 4, 2, timeout=120)
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)

@@ -1,4 +1,5 @@
-"""The rendezvous' waits on the job's store (bagua_common.comm.key_value_store), on a real store server."""
+"""The rendezvous' waits on the job's store (bagua_common.comm.key_value_store, and the MPI newcomer's in
+mpi_rendezvous), on a real store server."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bagua_common.comm import mpi_rendezvous
 from bagua_common.comm.key_value_store import BuildIncomplete, meet
 from bagua_common.fault_tolerance.kv_store import KVServer
 
@@ -49,4 +51,28 @@ def test_a_meeting_is_abandoned_at_once_when_its_members_change(server):
     started = time.monotonic()
     with pytest.raises(BuildIncomplete, match="abandoned"):
         meet(server.in_process_client(), "e1/shrink/", 0, 2, timeout=30, abandoned=abandoned)
+    assert time.monotonic() - started < 2  # not the 30-s timeout
+
+
+@pytest.mark.parametrize("ends", ["timeout", "abandoned"])
+def test_an_mpi_newcomer_whose_group_never_opens_its_port_gives_up_before_touching_mpi(server, ends):
+    # The newcomer of a failed admission: its epoch closes (abandoned), or the group never comes (timeout). It raises
+    # what the other builds raise, before any MPI call (no engine is given: one would raise AttributeError).
+    abandoned = threading.Event()
+    threading.Timer(0.2, abandoned.set).start()
+    timeout, pattern = (0.5, r"'e1/port/2'.*timeout") if ends == "timeout" else (30, "abandoned")
+    started = time.monotonic()
+    with pytest.raises(BuildIncomplete, match=pattern):
+        mpi_rendezvous.assemble(
+            None,
+            server.in_process_client(),
+            "e1/",
+            2,
+            3,
+            None,
+            2,
+            "world",
+            timeout,
+            None if ends == "timeout" else abandoned,
+        )
     assert time.monotonic() - started < 2  # not the 30-s timeout

@@ -22,10 +22,12 @@ function works on the engine module's integer handles; the front ends wrap them 
 from __future__ import annotations
 
 import os
+import threading
+import time
 from collections.abc import Sequence
 from types import ModuleType
 
-from bagua_common.comm.key_value_store import KeyValueStore
+from bagua_common.comm.key_value_store import KeyValueStore, wait_for
 
 __all__ = [
     "DEAD_PEER_ENVIRONMENT",
@@ -76,13 +78,16 @@ def assemble(
     start: int,
     name: str,
     timeout: float,
+    abandoned: threading.Event | None = None,
 ) -> int:
     """The handle of a communicator of ``size`` ranks: ranks ``0..start-1`` bring ``group`` (their communicator,
     in rank order; None on the newcomers), ranks ``start..size-1`` join it in that order. Every rank calls it with
     the same ``prefix`` (a store prefix no earlier call used), ``size`` and ``start``; ``group`` is destroyed.
 
     ``start=0`` builds a world (rank 0 starts from a communicator of itself alone). A newcomer waits up to
-    ``timeout`` seconds for the group's port; each step fails rather than wait past ``timeout``.
+    ``timeout`` seconds for the group's port, and raises :class:`~bagua_common.comm.key_value_store.BuildIncomplete`
+    past it or as soon as ``abandoned`` is set (nothing is connected yet); each later step fails rather than wait past
+    ``timeout``.
     """
     if not 0 <= start <= size or not 0 <= rank < size:
         raise ValueError(f"assemble: need 0 <= start <= size and 0 <= rank < size, got {start=}, {size=}, {rank=}")
@@ -105,10 +110,8 @@ def assemble(
             mpi.destroy(group)
             group = grown
         elif rank == newcomer:
-            port = store.get(key, wait=timeout)
-            if port is None:
-                raise TimeoutError(f"assemble: rank {rank} found no MPI port under {key!r} within {timeout} s")
-            group = mpi.connect(port.decode(), name, timeout)
+            port = wait_for(store, key, time.monotonic() + timeout, abandoned)
+            group = mpi.connect(port, name, timeout)
     if mpi.size(group) != size or mpi.rank(group) != rank:
         raise RuntimeError(
             f"assemble: built rank {mpi.rank(group)} of {mpi.size(group)} instead of {rank} of {size}: the ranks "
