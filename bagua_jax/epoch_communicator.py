@@ -31,6 +31,7 @@ _COMMUNICATION_FAILURES = (
     "unusable after an earlier failure",
     "closed its connection",  # the TCP engine's: a peer died, or its own collective failed
     "the connection to rank",
+    "left the communicator unusable",  # the MPI engine's: a call failed (MPICH gave up a send to a dead peer)
     "was abandoned",  # the TCP engine's build: the members changed again while it connected them
 )
 

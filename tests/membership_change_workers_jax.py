@@ -1,10 +1,10 @@
 """Ranks of the native MPI engine's membership-change test (test_membership_change_jax.py).
 
 Each rank runs as its own ``mpiexec -n 1`` job (``run_ranks(..., launcher="mpiexec-per-rank")``) and builds the
-world through the key-value store the test serves. Rank 2 kills itself (SIGKILL) after one allreduce; the
-survivors are blocked in a jitted allreduce that only a revoke can end (the test's stand-in for the job's
-membership closing the epoch), shrink to ranks {0, 1} and run the same compiled step again; then a newcomer joins
-(rank 3 of the start, rank 2 of the grown world) and receives rank 0's state by broadcast.
+world through the key-value store the test serves. The victim (rank 1 or 2) kills itself (SIGKILL) after one
+allreduce; the survivors are blocked in a jitted allreduce that only a revoke can end (the test's stand-in for the
+job's membership closing the epoch), shrink to the two of them and run the same compiled step again; then a newcomer
+joins (rank 3 of the start, rank 2 of the grown world) and receives rank 0's state by broadcast.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bagua_common.fault_tolerance import KVClient, job_secret
+from bagua_jax.epoch_communicator import communication_failure
 from bagua_jax.native_communicator import NativeCommunicator
 
 TIMEOUT = 60.0
@@ -72,4 +73,20 @@ def shrink_and_grow(victim: int) -> dict:
     state = comm.broadcast(jnp.arange(5, dtype=jnp.float32) + 10 * rank, 0)
     mean, me = step(jnp.full(4, float(rank)))
     seen.update(third=np.asarray(mean), third_rank=int(me), grown_size=comm.size, state=np.asarray(state))
+    # A call that fails leaves the communicator unusable, in words the fault-tolerant loop takes for a communication
+    # failure (MPICH gives up a send to a dead peer so): here a message longer than the receive it meets.
+    if int(me) == 0:
+        jax.block_until_ready(comm.send(jnp.ones(8, jnp.float32), 1))
+    elif int(me) == 1:
+        seen["failed_call"] = _error_of(lambda: comm.recv((2,), jnp.float32, 0))
+        seen["next_call"] = _error_of(lambda: comm.allreduce(jnp.ones(4), "sum"))
     return seen
+
+
+def _error_of(call) -> tuple[str, bool] | None:
+    """The error ``call`` raised, and whether the fault-tolerant loop retries the work in the next epoch for it."""
+    try:
+        jax.block_until_ready(call())
+    except Exception as error:  # noqa: BLE001 - the test checks it
+        return str(error), communication_failure(error)
+    return None

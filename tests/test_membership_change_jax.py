@@ -2,9 +2,9 @@
 
 Every rank is its own ``mpiexec -n 1`` job with the world built through a key-value store (MPICH's ULFM is a
 stub in its ch4 device and hydra kills a signalled rank's node-mates: see bagua_common/comm/mpi_rendezvous.py).
-One job of 3 ranks plus a newcomer: rank 1 is SIGKILLed, the survivors' blocked jitted allreduce is revoked, they
-shrink to 2 ranks and run the same compiled step (rank read at run time: survivor 2 becomes rank 1), then the
-newcomer joins as rank 2 and gets rank 0's state by broadcast.
+One job of 3 ranks plus a newcomer: rank 1 or 2 is SIGKILLed, the survivors' blocked jitted allreduce is revoked,
+they shrink to 2 ranks and run the same compiled step (rank read at run time: survivor 2 becomes rank 1), then the
+newcomer joins as rank 2 and gets rank 0's state by broadcast; last, a call that fails on the grown communicator.
 """
 
 from __future__ import annotations
@@ -17,22 +17,25 @@ from bagua_common.fault_tolerance import KVClient, KVServer, job_secret
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
 
-VICTIM = 1
 
-
-def test_a_killed_rank_is_revoked_shrunk_away_and_replaced():
+@pytest.mark.parametrize("victim", [1, 2])
+def test_a_killed_rank_is_revoked_shrunk_away_and_replaced(victim: int):
+    # Rank 2's death holds rank 1 inside MPICH as the revoke comes, retrying a send to the dead rank its provider
+    # cannot issue: up to the bound a fault-tolerant rank sets on those retries (mpi_rendezvous.DEAD_PEER_ENVIRONMENT),
+    # 1.5-2 s at the bound of 100000 on a 2-core machine, where rank 0 waits for it in the shrink.
+    survivors = [rank for rank in range(3) if rank != victim]
     server = KVServer("127.0.0.1", secret=job_secret())
     client = KVClient("127.0.0.1", server.port, 10.0, secret=job_secret())
 
     def victim_gone(codes):
-        if codes[VICTIM] is not None:
+        if codes[victim] is not None:
             client.set("test/victim-gone", b"")
 
     try:
         results = run_ranks(
             "membership_change_workers_jax:shrink_and_grow",
             4,
-            VICTIM,
+            victim,
             launcher="mpiexec-per-rank",
             timeout=240,
             env={**ONE_CPU_DEVICE, "BAGUA_TEST_STORE_PORT": str(server.port)},
@@ -43,28 +46,34 @@ def test_a_killed_rank_is_revoked_shrunk_away_and_replaced():
         client.close()
         server.close()
     outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
-    assert results[VICTIM].returncode != 0 and results[VICTIM].value is None, outputs
-    survivors = [results[r] for r in (0, 2)]
-    assert all(r.returncode == 0 for r in [*survivors, results[3]]), outputs
-    for new_rank, (old_rank, result) in enumerate(zip((0, 2), survivors)):
-        seen = result.value
+    assert results[victim].returncode != 0 and results[victim].value is None, outputs
+    assert all(results[r].returncode == 0 for r in [*survivors, 3]), outputs
+    for new_rank, old_rank in enumerate(survivors):
+        seen = results[old_rank].value
         np.testing.assert_array_equal(seen["first"], np.full(4, (0 + 1 + 2) / 3, np.float32))
         assert seen["first_rank"] == old_rank
-        # The blocked allreduce ended at the revoke (0.5 s after it started), not at the 60 s timeout.
-        assert "revoked: rank 1 died" in seen["blocked_step"], seen["blocked_step"]
-        assert seen["revoked_after"] < 10, seen
-        assert seen["shrink_seconds"] < 10, seen
-        # The same compiled step on the survivors: averaged over 2 ranks, this rank renumbered.
+        # The blocked allreduce ended at the revoke (0.5 s after it started), and the shrink at once after it.
+        assert f"revoked: rank {victim} died" in seen["blocked_step"], seen["blocked_step"]
+        assert seen["revoked_after"] < 1.5, seen
+        assert seen["shrink_seconds"] < 1.0, seen
+        # The same compiled step on the survivors: averaged over 2 ranks, renumbered (survivor 2 becomes rank 1).
         assert seen["recompiled"] == 0 and seen["size"] == 2
-        np.testing.assert_array_equal(seen["second"], np.full(4, (0 + 2) / 2, np.float32))
+        np.testing.assert_array_equal(seen["second"], np.full(4, sum(survivors) / 2, np.float32))
         assert seen["second_rank"] == new_rank
         assert seen["grown_size"] == 3 and seen["third_rank"] == new_rank
-        np.testing.assert_array_equal(seen["third"], np.full(4, (0 + 2 + 3) / 3, np.float32))
+        np.testing.assert_array_equal(seen["third"], np.full(4, (sum(survivors) + 3) / 3, np.float32))
         np.testing.assert_array_equal(seen["state"], np.arange(5, dtype=np.float32))
     newcomer = results[3].value
     assert newcomer["rank"] == 2 and newcomer["size"] == 3
     np.testing.assert_array_equal(newcomer["state"], np.arange(5, dtype=np.float32))
-    np.testing.assert_array_equal(newcomer["third"], np.full(4, (0 + 2 + 3) / 3, np.float32))
+    np.testing.assert_array_equal(newcomer["third"], np.full(4, (sum(survivors) + 3) / 3, np.float32))
+    # Rank 1 of the grown world received 8 elements into 2: that call and the next failed, each retried by the
+    # fault-tolerant loop in its next epoch.
+    receiver = results[survivors[1]].value
+    (failed, retried), (unusable, retried_next) = receiver["failed_call"], receiver["next_call"]
+    assert "MPI recv on communicator 'world' (rank 1 of 3): the call failed and left the communicator" in failed
+    assert "truncated" in failed.lower() and retried, failed
+    assert "unusable after an earlier failure" in unusable and retried_next, unusable
 
 
 @pytest.mark.parametrize("build", ["mpi_self", "mpi_through_store", "mpi_join"])

@@ -26,21 +26,6 @@ namespace {
 // MPI_Comm_create_group's tag for a shrink to the survivors.
 constexpr int kShrinkTag = 4242;
 
-// MPICH's ofi netmod retries a send its provider cannot issue (-FI_EAGAIN) forever, and the TCP
-// provider answers a send to a peer that died with exactly that while it reconnects, refused each
-// time: the call never returns, so a revoke never reaches it, and the survivors wait for this rank
-// in their shrink. With the "eagain" hint the retries stop after MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY
-// (bagua_common.comm.mpi_rendezvous sets it) and the call fails with MPIX_ERR_EAGAIN; inside one of
-// MPICH's own collectives it aborts the process instead (ofi_send.h asserts): a death the others
-// recover from, except while they build a communicator with this rank, so those builds clear it.
-void give_up_on_a_dead_peer(MPI_Comm comm, bool give_up) {
-  MPI_Info info;
-  MPI_Info_create(&info);
-  MPI_Info_set(info, "eagain", give_up ? "true" : "false");
-  MPI_Comm_set_info(comm, info);
-  MPI_Info_free(&info);
-}
-
 class MpiCommunicator final : public Communicator {
  public:
   // `abandonable`: the communicator belongs to a membership that may change, so an operation may be
@@ -53,7 +38,6 @@ class MpiCommunicator final : public Communicator {
         ring_min_bytes_(ring_min_bytes),
         abandonable_(abandonable) {
     MPI_Comm_set_errhandler(comm_, MPI_ERRORS_RETURN);
-    if (abandonable_) give_up_on_a_dead_peer(comm_, true);
     MPI_Comm_rank(comm_, &rank_);
     MPI_Comm_size(comm_, &size_);
     spans_nodes_ = ranks_span_nodes(comm_, size_);
@@ -408,18 +392,21 @@ class MpiCommunicator final : public Communicator {
     if (broken_) return fail(op, "the communicator is unusable after an earlier failure");
     auto lock = lock_mpi();
     int rc = start(requests.data());
-    if (rc != MPI_SUCCESS) return fail(op, mpi_error(rc));
+    if (rc != MPI_SUCCESS) return call_failed(op, rc);
+    std::vector<MPI_Status> statuses(requests.size());
     for (int polls = 0;; ++polls) {
       bool all_started = true;
       rc = advance(requests.data(), &all_started);
       int done = 0;
-      if (rc == MPI_SUCCESS)
-        rc = MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done,
-                         MPI_STATUSES_IGNORE);
-      if (rc != MPI_SUCCESS) {
-        mark_broken();
-        return fail(op, mpi_error(rc));
+      if (rc == MPI_SUCCESS) {
+        rc =
+            MPI_Testall(static_cast<int>(requests.size()), requests.data(), &done, statuses.data());
+        for (const MPI_Status& status : statuses)  // which request failed, and why
+          if (rc == MPI_ERR_IN_STATUS && status.MPI_ERROR != MPI_SUCCESS &&
+              status.MPI_ERROR != MPI_ERR_PENDING)
+            rc = status.MPI_ERROR;
       }
+      if (rc != MPI_SUCCESS) return call_failed(op, rc);
       if (done && all_started) return {};
       if (revoked_.load(std::memory_order_acquire)) {
         mark_broken();
@@ -443,6 +430,13 @@ class MpiCommunicator final : public Communicator {
   void mark_broken() {
     broken_ = true;
     forbid_finalize();
+  }
+
+  // An MPI call of `op` failed (MPICH gives up a send to a peer that died this way: PatientSends),
+  // leaving requests pending.
+  Status call_failed(const char* op, int rc) {
+    mark_broken();
+    return fail(op, "the call failed and left the communicator unusable: " + mpi_error(rc));
   }
 
   // Runs `body(send', recv')` with the buffers MPI should use. On an abandonable communicator those
@@ -537,9 +531,7 @@ std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key
                                         const std::string& name) {
   const MpiCommunicator& mpi_parent = as_mpi(parent, "mpi_split");
   MPI_Comm comm;
-  if (mpi_parent.abandonable()) give_up_on_a_dead_peer(mpi_parent.comm(), false);
   const int rc = MPI_Comm_split(mpi_parent.comm(), color, key, &comm);
-  if (mpi_parent.abandonable()) give_up_on_a_dead_peer(mpi_parent.comm(), true);
   if (rc != MPI_SUCCESS) throw std::runtime_error("MPI_Comm_split failed: " + mpi_error(rc));
   return std::make_shared<MpiCommunicator>(comm, name, mpi_parent.timeout(),
                                            mpi_parent.ring_min_bytes());
@@ -605,7 +597,6 @@ std::shared_ptr<Communicator> mpi_shrink(Communicator& parent, const std::vector
     throw std::invalid_argument(what + ": this rank (" + std::to_string(mpi_parent.rank()) +
                                 ") is not among the members");
   const MPI_Comm old = mpi_parent.comm();
-  give_up_on_a_dead_peer(old, false);  // unusable afterwards either way
   MPI_Comm comm = within_deadline(what, mpi_parent.timeout(), [old, members] {
     MPI_Group all, kept;
     MPI_Comm_group(old, &all);
@@ -641,9 +632,9 @@ std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string&
   const MpiCommunicator& mpi_group = as_mpi(group, "mpi_accept");
   const MPI_Comm local = mpi_group.comm();
   const double timeout = mpi_group.timeout();
-  give_up_on_a_dead_peer(local, false);  // replaced by the merged communicator
   const std::string what = "MPI accept into '" + name + "'";
   MPI_Comm comm = within_deadline(what, timeout + 1, [local, port, timeout, what] {
+    PatientSends patient;
     TimeoutInfo info(timeout);
     MPI_Comm inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
     const int rc = MPI_Comm_accept(port.c_str(), info.info, 0, local, &inter);
@@ -651,6 +642,9 @@ std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string&
     MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
     if (MPI_Intercomm_merge(inter, 0, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
     MPI_Comm_free(&inter);
+    if (merged != MPI_COMM_NULL) MPI_Comm_set_errhandler(merged, MPI_ERRORS_RETURN);
+    if (merged != MPI_COMM_NULL && connect_every_pair(merged) != MPI_SUCCESS)
+      throw std::runtime_error(what + " failed: the newcomer could not be reached");
     return merged;
   });
   if (comm == MPI_COMM_NULL)
@@ -664,6 +658,7 @@ std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::st
   ensure_initialized();
   const std::string what = "MPI connect into '" + name + "'";
   MPI_Comm comm = within_deadline(what, timeout_seconds + 1, [port, timeout_seconds, what] {
+    PatientSends patient;
     TimeoutInfo info(timeout_seconds);
     MPI_Comm inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
     MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
@@ -672,6 +667,9 @@ std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::st
     MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
     if (MPI_Intercomm_merge(inter, 1, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
     MPI_Comm_free(&inter);
+    if (merged != MPI_COMM_NULL) MPI_Comm_set_errhandler(merged, MPI_ERRORS_RETURN);
+    if (merged != MPI_COMM_NULL && connect_every_pair(merged) != MPI_SUCCESS)
+      throw std::runtime_error(what + " failed: a member of the group could not be reached");
     return merged;
   });
   if (comm == MPI_COMM_NULL)

@@ -16,6 +16,27 @@ bool initialized_here = false;
 std::mutex serialize;  // taken around MPI calls when MPI lacks MPI_THREAD_MULTIPLE
 bool multiple = false;
 
+// The bound on a send's tries while a communicator is built: seconds of polls on a loaded machine.
+constexpr int kPatientSendRetries = 100000;
+std::mutex patience;               // guards the two below
+int patient_builds = 0;            // PatientSends alive
+int impatient_send_retries = 0;    // the bound before the first of them
+constexpr int kConnectTag = 4243;  // connect_every_pair's messages
+
+// MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY through MPI's tool interface; null where the MPI has none.
+MPI_T_cvar_handle send_retries_handle() {
+  static const MPI_T_cvar_handle handle = [] {
+    MPI_T_cvar_handle made = MPI_T_CVAR_HANDLE_NULL;
+    int provided = 0, index = 0, count = 0;
+    if (MPI_T_init_thread(MPI_THREAD_MULTIPLE, &provided) != MPI_SUCCESS ||
+        MPI_T_cvar_get_index("MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY", &index) != MPI_SUCCESS ||
+        MPI_T_cvar_handle_alloc(index, nullptr, &made, &count) != MPI_SUCCESS)
+      return MPI_T_CVAR_HANDLE_NULL;
+    return made;
+  }();
+  return handle;
+}
+
 // MPI has no 16-bit float types: they travel as 2-byte opaque elements with
 // user-defined reductions computed in float32.
 MPI_Datatype half_type, bfloat16_type;
@@ -47,6 +68,43 @@ std::unique_lock<std::mutex> lock_mpi() {
 bool thread_multiple() { return multiple; }
 
 void forbid_finalize() { any_broken = true; }
+
+PatientSends::PatientSends() {
+  std::lock_guard<std::mutex> lock(patience);
+  if (patient_builds++ > 0) return;
+  const MPI_T_cvar_handle handle = send_retries_handle();
+  if (handle == MPI_T_CVAR_HANDLE_NULL) return;
+  MPI_T_cvar_read(handle, &impatient_send_retries);
+  if (impatient_send_retries > 0 && impatient_send_retries < kPatientSendRetries) {
+    int patient = kPatientSendRetries;
+    MPI_T_cvar_write(handle, &patient);
+  }
+}
+
+PatientSends::~PatientSends() {
+  std::lock_guard<std::mutex> lock(patience);
+  if (--patient_builds > 0) return;
+  const MPI_T_cvar_handle handle = send_retries_handle();
+  if (handle != MPI_T_CVAR_HANDLE_NULL && impatient_send_retries > 0 &&
+      impatient_send_retries < kPatientSendRetries)
+    MPI_T_cvar_write(handle, &impatient_send_retries);
+}
+
+int connect_every_pair(MPI_Comm comm) {
+  int rank = 0, size = 1;
+  MPI_Comm_rank(comm, &rank);
+  MPI_Comm_size(comm, &size);
+  std::vector<MPI_Request> requests;
+  for (int peer = 0; peer < size; ++peer) {
+    if (peer == rank) continue;
+    requests.resize(requests.size() + 2);
+    int rc = MPI_Irecv(nullptr, 0, MPI_BYTE, peer, kConnectTag, comm, &requests.end()[-2]);
+    if (rc == MPI_SUCCESS)
+      rc = MPI_Isend(nullptr, 0, MPI_BYTE, peer, kConnectTag, comm, &requests.end()[-1]);
+    if (rc != MPI_SUCCESS) return rc;
+  }
+  return MPI_Waitall(static_cast<int>(requests.size()), requests.data(), MPI_STATUSES_IGNORE);
+}
 
 void ensure_initialized() {
   static std::once_flag once;

@@ -1,6 +1,7 @@
 // MPI's process-wide side for the MPI engine: initialization and thread level,
-// the lock MPI calls take without MPI_THREAD_MULTIPLE, datatypes and reductions
-// for every dtype (16-bit floats included), and the ring threshold's parsing.
+// the lock MPI calls take without MPI_THREAD_MULTIPLE, the bound on a send's tries,
+// datatypes and reductions for every dtype (16-bit floats included), and the ring
+// threshold's parsing.
 #pragma once
 
 #include <mpi.h>
@@ -25,6 +26,26 @@ std::unique_lock<std::mutex> lock_mpi();
 
 // A collective failed with MPI work still pending: MPI_Finalize would wait for it forever.
 void forbid_finalize();
+
+// MPICH's ofi netmod retries a send its provider cannot issue yet (-FI_EAGAIN) inside the MPI
+// call, one progress poll per try, up to MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY tries (unbounded
+// unless set). The TCP provider answers so while a peer has yet to take a new connection (a live
+// one may be busy outside MPI for seconds), and for good once a peer died (it connects again,
+// refused each time). A fault-tolerant rank sets a small bound before MPI starts, so that a send
+// to a dead peer fails in a fraction of a second; while an instance of this class lives, builds of
+// a communicator wait for new connections under kPatientSendRetries instead.
+class PatientSends {
+ public:
+  PatientSends();
+  ~PatientSends();
+  PatientSends(const PatientSends&) = delete;
+  PatientSends& operator=(const PatientSends&) = delete;
+};
+
+// A message from every rank of `comm` to every other, waited for: a build calls it under
+// PatientSends, while every rank is in the build and takes new connections, so that each pair is
+// connected there and, outside builds, a send that cannot be issued means a peer that died.
+int connect_every_pair(MPI_Comm comm);
 
 // Memory an abandoned MPI operation may still write into (a live peer's message
 // arriving late): it is never freed.

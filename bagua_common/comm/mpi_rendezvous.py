@@ -41,10 +41,11 @@ __all__ = [
 PORT_ENVIRONMENT = {"MPIR_CVAR_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp"}
 """MPICH settings (read when MPI starts) under which ``MPI_Open_port`` works."""
 
-DEAD_PEER_ENVIRONMENT = {"MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY": "100000"}
-"""MPICH settings (read when MPI starts) under which a send to a peer that died gives up instead of retrying the
-refused connection forever, on the engine's communicators of a membership that may change
-(``xla_ffi/mpi_communicator.cc``)."""
+DEAD_PEER_ENVIRONMENT = {"MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY": "20000"}
+"""MPICH settings (read when MPI starts) under which a send to a peer that died gives up within a fraction of a
+second instead of retrying the refused connection forever (its collective fails, and the survivors' shrink does not
+wait for it). The engine connects every pair of ranks while it builds a communicator, under a larger bound
+(``PatientSends`` in ``xla_ffi/mpi_runtime.h``), so that a live peer is never given up on."""
 
 
 PROCESS_MANAGER_VARIABLES = ("PMI_FD", "PMI_PORT", "PMIX_RANK")
