@@ -34,8 +34,10 @@ def test_a_name_with_options_trains_as_the_object_does(ranks, entry):
         assert by_name["config"] == by_object["config"], entry
         for step, (a, b) in enumerate(zip(by_name["history"], by_object["history"])):
             np.testing.assert_array_equal(a, b, err_msg=f"{entry}, rank {rank}, step {step}")
+        # It trained: the bound tells training from none. Over 130 seeds each rank's loss fell by 27-80% in 12 steps,
+        # but under seed 1018072805 PowerSGD's rank 0 fell by 9% and low-precision decentralized's by 20%.
         losses = by_name["losses"]
-        assert losses[-1] < 0.8 * losses[0], f"{entry}, rank {rank}: {losses}"
+        assert losses[-1] < 0.95 * losses[0], f"{entry}, rank {rank}: {losses}"
 
 
 def test_diloco_by_name_synchronizes_every_fifth_step(ranks):

@@ -5,11 +5,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
-#include <future>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -22,9 +19,6 @@
 
 namespace bagua {
 namespace {
-
-// MPI_Comm_create_group's tag for a shrink to the survivors.
-constexpr int kShrinkTag = 4242;
 
 class MpiCommunicator final : public Communicator {
  public:
@@ -537,145 +531,14 @@ std::shared_ptr<Communicator> mpi_split(Communicator& parent, int color, int key
                                            mpi_parent.ring_min_bytes());
 }
 
-namespace {
-
-// An MPI_Info with MPICH's "timeout" key (whole seconds, at least 1) for connect and accept.
-struct TimeoutInfo {
-  explicit TimeoutInfo(double seconds) {
-    MPI_Info_create(&info);
-    const std::string text = std::to_string(std::max(1L, std::lround(std::ceil(seconds))));
-    MPI_Info_set(info, "timeout", text.c_str());
-  }
-  ~TimeoutInfo() { MPI_Info_free(&info); }
-  MPI_Info info;
-};
-
-// Runs `make` (which creates an MPI communicator and may wait for peers without a deadline of its
-// own) on a helper thread and waits for it until `timeout_seconds`. A peer that died meanwhile
-// leaves the helper blocked in MPI for good: the caller gets an error instead, and the process
-// should leave the job (the elastic launcher restarts it).
-template <typename Make>
-MPI_Comm within_deadline(const std::string& what, double timeout_seconds, Make make) {
-  if (!thread_multiple()) {  // no second thread may call MPI: wait without a deadline
-    auto lock = lock_mpi();
-    return make();
-  }
-  auto task = std::make_shared<std::packaged_task<MPI_Comm()>>(std::move(make));
-  std::future<MPI_Comm> made = task->get_future();
-  std::thread([task] { (*task)(); }).detach();
-  if (made.wait_for(std::chrono::duration<double>(timeout_seconds)) != std::future_status::ready) {
-    forbid_finalize();  // MPI_Finalize would wait for the blocked helper
-    char seconds[32];
-    std::snprintf(seconds, sizeof seconds, "%g", timeout_seconds);
-    throw std::runtime_error(what + " did not complete within " + seconds +
-                             " s; a member may have died meanwhile");
-  }
-  return made.get();
+std::shared_ptr<Communicator> mpi_communicator(MPI_Comm comm, const std::string& name,
+                                               double timeout_seconds, int64_t ring_min_bytes,
+                                               bool abandonable) {
+  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes,
+                                           abandonable);
 }
 
-}  // namespace
-
-std::shared_ptr<Communicator> mpi_self(const std::string& name, double timeout_seconds) {
-  const int64_t ring_min_bytes = ring_min_bytes_from_environment();
-  ensure_initialized();
-  MPI_Comm comm;
-  MPI_Comm_dup(MPI_COMM_SELF, &comm);
-  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes, true);
-}
-
-std::shared_ptr<Communicator> mpi_shrink(Communicator& parent, const std::vector<int>& members,
-                                         const std::string& name) {
-  const MpiCommunicator& mpi_parent = as_mpi(parent, "mpi_shrink");
-  const std::string what =
-      "MPI shrink of communicator '" + mpi_parent.name() + "' to '" + name + "'";
-  if (members.empty()) throw std::invalid_argument(what + ": no members");
-  for (int m : members)
-    if (m < 0 || m >= mpi_parent.size())
-      throw std::invalid_argument(what + ": member " + std::to_string(m) + " is not a rank of " +
-                                  std::to_string(mpi_parent.size()));
-  if (std::find(members.begin(), members.end(), mpi_parent.rank()) == members.end())
-    throw std::invalid_argument(what + ": this rank (" + std::to_string(mpi_parent.rank()) +
-                                ") is not among the members");
-  const MPI_Comm old = mpi_parent.comm();
-  MPI_Comm comm = within_deadline(what, mpi_parent.timeout(), [old, members] {
-    MPI_Group all, kept;
-    MPI_Comm_group(old, &all);
-    MPI_Group_incl(all, static_cast<int>(members.size()), members.data(), &kept);
-    MPI_Comm made = MPI_COMM_NULL;
-    // Only the members take part (ULFM's MPIX_Comm_shrink is a stub in MPICH's ch4).
-    if (MPI_Comm_create_group(old, kept, kShrinkTag, &made) != MPI_SUCCESS) made = MPI_COMM_NULL;
-    MPI_Group_free(&kept);
-    MPI_Group_free(&all);
-    return made;
-  });
-  if (comm == MPI_COMM_NULL) throw std::runtime_error(what + " failed");
-  return std::make_shared<MpiCommunicator>(comm, name, mpi_parent.timeout(),
-                                           mpi_parent.ring_min_bytes(), true);
-}
-
-std::string mpi_open_port() {
-  ensure_initialized();
-  char port[MPI_MAX_PORT_NAME] = {};
-  const int rc = MPI_Open_port(MPI_INFO_NULL, port);
-  if (rc != MPI_SUCCESS)
-    throw std::runtime_error(
-        "MPI_Open_port failed (MPICH's UCX netmod writes an address longer than a port name holds: "
-        "set MPIR_CVAR_CH4_NETMOD=ofi and FI_PROVIDER=tcp before MPI starts): " +
-        mpi_error(rc));
-  return port;
-}
-
-void mpi_close_port(const std::string& port) { MPI_Close_port(port.c_str()); }
-
-std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string& port,
-                                         const std::string& name) {
-  const MpiCommunicator& mpi_group = as_mpi(group, "mpi_accept");
-  const MPI_Comm local = mpi_group.comm();
-  const double timeout = mpi_group.timeout();
-  const std::string what = "MPI accept into '" + name + "'";
-  MPI_Comm comm = within_deadline(what, timeout + 1, [local, port, timeout, what] {
-    PatientSends patient;
-    TimeoutInfo info(timeout);
-    MPI_Comm inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
-    const int rc = MPI_Comm_accept(port.c_str(), info.info, 0, local, &inter);
-    if (rc != MPI_SUCCESS) throw std::runtime_error(what + " failed: " + mpi_error(rc));
-    MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
-    if (MPI_Intercomm_merge(inter, 0, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
-    MPI_Comm_free(&inter);
-    if (merged != MPI_COMM_NULL) MPI_Comm_set_errhandler(merged, MPI_ERRORS_RETURN);
-    if (merged != MPI_COMM_NULL && connect_every_pair(merged) != MPI_SUCCESS)
-      throw std::runtime_error(what + " failed: the newcomer could not be reached");
-    return merged;
-  });
-  if (comm == MPI_COMM_NULL)
-    throw std::runtime_error(what + " failed: the merge with the newcomer failed");
-  return std::make_shared<MpiCommunicator>(comm, name, timeout, mpi_group.ring_min_bytes(), true);
-}
-
-std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::string& name,
-                                          double timeout_seconds) {
-  const int64_t ring_min_bytes = ring_min_bytes_from_environment();
-  ensure_initialized();
-  const std::string what = "MPI connect into '" + name + "'";
-  MPI_Comm comm = within_deadline(what, timeout_seconds + 1, [port, timeout_seconds, what] {
-    PatientSends patient;
-    TimeoutInfo info(timeout_seconds);
-    MPI_Comm inter = MPI_COMM_NULL, merged = MPI_COMM_NULL;
-    MPI_Comm_set_errhandler(MPI_COMM_SELF, MPI_ERRORS_RETURN);
-    const int rc = MPI_Comm_connect(port.c_str(), info.info, 0, MPI_COMM_SELF, &inter);
-    if (rc != MPI_SUCCESS) throw std::runtime_error(what + " failed: " + mpi_error(rc));
-    MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
-    if (MPI_Intercomm_merge(inter, 1, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
-    MPI_Comm_free(&inter);
-    if (merged != MPI_COMM_NULL) MPI_Comm_set_errhandler(merged, MPI_ERRORS_RETURN);
-    if (merged != MPI_COMM_NULL && connect_every_pair(merged) != MPI_SUCCESS)
-      throw std::runtime_error(what + " failed: a member of the group could not be reached");
-    return merged;
-  });
-  if (comm == MPI_COMM_NULL)
-    throw std::runtime_error(what + " failed: the merge with the group failed");
-  return std::make_shared<MpiCommunicator>(comm, name, timeout_seconds, ring_min_bytes, true);
-}
+MPI_Comm mpi_handle(const Communicator& comm) { return as_mpi(comm, "mpi_handle").comm(); }
 
 double mpi_timeout(const Communicator& comm) { return as_mpi(comm, "mpi_timeout").timeout(); }
 

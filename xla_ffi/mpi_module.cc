@@ -6,6 +6,7 @@
 
 #include "collective_bindings.h"
 #include "mpi_communicator.h"
+#include "mpi_membership.h"
 #include "mpi_runtime.h"
 
 NB_MODULE(_bagua_mpi, m) {

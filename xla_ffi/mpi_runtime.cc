@@ -18,9 +18,10 @@ bool multiple = false;
 
 // The bound on a send's tries while a communicator is built: seconds of polls on a loaded machine.
 constexpr int kPatientSendRetries = 100000;
-std::mutex patience;               // guards the two below
+std::mutex patience;               // guards the three below
 int patient_builds = 0;            // PatientSends alive
 int impatient_send_retries = 0;    // the bound before the first of them
+bool raised = false;               // whether the first of them raised it
 constexpr int kConnectTag = 4243;  // connect_every_pair's messages
 
 // MPIR_CVAR_CH4_OFI_MAX_EAGAIN_RETRY through MPI's tool interface; null where the MPI has none.
@@ -75,7 +76,8 @@ PatientSends::PatientSends() {
   const MPI_T_cvar_handle handle = send_retries_handle();
   if (handle == MPI_T_CVAR_HANDLE_NULL) return;
   MPI_T_cvar_read(handle, &impatient_send_retries);
-  if (impatient_send_retries > 0 && impatient_send_retries < kPatientSendRetries) {
+  raised = impatient_send_retries > 0 && impatient_send_retries < kPatientSendRetries;
+  if (raised) {
     int patient = kPatientSendRetries;
     MPI_T_cvar_write(handle, &patient);
   }
@@ -84,10 +86,7 @@ PatientSends::PatientSends() {
 PatientSends::~PatientSends() {
   std::lock_guard<std::mutex> lock(patience);
   if (--patient_builds > 0) return;
-  const MPI_T_cvar_handle handle = send_retries_handle();
-  if (handle != MPI_T_CVAR_HANDLE_NULL && impatient_send_retries > 0 &&
-      impatient_send_retries < kPatientSendRetries)
-    MPI_T_cvar_write(handle, &impatient_send_retries);
+  if (raised) MPI_T_cvar_write(send_retries_handle(), &impatient_send_retries);
 }
 
 int connect_every_pair(MPI_Comm comm) {
