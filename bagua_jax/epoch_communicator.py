@@ -67,19 +67,21 @@ def follow_members(communicator: NativeCommunicator, membership: Membership, clo
     Over TCP the communicator is built afresh through the new epoch's store, and a member lost meanwhile closes that
     epoch, abandons the build and makes the survivors take the next one. MPI shrinks the communicator to the
     survivors (rebuilds it over all of them where a failure lost nobody: a slow collective timed out, say) and grows
-    it by the joiners. MPICH can abandon neither a pending ``MPI_Comm_create_group`` nor a pending accept, so every
-    member of the new epoch, joiners too, first meets the others in its store: a member lost before it arrives (or
-    later than the communicator's timeout) fails that epoch, and they take the next one; one lost inside the shrink or
-    the grow makes the others raise once the timeout passed, and they stop there, naming it (the job restarts from its
-    last checkpoint)."""
-    return _followed(communicator, membership, closed, closed)
+    it by the joiners. MPICH can abandon neither a pending ``MPI_Comm_create_group`` nor an accept that a member of
+    the group never reaches, so every member of the new epoch, joiners too, first meets the others in its store: a
+    member lost before it arrives (or later than the communicator's timeout) fails that epoch, and they take the next
+    one. So does a joiner lost after the meeting, before it connected: the group accepts it a few seconds at a time
+    (:func:`~bagua_common.comm.mpi_rendezvous.assemble`) and gives it up together once the epoch closed. One lost
+    inside the shrink, or in the grow once connected, makes the others raise once the timeout passed, and they stop
+    there, naming it (the job restarts from its last checkpoint)."""
+    return _followed(communicator, membership, closed, [member.id for member in closed.members])
 
 
 def _followed(
-    communicator: NativeCommunicator, membership: Membership, closed: Epoch, spanned: Epoch | None
+    communicator: NativeCommunicator, membership: Membership, closed: Epoch, spanned: list[str] | None
 ) -> tuple[Membership, Epoch]:
-    """:func:`follow_members`, where ``communicator`` spans the members of ``spanned`` (MPI: until it shrinks), or
-    none yet (None: a joiner's, of this process alone)."""
+    """:func:`follow_members`, where ``communicator`` spans the members whose ids ``spanned`` lists in rank order
+    (MPI: a shrink updates it), or none yet (None: a joiner's, of this process alone)."""
     while True:
         try:
             new = membership.recover(closed).epoch
@@ -97,30 +99,32 @@ def _followed(
             closed = new
 
 
-def _connected(communicator: NativeCommunicator, spanned: Epoch | None, new: Epoch) -> None:
-    """Put the communicator of ``new``'s members in ``communicator``'s slot, which spans those of ``spanned`` (None: a
-    joiner's)."""
+def _connected(communicator: NativeCommunicator, spanned: list[str] | None, new: Epoch) -> None:
+    """Put the communicator of ``new``'s members in ``communicator``'s slot, which spans the members ``spanned``
+    lists (None: a joiner's)."""
     prefix = new.prefix(_COMMUNICATOR_PREFIX)
     if communicator.can_rebuild:
         communicator.rebuild(new.store, prefix, new.rank, new.size, new.closed)
         return
-    # MPICH cannot abandon a shrink or an accept that a member never reaches (it died, or it is still in its step):
-    # they meet in the store first, where such a member fails this epoch instead and the next one is tried.
+    # MPICH cannot abandon a shrink, or an accept, that a member of the group never reaches (it died, or it is still
+    # in its step): they meet in the store first, where such a member fails this epoch instead and the next one is
+    # tried.
     meet(new.store, new.prefix(f"{_COMMUNICATOR_PREFIX}meeting/"), new.rank, new.size, communicator.timeout, new.closed)
     if spanned is None:
         communicator.join(new.store, prefix, new.rank, new.size, abandoned=new.closed)
         return
-    ids = [member.id for member in spanned.members]
-    kept = [ids.index(member.id) for member in new.members if member.id in ids]
-    if len(kept) < len(ids) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
+    kept = [spanned.index(member.id) for member in new.members if member.id in spanned]
+    if len(kept) < len(spanned) or new.size == len(kept):  # no joiner to grow a new one: the closed one is revoked
         communicator.shrink(kept)
+        spanned[:] = [spanned[i] for i in kept]  # should the grow fail, the next epoch starts from the survivors
     if new.size > len(kept):
-        communicator.grow(new.store, prefix, new.size)
+        communicator.grow(new.store, prefix, new.size, abandoned=new.closed)
 
 
 def _fail_or_raise(communicator: NativeCommunicator, membership: Membership, epoch: Epoch, error: Exception) -> None:
     """Close ``epoch`` as failed for ``error`` if its change of members can be made again in the next one; else raise
-    it. MPI's cannot past the members' meeting, where a shrink or grow that failed cannot be made again."""
+    it. MPI's cannot past the members' meeting, where a shrink or grow that failed cannot be made again, unless the
+    grow gave up a joiner that never connected (:class:`BuildIncomplete`)."""
     if not (communicator.can_rebuild or isinstance(error, BuildIncomplete)):
         raise error
     fail_epoch(membership, epoch, error)

@@ -195,16 +195,24 @@ class NativeCommunicator(MpiSettings):
             shrunk = self.engine.shrink(self.handle, sorted(set(range(self.size)) - set(members)), "world")
         self._install(shrunk)
 
-    def grow(self, store: KeyValueStore, prefix: str, size: int, timeout: float | None = None) -> None:
-        """Admit ``size - self.size`` newcomers (MPI, TCP), which call :meth:`join` (or :meth:`mpi_join`) with the
-        same ``prefix`` and ``size``; they become the last ranks. Every rank of this communicator calls it."""
+    def grow(
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        size: int,
+        timeout: float | None = None,
+        abandoned: threading.Event | None = None,
+    ) -> None:
+        """Admit ``size - self.size`` newcomers (MPI, TCP) as the last ranks, which call :meth:`join` with the same
+        ``prefix`` and ``size``. Every rank calls it; all give up once any of them sees ``abandoned`` set."""
         if self.can_rebuild:
-            self.rebuild(store, prefix, self._rank, size, timeout=timeout)
+            self.rebuild(store, prefix, self._rank, size, abandoned, timeout)
             return
         if self.kind != "mpi":
             raise ValueError("grow: only the host engines admit newcomers in place (NCCL: build a new communicator)")
-        mpi, group, timeout = self.engine, self.handle_copy(), timeout_seconds(timeout)
-        self._install(mpi_rendezvous.assemble(mpi, store, prefix, self._rank, size, group, self.size, "world", timeout))
+        mpi, group, rank, seconds = self.engine, self.handle_copy(), self._rank, timeout_seconds(timeout)
+        grown = mpi_rendezvous.assemble(mpi, store, prefix, rank, size, group, self.size, "world", seconds, abandoned)
+        self._install(grown)
 
     @classmethod
     def mpi_join(
@@ -308,22 +316,17 @@ class NativeCommunicator(MpiSettings):
         return self.kind, self.engine, self.handle, f"communicator handle {self.handle}"
 
     def set_mpi_ring_min_bytes(self, value: int) -> None:
-        """Set :attr:`mpi_ring_min_bytes` for the collectives dispatched after this call.
-
-        It is the engine's run-time state, not part of any compiled program: switching it recompiles
-        nothing. It first waits for the collectives already dispatched (``jax.effects_barrier``), so
-        they keep the old threshold. Every rank must set the same value at the same point.
-        """
+        """Set :attr:`mpi_ring_min_bytes` for the collectives dispatched after this call, once those dispatched before
+        completed with the old one (``jax.effects_barrier``). Run-time state, not part of any compiled program: it
+        recompiles nothing. Every rank must set the same value at the same point."""
         value = mpi_ring_min_bytes(value, self.kind, f"communicator handle {self.handle}")
         jax.effects_barrier()
         self.engine.set_ring_min_bytes(self.handle, value)
 
     def set_average_divisor(self, ranks: int | None) -> None:
         """Make ``"avg"`` reductions divide by ``ranks`` instead of the size (None: the size again), for the
-        collectives dispatched after this call (those already dispatched first complete, as for
-        :meth:`set_mpi_ring_min_bytes`). Run-time state: recompiles nothing. A fault-tolerant job's joiner sends zeros
-        in the step it takes weighed out, and every rank divides by the members that trained it. Every rank must set
-        the same value at the same point."""
+        collectives dispatched after this call, as :meth:`set_mpi_ring_min_bytes` is set: a fault-tolerant job's joiner
+        sends zeros in the step it takes weighed out, and every rank divides by the members that trained it."""
         if not self.on_host:
             raise ValueError("set_average_divisor: only the host engines' (MPI, TCP) averages take a divisor")
         if ranks is not None and not 1 <= ranks <= self.size:

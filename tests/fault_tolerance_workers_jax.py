@@ -311,15 +311,14 @@ def _die_in_the_first_shrink() -> None:
 def _die_in_the_first_rebuild(where: str) -> None:
     """SIGKILL this member in its first rebuild of the communicator: TCP, at its ``start`` (the others wait for its
     address in the store) or as it would ``connect`` (the ranks above it connect to it, those below wait for it);
-    MPI, as it would arrive at the ``meeting`` before the shrink and the grow (the others wait for it in the store)."""
+    MPI, as it would arrive at the ``meeting`` before the shrink and the grow (the others wait for it in the store),
+    or, a joiner, as it would ``connect`` to the port the group accepts on."""
     from bagua_jax import epoch_communicator
     from bagua_jax.native_communicator import NativeCommunicator
 
     if where == "meeting":
         epoch_communicator.meet = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
         return
-
-    rebuild = NativeCommunicator.rebuild
 
     class DyingAsItConnects:
         def __init__(self, engine):
@@ -328,16 +327,22 @@ def _die_in_the_first_rebuild(where: str) -> None:
         def __getattr__(self, name):
             return getattr(self._engine, name)
 
-        def build(self, *args):
+        def build(self, *args):  # TCP
             os.kill(os.getpid(), signal.SIGKILL)
 
-    def dying(self, *args, **kwargs):
-        if where == "start":
-            os.kill(os.getpid(), signal.SIGKILL)
-        self.engine = DyingAsItConnects(self.engine)
-        rebuild(self, *args, **kwargs)
+        connect = build  # MPI
 
-    NativeCommunicator.rebuild = dying
+    def dying(build):
+        def dying_build(self, *args, **kwargs):
+            if where == "start":
+                os.kill(os.getpid(), signal.SIGKILL)
+            self.engine = DyingAsItConnects(self.engine)
+            build(self, *args, **kwargs)
+
+        return dying_build
+
+    NativeCommunicator.rebuild = dying(NativeCommunicator.rebuild)
+    NativeCommunicator.join = dying(NativeCommunicator.join)
 
 
 def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:

@@ -3,8 +3,9 @@
 Each rank runs as its own ``mpiexec -n 1`` job (``run_ranks(..., launcher="mpiexec-per-rank")``) and builds the
 world through the key-value store the test serves. The victim (rank 1 or 2) kills itself (SIGKILL) after one
 allreduce; the survivors are blocked in a jitted allreduce that only a revoke can end (the test's stand-in for the
-job's membership closing the epoch), shrink to the two of them and run the same compiled step again; then a newcomer
-joins (rank 3 of the start, rank 2 of the grown world) and receives rank 0's state by broadcast.
+job's membership closing the epoch), shrink to the two of them and run the same compiled step again; they give up a
+grow that no newcomer connects to; then a newcomer joins (rank 3 of the start, rank 2 of the grown world) and receives
+rank 0's state by broadcast.
 """
 
 from __future__ import annotations
@@ -67,6 +68,13 @@ def shrink_and_grow(victim: int) -> dict:
     compiled = step._cache_size()
     mean, me = step(jnp.full(4, float(rank)))
     seen.update(second=np.asarray(mean), second_rank=int(me), size=comm.size, recompiled=step._cache_size() - compiled)
+    # A grow no newcomer connects to, which survivor 1 alone gives up after 0.5 s: the other gives it up with it.
+    abandoned = threading.Event()
+    if int(me) == 1:
+        threading.Timer(0.5, abandoned.set).start()
+    started = time.monotonic()
+    seen["abandoned_grow"] = _error_of(lambda: comm.grow(store, "test/no-newcomer/", 3, TIMEOUT, abandoned))
+    seen["abandoned_grow_seconds"] = time.monotonic() - started
     if int(me) == 0:
         store.set("test/shrunk", b"")
     comm.grow(store, "test/grow/", 3, timeout=TIMEOUT)

@@ -828,17 +828,25 @@ def test_a_member_lost_while_the_survivors_rebuild_the_communicator_costs_them_o
     print(f"death in the rebuild ({engine}, {where}): the survivors resumed {resume:.2f} s after the first death")
 
 
-@pytest.mark.parametrize(("engine", "victim"), [("mpi", "member"), ("mpi", "joiner"), ("tcp", "member")])
+@pytest.mark.parametrize(
+    ("engine", "victim", "where"),
+    [
+        ("mpi", "member", "meeting"),
+        ("mpi", "joiner", "meeting"),
+        ("mpi", "joiner", "connect"),
+        ("tcp", "member", "start"),
+    ],
+)
 def test_a_death_during_a_joiners_admission_costs_one_more_epoch_and_the_joiner_trains_in_it(
-    tmp_path: Path, engine: str, victim: str
+    tmp_path: Path, engine: str, victim: str, where: str
 ):
     # member: four members, the joiner asking in step 3, in which member 3 is SIGKILLed: the survivors' recovery
     # admits it, and member 2 dies there, before it arrived at the members' meeting (MPI) or published its address
-    # (TCP). joiner: three members admit the joiner after step 1, and it dies before it arrived at the meeting. Either
-    # death closes the admitting epoch; the others take the next one. Over MPI the joiner waited for the group's port
-    # under the failed epoch, past the communicator's timeout (60 s here), and the others' grow waited for it in vain;
-    # and a joiner dead before it connected left the others' accept waiting: both stopped the job.
-    where = "start" if engine == "tcp" else "meeting"
+    # (TCP). joiner: three members admit the joiner after step 1, and it dies before it arrived at the meeting, or
+    # after it, as it would connect to the group's port. Either death closes the admitting epoch; the others take the
+    # next one. Over MPI the joiner waited for the group's port under the failed epoch, past the communicator's
+    # timeout (60 s here), and the others' grow waited for it in vain; and a joiner dead before it connected left the
+    # others' accept waiting until the timeout, where it failed and stopped them.
     if victim == "member":
         env, faults, start, final = (
             {"FT_KILL_IN_REBUILD": f"2:{where}", "FT_START_JOINER_AFTER": "2"},

@@ -3,8 +3,9 @@
 Every rank is its own ``mpiexec -n 1`` job with the world built through a key-value store (MPICH's ULFM is a
 stub in its ch4 device and hydra kills a signalled rank's node-mates: see bagua_common/comm/mpi_rendezvous.py).
 One job of 3 ranks plus a newcomer: rank 1 or 2 is SIGKILLed, the survivors' blocked jitted allreduce is revoked,
-they shrink to 2 ranks and run the same compiled step (rank read at run time: survivor 2 becomes rank 1), then the
-newcomer joins as rank 2 and gets rank 0's state by broadcast; last, a call that fails on the grown communicator.
+they shrink to 2 ranks and run the same compiled step (rank read at run time: survivor 2 becomes rank 1), give up
+together a grow that no newcomer connects to when one of them is told to, then the newcomer joins as rank 2 and gets
+rank 0's state by broadcast; last, a call that fails on the grown communicator.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 from multiprocess import ONE_CPU_DEVICE, has_mpiexec, run_ranks
 
+from bagua_common.comm.mpi_rendezvous import ACCEPT_WAIT_SECONDS
 from bagua_common.fault_tolerance import KVClient, KVServer, job_secret
 
 pytestmark = pytest.mark.skipif(not has_mpiexec(), reason="needs mpiexec (the mpich wheel)")
@@ -60,6 +62,10 @@ def test_a_killed_rank_is_revoked_shrunk_away_and_replaced(victim: int):
         assert seen["recompiled"] == 0 and seen["size"] == 2
         np.testing.assert_array_equal(seen["second"], np.full(4, sum(survivors) / 2, np.float32))
         assert seen["second_rank"] == new_rank
+        # Both gave up the grow within one wait for the newcomer of the moment survivor 1 did, and grew after it.
+        message, retried = seen["abandoned_grow"]
+        assert "MPI accept into 'world': the newcomer did not connect" in message and retried, message
+        assert seen["abandoned_grow_seconds"] < 0.5 + ACCEPT_WAIT_SECONDS + 1.0, seen
         assert seen["grown_size"] == 3 and seen["third_rank"] == new_rank
         np.testing.assert_array_equal(seen["third"], np.full(4, (sum(survivors) + 3) / 3, np.float32))
         np.testing.assert_array_equal(seen["state"], np.arange(5, dtype=np.float32))

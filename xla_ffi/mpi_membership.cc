@@ -10,6 +10,7 @@
 #include <memory>
 #include <stdexcept>
 #include <thread>
+#include <type_traits>
 
 #include "mpi_communicator.h"
 #include "mpi_runtime.h"
@@ -31,18 +32,18 @@ struct TimeoutInfo {
   MPI_Info info;
 };
 
-// Runs `make` (which creates an MPI communicator and may wait for peers without a deadline of its
-// own) on a helper thread and waits for it until `timeout_seconds`. A peer that died meanwhile
-// leaves the helper blocked in MPI for good: the caller gets an error instead, and the process
-// should leave the job (the elastic launcher restarts it).
-template <typename Make>
-MPI_Comm within_deadline(const std::string& what, double timeout_seconds, Make make) {
+// Runs `make` (MPI work among the group, such as creating a communicator, that may wait for peers
+// without a deadline of its own) on a helper thread and waits for it until `timeout_seconds`. A
+// peer that died meanwhile leaves the helper blocked in MPI for good: the caller gets an error
+// instead, and the process should leave the job (the elastic launcher restarts it).
+template <typename Make, typename Result = std::invoke_result_t<Make&>>
+Result within_deadline(const std::string& what, double timeout_seconds, Make make) {
   if (!thread_multiple()) {  // no second thread may call MPI: wait without a deadline
     auto lock = lock_mpi();
     return make();
   }
-  auto task = std::make_shared<std::packaged_task<MPI_Comm()>>(std::move(make));
-  std::future<MPI_Comm> made = task->get_future();
+  auto task = std::make_shared<std::packaged_task<Result()>>(std::move(make));
+  std::future<Result> made = task->get_future();
   std::thread([task] { (*task)(); }).detach();
   if (made.wait_for(std::chrono::duration<double>(timeout_seconds)) != std::future_status::ready) {
     forbid_finalize();  // MPI_Finalize would wait for the blocked helper
@@ -56,13 +57,13 @@ MPI_Comm within_deadline(const std::string& what, double timeout_seconds, Make m
 
 // The end of a build by one process, on both sides: `inter`'s two groups merged into one
 // communicator (the newcomer's side `last`), `inter` freed, and every pair of the result connected
-// while all of them are still in the build. Null if the merge failed.
+// while all of them are still in the build.
 MPI_Comm merge_and_connect(MPI_Comm inter, bool last, const std::string& what) {
   MPI_Comm merged = MPI_COMM_NULL;
   MPI_Comm_set_errhandler(inter, MPI_ERRORS_RETURN);
-  if (MPI_Intercomm_merge(inter, last, &merged) != MPI_SUCCESS) merged = MPI_COMM_NULL;
+  const int rc = MPI_Intercomm_merge(inter, last, &merged);
   MPI_Comm_free(&inter);
-  if (merged == MPI_COMM_NULL) return merged;
+  if (rc != MPI_SUCCESS) throw std::runtime_error(what + " failed in the merge: " + mpi_error(rc));
   MPI_Comm_set_errhandler(merged, MPI_ERRORS_RETURN);
   if (connect_every_pair(merged) != MPI_SUCCESS)
     throw std::runtime_error(what +
@@ -122,20 +123,20 @@ std::string mpi_open_port() {
 void mpi_close_port(const std::string& port) { MPI_Close_port(port.c_str()); }
 
 std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string& port,
-                                         const std::string& name) {
+                                         const std::string& name, double wait_seconds) {
   const MPI_Comm local = mpi_handle(group);
   const double timeout = mpi_timeout(group);
   const std::string what = "MPI accept into '" + name + "'";
-  MPI_Comm comm = within_deadline(what, timeout + 1, [local, port, timeout, what] {
+  MPI_Comm comm = within_deadline(what, wait_seconds + timeout, [local, port, wait_seconds, what] {
     PatientSends patient;
-    TimeoutInfo info(timeout);
+    TimeoutInfo info(wait_seconds);
     MPI_Comm inter = MPI_COMM_NULL;
-    const int rc = MPI_Comm_accept(port.c_str(), info.info, 0, local, &inter);
-    if (rc != MPI_SUCCESS) throw std::runtime_error(what + " failed: " + mpi_error(rc));
+    // Rank 0 tells the others when no newcomer came in time, and they all fail alike.
+    if (MPI_Comm_accept(port.c_str(), info.info, 0, local, &inter) != MPI_SUCCESS)
+      return MPI_COMM_NULL;
     return merge_and_connect(inter, false, what);
   });
-  if (comm == MPI_COMM_NULL)
-    throw std::runtime_error(what + " failed: the merge with the newcomer failed");
+  if (comm == MPI_COMM_NULL) return nullptr;
   return mpi_communicator(comm, name, timeout, mpi_ring_min_bytes(group), true);
 }
 
@@ -153,9 +154,18 @@ std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::st
     if (rc != MPI_SUCCESS) throw std::runtime_error(what + " failed: " + mpi_error(rc));
     return merge_and_connect(inter, true, what);
   });
-  if (comm == MPI_COMM_NULL)
-    throw std::runtime_error(what + " failed: the merge with the group failed");
   return mpi_communicator(comm, name, timeout_seconds, ring_min_bytes, true);
+}
+
+bool mpi_any(Communicator& group, bool yes) {
+  const MPI_Comm comm = mpi_handle(group);
+  const std::string what = "MPI agreement on '" + group.name() + "'";
+  return within_deadline(what, mpi_timeout(group), [comm, what, yes] {
+    int any = yes;
+    const int rc = MPI_Allreduce(MPI_IN_PLACE, &any, 1, MPI_INT, MPI_LOR, comm);
+    if (rc != MPI_SUCCESS) throw std::runtime_error(what + " failed: " + mpi_error(rc));
+    return any != 0;
+  });
 }
 
 }  // namespace bagua

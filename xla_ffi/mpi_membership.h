@@ -26,13 +26,21 @@ std::shared_ptr<Communicator> mpi_shrink(Communicator& parent, const std::vector
 // job's store with every rank its own `mpiexec -n 1` job (so a rank killed by a
 // signal ends only its own job): rank 0 of `group` opens a port and publishes
 // it, every rank of `group` accepts, and the newcomer connects; the result is
-// `group`'s ranks followed by the newcomer. Both sides fail instead of waiting
-// past their timeout.
+// `group`'s ranks followed by the newcomer. The group waits `wait_seconds` for
+// the newcomer (MPICH counts whole seconds, at least 1) and gets null on every
+// rank when none connected by then: it may accept again on the same port, or
+// give up a newcomer that died (mpi_any). Both sides fail instead of waiting
+// past their timeout once the newcomer connected.
 std::string mpi_open_port();
 void mpi_close_port(const std::string& port);
 std::shared_ptr<Communicator> mpi_accept(Communicator& group, const std::string& port,
-                                         const std::string& name);
+                                         const std::string& name, double wait_seconds);
 std::shared_ptr<Communicator> mpi_connect(const std::string& port, const std::string& name,
                                           double timeout_seconds);
+
+// Whether any rank of `group` passes `yes`: every rank calls it, e.g. to decide together whether
+// to accept again. MPI's own allreduce, so it works on a communicator revoked meanwhile (a closed
+// epoch's, which the next one grows); it fails instead of waiting past the group's timeout.
+bool mpi_any(Communicator& group, bool yes);
 
 }  // namespace bagua

@@ -1,6 +1,7 @@
 // The Python extension `_bagua_mpi`: the MPI engine's communicators, its FFI
 // collectives for the CPU platform, and the same collectives on DLPack tensors.
 #include <nanobind/nanobind.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
@@ -45,11 +46,34 @@ NB_MODULE(_bagua_mpi, m) {
   m.def("open_port", &mpi_open_port, "Open an MPI port for mpi accept; returns its name.");
   m.def("close_port", &mpi_close_port, nb::arg("port"), "Close a port from open_port.");
 
-  collective_bindings::def_derived<const std::string&, const std::string&>(
-      m, "accept", &mpi_accept,
-      "Every rank of `parent`: its ranks and the process that connects to `port` (rank 0's), as "
-      "one communicator; returns its handle.",
-      "port", "name");
+  m.def(
+      "accept",
+      [](int64_t parent, const std::string& port, const std::string& name,
+         double wait_seconds) -> std::optional<int64_t> {
+        auto group = collective_bindings::lookup(parent);
+        std::shared_ptr<Communicator> grown;
+        {
+          nb::gil_scoped_release release;
+          grown = mpi_accept(*group, port, name, wait_seconds);
+        }
+        if (!grown) return std::nullopt;
+        return CommunicatorRegistry::instance().add(std::move(grown));
+      },
+      nb::arg("parent"), nb::arg("port"), nb::arg("name"), nb::arg("wait_seconds"),
+      "Every rank of `parent`: its ranks and the process that connects to `port` (rank 0's) within "
+      "`wait_seconds`, as one communicator; returns its handle, or None on every rank when none "
+      "connected in time.");
+
+  m.def(
+      "any",
+      [](int64_t h, bool yes) {
+        auto group = collective_bindings::lookup(h);
+        nb::gil_scoped_release release;
+        return mpi_any(*group, yes);
+      },
+      nb::arg("handle"), nb::arg("yes"),
+      "Whether any rank of the communicator passes `yes` (every rank calls it); works on a revoked "
+      "one.");
 
   m.def(
       "connect",

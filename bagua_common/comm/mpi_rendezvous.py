@@ -8,7 +8,8 @@ the other ranks of a node when one of them is killed by a signal, whatever ``-di
 
 * :func:`assemble`: ranks ``start..size-1`` join the ``start`` ranks already in a communicator one at a time
   (``MPI_Comm_accept`` on the group, ``MPI_Comm_connect`` on the newcomer, then a merge), the port's name passed
-  through the store; with ``start=0`` this builds a world, with the survivors' communicator it admits joiners;
+  through the store; with ``start=0`` this builds a world, with the survivors' communicator it admits joiners, and
+  the group gives up together a newcomer that never connects;
 * :func:`shrink`: the survivors alone build their communicator from the old one (``MPI_Comm_create_group``, which
   only the members take part in), whatever became of the others.
 
@@ -27,9 +28,10 @@ import time
 from collections.abc import Sequence
 from types import ModuleType
 
-from bagua_common.comm.key_value_store import KeyValueStore, wait_for
+from bagua_common.comm.key_value_store import BuildIncomplete, KeyValueStore, wait_for
 
 __all__ = [
+    "ACCEPT_WAIT_SECONDS",
     "DEAD_PEER_ENVIRONMENT",
     "PORT_ENVIRONMENT",
     "PROCESS_MANAGER_VARIABLES",
@@ -47,6 +49,12 @@ second instead of retrying the refused connection forever (its collective fails,
 wait for it). The engine connects every pair of ranks while it builds a communicator, under a larger bound
 (``PatientSends`` in ``xla_ffi/mpi_runtime.h``), so that a live peer is never given up on."""
 
+
+ACCEPT_WAIT_SECONDS = 2
+"""How long the group's ``MPI_Comm_accept`` waits for a newcomer at a time (MPICH counts whole seconds) before the
+group decides together whether to wait on: a pending accept cannot be abandoned, so a newcomer that died before it
+connected is given up within this much of the moment its epoch closed. MPICH's exchange with a newcomer that did
+connect must complete within it too."""
 
 PROCESS_MANAGER_VARIABLES = ("PMI_FD", "PMI_PORT", "PMIX_RANK")
 """Variables ``mpiexec`` gives the processes it starts (MPICH's hydra: ``PMI_FD`` or ``PMI_PORT``; PMIx launchers:
@@ -86,8 +94,9 @@ def assemble(
     the same ``prefix`` (a store prefix no earlier call used), ``size`` and ``start``; ``group`` is destroyed.
 
     ``start=0`` builds a world (rank 0 starts from a communicator of itself alone). A newcomer waits up to
-    ``timeout`` seconds for the group's port, and raises :class:`~bagua_common.comm.key_value_store.BuildIncomplete`
-    past it or as soon as ``abandoned`` is set (nothing is connected yet); each later step fails rather than wait past
+    ``timeout`` seconds for the group's port, and the group for the newcomer to connect; either raises
+    :class:`~bagua_common.comm.key_value_store.BuildIncomplete` past it or as soon as ``abandoned`` is set (on any
+    rank of the group: nothing is connected yet, ``group`` is destroyed); each later step fails rather than wait past
     ``timeout``.
     """
     if not 0 <= start <= size or not 0 <= rank < size:
@@ -105,10 +114,12 @@ def assemble(
             if mpi.rank(group) == 0:
                 port = mpi.open_port()
                 store.set(key, port)
-            grown = mpi.accept(group, port, name)
-            if port:
+            try:
+                grown = _accepted(mpi, group, port, name, time.monotonic() + timeout, abandoned)
+            finally:
+                mpi.destroy(group)
+            if port:  # not one given up: a connect on its way there would meet the next port given its tag
                 mpi.close_port(port)
-            mpi.destroy(group)
             group = grown
         elif rank == newcomer:
             port = wait_for(store, key, time.monotonic() + timeout, abandoned)
@@ -119,6 +130,23 @@ def assemble(
             "disagreed on the order"
         )
     return group
+
+
+def _accepted(
+    mpi: ModuleType, group: int, port: str, name: str, deadline: float, abandoned: threading.Event | None
+) -> int:
+    """The handle of ``group`` grown by the process that connects to ``port``, accepted :data:`ACCEPT_WAIT_SECONDS`
+    at a time until the group agrees to give it up: ``abandoned`` set on any of its ranks, or ``deadline`` passed."""
+    while True:
+        grown = mpi.accept(group, port, name, ACCEPT_WAIT_SECONDS)
+        if grown is not None:
+            return grown
+        give_up = time.monotonic() > deadline or (abandoned is not None and abandoned.is_set())
+        if mpi.any(group, give_up):
+            raise BuildIncomplete(
+                f"MPI accept into {name!r}: the newcomer did not connect within the timeout, or the members it was "
+                "for changed first"
+            )
 
 
 def shrink(mpi: ModuleType, handle: int, members: Sequence[int], name: str) -> int:
