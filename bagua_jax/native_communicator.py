@@ -324,9 +324,9 @@ class NativeCommunicator(MpiSettings):
         self.engine.set_ring_min_bytes(self.handle, value)
 
     def set_average_divisor(self, ranks: int | None) -> None:
-        """Make ``"avg"`` reductions divide by ``ranks`` instead of the size (None: the size again), for the
-        collectives dispatched after this call, as :meth:`set_mpi_ring_min_bytes` is set: a fault-tolerant job's joiner
-        sends zeros in the step it takes weighed out, and every rank divides by the members that trained it."""
+        """Make ``"avg"`` reductions divide by ``ranks`` instead of the size (None: the size again), set as
+        :meth:`set_mpi_ring_min_bytes` is: a fault-tolerant job's joiner sends zeros in the step it takes weighed out,
+        and every rank divides by the members that trained it."""
         if not self.on_host:
             raise ValueError("set_average_divisor: only the host engines' (MPI, TCP) averages take a divisor")
         if ranks is not None and not 1 <= ranks <= self.size:

@@ -118,7 +118,9 @@ def assemble(
                 grown = _accepted(mpi, group, port, name, time.monotonic() + timeout, abandoned)
             finally:
                 mpi.destroy(group)
-            if port:  # not one given up: a connect on its way there would meet the next port given its tag
+            # Only a port the newcomer connected to is closed: MPICH gives a closed port's tag to the next port, which
+            # a connect still on its way to a port given up would reach.
+            if port:
                 mpi.close_port(port)
             group = grown
         elif rank == newcomer:
