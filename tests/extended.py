@@ -195,14 +195,15 @@ EXTENDED: dict[str, str] = {
     r"and_an_exception_resume_and_a_joiner_trains\[mpi\]|each_per_step_algorithm_survives_a_kill_and_admits_a_joiner"
     r"\[gradient_allreduce\]|a_member_that_raises_is_taken_for_lost|a_decentralized_member_one_behind_before_its_step_"
     r"began|a_death_during_a_joiners_admission_costs_one_more_epoch_and_the_joiner_trains_in_it\[(mpi-joiner-"
-    r"meeting|tcp-member)\])": "JAX's deaths in the state's split and in a late joiner's transfer (a death while the "
-    "survivors rebuild and a state holder's death stay quick), its DiLoCo joiner at a retried exchange (the Streaming "
-    "one stays quick, and torch's), the kill, hang and exception job over MPI (over TCP it stays quick; MPI's revoke, "
-    "shrink and replacement in test_membership_change_jax), gradient allreduce's kill and joiner (the kill, hang and "
-    "exception job over TCP is gradient allreduce's, with a joiner), its member whose exit is slow after an exception "
-    "(9 s; an exception stays quick in that job), its decentralized member one behind given the state (10 s over "
-    "each engine; torch's stays quick), and its joiner's own death in its admission over MPI before the members' "
-    "meeting and a member's over TCP (7 s each; a member's over MPI stays quick, and a joiner's after the meeting)",
+    r"meeting|tcp-member-start)\])": "JAX's deaths in the state's split and in a late joiner's transfer (a death "
+    "while the survivors rebuild and a state holder's death stay quick), its DiLoCo joiner at a retried exchange (the "
+    "Streaming one stays quick, and torch's), the kill, hang and exception job over MPI (over TCP it stays quick; "
+    "MPI's revoke, shrink and replacement in test_membership_change_jax), gradient allreduce's kill and joiner (the "
+    "kill, hang and exception job over TCP is gradient allreduce's, with a joiner), its member whose exit is slow "
+    "after an exception (9 s; an exception stays quick in that job), its decentralized member one behind given the "
+    "state (10 s over each engine; torch's stays quick), and its joiner's own death in its admission over MPI before "
+    "the members' meeting and a member's over TCP (7 s each; a member's over MPI stays quick, and a joiner's after "
+    "the meeting)",
     # the quick suite's 10-minute budget: the larger or repeated jobs of a behaviour the suite keeps once
     r"test_native_communicator_jax\.py::test_(every_primitive_matches|large_allreduces_match)_numpy\[[34]-": (
         "two ranks, on one node and between nodes, stay quick"
