@@ -47,7 +47,6 @@ class MpiCommunicator final : public Communicator {
   const std::string& name() const override { return name_; }
   MPI_Comm comm() const { return comm_; }
   double timeout() const { return timeout_; }
-  bool abandonable() const { return abandonable_; }
   bool spans_nodes() const { return spans_nodes_; }
   int64_t ring_min_bytes() const { return ring_min_bytes_; }
   void set_ring_min_bytes(int64_t bytes) {
