@@ -14,10 +14,12 @@ SGD pairing the ranks (``decentralized``: shift_one) or low-precision decentrali
   median (gradient allreduce), or of the block's mean (DiLoCo: its exchanges are a few steps of the block). The
   rounds begin once the steps the fault-tolerant trainer compiles ahead in the background are compiled (a one-time
   cost at the start and after each change, which the report gives apart).
-* ``kill``: rank ``ranks-1`` is SIGKILLed as step ``--kill-step`` starts, while the others are blocked in its
-  allreduce (gradient allreduce), or mid-round (DiLoCo, H = 8: the others train on to the round's exchange); the
-  table gives the seconds from the kill to the survivors' retried step's start and end (a step compiled again for the
-  new world size compiles in between), and the steps run again.
+* ``kill``: once the steps compiled ahead are compiled (as for ``overhead``: the steady state), rank ``ranks-1`` is
+  SIGKILLed as step ``--kill-step`` starts, while the others are blocked in its allreduce (gradient allreduce), or
+  mid-round (DiLoCo, H = 8: the others train on to the round's exchange); the table gives the seconds from the kill
+  to the survivors' retried step's start and end (a step compiled again for the new world size compiles in between),
+  and the steps run again. A kill while those compile costs more where ranks share too few cores:
+  ``benchmarks/results/fault-tolerance-jax-kill-mpi-steady-state.md``.
 * ``join``: ``ranks-1`` members train ``--rounds`` DiLoCo rounds (gradient allreduce: steps); rank ``ranks-1`` starts
   as a new process after ``--join-after`` of them, compiles its step and joins the running job (under DiLoCo it
   sits out the round in flight). The table gives each
@@ -192,6 +194,7 @@ def worker(args: argparse.Namespace) -> None:
             rounds.append(times)
         record["rounds"] = rounds
     else:
+        record["compiled_ahead_s"] = compiles_ahead_waited()  # the kill comes in the steady state
         victim = args.ranks - 1
 
         attempts = []
@@ -262,6 +265,15 @@ def compiles_ahead_waited() -> float:
         if thread.name.startswith(COMPILING_AHEAD):
             thread.join()
     return time.perf_counter() - started
+
+
+def compiled_ahead_line(records: list[dict], what: str) -> str:
+    """The report's line on the wait of :func:`compiles_ahead_waited` before ``what``."""
+    waited = max(r["compiled_ahead_s"] for r in records)
+    return (
+        f"{what} after the steps compiled ahead in the background: {waited:.1f} s after the warm-up (the longest"
+        " wait of a rank)"
+    )
 
 
 def join_table(records: list[dict], sync_every: int) -> list[str]:
@@ -375,9 +387,7 @@ def main() -> None:
             rows.append([index, f"{plain * 1e3:.2f}", f"{ft * 1e3:.2f}", f"{ft / plain:.4f}"])
         lines += table(["round", "plain step (ms)", "fault-tolerant step (ms)", "ratio"], rows)
         lines += ["", f"median ratio {statistics.median(ratios):.4f} (min {min(ratios):.4f}, max {max(ratios):.4f})"]
-        waited = max(r["compiled_ahead_s"] for r in records)
-        lines += ["", f"the rounds began after the steps compiled ahead in the background: {waited:.1f} s after the"
-                  " warm-up (the longest wait of a rank)"]  # fmt: skip
+        lines += ["", compiled_ahead_line(records, "the rounds began")]
         payload = {**meta, "exit_codes": codes, "ratios": ratios, "records": records}
     elif args.mode == "join":
         lines += join_table(records, args.sync_every if args.algorithm == "diloco" else 1)
@@ -393,6 +403,7 @@ def main() -> None:
             rows[-1].append(r["compiled"])
         header = ["rank", "resumed after the kill (s)", "its retried step done (s)", "steps run again"]
         lines += table([*header, "step compilations"], rows)
+        lines += ["", compiled_ahead_line(records, "the kill came")]
         payload = {**meta, "exit_codes": codes, "kill_time": kill_time, "records": records}
     print("\n".join(lines))
     suffix = (  # the MPI engine's results, from before the TCP engine, carry no engine
