@@ -374,8 +374,7 @@ namespace {
 // constants computed once, however many ranges of it are decoded (a reduction
 // decodes each group a tile at a time). decode(begin, end, emit) decodes elements
 // [begin, end) of the tensor, which the group holds; `emit` receives (element
-// index, decoded float). prefetch(begin, end) asks for the cache lines of those
-// elements' codes.
+// index, decoded float).
 template <int kBits>
 struct MinMaxGroup {
   math::MinMaxGrid grid;
@@ -408,11 +407,6 @@ struct MinMaxGroup {
     else
       each([g](uint8_t v) { return math::minmax_decode_at_lo(v, g); });
   }
-
-  void prefetch(int64_t begin, int64_t end) const {
-    for (int64_t b = (begin - first) * kBits / 8; b < (end - first) * kBits / 8; b += 64)
-      __builtin_prefetch(codes + b);
-  }
 };
 
 // The same for a Sign group (a whole chunk), except that each whole byte of bits
@@ -443,11 +437,6 @@ struct SignGroup {
       emit(i, values);
     }
     for (; i < end; ++i) emit(i, one(i));
-  }
-
-  void prefetch(int64_t begin, int64_t end) const {
-    for (int64_t b = (begin - first) / 8; b < (end - first) / 8; b += 64)
-      __builtin_prefetch(bits + b);
   }
 };
 
@@ -532,13 +521,6 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
   // (their grids) itself, so that they are computed once and in parallel.
   const int64_t segment = format == Format::kSign ? kTile : kMinMaxGroupElements;
   const int64_t per_input = groups_of(format, m);
-  // The k chunks are k streams of codes, read a tile at a time: each tile of a
-  // chunk starts on a page the hardware prefetcher has not followed to, and the
-  // loads waited on memory. So each chunk's tile asks for the chunk's next tile,
-  // when the codes are too many to have stayed in the cache (smaller ones are
-  // where the all-to-all that delivered them wrote them; asking cost 7% there).
-  constexpr int64_t kPrefetchAbove = int64_t{4} << 20;  // bytes of codes
-  const bool prefetch = chunking.slot_offset(k) > kPrefetchAbove;
   parallel_for(ceil_div(m, segment), m * k, [&](int64_t s) {
     const int64_t group = s * segment / group_elements(format);
     std::vector<Decoder> peers;
@@ -549,7 +531,6 @@ Status decompress_reduce(const uint8_t* in, Format format, int64_t m, int64_t k,
       const int64_t end = std::min(begin + kTile, m);
       float acc[kTile] = {};
       for (int64_t j = 0; j < k; ++j) {
-        if (prefetch) peer(j).prefetch(j * m + end, j * m + end + kTile);
         peer(j).decode(j * m + begin, j * m + end,
                        [&](int64_t i, auto v) { accumulate(acc + (i - j * m - begin), v); });
       }
