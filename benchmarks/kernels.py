@@ -11,8 +11,10 @@ copy of the input runs on the same device in the same run (``jax.jit(jnp.copy)``
     minmax_compress           n float32 -> k chunks of 8-bit min-max codes (groups of 8192)
     minmax_decompress         k chunks of codes -> n float32
     minmax_decompress_reduce  k single-chunk buffers of m = n/k codes -> mean, m float32
+    minmax_uint4_*            the same three with 4-bit codes, two a byte
     sign_compress             n float32 -> k chunks of sign bits + mean(|x|) scales
     sign_decompress           k chunks of sign bits -> n float32
+    sign_decompress_reduce    k single-chunk buffers of m sign bits -> mean, m float32
     axpy                      x + a * y
     async_average             x + (reduced / ranks - snapshot), ranks = k
 
@@ -118,31 +120,32 @@ WARMUP_CALLS, MIN_REPEATS, MAX_REPEATS, QUICK_MAX_REPEATS, TARGET_SECONDS = 3, 3
 
 
 MINMAX_GROUP = 8192  # elements of a min-max group (xla_ffi/layout.h); the sizes here make chunks of whole groups
+UINT8_STEPS, UINT4_STEPS = 254, 14  # a group's steps between lo and hi (docs/formats.md)
 
 
-def xp_minmax_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any, Any]:
-    """8-bit min-max codes of ``k`` chunks in groups: ``(codes[g, s], lo[g, 1], hi[g, 1])`` for ``g`` groups of
-    ``s`` elements, in NumPy or ``jax.numpy`` (``xp``)."""
+def xp_minmax_compress(xp: Any, x: Any, k: int, steps: int = UINT8_STEPS) -> tuple[Any, Any, Any]:
+    """Min-max codes of ``k`` chunks in groups: ``(codes[g, s], lo[g, 1], hi[g, 1])`` for ``g`` groups of ``s``
+    elements, one code a byte, in NumPy or ``jax.numpy`` (``xp``)."""
     chunks = x.reshape(-1, min(MINMAX_GROUP, x.size // k))
     lo = chunks.min(axis=1, keepdims=True)
     hi = chunks.max(axis=1, keepdims=True)
-    z, scale, base = xp_minmax_grid(xp, lo, hi)
-    codes = xp.clip(xp.rint((chunks - z) * scale) - base, 0, 255).astype(xp.uint8)
+    z, scale, base = xp_minmax_grid(xp, lo, hi, steps)
+    codes = xp.clip(xp.rint((chunks - z) * scale) - base, 0, steps + 1).astype(xp.uint8)
     return codes, lo, hi
 
 
-def xp_minmax_grid(xp: Any, lo: Any, hi: Any) -> tuple[Any, Any, Any]:
+def xp_minmax_grid(xp: Any, lo: Any, hi: Any, steps: int) -> tuple[Any, Any, Any]:
     """The SPEC's zero-anchored grid: anchor, scale and base code offset of each chunk."""
     z = xp.where((lo <= 0) & (hi >= 0), xp.float32(0), lo)
-    with np.errstate(divide="ignore"):  # a constant chunk's 254 / 0 is discarded by the where
-        scale = xp.where(hi > lo, xp.float32(254) / (hi - lo), xp.float32(0))
+    with np.errstate(divide="ignore"):  # a constant chunk's steps / 0 is discarded by the where
+        scale = xp.where(hi > lo, xp.float32(steps) / (hi - lo), xp.float32(0))
     return z, scale, xp.rint((lo - z) * scale)
 
 
-def xp_minmax_decode(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
+def xp_minmax_decode(xp: Any, compressed: tuple[Any, Any, Any], steps: int = UINT8_STEPS) -> Any:
     codes, lo, hi = compressed
-    z, _, base = xp_minmax_grid(xp, lo, hi)
-    return z + (codes.astype(xp.float32) + base) * ((hi - lo) / xp.float32(254))
+    z, _, base = xp_minmax_grid(xp, lo, hi, steps)
+    return z + (codes.astype(xp.float32) + base) * ((hi - lo) / xp.float32(steps))
 
 
 def xp_minmax_decompress(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
@@ -151,6 +154,26 @@ def xp_minmax_decompress(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
 
 def xp_minmax_decompress_reduce(xp: Any, compressed: tuple[Any, Any, Any], k: int) -> Any:
     return xp_minmax_decode(xp, compressed).reshape(k, -1).mean(axis=0)
+
+
+def xp_minmax_uint4_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any, Any]:
+    """4-bit min-max codes, two a byte (element ``2i`` in the low nibble of byte ``i``), and each group's range."""
+    codes, lo, hi = xp_minmax_compress(xp, x, k, UINT4_STEPS)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), lo, hi
+
+
+def xp_minmax_uint4_decode(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
+    packed, lo, hi = compressed
+    codes = xp.stack([packed & 15, packed >> 4], axis=-1).reshape(packed.shape[0], -1)
+    return xp_minmax_decode(xp, (codes, lo, hi), UINT4_STEPS)
+
+
+def xp_minmax_uint4_decompress(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
+    return xp_minmax_uint4_decode(xp, compressed).reshape(-1)
+
+
+def xp_minmax_uint4_decompress_reduce(xp: Any, compressed: tuple[Any, Any, Any], k: int) -> Any:
+    return xp_minmax_uint4_decode(xp, compressed).reshape(k, -1).mean(axis=0)
 
 
 def xp_sign_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any]:
@@ -168,28 +191,32 @@ def xp_sign_decompress(xp: Any, compressed: tuple[Any, Any]) -> Any:
     return xp.where(positive, scale, -scale).reshape(-1)
 
 
-def torch_minmax_compress(x: Any, k: int) -> tuple[Any, Any, Any]:
+def xp_sign_decompress_reduce(xp: Any, compressed: tuple[Any, Any], k: int) -> Any:
+    return xp_sign_decompress(xp, compressed).reshape(k, -1).mean(axis=0)
+
+
+def torch_minmax_compress(x: Any, k: int, steps: int = UINT8_STEPS) -> tuple[Any, Any, Any]:
     import torch
 
     chunks = x.view(-1, min(MINMAX_GROUP, x.numel() // k))
     lo, hi = torch.aminmax(chunks, dim=1, keepdim=True)
-    z, scale, base = torch_minmax_grid(lo, hi)
-    codes = (torch.round((chunks - z) * scale) - base).clamp_(0, 255).to(torch.uint8)
+    z, scale, base = torch_minmax_grid(lo, hi, steps)
+    codes = (torch.round((chunks - z) * scale) - base).clamp_(0, steps + 1).to(torch.uint8)
     return codes, lo, hi
 
 
-def torch_minmax_grid(lo: Any, hi: Any) -> tuple[Any, Any, Any]:
+def torch_minmax_grid(lo: Any, hi: Any, steps: int) -> tuple[Any, Any, Any]:
     import torch
 
     z = torch.where((lo <= 0) & (hi >= 0), 0.0, lo)
-    scale = torch.where(hi > lo, 254.0 / (hi - lo), 0.0)
+    scale = torch.where(hi > lo, steps / (hi - lo), 0.0)
     return z, scale, torch.round((lo - z) * scale)
 
 
-def torch_minmax_decode(compressed: tuple[Any, Any, Any]) -> Any:
+def torch_minmax_decode(compressed: tuple[Any, Any, Any], steps: int = UINT8_STEPS) -> Any:
     codes, lo, hi = compressed
-    z, _, base = torch_minmax_grid(lo, hi)
-    return z + (codes.float() + base) * ((hi - lo) / 254.0)
+    z, _, base = torch_minmax_grid(lo, hi, steps)
+    return z + (codes.float() + base) * ((hi - lo) / steps)
 
 
 def torch_minmax_decompress(compressed: tuple[Any, Any, Any]) -> Any:
@@ -198,6 +225,27 @@ def torch_minmax_decompress(compressed: tuple[Any, Any, Any]) -> Any:
 
 def torch_minmax_decompress_reduce(compressed: tuple[Any, Any, Any], k: int) -> Any:
     return torch_minmax_decode(compressed).view(k, -1).mean(dim=0)
+
+
+def torch_minmax_uint4_compress(x: Any, k: int) -> tuple[Any, Any, Any]:
+    codes, lo, hi = torch_minmax_compress(x, k, UINT4_STEPS)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4), lo, hi
+
+
+def torch_minmax_uint4_decode(compressed: tuple[Any, Any, Any]) -> Any:
+    import torch
+
+    packed, lo, hi = compressed
+    codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
+    return torch_minmax_decode((codes, lo, hi), UINT4_STEPS)
+
+
+def torch_minmax_uint4_decompress(compressed: tuple[Any, Any, Any]) -> Any:
+    return torch_minmax_uint4_decode(compressed).view(-1)
+
+
+def torch_minmax_uint4_decompress_reduce(compressed: tuple[Any, Any, Any], k: int) -> Any:
+    return torch_minmax_uint4_decode(compressed).view(k, -1).mean(dim=0)
 
 
 def _bit_shifts(device: Any) -> Any:
@@ -223,11 +271,15 @@ def torch_sign_decompress(compressed: tuple[Any, Any]) -> Any:
     return torch.where(positive.bool(), scale, -scale).view(-1)
 
 
+def torch_sign_decompress_reduce(compressed: tuple[Any, Any], k: int) -> Any:
+    return torch_sign_decompress(compressed).view(k, -1).mean(dim=0)
+
+
 # --------------------------------------------------------------------------- implementations
 
 
 class Implementation:
-    """The seven kernels on one framework for ``n`` float32 elements in ``k`` chunks.
+    """The kernels of ``KERNELS`` on one framework for ``n`` float32 elements in ``k`` chunks.
 
     Subclasses set one attribute per name in ``KERNELS`` (each a callable; the
     decompressions take what the same implementation's compression returned) and
@@ -286,8 +338,12 @@ class Jnp(_JaxImplementation):
         self.minmax_compress = jax.jit(partial(xp_minmax_compress, jnp, k=k))
         self.minmax_decompress = jax.jit(partial(xp_minmax_decompress, jnp))
         self.minmax_decompress_reduce = jax.jit(partial(xp_minmax_decompress_reduce, jnp, k=k))
+        self.minmax_uint4_compress = jax.jit(partial(xp_minmax_uint4_compress, jnp, k=k))
+        self.minmax_uint4_decompress = jax.jit(partial(xp_minmax_uint4_decompress, jnp))
+        self.minmax_uint4_decompress_reduce = jax.jit(partial(xp_minmax_uint4_decompress_reduce, jnp, k=k))
         self.sign_compress = jax.jit(partial(xp_sign_compress, jnp, k=k))
         self.sign_decompress = jax.jit(partial(xp_sign_decompress, jnp))
+        self.sign_decompress_reduce = jax.jit(partial(xp_sign_decompress_reduce, jnp, k=k))
         self.axpy = jax.jit(lambda x, y: x + AXPY_A * y)
         self.async_average = jax.jit(lambda x, r, s: x + (r / k - s))
         self.copy = jax.jit(jnp.copy)
@@ -327,8 +383,12 @@ class NativeTorch(_TorchImplementation):
         self.minmax_compress = lambda x: ops.minmax_uint8_compress(x, k)
         self.minmax_decompress = lambda c: ops.minmax_uint8_decompress(c, n, k)
         self.minmax_decompress_reduce = lambda c: ops.minmax_uint8_decompress_reduce(c, m, k)
+        self.minmax_uint4_compress = lambda x: ops.minmax_uint4_compress(x, k)
+        self.minmax_uint4_decompress = lambda c: ops.minmax_uint4_decompress(c, n, k)
+        self.minmax_uint4_decompress_reduce = lambda c: ops.minmax_uint4_decompress_reduce(c, m, k)
         self.sign_compress = lambda x: ops.sign_compress(x, k)
         self.sign_decompress = lambda c: ops.sign_decompress(c, n, k)
+        self.sign_decompress_reduce = lambda c: ops.sign_decompress_reduce(c, m, k)
         self.axpy = lambda x, y: ops.axpy(x, y, AXPY_A)
         self.async_average = lambda x, r, s: ops.async_average(x, r, s, k)
 
@@ -343,8 +403,12 @@ class Torch(_TorchImplementation):
         self.minmax_compress = partial(torch_minmax_compress, k=k)
         self.minmax_decompress = torch_minmax_decompress
         self.minmax_decompress_reduce = partial(torch_minmax_decompress_reduce, k=k)
+        self.minmax_uint4_compress = partial(torch_minmax_uint4_compress, k=k)
+        self.minmax_uint4_decompress = torch_minmax_uint4_decompress
+        self.minmax_uint4_decompress_reduce = partial(torch_minmax_uint4_decompress_reduce, k=k)
         self.sign_compress = partial(torch_sign_compress, k=k)
         self.sign_decompress = torch_sign_decompress
+        self.sign_decompress_reduce = partial(torch_sign_decompress_reduce, k=k)
         self.axpy = lambda x, y: x + AXPY_A * y
         self.async_average = lambda x, r, s: x + (r / k - s)
         self.copy = self._copy
@@ -367,8 +431,12 @@ class NumPy(Implementation):
         self.minmax_compress = partial(xp_minmax_compress, np, k=k)
         self.minmax_decompress = partial(xp_minmax_decompress, np)
         self.minmax_decompress_reduce = partial(xp_minmax_decompress_reduce, np, k=k)
+        self.minmax_uint4_compress = partial(xp_minmax_uint4_compress, np, k=k)
+        self.minmax_uint4_decompress = partial(xp_minmax_uint4_decompress, np)
+        self.minmax_uint4_decompress_reduce = partial(xp_minmax_uint4_decompress_reduce, np, k=k)
         self.sign_compress = partial(xp_sign_compress, np, k=k)
         self.sign_decompress = partial(xp_sign_decompress, np)
+        self.sign_decompress_reduce = partial(xp_sign_decompress_reduce, np, k=k)
         self.axpy = lambda x, y: x + np.float32(AXPY_A) * y
         self.async_average = lambda x, r, s: x + (r / np.float32(k) - s)
         self.copy = self._copy
@@ -399,14 +467,17 @@ def implementations(frameworks: Sequence[str], n: int, k: int, device: str) -> l
 def logical_bytes(kernel: str, n: int, k: int) -> int:
     """Bytes the native kernel reads plus writes for ``n`` float32 elements in ``k`` chunks."""
     f32, m = 4 * n, n // k
-    minmax = bagua_ops.compressed_size(n, k, "minmax_uint8")
-    sign = bagua_ops.compressed_size(n, k, "sign")
+    minmax, uint4, sign = (bagua_ops.compressed_size(n, k, f) for f in ("minmax_uint8", "minmax_uint4", "sign"))
     return {
         "minmax_compress": f32 + minmax,
         "minmax_decompress": minmax + f32,
         "minmax_decompress_reduce": k * bagua_ops.compressed_size(m, 1, "minmax_uint8") + 4 * m,
+        "minmax_uint4_compress": f32 + uint4,
+        "minmax_uint4_decompress": uint4 + f32,
+        "minmax_uint4_decompress_reduce": k * bagua_ops.compressed_size(m, 1, "minmax_uint4") + 4 * m,
         "sign_compress": f32 + sign,
         "sign_decompress": sign + f32,
+        "sign_decompress_reduce": k * bagua_ops.compressed_size(m, 1, "sign") + 4 * m,
         "axpy": 3 * f32,
         "async_average": 4 * f32,
     }[kernel]
@@ -539,7 +610,7 @@ def measure_size(
                 statistics.median(timing.faults),
             )
             progress.line(
-                f"{m.size_mib:g} MiB  {m.kernel:<24} {m.impl:<12} {m.gbps:8.2f} GB/s  "
+                f"{m.size_mib:g} MiB  {m.kernel:<30} {m.impl:<12} {m.gbps:8.2f} GB/s  "
                 f"(median {m.median_s * 1e3:.3f} ms of {m.repeats}, {m.page_faults:g} page faults)"
             )
             results.append(m)
@@ -550,11 +621,15 @@ def verify(impls: Sequence[Implementation], n: int, k: int, rng: np.random.Gener
     """Check that every implementation computes what the native kernels compute."""
     host = [rng.standard_normal(n, dtype=np.float32) for _ in range(3)]
     chunks = host[0].reshape(k, -1)
-    code_step = float((chunks.max(axis=1) - chunks.min(axis=1)).max()) / 254
+    widest = float((chunks.max(axis=1) - chunks.min(axis=1)).max())
+    uint8_step, uint4_step = widest / UINT8_STEPS, widest / UINT4_STEPS
     tolerance = {  # (rtol, atol); a min-max code may differ by one step
-        "minmax round trip": (0, 1.01 * code_step),
-        "minmax decompress_reduce": (0, 1.01 * code_step),
+        "minmax round trip": (0, 1.01 * uint8_step),
+        "minmax decompress_reduce": (0, 1.01 * uint8_step),
+        "minmax_uint4 round trip": (0, 1.01 * uint4_step),
+        "minmax_uint4 decompress_reduce": (0, 1.01 * uint4_step),
         "sign round trip": (1e-4, 1e-6),
+        "sign decompress_reduce": (1e-4, 1e-6),
         "axpy": (1e-6, 1e-6),
         "async_average": (1e-6, 1e-6),
     }
@@ -564,7 +639,10 @@ def verify(impls: Sequence[Implementation], n: int, k: int, rng: np.random.Gener
         got = {
             "minmax round trip": impl.minmax_decompress(impl.minmax_compress(x)),
             "minmax decompress_reduce": impl.minmax_decompress_reduce(impl.minmax_compress(x)),
+            "minmax_uint4 round trip": impl.minmax_uint4_decompress(impl.minmax_uint4_compress(x)),
+            "minmax_uint4 decompress_reduce": impl.minmax_uint4_decompress_reduce(impl.minmax_uint4_compress(x)),
             "sign round trip": impl.sign_decompress(impl.sign_compress(x)),
+            "sign decompress_reduce": impl.sign_decompress_reduce(impl.sign_compress(x)),
             "axpy": impl.axpy(x, y),
             "async_average": impl.async_average(x, y, z),
         }
@@ -660,11 +738,11 @@ def print_ratios(rows: Sequence[dict[str, Any]], measurements: Sequence[Measurem
     for size in sorted({r["size_mib"] for r in rows}):
         copies = ", ".join(f"{m.impl} {m.gbps:.2f}" for m in measurements if m.size_mib == size and m.kernel == "copy")
         print(f"\n{size:g} MiB float32 input; copy GB/s: {copies or 'not measured'} (reference: the best)")
-        print(f"{'kernel':<26}{'GB/s':>9}{'/copy':>8}{'/jnp':>8}{'/torch':>8}{'/numpy':>8}")
+        print(f"{'kernel':<32}{'GB/s':>9}{'/copy':>8}{'/jnp':>8}{'/torch':>8}{'/numpy':>8}")
         for r in rows:
             if r["size_mib"] == size:
                 cells = [_fmt(r[key]) for key in ("vs_copy", "vs_jnp", "vs_torch", "vs_numpy")]
-                print(f"{r['kernel']:<26}{r['native_gbps']:9.2f}" + "".join(f"{c:>8}" for c in cells))
+                print(f"{r['kernel']:<32}{r['native_gbps']:9.2f}" + "".join(f"{c:>8}" for c in cells))
 
 
 def write_results(

@@ -140,9 +140,9 @@ def release_targets(release: ModuleType) -> Iterator[None]:
 
 
 def serve(k: int, site: Path, sizes_mib: Sequence[float], repeats: int, seed: int) -> None:
-    """The worker: time every kernel of both sides at every size, ``repeats`` interleaved rounds, and
-    print one JSON object: both libraries' paths and, per size and kernel, each side's rows of (wall
-    seconds, CPU seconds of all threads, minor page faults) per call."""
+    """The worker: time every kernel the release has, on both sides at every size, ``repeats`` interleaved
+    rounds, and print one JSON object: both libraries' paths and, per size and kernel, each side's rows of
+    (wall seconds, CPU seconds of all threads, minor page faults) per call."""
     import resource
     import time
     from types import SimpleNamespace
@@ -156,6 +156,7 @@ def serve(k: int, site: Path, sizes_mib: Sequence[float], repeats: int, seed: in
 
     release = load_release_library(site)
     libraries = {SIDES[0]: _bagua_ffi.__file__, SIDES[1]: release.__file__}
+    kernels = [kernel for kernel in KERNELS if "bagua_" + kernel in release.registrations()["cpu"]]
     order = random.Random(seed)
     times: dict[str, dict[str, dict[str, list[list[float]]]]] = {}
     for size in sizes_mib:
@@ -166,12 +167,12 @@ def serve(k: int, site: Path, sizes_mib: Sequence[float], repeats: int, seed: in
         for side in SIDES:
             with release_targets(release) if side == SIDES[1] else contextlib.nullcontext():
                 impl = SimpleNamespace(**jitted_native_kernels(ops, n, k), sync=jax.block_until_ready)
-                calls[side] = {kernel: kernel_call(impl, kernel, data) for kernel in KERNELS}
+                calls[side] = {kernel: kernel_call(impl, kernel, data) for kernel in kernels}
                 for fn, fn_args in calls[side].values():
                     for _ in range(WARMUP_CALLS):
                         jax.block_until_ready(fn(*fn_args))
-        times[str(size)] = {kernel: {side: [] for side in SIDES} for kernel in KERNELS}
-        for kernel in KERNELS:
+        times[str(size)] = {kernel: {side: [] for side in SIDES} for kernel in kernels}
+        for kernel in kernels:
             for _ in range(repeats):
                 for side in order.sample(SIDES, len(SIDES)):
                     fn, fn_args = calls[side][kernel]
@@ -226,11 +227,15 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
     meta["native_libraries"] = results[0]["libraries"]
     for name, library in meta["native_libraries"].items():
         print(f"{name}: {library}", flush=True)
+    compared = list(results[0]["times"][str(sizes_mib[0])])
+    meta["not_in_release"] = [kernel for kernel in bench.KERNELS if kernel not in compared]
+    if meta["not_in_release"]:
+        print(f"not in {ref}, so not compared: {', '.join(meta['not_in_release'])}", flush=True)
     rng = np.random.default_rng(0)
     rows = []
     for size in sizes_mib:
         n = bench.element_count(size, k)
-        for kernel in bench.KERNELS:
+        for kernel in compared:
             current, release = ([np.asarray(r["times"][str(size)][kernel][side]) for r in results] for side in SIDES)
             wall, cpu = (
                 median_interval([r[:, column] / c[:, column] for c, r in zip(current, release)], rng)
@@ -252,7 +257,7 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
             }
             rows.append(row)
             print(
-                f"{size:g} MiB {kernel:<26} {row['gbps']:7.2f} vs {row['release_gbps']:7.2f} GB/s  "
+                f"{size:g} MiB {kernel:<30} {row['gbps']:7.2f} vs {row['release_gbps']:7.2f} GB/s  "
                 f"wall ratio {_interval(wall)}  CPU-time ratio {_interval(cpu)}  "
                 f"processes {min(process_cpu):.2f}-{max(process_cpu):.2f}  "
                 f"page faults {row['page_faults']:g} vs {row['release_page_faults']:g}",
@@ -260,6 +265,8 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
             )
     finish_meta(meta)
     meta["uptime_after"] = _uptime()
+    missing = meta["not_in_release"]
+    not_compared = [f"- not in the release, so not compared: {', '.join(missing)}"] if missing else []
     lines = [
         f"# Native CPU kernels: this tree against {ref} ({commit[:12]})",
         "",
@@ -268,6 +275,7 @@ def compare(ref: str, sizes_mib: Sequence[float], k: int, repeats: int, out_dir:
         f"- chunks k = {k}; {PROCESSES} worker processes one after the other, each timing both libraries "
         f"with {repeats} interleaved calls per kernel and side",
         *(f"- {name}: native library `{library}`" for name, library in meta["native_libraries"].items()),
+        *not_compared,
         "",
         "Ratios: the median over all rounds of (release time / this tree's time), with a 95% interval",
         "from a bootstrap over the processes and the rounds within them; above 1 this tree is faster,",

@@ -15,11 +15,16 @@ KERNELS = (
     "minmax_compress",
     "minmax_decompress",
     "minmax_decompress_reduce",
+    "minmax_uint4_compress",
+    "minmax_uint4_decompress",
+    "minmax_uint4_decompress_reduce",
     "sign_compress",
     "sign_decompress",
+    "sign_decompress_reduce",
     "axpy",
     "async_average",
 )
+"""The kernels timed; ``"bagua_" + name`` is each one's FFI target (``minmax`` alone is the 8-bit codec)."""
 AXPY_A = 0.5
 
 
@@ -32,8 +37,12 @@ def jitted_native_kernels(ops: Any, n: int, k: int) -> dict[str, Callable]:
         "minmax_compress": jax.jit(lambda x: ops.minmax_uint8_compress(x, k)),
         "minmax_decompress": jax.jit(lambda c: ops.minmax_uint8_decompress(c, n, k)),
         "minmax_decompress_reduce": jax.jit(lambda c: ops.minmax_uint8_decompress_reduce(c, m, k)),
+        "minmax_uint4_compress": jax.jit(lambda x: ops.minmax_uint4_compress(x, k)),
+        "minmax_uint4_decompress": jax.jit(lambda c: ops.minmax_uint4_decompress(c, n, k)),
+        "minmax_uint4_decompress_reduce": jax.jit(lambda c: ops.minmax_uint4_decompress_reduce(c, m, k)),
         "sign_compress": jax.jit(lambda x: ops.sign_compress(x, k)),
         "sign_decompress": jax.jit(lambda c: ops.sign_decompress(c, n, k)),
+        "sign_decompress_reduce": jax.jit(lambda c: ops.sign_decompress_reduce(c, m, k)),
         "axpy": jax.jit(lambda x, y: ops.axpy(x, y, AXPY_A)),
         "async_average": jax.jit(lambda x, r, s: ops.async_average(x, r, s, k)),
     }
@@ -43,14 +52,11 @@ def kernel_call(impl: Any, kernel: str, data: Sequence[Any]) -> tuple[Callable, 
     """The function and arguments running ``kernel`` on ``impl`` (an object with one attribute per
     name in ``KERNELS`` and ``sync``); decompressions get compressed data."""
     x, y, z = data
-    if kernel.startswith("minmax_decompress"):
-        inputs = impl.minmax_compress(x)
+    codec, decompression, _ = kernel.partition("_decompress")
+    if decompression:
+        inputs = getattr(impl, codec + "_compress")(x)
         impl.sync(inputs)
         return getattr(impl, kernel), (inputs,)
-    if kernel == "sign_decompress":
-        inputs = impl.sign_compress(x)
-        impl.sync(inputs)
-        return impl.sign_decompress, (inputs,)
     if kernel == "axpy":
         return impl.axpy, (x, y)
     if kernel == "async_average":

@@ -30,6 +30,7 @@ using f32x8 = float __attribute__((vector_size(32)));
 using i32x8 = int32_t __attribute__((vector_size(32)));
 using u32x8 = uint32_t __attribute__((vector_size(32)));
 using u16x8 = uint16_t __attribute__((vector_size(16)));
+using u8x8 = uint8_t __attribute__((vector_size(8)));
 using f64x4 = double __attribute__((vector_size(32)));
 using f64x8 = double __attribute__((vector_size(64)));
 
@@ -146,14 +147,23 @@ void put_code(uint8_t* codes, int64_t i, uint8_t q) {
   }
 }
 
-// The codes of elements i..i+7 (i even), as one 8- or 4-byte store.
+// The codes of elements i..i+7 (i even), as one 8- or 4-byte store. 4-bit codes
+// are paired in a 64-bit word: byte 2j of w | w >> 4 is code 2j with code 2j + 1
+// above it (codes are below 16), and the even bytes then close up. (Extracting
+// the lanes one by one cost the 4-bit compression a third of its time.)
 template <int kBits>
 void put_codes8(uint8_t* codes, int64_t i, i32x8 q) {
-  uint8_t bytes[kBits];
-  for (int j = 0; j < kBits; ++j)
-    bytes[j] = kBits == 8 ? static_cast<uint8_t>(q[j])
-                          : static_cast<uint8_t>(q[2 * j] | (q[2 * j + 1] << 4));
-  std::memcpy(codes + i * kBits / 8, bytes, sizeof bytes);
+  const u8x8 bytes = __builtin_convertvector(q, u8x8);
+  if constexpr (kBits == 8) {
+    std::memcpy(codes + i, &bytes, sizeof bytes);
+  } else {
+    uint64_t w;
+    std::memcpy(&w, &bytes, sizeof w);
+    w = (w | (w >> 4)) & 0x00ff00ff00ff00ffu;
+    w = (w | (w >> 8)) & 0x0000ffff0000ffffu;
+    const uint32_t packed = static_cast<uint32_t>(w | (w >> 16));
+    std::memcpy(codes + i / 2, &packed, sizeof packed);
+  }
 }
 
 }  // namespace
