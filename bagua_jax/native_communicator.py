@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import base64
 import secrets
-import threading
 import weakref
 from collections.abc import Sequence
+from threading import Event, Thread
 from types import ModuleType
 
 import jax
@@ -105,13 +105,7 @@ class NativeCommunicator(MpiSettings):
 
     @classmethod
     def tcp_through_store(
-        cls,
-        store: KeyValueStore,
-        prefix: str,
-        rank: int,
-        size: int,
-        host: str,
-        timeout: float | None = None,
+        cls, store: KeyValueStore, prefix: str, rank: int, size: int, host: str, timeout: float | None = None
     ) -> NativeCommunicator:
         """A world of ``size`` ranks over the TCP engine, for CPU arrays, built through ``store`` (under the unused
         key ``prefix``; only the job's processes may write it): each rank listens on ``host``, the address the job
@@ -150,7 +144,7 @@ class NativeCommunicator(MpiSettings):
         prefix: str,
         rank: int,
         size: int,
-        abandoned: threading.Event | None = None,
+        abandoned: Event | None = None,
         timeout: float | None = None,
     ) -> None:
         """Put a communicator of ``size`` ranks built afresh through ``store`` (under the unused key ``prefix``) in this
@@ -196,23 +190,12 @@ class NativeCommunicator(MpiSettings):
         self._install(shrunk)
 
     def grow(
-        self,
-        store: KeyValueStore,
-        prefix: str,
-        size: int,
-        timeout: float | None = None,
-        abandoned: threading.Event | None = None,
+        self, store: KeyValueStore, prefix: str, size: int, timeout: float | None = None, abandoned: Event | None = None
     ) -> None:
         """Admit ``size - self.size`` newcomers (MPI, TCP) as the last ranks, which call :meth:`join` with the same
-        ``prefix`` and ``size``. Every rank calls it; all give up once any of them sees ``abandoned`` set."""
-        if self.can_rebuild:
-            self.rebuild(store, prefix, self._rank, size, abandoned, timeout)
-            return
-        if self.kind != "mpi":
-            raise ValueError("grow: only the host engines admit newcomers in place (NCCL: build a new communicator)")
-        mpi, group, rank, seconds = self.engine, self.handle_copy(), self._rank, timeout_seconds(timeout)
-        grown = mpi_rendezvous.assemble(mpi, store, prefix, rank, size, group, self.size, "world", seconds, abandoned)
-        self._install(grown)
+        ``prefix`` and ``size``. Every rank calls it; all give up once any of them sees ``abandoned`` set. Waits
+        ``timeout`` seconds at most (None: as this one's operations) for the newcomers."""
+        self._admit(store, prefix, self._rank, size, timeout, abandoned, self.size)
 
     @classmethod
     def mpi_join(
@@ -238,23 +221,37 @@ class NativeCommunicator(MpiSettings):
         rank: int,
         size: int,
         timeout: float | None = None,
-        abandoned: threading.Event | None = None,
+        abandoned: Event | None = None,
     ) -> None:
         """Take place ``rank`` in the communicator of ``size`` ranks whose members call :meth:`grow` with ``prefix``,
         in this communicator's slot (one of :meth:`tcp_self` or :meth:`mpi_self`): what :meth:`mpi_join` builds,
         without compiling the steps again wherever their shapes do not depend on ``size``. Waits ``timeout`` seconds
         at most (None: as this one's operations) for the members, and gives up as soon as ``abandoned`` is set."""
+        self._admit(store, prefix, rank, size, timeout, abandoned, None)
+
+    def _admit(
+        self,
+        store: KeyValueStore,
+        prefix: str,
+        rank: int,
+        size: int,
+        timeout: float | None,
+        abandoned: Event | None,
+        members: int | None,
+    ) -> None:
+        """:meth:`grow` (``members``: the ranks this communicator holds) or :meth:`join` (``members`` None)."""
         if self.can_rebuild:
             self.rebuild(store, prefix, rank, size, abandoned, timeout)
             return
         if self.kind != "mpi":
-            raise ValueError("join: only the host engines admit newcomers in place (NCCL: build a new communicator)")
+            raise ValueError("grow, join: only MPI and TCP admit newcomers in place (NCCL: build a new communicator)")
         seconds = self.timeout if timeout is None else timeout_seconds(timeout)
+        group, start = (None, rank) if members is None else (self.handle_copy(), members)  # a newcomer: from its own
         self._install(
-            mpi_rendezvous.assemble(self.engine, store, prefix, rank, size, None, rank, "world", seconds, abandoned)
+            mpi_rendezvous.assemble(self.engine, store, prefix, rank, size, group, start, "world", seconds, abandoned)
         )
 
-    def revoke_when(self, event: threading.Event, reason: str) -> None:
+    def revoke_when(self, event: Event, reason: str) -> None:
         """Revoke (:meth:`revoke`) the communicator this one holds now, and its companions' (:meth:`companion`),
         from a thread, the moment ``event`` is set: the training thread may be blocked in a collective with a member
         that will never arrive. The thread holds handles of its own (:meth:`handle_copy`), so a late wake-up never
@@ -267,7 +264,7 @@ class NativeCommunicator(MpiSettings):
                 engine.revoke(own, reason)
                 engine.destroy(own)
 
-        threading.Thread(target=revoke_when_set, name="bagua-revoke", daemon=True).start()
+        Thread(target=revoke_when_set, name="bagua-revoke", daemon=True).start()
 
     def handle_copy(self) -> int:
         """A second handle of the communicator this one holds (destroying either leaves the other)."""

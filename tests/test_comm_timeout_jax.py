@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bagua_common.comm import mpi_rendezvous
+from bagua_jax import native_communicator
 from bagua_jax.distributed import initialize
 from bagua_jax.native_communicator import NativeCommunicator
 
@@ -70,3 +72,39 @@ def test_xla_flags_keep_the_users_and_add_the_timeout(monkeypatch):
         "--xla_foo=1",
         "--xla_cpu_collective_call_terminate_timeout_seconds=30",
     ]
+
+
+class _MpiEngine:
+    """What an MPI communicator's grow and join ask of the engine, for a communicator of 2 ranks (handle 1) and a
+    newcomer alone (handle 2), whose operations wait 7 s."""
+
+    def size(self, handle: int) -> int:
+        return {1: 2, 2: 1}[handle]
+
+    def rank(self, handle: int) -> int:
+        return 0
+
+    def timeout(self, handle: int) -> float:
+        return 7.0
+
+    def share(self, handle: int) -> int:
+        return 10 + handle
+
+    def rebind(self, slot: int, handle: int) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("timeout", [None, 2.5])
+def test_an_mpi_grow_and_join_wait_for_each_other_as_long_as_the_communicators_operations(monkeypatch, timeout):
+    """Unless told otherwise, both sides of an admission wait as long as their communicators' operations, so that a
+    member of a job started with a short timeout does not wait BAGUA_COMM_TIMEOUT's 300 s for a newcomer that died."""
+    monkeypatch.setenv("BAGUA_COMM_TIMEOUT", "300")
+    monkeypatch.setattr(native_communicator, "engine", lambda kind: _MpiEngine())
+    builds = []  # (rank, size, the members' communicator, the first newcomer's rank, seconds) of each build
+    monkeypatch.setattr(
+        mpi_rendezvous, "assemble", lambda mpi, store, prefix, *build: builds.append(build[:4] + build[5:6])
+    )
+    NativeCommunicator(1, "mpi").grow(None, "grow/", 3, timeout)
+    NativeCommunicator(2, "mpi").join(None, "grow/", 2, 3, timeout)
+    seconds = 7.0 if timeout is None else timeout
+    assert builds == [(0, 3, 11, 2, seconds), (2, 3, None, 2, seconds)]
