@@ -288,8 +288,9 @@ class FaultTolerantTrainer(StateSharing):
                     vote = self.membership.vote_one_ahead if one_ahead else self.membership.commit
                 applied = vote(epoch, transaction)
                 self.membership.catches_up = False  # until the next step: one behind then, it has no batch to take it
-                if applied:
-                    return self._applied(epoch, trainers, state, new_state, result, batch, sat_out)
+                if applied:  # a joiner that sat it out reports its given state's loss on the first member's samples
+                    new_state = self._applied(epoch, trainers, new_state)
+                    return new_state, self._unaveraged_step.loss(state, batch) if sat_out else result
                 # Should the others have applied it, its record having gone out without it: it takes its own step.
                 behind = _StepBehind(lambda: (new_state, result), trainers) if one_ahead else None
             failed_at = time.monotonic() if failed_at is None else failed_at
@@ -297,11 +298,9 @@ class FaultTolerantTrainer(StateSharing):
             if behind is not None and behind.taken:
                 return state, behind.result
 
-    def _applied(
-        self, epoch: Epoch, trainers: int, state: Any, new_state: Any, result: Any, batch: Any, sat_out: bool
-    ) -> tuple[Any, Any]:
-        """The step from ``state`` to ``new_state`` (its ``result``) applied: the data moves on, the replicas are
-        compared when due; a joiner that sat it out reports its given state's loss on ``batch``."""
+    def _applied(self, epoch: Epoch, trainers: int, new_state: Any) -> Any:
+        """``new_state``, its step applied by ``trainers`` members: the data moves on, the replicas are compared when
+        due (a failed comparison recovers the state)."""
         self._apply(trainers)
         pending = self._check_after
         due = self.committed >= pending if pending else self.hash_every and self.committed % self.hash_every == 0
@@ -312,9 +311,7 @@ class FaultTolerantTrainer(StateSharing):
             except Exception as error:  # noqa: BLE001 - as in the step; the recovery checks the replicas
                 fail_epoch(self.membership, epoch, error)
                 new_state = self._recover(new_state)
-        if sat_out:  # the loss of the state it was given, on the first member's samples, once it voted
-            result = self._unaveraged_step.loss(state, batch)
-        return new_state, result
+        return new_state
 
     def save(self, root: str | os.PathLike, state: Any) -> Path | None:
         """:func:`bagua_jax.checkpoint.save` of ``state`` (what :meth:`step` returned) by the members, for a restart of
