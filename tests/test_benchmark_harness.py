@@ -1,12 +1,14 @@
 """benchmarks/harness: the load gate's count of foreign threads (a /proc written out here, and this process's own
 busy child), its verdicts and retries, the phase protocol with a retried phase, the medians with [min, max], the
-command recorded relative to the repository, a whole study without a network, checked against NumPy, and a chaos
-report written without matplotlib."""
+command recorded relative to the repository, a whole study without a network, checked against NumPy, a chaos
+report written without matplotlib, a rank's cut of its own link, and the names of the ranks' addresses in their
+namespaces."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -269,3 +271,26 @@ def test_a_rank_cuts_only_its_own_namespaces_link(monkeypatch, namespace, cut):
         with pytest.raises(links.HarnessError, match="not in a rank's namespace"):
             links.cut_own_link()
     assert (["ip", "link", "set", "eth0", "down"] in commands) == cut, commands
+
+
+def test_every_ranks_address_has_a_name_inside_each_namespace_ipv4_mapped_too(network):
+    # torch's TCPStore looks up the name of each client it accepts on its dual-stack socket (::ffff:10.88.0.2);
+    # without a name in the namespace's hosts file the lookup went to DNS, and c10d warned about every client.
+    addresses = [network.addr(rank) for rank in range(network.ranks)]
+    lookups = "; ".join(
+        f"print(socket.getnameinfo({address!r}, 0)[0])"
+        for a in addresses
+        for address in ((a, 0), (f"::ffff:{a}", 0, 0, 0))
+    )
+    for rank in range(network.ranks):
+        named = subprocess.run(
+            ["ip", "netns", "exec", network.ns(rank), sys.executable, "-c", f"import socket; {lookups}"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert named.returncode == 0, named.stderr
+        expected = [network.ns(r) for r in range(network.ranks) for _ in range(2)]
+        expected[2 * rank] = socket.gethostname()  # its own address, the machine's name for it
+        assert named.stdout.split() == expected

@@ -372,12 +372,15 @@ class Network:
         self._wait_link()
 
     def _write_hosts(self, i: int) -> None:
-        """Inside rank i's namespace the machine's hostname resolves to the rank's address.
+        """Inside rank i's namespace the machine's hostname resolves to the rank's address, and every rank's
+        address, IPv4-mapped too, to a name.
 
         Gloo (JAX's CPU collectives, torch without GLOO_SOCKET_IFNAME) advertises the address of
-        ``gethostname()``; on the host that is often 127.0.0.1, which the other ranks cannot reach.
-        ``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts`` over ``/etc/hosts``; the file is removed
-        with the namespace.
+        ``gethostname()``; on the host that is often 127.0.0.1, which the other ranks cannot reach. torch's
+        TCPStore names each client it accepts on its dual-stack socket (``::ffff:10.88.0.2``): without the
+        mapped names the lookup went to DNS, which a namespace cannot reach, and c10d warned "The hostname of the
+        client socket cannot be retrieved" for each. ``ip netns exec`` bind-mounts ``/etc/netns/<ns>/hosts``
+        over ``/etc/hosts``; the file is removed with the namespace.
         """
         host = socket.gethostname()
         d = os.path.join(NETNS_ETC, self.ns(i))
@@ -388,7 +391,7 @@ class Network:
         with open(os.path.join(d, "hosts"), "w") as f:
             f.write(f"127.0.0.1 localhost\n::1 localhost\n{self.addr(i)} {host}\n")
             for j in range(self.ranks):
-                f.write(f"{self.addr(j)} {self.ns(j)}\n")
+                f.write(f"{self.addr(j)} {self.ns(j)}\n::ffff:{self.addr(j)} {self.ns(j)}\n")
 
     def _shape(self, i: int) -> None:
         ns = self.ns(i)
