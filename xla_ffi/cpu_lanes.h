@@ -150,7 +150,7 @@ void put_code(uint8_t* codes, int64_t i, uint8_t q) {
 // The codes of elements i..i+7 (i even), as one 8- or 4-byte store. 4-bit codes
 // are paired in a 64-bit word: byte 2j of w | w >> 4 is code 2j with code 2j + 1
 // above it (codes are below 16), and the even bytes then close up. (Extracting
-// the lanes one by one cost the 4-bit compression a third of its time.)
+// the lanes one by one cost the 4-bit compression about a quarter of its time.)
 template <int kBits>
 void put_codes8(uint8_t* codes, int64_t i, i32x8 q) {
   const u8x8 bytes = __builtin_convertvector(q, u8x8);
