@@ -102,7 +102,7 @@ from harness.console import Progress
 from harness.machine import device_info, retain_freed_memory
 from harness.options import add_out_option, add_subset_option
 from harness.results import finish_meta, header_lines, run_meta
-from native_kernels import AXPY_A, KERNELS, jitted_native_kernels, kernel_call
+from native_kernels import AXPY_A, KERNELS, jitted_native_kernels, kernel_call, native_kernels
 
 from bagua_jax import ops as bagua_ops
 
@@ -148,14 +148,6 @@ def xp_minmax_decode(xp: Any, compressed: tuple[Any, Any, Any], steps: int = UIN
     return z + (codes.astype(xp.float32) + base) * ((hi - lo) / xp.float32(steps))
 
 
-def xp_minmax_decompress(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
-    return xp_minmax_decode(xp, compressed).reshape(-1)
-
-
-def xp_minmax_decompress_reduce(xp: Any, compressed: tuple[Any, Any, Any], k: int) -> Any:
-    return xp_minmax_decode(xp, compressed).reshape(k, -1).mean(axis=0)
-
-
 def xp_minmax_uint4_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any, Any]:
     """4-bit min-max codes, two a byte (element ``2i`` in the low nibble of byte ``i``), and each group's range."""
     codes, lo, hi = xp_minmax_compress(xp, x, k, UINT4_STEPS)
@@ -168,14 +160,6 @@ def xp_minmax_uint4_decode(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
     return xp_minmax_decode(xp, (codes, lo, hi), UINT4_STEPS)
 
 
-def xp_minmax_uint4_decompress(xp: Any, compressed: tuple[Any, Any, Any]) -> Any:
-    return xp_minmax_uint4_decode(xp, compressed).reshape(-1)
-
-
-def xp_minmax_uint4_decompress_reduce(xp: Any, compressed: tuple[Any, Any, Any], k: int) -> Any:
-    return xp_minmax_uint4_decode(xp, compressed).reshape(k, -1).mean(axis=0)
-
-
 def xp_sign_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any]:
     """Chunked sign bits (LSB first) and ``mean(|x|)`` scales: ``(bits[k, c/8], scale[k, 1])``, in NumPy or
     ``jax.numpy`` (``xp``)."""
@@ -184,15 +168,21 @@ def xp_sign_compress(xp: Any, x: Any, k: int) -> tuple[Any, Any]:
     return xp.packbits(chunks >= 0, axis=1, bitorder="little"), scale
 
 
-def xp_sign_decompress(xp: Any, compressed: tuple[Any, Any]) -> Any:
-    """The inverse of :func:`xp_sign_compress`: ``+scale`` or ``-scale`` per element."""
+def xp_sign_decode(xp: Any, compressed: tuple[Any, Any]) -> Any:
+    """The inverse of :func:`xp_sign_compress`: ``+scale`` or ``-scale`` per element, a row per chunk."""
     bits, scale = compressed
     positive = xp.unpackbits(bits, axis=1, bitorder="little").astype(bool)
-    return xp.where(positive, scale, -scale).reshape(-1)
+    return xp.where(positive, scale, -scale)
 
 
-def xp_sign_decompress_reduce(xp: Any, compressed: tuple[Any, Any], k: int) -> Any:
-    return xp_sign_decompress(xp, compressed).reshape(k, -1).mean(axis=0)
+def xp_codec_kernels(xp: Any, k: int) -> dict[str, Callable]:
+    """:func:`codec_kernels` in NumPy or ``jax.numpy`` (``xp``)."""
+    return codec_kernels(
+        k,
+        ("minmax", partial(xp_minmax_compress, xp, k=k), partial(xp_minmax_decode, xp)),
+        ("minmax_uint4", partial(xp_minmax_uint4_compress, xp, k=k), partial(xp_minmax_uint4_decode, xp)),
+        ("sign", partial(xp_sign_compress, xp, k=k), partial(xp_sign_decode, xp)),
+    )
 
 
 def torch_minmax_compress(x: Any, k: int, steps: int = UINT8_STEPS) -> tuple[Any, Any, Any]:
@@ -219,14 +209,6 @@ def torch_minmax_decode(compressed: tuple[Any, Any, Any], steps: int = UINT8_STE
     return z + (codes.float() + base) * ((hi - lo) / steps)
 
 
-def torch_minmax_decompress(compressed: tuple[Any, Any, Any]) -> Any:
-    return torch_minmax_decode(compressed).view(-1)
-
-
-def torch_minmax_decompress_reduce(compressed: tuple[Any, Any, Any], k: int) -> Any:
-    return torch_minmax_decode(compressed).view(k, -1).mean(dim=0)
-
-
 def torch_minmax_uint4_compress(x: Any, k: int) -> tuple[Any, Any, Any]:
     codes, lo, hi = torch_minmax_compress(x, k, UINT4_STEPS)
     return codes[:, 0::2] | (codes[:, 1::2] << 4), lo, hi
@@ -238,14 +220,6 @@ def torch_minmax_uint4_decode(compressed: tuple[Any, Any, Any]) -> Any:
     packed, lo, hi = compressed
     codes = torch.stack([packed & 15, packed >> 4], dim=-1).view(packed.shape[0], -1)
     return torch_minmax_decode((codes, lo, hi), UINT4_STEPS)
-
-
-def torch_minmax_uint4_decompress(compressed: tuple[Any, Any, Any]) -> Any:
-    return torch_minmax_uint4_decode(compressed).view(-1)
-
-
-def torch_minmax_uint4_decompress_reduce(compressed: tuple[Any, Any, Any], k: int) -> Any:
-    return torch_minmax_uint4_decode(compressed).view(k, -1).mean(dim=0)
 
 
 def _bit_shifts(device: Any) -> Any:
@@ -263,16 +237,34 @@ def torch_sign_compress(x: Any, k: int) -> tuple[Any, Any]:
     return (bits << _bit_shifts(x.device)).sum(dim=-1, dtype=torch.uint8), scale
 
 
-def torch_sign_decompress(compressed: tuple[Any, Any]) -> Any:
+def torch_sign_decode(compressed: tuple[Any, Any]) -> Any:
     import torch
 
     bits, scale = compressed
     positive = ((bits.unsqueeze(-1) >> _bit_shifts(bits.device)) & 1).view(bits.shape[0], -1)
-    return torch.where(positive.bool(), scale, -scale).view(-1)
+    return torch.where(positive.bool(), scale, -scale)
 
 
-def torch_sign_decompress_reduce(compressed: tuple[Any, Any], k: int) -> Any:
-    return torch_sign_decompress(compressed).view(k, -1).mean(dim=0)
+def torch_codec_kernels(k: int) -> dict[str, Callable]:
+    """:func:`codec_kernels` in torch."""
+    return codec_kernels(
+        k,
+        ("minmax", partial(torch_minmax_compress, k=k), torch_minmax_decode),
+        ("minmax_uint4", partial(torch_minmax_uint4_compress, k=k), torch_minmax_uint4_decode),
+        ("sign", partial(torch_sign_compress, k=k), torch_sign_decode),
+    )
+
+
+def codec_kernels(k: int, *codecs: tuple[str, Callable, Callable]) -> dict[str, Callable]:
+    """Each codec's compress, decompress and decompress-reduce, by their names in ``KERNELS``, from its ``(name,
+    compress, decode)``: ``compress(x)`` gives the compressed data of ``k`` chunks, ``decode`` takes it back to
+    rows of values (a row per group or chunk); decompress-reduce averages the ``k`` chunks."""
+    kernels = {}
+    for codec, compress, decode in codecs:
+        kernels[f"{codec}_compress"] = compress
+        kernels[f"{codec}_decompress"] = lambda c, decode=decode: decode(c).reshape(-1)
+        kernels[f"{codec}_decompress_reduce"] = lambda c, decode=decode: decode(c).reshape(k, -1).mean(0)
+    return kernels
 
 
 # --------------------------------------------------------------------------- implementations
@@ -335,15 +327,8 @@ class Jnp(_JaxImplementation):
 
     def __init__(self, n: int, k: int, device: str) -> None:
         super().__init__(n, k, device)
-        self.minmax_compress = jax.jit(partial(xp_minmax_compress, jnp, k=k))
-        self.minmax_decompress = jax.jit(partial(xp_minmax_decompress, jnp))
-        self.minmax_decompress_reduce = jax.jit(partial(xp_minmax_decompress_reduce, jnp, k=k))
-        self.minmax_uint4_compress = jax.jit(partial(xp_minmax_uint4_compress, jnp, k=k))
-        self.minmax_uint4_decompress = jax.jit(partial(xp_minmax_uint4_decompress, jnp))
-        self.minmax_uint4_decompress_reduce = jax.jit(partial(xp_minmax_uint4_decompress_reduce, jnp, k=k))
-        self.sign_compress = jax.jit(partial(xp_sign_compress, jnp, k=k))
-        self.sign_decompress = jax.jit(partial(xp_sign_decompress, jnp))
-        self.sign_decompress_reduce = jax.jit(partial(xp_sign_decompress_reduce, jnp, k=k))
+        for name, kernel in xp_codec_kernels(jnp, k).items():
+            setattr(self, name, jax.jit(kernel))
         self.axpy = jax.jit(lambda x, y: x + AXPY_A * y)
         self.async_average = jax.jit(lambda x, r, s: x + (r / k - s))
         self.copy = jax.jit(jnp.copy)
@@ -379,18 +364,8 @@ class NativeTorch(_TorchImplementation):
         super().__init__(n, k, device)
         from bagua_torch import ops
 
-        m = self.m
-        self.minmax_compress = lambda x: ops.minmax_uint8_compress(x, k)
-        self.minmax_decompress = lambda c: ops.minmax_uint8_decompress(c, n, k)
-        self.minmax_decompress_reduce = lambda c: ops.minmax_uint8_decompress_reduce(c, m, k)
-        self.minmax_uint4_compress = lambda x: ops.minmax_uint4_compress(x, k)
-        self.minmax_uint4_decompress = lambda c: ops.minmax_uint4_decompress(c, n, k)
-        self.minmax_uint4_decompress_reduce = lambda c: ops.minmax_uint4_decompress_reduce(c, m, k)
-        self.sign_compress = lambda x: ops.sign_compress(x, k)
-        self.sign_decompress = lambda c: ops.sign_decompress(c, n, k)
-        self.sign_decompress_reduce = lambda c: ops.sign_decompress_reduce(c, m, k)
-        self.axpy = lambda x, y: ops.axpy(x, y, AXPY_A)
-        self.async_average = lambda x, r, s: ops.async_average(x, r, s, k)
+        for name, kernel in native_kernels(ops, n, k).items():
+            setattr(self, name, kernel)
 
 
 class Torch(_TorchImplementation):
@@ -400,15 +375,8 @@ class Torch(_TorchImplementation):
 
     def __init__(self, n: int, k: int, device: str) -> None:
         super().__init__(n, k, device)
-        self.minmax_compress = partial(torch_minmax_compress, k=k)
-        self.minmax_decompress = torch_minmax_decompress
-        self.minmax_decompress_reduce = partial(torch_minmax_decompress_reduce, k=k)
-        self.minmax_uint4_compress = partial(torch_minmax_uint4_compress, k=k)
-        self.minmax_uint4_decompress = torch_minmax_uint4_decompress
-        self.minmax_uint4_decompress_reduce = partial(torch_minmax_uint4_decompress_reduce, k=k)
-        self.sign_compress = partial(torch_sign_compress, k=k)
-        self.sign_decompress = torch_sign_decompress
-        self.sign_decompress_reduce = partial(torch_sign_decompress_reduce, k=k)
+        for name, kernel in torch_codec_kernels(k).items():
+            setattr(self, name, kernel)
         self.axpy = lambda x, y: x + AXPY_A * y
         self.async_average = lambda x, r, s: x + (r / k - s)
         self.copy = self._copy
@@ -428,15 +396,8 @@ class NumPy(Implementation):
 
     def __init__(self, n: int, k: int, device: str) -> None:
         super().__init__(n, k, device)
-        self.minmax_compress = partial(xp_minmax_compress, np, k=k)
-        self.minmax_decompress = partial(xp_minmax_decompress, np)
-        self.minmax_decompress_reduce = partial(xp_minmax_decompress_reduce, np, k=k)
-        self.minmax_uint4_compress = partial(xp_minmax_uint4_compress, np, k=k)
-        self.minmax_uint4_decompress = partial(xp_minmax_uint4_decompress, np)
-        self.minmax_uint4_decompress_reduce = partial(xp_minmax_uint4_decompress_reduce, np, k=k)
-        self.sign_compress = partial(xp_sign_compress, np, k=k)
-        self.sign_decompress = partial(xp_sign_decompress, np)
-        self.sign_decompress_reduce = partial(xp_sign_decompress_reduce, np, k=k)
+        for name, kernel in xp_codec_kernels(np, k).items():
+            setattr(self, name, kernel)
         self.axpy = lambda x, y: x + np.float32(AXPY_A) * y
         self.async_average = lambda x, r, s: x + (r / np.float32(k) - s)
         self.copy = self._copy

@@ -28,24 +28,29 @@ KERNELS = (
 AXPY_A = 0.5
 
 
-def jitted_native_kernels(ops: Any, n: int, k: int) -> dict[str, Callable]:
-    """Every name in ``KERNELS`` -> its native kernel through ``ops`` (a ``bagua_jax.ops`` module) under
-    ``jax.jit``, for ``n`` float32 elements in ``k`` chunks; the decompressions take what the
+def native_kernels(ops: Any, n: int, k: int) -> dict[str, Callable]:
+    """Every name in ``KERNELS`` -> its native kernel through ``ops`` (``bagua_jax.ops`` or ``bagua_torch.ops``, which
+    take the same arguments), for ``n`` float32 elements in ``k`` chunks; the decompressions take what the
     compressions return."""
     m = n // k
     return {
-        "minmax_compress": jax.jit(lambda x: ops.minmax_uint8_compress(x, k)),
-        "minmax_decompress": jax.jit(lambda c: ops.minmax_uint8_decompress(c, n, k)),
-        "minmax_decompress_reduce": jax.jit(lambda c: ops.minmax_uint8_decompress_reduce(c, m, k)),
-        "minmax_uint4_compress": jax.jit(lambda x: ops.minmax_uint4_compress(x, k)),
-        "minmax_uint4_decompress": jax.jit(lambda c: ops.minmax_uint4_decompress(c, n, k)),
-        "minmax_uint4_decompress_reduce": jax.jit(lambda c: ops.minmax_uint4_decompress_reduce(c, m, k)),
-        "sign_compress": jax.jit(lambda x: ops.sign_compress(x, k)),
-        "sign_decompress": jax.jit(lambda c: ops.sign_decompress(c, n, k)),
-        "sign_decompress_reduce": jax.jit(lambda c: ops.sign_decompress_reduce(c, m, k)),
-        "axpy": jax.jit(lambda x, y: ops.axpy(x, y, AXPY_A)),
-        "async_average": jax.jit(lambda x, r, s: ops.async_average(x, r, s, k)),
+        "minmax_compress": lambda x: ops.minmax_uint8_compress(x, k),
+        "minmax_decompress": lambda c: ops.minmax_uint8_decompress(c, n, k),
+        "minmax_decompress_reduce": lambda c: ops.minmax_uint8_decompress_reduce(c, m, k),
+        "minmax_uint4_compress": lambda x: ops.minmax_uint4_compress(x, k),
+        "minmax_uint4_decompress": lambda c: ops.minmax_uint4_decompress(c, n, k),
+        "minmax_uint4_decompress_reduce": lambda c: ops.minmax_uint4_decompress_reduce(c, m, k),
+        "sign_compress": lambda x: ops.sign_compress(x, k),
+        "sign_decompress": lambda c: ops.sign_decompress(c, n, k),
+        "sign_decompress_reduce": lambda c: ops.sign_decompress_reduce(c, m, k),
+        "axpy": lambda x, y: ops.axpy(x, y, AXPY_A),
+        "async_average": lambda x, r, s: ops.async_average(x, r, s, k),
     }
+
+
+def jitted_native_kernels(ops: Any, n: int, k: int) -> dict[str, Callable]:
+    """:func:`native_kernels` through ``ops`` (a ``bagua_jax.ops`` module), each under ``jax.jit``."""
+    return {name: jax.jit(kernel) for name, kernel in native_kernels(ops, n, k).items()}
 
 
 def kernel_call(impl: Any, kernel: str, data: Sequence[Any]) -> tuple[Callable, tuple]:
