@@ -53,7 +53,7 @@ from bagua_common.fault_tolerance import (
 from bagua_common.fault_tolerance.data_position import RECORD_KEY
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_torch import checkpoint, state_transfer
-from bagua_torch.algorithms.decentralized import JoinerSitsOutOneStep
+from bagua_torch.algorithms.joiner_sits_out import JoinerSitsOutOneStep
 from bagua_torch.communicator import CommunicationError
 from bagua_torch.communicator.abandon import caused_by_a_change
 from bagua_torch.communicator.epoch_groups import epoch_communicator, solo_communicator
@@ -367,7 +367,7 @@ class FaultTolerance(StateSharing):
             self.membership.applied(0)
         self._entered = True
         for module in self.modules:
-            module.algorithm_impl.resume()
+            module.algorithm_impl.after_change()
         if not self._sitting_out:  # else checked once they took part in their first exchange
             self._check_replicas(f"after the change to epoch {epoch.number} ({epoch.size} members)")
 

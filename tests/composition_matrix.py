@@ -93,19 +93,16 @@ PLUGIN_ONLY = Skipped(
 
 FAULT_TOLERANCE_TORCH = "tests/test_fault_tolerance_torch.py"
 FAULT_TOLERANCE_JAX = "tests/test_fault_tolerance_jax.py"
-ASYNC_FAULT_TOLERANCE_REFUSAL = {
-    "torch": Refuses(
-        "its averaging rounds run on a thread and a communicator of their own, which a change of members does not "
-        "rebuild; the message names the elastic restart",
-        f"{FAULT_TOLERANCE_TORCH}::test_what_cannot_continue_in_process_is_refused_naming_what_to_do",
-    ),
-    "jax": Refuses(
-        "its averaging rounds run on a thread and a communicator of their own, which a change of members does not "
-        "rebuild; the message names the elastic restart",
-        "tests/test_fault_tolerance_state_jax.py::test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_"
-        "restart",
-    ),
-}
+ASYNC_FAULT_TOLERANCE_TORCH = (
+    f"{FAULT_TOLERANCE_TORCH}::test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_admits_a_"
+    "joiner"
+)
+ASYNC_FAULT_TOLERANCE_REFUSAL_JAX = Refuses(
+    "its averager runs beside the trainer, on a thread and a communicator of its own, which FaultTolerantTrainer "
+    "does not drive; the message names the elastic restart",
+    "tests/test_fault_tolerance_state_jax.py::test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_"
+    "restart",
+)
 PER_STEP_JAX = f"{FAULT_TOLERANCE_JAX}::test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner"
 RANK_LOST = {
     "gradient_allreduce": (
@@ -148,7 +145,8 @@ of its first step, JAX's per-step algorithms' kill and joiner."""
 
 def _fault_tolerance(algorithm: str) -> dict[str, dict[str, Cell]]:
     if algorithm == "async":
-        return {"rank_lost": ASYNC_FAULT_TOLERANCE_REFUSAL, "joiner": ASYNC_FAULT_TOLERANCE_REFUSAL}
+        cells = {"torch": Works(ASYNC_FAULT_TOLERANCE_TORCH), "jax": ASYNC_FAULT_TOLERANCE_REFUSAL_JAX}
+        return {"rank_lost": cells, "joiner": cells}
     torch_lost, jax_lost = RANK_LOST.get(algorithm, (None, None))
     torch_joiner, jax_joiner = JOINER.get(algorithm, (None, None))
     torch_lost = torch_lost or "test_a_death_before_the_vote_puts_the_algorithms_state_back"

@@ -32,7 +32,8 @@ steps the round start after it), ``state_loaded`` (a joiner weighed out of its f
 ``entered`` (each epoch that admitted a joiner: digests of the parameters and of the stepping optimizers' state as
 the epoch begins, and its state holder), ``retry``
 per abandoned attempt, and ``end`` (a digest of the parameters and of the algorithm's replicated
-state, that state's values, the recoveries, a joiner's seconds from asking to be admitted to being ready).
+state, that state's values, the recoveries, a joiner's seconds from asking to be admitted to being ready, and
+asynchronous averaging's rounds completed in the last epoch).
 """
 
 from __future__ import annotations
@@ -348,6 +349,7 @@ def main() -> None:
         replicated_values=values,
         recoveries=job.recoveries,
         joined=joined,
+        rounds=getattr(model.algorithm_impl, "rounds", None),  # asynchronous averaging's, in the last epoch
     )
     job.close()
 

@@ -768,6 +768,29 @@ def sgd_step_alone(before: dict, indices: list[int]) -> np.ndarray:
     return torch.nn.utils.parameters_to_vector(net.parameters()).detach().numpy()
 
 
+def ended_together(job: Job) -> tuple[list[int], int, dict[int, list[dict]]]:
+    """The processes of the job's three members and of its joiner, and each one's end report, checked present and at
+    one step."""
+    members, (joiner,) = [pid for rank in range(3) for pid in job.pids(rank=rank)], job.pids(joiner=True)
+    ends = {pid: job.of(pid, "end") for pid in [*members, joiner]}
+    assert all(ends.values()), job.output()
+    assert len({e[0]["step"] for e in ends.values()}) == 1
+    return members, joiner, ends
+
+
+def state_given(job: Job, members: list[int], joiner: int) -> tuple[dict, dict, int]:
+    """The joiner's ``entered`` report, its state holder's of the same epoch, and the last step the holder reported
+    before it."""
+    (entered,) = job.of(joiner, "entered")
+    ((holding, holder),) = [
+        (pid, e)
+        for pid in members
+        for e in job.of(pid, "entered")
+        if e["epoch"] == entered["epoch"] and e["rank"] == entered["holder"]
+    ]
+    return entered, holder, max(e["step"] for e in job.of(holding, "step") if e["t"] <= holder["t"])
+
+
 @pytest.mark.parametrize(
     ("algorithm", "fused"),
     [
@@ -787,21 +810,10 @@ def test_a_decentralized_joiner_starts_from_the_first_members_weights_and_optimi
     job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
     job.join()
     job.finish()
-    (joiner,) = job.pids(joiner=True)
-    processes = [pid for rank in range(3) for pid in job.pids(rank=rank)] + [joiner]
-    ends = {pid: job.of(pid, "end") for pid in processes}
-    assert all(ends.values()), job.output()
-    assert len({e[0]["step"] for e in ends.values()}) == 1
-    (entered,) = job.of(joiner, "entered")
-    ((holding, holder),) = [
-        (pid, e)
-        for pid in processes[:3]
-        for e in job.of(pid, "entered")
-        if e["epoch"] == entered["epoch"] and e["rank"] == entered["holder"]
-    ]
+    members, joiner, ends = ended_together(job)
+    entered, holder, before = state_given(job, members, joiner)
     assert entered["optimizer_tensors"] > 0  # momentum, from the steps the members took
     assert (entered["params"], entered["optimizer"]) == (holder["params"], holder["optimizer"])
-    before = max(e["step"] for e in job.of(holding, "step") if e["t"] <= holder["t"])
     assert job.of(joiner, "step")[0]["step"] == before + 2
     if algorithm == "low_precision_decentralized":
         assert_ring_copies_are_the_neighbours_weights(e[0] for e in ends.values())
@@ -823,10 +835,7 @@ def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_it
     job.wait_until(lambda: any(e.get("step", 0) >= 1 for e in list(job.events)))
     job.join()
     job.finish()
-    members, (joiner,) = [pid for rank in range(3) for pid in job.pids(rank=rank)], job.pids(joiner=True)
-    ends = {pid: job.of(pid, "end") for pid in [*members, joiner]}
-    assert all(ends.values()), job.output()
-    assert len({e[0]["step"] for e in ends.values()}) == 1
+    members, joiner, ends = ended_together(job)
     assert job.of(members[0], "fault")  # the slow transfer happened
     (entered,) = job.of(joiner, "entered")
     first = job.of(joiner, "step")[0]
@@ -840,6 +849,45 @@ def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_it
     if algorithm == "low_precision_decentralized":
         assert_ring_copies_are_the_neighbours_weights(e[0] for e in ends.values())
     check_every_sample_once(job)  # the step it sat out is split among the three members
+
+
+@pytest.mark.parametrize("warmup", [2, 100], ids=["averaging", "warm-up"])
+def test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_admits_a_joiner(jobs, warmup):
+    # Four ranks average their weights in the background every 20 ms (after `warmup` steps of gradient allreduce).
+    # Rank 2 votes for step 4 only once the epoch closed, and rank 3 dies as step 5 begins: ranks 0 and 1, which
+    # applied step 4 (voting one ahead: step 3 had every vote), lose their attempt at step 5; rank 2, one step
+    # behind them, takes step 4 by itself (its own gradient after the warm-up, the rounds stopped and their last
+    # result dropped: torch's SGD step on that gradient), so no survivor loses a step it trained. A fourth process
+    # then joins with the first member's weights and optimizer state; after the warm-up it sits out one step while
+    # they travel, its peers stepping on as always, and its averaging rounds with them start once it trained a step
+    # (during the warm-up the members wait for the state instead: it takes part in their next gradient allreduce).
+    faults = [
+        {"rank": 2, "step": 4, "where": "vote", "kind": "late"},
+        {"rank": 3, "step": 5, "where": "forward", "kind": "kill", "once": ["2-4-vote"]},
+    ]
+    algorithm = f'async {{"sync_interval_ms": 20, "warmup_steps": {warmup}}}'
+    job = jobs(4, algorithm, faults, steps=30, world=4, step_seconds=0.05, env={"FT_REPORT_PARAMS": "1"})
+    job.wait_until(lambda: any(e["event"] == "retry" for e in list(job.events)))
+    job.join()
+    job.finish()
+    members, joiner, ends = ended_together(job)
+    for pid in members:
+        lost, admitted = job.of(pid, "end")[0]["recoveries"]
+        behind = job.rank_of(pid) == 2
+        assert lost["size"] == 3 and lost["seconds"] < RESUME_BAR, lost
+        assert (lost["caught_up"], lost["steps_lost"]) == ((1, 0) if behind else (0, 1)), (pid, lost)
+        assert [e["step"] for e in job.of(pid, "retry")] == ([] if behind else [5])
+        assert admitted["joined"] == 1 and admitted["seconds"] < 0.5, admitted
+    (behind,) = job.pids(rank=2)
+    taken = {e["step"]: e for e in job.of(behind, "step")}
+    alone = sgd_step_alone(taken[3], taken[4]["indices"])  # after the warm-up: its own gradient
+    assert np.allclose(taken[4]["params"], alone, rtol=1e-5, atol=1e-6) == (warmup == 2)
+    entered, holder, before = state_given(job, members, joiner)
+    assert (entered["params"], entered["optimizer"]) == (holder["params"], holder["optimizer"])
+    assert job.of(joiner, "step")[0]["step"] == before + (2 if warmup == 2 else 1)
+    rounds = [e[0]["rounds"] for e in ends.values()]  # the last epoch's, the joiner's among them
+    assert all(r >= 1 for r in rounds) if warmup == 2 else rounds == [0] * 4, rounds
+    check_every_sample_once(job)
 
 
 def joiners_group(monkeypatch) -> tuple[Any, Any]:
@@ -859,7 +907,8 @@ def joiners_group(monkeypatch) -> tuple[Any, Any]:
 @pytest.mark.parametrize(
     ("algorithm", "options", "refusal"),
     [
-        ("async", {}, r"^fault tolerance: async cannot continue in-process.*the elastic restart"),
+        # a user's own algorithm declares no rule for its state
+        ("your own", {}, r"^fault tolerance: YourOwn cannot continue in-process.*the elastic restart"),
         # Each member wraps its model alone before the job forms: its tuner's broadcasts would reach itself only.
         ("gradient_allreduce", {"autotune": "once"}, r"^fault tolerance: autotune cannot tune.*bucket_tuner\.current"),
     ],
@@ -868,9 +917,15 @@ def test_what_cannot_continue_in_process_is_refused_naming_what_to_do(monkeypatc
     import torch
 
     import bagua_torch
+    from bagua_torch.algorithms import Algorithm, GradientAllReduceAlgorithm
+
+    class YourOwn(Algorithm):
+        def reify(self, context):
+            return GradientAllReduceAlgorithm().reify(context)
 
     _, group = joiners_group(monkeypatch)
     net = torch.nn.Linear(4, 1)
+    algorithm = YourOwn() if algorithm == "your own" else algorithm
     with pytest.raises(ValueError, match=refusal):
         bagua_torch.with_bagua(
             net, [torch.optim.SGD(net.parameters(), lr=0.1)], algorithm, process_group=group, **options

@@ -121,14 +121,17 @@ class AveragingRounds:
         Before warm-up ends it keeps the thread from starting. Safe to call twice. Raises the
         thread's error if a round failed.
         """
-        with self._cv:
-            self._stop = True
-            self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        self._aborted = True
+        self._end_thread()
         self._raise_error()
+
+    def abandon(self) -> None:
+        """Stop the rounds of members that changed (a fault-tolerant job): wait for this rank's thread to end (its
+        collectives give up with the members), drop its error and a round it finished but did not apply, and start
+        no other (a rebuild for the new members starts them again)."""
+        self._end_thread()
+        with self._cv:
+            self._error = self._result = None
+            self._want_snapshot = False
 
     def resume(self) -> None:
         """Restart the rounds after :meth:`abort` (now, or when warm-up ends); on every rank."""
@@ -138,6 +141,16 @@ class AveragingRounds:
         with self._cv:
             self._stop = False
         self._maybe_start()
+
+    def _end_thread(self) -> None:
+        """Ask this rank's thread to stop before its next round, wait for it to end, and start no other."""
+        with self._cv:
+            self._stop = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._aborted = True
 
     def _raise_error(self) -> None:
         with self._cv:

@@ -42,6 +42,12 @@ stepped (or aborted), and the communicator's timeout bounds each wait of the thr
 ranks that stop stepping for longer (a long evaluation) make the others' rounds fail, and
 their next step raises the error. Call ``abort()``/``resume()`` the same number of times on
 every rank.
+
+In a fault-tolerant job a change of members stops the rounds and drops one not yet applied;
+the model rebuilt for the new members starts them again over those. Its steps vote one
+ahead, and after the warm-up a joiner sits out one step while its state travels
+(:class:`~bagua_torch.algorithms.joiner_sits_out.JoinerSitsOutOneStep`;
+``docs/guides/fault_tolerance.md``, "Asynchronous averaging").
 """
 
 from __future__ import annotations
@@ -53,14 +59,8 @@ import torch
 from bagua_common.algorithms.averaging_rounds import AveragingRounds, RoundsControl
 from bagua_common.algorithms.configs import AsyncModelAverageConfig
 from bagua_torch import ops
-from bagua_torch.algorithms.base import (
-    Algorithm,
-    AlgorithmContext,
-    AlgorithmImpl,
-    Bucket,
-    check_dtypes,
-    implements,
-)
+from bagua_torch.algorithms.base import Algorithm, AlgorithmContext, Bucket, check_dtypes, implements
+from bagua_torch.algorithms.joiner_sits_out import JoinerSitsOutOneStep
 from bagua_torch.communicator import NativeCommunicator, Work, dedicated_communicator
 
 
@@ -78,11 +78,13 @@ class AsyncModelAverageAlgorithm(Algorithm):
     ``model.close()``) on every rank; ``resume()`` restarts them.
     """
 
+    fault_tolerant = True
+
     def reify(self, context: AlgorithmContext) -> AsyncModelAverageImpl:
         return AsyncModelAverageImpl(context, self.config)
 
 
-class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
+class AsyncModelAverageImpl(RoundsControl, JoinerSitsOutOneStep):
     """AsyncModelAverage on one wrapped model; its state is ``{"steps": int}`` (optimizer steps done).
 
     Public beyond the hooks: :meth:`abort`, :meth:`resume`, :attr:`rounds` (rounds completed),
@@ -113,7 +115,7 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
             allreduce_sum=self._allreduce_sum,
             apply=self._apply_round,
         )
-        self._committed_steps = 0
+        self._step_in_flight = self._committed_step = 0
 
     # --- what the wrapper reads ---------------------------------------------------------
 
@@ -124,6 +126,10 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
 
     def reduce_bucket(self, bucket: Bucket) -> Work:
         return self.world.allreduce_async(bucket.grad, "avg")
+
+    def before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if optimizer is self._ticker:
+            self._step_in_flight = self._protocol.steps
 
     def after_step(self, optimizer: torch.optim.Optimizer) -> None:
         if optimizer is self._ticker:
@@ -163,17 +169,28 @@ class AsyncModelAverageImpl(RoundsControl, AlgorithmImpl):
             torch.cuda.current_stream(self.context.device).synchronize()  # sums complete before handed over
         return sums
 
-    # --- fault tolerance: the step count carries; the averaging thread restarts on the new members' communicator
+    # --- fault tolerance: the step count carries; the rounds start again on the new members' communicator
 
-    def on_commit(self) -> None:
-        self._committed_steps = self._protocol.steps + 1  # committed in the step's pre-hook, before it is counted
+    @property
+    def step(self) -> int:
+        """The steps counted (:class:`JoinerSitsOutOneStep`'s counter: the rounds' own)."""
+        return self._protocol.steps
 
-    def carried_state(self) -> dict[str, Any]:
-        return {"steps": self._committed_steps}
+    @step.setter
+    def step(self, steps: int) -> None:
+        self._protocol.restore_steps(steps)
 
-    def load_carried_state(self, state: dict[str, Any]) -> None:
-        self._protocol.restore_steps(int(state["steps"]))
-        self._committed_steps = int(state["steps"])
+    def steps_to_next_exchange(self) -> int | None:
+        """During warm-up None (a joiner's state arrives before its first gradient allreduce, its peers waiting),
+        after it one: a rank given the state sits out the next step while it travels, its peers stepping on as
+        always, and averages from the step after."""
+        return None if self._protocol.in_warmup else 1
+
+    def step_alone(self) -> None:
+        """Stop the rounds of the members that changed (a round finished but not yet applied is dropped), then count
+        the step this rank takes by itself."""
+        self._protocol.abandon()
+        super().step_alone()
 
     # --- checkpoints and lifetime ---------------------------------------------------------
 

@@ -360,7 +360,7 @@ class AlgorithmImpl:
         """In a fault-tolerant job, on a rank given another's state, after :meth:`load_carried_state`: drop what was
         the sender's own, not the replicas' (DiLoCo: its pseudo-gradients not yet applied). Default: nothing."""
 
-    def resume(self) -> None:
+    def after_change(self) -> None:
         """After a change of members, once rebuilt: finish what the change interrupted (DiLoCo retries its
         exchanges among the survivors). Collective over the new members. Default: nothing."""
 

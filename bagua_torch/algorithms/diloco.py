@@ -146,7 +146,7 @@ class DiLoCoImpl(AlgorithmImpl):
             self.silent.discard(p)
         self._apply(p, mean)
 
-    def resume(self) -> None:
+    def after_change(self) -> None:
         """After a change of members: exchange again, among the survivors, every pseudo-gradient not yet applied
         (the step's inner work is kept), then apply each once all agree."""
         for p, own in sorted(self.own.items()):

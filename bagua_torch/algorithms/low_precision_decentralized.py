@@ -42,11 +42,8 @@ from bagua_torch.algorithms.base import (
     check_tensor_list,
     implements,
 )
-from bagua_torch.algorithms.decentralized import (
-    JoinerSitsOutOneStep,
-    load_step,
-    weight_averaging_levels,
-)
+from bagua_torch.algorithms.decentralized import load_step, weight_averaging_levels
+from bagua_torch.algorithms.joiner_sits_out import JoinerSitsOutOneStep
 from bagua_torch.communicator import Communicator
 
 __all__ = ["LowPrecisionDecentralizedAlgorithm", "LowPrecisionDecentralizedImpl"]
@@ -163,7 +160,7 @@ class LowPrecisionDecentralizedImpl(JoinerSitsOutOneStep):
 
     # --- fault tolerance: the step carries; the copies restart from the weights, the neighbours' exchanged once
 
-    def resume(self) -> None:
+    def after_change(self) -> None:
         """After a change of members (collective over the new ones): restart the copies
         (:meth:`_restart_copies`). Where ranks given the state sit out the next step while it travels, every rank
         restarts them at the start of the step after it instead (in :meth:`before_step`, the optimizers not having
