@@ -379,6 +379,22 @@ def end_spread(steps: list[dict]) -> float:
     return statistics.median(max(t) - min(t) for t in ends.values() if len(t) > 1)
 
 
+def resumed_at(log: list[dict], killed_at: float) -> float:
+    """When a survivor's training resumed after the kill: its first attempt at a step it had attempted before (the
+    step in flight, run again), or, having lost none (it took the step by itself), its first attempt at a step past
+    those. A survivor voting one ahead may be a step past the victim's and start another step before it sees the
+    death: the retry counts, not that start."""
+    attempts = [(e["time"], e["step"]) for e in log if e["event"] == "attempt"]
+    before = [step for started, step in attempts if started <= killed_at]
+    after = [(started, step) for started, step in attempts if started > killed_at]
+    seen = set(before)
+    for started, step in after:
+        if step in seen:
+            return started
+        seen.add(step)
+    return next(started for started, step in after if step > max(before))
+
+
 def kill(args: argparse.Namespace) -> dict:
     """``--repeats`` runs of :func:`kill_once`."""
     return {"runs": [kill_once(args) for _ in range(args.repeats)]}
@@ -405,11 +421,10 @@ def kill_once(args: argparse.Namespace) -> dict:
         end = [e for e in log if e["event"] == "end"]
         if not end:
             continue  # the victim
-        retried = [e["time"] for e in log if e["event"] == "attempt" and e["step"] == args.kill_step]
         survivors.append(
             {
                 "rank": next(e["rank"] for e in log if e["event"] == "start"),
-                "resumed_after_kill_s": retried[-1] - killed_at,
+                "resumed_after_kill_s": resumed_at(log, killed_at) - killed_at,
                 "steps_lost": sum(r["steps_lost"] for r in end[0]["recoveries"]),
                 "recoveries": end[0]["recoveries"],
             }

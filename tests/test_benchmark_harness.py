@@ -248,6 +248,24 @@ def test_a_chaos_report_links_its_chart_only_where_one_was_drawn(tmp_path, monke
 
 
 @pytest.mark.parametrize(
+    ("attempts", "resumed"),
+    [
+        ([(9.0, 6), (10.2, 6), (10.5, 7)], 10.2),  # in the victim's step at the kill: that step again
+        ([(9.0, 6), (10.05, 7), (10.3, 7)], 10.3),  # voting one ahead: a step started before the death is seen
+        ([(9.0, 6), (10.1, 7), (10.6, 8)], 10.1),  # one behind, the step taken by itself: the next step
+    ],
+    ids=["retried", "one-ahead", "caught-up"],
+)
+def test_the_kill_study_times_a_survivors_resumption_from_its_retry(attempts, resumed):
+    # A survivor's attempts (start time, step) around a kill at t = 10. The study took the last attempt at the
+    # victim's step, which under asynchronous averaging (one ahead) was the survivors' step before the kill: -0.2 s.
+    import fault_tolerance
+
+    log = [{"event": "attempt", "time": started, "step": step} for started, step in attempts]
+    assert fault_tolerance.resumed_at(log, 10.0) == resumed
+
+
+@pytest.mark.parametrize(
     ("namespace", "cut"), [("", False), ("bagua-br", False), ("other-r1", False), ("bagua-r1", True)]
 )
 def test_a_rank_cuts_only_its_own_namespaces_link(monkeypatch, namespace, cut):
