@@ -74,8 +74,8 @@ EXTENDED: dict[str, str] = {
     r"peers_do_not_wait\[low\]": "torch's low-precision decentralized joiner sitting out a step (8 s; its "
     "decentralized one stays quick, and so does JAX's low-precision one)",
     r"test_fault_tolerance_torch\.py::test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_"
-    r"admits_a_joiner\[warm-up\]": "torch's asynchronous averaging through a death and an admission during its "
-    "warm-up (6 s; after the warm-up stays quick)",
+    r"admits_a_joiner\[(warm-up|fused)\]": "torch's asynchronous averaging through a death and an admission during "
+    "its warm-up, and with the optimizer fused (6 s each; after the warm-up, unfused, stays quick)",
     r"test_fault_tolerance_jax\.py::test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_its_"
     r"peers_do_not_wait\[decentralized\]": "JAX's decentralized joiner sitting out a step (8 s; its low-precision one "
     "stays quick, and so does torch's decentralized one)",

@@ -851,8 +851,10 @@ def test_a_decentralized_joiner_sits_out_one_step_while_its_state_travels_and_it
     check_every_sample_once(job)  # the step it sat out is split among the three members
 
 
-@pytest.mark.parametrize("warmup", [2, 100], ids=["averaging", "warm-up"])
-def test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_admits_a_joiner(jobs, warmup):
+@pytest.mark.parametrize(
+    ("warmup", "fused"), [(2, False), (100, False), (2, True)], ids=["averaging", "warm-up", "fused"]
+)
+def test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_admits_a_joiner(jobs, warmup, fused):
     # Four ranks average their weights in the background every 20 ms (after `warmup` steps of gradient allreduce).
     # Rank 2 votes for step 4 only once the epoch closed, and rank 3 dies as step 5 begins: ranks 0 and 1, which
     # applied step 4 (voting one ahead: step 3 had every vote), lose their attempt at step 5; rank 2, one step
@@ -861,12 +863,14 @@ def test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_ad
     # then joins with the first member's weights and optimizer state; after the warm-up it sits out one step while
     # they travel, its peers stepping on as always, and its averaging rounds with them start once it trained a step
     # (during the warm-up the members wait for the state instead: it takes part in their next gradient allreduce).
+    # The same with the optimizer fused over the buckets, which are laid out again for each epoch's members.
     faults = [
         {"rank": 2, "step": 4, "where": "vote", "kind": "late"},
         {"rank": 3, "step": 5, "where": "forward", "kind": "kill", "once": ["2-4-vote"]},
     ]
     algorithm = f'async {{"sync_interval_ms": 20, "warmup_steps": {warmup}}}'
-    job = jobs(4, algorithm, faults, steps=30, world=4, step_seconds=0.05, env={"FT_REPORT_PARAMS": "1"})
+    env = {"FT_REPORT_PARAMS": "1"}
+    job = jobs(4, algorithm, faults, steps=30, world=4, step_seconds=0.05, fused=fused, env=env)
     job.wait_until(lambda: any(e["event"] == "retry" for e in list(job.events)))
     job.join()
     job.finish()
