@@ -136,3 +136,41 @@ def test_a_failed_round_is_raised_at_the_next_step():
             time.sleep(0.001)
     assert info.value.__cause__ is failure
     rank.protocol.abort()
+
+
+@pytest.mark.parametrize("fail", [None, OSError("the members changed")], ids=["finished", "failed"])
+def test_abandoning_the_rounds_drops_their_last_result_or_error_and_starts_none(fail):
+    # Fault-tolerant survivors that take a step by themselves after a change: their threads end, a round they
+    # finished (or their round's failure) is neither applied nor raised, and their next steps start no other round.
+    group = Group(2)
+    ranks = [Rank(r, group, np.full(2, 4.0 * r), fail=fail) for r in range(2)]
+    deadline = time.monotonic() + DEADLINE_S
+    for r in ranks:
+        while not r.protocol._want_snapshot:  # the thread asks for the weights
+            assert time.monotonic() < deadline, "no round began"
+            time.sleep(0.001)
+        r.protocol.after_step()  # hands them over
+    while any(r.protocol.rounds < 1 and r.protocol._error is None for r in ranks):  # done, not applied (or failed)
+        assert time.monotonic() < deadline, "no round ended"
+        time.sleep(0.001)
+    raised: list[BaseException] = []
+
+    def abandon(rank: Rank) -> None:
+        try:
+            rank.protocol.abandon()
+        except BaseException as error:  # noqa: BLE001 - asserted below
+            raised.append(error)
+
+    stoppers = [threading.Thread(target=abandon, args=(r,)) for r in ranks]  # at once, as separate processes would
+    for stopper in stoppers:
+        stopper.start()
+    for stopper in stoppers:
+        stopper.join(DEADLINE_S)
+    assert not raised
+    for r in ranks:
+        r.protocol.after_step()
+        r.protocol.after_step()
+        assert not r.protocol.running
+        r.protocol.abort()  # nothing left to raise
+    # the round's correction would have moved each to the mean, 2
+    np.testing.assert_array_equal([r.weights for r in ranks], [np.zeros(2), np.full(2, 4.0)])
