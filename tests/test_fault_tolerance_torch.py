@@ -860,13 +860,15 @@ def test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_ad
     # applied step 4 (voting one ahead: step 3 had every vote), lose their attempt at step 5; rank 2, one step
     # behind them, takes step 4 by itself (its own gradient after the warm-up, the rounds stopped and their last
     # result dropped: torch's SGD step on that gradient), so no survivor loses a step it trained. A fourth process
-    # then joins with the first member's weights and optimizer state; after the warm-up it sits out one step while
-    # they travel, its peers stepping on as always, and its averaging rounds with them start once it trained a step
-    # (during the warm-up the members wait for the state instead: it takes part in their next gradient allreduce).
-    # The same with the optimizer fused over the buckets, which are laid out again for each epoch's members.
+    # then joins with the first member's weights and optimizer state, which take 1.5 s more to leave rank 0 (a slow
+    # link); after the warm-up it sits out one step while they travel, its peers' admission not waiting for them,
+    # and its averaging rounds with them start once it trained a step (during the warm-up the members wait for the
+    # state instead: it takes part in their next gradient allreduce). The same with the optimizer fused over the
+    # buckets, which are laid out again for each epoch's members.
     faults = [
         {"rank": 2, "step": 4, "where": "vote", "kind": "late"},
         {"rank": 3, "step": 5, "where": "forward", "kind": "kill", "once": ["2-4-vote"]},
+        {"rank": 0, "step": 0, "where": "state", "kind": "slow", "seconds": 1.5},
     ]
     algorithm = f'async {{"sync_interval_ms": 20, "warmup_steps": {warmup}}}'
     env = {"FT_REPORT_PARAMS": "1"}
@@ -881,7 +883,8 @@ def test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_ad
         assert lost["size"] == 3 and lost["seconds"] < RESUME_BAR, lost
         assert (lost["caught_up"], lost["steps_lost"]) == ((1, 0) if behind else (0, 1)), (pid, lost)
         assert [e["step"] for e in job.of(pid, "retry")] == ([] if behind else [5])
-        assert admitted["joined"] == 1 and admitted["seconds"] < 0.5, admitted
+        assert admitted["joined"] == 1 and (admitted["seconds"] < 0.5) == (warmup == 2), admitted
+    assert [f["where"] for f in job.of(members[0], "fault")] == ["state"]  # the slow transfer happened
     (behind,) = job.pids(rank=2)
     taken = {e["step"]: e for e in job.of(behind, "step")}
     alone = sgd_step_alone(taken[3], taken[4]["indices"])  # after the warm-up: its own gradient
