@@ -71,14 +71,24 @@ def step(ranks: list[Rank]) -> None:
         r.protocol.after_step()
 
 
-def abort_all(ranks: list[Rank]) -> None:
-    """Every rank aborts at once, as separate processes would (an abort waits for the others)."""
-    stoppers = [threading.Thread(target=r.protocol.abort) for r in ranks]
+def stop_all(ranks: list[Rank], how: str = "abort") -> None:
+    """Every rank stops its rounds at once (``abort`` or ``abandon``), as separate processes would (a stop waits for
+    the others); none raises."""
+    raised: list[BaseException] = []
+
+    def stop(rank: Rank) -> None:
+        try:
+            getattr(rank.protocol, how)()
+        except BaseException as error:  # noqa: BLE001 - asserted below
+            raised.append(error)
+
+    stoppers = [threading.Thread(target=stop, args=(r,)) for r in ranks]
     for stopper in stoppers:
         stopper.start()
     for stopper in stoppers:
         stopper.join(DEADLINE_S)
-    assert not any(stopper.is_alive() for stopper in stoppers), "abort did not return"
+    assert not any(stopper.is_alive() for stopper in stoppers), f"{how} did not return"
+    assert not raised, raised
 
 
 @pytest.mark.parametrize("n", [2, 3])
@@ -86,7 +96,7 @@ def test_a_round_replaces_constant_weights_by_their_mean(n):
     group = Group(n)
     ranks = [Rank(r, group, np.full(4, 3.0 * r)) for r in range(n)]
     drive(ranks, lambda: all(r.protocol.rounds >= 1 for r in ranks))
-    abort_all(ranks)
+    stop_all(ranks)
     rounds = {r.protocol.rounds for r in ranks}
     assert len(rounds) == 1, rounds
     expected = np.full(4, 3.0 * (n - 1) / 2)
@@ -104,14 +114,14 @@ def test_one_rank_aborting_stops_every_rank_at_the_same_round():
     drive(ranks[1:], lambda: not stopper.is_alive() and not any(r.protocol.running for r in ranks))
     stopper.join()
     assert len({r.protocol.rounds for r in ranks}) == 1
-    abort_all(ranks[1:])
+    stop_all(ranks[1:])
     with pytest.raises(RuntimeError, match=r"async: resume\(\) restarts averaging stopped by abort"):
         Rank(0, Group(1), np.zeros(1)).protocol.resume()
     for r in ranks:
         r.protocol.resume()
     before = ranks[0].protocol.rounds
     drive(ranks, lambda: all(r.protocol.rounds > before for r in ranks))
-    abort_all(ranks)
+    stop_all(ranks)
 
 
 def test_no_round_during_warmup():
@@ -122,7 +132,7 @@ def test_no_round_during_warmup():
     assert not any(r.protocol.running for r in ranks) and all(r.protocol.in_warmup for r in ranks)
     step(ranks)
     assert all(r.protocol.running and not r.protocol.in_warmup for r in ranks)
-    abort_all(ranks)
+    stop_all(ranks)
     assert [r.protocol.steps for r in ranks] == [3, 3]
 
 
@@ -153,20 +163,7 @@ def test_abandoning_the_rounds_drops_their_last_result_or_error_and_starts_none(
     while any(r.protocol.rounds < 1 and r.protocol._error is None for r in ranks):  # done, not applied (or failed)
         assert time.monotonic() < deadline, "no round ended"
         time.sleep(0.001)
-    raised: list[BaseException] = []
-
-    def abandon(rank: Rank) -> None:
-        try:
-            rank.protocol.abandon()
-        except BaseException as error:  # noqa: BLE001 - asserted below
-            raised.append(error)
-
-    stoppers = [threading.Thread(target=abandon, args=(r,)) for r in ranks]  # at once, as separate processes would
-    for stopper in stoppers:
-        stopper.start()
-    for stopper in stoppers:
-        stopper.join(DEADLINE_S)
-    assert not raised
+    stop_all(ranks, "abandon")
     for r in ranks:
         r.protocol.after_step()
         r.protocol.after_step()
