@@ -5,8 +5,10 @@ protocol of :mod:`bagua_common.fault_tolerance` (members, epochs, commit by agre
 JAX step changes nothing in place, so an abandoned one costs nothing to roll back. When a member dies or hangs, a thread
 revokes the communicator, the survivors shrink it to themselves in the same handle (a step whose shapes follow the world
 size was compiled ahead for it), check that their replicas are bit-identical and run the step again on the new partition
-of the samples not yet trained on (under (low-precision) decentralized training, a step voted one ahead: one whose
-exchange failed where the others' completed takes that step by itself, unaveraged, :mod:`bagua_jax.unaveraged_step`);
+of the samples not yet trained on (:mod:`bagua_jax.recovery`; under (low-precision) decentralized training and
+asynchronous averaging after its warm-up, a step voted one ahead: one whose exchange failed where the others' completed,
+or whose vote came too late, takes that step by itself, unaveraged, :mod:`bagua_jax.unaveraged_step`; asynchronous
+averaging's rounds start again over the new members, :mod:`bagua_jax.averaging_across_changes`);
 one they took for dead (stopped or cut off past ``dead_after``) joins again. A joiner
 compiles its step before it asks to be admitted and does not make its peers wait for its state
 (:mod:`bagua_jax.state_sharing`): it takes its first step weighed out (gradient allreduce, PowerSGD:
@@ -18,12 +20,10 @@ has the rules of every algorithm's state."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -44,34 +44,24 @@ from bagua_common.fault_tolerance.background import wait_unless
 from bagua_common.fault_tolerance.data_position import RECORD_KEY, recorded_position
 from bagua_common.job.checkpoint import checkpoint_to_restore
 from bagua_jax import checkpoint, state_rules
+from bagua_jax.algorithms.async_model_average import AsyncModelAverage
 from bagua_jax.algorithms.decentralized import Decentralized, WithoutAveraging
-from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentralized
-from bagua_jax.epoch_communicator import fail_epoch, follow_members, join_members
+from bagua_jax.averaging_across_changes import AveragingAcrossChanges
+from bagua_jax.epoch_communicator import fail_epoch, join_members
 from bagua_jax.host_communicator import HostCommunicator
 from bagua_jax.native_communicator import NativeCommunicator
+from bagua_jax.recovery import Recovery
 from bagua_jax.resized_steps import ResizedSteps
 from bagua_jax.state_sharing import StateSharing
-from bagua_jax.train_state import TrainState, is_nnx_module, rewrap_state, unwrap_state
+from bagua_jax.train_state import TrainState, is_nnx_module, unwrap_state
 from bagua_jax.trainer import DataParallel
-from bagua_jax.unaveraged_step import UnaveragedStep, counted_on
+from bagua_jax.unaveraged_step import StepBehind, UnaveragedStep, counted_on
 from bagua_jax.weighed_out_step import WeighedOutStep, weighs_out
 
 __all__ = ["FaultTolerantTrainer"]
 
 
-@dataclass
-class _StepBehind:
-    """The step a member voting one ahead was on when the members changed, which the others may have applied
-    without it: ``take`` gives its state and result (its own, as computed; or trained alone, its exchange having
-    failed), ``trainers`` is the number of members its samples were split among; ``taken`` once taken."""
-
-    take: Callable[[], tuple[Any, Any]]
-    trainers: int
-    result: Any = None
-    taken: bool = False
-
-
-class FaultTolerantTrainer(StateSharing):
+class FaultTolerantTrainer(Recovery, StateSharing):
     """A native-mode :class:`DataParallel` (MPI engine) whose steps survive a lost or added member.
 
     ``membership`` is this process's :class:`~bagua_common.fault_tolerance.Membership` (its first epoch's ranks
@@ -144,6 +134,8 @@ class FaultTolerantTrainer(StateSharing):
         self._votes_ahead = self._diloco is None and getattr(trainer.algorithm, "replicas_identical", False)
         self._weighed_out_step = WeighedOutStep(trainer) if weighs_out(trainer) else None
         self._unaveraged_step = UnaveragedStep(trainer) if isinstance(trainer.algorithm, WithoutAveraging) else None
+        asynchronous = isinstance(trainer.algorithm, AsyncModelAverage)  # its rounds follow the members
+        self._averaging = AveragingAcrossChanges(trainer.algorithm, communicator) if asynchronous else None
         self._copies_due = False  # the ring copies' restart, deferred to the next step's start by a joiner's sit-out
         self._resized = ResizedSteps(trainer) if settings.compile_ahead and not self._world_size_free else None
         self._sitting_out: frozenset[str] = frozenset()
@@ -191,12 +183,15 @@ class FaultTolerantTrainer(StateSharing):
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         if unwrap_state(state).model_state is not None:  # averaged: no weighed-out or unaveraged step
             self._weighed_out_step = self._unaveraged_step = None
-        if self.membership is None:
+        if self.membership is not None:
+            self._start_rounds(state)
+        else:
             state = self._join(state, example_batch)
             try:
                 self._split_state_group(self.epoch)
                 state = self._carry_over(state, recompile=not self._world_size_free)
                 state = self._resumed(self._share_state(state, self.epoch))
+                self._start_rounds(state)
                 if not self._sitting_out:  # else checked once the joiners took part in their first exchange
                     self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
@@ -248,8 +243,9 @@ class FaultTolerantTrainer(StateSharing):
             batch = batch_of(self.data.indices(place, trainers))
             weighed = self._weighed_out_step is not None and bool(self._sitting_out)
             joiners_in_this_step = weighed or unaveraged  # they take it while their state travels
-            # Decentralized: voted one ahead where this member can train the step alone, should it fall one behind.
-            one_ahead = not self._votes_ahead and self._unaveraged_step is not None and not joiners_in_this_step
+            # Voted one ahead where this member can train the step alone, should it fall one behind.
+            alone = None if joiners_in_this_step else self._step_alone(state)
+            one_ahead = not self._votes_ahead and alone is not None
             self.membership.catches_up = one_ahead
             try:
                 if epoch.closed.is_set() and (exchange or epoch.ended.is_set()):
@@ -277,7 +273,7 @@ class FaultTolerantTrainer(StateSharing):
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
                 fail_epoch(self.membership, epoch, error)
                 # Should the others have applied it, this member's exchange having failed: it trains the step alone.
-                behind = _StepBehind(partial(self._unaveraged_step.step, state, batch), trainers) if one_ahead else None
+                behind = StepBehind(partial(alone, state, batch), trainers) if one_ahead else None
             else:
                 if not exchange:
                     self.data.advance(trainers)
@@ -292,7 +288,7 @@ class FaultTolerantTrainer(StateSharing):
                     new_state = self._applied(epoch, trainers, new_state)
                     return new_state, self._unaveraged_step.loss(state, batch) if sat_out else result
                 # Should the others have applied it, its record having gone out without it: it takes its own step.
-                behind = _StepBehind(lambda: (new_state, result), trainers) if one_ahead else None
+                behind = StepBehind(lambda: (new_state, result), trainers) if one_ahead else None
             failed_at = time.monotonic() if failed_at is None else failed_at
             state = self._recover(state, behind, failed_at)
             if behind is not None and behind.taken:
@@ -302,6 +298,8 @@ class FaultTolerantTrainer(StateSharing):
         """``new_state``, its step applied by ``trainers`` members: the data moves on, the replicas are compared when
         due (a failed comparison recovers the state)."""
         self._apply(trainers)
+        if self._averaging is not None:  # the last round finished, if any
+            new_state = self._averaging.apply(new_state)
         pending = self._check_after
         due = self.committed >= pending if pending else self.hash_every and self.committed % self.hash_every == 0
         if due and not epoch.closed.is_set():
@@ -337,11 +335,15 @@ class FaultTolerantTrainer(StateSharing):
         state = checkpoint.restore(directory, self.trainer, params)
         self._roles = state_rules.roles(self.trainer, unwrap_state(state))
         self.check_replicas(state, f"after restoring {directory}")
+        self._start_rounds(state)
         return state
 
     def finished(self) -> None:
         """Mark the job finished; every member calls it once its last step committed. A replacement or joiner started
-        afterwards then exits with status 0, and ``bagua-launch --fault-tolerant`` starts no replacement for a rank."""
+        afterwards then exits with status 0, and ``bagua-launch --fault-tolerant`` starts no replacement for a rank.
+        Asynchronous averaging's rounds stop (a round not yet applied is dropped)."""
+        if self._averaging is not None:
+            self._averaging.abandon()
         self.membership.finished()
 
     def check_replicas(self, state: Any, what: str) -> None:
@@ -351,6 +353,11 @@ class FaultTolerantTrainer(StateSharing):
         digest = state_rules.replica_digest(self._roles, jax.device_get(unwrap_state(state)), self.data.state())
         gathered = HostCommunicator(self.communicator).allgather(digest)  # nothing to compile
         check_digests(state_rules.DIGEST_PARTS, np.asarray(gathered), what)
+
+    @property
+    def averaging_rounds(self) -> int | None:
+        """The rounds asynchronous averaging's current members completed so far (None under the other algorithms)."""
+        return None if self._averaging is None else self._averaging.rounds
 
     @property
     def trainers(self) -> int:
@@ -373,73 +380,17 @@ class FaultTolerantTrainer(StateSharing):
         """This member's place among those training the step, and their number (those sitting out weigh zero)."""
         return epoch.training_place([rank for rank, m in enumerate(epoch.members) if m.id in self._sitting_out])
 
-    def _recover(self, state: Any, behind: _StepBehind | None = None, failed_at: float | None = None) -> Any:
-        """Take the next epoch and rebuild the communicator for it; returns the state to go on from (a survivor
-        that had not applied a step another one applied is given that one's state; voting one ahead, it takes
-        ``behind``, the step it was on, by itself). Over an engine that rebuilds its communicator afresh (TCP), a
-        member lost during the recovery makes the survivors take the epoch after. Its record gives the seconds since
-        ``failed_at`` (when the step first failed, by ``time.monotonic``) until this member trains again."""
-        started, first, retried = time.monotonic(), self.epoch, False
-        while True:
-            if self._transfer is not None and self._sits_out:  # a broadcast on the old communicator: over (revoked)
-                with contextlib.suppress(Exception):  # before it changes; a pair's own thread is left to end
-                    self._transfer.result()
-            self._transfer = self._incoming = None
-            self.membership, new = follow_members(self.communicator, self.membership, self.epoch)  # evicted: a new one
-            self.epoch = new
-            # A failed attempt may have left the step compiled for its size: compiled again for the next one's.
-            recompile = (retried or new.size != first.size) and not self._world_size_free
-            try:
-                state = self._take_epoch(state, new, recompile, behind)
-                break
-            except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
-                if not self.communicator.can_rebuild:
-                    raise
-                fail_epoch(self.membership, new, error)
-                retried = True
-        caught_up = behind is not None and behind.taken  # the step it was on taken by itself (one ahead)
-        record = {"epoch": new.number, "size": new.size, "joined": len(new.joined), "caught_up": caught_up}
-        now = time.monotonic()
-        resumed = {} if failed_at is None else {"resume_seconds": now - failed_at}
-        self.recoveries.append({**record, "rebuild_seconds": now - started, **resumed})
-        return state
+    def _step_alone(self, state: Any) -> Callable[[Any, Any], tuple[Any, Any]] | None:
+        """The step (``step(state, batch)``) this member takes by itself, should it fall one behind the others, where
+        its steps vote one ahead: (low-precision) decentralized training's unaveraged step, and asynchronous
+        averaging's own once its warm-up is over (it exchanges nothing); else None."""
+        if self._unaveraged_step is not None:
+            return self._unaveraged_step.step
+        if self._averaging is None or int(unwrap_state(state).step) < self.trainer.algorithm.config.warmup_steps:
+            return None
+        return self.trainer.step
 
-    def _take_epoch(self, state: Any, new: Epoch, recompile: bool, behind: _StepBehind | None) -> Any:
-        """``state`` carried over to ``new``'s members, whose communicator this one now is: the step the others
-        applied first taken by itself where this member is one behind them (``behind``), the state's group split,
-        the step compiled again (``recompile``), the state given to the joiners, the replicas compared."""
-        if behind is not None and self.committed < new.committed and not new.is_joiner():
-            state, behind.result = behind.take()
-            behind.taken = True
-            self._apply(behind.trainers)
-        # Its step abandoned, the divisor goes back to the size; only now, once the new members' communicator
-        # dropped the failed calls' ordering tokens: before, the divisor's wait for those calls raised their error.
-        self.communicator.set_average_divisor(None)
-        self.communicator.revoke_when(new.closed, f"the job's membership changed (epoch {new.number} closed)")
-        self._split_state_group(new)
-        state = self._carry_over(state, recompile)
-        self._sitting_out &= {member.id for member in new.members}
-        if new.joined:
-            state = self._share_state(state, new)
-        state = self._resumed(state)
-        if not self._sitting_out:  # else checked once the joiners took part in their first exchange
-            self.check_replicas(state, f"after the recovery to epoch {new.number}")
-        return state
-
-    def _carry_over(self, state: Any, recompile: bool) -> Any:
-        """``state`` for the new members by :mod:`bagua_jax.state_rules` (per-rank leaves fresh, the rest kept), the
-        step compiled again first where its buffers follow the world size (unless ahead: ``resized_steps``)."""
-        if recompile and not (self._resized is not None and self._resized.adopt(self.trainer.size)):
-            self.trainer.recompile()
-        own = unwrap_state(state)
-        fresh = TrainState(own.params, self.trainer._init(own.params), own.step, own.model_state)
-        carried = state_rules.carry_over(self._roles, own, fresh)
-        return rewrap_state(None if isinstance(state, TrainState) else state, carried)
-
-    def _resumed(self, state: Any) -> Any:
-        """``state``'s copies of low-precision decentralized training taken again on the new ring (collective); while
-        joiners sit out the step (and have no weights), at the next step's start instead (on every member)."""
-        ring = isinstance(self.trainer.algorithm, LowPrecisionDecentralized) and self._unaveraged_step is not None
-        self._copies_due = ring and bool(self._sitting_out)
-        exchange, resumed = HostCommunicator(self.communicator).send_recv, state_rules.ring_copies_resumed
-        return state if self._copies_due else resumed(state, exchange, self.epoch.rank, self.epoch.size)
+    def _start_rounds(self, state: Any) -> None:
+        """Asynchronous averaging's rounds over the members the communicator has now, from ``state``'s step."""
+        if self._averaging is not None:
+            self._averaging.start(state)

@@ -104,7 +104,7 @@ def refuse_unsurvivable(trainer: DataParallel) -> None:
         )
     if not getattr(algorithm, "fault_tolerant", False):
         raise ValueError(
-            f"FaultTolerantTrainer cannot continue {config.name} after a change of members yet (it can: "
+            f"FaultTolerantTrainer cannot continue {type(algorithm).__name__} after a change of members yet (it can: "
             f"{', '.join(carried_algorithms())}). Train it with the elastic restart instead (bagua-launch --nnodes "
             "MIN:MAX, restoring the last checkpoint into the new world size)"
         )

@@ -21,7 +21,9 @@ joiner comes (:meth:`UnaveragedStep.compile_in_background`).
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -32,7 +34,19 @@ from bagua_jax.algorithms.low_precision_decentralized import LowPrecisionDecentr
 from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
 from bagua_jax.trainer import DataParallel
 
-__all__ = ["UnaveragedStep", "counted_on"]
+__all__ = ["StepBehind", "UnaveragedStep", "counted_on"]
+
+
+@dataclass
+class StepBehind:
+    """The step a member voting one ahead was on when the members changed, which the others may have applied
+    without it: ``take`` gives its state and result (its own, as computed; or trained alone, its exchange having
+    failed), ``trainers`` is the number of members its samples were split among; ``taken`` once taken."""
+
+    take: Callable[[], tuple[Any, Any]]
+    trainers: int
+    result: Any = None
+    taken: bool = False
 
 
 class UnaveragedStep:

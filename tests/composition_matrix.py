@@ -97,11 +97,8 @@ ASYNC_FAULT_TOLERANCE_TORCH = (
     f"{FAULT_TOLERANCE_TORCH}::test_asynchronous_averaging_survives_a_death_with_a_member_one_behind_and_admits_a_"
     "joiner"
 )
-ASYNC_FAULT_TOLERANCE_REFUSAL_JAX = Refuses(
-    "its averager runs beside the trainer, on a thread and a communicator of its own, which FaultTolerantTrainer "
-    "does not drive; the message names the elastic restart",
-    "tests/test_fault_tolerance_state_jax.py::test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_"
-    "restart",
+ASYNC_FAULT_TOLERANCE_JAX = (
+    f"{FAULT_TOLERANCE_JAX}::test_asynchronous_averaging_survives_a_kill_with_a_member_one_behind_and_admits_a_joiner"
 )
 PER_STEP_JAX = f"{FAULT_TOLERANCE_JAX}::test_each_per_step_algorithm_survives_a_kill_and_admits_a_joiner"
 RANK_LOST = {
@@ -145,7 +142,7 @@ of its first step, JAX's per-step algorithms' kill and joiner."""
 
 def _fault_tolerance(algorithm: str) -> dict[str, dict[str, Cell]]:
     if algorithm == "async":
-        cells = {"torch": Works(ASYNC_FAULT_TOLERANCE_TORCH), "jax": ASYNC_FAULT_TOLERANCE_REFUSAL_JAX}
+        cells = {"torch": Works(ASYNC_FAULT_TOLERANCE_TORCH), "jax": Works(ASYNC_FAULT_TOLERANCE_JAX)}
         return {"rank_lost": cells, "joiner": cells}
     torch_lost, jax_lost = RANK_LOST.get(algorithm, (None, None))
     torch_joiner, jax_joiner = JOINER.get(algorithm, (None, None))

@@ -22,14 +22,15 @@ the state a flax ``TrainState``; ``FT_RESTORE=1`` starts the first members from 
 folder (the last run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its
 first epoch closed, and ``FT_START_JOINER_AFTER`` (a step) starts the joiner once it is done instead of the last
 fault's step (``train``: even with no member missing). ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step
-after the joiner's admission compute that much longer. ``FT_SLOW_EXIT`` (seconds) makes a first member's process take
-that much longer to end once its program ended (an exit handler that runs after the library's, as a GPU runtime's
-teardown may). ``FT_SAVE_EVERY_STEP=1`` makes the members save a checkpoint after every step (not only at the end),
-and ``FT_CUT_OFF_IN_SAVE`` (``rank:step``, run in the network harness's namespaces) cuts that member's link for
-``PAUSE_SECONDS`` in the save after that step, its part written, before the others report theirs. Every member
-records each attempt of a step (its transaction, epoch, rank, the members training it and all the members, sample
-indices, times), its saves, its state's first and final parameters, its final rank and, under low-precision
-decentralized training, the digests of its copies of its own and its ring neighbours' weights.
+after the joiner's admission compute that much longer (``FT_STEP_SECONDS``: every step). ``FT_SLOW_EXIT`` (seconds)
+makes a first member's process take that much longer to end once its program ended (an exit handler that runs after
+the library's, as a GPU runtime's teardown may). ``FT_SAVE_EVERY_STEP=1`` makes the members save a checkpoint after
+every step (not only at the end), and ``FT_CUT_OFF_IN_SAVE`` (``rank:step``, run in the network harness's namespaces)
+cuts that member's link for ``PAUSE_SECONDS`` in the save after that step, its part written, before the others report
+theirs. Every member records each attempt of a step (its transaction, epoch, rank, the members training it and all
+the members, sample indices, times), its saves, its state's first and final parameters, its final rank and, under
+low-precision decentralized training, the digests of its copies of its own and its ring neighbours' weights (under
+asynchronous averaging: the rounds of its last members).
 """
 
 from __future__ import annotations
@@ -346,19 +347,23 @@ def _die_in_the_first_rebuild(where: str) -> None:
 
 
 def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote: tuple[int, int] | None) -> None:
-    """Make ``membership``'s votes fail as ``faults`` (``kill-before-vote``) and ``late_vote`` say for ``rank``."""
-    vote_ahead = membership.vote_ahead
+    """Make ``membership``'s votes ahead (replicas identical) and one ahead (steps that exchange weights or nothing)
+    fail as ``faults`` (``kill-before-vote``) and ``late_vote`` say for ``rank``."""
 
-    def voting(epoch, transaction):
-        if faults.get(transaction) == (rank, "kill-before-vote"):
-            _touch(f"fault-time-{transaction}", repr(time.time()))
-            os.kill(os.getpid(), signal.SIGKILL)
-        if late_vote == (rank, transaction):  # once this member saw the epoch close
-            epoch.closed.wait(60)
-            time.sleep(0.5)
-        return vote_ahead(epoch, transaction)
+    def with_faults(vote):
+        def voting(epoch, transaction):
+            if faults.get(transaction) == (rank, "kill-before-vote"):
+                _touch(f"fault-time-{transaction}", repr(time.time()))
+                os.kill(os.getpid(), signal.SIGKILL)
+            if late_vote == (rank, transaction):  # once this member saw the epoch close
+                epoch.closed.wait(60)
+                time.sleep(0.5)
+            return vote(epoch, transaction)
 
-    membership.vote_ahead = voting
+        return voting
+
+    membership.vote_ahead = with_faults(membership.vote_ahead)
+    membership.vote_one_ahead = with_faults(membership.vote_one_ahead)
 
 
 def train(
@@ -426,6 +431,7 @@ def train(
     _vote_with_faults(ft.membership, rank, faults, late_vote)
 
     _slow_the_admitting_step(float(os.environ.get("FT_ADMITTING_STEP_SECONDS", "0")), ft, final_size)
+    step_seconds = float(os.environ.get("FT_STEP_SECONDS", "0"))
 
     def batch_of(indices):
         transaction = ft.committed + 1
@@ -447,6 +453,7 @@ def train(
                 "start": time.time(),
             }
         )
+        time.sleep(step_seconds)
         return x[indices], y[indices]
 
     last_size, saves = None, []  # the members' step that admits the joiner is retried with it: every rank ends there
@@ -464,6 +471,7 @@ def train(
     copies = ring_digests({k: getattr(ring[0], k) for k in ("weights", "left", "right")}) if ring else None
     if not save_every_step:
         ft.save(_signal("checkpoints"), state)  # the members' checkpoint after the changes of members
+    rounds = ft.averaging_rounds  # before finished() ends them
     ft.finished()
     ft.membership.close()
     return {
@@ -480,6 +488,7 @@ def train(
         "admitted": admitted,
         "asked": ft.admission["asked"] if ft.admission else None,  # a joiner's request, its step compiled
         "compilations": compilations,
+        "rounds": rounds,
     }
 
 

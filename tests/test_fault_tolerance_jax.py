@@ -569,6 +569,35 @@ def test_decentralized_survivors_of_a_kill_average_over_all_while_odd_and_a_join
     assert len({records[p]["params"]["w"].tobytes() for p in records}) == len(records)  # each drifted its own way
 
 
+def test_asynchronous_averaging_survives_a_kill_with_a_member_one_behind_and_admits_a_joiner(tmp_path: Path):
+    # Four members average their weights in the background every 10 ms after a 2-step warm-up (a gradient allreduce
+    # each step, every vote awaited). After it their steps exchange nothing and vote one ahead. Member 1 votes for step
+    # 3 only once the epoch closed; the others apply it (every vote for step 2 is in) and member 3 is SIGKILLed as
+    # step 4 starts. Members 0 and 2 retry step 4 among the three; member 1, one step behind them, takes step 3 by
+    # itself, as it computed it, the round its thread may have finished meanwhile dropped. The rounds start again over
+    # the three, then over the four once a joiner is admitted with the first member's state (the members wait for it),
+    # and every member, the joiner too, completes rounds in the last epoch. The replicas' check (after each change and
+    # every second step) compares the step and the data position only: the weights are each member's own.
+    env = {"FT_ALGORITHM": 'async {"sync_interval_ms": 10, "warmup_steps": 2}', "FT_STEP_SECONDS": "0.05"}
+    results = run_members(tmp_path, "train", 5, {4: (3, "kill")}, 4, 4, 12, (1, 3), env=env, timeout=180)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode == 0 for r in results] == [True, True, True, False, True], outputs
+    records = {r.rank: r.value for r in results if r.rank != 3}
+    alone = {p: [s["transaction"] for s in record["steps"] if s["alone"]] for p, record in records.items()}
+    assert alone == {0: [], 1: [3], 2: [], 4: []}, alone
+    for process in (0, 2):  # step 4 failed with the four and was retried by the three
+        tried = [(a["size"], "committed" in a) for a in records[process]["attempts"] if a["transaction"] == 4]
+        assert tried == [(4, False), (3, True)], (process, tried)
+    (recovery, admission) = records[1]["recoveries"]
+    assert (recovery["size"], recovery["caught_up"], admission["size"]) == (3, True, 4), records[1]["recoveries"]
+    assert [s["transaction"] for s in records[1]["steps"]][:4] == [1, 2, 3, 4], records[1]["steps"]
+    assert all(record["rounds"] > 0 for record in records.values()), {p: r["rounds"] for p, r in records.items()}
+    last = {p: (record["steps"][-1]["transaction"], record["steps"][-1]["members"]) for p, record in records.items()}
+    assert set(last.values()) == {(last[0][0], 4)}, last
+    final = {p: record["params"]["w"].tobytes() for p, record in records.items()}
+    assert len(set(final.values())) == len(final)  # each member's own weights
+
+
 @pytest.mark.parametrize("engine", ["tcp", "mpi"])
 def test_a_decentralized_member_one_behind_before_its_step_began_is_given_the_state(tmp_path: Path, engine: str):
     # Exchanging every third step (steps 1, 4, 7), the steps between vote one ahead and exchange nothing: the others

@@ -8,6 +8,7 @@ from a fresh state and every other leaf is kept bit for bit; the replica check h
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import jax
@@ -19,7 +20,7 @@ from jax.sharding import Mesh
 
 from bagua_common.fault_tolerance import DataPosition, FaultToleranceSettings
 from bagua_jax import DataParallel
-from bagua_jax.algorithms import ByteGrad, DiLoCo
+from bagua_jax.algorithms import ByteGrad, DiLoCo, GradientAllReduce
 from bagua_jax.algorithms.bytegrad import ByteGradState
 from bagua_jax.fault_tolerance import FaultTolerantTrainer
 from bagua_jax.state_rules import (
@@ -83,16 +84,26 @@ def test_a_change_resets_the_error_feedback_residuals_and_keeps_the_rest():
         carry_over(role_tree, state, shrunk)
 
 
+class YourOwn(GradientAllReduce):
+    """A user's own algorithm: it declares no rule for its state."""
+
+    fault_tolerant = False
+
+
 @pytest.mark.parametrize(
-    "algorithm",
-    ["async", DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8")],
-    ids=["async", "streaming-diloco-overlapped-uint8"],
+    ("algorithm", "refusal"),
+    [
+        (YourOwn(), r"^FaultTolerantTrainer cannot continue YourOwn after a change of members yet \(it can: .*async"),
+        (DiLoCo(sync_every=4, fragments=2, fragment_sync_delay=1, outer_exchange="uint8"), "uint8"),
+    ],
+    ids=["your-own", "streaming-diloco-overlapped-uint8"],
 )
-def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(algorithm):
+def test_algorithms_that_cannot_continue_are_refused_naming_the_elastic_restart(algorithm, refusal):
     trainer = DataParallel(loss_fn, optax.sgd(0.1), algorithm, mesh=mesh())
-    with pytest.raises(ValueError, match=r"elastic restart instead \(bagua-launch --nnodes MIN:MAX"):
+    with pytest.raises(ValueError, match=r"elastic restart instead \(bagua-launch --nnodes MIN:MAX") as refused:
         FaultTolerantTrainer(trainer, None, DataPosition(16, 2, seed=0))
-    carried = ["bytegrad", "decentralized", "diloco", "gradient_allreduce", "low_precision_decentralized"]
+    assert re.search(refusal, str(refused.value)), str(refused.value)
+    carried = ["async", "bytegrad", "decentralized", "diloco", "gradient_allreduce", "low_precision_decentralized"]
     carried += ["onebit_adam", "powersgd", "qadam"]
     assert sorted(carried_algorithms()) == carried
 

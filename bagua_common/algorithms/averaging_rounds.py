@@ -237,3 +237,8 @@ class RoundsControl:
     def resume(self) -> None:
         """Restart the rounds after :meth:`abort` (at once, or when warm-up ends); every rank must call it."""
         self._protocol.resume()
+
+    def abandon(self) -> None:
+        """Stop the rounds of members that changed (a fault-tolerant job): see :meth:`AveragingRounds.abandon`; a
+        round finished but not applied is dropped, and a failed round's error too."""
+        self._protocol.abandon()

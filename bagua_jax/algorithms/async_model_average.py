@@ -25,6 +25,9 @@ A typical loop, one process per rank under ``mpiexec``::
         params, opt_state = train_step(params, opt_state, batch)  # jitted, uses tx
         params = averager.apply(params)
     averager.abort()  # on every rank, before the process exits
+
+Under :class:`~bagua_jax.fault_tolerance.FaultTolerantTrainer` the trainer makes and drives the averager instead
+(:mod:`bagua_jax.averaging_across_changes`): its loop calls only ``ft.step``.
 """
 
 from __future__ import annotations
@@ -238,6 +241,7 @@ class AsyncModelAverage(ConfiguredAlgorithm):
     """
 
     _transform = staticmethod(async_model_average)
+    fault_tolerant = True
 
     def averager(self, params: Any, comm: NativeCommunicator, *, steps_done: int = 0) -> AsyncModelAverager:
         """The background rounds for weights shaped like ``params`` over the dedicated MPI ``comm``."""

@@ -189,7 +189,7 @@ class AsyncModelAverageImpl(RoundsControl, JoinerSitsOutOneStep):
     def step_alone(self) -> None:
         """Stop the rounds of the members that changed (a round finished but not yet applied is dropped), then count
         the step this rank takes by itself."""
-        self._protocol.abandon()
+        self.abandon()
         super().step_alone()
 
     # --- checkpoints and lifetime ---------------------------------------------------------

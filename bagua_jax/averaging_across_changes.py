@@ -1,0 +1,62 @@
+"""Asynchronous model averaging in a fault-tolerant JAX job: the background rounds over each epoch's members.
+
+Without fault tolerance the user's loop drives an :class:`~bagua_jax.algorithms.AsyncModelAverager` beside the
+trainer. Under :class:`~bagua_jax.fault_tolerance.FaultTolerantTrainer` the trainer drives it, as torch's wrapper
+does, since only it knows when the members change:
+
+- The rounds run on a companion of the job's communicator (:meth:`~bagua_jax.NativeCommunicator.companion`), which
+  follows the members and is revoked with them; each epoch's rounds on a handle of that epoch's communicator
+  (:meth:`~bagua_jax.NativeCommunicator.pinned`), so that a round a change interrupts fails at once instead of
+  reaching the new members.
+- A committed step applies the last finished round; a change of members abandons the rounds
+  (:meth:`~bagua_common.algorithms.averaging_rounds.AveragingRounds.abandon`: a round finished but not applied is
+  dropped, so each member keeps its own weights), and the new members, a joiner too, start them again from the
+  step they go on from, dividing by their number.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager
+from bagua_jax.native_communicator import NativeCommunicator
+from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
+
+__all__ = ["AveragingAcrossChanges"]
+
+
+class AveragingAcrossChanges:
+    """``algorithm``'s background rounds in a fault-tolerant job over ``communicator`` (the job's; its companion is
+    made here, so every member makes this at the same point, before the communicator's first change)."""
+
+    def __init__(self, algorithm: AsyncModelAverage, communicator: NativeCommunicator):
+        self._algorithm = algorithm
+        self._companion = communicator.companion("async_model_average")
+        self._averager: AsyncModelAverager | None = None
+        self._members: NativeCommunicator | None = None  # the handle of this epoch's rounds
+
+    @property
+    def rounds(self) -> int:
+        """The rounds this epoch's members completed so far (0 before :meth:`start`)."""
+        return 0 if self._averager is None else self._averager.rounds
+
+    def start(self, state: Any) -> None:
+        """Start the rounds of the members the communicator has now, ``state``'s step counted (they start once its
+        warm-up is over). Local: every member calls it once the members changed."""
+        own = unwrap_state(state)
+        self._members = self._companion.pinned()
+        self._averager = self._algorithm.averager(own.params, self._members, steps_done=int(own.step))
+
+    def apply(self, state: Any) -> Any:
+        """``state`` after a committed step, the last finished round applied (if any)."""
+        own = unwrap_state(state)
+        params = self._averager.apply(own.params)
+        return rewrap_state(None if isinstance(state, TrainState) else state, own._replace(params=params))
+
+    def abandon(self) -> None:
+        """End this epoch's rounds: its members changed (their collectives fail with the epoch), or the job finished
+        (every member calls it after its last step, and the threads agree to stop). Nothing once ended."""
+        if self._averager is not None:
+            self._averager.abandon()
+            self._members.close()
+            self._averager = self._members = None
