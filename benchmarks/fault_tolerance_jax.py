@@ -5,8 +5,9 @@ fault-tolerant membership (``bagua_jax.fault_tolerance``), training a ``--width`
 ``--model tiny|mini|small``: 8 windows per rank, AdamW) with gradient allreduce, ByteGrad or PowerSGD (``--algorithm
 bytegrad|powersgd``, their defaults), DiLoCo (``--algorithm diloco``, ``--sync-every`` H; Streaming DiLoCo with
 ``--fragments`` P and ``--fragment-sync-delay`` tau, its exchanges overlapping tau steps on a thread), decentralized
-SGD pairing the ranks (``decentralized``: shift_one) or low-precision decentralized SGD
-(``low_precision_decentralized``).
+SGD pairing the ranks (``decentralized``: shift_one), low-precision decentralized SGD
+(``low_precision_decentralized``) or asynchronous averaging (``async``: rounds every 500 ms, no warm-up, driven by
+the fault-tolerant trainer; ``kill`` and ``join`` only: ``overhead``'s plain steps would run no rounds).
 
 * ``overhead``: every rank alternates blocks of ``--steps`` plain ``DataParallel.step`` calls and ``--steps``
   fault-tolerant ones (a commit by agreement per transaction, the replica digests every ``--hash-every``) on the same
@@ -39,6 +40,7 @@ Run it with nothing else running (the results' header records the load before an
         --fragments 2 --fragment-sync-delay 3 --kill-step 5
     python benchmarks/fault_tolerance_jax.py kill --ranks 3 --model mini --algorithm powersgd
     python benchmarks/fault_tolerance_jax.py kill --ranks 4 --model mini --algorithm decentralized
+    python benchmarks/fault_tolerance_jax.py kill --ranks 4 --model mini --algorithm async
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --algorithm diloco --sync-every 64 --rounds 6
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40
     python benchmarks/fault_tolerance_jax.py join --ranks 3 --rounds 40 --model mini
@@ -332,6 +334,7 @@ def main() -> None:
             "diloco",
             "decentralized",
             "low_precision_decentralized",
+            "async",
         ),
         default="gradient_allreduce",
     )
@@ -345,6 +348,8 @@ def main() -> None:
     parser.add_argument("--workdir", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.mode == "overhead" and args.algorithm == "async":
+        parser.error("overhead: the plain steps would run no averaging rounds (the fault-tolerant trainer drives them)")
     if args.worker:
         worker(args)
         return
