@@ -8,7 +8,8 @@ does, since only it knows when the members change:
   follows the members and is revoked with them; each epoch's rounds on a handle of that epoch's communicator
   (:meth:`~bagua_jax.NativeCommunicator.pinned`), so that a round a change interrupts fails at once instead of
   reaching the new members.
-- A committed step applies the last finished round; a change of members abandons the rounds
+- A round that fails fails the epoch from the thread at once (its error is raised again, and recovered from, as the
+  next committed step applies the rounds); a change of members abandons the rounds
   (:meth:`~bagua_common.algorithms.averaging_rounds.AveragingRounds.abandon`: a round finished but not applied is
   dropped, so each member keeps its own weights), and the new members, a joiner too, start them again from the
   step they go on from, dividing by their number.
@@ -18,7 +19,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from bagua_common.fault_tolerance import Epoch, Membership
 from bagua_jax.algorithms.async_model_average import AsyncModelAverage, AsyncModelAverager
+from bagua_jax.epoch_communicator import communication_failure
 from bagua_jax.native_communicator import NativeCommunicator
 from bagua_jax.train_state import TrainState, rewrap_state, unwrap_state
 
@@ -40,12 +43,18 @@ class AveragingAcrossChanges:
         """The rounds this epoch's members completed so far (0 before :meth:`start`)."""
         return 0 if self._averager is None else self._averager.rounds
 
-    def start(self, state: Any) -> None:
-        """Start the rounds of the members the communicator has now, ``state``'s step counted (they start once its
-        warm-up is over). Local: every member calls it once the members changed."""
+    def start(self, state: Any, membership: Membership, epoch: Epoch) -> None:
+        """Start the rounds of ``epoch``'s members, whose communicator the job's is now, ``state``'s step counted (they
+        start once its warm-up is over); a round's failed communication fails ``epoch`` in ``membership`` at once.
+        Local: every member calls it once the members changed."""
+
+        def failed(error: BaseException) -> None:
+            if communication_failure(error) and not epoch.closed.is_set():
+                membership.fail(epoch, f"asynchronous averaging's round failed: {str(error).splitlines()[0]}")
+
         own = unwrap_state(state)
         self._members = self._companion.pinned()
-        self._averager = self._algorithm.averager(own.params, self._members, steps_done=int(own.step))
+        self._averager = self._algorithm.averager(own.params, self._members, steps_done=int(own.step), failed=failed)
 
     def apply(self, state: Any) -> Any:
         """``state`` after a committed step, the last finished round applied (if any)."""

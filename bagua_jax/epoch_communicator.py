@@ -40,21 +40,32 @@ _COMMUNICATOR_PREFIX = "communicator/"
 """Where, in an epoch's store keys (:meth:`Epoch.prefix`), its communicator is built."""
 
 
-def communication_failure(error: Exception) -> bool:
+def communication_failure(error: BaseException) -> bool:
     """Whether ``error`` means the work cannot finish with these members (retried in the next epoch): a membership
-    change, a failed collective, or the coordinator's store gone with its process."""
-    if isinstance(error, (MembershipChanged, StoreUnreachable, BuildIncomplete)):
-        return True
-    return any(text in str(error) for text in _COMMUNICATION_FAILURES)
+    change, a failed collective, or the coordinator's store gone with its process; or was caused by one (a background
+    thread's error, such as an asynchronous averaging round's, is raised again wrapped)."""
+    return _failed_communication(error) is not None
 
 
 def fail_epoch(membership: Membership, epoch: Epoch, error: Exception) -> None:
     """Raise ``error`` unless it is a :func:`communication_failure`; else close ``epoch`` as failed, if nobody has
-    yet (the next epoch is where the work is retried)."""
-    if not communication_failure(error):
+    yet (the next epoch is where the work is retried), giving the failed communication as the reason."""
+    failure = _failed_communication(error)
+    if failure is None:
         raise error
     if not epoch.closed.is_set():
-        membership.fail(epoch, str(error).splitlines()[0])
+        membership.fail(epoch, str(failure).splitlines()[0])
+
+
+def _failed_communication(error: BaseException | None) -> BaseException | None:
+    """The communication failure ``error`` is, or the first of its causes that is one; else None."""
+    while error is not None:
+        if isinstance(error, (MembershipChanged, StoreUnreachable, BuildIncomplete)):
+            return error
+        if any(text in str(error) for text in _COMMUNICATION_FAILURES):
+            return error
+        error = error.__cause__
+    return None
 
 
 def follow_members(communicator: NativeCommunicator, membership: Membership, closed: Epoch) -> tuple[Membership, Epoch]:

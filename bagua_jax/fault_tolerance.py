@@ -299,7 +299,11 @@ class FaultTolerantTrainer(Recovery, StateSharing):
         due (a failed comparison recovers the state)."""
         self._apply(trainers)
         if self._averaging is not None:  # the last round finished, if any
-            new_state = self._averaging.apply(new_state)
+            try:
+                new_state = self._averaging.apply(new_state)
+            except Exception as error:  # noqa: BLE001 - a round a lost member failed (its thread's); the rest raised
+                fail_epoch(self.membership, epoch, error)  # the step is committed: the recovery goes on from it
+                return self._recover(new_state)
         pending = self._check_after
         due = self.committed >= pending if pending else self.hash_every and self.committed % self.hash_every == 0
         if due and not epoch.closed.is_set():
@@ -393,4 +397,4 @@ class FaultTolerantTrainer(Recovery, StateSharing):
     def _start_rounds(self, state: Any) -> None:
         """Asynchronous averaging's rounds over the members the communicator has now, from ``state``'s step."""
         if self._averaging is not None:
-            self._averaging.start(state)
+            self._averaging.start(state, self.membership, self.epoch)

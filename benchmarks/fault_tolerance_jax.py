@@ -219,6 +219,7 @@ def worker(args: argparse.Namespace) -> None:
             recoveries=ft.recoveries,
             compiled=trainer._step_fn(False, False)._cache_size(),
         )
+    ft.finished()  # every member, once its last step committed: asynchronous averaging's rounds stop together
     Path(args.workdir, f"rank{rank}.json").write_text(json.dumps(record))
     membership.close()
     os._exit(0)

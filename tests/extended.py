@@ -207,7 +207,7 @@ EXTENDED: dict[str, str] = {
     r"step\[diloco\]|decentralized_survivors_of_a_kill_average_over_all_while_odd|a_joiner_whose_state_holder_dies_"
     r"before_sending_is_given_the_state_by_the_next_one\[gradient_allreduce\]|a_member_that_raises_is_taken_for_lost|"
     r"a_decentralized_member_one_behind_before_its_step_began|asynchronous_averaging_survives_a_kill_with_a_member_one_"
-    r"behind|a_death_during_a_joiners_admission_costs_one_more_epoch_"
+    r"behind|asynchronous_averaging_rounds_failed_by_a_member_that_left_early|a_death_during_a_joiners_admission_costs_one_more_epoch_"
     r"and_the_joiner_trains_in_it\[(mpi-joiner-meeting|tcp-member-start)\])": "JAX's deaths in the state's split and "
     "in a late joiner's transfer (a death while the survivors rebuild stays quick), its DiLoCo joiner at a retried "
     "exchange (the Streaming one stays quick, and torch's), the kill, hang and exception job with a joiner over each "
@@ -219,7 +219,8 @@ EXTENDED: dict[str, str] = {
     "asynchronous averaging through a death and a joiner stays quick, the same rules), the joiner whose state holder "
     "dies (9 s; a joiner given the state stays quick), its member whose exit is slow after an exception (9 s), its "
     "decentralized member one behind given the state (10 s over each engine; torch's runs here too), its asynchronous "
-    "averaging through a kill and a joiner (14 s; torch's stays quick, the same rules), and its joiner's "
+    "averaging through a kill and a joiner (14 s; torch's stays quick, the same rules) and through rounds a member "
+    "that left failed (8 s), and its joiner's "
     "own death in its admission over MPI before the members' meeting and a member's over TCP (7 s each; a member's "
     "over MPI stays quick, and a joiner's after the meeting)",
     # the quick suite's 10-minute budget: the larger or repeated jobs of a behaviour the suite keeps once

@@ -6,7 +6,9 @@ fault-tolerant membership (rank 0's store on MASTER_PORT); the last process join
 ``PAUSE_SECONDS`` later: taken for dead, it joins again), ``partition`` (run in the network harness's namespaces: its
 link down for ``PAUSE_SECONDS``, running; it joins again), ``raise`` (an exception ends the process), ``slow`` (it
 starts the step's first attempt ``FT_COMM_TIMEOUT`` + 1.5 s late, alive) or ``stalls`` (every attempt), or, once the
-step's collective completed, by ``kill-before-vote``; ``late_vote`` ``(rank, step)`` makes that member vote after it
+step's collective completed, by ``kill-before-vote``, or, once its vote for the step returned applied, by
+``leave-after-vote``: it leaves the job (closes its membership, the job not finished) and its process ends, the others
+returning from their votes once it is gone; ``late_vote`` ``(rank, step)`` makes that member vote after it
 saw the epoch close (a death closes it). ``FT_STATE_DELAY`` (seconds) makes the holder start sending a joiner's state
 that late, and ``FT_STATE_HOLDER_DIES=1`` kills the first holder then; ``FT_KILL_IN_SHRINK`` (a rank) kills that
 member in its first recovery's shrink (MPI), ``FT_KILL_IN_REBUILD`` (``rank:start`` or ``rank:connect``) in its first
@@ -22,9 +24,10 @@ the state a flax ``TrainState``; ``FT_RESTORE=1`` starts the first members from 
 folder (the last run's final save). ``FT_AWAIT_CLOSE_AT`` (a DiLoCo step) makes every member start that step once its
 first epoch closed, and ``FT_START_JOINER_AFTER`` (a step) starts the joiner once it is done instead of the last
 fault's step (``train``: even with no member missing). ``FT_ADMITTING_STEP_SECONDS`` makes the first members' step
-after the joiner's admission compute that much longer (``FT_STEP_SECONDS``: every step). ``FT_SLOW_EXIT`` (seconds)
-makes a first member's process take that much longer to end once its program ended (an exit handler that runs after
-the library's, as a GPU runtime's teardown may). ``FT_SAVE_EVERY_STEP=1`` makes the members save a checkpoint after
+after the joiner's admission compute that much longer (``FT_STEP_SECONDS``: every step). ``FT_HASH_EVERY`` replaces
+the replicas' check every second step (0: only after a change). ``FT_SLOW_EXIT`` (seconds) makes a first member's
+process take that much longer to end once its program ended (an exit handler that runs after the library's, as a GPU
+runtime's teardown may). ``FT_SAVE_EVERY_STEP=1`` makes the members save a checkpoint after
 every step (not only at the end), and ``FT_CUT_OFF_IN_SAVE`` (``rank:step``, run in the network harness's namespaces)
 cuts that member's link for ``PAUSE_SECONDS`` in the save after that step, its part written, before the others report
 theirs. Every member records each attempt of a step (its transaction, epoch, rank, the members training it and all
@@ -56,6 +59,15 @@ ENGINE = os.environ.get("FT_ENGINE", "tcp")
 TIMING = {"heartbeat_period": 0.1, "dead_after": 1.5, "quorum_timeout": 30.0, "hash_every": 2}
 """The members' FaultToleranceSettings, less the job's secret (read where a member starts, not at import)."""
 PAUSE_SECONDS = TIMING["dead_after"] + 3.0
+VOTE_FAULTS = ("kill-before-vote", "leave-after-vote")
+"""The faults that strike around a member's vote, not in its step."""
+
+
+def _settings() -> FaultToleranceSettings:
+    """The members' settings: :data:`TIMING`, its ``hash_every`` replaced by ``FT_HASH_EVERY`` where set."""
+    return FaultToleranceSettings(
+        **{**TIMING, "hash_every": int(os.environ.get("FT_HASH_EVERY", TIMING["hash_every"]))}
+    )
 
 
 def dataset() -> tuple[np.ndarray, np.ndarray]:
@@ -193,12 +205,12 @@ def _start(start_size: int, make_trainer, data: DataPosition, params, example_ba
             else NativeCommunicator.mpi_self(timeout=60)
         )
         trainer = make_trainer(alone)
-        ft = FaultTolerantTrainer.joiner(trainer, data, FaultToleranceSettings(**TIMING), master, timeout=60)
+        ft = FaultTolerantTrainer.joiner(trainer, data, _settings(), master, timeout=60)
         state = ft.init(params, example_batch)
         return ft, state, ft.admission["admitted"]
     if "FT_SLOW_EXIT" in os.environ:  # registered before the membership's: runs after it
         atexit.register(time.sleep, float(os.environ["FT_SLOW_EXIT"]))
-    membership = Membership.start(FaultToleranceSettings(**TIMING), rank, start_size, *master, timeout=60)
+    membership = Membership.start(_settings(), rank, start_size, *master, timeout=60)
     seconds = float(os.environ.get("FT_COMM_TIMEOUT", "60"))  # a collective's, and a shrink's, longest wait
     store = membership.epoch.store
     comm = (
@@ -358,7 +370,15 @@ def _vote_with_faults(membership: Membership, rank: int, faults: dict, late_vote
             if late_vote == (rank, transaction):  # once this member saw the epoch close
                 epoch.closed.wait(60)
                 time.sleep(0.5)
-            return vote(epoch, transaction)
+            applied = vote(epoch, transaction)
+            if faults.get(transaction, (None, None))[1] == "leave-after-vote":
+                if faults[transaction][0] == rank:
+                    membership.close()
+                    _touch(f"fault-time-{transaction}", repr(time.time()))
+                    os._exit(0)
+                _wait_for(f"fault-time-{transaction}")
+                time.sleep(0.2)  # its sockets closed
+            return applied
 
         return voting
 
@@ -435,7 +455,7 @@ def train(
 
     def batch_of(indices):
         transaction = ft.committed + 1
-        if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] != "kill-before-vote":
+        if transaction in faults and faults[transaction][0] == rank and faults[transaction][1] not in VOTE_FAULTS:
             _fail(faults[transaction][1], transaction)
         if transaction > start_joiner_after and (ft.epoch.size < final_size or death_in_admission or joins_early):
             if ft.epoch.rank == 0:  # the survivors of the last fault recovered: the joiner compiles for their size

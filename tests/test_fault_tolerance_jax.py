@@ -598,6 +598,29 @@ def test_asynchronous_averaging_survives_a_kill_with_a_member_one_behind_and_adm
     assert len(set(final.values())) == len(final)  # each member's own weights
 
 
+def test_asynchronous_averaging_rounds_failed_by_a_member_that_left_early_are_a_recovery_not_an_error(tmp_path: Path):
+    # After a 2-step warm-up the steps exchange nothing. Member 3 leaves the job once its vote for step 5 returned
+    # applied (its membership closed, the job not finished, as a program that skips finished() at its end does) and
+    # its process ends, its averaging thread with it. A member that leaves is no failure to the membership, and the
+    # steps exchange nothing (nor do the replicas' checks, only after a change here): the first to see it gone are the
+    # others' averaging threads, whose next round fails on its closed sockets. The thread fails the epoch at once, or
+    # the round's error does as a member applies a committed step: else the members would wait for its vote for step 6
+    # until the test's timeout. The three recover from the step they applied, losing none (one still making its batch
+    # for step 6 when another applied it is given the state), and average again in the new epoch.
+    env = {"FT_ALGORITHM": 'async {"sync_interval_ms": 10, "warmup_steps": 2}', "FT_STEP_SECONDS": "0.05"}
+    env["FT_HASH_EVERY"] = "0"
+    results = run_members(tmp_path, "train", 4, {5: (3, "leave-after-vote")}, 4, 3, 10, env=env, timeout=120)
+    outputs = "\n".join(f"--- rank {r.rank} (exit {r.returncode}) ---\n{r.output[-3000:]}" for r in results)
+    assert [r.returncode for r in results] == [0, 0, 0, 0], outputs
+    for process, record in ((r.rank, r.value) for r in results if r.rank != 3):
+        assert [r["size"] for r in record["recoveries"]] == [3], (process, record["recoveries"])
+        steps = [(s["transaction"], s["members"]) for s in record["steps"]]
+        assert steps[:5] == [(t, 4) for t in range(1, 6)] and steps[-1] == (10, 3), (process, steps)
+        transactions = [t for t, _ in steps]
+        assert transactions == sorted(set(transactions)) and len(transactions) >= 9, (process, steps)
+        assert record["rounds"] > 0, process
+
+
 @pytest.mark.parametrize("engine", ["tcp", "mpi"])
 def test_a_decentralized_member_one_behind_before_its_step_began_is_given_the_state(tmp_path: Path, engine: str):
     # Exchanging every third step (steps 1, 4, 7), the steps between vote one ahead and exchange nothing: the others

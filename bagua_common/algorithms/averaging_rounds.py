@@ -24,6 +24,7 @@ TakeSnapshot = Callable[[], Any]
 AgreeToStop = Callable[[bool], bool]
 AllreduceSum = Callable[[Any], Any]
 Apply = Callable[[Any, Any], None]
+Failed = Callable[[BaseException], None]
 
 
 class AveragingRounds:
@@ -31,6 +32,8 @@ class AveragingRounds:
 
     ``interval_s`` is the least time between the end of one round and the start of the next;
     the thread starts once ``steps`` reaches ``warmup_steps``. ``name`` prefixes the errors.
+    ``failed``, if given, is told a round's error from the thread as it happens (the training
+    thread raises it at its next :meth:`after_step`).
     """
 
     def __init__(
@@ -44,8 +47,10 @@ class AveragingRounds:
         agree_to_stop: AgreeToStop,
         allreduce_sum: AllreduceSum,
         apply: Apply,
+        failed: Failed | None = None,
     ) -> None:
         self._name = name
+        self._failed = failed
         self._interval = interval_s
         self._warmup_steps = warmup_steps
         self._take_snapshot, self._agree_to_stop = take_snapshot, agree_to_stop
@@ -183,6 +188,8 @@ class AveragingRounds:
         except Exception as error:  # noqa: BLE001 - handed to the training thread, which raises it
             with self._cv:
                 self._error = error
+            if self._failed is not None:
+                self._failed(error)
 
     def _wait_for_round(self, not_before: float) -> None:
         """With ``_cv`` held: return once a stop is requested, or once the last result is applied,

@@ -32,6 +32,7 @@ Under :class:`~bagua_jax.fault_tolerance.FaultTolerantTrainer` the trainer makes
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -128,7 +129,9 @@ class AsyncModelAverager(RoundsControl):
     with native collectives in the process, the training step included, so a slow round would
     hold up the next step. ``comm``'s timeout bounds each wait of the thread: ranks that stop
     calling :meth:`apply` for longer (a long evaluation) make the others' rounds fail, and
-    their next :meth:`apply` raises the error.
+    their next :meth:`apply` raises the error; ``failed``, if given, is told it from the thread
+    as it happens (a fault-tolerant job fails its epoch then: a member that left may leave the
+    others waiting in a vote that no collective of theirs would end).
 
     Rounds need every rank: a rank's thread enters round k only once that rank's loop has
     called :meth:`apply` (or :meth:`abort`), so call :meth:`abort` on every rank before exiting
@@ -143,6 +146,7 @@ class AsyncModelAverager(RoundsControl):
         *,
         steps_done: int = 0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        failed: Callable[[BaseException], None] | None = None,
     ) -> None:
         name = "AsyncModelAverager"
         check_float_params(params)
@@ -191,6 +195,7 @@ class AsyncModelAverager(RoundsControl):
             agree_to_stop=self._agree_to_stop,
             allreduce_sum=self._allreduce_sum,
             apply=self._apply_round,
+            failed=failed,
         )
 
     def apply(self, params: Any) -> Any:
@@ -243,6 +248,16 @@ class AsyncModelAverage(ConfiguredAlgorithm):
     _transform = staticmethod(async_model_average)
     fault_tolerant = True
 
-    def averager(self, params: Any, comm: NativeCommunicator, *, steps_done: int = 0) -> AsyncModelAverager:
-        """The background rounds for weights shaped like ``params`` over the dedicated MPI ``comm``."""
-        return AsyncModelAverager(params, comm, self.config, steps_done=steps_done, bucket_bytes=self.bucket_bytes)
+    def averager(
+        self,
+        params: Any,
+        comm: NativeCommunicator,
+        *,
+        steps_done: int = 0,
+        failed: Callable[[BaseException], None] | None = None,
+    ) -> AsyncModelAverager:
+        """The background rounds for weights shaped like ``params`` over the dedicated MPI ``comm`` (``failed``: told
+        a round's error from the thread as it happens, as :class:`AsyncModelAverager` says)."""
+        return AsyncModelAverager(
+            params, comm, self.config, steps_done=steps_done, bucket_bytes=self.bucket_bytes, failed=failed
+        )
