@@ -191,7 +191,6 @@ class FaultTolerantTrainer(Recovery, StateSharing):
                 self._split_state_group(self.epoch)
                 state = self._carry_over(state, recompile=not self._world_size_free)
                 state = self._resumed(self._share_state(state, self.epoch))
-                self._start_rounds(state)
                 if not self._sitting_out:  # else checked once the joiners took part in their first exchange
                     self.check_replicas(state, f"after joining in epoch {self.epoch.number}")
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised
@@ -386,11 +385,13 @@ class FaultTolerantTrainer(Recovery, StateSharing):
 
     def _step_alone(self, state: Any) -> Callable[[Any, Any], tuple[Any, Any]] | None:
         """The step (``step(state, batch)``) this member takes by itself, should it fall one behind the others, where
-        its steps vote one ahead: (low-precision) decentralized training's unaveraged step, and asynchronous
-        averaging's own once its warm-up is over (it exchanges nothing); else None."""
+        its steps vote one ahead: (low-precision) decentralized training's unaveraged step, or the step itself from
+        the step count on which the algorithm's steps communicate nothing (asynchronous averaging's, once its warm-up
+        is over: ``local_steps_from``); else None."""
         if self._unaveraged_step is not None:
             return self._unaveraged_step.step
-        if self._averaging is None or int(unwrap_state(state).step) < self.trainer.algorithm.config.warmup_steps:
+        local_from = self.trainer.algorithm.config.local_steps_from()
+        if local_from is None or int(unwrap_state(state).step) < local_from:
             return None
         return self.trainer.step
 

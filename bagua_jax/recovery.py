@@ -77,7 +77,6 @@ class Recovery:
         if new.joined:
             state = self._share_state(state, new)
         state = self._resumed(state)
-        self._start_rounds(state)
         if not self._sitting_out:  # else checked once the joiners took part in their first exchange
             self.check_replicas(state, f"after the recovery to epoch {new.number}")
         return state
@@ -93,9 +92,12 @@ class Recovery:
         return rewrap_state(None if isinstance(state, TrainState) else state, carried)
 
     def _resumed(self, state: Any) -> Any:
-        """``state``'s copies of low-precision decentralized training taken again on the new ring (collective); while
-        joiners sit out the step (and have no weights), at the next step's start instead (on every member)."""
+        """``state`` with the algorithm's own state resumed on the new members: low-precision decentralized training's
+        copies taken again on the new ring (collective; while joiners sit out the step, and have no weights, at the
+        next step's start instead, on every member), asynchronous averaging's rounds started over them."""
         ring = isinstance(self.trainer.algorithm, LowPrecisionDecentralized) and self._unaveraged_step is not None
         self._copies_due = ring and bool(self._sitting_out)
         exchange, resumed = HostCommunicator(self.communicator).send_recv, state_rules.ring_copies_resumed
-        return state if self._copies_due else resumed(state, exchange, self.epoch.rank, self.epoch.size)
+        state = state if self._copies_due else resumed(state, exchange, self.epoch.rank, self.epoch.size)
+        self._start_rounds(state)
+        return state

@@ -122,6 +122,10 @@ class AsyncModelAverageConfig(AlgorithmConfig):
         check_sync_interval_ms(self.sync_interval_ms, self.name)
         check_warmup_steps(self.warmup_steps, self.name)
 
+    def local_steps_from(self) -> int | None:
+        """After the warm-up's gradient allreduce, the steps are local."""
+        return self.warmup_steps
+
 
 def _is_number(value: Any) -> bool:
     return not isinstance(value, bool) and isinstance(value, numbers.Real)

@@ -70,6 +70,12 @@ class AlgorithmConfig:
     """Further flat variants the advisor ranks, by suffix: ``{"shift_one": {"peer_selection_mode": "shift_one"}}``
     is ranked as ``decentralized_shift_one``."""
 
+    def local_steps_from(self) -> int | None:
+        """The step count from which its training steps communicate nothing (asynchronous averaging's, once its
+        warm-up is over: the weights are averaged beside the steps), so that a rank can take one by itself (a
+        fault-tolerant member one step behind the others); None where its steps communicate."""
+        return None
+
 
 def register_config(cls: C) -> C:
     """Register the configuration class ``cls`` (a frozen dataclass whose own ``name`` is unique): see the module
