@@ -267,6 +267,8 @@ class FaultTolerantTrainer(Recovery, StateSharing):
                         ahead.compile_in_background(state, batch)
                 if self._resized is not None and not sat_out:  # and for the world sizes one change brings
                     self._resized.compile_in_background(state, batch, self._roles)
+                if self._averaging is not None and not sat_out:  # the rounds too, which follow the number of members
+                    self._averaging.compile_ahead(state, epoch.size)
                 if weighed:
                     self.communicator.set_average_divisor(None)
             except Exception as error:  # noqa: BLE001 - communication failures only; the rest is raised

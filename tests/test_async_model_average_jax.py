@@ -31,6 +31,7 @@ from bagua_jax.algorithms.async_model_average import (
     AsyncModelAverager,
     AsyncModelAverageState,
     async_model_average,
+    compiled_rounds,
 )
 from bagua_jax.algorithms.base import Communicators
 
@@ -119,6 +120,22 @@ def test_no_warmup_compiles_no_collective():
     updates, state = jax.jit(tx.update)(g, tx.init(g))
     np.testing.assert_array_equal(updates["w"], np.ones(3))
     assert int(state.step) == 1
+
+
+def test_rounds_compiled_for_a_number_of_ranks_are_not_compiled_again(caplog):
+    # A fault-tolerant job compiles the rounds' functions ahead, on zeros, for the members a change brings; the
+    # averager then made for that number compiles nothing, and one for another number compiles its own.
+    def compiled(params, size):
+        caplog.clear()
+        with jax.log_compiles(), caplog.at_level("WARNING", logger="jax._src.dispatch"):
+            compiled_rounds(params, size)
+        return [r.getMessage().split()[4] for r in caplog.records if r.getMessage().startswith("Finished XLA")]
+
+    params = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.ones(5, jnp.bfloat16)}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+    assert "jit(correct)" in compiled(zeros, 7)
+    assert compiled(params, 7) == []
+    assert "jit(correct)" in compiled(params, 6)
 
 
 # ---- configuration errors ---------------------------------------------------------------

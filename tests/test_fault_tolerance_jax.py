@@ -592,6 +592,9 @@ def test_asynchronous_averaging_survives_a_kill_with_a_member_one_behind_and_adm
     assert (recovery["size"], recovery["caught_up"], admission["size"]) == (3, True, 4), records[1]["recoveries"]
     assert [s["transaction"] for s in records[1]["steps"]][:4] == [1, 2, 3, 4], records[1]["steps"]
     assert all(record["rounds"] > 0 for record in records.values()), {p: r["rounds"] for p, r in records.items()}
+    for process in (0, 1, 2):  # the rounds' functions for 3 and 4 members were compiled ahead, not in the changes
+        threads = [thread for _, name, _, thread in records[process]["compilations"] if name == "jit(correct)"]
+        assert threads[0] == "MainThread" and all(t.startswith("bagua-ft-compile") for t in threads[1:]), threads
     last = {p: (record["steps"][-1]["transaction"], record["steps"][-1]["members"]) for p, record in records.items()}
     assert set(last.values()) == {(last[0][0], 4)}, last
     final = {p: record["params"]["w"].tobytes() for p, record in records.items()}

@@ -32,6 +32,7 @@ Under :class:`~bagua_jax.fault_tolerance.FaultTolerantTrainer` the trainer makes
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -57,7 +58,7 @@ from bagua_jax.algorithms.base import (
     varying_like,
 )
 from bagua_jax.algorithms.gradient_allreduce import gradient_allreduce
-from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, plan_buckets
+from bagua_jax.bucketing import DEFAULT_BUCKET_BYTES, BucketPlan, plan_buckets
 from bagua_jax.communicator import innermost
 from bagua_jax.native_communicator import NativeCommunicator
 
@@ -104,6 +105,34 @@ def async_model_average(
         return updates, AsyncModelAverageState(step=optax.safe_int32_increment(state.step))
 
     return optax.GradientTransformationExtraArgs(step_counter_init(AsyncModelAverageState), update_fn)
+
+
+@functools.lru_cache(maxsize=8)
+def _round_functions(plan: BucketPlan, size: int) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A round's jitted snapshot (``plan``'s float32 buckets; fresh buffers, so it outlives weights donated to the next
+    step) and correction among ``size`` ranks (the fused kernel takes their number as an attribute): made once per
+    layout and number of ranks, so an averager made again for a number seen before compiles nothing."""
+
+    def correct(params: Any, sums: list[jax.Array], snapshot: list[jax.Array]) -> Any:
+        new = [ops.async_average(x, r, s, size) for x, r, s in zip(plan.flatten(params), sums, snapshot)]
+        return jax.tree.map(lambda y, x: y.astype(x.dtype), plan.unflatten(new), params)
+
+    return jax.jit(plan.flatten), jax.jit(correct)
+
+
+def compiled_rounds(
+    params: Any, size: int, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The snapshot and correction of a round among ``size`` ranks for weights like ``params``, compiled for a round's
+    kinds of arguments (the sums arrive as NumPy arrays) by running them once; their second call for the same layout
+    and number of ranks compiles nothing (a fault-tolerant job compiles them ahead for the members a change brings)."""
+    # Buckets in float32 whatever the parameter dtypes: that is what the host buffers hold.
+    as_f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32), params)
+    plan = plan_buckets(as_f32, bucket_bytes)
+    take_snapshot, correct = _round_functions(plan, size)
+    host_sums = [np.zeros(bucket.size, np.float32) for bucket in plan.buckets]
+    jax.block_until_ready(correct(params, host_sums, take_snapshot(params)))
+    return take_snapshot, correct
 
 
 class AsyncModelAverager(RoundsControl):
@@ -169,21 +198,8 @@ class AsyncModelAverager(RoundsControl):
             raise ValueError(f"{name}: steps_done must be a non-negative int, got {steps_done!r}")
         self._engine, self._handle, self._size = comm.engine, comm.handle, comm.size
 
-        # Buckets in float32 whatever the parameter dtypes: that is what the host buffers hold.
-        as_f32 = jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.float32), params)
-        plan = plan_buckets(as_f32, check_bucket_bytes(bucket_bytes, name))
-        # Jitted outputs are fresh buffers, so the snapshot outlives params donated to the next step.
-        self._take_snapshot = jax.jit(plan.flatten)
-
-        def correct(params: Any, sums: list[jax.Array], snapshot: list[jax.Array]) -> Any:
-            new = [ops.async_average(x, r, s, self._size) for x, r, s in zip(plan.flatten(params), sums, snapshot)]
-            return jax.tree.map(lambda y, x: y.astype(x.dtype), plan.unflatten(new), params)
-
-        self._correct = jax.jit(correct)
-        # Compile both now, with the argument kinds of a round (sums arrive as NumPy arrays):
-        # compiling inside the first apply() calls would stall the training loop.
-        host_sums = [np.zeros(bucket.size, np.float32) for bucket in plan.buckets]
-        jax.block_until_ready(self._correct(params, host_sums, self._take_snapshot(params)))
+        # Compiled now: compiling inside the first apply() calls would stall the training loop.
+        self._take_snapshot, self._correct = compiled_rounds(params, self._size, check_bucket_bytes(bucket_bytes, name))
 
         self._params: Any = None  # the weights of the apply() call in progress
         self._protocol = AveragingRounds(
