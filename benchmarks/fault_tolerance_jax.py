@@ -402,6 +402,9 @@ def main() -> None:
         for r in records:
             steps = [step for step, _ in r["attempts"]]
             again = sorted({step for step in steps if steps.count(step) > 1})
+            if not again:  # one step behind the others, it took that step by itself in its recovery (voting one ahead)
+                rows.append([r["rank"], "-", "-", "none: took the others' step by itself", r["compiled"]])
+                continue
             retried = [t for step, t in r["attempts"] if step == again[0]]
             done = r["ends"][str(again[0])] - kill_time
             rows.append([r["rank"], f"{retried[-1] - kill_time:.2f}", f"{done:.2f}", ", ".join(map(str, again))])
